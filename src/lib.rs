@@ -1,0 +1,4 @@
+//! tierzero: train models larger than GPU memory by streaming parameters,
+//! gradients and optimizer state between device memory, pinned host memory
+//! and NVMe. See `ARCHITECTURE.md` for the map of modules and invariants.
+#![deny(unsafe_code)]

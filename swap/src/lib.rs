@@ -1,0 +1,1 @@
+//! tierzero-swap: async O_DIRECT swap I/O (design doc in progress).
