@@ -1,0 +1,183 @@
+//! Bandwidth measurement, shared by `cargo bench` and `tierzero bench-io`.
+//!
+//! A run keeps exactly `queue_depth` requests of `block_bytes` in flight on
+//! one ring, walking the extent sequentially and wrapping around, which is
+//! what `fio --rw=read|write --bs=B --iodepth=Q --direct=1` does with one
+//! job. Each run gets its own arena (`queue_depth` buffers of `block_bytes`)
+//! and engine, so settings do not leak between runs. Reads only make sense
+//! after the range was written: a preallocated but never-written extent
+//! reads as zeros without touching the device, so [`BenchTarget::fill`]
+//! writes it first.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::arena::{ArenaConfig, PinnedArena};
+use crate::engine::{BackendKind, Engine, EngineConfig, Request};
+use crate::error::{IoOp, Result, SwapError};
+use crate::space::{DirectIo, Extent, SpaceConfig, SwapSpace};
+
+/// One measurement.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BenchResult {
+    /// Read or write.
+    pub op: IoOp,
+    /// Bytes per request.
+    pub block_bytes: u64,
+    /// Requests in flight.
+    pub queue_depth: usize,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Wall time.
+    pub seconds: f64,
+    /// Median request latency (µs).
+    pub latency_p50_us: f64,
+    /// p99 request latency (µs).
+    pub latency_p99_us: f64,
+}
+
+impl BenchResult {
+    /// Bandwidth in GB/s (10^9 bytes per second, as fio reports).
+    pub fn gbps(&self) -> f64 {
+        if self.seconds > 0.0 {
+            self.bytes as f64 / self.seconds / 1e9
+        } else {
+            0.0
+        }
+    }
+}
+
+/// A file region to measure on.
+#[derive(Debug)]
+pub struct BenchTarget {
+    space: Arc<SwapSpace>,
+    extent: Extent,
+}
+
+impl BenchTarget {
+    /// A new swap file of `size_bytes` under `dir` (removed on drop).
+    pub fn create(dir: &Path, size_bytes: u64, direct_io: DirectIo) -> Result<Self> {
+        let mut cfg = SpaceConfig::new(dir, size_bytes);
+        cfg.direct_io = direct_io;
+        let space = SwapSpace::create(cfg)?;
+        let extent = space.allocate(space.free_bytes())?;
+        Ok(BenchTarget { space, extent })
+    }
+
+    /// An existing file (its contents are overwritten by write runs).
+    pub fn existing(file: &Path, direct_io: DirectIo) -> Result<Self> {
+        let space = SwapSpace::open_file(file, direct_io, false)?;
+        let free = space.free_bytes();
+        if free == 0 {
+            return Err(SwapError::Config(format!("{} is empty", file.display())));
+        }
+        let extent = space.allocate(free)?;
+        Ok(BenchTarget { space, extent })
+    }
+
+    /// Bytes in the target.
+    pub fn len_bytes(&self) -> u64 {
+        self.extent.len_bytes()
+    }
+
+    /// Whether the file is opened with O_DIRECT.
+    pub fn is_direct(&self) -> bool {
+        self.space.files().iter().all(|f| f.is_direct())
+    }
+
+    /// Writes the whole target once so that later reads touch the device.
+    pub fn fill(&self, backend: BackendKind) -> Result<BenchResult> {
+        self.run(IoOp::Write, 1 << 20, 32, self.len_bytes(), backend)
+    }
+
+    /// Moves `total_bytes` with `queue_depth` requests of `block_bytes`.
+    pub fn run(
+        &self,
+        op: IoOp,
+        block_bytes: u64,
+        queue_depth: usize,
+        total_bytes: u64,
+        backend: BackendKind,
+    ) -> Result<BenchResult> {
+        let align = self.space.alignment();
+        if !align.is_aligned(block_bytes) || block_bytes == 0 {
+            return Err(SwapError::Misaligned {
+                what: "block size",
+                value: block_bytes,
+                alignment_bytes: align.bytes(),
+            });
+        }
+        let qd = queue_depth.max(1);
+        let mut acfg = ArenaConfig::new(block_bytes * qd as u64, block_bytes);
+        acfg.alignment = align;
+        let arena = PinnedArena::new(acfg)?;
+        let engine = Engine::new(
+            self.space.clone(),
+            arena.clone(),
+            EngineConfig {
+                backend,
+                workers: 1,
+                queue_depth: qd as u32,
+                block_bytes,
+                ..EngineConfig::default()
+            },
+        )?;
+        let mut buffers = arena.try_acquire_n(qd)?;
+        if op == IoOp::Write {
+            for (i, b) in buffers.iter_mut().enumerate() {
+                for (j, chunk) in b.as_mut_slice().chunks_mut(8).enumerate() {
+                    let v = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ j as u64;
+                    chunk.copy_from_slice(&v.to_le_bytes()[..chunk.len()]);
+                }
+            }
+        }
+        let len = self.extent.len_bytes();
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let mut next_offset = 0u64;
+        let mut submitted = 0u64;
+        let mut outstanding = 0usize;
+        let start = Instant::now();
+        let submit = |buf, submitted: &mut u64, next_offset: &mut u64| -> Result<()> {
+            let this = block_bytes.min(len - *next_offset);
+            engine.submit_to(
+                Request::range(op, &self.extent, *next_offset, this, buf),
+                &tx,
+            )?;
+            *submitted += this;
+            *next_offset = (*next_offset + this) % len;
+            Ok(())
+        };
+        while let Some(b) = buffers.pop() {
+            if submitted >= total_bytes {
+                break;
+            }
+            submit(b, &mut submitted, &mut next_offset)?;
+            outstanding += 1;
+        }
+        while outstanding > 0 {
+            let c = rx
+                .recv_timeout(Duration::from_secs(600))
+                .map_err(|_| SwapError::Shutdown)?;
+            outstanding -= 1;
+            // Any failed request fails the measurement (the engine drains
+            // the rest when it drops).
+            let buf = c.into_result()?;
+            if submitted < total_bytes {
+                submit(buf, &mut submitted, &mut next_offset)?;
+                outstanding += 1;
+            }
+        }
+        let seconds = start.elapsed().as_secs_f64();
+        let s = engine.stats();
+        Ok(BenchResult {
+            op,
+            block_bytes,
+            queue_depth: qd,
+            bytes: submitted,
+            seconds,
+            latency_p50_us: s.latency_p50_us,
+            latency_p99_us: s.latency_p99_us,
+        })
+    }
+}

@@ -1,0 +1,425 @@
+//! io_uring ring threads: the only code that pushes SQEs.
+//!
+//! Each ring thread owns one `IoUring`, created inside the thread (so
+//! `IORING_SETUP_SINGLE_ISSUER` binds to it), with the arena's buffers
+//! registered once (`IORING_REGISTER_BUFFERS`, one iovec per buffer: buffer
+//! index = registered index) and the space's files registered once
+//! (`IORING_REGISTER_FILES`: file index = fixed-file slot). Transfers then
+//! use `ReadFixed`/`WriteFixed` on fixed files, which skips per-operation
+//! page pinning and fd lookup in the kernel. If registration fails (for
+//! example RLIMIT_MEMLOCK counts registered pages for unprivileged users),
+//! the ring falls back to plain `Read`/`Write` and says so.
+//!
+//! ## The loop
+//! 1. Take jobs from the channel (blocking only when nothing is in flight),
+//!    and split them into pieces queued in order.
+//! 2. Push pieces while fewer than `queue_depth` are in flight.
+//! 3. `submit_and_wait(1)`: one syscall submits the batch and waits.
+//! 4. Reap every CQE: check its result against the piece's length; queue
+//!    the rest of a short transfer at the front; record a failure on the job
+//!    (its pieces not yet issued are then skipped); finish a job when its
+//!    last piece is done.
+//!
+//! ## Buffer safety
+//! A job's `Buffer` lives in the job table from intake until `finish`, and
+//! `finish` runs only when no piece of the job is in flight. The SQE holds
+//! a raw pointer into the arena; the arena outlives the ring (the job holds
+//! an `Arc` of it, and the ring is dropped after the loop has drained every
+//! in-flight piece, also at shutdown).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use io_uring::{opcode, types, IoUring};
+
+use crate::arena::PinnedArena;
+use crate::engine::{ActiveBackend, EngineConfig, Job, PieceOutcome, Shared};
+use crate::error::{IoOp, Result, SwapError};
+use crate::space::Piece;
+
+/// Most buffers io_uring lets us register.
+const MAX_REGISTERED_BUFFERS: usize = 1 << 14;
+
+type Rings = (Vec<(Sender<Job>, JoinHandle<()>)>, ActiveBackend);
+
+pub(crate) fn spawn_rings(
+    shared: &Arc<Shared>,
+    arena: &Arc<PinnedArena>,
+    config: &EngineConfig,
+) -> Result<Rings> {
+    let mut out = Vec::new();
+    let mut active = ActiveBackend::Uring {
+        fixed_buffers: true,
+        fixed_files: true,
+    };
+    for idx in 0..config.workers {
+        let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+        let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<(bool, bool)>>(1);
+        let shared = shared.clone();
+        let arena = arena.clone();
+        let qd = config.queue_depth;
+        let sqpoll = config.sqpoll;
+        let thread = std::thread::Builder::new()
+            .name(format!("tz-ring-{idx}"))
+            .spawn(move || match setup(&shared, &arena, qd, sqpoll) {
+                Ok((ring, fixed_buffers, fixed_files)) => {
+                    let _ = ready_tx.send(Ok((fixed_buffers, fixed_files)));
+                    let mut r = Ring {
+                        ring,
+                        shared,
+                        idx,
+                        qd: qd as usize,
+                        fixed_buffers,
+                        fixed_files,
+                        jobs: Vec::new(),
+                        free_jobs: Vec::new(),
+                        queue: VecDeque::new(),
+                        slots: (0..qd).map(|_| None).collect(),
+                        free_slots: (0..qd as usize).rev().collect(),
+                        in_flight: 0,
+                        busy_since: None,
+                    };
+                    r.run(rx);
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+            })
+            .map_err(|source| SwapError::Setup {
+                what: "spawning an io_uring thread".into(),
+                source,
+            })?;
+        let ready = ready_rx.recv().map_err(|_| SwapError::Shutdown)?;
+        match ready {
+            Ok((fb, ff)) => {
+                if let ActiveBackend::Uring {
+                    fixed_buffers,
+                    fixed_files,
+                } = &mut active
+                {
+                    *fixed_buffers &= fb;
+                    *fixed_files &= ff;
+                }
+                out.push((tx, thread));
+            }
+            Err(e) => {
+                drop(tx);
+                let _ = thread.join();
+                // Rings already started shut down when `out` drops.
+                for (tx, th) in out {
+                    drop(tx);
+                    let _ = th.join();
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok((out, active))
+}
+
+fn setup(
+    shared: &Shared,
+    arena: &PinnedArena,
+    qd: u32,
+    sqpoll: bool,
+) -> Result<(IoUring, bool, bool)> {
+    let build = |fast: bool| {
+        let mut b = IoUring::builder();
+        if sqpoll {
+            b.setup_sqpoll(2000);
+        } else if fast {
+            b.setup_single_issuer().setup_coop_taskrun();
+        }
+        b.build(qd.next_power_of_two().max(2))
+    };
+    let ring = build(true)
+        .or_else(|_| build(false))
+        .map_err(|source| SwapError::Setup {
+            what: "io_uring setup".into(),
+            source,
+        })?;
+    let iovecs: Vec<libc::iovec> = arena
+        .iovecs()
+        .into_iter()
+        .map(|(addr, len)| libc::iovec {
+            iov_base: addr as *mut libc::c_void,
+            iov_len: len,
+        })
+        .collect();
+    let fixed_buffers = if iovecs.len() <= MAX_REGISTERED_BUFFERS {
+        // SAFETY: every iovec covers one buffer of the arena's live mapping;
+        // the arena (kept alive by `Shared`'s users: every Job holds a buffer
+        // with an Arc of it, and the engine holds one) outlives this ring,
+        // which unregisters on drop.
+        match unsafe { ring.submitter().register_buffers(&iovecs) } {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, buffers = iovecs.len(), "could not register buffers with io_uring; using unregistered reads and writes");
+                false
+            }
+        }
+    } else {
+        false
+    };
+    let fixed_files = match ring.submitter().register_files(&shared.space.raw_fds()) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(error = %e, "could not register swap files with io_uring");
+            false
+        }
+    };
+    Ok((ring, fixed_buffers, fixed_files))
+}
+
+#[derive(Debug, Clone, Copy)]
+struct PieceOp {
+    job: usize,
+    piece: Piece,
+    done_bytes: u64,
+}
+
+struct JobState {
+    job: Job,
+    pending: usize,
+    error: Option<SwapError>,
+    write_crc: Option<u32>,
+}
+
+struct Ring {
+    ring: IoUring,
+    shared: Arc<Shared>,
+    idx: usize,
+    qd: usize,
+    fixed_buffers: bool,
+    fixed_files: bool,
+    jobs: Vec<Option<JobState>>,
+    free_jobs: Vec<usize>,
+    queue: VecDeque<PieceOp>,
+    slots: Vec<Option<PieceOp>>,
+    free_slots: Vec<usize>,
+    in_flight: usize,
+    busy_since: Option<Instant>,
+}
+
+impl Ring {
+    fn run(&mut self, rx: Receiver<Job>) {
+        let mut open = true;
+        loop {
+            // 1. Intake. Block only when there is nothing else to do.
+            while open && self.queue.len() < 2 * self.qd {
+                let next = if self.in_flight == 0 && self.queue.is_empty() {
+                    rx.recv().map_err(|_| TryRecvError::Disconnected)
+                } else {
+                    rx.try_recv()
+                };
+                match next {
+                    Ok(job) => self.accept(job),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => open = false,
+                }
+            }
+            if !open && self.in_flight == 0 && self.queue.is_empty() {
+                return;
+            }
+            // 2. Fill the submission queue.
+            self.push_pieces();
+            if self.in_flight == 0 {
+                continue;
+            }
+            // 3. Submit and wait for at least one completion.
+            if let Err(e) = self.ring.submit_and_wait(1) {
+                match e.raw_os_error() {
+                    Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY) => {}
+                    _ => {
+                        // The ring itself is broken: fail every piece in
+                        // flight would be unsafe (the kernel may still use
+                        // the buffers), so keep waiting on completions.
+                        tracing::error!(error = %e, "io_uring_enter failed");
+                        std::thread::yield_now();
+                    }
+                }
+            }
+            // 4. Reap.
+            self.reap();
+        }
+    }
+
+    fn accept(&mut self, job: Job) {
+        let write_crc = self.shared.write_checksum(&job);
+        let r = &job.req;
+        let pieces = r
+            .extent
+            .pieces(r.offset_bytes, r.len_bytes, self.shared.block_bytes);
+        let slot = match self.free_jobs.pop() {
+            Some(s) => s,
+            None => {
+                self.jobs.push(None);
+                self.jobs.len() - 1
+            }
+        };
+        for piece in &pieces {
+            self.queue.push_back(PieceOp {
+                job: slot,
+                piece: *piece,
+                done_bytes: 0,
+            });
+        }
+        self.jobs[slot] = Some(JobState {
+            pending: pieces.len(),
+            job,
+            error: None,
+            write_crc,
+        });
+        if pieces.is_empty() {
+            self.piece_finished(slot, None);
+        }
+    }
+
+    fn push_pieces(&mut self) {
+        while self.in_flight < self.qd {
+            let Some(p) = self.queue.pop_front() else {
+                break;
+            };
+            let failed = self.jobs[p.job].as_ref().is_none_or(|j| j.error.is_some());
+            if failed {
+                // The job already failed: do not issue the rest.
+                self.piece_finished(p.job, None);
+                continue;
+            }
+            let Some(slot) = self.free_slots.pop() else {
+                self.queue.push_front(p);
+                break;
+            };
+            let Some(js) = self.jobs[p.job].as_mut() else {
+                continue;
+            };
+            let op = js.job.req.op;
+            let buf_idx = js.job.req.buffer.idx().0;
+            let offset_in_buf = (p.piece.buf_offset_bytes + p.done_bytes) as usize;
+            // SAFETY: offset + len stays inside the job's buffer (validated
+            // at submission: len_bytes <= capacity), which the job table
+            // owns until every piece has completed.
+            let ptr = unsafe { js.job.req.buffer.as_mut_ptr().add(offset_in_buf) };
+            let len = (p.piece.len_bytes - p.done_bytes) as u32;
+            let off = p.piece.file_offset_bytes + p.done_bytes;
+            let file_idx = p.piece.file.0;
+            let entry = match (op, self.fixed_files, self.fixed_buffers) {
+                (IoOp::Read, true, true) => {
+                    opcode::ReadFixed::new(types::Fixed(file_idx), ptr, len, buf_idx as u16)
+                        .offset(off)
+                        .build()
+                }
+                (IoOp::Write, true, true) => {
+                    opcode::WriteFixed::new(types::Fixed(file_idx), ptr, len, buf_idx as u16)
+                        .offset(off)
+                        .build()
+                }
+                (IoOp::Read, true, false) => opcode::Read::new(types::Fixed(file_idx), ptr, len)
+                    .offset(off)
+                    .build(),
+                (IoOp::Write, true, false) => opcode::Write::new(types::Fixed(file_idx), ptr, len)
+                    .offset(off)
+                    .build(),
+                (IoOp::Read, false, fixed) => {
+                    let fd = types::Fd(std::os::fd::AsRawFd::as_raw_fd(
+                        self.shared.space.file(p.piece.file).file(),
+                    ));
+                    if fixed {
+                        opcode::ReadFixed::new(fd, ptr, len, buf_idx as u16)
+                            .offset(off)
+                            .build()
+                    } else {
+                        opcode::Read::new(fd, ptr, len).offset(off).build()
+                    }
+                }
+                (IoOp::Write, false, fixed) => {
+                    let fd = types::Fd(std::os::fd::AsRawFd::as_raw_fd(
+                        self.shared.space.file(p.piece.file).file(),
+                    ));
+                    if fixed {
+                        opcode::WriteFixed::new(fd, ptr, len, buf_idx as u16)
+                            .offset(off)
+                            .build()
+                    } else {
+                        opcode::Write::new(fd, ptr, len).offset(off).build()
+                    }
+                }
+            }
+            .user_data(slot as u64);
+            // SAFETY: the SQE points at buffer memory owned by the job table
+            // until this piece's CQE is reaped (see module docs); the fd or
+            // fixed-file slot stays open for the space's lifetime.
+            let pushed = unsafe { self.ring.submission().push(&entry) };
+            if pushed.is_err() {
+                // SQ full: submit what we have and retry this piece later.
+                self.free_slots.push(slot);
+                self.queue.push_front(p);
+                if let Err(e) = self.ring.submit() {
+                    tracing::warn!(error = %e, "io_uring submit failed while the SQ was full");
+                }
+                break;
+            }
+            self.slots[slot] = Some(p);
+            if self.in_flight == 0 {
+                self.busy_since = Some(Instant::now());
+            }
+            self.in_flight += 1;
+        }
+    }
+
+    fn reap(&mut self) {
+        let mut done: Vec<(usize, i64)> = Vec::new();
+        for cqe in self.ring.completion() {
+            done.push((cqe.user_data() as usize, cqe.result() as i64));
+        }
+        for (slot, raw) in done {
+            let Some(p) = self.slots.get_mut(slot).and_then(Option::take) else {
+                tracing::error!(slot, "completion for an unknown io_uring slot");
+                continue;
+            };
+            self.free_slots.push(slot);
+            self.in_flight -= 1;
+            if self.in_flight == 0 {
+                if let Some(t) = self.busy_since.take() {
+                    self.shared.stats.add_busy(self.idx, t.elapsed());
+                }
+            }
+            let Some(op) = self.jobs[p.job].as_ref().map(|j| j.job.req.op) else {
+                continue;
+            };
+            let raw = if raw == -(libc::EINTR as i64) || raw == -(libc::EAGAIN as i64) {
+                // Retry the same piece unchanged.
+                self.queue.push_front(p);
+                continue;
+            } else {
+                raw
+            };
+            match self.shared.check_piece(op, &p.piece, p.done_bytes, raw) {
+                PieceOutcome::Done => self.piece_finished(p.job, None),
+                PieceOutcome::Partial { done_bytes } => {
+                    self.queue.push_front(PieceOp { done_bytes, ..p })
+                }
+                PieceOutcome::Failed(e) => self.piece_finished(p.job, Some(e)),
+            }
+        }
+    }
+
+    fn piece_finished(&mut self, slot: usize, error: Option<SwapError>) {
+        let Some(js) = self.jobs[slot].as_mut() else {
+            return;
+        };
+        if js.error.is_none() {
+            js.error = error;
+        }
+        js.pending = js.pending.saturating_sub(1);
+        if js.pending == 0 {
+            if let Some(js) = self.jobs[slot].take() {
+                self.free_jobs.push(slot);
+                self.shared.finish(js.job, js.error, js.write_crc);
+            }
+        }
+    }
+}

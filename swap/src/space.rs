@@ -1,0 +1,655 @@
+//! The swap space: a few large preallocated files and the extents in them.
+//!
+//! Each NVMe path gets one tierzero-owned subdirectory (`<path>/tierzero`,
+//! created 0700) holding one file per space, created 0600 with `O_EXCL` and
+//! preallocated with `fallocate`. DeepSpeed keeps one file per tensor and
+//! opens it on every operation; we keep the files open (and registered with
+//! io_uring) for the life of the space and hand out [`Extent`]s: aligned
+//! byte ranges placed by an [`ExtentAllocator`] per file.
+//!
+//! ## Striping
+//! An extent larger than `stripe_bytes` is split into stripe-sized chunks
+//! dealt round-robin over the paths, so several devices add up their
+//! bandwidth. Chunk `k` lives on part `k % P` at
+//! `part.offset + (k / P) * stripe_bytes`; each part is one contiguous
+//! allocation in its path's file.
+//!
+//! ## Ownership and cleanup
+//! Files are named `swap-<pid>-<space>-<path>.tzswap`. A space removes its
+//! own files when dropped (after the last extent, since extents hold the
+//! space alive). At creation it reclaims files of that pattern whose pid is
+//! no longer alive: stale leftovers of a killed run. Nothing else in the
+//! directory is ever touched. Files adopted with [`SwapSpace::open_file`]
+//! (benchmarks) are never removed.
+//!
+//! ## Poisoning
+//! If a write fails, the bytes on disk are unknown. The space is marked
+//! poisoned with the first failure, and every later operation fails fast
+//! with [`SwapError::Poisoned`] instead of returning stale data.
+//!
+//! ## Checksums
+//! With `checksums` on, a write that covers a whole extent records the
+//! crc32c of its data, and a read of the whole extent verifies it. A partial
+//! write clears the recorded checksum.
+//!
+//! ## O_DIRECT
+//! `DirectIo::Auto` opens with `O_DIRECT` and falls back to buffered I/O
+//! with a warning where the file system refuses it (tmpfs); `Require`
+//! fails with [`SwapError::DirectIoUnsupported`] instead.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::align::Alignment;
+use crate::alloc::ExtentAllocator;
+use crate::error::{IoOp, Result, SwapError};
+
+/// Name of the subdirectory we create under each NVMe path.
+pub const SWAP_SUBDIR: &str = "tierzero";
+const SWAP_EXT: &str = "tzswap";
+
+/// Index of a file in a space (also its io_uring fixed-file index).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FileIdx(pub u32);
+
+/// Identity of an extent within its space.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ExtentId(pub u64);
+
+/// O_DIRECT policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DirectIo {
+    /// O_DIRECT where supported; buffered with a warning elsewhere.
+    Auto,
+    /// O_DIRECT or an error.
+    Require,
+    /// Buffered I/O through the page cache.
+    Off,
+}
+
+/// Settings for [`SwapSpace::create`].
+#[derive(Debug, Clone)]
+pub struct SpaceConfig {
+    /// One directory per device; each gets a file.
+    pub paths: Vec<PathBuf>,
+    /// Size of the file on each path.
+    pub capacity_bytes_per_path: u64,
+    /// Chunk size for striping over paths (rounded up to the alignment).
+    pub stripe_bytes: u64,
+    /// O_DIRECT policy.
+    pub direct_io: DirectIo,
+    /// Record and verify crc32c per extent.
+    pub checksums: bool,
+    /// `fallocate` the files up front (so ENOSPC shows now, not mid-run).
+    pub preallocate: bool,
+}
+
+impl SpaceConfig {
+    /// One path, `capacity_bytes`, O_DIRECT where possible, 1 MiB stripes.
+    pub fn new(path: impl Into<PathBuf>, capacity_bytes: u64) -> Self {
+        SpaceConfig {
+            paths: vec![path.into()],
+            capacity_bytes_per_path: capacity_bytes,
+            stripe_bytes: 1 << 20,
+            direct_io: DirectIo::Auto,
+            checksums: false,
+            preallocate: true,
+        }
+    }
+}
+
+/// One open swap file.
+#[derive(Debug)]
+pub struct SwapFile {
+    path: PathBuf,
+    file: File,
+    direct: bool,
+    owned: bool,
+    alloc: Mutex<ExtentAllocator>,
+}
+
+impl SwapFile {
+    /// Where the file is.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+    /// Whether it was opened with O_DIRECT.
+    pub fn is_direct(&self) -> bool {
+        self.direct
+    }
+    pub(crate) fn file(&self) -> &File {
+        &self.file
+    }
+    /// Free bytes in this file.
+    pub fn free_bytes(&self) -> u64 {
+        self.lock_alloc().free_bytes()
+    }
+    /// Capacity of this file.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.lock_alloc().capacity_bytes()
+    }
+    fn lock_alloc(&self) -> std::sync::MutexGuard<'_, ExtentAllocator> {
+        self.alloc.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+static NEXT_SPACE: AtomicU64 = AtomicU64::new(0);
+
+/// A set of swap files and the extents allocated in them.
+#[derive(Debug)]
+pub struct SwapSpace {
+    id: u64,
+    files: Vec<SwapFile>,
+    alignment: Alignment,
+    stripe_bytes: u64,
+    checksums: bool,
+    poisoned: AtomicBool,
+    poison_cause: Mutex<Option<String>>,
+    next_extent: AtomicU64,
+    created_dirs: Vec<PathBuf>,
+}
+
+impl SwapSpace {
+    /// Creates the files under each path's `tierzero/` subdirectory.
+    pub fn create(config: SpaceConfig) -> Result<Arc<Self>> {
+        if config.paths.is_empty() {
+            return Err(SwapError::Config("no swap paths given".into()));
+        }
+        let alignment = config
+            .paths
+            .iter()
+            .map(|p| Alignment::for_path(p))
+            .max()
+            .unwrap_or(Alignment::new(4096));
+        let capacity =
+            config.capacity_bytes_per_path - config.capacity_bytes_per_path % alignment.bytes();
+        if capacity == 0 {
+            return Err(SwapError::Config(format!(
+                "swap capacity per path of {} bytes is below one aligned block of {} bytes",
+                config.capacity_bytes_per_path,
+                alignment.bytes()
+            )));
+        }
+        let space_seq = NEXT_SPACE.fetch_add(1, Ordering::Relaxed);
+        let pid = std::process::id();
+        let mut files = Vec::new();
+        let mut created_dirs = Vec::new();
+        for (i, base) in config.paths.iter().enumerate() {
+            let meta = std::fs::metadata(base).map_err(|source| SwapError::Setup {
+                what: format!("swap path {}", base.display()),
+                source,
+            })?;
+            if !meta.is_dir() {
+                return Err(SwapError::Config(format!(
+                    "swap path {} is not a directory",
+                    base.display()
+                )));
+            }
+            let dir = base.join(SWAP_SUBDIR);
+            match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+                Ok(()) => created_dirs.push(dir.clone()),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    let m = std::fs::symlink_metadata(&dir).map_err(|source| SwapError::Setup {
+                        what: format!("swap directory {}", dir.display()),
+                        source,
+                    })?;
+                    if !m.is_dir() {
+                        return Err(SwapError::Config(format!(
+                            "{} exists and is not a directory (refusing to follow a symlink or replace a file)",
+                            dir.display()
+                        )));
+                    }
+                }
+                Err(source) => {
+                    return Err(SwapError::Setup {
+                        what: format!("creating swap directory {}", dir.display()),
+                        source,
+                    })
+                }
+            }
+            reclaim_stale(&dir);
+            let path = dir.join(format!("swap-{pid}-{space_seq}-{i}.{SWAP_EXT}"));
+            let (file, direct) = open_swap_file(&path, config.direct_io, true)?;
+            // From here the file is ours: remove it if setup fails below.
+            let sf = SwapFile {
+                path: path.clone(),
+                file,
+                direct,
+                owned: true,
+                alloc: Mutex::new(ExtentAllocator::new(capacity, alignment)),
+            };
+            size_file(&sf.file, &path, capacity, config.preallocate)?;
+            files.push(sf);
+        }
+        let stripe_bytes = alignment.round_up(config.stripe_bytes.max(1));
+        Ok(Arc::new(SwapSpace {
+            id: space_seq,
+            files,
+            alignment,
+            stripe_bytes,
+            checksums: config.checksums,
+            poisoned: AtomicBool::new(false),
+            poison_cause: Mutex::new(None),
+            next_extent: AtomicU64::new(0),
+            created_dirs,
+        }))
+    }
+
+    /// Uses an existing file (for benchmarks). It is never removed or
+    /// resized; its contents are overwritten by writes.
+    pub fn open_file(path: &Path, direct_io: DirectIo, checksums: bool) -> Result<Arc<Self>> {
+        let (file, direct) = open_swap_file(path, direct_io, false)?;
+        let len = file
+            .metadata()
+            .map_err(|source| SwapError::Setup {
+                what: format!("stat {}", path.display()),
+                source,
+            })?
+            .len();
+        let alignment = Alignment::for_path(path);
+        let sf = SwapFile {
+            path: path.to_path_buf(),
+            file,
+            direct,
+            owned: false,
+            alloc: Mutex::new(ExtentAllocator::new(len, alignment)),
+        };
+        Ok(Arc::new(SwapSpace {
+            id: NEXT_SPACE.fetch_add(1, Ordering::Relaxed),
+            files: vec![sf],
+            alignment,
+            stripe_bytes: alignment.round_up(len.max(1)),
+            checksums,
+            poisoned: AtomicBool::new(false),
+            poison_cause: Mutex::new(None),
+            next_extent: AtomicU64::new(0),
+            created_dirs: Vec::new(),
+        }))
+    }
+
+    /// Unique id of this space within the process.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The O_DIRECT alignment of all files.
+    pub fn alignment(&self) -> Alignment {
+        self.alignment
+    }
+
+    /// The files, indexed by [`FileIdx`].
+    pub fn files(&self) -> &[SwapFile] {
+        &self.files
+    }
+
+    pub(crate) fn file(&self, idx: FileIdx) -> &SwapFile {
+        &self.files[idx.0 as usize]
+    }
+
+    /// Whether checksums are on.
+    pub fn checksums(&self) -> bool {
+        self.checksums
+    }
+
+    /// Free bytes over all files.
+    pub fn free_bytes(&self) -> u64 {
+        self.files.iter().map(|f| f.free_bytes()).sum()
+    }
+
+    /// Raw fds in [`FileIdx`] order, for io_uring file registration.
+    pub(crate) fn raw_fds(&self) -> Vec<i32> {
+        self.files.iter().map(|f| f.file.as_raw_fd()).collect()
+    }
+
+    /// Allocates an extent of `len_bytes` (rounded up to the alignment),
+    /// striped over the paths when it is larger than one stripe.
+    pub fn allocate(self: &Arc<Self>, len_bytes: u64) -> Result<Extent> {
+        let len = self.alignment.round_up(len_bytes.max(1));
+        let id = ExtentId(self.next_extent.fetch_add(1, Ordering::Relaxed));
+        let chunks = len.div_ceil(self.stripe_bytes);
+        let nfiles = self.files.len() as u64;
+        let nparts = nfiles.min(chunks).max(1);
+        let first = id.0 % nfiles;
+        let mut parts: Vec<Part> = Vec::with_capacity(nparts as usize);
+        for p in 0..nparts {
+            // Chunks p, p+P, p+2P, ...; only the very last chunk can be short.
+            let nchunks = (chunks - p).div_ceil(nparts);
+            let mut part_len = nchunks * self.stripe_bytes;
+            if (chunks - 1) % nparts == p {
+                part_len -= chunks * self.stripe_bytes - len;
+            }
+            let file = FileIdx(((first + p) % nfiles) as u32);
+            let sf = self.file(file);
+            let got = sf.lock_alloc().allocate(part_len);
+            match got {
+                Some(offset_bytes) => parts.push(Part {
+                    file,
+                    offset_bytes,
+                    len_bytes: part_len,
+                }),
+                None => {
+                    for part in &parts {
+                        self.file(part.file)
+                            .lock_alloc()
+                            .free(part.offset_bytes, part.len_bytes);
+                    }
+                    let a = sf.lock_alloc();
+                    return Err(SwapError::OutOfSpace {
+                        path: sf.path.clone(),
+                        requested_bytes: part_len,
+                        free_bytes: a.free_bytes(),
+                        largest_free_bytes: a.largest_free_bytes(),
+                    });
+                }
+            }
+        }
+        Ok(Extent(Arc::new(ExtentInner {
+            id,
+            len_bytes: len,
+            stripe_bytes: self.stripe_bytes,
+            parts,
+            crc: AtomicU64::new(0),
+            space: self.clone(),
+        })))
+    }
+
+    /// Marks the space poisoned (the first cause wins).
+    pub fn poison(&self, cause: String) {
+        let mut c = self.poison_cause.lock().unwrap_or_else(|e| e.into_inner());
+        if c.is_none() {
+            tracing::error!(%cause, "swap space poisoned");
+            *c = Some(cause);
+        }
+        self.poisoned.store(true, Ordering::Release);
+    }
+
+    /// Whether a write has failed in this space.
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned.load(Ordering::Acquire)
+    }
+
+    /// `Err(Poisoned)` if the space is poisoned.
+    pub fn check_poison(&self, op: IoOp) -> Result<()> {
+        if !self.is_poisoned() {
+            return Ok(());
+        }
+        let cause = self
+            .poison_cause
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .unwrap_or_default();
+        Err(SwapError::Poisoned { op, cause })
+    }
+}
+
+impl Drop for SwapSpace {
+    fn drop(&mut self) {
+        for f in &self.files {
+            if f.owned {
+                if let Err(e) = std::fs::remove_file(&f.path) {
+                    tracing::warn!(path = %f.path.display(), error = %e, "could not remove swap file");
+                }
+            }
+        }
+        for d in &self.created_dirs {
+            // Only succeeds if empty: other processes' files stay.
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+}
+
+fn open_swap_file(path: &Path, policy: DirectIo, create: bool) -> Result<(File, bool)> {
+    let open = |direct: bool| {
+        let mut o = OpenOptions::new();
+        o.read(true).write(true);
+        if create {
+            o.create_new(true).mode(0o600);
+        }
+        let mut flags = libc::O_CLOEXEC | libc::O_NOFOLLOW;
+        if direct {
+            flags |= libc::O_DIRECT;
+        }
+        o.custom_flags(flags);
+        o.open(path)
+    };
+    if policy == DirectIo::Off {
+        return open(false)
+            .map(|f| (f, false))
+            .map_err(|source| SwapError::Setup {
+                what: format!("opening swap file {}", path.display()),
+                source,
+            });
+    }
+    match open(true) {
+        Ok(f) => Ok((f, true)),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            if create {
+                // create_new may have created it before O_DIRECT was refused.
+                let _ = std::fs::remove_file(path);
+            }
+            if policy == DirectIo::Require {
+                return Err(SwapError::DirectIoUnsupported {
+                    path: path.to_path_buf(),
+                });
+            }
+            tracing::warn!(path = %path.display(), "O_DIRECT is not supported here; using buffered I/O (slower, and it uses page cache)");
+            open(false)
+                .map(|f| (f, false))
+                .map_err(|source| SwapError::Setup {
+                    what: format!("opening swap file {}", path.display()),
+                    source,
+                })
+        }
+        Err(source) => Err(SwapError::Setup {
+            what: format!("opening swap file {}", path.display()),
+            source,
+        }),
+    }
+}
+
+fn size_file(file: &File, path: &Path, bytes: u64, preallocate: bool) -> Result<()> {
+    let fail = |source: std::io::Error| {
+        let _ = std::fs::remove_file(path);
+        SwapError::Io {
+            op: IoOp::Write,
+            path: path.to_path_buf(),
+            offset_bytes: 0,
+            len_bytes: bytes,
+            source,
+        }
+    };
+    if preallocate {
+        // SAFETY: fallocate on an fd we own; no memory is passed.
+        let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, bytes as libc::off_t) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EOPNOTSUPP) {
+            return Err(fail(err));
+        }
+    }
+    file.set_len(bytes).map_err(fail)
+}
+
+/// Removes `swap-<pid>-*.tzswap` files whose process is gone.
+fn reclaim_stale(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some(pid) = stale_pid(name) else { continue };
+        if pid == std::process::id() || process_alive(pid) {
+            continue;
+        }
+        match entry.file_type() {
+            Ok(t) if t.is_file() => {}
+            _ => continue,
+        }
+        let path = entry.path();
+        match std::fs::remove_file(&path) {
+            Ok(()) => {
+                tracing::warn!(path = %path.display(), pid, "reclaimed stale swap file of a process that is gone")
+            }
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "could not reclaim stale swap file")
+            }
+        }
+    }
+}
+
+/// The pid in a name of our pattern `swap-<pid>-<n>-<m>.tzswap`.
+fn stale_pid(name: &str) -> Option<u32> {
+    let rest = name
+        .strip_prefix("swap-")?
+        .strip_suffix(&format!(".{SWAP_EXT}"))?;
+    let mut it = rest.split('-');
+    let pid = it.next()?.parse().ok()?;
+    let a = it.next()?;
+    let b = it.next()?;
+    if it.next().is_some() || a.parse::<u64>().is_err() || b.parse::<u64>().is_err() {
+        return None;
+    }
+    Some(pid)
+}
+
+fn process_alive(pid: u32) -> bool {
+    let Ok(pid) = i32::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: kill with signal 0 only checks for existence.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Part {
+    file: FileIdx,
+    offset_bytes: u64,
+    len_bytes: u64,
+}
+
+#[derive(Debug)]
+struct ExtentInner {
+    id: ExtentId,
+    len_bytes: u64,
+    stripe_bytes: u64,
+    parts: Vec<Part>,
+    /// 0: no checksum; else `1 << 32 | crc32c`.
+    crc: AtomicU64,
+    space: Arc<SwapSpace>,
+}
+
+impl Drop for ExtentInner {
+    fn drop(&mut self) {
+        for p in &self.parts {
+            self.space
+                .file(p.file)
+                .lock_alloc()
+                .free(p.offset_bytes, p.len_bytes);
+        }
+    }
+}
+
+/// An allocated, aligned, possibly striped byte range of a swap space.
+/// Cloning shares it; the space is freed when the last clone drops (the
+/// I/O engine holds a clone while a transfer is in flight).
+#[derive(Debug, Clone)]
+pub struct Extent(Arc<ExtentInner>);
+
+/// One contiguous piece of a transfer, in one file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Piece {
+    /// Which file.
+    pub file: FileIdx,
+    /// Offset in the file.
+    pub file_offset_bytes: u64,
+    /// Offset from the start of the transfer (and of the buffer).
+    pub buf_offset_bytes: u64,
+    /// Length of the piece.
+    pub len_bytes: u64,
+}
+
+impl Extent {
+    /// Id within its space.
+    pub fn id(&self) -> ExtentId {
+        self.0.id
+    }
+    /// Length in bytes (a multiple of the alignment).
+    pub fn len_bytes(&self) -> u64 {
+        self.0.len_bytes
+    }
+    /// The space the extent lives in.
+    pub fn space(&self) -> &Arc<SwapSpace> {
+        &self.0.space
+    }
+    /// Number of files the extent is striped over.
+    pub fn stripe_width(&self) -> usize {
+        self.0.parts.len()
+    }
+
+    /// Splits `[offset_bytes, offset_bytes + len_bytes)` of the extent into
+    /// per-file pieces of at most `max_piece_bytes`, in logical order.
+    pub fn pieces(&self, offset_bytes: u64, len_bytes: u64, max_piece_bytes: u64) -> Vec<Piece> {
+        let inner = &*self.0;
+        let nparts = inner.parts.len() as u64;
+        let stripe = inner.stripe_bytes;
+        let max_piece = max_piece_bytes.max(1);
+        let mut out = Vec::new();
+        let mut pos = offset_bytes;
+        let end = offset_bytes + len_bytes;
+        while pos < end {
+            let chunk = pos / stripe;
+            let within = pos % stripe;
+            let part = &inner.parts[(chunk % nparts) as usize];
+            let file_off = part.offset_bytes + (chunk / nparts) * stripe + within;
+            let len = (stripe - within).min(end - pos).min(max_piece);
+            out.push(Piece {
+                file: part.file,
+                file_offset_bytes: file_off,
+                buf_offset_bytes: pos - offset_bytes,
+                len_bytes: len,
+            });
+            pos += len;
+        }
+        out
+    }
+
+    /// The recorded crc32c, if any.
+    pub(crate) fn checksum(&self) -> Option<u32> {
+        let v = self.0.crc.load(Ordering::Acquire);
+        (v >> 32 == 1).then_some(v as u32)
+    }
+
+    pub(crate) fn set_checksum(&self, crc: Option<u32>) {
+        let v = crc.map_or(0, |c| (1u64 << 32) | c as u64);
+        self.0.crc.store(v, Ordering::Release);
+    }
+
+    /// Where the extent starts on disk (for error messages).
+    pub fn first_location(&self) -> (PathBuf, u64) {
+        let p = self.0.parts[0];
+        (self.0.space.file(p.file).path.clone(), p.offset_bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stale_names() {
+        assert_eq!(stale_pid("swap-123-0-1.tzswap"), Some(123));
+        assert_eq!(stale_pid("swap-123-0.tzswap"), None);
+        assert_eq!(stale_pid("swap-x-0-1.tzswap"), None);
+        assert_eq!(stale_pid("notes.txt"), None);
+        assert_eq!(stale_pid("swap-1-2-3.tzswap.bak"), None);
+    }
+}
