@@ -88,16 +88,18 @@ impl BenchTarget {
 
     /// Writes the whole target once so that later reads touch the device.
     pub fn fill(&self, backend: BackendKind) -> Result<BenchResult> {
-        self.run(IoOp::Write, 1 << 20, 32, self.len_bytes(), backend)
+        self.run(IoOp::Write, 1 << 20, 32, self.len_bytes(), None, backend)
     }
 
-    /// Moves `total_bytes` with `queue_depth` requests of `block_bytes`.
+    /// Moves `total_bytes` with `queue_depth` requests of `block_bytes`,
+    /// or stops issuing new requests after `max_duration`, whichever is first.
     pub fn run(
         &self,
         op: IoOp,
         block_bytes: u64,
         queue_depth: usize,
         total_bytes: u64,
+        max_duration: Option<Duration>,
         backend: BackendKind,
     ) -> Result<BenchResult> {
         let align = self.space.alignment();
@@ -163,7 +165,8 @@ impl BenchTarget {
             // Any failed request fails the measurement (the engine drains
             // the rest when it drops).
             let buf = c.into_result()?;
-            if submitted < total_bytes {
+            let in_time = max_duration.is_none_or(|d| start.elapsed() < d);
+            if submitted < total_bytes && in_time {
                 submit(buf, &mut submitted, &mut next_offset)?;
                 outstanding += 1;
             }

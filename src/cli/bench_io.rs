@@ -1,0 +1,448 @@
+//! `tierzero bench-io` and `tierzero tune`.
+//!
+//! Both measure with `tierzero_swap::bench`: one ring, exactly
+//! `queue_depth` requests of `block_size` in flight, O_DIRECT, walking the
+//! file sequentially, like one fio job with `--direct=1 --ioengine=io_uring`.
+//! The file is written once first, so reads hit the device rather than
+//! unwritten (zero-filled) extents. Each setting runs for `--seconds` or
+//! until `--size` bytes have moved, whichever comes first.
+//!
+//! `tune` picks the setting with the best harmonic mean of read and write
+//! bandwidth, and among those within 3% of it, the one that needs the least
+//! pinned memory (`block_size × queue_depth`): DeepSpeed's `ds_nvme_tune`
+//! reports the fastest, but pinned memory is what users run out of.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::anyhow;
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+use tierzero::units::{format_bytes, parse_bytes};
+use tierzero_swap::bench::{BenchResult, BenchTarget};
+use tierzero_swap::{BackendKind, DirectIo, IoOp};
+
+use super::Failure;
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum Backend {
+    /// io_uring, falling back to the portable pool if unavailable.
+    Auto,
+    /// io_uring only.
+    Uring,
+    /// pread/pwrite thread pool.
+    Portable,
+}
+
+impl From<Backend> for BackendKind {
+    fn from(b: Backend) -> Self {
+        match b {
+            Backend::Auto => BackendKind::Auto,
+            Backend::Uring => BackendKind::Uring,
+            Backend::Portable => BackendKind::Portable,
+        }
+    }
+}
+
+/// Options shared by bench-io and tune.
+#[derive(Debug, Args)]
+pub struct Target {
+    /// Directory on the device to measure (a temporary swap file is created
+    /// under DIR/tierzero/ and removed afterwards).
+    #[arg(long, value_name = "DIR", required_unless_present = "file")]
+    path: Option<PathBuf>,
+    /// Measure on this existing file instead (its contents are OVERWRITTEN
+    /// by the write tests; it is not removed).
+    #[arg(long, value_name = "FILE", conflicts_with = "path")]
+    file: Option<PathBuf>,
+    /// Size of the temporary file.
+    #[arg(long, default_value = "4GiB", value_parser = parse_bytes_arg)]
+    size: u64,
+    /// Longest time per measurement, in seconds.
+    #[arg(long, default_value_t = 3.0)]
+    seconds: f64,
+    /// I/O backend.
+    #[arg(long, value_enum, default_value = "auto")]
+    backend: Backend,
+    /// Skip the initial write of the whole file (only if it was written
+    /// before, e.g. by fio; otherwise reads measure unwritten extents).
+    #[arg(long)]
+    no_fill: bool,
+}
+
+/// Arguments of `tierzero bench-io`.
+#[derive(Debug, Args)]
+#[command(
+    after_help = "Examples:\n  tierzero bench-io --path /mnt/nvme\n  tierzero bench-io --path /mnt/nvme --size 8GiB --block-size 1M --queue-depth 32 --json\n  tierzero bench-io --file /mnt/nvme/fio.dat --no-fill --block-size 1M --queue-depth 32"
+)]
+pub struct BenchIoArgs {
+    #[command(flatten)]
+    target: Target,
+    /// Block sizes (bytes per request), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "128K,1M,8M", value_parser = parse_bytes_arg)]
+    block_size: Vec<u64>,
+    /// Queue depths (requests in flight), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,128")]
+    queue_depth: Vec<usize>,
+    /// Which directions to measure.
+    #[arg(long, value_enum, default_value = "both")]
+    rw: Rw,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Rw {
+    /// Sequential reads only.
+    Read,
+    /// Sequential writes only.
+    Write,
+    /// Writes, then reads, at each setting.
+    Both,
+}
+
+/// Arguments of `tierzero tune`.
+#[derive(Debug, Args)]
+#[command(
+    after_help = "Examples:\n  tierzero tune --path /mnt/nvme\n  tierzero tune --path /mnt/nvme --size 2GiB --seconds 1"
+)]
+pub struct TuneArgs {
+    #[command(flatten)]
+    target: Target,
+    /// Print the result as JSON (the sweep and the chosen aio block).
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_bytes_arg(s: &str) -> Result<u64, String> {
+    parse_bytes(s).map_err(|e| e.to_string())
+}
+
+#[derive(Debug, Serialize)]
+struct Cell {
+    block_bytes: u64,
+    queue_depth: usize,
+    read_gbps: f64,
+    write_gbps: f64,
+    read_p50_us: f64,
+    read_p99_us: f64,
+    write_p50_us: f64,
+    write_p99_us: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Best {
+    block_bytes: u64,
+    queue_depth: usize,
+    gbps: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    file: String,
+    direct_io: bool,
+    size_bytes: u64,
+    settings: Vec<Cell>,
+    best_read: Best,
+    best_write: Best,
+    read_gbps: f64,
+    write_gbps: f64,
+}
+
+fn open_target(t: &Target) -> Result<BenchTarget, Failure> {
+    let bt = if let Some(file) = &t.file {
+        if !file.is_file() {
+            return Err(Failure::BadInput(anyhow!(
+                "--file {}: no such file",
+                file.display()
+            )));
+        }
+        BenchTarget::existing(file, DirectIo::Auto)
+            .map_err(|e| Failure::from_swap(e, "opening the benchmark file"))?
+    } else {
+        let dir = t
+            .path
+            .as_ref()
+            .ok_or_else(|| Failure::BadInput(anyhow!("give --path DIR or --file FILE")))?;
+        if !dir.is_dir() {
+            return Err(Failure::BadInput(anyhow!(
+                "--path {}: not a directory",
+                dir.display()
+            )));
+        }
+        BenchTarget::create(dir, t.size, DirectIo::Auto)
+            .map_err(|e| Failure::from_swap(e, "creating the benchmark file"))?
+    };
+    if !bt.is_direct() {
+        eprintln!("warning: O_DIRECT is not available on this file system; numbers include the page cache");
+    }
+    if !t.no_fill {
+        eprintln!(
+            "writing {} once so reads touch the device...",
+            format_bytes(bt.len_bytes())
+        );
+        bt.fill(t.backend.into())
+            .map_err(|e| Failure::from_swap(e, "filling the benchmark file"))?;
+    }
+    Ok(bt)
+}
+
+fn measure(
+    bt: &BenchTarget,
+    t: &Target,
+    op: IoOp,
+    block: u64,
+    qd: usize,
+) -> Result<BenchResult, Failure> {
+    if t.seconds <= 0.0 || !t.seconds.is_finite() {
+        return Err(Failure::BadInput(anyhow!("--seconds must be > 0")));
+    }
+    let limit = Some(Duration::from_secs_f64(t.seconds));
+    bt.run(op, block, qd, bt.len_bytes(), limit, t.backend.into())
+        .map_err(|e| {
+            Failure::from_swap(e, &format!("{op} at block size {block}, queue depth {qd}"))
+        })
+}
+
+fn sweep(
+    bt: &BenchTarget,
+    t: &Target,
+    blocks: &[u64],
+    qds: &[usize],
+    rw: Rw,
+    verbose: bool,
+) -> Result<Vec<Cell>, Failure> {
+    if blocks.is_empty() || qds.is_empty() || qds.contains(&0) {
+        return Err(Failure::BadInput(anyhow!(
+            "give at least one block size and queue depths >= 1"
+        )));
+    }
+    let mut cells = Vec::new();
+    for &block in blocks {
+        for &qd in qds {
+            let skipped = |op| BenchResult {
+                op,
+                block_bytes: block,
+                queue_depth: qd,
+                bytes: 0,
+                seconds: 0.0,
+                latency_p50_us: 0.0,
+                latency_p99_us: 0.0,
+            };
+            let w = match rw {
+                Rw::Read => skipped(IoOp::Write),
+                _ => measure(bt, t, IoOp::Write, block, qd)?,
+            };
+            let r = match rw {
+                Rw::Write => skipped(IoOp::Read),
+                _ => measure(bt, t, IoOp::Read, block, qd)?,
+            };
+            if verbose {
+                eprintln!(
+                    "  block {:>9}  qd {:>3}: read {:6.3} GB/s  write {:6.3} GB/s",
+                    format_bytes(block),
+                    qd,
+                    r.gbps(),
+                    w.gbps()
+                );
+            }
+            cells.push(Cell {
+                block_bytes: block,
+                queue_depth: qd,
+                read_gbps: r.gbps(),
+                write_gbps: w.gbps(),
+                read_p50_us: r.latency_p50_us,
+                read_p99_us: r.latency_p99_us,
+                write_p50_us: w.latency_p50_us,
+                write_p99_us: w.latency_p99_us,
+            });
+        }
+    }
+    Ok(cells)
+}
+
+fn best(cells: &[Cell], f: impl Fn(&Cell) -> f64) -> Best {
+    let c = cells
+        .iter()
+        .max_by(|a, b| f(a).total_cmp(&f(b)))
+        .map(|c| (c.block_bytes, c.queue_depth, f(c)))
+        .unwrap_or((0, 0, 0.0));
+    Best {
+        block_bytes: c.0,
+        queue_depth: c.1,
+        gbps: c.2,
+    }
+}
+
+fn target_name(t: &Target) -> String {
+    t.file
+        .as_ref()
+        .or(t.path.as_ref())
+        .map(|p| p.display().to_string())
+        .unwrap_or_default()
+}
+
+/// `tierzero bench-io`.
+pub fn run_bench_io(a: BenchIoArgs) -> Result<(), Failure> {
+    let bt = open_target(&a.target)?;
+    let cells = sweep(&bt, &a.target, &a.block_size, &a.queue_depth, a.rw, !a.json)?;
+    let best_read = best(&cells, |c| c.read_gbps);
+    let best_write = best(&cells, |c| c.write_gbps);
+    let report = Report {
+        file: target_name(&a.target),
+        direct_io: bt.is_direct(),
+        size_bytes: bt.len_bytes(),
+        read_gbps: best_read.gbps,
+        write_gbps: best_write.gbps,
+        settings: cells,
+        best_read,
+        best_write,
+    };
+    if a.json {
+        let s = serde_json::to_string_pretty(&report).map_err(|e| Failure::Internal(e.into()))?;
+        println!("{s}");
+        return Ok(());
+    }
+    println!(
+        "{} ({}, O_DIRECT {})",
+        report.file,
+        format_bytes(report.size_bytes),
+        if report.direct_io { "on" } else { "off" }
+    );
+    println!(
+        "{:>10} {:>4} {:>10} {:>6} {:>10} {:>10} {:>10} {:>6} {:>10} {:>10}",
+        "block",
+        "qd",
+        "read GB/s",
+        "%best",
+        "p50 us",
+        "p99 us",
+        "write GB/s",
+        "%best",
+        "p50 us",
+        "p99 us"
+    );
+    for c in &report.settings {
+        println!(
+            "{:>10} {:>4} {:>10.3} {:>5.0}% {:>10.0} {:>10.0} {:>10.3} {:>5.0}% {:>10.0} {:>10.0}",
+            format_bytes(c.block_bytes),
+            c.queue_depth,
+            c.read_gbps,
+            100.0 * c.read_gbps / report.best_read.gbps.max(1e-12),
+            c.read_p50_us,
+            c.read_p99_us,
+            c.write_gbps,
+            100.0 * c.write_gbps / report.best_write.gbps.max(1e-12),
+            c.write_p50_us,
+            c.write_p99_us,
+        );
+    }
+    println!(
+        "best read:  {:.3} GB/s at block {} qd {}",
+        report.best_read.gbps,
+        format_bytes(report.best_read.block_bytes),
+        report.best_read.queue_depth
+    );
+    println!(
+        "best write: {:.3} GB/s at block {} qd {}",
+        report.best_write.gbps,
+        format_bytes(report.best_write.block_bytes),
+        report.best_write.queue_depth
+    );
+    Ok(())
+}
+
+/// The tune sweep: block sizes and queue depths DeepSpeed users set.
+const TUNE_BLOCKS: [u64; 4] = [256 << 10, 1 << 20, 4 << 20, 8 << 20];
+const TUNE_QDS: [usize; 5] = [4, 8, 16, 32, 64];
+
+fn harmonic(c: &Cell) -> f64 {
+    if c.read_gbps <= 0.0 || c.write_gbps <= 0.0 {
+        0.0
+    } else {
+        2.0 / (1.0 / c.read_gbps + 1.0 / c.write_gbps)
+    }
+}
+
+/// Chooses the aio setting: best harmonic mean, then least pinned memory
+/// within 3% of it.
+fn choose(cells: &[Cell]) -> Option<&Cell> {
+    let top = cells.iter().map(harmonic).fold(0.0, f64::max);
+    cells
+        .iter()
+        .filter(|c| harmonic(c) >= 0.97 * top)
+        .min_by_key(|c| (c.block_bytes * c.queue_depth as u64, c.queue_depth))
+}
+
+/// `tierzero tune`.
+pub fn run_tune(a: TuneArgs) -> Result<(), Failure> {
+    let bt = open_target(&a.target)?;
+    eprintln!(
+        "sweeping {} settings, up to {:.1} s each for read and write...",
+        TUNE_BLOCKS.len() * TUNE_QDS.len(),
+        a.target.seconds
+    );
+    let cells = sweep(&bt, &a.target, &TUNE_BLOCKS, &TUNE_QDS, Rw::Both, true)?;
+    let Some(c) = choose(&cells) else {
+        return Err(Failure::Internal(anyhow!("no setting moved any data")));
+    };
+    let aio = serde_json::json!({
+        "block_size": c.block_bytes,
+        "queue_depth": c.queue_depth,
+        "intra_op_parallelism": 1,
+        "single_submit": false,
+        "overlap_events": true,
+        "use_gds": false
+    });
+    if a.json {
+        let out = serde_json::json!({ "aio": aio, "read_gbps": c.read_gbps, "write_gbps": c.write_gbps, "settings": cells });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&out).map_err(|e| Failure::Internal(e.into()))?
+        );
+        return Ok(());
+    }
+    println!(
+        "# read {:.3} GB/s, write {:.3} GB/s; pinned per ring {} ({} x {})",
+        c.read_gbps,
+        c.write_gbps,
+        format_bytes(c.block_bytes * c.queue_depth as u64),
+        c.queue_depth,
+        format_bytes(c.block_bytes)
+    );
+    let body = serde_json::to_string_pretty(&aio).map_err(|e| Failure::Internal(e.into()))?;
+    println!("\"aio\": {body}");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cell(block: u64, qd: usize, r: f64, w: f64) -> Cell {
+        Cell {
+            block_bytes: block,
+            queue_depth: qd,
+            read_gbps: r,
+            write_gbps: w,
+            read_p50_us: 0.0,
+            read_p99_us: 0.0,
+            write_p50_us: 0.0,
+            write_p99_us: 0.0,
+        }
+    }
+
+    #[test]
+    fn tune_prefers_less_pinned_memory_within_3_percent() {
+        let cells = vec![
+            cell(8 << 20, 64, 1.50, 2.50),
+            cell(1 << 20, 32, 1.48, 2.47),
+            cell(1 << 20, 8, 1.0, 2.0),
+        ];
+        let c = choose(&cells).map(|c| (c.block_bytes, c.queue_depth));
+        assert_eq!(c, Some((1 << 20, 32)));
+        let cells = vec![cell(8 << 20, 64, 1.5, 2.5), cell(1 << 20, 32, 1.2, 2.0)];
+        assert_eq!(choose(&cells).map(|c| c.queue_depth), Some(64));
+    }
+}

@@ -1,0 +1,97 @@
+//! The `tierzero` command line.
+//!
+//! Exit codes: 0 on success, 2 on bad input (clap usage errors, invalid
+//! values, paths that do not exist, configurations that cannot work), 1 on
+//! internal failure. A user's mistake is reported as one clear line, never
+//! as a panic or a backtrace.
+
+pub mod bench_io;
+
+use clap::{Parser, Subcommand};
+
+/// tierzero: train models larger than GPU memory by streaming parameters,
+/// gradients and optimizer state between device, pinned host memory and NVMe.
+#[derive(Debug, Parser)]
+#[command(name = "tierzero", version, about, long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Measure NVMe read/write bandwidth across block sizes and queue depths.
+    BenchIo(bench_io::BenchIoArgs),
+    /// Sweep I/O settings and print a ready-to-paste ds_config "aio" block.
+    Tune(bench_io::TuneArgs),
+}
+
+/// A failure, classified for the exit code.
+#[derive(Debug)]
+pub enum Failure {
+    /// The user's input cannot work (exit 2).
+    BadInput(anyhow::Error),
+    /// Something broke inside (exit 1).
+    Internal(anyhow::Error),
+}
+
+impl Failure {
+    /// Classifies a swap-layer error: problems the user can fix by changing
+    /// input or limits are bad input, the rest internal.
+    pub fn from_swap(e: tierzero_swap::SwapError, context: &str) -> Self {
+        use tierzero_swap::SwapError as E;
+        let bad = matches!(
+            e,
+            E::Config(_)
+                | E::Misaligned { .. }
+                | E::MemlockTooLow { .. }
+                | E::DirectIoUnsupported { .. }
+                | E::OutOfSpace { .. }
+        ) || matches!(&e, E::Setup { source, .. } if matches!(source.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied));
+        let err = anyhow::Error::new(e).context(context.to_string());
+        if bad {
+            Failure::BadInput(err)
+        } else {
+            Failure::Internal(err)
+        }
+    }
+}
+
+/// Runs the CLI; returns the process exit code.
+pub fn main() -> i32 {
+    init_tracing();
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            // --help and --version are not errors.
+            let code = if e.use_stderr() { 2 } else { 0 };
+            let _ = e.print();
+            return code;
+        }
+    };
+    let result = match cli.command {
+        Command::BenchIo(a) => bench_io::run_bench_io(a),
+        Command::Tune(a) => bench_io::run_tune(a),
+    };
+    match result {
+        Ok(()) => 0,
+        Err(Failure::BadInput(e)) => {
+            eprintln!("error: {e:#}");
+            2
+        }
+        Err(Failure::Internal(e)) => {
+            eprintln!("internal error: {e:#}");
+            1
+        }
+    }
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TIERZERO_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}

@@ -1,0 +1,156 @@
+//! Human-readable sizes and counts on the command line.
+//!
+//! Byte sizes take binary suffixes (`K`, `KiB`, `M`, `MiB`, `G`, `GiB`,
+//! `T`, `TiB`: powers of 1024) and decimal ones (`KB`, `MB`, `GB`, `TB`:
+//! powers of 1000). Counts (`--params 100M`, `7B`) are decimal, as model
+//! sizes are quoted: `K` = 10^3, `M` = 10^6, `B`/`G` = 10^9, `T` = 10^12.
+//! Plain numbers may be written as floats (`5e8`), as in ds_config files.
+
+use thiserror::Error;
+
+/// A size or count that could not be parsed.
+#[derive(Debug, Error, PartialEq, Eq)]
+#[error("cannot parse {input:?} as {what}: {why}")]
+pub struct ParseUnitError {
+    /// What was given.
+    pub input: String,
+    /// What was expected.
+    pub what: &'static str,
+    /// Why it failed.
+    pub why: &'static str,
+}
+
+fn split_number(s: &str) -> (&str, &str) {
+    let end = s
+        .char_indices()
+        .find(|(i, c)| {
+            !(c.is_ascii_digit()
+                || *c == '.'
+                || ((*c == 'e' || *c == 'E')
+                    && *i > 0
+                    && s[i + 1..].starts_with(|d: char| d.is_ascii_digit())))
+        })
+        .map(|(i, _)| i)
+        .unwrap_or(s.len());
+    (&s[..end], s[end..].trim())
+}
+
+fn scaled(input: &str, what: &'static str, mult: f64, num: &str) -> Result<u64, ParseUnitError> {
+    let err = |why| ParseUnitError {
+        input: input.to_string(),
+        what,
+        why,
+    };
+    let v: f64 = num.parse().map_err(|_| err("not a number"))?;
+    let total = v * mult;
+    if !total.is_finite() || total < 0.0 {
+        return Err(err("out of range"));
+    }
+    if total > u64::MAX as f64 {
+        return Err(err("too large"));
+    }
+    if total.fract() != 0.0 {
+        return Err(err("not a whole number"));
+    }
+    Ok(total as u64)
+}
+
+/// Parses a byte size such as `4GiB`, `512M`, `1MB` or `1048576`.
+pub fn parse_bytes(input: &str) -> Result<u64, ParseUnitError> {
+    let s = input.trim();
+    let (num, suffix) = split_number(s);
+    let mult = match suffix.to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => 1024.0 * 1024.0,
+        "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "t" | "tib" => 1024f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        _ => return Err(ParseUnitError {
+            input: input.to_string(),
+            what: "a byte size",
+            why:
+                "unknown suffix (use K/KiB, M/MiB, G/GiB, T/TiB, or KB/MB/GB/TB for powers of 1000)",
+        }),
+    };
+    scaled(input, "a byte size", mult, num)
+}
+
+/// Parses a count such as `100M`, `7B`, `1.5e9` or `1000`.
+pub fn parse_count(input: &str) -> Result<u64, ParseUnitError> {
+    let s = input.trim();
+    let (num, suffix) = split_number(s);
+    let mult = match suffix.to_ascii_uppercase().as_str() {
+        "" => 1.0,
+        "K" => 1e3,
+        "M" => 1e6,
+        "B" | "G" => 1e9,
+        "T" => 1e12,
+        _ => {
+            return Err(ParseUnitError {
+                input: input.to_string(),
+                what: "a count",
+                why: "unknown suffix (use K, M, B or G, T)",
+            })
+        }
+    };
+    scaled(input, "a count", mult, num)
+}
+
+/// Formats bytes with a binary suffix, e.g. `1.50 GiB`.
+pub fn format_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{bytes} B")
+    } else if v.fract() == 0.0 {
+        format!("{v:.0} {}", UNITS[u])
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes() {
+        assert_eq!(parse_bytes("4GiB"), Ok(4 << 30));
+        assert_eq!(parse_bytes("4G"), Ok(4 << 30));
+        assert_eq!(parse_bytes("128K"), Ok(128 << 10));
+        assert_eq!(parse_bytes("1MB"), Ok(1_000_000));
+        assert_eq!(parse_bytes("1048576"), Ok(1 << 20));
+        assert_eq!(parse_bytes("1.5KiB"), Ok(1536));
+        assert_eq!(parse_bytes("5e8"), Ok(500_000_000));
+        assert!(parse_bytes("12 apples").is_err());
+        assert!(parse_bytes("-1G").is_err());
+        assert!(parse_bytes("0.3").is_err());
+        assert!(parse_bytes("").is_err());
+        assert!(parse_bytes("1e300T").is_err());
+    }
+
+    #[test]
+    fn counts() {
+        assert_eq!(parse_count("100M"), Ok(100_000_000));
+        assert_eq!(parse_count("7B"), Ok(7_000_000_000));
+        assert_eq!(parse_count("1.5e9"), Ok(1_500_000_000));
+        assert_eq!(parse_count("3"), Ok(3));
+        assert!(parse_count("1Q").is_err());
+    }
+
+    #[test]
+    fn format() {
+        assert_eq!(format_bytes(512), "512 B");
+        assert_eq!(format_bytes(1 << 20), "1 MiB");
+        assert_eq!(format_bytes(3 << 29), "1.50 GiB");
+    }
+}
