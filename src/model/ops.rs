@@ -3,7 +3,9 @@
 //! Why not `candle_nn`: `candle_nn::ops::{layer_norm, rms_norm,
 //! softmax_last_dim}` (and the `LayerNorm` / `RmsNorm` modules that call them)
 //! are fused custom ops whose backward is missing, so gradients through them
-//! are silently dropped: training would "work" with frozen norms. Candle's
+//! are silently dropped: training would "work" with frozen norms. The same
+//! holds for `candle_nn::rotary_emb::rope` (`apply_op3_no_bwd`), so rotary
+//! embedding is built here from narrow/cat/mul as well. Candle's
 //! built-in `gelu` has a backward, but it uses constants rounded to six digits
 //! (`0.0356774`, `0.797885`, ...), so its derivative disagrees with its own
 //! forward at about 1e-6 relative, which would blur a tight finite-difference
