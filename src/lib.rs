@@ -3,4 +3,5 @@
 //! and NVMe. See `ARCHITECTURE.md` for the map of modules and invariants.
 #![deny(unsafe_code)]
 
+pub mod model;
 pub mod units;

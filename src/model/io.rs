@@ -1,0 +1,556 @@
+//! Loading and saving models in the HF layout: `config.json` plus
+//! safetensors, or `config.json` alone for a model initialised from a seed.
+//!
+//! Design:
+//! - **Header first, data on demand.** [`ModelDir::open`] reads only the
+//!   safetensors headers (8-byte length + JSON), maps every tensor name to a
+//!   canonical parameter, and checks dtype and shape against the config before
+//!   any data is read. [`ModelDir::load_param`] then reads one tensor with a
+//!   positioned read. The engine can thus stream a checkpoint larger than
+//!   host memory into its tiers one parameter at a time. No mmap: the main
+//!   crate denies `unsafe`.
+//! - **Never panic on a bad file.** Header length, JSON, offsets (validated by
+//!   the `safetensors` crate's `Metadata`, which checks contiguity and
+//!   `numel * dtype_size` with checked arithmetic), total file size, dtypes
+//!   and shapes are all checked and reported as [`ModelError`] naming the file
+//!   or tensor, with expected and found shapes.
+//! - **Names.** Canonical names are the HF names; GPT-2 checkpoints are
+//!   accepted with or without the `transformer.` prefix. Known buffers that
+//!   are not parameters (GPT-2 `attn.bias` / `attn.masked_bias`, Llama
+//!   `rotary_emb.inv_freq`, and a redundant `lm_head.weight` next to tied
+//!   embeddings) are skipped; other unknown tensors are warned about and
+//!   listed by [`ModelDir::ignored_tensors`].
+//! - **Layout.** Tensors keep the HF layout (GPT-2 Conv1D `[in, out]`), so
+//!   [`save_hf_dir`] writes them back unchanged and a round trip is exact.
+//! - **Deterministic init.** Without weights, each parameter is drawn from its
+//!   own generator seeded by `(seed, parameter name)` (SplitMix64 + Box-Muller,
+//!   sampled in f64, stored as f32, then cast), so a parameter's initial value
+//!   does not depend on which other parameters were initialised first or on
+//!   the device: the engine can initialise lazily, shard by shard. Values are
+//!   as in GPT-2: normal(0, `initializer_range`) for matrices and embeddings,
+//!   residual output projections scaled by `1/sqrt(2 n_layer)`, biases 0,
+//!   norm weights 1.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use safetensors::tensor::Metadata;
+use safetensors::Dtype as StDtype;
+
+use super::{Arch, Init, Model, ModelConfig, ModelError, ParamId, ParamSpec};
+
+/// Largest safetensors header we accept (the `safetensors` crate's limit).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+#[derive(Debug, Clone)]
+struct TensorLoc {
+    file: usize,
+    /// Name as stored in the file.
+    stored_name: String,
+    dtype: DType,
+    shape: Vec<usize>,
+    offset_bytes: u64,
+    len_bytes: usize,
+}
+
+#[derive(Debug)]
+enum Source {
+    /// Only `config.json`: parameters come from the seeded init.
+    Init,
+    /// Safetensors files; one location per parameter.
+    Files {
+        files: Vec<PathBuf>,
+        locs: HashMap<ParamId, TensorLoc>,
+        ignored: Vec<String>,
+    },
+}
+
+/// An opened HF model directory (config + validated tensor index).
+#[derive(Debug)]
+pub struct ModelDir {
+    path: PathBuf,
+    model: Model,
+    unknown_config_keys: Vec<String>,
+    seed: u64,
+    source: Source,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
+    move |source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn bad_file(path: &Path, reason: impl Into<String>) -> ModelError {
+    ModelError::BadSafetensors {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+/// Reads and validates a safetensors header. Returns the byte offset where
+/// tensor data begins and the metadata.
+fn read_header(path: &Path) -> Result<(u64, Metadata), ModelError> {
+    let mut f = File::open(path).map_err(io_err(path))?;
+    let file_len_bytes = f.metadata().map_err(io_err(path))?.len();
+    if file_len_bytes < 8 {
+        return Err(bad_file(
+            path,
+            format!("file is {file_len_bytes} bytes, shorter than the 8-byte header length"),
+        ));
+    }
+    let mut len_buf = [0u8; 8];
+    f.read_exact(&mut len_buf).map_err(io_err(path))?;
+    let header_bytes = u64::from_le_bytes(len_buf);
+    if header_bytes > MAX_HEADER_BYTES {
+        return Err(bad_file(
+            path,
+            format!("header length {header_bytes} exceeds {MAX_HEADER_BYTES}"),
+        ));
+    }
+    let data_start = 8 + header_bytes;
+    if data_start > file_len_bytes {
+        return Err(bad_file(
+            path,
+            format!(
+                "header length {header_bytes} runs past the end of the {file_len_bytes}-byte file"
+            ),
+        ));
+    }
+    let mut header = vec![0u8; header_bytes as usize];
+    f.read_exact(&mut header).map_err(io_err(path))?;
+    let metadata: Metadata = serde_json::from_slice(&header)
+        .map_err(|e| bad_file(path, format!("invalid header: {e}")))?;
+    let data_len_bytes = metadata.data_len() as u64;
+    let expected_len = data_start
+        .checked_add(data_len_bytes)
+        .ok_or_else(|| bad_file(path, "data length overflows"))?;
+    if expected_len != file_len_bytes {
+        return Err(bad_file(
+            path,
+            format!("header describes {expected_len} bytes but the file has {file_len_bytes}"),
+        ));
+    }
+    Ok((data_start, metadata))
+}
+
+fn candle_dtype(name: &str, dt: StDtype) -> Result<DType, ModelError> {
+    match dt {
+        StDtype::F16 => Ok(DType::F16),
+        StDtype::BF16 => Ok(DType::BF16),
+        StDtype::F32 => Ok(DType::F32),
+        StDtype::F64 => Ok(DType::F64),
+        other => Err(ModelError::UnsupportedDtype {
+            name: name.to_string(),
+            dtype: format!("{other:?}"),
+        }),
+    }
+}
+
+/// Whether a stored tensor that is not a parameter is a known non-parameter.
+fn is_known_buffer(arch: Arch, canonical: &str, tied: bool) -> bool {
+    let layer_suffix = |s: &str, prefix: &str, suffix: &str| {
+        s.strip_prefix(prefix)
+            .and_then(|r| r.strip_suffix(suffix))
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    };
+    match arch {
+        Arch::Gpt2 => {
+            layer_suffix(canonical, "h.", ".attn.bias")
+                || layer_suffix(canonical, "h.", ".attn.masked_bias")
+                || (tied && canonical == "lm_head.weight")
+        }
+        Arch::Llama => {
+            layer_suffix(canonical, "model.layers.", ".self_attn.rotary_emb.inv_freq")
+                || (tied && canonical == "lm_head.weight")
+        }
+    }
+}
+
+/// The weight files of a directory: those named by
+/// `model.safetensors.index.json`, else every `*.safetensors`, sorted.
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let text = std::fs::read_to_string(&index).map_err(io_err(&index))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| bad_file(&index, format!("invalid index JSON: {e}")))?;
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| bad_file(&index, "no weight_map object"))?;
+        let mut files: Vec<PathBuf> = Vec::new();
+        for file in map.values() {
+            let name = file
+                .as_str()
+                .ok_or_else(|| bad_file(&index, "weight_map value is not a string"))?;
+            // Only plain file names inside the directory.
+            if name.contains('/') || name.contains('\\') || name == ".." {
+                return Err(bad_file(
+                    &index,
+                    format!("file name {name:?} leaves the directory"),
+                ));
+            }
+            let p = dir.join(name);
+            if !files.contains(&p) {
+                files.push(p);
+            }
+        }
+        files.sort();
+        return Ok(files);
+    }
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io_err(dir))? {
+        let entry = entry.map_err(io_err(dir))?;
+        let p = entry.path();
+        if p.extension().is_some_and(|e| e == "safetensors") {
+            files.push(p);
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+impl ModelDir {
+    /// Opens `dir`: reads `config.json`, indexes and validates the safetensors
+    /// headers (no tensor data read). `seed` is used only when the directory
+    /// holds no weights.
+    pub fn open(dir: impl AsRef<Path>, seed: u64) -> Result<Self, ModelError> {
+        let dir = dir.as_ref();
+        let cfg_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&cfg_path).map_err(io_err(&cfg_path))?;
+        let (config, unknown_config_keys) = ModelConfig::from_hf_json(&text)?;
+        let model = Model::new(config)?;
+        let files = weight_files(dir)?;
+        let source = if files.is_empty() {
+            Source::Init
+        } else {
+            Self::index(&model, files)?
+        };
+        Ok(ModelDir {
+            path: dir.to_path_buf(),
+            model,
+            unknown_config_keys,
+            seed,
+            source,
+        })
+    }
+
+    fn index(model: &Model, files: Vec<PathBuf>) -> Result<Source, ModelError> {
+        let arch = model.config().arch;
+        let tied = model.config().tie_word_embeddings;
+        let mut locs: HashMap<ParamId, TensorLoc> = HashMap::new();
+        let mut ignored = Vec::new();
+        for (file_idx, path) in files.iter().enumerate() {
+            let (data_start, metadata) = read_header(path)?;
+            let mut names: Vec<(String, &safetensors::tensor::TensorInfo)> =
+                metadata.tensors().into_iter().collect();
+            names.sort_by_key(|(_, info)| info.data_offsets);
+            for (stored_name, info) in names {
+                let canonical = match arch {
+                    Arch::Gpt2 => stored_name
+                        .strip_prefix("transformer.")
+                        .unwrap_or(&stored_name),
+                    Arch::Llama => stored_name.as_str(),
+                };
+                let Some(spec) = model.param_by_name(canonical) else {
+                    if !is_known_buffer(arch, canonical, tied) {
+                        tracing::warn!(tensor = %stored_name, file = %path.display(), "checkpoint tensor is not a model parameter; ignored");
+                        ignored.push(stored_name.clone());
+                    }
+                    continue;
+                };
+                let dtype = candle_dtype(&stored_name, info.dtype)?;
+                if info.shape != spec.shape {
+                    return Err(ModelError::ShapeMismatch {
+                        name: stored_name.clone(),
+                        expected: spec.shape.clone(),
+                        found: info.shape.clone(),
+                    });
+                }
+                let (start, end) = info.data_offsets;
+                let offset_bytes = data_start.checked_add(start as u64).ok_or_else(|| {
+                    bad_file(path, format!("offset of `{stored_name}` overflows"))
+                })?;
+                // Metadata validated end - start == numel * dtype size.
+                let len_bytes = end - start;
+                let loc = TensorLoc {
+                    file: file_idx,
+                    stored_name: stored_name.clone(),
+                    dtype,
+                    shape: info.shape.clone(),
+                    offset_bytes,
+                    len_bytes,
+                };
+                if locs.insert(spec.id, loc).is_some() {
+                    return Err(ModelError::DuplicateTensor {
+                        name: spec.name.clone(),
+                    });
+                }
+            }
+        }
+        if let Some(missing) = model.params().iter().find(|p| !locs.contains_key(&p.id)) {
+            return Err(ModelError::MissingTensor {
+                name: missing.name.clone(),
+            });
+        }
+        Ok(Source::Files {
+            files,
+            locs,
+            ignored,
+        })
+    }
+
+    /// The model description.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether parameters come from files (else from the seeded init).
+    pub fn has_weights(&self) -> bool {
+        matches!(self.source, Source::Files { .. })
+    }
+
+    /// Unknown `config.json` keys that were ignored.
+    pub fn unknown_config_keys(&self) -> &[String] {
+        &self.unknown_config_keys
+    }
+
+    /// Checkpoint tensors that are not parameters and not known buffers.
+    pub fn ignored_tensors(&self) -> &[String] {
+        match &self.source {
+            Source::Init => &[],
+            Source::Files { ignored, .. } => ignored,
+        }
+    }
+
+    /// Loads (or initialises) one parameter as `dtype` on `device`.
+    pub fn load_param(
+        &self,
+        id: ParamId,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor, ModelError> {
+        let spec = self
+            .model
+            .param(id)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: format!("{id:?}"),
+            })?;
+        match &self.source {
+            Source::Init => init_param(spec, self.seed, dtype, device),
+            Source::Files { files, locs, .. } => {
+                let loc = locs.get(&id).ok_or_else(|| ModelError::MissingTensor {
+                    name: spec.name.clone(),
+                })?;
+                let path = &files[loc.file];
+                let f = File::open(path).map_err(io_err(path))?;
+                let mut bytes = vec![0u8; loc.len_bytes];
+                f.read_exact_at(&mut bytes, loc.offset_bytes)
+                    .map_err(io_err(path))?;
+                let t = Tensor::from_raw_buffer(&bytes, loc.dtype, &loc.shape, &Device::Cpu)
+                    .map_err(|e| bad_file(path, format!("tensor `{}`: {e}", loc.stored_name)))?;
+                Ok(t.to_dtype(dtype)?.to_device(device)?)
+            }
+        }
+    }
+
+    /// Loads every parameter, indexed by [`ParamId`] (small models, tests).
+    pub fn load_all(&self, dtype: DType, device: &Device) -> Result<Vec<Tensor>, ModelError> {
+        self.model
+            .params()
+            .iter()
+            .map(|p| self.load_param(p.id, dtype, device))
+            .collect()
+    }
+}
+
+/// SplitMix64: a tiny, well-mixed, portable 64-bit generator.
+#[derive(Debug, Clone)]
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in (0, 1]: 53 random bits, never 0 (safe for `ln`).
+    fn next_open01(&mut self) -> f64 {
+        ((self.next_u64() >> 11) + 1) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
+fn fnv1a64(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01B3)
+    })
+}
+
+/// Initialises one parameter deterministically from `(seed, name)`.
+pub fn init_param(
+    spec: &ParamSpec,
+    seed: u64,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor, ModelError> {
+    let t = match spec.init {
+        Init::Zeros => Tensor::zeros(spec.shape.as_slice(), dtype, device)?,
+        Init::Ones => Tensor::ones(spec.shape.as_slice(), dtype, device)?,
+        Init::Normal { std } => {
+            let mut rng = SplitMix64(seed ^ fnv1a64(&spec.name));
+            let mut v: Vec<f32> = Vec::with_capacity(spec.numel);
+            while v.len() < spec.numel {
+                let r = (-2.0 * rng.next_open01().ln()).sqrt();
+                let theta = std::f64::consts::TAU * rng.next_open01();
+                v.push((std * r * theta.cos()) as f32);
+                if v.len() < spec.numel {
+                    v.push((std * r * theta.sin()) as f32);
+                }
+            }
+            Tensor::from_vec(v, spec.shape.as_slice(), &Device::Cpu)?
+                .to_dtype(dtype)?
+                .to_device(device)?
+        }
+    };
+    Ok(t)
+}
+
+/// Writes `config.json` and `model.safetensors` in HF layout under `dir`.
+/// Tensors come from `fetch` one at a time (in [`ParamId`] order), are
+/// converted to `dtype` and streamed to the file, so the whole model never
+/// needs to be in memory. Written to a temporary name, then renamed.
+pub fn save_hf_dir(
+    dir: impl AsRef<Path>,
+    model: &Model,
+    dtype: DType,
+    mut fetch: impl FnMut(ParamId) -> Result<Tensor, ModelError>,
+) -> Result<(), ModelError> {
+    let dir = dir.as_ref();
+    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let cfg_path = dir.join("config.json");
+    let cfg_text = serde_json::to_string_pretty(&model.config().to_hf_value()).map_err(|e| {
+        ModelError::ConfigJson {
+            reason: e.to_string(),
+        }
+    })?;
+    std::fs::write(&cfg_path, cfg_text).map_err(io_err(&cfg_path))?;
+
+    let st_dtype = StDtype::from(dtype);
+    let elem_bytes = dtype.size_in_bytes();
+    let mut header = serde_json::Map::new();
+    let mut offset_bytes = 0usize;
+    for p in model.params() {
+        let len = p
+            .numel
+            .checked_mul(elem_bytes)
+            .ok_or_else(|| ModelError::SizeOverflow {
+                what: format!("bytes of `{}`", p.name),
+            })?;
+        let end = offset_bytes
+            .checked_add(len)
+            .ok_or_else(|| ModelError::SizeOverflow {
+                what: "safetensors data length".into(),
+            })?;
+        header.insert(
+            p.name.clone(),
+            serde_json::json!({
+                "dtype": st_dtype,
+                "shape": p.shape,
+                "data_offsets": [offset_bytes, end],
+            }),
+        );
+        offset_bytes = end;
+    }
+    let mut header_bytes = serde_json::to_vec(&serde_json::Value::Object(header)).map_err(|e| {
+        ModelError::ConfigJson {
+            reason: e.to_string(),
+        }
+    })?;
+    // Pad to 8 bytes (as the safetensors crate does) so data is aligned.
+    while header_bytes.len() % 8 != 0 {
+        header_bytes.push(b' ');
+    }
+    let final_path = dir.join("model.safetensors");
+    let tmp_path = dir.join("model.safetensors.tmp");
+    let file = File::create(&tmp_path).map_err(io_err(&tmp_path))?;
+    let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
+    w.write_all(&(header_bytes.len() as u64).to_le_bytes())
+        .map_err(io_err(&tmp_path))?;
+    w.write_all(&header_bytes).map_err(io_err(&tmp_path))?;
+    for p in model.params() {
+        let t = fetch(p.id)?;
+        if t.dims() != p.shape.as_slice() {
+            return Err(ModelError::ShapeMismatch {
+                name: p.name.clone(),
+                expected: p.shape.clone(),
+                found: t.dims().to_vec(),
+            });
+        }
+        let t = t.to_dtype(dtype)?;
+        let data = safetensors::View::data(&t);
+        w.write_all(&data).map_err(io_err(&tmp_path))?;
+    }
+    let file = w.into_inner().map_err(|e| ModelError::Io {
+        path: tmp_path.clone(),
+        source: e.into_error(),
+    })?;
+    file.sync_all().map_err(io_err(&tmp_path))?;
+    std::fs::rename(&tmp_path, &final_path).map_err(io_err(&final_path))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+
+    #[test]
+    fn splitmix_normal_moments() {
+        let spec = ParamSpec {
+            id: ParamId(0),
+            name: "x".into(),
+            shape: vec![20001],
+            numel: 20001,
+            kind: super::super::ParamKind::LinearWeight,
+            init: Init::Normal { std: 0.5 },
+            units: vec![],
+        };
+        let t = init_param(&spec, 7, DType::F64, &Device::Cpu).unwrap();
+        let v = t.to_vec1::<f64>().unwrap();
+        let mean = v.iter().sum::<f64>() / v.len() as f64;
+        let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / v.len() as f64;
+        assert!(mean.abs() < 0.02, "{mean}");
+        assert!((var.sqrt() - 0.5).abs() < 0.02, "{}", var.sqrt());
+        let again = init_param(&spec, 7, DType::F64, &Device::Cpu).unwrap();
+        assert_eq!(again.to_vec1::<f64>().unwrap(), v);
+        let other = init_param(&spec, 8, DType::F64, &Device::Cpu).unwrap();
+        assert_ne!(other.to_vec1::<f64>().unwrap(), v);
+    }
+
+    #[test]
+    fn known_buffers() {
+        assert!(is_known_buffer(Arch::Gpt2, "h.11.attn.bias", true));
+        assert!(is_known_buffer(Arch::Gpt2, "h.0.attn.masked_bias", false));
+        assert!(!is_known_buffer(Arch::Gpt2, "h..attn.bias", true));
+        assert!(!is_known_buffer(Arch::Gpt2, "lm_head.weight", false));
+        assert!(is_known_buffer(
+            Arch::Llama,
+            "model.layers.3.self_attn.rotary_emb.inv_freq",
+            false
+        ));
+    }
+}

@@ -1,0 +1,999 @@
+//! Decoder-only transformer models (GPT-2 and Llama) cut into **units**, with
+//! a per-unit backward by recompute. This is the compute side of ZeRO-3: the
+//! engine owns every weight and hands each unit its parameters just before
+//! the unit runs.
+//!
+//! # The unit contract
+//!
+//! A [`Model`] is a description, not a container: it holds the config, the
+//! list of parameters ([`ParamSpec`]: HF name, shape, kind, init) and the list
+//! of units ([`UnitSpec`]) in execution order:
+//!
+//! ```text
+//! unit 0            : Embedding   params: wte (+ wpe for GPT-2)     in: token ids  out: hidden
+//! unit 1 ..= n_layer: Block(i)    params: that layer's weights      in: hidden     out: hidden
+//! unit n_layer + 1  : Head        params: final norm + lm head      in: hidden + targets  out: loss
+//! ```
+//!
+//! No unit holds a weight. [`Model::forward_unit`] takes the unit's
+//! parameters as a slice of candle `Tensor`s **in the order the unit
+//! declares** ([`UnitSpec::params`]), checks count, shape, dtype and device,
+//! and computes the output. The engine fetches those tensors from NVMe or
+//! pinned memory just before the call and may drop them right after.
+//!
+//! A parameter can belong to several units: with tied embeddings the head
+//! declares the token embedding again (`wte.weight` / `model.embed_tokens.weight`).
+//! [`ParamSpec::units`] lists every unit that uses a parameter, so the engine
+//! knows to keep it (or fetch it twice) and to sum its gradients over units.
+//!
+//! # Backward by recompute
+//!
+//! Forward keeps no graph: the engine saves only each unit's input (the
+//! activation checkpoint at unit granularity). [`Model::backward_unit`] takes
+//! the unit's params, the saved input and the upstream gradient, rebuilds the
+//! params and the input as candle `Var`s (one copy each), recomputes the
+//! forward, and backpropagates. The upstream gradient `g` of a unit output
+//! `y` is injected as the scalar `sum(y * g)` (with `g` constant), whose
+//! gradient with respect to `y` is exactly `g` (`1 * g` is exact in floating
+//! point). The head starts from `d(loss) = loss_scale`, so the caller can fold
+//! in micro-batch averaging (`1 / gradient_accumulation_steps`) or an fp16
+//! loss scale. The result is the param grads (same order as declared) and the
+//! input grad (none for the embedding, whose input is token ids).
+//!
+//! Per-unit backward of the whole chain reproduces one full-graph backward:
+//! `tests/model_grad.rs` measures the difference (see the report there; the
+//! only non-identical tensor is a tied embedding, whose two contributions are
+//! summed in a different order).
+//!
+//! # Why primitive ops only
+//!
+//! See [`ops`]: candle's fused norm and softmax kernels have no backward and
+//! drop gradients silently. A finite-difference test in f64 guards this.
+//!
+//! # Weights on disk
+//!
+//! [`io`] reads HF-layout safetensors plus `config.json`, validates every
+//! tensor's shape from the header before reading data, and initialises
+//! deterministically from a seed when the directory has only `config.json`.
+//! Canonical parameter names are the HF names (GPT-2 without the
+//! `transformer.` prefix), and the canonical layout is the HF layout: GPT-2's
+//! Conv1D weights stay `[in, out]` ([`ParamKind::Conv1dWeight`]), Llama's
+//! `nn.Linear` weights stay `[out, in]`, so export writes tensors unchanged.
+//!
+//! # Devices and dtypes
+//!
+//! Every function takes tensors on whatever candle `Device` they live on, and
+//! computes in their dtype; nothing here assumes CPU. Small tables (causal
+//! mask, rotary cos/sin) are built on the host and moved to the input's
+//! device.
+
+pub mod config;
+pub mod io;
+pub mod ops;
+
+use candle_core::{DType, Device, Tensor, Var};
+
+pub use config::{Activation, Arch, ModelConfig};
+pub use io::{save_hf_dir, ModelDir};
+
+/// Errors of the model area.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// I/O on a model file.
+    #[error("I/O error on {path}: {source}")]
+    Io {
+        /// File concerned.
+        path: std::path::PathBuf,
+        /// Underlying error.
+        source: std::io::Error,
+    },
+    /// `config.json` is not valid JSON or has a wrongly typed key.
+    #[error("config.json: {reason}")]
+    ConfigJson {
+        /// Parser message.
+        reason: String,
+    },
+    /// A config value is out of range.
+    #[error("config key `{key}`: {reason}")]
+    InvalidConfig {
+        /// HF key name.
+        key: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The config or checkpoint asks for something not implemented.
+    #[error("unsupported: {what}")]
+    Unsupported {
+        /// What.
+        what: String,
+    },
+    /// A product of dimensions does not fit in `usize`.
+    #[error("size overflow computing {what}")]
+    SizeOverflow {
+        /// Which product.
+        what: String,
+    },
+    /// A safetensors file is malformed.
+    #[error("safetensors file {path}: {reason}")]
+    BadSafetensors {
+        /// File.
+        path: std::path::PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// An expected tensor is not in the checkpoint.
+    #[error("tensor `{name}` is missing from the checkpoint")]
+    MissingTensor {
+        /// Canonical (HF) name.
+        name: String,
+    },
+    /// The same tensor appears twice in the checkpoint.
+    #[error("tensor `{name}` appears more than once in the checkpoint")]
+    DuplicateTensor {
+        /// Canonical name.
+        name: String,
+    },
+    /// A tensor's shape differs from what the config implies.
+    #[error("tensor `{name}`: expected shape {expected:?}, found {found:?}")]
+    ShapeMismatch {
+        /// Name (HF name for parameters).
+        name: String,
+        /// Expected shape.
+        expected: Vec<usize>,
+        /// Found shape.
+        found: Vec<usize>,
+    },
+    /// A tensor's dtype is not usable.
+    #[error("tensor `{name}`: unsupported dtype {dtype}")]
+    UnsupportedDtype {
+        /// Name.
+        name: String,
+        /// Dtype as written.
+        dtype: String,
+    },
+    /// A unit received the wrong number of parameters.
+    #[error("unit {unit:?}: expected {expected} params, got {found}")]
+    ParamCount {
+        /// Unit.
+        unit: UnitId,
+        /// Declared count.
+        expected: usize,
+        /// Passed count.
+        found: usize,
+    },
+    /// A unit's input is malformed.
+    #[error("unit {unit:?}: bad input: {reason}")]
+    BadInput {
+        /// Unit.
+        unit: UnitId,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A unit id outside the model.
+    #[error("unit {unit:?} does not exist (model has {n_units} units)")]
+    NoSuchUnit {
+        /// Unit asked for.
+        unit: UnitId,
+        /// Units in the model.
+        n_units: usize,
+    },
+    /// Backward produced no gradient for a parameter (a dropped gradient).
+    #[error("no gradient for parameter `{name}`: an op without backward in its path?")]
+    MissingGradient {
+        /// Parameter name.
+        name: String,
+    },
+    /// An error from candle.
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+/// Index of a parameter in [`Model::params`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ParamId(pub usize);
+
+/// Index of a unit in [`Model::units`] (also its position in execution order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct UnitId(pub usize);
+
+/// What a parameter is; decides its init and documents its layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ParamKind {
+    /// Token embedding `[vocab, hidden]`.
+    TokenEmbedding,
+    /// Learned position embedding `[max_seq_len, hidden]` (GPT-2).
+    PositionEmbedding,
+    /// HF Conv1D weight, layout `[in, out]`: `y = x W + b` (GPT-2).
+    Conv1dWeight,
+    /// `nn.Linear` weight, layout `[out, in]`: `y = x W^T` (Llama, untied lm_head).
+    LinearWeight,
+    /// A bias vector.
+    Bias,
+    /// A norm's scale (init 1).
+    NormWeight,
+    /// A norm's shift (init 0).
+    NormBias,
+}
+
+/// How a parameter is initialised when there is no checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Init {
+    /// Normal with mean 0 and this std.
+    Normal {
+        /// Standard deviation.
+        std: f64,
+    },
+    /// All zeros.
+    Zeros,
+    /// All ones.
+    Ones,
+}
+
+/// One parameter of the model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamSpec {
+    /// Its index in [`Model::params`].
+    pub id: ParamId,
+    /// HF name (GPT-2 without the `transformer.` prefix).
+    pub name: String,
+    /// Shape in HF layout.
+    pub shape: Vec<usize>,
+    /// Element count (checked product of `shape`).
+    pub numel: usize,
+    /// Kind (layout and init).
+    pub kind: ParamKind,
+    /// Init when there is no checkpoint.
+    pub init: Init,
+    /// Every unit that uses this parameter, in execution order (two units for
+    /// a tied embedding).
+    pub units: Vec<UnitId>,
+}
+
+/// The role of a unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum UnitKind {
+    /// Token (+ position) embedding; input token ids, output hidden.
+    Embedding,
+    /// Transformer block `layer`; hidden to hidden.
+    Block {
+        /// Layer index, from 0.
+        layer: usize,
+    },
+    /// Final norm, LM head and loss; input hidden and targets, output loss.
+    Head,
+}
+
+/// One unit of the model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UnitSpec {
+    /// Its index (execution order).
+    pub id: UnitId,
+    /// Role.
+    pub kind: UnitKind,
+    /// Parameters in the order `forward_unit` / `backward_unit` expect them.
+    pub params: Vec<ParamId>,
+}
+
+/// What a unit consumes.
+#[derive(Debug, Clone, Copy)]
+pub enum UnitInput<'a> {
+    /// Embedding: token ids `[batch, seq]`, `u32`.
+    Tokens(&'a Tensor),
+    /// Block: hidden states `[batch, seq, hidden]`.
+    Hidden(&'a Tensor),
+    /// Head: hidden states and next-token targets `[batch, seq]`, `u32`.
+    HiddenWithTargets {
+        /// `[batch, seq, hidden]`.
+        hidden: &'a Tensor,
+        /// `[batch, seq]`, `u32`; `targets[b, s]` is the token after position `s`.
+        targets: &'a Tensor,
+    },
+}
+
+/// What a unit produces.
+#[derive(Debug, Clone)]
+pub enum UnitOutput {
+    /// Embedding and blocks: `[batch, seq, hidden]`.
+    Hidden(Tensor),
+    /// Head: scalar mean next-token cross-entropy.
+    Loss(Tensor),
+}
+
+impl UnitOutput {
+    /// The tensor, whichever variant.
+    pub fn tensor(&self) -> &Tensor {
+        match self {
+            UnitOutput::Hidden(t) | UnitOutput::Loss(t) => t,
+        }
+    }
+
+    /// The tensor, whichever variant (by value).
+    pub fn into_tensor(self) -> Tensor {
+        match self {
+            UnitOutput::Hidden(t) | UnitOutput::Loss(t) => t,
+        }
+    }
+}
+
+/// Where backward of a unit starts.
+#[derive(Debug, Clone, Copy)]
+pub enum Upstream<'a> {
+    /// Gradient of the loss w.r.t. the unit's output (embedding, blocks).
+    Grad(&'a Tensor),
+    /// For the head: `d(loss)`; 1.0 for a plain gradient, `1/GAS` for
+    /// micro-batch averaging, times the loss scale under fp16.
+    LossScale(f64),
+}
+
+/// Gradients from [`Model::backward_unit`].
+#[derive(Debug, Clone)]
+pub struct UnitGrads {
+    /// One gradient per declared parameter, in declared order.
+    pub params: Vec<(ParamId, Tensor)>,
+    /// Gradient w.r.t. the unit's hidden input; `None` for the embedding.
+    pub input: Option<Tensor>,
+    /// The recomputed loss (head only; unscaled), so the engine can run the
+    /// head once per micro-batch instead of forward + backward.
+    pub loss: Option<Tensor>,
+}
+
+/// A model description: config, parameters, units. Holds no weights.
+#[derive(Debug, Clone)]
+pub struct Model {
+    config: ModelConfig,
+    params: Vec<ParamSpec>,
+    units: Vec<UnitSpec>,
+    by_name: std::collections::HashMap<String, ParamId>,
+}
+
+fn numel_of(name: &str, shape: &[usize]) -> Result<usize, ModelError> {
+    shape
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| ModelError::SizeOverflow {
+            what: format!("numel of `{name}` {shape:?}"),
+        })
+}
+
+struct Builder {
+    params: Vec<ParamSpec>,
+    units: Vec<UnitSpec>,
+    by_name: std::collections::HashMap<String, ParamId>,
+}
+
+impl Builder {
+    fn unit(&mut self, kind: UnitKind) -> UnitId {
+        let id = UnitId(self.units.len());
+        self.units.push(UnitSpec {
+            id,
+            kind,
+            params: Vec::new(),
+        });
+        id
+    }
+
+    /// Declares a new parameter used by `unit`.
+    fn param(
+        &mut self,
+        unit: UnitId,
+        name: String,
+        shape: Vec<usize>,
+        kind: ParamKind,
+        init: Init,
+    ) -> Result<(), ModelError> {
+        let numel = numel_of(&name, &shape)?;
+        let id = ParamId(self.params.len());
+        self.by_name.insert(name.clone(), id);
+        self.params.push(ParamSpec {
+            id,
+            name,
+            shape,
+            numel,
+            kind,
+            init,
+            units: vec![unit],
+        });
+        self.units[unit.0].params.push(id);
+        Ok(())
+    }
+
+    /// Declares that `unit` also uses the existing parameter `id`.
+    fn share(&mut self, unit: UnitId, id: ParamId) {
+        self.params[id.0].units.push(unit);
+        self.units[unit.0].params.push(id);
+    }
+}
+
+impl Model {
+    /// Builds the description for `config` (validated again here).
+    pub fn new(config: ModelConfig) -> Result<Self, ModelError> {
+        config.validate()?;
+        let mut b = Builder {
+            params: Vec::new(),
+            units: Vec::new(),
+            by_name: std::collections::HashMap::new(),
+        };
+        let c = &config;
+        let h = c.hidden_size;
+        let std = c.initializer_range;
+        // GPT-2 scales the init of residual output projections by
+        // 1/sqrt(2 * n_layer) (two residual adds per block). We apply the
+        // same to Llama's o_proj / down_proj (HF Llama does not).
+        let resid_std = std / (2.0 * c.n_layer as f64).sqrt();
+        let normal = Init::Normal { std };
+        let resid = Init::Normal { std: resid_std };
+        let q_out = c.n_head * c.head_dim;
+        let kv_out = c.n_kv_head * c.head_dim;
+        let inter = c.intermediate_size;
+        let emb = b.unit(UnitKind::Embedding);
+        let wte_name = match c.arch {
+            Arch::Gpt2 => "wte.weight",
+            Arch::Llama => "model.embed_tokens.weight",
+        };
+        b.param(
+            emb,
+            wte_name.into(),
+            vec![c.vocab_size, h],
+            ParamKind::TokenEmbedding,
+            normal,
+        )?;
+        let wte = ParamId(0);
+        if c.arch == Arch::Gpt2 {
+            b.param(
+                emb,
+                "wpe.weight".into(),
+                vec![c.max_seq_len, h],
+                ParamKind::PositionEmbedding,
+                normal,
+            )?;
+        }
+        for layer in 0..c.n_layer {
+            let u = b.unit(UnitKind::Block { layer });
+            match c.arch {
+                Arch::Gpt2 => {
+                    let p = format!("h.{layer}.");
+                    let list: [(&str, Vec<usize>, ParamKind, Init); 12] = [
+                        ("ln_1.weight", vec![h], ParamKind::NormWeight, Init::Ones),
+                        ("ln_1.bias", vec![h], ParamKind::NormBias, Init::Zeros),
+                        (
+                            "attn.c_attn.weight",
+                            vec![h, 3 * h],
+                            ParamKind::Conv1dWeight,
+                            normal,
+                        ),
+                        (
+                            "attn.c_attn.bias",
+                            vec![3 * h],
+                            ParamKind::Bias,
+                            Init::Zeros,
+                        ),
+                        (
+                            "attn.c_proj.weight",
+                            vec![h, h],
+                            ParamKind::Conv1dWeight,
+                            resid,
+                        ),
+                        ("attn.c_proj.bias", vec![h], ParamKind::Bias, Init::Zeros),
+                        ("ln_2.weight", vec![h], ParamKind::NormWeight, Init::Ones),
+                        ("ln_2.bias", vec![h], ParamKind::NormBias, Init::Zeros),
+                        (
+                            "mlp.c_fc.weight",
+                            vec![h, inter],
+                            ParamKind::Conv1dWeight,
+                            normal,
+                        ),
+                        ("mlp.c_fc.bias", vec![inter], ParamKind::Bias, Init::Zeros),
+                        (
+                            "mlp.c_proj.weight",
+                            vec![inter, h],
+                            ParamKind::Conv1dWeight,
+                            resid,
+                        ),
+                        ("mlp.c_proj.bias", vec![h], ParamKind::Bias, Init::Zeros),
+                    ];
+                    for (n, shape, kind, init) in list {
+                        b.param(u, format!("{p}{n}"), shape, kind, init)?;
+                    }
+                }
+                Arch::Llama => {
+                    let p = format!("model.layers.{layer}.");
+                    let lin = ParamKind::LinearWeight;
+                    let list: [(&str, Vec<usize>, ParamKind, Init); 9] = [
+                        (
+                            "input_layernorm.weight",
+                            vec![h],
+                            ParamKind::NormWeight,
+                            Init::Ones,
+                        ),
+                        ("self_attn.q_proj.weight", vec![q_out, h], lin, normal),
+                        ("self_attn.k_proj.weight", vec![kv_out, h], lin, normal),
+                        ("self_attn.v_proj.weight", vec![kv_out, h], lin, normal),
+                        ("self_attn.o_proj.weight", vec![h, q_out], lin, resid),
+                        (
+                            "post_attention_layernorm.weight",
+                            vec![h],
+                            ParamKind::NormWeight,
+                            Init::Ones,
+                        ),
+                        ("mlp.gate_proj.weight", vec![inter, h], lin, normal),
+                        ("mlp.up_proj.weight", vec![inter, h], lin, normal),
+                        ("mlp.down_proj.weight", vec![h, inter], lin, resid),
+                    ];
+                    for (n, shape, kind, init) in list {
+                        b.param(u, format!("{p}{n}"), shape, kind, init)?;
+                    }
+                }
+            }
+        }
+        let head = b.unit(UnitKind::Head);
+        match c.arch {
+            Arch::Gpt2 => {
+                b.param(
+                    head,
+                    "ln_f.weight".into(),
+                    vec![h],
+                    ParamKind::NormWeight,
+                    Init::Ones,
+                )?;
+                b.param(
+                    head,
+                    "ln_f.bias".into(),
+                    vec![h],
+                    ParamKind::NormBias,
+                    Init::Zeros,
+                )?;
+            }
+            Arch::Llama => {
+                b.param(
+                    head,
+                    "model.norm.weight".into(),
+                    vec![h],
+                    ParamKind::NormWeight,
+                    Init::Ones,
+                )?;
+            }
+        }
+        if c.tie_word_embeddings {
+            b.share(head, wte);
+        } else {
+            b.param(
+                head,
+                "lm_head.weight".into(),
+                vec![c.vocab_size, h],
+                ParamKind::LinearWeight,
+                normal,
+            )?;
+        }
+        Ok(Model {
+            config,
+            params: b.params,
+            units: b.units,
+            by_name: b.by_name,
+        })
+    }
+
+    /// The validated config.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// All parameters, each once, indexed by [`ParamId`].
+    pub fn params(&self) -> &[ParamSpec] {
+        &self.params
+    }
+
+    /// One parameter.
+    pub fn param(&self, id: ParamId) -> Option<&ParamSpec> {
+        self.params.get(id.0)
+    }
+
+    /// Looks a parameter up by its canonical (HF) name.
+    pub fn param_by_name(&self, name: &str) -> Option<&ParamSpec> {
+        self.by_name.get(name).and_then(|id| self.params.get(id.0))
+    }
+
+    /// Units in execution order.
+    pub fn units(&self) -> &[UnitSpec] {
+        &self.units
+    }
+
+    /// One unit.
+    pub fn unit(&self, id: UnitId) -> Result<&UnitSpec, ModelError> {
+        self.units.get(id.0).ok_or(ModelError::NoSuchUnit {
+            unit: id,
+            n_units: self.units.len(),
+        })
+    }
+
+    /// Total parameter count (shared parameters counted once).
+    pub fn numel(&self) -> usize {
+        // Cannot overflow in practice (each numel fits and there are few);
+        // saturate rather than panic.
+        self.params
+            .iter()
+            .fold(0usize, |acc, p| acc.saturating_add(p.numel))
+    }
+
+    /// Picks `unit`'s parameters, in declared order, out of a dense list
+    /// indexed by [`ParamId`] (convenience for tests and stage 0).
+    pub fn unit_params(&self, unit: UnitId, all: &[Tensor]) -> Result<Vec<Tensor>, ModelError> {
+        let spec = self.unit(unit)?;
+        spec.params
+            .iter()
+            .map(|id| {
+                all.get(id.0).cloned().ok_or(ModelError::ParamCount {
+                    unit,
+                    expected: self.params.len(),
+                    found: all.len(),
+                })
+            })
+            .collect()
+    }
+
+    /// Checks a unit's params: count, shapes, one float dtype, one device.
+    fn check_params(&self, unit: &UnitSpec, params: &[Tensor]) -> Result<DType, ModelError> {
+        if params.len() != unit.params.len() {
+            return Err(ModelError::ParamCount {
+                unit: unit.id,
+                expected: unit.params.len(),
+                found: params.len(),
+            });
+        }
+        let mut dtype = None;
+        let mut device: Option<&Device> = None;
+        for (id, t) in unit.params.iter().zip(params) {
+            let spec = &self.params[id.0];
+            if t.dims() != spec.shape.as_slice() {
+                return Err(ModelError::ShapeMismatch {
+                    name: spec.name.clone(),
+                    expected: spec.shape.clone(),
+                    found: t.dims().to_vec(),
+                });
+            }
+            if !t.dtype().is_float() || dtype.is_some_and(|d| d != t.dtype()) {
+                return Err(ModelError::BadInput {
+                    unit: unit.id,
+                    reason: format!(
+                        "param `{}` has dtype {:?}; all params of a unit must share one float dtype",
+                        spec.name,
+                        t.dtype()
+                    ),
+                });
+            }
+            dtype = Some(t.dtype());
+            if let Some(d) = device {
+                if !d.same_device(t.device()) {
+                    return Err(ModelError::BadInput {
+                        unit: unit.id,
+                        reason: format!("param `{}` is on another device", spec.name),
+                    });
+                }
+            }
+            device = Some(t.device());
+        }
+        dtype.ok_or_else(|| ModelError::BadInput {
+            unit: unit.id,
+            reason: "unit has no params".into(),
+        })
+    }
+
+    fn check_tokens(&self, unit: UnitId, ids: &Tensor, what: &str) -> Result<(), ModelError> {
+        let bad = |reason: String| ModelError::BadInput { unit, reason };
+        if ids.dtype() != DType::U32 {
+            return Err(bad(format!("{what} must be u32, got {:?}", ids.dtype())));
+        }
+        let (b, t) = ids
+            .dims2()
+            .map_err(|_| bad(format!("{what} must be [batch, seq], got {:?}", ids.dims())))?;
+        if b == 0 || t == 0 {
+            return Err(bad(format!("{what} is empty: {:?}", ids.dims())));
+        }
+        if t > self.config.max_seq_len {
+            return Err(bad(format!(
+                "sequence length {t} exceeds max_seq_len {}",
+                self.config.max_seq_len
+            )));
+        }
+        let max_id = ids.flatten_all()?.max(0)?.to_scalar::<u32>()?;
+        if max_id as usize >= self.config.vocab_size {
+            return Err(bad(format!(
+                "{what} contain id {max_id} >= vocab_size {}",
+                self.config.vocab_size
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_hidden(&self, unit: UnitId, x: &Tensor, dtype: DType) -> Result<(), ModelError> {
+        let bad = |reason: String| ModelError::BadInput { unit, reason };
+        let (b, t, h) = x.dims3().map_err(|_| {
+            bad(format!(
+                "hidden must be [batch, seq, hidden], got {:?}",
+                x.dims()
+            ))
+        })?;
+        if h != self.config.hidden_size || b == 0 || t == 0 {
+            return Err(bad(format!(
+                "hidden shape {:?}, expected [batch, seq, {}]",
+                x.dims(),
+                self.config.hidden_size
+            )));
+        }
+        if t > self.config.max_seq_len {
+            return Err(bad(format!(
+                "sequence length {t} exceeds max_seq_len {}",
+                self.config.max_seq_len
+            )));
+        }
+        if x.dtype() != dtype {
+            return Err(bad(format!(
+                "hidden dtype {:?} differs from params dtype {dtype:?}",
+                x.dtype()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Validates inputs and runs the unit's math (no validation inside).
+    fn run_unit(
+        &self,
+        unit: &UnitSpec,
+        params: &[Tensor],
+        input: UnitInput<'_>,
+    ) -> Result<UnitOutput, ModelError> {
+        let dtype = self.check_params(unit, params)?;
+        let wrong = |expected: &str| ModelError::BadInput {
+            unit: unit.id,
+            reason: format!("expected {expected} input"),
+        };
+        match (unit.kind, input) {
+            (UnitKind::Embedding, UnitInput::Tokens(ids)) => {
+                self.check_tokens(unit.id, ids, "token ids")?;
+                Ok(UnitOutput::Hidden(self.embed(params, ids)?))
+            }
+            (UnitKind::Embedding, _) => Err(wrong("Tokens")),
+            (UnitKind::Block { .. }, UnitInput::Hidden(x)) => {
+                self.check_hidden(unit.id, x, dtype)?;
+                Ok(UnitOutput::Hidden(self.block(params, x)?))
+            }
+            (UnitKind::Block { .. }, _) => Err(wrong("Hidden")),
+            (UnitKind::Head, UnitInput::HiddenWithTargets { hidden, targets }) => {
+                self.check_hidden(unit.id, hidden, dtype)?;
+                self.check_tokens(unit.id, targets, "targets")?;
+                let (b, t, _) = hidden.dims3()?;
+                if targets.dims() != [b, t] {
+                    return Err(ModelError::BadInput {
+                        unit: unit.id,
+                        reason: format!(
+                            "targets shape {:?} must be [{b}, {t}] to match hidden",
+                            targets.dims()
+                        ),
+                    });
+                }
+                let logits = self.logits_unchecked(params, hidden)?;
+                let flat = logits.reshape((b * t, self.config.vocab_size))?;
+                let loss = ops::cross_entropy(&flat, &targets.flatten_all()?)?;
+                Ok(UnitOutput::Loss(loss))
+            }
+            (UnitKind::Head, _) => Err(wrong("HiddenWithTargets")),
+        }
+    }
+
+    /// Forward of one unit with its params (declared order). Keeps no graph
+    /// unless the params are `Var`s.
+    pub fn forward_unit(
+        &self,
+        unit: UnitId,
+        params: &[Tensor],
+        input: UnitInput<'_>,
+    ) -> Result<UnitOutput, ModelError> {
+        let spec = self.unit(unit)?;
+        self.run_unit(spec, params, input)
+    }
+
+    /// Backward of one unit by recompute (see the module docs). `input` is
+    /// the same input the forward got; `upstream` is `Grad(dL/d output)` for
+    /// the embedding and blocks and `LossScale(s)` for the head.
+    pub fn backward_unit(
+        &self,
+        unit: UnitId,
+        params: &[Tensor],
+        input: UnitInput<'_>,
+        upstream: Upstream<'_>,
+    ) -> Result<UnitGrads, ModelError> {
+        let spec = self.unit(unit)?;
+        // Validate before copying anything.
+        self.check_params(spec, params)?;
+        let vars = params
+            .iter()
+            .map(Var::from_tensor)
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let var_tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let bad = |reason: &str| ModelError::BadInput {
+            unit,
+            reason: reason.to_string(),
+        };
+        // The input as a Var when it is a hidden state (needs a gradient).
+        let (input_var, targets) = match input {
+            UnitInput::Tokens(_) => (None, None),
+            UnitInput::Hidden(x) => (Some(Var::from_tensor(x)?), None),
+            UnitInput::HiddenWithTargets { hidden, targets } => {
+                (Some(Var::from_tensor(hidden)?), Some(targets))
+            }
+        };
+        let recompute_input = match (&input_var, input, targets) {
+            (None, UnitInput::Tokens(ids), _) => UnitInput::Tokens(ids),
+            (Some(x), _, None) => UnitInput::Hidden(x.as_tensor()),
+            (Some(x), _, Some(targets)) => UnitInput::HiddenWithTargets {
+                hidden: x.as_tensor(),
+                targets,
+            },
+            _ => return Err(bad("inconsistent input")),
+        };
+        let out = self.run_unit(spec, &var_tensors, recompute_input)?;
+        let (objective, loss) = match (out, upstream) {
+            (UnitOutput::Loss(loss), Upstream::LossScale(s)) => {
+                (loss.affine(s, 0.0)?, Some(loss.detach()))
+            }
+            (UnitOutput::Hidden(y), Upstream::Grad(g)) => {
+                if g.dims() != y.dims() || g.dtype() != y.dtype() {
+                    return Err(ModelError::BadInput {
+                        unit,
+                        reason: format!(
+                            "upstream grad {:?} {:?} does not match output {:?} {:?}",
+                            g.dims(),
+                            g.dtype(),
+                            y.dims(),
+                            y.dtype()
+                        ),
+                    });
+                }
+                // d/dy sum(y * g) = g exactly; g is constant (not a Var).
+                (y.mul(&g.detach())?.sum_all()?, None)
+            }
+            (UnitOutput::Loss(_), Upstream::Grad(_)) => {
+                return Err(bad("the head starts from Upstream::LossScale"))
+            }
+            (UnitOutput::Hidden(_), Upstream::LossScale(_)) => {
+                return Err(bad("only the head takes Upstream::LossScale"))
+            }
+        };
+        let grads = objective.backward()?;
+        let mut param_grads = Vec::with_capacity(vars.len());
+        for (id, var) in spec.params.iter().zip(&vars) {
+            let g = grads
+                .get(var.as_tensor())
+                .ok_or_else(|| ModelError::MissingGradient {
+                    name: self.params[id.0].name.clone(),
+                })?;
+            param_grads.push((*id, g.clone()));
+        }
+        let input_grad = match &input_var {
+            Some(x) => Some(grads.get(x.as_tensor()).cloned().ok_or_else(|| {
+                ModelError::MissingGradient {
+                    name: format!("input of unit {unit:?}"),
+                }
+            })?),
+            None => None,
+        };
+        Ok(UnitGrads {
+            params: param_grads,
+            input: input_grad,
+            loss,
+        })
+    }
+
+    /// Whole-model forward, unit by unit, with `all` indexed by [`ParamId`].
+    /// With `Var` params this builds one full graph (used to check the
+    /// per-unit backward); with plain tensors it is an inference pass.
+    pub fn forward_full(
+        &self,
+        all: &[Tensor],
+        ids: &Tensor,
+        targets: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        let mut hidden: Option<Tensor> = None;
+        for unit in &self.units {
+            let params = self.unit_params(unit.id, all)?;
+            let input = match (unit.kind, &hidden) {
+                (UnitKind::Embedding, _) => UnitInput::Tokens(ids),
+                (UnitKind::Block { .. }, Some(h)) => UnitInput::Hidden(h),
+                (UnitKind::Head, Some(h)) => UnitInput::HiddenWithTargets { hidden: h, targets },
+                (_, None) => {
+                    return Err(ModelError::BadInput {
+                        unit: unit.id,
+                        reason: "no hidden state: model has no embedding unit".into(),
+                    })
+                }
+            };
+            match self.run_unit(unit, &params, input)? {
+                UnitOutput::Hidden(h) => hidden = Some(h),
+                UnitOutput::Loss(l) => return Ok(l),
+            }
+        }
+        Err(ModelError::Unsupported {
+            what: "model without a head unit".into(),
+        })
+    }
+
+    /// Logits `[batch, seq, vocab]` of the head unit (for evaluation and
+    /// generation; training uses the loss output).
+    pub fn logits(&self, head_params: &[Tensor], hidden: &Tensor) -> Result<Tensor, ModelError> {
+        let spec = self.units.last().ok_or_else(|| ModelError::Unsupported {
+            what: "model without units".into(),
+        })?;
+        let dtype = self.check_params(spec, head_params)?;
+        self.check_hidden(spec.id, hidden, dtype)?;
+        self.logits_unchecked(head_params, hidden)
+    }
+
+    fn embed(&self, p: &[Tensor], ids: &Tensor) -> Result<Tensor, ModelError> {
+        let (b, t) = ids.dims2()?;
+        let h = self.config.hidden_size;
+        let x = p[0]
+            .index_select(&ids.flatten_all()?, 0)?
+            .reshape((b, t, h))?;
+        Ok(match self.config.arch {
+            Arch::Gpt2 => x.broadcast_add(&p[1].narrow(0, 0, t)?)?,
+            Arch::Llama => x,
+        })
+    }
+
+    fn block(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor, ModelError> {
+        let c = &self.config;
+        let (b, t, h) = x.dims3()?;
+        let (nh, nkv, hd) = (c.n_head, c.n_kv_head, c.head_dim);
+        // [b, t, n * hd] -> [b, n, t, hd]
+        let heads = |y: &Tensor, n: usize| -> candle_core::Result<Tensor> {
+            y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()
+        };
+        let merge = |y: &Tensor| -> candle_core::Result<Tensor> {
+            y.transpose(1, 2)?.contiguous()?.reshape((b, t, nh * hd))
+        };
+        match c.arch {
+            Arch::Gpt2 => {
+                let a = ops::layer_norm(x, &p[0], &p[1], c.norm_eps)?;
+                let qkv = ops::conv1d(&a, &p[2], Some(&p[3]))?;
+                let q = heads(&qkv.narrow(2, 0, h)?, nh)?;
+                let k = heads(&qkv.narrow(2, h, h)?, nh)?;
+                let v = heads(&qkv.narrow(2, 2 * h, h)?, nh)?;
+                let y = merge(&ops::causal_attention(&q, &k, &v)?)?;
+                let x = (x + ops::conv1d(&y, &p[4], Some(&p[5]))?)?;
+                let m = ops::layer_norm(&x, &p[6], &p[7], c.norm_eps)?;
+                let m = ops::conv1d(&m, &p[8], Some(&p[9]))?;
+                let m = match c.activation {
+                    Activation::GeluErf => ops::gelu_erf(&m)?,
+                    _ => ops::gelu_tanh(&m)?,
+                };
+                Ok((x + ops::conv1d(&m, &p[10], Some(&p[11]))?)?)
+            }
+            Arch::Llama => {
+                let a = ops::rms_norm(x, &p[0], c.norm_eps)?;
+                let q = heads(&ops::linear(&a, &p[1], None)?, nh)?;
+                let k = heads(&ops::linear(&a, &p[2], None)?, nkv)?;
+                let v = heads(&ops::linear(&a, &p[3], None)?, nkv)?;
+                let (cos, sin) = ops::rope_tables(t, hd, c.rope_theta, x.dtype(), x.device())?;
+                let q = ops::apply_rope(&q, &cos, &sin)?;
+                let k = ops::apply_rope(&k, &cos, &sin)?;
+                let k = ops::repeat_kv(&k, nh / nkv)?;
+                let v = ops::repeat_kv(&v, nh / nkv)?;
+                let y = merge(&ops::causal_attention(&q, &k, &v)?)?;
+                let x = (x + ops::linear(&y, &p[4], None)?)?;
+                let m = ops::rms_norm(&x, &p[5], c.norm_eps)?;
+                let gate = ops::linear(&m, &p[6], None)?.silu()?;
+                let up = ops::linear(&m, &p[7], None)?;
+                Ok((x + ops::linear(&gate.mul(&up)?, &p[8], None)?)?)
+            }
+        }
+    }
+
+    fn logits_unchecked(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor, ModelError> {
+        let c = &self.config;
+        let (n, w) = match c.arch {
+            Arch::Gpt2 => (ops::layer_norm(x, &p[0], &p[1], c.norm_eps)?, &p[2]),
+            Arch::Llama => (ops::rms_norm(x, &p[0], c.norm_eps)?, &p[1]),
+        };
+        // Both the tied embedding [vocab, hidden] and lm_head (nn.Linear) are [out, in].
+        Ok(ops::linear(&n, w, None)?)
+    }
+}
