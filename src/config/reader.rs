@@ -261,7 +261,11 @@ fn suggest(key: &str, known: &[&'static str]) -> Option<&'static str> {
             return Some(k);
         }
     }
-    let limit = if key.len() <= 3 { 1 } else { (key.len() / 5).clamp(2, 4) };
+    let limit = if key.len() <= 3 {
+        1
+    } else {
+        (key.len() / 5).clamp(2, 4)
+    };
     known
         .iter()
         .map(|k| (levenshtein(&lower, k), *k))

@@ -33,11 +33,15 @@
 //! Where we differ from HF, on purpose:
 //! - **A concrete config value that contradicts a run value is an error**
 //!   ([`super::ConfigError::RunMismatch`]), as HF reports for its
-//!   must-match keys, but for every key in the table: silently preferring
-//!   one of two explicit, different answers is how batch-size mismatches go
-//!   unnoticed.
-//! - **An absent key takes the run value** when one is given (HF leaves
-//!   absent keys to DeepSpeed's defaults and silently drops the CLI value).
+//!   must-match keys, but for every numeric key in the table: silently
+//!   preferring one of two explicit, different answers is how batch-size
+//!   mismatches go unnoticed.
+//! - **An absent numeric key takes the run value** when one is given (HF
+//!   leaves absent keys to DeepSpeed's defaults and silently drops the CLI
+//!   value).
+//! - The boolean keys (`fp16.enabled`, `bf16.enabled`,
+//!   `stage3_gather_16bit_weights_on_model_save`) take the run value only
+//!   when written as `"auto"`; written or absent, the config decides.
 //! - Hidden-size rules fall back to DeepSpeed's defaults instead of failing,
 //!   since the config can be loaded before the model (e.g. `estimate`).
 //!
