@@ -242,18 +242,25 @@ pub struct DsScheduler {
 #[serde(default)]
 pub struct DsSchedulerParams {
     /// `warmup_min_lr` (WarmupLR, WarmupDecayLR).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub warmup_min_lr: Option<AutoOr<f64>>,
     /// `warmup_max_lr` (WarmupLR, WarmupDecayLR).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub warmup_max_lr: Option<AutoOr<f64>>,
     /// `warmup_num_steps` (all three).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub warmup_num_steps: Option<AutoOr<u64>>,
     /// `warmup_type`: "log" or "linear" (all three).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub warmup_type: Option<String>,
     /// `total_num_steps` (WarmupDecayLR, WarmupCosineLR).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub total_num_steps: Option<AutoOr<u64>>,
     /// `warmup_min_ratio` (WarmupCosineLR).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub warmup_min_ratio: Option<f64>,
     /// `cos_min_ratio` (WarmupCosineLR).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub cos_min_ratio: Option<f64>,
 }
 
@@ -581,15 +588,6 @@ const ADAM_IGNORED: &[&str] = &[
     "fp32_optimizer_states",
 ];
 const SCHED_KEYS: &[&str] = &["type", "params"];
-const SCHED_ALL_PARAMS: &[&str] = &[
-    "warmup_min_lr",
-    "warmup_max_lr",
-    "warmup_num_steps",
-    "warmup_type",
-    "total_num_steps",
-    "warmup_min_ratio",
-    "cos_min_ratio",
-];
 const SCHED_IGNORED: &[&str] = &["last_batch_iteration"];
 const ZERO_KEYS: &[&str] = &[
     "stage",
@@ -874,7 +872,7 @@ fn read_scheduler(f: &Field<'_>, sink: &mut Sink) -> Result<DsScheduler, ConfigE
     };
     let mut params = DsSchedulerParams::default();
     if let Some(pf) = o.take("params") {
-        let mut p = Obj::new(&pf.key, pf.value, SCHED_ALL_PARAMS, SCHED_IGNORED)?;
+        let mut p = Obj::new(&pf.key, pf.value, keys, SCHED_IGNORED)?;
         let wants = |k: &str| keys.contains(&k);
         // Keys that do not belong to this type stay untaken and are reported
         // as unknown by `finish` (DeepSpeed would reject them as unexpected

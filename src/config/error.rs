@@ -13,6 +13,8 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 
+use super::units::Bytes;
+
 /// Longest rendering of a user value inside an error message.
 pub const MAX_VALUE_CHARS: usize = 80;
 
@@ -211,7 +213,7 @@ pub enum ConfigError {
     },
 
     /// The pinned budget cannot hold the configured swap buffers.
-    #[error("`tierzero.pinned_budget_bytes` = {budget_bytes} is too small: {what} needs {breakdown} = {required_bytes} bytes of pinned buffers; fix: raise `tierzero.pinned_budget_bytes` to at least {required_bytes} or lower {lower_keys}")]
+    #[error("`tierzero.pinned_budget_bytes` = {} is too small: {what} needs {breakdown} = {} of pinned buffers; fix: raise `tierzero.pinned_budget_bytes` to at least {required_bytes} or lower {lower_keys}", Bytes(*budget_bytes), Bytes(*required_bytes))]
     PinnedBudgetTooSmall {
         /// The budget.
         budget_bytes: u64,

@@ -226,7 +226,8 @@ impl<'a> Obj<'a> {
                 sink.warnings.push(ConfigWarning::IgnoredKey { key: path });
             } else {
                 let suggestion = special_suggestion(&self.path, key)
-                    .or_else(|| suggest(key, self.known).map(|s| join(&self.path, s)));
+                    .or_else(|| suggest(key, self.known).map(|s| join(&self.path, s)))
+                    .filter(|s| *s != path);
                 sink.warnings.push(ConfigWarning::UnknownKey {
                     key: path,
                     suggestion,

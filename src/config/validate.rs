@@ -394,17 +394,17 @@ impl Resolver<'_> {
     ) -> Result<f64, ConfigError> {
         match (cfg, run) {
             (Some(AutoOr::Auto), Some(r)) | (None, Some(r)) => {
-                self.record(key, r.to_string(), Source::Run(run_name));
+                self.record(key, format!("{r:?}"), Source::Run(run_name));
                 Ok(r)
             }
             (Some(AutoOr::Auto), None) => {
-                self.record(key, hf_default.to_string(), Source::HfDefault);
+                self.record(key, format!("{hf_default:?}"), Source::HfDefault);
                 Ok(hf_default)
             }
             (Some(AutoOr::Value(v)), Some(r)) if !close(v, r) => Err(ConfigError::RunMismatch {
                 key: key.to_owned(),
-                config_value: v.to_string(),
-                run_value: r.to_string(),
+                config_value: format!("{v:?}"),
+                run_value: format!("{r:?}"),
                 run_source: run_name.to_owned(),
             }),
             (Some(AutoOr::Value(v)), _) => Ok(v),
@@ -958,7 +958,7 @@ fn resolve_optimizer(ds: &DsConfig, r: &mut Resolver<'_>) -> Result<Optimizer, C
         (Some(AutoOr::Auto), Some(b)) | (None, Some(b)) => {
             r.record(
                 "optimizer.params.betas",
-                format!("[{}, {}]", b[0], b[1]),
+                format!("[{:?}, {:?}]", b[0], b[1]),
                 Source::Run("adam_betas"),
             );
             b
@@ -967,7 +967,7 @@ fn resolve_optimizer(ds: &DsConfig, r: &mut Resolver<'_>) -> Result<Optimizer, C
             let b = hf_defaults::ADAM_BETAS;
             r.record(
                 "optimizer.params.betas",
-                format!("[{}, {}]", b[0], b[1]),
+                format!("[{:?}, {:?}]", b[0], b[1]),
                 Source::HfDefault,
             );
             b
@@ -975,8 +975,8 @@ fn resolve_optimizer(ds: &DsConfig, r: &mut Resolver<'_>) -> Result<Optimizer, C
         (Some(AutoOr::Value(v)), Some(b)) if !(close(v[0], b[0]) && close(v[1], b[1])) => {
             return Err(ConfigError::RunMismatch {
                 key: "optimizer.params.betas".to_owned(),
-                config_value: format!("[{}, {}]", v[0], v[1]),
-                run_value: format!("[{}, {}]", b[0], b[1]),
+                config_value: format!("[{:?}, {:?}]", v[0], v[1]),
+                run_value: format!("[{:?}, {:?}]", b[0], b[1]),
                 run_source: "adam_betas".to_owned(),
             })
         }
@@ -1058,7 +1058,11 @@ fn resolve_scheduler(
                   dflt: f64| {
         let v = match v {
             Some(AutoOr::Auto) => {
-                r.record(key, auto.to_string(), Source::Derived(auto_desc.to_owned()));
+                r.record(
+                    key,
+                    format!("{auto:?}"),
+                    Source::Derived(auto_desc.to_owned()),
+                );
                 auto
             }
             Some(AutoOr::Value(v)) => v,
