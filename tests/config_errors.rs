@@ -568,8 +568,9 @@ fn auto_total_steps_without_a_step_count() {
         json!({"scheduler": {"type": "WarmupDecayLR"}}),
     ));
     assert!(
-        matches!(&e, ConfigError::AutoUnresolved { key, .. } if key == "scheduler.params.total_num_steps")
+        matches!(&e, ConfigError::MissingKey { key, .. } if key == "scheduler.params.total_num_steps")
     );
+    assert_msg(&e, &["scheduler.params.total_num_steps", "WarmupDecayLR"]);
     let run = RunContext {
         total_steps: Some(100),
         ..skip_fs()
@@ -666,4 +667,13 @@ fn long_values_are_truncated_to_one_short_line() {
     let msg = e.to_string();
     assert!(msg.len() < 300, "{msg}");
     assert!(msg.contains('…'));
+}
+
+#[test]
+fn optimizer_or_scheduler_without_type() {
+    let e = err(with(base(), json!({"optimizer": {"params": {"lr": 1e-3}}})));
+    assert!(matches!(&e, ConfigError::MissingKey { key, .. } if key == "optimizer.type"));
+    assert_msg(&e, &["optimizer.type", "AdamW"]);
+    let e = err(with(base(), json!({"scheduler": {"params": {}}})));
+    assert!(matches!(&e, ConfigError::MissingKey { key, .. } if key == "scheduler.type"));
 }

@@ -548,3 +548,55 @@ proptest! {
         prop_assert_eq!(l.unknown_keys(), vec![path.as_str()]);
     }
 }
+
+#[test]
+fn absent_gradient_clipping_takes_the_run_value_and_explicit_must_match() {
+    let run = RunContext {
+        max_grad_norm: Some(0.5),
+        ..skip_fs()
+    };
+    let c = load_str(&json!({"train_batch_size": 8}).to_string(), &run)
+        .unwrap()
+        .config;
+    assert_eq!(c.gradient_clipping, Some(0.5));
+    let e = load_str(
+        &json!({"train_batch_size": 8, "gradient_clipping": 1.0}).to_string(),
+        &run,
+    )
+    .unwrap_err();
+    assert!(matches!(&e, ConfigError::RunMismatch { key, .. } if key == "gradient_clipping"));
+}
+
+#[test]
+fn explicit_scheduler_steps_win_over_the_run_with_a_note() {
+    // HF Trainer fills scheduler params but does not enforce them: a short
+    // test run of a long schedule is legitimate.
+    let run = RunContext {
+        total_steps: Some(100),
+        warmup_steps: Some(5),
+        ..skip_fs()
+    };
+    let text = json!({"train_batch_size": 8,
+        "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 10000, "warmup_num_steps": 50}}})
+    .to_string();
+    let l = load_str(&text, &run).unwrap();
+    assert!(matches!(
+        l.config.scheduler,
+        Scheduler::WarmupDecayLr {
+            total_steps: 10000,
+            warmup_steps: 50,
+            ..
+        }
+    ));
+    for k in [
+        "scheduler.params.total_num_steps",
+        "scheduler.params.warmup_num_steps",
+    ] {
+        assert!(
+            l.warnings
+                .iter()
+                .any(|w| matches!(w, ConfigWarning::Note { key, .. } if key == k)),
+            "{k}"
+        );
+    }
+}

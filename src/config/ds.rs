@@ -92,8 +92,9 @@ pub struct DsConfig {
     pub train_micro_batch_size_per_gpu: Option<AutoOr<u64>>,
     /// `gradient_accumulation_steps`.
     pub gradient_accumulation_steps: Option<AutoOr<u64>>,
-    /// `gradient_clipping`: global-norm clip; DeepSpeed default 0.0 (off).
-    pub gradient_clipping: AutoOr<f64>,
+    /// `gradient_clipping`: global-norm clip; `None` = absent, DeepSpeed's
+    /// default 0.0 (off).
+    pub gradient_clipping: Option<AutoOr<f64>>,
     /// `steps_per_print`: DeepSpeed default 10.
     pub steps_per_print: u64,
     /// `wall_clock_breakdown`: DeepSpeed default false.
@@ -120,7 +121,7 @@ impl Default for DsConfig {
             train_batch_size: None,
             train_micro_batch_size_per_gpu: None,
             gradient_accumulation_steps: None,
-            gradient_clipping: AutoOr::Value(0.0),
+            gradient_clipping: None,
             steps_per_print: 10,
             wall_clock_breakdown: false,
             fp16: DsFp16::default(),
@@ -709,7 +710,7 @@ pub(crate) fn read(root: &Value, sink: &mut Sink) -> Result<DsConfig, ConfigErro
         c.gradient_accumulation_steps = Some(auto_u64(&f)?);
     }
     if let Some(f) = o.take("gradient_clipping") {
-        c.gradient_clipping = auto_f64(&f)?;
+        c.gradient_clipping = Some(auto_f64(&f)?);
     }
     if let Some(f) = o.take("steps_per_print") {
         c.steps_per_print = f.u64()?;
@@ -786,10 +787,10 @@ fn read_optimizer(f: &Field<'_>, sink: &mut Sink) -> Result<DsOptimizer, ConfigE
     let kind = match o.take("type") {
         Some(t) => t.str()?.to_owned(),
         None => {
-            return Err(ConfigError::WrongType {
+            return Err(ConfigError::MissingKey {
                 key: o.key_path("type"),
-                value: "missing".to_owned(),
-                expected: "\"Adam\" or \"AdamW\"".to_owned(),
+                why: "an optimizer block needs a type".to_owned(),
+                fix: "add \"type\": \"AdamW\" (or \"Adam\")".to_owned(),
             })
         }
     };
@@ -849,10 +850,11 @@ fn read_scheduler(f: &Field<'_>, sink: &mut Sink) -> Result<DsScheduler, ConfigE
     let kind = match o.take("type") {
         Some(t) => t.str()?.to_owned(),
         None => {
-            return Err(ConfigError::WrongType {
+            return Err(ConfigError::MissingKey {
                 key: o.key_path("type"),
-                value: "missing".to_owned(),
-                expected: "\"WarmupLR\", \"WarmupDecayLR\" or \"WarmupCosineLR\"".to_owned(),
+                why: "a scheduler block needs a type".to_owned(),
+                fix: "add \"type\": \"WarmupLR\", \"WarmupDecayLR\" or \"WarmupCosineLR\", or remove the block"
+                    .to_owned(),
             })
         }
     };

@@ -240,6 +240,17 @@ pub enum ConfigError {
         new: String,
     },
 
+    /// A key that the rest of the config makes mandatory is absent.
+    #[error("`{key}` is missing: {why}; fix: {fix}")]
+    MissingKey {
+        /// JSON path of the key.
+        key: String,
+        /// Why it is needed.
+        why: String,
+        /// What to do.
+        fix: String,
+    },
+
     /// An `"auto"` value that the run context cannot fill.
     #[error("`{key}` = \"auto\" cannot be resolved: {needs}; fix: {fix}")]
     AutoUnresolved {
@@ -278,6 +289,7 @@ impl ConfigError {
             | ConfigError::NvmePathNotDir { key, .. }
             | ConfigError::NvmePathNotWritable { key, .. }
             | ConfigError::AutoUnresolved { key, .. }
+            | ConfigError::MissingKey { key, .. }
             | ConfigError::RunMismatch { key, .. } => Some(key),
             ConfigError::InvalidStage { .. } => Some("zero_optimization.stage"),
             ConfigError::UnsupportedOptimizer { .. } => Some("optimizer.type"),

@@ -441,6 +441,36 @@ impl Resolver<'_> {
         }
     }
 
+    /// HF's "fill only" rule, used for scheduler params: `"auto"` or absent
+    /// takes the run value; an explicit value wins over a different run
+    /// value, with a note. Returns `None` when nothing is known.
+    fn u64_fill(
+        &mut self,
+        key: &str,
+        cfg: Option<AutoOr<u64>>,
+        run: Option<u64>,
+        run_name: &'static str,
+        sink: &mut Sink,
+    ) -> Option<u64> {
+        match (cfg, run) {
+            (Some(AutoOr::Value(v)), Some(r)) => {
+                if v != r {
+                    sink.note(
+                        key,
+                        format!("config value {v} kept although the run's {run_name} is {r} (scheduler values are fill-only, as in HF Trainer)"),
+                    );
+                }
+                Some(v)
+            }
+            (Some(AutoOr::Value(v)), None) => Some(v),
+            (Some(AutoOr::Auto) | None, Some(r)) => {
+                self.record(key, r.to_string(), Source::Run(run_name));
+                Some(r)
+            }
+            (Some(AutoOr::Auto) | None, None) => None,
+        }
+    }
+
     fn bool(
         &mut self,
         key: &str,
@@ -545,7 +575,7 @@ pub(crate) fn validate(
 
     let clip = r.f64(
         "gradient_clipping",
-        Some(ds.gradient_clipping),
+        ds.gradient_clipping,
         run.max_grad_norm,
         "max_grad_norm",
         hf_defaults::MAX_GRAD_NORM,
@@ -1078,34 +1108,38 @@ fn resolve_scheduler(
         }
         Ok(v)
     };
-    let warmup_steps = r
-        .u64_opt(
-            "scheduler.params.warmup_num_steps",
-            p.warmup_num_steps,
-            run.warmup_steps,
-            "warmup_steps",
-            hf_defaults::WARMUP_STEPS,
-        )?
-        .unwrap_or(1000);
-    let total = |r: &mut Resolver<'_>| -> Result<u64, ConfigError> {
+    let warmup_key = "scheduler.params.warmup_num_steps";
+    let warmup_steps = match r.u64_fill(
+        warmup_key,
+        p.warmup_num_steps,
+        run.warmup_steps,
+        "warmup_steps",
+        sink,
+    ) {
+        Some(w) => w,
+        None if p.warmup_num_steps == Some(AutoOr::Auto) => {
+            r.record(
+                warmup_key,
+                hf_defaults::WARMUP_STEPS.to_string(),
+                Source::HfDefault,
+            );
+            hf_defaults::WARMUP_STEPS
+        }
+        None => 1000,
+    };
+    let total = |r: &mut Resolver<'_>, sink: &mut Sink| -> Result<u64, ConfigError> {
         let key = "scheduler.params.total_num_steps";
-        match r.u64_opt(
-            key,
-            p.total_num_steps.filter(|v| *v != AutoOr::Auto),
-            run.total_steps,
-            "total_steps",
-            0,
-        )? {
+        match r.u64_fill(key, p.total_num_steps, run.total_steps, "total_steps", sink) {
             Some(t) => Ok(t),
             None if p.total_num_steps == Some(AutoOr::Auto) => Err(ConfigError::AutoUnresolved {
                 key: key.to_owned(),
                 needs: "the total number of optimizer steps is not known".to_owned(),
                 fix: "pass --steps N, or write the number into the config".to_owned(),
             }),
-            None => Err(ConfigError::AutoUnresolved {
+            None => Err(ConfigError::MissingKey {
                 key: key.to_owned(),
-                needs: format!("{} requires total_num_steps and it is missing", s.kind),
-                fix: "add \"total_num_steps\": N (or \"auto\" with --steps N)".to_owned(),
+                why: format!("scheduler type {} needs it", s.kind),
+                fix: "add \"total_num_steps\": N, or \"auto\" with --steps N".to_owned(),
             }),
         }
     };
@@ -1155,7 +1189,7 @@ fn resolve_scheduler(
                 "HF: optimizer lr",
                 0.001,
             )?;
-            let total_steps = total(r)?;
+            let total_steps = total(r, sink)?;
             check_total(sink, total_steps);
             Ok(Scheduler::WarmupDecayLr {
                 min_lr,
@@ -1166,7 +1200,7 @@ fn resolve_scheduler(
             })
         }
         "WarmupCosineLR" => {
-            let total_steps = total(r)?;
+            let total_steps = total(r, sink)?;
             check_total(sink, total_steps);
             let ratio = |key: &str, v: Option<f64>, dflt: f64| {
                 let v = v.unwrap_or(dflt);
