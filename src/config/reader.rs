@@ -297,7 +297,7 @@ pub(crate) struct Field<'a> {
     pub value: &'a Value,
 }
 
-/// An `"auto"` marker or a concrete value.
+/// Whether a value is the string `"auto"`.
 pub(crate) fn is_auto(v: &Value) -> bool {
     v.as_str() == Some("auto")
 }

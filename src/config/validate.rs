@@ -12,7 +12,12 @@
 //!
 //! Things DeepSpeed only warns about stay warnings
 //! ([`ConfigWarning::Note`]): `total_num_steps < warmup_num_steps`, an
-//! `nvme_path` given for a non-nvme device, `use_gds` (not supported here).
+//! `nvme_path` given for a non-nvme device, `use_gds` (not supported here),
+//! an explicit scheduler step count that differs from the run's.
+//!
+//! A relative `nvme_path` is relative to the working directory, as in
+//! DeepSpeed. The writability probe creates and removes one empty file;
+//! nothing else is written at load time.
 
 use std::path::{Path, PathBuf};
 
