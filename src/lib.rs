@@ -3,5 +3,6 @@
 //! and NVMe. See `ARCHITECTURE.md` for the map of modules and invariants.
 #![deny(unsafe_code)]
 
+pub mod config;
 pub mod model;
 pub mod units;

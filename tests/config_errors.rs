@@ -1,0 +1,679 @@
+//! Bad configs: each gives the expected `ConfigError` variant and a
+//! one-line message that names the key (and the value where there is one).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
+
+use serde_json::json;
+use tierzero::config::{load_file, load_str, ConfigError, PathChecks, RunContext};
+
+fn skip_fs() -> RunContext {
+    RunContext {
+        path_checks: PathChecks::Skip,
+        ..RunContext::default()
+    }
+}
+
+fn err_with(text: &str, run: &RunContext) -> ConfigError {
+    match load_str(text, run) {
+        Ok(l) => panic!("expected an error, got {:?}", l.config),
+        Err(e) => e,
+    }
+}
+
+fn err(v: serde_json::Value) -> ConfigError {
+    err_with(&v.to_string(), &skip_fs())
+}
+
+/// The message is one line and mentions every fragment.
+fn assert_msg(e: &ConfigError, fragments: &[&str]) {
+    let msg = e.to_string();
+    assert!(!msg.contains('\n'), "multi-line message: {msg}");
+    assert!(msg.contains("fix:"), "no fix in: {msg}");
+    for f in fragments {
+        assert!(msg.contains(f), "`{f}` missing from: {msg}");
+    }
+}
+
+/// A minimal valid base to break one thing at a time.
+fn base() -> serde_json::Value {
+    json!({"train_micro_batch_size_per_gpu": 4})
+}
+
+fn with(mut v: serde_json::Value, patch: serde_json::Value) -> serde_json::Value {
+    merge(&mut v, patch);
+    v
+}
+
+fn merge(a: &mut serde_json::Value, b: serde_json::Value) {
+    match (a, b) {
+        (serde_json::Value::Object(a), serde_json::Value::Object(b)) => {
+            for (k, v) in b {
+                merge(a.entry(k).or_insert(serde_json::Value::Null), v);
+            }
+        }
+        (a, b) => *a = b,
+    }
+}
+
+fn nvme_stage3(dir: &str) -> serde_json::Value {
+    with(
+        base(),
+        json!({"zero_optimization": {"stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": dir},
+            "offload_optimizer": {"device": "nvme", "nvme_path": dir}}}),
+    )
+}
+
+#[test]
+fn base_is_valid() {
+    load_str(&base().to_string(), &skip_fs()).unwrap();
+}
+
+#[test]
+fn batch_arithmetic_that_does_not_add_up_shows_all_numbers() {
+    let run = RunContext {
+        ranks: 2,
+        ..skip_fs()
+    };
+    let e = err_with(
+        &json!({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2})
+            .to_string(),
+        &run,
+    );
+    assert!(matches!(
+        e,
+        ConfigError::BatchMismatch {
+            train_batch_size: 32,
+            micro_batch_size: 4,
+            gradient_accumulation_steps: 2,
+            ranks: 2,
+            product: 16,
+            ..
+        }
+    ));
+    assert_msg(
+        &e,
+        &[
+            "train_batch_size` = 32",
+            "train_micro_batch_size_per_gpu` 4",
+            "gradient_accumulation_steps` 2",
+            "ranks 2",
+            "= 16",
+        ],
+    );
+    // The fix offers the accumulation that would make it add up.
+    assert_msg(&e, &["`gradient_accumulation_steps` to 4"]);
+}
+
+#[test]
+fn batch_inference_that_is_not_whole() {
+    let e = err(json!({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}));
+    assert!(matches!(
+        e,
+        ConfigError::BatchIndivisible {
+            missing: "gradient_accumulation_steps",
+            divisor: 4,
+            suggestion: 32,
+            ..
+        }
+    ));
+    assert_msg(
+        &e,
+        &[
+            "gradient_accumulation_steps",
+            "train_batch_size` = 30",
+            "32",
+        ],
+    );
+}
+
+#[test]
+fn no_batch_size_at_all() {
+    let e = err(json!({"gradient_accumulation_steps": 4}));
+    assert!(matches!(e, ConfigError::BatchMissing));
+    assert_msg(&e, &["train_batch_size", "train_micro_batch_size_per_gpu"]);
+}
+
+#[test]
+fn zero_batch_size() {
+    let e = err(json!({"train_micro_batch_size_per_gpu": 0}));
+    assert!(
+        matches!(&e, ConfigError::OutOfRange { key, .. } if key == "train_micro_batch_size_per_gpu")
+    );
+    assert_msg(&e, &["train_micro_batch_size_per_gpu", "at least 1"]);
+}
+
+#[test]
+fn nvme_offload_without_nvme_path() {
+    let e = err(with(
+        base(),
+        json!({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}),
+    ));
+    assert!(
+        matches!(&e, ConfigError::NvmePathMissing { key, .. } if key == "zero_optimization.offload_param.nvme_path")
+    );
+    assert_msg(
+        &e,
+        &[
+            "zero_optimization.offload_param.nvme_path",
+            "zero_optimization.offload_param.device",
+            "\"nvme_path\"",
+        ],
+    );
+
+    let e = err(with(
+        base(),
+        json!({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}),
+    ));
+    assert!(
+        matches!(&e, ConfigError::NvmePathMissing { key, .. } if key == "zero_optimization.offload_optimizer.nvme_path")
+    );
+}
+
+#[test]
+fn nvme_path_that_does_not_exist() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("no-such-dir");
+    let text = nvme_stage3(missing.to_str().unwrap()).to_string();
+    let e = err_with(&text, &RunContext::default());
+    assert!(
+        matches!(&e, ConfigError::NvmePathNotFound { key, .. } if key == "zero_optimization.offload_param.nvme_path")
+    );
+    assert_msg(
+        &e,
+        &[
+            "zero_optimization.offload_param.nvme_path",
+            missing.to_str().unwrap(),
+            "mkdir -p",
+        ],
+    );
+    // CreateMissing creates it instead.
+    let run = RunContext {
+        path_checks: PathChecks::CreateMissing,
+        ..RunContext::default()
+    };
+    load_str(&text, &run).unwrap();
+    assert!(missing.is_dir());
+    // And the probe file was removed.
+    assert_eq!(std::fs::read_dir(&missing).unwrap().count(), 0);
+}
+
+#[test]
+fn nvme_path_that_is_a_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("swap.bin");
+    std::fs::write(&file, b"x").unwrap();
+    let e = err_with(
+        &nvme_stage3(file.to_str().unwrap()).to_string(),
+        &RunContext::default(),
+    );
+    assert!(matches!(e, ConfigError::NvmePathNotDir { .. }));
+    assert_msg(
+        &e,
+        &[
+            "zero_optimization.offload_param.nvme_path",
+            file.to_str().unwrap(),
+            "not a directory",
+        ],
+    );
+}
+
+#[test]
+fn nvme_path_that_is_not_writable() {
+    // /proc refuses new files even for root, unlike a chmod'ed directory.
+    let dir = "/proc";
+    if std::fs::File::create("/proc/.tierzero-test").is_ok() {
+        let _ = std::fs::remove_file("/proc/.tierzero-test");
+        panic!("/proc is writable here; this test needs an unwritable directory");
+    }
+    let e = err_with(&nvme_stage3(dir).to_string(), &RunContext::default());
+    assert!(
+        matches!(&e, ConfigError::NvmePathNotWritable { key, .. } if key == "zero_optimization.offload_param.nvme_path")
+    );
+    assert_msg(
+        &e,
+        &[
+            "zero_optimization.offload_param.nvme_path",
+            "/proc",
+            "not writable",
+        ],
+    );
+}
+
+#[test]
+fn nvme_path_ok_when_writable() {
+    let tmp = tempfile::tempdir().unwrap();
+    load_str(
+        &nvme_stage3(tmp.path().to_str().unwrap()).to_string(),
+        &RunContext::default(),
+    )
+    .unwrap();
+    assert_eq!(
+        std::fs::read_dir(tmp.path()).unwrap().count(),
+        0,
+        "probe file left behind"
+    );
+}
+
+#[test]
+fn offload_param_without_stage_3() {
+    let e = err(with(
+        base(),
+        json!({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}),
+    ));
+    assert!(matches!(
+        e,
+        ConfigError::OffloadParamNeedsStage3 {
+            stage: 2,
+            device: "cpu"
+        }
+    ));
+    assert_msg(
+        &e,
+        &[
+            "zero_optimization.offload_param.device",
+            "\"cpu\"",
+            "zero_optimization.stage` = 2",
+        ],
+    );
+}
+
+#[test]
+fn nvme_optimizer_offload_without_stage_3() {
+    let e = err(with(
+        base(),
+        json!({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}}),
+    ));
+    assert!(matches!(
+        e,
+        ConfigError::NvmeOptimizerNeedsStage3 { stage: 2 }
+    ));
+    assert_msg(
+        &e,
+        &["zero_optimization.offload_optimizer.device", "stage` = 2"],
+    );
+}
+
+#[test]
+fn pinned_budget_too_small_for_param_buffers() {
+    let v = with(
+        nvme_stage3("/x"),
+        json!({"zero_optimization": {"offload_param": {"buffer_count": 5, "buffer_size": 1e8}},
+               "bf16": {"enabled": true},
+               "tierzero": {"pinned_budget_bytes": "256MiB"}}),
+    );
+    let e = err(v);
+    match &e {
+        ConfigError::PinnedBudgetTooSmall {
+            budget_bytes,
+            required_bytes,
+            ..
+        } => {
+            assert_eq!(*budget_bytes, 256 << 20);
+            assert_eq!(*required_bytes, 5 * 100_000_000 * 2);
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    assert_msg(
+        &e,
+        &[
+            "tierzero.pinned_budget_bytes",
+            "268435456",
+            "buffer_count 5",
+            "buffer_size 100000000 elements",
+            "2 bytes",
+            "1000000000",
+        ],
+    );
+}
+
+#[test]
+fn pinned_budget_includes_optimizer_buffers_when_model_size_is_known() {
+    let v = with(
+        nvme_stage3("/x"),
+        json!({"zero_optimization": {"offload_param": {"buffer_count": 2, "buffer_size": 1e6}, "sub_group_size": 1e7},
+               "tierzero": {"pinned_budget_bytes": 20_000_000}}),
+    );
+    let text = v.to_string();
+    // Params alone: 2 × 1e6 × 4 = 8 MB, fits.
+    load_str(&text, &skip_fs()).unwrap();
+    // A 100M-param model on 2 ranks: optimizer buffers 4 × min(1e7, 5e7) × 4 = 160 MB.
+    let run = RunContext {
+        ranks: 2,
+        model_numel: Some(100_000_000),
+        ..skip_fs()
+    };
+    let e = err_with(&text, &run);
+    assert!(
+        matches!(
+            e,
+            ConfigError::PinnedBudgetTooSmall {
+                required_bytes: 168_000_000,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert_msg(
+        &e,
+        &[
+            "offload_param + offload_optimizer",
+            "sub_group_size 10000000",
+        ],
+    );
+}
+
+#[test]
+fn wrong_types_name_the_key_path_and_expected_type() {
+    let cases = [
+        (
+            json!({"train_micro_batch_size_per_gpu": "8"}),
+            "train_micro_batch_size_per_gpu",
+            "an integer or \"auto\"",
+        ),
+        (
+            with(
+                base(),
+                json!({"zero_optimization": {"offload_param": {"buffer_count": true}}}),
+            ),
+            "zero_optimization.offload_param.buffer_count",
+            "an integer",
+        ),
+        (
+            with(
+                base(),
+                json!({"zero_optimization": {"stage": 3, "offload_param": {"buffer_size": 2.5}}}),
+            ),
+            "zero_optimization.offload_param.buffer_size",
+            "an integer",
+        ),
+        (
+            with(
+                base(),
+                json!({"zero_optimization": {"contiguous_gradients": "yes"}}),
+            ),
+            "zero_optimization.contiguous_gradients",
+            "true or false",
+        ),
+        (
+            with(
+                base(),
+                json!({"zero_optimization": {"sub_group_size": "auto"}}),
+            ),
+            "zero_optimization.sub_group_size",
+            "not accepted for this key",
+        ),
+        (
+            with(
+                base(),
+                json!({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}}),
+            ),
+            "optimizer.params.betas",
+            "an array of two numbers",
+        ),
+        (
+            with(base(), json!({"zero_optimization": []})),
+            "zero_optimization",
+            "a JSON object",
+        ),
+        (
+            with(base(), json!({"tierzero": {"pinned_budget_bytes": "lots"}})),
+            "tierzero.pinned_budget_bytes",
+            "\"1GiB\"",
+        ),
+    ];
+    for (v, key, expected) in cases {
+        let e = err(v);
+        assert!(
+            matches!(&e, ConfigError::WrongType { key: k, .. } if k == key),
+            "{key}: {e:?}"
+        );
+        assert_eq!(e.key(), Some(key));
+        assert_msg(&e, &[&format!("`{key}`"), expected]);
+    }
+    // The top level itself.
+    let e = err_with("[1, 2]", &skip_fs());
+    assert!(matches!(e, ConfigError::WrongType { .. }));
+    assert_msg(&e, &["<top level>", "a JSON object"]);
+}
+
+#[test]
+fn invalid_json_has_line_and_column() {
+    let text = "{\n  \"train_batch_size\": 8,\n  \"fp16\": {\"enabled\": tru}\n}\n";
+    let e = err_with(text, &skip_fs());
+    assert!(matches!(e, ConfigError::Json { line: 3, .. }), "{e:?}");
+    assert_msg(&e, &["line 3, column"]);
+    let e = err_with("", &skip_fs());
+    assert!(matches!(e, ConfigError::Json { .. }));
+}
+
+#[test]
+fn negative_learning_rate() {
+    let e = err(with(
+        base(),
+        json!({"optimizer": {"type": "AdamW", "params": {"lr": -1e-4}}}),
+    ));
+    assert!(matches!(&e, ConfigError::OutOfRange { key, .. } if key == "optimizer.params.lr"));
+    assert_msg(&e, &["optimizer.params.lr", "-0.0001"]);
+}
+
+#[test]
+fn betas_outside_unit_interval() {
+    let e = err(with(
+        base(),
+        json!({"optimizer": {"type": "Adam", "params": {"betas": [0.9, 1.0]}}}),
+    ));
+    assert!(
+        matches!(&e, ConfigError::OutOfRange { key, .. } if key == "optimizer.params.betas[1]")
+    );
+    assert_msg(&e, &["optimizer.params.betas[1]", "[0, 1)"]);
+}
+
+#[test]
+fn unsupported_optimizer_type() {
+    let e = err(with(
+        base(),
+        json!({"optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-3}}}),
+    ));
+    assert!(matches!(e, ConfigError::UnsupportedOptimizer { .. }));
+    assert_msg(&e, &["optimizer.type", "OneBitLamb", "AdamW"]);
+    // DeepSpeed lower-cases optimizer names, so these are fine.
+    for t in ["adamw", "ADAM"] {
+        load_str(
+            &with(base(), json!({"optimizer": {"type": t}})).to_string(),
+            &skip_fs(),
+        )
+        .unwrap();
+    }
+}
+
+#[test]
+fn unsupported_scheduler_type() {
+    let e = err(with(
+        base(),
+        json!({"scheduler": {"type": "OneCycle", "params": {}}}),
+    ));
+    assert!(matches!(e, ConfigError::UnsupportedScheduler { .. }));
+    assert_msg(&e, &["scheduler.type", "OneCycle", "WarmupLR"]);
+    let e = err(with(base(), json!({"scheduler": {"type": "warmuplr"}})));
+    assert_msg(&e, &["scheduler.type", "write \"WarmupLR\""]);
+}
+
+#[test]
+fn fp16_and_bf16_both_enabled() {
+    let e = err(with(
+        base(),
+        json!({"fp16": {"enabled": true}, "bf16": {"enabled": true}}),
+    ));
+    assert!(matches!(e, ConfigError::PrecisionConflict));
+    assert_msg(&e, &["fp16.enabled", "bf16.enabled"]);
+}
+
+#[test]
+fn stage_out_of_range() {
+    for bad in [json!(4), json!("three"), json!(-1), json!(2.5)] {
+        let e = err(with(
+            base(),
+            json!({"zero_optimization": {"stage": bad.clone()}}),
+        ));
+        assert!(
+            matches!(e, ConfigError::InvalidStage { .. }),
+            "{bad}: {e:?}"
+        );
+        assert_msg(&e, &["zero_optimization.stage", &bad.to_string()]);
+    }
+}
+
+#[test]
+fn deprecated_alias_given_with_its_replacement() {
+    let e = err(with(
+        base(),
+        json!({"aio": {"thread_count": 2, "intra_op_parallelism": 4}}),
+    ));
+    assert!(
+        matches!(&e, ConfigError::ConflictingAlias { old, new } if old == "aio.thread_count" && new == "aio.intra_op_parallelism")
+    );
+    assert_msg(&e, &["aio.thread_count", "aio.intra_op_parallelism"]);
+    let e = err(with(
+        base(),
+        json!({"zero_optimization": {"stage": 3, "cpu_offload": true, "offload_optimizer": {"device": "cpu"}}}),
+    ));
+    assert!(matches!(e, ConfigError::ConflictingAlias { .. }));
+    assert_msg(
+        &e,
+        &[
+            "zero_optimization.cpu_offload",
+            "zero_optimization.offload_optimizer",
+        ],
+    );
+}
+
+#[test]
+fn auto_total_steps_without_a_step_count() {
+    let v = with(
+        base(),
+        json!({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": "auto", "warmup_num_steps": 10}}}),
+    );
+    let e = err(v.clone());
+    assert!(
+        matches!(&e, ConfigError::AutoUnresolved { key, .. } if key == "scheduler.params.total_num_steps")
+    );
+    assert_msg(&e, &["scheduler.params.total_num_steps", "--steps"]);
+    // Missing entirely is reported on the same key.
+    let e = err(with(
+        base(),
+        json!({"scheduler": {"type": "WarmupDecayLR"}}),
+    ));
+    assert!(
+        matches!(&e, ConfigError::MissingKey { key, .. } if key == "scheduler.params.total_num_steps")
+    );
+    assert_msg(&e, &["scheduler.params.total_num_steps", "WarmupDecayLR"]);
+    let run = RunContext {
+        total_steps: Some(100),
+        ..skip_fs()
+    };
+    load_str(&v.to_string(), &run).unwrap();
+}
+
+#[test]
+fn config_value_contradicting_the_run() {
+    let run = RunContext {
+        micro_batch_size: Some(8),
+        ..skip_fs()
+    };
+    let e = err_with(&base().to_string(), &run);
+    assert!(
+        matches!(&e, ConfigError::RunMismatch { key, .. } if key == "train_micro_batch_size_per_gpu")
+    );
+    assert_msg(
+        &e,
+        &[
+            "train_micro_batch_size_per_gpu",
+            "= 4",
+            "8",
+            "micro_batch_size",
+            "\"auto\"",
+        ],
+    );
+}
+
+#[test]
+fn unknown_offload_device() {
+    let e = err(with(
+        base(),
+        json!({"zero_optimization": {"stage": 3, "offload_param": {"device": "disk"}}}),
+    ));
+    assert!(
+        matches!(&e, ConfigError::UnknownOffloadDevice { key, .. } if key == "zero_optimization.offload_param.device")
+    );
+    assert_msg(
+        &e,
+        &[
+            "zero_optimization.offload_param.device",
+            "\"disk\"",
+            "\"nvme\"",
+        ],
+    );
+}
+
+#[test]
+fn aio_block_size_not_sector_aligned() {
+    let e = err(with(base(), json!({"aio": {"block_size": 1000}})));
+    assert!(matches!(&e, ConfigError::OutOfRange { key, .. } if key == "aio.block_size"));
+    assert_msg(&e, &["aio.block_size", "1000", "512"]);
+}
+
+#[test]
+fn nvme_optimizer_buffer_count_too_small() {
+    let e = err(with(
+        nvme_stage3("/x"),
+        json!({"zero_optimization": {"offload_optimizer": {"buffer_count": 2}}}),
+    ));
+    assert!(
+        matches!(&e, ConfigError::OutOfRange { key, .. } if key == "zero_optimization.offload_optimizer.buffer_count")
+    );
+    assert_msg(
+        &e,
+        &[
+            "zero_optimization.offload_optimizer.buffer_count",
+            "at least 4",
+        ],
+    );
+}
+
+#[test]
+fn bad_tierzero_enum_value() {
+    let e = err(with(base(), json!({"tierzero": {"io_backend": "libaio"}})));
+    assert!(matches!(&e, ConfigError::OutOfRange { key, .. } if key == "tierzero.io_backend"));
+    assert_msg(&e, &["tierzero.io_backend", "\"libaio\"", "\"uring\""]);
+}
+
+#[test]
+fn missing_config_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("ds_config.json");
+    let e = load_file(&path, &skip_fs()).unwrap_err();
+    assert!(matches!(e, ConfigError::Read { .. }));
+    assert_msg(&e, &["ds_config.json", "--config"]);
+}
+
+#[test]
+fn long_values_are_truncated_to_one_short_line() {
+    let long = "x".repeat(500);
+    let e = err(with(base(), json!({"steps_per_print": long})));
+    let msg = e.to_string();
+    assert!(msg.len() < 300, "{msg}");
+    assert!(msg.contains('…'));
+}
+
+#[test]
+fn optimizer_or_scheduler_without_type() {
+    let e = err(with(base(), json!({"optimizer": {"params": {"lr": 1e-3}}})));
+    assert!(matches!(&e, ConfigError::MissingKey { key, .. } if key == "optimizer.type"));
+    assert_msg(&e, &["optimizer.type", "AdamW"]);
+    let e = err(with(base(), json!({"scheduler": {"params": {}}})));
+    assert!(matches!(&e, ConfigError::MissingKey { key, .. } if key == "scheduler.type"));
+}

@@ -1,0 +1,472 @@
+//! Real-world ds_config.json files (see tests/fixtures/ds_config/README.md
+//! for their sources) parse, resolve and validate with the meaning DeepSpeed
+//! and HF Trainer give them.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
+
+use tierzero::config::{
+    load_str, parse_str, ConfigError, ConfigWarning, LossScale, Numel, OffloadDevice,
+    OptimizerKind, PathChecks, Precision, RunContext, Scheduler, Source, Stage, WarmupType,
+};
+
+fn fixture(name: &str) -> String {
+    let path = format!(
+        "{}/tests/fixtures/ds_config/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+fn skip_fs() -> RunContext {
+    RunContext {
+        path_checks: PathChecks::Skip,
+        ..RunContext::default()
+    }
+}
+
+fn has_warning(w: &[ConfigWarning], pred: impl Fn(&ConfigWarning) -> bool) -> bool {
+    w.iter().any(pred)
+}
+
+#[test]
+fn hf_zero3_auto_resolves_from_run_like_hf_trainer() {
+    let run = RunContext {
+        ranks: 2,
+        micro_batch_size: Some(4),
+        gradient_accumulation_steps: Some(2),
+        learning_rate: Some(3e-5),
+        weight_decay: Some(0.01),
+        max_grad_norm: Some(0.5),
+        warmup_steps: Some(50),
+        total_steps: Some(1000),
+        mixed_precision: Some(tierzero::config::MixedPrecision::Fp16),
+        hidden_size: Some(1024),
+        ..skip_fs()
+    };
+    let l = load_str(&fixture("hf_zero3_auto.json"), &run).unwrap();
+    let c = &l.config;
+    assert_eq!(c.batch.micro_batch_size, 4);
+    assert_eq!(c.batch.gradient_accumulation_steps, 2);
+    assert_eq!(c.batch.train_batch_size, 16);
+    assert_eq!(c.gradient_clipping, Some(0.5));
+    assert_eq!(c.steps_per_print, 2000);
+    assert_eq!(
+        c.precision,
+        Precision::Fp16 {
+            loss_scale: LossScale::Dynamic {
+                initial_scale_power: 16,
+                window: 1000,
+                hysteresis: 2,
+                min_scale: 1.0
+            }
+        }
+    );
+    assert_eq!(c.optimizer.kind, OptimizerKind::AdamW);
+    assert_eq!(c.optimizer.lr, 3e-5);
+    assert_eq!(c.optimizer.betas, [0.9, 0.999]);
+    assert_eq!(c.optimizer.eps, 1e-8);
+    assert_eq!(c.optimizer.weight_decay, 0.01);
+    assert!(c.optimizer.decoupled_weight_decay);
+    assert_eq!(
+        c.scheduler,
+        Scheduler::WarmupLr {
+            min_lr: 0.0,
+            max_lr: 3e-5,
+            warmup_steps: 50,
+            warmup_type: WarmupType::Log
+        }
+    );
+    let z = &c.zero;
+    assert_eq!(z.stage, Stage::Parameters);
+    assert_eq!(z.offload_param.device, OffloadDevice::Cpu);
+    assert_eq!(z.offload_optimizer.device, OffloadDevice::Cpu);
+    assert_eq!(z.sub_group_numel, Numel(100_000_000_000_000));
+    assert_eq!(z.reduce_bucket_numel, Numel(1024 * 1024));
+    assert_eq!(z.prefetch_bucket_numel, Numel(943_718)); // floor(0.9 * 1024^2)
+    assert_eq!(z.param_persistence_threshold_numel, Numel(10_240));
+    assert_eq!(z.max_live_parameters_numel, Numel(1_000_000_000));
+    assert!(z.gather_16bit_weights_on_model_save);
+    assert!(z.overlap_comm && z.contiguous_gradients);
+    // Deprecated alias accepted with a warning; nothing unknown.
+    assert!(has_warning(
+        &l.warnings,
+        |w| matches!(w, ConfigWarning::Deprecated { key, .. }
+        if key == "zero_optimization.stage3_gather_fp16_weights_on_model_save")
+    ));
+    assert!(l.unknown_keys().is_empty(), "{:?}", l.warnings);
+    // Every "auto" is recorded with its source.
+    let src = |k: &str| {
+        l.resolved
+            .iter()
+            .find(|r| r.key == k)
+            .map(|r| r.source.clone())
+    };
+    assert_eq!(
+        src("optimizer.params.lr"),
+        Some(Source::Run("learning_rate"))
+    );
+    assert_eq!(src("optimizer.params.betas"), Some(Source::HfDefault));
+    assert!(matches!(src("train_batch_size"), Some(Source::Derived(_))));
+    assert!(matches!(
+        src("zero_optimization.reduce_bucket_size"),
+        Some(Source::Derived(_))
+    ));
+}
+
+#[test]
+fn hf_zero3_auto_without_run_values_uses_hf_and_deepspeed_defaults() {
+    let l = load_str(&fixture("hf_zero3_auto.json"), &skip_fs()).unwrap();
+    let c = &l.config;
+    assert_eq!(
+        (
+            c.batch.micro_batch_size,
+            c.batch.gradient_accumulation_steps,
+            c.batch.train_batch_size
+        ),
+        (8, 1, 8)
+    );
+    assert_eq!(c.optimizer.lr, 5e-5);
+    assert_eq!(c.precision, Precision::Fp32);
+    assert_eq!(c.gradient_clipping, Some(1.0));
+    assert_eq!(c.zero.reduce_bucket_numel, Numel(500_000_000));
+    assert_eq!(c.zero.prefetch_bucket_numel, Numel(50_000_000));
+    assert_eq!(c.zero.param_persistence_threshold_numel, Numel(100_000));
+    let src = l
+        .resolved
+        .iter()
+        .find(|r| r.key == "zero_optimization.reduce_bucket_size")
+        .unwrap();
+    assert_eq!(src.source, Source::DeepSpeedDefault);
+}
+
+#[test]
+fn hf_zero2_auto_stage2_cpu_optimizer_offload() {
+    let l = load_str(&fixture("hf_zero2_auto.json"), &skip_fs()).unwrap();
+    let z = &l.config.zero;
+    assert_eq!(z.stage, Stage::Gradients);
+    assert_eq!(z.offload_optimizer.device, OffloadDevice::Cpu);
+    assert_eq!(z.offload_param.device, OffloadDevice::None);
+    assert_eq!(z.reduce_bucket_numel, Numel(200_000_000));
+    assert!(l.unknown_keys().is_empty());
+    for k in [
+        "zero_optimization.allgather_partitions",
+        "zero_optimization.allgather_bucket_size",
+        "zero_optimization.reduce_scatter",
+    ] {
+        assert!(
+            has_warning(
+                &l.warnings,
+                |w| matches!(w, ConfigWarning::IgnoredKey { key } if key == k)
+            ),
+            "{k} not reported as ignored: {:?}",
+            l.warnings
+        );
+    }
+}
+
+#[test]
+fn accelerate_zero3_offload_needs_steps_for_total_num_steps() {
+    let text = fixture("accelerate_zero3_offload.json");
+    let err = load_str(&text, &skip_fs()).unwrap_err();
+    assert!(
+        matches!(&err, ConfigError::AutoUnresolved { key, .. } if key == "scheduler.params.total_num_steps")
+    );
+    assert!(err.to_string().contains("--steps"), "{err}");
+
+    let run = RunContext {
+        total_steps: Some(500),
+        learning_rate: Some(2e-4),
+        save_16bit_model: Some(true),
+        ..skip_fs()
+    };
+    let l = load_str(&text, &run).unwrap();
+    let c = &l.config;
+    assert_eq!(
+        c.scheduler,
+        Scheduler::WarmupDecayLr {
+            min_lr: 0.0,
+            max_lr: 2e-4,
+            warmup_steps: 0,
+            warmup_type: WarmupType::Log,
+            total_steps: 500
+        }
+    );
+    assert!(matches!(c.precision, Precision::Fp16 { .. }));
+    assert!(c.zero.gather_16bit_weights_on_model_save);
+    assert_eq!(c.batch.gradient_accumulation_steps, 1);
+    assert_eq!(c.optimizer.betas, [0.9, 0.999]); // absent: DeepSpeed default
+}
+
+#[test]
+fn accelerate_zero3_offload_batch_mismatch_with_the_run_is_reported() {
+    // The config fixes gradient_accumulation_steps = 1; the run asks for 4.
+    let run = RunContext {
+        total_steps: Some(500),
+        gradient_accumulation_steps: Some(4),
+        ..skip_fs()
+    };
+    let err = load_str(&fixture("accelerate_zero3_offload.json"), &run).unwrap_err();
+    match &err {
+        ConfigError::RunMismatch {
+            key,
+            config_value,
+            run_value,
+            ..
+        } => {
+            assert_eq!(key, "gradient_accumulation_steps");
+            assert_eq!((config_value.as_str(), run_value.as_str()), ("1", "4"));
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[test]
+fn deepspeed_examples_zero_infinity_nvme() {
+    let text = fixture("dse_zero_infinity.json");
+    let l = load_str(&text, &skip_fs()).unwrap();
+    let c = &l.config;
+    assert_eq!(
+        (
+            c.batch.train_batch_size,
+            c.batch.micro_batch_size,
+            c.batch.gradient_accumulation_steps
+        ),
+        (4, 4, 1)
+    );
+    assert_eq!(
+        c.precision,
+        Precision::Fp16 {
+            loss_scale: LossScale::Static(1024.0)
+        }
+    );
+    assert!(c.wall_clock_breakdown);
+    let z = &c.zero;
+    assert_eq!(
+        z.offload_param.device,
+        OffloadDevice::Nvme {
+            path: "/nvme_data".into()
+        }
+    );
+    assert_eq!(
+        z.offload_optimizer.device,
+        OffloadDevice::Nvme {
+            path: "/nvme_data".into()
+        }
+    );
+    assert_eq!(z.offload_param.buffer_count, 5);
+    assert_eq!(z.offload_param.buffer_numel, Numel(100_000_000));
+    assert_eq!(z.offload_param.max_in_cpu_numel, Numel(1));
+    assert_eq!(z.sub_group_numel, Numel(100_000_000));
+    assert_eq!(z.max_reuse_distance_numel, Numel(100_000_000));
+    assert_eq!(z.reduce_bucket_numel, Numel(90_000_000));
+    // The typo is not applied: the default threshold stays.
+    assert_eq!(z.param_persistence_threshold_numel, Numel(100_000));
+    assert_eq!(c.aio.intra_op_parallelism, 2);
+    assert_eq!(c.aio.queue_depth, 16);
+    assert_eq!(c.tierzero.ring_threads, 2);
+    assert_eq!(
+        l.unknown_keys(),
+        vec!["zero_optimization.stage3_param_persitance_threshold"],
+        "{:?}",
+        l.warnings
+    );
+    assert!(has_warning(
+        &l.warnings,
+        |w| matches!(w, ConfigWarning::UnknownKey { suggestion: Some(s), .. }
+        if s == "zero_optimization.stage3_param_persistence_threshold")
+    ));
+    assert!(has_warning(
+        &l.warnings,
+        |w| matches!(w, ConfigWarning::Deprecated { key, .. } if key == "aio.thread_count")
+    ));
+    assert!(has_warning(
+        &l.warnings,
+        |w| matches!(w, ConfigWarning::IgnoredKey { key } if key == "zero_allow_untested_optimizer")
+    ));
+    // The same file with filesystem checks on: /nvme_data does not exist here.
+    if !std::path::Path::new("/nvme_data").exists() {
+        let err = load_str(&text, &RunContext::default()).unwrap_err();
+        assert!(
+            matches!(&err, ConfigError::NvmePathNotFound { key, .. }
+            if key == "zero_optimization.offload_param.nvme_path"),
+            "{err:?}"
+        );
+    }
+}
+
+#[test]
+fn deepspeed_examples_zero_offload_10b_infers_micro_batch() {
+    let text = fixture("dse_zero_offload_10b.json");
+    for (ranks, micro) in [(1, 10), (2, 5), (5, 2)] {
+        let l = load_str(&text, &RunContext { ranks, ..skip_fs() }).unwrap();
+        assert_eq!(l.config.batch.micro_batch_size, micro, "ranks {ranks}");
+        assert_eq!(l.config.batch.train_batch_size, 30);
+        assert_eq!(l.config.batch.gradient_accumulation_steps, 3);
+    }
+    let err = load_str(
+        &text,
+        &RunContext {
+            ranks: 4,
+            ..skip_fs()
+        },
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ConfigError::BatchIndivisible {
+                train_batch_size: 30,
+                divisor: 12,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+
+    let l = load_str(&text, &skip_fs()).unwrap();
+    let c = &l.config;
+    assert_eq!(c.zero.stage, Stage::Gradients);
+    assert_eq!(c.zero.offload_optimizer.device, OffloadDevice::Cpu);
+    assert!(
+        !c.zero.overlap_comm,
+        "overlap_comm defaults to false below stage 3"
+    );
+    assert_eq!(c.optimizer.kind, OptimizerKind::Adam);
+    assert_eq!(c.optimizer.lr, 0.00015);
+    assert!(
+        c.optimizer.decoupled_weight_decay,
+        "DeepSpeed's adam_w_mode defaults to true"
+    );
+    assert_eq!(
+        c.precision,
+        Precision::Fp16 {
+            loss_scale: LossScale::Static(4096.0)
+        }
+    );
+    assert!(has_warning(
+        &l.warnings,
+        |w| matches!(w, ConfigWarning::Deprecated { key, .. } if key == "zero_optimization.cpu_offload")
+    ));
+    assert!(has_warning(
+        &l.warnings,
+        |w| matches!(w, ConfigWarning::UnknownKey { key, suggestion: Some(s) }
+        if key == "zero_optimization.comm_overlap" && s == "zero_optimization.overlap_comm")
+    ));
+    assert!(has_warning(
+        &l.warnings,
+        |w| matches!(w, ConfigWarning::IgnoredKey { key } if key == "activation_checkpointing")
+    ));
+}
+
+#[test]
+fn deepspeed_examples_cifar() {
+    let text = fixture("dse_cifar.json");
+    let l = load_str(&text, &skip_fs()).unwrap();
+    let c = &l.config;
+    assert_eq!(
+        (
+            c.batch.train_batch_size,
+            c.batch.micro_batch_size,
+            c.batch.gradient_accumulation_steps
+        ),
+        (4, 4, 1)
+    );
+    assert_eq!(c.optimizer.kind, OptimizerKind::Adam);
+    assert_eq!(c.optimizer.betas, [0.8, 0.999]);
+    assert_eq!(c.optimizer.weight_decay, 3e-7);
+    assert_eq!(
+        c.scheduler,
+        Scheduler::WarmupLr {
+            min_lr: 0.0,
+            max_lr: 0.001,
+            warmup_steps: 1000,
+            warmup_type: WarmupType::Log
+        }
+    );
+    assert_eq!(
+        c.precision,
+        Precision::Fp16 {
+            loss_scale: LossScale::Dynamic {
+                initial_scale_power: 15,
+                window: 500,
+                hysteresis: 2,
+                min_scale: 1.0
+            }
+        }
+    );
+    assert_eq!(c.zero.offload_optimizer.device, OffloadDevice::Cpu);
+    assert!(l.unknown_keys().is_empty(), "{:?}", l.warnings);
+    for k in [
+        "prescale_gradients",
+        "fp16.fp16_master_weights_and_grads",
+        "zero_optimization.reduce_scatter",
+    ] {
+        assert!(
+            has_warning(
+                &l.warnings,
+                |w| matches!(w, ConfigWarning::IgnoredKey { key } if key == k)
+            ),
+            "{k}"
+        );
+    }
+    let l2 = load_str(
+        &text,
+        &RunContext {
+            ranks: 2,
+            ..skip_fs()
+        },
+    )
+    .unwrap();
+    assert_eq!(l2.config.batch.micro_batch_size, 2);
+}
+
+#[test]
+fn hf_docs_nvme_example_as_published_is_invalid_json_with_position() {
+    let text = fixture("hf_docs_nvme_trailing_comma.json");
+    let err = parse_str(&text).unwrap_err();
+    let last_line = text.lines().count();
+    match &err {
+        ConfigError::Json {
+            line,
+            column,
+            message,
+        } => {
+            assert_eq!(
+                *line, last_line,
+                "the error is at the closing brace after the trailing comma"
+            );
+            assert_eq!(*column, 1);
+            assert!(message.contains("trailing comma"), "{message}");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    let msg = err.to_string();
+    assert!(!msg.contains('\n'));
+    assert!(
+        msg.contains(&format!("line {last_line}, column 1")),
+        "{msg}"
+    );
+}
+
+#[test]
+fn hf_docs_nvme_example_warns_about_nested_aio() {
+    let l = load_str(&fixture("hf_docs_nvme.json"), &skip_fs()).unwrap();
+    assert_eq!(l.unknown_keys(), vec!["zero_optimization.aio"]);
+    assert!(has_warning(
+        &l.warnings,
+        |w| matches!(w, ConfigWarning::UnknownKey { suggestion: Some(s), .. }
+        if s.contains("top-level"))
+    ));
+    // Not applied: aio keeps its defaults.
+    assert_eq!(l.config.aio.block_bytes.0, 1_048_576);
+    assert_eq!(
+        l.config.zero.offload_param.device,
+        OffloadDevice::Nvme {
+            path: "/local_nvme".into()
+        }
+    );
+    assert_eq!(l.config.zero.offload_param.buffer_numel, Numel(100_000_000));
+}
