@@ -100,7 +100,7 @@ pub fn parse_count(input: &str) -> Result<u64, ParseUnitError> {
     scaled(input, "a count", mult, num)
 }
 
-/// Formats bytes with a binary suffix, e.g. `1.50 GiB`.
+/// Formats bytes with a binary suffix, e.g. `1.5 GiB`.
 pub fn format_bytes(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = bytes as f64;
@@ -114,7 +114,7 @@ pub fn format_bytes(bytes: u64) -> String {
     } else if v.fract() == 0.0 {
         format!("{v:.0} {}", UNITS[u])
     } else {
-        format!("{v:.2} {}", UNITS[u])
+        format!("{v:.1} {}", UNITS[u])
     }
 }
 
@@ -151,6 +151,7 @@ mod tests {
     fn format() {
         assert_eq!(format_bytes(512), "512 B");
         assert_eq!(format_bytes(1 << 20), "1 MiB");
-        assert_eq!(format_bytes(3 << 29), "1.50 GiB");
+        assert_eq!(format_bytes(3 << 29), "1.5 GiB");
+        assert_eq!(format_bytes(1_000_000_000), "953.7 MiB");
     }
 }

@@ -50,18 +50,7 @@ impl fmt::Display for Numel {
 impl Bytes {
     /// Human-readable binary size, e.g. `953.7 MiB`.
     pub fn human(self) -> String {
-        const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-        let mut v = self.0 as f64;
-        let mut unit = 0;
-        while v >= 1024.0 && unit + 1 < UNITS.len() {
-            v /= 1024.0;
-            unit += 1;
-        }
-        if unit == 0 {
-            format!("{} B", self.0)
-        } else {
-            format!("{v:.1} {}", UNITS[unit])
-        }
+        crate::units::format_bytes(self.0)
     }
 }
 
@@ -76,40 +65,13 @@ impl fmt::Display for Bytes {
 }
 
 /// Parses a byte size written as a string: a non-negative number followed by
-/// an optional unit. Units: `B`, `K`/`KB` (10^3), `KiB` (2^10), `M`/`MB`,
-/// `MiB`, `G`/`GB`, `GiB`, `T`/`TB`, `TiB` (case-insensitive, spaces and `_`
-/// allowed). Fractions are allowed when the result is a whole number of
-/// bytes (`"1.5GiB"`). Returns `None` for anything else.
+/// an optional unit, with spaces and `_` allowed (`"256MiB"`, `"4 GB"`,
+/// `"1_048_576"`). The units are those of [`crate::units::parse_bytes`]:
+/// `K`/`KiB`, `M`/`MiB`, `G`/`GiB`, `T`/`TiB` are powers of 1024 (as in fio),
+/// `KB`, `MB`, `GB`, `TB` powers of 1000. Returns `None` for anything else.
 pub fn parse_bytes_str(s: &str) -> Option<u64> {
     let cleaned: String = s.chars().filter(|c| *c != ' ' && *c != '_').collect();
-    let split = cleaned
-        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == 'e' || c == 'E'))
-        .unwrap_or(cleaned.len());
-    let (num, unit) = cleaned.split_at(split);
-    if num.is_empty() {
-        return None;
-    }
-    let mult: u64 = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" => 1_000,
-        "kib" => 1 << 10,
-        "m" | "mb" => 1_000_000,
-        "mib" => 1 << 20,
-        "g" | "gb" => 1_000_000_000,
-        "gib" => 1 << 30,
-        "t" | "tb" => 1_000_000_000_000,
-        "tib" => 1 << 40,
-        _ => return None,
-    };
-    if let Ok(n) = num.parse::<u64>() {
-        return n.checked_mul(mult);
-    }
-    let f: f64 = num.parse().ok()?;
-    let total = f * mult as f64;
-    if !total.is_finite() || total < 0.0 || total.fract() != 0.0 || total >= 2f64.powi(64) {
-        return None;
-    }
-    Some(total as u64)
+    crate::units::parse_bytes(&cleaned).ok()
 }
 
 #[cfg(test)]
