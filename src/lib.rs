@@ -2,3 +2,5 @@
 //! gradients and optimizer state between device memory, pinned host memory
 //! and NVMe. See `ARCHITECTURE.md` for the map of modules and invariants.
 #![deny(unsafe_code)]
+
+pub mod optim;
