@@ -5,6 +5,7 @@
 //! internal failure. A user's mistake is reported as one clear line, never
 //! as a panic or a backtrace.
 
+pub mod bench_adam;
 pub mod bench_io;
 
 use clap::{Parser, Subcommand};
@@ -24,6 +25,9 @@ enum Command {
     BenchIo(bench_io::BenchIoArgs),
     /// Sweep I/O settings and print a ready-to-paste ds_config "aio" block.
     Tune(bench_io::TuneArgs),
+    /// Benchmark the CPU AdamW kernels against a memory-bandwidth probe and
+    /// the two-pass (step, then convert) baseline.
+    BenchAdam(bench_adam::BenchAdamArgs),
 }
 
 /// A failure, classified for the exit code.
@@ -72,6 +76,7 @@ pub fn main() -> i32 {
     let result = match cli.command {
         Command::BenchIo(a) => bench_io::run_bench_io(a),
         Command::Tune(a) => bench_io::run_tune(a),
+        Command::BenchAdam(a) => bench_adam::run(a).map_err(Failure::Internal),
     };
     match result {
         Ok(()) => 0,

@@ -1,0 +1,681 @@
+//! SIMD kernels (AVX-512F, AVX2+FMA+F16C) and run-time dispatch.
+//!
+//! The only module of the crate that contains `unsafe`. The design:
+//!
+//! * One generic kernel body, [`adam_body`], is written against the small
+//!   [`Simd`] trait (splat, load, store, fma, sqrt, div, bf16/fp16 load and
+//!   store). It is `#[inline(always)]` and is instantiated inside thin
+//!   `#[target_feature]` entry functions (`adam_avx512`, `adam_avx2`), so
+//!   LLVM compiles each instantiation with the wider instruction set and
+//!   inlines the intrinsics. Moment precision, output precision and weight
+//!   decay mode are const generics, so each of the 12 combinations is its own
+//!   branch-free loop.
+//! * The vector body covers the largest multiple of the vector width; the rest
+//!   is handed, as a safe sub-tile, to the scalar kernel, which is bitwise
+//!   identical to a vector lane (see `scalar.rs`).
+//! * Safety rests on two invariants: (1) an entry function runs only after
+//!   `is_x86_feature_detected!` confirmed its features (checked at every
+//!   dispatch; the macro caches the answer in an atomic), and (2) the raw
+//!   pointers come from slices of a [`Tile`] whose lengths were validated to
+//!   be equal, and the body only touches indices `< n` of each.
+//! * Plain (temporal) stores are used everywhere: p, m and v are
+//!   read-modify-write so their lines are in cache anyway.
+//! * bf16 rounding is done with integer ops (`bits + 0x7fff + lsb`, NaN
+//!   blended back with the quiet bit set) rather than AVX512-BF16
+//!   instructions, so it runs on every AVX-512F/AVX2 CPU and matches the
+//!   scalar conversion bit for bit. fp16 uses `vcvtps2ph` with
+//!   round-to-nearest-even.
+#![allow(unsafe_code)]
+
+use super::{scalar, LowPrecisionOut, Moments, OptimError, StepScalars, Tile};
+use half::bf16;
+use std::num::NonZeroUsize;
+
+/// Instruction set of the kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// AVX-512F, 16 f32 lanes.
+    Avx512,
+    /// AVX2 with FMA and F16C, 8 f32 lanes.
+    Avx2Fma,
+    /// Portable scalar code.
+    Scalar,
+}
+
+impl Isa {
+    /// Best instruction set of this CPU.
+    pub fn detect() -> Isa {
+        [Isa::Avx512, Isa::Avx2Fma]
+            .into_iter()
+            .find(|i| i.is_supported())
+            .unwrap_or(Isa::Scalar)
+    }
+
+    /// All instruction sets this CPU runs, best first.
+    pub fn available() -> Vec<Isa> {
+        [Isa::Avx512, Isa::Avx2Fma, Isa::Scalar]
+            .into_iter()
+            .filter(|i| i.is_supported())
+            .collect()
+    }
+
+    /// Whether this CPU supports `self` (cached by std after the first call).
+    pub fn is_supported(self) -> bool {
+        match self {
+            Isa::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2Fma => {
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                    && std::arch::is_x86_feature_detected!("f16c")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// Short lower-case name (`avx512`, `avx2`, `scalar`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Avx512 => "avx512",
+            Isa::Avx2Fma => "avx2",
+            Isa::Scalar => "scalar",
+        }
+    }
+}
+
+/// Runs Adam over one tile (or chunk) on `isa`, falling back to scalar code
+/// if `isa` is not supported here.
+pub(crate) fn run_tile(isa: Isa, s: &StepScalars, tile: Tile<'_>) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if isa != Isa::Scalar && isa.is_supported() {
+            x86::run_tile(isa, s, tile);
+            return;
+        }
+    }
+    let _ = isa;
+    scalar::run(s, tile);
+}
+
+/// Separate fp32 -> bf16 conversion pass (round-to-nearest-even): what
+/// DeepSpeed does after its optimizer step. Used as the two-pass baseline.
+pub fn convert_f32_to_bf16(
+    isa: Isa,
+    threads: NonZeroUsize,
+    src: &[f32],
+    dst: &mut [bf16],
+) -> Result<(), OptimError> {
+    if src.len() != dst.len() {
+        return Err(OptimError::LengthMismatch {
+            name: "dst",
+            numel: dst.len(),
+            master_numel: src.len(),
+        });
+    }
+    if !isa.is_supported() {
+        return Err(OptimError::IsaUnsupported { isa });
+    }
+    let chunk = super::chunk_numel(src.len(), threads.get());
+    std::thread::scope(|s| {
+        let mut parts = src.chunks(chunk).zip(dst.chunks_mut(chunk));
+        let first = parts.next();
+        for (a, b) in parts {
+            s.spawn(move || convert_chunk(isa, a, b));
+        }
+        if let Some((a, b)) = first {
+            convert_chunk(isa, a, b);
+        }
+    });
+    Ok(())
+}
+
+fn convert_chunk(isa: Isa, src: &[f32], dst: &mut [bf16]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if isa != Isa::Scalar && isa.is_supported() {
+            x86::convert_chunk(isa, src, dst);
+            return;
+        }
+    }
+    let _ = isa;
+    scalar::convert_bf16(src, dst);
+}
+
+/// In-place read-modify-write bandwidth probe with Adam's exact stream
+/// pattern: reads `g`, reads and writes `p`, `m`, `v` (28 B/element) with
+/// one add per stream. No real optimizer can move these bytes faster.
+pub fn rmw_probe(
+    isa: Isa,
+    threads: NonZeroUsize,
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+) -> Result<(), OptimError> {
+    let n = p.len();
+    for (name, numel) in [("grad", g.len()), ("m", m.len()), ("v", v.len())] {
+        if numel != n {
+            return Err(OptimError::LengthMismatch {
+                name,
+                numel,
+                master_numel: n,
+            });
+        }
+    }
+    if !isa.is_supported() {
+        return Err(OptimError::IsaUnsupported { isa });
+    }
+    let chunk = super::chunk_numel(n, threads.get());
+    std::thread::scope(|s| {
+        let mut parts = p
+            .chunks_mut(chunk)
+            .zip(g.chunks(chunk))
+            .zip(m.chunks_mut(chunk).zip(v.chunks_mut(chunk)));
+        let first = parts.next();
+        for ((p, g), (m, v)) in parts {
+            s.spawn(move || probe_chunk(isa, p, g, m, v));
+        }
+        if let Some(((p, g), (m, v))) = first {
+            probe_chunk(isa, p, g, m, v);
+        }
+    });
+    Ok(())
+}
+
+fn probe_chunk(isa: Isa, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if isa != Isa::Scalar && isa.is_supported() {
+            x86::probe_chunk(isa, p, g, m, v);
+            return;
+        }
+    }
+    let _ = isa;
+    scalar::probe(p, g, m, v);
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::super::{AdamMode, StepScalars};
+    use super::{scalar, Isa, LowPrecisionOut, Moments, Tile};
+    use half::bf16;
+    use std::arch::x86_64::*;
+
+    /// Vector operations used by the generic kernel bodies.
+    ///
+    /// # Safety
+    /// Every method may only be called when the CPU supports the
+    /// implementor's instruction set; pointer arguments must be valid for
+    /// `LANES` elements.
+    pub(super) trait Simd: Copy {
+        const LANES: usize;
+        type F: Copy;
+        unsafe fn splat(x: f32) -> Self::F;
+        unsafe fn load(p: *const f32) -> Self::F;
+        unsafe fn store(p: *mut f32, v: Self::F);
+        unsafe fn load_bf16(p: *const u16) -> Self::F;
+        unsafe fn store_bf16(p: *mut u16, v: Self::F);
+        unsafe fn store_f16(p: *mut u16, v: Self::F);
+        unsafe fn add(a: Self::F, b: Self::F) -> Self::F;
+        unsafe fn mul(a: Self::F, b: Self::F) -> Self::F;
+        /// `a * b + c` with one rounding.
+        unsafe fn fma(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
+        unsafe fn sqrt(a: Self::F) -> Self::F;
+        unsafe fn div(a: Self::F, b: Self::F) -> Self::F;
+    }
+
+    #[derive(Clone, Copy)]
+    pub(super) struct Avx512;
+
+    #[derive(Clone, Copy)]
+    pub(super) struct Avx2;
+
+    const ROUND_NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+    impl Simd for Avx512 {
+        const LANES: usize = 16;
+        type F = __m512;
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> __m512 {
+            // SAFETY: trait contract: avx512f is available.
+            unsafe { _mm512_set1_ps(x) }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m512 {
+            // SAFETY: trait contract: avx512f available, p valid for 16 f32.
+            unsafe { _mm512_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m512) {
+            // SAFETY: trait contract: avx512f available, p valid for 16 f32.
+            unsafe { _mm512_storeu_ps(p, v) }
+        }
+        #[inline(always)]
+        unsafe fn load_bf16(p: *const u16) -> __m512 {
+            // SAFETY: trait contract: avx512f available, p valid for 16 u16
+            // (32 bytes, unaligned load).
+            unsafe {
+                let h = _mm256_loadu_si256(p as *const __m256i);
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+            }
+        }
+        #[inline(always)]
+        unsafe fn store_bf16(p: *mut u16, v: __m512) {
+            // SAFETY: trait contract: avx512f available, p valid for 16 u16.
+            unsafe {
+                let b = _mm512_castps_si512(v);
+                let hi = _mm512_srli_epi32::<16>(b);
+                let lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+                let bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
+                let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(b, bias));
+                let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+                let quiet = _mm512_or_si512(hi, _mm512_set1_epi32(0x40));
+                let r = _mm512_mask_blend_epi32(nan, rounded, quiet);
+                _mm256_storeu_si256(p as *mut __m256i, _mm512_cvtepi32_epi16(r));
+            }
+        }
+        #[inline(always)]
+        unsafe fn store_f16(p: *mut u16, v: __m512) {
+            // SAFETY: trait contract: avx512f available, p valid for 16 u16.
+            unsafe {
+                let h = _mm512_cvtps_ph::<ROUND_NEAREST>(v);
+                _mm256_storeu_si256(p as *mut __m256i, h);
+            }
+        }
+        #[inline(always)]
+        unsafe fn add(a: __m512, b: __m512) -> __m512 {
+            // SAFETY: trait contract: avx512f is available.
+            unsafe { _mm512_add_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+            // SAFETY: trait contract: avx512f is available.
+            unsafe { _mm512_mul_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
+            // SAFETY: trait contract: avx512f is available.
+            unsafe { _mm512_fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn sqrt(a: __m512) -> __m512 {
+            // SAFETY: trait contract: avx512f is available.
+            unsafe { _mm512_sqrt_ps(a) }
+        }
+        #[inline(always)]
+        unsafe fn div(a: __m512, b: __m512) -> __m512 {
+            // SAFETY: trait contract: avx512f is available.
+            unsafe { _mm512_div_ps(a, b) }
+        }
+    }
+
+    impl Simd for Avx2 {
+        const LANES: usize = 8;
+        type F = __m256;
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> __m256 {
+            // SAFETY: trait contract: avx2 is available.
+            unsafe { _mm256_set1_ps(x) }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m256 {
+            // SAFETY: trait contract: avx2 available, p valid for 8 f32.
+            unsafe { _mm256_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m256) {
+            // SAFETY: trait contract: avx2 available, p valid for 8 f32.
+            unsafe { _mm256_storeu_ps(p, v) }
+        }
+        #[inline(always)]
+        unsafe fn load_bf16(p: *const u16) -> __m256 {
+            // SAFETY: trait contract: avx2 available, p valid for 8 u16
+            // (16 bytes, unaligned load).
+            unsafe {
+                let h = _mm_loadu_si128(p as *const __m128i);
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+            }
+        }
+        #[inline(always)]
+        unsafe fn store_bf16(p: *mut u16, v: __m256) {
+            // SAFETY: trait contract: avx2 available, p valid for 8 u16.
+            unsafe {
+                let b = _mm256_castps_si256(v);
+                let hi = _mm256_srli_epi32::<16>(b);
+                let lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+                let bias = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF));
+                let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(b, bias));
+                let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+                let quiet = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
+                let r = _mm256_blendv_epi8(rounded, quiet, nan);
+                // Every lane is <= 0xffff, so unsigned saturation is exact.
+                let packed =
+                    _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256::<1>(r));
+                _mm_storeu_si128(p as *mut __m128i, packed);
+            }
+        }
+        #[inline(always)]
+        unsafe fn store_f16(p: *mut u16, v: __m256) {
+            // SAFETY: trait contract: avx2 + f16c available, p valid for 8 u16.
+            unsafe {
+                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+                _mm_storeu_si128(p as *mut __m128i, h);
+            }
+        }
+        #[inline(always)]
+        unsafe fn add(a: __m256, b: __m256) -> __m256 {
+            // SAFETY: trait contract: avx2 is available.
+            unsafe { _mm256_add_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+            // SAFETY: trait contract: avx2 is available.
+            unsafe { _mm256_mul_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
+            // SAFETY: trait contract: fma is available.
+            unsafe { _mm256_fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn sqrt(a: __m256) -> __m256 {
+            // SAFETY: trait contract: avx2 is available.
+            unsafe { _mm256_sqrt_ps(a) }
+        }
+        #[inline(always)]
+        unsafe fn div(a: __m256, b: __m256) -> __m256 {
+            // SAFETY: trait contract: avx2 is available.
+            unsafe { _mm256_div_ps(a, b) }
+        }
+    }
+
+    /// Raw view of a tile's vector part. All pointers are valid for `n`
+    /// elements; the ones unused by the instantiation are null.
+    pub(super) struct RawTile {
+        n: usize,
+        p: *mut f32,
+        g: *const f32,
+        m32: *mut f32,
+        v32: *mut f32,
+        m16: *mut u16,
+        v16: *mut u16,
+        out: *mut u16,
+    }
+
+    const OUT_NONE: u8 = 0;
+    const OUT_BF16: u8 = 1;
+    const OUT_F16: u8 = 2;
+
+    /// The Adam kernel body. Mirrors `scalar::update` operation by operation.
+    ///
+    /// # Safety
+    /// `S`'s instruction set is available; `t.n` is a multiple of `S::LANES`
+    /// and every pointer used by this instantiation is valid for `t.n`
+    /// elements (reads and, except `g`, writes).
+    #[inline(always)]
+    unsafe fn adam_body<S: Simd, const L2: bool, const MB16: bool, const OUT: u8>(
+        s: &StepScalars,
+        t: &RawTile,
+    ) {
+        // SAFETY: the caller guarantees the instruction set and the pointer
+        // ranges; `i + S::LANES <= t.n` holds for every access below.
+        unsafe {
+            let grad_scale = S::splat(s.grad_scale);
+            let beta1 = S::splat(s.beta1);
+            let omb1 = S::splat(s.one_minus_beta1);
+            let beta2 = S::splat(s.beta2);
+            let omb2 = S::splat(s.one_minus_beta2);
+            let eps = S::splat(s.eps);
+            let neg_step = S::splat(s.neg_step_size);
+            let inv_sqrt_bc2 = S::splat(s.inv_sqrt_bc2);
+            let neg_lr_wd = S::splat(s.neg_lr_wd);
+            let l2_wd = S::splat(s.l2_wd);
+            let mut i = 0;
+            while i < t.n {
+                let p = S::load(t.p.add(i));
+                let g = S::mul(S::load(t.g.add(i)), grad_scale);
+                let g = if L2 { S::fma(p, l2_wd, g) } else { g };
+                let (m, v) = if MB16 {
+                    (S::load_bf16(t.m16.add(i)), S::load_bf16(t.v16.add(i)))
+                } else {
+                    (S::load(t.m32.add(i)), S::load(t.v32.add(i)))
+                };
+                let m2 = S::fma(beta1, m, S::mul(omb1, g));
+                let v2 = S::fma(beta2, v, S::mul(S::mul(omb2, g), g));
+                let den = S::fma(S::sqrt(v2), inv_sqrt_bc2, eps);
+                let upd = S::div(m2, den);
+                let p1 = if L2 { p } else { S::fma(neg_lr_wd, p, p) };
+                let p2 = S::fma(neg_step, upd, p1);
+                S::store(t.p.add(i), p2);
+                if MB16 {
+                    S::store_bf16(t.m16.add(i), m2);
+                    S::store_bf16(t.v16.add(i), v2);
+                } else {
+                    S::store(t.m32.add(i), m2);
+                    S::store(t.v32.add(i), v2);
+                }
+                if OUT == OUT_BF16 {
+                    S::store_bf16(t.out.add(i), p2);
+                } else if OUT == OUT_F16 {
+                    S::store_f16(t.out.add(i), p2);
+                }
+                i += S::LANES;
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn adam_avx512<const L2: bool, const MB16: bool, const OUT: u8>(
+        s: &StepScalars,
+        t: &RawTile,
+    ) {
+        // SAFETY: avx512f is enabled for this function; the caller
+        // guarantees the pointer ranges.
+        unsafe { adam_body::<Avx512, L2, MB16, OUT>(s, t) }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn adam_avx2<const L2: bool, const MB16: bool, const OUT: u8>(
+        s: &StepScalars,
+        t: &RawTile,
+    ) {
+        // SAFETY: avx2, fma and f16c are enabled for this function; the
+        // caller guarantees the pointer ranges.
+        unsafe { adam_body::<Avx2, L2, MB16, OUT>(s, t) }
+    }
+
+    /// Dispatches to the monomorphised entry for `isa` and the tile's kinds.
+    ///
+    /// # Safety
+    /// `isa` (not `Scalar`) is supported by this CPU; `t` obeys the
+    /// [`RawTile`] contract with `t.n` a multiple of `isa`'s lane count.
+    unsafe fn dispatch<const MB16: bool, const OUT: u8>(
+        isa: Isa,
+        l2: bool,
+        s: &StepScalars,
+        t: &RawTile,
+    ) {
+        // SAFETY: forwarded from this function's contract.
+        unsafe {
+            match (isa, l2) {
+                (Isa::Avx512, false) => adam_avx512::<false, MB16, OUT>(s, t),
+                (Isa::Avx512, true) => adam_avx512::<true, MB16, OUT>(s, t),
+                (Isa::Avx2Fma, false) => adam_avx2::<false, MB16, OUT>(s, t),
+                (Isa::Avx2Fma, true) => adam_avx2::<true, MB16, OUT>(s, t),
+                (Isa::Scalar, _) => {}
+            }
+        }
+    }
+
+    fn lanes(isa: Isa) -> usize {
+        match isa {
+            Isa::Avx512 => Avx512::LANES,
+            Isa::Avx2Fma => Avx2::LANES,
+            Isa::Scalar => 1,
+        }
+    }
+
+    /// Vector part of the tile on `isa` (supported, not scalar: checked by
+    /// the caller), scalar tail.
+    pub(super) fn run_tile(isa: Isa, s: &StepScalars, tile: Tile<'_>) {
+        if !isa.is_supported() || isa == Isa::Scalar {
+            scalar::run(s, tile);
+            return;
+        }
+        let n = tile.len();
+        let body_n = n - n % lanes(isa);
+        let (mut body, tail) = tile.split_at(body_n);
+        let l2 = s.mode == AdamMode::L2;
+        let null16 = std::ptr::null_mut::<u16>();
+        let null32 = std::ptr::null_mut::<f32>();
+        let (m32, v32, m16, v16) = match &mut body.moments {
+            Moments::F32 { m, v } => (m.as_mut_ptr(), v.as_mut_ptr(), null16, null16),
+            Moments::Bf16 { m, v } => (
+                null32,
+                null32,
+                m.as_mut_ptr() as *mut u16,
+                v.as_mut_ptr() as *mut u16,
+            ),
+        };
+        let (out, out_kind) = match &mut body.out {
+            None => (null16, OUT_NONE),
+            Some(LowPrecisionOut::Bf16(o)) => (o.as_mut_ptr() as *mut u16, OUT_BF16),
+            Some(LowPrecisionOut::F16(o)) => (o.as_mut_ptr() as *mut u16, OUT_F16),
+        };
+        let raw = RawTile {
+            n: body_n,
+            p: body.master.as_mut_ptr(),
+            g: body.grad.as_ptr(),
+            m32,
+            v32,
+            m16,
+            v16,
+            out,
+        };
+        let mb16 = !m16.is_null();
+        // SAFETY: `isa` was checked supported above; all slices of `body`
+        // have length `body_n` (validated by `Tile::new`, preserved by
+        // `split_at`), a multiple of the lane count; `bf16`/`f16` are
+        // `repr(transparent)` over `u16`; `body` is borrowed mutably for the
+        // whole call, so nothing aliases the writes.
+        unsafe {
+            match (mb16, out_kind) {
+                (false, OUT_NONE) => dispatch::<false, OUT_NONE>(isa, l2, s, &raw),
+                (false, OUT_BF16) => dispatch::<false, OUT_BF16>(isa, l2, s, &raw),
+                (false, _) => dispatch::<false, OUT_F16>(isa, l2, s, &raw),
+                (true, OUT_NONE) => dispatch::<true, OUT_NONE>(isa, l2, s, &raw),
+                (true, OUT_BF16) => dispatch::<true, OUT_BF16>(isa, l2, s, &raw),
+                (true, _) => dispatch::<true, OUT_F16>(isa, l2, s, &raw),
+            }
+        }
+        scalar::run(s, tail);
+    }
+
+    /// # Safety
+    /// `S`'s instruction set is available; `src` and `dst` valid for `n`
+    /// elements, `n` a multiple of `S::LANES`.
+    #[inline(always)]
+    unsafe fn convert_body<S: Simd>(n: usize, src: *const f32, dst: *mut u16) {
+        let mut i = 0;
+        while i < n {
+            // SAFETY: i + LANES <= n, see the function contract.
+            unsafe { S::store_bf16(dst.add(i), S::load(src.add(i))) };
+            i += S::LANES;
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn convert_avx512(n: usize, src: *const f32, dst: *mut u16) {
+        // SAFETY: avx512f enabled here; ranges from the caller.
+        unsafe { convert_body::<Avx512>(n, src, dst) }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn convert_avx2(n: usize, src: *const f32, dst: *mut u16) {
+        // SAFETY: avx2 enabled here; ranges from the caller.
+        unsafe { convert_body::<Avx2>(n, src, dst) }
+    }
+
+    pub(super) fn convert_chunk(isa: Isa, src: &[f32], dst: &mut [bf16]) {
+        let n = src.len().min(dst.len());
+        let body_n = n - n % lanes(isa);
+        let dst_ptr = dst.as_mut_ptr() as *mut u16;
+        // SAFETY: `isa` checked supported by the caller (and again here);
+        // both slices hold at least `body_n` elements; bf16 is
+        // repr(transparent) over u16.
+        unsafe {
+            match isa {
+                Isa::Avx512 if isa.is_supported() => convert_avx512(body_n, src.as_ptr(), dst_ptr),
+                Isa::Avx2Fma if isa.is_supported() => convert_avx2(body_n, src.as_ptr(), dst_ptr),
+                _ => {
+                    scalar::convert_bf16(src, dst);
+                    return;
+                }
+            }
+        }
+        scalar::convert_bf16(&src[body_n..n], &mut dst[body_n..n]);
+    }
+
+    /// # Safety
+    /// `S`'s instruction set is available; all pointers valid for `n`
+    /// elements, `n` a multiple of `S::LANES`.
+    #[inline(always)]
+    unsafe fn probe_body<S: Simd>(n: usize, p: *mut f32, g: *const f32, m: *mut f32, v: *mut f32) {
+        let mut i = 0;
+        while i < n {
+            // SAFETY: i + LANES <= n, see the function contract.
+            unsafe {
+                // All loads first, then all stores: the same order as the
+                // Adam body (interleaving them invites 4K-aliasing stalls
+                // between streams that share a page offset).
+                let gv = S::load(g.add(i));
+                let pv = S::load(p.add(i));
+                let mv = S::load(m.add(i));
+                let vv = S::load(v.add(i));
+                S::store(p.add(i), S::add(pv, gv));
+                S::store(m.add(i), S::add(mv, gv));
+                S::store(v.add(i), S::add(vv, gv));
+            }
+            i += S::LANES;
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn probe_avx512(n: usize, p: *mut f32, g: *const f32, m: *mut f32, v: *mut f32) {
+        // SAFETY: avx512f enabled here; ranges from the caller.
+        unsafe { probe_body::<Avx512>(n, p, g, m, v) }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn probe_avx2(n: usize, p: *mut f32, g: *const f32, m: *mut f32, v: *mut f32) {
+        // SAFETY: avx2 enabled here; ranges from the caller.
+        unsafe { probe_body::<Avx2>(n, p, g, m, v) }
+    }
+
+    pub(super) fn probe_chunk(isa: Isa, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+        let n = p.len().min(g.len()).min(m.len()).min(v.len());
+        let body_n = n - n % lanes(isa);
+        let (pp, gp, mp, vp) = (p.as_mut_ptr(), g.as_ptr(), m.as_mut_ptr(), v.as_mut_ptr());
+        // SAFETY: `isa` checked supported; all four slices hold at least
+        // `body_n` elements.
+        unsafe {
+            match isa {
+                Isa::Avx512 if isa.is_supported() => probe_avx512(body_n, pp, gp, mp, vp),
+                Isa::Avx2Fma if isa.is_supported() => probe_avx2(body_n, pp, gp, mp, vp),
+                _ => {
+                    scalar::probe(p, g, m, v);
+                    return;
+                }
+            }
+        }
+        scalar::probe(
+            &mut p[body_n..n],
+            &g[body_n..n],
+            &mut m[body_n..n],
+            &mut v[body_n..n],
+        );
+    }
+}
