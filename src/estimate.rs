@@ -425,7 +425,7 @@ pub enum Verdict {
 }
 
 /// The fit of one choice on a machine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Fit {
     /// Device memory (per rank); `Unknown` folds the device into host RAM.
     pub device: Verdict,
@@ -437,6 +437,9 @@ pub struct Fit {
     pub pinned_over_memlock: bool,
     /// Everything known fits and nothing needed is unknown.
     pub fits: bool,
+    /// The largest of need / usable over the resources whose size is
+    /// known: at most 1 when it fits; how far off it is otherwise.
+    pub max_use_ratio: f64,
 }
 
 /// The estimate of one choice.
@@ -497,6 +500,9 @@ pub struct Report {
     pub estimates: Vec<Estimate>,
     /// The first fitting choice in preference order.
     pub recommended: Option<Choice>,
+    /// When nothing fits: the choice closest to fitting (smallest
+    /// [`Fit::max_use_ratio`]).
+    pub closest: Option<Choice>,
     /// Warnings and hints, one line each.
     pub notes: Vec<String>,
 }
@@ -810,12 +816,25 @@ fn fit(per_rank: &Totals, node_ram_bytes: u64, per_node: &Totals, m: &Machine) -
         _ => false,
     };
     let device_ok = m.device_bytes.is_none() || device == Verdict::Fits;
+    let ratio = |need: u64, have: Option<u64>| match have {
+        _ if need == 0 => 0.0,
+        Some(0) => f64::INFINITY,
+        Some(h) => need as f64 / h as f64,
+        None => 0.0,
+    };
+    let max_use_ratio = ratio(
+        per_rank.device_bytes,
+        m.device_bytes.map(|d| usable(d, DEVICE_USABLE_PERCENT)),
+    )
+    .max(ratio(node_ram_bytes, usable_ram))
+    .max(ratio(per_node.nvme_bytes, m.nvme_free_bytes));
     Fit {
         device,
         host,
         nvme,
         pinned_over_memlock,
         fits: device_ok && host == Verdict::Fits && nvme == Verdict::Fits,
+        max_use_ratio,
     }
 }
 
@@ -874,6 +893,14 @@ pub fn estimate(inp: &Inputs, machine: &Machine) -> Result<Report, EstimateError
         .filter(|e| e.fit.fits)
         .min_by_key(|e| e.choice.preference())
         .map(|e| e.choice);
+    let closest = if recommended.is_some() {
+        None
+    } else {
+        estimates
+            .iter()
+            .min_by(|a, b| a.fit.max_use_ratio.total_cmp(&b.fit.max_use_ratio))
+            .map(|e| e.choice)
+    };
     let mut notes = Vec::new();
     if inp.largest_source == LargestSource::Assumed {
         notes.push(format!(
@@ -919,6 +946,7 @@ pub fn estimate(inp: &Inputs, machine: &Machine) -> Result<Report, EstimateError
         machine: machine.clone(),
         estimates,
         recommended,
+        closest,
         notes,
     })
 }
@@ -1255,9 +1283,20 @@ mod tests {
         assert!(find(&r, 3, Offload::Nvme, Offload::Nvme).fit.fits);
         assert!(!find(&r, 3, Offload::Cpu, Offload::Cpu).fit.fits);
         assert!(find(&r, 3, Offload::Cpu, Offload::Cpu).node_ram_bytes > 100 * GIB);
-        // Not enough disk: nothing fits.
+        // Not enough disk: nothing fits; the closest is all on NVMe with the
+        // params in RAM (104 GiB of NVMe for 100 GiB free).
         let r = estimate(&inp, &machine(24 * GIB, 100 * GIB, None)).unwrap();
         assert_eq!(r.recommended, None);
+        assert_eq!(
+            r.closest,
+            Some(Choice {
+                stage: 3,
+                optimizer: Offload::Nvme,
+                params: Offload::None
+            })
+        );
+        let e = find(&r, 3, Offload::Nvme, Offload::None);
+        assert!(e.fit.max_use_ratio > 1.0 && e.fit.max_use_ratio < 1.1);
         // With DeepSpeed's default sub_group_size (1e9) the optimizer swap
         // buffers alone are 4 × 1e9 × 4 B = 14.9 GiB pinned.
         let r = estimate(

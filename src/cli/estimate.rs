@@ -454,21 +454,28 @@ fn render_table(r: &Report, config_choice: Option<Choice>) -> Result<String, std
         }
         None => {
             write!(out, "recommended: nothing fits on this machine")?;
-            let closest = r.estimates.iter().min_by_key(|e| e.node_ram_bytes);
+            let closest = r
+                .closest
+                .and_then(|c| r.estimates.iter().find(|e| e.choice == c));
             if let Some(e) = closest {
+                let m = &r.machine;
                 write!(
                     out,
-                    "; the smallest RAM need is {}, usable {} ({}), with NVMe {} (free {})",
-                    format_bytes(e.node_ram_bytes),
-                    opt_bytes(
-                        r.machine
-                            .ram_bytes
-                            .map(|b| b / 100 * estimate::HOST_USABLE_PERCENT)
-                    ),
+                    "; closest: {} needs RAM {} (usable {}), NVMe {} (free {})",
                     choice_text(e.choice),
+                    format_bytes(e.node_ram_bytes),
+                    opt_bytes(m.ram_bytes.map(|b| b / 100 * estimate::HOST_USABLE_PERCENT)),
                     format_bytes(e.per_node.nvme_bytes),
-                    opt_bytes(r.machine.nvme_free_bytes)
+                    opt_bytes(m.nvme_free_bytes)
                 )?;
+                if let Some(d) = m.device_bytes {
+                    write!(
+                        out,
+                        ", device {} per rank (usable {})",
+                        format_bytes(e.per_rank.device_bytes),
+                        format_bytes(d / 100 * estimate::DEVICE_USABLE_PERCENT)
+                    )?;
+                }
             }
             writeln!(out)?;
         }
