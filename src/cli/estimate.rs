@@ -136,6 +136,22 @@ fn model_size(path: &Path) -> Result<ModelSize, Failure> {
     })
 }
 
+/// `p` if it is a directory, else its nearest ancestor that is.
+fn existing_ancestor(p: &Path) -> Option<PathBuf> {
+    let mut cur = p;
+    loop {
+        let dir = if cur.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            cur
+        };
+        if dir.is_dir() {
+            return Some(dir.to_path_buf());
+        }
+        cur = cur.parent()?;
+    }
+}
+
 /// What a config contributes.
 struct FromConfig {
     swap: SwapSettings,
@@ -237,7 +253,12 @@ pub fn run(a: EstimateArgs) -> Result<(), Failure> {
             }
             p.clone()
         }
-        None => cfg.nvme_path.clone().unwrap_or_else(|| PathBuf::from(".")),
+        None => match &cfg.nvme_path {
+            // A config's nvme_path may not exist yet (a run creates it):
+            // measure the file system it would be created on.
+            Some(p) => existing_ancestor(p).unwrap_or_else(|| p.clone()),
+            None => PathBuf::from("."),
+        },
     };
     let inputs = Inputs {
         total_numel,
@@ -490,6 +511,21 @@ fn render_table(r: &Report, config_choice: Option<Choice>) -> Result<String, std
 mod tests {
     use super::*;
     use tierzero::estimate::Offload;
+
+    #[test]
+    fn nvme_path_falls_back_to_an_existing_ancestor() {
+        let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let deep = tmp.path().join("a/b/c");
+        assert_eq!(existing_ancestor(&deep), Some(tmp.path().to_path_buf()));
+        assert_eq!(
+            existing_ancestor(tmp.path()),
+            Some(tmp.path().to_path_buf())
+        );
+        assert_eq!(
+            existing_ancestor(Path::new("no-such-dir-here")),
+            Some(PathBuf::from("."))
+        );
+    }
 
     #[test]
     fn counts_read_well() {
