@@ -163,12 +163,17 @@ impl Offload {
 /// A ZeRO stage and its offload choices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 pub struct Choice {
-    /// ZeRO stage 0-3.
-    pub stage: u8,
+    /// ZeRO stage (serialised as DeepSpeed's number).
+    #[serde(serialize_with = "stage_number")]
+    pub stage: Stage,
     /// `offload_optimizer.device`.
     pub optimizer: Offload,
     /// `offload_param.device` (always `None` below stage 3).
     pub params: Offload,
+}
+
+fn stage_number<S: serde::Serializer>(stage: &Stage, ser: S) -> Result<S::Ok, S::Error> {
+    ser.serialize_u8(stage.number())
 }
 
 impl Choice {
@@ -178,11 +183,11 @@ impl Choice {
     pub fn all() -> Vec<Choice> {
         use Offload::*;
         let mut v = vec![Choice {
-            stage: 0,
+            stage: Stage::Disabled,
             optimizer: None,
             params: None,
         }];
-        for stage in [1, 2] {
+        for stage in [Stage::OptimizerStates, Stage::Gradients] {
             for optimizer in [None, Cpu] {
                 v.push(Choice {
                     stage,
@@ -194,7 +199,7 @@ impl Choice {
         for optimizer in [None, Cpu, Nvme] {
             for params in [None, Cpu, Nvme] {
                 v.push(Choice {
-                    stage: 3,
+                    stage: Stage::Parameters,
                     optimizer,
                     params,
                 });
@@ -204,7 +209,7 @@ impl Choice {
     }
 
     /// Preference order: less data movement first.
-    fn preference(self) -> (Offload, Offload, u8) {
+    fn preference(self) -> (Offload, Offload, Stage) {
         (self.params, self.optimizer, self.stage)
     }
 }
@@ -278,14 +283,8 @@ pub fn choice_of_config(c: &Config) -> Choice {
         OffloadDevice::Cpu => Offload::Cpu,
         OffloadDevice::Nvme { .. } => Offload::Nvme,
     };
-    let stage = match c.zero.stage {
-        Stage::Disabled => 0,
-        Stage::OptimizerStates => 1,
-        Stage::Gradients => 2,
-        Stage::Parameters => 3,
-    };
     Choice {
-        stage,
+        stage: c.zero.stage,
         optimizer: off(&c.zero.offload_optimizer.device),
         params: off(&c.zero.offload_param.device),
     }
@@ -540,7 +539,7 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
     let pinned_or = |pin: bool| if pin { Tier::Pinned } else { Tier::Pageable };
 
     // 16-bit params.
-    let (pn, ps) = part(c.stage == 3);
+    let (pn, ps) = part(c.stage == Stage::Parameters);
     let param_bytes = mul(pn, p, "16-bit params")?;
     match c.params {
         Offload::None => push(
@@ -594,7 +593,7 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
             }
         }
     }
-    if c.stage == 3 && !(r == 1 && c.params == Offload::None) {
+    if c.stage == Stage::Parameters && !(r == 1 && c.params == Offload::None) {
         push(
             Tier::Device,
             "gathered units (current + prefetched)",
@@ -602,7 +601,7 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
             format!("2 × {l} × {p} B"),
         );
     }
-    if c.stage >= 2 || c.optimizer != Offload::None {
+    if c.stage >= Stage::Gradients || c.optimizer != Offload::None {
         push(
             Tier::Device,
             "one unit's 16-bit grads",
@@ -612,7 +611,7 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
     }
 
     // fp32 gradient accumulators, where the optimizer runs.
-    let (gn, gs) = part(c.stage >= 2);
+    let (gn, gs) = part(c.stage >= Stage::Gradients);
     let grad_bytes = mul(gn, 4, "fp32 grads")?;
     let grad_tier = match c.optimizer {
         Offload::None => Tier::Device,
@@ -627,7 +626,7 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
     );
 
     // Optimizer state.
-    let (on, os) = part(c.stage >= 1);
+    let (on, os) = part(c.stage >= Stage::OptimizerStates);
     let per = 4 + 2 * inp.moment_elem_bytes;
     let state_tier = match c.optimizer {
         Offload::None => Tier::Device,
@@ -756,10 +755,10 @@ pub mod deepspeed {
 /// factor 1.5), or `None` where DeepSpeed has no estimator.
 pub fn deepspeed_figure(inp: &Inputs, c: Choice) -> Option<DeepSpeedFigure> {
     let (cpu, gpu) = match (c.stage, c.optimizer, c.params) {
-        (1 | 2, o, Offload::None) if o != Offload::Nvme => {
+        (Stage::OptimizerStates | Stage::Gradients, o, Offload::None) if o != Offload::Nvme => {
             deepspeed::zero2(inp.total_numel, inp.ranks, 1, o == Offload::Cpu, 1.5)
         }
-        (3, Offload::None, Offload::None) => {
+        (Stage::Parameters, Offload::None, Offload::None) => {
             let (c, g, _) = deepspeed::zero3(
                 inp.total_numel,
                 inp.largest_unit_numel,
@@ -772,7 +771,7 @@ pub fn deepspeed_figure(inp: &Inputs, c: Choice) -> Option<DeepSpeedFigure> {
             );
             (c, g)
         }
-        (3, Offload::Cpu, p @ (Offload::None | Offload::Cpu)) => {
+        (Stage::Parameters, Offload::Cpu, p @ (Offload::None | Offload::Cpu)) => {
             let (c, g, _) = deepspeed::zero3(
                 inp.total_numel,
                 inp.largest_unit_numel,
@@ -1029,7 +1028,7 @@ mod tests {
         assert_eq!(
             choice_of_config(&loaded.config),
             Choice {
-                stage: 3,
+                stage: Stage::Parameters,
                 optimizer: Offload::Cpu,
                 params: Offload::None
             }
@@ -1111,12 +1110,8 @@ mod tests {
         r.estimates
             .iter()
             .find(|e| {
-                e.choice
-                    == Choice {
-                        stage,
-                        optimizer,
-                        params,
-                    }
+                (e.choice.stage.number(), e.choice.optimizer, e.choice.params)
+                    == (stage, optimizer, params)
             })
             .unwrap()
     }
@@ -1258,7 +1253,7 @@ mod tests {
         let n = 7_000_000_000;
         let inp = inputs(n, assumed_largest_unit_numel(n), 1, sw);
         let nvme_only = Choice {
-            stage: 3,
+            stage: Stage::Parameters,
             optimizer: Offload::Nvme,
             params: Offload::Nvme,
         };
@@ -1275,7 +1270,7 @@ mod tests {
         assert_eq!(
             r.recommended,
             Some(Choice {
-                stage: 3,
+                stage: Stage::Parameters,
                 optimizer: Offload::Nvme,
                 params: Offload::None
             })
@@ -1290,7 +1285,7 @@ mod tests {
         assert_eq!(
             r.closest,
             Some(Choice {
-                stage: 3,
+                stage: Stage::Parameters,
                 optimizer: Offload::Nvme,
                 params: Offload::None
             })
@@ -1321,7 +1316,7 @@ mod tests {
         assert_eq!(
             r.recommended.unwrap(),
             Choice {
-                stage: 0,
+                stage: Stage::Disabled,
                 optimizer: Offload::None,
                 params: Offload::None
             }

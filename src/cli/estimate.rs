@@ -22,6 +22,7 @@ use std::path::{Path, PathBuf};
 use anyhow::anyhow;
 use clap::{Args, ValueEnum};
 use serde::Serialize;
+use tierzero::config::Stage;
 use tierzero::estimate::{
     self, Choice, Estimate, Inputs, LargestSource, Memlock, Report, SwapSettings, Verdict,
 };
@@ -354,10 +355,10 @@ fn fit_text(e: &Estimate, device_known: bool) -> String {
 fn choice_text(c: Choice) -> String {
     let mut s = format!(
         "stage {}, offload_optimizer {}",
-        c.stage,
+        c.stage.number(),
         c.optimizer.name()
     );
-    if c.stage == 3 {
+    if c.stage == Stage::Parameters {
         s.push_str(&format!(", offload_param {}", c.params.name()));
     }
     s
@@ -444,9 +445,13 @@ fn render_table(r: &Report, config_choice: Option<Choice>) -> Result<String, std
         writeln!(
             out,
             "{:<5} {:<9} {:<6} | {:>12} | {:>11} {:>11} {:>11} | {:>21} | {}{mark}",
-            c.stage,
+            c.stage.number(),
             c.optimizer.name(),
-            if c.stage == 3 { c.params.name() } else { "-" },
+            if c.stage == Stage::Parameters {
+                c.params.name()
+            } else {
+                "-"
+            },
             format_bytes(e.per_rank.device_bytes),
             format_bytes(e.per_node.pinned_bytes),
             format_bytes(e.per_node.pageable_bytes),
@@ -538,7 +543,7 @@ mod tests {
     fn offload_names() {
         assert_eq!(
             choice_text(Choice {
-                stage: 3,
+                stage: Stage::Parameters,
                 optimizer: Offload::Nvme,
                 params: Offload::Cpu
             }),
