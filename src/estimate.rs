@@ -10,8 +10,10 @@
 //!
 //! DeepSpeed ships two estimators (deepspeedai/DeepSpeed,
 //! `deepspeed/runtime/zero/stage_1_and_2.py::estimate_zero2_model_states_mem_needs`
-//! and `deepspeed/runtime/zero/stage3.py::estimate_zero3_model_states_mem_needs`;
-//! explained in `docs/code-docs/source/memory.rst`). With `N` params,
+//! as of commit 02aa38c3, and
+//! `deepspeed/runtime/zero/stage3.py::estimate_zero3_model_states_mem_needs`
+//! as of 007cca6a; explained, with example output, in
+//! `docs/code-docs/source/memory.rst` as of 0cca5393). With `N` params,
 //! `G` GPUs per node, `T` GPUs in all, `L` the largest layer's params and
 //! `f = 1.5` an "additional buffer factor":
 //!
@@ -25,7 +27,10 @@
 //!
 //! [`deepspeed`] reproduces these formulas exactly (tested against the
 //! numbers printed in `memory.rst`), and each estimate carries DeepSpeed's
-//! figure for comparison where DeepSpeed has one. DeepSpeed has no estimate
+//! figure for comparison where DeepSpeed has one (one node of `R` GPUs,
+//! `zero_init=1`, `f = 1.5`, and our largest unit as its largest layer).
+//! `memory.rst` still prints `4N + 16N/T` per GPU for stage 2 without
+//! offload; the code computes `2N + 18N/T`, which is what we follow. DeepSpeed has no estimate
 //! for stage 0 or for NVMe offload, and its numbers hide where the memory
 //! goes: the 1.5 factor stands in for buffers it does not list, and pinned
 //! memory (what actually runs out, see DeepSpeed#3000) is not shown at all.
