@@ -144,11 +144,22 @@ fn convert_chunk(isa: Isa, src: &[f32], dst: &mut [bf16]) {
     scalar::convert_bf16(src, dst);
 }
 
+/// Order of the loads and stores inside one vector step of [`rmw_probe`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeOrder {
+    /// Load g, p, m, v, then store p, m, v (the order of the Adam body).
+    Grouped,
+    /// Load g; then load and store p, then m, then v.
+    Interleaved,
+}
+
 /// In-place read-modify-write bandwidth probe with Adam's exact stream
 /// pattern: reads `g`, reads and writes `p`, `m`, `v` (28 B/element) with
-/// one add per stream. No real optimizer can move these bytes faster.
+/// one add per stream. No real optimizer can move these bytes faster. The
+/// two [`ProbeOrder`]s can differ in speed; a fair roof takes the faster.
 pub fn rmw_probe(
     isa: Isa,
+    order: ProbeOrder,
     threads: NonZeroUsize,
     p: &mut [f32],
     g: &[f32],
@@ -176,24 +187,31 @@ pub fn rmw_probe(
             .zip(m.chunks_mut(chunk).zip(v.chunks_mut(chunk)));
         let first = parts.next();
         for ((p, g), (m, v)) in parts {
-            s.spawn(move || probe_chunk(isa, p, g, m, v));
+            s.spawn(move || probe_chunk(isa, order, p, g, m, v));
         }
         if let Some(((p, g), (m, v))) = first {
-            probe_chunk(isa, p, g, m, v);
+            probe_chunk(isa, order, p, g, m, v);
         }
     });
     Ok(())
 }
 
-fn probe_chunk(isa: Isa, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+fn probe_chunk(
+    isa: Isa,
+    order: ProbeOrder,
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     {
         if isa != Isa::Scalar && isa.is_supported() {
-            x86::probe_chunk(isa, p, g, m, v);
+            x86::probe_chunk(isa, order == ProbeOrder::Interleaved, p, g, m, v);
             return;
         }
     }
-    let _ = isa;
+    let _ = (isa, order);
     scalar::probe(p, g, m, v);
 }
 
@@ -623,15 +641,25 @@ mod x86 {
     /// `S`'s instruction set is available; all pointers valid for `n`
     /// elements, `n` a multiple of `S::LANES`.
     #[inline(always)]
-    unsafe fn probe_body<S: Simd>(n: usize, p: *mut f32, g: *const f32, m: *mut f32, v: *mut f32) {
+    unsafe fn probe_body<S: Simd, const INTERLEAVED: bool>(
+        n: usize,
+        p: *mut f32,
+        g: *const f32,
+        m: *mut f32,
+        v: *mut f32,
+    ) {
         let mut i = 0;
         while i < n {
             // SAFETY: i + LANES <= n, see the function contract.
             unsafe {
-                // All loads first, then all stores: the same order as the
-                // Adam body (interleaving them invites 4K-aliasing stalls
-                // between streams that share a page offset).
                 let gv = S::load(g.add(i));
+                if INTERLEAVED {
+                    S::store(p.add(i), S::add(S::load(p.add(i)), gv));
+                    S::store(m.add(i), S::add(S::load(m.add(i)), gv));
+                    S::store(v.add(i), S::add(S::load(v.add(i)), gv));
+                    i += S::LANES;
+                    continue;
+                }
                 let pv = S::load(p.add(i));
                 let mv = S::load(m.add(i));
                 let vv = S::load(v.add(i));
@@ -644,18 +672,37 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f")]
-    unsafe fn probe_avx512(n: usize, p: *mut f32, g: *const f32, m: *mut f32, v: *mut f32) {
+    unsafe fn probe_avx512<const I: bool>(
+        n: usize,
+        p: *mut f32,
+        g: *const f32,
+        m: *mut f32,
+        v: *mut f32,
+    ) {
         // SAFETY: avx512f enabled here; ranges from the caller.
-        unsafe { probe_body::<Avx512>(n, p, g, m, v) }
+        unsafe { probe_body::<Avx512, I>(n, p, g, m, v) }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn probe_avx2(n: usize, p: *mut f32, g: *const f32, m: *mut f32, v: *mut f32) {
+    unsafe fn probe_avx2<const I: bool>(
+        n: usize,
+        p: *mut f32,
+        g: *const f32,
+        m: *mut f32,
+        v: *mut f32,
+    ) {
         // SAFETY: avx2 enabled here; ranges from the caller.
-        unsafe { probe_body::<Avx2>(n, p, g, m, v) }
+        unsafe { probe_body::<Avx2, I>(n, p, g, m, v) }
     }
 
-    pub(super) fn probe_chunk(isa: Isa, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+    pub(super) fn probe_chunk(
+        isa: Isa,
+        interleaved: bool,
+        p: &mut [f32],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+    ) {
         let n = p.len().min(g.len()).min(m.len()).min(v.len());
         let body_n = n - n % lanes(isa);
         let (pp, gp, mp, vp) = (p.as_mut_ptr(), g.as_ptr(), m.as_mut_ptr(), v.as_mut_ptr());
@@ -663,8 +710,14 @@ mod x86 {
         // `body_n` elements.
         unsafe {
             match isa {
-                Isa::Avx512 if isa.is_supported() => probe_avx512(body_n, pp, gp, mp, vp),
-                Isa::Avx2Fma if isa.is_supported() => probe_avx2(body_n, pp, gp, mp, vp),
+                Isa::Avx512 if isa.is_supported() && interleaved => {
+                    probe_avx512::<true>(body_n, pp, gp, mp, vp)
+                }
+                Isa::Avx512 if isa.is_supported() => probe_avx512::<false>(body_n, pp, gp, mp, vp),
+                Isa::Avx2Fma if isa.is_supported() && interleaved => {
+                    probe_avx2::<true>(body_n, pp, gp, mp, vp)
+                }
+                Isa::Avx2Fma if isa.is_supported() => probe_avx2::<false>(body_n, pp, gp, mp, vp),
                 _ => {
                     scalar::probe(p, g, m, v);
                     return;

@@ -80,7 +80,7 @@ mod scalar;
 #[cfg(test)]
 mod tests;
 
-pub use kernels::{convert_f32_to_bf16, rmw_probe, Isa};
+pub use kernels::{convert_f32_to_bf16, rmw_probe, Isa, ProbeOrder};
 pub use norm::{GradNorm, GradStep};
 pub use scalar::{f32_to_bf16_bits, f32_to_f16_bits};
 

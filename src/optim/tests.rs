@@ -749,11 +749,14 @@ fn probe_and_conversion_pass_compute_what_they_say() {
     for isa in Isa::available() {
         let n = 1000 + 9;
         let g: Vec<f32> = (0..n).map(|i| i as f32).collect();
-        let (mut p, mut m, mut v) = (vec![1.0f32; n], vec![2.0f32; n], vec![3.0f32; n]);
-        rmw_probe(isa, nz(3), &mut p, &g, &mut m, &mut v).unwrap();
-        for i in 0..n {
-            assert_eq!((p[i], m[i], v[i]), (1.0 + g[i], 2.0 + g[i], 3.0 + g[i]));
+        for order in [ProbeOrder::Grouped, ProbeOrder::Interleaved] {
+            let (mut p, mut m, mut v) = (vec![1.0f32; n], vec![2.0f32; n], vec![3.0f32; n]);
+            rmw_probe(isa, order, nz(3), &mut p, &g, &mut m, &mut v).unwrap();
+            for i in 0..n {
+                assert_eq!((p[i], m[i], v[i]), (1.0 + g[i], 2.0 + g[i], 3.0 + g[i]));
+            }
         }
+        let p: Vec<f32> = g.iter().map(|x| x + 1.0).collect();
         let mut d = vec![bf16::ZERO; n];
         convert_f32_to_bf16(isa, nz(2), &p, &mut d).unwrap();
         assert!(d.iter().zip(&p).all(|(d, p)| *d == bf16::from_f32(*p)));
