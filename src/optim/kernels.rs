@@ -18,8 +18,12 @@
 //!   dispatch; the macro caches the answer in an atomic), and (2) the raw
 //!   pointers come from slices of a [`Tile`] whose lengths were validated to
 //!   be equal, and the body only touches indices `< n` of each.
-//! * Plain (temporal) stores are used everywhere: p, m and v are
-//!   read-modify-write so their lines are in cache anyway.
+//! * p, m and v use plain stores: they are read-modify-write, so their lines
+//!   are in cache anyway. The bf16/fp16 parameter copy is write-only and next
+//!   read by DMA, so it uses streaming (non-temporal) stores: that skips the
+//!   read-for-ownership of its lines (2 B/param less traffic) and keeps it out
+//!   of the caches. A few scalar elements are peeled so that those stores are
+//!   aligned; an `sfence` ends each call that streamed.
 //! * bf16 rounding is done with integer ops (`bits + 0x7fff + lsb`, NaN
 //!   blended back with the quiet bit set) rather than AVX512-BF16
 //!   instructions, so it runs on every AVX-512F/AVX2 CPU and matches the
@@ -235,8 +239,17 @@ mod x86 {
         unsafe fn load(p: *const f32) -> Self::F;
         unsafe fn store(p: *mut f32, v: Self::F);
         unsafe fn load_bf16(p: *const u16) -> Self::F;
-        unsafe fn store_bf16(p: *mut u16, v: Self::F);
-        unsafe fn store_f16(p: *mut u16, v: Self::F);
+        /// `LANES` packed u16 values.
+        type H: Copy;
+        /// Bytes of one `H`; `stream_h` needs this alignment.
+        const H_BYTES: usize;
+        /// f32 -> bf16, round-to-nearest-even, NaN kept (quiet).
+        unsafe fn cvt_bf16(v: Self::F) -> Self::H;
+        /// f32 -> fp16, round-to-nearest-even (`vcvtps2ph`).
+        unsafe fn cvt_f16(v: Self::F) -> Self::H;
+        unsafe fn store_h(p: *mut u16, h: Self::H);
+        /// Non-temporal store; `p` aligned to `H_BYTES`.
+        unsafe fn stream_h(p: *mut u16, h: Self::H);
         unsafe fn add(a: Self::F, b: Self::F) -> Self::F;
         unsafe fn mul(a: Self::F, b: Self::F) -> Self::F;
         /// `a * b + c` with one rounding.
@@ -280,9 +293,11 @@ mod x86 {
                 _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
             }
         }
+        type H = __m256i;
+        const H_BYTES: usize = 32;
         #[inline(always)]
-        unsafe fn store_bf16(p: *mut u16, v: __m512) {
-            // SAFETY: trait contract: avx512f available, p valid for 16 u16.
+        unsafe fn cvt_bf16(v: __m512) -> __m256i {
+            // SAFETY: trait contract: avx512f available.
             unsafe {
                 let b = _mm512_castps_si512(v);
                 let hi = _mm512_srli_epi32::<16>(b);
@@ -292,16 +307,23 @@ mod x86 {
                 let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
                 let quiet = _mm512_or_si512(hi, _mm512_set1_epi32(0x40));
                 let r = _mm512_mask_blend_epi32(nan, rounded, quiet);
-                _mm256_storeu_si256(p as *mut __m256i, _mm512_cvtepi32_epi16(r));
+                _mm512_cvtepi32_epi16(r)
             }
         }
         #[inline(always)]
-        unsafe fn store_f16(p: *mut u16, v: __m512) {
-            // SAFETY: trait contract: avx512f available, p valid for 16 u16.
-            unsafe {
-                let h = _mm512_cvtps_ph::<ROUND_NEAREST>(v);
-                _mm256_storeu_si256(p as *mut __m256i, h);
-            }
+        unsafe fn cvt_f16(v: __m512) -> __m256i {
+            // SAFETY: trait contract: avx512f available.
+            unsafe { _mm512_cvtps_ph::<ROUND_NEAREST>(v) }
+        }
+        #[inline(always)]
+        unsafe fn store_h(p: *mut u16, h: __m256i) {
+            // SAFETY: trait contract: p valid for 16 u16 (unaligned store).
+            unsafe { _mm256_storeu_si256(p as *mut __m256i, h) }
+        }
+        #[inline(always)]
+        unsafe fn stream_h(p: *mut u16, h: __m256i) {
+            // SAFETY: trait contract: p valid for 16 u16, 32-byte aligned.
+            unsafe { _mm256_stream_si256(p as *mut __m256i, h) }
         }
         #[inline(always)]
         unsafe fn add(a: __m512, b: __m512) -> __m512 {
@@ -357,9 +379,11 @@ mod x86 {
                 _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
             }
         }
+        type H = __m128i;
+        const H_BYTES: usize = 16;
         #[inline(always)]
-        unsafe fn store_bf16(p: *mut u16, v: __m256) {
-            // SAFETY: trait contract: avx2 available, p valid for 8 u16.
+        unsafe fn cvt_bf16(v: __m256) -> __m128i {
+            // SAFETY: trait contract: avx2 available.
             unsafe {
                 let b = _mm256_castps_si256(v);
                 let hi = _mm256_srli_epi32::<16>(b);
@@ -370,18 +394,23 @@ mod x86 {
                 let quiet = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
                 let r = _mm256_blendv_epi8(rounded, quiet, nan);
                 // Every lane is <= 0xffff, so unsigned saturation is exact.
-                let packed =
-                    _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256::<1>(r));
-                _mm_storeu_si128(p as *mut __m128i, packed);
+                _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256::<1>(r))
             }
         }
         #[inline(always)]
-        unsafe fn store_f16(p: *mut u16, v: __m256) {
-            // SAFETY: trait contract: avx2 + f16c available, p valid for 8 u16.
-            unsafe {
-                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
-                _mm_storeu_si128(p as *mut __m128i, h);
-            }
+        unsafe fn cvt_f16(v: __m256) -> __m128i {
+            // SAFETY: trait contract: avx2 + f16c available.
+            unsafe { _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v) }
+        }
+        #[inline(always)]
+        unsafe fn store_h(p: *mut u16, h: __m128i) {
+            // SAFETY: trait contract: p valid for 8 u16 (unaligned store).
+            unsafe { _mm_storeu_si128(p as *mut __m128i, h) }
+        }
+        #[inline(always)]
+        unsafe fn stream_h(p: *mut u16, h: __m128i) {
+            // SAFETY: trait contract: p valid for 8 u16, 16-byte aligned.
+            unsafe { _mm_stream_si128(p as *mut __m128i, h) }
         }
         #[inline(always)]
         unsafe fn add(a: __m256, b: __m256) -> __m256 {
@@ -432,7 +461,8 @@ mod x86 {
     /// # Safety
     /// `S`'s instruction set is available; `t.n` is a multiple of `S::LANES`
     /// and every pointer used by this instantiation is valid for `t.n`
-    /// elements (reads and, except `g`, writes).
+    /// elements (reads and, except `g`, writes); `t.out`, when used, is
+    /// aligned to `S::H_BYTES`.
     #[inline(always)]
     unsafe fn adam_body<S: Simd, const L2: bool, const MB16: bool, const OUT: u8>(
         s: &StepScalars,
@@ -469,18 +499,26 @@ mod x86 {
                 let p2 = S::fma(neg_step, upd, p1);
                 S::store(t.p.add(i), p2);
                 if MB16 {
-                    S::store_bf16(t.m16.add(i), m2);
-                    S::store_bf16(t.v16.add(i), v2);
+                    S::store_h(t.m16.add(i), S::cvt_bf16(m2));
+                    S::store_h(t.v16.add(i), S::cvt_bf16(v2));
                 } else {
                     S::store(t.m32.add(i), m2);
                     S::store(t.v32.add(i), v2);
                 }
+                // The copy is write-only here and next read by a DMA engine
+                // (H2D copy or NVMe write): stream it past the caches, which
+                // also saves the read-for-ownership of its lines.
                 if OUT == OUT_BF16 {
-                    S::store_bf16(t.out.add(i), p2);
+                    S::stream_h(t.out.add(i), S::cvt_bf16(p2));
                 } else if OUT == OUT_F16 {
-                    S::store_f16(t.out.add(i), p2);
+                    S::stream_h(t.out.add(i), S::cvt_f16(p2));
                 }
                 i += S::LANES;
+            }
+            if OUT != OUT_NONE {
+                // Order the weakly-ordered streaming stores before whatever
+                // the caller does next (e.g. hand the buffer to another thread).
+                _mm_sfence();
             }
         }
     }
@@ -528,6 +566,12 @@ mod x86 {
         }
     }
 
+    /// Number of 2-byte elements from `addr` to the next `align`-byte
+    /// boundary (`addr` is 2-byte aligned, as every `bf16`/`f16` is).
+    fn peel_numel(addr: usize, align: usize) -> usize {
+        ((align - addr % align) % align) / 2
+    }
+
     fn lanes(isa: Isa) -> usize {
         match isa {
             Isa::Avx512 => Avx512::LANES,
@@ -543,6 +587,20 @@ mod x86 {
             scalar::run(s, tile);
             return;
         }
+        // Peel scalar elements until the low-precision copy is aligned for
+        // streaming stores (bitwise the same results, see scalar.rs).
+        let align_bytes = match isa {
+            Isa::Avx512 => Avx512::H_BYTES,
+            _ => Avx2::H_BYTES,
+        };
+        let peel = match &tile.out {
+            None => 0,
+            Some(LowPrecisionOut::Bf16(o)) => peel_numel(o.as_ptr() as usize, align_bytes),
+            Some(LowPrecisionOut::F16(o)) => peel_numel(o.as_ptr() as usize, align_bytes),
+        };
+        let peel = peel.min(tile.len());
+        let (head, tile) = tile.split_at(peel);
+        scalar::run(s, head);
         let n = tile.len();
         let body_n = n - n % lanes(isa);
         let (mut body, tail) = tile.split_at(body_n);
@@ -576,7 +634,8 @@ mod x86 {
         let mb16 = !m16.is_null();
         // SAFETY: `isa` was checked supported above; all slices of `body`
         // have length `body_n` (validated by `Tile::new`, preserved by
-        // `split_at`), a multiple of the lane count; `bf16`/`f16` are
+        // `split_at`), a multiple of the lane count; the peel above aligned
+        // `out` to the streaming-store width; `bf16`/`f16` are
         // `repr(transparent)` over `u16`; `body` is borrowed mutably for the
         // whole call, so nothing aliases the writes.
         unsafe {
@@ -600,7 +659,7 @@ mod x86 {
         let mut i = 0;
         while i < n {
             // SAFETY: i + LANES <= n, see the function contract.
-            unsafe { S::store_bf16(dst.add(i), S::load(src.add(i))) };
+            unsafe { S::store_h(dst.add(i), S::cvt_bf16(S::load(src.add(i)))) };
             i += S::LANES;
         }
     }
