@@ -58,8 +58,9 @@
 //!   overflow, so the sum is finite if and only if every gradient is.
 //!   [`GradNorm::scale_for_step`] turns it into [`GradStep::Skip`] or a
 //!   [`GradScale`].
-//! * **Threads.** A tile is cut into as many contiguous chunks as threads,
-//!   at multiples of [`SPLIT_ALIGN_NUMEL`] elements, run under
+//! * **Threads.** A tile is cut into as many contiguous chunks as threads
+//!   (none smaller than [`MIN_THREAD_CHUNK_NUMEL`]), at multiples of
+//!   [`SPLIT_ALIGN_NUMEL`] elements, run under
 //!   `std::thread::scope`; the caller's thread takes the first chunk. The hot
 //!   loop allocates nothing. Spawning costs tens of microseconds per call,
 //!   negligible next to a tile of millions of parameters; a persistent pool
@@ -374,11 +375,15 @@ impl<'a> Tile<'a> {
     }
 }
 
-/// Contiguous chunk length for `threads` workers over `numel` elements,
-/// rounded up to [`SPLIT_ALIGN_NUMEL`].
+/// No thread gets fewer elements than this: spawning a scoped thread costs
+/// tens of microseconds, about what 64K elements of Adam take.
+pub const MIN_THREAD_CHUNK_NUMEL: usize = 1 << 16;
+
+/// Contiguous chunk length for `threads` workers over `numel` elements, at
+/// least [`MIN_THREAD_CHUNK_NUMEL`], rounded up to [`SPLIT_ALIGN_NUMEL`].
 pub(crate) fn chunk_numel(numel: usize, threads: usize) -> usize {
-    let per = numel.div_ceil(threads.max(1));
-    per.div_ceil(SPLIT_ALIGN_NUMEL).max(1) * SPLIT_ALIGN_NUMEL
+    let per = numel.div_ceil(threads.max(1)).max(MIN_THREAD_CHUNK_NUMEL);
+    per.div_ceil(SPLIT_ALIGN_NUMEL) * SPLIT_ALIGN_NUMEL
 }
 
 /// The CPU Adam optimizer: hyper-parameters, thread count and instruction set.
