@@ -31,6 +31,7 @@
 //!   round-to-nearest-even.
 #![allow(unsafe_code)]
 
+use super::par::{self, Split};
 use super::{scalar, LowPrecisionOut, Moments, OptimError, StepScalars, Tile};
 use half::bf16;
 use std::num::NonZeroUsize;
@@ -104,6 +105,58 @@ pub(crate) fn run_tile(isa: Isa, s: &StepScalars, tile: Tile<'_>) {
     scalar::run(s, tile);
 }
 
+struct ConvertWork<'a> {
+    src: &'a [f32],
+    dst: &'a mut [bf16],
+}
+
+impl Split for ConvertWork<'_> {
+    fn numel(&self) -> usize {
+        self.src.len()
+    }
+    fn split_at(self, mid: usize) -> (Self, Self) {
+        let (s0, s1) = self.src.split_at(mid);
+        let (d0, d1) = self.dst.split_at_mut(mid);
+        (
+            ConvertWork { src: s0, dst: d0 },
+            ConvertWork { src: s1, dst: d1 },
+        )
+    }
+}
+
+struct ProbeWork<'a> {
+    p: &'a mut [f32],
+    g: &'a [f32],
+    m: &'a mut [f32],
+    v: &'a mut [f32],
+}
+
+impl Split for ProbeWork<'_> {
+    fn numel(&self) -> usize {
+        self.p.len()
+    }
+    fn split_at(self, mid: usize) -> (Self, Self) {
+        let (p0, p1) = self.p.split_at_mut(mid);
+        let (g0, g1) = self.g.split_at(mid);
+        let (m0, m1) = self.m.split_at_mut(mid);
+        let (v0, v1) = self.v.split_at_mut(mid);
+        (
+            ProbeWork {
+                p: p0,
+                g: g0,
+                m: m0,
+                v: v0,
+            },
+            ProbeWork {
+                p: p1,
+                g: g1,
+                m: m1,
+                v: v1,
+            },
+        )
+    }
+}
+
 /// Separate fp32 -> bf16 conversion pass (round-to-nearest-even): what
 /// DeepSpeed does after its optimizer step. Used as the two-pass baseline.
 pub fn convert_f32_to_bf16(
@@ -122,17 +175,8 @@ pub fn convert_f32_to_bf16(
     if !isa.is_supported() {
         return Err(OptimError::IsaUnsupported { isa });
     }
-    let chunk = super::chunk_numel(src.len(), threads.get());
-    std::thread::scope(|s| {
-        let mut parts = src.chunks(chunk).zip(dst.chunks_mut(chunk));
-        let first = parts.next();
-        for (a, b) in parts {
-            s.spawn(move || convert_chunk(isa, a, b));
-        }
-        if let Some((a, b)) = first {
-            convert_chunk(isa, a, b);
-        }
-    });
+    let work = ConvertWork { src, dst };
+    par::for_each_chunk(work, threads.get(), |w| convert_chunk(isa, w.src, w.dst));
     Ok(())
 }
 
@@ -183,19 +227,9 @@ pub fn rmw_probe(
     if !isa.is_supported() {
         return Err(OptimError::IsaUnsupported { isa });
     }
-    let chunk = super::chunk_numel(n, threads.get());
-    std::thread::scope(|s| {
-        let mut parts = p
-            .chunks_mut(chunk)
-            .zip(g.chunks(chunk))
-            .zip(m.chunks_mut(chunk).zip(v.chunks_mut(chunk)));
-        let first = parts.next();
-        for ((p, g), (m, v)) in parts {
-            s.spawn(move || probe_chunk(isa, order, p, g, m, v));
-        }
-        if let Some(((p, g), (m, v))) = first {
-            probe_chunk(isa, order, p, g, m, v);
-        }
+    let work = ProbeWork { p, g, m, v };
+    par::for_each_chunk(work, threads.get(), |w| {
+        probe_chunk(isa, order, w.p, w.g, w.m, w.v)
     });
     Ok(())
 }

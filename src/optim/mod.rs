@@ -58,13 +58,13 @@
 //!   overflow, so the sum is finite if and only if every gradient is.
 //!   [`GradNorm::scale_for_step`] turns it into [`GradStep::Skip`] or a
 //!   [`GradScale`].
-//! * **Threads.** A tile is cut into as many contiguous chunks as threads
-//!   (none smaller than [`MIN_THREAD_CHUNK_NUMEL`]), at multiples of
-//!   [`SPLIT_ALIGN_NUMEL`] elements, run under
-//!   `std::thread::scope`; the caller's thread takes the first chunk. The hot
-//!   loop allocates nothing. Spawning costs tens of microseconds per call,
-//!   negligible next to a tile of millions of parameters; a persistent pool
-//!   can replace it without changing the kernel.
+//! * **Threads.** A tile is handed out in fixed chunks of
+//!   [`WORK_CHUNK_NUMEL`] elements that threads claim from a shared queue
+//!   (see `par.rs`): a descheduled thread cannot stall the step, and the
+//!   result is bit-identical at any thread count. The hot loop allocates
+//!   nothing. Scoped threads are spawned per call (tens of microseconds,
+//!   negligible next to a tile of millions of parameters); a persistent
+//!   pool can replace them without changing the kernels.
 //! * **bf16 moments accuracy.** m and v are computed in f32 and rounded to
 //!   nearest-even bf16 (8 significant bits) on store, like DeepSpeed's
 //!   (bf16, bf16) path. The parameter update of the current step uses the
@@ -76,6 +76,7 @@
 
 mod kernels;
 mod norm;
+mod par;
 mod scalar;
 
 #[cfg(test)]
@@ -83,13 +84,14 @@ mod tests;
 
 pub use kernels::{convert_f32_to_bf16, rmw_probe, Isa, ProbeOrder};
 pub use norm::{GradNorm, GradStep};
+pub use par::WORK_CHUNK_NUMEL;
 pub use scalar::{f32_to_bf16_bits, f32_to_f16_bits};
 
 use half::{bf16, f16};
 use std::num::NonZeroUsize;
 
-/// Thread chunks start at multiples of this many elements (a multiple of
-/// every SIMD width and of a 64-byte cache line of f32).
+/// Split points (thread chunks, norm parts) are multiples of this many
+/// elements (a multiple of every SIMD width and of a 64-byte line of f32).
 pub const SPLIT_ALIGN_NUMEL: usize = 64;
 
 /// Errors of the CPU optimizer.
@@ -375,15 +377,13 @@ impl<'a> Tile<'a> {
     }
 }
 
-/// No thread gets fewer elements than this: spawning a scoped thread costs
-/// tens of microseconds, about what 64K elements of Adam take.
-pub const MIN_THREAD_CHUNK_NUMEL: usize = 1 << 16;
-
-/// Contiguous chunk length for `threads` workers over `numel` elements, at
-/// least [`MIN_THREAD_CHUNK_NUMEL`], rounded up to [`SPLIT_ALIGN_NUMEL`].
-pub(crate) fn chunk_numel(numel: usize, threads: usize) -> usize {
-    let per = numel.div_ceil(threads.max(1)).max(MIN_THREAD_CHUNK_NUMEL);
-    per.div_ceil(SPLIT_ALIGN_NUMEL) * SPLIT_ALIGN_NUMEL
+impl<'a> par::Split for Tile<'a> {
+    fn numel(&self) -> usize {
+        self.len()
+    }
+    fn split_at(self, mid: usize) -> (Self, Self) {
+        Tile::split_at(self, mid)
+    }
 }
 
 /// The CPU Adam optimizer: hyper-parameters, thread count and instruction set.
@@ -451,24 +451,9 @@ impl CpuAdam {
     ) -> Result<(), OptimError> {
         let scalars = StepScalars::new(&self.hyper, step, grad_scale)?;
         let tile = Tile::new(master, grad, moments, low_precision_out)?;
-        let n = tile.len();
-        let threads = self.threads.get();
-        let chunk = chunk_numel(n, threads);
-        if threads == 1 || n <= chunk {
-            kernels::run_tile(self.isa, &scalars, tile);
-            return Ok(());
-        }
         let isa = self.isa;
-        std::thread::scope(|s| {
-            let (first, mut rest) = tile.split_at(chunk);
-            while rest.len() > 0 {
-                let take = chunk.min(rest.len());
-                let (head, tail) = rest.split_at(take);
-                rest = tail;
-                let sc = &scalars;
-                s.spawn(move || kernels::run_tile(isa, sc, head));
-            }
-            kernels::run_tile(isa, &scalars, first);
+        par::for_each_chunk(tile, self.threads.get(), |chunk| {
+            kernels::run_tile(isa, &scalars, chunk)
         });
         Ok(())
     }
