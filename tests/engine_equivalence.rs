@@ -43,6 +43,27 @@ fn fp32_stage0_vs_stage3_nvme_pipelined_overlapped() {
 }
 
 #[test]
+fn overlapped_optimizer_steps_during_backward_and_matches_non_overlapped() {
+    let dir = tiny_gpt2_dir("overlap", 2, 32);
+    let over = train(&dir, &Knobs::nvme(), 11, 6, |_| SEQ);
+    let plain = Knobs {
+        overlap: false,
+        pipeline: false,
+        ..Knobs::nvme()
+    };
+    let seq = train(&dir, &plain, 11, 6, |_| SEQ);
+    // Every sub-group but the embedding's becomes final before backward
+    // ends and is handed to the optimizer thread then.
+    for s in &over.steps {
+        assert!(s.sub_groups_stepped_during_backward > 0);
+    }
+    for s in &seq.steps {
+        assert_eq!(s.sub_groups_stepped_during_backward, 0);
+    }
+    assert_identical(&over, &seq, "overlapped vs sequential optimizer");
+}
+
+#[test]
 fn fp32_stage0_vs_stage3_cpu_offload() {
     pair("fp32-cpu", Knobs::default(), Knobs::cpu());
 }

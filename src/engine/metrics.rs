@@ -13,9 +13,11 @@
 //!   accumulation on the compute thread;
 //! * `io_wait_s`: time the compute thread blocked on param or optimizer
 //!   I/O;
-//! * `optimizer_s`: time in the Adam kernel and the norm pass;
-//! * `idle_s`: the rest of the step's wall time (bookkeeping, tensor
-//!   building, waiting for nothing in particular);
+//! * `optimizer_s`: time in the Adam kernel (on the optimizer thread, so it
+//!   overlaps `compute_s`) and the norm pass;
+//! * `idle_s`: wall time of the compute thread not spent computing, waiting
+//!   on param I/O, or waiting for the optimizer thread to finish the step
+//!   (bookkeeping, tensor building);
 //! * `io_busy_s`: busy time of the I/O engines' workers during the step;
 //! * `overlap_efficiency = max(compute_s, io_busy_s, optimizer_s) / wall_s`
 //!   (1.0 means the step is as short as its busiest resource allows).
@@ -65,6 +67,8 @@ pub struct StepMetrics {
     pub skipped: bool,
     /// Global gradient norm, when it was computed (clipping or fp16).
     pub grad_norm: Option<f64>,
+    /// Sub-groups handed to the optimizer thread before backward ended.
+    pub sub_groups_stepped_during_backward: u64,
 }
 
 /// The last line of a metrics file.

@@ -9,6 +9,7 @@
 //!     ├─ ParamStore (store.rs)  home tier per param: device | cpu (pinned) | nvme
 //!     │     one state map per tensor: OnDisk / InFlight / Resident, driven by ParamEvent
 //!     ├─ Scheduler (trace.rs)   unit trace, prefetch window, release policy
+//!     ├─ OptimizerWorker (worker.rs) the optimizer thread, owning
 //!     ├─ OptimizerState (optstate.rs) fp32 master/m/v per sub-group in none|cpu|nvme,
 //!     │     pipelined read(i+1) / step(i) / write(i-1) on separate read and write engines
 //!     ├─ Layout (layout.rs)     per-rank shards, sub-groups of whole params
@@ -62,10 +63,10 @@
 //!   global norm (or the global overflow flag) first: the per-sub-group
 //!   norms and the state reads still overlap backward, the steps run after
 //!   it. This is the choice the issue asks us to document.
-//! * This version runs the Adam arithmetic on the compute thread between
-//!   units (interleaved), so the *I/O* of the optimizer overlaps backward
-//!   compute but the Adam FLOPs do not run concurrently with it; moving
-//!   the step onto its own thread is a local change in `trainer.rs`.
+//! * Adam runs on its own thread ([`worker`]): the compute thread hands
+//!   it each final sub-group's gradient and continues backward; the new
+//!   16-bit params come back over a channel and are stored at unit
+//!   boundaries.
 //!
 //! # Not yet here (see the issue)
 //!
@@ -85,6 +86,7 @@ pub mod sha256;
 pub mod store;
 pub mod trace;
 pub mod trainer;
+pub mod worker;
 
 pub use comm::{Comm, SingleRank};
 pub use data::TokenData;

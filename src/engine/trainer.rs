@@ -34,14 +34,13 @@
 //! its own loop (evaluation, export), and [`Trainer::finish`] writes the
 //! summary. The CLI lives elsewhere.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use half::{bf16, f16};
 use tierzero_swap::{
     ArenaConfig, BackendKind, Engine, EngineConfig, LockPolicy, PinnedArena, SpaceConfig, SwapSpace,
 };
@@ -50,17 +49,17 @@ use super::comm::{Comm, SingleRank};
 use super::data::TokenData;
 use super::layout::{Layout, SubGroupId};
 use super::metrics::{peak_rss_bytes, MetricsWriter, StepMetrics, Summary};
-use super::optstate::{buffers_needed, NvmeOptim, OptimizerState};
+use super::optstate::{buffers_needed, NvmeOptim, OptCounters, OptimizerState};
 use super::schedule::{LossScaler, LrSchedule};
 use super::sha256::Sha256;
 use super::store::{NvmeParams, ParamStore, Tier};
 use super::trace::{Limits, Pass, Scheduler, Visit};
+use super::worker::{Done, Job, OptimizerWorker};
 use super::{EngineError, Result};
 use crate::config::{self, Config, OffloadDevice, Precision, Stage};
 use crate::model::{Model, ModelDir, ParamId, UnitId, UnitInput, UnitKind, Upstream};
 use crate::optim::{
     f32_to_bf16_bits, f32_to_f16_bits, AdamHyper, AdamMode, CpuAdam, GradNorm, GradScale, GradStep,
-    LowPrecisionOut,
 };
 
 /// Run options that are not in the ds_config.
@@ -121,12 +120,12 @@ pub struct Trainer {
     opts: TrainerOptions,
     layout: Layout,
     store: ParamStore,
-    opt: OptimizerState,
+    opt: OptimizerWorker,
+    opt_counters: OptCounters,
     sched: Scheduler,
     adam: CpuAdam,
     lr: LrSchedule,
     scaler: LossScaler,
-    param_dtype: DType,
     steps_done: u64,
     adam_steps: u64,
     skipped: u64,
@@ -406,6 +405,7 @@ impl Trainer {
             opt.init_group(g.id, &master)?;
         }
         opt.flush()?;
+        let opt_counters = opt.counters();
 
         let o = &config.optimizer;
         let hyper = AdamHyper {
@@ -422,6 +422,7 @@ impl Trainer {
             bias_correction: true,
         };
         let adam = CpuAdam::new(hyper, opts.adam_threads)?;
+        let opt = OptimizerWorker::spawn(opt, adam.clone(), param_dtype)?;
         let limits = Limits {
             prefetch_bucket_numel: zero.prefetch_bucket_numel.0,
             max_live_numel: zero.max_live_parameters_numel.0,
@@ -448,6 +449,7 @@ impl Trainer {
             layout,
             store,
             opt,
+            opt_counters,
             sched,
             adam,
             lr: LrSchedule {
@@ -455,7 +457,6 @@ impl Trainer {
                 base_lr: config.optimizer.lr,
             },
             scaler,
-            param_dtype,
             steps_done: 0,
             adam_steps: 0,
             skipped: 0,
@@ -549,7 +550,7 @@ impl Trainer {
     pub fn step(&mut self) -> Result<StepReport> {
         let t_step = Instant::now();
         let c0 = self.store.counters();
-        let o0 = self.opt.counters();
+        let o0 = self.opt_counters;
         let busy0 = self.store.io_busy_s() + self.opt.io_busy_s();
         let mut compute = Duration::ZERO;
         let mut norm_time = Duration::ZERO;
@@ -569,8 +570,9 @@ impl Trainer {
         let n_groups = self.layout.sub_groups.len();
         let mut grads: Vec<Option<Vec<f32>>> = vec![None; n_groups];
         let mut sq: Vec<Option<f64>> = vec![None; n_groups];
-        let mut queue: VecDeque<SubGroupId> = VecDeque::new();
-        let mut stepped = vec![false; n_groups];
+        // Sub-groups in the order their state reads were requested.
+        let mut order: Vec<SubGroupId> = Vec::with_capacity(n_groups);
+        let mut sent = vec![false; n_groups];
         let head_scale = loss_scale / gas as f64;
         let units: Vec<(UnitId, UnitKind)> =
             self.model.units().iter().map(|u| (u.id, u.kind)).collect();
@@ -668,35 +670,43 @@ impl Trainer {
                 upstream = g.input;
                 saved[uid.0] = None;
                 self.release_unit(uid)?;
+                // Params of sub-groups the optimizer thread has finished.
+                self.drain_done()?;
                 if last_micro && mode != OverlapMode::None {
-                    // Step what became final at the previous unit (its
-                    // state read had this unit's compute to land).
-                    if mode == OverlapMode::Step {
-                        while let Some(&sg) = queue.front() {
-                            self.pump_reads(&queue)?;
-                            queue.pop_front();
-                            self.step_group(sg, &mut grads, GradScale::ONE, adam_step)?;
-                            stepped[sg.0] = true;
-                        }
-                    }
                     let finals = self
                         .groups_after_unit
                         .get(uid.0)
                         .cloned()
                         .unwrap_or_default();
                     for sg in finals {
-                        if mode == OverlapMode::Io {
-                            let t0 = Instant::now();
-                            sq[sg.0] = Some(self.group_sq_norm(&grads, sg));
-                            norm_time += t0.elapsed();
+                        order.push(sg);
+                        match mode {
+                            OverlapMode::Step => {
+                                let grad = grads[sg.0].take().unwrap_or_else(|| {
+                                    vec![0f32; self.layout.sub_groups[sg.0].numel]
+                                });
+                                self.opt.send(Job::Step {
+                                    sg,
+                                    grad,
+                                    scale: GradScale::ONE,
+                                    step: adam_step,
+                                    hyper,
+                                })?;
+                                sent[sg.0] = true;
+                            }
+                            _ => {
+                                let t0 = Instant::now();
+                                sq[sg.0] = Some(self.group_sq_norm(&grads, sg));
+                                norm_time += t0.elapsed();
+                                self.opt.send(Job::Prefetch(sg))?;
+                            }
                         }
-                        queue.push_back(sg);
                     }
-                    self.pump_reads(&queue)?;
                 }
             }
         }
 
+        let overlapped = sent.iter().filter(|x| **x).count() as u64;
         // Decision.
         let fp16 = matches!(self.config.precision, Precision::Fp16 { .. });
         let clip = self.config.gradient_clipping;
@@ -724,29 +734,47 @@ impl Trainer {
         };
         let skipped = match decision {
             GradStep::Skip => {
-                self.opt.cancel_reads()?;
+                self.opt.send(Job::CancelReads)?;
                 true
             }
             GradStep::Apply(scale) => {
-                if mode == OverlapMode::None {
-                    queue = (0..n_groups).map(SubGroupId).collect();
-                }
-                for (i, done) in stepped.iter().enumerate() {
-                    if !done && !queue.contains(&SubGroupId(i)) {
-                        queue.push_back(SubGroupId(i));
+                // The rest, in read order first, then index order.
+                for i in 0..n_groups {
+                    if !order.contains(&SubGroupId(i)) {
+                        order.push(SubGroupId(i));
                     }
                 }
-                // Reads are issued from the queue's front in order, so the
-                // pending reads are always a prefix of the queue (FIFO).
-                while let Some(&sg) = queue.front() {
-                    self.pump_reads(&queue)?;
-                    queue.pop_front();
-                    self.step_group(sg, &mut grads, scale, adam_step)?;
+                for &sg in &order {
+                    if sent[sg.0] {
+                        continue;
+                    }
+                    let grad = grads[sg.0]
+                        .take()
+                        .unwrap_or_else(|| vec![0f32; self.layout.sub_groups[sg.0].numel]);
+                    self.opt.send(Job::Step {
+                        sg,
+                        grad,
+                        scale,
+                        step: adam_step,
+                        hyper,
+                    })?;
+                    sent[sg.0] = true;
                 }
                 false
             }
         };
-        self.opt.flush()?;
+        let t_wait = Instant::now();
+        self.opt.send(Job::Flush)?;
+        loop {
+            match self.opt.recv()? {
+                Done::Flushed(c) => {
+                    self.opt_counters = c;
+                    break;
+                }
+                other => self.on_done(other)?,
+            }
+        }
+        let opt_wait = t_wait.elapsed();
         self.scaler.update(skipped);
         if skipped {
             self.skipped += 1;
@@ -758,9 +786,9 @@ impl Trainer {
         // Metrics.
         let wall = t_step.elapsed().as_secs_f64();
         let c1 = self.store.counters();
-        let o1 = self.opt.counters();
+        let o1 = self.opt_counters;
         let io_wait = (c1.io_wait + o1.io_wait).saturating_sub(c0.io_wait + o0.io_wait);
-        let optimizer = (o1.adam - o0.adam) + norm_time;
+        let optimizer = o1.adam.saturating_sub(o0.adam) + norm_time;
         let io_busy = (self.store.io_busy_s() + self.opt.io_busy_s() - busy0).max(0.0);
         let compute_s = compute.as_secs_f64();
         let io_wait_s = io_wait.as_secs_f64();
@@ -782,6 +810,7 @@ impl Trainer {
                 + (o1.nvme_written_bytes - o0.nvme_written_bytes),
         );
         let tokens = (mb * gas * seq) as f64 * world as f64;
+        let main_busy = compute_s + (c1.io_wait.saturating_sub(c0.io_wait)).as_secs_f64();
         let metrics = StepMetrics {
             step: self.steps_done,
             loss: loss_sum / gas as f32,
@@ -790,7 +819,7 @@ impl Trainer {
             compute_s,
             io_wait_s,
             optimizer_s,
-            idle_s: (wall - compute_s - io_wait_s - optimizer_s).max(0.0),
+            idle_s: (wall - main_busy - opt_wait.as_secs_f64()).max(0.0),
             io_busy_s: io_busy,
             bytes_read,
             bytes_written,
@@ -804,25 +833,12 @@ impl Trainer {
             loss_scale,
             skipped,
             grad_norm,
+            sub_groups_stepped_during_backward: overlapped,
         };
         if let Some(w) = &mut self.metrics {
             w.write(&metrics)?;
         }
         Ok(StepReport { metrics })
-    }
-
-    /// Issues optimizer-state reads for the queue's front, in order, while
-    /// the pipeline has room.
-    fn pump_reads(&mut self, queue: &VecDeque<SubGroupId>) -> Result<()> {
-        if !self.opt.is_nvme() {
-            return Ok(());
-        }
-        for &sg in queue {
-            if !self.opt.prefetch(sg)? {
-                break;
-            }
-        }
-        Ok(())
     }
 
     fn group_sq_norm(&self, grads: &[Option<Vec<f32>>], sg: SubGroupId) -> f64 {
@@ -863,73 +879,59 @@ impl Trainer {
         Ok(())
     }
 
-    fn step_group(
-        &mut self,
-        sg: SubGroupId,
-        grads: &mut [Option<Vec<f32>>],
-        scale: GradScale,
-        adam_step: u64,
-    ) -> Result<()> {
-        let g = self.layout.sub_groups[sg.0].clone();
-        let grad = grads[sg.0].take().unwrap_or_else(|| vec![0f32; g.numel]);
-        let dtype = self.param_dtype;
-        let mut bytes: Vec<u8> = Vec::new();
-        let mut lp_bf16: Vec<bf16> = Vec::new();
-        let mut lp_f16: Vec<f16> = Vec::new();
-        let out = match dtype {
-            DType::BF16 => {
-                lp_bf16 = vec![bf16::ZERO; g.numel];
-                Some(LowPrecisionOut::Bf16(&mut lp_bf16))
-            }
-            DType::F16 => {
-                lp_f16 = vec![f16::ZERO; g.numel];
-                Some(LowPrecisionOut::F16(&mut lp_f16))
-            }
-            _ => None,
-        };
-        let mut after = |master: &[f32]| -> Result<()> {
-            if dtype == DType::F32 {
-                bytes = master.iter().flat_map(|x| x.to_le_bytes()).collect();
-            }
-            Ok(())
-        };
-        self.opt
-            .step(sg, &self.adam, adam_step, &grad, scale, out, &mut after)?;
-        match dtype {
-            DType::BF16 => {
-                bytes = lp_bf16
-                    .iter()
-                    .flat_map(|x| x.to_bits().to_le_bytes())
-                    .collect()
-            }
-            DType::F16 => {
-                bytes = lp_f16
-                    .iter()
-                    .flat_map(|x| x.to_bits().to_le_bytes())
-                    .collect()
-            }
-            _ => {}
-        }
-        let eb = match dtype {
-            DType::F32 => 4,
-            _ => 2,
-        };
-        for pid in &g.params {
-            let slot = &self.layout.params[pid.0];
-            let range = slot.offset_in_group * eb..(slot.offset_in_group + slot.shard_numel) * eb;
-            let shard = bytes
-                .get(range)
-                .ok_or_else(|| EngineError::internal("param bytes out of range"))?;
-            self.store.update(*pid, shard)?;
+    /// Applies the optimizer thread's replies that are already there.
+    fn drain_done(&mut self) -> Result<()> {
+        while let Some(d) = self.opt.try_recv() {
+            self.on_done(d)?;
         }
         Ok(())
     }
 
+    /// Stores the new param bytes of a stepped sub-group.
+    fn on_done(&mut self, done: Done) -> Result<()> {
+        match done {
+            Done::Stepped { sg, bytes } => {
+                let g = self
+                    .layout
+                    .sub_groups
+                    .get(sg.0)
+                    .ok_or_else(|| EngineError::internal("stepped an unknown sub-group"))?;
+                let params = g.params.clone();
+                let eb = self.store.device_bytes_per_elem() as usize;
+                for pid in params {
+                    let slot = &self.layout.params[pid.0];
+                    let range =
+                        slot.offset_in_group * eb..(slot.offset_in_group + slot.shard_numel) * eb;
+                    let shard = bytes
+                        .get(range)
+                        .ok_or_else(|| EngineError::internal("param bytes out of range"))?;
+                    self.store.update(pid, shard)?;
+                }
+                Ok(())
+            }
+            Done::Failed(e) => Err(e),
+            Done::Flushed(_) | Done::Master(..) => Err(EngineError::internal(
+                "unexpected reply from the optimizer thread",
+            )),
+        }
+    }
+
     /// The fp32 master weights of this rank, sub-group by sub-group.
     pub fn masters(&mut self) -> Result<Vec<Vec<f32>>> {
-        (0..self.layout.sub_groups.len())
-            .map(|i| self.opt.master(SubGroupId(i)))
-            .collect()
+        let mut out = Vec::with_capacity(self.layout.sub_groups.len());
+        for i in 0..self.layout.sub_groups.len() {
+            self.opt.send(Job::Master(SubGroupId(i)))?;
+            loop {
+                match self.opt.recv()? {
+                    Done::Master(sg, m) if sg == SubGroupId(i) => {
+                        out.push(m);
+                        break;
+                    }
+                    other => self.on_done(other)?,
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// sha256 over every fp32 master weight in `ParamId` order
