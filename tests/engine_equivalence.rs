@@ -12,7 +12,7 @@
 
 mod engine_support;
 
-use engine_support::{assert_identical, tiny_gpt2_dir, train, Knobs};
+use engine_support::{assert_identical, tiny_gpt2_dir, tiny_llama_dir, train, Knobs};
 
 const STEPS: u64 = 20;
 const SEQ: usize = 16;
@@ -161,4 +161,25 @@ fn hash_depends_on_the_weights() {
     let b = train(&dir, &Knobs::default(), 8, 2, |_| SEQ);
     assert_ne!(a.sha256, b.sha256);
     assert_eq!(a.sha256.len(), 64);
+}
+
+#[test]
+fn llama_bf16_nvme_with_persistent_small_params() {
+    // Norm weights (32 elements) are below the persistence threshold and
+    // stay resident; everything else streams from NVMe.
+    let dir = tiny_llama_dir("eq");
+    let base = Knobs {
+        precision: "bf16",
+        ..Knobs::default()
+    };
+    let off = Knobs {
+        precision: "bf16",
+        persistence: 100,
+        ..Knobs::nvme()
+    };
+    let a = train(&dir, &base, 5, 10, |_| SEQ);
+    let b = train(&dir, &off, 5, 10, |_| SEQ);
+    assert!(b.nvme_read_bytes() > 0);
+    assert!(a.steps.last().unwrap().loss < a.steps[0].loss);
+    assert_identical(&a, &b, "llama bf16 nvme");
 }

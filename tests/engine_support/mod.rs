@@ -36,6 +36,18 @@ pub fn tiny_gpt2_dir(tag: &str, n_layer: usize, n_embd: usize) -> PathBuf {
     d
 }
 
+/// A Llama (RMSNorm, rotary, SwiGLU, GQA) with byte vocabulary.
+pub fn tiny_llama_dir(tag: &str) -> PathBuf {
+    let d = scratch(&format!("llama-{tag}"));
+    let cfg = json!({
+        "model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 48,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 32, "rope_theta": 10000.0, "tie_word_embeddings": false
+    });
+    std::fs::write(d.join("config.json"), cfg.to_string()).unwrap();
+    d
+}
+
 /// A deterministic, text-like byte corpus.
 pub fn corpus() -> TokenData {
     let words = [
@@ -84,6 +96,8 @@ pub struct Knobs {
     pub device_cache_bytes: u64,
     pub initial_scale_power: u32,
     pub pinned_budget: Option<u64>,
+    pub param_buffer_numel: u64,
+    pub param_buffer_count: u64,
 }
 
 impl Default for Knobs {
@@ -102,6 +116,8 @@ impl Default for Knobs {
             device_cache_bytes: 0,
             initial_scale_power: 16,
             pinned_budget: None,
+            param_buffer_numel: 20000,
+            param_buffer_count: 4,
         }
     }
 }
@@ -137,8 +153,8 @@ pub fn ds_config(k: &Knobs, swap: &Path, total_steps: u64) -> Value {
     };
     let mut op = off(k.param);
     if k.param == "nvme" {
-        op["buffer_count"] = json!(4);
-        op["buffer_size"] = json!(20000);
+        op["buffer_count"] = json!(k.param_buffer_count);
+        op["buffer_size"] = json!(k.param_buffer_numel);
         op["max_in_cpu"] = json!(0);
         op["pin_memory"] = json!(true);
     }
