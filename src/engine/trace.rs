@@ -19,7 +19,9 @@
 //!
 //! At visit `i`, the params of visits `i+1, i+2, …` that are not resident
 //! or in flight are read ahead, in trace order, until one of:
-//! * the elements issued in this call exceed `stage3_prefetch_bucket_size`;
+//! * the elements issued in this call would exceed
+//!   `stage3_prefetch_bucket_size` (the first param is always issued, so a
+//!   param larger than the bucket is still prefetched);
 //! * resident plus issued elements would exceed `stage3_max_live_parameters`;
 //! * no swap buffer is free ([`super::ParamStore::prefetch`] returns false).
 //!
@@ -182,9 +184,10 @@ impl Scheduler {
                     continue;
                 }
                 let n = self.numel.get(p.0).copied().unwrap_or(0);
-                if issued + n > self.limits.prefetch_bucket_numel
-                    || live + issued + n > self.limits.max_live_numel
-                {
+                // The first param always fits the bucket (as in DeepSpeed,
+                // which adds before it checks); max-live is a hard limit.
+                let over_bucket = !out.is_empty() && issued + n > self.limits.prefetch_bucket_numel;
+                if over_bucket || live + issued + n > self.limits.max_live_numel {
                     return out;
                 }
                 issued += n;

@@ -916,22 +916,15 @@ impl Trainer {
         }
     }
 
-    /// The fp32 master weights of this rank, sub-group by sub-group.
-    pub fn masters(&mut self) -> Result<Vec<Vec<f32>>> {
-        let mut out = Vec::with_capacity(self.layout.sub_groups.len());
-        for i in 0..self.layout.sub_groups.len() {
-            self.opt.send(Job::Master(SubGroupId(i)))?;
-            loop {
-                match self.opt.recv()? {
-                    Done::Master(sg, m) if sg == SubGroupId(i) => {
-                        out.push(m);
-                        break;
-                    }
-                    other => self.on_done(other)?,
-                }
+    /// The fp32 master weights of one sub-group of this rank.
+    pub fn master(&mut self, sg: SubGroupId) -> Result<Vec<f32>> {
+        self.opt.send(Job::Master(sg))?;
+        loop {
+            match self.opt.recv()? {
+                Done::Master(got, m) if got == sg => return Ok(m),
+                other => self.on_done(other)?,
             }
         }
-        Ok(out)
     }
 
     /// sha256 over every fp32 master weight in `ParamId` order
@@ -942,11 +935,12 @@ impl Trainer {
                 what: "weight_sha256 with several ranks (needs a gather of masters)".into(),
             });
         }
+        // One sub-group at a time: memory stays at one sub-group.
         let mut h = Sha256::new();
-        for m in self.masters()? {
-            for x in m {
-                h.update(&x.to_le_bytes());
-            }
+        for i in 0..self.layout.sub_groups.len() {
+            let m = self.master(SubGroupId(i))?;
+            let bytes: Vec<u8> = m.iter().flat_map(|x| x.to_le_bytes()).collect();
+            h.update(&bytes);
         }
         Ok(h.finish_hex())
     }
