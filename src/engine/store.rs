@@ -686,3 +686,104 @@ pub fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+    use super::*;
+    use crate::engine::comm::SingleRank;
+    use crate::model::ModelConfig;
+    use tierzero_swap::{ArenaConfig, LockPolicy};
+
+    fn tiny() -> Model {
+        let text = r#"{"model_type":"gpt2","vocab_size":11,"n_positions":6,"n_embd":8,
+            "n_layer":1,"n_head":2,"n_inner":12}"#;
+        Model::new(ModelConfig::from_hf_json(text).unwrap().0).unwrap()
+    }
+
+    fn cpu_store(model: &Model) -> ParamStore {
+        let layout = Layout::new(model, 0, 1, 1000);
+        let tiers = vec![Tier::Cpu; model.params().len()];
+        let shards: Vec<u64> = layout
+            .params
+            .iter()
+            .map(|p| p.shard_numel as u64 * 2)
+            .collect();
+        let (page, pages) = ParamStore::cpu_page_plan(&shards);
+        let mut ac = ArenaConfig::new(page * pages as u64, page);
+        ac.lock = LockPolicy::Off;
+        let arena = PinnedArena::new(ac).unwrap();
+        let bufs = arena.try_acquire_n(pages).unwrap();
+        let mut s = ParamStore::new(
+            model,
+            &layout,
+            &tiers,
+            DType::BF16,
+            Device::Cpu,
+            Arc::new(SingleRank),
+            bufs,
+            None,
+        )
+        .unwrap();
+        for p in model.params() {
+            let bytes: Vec<u8> = (0..p.numel * 2).map(|i| (i % 7) as u8).collect();
+            s.store_initial(p.id, &bytes).unwrap();
+        }
+        s
+    }
+
+    #[test]
+    fn state_map_allows_only_the_table() {
+        let model = tiny();
+        let mut s = cpu_store(&model);
+        let p = ParamId(0);
+        assert_eq!(s.state(p), ParamState::OnDisk);
+        // Released while OnDisk is not a transition.
+        let e = s.apply(p, ParamEvent::Released).unwrap_err();
+        assert!(matches!(
+            e,
+            EngineError::BadTransition {
+                from: "OnDisk",
+                event: "Released",
+                ..
+            }
+        ));
+        let t = s.fetch(p).unwrap();
+        assert_eq!(s.state(p), ParamState::Resident);
+        assert_eq!(s.resident_bytes(), s.device_bytes(p));
+        // A second materialisation of a resident param is refused, and the
+        // slot is left as it was.
+        let e = s.apply(p, ParamEvent::Materialized(t)).unwrap_err();
+        assert!(matches!(
+            e,
+            EngineError::BadTransition {
+                from: "Resident",
+                ..
+            }
+        ));
+        assert_eq!(s.state(p), ParamState::Resident);
+        s.release(p).unwrap();
+        assert_eq!(s.state(p), ParamState::OnDisk);
+        assert_eq!(s.resident_bytes(), 0);
+        // release is idempotent at the API level (no event when not resident).
+        s.release(p).unwrap();
+    }
+
+    #[test]
+    fn update_rewrites_home_and_keeps_a_resident_copy_coherent() {
+        let model = tiny();
+        let mut s = cpu_store(&model);
+        let p = ParamId(1);
+        let before = s.read_shard(p).unwrap();
+        let new: Vec<u8> = before.iter().map(|b| b.wrapping_add(1)).collect();
+        // Resident: the device copy is replaced.
+        s.update(p, &new).unwrap();
+        assert_eq!(s.state(p), ParamState::Resident);
+        assert_eq!(s.read_shard(p).unwrap(), new);
+        // Released, then fetched again: the home copy has the new bytes.
+        s.release(p).unwrap();
+        assert_eq!(s.read_shard(p).unwrap(), new);
+        // A wrong length is an error, not a panic.
+        assert!(s.update(p, &new[1..]).is_err());
+    }
+}
