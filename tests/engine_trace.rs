@@ -37,13 +37,15 @@ fn prefetch_issues_reads_ahead_once_the_trace_is_complete() {
     let mut t = build(&dir, &Knobs::nvme(), 1, 16, 4);
     t.step().unwrap();
     assert!(matches!(t.scheduler().state(), TraceState::Record(_)));
-    let before = t.store().counters();
-    assert_eq!(before.prefetches, 0, "no trace yet, nothing to prefetch on");
+    assert_eq!(
+        t.lookahead_reads(),
+        0,
+        "no trace yet, nothing to prefetch on"
+    );
     t.step().unwrap();
     assert!(matches!(t.scheduler().state(), TraceState::Complete { .. }));
-    let after = t.store().counters();
     assert!(
-        after.prefetches > 0,
+        t.lookahead_reads() > 0,
         "with a complete trace some reads must be issued ahead"
     );
     // Everything but persistent/cached params is released after the step.

@@ -483,6 +483,21 @@ impl ParamStore {
         Ok(())
     }
 
+    /// Retires the writes at the front of the queue that have completed,
+    /// without blocking.
+    fn retire_done_writes(&mut self) -> Result<()> {
+        while let Some((_, t)) = self.writes.front() {
+            match t.poll() {
+                Some(c) => {
+                    self.writes.pop_front();
+                    drop(c.into_result()?);
+                }
+                None => break,
+            }
+        }
+        Ok(())
+    }
+
     fn retire_oldest_write(&mut self) -> Result<bool> {
         match self.writes.pop_front() {
             None => Ok(false),
@@ -538,6 +553,7 @@ impl ParamStore {
         if self.state(id) != ParamState::OnDisk || self.tier(id) != Tier::Nvme {
             return Ok(false);
         }
+        self.retire_done_writes()?;
         if self.writes.iter().any(|(p, _)| *p == id) {
             return Ok(false);
         }

@@ -131,6 +131,7 @@ pub struct Trainer {
     skipped: u64,
     metrics: Option<MetricsWriter>,
     groups_after_unit: Vec<Vec<SubGroupId>>,
+    lookahead_reads: u64,
 }
 
 fn lock_policy(pin: bool) -> LockPolicy {
@@ -462,6 +463,7 @@ impl Trainer {
             skipped: 0,
             metrics,
             groups_after_unit,
+            lookahead_reads: 0,
         })
     }
 
@@ -483,6 +485,13 @@ impl Trainer {
     /// The scheduler.
     pub fn scheduler(&self) -> &Scheduler {
         &self.sched
+    }
+
+    /// Param reads issued ahead of their unit from the trace so far (not
+    /// counting a unit's own params, whose reads are issued together when
+    /// it is fetched).
+    pub fn lookahead_reads(&self) -> u64 {
+        self.lookahead_reads
     }
 
     /// Changes the sequence length from the next step on.
@@ -517,12 +526,20 @@ impl Trainer {
     /// Fetches the params of `unit` (declared order), after issuing the
     /// scheduler's prefetches.
     pub fn fetch_unit(&mut self, unit: UnitId) -> Result<Vec<Tensor>> {
-        for p in self.sched.prefetch_candidates(&self.store) {
-            if !self.store.prefetch(p)? {
+        // This unit's own params first: their reads are issued together
+        // (not one synchronous read after another), then the window ahead.
+        // A param whose write-back is still queued is skipped, not waited
+        // for: only running out of swap buffers ends the window.
+        let ids = self.model.unit(unit)?.params.clone();
+        let ahead = self.sched.prefetch_candidates(&self.store);
+        for (k, &p) in ids.iter().chain(&ahead).enumerate() {
+            if self.store.free_buffers() == 0 {
                 break;
             }
+            if self.store.prefetch(p)? && k >= ids.len() {
+                self.lookahead_reads += 1;
+            }
         }
-        let ids = self.model.unit(unit)?.params.clone();
         ids.iter().map(|&p| self.store.fetch(p)).collect()
     }
 
