@@ -11,8 +11,11 @@
 //! Definitions:
 //! * `compute_s`: wall time of unit forward/backward and gradient
 //!   accumulation on the compute thread;
-//! * `io_wait_s`: time the compute thread blocked on param or optimizer
-//!   I/O;
+//! * `io_wait_s`: time the compute thread blocked on parameter I/O plus
+//!   time the optimizer thread blocked on optimizer-state I/O (the two
+//!   threads run concurrently, so this is a sum of waits, not of wall
+//!   time); `param_write_wait_s` is the part spent freeing a swap buffer
+//!   by waiting for a param write-back;
 //! * `optimizer_s`: time in the Adam kernel (on the optimizer thread, so it
 //!   overlaps `compute_s`) and the norm pass;
 //! * `idle_s`: wall time of the compute thread not spent computing, waiting
@@ -69,6 +72,9 @@ pub struct StepMetrics {
     pub grad_norm: Option<f64>,
     /// Sub-groups handed to the optimizer thread before backward ended.
     pub sub_groups_stepped_during_backward: u64,
+    /// Part of `io_wait_s` spent waiting for param write-backs to free a
+    /// swap buffer.
+    pub param_write_wait_s: f64,
 }
 
 /// The last line of a metrics file.

@@ -176,6 +176,8 @@ pub struct StoreCounters {
     pub nvme_written_bytes: u64,
     /// Time the compute thread waited on param I/O.
     pub io_wait: Duration,
+    /// Part of `io_wait` spent retiring write-backs to free a buffer.
+    pub write_wait: Duration,
     /// Fetches that found the param resident already.
     pub hits: u64,
     /// Fetches that had to wait for a read issued on demand.
@@ -505,6 +507,7 @@ impl ParamStore {
                 let t0 = Instant::now();
                 let r = t.wait();
                 self.counters.io_wait += t0.elapsed();
+                self.counters.write_wait += t0.elapsed();
                 drop(r?);
                 Ok(true)
             }

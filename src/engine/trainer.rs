@@ -851,6 +851,7 @@ impl Trainer {
             skipped,
             grad_norm,
             sub_groups_stepped_during_backward: overlapped,
+            param_write_wait_s: c1.write_wait.saturating_sub(c0.write_wait).as_secs_f64(),
         };
         if let Some(w) = &mut self.metrics {
             w.write(&metrics)?;
