@@ -214,6 +214,17 @@ impl Trainer {
             )));
         }
         let world = opts.comm.world_size();
+        if world != 1 {
+            // The shard layout and every collective go through `Comm`, but
+            // the loss all-reduce, the 1/ranks gradient averaging and the
+            // gathered weight hash are not written yet: refuse rather than
+            // train wrongly.
+            return Err(EngineError::Unsupported {
+                what: format!(
+                    "{world} ranks: this engine implements one rank (the Comm interface is in place)"
+                ),
+            });
+        }
         if config.batch.ranks != world as u64 {
             return Err(EngineError::config(format!(
                 "the config was resolved for {} ranks but the communicator has {world}",
