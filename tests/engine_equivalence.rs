@@ -183,3 +183,19 @@ fn llama_bf16_nvme_with_persistent_small_params() {
     assert!(a.steps.last().unwrap().loss < a.steps[0].loss);
     assert_identical(&a, &b, "llama bf16 nvme");
 }
+
+#[test]
+fn nvme_with_max_in_cpu_cache_splits_params_over_two_tiers() {
+    // The first 10000 elements of params (ParamId order: wte 8192, wpe
+    // 1024, ...) stay in pinned host memory, the rest go to NVMe.
+    let dir = tiny_gpt2_dir("maxincpu", 2, 32);
+    let off = Knobs {
+        max_in_cpu: 10_000,
+        ..Knobs::nvme()
+    };
+    let a = train(&dir, &Knobs::default(), 9, 8, |_| SEQ);
+    let b = train(&dir, &off, 9, 8, |_| SEQ);
+    assert!(b.cpu_read_bytes() > 0, "nothing served from the host cache");
+    assert!(b.nvme_read_bytes() > 0, "nothing served from NVMe");
+    assert_identical(&a, &b, "max_in_cpu");
+}

@@ -98,6 +98,7 @@ pub struct Knobs {
     pub pinned_budget: Option<u64>,
     pub param_buffer_numel: u64,
     pub param_buffer_count: u64,
+    pub max_in_cpu: u64,
 }
 
 impl Default for Knobs {
@@ -118,6 +119,7 @@ impl Default for Knobs {
             pinned_budget: None,
             param_buffer_numel: 20000,
             param_buffer_count: 4,
+            max_in_cpu: 0,
         }
     }
 }
@@ -155,7 +157,7 @@ pub fn ds_config(k: &Knobs, swap: &Path, total_steps: u64) -> Value {
     if k.param == "nvme" {
         op["buffer_count"] = json!(k.param_buffer_count);
         op["buffer_size"] = json!(k.param_buffer_numel);
-        op["max_in_cpu"] = json!(0);
+        op["max_in_cpu"] = json!(k.max_in_cpu);
         op["pin_memory"] = json!(true);
     }
     let mut oo = off(k.optim);
