@@ -26,7 +26,7 @@
 //!
 //! # State map
 //!
-//! Each param has exactly one [`Slot`], and it changes only in
+//! Each param has exactly one slot (a private `Slot` holding the ticket or tensor), and it changes only in
 //! [`ParamStore::apply`], by a [`ParamEvent`] (a closed enum). The allowed
 //! transitions:
 //!
