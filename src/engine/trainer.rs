@@ -388,7 +388,7 @@ impl Trainer {
                 let cap: u64 = layout
                     .sub_groups
                     .iter()
-                    .map(|g| 3 * align_up(g.numel as u64 * 4))
+                    .map(|g| (3 + u64::from(spill_grads)) * align_up(g.numel as u64 * 4))
                     .sum();
                 let space = SwapSpace::create(space_config(config, path, cap + (1 << 20)))?;
                 let mut ac = ArenaConfig::new(opt_buf_bytes * opt_count, opt_buf_bytes);
