@@ -4,6 +4,7 @@
 #![deny(unsafe_code)]
 
 pub mod config;
+pub mod engine;
 pub mod estimate;
 pub mod model;
 pub mod optim;

@@ -1,0 +1,117 @@
+//! Errors of the engine area: one enum with structured context. Errors from
+//! the areas the engine drives (model, swap, optimizer, candle) are wrapped.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong in the engine.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// A config value the engine cannot run with.
+    #[error("engine config: {reason}")]
+    Config {
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
+    /// The pinned budget cannot hold the buffers the pipelines need.
+    #[error(
+        "pinned budget of {budget_bytes} bytes is too small: parameter swap buffers need \
+         {param_buffers_bytes} bytes ({param_buffer_count} x {param_buffer_bytes}), the optimizer \
+         pipeline needs {optimizer_buffers_needed} buffers of {optimizer_buffer_bytes} bytes \
+         (3 states x {optimizer_stages} stages); raise tierzero.pinned_budget_bytes to at least \
+         {required_bytes} or lower sub_group_size / offload_param.buffer_size"
+    )]
+    PinnedBudget {
+        /// The configured budget.
+        budget_bytes: u64,
+        /// Parameter swap-in buffer count.
+        param_buffer_count: u64,
+        /// Bytes of each parameter swap-in buffer.
+        param_buffer_bytes: u64,
+        /// Their total.
+        param_buffers_bytes: u64,
+        /// Optimizer buffers the pipeline needs.
+        optimizer_buffers_needed: u64,
+        /// Bytes of each optimizer buffer (largest sub-group, fp32).
+        optimizer_buffer_bytes: u64,
+        /// Pipeline stages that hold buffers at once.
+        optimizer_stages: u64,
+        /// The smallest budget that works.
+        required_bytes: u64,
+    },
+    /// A parameter larger than one swap-in buffer.
+    #[error(
+        "parameter `{name}` has {numel} elements but offload_param.buffer_size is {buffer_numel}; \
+         raise buffer_size to at least {numel}"
+    )]
+    ParamTooLarge {
+        /// The parameter.
+        name: String,
+        /// Its elements (this rank's shard).
+        numel: u64,
+        /// The buffer size in elements.
+        buffer_numel: u64,
+    },
+    /// An event that the state map does not allow in the current state.
+    #[error("parameter `{param}`: event {event} is not valid in state {from}")]
+    BadTransition {
+        /// Parameter name.
+        param: String,
+        /// The state it was in.
+        from: &'static str,
+        /// The event.
+        event: &'static str,
+    },
+    /// The token file is unusable.
+    #[error("data {path}: {reason}")]
+    Data {
+        /// File.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// I/O on a file the engine writes (metrics).
+    #[error("I/O error on {path}: {source}")]
+    Io {
+        /// File.
+        path: PathBuf,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// Something the engine does not implement yet.
+    #[error("unsupported: {what}")]
+    Unsupported {
+        /// What.
+        what: String,
+    },
+    /// An internal invariant failed (a bug, reported instead of a panic).
+    #[error("internal error: {what}")]
+    Internal {
+        /// What.
+        what: String,
+    },
+    /// From the model.
+    #[error(transparent)]
+    Model(#[from] crate::model::ModelError),
+    /// From the swap engine.
+    #[error("swap: {0}")]
+    Swap(#[from] tierzero_swap::SwapError),
+    /// From the optimizer.
+    #[error("optimizer: {0}")]
+    Optim(#[from] crate::optim::OptimError),
+    /// From candle.
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+impl EngineError {
+    /// Shorthand for [`EngineError::Internal`].
+    pub(crate) fn internal(what: impl Into<String>) -> Self {
+        EngineError::Internal { what: what.into() }
+    }
+    /// Shorthand for [`EngineError::Config`].
+    pub(crate) fn config(reason: impl Into<String>) -> Self {
+        EngineError::Config {
+            reason: reason.into(),
+        }
+    }
+}

@@ -1,0 +1,141 @@
+//! Per-step metrics as JSON lines, and the final summary.
+//!
+//! Key names are an interface (scripts read them): `step`, `loss` (the mean
+//! over the step's micro-batches as an f32, written by serde_json with the
+//! shortest representation that round-trips the f32 exactly),
+//! `tokens_per_s`, `compute_s`, `io_wait_s`, `optimizer_s`, `idle_s`,
+//! `bytes_read` / `bytes_written` (objects keyed by tier: `cpu`, `nvme`),
+//! `peak_rss_bytes`, `overlap_efficiency`. The summary line has
+//! `"summary": true` and `weight_sha256`.
+//!
+//! Definitions:
+//! * `compute_s`: wall time of unit forward/backward and gradient
+//!   accumulation on the compute thread;
+//! * `io_wait_s`: time the compute thread blocked on parameter I/O plus
+//!   time the optimizer thread blocked on optimizer-state I/O (the two
+//!   threads run concurrently, so this is a sum of waits, not of wall
+//!   time); `param_write_wait_s` is the part spent freeing a swap buffer
+//!   by waiting for a param write-back;
+//! * `optimizer_s`: time in the Adam kernel (on the optimizer thread, so it
+//!   overlaps `compute_s`) and the norm pass;
+//! * `idle_s`: wall time of the compute thread not spent computing, waiting
+//!   on param I/O, or waiting for the optimizer thread to finish the step
+//!   (bookkeeping, tensor building);
+//! * `io_busy_s`: busy time of the I/O engines' workers during the step;
+//! * `overlap_efficiency = max(compute_s, io_busy_s, optimizer_s) / wall_s`
+//!   (1.0 means the step is as short as its busiest resource allows).
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use super::{EngineError, Result};
+
+/// One optimizer step.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepMetrics {
+    /// 1-based step number.
+    pub step: u64,
+    /// Mean loss over the step's micro-batches.
+    pub loss: f32,
+    /// Tokens processed per second (all ranks).
+    pub tokens_per_s: f64,
+    /// Step wall time.
+    pub wall_s: f64,
+    /// Compute busy time.
+    pub compute_s: f64,
+    /// Time blocked on I/O.
+    pub io_wait_s: f64,
+    /// Optimizer busy time.
+    pub optimizer_s: f64,
+    /// The rest.
+    pub idle_s: f64,
+    /// I/O engines' busy time.
+    pub io_busy_s: f64,
+    /// Bytes read per tier.
+    pub bytes_read: BTreeMap<String, u64>,
+    /// Bytes written per tier.
+    pub bytes_written: BTreeMap<String, u64>,
+    /// Peak resident set size of the process.
+    pub peak_rss_bytes: u64,
+    /// max(compute, I/O, optimizer busy) / wall.
+    pub overlap_efficiency: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Loss scale used (1 without fp16).
+    pub loss_scale: f64,
+    /// Whether the step was skipped (fp16 overflow).
+    pub skipped: bool,
+    /// Global gradient norm, when it was computed (clipping or fp16).
+    pub grad_norm: Option<f64>,
+    /// Sub-groups handed to the optimizer thread before backward ended.
+    pub sub_groups_stepped_during_backward: u64,
+    /// Part of `io_wait_s` spent waiting for param write-backs to free a
+    /// swap buffer.
+    pub param_write_wait_s: f64,
+}
+
+/// The last line of a metrics file.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Summary {
+    /// Always true (marks the line).
+    pub summary: bool,
+    /// Optimizer steps run.
+    pub steps: u64,
+    /// Steps skipped for fp16 overflow.
+    pub skipped_steps: u64,
+    /// sha256 over all fp32 master weights in `ParamId` order (little-endian).
+    pub weight_sha256: String,
+    /// Peak resident set size.
+    pub peak_rss_bytes: u64,
+    /// Times the trace was re-recorded after a mismatch.
+    pub trace_rerecords: u64,
+}
+
+/// Peak RSS (`VmHWM`) of this process, 0 where unknown.
+pub fn peak_rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kib| kib * 1024)
+}
+
+/// A JSON-lines writer.
+#[derive(Debug)]
+pub struct MetricsWriter {
+    path: PathBuf,
+    file: std::io::BufWriter<std::fs::File>,
+}
+
+impl MetricsWriter {
+    /// Creates (truncates) `path`.
+    pub fn create(path: &Path) -> Result<Self> {
+        let f = std::fs::File::create(path).map_err(|source| EngineError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        Ok(MetricsWriter {
+            path: path.to_owned(),
+            file: std::io::BufWriter::new(f),
+        })
+    }
+
+    /// Writes one object as a line and flushes.
+    pub fn write<T: Serialize>(&mut self, value: &T) -> Result<()> {
+        let line = serde_json::to_string(value)
+            .map_err(|e| EngineError::internal(format!("metrics JSON: {e}")))?;
+        let io = |source| EngineError::Io {
+            path: self.path.clone(),
+            source,
+        };
+        writeln!(self.file, "{line}").map_err(io)?;
+        self.file.flush().map_err(|source| EngineError::Io {
+            path: self.path.clone(),
+            source,
+        })
+    }
+}

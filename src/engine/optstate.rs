@@ -1,0 +1,558 @@
+//! Optimizer state: fp32 master weights and Adam moments per sub-group, in
+//! host memory or on NVMe, and the pipelined step.
+//!
+//! # Tiers
+//!
+//! `offload_optimizer.device = none | cpu` keeps `master`, `m` and `v` of
+//! every sub-group in host `Vec<f32>`s (the CPU optimizer runs on the host
+//! either way; with a CPU compute device "device memory" is host memory).
+//! `nvme` keeps three extents per sub-group (four with gradient spill) and
+//! streams them through
+//! pinned buffers of `largest sub-group × 4` bytes.
+//!
+//! # Pipeline (NVMe)
+//!
+//! ```text
+//!   read engine :  read(i+1) ─────────┐
+//!   compute     :        step(i) ──────┼─ Adam on the pinned buffers in place
+//!   write engine:  write(i-1) ────────┘
+//! ```
+//!
+//! A sub-group's three buffers are taken when its read is issued, stepped
+//! in place, and handed to the write engine; they return to the pool when
+//! that write is retired. Reads and writes go through **separate engines**
+//! (rings), so a long write queue never delays the next read. In flight at
+//! once: reads of up to `read_ahead` sub-groups (1 with `pipeline_read`),
+//! the step, and up to `write_behind` writes (1 with `pipeline_write`):
+//! `3 × (1 + read_ahead + write_behind)` buffers, checked against the pinned
+//! budget at start-up ([`buffers_needed`]), so the pipeline cannot run out
+//! of buffers at run time (DeepSpeed's `PipelinedOptimizerSwapper` asserts
+//! at run time instead). Sub-groups must be stepped in the order their
+//! reads were issued (FIFO); the trainer does.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tierzero_swap::{Buffer, Engine, Extent, PinnedArena, Ticket};
+
+use super::layout::SubGroupId;
+use super::{EngineError, Result};
+use crate::optim::{CpuAdam, GradScale, LowPrecisionOut, Moments};
+
+/// Buffers a pipeline with these depths needs: 3 states per sub-group, 4
+/// when gradients are spilled to NVMe and read back with the state.
+pub fn buffers_needed(read_ahead: usize, write_behind: usize, spill_grads: bool) -> usize {
+    (3 + usize::from(spill_grads)) * (1 + read_ahead + write_behind)
+}
+
+#[derive(Debug)]
+struct MemGroup {
+    master: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+}
+
+/// The NVMe side: two engines over one swap space and one arena.
+#[derive(Debug)]
+pub struct NvmeOptim {
+    /// Reads state.
+    pub read: Engine,
+    /// Writes state.
+    pub write: Engine,
+    /// Buffers of `largest sub-group × 4` bytes.
+    pub arena: Arc<PinnedArena>,
+}
+
+#[derive(Debug)]
+struct NvmeState {
+    io: NvmeOptim,
+    extents: Vec<[Extent; 3]>,
+    grad_extents: Vec<Option<Extent>>,
+    spilled: Vec<bool>,
+    spill_writes: Vec<Option<Ticket>>,
+    reading: VecDeque<(SubGroupId, Vec<Ticket>)>,
+    writes: VecDeque<Vec<Ticket>>,
+}
+
+/// Counters of the optimizer state I/O.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct OptCounters {
+    /// Bytes read from NVMe.
+    pub nvme_read_bytes: u64,
+    /// Bytes written to NVMe.
+    pub nvme_written_bytes: u64,
+    /// Time waiting on state I/O.
+    pub io_wait: Duration,
+    /// Time in the Adam kernel.
+    pub adam: Duration,
+}
+
+/// Master weights and moments of this rank's sub-groups.
+#[derive(Debug)]
+pub struct OptimizerState {
+    numel: Vec<usize>,
+    mem: Vec<MemGroup>,
+    nvme: Option<NvmeState>,
+    read_ahead: usize,
+    write_behind: usize,
+    counters: OptCounters,
+}
+
+fn as_f32(buf: &mut Buffer, numel: usize) -> Result<&mut [f32]> {
+    let bytes = buf
+        .as_mut_slice()
+        .get_mut(..numel * 4)
+        .ok_or_else(|| EngineError::internal("optimizer buffer smaller than its sub-group"))?;
+    bytemuck::try_cast_slice_mut::<u8, f32>(bytes)
+        .map_err(|e| EngineError::internal(format!("optimizer buffer cast: {e}")))
+}
+
+impl OptimizerState {
+    /// State for sub-groups of `numel` elements each, in memory (`nvme`
+    /// None) or on NVMe. Initialise every sub-group with
+    /// [`OptimizerState::init_group`].
+    pub fn new(
+        numel: Vec<usize>,
+        nvme: Option<NvmeOptim>,
+        read_ahead: usize,
+        write_behind: usize,
+        spill_grads: bool,
+    ) -> Result<Self> {
+        let (mem, nvme) = match nvme {
+            None => (
+                numel
+                    .iter()
+                    .map(|&n| MemGroup {
+                        master: vec![0.0; n],
+                        m: vec![0.0; n],
+                        v: vec![0.0; n],
+                    })
+                    .collect(),
+                None,
+            ),
+            Some(io) => {
+                let need = buffers_needed(read_ahead, write_behind, spill_grads);
+                if io.arena.count() < need {
+                    return Err(EngineError::internal(format!(
+                        "optimizer arena has {} buffers, the pipeline needs {need}",
+                        io.arena.count()
+                    )));
+                }
+                let mut extents = Vec::with_capacity(numel.len());
+                let mut grad_extents = Vec::with_capacity(numel.len());
+                for &n in &numel {
+                    let b = (n.max(1) * 4) as u64;
+                    let space = io.read.space().clone();
+                    extents.push([space.allocate(b)?, space.allocate(b)?, space.allocate(b)?]);
+                    grad_extents.push(if spill_grads {
+                        Some(space.allocate(b)?)
+                    } else {
+                        None
+                    });
+                }
+                let groups = numel.len();
+                (
+                    Vec::new(),
+                    Some(NvmeState {
+                        io,
+                        extents,
+                        grad_extents,
+                        spilled: vec![false; groups],
+                        spill_writes: (0..groups).map(|_| None).collect(),
+                        reading: VecDeque::new(),
+                        writes: VecDeque::new(),
+                    }),
+                )
+            }
+        };
+        Ok(OptimizerState {
+            numel,
+            mem,
+            nvme,
+            read_ahead,
+            write_behind,
+            counters: OptCounters::default(),
+        })
+    }
+
+    /// Whether state lives on NVMe.
+    pub fn is_nvme(&self) -> bool {
+        self.nvme.is_some()
+    }
+
+    /// Counters so far.
+    pub fn counters(&self) -> OptCounters {
+        self.counters
+    }
+
+    /// Busy seconds of the read and write engines' workers.
+    pub fn io_busy_s(&self) -> f64 {
+        self.nvme.as_ref().map_or(0.0, |n| {
+            n.io.read.stats().busy_s.iter().sum::<f64>()
+                + n.io.write.stats().busy_s.iter().sum::<f64>()
+        })
+    }
+
+    /// Sub-groups whose reads are issued and not yet stepped.
+    pub fn reads_pending(&self) -> usize {
+        self.nvme.as_ref().map_or(0, |n| n.reading.len())
+    }
+
+    /// How many reads may run ahead of the step.
+    pub fn read_ahead(&self) -> usize {
+        self.read_ahead
+    }
+
+    /// Elements of a sub-group.
+    pub fn numel_of(&self, sg: SubGroupId) -> Result<usize> {
+        self.numel
+            .get(sg.0)
+            .copied()
+            .ok_or_else(|| EngineError::internal(format!("no sub-group {sg:?}")))
+    }
+
+    /// Sets a sub-group's master weights; zeroes its moments.
+    pub fn init_group(&mut self, sg: SubGroupId, master: &[f32]) -> Result<()> {
+        let n = self.numel_of(sg)?;
+        if master.len() != n {
+            return Err(EngineError::internal("init_group: wrong length"));
+        }
+        match &mut self.nvme {
+            None => {
+                let g = &mut self.mem[sg.0];
+                g.master.copy_from_slice(master);
+                g.m.fill(0.0);
+                g.v.fill(0.0);
+            }
+            Some(nv) => {
+                let mut tickets = Vec::with_capacity(3);
+                for (k, ext) in nv.extents[sg.0].iter().enumerate() {
+                    let mut buf = nv.io.arena.acquire()?;
+                    let dst = as_f32(&mut buf, n)?;
+                    if k == 0 {
+                        dst.copy_from_slice(master);
+                    } else {
+                        dst.fill(0.0);
+                    }
+                    let len = ext.len_bytes();
+                    tickets.push(nv.io.write.write(ext, buf)?);
+                    self.counters.nvme_written_bytes += len;
+                }
+                tierzero_swap::wait_all(tickets)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Retires gradient-spill writes: those already complete, or (with
+    /// `block`) all of them. Their buffers go back to the pool.
+    fn retire_spill_writes(&mut self, block: bool) -> Result<()> {
+        let Some(nv) = &mut self.nvme else {
+            return Ok(());
+        };
+        for slot in nv.spill_writes.iter_mut() {
+            let Some(t) = slot.take() else { continue };
+            if block {
+                let t0 = Instant::now();
+                let r = t.wait();
+                self.counters.io_wait += t0.elapsed();
+                drop(r?);
+            } else {
+                match t.poll() {
+                    Some(c) => drop(c.into_result()?),
+                    None => *slot = Some(t),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Retires finished writes without blocking; blocks on the oldest
+    /// while more than `keep` are queued.
+    fn retire_writes(&mut self, keep: usize) -> Result<()> {
+        let Some(nv) = &mut self.nvme else {
+            return Ok(());
+        };
+        while nv.writes.len() > keep {
+            if let Some(ts) = nv.writes.pop_front() {
+                let t0 = Instant::now();
+                let r = tierzero_swap::wait_all(ts);
+                self.counters.io_wait += t0.elapsed();
+                drop(r?);
+            }
+        }
+        Ok(())
+    }
+
+    /// Issues the state read of `sg` if the pipeline has room (at most
+    /// `read_ahead` reads beyond the one about to be stepped). Returns
+    /// whether it was issued (memory tier: always true, nothing to do).
+    pub fn prefetch(&mut self, sg: SubGroupId) -> Result<bool> {
+        let n = self.numel_of(sg)?;
+        self.retire_spill_writes(false)?;
+        let limit = self.read_ahead + 1;
+        let Some(nv) = &mut self.nvme else {
+            return Ok(true);
+        };
+        if nv.reading.iter().any(|(g, _)| *g == sg) {
+            return Ok(true);
+        }
+        if nv.reading.len() >= limit {
+            return Ok(false);
+        }
+        let spilled = nv.spilled.get(sg.0).copied().unwrap_or(false);
+        let k = 3 + usize::from(spilled);
+        let bufs = match nv.io.arena.try_acquire_n(k) {
+            Ok(b) => b,
+            Err(_) => return Ok(false),
+        };
+        // Read after write: the spilled gradient's write (on the other
+        // engine) must be complete before it is read back.
+        if let Some(t) = nv.spill_writes.get_mut(sg.0).and_then(Option::take) {
+            let t0 = Instant::now();
+            let r = t.wait();
+            self.counters.io_wait += t0.elapsed();
+            drop(r?);
+        }
+        let grad_ext = if spilled {
+            nv.grad_extents.get(sg.0).cloned().flatten()
+        } else {
+            None
+        };
+        let mut tickets = Vec::with_capacity(k);
+        for (ext, buf) in nv.extents[sg.0].iter().chain(grad_ext.as_ref()).zip(bufs) {
+            let len = (n * 4) as u64;
+            let len = nv.io.read.space().alignment().round_up(len.max(1));
+            tickets.push(nv.io.read.submit(tierzero_swap::Request::range(
+                tierzero_swap::IoOp::Read,
+                ext,
+                0,
+                len,
+                buf,
+            ))?);
+            self.counters.nvme_read_bytes += len;
+        }
+        nv.reading.push_back((sg, tickets));
+        Ok(true)
+    }
+
+    /// Runs Adam on `sg`: reads its state (or takes the prefetched read),
+    /// steps with `grad`, hands the updated master to `after` (to produce
+    /// fp32 params), and writes the state back (asynchronously on NVMe).
+    #[allow(clippy::too_many_arguments)]
+    pub fn step(
+        &mut self,
+        sg: SubGroupId,
+        adam: &CpuAdam,
+        step: u64,
+        grad: Option<&[f32]>,
+        scale: GradScale,
+        out: Option<LowPrecisionOut<'_>>,
+        after: &mut dyn FnMut(&[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let n = self.numel_of(sg)?;
+        if grad.is_some_and(|g| g.len() != n) {
+            return Err(EngineError::internal("step: gradient length"));
+        }
+        if self.nvme.is_none() {
+            let grad = grad.ok_or_else(|| {
+                EngineError::internal("step without a gradient in the memory tier")
+            })?;
+            let g = &mut self.mem[sg.0];
+            let t0 = Instant::now();
+            adam.step(
+                step,
+                &mut g.master,
+                grad,
+                Moments::F32 {
+                    m: &mut g.m,
+                    v: &mut g.v,
+                },
+                out,
+                scale,
+            )?;
+            self.counters.adam += t0.elapsed();
+            return after(&g.master);
+        }
+        // NVMe: make sure the read is issued (FIFO), then wait for it.
+        let front_is_sg = self
+            .nvme
+            .as_ref()
+            .and_then(|nv| nv.reading.front())
+            .is_some_and(|(g, _)| *g == sg);
+        if !front_is_sg {
+            let pending = self.reads_pending();
+            if pending > 0 {
+                return Err(EngineError::internal(format!(
+                    "sub-group {sg:?} stepped out of read order ({pending} reads pending)"
+                )));
+            }
+            self.retire_writes(0)?;
+            self.retire_spill_writes(true)?;
+            if !self.prefetch(sg)? {
+                return Err(EngineError::internal(
+                    "optimizer pipeline has no free buffers (start-up check missed a case)",
+                ));
+            }
+        }
+        let nv = self
+            .nvme
+            .as_mut()
+            .ok_or_else(|| EngineError::internal("nvme state missing"))?;
+        let (_, tickets) = nv
+            .reading
+            .pop_front()
+            .ok_or_else(|| EngineError::internal("no pending read"))?;
+        let t0 = Instant::now();
+        let waited = tierzero_swap::wait_all(tickets);
+        self.counters.io_wait += t0.elapsed();
+        let mut bufs = waited?;
+        let spilled = nv.spilled.get(sg.0).copied().unwrap_or(false);
+        if bufs.len() != 3 + usize::from(spilled) {
+            return Err(EngineError::internal(
+                "state read returned wrong buffer count",
+            ));
+        }
+        // The spilled gradient's buffer is freed right after the step.
+        let mut grad_buf = if spilled { bufs.pop() } else { None };
+        {
+            let (bm, rest) = bufs.split_at_mut(1);
+            let (bmm, bv) = rest.split_at_mut(1);
+            let master = as_f32(&mut bm[0], n)?;
+            let m = as_f32(&mut bmm[0], n)?;
+            let v = as_f32(&mut bv[0], n)?;
+            let g: &[f32] = match (grad, grad_buf.as_mut()) {
+                (Some(g), _) => g,
+                (None, Some(b)) => as_f32(b, n)?,
+                (None, None) => {
+                    return Err(EngineError::internal(
+                        "step without a gradient and none spilled",
+                    ))
+                }
+            };
+            let t0 = Instant::now();
+            adam.step(step, master, g, Moments::F32 { m, v }, out, scale)?;
+            self.counters.adam += t0.elapsed();
+            after(master)?;
+        }
+        drop(grad_buf);
+        if let Some(f) = nv.spilled.get_mut(sg.0) {
+            *f = false;
+        }
+        let mut tickets = Vec::with_capacity(3);
+        for (ext, buf) in nv.extents[sg.0].iter().zip(bufs) {
+            let len = nv
+                .io
+                .write
+                .space()
+                .alignment()
+                .round_up((n.max(1) * 4) as u64);
+            tickets.push(nv.io.write.submit(tierzero_swap::Request::range(
+                tierzero_swap::IoOp::Write,
+                ext,
+                0,
+                len,
+                buf,
+            ))?);
+            self.counters.nvme_written_bytes += len;
+        }
+        nv.writes.push_back(tickets);
+        let keep = self.write_behind;
+        self.retire_writes(keep)
+    }
+
+    /// Drops prefetched reads and spilled gradients (a skipped fp16 step).
+    pub fn cancel_reads(&mut self) -> Result<()> {
+        if let Some(nv) = &mut self.nvme {
+            while let Some((_, ts)) = nv.reading.pop_front() {
+                drop(tierzero_swap::wait_all(ts)?);
+            }
+            for t in nv.spill_writes.iter_mut().filter_map(Option::take) {
+                drop(t.wait()?);
+            }
+            nv.spilled.iter_mut().for_each(|f| *f = false);
+        }
+        Ok(())
+    }
+
+    /// Whether gradients can be spilled (NVMe state with gradient extents).
+    pub fn can_spill(&self) -> bool {
+        self.nvme
+            .as_ref()
+            .is_some_and(|nv| nv.grad_extents.iter().all(Option::is_some))
+    }
+
+    /// Writes a sub-group's final gradient to NVMe (asynchronously) so host
+    /// memory does not hold it until the step; the step reads it back with
+    /// the state.
+    pub fn spill_grad(&mut self, sg: SubGroupId, grad: &[f32]) -> Result<()> {
+        let n = self.numel_of(sg)?;
+        if grad.len() != n {
+            return Err(EngineError::internal("spill_grad: gradient length"));
+        }
+        loop {
+            let nv = self
+                .nvme
+                .as_mut()
+                .ok_or_else(|| EngineError::internal("spill_grad without NVMe state"))?;
+            if let Ok(mut buf) = nv.io.arena.try_acquire() {
+                as_f32(&mut buf, n)?.copy_from_slice(grad);
+                let ext = nv
+                    .grad_extents
+                    .get(sg.0)
+                    .cloned()
+                    .flatten()
+                    .ok_or_else(|| EngineError::internal("no gradient extent"))?;
+                let len = ext.len_bytes();
+                let t = nv.io.write.write(&ext, buf)?;
+                nv.spill_writes[sg.0] = Some(t);
+                nv.spilled[sg.0] = true;
+                self.counters.nvme_written_bytes += len;
+                return Ok(());
+            }
+            // Free a buffer: retire the oldest state write, else a spill
+            // write.
+            let state_writes = nv.writes.len();
+            if state_writes > 0 {
+                self.retire_writes(state_writes - 1)?;
+                continue;
+            }
+            let oldest = nv.spill_writes.iter_mut().find_map(Option::take);
+            match oldest {
+                Some(t) => {
+                    let t0 = Instant::now();
+                    let r = t.wait();
+                    self.counters.io_wait += t0.elapsed();
+                    drop(r?);
+                }
+                None => {
+                    return Err(EngineError::internal(
+                        "no optimizer buffer free to spill a gradient (reads hold them all)",
+                    ))
+                }
+            }
+        }
+    }
+
+    /// Waits for every write.
+    pub fn flush(&mut self) -> Result<()> {
+        self.retire_writes(0)
+    }
+
+    /// The master weights of `sg` (a synchronous read on NVMe).
+    pub fn master(&mut self, sg: SubGroupId) -> Result<Vec<f32>> {
+        let n = self.numel_of(sg)?;
+        self.flush()?;
+        match &mut self.nvme {
+            None => Ok(self.mem[sg.0].master.clone()),
+            Some(nv) => {
+                let buf = nv.io.arena.acquire()?;
+                let ext = &nv.extents[sg.0][0];
+                let mut buf = nv.io.read.read(ext, buf)?.wait()?;
+                self.counters.nvme_read_bytes += ext.len_bytes();
+                Ok(as_f32(&mut buf, n)?.to_vec())
+            }
+        }
+    }
+}

@@ -1,0 +1,234 @@
+//! Learning-rate schedules and the fp16 dynamic loss scaler, with
+//! DeepSpeed's formulas (`deepspeed/runtime/lr_schedules.py`,
+//! `deepspeed/runtime/fp16/loss_scaler.py`).
+//!
+//! DeepSpeed steps the scheduler after each optimizer step that was not
+//! skipped, and the first optimizer step uses iteration 0. We expose the
+//! same thing as a pure function: [`LrSchedule::lr`] of the 0-based count
+//! of optimizer steps taken so far. Skipped (overflow) steps do not advance
+//! it, nor Adam's step counter.
+
+use crate::config::{LossScale, Scheduler, WarmupType};
+
+/// A learning-rate schedule.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LrSchedule {
+    /// The configured schedule.
+    pub scheduler: Scheduler,
+    /// The optimizer's base lr (WarmupCosineLR multiplies it).
+    pub base_lr: f64,
+}
+
+fn warmup_gamma(iter: u64, warmup_steps: u64, kind: WarmupType) -> f64 {
+    match kind {
+        WarmupType::Log => {
+            let w = warmup_steps.max(2) as f64;
+            (1.0 / w.ln()) * ((iter + 1) as f64).ln()
+        }
+        WarmupType::Linear => iter as f64 / warmup_steps.max(1) as f64,
+    }
+}
+
+impl LrSchedule {
+    /// The lr for 0-based optimizer iteration `iter`.
+    pub fn lr(&self, iter: u64) -> f64 {
+        match self.scheduler {
+            Scheduler::Constant => self.base_lr,
+            Scheduler::WarmupLr {
+                min_lr,
+                max_lr,
+                warmup_steps,
+                warmup_type,
+            } => {
+                let gamma = if iter < warmup_steps {
+                    warmup_gamma(iter, warmup_steps, warmup_type)
+                } else {
+                    1.0
+                };
+                min_lr + (max_lr - min_lr) * gamma
+            }
+            Scheduler::WarmupDecayLr {
+                min_lr,
+                max_lr,
+                warmup_steps,
+                warmup_type,
+                total_steps,
+            } => {
+                let gamma = if iter < warmup_steps {
+                    warmup_gamma(iter, warmup_steps, warmup_type)
+                } else {
+                    let left = total_steps as f64 - iter as f64;
+                    let span = (total_steps as f64 - warmup_steps as f64).max(1.0);
+                    (left / span).max(0.0)
+                };
+                min_lr + (max_lr - min_lr) * gamma
+            }
+            Scheduler::WarmupCosineLr {
+                total_steps,
+                warmup_min_ratio,
+                warmup_steps,
+                cos_min_ratio,
+                warmup_type,
+            } => {
+                let ratio = if iter < warmup_steps {
+                    let r = warmup_gamma(iter, warmup_steps, warmup_type);
+                    warmup_min_ratio + r * (1.0 - warmup_min_ratio)
+                } else {
+                    let real_last = (iter - warmup_steps + 1) as f64;
+                    let real_total = (total_steps as f64 - warmup_steps as f64).max(1.0);
+                    let c = (1.0 + (std::f64::consts::PI * real_last / real_total).cos()) / 2.0;
+                    (cos_min_ratio + (1.0 - cos_min_ratio) * c).max(0.0)
+                };
+                self.base_lr * ratio
+            }
+        }
+    }
+}
+
+/// fp16 loss scaling (DeepSpeed `DynamicLossScaler` / static scale).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LossScaler {
+    cur_scale: f64,
+    dynamic: bool,
+    window: u64,
+    hysteresis: u64,
+    cur_hysteresis: u64,
+    min_scale: f64,
+    cur_iter: u64,
+    last_overflow_iter: i64,
+}
+
+impl LossScaler {
+    /// No scaling (fp32, bf16).
+    pub fn none() -> Self {
+        LossScaler {
+            cur_scale: 1.0,
+            dynamic: false,
+            window: 1,
+            hysteresis: 1,
+            cur_hysteresis: 1,
+            min_scale: 1.0,
+            cur_iter: 0,
+            last_overflow_iter: -1,
+        }
+    }
+
+    /// From the config's fp16 loss-scale setting.
+    pub fn from_config(ls: LossScale) -> Self {
+        match ls {
+            LossScale::Static(s) => LossScaler {
+                cur_scale: s,
+                ..Self::none()
+            },
+            LossScale::Dynamic {
+                initial_scale_power,
+                window,
+                hysteresis,
+                min_scale,
+            } => LossScaler {
+                cur_scale: 2f64.powi(initial_scale_power as i32),
+                dynamic: true,
+                window: window.max(1),
+                hysteresis: hysteresis.max(1),
+                cur_hysteresis: hysteresis.max(1),
+                min_scale,
+                cur_iter: 0,
+                last_overflow_iter: -1,
+            },
+        }
+    }
+
+    /// The current scale.
+    pub fn scale(&self) -> f64 {
+        self.cur_scale
+    }
+
+    /// Updates after a step: halve on overflow (after `hysteresis`
+    /// overflows), double after `window` clean steps.
+    pub fn update(&mut self, overflow: bool) {
+        if !self.dynamic {
+            return;
+        }
+        if overflow {
+            if self.hysteresis == 1 || self.cur_hysteresis == 1 {
+                self.cur_scale = (self.cur_scale / 2.0).max(self.min_scale);
+            } else {
+                self.cur_hysteresis -= 1;
+            }
+            self.last_overflow_iter = self.cur_iter as i64;
+        } else if (self.cur_iter as i64 - self.last_overflow_iter) % self.window as i64 == 0 {
+            self.cur_hysteresis = self.hysteresis;
+            self.cur_scale *= 2.0;
+        }
+        self.cur_iter += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warmup_decay_linear() {
+        let s = LrSchedule {
+            scheduler: Scheduler::WarmupDecayLr {
+                min_lr: 0.0,
+                max_lr: 1.0,
+                warmup_steps: 4,
+                warmup_type: WarmupType::Linear,
+                total_steps: 8,
+            },
+            base_lr: 1.0,
+        };
+        let got: Vec<f64> = (0..9).map(|i| s.lr(i)).collect();
+        assert_eq!(got, vec![0.0, 0.25, 0.5, 0.75, 1.0, 0.75, 0.5, 0.25, 0.0]);
+    }
+
+    #[test]
+    fn warmup_log_and_cosine() {
+        let s = LrSchedule {
+            scheduler: Scheduler::WarmupLr {
+                min_lr: 0.0,
+                max_lr: 1.0,
+                warmup_steps: 10,
+                warmup_type: WarmupType::Log,
+            },
+            base_lr: 1.0,
+        };
+        assert_eq!(s.lr(0), 0.0);
+        assert!((s.lr(9) - 1.0).abs() < 1e-12);
+        assert_eq!(s.lr(50), 1.0);
+        let c = LrSchedule {
+            scheduler: Scheduler::WarmupCosineLr {
+                total_steps: 10,
+                warmup_min_ratio: 0.0,
+                warmup_steps: 0,
+                cos_min_ratio: 0.1,
+                warmup_type: WarmupType::Linear,
+            },
+            base_lr: 2.0,
+        };
+        // real_last = iter + 1; at iter 9 the cosine reaches its floor.
+        assert!((c.lr(9) - 0.2).abs() < 1e-12);
+        assert!(c.lr(0) < 2.0 && c.lr(0) > 1.9);
+    }
+
+    #[test]
+    fn dynamic_scaler_hysteresis_and_window() {
+        let mut s = LossScaler::from_config(LossScale::Dynamic {
+            initial_scale_power: 4,
+            window: 2,
+            hysteresis: 2,
+            min_scale: 1.0,
+        });
+        assert_eq!(s.scale(), 16.0);
+        s.update(true); // hysteresis absorbs the first overflow
+        assert_eq!(s.scale(), 16.0);
+        s.update(true);
+        assert_eq!(s.scale(), 8.0);
+        s.update(false); // iter 2, last overflow 1: (2-1) % 2 != 0
+        assert_eq!(s.scale(), 8.0);
+        s.update(false); // (3-1) % 2 == 0: double
+        assert_eq!(s.scale(), 16.0);
+    }
+}

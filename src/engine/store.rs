@@ -1,0 +1,808 @@
+//! The parameter store: one home tier per parameter and one state map per
+//! tensor.
+//!
+//! # Tiers
+//!
+//! * [`Tier::Device`]: the tensor is built once and stays resident (stage
+//!   0-2, or `offload_param.device = none`).
+//! * [`Tier::Cpu`]: the bytes live in pinned host memory (a [`PinnedArena`]
+//!   whose buffers are pages; params are packed first-fit in `ParamId`
+//!   order and never straddle a page). A fetch copies them to the device.
+//!   With `offload_param.device = nvme`, the first `max_in_cpu` elements
+//!   (in `ParamId` order) also live here: DeepSpeed's fp16 CPU cache.
+//! * [`Tier::Nvme`]: one [`Extent`] per parameter shard in the swap space.
+//!   A fetch reads it into a pinned swap buffer (one of
+//!   `offload_param.buffer_count` buffers of `buffer_size` elements) on the
+//!   I/O engine's thread, then builds the device tensor and returns the
+//!   buffer to the pool at once. The buffers therefore bound the reads *in
+//!   flight*, not the params resident: residency is bounded by the
+//!   scheduler (max-live, device-cache budget).
+//!
+//! Stored bytes are the training precision's bits (bf16 or fp16 when
+//! enabled, else fp32), little-endian, this rank's shard only; a fetch
+//! gathers the shards through [`Comm`] and builds the tensor with
+//! `Tensor::from_raw_buffer`, so the same bytes give the same tensor in
+//! every tier (the base of the bit-identity tests).
+//!
+//! # State map
+//!
+//! Each param has exactly one slot (a private `Slot` holding the ticket or tensor), and it changes only in
+//! [`ParamStore::apply`], by a [`ParamEvent`] (a closed enum). The allowed
+//! transitions:
+//!
+//! ```text
+//!   OnDisk   --ReadIssued(ticket)-->  InFlight
+//!   OnDisk   --Materialized(t)----->  Resident      (synchronous fetch)
+//!   InFlight --Materialized(t)----->  Resident      (read completed)
+//!   Resident --Released------------>  OnDisk
+//!   OnDisk   --Updated(None)------->  OnDisk        (new bytes at home)
+//!   Resident --Updated(Some(t))---->  Resident      (new bytes, cache kept coherent)
+//! ```
+//!
+//! Anything else is [`EngineError::BadTransition`], never a silent fix-up:
+//! e.g. updating a param with a read in flight would let stale bytes
+//! become resident, so the caller must complete the read first.
+//! "OnDisk" means "only at home" (pinned host memory for the cpu tier).
+//! Device-tier params are always `Resident`.
+//!
+//! # Write-after-read and read-after-write
+//!
+//! After the optimizer step, new bytes are written to the param's home.
+//! NVMe writes are asynchronous and queued FIFO; a read of a param whose
+//! write is still queued first waits for that write, so a fetch can never
+//! see old bytes. Reads and writes hold swap buffers only while the kernel
+//! works on them; when none is free, a blocking acquire retires the oldest
+//! write or completes the oldest in-flight read (never waits on something
+//! that nobody will complete, so it cannot deadlock).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor};
+use tierzero_swap::{Buffer, Engine, Extent, PinnedArena, Ticket};
+
+use super::comm::Comm;
+use super::layout::Layout;
+use super::{EngineError, Result};
+use crate::model::{Model, ParamId};
+
+/// Where a parameter lives between uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Tier {
+    /// Always resident on the compute device.
+    Device,
+    /// Pinned host memory.
+    Cpu,
+    /// NVMe swap extents.
+    Nvme,
+}
+
+/// The public view of a parameter's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParamState {
+    /// Only at home (NVMe, or pinned host memory).
+    OnDisk,
+    /// A read of the home copy is in flight.
+    InFlight,
+    /// Built on the compute device.
+    Resident,
+}
+
+/// What can happen to a parameter (see the module docs for the table).
+#[derive(Debug)]
+pub enum ParamEvent {
+    /// An asynchronous read was submitted.
+    ReadIssued(Ticket),
+    /// The tensor is on the device.
+    Materialized(Tensor),
+    /// The device copy is dropped.
+    Released,
+    /// New bytes were stored at home; `Some` keeps this tensor resident.
+    Updated(Option<Tensor>),
+}
+
+impl ParamEvent {
+    fn name(&self) -> &'static str {
+        match self {
+            ParamEvent::ReadIssued(_) => "ReadIssued",
+            ParamEvent::Materialized(_) => "Materialized",
+            ParamEvent::Released => "Released",
+            ParamEvent::Updated(_) => "Updated",
+        }
+    }
+}
+
+/// A parameter's state with the data each state owns.
+#[derive(Debug)]
+enum Slot {
+    OnDisk,
+    InFlight(Ticket),
+    Resident(Tensor),
+}
+
+impl Slot {
+    fn state(&self) -> ParamState {
+        match self {
+            Slot::OnDisk => ParamState::OnDisk,
+            Slot::InFlight(_) => ParamState::InFlight,
+            Slot::Resident(_) => ParamState::Resident,
+        }
+    }
+    fn name(&self) -> &'static str {
+        match self {
+            Slot::OnDisk => "OnDisk",
+            Slot::InFlight(_) => "InFlight",
+            Slot::Resident(_) => "Resident",
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Home {
+    Device,
+    Cpu { page: usize, offset_bytes: usize },
+    Nvme { extent: Extent },
+}
+
+#[derive(Debug)]
+struct ParamInfo {
+    name: String,
+    shape: Vec<usize>,
+    numel: usize,
+    shard_numel: usize,
+    tier: Tier,
+}
+
+/// The NVMe side of the store.
+#[derive(Debug)]
+pub struct NvmeParams {
+    /// The engine that reads and writes param extents.
+    pub engine: Engine,
+    /// Swap-in buffers (`buffer_count` x `buffer_size` elements).
+    pub arena: Arc<PinnedArena>,
+}
+
+/// Byte and time counters, per tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StoreCounters {
+    /// Bytes copied out of pinned host memory.
+    pub cpu_read_bytes: u64,
+    /// Bytes copied into pinned host memory.
+    pub cpu_written_bytes: u64,
+    /// Bytes read from NVMe.
+    pub nvme_read_bytes: u64,
+    /// Bytes written to NVMe.
+    pub nvme_written_bytes: u64,
+    /// Time the compute thread waited on param I/O.
+    pub io_wait: Duration,
+    /// Part of `io_wait` spent retiring write-backs to free a buffer.
+    pub write_wait: Duration,
+    /// Fetches that found the param resident already.
+    pub hits: u64,
+    /// Fetches that had to wait for a read issued on demand.
+    pub sync_reads: u64,
+    /// Reads issued ahead of use.
+    pub prefetches: u64,
+}
+
+/// Parameters by home tier, with their state map.
+#[derive(Debug)]
+pub struct ParamStore {
+    info: Vec<ParamInfo>,
+    homes: Vec<Home>,
+    slots: Vec<Slot>,
+    dtype: DType,
+    elem_bytes: usize,
+    device: Device,
+    comm: Arc<dyn Comm>,
+    pages: Vec<Buffer>,
+    nvme: Option<NvmeParams>,
+    writes: VecDeque<(ParamId, Ticket)>,
+    resident_bytes: u64,
+    counters: StoreCounters,
+}
+
+fn dtype_bytes(dtype: DType) -> Result<usize> {
+    match dtype {
+        DType::BF16 | DType::F16 => Ok(2),
+        DType::F32 => Ok(4),
+        other => Err(EngineError::config(format!(
+            "parameters must be stored as bf16, f16 or f32, not {other:?}"
+        ))),
+    }
+}
+
+impl ParamStore {
+    /// Lays out every parameter in its tier. `tiers` is indexed by
+    /// `ParamId`; `cpu_pages` gives the pinned host pages for the cpu tier
+    /// (see [`ParamStore::cpu_page_plan`]); `nvme` is required when any
+    /// tier is [`Tier::Nvme`]. Nothing is stored yet: call
+    /// [`ParamStore::store_initial`] for every param.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "one constructor wiring the tiers; a builder would only rename them"
+    )]
+    pub fn new(
+        model: &Model,
+        layout: &Layout,
+        tiers: &[Tier],
+        dtype: DType,
+        device: Device,
+        comm: Arc<dyn Comm>,
+        cpu_pages: Vec<Buffer>,
+        nvme: Option<NvmeParams>,
+    ) -> Result<Self> {
+        let elem_bytes = dtype_bytes(dtype)?;
+        let n = model.params().len();
+        if tiers.len() != n || layout.params.len() != n {
+            return Err(EngineError::internal("tier list does not match the model"));
+        }
+        let mut info = Vec::with_capacity(n);
+        let mut homes = Vec::with_capacity(n);
+        let mut slots = Vec::with_capacity(n);
+        let page_bytes = cpu_pages.first().map_or(0, |b| b.capacity_bytes() as usize);
+        let (mut page, mut page_off) = (0usize, 0usize);
+        for (p, slot) in model.params().iter().zip(&layout.params) {
+            let tier = tiers[p.id.0];
+            let shard_bytes = slot.shard_numel * elem_bytes;
+            let home = match tier {
+                Tier::Device => Home::Device,
+                Tier::Cpu => {
+                    if page_off + shard_bytes > page_bytes {
+                        page += 1;
+                        page_off = 0;
+                    }
+                    if page >= cpu_pages.len() || shard_bytes > page_bytes {
+                        return Err(EngineError::internal(format!(
+                            "cpu page plan has no room for `{}`",
+                            p.name
+                        )));
+                    }
+                    let h = Home::Cpu {
+                        page,
+                        offset_bytes: page_off,
+                    };
+                    page_off += shard_bytes;
+                    h
+                }
+                Tier::Nvme => {
+                    let nv = nvme
+                        .as_ref()
+                        .ok_or_else(|| EngineError::internal("nvme tier without a swap engine"))?;
+                    if shard_bytes as u64 > nv.arena.buffer_bytes() {
+                        return Err(EngineError::ParamTooLarge {
+                            name: p.name.clone(),
+                            numel: slot.shard_numel as u64,
+                            buffer_numel: nv.arena.buffer_bytes() / elem_bytes as u64,
+                        });
+                    }
+                    Home::Nvme {
+                        extent: nv.engine.space().allocate(shard_bytes as u64)?,
+                    }
+                }
+            };
+            info.push(ParamInfo {
+                name: p.name.clone(),
+                shape: p.shape.clone(),
+                numel: p.numel,
+                shard_numel: slot.shard_numel,
+                tier,
+            });
+            homes.push(home);
+            slots.push(Slot::OnDisk);
+        }
+        Ok(ParamStore {
+            info,
+            homes,
+            slots,
+            dtype,
+            elem_bytes,
+            device,
+            comm,
+            pages: cpu_pages,
+            nvme,
+            writes: VecDeque::new(),
+            resident_bytes: 0,
+            counters: StoreCounters::default(),
+        })
+    }
+
+    /// Page size and count for the cpu tier: pages of at least 64 MiB (or
+    /// the largest cpu-tier shard), at most 1 GiB, enough for first-fit
+    /// packing in `ParamId` order. Returns `(page_bytes, pages)`.
+    pub fn cpu_page_plan(shard_bytes: &[u64]) -> (u64, usize) {
+        let largest = shard_bytes.iter().copied().max().unwrap_or(0);
+        if largest == 0 {
+            return (0, 0);
+        }
+        let total: u64 = shard_bytes.iter().sum();
+        let page = largest.max(total.min(64 << 20)).div_ceil(4096) * 4096;
+        let (mut pages, mut off) = (1usize, 0u64);
+        for &b in shard_bytes {
+            if off + b > page {
+                pages += 1;
+                off = 0;
+            }
+            off += b;
+        }
+        (page, pages)
+    }
+
+    /// The state of `id`.
+    pub fn state(&self, id: ParamId) -> ParamState {
+        self.slots.get(id.0).map_or(ParamState::OnDisk, Slot::state)
+    }
+
+    /// The home tier of `id`.
+    pub fn tier(&self, id: ParamId) -> Tier {
+        self.info.get(id.0).map_or(Tier::Device, |i| i.tier)
+    }
+
+    /// Bytes of the whole (gathered) param on the device.
+    pub fn device_bytes(&self, id: ParamId) -> u64 {
+        self.info
+            .get(id.0)
+            .map_or(0, |i| (i.numel * self.elem_bytes) as u64)
+    }
+
+    /// Bytes of one stored element.
+    pub fn device_bytes_per_elem(&self) -> u64 {
+        self.elem_bytes as u64
+    }
+
+    /// Bytes of params currently resident on the device (all tiers).
+    pub fn resident_bytes(&self) -> u64 {
+        self.resident_bytes
+    }
+
+    /// Counters so far.
+    pub fn counters(&self) -> StoreCounters {
+        self.counters
+    }
+
+    /// Busy seconds of the param I/O engine's workers (summed).
+    pub fn io_busy_s(&self) -> f64 {
+        self.nvme
+            .as_ref()
+            .map_or(0.0, |n| n.engine.stats().busy_s.iter().sum())
+    }
+
+    /// The storage dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The only way a slot changes (see the transition table).
+    pub fn apply(&mut self, id: ParamId, event: ParamEvent) -> Result<()> {
+        let bytes = self.device_bytes(id);
+        let slot = self
+            .slots
+            .get_mut(id.0)
+            .ok_or_else(|| EngineError::internal(format!("no param {id:?}")))?;
+        let from = slot.name();
+        let ev = event.name();
+        let old = std::mem::replace(slot, Slot::OnDisk);
+        let (new, delta): (Slot, i64) = match (old, event) {
+            (Slot::OnDisk, ParamEvent::ReadIssued(t)) => (Slot::InFlight(t), 0),
+            (Slot::OnDisk, ParamEvent::Materialized(t)) => (Slot::Resident(t), bytes as i64),
+            (Slot::InFlight(_), ParamEvent::Materialized(t)) => (Slot::Resident(t), bytes as i64),
+            (Slot::Resident(_), ParamEvent::Released) => (Slot::OnDisk, -(bytes as i64)),
+            (Slot::OnDisk, ParamEvent::Updated(None)) => (Slot::OnDisk, 0),
+            (Slot::OnDisk, ParamEvent::Updated(Some(t))) => (Slot::Resident(t), bytes as i64),
+            (Slot::Resident(_), ParamEvent::Updated(Some(t))) => (Slot::Resident(t), 0),
+            (Slot::Resident(_), ParamEvent::Updated(None)) => (Slot::OnDisk, -(bytes as i64)),
+            (old, _) => {
+                // Put the old slot back untouched and report.
+                *slot = old;
+                return Err(EngineError::BadTransition {
+                    param: self.info[id.0].name.clone(),
+                    from,
+                    event: ev,
+                });
+            }
+        };
+        *slot = new;
+        self.resident_bytes = (self.resident_bytes as i64 + delta).max(0) as u64;
+        Ok(())
+    }
+
+    fn tensor_from_shard(&self, id: ParamId, shard: &[u8]) -> Result<Tensor> {
+        let info = &self.info[id.0];
+        let mut full = vec![0u8; info.numel * self.elem_bytes];
+        self.comm.all_gather_bytes(shard, &mut full)?;
+        let t = Tensor::from_raw_buffer(&full, self.dtype, &info.shape, &Device::Cpu)?;
+        Ok(t.to_device(&self.device)?)
+    }
+
+    /// Stores the initial shard bytes of `id` at home (synchronously).
+    pub fn store_initial(&mut self, id: ParamId, shard: &[u8]) -> Result<()> {
+        let keep = self.tier(id) == Tier::Device;
+        self.write_home(id, shard, keep)?;
+        self.flush_writes()
+    }
+
+    /// Writes new shard bytes for `id` at home (after an optimizer step).
+    /// A resident device copy is replaced (kept coherent); device-tier
+    /// params are rebuilt.
+    pub fn update(&mut self, id: ParamId, shard: &[u8]) -> Result<()> {
+        if self.state(id) == ParamState::InFlight {
+            // Complete the stale read first (see module docs).
+            self.complete_read(id)?;
+        }
+        let keep = self.state(id) == ParamState::Resident || self.tier(id) == Tier::Device;
+        self.write_home(id, shard, keep)
+    }
+
+    fn write_home(&mut self, id: ParamId, shard: &[u8], keep_resident: bool) -> Result<()> {
+        let info = self
+            .info
+            .get(id.0)
+            .ok_or_else(|| EngineError::internal(format!("no param {id:?}")))?;
+        let len = info.shard_numel * self.elem_bytes;
+        if shard.len() != len {
+            return Err(EngineError::internal(format!(
+                "`{}`: {} bytes for a shard of {len}",
+                info.name,
+                shard.len()
+            )));
+        }
+        match &self.homes[id.0] {
+            Home::Device => {}
+            Home::Cpu { page, offset_bytes } => {
+                let (page, off) = (*page, *offset_bytes);
+                let dst = self
+                    .pages
+                    .get_mut(page)
+                    .ok_or_else(|| EngineError::internal("cpu page missing"))?;
+                dst.as_mut_slice()[off..off + len].copy_from_slice(shard);
+                self.counters.cpu_written_bytes += len as u64;
+            }
+            Home::Nvme { extent } => {
+                let extent = extent.clone();
+                let mut buf = self.acquire_buffer()?;
+                buf.as_mut_slice()[..len].copy_from_slice(shard);
+                let nv = self
+                    .nvme
+                    .as_ref()
+                    .ok_or_else(|| EngineError::internal("nvme engine missing"))?;
+                let ticket = nv.engine.write(&extent, buf)?;
+                self.writes.push_back((id, ticket));
+                self.counters.nvme_written_bytes += extent.len_bytes();
+            }
+        }
+        let t = if keep_resident {
+            Some(self.tensor_from_shard(id, shard)?)
+        } else {
+            None
+        };
+        self.apply(id, ParamEvent::Updated(t))
+    }
+
+    /// Waits for every queued write.
+    pub fn flush_writes(&mut self) -> Result<()> {
+        while self.retire_oldest_write()? {}
+        Ok(())
+    }
+
+    /// Retires the writes at the front of the queue that have completed,
+    /// without blocking.
+    fn retire_done_writes(&mut self) -> Result<()> {
+        while let Some((_, t)) = self.writes.front() {
+            match t.poll() {
+                Some(c) => {
+                    self.writes.pop_front();
+                    drop(c.into_result()?);
+                }
+                None => break,
+            }
+        }
+        Ok(())
+    }
+
+    fn retire_oldest_write(&mut self) -> Result<bool> {
+        match self.writes.pop_front() {
+            None => Ok(false),
+            Some((_, t)) => {
+                let t0 = Instant::now();
+                let r = t.wait();
+                self.counters.io_wait += t0.elapsed();
+                self.counters.write_wait += t0.elapsed();
+                drop(r?);
+                Ok(true)
+            }
+        }
+    }
+
+    /// A swap buffer, retiring writes or completing reads until one is free.
+    fn acquire_buffer(&mut self) -> Result<Buffer> {
+        loop {
+            let arena = match &self.nvme {
+                Some(nv) => nv.arena.clone(),
+                None => return Err(EngineError::internal("nvme engine missing")),
+            };
+            if let Ok(b) = arena.try_acquire() {
+                return Ok(b);
+            }
+            if self.retire_oldest_write()? {
+                continue;
+            }
+            let inflight = self
+                .slots
+                .iter()
+                .position(|s| matches!(s, Slot::InFlight(_)));
+            match inflight {
+                Some(i) => self.complete_read(ParamId(i))?,
+                None => {
+                    return Err(EngineError::internal(
+                        "no parameter swap buffer is free and none is in flight",
+                    ))
+                }
+            }
+        }
+    }
+
+    fn wait_write_of(&mut self, id: ParamId) -> Result<()> {
+        while self.writes.iter().any(|(p, _)| *p == id) {
+            self.retire_oldest_write()?;
+        }
+        Ok(())
+    }
+
+    /// Issues an asynchronous read of `id` if it is on NVMe and not yet
+    /// resident or in flight, and a swap buffer is free now. Never blocks
+    /// on another param. Returns whether a read was issued.
+    pub fn prefetch(&mut self, id: ParamId) -> Result<bool> {
+        if self.state(id) != ParamState::OnDisk || self.tier(id) != Tier::Nvme {
+            return Ok(false);
+        }
+        self.retire_done_writes()?;
+        if self.writes.iter().any(|(p, _)| *p == id) {
+            return Ok(false);
+        }
+        let Some(nv) = &self.nvme else {
+            return Ok(false);
+        };
+        let Ok(buf) = nv.arena.try_acquire() else {
+            return Ok(false);
+        };
+        let Home::Nvme { extent } = &self.homes[id.0] else {
+            return Ok(false);
+        };
+        let ticket = nv.engine.read(extent, buf)?;
+        self.counters.nvme_read_bytes += extent.len_bytes();
+        self.counters.prefetches += 1;
+        self.apply(id, ParamEvent::ReadIssued(ticket))?;
+        Ok(true)
+    }
+
+    /// Number of free param swap buffers.
+    pub fn free_buffers(&self) -> usize {
+        self.nvme.as_ref().map_or(0, |n| n.arena.free_count())
+    }
+
+    fn complete_read(&mut self, id: ParamId) -> Result<()> {
+        let slot = std::mem::replace(&mut self.slots[id.0], Slot::OnDisk);
+        let Slot::InFlight(ticket) = slot else {
+            self.slots[id.0] = slot;
+            return Err(EngineError::internal(
+                "complete_read of a param not in flight",
+            ));
+        };
+        let t0 = Instant::now();
+        let res = ticket.wait();
+        self.counters.io_wait += t0.elapsed();
+        // The slot is OnDisk while we build the tensor; restore InFlight
+        // semantics by going through the table: OnDisk -> Materialized.
+        let buf = res?;
+        let len = self.info[id.0].shard_numel * self.elem_bytes;
+        let t = self.tensor_from_shard(id, &buf.as_slice()[..len])?;
+        drop(buf);
+        self.apply(id, ParamEvent::Materialized(t))
+    }
+
+    /// The device tensor of `id`, fetching it if needed.
+    pub fn fetch(&mut self, id: ParamId) -> Result<Tensor> {
+        match self.state(id) {
+            ParamState::Resident => self.counters.hits += 1,
+            ParamState::InFlight => self.complete_read(id)?,
+            ParamState::OnDisk => match &self.homes[id.0] {
+                Home::Device => {
+                    return Err(EngineError::internal(format!(
+                        "device-tier param `{}` is not resident",
+                        self.info[id.0].name
+                    )))
+                }
+                Home::Cpu { page, offset_bytes } => {
+                    let len = self.info[id.0].shard_numel * self.elem_bytes;
+                    let (page, off) = (*page, *offset_bytes);
+                    let src = self
+                        .pages
+                        .get(page)
+                        .ok_or_else(|| EngineError::internal("cpu page missing"))?;
+                    let t = self.tensor_from_shard(id, &src.as_slice()[off..off + len])?;
+                    self.counters.cpu_read_bytes += len as u64;
+                    self.apply(id, ParamEvent::Materialized(t))?;
+                }
+                Home::Nvme { .. } => {
+                    self.wait_write_of(id)?;
+                    let buf = self.acquire_buffer()?;
+                    let Home::Nvme { extent } = &self.homes[id.0] else {
+                        return Err(EngineError::internal("home changed"));
+                    };
+                    let nv = self
+                        .nvme
+                        .as_ref()
+                        .ok_or_else(|| EngineError::internal("nvme engine missing"))?;
+                    let ticket = nv.engine.read(extent, buf)?;
+                    self.counters.nvme_read_bytes += extent.len_bytes();
+                    self.counters.sync_reads += 1;
+                    self.apply(id, ParamEvent::ReadIssued(ticket))?;
+                    self.complete_read(id)?;
+                }
+            },
+        }
+        match &self.slots[id.0] {
+            Slot::Resident(t) => Ok(t.clone()),
+            other => Err(EngineError::internal(format!(
+                "fetch left `{}` {}",
+                self.info[id.0].name,
+                other.name()
+            ))),
+        }
+    }
+
+    /// Drops the device copy of `id` (no-op for device-tier params and for
+    /// params that are not resident).
+    pub fn release(&mut self, id: ParamId) -> Result<()> {
+        if self.tier(id) == Tier::Device || self.state(id) != ParamState::Resident {
+            return Ok(());
+        }
+        self.apply(id, ParamEvent::Released)
+    }
+
+    /// Completes every in-flight read (e.g. when a trace is invalidated).
+    pub fn settle(&mut self) -> Result<()> {
+        for i in 0..self.slots.len() {
+            if matches!(self.slots[i], Slot::InFlight(_)) {
+                self.complete_read(ParamId(i))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the current shard bytes of `id` from home (tests, export).
+    pub fn read_shard(&mut self, id: ParamId) -> Result<Vec<u8>> {
+        let t = self.fetch(id)?;
+        let bytes = tensor_bytes(&t)?;
+        Ok(bytes)
+    }
+}
+
+/// Little-endian bytes of a tensor (bf16/f16/f32), in row-major order.
+pub fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    let flat = t.flatten_all()?.to_device(&Device::Cpu)?;
+    Ok(match flat.dtype() {
+        DType::F32 => flat
+            .to_vec1::<f32>()?
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect(),
+        DType::BF16 => flat
+            .to_vec1::<half::bf16>()?
+            .iter()
+            .flat_map(|x| x.to_bits().to_le_bytes())
+            .collect(),
+        DType::F16 => flat
+            .to_vec1::<half::f16>()?
+            .iter()
+            .flat_map(|x| x.to_bits().to_le_bytes())
+            .collect(),
+        other => {
+            return Err(EngineError::internal(format!(
+                "tensor_bytes of dtype {other:?}"
+            )))
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+    use super::*;
+    use crate::engine::comm::SingleRank;
+    use crate::model::ModelConfig;
+    use tierzero_swap::{ArenaConfig, LockPolicy};
+
+    fn tiny() -> Model {
+        let text = r#"{"model_type":"gpt2","vocab_size":11,"n_positions":6,"n_embd":8,
+            "n_layer":1,"n_head":2,"n_inner":12}"#;
+        Model::new(ModelConfig::from_hf_json(text).unwrap().0).unwrap()
+    }
+
+    fn cpu_store(model: &Model) -> ParamStore {
+        let layout = Layout::new(model, 0, 1, 1000);
+        let tiers = vec![Tier::Cpu; model.params().len()];
+        let shards: Vec<u64> = layout
+            .params
+            .iter()
+            .map(|p| p.shard_numel as u64 * 2)
+            .collect();
+        let (page, pages) = ParamStore::cpu_page_plan(&shards);
+        let mut ac = ArenaConfig::new(page * pages as u64, page);
+        ac.lock = LockPolicy::Off;
+        let arena = PinnedArena::new(ac).unwrap();
+        let bufs = arena.try_acquire_n(pages).unwrap();
+        let mut s = ParamStore::new(
+            model,
+            &layout,
+            &tiers,
+            DType::BF16,
+            Device::Cpu,
+            Arc::new(SingleRank),
+            bufs,
+            None,
+        )
+        .unwrap();
+        for p in model.params() {
+            let bytes: Vec<u8> = (0..p.numel * 2).map(|i| (i % 7) as u8).collect();
+            s.store_initial(p.id, &bytes).unwrap();
+        }
+        s
+    }
+
+    #[test]
+    fn state_map_allows_only_the_table() {
+        let model = tiny();
+        let mut s = cpu_store(&model);
+        let p = ParamId(0);
+        assert_eq!(s.state(p), ParamState::OnDisk);
+        // Released while OnDisk is not a transition.
+        let e = s.apply(p, ParamEvent::Released).unwrap_err();
+        assert!(matches!(
+            e,
+            EngineError::BadTransition {
+                from: "OnDisk",
+                event: "Released",
+                ..
+            }
+        ));
+        let t = s.fetch(p).unwrap();
+        assert_eq!(s.state(p), ParamState::Resident);
+        assert_eq!(s.resident_bytes(), s.device_bytes(p));
+        // A second materialisation of a resident param is refused, and the
+        // slot is left as it was.
+        let e = s.apply(p, ParamEvent::Materialized(t)).unwrap_err();
+        assert!(matches!(
+            e,
+            EngineError::BadTransition {
+                from: "Resident",
+                ..
+            }
+        ));
+        assert_eq!(s.state(p), ParamState::Resident);
+        s.release(p).unwrap();
+        assert_eq!(s.state(p), ParamState::OnDisk);
+        assert_eq!(s.resident_bytes(), 0);
+        // release is idempotent at the API level (no event when not resident).
+        s.release(p).unwrap();
+    }
+
+    #[test]
+    fn update_rewrites_home_and_keeps_a_resident_copy_coherent() {
+        let model = tiny();
+        let mut s = cpu_store(&model);
+        let p = ParamId(1);
+        let before = s.read_shard(p).unwrap();
+        let new: Vec<u8> = before.iter().map(|b| b.wrapping_add(1)).collect();
+        // Resident: the device copy is replaced.
+        s.update(p, &new).unwrap();
+        assert_eq!(s.state(p), ParamState::Resident);
+        assert_eq!(s.read_shard(p).unwrap(), new);
+        // Released, then fetched again: the home copy has the new bytes.
+        s.release(p).unwrap();
+        assert_eq!(s.read_shard(p).unwrap(), new);
+        // A wrong length is an error, not a panic.
+        assert!(s.update(p, &new[1..]).is_err());
+    }
+}

@@ -1,0 +1,228 @@
+//! The prefetching scheduler: unit trace, prefetch window, release policy.
+//!
+//! # Trace
+//!
+//! A step visits units in an order: forward over the embedding and blocks,
+//! then backward over the head and the blocks in reverse. Each visit is
+//! recorded with its pass and the activation shape (`[batch, seq]`), so a
+//! change of sequence length or batch is a change of trace. The first step
+//! records ([`TraceState::Record`]); at the next step the trace is frozen
+//! ([`TraceState::Complete`]) and each visit is checked against it. On a
+//! mismatch the scheduler reports it (the trainer completes every
+//! in-flight read so nothing is left holding a buffer or waiting), keeps
+//! the visits that matched, and records the rest of this step: the next
+//! step runs with the new trace. Prefetching only ever *issues* reads, and
+//! every fetch completes its own read, so a wrong prediction costs I/O but
+//! can never deadlock or change a value.
+//!
+//! # Prefetch window
+//!
+//! At visit `i`, the params of visits `i+1, i+2, …` that are not resident
+//! or in flight are read ahead, in trace order, until one of:
+//! * the elements issued in this call would exceed
+//!   `stage3_prefetch_bucket_size` (the first param is always issued, so a
+//!   param larger than the bucket is still prefetched);
+//! * resident plus issued elements would exceed `stage3_max_live_parameters`;
+//! * no swap buffer is free ([`super::ParamStore::prefetch`] returns false).
+//!
+//! Unlike DeepSpeed we do not stop at the first param still on NVMe: every
+//! param in the window gets its own asynchronous read, so a read is never
+//! queued behind another param's read.
+//!
+//! # Release
+//!
+//! After a visit, each of its params is kept resident when
+//! * it is smaller than `stage3_param_persistence_threshold` (persistent);
+//! * it is in the device cache: the `tierzero.device_cache_bytes` budget is
+//!   filled first-come by params as they are released, and a cached param
+//!   stays resident across steps (the optimizer updates it in place);
+//! * its next use in the trace is within `stage3_max_reuse_distance`
+//!   elements (the elements of the params visited in between).
+//!
+//! Otherwise it is released (for NVMe params nothing is written: the home
+//! copy is unchanged during forward and backward).
+
+use std::collections::HashSet;
+
+use super::store::{ParamState, ParamStore};
+use crate::model::{Model, ParamId, UnitId};
+
+/// Forward or backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Pass {
+    /// Forward.
+    Forward,
+    /// Backward (recompute).
+    Backward,
+}
+
+/// One visit of a unit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Visit {
+    /// The unit.
+    pub unit: UnitId,
+    /// The pass.
+    pub pass: Pass,
+    /// Activation shape `[batch, seq]`.
+    pub shape: [usize; 2],
+}
+
+/// Where the trace stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TraceState {
+    /// Recording the visits of this step.
+    Record(Vec<Visit>),
+    /// Frozen; `pos` visits of this step matched so far.
+    Complete {
+        /// The trace.
+        visits: Vec<Visit>,
+        /// Visits of the current step so far.
+        pos: usize,
+    },
+}
+
+/// Scheduler limits (element counts except the cache).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// `stage3_prefetch_bucket_size`.
+    pub prefetch_bucket_numel: u64,
+    /// `stage3_max_live_parameters`.
+    pub max_live_numel: u64,
+    /// `stage3_max_reuse_distance`.
+    pub max_reuse_distance_numel: u64,
+    /// `stage3_param_persistence_threshold`.
+    pub persistence_threshold_numel: u64,
+    /// `tierzero.device_cache_bytes`.
+    pub device_cache_bytes: u64,
+}
+
+/// The scheduler.
+#[derive(Debug, Clone)]
+pub struct Scheduler {
+    state: TraceState,
+    limits: Limits,
+    unit_params: Vec<Vec<ParamId>>,
+    numel: Vec<u64>,
+    cached: HashSet<ParamId>,
+    cache_bytes: u64,
+    rerecords: u64,
+}
+
+impl Scheduler {
+    /// A scheduler for `model` that starts by recording.
+    pub fn new(model: &Model, limits: Limits) -> Self {
+        Scheduler {
+            state: TraceState::Record(Vec::new()),
+            limits,
+            unit_params: model.units().iter().map(|u| u.params.clone()).collect(),
+            numel: model.params().iter().map(|p| p.numel as u64).collect(),
+            cached: HashSet::new(),
+            cache_bytes: 0,
+            rerecords: 0,
+        }
+    }
+
+    /// The trace state.
+    pub fn state(&self) -> &TraceState {
+        &self.state
+    }
+
+    /// How many times a frozen trace was invalidated.
+    pub fn rerecords(&self) -> u64 {
+        self.rerecords
+    }
+
+    /// Start of a step: freeze a recorded trace.
+    pub fn begin_step(&mut self) {
+        self.state = match std::mem::replace(&mut self.state, TraceState::Record(Vec::new())) {
+            TraceState::Record(v) if !v.is_empty() => TraceState::Complete { visits: v, pos: 0 },
+            TraceState::Record(v) => TraceState::Record(v),
+            TraceState::Complete { visits, .. } => TraceState::Complete { visits, pos: 0 },
+        };
+    }
+
+    /// Records or checks a visit. Returns false when it contradicts the
+    /// frozen trace (which then switches to recording).
+    pub fn visit(&mut self, v: Visit) -> bool {
+        match &mut self.state {
+            TraceState::Record(list) => {
+                list.push(v);
+                true
+            }
+            TraceState::Complete { visits, pos } => {
+                if visits.get(*pos) == Some(&v) {
+                    *pos += 1;
+                    true
+                } else {
+                    let mut kept: Vec<Visit> = visits[..*pos].to_vec();
+                    kept.push(v);
+                    self.state = TraceState::Record(kept);
+                    self.rerecords += 1;
+                    false
+                }
+            }
+        }
+    }
+
+    fn upcoming(&self) -> &[Visit] {
+        match &self.state {
+            TraceState::Complete { visits, pos } => visits.get(*pos..).unwrap_or(&[]),
+            TraceState::Record(_) => &[],
+        }
+    }
+
+    /// Params to read ahead now, in trace order (see the module docs).
+    pub fn prefetch_candidates(&self, store: &ParamStore) -> Vec<ParamId> {
+        let elem = store.device_bytes_per_elem();
+        let live = store.resident_bytes() / elem.max(1);
+        let mut issued = 0u64;
+        let mut out = Vec::new();
+        let mut seen = HashSet::new();
+        for v in self.upcoming() {
+            for &p in self.unit_params.get(v.unit.0).map_or(&[][..], |x| x) {
+                if !seen.insert(p) || store.state(p) != ParamState::OnDisk {
+                    continue;
+                }
+                let n = self.numel.get(p.0).copied().unwrap_or(0);
+                // The first param always fits the bucket (as in DeepSpeed,
+                // which adds before it checks); max-live is a hard limit.
+                let over_bucket = !out.is_empty() && issued + n > self.limits.prefetch_bucket_numel;
+                if over_bucket || live + issued + n > self.limits.max_live_numel {
+                    return out;
+                }
+                issued += n;
+                out.push(p);
+            }
+        }
+        out
+    }
+
+    /// Whether `p`, just used, stays resident.
+    pub fn keep(&mut self, p: ParamId, bytes: u64) -> bool {
+        let n = self.numel.get(p.0).copied().unwrap_or(0);
+        if n < self.limits.persistence_threshold_numel || self.cached.contains(&p) {
+            return true;
+        }
+        // Next use within the reuse distance?
+        let mut dist = 0u64;
+        for v in self.upcoming() {
+            let ps = self.unit_params.get(v.unit.0).map_or(&[][..], |x| x);
+            if ps.contains(&p) {
+                return true;
+            }
+            dist += ps
+                .iter()
+                .map(|q| self.numel.get(q.0).copied().unwrap_or(0))
+                .sum::<u64>();
+            if dist > self.limits.max_reuse_distance_numel {
+                break;
+            }
+        }
+        if self.cache_bytes + bytes <= self.limits.device_cache_bytes {
+            self.cache_bytes += bytes;
+            self.cached.insert(p);
+            return true;
+        }
+        false
+    }
+}

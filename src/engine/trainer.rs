@@ -1,0 +1,1017 @@
+//! The training step of one rank, and the embeddable [`Trainer`] API.
+//!
+//! # A step
+//!
+//! ```text
+//! lr = schedule(adam steps so far); scale = loss scaler (fp16) or 1
+//! for micro in 0..gradient_accumulation_steps:
+//!     forward:  for unit in embedding, blocks:   fetch params (prefetch ahead), run, release
+//!     backward: for unit in head, blocks reversed, embedding:
+//!                   fetch, recompute + backprop (head starts at scale / GAS),
+//!                   add fp32 grads into the sub-group accumulators, release;
+//!                   last micro-batch: sub-groups whose grads became final
+//!                   → norm pass and/or optimizer-state read issued,
+//!                   → (overlap mode) stepped at the next unit boundary
+//! decision: Σg² over sub-groups in index order → skip (fp16 overflow) or
+//!           the multiplier clip / loss_scale
+//! optimizer: the remaining sub-groups, pipelined (read i+1 / step i / write i-1),
+//!           16-bit params written back to their home tier
+//! ```
+//!
+//! The micro-batch loss is the head's loss (recomputed during the head's
+//! backward, so the head runs once per micro-batch); the step's loss is the
+//! f32 sum over micro-batches divided by their count.
+//!
+//! Data: micro-batch `k` of step `s` on rank `r` reads rows starting at
+//! global sample `((s · GAS + k) · ranks + r) · micro_batch`.
+//!
+//! # Embedding
+//!
+//! [`Trainer::new`] takes a validated [`Config`], an opened [`ModelDir`],
+//! the token data and [`TrainerOptions`]; [`Trainer::step`] runs one
+//! optimizer step and returns a [`StepReport`]. [`Trainer::fetch_unit`] /
+//! [`Trainer::release_unit`] expose the param store to a caller that runs
+//! its own loop (evaluation, export), and [`Trainer::finish`] writes the
+//! summary. The CLI lives elsewhere.
+
+use std::collections::BTreeMap;
+use std::num::NonZeroUsize;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor};
+use tierzero_swap::{
+    ArenaConfig, BackendKind, Engine, EngineConfig, LockPolicy, PinnedArena, SpaceConfig, SwapSpace,
+};
+
+use super::comm::{Comm, SingleRank};
+use super::data::TokenData;
+use super::layout::{Layout, SubGroupId};
+use super::metrics::{peak_rss_bytes, MetricsWriter, StepMetrics, Summary};
+use super::optstate::{buffers_needed, NvmeOptim, OptCounters, OptimizerState};
+use super::schedule::{LossScaler, LrSchedule};
+use super::sha256::Sha256;
+use super::store::{NvmeParams, ParamStore, Tier};
+use super::trace::{Limits, Pass, Scheduler, Visit};
+use super::worker::{Done, Job, OptimizerWorker};
+use super::{EngineError, Result};
+use crate::config::{self, Config, OffloadDevice, Precision, Stage};
+use crate::model::{Model, ModelDir, ParamId, UnitId, UnitInput, UnitKind, Upstream};
+use crate::optim::{
+    f32_to_bf16_bits, f32_to_f16_bits, AdamHyper, AdamMode, CpuAdam, GradNorm, GradScale, GradStep,
+};
+
+/// Run options that are not in the ds_config.
+#[derive(Debug, Clone)]
+pub struct TrainerOptions {
+    /// Init seed (models without weights).
+    pub seed: u64,
+    /// Sequence length (tokens per row).
+    pub seq_len: usize,
+    /// Compute device.
+    pub device: Device,
+    /// Collectives (one rank: [`SingleRank`]).
+    pub comm: Arc<dyn Comm>,
+    /// Threads of the CPU Adam kernel.
+    pub adam_threads: NonZeroUsize,
+    /// JSON-lines metrics file.
+    pub metrics_path: Option<PathBuf>,
+}
+
+impl TrainerOptions {
+    /// One rank on the CPU, one Adam thread, no metrics file.
+    pub fn cpu(seed: u64, seq_len: usize) -> Self {
+        TrainerOptions {
+            seed,
+            seq_len,
+            device: Device::Cpu,
+            comm: Arc::new(SingleRank),
+            adam_threads: NonZeroUsize::MIN,
+            metrics_path: None,
+        }
+    }
+}
+
+/// What one step did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepReport {
+    /// The metrics line of the step.
+    pub metrics: StepMetrics,
+}
+
+/// How the optimizer relates to backward in a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OverlapMode {
+    /// Everything after backward, in sub-group order.
+    None,
+    /// State reads and norms during backward; steps after.
+    Io,
+    /// State reads and steps during backward.
+    Step,
+}
+
+/// One rank's trainer.
+#[derive(Debug)]
+pub struct Trainer {
+    config: Config,
+    model: Model,
+    data: TokenData,
+    opts: TrainerOptions,
+    layout: Layout,
+    store: ParamStore,
+    opt: OptimizerWorker,
+    opt_counters: OptCounters,
+    sched: Scheduler,
+    adam: CpuAdam,
+    lr: LrSchedule,
+    scaler: LossScaler,
+    steps_done: u64,
+    adam_steps: u64,
+    skipped: u64,
+    metrics: Option<MetricsWriter>,
+    groups_after_unit: Vec<Vec<SubGroupId>>,
+    lookahead_reads: u64,
+    spill_grads: bool,
+}
+
+fn lock_policy(pin: bool) -> LockPolicy {
+    if pin {
+        LockPolicy::BestEffort
+    } else {
+        LockPolicy::Off
+    }
+}
+
+fn engine_config(config: &Config) -> EngineConfig {
+    EngineConfig {
+        backend: match config.tierzero.io_backend {
+            config::IoBackend::Auto => BackendKind::Auto,
+            config::IoBackend::Uring => BackendKind::Uring,
+            config::IoBackend::Portable => BackendKind::Portable,
+        },
+        workers: config.tierzero.ring_threads.max(1) as usize,
+        queue_depth: config.aio.queue_depth.max(1),
+        block_bytes: config.aio.block_bytes.0.max(4096).div_ceil(4096) * 4096,
+        sqpoll: false,
+        faults: None,
+    }
+}
+
+fn space_config(config: &Config, path: &std::path::Path, capacity_bytes: u64) -> SpaceConfig {
+    let mut sc = SpaceConfig::new(path, capacity_bytes.max(1 << 20));
+    sc.direct_io = match config.tierzero.direct_io {
+        config::DirectIo::Auto => tierzero_swap::DirectIo::Auto,
+        config::DirectIo::Require => tierzero_swap::DirectIo::Require,
+        config::DirectIo::Off => tierzero_swap::DirectIo::Off,
+    };
+    sc.checksums = config.tierzero.checksums;
+    sc
+}
+
+const ALIGN: u64 = 4096;
+
+fn align_up(x: u64) -> u64 {
+    x.max(1).div_ceil(ALIGN) * ALIGN
+}
+
+/// Low-precision bytes of fp32 values (round to nearest even, the same
+/// conversion as the optimizer's fused output).
+fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
+    match dtype {
+        DType::BF16 => values
+            .iter()
+            .flat_map(|&x| f32_to_bf16_bits(x).to_le_bytes())
+            .collect(),
+        DType::F16 => values
+            .iter()
+            .flat_map(|&x| f32_to_f16_bits(x).to_le_bytes())
+            .collect(),
+        _ => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
+}
+
+impl Trainer {
+    /// Builds the tiers, stores the initial weights and optimizer state.
+    pub fn new(
+        config: &Config,
+        model_dir: &ModelDir,
+        data: TokenData,
+        opts: TrainerOptions,
+    ) -> Result<Self> {
+        let model = model_dir.model().clone();
+        let mc = model.config();
+        if data.vocab_needed() > mc.vocab_size {
+            return Err(EngineError::config(format!(
+                "the data has token ids up to {} but the model's vocab_size is {}",
+                data.vocab_needed().saturating_sub(1),
+                mc.vocab_size
+            )));
+        }
+        if opts.seq_len == 0 || opts.seq_len > mc.max_seq_len {
+            return Err(EngineError::config(format!(
+                "seq_len {} must be in 1..={} (the model's max positions)",
+                opts.seq_len, mc.max_seq_len
+            )));
+        }
+        let world = opts.comm.world_size();
+        if world != 1 {
+            // The shard layout and every collective go through `Comm`, but
+            // the loss all-reduce, the 1/ranks gradient averaging and the
+            // gathered weight hash are not written yet: refuse rather than
+            // train wrongly.
+            return Err(EngineError::Unsupported {
+                what: format!(
+                    "{world} ranks: this engine implements one rank (the Comm interface is in place)"
+                ),
+            });
+        }
+        if config.batch.ranks != world as u64 {
+            return Err(EngineError::config(format!(
+                "the config was resolved for {} ranks but the communicator has {world}",
+                config.batch.ranks
+            )));
+        }
+        let (param_dtype, scaler) = match config.precision {
+            Precision::Fp32 => (DType::F32, LossScaler::none()),
+            Precision::Bf16 => (DType::BF16, LossScaler::none()),
+            Precision::Fp16 { loss_scale } => (DType::F16, LossScaler::from_config(loss_scale)),
+        };
+        let elem_bytes = config.precision.param_elem_bytes();
+        let zero = &config.zero;
+        let sub_group = usize::try_from(zero.sub_group_numel.0).unwrap_or(usize::MAX);
+        let layout = Layout::new(&model, opts.comm.rank(), world, sub_group);
+
+        // Home tier per param.
+        let mut tiers = Vec::with_capacity(model.params().len());
+        let mut in_cpu = 0u64;
+        for slot in &layout.params {
+            let t = if zero.stage != Stage::Parameters {
+                Tier::Device
+            } else {
+                match &zero.offload_param.device {
+                    OffloadDevice::None => Tier::Device,
+                    OffloadDevice::Cpu => Tier::Cpu,
+                    OffloadDevice::Nvme { .. } => {
+                        let n = slot.shard_numel as u64;
+                        if in_cpu + n <= zero.offload_param.max_in_cpu_numel.0 {
+                            in_cpu += n;
+                            Tier::Cpu
+                        } else {
+                            Tier::Nvme
+                        }
+                    }
+                }
+            };
+            tiers.push(t);
+        }
+
+        // Pinned budget: param swap buffers, then optimizer buffers.
+        let param_nvme = tiers.contains(&Tier::Nvme);
+        let opt_nvme = zero
+            .offload_optimizer
+            .device
+            .nvme_path()
+            .map(|p| p.to_owned());
+        let param_buf_bytes =
+            align_up(zero.offload_param.buffer_numel.0.saturating_mul(elem_bytes));
+        let param_buf_count = zero.offload_param.buffer_count.max(1);
+        let param_pinned = if param_nvme {
+            param_buf_bytes * param_buf_count
+        } else {
+            0
+        };
+        let read_ahead = usize::from(zero.offload_optimizer.pipeline_read);
+        let write_behind = usize::from(zero.offload_optimizer.pipeline_write);
+        // Gradient spill: NVMe optimizer state, overlap on, and a step that
+        // must wait for the global norm (clipping or fp16).
+        let spill_grads = opt_nvme.is_some()
+            && config.tierzero.overlap_optimizer
+            && (config.gradient_clipping.is_some()
+                || matches!(config.precision, Precision::Fp16 { .. }));
+        let opt_needed = buffers_needed(read_ahead, write_behind, spill_grads) as u64;
+        let opt_buf_bytes = align_up(layout.max_sub_group_numel() as u64 * 4);
+        let opt_count = if opt_nvme.is_some() {
+            match config.tierzero.pinned_budget_bytes {
+                None => opt_needed.max(zero.offload_optimizer.buffer_count),
+                Some(b) => {
+                    let avail = b.0.saturating_sub(param_pinned) / opt_buf_bytes;
+                    if avail < opt_needed {
+                        let stages = opt_needed / (3 + u64::from(spill_grads));
+                        return Err(EngineError::PinnedBudget {
+                            budget_bytes: b.0,
+                            param_buffer_count: if param_nvme { param_buf_count } else { 0 },
+                            param_buffer_bytes: param_buf_bytes,
+                            param_buffers_bytes: param_pinned,
+                            optimizer_buffers_needed: opt_needed,
+                            optimizer_buffer_bytes: opt_buf_bytes,
+                            optimizer_stages: stages,
+                            required_bytes: param_pinned + opt_needed * opt_buf_bytes,
+                        });
+                    }
+                    avail.min(opt_needed.max(zero.offload_optimizer.buffer_count))
+                }
+            }
+        } else {
+            0
+        };
+        if let (Some(b), true) = (config.tierzero.pinned_budget_bytes, param_nvme) {
+            if param_pinned > b.0 {
+                return Err(EngineError::PinnedBudget {
+                    budget_bytes: b.0,
+                    param_buffer_count: param_buf_count,
+                    param_buffer_bytes: param_buf_bytes,
+                    param_buffers_bytes: param_pinned,
+                    optimizer_buffers_needed: opt_needed,
+                    optimizer_buffer_bytes: opt_buf_bytes,
+                    optimizer_stages: opt_needed / 3,
+                    required_bytes: param_pinned + opt_needed * opt_buf_bytes,
+                });
+            }
+        }
+
+        // Cpu-tier pages.
+        let cpu_shards: Vec<u64> = layout
+            .params
+            .iter()
+            .zip(&tiers)
+            .filter(|(_, t)| **t == Tier::Cpu)
+            .map(|(s, _)| s.shard_numel as u64 * elem_bytes)
+            .collect();
+        let (page_bytes, pages) = ParamStore::cpu_page_plan(&cpu_shards);
+        let cpu_pages = if pages > 0 {
+            let mut ac = ArenaConfig::new(page_bytes * pages as u64, page_bytes);
+            ac.lock = lock_policy(zero.offload_param.pin_memory);
+            let arena = PinnedArena::new(ac)?;
+            arena.try_acquire_n(pages)?
+        } else {
+            Vec::new()
+        };
+
+        // NVMe for params.
+        let nvme_params = if param_nvme {
+            let path = zero
+                .offload_param
+                .device
+                .nvme_path()
+                .ok_or_else(|| EngineError::internal("nvme tier without nvme_path"))?;
+            let cap: u64 = layout
+                .params
+                .iter()
+                .zip(&tiers)
+                .filter(|(_, t)| **t == Tier::Nvme)
+                .map(|(s, _)| align_up(s.shard_numel as u64 * elem_bytes))
+                .sum();
+            let space = SwapSpace::create(space_config(config, path, cap + (1 << 20)))?;
+            let mut ac = ArenaConfig::new(param_pinned, param_buf_bytes);
+            ac.lock = lock_policy(zero.offload_param.pin_memory);
+            let arena = PinnedArena::new(ac)?;
+            let engine = Engine::new(space, arena.clone(), engine_config(config))?;
+            Some(NvmeParams { engine, arena })
+        } else {
+            None
+        };
+        let mut store = ParamStore::new(
+            &model,
+            &layout,
+            &tiers,
+            param_dtype,
+            opts.device.clone(),
+            opts.comm.clone(),
+            cpu_pages,
+            nvme_params,
+        )?;
+
+        // Optimizer state.
+        let nvme_opt = match &opt_nvme {
+            Some(path) => {
+                let cap: u64 = layout
+                    .sub_groups
+                    .iter()
+                    .map(|g| (3 + u64::from(spill_grads)) * align_up(g.numel as u64 * 4))
+                    .sum();
+                let space = SwapSpace::create(space_config(config, path, cap + (1 << 20)))?;
+                let mut ac = ArenaConfig::new(opt_buf_bytes * opt_count, opt_buf_bytes);
+                ac.lock = lock_policy(zero.offload_optimizer.pin_memory);
+                let arena = PinnedArena::new(ac)?;
+                let read = Engine::new(space.clone(), arena.clone(), engine_config(config))?;
+                let write = Engine::new(space, arena.clone(), engine_config(config))?;
+                Some(NvmeOptim { read, write, arena })
+            }
+            None => None,
+        };
+        let mut opt = OptimizerState::new(
+            layout.sub_groups.iter().map(|g| g.numel).collect(),
+            nvme_opt,
+            read_ahead,
+            write_behind,
+            spill_grads,
+        )?;
+
+        // Initial weights: fp32 master → stored bytes; masters per sub-group.
+        for g in &layout.sub_groups {
+            let mut master = vec![0f32; g.numel];
+            for &pid in &g.params {
+                let slot = &layout.params[pid.0];
+                let t = model_dir.load_param(pid, DType::F32, &Device::Cpu)?;
+                let all = t.flatten_all()?.to_vec1::<f32>()?;
+                let shard = all
+                    .get(slot.shard_start..slot.shard_start + slot.shard_numel)
+                    .ok_or_else(|| EngineError::internal("shard out of range"))?;
+                master[slot.offset_in_group..slot.offset_in_group + slot.shard_numel]
+                    .copy_from_slice(shard);
+                store.store_initial(pid, &encode(shard, param_dtype))?;
+            }
+            opt.init_group(g.id, &master)?;
+        }
+        opt.flush()?;
+        let opt_counters = opt.counters();
+
+        let o = &config.optimizer;
+        let hyper = AdamHyper {
+            lr: o.lr,
+            beta1: o.betas[0],
+            beta2: o.betas[1],
+            eps: o.eps,
+            weight_decay: o.weight_decay,
+            mode: if o.decoupled_weight_decay {
+                AdamMode::AdamW
+            } else {
+                AdamMode::L2
+            },
+            bias_correction: true,
+        };
+        let adam = CpuAdam::new(hyper, opts.adam_threads)?;
+        let opt = OptimizerWorker::spawn(opt, adam.clone(), param_dtype)?;
+        let limits = Limits {
+            prefetch_bucket_numel: zero.prefetch_bucket_numel.0,
+            max_live_numel: zero.max_live_parameters_numel.0,
+            max_reuse_distance_numel: zero.max_reuse_distance_numel.0,
+            persistence_threshold_numel: zero.param_persistence_threshold_numel.0,
+            device_cache_bytes: config.tierzero.device_cache_bytes.0,
+        };
+        let sched = Scheduler::new(&model, limits);
+        let mut groups_after_unit = vec![Vec::new(); model.units().len()];
+        for g in &layout.sub_groups {
+            if let Some(v) = groups_after_unit.get_mut(g.final_after_unit.0) {
+                v.push(g.id);
+            }
+        }
+        let metrics = match &opts.metrics_path {
+            Some(p) => Some(MetricsWriter::create(p)?),
+            None => None,
+        };
+        Ok(Trainer {
+            config: config.clone(),
+            model,
+            data,
+            opts,
+            layout,
+            store,
+            opt,
+            opt_counters,
+            sched,
+            adam,
+            lr: LrSchedule {
+                scheduler: config.scheduler,
+                base_lr: config.optimizer.lr,
+            },
+            scaler,
+            steps_done: 0,
+            adam_steps: 0,
+            skipped: 0,
+            metrics,
+            groups_after_unit,
+            lookahead_reads: 0,
+            spill_grads,
+        })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// The layout (shards and sub-groups).
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// The parameter store.
+    pub fn store(&self) -> &ParamStore {
+        &self.store
+    }
+
+    /// The scheduler.
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.sched
+    }
+
+    /// Param reads issued ahead of their unit from the trace so far (not
+    /// counting a unit's own params, whose reads are issued together when
+    /// it is fetched).
+    pub fn lookahead_reads(&self) -> u64 {
+        self.lookahead_reads
+    }
+
+    /// Changes the sequence length from the next step on.
+    pub fn set_seq_len(&mut self, seq_len: usize) -> Result<()> {
+        if seq_len == 0 || seq_len > self.model.config().max_seq_len {
+            return Err(EngineError::config(format!(
+                "seq_len {seq_len} must be in 1..={}",
+                self.model.config().max_seq_len
+            )));
+        }
+        self.opts.seq_len = seq_len;
+        Ok(())
+    }
+
+    /// Current loss scale.
+    pub fn loss_scale(&self) -> f64 {
+        self.scaler.scale()
+    }
+
+    fn overlap_mode(&self) -> OverlapMode {
+        if !self.config.tierzero.overlap_optimizer {
+            OverlapMode::None
+        } else if self.config.gradient_clipping.is_some()
+            || matches!(self.config.precision, Precision::Fp16 { .. })
+        {
+            OverlapMode::Io
+        } else {
+            OverlapMode::Step
+        }
+    }
+
+    /// Fetches the params of `unit` (declared order), after issuing the
+    /// scheduler's prefetches.
+    pub fn fetch_unit(&mut self, unit: UnitId) -> Result<Vec<Tensor>> {
+        // This unit's own params first: their reads are issued together
+        // (not one synchronous read after another), then the window ahead.
+        // A param whose write-back is still queued is skipped, not waited
+        // for: only running out of swap buffers ends the window.
+        let ids = self.model.unit(unit)?.params.clone();
+        let ahead = self.sched.prefetch_candidates(&self.store);
+        for (k, &p) in ids.iter().chain(&ahead).enumerate() {
+            if self.store.free_buffers() == 0 {
+                break;
+            }
+            if self.store.prefetch(p)? && k >= ids.len() {
+                self.lookahead_reads += 1;
+            }
+        }
+        ids.iter().map(|&p| self.store.fetch(p)).collect()
+    }
+
+    /// Releases the params of `unit` that the scheduler does not keep.
+    pub fn release_unit(&mut self, unit: UnitId) -> Result<()> {
+        let ids = self.model.unit(unit)?.params.clone();
+        for p in ids {
+            let bytes = self.store.device_bytes(p);
+            if !self.sched.keep(p, bytes) {
+                self.store.release(p)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn visit(&mut self, unit: UnitId, pass: Pass, shape: [usize; 2]) -> Result<()> {
+        if !self.sched.visit(Visit { unit, pass, shape }) {
+            // The trace was wrong: finish every read we issued on its word.
+            self.store.settle()?;
+        }
+        Ok(())
+    }
+
+    /// Runs one optimizer step (all micro-batches).
+    pub fn step(&mut self) -> Result<StepReport> {
+        let t_step = Instant::now();
+        let c0 = self.store.counters();
+        let o0 = self.opt_counters;
+        let busy0 = self.store.io_busy_s() + self.opt.io_busy_s();
+        let mut compute = Duration::ZERO;
+        let mut norm_time = Duration::ZERO;
+
+        let gas = self.config.batch.gradient_accumulation_steps.max(1) as usize;
+        let mb = self.config.batch.micro_batch_size.max(1) as usize;
+        let world = self.opts.comm.world_size() as u64;
+        let rank = self.opts.comm.rank() as u64;
+        let seq = self.opts.seq_len;
+        let loss_scale = self.scaler.scale();
+        let mode = self.overlap_mode();
+        let lr = self.lr.lr(self.adam_steps);
+        let mut hyper = *self.adam.hyper();
+        hyper.lr = lr;
+        self.adam.set_hyper(hyper)?;
+        let adam_step = self.adam_steps + 1;
+        let n_groups = self.layout.sub_groups.len();
+        let mut grads: Vec<Option<Vec<f32>>> = vec![None; n_groups];
+        let mut sq: Vec<Option<f64>> = vec![None; n_groups];
+        // Sub-groups in the order their state reads were requested.
+        let mut order: Vec<SubGroupId> = Vec::with_capacity(n_groups);
+        let mut sent = vec![false; n_groups];
+        let mut spilled = vec![false; n_groups];
+        let head_scale = loss_scale / gas as f64;
+        let units: Vec<(UnitId, UnitKind)> =
+            self.model.units().iter().map(|u| (u.id, u.kind)).collect();
+        let mut loss_sum = 0f32;
+        self.sched.begin_step();
+
+        for micro in 0..gas {
+            let first = ((self.steps_done * gas as u64 + micro as u64) * world + rank) * mb as u64;
+            let (ids, targets) = self.data.batch(first, mb, seq, &self.opts.device)?;
+            let shape = [mb, seq];
+            let last_micro = micro + 1 == gas;
+            // Forward over everything but the head, saving unit inputs.
+            let mut saved: Vec<Option<Tensor>> = vec![None; units.len()];
+            let mut hidden: Option<Tensor> = None;
+            for &(uid, kind) in &units {
+                if kind == UnitKind::Head {
+                    saved[uid.0] = hidden.clone();
+                    continue;
+                }
+                self.visit(uid, Pass::Forward, shape)?;
+                let params = self.fetch_unit(uid)?;
+                let t0 = Instant::now();
+                let out = match (kind, &hidden) {
+                    (UnitKind::Embedding, _) => {
+                        self.model
+                            .forward_unit(uid, &params, UnitInput::Tokens(&ids))?
+                    }
+                    (_, Some(h)) => {
+                        saved[uid.0] = Some(h.clone());
+                        self.model
+                            .forward_unit(uid, &params, UnitInput::Hidden(h))?
+                    }
+                    (_, None) => return Err(EngineError::internal("block before embedding")),
+                };
+                compute += t0.elapsed();
+                drop(params);
+                self.release_unit(uid)?;
+                hidden = Some(out.into_tensor());
+            }
+            // Backward in reverse, by recompute.
+            let mut upstream: Option<Tensor> = None;
+            for &(uid, kind) in units.iter().rev() {
+                self.visit(uid, Pass::Backward, shape)?;
+                let params = self.fetch_unit(uid)?;
+                let t0 = Instant::now();
+                let g = match kind {
+                    UnitKind::Head => {
+                        let h = saved[uid.0]
+                            .as_ref()
+                            .ok_or_else(|| EngineError::internal("head input missing"))?;
+                        self.model.backward_unit(
+                            uid,
+                            &params,
+                            UnitInput::HiddenWithTargets {
+                                hidden: h,
+                                targets: &targets,
+                            },
+                            Upstream::LossScale(head_scale),
+                        )?
+                    }
+                    UnitKind::Block { .. } => {
+                        let h = saved[uid.0]
+                            .as_ref()
+                            .ok_or_else(|| EngineError::internal("block input missing"))?;
+                        let up = upstream
+                            .as_ref()
+                            .ok_or_else(|| EngineError::internal("upstream missing"))?;
+                        self.model.backward_unit(
+                            uid,
+                            &params,
+                            UnitInput::Hidden(h),
+                            Upstream::Grad(up),
+                        )?
+                    }
+                    UnitKind::Embedding => {
+                        let up = upstream
+                            .as_ref()
+                            .ok_or_else(|| EngineError::internal("upstream missing"))?;
+                        self.model.backward_unit(
+                            uid,
+                            &params,
+                            UnitInput::Tokens(&ids),
+                            Upstream::Grad(up),
+                        )?
+                    }
+                };
+                drop(params);
+                if let Some(l) = &g.loss {
+                    loss_sum += l.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+                }
+                for (pid, grad) in &g.params {
+                    self.accumulate(&mut grads, *pid, grad)?;
+                }
+                compute += t0.elapsed();
+                upstream = g.input;
+                saved[uid.0] = None;
+                self.release_unit(uid)?;
+                // Params of sub-groups the optimizer thread has finished.
+                self.drain_done()?;
+                if last_micro && mode != OverlapMode::None {
+                    let finals = self
+                        .groups_after_unit
+                        .get(uid.0)
+                        .cloned()
+                        .unwrap_or_default();
+                    for sg in finals {
+                        order.push(sg);
+                        match mode {
+                            OverlapMode::Step => {
+                                let grad = grads[sg.0].take().unwrap_or_else(|| {
+                                    vec![0f32; self.layout.sub_groups[sg.0].numel]
+                                });
+                                self.opt.send(Job::Step {
+                                    sg,
+                                    grad: Some(grad),
+                                    scale: GradScale::ONE,
+                                    step: adam_step,
+                                    hyper,
+                                })?;
+                                sent[sg.0] = true;
+                            }
+                            _ => {
+                                let t0 = Instant::now();
+                                sq[sg.0] = Some(self.group_sq_norm(&grads, sg));
+                                norm_time += t0.elapsed();
+                                if self.spill_grads {
+                                    let grad = grads[sg.0].take().unwrap_or_else(|| {
+                                        vec![0f32; self.layout.sub_groups[sg.0].numel]
+                                    });
+                                    self.opt.send(Job::SpillGrad { sg, grad })?;
+                                    spilled[sg.0] = true;
+                                } else {
+                                    self.opt.send(Job::Prefetch(sg))?;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+
+        let overlapped = sent.iter().filter(|x| **x).count() as u64;
+        // Decision.
+        let fp16 = matches!(self.config.precision, Precision::Fp16 { .. });
+        let clip = self.config.gradient_clipping;
+        let mut grad_norm = None;
+        let decision = if mode == OverlapMode::Step {
+            GradNorm::from_sq_sum(0.0).scale_for_step(loss_scale, None)?
+        } else if fp16 || clip.is_some() {
+            let t0 = Instant::now();
+            let mut total = 0f64;
+            for (i, s) in sq.iter_mut().enumerate() {
+                let v = match s {
+                    Some(v) => *v,
+                    None => self.group_sq_norm(&grads, SubGroupId(i)),
+                };
+                *s = Some(v);
+                total += v;
+            }
+            norm_time += t0.elapsed();
+            let total = self.opts.comm.all_reduce_sum_f64(total)?;
+            let gn = GradNorm::from_sq_sum(total);
+            grad_norm = Some(gn.norm(loss_scale));
+            gn.scale_for_step(loss_scale, clip)?
+        } else {
+            GradNorm::from_sq_sum(0.0).scale_for_step(loss_scale, None)?
+        };
+        let skipped = match decision {
+            GradStep::Skip => {
+                self.opt.send(Job::CancelReads)?;
+                true
+            }
+            GradStep::Apply(scale) => {
+                // The rest, in read order first, then index order.
+                for i in 0..n_groups {
+                    if !order.contains(&SubGroupId(i)) {
+                        order.push(SubGroupId(i));
+                    }
+                }
+                for &sg in &order {
+                    if sent[sg.0] {
+                        continue;
+                    }
+                    let grad = if spilled[sg.0] {
+                        None
+                    } else {
+                        Some(
+                            grads[sg.0]
+                                .take()
+                                .unwrap_or_else(|| vec![0f32; self.layout.sub_groups[sg.0].numel]),
+                        )
+                    };
+                    self.opt.send(Job::Step {
+                        sg,
+                        grad,
+                        scale,
+                        step: adam_step,
+                        hyper,
+                    })?;
+                    sent[sg.0] = true;
+                }
+                false
+            }
+        };
+        let t_wait = Instant::now();
+        self.opt.send(Job::Flush)?;
+        loop {
+            match self.opt.recv()? {
+                Done::Flushed(c) => {
+                    self.opt_counters = c;
+                    break;
+                }
+                other => self.on_done(other)?,
+            }
+        }
+        let opt_wait = t_wait.elapsed();
+        self.scaler.update(skipped);
+        if skipped {
+            self.skipped += 1;
+        } else {
+            self.adam_steps += 1;
+        }
+        self.steps_done += 1;
+
+        // Metrics.
+        let wall = t_step.elapsed().as_secs_f64();
+        let c1 = self.store.counters();
+        let o1 = self.opt_counters;
+        let io_wait = (c1.io_wait + o1.io_wait).saturating_sub(c0.io_wait + o0.io_wait);
+        let optimizer = o1.adam.saturating_sub(o0.adam) + norm_time;
+        let io_busy = (self.store.io_busy_s() + self.opt.io_busy_s() - busy0).max(0.0);
+        let compute_s = compute.as_secs_f64();
+        let io_wait_s = io_wait.as_secs_f64();
+        let optimizer_s = optimizer.as_secs_f64();
+        let mut bytes_read = BTreeMap::new();
+        bytes_read.insert("cpu".to_string(), c1.cpu_read_bytes - c0.cpu_read_bytes);
+        bytes_read.insert(
+            "nvme".to_string(),
+            (c1.nvme_read_bytes - c0.nvme_read_bytes) + (o1.nvme_read_bytes - o0.nvme_read_bytes),
+        );
+        let mut bytes_written = BTreeMap::new();
+        bytes_written.insert(
+            "cpu".to_string(),
+            c1.cpu_written_bytes - c0.cpu_written_bytes,
+        );
+        bytes_written.insert(
+            "nvme".to_string(),
+            (c1.nvme_written_bytes - c0.nvme_written_bytes)
+                + (o1.nvme_written_bytes - o0.nvme_written_bytes),
+        );
+        let tokens = (mb * gas * seq) as f64 * world as f64;
+        let main_busy = compute_s + (c1.io_wait.saturating_sub(c0.io_wait)).as_secs_f64();
+        let metrics = StepMetrics {
+            step: self.steps_done,
+            loss: loss_sum / gas as f32,
+            tokens_per_s: if wall > 0.0 { tokens / wall } else { 0.0 },
+            wall_s: wall,
+            compute_s,
+            io_wait_s,
+            optimizer_s,
+            idle_s: (wall - main_busy - opt_wait.as_secs_f64()).max(0.0),
+            io_busy_s: io_busy,
+            bytes_read,
+            bytes_written,
+            peak_rss_bytes: peak_rss_bytes(),
+            overlap_efficiency: if wall > 0.0 {
+                compute_s.max(io_busy).max(optimizer_s) / wall
+            } else {
+                0.0
+            },
+            lr,
+            loss_scale,
+            skipped,
+            grad_norm,
+            sub_groups_stepped_during_backward: overlapped,
+            param_write_wait_s: c1.write_wait.saturating_sub(c0.write_wait).as_secs_f64(),
+        };
+        if let Some(w) = &mut self.metrics {
+            w.write(&metrics)?;
+        }
+        Ok(StepReport { metrics })
+    }
+
+    fn group_sq_norm(&self, grads: &[Option<Vec<f32>>], sg: SubGroupId) -> f64 {
+        match grads.get(sg.0).and_then(|g| g.as_ref()) {
+            Some(g) => self.adam.grad_sq_norm(g),
+            None => 0.0,
+        }
+    }
+
+    fn accumulate(
+        &self,
+        grads: &mut [Option<Vec<f32>>],
+        pid: ParamId,
+        grad: &Tensor,
+    ) -> Result<()> {
+        let slot = self
+            .layout
+            .params
+            .get(pid.0)
+            .ok_or_else(|| EngineError::internal("grad of unknown param"))?;
+        let full = grad
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_device(&Device::Cpu)?
+            .to_vec1::<f32>()?;
+        let mut shard = vec![0f32; slot.shard_numel];
+        self.opts
+            .comm
+            .reduce_scatter_f32(&full, slot.shard_start, &mut shard)?;
+        let g = &self.layout.sub_groups[slot.sub_group.0];
+        let acc = grads[slot.sub_group.0].get_or_insert_with(|| vec![0f32; g.numel]);
+        let dst = acc
+            .get_mut(slot.offset_in_group..slot.offset_in_group + slot.shard_numel)
+            .ok_or_else(|| EngineError::internal("grad slot out of range"))?;
+        for (a, b) in dst.iter_mut().zip(&shard) {
+            *a += *b;
+        }
+        Ok(())
+    }
+
+    /// Applies the optimizer thread's replies that are already there.
+    fn drain_done(&mut self) -> Result<()> {
+        while let Some(d) = self.opt.try_recv() {
+            self.on_done(d)?;
+        }
+        Ok(())
+    }
+
+    /// Stores the new param bytes of a stepped sub-group.
+    fn on_done(&mut self, done: Done) -> Result<()> {
+        match done {
+            Done::Stepped { sg, bytes } => {
+                let g = self
+                    .layout
+                    .sub_groups
+                    .get(sg.0)
+                    .ok_or_else(|| EngineError::internal("stepped an unknown sub-group"))?;
+                let params = g.params.clone();
+                let eb = self.store.device_bytes_per_elem() as usize;
+                for pid in params {
+                    let slot = &self.layout.params[pid.0];
+                    let range =
+                        slot.offset_in_group * eb..(slot.offset_in_group + slot.shard_numel) * eb;
+                    let shard = bytes
+                        .get(range)
+                        .ok_or_else(|| EngineError::internal("param bytes out of range"))?;
+                    self.store.update(pid, shard)?;
+                }
+                Ok(())
+            }
+            Done::Failed(e) => Err(e),
+            Done::Flushed(_) | Done::Master(..) => Err(EngineError::internal(
+                "unexpected reply from the optimizer thread",
+            )),
+        }
+    }
+
+    /// The fp32 master weights of one sub-group of this rank.
+    pub fn master(&mut self, sg: SubGroupId) -> Result<Vec<f32>> {
+        self.opt.send(Job::Master(sg))?;
+        loop {
+            match self.opt.recv()? {
+                Done::Master(got, m) if got == sg => return Ok(m),
+                other => self.on_done(other)?,
+            }
+        }
+    }
+
+    /// sha256 over every fp32 master weight in `ParamId` order
+    /// (little-endian). One rank: this rank's shards are the whole params.
+    pub fn weight_sha256(&mut self) -> Result<String> {
+        if self.opts.comm.world_size() != 1 {
+            return Err(EngineError::Unsupported {
+                what: "weight_sha256 with several ranks (needs a gather of masters)".into(),
+            });
+        }
+        // One sub-group at a time: memory stays at one sub-group.
+        let mut h = Sha256::new();
+        for i in 0..self.layout.sub_groups.len() {
+            let m = self.master(SubGroupId(i))?;
+            let bytes: Vec<u8> = m.iter().flat_map(|x| x.to_le_bytes()).collect();
+            h.update(&bytes);
+        }
+        Ok(h.finish_hex())
+    }
+
+    /// Flushes I/O, writes the summary line, returns it.
+    pub fn finish(mut self) -> Result<Summary> {
+        self.store.flush_writes()?;
+        let s = Summary {
+            summary: true,
+            steps: self.steps_done,
+            skipped_steps: self.skipped,
+            weight_sha256: self.weight_sha256()?,
+            peak_rss_bytes: peak_rss_bytes(),
+            trace_rerecords: self.sched.rerecords(),
+        };
+        if let Some(w) = &mut self.metrics {
+            w.write(&s)?;
+        }
+        Ok(s)
+    }
+}

@@ -1,0 +1,336 @@
+//! The optimizer thread: Adam runs concurrently with backward.
+//!
+//! [`OptimizerWorker`] owns the [`OptimizerState`] (and its read and write
+//! engines) on a dedicated thread. The compute thread sends it jobs over a
+//! channel and keeps running backward:
+//!
+//! * [`Job::Prefetch`]: issue the state read of a sub-group whose gradients
+//!   just became final (clipping / fp16 mode: the step must wait for the
+//!   global norm, the read need not);
+//! * [`Job::SpillGrad`]: with NVMe optimizer state in that mode, write the
+//!   final gradient to NVMe instead (DeepSpeed's gradient swap-out), so
+//!   host memory holds no gradient while the norm is being completed; the
+//!   step reads it back with master, m and v (4 buffers per sub-group);
+//! * [`Job::Step`]: step a sub-group with its final gradient (moved, not
+//!   copied) and the gradient multiplier;
+//! * [`Job::CancelReads`] (a skipped fp16 step), [`Job::Flush`],
+//!   [`Job::Master`].
+//!
+//! Sub-groups are read and stepped in one FIFO order: the order of their
+//! first `Prefetch` or `Step` job. The worker issues reads from the front
+//! of that order while the pipeline has room, steps the front when its job
+//! is there, and otherwise blocks on the channel. The updated 16-bit (or
+//! fp32) parameter bytes go back as [`Done::Stepped`]; the compute thread
+//! stores them at unit boundaries and at the end of the step (the
+//! [`super::ParamStore`] has a single owner, the compute thread, so it needs
+//! no lock). A stepped sub-group's params are never used again in the same
+//! step, so applying them later cannot change a value.
+
+use std::collections::{HashMap, VecDeque};
+use std::thread::JoinHandle;
+
+use candle_core::DType;
+use crossbeam_channel::{Receiver, Sender};
+use half::{bf16, f16};
+
+use super::layout::SubGroupId;
+use super::optstate::{OptCounters, OptimizerState};
+use super::{EngineError, Result};
+use crate::optim::{AdamHyper, CpuAdam, GradScale, LowPrecisionOut};
+
+/// Work for the optimizer thread.
+#[derive(Debug)]
+pub enum Job {
+    /// Issue the state read of a sub-group (FIFO).
+    Prefetch(SubGroupId),
+    /// Write a final gradient to NVMe instead of holding it in memory.
+    SpillGrad {
+        /// Which.
+        sg: SubGroupId,
+        /// Its final fp32 gradient.
+        grad: Vec<f32>,
+    },
+    /// Step a sub-group.
+    Step {
+        /// Which.
+        sg: SubGroupId,
+        /// Its final fp32 gradient; `None` when it was spilled.
+        grad: Option<Vec<f32>>,
+        /// Unscale · clip multiplier.
+        scale: GradScale,
+        /// 1-based Adam step.
+        step: u64,
+        /// Hyper-parameters (the scheduled lr).
+        hyper: AdamHyper,
+    },
+    /// Drop issued reads (skipped step).
+    CancelReads,
+    /// Finish every queued step and write; reply with the counters.
+    Flush,
+    /// Reply with a sub-group's master weights.
+    Master(SubGroupId),
+}
+
+/// Replies from the optimizer thread.
+#[derive(Debug)]
+pub enum Done {
+    /// New parameter bytes of a stepped sub-group (storage dtype).
+    Stepped {
+        /// Which.
+        sg: SubGroupId,
+        /// Bytes of the whole sub-group, in its param order.
+        bytes: Vec<u8>,
+    },
+    /// All queued work finished.
+    Flushed(OptCounters),
+    /// Master weights.
+    Master(SubGroupId, Vec<f32>),
+    /// A job failed.
+    Failed(EngineError),
+}
+
+/// Handle on the optimizer thread.
+#[derive(Debug)]
+pub struct OptimizerWorker {
+    tx: Option<Sender<Job>>,
+    rx: Receiver<Done>,
+    handle: Option<JoinHandle<()>>,
+    io_busy_s: std::sync::Arc<std::sync::Mutex<f64>>,
+}
+
+/// A step job waiting for its turn: gradient (None: spilled), multiplier,
+/// 1-based Adam step, hyper-parameters.
+type PendingStep = (Option<Vec<f32>>, GradScale, u64, AdamHyper);
+
+struct State {
+    opt: OptimizerState,
+    adam: CpuAdam,
+    dtype: DType,
+    order: VecDeque<SubGroupId>,
+    steps: HashMap<SubGroupId, PendingStep>,
+    io_busy_s: std::sync::Arc<std::sync::Mutex<f64>>,
+}
+
+impl State {
+    fn pump(&mut self) -> Result<()> {
+        if !self.opt.is_nvme() {
+            return Ok(());
+        }
+        for &sg in &self.order {
+            if !self.opt.prefetch(sg)? {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    fn step_front(&mut self) -> Result<Option<Done>> {
+        let Some(&sg) = self.order.front() else {
+            return Ok(None);
+        };
+        let Some((grad, scale, step, hyper)) = self.steps.remove(&sg) else {
+            return Ok(None);
+        };
+        self.order.pop_front();
+        self.adam.set_hyper(hyper)?;
+        let n = self.opt.numel_of(sg)?;
+        let mut lp_bf16: Vec<bf16> = Vec::new();
+        let mut lp_f16: Vec<f16> = Vec::new();
+        let out = match self.dtype {
+            DType::BF16 => {
+                lp_bf16 = vec![bf16::ZERO; n];
+                Some(LowPrecisionOut::Bf16(&mut lp_bf16))
+            }
+            DType::F16 => {
+                lp_f16 = vec![f16::ZERO; n];
+                Some(LowPrecisionOut::F16(&mut lp_f16))
+            }
+            _ => None,
+        };
+        let mut bytes: Vec<u8> = Vec::new();
+        let fp32 = self.dtype == DType::F32;
+        let mut after = |master: &[f32]| -> Result<()> {
+            if fp32 {
+                bytes = master.iter().flat_map(|x| x.to_le_bytes()).collect();
+            }
+            Ok(())
+        };
+        self.opt.step(
+            sg,
+            &self.adam,
+            step,
+            grad.as_deref(),
+            scale,
+            out,
+            &mut after,
+        )?;
+        match self.dtype {
+            DType::BF16 => {
+                bytes = lp_bf16
+                    .iter()
+                    .flat_map(|x| x.to_bits().to_le_bytes())
+                    .collect();
+            }
+            DType::F16 => {
+                bytes = lp_f16
+                    .iter()
+                    .flat_map(|x| x.to_bits().to_le_bytes())
+                    .collect();
+            }
+            _ => {}
+        }
+        Ok(Some(Done::Stepped { sg, bytes }))
+    }
+
+    fn enqueue(&mut self, sg: SubGroupId) {
+        if !self.order.contains(&sg) {
+            self.order.push_back(sg);
+        }
+    }
+
+    fn publish_busy(&self) {
+        if let Ok(mut b) = self.io_busy_s.lock() {
+            *b = self.opt.io_busy_s();
+        }
+    }
+
+    /// Handles one job; returns replies to send.
+    fn handle(&mut self, job: Job, out: &Sender<Done>) -> Result<()> {
+        match job {
+            Job::Prefetch(sg) => {
+                self.enqueue(sg);
+                self.pump()?;
+            }
+            Job::SpillGrad { sg, grad } => {
+                self.opt.spill_grad(sg, &grad)?;
+            }
+            Job::Step {
+                sg,
+                grad,
+                scale,
+                step,
+                hyper,
+            } => {
+                self.enqueue(sg);
+                self.steps.insert(sg, (grad, scale, step, hyper));
+            }
+            Job::CancelReads => {
+                self.opt.cancel_reads()?;
+                self.order.retain(|g| self.steps.contains_key(g));
+            }
+            Job::Flush => {
+                while !self.steps.is_empty() {
+                    self.pump()?;
+                    match self.step_front()? {
+                        Some(d) => {
+                            let _ = out.send(d);
+                        }
+                        None => {
+                            return Err(EngineError::internal(
+                                "flush: a queued sub-group has no step job",
+                            ))
+                        }
+                    }
+                }
+                self.opt.flush()?;
+                self.publish_busy();
+                let _ = out.send(Done::Flushed(self.opt.counters()));
+            }
+            Job::Master(sg) => {
+                let m = self.opt.master(sg)?;
+                let _ = out.send(Done::Master(sg, m));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl OptimizerWorker {
+    /// Starts the thread, which takes ownership of the state.
+    pub fn spawn(opt: OptimizerState, adam: CpuAdam, dtype: DType) -> Result<Self> {
+        let (tx, jobs) = crossbeam_channel::unbounded::<Job>();
+        let (done_tx, rx) = crossbeam_channel::unbounded::<Done>();
+        let io_busy_s = std::sync::Arc::new(std::sync::Mutex::new(0.0));
+        let mut st = State {
+            opt,
+            adam,
+            dtype,
+            order: VecDeque::new(),
+            steps: HashMap::new(),
+            io_busy_s: io_busy_s.clone(),
+        };
+        let handle = std::thread::Builder::new()
+            .name("tierzero-optim".into())
+            .spawn(move || loop {
+                // Step whatever is ready before blocking for more work.
+                let ready = st.order.front().is_some_and(|sg| st.steps.contains_key(sg));
+                let job = if ready {
+                    match jobs.try_recv() {
+                        Ok(j) => Some(j),
+                        Err(crossbeam_channel::TryRecvError::Empty) => None,
+                        Err(crossbeam_channel::TryRecvError::Disconnected) => return,
+                    }
+                } else {
+                    match jobs.recv() {
+                        Ok(j) => Some(j),
+                        Err(_) => return,
+                    }
+                };
+                let r = match job {
+                    Some(j) => st.handle(j, &done_tx),
+                    None => st.pump().and_then(|()| match st.step_front()? {
+                        Some(d) => {
+                            let _ = done_tx.send(d);
+                            Ok(())
+                        }
+                        None => Ok(()),
+                    }),
+                };
+                if let Err(e) = r {
+                    let _ = done_tx.send(Done::Failed(e));
+                }
+            })
+            .map_err(|e| EngineError::internal(format!("spawning the optimizer thread: {e}")))?;
+        Ok(OptimizerWorker {
+            tx: Some(tx),
+            rx,
+            handle: Some(handle),
+            io_busy_s,
+        })
+    }
+
+    /// Sends a job.
+    pub fn send(&self, job: Job) -> Result<()> {
+        self.tx
+            .as_ref()
+            .ok_or_else(|| EngineError::internal("optimizer thread stopped"))?
+            .send(job)
+            .map_err(|_| EngineError::internal("optimizer thread stopped"))
+    }
+
+    /// A reply if one is waiting.
+    pub fn try_recv(&self) -> Option<Done> {
+        self.rx.try_recv().ok()
+    }
+
+    /// Waits for the next reply.
+    pub fn recv(&self) -> Result<Done> {
+        self.rx
+            .recv()
+            .map_err(|_| EngineError::internal("optimizer thread stopped"))
+    }
+
+    /// Busy seconds of the optimizer's I/O engines, as of the last flush.
+    pub fn io_busy_s(&self) -> f64 {
+        self.io_busy_s.lock().map_or(0.0, |b| *b)
+    }
+}
+
+impl Drop for OptimizerWorker {
+    fn drop(&mut self) {
+        self.tx = None;
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}

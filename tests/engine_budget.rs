@@ -1,0 +1,85 @@
+//! Start-up checks of the engine: a pinned budget too small for the
+//! optimizer pipeline, and a parameter larger than a swap buffer, are
+//! errors that name the numbers (never a run-time "out of buffers").
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
+
+mod engine_support;
+
+use engine_support::{corpus, ds_config, scratch, tiny_gpt2_dir, Knobs};
+use tierzero::config::{load_str, PathChecks, RunContext};
+use tierzero::engine::{EngineError, Trainer, TrainerOptions};
+use tierzero::model::ModelDir;
+
+fn try_build(k: &Knobs, edit: impl Fn(&mut serde_json::Value)) -> Result<Trainer, EngineError> {
+    let dir = tiny_gpt2_dir("budget", 2, 32);
+    let swap = scratch("swap");
+    let mut cfg = ds_config(k, &swap, 4);
+    edit(&mut cfg);
+    let run = RunContext {
+        path_checks: PathChecks::CreateMissing,
+        ..RunContext::default()
+    };
+    let loaded = load_str(&cfg.to_string(), &run).unwrap();
+    let md = ModelDir::open(&dir, 1).unwrap();
+    Trainer::new(&loaded.config, &md, corpus(), TrainerOptions::cpu(1, 16))
+}
+
+#[test]
+fn pinned_budget_too_small_for_the_pipeline_names_the_numbers() {
+    let k = Knobs {
+        pinned_budget: Some(400_000),
+        ..Knobs::nvme()
+    };
+    let err = try_build(&k, |_| {}).unwrap_err();
+    match &err {
+        EngineError::PinnedBudget {
+            optimizer_buffers_needed,
+            required_bytes,
+            budget_bytes,
+            ..
+        } => {
+            assert_eq!(*optimizer_buffers_needed, 9);
+            assert_eq!(*budget_bytes, 400_000);
+            assert!(*required_bytes > 400_000);
+        }
+        other => panic!("expected PinnedBudget, got {other}"),
+    }
+    let msg = err.to_string();
+    assert!(msg.contains("400000") && msg.contains("9 buffers"), "{msg}");
+}
+
+#[test]
+fn a_budget_that_fits_trains() {
+    // 4 param buffers of 20000 x 4 B (80 KiB each, aligned) + 9 optimizer
+    // buffers of the largest sub-group.
+    let k = Knobs {
+        pinned_budget: Some(8 << 20),
+        ..Knobs::nvme()
+    };
+    let mut t = try_build(&k, |_| {}).unwrap();
+    let m = t.step().unwrap().metrics;
+    assert!(m.loss.is_finite());
+}
+
+#[test]
+fn param_larger_than_a_swap_buffer_is_a_startup_error() {
+    let err = try_build(&Knobs::nvme(), |c| {
+        c["zero_optimization"]["offload_param"]["buffer_size"] = serde_json::json!(1000);
+    })
+    .unwrap_err();
+    match err {
+        EngineError::ParamTooLarge {
+            numel,
+            buffer_numel,
+            ..
+        } => {
+            assert!(numel > 1000);
+            assert!(buffer_numel >= 1000);
+        }
+        other => panic!("expected ParamTooLarge, got {other}"),
+    }
+}

@@ -1,0 +1,206 @@
+//! THE equivalence test of the engine: the same tiny GPT, data and seed
+//! trained (a) at stage 0 with everything in memory and (b) at stage 3 with
+//! parameters and optimizer state offloaded (NVMe: pipelined and
+//! overlapped; cpu), for 20 steps. Every step's loss and the final sha256
+//! of the fp32 masters must be bit-identical. Repeated with gradient
+//! accumulation 4, bf16, fp16 dynamic loss scaling and clipping.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
+
+mod engine_support;
+
+use engine_support::{assert_identical, tiny_gpt2_dir, tiny_llama_dir, train, Knobs};
+
+const STEPS: u64 = 20;
+const SEQ: usize = 16;
+
+fn pair(tag: &str, base: Knobs, offload: Knobs) {
+    let dir = tiny_gpt2_dir(tag, 2, 32);
+    let a = train(&dir, &base, 7, STEPS, |_| SEQ);
+    let b = train(&dir, &offload, 7, STEPS, |_| SEQ);
+    // The run must actually train (losses move) ...
+    let first = a.steps[0].loss;
+    let last = a.steps.last().unwrap().loss;
+    assert!(
+        last < first,
+        "{tag}: loss did not decrease ({first} -> {last})"
+    );
+    // ... and the offloaded run must actually use its tier.
+    match offload.param {
+        "nvme" => assert!(b.nvme_read_bytes() > 0, "{tag}: no NVMe reads"),
+        "cpu" => assert!(b.cpu_read_bytes() > 0, "{tag}: no pinned-host reads"),
+        _ => {}
+    }
+    assert_identical(&a, &b, tag);
+}
+
+#[test]
+fn fp32_stage0_vs_stage3_nvme_pipelined_overlapped() {
+    pair("fp32-nvme", Knobs::default(), Knobs::nvme());
+}
+
+#[test]
+fn overlapped_optimizer_steps_during_backward_and_matches_non_overlapped() {
+    let dir = tiny_gpt2_dir("overlap", 2, 32);
+    let over = train(&dir, &Knobs::nvme(), 11, 6, |_| SEQ);
+    let plain = Knobs {
+        overlap: false,
+        pipeline: false,
+        ..Knobs::nvme()
+    };
+    let seq = train(&dir, &plain, 11, 6, |_| SEQ);
+    // Every sub-group but the embedding's becomes final before backward
+    // ends and is handed to the optimizer thread then.
+    for s in &over.steps {
+        assert!(s.sub_groups_stepped_during_backward > 0);
+    }
+    for s in &seq.steps {
+        assert_eq!(s.sub_groups_stepped_during_backward, 0);
+    }
+    assert_identical(&over, &seq, "overlapped vs sequential optimizer");
+}
+
+#[test]
+fn fp32_stage0_vs_stage3_cpu_offload() {
+    pair("fp32-cpu", Knobs::default(), Knobs::cpu());
+}
+
+#[test]
+fn grad_accumulation_4_nvme() {
+    let base = Knobs {
+        gas: 4,
+        ..Knobs::default()
+    };
+    let off = Knobs {
+        gas: 4,
+        ..Knobs::nvme()
+    };
+    pair("gas4-nvme", base, off);
+}
+
+#[test]
+fn bf16_nvme() {
+    let base = Knobs {
+        precision: "bf16",
+        ..Knobs::default()
+    };
+    let off = Knobs {
+        precision: "bf16",
+        ..Knobs::nvme()
+    };
+    pair("bf16-nvme", base, off);
+}
+
+#[test]
+fn fp16_dynamic_loss_scaling_nvme_with_skipped_steps() {
+    // 2^24 overflows fp16 gradients at first: the first steps are skipped
+    // and the scale comes down, in both runs alike.
+    let base = Knobs {
+        precision: "fp16",
+        initial_scale_power: 24,
+        ..Knobs::default()
+    };
+    let off = Knobs {
+        precision: "fp16",
+        initial_scale_power: 24,
+        ..Knobs::nvme()
+    };
+    let dir = tiny_gpt2_dir("fp16", 2, 32);
+    let a = train(&dir, &base, 7, STEPS, |_| SEQ);
+    let b = train(&dir, &off, 7, STEPS, |_| SEQ);
+    let skipped = a.steps.iter().filter(|s| s.skipped).count();
+    assert!(skipped >= 1, "no step overflowed at scale 2^24");
+    assert!(skipped < STEPS as usize, "every step overflowed");
+    assert!(a.steps.last().unwrap().loss_scale < 2f64.powi(24));
+    let sb: Vec<bool> = b.steps.iter().map(|s| s.skipped).collect();
+    let sa: Vec<bool> = a.steps.iter().map(|s| s.skipped).collect();
+    assert_eq!(sa, sb, "skipped steps differ");
+    assert_identical(&a, &b, "fp16-nvme");
+}
+
+#[test]
+fn clipping_nvme_and_non_overlapped_optimizer() {
+    // With clipping the step waits for the global norm (state reads and
+    // norms overlap backward); a non-overlapped, non-pipelined run must
+    // give the same bits too.
+    let base = Knobs {
+        clip: 0.05,
+        ..Knobs::default()
+    };
+    let off = Knobs {
+        clip: 0.05,
+        ..Knobs::nvme()
+    };
+    let plain = Knobs {
+        clip: 0.05,
+        overlap: false,
+        pipeline: false,
+        ..Knobs::nvme()
+    };
+    let dir = tiny_gpt2_dir("clip", 2, 32);
+    let a = train(&dir, &base, 7, STEPS, |_| SEQ);
+    let b = train(&dir, &off, 7, STEPS, |_| SEQ);
+    let c = train(&dir, &plain, 7, STEPS, |_| SEQ);
+    // Clipping is active: some reported norm is above the threshold.
+    assert!(a
+        .steps
+        .iter()
+        .any(|s| s.grad_norm.is_some_and(|n| n > 0.05)));
+    // The overlapped run spills the final gradients to NVMe (read back at
+    // the step): it writes more than the plain run, which holds them.
+    let wb = b.steps[1].bytes_written["nvme"];
+    let wc = c.steps[1].bytes_written["nvme"];
+    assert!(wb > wc, "no gradient spill seen ({wb} vs {wc} bytes)");
+    assert_identical(&a, &b, "clip overlapped");
+    assert_identical(&a, &c, "clip non-overlapped");
+}
+
+#[test]
+fn hash_depends_on_the_weights() {
+    // Guard against a hash that ignores its input: another seed differs.
+    let dir = tiny_gpt2_dir("seed", 2, 32);
+    let a = train(&dir, &Knobs::default(), 7, 2, |_| SEQ);
+    let b = train(&dir, &Knobs::default(), 8, 2, |_| SEQ);
+    assert_ne!(a.sha256, b.sha256);
+    assert_eq!(a.sha256.len(), 64);
+}
+
+#[test]
+fn llama_bf16_nvme_with_persistent_small_params() {
+    // Norm weights (32 elements) are below the persistence threshold and
+    // stay resident; everything else streams from NVMe.
+    let dir = tiny_llama_dir("eq");
+    let base = Knobs {
+        precision: "bf16",
+        ..Knobs::default()
+    };
+    let off = Knobs {
+        precision: "bf16",
+        persistence: 100,
+        ..Knobs::nvme()
+    };
+    let a = train(&dir, &base, 5, 10, |_| SEQ);
+    let b = train(&dir, &off, 5, 10, |_| SEQ);
+    assert!(b.nvme_read_bytes() > 0);
+    assert!(a.steps.last().unwrap().loss < a.steps[0].loss);
+    assert_identical(&a, &b, "llama bf16 nvme");
+}
+
+#[test]
+fn nvme_with_max_in_cpu_cache_splits_params_over_two_tiers() {
+    // The first 10000 elements of params (ParamId order: wte 8192, wpe
+    // 1024, ...) stay in pinned host memory, the rest go to NVMe.
+    let dir = tiny_gpt2_dir("maxincpu", 2, 32);
+    let off = Knobs {
+        max_in_cpu: 10_000,
+        ..Knobs::nvme()
+    };
+    let a = train(&dir, &Knobs::default(), 9, 8, |_| SEQ);
+    let b = train(&dir, &off, 9, 8, |_| SEQ);
+    assert!(b.cpu_read_bytes() > 0, "nothing served from the host cache");
+    assert!(b.nvme_read_bytes() > 0, "nothing served from NVMe");
+    assert_identical(&a, &b, "max_in_cpu");
+}

@@ -1,0 +1,284 @@
+//! Shared helpers for the `engine_*` integration tests: a tiny GPT-2 model
+//! directory (config only: seeded init), a byte corpus, ds_config builders
+//! and a runner that trains and collects every step's loss and the final
+//! weight hash.
+#![allow(dead_code, reason = "each test binary uses a subset")]
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test helpers")]
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use serde_json::{json, Value};
+use tierzero::config::{load_str, PathChecks, RunContext};
+use tierzero::engine::{StepMetrics, TokenData, Trainer, TrainerOptions};
+use tierzero::model::ModelDir;
+
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+/// A fresh directory under the cargo target tmp dir.
+pub fn scratch(tag: &str) -> PathBuf {
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("engine-{tag}-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A GPT-2 with byte vocabulary, 2 layers, width 32.
+pub fn tiny_gpt2_dir(tag: &str, n_layer: usize, n_embd: usize) -> PathBuf {
+    let d = scratch(&format!("model-{tag}"));
+    let cfg = json!({
+        "model_type": "gpt2", "vocab_size": 256, "n_positions": 32, "n_embd": n_embd,
+        "n_layer": n_layer, "n_head": 2, "n_inner": n_embd * 2, "tie_word_embeddings": true
+    });
+    std::fs::write(d.join("config.json"), cfg.to_string()).unwrap();
+    d
+}
+
+/// A Llama (RMSNorm, rotary, SwiGLU, GQA) with byte vocabulary.
+pub fn tiny_llama_dir(tag: &str) -> PathBuf {
+    let d = scratch(&format!("llama-{tag}"));
+    let cfg = json!({
+        "model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 48,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 32, "rope_theta": 10000.0, "tie_word_embeddings": false
+    });
+    std::fs::write(d.join("config.json"), cfg.to_string()).unwrap();
+    d
+}
+
+/// A deterministic, text-like byte corpus.
+pub fn corpus() -> TokenData {
+    let words = [
+        "the ",
+        "engine ",
+        "streams ",
+        "layers ",
+        "from ",
+        "nvme ",
+        "and ",
+        "steps ",
+        "adam ",
+        "on ",
+        "the ",
+        "cpu ",
+        "while ",
+        "backward ",
+        "runs. ",
+    ];
+    let mut s = String::new();
+    let mut x: u64 = 12345;
+    while s.len() < 6000 {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        s.push_str(words[(x >> 33) as usize % words.len()]);
+    }
+    TokenData::from_bytes(s.as_bytes(), Path::new("<corpus>"))
+}
+
+/// Variant knobs of a run.
+#[derive(Debug, Clone)]
+pub struct Knobs {
+    pub stage: u8,
+    /// "none", "cpu" or "nvme".
+    pub param: &'static str,
+    pub optim: &'static str,
+    pub gas: u64,
+    /// "fp32", "bf16", "fp16".
+    pub precision: &'static str,
+    pub clip: f64,
+    pub overlap: bool,
+    pub pipeline: bool,
+    pub sub_group: u64,
+    pub persistence: u64,
+    pub device_cache_bytes: u64,
+    pub initial_scale_power: u32,
+    pub pinned_budget: Option<u64>,
+    pub param_buffer_numel: u64,
+    pub param_buffer_count: u64,
+    pub max_in_cpu: u64,
+}
+
+impl Default for Knobs {
+    fn default() -> Self {
+        Knobs {
+            stage: 0,
+            param: "none",
+            optim: "none",
+            gas: 1,
+            precision: "fp32",
+            clip: 0.0,
+            overlap: true,
+            pipeline: true,
+            sub_group: 3000,
+            persistence: 0,
+            device_cache_bytes: 0,
+            initial_scale_power: 16,
+            pinned_budget: None,
+            param_buffer_numel: 20000,
+            param_buffer_count: 4,
+            max_in_cpu: 0,
+        }
+    }
+}
+
+impl Knobs {
+    /// Stage 3 with params and optimizer state on NVMe.
+    pub fn nvme() -> Self {
+        Knobs {
+            stage: 3,
+            param: "nvme",
+            optim: "nvme",
+            ..Knobs::default()
+        }
+    }
+    /// Stage 3 with params and optimizer state in host memory.
+    pub fn cpu() -> Self {
+        Knobs {
+            stage: 3,
+            param: "cpu",
+            optim: "cpu",
+            ..Knobs::default()
+        }
+    }
+}
+
+pub fn ds_config(k: &Knobs, swap: &Path, total_steps: u64) -> Value {
+    let off = |dev: &str| -> Value {
+        if dev == "nvme" {
+            json!({"device": "nvme", "nvme_path": swap.to_str().unwrap()})
+        } else {
+            json!({"device": dev})
+        }
+    };
+    let mut op = off(k.param);
+    if k.param == "nvme" {
+        op["buffer_count"] = json!(k.param_buffer_count);
+        op["buffer_size"] = json!(k.param_buffer_numel);
+        op["max_in_cpu"] = json!(k.max_in_cpu);
+        op["pin_memory"] = json!(true);
+    }
+    let mut oo = off(k.optim);
+    if k.optim == "nvme" {
+        oo["pipeline_read"] = json!(k.pipeline);
+        oo["pipeline_write"] = json!(k.pipeline);
+    }
+    let mut zero = json!({
+        "stage": k.stage,
+        "sub_group_size": k.sub_group,
+        "stage3_param_persistence_threshold": k.persistence,
+        "stage3_prefetch_bucket_size": 50000,
+        "stage3_max_live_parameters": 200000,
+        "stage3_max_reuse_distance": 1000,
+    });
+    if k.stage == 3 {
+        zero["offload_param"] = op;
+    }
+    zero["offload_optimizer"] = oo;
+    let mut tz = json!({
+        "overlap_optimizer": k.overlap,
+        "device_cache_bytes": k.device_cache_bytes,
+        "checksums": true,
+        "io_backend": "auto"
+    });
+    if let Some(b) = k.pinned_budget {
+        tz["pinned_budget_bytes"] = json!(b);
+    }
+    json!({
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": k.gas,
+        "gradient_clipping": k.clip,
+        "bf16": {"enabled": k.precision == "bf16"},
+        "fp16": {"enabled": k.precision == "fp16", "loss_scale": 0,
+                 "initial_scale_power": k.initial_scale_power, "loss_scale_window": 4,
+                 "hysteresis": 2, "min_loss_scale": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95],
+                      "eps": 1e-8, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0,
+                      "warmup_max_lr": 3e-3, "warmup_num_steps": 4,
+                      "total_num_steps": total_steps, "warmup_type": "linear"}},
+        "zero_optimization": zero,
+        "tierzero": tz
+    })
+}
+
+/// Result of a run.
+#[derive(Debug, Clone)]
+pub struct Run {
+    pub steps: Vec<StepMetrics>,
+    pub sha256: String,
+    pub rerecords: u64,
+}
+
+impl Run {
+    pub fn loss_bits(&self) -> Vec<u32> {
+        self.steps.iter().map(|s| s.loss.to_bits()).collect()
+    }
+    pub fn nvme_read_bytes(&self) -> u64 {
+        self.steps.iter().map(|s| s.bytes_read["nvme"]).sum()
+    }
+    pub fn cpu_read_bytes(&self) -> u64 {
+        self.steps.iter().map(|s| s.bytes_read["cpu"]).sum()
+    }
+}
+
+pub fn build(model_dir: &Path, k: &Knobs, seed: u64, seq: usize, total: u64) -> Trainer {
+    let swap = scratch("swap");
+    let cfg = ds_config(k, &swap, total);
+    let run = RunContext {
+        path_checks: PathChecks::CreateMissing,
+        ..RunContext::default()
+    };
+    let loaded = load_str(&cfg.to_string(), &run).unwrap();
+    let md = ModelDir::open(model_dir, seed).unwrap();
+    Trainer::new(
+        &loaded.config,
+        &md,
+        corpus(),
+        TrainerOptions::cpu(seed, seq),
+    )
+    .unwrap()
+}
+
+/// Trains `steps` steps; `seq_at(step)` gives each step's sequence length.
+pub fn train(
+    model_dir: &Path,
+    k: &Knobs,
+    seed: u64,
+    steps: u64,
+    seq_at: impl Fn(u64) -> usize,
+) -> Run {
+    let mut t = build(model_dir, k, seed, seq_at(0), steps);
+    let mut out = Vec::new();
+    for s in 0..steps {
+        t.set_seq_len(seq_at(s)).unwrap();
+        out.push(t.step().unwrap().metrics);
+    }
+    let rerecords = t.scheduler().rerecords();
+    let summary = t.finish().unwrap();
+    Run {
+        steps: out,
+        sha256: summary.weight_sha256,
+        rerecords,
+    }
+}
+
+/// Asserts two runs are bit-identical, with a readable report if not.
+pub fn assert_identical(a: &Run, b: &Run, what: &str) {
+    let la = a.loss_bits();
+    let lb = b.loss_bits();
+    for (i, (x, y)) in la.iter().zip(&lb).enumerate() {
+        assert_eq!(
+            x,
+            y,
+            "{what}: step {} loss differs: {} vs {}",
+            i + 1,
+            f32::from_bits(*x),
+            f32::from_bits(*y)
+        );
+    }
+    assert_eq!(la.len(), lb.len(), "{what}: step counts");
+    assert_eq!(a.sha256, b.sha256, "{what}: final weight sha256");
+}

@@ -1,0 +1,77 @@
+//! The prefetching scheduler: the trace is recorded in step 1 and checked
+//! later; a different sequence length mid-run invalidates it, which must
+//! re-record without deadlock and without changing a single bit of the
+//! results (compared with a stage-0 run of the same schedule).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
+
+mod engine_support;
+
+use engine_support::{assert_identical, build, tiny_gpt2_dir, train, Knobs};
+use tierzero::engine::trace::TraceState;
+use tierzero::engine::ParamState;
+
+fn seq_schedule(step: u64) -> usize {
+    if step < 3 {
+        16
+    } else {
+        8
+    }
+}
+
+#[test]
+fn sequence_length_change_rerecords_without_changing_results() {
+    let dir = tiny_gpt2_dir("trace", 2, 32);
+    let a = train(&dir, &Knobs::default(), 3, 6, seq_schedule);
+    let b = train(&dir, &Knobs::nvme(), 3, 6, seq_schedule);
+    assert_eq!(b.rerecords, 1, "the seq change must re-record exactly once");
+    assert_identical(&a, &b, "trace re-record");
+}
+
+#[test]
+fn prefetch_issues_reads_ahead_once_the_trace_is_complete() {
+    let dir = tiny_gpt2_dir("prefetch", 3, 32);
+    let mut t = build(&dir, &Knobs::nvme(), 1, 16, 4);
+    t.step().unwrap();
+    assert!(matches!(t.scheduler().state(), TraceState::Record(_)));
+    assert_eq!(
+        t.lookahead_reads(),
+        0,
+        "no trace yet, nothing to prefetch on"
+    );
+    t.step().unwrap();
+    assert!(matches!(t.scheduler().state(), TraceState::Complete { .. }));
+    assert!(
+        t.lookahead_reads() > 0,
+        "with a complete trace some reads must be issued ahead"
+    );
+    // Everything but persistent/cached params is released after the step.
+    let n = t.model().params().len();
+    let resident = (0..n)
+        .filter(|&i| t.store().state(tierzero::model::ParamId(i)) == ParamState::Resident)
+        .count();
+    assert!(resident < n, "params were not released ({resident}/{n})");
+}
+
+#[test]
+fn device_cache_keeps_params_resident_and_stays_identical() {
+    let dir = tiny_gpt2_dir("cache", 2, 32);
+    let cached = Knobs {
+        device_cache_bytes: 1 << 30,
+        ..Knobs::nvme()
+    };
+    let a = train(&dir, &Knobs::default(), 5, 5, |_| 16);
+    let b = train(&dir, &cached, 5, 5, |_| 16);
+    // With everything cached, only step 1 reads params from NVMe; later
+    // steps read optimizer state only (3 extents x sub-groups).
+    let first = b.steps[0].bytes_read["nvme"];
+    let later = b.steps[4].bytes_read["nvme"];
+    assert!(
+        later < first,
+        "cache did not cut param reads ({first} -> {later})"
+    );
+    assert_identical(&a, &b, "device cache");
+}
