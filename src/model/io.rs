@@ -375,12 +375,13 @@ impl ModelDir {
     }
 }
 
-/// SplitMix64: a tiny, well-mixed, portable 64-bit generator.
+/// SplitMix64: a tiny, well-mixed, portable 64-bit generator (also the
+/// crate's deterministic test-data source).
 #[derive(Debug, Clone)]
-struct SplitMix64(u64);
+pub(crate) struct SplitMix64(pub(crate) u64);
 
 impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);

@@ -12,15 +12,11 @@ fn nz(n: usize) -> NonZeroUsize {
     NonZeroUsize::new(n).unwrap()
 }
 
-/// splitmix64: deterministic test data without a rand dependency.
-struct Rng(u64);
+/// Deterministic test data from the crate's SplitMix64.
+struct Rng(crate::model::io::SplitMix64);
 impl Rng {
     fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
     /// Uniform in [-1, 1).
     fn unit(&mut self) -> f32 {
@@ -37,7 +33,7 @@ struct State {
 }
 
 fn make_state(n: usize, seed: u64) -> State {
-    let mut r = Rng(seed);
+    let mut r = Rng(crate::model::io::SplitMix64(seed));
     let mut s = State {
         p: Vec::with_capacity(n),
         g: Vec::with_capacity(n),
@@ -272,7 +268,7 @@ fn special_values() -> Vec<f32> {
         1e-40,
         -1e-45,
     ];
-    let mut r = Rng(99);
+    let mut r = Rng(crate::model::io::SplitMix64(99));
     for _ in 0..200 {
         v.push(f32::from_bits(r.next_u64() as u32));
     }
@@ -282,7 +278,7 @@ fn special_values() -> Vec<f32> {
 #[test]
 fn scalar_conversions_match_half_crate() {
     let mut vals = special_values();
-    let mut r = Rng(5);
+    let mut r = Rng(crate::model::io::SplitMix64(5));
     for _ in 0..200_000 {
         vals.push(f32::from_bits(r.next_u64() as u32));
     }
@@ -777,7 +773,7 @@ pub(crate) fn train_mlp(bf16_moments: bool, steps: usize) -> Vec<f64> {
     const D: usize = 8;
     const H: usize = 32;
     const N: usize = 256;
-    let mut r = Rng(2024);
+    let mut r = Rng(crate::model::io::SplitMix64(2024));
     let xs: Vec<[f32; D]> = (0..N).map(|_| std::array::from_fn(|_| r.unit())).collect();
     let w_true: [f32; D] = std::array::from_fn(|_| r.unit());
     let ys: Vec<f32> = xs
