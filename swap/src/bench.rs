@@ -32,9 +32,10 @@ pub struct BenchResult {
     pub bytes: u64,
     /// Wall time.
     pub seconds: f64,
-    /// Median request latency (µs).
+    /// Median device latency of one block (µs), from handing it to the
+    /// kernel to its completion (engine queueing excluded, as fio's clat).
     pub latency_p50_us: f64,
-    /// p99 request latency (µs).
+    /// p99 device latency of one block (µs).
     pub latency_p99_us: f64,
 }
 
@@ -185,8 +186,8 @@ impl BenchTarget {
             queue_depth: qd,
             bytes: submitted,
             seconds,
-            latency_p50_us: s.latency_p50_us,
-            latency_p99_us: s.latency_p99_us,
+            latency_p50_us: s.device_p50_us,
+            latency_p99_us: s.device_p99_us,
         })
     }
 }

@@ -66,12 +66,14 @@ fn run_job(shared: &Shared, mut job: Job) {
             // buffer (validated at submission: len_bytes <= capacity), which
             // this thread owns exclusively until `finish`.
             let ptr = unsafe { base.add((piece.buf_offset_bytes + done) as usize) };
+            let issued = Instant::now();
             let raw = match req.op {
                 // SAFETY: ptr is valid for `len` writable bytes (see above).
                 IoOp::Read => unsafe { libc::pread(fd, ptr.cast(), len, off) },
                 // SAFETY: ptr is valid for `len` readable bytes (see above).
                 IoOp::Write => unsafe { libc::pwrite(fd, ptr.cast(), len, off) },
             };
+            shared.stats.record_piece(issued.elapsed());
             let raw = if raw < 0 {
                 let errno = std::io::Error::last_os_error()
                     .raw_os_error()

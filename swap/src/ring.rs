@@ -179,6 +179,8 @@ struct PieceOp {
     job: usize,
     piece: Piece,
     done_bytes: u64,
+    /// When the SQE was pushed (set when it goes in flight).
+    issued: Option<Instant>,
 }
 
 struct JobState {
@@ -265,6 +267,7 @@ impl Ring {
                 job: slot,
                 piece: *piece,
                 done_bytes: 0,
+                issued: None,
             });
         }
         self.jobs[slot] = Some(JobState {
@@ -362,7 +365,10 @@ impl Ring {
                 }
                 break;
             }
-            self.slots[slot] = Some(p);
+            self.slots[slot] = Some(PieceOp {
+                issued: Some(Instant::now()),
+                ..p
+            });
             if self.in_flight == 0 {
                 self.busy_since = Some(Instant::now());
             }
@@ -382,6 +388,9 @@ impl Ring {
             };
             self.free_slots.push(slot);
             self.in_flight -= 1;
+            if let Some(t) = p.issued {
+                self.shared.stats.record_piece(t.elapsed());
+            }
             if self.in_flight == 0 {
                 if let Some(t) = self.busy_since.take() {
                     self.shared.stats.add_busy(self.idx, t.elapsed());

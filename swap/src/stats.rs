@@ -1,8 +1,10 @@
 //! I/O statistics: bytes, operations, latency and busy time.
 //!
-//! Counters are relaxed atomics bumped once per request (not per piece), so
-//! they cost nothing measurable next to a transfer. Latency is from
-//! submission to completion of a whole request, kept in a log-scale
+//! Counters are relaxed atomics bumped once per request or piece, so they
+//! cost nothing measurable next to a transfer. Request latency is from
+//! submission to completion of a whole request (queueing in the engine
+//! included); device latency is per piece, from the moment it is handed to
+//! the kernel until its completion. Both are kept in a log-scale
 //! histogram with four buckets per power of two (about 19% resolution),
 //! from which p50 and p99 are read. Busy time is counted per worker: the
 //! wall time during which that ring had at least one operation in flight.
@@ -23,6 +25,7 @@ pub struct Stats {
     write_ops: AtomicU64,
     errors: AtomicU64,
     latency: Vec<AtomicU64>,
+    device_latency: Vec<AtomicU64>,
     busy_ns: Vec<AtomicU64>,
 }
 
@@ -43,6 +46,10 @@ pub struct StatsSnapshot {
     pub latency_p50_us: f64,
     /// 99th-percentile request latency in microseconds.
     pub latency_p99_us: f64,
+    /// Median per-piece device latency (kernel submission to completion), µs.
+    pub device_p50_us: f64,
+    /// 99th-percentile per-piece device latency, µs.
+    pub device_p99_us: f64,
     /// Seconds each worker had I/O in flight.
     pub busy_s: Vec<f64>,
 }
@@ -65,6 +72,7 @@ impl Stats {
             write_ops: AtomicU64::new(0),
             errors: AtomicU64::new(0),
             latency: (0..BUCKETS).map(|_| AtomicU64::new(0)).collect(),
+            device_latency: (0..BUCKETS).map(|_| AtomicU64::new(0)).collect(),
             busy_ns: (0..workers).map(|_| AtomicU64::new(0)).collect(),
         }
     }
@@ -83,6 +91,10 @@ impl Stats {
         self.latency[bucket_of(latency.as_nanos() as u64)].fetch_add(1, Ordering::Relaxed);
     }
 
+    pub(crate) fn record_piece(&self, latency: Duration) {
+        self.device_latency[bucket_of(latency.as_nanos() as u64)].fetch_add(1, Ordering::Relaxed);
+    }
+
     pub(crate) fn add_busy(&self, worker: usize, d: Duration) {
         if let Some(c) = self.busy_ns.get(worker) {
             c.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
@@ -91,34 +103,18 @@ impl Stats {
 
     /// Reads all counters.
     pub fn snapshot(&self) -> StatsSnapshot {
-        let hist: Vec<u64> = self
-            .latency
-            .iter()
-            .map(|c| c.load(Ordering::Relaxed))
-            .collect();
-        let total: u64 = hist.iter().sum();
-        let quantile = |q: f64| -> f64 {
-            if total == 0 {
-                return 0.0;
-            }
-            let target = ((total as f64) * q).ceil().max(1.0) as u64;
-            let mut acc = 0;
-            for (b, &n) in hist.iter().enumerate() {
-                acc += n;
-                if acc >= target {
-                    return bucket_mid_ns(b) / 1000.0;
-                }
-            }
-            bucket_mid_ns(BUCKETS - 1) / 1000.0
-        };
+        let (latency_p50_us, latency_p99_us) = quantiles_us(&self.latency);
+        let (device_p50_us, device_p99_us) = quantiles_us(&self.device_latency);
         StatsSnapshot {
             read_bytes: self.read_bytes.load(Ordering::Relaxed),
             write_bytes: self.write_bytes.load(Ordering::Relaxed),
             read_ops: self.read_ops.load(Ordering::Relaxed),
             write_ops: self.write_ops.load(Ordering::Relaxed),
             errors: self.errors.load(Ordering::Relaxed),
-            latency_p50_us: quantile(0.5),
-            latency_p99_us: quantile(0.99),
+            latency_p50_us,
+            latency_p99_us,
+            device_p50_us,
+            device_p99_us,
             busy_s: self
                 .busy_ns
                 .iter()
@@ -126,6 +122,27 @@ impl Stats {
                 .collect(),
         }
     }
+}
+
+/// p50 and p99 of a histogram, in microseconds (0 when empty).
+fn quantiles_us(buckets: &[AtomicU64]) -> (f64, f64) {
+    let hist: Vec<u64> = buckets.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+    let total: u64 = hist.iter().sum();
+    let quantile = |q: f64| -> f64 {
+        if total == 0 {
+            return 0.0;
+        }
+        let target = ((total as f64) * q).ceil().max(1.0) as u64;
+        let mut acc = 0;
+        for (b, &n) in hist.iter().enumerate() {
+            acc += n;
+            if acc >= target {
+                return bucket_mid_ns(b) / 1000.0;
+            }
+        }
+        bucket_mid_ns(BUCKETS - 1) / 1000.0
+    };
+    (quantile(0.5), quantile(0.99))
 }
 
 #[cfg(test)]
@@ -141,7 +158,9 @@ mod tests {
         for _ in 0..2 {
             s.record(IoOp::Write, 10, false, Duration::from_millis(10));
         }
+        s.record_piece(Duration::from_micros(40));
         let snap = s.snapshot();
+        assert!((32.0..50.0).contains(&snap.device_p50_us), "{snap:?}");
         assert!((80.0..125.0).contains(&snap.latency_p50_us), "{snap:?}");
         assert!((8000.0..12500.0).contains(&snap.latency_p99_us), "{snap:?}");
         assert_eq!(snap.read_bytes, 980);
