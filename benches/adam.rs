@@ -15,6 +15,7 @@ use std::num::NonZeroUsize;
 use std::time::Duration;
 use tierzero::optim::{
     convert_f32_to_bf16, rmw_probe, AdamHyper, CpuAdam, GradScale, Isa, LowPrecisionOut, Moments,
+    ProbeOrder,
 };
 
 const N: usize = 16 << 20;
@@ -36,9 +37,14 @@ fn bench_adam(c: &mut Criterion) {
     g.measurement_time(Duration::from_secs(3));
     g.warm_up_time(Duration::from_millis(500));
 
-    g.bench_function("rmw_probe", |b| {
-        b.iter(|| rmw_probe(isa, threads, &mut p, &grad, &mut m, &mut v).unwrap())
-    });
+    for (name, order) in [
+        ("rmw_probe_grouped", ProbeOrder::Grouped),
+        ("rmw_probe_interleaved", ProbeOrder::Interleaved),
+    ] {
+        g.bench_function(name, |b| {
+            b.iter(|| rmw_probe(isa, order, threads, &mut p, &grad, &mut m, &mut v).unwrap())
+        });
+    }
     for each in Isa::available() {
         let opt = CpuAdam::with_isa(AdamHyper::default(), threads, each).unwrap();
         let mut t = 0u64;

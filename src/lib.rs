@@ -5,6 +5,7 @@
 
 pub mod config;
 pub mod engine;
+pub mod estimate;
 pub mod model;
 pub mod optim;
 pub mod units;

@@ -14,8 +14,11 @@
 //!
 //! `--variant` picks which one is reported as the headline `params_per_s` /
 //! `gbps`. GB/s counts the logical bytes above (not write-allocate traffic).
-//! Each measurement: one warm-up step, then `--repeats` timings of `--steps`
-//! consecutive steps; the median repeat is reported.
+//! The probe runs in two load/store orders and the faster one is the roof.
+//! Each kind gets one warm-up call, then the kinds are timed round-robin:
+//! `--repeats` rounds of `--steps` consecutive calls each. The median round
+//! is reported (and the best one, which is the least disturbed by other
+//! processes on a shared machine).
 
 use anyhow::{bail, Context, Result};
 use half::bf16;
@@ -24,6 +27,7 @@ use std::num::NonZeroUsize;
 use std::time::Instant;
 use tierzero::optim::{
     convert_f32_to_bf16, rmw_probe, AdamHyper, CpuAdam, GradScale, Isa, LowPrecisionOut, Moments,
+    ProbeOrder,
 };
 
 /// `torch.optim.AdamW(fused=True)` on this machine (2 threads, 100M fp32
@@ -128,7 +132,11 @@ pub struct Report {
     /// Headline: the selected variant.
     pub params_per_s: f64,
     pub gbps: f64,
+    /// The faster of the two probe orders.
     pub probe: Measurement,
+    pub probe_order: &'static str,
+    pub probe_grouped: Measurement,
+    pub probe_interleaved: Measurement,
     pub fp32: Measurement,
     pub bf16_out: Measurement,
     pub two_pass_baseline: Measurement,
@@ -145,35 +153,136 @@ fn alloc<T: Copy>(n: usize, what: &str, f: impl Fn(usize) -> T) -> Result<Vec<T>
     Ok(v)
 }
 
-/// One warm-up call, then `repeats` timings of `steps` calls.
-fn measure(
-    params: usize,
-    bytes_per_param: u32,
-    steps: usize,
-    repeats: usize,
-    mut f: impl FnMut() -> Result<()>,
-) -> Result<Measurement> {
-    f()?;
-    let mut per_step = Vec::with_capacity(repeats);
-    for _ in 0..repeats {
-        let t0 = Instant::now();
-        for _ in 0..steps {
-            f()?;
+/// What one timed call does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    ProbeGrouped,
+    ProbeInterleaved,
+    Fp32,
+    Bf16Out,
+    TwoPass,
+    Bf16Moments,
+}
+
+impl Kind {
+    const ALL: [Kind; 6] = [
+        Kind::ProbeGrouped,
+        Kind::ProbeInterleaved,
+        Kind::Fp32,
+        Kind::Bf16Out,
+        Kind::TwoPass,
+        Kind::Bf16Moments,
+    ];
+
+    fn bytes_per_param(self) -> u32 {
+        match self {
+            Kind::ProbeGrouped | Kind::ProbeInterleaved | Kind::Fp32 => 28,
+            Kind::Bf16Out => 30,
+            Kind::TwoPass => 34,
+            Kind::Bf16Moments => 20,
         }
-        per_step.push(t0.elapsed().as_secs_f64() / steps as f64);
     }
+}
+
+/// All buffers of one run. The probe has its own p/m/v so that its adds
+/// do not disturb the optimizer state (v must stay >= 0).
+struct Bufs {
+    grad: Vec<f32>,
+    p: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    probe_p: Vec<f32>,
+    probe_m: Vec<f32>,
+    probe_v: Vec<f32>,
+    m16: Vec<bf16>,
+    v16: Vec<bf16>,
+    out: Vec<bf16>,
+    /// Adam step counters of the fp32-moment and bf16-moment states.
+    t32: u64,
+    t16: u64,
+}
+
+impl Bufs {
+    fn new(n: usize) -> Result<Self> {
+        Ok(Self {
+            // Small, varied gradients; moments start at zero. Values stay
+            // normal (no subnormals) over any realistic number of steps.
+            grad: alloc(n, "grad", |i| ((i % 1031) as f32 - 515.0) * 1e-5)?,
+            p: alloc(n, "master", |i| 0.5 + (i % 97) as f32 * 1e-3)?,
+            m: alloc(n, "m", |_| 0.0f32)?,
+            v: alloc(n, "v", |_| 0.0f32)?,
+            probe_p: alloc(n, "probe p", |_| 0.0f32)?,
+            probe_m: alloc(n, "probe m", |_| 0.0f32)?,
+            probe_v: alloc(n, "probe v", |_| 0.0f32)?,
+            m16: alloc(n, "bf16 m", |_| bf16::ZERO)?,
+            v16: alloc(n, "bf16 v", |_| bf16::ZERO)?,
+            out: alloc(n, "bf16 copy", |_| bf16::ZERO)?,
+            t32: 0,
+            t16: 0,
+        })
+    }
+
+    fn call(&mut self, kind: Kind, opt: &CpuAdam) -> Result<()> {
+        let (isa, threads) = (opt.isa(), opt.threads());
+        let b = self;
+        match kind {
+            Kind::ProbeGrouped | Kind::ProbeInterleaved => {
+                let order = if kind == Kind::ProbeGrouped {
+                    ProbeOrder::Grouped
+                } else {
+                    ProbeOrder::Interleaved
+                };
+                rmw_probe(
+                    isa,
+                    order,
+                    threads,
+                    &mut b.probe_p,
+                    &b.grad,
+                    &mut b.probe_m,
+                    &mut b.probe_v,
+                )?;
+            }
+            Kind::Fp32 | Kind::Bf16Out | Kind::TwoPass => {
+                b.t32 += 1;
+                let mo = Moments::F32 {
+                    m: &mut b.m,
+                    v: &mut b.v,
+                };
+                let out = match kind {
+                    Kind::Bf16Out => Some(LowPrecisionOut::Bf16(&mut b.out)),
+                    _ => None,
+                };
+                opt.step(b.t32, &mut b.p, &b.grad, mo, out, GradScale::ONE)?;
+                if kind == Kind::TwoPass {
+                    convert_f32_to_bf16(isa, threads, &b.p, &mut b.out)?;
+                }
+            }
+            Kind::Bf16Moments => {
+                b.t16 += 1;
+                let mo = Moments::Bf16 {
+                    m: &mut b.m16,
+                    v: &mut b.v16,
+                };
+                opt.step(b.t16, &mut b.p, &b.grad, mo, None, GradScale::ONE)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn summarize(params: usize, bytes_per_param: u32, mut per_step: Vec<f64>) -> Measurement {
     per_step.sort_by(f64::total_cmp);
     let med = per_step[per_step.len() / 2];
     let min = per_step[0];
     let params_per_s = params as f64 / med;
-    Ok(Measurement {
+    Measurement {
         params_per_s,
         gbps: params_per_s * bytes_per_param as f64 / 1e9,
         params_per_s_best: params as f64 / min,
         bytes_per_param,
         seconds_per_step_median: med,
         seconds_per_step_min: min,
-    })
+    }
 }
 
 pub fn run(args: BenchAdamArgs) -> Result<()> {
@@ -186,6 +295,9 @@ pub fn run(args: BenchAdamArgs) -> Result<()> {
     Ok(())
 }
 
+/// Runs every kind round-robin (`repeats` rounds of `steps` calls each, after
+/// one warm-up call of each), so that a burst of load from other processes
+/// hits all of them alike rather than one.
 pub fn bench(args: &BenchAdamArgs) -> Result<Report> {
     let n = args.params;
     let threads = match args.threads {
@@ -205,75 +317,36 @@ pub fn bench(args: &BenchAdamArgs) -> Result<Report> {
         );
     }
     let (steps, repeats) = (args.steps.get(), args.repeats.get());
-    let mut opt = CpuAdam::with_isa(AdamHyper::default(), threads, isa)?;
-    // Small, varied gradients; moments start at zero. Values stay normal
-    // (no subnormals) over any realistic number of steps.
-    let grad = alloc(n, "grad", |i| ((i % 1031) as f32 - 515.0) * 1e-5)?;
-    let mut p = alloc(n, "master", |i| 0.5 + (i % 97) as f32 * 1e-3)?;
-    let mut m = alloc(n, "m", |_| 0.0f32)?;
-    let mut v = alloc(n, "v", |_| 0.0f32)?;
-    let mut out = alloc(n, "bf16 copy", |_| bf16::ZERO)?;
-
-    let probe = measure(n, 28, steps, repeats, || {
-        rmw_probe(isa, threads, &mut p, &grad, &mut m, &mut v)?;
-        Ok(())
-    })?;
-    // Reset the state the probe scribbled on.
-    p.iter_mut()
-        .enumerate()
-        .for_each(|(i, x)| *x = 0.5 + (i % 97) as f32 * 1e-3);
-    m.iter_mut().for_each(|x| *x = 0.0);
-    v.iter_mut().for_each(|x| *x = 0.0);
-
-    let mut t = 0u64;
-    let fp32 = measure(n, 28, steps, repeats, || {
-        t += 1;
-        let mo = Moments::F32 {
-            m: &mut m,
-            v: &mut v,
-        };
-        opt.step(t, &mut p, &grad, mo, None, GradScale::ONE)?;
-        Ok(())
-    })?;
-    let bf16_out = measure(n, 30, steps, repeats, || {
-        t += 1;
-        let mo = Moments::F32 {
-            m: &mut m,
-            v: &mut v,
-        };
-        let o = Some(LowPrecisionOut::Bf16(&mut out));
-        opt.step(t, &mut p, &grad, mo, o, GradScale::ONE)?;
-        Ok(())
-    })?;
-    let two_pass = measure(n, 34, steps, repeats, || {
-        t += 1;
-        let mo = Moments::F32 {
-            m: &mut m,
-            v: &mut v,
-        };
-        opt.step(t, &mut p, &grad, mo, None, GradScale::ONE)?;
-        convert_f32_to_bf16(isa, threads, &p, &mut out)?;
-        Ok(())
-    })?;
-    // bf16 moments: reuse the fp32 m/v allocations' budget by dropping them.
-    drop(m);
-    drop(v);
-    let mut m16 = alloc(n, "bf16 m", |_| bf16::ZERO)?;
-    let mut v16 = alloc(n, "bf16 v", |_| bf16::ZERO)?;
-    opt.set_hyper(AdamHyper::default())?;
-    let mut t = 0u64;
-    let bf16_moments = measure(n, 20, steps, repeats, || {
-        t += 1;
-        let mo = Moments::Bf16 {
-            m: &mut m16,
-            v: &mut v16,
-        };
-        opt.step(t, &mut p, &grad, mo, None, GradScale::ONE)?;
-        Ok(())
-    })?;
-    if !p.iter().take(1024).all(|x| x.is_finite()) {
+    let opt = CpuAdam::with_isa(AdamHyper::default(), threads, isa)?;
+    let mut bufs = Bufs::new(n)?;
+    for kind in Kind::ALL {
+        bufs.call(kind, &opt)?;
+    }
+    let mut times: Vec<Vec<f64>> = vec![Vec::with_capacity(repeats); Kind::ALL.len()];
+    for _ in 0..repeats {
+        for (k, kind) in Kind::ALL.into_iter().enumerate() {
+            let t0 = Instant::now();
+            for _ in 0..steps {
+                bufs.call(kind, &opt)?;
+            }
+            times[k].push(t0.elapsed().as_secs_f64() / steps as f64);
+        }
+    }
+    if !bufs.p.iter().take(1024).all(|x| x.is_finite()) {
         bail!("benchmark state became non-finite");
     }
+    let mut ms = Kind::ALL
+        .into_iter()
+        .zip(times)
+        .map(|(kind, t)| summarize(n, kind.bytes_per_param(), t));
+    let mut next = || ms.next().context("one measurement per kind");
+    let (probe_grouped, probe_interleaved) = (next()?, next()?);
+    let (fp32, bf16_out, two_pass, bf16_moments) = (next()?, next()?, next()?, next()?);
+    let (probe, probe_order) = if probe_interleaved.params_per_s > probe_grouped.params_per_s {
+        (probe_interleaved.clone(), "interleaved")
+    } else {
+        (probe_grouped.clone(), "grouped")
+    };
 
     let headline = match args.variant {
         Variant::Fp32 => &fp32,
@@ -296,6 +369,9 @@ pub fn bench(args: &BenchAdamArgs) -> Result<Report> {
         params_per_s: headline.params_per_s,
         gbps: headline.gbps,
         probe,
+        probe_order,
+        probe_grouped,
+        probe_interleaved,
         fp32,
         bf16_out,
         two_pass_baseline: two_pass,
@@ -319,7 +395,12 @@ fn print_text(r: &Report) {
         "bench-adam: {} params, {} threads, isa {}, {} steps x {} repeats (median)",
         r.params, r.threads, r.isa, r.steps, r.repeats
     );
-    line("rmw probe (28 B/param)", &r.probe, "");
+    line("rmw probe, grouped (28 B/param)", &r.probe_grouped, "");
+    line(
+        "rmw probe, interleaved (28 B/param)",
+        &r.probe_interleaved,
+        "",
+    );
     line(
         "adamw fp32 moments (28 B/param)",
         &r.fp32,

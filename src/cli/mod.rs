@@ -7,6 +7,8 @@
 
 pub mod bench_adam;
 pub mod bench_io;
+pub mod estimate;
+pub mod inspect;
 
 use clap::{Parser, Subcommand};
 
@@ -28,6 +30,12 @@ enum Command {
     /// Benchmark the CPU AdamW kernels against a memory-bandwidth probe and
     /// the two-pass (step, then convert) baseline.
     BenchAdam(bench_adam::BenchAdamArgs),
+    /// Memory needs per ZeRO stage and offload choice (device, pinned and
+    /// pageable host memory, NVMe), and what fits on this machine.
+    Estimate(estimate::EstimateArgs),
+    /// Summarise a swap directory: our swap files, their owners, and which
+    /// are stale.
+    Inspect(inspect::InspectArgs),
 }
 
 /// A failure, classified for the exit code.
@@ -61,6 +69,21 @@ impl Failure {
     }
 }
 
+/// Writes a command's output to stdout. A closed pipe (`tierzero estimate
+/// | head`) is not an error: the reader has what it wanted.
+pub fn emit(text: &str) -> Result<(), Failure> {
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        Err(e) => Err(Failure::Internal(anyhow::anyhow!("writing to stdout: {e}"))),
+    }
+}
+
 /// Runs the CLI; returns the process exit code.
 pub fn main() -> i32 {
     init_tracing();
@@ -77,6 +100,8 @@ pub fn main() -> i32 {
         Command::BenchIo(a) => bench_io::run_bench_io(a),
         Command::Tune(a) => bench_io::run_tune(a),
         Command::BenchAdam(a) => bench_adam::run(a).map_err(Failure::Internal),
+        Command::Estimate(a) => estimate::run(a),
+        Command::Inspect(a) => inspect::run(a),
     };
     match result {
         Ok(()) => 0,

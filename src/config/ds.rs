@@ -469,6 +469,26 @@ pub enum DirectIo {
     Off,
 }
 
+impl From<IoBackend> for tierzero_swap::BackendKind {
+    fn from(b: IoBackend) -> Self {
+        match b {
+            IoBackend::Auto => tierzero_swap::BackendKind::Auto,
+            IoBackend::Uring => tierzero_swap::BackendKind::Uring,
+            IoBackend::Portable => tierzero_swap::BackendKind::Portable,
+        }
+    }
+}
+
+impl From<DirectIo> for tierzero_swap::DirectIo {
+    fn from(d: DirectIo) -> Self {
+        match d {
+            DirectIo::Auto => tierzero_swap::DirectIo::Auto,
+            DirectIo::Require => tierzero_swap::DirectIo::Require,
+            DirectIo::Off => tierzero_swap::DirectIo::Off,
+        }
+    }
+}
+
 /// Our own knobs: the top-level `"tierzero": {...}` block. DeepSpeed ignores
 /// unknown top-level keys only with a warning, so a config that carries this
 /// block still loads in DeepSpeed.

@@ -650,7 +650,7 @@ pub(crate) fn validate(
     };
 
     let a = &ds.aio;
-    if a.block_size == 0 || a.block_size % 512 != 0 {
+    if a.block_size == 0 || !a.block_size.is_multiple_of(512) {
         return Err(range(
             "aio.block_size",
             a.block_size,

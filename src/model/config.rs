@@ -347,7 +347,7 @@ impl ModelConfig {
         if hf.add_cross_attention {
             return Err(unsupported("GPT-2 add_cross_attention = true"));
         }
-        if hf.n_head == 0 || hf.n_embd % hf.n_head != 0 {
+        if hf.n_head == 0 || !hf.n_embd.is_multiple_of(hf.n_head) {
             return Err(invalid(
                 "n_head",
                 format!(
@@ -401,7 +401,7 @@ impl ModelConfig {
         let head_dim = match hf.head_dim {
             Some(d) => d,
             None => {
-                if hf.hidden_size % hf.num_attention_heads != 0 {
+                if !hf.hidden_size.is_multiple_of(hf.num_attention_heads) {
                     return Err(invalid(
                         "num_attention_heads",
                         format!(
@@ -451,7 +451,7 @@ impl ModelConfig {
                 return Err(invalid(key, "must be positive"));
             }
         }
-        if self.n_head % self.n_kv_head != 0 {
+        if !self.n_head.is_multiple_of(self.n_kv_head) {
             return Err(invalid(
                 "num_key_value_heads",
                 format!(
@@ -460,7 +460,7 @@ impl ModelConfig {
                 ),
             ));
         }
-        if self.arch == Arch::Llama && self.head_dim % 2 != 0 {
+        if self.arch == Arch::Llama && !self.head_dim.is_multiple_of(2) {
             return Err(invalid(
                 "head_dim",
                 format!(

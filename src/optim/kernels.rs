@@ -18,8 +18,12 @@
 //!   dispatch; the macro caches the answer in an atomic), and (2) the raw
 //!   pointers come from slices of a [`Tile`] whose lengths were validated to
 //!   be equal, and the body only touches indices `< n` of each.
-//! * Plain (temporal) stores are used everywhere: p, m and v are
-//!   read-modify-write so their lines are in cache anyway.
+//! * p, m and v use plain stores: they are read-modify-write, so their lines
+//!   are in cache anyway. The bf16/fp16 parameter copy is write-only and next
+//!   read by DMA, so it uses streaming (non-temporal) stores: that skips the
+//!   read-for-ownership of its lines (2 B/param less traffic) and keeps it out
+//!   of the caches. A few scalar elements are peeled so that those stores are
+//!   aligned; an `sfence` ends each call that streamed.
 //! * bf16 rounding is done with integer ops (`bits + 0x7fff + lsb`, NaN
 //!   blended back with the quiet bit set) rather than AVX512-BF16
 //!   instructions, so it runs on every AVX-512F/AVX2 CPU and matches the
@@ -27,6 +31,7 @@
 //!   round-to-nearest-even.
 #![allow(unsafe_code)]
 
+use super::par::{self, Split};
 use super::{scalar, LowPrecisionOut, Moments, OptimError, StepScalars, Tile};
 use half::bf16;
 use std::num::NonZeroUsize;
@@ -100,6 +105,58 @@ pub(crate) fn run_tile(isa: Isa, s: &StepScalars, tile: Tile<'_>) {
     scalar::run(s, tile);
 }
 
+struct ConvertWork<'a> {
+    src: &'a [f32],
+    dst: &'a mut [bf16],
+}
+
+impl Split for ConvertWork<'_> {
+    fn numel(&self) -> usize {
+        self.src.len()
+    }
+    fn split_at(self, mid: usize) -> (Self, Self) {
+        let (s0, s1) = self.src.split_at(mid);
+        let (d0, d1) = self.dst.split_at_mut(mid);
+        (
+            ConvertWork { src: s0, dst: d0 },
+            ConvertWork { src: s1, dst: d1 },
+        )
+    }
+}
+
+struct ProbeWork<'a> {
+    p: &'a mut [f32],
+    g: &'a [f32],
+    m: &'a mut [f32],
+    v: &'a mut [f32],
+}
+
+impl Split for ProbeWork<'_> {
+    fn numel(&self) -> usize {
+        self.p.len()
+    }
+    fn split_at(self, mid: usize) -> (Self, Self) {
+        let (p0, p1) = self.p.split_at_mut(mid);
+        let (g0, g1) = self.g.split_at(mid);
+        let (m0, m1) = self.m.split_at_mut(mid);
+        let (v0, v1) = self.v.split_at_mut(mid);
+        (
+            ProbeWork {
+                p: p0,
+                g: g0,
+                m: m0,
+                v: v0,
+            },
+            ProbeWork {
+                p: p1,
+                g: g1,
+                m: m1,
+                v: v1,
+            },
+        )
+    }
+}
+
 /// Separate fp32 -> bf16 conversion pass (round-to-nearest-even): what
 /// DeepSpeed does after its optimizer step. Used as the two-pass baseline.
 pub fn convert_f32_to_bf16(
@@ -118,17 +175,8 @@ pub fn convert_f32_to_bf16(
     if !isa.is_supported() {
         return Err(OptimError::IsaUnsupported { isa });
     }
-    let chunk = super::chunk_numel(src.len(), threads.get());
-    std::thread::scope(|s| {
-        let mut parts = src.chunks(chunk).zip(dst.chunks_mut(chunk));
-        let first = parts.next();
-        for (a, b) in parts {
-            s.spawn(move || convert_chunk(isa, a, b));
-        }
-        if let Some((a, b)) = first {
-            convert_chunk(isa, a, b);
-        }
-    });
+    let work = ConvertWork { src, dst };
+    par::for_each_chunk(work, threads.get(), |w| convert_chunk(isa, w.src, w.dst));
     Ok(())
 }
 
@@ -144,11 +192,22 @@ fn convert_chunk(isa: Isa, src: &[f32], dst: &mut [bf16]) {
     scalar::convert_bf16(src, dst);
 }
 
+/// Order of the loads and stores inside one vector step of [`rmw_probe`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeOrder {
+    /// Load g, p, m, v, then store p, m, v (the order of the Adam body).
+    Grouped,
+    /// Load g; then load and store p, then m, then v.
+    Interleaved,
+}
+
 /// In-place read-modify-write bandwidth probe with Adam's exact stream
 /// pattern: reads `g`, reads and writes `p`, `m`, `v` (28 B/element) with
-/// one add per stream. No real optimizer can move these bytes faster.
+/// one add per stream. No real optimizer can move these bytes faster. The
+/// two [`ProbeOrder`]s can differ in speed; a fair roof takes the faster.
 pub fn rmw_probe(
     isa: Isa,
+    order: ProbeOrder,
     threads: NonZeroUsize,
     p: &mut [f32],
     g: &[f32],
@@ -168,32 +227,29 @@ pub fn rmw_probe(
     if !isa.is_supported() {
         return Err(OptimError::IsaUnsupported { isa });
     }
-    let chunk = super::chunk_numel(n, threads.get());
-    std::thread::scope(|s| {
-        let mut parts = p
-            .chunks_mut(chunk)
-            .zip(g.chunks(chunk))
-            .zip(m.chunks_mut(chunk).zip(v.chunks_mut(chunk)));
-        let first = parts.next();
-        for ((p, g), (m, v)) in parts {
-            s.spawn(move || probe_chunk(isa, p, g, m, v));
-        }
-        if let Some(((p, g), (m, v))) = first {
-            probe_chunk(isa, p, g, m, v);
-        }
+    let work = ProbeWork { p, g, m, v };
+    par::for_each_chunk(work, threads.get(), |w| {
+        probe_chunk(isa, order, w.p, w.g, w.m, w.v)
     });
     Ok(())
 }
 
-fn probe_chunk(isa: Isa, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+fn probe_chunk(
+    isa: Isa,
+    order: ProbeOrder,
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     {
         if isa != Isa::Scalar && isa.is_supported() {
-            x86::probe_chunk(isa, p, g, m, v);
+            x86::probe_chunk(isa, order == ProbeOrder::Interleaved, p, g, m, v);
             return;
         }
     }
-    let _ = isa;
+    let _ = (isa, order);
     scalar::probe(p, g, m, v);
 }
 
@@ -217,8 +273,17 @@ mod x86 {
         unsafe fn load(p: *const f32) -> Self::F;
         unsafe fn store(p: *mut f32, v: Self::F);
         unsafe fn load_bf16(p: *const u16) -> Self::F;
-        unsafe fn store_bf16(p: *mut u16, v: Self::F);
-        unsafe fn store_f16(p: *mut u16, v: Self::F);
+        /// `LANES` packed u16 values.
+        type H: Copy;
+        /// Bytes of one `H`; `stream_h` needs this alignment.
+        const H_BYTES: usize;
+        /// f32 -> bf16, round-to-nearest-even, NaN kept (quiet).
+        unsafe fn cvt_bf16(v: Self::F) -> Self::H;
+        /// f32 -> fp16, round-to-nearest-even (`vcvtps2ph`).
+        unsafe fn cvt_f16(v: Self::F) -> Self::H;
+        unsafe fn store_h(p: *mut u16, h: Self::H);
+        /// Non-temporal store; `p` aligned to `H_BYTES`.
+        unsafe fn stream_h(p: *mut u16, h: Self::H);
         unsafe fn add(a: Self::F, b: Self::F) -> Self::F;
         unsafe fn mul(a: Self::F, b: Self::F) -> Self::F;
         /// `a * b + c` with one rounding.
@@ -262,9 +327,11 @@ mod x86 {
                 _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
             }
         }
+        type H = __m256i;
+        const H_BYTES: usize = 32;
         #[inline(always)]
-        unsafe fn store_bf16(p: *mut u16, v: __m512) {
-            // SAFETY: trait contract: avx512f available, p valid for 16 u16.
+        unsafe fn cvt_bf16(v: __m512) -> __m256i {
+            // SAFETY: trait contract: avx512f available.
             unsafe {
                 let b = _mm512_castps_si512(v);
                 let hi = _mm512_srli_epi32::<16>(b);
@@ -274,16 +341,23 @@ mod x86 {
                 let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
                 let quiet = _mm512_or_si512(hi, _mm512_set1_epi32(0x40));
                 let r = _mm512_mask_blend_epi32(nan, rounded, quiet);
-                _mm256_storeu_si256(p as *mut __m256i, _mm512_cvtepi32_epi16(r));
+                _mm512_cvtepi32_epi16(r)
             }
         }
         #[inline(always)]
-        unsafe fn store_f16(p: *mut u16, v: __m512) {
-            // SAFETY: trait contract: avx512f available, p valid for 16 u16.
-            unsafe {
-                let h = _mm512_cvtps_ph::<ROUND_NEAREST>(v);
-                _mm256_storeu_si256(p as *mut __m256i, h);
-            }
+        unsafe fn cvt_f16(v: __m512) -> __m256i {
+            // SAFETY: trait contract: avx512f available.
+            unsafe { _mm512_cvtps_ph::<ROUND_NEAREST>(v) }
+        }
+        #[inline(always)]
+        unsafe fn store_h(p: *mut u16, h: __m256i) {
+            // SAFETY: trait contract: p valid for 16 u16 (unaligned store).
+            unsafe { _mm256_storeu_si256(p as *mut __m256i, h) }
+        }
+        #[inline(always)]
+        unsafe fn stream_h(p: *mut u16, h: __m256i) {
+            // SAFETY: trait contract: p valid for 16 u16, 32-byte aligned.
+            unsafe { _mm256_stream_si256(p as *mut __m256i, h) }
         }
         #[inline(always)]
         unsafe fn add(a: __m512, b: __m512) -> __m512 {
@@ -339,9 +413,11 @@ mod x86 {
                 _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
             }
         }
+        type H = __m128i;
+        const H_BYTES: usize = 16;
         #[inline(always)]
-        unsafe fn store_bf16(p: *mut u16, v: __m256) {
-            // SAFETY: trait contract: avx2 available, p valid for 8 u16.
+        unsafe fn cvt_bf16(v: __m256) -> __m128i {
+            // SAFETY: trait contract: avx2 available.
             unsafe {
                 let b = _mm256_castps_si256(v);
                 let hi = _mm256_srli_epi32::<16>(b);
@@ -352,18 +428,23 @@ mod x86 {
                 let quiet = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
                 let r = _mm256_blendv_epi8(rounded, quiet, nan);
                 // Every lane is <= 0xffff, so unsigned saturation is exact.
-                let packed =
-                    _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256::<1>(r));
-                _mm_storeu_si128(p as *mut __m128i, packed);
+                _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256::<1>(r))
             }
         }
         #[inline(always)]
-        unsafe fn store_f16(p: *mut u16, v: __m256) {
-            // SAFETY: trait contract: avx2 + f16c available, p valid for 8 u16.
-            unsafe {
-                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
-                _mm_storeu_si128(p as *mut __m128i, h);
-            }
+        unsafe fn cvt_f16(v: __m256) -> __m128i {
+            // SAFETY: trait contract: avx2 + f16c available.
+            unsafe { _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v) }
+        }
+        #[inline(always)]
+        unsafe fn store_h(p: *mut u16, h: __m128i) {
+            // SAFETY: trait contract: p valid for 8 u16 (unaligned store).
+            unsafe { _mm_storeu_si128(p as *mut __m128i, h) }
+        }
+        #[inline(always)]
+        unsafe fn stream_h(p: *mut u16, h: __m128i) {
+            // SAFETY: trait contract: p valid for 8 u16, 16-byte aligned.
+            unsafe { _mm_stream_si128(p as *mut __m128i, h) }
         }
         #[inline(always)]
         unsafe fn add(a: __m256, b: __m256) -> __m256 {
@@ -414,7 +495,8 @@ mod x86 {
     /// # Safety
     /// `S`'s instruction set is available; `t.n` is a multiple of `S::LANES`
     /// and every pointer used by this instantiation is valid for `t.n`
-    /// elements (reads and, except `g`, writes).
+    /// elements (reads and, except `g`, writes); `t.out`, when used, is
+    /// aligned to `S::H_BYTES`.
     #[inline(always)]
     unsafe fn adam_body<S: Simd, const L2: bool, const MB16: bool, const OUT: u8>(
         s: &StepScalars,
@@ -451,18 +533,26 @@ mod x86 {
                 let p2 = S::fma(neg_step, upd, p1);
                 S::store(t.p.add(i), p2);
                 if MB16 {
-                    S::store_bf16(t.m16.add(i), m2);
-                    S::store_bf16(t.v16.add(i), v2);
+                    S::store_h(t.m16.add(i), S::cvt_bf16(m2));
+                    S::store_h(t.v16.add(i), S::cvt_bf16(v2));
                 } else {
                     S::store(t.m32.add(i), m2);
                     S::store(t.v32.add(i), v2);
                 }
+                // The copy is write-only here and next read by a DMA engine
+                // (H2D copy or NVMe write): stream it past the caches, which
+                // also saves the read-for-ownership of its lines.
                 if OUT == OUT_BF16 {
-                    S::store_bf16(t.out.add(i), p2);
+                    S::stream_h(t.out.add(i), S::cvt_bf16(p2));
                 } else if OUT == OUT_F16 {
-                    S::store_f16(t.out.add(i), p2);
+                    S::stream_h(t.out.add(i), S::cvt_f16(p2));
                 }
                 i += S::LANES;
+            }
+            if OUT != OUT_NONE {
+                // Order the weakly-ordered streaming stores before whatever
+                // the caller does next (e.g. hand the buffer to another thread).
+                _mm_sfence();
             }
         }
     }
@@ -510,6 +600,12 @@ mod x86 {
         }
     }
 
+    /// Number of 2-byte elements from `addr` to the next `align`-byte
+    /// boundary (`addr` is 2-byte aligned, as every `bf16`/`f16` is).
+    fn peel_numel(addr: usize, align: usize) -> usize {
+        ((align - addr % align) % align) / 2
+    }
+
     fn lanes(isa: Isa) -> usize {
         match isa {
             Isa::Avx512 => Avx512::LANES,
@@ -525,6 +621,20 @@ mod x86 {
             scalar::run(s, tile);
             return;
         }
+        // Peel scalar elements until the low-precision copy is aligned for
+        // streaming stores (bitwise the same results, see scalar.rs).
+        let align_bytes = match isa {
+            Isa::Avx512 => Avx512::H_BYTES,
+            _ => Avx2::H_BYTES,
+        };
+        let peel = match &tile.out {
+            None => 0,
+            Some(LowPrecisionOut::Bf16(o)) => peel_numel(o.as_ptr() as usize, align_bytes),
+            Some(LowPrecisionOut::F16(o)) => peel_numel(o.as_ptr() as usize, align_bytes),
+        };
+        let peel = peel.min(tile.len());
+        let (head, tile) = tile.split_at(peel);
+        scalar::run(s, head);
         let n = tile.len();
         let body_n = n - n % lanes(isa);
         let (mut body, tail) = tile.split_at(body_n);
@@ -558,7 +668,8 @@ mod x86 {
         let mb16 = !m16.is_null();
         // SAFETY: `isa` was checked supported above; all slices of `body`
         // have length `body_n` (validated by `Tile::new`, preserved by
-        // `split_at`), a multiple of the lane count; `bf16`/`f16` are
+        // `split_at`), a multiple of the lane count; the peel above aligned
+        // `out` to the streaming-store width; `bf16`/`f16` are
         // `repr(transparent)` over `u16`; `body` is borrowed mutably for the
         // whole call, so nothing aliases the writes.
         unsafe {
@@ -582,7 +693,7 @@ mod x86 {
         let mut i = 0;
         while i < n {
             // SAFETY: i + LANES <= n, see the function contract.
-            unsafe { S::store_bf16(dst.add(i), S::load(src.add(i))) };
+            unsafe { S::store_h(dst.add(i), S::cvt_bf16(S::load(src.add(i)))) };
             i += S::LANES;
         }
     }
@@ -623,15 +734,25 @@ mod x86 {
     /// `S`'s instruction set is available; all pointers valid for `n`
     /// elements, `n` a multiple of `S::LANES`.
     #[inline(always)]
-    unsafe fn probe_body<S: Simd>(n: usize, p: *mut f32, g: *const f32, m: *mut f32, v: *mut f32) {
+    unsafe fn probe_body<S: Simd, const INTERLEAVED: bool>(
+        n: usize,
+        p: *mut f32,
+        g: *const f32,
+        m: *mut f32,
+        v: *mut f32,
+    ) {
         let mut i = 0;
         while i < n {
             // SAFETY: i + LANES <= n, see the function contract.
             unsafe {
-                // All loads first, then all stores: the same order as the
-                // Adam body (interleaving them invites 4K-aliasing stalls
-                // between streams that share a page offset).
                 let gv = S::load(g.add(i));
+                if INTERLEAVED {
+                    S::store(p.add(i), S::add(S::load(p.add(i)), gv));
+                    S::store(m.add(i), S::add(S::load(m.add(i)), gv));
+                    S::store(v.add(i), S::add(S::load(v.add(i)), gv));
+                    i += S::LANES;
+                    continue;
+                }
                 let pv = S::load(p.add(i));
                 let mv = S::load(m.add(i));
                 let vv = S::load(v.add(i));
@@ -644,18 +765,37 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f")]
-    unsafe fn probe_avx512(n: usize, p: *mut f32, g: *const f32, m: *mut f32, v: *mut f32) {
+    unsafe fn probe_avx512<const I: bool>(
+        n: usize,
+        p: *mut f32,
+        g: *const f32,
+        m: *mut f32,
+        v: *mut f32,
+    ) {
         // SAFETY: avx512f enabled here; ranges from the caller.
-        unsafe { probe_body::<Avx512>(n, p, g, m, v) }
+        unsafe { probe_body::<Avx512, I>(n, p, g, m, v) }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn probe_avx2(n: usize, p: *mut f32, g: *const f32, m: *mut f32, v: *mut f32) {
+    unsafe fn probe_avx2<const I: bool>(
+        n: usize,
+        p: *mut f32,
+        g: *const f32,
+        m: *mut f32,
+        v: *mut f32,
+    ) {
         // SAFETY: avx2 enabled here; ranges from the caller.
-        unsafe { probe_body::<Avx2>(n, p, g, m, v) }
+        unsafe { probe_body::<Avx2, I>(n, p, g, m, v) }
     }
 
-    pub(super) fn probe_chunk(isa: Isa, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+    pub(super) fn probe_chunk(
+        isa: Isa,
+        interleaved: bool,
+        p: &mut [f32],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+    ) {
         let n = p.len().min(g.len()).min(m.len()).min(v.len());
         let body_n = n - n % lanes(isa);
         let (pp, gp, mp, vp) = (p.as_mut_ptr(), g.as_ptr(), m.as_mut_ptr(), v.as_mut_ptr());
@@ -663,8 +803,14 @@ mod x86 {
         // `body_n` elements.
         unsafe {
             match isa {
-                Isa::Avx512 if isa.is_supported() => probe_avx512(body_n, pp, gp, mp, vp),
-                Isa::Avx2Fma if isa.is_supported() => probe_avx2(body_n, pp, gp, mp, vp),
+                Isa::Avx512 if isa.is_supported() && interleaved => {
+                    probe_avx512::<true>(body_n, pp, gp, mp, vp)
+                }
+                Isa::Avx512 if isa.is_supported() => probe_avx512::<false>(body_n, pp, gp, mp, vp),
+                Isa::Avx2Fma if isa.is_supported() && interleaved => {
+                    probe_avx2::<true>(body_n, pp, gp, mp, vp)
+                }
+                Isa::Avx2Fma if isa.is_supported() => probe_avx2::<false>(body_n, pp, gp, mp, vp),
                 _ => {
                     scalar::probe(p, g, m, v);
                     return;

@@ -451,19 +451,27 @@ fn bit_identical_across_isas_and_threads() {
     }
 }
 
-/// Large tile at 1, 2, 3 threads: bit-identical (chunk boundaries fall in
-/// different places).
+/// Large tile at 1, 2, 3 threads, all 12 variants: bit-identical. The tile
+/// is two work chunks plus a rest, claimed by different threads
+/// from run to run; one thread runs the tile as a single piece.
 #[test]
 fn bit_identical_threads_large() {
-    let s0 = make_state(300_007, 77);
+    let s0 = make_state(2 * WORK_CHUNK_NUMEL + 75_007, 77);
     let isa = Isa::detect();
-    let want = run_bits(isa, 1, AdamMode::AdamW, false, 1, &s0, 1);
-    for threads in [2, 3] {
-        assert!(run_bits(isa, threads, AdamMode::AdamW, false, 1, &s0, 1) == want);
-    }
-    let want = run_bits(isa, 1, AdamMode::AdamW, true, 2, &s0, 0);
-    for threads in [2, 3] {
-        assert!(run_bits(isa, threads, AdamMode::AdamW, true, 2, &s0, 0) == want);
+    for mode in [AdamMode::AdamW, AdamMode::L2] {
+        for bf16_moments in [false, true] {
+            for out_kind in [0u8, 1, 2] {
+                let off = 3;
+                let want = run_bits(isa, 1, mode, bf16_moments, out_kind, &s0, off);
+                for threads in [2, 3] {
+                    let got = run_bits(isa, threads, mode, bf16_moments, out_kind, &s0, off);
+                    assert!(
+                        got == want,
+                        "{mode:?} {bf16_moments} {out_kind} threads={threads}"
+                    );
+                }
+            }
+        }
     }
 }
 
@@ -749,11 +757,14 @@ fn probe_and_conversion_pass_compute_what_they_say() {
     for isa in Isa::available() {
         let n = 1000 + 9;
         let g: Vec<f32> = (0..n).map(|i| i as f32).collect();
-        let (mut p, mut m, mut v) = (vec![1.0f32; n], vec![2.0f32; n], vec![3.0f32; n]);
-        rmw_probe(isa, nz(3), &mut p, &g, &mut m, &mut v).unwrap();
-        for i in 0..n {
-            assert_eq!((p[i], m[i], v[i]), (1.0 + g[i], 2.0 + g[i], 3.0 + g[i]));
+        for order in [ProbeOrder::Grouped, ProbeOrder::Interleaved] {
+            let (mut p, mut m, mut v) = (vec![1.0f32; n], vec![2.0f32; n], vec![3.0f32; n]);
+            rmw_probe(isa, order, nz(3), &mut p, &g, &mut m, &mut v).unwrap();
+            for i in 0..n {
+                assert_eq!((p[i], m[i], v[i]), (1.0 + g[i], 2.0 + g[i], 3.0 + g[i]));
+            }
         }
+        let p: Vec<f32> = g.iter().map(|x| x + 1.0).collect();
         let mut d = vec![bf16::ZERO; n];
         convert_f32_to_bf16(isa, nz(2), &p, &mut d).unwrap();
         assert!(d.iter().zip(&p).all(|(d, p)| *d == bf16::from_f32(*p)));
@@ -855,4 +866,21 @@ fn bf16_moments_loss_curve_close_to_fp32() {
         .fold(0.0f64, f64::max);
     eprintln!("worst relative loss gap over {steps} steps: {worst:.4}");
     assert!(worst < 0.15, "bf16 moments diverge from fp32: {worst}");
+}
+
+/// Longer run (behind `--ignored`): where bf16 moments lose to fp32, late in
+/// training when gradients shrink and v can no longer decay in bf16.
+#[test]
+#[ignore]
+fn bf16_moments_long_run() {
+    let steps = 3000;
+    let a = train_mlp(false, steps);
+    let b = train_mlp(true, steps);
+    for k in [0, 100, 300, 1000, 2000, 2999] {
+        eprintln!(
+            "step {k:>4}: fp32 moments {:.3e}  bf16 moments {:.3e}",
+            a[k], b[k]
+        );
+    }
+    assert!(b[steps - 1] < 0.01 * b[0], "bf16 run did not train");
 }

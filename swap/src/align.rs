@@ -30,7 +30,7 @@ impl Alignment {
 
     /// Whether `value` is a multiple of the alignment.
     pub fn is_aligned(self, value: u64) -> bool {
-        value % self.0 == 0
+        value.is_multiple_of(self.0)
     }
 
     /// `value` rounded up to a multiple of the alignment (saturating).

@@ -375,15 +375,19 @@ impl PinnedArena {
                 buffer_bytes: self.buffer_bytes as u64,
             });
         }
-        let at = free.free.len() - n;
-        Ok(free
-            .free
+        Ok(self.take(&mut free, n))
+    }
+
+    /// Pops `n` buffers off the free list (the caller checked there are `n`).
+    fn take(self: &Arc<Self>, free: &mut FreeList, n: usize) -> Vec<Buffer> {
+        let at = free.free.len().saturating_sub(n);
+        free.free
             .drain(at..)
             .map(|idx| Buffer {
                 arena: self.clone(),
                 idx,
             })
-            .collect())
+            .collect()
     }
 
     /// Takes one buffer, waiting up to `timeout` for one to be returned.
@@ -423,15 +427,7 @@ impl PinnedArena {
                 .map(|(g, _)| g)
                 .unwrap_or_else(|e| e.into_inner().0);
         }
-        let at = free.free.len() - n;
-        Ok(free
-            .free
-            .drain(at..)
-            .map(|idx| Buffer {
-                arena: self.clone(),
-                idx,
-            })
-            .collect())
+        Ok(self.take(&mut free, n))
     }
 
     /// Takes one buffer, waiting as long as it takes.

@@ -1,7 +1,8 @@
 //! Bandwidth measurement, shared by `cargo bench` and `tierzero bench-io`.
 //!
 //! A run keeps exactly `queue_depth` requests of `block_bytes` in flight on
-//! one ring, walking the extent sequentially and wrapping around, which is
+//! one ring (with as many more queued in the engine, so a completion is
+//! replaced at once), walking the extent sequentially and wrapping around, which is
 //! what `fio --rw=read|write --bs=B --iodepth=Q --direct=1` does with one
 //! job. Each run gets its own arena (`queue_depth` buffers of `block_bytes`)
 //! and engine, so settings do not leak between runs. Reads only make sense
@@ -111,7 +112,12 @@ impl BenchTarget {
             });
         }
         let qd = queue_depth.max(1);
-        let mut acfg = ArenaConfig::new(block_bytes * qd as u64, block_bytes);
+        // Twice as many requests as the queue depth are handed to the engine:
+        // the ring keeps exactly `qd` in flight and refills from its own
+        // queue the moment one completes, as fio does within its one thread,
+        // instead of waiting for this thread to wake up and resubmit.
+        let outstanding_max = 2 * qd;
+        let mut acfg = ArenaConfig::new(block_bytes * outstanding_max as u64, block_bytes);
         acfg.alignment = align;
         let arena = PinnedArena::new(acfg)?;
         let engine = Engine::new(
@@ -125,7 +131,7 @@ impl BenchTarget {
                 ..EngineConfig::default()
             },
         )?;
-        let mut buffers = arena.try_acquire_n(qd)?;
+        let mut buffers = arena.try_acquire_n(outstanding_max)?;
         if op == IoOp::Write {
             for (i, b) in buffers.iter_mut().enumerate() {
                 for (j, chunk) in b.as_mut_slice().chunks_mut(8).enumerate() {

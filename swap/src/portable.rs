@@ -43,7 +43,9 @@ pub(crate) fn spawn_pool(shared: &Arc<Shared>, config: &EngineConfig) -> Result<
             })?;
         handles.push(h);
     }
-    Ok((vec![tx; threads.min(config.workers.max(1))], handles))
+    // One sender per thread (clones of one channel), so the engine joins
+    // every thread when it drops.
+    Ok((vec![tx; threads], handles))
 }
 
 fn run_job(shared: &Shared, mut job: Job) {

@@ -485,7 +485,9 @@ fn reclaim_stale(dir: &Path) {
     for entry in entries.flatten() {
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
-        let Some(pid) = stale_pid(name) else { continue };
+        let Some(pid) = swap_file_owner_pid(name) else {
+            continue;
+        };
         if pid == std::process::id() || process_alive(pid) {
             continue;
         }
@@ -505,8 +507,10 @@ fn reclaim_stale(dir: &Path) {
     }
 }
 
-/// The pid in a name of our pattern `swap-<pid>-<n>-<m>.tzswap`.
-fn stale_pid(name: &str) -> Option<u32> {
+/// The owning pid in a file name of our pattern `swap-<pid>-<n>-<m>.tzswap`,
+/// or `None` if the name is not ours. Stale-file reclaim and
+/// `tierzero inspect` both use this, so they agree on what is ours.
+pub fn swap_file_owner_pid(name: &str) -> Option<u32> {
     let rest = name
         .strip_prefix("swap-")?
         .strip_suffix(&format!(".{SWAP_EXT}"))?;
@@ -520,13 +524,55 @@ fn stale_pid(name: &str) -> Option<u32> {
     Some(pid)
 }
 
-fn process_alive(pid: u32) -> bool {
+/// Whether process `pid` exists (`kill(pid, 0)`). A process we may not
+/// signal (`EPERM`) counts as alive: only `ESRCH` proves it is gone, so a
+/// file is never called stale while its owner might still use it.
+pub fn process_alive(pid: u32) -> bool {
     let Ok(pid) = i32::try_from(pid) else {
         return false;
     };
     // SAFETY: kill with signal 0 only checks for existence.
     let rc = unsafe { libc::kill(pid, 0) };
     rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// Size and free space of a file system, from `statvfs`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FsSpace {
+    /// Total size of the file system.
+    pub total_bytes: u64,
+    /// Bytes an unprivileged user can still allocate (`f_bavail`).
+    pub available_bytes: u64,
+}
+
+/// The size and free space of the file system holding `path`, so callers
+/// can check a swap space will fit before creating it.
+// `f_frsize`, `f_blocks` and `f_bavail` are `u64` on 64-bit Linux but
+// 32-bit on other targets; the casts widen them there.
+#[allow(clippy::unnecessary_cast)]
+pub fn filesystem_space(path: &Path) -> std::io::Result<FsSpace> {
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, "path contains a NUL byte")
+    })?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `c_path` is a NUL-terminated string alive for the whole call,
+    // and `st` points to writable memory of exactly the type statvfs fills.
+    let rc = unsafe { libc::statvfs(c_path.as_ptr(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: statvfs returned 0, so it initialised every field of `st`.
+    let st = unsafe { st.assume_init() };
+    let frag_bytes = if st.f_frsize > 0 {
+        st.f_frsize as u64
+    } else {
+        st.f_bsize as u64
+    };
+    Ok(FsSpace {
+        total_bytes: (st.f_blocks as u64).saturating_mul(frag_bytes),
+        available_bytes: (st.f_bavail as u64).saturating_mul(frag_bytes),
+    })
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -646,10 +692,30 @@ mod tests {
 
     #[test]
     fn stale_names() {
-        assert_eq!(stale_pid("swap-123-0-1.tzswap"), Some(123));
-        assert_eq!(stale_pid("swap-123-0.tzswap"), None);
-        assert_eq!(stale_pid("swap-x-0-1.tzswap"), None);
-        assert_eq!(stale_pid("notes.txt"), None);
-        assert_eq!(stale_pid("swap-1-2-3.tzswap.bak"), None);
+        assert_eq!(swap_file_owner_pid("swap-123-0-1.tzswap"), Some(123));
+        assert_eq!(swap_file_owner_pid("swap-123-0.tzswap"), None);
+        assert_eq!(swap_file_owner_pid("swap-x-0-1.tzswap"), None);
+        assert_eq!(swap_file_owner_pid("notes.txt"), None);
+        assert_eq!(swap_file_owner_pid("swap-1-2-3.tzswap.bak"), None);
+    }
+
+    #[test]
+    fn liveness() {
+        assert!(process_alive(std::process::id()));
+        // Above the kernel's pid_max (at most 2^22), so never a live process.
+        assert!(!process_alive(1 << 23));
+        // Does not fit in a pid_t: never alive.
+        assert!(!process_alive(u32::MAX));
+    }
+
+    #[test]
+    fn fs_space_of_temp_dir() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+        let s = filesystem_space(dir.path()).unwrap_or_else(|e| panic!("statvfs: {e}"));
+        assert!(s.total_bytes > 0);
+        assert!(s.available_bytes <= s.total_bytes);
+        let missing = dir.path().join("no-such-dir");
+        let e = filesystem_space(&missing).err();
+        assert_eq!(e.map(|e| e.kind()), Some(std::io::ErrorKind::NotFound));
     }
 }

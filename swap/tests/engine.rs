@@ -912,3 +912,37 @@ fn child_memlock() {
     assert!(!a.is_locked());
     println!("MEMLOCK-CHECKED: {err}");
 }
+
+#[test]
+fn sqpoll_ring_round_trips() {
+    let dir = test_dir();
+    let space = SwapSpace::create(SpaceConfig::new(dir.path(), 4 << 20)).unwrap();
+    let arena = PinnedArena::new(ArenaConfig::new(2 << 20, 1 << 20)).unwrap();
+    let engine = match Engine::new(
+        space.clone(),
+        arena.clone(),
+        EngineConfig {
+            backend: BackendKind::Uring,
+            sqpoll: true,
+            ..EngineConfig::default()
+        },
+    ) {
+        Ok(e) => e,
+        Err(e) => {
+            // SQPOLL needs privileges on older kernels; the error must say so.
+            assert!(e.to_string().contains("io_uring setup"), "{e}");
+            return;
+        }
+    };
+    let e = space.allocate(1 << 20).unwrap();
+    let mut b = arena.try_acquire().unwrap();
+    fill(&mut b, 9);
+    let want = b.as_slice().to_vec();
+    engine.write(&e, b).unwrap().wait().unwrap();
+    let back = engine
+        .read(&e, arena.try_acquire().unwrap())
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(back.as_slice(), &want[..]);
+}

@@ -1,0 +1,553 @@
+//! `tierzero estimate`: memory needs per ZeRO stage and offload choice, and
+//! what fits on this machine.
+//!
+//! The arithmetic is in `tierzero::estimate` (see its docs for every
+//! formula and DeepSpeed's for comparison). This file gathers the inputs
+//! (the parameter count from `--params` or a model's `config.json`, swap
+//! settings and precision from `--config`, the machine from `/proc` and
+//! `statvfs`) and prints a table or JSON.
+//!
+//! Numeric options are taken as strings and parsed here, so that a bad value
+//! (`--params banana`, `--ranks 0`) is one line naming the option, exit 2.
+//!
+//! From a config only the things that size memory are used: precision and
+//! the `offload_param` / `offload_optimizer` / `sub_group_size` settings
+//! (`tierzero::estimate::load_config` drops batch sizes and the scheduler).
+//! Without `--config`, DeepSpeed's defaults size the buffers and params are
+//! taken as 16-bit.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::anyhow;
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+use tierzero::config::Stage;
+use tierzero::estimate::{
+    self, Choice, Estimate, Inputs, LargestSource, Memlock, Report, SwapSettings, Verdict,
+};
+use tierzero::model::{Model, ModelConfig};
+use tierzero::units::{format_bytes, parse_bytes, parse_count};
+
+use super::Failure;
+
+/// Precision of the Adam moments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Moments {
+    /// fp32 m and v (8 bytes per param).
+    Fp32,
+    /// bf16 m and v (4 bytes per param), as the CPU AdamW kernels support.
+    Bf16,
+}
+
+/// Arguments of `tierzero estimate`.
+#[derive(Debug, Args)]
+#[command(
+    after_help = "Examples:\n  tierzero estimate --params 7B\n  tierzero estimate --params 13B --largest-layer 400M --ranks 8 --device-memory 80GiB\n  tierzero estimate --model ./gpt2 --config ds_config.json --json"
+)]
+pub struct EstimateArgs {
+    /// Model size in parameters: 7B, 350M, 1.3e9.
+    #[arg(
+        long,
+        value_name = "COUNT",
+        required_unless_present = "model",
+        conflicts_with = "model",
+        allow_negative_numbers = true
+    )]
+    params: Option<String>,
+    /// Params of the largest unit gathered at once (a transformer block);
+    /// assumed from --params when omitted.
+    #[arg(
+        long,
+        value_name = "COUNT",
+        conflicts_with = "model",
+        allow_negative_numbers = true
+    )]
+    largest_layer: Option<String>,
+    /// HF model directory (or its config.json): exact parameter count,
+    /// largest unit and largest tensor.
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
+    /// Data-parallel ranks, all on this machine.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value = "1",
+        allow_negative_numbers = true
+    )]
+    ranks: String,
+    /// ds_config.json giving precision and swap buffer settings
+    /// (DeepSpeed's defaults and 16-bit params without it).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Precision of the Adam moments.
+    #[arg(long, value_enum, default_value = "fp32")]
+    moments: Moments,
+    /// Accelerator memory per rank, e.g. 80GiB. Without it the CPU is
+    /// taken as the compute device (its memory is the RAM).
+    #[arg(long, value_name = "SIZE", allow_negative_numbers = true)]
+    device_memory: Option<String>,
+    /// Directory NVMe swap would use, for its free space (default: the
+    /// config's nvme_path, else the current directory).
+    #[arg(long, value_name = "DIR")]
+    nvme_path: Option<PathBuf>,
+    /// Print the full report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn bad(msg: String) -> Failure {
+    Failure::BadInput(anyhow!(msg))
+}
+
+struct ModelSize {
+    total_numel: u64,
+    largest_unit_numel: u64,
+    largest_tensor_numel: u64,
+}
+
+fn model_size(path: &Path) -> Result<ModelSize, Failure> {
+    let file = if path.is_dir() {
+        path.join("config.json")
+    } else {
+        path.to_path_buf()
+    };
+    let text = std::fs::read_to_string(&file)
+        .map_err(|e| bad(format!("--model: cannot read {}: {e}", file.display())))?;
+    let (cfg, _unknown) = ModelConfig::from_hf_json(&text)
+        .map_err(|e| bad(format!("--model {}: {e}", file.display())))?;
+    let model = Model::new(cfg).map_err(|e| bad(format!("--model {}: {e}", file.display())))?;
+    let params = model.params();
+    let largest_unit_numel = model
+        .units()
+        .iter()
+        .map(|u| {
+            u.params
+                .iter()
+                .filter_map(|id| params.get(id.0))
+                .map(|p| p.numel as u64)
+                .sum::<u64>()
+        })
+        .max()
+        .unwrap_or(0);
+    Ok(ModelSize {
+        total_numel: model.numel() as u64,
+        largest_unit_numel,
+        largest_tensor_numel: params.iter().map(|p| p.numel as u64).max().unwrap_or(0),
+    })
+}
+
+/// `p` if it is a directory, else its nearest ancestor that is.
+fn existing_ancestor(p: &Path) -> Option<PathBuf> {
+    let mut cur = p;
+    loop {
+        let dir = if cur.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            cur
+        };
+        if dir.is_dir() {
+            return Some(dir.to_path_buf());
+        }
+        cur = cur.parent()?;
+    }
+}
+
+/// What a config contributes.
+struct FromConfig {
+    swap: SwapSettings,
+    param_elem_bytes: u64,
+    nvme_path: Option<PathBuf>,
+    choice: Choice,
+}
+
+fn load_config(path: Option<&Path>, ranks: u64, total_numel: u64) -> Result<FromConfig, Failure> {
+    let text = match path {
+        Some(p) => std::fs::read_to_string(p)
+            .map_err(|e| bad(format!("--config: cannot read {}: {e}", p.display())))?,
+        None => "{}".to_owned(),
+    };
+    let loaded = estimate::load_config(&text, ranks, total_numel)
+        .map_err(|e| bad(format!("--config: {e}")))?;
+    for w in &loaded.warnings {
+        tracing::warn!(key = w.key(), "{w}");
+    }
+    let c = &loaded.config;
+    let nvme_path = c
+        .zero
+        .offload_param
+        .device
+        .nvme_path()
+        .or_else(|| c.zero.offload_optimizer.device.nvme_path())
+        .map(Path::to_path_buf);
+    Ok(FromConfig {
+        swap: SwapSettings::from_config(c),
+        param_elem_bytes: if path.is_some() {
+            c.precision.param_elem_bytes()
+        } else {
+            2
+        },
+        nvme_path,
+        choice: estimate::choice_of_config(c),
+    })
+}
+
+/// Runs `tierzero estimate`.
+pub fn run(a: EstimateArgs) -> Result<(), Failure> {
+    let ranks: u64 = a
+        .ranks
+        .trim()
+        .parse()
+        .map_err(|_| bad(format!("--ranks: {:?} is not a whole number", a.ranks)))?;
+    if ranks == 0 {
+        return Err(bad("--ranks must be at least 1 (got 0)".to_owned()));
+    }
+    let (total_numel, largest_unit_numel, largest_source, largest_tensor_numel) =
+        match (&a.model, &a.params) {
+            (Some(dir), _) => {
+                let m = model_size(dir)?;
+                (
+                    m.total_numel,
+                    m.largest_unit_numel,
+                    LargestSource::Model,
+                    Some(m.largest_tensor_numel),
+                )
+            }
+            (None, Some(p)) => {
+                let n = parse_count(p).map_err(|e| bad(format!("--params: {e}")))?;
+                if n == 0 {
+                    return Err(bad("--params must be at least 1 (got 0)".to_owned()));
+                }
+                match &a.largest_layer {
+                    Some(l) => {
+                        let l = parse_count(l).map_err(|e| bad(format!("--largest-layer: {e}")))?;
+                        (n, l, LargestSource::Given, None)
+                    }
+                    None => (
+                        n,
+                        estimate::assumed_largest_unit_numel(n),
+                        LargestSource::Assumed,
+                        None,
+                    ),
+                }
+            }
+            (None, None) => return Err(bad("give --params COUNT or --model DIR".to_owned())),
+        };
+    let device_bytes = match &a.device_memory {
+        Some(s) => {
+            let b = parse_bytes(s).map_err(|e| bad(format!("--device-memory: {e}")))?;
+            if b == 0 {
+                return Err(bad("--device-memory must be above 0".to_owned()));
+            }
+            Some(b)
+        }
+        None => None,
+    };
+    let cfg = load_config(a.config.as_deref(), ranks, total_numel)?;
+    let nvme_dir = match &a.nvme_path {
+        Some(p) => {
+            if !p.is_dir() {
+                return Err(bad(format!(
+                    "--nvme-path {} is not an existing directory",
+                    p.display()
+                )));
+            }
+            p.clone()
+        }
+        None => match &cfg.nvme_path {
+            // A config's nvme_path may not exist yet (a run creates it):
+            // measure the file system it would be created on.
+            Some(p) => existing_ancestor(p).unwrap_or_else(|| p.clone()),
+            None => PathBuf::from("."),
+        },
+    };
+    let inputs = Inputs {
+        total_numel,
+        largest_unit_numel,
+        largest_source,
+        largest_tensor_numel,
+        ranks,
+        param_elem_bytes: cfg.param_elem_bytes,
+        moment_elem_bytes: match a.moments {
+            Moments::Fp32 => 4,
+            Moments::Bf16 => 2,
+        },
+        swap: cfg.swap,
+    };
+    let machine = estimate::probe_machine(&nvme_dir, device_bytes);
+    let mut report = estimate::estimate(&inputs, &machine).map_err(|e| bad(e.to_string()))?;
+    if machine.nvme_free_bytes.is_none() {
+        report.notes.push(format!(
+            "free space of {} is unknown (it may not exist yet): NVMe choices are not counted as fitting; pass --nvme-path",
+            nvme_dir.display()
+        ));
+    }
+    if a.json {
+        let out = JsonOut {
+            report: &report,
+            config_choice: a.config.as_ref().map(|_| cfg.choice),
+        };
+        let text = serde_json::to_string_pretty(&out)
+            .map_err(|e| Failure::Internal(anyhow!("serialising the report: {e}")))?;
+        super::emit(&format!("{text}\n"))?;
+    } else {
+        let text = render_table(&report, a.config.as_ref().map(|_| cfg.choice))
+            .map_err(|e| Failure::Internal(anyhow!("formatting the report: {e}")))?;
+        super::emit(&text)?;
+    }
+    Ok(())
+}
+
+/// The JSON output: the report, and the choice `--config` selects.
+#[derive(Serialize)]
+struct JsonOut<'a> {
+    #[serde(flatten)]
+    report: &'a Report,
+    config_choice: Option<Choice>,
+}
+
+fn count(n: u64) -> String {
+    let f = n as f64;
+    if f >= 1e12 {
+        format!("{:.2}T", f / 1e12)
+    } else if f >= 1e9 {
+        format!("{:.2}B", f / 1e9)
+    } else if f >= 1e6 {
+        format!("{:.1}M", f / 1e6)
+    } else if f >= 1e3 {
+        format!("{:.1}K", f / 1e3)
+    } else {
+        format!("{n}")
+    }
+}
+
+fn opt_bytes(b: Option<u64>) -> String {
+    b.map(format_bytes).unwrap_or_else(|| "unknown".to_owned())
+}
+
+fn fit_text(e: &Estimate, device_known: bool) -> String {
+    if e.fit.fits {
+        return if e.fit.pinned_over_memlock {
+            "yes (raise memlock)".to_owned()
+        } else {
+            "yes".to_owned()
+        };
+    }
+    let mut why = Vec::new();
+    let mut unknown = Vec::new();
+    let mut check = |v: Verdict, name: &'static str| match v {
+        Verdict::TooSmall => why.push(name),
+        Verdict::Unknown => unknown.push(name),
+        Verdict::Fits => {}
+    };
+    if device_known {
+        check(e.fit.device, "device");
+    }
+    check(e.fit.host, "RAM");
+    check(e.fit.nvme, "NVMe");
+    if why.is_empty() {
+        format!("? ({} unknown)", unknown.join(", "))
+    } else {
+        format!("no: {}", why.join(", "))
+    }
+}
+
+fn choice_text(c: Choice) -> String {
+    let mut s = format!(
+        "stage {}, offload_optimizer {}",
+        c.stage.number(),
+        c.optimizer.name()
+    );
+    if c.stage == Stage::Parameters {
+        s.push_str(&format!(", offload_param {}", c.params.name()));
+    }
+    s
+}
+
+fn render_table(r: &Report, config_choice: Option<Choice>) -> Result<String, std::fmt::Error> {
+    let mut out = String::new();
+    let i = &r.inputs;
+    let m = &r.machine;
+    let device_known = m.device_bytes.is_some();
+    let largest = match i.largest_source {
+        LargestSource::Given => "given",
+        LargestSource::Model => "from the model",
+        LargestSource::Assumed => "assumed",
+    };
+    writeln!(
+        out,
+        "model: {} params ({}), largest unit {} params ({largest}); {} rank{} on this machine",
+        count(i.total_numel),
+        i.total_numel,
+        count(i.largest_unit_numel),
+        i.ranks,
+        if i.ranks == 1 { "" } else { "s" }
+    )?;
+    writeln!(out,
+        "per param: params {} B, fp32 grads 4 B, fp32 master + m + v {} B; activations not included",
+        i.param_elem_bytes,
+        4 + 2 * i.moment_elem_bytes
+    )?;
+    let memlock = match m.memlock {
+        Some(Memlock::Unlimited) => "unlimited".to_owned(),
+        Some(Memlock::Bytes(b)) => format_bytes(b),
+        None => "unknown".to_owned(),
+    };
+    writeln!(
+        out,
+        "machine: RAM {} ({} available), memlock {memlock}, NVMe free {} at {}, device {}",
+        opt_bytes(m.ram_bytes),
+        opt_bytes(m.ram_available_bytes),
+        opt_bytes(m.nvme_free_bytes),
+        m.nvme_dir.as_deref().unwrap_or("?"),
+        match m.device_bytes {
+            Some(b) => format!("{} per rank", format_bytes(b)),
+            None => "= CPU (GPU memory unknown; see --device-memory)".to_owned(),
+        }
+    )?;
+    writeln!(out)?;
+    writeln!(
+        out,
+        "{:<5} {:<9} {:<6} | {:>12} | {:>11} {:>11} {:>11} | {:>21} | fits",
+        "stage",
+        "optimizer",
+        "params",
+        "device/rank",
+        "pinned",
+        "pageable",
+        "NVMe",
+        "DeepSpeed CPU / GPU"
+    )?;
+    writeln!(
+        out,
+        "{:<22} | {:>12} | {:^35} | {:>21} |",
+        "", "", "(all ranks)", ""
+    )?;
+    for e in &r.estimates {
+        let c = e.choice;
+        let ds = e
+            .deepspeed
+            .map(|d| {
+                format!(
+                    "{} / {}",
+                    format_bytes(d.cpu_bytes),
+                    format_bytes(d.gpu_bytes)
+                )
+            })
+            .unwrap_or_else(|| "-".to_owned());
+        let mut mark = String::new();
+        if r.recommended == Some(c) {
+            mark.push_str("  <- recommended");
+        }
+        if config_choice == Some(c) {
+            mark.push_str("  <- your config");
+        }
+        writeln!(
+            out,
+            "{:<5} {:<9} {:<6} | {:>12} | {:>11} {:>11} {:>11} | {:>21} | {}{mark}",
+            c.stage.number(),
+            c.optimizer.name(),
+            if c.stage == Stage::Parameters {
+                c.params.name()
+            } else {
+                "-"
+            },
+            format_bytes(e.per_rank.device_bytes),
+            format_bytes(e.per_node.pinned_bytes),
+            format_bytes(e.per_node.pageable_bytes),
+            format_bytes(e.per_node.nvme_bytes),
+            ds,
+            fit_text(e, device_known)
+        )?;
+    }
+    writeln!(out)?;
+    match r.recommended {
+        Some(c) => {
+            writeln!(out, "recommended: {}", choice_text(c))?;
+            if let Some(e) = r.estimates.iter().find(|e| e.choice == c) {
+                writeln!(out, "  per rank:")?;
+                for it in &e.items {
+                    writeln!(
+                        out,
+                        "    {:<8} {:>11}  {} = {}",
+                        format!("{:?}", it.tier).to_lowercase(),
+                        format_bytes(it.bytes),
+                        it.what,
+                        it.formula
+                    )?;
+                }
+            }
+        }
+        None => {
+            write!(out, "recommended: nothing fits on this machine")?;
+            let closest = r
+                .closest
+                .and_then(|c| r.estimates.iter().find(|e| e.choice == c));
+            if let Some(e) = closest {
+                let m = &r.machine;
+                write!(
+                    out,
+                    "; closest: {} needs RAM {} (usable {}), NVMe {} (free {})",
+                    choice_text(e.choice),
+                    format_bytes(e.node_ram_bytes),
+                    opt_bytes(m.ram_bytes.map(|b| b / 100 * estimate::HOST_USABLE_PERCENT)),
+                    format_bytes(e.per_node.nvme_bytes),
+                    opt_bytes(m.nvme_free_bytes)
+                )?;
+                if let Some(d) = m.device_bytes {
+                    write!(
+                        out,
+                        ", device {} per rank (usable {})",
+                        format_bytes(e.per_rank.device_bytes),
+                        format_bytes(d / 100 * estimate::DEVICE_USABLE_PERCENT)
+                    )?;
+                }
+            }
+            writeln!(out)?;
+        }
+    }
+    for n in &r.notes {
+        writeln!(out, "note: {n}")?;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tierzero::estimate::Offload;
+
+    #[test]
+    fn nvme_path_falls_back_to_an_existing_ancestor() {
+        let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let deep = tmp.path().join("a/b/c");
+        assert_eq!(existing_ancestor(&deep), Some(tmp.path().to_path_buf()));
+        assert_eq!(
+            existing_ancestor(tmp.path()),
+            Some(tmp.path().to_path_buf())
+        );
+        assert_eq!(
+            existing_ancestor(Path::new("no-such-dir-here")),
+            Some(PathBuf::from("."))
+        );
+    }
+
+    #[test]
+    fn counts_read_well() {
+        assert_eq!(count(7_000_000_000), "7.00B");
+        assert_eq!(count(124_439_808), "124.4M");
+        assert_eq!(count(999), "999");
+    }
+
+    #[test]
+    fn offload_names() {
+        assert_eq!(
+            choice_text(Choice {
+                stage: Stage::Parameters,
+                optimizer: Offload::Nvme,
+                params: Offload::Cpu
+            }),
+            "stage 3, offload_optimizer nvme, offload_param cpu"
+        );
+    }
+}

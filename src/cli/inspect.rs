@@ -1,0 +1,282 @@
+//! `tierzero inspect DIR`: summarise a swap directory.
+//!
+//! A swap directory is what `tierzero-swap` creates under each NVMe path:
+//! `<nvme_path>/tierzero/` holding `swap-<pid>-<space>-<path>.tzswap` files
+//! (see `tierzero_swap::space`). `DIR` may be the `nvme_path` or the
+//! `tierzero/` directory itself. For each of our files we show its size,
+//! the space really allocated (swap files are preallocated, so a smaller
+//! number means a sparse file), the owning pid, whether that process is
+//! alive, and the mode bits. A file whose owner is gone is stale: the next
+//! tierzero run on that path reclaims it, or it can be deleted by hand.
+//! Ownership and liveness use the swap crate's own functions
+//! (`swap_file_owner_pid`, `process_alive`), so `inspect` calls stale exactly
+//! what the swap crate would reclaim. Anything else in the directory is
+//! counted and listed, never touched.
+//!
+//! [`classify`] decides what `DIR` is and returns a [`Target`]; each kind of
+//! target has its own report. Checkpoint directories will be a second
+//! variant of [`Target`] when checkpoints exist; a directory that is neither
+//! is bad input (exit 2).
+
+use std::fmt::Write as _;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use anyhow::anyhow;
+use clap::Args;
+use serde::Serialize;
+use tierzero::units::format_bytes;
+use tierzero_swap::space::{process_alive, swap_file_owner_pid, SWAP_SUBDIR};
+
+use super::Failure;
+
+/// Arguments of `tierzero inspect`.
+#[derive(Debug, Args)]
+#[command(
+    after_help = "Examples:\n  tierzero inspect /mnt/nvme\n  tierzero inspect ./tierzero-swap/tierzero --json"
+)]
+pub struct InspectArgs {
+    /// A swap directory: an offload nvme_path containing tierzero/, or that
+    /// tierzero/ directory.
+    #[arg(value_name = "DIR")]
+    dir: PathBuf,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// What a directory given to `inspect` is.
+#[derive(Debug)]
+pub enum Target {
+    /// A `tierzero/` swap directory.
+    Swap {
+        /// The `tierzero/` directory itself.
+        dir: PathBuf,
+    },
+}
+
+fn bad(msg: String) -> Failure {
+    Failure::BadInput(anyhow!(msg))
+}
+
+/// Decides what `dir` is.
+pub fn classify(dir: &Path) -> Result<Target, Failure> {
+    let meta = std::fs::metadata(dir).map_err(|e| bad(format!("{}: {e}", dir.display())))?;
+    if !meta.is_dir() {
+        return Err(bad(format!(
+            "{} is not a directory; inspect takes a swap directory (an nvme_path or its {SWAP_SUBDIR}/ directory)",
+            dir.display()
+        )));
+    }
+    let sub = dir.join(SWAP_SUBDIR);
+    if sub.is_dir() {
+        return Ok(Target::Swap { dir: sub });
+    }
+    let named_like_ours = dir
+        .canonicalize()
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n == SWAP_SUBDIR))
+        .unwrap_or(false);
+    if named_like_ours {
+        return Ok(Target::Swap {
+            dir: dir.to_path_buf(),
+        });
+    }
+    Err(bad(format!(
+        "{} is not a swap directory (no {SWAP_SUBDIR}/ inside it); give an offload nvme_path or its {SWAP_SUBDIR}/ directory",
+        dir.display()
+    )))
+}
+
+/// One of our swap files.
+#[derive(Debug, Serialize)]
+pub struct SwapFileEntry {
+    /// File name.
+    pub name: String,
+    /// Length.
+    pub size_bytes: u64,
+    /// Space allocated on disk (`st_blocks × 512`).
+    pub allocated_bytes: u64,
+    /// Owning process, from the name.
+    pub pid: u32,
+    /// Whether that process exists.
+    pub alive: bool,
+    /// Permission bits, octal (`0600` when created by tierzero).
+    pub mode: String,
+    /// Owner uid.
+    pub uid: u32,
+}
+
+/// Summary of a swap directory.
+#[derive(Debug, Serialize)]
+pub struct SwapReport {
+    /// Always `"swap"`.
+    pub kind: &'static str,
+    /// The `tierzero/` directory.
+    pub dir: String,
+    /// Its permission bits (`0700` when created by tierzero).
+    pub dir_mode: String,
+    /// Our files, by name.
+    pub files: Vec<SwapFileEntry>,
+    /// Files whose owner is alive.
+    pub live_files: u64,
+    /// Files whose owner is gone (reclaimable).
+    pub stale_files: u64,
+    /// Sum of sizes.
+    pub total_bytes: u64,
+    /// Sum of sizes of live files.
+    pub live_bytes: u64,
+    /// Sum of sizes of stale files: what deleting them frees.
+    pub stale_bytes: u64,
+    /// Sum of allocated bytes.
+    pub allocated_bytes: u64,
+    /// Entries that are not tierzero swap files (ignored).
+    pub other_entries: u64,
+    /// Their names.
+    pub other_names: Vec<String>,
+}
+
+fn mode_text(mode: u32) -> String {
+    format!("{:04o}", mode & 0o7777)
+}
+
+/// Lists the swap files in `dir` (a `tierzero/` directory).
+pub fn scan_swap_dir(dir: &Path) -> Result<SwapReport, Failure> {
+    let read_err = |e: std::io::Error| bad(format!("cannot read {}: {e}", dir.display()));
+    let dir_meta = std::fs::metadata(dir).map_err(read_err)?;
+    let mut report = SwapReport {
+        kind: "swap",
+        dir: dir.display().to_string(),
+        dir_mode: mode_text(dir_meta.permissions().mode()),
+        files: Vec::new(),
+        live_files: 0,
+        stale_files: 0,
+        total_bytes: 0,
+        live_bytes: 0,
+        stale_bytes: 0,
+        allocated_bytes: 0,
+        other_entries: 0,
+        other_names: Vec::new(),
+    };
+    let me = std::process::id();
+    for entry in std::fs::read_dir(dir).map_err(read_err)? {
+        let entry = entry.map_err(read_err)?;
+        let os_name = entry.file_name();
+        let name = os_name.to_string_lossy().into_owned();
+        let meta = match std::fs::symlink_metadata(entry.path()) {
+            Ok(m) => m,
+            Err(_) => {
+                // Gone between the listing and the stat (a run ended).
+                continue;
+            }
+        };
+        let pid = os_name
+            .to_str()
+            .and_then(swap_file_owner_pid)
+            .filter(|_| meta.file_type().is_file());
+        let Some(pid) = pid else {
+            report.other_entries += 1;
+            report.other_names.push(name);
+            continue;
+        };
+        let alive = pid == me || process_alive(pid);
+        let size = meta.len();
+        report.total_bytes = report.total_bytes.saturating_add(size);
+        if alive {
+            report.live_files += 1;
+            report.live_bytes = report.live_bytes.saturating_add(size);
+        } else {
+            report.stale_files += 1;
+            report.stale_bytes = report.stale_bytes.saturating_add(size);
+        }
+        let allocated = meta.blocks().saturating_mul(512);
+        report.allocated_bytes = report.allocated_bytes.saturating_add(allocated);
+        report.files.push(SwapFileEntry {
+            name,
+            size_bytes: size,
+            allocated_bytes: allocated,
+            pid,
+            alive,
+            mode: mode_text(meta.permissions().mode()),
+            uid: meta.uid(),
+        });
+    }
+    report.files.sort_by(|a, b| a.name.cmp(&b.name));
+    report.other_names.sort();
+    Ok(report)
+}
+
+fn plural(n: u64, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
+fn render_swap(r: &SwapReport) -> Result<String, std::fmt::Error> {
+    let mut out = String::new();
+    writeln!(out, "swap directory {} (mode {})", r.dir, r.dir_mode)?;
+    if r.files.is_empty() {
+        writeln!(out, "no tierzero swap files")?;
+    } else {
+        writeln!(
+            out,
+            "{:>8}  {:<5}  {:<4}  {:>11}  {:>11}  file",
+            "pid", "state", "mode", "size", "allocated"
+        )?;
+        for f in &r.files {
+            writeln!(
+                out,
+                "{:>8}  {:<5}  {:<4}  {:>11}  {:>11}  {}",
+                f.pid,
+                if f.alive { "live" } else { "stale" },
+                f.mode,
+                format_bytes(f.size_bytes),
+                format_bytes(f.allocated_bytes),
+                f.name
+            )?;
+        }
+    }
+    writeln!(
+        out,
+        "total: {}, {} ({} allocated); live: {}, {}; stale: {}, {}{}",
+        plural(r.files.len() as u64, "swap file", "swap files"),
+        format_bytes(r.total_bytes),
+        format_bytes(r.allocated_bytes),
+        plural(r.live_files, "file", "files"),
+        format_bytes(r.live_bytes),
+        plural(r.stale_files, "file", "files"),
+        format_bytes(r.stale_bytes),
+        if r.stale_files > 0 {
+            " reclaimable (their processes are gone; the next tierzero run on this path removes them)"
+        } else {
+            ""
+        }
+    )?;
+    if r.other_entries > 0 {
+        writeln!(
+            out,
+            "ignored: {} that {} not tierzero swap files: {}",
+            plural(r.other_entries, "entry", "entries"),
+            if r.other_entries == 1 { "is" } else { "are" },
+            r.other_names.join(", ")
+        )?;
+    }
+    Ok(out)
+}
+
+/// Runs `tierzero inspect`.
+pub fn run(a: InspectArgs) -> Result<(), Failure> {
+    match classify(&a.dir)? {
+        Target::Swap { dir } => {
+            let report = scan_swap_dir(&dir)?;
+            if a.json {
+                let text = serde_json::to_string_pretty(&report)
+                    .map_err(|e| Failure::Internal(anyhow!("serialising the report: {e}")))?;
+                super::emit(&format!("{text}\n"))?;
+            } else {
+                let text = render_swap(&report)
+                    .map_err(|e| Failure::Internal(anyhow!("formatting the report: {e}")))?;
+                super::emit(&text)?;
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,1394 @@
+//! Memory needs of model states per ZeRO stage and offload choice, and what
+//! fits on a given machine (`tierzero estimate`).
+//!
+//! Pure computation: [`estimate`] takes the model size, the rank count, the
+//! swap settings of a config and a [`Machine`] description, and returns
+//! every [`Choice`] with its bytes per tier and whether it fits. Reading the
+//! machine ([`probe_machine`]) is separate so tests can pass any machine.
+//!
+//! # What DeepSpeed computes
+//!
+//! DeepSpeed ships two estimators (deepspeedai/DeepSpeed,
+//! `deepspeed/runtime/zero/stage_1_and_2.py::estimate_zero2_model_states_mem_needs`
+//! as of commit 02aa38c3, and
+//! `deepspeed/runtime/zero/stage3.py::estimate_zero3_model_states_mem_needs`
+//! as of 007cca6a; explained, with example output, in
+//! `docs/code-docs/source/memory.rst` as of 0cca5393). With `N` params,
+//! `G` GPUs per node, `T` GPUs in all, `L` the largest layer's params and
+//! `f = 1.5` an "additional buffer factor":
+//!
+//! | stage | offload | per GPU | per CPU (node) |
+//! |---|---|---|---|
+//! | 1/2 | none | `2N + 18N/T` | `4N·G·f` (fp32 model load) |
+//! | 1/2 | optimizer cpu | `2N` | `N·max(4T, 16)·f` |
+//! | 3 | none | `4L + 18N/T` | `4L·G·f` (with `zero.Init`) |
+//! | 3 | optimizer cpu | `4L + 2N/T` | `16N·f·G/T` |
+//! | 3 | optimizer + params cpu | `4L` | `18N·f·G/T` |
+//!
+//! [`deepspeed`] reproduces these formulas exactly (tested against the
+//! numbers printed in `memory.rst`), and each estimate carries DeepSpeed's
+//! figure for comparison where DeepSpeed has one (one node of `R` GPUs,
+//! `zero_init=1`, `f = 1.5`, and our largest unit as its largest layer).
+//! `memory.rst` still prints `4N + 16N/T` per GPU for stage 2 without
+//! offload; the code computes `2N + 18N/T`, which is what we follow. DeepSpeed has no estimate
+//! for stage 0 or for NVMe offload, and its numbers hide where the memory
+//! goes: the 1.5 factor stands in for buffers it does not list, and pinned
+//! memory (what actually runs out, see DeepSpeed#3000) is not shown at all.
+//!
+//! # What we compute
+//!
+//! tierzero's own accounting, per rank, item by item, each with its formula
+//! ([`Item`]). `S = ⌈N/R⌉` is one rank's partition of `N` params over `R`
+//! ranks; `p` the bytes of a 16-bit param (4 in an fp32 run); `m` the bytes
+//! of one Adam moment (4, or 2 with bf16 moments).
+//!
+//! - **16-bit params**: `N·p` (stages 0-2) or `S·p` (stage 3), on the
+//!   device, in host memory (`offload_param: cpu`, pinned when `pin_memory`,
+//!   since every forward and backward copies them to the device), or on NVMe.
+//! - **Gathered units** (stage 3): the unit being computed and the one being
+//!   prefetched, `2·L·p`, where `L` is the largest *unit* (a whole
+//!   transformer block: that is what the engine gathers, not DeepSpeed's
+//!   single module). Skipped with one rank and params on the device: there
+//!   is nothing to gather.
+//! - **Unit gradients**: one unit's 16-bit grads, `L·p`, on the device
+//!   before they are reduced or offloaded (whenever grads are partitioned or
+//!   offloaded; stages 0/1 without offload accumulate straight into fp32).
+//! - **fp32 gradient accumulators**: `N·4` (stages 0/1) or `S·4` (stages 2/3),
+//!   wherever the optimizer runs: device, pinned host memory (they are the
+//!   target of device-to-host copies), or NVMe (swapped with the optimizer
+//!   sub-group, as DeepSpeed's gradient swap files).
+//! - **Optimizer state**: fp32 master + m + v, `(4 + 2m)` bytes per param,
+//!   `N` of them at stage 0 and `S` from stage 1: on the device, in
+//!   *pageable* host memory (`cpu`: the CPU Adam reads and writes it in
+//!   place, no DMA touches it, so it need not be pinned), or on NVMe.
+//! - **Pinned swap buffers**, from the config (DeepSpeed's defaults without
+//!   one):
+//!   - param swap-in buffers: `buffer_count × buffer_size × p`;
+//!   - the param host cache: `min(max_in_cpu, S) × p` (DeepSpeed keeps the
+//!     first `max_in_cpu` elements of 16-bit params in host memory);
+//!   - optimizer swap buffers: `buffers × min(sub_group_size, S) × 4`, where
+//!     `buffers` is `offload_optimizer.buffer_count`, raised to `3 × 4 = 12`
+//!     (3 sub-groups in flight: read, step, write; × param, grad, m, v) when
+//!     `pipeline_read` or `pipeline_write` is on, since the pipeline needs
+//!     them all (DeepSpeed fails with "ran out of swap buffers" instead);
+//!   - the 16-bit write-back staging when the optimizer is offloaded but the
+//!     params are on the device: one sub-group, `min(sub_group_size, S) × p`.
+//!
+//! With `pin_memory: false`, what would be pinned is counted as pageable.
+//!
+//! Not counted (as in DeepSpeed): activations, communication buckets,
+//! allocator fragmentation. The per-node host and NVMe totals assume all
+//! `R` ranks run on this machine.
+//!
+//! # Fitting
+//!
+//! A choice fits when its device bytes fit in [`DEVICE_USABLE_PERCENT`] of
+//! the device memory given, its host bytes (× ranks) fit in
+//! [`HOST_USABLE_PERCENT`] of RAM, and its NVMe
+//! bytes (× ranks) fit the free space of the swap path. Without a device
+//! size the compute device is taken to be the CPU (tierzero trains on the
+//! CPU when there is no GPU), so device bytes come out of RAM too. Pinned
+//! bytes above `RLIMIT_MEMLOCK` do not make a choice unfit (the limit can be
+//! raised) but are flagged. The recommendation is the first choice that
+//! fits in order of least data movement: params offload none < cpu < nvme,
+//! then optimizer offload none < cpu < nvme, then the lowest stage.
+//!
+//! # When the largest unit is unknown
+//!
+//! With only `--params`, `L` is assumed from a GPT-3-shaped decoder
+//! (hidden = 128 × layers and 12·hidden² params per layer, so
+//! `layers = ∛(N / 196608)` and `L = N / layers`): 213M for 7B, against
+//! 202M for Llama-2-7B's real block. The output says it is assumed;
+//! `--largest-layer` or `--model` replace it.
+
+use std::path::Path;
+
+use serde::Serialize;
+
+use crate::config::{
+    parse_str, AutoOr, Config, ConfigError, Loaded, OffloadDevice, PathChecks, RunContext, Stage,
+};
+
+/// Share of RAM a choice may use for model states (the rest is left to the
+/// OS, activations and the page cache).
+pub const HOST_USABLE_PERCENT: u64 = 90;
+
+/// Share of device memory a choice may use for model states (the rest is
+/// left to activations and the allocator).
+pub const DEVICE_USABLE_PERCENT: u64 = 90;
+
+/// Errors of the estimate area.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum EstimateError {
+    /// A count that must be positive was zero.
+    #[error("{what} must be at least 1 (got 0)")]
+    Zero {
+        /// Which input.
+        what: &'static str,
+    },
+    /// The largest unit is bigger than the model.
+    #[error("the largest unit ({largest_numel} params) cannot exceed the model ({total_numel} params); fix --largest-layer")]
+    LargestExceedsTotal {
+        /// Largest unit.
+        largest_numel: u64,
+        /// Whole model.
+        total_numel: u64,
+    },
+    /// A byte count does not fit in 64 bits.
+    #[error("{what} overflows 64-bit byte counts; the model is too large to estimate")]
+    Overflow {
+        /// Which product.
+        what: String,
+    },
+}
+
+/// Where a tensor class lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Offload {
+    /// On the compute device.
+    None,
+    /// In host memory.
+    Cpu,
+    /// On NVMe.
+    Nvme,
+}
+
+impl Offload {
+    /// DeepSpeed's name for the device.
+    pub fn name(self) -> &'static str {
+        match self {
+            Offload::None => "none",
+            Offload::Cpu => "cpu",
+            Offload::Nvme => "nvme",
+        }
+    }
+}
+
+/// A ZeRO stage and its offload choices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub struct Choice {
+    /// ZeRO stage (serialised as DeepSpeed's number).
+    #[serde(serialize_with = "stage_number")]
+    pub stage: Stage,
+    /// `offload_optimizer.device`.
+    pub optimizer: Offload,
+    /// `offload_param.device` (always `None` below stage 3).
+    pub params: Offload,
+}
+
+fn stage_number<S: serde::Serializer>(stage: &Stage, ser: S) -> Result<S::Ok, S::Error> {
+    ser.serialize_u8(stage.number())
+}
+
+impl Choice {
+    /// Every choice DeepSpeed accepts: stage 0 without offload; stages 1
+    /// and 2 with the optimizer on the device or the CPU; stage 3 with each
+    /// of none/cpu/nvme for the optimizer and for the params.
+    pub fn all() -> Vec<Choice> {
+        use Offload::*;
+        let mut v = vec![Choice {
+            stage: Stage::Disabled,
+            optimizer: None,
+            params: None,
+        }];
+        for stage in [Stage::OptimizerStates, Stage::Gradients] {
+            for optimizer in [None, Cpu] {
+                v.push(Choice {
+                    stage,
+                    optimizer,
+                    params: None,
+                });
+            }
+        }
+        for optimizer in [None, Cpu, Nvme] {
+            for params in [None, Cpu, Nvme] {
+                v.push(Choice {
+                    stage: Stage::Parameters,
+                    optimizer,
+                    params,
+                });
+            }
+        }
+        v
+    }
+
+    /// Preference order: less data movement first.
+    fn preference(self) -> (Offload, Offload, Stage) {
+        (self.params, self.optimizer, self.stage)
+    }
+}
+
+/// The swap settings that size pinned buffers (DeepSpeed's keys).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct SwapSettings {
+    /// `offload_param.buffer_count`.
+    pub param_buffer_count: u64,
+    /// `offload_param.buffer_size` (elements).
+    pub param_buffer_numel: u64,
+    /// `offload_param.max_in_cpu` (elements).
+    pub param_max_in_cpu_numel: u64,
+    /// `offload_param.pin_memory`.
+    pub param_pin_memory: bool,
+    /// `offload_optimizer.buffer_count`.
+    pub optimizer_buffer_count: u64,
+    /// `offload_optimizer.pin_memory`.
+    pub optimizer_pin_memory: bool,
+    /// `pipeline_read || pipeline_write`.
+    pub optimizer_pipelined: bool,
+    /// `sub_group_size` (elements).
+    pub sub_group_numel: u64,
+}
+
+impl SwapSettings {
+    /// The settings of a validated config (its offload devices are ignored:
+    /// every choice is estimated with the same buffer sizes).
+    pub fn from_config(c: &Config) -> Self {
+        let p = &c.zero.offload_param;
+        let o = &c.zero.offload_optimizer;
+        SwapSettings {
+            param_buffer_count: p.buffer_count,
+            param_buffer_numel: p.buffer_numel.0,
+            param_max_in_cpu_numel: p.max_in_cpu_numel.0,
+            param_pin_memory: p.pin_memory,
+            optimizer_buffer_count: o.buffer_count,
+            optimizer_pin_memory: o.pin_memory,
+            optimizer_pipelined: o.pipeline_read || o.pipeline_write,
+            sub_group_numel: c.zero.sub_group_numel.0,
+        }
+    }
+}
+
+/// Loads config text for estimating: only precision and the ZeRO and
+/// offload settings size memory, so the batch sizes and the scheduler are
+/// dropped before validation (their `"auto"` values would need a run), a
+/// missing micro-batch size becomes `"auto"`, and `nvme_path` is not
+/// checked on disk. Everything else is validated as for a run.
+pub fn load_config(text: &str, ranks: u64, total_numel: u64) -> Result<Loaded, ConfigError> {
+    let mut parsed = parse_str(text)?;
+    parsed.ds.train_batch_size = None;
+    parsed
+        .ds
+        .train_micro_batch_size_per_gpu
+        .get_or_insert(AutoOr::Auto);
+    parsed.ds.scheduler = None;
+    let run = RunContext {
+        ranks,
+        model_numel: Some(total_numel),
+        path_checks: PathChecks::Skip,
+        ..RunContext::default()
+    };
+    parsed.resolve(&run)
+}
+
+/// The choice a config selects.
+pub fn choice_of_config(c: &Config) -> Choice {
+    let off = |d: &OffloadDevice| match d {
+        OffloadDevice::None => Offload::None,
+        OffloadDevice::Cpu => Offload::Cpu,
+        OffloadDevice::Nvme { .. } => Offload::Nvme,
+    };
+    Choice {
+        stage: c.zero.stage,
+        optimizer: off(&c.zero.offload_optimizer.device),
+        params: off(&c.zero.offload_param.device),
+    }
+}
+
+/// Where the largest-unit size came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LargestSource {
+    /// `--largest-layer`.
+    Given,
+    /// Counted from the model's `config.json`.
+    Model,
+    /// Assumed from the total (see the module docs).
+    Assumed,
+}
+
+/// What is estimated.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Inputs {
+    /// Model parameters (shared ones counted once).
+    pub total_numel: u64,
+    /// Params of the largest unit gathered at once.
+    pub largest_unit_numel: u64,
+    /// Where `largest_unit_numel` came from.
+    pub largest_source: LargestSource,
+    /// Largest single tensor, when the model is known (checked against the
+    /// param swap buffer size).
+    pub largest_tensor_numel: Option<u64>,
+    /// Data-parallel ranks, all on this machine.
+    pub ranks: u64,
+    /// Bytes per param element (2 for fp16/bf16, 4 for fp32 runs).
+    pub param_elem_bytes: u64,
+    /// Bytes per Adam moment element (4, or 2 with bf16 moments).
+    pub moment_elem_bytes: u64,
+    /// Pinned buffer settings.
+    pub swap: SwapSettings,
+}
+
+/// The assumed largest unit for a GPT-3-shaped model of `total_numel`
+/// params (see the module docs).
+pub fn assumed_largest_unit_numel(total_numel: u64) -> u64 {
+    let layers = (total_numel as f64 / 196_608.0).cbrt().round().max(1.0);
+    (total_numel as f64 / layers).ceil() as u64
+}
+
+/// A memory tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    /// Accelerator memory (or RAM when the CPU is the device).
+    Device,
+    /// Page-locked host memory.
+    Pinned,
+    /// Ordinary host memory.
+    Pageable,
+    /// NVMe swap files.
+    Nvme,
+}
+
+/// One line of the accounting.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Item {
+    /// Where the bytes live.
+    pub tier: Tier,
+    /// What they are.
+    pub what: &'static str,
+    /// How many, per rank.
+    pub bytes: u64,
+    /// How they were computed, with the numbers.
+    pub formula: String,
+}
+
+/// Bytes per tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct Totals {
+    /// Device bytes.
+    pub device_bytes: u64,
+    /// Pinned host bytes.
+    pub pinned_bytes: u64,
+    /// Pageable host bytes.
+    pub pageable_bytes: u64,
+    /// NVMe bytes.
+    pub nvme_bytes: u64,
+}
+
+impl Totals {
+    fn add(&mut self, tier: Tier, bytes: u64) {
+        let slot = match tier {
+            Tier::Device => &mut self.device_bytes,
+            Tier::Pinned => &mut self.pinned_bytes,
+            Tier::Pageable => &mut self.pageable_bytes,
+            Tier::Nvme => &mut self.nvme_bytes,
+        };
+        *slot = slot.saturating_add(bytes);
+    }
+
+    fn times(self, k: u64) -> Result<Totals, EstimateError> {
+        let m = |v: u64, what: &str| {
+            v.checked_mul(k).ok_or_else(|| EstimateError::Overflow {
+                what: format!("{what} × ranks"),
+            })
+        };
+        Ok(Totals {
+            device_bytes: m(self.device_bytes, "device bytes")?,
+            pinned_bytes: m(self.pinned_bytes, "pinned bytes")?,
+            pageable_bytes: m(self.pageable_bytes, "pageable bytes")?,
+            nvme_bytes: m(self.nvme_bytes, "NVMe bytes")?,
+        })
+    }
+
+    /// Host bytes, pinned and pageable.
+    pub fn host_bytes(&self) -> u64 {
+        self.pinned_bytes.saturating_add(self.pageable_bytes)
+    }
+}
+
+/// DeepSpeed's own estimate for the same choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct DeepSpeedFigure {
+    /// "per CPU" (per node), with `zero_init=1`.
+    pub cpu_bytes: u64,
+    /// "per GPU".
+    pub gpu_bytes: u64,
+}
+
+/// Whether one resource suffices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    /// Enough.
+    Fits,
+    /// Not enough.
+    TooSmall,
+    /// The resource's size is unknown.
+    Unknown,
+}
+
+/// The fit of one choice on a machine.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Fit {
+    /// Device memory (per rank); `Unknown` folds the device into host RAM.
+    pub device: Verdict,
+    /// Host RAM (per node, device bytes included when the CPU is the device).
+    pub host: Verdict,
+    /// NVMe free space (per node).
+    pub nvme: Verdict,
+    /// Pinned bytes per rank exceed `RLIMIT_MEMLOCK`.
+    pub pinned_over_memlock: bool,
+    /// Everything known fits and nothing needed is unknown.
+    pub fits: bool,
+    /// The largest of need / usable over the resources whose size is
+    /// known: at most 1 when it fits; how far off it is otherwise.
+    pub max_use_ratio: f64,
+}
+
+/// The estimate of one choice.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Estimate {
+    /// The choice.
+    pub choice: Choice,
+    /// Per-rank accounting.
+    pub items: Vec<Item>,
+    /// Per-rank totals.
+    pub per_rank: Totals,
+    /// All ranks on this machine.
+    pub per_node: Totals,
+    /// Host bytes the node needs in RAM (device bytes included when the CPU
+    /// is the device).
+    pub node_ram_bytes: u64,
+    /// DeepSpeed's estimate, where it has one.
+    pub deepspeed: Option<DeepSpeedFigure>,
+    /// Fit on the machine.
+    pub fit: Fit,
+}
+
+/// `RLIMIT_MEMLOCK`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Memlock {
+    /// No limit.
+    Unlimited,
+    /// This many bytes.
+    Bytes(u64),
+}
+
+/// What the machine offers. `None` = unknown.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Machine {
+    /// `MemTotal`.
+    pub ram_bytes: Option<u64>,
+    /// `MemAvailable` (informational).
+    pub ram_available_bytes: Option<u64>,
+    /// `RLIMIT_MEMLOCK` of this process.
+    pub memlock: Option<Memlock>,
+    /// Directory whose free space was measured.
+    pub nvme_dir: Option<String>,
+    /// Free bytes there.
+    pub nvme_free_bytes: Option<u64>,
+    /// Accelerator memory per rank; `None`: the CPU is the device.
+    pub device_bytes: Option<u64>,
+}
+
+/// The whole answer.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Report {
+    /// What was estimated.
+    pub inputs: Inputs,
+    /// The machine.
+    pub machine: Machine,
+    /// One estimate per choice, in [`Choice::all`] order.
+    pub estimates: Vec<Estimate>,
+    /// The first fitting choice in preference order.
+    pub recommended: Option<Choice>,
+    /// When nothing fits: the choice closest to fitting (smallest
+    /// [`Fit::max_use_ratio`]).
+    pub closest: Option<Choice>,
+    /// Warnings and hints, one line each.
+    pub notes: Vec<String>,
+}
+
+fn mul(a: u64, b: u64, what: &str) -> Result<u64, EstimateError> {
+    a.checked_mul(b).ok_or_else(|| EstimateError::Overflow {
+        what: what.to_owned(),
+    })
+}
+
+/// Per-rank accounting of one choice (see the module docs).
+pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
+    let n = inp.total_numel;
+    let r = inp.ranks;
+    let s = n.div_ceil(r);
+    let p = inp.param_elem_bytes;
+    let l = inp.largest_unit_numel;
+    let sw = &inp.swap;
+    let mut v = Vec::new();
+    let mut push = |tier, what, bytes, formula: String| {
+        v.push(Item {
+            tier,
+            what,
+            bytes,
+            formula,
+        })
+    };
+    let part = |partitioned: bool| -> (u64, String) {
+        if partitioned && r > 1 {
+            (s, format!("⌈{n}/{r}⌉"))
+        } else {
+            (n, format!("{n}"))
+        }
+    };
+    let pinned_or = |pin: bool| if pin { Tier::Pinned } else { Tier::Pageable };
+
+    // 16-bit params.
+    let (pn, ps) = part(c.stage == Stage::Parameters);
+    let param_bytes = mul(pn, p, "16-bit params")?;
+    match c.params {
+        Offload::None => push(
+            Tier::Device,
+            "16-bit params",
+            param_bytes,
+            format!("{ps} × {p} B"),
+        ),
+        Offload::Cpu => push(
+            pinned_or(sw.param_pin_memory),
+            "16-bit param partition",
+            param_bytes,
+            format!("{ps} × {p} B"),
+        ),
+        Offload::Nvme => {
+            push(
+                Tier::Nvme,
+                "16-bit param partition",
+                param_bytes,
+                format!("{ps} × {p} B"),
+            );
+            let bufs = mul(
+                mul(
+                    sw.param_buffer_count,
+                    sw.param_buffer_numel,
+                    "param buffers",
+                )?,
+                p,
+                "param buffers",
+            )?;
+            push(
+                pinned_or(sw.param_pin_memory),
+                "param swap-in buffers",
+                bufs,
+                format!(
+                    "buffer_count {} × buffer_size {} × {p} B",
+                    sw.param_buffer_count, sw.param_buffer_numel
+                ),
+            );
+            let cached = sw.param_max_in_cpu_numel.min(pn);
+            if cached > 0 {
+                push(
+                    pinned_or(sw.param_pin_memory),
+                    "param host cache (max_in_cpu)",
+                    mul(cached, p, "param host cache")?,
+                    format!(
+                        "min(max_in_cpu {}, {ps}) × {p} B",
+                        sw.param_max_in_cpu_numel
+                    ),
+                );
+            }
+        }
+    }
+    if c.stage == Stage::Parameters && !(r == 1 && c.params == Offload::None) {
+        push(
+            Tier::Device,
+            "gathered units (current + prefetched)",
+            mul(mul(2, l, "gathered units")?, p, "gathered units")?,
+            format!("2 × {l} × {p} B"),
+        );
+    }
+    if c.stage >= Stage::Gradients || c.optimizer != Offload::None {
+        push(
+            Tier::Device,
+            "one unit's 16-bit grads",
+            mul(l, p, "unit grads")?,
+            format!("{l} × {p} B"),
+        );
+    }
+
+    // fp32 gradient accumulators, where the optimizer runs.
+    let (gn, gs) = part(c.stage >= Stage::Gradients);
+    let grad_bytes = mul(gn, 4, "fp32 grads")?;
+    let grad_tier = match c.optimizer {
+        Offload::None => Tier::Device,
+        Offload::Cpu => pinned_or(sw.optimizer_pin_memory),
+        Offload::Nvme => Tier::Nvme,
+    };
+    push(
+        grad_tier,
+        "fp32 grad accumulators",
+        grad_bytes,
+        format!("{gs} × 4 B"),
+    );
+
+    // Optimizer state.
+    let (on, os) = part(c.stage >= Stage::OptimizerStates);
+    let per = 4 + 2 * inp.moment_elem_bytes;
+    let state_tier = match c.optimizer {
+        Offload::None => Tier::Device,
+        Offload::Cpu => Tier::Pageable,
+        Offload::Nvme => Tier::Nvme,
+    };
+    push(
+        state_tier,
+        "fp32 master + Adam m, v",
+        mul(on, per, "optimizer state")?,
+        format!("{os} × (4 + 2 × {}) B", inp.moment_elem_bytes),
+    );
+    let tile = sw.sub_group_numel.min(on);
+    if c.optimizer == Offload::Nvme {
+        let (count, why) = optimizer_buffer_count(sw);
+        push(
+            pinned_or(sw.optimizer_pin_memory),
+            "optimizer swap buffers",
+            mul(
+                mul(count, tile, "optimizer buffers")?,
+                4,
+                "optimizer buffers",
+            )?,
+            format!(
+                "{count} buffers ({why}) × min(sub_group_size {}, {os}) × 4 B",
+                sw.sub_group_numel
+            ),
+        );
+    }
+    if c.optimizer != Offload::None && c.params == Offload::None {
+        push(
+            pinned_or(sw.optimizer_pin_memory),
+            "16-bit write-back staging",
+            mul(tile, p, "write-back staging")?,
+            format!("min(sub_group_size {}, {os}) × {p} B", sw.sub_group_numel),
+        );
+    }
+    Ok(v)
+}
+
+/// The optimizer swap buffers counted, and why.
+fn optimizer_buffer_count(sw: &SwapSettings) -> (u64, &'static str) {
+    const PIPELINE: u64 = 3 * 4;
+    if sw.optimizer_pipelined && sw.optimizer_buffer_count < PIPELINE {
+        (PIPELINE, "pipelined: 3 sub-groups × 4 states")
+    } else {
+        (sw.optimizer_buffer_count, "buffer_count")
+    }
+}
+
+/// DeepSpeed's estimators, transcribed (see the module docs for the source).
+pub mod deepspeed {
+    /// `estimate_zero2_model_states_mem_needs` (stage_1_and_2.py):
+    /// returns `(cpu_mem, gpu_mem)` in bytes.
+    pub fn zero2(
+        total_params: u64,
+        num_gpus_per_node: u64,
+        num_nodes: u64,
+        cpu_offload: bool,
+        additional_buffer_factor: f64,
+    ) -> (u64, u64) {
+        let n = total_params as f64;
+        let total_gpus = (num_nodes * num_gpus_per_node) as f64;
+        let (cpu, gpu) = if cpu_offload {
+            (
+                n * (4.0 * total_gpus).max(16.0) * additional_buffer_factor,
+                2.0 * n,
+            )
+        } else {
+            (
+                n * 4.0 * num_gpus_per_node as f64 * additional_buffer_factor,
+                2.0 * n + (18.0 * n / total_gpus).trunc(),
+            )
+        };
+        (cpu as u64, gpu as u64)
+    }
+
+    /// `estimate_zero3_model_states_mem_needs` (stage3.py): returns
+    /// `(cpu_mem, gpu_mem, largest_layer_memory)` in bytes.
+    #[allow(clippy::too_many_arguments)]
+    pub fn zero3(
+        total_params: u64,
+        largest_layer_params: u64,
+        num_gpus_per_node: u64,
+        num_nodes: u64,
+        cpu_offload: bool,
+        cpu_offload_params: bool,
+        zero_init: bool,
+        additional_buffer_factor: f64,
+    ) -> (u64, u64, u64) {
+        let n = total_params as f64;
+        let g = num_gpus_per_node as f64;
+        let total_gpus = (num_nodes * num_gpus_per_node) as f64;
+        let gpus_factor = 1.0 / num_nodes as f64;
+        let largest_layer_memory = 4.0 * largest_layer_params as f64;
+        let f = additional_buffer_factor;
+        let (cpu, gpu) = if cpu_offload {
+            if cpu_offload_params {
+                let cpu = if zero_init {
+                    n * 18.0 * gpus_factor * f
+                } else {
+                    n * (4.0 * g).max(18.0 * gpus_factor) * f
+                };
+                (cpu, largest_layer_memory)
+            } else {
+                let cpu = if zero_init {
+                    n * 16.0 * gpus_factor * f
+                } else {
+                    n * (4.0 * g).max(16.0 * gpus_factor) * f
+                };
+                (cpu, largest_layer_memory + (2.0 * n / total_gpus).trunc())
+            }
+        } else {
+            let cpu = if zero_init {
+                largest_layer_params as f64 * 4.0 * g * f
+            } else {
+                n * 4.0 * g * f
+            };
+            (cpu, largest_layer_memory + (18.0 * n / total_gpus).trunc())
+        };
+        (cpu as u64, gpu as u64, largest_layer_memory as u64)
+    }
+}
+
+/// DeepSpeed's figure for `c` (one node of `ranks` GPUs, `zero_init=1`,
+/// factor 1.5), or `None` where DeepSpeed has no estimator.
+pub fn deepspeed_figure(inp: &Inputs, c: Choice) -> Option<DeepSpeedFigure> {
+    let (cpu, gpu) = match (c.stage, c.optimizer, c.params) {
+        (Stage::OptimizerStates | Stage::Gradients, o, Offload::None) if o != Offload::Nvme => {
+            deepspeed::zero2(inp.total_numel, inp.ranks, 1, o == Offload::Cpu, 1.5)
+        }
+        (Stage::Parameters, Offload::None, Offload::None) => {
+            let (c, g, _) = deepspeed::zero3(
+                inp.total_numel,
+                inp.largest_unit_numel,
+                inp.ranks,
+                1,
+                false,
+                false,
+                true,
+                1.5,
+            );
+            (c, g)
+        }
+        (Stage::Parameters, Offload::Cpu, p @ (Offload::None | Offload::Cpu)) => {
+            let (c, g, _) = deepspeed::zero3(
+                inp.total_numel,
+                inp.largest_unit_numel,
+                inp.ranks,
+                1,
+                true,
+                p == Offload::Cpu,
+                true,
+                1.5,
+            );
+            (c, g)
+        }
+        _ => return None,
+    };
+    Some(DeepSpeedFigure {
+        cpu_bytes: cpu,
+        gpu_bytes: gpu,
+    })
+}
+
+fn fit(per_rank: &Totals, node_ram_bytes: u64, per_node: &Totals, m: &Machine) -> Fit {
+    let verdict = |need: u64, have: Option<u64>| match have {
+        _ if need == 0 => Verdict::Fits,
+        Some(h) if need <= h => Verdict::Fits,
+        Some(_) => Verdict::TooSmall,
+        None => Verdict::Unknown,
+    };
+    let usable = |b: u64, percent: u64| (b as u128 * percent as u128 / 100) as u64;
+    let device = match m.device_bytes {
+        Some(d) => verdict(
+            per_rank.device_bytes,
+            Some(usable(d, DEVICE_USABLE_PERCENT)),
+        ),
+        None => Verdict::Unknown,
+    };
+    let usable_ram = m.ram_bytes.map(|r| usable(r, HOST_USABLE_PERCENT));
+    let host = verdict(node_ram_bytes, usable_ram);
+    let nvme = verdict(per_node.nvme_bytes, m.nvme_free_bytes);
+    let pinned_over_memlock = match m.memlock {
+        Some(Memlock::Bytes(b)) => per_rank.pinned_bytes > b,
+        _ => false,
+    };
+    let device_ok = m.device_bytes.is_none() || device == Verdict::Fits;
+    let ratio = |need: u64, have: Option<u64>| match have {
+        _ if need == 0 => 0.0,
+        Some(0) => f64::INFINITY,
+        Some(h) => need as f64 / h as f64,
+        None => 0.0,
+    };
+    let max_use_ratio = ratio(
+        per_rank.device_bytes,
+        m.device_bytes.map(|d| usable(d, DEVICE_USABLE_PERCENT)),
+    )
+    .max(ratio(node_ram_bytes, usable_ram))
+    .max(ratio(per_node.nvme_bytes, m.nvme_free_bytes));
+    Fit {
+        device,
+        host,
+        nvme,
+        pinned_over_memlock,
+        fits: device_ok && host == Verdict::Fits && nvme == Verdict::Fits,
+        max_use_ratio,
+    }
+}
+
+/// Checks the inputs.
+pub fn validate(inp: &Inputs) -> Result<(), EstimateError> {
+    if inp.total_numel == 0 {
+        return Err(EstimateError::Zero {
+            what: "the parameter count",
+        });
+    }
+    if inp.ranks == 0 {
+        return Err(EstimateError::Zero { what: "--ranks" });
+    }
+    if inp.largest_unit_numel == 0 {
+        return Err(EstimateError::Zero {
+            what: "the largest unit",
+        });
+    }
+    if inp.largest_unit_numel > inp.total_numel {
+        return Err(EstimateError::LargestExceedsTotal {
+            largest_numel: inp.largest_unit_numel,
+            total_numel: inp.total_numel,
+        });
+    }
+    Ok(())
+}
+
+/// Estimates every choice on `machine`.
+pub fn estimate(inp: &Inputs, machine: &Machine) -> Result<Report, EstimateError> {
+    validate(inp)?;
+    let mut estimates = Vec::new();
+    for choice in Choice::all() {
+        let items = items(inp, choice)?;
+        let mut per_rank = Totals::default();
+        for it in &items {
+            per_rank.add(it.tier, it.bytes);
+        }
+        let per_node = per_rank.times(inp.ranks)?;
+        let mut node_ram_bytes = per_node.host_bytes();
+        if machine.device_bytes.is_none() {
+            node_ram_bytes = node_ram_bytes.saturating_add(per_node.device_bytes);
+        }
+        let fit = fit(&per_rank, node_ram_bytes, &per_node, machine);
+        estimates.push(Estimate {
+            choice,
+            deepspeed: deepspeed_figure(inp, choice),
+            items,
+            per_rank,
+            per_node,
+            node_ram_bytes,
+            fit,
+        });
+    }
+    let recommended = estimates
+        .iter()
+        .filter(|e| e.fit.fits)
+        .min_by_key(|e| e.choice.preference())
+        .map(|e| e.choice);
+    let closest = if recommended.is_some() {
+        None
+    } else {
+        estimates
+            .iter()
+            .min_by(|a, b| a.fit.max_use_ratio.total_cmp(&b.fit.max_use_ratio))
+            .map(|e| e.choice)
+    };
+    let mut notes = Vec::new();
+    if inp.largest_source == LargestSource::Assumed {
+        notes.push(format!(
+            "largest unit assumed {} params (GPT-3-shaped model); pass --largest-layer or --model for the real one",
+            inp.largest_unit_numel
+        ));
+    }
+    if let Some(t) = inp.largest_tensor_numel {
+        let part = t.div_ceil(inp.ranks);
+        if part > inp.swap.param_buffer_numel {
+            notes.push(format!(
+                "offload_param.buffer_size {} is below the largest param partition ({part} elements): NVMe param offload cannot load it; raise buffer_size to at least {part}",
+                inp.swap.param_buffer_numel
+            ));
+        }
+    }
+    if inp.swap.optimizer_pipelined && inp.swap.optimizer_buffer_count < 12 {
+        notes.push(format!(
+            "offload_optimizer.buffer_count {} is below the 12 buffers a pipelined swap needs (3 sub-groups in flight × 4 states); counted as 12",
+            inp.swap.optimizer_buffer_count
+        ));
+    }
+    if machine.device_bytes.is_none() {
+        notes.push(
+            "device memory unknown (no GPU driver is queried): assuming the CPU is the compute device, so device bytes come out of RAM; pass --device-memory (e.g. 80GiB) for a GPU"
+                .to_owned(),
+        );
+    }
+    if let Some(rec) = recommended {
+        if let Some(e) = estimates.iter().find(|e| e.choice == rec) {
+            if e.fit.pinned_over_memlock {
+                if let Some(Memlock::Bytes(b)) = machine.memlock {
+                    notes.push(format!(
+                        "the recommended choice pins {} bytes per rank but RLIMIT_MEMLOCK is {b} bytes: raise it (ulimit -l, or memlock in /etc/security/limits.conf) or set pin_memory false",
+                        e.per_rank.pinned_bytes
+                    ));
+                }
+            }
+        }
+    }
+    Ok(Report {
+        inputs: inp.clone(),
+        machine: machine.clone(),
+        estimates,
+        recommended,
+        closest,
+        notes,
+    })
+}
+
+/// Parses `/proc/meminfo` text: `(MemTotal, MemAvailable)` in bytes.
+pub fn parse_meminfo(text: &str) -> (Option<u64>, Option<u64>) {
+    let field = |key: &str| {
+        text.lines().find_map(|l| {
+            let rest = l.strip_prefix(key)?.strip_prefix(':')?;
+            let mut it = rest.split_whitespace();
+            let v: u64 = it.next()?.parse().ok()?;
+            match it.next() {
+                Some("kB") => v.checked_mul(1024),
+                None => Some(v),
+                Some(_) => None,
+            }
+        })
+    };
+    (field("MemTotal"), field("MemAvailable"))
+}
+
+/// Parses the soft `Max locked memory` limit from `/proc/self/limits` text.
+pub fn parse_memlock(text: &str) -> Option<Memlock> {
+    let line = text.lines().find(|l| l.starts_with("Max locked memory"))?;
+    let soft = line
+        .strip_prefix("Max locked memory")?
+        .split_whitespace()
+        .next()?;
+    if soft == "unlimited" {
+        Some(Memlock::Unlimited)
+    } else {
+        soft.parse().ok().map(Memlock::Bytes)
+    }
+}
+
+/// Reads RAM and memlock from `/proc`, the free space of `nvme_dir`, and
+/// takes `device_bytes` as given (no GPU driver is queried). Anything that
+/// cannot be read is `None`.
+pub fn probe_machine(nvme_dir: &Path, device_bytes: Option<u64>) -> Machine {
+    let (ram_bytes, ram_available_bytes) = std::fs::read_to_string("/proc/meminfo")
+        .map(|t| parse_meminfo(&t))
+        .unwrap_or((None, None));
+    let memlock = std::fs::read_to_string("/proc/self/limits")
+        .ok()
+        .and_then(|t| parse_memlock(&t));
+    let nvme_free_bytes = tierzero_swap::space::filesystem_space(nvme_dir)
+        .ok()
+        .map(|s| s.available_bytes);
+    Machine {
+        ram_bytes,
+        ram_available_bytes,
+        memlock,
+        nvme_dir: Some(nvme_dir.display().to_string()),
+        nvme_free_bytes,
+        device_bytes,
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    fn settings(json: &str) -> SwapSettings {
+        SwapSettings::from_config(&load_config(json, 1, 1000).unwrap().config)
+    }
+
+    #[test]
+    fn config_for_estimate_ignores_batch_and_schedule() {
+        // An HF-style config: "auto" batch sizes and step counts, and a
+        // train_batch_size that only holds for 2 ranks.
+        let text = r#"{"train_batch_size": 16, "train_micro_batch_size_per_gpu": 8,
+            "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}},
+            "bf16": {"enabled": true},
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}"#;
+        let loaded = load_config(text, 4, 1_000_000).unwrap();
+        assert_eq!(loaded.config.precision.param_elem_bytes(), 2);
+        assert_eq!(
+            choice_of_config(&loaded.config),
+            Choice {
+                stage: Stage::Parameters,
+                optimizer: Offload::Cpu,
+                params: Offload::None
+            }
+        );
+        // Real config errors still fail.
+        assert!(load_config(r#"{"zero_optimization": {"stage": 7}}"#, 1, 1).is_err());
+    }
+
+    fn inputs(total: u64, largest: u64, ranks: u64, swap: SwapSettings) -> Inputs {
+        Inputs {
+            total_numel: total,
+            largest_unit_numel: largest,
+            largest_source: LargestSource::Given,
+            largest_tensor_numel: None,
+            ranks,
+            param_elem_bytes: 2,
+            moment_elem_bytes: 4,
+            swap,
+        }
+    }
+
+    fn machine(ram: u64, nvme: u64, device: Option<u64>) -> Machine {
+        Machine {
+            ram_bytes: Some(ram),
+            ram_available_bytes: None,
+            memlock: Some(Memlock::Unlimited),
+            nvme_dir: None,
+            nvme_free_bytes: Some(nvme),
+            device_bytes: device,
+        }
+    }
+
+    fn gib2(bytes: u64) -> String {
+        format!("{:.2}", bytes as f64 / GIB as f64)
+    }
+
+    /// DeepSpeed's `docs/code-docs/source/memory.rst` prints, for
+    /// `estimate_zero3_model_states_mem_needs_all_cold(total_params=2851e6,
+    /// largest_layer_params=32e6, num_gpus_per_node=8, num_nodes=1)`:
+    /// 71.69/0.12, 127.45/0.12, 63.72/0.78, 127.45/0.78, 1.43/6.09,
+    /// 127.45/6.09 GB (per CPU / per GPU).
+    #[test]
+    fn zero3_matches_deepspeed_docs() {
+        let (n, l) = (2_851_000_000, 32_000_000);
+        let rows = [
+            (true, true, true, "71.69", "0.12"),
+            (true, true, false, "127.45", "0.12"),
+            (true, false, true, "63.72", "0.78"),
+            (true, false, false, "127.45", "0.78"),
+            (false, false, true, "1.43", "6.09"),
+            (false, false, false, "127.45", "6.09"),
+        ];
+        for (opt, par, init, cpu, gpu) in rows {
+            let (c, g, largest) = deepspeed::zero3(n, l, 8, 1, opt, par, init, 1.5);
+            assert_eq!(
+                (gib2(c).as_str(), gib2(g).as_str()),
+                (cpu, gpu),
+                "{opt} {par} {init}"
+            );
+            assert_eq!(largest, 4 * l);
+        }
+    }
+
+    /// Same page, `estimate_zero2_model_states_mem_needs_all_cold(2851e6,
+    /// 8 GPUs)`: 127.45 GB per CPU for both rows, 5.31 GB per GPU with
+    /// CPU offload. (Its no-offload GPU figure, 15.93, is from the older
+    /// `4N + 16N/T` formula; today's code computes `2N + 18N/T`.)
+    #[test]
+    fn zero2_matches_deepspeed_docs() {
+        let n = 2_851_000_000;
+        let (c, g) = deepspeed::zero2(n, 8, 1, true, 1.5);
+        assert_eq!((gib2(c).as_str(), gib2(g).as_str()), ("127.45", "5.31"));
+        let (c, g) = deepspeed::zero2(n, 8, 1, false, 1.5);
+        assert_eq!(gib2(c), "127.45");
+        assert_eq!(g, 2 * n + 18 * n / 8);
+    }
+
+    fn find(r: &Report, stage: u8, optimizer: Offload, params: Offload) -> &Estimate {
+        r.estimates
+            .iter()
+            .find(|e| {
+                (e.choice.stage.number(), e.choice.optimizer, e.choice.params)
+                    == (stage, optimizer, params)
+            })
+            .unwrap()
+    }
+
+    #[test]
+    fn stage_partitioning_per_rank() {
+        let sw = settings("{}");
+        let (n, l, ranks) = (1_000_000_000u64, 50_000_000u64, 4u64);
+        let r = estimate(&inputs(n, l, ranks, sw), &machine(1 << 40, 1 << 40, None)).unwrap();
+        let s = n / ranks;
+        // Stage 0: everything replicated: 2 + 4 + 12 bytes per param.
+        assert_eq!(
+            find(&r, 0, Offload::None, Offload::None)
+                .per_rank
+                .device_bytes,
+            18 * n
+        );
+        // Stage 1: optimizer state partitioned.
+        assert_eq!(
+            find(&r, 1, Offload::None, Offload::None)
+                .per_rank
+                .device_bytes,
+            2 * n + 4 * n + 12 * s
+        );
+        // Stage 2: grads too (plus one unit's 16-bit grads before the reduce).
+        assert_eq!(
+            find(&r, 2, Offload::None, Offload::None)
+                .per_rank
+                .device_bytes,
+            2 * n + 4 * s + 12 * s + 2 * l
+        );
+        // Stage 3: params too, plus two gathered units.
+        assert_eq!(
+            find(&r, 3, Offload::None, Offload::None)
+                .per_rank
+                .device_bytes,
+            2 * s + 4 * s + 12 * s + 2 * 2 * l + 2 * l
+        );
+        // Node totals are ranks × per rank.
+        let e = find(&r, 3, Offload::Cpu, Offload::Cpu);
+        assert_eq!(e.per_node.pinned_bytes, ranks * e.per_rank.pinned_bytes);
+        // Stage 3, everything on the CPU: pinned = params + grads + staging 0,
+        // pageable = optimizer state; the device holds only units.
+        assert_eq!(e.per_rank.device_bytes, 6 * l);
+        assert_eq!(e.per_rank.pinned_bytes, 2 * s + 4 * s);
+        assert_eq!(e.per_rank.pageable_bytes, 12 * s);
+        assert_eq!(e.per_rank.nvme_bytes, 0);
+        // DeepSpeed's figure for the same choice is attached.
+        let ds = e.deepspeed.unwrap();
+        assert_eq!(ds.gpu_bytes, 4 * l);
+        assert!(find(&r, 3, Offload::Nvme, Offload::Nvme)
+            .deepspeed
+            .is_none());
+        assert!(find(&r, 0, Offload::None, Offload::None)
+            .deepspeed
+            .is_none());
+    }
+
+    #[test]
+    fn bf16_moments_and_fp32_params() {
+        let sw = settings("{}");
+        let mut inp = inputs(1000, 10, 1, sw);
+        inp.moment_elem_bytes = 2;
+        inp.param_elem_bytes = 4;
+        let r = estimate(&inp, &machine(1 << 40, 1 << 40, None)).unwrap();
+        // 4 (params) + 4 (grads) + 4 + 2 + 2 (master, m, v).
+        assert_eq!(
+            find(&r, 0, Offload::None, Offload::None)
+                .per_rank
+                .device_bytes,
+            16 * 1000
+        );
+    }
+
+    #[test]
+    fn pinned_buffers_come_from_the_config() {
+        let sw = settings(
+            r#"{"zero_optimization": {"stage": 3, "sub_group_size": 1e8,
+                "offload_param": {"device": "cpu", "buffer_count": 6, "buffer_size": 2e8, "max_in_cpu": 0},
+                "offload_optimizer": {"device": "cpu", "buffer_count": 5}}}"#,
+        );
+        let (n, l) = (7_000_000_000u64, 200_000_000u64);
+        let r = estimate(&inputs(n, l, 1, sw), &machine(1 << 40, 1 << 40, None)).unwrap();
+        let e = find(&r, 3, Offload::Nvme, Offload::Nvme);
+        let pinned: Vec<(&str, u64)> = e
+            .items
+            .iter()
+            .filter(|i| i.tier == Tier::Pinned)
+            .map(|i| (i.what, i.bytes))
+            .collect();
+        assert_eq!(
+            pinned,
+            vec![
+                ("param swap-in buffers", 6 * 200_000_000 * 2),
+                ("optimizer swap buffers", 5 * 100_000_000 * 4),
+            ]
+        );
+        assert_eq!(e.per_rank.nvme_bytes, n * (2 + 4 + 12));
+        // Pipelined: counted as 3 × 4 buffers, with a note.
+        let sw = settings(
+            r#"{"zero_optimization": {"stage": 3, "sub_group_size": 1e8,
+                "offload_optimizer": {"device": "cpu", "pipeline_read": true}}}"#,
+        );
+        let r = estimate(&inputs(n, l, 1, sw), &machine(1 << 40, 1 << 40, None)).unwrap();
+        let e = find(&r, 3, Offload::Nvme, Offload::None);
+        let opt = e
+            .items
+            .iter()
+            .find(|i| i.what == "optimizer swap buffers")
+            .unwrap();
+        assert_eq!(opt.bytes, 12 * 100_000_000 * 4);
+        assert!(r.notes.iter().any(|n| n.contains("pipelined")));
+        // pin_memory false moves them to pageable.
+        let sw = settings(
+            r#"{"zero_optimization": {"stage": 3,
+                "offload_optimizer": {"device": "cpu", "pin_memory": false}}}"#,
+        );
+        let r = estimate(&inputs(n, l, 1, sw), &machine(1 << 40, 1 << 40, None)).unwrap();
+        let e = find(&r, 3, Offload::Cpu, Offload::None);
+        assert!(e
+            .items
+            .iter()
+            .filter(|i| i.what == "fp32 grad accumulators")
+            .all(|i| i.tier == Tier::Pageable));
+    }
+
+    /// 7B without a GPU (the CPU is the device) and with 500 GiB of NVMe:
+    /// on 8 GiB of RAM only stage 3 with everything on NVMe fits (under
+    /// 4 GiB of RAM with a moderate `sub_group_size`); on 24 GiB the 16-bit
+    /// params (13 GiB) can stay in RAM and only the optimizer goes to NVMe.
+    /// The CPU-offload choices need over 100 GiB of RAM.
+    #[test]
+    fn seven_b_fits_in_small_ram_with_nvme_offload() {
+        let sw = settings(
+            r#"{"zero_optimization": {"stage": 3, "sub_group_size": 1e8,
+                "offload_param": {"device": "cpu", "max_in_cpu": 0},
+                "offload_optimizer": {"device": "cpu"}}}"#,
+        );
+        let n = 7_000_000_000;
+        let inp = inputs(n, assumed_largest_unit_numel(n), 1, sw);
+        let nvme_only = Choice {
+            stage: Stage::Parameters,
+            optimizer: Offload::Nvme,
+            params: Offload::Nvme,
+        };
+        let r = estimate(&inp, &machine(8 * GIB, 500 * GIB, None)).unwrap();
+        assert_eq!(r.recommended, Some(nvme_only));
+        let e = find(&r, 3, Offload::Nvme, Offload::Nvme);
+        assert!(e.node_ram_bytes < 4 * GIB, "{}", e.node_ram_bytes);
+        assert_eq!(
+            e.per_rank.pinned_bytes,
+            5 * 100_000_000 * 2 + 4 * 100_000_000 * 4
+        );
+        let m = machine(24 * GIB, 500 * GIB, None);
+        let r = estimate(&inp, &m).unwrap();
+        assert_eq!(
+            r.recommended,
+            Some(Choice {
+                stage: Stage::Parameters,
+                optimizer: Offload::Nvme,
+                params: Offload::None
+            })
+        );
+        assert!(find(&r, 3, Offload::Nvme, Offload::Nvme).fit.fits);
+        assert!(!find(&r, 3, Offload::Cpu, Offload::Cpu).fit.fits);
+        assert!(find(&r, 3, Offload::Cpu, Offload::Cpu).node_ram_bytes > 100 * GIB);
+        // Not enough disk: nothing fits; the closest is all on NVMe with the
+        // params in RAM (104 GiB of NVMe for 100 GiB free).
+        let r = estimate(&inp, &machine(24 * GIB, 100 * GIB, None)).unwrap();
+        assert_eq!(r.recommended, None);
+        assert_eq!(
+            r.closest,
+            Some(Choice {
+                stage: Stage::Parameters,
+                optimizer: Offload::Nvme,
+                params: Offload::None
+            })
+        );
+        let e = find(&r, 3, Offload::Nvme, Offload::None);
+        assert!(e.fit.max_use_ratio > 1.0 && e.fit.max_use_ratio < 1.1);
+        // With DeepSpeed's default sub_group_size (1e9) the optimizer swap
+        // buffers alone are 4 × 1e9 × 4 B = 14.9 GiB pinned.
+        let r = estimate(
+            &inputs(n, assumed_largest_unit_numel(n), 1, settings("{}")),
+            &m,
+        )
+        .unwrap();
+        let e = find(&r, 3, Offload::Nvme, Offload::Nvme);
+        assert_eq!(
+            e.per_rank.pinned_bytes,
+            5 * 100_000_000 * 2 + 1_000_000_000 * 2 + 4 * 1_000_000_000 * 4
+        );
+    }
+
+    #[test]
+    fn gpu_machine_prefers_least_offload() {
+        let sw = settings("{}");
+        let n = 1_000_000_000;
+        let inp = inputs(n, 50_000_000, 1, sw);
+        // 80 GiB GPU: stage 0, nothing offloaded (18 GB).
+        let r = estimate(&inp, &machine(256 * GIB, 1 << 40, Some(80 * GIB))).unwrap();
+        assert_eq!(
+            r.recommended.unwrap(),
+            Choice {
+                stage: Stage::Disabled,
+                optimizer: Offload::None,
+                params: Offload::None
+            }
+        );
+        // 8 GiB GPU: the optimizer goes to the CPU, params stay.
+        let r = estimate(&inp, &machine(256 * GIB, 1 << 40, Some(8 * GIB))).unwrap();
+        let rec = r.recommended.unwrap();
+        assert_eq!((rec.optimizer, rec.params), (Offload::Cpu, Offload::None));
+        assert!(r.notes.iter().all(|n| !n.contains("device memory unknown")));
+    }
+
+    #[test]
+    fn memlock_flag_and_bad_inputs() {
+        let sw = settings("{}");
+        let mut m = machine(1 << 40, 1 << 40, None);
+        m.memlock = Some(Memlock::Bytes(8 << 20));
+        let r = estimate(&inputs(1_000_000_000, 1_000_000, 1, sw), &m).unwrap();
+        assert!(
+            find(&r, 3, Offload::Nvme, Offload::Nvme)
+                .fit
+                .pinned_over_memlock
+        );
+        assert!(
+            !find(&r, 0, Offload::None, Offload::None)
+                .fit
+                .pinned_over_memlock
+        );
+        assert_eq!(
+            estimate(&inputs(10, 1, 0, sw), &m).unwrap_err(),
+            EstimateError::Zero { what: "--ranks" }
+        );
+        assert!(matches!(
+            estimate(&inputs(10, 11, 1, sw), &m),
+            Err(EstimateError::LargestExceedsTotal { .. })
+        ));
+        assert!(matches!(
+            estimate(&inputs(u64::MAX / 2, 1, 1, sw), &m),
+            Err(EstimateError::Overflow { .. })
+        ));
+    }
+
+    #[test]
+    fn assumed_unit_is_close_to_real_models() {
+        // Llama-2-7B block: 202M; Llama-2-70B block: 856M (GQA); GPT-3 175B: 1.81B.
+        let l7 = assumed_largest_unit_numel(7_000_000_000);
+        assert!((190_000_000..230_000_000).contains(&l7), "{l7}");
+        let l175 = assumed_largest_unit_numel(175_000_000_000);
+        assert!((1_600_000_000..2_000_000_000).contains(&l175), "{l175}");
+        assert_eq!(assumed_largest_unit_numel(1), 1);
+    }
+
+    #[test]
+    fn proc_parsers() {
+        let (t, a) = parse_meminfo(
+            "MemTotal:       24576000 kB\nMemFree: 1 kB\nMemAvailable:   12000000 kB\n",
+        );
+        assert_eq!(t, Some(24_576_000 * 1024));
+        assert_eq!(a, Some(12_000_000 * 1024));
+        assert_eq!(parse_meminfo("garbage"), (None, None));
+        let limits = "Limit                     Soft Limit           Hard Limit           Units     \nMax locked memory         8388608              8388608              bytes     \n";
+        assert_eq!(parse_memlock(limits), Some(Memlock::Bytes(8 << 20)));
+        assert_eq!(
+            parse_memlock(
+                "Max locked memory         unlimited            unlimited            bytes"
+            ),
+            Some(Memlock::Unlimited)
+        );
+        assert_eq!(parse_memlock("nothing"), None);
+    }
+}

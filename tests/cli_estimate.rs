@@ -1,0 +1,399 @@
+//! `tierzero estimate` and `tierzero inspect`, run as the built binary.
+//!
+//! Numbers checked here are derived by hand from the formulas in
+//! `tierzero::estimate` (and DeepSpeed's, for its comparison column); the
+//! machine-dependent parts (RAM, free disk, the recommendation) are only
+//! checked for presence and consistency.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
+
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::Value;
+
+struct Out {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+fn tierzero(args: &[&str]) -> Out {
+    let out = Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .args(args)
+        .output()
+        .expect("run tierzero");
+    Out {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+fn json(args: &[&str]) -> Value {
+    let out = tierzero(args);
+    assert_eq!(out.code, 0, "{args:?}: {}", out.stderr);
+    serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", out.stdout))
+}
+
+fn estimate_of<'a>(report: &'a Value, stage: u64, optimizer: &str, params: &str) -> &'a Value {
+    report["estimates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| {
+            e["choice"]["stage"] == stage
+                && e["choice"]["optimizer"] == optimizer
+                && e["choice"]["params"] == params
+        })
+        .unwrap_or_else(|| panic!("no estimate for stage {stage} {optimizer} {params}"))
+}
+
+fn u(v: &Value) -> u64 {
+    v.as_u64().unwrap_or_else(|| panic!("not a u64: {v}"))
+}
+
+#[test]
+fn estimate_table_lists_every_choice_and_a_verdict() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_str().unwrap();
+    let out = tierzero(&[
+        "estimate",
+        "--params",
+        "7B",
+        "--device-memory",
+        "80GiB",
+        "--nvme-path",
+        dir,
+    ]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let s = &out.stdout;
+    assert!(s.starts_with("model: 7.00B params (7000000000)"), "{s}");
+    assert!(s.contains("largest unit 212.1M params (assumed)"), "{s}");
+    assert!(s.contains("device 80 GiB per rank"), "{s}");
+    assert!(s.contains("DeepSpeed CPU / GPU"), "{s}");
+    let rows: Vec<&str> = s
+        .lines()
+        .filter(|l| l.starts_with(|c: char| c.is_ascii_digit()))
+        .collect();
+    assert_eq!(rows.len(), 14, "{s}");
+    // Stage 0 replicates 18 bytes per param on the device: 117.3 GiB > 80 GiB.
+    assert!(
+        rows[0].starts_with("0     none      -      |    117.3 GiB"),
+        "{}",
+        rows[0]
+    );
+    assert!(rows[0].ends_with("no: device"), "{}", rows[0]);
+    // Stage 3, all on the CPU: DeepSpeed's 18N·1.5 = 176.0 GiB per node.
+    let cpu_cpu = rows
+        .iter()
+        .find(|r| r.starts_with("3     cpu       cpu"))
+        .unwrap();
+    assert!(cpu_cpu.contains("176.0 GiB / "), "{cpu_cpu}");
+    assert!(s.contains("\nrecommended: "), "{s}");
+    assert!(s.contains("note: largest unit assumed"), "{s}");
+}
+
+#[test]
+fn estimate_json_matches_the_formulas() {
+    let tmp = tempfile::tempdir().unwrap();
+    // DeepSpeed's memory.rst example: 2851M params, 32M largest layer, 8 GPUs.
+    let r = json(&[
+        "estimate",
+        "--params",
+        "2851M",
+        "--largest-layer",
+        "32M",
+        "--ranks",
+        "8",
+        "--nvme-path",
+        tmp.path().to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(r["inputs"]["total_numel"], 2_851_000_000u64);
+    assert_eq!(r["inputs"]["largest_source"], "given");
+    assert_eq!(r["inputs"]["ranks"], 8);
+    assert_eq!(r["estimates"].as_array().unwrap().len(), 14);
+    for key in ["ram_bytes", "nvme_free_bytes", "memlock", "device_bytes"] {
+        assert!(r["machine"].get(key).is_some(), "machine.{key} missing");
+    }
+    assert!(r["machine"]["device_bytes"].is_null());
+    assert!(r.get("recommended").is_some() && r["notes"].is_array());
+
+    let (n, l, ranks) = (2_851_000_000u64, 32_000_000u64, 8u64);
+    let s = n.div_ceil(ranks);
+    let e = estimate_of(&r, 3, "cpu", "cpu");
+    // DeepSpeed (zero_init=1): CPU 18·N·1.5, GPU 4·L.
+    assert_eq!(u(&e["deepspeed"]["cpu_bytes"]), 76_977_000_000);
+    assert_eq!(u(&e["deepspeed"]["gpu_bytes"]), 4 * l);
+    // Ours, per rank: two gathered units + one unit's grads on the device;
+    // pinned 16-bit params + fp32 grads; pageable master + m + v.
+    assert_eq!(u(&e["per_rank"]["device_bytes"]), 2 * l * 2 + l * 2);
+    assert_eq!(u(&e["per_rank"]["pinned_bytes"]), s * 2 + s * 4);
+    assert_eq!(u(&e["per_rank"]["pageable_bytes"]), s * 12);
+    assert_eq!(u(&e["per_node"]["pinned_bytes"]), ranks * (s * 2 + s * 4));
+    let items = e["items"].as_array().unwrap();
+    assert!(items.iter().any(|i| i["what"] == "fp32 master + Adam m, v"
+        && i["formula"] == "⌈2851000000/8⌉ × (4 + 2 × 4) B"));
+    // NVMe optimizer offload: DeepSpeed's default swap buffers (no config):
+    // 4 × min(sub_group_size 1e9, S) × 4 B pinned.
+    let e = estimate_of(&r, 3, "nvme", "nvme");
+    assert!(e["deepspeed"].is_null());
+    let opt = items_named(e, "optimizer swap buffers");
+    assert_eq!(u(&opt["bytes"]), 4 * s.min(1_000_000_000) * 4);
+    assert_eq!(u(&e["per_rank"]["nvme_bytes"]), s * 2 + s * 4 + s * 12);
+}
+
+fn items_named<'a>(e: &'a Value, what: &str) -> &'a Value {
+    e["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["what"] == what)
+        .unwrap_or_else(|| panic!("no item {what}"))
+}
+
+const GPT2_CONFIG: &str = r#"{"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024,
+    "n_embd": 768, "n_layer": 12, "n_head": 12}"#;
+
+#[test]
+fn estimate_from_model_and_config() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("gpt2");
+    std::fs::create_dir(&model).unwrap();
+    std::fs::write(model.join("config.json"), GPT2_CONFIG).unwrap();
+    let swap = tmp.path().join("swap");
+    std::fs::create_dir(&swap).unwrap();
+    let cfg = tmp.path().join("ds.json");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"{{"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                "bf16": {{"enabled": true}},
+                "scheduler": {{"type": "WarmupDecayLR", "params": {{"total_num_steps": "auto"}}}},
+                "zero_optimization": {{"stage": 3, "sub_group_size": 1e7,
+                  "offload_param": {{"device": "nvme", "nvme_path": "{p}", "buffer_count": 4, "buffer_size": 1e7}},
+                  "offload_optimizer": {{"device": "nvme", "nvme_path": "{p}", "pipeline_read": true, "buffer_count": 12}}}}}}"#,
+            p = swap.display()
+        ),
+    )
+    .unwrap();
+    let r = json(&[
+        "estimate",
+        "--model",
+        model.to_str().unwrap(),
+        "--config",
+        cfg.to_str().unwrap(),
+        "--moments",
+        "bf16",
+        "--json",
+    ]);
+    // GPT-2 small: 124,439,808 params (tied embedding counted once); the
+    // largest unit is the embedding, wte + wpe = (50257 + 1024) × 768.
+    assert_eq!(r["inputs"]["total_numel"], 124_439_808u64);
+    assert_eq!(r["inputs"]["largest_unit_numel"], 39_383_808u64);
+    assert_eq!(r["inputs"]["largest_tensor_numel"], 50257u64 * 768);
+    assert_eq!(r["inputs"]["largest_source"], "model");
+    assert_eq!(r["inputs"]["param_elem_bytes"], 2);
+    assert_eq!(r["inputs"]["moment_elem_bytes"], 2);
+    assert_eq!(r["inputs"]["swap"]["sub_group_numel"], 10_000_000u64);
+    assert_eq!(r["machine"]["nvme_dir"], swap.to_str().unwrap());
+    assert_eq!(
+        r["config_choice"],
+        serde_json::json!({"stage": 3, "optimizer": "nvme", "params": "nvme"})
+    );
+    let e = estimate_of(&r, 3, "nvme", "nvme");
+    assert_eq!(
+        u(&items_named(e, "param swap-in buffers")["bytes"]),
+        4 * 10_000_000 * 2
+    );
+    assert_eq!(
+        u(&items_named(e, "optimizer swap buffers")["bytes"]),
+        12 * 10_000_000 * 4
+    );
+    // bf16 moments: master 4 + m 2 + v 2 bytes per param.
+    assert_eq!(
+        u(&items_named(e, "fp32 master + Adam m, v")["bytes"]),
+        124_439_808 * 8
+    );
+    // buffer_size 1e7 is below the largest tensor (38.6M): flagged.
+    let notes = r["notes"].as_array().unwrap();
+    assert!(
+        notes.iter().any(|n| n
+            .as_str()
+            .unwrap()
+            .contains("raise buffer_size to at least 38597376")),
+        "{notes:?}"
+    );
+}
+
+#[test]
+fn bad_inputs_exit_2_with_one_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bad_json = tmp.path().join("bad.json");
+    std::fs::write(&bad_json, "{\"zero_optimization\": {\"stage\": 3,}}").unwrap();
+    let bad_stage = tmp.path().join("stage.json");
+    std::fs::write(&bad_stage, r#"{"zero_optimization": {"stage": "three"}}"#).unwrap();
+    let bad_model = tmp.path().join("model.json");
+    std::fs::write(&bad_model, r#"{"model_type": "bert"}"#).unwrap();
+    let missing = tmp.path().join("missing");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--params", "banana"], "--params"),
+        (vec!["--params", "0"], "--params"),
+        (vec!["--params", "7B", "--ranks", "0"], "--ranks"),
+        (vec!["--params", "7B", "--ranks", "-3"], "--ranks"),
+        (
+            vec!["--params", "7B", "--largest-layer", "8B"],
+            "--largest-layer",
+        ),
+        (
+            vec!["--params", "7B", "--largest-layer", "wide"],
+            "--largest-layer",
+        ),
+        (
+            vec!["--params", "7B", "--device-memory", "lots"],
+            "--device-memory",
+        ),
+        (
+            vec!["--params", "7B", "--config", missing.to_str().unwrap()],
+            "--config",
+        ),
+        (
+            vec!["--params", "7B", "--config", bad_json.to_str().unwrap()],
+            "line 1",
+        ),
+        (
+            vec!["--params", "7B", "--config", bad_stage.to_str().unwrap()],
+            "zero_optimization.stage",
+        ),
+        (vec!["--model", missing.to_str().unwrap()], "--model"),
+        (vec!["--model", bad_model.to_str().unwrap()], "bert"),
+        (
+            vec!["--params", "7B", "--nvme-path", missing.to_str().unwrap()],
+            "--nvme-path",
+        ),
+        (vec!["--params", "1e300T"], "--params"),
+    ];
+    for (args, needle) in cases {
+        let mut full = vec!["estimate"];
+        full.extend(&args);
+        let out = tierzero(&full);
+        assert_eq!(out.code, 2, "{args:?}: {}", out.stderr);
+        assert_eq!(out.stdout, "", "{args:?}");
+        let lines: Vec<&str> = out.stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "{args:?}: {:?}", out.stderr);
+        assert!(lines[0].starts_with("error: "), "{args:?}: {}", lines[0]);
+        assert!(
+            lines[0].contains(needle),
+            "{args:?}: {} lacks {needle:?}",
+            lines[0]
+        );
+        assert!(!out.stderr.contains("panicked"), "{args:?}");
+    }
+}
+
+/// A pid above the kernel's `pid_max` limit (at most 2^22): never alive.
+const DEAD_PID: u32 = (1 << 23) - 1;
+
+fn swap_report(dir: &Path) -> Value {
+    json(&["inspect", dir.to_str().unwrap(), "--json"])
+}
+
+#[test]
+fn inspect_lists_live_and_stale_swap_files() {
+    use tierzero_swap::{SpaceConfig, SwapSpace};
+    let tmp = tempfile::tempdir().unwrap();
+    let space = SwapSpace::create(SpaceConfig::new(tmp.path(), 1 << 20)).unwrap();
+    let swap_dir = tmp.path().join("tierzero");
+    // Created after the space: a space reclaims stale files when created.
+    let stale = swap_dir.join(format!("swap-{DEAD_PID}-0-0.tzswap"));
+    std::fs::write(&stale, vec![0u8; 8192]).unwrap();
+    std::fs::write(swap_dir.join("notes.txt"), "not ours").unwrap();
+    std::fs::write(swap_dir.join("swap-12-x-0.tzswap"), "not our pattern").unwrap();
+
+    let live_name = space.files()[0]
+        .path()
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let me = std::process::id();
+    for dir in [tmp.path(), swap_dir.as_path()] {
+        let r = swap_report(dir);
+        assert_eq!(r["kind"], "swap");
+        assert_eq!(r["dir_mode"], "0700");
+        assert_eq!(r["live_files"], 1);
+        assert_eq!(r["stale_files"], 1);
+        assert_eq!(r["stale_bytes"], 8192);
+        assert_eq!(r["live_bytes"], 1u64 << 20);
+        assert_eq!(r["total_bytes"], (1u64 << 20) + 8192);
+        assert_eq!(r["other_entries"], 2);
+        let files = r["files"].as_array().unwrap();
+        assert_eq!(files.len(), 2);
+        let live = files
+            .iter()
+            .find(|f| f["name"] == live_name.as_str())
+            .unwrap();
+        assert_eq!(live["pid"], me);
+        assert_eq!(live["alive"], true);
+        assert_eq!(live["mode"], "0600");
+        let dead = files.iter().find(|f| f["pid"] == DEAD_PID).unwrap();
+        assert_eq!(dead["alive"], false);
+    }
+
+    let out = tierzero(&["inspect", tmp.path().to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let s = &out.stdout;
+    let live_line = s.lines().find(|l| l.ends_with(&live_name)).unwrap();
+    assert!(live_line.contains(" live "), "{live_line}");
+    assert!(live_line.contains("0600"), "{live_line}");
+    let stale_line = s
+        .lines()
+        .find(|l| l.contains(&format!("swap-{DEAD_PID}-")))
+        .unwrap();
+    assert!(stale_line.contains(" stale "), "{stale_line}");
+    assert!(s.contains("total: 2 swap files"), "{s}");
+    assert!(s.contains("stale: 1 file, 8 KiB reclaimable"), "{s}");
+    assert!(
+        s.contains("ignored: 2 entries that are not tierzero swap files"),
+        "{s}"
+    );
+
+    // Once the space is dropped its file is gone; the stale one stays.
+    drop(space);
+    let r = swap_report(tmp.path());
+    assert_eq!(r["live_files"], 0);
+    assert_eq!(r["stale_files"], 1);
+}
+
+#[test]
+fn inspect_rejects_what_is_not_a_swap_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("file");
+    std::fs::write(&file, "x").unwrap();
+    let missing = tmp.path().join("missing");
+    for (dir, needle) in [
+        (tmp.path(), "is not a swap directory"),
+        (file.as_path(), "is not a directory"),
+        (missing.as_path(), "No such file"),
+    ] {
+        let out = tierzero(&["inspect", dir.to_str().unwrap()]);
+        assert_eq!(out.code, 2, "{dir:?}: {}", out.stderr);
+        let lines: Vec<&str> = out.stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "{:?}", out.stderr);
+        assert!(
+            lines[0].starts_with("error: ") && lines[0].contains(needle),
+            "{}",
+            lines[0]
+        );
+    }
+    // An empty swap directory is fine.
+    std::fs::create_dir(tmp.path().join("tierzero")).unwrap();
+    let out = tierzero(&["inspect", tmp.path().to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stdout.contains("no tierzero swap files"),
+        "{}",
+        out.stdout
+    );
+}
