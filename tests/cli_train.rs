@@ -350,3 +350,18 @@ fn embedded_default_runs_two_steps_with_nvme_offload_in_the_working_dir() {
         .unwrap_or_else(|| panic!("no largest tensor in the plan: {s}"));
     assert!(largest <= 4_000_000, "{largest}");
 }
+
+#[test]
+fn help_has_examples_and_the_current_defaults() {
+    let out = train(Path::new(env!("CARGO_TARGET_TMPDIR")), &["--help"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.stdout.contains("Examples:"), "{}", out.stdout);
+    let steps = format!("else {}", tierzero::run::DEFAULT_STEPS);
+    assert!(
+        out.stdout.contains(&steps),
+        "`{steps}` missing: {}",
+        out.stdout
+    );
+    let seq = format!("Default: {},", tierzero::run::DEFAULT_SEQ_LEN);
+    assert!(out.stdout.contains(&seq), "`{seq}` missing: {}", out.stdout);
+}

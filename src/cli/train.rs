@@ -39,7 +39,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use tierzero::config::{self, AutoOr, ConfigWarning, PathChecks, RunContext};
 use tierzero::engine::{EngineError, SingleRank, StepMetrics, TokenData, Trainer, TrainerOptions};
-use tierzero::model::ModelDir;
+use tierzero::model::{Arch, ModelDir};
 use tierzero::run::{
     Plan, DEFAULT_CORPUS, DEFAULT_CORPUS_NAME, DEFAULT_MODEL_CONFIG, DEFAULT_SEQ_LEN, DEFAULT_STEPS,
 };
@@ -77,7 +77,7 @@ pub struct TrainArgs {
     #[arg(long, value_name = "tokenizer.json")]
     tokenizer: Option<PathBuf>,
     /// Total optimizer steps (also fills scheduler total_num_steps "auto").
-    /// Default: the config's total_num_steps if concrete, else 300.
+    /// Default: the config's total_num_steps if concrete, else 150.
     #[arg(long, value_name = "N")]
     steps: Option<String>,
     /// Seed of the model init (models without weights).
@@ -397,11 +397,14 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         None => "embedded default".to_owned(),
     };
     emit(&format!(
-        "tierzero train: model {model_name} ({:?}, {} layers, hidden {}, {} params, {}), \
+        "tierzero train: model {model_name} ({}, {} layers, hidden {}, {} params, {}), \
          data {data_name}, config {config_name}\n\
          run: {steps} steps x {} sequences x {seq_len} tokens = {tokens_per_step} tokens/step, \
          seed {seed}, {} Adam thread(s)\n{plan}\n",
-        mc.arch,
+        match mc.arch {
+            Arch::Gpt2 => "GPT-2",
+            Arch::Llama => "Llama",
+        },
         mc.n_layer,
         mc.hidden_size,
         numel,

@@ -17,8 +17,9 @@
 //!   is 4e6 elements; the largest tensor here is 192 × 768 = 147 456), so
 //!   every parameter streams from NVMe through the swap buffers each step;
 //! * the loss falls visibly within a minute (from ~5.6 to ~2.3 nats per
-//!   byte in the first 50 steps) and the 150 steps take about 1.5 minutes
-//!   on 2 idle CPU cores in a release build, 4-5 minutes on a loaded one.
+//!   byte in the first 50 steps, ~2.1 at step 150) and the 150 steps took
+//!   2.5 minutes on 2 CPU cores shared with other builds (4.3 minutes
+//!   under heavier load) in a release build.
 //!
 //! The model fits one optimizer sub-group (`sub_group_size` 2e6), so the
 //! optimizer pipeline reads, steps and writes one sub-group per step; a
