@@ -26,6 +26,12 @@ fn main() -> Result<(), Box<dyn Error>> {
     let steps: u64 = a[3].parse()?;
     let tier = a[4].as_str();
     let overlap = a.get(5).is_none_or(|s| s == "on");
+    // CLIP env: gradient clipping norm (0 = off), default 1.0 like the
+    // embedded default config.
+    let clip: f64 = std::env::var("CLIP")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1.0);
     let root = PathBuf::from(a.get(6).cloned().unwrap_or_else(|| "engine-measure".into()));
     let model_dir = root.join(format!("model-{layers}x{hidden}"));
     let swap = root.join("swap");
@@ -53,6 +59,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     }
     let ds = json!({
         "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+        "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": zero,
         "tierzero": {"overlap_optimizer": overlap, "checksums": false}

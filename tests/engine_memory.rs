@@ -13,14 +13,29 @@ use engine_support::{build, tiny_gpt2_dir, Knobs};
 
 #[test]
 fn optimizer_state_ten_times_the_pinned_budget_trains() {
+    ten_times(0.0);
+}
+
+#[test]
+fn with_clipping_gradients_spill_and_it_still_fits() {
+    // Clipping makes the step wait for the global norm: final gradients
+    // are spilled to NVMe (4 buffers per sub-group in the pipeline), and
+    // the swap space must have room for them (3.3 MB here, beyond any
+    // slack).
+    ten_times(1.0);
+}
+
+fn ten_times(clip: f64) {
     // h = 64, 24 layers: ~0.82M params, fp32 master+m+v ~ 9.9 MB. Largest
-    // param (wte) 16384 elements: optimizer buffers 9 x 64 KiB, param
-    // buffers 2 x 64 KiB (buffer_size 16384 x 4 B).
-    let budget: u64 = 9 * 65536 + 2 * 65536 + 4096;
+    // param (wte) 16384 elements: optimizer buffers 9 x 64 KiB (12 with
+    // gradient spill), param buffers 2 x 64 KiB (buffer_size 16384 x 4 B).
+    let opt_buffers = if clip > 0.0 { 12 } else { 9 };
+    let budget: u64 = opt_buffers * 65536 + 2 * 65536 + 4096;
     let dir = tiny_gpt2_dir("mem", 24, 64);
     let k = Knobs {
         pinned_budget: Some(budget),
         sub_group: 4096,
+        clip,
         param_buffer_numel: 16384,
         param_buffer_count: 2,
         ..Knobs::nvme()

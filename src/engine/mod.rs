@@ -73,12 +73,14 @@
 //! * Multi-rank collectives: the [`comm::Comm`] trait and the per-rank
 //!   shard layout are in place and every fetch, gradient and norm goes
 //!   through them, but only [`comm::SingleRank`] exists.
-//! * Gradient spill to NVMe: accumulated fp32 gradients live in host memory
-//!   per sub-group until the sub-group steps. With the optimizer overlapped
-//!   (no clipping, no fp16, one micro-batch) they are freed as backward
-//!   proceeds; with clipping, fp16, gradient accumulation or the
-//!   non-overlapped optimizer all of them are held until the step
-//!   (4 bytes per parameter of host memory).
+//! * Gradient spill between micro-batches: accumulated fp32 gradients live
+//!   in host memory per sub-group until they are final. Once final they
+//!   are handed to the optimizer thread (overlapped mode) or, when the step
+//!   must wait for the global norm (clipping, fp16) and the state is on
+//!   NVMe, written to NVMe and read back with the state (4 buffers per
+//!   sub-group in the pipeline). With `gradient_accumulation_steps > 1`, or
+//!   with `overlap_optimizer` off, the whole model's fp32 gradients are
+//!   held in host memory (4 bytes per parameter) until the step.
 //! * HF `tokenizer.json` input (the loader is byte-level only).
 //! * Overlap measurement: `examples/engine_train.rs` reports the per-phase
 //!   times, but the "step ≤ 1.15 × max(phase alone)" target is not yet

@@ -6,7 +6,8 @@
 //! `offload_optimizer.device = none | cpu` keeps `master`, `m` and `v` of
 //! every sub-group in host `Vec<f32>`s (the CPU optimizer runs on the host
 //! either way; with a CPU compute device "device memory" is host memory).
-//! `nvme` keeps three extents per sub-group and streams them through
+//! `nvme` keeps three extents per sub-group (four with gradient spill) and
+//! streams them through
 //! pinned buffers of `largest sub-group × 4` bytes.
 //!
 //! # Pipeline (NVMe)
@@ -39,9 +40,10 @@ use super::layout::SubGroupId;
 use super::{EngineError, Result};
 use crate::optim::{CpuAdam, GradScale, LowPrecisionOut, Moments};
 
-/// Buffers a pipeline with these depths needs (3 states per sub-group).
-pub fn buffers_needed(read_ahead: usize, write_behind: usize) -> usize {
-    3 * (1 + read_ahead + write_behind)
+/// Buffers a pipeline with these depths needs: 3 states per sub-group, 4
+/// when gradients are spilled to NVMe and read back with the state.
+pub fn buffers_needed(read_ahead: usize, write_behind: usize, spill_grads: bool) -> usize {
+    (3 + usize::from(spill_grads)) * (1 + read_ahead + write_behind)
 }
 
 #[derive(Debug)]
@@ -66,6 +68,9 @@ pub struct NvmeOptim {
 struct NvmeState {
     io: NvmeOptim,
     extents: Vec<[Extent; 3]>,
+    grad_extents: Vec<Option<Extent>>,
+    spilled: Vec<bool>,
+    spill_writes: Vec<Option<Ticket>>,
     reading: VecDeque<(SubGroupId, Vec<Ticket>)>,
     writes: VecDeque<Vec<Ticket>>,
 }
@@ -112,6 +117,7 @@ impl OptimizerState {
         nvme: Option<NvmeOptim>,
         read_ahead: usize,
         write_behind: usize,
+        spill_grads: bool,
     ) -> Result<Self> {
         let (mem, nvme) = match nvme {
             None => (
@@ -126,7 +132,7 @@ impl OptimizerState {
                 None,
             ),
             Some(io) => {
-                let need = buffers_needed(read_ahead, write_behind);
+                let need = buffers_needed(read_ahead, write_behind, spill_grads);
                 if io.arena.count() < need {
                     return Err(EngineError::internal(format!(
                         "optimizer arena has {} buffers, the pipeline needs {need}",
@@ -134,16 +140,26 @@ impl OptimizerState {
                     )));
                 }
                 let mut extents = Vec::with_capacity(numel.len());
+                let mut grad_extents = Vec::with_capacity(numel.len());
                 for &n in &numel {
                     let b = (n.max(1) * 4) as u64;
                     let space = io.read.space().clone();
                     extents.push([space.allocate(b)?, space.allocate(b)?, space.allocate(b)?]);
+                    grad_extents.push(if spill_grads {
+                        Some(space.allocate(b)?)
+                    } else {
+                        None
+                    });
                 }
+                let groups = numel.len();
                 (
                     Vec::new(),
                     Some(NvmeState {
                         io,
                         extents,
+                        grad_extents,
+                        spilled: vec![false; groups],
+                        spill_writes: (0..groups).map(|_| None).collect(),
                         reading: VecDeque::new(),
                         writes: VecDeque::new(),
                     }),
@@ -188,7 +204,8 @@ impl OptimizerState {
         self.read_ahead
     }
 
-    fn numel_of(&self, sg: SubGroupId) -> Result<usize> {
+    /// Elements of a sub-group.
+    pub fn numel_of(&self, sg: SubGroupId) -> Result<usize> {
         self.numel
             .get(sg.0)
             .copied()
@@ -228,6 +245,29 @@ impl OptimizerState {
         Ok(())
     }
 
+    /// Retires gradient-spill writes: those already complete, or (with
+    /// `block`) all of them. Their buffers go back to the pool.
+    fn retire_spill_writes(&mut self, block: bool) -> Result<()> {
+        let Some(nv) = &mut self.nvme else {
+            return Ok(());
+        };
+        for slot in nv.spill_writes.iter_mut() {
+            let Some(t) = slot.take() else { continue };
+            if block {
+                let t0 = Instant::now();
+                let r = t.wait();
+                self.counters.io_wait += t0.elapsed();
+                drop(r?);
+            } else {
+                match t.poll() {
+                    Some(c) => drop(c.into_result()?),
+                    None => *slot = Some(t),
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Retires finished writes without blocking; blocks on the oldest
     /// while more than `keep` are queued.
     fn retire_writes(&mut self, keep: usize) -> Result<()> {
@@ -250,6 +290,7 @@ impl OptimizerState {
     /// whether it was issued (memory tier: always true, nothing to do).
     pub fn prefetch(&mut self, sg: SubGroupId) -> Result<bool> {
         let n = self.numel_of(sg)?;
+        self.retire_spill_writes(false)?;
         let limit = self.read_ahead + 1;
         let Some(nv) = &mut self.nvme else {
             return Ok(true);
@@ -260,12 +301,27 @@ impl OptimizerState {
         if nv.reading.len() >= limit {
             return Ok(false);
         }
-        let bufs = match nv.io.arena.try_acquire_n(3) {
+        let spilled = nv.spilled.get(sg.0).copied().unwrap_or(false);
+        let k = 3 + usize::from(spilled);
+        let bufs = match nv.io.arena.try_acquire_n(k) {
             Ok(b) => b,
             Err(_) => return Ok(false),
         };
-        let mut tickets = Vec::with_capacity(3);
-        for (ext, buf) in nv.extents[sg.0].iter().zip(bufs) {
+        // Read after write: the spilled gradient's write (on the other
+        // engine) must be complete before it is read back.
+        if let Some(t) = nv.spill_writes.get_mut(sg.0).and_then(Option::take) {
+            let t0 = Instant::now();
+            let r = t.wait();
+            self.counters.io_wait += t0.elapsed();
+            drop(r?);
+        }
+        let grad_ext = if spilled {
+            nv.grad_extents.get(sg.0).cloned().flatten()
+        } else {
+            None
+        };
+        let mut tickets = Vec::with_capacity(k);
+        for (ext, buf) in nv.extents[sg.0].iter().chain(grad_ext.as_ref()).zip(bufs) {
             let len = (n * 4) as u64;
             let len = nv.io.read.space().alignment().round_up(len.max(1));
             tickets.push(nv.io.read.submit(tierzero_swap::Request::range(
@@ -290,16 +346,19 @@ impl OptimizerState {
         sg: SubGroupId,
         adam: &CpuAdam,
         step: u64,
-        grad: &[f32],
+        grad: Option<&[f32]>,
         scale: GradScale,
         out: Option<LowPrecisionOut<'_>>,
         after: &mut dyn FnMut(&[f32]) -> Result<()>,
     ) -> Result<()> {
         let n = self.numel_of(sg)?;
-        if grad.len() != n {
+        if grad.is_some_and(|g| g.len() != n) {
             return Err(EngineError::internal("step: gradient length"));
         }
         if self.nvme.is_none() {
+            let grad = grad.ok_or_else(|| {
+                EngineError::internal("step without a gradient in the memory tier")
+            })?;
             let g = &mut self.mem[sg.0];
             let t0 = Instant::now();
             adam.step(
@@ -330,6 +389,7 @@ impl OptimizerState {
                 )));
             }
             self.retire_writes(0)?;
+            self.retire_spill_writes(true)?;
             if !self.prefetch(sg)? {
                 return Err(EngineError::internal(
                     "optimizer pipeline has no free buffers (start-up check missed a case)",
@@ -348,21 +408,37 @@ impl OptimizerState {
         let waited = tierzero_swap::wait_all(tickets);
         self.counters.io_wait += t0.elapsed();
         let mut bufs = waited?;
-        if bufs.len() != 3 {
+        let spilled = nv.spilled.get(sg.0).copied().unwrap_or(false);
+        if bufs.len() != 3 + usize::from(spilled) {
             return Err(EngineError::internal(
                 "state read returned wrong buffer count",
             ));
         }
+        // The spilled gradient's buffer is freed right after the step.
+        let mut grad_buf = if spilled { bufs.pop() } else { None };
         {
             let (bm, rest) = bufs.split_at_mut(1);
             let (bmm, bv) = rest.split_at_mut(1);
             let master = as_f32(&mut bm[0], n)?;
             let m = as_f32(&mut bmm[0], n)?;
             let v = as_f32(&mut bv[0], n)?;
+            let g: &[f32] = match (grad, grad_buf.as_mut()) {
+                (Some(g), _) => g,
+                (None, Some(b)) => as_f32(b, n)?,
+                (None, None) => {
+                    return Err(EngineError::internal(
+                        "step without a gradient and none spilled",
+                    ))
+                }
+            };
             let t0 = Instant::now();
-            adam.step(step, master, grad, Moments::F32 { m, v }, out, scale)?;
+            adam.step(step, master, g, Moments::F32 { m, v }, out, scale)?;
             self.counters.adam += t0.elapsed();
             after(master)?;
+        }
+        drop(grad_buf);
+        if let Some(f) = nv.spilled.get_mut(sg.0) {
+            *f = false;
         }
         let mut tickets = Vec::with_capacity(3);
         for (ext, buf) in nv.extents[sg.0].iter().zip(bufs) {
@@ -386,14 +462,77 @@ impl OptimizerState {
         self.retire_writes(keep)
     }
 
-    /// Drops prefetched reads (a skipped fp16 step).
+    /// Drops prefetched reads and spilled gradients (a skipped fp16 step).
     pub fn cancel_reads(&mut self) -> Result<()> {
         if let Some(nv) = &mut self.nvme {
             while let Some((_, ts)) = nv.reading.pop_front() {
                 drop(tierzero_swap::wait_all(ts)?);
             }
+            for t in nv.spill_writes.iter_mut().filter_map(Option::take) {
+                drop(t.wait()?);
+            }
+            nv.spilled.iter_mut().for_each(|f| *f = false);
         }
         Ok(())
+    }
+
+    /// Whether gradients can be spilled (NVMe state with gradient extents).
+    pub fn can_spill(&self) -> bool {
+        self.nvme
+            .as_ref()
+            .is_some_and(|nv| nv.grad_extents.iter().all(Option::is_some))
+    }
+
+    /// Writes a sub-group's final gradient to NVMe (asynchronously) so host
+    /// memory does not hold it until the step; the step reads it back with
+    /// the state.
+    pub fn spill_grad(&mut self, sg: SubGroupId, grad: &[f32]) -> Result<()> {
+        let n = self.numel_of(sg)?;
+        if grad.len() != n {
+            return Err(EngineError::internal("spill_grad: gradient length"));
+        }
+        loop {
+            let nv = self
+                .nvme
+                .as_mut()
+                .ok_or_else(|| EngineError::internal("spill_grad without NVMe state"))?;
+            if let Ok(mut buf) = nv.io.arena.try_acquire() {
+                as_f32(&mut buf, n)?.copy_from_slice(grad);
+                let ext = nv
+                    .grad_extents
+                    .get(sg.0)
+                    .cloned()
+                    .flatten()
+                    .ok_or_else(|| EngineError::internal("no gradient extent"))?;
+                let len = ext.len_bytes();
+                let t = nv.io.write.write(&ext, buf)?;
+                nv.spill_writes[sg.0] = Some(t);
+                nv.spilled[sg.0] = true;
+                self.counters.nvme_written_bytes += len;
+                return Ok(());
+            }
+            // Free a buffer: retire the oldest state write, else a spill
+            // write.
+            let state_writes = nv.writes.len();
+            if state_writes > 0 {
+                self.retire_writes(state_writes - 1)?;
+                continue;
+            }
+            let oldest = nv.spill_writes.iter_mut().find_map(Option::take);
+            match oldest {
+                Some(t) => {
+                    let t0 = Instant::now();
+                    let r = t.wait();
+                    self.counters.io_wait += t0.elapsed();
+                    drop(r?);
+                }
+                None => {
+                    return Err(EngineError::internal(
+                        "no optimizer buffer free to spill a gradient (reads hold them all)",
+                    ))
+                }
+            }
+        }
     }
 
     /// Waits for every write.

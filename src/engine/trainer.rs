@@ -132,6 +132,7 @@ pub struct Trainer {
     metrics: Option<MetricsWriter>,
     groups_after_unit: Vec<Vec<SubGroupId>>,
     lookahead_reads: u64,
+    spill_grads: bool,
 }
 
 fn lock_policy(pin: bool) -> LockPolicy {
@@ -282,7 +283,13 @@ impl Trainer {
         };
         let read_ahead = usize::from(zero.offload_optimizer.pipeline_read);
         let write_behind = usize::from(zero.offload_optimizer.pipeline_write);
-        let opt_needed = buffers_needed(read_ahead, write_behind) as u64;
+        // Gradient spill: NVMe optimizer state, overlap on, and a step that
+        // must wait for the global norm (clipping or fp16).
+        let spill_grads = opt_nvme.is_some()
+            && config.tierzero.overlap_optimizer
+            && (config.gradient_clipping.is_some()
+                || matches!(config.precision, Precision::Fp16 { .. }));
+        let opt_needed = buffers_needed(read_ahead, write_behind, spill_grads) as u64;
         let opt_buf_bytes = align_up(layout.max_sub_group_numel() as u64 * 4);
         let opt_count = if opt_nvme.is_some() {
             match config.tierzero.pinned_budget_bytes {
@@ -290,7 +297,7 @@ impl Trainer {
                 Some(b) => {
                     let avail = b.0.saturating_sub(param_pinned) / opt_buf_bytes;
                     if avail < opt_needed {
-                        let stages = opt_needed / 3;
+                        let stages = opt_needed / (3 + u64::from(spill_grads));
                         return Err(EngineError::PinnedBudget {
                             budget_bytes: b.0,
                             param_buffer_count: if param_nvme { param_buf_count } else { 0 },
@@ -381,7 +388,7 @@ impl Trainer {
                 let cap: u64 = layout
                     .sub_groups
                     .iter()
-                    .map(|g| 3 * align_up(g.numel as u64 * 4))
+                    .map(|g| (3 + u64::from(spill_grads)) * align_up(g.numel as u64 * 4))
                     .sum();
                 let space = SwapSpace::create(space_config(config, path, cap + (1 << 20)))?;
                 let mut ac = ArenaConfig::new(opt_buf_bytes * opt_count, opt_buf_bytes);
@@ -398,6 +405,7 @@ impl Trainer {
             nvme_opt,
             read_ahead,
             write_behind,
+            spill_grads,
         )?;
 
         // Initial weights: fp32 master → stored bytes; masters per sub-group.
@@ -475,6 +483,7 @@ impl Trainer {
             metrics,
             groups_after_unit,
             lookahead_reads: 0,
+            spill_grads,
         })
     }
 
@@ -601,6 +610,7 @@ impl Trainer {
         // Sub-groups in the order their state reads were requested.
         let mut order: Vec<SubGroupId> = Vec::with_capacity(n_groups);
         let mut sent = vec![false; n_groups];
+        let mut spilled = vec![false; n_groups];
         let head_scale = loss_scale / gas as f64;
         let units: Vec<(UnitId, UnitKind)> =
             self.model.units().iter().map(|u| (u.id, u.kind)).collect();
@@ -715,7 +725,7 @@ impl Trainer {
                                 });
                                 self.opt.send(Job::Step {
                                     sg,
-                                    grad,
+                                    grad: Some(grad),
                                     scale: GradScale::ONE,
                                     step: adam_step,
                                     hyper,
@@ -726,7 +736,15 @@ impl Trainer {
                                 let t0 = Instant::now();
                                 sq[sg.0] = Some(self.group_sq_norm(&grads, sg));
                                 norm_time += t0.elapsed();
-                                self.opt.send(Job::Prefetch(sg))?;
+                                if self.spill_grads {
+                                    let grad = grads[sg.0].take().unwrap_or_else(|| {
+                                        vec![0f32; self.layout.sub_groups[sg.0].numel]
+                                    });
+                                    self.opt.send(Job::SpillGrad { sg, grad })?;
+                                    spilled[sg.0] = true;
+                                } else {
+                                    self.opt.send(Job::Prefetch(sg))?;
+                                }
                             }
                         }
                     }
@@ -776,9 +794,15 @@ impl Trainer {
                     if sent[sg.0] {
                         continue;
                     }
-                    let grad = grads[sg.0]
-                        .take()
-                        .unwrap_or_else(|| vec![0f32; self.layout.sub_groups[sg.0].numel]);
+                    let grad = if spilled[sg.0] {
+                        None
+                    } else {
+                        Some(
+                            grads[sg.0]
+                                .take()
+                                .unwrap_or_else(|| vec![0f32; self.layout.sub_groups[sg.0].numel]),
+                        )
+                    };
                     self.opt.send(Job::Step {
                         sg,
                         grad,

@@ -7,6 +7,10 @@
 //! * [`Job::Prefetch`]: issue the state read of a sub-group whose gradients
 //!   just became final (clipping / fp16 mode: the step must wait for the
 //!   global norm, the read need not);
+//! * [`Job::SpillGrad`]: with NVMe optimizer state in that mode, write the
+//!   final gradient to NVMe instead (DeepSpeed's gradient swap-out), so
+//!   host memory holds no gradient while the norm is being completed; the
+//!   step reads it back with master, m and v (4 buffers per sub-group);
 //! * [`Job::Step`]: step a sub-group with its final gradient (moved, not
 //!   copied) and the gradient multiplier;
 //! * [`Job::CancelReads`] (a skipped fp16 step), [`Job::Flush`],
@@ -39,12 +43,19 @@ use crate::optim::{AdamHyper, CpuAdam, GradScale, LowPrecisionOut};
 pub enum Job {
     /// Issue the state read of a sub-group (FIFO).
     Prefetch(SubGroupId),
-    /// Step a sub-group.
-    Step {
+    /// Write a final gradient to NVMe instead of holding it in memory.
+    SpillGrad {
         /// Which.
         sg: SubGroupId,
         /// Its final fp32 gradient.
         grad: Vec<f32>,
+    },
+    /// Step a sub-group.
+    Step {
+        /// Which.
+        sg: SubGroupId,
+        /// Its final fp32 gradient; `None` when it was spilled.
+        grad: Option<Vec<f32>>,
         /// Unscale · clip multiplier.
         scale: GradScale,
         /// 1-based Adam step.
@@ -87,12 +98,16 @@ pub struct OptimizerWorker {
     io_busy_s: std::sync::Arc<std::sync::Mutex<f64>>,
 }
 
+/// A step job waiting for its turn: gradient (None: spilled), multiplier,
+/// 1-based Adam step, hyper-parameters.
+type PendingStep = (Option<Vec<f32>>, GradScale, u64, AdamHyper);
+
 struct State {
     opt: OptimizerState,
     adam: CpuAdam,
     dtype: DType,
     order: VecDeque<SubGroupId>,
-    steps: HashMap<SubGroupId, (Vec<f32>, GradScale, u64, AdamHyper)>,
+    steps: HashMap<SubGroupId, PendingStep>,
     io_busy_s: std::sync::Arc<std::sync::Mutex<f64>>,
 }
 
@@ -118,7 +133,7 @@ impl State {
         };
         self.order.pop_front();
         self.adam.set_hyper(hyper)?;
-        let n = grad.len();
+        let n = self.opt.numel_of(sg)?;
         let mut lp_bf16: Vec<bf16> = Vec::new();
         let mut lp_f16: Vec<f16> = Vec::new();
         let out = match self.dtype {
@@ -140,8 +155,15 @@ impl State {
             }
             Ok(())
         };
-        self.opt
-            .step(sg, &self.adam, step, &grad, scale, out, &mut after)?;
+        self.opt.step(
+            sg,
+            &self.adam,
+            step,
+            grad.as_deref(),
+            scale,
+            out,
+            &mut after,
+        )?;
         match self.dtype {
             DType::BF16 => {
                 bytes = lp_bf16
@@ -178,6 +200,9 @@ impl State {
             Job::Prefetch(sg) => {
                 self.enqueue(sg);
                 self.pump()?;
+            }
+            Job::SpillGrad { sg, grad } => {
+                self.opt.spill_grad(sg, &grad)?;
             }
             Job::Step {
                 sg,
