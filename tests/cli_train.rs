@@ -329,10 +329,10 @@ fn embedded_default_runs_two_steps_with_nvme_offload_in_the_working_dir() {
     let s = &out.stdout;
     assert!(s.contains("model embedded default"), "{s}");
     assert!(s.contains("data data/corpus.txt (embedded)"), "{s}");
-    assert!(
-        s.contains("NVMe swap: params and optimizer state in ./tierzero-swap"),
-        "{s}"
-    );
+    // Params and optimizer state (and, with the default's clipping, the
+    // spilled final gradients) all go to ./tierzero-swap.
+    assert!(s.contains("NVMe swap: params"), "{s}");
+    assert!(s.contains("optimizer state in ./tierzero-swap"), "{s}");
     assert!(s.contains("of a budget of 256 MiB"), "{s}");
     let lines = metrics_lines(&d.join("m.jsonl"));
     assert_eq!(lines.len(), 3, "{lines:?}");

@@ -18,7 +18,7 @@
 //!   every parameter streams from NVMe through the swap buffers each step;
 //! * the loss falls visibly within a minute (from ~5.6 to ~2.3 nats per
 //!   byte in the first 50 steps, ~2.1 at step 150) and the 150 steps took
-//!   2.5 minutes on 2 CPU cores shared with other builds (4.3 minutes
+//!   2 minutes on 2 CPU cores shared with other builds (4.3 minutes
 //!   under heavier load) in a release build.
 //!
 //! The model fits one optimizer sub-group (`sub_group_size` 2e6), so the
@@ -32,8 +32,10 @@
 //! parameter store (each parameter's home tier and stored dtype), and the
 //! config for the buffer settings. Two numbers are **not exposed by the
 //! engine** and are recomputed here with the engine's own rules (see
-//! `engine::trainer::Trainer::new`): the count of optimizer swap buffers
-//! (`max(3 × (1 + read_ahead + write_behind), offload_optimizer.buffer_count)`,
+//! `engine::trainer::Trainer::new`): whether final gradients are spilled to
+//! NVMe (optimizer state on NVMe, `overlap_optimizer`, and clipping or
+//! fp16), the count of optimizer swap buffers
+//! (`max(buffers_needed(read_ahead, write_behind, spill), offload_optimizer.buffer_count)`,
 //! capped by what the pinned budget leaves after the parameter buffers) and
 //! the pinned pages of the cpu tier ([`ParamStore::cpu_page_plan`]). NVMe
 //! extents are counted with the engine's 4 KiB alignment.
@@ -107,8 +109,11 @@ pub struct Plan {
     pub param_elem_bytes: u64,
     /// Stored 16-bit/fp32 parameters.
     pub params: TierBytes,
-    /// fp32 gradient accumulators (at most; freed per sub-group as it steps).
+    /// fp32 gradients: host accumulators (at most; freed per sub-group once
+    /// final) and, when the engine spills final gradients, their NVMe extents.
     pub grads: TierBytes,
+    /// Whether final gradients are spilled to NVMe until the step.
+    pub spill_grads: bool,
     /// fp32 master weights, `m` and `v`.
     pub optimizer: TierBytes,
     /// Parameter swap-in buffers: count and bytes each.
@@ -167,13 +172,27 @@ impl Plan {
         params.pinned_bytes = page_bytes * pages as u64;
 
         let shard_numel = layout.shard_numel() as u64;
-        let grads = TierBytes {
+        let opt_nvme = zero.offload_optimizer.device.nvme_path();
+        // The engine's rule: final gradients are spilled to NVMe (and read
+        // back with the state) when the state is on NVMe, the optimizer
+        // overlaps backward, and the step must wait for the global norm.
+        let spill_grads = opt_nvme.is_some()
+            && config.tierzero.overlap_optimizer
+            && (config.gradient_clipping.is_some()
+                || matches!(config.precision, Precision::Fp16 { .. }));
+        let mut grads = TierBytes {
             host_bytes: shard_numel * 4,
             ..TierBytes::default()
         };
+        if spill_grads {
+            grads.nvme_bytes = layout
+                .sub_groups
+                .iter()
+                .map(|g| align_up(g.numel as u64 * 4))
+                .sum();
+        }
 
         let mut optimizer = TierBytes::default();
-        let opt_nvme = zero.offload_optimizer.device.nvme_path();
         if opt_nvme.is_some() {
             optimizer.nvme_bytes = layout
                 .sub_groups
@@ -197,6 +216,7 @@ impl Plan {
             let needed = buffers_needed(
                 usize::from(zero.offload_optimizer.pipeline_read),
                 usize::from(zero.offload_optimizer.pipeline_write),
+                spill_grads,
             ) as u64;
             let wanted = needed.max(zero.offload_optimizer.buffer_count);
             let count = match config.tierzero.pinned_budget_bytes {
@@ -224,6 +244,7 @@ impl Plan {
             param_elem_bytes: elem,
             params,
             grads,
+            spill_grads,
             optimizer,
             param_buffers,
             optimizer_buffers,
@@ -254,7 +275,7 @@ impl Plan {
 
     /// NVMe bytes the run allocates.
     pub fn nvme_total_bytes(&self) -> u64 {
-        self.params.nvme_bytes + self.optimizer.nvme_bytes
+        self.params.nvme_bytes + self.grads.nvme_bytes + self.optimizer.nvme_bytes
     }
 }
 
@@ -302,7 +323,15 @@ impl fmt::Display for Plan {
             );
         };
         row(&mut s, "params", &self.params);
-        row(&mut s, "grads (fp32, at most)", &self.grads);
+        row(
+            &mut s,
+            if self.spill_grads {
+                "grads (fp32; final ones spilled)"
+            } else {
+                "grads (fp32, at most)"
+            },
+            &self.grads,
+        );
         row(
             &mut s,
             "optimizer state (fp32 master, m, v)",
@@ -346,14 +375,24 @@ impl fmt::Display for Plan {
         );
         match (&self.param_nvme_path, &self.optimizer_nvme_path) {
             (Some(p), Some(o)) if p == o => {
-                let _ = writeln!(s, "  NVMe swap: params and optimizer state in {p}");
+                let what = if self.spill_grads {
+                    "params, spilled gradients and optimizer state"
+                } else {
+                    "params and optimizer state"
+                };
+                let _ = writeln!(s, "  NVMe swap: {what} in {p}");
             }
             (p, o) => {
                 if let Some(p) = p {
                     let _ = writeln!(s, "  NVMe swap: params in {p}");
                 }
                 if let Some(o) = o {
-                    let _ = writeln!(s, "  NVMe swap: optimizer state in {o}");
+                    let what = if self.spill_grads {
+                        "spilled gradients and optimizer state"
+                    } else {
+                        "optimizer state"
+                    };
+                    let _ = writeln!(s, "  NVMe swap: {what} in {o}");
                 }
             }
         }
