@@ -233,7 +233,6 @@ impl Progress {
     fn step(&self, m: &StepMetrics, steps: u64) {
         match self {
             Progress::Bar(bar) => {
-                bar.set_position(m.step);
                 bar.set_message(format!(
                     "loss {:.4} | {:.0} tok/s | nvme r {:.2} w {:.2} GB/s | overlap {:.2}",
                     m.loss,
@@ -242,6 +241,7 @@ impl Progress {
                     gbps(m.bytes_written.get("nvme"), m.wall_s),
                     m.overlap_efficiency
                 ));
+                bar.set_position(m.step);
             }
             Progress::Lines { every } => {
                 if m.step == 1 || m.step.is_multiple_of(*every) || m.step == steps {
@@ -253,7 +253,11 @@ impl Progress {
 
     fn finish(&self) {
         if let Progress::Bar(bar) = self {
-            bar.finish();
+            if !bar.is_finished() {
+                bar.finish();
+                // The bar leaves the cursor at the end of its line.
+                eprintln!();
+            }
         }
     }
 }

@@ -283,6 +283,14 @@ fn path_of(d: &OffloadDevice) -> Option<String> {
     d.nvme_path().map(|p| p.display().to_string())
 }
 
+fn buffers_label(what: &str, (count, bytes): (u64, u64)) -> String {
+    if count == 0 {
+        format!("{what} (none)")
+    } else {
+        format!("{what} ({count} x {})", format_bytes(bytes))
+    }
+}
+
 fn cell(bytes: u64) -> String {
     if bytes == 0 {
         "-".to_owned()
@@ -343,11 +351,7 @@ impl fmt::Display for Plan {
         };
         row(
             &mut s,
-            &format!(
-                "param swap buffers ({} x {})",
-                self.param_buffers.0,
-                format_bytes(self.param_buffers.1)
-            ),
+            &buffers_label("param swap buffers", self.param_buffers),
             &param_bufs,
         );
         let opt_bufs = TierBytes {
@@ -356,11 +360,7 @@ impl fmt::Display for Plan {
         };
         row(
             &mut s,
-            &format!(
-                "optimizer swap buffers ({} x {})",
-                self.optimizer_buffers.0,
-                format_bytes(self.optimizer_buffers.1)
-            ),
+            &buffers_label("optimizer swap buffers", self.optimizer_buffers),
             &opt_bufs,
         );
         let budget = match self.pinned_budget_bytes {
