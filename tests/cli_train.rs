@@ -365,3 +365,43 @@ fn help_has_examples_and_the_current_defaults() {
     let seq = format!("Default: {},", tierzero::run::DEFAULT_SEQ_LEN);
     assert!(out.stdout.contains(&seq), "`{seq}` missing: {}", out.stdout);
 }
+
+#[test]
+fn steps_come_from_the_flag_or_a_concrete_total_num_steps() {
+    let d = tiny_setup("steps");
+    let mut cfg = ds_config(&d);
+    cfg["scheduler"]["params"]["total_num_steps"] = json!(2);
+    std::fs::write(d.join("two.json"), cfg.to_string()).unwrap();
+    let base = [
+        "--config",
+        "two.json",
+        "--model",
+        "model",
+        "--data",
+        "data.txt",
+        "--seq-len",
+        "8",
+        "--metrics",
+        "m.jsonl",
+    ];
+    // Without --steps the config's concrete total_num_steps is the run length.
+    let out = train(&d, &base);
+    assert_eq!(out.code, 0, "stderr: {}", out.stderr);
+    let lines = metrics_lines(&d.join("m.jsonl"));
+    assert_eq!(lines.len(), 3, "2 steps and a summary: {lines:?}");
+    assert_eq!(lines[2]["steps"], 2);
+    // --steps decides the run length; the schedule keeps the config's
+    // concrete value (HF Trainer's fill-only rule) and the run says so.
+    let mut args = base.to_vec();
+    args.extend(["--steps", "3"]);
+    let out = train(&d, &args);
+    assert_eq!(out.code, 0, "stderr: {}", out.stderr);
+    assert_eq!(metrics_lines(&d.join("m.jsonl"))[3]["steps"], 3);
+    assert!(
+        out.stderr
+            .lines()
+            .any(|l| l.starts_with("warning: ") && l.contains("total_num_steps")),
+        "{}",
+        out.stderr
+    );
+}

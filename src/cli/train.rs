@@ -11,8 +11,9 @@
 //!   right after (a seeded model never reads its directory again).
 //! * **Steps.** `--steps` is the total number of optimizer steps. It also
 //!   fills `scheduler.params.total_num_steps` when the config says
-//!   `"auto"` (HF Trainer's rule); a config with a concrete, different
-//!   value is refused by the config layer. Without `--steps`, a user config
+//!   `"auto"` (HF Trainer's rule); a concrete, different value is kept for
+//!   the schedule, with a warning (the config layer's fill-only rule).
+//!   Without `--steps`, a user config
 //!   with a concrete `total_num_steps` runs that many steps, anything else
 //!   runs [`DEFAULT_STEPS`].
 //! * **Errors.** Every number is parsed here, not by clap, so a bad value is
