@@ -8,4 +8,5 @@ pub mod engine;
 pub mod estimate;
 pub mod model;
 pub mod optim;
+pub mod run;
 pub mod units;

@@ -9,6 +9,7 @@ pub mod bench_adam;
 pub mod bench_io;
 pub mod estimate;
 pub mod inspect;
+pub mod train;
 
 use clap::{Parser, Subcommand};
 
@@ -23,6 +24,9 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Train a model with ZeRO-3 offload (no options: the embedded default,
+    /// a small GPT-2 with params and optimizer state on NVMe in ./tierzero-swap/).
+    Train(train::TrainArgs),
     /// Measure NVMe read/write bandwidth across block sizes and queue depths.
     BenchIo(bench_io::BenchIoArgs),
     /// Sweep I/O settings and print a ready-to-paste ds_config "aio" block.
@@ -97,6 +101,7 @@ pub fn main() -> i32 {
         }
     };
     let result = match cli.command {
+        Command::Train(a) => train::run(a),
         Command::BenchIo(a) => bench_io::run_bench_io(a),
         Command::Tune(a) => bench_io::run_tune(a),
         Command::BenchAdam(a) => bench_adam::run(a).map_err(Failure::Internal),

@@ -1,0 +1,483 @@
+//! `tierzero train`: the main job.
+//!
+//! Design:
+//! * **Embedded default.** With no options the run is self-contained: the
+//!   embedded `ds_config` (stage 3, params and optimizer state on NVMe under
+//!   `./tierzero-swap/`, created if missing), the embedded GPT-2-layout
+//!   model config (seeded init) and the shipped corpus
+//!   (`tierzero::run`). Each of `--config`, `--model` and `--data`
+//!   replaces one of the three. The embedded model config is written to a
+//!   private temporary directory only for [`ModelDir::open`] and removed
+//!   right after (a seeded model never reads its directory again).
+//! * **Steps.** `--steps` is the total number of optimizer steps. It also
+//!   fills `scheduler.params.total_num_steps` when the config says
+//!   `"auto"` (HF Trainer's rule); a concrete, different value is kept for
+//!   the schedule, with a warning (the config layer's fill-only rule).
+//!   Without `--steps`, a user config
+//!   with a concrete `total_num_steps` runs that many steps, anything else
+//!   runs [`DEFAULT_STEPS`].
+//! * **Errors.** Every number is parsed here, not by clap, so a bad value is
+//!   one line naming the flag and the fix (exit 2), like every other user
+//!   mistake: missing files, a bad config, a model or data the engine
+//!   refuses at start-up. Failures after start-up are internal (exit 1),
+//!   except an I/O error the user can fix (no space, permissions).
+//! * **Output.** The plan and the summary go to stdout; progress goes to
+//!   stderr, as an indicatif bar on a terminal and as plain lines every
+//!   `steps_per_print` steps (and the first and last) otherwise.
+//! * Not yet: `--tokenizer` (HF `tokenizer.json`) is refused with exit 2;
+//!   `--save-dir` / `--save-every` / `--resume` come with checkpoints.
+
+use std::io::IsTerminal as _;
+use std::num::NonZeroUsize;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::anyhow;
+use candle_core::Device;
+use clap::Args;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use tierzero::config::{self, AutoOr, ConfigWarning, PathChecks, RunContext};
+use tierzero::engine::{EngineError, SingleRank, StepMetrics, TokenData, Trainer, TrainerOptions};
+use tierzero::model::{Arch, ModelDir};
+use tierzero::run::{
+    Plan, DEFAULT_CORPUS, DEFAULT_CORPUS_NAME, DEFAULT_MODEL_CONFIG, DEFAULT_SEQ_LEN, DEFAULT_STEPS,
+};
+use tierzero::units::{format_bytes, parse_count};
+
+use super::{emit, Failure};
+
+const EXAMPLES: &str = "\
+Examples:
+  tierzero train
+      the embedded default: a small GPT-2 on the shipped corpus, ZeRO-3 with
+      params and optimizer state on NVMe under ./tierzero-swap/
+  tierzero train --steps 50 --metrics metrics.jsonl
+  tierzero train --config ds_config.json --model ./gpt2 --data corpus.txt --seq-len 256
+";
+
+/// `tierzero train` options.
+#[derive(Debug, Args)]
+#[command(after_help = EXAMPLES)]
+pub struct TrainArgs {
+    /// DeepSpeed config (ds_config.json). Default: the embedded config
+    /// (stage 3, NVMe offload of params and optimizer state into ./tierzero-swap/).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// HF model directory: config.json plus *.safetensors (GPT-2 or Llama
+    /// layout); config.json alone means a model initialised from --seed.
+    /// Default: the embedded small GPT-2 (seeded init).
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
+    /// Training text, read byte-level (one token per byte). Default: the
+    /// embedded corpus (data/corpus.txt).
+    #[arg(long, value_name = "FILE")]
+    data: Option<PathBuf>,
+    /// HF tokenizer.json (not supported yet: only byte-level data works).
+    #[arg(long, value_name = "tokenizer.json")]
+    tokenizer: Option<PathBuf>,
+    /// Total optimizer steps (also fills scheduler total_num_steps "auto").
+    /// Default: the config's total_num_steps if concrete, else 150.
+    #[arg(long, value_name = "N")]
+    steps: Option<String>,
+    /// Seed of the model init (models without weights).
+    #[arg(long, value_name = "N", default_value = "1")]
+    seed: String,
+    /// Tokens per sample. Default: 128, or the model's maximum positions if
+    /// smaller.
+    #[arg(long, value_name = "N")]
+    seq_len: Option<String>,
+    /// Write one JSON line per step and a final summary line to FILE.
+    #[arg(long, value_name = "FILE")]
+    metrics: Option<PathBuf>,
+    /// Threads of the CPU Adam kernel (it runs beside the compute thread).
+    #[arg(long, value_name = "N", default_value = "1")]
+    threads: String,
+}
+
+fn bad(msg: impl Into<String>) -> Failure {
+    Failure::BadInput(anyhow!(msg.into()))
+}
+
+/// A whole number for `flag` in `min..=max` (counts may use K/M/B suffixes
+/// or a float form such as 1e3).
+fn number(flag: &str, text: &str, min: u64, max: u64) -> Result<u64, Failure> {
+    let v = parse_count(text).map_err(|e| {
+        bad(format!(
+            "{flag}: {e}; give a whole number such as {flag} {min}"
+        ))
+    })?;
+    if v < min || v > max {
+        return Err(bad(format!(
+            "{flag}: {v} is out of range; give a whole number from {min} to {max}"
+        )));
+    }
+    Ok(v)
+}
+
+fn must_exist(flag: &str, path: &Path, dir: bool, fix: &str) -> Result<(), Failure> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() == dir => Ok(()),
+        Ok(_) => Err(bad(format!(
+            "{flag} {}: is {}; {fix}",
+            path.display(),
+            if dir {
+                "not a directory"
+            } else {
+                "a directory"
+            }
+        ))),
+        Err(e) => Err(bad(format!("{flag} {}: {e}; {fix}", path.display()))),
+    }
+}
+
+/// Classifies an engine error raised while starting up: everything the
+/// user's config, model or data can cause is bad input.
+fn startup_failure(e: EngineError) -> Failure {
+    match e {
+        EngineError::Swap(s) => Failure::from_swap(s, "setting up NVMe swap"),
+        EngineError::Config { .. }
+        | EngineError::PinnedBudget { .. }
+        | EngineError::ParamTooLarge { .. }
+        | EngineError::Data { .. }
+        | EngineError::Io { .. }
+        | EngineError::Unsupported { .. }
+        | EngineError::Model(_) => Failure::BadInput(anyhow::Error::new(e)),
+        other => Failure::Internal(anyhow::Error::new(other)),
+    }
+}
+
+/// Classifies an engine error raised while training.
+fn run_failure(e: EngineError, what: &str) -> Failure {
+    match e {
+        EngineError::Swap(s) => Failure::from_swap(s, what),
+        EngineError::Io { ref source, .. }
+            if matches!(
+                source.kind(),
+                std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::StorageFull
+            ) =>
+        {
+            Failure::BadInput(anyhow::Error::new(e).context(what.to_owned()))
+        }
+        other => Failure::Internal(anyhow::Error::new(other).context(what.to_owned())),
+    }
+}
+
+/// Opens the embedded default model through a private temporary directory.
+fn open_default_model(seed: u64) -> Result<ModelDir, Failure> {
+    let dir = std::env::temp_dir().join(format!("tierzero-default-model-{}", std::process::id()));
+    let write = || -> std::io::Result<()> {
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(dir.join("config.json"), DEFAULT_MODEL_CONFIG)
+    };
+    let result = write()
+        .map_err(|e| {
+            Failure::Internal(anyhow!(
+                "writing the embedded model config to {}: {e}",
+                dir.display()
+            ))
+        })
+        .and_then(|()| {
+            ModelDir::open(&dir, seed)
+                .map_err(|e| Failure::Internal(anyhow!("the embedded default model: {e}")))
+        });
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+fn print_warning(w: &ConfigWarning) {
+    eprintln!("warning: {w}");
+}
+
+/// Where the progress goes.
+enum Progress {
+    Bar(ProgressBar),
+    Lines { every: u64 },
+}
+
+fn gbps(bytes: Option<&u64>, seconds: f64) -> f64 {
+    match bytes {
+        Some(&b) if seconds > 0.0 => b as f64 / seconds / 1e9,
+        _ => 0.0,
+    }
+}
+
+fn progress_text(m: &StepMetrics, steps: u64) -> String {
+    format!(
+        "step {}/{steps} loss {:.4} {:.0} tok/s nvme r {:.2} GB/s w {:.2} GB/s overlap {:.2}",
+        m.step,
+        m.loss,
+        m.tokens_per_s,
+        gbps(m.bytes_read.get("nvme"), m.wall_s),
+        gbps(m.bytes_written.get("nvme"), m.wall_s),
+        m.overlap_efficiency
+    )
+}
+
+impl Progress {
+    fn new(steps: u64, every: u64) -> Progress {
+        if !std::io::stderr().is_terminal() {
+            return Progress::Lines {
+                every: every.max(1),
+            };
+        }
+        let bar = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stderr());
+        let style = ProgressStyle::with_template(
+            "{bar:30.cyan/blue} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar());
+        bar.set_style(style);
+        Progress::Bar(bar)
+    }
+
+    fn step(&self, m: &StepMetrics, steps: u64) {
+        match self {
+            Progress::Bar(bar) => {
+                bar.set_message(format!(
+                    "loss {:.4} | {:.0} tok/s | nvme r {:.2} w {:.2} GB/s | overlap {:.2}",
+                    m.loss,
+                    m.tokens_per_s,
+                    gbps(m.bytes_read.get("nvme"), m.wall_s),
+                    gbps(m.bytes_written.get("nvme"), m.wall_s),
+                    m.overlap_efficiency
+                ));
+                bar.set_position(m.step);
+            }
+            Progress::Lines { every } => {
+                if m.step == 1 || m.step.is_multiple_of(*every) || m.step == steps {
+                    eprintln!("{}", progress_text(m, steps));
+                }
+            }
+        }
+    }
+
+    fn finish(&self) {
+        if let Progress::Bar(bar) = self {
+            if !bar.is_finished() {
+                bar.finish();
+                // The bar leaves the cursor at the end of its line.
+                eprintln!();
+            }
+        }
+    }
+}
+
+/// Runs `tierzero train`.
+pub fn run(args: TrainArgs) -> Result<(), Failure> {
+    let started = Instant::now();
+    if let Some(t) = &args.tokenizer {
+        return Err(bad(format!(
+            "--tokenizer {}: HF tokenizer.json input is not supported yet; only byte-level \
+             data works for now (every byte of --data is one token, so the model needs \
+             vocab_size >= 256): drop --tokenizer",
+            t.display()
+        )));
+    }
+    let seed = number("--seed", &args.seed, 0, u64::MAX)?;
+    let threads = number("--threads", &args.threads, 1, 1024)?;
+    let threads = NonZeroUsize::new(threads as usize).unwrap_or(NonZeroUsize::MIN);
+    let steps_flag = match &args.steps {
+        Some(s) => Some(number("--steps", s, 1, 1 << 40)?),
+        None => None,
+    };
+
+    // Model.
+    let model_dir = match &args.model {
+        Some(dir) => {
+            let fix = "give a HF model directory with config.json (and optionally *.safetensors)";
+            must_exist("--model", dir, true, fix)?;
+            must_exist("--model", &dir.join("config.json"), false, fix)?;
+            ModelDir::open(dir, seed).map_err(|e| bad(format!("--model {}: {e}", dir.display())))?
+        }
+        None => open_default_model(seed)?,
+    };
+    let mc = model_dir.model().config().clone();
+    let numel = model_dir.model().numel() as u64;
+
+    let seq_len = match &args.seq_len {
+        Some(s) => number("--seq-len", s, 1, mc.max_seq_len as u64)? as usize,
+        None => DEFAULT_SEQ_LEN.min(mc.max_seq_len),
+    };
+
+    // Data.
+    let (data, data_name) = match &args.data {
+        Some(p) => {
+            must_exist("--data", p, false, "give a text file to train on")?;
+            let d = TokenData::from_byte_file(p).map_err(|e| bad(format!("--data: {e}")))?;
+            (d, p.display().to_string())
+        }
+        None => (
+            TokenData::from_bytes(DEFAULT_CORPUS, Path::new(DEFAULT_CORPUS_NAME)),
+            DEFAULT_CORPUS_NAME.to_owned(),
+        ),
+    };
+    if data.len() < seq_len + 2 {
+        return Err(bad(format!(
+            "--data {data_name}: {} tokens (bytes) are too few for --seq-len {seq_len}; give at \
+             least {} bytes of text or a smaller --seq-len",
+            data.len(),
+            seq_len + 2
+        )));
+    }
+    if data.vocab_needed() > mc.vocab_size {
+        return Err(bad(format!(
+            "--data {data_name}: byte-level tokens go up to {} but the model's vocab_size is {}; \
+             use a model with vocab_size >= 256",
+            data.vocab_needed() - 1,
+            mc.vocab_size
+        )));
+    }
+
+    // Config.
+    let (text, config_name, path_checks) = match &args.config {
+        Some(p) => {
+            must_exist("--config", p, false, "give a ds_config.json file")?;
+            let t = std::fs::read_to_string(p)
+                .map_err(|e| bad(format!("--config {}: {e}", p.display())))?;
+            (t, p.display().to_string(), PathChecks::Check)
+        }
+        None => (
+            config::default_embedded().to_owned(),
+            "embedded default".to_owned(),
+            PathChecks::CreateMissing,
+        ),
+    };
+    let cfg_err = |e: config::ConfigError| bad(format!("config ({config_name}): {e}"));
+    let parsed = config::parse_str(&text).map_err(cfg_err)?;
+    let config_steps = parsed
+        .ds
+        .scheduler
+        .as_ref()
+        .and_then(|s| match s.params.total_num_steps {
+            Some(AutoOr::Value(n)) => Some(n),
+            _ => None,
+        });
+    let steps = steps_flag.or(config_steps).unwrap_or(DEFAULT_STEPS);
+    let run = RunContext {
+        total_steps: Some(steps),
+        hidden_size: Some(mc.hidden_size as u64),
+        model_numel: Some(numel),
+        path_checks,
+        ..RunContext::default()
+    };
+    let loaded = parsed.resolve(&run).map_err(cfg_err)?;
+    for w in &loaded.warnings {
+        print_warning(w);
+    }
+    let cfg = &loaded.config;
+
+    if let Some(m) = &args.metrics {
+        if let Some(parent) = m.parent().filter(|p| !p.as_os_str().is_empty()) {
+            must_exist(
+                "--metrics",
+                parent,
+                true,
+                "create its directory first or choose another path",
+            )?;
+        }
+    }
+
+    // Engine.
+    let opts = TrainerOptions {
+        seed,
+        seq_len,
+        device: Device::Cpu,
+        comm: Arc::new(SingleRank),
+        adam_threads: threads,
+        metrics_path: args.metrics.clone(),
+    };
+    let tokens_per_step =
+        cfg.batch.micro_batch_size * cfg.batch.gradient_accumulation_steps * seq_len as u64;
+    let mut trainer = Trainer::new(cfg, &model_dir, data, opts).map_err(startup_failure)?;
+    let plan = Plan::new(
+        cfg,
+        trainer.model(),
+        trainer.layout(),
+        trainer.store(),
+        "cpu".to_owned(),
+    );
+    let model_name = match &args.model {
+        Some(d) => d.display().to_string(),
+        None => "embedded default".to_owned(),
+    };
+    emit(&format!(
+        "tierzero train: model {model_name} ({}, {} layers, hidden {}, {} params, {}), \
+         data {data_name}, config {config_name}\n\
+         run: {steps} steps x {} sequences x {seq_len} tokens = {tokens_per_step} tokens/step, \
+         seed {seed}, {} Adam thread(s)\n{plan}\n",
+        match mc.arch {
+            Arch::Gpt2 => "GPT-2",
+            Arch::Llama => "Llama",
+        },
+        mc.n_layer,
+        mc.hidden_size,
+        numel,
+        if model_dir.has_weights() {
+            "weights from safetensors"
+        } else {
+            "seeded init"
+        },
+        cfg.batch.micro_batch_size * cfg.batch.gradient_accumulation_steps,
+        threads
+    ))?;
+
+    // Train.
+    let progress = Progress::new(steps, cfg.steps_per_print);
+    let train_started = Instant::now();
+    let mut first: Option<StepMetrics> = None;
+    let mut last: Option<StepMetrics> = None;
+    let (mut nvme_read, mut nvme_written) = (0u64, 0u64);
+    for _ in 0..steps {
+        let m = trainer
+            .step()
+            .map_err(|e| {
+                progress.finish();
+                run_failure(e, "training step")
+            })?
+            .metrics;
+        if !m.loss.is_finite() {
+            progress.finish();
+            return Err(Failure::Internal(anyhow!(
+                "step {}: the loss is {} (diverged); lower the learning rate",
+                m.step,
+                m.loss
+            )));
+        }
+        nvme_read += m.bytes_read.get("nvme").copied().unwrap_or(0);
+        nvme_written += m.bytes_written.get("nvme").copied().unwrap_or(0);
+        progress.step(&m, steps);
+        if first.is_none() {
+            first = Some(m.clone());
+        }
+        last = Some(m);
+    }
+    progress.finish();
+    let train_s = train_started.elapsed().as_secs_f64();
+    let summary = trainer
+        .finish()
+        .map_err(|e| run_failure(e, "finishing the run"))?;
+    let (Some(first), Some(last)) = (first, last) else {
+        return Err(Failure::Internal(anyhow!("no step ran")));
+    };
+    emit(&format!(
+        "done: {} steps in {train_s:.1} s ({:.0} tokens/s), total {:.1} s\n\
+         loss: {:.4} at step 1 -> {:.4} at step {}\n\
+         weight_sha256: {}\n\
+         NVMe: read {}, written {}; peak RSS {}{}\n",
+        summary.steps,
+        (tokens_per_step * summary.steps) as f64 / train_s.max(1e-9),
+        started.elapsed().as_secs_f64(),
+        first.loss,
+        last.loss,
+        last.step,
+        summary.weight_sha256,
+        format_bytes(nvme_read),
+        format_bytes(nvme_written),
+        format_bytes(summary.peak_rss_bytes),
+        match &args.metrics {
+            Some(p) => format!("; metrics in {}", p.display()),
+            None => String::new(),
+        }
+    ))
+}

@@ -1,0 +1,407 @@
+//! `tierzero train`, run as the built binary: a tiny model with stage 3 and
+//! NVMe offload into a scratch directory (metrics keys, finite loss,
+//! determinism, the plan and the summary), user mistakes (exit 2 with one
+//! line), and the embedded default for two steps.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use serde_json::{json, Value};
+
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+/// A fresh directory under the cargo target tmp dir.
+fn scratch(tag: &str) -> PathBuf {
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("cli-train-{tag}-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+struct Out {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+fn train(cwd: &Path, args: &[&str]) -> Out {
+    let out = Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .arg("train")
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .expect("run tierzero");
+    Out {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// A scratch dir with a tiny GPT-2 (`model/config.json`), a text file
+/// (`data.txt`), a swap dir (`swap/`) and `ds_config.json` with stage 3 and
+/// both offloads on NVMe.
+fn tiny_setup(tag: &str) -> PathBuf {
+    let d = scratch(tag);
+    std::fs::create_dir_all(d.join("model")).unwrap();
+    std::fs::create_dir_all(d.join("swap")).unwrap();
+    let model = json!({"model_type": "gpt2", "vocab_size": 256, "n_positions": 32,
+        "n_embd": 32, "n_layer": 2, "n_head": 2, "tie_word_embeddings": true});
+    std::fs::write(d.join("model/config.json"), model.to_string()).unwrap();
+    let text = "the engine streams every layer from nvme while adam steps on the cpu. ".repeat(60);
+    std::fs::write(d.join("data.txt"), text).unwrap();
+    write_config(&d, ds_config(&d));
+    d
+}
+
+fn ds_config(d: &Path) -> Value {
+    let swap = d.join("swap");
+    let swap = swap.to_str().unwrap();
+    json!({
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 1,
+            "total_num_steps": "auto"}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": swap, "buffer_count": 4,
+                "buffer_size": 20000, "max_in_cpu": 0},
+            "offload_optimizer": {"device": "nvme", "nvme_path": swap},
+            "sub_group_size": 10000,
+            "stage3_param_persistence_threshold": 0
+        },
+        "tierzero": {"checksums": true}
+    })
+}
+
+fn write_config(d: &Path, cfg: Value) {
+    std::fs::write(d.join("ds_config.json"), cfg.to_string()).unwrap();
+}
+
+const TINY: [&str; 10] = [
+    "--config",
+    "ds_config.json",
+    "--model",
+    "model",
+    "--data",
+    "data.txt",
+    "--seq-len",
+    "16",
+    "--steps",
+    "3",
+];
+
+fn metrics_lines(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect()
+}
+
+#[test]
+fn tiny_run_writes_metrics_plan_and_summary_and_is_deterministic() {
+    let d = tiny_setup("tiny");
+    let mut args = TINY.to_vec();
+    args.extend(["--metrics", "m1.jsonl"]);
+    let out = train(&d, &args);
+    assert_eq!(out.code, 0, "stderr: {}", out.stderr);
+    assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+
+    let lines = metrics_lines(&d.join("m1.jsonl"));
+    assert_eq!(lines.len(), 4, "3 steps and a summary: {lines:?}");
+    for (i, m) in lines[..3].iter().enumerate() {
+        assert_eq!(m["step"], i as u64 + 1);
+        for key in [
+            "loss",
+            "tokens_per_s",
+            "compute_s",
+            "io_wait_s",
+            "optimizer_s",
+            "idle_s",
+            "peak_rss_bytes",
+            "overlap_efficiency",
+        ] {
+            let v = m[key]
+                .as_f64()
+                .unwrap_or_else(|| panic!("`{key}` missing or not a number in {m}"));
+            assert!(v.is_finite() && v >= 0.0, "`{key}` = {v} in {m}");
+        }
+        for key in ["bytes_read", "bytes_written"] {
+            let per_tier = m[key].as_object().unwrap_or_else(|| panic!("{key}: {m}"));
+            assert!(per_tier.contains_key("cpu") && per_tier.contains_key("nvme"));
+        }
+        // Everything lives on NVMe: every step reads params and state back.
+        assert!(m["bytes_read"]["nvme"].as_u64().unwrap() > 0, "{m}");
+        assert!(m["bytes_written"]["nvme"].as_u64().unwrap() > 0, "{m}");
+    }
+    let summary = &lines[3];
+    assert_eq!(summary["summary"], true);
+    assert_eq!(summary["steps"], 3);
+    let hash = summary["weight_sha256"].as_str().unwrap();
+    assert_eq!(hash.len(), 64, "{hash}");
+    assert!(hash.chars().all(|c| c.is_ascii_hexdigit()), "{hash}");
+
+    // The plan names every tier and the pinned budget; the summary repeats
+    // the hash and the losses of the metrics file.
+    let s = &out.stdout;
+    assert!(s.contains("plan: ZeRO stage 3"), "{s}");
+    for word in ["device", "pinned host", "NVMe", "param swap buffers (4 x"] {
+        assert!(s.contains(word), "`{word}` missing from the plan: {s}");
+    }
+    assert!(s.contains("pinned total"), "{s}");
+    assert!(s.contains(&format!("weight_sha256: {hash}")), "{s}");
+    let first = lines[0]["loss"].as_f64().unwrap() as f32;
+    let last = lines[2]["loss"].as_f64().unwrap() as f32;
+    assert!(
+        s.contains(&format!(
+            "loss: {first:.4} at step 1 -> {last:.4} at step 3"
+        )),
+        "{s}"
+    );
+
+    // Same inputs and seed: same losses and weights, bit for bit.
+    let mut args = TINY.to_vec();
+    args.extend(["--metrics", "m2.jsonl"]);
+    let again = train(&d, &args);
+    assert_eq!(again.code, 0, "stderr: {}", again.stderr);
+    let lines2 = metrics_lines(&d.join("m2.jsonl"));
+    for (a, b) in lines.iter().zip(&lines2).take(3) {
+        assert_eq!(a["loss"], b["loss"]);
+    }
+    assert_eq!(lines2[3]["weight_sha256"], summary["weight_sha256"]);
+
+    // Another seed gives other weights.
+    let mut args = TINY.to_vec();
+    args.extend(["--metrics", "m3.jsonl", "--seed", "7"]);
+    let other = train(&d, &args);
+    assert_eq!(other.code, 0, "stderr: {}", other.stderr);
+    let lines3 = metrics_lines(&d.join("m3.jsonl"));
+    assert_ne!(lines3[3]["weight_sha256"], summary["weight_sha256"]);
+}
+
+/// Exit code 2, and stderr is one line starting with `error:` that contains
+/// every one of `words`.
+fn assert_bad(d: &Path, args: &[&str], words: &[&str]) {
+    let out = train(d, args);
+    assert_eq!(
+        out.code, 2,
+        "{args:?}: stdout {} stderr {}",
+        out.stdout, out.stderr
+    );
+    let lines: Vec<&str> = out
+        .stderr
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .collect();
+    assert_eq!(lines.len(), 1, "{args:?}: not one line: {}", out.stderr);
+    assert!(lines[0].starts_with("error: "), "{args:?}: {}", lines[0]);
+    assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+    for w in words {
+        assert!(
+            lines[0].contains(w),
+            "{args:?}: `{w}` missing from: {}",
+            lines[0]
+        );
+    }
+}
+
+/// `base` with each flag's value replaced, or the flag appended.
+fn with<'a>(base: &[&'a str], replace: &[(&'a str, &'a str)]) -> Vec<&'a str> {
+    let mut v = base.to_vec();
+    for (flag, value) in replace {
+        match v.iter().position(|a| a == flag) {
+            Some(i) => v[i + 1] = value,
+            None => v.extend([*flag, *value]),
+        }
+    }
+    v
+}
+
+#[test]
+fn user_mistakes_exit_2_with_one_line() {
+    let d = tiny_setup("bad");
+    // Files that are not there.
+    assert_bad(
+        &d,
+        &with(&TINY, &[("--model", "nope")]),
+        &["--model", "nope"],
+    );
+    std::fs::create_dir_all(d.join("empty")).unwrap();
+    assert_bad(
+        &d,
+        &with(&TINY, &[("--model", "empty")]),
+        &["--model", "config.json"],
+    );
+    assert_bad(
+        &d,
+        &with(&TINY, &[("--data", "nope.txt")]),
+        &["--data", "nope.txt"],
+    );
+    assert_bad(
+        &d,
+        &with(&TINY, &[("--config", "nope.json")]),
+        &["--config", "nope.json"],
+    );
+    // Bad numbers.
+    assert_bad(&d, &with(&TINY, &[("--steps", "0")]), &["--steps", "0"]);
+    assert_bad(
+        &d,
+        &with(&TINY, &[("--steps", "many")]),
+        &["--steps", "many"],
+    );
+    assert_bad(
+        &d,
+        &with(&TINY, &[("--seq-len", "33")]),
+        &["--seq-len", "32"],
+    );
+    assert_bad(&d, &with(&TINY, &[("--threads", "0")]), &["--threads"]);
+    // Not supported yet.
+    assert_bad(
+        &d,
+        &with(&TINY, &[("--tokenizer", "tokenizer.json")]),
+        &["--tokenizer", "byte-level"],
+    );
+    // Data too short for the sequence length.
+    std::fs::write(d.join("short.txt"), "too short").unwrap();
+    assert_bad(
+        &d,
+        &with(&TINY, &[("--data", "short.txt")]),
+        &["--data", "short.txt", "--seq-len"],
+    );
+    // A model whose config.json is wrong.
+    std::fs::create_dir_all(d.join("badmodel")).unwrap();
+    std::fs::write(
+        d.join("badmodel/config.json"),
+        "{\"model_type\": \"gpt2\", ",
+    )
+    .unwrap();
+    assert_bad(&d, &with(&TINY, &[("--model", "badmodel")]), &["--model"]);
+
+    // Bad configs: invalid JSON (line and column), a missing nvme_path
+    // directory, a pinned budget too small for the buffers.
+    std::fs::write(
+        d.join("broken.json"),
+        "{\n  \"train_micro_batch_size_per_gpu\": 2,\n}",
+    )
+    .unwrap();
+    assert_bad(
+        &d,
+        &with(&TINY, &[("--config", "broken.json")]),
+        &["broken.json", "line 3"],
+    );
+    let mut cfg = ds_config(&d);
+    cfg["zero_optimization"]["offload_param"]["nvme_path"] = json!(d.join("no-such-dir"));
+    std::fs::write(d.join("nopath.json"), cfg.to_string()).unwrap();
+    assert_bad(
+        &d,
+        &with(&TINY, &[("--config", "nopath.json")]),
+        &["nvme_path", "no-such-dir"],
+    );
+    let mut cfg = ds_config(&d);
+    cfg["tierzero"]["pinned_budget_bytes"] = json!(4096);
+    std::fs::write(d.join("budget.json"), cfg.to_string()).unwrap();
+    assert_bad(
+        &d,
+        &with(&TINY, &[("--config", "budget.json")]),
+        &["pinned_budget_bytes"],
+    );
+    // A metrics file in a directory that does not exist.
+    let mut args = TINY.to_vec();
+    args.extend(["--metrics", "no/such/dir/m.jsonl"]);
+    assert_bad(&d, &args, &["--metrics", "no/such/dir"]);
+}
+
+#[test]
+fn embedded_default_runs_two_steps_with_nvme_offload_in_the_working_dir() {
+    let d = scratch("default");
+    let out = train(&d, &["--steps", "2", "--metrics", "m.jsonl"]);
+    assert_eq!(out.code, 0, "stderr: {}", out.stderr);
+    assert!(
+        d.join("tierzero-swap").is_dir(),
+        "./tierzero-swap/ not created"
+    );
+    let s = &out.stdout;
+    assert!(s.contains("model embedded default"), "{s}");
+    assert!(s.contains("data data/corpus.txt (embedded)"), "{s}");
+    // Params and optimizer state (and, with the default's clipping, the
+    // spilled final gradients) all go to ./tierzero-swap.
+    assert!(s.contains("NVMe swap: params"), "{s}");
+    assert!(s.contains("optimizer state in ./tierzero-swap"), "{s}");
+    assert!(s.contains("of a budget of 256 MiB"), "{s}");
+    let lines = metrics_lines(&d.join("m.jsonl"));
+    assert_eq!(lines.len(), 3, "{lines:?}");
+    for m in &lines[..2] {
+        assert!(m["loss"].as_f64().unwrap().is_finite(), "{m}");
+        assert!(m["bytes_read"]["nvme"].as_u64().unwrap() > 0, "{m}");
+    }
+    // The embedded model keeps every tensor within one 4e6-element swap
+    // buffer: the largest is reported in the plan.
+    let largest: u64 = s
+        .split("largest tensor ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no largest tensor in the plan: {s}"));
+    assert!(largest <= 4_000_000, "{largest}");
+}
+
+#[test]
+fn help_has_examples_and_the_current_defaults() {
+    let out = train(Path::new(env!("CARGO_TARGET_TMPDIR")), &["--help"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.stdout.contains("Examples:"), "{}", out.stdout);
+    let steps = format!("else {}", tierzero::run::DEFAULT_STEPS);
+    assert!(
+        out.stdout.contains(&steps),
+        "`{steps}` missing: {}",
+        out.stdout
+    );
+    let seq = format!("Default: {},", tierzero::run::DEFAULT_SEQ_LEN);
+    assert!(out.stdout.contains(&seq), "`{seq}` missing: {}", out.stdout);
+}
+
+#[test]
+fn steps_come_from_the_flag_or_a_concrete_total_num_steps() {
+    let d = tiny_setup("steps");
+    let mut cfg = ds_config(&d);
+    cfg["scheduler"]["params"]["total_num_steps"] = json!(2);
+    std::fs::write(d.join("two.json"), cfg.to_string()).unwrap();
+    let base = [
+        "--config",
+        "two.json",
+        "--model",
+        "model",
+        "--data",
+        "data.txt",
+        "--seq-len",
+        "8",
+        "--metrics",
+        "m.jsonl",
+    ];
+    // Without --steps the config's concrete total_num_steps is the run length.
+    let out = train(&d, &base);
+    assert_eq!(out.code, 0, "stderr: {}", out.stderr);
+    let lines = metrics_lines(&d.join("m.jsonl"));
+    assert_eq!(lines.len(), 3, "2 steps and a summary: {lines:?}");
+    assert_eq!(lines[2]["steps"], 2);
+    // --steps decides the run length; the schedule keeps the config's
+    // concrete value (HF Trainer's fill-only rule) and the run says so.
+    let mut args = base.to_vec();
+    args.extend(["--steps", "3"]);
+    let out = train(&d, &args);
+    assert_eq!(out.code, 0, "stderr: {}", out.stderr);
+    assert_eq!(metrics_lines(&d.join("m.jsonl"))[3]["steps"], 3);
+    assert!(
+        out.stderr
+            .lines()
+            .any(|l| l.starts_with("warning: ") && l.contains("total_num_steps")),
+        "{}",
+        out.stderr
+    );
+}

@@ -1,0 +1,143 @@
+//! `tierzero::run::Plan` against the engine: the pinned bytes the plan
+//! recomputes from the config are exactly what the engine needs (a budget
+//! of that size starts, one byte less is refused), and the NVMe and tier
+//! numbers follow the layout.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use serde_json::{json, Value};
+use tierzero::config::{load_str, PathChecks, RunContext};
+use tierzero::engine::{EngineError, TokenData, Trainer, TrainerOptions};
+use tierzero::model::ModelDir;
+use tierzero::run::Plan;
+
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+fn scratch(tag: &str) -> PathBuf {
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("run-plan-{tag}-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(d.join("model")).unwrap();
+    std::fs::create_dir_all(d.join("swap")).unwrap();
+    let model = json!({"model_type": "gpt2", "vocab_size": 256, "n_positions": 32,
+        "n_embd": 32, "n_layer": 2, "n_head": 2, "tie_word_embeddings": true});
+    std::fs::write(d.join("model/config.json"), model.to_string()).unwrap();
+    d
+}
+
+fn ds(d: &Path, clip: bool, budget: Option<u64>) -> Value {
+    let swap = d.join("swap");
+    let mut v = json!({
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": swap, "buffer_count": 4,
+                "buffer_size": 20000, "max_in_cpu": 0},
+            "offload_optimizer": {"device": "nvme", "nvme_path": swap,
+                "pipeline_read": true, "pipeline_write": true},
+            "sub_group_size": 10000,
+            "stage3_param_persistence_threshold": 0
+        },
+        "tierzero": {"checksums": false}
+    });
+    if clip {
+        v["gradient_clipping"] = json!(1.0);
+    }
+    if let Some(b) = budget {
+        v["tierzero"]["pinned_budget_bytes"] = json!(b);
+    }
+    v
+}
+
+fn trainer(d: &Path, cfg: &Value) -> Result<Trainer, EngineError> {
+    let run = RunContext {
+        path_checks: PathChecks::Check,
+        ..RunContext::default()
+    };
+    let loaded = load_str(&cfg.to_string(), &run).unwrap();
+    let md = ModelDir::open(d.join("model"), 1).unwrap();
+    let text = "tiers of bytes: device, pinned host memory and nvme. ".repeat(20);
+    let data = TokenData::from_bytes(text.as_bytes(), Path::new("<text>"));
+    Trainer::new(&loaded.config, &md, data, TrainerOptions::cpu(1, 16))
+}
+
+fn plan_of(d: &Path, cfg: &Value) -> Plan {
+    let run = RunContext {
+        path_checks: PathChecks::Check,
+        ..RunContext::default()
+    };
+    let loaded = load_str(&cfg.to_string(), &run).unwrap();
+    let t = trainer(d, cfg).unwrap();
+    Plan::new(
+        &loaded.config,
+        t.model(),
+        t.layout(),
+        t.store(),
+        "cpu".into(),
+    )
+}
+
+fn align(b: u64) -> u64 {
+    b.div_ceil(4096) * 4096
+}
+
+#[test]
+fn plan_pinned_bytes_are_exactly_what_the_engine_needs() {
+    for clip in [false, true] {
+        let d = scratch("budget");
+        let plan = plan_of(&d, &ds(&d, clip, None));
+        // Every param is on NVMe; nothing in cpu-tier pages.
+        assert_eq!(plan.params_per_tier[0] + plan.params_per_tier[1], 0);
+        assert_eq!(plan.params.pinned_bytes, 0);
+        assert_eq!(plan.param_buffers, (4, align(20000 * 4)));
+        assert_eq!(plan.spill_grads, clip);
+        // 3 states (4 with spilled grads) x (1 + read ahead + write behind).
+        assert_eq!(plan.optimizer_buffers.0, if clip { 12 } else { 9 });
+        let exact = plan.pinned_total_bytes();
+        // The engine starts with exactly that budget and refuses one byte less.
+        let fits = ds(&d, clip, Some(exact));
+        let with_budget = plan_of(&d, &fits);
+        assert_eq!(with_budget.optimizer_buffers, plan.optimizer_buffers);
+        assert_eq!(with_budget.pinned_budget_bytes, Some(exact));
+        match trainer(&d, &ds(&d, clip, Some(exact - 1))) {
+            Err(EngineError::PinnedBudget { required_bytes, .. }) => {
+                assert_eq!(required_bytes, exact);
+            }
+            other => panic!("clip {clip}: expected a pinned-budget error, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn plan_nvme_bytes_follow_the_layout() {
+    let d = scratch("nvme");
+    let cfg = ds(&d, true, None);
+    let t = trainer(&d, &cfg).unwrap();
+    let plan = plan_of(&d, &cfg);
+    let params: u64 = t
+        .layout()
+        .params
+        .iter()
+        .map(|p| align(p.shard_numel as u64 * 4))
+        .sum();
+    let groups: u64 = t
+        .layout()
+        .sub_groups
+        .iter()
+        .map(|g| align(g.numel as u64 * 4))
+        .sum();
+    assert_eq!(plan.params.nvme_bytes, params);
+    assert_eq!(plan.optimizer.nvme_bytes, 3 * groups);
+    assert_eq!(plan.grads.nvme_bytes, groups);
+    assert_eq!(plan.nvme_total_bytes(), params + 4 * groups);
+    assert_eq!(plan.params_numel, t.model().numel() as u64);
+    let text = plan.to_string();
+    assert!(
+        text.contains("NVMe swap: params, spilled gradients and optimizer state in"),
+        "{text}"
+    );
+}
