@@ -48,6 +48,9 @@ pub enum Variant {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum IsaArg {
+    /// AVX-512F with AVX512-BF16 moment stores (the default where present).
+    #[value(name = "avx512bf16")]
+    Avx512Bf16,
     Avx512,
     Avx2,
     Scalar,
@@ -306,6 +309,7 @@ pub fn bench(args: &BenchAdamArgs) -> Result<Report> {
     };
     let isa = match args.isa {
         None => Isa::detect(),
+        Some(IsaArg::Avx512Bf16) => Isa::Avx512Bf16,
         Some(IsaArg::Avx512) => Isa::Avx512,
         Some(IsaArg::Avx2) => Isa::Avx2Fma,
         Some(IsaArg::Scalar) => Isa::Scalar,

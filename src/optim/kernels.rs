@@ -1,11 +1,13 @@
-//! SIMD kernels (AVX-512F, AVX2+FMA+F16C) and run-time dispatch.
+//! SIMD kernels (AVX-512F [+ AVX512-BF16], AVX2+FMA+F16C) and run-time
+//! dispatch.
 //!
 //! The only module of the crate that contains `unsafe`. The design:
 //!
 //! * One generic kernel body, [`adam_body`], is written against the small
 //!   [`Simd`] trait (splat, load, store, fma, sqrt, div, bf16/fp16 load and
 //!   store). It is `#[inline(always)]` and is instantiated inside thin
-//!   `#[target_feature]` entry functions (`adam_avx512`, `adam_avx2`), so
+//!   `#[target_feature]` entry functions (`adam_avx512bf16`, `adam_avx512`,
+//!   `adam_avx2`), so
 //!   LLVM compiles each instantiation with the wider instruction set and
 //!   inlines the intrinsics. Moment precision, output precision and weight
 //!   decay mode are const generics, so each of the 12 combinations is its own
@@ -24,11 +26,16 @@
 //!   read-for-ownership of its lines (2 B/param less traffic) and keeps it out
 //!   of the caches. A few scalar elements are peeled so that those stores are
 //!   aligned; an `sfence` ends each call that streamed.
-//! * bf16 rounding is done with integer ops (`bits + 0x7fff + lsb`, NaN
-//!   blended back with the quiet bit set) rather than AVX512-BF16
-//!   instructions, so it runs on every AVX-512F/AVX2 CPU and matches the
-//!   scalar conversion bit for bit. fp16 uses `vcvtps2ph` with
-//!   round-to-nearest-even.
+//! * bf16 rounding of the *parameter copy* and of the conversion pass is done
+//!   with integer ops (`bits + 0x7fff + lsb`, NaN blended back with the
+//!   quiet bit set), because it must keep subnormals, which AVX512-BF16's
+//!   instructions flush. *Moments* are stored with the flushing semantics
+//!   (`scalar::f32_to_bf16_moment_bits`, see the module docs of `optim`):
+//!   on [`Isa::Avx512Bf16`] with one `vcvtne2ps2bf16` for m and v together
+//!   (it replaces ~20 integer ops per 16 elements; the bf16-moment kernel
+//!   was compute-bound), elsewhere with the integer sequence plus a
+//!   subnormal-to-signed-zero mask, bit for bit the same. fp16 uses
+//!   `vcvtps2ph` with round-to-nearest-even.
 #![allow(unsafe_code)]
 
 use super::par::{self, Split};
@@ -39,6 +46,9 @@ use std::num::NonZeroUsize;
 /// Instruction set of the kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
+    /// AVX-512F plus AVX512-BF16 (bf16 moments stored with
+    /// `vcvtne2ps2bf16`), 16 f32 lanes. Same bits as [`Isa::Avx512`].
+    Avx512Bf16,
     /// AVX-512F, 16 f32 lanes.
     Avx512,
     /// AVX2 with FMA and F16C, 8 f32 lanes.
@@ -50,7 +60,7 @@ pub enum Isa {
 impl Isa {
     /// Best instruction set of this CPU.
     pub fn detect() -> Isa {
-        [Isa::Avx512, Isa::Avx2Fma]
+        [Isa::Avx512Bf16, Isa::Avx512, Isa::Avx2Fma]
             .into_iter()
             .find(|i| i.is_supported())
             .unwrap_or(Isa::Scalar)
@@ -58,7 +68,7 @@ impl Isa {
 
     /// All instruction sets this CPU runs, best first.
     pub fn available() -> Vec<Isa> {
-        [Isa::Avx512, Isa::Avx2Fma, Isa::Scalar]
+        [Isa::Avx512Bf16, Isa::Avx512, Isa::Avx2Fma, Isa::Scalar]
             .into_iter()
             .filter(|i| i.is_supported())
             .collect()
@@ -68,6 +78,11 @@ impl Isa {
     pub fn is_supported(self) -> bool {
         match self {
             Isa::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Bf16 => {
+                std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bf16")
+            }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
             #[cfg(target_arch = "x86_64")]
@@ -81,9 +96,10 @@ impl Isa {
         }
     }
 
-    /// Short lower-case name (`avx512`, `avx2`, `scalar`).
+    /// Short lower-case name (`avx512bf16`, `avx512`, `avx2`, `scalar`).
     pub fn name(self) -> &'static str {
         match self {
+            Isa::Avx512Bf16 => "avx512bf16",
             Isa::Avx512 => "avx512",
             Isa::Avx2Fma => "avx2",
             Isa::Scalar => "scalar",
@@ -279,9 +295,22 @@ mod x86 {
         const H_BYTES: usize;
         /// f32 -> bf16, round-to-nearest-even, NaN kept (quiet).
         unsafe fn cvt_bf16(v: Self::F) -> Self::H;
+        /// f32 -> bf16 for stored moments: as `cvt_bf16`, but f32
+        /// subnormals become signed zero (`scalar::f32_to_bf16_moment_bits`).
+        unsafe fn cvt_bf16_moment(v: Self::F) -> Self::H;
         /// f32 -> fp16, round-to-nearest-even (`vcvtps2ph`).
         unsafe fn cvt_f16(v: Self::F) -> Self::H;
         unsafe fn store_h(p: *mut u16, h: Self::H);
+        /// Stores `m` and `v` as bf16 moments (`cvt_bf16_moment`) at `pm`
+        /// and `pv`, each valid for `LANES` u16 (unaligned).
+        #[inline(always)]
+        unsafe fn store_moments_bf16(pm: *mut u16, pv: *mut u16, m: Self::F, v: Self::F) {
+            // SAFETY: forwarded from the trait and method contract.
+            unsafe {
+                Self::store_h(pm, Self::cvt_bf16_moment(m));
+                Self::store_h(pv, Self::cvt_bf16_moment(v));
+            }
+        }
         /// Non-temporal store; `p` aligned to `H_BYTES`.
         unsafe fn stream_h(p: *mut u16, h: Self::H);
         unsafe fn add(a: Self::F, b: Self::F) -> Self::F;
@@ -297,6 +326,10 @@ mod x86 {
 
     #[derive(Clone, Copy)]
     pub(super) struct Avx2;
+
+    /// AVX-512F plus AVX512-BF16: [`Avx512`] except for the moment stores.
+    #[derive(Clone, Copy)]
+    pub(super) struct Avx512Bf16;
 
     const ROUND_NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
@@ -342,6 +375,19 @@ mod x86 {
                 let quiet = _mm512_or_si512(hi, _mm512_set1_epi32(0x40));
                 let r = _mm512_mask_blend_epi32(nan, rounded, quiet);
                 _mm512_cvtepi32_epi16(r)
+            }
+        }
+        #[inline(always)]
+        unsafe fn cvt_bf16_moment(v: __m512) -> __m256i {
+            // SAFETY: trait contract: avx512f available.
+            unsafe {
+                // Lanes with a zero exponent field (zeros, subnormals) keep
+                // only their sign bit; `cvt_bf16` then yields signed zero.
+                let b = _mm512_castps_si512(v);
+                let sub = _mm512_testn_epi32_mask(b, _mm512_set1_epi32(0x7F80_0000));
+                let sign = _mm512_set1_epi32(i32::MIN);
+                let flushed = _mm512_mask_and_epi32(b, sub, b, sign);
+                Self::cvt_bf16(_mm512_castsi512_ps(flushed))
             }
         }
         #[inline(always)]
@@ -432,6 +478,20 @@ mod x86 {
             }
         }
         #[inline(always)]
+        unsafe fn cvt_bf16_moment(v: __m256) -> __m128i {
+            // SAFETY: trait contract: avx2 available.
+            unsafe {
+                // Lanes with a zero exponent field (zeros, subnormals) keep
+                // only their sign bit; `cvt_bf16` then yields signed zero.
+                let b = _mm256_castps_si256(v);
+                let exp = _mm256_and_si256(b, _mm256_set1_epi32(0x7F80_0000));
+                let sub = _mm256_cmpeq_epi32(exp, _mm256_setzero_si256());
+                let clear = _mm256_and_si256(sub, _mm256_set1_epi32(i32::MAX));
+                let flushed = _mm256_andnot_si256(clear, b);
+                Self::cvt_bf16(_mm256_castsi256_ps(flushed))
+            }
+        }
+        #[inline(always)]
         unsafe fn cvt_f16(v: __m256) -> __m128i {
             // SAFETY: trait contract: avx2 + f16c available.
             unsafe { _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v) }
@@ -470,6 +530,98 @@ mod x86 {
         unsafe fn div(a: __m256, b: __m256) -> __m256 {
             // SAFETY: trait contract: avx2 is available.
             unsafe { _mm256_div_ps(a, b) }
+        }
+    }
+
+    /// Everything but the moment conversion is [`Avx512`]'s.
+    impl Simd for Avx512Bf16 {
+        const LANES: usize = Avx512::LANES;
+        type F = __m512;
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> __m512 {
+            // SAFETY: trait contract (avx512f is part of this ISA).
+            unsafe { Avx512::splat(x) }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m512 {
+            // SAFETY: trait contract (avx512f is part of this ISA).
+            unsafe { Avx512::load(p) }
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m512) {
+            // SAFETY: trait contract (avx512f is part of this ISA).
+            unsafe { Avx512::store(p, v) }
+        }
+        #[inline(always)]
+        unsafe fn load_bf16(p: *const u16) -> __m512 {
+            // SAFETY: trait contract (avx512f is part of this ISA).
+            unsafe { Avx512::load_bf16(p) }
+        }
+        type H = __m256i;
+        const H_BYTES: usize = Avx512::H_BYTES;
+        #[inline(always)]
+        unsafe fn cvt_bf16(v: __m512) -> __m256i {
+            // SAFETY: trait contract (avx512f is part of this ISA).
+            unsafe { Avx512::cvt_bf16(v) }
+        }
+        #[inline(always)]
+        unsafe fn cvt_bf16_moment(v: __m512) -> __m256i {
+            // SAFETY: trait contract: avx512bf16 (and avx512f) available.
+            // `vcvtneps2bf16`: RNE, NaN quieted, input denormals as zero.
+            unsafe { std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(v)) }
+        }
+        #[inline(always)]
+        unsafe fn store_moments_bf16(pm: *mut u16, pv: *mut u16, m: __m512, v: __m512) {
+            // SAFETY: trait contract: avx512bf16 (and avx512f) available, pm
+            // and pv valid for 16 u16 each; `__m512bh` and `__m512i` are
+            // both 64-byte plain vectors, so the transmute is a bit cast.
+            unsafe {
+                // Elements 0..16 come from the second operand (m), 16..32
+                // from the first (v).
+                let mv = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(v, m));
+                _mm256_storeu_si256(pm as *mut __m256i, _mm512_castsi512_si256(mv));
+                _mm256_storeu_si256(pv as *mut __m256i, _mm512_extracti64x4_epi64::<1>(mv));
+            }
+        }
+        #[inline(always)]
+        unsafe fn cvt_f16(v: __m512) -> __m256i {
+            // SAFETY: trait contract (avx512f is part of this ISA).
+            unsafe { Avx512::cvt_f16(v) }
+        }
+        #[inline(always)]
+        unsafe fn store_h(p: *mut u16, h: __m256i) {
+            // SAFETY: trait contract (avx512f is part of this ISA).
+            unsafe { Avx512::store_h(p, h) }
+        }
+        #[inline(always)]
+        unsafe fn stream_h(p: *mut u16, h: __m256i) {
+            // SAFETY: trait contract (avx512f is part of this ISA).
+            unsafe { Avx512::stream_h(p, h) }
+        }
+        #[inline(always)]
+        unsafe fn add(a: __m512, b: __m512) -> __m512 {
+            // SAFETY: trait contract (avx512f is part of this ISA).
+            unsafe { Avx512::add(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+            // SAFETY: trait contract (avx512f is part of this ISA).
+            unsafe { Avx512::mul(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
+            // SAFETY: trait contract (avx512f is part of this ISA).
+            unsafe { Avx512::fma(a, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn sqrt(a: __m512) -> __m512 {
+            // SAFETY: trait contract (avx512f is part of this ISA).
+            unsafe { Avx512::sqrt(a) }
+        }
+        #[inline(always)]
+        unsafe fn div(a: __m512, b: __m512) -> __m512 {
+            // SAFETY: trait contract (avx512f is part of this ISA).
+            unsafe { Avx512::div(a, b) }
         }
     }
 
@@ -533,8 +685,7 @@ mod x86 {
                 let p2 = S::fma(neg_step, upd, p1);
                 S::store(t.p.add(i), p2);
                 if MB16 {
-                    S::store_h(t.m16.add(i), S::cvt_bf16(m2));
-                    S::store_h(t.v16.add(i), S::cvt_bf16(v2));
+                    S::store_moments_bf16(t.m16.add(i), t.v16.add(i), m2, v2);
                 } else {
                     S::store(t.m32.add(i), m2);
                     S::store(t.v32.add(i), v2);
@@ -555,6 +706,16 @@ mod x86 {
                 _mm_sfence();
             }
         }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn adam_avx512bf16<const L2: bool, const MB16: bool, const OUT: u8>(
+        s: &StepScalars,
+        t: &RawTile,
+    ) {
+        // SAFETY: avx512f and avx512bf16 are enabled for this function; the
+        // caller guarantees the pointer ranges.
+        unsafe { adam_body::<Avx512Bf16, L2, MB16, OUT>(s, t) }
     }
 
     #[target_feature(enable = "avx512f")]
@@ -591,8 +752,12 @@ mod x86 {
         // SAFETY: forwarded from this function's contract.
         unsafe {
             match (isa, l2) {
-                (Isa::Avx512, false) => adam_avx512::<false, MB16, OUT>(s, t),
-                (Isa::Avx512, true) => adam_avx512::<true, MB16, OUT>(s, t),
+                // Only the moment stores differ: fp32-moment variants run
+                // the AVX-512F code rather than a second identical copy.
+                (Isa::Avx512Bf16, false) if MB16 => adam_avx512bf16::<false, MB16, OUT>(s, t),
+                (Isa::Avx512Bf16, true) if MB16 => adam_avx512bf16::<true, MB16, OUT>(s, t),
+                (Isa::Avx512 | Isa::Avx512Bf16, false) => adam_avx512::<false, MB16, OUT>(s, t),
+                (Isa::Avx512 | Isa::Avx512Bf16, true) => adam_avx512::<true, MB16, OUT>(s, t),
                 (Isa::Avx2Fma, false) => adam_avx2::<false, MB16, OUT>(s, t),
                 (Isa::Avx2Fma, true) => adam_avx2::<true, MB16, OUT>(s, t),
                 (Isa::Scalar, _) => {}
@@ -609,6 +774,7 @@ mod x86 {
     fn lanes(isa: Isa) -> usize {
         match isa {
             Isa::Avx512 => Avx512::LANES,
+            Isa::Avx512Bf16 => Avx512Bf16::LANES,
             Isa::Avx2Fma => Avx2::LANES,
             Isa::Scalar => 1,
         }
@@ -625,6 +791,7 @@ mod x86 {
         // streaming stores (bitwise the same results, see scalar.rs).
         let align_bytes = match isa {
             Isa::Avx512 => Avx512::H_BYTES,
+            Isa::Avx512Bf16 => Avx512Bf16::H_BYTES,
             _ => Avx2::H_BYTES,
         };
         let peel = match &tile.out {
@@ -719,7 +886,10 @@ mod x86 {
         // repr(transparent) over u16.
         unsafe {
             match isa {
-                Isa::Avx512 if isa.is_supported() => convert_avx512(body_n, src.as_ptr(), dst_ptr),
+                // The conversion pass keeps subnormals: plain AVX-512F code.
+                Isa::Avx512 | Isa::Avx512Bf16 if isa.is_supported() => {
+                    convert_avx512(body_n, src.as_ptr(), dst_ptr)
+                }
                 Isa::Avx2Fma if isa.is_supported() => convert_avx2(body_n, src.as_ptr(), dst_ptr),
                 _ => {
                     scalar::convert_bf16(src, dst);
@@ -803,10 +973,12 @@ mod x86 {
         // `body_n` elements.
         unsafe {
             match isa {
-                Isa::Avx512 if isa.is_supported() && interleaved => {
+                Isa::Avx512 | Isa::Avx512Bf16 if isa.is_supported() && interleaved => {
                     probe_avx512::<true>(body_n, pp, gp, mp, vp)
                 }
-                Isa::Avx512 if isa.is_supported() => probe_avx512::<false>(body_n, pp, gp, mp, vp),
+                Isa::Avx512 | Isa::Avx512Bf16 if isa.is_supported() => {
+                    probe_avx512::<false>(body_n, pp, gp, mp, vp)
+                }
                 Isa::Avx2Fma if isa.is_supported() && interleaved => {
                     probe_avx2::<true>(body_n, pp, gp, mp, vp)
                 }

@@ -5,6 +5,8 @@
 //! operation sequence in [`update`] mirrors `kernels::adam_body` exactly
 //! (`mul_add` is a fused multiply-add with a single rounding on every
 //! target), and the conversions below round exactly like the vector code.
+//! Moments and the parameter copy use two different bf16 conversions (see
+//! [`f32_to_bf16_moment_bits`]).
 
 use super::{AdamMode, LowPrecisionOut, Moments, StepScalars, Tile};
 use half::{bf16, f16};
@@ -19,6 +21,23 @@ pub fn f32_to_bf16_bits(x: f32) -> u16 {
     }
     let lsb = (bits >> 16) & 1;
     (bits.wrapping_add(0x7FFF + lsb) >> 16) as u16
+}
+
+/// f32 -> bf16 bits for *stored Adam moments*: [`f32_to_bf16_bits`], except
+/// that an f32 subnormal (exponent field 0) becomes a zero of the same sign.
+///
+/// This is exactly what AVX512-BF16's `vcvtne2ps2bf16` computes (it treats
+/// input denormals as zero; a normal f32 never rounds to a bf16 subnormal, so
+/// its output flushing never applies), so every ISA can store moments with
+/// the fastest conversion it has and still produce the same bits. The
+/// parameter copy ([`f32_to_bf16_bits`]) keeps subnormals.
+#[inline(always)]
+pub fn f32_to_bf16_moment_bits(x: f32) -> u16 {
+    let bits = x.to_bits();
+    if bits & 0x7F80_0000 == 0 {
+        return ((bits >> 16) & 0x8000) as u16;
+    }
+    f32_to_bf16_bits(x)
 }
 
 /// f32 -> IEEE binary16 bits, round-to-nearest-even, NaN preserved (quiet),
@@ -87,8 +106,8 @@ pub(crate) fn run(s: &StepScalars, tile: Tile<'_>) {
                     bf16_bits_to_f32(v[i].to_bits()),
                 );
                 master[i] = p2;
-                m[i] = bf16::from_bits(f32_to_bf16_bits(m2));
-                v[i] = bf16::from_bits(f32_to_bf16_bits(v2));
+                m[i] = bf16::from_bits(f32_to_bf16_moment_bits(m2));
+                v[i] = bf16::from_bits(f32_to_bf16_moment_bits(v2));
                 write_out(&mut out, i, p2);
             }
         }

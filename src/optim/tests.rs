@@ -325,6 +325,161 @@ fn conversions_hand_checked() {
 }
 
 #[test]
+fn moment_conversion_flushes_subnormals_only() {
+    // Subnormals (and zeros) become zero of the same sign.
+    assert_eq!(f32_to_bf16_moment_bits(f32::from_bits(1)), 0x0000);
+    assert_eq!(f32_to_bf16_moment_bits(f32::from_bits(0x8000_0001)), 0x8000);
+    assert_eq!(f32_to_bf16_moment_bits(f32::from_bits(0x007F_FFFF)), 0x0000);
+    assert_eq!(f32_to_bf16_moment_bits(f32::from_bits(0x0001_8000)), 0x0000);
+    assert_eq!(f32_to_bf16_moment_bits(-1e-40), 0x8000);
+    assert_eq!(f32_to_bf16_moment_bits(-0.0), 0x8000);
+    // ... where the parameter conversion keeps them.
+    assert_eq!(f32_to_bf16_bits(f32::from_bits(0x0001_8000)), 0x0002);
+    assert_eq!(f32_to_bf16_bits(f32::from_bits(0x007F_FFFF)), 0x0080);
+    // The smallest normal, ties, NaN and overflow as before.
+    assert_eq!(f32_to_bf16_moment_bits(f32::MIN_POSITIVE), 0x0080);
+    assert_eq!(f32_to_bf16_moment_bits(f32::from_bits(0x0080_8000)), 0x0080);
+    assert_eq!(f32_to_bf16_moment_bits(f32::from_bits(0x0081_8000)), 0x0082);
+    assert_eq!(f32_to_bf16_moment_bits(f32::from_bits(0x3F81_8000)), 0x3F82);
+    assert_eq!(f32_to_bf16_moment_bits(f32::from_bits(0x7F80_0001)), 0x7FC0);
+    assert_eq!(f32_to_bf16_moment_bits(f32::from_bits(0xFFC1_2345)), 0xFFC1);
+    assert_eq!(f32_to_bf16_moment_bits(f32::MAX), 0x7F80);
+    // Everything with a nonzero exponent field converts as the parameter
+    // copy does.
+    let mut vals = special_values();
+    let mut r = Rng(crate::model::io::SplitMix64(11));
+    for _ in 0..200_000 {
+        vals.push(f32::from_bits(r.next_u64() as u32));
+    }
+    for x in vals {
+        let want = if x.to_bits() & 0x7F80_0000 == 0 {
+            ((x.to_bits() >> 16) & 0x8000) as u16
+        } else {
+            f32_to_bf16_bits(x)
+        };
+        assert_eq!(
+            f32_to_bf16_moment_bits(x),
+            want,
+            "{x:e} ({:#x})",
+            x.to_bits()
+        );
+    }
+}
+
+/// The stored bf16 moments of a step equal `f32_to_bf16_moment_bits` of the
+/// f32 moments on every ISA, for subnormal, NaN, tie and overflow values in
+/// the vector body and the scalar tails. With β1 = β2 = 0 the new moments
+/// are `m = g` and `v = g·g` exactly, so the special values land in the
+/// conversions unchanged.
+#[test]
+fn moment_storage_semantics_on_every_isa() {
+    let h = AdamHyper {
+        beta1: 0.0,
+        beta2: 0.0,
+        ..hyper(AdamMode::AdamW)
+    };
+    let mut g = special_values();
+    // Values whose square is subnormal, a bf16 tie, or overflows.
+    g.extend([1e-20, -1e-20, 3e-19, f32::MIN_POSITIVE.sqrt(), 1e20, -1e30]);
+    g.extend((0..64).map(|i| f32::from_bits(0x3F80_8000 + (i << 16))));
+    let n = g.len();
+    let want_m: Vec<u16> = g
+        .iter()
+        .map(|&x| f32_to_bf16_moment_bits(0f32.mul_add(0.0, 1.0 * x)))
+        .collect();
+    let want_v: Vec<u16> = g
+        .iter()
+        .map(|&x| f32_to_bf16_moment_bits(0f32.mul_add(0.0, (1.0 * x) * x)))
+        .collect();
+    // The flush is really exercised, on both moments.
+    let flushed = |want: &[u16], f: &dyn Fn(f32) -> f32| {
+        g.iter()
+            .zip(want)
+            .filter(|&(&x, &w)| w != f32_to_bf16_bits(f(x)))
+            .count()
+    };
+    assert!(flushed(&want_m, &|x| x) >= 4);
+    assert!(flushed(&want_v, &|x| x * x) >= 2);
+    assert!(want_m.contains(&0x8000));
+    for isa in Isa::available() {
+        for threads in [1, 2] {
+            for off in [0usize, 3] {
+                let opt = CpuAdam::with_isa(h, nz(threads), isa).unwrap();
+                let mut p = vec![0.5f32; n];
+                let mut m = vec![bf16::ZERO; n];
+                let mut v = vec![bf16::ZERO; n];
+                let mut out = vec![bf16::ZERO; n];
+                opt.step(
+                    1,
+                    &mut p[off..],
+                    &g[off..],
+                    Moments::Bf16 {
+                        m: &mut m[off..],
+                        v: &mut v[off..],
+                    },
+                    Some(LowPrecisionOut::Bf16(&mut out[off..])),
+                    GradScale::ONE,
+                )
+                .unwrap();
+                for i in off..n {
+                    let x = g[i];
+                    assert_eq!(m[i].to_bits(), want_m[i], "{isa:?} m of {x:e} at {i}");
+                    assert_eq!(v[i].to_bits(), want_v[i], "{isa:?} v of {x:e} at {i}");
+                    // The parameter copy keeps its own (subnormal-keeping)
+                    // semantics.
+                    assert_eq!(out[i].to_bits(), f32_to_bf16_bits(p[i]), "{isa:?} out {i}");
+                }
+            }
+        }
+    }
+}
+
+/// The parameter copy keeps subnormal parameters on every ISA (only moments
+/// flush).
+#[test]
+fn parameter_copy_keeps_subnormals_on_every_isa() {
+    let h = AdamHyper {
+        lr: 0.0,
+        weight_decay: 0.0,
+        ..hyper(AdamMode::AdamW)
+    };
+    let n = 100;
+    let p0: Vec<f32> = (0..n)
+        .map(|i| {
+            f32::from_bits(0x0001_8000 + ((i as u32) << 12)) * if i % 2 == 0 { 1.0 } else { -1.0 }
+        })
+        .collect();
+    for isa in Isa::available() {
+        let opt = CpuAdam::with_isa(h, nz(1), isa).unwrap();
+        let mut p = p0.clone();
+        let g = vec![0.0f32; n];
+        let (mut m, mut v) = (vec![bf16::ZERO; n], vec![bf16::ZERO; n]);
+        let mut out = vec![bf16::ZERO; n];
+        opt.step(
+            1,
+            &mut p,
+            &g,
+            Moments::Bf16 {
+                m: &mut m,
+                v: &mut v,
+            },
+            Some(LowPrecisionOut::Bf16(&mut out)),
+            GradScale::ONE,
+        )
+        .unwrap();
+        assert_eq!(p, p0, "{isa:?}: lr = 0 leaves p unchanged");
+        for i in 0..n {
+            assert_eq!(out[i].to_bits(), f32_to_bf16_bits(p0[i]), "{isa:?} at {i}");
+            assert_ne!(
+                out[i].to_bits() & 0x7FFF,
+                0,
+                "{isa:?}: subnormal kept at {i}"
+            );
+        }
+    }
+}
+
+#[test]
 fn simd_conversion_pass_matches_scalar() {
     let vals = special_values();
     for isa in Isa::available() {
