@@ -19,8 +19,9 @@
 //! own files when dropped (after the last extent, since extents hold the
 //! space alive). At creation it reclaims files of that pattern whose pid is
 //! no longer alive: stale leftovers of a killed run. Nothing else in the
-//! directory is ever touched. Files adopted with [`SwapSpace::open_file`]
-//! (benchmarks) are never removed.
+//! directory is ever touched. A `tierzero/` directory this process created
+//! is removed (if empty) when the last space using it drops. Files adopted
+//! with [`SwapSpace::open_file`] (benchmarks) are never removed.
 //!
 //! ## Poisoning
 //! If a write fails, the bytes on disk are unknown. The space is marked
@@ -37,6 +38,7 @@
 //! with a warning where the file system refuses it (tmpfs); `Require`
 //! fails with [`SwapError::DirectIoUnsupported`] instead.
 
+use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
@@ -150,7 +152,73 @@ pub struct SwapSpace {
     poisoned: AtomicBool,
     poison_cause: Mutex<Option<String>>,
     next_extent: AtomicU64,
-    created_dirs: Vec<PathBuf>,
+    /// The `tierzero/` directories this space uses (dropped after the files).
+    _dirs: Vec<DirLease>,
+}
+
+/// Per-process use counts of swap directories, and whether this process
+/// created each one. The last space using a directory this process
+/// created removes it (if empty) when it drops, whichever space created it.
+static DIR_USERS: Mutex<Option<HashMap<PathBuf, (usize, bool)>>> = Mutex::new(None);
+
+/// One space's use of a swap directory; released on drop.
+#[derive(Debug)]
+struct DirLease {
+    dir: PathBuf,
+}
+
+impl DirLease {
+    /// Creates `dir` (0700) if missing, under the registry lock so a space
+    /// dropping concurrently cannot remove it in between.
+    fn acquire(dir: PathBuf) -> Result<Self> {
+        let mut guard = DIR_USERS.lock().unwrap_or_else(|e| e.into_inner());
+        let users = guard.get_or_insert_with(HashMap::new);
+        let created = match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => true,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                let m = std::fs::symlink_metadata(&dir).map_err(|source| SwapError::Setup {
+                    what: format!("swap directory {}", dir.display()),
+                    source,
+                })?;
+                if !m.is_dir() {
+                    return Err(SwapError::Config(format!(
+                        "{} exists and is not a directory (refusing to follow a symlink or replace a file)",
+                        dir.display()
+                    )));
+                }
+                false
+            }
+            Err(source) => {
+                return Err(SwapError::Setup {
+                    what: format!("creating swap directory {}", dir.display()),
+                    source,
+                })
+            }
+        };
+        let entry = users.entry(dir.clone()).or_insert((0, false));
+        entry.0 += 1;
+        entry.1 |= created;
+        Ok(DirLease { dir })
+    }
+}
+
+impl Drop for DirLease {
+    fn drop(&mut self) {
+        let mut guard = DIR_USERS.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(users) = guard.as_mut() else { return };
+        let Some(entry) = users.get_mut(&self.dir) else {
+            return;
+        };
+        entry.0 -= 1;
+        if entry.0 == 0 {
+            let created = entry.1;
+            users.remove(&self.dir);
+            if created {
+                // Only succeeds if empty: other processes' files stay.
+                let _ = std::fs::remove_dir(&self.dir);
+            }
+        }
+    }
 }
 
 impl SwapSpace {
@@ -177,7 +245,7 @@ impl SwapSpace {
         let space_seq = NEXT_SPACE.fetch_add(1, Ordering::Relaxed);
         let pid = std::process::id();
         let mut files = Vec::new();
-        let mut created_dirs = Vec::new();
+        let mut dirs = Vec::new();
         for (i, base) in config.paths.iter().enumerate() {
             let meta = std::fs::metadata(base).map_err(|source| SwapError::Setup {
                 what: format!("swap path {}", base.display()),
@@ -190,27 +258,7 @@ impl SwapSpace {
                 )));
             }
             let dir = base.join(SWAP_SUBDIR);
-            match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
-                Ok(()) => created_dirs.push(dir.clone()),
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                    let m = std::fs::symlink_metadata(&dir).map_err(|source| SwapError::Setup {
-                        what: format!("swap directory {}", dir.display()),
-                        source,
-                    })?;
-                    if !m.is_dir() {
-                        return Err(SwapError::Config(format!(
-                            "{} exists and is not a directory (refusing to follow a symlink or replace a file)",
-                            dir.display()
-                        )));
-                    }
-                }
-                Err(source) => {
-                    return Err(SwapError::Setup {
-                        what: format!("creating swap directory {}", dir.display()),
-                        source,
-                    })
-                }
-            }
+            dirs.push(DirLease::acquire(dir.clone())?);
             reclaim_stale(&dir);
             let path = dir.join(format!("swap-{pid}-{space_seq}-{i}.{SWAP_EXT}"));
             let (file, direct) = open_swap_file(&path, config.direct_io, true)?;
@@ -235,7 +283,7 @@ impl SwapSpace {
             poisoned: AtomicBool::new(false),
             poison_cause: Mutex::new(None),
             next_extent: AtomicU64::new(0),
-            created_dirs,
+            _dirs: dirs,
         }))
     }
 
@@ -267,7 +315,7 @@ impl SwapSpace {
             poisoned: AtomicBool::new(false),
             poison_cause: Mutex::new(None),
             next_extent: AtomicU64::new(0),
-            created_dirs: Vec::new(),
+            _dirs: Vec::new(),
         }))
     }
 
@@ -395,10 +443,6 @@ impl Drop for SwapSpace {
                     tracing::warn!(path = %f.path.display(), error = %e, "could not remove swap file");
                 }
             }
-        }
-        for d in &self.created_dirs {
-            // Only succeeds if empty: other processes' files stay.
-            let _ = std::fs::remove_dir(d);
         }
     }
 }

@@ -685,6 +685,19 @@ fn files_are_private_and_removed_and_stale_ones_reclaimed() {
         assert_eq!(mode, 0o700);
     }
     assert!(!dir2.path().join("tierzero").exists());
+
+    // Two spaces on one path: the directory goes when the last one drops,
+    // whichever created it.
+    let dir3 = test_dir();
+    let a = SwapSpace::create(SpaceConfig::new(dir3.path(), 1 << 20)).unwrap();
+    let b = SwapSpace::create(SpaceConfig::new(dir3.path(), 1 << 20)).unwrap();
+    drop(a);
+    assert!(
+        dir3.path().join("tierzero").exists(),
+        "still used by the second space"
+    );
+    drop(b);
+    assert!(!dir3.path().join("tierzero").exists());
 }
 
 fn dead_pid() -> u32 {
