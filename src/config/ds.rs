@@ -969,6 +969,36 @@ fn read_path(f: &Field<'_>) -> Result<PathBuf, ConfigError> {
     Ok(PathBuf::from(s))
 }
 
+/// A deprecated `cpu_offload` / `cpu_offload_param` flag: warns, and when
+/// true fills `slot` (the new-style `new_name` block) with `make(pin)`,
+/// refusing if that block is also given. Returns whether the deprecated
+/// pin-memory flag was used.
+fn deprecated_cpu_offload<T>(
+    f: &Field<'_>,
+    new_name: &str,
+    new_key: String,
+    slot: &mut Option<T>,
+    pin: Option<bool>,
+    sink: &mut Sink,
+    make: impl FnOnce(Option<bool>) -> T,
+) -> Result<bool, ConfigError> {
+    sink.warnings.push(ConfigWarning::Deprecated {
+        key: f.key.clone(),
+        replacement: format!("\"{new_name}\": {{\"device\": \"cpu\"}}"),
+    });
+    if !f.bool()? {
+        return Ok(false);
+    }
+    if slot.is_some() {
+        return Err(ConfigError::ConflictingAlias {
+            old: f.key.clone(),
+            new: new_key,
+        });
+    }
+    *slot = Some(make(pin));
+    Ok(pin.is_some())
+}
+
 fn read_zero(f: &Field<'_>, sink: &mut Sink) -> Result<DsZero, ConfigError> {
     let mut o = Obj::new(&f.key, f.value, ZERO_KEYS, ZERO_IGNORED)?;
     let mut z = DsZero::default();
@@ -992,52 +1022,39 @@ fn read_zero(f: &Field<'_>, sink: &mut Sink) -> Result<DsZero, ConfigError> {
         Some(f) => Some((f.bool()?, f.key.clone())),
         None => None,
     };
+    let pin_flag = pin.as_ref().map(|(p, _)| *p);
     let mut pin_used = false;
     if let Some(f) = o.take("cpu_offload") {
-        sink.warnings.push(ConfigWarning::Deprecated {
-            key: f.key.clone(),
-            replacement: "\"offload_optimizer\": {\"device\": \"cpu\"}".to_owned(),
-        });
-        if f.bool()? {
-            if z.offload_optimizer.is_some() {
-                return Err(ConfigError::ConflictingAlias {
-                    old: f.key.clone(),
-                    new: o.key_path("offload_optimizer"),
-                });
-            }
-            let mut s = DsOffloadOptimizer {
+        let new_key = o.key_path("offload_optimizer");
+        pin_used |= deprecated_cpu_offload(
+            &f,
+            "offload_optimizer",
+            new_key,
+            &mut z.offload_optimizer,
+            pin_flag,
+            sink,
+            |pin| DsOffloadOptimizer {
                 device: DsDevice::Cpu,
+                pin_memory: pin.unwrap_or(DsOffloadOptimizer::default().pin_memory),
                 ..DsOffloadOptimizer::default()
-            };
-            if let Some((p, _)) = &pin {
-                s.pin_memory = *p;
-                pin_used = true;
-            }
-            z.offload_optimizer = Some(s);
-        }
+            },
+        )?;
     }
     if let Some(f) = o.take("cpu_offload_param") {
-        sink.warnings.push(ConfigWarning::Deprecated {
-            key: f.key.clone(),
-            replacement: "\"offload_param\": {\"device\": \"cpu\"}".to_owned(),
-        });
-        if f.bool()? {
-            if z.offload_param.is_some() {
-                return Err(ConfigError::ConflictingAlias {
-                    old: f.key.clone(),
-                    new: o.key_path("offload_param"),
-                });
-            }
-            let mut s = DsOffloadParam {
+        let new_key = o.key_path("offload_param");
+        pin_used |= deprecated_cpu_offload(
+            &f,
+            "offload_param",
+            new_key,
+            &mut z.offload_param,
+            pin_flag,
+            sink,
+            |pin| DsOffloadParam {
                 device: DsDevice::Cpu,
+                pin_memory: pin.unwrap_or(DsOffloadParam::default().pin_memory),
                 ..DsOffloadParam::default()
-            };
-            if let Some((p, _)) = &pin {
-                s.pin_memory = *p;
-                pin_used = true;
-            }
-            z.offload_param = Some(s);
-        }
+            },
+        )?;
     }
     if let Some((_, key)) = pin {
         sink.warnings.push(ConfigWarning::Deprecated {
