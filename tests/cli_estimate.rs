@@ -7,26 +7,14 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
 
 use std::path::Path;
-use std::process::Command;
 
 use serde_json::Value;
 
-struct Out {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
+mod cli_support;
+use cli_support::Out;
 
 fn tierzero(args: &[&str]) -> Out {
-    let out = Command::new(env!("CARGO_BIN_EXE_tierzero"))
-        .args(args)
-        .output()
-        .expect("run tierzero");
-    Out {
-        code: out.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
+    cli_support::run_tierzero(None, args)
 }
 
 fn json(args: &[&str]) -> Value {

@@ -5,7 +5,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use serde_json::{json, Value};
@@ -22,24 +21,13 @@ fn scratch(tag: &str) -> PathBuf {
     d
 }
 
-struct Out {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
+mod cli_support;
+use cli_support::Out;
 
 fn train(cwd: &Path, args: &[&str]) -> Out {
-    let out = Command::new(env!("CARGO_BIN_EXE_tierzero"))
-        .arg("train")
-        .args(args)
-        .current_dir(cwd)
-        .output()
-        .expect("run tierzero");
-    Out {
-        code: out.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
+    let mut all = vec!["train"];
+    all.extend_from_slice(args);
+    cli_support::run_tierzero(Some(cwd), &all)
 }
 
 /// A scratch dir with a tiny GPT-2 (`model/config.json`), a text file
