@@ -223,6 +223,9 @@ pub(crate) struct Job {
     pub req: Request,
     pub reply: Sender<Completion>,
     pub submitted: Instant,
+    /// crc32c of a whole-extent write, computed on the submitting thread
+    /// so the ring thread never hashes data on its submission path.
+    pub write_crc: Option<u32>,
 }
 
 /// What every worker shares.
@@ -284,15 +287,9 @@ impl Shared {
         }
     }
 
-    /// The crc32c a write job will record, computed before it is issued.
-    pub fn write_checksum(&self, job: &Job) -> Option<u32> {
-        (self.space.checksums() && job.req.op == IoOp::Write && whole_extent(&job.req))
-            .then(|| crc32c::crc32c(&job.req.buffer.as_slice()[..job.req.len_bytes as usize]))
-    }
-
     /// Finishes a job: verifies, poisons on write failure, records stats,
     /// replies. Called exactly once per job, after its last piece.
-    pub fn finish(&self, job: Job, error: Option<SwapError>, write_crc: Option<u32>) {
+    pub fn finish(&self, job: Job, error: Option<SwapError>) {
         let req = &job.req;
         let mut result = match error {
             Some(e) => Err(e),
@@ -316,7 +313,7 @@ impl Shared {
         if req.op == IoOp::Write {
             match &result {
                 Err(e) => self.space.poison(e.to_string()),
-                Ok(()) if self.space.checksums() => req.extent.set_checksum(write_crc),
+                Ok(()) if self.space.checksums() => req.extent.set_checksum(job.write_crc),
                 Ok(()) => {}
             }
         }
@@ -529,11 +526,15 @@ impl Engine {
             .inflight
             .lock()
             .unwrap_or_else(|e| e.into_inner()) += 1;
+        let write_crc =
+            (self.shared.space.checksums() && req.op == IoOp::Write && whole_extent(&req))
+                .then(|| crc32c::crc32c(&req.buffer.as_slice()[..req.len_bytes as usize]));
         let job = Job {
             ticket,
             req,
             reply: sink.clone(),
             submitted: Instant::now(),
+            write_crc,
         };
         if tx.send(job).is_err() {
             let mut n = self

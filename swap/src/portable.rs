@@ -49,7 +49,6 @@ pub(crate) fn spawn_pool(shared: &Arc<Shared>, config: &EngineConfig) -> Result<
 }
 
 fn run_job(shared: &Shared, mut job: Job) {
-    let write_crc = shared.write_checksum(&job);
     let req = &mut job.req;
     let pieces = req
         .extent
@@ -95,5 +94,5 @@ fn run_job(shared: &Shared, mut job: Job) {
             }
         }
     }
-    shared.finish(job, error, write_crc);
+    shared.finish(job, error);
 }

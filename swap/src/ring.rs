@@ -187,7 +187,6 @@ struct JobState {
     job: Job,
     pending: usize,
     error: Option<SwapError>,
-    write_crc: Option<u32>,
 }
 
 struct Ring {
@@ -250,7 +249,6 @@ impl Ring {
     }
 
     fn accept(&mut self, job: Job) {
-        let write_crc = self.shared.write_checksum(&job);
         let r = &job.req;
         let pieces = r
             .extent
@@ -274,7 +272,6 @@ impl Ring {
             pending: pieces.len(),
             job,
             error: None,
-            write_crc,
         });
         if pieces.is_empty() {
             self.piece_finished(slot, None);
@@ -427,7 +424,7 @@ impl Ring {
         if js.pending == 0 {
             if let Some(js) = self.jobs[slot].take() {
                 self.free_jobs.push(slot);
-                self.shared.finish(js.job, js.error, js.write_crc);
+                self.shared.finish(js.job, js.error);
             }
         }
     }
