@@ -70,5 +70,5 @@ pub use engine::{
 };
 pub use error::{IoOp, Result, SwapError};
 pub use fault::{FaultInjector, FaultKind, FaultRule};
-pub use space::{DirectIo, Extent, ExtentId, FileIdx, SpaceConfig, SwapSpace};
+pub use space::{CopyReport, DirectIo, Extent, ExtentId, FileIdx, SpaceConfig, SwapSpace};
 pub use stats::StatsSnapshot;
