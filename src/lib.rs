@@ -3,7 +3,9 @@
 //! and NVMe. See `ARCHITECTURE.md` for the map of modules and invariants.
 #![deny(unsafe_code)]
 
+pub mod checkpoint;
 pub mod config;
+pub mod durable;
 pub mod engine;
 pub mod estimate;
 pub mod model;

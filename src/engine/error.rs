@@ -101,6 +101,9 @@ pub enum EngineError {
     /// From candle.
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
+    /// From checkpoint saving or loading.
+    #[error(transparent)]
+    Checkpoint(#[from] crate::checkpoint::CheckpointError),
 }
 
 impl EngineError {

@@ -85,6 +85,21 @@ impl LrSchedule {
     }
 }
 
+/// The changing part of a [`LossScaler`], as saved in a checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LossScalerState {
+    /// The scale, for people reading the manifest.
+    pub cur_scale: f64,
+    /// The scale's exact bits (what [`LossScaler::restore`] uses).
+    pub cur_scale_bits: u64,
+    /// Overflows left before the next halving.
+    pub cur_hysteresis: u64,
+    /// Steps seen.
+    pub cur_iter: u64,
+    /// Step of the last overflow (-1: none).
+    pub last_overflow_iter: i64,
+}
+
 /// fp16 loss scaling (DeepSpeed `DynamicLossScaler` / static scale).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LossScaler {
@@ -141,6 +156,27 @@ impl LossScaler {
     /// The current scale.
     pub fn scale(&self) -> f64 {
         self.cur_scale
+    }
+
+    /// The state that changes while training (what a checkpoint saves; the
+    /// settings come from the config).
+    pub fn state(&self) -> LossScalerState {
+        LossScalerState {
+            cur_scale: self.cur_scale,
+            cur_scale_bits: self.cur_scale.to_bits(),
+            cur_hysteresis: self.cur_hysteresis,
+            cur_iter: self.cur_iter,
+            last_overflow_iter: self.last_overflow_iter,
+        }
+    }
+
+    /// Continues from a saved state (bit-exact: the scale is restored from
+    /// its bits, not from the decimal text).
+    pub fn restore(&mut self, s: &LossScalerState) {
+        self.cur_scale = f64::from_bits(s.cur_scale_bits);
+        self.cur_hysteresis = s.cur_hysteresis;
+        self.cur_iter = s.cur_iter;
+        self.last_overflow_iter = s.last_overflow_iter;
     }
 
     /// Updates after a step: halve on overflow (after `hysteresis`

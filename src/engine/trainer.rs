@@ -54,8 +54,13 @@ use super::schedule::{LossScaler, LrSchedule};
 use super::sha256::Sha256;
 use super::store::{NvmeParams, ParamStore, Tier};
 use super::trace::{Limits, Pass, Scheduler, Visit};
-use super::worker::{Done, Job, OptimizerWorker};
+use super::worker::{Done, ExclusiveJob, ExclusiveResult, Job, OptimizerWorker};
 use super::{EngineError, Result};
+use crate::checkpoint::{
+    align_state_bytes, step_dir_name, Checkpoint, ConfigFingerprint, DataPosition, Manifest,
+    ParamEntry, RankLayout, RegionCrc, StagedCheckpoint, StateKind, SubGroupEntry, FORMAT_NAME,
+    FORMAT_VERSION,
+};
 use crate::config::{self, Config, OffloadDevice, Precision, Stage};
 use crate::model::{Model, ModelDir, ParamId, UnitId, UnitInput, UnitKind, Upstream};
 use crate::optim::{
@@ -133,6 +138,48 @@ pub struct Trainer {
     groups_after_unit: Vec<Vec<SubGroupId>>,
     lookahead_reads: u64,
     spill_grads: bool,
+    data_name: String,
+}
+
+/// Where the initial weights come from.
+#[derive(Debug, Clone, Copy)]
+enum WeightSource<'a> {
+    /// An HF model dir (or its seeded init); moments start at zero.
+    Dir(&'a ModelDir),
+    /// A checkpoint: masters and moments.
+    Checkpoint(&'a Checkpoint),
+}
+
+/// The settings that change the numbers, as text, and a hash of the whole
+/// resolved config (see [`ConfigFingerprint`]).
+pub fn config_fingerprint(config: &Config) -> ConfigFingerprint {
+    let mut numerics = BTreeMap::new();
+    numerics.insert("batch".to_owned(), format!("{:?}", config.batch));
+    numerics.insert(
+        "gradient_clipping".to_owned(),
+        format!("{:?}", config.gradient_clipping),
+    );
+    numerics.insert("precision".to_owned(), format!("{:?}", config.precision));
+    numerics.insert("optimizer".to_owned(), format!("{:?}", config.optimizer));
+    numerics.insert("scheduler".to_owned(), format!("{:?}", config.scheduler));
+    numerics.insert(
+        "sub_group_size".to_owned(),
+        format!("{}", config.zero.sub_group_numel.0),
+    );
+    let mut h = Sha256::new();
+    h.update(format!("{config:?}").as_bytes());
+    ConfigFingerprint {
+        numerics,
+        full_sha256: h.finish_hex(),
+    }
+}
+
+fn precision_name(p: &Precision) -> &'static str {
+    match p {
+        Precision::Fp32 => "fp32",
+        Precision::Bf16 => "bf16",
+        Precision::Fp16 { .. } => "fp16",
+    }
 }
 
 fn lock_policy(pin: bool) -> LockPolicy {
@@ -199,7 +246,82 @@ impl Trainer {
         data: TokenData,
         opts: TrainerOptions,
     ) -> Result<Self> {
-        let model = model_dir.model().clone();
+        Self::build(
+            config,
+            model_dir.model().clone(),
+            WeightSource::Dir(model_dir),
+            data,
+            opts,
+        )
+    }
+
+    /// A trainer that continues from `ckpt`: the model is the checkpoint's,
+    /// masters and moments are loaded (crc-verified) and the params
+    /// re-encoded from the masters; step counters, the loss scaler and so
+    /// the lr schedule and data position continue where it stopped. With the
+    /// same config, the run continues bit-identically.
+    ///
+    /// Refused ([`CheckpointError::Mismatch`]) when the run cannot use the
+    /// checkpoint; warned about when the config's numerics, the seq_len or
+    /// the precision of the loss scaler differ.
+    pub fn resume(
+        config: &Config,
+        ckpt: &Checkpoint,
+        data: TokenData,
+        opts: TrainerOptions,
+    ) -> Result<Self> {
+        let m = ckpt.manifest();
+        let run_fp = config_fingerprint(config);
+        let differing: Vec<&str> = run_fp
+            .numerics
+            .iter()
+            .filter(|(k, v)| m.config.numerics.get(*k) != Some(*v))
+            .map(|(k, _)| k.as_str())
+            .collect();
+        if !differing.is_empty() {
+            tracing::warn!(
+                settings = %differing.join(", "),
+                "the training config differs from the checkpoint's in settings that change the \
+                 numbers; the resumed run will not match an uninterrupted one"
+            );
+        }
+        if m.seq_len != opts.seq_len {
+            tracing::warn!(
+                checkpoint = m.seq_len,
+                run = opts.seq_len,
+                "seq_len differs from the checkpoint's: the data position moves"
+            );
+        }
+        let mut t = Self::build(
+            config,
+            ckpt.model().clone(),
+            WeightSource::Checkpoint(ckpt),
+            data,
+            opts,
+        )?;
+        t.steps_done = m.step;
+        t.adam_steps = m.adam_steps;
+        t.skipped = m.skipped_steps;
+        match (
+            &m.loss_scaler,
+            matches!(config.precision, Precision::Fp16 { .. }),
+        ) {
+            (Some(s), true) => t.scaler.restore(s),
+            (None, true) => tracing::warn!(
+                "the checkpoint has no loss-scaler state (not fp16): starting from the config's"
+            ),
+            _ => {}
+        }
+        Ok(t)
+    }
+
+    fn build(
+        config: &Config,
+        model: Model,
+        source: WeightSource<'_>,
+        data: TokenData,
+        opts: TrainerOptions,
+    ) -> Result<Self> {
         let mc = model.config();
         if data.vocab_needed() > mc.vocab_size {
             return Err(EngineError::config(format!(
@@ -408,21 +530,43 @@ impl Trainer {
             spill_grads,
         )?;
 
-        // Initial weights: fp32 master → stored bytes; masters per sub-group.
+        // Initial weights: fp32 master → stored bytes; masters per sub-group
+        // (and, from a checkpoint, the moments).
         for g in &layout.sub_groups {
-            let mut master = vec![0f32; g.numel];
+            let mut states = [
+                vec![0f32; g.numel],
+                vec![0f32; g.numel],
+                vec![0f32; g.numel],
+            ];
             for &pid in &g.params {
                 let slot = &layout.params[pid.0];
-                let t = model_dir.load_param(pid, DType::F32, &Device::Cpu)?;
-                let all = t.flatten_all()?.to_vec1::<f32>()?;
-                let shard = all
-                    .get(slot.shard_start..slot.shard_start + slot.shard_numel)
-                    .ok_or_else(|| EngineError::internal("shard out of range"))?;
-                master[slot.offset_in_group..slot.offset_in_group + slot.shard_numel]
-                    .copy_from_slice(shard);
+                let at = slot.offset_in_group..slot.offset_in_group + slot.shard_numel;
+                match source {
+                    WeightSource::Dir(dir) => {
+                        let t = dir.load_param(pid, DType::F32, &Device::Cpu)?;
+                        let all = t.flatten_all()?.to_vec1::<f32>()?;
+                        let shard = all
+                            .get(slot.shard_start..slot.shard_start + slot.shard_numel)
+                            .ok_or_else(|| EngineError::internal("shard out of range"))?;
+                        states[0][at].copy_from_slice(shard);
+                    }
+                    WeightSource::Checkpoint(ckpt) => {
+                        for kind in StateKind::ALL {
+                            let v = ckpt.load_param_state_range(
+                                kind,
+                                pid,
+                                slot.shard_start,
+                                slot.shard_numel,
+                            )?;
+                            states[kind.index()][at.clone()].copy_from_slice(&v);
+                        }
+                    }
+                }
+                let shard =
+                    &states[0][slot.offset_in_group..slot.offset_in_group + slot.shard_numel];
                 store.store_initial(pid, &encode(shard, param_dtype))?;
             }
-            opt.init_group(g.id, &master)?;
+            opt.load_group(g.id, [&states[0], &states[1], &states[2]])?;
         }
         opt.flush()?;
         let opt_counters = opt.counters();
@@ -484,6 +628,7 @@ impl Trainer {
             groups_after_unit,
             lookahead_reads: 0,
             spill_grads,
+            data_name: "unnamed".to_owned(),
         })
     }
 
@@ -963,10 +1108,251 @@ impl Trainer {
                 Ok(())
             }
             Done::Failed(e) => Err(e),
-            Done::Flushed(_) | Done::Master(..) => Err(EngineError::internal(
+            Done::Flushed(_) | Done::Master(..) | Done::Ran(_) => Err(EngineError::internal(
                 "unexpected reply from the optimizer thread",
             )),
         }
+    }
+
+    /// Optimizer steps done so far (including skipped ones; a resumed
+    /// trainer starts at the checkpoint's).
+    pub fn steps_done(&self) -> u64 {
+        self.steps_done
+    }
+
+    /// Names the data source in checkpoints (the trainer only sees tokens).
+    pub fn set_data_name(&mut self, name: impl Into<String>) {
+        self.data_name = name.into();
+    }
+
+    /// Writes a checkpoint of the current state to
+    /// `<save_dir>/step-<N>/` and points `<save_dir>/latest` at it; returns
+    /// the step dir. See [`crate::checkpoint`] for the format and the
+    /// write sequence. Pending parameter writes and the optimizer pipeline
+    /// are drained first; NVMe optimizer extents are copied with
+    /// `copy_file_range`, memory tiers written from memory.
+    pub fn save_checkpoint(&mut self, save_dir: &std::path::Path) -> Result<PathBuf> {
+        let world = self.opts.comm.world_size();
+        if world != 1 {
+            return Err(EngineError::Unsupported {
+                what: "checkpoints with several ranks".into(),
+            });
+        }
+        self.store.flush_writes()?;
+        self.opt.send(Job::Flush)?;
+        loop {
+            match self.opt.recv()? {
+                Done::Flushed(c) => {
+                    self.opt_counters = c;
+                    break;
+                }
+                other => self.on_done(other)?,
+            }
+        }
+        let mut staged = StagedCheckpoint::begin(save_dir, self.steps_done)?;
+        let rank = self.opts.comm.rank();
+        let rank_dir = format!("rank{rank:04}");
+        staged.create_dir(&rank_dir)?;
+
+        // Regions: the same in the three state files.
+        let mut regions: Vec<(u64, u64)> = Vec::with_capacity(self.layout.sub_groups.len());
+        let mut offset = 0u64;
+        for g in &self.layout.sub_groups {
+            let len = align_state_bytes(g.numel as u64 * 4)
+                .ok_or_else(|| EngineError::internal("sub-group size overflows"))?;
+            regions.push((offset, len));
+            offset += len;
+        }
+        let total_bytes = offset;
+        let mut files = Vec::with_capacity(3);
+        for kind in StateKind::ALL {
+            let rel = format!("{rank_dir}/{}.f32", kind.name());
+            let (f, path) = staged.create_file(&rel)?;
+            f.set_len(total_bytes).map_err(|source| EngineError::Io {
+                path: path.clone(),
+                source,
+            })?;
+            files.push((kind, rel, f, path));
+        }
+        // The copies run on the optimizer thread, which owns the state.
+        let job_regions = regions.clone();
+        let job_files: Vec<(usize, std::fs::File, PathBuf)> = files
+            .iter()
+            .map(|(k, _, f, p)| {
+                f.try_clone()
+                    .map(|f| (k.index(), f, p.clone()))
+                    .map_err(|source| EngineError::Io {
+                        path: p.clone(),
+                        source,
+                    })
+            })
+            .collect::<Result<_>>()?;
+        self.opt
+            .send(Job::Exclusive(ExclusiveJob(Box::new(move |st| {
+                let mut crcs: Vec<Vec<u32>> = Vec::with_capacity(3);
+                for (k, f, p) in &job_files {
+                    let mut v = Vec::with_capacity(job_regions.len());
+                    for (i, &(off, len)) in job_regions.iter().enumerate() {
+                        v.push(st.save_state(SubGroupId(i), *k, f, p, off, len)?);
+                    }
+                    crcs.push(v);
+                }
+                Ok(Box::new(crcs) as ExclusiveResult)
+            }))))?;
+        let crcs: Vec<Vec<u32>> = loop {
+            match self.opt.recv()? {
+                Done::Ran(r) => {
+                    break *r.downcast::<Vec<Vec<u32>>>().map_err(|_| {
+                        EngineError::internal("checkpoint job returned the wrong type")
+                    })?
+                }
+                other => self.on_done(other)?,
+            }
+        };
+        for ((_, rel, _, _), crc) in files.iter().zip(&crcs) {
+            let rc = regions
+                .iter()
+                .zip(crc)
+                .map(|(&(offset_bytes, len_bytes), &crc32c)| RegionCrc {
+                    offset_bytes,
+                    len_bytes,
+                    crc32c,
+                })
+                .collect();
+            staged.add_file_with_regions(rel, rc)?;
+        }
+        drop(files);
+
+        // Consolidated 16-bit weights (stage3_gather_16bit_weights_on_model_save).
+        let hf_weights = if self.config.zero.gather_16bit_weights_on_model_save {
+            let dtype = self.store.dtype();
+            let (f, path) = staged.create_file("model.safetensors")?;
+            let mut cached: Option<(SubGroupId, Vec<f32>)> = None;
+            let mut load_err: Option<EngineError> = None;
+            let model = self.model.clone();
+            let written = crate::model::write_safetensors(f, &path, &model, dtype, |pid| {
+                let slot = self.layout.params[pid.0].clone();
+                let sg = slot.sub_group;
+                if cached.as_ref().is_none_or(|(g, _)| *g != sg) {
+                    match self.master(sg) {
+                        Ok(m) => cached = Some((sg, m)),
+                        Err(e) => {
+                            let text = e.to_string();
+                            load_err = Some(e);
+                            return Err(crate::model::ModelError::Unsupported { what: text });
+                        }
+                    }
+                }
+                let m = cached.as_ref().map(|(_, m)| m.as_slice()).unwrap_or(&[]);
+                let v = m
+                    .get(slot.offset_in_group..slot.offset_in_group + slot.shard_numel)
+                    .unwrap_or(&[])
+                    .to_vec();
+                let shape = model
+                    .param(pid)
+                    .map(|p| p.shape.clone())
+                    .unwrap_or_default();
+                Ok(Tensor::from_vec(v, shape.as_slice(), &Device::Cpu)?)
+            });
+            if let Some(e) = load_err {
+                return Err(e);
+            }
+            drop(written.map_err(EngineError::Model)?);
+            let (cf, cpath) = staged.create_file("config.json")?;
+            let text = crate::model::hf_config_text(&self.model)?;
+            {
+                use std::io::Write as _;
+                let mut cf = cf;
+                cf.write_all(text.as_bytes())
+                    .map_err(|source| EngineError::Io {
+                        path: cpath.clone(),
+                        source,
+                    })?;
+            }
+            staged.add_file("model.safetensors")?;
+            staged.add_file("config.json")?;
+            Some(crate::checkpoint::manifest_hf_weights(
+                "model.safetensors",
+                "config.json",
+                match dtype {
+                    DType::BF16 => "bf16",
+                    DType::F16 => "fp16",
+                    _ => "fp32",
+                },
+            ))
+        } else {
+            None
+        };
+
+        let gas = self.config.batch.gradient_accumulation_steps.max(1);
+        let mb = self.config.batch.micro_batch_size.max(1);
+        let mut states = std::collections::BTreeMap::new();
+        for kind in StateKind::ALL {
+            states.insert(
+                kind.name().to_owned(),
+                format!("{rank_dir}/{}.f32", kind.name()),
+            );
+        }
+        let sub_groups = self
+            .layout
+            .sub_groups
+            .iter()
+            .zip(&regions)
+            .map(|(g, &(offset_bytes, len_bytes))| SubGroupEntry {
+                numel: g.numel as u64,
+                offset_bytes,
+                len_bytes,
+                params: g
+                    .params
+                    .iter()
+                    .map(|&pid| {
+                        let slot = &self.layout.params[pid.0];
+                        ParamEntry {
+                            name: self
+                                .model
+                                .param(pid)
+                                .map(|p| p.name.clone())
+                                .unwrap_or_default(),
+                            numel: slot.numel as u64,
+                            shard_start: slot.shard_start as u64,
+                            shard_numel: slot.shard_numel as u64,
+                            offset_in_group: slot.offset_in_group as u64,
+                        }
+                    })
+                    .collect(),
+            })
+            .collect();
+        let manifest = Manifest {
+            format: FORMAT_NAME.to_owned(),
+            version: FORMAT_VERSION,
+            step: self.steps_done,
+            adam_steps: self.adam_steps,
+            skipped_steps: self.skipped,
+            loss_scaler: matches!(self.config.precision, Precision::Fp16 { .. })
+                .then(|| self.scaler.state()),
+            seed: self.opts.seed,
+            seq_len: self.opts.seq_len,
+            data: DataPosition {
+                source: self.data_name.clone(),
+                samples_consumed: self.steps_done * gas * world as u64 * mb,
+                micro_batch_size: mb,
+                gradient_accumulation_steps: gas,
+            },
+            precision: precision_name(&self.config.precision).to_owned(),
+            world_size: world,
+            model: self.model.config().to_hf_value(),
+            config: config_fingerprint(&self.config),
+            ranks: vec![RankLayout {
+                rank,
+                states,
+                sub_groups,
+            }],
+            hf_weights,
+            files: Vec::new(),
+        };
+        let dir = staged.commit(manifest)?;
+        tracing::info!(dir = %dir.display(), name = %step_dir_name(self.steps_done), "checkpoint saved");
+        Ok(dir)
     }
 
     /// The fp32 master weights of one sub-group of this rank.

@@ -69,6 +69,24 @@ pub enum Job {
     Flush,
     /// Reply with a sub-group's master weights.
     Master(SubGroupId),
+    /// Run a closure on the state with nothing else in flight (checkpoint
+    /// save); its result comes back as [`Done::Ran`].
+    Exclusive(ExclusiveJob),
+}
+
+/// The result of an [`ExclusiveJob`].
+pub type ExclusiveResult = Box<dyn std::any::Any + Send>;
+
+/// A closure run on the optimizer thread with exclusive use of the state.
+pub struct ExclusiveJob(
+    #[allow(clippy::type_complexity)]
+    pub  Box<dyn FnOnce(&mut OptimizerState) -> Result<ExclusiveResult> + Send>,
+);
+
+impl std::fmt::Debug for ExclusiveJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ExclusiveJob")
+    }
 }
 
 /// Replies from the optimizer thread.
@@ -85,6 +103,8 @@ pub enum Done {
     Flushed(OptCounters),
     /// Master weights.
     Master(SubGroupId, Vec<f32>),
+    /// An [`Job::Exclusive`] closure's result.
+    Ran(ExclusiveResult),
     /// A job failed.
     Failed(EngineError),
 }
@@ -239,6 +259,16 @@ impl State {
             Job::Master(sg) => {
                 let m = self.opt.master(sg)?;
                 let _ = out.send(Done::Master(sg, m));
+            }
+            Job::Exclusive(job) => {
+                if !self.steps.is_empty() {
+                    return Err(EngineError::internal(
+                        "exclusive optimizer job with steps queued (flush first)",
+                    ));
+                }
+                self.opt.flush()?;
+                let r = (job.0)(&mut self.opt)?;
+                let _ = out.send(Done::Ran(r));
             }
         }
         Ok(())

@@ -438,18 +438,41 @@ pub fn save_hf_dir(
     dir: impl AsRef<Path>,
     model: &Model,
     dtype: DType,
-    mut fetch: impl FnMut(ParamId) -> Result<Tensor, ModelError>,
+    fetch: impl FnMut(ParamId) -> Result<Tensor, ModelError>,
 ) -> Result<(), ModelError> {
     let dir = dir.as_ref();
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
     let cfg_path = dir.join("config.json");
-    let cfg_text = serde_json::to_string_pretty(&model.config().to_hf_value()).map_err(|e| {
+    std::fs::write(&cfg_path, hf_config_text(model)?).map_err(io_err(&cfg_path))?;
+    let final_path = dir.join("model.safetensors");
+    let tmp_path = dir.join("model.safetensors.tmp");
+    let file = File::create(&tmp_path).map_err(io_err(&tmp_path))?;
+    let file = write_safetensors(file, &tmp_path, model, dtype, fetch)?;
+    file.sync_all().map_err(io_err(&tmp_path))?;
+    std::fs::rename(&tmp_path, &final_path).map_err(io_err(&final_path))?;
+    Ok(())
+}
+
+/// The HF `config.json` text of `model` (pretty JSON).
+pub fn hf_config_text(model: &Model) -> Result<String, ModelError> {
+    serde_json::to_string_pretty(&model.config().to_hf_value()).map_err(|e| {
         ModelError::ConfigJson {
             reason: e.to_string(),
         }
-    })?;
-    std::fs::write(&cfg_path, cfg_text).map_err(io_err(&cfg_path))?;
+    })
+}
 
+/// Streams a safetensors file of every parameter of `model` (HF names and
+/// layout, in [`ParamId`] order) as `dtype` into `file`, one tensor at a
+/// time from `fetch`; returns the file (flushed, not synced). `path` names
+/// the file in errors.
+pub fn write_safetensors(
+    file: File,
+    path: &Path,
+    model: &Model,
+    dtype: DType,
+    mut fetch: impl FnMut(ParamId) -> Result<Tensor, ModelError>,
+) -> Result<File, ModelError> {
     let st_dtype = StDtype::from(dtype);
     let elem_bytes = dtype.size_in_bytes();
     let mut header = serde_json::Map::new();
@@ -485,13 +508,10 @@ pub fn save_hf_dir(
     while header_bytes.len() % 8 != 0 {
         header_bytes.push(b' ');
     }
-    let final_path = dir.join("model.safetensors");
-    let tmp_path = dir.join("model.safetensors.tmp");
-    let file = File::create(&tmp_path).map_err(io_err(&tmp_path))?;
     let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
     w.write_all(&(header_bytes.len() as u64).to_le_bytes())
-        .map_err(io_err(&tmp_path))?;
-    w.write_all(&header_bytes).map_err(io_err(&tmp_path))?;
+        .map_err(io_err(path))?;
+    w.write_all(&header_bytes).map_err(io_err(path))?;
     for p in model.params() {
         let t = fetch(p.id)?;
         if t.dims() != p.shape.as_slice() {
@@ -503,15 +523,12 @@ pub fn save_hf_dir(
         }
         let t = t.to_dtype(dtype)?;
         let data = safetensors::View::data(&t);
-        w.write_all(&data).map_err(io_err(&tmp_path))?;
+        w.write_all(&data).map_err(io_err(path))?;
     }
-    let file = w.into_inner().map_err(|e| ModelError::Io {
-        path: tmp_path.clone(),
+    w.into_inner().map_err(|e| ModelError::Io {
+        path: path.to_path_buf(),
         source: e.into_error(),
-    })?;
-    file.sync_all().map_err(io_err(&tmp_path))?;
-    std::fs::rename(&tmp_path, &final_path).map_err(io_err(&final_path))?;
-    Ok(())
+    })
 }
 
 #[cfg(test)]

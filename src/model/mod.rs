@@ -74,7 +74,7 @@ pub mod ops;
 use candle_core::{DType, Device, Tensor, Var};
 
 pub use config::{Activation, Arch, ModelConfig};
-pub use io::{save_hf_dir, ModelDir};
+pub use io::{hf_config_text, save_hf_dir, write_safetensors, ModelDir};
 
 /// Errors of the model area.
 #[derive(Debug, thiserror::Error)]

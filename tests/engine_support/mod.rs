@@ -242,6 +242,20 @@ pub fn build(model_dir: &Path, k: &Knobs, seed: u64, seq: usize, total: u64) -> 
     .unwrap()
 }
 
+/// A trainer resumed from the checkpoint at `ckpt` (a save dir or a step
+/// dir), with the same knobs as [`build`] and fresh swap files.
+pub fn resume(ckpt: &Path, k: &Knobs, seed: u64, seq: usize, total: u64) -> Trainer {
+    let swap = scratch("swap");
+    let cfg = ds_config(k, &swap, total);
+    let run = RunContext {
+        path_checks: PathChecks::CreateMissing,
+        ..RunContext::default()
+    };
+    let loaded = load_str(&cfg.to_string(), &run).unwrap();
+    let c = tierzero::checkpoint::Checkpoint::open(ckpt).unwrap();
+    Trainer::resume(&loaded.config, &c, corpus(), TrainerOptions::cpu(seed, seq)).unwrap()
+}
+
 /// Trains `steps` steps; `seq_at(step)` gives each step's sequence length.
 pub fn train(
     model_dir: &Path,

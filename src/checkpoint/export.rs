@@ -1,0 +1,132 @@
+//! Export: one consolidated safetensors file with HF names and layout from
+//! a checkpoint's fp32 masters (our `zero_to_fp32`).
+//!
+//! * Tensors are read one at a time ([`Checkpoint::load_param_f32`], which
+//!   assembles every rank's shard and verifies crcs), converted to the
+//!   requested dtype (round to nearest even) and streamed out, so memory
+//!   holds one parameter at a time.
+//! * Names and layout are the HF ones ([`crate::model::write_safetensors`]):
+//!   GPT-2 without the `transformer.` prefix and Conv1D `[in, out]` weights
+//!   (as the hub's `gpt2` files, which `GPT2LMHeadModel` loads), Llama with
+//!   `model.` names. A tied `lm_head` is not written (HF re-ties it).
+//! * The output is written to a temporary file beside it and renamed
+//!   ([`crate::durable`]): an interrupted export never leaves a partial file
+//!   under the output name.
+//! * `config.json` is written beside the output so the directory loads with
+//!   `from_pretrained`. If a `config.json` is already there with the same
+//!   JSON content it is left alone; with different content the export is
+//!   refused before anything is written (it would otherwise describe
+//!   another model, or be silently overwritten).
+
+use std::path::{Path, PathBuf};
+
+use candle_core::DType;
+
+use super::reader::Checkpoint;
+use super::{io_err, CheckpointError};
+use crate::durable;
+use crate::model::{hf_config_text, write_safetensors};
+
+/// What happened to `config.json` beside the output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConfigJsonAction {
+    /// Written (there was none).
+    Written,
+    /// One with the same content was already there.
+    AlreadyThere,
+}
+
+/// What [`export_safetensors`] wrote.
+#[derive(Debug, Clone)]
+pub struct ExportReport {
+    /// The safetensors file.
+    pub out: PathBuf,
+    /// Its size.
+    pub bytes: u64,
+    /// Tensors in it.
+    pub tensors: usize,
+    /// `config.json` beside it.
+    pub config_path: PathBuf,
+    /// Whether it was written.
+    pub config_action: ConfigJsonAction,
+}
+
+/// Writes `ckpt`'s weights to `out` as `dtype` (see the module doc).
+pub fn export_safetensors(
+    ckpt: &Checkpoint,
+    out: &Path,
+    dtype: DType,
+) -> Result<ExportReport, CheckpointError> {
+    let dir = match out.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let model = ckpt.model();
+    let cfg_text = hf_config_text(model)?;
+    let config_path = dir.join("config.json");
+    let config_action = match std::fs::read_to_string(&config_path) {
+        Ok(existing) => {
+            let same = serde_json::from_str::<serde_json::Value>(&existing)
+                .is_ok_and(|v| v == model.config().to_hf_value());
+            if !same {
+                return Err(CheckpointError::Mismatch {
+                    what: format!(
+                        "{} (a config.json is already beside the output)",
+                        config_path.display()
+                    ),
+                    checkpoint: "this checkpoint's model config".into(),
+                    run: "different content; export into another directory or remove it".into(),
+                });
+            }
+            ConfigJsonAction::AlreadyThere
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => ConfigJsonAction::Written,
+        Err(e) => return Err(io_err("reading", &config_path)(e)),
+    };
+    let name = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model.safetensors".into());
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    let result = (|| {
+        let file = durable::create_file(&tmp)?;
+        // A load error is kept whole (it names the corrupt part) and
+        // returned instead of the model-area error it is carried as.
+        let mut load_err: Option<CheckpointError> = None;
+        let written = write_safetensors(file, &tmp, model, dtype, |id| {
+            ckpt.load_param_f32(id).map_err(|e| {
+                let text = e.to_string();
+                load_err = Some(e);
+                crate::model::ModelError::Unsupported { what: text }
+            })
+        });
+        let file = match (written, load_err) {
+            (Ok(f), _) => f,
+            (Err(_), Some(e)) => return Err(e),
+            (Err(e), None) => return Err(e.into()),
+        };
+        durable::sync_file(&file, &tmp)?;
+        let bytes = file.metadata().map_err(io_err("stat", &tmp))?.len();
+        std::fs::rename(&tmp, out).map_err(io_err("renaming to", out))?;
+        durable::sync_dir(&dir)?;
+        Ok::<u64, CheckpointError>(bytes)
+    })();
+    let bytes = match result {
+        Ok(b) => b,
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+    };
+    if config_action == ConfigJsonAction::Written {
+        durable::write_atomic(&config_path, cfg_text.as_bytes())?;
+    }
+    Ok(ExportReport {
+        out: out.to_path_buf(),
+        bytes,
+        tensors: model.params().len(),
+        config_path,
+        config_action,
+    })
+}

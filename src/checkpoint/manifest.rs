@@ -1,0 +1,437 @@
+//! The manifest (`manifest.json`): types and the checks that run before any
+//! data is read. See the module above for the format.
+
+use std::collections::BTreeMap;
+use std::path::{Component, Path};
+
+use serde::{Deserialize, Serialize};
+
+use super::CheckpointError;
+use crate::engine::schedule::LossScalerState;
+use crate::model::{Model, ModelConfig};
+
+/// `format` of every manifest.
+pub const FORMAT_NAME: &str = "tierzero-checkpoint";
+/// The version this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+/// Name of the manifest in a step dir.
+pub const MANIFEST_FILE: &str = "manifest.json";
+/// Alignment of sub-group regions in the state files.
+pub const STATE_ALIGN_BYTES: u64 = 4096;
+/// Largest manifest we read (a manifest lists params, not data).
+pub const MAX_MANIFEST_BYTES: u64 = 256 << 20;
+
+/// One of the three per-element optimizer states.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum StateKind {
+    /// fp32 master weights.
+    Master,
+    /// Adam first moment (`exp_avg`).
+    ExpAvg,
+    /// Adam second moment (`exp_avg_sq`).
+    ExpAvgSq,
+}
+
+impl StateKind {
+    /// All three, in file order.
+    pub const ALL: [StateKind; 3] = [StateKind::Master, StateKind::ExpAvg, StateKind::ExpAvgSq];
+
+    /// The state's name (and its file's stem).
+    pub fn name(self) -> &'static str {
+        match self {
+            StateKind::Master => "master",
+            StateKind::ExpAvg => "exp_avg",
+            StateKind::ExpAvgSq => "exp_avg_sq",
+        }
+    }
+
+    /// Index in [`StateKind::ALL`] (and in the optimizer's extents).
+    pub fn index(self) -> usize {
+        match self {
+            StateKind::Master => 0,
+            StateKind::ExpAvg => 1,
+            StateKind::ExpAvgSq => 2,
+        }
+    }
+}
+
+/// Where the data stream stood.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataPosition {
+    /// Name of the data (a path or "embedded ...").
+    pub source: String,
+    /// Global samples consumed (`steps × GAS × ranks × micro batch`).
+    pub samples_consumed: u64,
+    /// Micro-batch size per rank.
+    pub micro_batch_size: u64,
+    /// Gradient accumulation steps.
+    pub gradient_accumulation_steps: u64,
+}
+
+/// What the training config was, to warn when a resumed run differs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConfigFingerprint {
+    /// The settings that change the numbers (batch, clipping, precision,
+    /// optimizer, scheduler, sub-group size), each as text.
+    pub numerics: BTreeMap<String, String>,
+    /// sha256 of the whole resolved config's text (paths and I/O included).
+    pub full_sha256: String,
+}
+
+/// One parameter's shard in a sub-group.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParamEntry {
+    /// HF name.
+    pub name: String,
+    /// Elements of the whole parameter.
+    pub numel: u64,
+    /// First element of this shard in the whole parameter.
+    pub shard_start: u64,
+    /// Elements in this shard.
+    pub shard_numel: u64,
+    /// Offset of the shard in its sub-group, in elements.
+    pub offset_in_group: u64,
+}
+
+/// One sub-group's region in the state files.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SubGroupEntry {
+    /// Elements.
+    pub numel: u64,
+    /// Start of the region in each state file (multiple of 4096).
+    pub offset_bytes: u64,
+    /// Length of the region (numel × 4 rounded up to 4096).
+    pub len_bytes: u64,
+    /// Shards in it.
+    pub params: Vec<ParamEntry>,
+}
+
+/// One rank's files and layout.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankLayout {
+    /// The rank.
+    pub rank: usize,
+    /// Relative path of each state file, by [`StateKind::name`].
+    pub states: BTreeMap<String, String>,
+    /// Sub-groups in order.
+    pub sub_groups: Vec<SubGroupEntry>,
+}
+
+/// crc32c of one region of a file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionCrc {
+    /// Start.
+    pub offset_bytes: u64,
+    /// Length.
+    pub len_bytes: u64,
+    /// crc32c of the bytes.
+    pub crc32c: u32,
+}
+
+/// One file of the checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileEntry {
+    /// Relative to the step dir.
+    pub path: String,
+    /// Length.
+    pub bytes: u64,
+    /// crc32c of the whole file.
+    pub crc32c: u32,
+    /// Per sub-group crcs (state files), in order; empty for other files.
+    #[serde(default)]
+    pub regions: Vec<RegionCrc>,
+}
+
+/// The consolidated 16-bit HF weights, when saved.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HfWeights {
+    /// safetensors file.
+    pub safetensors: String,
+    /// config.json.
+    pub config: String,
+    /// "bf16", "fp16" or "fp32".
+    pub dtype: String,
+}
+
+/// `manifest.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Always [`FORMAT_NAME`].
+    pub format: String,
+    /// [`FORMAT_VERSION`] when written by this build.
+    pub version: u32,
+    /// Optimizer steps done (including skipped ones).
+    pub step: u64,
+    /// Adam steps taken (not skipped).
+    pub adam_steps: u64,
+    /// Steps skipped on fp16 overflow.
+    pub skipped_steps: u64,
+    /// fp16 loss scaler; `null` for fp32/bf16.
+    pub loss_scaler: Option<LossScalerState>,
+    /// Seed of the model init.
+    pub seed: u64,
+    /// Tokens per sample.
+    pub seq_len: usize,
+    /// Data position.
+    pub data: DataPosition,
+    /// "fp32", "bf16" or "fp16".
+    pub precision: String,
+    /// Ranks that wrote it.
+    pub world_size: usize,
+    /// The model's HF `config.json`.
+    pub model: serde_json::Value,
+    /// The training config's fingerprint.
+    pub config: ConfigFingerprint,
+    /// Per rank, in rank order.
+    pub ranks: Vec<RankLayout>,
+    /// Consolidated 16-bit weights, if saved.
+    #[serde(default)]
+    pub hf_weights: Option<HfWeights>,
+    /// Every file (not the manifest itself).
+    pub files: Vec<FileEntry>,
+}
+
+fn bad(path: &Path, reason: impl Into<String>) -> CheckpointError {
+    CheckpointError::Manifest {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+/// Checks a relative path from the manifest before it is joined to the
+/// checkpoint directory: relative, only normal components, UTF-8 already.
+pub fn check_relative(path: &str) -> Result<(), CheckpointError> {
+    let escape = |reason: &str| CheckpointError::PathEscape {
+        path: path.to_owned(),
+        reason: reason.to_owned(),
+    };
+    if path.is_empty() {
+        return Err(escape("is empty"));
+    }
+    if path.contains('\0') {
+        return Err(escape("contains a NUL byte"));
+    }
+    let p = Path::new(path);
+    if p.is_absolute() {
+        return Err(escape("is absolute"));
+    }
+    for c in p.components() {
+        match c {
+            Component::Normal(_) => {}
+            Component::ParentDir => return Err(escape("contains `..`")),
+            Component::CurDir => return Err(escape("contains `.`")),
+            Component::RootDir | Component::Prefix(_) => return Err(escape("is absolute")),
+        }
+    }
+    Ok(())
+}
+
+/// Resolves `rel` under `dir` and checks that, with symlinks resolved, it is
+/// still inside `dir` (which must be canonical).
+pub fn resolve_inside(dir: &Path, rel: &str) -> Result<std::path::PathBuf, CheckpointError> {
+    check_relative(rel)?;
+    let joined = dir.join(rel);
+    let real = joined
+        .canonicalize()
+        .map_err(super::io_err("resolving", &joined))?;
+    if !real.starts_with(dir) {
+        return Err(CheckpointError::PathEscape {
+            path: rel.to_owned(),
+            reason: format!(
+                "resolves through a symlink to {}, outside the checkpoint directory",
+                real.display()
+            ),
+        });
+    }
+    Ok(real)
+}
+
+impl Manifest {
+    /// Parses manifest text (`path` names it in errors).
+    pub fn parse(text: &str, path: &Path) -> Result<Manifest, CheckpointError> {
+        let v: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| bad(path, format!("not valid JSON: {e}")))?;
+        let format = v.get("format").and_then(|f| f.as_str()).unwrap_or("");
+        if format != FORMAT_NAME {
+            return Err(bad(
+                path,
+                format!("`format` is {format:?}, expected {FORMAT_NAME:?}"),
+            ));
+        }
+        let version = v.get("version").and_then(|f| f.as_u64()).unwrap_or(0);
+        if version != u64::from(FORMAT_VERSION) {
+            return Err(bad(
+                path,
+                format!(
+                    "format version {version}; this tierzero reads version {FORMAT_VERSION}{}",
+                    if version > u64::from(FORMAT_VERSION) {
+                        " (written by a newer tierzero)"
+                    } else {
+                        ""
+                    }
+                ),
+            ));
+        }
+        serde_json::from_value(v).map_err(|e| bad(path, format!("{e}")))
+    }
+
+    /// The model described by the manifest.
+    pub fn build_model(&self, path: &Path) -> Result<Model, CheckpointError> {
+        let (cfg, _unknown) = ModelConfig::from_hf_value(&self.model)
+            .map_err(|e| bad(path, format!("model config: {e}")))?;
+        Model::new(cfg).map_err(|e| bad(path, format!("model config: {e}")))
+    }
+
+    /// The entry of file `rel`.
+    pub fn file(&self, rel: &str) -> Option<&FileEntry> {
+        self.files.iter().find(|f| f.path == rel)
+    }
+
+    /// Structural checks that need no file access: paths, region bounds
+    /// (checked arithmetic), and that every parameter of `model` is covered
+    /// exactly once by the shards of all ranks.
+    pub fn validate(&self, model: &Model, path: &Path) -> Result<(), CheckpointError> {
+        for f in &self.files {
+            check_relative(&f.path)?;
+        }
+        if self.world_size == 0 || self.ranks.len() != self.world_size {
+            return Err(bad(
+                path,
+                format!(
+                    "world_size {} but {} rank layouts",
+                    self.world_size,
+                    self.ranks.len()
+                ),
+            ));
+        }
+        let mut covered: Vec<u64> = vec![0; model.params().len()];
+        for (r, rank) in self.ranks.iter().enumerate() {
+            if rank.rank != r {
+                return Err(bad(
+                    path,
+                    format!("rank layout {r} says rank {}", rank.rank),
+                ));
+            }
+            let mut files = Vec::new();
+            for kind in StateKind::ALL {
+                let rel = rank.states.get(kind.name()).ok_or_else(|| {
+                    bad(path, format!("rank {r} has no {} state file", kind.name()))
+                })?;
+                check_relative(rel)?;
+                let entry = self.file(rel).ok_or_else(|| {
+                    bad(path, format!("state file {rel} is not in the file list"))
+                })?;
+                if entry.regions.len() != rank.sub_groups.len() {
+                    return Err(bad(
+                        path,
+                        format!(
+                            "{rel} has {} region crcs for {} sub-groups",
+                            entry.regions.len(),
+                            rank.sub_groups.len()
+                        ),
+                    ));
+                }
+                files.push(entry);
+            }
+            let mut next = 0u64;
+            for (i, g) in rank.sub_groups.iter().enumerate() {
+                let need = g
+                    .numel
+                    .checked_mul(4)
+                    .and_then(super::align_state_bytes)
+                    .ok_or_else(|| bad(path, format!("rank {r} sub-group {i}: size overflows")))?;
+                if g.offset_bytes % STATE_ALIGN_BYTES != 0
+                    || g.len_bytes != need
+                    || g.offset_bytes < next
+                {
+                    return Err(bad(
+                        path,
+                        format!(
+                            "rank {r} sub-group {i}: region {}+{} is misplaced (need a \
+                             4096-aligned, non-overlapping region of {need} bytes)",
+                            g.offset_bytes, g.len_bytes
+                        ),
+                    ));
+                }
+                let end = g
+                    .offset_bytes
+                    .checked_add(g.len_bytes)
+                    .ok_or_else(|| bad(path, format!("rank {r} sub-group {i}: end overflows")))?;
+                for f in &files {
+                    let reg = &f.regions[i];
+                    if reg.offset_bytes != g.offset_bytes || reg.len_bytes != g.len_bytes {
+                        return Err(bad(
+                            path,
+                            format!("{}: region {i} does not match sub-group {i}", f.path),
+                        ));
+                    }
+                    if end > f.bytes {
+                        return Err(bad(
+                            path,
+                            format!(
+                                "{}: sub-group {i} ends at {end}, past the file's {} bytes",
+                                f.path, f.bytes
+                            ),
+                        ));
+                    }
+                }
+                next = end;
+                for p in &g.params {
+                    let spec = model.param_by_name(&p.name).ok_or_else(|| {
+                        bad(path, format!("parameter `{}` is not in the model", p.name))
+                    })?;
+                    let in_group_end = p.offset_in_group.checked_add(p.shard_numel);
+                    let shard_end = p.shard_start.checked_add(p.shard_numel);
+                    if p.numel != spec.numel as u64
+                        || !in_group_end.is_some_and(|e| e <= g.numel)
+                        || !shard_end.is_some_and(|e| e <= p.numel)
+                    {
+                        return Err(bad(
+                            path,
+                            format!(
+                                "parameter `{}`: shard {}+{} of {} at {} in a sub-group of {} \
+                                 does not fit (the model has {} elements)",
+                                p.name,
+                                p.shard_start,
+                                p.shard_numel,
+                                p.numel,
+                                p.offset_in_group,
+                                g.numel,
+                                spec.numel
+                            ),
+                        ));
+                    }
+                    covered[spec.id.0] = covered[spec.id.0].saturating_add(p.shard_numel);
+                }
+            }
+        }
+        for spec in model.params() {
+            if covered[spec.id.0] != spec.numel as u64 {
+                return Err(bad(
+                    path,
+                    format!(
+                        "parameter `{}`: shards cover {} of {} elements",
+                        spec.name, covered[spec.id.0], spec.numel
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_paths_only() {
+        assert!(check_relative("rank0000/master.f32").is_ok());
+        for bad in ["", "/etc/passwd", "../x", "a/../../b", "./a", "a/./b"] {
+            assert!(
+                matches!(check_relative(bad), Err(CheckpointError::PathEscape { .. })),
+                "{bad:?} accepted"
+            );
+        }
+    }
+}

@@ -1,0 +1,213 @@
+//! Checkpoints: save, validate, load and export training state.
+//!
+//! # Format v1 (design)
+//!
+//! ```text
+//! <save_dir>/
+//!   latest                      text: the name of the newest step dir ("step-00000004")
+//!   step-00000004/              one checkpoint (8-digit optimizer step)
+//!     manifest.json             written last; the checkpoint exists iff it validates
+//!     rank0000/master.f32       fp32 master weights of rank 0's sub-groups
+//!     rank0000/exp_avg.f32      Adam first moments
+//!     rank0000/exp_avg_sq.f32   Adam second moments
+//!     model.safetensors         only with stage3_gather_16bit_weights_on_model_save:
+//!     config.json               consolidated 16-bit weights, HF names and layout
+//!   .step-00000006.tmp-<pid>/   a checkpoint being written (never read)
+//! ```
+//!
+//! **What is saved.** The fp32 masters and both Adam moments of every
+//! sub-group, and the counters (optimizer steps done, Adam steps, skipped
+//! steps, the fp16 loss scaler's state). That is the whole training state:
+//! the 16-bit parameters are always `encode(master)` (the engine's central
+//! invariant), the learning rate is a pure function of the Adam step count,
+//! the data position a pure function of the step count (recorded anyway as
+//! `samples_consumed`), and there is no RNG after the seeded init (no
+//! dropout), so the manifest records the seed instead of an RNG state. A
+//! resumed run rebuilds params from masters and continues bit-identically.
+//!
+//! **State files.** Raw little-endian f32. Sub-group `i` of a rank starts at
+//! `offset_bytes` (a multiple of 4096) and takes `len_bytes =
+//! align_up(numel × 4, 4096)`; the padding is not data. The same offsets are
+//! used in all three files. The 4096 alignment lets NVMe extents be copied
+//! across with `copy_file_range` (reflinked on XFS/btrfs) instead of through
+//! a buffer in RAM.
+//!
+//! **Manifest** (`manifest.json`, [`Manifest`]): format name and version;
+//! step, Adam steps, skipped steps, loss-scaler state; seed, seq_len, data
+//! source and samples consumed; precision; world size and, per rank, its
+//! sub-groups (numel, offset, length) and the params in them (name, whole
+//! numel, shard range, offset in the sub-group); the model's HF config;
+//! a fingerprint of the resolved training config (resuming with different
+//! numerics is warned about, naming the settings); and every file with its
+//! relative path, byte length and crc32c, plus a crc32c per sub-group
+//! region for the state files (so one parameter can be loaded and verified
+//! without reading the whole file). The whole-file crc is combined from the
+//! region crcs (`crc32c_combine`).
+//!
+//! **Where crcs come from.** Memory tiers: computed while writing. NVMe
+//! tier: the swap space's recorded crc32c of the extent when checksums are
+//! on (the crc of the data we submitted, so a disk that corrupts the copy
+//! is caught at load); otherwise computed by reading the written file back
+//! in 1 MiB chunks.
+//!
+//! **Atomicity.** Everything is written under `.step-<N>.tmp-<pid>/`; each
+//! file is fsynced, the manifest is written last (atomically), the
+//! directories are fsynced, then the directory is renamed to `step-<N>`,
+//! the save dir is fsynced, and `latest` is atomically rewritten
+//! ([`crate::durable`]). A crash at any point leaves either a `.tmp` dir
+//! (never read; removed by the next save once its pid is dead) or a
+//! complete step dir. A step dir that already exists (a run resumed from an
+//! older checkpoint reaching the same step) is moved aside to
+//! `.step-<N>.old-<pid>`, replaced, and then removed. Opening a save dir
+//! follows `latest`; if `latest` is missing or names a dir that does not
+//! validate, the newest `step-*` dir with a valid manifest is used, with a
+//! warning. A directory without a valid manifest is never taken as a
+//! checkpoint.
+//!
+//! **Validation on load.** The manifest is parsed and checked before any
+//! data is read: format and version, the model config, every path
+//! (relative, only normal components, no `..`, not absolute, and after
+//! resolving symlinks still inside the checkpoint directory), file sizes
+//! against the manifest, region bounds with checked arithmetic, and that the
+//! shards of every parameter cover it exactly once. Every read is verified
+//! against its crc32c; a mismatch is [`CheckpointError::Corrupt`] naming
+//! the part (file and sub-group).
+//!
+//! **Permissions.** Files 0600, directories 0700.
+//!
+//! **Several ranks (later).** Each rank writes its own `rank<RRRR>/` files
+//! into the same temp dir; rank 0 writes the manifest last, after a
+//! barrier. Loading is by parameter: a parameter's elements are assembled
+//! from the shards of every rank in the manifest, so a checkpoint written
+//! by N ranks can be read with M ranks, or with a different
+//! `sub_group_size`.
+
+mod export;
+mod manifest;
+mod reader;
+mod writer;
+
+use std::path::PathBuf;
+
+pub use export::{export_safetensors, ConfigJsonAction, ExportReport};
+pub use manifest::{
+    ConfigFingerprint, DataPosition, FileEntry, HfWeights, Manifest, ParamEntry, RankLayout,
+    RegionCrc, StateKind, SubGroupEntry, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE,
+    STATE_ALIGN_BYTES,
+};
+pub use reader::{Checkpoint, FileCheck, VerifyReport};
+pub use writer::{step_dir_name, StagedCheckpoint, LATEST_FILE};
+
+/// Everything that can go wrong with a checkpoint.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// A file-system operation failed.
+    #[error("checkpoint: {op} {path}: {source}")]
+    Io {
+        /// What we were doing.
+        op: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The manifest is missing, unreadable or inconsistent.
+    #[error("checkpoint manifest {path}: {reason}")]
+    Manifest {
+        /// The manifest (or the directory that lacks one).
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A path in the manifest would leave the checkpoint directory.
+    #[error("checkpoint manifest names the path `{path}`, which {reason}; refusing to read it")]
+    PathEscape {
+        /// The path as written in the manifest.
+        path: String,
+        /// Why it is refused.
+        reason: String,
+    },
+    /// Data does not match its recorded crc32c.
+    #[error(
+        "checkpoint {part} in {path} is corrupt: crc32c {got_crc:#010x}, the manifest says \
+         {expected_crc:#010x}"
+    )]
+    Corrupt {
+        /// Which part (file, state and sub-group).
+        part: String,
+        /// The file.
+        path: PathBuf,
+        /// crc32c recorded in the manifest.
+        expected_crc: u32,
+        /// crc32c of what was read.
+        got_crc: u32,
+    },
+    /// A file is shorter or longer than the manifest says.
+    #[error(
+        "checkpoint file {path} has {got_bytes} bytes, the manifest says {expected_bytes} \
+         (truncated or replaced?)"
+    )]
+    Size {
+        /// The file.
+        path: PathBuf,
+        /// Bytes recorded.
+        expected_bytes: u64,
+        /// Bytes found.
+        got_bytes: u64,
+    },
+    /// The checkpoint does not fit the run.
+    #[error(
+        "checkpoint and run differ in {what}: the checkpoint has {checkpoint}, the run has {run}"
+    )]
+    Mismatch {
+        /// What differs.
+        what: String,
+        /// The checkpoint's value.
+        checkpoint: String,
+        /// The run's value.
+        run: String,
+    },
+    /// From the model area (config, safetensors writing).
+    #[error(transparent)]
+    Model(#[from] crate::model::ModelError),
+    /// From candle (building tensors).
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+impl From<crate::durable::DurableError> for CheckpointError {
+    fn from(e: crate::durable::DurableError) -> Self {
+        CheckpointError::Io {
+            op: e.op,
+            path: e.path,
+            source: e.source,
+        }
+    }
+}
+
+pub(crate) fn io_err<'a>(
+    op: &'static str,
+    path: &'a std::path::Path,
+) -> impl FnOnce(std::io::Error) -> CheckpointError + 'a {
+    move |source| CheckpointError::Io {
+        op,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// The manifest's record of consolidated HF weights.
+pub fn manifest_hf_weights(safetensors: &str, config: &str, dtype: &str) -> HfWeights {
+    HfWeights {
+        safetensors: safetensors.to_owned(),
+        config: config.to_owned(),
+        dtype: dtype.to_owned(),
+    }
+}
+
+/// `x` rounded up to the state files' alignment (at least one block).
+pub fn align_state_bytes(x: u64) -> Option<u64> {
+    x.max(1)
+        .checked_add(STATE_ALIGN_BYTES - 1)
+        .map(|v| v / STATE_ALIGN_BYTES * STATE_ALIGN_BYTES)
+}

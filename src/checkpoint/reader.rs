@@ -1,0 +1,398 @@
+//! Opening and reading a checkpoint: [`Checkpoint`].
+//!
+//! [`Checkpoint::open`] resolves a save dir (via `latest`) or a step dir,
+//! parses and validates the manifest and stats every file, reading no data.
+//! Reads are by sub-group region: a region is read whole, its crc32c
+//! checked against the manifest, and the elements wanted copied out. The
+//! last region read is kept (one entry, behind a mutex), so loading the
+//! parameters of a sub-group one after another reads it once.
+
+use std::fs::File;
+use std::io::Read as _;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use candle_core::{Device, Tensor};
+use serde::Serialize;
+
+use super::manifest::{resolve_inside, Manifest, StateKind, MANIFEST_FILE, MAX_MANIFEST_BYTES};
+use super::writer::{parse_step_dir_name, LATEST_FILE};
+use super::{io_err, CheckpointError};
+use crate::model::{Model, ParamId};
+
+/// An opened, validated checkpoint.
+#[derive(Debug)]
+pub struct Checkpoint {
+    dir: PathBuf,
+    manifest: Manifest,
+    model: Model,
+    /// (rank, state, sub-group) → its verified elements.
+    cache: Mutex<Option<((usize, StateKind, usize), Arc<Vec<f32>>)>>,
+}
+
+/// The result of checking one file.
+#[derive(Debug, Clone, Serialize)]
+pub struct FileCheck {
+    /// Relative path.
+    pub path: String,
+    /// Bytes.
+    pub bytes: u64,
+    /// `None` when it verified; else what is wrong.
+    pub error: Option<String>,
+}
+
+/// The result of [`Checkpoint::verify`].
+#[derive(Debug, Clone, Serialize)]
+pub struct VerifyReport {
+    /// Per file.
+    pub files: Vec<FileCheck>,
+}
+
+impl VerifyReport {
+    /// Whether every file verified.
+    pub fn ok(&self) -> bool {
+        self.files.iter().all(|f| f.error.is_none())
+    }
+}
+
+/// Bytes per read when checksumming a whole file.
+const VERIFY_CHUNK_BYTES: usize = 1 << 20;
+
+fn manifest_err(path: &Path, reason: impl Into<String>) -> CheckpointError {
+    CheckpointError::Manifest {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+impl Checkpoint {
+    /// Opens `dir`: a step dir (holding `manifest.json`), or a save dir, in
+    /// which case `latest` is followed (or, when `latest` is missing or
+    /// does not validate, the newest `step-*` dir that does, with a
+    /// warning). Validates the manifest and file sizes; reads no data.
+    pub fn open(dir: &Path) -> Result<Checkpoint, CheckpointError> {
+        if dir.join(MANIFEST_FILE).exists() {
+            return Self::open_step_dir(dir);
+        }
+        let latest = dir.join(LATEST_FILE);
+        let mut latest_err = None;
+        match std::fs::read_to_string(&latest) {
+            Ok(text) => {
+                let name = text.trim();
+                match parse_step_dir_name(name) {
+                    Some(_) => match Self::open_step_dir(&dir.join(name)) {
+                        Ok(c) => return Ok(c),
+                        Err(e) => latest_err = Some(e),
+                    },
+                    None => {
+                        latest_err = Some(manifest_err(
+                            &latest,
+                            format!("`latest` holds {name:?}, not a step directory name"),
+                        ))
+                    }
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_err("reading", &latest)(e)),
+        }
+        // Fall back to the newest step dir that validates.
+        let mut steps: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
+            .map_err(io_err("listing", dir))?
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name();
+                let step = parse_step_dir_name(name.to_str()?)?;
+                Some((step, e.path()))
+            })
+            .collect();
+        steps.sort();
+        for (_, p) in steps.iter().rev() {
+            match Self::open_step_dir(p) {
+                Ok(c) => {
+                    if let Some(e) = &latest_err {
+                        tracing::warn!(error = %e, using = %p.display(), "`latest` is unusable; using the newest valid checkpoint");
+                    }
+                    return Ok(c);
+                }
+                Err(e) => {
+                    tracing::warn!(dir = %p.display(), error = %e, "skipping a step directory that does not validate");
+                }
+            }
+        }
+        Err(latest_err.unwrap_or_else(|| {
+            manifest_err(
+                dir,
+                "not a checkpoint: no manifest.json, no `latest`, and no valid step-* directory",
+            )
+        }))
+    }
+
+    fn open_step_dir(dir: &Path) -> Result<Checkpoint, CheckpointError> {
+        let dir = dir.canonicalize().map_err(io_err("opening", dir))?;
+        let mpath = dir.join(MANIFEST_FILE);
+        let f = File::open(&mpath).map_err(io_err("opening", &mpath))?;
+        let mut text = String::new();
+        f.take(MAX_MANIFEST_BYTES + 1)
+            .read_to_string(&mut text)
+            .map_err(io_err("reading", &mpath))?;
+        if text.len() as u64 > MAX_MANIFEST_BYTES {
+            return Err(manifest_err(&mpath, "larger than 256 MiB"));
+        }
+        let manifest = Manifest::parse(&text, &mpath)?;
+        let model = manifest.build_model(&mpath)?;
+        manifest.validate(&model, &mpath)?;
+        for f in &manifest.files {
+            let p = resolve_inside(&dir, &f.path)?;
+            let got = std::fs::metadata(&p).map_err(io_err("stat", &p))?.len();
+            if got != f.bytes {
+                return Err(CheckpointError::Size {
+                    path: p,
+                    expected_bytes: f.bytes,
+                    got_bytes: got,
+                });
+            }
+        }
+        Ok(Checkpoint {
+            dir,
+            manifest,
+            model,
+            cache: Mutex::new(None),
+        })
+    }
+
+    /// The step directory (canonical).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The manifest.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// The model it was saved from.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// Optimizer steps done when it was saved.
+    pub fn step(&self) -> u64 {
+        self.manifest.step
+    }
+
+    /// The verified elements of sub-group `sg` of `rank`'s `kind` file.
+    fn region(
+        &self,
+        rank: usize,
+        kind: StateKind,
+        sg: usize,
+    ) -> Result<Arc<Vec<f32>>, CheckpointError> {
+        let key = (rank, kind, sg);
+        {
+            let c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some((k, v)) = c.as_ref() {
+                if *k == key {
+                    return Ok(v.clone());
+                }
+            }
+        }
+        let mpath = self.dir.join(MANIFEST_FILE);
+        let r = self
+            .manifest
+            .ranks
+            .get(rank)
+            .ok_or_else(|| manifest_err(&mpath, format!("no rank {rank}")))?;
+        let g = r
+            .sub_groups
+            .get(sg)
+            .ok_or_else(|| manifest_err(&mpath, format!("rank {rank}: no sub-group {sg}")))?;
+        let rel = r
+            .states
+            .get(kind.name())
+            .ok_or_else(|| manifest_err(&mpath, format!("no {} file", kind.name())))?;
+        let entry = self
+            .manifest
+            .file(rel)
+            .ok_or_else(|| manifest_err(&mpath, format!("{rel} not listed")))?;
+        let path = resolve_inside(&self.dir, rel)?;
+        let len = usize::try_from(g.len_bytes)
+            .map_err(|_| manifest_err(&mpath, "region larger than memory"))?;
+        let mut bytes = vec![0u8; len];
+        File::open(&path)
+            .and_then(|f| f.read_exact_at(&mut bytes, g.offset_bytes))
+            .map_err(io_err("reading", &path))?;
+        let got = crc32c::crc32c(&bytes);
+        let expected = entry.regions[sg].crc32c;
+        if got != expected {
+            return Err(CheckpointError::Corrupt {
+                part: format!("{} of rank {rank}, sub-group {sg}", kind.name()),
+                path,
+                expected_crc: expected,
+                got_crc: got,
+            });
+        }
+        let n = g.numel as usize;
+        let values: Vec<f32> = bytes[..n * 4]
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let values = Arc::new(values);
+        *self.cache.lock().unwrap_or_else(|e| e.into_inner()) = Some((key, values.clone()));
+        Ok(values)
+    }
+
+    /// Elements `[start, start + numel)` of parameter `id`'s `kind` state,
+    /// assembled from every rank's shard that overlaps them (so any rank
+    /// count and sub-group size can read any checkpoint), crc-verified.
+    pub fn load_param_state_range(
+        &self,
+        kind: StateKind,
+        id: ParamId,
+        start: usize,
+        numel: usize,
+    ) -> Result<Vec<f32>, CheckpointError> {
+        let spec = self
+            .model
+            .param(id)
+            .ok_or_else(|| CheckpointError::Mismatch {
+                what: "parameter id".into(),
+                checkpoint: format!("{} parameters", self.model.params().len()),
+                run: format!("{id:?}"),
+            })?;
+        let end = start
+            .checked_add(numel)
+            .filter(|&e| e <= spec.numel)
+            .ok_or_else(|| CheckpointError::Mismatch {
+                what: format!("range of parameter `{}`", spec.name),
+                checkpoint: format!("{} elements", spec.numel),
+                run: format!("{start}+{numel}"),
+            })?;
+        let mut out = vec![0f32; numel];
+        let mut filled = 0usize;
+        for (r, rank) in self.manifest.ranks.iter().enumerate() {
+            for (i, g) in rank.sub_groups.iter().enumerate() {
+                for p in g.params.iter().filter(|p| p.name == spec.name) {
+                    let s0 = p.shard_start as usize;
+                    let s1 = s0 + p.shard_numel as usize;
+                    let lo = s0.max(start);
+                    let hi = s1.min(end);
+                    if lo >= hi {
+                        continue;
+                    }
+                    let region = self.region(r, kind, i)?;
+                    let from = p.offset_in_group as usize + (lo - s0);
+                    out[lo - start..hi - start].copy_from_slice(&region[from..from + (hi - lo)]);
+                    filled += hi - lo;
+                }
+            }
+        }
+        if filled != numel {
+            return Err(manifest_err(
+                &self.dir.join(MANIFEST_FILE),
+                format!(
+                    "parameter `{}`: shards give {filled} of {numel} elements",
+                    spec.name
+                ),
+            ));
+        }
+        Ok(out)
+    }
+
+    /// The fp32 master weights of one whole parameter, in its HF shape and
+    /// our internal layout (GPT-2 Conv1D `[in, out]`), crc-verified.
+    pub fn load_param_f32(&self, id: ParamId) -> Result<Tensor, CheckpointError> {
+        let spec = self
+            .model
+            .param(id)
+            .ok_or_else(|| CheckpointError::Mismatch {
+                what: "parameter id".into(),
+                checkpoint: format!("{} parameters", self.model.params().len()),
+                run: format!("{id:?}"),
+            })?;
+        let v = self.load_param_state_range(StateKind::Master, id, 0, spec.numel)?;
+        Ok(Tensor::from_vec(v, spec.shape.as_slice(), &Device::Cpu)?)
+    }
+
+    /// Reads every file whole and checks its size and crc32c, and every
+    /// state-file region's crc32c. Errors are collected per file.
+    pub fn verify(&self) -> VerifyReport {
+        let files = self
+            .manifest
+            .files
+            .iter()
+            .map(|f| {
+                let error = self.verify_file(f).err().map(|e| e.to_string());
+                FileCheck {
+                    path: f.path.clone(),
+                    bytes: f.bytes,
+                    error,
+                }
+            })
+            .collect();
+        VerifyReport { files }
+    }
+
+    fn verify_file(&self, f: &super::FileEntry) -> Result<(), CheckpointError> {
+        let path = resolve_inside(&self.dir, &f.path)?;
+        let file = File::open(&path).map_err(io_err("opening", &path))?;
+        let mut buf = vec![0u8; VERIFY_CHUNK_BYTES];
+        let mut crc = 0u32;
+        let mut pos = 0u64;
+        let mut region = 0usize;
+        let mut region_crc = 0u32;
+        loop {
+            let n = file
+                .read_at(&mut buf, pos)
+                .map_err(io_err("reading", &path))?;
+            if n == 0 {
+                break;
+            }
+            let chunk = &buf[..n];
+            crc = crc32c::crc32c_append(crc, chunk);
+            // Region crcs: feed the part of the chunk inside each region.
+            let mut off = 0usize;
+            while off < n && region < f.regions.len() {
+                let r = &f.regions[region];
+                let abs = pos + off as u64;
+                let r_end = r.offset_bytes + r.len_bytes;
+                if abs < r.offset_bytes {
+                    off += ((r.offset_bytes - abs) as usize).min(n - off);
+                    continue;
+                }
+                let take = ((r_end - abs) as usize).min(n - off);
+                region_crc = crc32c::crc32c_append(region_crc, &chunk[off..off + take]);
+                off += take;
+                if abs + take as u64 == r_end {
+                    if region_crc != r.crc32c {
+                        return Err(CheckpointError::Corrupt {
+                            part: format!("{} sub-group {region}", f.path),
+                            path,
+                            expected_crc: r.crc32c,
+                            got_crc: region_crc,
+                        });
+                    }
+                    region += 1;
+                    region_crc = 0;
+                }
+            }
+            pos += n as u64;
+        }
+        if pos != f.bytes {
+            return Err(CheckpointError::Size {
+                path,
+                expected_bytes: f.bytes,
+                got_bytes: pos,
+            });
+        }
+        if crc != f.crc32c {
+            return Err(CheckpointError::Corrupt {
+                part: f.path.clone(),
+                path,
+                expected_crc: f.crc32c,
+                got_crc: crc,
+            });
+        }
+        Ok(())
+    }
+}

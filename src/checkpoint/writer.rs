@@ -1,0 +1,299 @@
+//! Writing a checkpoint: [`StagedCheckpoint`] builds the step dir under a
+//! temporary name and commits it (see the module above for the sequence).
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use super::manifest::{check_relative, FileEntry, Manifest, RegionCrc, MANIFEST_FILE};
+use super::{io_err, CheckpointError};
+use crate::durable;
+
+/// The pointer file in a save dir.
+pub const LATEST_FILE: &str = "latest";
+
+/// `step-<NNNNNNNN>`.
+pub fn step_dir_name(step: u64) -> String {
+    format!("step-{step:08}")
+}
+
+/// The step of a `step-<digits>` name.
+pub fn parse_step_dir_name(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("step-")?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// The pid of a `.step-<N>.tmp-<pid>` or `.step-<N>.old-<pid>` name.
+fn staging_owner_pid(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix(".step-")?;
+    let (step, pid) = rest
+        .split_once(".tmp-")
+        .or_else(|| rest.split_once(".old-"))?;
+    parse_step_dir_name(&format!("step-{step}"))?;
+    if pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    pid.parse().ok()
+}
+
+/// Removes `.step-*.tmp-<pid>` / `.old-<pid>` dirs of processes that are
+/// gone. Nothing else is touched.
+fn remove_stale(save_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(save_dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name.to_str().and_then(staging_owner_pid) else {
+            continue;
+        };
+        if pid == std::process::id() || tierzero_swap::space::process_alive(pid) {
+            continue;
+        }
+        if !e.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        match std::fs::remove_dir_all(e.path()) {
+            Ok(()) => {
+                tracing::warn!(dir = %e.path().display(), pid, "removed an unfinished checkpoint of a process that is gone")
+            }
+            Err(err) => {
+                tracing::warn!(dir = %e.path().display(), error = %err, "could not remove an unfinished checkpoint")
+            }
+        }
+    }
+}
+
+/// A checkpoint being written.
+#[derive(Debug)]
+pub struct StagedCheckpoint {
+    save_dir: PathBuf,
+    tmp_dir: PathBuf,
+    step: u64,
+    files: Vec<FileEntry>,
+    dirs: Vec<PathBuf>,
+    committed: bool,
+}
+
+impl StagedCheckpoint {
+    /// Creates `save_dir` (0700) if needed, removes stale staging dirs of
+    /// dead processes, and creates this save's staging dir.
+    pub fn begin(save_dir: &Path, step: u64) -> Result<Self, CheckpointError> {
+        durable::create_dir_all(save_dir)?;
+        remove_stale(save_dir);
+        let tmp_dir = save_dir.join(format!(
+            ".{}.tmp-{}",
+            step_dir_name(step),
+            std::process::id()
+        ));
+        if tmp_dir.exists() {
+            // Ours, from an earlier failed save in this process.
+            std::fs::remove_dir_all(&tmp_dir).map_err(io_err("removing", &tmp_dir))?;
+        }
+        durable::create_dir(&tmp_dir)?;
+        Ok(StagedCheckpoint {
+            save_dir: save_dir.to_path_buf(),
+            tmp_dir,
+            step,
+            files: Vec::new(),
+            dirs: Vec::new(),
+            committed: false,
+        })
+    }
+
+    /// The staging dir.
+    pub fn path(&self) -> &Path {
+        &self.tmp_dir
+    }
+
+    /// Creates a subdirectory (0700).
+    pub fn create_dir(&mut self, rel: &str) -> Result<PathBuf, CheckpointError> {
+        check_relative(rel)?;
+        let p = self.tmp_dir.join(rel);
+        durable::create_dir(&p)?;
+        self.dirs.push(p.clone());
+        Ok(p)
+    }
+
+    /// Creates a new file (0600) at `rel`.
+    pub fn create_file(&self, rel: &str) -> Result<(File, PathBuf), CheckpointError> {
+        check_relative(rel)?;
+        let p = self.tmp_dir.join(rel);
+        let f = durable::create_file(&p)?;
+        Ok((f, p))
+    }
+
+    /// Records a file whose regions' crcs are known; the whole-file crc is
+    /// combined from them (the regions must tile the file from 0).
+    pub fn add_file_with_regions(
+        &mut self,
+        rel: &str,
+        regions: Vec<RegionCrc>,
+    ) -> Result<(), CheckpointError> {
+        let mut crc = 0u32;
+        let mut pos = 0u64;
+        for r in &regions {
+            if r.offset_bytes != pos {
+                return Err(CheckpointError::Manifest {
+                    path: self.tmp_dir.join(rel),
+                    reason: format!("regions leave a gap at byte {pos}"),
+                });
+            }
+            crc = crc32c::crc32c_combine(crc, r.crc32c, r.len_bytes as usize);
+            pos += r.len_bytes;
+        }
+        let p = self.tmp_dir.join(rel);
+        let len = std::fs::metadata(&p).map_err(io_err("stat", &p))?.len();
+        if len != pos {
+            return Err(CheckpointError::Size {
+                path: p,
+                expected_bytes: pos,
+                got_bytes: len,
+            });
+        }
+        self.files.push(FileEntry {
+            path: rel.to_owned(),
+            bytes: pos,
+            crc32c: crc,
+            regions,
+        });
+        Ok(())
+    }
+
+    /// Records a file, computing its length and crc by reading it.
+    pub fn add_file(&mut self, rel: &str) -> Result<(), CheckpointError> {
+        let p = self.tmp_dir.join(rel);
+        let (bytes, crc32c) = crc_of_file(&p)?;
+        self.files.push(FileEntry {
+            path: rel.to_owned(),
+            bytes,
+            crc32c,
+            regions: Vec::new(),
+        });
+        Ok(())
+    }
+
+    /// The files recorded so far.
+    pub fn files(&self) -> &[FileEntry] {
+        &self.files
+    }
+
+    /// Makes it durable and visible: syncs every file and directory, writes
+    /// the manifest (with the recorded files) last, renames the staging dir
+    /// to `step-<N>` (replacing an existing one), syncs the save dir and
+    /// rewrites `latest`. Returns the step dir.
+    pub fn commit(mut self, mut manifest: Manifest) -> Result<PathBuf, CheckpointError> {
+        for f in &self.files {
+            let p = self.tmp_dir.join(&f.path);
+            let file = File::open(&p).map_err(io_err("opening", &p))?;
+            durable::sync_file(&file, &p)?;
+        }
+        for d in &self.dirs {
+            durable::sync_dir(d)?;
+        }
+        manifest.files = self.files.clone();
+        let text = serde_json::to_vec_pretty(&manifest).map_err(|e| CheckpointError::Manifest {
+            path: self.tmp_dir.join(MANIFEST_FILE),
+            reason: format!("serialising: {e}"),
+        })?;
+        // Atomic within the staging dir; syncs the staging dir too.
+        durable::write_atomic(&self.tmp_dir.join(MANIFEST_FILE), &text)?;
+        let name = step_dir_name(self.step);
+        let final_dir = self.save_dir.join(&name);
+        let old = self
+            .save_dir
+            .join(format!(".{name}.old-{}", std::process::id()));
+        let replaced = match std::fs::symlink_metadata(&final_dir) {
+            Ok(_) => {
+                std::fs::rename(&final_dir, &old).map_err(io_err("moving aside", &final_dir))?;
+                true
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+            Err(e) => return Err(io_err("stat", &final_dir)(e)),
+        };
+        std::fs::rename(&self.tmp_dir, &final_dir).map_err(io_err("renaming to", &final_dir))?;
+        self.committed = true;
+        durable::sync_dir(&self.save_dir)?;
+        durable::write_atomic(
+            &self.save_dir.join(LATEST_FILE),
+            format!("{name}\n").as_bytes(),
+        )?;
+        if replaced {
+            std::fs::remove_dir_all(&old).map_err(io_err("removing", &old))?;
+            durable::sync_dir(&self.save_dir)?;
+        }
+        Ok(final_dir)
+    }
+}
+
+impl Drop for StagedCheckpoint {
+    fn drop(&mut self) {
+        if !self.committed {
+            // A failed save: the staging dir is never read; remove it now
+            // rather than at the next save.
+            let _ = std::fs::remove_dir_all(&self.tmp_dir);
+        }
+    }
+}
+
+/// Length and crc32c of a file, read in 1 MiB chunks.
+pub(crate) fn crc_of_file(p: &Path) -> Result<(u64, u32), CheckpointError> {
+    let f = File::open(p).map_err(io_err("opening", p))?;
+    crc_of_range(&f, p, 0, None)
+}
+
+/// crc32c of `len` bytes at `offset` (to the end when `None`).
+pub(crate) fn crc_of_range(
+    f: &File,
+    p: &Path,
+    offset: u64,
+    len: Option<u64>,
+) -> Result<(u64, u32), CheckpointError> {
+    let mut buf = vec![0u8; 1 << 20];
+    let mut crc = 0u32;
+    let mut pos = 0u64;
+    loop {
+        let want = match len {
+            Some(l) if pos >= l => break,
+            Some(l) => ((l - pos) as usize).min(buf.len()),
+            None => buf.len(),
+        };
+        let n = f
+            .read_at(&mut buf[..want], offset + pos)
+            .map_err(io_err("reading", p))?;
+        if n == 0 {
+            if let Some(l) = len {
+                return Err(CheckpointError::Size {
+                    path: p.to_path_buf(),
+                    expected_bytes: offset + l,
+                    got_bytes: offset + pos,
+                });
+            }
+            break;
+        }
+        crc = crc32c::crc32c_append(crc, &buf[..n]);
+        pos += n as u64;
+    }
+    Ok((pos, crc))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert_eq!(step_dir_name(4), "step-00000004");
+        assert_eq!(parse_step_dir_name("step-00000004"), Some(4));
+        assert_eq!(parse_step_dir_name("step-"), None);
+        assert_eq!(parse_step_dir_name("step-1x"), None);
+        assert_eq!(parse_step_dir_name("../step-1"), None);
+        assert_eq!(staging_owner_pid(".step-00000004.tmp-123"), Some(123));
+        assert_eq!(staging_owner_pid(".step-00000004.old-9"), Some(9));
+        assert_eq!(staging_owner_pid(".step-x.tmp-9"), None);
+        assert_eq!(staging_owner_pid("step-00000004"), None);
+    }
+}

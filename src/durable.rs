@@ -1,0 +1,180 @@
+//! Durable file-system updates: the one place that knows how to make a
+//! write survive a crash.
+//!
+//! # Rules
+//!
+//! * **Atomic rewrite** ([`write_atomic`]): the new contents go to a
+//!   temporary file in the *same directory* (so the rename cannot cross a
+//!   file system), created `0600` with `O_EXCL` (never through an existing
+//!   file or symlink), written, `fsync`ed, renamed over the target, and then
+//!   the directory is `fsync`ed so the rename itself is on disk. A reader
+//!   sees the old file or the new one, never a mix, and after a crash the
+//!   new one only if the whole sequence finished.
+//! * **Private by default**: files we create are `0600` ([`create_file`]),
+//!   directories `0700` ([`create_dir`]).
+//! * **Directories are synced explicitly** ([`sync_dir`]): a file's `fsync`
+//!   does not persist its directory entry.
+//!
+//! Every manifest, checkpoint file and `latest` pointer goes through these
+//! helpers. They return [`DurableError`], which names the operation and the
+//! path.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write as _;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A failed durable operation.
+#[derive(Debug, thiserror::Error)]
+#[error("{op} {path}: {source}")]
+pub struct DurableError {
+    /// What we were doing ("creating", "syncing", "renaming to", ...).
+    pub op: &'static str,
+    /// The file or directory.
+    pub path: PathBuf,
+    /// The OS error.
+    #[source]
+    pub source: std::io::Error,
+}
+
+fn err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> DurableError + 'a {
+    move |source| DurableError {
+        op,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// Creates `path` as a new file, mode `0600`, read-write; fails if anything
+/// (a file or a symlink) is already there.
+pub fn create_file(path: &Path) -> Result<File, DurableError> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(err("creating", path))
+}
+
+/// Creates the directory `path`, mode `0700` (its parent must exist).
+pub fn create_dir(path: &Path) -> Result<(), DurableError> {
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(path)
+        .map_err(err("creating directory", path))
+}
+
+/// Creates `path` and missing parents, each new one `0700`; an existing
+/// directory is fine.
+pub fn create_dir_all(path: &Path) -> Result<(), DurableError> {
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .recursive(true)
+        .create(path)
+        .map_err(err("creating directory", path))
+}
+
+/// `fsync`s a directory, persisting the entries created, renamed or removed
+/// in it.
+pub fn sync_dir(path: &Path) -> Result<(), DurableError> {
+    File::open(path)
+        .and_then(|d| d.sync_all())
+        .map_err(err("syncing directory", path))
+}
+
+/// `fsync`s a file's data and metadata.
+pub fn sync_file(file: &File, path: &Path) -> Result<(), DurableError> {
+    file.sync_all().map_err(err("syncing", path))
+}
+
+/// Atomically replaces (or creates) `path` with `bytes`: temp file in the
+/// same directory (0600), fsync, rename, fsync of the directory. On error
+/// the temp file is removed and `path` is unchanged.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), DurableError> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let name = path
+        .file_name()
+        .ok_or_else(|| DurableError {
+            op: "writing",
+            path: path.to_path_buf(),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "no file name"),
+        })?
+        .to_string_lossy()
+        .into_owned();
+    let tmp = dir.join(format!(
+        ".{name}.tmp-{}-{}",
+        std::process::id(),
+        TMP_SEQ.fetch_add(1, Ordering::Relaxed)
+    ));
+    let result = (|| {
+        let mut f = create_file(&tmp)?;
+        f.write_all(bytes).map_err(err("writing", &tmp))?;
+        sync_file(&f, &tmp)?;
+        drop(f);
+        std::fs::rename(&tmp, path).map_err(err("renaming to", path))?;
+        sync_dir(&dir)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn atomic_write_replaces_and_leaves_no_temp() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("latest");
+        write_atomic(&p, b"one").unwrap();
+        write_atomic(&p, b"two").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"two");
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let names: Vec<_> = std::fs::read_dir(d.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names.len(), 1, "{names:?}");
+    }
+
+    #[test]
+    fn atomic_write_into_a_missing_dir_fails_cleanly() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("nope").join("x");
+        let e = write_atomic(&p, b"x").unwrap_err();
+        assert_eq!(e.op, "creating");
+        assert!(e.to_string().contains("nope"), "{e}");
+    }
+
+    #[test]
+    fn private_modes_and_no_clobber() {
+        let d = tempfile::tempdir().unwrap();
+        let sub = d.path().join("a").join("b");
+        create_dir_all(&sub).unwrap();
+        let mode = std::fs::metadata(&sub).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700);
+        let f = sub.join("f");
+        create_file(&f).unwrap();
+        assert!(
+            create_file(&f).is_err(),
+            "create_file must not reuse a file"
+        );
+        std::os::unix::fs::symlink(&f, sub.join("link")).unwrap();
+        assert!(
+            create_file(&sub.join("link")).is_err(),
+            "nor follow a symlink"
+        );
+    }
+}
