@@ -24,8 +24,16 @@
 //! * **Output.** The plan and the summary go to stdout; progress goes to
 //!   stderr, as an indicatif bar on a terminal and as plain lines every
 //!   `steps_per_print` steps (and the first and last) otherwise.
-//! * Not yet: `--tokenizer` (HF `tokenizer.json`) is refused with exit 2;
-//!   `--save-dir` / `--save-every` / `--resume` come with checkpoints.
+//! * **Checkpoints.** `--save-dir DIR` saves every `--save-every N` steps
+//!   and at the end (`DIR/step-<N>/`, `DIR/latest`; see
+//!   `tierzero::checkpoint`). `--resume DIR` (a save dir, meaning its
+//!   `latest`, or one step dir) continues from a checkpoint: the model is
+//!   the checkpoint's (a `--model` given too must have the same config),
+//!   `--seq-len` defaults to the checkpoint's, and `--steps` is still the
+//!   total, so the run does `steps - checkpoint step` more (none, with a
+//!   message and exit 0, when it is already there). A checkpoint that does
+//!   not validate or does not fit the run is bad input (exit 2).
+//! * Not yet: `--tokenizer` (HF `tokenizer.json`) is refused with exit 2.
 
 use std::io::IsTerminal as _;
 use std::num::NonZeroUsize;
@@ -38,6 +46,7 @@ use candle_core::Device;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+use tierzero::checkpoint::Checkpoint;
 use tierzero::config::{self, AutoOr, ConfigWarning, PathChecks, RunContext};
 use tierzero::engine::{EngineError, SingleRank, StepMetrics, TokenData, Trainer, TrainerOptions};
 use tierzero::model::{Arch, ModelDir};
@@ -55,6 +64,10 @@ Examples:
       params and optimizer state on NVMe under ./tierzero-swap/
   tierzero train --steps 50 --metrics metrics.jsonl
   tierzero train --config ds_config.json --model ./gpt2 --data corpus.txt --seq-len 256
+  tierzero train --steps 100 --save-dir ckpt --save-every 25
+      checkpoints in ckpt/step-00000025/ ... and ckpt/latest
+  tierzero train --steps 200 --resume ckpt --save-dir ckpt
+      continues from ckpt/latest up to step 200 (bit-identical to one long run)
 ";
 
 /// `tierzero train` options.
@@ -94,6 +107,18 @@ pub struct TrainArgs {
     /// Threads of the CPU Adam kernel (it runs beside the compute thread).
     #[arg(long, value_name = "N", default_value = "1")]
     threads: String,
+    /// Save checkpoints under DIR (DIR/step-<N>/ and DIR/latest), every
+    /// --save-every steps and at the end of the run.
+    #[arg(long, value_name = "DIR")]
+    save_dir: Option<PathBuf>,
+    /// Save a checkpoint every N steps (needs --save-dir). Default: only at
+    /// the end.
+    #[arg(long, value_name = "N")]
+    save_every: Option<String>,
+    /// Continue from a checkpoint: a save dir (its `latest`) or a step dir.
+    /// --steps stays the total.
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
 }
 
 fn bad(msg: impl Into<String>) -> Failure {
@@ -143,6 +168,7 @@ fn startup_failure(e: EngineError) -> Failure {
         | EngineError::Data { .. }
         | EngineError::Io { .. }
         | EngineError::Unsupported { .. }
+        | EngineError::Checkpoint(_)
         | EngineError::Model(_) => Failure::BadInput(anyhow::Error::new(e)),
         other => Failure::Internal(anyhow::Error::new(other)),
     }
@@ -282,22 +308,64 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         None => None,
     };
 
+    let save_every = match &args.save_every {
+        Some(s) => Some(number("--save-every", s, 1, 1 << 40)?),
+        None => None,
+    };
+    if save_every.is_some() && args.save_dir.is_none() {
+        return Err(bad(
+            "--save-every needs --save-dir DIR (where to put the checkpoints)",
+        ));
+    }
+    if let Some(d) = &args.save_dir {
+        tierzero::durable::create_dir_all(d)
+            .map_err(|e| bad(format!("--save-dir {}: {e}", d.display())))?;
+    }
+    let ckpt = match &args.resume {
+        Some(d) => Some(Checkpoint::open(d).map_err(|e| {
+            bad(format!(
+                "--resume {}: {e}; give a save dir (with `latest`) or a step-<N> directory",
+                d.display()
+            ))
+        })?),
+        None => None,
+    };
+
     // Model.
     let model_dir = match &args.model {
         Some(dir) => {
             let fix = "give a HF model directory with config.json (and optionally *.safetensors)";
             must_exist("--model", dir, true, fix)?;
             must_exist("--model", &dir.join("config.json"), false, fix)?;
-            ModelDir::open(dir, seed).map_err(|e| bad(format!("--model {}: {e}", dir.display())))?
+            let md = ModelDir::open(dir, seed)
+                .map_err(|e| bad(format!("--model {}: {e}", dir.display())))?;
+            if let Some(c) = &ckpt {
+                if md.model().config() != c.model().config() {
+                    return Err(bad(format!(
+                        "--model {}: its config differs from the checkpoint's model ({}); resume \
+                         without --model to use the checkpoint's",
+                        dir.display(),
+                        c.dir().display()
+                    )));
+                }
+            }
+            Some(md)
         }
-        None => open_default_model(seed)?,
+        None if ckpt.is_some() => None,
+        None => Some(open_default_model(seed)?),
     };
-    let mc = model_dir.model().config().clone();
-    let numel = model_dir.model().numel() as u64;
+    let model = match (&model_dir, &ckpt) {
+        (Some(md), _) => md.model().clone(),
+        (None, Some(c)) => c.model().clone(),
+        (None, None) => return Err(Failure::Internal(anyhow!("no model"))),
+    };
+    let mc = model.config().clone();
+    let numel = model.numel() as u64;
 
-    let seq_len = match &args.seq_len {
-        Some(s) => number("--seq-len", s, 1, mc.max_seq_len as u64)? as usize,
-        None => DEFAULT_SEQ_LEN.min(mc.max_seq_len),
+    let seq_len = match (&args.seq_len, &ckpt) {
+        (Some(s), _) => number("--seq-len", s, 1, mc.max_seq_len as u64)? as usize,
+        (None, Some(c)) => c.manifest().seq_len.min(mc.max_seq_len),
+        (None, None) => DEFAULT_SEQ_LEN.min(mc.max_seq_len),
     };
 
     // Data.
@@ -389,7 +457,22 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
     };
     let tokens_per_step =
         cfg.batch.micro_batch_size * cfg.batch.gradient_accumulation_steps * seq_len as u64;
-    let mut trainer = Trainer::new(cfg, &model_dir, data, opts).map_err(startup_failure)?;
+    let start_step = ckpt.as_ref().map_or(0, |c| c.step());
+    if start_step >= steps {
+        return emit(&format!(
+            "the checkpoint {} is at step {start_step}, which already reaches --steps {steps}; \
+             nothing to do (raise --steps to train further)\n",
+            ckpt.as_ref()
+                .map_or(String::new(), |c| c.dir().display().to_string())
+        ));
+    }
+    let mut trainer = match (&ckpt, &model_dir) {
+        (Some(c), _) => Trainer::resume(cfg, c, data, opts),
+        (None, Some(md)) => Trainer::new(cfg, md, data, opts),
+        (None, None) => return Err(Failure::Internal(anyhow!("no model"))),
+    }
+    .map_err(startup_failure)?;
+    trainer.set_data_name(data_name.clone());
     let plan = Plan::new(
         cfg,
         trainer.model(),
@@ -397,9 +480,10 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         trainer.store(),
         "cpu".to_owned(),
     );
-    let model_name = match &args.model {
-        Some(d) => d.display().to_string(),
-        None => "embedded default".to_owned(),
+    let model_name = match (&args.model, &ckpt) {
+        (Some(d), _) => d.display().to_string(),
+        (None, Some(c)) => format!("from checkpoint {}", c.dir().display()),
+        (None, None) => "embedded default".to_owned(),
     };
     emit(&format!(
         "tierzero train: model {model_name} ({}, {} layers, hidden {}, {} params, {}), \
@@ -413,10 +497,10 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         mc.n_layer,
         mc.hidden_size,
         numel,
-        if model_dir.has_weights() {
-            "weights from safetensors"
-        } else {
-            "seeded init"
+        match (&ckpt, &model_dir) {
+            (Some(_), _) => "resumed",
+            (None, Some(md)) if md.has_weights() => "weights from safetensors",
+            _ => "seeded init",
         },
         cfg.batch.micro_batch_size * cfg.batch.gradient_accumulation_steps,
         threads
@@ -428,7 +512,25 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
     let mut first: Option<StepMetrics> = None;
     let mut last: Option<StepMetrics> = None;
     let (mut nvme_read, mut nvme_written) = (0u64, 0u64);
-    for _ in 0..steps {
+    if start_step > 0 {
+        emit(&format!(
+            "resuming at step {start_step} of {steps} from {}\n",
+            ckpt.as_ref()
+                .map_or(String::new(), |c| c.dir().display().to_string())
+        ))?;
+    }
+    let mut saved_at: Option<u64> = None;
+    let save = |trainer: &mut Trainer, dir: &Path| -> Result<(), Failure> {
+        let p = trainer
+            .save_checkpoint(dir)
+            .map_err(|e| run_failure(e, "saving a checkpoint"))?;
+        emit(&format!(
+            "checkpoint: step {} saved to {}\n",
+            trainer.steps_done(),
+            p.display()
+        ))
+    };
+    for _ in start_step..steps {
         let m = trainer
             .step()
             .map_err(|e| {
@@ -447,12 +549,23 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         nvme_read += m.bytes_read.get("nvme").copied().unwrap_or(0);
         nvme_written += m.bytes_written.get("nvme").copied().unwrap_or(0);
         progress.step(&m, steps);
+        if let (Some(every), Some(dir)) = (save_every, &args.save_dir) {
+            if m.step.is_multiple_of(every) {
+                save(&mut trainer, dir).inspect_err(|_| progress.finish())?;
+                saved_at = Some(m.step);
+            }
+        }
         if first.is_none() {
             first = Some(m.clone());
         }
         last = Some(m);
     }
     progress.finish();
+    if let Some(dir) = &args.save_dir {
+        if saved_at != Some(trainer.steps_done()) {
+            save(&mut trainer, dir)?;
+        }
+    }
     let train_s = train_started.elapsed().as_secs_f64();
     let summary = trainer
         .finish()
@@ -462,13 +575,14 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
     };
     emit(&format!(
         "done: {} steps in {train_s:.1} s ({:.0} tokens/s), total {:.1} s\n\
-         loss: {:.4} at step 1 -> {:.4} at step {}\n\
+         loss: {:.4} at step {} -> {:.4} at step {}\n\
          weight_sha256: {}\n\
          NVMe: read {}, written {}; peak RSS {}{}\n",
-        summary.steps,
-        (tokens_per_step * summary.steps) as f64 / train_s.max(1e-9),
+        summary.steps - start_step,
+        (tokens_per_step * (summary.steps - start_step)) as f64 / train_s.max(1e-9),
         started.elapsed().as_secs_f64(),
         first.loss,
+        first.step,
         last.loss,
         last.step,
         summary.weight_sha256,

@@ -1,0 +1,209 @@
+//! `tierzero train --save-dir / --save-every / --resume` as the built
+//! binary: `train --steps 4 --save-every 2` then `--resume --steps 6` ends
+//! with the same weight hash as `train --steps 6` (tiny GPT-2, stage 3,
+//! params and optimizer state on NVMe); plus the messages and exit codes
+//! of the edges (already at --steps, no checkpoint, --save-every alone,
+//! a --model that is not the checkpoint's).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use serde_json::{json, Value};
+
+mod cli_support;
+use cli_support::{run_tierzero, Out};
+
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+fn scratch(tag: &str) -> PathBuf {
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("ckpt-cli-{tag}-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Tiny GPT-2, a text file, a swap dir and a ds_config whose schedule has a
+/// concrete total (6), so runs of different --steps share one lr schedule.
+fn setup(tag: &str) -> PathBuf {
+    let d = scratch(tag);
+    std::fs::create_dir_all(d.join("model")).unwrap();
+    std::fs::create_dir_all(d.join("swap")).unwrap();
+    let model = json!({"model_type": "gpt2", "vocab_size": 256, "n_positions": 32,
+        "n_embd": 32, "n_layer": 2, "n_head": 2, "tie_word_embeddings": true});
+    std::fs::write(d.join("model/config.json"), model.to_string()).unwrap();
+    let text = "checkpoints make long runs safe to stop and resume. ".repeat(60);
+    std::fs::write(d.join("data.txt"), text).unwrap();
+    let swap = d.join("swap");
+    let cfg = json!({
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2,
+            "total_num_steps": 6}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": swap, "buffer_count": 4,
+                "buffer_size": 20000},
+            "offload_optimizer": {"device": "nvme", "nvme_path": swap},
+            "sub_group_size": 3000
+        },
+        "tierzero": {"pinned_budget_bytes": "16MiB", "checksums": true}
+    });
+    std::fs::write(d.join("ds.json"), cfg.to_string()).unwrap();
+    d
+}
+
+fn train(d: &Path, extra: &[&str]) -> Out {
+    let mut args = vec![
+        "train",
+        "--config",
+        "ds.json",
+        "--model",
+        "model",
+        "--data",
+        "data.txt",
+        "--seq-len",
+        "16",
+    ];
+    args.extend_from_slice(extra);
+    run_tierzero(Some(d), &args)
+}
+
+fn summary_hash(metrics: &Path) -> String {
+    let text = std::fs::read_to_string(metrics).unwrap();
+    let last: Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    assert_eq!(last["summary"], json!(true));
+    last["weight_sha256"].as_str().unwrap().to_owned()
+}
+
+fn losses(metrics: &Path) -> Vec<(u64, u32)> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|v| v.get("summary").is_none())
+        .map(|v| {
+            (
+                v["step"].as_u64().unwrap(),
+                (v["loss"].as_f64().unwrap() as f32).to_bits(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn save_every_then_resume_matches_one_run() {
+    let d = setup("resume");
+    let a = train(
+        &d,
+        &[
+            "--steps",
+            "4",
+            "--save-every",
+            "2",
+            "--save-dir",
+            "ck",
+            "--metrics",
+            "a.jsonl",
+        ],
+    );
+    assert_eq!(a.code, 0, "{}{}", a.stdout, a.stderr);
+    assert!(
+        a.stdout.contains("checkpoint: step 2 saved to"),
+        "{}",
+        a.stdout
+    );
+    assert!(
+        a.stdout.contains("checkpoint: step 4 saved to"),
+        "{}",
+        a.stdout
+    );
+    assert!(d.join("ck/step-00000002/manifest.json").is_file());
+    assert!(d.join("ck/step-00000004/manifest.json").is_file());
+    assert_eq!(
+        std::fs::read_to_string(d.join("ck/latest")).unwrap().trim(),
+        "step-00000004"
+    );
+    let b = train(
+        &d,
+        &[
+            "--steps",
+            "6",
+            "--resume",
+            "ck",
+            "--save-dir",
+            "ck",
+            "--metrics",
+            "b.jsonl",
+        ],
+    );
+    assert_eq!(b.code, 0, "{}{}", b.stdout, b.stderr);
+    assert!(b.stdout.contains("resuming at step 4 of 6"), "{}", b.stdout);
+    let c = train(&d, &["--steps", "6", "--metrics", "c.jsonl"]);
+    assert_eq!(c.code, 0, "{}{}", c.stdout, c.stderr);
+    // Steps 5 and 6 of the resumed run are those of the single run.
+    let lb = losses(&d.join("b.jsonl"));
+    let lc = losses(&d.join("c.jsonl"));
+    assert_eq!(lb.iter().map(|x| x.0).collect::<Vec<_>>(), vec![5, 6]);
+    assert_eq!(lb[..], lc[4..]);
+    assert_eq!(losses(&d.join("a.jsonl"))[..], lc[..4]);
+    assert_eq!(
+        summary_hash(&d.join("b.jsonl")),
+        summary_hash(&d.join("c.jsonl"))
+    );
+    // The end-of-run save of the resumed run.
+    assert_eq!(
+        std::fs::read_to_string(d.join("ck/latest")).unwrap().trim(),
+        "step-00000006"
+    );
+    // A specific step dir works too; already at --steps: nothing to do.
+    let e = train(&d, &["--steps", "4", "--resume", "ck/step-00000004"]);
+    assert_eq!(e.code, 0, "{}{}", e.stdout, e.stderr);
+    assert!(e.stdout.contains("nothing to do"), "{}", e.stdout);
+}
+
+#[test]
+fn resume_mistakes_are_bad_input() {
+    let d = setup("bad");
+    let no = train(&d, &["--steps", "2", "--resume", "nowhere"]);
+    assert_eq!(no.code, 2, "{}", no.stderr);
+    assert!(no.stderr.contains("--resume nowhere"), "{}", no.stderr);
+    let alone = train(&d, &["--steps", "2", "--save-every", "1"]);
+    assert_eq!(alone.code, 2, "{}", alone.stderr);
+    assert!(
+        alone.stderr.contains("--save-every needs --save-dir"),
+        "{}",
+        alone.stderr
+    );
+    // A save dir without a checkpoint in it.
+    std::fs::create_dir_all(d.join("empty")).unwrap();
+    let empty = train(&d, &["--steps", "2", "--resume", "empty"]);
+    assert_eq!(empty.code, 2, "{}", empty.stderr);
+    assert!(
+        empty.stderr.contains("not a checkpoint"),
+        "{}",
+        empty.stderr
+    );
+    // A --model whose config is not the checkpoint's.
+    let ok = train(&d, &["--steps", "1", "--save-dir", "ck"]);
+    assert_eq!(ok.code, 0, "{}", ok.stderr);
+    std::fs::create_dir_all(d.join("other")).unwrap();
+    let other = json!({"model_type": "gpt2", "vocab_size": 256, "n_positions": 32,
+        "n_embd": 32, "n_layer": 1, "n_head": 2, "tie_word_embeddings": true});
+    std::fs::write(d.join("other/config.json"), other.to_string()).unwrap();
+    let mut args = vec![
+        "train", "--config", "ds.json", "--model", "other", "--data", "data.txt",
+    ];
+    args.extend_from_slice(&["--steps", "2", "--resume", "ck"]);
+    let m = run_tierzero(Some(&d), &args);
+    assert_eq!(m.code, 2, "{}", m.stderr);
+    assert!(
+        m.stderr.contains("differs from the checkpoint"),
+        "{}",
+        m.stderr
+    );
+}
