@@ -8,6 +8,7 @@
 pub mod bench_adam;
 pub mod bench_io;
 pub mod estimate;
+pub mod export;
 pub mod inspect;
 pub mod train;
 
@@ -37,8 +38,11 @@ enum Command {
     /// Memory needs per ZeRO stage and offload choice (device, pinned and
     /// pageable host memory, NVMe), and what fits on this machine.
     Estimate(estimate::EstimateArgs),
-    /// Summarise a swap directory: our swap files, their owners, and which
-    /// are stale.
+    /// Consolidate a checkpoint into one safetensors file with HF tensor
+    /// names (our zero_to_fp32), plus config.json beside it.
+    Export(export::ExportArgs),
+    /// Summarise a checkpoint (step, model, files, --verify crcs) or a swap
+    /// directory (our swap files, their owners, and which are stale).
     Inspect(inspect::InspectArgs),
 }
 
@@ -106,6 +110,7 @@ pub fn main() -> i32 {
         Command::Tune(a) => bench_io::run_tune(a),
         Command::BenchAdam(a) => bench_adam::run(a).map_err(Failure::Internal),
         Command::Estimate(a) => estimate::run(a),
+        Command::Export(a) => export::run(a),
         Command::Inspect(a) => inspect::run(a),
     };
     match result {

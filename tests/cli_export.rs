@@ -1,0 +1,155 @@
+//! `tierzero export` as the built binary, on a checkpoint written by the
+//! library (tiny GPT-2 and Llama, stage 3 on NVMe): the output reopens as
+//! an HF model dir whose tensors equal the checkpoint's masters (exactly
+//! for fp32, rounded to nearest even for bf16); config.json handling; a
+//! corrupt checkpoint is exit 2 naming the part.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
+
+mod cli_support;
+mod engine_support;
+
+use candle_core::{DType, Device};
+use cli_support::run_tierzero;
+use engine_support::{build, scratch, tiny_gpt2_dir, tiny_llama_dir, Knobs};
+use tierzero::checkpoint::Checkpoint;
+use tierzero::model::ModelDir;
+
+/// Trains 2 steps and saves; returns the save dir.
+fn checkpoint_of(model_dir: &std::path::Path) -> std::path::PathBuf {
+    let save = scratch("export-save");
+    let mut t = build(model_dir, &Knobs::nvme(), 3, 16, 2);
+    t.step().unwrap();
+    t.step().unwrap();
+    t.save_checkpoint(&save).unwrap();
+    save
+}
+
+fn assert_export_matches(save: &std::path::Path, dtype: &str) {
+    let out = scratch("export-out");
+    let file = out.join("model.safetensors");
+    let r = run_tierzero(
+        None,
+        &[
+            "export",
+            "--checkpoint",
+            save.to_str().unwrap(),
+            "--out",
+            file.to_str().unwrap(),
+            "--dtype",
+            dtype,
+            "--json",
+        ],
+    );
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let report: serde_json::Value = serde_json::from_str(r.stdout.trim()).unwrap();
+    assert_eq!(report["step"], 2);
+    assert_eq!(report["config_json_written"], true);
+    let ckpt = Checkpoint::open(save).unwrap();
+    let md = ModelDir::open(&out, 0).unwrap();
+    assert!(md.has_weights());
+    assert_eq!(md.model().config(), ckpt.model().config());
+    assert!(md.ignored_tensors().is_empty());
+    let want_dtype = if dtype == "bf16" {
+        DType::BF16
+    } else {
+        DType::F32
+    };
+    for p in ckpt.model().params() {
+        let master = ckpt.load_param_f32(p.id).unwrap();
+        let got = md.load_param(p.id, want_dtype, &Device::Cpu).unwrap();
+        assert_eq!(got.dims(), p.shape.as_slice(), "{}", p.name);
+        let want = master
+            .to_dtype(want_dtype)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap();
+        let got = got.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+        let a: Vec<u32> = want
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
+        let b: Vec<u32> = got
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
+        assert_eq!(a, b, "{} differs", p.name);
+    }
+    // Exporting again next to the same config.json is fine...
+    let again = run_tierzero(
+        None,
+        &[
+            "export",
+            "--checkpoint",
+            save.to_str().unwrap(),
+            "--out",
+            file.to_str().unwrap(),
+            "--dtype",
+            dtype,
+        ],
+    );
+    assert_eq!(again.code, 0, "{}", again.stderr);
+    assert!(again.stdout.contains("already there"), "{}", again.stdout);
+    // ... a different one is refused, and nothing is written.
+    std::fs::write(out.join("config.json"), "{\"model_type\": \"llama\"}").unwrap();
+    std::fs::remove_file(&file).unwrap();
+    let clash = run_tierzero(
+        None,
+        &[
+            "export",
+            "--checkpoint",
+            save.to_str().unwrap(),
+            "--out",
+            file.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(clash.code, 2, "{}", clash.stderr);
+    assert!(clash.stderr.contains("config.json"), "{}", clash.stderr);
+    assert!(!file.exists());
+}
+
+#[test]
+fn export_gpt2_fp32_is_exactly_the_masters() {
+    let save = checkpoint_of(&tiny_gpt2_dir("export", 2, 32));
+    assert_export_matches(&save, "fp32");
+}
+
+#[test]
+fn export_llama_bf16_rounds_the_masters() {
+    let save = checkpoint_of(&tiny_llama_dir("export"));
+    assert_export_matches(&save, "bf16");
+}
+
+#[test]
+fn export_of_a_corrupt_checkpoint_names_the_part() {
+    let save = checkpoint_of(&tiny_gpt2_dir("export-bad", 2, 32));
+    let ckpt = Checkpoint::open(&save).unwrap();
+    let master = ckpt.dir().join("rank0000/master.f32");
+    let mut bytes = std::fs::read(&master).unwrap();
+    bytes[100] ^= 0x40;
+    std::fs::write(&master, bytes).unwrap();
+    let out = scratch("export-bad-out").join("m.safetensors");
+    let r = run_tierzero(
+        None,
+        &[
+            "export",
+            "--checkpoint",
+            save.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(
+        r.stderr.contains("master of rank 0, sub-group 0"),
+        "{}",
+        r.stderr
+    );
+    assert!(r.stderr.contains("corrupt"), "{}", r.stderr);
+    assert!(!out.exists(), "a partial export was left behind");
+}
