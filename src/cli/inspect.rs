@@ -13,10 +13,16 @@
 //! what the swap crate would reclaim. Anything else in the directory is
 //! counted and listed, never touched.
 //!
+//! A checkpoint (a step dir with `manifest.json`, or a save dir with
+//! `latest` / `step-*` dirs) is summarised from its manifest: step, model,
+//! precision, ranks and sub-groups, and every file with its size and
+//! crc32c. `--verify` reads every file and checks every crc (whole file and
+//! per sub-group); a failed verification exits 2 after printing the report
+//! (the checkpoint is bad input to any later command).
+//!
 //! [`classify`] decides what `DIR` is and returns a [`Target`]; each kind of
-//! target has its own report. Checkpoint directories will be a second
-//! variant of [`Target`] when checkpoints exist; a directory that is neither
-//! is bad input (exit 2).
+//! target has its own report. A directory that is neither is bad input
+//! (exit 2).
 
 use std::fmt::Write as _;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -33,16 +39,20 @@ use super::Failure;
 /// Arguments of `tierzero inspect`.
 #[derive(Debug, Args)]
 #[command(
-    after_help = "Examples:\n  tierzero inspect /mnt/nvme\n  tierzero inspect ./tierzero-swap/tierzero --json"
+    after_help = "Examples:\n  tierzero inspect ckpt --verify\n  tierzero inspect ckpt/step-00000100 --json\n  tierzero inspect /mnt/nvme\n  tierzero inspect ./tierzero-swap/tierzero --json"
 )]
 pub struct InspectArgs {
-    /// A swap directory: an offload nvme_path containing tierzero/, or that
-    /// tierzero/ directory.
+    /// A checkpoint (a save dir or a step-<N> dir) or a swap directory (an
+    /// offload nvme_path containing tierzero/, or that tierzero/ directory).
     #[arg(value_name = "DIR")]
     dir: PathBuf,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    /// Checkpoints: read every file and check its crc32c (whole file and
+    /// per sub-group).
+    #[arg(long)]
+    verify: bool,
 }
 
 /// What a directory given to `inspect` is.
@@ -53,6 +63,29 @@ pub enum Target {
         /// The `tierzero/` directory itself.
         dir: PathBuf,
     },
+    /// A checkpoint: a step dir or a save dir.
+    Checkpoint {
+        /// As given.
+        dir: PathBuf,
+    },
+}
+
+fn looks_like_checkpoint(dir: &Path) -> bool {
+    if dir.join(tierzero::checkpoint::MANIFEST_FILE).is_file()
+        || dir.join(tierzero::checkpoint::LATEST_FILE).is_file()
+    {
+        return true;
+    }
+    std::fs::read_dir(dir).is_ok_and(|mut it| {
+        it.any(|e| {
+            e.is_ok_and(|e| {
+                e.file_name()
+                    .to_str()
+                    .is_some_and(|n| n.starts_with("step-"))
+                    && e.path().join(tierzero::checkpoint::MANIFEST_FILE).is_file()
+            })
+        })
+    })
 }
 
 fn bad(msg: String) -> Failure {
@@ -64,9 +97,14 @@ pub fn classify(dir: &Path) -> Result<Target, Failure> {
     let meta = std::fs::metadata(dir).map_err(|e| bad(format!("{}: {e}", dir.display())))?;
     if !meta.is_dir() {
         return Err(bad(format!(
-            "{} is not a directory; inspect takes a swap directory (an nvme_path or its {SWAP_SUBDIR}/ directory)",
+            "{} is not a directory; inspect takes a checkpoint or a swap directory (an nvme_path or its {SWAP_SUBDIR}/ directory)",
             dir.display()
         )));
+    }
+    if looks_like_checkpoint(dir) {
+        return Ok(Target::Checkpoint {
+            dir: dir.to_path_buf(),
+        });
     }
     let sub = dir.join(SWAP_SUBDIR);
     if sub.is_dir() {
@@ -83,7 +121,7 @@ pub fn classify(dir: &Path) -> Result<Target, Failure> {
         });
     }
     Err(bad(format!(
-        "{} is not a swap directory (no {SWAP_SUBDIR}/ inside it); give an offload nvme_path or its {SWAP_SUBDIR}/ directory",
+        "{} is not a checkpoint (no manifest.json, latest or step-* directory) and is not a swap directory (no {SWAP_SUBDIR}/ inside it); give a checkpoint, an offload nvme_path or its {SWAP_SUBDIR}/ directory",
         dir.display()
     )))
 }
@@ -262,9 +300,210 @@ fn render_swap(r: &SwapReport) -> Result<String, std::fmt::Error> {
     Ok(out)
 }
 
+/// One file of a checkpoint report.
+#[derive(Debug, Serialize)]
+pub struct CheckpointFile {
+    /// Relative path.
+    pub path: String,
+    /// Bytes.
+    pub bytes: u64,
+    /// crc32c recorded in the manifest.
+    pub crc32c: String,
+    /// Sub-group regions with their own crc.
+    pub regions: usize,
+    /// With `--verify`: "ok" or what is wrong.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub verified: Option<String>,
+}
+
+/// Summary of a checkpoint.
+#[derive(Debug, Serialize)]
+pub struct CheckpointReport {
+    /// Always `"checkpoint"`.
+    pub kind: &'static str,
+    /// The step dir.
+    pub dir: String,
+    /// Format version.
+    pub version: u32,
+    /// Optimizer steps done.
+    pub step: u64,
+    /// Adam steps taken.
+    pub adam_steps: u64,
+    /// Skipped (fp16 overflow) steps.
+    pub skipped_steps: u64,
+    /// Loss scale (fp16).
+    pub loss_scale: Option<f64>,
+    /// Model summary.
+    pub model: String,
+    /// Parameters.
+    pub params: usize,
+    /// Elements.
+    pub numel: usize,
+    /// Precision.
+    pub precision: String,
+    /// Ranks.
+    pub world_size: usize,
+    /// Sub-groups over all ranks.
+    pub sub_groups: usize,
+    /// Seed, seq_len, data source and samples consumed.
+    pub seed: u64,
+    /// Tokens per sample.
+    pub seq_len: usize,
+    /// Data source.
+    pub data: String,
+    /// Samples consumed.
+    pub samples_consumed: u64,
+    /// Consolidated 16-bit weights saved.
+    pub hf_weights: Option<String>,
+    /// Files.
+    pub files: Vec<CheckpointFile>,
+    /// Total bytes.
+    pub total_bytes: u64,
+    /// With `--verify`: whether everything verified.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub verified_ok: Option<bool>,
+}
+
+fn checkpoint_report(dir: &Path, verify: bool) -> Result<CheckpointReport, Failure> {
+    use tierzero::model::Arch;
+    let c = tierzero::checkpoint::Checkpoint::open(dir)
+        .map_err(|e| bad(format!("{}: {e}", dir.display())))?;
+    let m = c.manifest();
+    let mc = c.model().config();
+    let checks = verify.then(|| c.verify());
+    let files: Vec<CheckpointFile> = m
+        .files
+        .iter()
+        .map(|f| CheckpointFile {
+            path: f.path.clone(),
+            bytes: f.bytes,
+            crc32c: format!("{:08x}", f.crc32c),
+            regions: f.regions.len(),
+            verified: checks.as_ref().map(|r| {
+                r.files
+                    .iter()
+                    .find(|x| x.path == f.path)
+                    .and_then(|x| x.error.clone())
+                    .unwrap_or_else(|| "ok".to_owned())
+            }),
+        })
+        .collect();
+    Ok(CheckpointReport {
+        kind: "checkpoint",
+        dir: c.dir().display().to_string(),
+        version: m.version,
+        step: m.step,
+        adam_steps: m.adam_steps,
+        skipped_steps: m.skipped_steps,
+        loss_scale: m.loss_scaler.map(|s| f64::from_bits(s.cur_scale_bits)),
+        model: format!(
+            "{}, {} layers, hidden {}, vocab {}",
+            match mc.arch {
+                Arch::Gpt2 => "GPT-2",
+                Arch::Llama => "Llama",
+            },
+            mc.n_layer,
+            mc.hidden_size,
+            mc.vocab_size
+        ),
+        params: c.model().params().len(),
+        numel: c.model().numel(),
+        precision: m.precision.clone(),
+        world_size: m.world_size,
+        sub_groups: m.ranks.iter().map(|r| r.sub_groups.len()).sum(),
+        seed: m.seed,
+        seq_len: m.seq_len,
+        data: m.data.source.clone(),
+        samples_consumed: m.data.samples_consumed,
+        hf_weights: m
+            .hf_weights
+            .as_ref()
+            .map(|h| format!("{} ({})", h.safetensors, h.dtype)),
+        total_bytes: files.iter().map(|f| f.bytes).sum(),
+        files,
+        verified_ok: checks.map(|r| r.ok()),
+    })
+}
+
+fn render_checkpoint(r: &CheckpointReport) -> Result<String, std::fmt::Error> {
+    let mut out = String::new();
+    writeln!(out, "checkpoint {} (format v{})", r.dir, r.version)?;
+    writeln!(
+        out,
+        "step {} ({} Adam steps, {} skipped){}",
+        r.step,
+        r.adam_steps,
+        r.skipped_steps,
+        r.loss_scale
+            .map_or(String::new(), |s| format!(", loss scale {s}"))
+    )?;
+    writeln!(
+        out,
+        "model: {} ({} params, {} elements); precision {}; {} rank(s), {} sub-group(s)",
+        r.model, r.params, r.numel, r.precision, r.world_size, r.sub_groups
+    )?;
+    writeln!(
+        out,
+        "data: {}, {} samples consumed, seq_len {}, seed {}",
+        r.data, r.samples_consumed, r.seq_len, r.seed
+    )?;
+    if let Some(h) = &r.hf_weights {
+        writeln!(out, "consolidated HF weights: {h}")?;
+    }
+    writeln!(out, "{:>11}  {:<8}  {:<7}  file", "size", "crc32c", "check")?;
+    for f in &r.files {
+        writeln!(
+            out,
+            "{:>11}  {:<8}  {:<7}  {}{}",
+            format_bytes(f.bytes),
+            f.crc32c,
+            match &f.verified {
+                None => "-",
+                Some(v) if v == "ok" => "ok",
+                Some(_) => "BAD",
+            },
+            f.path,
+            match &f.verified {
+                Some(v) if v != "ok" => format!(": {v}"),
+                _ => String::new(),
+            }
+        )?;
+    }
+    writeln!(
+        out,
+        "total: {} in {} files{}",
+        format_bytes(r.total_bytes),
+        r.files.len(),
+        match r.verified_ok {
+            None => " (not verified; add --verify to check every crc32c)".to_owned(),
+            Some(true) => "; every crc32c verified".to_owned(),
+            Some(false) => "; VERIFICATION FAILED".to_owned(),
+        }
+    )?;
+    Ok(out)
+}
+
 /// Runs `tierzero inspect`.
 pub fn run(a: InspectArgs) -> Result<(), Failure> {
     match classify(&a.dir)? {
+        Target::Checkpoint { dir } => {
+            let report = checkpoint_report(&dir, a.verify)?;
+            if a.json {
+                let text = serde_json::to_string_pretty(&report)
+                    .map_err(|e| Failure::Internal(anyhow!("serialising the report: {e}")))?;
+                super::emit(&format!("{text}\n"))?;
+            } else {
+                let text = render_checkpoint(&report)
+                    .map_err(|e| Failure::Internal(anyhow!("formatting the report: {e}")))?;
+                super::emit(&text)?;
+            }
+            if report.verified_ok == Some(false) {
+                return Err(bad(format!(
+                    "{}: verification failed (see the report above)",
+                    report.dir
+                )));
+            }
+        }
         Target::Swap { dir } => {
             let report = scan_swap_dir(&dir)?;
             if a.json {
