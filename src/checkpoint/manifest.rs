@@ -383,8 +383,8 @@ impl Manifest {
                     let in_group_end = p.offset_in_group.checked_add(p.shard_numel);
                     let shard_end = p.shard_start.checked_add(p.shard_numel);
                     if p.numel != spec.numel as u64
-                        || !in_group_end.is_some_and(|e| e <= g.numel)
-                        || !shard_end.is_some_and(|e| e <= p.numel)
+                        || in_group_end.is_none_or(|e| e > g.numel)
+                        || shard_end.is_none_or(|e| e > p.numel)
                     {
                         return Err(bad(
                             path,

@@ -21,6 +21,9 @@ use super::writer::{parse_step_dir_name, LATEST_FILE};
 use super::{io_err, CheckpointError};
 use crate::model::{Model, ParamId};
 
+/// Which region: (rank, state, sub-group).
+type RegionKey = (usize, StateKind, usize);
+
 /// An opened, validated checkpoint.
 #[derive(Debug)]
 pub struct Checkpoint {
@@ -28,7 +31,7 @@ pub struct Checkpoint {
     manifest: Manifest,
     model: Model,
     /// (rank, state, sub-group) → its verified elements.
-    cache: Mutex<Option<((usize, StateKind, usize), Arc<Vec<f32>>)>>,
+    cache: Mutex<Option<(RegionKey, Arc<Vec<f32>>)>>,
 }
 
 /// The result of checking one file.

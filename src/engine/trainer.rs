@@ -32,7 +32,9 @@
 //! optimizer step and returns a [`StepReport`]. [`Trainer::fetch_unit`] /
 //! [`Trainer::release_unit`] expose the param store to a caller that runs
 //! its own loop (evaluation, export), and [`Trainer::finish`] writes the
-//! summary. The CLI lives elsewhere.
+//! summary. [`Trainer::save_checkpoint`] writes a checkpoint between steps
+//! and [`Trainer::resume`] builds a trainer that continues from one
+//! (format and guarantees: [`crate::checkpoint`]). The CLI lives elsewhere.
 
 use std::collections::BTreeMap;
 use std::num::NonZeroUsize;
