@@ -215,6 +215,16 @@ pub fn check_relative(path: &str) -> Result<(), CheckpointError> {
     if p.is_absolute() {
         return Err(escape("is absolute"));
     }
+    // Segment by segment on the text too: `components()` hides a `.` in
+    // the middle and a doubled `/`; only plain names are allowed.
+    for seg in path.split('/') {
+        match seg {
+            "" => return Err(escape("has an empty segment (`//` or a trailing `/`)")),
+            "." => return Err(escape("contains `.`")),
+            ".." => return Err(escape("contains `..`")),
+            _ => {}
+        }
+    }
     for c in p.components() {
         match c {
             Component::Normal(_) => {}
@@ -427,7 +437,16 @@ mod tests {
     #[test]
     fn relative_paths_only() {
         assert!(check_relative("rank0000/master.f32").is_ok());
-        for bad in ["", "/etc/passwd", "../x", "a/../../b", "./a", "a/./b"] {
+        for bad in [
+            "",
+            "/etc/passwd",
+            "../x",
+            "a/../../b",
+            "./a",
+            "a/./b",
+            "a//b",
+            "a/",
+        ] {
             assert!(
                 matches!(check_relative(bad), Err(CheckpointError::PathEscape { .. })),
                 "{bad:?} accepted"
