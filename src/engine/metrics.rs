@@ -21,7 +21,9 @@
 //! * `idle_s`: wall time of the compute thread not spent computing, waiting
 //!   on param I/O, or waiting for the optimizer thread to finish the step
 //!   (bookkeeping, tensor building);
-//! * `io_busy_s`: busy time of the I/O engines' workers during the step;
+//! * `io_busy_s`: wall time during the step with any I/O engine (params,
+//!   optimizer reads, optimizer writes) having a transfer in flight: the
+//!   union over engines and rings, not their sum ([`tierzero_swap::BusyClock`]);
 //! * `overlap_efficiency = max(compute_s, io_busy_s, optimizer_s) / wall_s`
 //!   (1.0 means the step is as short as its busiest resource allows).
 

@@ -42,7 +42,8 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use tierzero_swap::{
-    ArenaConfig, BackendKind, Engine, EngineConfig, LockPolicy, PinnedArena, SpaceConfig, SwapSpace,
+    ArenaConfig, BackendKind, BusyClock, Engine, EngineConfig, LockPolicy, PinnedArena,
+    SpaceConfig, SwapSpace,
 };
 
 use super::comm::{Comm, SingleRank};
@@ -57,7 +58,7 @@ use super::trace::{Limits, Pass, Scheduler, Visit};
 use super::worker::{Done, Job, OptimizerWorker};
 use super::{EngineError, Result};
 use crate::config::{self, Config, OffloadDevice, Precision, Stage};
-use crate::model::{Model, ModelDir, ParamId, UnitId, UnitInput, UnitKind, Upstream};
+use crate::model::{Model, ModelDir, ParamId, UnitGrads, UnitId, UnitInput, UnitKind, Upstream};
 use crate::optim::{
     f32_to_bf16_bits, f32_to_f16_bits, AdamHyper, AdamMode, CpuAdam, GradNorm, GradScale, GradStep,
 };
@@ -77,6 +78,13 @@ pub struct TrainerOptions {
     pub adam_threads: NonZeroUsize,
     /// JSON-lines metrics file.
     pub metrics_path: Option<PathBuf>,
+    /// Measurement only ("I/O alone"): forward and backward are not
+    /// computed. Every parameter is still fetched and released in trace
+    /// order, and the optimizer still reads, steps and writes its state
+    /// with zero gradients, so a step does exactly the I/O of a real step
+    /// and almost none of its compute. The weights it trains are
+    /// meaningless; `examples/overlap.rs` uses it to time the I/O phase.
+    pub skip_compute: bool,
 }
 
 impl TrainerOptions {
@@ -89,6 +97,7 @@ impl TrainerOptions {
             comm: Arc::new(SingleRank),
             adam_threads: NonZeroUsize::MIN,
             metrics_path: None,
+            skip_compute: false,
         }
     }
 }
@@ -133,6 +142,8 @@ pub struct Trainer {
     groups_after_unit: Vec<Vec<SubGroupId>>,
     lookahead_reads: u64,
     spill_grads: bool,
+    /// Union of the busy time of every I/O engine of this trainer.
+    io_clock: Arc<BusyClock>,
 }
 
 fn lock_policy(pin: bool) -> LockPolicy {
@@ -143,7 +154,7 @@ fn lock_policy(pin: bool) -> LockPolicy {
     }
 }
 
-fn engine_config(config: &Config) -> EngineConfig {
+fn engine_config(config: &Config, clock: &Arc<BusyClock>) -> EngineConfig {
     EngineConfig {
         backend: match config.tierzero.io_backend {
             config::IoBackend::Auto => BackendKind::Auto,
@@ -155,6 +166,7 @@ fn engine_config(config: &Config) -> EngineConfig {
         block_bytes: config.aio.block_bytes.0.max(4096).div_ceil(4096) * 4096,
         sqpoll: false,
         faults: None,
+        busy_clock: Some(clock.clone()),
     }
 }
 
@@ -330,6 +342,8 @@ impl Trainer {
             }
         }
 
+        let io_clock = BusyClock::new();
+
         // Cpu-tier pages.
         let cpu_shards: Vec<u64> = layout
             .params
@@ -366,7 +380,7 @@ impl Trainer {
             let mut ac = ArenaConfig::new(param_pinned, param_buf_bytes);
             ac.lock = lock_policy(zero.offload_param.pin_memory);
             let arena = PinnedArena::new(ac)?;
-            let engine = Engine::new(space, arena.clone(), engine_config(config))?;
+            let engine = Engine::new(space, arena.clone(), engine_config(config, &io_clock))?;
             Some(NvmeParams { engine, arena })
         } else {
             None
@@ -394,8 +408,12 @@ impl Trainer {
                 let mut ac = ArenaConfig::new(opt_buf_bytes * opt_count, opt_buf_bytes);
                 ac.lock = lock_policy(zero.offload_optimizer.pin_memory);
                 let arena = PinnedArena::new(ac)?;
-                let read = Engine::new(space.clone(), arena.clone(), engine_config(config))?;
-                let write = Engine::new(space, arena.clone(), engine_config(config))?;
+                let read = Engine::new(
+                    space.clone(),
+                    arena.clone(),
+                    engine_config(config, &io_clock),
+                )?;
+                let write = Engine::new(space, arena.clone(), engine_config(config, &io_clock))?;
                 Some(NvmeOptim { read, write, arena })
             }
             None => None,
@@ -484,6 +502,7 @@ impl Trainer {
             groups_after_unit,
             lookahead_reads: 0,
             spill_grads,
+            io_clock,
         })
     }
 
@@ -588,7 +607,7 @@ impl Trainer {
         let t_step = Instant::now();
         let c0 = self.store.counters();
         let o0 = self.opt_counters;
-        let busy0 = self.store.io_busy_s() + self.opt.io_busy_s();
+        let busy0 = self.io_clock.busy_s();
         let mut compute = Duration::ZERO;
         let mut norm_time = Duration::ZERO;
 
@@ -632,6 +651,11 @@ impl Trainer {
                 }
                 self.visit(uid, Pass::Forward, shape)?;
                 let params = self.fetch_unit(uid)?;
+                if self.opts.skip_compute {
+                    drop(params);
+                    self.release_unit(uid)?;
+                    continue;
+                }
                 let t0 = Instant::now();
                 let out = match (kind, &hidden) {
                     (UnitKind::Embedding, _) => {
@@ -657,6 +681,11 @@ impl Trainer {
                 let params = self.fetch_unit(uid)?;
                 let t0 = Instant::now();
                 let g = match kind {
+                    _ if self.opts.skip_compute => UnitGrads {
+                        params: Vec::new(),
+                        input: None,
+                        loss: None,
+                    },
                     UnitKind::Head => {
                         let h = saved[uid.0]
                             .as_ref()
@@ -841,7 +870,7 @@ impl Trainer {
         let o1 = self.opt_counters;
         let io_wait = (c1.io_wait + o1.io_wait).saturating_sub(c0.io_wait + o0.io_wait);
         let optimizer = o1.adam.saturating_sub(o0.adam) + norm_time;
-        let io_busy = (self.store.io_busy_s() + self.opt.io_busy_s() - busy0).max(0.0);
+        let io_busy = (self.io_clock.busy_s() - busy0).max(0.0);
         let compute_s = compute.as_secs_f64();
         let io_wait_s = io_wait.as_secs_f64();
         let optimizer_s = optimizer.as_secs_f64();

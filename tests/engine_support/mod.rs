@@ -225,6 +225,11 @@ impl Run {
 }
 
 pub fn build(model_dir: &Path, k: &Knobs, seed: u64, seq: usize, total: u64) -> Trainer {
+    build_with(model_dir, k, TrainerOptions::cpu(seed, seq), total)
+}
+
+/// [`build`] with explicit trainer options.
+pub fn build_with(model_dir: &Path, k: &Knobs, opts: TrainerOptions, total: u64) -> Trainer {
     let swap = scratch("swap");
     let cfg = ds_config(k, &swap, total);
     let run = RunContext {
@@ -232,14 +237,8 @@ pub fn build(model_dir: &Path, k: &Knobs, seed: u64, seq: usize, total: u64) -> 
         ..RunContext::default()
     };
     let loaded = load_str(&cfg.to_string(), &run).unwrap();
-    let md = ModelDir::open(model_dir, seed).unwrap();
-    Trainer::new(
-        &loaded.config,
-        &md,
-        corpus(),
-        TrainerOptions::cpu(seed, seq),
-    )
-    .unwrap()
+    let md = ModelDir::open(model_dir, opts.seed).unwrap();
+    Trainer::new(&loaded.config, &md, corpus(), opts).unwrap()
 }
 
 /// Trains `steps` steps; `seq_at(step)` gives each step's sequence length.
