@@ -210,6 +210,10 @@ pub struct Run {
     pub steps: Vec<StepMetrics>,
     pub sha256: String,
     pub rerecords: u64,
+    /// The summary's whole-run totals (per-step bytes depend on timing:
+    /// the optimizer tail overlaps the next step).
+    pub bytes_read: std::collections::BTreeMap<String, u64>,
+    pub bytes_written: std::collections::BTreeMap<String, u64>,
 }
 
 impl Run {
@@ -217,7 +221,10 @@ impl Run {
         self.steps.iter().map(|s| s.loss.to_bits()).collect()
     }
     pub fn nvme_read_bytes(&self) -> u64 {
-        self.steps.iter().map(|s| s.bytes_read["nvme"]).sum()
+        self.bytes_read["nvme"]
+    }
+    pub fn nvme_written_bytes(&self) -> u64 {
+        self.bytes_written["nvme"]
     }
     pub fn cpu_read_bytes(&self) -> u64 {
         self.steps.iter().map(|s| s.bytes_read["cpu"]).sum()
@@ -261,6 +268,8 @@ pub fn train(
         steps: out,
         sha256: summary.weight_sha256,
         rerecords,
+        bytes_read: summary.bytes_read,
+        bytes_written: summary.bytes_written,
     }
 }
 
