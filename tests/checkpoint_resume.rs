@@ -39,6 +39,9 @@ fn split_run(dir: &std::path::Path, k: &Knobs, k2: &Knobs, n: u64, m: u64) -> Ru
         steps,
         sha256: s.weight_sha256,
         rerecords: 0,
+        // The resumed half's totals only.
+        bytes_read: s.bytes_read,
+        bytes_written: s.bytes_written,
     }
 }
 

@@ -151,8 +151,8 @@ fn clipping_nvme_and_non_overlapped_optimizer() {
         .any(|s| s.grad_norm.is_some_and(|n| n > 0.05)));
     // The overlapped run spills the final gradients to NVMe (read back at
     // the step): it writes more than the plain run, which holds them.
-    let wb = b.steps[1].bytes_written["nvme"];
-    let wc = c.steps[1].bytes_written["nvme"];
+    let wb = b.nvme_written_bytes();
+    let wc = c.nvme_written_bytes();
     assert!(wb > wc, "no gradient spill seen ({wb} vs {wc} bytes)");
     assert_identical(&a, &b, "clip overlapped");
     assert_identical(&a, &c, "clip non-overlapped");

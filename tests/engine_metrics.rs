@@ -66,3 +66,42 @@ fn metrics_lines_have_the_documented_keys_and_exact_losses() {
     assert_eq!(s["weight_sha256"], summary.weight_sha256.as_str());
     assert_eq!(s["steps"], 3);
 }
+
+/// The "I/O alone" mode of the overlap harness does the I/O of a real run
+/// (same bytes read and written, per tier) without its compute, and I/O
+/// busy time is a union over engines, so it never exceeds a step's wall
+/// time. (Per-step bytes depend on timing, because the optimizer tail
+/// overlaps the next step: the run totals are compared.)
+#[test]
+fn skip_compute_does_the_io_of_a_real_run_and_io_busy_fits_in_wall_time() {
+    let dir = tiny_gpt2_dir("skip-compute", 2, 32);
+    let run = |skip: bool| {
+        let mut opts = TrainerOptions::cpu(3, 16);
+        opts.skip_compute = skip;
+        let mut t = engine_support::build_with(&dir, &Knobs::nvme(), opts, 3);
+        let m: Vec<_> = (0..3).map(|_| t.step().unwrap().metrics).collect();
+        (m, t.finish().unwrap())
+    };
+    let (real, real_sum) = run(false);
+    let (io_only, io_sum) = run(true);
+    assert_eq!(real_sum.bytes_read, io_sum.bytes_read, "bytes read");
+    assert_eq!(
+        real_sum.bytes_written, io_sum.bytes_written,
+        "bytes written"
+    );
+    assert!(real_sum.bytes_read["nvme"] > 0);
+    for (i, (r, o)) in real.iter().zip(&io_only).enumerate() {
+        assert!(
+            o.compute_s < r.compute_s,
+            "step {i}: compute was not skipped"
+        );
+        for m in [r, o] {
+            assert!(
+                m.io_busy_s <= m.wall_s,
+                "step {i}: io_busy_s {} > wall_s {}",
+                m.io_busy_s,
+                m.wall_s
+            );
+        }
+    }
+}

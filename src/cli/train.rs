@@ -38,17 +38,15 @@
 use std::io::IsTerminal as _;
 use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::anyhow;
-use candle_core::Device;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use tierzero::checkpoint::Checkpoint;
 use tierzero::config::{self, AutoOr, ConfigWarning, PathChecks, RunContext};
-use tierzero::engine::{EngineError, SingleRank, StepMetrics, TokenData, Trainer, TrainerOptions};
+use tierzero::engine::{EngineError, StepMetrics, TokenData, Trainer, TrainerOptions};
 use tierzero::model::{Arch, ModelDir};
 use tierzero::run::{
     Plan, DEFAULT_CORPUS, DEFAULT_CORPUS_NAME, DEFAULT_MODEL_CONFIG, DEFAULT_SEQ_LEN, DEFAULT_STEPS,
@@ -448,12 +446,9 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
 
     // Engine.
     let opts = TrainerOptions {
-        seed,
-        seq_len,
-        device: Device::Cpu,
-        comm: Arc::new(SingleRank),
         adam_threads: threads,
         metrics_path: args.metrics.clone(),
+        ..TrainerOptions::cpu(seed, seq_len)
     };
     let tokens_per_step =
         cfg.batch.micro_batch_size * cfg.batch.gradient_accumulation_steps * seq_len as u64;

@@ -6,7 +6,14 @@
 //! `tokens_per_s`, `compute_s`, `io_wait_s`, `optimizer_s`, `idle_s`,
 //! `bytes_read` / `bytes_written` (objects keyed by tier: `cpu`, `nvme`),
 //! `peak_rss_bytes`, `overlap_efficiency`. The summary line has
-//! `"summary": true` and `weight_sha256`.
+//! `"summary": true`, `weight_sha256` and the run's total `bytes_read` /
+//! `bytes_written` per tier.
+//!
+//! A step's counters are the work done *during its wall time*: the
+//! optimizer tail of step `n` overlaps the forward of step `n+1`
+//! (see [`super::trainer`]), so its I/O and Adam time land partly in step
+//! `n+1`'s line. Per-step figures therefore depend on timing; the summary's
+//! totals do not.
 //!
 //! Definitions:
 //! * `compute_s`: wall time of unit forward/backward and gradient
@@ -19,9 +26,11 @@
 //! * `optimizer_s`: time in the Adam kernel (on the optimizer thread, so it
 //!   overlaps `compute_s`) and the norm pass;
 //! * `idle_s`: wall time of the compute thread not spent computing, waiting
-//!   on param I/O, or waiting for the optimizer thread to finish the step
-//!   (bookkeeping, tensor building);
-//! * `io_busy_s`: busy time of the I/O engines' workers during the step;
+//!   on param I/O, or waiting for the optimizer thread (for updated params
+//!   of the last step's tail); that is bookkeeping and tensor building;
+//! * `io_busy_s`: wall time during the step with any I/O engine (params,
+//!   optimizer reads, optimizer writes) having a transfer in flight: the
+//!   union over engines and rings, not their sum ([`tierzero_swap::BusyClock`]);
 //! * `overlap_efficiency = max(compute_s, io_busy_s, optimizer_s) / wall_s`
 //!   (1.0 means the step is as short as its busiest resource allows).
 
@@ -92,6 +101,11 @@ pub struct Summary {
     pub peak_rss_bytes: u64,
     /// Times the trace was re-recorded after a mismatch.
     pub trace_rerecords: u64,
+    /// Bytes read over the whole run, per tier (`cpu`, `nvme`).
+    pub bytes_read: BTreeMap<String, u64>,
+    /// Bytes written over the whole run, per tier (initial weights and
+    /// state included).
+    pub bytes_written: BTreeMap<String, u64>,
 }
 
 /// Peak RSS (`VmHWM`) of this process, 0 where unknown.

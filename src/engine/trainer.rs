@@ -10,13 +10,31 @@
 //!                   fetch, recompute + backprop (head starts at scale / GAS),
 //!                   add fp32 grads into the sub-group accumulators, release;
 //!                   last micro-batch: sub-groups whose grads became final
-//!                   → norm pass and/or optimizer-state read issued,
-//!                   → (overlap mode) stepped at the next unit boundary
+//!                   → no clipping, no fp16: stepped now, on the optimizer
+//!                     thread, while backward goes on
+//!                   → otherwise: norm pass now (and, with NVMe state, the
+//!                     gradient spilled to NVMe)
 //! decision: Σg² over sub-groups in index order → skip (fp16 overflow) or
 //!           the multiplier clip / loss_scale
-//! optimizer: the remaining sub-groups, pipelined (read i+1 / step i / write i-1),
-//!           16-bit params written back to their home tier
+//! optimizer: the remaining sub-groups in index order, pipelined
+//!           (read i+1 / step i / write i-1), 16-bit params written back to
+//!           their home tier — without waiting: see "Optimizer tail"
 //! ```
+//!
+//! # Optimizer tail
+//!
+//! `step` does not wait for the optimizer thread to finish. The sub-groups
+//! still being stepped when backward ends (all of them with clipping or
+//! fp16, the last units' otherwise) run on while the *next* step's forward
+//! starts: before a unit's params are fetched, [`Trainer::fetch_unit`]
+//! waits until every sub-group holding one of them has been stepped and
+//! its new bytes stored, and the prefetcher skips params whose new bytes
+//! are still coming. Those sub-groups are stepped in index order, which is
+//! forward order (embedding first), so forward of unit `k` overlaps the
+//! steps of the sub-groups of units `k+1…`. The values are exactly those
+//! of a step that waited (every param is used only after its update is
+//! stored); [`Trainer::settle_optimizer`] waits for the whole tail, and
+//! `master`, `weight_sha256` and `finish` call it.
 //!
 //! The micro-batch loss is the head's loss (recomputed during the head's
 //! backward, so the head runs once per micro-batch); the step's loss is the
@@ -44,7 +62,8 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use tierzero_swap::{
-    ArenaConfig, BackendKind, Engine, EngineConfig, LockPolicy, PinnedArena, SpaceConfig, SwapSpace,
+    ArenaConfig, BackendKind, BusyClock, Engine, EngineConfig, LockPolicy, PinnedArena,
+    SpaceConfig, SwapSpace,
 };
 
 use super::comm::{Comm, SingleRank};
@@ -54,7 +73,7 @@ use super::metrics::{peak_rss_bytes, MetricsWriter, StepMetrics, Summary};
 use super::optstate::{buffers_needed, NvmeOptim, OptCounters, OptimizerState};
 use super::schedule::{LossScaler, LrSchedule};
 use super::sha256::Sha256;
-use super::store::{NvmeParams, ParamStore, Tier};
+use super::store::{NvmeParams, ParamStore, StoreCounters, Tier};
 use super::trace::{Limits, Pass, Scheduler, Visit};
 use super::worker::{Done, ExclusiveJob, ExclusiveResult, Job, OptimizerWorker};
 use super::{EngineError, Result};
@@ -64,7 +83,7 @@ use crate::checkpoint::{
     FORMAT_VERSION,
 };
 use crate::config::{self, Config, OffloadDevice, Precision, Stage};
-use crate::model::{Model, ModelDir, ParamId, UnitId, UnitInput, UnitKind, Upstream};
+use crate::model::{Model, ModelDir, ParamId, UnitGrads, UnitId, UnitInput, UnitKind, Upstream};
 use crate::optim::{
     f32_to_bf16_bits, f32_to_f16_bits, AdamHyper, AdamMode, CpuAdam, GradNorm, GradScale, GradStep,
 };
@@ -84,6 +103,13 @@ pub struct TrainerOptions {
     pub adam_threads: NonZeroUsize,
     /// JSON-lines metrics file.
     pub metrics_path: Option<PathBuf>,
+    /// Measurement only ("I/O alone"): forward and backward are not
+    /// computed. Every parameter is still fetched and released in trace
+    /// order, and the optimizer still reads, steps and writes its state
+    /// with zero gradients, so a step does exactly the I/O of a real step
+    /// and almost none of its compute. The weights it trains are
+    /// meaningless; `examples/overlap.rs` uses it to time the I/O phase.
+    pub skip_compute: bool,
 }
 
 impl TrainerOptions {
@@ -96,6 +122,7 @@ impl TrainerOptions {
             comm: Arc::new(SingleRank),
             adam_threads: NonZeroUsize::MIN,
             metrics_path: None,
+            skip_compute: false,
         }
     }
 }
@@ -128,7 +155,6 @@ pub struct Trainer {
     layout: Layout,
     store: ParamStore,
     opt: OptimizerWorker,
-    opt_counters: OptCounters,
     sched: Scheduler,
     adam: CpuAdam,
     lr: LrSchedule,
@@ -141,6 +167,15 @@ pub struct Trainer {
     lookahead_reads: u64,
     spill_grads: bool,
     data_name: String,
+    /// Union of the busy time of every I/O engine of this trainer.
+    io_clock: Arc<BusyClock>,
+    /// Sub-groups whose step job was sent and whose new param bytes have
+    /// not been stored yet (see "Optimizer tail" in the module docs).
+    pending: Vec<bool>,
+    /// A `Flush` was sent and its reply has not arrived.
+    flush_open: bool,
+    /// Time the compute thread spent waiting for the optimizer thread.
+    optimizer_wait: Duration,
 }
 
 /// Where the initial weights come from.
@@ -192,7 +227,7 @@ fn lock_policy(pin: bool) -> LockPolicy {
     }
 }
 
-fn engine_config(config: &Config) -> EngineConfig {
+fn engine_config(config: &Config, clock: &Arc<BusyClock>) -> EngineConfig {
     EngineConfig {
         backend: match config.tierzero.io_backend {
             config::IoBackend::Auto => BackendKind::Auto,
@@ -204,6 +239,7 @@ fn engine_config(config: &Config) -> EngineConfig {
         block_bytes: config.aio.block_bytes.0.max(4096).div_ceil(4096) * 4096,
         sqpoll: false,
         faults: None,
+        busy_clock: Some(clock.clone()),
     }
 }
 
@@ -238,6 +274,28 @@ fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
             .collect(),
         _ => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
     }
+}
+
+/// Bytes read and written per tier (`cpu`, `nvme`), cumulative.
+fn tier_bytes(
+    store: &StoreCounters,
+    opt: &OptCounters,
+) -> (BTreeMap<String, u64>, BTreeMap<String, u64>) {
+    let read = BTreeMap::from([
+        ("cpu".to_string(), store.cpu_read_bytes),
+        (
+            "nvme".to_string(),
+            store.nvme_read_bytes + opt.nvme_read_bytes,
+        ),
+    ]);
+    let written = BTreeMap::from([
+        ("cpu".to_string(), store.cpu_written_bytes),
+        (
+            "nvme".to_string(),
+            store.nvme_written_bytes + opt.nvme_written_bytes,
+        ),
+    ]);
+    (read, written)
 }
 
 impl Trainer {
@@ -454,6 +512,8 @@ impl Trainer {
             }
         }
 
+        let io_clock = BusyClock::new();
+
         // Cpu-tier pages.
         let cpu_shards: Vec<u64> = layout
             .params
@@ -490,7 +550,7 @@ impl Trainer {
             let mut ac = ArenaConfig::new(param_pinned, param_buf_bytes);
             ac.lock = lock_policy(zero.offload_param.pin_memory);
             let arena = PinnedArena::new(ac)?;
-            let engine = Engine::new(space, arena.clone(), engine_config(config))?;
+            let engine = Engine::new(space, arena.clone(), engine_config(config, &io_clock))?;
             Some(NvmeParams { engine, arena })
         } else {
             None
@@ -518,8 +578,12 @@ impl Trainer {
                 let mut ac = ArenaConfig::new(opt_buf_bytes * opt_count, opt_buf_bytes);
                 ac.lock = lock_policy(zero.offload_optimizer.pin_memory);
                 let arena = PinnedArena::new(ac)?;
-                let read = Engine::new(space.clone(), arena.clone(), engine_config(config))?;
-                let write = Engine::new(space, arena.clone(), engine_config(config))?;
+                let read = Engine::new(
+                    space.clone(),
+                    arena.clone(),
+                    engine_config(config, &io_clock),
+                )?;
+                let write = Engine::new(space, arena.clone(), engine_config(config, &io_clock))?;
                 Some(NvmeOptim { read, write, arena })
             }
             None => None,
@@ -571,7 +635,6 @@ impl Trainer {
             opt.load_group(g.id, [&states[0], &states[1], &states[2]])?;
         }
         opt.flush()?;
-        let opt_counters = opt.counters();
 
         let o = &config.optimizer;
         let hyper = AdamHyper {
@@ -597,6 +660,7 @@ impl Trainer {
             device_cache_bytes: config.tierzero.device_cache_bytes.0,
         };
         let sched = Scheduler::new(&model, limits);
+        let n_sub_groups = layout.sub_groups.len();
         let mut groups_after_unit = vec![Vec::new(); model.units().len()];
         for g in &layout.sub_groups {
             if let Some(v) = groups_after_unit.get_mut(g.final_after_unit.0) {
@@ -615,7 +679,6 @@ impl Trainer {
             layout,
             store,
             opt,
-            opt_counters,
             sched,
             adam,
             lr: LrSchedule {
@@ -631,6 +694,10 @@ impl Trainer {
             lookahead_reads: 0,
             spill_grads,
             data_name: "unnamed".to_owned(),
+            io_clock,
+            pending: vec![false; n_sub_groups],
+            flush_open: false,
+            optimizer_wait: Duration::ZERO,
         })
     }
 
@@ -698,10 +765,21 @@ impl Trainer {
         // A param whose write-back is still queued is skipped, not waited
         // for: only running out of swap buffers ends the window.
         let ids = self.model.unit(unit)?.params.clone();
+        // The last step's optimizer may still be running (its tail overlaps
+        // this step's forward): this unit's params must be the new ones.
+        self.drain_done()?;
+        for &p in &ids {
+            self.wait_stepped(self.layout.params[p.0].sub_group)?;
+        }
         let ahead = self.sched.prefetch_candidates(&self.store);
         for (k, &p) in ids.iter().chain(&ahead).enumerate() {
             if self.store.free_buffers() == 0 {
                 break;
+            }
+            // A read of a param whose new bytes are still coming would be
+            // wasted (the update replaces it): skip it.
+            if self.pending[self.layout.params[p.0].sub_group.0] {
+                continue;
             }
             if self.store.prefetch(p)? && k >= ids.len() {
                 self.lookahead_reads += 1;
@@ -722,6 +800,30 @@ impl Trainer {
         Ok(())
     }
 
+    /// Waits until the new param bytes of `sg` (if a step of it is
+    /// running) are stored.
+    fn wait_stepped(&mut self, sg: SubGroupId) -> Result<()> {
+        while self.pending.get(sg.0).copied().unwrap_or(false) {
+            let t0 = Instant::now();
+            let d = self.opt.recv()?;
+            self.optimizer_wait += t0.elapsed();
+            self.on_done(d)?;
+        }
+        Ok(())
+    }
+
+    /// Waits until the optimizer thread has finished every step and write
+    /// of the last step, and their param bytes are stored.
+    pub fn settle_optimizer(&mut self) -> Result<()> {
+        while self.flush_open || self.pending.iter().any(|p| *p) {
+            let t0 = Instant::now();
+            let d = self.opt.recv()?;
+            self.optimizer_wait += t0.elapsed();
+            self.on_done(d)?;
+        }
+        Ok(())
+    }
+
     fn visit(&mut self, unit: UnitId, pass: Pass, shape: [usize; 2]) -> Result<()> {
         if !self.sched.visit(Visit { unit, pass, shape }) {
             // The trace was wrong: finish every read we issued on its word.
@@ -734,8 +836,9 @@ impl Trainer {
     pub fn step(&mut self) -> Result<StepReport> {
         let t_step = Instant::now();
         let c0 = self.store.counters();
-        let o0 = self.opt_counters;
-        let busy0 = self.store.io_busy_s() + self.opt.io_busy_s();
+        let o0 = self.opt.counters();
+        let busy0 = self.io_clock.busy_s();
+        let wait0 = self.optimizer_wait;
         let mut compute = Duration::ZERO;
         let mut norm_time = Duration::ZERO;
 
@@ -779,6 +882,11 @@ impl Trainer {
                 }
                 self.visit(uid, Pass::Forward, shape)?;
                 let params = self.fetch_unit(uid)?;
+                if self.opts.skip_compute {
+                    drop(params);
+                    self.release_unit(uid)?;
+                    continue;
+                }
                 let t0 = Instant::now();
                 let out = match (kind, &hidden) {
                     (UnitKind::Embedding, _) => {
@@ -804,6 +912,11 @@ impl Trainer {
                 let params = self.fetch_unit(uid)?;
                 let t0 = Instant::now();
                 let g = match kind {
+                    _ if self.opts.skip_compute => UnitGrads {
+                        params: Vec::new(),
+                        input: None,
+                        loss: None,
+                    },
                     UnitKind::Head => {
                         let h = saved[uid.0]
                             .as_ref()
@@ -864,7 +977,6 @@ impl Trainer {
                         .cloned()
                         .unwrap_or_default();
                     for sg in finals {
-                        order.push(sg);
                         match mode {
                             OverlapMode::Step => {
                                 let grad = grads[sg.0].take().unwrap_or_else(|| {
@@ -877,9 +989,13 @@ impl Trainer {
                                     step: adam_step,
                                     hyper,
                                 })?;
+                                order.push(sg);
                                 sent[sg.0] = true;
+                                self.pending[sg.0] = true;
                             }
                             _ => {
+                                // The norm now; the step after backward, in
+                                // index order (see "Optimizer tail").
                                 let t0 = Instant::now();
                                 sq[sg.0] = Some(self.group_sq_norm(&grads, sg));
                                 norm_time += t0.elapsed();
@@ -889,8 +1005,6 @@ impl Trainer {
                                     });
                                     self.opt.send(Job::SpillGrad { sg, grad })?;
                                     spilled[sg.0] = true;
-                                } else {
-                                    self.opt.send(Job::Prefetch(sg))?;
                                 }
                             }
                         }
@@ -958,22 +1072,18 @@ impl Trainer {
                         hyper,
                     })?;
                     sent[sg.0] = true;
+                    self.pending[sg.0] = true;
                 }
                 false
             }
         };
-        let t_wait = Instant::now();
+        // The optimizer tail runs on while the next step's forward starts:
+        // `fetch_unit` waits for the sub-groups it needs, `settle_optimizer`
+        // for all of them.
         self.opt.send(Job::Flush)?;
-        loop {
-            match self.opt.recv()? {
-                Done::Flushed(c) => {
-                    self.opt_counters = c;
-                    break;
-                }
-                other => self.on_done(other)?,
-            }
-        }
-        let opt_wait = t_wait.elapsed();
+        self.flush_open = true;
+        self.drain_done()?;
+        let opt_wait = self.optimizer_wait.saturating_sub(wait0);
         self.scaler.update(skipped);
         if skipped {
             self.skipped += 1;
@@ -985,29 +1095,22 @@ impl Trainer {
         // Metrics.
         let wall = t_step.elapsed().as_secs_f64();
         let c1 = self.store.counters();
-        let o1 = self.opt_counters;
+        let o1 = self.opt.counters();
         let io_wait = (c1.io_wait + o1.io_wait).saturating_sub(c0.io_wait + o0.io_wait);
         let optimizer = o1.adam.saturating_sub(o0.adam) + norm_time;
-        let io_busy = (self.store.io_busy_s() + self.opt.io_busy_s() - busy0).max(0.0);
+        let io_busy = (self.io_clock.busy_s() - busy0).max(0.0);
         let compute_s = compute.as_secs_f64();
         let io_wait_s = io_wait.as_secs_f64();
         let optimizer_s = optimizer.as_secs_f64();
-        let mut bytes_read = BTreeMap::new();
-        bytes_read.insert("cpu".to_string(), c1.cpu_read_bytes - c0.cpu_read_bytes);
-        bytes_read.insert(
-            "nvme".to_string(),
-            (c1.nvme_read_bytes - c0.nvme_read_bytes) + (o1.nvme_read_bytes - o0.nvme_read_bytes),
-        );
-        let mut bytes_written = BTreeMap::new();
-        bytes_written.insert(
-            "cpu".to_string(),
-            c1.cpu_written_bytes - c0.cpu_written_bytes,
-        );
-        bytes_written.insert(
-            "nvme".to_string(),
-            (c1.nvme_written_bytes - c0.nvme_written_bytes)
-                + (o1.nvme_written_bytes - o0.nvme_written_bytes),
-        );
+        let (r0, w0) = tier_bytes(&c0, &o0);
+        let (mut bytes_read, mut bytes_written) = tier_bytes(&c1, &o1);
+        for (now, before) in [(&mut bytes_read, r0), (&mut bytes_written, w0)] {
+            for (tier, b) in before {
+                if let Some(n) = now.get_mut(&tier) {
+                    *n = n.saturating_sub(b);
+                }
+            }
+        }
         let tokens = (mb * gas * seq) as f64 * world as f64;
         let main_busy = compute_s + (c1.io_wait.saturating_sub(c0.io_wait)).as_secs_f64();
         let metrics = StepMetrics {
@@ -1107,10 +1210,17 @@ impl Trainer {
                         .ok_or_else(|| EngineError::internal("param bytes out of range"))?;
                     self.store.update(pid, shard)?;
                 }
+                if let Some(p) = self.pending.get_mut(sg.0) {
+                    *p = false;
+                }
+                Ok(())
+            }
+            Done::Flushed => {
+                self.flush_open = false;
                 Ok(())
             }
             Done::Failed(e) => Err(e),
-            Done::Flushed(_) | Done::Master(..) | Done::Ran(_) => Err(EngineError::internal(
+            Done::Master(..) | Done::Ran(_) => Err(EngineError::internal(
                 "unexpected reply from the optimizer thread",
             )),
         }
@@ -1140,17 +1250,10 @@ impl Trainer {
                 what: "checkpoints with several ranks".into(),
             });
         }
+        // The last step's optimizer tail (its Flush included), then the
+        // param writes it caused.
+        self.settle_optimizer()?;
         self.store.flush_writes()?;
-        self.opt.send(Job::Flush)?;
-        loop {
-            match self.opt.recv()? {
-                Done::Flushed(c) => {
-                    self.opt_counters = c;
-                    break;
-                }
-                other => self.on_done(other)?,
-            }
-        }
         let mut staged = StagedCheckpoint::begin(save_dir, self.steps_done)?;
         let rank = self.opts.comm.rank();
         let rank_dir = format!("rank{rank:04}");
@@ -1359,6 +1462,7 @@ impl Trainer {
 
     /// The fp32 master weights of one sub-group of this rank.
     pub fn master(&mut self, sg: SubGroupId) -> Result<Vec<f32>> {
+        self.settle_optimizer()?;
         self.opt.send(Job::Master(sg))?;
         loop {
             match self.opt.recv()? {
@@ -1388,9 +1492,13 @@ impl Trainer {
 
     /// Flushes I/O, writes the summary line, returns it.
     pub fn finish(mut self) -> Result<Summary> {
+        self.settle_optimizer()?;
         self.store.flush_writes()?;
+        let (bytes_read, bytes_written) = tier_bytes(&self.store.counters(), &self.opt.counters());
         let s = Summary {
             summary: true,
+            bytes_read,
+            bytes_written,
             steps: self.steps_done,
             skipped_steps: self.skipped,
             weight_sha256: self.weight_sha256()?,

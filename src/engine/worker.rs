@@ -4,11 +4,9 @@
 //! engines) on a dedicated thread. The compute thread sends it jobs over a
 //! channel and keeps running backward:
 //!
-//! * [`Job::Prefetch`]: issue the state read of a sub-group whose gradients
-//!   just became final (clipping / fp16 mode: the step must wait for the
-//!   global norm, the read need not);
-//! * [`Job::SpillGrad`]: with NVMe optimizer state in that mode, write the
-//!   final gradient to NVMe instead (DeepSpeed's gradient swap-out), so
+//! * [`Job::SpillGrad`]: with NVMe optimizer state, when the step must wait
+//!   for the global norm (clipping, fp16), write a final gradient to NVMe
+//!   (DeepSpeed's gradient swap-out), so
 //!   host memory holds no gradient while the norm is being completed; the
 //!   step reads it back with master, m and v (4 buffers per sub-group);
 //! * [`Job::Step`]: step a sub-group with its final gradient (moved, not
@@ -17,14 +15,18 @@
 //!   [`Job::Master`].
 //!
 //! Sub-groups are read and stepped in one FIFO order: the order of their
-//! first `Prefetch` or `Step` job. The worker issues reads from the front
+//! `Step` jobs. The worker issues reads from the front
 //! of that order while the pipeline has room, steps the front when its job
 //! is there, and otherwise blocks on the channel. The updated 16-bit (or
 //! fp32) parameter bytes go back as [`Done::Stepped`]; the compute thread
-//! stores them at unit boundaries and at the end of the step (the
-//! [`super::ParamStore`] has a single owner, the compute thread, so it needs
-//! no lock). A stepped sub-group's params are never used again in the same
-//! step, so applying them later cannot change a value.
+//! stores them at unit boundaries, and before the next step uses those
+//! params (the [`super::ParamStore`] has a single owner, the compute
+//! thread, so it needs no lock). A stepped sub-group's params are never
+//! used again in the same step, so applying them later cannot change a
+//! value. The worker publishes its counters after every job
+//! ([`OptimizerWorker::counters`]), so a step's metrics count the work
+//! done during its wall time even while the optimizer tail overlaps the
+//! next step.
 
 use std::collections::{HashMap, VecDeque};
 use std::thread::JoinHandle;
@@ -41,8 +43,6 @@ use crate::optim::{AdamHyper, CpuAdam, GradScale, LowPrecisionOut};
 /// Work for the optimizer thread.
 #[derive(Debug)]
 pub enum Job {
-    /// Issue the state read of a sub-group (FIFO).
-    Prefetch(SubGroupId),
     /// Write a final gradient to NVMe instead of holding it in memory.
     SpillGrad {
         /// Which.
@@ -100,7 +100,7 @@ pub enum Done {
         bytes: Vec<u8>,
     },
     /// All queued work finished.
-    Flushed(OptCounters),
+    Flushed,
     /// Master weights.
     Master(SubGroupId, Vec<f32>),
     /// An [`Job::Exclusive`] closure's result.
@@ -115,7 +115,7 @@ pub struct OptimizerWorker {
     tx: Option<Sender<Job>>,
     rx: Receiver<Done>,
     handle: Option<JoinHandle<()>>,
-    io_busy_s: std::sync::Arc<std::sync::Mutex<f64>>,
+    live: std::sync::Arc<std::sync::Mutex<OptCounters>>,
 }
 
 /// A step job waiting for its turn: gradient (None: spilled), multiplier,
@@ -128,7 +128,7 @@ struct State {
     dtype: DType,
     order: VecDeque<SubGroupId>,
     steps: HashMap<SubGroupId, PendingStep>,
-    io_busy_s: std::sync::Arc<std::sync::Mutex<f64>>,
+    live: std::sync::Arc<std::sync::Mutex<OptCounters>>,
 }
 
 impl State {
@@ -208,19 +208,15 @@ impl State {
         }
     }
 
-    fn publish_busy(&self) {
-        if let Ok(mut b) = self.io_busy_s.lock() {
-            *b = self.opt.io_busy_s();
+    fn publish(&self) {
+        if let Ok(mut c) = self.live.lock() {
+            *c = self.opt.counters();
         }
     }
 
     /// Handles one job; returns replies to send.
     fn handle(&mut self, job: Job, out: &Sender<Done>) -> Result<()> {
         match job {
-            Job::Prefetch(sg) => {
-                self.enqueue(sg);
-                self.pump()?;
-            }
             Job::SpillGrad { sg, grad } => {
                 self.opt.spill_grad(sg, &grad)?;
             }
@@ -253,8 +249,8 @@ impl State {
                     }
                 }
                 self.opt.flush()?;
-                self.publish_busy();
-                let _ = out.send(Done::Flushed(self.opt.counters()));
+                self.publish();
+                let _ = out.send(Done::Flushed);
             }
             Job::Master(sg) => {
                 let m = self.opt.master(sg)?;
@@ -280,14 +276,14 @@ impl OptimizerWorker {
     pub fn spawn(opt: OptimizerState, adam: CpuAdam, dtype: DType) -> Result<Self> {
         let (tx, jobs) = crossbeam_channel::unbounded::<Job>();
         let (done_tx, rx) = crossbeam_channel::unbounded::<Done>();
-        let io_busy_s = std::sync::Arc::new(std::sync::Mutex::new(0.0));
+        let live = std::sync::Arc::new(std::sync::Mutex::new(opt.counters()));
         let mut st = State {
             opt,
             adam,
             dtype,
             order: VecDeque::new(),
             steps: HashMap::new(),
-            io_busy_s: io_busy_s.clone(),
+            live: live.clone(),
         };
         let handle = std::thread::Builder::new()
             .name("tierzero-optim".into())
@@ -316,6 +312,7 @@ impl OptimizerWorker {
                         None => Ok(()),
                     }),
                 };
+                st.publish();
                 if let Err(e) = r {
                     let _ = done_tx.send(Done::Failed(e));
                 }
@@ -325,7 +322,7 @@ impl OptimizerWorker {
             tx: Some(tx),
             rx,
             handle: Some(handle),
-            io_busy_s,
+            live,
         })
     }
 
@@ -350,9 +347,9 @@ impl OptimizerWorker {
             .map_err(|_| EngineError::internal("optimizer thread stopped"))
     }
 
-    /// Busy seconds of the optimizer's I/O engines, as of the last flush.
-    pub fn io_busy_s(&self) -> f64 {
-        self.io_busy_s.lock().map_or(0.0, |b| *b)
+    /// The optimizer's counters as of its last finished job.
+    pub fn counters(&self) -> OptCounters {
+        self.live.lock().map_or_else(|e| *e.into_inner(), |c| *c)
     }
 }
 

@@ -31,7 +31,7 @@ use crate::arena::{Buffer, PinnedArena};
 use crate::error::{IoOp, Result, SwapError};
 use crate::fault::FaultInjector;
 use crate::space::{Extent, ExtentId, Piece, SwapSpace};
-use crate::stats::{Stats, StatsSnapshot};
+use crate::stats::{BusyClock, Stats, StatsSnapshot};
 
 /// Which backend runs the transfers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +59,9 @@ pub struct EngineConfig {
     pub sqpoll: bool,
     /// Fault injection (tests).
     pub faults: Option<Arc<FaultInjector>>,
+    /// A busy clock shared with other engines (the union of their busy
+    /// time); `None`: per-worker busy time only.
+    pub busy_clock: Option<Arc<BusyClock>>,
 }
 
 impl Default for EngineConfig {
@@ -70,6 +73,7 @@ impl Default for EngineConfig {
             block_bytes: 1 << 20,
             sqpoll: false,
             faults: None,
+            busy_clock: None,
         }
     }
 }
@@ -408,7 +412,7 @@ impl Engine {
         }
         let shared = Arc::new(Shared {
             space: space.clone(),
-            stats: Stats::new(config.workers),
+            stats: Stats::new(config.workers, config.busy_clock.clone()),
             faults: config.faults.clone(),
             block_bytes: config.block_bytes,
             inflight: Mutex::new(0),

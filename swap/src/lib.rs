@@ -71,4 +71,4 @@ pub use engine::{
 pub use error::{IoOp, Result, SwapError};
 pub use fault::{FaultInjector, FaultKind, FaultRule};
 pub use space::{CopyReport, DirectIo, Extent, ExtentId, FileIdx, SpaceConfig, SwapSpace};
-pub use stats::StatsSnapshot;
+pub use stats::{BusyClock, StatsSnapshot};

@@ -33,8 +33,9 @@ pub(crate) fn spawn_pool(shared: &Arc<Shared>, config: &EngineConfig) -> Result<
             .spawn(move || {
                 while let Ok(job) = rx.recv() {
                     let start = Instant::now();
+                    shared.stats.busy_start();
                     run_job(&shared, job);
-                    shared.stats.add_busy(stat_slot, start.elapsed());
+                    shared.stats.busy_stop(stat_slot, start.elapsed());
                 }
             })
             .map_err(|source| SwapError::Setup {

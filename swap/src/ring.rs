@@ -368,6 +368,7 @@ impl Ring {
             });
             if self.in_flight == 0 {
                 self.busy_since = Some(Instant::now());
+                self.shared.stats.busy_start();
             }
             self.in_flight += 1;
         }
@@ -390,7 +391,7 @@ impl Ring {
             }
             if self.in_flight == 0 {
                 if let Some(t) = self.busy_since.take() {
-                    self.shared.stats.add_busy(self.idx, t.elapsed());
+                    self.shared.stats.busy_stop(self.idx, t.elapsed());
                 }
             }
             let Some(op) = self.jobs[p.job].as_ref().map(|j| j.job.req.op) else {

@@ -8,9 +8,16 @@
 //! histogram with four buckets per power of two (about 19% resolution),
 //! from which p50 and p99 are read. Busy time is counted per worker: the
 //! wall time during which that ring had at least one operation in flight.
+//!
+//! Several engines (a trainer has one for parameters and a read and a write
+//! engine for optimizer state) can share one [`BusyClock`]: the wall time
+//! during which *any* of their workers had I/O in flight. That union, not
+//! the sum of per-worker busy times (which exceeds wall time as soon as two
+//! rings overlap), is "I/O busy" in an overlap-efficiency figure.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::error::IoOp;
 
@@ -27,6 +34,61 @@ pub struct Stats {
     latency: Vec<AtomicU64>,
     device_latency: Vec<AtomicU64>,
     busy_ns: Vec<AtomicU64>,
+    clock: Option<Arc<BusyClock>>,
+}
+
+/// Wall time during which at least one of the workers sharing this clock
+/// had I/O in flight (see the module docs). Workers call it only when
+/// their own in-flight count goes 0 → 1 and 1 → 0.
+#[derive(Debug, Default)]
+pub struct BusyClock {
+    inner: Mutex<BusyInner>,
+}
+
+#[derive(Debug, Default)]
+struct BusyInner {
+    active: usize,
+    since: Option<Instant>,
+    total: Duration,
+}
+
+impl BusyClock {
+    /// A clock at zero, to share between engines' configs.
+    pub fn new() -> Arc<Self> {
+        Arc::new(BusyClock::default())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BusyInner> {
+        // A poisoned lock only means a panicking worker held it; the
+        // counters are still consistent integers.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn start(&self) {
+        let mut g = self.lock();
+        if g.active == 0 {
+            g.since = Some(Instant::now());
+        }
+        g.active += 1;
+    }
+
+    pub(crate) fn stop(&self) {
+        let mut g = self.lock();
+        g.active = g.active.saturating_sub(1);
+        if g.active == 0 {
+            if let Some(t) = g.since.take() {
+                g.total += t.elapsed();
+            }
+        }
+    }
+
+    /// Seconds of wall time with any sharing worker busy, so far (a busy
+    /// period still open counts up to now).
+    pub fn busy_s(&self) -> f64 {
+        let g = self.lock();
+        let open = g.since.map_or(Duration::ZERO, |t| t.elapsed());
+        (g.total + open).as_secs_f64()
+    }
 }
 
 /// A copy of the counters at one moment.
@@ -64,7 +126,7 @@ fn bucket_mid_ns(b: usize) -> f64 {
 }
 
 impl Stats {
-    pub(crate) fn new(workers: usize) -> Self {
+    pub(crate) fn new(workers: usize, clock: Option<Arc<BusyClock>>) -> Self {
         Stats {
             read_bytes: AtomicU64::new(0),
             write_bytes: AtomicU64::new(0),
@@ -74,6 +136,7 @@ impl Stats {
             latency: (0..BUCKETS).map(|_| AtomicU64::new(0)).collect(),
             device_latency: (0..BUCKETS).map(|_| AtomicU64::new(0)).collect(),
             busy_ns: (0..workers).map(|_| AtomicU64::new(0)).collect(),
+            clock,
         }
     }
 
@@ -95,7 +158,22 @@ impl Stats {
         self.device_latency[bucket_of(latency.as_nanos() as u64)].fetch_add(1, Ordering::Relaxed);
     }
 
-    pub(crate) fn add_busy(&self, worker: usize, d: Duration) {
+    /// A worker's in-flight count went from 0 to 1.
+    pub(crate) fn busy_start(&self) {
+        if let Some(c) = &self.clock {
+            c.start();
+        }
+    }
+
+    /// A worker's in-flight count went back to 0 after `d` busy.
+    pub(crate) fn busy_stop(&self, worker: usize, d: Duration) {
+        if let Some(c) = &self.clock {
+            c.stop();
+        }
+        self.add_busy(worker, d);
+    }
+
+    fn add_busy(&self, worker: usize, d: Duration) {
         if let Some(c) = self.busy_ns.get(worker) {
             c.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
         }
@@ -150,8 +228,38 @@ mod tests {
     use super::*;
 
     #[test]
+    fn busy_clock_counts_the_union_of_overlapping_workers() {
+        let clock = BusyClock::new();
+        let a = Stats::new(1, Some(clock.clone()));
+        let b = Stats::new(1, Some(clock.clone()));
+        let outer = Instant::now();
+        a.busy_start();
+        std::thread::sleep(Duration::from_millis(15));
+        let inner = Instant::now();
+        b.busy_start();
+        std::thread::sleep(Duration::from_millis(15));
+        b.busy_stop(0, inner.elapsed());
+        std::thread::sleep(Duration::from_millis(15));
+        a.busy_stop(0, outer.elapsed());
+        let union_s = outer.elapsed().as_secs_f64();
+        let sum_s: f64 = a.snapshot().busy_s[0] + b.snapshot().busy_s[0];
+        let got = clock.busy_s();
+        // B ran inside A: the union is A's length, the sum is ~1.33 of it.
+        assert!(got <= union_s + 1e-9, "{got} > {union_s}");
+        assert!(got > union_s - 0.002, "{got} vs {union_s}");
+        assert!(sum_s > got + 0.014, "sum {sum_s} vs union {got}");
+        // Idle time does not count; an open period counts up to now.
+        std::thread::sleep(Duration::from_millis(5));
+        assert!((clock.busy_s() - got).abs() < 1e-9);
+        a.busy_start();
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(clock.busy_s() >= got + 0.005);
+        a.busy_stop(0, Duration::from_millis(5));
+    }
+
+    #[test]
     fn quantiles_follow_the_data() {
-        let s = Stats::new(1);
+        let s = Stats::new(1, None);
         for _ in 0..98 {
             s.record(IoOp::Read, 10, true, Duration::from_micros(100));
         }

@@ -55,6 +55,7 @@ fn rig_with(
             block_bytes,
             sqpoll: false,
             faults,
+            busy_clock: None,
         },
     )
     .unwrap();

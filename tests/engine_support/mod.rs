@@ -210,6 +210,10 @@ pub struct Run {
     pub steps: Vec<StepMetrics>,
     pub sha256: String,
     pub rerecords: u64,
+    /// The summary's whole-run totals (per-step bytes depend on timing:
+    /// the optimizer tail overlaps the next step).
+    pub bytes_read: std::collections::BTreeMap<String, u64>,
+    pub bytes_written: std::collections::BTreeMap<String, u64>,
 }
 
 impl Run {
@@ -217,7 +221,10 @@ impl Run {
         self.steps.iter().map(|s| s.loss.to_bits()).collect()
     }
     pub fn nvme_read_bytes(&self) -> u64 {
-        self.steps.iter().map(|s| s.bytes_read["nvme"]).sum()
+        self.bytes_read["nvme"]
+    }
+    pub fn nvme_written_bytes(&self) -> u64 {
+        self.bytes_written["nvme"]
     }
     pub fn cpu_read_bytes(&self) -> u64 {
         self.steps.iter().map(|s| s.bytes_read["cpu"]).sum()
@@ -225,6 +232,11 @@ impl Run {
 }
 
 pub fn build(model_dir: &Path, k: &Knobs, seed: u64, seq: usize, total: u64) -> Trainer {
+    build_with(model_dir, k, TrainerOptions::cpu(seed, seq), total)
+}
+
+/// [`build`] with explicit trainer options.
+pub fn build_with(model_dir: &Path, k: &Knobs, opts: TrainerOptions, total: u64) -> Trainer {
     let swap = scratch("swap");
     let cfg = ds_config(k, &swap, total);
     let run = RunContext {
@@ -232,14 +244,8 @@ pub fn build(model_dir: &Path, k: &Knobs, seed: u64, seq: usize, total: u64) -> 
         ..RunContext::default()
     };
     let loaded = load_str(&cfg.to_string(), &run).unwrap();
-    let md = ModelDir::open(model_dir, seed).unwrap();
-    Trainer::new(
-        &loaded.config,
-        &md,
-        corpus(),
-        TrainerOptions::cpu(seed, seq),
-    )
-    .unwrap()
+    let md = ModelDir::open(model_dir, opts.seed).unwrap();
+    Trainer::new(&loaded.config, &md, corpus(), opts).unwrap()
 }
 
 /// A trainer resumed from the checkpoint at `ckpt` (a save dir or a step
@@ -276,6 +282,8 @@ pub fn train(
         steps: out,
         sha256: summary.weight_sha256,
         rerecords,
+        bytes_read: summary.bytes_read,
+        bytes_written: summary.bytes_written,
     }
 }
 

@@ -1,0 +1,126 @@
+//! Shared set-up of the measurement examples (`engine_train`, `overlap`):
+//! a seeded GPT-2 of a given size, a synthetic byte corpus, and a
+//! `ds_config` for one tier.
+
+// Each example uses a subset of these helpers.
+#![allow(dead_code)]
+use std::error::Error;
+use std::path::{Path, PathBuf};
+
+use serde_json::json;
+use tierzero::config::{load_str, Config, PathChecks, RunContext};
+use tierzero::engine::TokenData;
+use tierzero::model::ModelDir;
+
+/// Where params and optimizer state live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    /// Stage 0, everything in memory.
+    Stage0,
+    /// Stage 3, offloaded to pinned host memory.
+    Cpu,
+    /// Stage 3, offloaded to NVMe.
+    Nvme,
+}
+
+impl Tier {
+    /// `stage0 | cpu | nvme`.
+    pub fn parse(s: &str) -> Result<Self, Box<dyn Error>> {
+        match s {
+            "stage0" => Ok(Tier::Stage0),
+            "cpu" => Ok(Tier::Cpu),
+            "nvme" => Ok(Tier::Nvme),
+            other => Err(format!("tier `{other}`: expected stage0, cpu or nvme").into()),
+        }
+    }
+}
+
+/// One measured configuration.
+#[derive(Debug, Clone)]
+pub struct Setup {
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Width.
+    pub hidden: usize,
+    /// Tier.
+    pub tier: Tier,
+    /// `tierzero.overlap_optimizer` and optimizer pipelining.
+    pub overlap: bool,
+    /// Gradient clipping norm (0 = off).
+    pub clip: f64,
+    /// Root directory: model dirs and `swap/` go under it.
+    pub root: PathBuf,
+    /// `train_micro_batch_size_per_gpu` (rows of `SEQ_LEN` tokens).
+    pub micro_batch: usize,
+}
+
+impl Setup {
+    /// The validated config, the model dir and the corpus.
+    pub fn build(&self) -> Result<(Config, ModelDir, TokenData), Box<dyn Error>> {
+        let (layers, hidden) = (self.layers, self.hidden);
+        let model_dir = self.root.join(format!("model-{layers}x{hidden}"));
+        let swap = self.root.join("swap");
+        std::fs::create_dir_all(&model_dir)?;
+        std::fs::create_dir_all(&swap)?;
+        let cfg = json!({"model_type": "gpt2", "vocab_size": 256, "n_positions": 128,
+            "n_embd": hidden, "n_layer": layers, "n_head": 4, "tie_word_embeddings": true});
+        std::fs::write(model_dir.join("config.json"), cfg.to_string())?;
+        let off = match self.tier {
+            Tier::Nvme => json!({"device": "nvme", "nvme_path": path_str(&swap)?,
+                                 "buffer_count": 16, "buffer_size": 4 * hidden * hidden,
+                                 "max_in_cpu": 0, "pipeline_read": self.overlap,
+                                 "pipeline_write": self.overlap}),
+            Tier::Cpu => json!({"device": "cpu"}),
+            Tier::Stage0 => json!({"device": "none"}),
+        };
+        let stage = if self.tier == Tier::Stage0 { 0 } else { 3 };
+        let mut zero = json!({"stage": stage, "sub_group_size": 4 * hidden * hidden,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 24 * hidden * hidden,
+            "stage3_max_live_parameters": 48 * hidden * hidden,
+            "stage3_max_reuse_distance": 0});
+        if stage == 3 {
+            zero["offload_param"] = off.clone();
+            zero["offload_optimizer"] = off;
+        }
+        let mut ds = json!({
+            "train_micro_batch_size_per_gpu": self.micro_batch, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": zero,
+            "tierzero": {"overlap_optimizer": self.overlap, "checksums": false}
+        });
+        if self.clip > 0.0 {
+            ds["gradient_clipping"] = json!(self.clip);
+        }
+        let run = RunContext {
+            path_checks: PathChecks::CreateMissing,
+            ..RunContext::default()
+        };
+        let loaded = load_str(&ds.to_string(), &run)?;
+        let md = ModelDir::open(&model_dir, 1)?;
+        let text: Vec<u8> = (0..200_000u32)
+            .map(|i| b"the quick brown fox jumps over the lazy dog. "[(i as usize * 7) % 45])
+            .collect();
+        let data = TokenData::from_bytes(&text, Path::new("<synthetic>"));
+        Ok((loaded.config, md, data))
+    }
+}
+
+fn path_str(p: &Path) -> Result<&str, Box<dyn Error>> {
+    p.to_str()
+        .ok_or_else(|| format!("{} is not UTF-8", p.display()).into())
+}
+
+/// `name` from the environment, parsed, or `default`.
+pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Median of a non-empty list (the lower middle for even lengths).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get((v.len().max(1) - 1) / 2).copied().unwrap_or(f64::NAN)
+}

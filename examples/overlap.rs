@@ -1,0 +1,125 @@
+//! Overlap measurement (issue 4): runs each phase of a training step alone
+//! and the whole step, side by side, and reports
+//! `step time / max(compute alone, I/O alone, optimizer alone)`.
+//!
+//! ```text
+//! cargo run --release --example overlap -- LAYERS HIDDEN STEPS ROUNDS [DIR]
+//! ```
+//!
+//! Each round runs three trainers on the same model, data and seed, one
+//! after another (so machine noise hits all three alike), `STEPS` steps
+//! each; the first step of each (trace recording, cold caches) is dropped
+//! and the per-step medians are kept:
+//!
+//! * **compute alone** and **optimizer alone**: stage 0, everything in
+//!   memory. `compute_s` is forward + backward; `optimizer_s` is the Adam
+//!   kernel (plus the norm) over in-memory state;
+//! * **I/O alone**: stage 3 with params and optimizer state on NVMe and
+//!   `TrainerOptions::skip_compute`: every param is fetched and released in
+//!   trace order and the optimizer reads, steps (zero gradients) and writes
+//!   its state, with no forward or backward. Its step wall time is the I/O
+//!   phase;
+//! * **full step**: the same NVMe configuration training for real; its
+//!   step wall time is what the ratio compares.
+//!
+//! Environment: `CLIP` (default 0 = off) sets `gradient_clipping`;
+//! `OVERLAP=off` turns the optimizer overlap and pipelining off; `MICRO`
+//! (default 4) and `SEQ_LEN` (default 64) set the tokens per step, which
+//! move compute against I/O. Output: one JSON line
+//! per round, then a summary line with the medians over rounds and the
+//! ratio.
+
+use std::error::Error;
+use std::path::PathBuf;
+
+use serde_json::json;
+use tierzero::engine::{StepMetrics, Trainer, TrainerOptions};
+
+mod measure;
+use measure::{env_or, median, Setup, Tier};
+
+/// Per-step metrics of `steps` steps, the first dropped.
+fn run(setup: &Setup, steps: u64, skip_compute: bool) -> Result<Vec<StepMetrics>, Box<dyn Error>> {
+    let (config, md, data) = setup.build()?;
+    let mut opts = TrainerOptions::cpu(1, env_or("SEQ_LEN", 64));
+    opts.skip_compute = skip_compute;
+    let mut t = Trainer::new(&config, &md, data, opts)?;
+    let mut out = Vec::new();
+    for i in 0..steps {
+        let m = t.step()?.metrics;
+        if i > 0 {
+            out.push(m);
+        }
+    }
+    t.finish()?;
+    Ok(out)
+}
+
+fn med(ms: &[StepMetrics], f: impl Fn(&StepMetrics) -> f64) -> f64 {
+    median(ms.iter().map(f).collect())
+}
+
+fn main() -> Result<(), Box<dyn Error>> {
+    let a: Vec<String> = std::env::args().collect();
+    if a.len() < 5 {
+        return Err("usage: overlap LAYERS HIDDEN STEPS ROUNDS [DIR]".into());
+    }
+    let steps: u64 = a[3].parse()?;
+    let rounds: usize = a[4].parse()?;
+    if steps < 2 || rounds == 0 {
+        return Err("STEPS must be at least 2 and ROUNDS at least 1".into());
+    }
+    let base = Setup {
+        layers: a[1].parse()?,
+        hidden: a[2].parse()?,
+        tier: Tier::Nvme,
+        overlap: std::env::var("OVERLAP").map_or(true, |v| v != "off"),
+        clip: env_or("CLIP", 0.0),
+        root: PathBuf::from(
+            a.get(5)
+                .cloned()
+                .unwrap_or_else(|| "overlap-measure".into()),
+        ),
+        micro_batch: env_or("MICRO", 4),
+    };
+    let stage0 = Setup {
+        tier: Tier::Stage0,
+        ..base.clone()
+    };
+    let (mut compute, mut optimizer, mut io, mut full, mut eff) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for round in 0..rounds {
+        let s0 = run(&stage0, steps, false)?;
+        let io_only = run(&base, steps, true)?;
+        let real = run(&base, steps, false)?;
+        let c = med(&s0, |m| m.compute_s);
+        let o = med(&s0, |m| m.optimizer_s);
+        let i = med(&io_only, |m| m.wall_s);
+        let w = med(&real, |m| m.wall_s);
+        let e = med(&real, |m| m.overlap_efficiency);
+        println!(
+            "{}",
+            json!({"round": round, "compute_alone_s": c, "optimizer_alone_s": o,
+                   "io_alone_s": i, "step_s": w, "ratio": w / c.max(o).max(i),
+                   "overlap_efficiency": e,
+                   "step_compute_s": med(&real, |m| m.compute_s),
+                   "step_io_wait_s": med(&real, |m| m.io_wait_s),
+                   "step_io_busy_s": med(&real, |m| m.io_busy_s)})
+        );
+        compute.push(c);
+        optimizer.push(o);
+        io.push(i);
+        full.push(w);
+        eff.push(e);
+    }
+    let (c, o, i, w) = (median(compute), median(optimizer), median(io), median(full));
+    println!(
+        "{}",
+        json!({"summary": true, "layers": base.layers, "hidden": base.hidden,
+               "steps": steps, "rounds": rounds, "clip": base.clip, "overlap": base.overlap,
+               "micro_batch": base.micro_batch, "seq_len": env_or("SEQ_LEN", 64usize),
+               "compute_alone_s": c, "optimizer_alone_s": o, "io_alone_s": i, "step_s": w,
+               "ratio": w / c.max(o).max(i), "overlap_efficiency": median(eff)})
+    );
+    Ok(())
+}
