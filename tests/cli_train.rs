@@ -249,11 +249,11 @@ fn user_mistakes_exit_2_with_one_line() {
         &["--seq-len", "32"],
     );
     assert_bad(&d, &with(&TINY, &[("--threads", "0")]), &["--threads"]);
-    // Not supported yet.
+    // A tokenizer.json that is not there.
     assert_bad(
         &d,
         &with(&TINY, &[("--tokenizer", "tokenizer.json")]),
-        &["--tokenizer", "byte-level"],
+        &["--tokenizer", "tokenizer.json"],
     );
     // Data too short for the sequence length.
     std::fs::write(d.join("short.txt"), "too short").unwrap();
@@ -392,4 +392,38 @@ fn steps_come_from_the_flag_or_a_concrete_total_num_steps() {
         "{}",
         out.stderr
     );
+}
+
+#[test]
+fn tokenizer_json_feeds_the_run() {
+    let d = tiny_setup("tokenizer");
+    // A model with 8 token ids: byte-level data cannot fit it, the
+    // WordLevel tokenizer's ids (0..=7) can.
+    std::fs::create_dir_all(d.join("model8")).unwrap();
+    let model = json!({"model_type": "gpt2", "vocab_size": 8, "n_positions": 32,
+        "n_embd": 32, "n_layer": 2, "n_head": 2, "tie_word_embeddings": true});
+    std::fs::write(d.join("model8/config.json"), model.to_string()).unwrap();
+    std::fs::write(
+        d.join("words.txt"),
+        "the engine streams layers from nvme. ".repeat(20),
+    )
+    .unwrap();
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/tokenizer/wordlevel.json")
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let args = with(&TINY, &[("--model", "model8"), ("--data", "words.txt")]);
+    assert_bad(&d, &args, &["vocab_size is 8", "--tokenizer"]);
+    let mut args = with(&args, &[("--steps", "2")]);
+    args.extend(["--tokenizer", fixture.as_str(), "--metrics", "m.jsonl"]);
+    let out = train(&d, &args);
+    assert_eq!(out.code, 0, "stderr: {}", out.stderr);
+    let lines = metrics_lines(&d.join("m.jsonl"));
+    // Near ln(8) at a seeded init: the run saw 8-way ids, not bytes.
+    let loss = lines[0]["loss"].as_f64().unwrap();
+    assert!((loss - 8f64.ln()).abs() < 0.5, "{loss}");
+    // --tokenizer without --data: a usage error.
+    let out = train(&d, &["--tokenizer", fixture.as_str(), "--steps", "1"]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
 }

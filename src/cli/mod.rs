@@ -8,7 +8,9 @@
 pub mod bench_adam;
 pub mod bench_io;
 pub mod estimate;
+pub mod eval;
 pub mod inspect;
+mod tokens;
 pub mod train;
 
 use clap::{Parser, Subcommand};
@@ -37,6 +39,9 @@ enum Command {
     /// Memory needs per ZeRO stage and offload choice (device, pinned and
     /// pageable host memory, NVMe), and what fits on this machine.
     Estimate(estimate::EstimateArgs),
+    /// Mean next-token cross-entropy and perplexity of a model on a text
+    /// (non-overlapping windows, HF's labels=input_ids convention).
+    Eval(eval::EvalArgs),
     /// Summarise a swap directory: our swap files, their owners, and which
     /// are stale.
     Inspect(inspect::InspectArgs),
@@ -106,6 +111,7 @@ pub fn main() -> i32 {
         Command::Tune(a) => bench_io::run_tune(a),
         Command::BenchAdam(a) => bench_adam::run(a).map_err(Failure::Internal),
         Command::Estimate(a) => estimate::run(a),
+        Command::Eval(a) => eval::run(a),
         Command::Inspect(a) => inspect::run(a),
     };
     match result {

@@ -24,8 +24,9 @@
 //! * **Output.** The plan and the summary go to stdout; progress goes to
 //!   stderr, as an indicatif bar on a terminal and as plain lines every
 //!   `steps_per_print` steps (and the first and last) otherwise.
-//! * Not yet: `--tokenizer` (HF `tokenizer.json`) is refused with exit 2;
-//!   `--save-dir` / `--save-every` / `--resume` come with checkpoints.
+//! * **Data.** Byte-level, or a HF `tokenizer.json` with `--tokenizer`
+//!   (`cli::tokens`, shared with `eval`).
+//! * Not yet: `--save-dir` / `--save-every` / `--resume` come with checkpoints.
 
 use std::io::IsTerminal as _;
 use std::num::NonZeroUsize;
@@ -74,8 +75,9 @@ pub struct TrainArgs {
     /// embedded corpus (data/corpus.txt).
     #[arg(long, value_name = "FILE")]
     data: Option<PathBuf>,
-    /// HF tokenizer.json (not supported yet: only byte-level data works).
-    #[arg(long, value_name = "tokenizer.json")]
+    /// HF tokenizer.json to turn --data into token ids (needs --data; every
+    /// id must be below the model's vocab_size).
+    #[arg(long, value_name = "tokenizer.json", requires = "data")]
     tokenizer: Option<PathBuf>,
     /// Total optimizer steps (also fills scheduler total_num_steps "auto").
     /// Default: the config's total_num_steps if concrete, else 150.
@@ -96,13 +98,13 @@ pub struct TrainArgs {
     threads: String,
 }
 
-fn bad(msg: impl Into<String>) -> Failure {
+pub(super) fn bad(msg: impl Into<String>) -> Failure {
     Failure::BadInput(anyhow!(msg.into()))
 }
 
 /// A whole number for `flag` in `min..=max` (counts may use K/M/B suffixes
 /// or a float form such as 1e3).
-fn number(flag: &str, text: &str, min: u64, max: u64) -> Result<u64, Failure> {
+pub(super) fn number(flag: &str, text: &str, min: u64, max: u64) -> Result<u64, Failure> {
     let v = parse_count(text).map_err(|e| {
         bad(format!(
             "{flag}: {e}; give a whole number such as {flag} {min}"
@@ -116,7 +118,7 @@ fn number(flag: &str, text: &str, min: u64, max: u64) -> Result<u64, Failure> {
     Ok(v)
 }
 
-fn must_exist(flag: &str, path: &Path, dir: bool, fix: &str) -> Result<(), Failure> {
+pub(super) fn must_exist(flag: &str, path: &Path, dir: bool, fix: &str) -> Result<(), Failure> {
     match std::fs::metadata(path) {
         Ok(m) if m.is_dir() == dir => Ok(()),
         Ok(_) => Err(bad(format!(
@@ -266,14 +268,6 @@ impl Progress {
 /// Runs `tierzero train`.
 pub fn run(args: TrainArgs) -> Result<(), Failure> {
     let started = Instant::now();
-    if let Some(t) = &args.tokenizer {
-        return Err(bad(format!(
-            "--tokenizer {}: HF tokenizer.json input is not supported yet; only byte-level \
-             data works for now (every byte of --data is one token, so the model needs \
-             vocab_size >= 256): drop --tokenizer",
-            t.display()
-        )));
-    }
     let seed = number("--seed", &args.seed, 0, u64::MAX)?;
     let threads = number("--threads", &args.threads, 1, 1024)?;
     let threads = NonZeroUsize::new(threads as usize).unwrap_or(NonZeroUsize::MIN);
@@ -302,11 +296,10 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
 
     // Data.
     let (data, data_name) = match &args.data {
-        Some(p) => {
-            must_exist("--data", p, false, "give a text file to train on")?;
-            let d = TokenData::from_byte_file(p).map_err(|e| bad(format!("--data: {e}")))?;
-            (d, p.display().to_string())
-        }
+        Some(p) => (
+            super::tokens::load_tokens(p, args.tokenizer.as_deref(), &mc)?,
+            p.display().to_string(),
+        ),
         None => (
             TokenData::from_bytes(DEFAULT_CORPUS, Path::new(DEFAULT_CORPUS_NAME)),
             DEFAULT_CORPUS_NAME.to_owned(),
@@ -314,18 +307,10 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
     };
     if data.len() < seq_len + 2 {
         return Err(bad(format!(
-            "--data {data_name}: {} tokens (bytes) are too few for --seq-len {seq_len}; give at \
-             least {} bytes of text or a smaller --seq-len",
+            "--data {data_name}: {} tokens are too few for --seq-len {seq_len}; give at \
+             least {} tokens of text or a smaller --seq-len",
             data.len(),
             seq_len + 2
-        )));
-    }
-    if data.vocab_needed() > mc.vocab_size {
-        return Err(bad(format!(
-            "--data {data_name}: byte-level tokens go up to {} but the model's vocab_size is {}; \
-             use a model with vocab_size >= 256",
-            data.vocab_needed() - 1,
-            mc.vocab_size
         )));
     }
 
