@@ -427,3 +427,38 @@ fn tokenizer_json_feeds_the_run() {
     let out = train(&d, &["--tokenizer", fixture.as_str(), "--steps", "1"]);
     assert_eq!(out.code, 2, "{}", out.stderr);
 }
+
+#[test]
+fn json_prints_only_the_summary_object_on_stdout() {
+    let d = tiny_setup("json");
+    let mut args = TINY.to_vec();
+    args.extend(["--json", "--metrics", "m.jsonl"]);
+    let out = train(&d, &args);
+    assert_eq!(out.code, 0, "stderr: {}", out.stderr);
+    let v: Value = serde_json::from_str(out.stdout.trim())
+        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {}", out.stdout));
+    assert_eq!(out.stdout.trim().lines().count(), 1, "{}", out.stdout);
+    // The plan and the progress went to stderr.
+    assert!(out.stderr.contains("plan: ZeRO stage 3"), "{}", out.stderr);
+    assert!(out.stderr.contains("step 3/3"), "{}", out.stderr);
+    // The object agrees with the metrics file.
+    let lines = metrics_lines(&d.join("m.jsonl"));
+    assert_eq!(v["steps"], 3);
+    assert_eq!(v["final_step"], 3);
+    assert_eq!(v["weight_sha256"], lines[3]["weight_sha256"]);
+    assert_eq!(v["first_loss"].as_f64(), lines[0]["loss"].as_f64());
+    assert_eq!(v["final_loss"].as_f64(), lines[2]["loss"].as_f64());
+    assert_eq!(v["tokens_per_step"], 2 * 16);
+    assert_eq!(v["metrics"], "m.jsonl");
+    for key in [
+        "tokens_per_s",
+        "train_s",
+        "total_s",
+        "nvme_read_bytes",
+        "nvme_written_bytes",
+        "peak_rss_bytes",
+    ] {
+        let x = v[key].as_f64().unwrap_or_else(|| panic!("`{key}` in {v}"));
+        assert!(x > 0.0, "`{key}` = {x}");
+    }
+}

@@ -23,7 +23,9 @@
 //!   except an I/O error the user can fix (no space, permissions).
 //! * **Output.** The plan and the summary go to stdout; progress goes to
 //!   stderr, as an indicatif bar on a terminal and as plain lines every
-//!   `steps_per_print` steps (and the first and last) otherwise.
+//!   `steps_per_print` steps (and the first and last) otherwise. With
+//!   `--json`, stdout is only the summary as one JSON object (the plan goes
+//!   to stderr), for scripts.
 //! * **Data.** Byte-level, or a HF `tokenizer.json` with `--tokenizer`
 //!   (`cli::tokens`, shared with `eval`).
 //! * Not yet: `--save-dir` / `--save-every` / `--resume` come with checkpoints.
@@ -96,6 +98,10 @@ pub struct TrainArgs {
     /// Threads of the CPU Adam kernel (it runs beside the compute thread).
     #[arg(long, value_name = "N", default_value = "1")]
     threads: String,
+    /// Print only the final summary on stdout, as one JSON object (the plan
+    /// and progress go to stderr).
+    #[arg(long)]
+    json: bool,
 }
 
 pub(super) fn bad(msg: impl Into<String>) -> Failure {
@@ -265,6 +271,26 @@ impl Progress {
     }
 }
 
+/// The summary `--json` prints.
+#[derive(serde::Serialize)]
+struct JsonSummary<'a> {
+    steps: u64,
+    skipped_steps: u64,
+    first_loss: f32,
+    final_loss: f32,
+    final_step: u64,
+    weight_sha256: &'a str,
+    tokens_per_step: u64,
+    tokens_per_s: f64,
+    train_s: f64,
+    total_s: f64,
+    nvme_read_bytes: u64,
+    nvme_written_bytes: u64,
+    peak_rss_bytes: u64,
+    trace_rerecords: u64,
+    metrics: Option<String>,
+}
+
 /// Runs `tierzero train`.
 pub fn run(args: TrainArgs) -> Result<(), Failure> {
     let started = Instant::now();
@@ -386,7 +412,16 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         Some(d) => d.display().to_string(),
         None => "embedded default".to_owned(),
     };
-    emit(&format!(
+    // With --json, stdout carries only the summary object.
+    let say = |text: &str| -> Result<(), Failure> {
+        if args.json {
+            eprint!("{text}");
+            Ok(())
+        } else {
+            emit(text)
+        }
+    };
+    say(&format!(
         "tierzero train: model {model_name} ({}, {} layers, hidden {}, {} params, {}), \
          data {data_name}, config {config_name}\n\
          run: {steps} steps x {} sequences x {seq_len} tokens = {tokens_per_step} tokens/step, \
@@ -445,13 +480,37 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
     let (Some(first), Some(last)) = (first, last) else {
         return Err(Failure::Internal(anyhow!("no step ran")));
     };
+    let tokens_per_s = (tokens_per_step * summary.steps) as f64 / train_s.max(1e-9);
+    if args.json {
+        // A struct, not json!: the losses keep their f32 form (shortest
+        // repr), exactly as the metrics file writes them.
+        let obj = JsonSummary {
+            steps: summary.steps,
+            skipped_steps: summary.skipped_steps,
+            first_loss: first.loss,
+            final_loss: last.loss,
+            final_step: last.step,
+            weight_sha256: &summary.weight_sha256,
+            tokens_per_step,
+            tokens_per_s,
+            train_s,
+            total_s: started.elapsed().as_secs_f64(),
+            nvme_read_bytes: nvme_read,
+            nvme_written_bytes: nvme_written,
+            peak_rss_bytes: summary.peak_rss_bytes,
+            trace_rerecords: summary.trace_rerecords,
+            metrics: args.metrics.as_ref().map(|p| p.display().to_string()),
+        };
+        let obj = serde_json::to_string(&obj)
+            .map_err(|e| Failure::Internal(anyhow!("writing the JSON summary: {e}")))?;
+        return emit(&format!("{obj}\n"));
+    }
     emit(&format!(
-        "done: {} steps in {train_s:.1} s ({:.0} tokens/s), total {:.1} s\n\
+        "done: {} steps in {train_s:.1} s ({tokens_per_s:.0} tokens/s), total {:.1} s\n\
          loss: {:.4} at step 1 -> {:.4} at step {}\n\
          weight_sha256: {}\n\
          NVMe: read {}, written {}; peak RSS {}{}\n",
         summary.steps,
-        (tokens_per_step * summary.steps) as f64 / train_s.max(1e-9),
         started.elapsed().as_secs_f64(),
         first.loss,
         last.loss,
