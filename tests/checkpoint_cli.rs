@@ -207,3 +207,41 @@ fn resume_mistakes_are_bad_input() {
         m.stderr
     );
 }
+
+/// `eval --checkpoint` reads the checkpoint's fp32 masters; `export
+/// --dtype fp32` writes the same values into a HF file: evaluating the
+/// exported directory with `--model` gives the same loss, bit for bit.
+#[test]
+fn eval_of_a_checkpoint_equals_eval_of_its_fp32_export() {
+    let d = setup("eval-export");
+    let out = train(&d, &["--steps", "2", "--save-dir", "ck"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let out = run_tierzero(
+        Some(&d),
+        &[
+            "export",
+            "--checkpoint",
+            "ck",
+            "--out",
+            "hf/model.safetensors",
+            "--dtype",
+            "fp32",
+        ],
+    );
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let eval = |src: &[&str]| -> Value {
+        let mut args = vec!["eval", "--data", "data.txt", "--seq-len", "16", "--json"];
+        args.extend_from_slice(src);
+        let out = run_tierzero(Some(&d), &args);
+        assert_eq!(out.code, 0, "{}", out.stderr);
+        serde_json::from_str(out.stdout.trim()).unwrap()
+    };
+    let from_ckpt = eval(&["--checkpoint", "ck"]);
+    let from_export = eval(&["--model", "hf"]);
+    assert_eq!(from_ckpt, from_export);
+    let loss = from_ckpt["loss"].as_f64().unwrap();
+    assert!(loss.is_finite() && loss > 0.0, "{from_ckpt}");
+    // Trained for 2 steps: not the seeded init's loss.
+    let init = eval(&["--model", "model"]);
+    assert_ne!(init["loss"], from_ckpt["loss"]);
+}

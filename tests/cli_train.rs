@@ -258,11 +258,11 @@ fn user_mistakes_exit_2_with_one_line() {
         &["--seq-len", "32"],
     );
     assert_bad(&d, &with(&TINY, &[("--threads", "0")]), &["--threads"]);
-    // Not supported yet.
+    // A tokenizer.json that is not there.
     assert_bad(
         &d,
         &with(&TINY, &[("--tokenizer", "tokenizer.json")]),
-        &["--tokenizer", "byte-level"],
+        &["--tokenizer", "tokenizer.json"],
     );
     // Data too short for the sequence length.
     std::fs::write(d.join("short.txt"), "too short").unwrap();
@@ -401,4 +401,73 @@ fn steps_come_from_the_flag_or_a_concrete_total_num_steps() {
         "{}",
         out.stderr
     );
+}
+
+#[test]
+fn tokenizer_json_feeds_the_run() {
+    let d = tiny_setup("tokenizer");
+    // A model with 8 token ids: byte-level data cannot fit it, the
+    // WordLevel tokenizer's ids (0..=7) can.
+    std::fs::create_dir_all(d.join("model8")).unwrap();
+    let model = json!({"model_type": "gpt2", "vocab_size": 8, "n_positions": 32,
+        "n_embd": 32, "n_layer": 2, "n_head": 2, "tie_word_embeddings": true});
+    std::fs::write(d.join("model8/config.json"), model.to_string()).unwrap();
+    std::fs::write(
+        d.join("words.txt"),
+        "the engine streams layers from nvme. ".repeat(20),
+    )
+    .unwrap();
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/tokenizer/wordlevel.json")
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let args = with(&TINY, &[("--model", "model8"), ("--data", "words.txt")]);
+    assert_bad(&d, &args, &["vocab_size is 8", "--tokenizer"]);
+    let mut args = with(&args, &[("--steps", "2")]);
+    args.extend(["--tokenizer", fixture.as_str(), "--metrics", "m.jsonl"]);
+    let out = train(&d, &args);
+    assert_eq!(out.code, 0, "stderr: {}", out.stderr);
+    let lines = metrics_lines(&d.join("m.jsonl"));
+    // Near ln(8) at a seeded init: the run saw 8-way ids, not bytes.
+    let loss = lines[0]["loss"].as_f64().unwrap();
+    assert!((loss - 8f64.ln()).abs() < 0.5, "{loss}");
+    // --tokenizer without --data: a usage error.
+    let out = train(&d, &["--tokenizer", fixture.as_str(), "--steps", "1"]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+}
+
+#[test]
+fn json_prints_only_the_summary_object_on_stdout() {
+    let d = tiny_setup("json");
+    let mut args = TINY.to_vec();
+    args.extend(["--json", "--metrics", "m.jsonl"]);
+    let out = train(&d, &args);
+    assert_eq!(out.code, 0, "stderr: {}", out.stderr);
+    let v: Value = serde_json::from_str(out.stdout.trim())
+        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {}", out.stdout));
+    assert_eq!(out.stdout.trim().lines().count(), 1, "{}", out.stdout);
+    // The plan and the progress went to stderr.
+    assert!(out.stderr.contains("plan: ZeRO stage 3"), "{}", out.stderr);
+    assert!(out.stderr.contains("step 3/3"), "{}", out.stderr);
+    // The object agrees with the metrics file.
+    let lines = metrics_lines(&d.join("m.jsonl"));
+    assert_eq!(v["steps"], 3);
+    assert_eq!(v["final_step"], 3);
+    assert_eq!(v["weight_sha256"], lines[3]["weight_sha256"]);
+    assert_eq!(v["first_loss"].as_f64(), lines[0]["loss"].as_f64());
+    assert_eq!(v["final_loss"].as_f64(), lines[2]["loss"].as_f64());
+    assert_eq!(v["tokens_per_step"], 2 * 16);
+    assert_eq!(v["metrics"], "m.jsonl");
+    for key in [
+        "tokens_per_s",
+        "train_s",
+        "total_s",
+        "nvme_read_bytes",
+        "nvme_written_bytes",
+        "peak_rss_bytes",
+    ] {
+        let x = v[key].as_f64().unwrap_or_else(|| panic!("`{key}` in {v}"));
+        assert!(x > 0.0, "`{key}` = {x}");
+    }
 }

@@ -461,6 +461,34 @@ fn negative_learning_rate() {
 }
 
 #[test]
+fn learning_rate_zero_at_every_step() {
+    let e = err(with(
+        base(),
+        json!({"optimizer": {"type": "AdamW", "params": {"lr": 0}}}),
+    ));
+    assert!(matches!(&e, ConfigError::OutOfRange { key, .. } if key == "optimizer.params.lr"));
+    assert_msg(&e, &["optimizer.params.lr", "= 0", "never change", "1e-4"]);
+    // WarmupLR whose max follows the optimizer's lr ("auto") is 0 too.
+    let e = err(with(
+        base(),
+        json!({"optimizer": {"type": "AdamW", "params": {"lr": 0}},
+               "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}}),
+    ));
+    assert_msg(&e, &["scheduler.params.warmup_max_lr", "= 0"]);
+    // A scheduler with its own positive peak makes an optimizer lr of 0 fine.
+    load_str(
+        &with(
+            base(),
+            json!({"optimizer": {"type": "AdamW", "params": {"lr": 0}},
+                   "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}}),
+        )
+        .to_string(),
+        &skip_fs(),
+    )
+    .unwrap();
+}
+
+#[test]
 fn betas_outside_unit_interval() {
     let e = err(with(
         base(),

@@ -61,6 +61,8 @@ pub fn export_safetensors(
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
     };
+    // The output's directory is created if missing (like `--save-dir`).
+    std::fs::create_dir_all(&dir).map_err(io_err("creating directory", &dir))?;
     let model = ckpt.model();
     let cfg_text = hf_config_text(model)?;
     let config_path = dir.join("config.json");

@@ -8,8 +8,10 @@
 pub mod bench_adam;
 pub mod bench_io;
 pub mod estimate;
+pub mod eval;
 pub mod export;
 pub mod inspect;
+mod tokens;
 pub mod train;
 
 use clap::{Parser, Subcommand};
@@ -38,6 +40,9 @@ enum Command {
     /// Memory needs per ZeRO stage and offload choice (device, pinned and
     /// pageable host memory, NVMe), and what fits on this machine.
     Estimate(estimate::EstimateArgs),
+    /// Mean next-token cross-entropy and perplexity of a model on a text
+    /// (non-overlapping windows, HF's labels=input_ids convention).
+    Eval(eval::EvalArgs),
     /// Consolidate a checkpoint into one safetensors file with HF tensor
     /// names (our zero_to_fp32), plus config.json beside it.
     Export(export::ExportArgs),
@@ -110,20 +115,38 @@ pub fn main() -> i32 {
         Command::Tune(a) => bench_io::run_tune(a),
         Command::BenchAdam(a) => bench_adam::run(a).map_err(Failure::Internal),
         Command::Estimate(a) => estimate::run(a),
+        Command::Eval(a) => eval::run(a),
         Command::Export(a) => export::run(a),
         Command::Inspect(a) => inspect::run(a),
     };
     match result {
         Ok(()) => 0,
         Err(Failure::BadInput(e)) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", chain_text(&e));
             2
         }
         Err(Failure::Internal(e)) => {
-            eprintln!("internal error: {e:#}");
+            eprintln!("internal error: {}", chain_text(&e));
             1
         }
     }
+}
+
+/// The error and its causes on one line, `a: b: c`, leaving out a cause
+/// whose text the line already holds (our error enums print their source
+/// in their own message, so `{:#}` would repeat it).
+fn chain_text(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.is_empty() {
+            line = text;
+        } else if !line.contains(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+    }
+    line
 }
 
 fn init_tracing() {
@@ -134,4 +157,27 @@ fn init_tracing() {
         .with_writer(std::io::stderr)
         .with_target(false)
         .try_init();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::chain_text;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("creating x: {source}")]
+    struct Outer {
+        source: std::io::Error,
+    }
+
+    #[test]
+    fn chain_text_keeps_new_causes_and_drops_repeated_ones() {
+        let io = || std::io::Error::from(std::io::ErrorKind::NotFound);
+        // The source is already in the message: said once.
+        let e = anyhow::Error::new(Outer { source: io() });
+        let t = chain_text(&e);
+        assert_eq!(t.matches(&io().to_string()).count(), 1, "{t}");
+        // Context above it adds text; causes not yet said are kept.
+        let e = anyhow::Error::new(Outer { source: io() }).context("export");
+        assert_eq!(chain_text(&e), format!("export: creating x: {}", io()));
+    }
 }

@@ -23,7 +23,11 @@
 //!   except an I/O error the user can fix (no space, permissions).
 //! * **Output.** The plan and the summary go to stdout; progress goes to
 //!   stderr, as an indicatif bar on a terminal and as plain lines every
-//!   `steps_per_print` steps (and the first and last) otherwise.
+//!   `steps_per_print` steps (and the first and last) otherwise. With
+//!   `--json`, stdout is only the summary as one JSON object (the plan goes
+//!   to stderr), for scripts.
+//! * **Data.** Byte-level, or a HF `tokenizer.json` with `--tokenizer`
+//!   (`cli::tokens`, shared with `eval`).
 //! * **Checkpoints.** `--save-dir DIR` saves every `--save-every N` steps
 //!   and at the end (`DIR/step-<N>/`, `DIR/latest`; see
 //!   `tierzero::checkpoint`). `--resume DIR` (a save dir, meaning its
@@ -33,7 +37,6 @@
 //!   total, so the run does `steps - checkpoint step` more (none, with a
 //!   message and exit 0, when it is already there). A checkpoint that does
 //!   not validate or does not fit the run is bad input (exit 2).
-//! * Not yet: `--tokenizer` (HF `tokenizer.json`) is refused with exit 2.
 
 use std::io::IsTerminal as _;
 use std::num::NonZeroUsize;
@@ -85,8 +88,9 @@ pub struct TrainArgs {
     /// embedded corpus (data/corpus.txt).
     #[arg(long, value_name = "FILE")]
     data: Option<PathBuf>,
-    /// HF tokenizer.json (not supported yet: only byte-level data works).
-    #[arg(long, value_name = "tokenizer.json")]
+    /// HF tokenizer.json to turn --data into token ids (needs --data; every
+    /// id must be below the model's vocab_size).
+    #[arg(long, value_name = "tokenizer.json", requires = "data")]
     tokenizer: Option<PathBuf>,
     /// Total optimizer steps (also fills scheduler total_num_steps "auto").
     /// Default: the config's total_num_steps if concrete, else 150.
@@ -117,15 +121,19 @@ pub struct TrainArgs {
     /// --steps stays the total.
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
+    /// Print only the final summary on stdout, as one JSON object (the plan
+    /// and progress go to stderr).
+    #[arg(long)]
+    json: bool,
 }
 
-fn bad(msg: impl Into<String>) -> Failure {
+pub(super) fn bad(msg: impl Into<String>) -> Failure {
     Failure::BadInput(anyhow!(msg.into()))
 }
 
 /// A whole number for `flag` in `min..=max` (counts may use K/M/B suffixes
 /// or a float form such as 1e3).
-fn number(flag: &str, text: &str, min: u64, max: u64) -> Result<u64, Failure> {
+pub(super) fn number(flag: &str, text: &str, min: u64, max: u64) -> Result<u64, Failure> {
     let v = parse_count(text).map_err(|e| {
         bad(format!(
             "{flag}: {e}; give a whole number such as {flag} {min}"
@@ -139,7 +147,7 @@ fn number(flag: &str, text: &str, min: u64, max: u64) -> Result<u64, Failure> {
     Ok(v)
 }
 
-fn must_exist(flag: &str, path: &Path, dir: bool, fix: &str) -> Result<(), Failure> {
+pub(super) fn must_exist(flag: &str, path: &Path, dir: bool, fix: &str) -> Result<(), Failure> {
     match std::fs::metadata(path) {
         Ok(m) if m.is_dir() == dir => Ok(()),
         Ok(_) => Err(bad(format!(
@@ -287,17 +295,29 @@ impl Progress {
     }
 }
 
+/// The summary `--json` prints.
+#[derive(serde::Serialize)]
+struct JsonSummary<'a> {
+    steps: u64,
+    skipped_steps: u64,
+    first_loss: f32,
+    final_loss: f32,
+    final_step: u64,
+    weight_sha256: &'a str,
+    tokens_per_step: u64,
+    tokens_per_s: f64,
+    train_s: f64,
+    total_s: f64,
+    nvme_read_bytes: u64,
+    nvme_written_bytes: u64,
+    peak_rss_bytes: u64,
+    trace_rerecords: u64,
+    metrics: Option<String>,
+}
+
 /// Runs `tierzero train`.
 pub fn run(args: TrainArgs) -> Result<(), Failure> {
     let started = Instant::now();
-    if let Some(t) = &args.tokenizer {
-        return Err(bad(format!(
-            "--tokenizer {}: HF tokenizer.json input is not supported yet; only byte-level \
-             data works for now (every byte of --data is one token, so the model needs \
-             vocab_size >= 256): drop --tokenizer",
-            t.display()
-        )));
-    }
     let seed = number("--seed", &args.seed, 0, u64::MAX)?;
     let threads = number("--threads", &args.threads, 1, 1024)?;
     let threads = NonZeroUsize::new(threads as usize).unwrap_or(NonZeroUsize::MIN);
@@ -368,11 +388,10 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
 
     // Data.
     let (data, data_name) = match &args.data {
-        Some(p) => {
-            must_exist("--data", p, false, "give a text file to train on")?;
-            let d = TokenData::from_byte_file(p).map_err(|e| bad(format!("--data: {e}")))?;
-            (d, p.display().to_string())
-        }
+        Some(p) => (
+            super::tokens::load_tokens(p, args.tokenizer.as_deref(), &mc)?,
+            p.display().to_string(),
+        ),
         None => (
             TokenData::from_bytes(DEFAULT_CORPUS, Path::new(DEFAULT_CORPUS_NAME)),
             DEFAULT_CORPUS_NAME.to_owned(),
@@ -380,18 +399,10 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
     };
     if data.len() < seq_len + 2 {
         return Err(bad(format!(
-            "--data {data_name}: {} tokens (bytes) are too few for --seq-len {seq_len}; give at \
-             least {} bytes of text or a smaller --seq-len",
+            "--data {data_name}: {} tokens are too few for --seq-len {seq_len}; give at \
+             least {} tokens of text or a smaller --seq-len",
             data.len(),
             seq_len + 2
-        )));
-    }
-    if data.vocab_needed() > mc.vocab_size {
-        return Err(bad(format!(
-            "--data {data_name}: byte-level tokens go up to {} but the model's vocab_size is {}; \
-             use a model with vocab_size >= 256",
-            data.vocab_needed() - 1,
-            mc.vocab_size
         )));
     }
 
@@ -444,6 +455,16 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         }
     }
 
+    // With --json, stdout carries only the summary object.
+    let say = |text: &str| -> Result<(), Failure> {
+        if args.json {
+            eprint!("{text}");
+            Ok(())
+        } else {
+            emit(text)
+        }
+    };
+
     // Engine.
     let opts = TrainerOptions {
         adam_threads: threads,
@@ -454,7 +475,7 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         cfg.batch.micro_batch_size * cfg.batch.gradient_accumulation_steps * seq_len as u64;
     let start_step = ckpt.as_ref().map_or(0, |c| c.step());
     if start_step >= steps {
-        return emit(&format!(
+        return say(&format!(
             "the checkpoint {} is at step {start_step}, which already reaches --steps {steps}; \
              nothing to do (raise --steps to train further)\n",
             ckpt.as_ref()
@@ -480,7 +501,7 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         (None, Some(c)) => format!("from checkpoint {}", c.dir().display()),
         (None, None) => "embedded default".to_owned(),
     };
-    emit(&format!(
+    say(&format!(
         "tierzero train: model {model_name} ({}, {} layers, hidden {}, {} params, {}), \
          data {data_name}, config {config_name}\n\
          run: {steps} steps x {} sequences x {seq_len} tokens = {tokens_per_step} tokens/step, \
@@ -506,9 +527,8 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
     let train_started = Instant::now();
     let mut first: Option<StepMetrics> = None;
     let mut last: Option<StepMetrics> = None;
-    let (mut nvme_read, mut nvme_written) = (0u64, 0u64);
     if start_step > 0 {
-        emit(&format!(
+        say(&format!(
             "resuming at step {start_step} of {steps} from {}\n",
             ckpt.as_ref()
                 .map_or(String::new(), |c| c.dir().display().to_string())
@@ -519,7 +539,7 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         let p = trainer
             .save_checkpoint(dir)
             .map_err(|e| run_failure(e, "saving a checkpoint"))?;
-        emit(&format!(
+        say(&format!(
             "checkpoint: step {} saved to {}\n",
             trainer.steps_done(),
             p.display()
@@ -541,8 +561,6 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
                 m.loss
             )));
         }
-        nvme_read += m.bytes_read.get("nvme").copied().unwrap_or(0);
-        nvme_written += m.bytes_written.get("nvme").copied().unwrap_or(0);
         progress.step(&m, steps);
         if let (Some(every), Some(dir)) = (save_every, &args.save_dir) {
             if m.step.is_multiple_of(every) {
@@ -568,13 +586,41 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
     let (Some(first), Some(last)) = (first, last) else {
         return Err(Failure::Internal(anyhow!("no step ran")));
     };
+    // The run's totals (initial weights and the last optimizer tail
+    // included), not a sum of step lines.
+    let nvme_read = summary.bytes_read.get("nvme").copied().unwrap_or(0);
+    let nvme_written = summary.bytes_written.get("nvme").copied().unwrap_or(0);
+    let tokens_per_s = (tokens_per_step * (summary.steps - start_step)) as f64 / train_s.max(1e-9);
+    if args.json {
+        // A struct, not json!: the losses keep their f32 form (shortest
+        // repr), exactly as the metrics file writes them.
+        let obj = JsonSummary {
+            steps: summary.steps,
+            skipped_steps: summary.skipped_steps,
+            first_loss: first.loss,
+            final_loss: last.loss,
+            final_step: last.step,
+            weight_sha256: &summary.weight_sha256,
+            tokens_per_step,
+            tokens_per_s,
+            train_s,
+            total_s: started.elapsed().as_secs_f64(),
+            nvme_read_bytes: nvme_read,
+            nvme_written_bytes: nvme_written,
+            peak_rss_bytes: summary.peak_rss_bytes,
+            trace_rerecords: summary.trace_rerecords,
+            metrics: args.metrics.as_ref().map(|p| p.display().to_string()),
+        };
+        let obj = serde_json::to_string(&obj)
+            .map_err(|e| Failure::Internal(anyhow!("writing the JSON summary: {e}")))?;
+        return emit(&format!("{obj}\n"));
+    }
     emit(&format!(
-        "done: {} steps in {train_s:.1} s ({:.0} tokens/s), total {:.1} s\n\
+        "done: {} steps in {train_s:.1} s ({tokens_per_s:.0} tokens/s), total {:.1} s\n\
          loss: {:.4} at step {} -> {:.4} at step {}\n\
          weight_sha256: {}\n\
          NVMe: read {}, written {}; peak RSS {}{}\n",
         summary.steps - start_step,
-        (tokens_per_step * (summary.steps - start_step)) as f64 / train_s.max(1e-9),
         started.elapsed().as_secs_f64(),
         first.loss,
         first.step,

@@ -537,6 +537,31 @@ fn range(key: &str, value: impl ToString, allowed: &str, fix: &str) -> ConfigErr
     }
 }
 
+/// A schedule whose learning rate is 0 at every step changes no weight: a
+/// mistake (DeepSpeed and torch accept it silently). An optimizer lr of 0 is
+/// fine when the scheduler sets its own peak (`WarmupLR`/`WarmupDecayLR`
+/// with a positive `warmup_max_lr`); the error names the key that decides.
+fn check_some_lr_is_positive(optimizer_lr: f64, scheduler: &Scheduler) -> Result<(), ConfigError> {
+    let (key, peak) = match *scheduler {
+        Scheduler::Constant | Scheduler::WarmupCosineLr { .. } => {
+            ("optimizer.params.lr", optimizer_lr)
+        }
+        Scheduler::WarmupLr { min_lr, max_lr, .. }
+        | Scheduler::WarmupDecayLr { min_lr, max_lr, .. } => {
+            ("scheduler.params.warmup_max_lr", min_lr.max(max_lr))
+        }
+    };
+    if peak == 0.0 {
+        return Err(range(
+            key,
+            peak,
+            "positive (with a learning rate of 0 at every step the weights never change)",
+            "use a positive learning rate such as 1e-4",
+        ));
+    }
+    Ok(())
+}
+
 fn positive(key: &str, v: u64, fix: &str) -> Result<u64, ConfigError> {
     if v == 0 {
         Err(range(key, 0, "at least 1", fix))
@@ -598,6 +623,7 @@ pub(crate) fn validate(
     let precision = resolve_precision(ds, &mut r)?;
     let optimizer = resolve_optimizer(ds, &mut r)?;
     let scheduler = resolve_scheduler(ds.scheduler.as_ref(), optimizer.lr, &mut r, sink)?;
+    check_some_lr_is_positive(optimizer.lr, &scheduler)?;
 
     let z = &ds.zero_optimization;
     let offload_param = validate_param_offload(z.offload_param.as_ref(), stage, sink)?;

@@ -1,7 +1,13 @@
 //! A deterministic data loader over a token file.
 //!
 //! Byte-level by default: every byte of the file is one token (ids 0..=255,
-//! so the model's vocabulary must have at least 256 entries). Sample `s`
+//! so the model's vocabulary must have at least 256 entries). With a HF
+//! `tokenizer.json` ([`TokenData::from_tokenizer_file`]), the whole file is
+//! encoded at once by the `tokenizers` crate (HF's own implementation, so
+//! the ids are those `transformers` gives), with the tokenizer's special
+//! tokens added as `tokenizer(text)` adds them by default (GPT-2: none;
+//! Llama: one BOS at the start). Every id must be below the model's
+//! `vocab_size`, checked at load with both numbers in the error. Sample `s`
 //! (a global index over steps, micro-batches, ranks and rows) is the
 //! window of `seq_len + 1` tokens starting at `(s · seq_len) mod (len −
 //! seq_len − 1)`: inputs are its first `seq_len` tokens, targets the last
@@ -33,12 +39,68 @@ impl TokenData {
         Ok(Self::from_bytes(&bytes, path))
     }
 
+    /// Reads `data_path` as UTF-8 text and encodes it with the HF tokenizer
+    /// in `tokenizer_path` (`tokenizer.json`). Fails with both numbers when
+    /// an id is not below `vocab_size` (the model's).
+    pub fn from_tokenizer_file(
+        data_path: &Path,
+        tokenizer_path: &Path,
+        vocab_size: usize,
+    ) -> Result<Self> {
+        let tokenizer =
+            tokenizers::Tokenizer::from_file(tokenizer_path).map_err(|e| EngineError::Data {
+                path: tokenizer_path.to_owned(),
+                reason: format!("not a usable HF tokenizer.json: {e}"),
+            })?;
+        let bytes = std::fs::read(data_path).map_err(|source| EngineError::Io {
+            path: data_path.to_owned(),
+            source,
+        })?;
+        let text = String::from_utf8(bytes).map_err(|e| EngineError::Data {
+            path: data_path.to_owned(),
+            reason: format!(
+                "not UTF-8 text (invalid byte at offset {}); a tokenizer needs text, \
+                 or drop --tokenizer to read the file byte-level",
+                e.utf8_error().valid_up_to()
+            ),
+        })?;
+        let encoding = tokenizer
+            .encode(text.as_str(), true)
+            .map_err(|e| EngineError::Data {
+                path: data_path.to_owned(),
+                reason: format!("encoding with {}: {e}", tokenizer_path.display()),
+            })?;
+        let data = TokenData {
+            tokens: encoding.get_ids().to_vec(),
+            source: data_path.to_owned(),
+        };
+        let needed = data.vocab_needed();
+        if needed > vocab_size {
+            return Err(EngineError::Data {
+                path: data_path.to_owned(),
+                reason: format!(
+                    "tokenizer {} gives token id {} but the model's vocab_size is {vocab_size}; \
+                     use the tokenizer the model was trained with (ids must be below \
+                     vocab_size)",
+                    tokenizer_path.display(),
+                    needed - 1
+                ),
+            });
+        }
+        Ok(data)
+    }
+
     /// Byte-level tokens from memory (`source` names them in errors).
     pub fn from_bytes(bytes: &[u8], source: &Path) -> Self {
         TokenData {
             tokens: bytes.iter().map(|&b| u32::from(b)).collect(),
             source: source.to_owned(),
         }
+    }
+
+    /// The tokens, in file order.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
     }
 
     /// Number of tokens.

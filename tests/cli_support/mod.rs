@@ -25,3 +25,29 @@ pub fn run_tierzero(cwd: Option<&Path>, args: &[&str]) -> Out {
         stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
     }
 }
+
+/// Asserts a user mistake's output: exit code 2, no panic, and stderr is one
+/// line starting with `error: ` that contains every one of `words`.
+pub fn assert_bad_input(out: &Out, what: &str, words: &[&str]) {
+    assert_eq!(
+        out.code, 2,
+        "{what}: stdout {} stderr {}",
+        out.stdout, out.stderr
+    );
+    assert!(!out.stderr.contains("panicked"), "{what}: {}", out.stderr);
+    assert!(!out.stderr.contains("backtrace"), "{what}: {}", out.stderr);
+    let lines: Vec<&str> = out
+        .stderr
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .collect();
+    assert_eq!(lines.len(), 1, "{what}: not one line: {}", out.stderr);
+    assert!(lines[0].starts_with("error: "), "{what}: {}", lines[0]);
+    for w in words {
+        assert!(
+            lines[0].contains(w),
+            "{what}: `{w}` missing from: {}",
+            lines[0]
+        );
+    }
+}

@@ -1,0 +1,205 @@
+//! `tierzero eval`: mean next-token cross-entropy and perplexity of a model
+//! on a token file (the library side is `tierzero::eval`, which documents
+//! the windows and the weighting).
+//!
+//! Design:
+//! * **Weights.** `--model DIR` is a HF directory (`config.json` plus
+//!   safetensors; `config.json` alone evaluates the seeded init of
+//!   `--seed`, as `train` would start from). `--checkpoint DIR` is a
+//!   tierzero checkpoint; both end in one `fetch` closure handed to
+//!   `tierzero::eval::evaluate`, so a weight source is one match arm.
+//! * **Data.** Byte-level like `train` unless `--tokenizer` names a HF
+//!   `tokenizer.json`.
+//! * **Output.** Plain text: a header line, `loss` and `perplexity`. With
+//!   `--json`, stdout is exactly one object `{"loss", "perplexity",
+//!   "tokens"}` (`tokens` = predicted tokens, the count the mean is over);
+//!   the header goes to stderr.
+//! * **Errors.** Every user mistake (seq_len < 2 or above the model's
+//!   positions, data shorter than one window, token ids outside the
+//!   vocabulary, missing files) is one line and exit 2.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device};
+use clap::Args;
+
+use tierzero::eval::{evaluate, EvalError, EvalOptions, EvalResult, Windows};
+use tierzero::model::{ModelConfig, ModelDir};
+
+use super::tokens::load_tokens;
+use super::train::{bad, must_exist, number};
+use super::{emit, Failure};
+
+const EXAMPLES: &str = "\
+Examples:
+  tierzero eval --model ./gpt2 --data valid.txt --seq-len 1024 --tokenizer ./gpt2/tokenizer.json
+  tierzero eval --model ./my-model --data valid.txt --seq-len 128 --json
+      prints {\"loss\": <mean nats>, \"perplexity\": <exp(loss)>, \"tokens\": <predicted>}
+
+Windows of --seq-len L tokens do not overlap; in each, positions 1..L-1 are
+predicted from the ones before (HF's labels=input_ids convention), and a
+trailing partial window of 2 or more tokens counts. The loss is the mean over
+all predicted tokens; \"tokens\" is their count.
+";
+
+/// `tierzero eval` options.
+#[derive(Debug, Args)]
+#[command(after_help = EXAMPLES)]
+pub struct EvalArgs {
+    /// HF model directory: config.json plus *.safetensors (GPT-2 or Llama
+    /// layout); config.json alone means the seeded init of --seed.
+    #[arg(long, value_name = "DIR", required_unless_present = "checkpoint")]
+    model: Option<PathBuf>,
+    /// A tierzero checkpoint directory (evaluates its fp32 master weights).
+    #[arg(long, value_name = "DIR", conflicts_with = "model")]
+    checkpoint: Option<PathBuf>,
+    /// Text to evaluate on, byte-level unless --tokenizer is given.
+    #[arg(long, value_name = "FILE")]
+    data: PathBuf,
+    /// Window length L in tokens (each window gives L-1 predictions);
+    /// from 2 to the model's maximum positions.
+    #[arg(long, value_name = "L")]
+    seq_len: String,
+    /// HF tokenizer.json to turn --data into token ids.
+    #[arg(long, value_name = "tokenizer.json")]
+    tokenizer: Option<PathBuf>,
+    /// Windows per forward pass (bounds memory: the logits take
+    /// N x (L-1) x vocab_size x 4 bytes); does not change the result.
+    #[arg(long, value_name = "N", default_value = "4")]
+    batch: String,
+    /// Seed of the init when --model has no weights.
+    #[arg(long, value_name = "N", default_value = "1")]
+    seed: String,
+    /// Print {"loss": ..., "perplexity": ..., "tokens": ...} on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Classifies an evaluation error: input mistakes are exit 2, with the flag
+/// they come from.
+fn eval_failure(e: EvalError, data: &Path) -> Failure {
+    let flag = match e {
+        EvalError::SeqLenTooSmall { .. } | EvalError::SeqLenTooLarge { .. } => {
+            "--seq-len".to_owned()
+        }
+        EvalError::TooFewTokens { .. } | EvalError::TokenOutOfVocab { .. } => {
+            format!("--data {}", data.display())
+        }
+        EvalError::ZeroBatch => "--batch".to_owned(),
+        EvalError::NotFinite { .. } => "the model's weights".to_owned(),
+        other => return Failure::Internal(anyhow::Error::new(other)),
+    };
+    bad(format!("{flag}: {e}"))
+}
+
+/// Runs `tierzero eval`.
+pub fn run(args: EvalArgs) -> Result<(), Failure> {
+    let seq_len = number("--seq-len", &args.seq_len, 2, 1 << 30)? as usize;
+    let batch = number("--batch", &args.batch, 1, 1 << 20)? as usize;
+    let seed = number("--seed", &args.seed, 0, u64::MAX)?;
+    let device = Device::Cpu;
+    let opts = EvalOptions {
+        seq_len,
+        batch_windows: batch,
+        device: device.clone(),
+    };
+    // Each weight source gives the model and one fetch closure.
+    if let Some(dir) = &args.checkpoint {
+        must_exist(
+            "--checkpoint",
+            dir,
+            true,
+            "give a checkpoint directory written by tierzero train --save-dir",
+        )?;
+        let ck = tierzero::checkpoint::Checkpoint::open(dir)
+            .map_err(|e| bad(format!("--checkpoint {}: {e}", dir.display())))?;
+        let data = load_tokens(&args.data, args.tokenizer.as_deref(), ck.model().config())?;
+        let result = evaluate(ck.model(), |id| ck.load_param_f32(id), data.tokens(), &opts);
+        return report(
+            &args,
+            &format!(
+                "checkpoint {} (step {}, fp32 masters)",
+                ck.dir().display(),
+                ck.step()
+            ),
+            ck.model().config(),
+            data.len(),
+            result,
+        );
+    }
+    let Some(dir) = &args.model else {
+        return Err(bad("give --model DIR (a HF directory) or --checkpoint DIR"));
+    };
+    let fix = "give a HF model directory with config.json (and optionally *.safetensors)";
+    must_exist("--model", dir, true, fix)?;
+    must_exist("--model", &dir.join("config.json"), false, fix)?;
+    let md =
+        ModelDir::open(dir, seed).map_err(|e| bad(format!("--model {}: {e}", dir.display())))?;
+    let data = load_tokens(&args.data, args.tokenizer.as_deref(), md.model().config())?;
+    let result = evaluate(
+        md.model(),
+        |id| md.load_param(id, DType::F32, &device),
+        data.tokens(),
+        &opts,
+    );
+    let source = if md.has_weights() {
+        "weights from safetensors".to_owned()
+    } else {
+        format!("seeded init, seed {seed}")
+    };
+    report(
+        &args,
+        &format!("{} ({source})", dir.display()),
+        md.model().config(),
+        data.len(),
+        result,
+    )
+}
+
+/// Prints the result of an evaluation (or classifies its error).
+fn report(
+    args: &EvalArgs,
+    model_name: &str,
+    mc: &ModelConfig,
+    n_tokens: usize,
+    result: Result<EvalResult, EvalError>,
+) -> Result<(), Failure> {
+    let data_name = args.data.display();
+    let r = result.map_err(|e| eval_failure(e, &args.data))?;
+    let seq_len = number("--seq-len", &args.seq_len, 2, 1 << 30)? as usize;
+    let windows = Windows::new(n_tokens, seq_len).map_err(|e| eval_failure(e, &args.data))?;
+    let header = format!(
+        "tierzero eval: model {model_name}, {} layers, hidden {}, vocab {}; data {data_name}: \
+         {n_tokens} tokens in {} windows of {seq_len} ({} full{}{}), {} predicted",
+        mc.n_layer,
+        mc.hidden_size,
+        mc.vocab_size,
+        r.windows,
+        windows.full,
+        if windows.partial_len > 0 {
+            format!(", 1 partial of {}", windows.partial_len)
+        } else {
+            String::new()
+        },
+        if windows.dropped > 0 {
+            format!(", {} trailing token dropped", windows.dropped)
+        } else {
+            String::new()
+        },
+        r.tokens
+    );
+    if args.json {
+        eprintln!("{header}");
+        let obj = serde_json::json!({
+            "loss": r.loss,
+            "perplexity": r.perplexity,
+            "tokens": r.tokens,
+        });
+        emit(&format!("{obj}\n"))
+    } else {
+        emit(&format!(
+            "{header}\nloss: {:.6}\nperplexity: {:.4}\n",
+            r.loss, r.perplexity
+        ))
+    }
+}

@@ -1,0 +1,361 @@
+//! Evaluation: the mean next-token cross-entropy of a model over a token
+//! stream, and its perplexity (`tierzero eval`).
+//!
+//! # What is measured
+//!
+//! The tokens are cut into **non-overlapping windows of `seq_len` (L)
+//! tokens**, from the start. In each window, positions 1..L−1 are predicted
+//! from the ones before: the model reads the window's first L−1 tokens and
+//! its logits at position `i` are scored against token `i + 1`. This is the
+//! convention of HF `transformers`' `labels=input_ids` loss (which shifts
+//! logits and labels by one inside the window), so each full window yields
+//! L−1 predictions and the first token of every window is never predicted.
+//! Feeding only the first L−1 tokens gives the same logits as feeding all L
+//! (the model is causal) and saves one position.
+//!
+//! A **trailing partial window** of `r` tokens (`r = len mod L`) counts when
+//! `r >= 2` (it yields `r − 1` predictions); a single trailing token has
+//! nothing to be predicted from and is dropped.
+//!
+//! # Weighting
+//!
+//! The loss is the **mean over all predicted tokens** (the sum of their
+//! negative log-likelihoods divided by their count), and
+//! [`EvalResult::tokens`] is that count: `full × (L − 1) + max(r − 1, 0)`.
+//! HF's usual perplexity loop averages the per-window means instead. The two
+//! agree exactly when every window has the same length (no partial window,
+//! i.e. `len mod L` is 0 or 1); with a partial window ours weights each
+//! token equally rather than each window. We chose the token mean because it
+//! does not depend on where the data happens to end, and it is what
+//! `exp(loss)` as perplexity means.
+//!
+//! # Numerics and memory
+//!
+//! Parameters are fetched once through the caller's closure and converted to
+//! fp32 on the compute device (so a checkpoint's master weights, a
+//! safetensors file in 16-bit or a seeded init all evaluate the same way).
+//! Windows run `batch_windows` at a time through the units
+//! ([`Model::forward_unit`]) and the head's [`Model::logits`], in fp32; the
+//! log-softmax of each predicted position is then taken in f64 from the fp32
+//! logits and summed in f64, in window order, so the result does not depend
+//! on `batch_windows`. Memory is the model in fp32 plus one batch's
+//! activations; the largest piece is the logits, `batch_windows × (L − 1) ×
+//! vocab_size × 4` bytes, which `--batch` bounds.
+//!
+//! # Where the weights come from
+//!
+//! [`evaluate`] takes a `fetch` closure from [`ParamId`] to a tensor, so any
+//! weight source plugs in with one line: a HF directory
+//! (`|id| dir.load_param(id, DType::F32, &device)`), or a checkpoint's fp32
+//! master weights.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::model::{Model, ModelError, ParamId, UnitInput, UnitKind};
+
+/// Errors of evaluation. Every variant but `Model`/`Candle`/`Fetch` is the
+/// caller's input.
+#[derive(Debug, thiserror::Error)]
+pub enum EvalError {
+    /// `seq_len` below 2: a window must hold one token to predict from and
+    /// one to predict.
+    #[error("seq_len {seq_len} is too small: a window needs at least 2 tokens (one to read, one to predict)")]
+    SeqLenTooSmall {
+        /// The value given.
+        seq_len: usize,
+    },
+    /// `seq_len` above the model's positions.
+    #[error("seq_len {seq_len} exceeds the model's maximum positions {max_seq_len}; use a seq_len of at most {max_seq_len}")]
+    SeqLenTooLarge {
+        /// The value given.
+        seq_len: usize,
+        /// The model's `max_seq_len` (`n_positions` / `max_position_embeddings`).
+        max_seq_len: usize,
+    },
+    /// Fewer tokens than one window.
+    #[error("{tokens} tokens are fewer than one window of seq_len {seq_len}; give more data or a smaller seq_len")]
+    TooFewTokens {
+        /// Tokens available.
+        tokens: usize,
+        /// Window length.
+        seq_len: usize,
+    },
+    /// A token id outside the model's vocabulary.
+    #[error("token id {token} at position {position} is outside the model's vocabulary (vocab_size {vocab_size}); the data and the model do not match")]
+    TokenOutOfVocab {
+        /// The id.
+        token: u32,
+        /// Its index in the token stream.
+        position: usize,
+        /// The model's vocabulary size.
+        vocab_size: usize,
+    },
+    /// `batch_windows` of zero.
+    #[error("batch of 0 windows: give at least 1")]
+    ZeroBatch,
+    /// The weight source failed for one parameter.
+    #[error("loading parameter `{name}`: {source}")]
+    Fetch {
+        /// Parameter name.
+        name: String,
+        /// The source's error.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The loss is not finite (the weights are broken).
+    #[error("the loss is {loss} (not finite): the weights produce non-finite logits")]
+    NotFinite {
+        /// The value.
+        loss: f64,
+    },
+    /// From the model.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// From candle.
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+/// How to evaluate.
+#[derive(Debug, Clone)]
+pub struct EvalOptions {
+    /// Window length L in tokens (each window yields L − 1 predictions).
+    pub seq_len: usize,
+    /// Windows per forward pass (bounds activation memory; does not change
+    /// the result).
+    pub batch_windows: usize,
+    /// Compute device.
+    pub device: Device,
+}
+
+/// How a token stream splits into windows (pure arithmetic; see the module
+/// docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Windows {
+    /// Full windows of `seq_len` tokens.
+    pub full: usize,
+    /// Tokens in the trailing partial window that counts (0, or 2..L−1).
+    pub partial_len: usize,
+    /// Tokens at the end that are not used (0 or 1).
+    pub dropped: usize,
+    /// Predicted tokens: `full × (L − 1) + max(partial_len − 1, 0)`.
+    pub predicted: usize,
+}
+
+impl Windows {
+    /// Splits `n_tokens` into windows of `seq_len` (`seq_len >= 2`).
+    pub fn new(n_tokens: usize, seq_len: usize) -> Result<Self, EvalError> {
+        if seq_len < 2 {
+            return Err(EvalError::SeqLenTooSmall { seq_len });
+        }
+        let full = n_tokens / seq_len;
+        let rest = n_tokens % seq_len;
+        let (partial_len, dropped) = if rest >= 2 { (rest, 0) } else { (0, rest) };
+        let predicted = full * (seq_len - 1) + partial_len.saturating_sub(1);
+        Ok(Windows {
+            full,
+            partial_len,
+            dropped,
+            predicted,
+        })
+    }
+
+    /// Windows that count (full plus the partial one, if any).
+    pub fn count(&self) -> usize {
+        self.full + usize::from(self.partial_len > 0)
+    }
+}
+
+/// The result of [`evaluate`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvalResult {
+    /// Mean negative log-likelihood (nats) over all predicted tokens.
+    pub loss: f64,
+    /// `exp(loss)`.
+    pub perplexity: f64,
+    /// Predicted tokens (the count the mean is over).
+    pub tokens: usize,
+    /// Windows evaluated (full plus a partial one, if any).
+    pub windows: usize,
+}
+
+/// The mean next-token cross-entropy of `model` over `tokens` (see the
+/// module docs for windows and weighting). `fetch` gives each parameter's
+/// weights (any float dtype, any device; converted to fp32 on
+/// `opts.device`); it is called once per parameter.
+pub fn evaluate<E>(
+    model: &Model,
+    mut fetch: impl FnMut(ParamId) -> Result<Tensor, E>,
+    tokens: &[u32],
+    opts: &EvalOptions,
+) -> Result<EvalResult, EvalError>
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let cfg = model.config();
+    let seq_len = opts.seq_len;
+    let windows = Windows::new(tokens.len(), seq_len)?;
+    if seq_len > cfg.max_seq_len {
+        return Err(EvalError::SeqLenTooLarge {
+            seq_len,
+            max_seq_len: cfg.max_seq_len,
+        });
+    }
+    if windows.full == 0 {
+        return Err(EvalError::TooFewTokens {
+            tokens: tokens.len(),
+            seq_len,
+        });
+    }
+    if opts.batch_windows == 0 {
+        return Err(EvalError::ZeroBatch);
+    }
+    if let Some((position, &token)) = tokens
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t as usize >= cfg.vocab_size)
+    {
+        return Err(EvalError::TokenOutOfVocab {
+            token,
+            position,
+            vocab_size: cfg.vocab_size,
+        });
+    }
+
+    let mut params = Vec::with_capacity(model.params().len());
+    for spec in model.params() {
+        let t = fetch(spec.id).map_err(|e| EvalError::Fetch {
+            name: spec.name.clone(),
+            source: Box::new(e),
+        })?;
+        params.push(t.to_dtype(DType::F32)?.to_device(&opts.device)?);
+    }
+
+    // Groups of windows, each a run of equal-length windows: the full ones
+    // `batch_windows` at a time, then the partial one alone.
+    let mut groups: Vec<(usize, usize, usize)> = Vec::new(); // (first token, windows, length)
+    let mut w = 0;
+    while w < windows.full {
+        let n = opts.batch_windows.min(windows.full - w);
+        groups.push((w * seq_len, n, seq_len));
+        w += n;
+    }
+    if windows.partial_len > 0 {
+        groups.push((windows.full * seq_len, 1, windows.partial_len));
+    }
+
+    let mut nll_sum = 0f64;
+    for (start, n, len) in groups {
+        let t = len - 1;
+        let mut ids = Vec::with_capacity(n * t);
+        let mut targets = Vec::with_capacity(n * t);
+        for k in 0..n {
+            let win = &tokens[start + k * len..start + (k + 1) * len];
+            ids.extend_from_slice(&win[..t]);
+            targets.extend_from_slice(&win[1..]);
+        }
+        let ids = Tensor::from_vec(ids, (n, t), &opts.device)?;
+        let logits = forward_logits(model, &params, &ids)?;
+        nll_sum += nll_sum_f64(&logits, &targets, cfg.vocab_size)?;
+    }
+    let loss = nll_sum / windows.predicted as f64;
+    if !loss.is_finite() {
+        return Err(EvalError::NotFinite { loss });
+    }
+    Ok(EvalResult {
+        loss,
+        perplexity: loss.exp(),
+        tokens: windows.predicted,
+        windows: windows.count(),
+    })
+}
+
+/// Logits `[batch, seq, vocab]` of the whole model for token ids `[batch, seq]`.
+fn forward_logits(model: &Model, params: &[Tensor], ids: &Tensor) -> Result<Tensor, EvalError> {
+    let mut hidden: Option<Tensor> = None;
+    for unit in model.units() {
+        let p = model.unit_params(unit.id, params)?;
+        match (unit.kind, &hidden) {
+            (UnitKind::Embedding, _) => {
+                let out = model.forward_unit(unit.id, &p, UnitInput::Tokens(ids))?;
+                hidden = Some(out.into_tensor());
+            }
+            (UnitKind::Block { .. }, Some(h)) => {
+                let out = model.forward_unit(unit.id, &p, UnitInput::Hidden(h))?;
+                hidden = Some(out.into_tensor());
+            }
+            (UnitKind::Head, Some(h)) => return Ok(model.logits(&p, h)?),
+            (_, None) => break,
+        }
+    }
+    Err(EvalError::Model(ModelError::Unsupported {
+        what: "a model without an embedding and a head unit".into(),
+    }))
+}
+
+/// Sum over rows of `-log softmax(logits)[target]`, computed in f64 from the
+/// fp32 logits, rows in order.
+fn nll_sum_f64(logits: &Tensor, targets: &[u32], vocab: usize) -> Result<f64, EvalError> {
+    let flat = logits.flatten_all()?.to_vec1::<f32>()?;
+    let mut sum = 0f64;
+    for (row, &target) in flat.chunks_exact(vocab).zip(targets) {
+        let max = row
+            .iter()
+            .fold(f64::NEG_INFINITY, |m, &x| m.max(f64::from(x)));
+        let lse = row
+            .iter()
+            .map(|&x| (f64::from(x) - max).exp())
+            .sum::<f64>()
+            .ln()
+            + max;
+        sum += lse - f64::from(row[target as usize]);
+    }
+    Ok(sum)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+
+    #[test]
+    fn window_counts_at_awkward_lengths() {
+        // (tokens, L) -> (full, partial_len, dropped, predicted)
+        let cases = [
+            (8, 4, (2, 0, 0, 6)),
+            (9, 4, (2, 0, 1, 6)),  // one trailing token: dropped
+            (10, 4, (2, 2, 0, 7)), // two trailing tokens: one prediction
+            (11, 4, (2, 3, 0, 8)),
+            (3, 4, (0, 3, 0, 2)),
+            (1, 2, (0, 0, 1, 0)),
+            (2, 2, (1, 0, 0, 1)),
+            (5, 2, (2, 0, 1, 2)),
+            (0, 3, (0, 0, 0, 0)),
+            (1000, 7, (142, 6, 0, 142 * 6 + 5)),
+        ];
+        for (n, l, (full, partial_len, dropped, predicted)) in cases {
+            let w = Windows::new(n, l).unwrap();
+            assert_eq!(
+                w,
+                Windows {
+                    full,
+                    partial_len,
+                    dropped,
+                    predicted
+                },
+                "{n} tokens, L={l}"
+            );
+            // Every token is either in a window or dropped.
+            assert_eq!(w.full * l + w.partial_len + w.dropped, n);
+            // Each counted window predicts all but its first token.
+            assert_eq!(w.predicted, n - w.count() - w.dropped);
+        }
+        assert!(matches!(
+            Windows::new(10, 1),
+            Err(EvalError::SeqLenTooSmall { seq_len: 1 })
+        ));
+        assert!(matches!(
+            Windows::new(10, 0),
+            Err(EvalError::SeqLenTooSmall { seq_len: 0 })
+        ));
+    }
+}

@@ -1,0 +1,317 @@
+//! Bad `ds_config.json` files through the CLI: `tierzero train --config
+//! BAD.json --steps 1` exits 2 and prints exactly one line on stderr that
+//! names the key and the value or the fix, with no panic or backtrace. The
+//! library-level checks are in `tests/config_errors.rs`; this is what a user
+//! sees. Model and data are the embedded defaults (config errors come before
+//! the engine starts); `base_config_trains` proves the base these cases
+//! mutate is valid, so each error comes from the one key changed.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use serde_json::{json, Value};
+
+mod cli_support;
+use cli_support::{assert_bad_input, run_tierzero};
+
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+/// A fresh directory with an empty `swap/`.
+fn scratch(tag: &str) -> PathBuf {
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("cli-config-{tag}-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(d.join("swap")).unwrap();
+    d
+}
+
+/// Stage 3 with params and optimizer state on NVMe in `d/swap`.
+fn base(d: &Path) -> Value {
+    let swap = d.join("swap");
+    let swap = swap.to_str().unwrap();
+    json!({
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999]}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": swap},
+            "offload_optimizer": {"device": "nvme", "nvme_path": swap}
+        }
+    })
+}
+
+/// `a` with the keys of `patch` set (recursively for objects).
+fn patched(mut a: Value, patch: Value) -> Value {
+    fn merge(a: &mut Value, b: Value) {
+        match (a, b) {
+            (Value::Object(a), Value::Object(b)) => {
+                for (k, v) in b {
+                    merge(a.entry(k).or_insert(Value::Null), v);
+                }
+            }
+            (a, b) => *a = b,
+        }
+    }
+    merge(&mut a, patch);
+    a
+}
+
+/// Writes `text` as the config and checks the one-line error.
+fn check_text(tag: &str, d: &Path, text: &str, words: &[&str]) {
+    std::fs::write(d.join("bad.json"), text).unwrap();
+    let out = run_tierzero(Some(d), &["train", "--config", "bad.json", "--steps", "1"]);
+    assert_bad_input(&out, tag, words);
+    assert!(out.stderr.contains("bad.json"), "{tag}: {}", out.stderr);
+    assert!(out.stdout.is_empty(), "{tag}: stdout {}", out.stdout);
+}
+
+/// The base config with `patch` applied must fail with `words`.
+fn check(tag: &str, patch: Value, words: &[&str]) {
+    let d = scratch(tag);
+    let cfg = patched(base(&d), patch);
+    check_text(tag, &d, &cfg.to_string(), words);
+}
+
+#[test]
+fn base_config_trains() {
+    let d = scratch("base");
+    std::fs::write(d.join("ok.json"), base(&d).to_string()).unwrap();
+    let out = run_tierzero(
+        Some(&d),
+        &[
+            "train",
+            "--config",
+            "ok.json",
+            "--steps",
+            "1",
+            "--seq-len",
+            "16",
+        ],
+    );
+    assert_eq!(out.code, 0, "stderr: {}", out.stderr);
+    assert!(out.stdout.contains("weight_sha256"), "{}", out.stdout);
+}
+
+#[test]
+fn batch_arithmetic_that_does_not_add_up_shows_all_three_numbers() {
+    check(
+        "batch",
+        json!({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
+               "gradient_accumulation_steps": 3}),
+        &[
+            "`train_batch_size` = 16",
+            "`train_micro_batch_size_per_gpu` 2",
+            "`gradient_accumulation_steps` 3",
+            "= 6",
+            "fix:",
+        ],
+    );
+}
+
+#[test]
+fn nvme_offload_without_nvme_path() {
+    check(
+        "nopath",
+        json!({"zero_optimization": {"offload_param": {"nvme_path": null}}}),
+        &[
+            "`zero_optimization.offload_param.nvme_path` is missing",
+            "\"nvme\"",
+            "fix: add \"nvme_path\"",
+        ],
+    );
+}
+
+#[test]
+fn nvme_path_that_does_not_exist() {
+    check(
+        "missing",
+        json!({"zero_optimization": {"offload_optimizer": {"nvme_path": "/no/such/tierzero-dir"}}}),
+        &[
+            "zero_optimization.offload_optimizer.nvme_path",
+            "/no/such/tierzero-dir",
+            "does not exist",
+            "mkdir -p",
+        ],
+    );
+}
+
+#[test]
+fn nvme_path_that_is_not_a_directory() {
+    let d = scratch("notdir");
+    let file = d.join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let mut cfg = base(&d);
+    cfg["zero_optimization"]["offload_param"]["nvme_path"] = json!(file);
+    check_text(
+        "notdir",
+        &d,
+        &cfg.to_string(),
+        &[
+            "zero_optimization.offload_param.nvme_path",
+            "a-file",
+            "not a directory",
+        ],
+    );
+}
+
+/// The tests run as root here, and root writes through permission bits, so
+/// a chmod'ed directory would be writable. `/proc` refuses new files even
+/// to root: a directory that exists and cannot be written.
+#[test]
+fn nvme_path_that_is_not_writable() {
+    if std::fs::File::create("/proc/.tierzero-test").is_ok() {
+        let _ = std::fs::remove_file("/proc/.tierzero-test");
+        panic!("/proc is writable here; this test needs an unwritable directory");
+    }
+    check(
+        "readonly",
+        json!({"zero_optimization": {"offload_param": {"nvme_path": "/proc"}}}),
+        &[
+            "zero_optimization.offload_param.nvme_path",
+            "/proc",
+            "not writable",
+            "fix:",
+        ],
+    );
+}
+
+#[test]
+fn offload_param_without_stage_3() {
+    check(
+        "stage2",
+        json!({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"},
+               "offload_optimizer": {"device": "cpu"}}}),
+        &[
+            "zero_optimization.offload_param.device",
+            "\"cpu\"",
+            "`zero_optimization.stage` = 2",
+            "set \"stage\": 3",
+        ],
+    );
+}
+
+#[test]
+fn pinned_budget_too_small_for_the_swap_buffers() {
+    check(
+        "budget",
+        json!({"zero_optimization": {"offload_param": {"buffer_count": 4, "buffer_size": 1e6}},
+               "tierzero": {"pinned_budget_bytes": 4096}}),
+        &[
+            "`tierzero.pinned_budget_bytes` = 4096 bytes",
+            "buffer_count 4 × buffer_size 1000000 elements",
+            "raise `tierzero.pinned_budget_bytes` to at least",
+        ],
+    );
+}
+
+#[test]
+fn wrong_type_names_the_key_and_the_value() {
+    check(
+        "type",
+        json!({"zero_optimization": {"stage": "three"}}),
+        &["`zero_optimization.stage`", "\"three\"", "fix:"],
+    );
+    check(
+        "type2",
+        json!({"gradient_accumulation_steps": "four"}),
+        &["`gradient_accumulation_steps`", "\"four\"", "expected"],
+    );
+}
+
+#[test]
+fn invalid_json_has_line_and_column() {
+    let d = scratch("json");
+    check_text(
+        "json",
+        &d,
+        "{\n  \"train_micro_batch_size_per_gpu\": 2,\n  \"fp16\": {\"enabled\": tru}\n}\n",
+        &["invalid JSON at line 3, column", "fix:"],
+    );
+    check_text(
+        "trailing-comma",
+        &d,
+        "{\n  \"train_micro_batch_size_per_gpu\": 2,\n}\n",
+        &["line 3, column 1", "trailing commas"],
+    );
+}
+
+#[test]
+fn unknown_optimizer_type() {
+    check(
+        "optimizer",
+        json!({"optimizer": {"type": "Lamb"}}),
+        &["`optimizer.type`", "Lamb", "AdamW"],
+    );
+}
+
+#[test]
+fn learning_rate_and_betas_out_of_range() {
+    check(
+        "lr-negative",
+        json!({"optimizer": {"params": {"lr": -0.001}}}),
+        &["`optimizer.params.lr`", "-0.001"],
+    );
+    check(
+        "lr-zero",
+        json!({"optimizer": {"params": {"lr": 0}}}),
+        &["`optimizer.params.lr` = 0", "never change"],
+    );
+    check(
+        "betas",
+        json!({"optimizer": {"params": {"betas": [0.9, 1.5]}}}),
+        &["`optimizer.params.betas[1]`", "1.5", "[0, 1)"],
+    );
+}
+
+#[test]
+fn fp16_and_bf16_both_enabled() {
+    check(
+        "precision",
+        json!({"fp16": {"enabled": true}, "bf16": {"enabled": true}}),
+        &[
+            "`fp16.enabled`",
+            "`bf16.enabled`",
+            "set one of them to false",
+        ],
+    );
+}
+
+#[test]
+fn unknown_scheduler_type() {
+    check(
+        "scheduler",
+        json!({"scheduler": {"type": "OneCycle", "params": {}}}),
+        &["`scheduler.type`", "OneCycle", "WarmupLR"],
+    );
+}
+
+#[test]
+fn unknown_offload_device_and_stage_out_of_range() {
+    check(
+        "device",
+        json!({"zero_optimization": {"offload_param": {"device": "disk"}}}),
+        &["zero_optimization.offload_param.device", "disk", "\"nvme\""],
+    );
+    check(
+        "stage4",
+        json!({"zero_optimization": {"stage": 4}}),
+        &["`zero_optimization.stage` = 4", "0, 1, 2 and 3"],
+    );
+}
+
+#[test]
+fn deprecated_alias_given_with_its_replacement() {
+    check(
+        "alias",
+        json!({"zero_optimization": {"stage3_gather_fp16_weights_on_model_save": true,
+               "stage3_gather_16bit_weights_on_model_save": true}}),
+        &[
+            "stage3_gather_fp16_weights_on_model_save",
+            "stage3_gather_16bit_weights_on_model_save",
+            "keep only",
+        ],
+    );
+}
