@@ -9,6 +9,7 @@ pub mod bench_adam;
 pub mod bench_io;
 pub mod estimate;
 pub mod inspect;
+pub mod launch;
 pub mod train;
 
 use clap::{Parser, Subcommand};
@@ -37,6 +38,9 @@ enum Command {
     /// Memory needs per ZeRO stage and offload choice (device, pinned and
     /// pageable host memory, NVMe), and what fits on this machine.
     Estimate(estimate::EstimateArgs),
+    /// Run N ranks of `tierzero train` as N processes through mpirun
+    /// (build with `--features mpi`): `tierzero launch --nproc 2 -- train ...`.
+    Launch(launch::LaunchArgs),
     /// Summarise a swap directory: our swap files, their owners, and which
     /// are stale.
     Inspect(inspect::InspectArgs),
@@ -107,8 +111,9 @@ pub fn main() -> i32 {
         Command::BenchAdam(a) => bench_adam::run(a).map_err(Failure::Internal),
         Command::Estimate(a) => estimate::run(a),
         Command::Inspect(a) => inspect::run(a),
+        Command::Launch(a) => launch::run(a),
     };
-    match result {
+    let code = match result {
         Ok(()) => 0,
         Err(Failure::BadInput(e)) => {
             eprintln!("error: {e:#}");
@@ -118,7 +123,14 @@ pub fn main() -> i32 {
             eprintln!("internal error: {e:#}");
             1
         }
+    };
+    // Several ranks: a failed rank stops the others (MPI_Abort); a finished
+    // one finalises MPI before exiting.
+    if code != 0 {
+        launch::abort_ranks(code);
     }
+    launch::finalize();
+    code
 }
 
 fn init_tracing() {

@@ -30,7 +30,6 @@
 use std::io::IsTerminal as _;
 use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::anyhow;
@@ -39,7 +38,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use tierzero::config::{self, AutoOr, ConfigWarning, PathChecks, RunContext};
-use tierzero::engine::{EngineError, SingleRank, StepMetrics, TokenData, Trainer, TrainerOptions};
+use tierzero::engine::{EngineError, StepMetrics, TokenData, Trainer, TrainerOptions};
 use tierzero::model::{Arch, ModelDir};
 use tierzero::run::{
     Plan, DEFAULT_CORPUS, DEFAULT_CORPUS_NAME, DEFAULT_MODEL_CONFIG, DEFAULT_SEQ_LEN, DEFAULT_STEPS,
@@ -266,6 +265,10 @@ impl Progress {
 /// Runs `tierzero train`.
 pub fn run(args: TrainArgs) -> Result<(), Failure> {
     let started = Instant::now();
+    // Several ranks (under mpirun): rank 0 prints and writes --metrics, the
+    // others only log (see launch.rs).
+    let comm = super::launch::rank_comm()?;
+    let lead = comm.rank() == 0;
     if let Some(t) = &args.tokenizer {
         return Err(bad(format!(
             "--tokenizer {}: HF tokenizer.json input is not supported yet; only byte-level \
@@ -358,6 +361,7 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         total_steps: Some(steps),
         hidden_size: Some(mc.hidden_size as u64),
         model_numel: Some(numel),
+        ranks: comm.world_size() as u64,
         path_checks,
         ..RunContext::default()
     };
@@ -383,12 +387,11 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         seed,
         seq_len,
         device: Device::Cpu,
-        comm: Arc::new(SingleRank),
+        comm: comm.clone(),
         adam_threads: threads,
-        metrics_path: args.metrics.clone(),
+        metrics_path: args.metrics.clone().filter(|_| lead),
     };
-    let tokens_per_step =
-        cfg.batch.micro_batch_size * cfg.batch.gradient_accumulation_steps * seq_len as u64;
+    let tokens_per_step = cfg.batch.train_batch_size * seq_len as u64;
     let mut trainer = Trainer::new(cfg, &model_dir, data, opts).map_err(startup_failure)?;
     let plan = Plan::new(
         cfg,
@@ -401,11 +404,12 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         Some(d) => d.display().to_string(),
         None => "embedded default".to_owned(),
     };
+    let emit = |text: &str| if lead { emit(text) } else { Ok(()) };
     emit(&format!(
         "tierzero train: model {model_name} ({}, {} layers, hidden {}, {} params, {}), \
          data {data_name}, config {config_name}\n\
          run: {steps} steps x {} sequences x {seq_len} tokens = {tokens_per_step} tokens/step, \
-         seed {seed}, {} Adam thread(s)\n{plan}\n",
+         seed {seed}, {} Adam thread(s){}\n{plan}\n",
         match mc.arch {
             Arch::Gpt2 => "GPT-2",
             Arch::Llama => "Llama",
@@ -418,8 +422,12 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         } else {
             "seeded init"
         },
-        cfg.batch.micro_batch_size * cfg.batch.gradient_accumulation_steps,
-        threads
+        cfg.batch.train_batch_size,
+        threads,
+        match comm.world_size() {
+            1 => String::new(),
+            n => format!(", {n} ranks (plan: rank 0's shard)"),
+        }
     ))?;
 
     // Train.
@@ -446,7 +454,9 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         }
         nvme_read += m.bytes_read.get("nvme").copied().unwrap_or(0);
         nvme_written += m.bytes_written.get("nvme").copied().unwrap_or(0);
-        progress.step(&m, steps);
+        if lead {
+            progress.step(&m, steps);
+        }
         if first.is_none() {
             first = Some(m.clone());
         }

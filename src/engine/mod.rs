@@ -87,6 +87,8 @@
 //!   demonstrated (see the measurements in the branch's notes).
 
 pub mod comm;
+#[cfg(feature = "mpi")]
+pub mod comm_mpi;
 pub mod data;
 pub mod error;
 pub mod layout;
@@ -106,7 +108,7 @@ pub use layout::{Layout, SubGroupId};
 pub use metrics::{StepMetrics, Summary};
 pub use schedule::{LossScaler, LrSchedule};
 pub use store::{ParamEvent, ParamState, ParamStore, Tier};
-pub use trainer::{StepReport, Trainer, TrainerOptions};
+pub use trainer::{StepReport, SwapUsage, Trainer, TrainerOptions};
 
 /// Result type of the engine.
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
