@@ -636,6 +636,9 @@ impl Trainer {
         let adam_step = self.adam_steps + 1;
         let n_groups = self.layout.sub_groups.len();
         let mut grads: Vec<Option<Vec<f32>>> = vec![None; n_groups];
+        // A micro-batch's gradient of a param used by several units (a tied
+        // embedding), summed locally until its last unit (see accumulate).
+        let mut pending: BTreeMap<ParamId, Vec<f32>> = BTreeMap::new();
         let mut sq: Vec<Option<f64>> = vec![None; n_groups];
         // Sub-groups in the order their state reads were requested.
         let mut order: Vec<SubGroupId> = Vec::with_capacity(n_groups);
@@ -737,7 +740,7 @@ impl Trainer {
                     }
                 }
                 for (pid, grad) in &g.params {
-                    self.accumulate(&mut grads, *pid, grad)?;
+                    self.accumulate(&mut grads, &mut pending, uid, *pid, grad)?;
                 }
                 compute += t0.elapsed();
                 upstream = g.input;
@@ -937,9 +940,22 @@ impl Trainer {
         }
     }
 
+    /// Adds one unit's gradient of `pid` into the sub-group accumulator.
+    ///
+    /// A param used by several units (a tied embedding: head, then
+    /// embedding) gets several gradients per micro-batch; they are first
+    /// summed locally in backward order (`h + e`) and reduced once, after
+    /// its last unit (the smallest, reached last in backward). Every
+    /// micro-batch thus adds exactly one gradient per param into the
+    /// accumulator, and N ranks adding theirs in rank order reproduce one
+    /// rank's order over the same micro-batches bit for bit. The price is
+    /// one full fp32 gradient of such a param held during backward (as
+    /// PyTorch's autograd holds it before ZeRO's hook sees it).
     fn accumulate(
         &self,
         grads: &mut [Option<Vec<f32>>],
+        pending: &mut BTreeMap<ParamId, Vec<f32>>,
+        unit: UnitId,
         pid: ParamId,
         grad: &Tensor,
     ) -> Result<()> {
@@ -953,6 +969,25 @@ impl Trainer {
             .flatten_all()?
             .to_device(&Device::Cpu)?
             .to_vec1::<f32>()?;
+        let full = match pending.remove(&pid) {
+            Some(mut sum) => {
+                for (a, b) in sum.iter_mut().zip(&full) {
+                    *a += *b;
+                }
+                sum
+            }
+            None => full,
+        };
+        let last_unit = self
+            .model
+            .params()
+            .get(pid.0)
+            .and_then(|p| p.units.iter().copied().min())
+            .unwrap_or(unit);
+        if unit != last_unit {
+            pending.insert(pid, full);
+            return Ok(());
+        }
         let g = &self.layout.sub_groups[slot.sub_group.0];
         let acc = grads[slot.sub_group.0].get_or_insert_with(|| vec![0f32; g.numel]);
         let dst = acc
