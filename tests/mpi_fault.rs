@@ -36,7 +36,7 @@ fn rank_pid(mark: &str, rank: usize) -> Option<u32> {
             continue;
         };
         let vars: Vec<&[u8]> = env.split(|&b| b == 0).collect();
-        let has = |s: &str| vars.iter().any(|v| *v == s.as_bytes());
+        let has = |s: &str| vars.contains(&s.as_bytes());
         if has(&want_mark) && has(&want_rank) {
             // mpirun itself does not carry a rank; a rank's exec'd binary does.
             let exe = std::fs::read_link(e.path().join("exe")).unwrap_or_default();

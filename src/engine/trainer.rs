@@ -25,6 +25,24 @@
 //! Data: micro-batch `k` of step `s` on rank `r` reads rows starting at
 //! global sample `((s · GAS + k) · ranks + r) · micro_batch`.
 //!
+//! # Several ranks
+//!
+//! Each rank holds its shard of every param, gradient and optimizer state
+//! ([`Layout`]); params are all-gathered when fetched (stage 3: from their
+//! home tier; stages 1-2: kept resident, re-gathered after each update),
+//! each unit's gradients are reduce-scattered into this rank's sub-group
+//! accumulators during backward, and Adam steps this rank's sub-groups
+//! only. The arithmetic is one rank's with `GAS · ranks` micro-batches:
+//! the head's gradient starts at `scale / (GAS · ranks)`, micro-batch `k`
+//! of rank `r` is global micro-batch `k · ranks + r`, every param gets one
+//! gradient per micro-batch (see `accumulate`), the reduce-scatter adds
+//! the ranks' chunks in rank order, and the loss sums every micro-batch's
+//! loss in global order. Losses and weights are therefore bit-identical to
+//! one rank's; the global Σg² (clipping, fp16) sums per-rank sub-groups and
+//! can differ in the last bits. Stage 0 with several ranks shards the
+//! optimizer state like stage 1 (DeepSpeed would replicate it; results are
+//! the same).
+//!
 //! # Embedding
 //!
 //! [`Trainer::new`] takes a validated [`Config`], an opened [`ModelDir`],
