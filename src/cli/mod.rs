@@ -11,6 +11,7 @@ pub mod estimate;
 pub mod eval;
 pub mod export;
 pub mod inspect;
+pub mod launch;
 mod tokens;
 pub mod train;
 
@@ -46,6 +47,9 @@ enum Command {
     /// Consolidate a checkpoint into one safetensors file with HF tensor
     /// names (our zero_to_fp32), plus config.json beside it.
     Export(export::ExportArgs),
+    /// Run N ranks of `tierzero train` as N processes through mpirun
+    /// (build with `--features mpi`): `tierzero launch --nproc 2 -- train ...`.
+    Launch(launch::LaunchArgs),
     /// Summarise a checkpoint (step, model, files, --verify crcs) or a swap
     /// directory (our swap files, their owners, and which are stale).
     Inspect(inspect::InspectArgs),
@@ -118,8 +122,9 @@ pub fn main() -> i32 {
         Command::Eval(a) => eval::run(a),
         Command::Export(a) => export::run(a),
         Command::Inspect(a) => inspect::run(a),
+        Command::Launch(a) => launch::run(a),
     };
-    match result {
+    let code = match result {
         Ok(()) => 0,
         Err(Failure::BadInput(e)) => {
             eprintln!("error: {}", chain_text(&e));
@@ -129,7 +134,14 @@ pub fn main() -> i32 {
             eprintln!("internal error: {}", chain_text(&e));
             1
         }
+    };
+    // Several ranks: a failed rank stops the others (MPI_Abort); a finished
+    // one finalises MPI before exiting.
+    if code != 0 {
+        launch::abort_ranks(code);
     }
+    launch::finalize();
+    code
 }
 
 /// The error and its causes on one line, `a: b: c`, leaving out a cause

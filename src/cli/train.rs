@@ -318,6 +318,17 @@ struct JsonSummary<'a> {
 /// Runs `tierzero train`.
 pub fn run(args: TrainArgs) -> Result<(), Failure> {
     let started = Instant::now();
+    // Several ranks (under mpirun): rank 0 prints and writes --metrics, the
+    // others only log (see launch.rs).
+    let comm = super::launch::rank_comm()?;
+    let lead = comm.rank() == 0;
+    if comm.world_size() > 1 && (args.save_dir.is_some() || args.resume.is_some()) {
+        return Err(bad(format!(
+            "--save-dir/--resume with {} ranks: checkpoints of several ranks are not \
+             supported yet; checkpoint a one-rank run",
+            comm.world_size()
+        )));
+    }
     let seed = number("--seed", &args.seed, 0, u64::MAX)?;
     let threads = number("--threads", &args.threads, 1, 1024)?;
     let threads = NonZeroUsize::new(threads as usize).unwrap_or(NonZeroUsize::MIN);
@@ -435,6 +446,7 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         total_steps: Some(steps),
         hidden_size: Some(mc.hidden_size as u64),
         model_numel: Some(numel),
+        ranks: comm.world_size() as u64,
         path_checks,
         ..RunContext::default()
     };
@@ -455,9 +467,12 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         }
     }
 
-    // With --json, stdout carries only the summary object.
+    // With --json, stdout carries only the summary object; under several
+    // ranks only rank 0 prints.
     let say = |text: &str| -> Result<(), Failure> {
-        if args.json {
+        if !lead {
+            Ok(())
+        } else if args.json {
             eprint!("{text}");
             Ok(())
         } else {
@@ -468,11 +483,12 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
     // Engine.
     let opts = TrainerOptions {
         adam_threads: threads,
-        metrics_path: args.metrics.clone(),
+        metrics_path: args.metrics.clone().filter(|_| lead),
+        comm: comm.clone(),
         ..TrainerOptions::cpu(seed, seq_len)
     };
-    let tokens_per_step =
-        cfg.batch.micro_batch_size * cfg.batch.gradient_accumulation_steps * seq_len as u64;
+    // Tokens of the global batch (every rank's micro-batches).
+    let tokens_per_step = cfg.batch.train_batch_size * seq_len as u64;
     let start_step = ckpt.as_ref().map_or(0, |c| c.step());
     if start_step >= steps {
         return say(&format!(
@@ -505,7 +521,7 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         "tierzero train: model {model_name} ({}, {} layers, hidden {}, {} params, {}), \
          data {data_name}, config {config_name}\n\
          run: {steps} steps x {} sequences x {seq_len} tokens = {tokens_per_step} tokens/step, \
-         seed {seed}, {} Adam thread(s)\n{plan}\n",
+         seed {seed}, {} Adam thread(s){}\n{plan}\n",
         match mc.arch {
             Arch::Gpt2 => "GPT-2",
             Arch::Llama => "Llama",
@@ -518,8 +534,12 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
             (None, Some(md)) if md.has_weights() => "weights from safetensors",
             _ => "seeded init",
         },
-        cfg.batch.micro_batch_size * cfg.batch.gradient_accumulation_steps,
-        threads
+        cfg.batch.train_batch_size,
+        threads,
+        match comm.world_size() {
+            1 => String::new(),
+            n => format!(", {n} ranks (plan: rank 0's shard)"),
+        }
     ))?;
 
     // Train.
@@ -561,7 +581,9 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
                 m.loss
             )));
         }
-        progress.step(&m, steps);
+        if lead {
+            progress.step(&m, steps);
+        }
         if let (Some(every), Some(dir)) = (save_every, &args.save_dir) {
             if m.step.is_multiple_of(every) {
                 save(&mut trainer, dir).inspect_err(|_| progress.finish())?;
@@ -591,6 +613,9 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
     let nvme_read = summary.bytes_read.get("nvme").copied().unwrap_or(0);
     let nvme_written = summary.bytes_written.get("nvme").copied().unwrap_or(0);
     let tokens_per_s = (tokens_per_step * (summary.steps - start_step)) as f64 / train_s.max(1e-9);
+    if !lead {
+        return Ok(());
+    }
     if args.json {
         // A struct, not json!: the losses keep their f32 form (shortest
         // repr), exactly as the metrics file writes them.

@@ -1,13 +1,40 @@
 //! Collectives between data-parallel ranks.
 //!
-//! ZeRO-3 partitions every parameter into per-rank shards ([`super::layout`]).
-//! A fetch gathers the shards into the full tensor, a gradient is
-//! reduce-scattered so each rank keeps the sum of its shard, and the global
-//! gradient norm and the loss are all-reduced. The engine calls these
-//! through [`Comm`] only, so an MPI or NCCL backend plugs in without
-//! touching the step. This issue implements one rank: [`SingleRank`], where
-//! every collective is the identity. Collectives must be deterministic
-//! (fixed reduction order over ranks) to keep results bit-reproducible.
+//! ZeRO partitions every parameter, gradient and optimizer-state tensor into
+//! per-rank shards ([`super::layout`]). A fetch gathers the shards into the
+//! full tensor, a gradient is reduce-scattered so each rank keeps the sum of
+//! its shard, and the global gradient norm and the loss are all-reduced.
+//! The engine calls these through [`Comm`] only, so an MPI or NCCL backend
+//! plugs in without touching the step. [`SingleRank`] is one rank (every
+//! collective is a copy); `comm_mpi::MpiComm` (feature `mpi`) runs N ranks
+//! as N processes under `mpirun`.
+//!
+//! # Determinism
+//!
+//! Every reduction happens **in rank order 0..N on every rank**, so results
+//! never depend on timing or on the transport's reduction tree:
+//!
+//! * [`Comm::reduce_scatter_add_f32`] is an all-to-all of chunks followed by
+//!   a local `acc += chunk[r]` for `r` in 0..N (not `MPI_Reduce_scatter`,
+//!   whose summation order is the library's choice). Adding each rank's
+//!   chunk into the accumulator one after the other is exactly what one rank
+//!   does when it accumulates the same micro-batches one after the other
+//!   (see the trainer's docs for when that makes N ranks bit-identical to
+//!   one).
+//! * Scalars (loss, Σg²) are all-gathered and summed in rank order
+//!   ([`Comm::all_reduce_sum_f64`]'s default), so every rank computes the
+//!   same bits and takes the same decision (skip, clip).
+//!
+//! # Ordering contract
+//!
+//! Collectives are matched by call order, as in MPI: every rank must issue
+//! the same collectives in the same order. The engine therefore calls them
+//! only at points that are the same on every rank (a fetch in unit order, a
+//! gradient in backward order, the step's decision), never from code whose
+//! timing differs between ranks (I/O completions, the optimizer thread's
+//! replies): see the "staged" state in [`super::store`].
+
+use super::{EngineError, Result};
 
 /// The collectives the engine needs.
 pub trait Comm: Send + Sync + std::fmt::Debug {
@@ -15,19 +42,68 @@ pub trait Comm: Send + Sync + std::fmt::Debug {
     fn rank(&self) -> usize;
     /// Number of ranks.
     fn world_size(&self) -> usize;
-    /// Concatenates every rank's `shard` (rank order) into `out`, whose
-    /// length is the sum of the shard lengths.
-    fn all_gather_bytes(&self, shard: &[u8], out: &mut [u8]) -> crate::engine::Result<()>;
-    /// Sums `full` over ranks and keeps this rank's `[start, start+len)`
-    /// part in `shard_out` (gradient reduce-scatter).
-    fn reduce_scatter_f32(
+    /// Concatenates every rank's `shard` (rank order) into `out`.
+    /// `counts_bytes[r]` is rank `r`'s shard length; `shard.len()` must be
+    /// `counts_bytes[rank]` and `out.len()` their sum.
+    fn all_gather_bytes(&self, shard: &[u8], counts_bytes: &[usize], out: &mut [u8]) -> Result<()>;
+    /// Gradient reduce-scatter: `full` is this rank's contribution to a
+    /// whole tensor, cut into per-rank chunks of `counts_numel[r]` elements
+    /// (rank order). Adds every rank's chunk for *this* rank into `acc`
+    /// (`counts_numel[rank]` elements) one rank after the other, in rank
+    /// order: `acc += chunk_0; acc += chunk_1; ...`.
+    fn reduce_scatter_add_f32(
         &self,
         full: &[f32],
-        start: usize,
-        shard_out: &mut [f32],
-    ) -> crate::engine::Result<()>;
-    /// Sums a scalar over ranks, in rank order.
-    fn all_reduce_sum_f64(&self, x: f64) -> crate::engine::Result<f64>;
+        counts_numel: &[usize],
+        acc: &mut [f32],
+    ) -> Result<()>;
+    /// Concatenates every rank's `local` (all of the same length) in rank
+    /// order into `out` (`world × local.len()` values).
+    fn all_gather_f64(&self, local: &[f64], out: &mut [f64]) -> Result<()>;
+    /// Waits until every rank has reached this call.
+    fn barrier(&self) -> Result<()>;
+    /// Ends the whole job after a fatal error on this rank, so the other
+    /// ranks do not wait for it in a collective (MPI: `MPI_Abort`). One
+    /// rank: nothing to do, the caller exits.
+    fn abort(&self, code: i32) {
+        let _ = code;
+    }
+    /// Sums a scalar over ranks: all-gathered, then added from 0.0 in rank
+    /// order, so every rank gets the same bits.
+    fn all_reduce_sum_f64(&self, x: f64) -> Result<f64> {
+        let mut all = vec![0f64; self.world_size()];
+        self.all_gather_f64(&[x], &mut all)?;
+        Ok(all.iter().fold(0f64, |s, v| s + v))
+    }
+}
+
+/// Checks the shapes of a variable-count collective; returns this rank's
+/// offset (elements before its chunk).
+pub fn check_counts(
+    what: &str,
+    rank: usize,
+    counts: &[usize],
+    mine: usize,
+    total: usize,
+) -> Result<usize> {
+    let sum: usize = counts.iter().sum();
+    let expected = counts.get(rank).copied();
+    if expected != Some(mine) || sum != total {
+        return Err(EngineError::internal(format!(
+            "{what}: rank {rank} has {mine} of {total} elements but the counts are {counts:?}"
+        )));
+    }
+    Ok(counts[..rank].iter().sum())
+}
+
+/// The world size the process launcher announces in the environment
+/// (`OMPI_COMM_WORLD_SIZE` under OpenMPI's `mpirun`, `PMI_SIZE` under
+/// MPICH's Hydra), if any. Used to refuse running N copies of a binary built
+/// without MPI as if each were alone.
+pub fn launcher_world_size() -> Option<usize> {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok()?.trim().parse().ok())
 }
 
 /// One rank: collectives are copies.
@@ -41,30 +117,60 @@ impl Comm for SingleRank {
     fn world_size(&self) -> usize {
         1
     }
-    fn all_gather_bytes(&self, shard: &[u8], out: &mut [u8]) -> crate::engine::Result<()> {
-        if shard.len() != out.len() {
-            return Err(crate::engine::EngineError::internal(format!(
-                "all_gather: shard of {} bytes into {} bytes with one rank",
-                shard.len(),
-                out.len()
-            )));
-        }
+    fn all_gather_bytes(&self, shard: &[u8], counts_bytes: &[usize], out: &mut [u8]) -> Result<()> {
+        check_counts("all_gather", 0, counts_bytes, shard.len(), out.len())?;
         out.copy_from_slice(shard);
         Ok(())
     }
-    fn reduce_scatter_f32(
+    fn reduce_scatter_add_f32(
         &self,
         full: &[f32],
-        start: usize,
-        shard_out: &mut [f32],
-    ) -> crate::engine::Result<()> {
-        let src = full.get(start..start + shard_out.len()).ok_or_else(|| {
-            crate::engine::EngineError::internal("reduce_scatter: shard out of range")
-        })?;
-        shard_out.copy_from_slice(src);
+        counts_numel: &[usize],
+        acc: &mut [f32],
+    ) -> Result<()> {
+        check_counts("reduce_scatter", 0, counts_numel, acc.len(), full.len())?;
+        for (a, b) in acc.iter_mut().zip(full) {
+            *a += *b;
+        }
         Ok(())
     }
-    fn all_reduce_sum_f64(&self, x: f64) -> crate::engine::Result<f64> {
-        Ok(x)
+    fn all_gather_f64(&self, local: &[f64], out: &mut [f64]) -> Result<()> {
+        if local.len() != out.len() {
+            return Err(EngineError::internal("all_gather_f64: lengths"));
+        }
+        out.copy_from_slice(local);
+        Ok(())
+    }
+    fn barrier(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+
+    #[test]
+    fn single_rank_collectives_are_copies_and_check_shapes() {
+        let c = SingleRank;
+        let mut out = [0u8; 3];
+        c.all_gather_bytes(&[1, 2, 3], &[3], &mut out).unwrap();
+        assert_eq!(out, [1, 2, 3]);
+        assert!(c.all_gather_bytes(&[1, 2], &[3], &mut out).is_err());
+        let mut acc = [1f32, 2.0];
+        c.reduce_scatter_add_f32(&[0.5, 0.25], &[2], &mut acc)
+            .unwrap();
+        assert_eq!(acc, [1.5, 2.25]);
+        assert!(c.reduce_scatter_add_f32(&[0.5], &[2], &mut acc).is_err());
+        assert_eq!(c.all_reduce_sum_f64(2.5).unwrap(), 2.5);
+        c.barrier().unwrap();
+    }
+
+    #[test]
+    fn check_counts_gives_the_offset() {
+        assert_eq!(check_counts("x", 2, &[3, 3, 2], 2, 8).unwrap(), 6);
+        assert!(check_counts("x", 1, &[3, 3, 2], 2, 8).is_err());
+        assert!(check_counts("x", 0, &[3, 3, 2], 3, 9).is_err());
     }
 }

@@ -83,6 +83,18 @@ pub enum EngineError {
         /// What.
         what: String,
     },
+    /// A collective between ranks failed or timed out.
+    #[error("rank {rank} of {world}: {op}: {reason}")]
+    Comm {
+        /// This rank.
+        rank: usize,
+        /// Ranks.
+        world: usize,
+        /// The collective.
+        op: &'static str,
+        /// What happened.
+        reason: String,
+    },
     /// An internal invariant failed (a bug, reported instead of a panic).
     #[error("internal error: {what}")]
     Internal {

@@ -67,6 +67,23 @@ pub struct Layout {
     pub world: usize,
 }
 
+/// Rank `rank`'s shard of a tensor of `numel` elements over `world` ranks:
+/// `(first element, elements)`.
+pub fn shard_range(numel: usize, rank: usize, world: usize) -> (usize, usize) {
+    let chunk = numel.div_ceil(world.max(1));
+    let start = (rank * chunk).min(numel);
+    let end = ((rank + 1) * chunk).min(numel);
+    (start, end - start)
+}
+
+/// Every rank's shard length of a tensor of `numel` elements, in rank order
+/// (the counts of the gather and reduce-scatter collectives).
+pub fn shard_counts(numel: usize, world: usize) -> Vec<usize> {
+    (0..world.max(1))
+        .map(|r| shard_range(numel, r, world).1)
+        .collect()
+}
+
 impl Layout {
     /// Computes the layout of `model` for `rank` of `world` with sub-groups
     /// of at most `sub_group_numel` elements.
@@ -76,10 +93,7 @@ impl Layout {
         let mut params = Vec::with_capacity(model.params().len());
         let mut groups: Vec<SubGroup> = Vec::new();
         for p in model.params() {
-            let chunk = p.numel.div_ceil(world);
-            let start = (rank * chunk).min(p.numel);
-            let end = ((rank + 1) * chunk).min(p.numel);
-            let shard = end - start;
+            let (start, shard) = shard_range(p.numel, rank, world);
             let first_unit = p.units.iter().copied().min().unwrap_or(UnitId(0));
             let need_new = match groups.last() {
                 None => true,
@@ -123,5 +137,28 @@ impl Layout {
     /// This rank's elements over all params.
     pub fn shard_numel(&self) -> usize {
         self.params.iter().map(|p| p.shard_numel).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_cover_the_tensor_in_rank_order() {
+        for numel in [0usize, 1, 5, 32, 33, 1000] {
+            for world in 1..5 {
+                let counts = shard_counts(numel, world);
+                assert_eq!(counts.iter().sum::<usize>(), numel);
+                let mut next = 0;
+                for (r, &c) in counts.iter().enumerate() {
+                    let (start, len) = shard_range(numel, r, world);
+                    assert_eq!((start, len), (next.min(numel), c));
+                    next = start + len;
+                }
+            }
+        }
+        assert_eq!(shard_counts(5, 2), vec![3, 2]);
+        assert_eq!(shard_counts(32, 3), vec![11, 11, 10]);
     }
 }

@@ -1,5 +1,6 @@
 //! The ZeRO-3 training engine: one rank's training step over parameters,
-//! gradients and optimizer state that live in different memory tiers.
+//! gradients and optimizer state that live in different memory tiers, and
+//! its collectives with the other ranks.
 //!
 //! # Pieces
 //!
@@ -13,7 +14,8 @@
 //!     ├─ OptimizerState (optstate.rs) fp32 master/m/v per sub-group in none|cpu|nvme,
 //!     │     pipelined read(i+1) / step(i) / write(i-1) on separate read and write engines
 //!     ├─ Layout (layout.rs)     per-rank shards, sub-groups of whole params
-//!     ├─ Comm (comm.rs)         collectives; SingleRank implemented
+//!     ├─ Comm (comm.rs)         collectives in rank order; SingleRank, MpiComm (comm_mpi.rs,
+//!     │     feature `mpi`)
 //!     ├─ schedules (schedule.rs) DeepSpeed WarmupLR / WarmupDecayLR / WarmupCosineLR,
 //!     │     fp16 dynamic loss scaler
 //!     ├─ data (data.rs)         byte-level token file loader
@@ -70,9 +72,13 @@
 //!
 //! # Not yet here (see the issue)
 //!
-//! * Multi-rank collectives: the [`comm::Comm`] trait and the per-rank
-//!   shard layout are in place and every fetch, gradient and norm goes
-//!   through them, but only [`comm::SingleRank`] exists.
+//! * Several ranks run over MPI (`comm_mpi`, feature `mpi`), bit-identical
+//!   to one rank with the same global batch (see [`trainer`]). Not yet: the
+//!   all-gather of unit i+1 overlapping the compute of unit i (the NVMe read
+//!   of this rank's shard is prefetched; the gather runs at the fetch, on
+//!   the compute thread's call), stage 1's separate all-reduce (stages 1
+//!   and 2 both reduce-scatter; the shard's sum is the same), NCCL, and
+//!   checkpoints of sharded state.
 //! * Gradient spill between micro-batches: accumulated fp32 gradients live
 //!   in host memory per sub-group until they are final. Once final they
 //!   are handed to the optimizer thread (overlapped mode) or, when the step
@@ -87,6 +93,8 @@
 //!   demonstrated (see the measurements in the branch's notes).
 
 pub mod comm;
+#[cfg(feature = "mpi")]
+pub mod comm_mpi;
 pub mod data;
 pub mod error;
 pub mod layout;
@@ -106,7 +114,7 @@ pub use layout::{Layout, SubGroupId};
 pub use metrics::{StepMetrics, Summary};
 pub use schedule::{LossScaler, LrSchedule};
 pub use store::{ParamEvent, ParamState, ParamStore, Tier};
-pub use trainer::{StepReport, Trainer, TrainerOptions};
+pub use trainer::{StepReport, SwapUsage, Trainer, TrainerOptions};
 
 /// Result type of the engine.
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;

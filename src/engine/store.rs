@@ -37,13 +37,29 @@
 //!   Resident --Released------------>  OnDisk
 //!   OnDisk   --Updated(None)------->  OnDisk        (new bytes at home)
 //!   Resident --Updated(Some(t))---->  Resident      (new bytes, cache kept coherent)
+//!   OnDisk | InFlight | Resident | Staged --Staged(bytes)--> Staged   (several ranks)
+//!   Staged   --Materialized(t)----->  Resident      (gathered in a fetch)
+//!   Staged   --Updated(None)------->  OnDisk
 //! ```
 //!
 //! Anything else is [`EngineError::BadTransition`], never a silent fix-up:
 //! e.g. updating a param with a read in flight would let stale bytes
 //! become resident, so the caller must complete the read first.
 //! "OnDisk" means "only at home" (pinned host memory for the cpu tier).
-//! Device-tier params are always `Resident`.
+//! Device-tier params are always `Resident` (or `Staged`, see below).
+//!
+//! # Several ranks: the gather happens in `fetch` only
+//!
+//! Building a tensor from this rank's shard is a collective (an all-gather
+//! of every rank's shard, [`Comm::all_gather_bytes`]), and collectives must
+//! be issued in the same order on every rank. Read completions and
+//! write-backs of the optimizer's new bytes happen at times that differ
+//! between ranks (a read completed early to free a swap buffer, a stepped
+//! sub-group's reply arriving at a different unit boundary), so with more
+//! than one rank they never gather: the shard bytes are kept in host memory
+//! as `Staged`, and the next [`ParamStore::fetch`] (called in unit order,
+//! the same on every rank) gathers them. With one rank the gather is a copy
+//! and tensors are built at once, as before.
 //!
 //! # Write-after-read and read-after-write
 //!
@@ -87,6 +103,9 @@ pub enum ParamState {
     InFlight,
     /// Built on the compute device.
     Resident,
+    /// This rank's shard is in host memory; the gather into the full tensor
+    /// waits for the next fetch (several ranks only).
+    Staged,
 }
 
 /// What can happen to a parameter (see the module docs for the table).
@@ -100,6 +119,8 @@ pub enum ParamEvent {
     Released,
     /// New bytes were stored at home; `Some` keeps this tensor resident.
     Updated(Option<Tensor>),
+    /// This rank's shard bytes are held for the gather of the next fetch.
+    Staged(Vec<u8>),
 }
 
 impl ParamEvent {
@@ -109,6 +130,7 @@ impl ParamEvent {
             ParamEvent::Materialized(_) => "Materialized",
             ParamEvent::Released => "Released",
             ParamEvent::Updated(_) => "Updated",
+            ParamEvent::Staged(_) => "Staged",
         }
     }
 }
@@ -119,6 +141,7 @@ enum Slot {
     OnDisk,
     InFlight(Ticket),
     Resident(Tensor),
+    Staged(Vec<u8>),
 }
 
 impl Slot {
@@ -127,6 +150,7 @@ impl Slot {
             Slot::OnDisk => ParamState::OnDisk,
             Slot::InFlight(_) => ParamState::InFlight,
             Slot::Resident(_) => ParamState::Resident,
+            Slot::Staged(_) => ParamState::Staged,
         }
     }
     fn name(&self) -> &'static str {
@@ -134,6 +158,7 @@ impl Slot {
             Slot::OnDisk => "OnDisk",
             Slot::InFlight(_) => "InFlight",
             Slot::Resident(_) => "Resident",
+            Slot::Staged(_) => "Staged",
         }
     }
 }
@@ -151,6 +176,8 @@ struct ParamInfo {
     shape: Vec<usize>,
     numel: usize,
     shard_numel: usize,
+    /// Every rank's shard in bytes (rank order), for the gather.
+    counts_bytes: Vec<usize>,
     tier: Tier,
 }
 
@@ -287,6 +314,10 @@ impl ParamStore {
                 shape: p.shape.clone(),
                 numel: p.numel,
                 shard_numel: slot.shard_numel,
+                counts_bytes: super::layout::shard_counts(p.numel, layout.world)
+                    .iter()
+                    .map(|c| c * elem_bytes)
+                    .collect(),
                 tier,
             });
             homes.push(home);
@@ -392,6 +423,12 @@ impl ParamStore {
             (Slot::OnDisk, ParamEvent::Updated(Some(t))) => (Slot::Resident(t), bytes as i64),
             (Slot::Resident(_), ParamEvent::Updated(Some(t))) => (Slot::Resident(t), 0),
             (Slot::Resident(_), ParamEvent::Updated(None)) => (Slot::OnDisk, -(bytes as i64)),
+            (Slot::Resident(_), ParamEvent::Staged(b)) => (Slot::Staged(b), -(bytes as i64)),
+            (Slot::OnDisk | Slot::InFlight(_) | Slot::Staged(_), ParamEvent::Staged(b)) => {
+                (Slot::Staged(b), 0)
+            }
+            (Slot::Staged(_), ParamEvent::Materialized(t)) => (Slot::Resident(t), bytes as i64),
+            (Slot::Staged(_), ParamEvent::Updated(None)) => (Slot::OnDisk, 0),
             (old, _) => {
                 // Put the old slot back untouched and report.
                 *slot = old;
@@ -410,7 +447,8 @@ impl ParamStore {
     fn tensor_from_shard(&self, id: ParamId, shard: &[u8]) -> Result<Tensor> {
         let info = &self.info[id.0];
         let mut full = vec![0u8; info.numel * self.elem_bytes];
-        self.comm.all_gather_bytes(shard, &mut full)?;
+        self.comm
+            .all_gather_bytes(shard, &info.counts_bytes, &mut full)?;
         let t = Tensor::from_raw_buffer(&full, self.dtype, &info.shape, &Device::Cpu)?;
         Ok(t.to_device(&self.device)?)
     }
@@ -428,9 +466,10 @@ impl ParamStore {
     pub fn update(&mut self, id: ParamId, shard: &[u8]) -> Result<()> {
         if self.state(id) == ParamState::InFlight {
             // Complete the stale read first (see module docs).
-            self.complete_read(id)?;
+            self.complete_read(id, false)?;
         }
-        let keep = self.state(id) == ParamState::Resident || self.tier(id) == Tier::Device;
+        let keep = matches!(self.state(id), ParamState::Resident | ParamState::Staged)
+            || self.tier(id) == Tier::Device;
         self.write_home(id, shard, keep)
     }
 
@@ -471,12 +510,21 @@ impl ParamStore {
                 self.counters.nvme_written_bytes += extent.len_bytes();
             }
         }
+        if keep_resident && self.defer_gather() {
+            return self.apply(id, ParamEvent::Staged(shard.to_vec()));
+        }
         let t = if keep_resident {
             Some(self.tensor_from_shard(id, shard)?)
         } else {
             None
         };
         self.apply(id, ParamEvent::Updated(t))
+    }
+
+    /// Whether building a tensor is a collective that must wait for a
+    /// fetch (see the module docs).
+    fn defer_gather(&self) -> bool {
+        self.comm.world_size() > 1
     }
 
     /// Waits for every queued write.
@@ -532,7 +580,7 @@ impl ParamStore {
                 .iter()
                 .position(|s| matches!(s, Slot::InFlight(_)));
             match inflight {
-                Some(i) => self.complete_read(ParamId(i))?,
+                Some(i) => self.complete_read(ParamId(i), false)?,
                 None => {
                     return Err(EngineError::internal(
                         "no parameter swap buffer is free and none is in flight",
@@ -581,7 +629,9 @@ impl ParamStore {
         self.nvme.as_ref().map_or(0, |n| n.arena.free_count())
     }
 
-    fn complete_read(&mut self, id: ParamId) -> Result<()> {
+    /// Completes the read of `id`; builds the tensor when `gather` (called
+    /// from a fetch) or with one rank, else stages the shard bytes.
+    fn complete_read(&mut self, id: ParamId, gather: bool) -> Result<()> {
         let slot = std::mem::replace(&mut self.slots[id.0], Slot::OnDisk);
         let Slot::InFlight(ticket) = slot else {
             self.slots[id.0] = slot;
@@ -596,6 +646,11 @@ impl ParamStore {
         // semantics by going through the table: OnDisk -> Materialized.
         let buf = res?;
         let len = self.info[id.0].shard_numel * self.elem_bytes;
+        if !gather && self.defer_gather() {
+            let shard = buf.as_slice()[..len].to_vec();
+            drop(buf);
+            return self.apply(id, ParamEvent::Staged(shard));
+        }
         let t = self.tensor_from_shard(id, &buf.as_slice()[..len])?;
         drop(buf);
         self.apply(id, ParamEvent::Materialized(t))
@@ -605,7 +660,15 @@ impl ParamStore {
     pub fn fetch(&mut self, id: ParamId) -> Result<Tensor> {
         match self.state(id) {
             ParamState::Resident => self.counters.hits += 1,
-            ParamState::InFlight => self.complete_read(id)?,
+            ParamState::InFlight => self.complete_read(id, true)?,
+            ParamState::Staged => {
+                let shard = match &mut self.slots[id.0] {
+                    Slot::Staged(b) => std::mem::take(b),
+                    _ => return Err(EngineError::internal("staged slot changed")),
+                };
+                let t = self.tensor_from_shard(id, &shard)?;
+                self.apply(id, ParamEvent::Materialized(t))?;
+            }
             ParamState::OnDisk => match &self.homes[id.0] {
                 Home::Device => {
                     return Err(EngineError::internal(format!(
@@ -638,7 +701,7 @@ impl ParamStore {
                     self.counters.nvme_read_bytes += extent.len_bytes();
                     self.counters.sync_reads += 1;
                     self.apply(id, ParamEvent::ReadIssued(ticket))?;
-                    self.complete_read(id)?;
+                    self.complete_read(id, true)?;
                 }
             },
         }
@@ -665,7 +728,7 @@ impl ParamStore {
     pub fn settle(&mut self) -> Result<()> {
         for i in 0..self.slots.len() {
             if matches!(self.slots[i], Slot::InFlight(_)) {
-                self.complete_read(ParamId(i))?;
+                self.complete_read(ParamId(i), false)?;
             }
         }
         Ok(())

@@ -43,6 +43,24 @@
 //! Data: micro-batch `k` of step `s` on rank `r` reads rows starting at
 //! global sample `((s · GAS + k) · ranks + r) · micro_batch`.
 //!
+//! # Several ranks
+//!
+//! Each rank holds its shard of every param, gradient and optimizer state
+//! ([`Layout`]); params are all-gathered when fetched (stage 3: from their
+//! home tier; stages 1-2: kept resident, re-gathered after each update),
+//! each unit's gradients are reduce-scattered into this rank's sub-group
+//! accumulators during backward, and Adam steps this rank's sub-groups
+//! only. The arithmetic is one rank's with `GAS · ranks` micro-batches:
+//! the head's gradient starts at `scale / (GAS · ranks)`, micro-batch `k`
+//! of rank `r` is global micro-batch `k · ranks + r`, every param gets one
+//! gradient per micro-batch (see `accumulate`), the reduce-scatter adds
+//! the ranks' chunks in rank order, and the loss sums every micro-batch's
+//! loss in global order. Losses and weights are therefore bit-identical to
+//! one rank's; the global Σg² (clipping, fp16) sums per-rank sub-groups and
+//! can differ in the last bits. Stage 0 with several ranks shards the
+//! optimizer state like stage 1 (DeepSpeed would replicate it; results are
+//! the same).
+//!
 //! # Embedding
 //!
 //! [`Trainer::new`] takes a validated [`Config`], an opened [`ModelDir`],
@@ -68,7 +86,7 @@ use tierzero_swap::{
 
 use super::comm::{Comm, SingleRank};
 use super::data::TokenData;
-use super::layout::{Layout, SubGroupId};
+use super::layout::{shard_counts, Layout, SubGroupId};
 use super::metrics::{peak_rss_bytes, MetricsWriter, StepMetrics, Summary};
 use super::optstate::{buffers_needed, NvmeOptim, OptCounters, OptimizerState};
 use super::schedule::{LossScaler, LrSchedule};
@@ -176,6 +194,10 @@ pub struct Trainer {
     flush_open: bool,
     /// Time the compute thread spent waiting for the optimizer thread.
     optimizer_wait: Duration,
+    /// This rank's swap spaces (params, optimizer state), for [`Trainer::swap_usage`].
+    swap_spaces: Vec<Arc<SwapSpace>>,
+    /// Pinned optimizer swap buffers of this rank.
+    opt_buffers_bytes: u64,
 }
 
 /// Where the initial weights come from.
@@ -217,6 +239,17 @@ fn precision_name(p: &Precision) -> &'static str {
         Precision::Bf16 => "bf16",
         Precision::Fp16 { .. } => "fp16",
     }
+}
+
+/// Bytes of this rank's NVMe swap files and optimizer buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SwapUsage {
+    /// Bytes held by extents (params, optimizer state, spilled gradients).
+    pub allocated_bytes: u64,
+    /// Bytes of the swap files (extents plus slack).
+    pub file_bytes: u64,
+    /// Pinned optimizer swap buffers (NVMe optimizer state only).
+    pub optimizer_buffers_bytes: u64,
 }
 
 fn lock_policy(pin: bool) -> LockPolicy {
@@ -397,16 +430,11 @@ impl Trainer {
             )));
         }
         let world = opts.comm.world_size();
-        if world != 1 {
-            // The shard layout and every collective go through `Comm`, but
-            // the loss all-reduce, the 1/ranks gradient averaging and the
-            // gathered weight hash are not written yet: refuse rather than
-            // train wrongly.
-            return Err(EngineError::Unsupported {
-                what: format!(
-                    "{world} ranks: this engine implements one rank (the Comm interface is in place)"
-                ),
-            });
+        let rank = opts.comm.rank();
+        if world == 0 || rank >= world {
+            return Err(EngineError::internal(format!(
+                "rank {rank} of a world of {world}"
+            )));
         }
         if config.batch.ranks != world as u64 {
             return Err(EngineError::config(format!(
@@ -422,7 +450,21 @@ impl Trainer {
         let elem_bytes = config.precision.param_elem_bytes();
         let zero = &config.zero;
         let sub_group = usize::try_from(zero.sub_group_numel.0).unwrap_or(usize::MAX);
-        let layout = Layout::new(&model, opts.comm.rank(), world, sub_group);
+        let layout = Layout::new(&model, rank, world, sub_group);
+        // Several ranks: each keeps its own swap files under
+        // `<nvme_path>/rank<R>/` (one rank: `<nvme_path>` itself).
+        let rank_dir = |p: &std::path::Path| -> Result<PathBuf> {
+            if world == 1 {
+                return Ok(p.to_owned());
+            }
+            let d = p.join(format!("rank{rank}"));
+            std::fs::create_dir_all(&d).map_err(|source| EngineError::Io {
+                path: d.clone(),
+                source,
+            })?;
+            Ok(d)
+        };
+        let mut swap_spaces = Vec::new();
 
         // Home tier per param.
         let mut tiers = Vec::with_capacity(model.params().len());
@@ -546,7 +588,9 @@ impl Trainer {
                 .filter(|(_, t)| **t == Tier::Nvme)
                 .map(|(s, _)| align_up(s.shard_numel as u64 * elem_bytes))
                 .sum();
-            let space = SwapSpace::create(space_config(config, path, cap + (1 << 20)))?;
+            let path = rank_dir(path)?;
+            let space = SwapSpace::create(space_config(config, &path, cap + (1 << 20)))?;
+            swap_spaces.push(space.clone());
             let mut ac = ArenaConfig::new(param_pinned, param_buf_bytes);
             ac.lock = lock_policy(zero.offload_param.pin_memory);
             let arena = PinnedArena::new(ac)?;
@@ -574,7 +618,9 @@ impl Trainer {
                     .iter()
                     .map(|g| (3 + u64::from(spill_grads)) * align_up(g.numel as u64 * 4))
                     .sum();
-                let space = SwapSpace::create(space_config(config, path, cap + (1 << 20)))?;
+                let path = rank_dir(path)?;
+                let space = SwapSpace::create(space_config(config, &path, cap + (1 << 20)))?;
+                swap_spaces.push(space.clone());
                 let mut ac = ArenaConfig::new(opt_buf_bytes * opt_count, opt_buf_bytes);
                 ac.lock = lock_policy(zero.offload_optimizer.pin_memory);
                 let arena = PinnedArena::new(ac)?;
@@ -698,6 +744,8 @@ impl Trainer {
             pending: vec![false; n_sub_groups],
             flush_open: false,
             optimizer_wait: Duration::ZERO,
+            swap_spaces,
+            opt_buffers_bytes: opt_buf_bytes * opt_count,
         })
     }
 
@@ -856,15 +904,20 @@ impl Trainer {
         let adam_step = self.adam_steps + 1;
         let n_groups = self.layout.sub_groups.len();
         let mut grads: Vec<Option<Vec<f32>>> = vec![None; n_groups];
+        // A micro-batch's gradient of a param used by several units (a tied
+        // embedding), summed locally until its last unit (see accumulate).
+        let mut pending: BTreeMap<ParamId, Vec<f32>> = BTreeMap::new();
         let mut sq: Vec<Option<f64>> = vec![None; n_groups];
         // Sub-groups in the order their state reads were requested.
         let mut order: Vec<SubGroupId> = Vec::with_capacity(n_groups);
         let mut sent = vec![false; n_groups];
         let mut spilled = vec![false; n_groups];
-        let head_scale = loss_scale / gas as f64;
+        // The head's gradient starts at scale / (GAS · ranks): the mean over
+        // the global batch, as one rank with GAS · ranks micro-batches.
+        let head_scale = loss_scale / (gas as f64 * world as f64);
         let units: Vec<(UnitId, UnitKind)> =
             self.model.units().iter().map(|u| (u.id, u.kind)).collect();
-        let mut loss_sum = 0f32;
+        let mut micro_losses = vec![0f32; gas];
         self.sched.begin_step();
 
         for micro in 0..gas {
@@ -959,10 +1012,13 @@ impl Trainer {
                 };
                 drop(params);
                 if let Some(l) = &g.loss {
-                    loss_sum += l.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+                    let l = l.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+                    if let Some(m) = micro_losses.get_mut(micro) {
+                        *m += l;
+                    }
                 }
                 for (pid, grad) in &g.params {
-                    self.accumulate(&mut grads, *pid, grad)?;
+                    self.accumulate(&mut grads, &mut pending, uid, *pid, grad)?;
                 }
                 compute += t0.elapsed();
                 upstream = g.input;
@@ -1013,6 +1069,7 @@ impl Trainer {
             }
         }
 
+        let loss = self.global_loss(&micro_losses)?;
         let overlapped = sent.iter().filter(|x| **x).count() as u64;
         // Decision.
         let fp16 = matches!(self.config.precision, Precision::Fp16 { .. });
@@ -1115,7 +1172,7 @@ impl Trainer {
         let main_busy = compute_s + (c1.io_wait.saturating_sub(c0.io_wait)).as_secs_f64();
         let metrics = StepMetrics {
             step: self.steps_done,
-            loss: loss_sum / gas as f32,
+            loss,
             tokens_per_s: if wall > 0.0 { tokens / wall } else { 0.0 },
             wall_s: wall,
             compute_s,
@@ -1151,9 +1208,22 @@ impl Trainer {
         }
     }
 
+    /// Adds one unit's gradient of `pid` into the sub-group accumulator.
+    ///
+    /// A param used by several units (a tied embedding: head, then
+    /// embedding) gets several gradients per micro-batch; they are first
+    /// summed locally in backward order (`h + e`) and reduced once, after
+    /// its last unit (the smallest, reached last in backward). Every
+    /// micro-batch thus adds exactly one gradient per param into the
+    /// accumulator, and N ranks adding theirs in rank order reproduce one
+    /// rank's order over the same micro-batches bit for bit. The price is
+    /// one full fp32 gradient of such a param held during backward (as
+    /// PyTorch's autograd holds it before ZeRO's hook sees it).
     fn accumulate(
         &self,
         grads: &mut [Option<Vec<f32>>],
+        pending: &mut BTreeMap<ParamId, Vec<f32>>,
+        unit: UnitId,
         pid: ParamId,
         grad: &Tensor,
     ) -> Result<()> {
@@ -1167,19 +1237,55 @@ impl Trainer {
             .flatten_all()?
             .to_device(&Device::Cpu)?
             .to_vec1::<f32>()?;
-        let mut shard = vec![0f32; slot.shard_numel];
-        self.opts
-            .comm
-            .reduce_scatter_f32(&full, slot.shard_start, &mut shard)?;
+        let full = match pending.remove(&pid) {
+            Some(mut sum) => {
+                for (a, b) in sum.iter_mut().zip(&full) {
+                    *a += *b;
+                }
+                sum
+            }
+            None => full,
+        };
+        let last_unit = self
+            .model
+            .params()
+            .get(pid.0)
+            .and_then(|p| p.units.iter().copied().min())
+            .unwrap_or(unit);
+        if unit != last_unit {
+            pending.insert(pid, full);
+            return Ok(());
+        }
         let g = &self.layout.sub_groups[slot.sub_group.0];
         let acc = grads[slot.sub_group.0].get_or_insert_with(|| vec![0f32; g.numel]);
         let dst = acc
             .get_mut(slot.offset_in_group..slot.offset_in_group + slot.shard_numel)
             .ok_or_else(|| EngineError::internal("grad slot out of range"))?;
-        for (a, b) in dst.iter_mut().zip(&shard) {
-            *a += *b;
+        // Every rank's chunk of this rank's shard is added in rank order
+        // (reduce-scatter), straight into the accumulator.
+        let counts = shard_counts(slot.numel, self.layout.world);
+        self.opts.comm.reduce_scatter_add_f32(&full, &counts, dst)
+    }
+
+    /// The step's loss: every rank's micro-batch losses, all-gathered and
+    /// summed in global micro-batch order (micro `k` of rank `r` is global
+    /// micro-batch `k · ranks + r`, the data order), divided by their count.
+    /// The same bits on every rank, and the same as one rank running all
+    /// the micro-batches.
+    fn global_loss(&self, micro_losses: &[f32]) -> Result<f32> {
+        let world = self.opts.comm.world_size();
+        let gas = micro_losses.len();
+        let local: Vec<f64> = micro_losses.iter().map(|&l| f64::from(l)).collect();
+        let mut all = vec![0f64; gas * world];
+        self.opts.comm.all_gather_f64(&local, &mut all)?;
+        let mut sum = 0f32;
+        for k in 0..gas {
+            for r in 0..world {
+                // Exact: the values are f32s carried in f64s.
+                sum += all[r * gas + k] as f32;
+            }
         }
-        Ok(())
+        Ok(sum / (gas * world) as f32)
     }
 
     /// Applies the optimizer thread's replies that are already there.
@@ -1472,22 +1578,81 @@ impl Trainer {
         }
     }
 
-    /// sha256 over every fp32 master weight in `ParamId` order
-    /// (little-endian). One rank: this rank's shards are the whole params.
-    pub fn weight_sha256(&mut self) -> Result<String> {
-        if self.opts.comm.world_size() != 1 {
-            return Err(EngineError::Unsupported {
-                what: "weight_sha256 with several ranks (needs a gather of masters)".into(),
-            });
+    /// The whole fp32 master weights of `pid`, gathered from every rank's
+    /// shard (a collective: every rank calls it in the same order).
+    /// `cache` holds the last sub-group read, so walking params in order
+    /// reads each sub-group once.
+    fn gather_master(
+        &mut self,
+        pid: ParamId,
+        cache: &mut Option<(SubGroupId, Vec<f32>)>,
+    ) -> Result<Vec<f32>> {
+        let slot = self
+            .layout
+            .params
+            .get(pid.0)
+            .cloned()
+            .ok_or_else(|| EngineError::internal("master of an unknown param"))?;
+        if cache.as_ref().is_none_or(|(sg, _)| *sg != slot.sub_group) {
+            *cache = Some((slot.sub_group, self.master(slot.sub_group)?));
         }
-        // One sub-group at a time: memory stays at one sub-group.
+        let group = cache.as_ref().map(|(_, m)| m.as_slice()).unwrap_or(&[]);
+        let shard = group
+            .get(slot.offset_in_group..slot.offset_in_group + slot.shard_numel)
+            .ok_or_else(|| EngineError::internal("master shard out of range"))?;
+        let shard_bytes: Vec<u8> = shard.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let counts: Vec<usize> = shard_counts(slot.numel, self.layout.world)
+            .iter()
+            .map(|c| c * 4)
+            .collect();
+        let mut full = vec![0u8; slot.numel * 4];
+        self.opts
+            .comm
+            .all_gather_bytes(&shard_bytes, &counts, &mut full)?;
+        Ok(full
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+
+    /// Every parameter's whole fp32 master weights, in `ParamId` order,
+    /// gathered from all ranks (a collective). Holds the whole model in
+    /// host memory: for tests and export of small models.
+    pub fn full_masters(&mut self) -> Result<Vec<Vec<f32>>> {
+        let mut cache = None;
+        (0..self.layout.params.len())
+            .map(|i| self.gather_master(ParamId(i), &mut cache))
+            .collect()
+    }
+
+    /// sha256 over every fp32 master weight in `ParamId` order
+    /// (little-endian). Several ranks: each param's shards are gathered
+    /// (one param at a time), so the hash equals the one-rank hash of the
+    /// same weights; every rank computes it (a collective).
+    pub fn weight_sha256(&mut self) -> Result<String> {
         let mut h = Sha256::new();
-        for i in 0..self.layout.sub_groups.len() {
-            let m = self.master(SubGroupId(i))?;
+        let mut cache = None;
+        for i in 0..self.layout.params.len() {
+            let m = self.gather_master(ParamId(i), &mut cache)?;
             let bytes: Vec<u8> = m.iter().flat_map(|x| x.to_le_bytes()).collect();
             h.update(&bytes);
         }
         Ok(h.finish_hex())
+    }
+
+    /// Bytes of this rank's swap files and optimizer swap buffers.
+    pub fn swap_usage(&self) -> SwapUsage {
+        let file_bytes: u64 = self
+            .swap_spaces
+            .iter()
+            .flat_map(|s| s.files().iter().map(|f| f.capacity_bytes()))
+            .sum();
+        let free: u64 = self.swap_spaces.iter().map(|s| s.free_bytes()).sum();
+        SwapUsage {
+            allocated_bytes: file_bytes - free,
+            file_bytes,
+            optimizer_buffers_bytes: self.opt_buffers_bytes,
+        }
     }
 
     /// Flushes I/O, writes the summary line, returns it.

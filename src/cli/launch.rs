@@ -1,0 +1,218 @@
+//! `tierzero launch`: N ranks of `tierzero train` as N processes, and the
+//! rank's communicator that `train` uses.
+//!
+//! Design:
+//! * **mpirun, not a home-made launcher.** `tierzero launch --nproc N --
+//!   train ARGS` runs `mpirun -np N --bind-to none [--oversubscribe]
+//!   <this executable> train ARGS` and returns its status. Everything
+//!   multi-node (hostfiles, remote start-up, environment forwarding with
+//!   `-x`) is OpenMPI's; `--hostfile` is passed through, and `mpirun -np N
+//!   tierzero train ...` directly is equivalent. `--oversubscribe` is added
+//!   without a hostfile (one node: more ranks than cores is allowed, as on a
+//!   2-core laptop), `--bind-to none` because each rank runs several
+//!   threads (compute, optimizer, I/O). As root, OpenMPI refuses to start
+//!   unless told: the two `OMPI_ALLOW_RUN_AS_ROOT*` variables are set then.
+//! * **Which communicator.** [`rank_comm`] looks at what the launcher put
+//!   in the environment (`OMPI_COMM_WORLD_SIZE`, `PMI_SIZE`): more than one
+//!   rank means MPI (`MpiComm`, feature `mpi`); otherwise one rank
+//!   (`SingleRank`, MPI is not even initialised). A binary built without
+//!   the `mpi` feature refuses to run as one of N ranks (each would train
+//!   alone on the same data and write the same files) with the fix.
+//! * **One communicator per process**, kept in a global: MPI can be
+//!   initialised once per process, [`abort_ranks`] must reach it after an
+//!   error, and [`finalize`] must drop it (MPI_Finalize) before the process
+//!   exits.
+//! * **A rank that fails** prints its error and calls [`abort_ranks`]
+//!   (`MPI_Abort`), so the other ranks stop at once instead of waiting for
+//!   it in a collective; a rank that dies or hangs is caught by `mpirun`
+//!   (it tears the job down) or by the collectives' timeout
+//!   (`TIERZERO_COMM_TIMEOUT_S`, default 600 s).
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use anyhow::anyhow;
+use clap::Args;
+use tierzero::engine::comm::launcher_world_size;
+use tierzero::engine::{Comm, SingleRank};
+
+use super::Failure;
+
+const EXAMPLES: &str = "\
+Examples:
+  tierzero launch --nproc 2 -- train --steps 50 --metrics metrics.jsonl
+      two ranks on this machine; rank 0 writes the metrics and the progress
+  tierzero launch --nproc 8 --hostfile hosts -- train --config ds_config.json
+      eight ranks over the nodes of an OpenMPI hostfile
+  mpirun -np 2 tierzero train --steps 50
+      the same as the first, started by hand
+";
+
+/// `tierzero launch` options.
+#[derive(Debug, Args)]
+#[command(after_help = EXAMPLES)]
+pub struct LaunchArgs {
+    /// Number of ranks (processes).
+    #[arg(long, value_name = "N")]
+    nproc: String,
+    /// OpenMPI hostfile for ranks on several nodes (passed to mpirun).
+    #[arg(long, value_name = "FILE")]
+    hostfile: Option<PathBuf>,
+    /// The mpirun to use.
+    #[arg(long, value_name = "PATH", default_value = "mpirun")]
+    mpirun: PathBuf,
+    /// The tierzero command each rank runs (after `--`), e.g. `train --steps 50`.
+    #[arg(last = true, required = true, value_name = "COMMAND")]
+    command: Vec<String>,
+}
+
+/// Seconds a collective waits for the other ranks, from
+/// `TIERZERO_COMM_TIMEOUT_S` (default 600).
+#[cfg(feature = "mpi")]
+fn comm_timeout() -> Result<std::time::Duration, Failure> {
+    match std::env::var("TIERZERO_COMM_TIMEOUT_S") {
+        Err(_) => Ok(tierzero::engine::comm_mpi::DEFAULT_TIMEOUT),
+        Ok(v) => match v.trim().parse::<f64>() {
+            Ok(s) if s.is_finite() && s > 0.0 => Ok(std::time::Duration::from_secs_f64(s)),
+            _ => Err(Failure::BadInput(anyhow!(
+                "TIERZERO_COMM_TIMEOUT_S={v}: give a positive number of seconds"
+            ))),
+        },
+    }
+}
+
+static RANK_COMM: Mutex<Option<Arc<dyn Comm>>> = Mutex::new(None);
+
+/// This process's communicator (created on first use; see the module docs).
+pub fn rank_comm() -> Result<Arc<dyn Comm>, Failure> {
+    let mut slot = RANK_COMM.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(c) = slot.as_ref() {
+        return Ok(c.clone());
+    }
+    let world = launcher_world_size().unwrap_or(1);
+    let comm: Arc<dyn Comm> = if world <= 1 {
+        Arc::new(SingleRank)
+    } else {
+        mpi_comm(world)?
+    };
+    *slot = Some(comm.clone());
+    Ok(comm)
+}
+
+#[cfg(feature = "mpi")]
+fn mpi_comm(world: usize) -> Result<Arc<dyn Comm>, Failure> {
+    let c = tierzero::engine::comm_mpi::MpiComm::init(comm_timeout()?)
+        .map_err(|e| Failure::Internal(anyhow!("starting MPI: {e}")))?;
+    if c.world_size() != world {
+        return Err(Failure::Internal(anyhow!(
+            "the launcher announced {world} ranks but MPI has {}",
+            c.world_size()
+        )));
+    }
+    Ok(Arc::new(c))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_comm(world: usize) -> Result<Arc<dyn Comm>, Failure> {
+    Err(Failure::BadInput(anyhow!(
+        "started as one of {world} ranks (mpirun), but this tierzero was built without MPI \
+         support; rebuild with `cargo build --release --features mpi` (needs OpenMPI: \
+         apt-get install libopenmpi-dev openmpi-bin libclang-dev)"
+    )))
+}
+
+/// After a failed command: ends every rank's process (MPI_Abort) when this
+/// process is one of several ranks. Returns when there is only one rank.
+pub fn abort_ranks(code: i32) {
+    let comm = RANK_COMM.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    if let Some(c) = comm.filter(|c| c.world_size() > 1) {
+        c.abort(code);
+    }
+}
+
+/// Drops this process's communicator (MPI_Finalize) before it exits.
+pub fn finalize() {
+    let comm = RANK_COMM.lock().unwrap_or_else(|p| p.into_inner()).take();
+    drop(comm);
+}
+
+/// Whether this process runs as root (OpenMPI then needs to be told).
+#[cfg(feature = "mpi")]
+fn is_root() -> bool {
+    use std::os::unix::fs::MetadataExt as _;
+    // /proc/self belongs to the process's effective uid.
+    std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
+}
+
+/// Runs `tierzero launch`.
+pub fn run(args: LaunchArgs) -> Result<(), Failure> {
+    let nproc = match tierzero::units::parse_count(&args.nproc) {
+        Ok(n) if (1..=1 << 20).contains(&n) => n,
+        _ => {
+            return Err(Failure::BadInput(anyhow!(
+                "--nproc {}: give a whole number of ranks from 1, such as --nproc 2",
+                args.nproc
+            )))
+        }
+    };
+    if args.command.first().map(String::as_str) != Some("train") {
+        return Err(Failure::BadInput(anyhow!(
+            "launch runs `tierzero train` on every rank: give `-- train [ARGS]`, not `-- {}`",
+            args.command.join(" ")
+        )));
+    }
+    launch(nproc, &args)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn launch(_nproc: u64, _args: &LaunchArgs) -> Result<(), Failure> {
+    Err(Failure::BadInput(anyhow!(
+        "this tierzero was built without MPI support, so it cannot start several ranks; rebuild \
+         with `cargo build --release --features mpi` (needs OpenMPI: apt-get install \
+         libopenmpi-dev openmpi-bin libclang-dev)"
+    )))
+}
+
+#[cfg(feature = "mpi")]
+fn launch(nproc: u64, args: &LaunchArgs) -> Result<(), Failure> {
+    use std::process::Command;
+    let exe = std::env::current_exe()
+        .map_err(|e| Failure::Internal(anyhow!("finding this executable: {e}")))?;
+    let mut cmd = Command::new(&args.mpirun);
+    cmd.arg("-np").arg(nproc.to_string());
+    cmd.args(["--bind-to", "none"]);
+    match &args.hostfile {
+        Some(h) => {
+            if !h.is_file() {
+                return Err(Failure::BadInput(anyhow!(
+                    "--hostfile {}: no such file; give an OpenMPI hostfile",
+                    h.display()
+                )));
+            }
+            cmd.arg("--hostfile").arg(h);
+        }
+        None => {
+            cmd.arg("--oversubscribe");
+        }
+    }
+    if is_root() {
+        cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    }
+    cmd.arg(&exe).args(&args.command);
+    let status = cmd.status().map_err(|e| {
+        Failure::BadInput(anyhow!(
+            "running {}: {e}; install OpenMPI (apt-get install openmpi-bin) or give --mpirun",
+            args.mpirun.display()
+        ))
+    })?;
+    match status.code() {
+        Some(0) => Ok(()),
+        Some(2) => Err(Failure::BadInput(anyhow!(
+            "a rank refused its input (mpirun exited with 2); see its message above"
+        ))),
+        _ => Err(Failure::Internal(anyhow!(
+            "mpirun: {status}; see the ranks' messages above"
+        ))),
+    }
+}

@@ -1,0 +1,421 @@
+//! [`MpiComm`]: the [`Comm`] collectives over MPI (OpenMPI through the `mpi`
+//! crate; feature `mpi`), one process per rank under `mpirun`.
+//!
+//! # Design
+//!
+//! * **One MPI thread.** MPI is initialised on a dedicated thread that owns
+//!   the `Universe` and makes every collective call; [`MpiComm`] holds only
+//!   channels to it. The engine needs a `Comm` that is `Send + Sync`, and
+//!   MPI handles are not (raw pointers, and the main crate has no `unsafe`
+//!   to assert otherwise); a thread that owns them is the safe way. The
+//!   engine's compute thread sends one operation and waits for its reply
+//!   (one collective at a time, in call order: a mutex serialises callers,
+//!   so collectives are issued in the same order on every rank as long as
+//!   the engine calls them in the same order, which it does).
+//! * **Deterministic reductions.** Nothing is summed by MPI: gradients go
+//!   through `MPI_Alltoallv` (each rank receives every rank's chunk of its
+//!   own shard) and are added into the accumulator in rank order 0..N;
+//!   scalars are all-gathered (`MPI_Allgather`) and summed in rank order by
+//!   the caller ([`Comm::all_reduce_sum_f64`]). Results cannot depend on
+//!   timing or on OpenMPI's choice of reduction algorithm.
+//! * **A peer that dies.** Under `mpirun`, OpenMPI tears the whole job down
+//!   when a rank exits abnormally (measured: a SIGKILLed rank's peers are
+//!   gone within about a second, and `mpirun` names the rank and signal).
+//!   A peer that *hangs* (stopped, deadlocked, a launcher that does not tear
+//!   down) would leave the others blocked in a collective forever, so every
+//!   collective is bounded by a timeout ([`MpiComm::timeout`], default
+//!   [`DEFAULT_TIMEOUT`], `TIERZERO_COMM_TIMEOUT_S` in the CLI): past it the
+//!   caller gets [`EngineError::Comm`] naming the collective, the rank and
+//!   the wait, and the communicator is marked broken (the MPI thread is
+//!   stuck in the call; it is not joined). [`Comm::abort`] then ends the
+//!   whole job with `MPI_Abort` (called from the caller's thread when MPI
+//!   granted `MPI_THREAD_MULTIPLE`, else the process exits by itself and
+//!   `mpirun` tears the rest down).
+//! * **Finalize.** Dropping the last [`MpiComm`] stops the thread, which
+//!   drops the `Universe` (`MPI_Finalize`). A process must do that before
+//!   it exits, or `mpirun` reports the rank as failed.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
+use mpi::datatype::{Partition, PartitionMut};
+use mpi::topology::{Communicator, SimpleCommunicator};
+use mpi::traits::CommunicatorCollectives;
+use mpi::Threading;
+
+use super::comm::{check_counts, Comm};
+use super::{EngineError, Result};
+
+/// How long a collective waits for the other ranks by default.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Work for the MPI thread.
+#[derive(Debug)]
+enum Op {
+    GatherBytes { shard: Vec<u8>, counts: Vec<i32> },
+    AllToAllF32 { full: Vec<f32>, counts: Vec<i32> },
+    GatherF64(Vec<f64>),
+    Barrier,
+}
+
+impl Op {
+    fn name(&self) -> &'static str {
+        match self {
+            Op::GatherBytes { .. } => "all-gather",
+            Op::AllToAllF32 { .. } => "reduce-scatter (all-to-all)",
+            Op::GatherF64(_) => "all-gather of scalars",
+            Op::Barrier => "barrier",
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Reply {
+    Bytes(Vec<u8>),
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    Done,
+}
+
+#[derive(Debug)]
+struct Chan {
+    ops: Sender<Op>,
+    replies: Receiver<Reply>,
+}
+
+/// N ranks over MPI (see the module docs).
+#[derive(Debug)]
+pub struct MpiComm {
+    rank: usize,
+    world: usize,
+    threading_multiple: bool,
+    timeout: Duration,
+    chan: Mutex<Option<Chan>>,
+    broken: AtomicBool,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+fn count(n: usize, what: &str) -> Result<i32> {
+    i32::try_from(n).map_err(|_| {
+        EngineError::internal(format!(
+            "{what}: {n} elements exceed MPI's 32-bit counts; lower sub_group_size or use more ranks"
+        ))
+    })
+}
+
+fn displs(counts: &[i32]) -> Vec<i32> {
+    counts
+        .iter()
+        .scan(0i32, |acc, &c| {
+            let d = *acc;
+            *acc = acc.saturating_add(c);
+            Some(d)
+        })
+        .collect()
+}
+
+/// The MPI thread's loop: one collective per operation, until the channel
+/// closes.
+fn serve(world: &SimpleCommunicator, ops: &Receiver<Op>, replies: &Sender<Reply>) {
+    let me = world.rank() as usize;
+    while let Ok(op) = ops.recv() {
+        let reply = match op {
+            Op::GatherBytes { shard, counts } => {
+                let total: i32 = counts.iter().sum();
+                let mut out = vec![0u8; total.max(0) as usize];
+                let d = displs(&counts);
+                let mut part = PartitionMut::new(&mut out[..], &counts[..], &d[..]);
+                world.all_gather_varcount_into(&shard[..], &mut part);
+                Reply::Bytes(out)
+            }
+            Op::AllToAllF32 { full, counts } => {
+                let mine = counts.get(me).copied().unwrap_or(0);
+                let n = counts.len();
+                let recv_counts = vec![mine; n];
+                let recv_displs = displs(&recv_counts);
+                let send_displs = displs(&counts);
+                let mut out = vec![0f32; mine.max(0) as usize * n];
+                let send = Partition::new(&full[..], &counts[..], &send_displs[..]);
+                let mut recv = PartitionMut::new(&mut out[..], &recv_counts[..], &recv_displs[..]);
+                world.all_to_all_varcount_into(&send, &mut recv);
+                Reply::F32(out)
+            }
+            Op::GatherF64(local) => {
+                let mut out = vec![0f64; local.len() * world.size() as usize];
+                world.all_gather_into(&local[..], &mut out[..]);
+                Reply::F64(out)
+            }
+            Op::Barrier => {
+                world.barrier();
+                Reply::Done
+            }
+        };
+        if replies.send(reply).is_err() {
+            break;
+        }
+    }
+}
+
+impl MpiComm {
+    /// Initialises MPI on its own thread and returns this rank's
+    /// communicator over `MPI_COMM_WORLD`. Fails if MPI was initialised
+    /// before in this process.
+    pub fn init(timeout: Duration) -> Result<MpiComm> {
+        let (init_tx, init_rx) = bounded::<std::result::Result<(usize, usize, bool), String>>(1);
+        let (op_tx, op_rx) = bounded::<Op>(1);
+        let (reply_tx, reply_rx) = bounded::<Reply>(1);
+        let thread = std::thread::Builder::new()
+            .name("tierzero-mpi".into())
+            .spawn(move || {
+                let Some((universe, threading)) =
+                    mpi::initialize_with_threading(Threading::Multiple)
+                else {
+                    let _ = init_tx.send(Err("MPI is already initialised in this process".into()));
+                    return;
+                };
+                let world = universe.world();
+                let info = (
+                    world.rank() as usize,
+                    world.size() as usize,
+                    threading == Threading::Multiple,
+                );
+                if init_tx.send(Ok(info)).is_err() {
+                    return;
+                }
+                serve(&world, &op_rx, &reply_tx);
+                drop(world);
+                drop(universe);
+            })
+            .map_err(|e| EngineError::internal(format!("spawning the MPI thread: {e}")))?;
+        let (rank, world, threading_multiple) = match init_rx.recv() {
+            Ok(Ok(info)) => info,
+            Ok(Err(reason)) => {
+                let _ = thread.join();
+                return Err(EngineError::Comm {
+                    rank: 0,
+                    world: 0,
+                    op: "init",
+                    reason,
+                });
+            }
+            Err(_) => {
+                let _ = thread.join();
+                return Err(EngineError::Comm {
+                    rank: 0,
+                    world: 0,
+                    op: "init",
+                    reason: "the MPI thread ended during MPI_Init_thread".into(),
+                });
+            }
+        };
+        Ok(MpiComm {
+            rank,
+            world,
+            threading_multiple,
+            timeout,
+            chan: Mutex::new(Some(Chan {
+                ops: op_tx,
+                replies: reply_rx,
+            })),
+            broken: AtomicBool::new(false),
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// How long a collective waits for the other ranks.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn comm_error(&self, op: &'static str, reason: String) -> EngineError {
+        EngineError::Comm {
+            rank: self.rank,
+            world: self.world,
+            op,
+            reason,
+        }
+    }
+
+    /// Runs one collective on the MPI thread and waits for it, at most the
+    /// timeout.
+    fn call(&self, op: Op) -> Result<Reply> {
+        let name = op.name();
+        if self.broken.load(Ordering::SeqCst) {
+            return Err(self.comm_error(
+                name,
+                "an earlier collective failed; the communicator is unusable".into(),
+            ));
+        }
+        let guard = self
+            .chan
+            .lock()
+            .map_err(|_| self.comm_error(name, "the communicator lock is poisoned".into()))?;
+        let chan = guard
+            .as_ref()
+            .ok_or_else(|| self.comm_error(name, "the communicator is shut down".into()))?;
+        let t0 = Instant::now();
+        chan.ops
+            .send(op)
+            .map_err(|_| self.comm_error(name, "the MPI thread has ended".into()))?;
+        match chan.replies.recv_timeout(self.timeout) {
+            Ok(r) => Ok(r),
+            Err(RecvTimeoutError::Timeout) => {
+                self.broken.store(true, Ordering::SeqCst);
+                Err(self.comm_error(
+                    name,
+                    format!(
+                        "got no answer from the other ranks within {:.0} s: a rank has died or \
+                         hangs; stopping (set TIERZERO_COMM_TIMEOUT_S to wait longer)",
+                        t0.elapsed().as_secs_f64()
+                    ),
+                ))
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                self.broken.store(true, Ordering::SeqCst);
+                Err(self.comm_error(name, "the MPI thread has ended".into()))
+            }
+        }
+    }
+
+    fn counts_i32(&self, counts: &[usize], what: &str) -> Result<Vec<i32>> {
+        if counts.len() != self.world {
+            return Err(EngineError::internal(format!(
+                "{what}: {} counts for {} ranks",
+                counts.len(),
+                self.world
+            )));
+        }
+        counts.iter().map(|&c| count(c, what)).collect()
+    }
+}
+
+impl Comm for MpiComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world
+    }
+    fn all_gather_bytes(&self, shard: &[u8], counts_bytes: &[usize], out: &mut [u8]) -> Result<()> {
+        check_counts(
+            "all_gather",
+            self.rank,
+            counts_bytes,
+            shard.len(),
+            out.len(),
+        )?;
+        let counts = self.counts_i32(counts_bytes, "all_gather")?;
+        count(out.len(), "all_gather")?;
+        match self.call(Op::GatherBytes {
+            shard: shard.to_vec(),
+            counts,
+        })? {
+            Reply::Bytes(b) if b.len() == out.len() => {
+                out.copy_from_slice(&b);
+                Ok(())
+            }
+            other => Err(EngineError::internal(format!(
+                "all_gather: unexpected reply {other:?}"
+            ))),
+        }
+    }
+
+    fn reduce_scatter_add_f32(
+        &self,
+        full: &[f32],
+        counts_numel: &[usize],
+        acc: &mut [f32],
+    ) -> Result<()> {
+        check_counts(
+            "reduce_scatter",
+            self.rank,
+            counts_numel,
+            acc.len(),
+            full.len(),
+        )?;
+        let counts = self.counts_i32(counts_numel, "reduce_scatter")?;
+        count(acc.len() * self.world, "reduce_scatter")?;
+        let chunks = match self.call(Op::AllToAllF32 {
+            full: full.to_vec(),
+            counts,
+        })? {
+            Reply::F32(v) if v.len() == acc.len() * self.world => v,
+            other => {
+                return Err(EngineError::internal(format!(
+                    "reduce_scatter: unexpected reply {other:?}"
+                )))
+            }
+        };
+        // Rank order, one rank's chunk after the other.
+        if !acc.is_empty() {
+            for chunk in chunks.chunks_exact(acc.len()) {
+                for (a, b) in acc.iter_mut().zip(chunk) {
+                    *a += *b;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn all_gather_f64(&self, local: &[f64], out: &mut [f64]) -> Result<()> {
+        if out.len() != local.len() * self.world {
+            return Err(EngineError::internal("all_gather_f64: lengths"));
+        }
+        count(out.len(), "all_gather_f64")?;
+        match self.call(Op::GatherF64(local.to_vec()))? {
+            Reply::F64(v) if v.len() == out.len() => {
+                out.copy_from_slice(&v);
+                Ok(())
+            }
+            other => Err(EngineError::internal(format!(
+                "all_gather_f64: unexpected reply {other:?}"
+            ))),
+        }
+    }
+
+    fn barrier(&self) -> Result<()> {
+        match self.call(Op::Barrier)? {
+            Reply::Done => Ok(()),
+            other => Err(EngineError::internal(format!(
+                "barrier: unexpected reply {other:?}"
+            ))),
+        }
+    }
+
+    fn abort(&self, code: i32) {
+        if self.threading_multiple {
+            // MPI_THREAD_MULTIPLE: legal from this thread even while the
+            // MPI thread is blocked in a collective.
+            SimpleCommunicator::world().abort(code);
+        }
+        // Otherwise exit without finalising: mpirun sees a rank fail and
+        // tears the job down.
+        std::process::exit(code);
+    }
+}
+
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        // Closing the channel ends the MPI thread's loop; it then finalises.
+        let chan = match self.chan.lock() {
+            Ok(mut g) => g.take(),
+            Err(p) => p.into_inner().take(),
+        };
+        drop(chan);
+        if self.broken.load(Ordering::SeqCst) {
+            // The thread is stuck in a collective that will never finish:
+            // joining would hang the exit.
+            return;
+        }
+        let handle = match self.thread.lock() {
+            Ok(mut g) => g.take(),
+            Err(p) => p.into_inner().take(),
+        };
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+    }
+}

@@ -1,0 +1,387 @@
+//! Several ranks over MPI (feature `mpi`; needs OpenMPI's `mpirun`): N
+//! ranks with the same global batch as one rank must give the same
+//! per-step losses and final weights, and each rank must hold 1/N of the
+//! state.
+//!
+//! Each case starts `mpirun -np N` on this test binary's ignored
+//! [`rank_main`] test, which trains with an `MpiComm` and writes its losses,
+//! gathered master weights and byte counts to a JSON file per rank. The
+//! parent trains the one-rank reference in process and compares.
+//!
+//! The data order makes N ranks with accumulation G read the same rows as
+//! one rank with G·N (micro-batch k of rank r is global micro-batch
+//! k·N + r). Gradients are added in rank order, which is the one-rank
+//! order when every parameter gets one gradient per micro-batch: untied
+//! models are **bit-identical**. A tied embedding gets two per micro-batch
+//! (head, then embedding); the engine sums them locally first and reduces
+//! once per micro-batch, so tied models with accumulation are
+//! bit-identical too.
+#![cfg(feature = "mpi")]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
+
+mod engine_support;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use engine_support::{corpus, ds_config, scratch, Knobs};
+use serde_json::{json, Value};
+use tierzero::config::{load_str, PathChecks, RunContext};
+use tierzero::engine::comm_mpi::MpiComm;
+use tierzero::engine::{Comm, SingleRank, Trainer, TrainerOptions};
+use tierzero::model::ModelDir;
+
+const SEQ: usize = 16;
+const SEED: u64 = 5;
+
+/// A GPT-2 with byte vocabulary, 2 layers of width 64.
+fn model_dir(tag: &str, tied: bool) -> PathBuf {
+    let d = scratch(&format!("mpi-model-{tag}"));
+    let cfg = json!({
+        "model_type": "gpt2", "vocab_size": 256, "n_positions": 32, "n_embd": 64,
+        "n_layer": 2, "n_head": 2, "n_inner": 128, "tie_word_embeddings": tied
+    });
+    std::fs::write(d.join("config.json"), cfg.to_string()).unwrap();
+    d
+}
+
+/// What one rank (or the one-rank reference) produced.
+#[derive(Debug, Clone)]
+struct Out {
+    losses: Vec<f32>,
+    masters: Vec<Vec<f32>>,
+    sha256: String,
+    /// Bytes held by this rank's swap extents, its swap files, its pinned
+    /// optimizer buffers; its optimizer elements.
+    allocated_bytes: u64,
+    file_bytes: u64,
+    opt_buffers_bytes: u64,
+    shard_numel: u64,
+}
+
+fn train(cfg: &Value, ranks: u64, model: &Path, steps: u64, comm: Arc<dyn Comm>) -> Out {
+    let run = RunContext {
+        ranks,
+        path_checks: PathChecks::CreateMissing,
+        ..RunContext::default()
+    };
+    let loaded = load_str(&cfg.to_string(), &run).unwrap();
+    let md = ModelDir::open(model, SEED).unwrap();
+    let mut opts = TrainerOptions::cpu(SEED, SEQ);
+    opts.comm = comm;
+    let mut t = Trainer::new(&loaded.config, &md, corpus(), opts).unwrap();
+    let losses = (0..steps).map(|_| t.step().unwrap().metrics.loss).collect();
+    let masters = t.full_masters().unwrap();
+    let usage = t.swap_usage();
+    let shard_numel = t.layout().shard_numel() as u64;
+    let sha256 = t.finish().unwrap().weight_sha256;
+    Out {
+        losses,
+        masters,
+        sha256,
+        allocated_bytes: usage.allocated_bytes,
+        file_bytes: usage.file_bytes,
+        opt_buffers_bytes: usage.optimizer_buffers_bytes,
+        shard_numel,
+    }
+}
+
+fn out_to_json(o: &Out) -> Value {
+    json!({
+        "losses": o.losses.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
+        "masters": o.masters.iter()
+            .map(|m| m.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+            .collect::<Vec<_>>(),
+        "sha256": o.sha256,
+        "allocated_bytes": o.allocated_bytes,
+        "file_bytes": o.file_bytes,
+        "opt_buffers_bytes": o.opt_buffers_bytes,
+        "shard_numel": o.shard_numel,
+    })
+}
+
+fn out_from_json(v: &Value) -> Out {
+    let bits = |v: &Value| -> Vec<f32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|b| f32::from_bits(b.as_u64().unwrap() as u32))
+            .collect()
+    };
+    Out {
+        losses: bits(&v["losses"]),
+        masters: v["masters"].as_array().unwrap().iter().map(bits).collect(),
+        sha256: v["sha256"].as_str().unwrap().to_owned(),
+        allocated_bytes: v["allocated_bytes"].as_u64().unwrap(),
+        file_bytes: v["file_bytes"].as_u64().unwrap(),
+        opt_buffers_bytes: v["opt_buffers_bytes"].as_u64().unwrap(),
+        shard_numel: v["shard_numel"].as_u64().unwrap(),
+    }
+}
+
+/// One rank of a case: run under `mpirun` by [`run_ranks`] (does nothing
+/// without its spec).
+#[test]
+#[ignore = "a rank of the mpi tests; the other tests run it under mpirun"]
+fn rank_main() {
+    let Ok(spec) = std::env::var("TZ_MPI_SPEC") else {
+        return;
+    };
+    let spec: Value = serde_json::from_str(&std::fs::read_to_string(spec).unwrap()).unwrap();
+    let comm = Arc::new(MpiComm::init(Duration::from_secs(120)).unwrap());
+    let rank = comm.rank();
+    let out = train(
+        &spec["config"],
+        comm.world_size() as u64,
+        Path::new(spec["model"].as_str().unwrap()),
+        spec["steps"].as_u64().unwrap(),
+        comm,
+    );
+    let path = Path::new(spec["out"].as_str().unwrap()).join(format!("rank{rank}.json"));
+    std::fs::write(path, out_to_json(&out).to_string()).unwrap();
+}
+
+/// `mpirun` with what a 2-core container and a root user need.
+fn mpirun(n: usize) -> Command {
+    let mut c = Command::new("mpirun");
+    c.args([
+        "-np",
+        &n.to_string(),
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+    ])
+    .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    c
+}
+
+/// Runs `n` ranks of `cfg` and returns each rank's output.
+fn run_ranks(n: usize, cfg: &Value, model: &Path, steps: u64) -> Vec<Out> {
+    let dir = scratch("mpi-out");
+    let spec = json!({
+        "config": cfg, "model": model.to_str().unwrap(), "steps": steps,
+        "out": dir.to_str().unwrap()
+    });
+    let spec_path = dir.join("spec.json");
+    std::fs::write(&spec_path, spec.to_string()).unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let out = mpirun(n)
+        .arg(exe)
+        .args(["--exact", "rank_main", "--ignored", "--test-threads", "1"])
+        .env("TZ_MPI_SPEC", &spec_path)
+        .output()
+        .expect("run mpirun (install openmpi-bin)");
+    assert!(
+        out.status.success(),
+        "mpirun -np {n} failed: {}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (0..n)
+        .map(|r| {
+            let text = std::fs::read_to_string(dir.join(format!("rank{r}.json"))).unwrap();
+            out_from_json(&serde_json::from_str(&text).unwrap())
+        })
+        .collect()
+}
+
+/// Max over elements of |a-b| / max(|a|, |b|) (0 where both are 0).
+fn max_rel(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| {
+            let (x, y) = (f64::from(x), f64::from(y));
+            let d = (x - y).abs();
+            if d == 0.0 {
+                0.0
+            } else {
+                d / x.abs().max(y.abs())
+            }
+        })
+        .fold(0.0, f64::max)
+}
+
+/// ||a-b|| / ||a|| over a whole tensor.
+fn norm_rel(a: &[f32], b: &[f32]) -> f64 {
+    let (mut d, mut n) = (0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        d += (f64::from(x) - f64::from(y)).powi(2);
+        n += f64::from(x).powi(2);
+    }
+    if d == 0.0 {
+        0.0
+    } else {
+        (d / n.max(f64::MIN_POSITIVE)).sqrt()
+    }
+}
+
+/// Trains `knobs` on `n` ranks (accumulation `gas`) and on one rank
+/// (accumulation `gas · n`) for `steps` steps; returns (one rank, ranks).
+fn case(tag: &str, n: usize, knobs: &Knobs, tied: bool, steps: u64) -> (Out, Vec<Out>) {
+    let model = model_dir(tag, tied);
+    let multi_cfg = ds_config(knobs, &scratch("mpi-swap"), steps);
+    let one = Knobs {
+        gas: knobs.gas * n as u64,
+        ..knobs.clone()
+    };
+    let one_cfg = ds_config(&one, &scratch("mpi-swap1"), steps);
+    let reference = train(&one_cfg, 1, &model, steps, Arc::new(SingleRank));
+    let ranks = run_ranks(n, &multi_cfg, &model, steps);
+    // Every rank reports the same losses and hash (computed from gathered
+    // values, summed in the same order).
+    for (r, o) in ranks.iter().enumerate() {
+        assert_eq!(o.losses, ranks[0].losses, "{tag}: rank {r} losses");
+        assert_eq!(o.sha256, ranks[0].sha256, "{tag}: rank {r} hash");
+    }
+    // The run trains.
+    let l = &reference.losses;
+    assert!(l[l.len() - 1] < l[0], "{tag}: loss did not fall: {l:?}");
+    (reference, ranks)
+}
+
+fn assert_bit_identical(tag: &str, one: &Out, ranks: &[Out]) {
+    let multi = &ranks[0];
+    for (s, (a, b)) in one.losses.iter().zip(&multi.losses).enumerate() {
+        assert_eq!(
+            a.to_bits(),
+            b.to_bits(),
+            "{tag}: step {} loss {a} (1 rank) vs {b} ({} ranks)",
+            s + 1,
+            ranks.len()
+        );
+    }
+    assert_eq!(one.masters, multi.masters, "{tag}: final masters");
+    assert_eq!(one.sha256, multi.sha256, "{tag}: weight sha256");
+    eprintln!(
+        "{tag}: {} ranks vs 1 rank: {} losses and every final weight bit-identical, sha256 {}",
+        ranks.len(),
+        one.losses.len(),
+        one.sha256
+    );
+}
+
+#[test]
+fn stage3_nvme_two_ranks_match_one_rank_bit_for_bit_and_hold_half_the_state() {
+    let knobs = Knobs {
+        sub_group: 1_000_000,
+        ..Knobs::nvme()
+    };
+    let (one, ranks) = case("s3-nvme-2", 2, &knobs, false, 10);
+    assert_bit_identical("stage 3 nvme, 2 ranks", &one, &ranks);
+
+    // Memory per rank: each rank's optimizer elements are its shard, the
+    // swap extents and the optimizer buffers about half of one rank's.
+    let total: u64 = ranks.iter().map(|o| o.shard_numel).sum();
+    assert_eq!(total, one.shard_numel, "shards cover the model once");
+    eprintln!(
+        "1 rank : {} optimizer elements, swap extents {} B (files {} B), optimizer buffers {} B",
+        one.shard_numel, one.allocated_bytes, one.file_bytes, one.opt_buffers_bytes
+    );
+    for (r, o) in ranks.iter().enumerate() {
+        let ratio = o.allocated_bytes as f64 / one.allocated_bytes as f64;
+        let buf_ratio = o.opt_buffers_bytes as f64 / one.opt_buffers_bytes as f64;
+        eprintln!(
+            "rank {r}: {} optimizer elements ({:.3}), swap extents {} B ({ratio:.3}) (files {} B), \
+             optimizer buffers {} B ({buf_ratio:.3})",
+            o.shard_numel,
+            o.shard_numel as f64 / one.shard_numel as f64,
+            o.allocated_bytes,
+            o.file_bytes,
+            o.opt_buffers_bytes
+        );
+        let share = o.shard_numel as f64 / one.shard_numel as f64;
+        assert!((0.49..=0.51).contains(&share), "rank {r} shard {share}");
+        // Extents are 4 KiB-aligned per param: small params (biases,
+        // norms) take a whole block on every rank.
+        assert!(
+            (0.45..=0.6).contains(&ratio),
+            "rank {r} swap extents {ratio}"
+        );
+        assert!(
+            (0.45..=0.55).contains(&buf_ratio),
+            "rank {r} optimizer buffers {buf_ratio}"
+        );
+    }
+}
+
+#[test]
+fn stage3_nvme_three_ranks_match_one_rank_bit_for_bit() {
+    let (one, ranks) = case("s3-nvme-3", 3, &Knobs::nvme(), false, 10);
+    assert_bit_identical("stage 3 nvme, 3 ranks", &one, &ranks);
+}
+
+#[test]
+fn stage3_tied_embeddings_with_accumulation_match_bit_for_bit() {
+    let knobs = Knobs {
+        gas: 2,
+        ..Knobs::nvme()
+    };
+    let (one, ranks) = case("s3-tied", 2, &knobs, true, 10);
+    let multi = &ranks[0];
+    // Reported before the exact check, so a failure shows how far apart.
+    let loss_rel = max_rel(&one.losses, &multi.losses);
+    let mut w_max = 0f64;
+    let mut w_norm = 0f64;
+    for (a, b) in one.masters.iter().zip(&multi.masters) {
+        w_max = w_max.max(max_rel(a, b));
+        w_norm = w_norm.max(norm_rel(a, b));
+    }
+    eprintln!(
+        "stage 3 nvme, tied, GAS 2 x 2 ranks vs GAS 4: losses max rel diff {loss_rel:.3e}, \
+         weights max elementwise rel diff {w_max:.3e}, max per-tensor norm rel diff {w_norm:.3e}"
+    );
+    assert_bit_identical("stage 3 nvme, tied, GAS 2 x 2 ranks", &one, &ranks);
+}
+
+#[test]
+fn stages_1_and_2_two_ranks_match_one_rank_bit_for_bit() {
+    // (NVMe optimizer offload is stage 3 only, as in DeepSpeed.)
+    for (stage, optim) in [(1u8, "cpu"), (2, "none")] {
+        let knobs = Knobs {
+            stage,
+            optim,
+            ..Knobs::default()
+        };
+        let tag = format!("stage {stage}, optimizer {optim}, 2 ranks");
+        let (one, ranks) = case(&format!("s{stage}"), 2, &knobs, false, 10);
+        assert_bit_identical(&tag, &one, &ranks);
+    }
+}
+
+#[test]
+fn stage3_with_clipping_matches_within_1e6() {
+    // Clipping needs the global Σg², summed per sub-group; the sub-groups of
+    // N ranks hold other elements than one rank's, so the norm, and through
+    // it the clip factor, may differ in its last bits: bit identity is not
+    // guaranteed here (it held when this was written), 1e-6 is.
+    let knobs = Knobs {
+        clip: 0.5,
+        ..Knobs::nvme()
+    };
+    let (one, ranks) = case("s3-clip", 2, &knobs, false, 10);
+    let multi = &ranks[0];
+    let loss_rel = max_rel(&one.losses, &multi.losses);
+    let mut w_norm = 0f64;
+    let mut w_max = 0f64;
+    for (a, b) in one.masters.iter().zip(&multi.masters) {
+        w_norm = w_norm.max(norm_rel(a, b));
+        w_max = w_max.max(max_rel(a, b));
+    }
+    eprintln!(
+        "stage 3 nvme, clipping 0.5, 2 ranks vs 1: losses max rel diff {loss_rel:.3e}, weights \
+         max per-tensor norm rel diff {w_norm:.3e}, max elementwise rel diff {w_max:.3e}, \
+         identical: {}",
+        one.sha256 == multi.sha256
+    );
+    assert!(loss_rel <= 1e-6, "losses differ by {loss_rel}");
+    assert!(w_norm <= 1e-6, "weights differ by {w_norm}");
+}

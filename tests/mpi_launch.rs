@@ -1,0 +1,71 @@
+//! `tierzero launch --nproc 2 -- train ...` (feature `mpi`; needs OpenMPI):
+//! two ranks through mpirun; rank 0 alone prints the summary and writes the
+//! metrics; each rank keeps its swap files under `<nvme_path>/rank<R>/`.
+#![cfg(feature = "mpi")]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
+
+mod engine_support;
+
+use std::process::Command;
+
+use engine_support::{ds_config, scratch, Knobs};
+use serde_json::{json, Value};
+
+#[test]
+fn launch_runs_two_ranks_and_rank_0_writes_the_metrics() {
+    let dir = scratch("launch");
+    let model = dir.join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    let cfg = json!({
+        "model_type": "gpt2", "vocab_size": 256, "n_positions": 32, "n_embd": 32,
+        "n_layer": 2, "n_head": 2, "n_inner": 64
+    });
+    std::fs::write(model.join("config.json"), cfg.to_string()).unwrap();
+    let swap = dir.join("swap");
+    std::fs::create_dir_all(&swap).unwrap();
+    let ds_path = dir.join("ds_config.json");
+    std::fs::write(&ds_path, ds_config(&Knobs::nvme(), &swap, 3).to_string()).unwrap();
+    let metrics = dir.join("metrics.jsonl");
+    let out = Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .args([
+            "launch",
+            "--nproc",
+            "2",
+            "--",
+            "train",
+            "--steps",
+            "3",
+            "--seq-len",
+            "16",
+        ])
+        .arg("--model")
+        .arg(&model)
+        .arg("--config")
+        .arg(&ds_path)
+        .arg("--metrics")
+        .arg(&metrics)
+        .output()
+        .expect("run tierzero launch");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    // One summary (rank 0's), naming the ranks; 2 ranks x micro 2 = 4 sequences.
+    assert_eq!(stdout.matches("weight_sha256:").count(), 1, "{stdout}");
+    assert!(stdout.contains("2 ranks"), "{stdout}");
+    assert!(stdout.contains("3 steps x 4 sequences"), "{stdout}");
+    let lines: Vec<Value> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 4, "3 steps and the summary, written once");
+    assert_eq!(lines[3]["summary"], json!(true));
+    for r in 0..2 {
+        let d = swap.join(format!("rank{r}"));
+        assert!(d.is_dir(), "{} missing", d.display());
+    }
+}
