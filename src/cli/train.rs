@@ -386,6 +386,7 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         comm: Arc::new(SingleRank),
         adam_threads: threads,
         metrics_path: args.metrics.clone(),
+        faults: Default::default(),
     };
     let tokens_per_step =
         cfg.batch.micro_batch_size * cfg.batch.gradient_accumulation_steps * seq_len as u64;
