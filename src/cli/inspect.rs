@@ -10,8 +10,11 @@
 //! tierzero run on that path reclaims it, or it can be deleted by hand.
 //! Ownership and liveness use the swap crate's own functions
 //! (`swap_file_owner_pid`, `process_alive`), so `inspect` calls stale exactly
-//! what the swap crate would reclaim. Anything else in the directory is
-//! counted and listed, never touched.
+//! what the swap crate would reclaim. The directory's `lock` file (see
+//! `tierzero_swap::lock`) is reported with the pid written in it and whether
+//! that process is alive (a dead holder's lock does not block: the kernel
+//! released it). Anything else in the directory is counted and listed,
+//! never touched.
 //!
 //! A checkpoint (a step dir with `manifest.json`, or a save dir with
 //! `latest` / `step-*` dirs) is summarised from its manifest: step, model,
@@ -32,6 +35,7 @@ use anyhow::anyhow;
 use clap::Args;
 use serde::Serialize;
 use tierzero::units::format_bytes;
+use tierzero_swap::lock::LOCK_FILE;
 use tierzero_swap::space::{process_alive, swap_file_owner_pid, SWAP_SUBDIR};
 
 use super::Failure;
@@ -168,6 +172,11 @@ pub struct SwapReport {
     pub stale_bytes: u64,
     /// Sum of allocated bytes.
     pub allocated_bytes: u64,
+    /// The pid in the directory's lock file, if there is one.
+    pub lock_pid: Option<u32>,
+    /// Whether that process exists (if not, the lock is stale and does not
+    /// block).
+    pub lock_alive: Option<bool>,
     /// Entries that are not tierzero swap files (ignored).
     pub other_entries: u64,
     /// Their names.
@@ -193,6 +202,8 @@ pub fn scan_swap_dir(dir: &Path) -> Result<SwapReport, Failure> {
         live_bytes: 0,
         stale_bytes: 0,
         allocated_bytes: 0,
+        lock_pid: None,
+        lock_alive: None,
         other_entries: 0,
         other_names: Vec::new(),
     };
@@ -208,6 +219,14 @@ pub fn scan_swap_dir(dir: &Path) -> Result<SwapReport, Failure> {
                 continue;
             }
         };
+        if name == LOCK_FILE && meta.file_type().is_file() {
+            let holder = std::fs::read_to_string(entry.path())
+                .ok()
+                .and_then(|t| t.trim().parse::<u32>().ok());
+            report.lock_pid = holder;
+            report.lock_alive = holder.map(|p| p == me || process_alive(p));
+            continue;
+        }
         let pid = os_name
             .to_str()
             .and_then(swap_file_owner_pid)
@@ -288,6 +307,14 @@ fn render_swap(r: &SwapReport) -> Result<String, std::fmt::Error> {
             ""
         }
     )?;
+    match (r.lock_pid, r.lock_alive) {
+        (Some(pid), Some(true)) => writeln!(out, "lock: held by pid {pid}")?,
+        (Some(pid), _) => writeln!(
+            out,
+            "lock: stale (pid {pid} is gone; it does not block the next run)"
+        )?,
+        (None, _) => {}
+    }
     if r.other_entries > 0 {
         writeln!(
             out,

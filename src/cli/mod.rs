@@ -76,7 +76,11 @@ impl Failure {
                 | E::MemlockTooLow { .. }
                 | E::DirectIoUnsupported { .. }
                 | E::OutOfSpace { .. }
-        ) || matches!(&e, E::Setup { source, .. } if matches!(source.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied));
+                | E::Locked { .. }
+        ) || matches!(&e, E::Setup { source, .. } if matches!(source.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied))
+            // A full disk or a file-size limit: the user frees space or
+            // raises the limit.
+            || matches!(&e, E::Io { source, .. } | E::Setup { source, .. } if matches!(source.kind(), std::io::ErrorKind::StorageFull | std::io::ErrorKind::FileTooLarge | std::io::ErrorKind::QuotaExceeded));
         let err = anyhow::Error::new(e).context(context.to_string());
         if bad {
             Failure::BadInput(err)

@@ -469,6 +469,20 @@ pub enum DirectIo {
     Off,
 }
 
+/// `tierzero.memlock`: what to do when the pinned buffers (those with
+/// `pin_memory: true`) exceed `RLIMIT_MEMLOCK` and the process lacks
+/// `CAP_IPC_LOCK`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Memlock {
+    /// One warning with the numbers, then run with unlocked buffers
+    /// (correct, slower, and the kernel may swap them out).
+    #[default]
+    Auto,
+    /// Refuse to start, with the numbers and the fix.
+    Require,
+}
+
 impl From<IoBackend> for tierzero_swap::BackendKind {
     fn from(b: IoBackend) -> Self {
         match b {
@@ -509,6 +523,8 @@ pub struct DsTierzero {
     pub io_backend: IoBackend,
     /// `direct_io`: "auto" (default), "require" or "off".
     pub direct_io: DirectIo,
+    /// `memlock`: "auto" (default) or "require"; see [`Memlock`].
+    pub memlock: Memlock,
     /// `ring_threads`: I/O submission threads (one io_uring each). Absent =
     /// `aio.intra_op_parallelism`.
     pub ring_threads: Option<u64>,
@@ -529,6 +545,7 @@ impl Default for DsTierzero {
             device_cache_bytes: 0,
             io_backend: IoBackend::Auto,
             direct_io: DirectIo::Auto,
+            memlock: Memlock::Auto,
             ring_threads: None,
             checksums: true,
             overlap_optimizer: true,
@@ -696,6 +713,7 @@ const TIERZERO_KEYS: &[&str] = &[
     "device_cache_bytes",
     "io_backend",
     "direct_io",
+    "memlock",
     "ring_threads",
     "checksums",
     "overlap_optimizer",
@@ -1270,6 +1288,20 @@ fn read_tierzero(f: &Field<'_>, sink: &mut Sink) -> Result<DsTierzero, ConfigErr
                 })
             }
         };
+    }
+    if let Some(f) = o.take("memlock") {
+        t.memlock =
+            match f.str() {
+                Ok("auto") => Memlock::Auto,
+                Ok("require") => Memlock::Require,
+                _ => return Err(ConfigError::OutOfRange {
+                    key: f.key.clone(),
+                    value: render(f.value),
+                    allowed: "\"auto\" or \"require\"".to_owned(),
+                    fix: "use \"auto\" to run with unlocked buffers when RLIMIT_MEMLOCK is too low"
+                        .to_owned(),
+                }),
+            };
     }
     if let Some(f) = o.take("ring_threads") {
         t.ring_threads = Some(f.u64()?);

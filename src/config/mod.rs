@@ -49,7 +49,7 @@ mod validate;
 
 use std::path::Path;
 
-pub use ds::{AutoOr, DirectIo, DsConfig, IoBackend};
+pub use ds::{AutoOr, DirectIo, DsConfig, IoBackend, Memlock};
 pub use error::ConfigError;
 pub use reader::ConfigWarning;
 pub use run::{MixedPrecision, PathChecks, Resolved, RunContext, Source};

@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 
 use super::ds::{
     AutoOr, DirectIo, DsConfig, DsDevice, DsOffloadOptimizer, DsOffloadParam, DsScheduler,
-    IoBackend,
+    IoBackend, Memlock,
 };
 use super::error::ConfigError;
 use super::reader::Sink;
@@ -304,6 +304,8 @@ pub struct Tierzero {
     pub io_backend: IoBackend,
     /// O_DIRECT policy.
     pub direct_io: DirectIo,
+    /// Pinned buffers above `RLIMIT_MEMLOCK`: warn and run unlocked, or refuse.
+    pub memlock: Memlock,
     /// I/O submission threads.
     pub ring_threads: u32,
     /// CRC32C on swap extents.
@@ -710,6 +712,7 @@ pub(crate) fn validate(
         device_cache_bytes: Bytes(t.device_cache_bytes),
         io_backend: t.io_backend,
         direct_io: t.direct_io,
+        memlock: t.memlock,
         ring_threads: match t.ring_threads {
             Some(n) => small_u32(
                 "tierzero.ring_threads",

@@ -95,6 +95,12 @@ pub enum EngineError {
         /// What happened.
         reason: String,
     },
+    /// A step failed earlier; the trainer's state is not trustworthy.
+    #[error("training stopped after an earlier error (restart from the last checkpoint): {cause}")]
+    Stopped {
+        /// The first error, as text.
+        cause: String,
+    },
     /// An internal invariant failed (a bug, reported instead of a panic).
     #[error("internal error: {what}")]
     Internal {

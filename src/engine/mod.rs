@@ -114,7 +114,7 @@ pub use layout::{Layout, SubGroupId};
 pub use metrics::{StepMetrics, Summary};
 pub use schedule::{LossScaler, LrSchedule};
 pub use store::{ParamEvent, ParamState, ParamStore, Tier};
-pub use trainer::{StepReport, SwapUsage, Trainer, TrainerOptions};
+pub use trainer::{FaultPlan, StepReport, SwapUsage, Trainer, TrainerOptions};
 
 /// Result type of the engine.
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;

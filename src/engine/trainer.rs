@@ -71,6 +71,28 @@
 //! summary. [`Trainer::save_checkpoint`] writes a checkpoint between steps
 //! and [`Trainer::resume`] builds a trainer that continues from one
 //! (format and guarantees: [`crate::checkpoint`]). The CLI lives elsewhere.
+//!
+//! # Failure
+//!
+//! Any error out of [`Trainer::step`] (or the other methods that drive
+//! the tiers) stops the trainer for good: a failed step leaves gradients
+//! half accumulated, sub-groups half stepped and swap I/O half done, so
+//! continuing would train on bad data. Every later call returns
+//! [`EngineError::Stopped`] with the first error's text (which names the
+//! file, offset and operation for I/O errors); recovery is a restart from
+//! the last checkpoint. [`Trainer::swap_poisoned`] tells whether a swap
+//! space saw a failed write. [`TrainerOptions::faults`] installs fault
+//! injectors on the three swap engines (tests).
+//!
+//! # Pinned memory
+//!
+//! Buffers of offload blocks with `pin_memory: true` are page-locked. Their
+//! total is compared with `RLIMIT_MEMLOCK` (unless the process has
+//! `CAP_IPC_LOCK`) before anything is mapped: if it does not fit,
+//! `tierzero.memlock = "require"` refuses with the numbers and the fix
+//! ([`tierzero_swap::SwapError::MemlockTooLow`]), and `"auto"` (the
+//! default) logs one warning with the numbers and runs with unlocked
+//! buffers, so the out-of-the-box run works under a default 8 MiB limit.
 
 use std::collections::BTreeMap;
 use std::num::NonZeroUsize;
@@ -80,8 +102,8 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use tierzero_swap::{
-    ArenaConfig, BackendKind, BusyClock, Engine, EngineConfig, LockPolicy, PinnedArena,
-    SpaceConfig, SwapSpace,
+    ArenaConfig, BackendKind, BusyClock, Engine, EngineConfig, FaultInjector, LockPolicy,
+    MemlockInfo, PinnedArena, SpaceConfig, SwapError, SwapSpace,
 };
 
 use super::comm::{Comm, SingleRank};
@@ -128,6 +150,21 @@ pub struct TrainerOptions {
     /// and almost none of its compute. The weights it trains are
     /// meaningless; `examples/overlap.rs` uses it to time the I/O phase.
     pub skip_compute: bool,
+    /// Fault injection on the swap engines (tests); none by default.
+    pub faults: FaultPlan,
+}
+
+/// Fault injectors for the trainer's swap engines: the parameter engine,
+/// and the optimizer state's read and write engines. Each injector counts
+/// the completions of its own engine (see [`FaultInjector`]).
+#[derive(Debug, Clone, Default)]
+pub struct FaultPlan {
+    /// On the parameter swap engine.
+    pub params: Option<Arc<FaultInjector>>,
+    /// On the optimizer state's read engine.
+    pub optim_read: Option<Arc<FaultInjector>>,
+    /// On the optimizer state's write engine.
+    pub optim_write: Option<Arc<FaultInjector>>,
 }
 
 impl TrainerOptions {
@@ -141,6 +178,7 @@ impl TrainerOptions {
             adam_threads: NonZeroUsize::MIN,
             metrics_path: None,
             skip_compute: false,
+            faults: FaultPlan::default(),
         }
     }
 }
@@ -198,6 +236,8 @@ pub struct Trainer {
     swap_spaces: Vec<Arc<SwapSpace>>,
     /// Pinned optimizer swap buffers of this rank.
     opt_buffers_bytes: u64,
+    /// The first error out of a step; set, the trainer refuses to go on.
+    failed: Option<String>,
 }
 
 /// Where the initial weights come from.
@@ -252,15 +292,22 @@ pub struct SwapUsage {
     pub optimizer_buffers_bytes: u64,
 }
 
-fn lock_policy(pin: bool) -> LockPolicy {
-    if pin {
-        LockPolicy::BestEffort
-    } else {
-        LockPolicy::Off
+/// The lock policy of an arena: `pin` is its offload block's `pin_memory`;
+/// `lockable` says whether all pinned buffers together fit under
+/// `RLIMIT_MEMLOCK` (see the module docs).
+fn lock_policy(pin: bool, lockable: bool, memlock: config::Memlock) -> LockPolicy {
+    match (pin, lockable, memlock) {
+        (false, _, _) | (true, false, _) => LockPolicy::Off,
+        (true, true, config::Memlock::Require) => LockPolicy::Require,
+        (true, true, config::Memlock::Auto) => LockPolicy::BestEffort,
     }
 }
 
-fn engine_config(config: &Config, clock: &Arc<BusyClock>) -> EngineConfig {
+fn engine_config(
+    config: &Config,
+    clock: &Arc<BusyClock>,
+    faults: Option<Arc<FaultInjector>>,
+) -> EngineConfig {
     EngineConfig {
         backend: match config.tierzero.io_backend {
             config::IoBackend::Auto => BackendKind::Auto,
@@ -271,7 +318,7 @@ fn engine_config(config: &Config, clock: &Arc<BusyClock>) -> EngineConfig {
         queue_depth: config.aio.queue_depth.max(1),
         block_bytes: config.aio.block_bytes.0.max(4096).div_ceil(4096) * 4096,
         sqpoll: false,
-        faults: None,
+        faults,
         busy_clock: Some(clock.clone()),
     }
 }
@@ -565,9 +612,42 @@ impl Trainer {
             .map(|(s, _)| s.shard_numel as u64 * elem_bytes)
             .collect();
         let (page_bytes, pages) = ParamStore::cpu_page_plan(&cpu_shards);
+
+        // Everything we would page-lock, against RLIMIT_MEMLOCK, before
+        // mapping anything.
+        let pin_param = zero.offload_param.pin_memory;
+        let pin_opt = zero.offload_optimizer.pin_memory;
+        let lock_bytes = if pin_param {
+            page_bytes.saturating_mul(pages as u64) + param_pinned
+        } else {
+            0
+        } + if pin_opt {
+            opt_buf_bytes.saturating_mul(opt_count)
+        } else {
+            0
+        };
+        let memlock = config.tierzero.memlock;
+        let info = MemlockInfo::current();
+        let lockable = lock_bytes == 0 || info.check(lock_bytes).is_ok();
+        if !lockable {
+            if memlock == config::Memlock::Require {
+                return Err(EngineError::Swap(SwapError::MemlockTooLow {
+                    requested_bytes: lock_bytes,
+                    limit_bytes: info.limit_bytes,
+                    locked_bytes: info.locked_bytes,
+                }));
+            }
+            tracing::warn!(
+                pinned_bytes = lock_bytes,
+                memlock_limit_bytes = info.limit_bytes,
+                "the pinned buffers exceed RLIMIT_MEMLOCK; running with unlocked buffers (fix: \
+                 `ulimit -l unlimited` or lower the buffers; tierzero.memlock = \"require\" \
+                 refuses instead)"
+            );
+        }
         let cpu_pages = if pages > 0 {
             let mut ac = ArenaConfig::new(page_bytes * pages as u64, page_bytes);
-            ac.lock = lock_policy(zero.offload_param.pin_memory);
+            ac.lock = lock_policy(pin_param, lockable, memlock);
             let arena = PinnedArena::new(ac)?;
             arena.try_acquire_n(pages)?
         } else {
@@ -592,9 +672,13 @@ impl Trainer {
             let space = SwapSpace::create(space_config(config, &path, cap + (1 << 20)))?;
             swap_spaces.push(space.clone());
             let mut ac = ArenaConfig::new(param_pinned, param_buf_bytes);
-            ac.lock = lock_policy(zero.offload_param.pin_memory);
+            ac.lock = lock_policy(pin_param, lockable, memlock);
             let arena = PinnedArena::new(ac)?;
-            let engine = Engine::new(space, arena.clone(), engine_config(config, &io_clock))?;
+            let engine = Engine::new(
+                space,
+                arena.clone(),
+                engine_config(config, &io_clock, opts.faults.params.clone()),
+            )?;
             Some(NvmeParams { engine, arena })
         } else {
             None
@@ -622,14 +706,18 @@ impl Trainer {
                 let space = SwapSpace::create(space_config(config, &path, cap + (1 << 20)))?;
                 swap_spaces.push(space.clone());
                 let mut ac = ArenaConfig::new(opt_buf_bytes * opt_count, opt_buf_bytes);
-                ac.lock = lock_policy(zero.offload_optimizer.pin_memory);
+                ac.lock = lock_policy(pin_opt, lockable, memlock);
                 let arena = PinnedArena::new(ac)?;
                 let read = Engine::new(
                     space.clone(),
                     arena.clone(),
-                    engine_config(config, &io_clock),
+                    engine_config(config, &io_clock, opts.faults.optim_read.clone()),
                 )?;
-                let write = Engine::new(space, arena.clone(), engine_config(config, &io_clock))?;
+                let write = Engine::new(
+                    space,
+                    arena.clone(),
+                    engine_config(config, &io_clock, opts.faults.optim_write.clone()),
+                )?;
                 Some(NvmeOptim { read, write, arena })
             }
             None => None,
@@ -746,7 +834,40 @@ impl Trainer {
             optimizer_wait: Duration::ZERO,
             swap_spaces,
             opt_buffers_bytes: opt_buf_bytes * opt_count,
+            failed: None,
         })
+    }
+
+    /// `Err(Stopped)` once a step has failed.
+    fn check_usable(&self) -> Result<()> {
+        match &self.failed {
+            Some(cause) => Err(EngineError::Stopped {
+                cause: cause.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Records the first error: from then on the trainer refuses to go on.
+    fn latch<T>(&mut self, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r {
+            if self.failed.is_none() {
+                self.failed = Some(e.to_string());
+            }
+        }
+        r
+    }
+
+    /// Whether a write to one of the trainer's swap spaces has failed (the
+    /// space is then poisoned: every later transfer fails fast).
+    pub fn swap_poisoned(&self) -> bool {
+        self.swap_spaces.iter().any(|s| s.is_poisoned())
+    }
+
+    /// The swap spaces of this trainer (params first, if on NVMe; then
+    /// the optimizer state, if on NVMe).
+    pub fn swap_spaces(&self) -> &[Arc<SwapSpace>] {
+        &self.swap_spaces
     }
 
     /// The model.
@@ -808,6 +929,12 @@ impl Trainer {
     /// Fetches the params of `unit` (declared order), after issuing the
     /// scheduler's prefetches.
     pub fn fetch_unit(&mut self, unit: UnitId) -> Result<Vec<Tensor>> {
+        self.check_usable()?;
+        let r = self.fetch_unit_inner(unit);
+        self.latch(r)
+    }
+
+    fn fetch_unit_inner(&mut self, unit: UnitId) -> Result<Vec<Tensor>> {
         // This unit's own params first: their reads are issued together
         // (not one synchronous read after another), then the window ahead.
         // A param whose write-back is still queued is skipped, not waited
@@ -838,6 +965,12 @@ impl Trainer {
 
     /// Releases the params of `unit` that the scheduler does not keep.
     pub fn release_unit(&mut self, unit: UnitId) -> Result<()> {
+        self.check_usable()?;
+        let r = self.release_unit_inner(unit);
+        self.latch(r)
+    }
+
+    fn release_unit_inner(&mut self, unit: UnitId) -> Result<()> {
         let ids = self.model.unit(unit)?.params.clone();
         for p in ids {
             let bytes = self.store.device_bytes(p);
@@ -880,8 +1013,15 @@ impl Trainer {
         Ok(())
     }
 
-    /// Runs one optimizer step (all micro-batches).
+    /// Runs one optimizer step (all micro-batches). After an error the
+    /// trainer is stopped (see the module docs).
     pub fn step(&mut self) -> Result<StepReport> {
+        self.check_usable()?;
+        let r = self.step_inner();
+        self.latch(r)
+    }
+
+    fn step_inner(&mut self) -> Result<StepReport> {
         let t_step = Instant::now();
         let c0 = self.store.counters();
         let o0 = self.opt.counters();
@@ -1350,6 +1490,8 @@ impl Trainer {
     /// are drained first; NVMe optimizer extents are copied with
     /// `copy_file_range`, memory tiers written from memory.
     pub fn save_checkpoint(&mut self, save_dir: &std::path::Path) -> Result<PathBuf> {
+        // A stopped trainer's state is not trustworthy: never save it.
+        self.check_usable()?;
         let world = self.opts.comm.world_size();
         if world != 1 {
             return Err(EngineError::Unsupported {
@@ -1568,6 +1710,12 @@ impl Trainer {
 
     /// The fp32 master weights of one sub-group of this rank.
     pub fn master(&mut self, sg: SubGroupId) -> Result<Vec<f32>> {
+        self.check_usable()?;
+        let r = self.master_inner(sg);
+        self.latch(r)
+    }
+
+    fn master_inner(&mut self, sg: SubGroupId) -> Result<Vec<f32>> {
         self.settle_optimizer()?;
         self.opt.send(Job::Master(sg))?;
         loop {
@@ -1657,8 +1805,11 @@ impl Trainer {
 
     /// Flushes I/O, writes the summary line, returns it.
     pub fn finish(mut self) -> Result<Summary> {
-        self.settle_optimizer()?;
-        self.store.flush_writes()?;
+        self.check_usable()?;
+        let r = self.settle_optimizer();
+        self.latch(r)?;
+        let r = self.store.flush_writes();
+        self.latch(r)?;
         let (bytes_read, bytes_written) = tier_bytes(&self.store.counters(), &self.opt.counters());
         let s = Summary {
             summary: true,

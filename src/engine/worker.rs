@@ -314,7 +314,11 @@ impl OptimizerWorker {
                 };
                 st.publish();
                 if let Err(e) = r {
+                    // Stop at the first failure: the state is no longer
+                    // trustworthy, and a job that keeps failing must not
+                    // spin. Dropping the state drains its in-flight I/O.
                     let _ = done_tx.send(Done::Failed(e));
+                    return;
                 }
             })
             .map_err(|e| EngineError::internal(format!("spawning the optimizer thread: {e}")))?;
@@ -326,13 +330,24 @@ impl OptimizerWorker {
         })
     }
 
-    /// Sends a job.
+    /// Sends a job. If the thread has stopped on an error, returns that
+    /// error (not just "stopped"), so the cause reaches the caller.
     pub fn send(&self, job: Job) -> Result<()> {
         self.tx
             .as_ref()
             .ok_or_else(|| EngineError::internal("optimizer thread stopped"))?
             .send(job)
-            .map_err(|_| EngineError::internal("optimizer thread stopped"))
+            .map_err(|_| self.stopped())
+    }
+
+    /// The error the thread stopped with, if it sent one.
+    fn stopped(&self) -> EngineError {
+        while let Ok(d) = self.rx.try_recv() {
+            if let Done::Failed(e) = d {
+                return e;
+            }
+        }
+        EngineError::internal("optimizer thread stopped")
     }
 
     /// A reply if one is waiting.

@@ -103,6 +103,22 @@ fn d_false() -> bool {
     false
 }
 
+/// Upper bounds on the sizes a `config.json` may give, far above any real
+/// model (the largest vocabularies are ~2^18, widths ~2^15, depths ~2^8),
+/// low enough that nothing derived from them can overflow or ask for an
+/// absurd allocation.
+pub const MAX_VOCAB_SIZE: usize = 1 << 24;
+/// Bound on `hidden_size`, `intermediate_size` and `head_dim`.
+pub const MAX_WIDTH: usize = 1 << 20;
+/// Bound on the number of layers.
+pub const MAX_LAYERS: usize = 1 << 14;
+/// Bound on attention heads.
+pub const MAX_HEADS: usize = 1 << 14;
+/// Bound on `max_position_embeddings` / `n_positions`.
+pub const MAX_SEQ_LEN: usize = 1 << 24;
+/// Bound on the elements of one parameter tensor (2^36: 256 GiB in fp32).
+pub const MAX_TENSOR_NUMEL: usize = 1 << 36;
+
 /// HF `GPT2Config` keys that we read (defaults as in `transformers`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct HfGpt2Config {
@@ -490,6 +506,27 @@ impl ModelConfig {
                 format!("must be >= 0, got {}", self.initializer_range),
             ));
         }
+        // Absurd sizes are refused before anything is allocated (a model
+        // description with n_layer = 2^31 would otherwise allocate its
+        // parameter list, and vocab_size = 2^40 its embedding).
+        let bounded = [
+            ("vocab_size", self.vocab_size, MAX_VOCAB_SIZE),
+            ("hidden_size", self.hidden_size, MAX_WIDTH),
+            ("intermediate_size", self.intermediate_size, MAX_WIDTH),
+            ("n_layer", self.n_layer, MAX_LAYERS),
+            ("n_head", self.n_head, MAX_HEADS),
+            ("n_kv_head", self.n_kv_head, MAX_HEADS),
+            ("head_dim", self.head_dim, MAX_WIDTH),
+            ("max_seq_len", self.max_seq_len, MAX_SEQ_LEN),
+        ];
+        for (key, v, max) in bounded {
+            if v > max {
+                return Err(invalid(
+                    key,
+                    format!("{v} is larger than tierzero supports ({max}); is the file corrupt?"),
+                ));
+            }
+        }
         // Every product of dimensions the model forms must fit in usize.
         let dims = [
             (
@@ -522,6 +559,18 @@ impl ModelConfig {
             .ok_or_else(|| ModelError::SizeOverflow {
                 what: "3 * hidden_size * hidden_size".to_string(),
             })?;
+        // And no single tensor beyond MAX_TENSOR_NUMEL elements.
+        for (what, a, b) in dims {
+            if a.saturating_mul(b) > MAX_TENSOR_NUMEL {
+                return Err(invalid(
+                    "<sizes>",
+                    format!(
+                        "{what} = {a} x {b} elements is larger than tierzero supports \
+                         ({MAX_TENSOR_NUMEL} per tensor)"
+                    ),
+                ));
+            }
+        }
         Ok(())
     }
 

@@ -126,6 +126,15 @@ pub enum SwapError {
     #[error("{path} does not support O_DIRECT (tmpfs or a network filesystem?); use a directory on a local disk, or set direct_io to \"auto\" to fall back to buffered I/O")]
     DirectIoUnsupported { path: PathBuf },
 
+    /// Another process holds the swap directory's lock.
+    #[error("{} is locked by another tierzero process ({}): two runs must not share an nvme_path; give this run its own nvme_path, or wait for that process to finish", path.display(), match holder_pid { Some(p) => format!("pid {p}"), None => "pid unknown".to_owned() })]
+    Locked {
+        /// The lock file (`<nvme_path>/tierzero/lock`).
+        path: PathBuf,
+        /// The pid the holder wrote into it, if readable.
+        holder_pid: Option<u32>,
+    },
+
     /// The engine's worker threads are gone.
     #[error("swap engine has shut down")]
     Shutdown,

@@ -7,8 +7,16 @@
 //! engine has for a bad result: resubmitting the rest of a short transfer,
 //! reporting `ShortIo` at end of file, reporting an errno and poisoning the
 //! space after a failed write.
+//!
+//! Each rule fires once: at the `nth` matching completion, or, for
+//! [`FaultKind::Short`], at the first matching completion from the `nth` on
+//! that is long enough to cut in half (an aligned 4096-byte piece cannot be
+//! shortened). Counts are per operation kind when the rule names one, so a
+//! test can aim at "the 3rd write" without counting reads; [`FaultInjector::completions`]
+//! tells how many there were, so a test can first measure a clean run and
+//! then place faults across it.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::error::IoOp;
 
@@ -24,7 +32,8 @@ pub enum FaultKind {
     Eof,
 }
 
-/// One fault: the `nth` (1-based) piece completion of `op` (or of any op).
+/// One fault: the `nth` (1-based) piece completion of `op` (or of any op);
+/// a `Short` waits for the first piece it can shorten from there on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FaultRule {
     /// Which completion, counting from 1, among those matching `op`.
@@ -39,6 +48,7 @@ pub struct FaultRule {
 #[derive(Debug, Default)]
 pub struct FaultInjector {
     rules: Vec<FaultRule>,
+    fired: Vec<AtomicBool>,
     reads: AtomicU64,
     writes: AtomicU64,
     all: AtomicU64,
@@ -49,8 +59,19 @@ impl FaultInjector {
     /// An injector firing each rule once.
     pub fn new(rules: Vec<FaultRule>) -> Self {
         FaultInjector {
+            fired: rules.iter().map(|_| AtomicBool::new(false)).collect(),
             rules,
             ..Default::default()
+        }
+    }
+
+    /// Piece completions seen so far of `op`, or of both with `None`
+    /// (resubmitted remainders of short transfers count again).
+    pub fn completions(&self, op: Option<IoOp>) -> u64 {
+        match op {
+            None => self.all.load(Ordering::Relaxed),
+            Some(IoOp::Read) => self.reads.load(Ordering::Relaxed),
+            Some(IoOp::Write) => self.writes.load(Ordering::Relaxed),
         }
     }
 
@@ -67,10 +88,18 @@ impl FaultInjector {
             IoOp::Read => self.reads.fetch_add(1, Ordering::Relaxed) + 1,
             IoOp::Write => self.writes.fetch_add(1, Ordering::Relaxed) + 1,
         };
-        for r in &self.rules {
-            let hit = match r.op {
-                None => r.nth == n_all,
-                Some(o) => o == op && r.nth == n_op,
+        for (r, fired) in self.rules.iter().zip(&self.fired) {
+            if fired.load(Ordering::Relaxed) {
+                continue;
+            }
+            let n = match r.op {
+                None => n_all,
+                Some(o) if o == op => n_op,
+                Some(_) => continue,
+            };
+            let hit = match r.kind {
+                FaultKind::Short => n >= r.nth,
+                _ => n == r.nth,
             };
             if !hit {
                 continue;
@@ -86,6 +115,9 @@ impl FaultInjector {
                     half as i64
                 }
             };
+            if fired.swap(true, Ordering::Relaxed) {
+                continue;
+            }
             self.injected.fetch_add(1, Ordering::Relaxed);
             return out;
         }

@@ -13,6 +13,7 @@
 //!   extents placed by a first-fit allocator, striped over paths.
 //! - `engine`: validation, tickets, completions; `ring` (io_uring) and
 //!   `portable` (`pread`/`pwrite` threads) run the transfers.
+//! - `lock`: one process per swap directory (`flock` on `tierzero/lock`).
 //! - `fault`, `stats`, `bench`: fault injection, counters, measurement.
 //!
 //! ## Alignment
@@ -57,6 +58,7 @@ pub mod bench;
 pub mod engine;
 pub mod error;
 pub mod fault;
+pub mod lock;
 mod portable;
 mod ring;
 pub mod space;

@@ -20,7 +20,15 @@
 //! space alive). At creation it reclaims files of that pattern whose pid is
 //! no longer alive: stale leftovers of a killed run. Nothing else in the
 //! directory is ever touched. A `tierzero/` directory this process created
-//! is removed (if empty) when the last space using it drops. Files adopted
+//! is removed (if empty) when the last space using it drops.
+//!
+//! ## One process per directory
+//! Before creating or reclaiming anything, a space takes the directory's
+//! lock (`tierzero/lock`, see [`crate::lock`]); the spaces of one process
+//! share it. A second process on the same `nvme_path` fails with
+//! [`SwapError::Locked`] naming the lock file and the holder's pid. The
+//! lock also makes stale-file reclaim safe: while we hold it, no other
+//! tierzero process can be using files in the directory. Files adopted
 //! with [`SwapSpace::open_file`] (benchmarks) are never removed.
 //!
 //! ## Poisoning
@@ -166,20 +174,34 @@ pub struct SwapSpace {
     _dirs: Vec<DirLease>,
 }
 
-/// Per-process use counts of swap directories, and whether this process
-/// created each one. The last space using a directory this process
-/// created removes it (if empty) when it drops, whichever space created it.
-static DIR_USERS: Mutex<Option<HashMap<PathBuf, (usize, bool)>>> = Mutex::new(None);
+/// Per-process use of one swap directory: how many spaces use it, whether
+/// this process created it, and the directory lock they share.
+#[derive(Debug)]
+struct DirUse {
+    users: usize,
+    created: bool,
+    lock: Option<crate::lock::DirLock>,
+    warned_buffered: bool,
+}
+
+/// Per-process uses of swap directories, keyed by canonical path (so two
+/// spellings of one directory share one lock: `flock` would otherwise
+/// conflict with ourselves). The last space using a directory releases its
+/// lock, and removes the directory (if empty) when this process created it,
+/// whichever space created it.
+static DIR_USERS: Mutex<Option<HashMap<PathBuf, DirUse>>> = Mutex::new(None);
 
 /// One space's use of a swap directory; released on drop.
 #[derive(Debug)]
 struct DirLease {
+    key: PathBuf,
     dir: PathBuf,
 }
 
 impl DirLease {
-    /// Creates `dir` (0700) if missing, under the registry lock so a space
-    /// dropping concurrently cannot remove it in between.
+    /// Creates `dir` (0700) if missing and takes the directory lock if this
+    /// process does not hold it yet, under the registry lock so a space
+    /// dropping concurrently cannot remove or unlock it in between.
     fn acquire(dir: PathBuf) -> Result<Self> {
         let mut guard = DIR_USERS.lock().unwrap_or_else(|e| e.into_inner());
         let users = guard.get_or_insert_with(HashMap::new);
@@ -205,10 +227,42 @@ impl DirLease {
                 })
             }
         };
-        let entry = users.entry(dir.clone()).or_insert((0, false));
-        entry.0 += 1;
-        entry.1 |= created;
-        Ok(DirLease { dir })
+        let key = std::fs::canonicalize(&dir).unwrap_or_else(|_| dir.clone());
+        if let Some(entry) = users.get_mut(&key) {
+            entry.users += 1;
+            entry.created |= created;
+        } else {
+            let lock = match crate::lock::DirLock::acquire(&key) {
+                Ok(l) => l,
+                Err(e) => {
+                    if created {
+                        let _ = std::fs::remove_dir(&dir);
+                    }
+                    return Err(e);
+                }
+            };
+            users.insert(
+                key.clone(),
+                DirUse {
+                    users: 1,
+                    created,
+                    lock,
+                    warned_buffered: false,
+                },
+            );
+        }
+        Ok(DirLease { key, dir })
+    }
+
+    /// True the first time it is called for this directory while in use:
+    /// the buffered-I/O fallback is reported once per directory, not once
+    /// per space.
+    fn first_buffered_warning(&self) -> bool {
+        let mut guard = DIR_USERS.lock().unwrap_or_else(|e| e.into_inner());
+        match guard.as_mut().and_then(|u| u.get_mut(&self.key)) {
+            Some(entry) => !std::mem::replace(&mut entry.warned_buffered, true),
+            None => true,
+        }
     }
 }
 
@@ -216,16 +270,18 @@ impl Drop for DirLease {
     fn drop(&mut self) {
         let mut guard = DIR_USERS.lock().unwrap_or_else(|e| e.into_inner());
         let Some(users) = guard.as_mut() else { return };
-        let Some(entry) = users.get_mut(&self.dir) else {
+        let Some(entry) = users.get_mut(&self.key) else {
             return;
         };
-        entry.0 -= 1;
-        if entry.0 == 0 {
-            let created = entry.1;
-            users.remove(&self.dir);
-            if created {
-                // Only succeeds if empty: other processes' files stay.
-                let _ = std::fs::remove_dir(&self.dir);
+        entry.users -= 1;
+        if entry.users == 0 {
+            if let Some(entry) = users.remove(&self.key) {
+                // Unlinks the lock file, then unlocks.
+                drop(entry.lock);
+                if entry.created {
+                    // Only succeeds if empty: other processes' files stay.
+                    let _ = std::fs::remove_dir(&self.dir);
+                }
             }
         }
     }
@@ -268,10 +324,13 @@ impl SwapSpace {
                 )));
             }
             let dir = base.join(SWAP_SUBDIR);
-            dirs.push(DirLease::acquire(dir.clone())?);
+            let lease = DirLease::acquire(dir.clone())?;
             reclaim_stale(&dir);
             let path = dir.join(format!("swap-{pid}-{space_seq}-{i}.{SWAP_EXT}"));
-            let (file, direct) = open_swap_file(&path, config.direct_io, true)?;
+            let (file, direct) = open_swap_file(&path, config.direct_io, true, &|| {
+                lease.first_buffered_warning()
+            })?;
+            dirs.push(lease);
             // From here the file is ours: remove it if setup fails below.
             let sf = SwapFile {
                 path: path.clone(),
@@ -300,7 +359,7 @@ impl SwapSpace {
     /// Uses an existing file (for benchmarks). It is never removed or
     /// resized; its contents are overwritten by writes.
     pub fn open_file(path: &Path, direct_io: DirectIo, checksums: bool) -> Result<Arc<Self>> {
-        let (file, direct) = open_swap_file(path, direct_io, false)?;
+        let (file, direct) = open_swap_file(path, direct_io, false, &|| true)?;
         let len = file
             .metadata()
             .map_err(|source| SwapError::Setup {
@@ -763,7 +822,14 @@ impl Drop for SwapSpace {
     }
 }
 
-fn open_swap_file(path: &Path, policy: DirectIo, create: bool) -> Result<(File, bool)> {
+/// Opens (or creates) a swap file under the O_DIRECT policy. `warn` says
+/// whether to log the buffered fallback (once per directory).
+fn open_swap_file(
+    path: &Path,
+    policy: DirectIo,
+    create: bool,
+    warn: &dyn Fn() -> bool,
+) -> Result<(File, bool)> {
     let open = |direct: bool| {
         let mut o = OpenOptions::new();
         o.read(true).write(true);
@@ -797,7 +863,9 @@ fn open_swap_file(path: &Path, policy: DirectIo, create: bool) -> Result<(File, 
                     path: path.to_path_buf(),
                 });
             }
-            tracing::warn!(path = %path.display(), "O_DIRECT is not supported here; using buffered I/O (slower, and it uses page cache)");
+            if warn() {
+                tracing::warn!(path = %path.display(), "O_DIRECT is not supported here; using buffered I/O (slower, and it uses page cache); set tierzero.direct_io to \"require\" to refuse instead");
+            }
             open(false)
                 .map(|f| (f, false))
                 .map_err(|source| SwapError::Setup {
@@ -835,6 +903,17 @@ fn size_file(file: &File, path: &Path, bytes: u64, preallocate: bool) -> Result<
         }
     }
     file.set_len(bytes).map_err(fail)
+}
+
+/// Makes a write past `RLIMIT_FSIZE` fail with `EFBIG`, reported like any
+/// other I/O error (operation, file, offset), instead of killing the
+/// process with `SIGXFSZ`. Binaries call it once at start-up.
+pub fn ignore_sigxfsz() {
+    // SAFETY: setting a signal's disposition to SIG_IGN installs no handler
+    // code and touches no memory of ours.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+    }
 }
 
 /// Removes `swap-<pid>-*.tzswap` files whose process is gone.

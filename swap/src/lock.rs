@@ -1,0 +1,196 @@
+//! One tierzero process per swap directory: an advisory `flock` on
+//! `<nvme_path>/tierzero/lock`.
+//!
+//! Two processes pointed at the same `nvme_path` would each create their own
+//! files (names carry the pid), so they cannot overwrite each other's
+//! extents; but the second one's stale-file reclaim, its free-space
+//! arithmetic and the first one's bandwidth all assume the directory is
+//! theirs. So the second process refuses at start-up with
+//! [`SwapError::Locked`], naming the lock file and the holder's pid, before
+//! it creates, reclaims or writes anything.
+//!
+//! ## Why `flock`
+//! The kernel drops an `flock` when the last descriptor of its open file
+//! goes away, including when the process is killed with SIGKILL. A lock
+//! left by a dead process therefore never blocks: the file may still exist
+//! (with the dead pid in it), but locking it succeeds. A pid file without a
+//! lock would need liveness guesses (and pid reuse makes them wrong).
+//!
+//! ## Sharing within a process
+//! `flock` conflicts between open file descriptions even in one process, so
+//! a process takes the lock once per directory and its spaces share it:
+//! `space.rs` keeps a per-process use count per (canonical) directory and
+//! holds one [`DirLock`] while the count is above zero.
+//!
+//! ## Removing the file
+//! The last user unlinks the lock file while still holding the lock (so an
+//! empty `tierzero/` directory we created can be removed). A process that
+//! opened the old file just before the unlink could then lock an orphaned
+//! inode; [`DirLock::acquire`] therefore checks, after locking, that the path
+//! still names the inode it locked, and starts over if not.
+//!
+//! ## The pid inside
+//! After locking, the holder writes its pid into the file; a refused process
+//! reads it for the error message only (it is never used to decide anything).
+//! File systems without `flock` support (`ENOLCK`, `EOPNOTSUPP`) get a
+//! warning and no lock.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use crate::error::{Result, SwapError};
+
+/// Name of the lock file inside a swap directory.
+pub const LOCK_FILE: &str = "lock";
+
+/// A held lock on one swap directory; released (and its file removed) on drop.
+#[derive(Debug)]
+pub struct DirLock {
+    path: PathBuf,
+    /// Holds the lock while open (closing it releases the lock).
+    _file: File,
+}
+
+impl DirLock {
+    /// Locks `<dir>/lock`. `Ok(None)` where the file system cannot lock
+    /// (with a warning); [`SwapError::Locked`] if another process holds it.
+    pub fn acquire(dir: &Path) -> Result<Option<DirLock>> {
+        let path = dir.join(LOCK_FILE);
+        let setup = |what: &str, source: std::io::Error| SwapError::Setup {
+            what: format!("{what} {}", path.display()),
+            source,
+        };
+        // Each retry follows a concurrent unlink by the previous holder; a
+        // handful is plenty.
+        for _ in 0..16 {
+            let mut file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600)
+                .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+                .open(&path)
+                .map_err(|e| setup("opening lock file", e))?;
+            match flock_exclusive_nonblocking(&file) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => {
+                    return Err(SwapError::Locked {
+                        path: path.clone(),
+                        holder_pid: read_holder_pid(&mut file),
+                    });
+                }
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::ENOLCK) | Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS)
+                    ) =>
+                {
+                    tracing::warn!(path = %path.display(), error = %e, "this file system cannot lock files; nothing stops a second tierzero process from using this nvme_path");
+                    return Ok(None);
+                }
+                Err(e) => return Err(setup("locking", e)),
+            }
+            // Still the file the path names? (See the module docs.)
+            let ours = file.metadata().map_err(|e| setup("stat of", e))?;
+            match std::fs::symlink_metadata(&path) {
+                Ok(now) if now.dev() == ours.dev() && now.ino() == ours.ino() => {}
+                _ => continue,
+            }
+            let pid = format!("{}\n", std::process::id());
+            file.set_len(0)
+                .and_then(|()| file.rewind())
+                .and_then(|()| file.write_all(pid.as_bytes()))
+                .map_err(|e| setup("writing our pid to", e))?;
+            return Ok(Some(DirLock { path, _file: file }));
+        }
+        Err(SwapError::Config(format!(
+            "could not lock {}: the file kept being replaced",
+            path.display()
+        )))
+    }
+
+    /// The lock file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for DirLock {
+    fn drop(&mut self) {
+        // Unlink while holding the lock; closing `file` then releases it.
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn flock_exclusive_nonblocking(file: &File) -> std::io::Result<()> {
+    loop {
+        // SAFETY: flock on a descriptor we own and keep open for the call;
+        // no memory is passed.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINTR) {
+            return Err(e);
+        }
+    }
+}
+
+/// The pid the holder wrote, if it has written it yet (it writes right
+/// after locking, so a few short retries cover the gap).
+fn read_holder_pid(file: &mut File) -> Option<u32> {
+    for _ in 0..20 {
+        let mut text = String::new();
+        if file.rewind().is_ok() && file.read_to_string(&mut text).is_ok() {
+            if let Ok(pid) = text.trim().parse() {
+                return Some(pid);
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn second_lock_in_one_process_conflicts_and_names_the_holder() {
+        // Two open file descriptions conflict even in one process: this is
+        // why space.rs shares one lock per directory.
+        let d = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let first = DirLock::acquire(d.path()).unwrap_or_else(|e| panic!("{e}"));
+        assert!(first.is_some(), "tempdir cannot lock");
+        match DirLock::acquire(d.path()) {
+            Err(SwapError::Locked { path, holder_pid }) => {
+                assert_eq!(path, d.path().join(LOCK_FILE));
+                assert_eq!(holder_pid, Some(std::process::id()));
+            }
+            other => panic!("{other:?}"),
+        }
+        drop(first);
+        assert!(!d.path().join(LOCK_FILE).exists());
+        let again = DirLock::acquire(d.path()).unwrap_or_else(|e| panic!("{e}"));
+        assert!(again.is_some());
+    }
+
+    #[test]
+    fn a_symlinked_lock_file_is_refused() {
+        let d = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let target = d.path().join("elsewhere");
+        std::fs::write(&target, b"x").unwrap_or_else(|e| panic!("{e}"));
+        std::os::unix::fs::symlink(&target, d.path().join(LOCK_FILE))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let Err(err) = DirLock::acquire(d.path()) else {
+            panic!("locked through a symlink");
+        };
+        assert!(err.to_string().contains("lock"), "{err}");
+        assert_eq!(std::fs::read(&target).unwrap_or_default(), b"x");
+    }
+}

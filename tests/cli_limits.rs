@@ -1,0 +1,340 @@
+//! `tierzero train` against the machine's limits, as the built binary: a
+//! second run on the same nvme_path (refused, exit 2, naming the lock and
+//! the holder), pinned buffers above `RLIMIT_MEMLOCK` (exit 2 with the
+//! numbers under `tierzero.memlock = "require"`, one warning under
+//! `"auto"`), a file-size limit standing in for a full disk (an error
+//! naming the file and the operation, exit 2, no panic), and an nvme_path
+//! that refuses O_DIRECT (one warning under `direct_io: "auto"`, exit 2
+//! naming the fix under `"require"`).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
+
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+mod cli_support;
+use cli_support::Out;
+
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+fn scratch(tag: &str) -> PathBuf {
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("cli-limits-{tag}-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A tiny GPT-2, a text file and a ds_config with both offloads on NVMe in
+/// `swap` (created if missing).
+fn tiny_setup(tag: &str, swap: &Path, tierzero: Value) -> PathBuf {
+    let d = scratch(tag);
+    std::fs::create_dir_all(d.join("model")).unwrap();
+    std::fs::create_dir_all(swap).unwrap();
+    let model = json!({"model_type": "gpt2", "vocab_size": 256, "n_positions": 32,
+        "n_embd": 32, "n_layer": 2, "n_head": 2, "tie_word_embeddings": true});
+    std::fs::write(d.join("model/config.json"), model.to_string()).unwrap();
+    let text = "the engine streams every layer from nvme while adam steps on the cpu. ".repeat(60);
+    std::fs::write(d.join("data.txt"), text).unwrap();
+    let swap = swap.to_str().unwrap();
+    let cfg = json!({
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": swap, "buffer_count": 4,
+                "buffer_size": 20000, "max_in_cpu": 0},
+            "offload_optimizer": {"device": "nvme", "nvme_path": swap},
+            "sub_group_size": 10000,
+            "stage3_param_persistence_threshold": 0
+        },
+        "tierzero": tierzero
+    });
+    std::fs::write(d.join("ds_config.json"), cfg.to_string()).unwrap();
+    d
+}
+
+fn tiny_args(steps: &str) -> Vec<&str> {
+    vec![
+        "train",
+        "--config",
+        "ds_config.json",
+        "--model",
+        "model",
+        "--data",
+        "data.txt",
+        "--seq-len",
+        "16",
+        "--steps",
+        steps,
+    ]
+}
+
+/// Runs `wrapper... tierzero args...` in `cwd`.
+fn run_wrapped(cwd: &Path, wrapper: &[&str], args: &[&str]) -> Out {
+    if wrapper.is_empty() {
+        return cli_support::run_tierzero(Some(cwd), args);
+    }
+    let out = Command::new(wrapper[0])
+        .args(&wrapper[1..])
+        .arg(env!("CARGO_BIN_EXE_tierzero"))
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .unwrap();
+    Out {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+fn assert_no_panic(o: &Out) {
+    assert!(
+        !o.stderr.contains("panicked") && !o.stderr.contains("RUST_BACKTRACE"),
+        "{}",
+        o.stderr
+    );
+}
+
+fn our_swap_files(swap: &Path, pid: u32) -> Vec<String> {
+    std::fs::read_dir(swap.join("tierzero"))
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(&format!("swap-{pid}-")))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn a_second_run_on_the_same_nvme_path_exits_2_naming_the_lock_and_its_holder() {
+    let swap = scratch("shared-swap");
+    let d = tiny_setup("lock", &swap, json!({}));
+    let lock = swap.join("tierzero").join("lock");
+    let mut first = Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .args(tiny_args("1000000"))
+        .current_dir(&d)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let holder = first.id();
+    // Wait until the first run holds the lock and has its swap files.
+    let t0 = Instant::now();
+    while std::fs::read_to_string(&lock).unwrap_or_default().trim() != holder.to_string()
+        || our_swap_files(&swap, holder).len() < 2
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "first run never locked"
+        );
+        if let Some(s) = first.try_wait().unwrap() {
+            panic!("first run exited early: {s}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let files_before = our_swap_files(&swap, holder);
+
+    let second = run_wrapped(&d, &[], &tiny_args("1"));
+    assert_eq!(second.code, 2, "{}", second.stderr);
+    let lines: Vec<&str> = second.stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{}", second.stderr);
+    assert!(
+        lines[0].contains(&lock.display().to_string())
+            && lines[0].contains(&format!("pid {holder}"))
+            && lines[0].contains("locked"),
+        "{}",
+        lines[0]
+    );
+    // The first run is untouched and still training.
+    assert!(first.try_wait().unwrap().is_none(), "the first run died");
+    assert_eq!(our_swap_files(&swap, holder), files_before);
+
+    // Killed with SIGKILL, it leaves a stale lock file that does not block.
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let third = run_wrapped(&d, &[], &tiny_args("1"));
+    assert_eq!(third.code, 0, "{}", third.stderr);
+    assert!(
+        our_swap_files(&swap, holder).is_empty(),
+        "the killed run's files were reclaimed"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+    let _ = std::fs::remove_dir_all(&swap);
+}
+
+fn have_setpriv_prlimit() -> bool {
+    Path::new("/usr/bin/setpriv").exists() && Path::new("/usr/bin/prlimit").exists()
+}
+
+#[test]
+fn pinned_buffers_above_rlimit_memlock_refuse_or_warn_by_policy() {
+    if !have_setpriv_prlimit() {
+        eprintln!("setpriv/prlimit not installed; skipping");
+        return;
+    }
+    // No CAP_IPC_LOCK, and a 64 KiB limit: the tiny run pins ~700 KB.
+    let wrapper = [
+        "/usr/bin/setpriv",
+        "--inh-caps=-ipc_lock",
+        "--bounding-set=-ipc_lock",
+        "/usr/bin/prlimit",
+        "--memlock=65536:65536",
+    ];
+    let swap = scratch("memlock-swap");
+    let d = tiny_setup("memlock-require", &swap, json!({"memlock": "require"}));
+    let o = run_wrapped(&d, &wrapper, &tiny_args("1"));
+    assert_no_panic(&o);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    let lines: Vec<&str> = o.stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{}", o.stderr);
+    assert!(
+        lines[0].contains("RLIMIT_MEMLOCK is 65536 bytes")
+            && lines[0].contains("cannot pin")
+            && lines[0].contains("ulimit -l"),
+        "{}",
+        lines[0]
+    );
+
+    let d = tiny_setup("memlock-auto", &swap, json!({"memlock": "auto"}));
+    let o = run_wrapped(&d, &wrapper, &tiny_args("1"));
+    assert_no_panic(&o);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    let warnings = o
+        .stderr
+        .lines()
+        .filter(|l| l.contains("RLIMIT_MEMLOCK"))
+        .count();
+    assert_eq!(warnings, 1, "{}", o.stderr);
+}
+
+#[test]
+fn a_file_size_limit_is_an_error_naming_the_file_and_the_operation() {
+    if !have_setpriv_prlimit() {
+        eprintln!("prlimit not installed; skipping");
+        return;
+    }
+    // 64 KiB: smaller than either swap file, so preallocation hits it.
+    let swap = scratch("fsize-swap");
+    let d = tiny_setup("fsize", &swap, json!({}));
+    let o = run_wrapped(&d, &["/usr/bin/prlimit", "--fsize=65536"], &tiny_args("1"));
+    assert_no_panic(&o);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    let lines: Vec<&str> = o.stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{}", o.stderr);
+    assert!(
+        lines[0].contains(".tzswap")
+            && lines[0].contains("write")
+            && lines[0].contains("offset")
+            && lines[0].contains("File too large"),
+        "{}",
+        lines[0]
+    );
+    // Nothing is left behind.
+    let left: Vec<_> = std::fs::read_dir(&swap)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+/// Whether `dir` accepts O_DIRECT.
+fn accepts_o_direct(dir: &Path) -> bool {
+    let p = dir.join(".tz-odirect-probe");
+    let r = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&p);
+    let _ = std::fs::remove_file(&p);
+    r.is_ok()
+}
+
+/// A directory on a file system that refuses O_DIRECT: tmpfs on older
+/// kernels, else a ramfs mounted for the test (root only; unmounted on drop).
+struct NoDirectDir {
+    path: PathBuf,
+    mounted: bool,
+}
+
+impl NoDirectDir {
+    fn new() -> Option<NoDirectDir> {
+        if let Ok(t) = tempfile::tempdir_in("/dev/shm") {
+            let path = t.keep();
+            if !accepts_o_direct(&path) {
+                return Some(NoDirectDir {
+                    path,
+                    mounted: false,
+                });
+            }
+            let _ = std::fs::remove_dir_all(&path);
+        }
+        // tmpfs does O_DIRECT since Linux 6.6; ramfs never does.
+        let path = scratch("ramfs");
+        let ok = Command::new("mount")
+            .args(["-t", "ramfs", "-o", "mode=0700", "ramfs"])
+            .arg(&path)
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            return None;
+        }
+        let d = NoDirectDir {
+            path,
+            mounted: true,
+        };
+        (!accepts_o_direct(&d.path)).then_some(d)
+    }
+}
+
+impl Drop for NoDirectDir {
+    fn drop(&mut self) {
+        if self.mounted {
+            // Lazy: a process of a concurrent test may still hold it for a
+            // moment; it goes away when the last user does.
+            let _ = Command::new("umount").arg("-l").arg(&self.path).status();
+        }
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+#[test]
+fn an_nvme_path_without_o_direct_warns_once_or_refuses_by_policy() {
+    let Some(nd) = NoDirectDir::new() else {
+        eprintln!("no file system without O_DIRECT available (tmpfs does O_DIRECT here and ramfs cannot be mounted); skipping");
+        return;
+    };
+    let swap = nd.path.join("swap");
+    let d = tiny_setup("nodirect-auto", &swap, json!({"direct_io": "auto"}));
+    let o = run_wrapped(&d, &[], &tiny_args("2"));
+    assert_no_panic(&o);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    let warnings: Vec<&str> = o.stderr.lines().filter(|l| l.contains("WARN")).collect();
+    assert_eq!(warnings.len(), 1, "{}", o.stderr);
+    assert!(warnings[0].contains("O_DIRECT"), "{}", warnings[0]);
+
+    let d = tiny_setup("nodirect-require", &swap, json!({"direct_io": "require"}));
+    let o = run_wrapped(&d, &[], &tiny_args("1"));
+    assert_no_panic(&o);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    let lines: Vec<&str> = o.stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{}", o.stderr);
+    assert!(
+        lines[0].contains("does not support O_DIRECT")
+            && lines[0].contains("direct_io")
+            && lines[0].contains("auto"),
+        "{}",
+        lines[0]
+    );
+    drop(nd);
+}
