@@ -57,6 +57,9 @@ pub enum IsaArg {
 }
 
 #[derive(Debug, clap::Args)]
+#[command(
+    after_help = "Examples:\n  tierzero bench-adam --params 100M --threads 2\n  tierzero bench-adam --params 100M --variant bf16-moments --repeats 5 --json\n  tierzero bench-adam --params 256K --threads 1 --steps 200 --isa avx2"
+)]
 pub struct BenchAdamArgs {
     /// Number of parameters; suffixes K, M, G mean 10^3, 10^6, 10^9.
     #[arg(long, default_value = "100M", value_parser = parse_count)]
