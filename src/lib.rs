@@ -8,6 +8,7 @@ pub mod config;
 pub mod durable;
 pub mod engine;
 pub mod estimate;
+pub mod failpoint;
 pub mod model;
 pub mod optim;
 pub mod run;

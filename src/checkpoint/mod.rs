@@ -83,6 +83,7 @@
 //! `sub_group_size`.
 
 mod export;
+mod lock;
 mod manifest;
 mod reader;
 mod writer;
@@ -90,6 +91,8 @@ mod writer;
 use std::path::PathBuf;
 
 pub use export::{export_safetensors, ConfigJsonAction, ExportReport};
+pub use lock::{SaveDirLock, LOCK_FILE};
+pub use manifest::{seal_manifest_value, MANIFEST_CRC_KEY};
 pub use manifest::{
     ConfigFingerprint, DataPosition, FileEntry, HfWeights, Manifest, ParamEntry, RankLayout,
     RegionCrc, StateKind, SubGroupEntry, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE,
@@ -166,6 +169,17 @@ pub enum CheckpointError {
         checkpoint: String,
         /// The run's value.
         run: String,
+    },
+    /// Another process owns the save dir.
+    #[error(
+        "save dir lock {path} is held by {holder}: another run is saving into this directory; \
+         wait for it to finish or give a different --save-dir"
+    )]
+    Locked {
+        /// The lock file.
+        path: PathBuf,
+        /// "process <pid>" (or "another process" when the pid is unknown).
+        holder: String,
     },
     /// From the model area (config, safetensors writing).
     #[error(transparent)]
