@@ -586,12 +586,15 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         .flatten()
         .filter(|a| tierzero::failpoint::hits(a.site) < a.nth)
     {
-        // Armed but never fired: the run was shorter than the point.
+        // Armed but never fired: the run was shorter than the point. The
+        // counts of every site let a test pick points that exist.
         eprintln!(
-            "failpoint {}:{} was not reached ({} hits)",
+            "failpoint {}:{} was not reached; hits: {}",
             a.site.name(),
             a.nth,
-            tierzero::failpoint::hits(a.site)
+            tierzero::failpoint::Site::ALL
+                .map(|s| format!("{}={}", s.name(), tierzero::failpoint::hits(s)))
+                .join(" ")
         );
     }
     let (Some(first), Some(last)) = (first, last) else {
