@@ -89,8 +89,11 @@ impl Checkpoint {
         }
         let latest = dir.join(LATEST_FILE);
         let mut latest_err = None;
-        match std::fs::read_to_string(&latest) {
-            Ok(text) => {
+        // Read as bytes: a damaged `latest` (not UTF-8 included) means
+        // falling back below, never failing the open.
+        match std::fs::read(&latest) {
+            Ok(bytes) => {
+                let text = String::from_utf8_lossy(&bytes);
                 let name = text.trim();
                 match parse_step_dir_name(name) {
                     Some(_) => match Self::open_step_dir(&dir.join(name)) {

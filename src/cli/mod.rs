@@ -116,14 +116,29 @@ pub fn main() -> i32 {
     match result {
         Ok(()) => 0,
         Err(Failure::BadInput(e)) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", chain_text(&e));
             2
         }
         Err(Failure::Internal(e)) => {
-            eprintln!("internal error: {e:#}");
+            eprintln!("internal error: {}", chain_text(&e));
             1
         }
     }
+}
+
+/// The error and its causes, like `{:#}`, but without a cause whose text
+/// the message already holds (our error types print their OS error in
+/// their own message and also expose it as the source).
+fn chain_text(e: &anyhow::Error) -> String {
+    let mut out = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !out.contains(&c) {
+            out.push_str(": ");
+            out.push_str(&c);
+        }
+    }
+    out
 }
 
 fn init_tracing() {
