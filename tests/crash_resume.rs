@@ -330,7 +330,8 @@ fn crash_points(points: usize, seed: u64, kinds: &[usize]) {
     let ref_ms = started.elapsed().as_millis() as u64;
     let hits = parse_hits(&stderr);
     let ref_hash = summary_hash(&root.join("ref.jsonl")).unwrap();
-    let ref_states = state_files(&root.join(format!("ref-ck/step-{TOTAL:08}")));
+    let ref_last = root.join(format!("ref-ck/step-{TOTAL:08}"));
+    let ref_states = state_files(&ref_last);
     for s in SITES {
         assert!(hits[s] > 0, "{s} never reached: {hits:?}");
     }
@@ -431,6 +432,16 @@ fn crash_points(points: usize, seed: u64, kinds: &[usize]) {
             state_files(&last) == ref_states,
             "point {i} ({first}): final optimizer state differs"
         );
+        // Byte for byte, padding included: a checkpoint depends only on
+        // the training state.
+        for k in ["master", "exp_avg", "exp_avg_sq"] {
+            let rel = format!("rank0000/{k}.f32");
+            assert!(
+                std::fs::read(last.join(&rel)).unwrap()
+                    == std::fs::read(ref_last.join(&rel)).unwrap(),
+                "point {i} ({first}): {rel} differs from the reference's"
+            );
+        }
         check_save_dir(&root.join(&save), &format!("point {i}, end"));
         // The completed run's last save removed every leftover of the
         // killed ones.

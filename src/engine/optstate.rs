@@ -239,6 +239,15 @@ impl OptimizerState {
                     let mut buf = nv.io.arena.acquire()?;
                     as_f32(&mut buf, n)?.copy_from_slice(src);
                     let len = ext.len_bytes();
+                    // The padding past the data is written too: zeros, not
+                    // a reused buffer's old bytes, so the extent (and any
+                    // checkpoint copied from it) depends only on the state.
+                    if let Some(tail) = usize::try_from(len)
+                        .ok()
+                        .and_then(|l| buf.as_mut_slice().get_mut(n * 4..l))
+                    {
+                        tail.fill(0);
+                    }
                     tickets.push(nv.io.write.write(ext, buf)?);
                     self.counters.nvme_written_bytes += len;
                 }
