@@ -95,6 +95,17 @@ pub fn sync_file(file: &File, path: &Path) -> Result<(), DurableError> {
 /// same directory (0600), fsync, rename, fsync of the directory. On error
 /// the temp file is removed and `path` is unchanged.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), DurableError> {
+    write_atomic_with(path, bytes, None)
+}
+
+/// [`write_atomic`] with a failpoint halfway through writing the temporary
+/// file (see [`crate::failpoint`]); an injected error is reported as a
+/// failed write of the temporary file.
+pub(crate) fn write_atomic_with(
+    path: &Path,
+    bytes: &[u8],
+    mid: Option<crate::failpoint::Site>,
+) -> Result<(), DurableError> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
@@ -115,7 +126,12 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), DurableError> {
     ));
     let result = (|| {
         let mut f = create_file(&tmp)?;
-        f.write_all(bytes).map_err(err("writing", &tmp))?;
+        let (a, b) = bytes.split_at(bytes.len() / 2);
+        f.write_all(a).map_err(err("writing", &tmp))?;
+        if let Some(site) = mid {
+            crate::failpoint::io_point(site).map_err(err("writing", &tmp))?;
+        }
+        f.write_all(b).map_err(err("writing", &tmp))?;
         sync_file(&f, &tmp)?;
         drop(f);
         std::fs::rename(&tmp, path).map_err(err("renaming to", path))?;

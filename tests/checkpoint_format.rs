@@ -1,8 +1,9 @@
 //! The checkpoint format's guarantees, at the library level and through
 //! `tierzero inspect`: layout and permissions, the consolidated 16-bit
-//! weights, corruption named by part, manifest paths that try to escape,
-//! truncation, `latest` fallbacks, and unfinished saves never taken for a
-//! checkpoint.
+//! weights, corruption named by part (a table of byte flips in every file,
+//! `latest` included), manifest paths that try to escape, manifests that
+//! claim huge sizes, truncation, `latest` fallbacks, and unfinished saves
+//! never taken for a checkpoint.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
 
 mod cli_support;
@@ -83,11 +84,12 @@ fn layout_permissions_and_16bit_weights() {
         assert_eq!(mode(&step.join(f)), 0o600, "{f}");
     }
     // Nothing left over from staging.
-    let names: Vec<String> = std::fs::read_dir(&save)
+    let mut names: Vec<String> = std::fs::read_dir(&save)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
-    assert_eq!(names.len(), 2, "{names:?}");
+    names.sort();
+    assert_eq!(names, [".lock", "latest", "step-00000002"]);
     let c = Checkpoint::open(&save).unwrap();
     assert_eq!(c.step(), 2);
     assert_eq!(c.manifest().precision, "bf16");
@@ -196,7 +198,8 @@ fn edit_manifest(step: &Path, f: impl FnOnce(&mut serde_json::Value)) {
     let mut v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
     f(&mut v);
-    std::fs::write(&p, v.to_string()).unwrap();
+    // Re-sealed: the edit is deliberate, so its own crc must still match.
+    std::fs::write(&p, tierzero::checkpoint::seal_manifest_value(v).unwrap()).unwrap();
 }
 
 #[test]
@@ -271,5 +274,234 @@ fn copy_dir(from: &Path, to: &Path) {
         } else {
             std::fs::copy(e.path(), dst).unwrap();
         }
+    }
+}
+
+/// What loading a checkpoint with one flipped byte gave.
+#[derive(Debug, PartialEq)]
+enum Seen {
+    /// `Checkpoint::open` refused it.
+    Open(String),
+    /// Opened, but reading a parameter's state (what resume does) failed.
+    Load(String),
+    /// Opened and loaded (the byte is not state), but `verify` flagged it.
+    Verify(String),
+    /// Nothing noticed it.
+    Missed,
+}
+
+fn load_everything(c: &Checkpoint) -> Result<(), CheckpointError> {
+    for p in c.model().params() {
+        for kind in tierzero::checkpoint::StateKind::ALL {
+            c.load_param_state_range(kind, p.id, 0, p.numel)?;
+        }
+    }
+    Ok(())
+}
+
+fn check_flipped(step: &Path) -> Seen {
+    let c = match Checkpoint::open(step) {
+        Ok(c) => c,
+        Err(e) => return Seen::Open(e.to_string()),
+    };
+    if let Err(e) = load_everything(&c) {
+        return Seen::Load(e.to_string());
+    }
+    let r = c.verify();
+    match r.files.iter().find_map(|f| f.error.clone()) {
+        Some(e) => Seen::Verify(e),
+        None => Seen::Missed,
+    }
+}
+
+/// Offsets to flip in a file of `len` bytes: its ends, spread points, and
+/// `extra` (say, inside a safetensors header).
+fn offsets(len: usize, extra: &[usize]) -> Vec<usize> {
+    let mut v = vec![
+        0,
+        1,
+        len / 7,
+        len / 3,
+        len / 2,
+        len * 5 / 7,
+        len - 2,
+        len - 1,
+    ];
+    v.extend(extra.iter().copied().filter(|&o| o < len));
+    v.sort();
+    v.dedup();
+    v
+}
+
+/// Every part of a checkpoint, several offsets each, two bit patterns: every
+/// flip is caught, with an error naming the part, and nothing panics.
+#[test]
+fn byte_flips_in_every_part_are_detected() {
+    let (save, step) = saved("flips");
+    let mut tally: Vec<(String, usize, String)> = Vec::new();
+    for (rel, needle) in [
+        ("manifest.json", "manifest"),
+        ("rank0000/master.f32", "master.f32"),
+        ("rank0000/exp_avg.f32", "exp_avg.f32"),
+        ("rank0000/exp_avg_sq.f32", "exp_avg_sq.f32"),
+        ("model.safetensors", "model.safetensors"),
+        ("config.json", "config.json"),
+    ] {
+        let p = step.join(rel);
+        let original = std::fs::read(&p).unwrap();
+        // safetensors: the 8-byte header length, the JSON header, the data.
+        let extra: Vec<usize> = if rel == "model.safetensors" {
+            let hlen = u64::from_le_bytes(original[..8].try_into().unwrap()) as usize;
+            vec![
+                3,
+                7,
+                8,
+                9,
+                8 + hlen / 2,
+                8 + hlen - 1,
+                8 + hlen,
+                8 + hlen + 1,
+            ]
+        } else if rel == "manifest.json" {
+            // Inside the crc's own digits and key, and in a number.
+            let text = String::from_utf8_lossy(&original);
+            let k = text.find("manifest_crc32c").unwrap();
+            let s = text.find("\"step\"").unwrap();
+            vec![k, k + 5, k + 19, k + 22, s + 8]
+        } else {
+            Vec::new()
+        };
+        let mut caught = 0;
+        for off in offsets(original.len(), &extra) {
+            for mask in [0x01u8, 0x80] {
+                let mut bytes = original.clone();
+                bytes[off] ^= mask;
+                std::fs::write(&p, &bytes).unwrap();
+                let seen = check_flipped(&step);
+                let text = match &seen {
+                    Seen::Open(t) | Seen::Load(t) | Seen::Verify(t) => t.clone(),
+                    Seen::Missed => panic!("{rel}: flip {mask:#04x} at {off} not detected"),
+                };
+                assert!(
+                    text.contains(needle),
+                    "{rel} at {off}: the error does not name the part: {text}"
+                );
+                // State bytes must be caught before any of them is used.
+                if rel.ends_with(".f32") {
+                    assert!(
+                        matches!(seen, Seen::Open(_) | Seen::Load(_)),
+                        "{rel} at {off}: only verify caught it: {seen:?}"
+                    );
+                }
+                if rel == "manifest.json" {
+                    assert!(matches!(seen, Seen::Open(_)), "{rel} at {off}: {seen:?}");
+                }
+                caught += 1;
+            }
+        }
+        std::fs::write(&p, &original).unwrap();
+        tally.push((rel.to_owned(), caught, needle.to_owned()));
+    }
+    // `latest` is a pointer, not data: a flip that breaks the name makes the
+    // save dir fall back to the newest valid step dir; it never loads a
+    // broken one and never panics.
+    let latest = save.join("latest");
+    let original = std::fs::read(&latest).unwrap();
+    for off in 0..original.len() {
+        for mask in [0x01u8, 0x80] {
+            let mut bytes = original.clone();
+            bytes[off] ^= mask;
+            std::fs::write(&latest, &bytes).unwrap();
+            let c = Checkpoint::open(&save)
+                .unwrap_or_else(|e| panic!("latest flip at {off}: no fallback: {e}"));
+            assert_eq!(c.step(), 2);
+            assert!(c.verify().ok());
+        }
+    }
+    std::fs::write(&latest, &original).unwrap();
+    assert!(Checkpoint::open(&save).unwrap().verify().ok());
+    std::fs::remove_dir_all(save.parent().unwrap()).unwrap();
+    eprintln!(
+        "byte flips detected, by file: {tally:?}; latest: {} flips fell back",
+        original.len() * 2
+    );
+}
+
+/// A manifest (re-sealed, so its crc is right) that claims huge sizes or
+/// shapes is refused quickly, before anything of that size is allocated.
+#[test]
+fn huge_claims_are_refused_before_allocating() {
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit, &str)> = vec![
+        (
+            "a trillion layers",
+            Box::new(|v| v["model"]["n_layer"] = 1_000_000_000_000u64.into()),
+            "n_layer",
+        ),
+        (
+            "vocab × width overflows",
+            Box::new(|v| {
+                v["model"]["vocab_size"] = (1u64 << 40).into();
+                v["model"]["n_embd"] = (1u64 << 40).into();
+                v["model"]["n_head"] = 1.into();
+            }),
+            "model config",
+        ),
+        (
+            "sub-group numel × 4 overflows",
+            Box::new(|v| v["ranks"][0]["sub_groups"][0]["numel"] = (u64::MAX / 2).into()),
+            "overflows",
+        ),
+        (
+            "a region far past the file",
+            Box::new(|v| {
+                v["ranks"][0]["sub_groups"][0]["offset_bytes"] = (1u64 << 62).into();
+                for f in v["files"].as_array_mut().unwrap() {
+                    if let Some(r) = f["regions"].get_mut(0) {
+                        r["offset_bytes"] = (1u64 << 62).into();
+                    }
+                }
+            }),
+            "past the file",
+        ),
+        (
+            "files that claim 4 EiB",
+            Box::new(|v| {
+                for f in v["files"].as_array_mut().unwrap() {
+                    f["bytes"] = (1u64 << 62).into();
+                }
+            }),
+            "bytes",
+        ),
+        (
+            "a shard past its parameter",
+            Box::new(|v| {
+                v["ranks"][0]["sub_groups"][0]["params"][0]["shard_numel"] = u64::MAX.into()
+            }),
+            "does not fit",
+        ),
+        (
+            "a billion ranks",
+            Box::new(|v| v["world_size"] = 1_000_000_000u64.into()),
+            "world_size",
+        ),
+    ];
+    for (what, edit, needle) in cases {
+        let (save, step) = saved("huge");
+        edit_manifest(&step, |v| edit(v));
+        let t0 = std::time::Instant::now();
+        let e = open_err(&step).to_string();
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(2),
+            "{what}: took {:?}",
+            t0.elapsed()
+        );
+        assert!(e.contains(needle), "{what}: {e}");
+        assert!(
+            e.contains("manifest.json") || e.contains("step-"),
+            "{what}: {e}"
+        );
+        eprintln!("{what}: {e}");
+        std::fs::remove_dir_all(save.parent().unwrap()).unwrap();
     }
 }

@@ -256,10 +256,69 @@ pub fn resolve_inside(dir: &Path, rel: &str) -> Result<std::path::PathBuf, Check
     Ok(real)
 }
 
+/// The manifest's own checksum: a top-level string of 8 hex digits, the
+/// crc32c of the file's bytes with those 8 digits replaced by `0`s. Over
+/// the raw bytes (not a re-serialisation), so no float has to round-trip;
+/// required, so a flip in the key itself is caught too.
+pub const MANIFEST_CRC_KEY: &str = "manifest_crc32c";
+
+/// Byte range of the crc's 8 hex digits in `text`, if the key occurs
+/// exactly once as a key (`"manifest_crc32c"` followed by `:` and `"`).
+fn crc_digits_range(text: &[u8]) -> Option<std::ops::Range<usize>> {
+    let key = format!("\"{MANIFEST_CRC_KEY}\"");
+    let key = key.as_bytes();
+    let mut found = None;
+    let mut i = 0;
+    while let Some(at) = text[i..].windows(key.len()).position(|w| w == key) {
+        let mut j = i + at + key.len();
+        while text.get(j).is_some_and(u8::is_ascii_whitespace) {
+            j += 1;
+        }
+        if text.get(j) == Some(&b':') {
+            j += 1;
+            while text.get(j).is_some_and(u8::is_ascii_whitespace) {
+                j += 1;
+            }
+            if text.get(j) == Some(&b'"') {
+                if found.is_some() {
+                    return None;
+                }
+                found = Some(j + 1..j + 9);
+            }
+        }
+        i += at + key.len();
+    }
+    found.filter(|r| r.end <= text.len())
+}
+
+/// Serialises a manifest value with its [`MANIFEST_CRC_KEY`] filled in (an
+/// existing one is replaced). [`Manifest::to_json_bytes`] uses it; tests
+/// use it to write a deliberately altered manifest that still verifies.
+pub fn seal_manifest_value(mut v: serde_json::Value) -> Result<Vec<u8>, String> {
+    let obj = v
+        .as_object_mut()
+        .ok_or_else(|| "a manifest is a JSON object".to_owned())?;
+    obj.insert(MANIFEST_CRC_KEY.to_owned(), "00000000".into());
+    let mut text = serde_json::to_vec_pretty(&v).map_err(|e| e.to_string())?;
+    let r = crc_digits_range(&text).ok_or_else(|| "manifest crc field not found".to_owned())?;
+    let crc = crc32c::crc32c(&text);
+    text[r].copy_from_slice(format!("{crc:08x}").as_bytes());
+    Ok(text)
+}
+
 impl Manifest {
-    /// Parses manifest text (`path` names it in errors).
+    /// The manifest file's bytes (pretty JSON with its own crc32c).
+    pub fn to_json_bytes(&self, path: &Path) -> Result<Vec<u8>, CheckpointError> {
+        serde_json::to_value(self)
+            .map_err(|e| e.to_string())
+            .and_then(seal_manifest_value)
+            .map_err(|e| bad(path, format!("serialising: {e}")))
+    }
+
+    /// Parses manifest text (`path` names it in errors), checking its
+    /// crc32c ([`MANIFEST_CRC_KEY`]) before trusting any value in it.
     pub fn parse(text: &str, path: &Path) -> Result<Manifest, CheckpointError> {
-        let v: serde_json::Value =
+        let mut v: serde_json::Value =
             serde_json::from_str(text).map_err(|e| bad(path, format!("not valid JSON: {e}")))?;
         let format = v.get("format").and_then(|f| f.as_str()).unwrap_or("");
         if format != FORMAT_NAME {
@@ -282,6 +341,42 @@ impl Manifest {
                 ),
             ));
         }
+        let recorded = v
+            .as_object_mut()
+            .and_then(|o| o.remove(MANIFEST_CRC_KEY))
+            .ok_or_else(|| {
+                bad(
+                    path,
+                    format!("has no `{MANIFEST_CRC_KEY}` (damaged, or written before it existed)"),
+                )
+            })?;
+        let expected_crc = recorded
+            .as_str()
+            .filter(|h| h.len() == 8)
+            .and_then(|h| u32::from_str_radix(h, 16).ok())
+            .ok_or_else(|| {
+                bad(
+                    path,
+                    format!("`{MANIFEST_CRC_KEY}` is {recorded}, not 8 hex digits"),
+                )
+            })?;
+        let mut bytes = text.as_bytes().to_vec();
+        let r = crc_digits_range(&bytes).ok_or_else(|| {
+            bad(
+                path,
+                format!("`{MANIFEST_CRC_KEY}` must occur exactly once, as a key"),
+            )
+        })?;
+        bytes[r].fill(b'0');
+        let got_crc = crc32c::crc32c(&bytes);
+        if got_crc != expected_crc {
+            return Err(CheckpointError::Corrupt {
+                part: "manifest".to_owned(),
+                path: path.to_path_buf(),
+                expected_crc,
+                got_crc,
+            });
+        }
         serde_json::from_value(v).map_err(|e| bad(path, format!("{e}")))
     }
 
@@ -289,6 +384,26 @@ impl Manifest {
     pub fn build_model(&self, path: &Path) -> Result<Model, CheckpointError> {
         let (cfg, _unknown) = ModelConfig::from_hf_value(&self.model)
             .map_err(|e| bad(path, format!("model config: {e}")))?;
+        // Every layer has parameters and every parameter is listed in the
+        // manifest, so a model with more layers than the manifest has
+        // parameter entries cannot be this checkpoint's; refusing it here
+        // keeps a forged layer count from building a huge model.
+        let entries: usize = self
+            .ranks
+            .iter()
+            .flat_map(|r| &r.sub_groups)
+            .map(|g| g.params.len())
+            .sum();
+        if cfg.n_layer > entries {
+            return Err(bad(
+                path,
+                format!(
+                    "model config: {} layers, but the manifest lists only {entries} parameter \
+                     shards",
+                    cfg.n_layer
+                ),
+            ));
+        }
         Model::new(cfg).map_err(|e| bad(path, format!("model config: {e}")))
     }
 

@@ -17,7 +17,7 @@ use candle_core::{Device, Tensor};
 use serde::Serialize;
 
 use super::manifest::{resolve_inside, Manifest, StateKind, MANIFEST_FILE, MAX_MANIFEST_BYTES};
-use super::writer::{parse_step_dir_name, LATEST_FILE};
+use super::writer::{parse_step_dir_name, staging_owner_pid, LATEST_FILE};
 use super::{io_err, CheckpointError};
 use crate::model::{Model, ParamId};
 
@@ -75,13 +75,25 @@ impl Checkpoint {
     /// does not validate, the newest `step-*` dir that does, with a
     /// warning). Validates the manifest and file sizes; reads no data.
     pub fn open(dir: &Path) -> Result<Checkpoint, CheckpointError> {
+        if let Some(name) = dir.file_name().and_then(|n| n.to_str()) {
+            if staging_owner_pid(name).is_some() {
+                return Err(manifest_err(
+                    dir,
+                    "is the staging directory of an unfinished (or replaced) save; it is never \
+                     loaded: give the save dir or a step-<N> directory",
+                ));
+            }
+        }
         if dir.join(MANIFEST_FILE).exists() {
             return Self::open_step_dir(dir);
         }
         let latest = dir.join(LATEST_FILE);
         let mut latest_err = None;
-        match std::fs::read_to_string(&latest) {
-            Ok(text) => {
+        // Read as bytes: a damaged `latest` (not UTF-8 included) means
+        // falling back below, never failing the open.
+        match std::fs::read(&latest) {
+            Ok(bytes) => {
+                let text = String::from_utf8_lossy(&bytes);
                 let name = text.trim();
                 match parse_step_dir_name(name) {
                     Some(_) => match Self::open_step_dir(&dir.join(name)) {

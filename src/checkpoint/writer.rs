@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use super::manifest::{check_relative, FileEntry, Manifest, RegionCrc, MANIFEST_FILE};
 use super::{io_err, CheckpointError};
 use crate::durable;
+use crate::failpoint::{self, Site};
 
 /// The pointer file in a save dir.
 pub const LATEST_FILE: &str = "latest";
@@ -27,7 +28,7 @@ pub fn parse_step_dir_name(name: &str) -> Option<u64> {
 }
 
 /// The pid of a `.step-<N>.tmp-<pid>` or `.step-<N>.old-<pid>` name.
-fn staging_owner_pid(name: &str) -> Option<u32> {
+pub(crate) fn staging_owner_pid(name: &str) -> Option<u32> {
     let rest = name.strip_prefix(".step-")?;
     let (step, pid) = rest
         .split_once(".tmp-")
@@ -39,14 +40,42 @@ fn staging_owner_pid(name: &str) -> Option<u32> {
     pid.parse().ok()
 }
 
-/// Removes `.step-*.tmp-<pid>` / `.old-<pid>` dirs of processes that are
-/// gone. Nothing else is touched.
+/// The pid of a `.latest.tmp-<pid>-<seq>` name (the temporary file of an
+/// atomic rewrite of `latest`, see [`crate::durable::write_atomic`]).
+fn latest_tmp_owner_pid(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix(&format!(".{LATEST_FILE}.tmp-"))?;
+    let (pid, seq) = rest.split_once('-')?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(pid) || !digits(seq) {
+        return None;
+    }
+    pid.parse().ok()
+}
+
+/// Removes `.step-*.tmp-<pid>` / `.old-<pid>` dirs and `.latest.tmp-<pid>-*`
+/// files of processes that are gone. Nothing else is touched.
 fn remove_stale(save_dir: &Path) {
     let Ok(entries) = std::fs::read_dir(save_dir) else {
         return;
     };
     for e in entries.flatten() {
         let name = e.file_name();
+        if let Some(pid) = name.to_str().and_then(latest_tmp_owner_pid) {
+            if pid != std::process::id()
+                && !tierzero_swap::space::process_alive(pid)
+                && e.file_type().is_ok_and(|t| t.is_file())
+            {
+                match std::fs::remove_file(e.path()) {
+                    Ok(()) => {
+                        tracing::warn!(file = %e.path().display(), pid, "removed a half-written `latest` of a process that is gone")
+                    }
+                    Err(err) => {
+                        tracing::warn!(file = %e.path().display(), error = %err, "could not remove a half-written `latest`")
+                    }
+                }
+            }
+            continue;
+        }
         let Some(pid) = name.to_str().and_then(staging_owner_pid) else {
             continue;
         };
@@ -195,12 +224,14 @@ impl StagedCheckpoint {
             durable::sync_dir(d)?;
         }
         manifest.files = self.files.clone();
-        let text = serde_json::to_vec_pretty(&manifest).map_err(|e| CheckpointError::Manifest {
-            path: self.tmp_dir.join(MANIFEST_FILE),
-            reason: format!("serialising: {e}"),
-        })?;
+        let text = manifest.to_json_bytes(&self.tmp_dir.join(MANIFEST_FILE))?;
         // Atomic within the staging dir; syncs the staging dir too.
-        durable::write_atomic(&self.tmp_dir.join(MANIFEST_FILE), &text)?;
+        durable::write_atomic_with(
+            &self.tmp_dir.join(MANIFEST_FILE),
+            &text,
+            Some(Site::CkptManifestWrite),
+        )?;
+        failpoint::kill_point(Site::CkptBeforeRename);
         let name = step_dir_name(self.step);
         let final_dir = self.save_dir.join(&name);
         let old = self
@@ -217,9 +248,11 @@ impl StagedCheckpoint {
         std::fs::rename(&self.tmp_dir, &final_dir).map_err(io_err("renaming to", &final_dir))?;
         self.committed = true;
         durable::sync_dir(&self.save_dir)?;
-        durable::write_atomic(
+        failpoint::kill_point(Site::CkptBeforeLatest);
+        durable::write_atomic_with(
             &self.save_dir.join(LATEST_FILE),
             format!("{name}\n").as_bytes(),
+            Some(Site::CkptLatestWrite),
         )?;
         if replaced {
             std::fs::remove_dir_all(&old).map_err(io_err("removing", &old))?;
@@ -295,5 +328,9 @@ mod tests {
         assert_eq!(staging_owner_pid(".step-00000004.old-9"), Some(9));
         assert_eq!(staging_owner_pid(".step-x.tmp-9"), None);
         assert_eq!(staging_owner_pid("step-00000004"), None);
+        assert_eq!(latest_tmp_owner_pid(".latest.tmp-77-0"), Some(77));
+        assert_eq!(latest_tmp_owner_pid(".latest.tmp-77"), None);
+        assert_eq!(latest_tmp_owner_pid(".latest.tmp-77-x"), None);
+        assert_eq!(latest_tmp_owner_pid(".manifest.json.tmp-77-0"), None);
     }
 }

@@ -47,7 +47,7 @@ use anyhow::anyhow;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use tierzero::checkpoint::Checkpoint;
+use tierzero::checkpoint::{Checkpoint, CheckpointError, SaveDirLock};
 use tierzero::config::{self, AutoOr, ConfigWarning, PathChecks, RunContext};
 use tierzero::engine::{EngineError, StepMetrics, TokenData, Trainer, TrainerOptions};
 use tierzero::model::{Arch, ModelDir};
@@ -185,6 +185,7 @@ fn run_failure(e: EngineError, what: &str) -> Failure {
     match e {
         EngineError::Swap(s) => Failure::from_swap(s, what),
         EngineError::Io { ref source, .. }
+        | EngineError::Checkpoint(CheckpointError::Io { ref source, .. })
             if matches!(
                 source.kind(),
                 std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::StorageFull
@@ -346,10 +347,22 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
             "--save-every needs --save-dir DIR (where to put the checkpoints)",
         ));
     }
-    if let Some(d) = &args.save_dir {
-        tierzero::durable::create_dir_all(d)
-            .map_err(|e| bad(format!("--save-dir {}: {e}", d.display())))?;
+    if let Err(e) = tierzero::failpoint::check_env() {
+        return Err(bad(e));
     }
+    // The save dir is ours for the whole run (refused now, not at the
+    // first save, when another run is saving into it).
+    let save_lock = match &args.save_dir {
+        Some(d) => {
+            tierzero::durable::create_dir_all(d)
+                .map_err(|e| bad(format!("--save-dir {}: {e}", d.display())))?;
+            Some(
+                SaveDirLock::acquire(d)
+                    .map_err(|e| bad(format!("--save-dir {}: {e}", d.display())))?,
+            )
+        }
+        None => None,
+    };
     let ckpt = match &args.resume {
         Some(d) => Some(Checkpoint::open(d).map_err(|e| {
             bad(format!(
@@ -505,6 +518,9 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
     }
     .map_err(startup_failure)?;
     trainer.set_data_name(data_name.clone());
+    if let Some(lock) = save_lock {
+        trainer.adopt_save_dir_lock(lock);
+    }
     let plan = Plan::new(
         cfg,
         trainer.model(),
@@ -605,6 +621,22 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
     let summary = trainer
         .finish()
         .map_err(|e| run_failure(e, "finishing the run"))?;
+    if let Some(a) = tierzero::failpoint::check_env()
+        .ok()
+        .flatten()
+        .filter(|a| tierzero::failpoint::hits(a.site) < a.nth)
+    {
+        // Armed but never fired: the run was shorter than the point. The
+        // counts of every site let a test pick points that exist.
+        eprintln!(
+            "failpoint {}:{} was not reached; hits: {}",
+            a.site.name(),
+            a.nth,
+            tierzero::failpoint::Site::ALL
+                .map(|s| format!("{}={}", s.name(), tierzero::failpoint::hits(s)))
+                .join(" ")
+        );
+    }
     let (Some(first), Some(last)) = (first, last) else {
         return Err(Failure::Internal(anyhow!("no step ran")));
     };

@@ -239,6 +239,15 @@ impl OptimizerState {
                     let mut buf = nv.io.arena.acquire()?;
                     as_f32(&mut buf, n)?.copy_from_slice(src);
                     let len = ext.len_bytes();
+                    // The padding past the data is written too: zeros, not
+                    // a reused buffer's old bytes, so the extent (and any
+                    // checkpoint copied from it) depends only on the state.
+                    if let Some(tail) = usize::try_from(len)
+                        .ok()
+                        .and_then(|l| buf.as_mut_slice().get_mut(n * 4..l))
+                    {
+                        tail.fill(0);
+                    }
                     tickets.push(nv.io.write.write(ext, buf)?);
                     self.counters.nvme_written_bytes += len;
                 }
@@ -272,10 +281,17 @@ impl OptimizerState {
         if k > 2 || (n as u64) * 4 > len_bytes {
             return Err(EngineError::internal("save_state: bad state or region"));
         }
-        let io_err = |source: std::io::Error| EngineError::Io {
-            path: path.to_path_buf(),
-            source,
+        let io_err = |op: &'static str| {
+            move |source: std::io::Error| {
+                EngineError::Checkpoint(crate::checkpoint::CheckpointError::Io {
+                    op,
+                    path: path.to_path_buf(),
+                    source,
+                })
+            }
         };
+        crate::failpoint::io_point(crate::failpoint::Site::CkptStateWrite)
+            .map_err(io_err("writing"))?;
         if self.nvme.is_none() {
             let g = &self.mem[sg.0];
             let v = match k {
@@ -286,7 +302,8 @@ impl OptimizerState {
             let mut bytes: Vec<u8> = Vec::with_capacity(len_bytes as usize);
             bytes.extend(v.iter().flat_map(|x| x.to_le_bytes()));
             bytes.resize(len_bytes as usize, 0);
-            file.write_all_at(&bytes, offset_bytes).map_err(io_err)?;
+            file.write_all_at(&bytes, offset_bytes)
+                .map_err(io_err("writing"))?;
             return Ok(crc32c::crc32c(&bytes));
         }
         // Nothing may be in flight on these extents while the kernel copies.
@@ -313,7 +330,7 @@ impl OptimizerState {
                 while pos < len_bytes {
                     let take = ((len_bytes - pos) as usize).min(buf.len());
                     file.read_exact_at(&mut buf[..take], offset_bytes + pos)
-                        .map_err(io_err)?;
+                        .map_err(io_err("reading back"))?;
                     crc = crc32c::crc32c_append(crc, &buf[..take]);
                     pos += take as u64;
                 }
@@ -535,6 +552,7 @@ impl OptimizerState {
             self.counters.nvme_written_bytes += len;
         }
         nv.writes.push_back(tickets);
+        crate::failpoint::kill_point(crate::failpoint::Site::OptimWriteBack);
         let keep = self.write_behind;
         self.retire_writes(keep)
     }

@@ -223,6 +223,8 @@ pub struct Trainer {
     lookahead_reads: u64,
     spill_grads: bool,
     data_name: String,
+    /// The save dir this trainer owns (see [`crate::checkpoint::SaveDirLock`]).
+    save_lock: Option<crate::checkpoint::SaveDirLock>,
     /// Union of the busy time of every I/O engine of this trainer.
     io_clock: Arc<BusyClock>,
     /// Sub-groups whose step job was sent and whose new param bytes have
@@ -828,6 +830,7 @@ impl Trainer {
             lookahead_reads: 0,
             spill_grads,
             data_name: "unnamed".to_owned(),
+            save_lock: None,
             io_clock,
             pending: vec![false; n_sub_groups],
             flush_open: false,
@@ -1164,6 +1167,7 @@ impl Trainer {
                 upstream = g.input;
                 saved[uid.0] = None;
                 self.release_unit(uid)?;
+                crate::failpoint::kill_point(crate::failpoint::Site::StepBackward);
                 // Params of sub-groups the optimizer thread has finished.
                 self.drain_done()?;
                 if last_micro && mode != OverlapMode::None {
@@ -1483,6 +1487,14 @@ impl Trainer {
         self.data_name = name.into();
     }
 
+    /// Hands the trainer a save-dir lock taken earlier (the CLI takes it at
+    /// start-up, to refuse before training rather than at the first save).
+    /// [`Trainer::save_checkpoint`] takes one itself when it has none for
+    /// its save dir.
+    pub fn adopt_save_dir_lock(&mut self, lock: crate::checkpoint::SaveDirLock) {
+        self.save_lock = Some(lock);
+    }
+
     /// Writes a checkpoint of the current state to
     /// `<save_dir>/step-<N>/` and points `<save_dir>/latest` at it; returns
     /// the step dir. See [`crate::checkpoint`] for the format and the
@@ -1502,6 +1514,12 @@ impl Trainer {
         // param writes it caused.
         self.settle_optimizer()?;
         self.store.flush_writes()?;
+        // One writer per save dir, held until the trainer is dropped.
+        if !self.save_lock.as_ref().is_some_and(|l| l.covers(save_dir)) {
+            crate::durable::create_dir_all(save_dir)
+                .map_err(crate::checkpoint::CheckpointError::from)?;
+            self.save_lock = Some(crate::checkpoint::SaveDirLock::acquire(save_dir)?);
+        }
         let mut staged = StagedCheckpoint::begin(save_dir, self.steps_done)?;
         let rank = self.opts.comm.rank();
         let rank_dir = format!("rank{rank:04}");
@@ -1521,10 +1539,8 @@ impl Trainer {
         for kind in StateKind::ALL {
             let rel = format!("{rank_dir}/{}.f32", kind.name());
             let (f, path) = staged.create_file(&rel)?;
-            f.set_len(total_bytes).map_err(|source| EngineError::Io {
-                path: path.clone(),
-                source,
-            })?;
+            f.set_len(total_bytes)
+                .map_err(crate::checkpoint::io_err("sizing", &path))?;
             files.push((kind, rel, f, path));
         }
         // The copies run on the optimizer thread, which owns the state.

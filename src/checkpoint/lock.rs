@@ -1,0 +1,135 @@
+//! One writer per save dir: [`SaveDirLock`].
+//!
+//! Two runs saving into the same directory would race on `latest`, on
+//! step dirs of the same number (each moving the other's aside), and on
+//! removing each other's staging dirs. A trainer therefore holds an
+//! exclusive `flock` on `<save_dir>/.lock` for as long as it owns the save
+//! dir; a second process refuses at once with the path and the holder's
+//! pid.
+//!
+//! * **`flock`, not a pid file.** The kernel drops the lock when the holder
+//!   dies, however it dies (`SIGKILL` included), so a crashed run never
+//!   leaves the save dir locked, and no pid-liveness guess is needed. The
+//!   pid written into the file is only for the message.
+//! * **The file stays.** Removing a lock file races with a process that has
+//!   just opened it (it would lock an unlinked inode); `.lock` is 0600,
+//!   a few bytes, and ignored by the reader (not a `step-*` name).
+//! * **Readers do not lock.** Opening a checkpoint never needs the lock:
+//!   the write protocol keeps every step dir whole or invisible.
+//! * std's `File::try_lock` is `flock(LOCK_EX | LOCK_NB)` on Linux (locks
+//!   of two open file descriptions conflict even within one process).
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read as _, Seek as _, SeekFrom, Write as _};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use super::{io_err, CheckpointError};
+
+/// Name of the lock file in a save dir.
+pub const LOCK_FILE: &str = ".lock";
+
+/// An exclusive claim on a save dir; released on drop (or process death).
+#[derive(Debug)]
+pub struct SaveDirLock {
+    /// The save dir, canonical.
+    dir: PathBuf,
+    /// Holds the flock.
+    _file: File,
+}
+
+impl SaveDirLock {
+    /// Takes the lock of `save_dir` (which must exist), without waiting:
+    /// [`CheckpointError::Locked`] names the lock file and the holder's
+    /// pid when another process has it.
+    pub fn acquire(save_dir: &Path) -> Result<SaveDirLock, CheckpointError> {
+        let dir = save_dir
+            .canonicalize()
+            .map_err(io_err("opening", save_dir))?;
+        let path = dir.join(LOCK_FILE);
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .custom_flags(O_NOFOLLOW)
+            .open(&path)
+            .map_err(io_err("opening", &path))?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let mut text = String::new();
+                let _ = file.read_to_string(&mut text);
+                let holder = text
+                    .trim()
+                    .parse::<u32>()
+                    .map_or_else(|_| "another process".to_owned(), |p| format!("process {p}"));
+                return Err(CheckpointError::Locked { path, holder });
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(io_err("locking", &path)(e)),
+        }
+        // Ours now: record our pid for the message of the next one.
+        file.set_len(0)
+            .and_then(|()| file.seek(SeekFrom::Start(0)))
+            .and_then(|_| writeln!(file, "{}", std::process::id()))
+            .map_err(io_err("writing", &path))?;
+        Ok(SaveDirLock { dir, _file: file })
+    }
+
+    /// The save dir it locks (canonical).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Whether it locks `save_dir`.
+    pub fn covers(&self, save_dir: &Path) -> bool {
+        save_dir.canonicalize().is_ok_and(|d| d == self.dir)
+    }
+}
+
+/// `O_NOFOLLOW` on Linux (the main crate has no libc): never lock through a
+/// symlink someone planted as `.lock`.
+const O_NOFOLLOW: i32 = 0o400000;
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+
+    #[test]
+    fn second_claim_is_refused_and_release_frees_it() {
+        let d = tempfile::tempdir().unwrap();
+        let a = SaveDirLock::acquire(d.path()).unwrap();
+        assert!(a.covers(d.path()));
+        match SaveDirLock::acquire(d.path()) {
+            Err(CheckpointError::Locked { path, holder }) => {
+                assert_eq!(path, d.path().canonicalize().unwrap().join(LOCK_FILE));
+                assert_eq!(holder, format!("process {}", std::process::id()));
+            }
+            other => panic!("{other:?}"),
+        }
+        drop(a);
+        let b = SaveDirLock::acquire(d.path()).unwrap();
+        drop(b);
+        let mode = {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::metadata(d.path().join(LOCK_FILE))
+                .unwrap()
+                .permissions()
+                .mode()
+                & 0o777
+        };
+        assert_eq!(mode, 0o600);
+    }
+
+    #[test]
+    fn a_symlinked_lock_file_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let target = d.path().join("elsewhere");
+        std::fs::write(&target, "x").unwrap();
+        std::os::unix::fs::symlink(&target, d.path().join(LOCK_FILE)).unwrap();
+        assert!(SaveDirLock::acquire(d.path()).is_err());
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "x");
+    }
+}
