@@ -16,13 +16,13 @@ else
 fi
 command -v cargo-fuzz >/dev/null || { echo "cargo-fuzz not installed: cargo install cargo-fuzz" >&2; exit 2; }
 status=0
-for target in ds_config hf_config safetensors_header; do
+for target in ds_config hf_config safetensors_header manifest; do
   scratch="$(mktemp -d)"
   echo "== $target: ${SECONDS_EACH}s"
   log="$scratch.log"
   rc=0
   cargo "${TOOLCHAIN[@]}" fuzz run -O "$target" "$scratch" "fuzz/corpus/$target" -- \
-      -max_total_time="$SECONDS_EACH" -max_len=8192 -rss_limit_mb=2048 -timeout=10 \
+      -max_total_time="$SECONDS_EACH" -max_len=16384 -rss_limit_mb=2048 -timeout=10 \
       -print_final_stats=1 >"$log" 2>&1 || rc=$?
   grep -E '^(stat::number_of_executed_units|stat::peak_rss_mb|SUMMARY)|panicked|ERROR' "$log" || true
   if [ "$rc" -ne 0 ]; then status=1; tail -40 "$log" >&2; echo "== $target FAILED" >&2; fi

@@ -117,7 +117,7 @@ use std::path::PathBuf;
 
 pub use export::{export_safetensors, ConfigJsonAction, ExportReport};
 pub use lock::{SaveDirLock, LOCK_FILE};
-pub use manifest::{seal_manifest_value, MANIFEST_CRC_KEY};
+pub use manifest::{check_relative, seal_manifest_value, MANIFEST_CRC_KEY};
 pub use manifest::{
     ConfigFingerprint, DataPosition, FileEntry, HfWeights, Manifest, ParamEntry, RankLayout,
     RegionCrc, StateKind, SubGroupEntry, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE,
