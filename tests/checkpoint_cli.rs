@@ -7,22 +7,14 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use serde_json::{json, Value};
 
 mod cli_support;
 use cli_support::{run_tierzero, Out};
 
-static NEXT: AtomicUsize = AtomicUsize::new(0);
-
 fn scratch(tag: &str) -> PathBuf {
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("ckpt-cli-{tag}-{}-{n}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    cli_support::scratch("ckpt-cli", tag)
 }
 
 /// Tiny GPT-2, a text file, a swap dir and a ds_config whose schedule has a

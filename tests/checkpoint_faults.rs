@@ -20,14 +20,12 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tierzero::checkpoint::{Checkpoint, SaveDirLock};
 
+mod cli_support;
+
 const TOTAL: u64 = 3;
 
 fn scratch(tag: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("ckpt-faults-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    cli_support::scratch("ckpt-faults", tag)
 }
 
 fn setup(d: &Path) {

@@ -8,21 +8,15 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use serde_json::{json, Value};
 
 mod cli_support;
 use cli_support::{assert_bad_input, run_tierzero};
 
-static NEXT: AtomicUsize = AtomicUsize::new(0);
-
 /// A fresh directory with an empty `swap/`.
 fn scratch(tag: &str) -> PathBuf {
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("cli-config-{tag}-{}-{n}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
+    let d = cli_support::scratch("cli-config", tag);
     std::fs::create_dir_all(d.join("swap")).unwrap();
     d
 }

@@ -5,7 +5,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle_core::{DType, Device};
 use serde_json::{json, Value};
@@ -16,15 +15,8 @@ use tierzero::model::{save_hf_dir, ModelDir};
 mod cli_support;
 use cli_support::{assert_bad_input, run_tierzero, Out};
 
-static NEXT: AtomicUsize = AtomicUsize::new(0);
-
 fn scratch(tag: &str) -> PathBuf {
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("cli-eval-{tag}-{}-{n}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    cli_support::scratch("cli-eval", tag)
 }
 
 fn eval(cwd: &Path, args: &[&str]) -> Out {

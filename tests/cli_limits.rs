@@ -11,7 +11,6 @@
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -19,15 +18,8 @@ use serde_json::{json, Value};
 mod cli_support;
 use cli_support::Out;
 
-static NEXT: AtomicUsize = AtomicUsize::new(0);
-
 fn scratch(tag: &str) -> PathBuf {
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("cli-limits-{tag}-{}-{n}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    cli_support::scratch("cli-limits", tag)
 }
 
 /// A tiny GPT-2, a text file and a ds_config with both offloads on NVMe in

@@ -34,6 +34,8 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tierzero::checkpoint::{Checkpoint, StateKind};
 
+mod cli_support;
+
 const TOTAL: u64 = 5;
 const SITES: [&str; 7] = [
     "step.backward",
@@ -78,11 +80,7 @@ impl std::fmt::Display for Kill {
 }
 
 fn scratch(tag: &str) -> PathBuf {
-    let d =
-        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("crash-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    cli_support::scratch("crash", tag)
 }
 
 /// Model, data, swap dir (with foreign files in its `tierzero/`) and

@@ -328,6 +328,9 @@ fn damage_between_steps(which: usize, damage: fn(&Path), expect: &[&str]) {
     std::thread::spawn(move || {
         let mut t = build(&model, &sw, FaultPlan::default()).unwrap();
         t.step().unwrap();
+        // The step's optimizer tail may still be writing (it overlaps the
+        // next step): let it land first, or it could overwrite the damage.
+        t.settle_optimizer().unwrap();
         let files = swap_files(&sw);
         assert_eq!(files.len(), 2, "{files:?}");
         damage(&files[which]);

@@ -5,7 +5,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use serde_json::{json, Value};
 use tierzero::config::{load_str, PathChecks, RunContext};
@@ -13,13 +12,10 @@ use tierzero::engine::{EngineError, TokenData, Trainer, TrainerOptions};
 use tierzero::model::ModelDir;
 use tierzero::run::Plan;
 
-static NEXT: AtomicUsize = AtomicUsize::new(0);
+mod cli_support;
 
 fn scratch(tag: &str) -> PathBuf {
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("run-plan-{tag}-{}-{n}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
+    let d = cli_support::scratch("run-plan", tag);
     std::fs::create_dir_all(d.join("model")).unwrap();
     std::fs::create_dir_all(d.join("swap")).unwrap();
     let model = json!({"model_type": "gpt2", "vocab_size": 256, "n_positions": 32,

@@ -1,8 +1,22 @@
 //! Running the built `tierzero` binary from integration tests.
 #![allow(clippy::expect_used, dead_code)] // tests; not every test file uses every helper
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+/// A fresh, empty directory `<prefix>-<tag>-<pid>-<n>` under cargo's
+/// per-target tmp dir (removed first if a killed earlier run left it).
+pub fn scratch(prefix: &str, tag: &str) -> PathBuf {
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("{prefix}-{tag}-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("create a scratch dir");
+    d
+}
 
 /// What a run of the binary produced.
 pub struct Out {
