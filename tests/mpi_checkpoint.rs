@@ -65,11 +65,13 @@ fn config(gas: u64, swap: &Path) -> Value {
     cfg
 }
 
-/// What a run did: per-step losses (bits), final weight hash.
+/// What a run did: per-step losses (bits), final weight hash; or the
+/// error of a save that failed (the run stops there).
 #[derive(Debug, Clone, PartialEq)]
 struct Out {
     losses: Vec<u32>,
     sha256: String,
+    save_error: Option<String>,
 }
 
 /// What to run: from `resume` (a checkpoint) or the model, until step
@@ -107,12 +109,26 @@ fn run(plan: &Plan, comm: Arc<dyn Comm>) -> Out {
         losses.push(t.step().unwrap().metrics.loss.to_bits());
         if plan.save_at.contains(&t.steps_done()) {
             let dir = plan.save_dir.as_ref().unwrap();
-            let step_dir = t.save_checkpoint(dir).unwrap();
-            assert!(step_dir.ends_with(format!("step-{:08}", t.steps_done())));
+            match t.save_checkpoint(dir) {
+                Ok(step_dir) => {
+                    assert!(step_dir.ends_with(format!("step-{:08}", t.steps_done())))
+                }
+                Err(e) => {
+                    return Out {
+                        losses,
+                        sha256: String::new(),
+                        save_error: Some(e.to_string()),
+                    }
+                }
+            }
         }
     }
     let sha256 = t.finish().unwrap().weight_sha256;
-    Out { losses, sha256 }
+    Out {
+        losses,
+        sha256,
+        save_error: None,
+    }
 }
 
 /// One rank of a case: run under `mpirun` by [`run_ranks`] (does nothing
@@ -125,7 +141,7 @@ fn rank_main() {
     };
     let spec: Value = serde_json::from_str(&std::fs::read_to_string(spec).unwrap()).unwrap();
     let path = |k: &str| spec[k].as_str().map(PathBuf::from);
-    let plan = Plan {
+    let mut plan = Plan {
         cfg: spec["config"].clone(),
         model: path("model").unwrap(),
         resume: path("resume"),
@@ -139,9 +155,20 @@ fn rank_main() {
     };
     let comm = Arc::new(MpiComm::init(Duration::from_secs(120)).unwrap());
     let rank = comm.rank();
+    // A save dir that only rank 0 sees (a file system the ranks do not
+    // share): the other ranks get one of their own.
+    if rank > 0 && spec["unshared"].as_bool() == Some(true) {
+        let elsewhere = plan
+            .save_dir
+            .as_ref()
+            .unwrap()
+            .join(format!("rank{rank}-view"));
+        std::fs::create_dir_all(&elsewhere).unwrap();
+        plan.save_dir = Some(elsewhere);
+    }
     let out = run(&plan, comm);
     let file = Path::new(spec["out"].as_str().unwrap()).join(format!("rank{rank}.json"));
-    let v = json!({"losses": out.losses, "sha256": out.sha256});
+    let v = json!({"losses": out.losses, "sha256": out.sha256, "save_error": out.save_error});
     std::fs::write(file, v.to_string()).unwrap();
 }
 
@@ -162,11 +189,22 @@ fn mpirun(n: usize) -> Command {
 
 /// Runs `plan` on `n` ranks; every rank must report the same result.
 fn run_ranks(n: usize, plan: &Plan) -> Out {
+    let outs = run_ranks_each(n, plan, false);
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(o, &outs[0], "rank {r} differs from rank 0");
+    }
+    outs[0].clone()
+}
+
+/// Runs `plan` on `n` ranks (with `unshared`, ranks other than 0 save into
+/// a directory of their own); returns each rank's result.
+fn run_ranks_each(n: usize, plan: &Plan, unshared: bool) -> Vec<Out> {
     let dir = scratch("mck-out");
     let p = |x: &Option<PathBuf>| x.as_ref().map(|d| d.to_str().unwrap().to_owned());
     let spec = json!({
         "config": plan.cfg, "model": plan.model.to_str().unwrap(), "resume": p(&plan.resume),
-        "save_dir": p(&plan.save_dir), "save_at": plan.save_at, "out": dir.to_str().unwrap()
+        "save_dir": p(&plan.save_dir), "save_at": plan.save_at, "out": dir.to_str().unwrap(),
+        "unshared": unshared
     });
     let spec_path = dir.join("spec.json");
     std::fs::write(&spec_path, spec.to_string()).unwrap();
@@ -184,7 +222,7 @@ fn run_ranks(n: usize, plan: &Plan) -> Out {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    let outs: Vec<Out> = (0..n)
+    (0..n)
         .map(|r| {
             let text = std::fs::read_to_string(dir.join(format!("rank{r}.json"))).unwrap();
             let v: Value = serde_json::from_str(&text).unwrap();
@@ -196,13 +234,10 @@ fn run_ranks(n: usize, plan: &Plan) -> Out {
                     .map(|b| b.as_u64().unwrap() as u32)
                     .collect(),
                 sha256: v["sha256"].as_str().unwrap().to_owned(),
+                save_error: v["save_error"].as_str().map(str::to_owned),
             }
         })
-        .collect();
-    for (r, o) in outs.iter().enumerate() {
-        assert_eq!(o, &outs[0], "rank {r} differs from rank 0");
-    }
-    outs[0].clone()
+        .collect()
 }
 
 /// A complete checkpoint of `world` ranks: the manifest lists every rank's
@@ -364,4 +399,115 @@ fn one_rank_checkpoint_resumes_on_three_ranks() {
         resumed3.losses.len(),
         resumed3.sha256
     );
+}
+
+#[test]
+fn a_rank_that_cannot_write_fails_the_save_on_every_rank_and_leaves_nothing() {
+    // Rank 1 sees another directory than rank 0 (as with a save dir on a
+    // node-local disk): it cannot join rank 0's staging dir. Both ranks
+    // must fail the save (none waits for the other), rank 1 naming the
+    // cause and rank 0 naming rank 1, and nothing may become visible.
+    let model = model_dir("unshared");
+    let save = scratch("mck-unshared");
+    let outs = run_ranks_each(
+        2,
+        &Plan {
+            cfg: config(1, &scratch("mck-swapu")),
+            model,
+            resume: None,
+            save_dir: Some(save.clone()),
+            save_at: vec![1],
+        },
+        true,
+    );
+    let e0 = outs[0].save_error.as_deref().expect("rank 0 saved");
+    let e1 = outs[1].save_error.as_deref().expect("rank 1 saved");
+    assert!(e1.contains("every rank shares"), "rank 1: {e1}");
+    assert!(
+        e0.contains("rank 1 failed") && e0.contains("every rank shares"),
+        "rank 0: {e0}"
+    );
+    eprintln!("rank 0: {e0}\nrank 1: {e1}");
+    let mut left: Vec<String> = std::fs::read_dir(&save)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    // Only rank 1's own (empty) view of the save dir.
+    assert_eq!(left, ["rank1-view"], "{left:?}");
+}
+
+/// `tierzero` with `args`; must succeed; returns stdout.
+fn tierzero(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .args(args)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .output()
+        .expect("run tierzero");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "tierzero {args:?}: {}\nstdout:\n{stdout}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+#[test]
+fn cli_saves_with_two_ranks_then_resumes_and_exports_with_one() {
+    // `tierzero launch --nproc 2 -- train --save-dir` (no longer refused),
+    // then `tierzero train --resume` on one rank with the same global
+    // batch: the same weights as one uninterrupted one-rank run.
+    let dir = scratch("mck-cli");
+    let model = model_dir("cli");
+    std::fs::create_dir_all(dir.join("swap")).unwrap();
+    let write_cfg = |name: &str, gas: u64| {
+        let p = dir.join(name);
+        std::fs::write(&p, config(gas, &dir.join("swap")).to_string()).unwrap();
+        p.to_str().unwrap().to_owned()
+    };
+    let cfg2 = write_cfg("ds2.json", 1);
+    let cfg1 = write_cfg("ds1.json", 2);
+    let save = dir.join("ckpt");
+    let (model, save) = (model.to_str().unwrap(), save.to_str().unwrap());
+    let common = ["--seq-len", "16", "--model", model, "--json"];
+    let mut launch = vec!["launch", "--nproc", "2", "--", "train", "--steps", "3"];
+    launch.extend(common);
+    launch.extend(["--config", &cfg2, "--save-dir", save]);
+    tierzero(&launch);
+    let sha = |stdout: &str| -> String {
+        let v: Value = serde_json::from_str(stdout.trim()).unwrap();
+        v["weight_sha256"].as_str().unwrap().to_owned()
+    };
+    let resumed = tierzero(&[
+        "train",
+        "--steps",
+        "6",
+        "--seq-len",
+        "16",
+        "--json",
+        "--config",
+        &cfg1,
+        "--resume",
+        save,
+    ]);
+    let mut whole = vec!["train", "--steps", "6", "--config", &cfg1];
+    whole.extend(common);
+    let whole = tierzero(&whole);
+    assert_eq!(
+        sha(&resumed),
+        sha(&whole),
+        "2 ranks -> 1 rank through the CLI"
+    );
+    let out = dir.join("hf").join("model.safetensors");
+    tierzero(&[
+        "export",
+        "--checkpoint",
+        save,
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(out.metadata().unwrap().len() > 0);
 }
