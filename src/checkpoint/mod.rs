@@ -100,12 +100,49 @@
 //!
 //! **Permissions.** Files 0600, directories 0700.
 //!
-//! **Several ranks (later).** Each rank writes its own `rank<RRRR>/` files
-//! into the same temp dir; rank 0 writes the manifest last, after a
-//! barrier. Loading is by parameter: a parameter's elements are assembled
-//! from the shards of every rank in the manifest, so a checkpoint written
-//! by N ranks can be read with M ranks, or with a different
-//! `sub_group_size`.
+//! **Several ranks.** A save is a collective ([`StagedCheckpoint`] and
+//! `Trainer::save_checkpoint`); the race DeepSpeed#7549 describes (ranks
+//! creating, renaming and pointing `latest` at one checkpoint dir on their
+//! own) cannot happen because only rank 0 touches anything outside a rank
+//! dir:
+//!
+//! 1. Every rank drains its optimizer and param writes; rank 0's pid is
+//!    all-gathered, so every rank knows the staging name
+//!    `.step-<N>.tmp-<pid of rank 0>`; rank 0 creates it
+//!    ([`StagedCheckpoint::begin`]).
+//! 2. After an agreement (below), which is also the barrier, every other
+//!    rank joins the staging dir ([`StagedCheckpoint::join`]; it fails,
+//!    naming the cause, when the save dir is not on a file system every
+//!    rank shares). All ranks write their own `rank<RRRR>/` files in
+//!    parallel and fsync them.
+//! 3. Each rank's layout and file records (lengths, whole-file and region
+//!    crcs) are serialised and all-gathered; rank 0 checks the other
+//!    ranks' files are there with their recorded lengths
+//!    ([`StagedCheckpoint::add_entries`]).
+//! 4. With `stage3_gather_16bit_weights_on_model_save`, every param is
+//!    gathered from all ranks in order and rank 0 streams the 16-bit
+//!    weights into `model.safetensors`.
+//! 5. Rank 0 commits: fsyncs, the manifest (every rank's layout, in rank
+//!    order) last, rename, `latest`. A final agreement means no rank
+//!    returns before the checkpoint is visible.
+//!
+//! After each phase the ranks agree on its outcome (each rank's error text
+//! is all-gathered, `engine::comm::agree`): if any rank failed, every rank
+//! fails (the others with an error naming that rank and its message), so
+//! none waits for a collective that will never come, and rank 0 removes
+//! the staging dir once every rank has stopped writing into it. A joined
+//! rank never removes anything.
+//!
+//! **Resharding.** Loading is by parameter: a parameter's elements are
+//! assembled from the shards of every rank in the manifest
+//! ([`Checkpoint::load_param_state_range`]), so a checkpoint written by N
+//! ranks is read by M ranks (each rank loads exactly its own range of each
+//! parameter, one state at a time) or with another `sub_group_size`, and
+//! `export` consolidates N shards one parameter at a time. The reader keeps
+//! the last region read of each source rank, so each region is read about
+//! once. With the same global batch (micro-batch size × accumulation ×
+//! ranks) and micro-batch size, a resumed run on M ranks continues
+//! bit-identically (`tests/mpi_checkpoint.rs`: 2 → 2, 2 → 1, 1 → 3).
 
 mod export;
 mod lock;

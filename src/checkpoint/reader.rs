@@ -4,8 +4,12 @@
 //! parses and validates the manifest and stats every file, reading no data.
 //! Reads are by sub-group region: a region is read whole, its crc32c
 //! checked against the manifest, and the elements wanted copied out. The
-//! last region read is kept (one entry, behind a mutex), so loading the
-//! parameters of a sub-group one after another reads it once.
+//! last region read **of each rank** is kept (behind a mutex), so loading
+//! the parameters of a sub-group one after another reads it once, also
+//! when every parameter is assembled from the shards of several ranks (a
+//! checkpoint of N ranks read by M ranks, or by `export`): each rank's
+//! sub-groups are visited in order. A reader holds at most one region per
+//! rank whose shards it reads; [`Checkpoint::release_cache`] drops them.
 
 use std::fs::File;
 use std::io::Read as _;
@@ -21,8 +25,11 @@ use super::writer::{parse_step_dir_name, staging_owner_pid, LATEST_FILE};
 use super::{io_err, CheckpointError};
 use crate::model::{Model, ParamId};
 
-/// Which region: (rank, state, sub-group).
-type RegionKey = (usize, StateKind, usize);
+/// Which region of a rank: (state, sub-group).
+type RegionKey = (StateKind, usize);
+
+/// A region kept for the next read: its key and verified elements.
+type CachedRegion = (RegionKey, Arc<Vec<f32>>);
 
 /// An opened, validated checkpoint.
 #[derive(Debug)]
@@ -30,8 +37,9 @@ pub struct Checkpoint {
     dir: PathBuf,
     manifest: Manifest,
     model: Model,
-    /// (rank, state, sub-group) → its verified elements.
-    cache: Mutex<Option<(RegionKey, Arc<Vec<f32>>)>>,
+    /// Per rank: its last region read, (state, sub-group) → its verified
+    /// elements.
+    cache: Mutex<Vec<Option<CachedRegion>>>,
 }
 
 /// The result of checking one file.
@@ -172,7 +180,7 @@ impl Checkpoint {
             dir,
             manifest,
             model,
-            cache: Mutex::new(None),
+            cache: Mutex::new(Vec::new()),
         })
     }
 
@@ -203,13 +211,14 @@ impl Checkpoint {
         kind: StateKind,
         sg: usize,
     ) -> Result<Arc<Vec<f32>>, CheckpointError> {
-        let key = (rank, kind, sg);
+        let key = (kind, sg);
         {
-            let c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some((k, v)) = c.as_ref() {
-                if *k == key {
-                    return Ok(v.clone());
-                }
+            let mut c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            match c.get_mut(rank) {
+                Some(Some((k, v))) if *k == key => return Ok(v.clone()),
+                // Drop this rank's old region before reading the new one.
+                Some(slot) => *slot = None,
+                None => {}
             }
         }
         let mpath = self.dir.join(MANIFEST_FILE);
@@ -253,8 +262,19 @@ impl Checkpoint {
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
         let values = Arc::new(values);
-        *self.cache.lock().unwrap_or_else(|e| e.into_inner()) = Some((key, values.clone()));
+        {
+            let mut c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            if c.len() <= rank {
+                c.resize(rank + 1, None);
+            }
+            c[rank] = Some((key, values.clone()));
+        }
         Ok(values)
+    }
+
+    /// Drops the regions kept for the next read (see the module docs).
+    pub fn release_cache(&self) {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
     /// Elements `[start, start + numel)` of parameter `id`'s `kind` state,

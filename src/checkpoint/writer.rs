@@ -96,7 +96,18 @@ fn remove_stale(save_dir: &Path) {
     }
 }
 
+/// `.step-<N>.tmp-<pid>`: the staging dir of `pid`'s save of `step`.
+fn staging_dir_name(step: u64, pid: u32) -> String {
+    format!(".{}.tmp-{pid}", step_dir_name(step))
+}
+
 /// A checkpoint being written.
+///
+/// Several ranks: rank 0 [`begin`](Self::begin)s (owns) the staging dir,
+/// the other ranks [`join`](Self::join) it to write their own `rank<R>/`
+/// files, [`sync_own`](Self::sync_own) them, and hand their entries to
+/// rank 0 ([`add_entries`](Self::add_entries)), which commits. Only the
+/// owner removes an uncommitted staging dir when dropped.
 #[derive(Debug)]
 pub struct StagedCheckpoint {
     save_dir: PathBuf,
@@ -105,6 +116,7 @@ pub struct StagedCheckpoint {
     files: Vec<FileEntry>,
     dirs: Vec<PathBuf>,
     committed: bool,
+    owner: bool,
 }
 
 impl StagedCheckpoint {
@@ -113,11 +125,7 @@ impl StagedCheckpoint {
     pub fn begin(save_dir: &Path, step: u64) -> Result<Self, CheckpointError> {
         durable::create_dir_all(save_dir)?;
         remove_stale(save_dir);
-        let tmp_dir = save_dir.join(format!(
-            ".{}.tmp-{}",
-            step_dir_name(step),
-            std::process::id()
-        ));
+        let tmp_dir = save_dir.join(staging_dir_name(step, std::process::id()));
         if tmp_dir.exists() {
             // Ours, from an earlier failed save in this process.
             std::fs::remove_dir_all(&tmp_dir).map_err(io_err("removing", &tmp_dir))?;
@@ -130,7 +138,78 @@ impl StagedCheckpoint {
             files: Vec::new(),
             dirs: Vec::new(),
             committed: false,
+            owner: true,
         })
+    }
+
+    /// Joins the staging dir that process `owner_pid` (rank 0) created
+    /// with [`begin`](Self::begin) for `step`, to write this rank's files
+    /// into it. Fails when it is not there (a save dir that is not on a
+    /// file system shared by the ranks). A joined checkpoint is never
+    /// committed and never removes the staging dir.
+    pub fn join(save_dir: &Path, step: u64, owner_pid: u32) -> Result<Self, CheckpointError> {
+        let tmp_dir = save_dir.join(staging_dir_name(step, owner_pid));
+        match std::fs::symlink_metadata(&tmp_dir) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => {
+                return Err(CheckpointError::Manifest {
+                    path: tmp_dir,
+                    reason: "rank 0's staging path is not a directory".into(),
+                })
+            }
+            Err(e) => {
+                return Err(CheckpointError::Io {
+                    op: "opening rank 0's staging dir (is the save dir on a file system every \
+                         rank shares?)",
+                    path: tmp_dir,
+                    source: e,
+                })
+            }
+        }
+        Ok(StagedCheckpoint {
+            save_dir: save_dir.to_path_buf(),
+            tmp_dir,
+            step,
+            files: Vec::new(),
+            dirs: Vec::new(),
+            committed: false,
+            owner: false,
+        })
+    }
+
+    /// Syncs the files and directories recorded by this handle (what a
+    /// joined rank wrote); [`commit`](Self::commit) does the same for the
+    /// owner.
+    pub fn sync_own(&self) -> Result<(), CheckpointError> {
+        for f in &self.files {
+            let p = self.tmp_dir.join(&f.path);
+            let file = File::open(&p).map_err(io_err("opening", &p))?;
+            durable::sync_file(&file, &p)?;
+        }
+        for d in &self.dirs {
+            durable::sync_dir(d)?;
+        }
+        Ok(())
+    }
+
+    /// Records files another rank wrote into this staging dir (their
+    /// entries, with crcs, as that rank recorded them). Their paths must be
+    /// relative, and the files there with the recorded length.
+    pub fn add_entries(&mut self, entries: Vec<FileEntry>) -> Result<(), CheckpointError> {
+        for e in &entries {
+            check_relative(&e.path)?;
+            let p = self.tmp_dir.join(&e.path);
+            let len = std::fs::metadata(&p).map_err(io_err("stat", &p))?.len();
+            if len != e.bytes {
+                return Err(CheckpointError::Size {
+                    path: p,
+                    expected_bytes: e.bytes,
+                    got_bytes: len,
+                });
+            }
+        }
+        self.files.extend(entries);
+        Ok(())
     }
 
     /// The staging dir.
@@ -264,7 +343,7 @@ impl StagedCheckpoint {
 
 impl Drop for StagedCheckpoint {
     fn drop(&mut self) {
-        if !self.committed {
+        if !self.committed && self.owner {
             // A failed save: the staging dir is never read; remove it now
             // rather than at the next save.
             let _ = std::fs::remove_dir_all(&self.tmp_dir);

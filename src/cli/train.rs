@@ -36,7 +36,10 @@
 //!   `--seq-len` defaults to the checkpoint's, and `--steps` is still the
 //!   total, so the run does `steps - checkpoint step` more (none, with a
 //!   message and exit 0, when it is already there). A checkpoint that does
-//!   not validate or does not fit the run is bad input (exit 2).
+//!   not validate or does not fit the run is bad input (exit 2). Several
+//!   ranks: every rank saves its own shard into the same checkpoint (the
+//!   save dir must be on a file system every rank sees), and a checkpoint
+//!   of N ranks resumes on any number of ranks (each loads its shard).
 
 use std::io::IsTerminal as _;
 use std::num::NonZeroUsize;
@@ -323,13 +326,6 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
     // others only log (see launch.rs).
     let comm = super::launch::rank_comm()?;
     let lead = comm.rank() == 0;
-    if comm.world_size() > 1 && (args.save_dir.is_some() || args.resume.is_some()) {
-        return Err(bad(format!(
-            "--save-dir/--resume with {} ranks: checkpoints of several ranks are not \
-             supported yet; checkpoint a one-rank run",
-            comm.world_size()
-        )));
-    }
     let seed = number("--seed", &args.seed, 0, u64::MAX)?;
     let threads = number("--threads", &args.threads, 1, 1024)?;
     let threads = NonZeroUsize::new(threads as usize).unwrap_or(NonZeroUsize::MIN);

@@ -77,6 +77,56 @@ pub trait Comm: Send + Sync + std::fmt::Debug {
     }
 }
 
+/// Every rank's bytes (`mine` on this rank; lengths may differ), in rank
+/// order: the lengths are all-gathered first, then the bytes. Two
+/// collectives; every rank must call it.
+pub fn all_gather_var(comm: &dyn Comm, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+    let world = comm.world_size();
+    let mut lens = vec![0f64; world];
+    // Exact: lengths are far below 2^53.
+    comm.all_gather_f64(&[mine.len() as f64], &mut lens)?;
+    let counts: Vec<usize> = lens.iter().map(|&l| l as usize).collect();
+    let mut all = vec![0u8; counts.iter().sum()];
+    comm.all_gather_bytes(mine, &counts, &mut all)?;
+    let mut out = Vec::with_capacity(world);
+    let mut at = 0usize;
+    for c in counts {
+        out.push(all[at..at + c].to_vec());
+        at += c;
+    }
+    Ok(out)
+}
+
+/// Makes every rank agree on the outcome of a local phase of a collective
+/// operation (a checkpoint save): each rank's result is all-gathered, and
+/// if any rank failed, every rank returns an error (its own, or one naming
+/// the first rank that failed and that rank's message). So a rank that
+/// fails does not leave the others waiting in the operation's next
+/// collective. One rank: `local` itself.
+pub fn agree<T>(comm: &dyn Comm, what: &'static str, local: Result<T>) -> Result<T> {
+    if comm.world_size() == 1 {
+        return local;
+    }
+    let mine = match &local {
+        Ok(_) => Vec::new(),
+        Err(e) => format!("!{e}").into_bytes(),
+    };
+    let all = all_gather_var(comm, &mine)?;
+    let local = local?;
+    match all.iter().enumerate().find(|(_, m)| !m.is_empty()) {
+        None => Ok(local),
+        Some((peer, msg)) => Err(EngineError::Comm {
+            rank: comm.rank(),
+            world: comm.world_size(),
+            op: what,
+            reason: format!(
+                "rank {peer} failed: {}",
+                String::from_utf8_lossy(msg.get(1..).unwrap_or_default())
+            ),
+        }),
+    }
+}
+
 /// Checks the shapes of a variable-count collective; returns this rank's
 /// offset (elements before its chunk).
 pub fn check_counts(

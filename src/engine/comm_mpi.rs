@@ -307,6 +307,12 @@ impl Comm for MpiComm {
             shard.len(),
             out.len(),
         )?;
+        if out.is_empty() {
+            // Nothing to move, and every rank knows it (the counts are the
+            // same everywhere), so no rank calls MPI: an all-gather of zero
+            // bytes in all failed here with MPI_ERR_ARG (OpenMPI, measured).
+            return Ok(());
+        }
         let counts = self.counts_i32(counts_bytes, "all_gather")?;
         count(out.len(), "all_gather")?;
         match self.call(Op::GatherBytes {

@@ -106,7 +106,7 @@ use tierzero_swap::{
     MemlockInfo, PinnedArena, SpaceConfig, SwapError, SwapSpace,
 };
 
-use super::comm::{Comm, SingleRank};
+use super::comm::{agree, all_gather_var, Comm, SingleRank};
 use super::data::TokenData;
 use super::layout::{shard_counts, Layout, SubGroupId};
 use super::metrics::{peak_rss_bytes, MetricsWriter, StepMetrics, Summary};
@@ -118,9 +118,9 @@ use super::trace::{Limits, Pass, Scheduler, Visit};
 use super::worker::{Done, ExclusiveJob, ExclusiveResult, Job, OptimizerWorker};
 use super::{EngineError, Result};
 use crate::checkpoint::{
-    align_state_bytes, step_dir_name, Checkpoint, ConfigFingerprint, DataPosition, Manifest,
-    ParamEntry, RankLayout, RegionCrc, StagedCheckpoint, StateKind, SubGroupEntry, FORMAT_NAME,
-    FORMAT_VERSION,
+    align_state_bytes, step_dir_name, Checkpoint, ConfigFingerprint, DataPosition, FileEntry,
+    Manifest, ParamEntry, RankLayout, RegionCrc, StagedCheckpoint, StateKind, SubGroupEntry,
+    FORMAT_NAME, FORMAT_VERSION,
 };
 use crate::config::{self, Config, OffloadDevice, Precision, Stage};
 use crate::model::{Model, ModelDir, ParamId, UnitGrads, UnitId, UnitInput, UnitKind, Upstream};
@@ -414,12 +414,30 @@ impl Trainer {
     ) -> Result<Self> {
         let m = ckpt.manifest();
         let run_fp = config_fingerprint(config);
+        // Another rank count with the same global batch and micro-batch
+        // size does the same arithmetic (N ranks with accumulation G are
+        // one rank with G·N) and reads the same data: not a difference.
+        let same_global_batch = m.data.micro_batch_size == config.batch.micro_batch_size
+            && m.data
+                .micro_batch_size
+                .checked_mul(m.data.gradient_accumulation_steps)
+                .and_then(|x| x.checked_mul(m.world_size as u64))
+                == Some(config.batch.train_batch_size);
         let differing: Vec<&str> = run_fp
             .numerics
             .iter()
             .filter(|(k, v)| m.config.numerics.get(*k) != Some(*v))
+            .filter(|(k, _)| !(k.as_str() == "batch" && same_global_batch))
             .map(|(k, _)| k.as_str())
             .collect();
+        let world = opts.comm.world_size();
+        if m.world_size != world && opts.comm.rank() == 0 {
+            tracing::info!(
+                checkpoint_ranks = m.world_size,
+                ranks = world,
+                "resharding the checkpoint: each rank loads its own shard of every parameter"
+            );
+        }
         if !differing.is_empty() {
             tracing::warn!(
                 settings = %differing.join(", "),
@@ -740,11 +758,11 @@ impl Trainer {
                 vec![0f32; g.numel],
                 vec![0f32; g.numel],
             ];
-            for &pid in &g.params {
-                let slot = &layout.params[pid.0];
-                let at = slot.offset_in_group..slot.offset_in_group + slot.shard_numel;
-                match source {
-                    WeightSource::Dir(dir) => {
+            match source {
+                WeightSource::Dir(dir) => {
+                    for &pid in &g.params {
+                        let slot = &layout.params[pid.0];
+                        let at = slot.offset_in_group..slot.offset_in_group + slot.shard_numel;
                         let t = dir.load_param(pid, DType::F32, &Device::Cpu)?;
                         let all = t.flatten_all()?.to_vec1::<f32>()?;
                         let shard = all
@@ -752,23 +770,38 @@ impl Trainer {
                             .ok_or_else(|| EngineError::internal("shard out of range"))?;
                         states[0][at].copy_from_slice(shard);
                     }
-                    WeightSource::Checkpoint(ckpt) => {
-                        for kind in StateKind::ALL {
+                }
+                // Reshard on load: exactly this rank's range of each param,
+                // assembled from whichever ranks of the checkpoint hold it
+                // (any world size, any sub_group_size). One state at a
+                // time, so the reader keeps one region per source rank.
+                WeightSource::Checkpoint(ckpt) => {
+                    for kind in StateKind::ALL {
+                        for &pid in &g.params {
+                            let slot = &layout.params[pid.0];
                             let v = ckpt.load_param_state_range(
                                 kind,
                                 pid,
                                 slot.shard_start,
                                 slot.shard_numel,
                             )?;
-                            states[kind.index()][at.clone()].copy_from_slice(&v);
+                            states[kind.index()]
+                                [slot.offset_in_group..slot.offset_in_group + slot.shard_numel]
+                                .copy_from_slice(&v);
                         }
                     }
                 }
+            }
+            for &pid in &g.params {
+                let slot = &layout.params[pid.0];
                 let shard =
                     &states[0][slot.offset_in_group..slot.offset_in_group + slot.shard_numel];
                 store.store_initial(pid, &encode(shard, param_dtype))?;
             }
             opt.load_group(g.id, [&states[0], &states[1], &states[2]])?;
+        }
+        if let WeightSource::Checkpoint(ckpt) = source {
+            ckpt.release_cache();
         }
         opt.flush()?;
 
@@ -1495,33 +1528,126 @@ impl Trainer {
         self.save_lock = Some(lock);
     }
 
+    /// One writer per save dir (rank 0 writes everything outside the rank
+    /// dirs): the `flock` on `<save_dir>/.lock`, held until the trainer is
+    /// dropped.
+    fn take_save_lock(&mut self, save_dir: &std::path::Path) -> Result<()> {
+        if !self.save_lock.as_ref().is_some_and(|l| l.covers(save_dir)) {
+            crate::durable::create_dir_all(save_dir)
+                .map_err(crate::checkpoint::CheckpointError::from)?;
+            self.save_lock = Some(crate::checkpoint::SaveDirLock::acquire(save_dir)?);
+        }
+        Ok(())
+    }
+
     /// Writes a checkpoint of the current state to
     /// `<save_dir>/step-<N>/` and points `<save_dir>/latest` at it; returns
     /// the step dir. See [`crate::checkpoint`] for the format and the
     /// write sequence. Pending parameter writes and the optimizer pipeline
     /// are drained first; NVMe optimizer extents are copied with
     /// `copy_file_range`, memory tiers written from memory.
+    ///
+    /// Several ranks: a collective, called by every rank at the same step.
+    /// Rank 0 creates the staging dir (named after its pid, which every
+    /// rank learns through an all-gather); every rank writes and fsyncs its
+    /// own `rank<RRRR>/` files in parallel; the ranks' layouts and file
+    /// records (crcs) are all-gathered; rank 0 writes the consolidated
+    /// 16-bit weights if configured (each param gathered from all ranks),
+    /// the manifest last, renames the dir into place and rewrites
+    /// `latest`. Only rank 0 touches anything outside its own rank dir.
+    /// After each phase the ranks agree on the outcome
+    /// ([`super::comm::agree`]), so a rank that fails makes every rank fail
+    /// with an error naming it instead of leaving them waiting, and no rank
+    /// returns before the checkpoint is visible (or the save has failed
+    /// everywhere).
     pub fn save_checkpoint(&mut self, save_dir: &std::path::Path) -> Result<PathBuf> {
+        let comm = self.opts.comm.clone();
+        let world = comm.world_size();
+        let rank = comm.rank();
+        let step = self.steps_done;
         // A stopped trainer's state is not trustworthy: never save it.
-        self.check_usable()?;
-        let world = self.opts.comm.world_size();
-        if world != 1 {
-            return Err(EngineError::Unsupported {
-                what: "checkpoints with several ranks".into(),
-            });
-        }
-        // The last step's optimizer tail (its Flush included), then the
+        // Then the last step's optimizer tail (its Flush included), and the
         // param writes it caused.
-        self.settle_optimizer()?;
-        self.store.flush_writes()?;
-        // One writer per save dir, held until the trainer is dropped.
-        if !self.save_lock.as_ref().is_some_and(|l| l.covers(save_dir)) {
-            crate::durable::create_dir_all(save_dir)
-                .map_err(crate::checkpoint::CheckpointError::from)?;
-            self.save_lock = Some(crate::checkpoint::SaveDirLock::acquire(save_dir)?);
+        let ready = self.check_usable().and_then(|()| {
+            self.settle_optimizer()?;
+            self.store.flush_writes()
+        });
+        agree(&*comm, "saving a checkpoint (preparing)", ready)?;
+
+        // Rank 0's pid names the staging dir; everyone learns it.
+        let owner_pid = if world == 1 {
+            std::process::id()
+        } else {
+            let mut all = vec![0u8; 4 * world];
+            comm.all_gather_bytes(&std::process::id().to_le_bytes(), &vec![4; world], &mut all)?;
+            u32::from_le_bytes([all[0], all[1], all[2], all[3]])
+        };
+        let begun = if rank == 0 {
+            self.take_save_lock(save_dir).and_then(|()| {
+                StagedCheckpoint::begin(save_dir, step)
+                    .map(Some)
+                    .map_err(EngineError::from)
+            })
+        } else {
+            Ok(None)
+        };
+        // Also the barrier before the other ranks write into the dir.
+        let mut staged = agree(&*comm, "saving a checkpoint (staging dir)", begun)?;
+
+        // Every rank: its own state files. A failure anywhere fails every
+        // rank, after all have stopped writing (rank 0 then removes the
+        // staging dir when `staged` drops).
+        let part = self.save_rank_part(&mut staged, save_dir, owner_pid);
+        let layout = agree(&*comm, "saving a checkpoint (state files)", part)?;
+
+        // The ranks' layouts and file records, to rank 0 (all-gathered).
+        let own_files = match &staged {
+            Some(s) if rank != 0 => s.files().to_vec(),
+            _ => Vec::new(),
+        };
+        let record = serde_json::to_vec(&(&layout, &own_files))
+            .map_err(|e| EngineError::internal(format!("serialising a rank record: {e}")))?;
+        let records = all_gather_var(&*comm, &record)?;
+
+        // Consolidated 16-bit weights (a collective), then rank 0 commits.
+        let hf = self.save_hf_weights(if rank == 0 { staged.as_mut() } else { None });
+        let done = match (rank, hf) {
+            (0, Ok(hf_weights)) => match staged.take() {
+                Some(s) => self.commit_checkpoint(s, layout, &records, hf_weights),
+                None => Err(EngineError::internal("rank 0 has no staging dir")),
+            },
+            (_, Ok(_)) => Ok(save_dir.join(step_dir_name(step))),
+            (_, Err(e)) => Err(e),
+        };
+        // No rank returns before the checkpoint is complete.
+        let dir = agree(&*comm, "saving a checkpoint (commit)", done)?;
+        if rank == 0 {
+            tracing::info!(dir = %dir.display(), name = %step_dir_name(step), ranks = world, "checkpoint saved");
         }
-        let mut staged = StagedCheckpoint::begin(save_dir, self.steps_done)?;
+        Ok(dir)
+    }
+
+    /// This rank's part of a save: joins rank 0's staging dir (other
+    /// ranks), writes `rank<RRRR>/{master,exp_avg,exp_avg_sq}.f32`, records
+    /// them with their region crcs and (other ranks) fsyncs them. Returns
+    /// this rank's layout for the manifest.
+    fn save_rank_part(
+        &mut self,
+        staged: &mut Option<StagedCheckpoint>,
+        save_dir: &std::path::Path,
+        owner_pid: u32,
+    ) -> Result<RankLayout> {
         let rank = self.opts.comm.rank();
+        if staged.is_none() {
+            *staged = Some(StagedCheckpoint::join(
+                save_dir,
+                self.steps_done,
+                owner_pid,
+            )?);
+        }
+        let staged = staged
+            .as_mut()
+            .ok_or_else(|| EngineError::internal("no staging dir"))?;
         let rank_dir = format!("rank{rank:04}");
         staged.create_dir(&rank_dir)?;
 
@@ -1591,70 +1717,11 @@ impl Trainer {
             staged.add_file_with_regions(rel, rc)?;
         }
         drop(files);
+        if rank != 0 {
+            // Rank 0's commit syncs its own (and again everyone's).
+            staged.sync_own()?;
+        }
 
-        // Consolidated 16-bit weights (stage3_gather_16bit_weights_on_model_save).
-        let hf_weights = if self.config.zero.gather_16bit_weights_on_model_save {
-            let dtype = self.store.dtype();
-            let (f, path) = staged.create_file("model.safetensors")?;
-            let mut cached: Option<(SubGroupId, Vec<f32>)> = None;
-            let mut load_err: Option<EngineError> = None;
-            let model = self.model.clone();
-            let written = crate::model::write_safetensors(f, &path, &model, dtype, |pid| {
-                let slot = self.layout.params[pid.0].clone();
-                let sg = slot.sub_group;
-                if cached.as_ref().is_none_or(|(g, _)| *g != sg) {
-                    match self.master(sg) {
-                        Ok(m) => cached = Some((sg, m)),
-                        Err(e) => {
-                            let text = e.to_string();
-                            load_err = Some(e);
-                            return Err(crate::model::ModelError::Unsupported { what: text });
-                        }
-                    }
-                }
-                let m = cached.as_ref().map(|(_, m)| m.as_slice()).unwrap_or(&[]);
-                let v = m
-                    .get(slot.offset_in_group..slot.offset_in_group + slot.shard_numel)
-                    .unwrap_or(&[])
-                    .to_vec();
-                let shape = model
-                    .param(pid)
-                    .map(|p| p.shape.clone())
-                    .unwrap_or_default();
-                Ok(Tensor::from_vec(v, shape.as_slice(), &Device::Cpu)?)
-            });
-            if let Some(e) = load_err {
-                return Err(e);
-            }
-            drop(written.map_err(EngineError::Model)?);
-            let (cf, cpath) = staged.create_file("config.json")?;
-            let text = crate::model::hf_config_text(&self.model)?;
-            {
-                use std::io::Write as _;
-                let mut cf = cf;
-                cf.write_all(text.as_bytes())
-                    .map_err(|source| EngineError::Io {
-                        path: cpath.clone(),
-                        source,
-                    })?;
-            }
-            staged.add_file("model.safetensors")?;
-            staged.add_file("config.json")?;
-            Some(crate::checkpoint::manifest_hf_weights(
-                "model.safetensors",
-                "config.json",
-                match dtype {
-                    DType::BF16 => "bf16",
-                    DType::F16 => "fp16",
-                    _ => "fp32",
-                },
-            ))
-        } else {
-            None
-        };
-
-        let gas = self.config.batch.gradient_accumulation_steps.max(1);
-        let mb = self.config.batch.micro_batch_size.max(1);
         let mut states = std::collections::BTreeMap::new();
         for kind in StateKind::ALL {
             states.insert(
@@ -1691,6 +1758,119 @@ impl Trainer {
                     .collect(),
             })
             .collect();
+        Ok(RankLayout {
+            rank,
+            states,
+            sub_groups,
+        })
+    }
+
+    /// Consolidated 16-bit weights (`stage3_gather_16bit_weights_on_model_save`):
+    /// every param is gathered from all ranks in `ParamId` order (a
+    /// collective on every rank); rank 0 (`staged` is `Some`) streams them
+    /// into `model.safetensors` and writes `config.json`. If rank 0's
+    /// writing fails part-way, it still takes part in the remaining
+    /// gathers, so the other ranks are not left waiting, and then fails.
+    fn save_hf_weights(
+        &mut self,
+        staged: Option<&mut StagedCheckpoint>,
+    ) -> Result<Option<crate::checkpoint::HfWeights>> {
+        if !self.config.zero.gather_16bit_weights_on_model_save {
+            return Ok(None);
+        }
+        let model = self.model.clone();
+        let mut cache: Option<(SubGroupId, Vec<f32>)> = None;
+        let Some(staged) = staged else {
+            for p in model.params() {
+                self.gather_master(p.id, &mut cache)?;
+            }
+            return Ok(None);
+        };
+        let dtype = self.store.dtype();
+        let mut fetched = 0usize;
+        let mut gather_err: Option<EngineError> = None;
+        let written = staged
+            .create_file("model.safetensors")
+            .map_err(EngineError::from)
+            .and_then(|(f, path)| {
+                crate::model::write_safetensors(f, &path, &model, dtype, |pid| {
+                    fetched += 1;
+                    let shape = model
+                        .param(pid)
+                        .map(|p| p.shape.clone())
+                        .unwrap_or_default();
+                    match self.gather_master(pid, &mut cache) {
+                        Ok(v) => Ok(Tensor::from_vec(v, shape.as_slice(), &Device::Cpu)?),
+                        Err(e) => {
+                            let text = e.to_string();
+                            gather_err = Some(e);
+                            Err(crate::model::ModelError::Unsupported { what: text })
+                        }
+                    }
+                })
+                .map_err(EngineError::Model)
+            });
+        if let Some(e) = gather_err {
+            return Err(e);
+        }
+        if let Err(e) = written {
+            // The others still gather the params rank 0 did not fetch.
+            for p in model.params().iter().skip(fetched) {
+                self.gather_master(p.id, &mut cache)?;
+            }
+            return Err(e);
+        }
+        drop(written);
+        let (cf, cpath) = staged.create_file("config.json")?;
+        let text = crate::model::hf_config_text(&self.model)?;
+        {
+            use std::io::Write as _;
+            let mut cf = cf;
+            cf.write_all(text.as_bytes())
+                .map_err(|source| EngineError::Io {
+                    path: cpath.clone(),
+                    source,
+                })?;
+        }
+        staged.add_file("model.safetensors")?;
+        staged.add_file("config.json")?;
+        Ok(Some(crate::checkpoint::manifest_hf_weights(
+            "model.safetensors",
+            "config.json",
+            match dtype {
+                DType::BF16 => "bf16",
+                DType::F16 => "fp16",
+                _ => "fp32",
+            },
+        )))
+    }
+
+    /// Rank 0: records the other ranks' files, writes the manifest (every
+    /// rank's layout, in rank order) last and makes the step dir visible.
+    fn commit_checkpoint(
+        &self,
+        mut staged: StagedCheckpoint,
+        own: RankLayout,
+        records: &[Vec<u8>],
+        hf_weights: Option<crate::checkpoint::HfWeights>,
+    ) -> Result<PathBuf> {
+        let world = self.opts.comm.world_size();
+        let mut ranks = Vec::with_capacity(world);
+        ranks.push(own);
+        for (r, bytes) in records.iter().enumerate().skip(1) {
+            let (layout, files): (RankLayout, Vec<FileEntry>) = serde_json::from_slice(bytes)
+                .map_err(|e| EngineError::internal(format!("rank {r}'s record: {e}")))?;
+            if layout.rank != r {
+                return Err(EngineError::internal(format!(
+                    "rank {r}'s record says rank {}",
+                    layout.rank
+                )));
+            }
+            staged.add_entries(files)?;
+            ranks.push(layout);
+        }
+        let gas = self.config.batch.gradient_accumulation_steps.max(1);
+        let mb = self.config.batch.micro_batch_size.max(1);
         let manifest = Manifest {
             format: FORMAT_NAME.to_owned(),
             version: FORMAT_VERSION,
@@ -1711,17 +1891,11 @@ impl Trainer {
             world_size: world,
             model: self.model.config().to_hf_value(),
             config: config_fingerprint(&self.config),
-            ranks: vec![RankLayout {
-                rank,
-                states,
-                sub_groups,
-            }],
+            ranks,
             hf_weights,
             files: Vec::new(),
         };
-        let dir = staged.commit(manifest)?;
-        tracing::info!(dir = %dir.display(), name = %step_dir_name(self.steps_done), "checkpoint saved");
-        Ok(dir)
+        Ok(staged.commit(manifest)?)
     }
 
     /// The fp32 master weights of one sub-group of this rank.
