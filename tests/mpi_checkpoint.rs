@@ -264,7 +264,7 @@ fn check_complete(save_dir: &Path, step: u64, world: usize) -> Checkpoint {
     let leftovers: Vec<String> = std::fs::read_dir(save_dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with('.'))
+        .filter(|n| n.starts_with('.') && n != tierzero::checkpoint::LOCK_FILE)
         .collect();
     assert!(leftovers.is_empty(), "left behind: {leftovers:?}");
     c
@@ -431,9 +431,10 @@ fn a_rank_that_cannot_write_fails_the_save_on_every_rank_and_leaves_nothing() {
     let mut left: Vec<String> = std::fs::read_dir(&save)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n != tierzero::checkpoint::LOCK_FILE)
         .collect();
     left.sort();
-    // Only rank 1's own (empty) view of the save dir.
+    // Only rank 1's own (empty) view of the save dir (and rank 0's lock).
     assert_eq!(left, ["rank1-view"], "{left:?}");
 }
 

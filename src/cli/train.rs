@@ -347,9 +347,10 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         return Err(bad(e));
     }
     // The save dir is ours for the whole run (refused now, not at the
-    // first save, when another run is saving into it).
+    // first save, when another run is saving into it). With several ranks
+    // rank 0 holds it: it writes everything outside the rank dirs.
     let save_lock = match &args.save_dir {
-        Some(d) => {
+        Some(d) if lead => {
             tierzero::durable::create_dir_all(d)
                 .map_err(|e| bad(format!("--save-dir {}: {e}", d.display())))?;
             Some(
@@ -357,7 +358,7 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
                     .map_err(|e| bad(format!("--save-dir {}: {e}", d.display())))?,
             )
         }
-        None => None,
+        _ => None,
     };
     let ckpt = match &args.resume {
         Some(d) => Some(Checkpoint::open(d).map_err(|e| {

@@ -1030,7 +1030,8 @@ impl Trainer {
     }
 
     /// Waits until the optimizer thread has finished every step and write
-    /// of the last step, and their param bytes are stored.
+    /// of the last step, and their new param bytes are stored and written
+    /// to their home tier: afterwards no I/O of the last step is in flight.
     pub fn settle_optimizer(&mut self) -> Result<()> {
         while self.flush_open || self.pending.iter().any(|p| *p) {
             let t0 = Instant::now();
@@ -1038,7 +1039,7 @@ impl Trainer {
             self.optimizer_wait += t0.elapsed();
             self.on_done(d)?;
         }
-        Ok(())
+        self.store.flush_writes()
     }
 
     fn visit(&mut self, unit: UnitId, pass: Pass, shape: [usize; 2]) -> Result<()> {
