@@ -9,6 +9,7 @@ pub mod durable;
 pub mod engine;
 pub mod estimate;
 pub mod eval;
+pub mod gpu;
 pub mod model;
 pub mod optim;
 pub mod run;

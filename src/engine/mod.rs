@@ -95,11 +95,14 @@
 pub mod comm;
 #[cfg(feature = "mpi")]
 pub mod comm_mpi;
+#[cfg(feature = "gpu")]
+pub mod comm_nccl;
 pub mod data;
 pub mod error;
 pub mod layout;
 pub mod metrics;
 pub mod optstate;
+pub mod rendezvous;
 pub mod schedule;
 pub mod sha256;
 pub mod store;
