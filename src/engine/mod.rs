@@ -93,6 +93,7 @@
 //!   demonstrated (see the measurements in the branch's notes).
 
 pub mod comm;
+pub mod comm_check;
 #[cfg(feature = "mpi")]
 pub mod comm_mpi;
 #[cfg(feature = "gpu")]
