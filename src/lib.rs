@@ -10,6 +10,7 @@ pub mod engine;
 pub mod estimate;
 pub mod eval;
 pub mod failpoint;
+pub mod gpu;
 pub mod model;
 pub mod optim;
 pub mod run;

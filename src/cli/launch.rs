@@ -12,12 +12,19 @@
 //!   2-core laptop), `--bind-to none` because each rank runs several
 //!   threads (compute, optimizer, I/O). As root, OpenMPI refuses to start
 //!   unless told: the two `OMPI_ALLOW_RUN_AS_ROOT*` variables are set then.
-//! * **Which communicator.** [`rank_comm`] looks at what the launcher put
+//! * **Which communicator.** [`rank_comm_on`] looks at what the launcher put
 //!   in the environment (`OMPI_COMM_WORLD_SIZE`, `PMI_SIZE`): more than one
 //!   rank means MPI (`MpiComm`, feature `mpi`); otherwise one rank
 //!   (`SingleRank`, MPI is not even initialised). A binary built without
 //!   the `mpi` feature refuses to run as one of N ranks (each would train
 //!   alone on the same data and write the same files) with the fix.
+//! * **`--device cuda`** ([`rank_comm_on`]) makes the communicator NCCL
+//!   (`NcclComm`, feature `gpu`): with `TIERZERO_NCCL_ADDR=host:port` the
+//!   NCCL id goes through a TCP rendezvous (rank and size from
+//!   `TIERZERO_RANK` / `TIERZERO_WORLD_SIZE`, else the launcher's), under
+//!   `mpirun` through MPI, otherwise there is one rank. Without the feature
+//!   it is refused with the rebuild command; without a driver, with the
+//!   driver named (both exit 2). Compute stays on the CPU either way.
 //! * **One communicator per process**, kept in a global: MPI can be
 //!   initialised once per process, [`abort_ranks`] must reach it after an
 //!   error, and [`finalize`] must drop it (MPI_Finalize) before the process
@@ -35,6 +42,7 @@ use anyhow::anyhow;
 use clap::Args;
 use tierzero::engine::comm::launcher_world_size;
 use tierzero::engine::{Comm, SingleRank};
+use tierzero::gpu::{DeviceChoice, GpuError};
 
 use super::Failure;
 
@@ -66,12 +74,19 @@ pub struct LaunchArgs {
     command: Vec<String>,
 }
 
+/// A collective's wait without `TIERZERO_COMM_TIMEOUT_S`: MPI's default,
+/// and the same for NCCL.
+#[cfg(feature = "mpi")]
+const DEFAULT_COMM_TIMEOUT: std::time::Duration = tierzero::engine::comm_mpi::DEFAULT_TIMEOUT;
+#[cfg(all(feature = "gpu", not(feature = "mpi")))]
+const DEFAULT_COMM_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
 /// Seconds a collective waits for the other ranks, from
 /// `TIERZERO_COMM_TIMEOUT_S` (default 600).
-#[cfg(feature = "mpi")]
+#[cfg(any(feature = "mpi", feature = "gpu"))]
 fn comm_timeout() -> Result<std::time::Duration, Failure> {
     match std::env::var("TIERZERO_COMM_TIMEOUT_S") {
-        Err(_) => Ok(tierzero::engine::comm_mpi::DEFAULT_TIMEOUT),
+        Err(_) => Ok(DEFAULT_COMM_TIMEOUT),
         Ok(v) => match v.trim().parse::<f64>() {
             Ok(s) if s.is_finite() && s > 0.0 => Ok(std::time::Duration::from_secs_f64(s)),
             _ => Err(Failure::BadInput(anyhow!(
@@ -83,20 +98,108 @@ fn comm_timeout() -> Result<std::time::Duration, Failure> {
 
 static RANK_COMM: Mutex<Option<Arc<dyn Comm>>> = Mutex::new(None);
 
-/// This process's communicator (created on first use; see the module docs).
-pub fn rank_comm() -> Result<Arc<dyn Comm>, Failure> {
+/// This process's communicator (created on first use; see the module
+/// docs), for collectives on `device` (`None`: the CPU, MPI or one rank;
+/// `Some`: NCCL on that GPU).
+pub fn rank_comm_on(device: Option<DeviceChoice>) -> Result<Arc<dyn Comm>, Failure> {
     let mut slot = RANK_COMM.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(c) = slot.as_ref() {
         return Ok(c.clone());
     }
     let world = launcher_world_size().unwrap_or(1);
-    let comm: Arc<dyn Comm> = if world <= 1 {
-        Arc::new(SingleRank)
-    } else {
-        mpi_comm(world)?
+    let comm: Arc<dyn Comm> = match device {
+        None if world <= 1 => Arc::new(SingleRank),
+        None => mpi_comm(world)?,
+        Some(d) => nccl_comm(d, world)?,
     };
     *slot = Some(comm.clone());
     Ok(comm)
+}
+
+/// Exit 2 for what the user can fix (no driver, no NCCL, no such device,
+/// ranks that do not meet, a build without the feature), 1 for the rest.
+fn gpu_failure(device: DeviceChoice, e: GpuError) -> Failure {
+    let user = matches!(
+        e,
+        GpuError::NotBuilt
+            | GpuError::DriverMissing { .. }
+            | GpuError::NcclMissing { .. }
+            | GpuError::LibraryTooOld { .. }
+            | GpuError::NoDevice
+            | GpuError::BadOrdinal { .. }
+            | GpuError::PeerFailed { .. }
+            | GpuError::Rendezvous(_)
+    );
+    if let GpuError::DriverMissing { detail } | GpuError::NcclMissing { detail } = &e {
+        tracing::debug!("{detail}");
+    }
+    let err = anyhow!("--device {device}: {e}");
+    if user {
+        Failure::BadInput(err)
+    } else {
+        Failure::Internal(err)
+    }
+}
+
+#[cfg(not(feature = "gpu"))]
+fn nccl_comm(device: DeviceChoice, _world: usize) -> Result<Arc<dyn Comm>, Failure> {
+    Err(gpu_failure(device, GpuError::NotBuilt))
+}
+
+/// A count from the first of `keys` that is set; a set but malformed value
+/// is an error naming it.
+#[cfg(feature = "gpu")]
+fn env_count(keys: &[&str]) -> Result<Option<usize>, Failure> {
+    for k in keys {
+        if let Ok(v) = std::env::var(k) {
+            return v
+                .trim()
+                .parse()
+                .map(Some)
+                .map_err(|_| Failure::BadInput(anyhow!("{k}={v}: give a whole number")));
+        }
+    }
+    Ok(None)
+}
+
+#[cfg(feature = "gpu")]
+fn nccl_comm(device: DeviceChoice, world: usize) -> Result<Arc<dyn Comm>, Failure> {
+    use tierzero::engine::comm_nccl::{Bootstrap, NcclComm, NcclOptions};
+    let timeout = comm_timeout()?;
+    let bootstrap = match std::env::var("TIERZERO_NCCL_ADDR") {
+        Ok(addr) => {
+            let world = env_count(&["TIERZERO_WORLD_SIZE"])?.unwrap_or(world);
+            let rank =
+                env_count(&["TIERZERO_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"])?.unwrap_or(0);
+            if world == 0 || rank >= world {
+                return Err(Failure::BadInput(anyhow!(
+                    "TIERZERO_RANK={rank} with TIERZERO_WORLD_SIZE={world}: give each rank a                      number from 0 to the world size - 1"
+                )));
+            }
+            Bootstrap::Tcp { addr, rank, world }
+        }
+        Err(_) if world > 1 => Bootstrap::Comm(mpi_comm(world)?),
+        Err(_) => Bootstrap::Tcp {
+            addr: String::new(),
+            rank: 0,
+            world: 1,
+        },
+    };
+    let opts = NcclOptions {
+        device,
+        local_rank: tierzero::gpu::local_rank_from_env(),
+        timeout,
+        bootstrap,
+    };
+    let comm = NcclComm::new(opts).map_err(|e| gpu_failure(device, e))?;
+    tracing::info!(
+        "rank {} of {}: NCCL {} on cuda:{}",
+        comm.rank(),
+        comm.world_size(),
+        comm.nccl_version(),
+        comm.ordinal()
+    );
+    Ok(Arc::new(comm))
 }
 
 #[cfg(feature = "mpi")]

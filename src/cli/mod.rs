@@ -10,6 +10,7 @@ pub mod bench_io;
 pub mod estimate;
 pub mod eval;
 pub mod export;
+pub mod gpu_info;
 pub mod inspect;
 pub mod launch;
 mod tokens;
@@ -53,6 +54,9 @@ enum Command {
     /// Summarise a checkpoint (step, model, files, --verify crcs) or a swap
     /// directory (our swap files, their owners, and which are stale).
     Inspect(inspect::InspectArgs),
+    /// CUDA devices and NCCL this process can use (build with `--features
+    /// gpu`); `--nccl-test` checks the NCCL collectives between the ranks.
+    GpuInfo(gpu_info::GpuInfoArgs),
 }
 
 /// A failure, classified for the exit code.
@@ -127,6 +131,7 @@ pub fn main() -> i32 {
         Command::Export(a) => export::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Launch(a) => launch::run(a),
+        Command::GpuInfo(a) => gpu_info::run(a),
     };
     let code = match result {
         Ok(()) => 0,

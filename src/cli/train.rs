@@ -26,6 +26,10 @@
 //!   `steps_per_print` steps (and the first and last) otherwise. With
 //!   `--json`, stdout is only the summary as one JSON object (the plan goes
 //!   to stderr), for scripts.
+//! * **Device.** `--device cuda[:N]` puts the collectives between ranks on
+//!   NCCL (`launch::rank_comm_on`, feature `gpu`); compute stays on the
+//!   CPU, and the plan says so. Without the feature or without a driver it
+//!   is refused before anything loads (exit 2).
 //! * **Data.** Byte-level, or a HF `tokenizer.json` with `--tokenizer`
 //!   (`cli::tokens`, shared with `eval`).
 //! * **Checkpoints.** `--save-dir DIR` saves every `--save-every N` steps
@@ -72,6 +76,9 @@ Examples:
       checkpoints in ckpt/step-00000025/ ... and ckpt/latest
   tierzero train --steps 200 --resume ckpt --save-dir ckpt
       continues from ckpt/latest up to step 200 (bit-identical to one long run)
+  TIERZERO_NCCL_ADDR=node0:29500 TIERZERO_RANK=1 TIERZERO_WORLD_SIZE=2 \\
+    tierzero train --device cuda
+      rank 1 of 2, collectives over NCCL (build with --features gpu)
 ";
 
 /// `tierzero train` options.
@@ -128,6 +135,12 @@ pub struct TrainArgs {
     /// and progress go to stderr).
     #[arg(long)]
     json: bool,
+    /// cpu, or cuda / cuda:N: the collectives between ranks run over NCCL
+    /// on that GPU (build with --features gpu; the NVIDIA driver and NCCL
+    /// are needed to run). Forward, backward and Adam stay on the CPU
+    /// either way (candle is built without CUDA).
+    #[arg(long, value_name = "DEVICE", default_value = "cpu")]
+    device: String,
 }
 
 pub(super) fn bad(msg: impl Into<String>) -> Failure {
@@ -324,7 +337,8 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
     let started = Instant::now();
     // Several ranks (under mpirun): rank 0 prints and writes --metrics, the
     // others only log (see launch.rs).
-    let comm = super::launch::rank_comm()?;
+    let device = tierzero::gpu::parse_device(&args.device).map_err(bad)?;
+    let comm = super::launch::rank_comm_on(device)?;
     let lead = comm.rank() == 0;
     let seed = number("--seed", &args.seed, 0, u64::MAX)?;
     let threads = number("--threads", &args.threads, 1, 1024)?;
@@ -523,7 +537,10 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         trainer.model(),
         trainer.layout(),
         trainer.store(),
-        "cpu".to_owned(),
+        match device {
+            None => "cpu".to_owned(),
+            Some(d) => format!("cpu (collectives: NCCL on {d})"),
+        },
     );
     let model_name = match (&args.model, &ckpt) {
         (Some(d), _) => d.display().to_string(),

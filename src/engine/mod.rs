@@ -15,7 +15,7 @@
 //!     │     pipelined read(i+1) / step(i) / write(i-1) on separate read and write engines
 //!     ├─ Layout (layout.rs)     per-rank shards, sub-groups of whole params
 //!     ├─ Comm (comm.rs)         collectives in rank order; SingleRank, MpiComm (comm_mpi.rs,
-//!     │     feature `mpi`)
+//!     │     feature `mpi`), NcclComm (comm_nccl.rs, feature `gpu`; id via rendezvous.rs)
 //!     ├─ schedules (schedule.rs) DeepSpeed WarmupLR / WarmupDecayLR / WarmupCosineLR,
 //!     │     fp16 dynamic loss scaler
 //!     ├─ data (data.rs)         byte-level token file loader
@@ -77,8 +77,10 @@
 //!   all-gather of unit i+1 overlapping the compute of unit i (the NVMe read
 //!   of this rank's shard is prefetched; the gather runs at the fetch, on
 //!   the compute thread's call), stage 1's separate all-reduce (stages 1
-//!   and 2 both reduce-scatter; the shard's sum is the same), NCCL, and
-//!   checkpoints of sharded state.
+//!   and 2 both reduce-scatter; the shard's sum is the same), and
+//!   checkpoints of sharded state. NCCL (`comm_nccl`, feature `gpu`) stages
+//!   host buffers through the device: compute is on the CPU, so there is
+//!   no zero-copy device path yet, and it has not been run on a GPU in CI.
 //! * Gradient spill between micro-batches: accumulated fp32 gradients live
 //!   in host memory per sub-group until they are final. Once final they
 //!   are handed to the optimizer thread (overlapped mode) or, when the step
@@ -93,13 +95,17 @@
 //!   demonstrated (see the measurements in the branch's notes).
 
 pub mod comm;
+pub mod comm_check;
 #[cfg(feature = "mpi")]
 pub mod comm_mpi;
+#[cfg(feature = "gpu")]
+pub mod comm_nccl;
 pub mod data;
 pub mod error;
 pub mod layout;
 pub mod metrics;
 pub mod optstate;
+pub mod rendezvous;
 pub mod schedule;
 pub mod sha256;
 pub mod store;

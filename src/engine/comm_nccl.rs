@@ -1,0 +1,693 @@
+//! [`NcclComm`]: the [`Comm`] collectives over NCCL (feature `gpu`), one
+//! process per rank and one GPU per rank.
+//!
+//! # What it is, honestly
+//!
+//! The engine's tensors live in host memory (candle runs on the CPU; see
+//! [`crate::gpu`]), so every collective **stages host buffers through the
+//! device**: host → device copy, the NCCL call on the rank's stream, device
+//! → host copy, synchronise. That is correct and exercises NCCL (NVLink,
+//! InfiniBand, the GPUDirect paths NCCL picks) but pays two PCIe copies per
+//! collective; it becomes the zero-copy path once compute runs on the GPU.
+//!
+//! # Design
+//!
+//! * **One CUDA thread.** A guarded thread ([`crate::gpu::spawn_guarded`])
+//!   creates the CUDA context, the stream and the NCCL communicator and
+//!   makes every CUDA/NCCL call; [`NcclComm`] holds channels to it. NCCL's
+//!   communicator is a raw handle (not `Send`), the context is bound per
+//!   thread, and cudarc panics when a library is missing: a thread that owns
+//!   everything solves all three without `unsafe` (the same shape as
+//!   `comm_mpi`). A mutex serialises callers, so collectives are issued in
+//!   call order.
+//! * **Deterministic, as [`Comm`] requires.** NCCL never reduces anything
+//!   here. [`Comm::all_gather_bytes`] pads every shard to the largest count
+//!   and runs `ncclAllGather` on bytes (pure data movement), then drops the
+//!   padding on the host. [`Comm::reduce_scatter_add_f32`] is an
+//!   all-to-all of variable chunks (`ncclSend`/`ncclRecv` to every peer in
+//!   one `ncclGroupStart`/`End`, the standard NCCL all-to-all; this rank's
+//!   own chunk is a host copy), then the host adds the chunks into the
+//!   accumulator in rank order 0..N, exactly like `MpiComm`. So NCCL and MPI
+//!   runs give the same bits as one rank (invariant 11 in ARCHITECTURE.md).
+//!   `ncclReduceScatter`/`ncclAllReduce` would sum in an order of NCCL's
+//!   choosing (ring/tree, by topology), so they are not used for gradients.
+//!   Scalars are all-gathered (`ncclAllGather` of f64) and summed by the
+//!   caller in rank order.
+//! * **Bootstrap.** Rank 0 makes the `ncclUniqueId`; it reaches the others
+//!   through an existing communicator (MPI under `mpirun`) or a TCP
+//!   rendezvous (`TIERZERO_NCCL_ADDR`), see [`super::rendezvous`]. Every
+//!   rank first tries CUDA and NCCL locally and reports whether it could,
+//!   so a rank without a driver makes *every* rank fail at once with a
+//!   clear error instead of leaving them in `ncclCommInitRank`.
+//! * **Without a driver** [`NcclComm::new`] returns
+//!   [`GpuError::DriverMissing`] (never a panic), without NCCL
+//!   [`GpuError::NcclMissing`].
+//! * **Timeouts.** Every call into the CUDA thread (init and each
+//!   collective) waits at most [`NcclOptions::timeout`]; past it the caller
+//!   gets [`EngineError::Comm`] and the communicator is marked broken (the
+//!   thread is stuck in the driver and is not joined). [`Comm::abort`] ends
+//!   the job through the bootstrap communicator when there is one
+//!   (`MPI_Abort`), else exits this process; peers of a TCP-bootstrapped job
+//!   then stop at their own timeout.
+//! * One rank per GPU: NCCL refuses two ranks of one communicator on the
+//!   same device ("Duplicate GPU detected").
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
+use cudarc::nccl::result::{group_end, group_start};
+
+use super::comm::{check_counts, Comm};
+use super::rendezvous::{self, ID_BYTES};
+use super::{EngineError, Result};
+use crate::gpu::imp::{device_count, driver_error, nccl_error, nccl_version};
+use crate::gpu::{
+    classify_panic, panic_message, spawn_guarded, DeviceChoice, GpuError, NcclVersion,
+};
+
+/// How the ranks find each other.
+#[derive(Debug, Clone)]
+pub enum Bootstrap {
+    /// Through an existing communicator (e.g. `MpiComm`): rank and world
+    /// are its own. It is kept, and [`Comm::abort`] goes through it.
+    Comm(Arc<dyn Comm>),
+    /// A TCP rendezvous at `addr` (`host:port` of rank 0).
+    Tcp {
+        /// Where rank 0 listens.
+        addr: String,
+        /// This rank.
+        rank: usize,
+        /// Ranks.
+        world: usize,
+    },
+}
+
+/// How to build an [`NcclComm`].
+#[derive(Debug, Clone)]
+pub struct NcclOptions {
+    /// Which GPU.
+    pub device: DeviceChoice,
+    /// This process's index on its node (for [`DeviceChoice::Auto`]).
+    pub local_rank: usize,
+    /// Longest wait of any call (init, rendezvous, each collective).
+    pub timeout: Duration,
+    /// How the ranks find each other.
+    pub bootstrap: Bootstrap,
+}
+
+/// Work for the CUDA thread.
+#[derive(Debug)]
+enum Op {
+    Init(Box<[u8; ID_BYTES]>),
+    GatherBytes(Vec<u8>),
+    AllToAllF32 { full: Vec<f32>, counts: Vec<usize> },
+    GatherF64(Vec<f64>),
+    Barrier,
+}
+
+impl Op {
+    fn name(&self) -> &'static str {
+        match self {
+            Op::Init(_) => "ncclCommInitRank",
+            Op::GatherBytes(_) => "all-gather",
+            Op::AllToAllF32 { .. } => "reduce-scatter (all-to-all)",
+            Op::GatherF64(_) => "all-gather of scalars",
+            Op::Barrier => "barrier",
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Reply {
+    Done,
+    Bytes(Vec<u8>),
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    Failed(GpuError),
+}
+
+/// What the CUDA thread reports once CUDA and NCCL are loaded.
+#[derive(Debug)]
+struct Ready {
+    ordinal: usize,
+    nccl: NcclVersion,
+    id: Option<Box<[u8; ID_BYTES]>>,
+}
+
+#[derive(Debug)]
+struct Chan {
+    ops: Sender<Op>,
+    replies: Receiver<Reply>,
+}
+
+/// N ranks over NCCL (see the module docs).
+#[derive(Debug)]
+pub struct NcclComm {
+    rank: usize,
+    world: usize,
+    ordinal: usize,
+    nccl: NcclVersion,
+    timeout: Duration,
+    chan: Mutex<Option<Chan>>,
+    broken: AtomicBool,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    bootstrap: Option<Arc<dyn Comm>>,
+}
+
+fn drv(op: &'static str) -> impl Fn(DriverError) -> GpuError {
+    move |e| driver_error(op, &e)
+}
+
+fn nccl(op: &'static str) -> impl Fn(cudarc::nccl::result::NcclError) -> GpuError {
+    move |e| nccl_error(op, &e)
+}
+
+/// The CUDA thread's state once NCCL is up.
+struct Gpu {
+    stream: Arc<CudaStream>,
+    comm: cudarc::nccl::Comm,
+    rank: usize,
+    world: usize,
+}
+
+impl Gpu {
+    fn gather_bytes(&self, padded: &[u8]) -> std::result::Result<Vec<u8>, GpuError> {
+        let s = &self.stream;
+        let send = s.clone_htod(padded).map_err(drv("copy to device"))?;
+        let mut recv = s
+            .alloc_zeros::<u8>(padded.len() * self.world)
+            .map_err(drv("device allocation"))?;
+        self.comm
+            .all_gather(&send, &mut recv)
+            .map_err(nccl("ncclAllGather"))?;
+        let out = s.clone_dtoh(&recv).map_err(drv("copy to host"))?;
+        s.synchronize().map_err(drv("stream synchronize"))?;
+        Ok(out)
+    }
+
+    fn gather_f64(&self, local: &[f64]) -> std::result::Result<Vec<f64>, GpuError> {
+        let s = &self.stream;
+        let send = s.clone_htod(local).map_err(drv("copy to device"))?;
+        let mut recv = s
+            .alloc_zeros::<f64>(local.len() * self.world)
+            .map_err(drv("device allocation"))?;
+        self.comm
+            .all_gather(&send, &mut recv)
+            .map_err(nccl("ncclAllGather"))?;
+        let out = s.clone_dtoh(&recv).map_err(drv("copy to host"))?;
+        s.synchronize().map_err(drv("stream synchronize"))?;
+        Ok(out)
+    }
+
+    /// Every rank's chunk for this rank, in rank order (`world × mine`).
+    fn all_to_all(
+        &self,
+        full: &[f32],
+        counts: &[usize],
+    ) -> std::result::Result<Vec<f32>, GpuError> {
+        let (me, world, s) = (self.rank, self.world, &self.stream);
+        let mine = counts[me];
+        let offsets: Vec<usize> = counts
+            .iter()
+            .scan(0usize, |acc, &c| {
+                let o = *acc;
+                *acc += c;
+                Some(o)
+            })
+            .collect();
+        let send = if full.is_empty() {
+            None
+        } else {
+            Some(s.clone_htod(full).map_err(drv("copy to device"))?)
+        };
+        let mut recv: Vec<Option<CudaSlice<f32>>> = Vec::with_capacity(world);
+        for p in 0..world {
+            recv.push(if p != me && mine > 0 {
+                Some(
+                    s.alloc_zeros::<f32>(mine)
+                        .map_err(drv("device allocation"))?,
+                )
+            } else {
+                None
+            });
+        }
+        // Counts are the same on every rank, so a zero-length send here is
+        // a zero-length receive there: both are skipped.
+        group_start().map_err(nccl("ncclGroupStart"))?;
+        let mut first_error = None;
+        for p in (0..world).filter(|&p| p != me) {
+            if let (Some(send), true) = (&send, counts[p] > 0) {
+                let view = send.slice(offsets[p]..offsets[p] + counts[p]);
+                if let Err(e) = self.comm.send(&view, p as i32) {
+                    first_error.get_or_insert(nccl_error("ncclSend", &e));
+                }
+            }
+            if let Some(r) = recv[p].as_mut() {
+                if let Err(e) = self.comm.recv(r, p as i32) {
+                    first_error.get_or_insert(nccl_error("ncclRecv", &e));
+                }
+            }
+        }
+        let ended = group_end().map_err(nccl("ncclGroupEnd"));
+        if let Some(e) = first_error {
+            return Err(e);
+        }
+        ended?;
+        let mut out = Vec::with_capacity(mine * world);
+        for (p, r) in recv.iter().enumerate() {
+            if p == me {
+                out.extend_from_slice(&full[offsets[me]..offsets[me] + mine]);
+            } else if let Some(r) = r {
+                out.extend(s.clone_dtoh(r).map_err(drv("copy to host"))?);
+            }
+        }
+        s.synchronize().map_err(drv("stream synchronize"))?;
+        Ok(out)
+    }
+
+    fn serve(&self, op: Op) -> Reply {
+        let r = match op {
+            Op::Init(_) => Err(GpuError::Nccl {
+                op: "ncclCommInitRank",
+                reason: "initialised twice".into(),
+            }),
+            Op::GatherBytes(padded) => self.gather_bytes(&padded).map(Reply::Bytes),
+            Op::AllToAllF32 { full, counts } => self.all_to_all(&full, &counts).map(Reply::F32),
+            Op::GatherF64(v) => self.gather_f64(&v).map(Reply::F64),
+            Op::Barrier => self.gather_bytes(&[1u8]).map(|_| Reply::Done),
+        };
+        r.unwrap_or_else(Reply::Failed)
+    }
+}
+
+/// The CUDA thread: loads CUDA and NCCL, reports, waits for the id, builds
+/// the communicator, then serves collectives until the channel closes.
+fn cuda_thread(
+    rank: usize,
+    world: usize,
+    device: DeviceChoice,
+    local_rank: usize,
+    ready: &Sender<std::result::Result<Ready, GpuError>>,
+    ops: &Receiver<Op>,
+    replies: &Sender<Reply>,
+) {
+    let setup = (|| {
+        let count = device_count()?;
+        let ordinal = device.resolve(count, local_rank)?;
+        let ctx = CudaContext::new(ordinal).map_err(drv("context"))?;
+        let stream = ctx.new_stream().map_err(drv("stream"))?;
+        let version = nccl_version()?;
+        let id = if rank == 0 {
+            let id = cudarc::nccl::Id::new().map_err(nccl("ncclGetUniqueId"))?;
+            // c_char is i8 or u8 by platform: the bytes are opaque.
+            Some(Box::new(id.internal().map(|c| c as u8)))
+        } else {
+            None
+        };
+        Ok((
+            stream,
+            Ready {
+                ordinal,
+                nccl: version,
+                id,
+            },
+        ))
+    })();
+    let stream = match setup {
+        Ok((stream, r)) => {
+            if ready.send(Ok(r)).is_err() {
+                return;
+            }
+            stream
+        }
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let Ok(Op::Init(id)) = ops.recv() else {
+        return;
+    };
+    let id = cudarc::nccl::Id::uninit(id.map(|b| b as _));
+    let gpu = match cudarc::nccl::Comm::from_rank(stream.clone(), rank, world, id) {
+        Ok(comm) => Gpu {
+            stream,
+            comm,
+            rank,
+            world,
+        },
+        Err(e) => {
+            let _ = replies.send(Reply::Failed(nccl_error("ncclCommInitRank", &e)));
+            return;
+        }
+    };
+    if replies.send(Reply::Done).is_err() {
+        return;
+    }
+    while let Ok(op) = ops.recv() {
+        if replies.send(gpu.serve(op)).is_err() {
+            break;
+        }
+    }
+}
+
+/// Joins a CUDA thread that has ended and names why it did.
+fn death(handle: Option<JoinHandle<()>>, op: &'static str) -> GpuError {
+    match handle.map(JoinHandle::join) {
+        Some(Err(payload)) => classify_panic(op, panic_message(payload.as_ref())),
+        _ => GpuError::Panicked {
+            op,
+            message: "the CUDA thread ended".into(),
+        },
+    }
+}
+
+impl NcclComm {
+    /// Loads CUDA and NCCL on a thread of its own, hands rank 0's NCCL id to
+    /// every rank, and builds the communicator. Without a driver:
+    /// [`GpuError::DriverMissing`]; if another rank failed:
+    /// [`GpuError::PeerFailed`].
+    pub fn new(opts: NcclOptions) -> std::result::Result<NcclComm, GpuError> {
+        let (rank, world, keep) = match &opts.bootstrap {
+            Bootstrap::Comm(c) => (c.rank(), c.world_size(), Some(c.clone())),
+            Bootstrap::Tcp { rank, world, .. } => (*rank, *world, None),
+        };
+        if world == 0 || rank >= world || i32::try_from(world).is_err() {
+            return Err(GpuError::Rendezvous(EngineError::internal(format!(
+                "NCCL: rank {rank} of {world} ranks"
+            ))));
+        }
+        let (ready_tx, ready_rx) = bounded(1);
+        let (op_tx, op_rx) = bounded::<Op>(1);
+        let (reply_tx, reply_rx) = bounded::<Reply>(1);
+        let (device, local_rank) = (opts.device, opts.local_rank);
+        let thread = spawn_guarded("nccl", move || {
+            cuda_thread(
+                rank, world, device, local_rank, &ready_tx, &op_rx, &reply_tx,
+            );
+        })?;
+        let mut thread = Some(thread);
+        let local = match ready_rx.recv_timeout(opts.timeout) {
+            Ok(r) => r,
+            Err(RecvTimeoutError::Disconnected) => Err(death(thread.take(), "initialisation")),
+            Err(RecvTimeoutError::Timeout) => {
+                // Stuck in the driver: not joined.
+                thread = None;
+                Err(GpuError::Timeout {
+                    op: "initialisation",
+                    seconds: opts.timeout.as_secs_f64(),
+                })
+            }
+        };
+        // Every rank takes part in the exchange, ready or not (see
+        // `rendezvous`).
+        let id = local.as_ref().ok().and_then(|r| r.id.as_deref());
+        let exchange = match &opts.bootstrap {
+            Bootstrap::Comm(c) => rendezvous::comm_exchange(c.as_ref(), local.is_ok(), id),
+            Bootstrap::Tcp { addr, .. } => {
+                rendezvous::tcp_exchange(addr, rank, world, local.is_ok(), id, opts.timeout)
+            }
+        };
+        let finish = |thread: Option<JoinHandle<()>>, op_tx: Sender<Op>| {
+            drop(op_tx);
+            if let Some(t) = thread {
+                let _ = t.join();
+            }
+        };
+        let ready = match local {
+            Ok(r) => r,
+            Err(e) => {
+                finish(thread, op_tx);
+                return Err(e);
+            }
+        };
+        let exchange = match exchange {
+            Ok(x) if x.failed_ranks.is_empty() => x,
+            Ok(x) => {
+                finish(thread, op_tx);
+                return Err(GpuError::PeerFailed {
+                    ranks: x.failed_ranks,
+                });
+            }
+            Err(e) => {
+                finish(thread, op_tx);
+                return Err(GpuError::Rendezvous(e));
+            }
+        };
+        let comm = NcclComm {
+            rank,
+            world,
+            ordinal: ready.ordinal,
+            nccl: ready.nccl,
+            timeout: opts.timeout,
+            chan: Mutex::new(Some(Chan {
+                ops: op_tx,
+                replies: reply_rx,
+            })),
+            broken: AtomicBool::new(false),
+            thread: Mutex::new(thread),
+            bootstrap: keep,
+        };
+        match comm.call(Op::Init(Box::new(exchange.id))) {
+            Ok(Reply::Done) => Ok(comm),
+            Ok(Reply::Failed(e)) => Err(e),
+            Ok(other) => Err(GpuError::Nccl {
+                op: "ncclCommInitRank",
+                reason: format!("unexpected reply {other:?}"),
+            }),
+            Err(CallError::Timeout(seconds)) => Err(GpuError::Timeout {
+                op: "ncclCommInitRank (waiting for every rank)",
+                seconds,
+            }),
+            Err(CallError::Gpu(e)) => Err(e),
+        }
+    }
+
+    /// The CUDA device this rank uses.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The NCCL library's version.
+    pub fn nccl_version(&self) -> NcclVersion {
+        self.nccl
+    }
+
+    /// Runs one operation on the CUDA thread, waiting at most the timeout.
+    fn call(&self, op: Op) -> std::result::Result<Reply, CallError> {
+        let name = op.name();
+        if self.broken.load(Ordering::SeqCst) {
+            return Err(CallError::Gpu(GpuError::Nccl {
+                op: name,
+                reason: "an earlier call failed; the communicator is unusable".into(),
+            }));
+        }
+        let guard = self.chan.lock().map_err(|_| {
+            CallError::Gpu(GpuError::Nccl {
+                op: name,
+                reason: "the communicator lock is poisoned".into(),
+            })
+        })?;
+        let Some(chan) = guard.as_ref() else {
+            return Err(CallError::Gpu(GpuError::Nccl {
+                op: name,
+                reason: "the communicator is shut down".into(),
+            }));
+        };
+        let t0 = Instant::now();
+        let ended = |this: &NcclComm| {
+            this.broken.store(true, Ordering::SeqCst);
+            let handle = this.thread.lock().ok().and_then(|mut g| g.take());
+            CallError::Gpu(death(handle, name))
+        };
+        if chan.ops.send(op).is_err() {
+            drop(guard);
+            return Err(ended(self));
+        }
+        match chan.replies.recv_timeout(self.timeout) {
+            Ok(Reply::Failed(e)) => {
+                // NCCL communicators do not recover from a failed call.
+                self.broken.store(true, Ordering::SeqCst);
+                Ok(Reply::Failed(e))
+            }
+            Ok(r) => Ok(r),
+            Err(RecvTimeoutError::Timeout) => {
+                self.broken.store(true, Ordering::SeqCst);
+                Err(CallError::Timeout(t0.elapsed().as_secs_f64()))
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                drop(guard);
+                Err(ended(self))
+            }
+        }
+    }
+
+    /// A collective: its reply, or the engine's error.
+    fn collective(&self, op: Op) -> Result<Reply> {
+        let name = op.name();
+        let e = |reason: String| EngineError::Comm {
+            rank: self.rank,
+            world: self.world,
+            op: name,
+            reason,
+        };
+        match self.call(op) {
+            Ok(Reply::Failed(g)) => Err(e(g.to_string())),
+            Ok(r) => Ok(r),
+            Err(CallError::Timeout(s)) => Err(e(format!(
+                "got no answer from the other ranks within {s:.0} s: a rank has died or hangs; \
+                 stopping (set TIERZERO_COMM_TIMEOUT_S to wait longer)"
+            ))),
+            Err(CallError::Gpu(g)) => Err(e(g.to_string())),
+        }
+    }
+}
+
+#[derive(Debug)]
+enum CallError {
+    Timeout(f64),
+    Gpu(GpuError),
+}
+
+impl Comm for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world
+    }
+    fn all_gather_bytes(&self, shard: &[u8], counts_bytes: &[usize], out: &mut [u8]) -> Result<()> {
+        check_counts(
+            "all_gather",
+            self.rank,
+            counts_bytes,
+            shard.len(),
+            out.len(),
+        )?;
+        if counts_bytes.len() != self.world {
+            return Err(EngineError::internal("all_gather: one count per rank"));
+        }
+        let max = counts_bytes.iter().copied().max().unwrap_or(0);
+        if max == 0 {
+            // Every count is 0 on every rank (counts are the same
+            // everywhere): nothing to move.
+            return Ok(());
+        }
+        let mut padded = vec![0u8; max];
+        padded[..shard.len()].copy_from_slice(shard);
+        let bytes = match self.collective(Op::GatherBytes(padded))? {
+            Reply::Bytes(b) if b.len() == max * self.world => b,
+            other => {
+                return Err(EngineError::internal(format!(
+                    "all_gather: unexpected reply {other:?}"
+                )))
+            }
+        };
+        let mut at = 0;
+        for (r, &c) in counts_bytes.iter().enumerate() {
+            out[at..at + c].copy_from_slice(&bytes[r * max..r * max + c]);
+            at += c;
+        }
+        Ok(())
+    }
+
+    fn reduce_scatter_add_f32(
+        &self,
+        full: &[f32],
+        counts_numel: &[usize],
+        acc: &mut [f32],
+    ) -> Result<()> {
+        check_counts(
+            "reduce_scatter",
+            self.rank,
+            counts_numel,
+            acc.len(),
+            full.len(),
+        )?;
+        if counts_numel.len() != self.world {
+            return Err(EngineError::internal("reduce_scatter: one count per rank"));
+        }
+        let chunks = match self.collective(Op::AllToAllF32 {
+            full: full.to_vec(),
+            counts: counts_numel.to_vec(),
+        })? {
+            Reply::F32(v) if v.len() == acc.len() * self.world => v,
+            other => {
+                return Err(EngineError::internal(format!(
+                    "reduce_scatter: unexpected reply {other:?}"
+                )))
+            }
+        };
+        // Rank order, one rank's chunk after the other.
+        if !acc.is_empty() {
+            for chunk in chunks.chunks_exact(acc.len()) {
+                for (a, b) in acc.iter_mut().zip(chunk) {
+                    *a += *b;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn all_gather_f64(&self, local: &[f64], out: &mut [f64]) -> Result<()> {
+        if out.len() != local.len() * self.world {
+            return Err(EngineError::internal("all_gather_f64: lengths"));
+        }
+        if local.is_empty() {
+            return Ok(());
+        }
+        match self.collective(Op::GatherF64(local.to_vec()))? {
+            Reply::F64(v) if v.len() == out.len() => {
+                out.copy_from_slice(&v);
+                Ok(())
+            }
+            other => Err(EngineError::internal(format!(
+                "all_gather_f64: unexpected reply {other:?}"
+            ))),
+        }
+    }
+
+    fn barrier(&self) -> Result<()> {
+        match self.collective(Op::Barrier)? {
+            Reply::Done => Ok(()),
+            other => Err(EngineError::internal(format!(
+                "barrier: unexpected reply {other:?}"
+            ))),
+        }
+    }
+
+    fn abort(&self, code: i32) {
+        if let Some(b) = &self.bootstrap {
+            // MPI_Abort: ends every rank of the job.
+            b.abort(code);
+        }
+        std::process::exit(code);
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        // Closing the channel ends the CUDA thread's loop; it then destroys
+        // the NCCL communicator and releases the context.
+        let chan = match self.chan.lock() {
+            Ok(mut g) => g.take(),
+            Err(p) => p.into_inner().take(),
+        };
+        drop(chan);
+        if self.broken.load(Ordering::SeqCst) {
+            // Possibly stuck in a collective that will never finish.
+            return;
+        }
+        let handle = match self.thread.lock() {
+            Ok(mut g) => g.take(),
+            Err(p) => p.into_inner().take(),
+        };
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+    }
+}

@@ -1,0 +1,132 @@
+//! `--device cuda` and `gpu-info` through the built binary. Without the
+//! `gpu` feature both refuse with exit 2 and the rebuild command. With it,
+//! on a machine without the NVIDIA driver (this CI), both exit 2 with one
+//! line naming the missing driver, and never show cudarc's panic; on a
+//! machine with a driver, `gpu-info` lists the devices.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn tierzero(cwd: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .args(args)
+        .current_dir(cwd)
+        .env_remove("TIERZERO_NCCL_ADDR")
+        .env_remove("TIERZERO_LOG")
+        .output()
+        .expect("run tierzero")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn scratch(tag: &str) -> std::path::PathBuf {
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("gpu-cli-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// One error line on stderr, no panic text, nothing on stdout, exit 2.
+fn assert_one_line_refusal(out: &Output, needle: &str) {
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "stderr: {err}");
+    assert_eq!(err.lines().count(), 1, "stderr: {err}");
+    assert!(err.starts_with("error: "), "stderr: {err}");
+    assert!(err.contains(needle), "wanted {needle:?} in: {err}");
+    assert!(!err.contains("panick"), "stderr: {err}");
+    assert!(out.stdout.is_empty(), "stdout: {}", text(&out.stdout));
+}
+
+#[test]
+fn a_bad_device_is_one_line() {
+    let d = scratch("bad");
+    let out = tierzero(&d, &["train", "--device", "cuda:x"]);
+    assert_one_line_refusal(&out, "--device cuda:x: give cpu, cuda");
+}
+
+#[cfg(not(feature = "gpu"))]
+mod without_the_feature {
+    use super::*;
+
+    #[test]
+    fn train_on_cuda_says_how_to_build_it_and_trains_nothing() {
+        let d = scratch("nofeature");
+        for dev in ["cuda", "cuda:1"] {
+            let out = tierzero(&d, &["train", "--device", dev, "--steps", "1"]);
+            assert_one_line_refusal(&out, "--features gpu");
+        }
+        // Refused before the swap directory is made.
+        assert!(!d.join("tierzero-swap").exists());
+    }
+
+    #[test]
+    fn gpu_info_says_how_to_build_it() {
+        let d = scratch("nofeature-info");
+        let out = tierzero(&d, &["gpu-info"]);
+        assert_one_line_refusal(&out, "--features gpu");
+    }
+}
+
+#[cfg(feature = "gpu")]
+mod with_the_feature {
+    use super::*;
+
+    /// Whether the dynamic loader can see a libcuda (the driver's library).
+    fn driver_visible() -> bool {
+        let ld_cache = Command::new("ldconfig")
+            .arg("-p")
+            .output()
+            .map(|o| text(&o.stdout).contains("libcuda.so"))
+            .unwrap_or(false);
+        let in_path = std::env::var("LD_LIBRARY_PATH")
+            .unwrap_or_default()
+            .split(':')
+            .filter(|p| !p.is_empty())
+            .any(|dir| {
+                std::fs::read_dir(dir).is_ok_and(|rd| {
+                    rd.flatten()
+                        .any(|e| e.file_name().to_string_lossy().starts_with("libcuda.so"))
+                })
+            });
+        ld_cache || in_path
+    }
+
+    #[test]
+    fn without_a_driver_train_on_cuda_names_the_driver() {
+        if driver_visible() {
+            eprintln!("libcuda is present: the no-driver case does not apply here");
+            return;
+        }
+        let d = scratch("nodriver");
+        for dev in ["cuda", "cuda:0"] {
+            let out = tierzero(&d, &["train", "--device", dev, "--steps", "1"]);
+            assert_one_line_refusal(
+                &out,
+                &format!("--device {dev}: libcuda.so not found: install the NVIDIA driver"),
+            );
+        }
+        assert!(!d.join("tierzero-swap").exists());
+    }
+
+    #[test]
+    fn gpu_info_names_the_driver_or_lists_devices() {
+        let d = scratch("info");
+        let out = tierzero(&d, &["gpu-info", "--json"]);
+        if driver_visible() {
+            let err = text(&out.stderr);
+            assert!(!err.contains("panick"), "stderr: {err}");
+            if out.status.success() {
+                let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+                assert!(!v["devices"].as_array().unwrap().is_empty(), "{v}");
+            }
+        } else {
+            assert_one_line_refusal(&out, "libcuda.so not found: install the NVIDIA driver");
+            let out = tierzero(&d, &["gpu-info", "--nccl-test"]);
+            assert_one_line_refusal(&out, "libcuda.so not found");
+        }
+    }
+}
