@@ -75,7 +75,7 @@ impl Setup {
         };
         let stage = if self.tier == Tier::Stage0 { 0 } else { 3 };
         let mut zero = json!({"stage": stage, "sub_group_size": 4 * hidden * hidden,
-            "stage3_param_persistence_threshold": 0,
+            "stage3_param_persistence_threshold": 10 * hidden,
             "stage3_prefetch_bucket_size": 24 * hidden * hidden,
             "stage3_max_live_parameters": 48 * hidden * hidden,
             "stage3_max_reuse_distance": 0});

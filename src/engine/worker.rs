@@ -235,6 +235,14 @@ impl State {
                 self.order.retain(|g| self.steps.contains_key(g));
             }
             Job::Flush => {
+                // Backward is over: the sub-groups still queued are stepped
+                // in index order (forward order), because the next step's
+                // forward, which overlaps this tail, needs the lowest first
+                // ("Optimizer tail" in trainer.rs). Groups whose state reads
+                // are already issued keep their place (reads are FIFO).
+                // Each group's result does not depend on the order.
+                let issued = self.opt.reads_pending().min(self.order.len());
+                self.order.make_contiguous()[issued..].sort_by_key(|g| g.0);
                 while !self.steps.is_empty() {
                     self.pump()?;
                     match self.step_front()? {
