@@ -25,7 +25,7 @@
 //! Environment: `CLIP` (default 0 = off) sets `gradient_clipping`;
 //! `OVERLAP=off` turns the optimizer overlap and pipelining off; `MICRO`
 //! (default 4) and `SEQ_LEN` (default 64) set the tokens per step, which
-//! move compute against I/O. Output: one JSON line
+//! move compute against I/O; `AIO_QD` sets `aio.queue_depth` (default 8). Output: one JSON line
 //! per round, then a summary line with the medians over rounds and the
 //! ratio.
 

@@ -89,6 +89,12 @@ impl Setup {
             "zero_optimization": zero,
             "tierzero": {"overlap_optimizer": self.overlap, "checksums": false}
         });
+        if let Some(qd) = std::env::var("AIO_QD")
+            .ok()
+            .and_then(|v| v.parse::<u32>().ok())
+        {
+            ds["aio"] = json!({"queue_depth": qd});
+        }
         if self.clip > 0.0 {
             ds["gradient_clipping"] = json!(self.clip);
         }
