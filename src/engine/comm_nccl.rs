@@ -28,7 +28,7 @@
 //!   one `ncclGroupStart`/`End`, the standard NCCL all-to-all; this rank's
 //!   own chunk is a host copy), then the host adds the chunks into the
 //!   accumulator in rank order 0..N, exactly like `MpiComm`. So NCCL and MPI
-//!   runs give the same bits as one rank (invariant 11 in ARCHITECTURE.md).
+//!   runs give the same bits as one rank (invariant 15 in ARCHITECTURE.md).
 //!   `ncclReduceScatter`/`ncclAllReduce` would sum in an order of NCCL's
 //!   choosing (ring/tree, by topology), so they are not used for gradients.
 //!   Scalars are all-gathered (`ncclAllGather` of f64) and summed by the
