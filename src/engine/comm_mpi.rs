@@ -35,18 +35,16 @@
 //!   drops the `Universe` (`MPI_Finalize`). A process must do that before
 //!   it exits, or `mpirun` reports the rank as failed.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::{bounded, Receiver, Sender};
 use mpi::datatype::{Partition, PartitionMut};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::CommunicatorCollectives;
 use mpi::Threading;
 
 use super::comm::{check_counts, Comm};
+use super::owner::{CallFailure, OwnerThread};
 use super::{EngineError, Result};
 
 /// How long a collective waits for the other ranks by default.
@@ -80,22 +78,13 @@ enum Reply {
     Done,
 }
 
-#[derive(Debug)]
-struct Chan {
-    ops: Sender<Op>,
-    replies: Receiver<Reply>,
-}
-
 /// N ranks over MPI (see the module docs).
 #[derive(Debug)]
 pub struct MpiComm {
     rank: usize,
     world: usize,
     threading_multiple: bool,
-    timeout: Duration,
-    chan: Mutex<Option<Chan>>,
-    broken: AtomicBool,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    owner: OwnerThread<Op, Reply>,
 }
 
 fn count(n: usize, what: &str) -> Result<i32> {
@@ -215,19 +204,13 @@ impl MpiComm {
             rank,
             world,
             threading_multiple,
-            timeout,
-            chan: Mutex::new(Some(Chan {
-                ops: op_tx,
-                replies: reply_rx,
-            })),
-            broken: AtomicBool::new(false),
-            thread: Mutex::new(Some(thread)),
+            owner: OwnerThread::new(op_tx, reply_rx, Some(thread), timeout),
         })
     }
 
     /// How long a collective waits for the other ranks.
     pub fn timeout(&self) -> Duration {
-        self.timeout
+        self.owner.timeout()
     }
 
     fn comm_error(&self, op: &'static str, reason: String) -> EngineError {
@@ -243,41 +226,21 @@ impl MpiComm {
     /// timeout.
     fn call(&self, op: Op) -> Result<Reply> {
         let name = op.name();
-        if self.broken.load(Ordering::SeqCst) {
-            return Err(self.comm_error(
-                name,
-                "an earlier collective failed; the communicator is unusable".into(),
-            ));
-        }
-        let guard = self
-            .chan
-            .lock()
-            .map_err(|_| self.comm_error(name, "the communicator lock is poisoned".into()))?;
-        let chan = guard
-            .as_ref()
-            .ok_or_else(|| self.comm_error(name, "the communicator is shut down".into()))?;
-        let t0 = Instant::now();
-        chan.ops
-            .send(op)
-            .map_err(|_| self.comm_error(name, "the MPI thread has ended".into()))?;
-        match chan.replies.recv_timeout(self.timeout) {
-            Ok(r) => Ok(r),
-            Err(RecvTimeoutError::Timeout) => {
-                self.broken.store(true, Ordering::SeqCst);
-                Err(self.comm_error(
-                    name,
-                    format!(
-                        "got no answer from the other ranks within {:.0} s: a rank has died or \
-                         hangs; stopping (set TIERZERO_COMM_TIMEOUT_S to wait longer)",
-                        t0.elapsed().as_secs_f64()
-                    ),
-                ))
-            }
-            Err(RecvTimeoutError::Disconnected) => {
-                self.broken.store(true, Ordering::SeqCst);
-                Err(self.comm_error(name, "the MPI thread has ended".into()))
-            }
-        }
+        self.owner.call(op).map_err(|f| {
+            let reason = match f {
+                CallFailure::Broken => {
+                    "an earlier collective failed; the communicator is unusable".into()
+                }
+                CallFailure::Poisoned => "the communicator lock is poisoned".into(),
+                CallFailure::ShutDown => "the communicator is shut down".into(),
+                CallFailure::Ended => "the MPI thread has ended".into(),
+                CallFailure::Timeout(waited_s) => format!(
+                    "got no answer from the other ranks within {waited_s:.0} s: a rank has died \
+                     or hangs; stopping (set TIERZERO_COMM_TIMEOUT_S to wait longer)"
+                ),
+            };
+            self.comm_error(name, reason)
+        })
     }
 
     fn counts_i32(&self, counts: &[usize], what: &str) -> Result<Vec<i32>> {
@@ -400,28 +363,5 @@ impl Comm for MpiComm {
         // Otherwise exit without finalising: mpirun sees a rank fail and
         // tears the job down.
         std::process::exit(code);
-    }
-}
-
-impl Drop for MpiComm {
-    fn drop(&mut self) {
-        // Closing the channel ends the MPI thread's loop; it then finalises.
-        let chan = match self.chan.lock() {
-            Ok(mut g) => g.take(),
-            Err(p) => p.into_inner().take(),
-        };
-        drop(chan);
-        if self.broken.load(Ordering::SeqCst) {
-            // The thread is stuck in a collective that will never finish:
-            // joining would hang the exit.
-            return;
-        }
-        let handle = match self.thread.lock() {
-            Ok(mut g) => g.take(),
-            Err(p) => p.into_inner().take(),
-        };
-        if let Some(h) = handle {
-            let _ = h.join();
-        }
     }
 }

@@ -52,16 +52,16 @@
 //! * One rank per GPU: NCCL refuses two ranks of one communicator on the
 //!   same device ("Duplicate GPU detected").
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
 use cudarc::nccl::result::{group_end, group_start};
 
 use super::comm::{check_counts, Comm};
+use super::owner::{CallFailure, OwnerThread};
 use super::rendezvous::{self, ID_BYTES};
 use super::{EngineError, Result};
 use crate::gpu::imp::{device_count, driver_error, nccl_error, nccl_version};
@@ -138,12 +138,6 @@ struct Ready {
     id: Option<Box<[u8; ID_BYTES]>>,
 }
 
-#[derive(Debug)]
-struct Chan {
-    ops: Sender<Op>,
-    replies: Receiver<Reply>,
-}
-
 /// N ranks over NCCL (see the module docs).
 #[derive(Debug)]
 pub struct NcclComm {
@@ -151,10 +145,7 @@ pub struct NcclComm {
     world: usize,
     ordinal: usize,
     nccl: NcclVersion,
-    timeout: Duration,
-    chan: Mutex<Option<Chan>>,
-    broken: AtomicBool,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    owner: OwnerThread<Op, Reply>,
     bootstrap: Option<Arc<dyn Comm>>,
 }
 
@@ -443,13 +434,7 @@ impl NcclComm {
             world,
             ordinal: ready.ordinal,
             nccl: ready.nccl,
-            timeout: opts.timeout,
-            chan: Mutex::new(Some(Chan {
-                ops: op_tx,
-                replies: reply_rx,
-            })),
-            broken: AtomicBool::new(false),
-            thread: Mutex::new(thread),
+            owner: OwnerThread::new(op_tx, reply_rx, thread, opts.timeout),
             bootstrap: keep,
         };
         match comm.call(Op::Init(Box::new(exchange.id))) {
@@ -480,49 +465,26 @@ impl NcclComm {
     /// Runs one operation on the CUDA thread, waiting at most the timeout.
     fn call(&self, op: Op) -> std::result::Result<Reply, CallError> {
         let name = op.name();
-        if self.broken.load(Ordering::SeqCst) {
-            return Err(CallError::Gpu(GpuError::Nccl {
-                op: name,
-                reason: "an earlier call failed; the communicator is unusable".into(),
-            }));
-        }
-        let guard = self.chan.lock().map_err(|_| {
+        let nccl = |reason: &str| {
             CallError::Gpu(GpuError::Nccl {
                 op: name,
-                reason: "the communicator lock is poisoned".into(),
+                reason: reason.into(),
             })
-        })?;
-        let Some(chan) = guard.as_ref() else {
-            return Err(CallError::Gpu(GpuError::Nccl {
-                op: name,
-                reason: "the communicator is shut down".into(),
-            }));
         };
-        let t0 = Instant::now();
-        let ended = |this: &NcclComm| {
-            this.broken.store(true, Ordering::SeqCst);
-            let handle = this.thread.lock().ok().and_then(|mut g| g.take());
-            CallError::Gpu(death(handle, name))
-        };
-        if chan.ops.send(op).is_err() {
-            drop(guard);
-            return Err(ended(self));
-        }
-        match chan.replies.recv_timeout(self.timeout) {
+        match self.owner.call(op) {
             Ok(Reply::Failed(e)) => {
                 // NCCL communicators do not recover from a failed call.
-                self.broken.store(true, Ordering::SeqCst);
+                self.owner.mark_broken();
                 Ok(Reply::Failed(e))
             }
             Ok(r) => Ok(r),
-            Err(RecvTimeoutError::Timeout) => {
-                self.broken.store(true, Ordering::SeqCst);
-                Err(CallError::Timeout(t0.elapsed().as_secs_f64()))
+            Err(CallFailure::Broken) => {
+                Err(nccl("an earlier call failed; the communicator is unusable"))
             }
-            Err(RecvTimeoutError::Disconnected) => {
-                drop(guard);
-                Err(ended(self))
-            }
+            Err(CallFailure::Poisoned) => Err(nccl("the communicator lock is poisoned")),
+            Err(CallFailure::ShutDown) => Err(nccl("the communicator is shut down")),
+            Err(CallFailure::Ended) => Err(CallError::Gpu(death(self.owner.take_thread(), name))),
+            Err(CallFailure::Timeout(waited_s)) => Err(CallError::Timeout(waited_s)),
         }
     }
 
@@ -666,28 +628,5 @@ impl Comm for NcclComm {
             b.abort(code);
         }
         std::process::exit(code);
-    }
-}
-
-impl Drop for NcclComm {
-    fn drop(&mut self) {
-        // Closing the channel ends the CUDA thread's loop; it then destroys
-        // the NCCL communicator and releases the context.
-        let chan = match self.chan.lock() {
-            Ok(mut g) => g.take(),
-            Err(p) => p.into_inner().take(),
-        };
-        drop(chan);
-        if self.broken.load(Ordering::SeqCst) {
-            // Possibly stuck in a collective that will never finish.
-            return;
-        }
-        let handle = match self.thread.lock() {
-            Ok(mut g) => g.take(),
-            Err(p) => p.into_inner().take(),
-        };
-        if let Some(h) = handle {
-            let _ = h.join();
-        }
     }
 }

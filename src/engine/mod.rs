@@ -105,6 +105,8 @@ pub mod error;
 pub mod layout;
 pub mod metrics;
 pub mod optstate;
+#[cfg(any(feature = "mpi", feature = "gpu"))]
+mod owner;
 pub mod rendezvous;
 pub mod schedule;
 pub mod sha256;
