@@ -27,6 +27,9 @@ use super::{emit, Failure};
 
 /// `tierzero gpu-info` options.
 #[derive(Debug, Args)]
+#[command(
+    after_help = "Examples:\n  tierzero gpu-info\n  tierzero gpu-info --json\n  tierzero gpu-info --nccl-test --json"
+)]
 pub struct GpuInfoArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
