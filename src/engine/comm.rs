@@ -127,6 +127,21 @@ pub fn agree<T>(comm: &dyn Comm, what: &'static str, local: Result<T>) -> Result
     }
 }
 
+/// Adds every rank's chunk of `chunks` (rank 0's first, `acc.len()`
+/// elements each) into `acc`, in rank order: the one place the reduction
+/// order of a reduce-scatter is fixed, so results never depend on timing or
+/// on the backend.
+pub fn add_chunks_in_rank_order(acc: &mut [f32], chunks: &[f32]) {
+    if acc.is_empty() {
+        return;
+    }
+    for chunk in chunks.chunks_exact(acc.len()) {
+        for (a, b) in acc.iter_mut().zip(chunk) {
+            *a += *b;
+        }
+    }
+}
+
 /// Checks the shapes of a variable-count collective; returns this rank's
 /// offset (elements before its chunk).
 pub fn check_counts(
@@ -179,9 +194,7 @@ impl Comm for SingleRank {
         acc: &mut [f32],
     ) -> Result<()> {
         check_counts("reduce_scatter", 0, counts_numel, acc.len(), full.len())?;
-        for (a, b) in acc.iter_mut().zip(full) {
-            *a += *b;
-        }
+        add_chunks_in_rank_order(acc, full);
         Ok(())
     }
     fn all_gather_f64(&self, local: &[f64], out: &mut [f64]) -> Result<()> {

@@ -43,7 +43,7 @@ use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::CommunicatorCollectives;
 use mpi::Threading;
 
-use super::comm::{check_counts, Comm};
+use super::comm::{add_chunks_in_rank_order, check_counts, Comm};
 use super::owner::{CallFailure, OwnerThread};
 use super::{EngineError, Result};
 
@@ -318,14 +318,7 @@ impl Comm for MpiComm {
                 )))
             }
         };
-        // Rank order, one rank's chunk after the other.
-        if !acc.is_empty() {
-            for chunk in chunks.chunks_exact(acc.len()) {
-                for (a, b) in acc.iter_mut().zip(chunk) {
-                    *a += *b;
-                }
-            }
-        }
+        add_chunks_in_rank_order(acc, &chunks);
         Ok(())
     }
 

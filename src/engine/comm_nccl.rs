@@ -60,7 +60,7 @@ use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
 use cudarc::nccl::result::{group_end, group_start};
 
-use super::comm::{check_counts, Comm};
+use super::comm::{add_chunks_in_rank_order, check_counts, Comm};
 use super::owner::{CallFailure, OwnerThread};
 use super::rendezvous::{self, ID_BYTES};
 use super::{EngineError, Result};
@@ -584,14 +584,7 @@ impl Comm for NcclComm {
                 )))
             }
         };
-        // Rank order, one rank's chunk after the other.
-        if !acc.is_empty() {
-            for chunk in chunks.chunks_exact(acc.len()) {
-                for (a, b) in acc.iter_mut().zip(chunk) {
-                    *a += *b;
-                }
-            }
-        }
+        add_chunks_in_rank_order(acc, &chunks);
         Ok(())
     }
 
