@@ -14,7 +14,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -55,35 +55,7 @@ fn setup(d: &Path) {
 }
 
 fn train(d: &Path, save: &str, resume: bool, metrics: &str, failpoint: Option<&str>) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_tierzero"));
-    c.current_dir(d)
-        .args([
-            "train",
-            "--config",
-            "ds.json",
-            "--data",
-            "data.txt",
-            "--seq-len",
-            "16",
-        ])
-        .args(["--steps", &TOTAL.to_string()])
-        .args([
-            "--save-dir",
-            save,
-            "--save-every",
-            "1",
-            "--metrics",
-            metrics,
-        ])
-        .env_remove("TIERZERO_FAILPOINT")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    if resume {
-        c.args(["--resume", save]);
-    } else {
-        c.args(["--model", "model"]);
-    }
+    let mut c = cli_support::train_saving(d, TOTAL, save, resume, metrics);
     if let Some(f) = failpoint {
         c.env("TIERZERO_FAILPOINT", f);
     }

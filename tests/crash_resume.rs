@@ -28,7 +28,7 @@
 use std::collections::BTreeMap;
 use std::os::unix::process::ExitStatusExt as _;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -131,37 +131,7 @@ fn foreign_files() -> Vec<(String, String)> {
 }
 
 fn train_cmd(d: &Path, save: &str, resume: bool, metrics: &str) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_tierzero"));
-    c.current_dir(d)
-        .args([
-            "train",
-            "--config",
-            "ds.json",
-            "--data",
-            "data.txt",
-            "--seq-len",
-            "16",
-            "--steps",
-        ])
-        .arg(TOTAL.to_string())
-        .args([
-            "--save-dir",
-            save,
-            "--save-every",
-            "1",
-            "--metrics",
-            metrics,
-        ])
-        .env_remove("TIERZERO_FAILPOINT")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    if resume {
-        c.args(["--resume", save]);
-    } else {
-        c.args(["--model", "model"]);
-    }
-    c
+    cli_support::train_saving(d, TOTAL, save, resume, metrics)
 }
 
 enum Outcome {

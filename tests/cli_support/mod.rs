@@ -2,7 +2,7 @@
 #![allow(clippy::expect_used, dead_code)] // tests; not every test file uses every helper
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 static NEXT: AtomicUsize = AtomicUsize::new(0);
@@ -64,4 +64,33 @@ pub fn assert_bad_input(out: &Out, what: &str, words: &[&str]) {
             lines[0]
         );
     }
+}
+
+/// `tierzero train` in `d` on `ds.json` / `data.txt` (seq 16) for `total`
+/// steps, saving every step into `save` and writing `metrics`; resumed from
+/// `save`, or from `model/` when starting. No failpoint from the caller's
+/// environment; pipes for stdout and stderr (crash and fault tests).
+pub fn train_saving(d: &Path, total: u64, save: &str, resume: bool, metrics: &str) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tierzero"));
+    c.current_dir(d)
+        .args(["train", "--config", "ds.json", "--data", "data.txt"])
+        .args(["--seq-len", "16", "--steps", &total.to_string()])
+        .args([
+            "--save-dir",
+            save,
+            "--save-every",
+            "1",
+            "--metrics",
+            metrics,
+        ])
+        .env_remove("TIERZERO_FAILPOINT")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if resume {
+        c.args(["--resume", save]);
+    } else {
+        c.args(["--model", "model"]);
+    }
+    c
 }
