@@ -33,6 +33,7 @@ fn main() -> Result<(), Box<dyn Error>> {
         clip: env_or("CLIP", 1.0),
         root: PathBuf::from(a.get(6).cloned().unwrap_or_else(|| "engine-measure".into())),
         micro_batch: env_or("MICRO", 4),
+        compute_threads: None,
     };
     let steps: u64 = a[3].parse()?;
     let (config, md, data) = setup.build()?;

@@ -25,7 +25,10 @@
 //! Environment: `CLIP` (default 0 = off) sets `gradient_clipping`;
 //! `OVERLAP=off` turns the optimizer overlap and pipelining off; `MICRO`
 //! (default 4) and `SEQ_LEN` (default 64) set the tokens per step, which
-//! move compute against I/O; `AIO_QD` sets `aio.queue_depth` (default 8). Output: one JSON line
+//! move compute against I/O; `AIO_QD` sets `aio.queue_depth` (default 8);
+//! `COMPUTE_THREADS` sets `tierzero.compute_threads` for all three runs
+//! (default: what `"auto"` gives the offloaded run, so compute alone is
+//! timed with the threads the real step computes with). Output: one JSON line
 //! per round, then a summary line with the medians over rounds and the
 //! ratio.
 
@@ -33,7 +36,7 @@ use std::error::Error;
 use std::path::PathBuf;
 
 use serde_json::json;
-use tierzero::engine::{StepMetrics, Trainer, TrainerOptions};
+use tierzero::engine::{threads, StepMetrics, Trainer, TrainerOptions};
 
 mod measure;
 use measure::{env_or, median, Setup, Tier};
@@ -69,6 +72,23 @@ fn main() -> Result<(), Box<dyn Error>> {
     if steps < 2 || rounds == 0 {
         return Err("STEPS must be at least 2 and ROUNDS at least 1".into());
     }
+    // The same compute threads for all three runs, so "compute alone" is
+    // the compute of the real step: `COMPUTE_THREADS`, or what "auto"
+    // gives the offloaded run.
+    let compute_threads: u32 = std::env::var("COMPUTE_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            let t = threads::resolve(
+                None,
+                threads::user_env().as_deref(),
+                threads::cores(),
+                true,
+                1,
+                true,
+            );
+            u32::try_from(t.threads).unwrap_or(1)
+        });
     let base = Setup {
         layers: a[1].parse()?,
         hidden: a[2].parse()?,
@@ -81,6 +101,7 @@ fn main() -> Result<(), Box<dyn Error>> {
                 .unwrap_or_else(|| "overlap-measure".into()),
         ),
         micro_batch: env_or("MICRO", 4),
+        compute_threads: Some(compute_threads),
     };
     let stage0 = Setup {
         tier: Tier::Stage0,
@@ -118,6 +139,7 @@ fn main() -> Result<(), Box<dyn Error>> {
         json!({"summary": true, "layers": base.layers, "hidden": base.hidden,
                "steps": steps, "rounds": rounds, "clip": base.clip, "overlap": base.overlap,
                "micro_batch": base.micro_batch, "seq_len": env_or("SEQ_LEN", 64usize),
+               "compute_threads": compute_threads,
                "compute_alone_s": c, "optimizer_alone_s": o, "io_alone_s": i, "step_s": w,
                "ratio": w / c.max(o).max(i), "overlap_efficiency": median(eff)})
     );

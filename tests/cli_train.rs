@@ -463,3 +463,53 @@ fn json_prints_only_the_summary_object_on_stdout() {
         assert!(x > 0.0, "`{key}` = {x}");
     }
 }
+
+/// `tierzero.compute_threads`: the plan names the count and where it came
+/// from: the config, `RAYON_NUM_THREADS`, or "auto" (offloaded: one core
+/// per Adam thread kept free).
+#[test]
+fn the_plan_names_the_compute_threads_and_their_source() {
+    let d = tiny_setup("threads");
+    let run = |env: Option<&str>| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"));
+        c.current_dir(&d)
+            .arg("train")
+            .args(TINY)
+            .env_remove("RAYON_NUM_THREADS");
+        if let Some(v) = env {
+            c.env("RAYON_NUM_THREADS", v);
+        }
+        let out = c.output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout
+            .lines()
+            .find(|l| l.contains("compute on cpu, "))
+            .unwrap_or_else(|| panic!("no compute line in {stdout}"))
+            .to_owned()
+    };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let auto = run(None);
+    let want = cores.saturating_sub(1).max(1);
+    assert!(
+        auto.contains(&format!("cpu, {want} compute thread")) && auto.contains("\"auto\""),
+        "{auto}"
+    );
+    let from_env = run(Some("3"));
+    assert!(
+        from_env.contains("3 compute threads (RAYON_NUM_THREADS)"),
+        "{from_env}"
+    );
+    let mut cfg = ds_config(&d);
+    cfg["tierzero"]["compute_threads"] = json!(2);
+    write_config(&d, cfg);
+    let fixed = run(Some("3"));
+    assert!(
+        fixed.contains("2 compute threads (tierzero.compute_threads)"),
+        "{fixed}"
+    );
+}

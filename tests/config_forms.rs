@@ -396,6 +396,36 @@ fn tierzero_block() {
 }
 
 #[test]
+fn compute_threads_is_auto_a_count_or_an_error() {
+    let threads = |v: serde_json::Value| {
+        load(json!({"train_batch_size": 8, "tierzero": {"compute_threads": v}}))
+            .config
+            .tierzero
+            .compute_threads
+    };
+    assert_eq!(threads(json!("auto")), None);
+    assert_eq!(threads(json!(3)), Some(3));
+    assert_eq!(
+        load(json!({"train_batch_size": 8}))
+            .config
+            .tierzero
+            .compute_threads,
+        None
+    );
+    for bad in [json!(0), json!(-1), json!(5000), json!("many"), json!(1.5)] {
+        let e = load_str(
+            &json!({"train_batch_size": 8, "tierzero": {"compute_threads": bad}}).to_string(),
+            &skip_fs(),
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("tierzero.compute_threads"),
+            "{bad}: {e}"
+        );
+    }
+}
+
+#[test]
 fn nvme_path_on_non_nvme_device_is_a_note() {
     let l = load(
         json!({"train_batch_size": 8, "zero_optimization": {"stage": 3,

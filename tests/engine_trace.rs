@@ -33,7 +33,10 @@ fn sequence_length_change_rerecords_without_changing_results() {
 
 #[test]
 fn prefetch_issues_reads_ahead_once_the_trace_is_complete() {
-    let dir = tiny_gpt2_dir("prefetch", 3, 32);
+    // Six blocks: more than one prefetch bucket (50,000 elements), so the
+    // forward's later units are not among the params whose updates stay
+    // resident, and are read ahead.
+    let dir = tiny_gpt2_dir("prefetch", 6, 32);
     let mut t = build(&dir, &Knobs::nvme(), 1, 16, 4);
     t.step().unwrap();
     assert!(matches!(t.scheduler().state(), TraceState::Record(_)));
@@ -48,6 +51,17 @@ fn prefetch_issues_reads_ahead_once_the_trace_is_complete() {
         t.lookahead_reads() > 0,
         "with a complete trace some reads must be issued ahead"
     );
+    // The params the next forward needs first stay resident after their
+    // update (written through), those of the last block do not.
+    t.settle_optimizer().unwrap();
+    let units = t.model().units();
+    for &p in &units[0].params {
+        assert_eq!(t.store().state(p), ParamState::Resident, "{p:?}");
+    }
+    let last_block = &units[units.len() - 2].params;
+    assert!(last_block
+        .iter()
+        .any(|&p| t.store().state(p) == ParamState::OnDisk));
     // Everything but persistent/cached params is released after the step.
     let n = t.model().params().len();
     let resident = (0..n)

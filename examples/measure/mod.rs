@@ -52,6 +52,8 @@ pub struct Setup {
     pub root: PathBuf,
     /// `train_micro_batch_size_per_gpu` (rows of `SEQ_LEN` tokens).
     pub micro_batch: usize,
+    /// `tierzero.compute_threads` (`None` = "auto").
+    pub compute_threads: Option<u32>,
 }
 
 impl Setup {
@@ -97,6 +99,17 @@ impl Setup {
         }
         if self.clip > 0.0 {
             ds["gradient_clipping"] = json!(self.clip);
+        }
+        if let Some(n) = std::env::var("OPT_BUFFERS")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+        {
+            if self.tier == Tier::Nvme {
+                ds["zero_optimization"]["offload_optimizer"]["buffer_count"] = json!(n);
+            }
+        }
+        if let Some(n) = self.compute_threads {
+            ds["tierzero"]["compute_threads"] = json!(n);
         }
         let run = RunContext {
             path_checks: PathChecks::CreateMissing,

@@ -538,8 +538,11 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         trainer.layout(),
         trainer.store(),
         match device {
-            None => "cpu".to_owned(),
-            Some(d) => format!("cpu (collectives: NCCL on {d})"),
+            None => format!("cpu, {}", trainer.compute_threads()),
+            Some(d) => format!(
+                "cpu, {} (collectives: NCCL on {d})",
+                trainer.compute_threads()
+            ),
         },
     );
     let model_name = match (&args.model, &ckpt) {

@@ -536,6 +536,12 @@ pub struct DsTierzero {
     /// its gradients are final, overlapping backward, instead of after
     /// backward as DeepSpeed does. Same result; default true.
     pub overlap_optimizer: bool,
+    /// `compute_threads`: threads of the CPU compute kernels (candle's
+    /// matmuls). `"auto"` (absent) keeps one core per Adam thread free for
+    /// the optimizer and I/O threads when anything is offloaded, and uses
+    /// every core otherwise; `RAYON_NUM_THREADS` in the environment takes
+    /// the place of `"auto"`. `None` = auto.
+    pub compute_threads: Option<u64>,
 }
 
 impl Default for DsTierzero {
@@ -549,6 +555,7 @@ impl Default for DsTierzero {
             ring_threads: None,
             checksums: true,
             overlap_optimizer: true,
+            compute_threads: None,
         }
     }
 }
@@ -717,6 +724,7 @@ const TIERZERO_KEYS: &[&str] = &[
     "ring_threads",
     "checksums",
     "overlap_optimizer",
+    "compute_threads",
 ];
 
 // ---------------------------------------------------------------------------
@@ -1311,6 +1319,9 @@ fn read_tierzero(f: &Field<'_>, sink: &mut Sink) -> Result<DsTierzero, ConfigErr
     }
     if let Some(f) = o.take("overlap_optimizer") {
         t.overlap_optimizer = f.bool()?;
+    }
+    if let Some(f) = o.take("compute_threads") {
+        t.compute_threads = f.auto_u64()?;
     }
     o.finish(sink);
     Ok(t)

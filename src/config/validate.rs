@@ -312,6 +312,9 @@ pub struct Tierzero {
     pub checksums: bool,
     /// Overlap the CPU optimizer with backward.
     pub overlap_optimizer: bool,
+    /// Threads of the CPU compute kernels; `None` = auto (see
+    /// `crate::engine::threads`).
+    pub compute_threads: Option<u32>,
 }
 
 /// The validated configuration the engine runs with.
@@ -724,6 +727,16 @@ pub(crate) fn validate(
         },
         checksums: t.checksums,
         overlap_optimizer: t.overlap_optimizer,
+        compute_threads: match t.compute_threads {
+            Some(n) => Some(small_u32(
+                "tierzero.compute_threads",
+                n,
+                1024,
+                "use \"auto\" (one core per Adam thread kept for the optimizer and I/O \
+                 threads when offloading), or a count no larger than the machine's cores",
+            )?),
+            None => None,
+        },
     };
 
     let config = Config {

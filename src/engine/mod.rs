@@ -111,6 +111,7 @@ pub mod rendezvous;
 pub mod schedule;
 pub mod sha256;
 pub mod store;
+pub mod threads;
 pub mod trace;
 pub mod trainer;
 pub mod worker;

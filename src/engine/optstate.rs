@@ -26,7 +26,12 @@
 //! the step, and up to `write_behind` writes (1 with `pipeline_write`):
 //! `3 × (1 + read_ahead + write_behind)` buffers, checked against the pinned
 //! budget at start-up ([`buffers_needed`]), so the pipeline cannot run out
-//! of buffers at run time (DeepSpeed's `PipelinedOptimizerSwapper` asserts
+//! of buffers at run time. When the arena holds more buffers than that
+//! (`offload_optimizer.buffer_count` above the minimum) and `pipeline_read`
+//! is on, the extra ones deepen the reads: `read_ahead` becomes
+//! `buffers / 3 − 1 − write_behind`, so state reads issued at the start of
+//! a step ([`super::worker::Job::Expect`]) run as far ahead as memory
+//! allows (DeepSpeed's `PipelinedOptimizerSwapper` asserts
 //! at run time instead). Sub-groups must be stepped in the order their
 //! reads were issued (FIFO); the trainer does.
 
@@ -165,6 +170,15 @@ impl OptimizerState {
                     }),
                 )
             }
+        };
+        // Buffers beyond what the configured depths need deepen the read
+        // pipeline (not with spilled gradients, whose spill writes take
+        // buffers of the same pool while backward runs).
+        let read_ahead = match &nvme {
+            Some(nv) if read_ahead > 0 && !spill_grads => {
+                read_ahead.max((nv.io.arena.count() / 3).saturating_sub(1 + write_behind))
+            }
+            _ => read_ahead,
         };
         Ok(OptimizerState {
             numel,

@@ -463,12 +463,19 @@ impl ParamStore {
     /// Writes new shard bytes for `id` at home (after an optimizer step).
     /// A resident device copy is replaced (kept coherent); device-tier
     /// params are rebuilt.
-    pub fn update(&mut self, id: ParamId, shard: &[u8]) -> Result<()> {
+    ///
+    /// `keep` asks for the new bytes to stay resident as well (written
+    /// through to the home tier), for a param that the next forward needs
+    /// first: it is then not read back right after being written. The
+    /// caller decides from the trace alone, never from timing, so the
+    /// number of reads a step does stays fixed.
+    pub fn update(&mut self, id: ParamId, shard: &[u8], keep: bool) -> Result<()> {
         if self.state(id) == ParamState::InFlight {
             // Complete the stale read first (see module docs).
             self.complete_read(id, false)?;
         }
-        let keep = matches!(self.state(id), ParamState::Resident | ParamState::Staged)
+        let keep = keep
+            || matches!(self.state(id), ParamState::Resident | ParamState::Staged)
             || self.tier(id) == Tier::Device;
         self.write_home(id, shard, keep)
     }
@@ -642,6 +649,40 @@ impl ParamStore {
         let t0 = Instant::now();
         let res = ticket.wait();
         self.counters.io_wait += t0.elapsed();
+        self.finish_read(id, res, gather)
+    }
+
+    /// Moves every prefetched param whose read has completed out of its
+    /// swap buffer (into a tensor, or staged bytes under several ranks),
+    /// without blocking, so the buffer can carry the next prefetch. A
+    /// completed read would otherwise hold its buffer until the param's
+    /// fetch, and the prefetch window would be as short as the buffer
+    /// count even when `stage3_max_live_parameters` allows more. Returns
+    /// how many were harvested; a failed read's error comes back here.
+    pub fn harvest(&mut self) -> Result<usize> {
+        let mut n = 0;
+        for i in 0..self.slots.len() {
+            let done = match &self.slots[i] {
+                Slot::InFlight(t) => t.poll(),
+                _ => None,
+            };
+            if let Some(c) = done {
+                self.slots[i] = Slot::OnDisk;
+                self.finish_read(ParamId(i), c.into_result(), false)?;
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    /// The second half of a read: the slot is `OnDisk` (its ticket taken);
+    /// builds the tensor (or stages the shard) from the buffer.
+    fn finish_read(
+        &mut self,
+        id: ParamId,
+        res: tierzero_swap::Result<Buffer>,
+        gather: bool,
+    ) -> Result<()> {
         // The slot is OnDisk while we build the tensor; restore InFlight
         // semantics by going through the table: OnDisk -> Materialized.
         let buf = res?;
@@ -859,13 +900,23 @@ mod tests {
         let before = s.read_shard(p).unwrap();
         let new: Vec<u8> = before.iter().map(|b| b.wrapping_add(1)).collect();
         // Resident: the device copy is replaced.
-        s.update(p, &new).unwrap();
+        s.update(p, &new, false).unwrap();
         assert_eq!(s.state(p), ParamState::Resident);
         assert_eq!(s.read_shard(p).unwrap(), new);
         // Released, then fetched again: the home copy has the new bytes.
         s.release(p).unwrap();
         assert_eq!(s.read_shard(p).unwrap(), new);
+        // Not resident: an update goes home only, unless asked to stay.
+        s.release(p).unwrap();
+        let newer: Vec<u8> = new.iter().map(|b| b.wrapping_add(1)).collect();
+        s.update(p, &newer, false).unwrap();
+        assert_eq!(s.state(p), ParamState::OnDisk);
+        let newest: Vec<u8> = newer.iter().map(|b| b.wrapping_add(1)).collect();
+        s.update(p, &newest, true).unwrap();
+        assert_eq!(s.state(p), ParamState::Resident);
+        s.release(p).unwrap();
+        assert_eq!(s.read_shard(p).unwrap(), newest, "written through");
         // A wrong length is an error, not a panic.
-        assert!(s.update(p, &new[1..]).is_err());
+        assert!(s.update(p, &new[1..], false).is_err());
     }
 }

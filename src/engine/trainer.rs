@@ -114,6 +114,7 @@ use super::optstate::{buffers_needed, NvmeOptim, OptCounters, OptimizerState};
 use super::schedule::{LossScaler, LrSchedule};
 use super::sha256::Sha256;
 use super::store::{NvmeParams, ParamStore, StoreCounters, Tier};
+use super::threads::{self, ComputeThreads};
 use super::trace::{Limits, Pass, Scheduler, Visit};
 use super::worker::{Done, ExclusiveJob, ExclusiveResult, Job, OptimizerWorker};
 use super::{EngineError, Result};
@@ -205,6 +206,7 @@ enum OverlapMode {
 #[derive(Debug)]
 pub struct Trainer {
     config: Config,
+    compute_threads: ComputeThreads,
     model: Model,
     data: TokenData,
     opts: TrainerOptions,
@@ -220,6 +222,8 @@ pub struct Trainer {
     skipped: u64,
     metrics: Option<MetricsWriter>,
     groups_after_unit: Vec<Vec<SubGroupId>>,
+    /// Params whose optimizer update stays resident (see `build`).
+    keep_on_update: Vec<bool>,
     lookahead_reads: u64,
     spill_grads: bool,
     data_name: String,
@@ -509,6 +513,17 @@ impl Trainer {
                 config.batch.ranks
             )));
         }
+        // Before any of our threads start (see `threads`).
+        let compute_threads = threads::resolve(
+            config.tierzero.compute_threads,
+            threads::user_env().as_deref(),
+            threads::cores(),
+            config.zero.offload_param.device != OffloadDevice::None
+                || config.zero.offload_optimizer.device != OffloadDevice::None,
+            opts.adam_threads.get(),
+            matches!(opts.device, Device::Cpu),
+        );
+        threads::apply(&compute_threads);
         let (param_dtype, scaler) = match config.precision {
             Precision::Fp32 => (DType::F32, LossScaler::none()),
             Precision::Bf16 => (DType::BF16, LossScaler::none()),
@@ -829,6 +844,29 @@ impl Trainer {
             device_cache_bytes: config.tierzero.device_cache_bytes.0,
         };
         let sched = Scheduler::new(&model, limits);
+        // The params the next forward needs first (its first units, one
+        // prefetch bucket of elements, at least the first unit): their
+        // optimizer updates stay resident, written through, instead of
+        // being written and read straight back while the forward waits.
+        // Decided from the model alone, so a step's read count is fixed.
+        let mut keep_on_update = vec![false; model.params().len()];
+        let mut kept_numel = 0u64;
+        'units: for (i, u) in model.units().iter().enumerate() {
+            let unit_numel: u64 = u
+                .params
+                .iter()
+                .map(|p| model.params().get(p.0).map_or(0, |s| s.numel as u64))
+                .sum();
+            if i > 0 && kept_numel + unit_numel > limits.prefetch_bucket_numel {
+                break 'units;
+            }
+            kept_numel += unit_numel;
+            for p in &u.params {
+                if let Some(k) = keep_on_update.get_mut(p.0) {
+                    *k = true;
+                }
+            }
+        }
         let n_sub_groups = layout.sub_groups.len();
         let mut groups_after_unit = vec![Vec::new(); model.units().len()];
         for g in &layout.sub_groups {
@@ -841,6 +879,7 @@ impl Trainer {
             None => None,
         };
         Ok(Trainer {
+            compute_threads,
             config: config.clone(),
             model,
             data,
@@ -860,6 +899,7 @@ impl Trainer {
             skipped: 0,
             metrics,
             groups_after_unit,
+            keep_on_update,
             lookahead_reads: 0,
             spill_grads,
             data_name: "unnamed".to_owned(),
@@ -909,6 +949,12 @@ impl Trainer {
     /// The model.
     pub fn model(&self) -> &Model {
         &self.model
+    }
+
+    /// Threads of the CPU compute kernels, and why (see
+    /// [`super::threads`]).
+    pub fn compute_threads(&self) -> ComputeThreads {
+        self.compute_threads
     }
 
     /// The layout (shards and sub-groups).
@@ -982,6 +1028,7 @@ impl Trainer {
         for &p in &ids {
             self.wait_stepped(self.layout.params[p.0].sub_group)?;
         }
+        self.store.harvest()?;
         let ahead = self.sched.prefetch_candidates(&self.store);
         for (k, &p) in ids.iter().chain(&ahead).enumerate() {
             if self.store.free_buffers() == 0 {
@@ -1096,6 +1143,23 @@ impl Trainer {
             self.model.units().iter().map(|u| (u.id, u.kind)).collect();
         let mut micro_losses = vec![0f32; gas];
         self.sched.begin_step();
+        if mode == OverlapMode::Step {
+            // The order the Step jobs will come in: backward's (units in
+            // reverse, each unit's final sub-groups), then any left, by
+            // index; the worker starts their state reads now.
+            let mut expect: Vec<SubGroupId> = Vec::with_capacity(n_groups);
+            for &(uid, _) in units.iter().rev() {
+                if let Some(v) = self.groups_after_unit.get(uid.0) {
+                    expect.extend(v.iter().copied());
+                }
+            }
+            for i in 0..n_groups {
+                if !expect.contains(&SubGroupId(i)) {
+                    expect.push(SubGroupId(i));
+                }
+            }
+            self.opt.send(Job::Expect(expect))?;
+        }
 
         for micro in 0..gas {
             let first = ((self.steps_done * gas as u64 + micro as u64) * world + rank) * mb as u64;
@@ -1492,7 +1556,8 @@ impl Trainer {
                     let shard = bytes
                         .get(range)
                         .ok_or_else(|| EngineError::internal("param bytes out of range"))?;
-                    self.store.update(pid, shard)?;
+                    let keep = self.keep_on_update.get(pid.0).copied().unwrap_or(false);
+                    self.store.update(pid, shard, keep)?;
                 }
                 if let Some(p) = self.pending.get_mut(sg.0) {
                     *p = false;

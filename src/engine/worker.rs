@@ -11,11 +11,14 @@
 //!   step reads it back with master, m and v (4 buffers per sub-group);
 //! * [`Job::Step`]: step a sub-group with its final gradient (moved, not
 //!   copied) and the gradient multiplier;
+//! * [`Job::Expect`]: at the start of a step whose sub-groups step during
+//!   backward, the order their `Step` jobs will come in, so their state
+//!   reads start before their gradients are final;
 //! * [`Job::CancelReads`] (a skipped fp16 step), [`Job::Flush`],
 //!   [`Job::Master`].
 //!
 //! Sub-groups are read and stepped in one FIFO order: the order of their
-//! `Step` jobs. The worker issues reads from the front
+//! `Expect` list, or of their `Step` jobs. The worker issues reads from the front
 //! of that order while the pipeline has room, steps the front when its job
 //! is there, and otherwise blocks on the channel. The updated 16-bit (or
 //! fp32) parameter bytes go back as [`Done::Stepped`]; the compute thread
@@ -63,6 +66,14 @@ pub enum Job {
         /// Hyper-parameters (the scheduled lr).
         hyper: AdamHyper,
     },
+    /// The order in which this step's `Step` jobs will come (backward
+    /// order). The worker queues them and starts their state reads now,
+    /// as far as its buffers allow, instead of when each gradient is
+    /// final: the reads do not depend on the gradients, and the disk would
+    /// otherwise idle while backward computes its first units. Sent only
+    /// when every sub-group's `Step` job follows in this order and no
+    /// gradient is spilled (a read issued before its spill would miss it).
+    Expect(Vec<SubGroupId>),
     /// Drop issued reads (skipped step).
     CancelReads,
     /// Finish every queued step and write; reply with the counters.
@@ -230,6 +241,12 @@ impl State {
                 self.enqueue(sg);
                 self.steps.insert(sg, (grad, scale, step, hyper));
             }
+            Job::Expect(order) => {
+                for sg in order {
+                    self.enqueue(sg);
+                }
+                self.pump()?;
+            }
             Job::CancelReads => {
                 self.opt.cancel_reads()?;
                 self.order.retain(|g| self.steps.contains_key(g));
@@ -382,5 +399,85 @@ impl Drop for OptimizerWorker {
         if let Some(h) = self.handle.take() {
             let _ = h.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failure is a panic
+    use std::num::NonZeroUsize;
+    use std::time::{Duration, Instant};
+
+    use tierzero_swap::{
+        ArenaConfig, Engine, EngineConfig, LockPolicy, PinnedArena, SpaceConfig, SwapSpace,
+    };
+
+    use super::*;
+    use crate::engine::optstate::NvmeOptim;
+    use crate::optim::AdamHyper;
+
+    /// `Job::Expect` starts the state reads before any gradient arrives,
+    /// and the steps then come back in the expected order.
+    #[test]
+    fn expected_sub_groups_are_read_before_their_gradients_arrive() {
+        let dir = std::env::temp_dir().join(format!("tz-worker-expect-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let numel = vec![1024usize; 4];
+        let buf_bytes = 4096u64;
+        let space = SwapSpace::create(SpaceConfig::new(&dir, 1 << 20)).unwrap();
+        // 12 buffers: one group stepping, one writing, two read ahead.
+        let mut ac = ArenaConfig::new(buf_bytes * 12, buf_bytes);
+        ac.lock = LockPolicy::Off;
+        let arena = PinnedArena::new(ac).unwrap();
+        let read = Engine::new(space.clone(), arena.clone(), EngineConfig::default()).unwrap();
+        let write = Engine::new(space, arena.clone(), EngineConfig::default()).unwrap();
+        let mut opt = OptimizerState::new(
+            numel.clone(),
+            Some(NvmeOptim { read, write, arena }),
+            1,
+            1,
+            false,
+        )
+        .unwrap();
+        assert_eq!(opt.read_ahead(), 2, "extra buffers deepen the reads");
+        for (i, &n) in numel.iter().enumerate() {
+            opt.init_group(SubGroupId(i), &vec![1.0; n]).unwrap();
+        }
+        opt.flush().unwrap();
+        let read0 = opt.counters().nvme_read_bytes;
+        let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
+        let w = OptimizerWorker::spawn(opt, adam, DType::F32).unwrap();
+        let order = [3usize, 1, 2, 0].map(SubGroupId);
+        w.send(Job::Expect(order.to_vec())).unwrap();
+        let t0 = Instant::now();
+        while w.counters().nvme_read_bytes == read0 {
+            assert!(t0.elapsed() < Duration::from_secs(10), "no read started");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        for &sg in &order {
+            w.send(Job::Step {
+                sg,
+                grad: Some(vec![0.5; 1024]),
+                scale: GradScale::ONE,
+                step: 1,
+                hyper: AdamHyper::default(),
+            })
+            .unwrap();
+        }
+        w.send(Job::Flush).unwrap();
+        let mut stepped = Vec::new();
+        loop {
+            match w.recv().unwrap() {
+                Done::Stepped { sg, bytes } => {
+                    assert_eq!(bytes.len(), 1024 * 4);
+                    stepped.push(sg);
+                }
+                Done::Flushed => break,
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(stepped, order.to_vec());
+        drop(w);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
