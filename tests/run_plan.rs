@@ -91,6 +91,14 @@ fn plan_pinned_bytes_are_exactly_what_the_engine_needs() {
         assert_eq!(plan.params.pinned_bytes, 0);
         assert_eq!(plan.param_buffers, (4, align(20000 * 4)));
         assert_eq!(plan.spill_grads, clip);
+        // The first read_ahead + 1 = 2 sub-groups are read while backward
+        // runs; their gradients are held, not spilled.
+        assert_eq!(plan.held_sub_groups, if clip { 2 } else { 0 });
+        if clip {
+            assert!(plan
+                .to_string()
+                .contains("grads (fp32; spilled but first 2 held)"));
+        }
         // 3 states (4 with spilled grads) x (1 + read ahead + write behind).
         assert_eq!(plan.optimizer_buffers.0, if clip { 12 } else { 9 });
         let exact = plan.pinned_total_bytes();

@@ -13,7 +13,9 @@
 //!                   → no clipping, no fp16: stepped now, on the optimizer
 //!                     thread, while backward goes on
 //!                   → otherwise: norm pass now (and, with NVMe state, the
-//!                     gradient spilled to NVMe)
+//!                     gradient spilled to NVMe, except for the first
+//!                     sub-groups, whose state reads started with the
+//!                     step and whose gradients stay in memory)
 //! decision: Σg² over sub-groups in index order → skip (fp16 overflow) or
 //!           the multiplier clip / loss_scale
 //! optimizer: the remaining sub-groups in index order, pipelined
@@ -35,6 +37,15 @@
 //! of a step that waited (every param is used only after its update is
 //! stored); [`Trainer::settle_optimizer`] waits for the whole tail, and
 //! `master`, `weight_sha256` and `finish` call it.
+//!
+//! State reads start before the gradients are final ([`Job::Expect`] at
+//! the start of the step): without clipping or fp16, in the order backward
+//! makes gradients final, as deep as the optimizer's buffers allow; with
+//! them, for the first `read_ahead + 1` sub-groups in index order (the
+//! ones the tail steps first). With NVMe state and clipping or fp16 those
+//! groups' gradients are held in memory, the others' spilled, as DeepSpeed
+//! does, until the global norm is known. This is the part of the
+//! optimizer that overlaps backward when the step must wait for the norm.
 //!
 //! The micro-batch loss is the head's loss (recomputed during the head's
 //! backward, so the head runs once per micro-batch); the step's loss is the
@@ -226,6 +237,9 @@ pub struct Trainer {
     keep_on_update: Vec<bool>,
     lookahead_reads: u64,
     spill_grads: bool,
+    /// Sub-groups whose final gradients stay in memory even when
+    /// `spill_grads` (see `build`).
+    held_grads: Vec<bool>,
     data_name: String,
     /// The save dir this trainer owns (see [`crate::checkpoint::SaveDirLock`]).
     save_lock: Option<crate::checkpoint::SaveDirLock>,
@@ -835,6 +849,15 @@ impl Trainer {
             bias_correction: true,
         };
         let adam = CpuAdam::new(hyper, opts.adam_threads)?;
+        // With spilled gradients, the state reads of the first sub-groups
+        // (index order: the next forward needs them first) are issued when
+        // the step starts (`Job::Expect`), and those groups' gradients are
+        // held in memory instead of spilled: a read issued before its
+        // spill would miss it. As many as the pipeline reads at once, so
+        // the set is fixed by the config, not by timing.
+        let held_grads: Vec<bool> = (0..layout.sub_groups.len())
+            .map(|i| spill_grads && i < opt.read_ahead() + 1)
+            .collect();
         let opt = OptimizerWorker::spawn(opt, adam.clone(), param_dtype)?;
         let limits = Limits {
             prefetch_bucket_numel: zero.prefetch_bucket_numel.0,
@@ -902,6 +925,7 @@ impl Trainer {
             keep_on_update,
             lookahead_reads: 0,
             spill_grads,
+            held_grads,
             data_name: "unnamed".to_owned(),
             save_lock: None,
             io_clock,
@@ -1143,7 +1167,13 @@ impl Trainer {
             self.model.units().iter().map(|u| (u.id, u.kind)).collect();
         let mut micro_losses = vec![0f32; gas];
         self.sched.begin_step();
-        if mode == OverlapMode::Step {
+        if mode == OverlapMode::Io && self.spill_grads {
+            // Steps come after backward, in index order; the first groups'
+            // state reads start now (their gradients are held, see
+            // `held_grads`).
+            self.opt
+                .send(Job::Expect((0..n_groups).map(SubGroupId).collect()))?;
+        } else if mode == OverlapMode::Step {
             // The order the Step jobs will come in: backward's (units in
             // reverse, each unit's final sub-groups), then any left, by
             // index; the worker starts their state reads now.
@@ -1297,7 +1327,7 @@ impl Trainer {
                                 let t0 = Instant::now();
                                 sq[sg.0] = Some(self.group_sq_norm(&grads, sg));
                                 norm_time += t0.elapsed();
-                                if self.spill_grads {
+                                if self.spill_grads && !self.held_grads[sg.0] {
                                     let grad = grads[sg.0].take().unwrap_or_else(|| {
                                         vec![0f32; self.layout.sub_groups[sg.0].numel]
                                     });

@@ -71,8 +71,10 @@ pub enum Job {
     /// as far as its buffers allow, instead of when each gradient is
     /// final: the reads do not depend on the gradients, and the disk would
     /// otherwise idle while backward computes its first units. Sent only
-    /// when every sub-group's `Step` job follows in this order and no
-    /// gradient is spilled (a read issued before its spill would miss it).
+    /// when every sub-group's `Step` job follows in this order, and no
+    /// gradient of a group whose read may start now is spilled (a read
+    /// issued before its spill would miss it): with spilled gradients the
+    /// trainer holds those groups' gradients in memory.
     Expect(Vec<SubGroupId>),
     /// Drop issued reads (skipped step).
     CancelReads,

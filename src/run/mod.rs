@@ -114,6 +114,11 @@ pub struct Plan {
     pub grads: TierBytes,
     /// Whether final gradients are spilled to NVMe until the step.
     pub spill_grads: bool,
+    /// With `spill_grads`, the first sub-groups (index order) whose
+    /// gradients stay in memory because their state is read while backward
+    /// runs (the engine's rule: as many as the pipeline reads at once,
+    /// `pipeline_read + 1`).
+    pub held_sub_groups: usize,
     /// fp32 master weights, `m` and `v`.
     pub optimizer: TierBytes,
     /// Parameter swap-in buffers: count and bytes each.
@@ -245,6 +250,11 @@ impl Plan {
             params,
             grads,
             spill_grads,
+            held_sub_groups: if spill_grads {
+                (usize::from(zero.offload_optimizer.pipeline_read) + 1).min(layout.sub_groups.len())
+            } else {
+                0
+            },
             optimizer,
             param_buffers,
             optimizer_buffers,
@@ -331,15 +341,13 @@ impl fmt::Display for Plan {
             );
         };
         row(&mut s, "params", &self.params);
-        row(
-            &mut s,
-            if self.spill_grads {
-                "grads (fp32; final ones spilled)"
-            } else {
-                "grads (fp32, at most)"
-            },
-            &self.grads,
-        );
+        let grads_label = match (self.spill_grads, self.held_sub_groups) {
+            (false, _) => "grads (fp32, at most)".to_owned(),
+            (true, 0) => "grads (fp32; final ones spilled)".to_owned(),
+            (true, n) if n >= self.sub_groups.0 => "grads (fp32; held, none spilled)".to_owned(),
+            (true, n) => format!("grads (fp32; spilled but first {n} held)"),
+        };
+        row(&mut s, &grads_label, &self.grads);
         row(
             &mut s,
             "optimizer state (fp32 master, m, v)",
