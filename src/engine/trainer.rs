@@ -233,6 +233,8 @@ pub struct Trainer {
     skipped: u64,
     metrics: Option<MetricsWriter>,
     groups_after_unit: Vec<Vec<SubGroupId>>,
+    /// Sub-groups in the order backward makes them final (see `build`).
+    backward_order: Vec<SubGroupId>,
     /// Params whose optimizer update stays resident (see `build`).
     keep_on_update: Vec<bool>,
     lookahead_reads: u64,
@@ -897,6 +899,26 @@ impl Trainer {
                 v.push(g.id);
             }
         }
+        // The order a step's sub-groups become final in backward (units in
+        // reverse, each unit's groups), then any left, by index: the order
+        // of the Step jobs without clipping or fp16.
+        let mut backward_order: Vec<SubGroupId> = Vec::with_capacity(n_sub_groups);
+        let mut listed = vec![false; n_sub_groups];
+        for v in groups_after_unit.iter().rev() {
+            for &g in v {
+                if let Some(seen) = listed.get_mut(g.0) {
+                    if !*seen {
+                        *seen = true;
+                        backward_order.push(g);
+                    }
+                }
+            }
+        }
+        for (i, seen) in listed.iter().enumerate() {
+            if !seen {
+                backward_order.push(SubGroupId(i));
+            }
+        }
         let metrics = match &opts.metrics_path {
             Some(p) => Some(MetricsWriter::create(p)?),
             None => None,
@@ -922,6 +944,7 @@ impl Trainer {
             skipped: 0,
             metrics,
             groups_after_unit,
+            backward_order,
             keep_on_update,
             lookahead_reads: 0,
             spill_grads,
@@ -1174,21 +1197,9 @@ impl Trainer {
             self.opt
                 .send(Job::Expect((0..n_groups).map(SubGroupId).collect()))?;
         } else if mode == OverlapMode::Step {
-            // The order the Step jobs will come in: backward's (units in
-            // reverse, each unit's final sub-groups), then any left, by
-            // index; the worker starts their state reads now.
-            let mut expect: Vec<SubGroupId> = Vec::with_capacity(n_groups);
-            for &(uid, _) in units.iter().rev() {
-                if let Some(v) = self.groups_after_unit.get(uid.0) {
-                    expect.extend(v.iter().copied());
-                }
-            }
-            for i in 0..n_groups {
-                if !expect.contains(&SubGroupId(i)) {
-                    expect.push(SubGroupId(i));
-                }
-            }
-            self.opt.send(Job::Expect(expect))?;
+            // The order the Step jobs will come in (`backward_order`); the
+            // worker starts their state reads now.
+            self.opt.send(Job::Expect(self.backward_order.clone()))?;
         }
 
         for micro in 0..gas {
@@ -1327,7 +1338,9 @@ impl Trainer {
                                 let t0 = Instant::now();
                                 sq[sg.0] = Some(self.group_sq_norm(&grads, sg));
                                 norm_time += t0.elapsed();
-                                if self.spill_grads && !self.held_grads[sg.0] {
+                                if self.spill_grads
+                                    && !self.held_grads.get(sg.0).copied().unwrap_or(false)
+                                {
                                     let grad = grads[sg.0].take().unwrap_or_else(|| {
                                         vec![0f32; self.layout.sub_groups[sg.0].numel]
                                     });
