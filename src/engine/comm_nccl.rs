@@ -166,25 +166,16 @@ struct Gpu {
 }
 
 impl Gpu {
-    fn gather_bytes(&self, padded: &[u8]) -> std::result::Result<Vec<u8>, GpuError> {
-        let s = &self.stream;
-        let send = s.clone_htod(padded).map_err(drv("copy to device"))?;
-        let mut recv = s
-            .alloc_zeros::<u8>(padded.len() * self.world)
-            .map_err(drv("device allocation"))?;
-        self.comm
-            .all_gather(&send, &mut recv)
-            .map_err(nccl("ncclAllGather"))?;
-        let out = s.clone_dtoh(&recv).map_err(drv("copy to host"))?;
-        s.synchronize().map_err(drv("stream synchronize"))?;
-        Ok(out)
-    }
-
-    fn gather_f64(&self, local: &[f64]) -> std::result::Result<Vec<f64>, GpuError> {
+    /// `ncclAllGather` of equal-length host slices (staged through the
+    /// device): rank r's slice at `r · local.len()`.
+    fn gather<T>(&self, local: &[T]) -> std::result::Result<Vec<T>, GpuError>
+    where
+        T: cudarc::nccl::NcclType + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits,
+    {
         let s = &self.stream;
         let send = s.clone_htod(local).map_err(drv("copy to device"))?;
         let mut recv = s
-            .alloc_zeros::<f64>(local.len() * self.world)
+            .alloc_zeros::<T>(local.len() * self.world)
             .map_err(drv("device allocation"))?;
         self.comm
             .all_gather(&send, &mut recv)
@@ -266,10 +257,10 @@ impl Gpu {
                 op: "ncclCommInitRank",
                 reason: "initialised twice".into(),
             }),
-            Op::GatherBytes(padded) => self.gather_bytes(&padded).map(Reply::Bytes),
+            Op::GatherBytes(padded) => self.gather(&padded).map(Reply::Bytes),
             Op::AllToAllF32 { full, counts } => self.all_to_all(&full, &counts).map(Reply::F32),
-            Op::GatherF64(v) => self.gather_f64(&v).map(Reply::F64),
-            Op::Barrier => self.gather_bytes(&[1u8]).map(|_| Reply::Done),
+            Op::GatherF64(v) => self.gather(&v).map(Reply::F64),
+            Op::Barrier => self.gather(&[1u8]).map(|_| Reply::Done),
         };
         r.unwrap_or_else(Reply::Failed)
     }

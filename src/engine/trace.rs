@@ -106,20 +106,53 @@ pub struct Scheduler {
     cached: HashSet<ParamId>,
     cache_bytes: u64,
     rerecords: u64,
+    /// Params of the first forward units, up to one prefetch bucket of
+    /// elements (at least the first unit): see [`Scheduler::keep_after_update`].
+    first_units: Vec<bool>,
 }
 
 impl Scheduler {
     /// A scheduler for `model` that starts by recording.
     pub fn new(model: &Model, limits: Limits) -> Self {
+        let unit_params: Vec<Vec<ParamId>> =
+            model.units().iter().map(|u| u.params.clone()).collect();
+        let numel: Vec<u64> = model.params().iter().map(|p| p.numel as u64).collect();
+        let mut first_units = vec![false; numel.len()];
+        let mut kept = 0u64;
+        for (i, ps) in unit_params.iter().enumerate() {
+            let n: u64 = ps
+                .iter()
+                .map(|p| numel.get(p.0).copied().unwrap_or(0))
+                .sum();
+            if i > 0 && kept + n > limits.prefetch_bucket_numel {
+                break;
+            }
+            kept += n;
+            for p in ps {
+                if let Some(f) = first_units.get_mut(p.0) {
+                    *f = true;
+                }
+            }
+        }
         Scheduler {
             state: TraceState::Record(Vec::new()),
             limits,
-            unit_params: model.units().iter().map(|u| u.params.clone()).collect(),
-            numel: model.params().iter().map(|p| p.numel as u64).collect(),
+            unit_params,
+            numel,
             cached: HashSet::new(),
             cache_bytes: 0,
             rerecords: 0,
+            first_units,
         }
+    }
+
+    /// Whether `p`'s optimizer update should stay resident (written
+    /// through): it belongs to the units the next forward needs first (one
+    /// prefetch bucket of them, from the model's unit order), so writing it
+    /// and reading it straight back would stall that forward. Decided from
+    /// the model alone, never from timing, so a step's read count is fixed.
+    pub fn keep_after_update(&self, p: ParamId) -> bool {
+        self.first_units.get(p.0).copied().unwrap_or(false)
     }
 
     /// The trace state.

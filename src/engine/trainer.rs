@@ -235,13 +235,11 @@ pub struct Trainer {
     groups_after_unit: Vec<Vec<SubGroupId>>,
     /// Sub-groups in the order backward makes them final (see `build`).
     backward_order: Vec<SubGroupId>,
-    /// Params whose optimizer update stays resident (see `build`).
-    keep_on_update: Vec<bool>,
     lookahead_reads: u64,
     spill_grads: bool,
-    /// Sub-groups whose final gradients stay in memory even when
-    /// `spill_grads` (see `build`).
-    held_grads: Vec<bool>,
+    /// With `spill_grads`, the first this many sub-groups keep their final
+    /// gradients in memory (see `build`).
+    held_grad_groups: usize,
     data_name: String,
     /// The save dir this trainer owns (see [`crate::checkpoint::SaveDirLock`]).
     save_lock: Option<crate::checkpoint::SaveDirLock>,
@@ -857,9 +855,7 @@ impl Trainer {
         // held in memory instead of spilled: a read issued before its
         // spill would miss it. As many as the pipeline reads at once, so
         // the set is fixed by the config, not by timing.
-        let held_grads: Vec<bool> = (0..layout.sub_groups.len())
-            .map(|i| spill_grads && i < opt.read_ahead() + 1)
-            .collect();
+        let held_grad_groups = if spill_grads { opt.read_ahead() + 1 } else { 0 };
         let opt = OptimizerWorker::spawn(opt, adam.clone(), param_dtype)?;
         let limits = Limits {
             prefetch_bucket_numel: zero.prefetch_bucket_numel.0,
@@ -869,29 +865,6 @@ impl Trainer {
             device_cache_bytes: config.tierzero.device_cache_bytes.0,
         };
         let sched = Scheduler::new(&model, limits);
-        // The params the next forward needs first (its first units, one
-        // prefetch bucket of elements, at least the first unit): their
-        // optimizer updates stay resident, written through, instead of
-        // being written and read straight back while the forward waits.
-        // Decided from the model alone, so a step's read count is fixed.
-        let mut keep_on_update = vec![false; model.params().len()];
-        let mut kept_numel = 0u64;
-        'units: for (i, u) in model.units().iter().enumerate() {
-            let unit_numel: u64 = u
-                .params
-                .iter()
-                .map(|p| model.params().get(p.0).map_or(0, |s| s.numel as u64))
-                .sum();
-            if i > 0 && kept_numel + unit_numel > limits.prefetch_bucket_numel {
-                break 'units;
-            }
-            kept_numel += unit_numel;
-            for p in &u.params {
-                if let Some(k) = keep_on_update.get_mut(p.0) {
-                    *k = true;
-                }
-            }
-        }
         let n_sub_groups = layout.sub_groups.len();
         let mut groups_after_unit = vec![Vec::new(); model.units().len()];
         for g in &layout.sub_groups {
@@ -945,10 +918,9 @@ impl Trainer {
             metrics,
             groups_after_unit,
             backward_order,
-            keep_on_update,
             lookahead_reads: 0,
             spill_grads,
-            held_grads,
+            held_grad_groups,
             data_name: "unnamed".to_owned(),
             save_lock: None,
             io_clock,
@@ -1193,7 +1165,7 @@ impl Trainer {
         if mode == OverlapMode::Io && self.spill_grads {
             // Steps come after backward, in index order; the first groups'
             // state reads start now (their gradients are held, see
-            // `held_grads`).
+            // `held_grad_groups`).
             self.opt
                 .send(Job::Expect((0..n_groups).map(SubGroupId).collect()))?;
         } else if mode == OverlapMode::Step {
@@ -1338,9 +1310,7 @@ impl Trainer {
                                 let t0 = Instant::now();
                                 sq[sg.0] = Some(self.group_sq_norm(&grads, sg));
                                 norm_time += t0.elapsed();
-                                if self.spill_grads
-                                    && !self.held_grads.get(sg.0).copied().unwrap_or(false)
-                                {
+                                if self.spill_grads && sg.0 >= self.held_grad_groups {
                                     let grad = grads[sg.0].take().unwrap_or_else(|| {
                                         vec![0f32; self.layout.sub_groups[sg.0].numel]
                                     });
@@ -1599,7 +1569,7 @@ impl Trainer {
                     let shard = bytes
                         .get(range)
                         .ok_or_else(|| EngineError::internal("param bytes out of range"))?;
-                    let keep = self.keep_on_update.get(pid.0).copied().unwrap_or(false);
+                    let keep = self.sched.keep_after_update(pid);
                     self.store.update(pid, shard, keep)?;
                 }
                 if let Some(p) = self.pending.get_mut(sg.0) {
