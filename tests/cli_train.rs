@@ -116,11 +116,18 @@ fn tiny_run_writes_metrics_plan_and_summary_and_is_deterministic() {
             let per_tier = m[key].as_object().unwrap_or_else(|| panic!("{key}: {m}"));
             assert!(per_tier.contains_key("cpu") && per_tier.contains_key("nvme"));
         }
-        // Everything lives on NVMe: every step reads params back. (Its
-        // writes may land in the next step's line: the optimizer tail
-        // overlaps the next forward; the summary has the totals.)
-        assert!(m["bytes_read"]["nvme"].as_u64().unwrap() > 0, "{m}");
     }
+    // Everything lives on NVMe: the first step reads every param from it
+    // (on the compute thread, so inside its own line). Later steps keep
+    // this tiny model's updated params resident, and their NVMe traffic is
+    // the optimizer thread's, counted when it publishes: its tail overlaps
+    // the next step, so a short step's line may show none. The summary
+    // has the totals.
+    assert!(
+        lines[0]["bytes_read"]["nvme"].as_u64().unwrap() > 0,
+        "{}",
+        lines[0]
+    );
     let summary = &lines[3];
     assert_eq!(summary["summary"], true);
     let written = summary["bytes_written"]["nvme"].as_u64().unwrap();

@@ -19,8 +19,16 @@
 //!
 //! Sub-groups are read and stepped in one FIFO order: the order of their
 //! `Expect` list, or of their `Step` jobs. The worker issues reads from the front
-//! of that order while the pipeline has room, steps the front when its job
-//! is there, and otherwise blocks on the channel. The updated 16-bit (or
+//! of that order while the pipeline has room (one sub-group's reads in
+//! flight at a time, see [`OptimizerState::prefetch`]), steps the front
+//! when its job is there, and otherwise waits for whichever comes first:
+//! a job, or the completion that lets the next read start (the read in
+//! flight, or the oldest write, whose buffers a read needs). It never
+//! sits on its channel while a read could run: before, the read-ahead
+//! was refilled only when a job arrived, and the disk idled through the
+//! first block of backward. A step's [`Done::Stepped`] goes out before
+//! the worker waits for older state writes to retire, so the compute
+//! thread never waits on a write it does not need. The updated 16-bit (or
 //! fp32) parameter bytes go back as [`Done::Stepped`]; the compute thread
 //! stores them at unit boundaries, and before the next step uses those
 //! params (the [`super::ParamStore`] has a single owner, the compute
@@ -157,6 +165,19 @@ impl State {
         Ok(())
     }
 
+    /// When a queued sub-group's state read could start but waits (the
+    /// pipeline has room for it), the completion it waits for: the state
+    /// read in flight (reads are paced, see `OptimizerState::prefetch`),
+    /// else the oldest unretired write, whose buffers it needs.
+    fn wanted_io(&self) -> Option<&crossbeam_channel::Receiver<tierzero_swap::Completion>> {
+        let pending = self.opt.reads_pending();
+        if self.order.len() > pending && pending <= self.opt.read_ahead() {
+            self.opt.inflight_read().or_else(|| self.opt.oldest_write())
+        } else {
+            None
+        }
+    }
+
     fn step_front(&mut self) -> Result<Option<Done>> {
         let Some(&sg) = self.order.front() else {
             return Ok(None);
@@ -267,6 +288,8 @@ impl State {
                     match self.step_front()? {
                         Some(d) => {
                             let _ = out.send(d);
+                            self.opt.retire_behind()?;
+                            self.publish();
                         }
                         None => {
                             return Err(EngineError::internal(
@@ -324,9 +347,40 @@ impl OptimizerWorker {
                         Err(crossbeam_channel::TryRecvError::Disconnected) => return,
                     }
                 } else {
-                    match jobs.recv() {
-                        Ok(j) => Some(j),
-                        Err(_) => return,
+                    // Nothing to step: issue the reads that fit, then wait
+                    // for a job, or for the I/O completion that lets the
+                    // next wanted read start (see `wanted_io`).
+                    if let Err(e) = st.opt.poll_writes().and_then(|()| st.pump()) {
+                        let _ = done_tx.send(Done::Failed(e));
+                        return;
+                    }
+                    st.publish();
+                    match st.wanted_io() {
+                        Some(io) => {
+                            let mut sel = crossbeam_channel::Select::new();
+                            let job_op = sel.recv(&jobs);
+                            sel.recv(io);
+                            if sel.ready() != job_op {
+                                // Ready with nothing in it: the engine
+                                // dropped the request unanswered.
+                                if io.is_empty() {
+                                    let _ = done_tx.send(Done::Failed(
+                                        tierzero_swap::SwapError::Shutdown.into(),
+                                    ));
+                                    return;
+                                }
+                                continue;
+                            }
+                            match jobs.try_recv() {
+                                Ok(j) => Some(j),
+                                Err(crossbeam_channel::TryRecvError::Empty) => continue,
+                                Err(crossbeam_channel::TryRecvError::Disconnected) => return,
+                            }
+                        }
+                        None => match jobs.recv() {
+                            Ok(j) => Some(j),
+                            Err(_) => return,
+                        },
                     }
                 };
                 let r = match job {
@@ -334,7 +388,7 @@ impl OptimizerWorker {
                     None => st.pump().and_then(|()| match st.step_front()? {
                         Some(d) => {
                             let _ = done_tx.send(d);
-                            Ok(())
+                            st.opt.retire_behind()
                         }
                         None => Ok(()),
                     }),
@@ -418,17 +472,15 @@ mod tests {
     use crate::engine::optstate::NvmeOptim;
     use crate::optim::AdamHyper;
 
-    /// `Job::Expect` starts the state reads before any gradient arrives,
-    /// and the steps then come back in the expected order.
-    #[test]
-    fn expected_sub_groups_are_read_before_their_gradients_arrive() {
-        let dir = std::env::temp_dir().join(format!("tz-worker-expect-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let numel = vec![1024usize; 4];
+    /// An NVMe optimizer state of `groups` sub-groups of 1024 elements
+    /// over `buffers` 4 KiB buffers (write-behind 1, read-ahead from the
+    /// extra buffers), all masters 1.0.
+    fn nvme_state(dir: &std::path::Path, groups: usize, buffers: u64) -> OptimizerState {
+        std::fs::create_dir_all(dir).unwrap();
+        let numel = vec![1024usize; groups];
         let buf_bytes = 4096u64;
-        let space = SwapSpace::create(SpaceConfig::new(&dir, 1 << 20)).unwrap();
-        // 12 buffers: one group stepping, one writing, two read ahead.
-        let mut ac = ArenaConfig::new(buf_bytes * 12, buf_bytes);
+        let space = SwapSpace::create(SpaceConfig::new(dir, 1 << 20)).unwrap();
+        let mut ac = ArenaConfig::new(buf_bytes * buffers, buf_bytes);
         ac.lock = LockPolicy::Off;
         let arena = PinnedArena::new(ac).unwrap();
         let read = Engine::new(space.clone(), arena.clone(), EngineConfig::default()).unwrap();
@@ -441,11 +493,87 @@ mod tests {
             false,
         )
         .unwrap();
-        assert_eq!(opt.read_ahead(), 2, "extra buffers deepen the reads");
         for (i, &n) in numel.iter().enumerate() {
             opt.init_group(SubGroupId(i), &vec![1.0; n]).unwrap();
         }
         opt.flush().unwrap();
+        opt
+    }
+
+    /// Waits (up to 10 s) until the worker has read `groups` sub-groups'
+    /// state (three 4 KiB extents each) beyond `read0` bytes.
+    fn wait_reads(w: &OptimizerWorker, read0: u64, groups: u64, what: &str) {
+        let want = read0 + groups * 3 * 4096;
+        let t0 = Instant::now();
+        while w.counters().nvme_read_bytes < want {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "{what}: {} of {want} bytes read",
+                w.counters().nvme_read_bytes
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Never beyond what the pipeline allows.
+        assert_eq!(w.counters().nvme_read_bytes, want, "{what}: read too far");
+    }
+
+    fn step_job(sg: usize) -> Job {
+        Job::Step {
+            sg: SubGroupId(sg),
+            grad: Some(vec![0.5; 1024]),
+            scale: GradScale::ONE,
+            step: 1,
+            hyper: AdamHyper::default(),
+        }
+    }
+
+    /// State reads are paced (one sub-group in flight at a time), yet the
+    /// read-ahead still fills to its depth on `Expect` alone; and after a
+    /// step frees a place in it, the next read starts with no further job
+    /// (the thread does not sit on its channel while a read could run).
+    #[test]
+    fn reads_refill_the_read_ahead_without_further_jobs() {
+        let dir = std::env::temp_dir().join(format!("tz-worker-refill-{}", std::process::id()));
+        // 9 buffers: the minimum, so read-ahead 1 (two groups reading).
+        let opt = nvme_state(&dir, 4, 9);
+        assert_eq!(opt.read_ahead(), 1);
+        let read0 = opt.counters().nvme_read_bytes;
+        let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
+        let w = OptimizerWorker::spawn(opt, adam, DType::F32).unwrap();
+        w.send(Job::Expect((0..4).map(SubGroupId).collect()))
+            .unwrap();
+        wait_reads(&w, read0, 2, "after Expect");
+        w.send(step_job(0)).unwrap();
+        match w.recv().unwrap() {
+            Done::Stepped { sg, .. } => assert_eq!(sg, SubGroupId(0)),
+            other => panic!("unexpected {other:?}"),
+        }
+        wait_reads(&w, read0, 3, "after the first step");
+        for sg in 1..4 {
+            w.send(step_job(sg)).unwrap();
+        }
+        w.send(Job::Flush).unwrap();
+        let mut stepped = Vec::new();
+        loop {
+            match w.recv().unwrap() {
+                Done::Stepped { sg, .. } => stepped.push(sg.0),
+                Done::Flushed => break,
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(stepped, vec![1, 2, 3]);
+        drop(w);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// `Job::Expect` starts the state reads before any gradient arrives,
+    /// and the steps then come back in the expected order.
+    #[test]
+    fn expected_sub_groups_are_read_before_their_gradients_arrive() {
+        let dir = std::env::temp_dir().join(format!("tz-worker-expect-{}", std::process::id()));
+        // 12 buffers: one group stepping, one writing, two read ahead.
+        let opt = nvme_state(&dir, 4, 12);
+        assert_eq!(opt.read_ahead(), 2, "extra buffers deepen the reads");
         let read0 = opt.counters().nvme_read_bytes;
         let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
         let w = OptimizerWorker::spawn(opt, adam, DType::F32).unwrap();
@@ -457,14 +585,7 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
         }
         for &sg in &order {
-            w.send(Job::Step {
-                sg,
-                grad: Some(vec![0.5; 1024]),
-                scale: GradScale::ONE,
-                step: 1,
-                hyper: AdamHyper::default(),
-            })
-            .unwrap();
+            w.send(step_job(sg.0)).unwrap();
         }
         w.send(Job::Flush).unwrap();
         let mut stepped = Vec::new();

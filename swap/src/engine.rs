@@ -197,6 +197,18 @@ impl Ticket {
     pub fn poll(&self) -> Option<Completion> {
         self.rx.try_recv().ok()
     }
+    /// The channel the completion arrives on, to wait for it together with
+    /// other channels (`crossbeam_channel::Select::ready`, which does not
+    /// take the message). Whatever is received through it is this ticket's
+    /// completion: the buffer is in it, and the ticket is then spent.
+    pub fn receiver(&self) -> &Receiver<Completion> {
+        &self.rx
+    }
+    /// Whether the completion has arrived and is waiting to be taken
+    /// (false again once [`Ticket::poll`] has taken it).
+    pub fn is_done(&self) -> bool {
+        !self.rx.is_empty()
+    }
 }
 
 /// Waits for every ticket; returns the buffers in order, or the first error

@@ -542,6 +542,21 @@ fn wait_all_and_channel_completions() {
             std::thread::sleep(Duration::from_millis(1));
         };
         assert!(c.result.is_ok());
+        // is_done / receiver: waiting beside another channel without
+        // taking the completion; is_done goes false once it is taken.
+        let t = r
+            .engine
+            .read(&extents[1], r.arena.try_acquire().unwrap())
+            .unwrap();
+        let (_other_tx, other) = crossbeam_channel::unbounded::<()>();
+        let mut sel = crossbeam_channel::Select::new();
+        sel.recv(&other);
+        let io = sel.recv(t.receiver());
+        assert_eq!(sel.ready(), io);
+        assert!(t.is_done(), "ready without taking the completion");
+        let c = t.poll().expect("the completion is still there");
+        assert!(c.result.is_ok());
+        assert!(!t.is_done(), "taken");
     }
 }
 
