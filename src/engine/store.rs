@@ -446,10 +446,22 @@ impl ParamStore {
 
     fn tensor_from_shard(&self, id: ParamId, shard: &[u8]) -> Result<Tensor> {
         let info = &self.info[id.0];
-        let mut full = vec![0u8; info.numel * self.elem_bytes];
-        self.comm
-            .all_gather_bytes(shard, &info.counts_bytes, &mut full)?;
-        let t = Tensor::from_raw_buffer(&full, self.dtype, &info.shape, &Device::Cpu)?;
+        // One rank holds the whole param: no gather (and no zeroed copy).
+        let t = if info.counts_bytes.len() == 1 {
+            let whole = info.numel * self.elem_bytes;
+            if shard.len() != whole {
+                return Err(EngineError::internal(format!(
+                    "param {id:?}: a shard of {} bytes for {whole} bytes",
+                    shard.len()
+                )));
+            }
+            Tensor::from_raw_buffer(shard, self.dtype, &info.shape, &Device::Cpu)?
+        } else {
+            let mut full = vec![0u8; info.numel * self.elem_bytes];
+            self.comm
+                .all_gather_bytes(shard, &info.counts_bytes, &mut full)?;
+            Tensor::from_raw_buffer(&full, self.dtype, &info.shape, &Device::Cpu)?
+        };
         Ok(t.to_device(&self.device)?)
     }
 
