@@ -29,9 +29,15 @@
 //! move compute against I/O; `AIO_QD` sets `aio.queue_depth` (default 8);
 //! `COMPUTE_THREADS` sets `tierzero.compute_threads` for all three runs
 //! (default: what `"auto"` gives the offloaded run, so compute alone is
-//! timed with the threads the real step computes with). Output: one JSON line
+//! timed with the threads the real step computes with); `OPT_BUFFERS` and
+//! `PARAM_BUFFERS` set `offload_optimizer.buffer_count` and
+//! `offload_param.buffer_count` (default 16 each). Output: one JSON line
 //! per round, then a summary line with the medians over rounds and the
-//! ratio.
+//! ratio. A round's line also gives the median NVMe bytes (read +
+//! written) per step of the I/O-alone run and of the real step, to compare
+//! the work behind the two timings (a step's count includes what the
+//! previous step's optimizer tail did during it, so it moves a little
+//! with timing; a run's total does not).
 
 use std::error::Error;
 use std::path::PathBuf;
@@ -57,6 +63,12 @@ fn run(setup: &Setup, steps: u64, skip_compute: bool) -> Result<Vec<StepMetrics>
     }
     t.finish()?;
     Ok(out)
+}
+
+/// Median NVMe bytes (read + written) per step.
+fn nvme_bytes(ms: &[StepMetrics]) -> f64 {
+    let get = |m: &std::collections::BTreeMap<String, u64>| m.get("nvme").copied().unwrap_or(0);
+    med(ms, |m| (get(&m.bytes_read) + get(&m.bytes_written)) as f64)
 }
 
 fn med(ms: &[StepMetrics], f: impl Fn(&StepMetrics) -> f64) -> f64 {
@@ -133,7 +145,8 @@ fn main() -> Result<(), Box<dyn Error>> {
                    "overlap_efficiency": e,
                    "step_compute_s": med(&real, |m| m.compute_s),
                    "step_io_wait_s": med(&real, |m| m.io_wait_s),
-                   "step_io_busy_s": med(&real, |m| m.io_busy_s)})
+                   "step_io_busy_s": med(&real, |m| m.io_busy_s),
+                   "io_alone_nvme_bytes": nvme_bytes(&io_after), "step_nvme_bytes": nvme_bytes(&real)})
         );
         compute.push(c);
         optimizer.push(o);

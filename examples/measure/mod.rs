@@ -108,6 +108,14 @@ impl Setup {
                 ds["zero_optimization"]["offload_optimizer"]["buffer_count"] = json!(n);
             }
         }
+        if let Some(n) = std::env::var("PARAM_BUFFERS")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+        {
+            if self.tier == Tier::Nvme {
+                ds["zero_optimization"]["offload_param"]["buffer_count"] = json!(n);
+            }
+        }
         if let Some(n) = self.compute_threads {
             ds["tierzero"]["compute_threads"] = json!(n);
         }
