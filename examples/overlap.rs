@@ -29,7 +29,9 @@
 //! move compute against I/O; `AIO_QD` sets `aio.queue_depth` (default 8);
 //! `COMPUTE_THREADS` sets `tierzero.compute_threads` for all three runs
 //! (default: what `"auto"` gives the offloaded run, so compute alone is
-//! timed with the threads the real step computes with); `OPT_BUFFERS` and
+//! timed with the threads the real step computes with); `TIMELINE=FILE`
+//! writes a timeline of the real run's steps 2..=4 (the last round's; see
+//! `tierzero train --timeline`); `OPT_BUFFERS` and
 //! `PARAM_BUFFERS` set `offload_optimizer.buffer_count` and
 //! `offload_param.buffer_count` (default 16 each). Output: one JSON line
 //! per round, then a summary line with the medians over rounds and the
@@ -43,7 +45,7 @@ use std::error::Error;
 use std::path::PathBuf;
 
 use serde_json::json;
-use tierzero::engine::{threads, StepMetrics, Trainer, TrainerOptions};
+use tierzero::engine::{threads, StepMetrics, Timeline, Trainer, TrainerOptions};
 
 mod measure;
 use measure::{env_or, median, Setup, Tier};
@@ -53,6 +55,15 @@ fn run(setup: &Setup, steps: u64, skip_compute: bool) -> Result<Vec<StepMetrics>
     let (config, md, data) = setup.build()?;
     let mut opts = TrainerOptions::cpu(1, env_or("SEQ_LEN", 64));
     opts.skip_compute = skip_compute;
+    // `TIMELINE=FILE`: a timeline of the real run's steps 2..=4 (the last
+    // round's; see `tierzero train --timeline`).
+    let timeline_path =
+        std::env::var_os("TIMELINE").filter(|_| !skip_compute && setup.tier == Tier::Nvme);
+    if timeline_path.is_some() {
+        let (first, last) = Timeline::window(0, steps, 3);
+        opts.timeline = Some(Timeline::new(first, last));
+    }
+    let timeline = opts.timeline.clone();
     let mut t = Trainer::new(&config, &md, data, opts)?;
     let mut out = Vec::new();
     for i in 0..steps {
@@ -62,6 +73,9 @@ fn run(setup: &Setup, steps: u64, skip_compute: bool) -> Result<Vec<StepMetrics>
         }
     }
     t.finish()?;
+    if let (Some(tl), Some(path)) = (timeline, timeline_path) {
+        tl.write(std::path::Path::new(&path))?;
+    }
     Ok(out)
 }
 

@@ -311,6 +311,13 @@ fn user_mistakes_exit_2_with_one_line() {
     let mut args = TINY.to_vec();
     args.extend(["--metrics", "no/such/dir/m.jsonl"]);
     assert_bad(&d, &args, &["--metrics", "no/such/dir"]);
+    // The same for a timeline; and a timeline of no steps.
+    let mut args = TINY.to_vec();
+    args.extend(["--timeline", "no/such/dir/t.json"]);
+    assert_bad(&d, &args, &["--timeline", "no/such/dir"]);
+    let mut args = TINY.to_vec();
+    args.extend(["--timeline", "t.json", "--timeline-steps", "0"]);
+    assert_bad(&d, &args, &["--timeline-steps", "out of range"]);
 }
 
 #[test]
@@ -519,4 +526,71 @@ fn the_plan_names_the_compute_threads_and_their_source() {
         fixed.contains("2 compute threads (tierzero.compute_threads)"),
         "{fixed}"
     );
+}
+
+/// `--timeline`: a Chrome trace of the steps after the first, with every
+/// lane filled; each compute span lies inside a step span; the steps it
+/// covers are the ones the plan of the flag says. The weights are those
+/// of a run without it.
+#[test]
+fn timeline_traces_the_steps_after_the_first() {
+    let d = tiny_setup("timeline");
+    let mut args = TINY.to_vec();
+    args[9] = "4";
+    let plain = train(&d, &[&args[..], &["--json"]].concat());
+    assert_eq!(plain.code, 0, "stderr: {}", plain.stderr);
+    args.extend(["--timeline", "t.json", "--timeline-steps", "2"]);
+    let out = train(&d, &args);
+    assert_eq!(out.code, 0, "stderr: {}", out.stderr);
+    assert!(
+        out.stdout.contains("timeline of steps 2..=3 in t.json"),
+        "{}",
+        out.stdout
+    );
+    let plain: Value = serde_json::from_str(plain.stdout.trim()).unwrap();
+    let hash = plain["weight_sha256"].as_str().unwrap();
+    assert!(out.stdout.contains(hash), "same weights: {}", out.stdout);
+
+    let v: Value =
+        serde_json::from_str(&std::fs::read_to_string(d.join("t.json")).unwrap()).unwrap();
+    assert_eq!(v["otherData"]["steps"], json!([2, 3]));
+    let events = v["traceEvents"].as_array().unwrap();
+    let lanes: std::collections::BTreeMap<u64, String> = events
+        .iter()
+        .filter(|e| e["ph"] == "M")
+        .map(|e| {
+            (
+                e["tid"].as_u64().unwrap(),
+                e["args"]["name"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let spans = |lane: &str| -> Vec<(String, f64, f64)> {
+        events
+            .iter()
+            .filter(|e| e["ph"] == "X" && lanes[&e["tid"].as_u64().unwrap()] == lane)
+            .map(|e| {
+                let ts = e["ts"].as_f64().unwrap();
+                let dur = e["dur"].as_f64().unwrap();
+                assert!(ts >= 0.0 && dur >= 0.0, "{e}");
+                (e["name"].as_str().unwrap().to_string(), ts, ts + dur)
+            })
+            .collect()
+    };
+    let steps = spans("step");
+    let names: Vec<&str> = steps.iter().map(|s| s.0.as_str()).collect();
+    assert_eq!(names, ["step 2", "step 3"]);
+    // 2 blocks + embedding forward, + head backward: per step 3 forward
+    // and 4 backward spans, and as many waits for params.
+    let compute = spans("compute");
+    assert_eq!(compute.len(), 2 * 7, "{compute:?}");
+    assert_eq!(spans("params").len(), 2 * 7);
+    for (name, a, b) in &compute {
+        assert!(
+            steps.iter().any(|(_, s, e)| s <= a && b <= e),
+            "{name} [{a}, {b}] outside every step: {steps:?}"
+        );
+    }
+    assert!(!spans("optimizer").is_empty(), "no sub-group step");
+    assert!(!spans("disk").is_empty(), "no disk time");
 }

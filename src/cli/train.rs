@@ -56,7 +56,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use tierzero::checkpoint::{Checkpoint, CheckpointError, SaveDirLock};
 use tierzero::config::{self, AutoOr, ConfigWarning, PathChecks, RunContext};
-use tierzero::engine::{EngineError, StepMetrics, TokenData, Trainer, TrainerOptions};
+use tierzero::engine::{EngineError, StepMetrics, Timeline, TokenData, Trainer, TrainerOptions};
 use tierzero::model::{Arch, ModelDir};
 use tierzero::run::{
     Plan, DEFAULT_CORPUS, DEFAULT_CORPUS_NAME, DEFAULT_MODEL_CONFIG, DEFAULT_SEQ_LEN, DEFAULT_STEPS,
@@ -116,6 +116,16 @@ pub struct TrainArgs {
     /// Write one JSON line per step and a final summary line to FILE.
     #[arg(long, value_name = "FILE")]
     metrics: Option<PathBuf>,
+    /// Write a timeline of a few steps to FILE, as a Chrome trace (open it
+    /// in ui.perfetto.dev or chrome://tracing): compute, the waits for
+    /// params, the optimizer thread's sub-group steps and the disk's busy
+    /// time, one lane each. It covers --timeline-steps steps after the
+    /// run's first.
+    #[arg(long, value_name = "FILE")]
+    timeline: Option<PathBuf>,
+    /// How many steps --timeline covers.
+    #[arg(long, value_name = "N", default_value = "3", requires = "timeline")]
+    timeline_steps: String,
     /// Threads of the CPU Adam kernel (it runs beside the compute thread).
     #[arg(long, value_name = "N", default_value = "1")]
     threads: String,
@@ -480,16 +490,21 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
     }
     let cfg = &loaded.config;
 
-    if let Some(m) = &args.metrics {
-        if let Some(parent) = m.parent().filter(|p| !p.as_os_str().is_empty()) {
+    for (flag, file) in [("--metrics", &args.metrics), ("--timeline", &args.timeline)] {
+        if let Some(parent) = file
+            .as_ref()
+            .and_then(|m| m.parent())
+            .filter(|p| !p.as_os_str().is_empty())
+        {
             must_exist(
-                "--metrics",
+                flag,
                 parent,
                 true,
                 "create its directory first or choose another path",
             )?;
         }
     }
+    let timeline_steps = number("--timeline-steps", &args.timeline_steps, 1, 1000)?;
 
     // With --json, stdout carries only the summary object; under several
     // ranks only rank 0 prints.
@@ -505,15 +520,20 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
     };
 
     // Engine.
+    let start_step = ckpt.as_ref().map_or(0, |c| c.step());
+    let timeline = args.timeline.as_ref().filter(|_| lead).map(|_| {
+        let (first, last) = Timeline::window(start_step, steps, timeline_steps);
+        Timeline::new(first, last)
+    });
     let opts = TrainerOptions {
         adam_threads: threads,
         metrics_path: args.metrics.clone().filter(|_| lead),
+        timeline: timeline.clone(),
         comm: comm.clone(),
         ..TrainerOptions::cpu(seed, seq_len)
     };
     // Tokens of the global batch (every rank's micro-batches).
     let tokens_per_step = cfg.batch.train_batch_size * seq_len as u64;
-    let start_step = ckpt.as_ref().map_or(0, |c| c.step());
     if start_step >= steps {
         return say(&format!(
             "the checkpoint {} is at step {start_step}, which already reaches --steps {steps}; \
@@ -638,6 +658,11 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
     let summary = trainer
         .finish()
         .map_err(|e| run_failure(e, "finishing the run"))?;
+    if let (Some(tl), Some(path)) = (&timeline, &args.timeline) {
+        tl.write(path).map_err(|e| {
+            Failure::Internal(anyhow!("writing the timeline {}: {e}", path.display()))
+        })?;
+    }
     if let Some(a) = tierzero::failpoint::check_env()
         .ok()
         .flatten()
@@ -708,5 +733,13 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
             Some(p) => format!("; metrics in {}", p.display()),
             None => String::new(),
         }
-    ))
+    ))?;
+    if let (Some(tl), Some(path)) = (&timeline, &args.timeline) {
+        let (a, b) = tl.steps();
+        emit(&format!(
+            "timeline of steps {a}..={b} in {} (open it in ui.perfetto.dev)\n",
+            path.display()
+        ))?;
+    }
+    Ok(())
 }

@@ -112,6 +112,7 @@ pub mod schedule;
 pub mod sha256;
 pub mod store;
 pub mod threads;
+pub mod timeline;
 pub mod trace;
 pub mod trainer;
 pub mod worker;
@@ -123,6 +124,7 @@ pub use layout::{Layout, SubGroupId};
 pub use metrics::{StepMetrics, Summary};
 pub use schedule::{LossScaler, LrSchedule};
 pub use store::{ParamEvent, ParamState, ParamStore, Tier};
+pub use timeline::{Lane, Timeline};
 pub use trainer::{FaultPlan, StepReport, SwapUsage, Trainer, TrainerOptions};
 
 /// Result type of the engine.

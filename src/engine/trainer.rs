@@ -126,6 +126,7 @@ use super::schedule::{LossScaler, LrSchedule};
 use super::sha256::Sha256;
 use super::store::{NvmeParams, ParamStore, StoreCounters, Tier};
 use super::threads::{self, ComputeThreads};
+use super::timeline::{Lane, Timeline};
 use super::trace::{Limits, Pass, Scheduler, Visit};
 use super::worker::{Done, ExclusiveJob, ExclusiveResult, Job, OptimizerWorker};
 use super::{EngineError, Result};
@@ -164,6 +165,9 @@ pub struct TrainerOptions {
     pub skip_compute: bool,
     /// Fault injection on the swap engines (tests); none by default.
     pub faults: FaultPlan,
+    /// A timeline of a window of steps (`--timeline`, see
+    /// [`super::timeline`]); none by default.
+    pub timeline: Option<Arc<Timeline>>,
 }
 
 /// Fault injectors for the trainer's swap engines: the parameter engine,
@@ -191,6 +195,7 @@ impl TrainerOptions {
             metrics_path: None,
             skip_compute: false,
             faults: FaultPlan::default(),
+            timeline: None,
         }
     }
 }
@@ -856,7 +861,10 @@ impl Trainer {
         // spill would miss it. As many as the pipeline reads at once, so
         // the set is fixed by the config, not by timing.
         let held_grad_groups = if spill_grads { opt.read_ahead() + 1 } else { 0 };
-        let opt = OptimizerWorker::spawn(opt, adam.clone(), param_dtype)?;
+        if opts.timeline.is_some() {
+            io_clock.set_logging(true);
+        }
+        let opt = OptimizerWorker::spawn(opt, adam.clone(), param_dtype, opts.timeline.clone())?;
         let limits = Limits {
             prefetch_bucket_numel: zero.prefetch_bucket_numel.0,
             max_live_numel: zero.max_live_parameters_numel.0,
@@ -1126,6 +1134,10 @@ impl Trainer {
 
     fn step_inner(&mut self) -> Result<StepReport> {
         let t_step = Instant::now();
+        if let Some(tl) = &self.opts.timeline {
+            self.record_disk();
+            tl.begin_step(self.steps_done + 1);
+        }
         let c0 = self.store.counters();
         let o0 = self.opt.counters();
         let busy0 = self.io_clock.busy_s();
@@ -1188,7 +1200,9 @@ impl Trainer {
                     continue;
                 }
                 self.visit(uid, Pass::Forward, shape)?;
+                let tf = Instant::now();
                 let params = self.fetch_unit(uid)?;
+                self.span(Lane::Params, || format!("u{} fwd", uid.0), tf);
                 if self.opts.skip_compute {
                     drop(params);
                     self.release_unit(uid)?;
@@ -1208,6 +1222,7 @@ impl Trainer {
                     (_, None) => return Err(EngineError::internal("block before embedding")),
                 };
                 compute += t0.elapsed();
+                self.span(Lane::Compute, || format!("fwd u{}", uid.0), t0);
                 drop(params);
                 self.release_unit(uid)?;
                 hidden = Some(out.into_tensor());
@@ -1216,7 +1231,9 @@ impl Trainer {
             let mut upstream: Option<Tensor> = None;
             for &(uid, kind) in units.iter().rev() {
                 self.visit(uid, Pass::Backward, shape)?;
+                let tf = Instant::now();
                 let params = self.fetch_unit(uid)?;
+                self.span(Lane::Params, || format!("u{} bwd", uid.0), tf);
                 let t0 = Instant::now();
                 let g = match kind {
                     _ if self.opts.skip_compute => UnitGrads {
@@ -1275,6 +1292,7 @@ impl Trainer {
                     self.accumulate(&mut grads, &mut pending, uid, *pid, grad)?;
                 }
                 compute += t0.elapsed();
+                self.span(Lane::Compute, || format!("bwd u{}", uid.0), t0);
                 upstream = g.input;
                 saved[uid.0] = None;
                 self.release_unit(uid)?;
@@ -1406,6 +1424,9 @@ impl Trainer {
 
         // Metrics.
         let wall = t_step.elapsed().as_secs_f64();
+        let step_no = self.steps_done;
+        self.span(Lane::Step, || format!("step {step_no}"), t_step);
+        self.record_disk();
         let c1 = self.store.counters();
         let o1 = self.opt.counters();
         let io_wait = (c1.io_wait + o1.io_wait).saturating_sub(c0.io_wait + o0.io_wait);
@@ -1454,6 +1475,29 @@ impl Trainer {
             w.write(&metrics)?;
         }
         Ok(StepReport { metrics })
+    }
+
+    /// A compute-thread span from `start` to now, if the timeline keeps
+    /// the current step (`steps_done + 1` while it runs; the step span is
+    /// recorded after the count moved on, so it checks `steps_done`).
+    fn span(&self, lane: Lane, name: impl FnOnce() -> String, start: Instant) {
+        if let Some(tl) = &self.opts.timeline {
+            let step = if lane == Lane::Step {
+                self.steps_done
+            } else {
+                self.steps_done + 1
+            };
+            if tl.keeps(step) {
+                tl.span(lane, name, start, Instant::now());
+            }
+        }
+    }
+
+    /// Moves the disk's finished busy periods into the timeline.
+    fn record_disk(&self) {
+        if let Some(tl) = &self.opts.timeline {
+            tl.disk(&self.io_clock.take_periods());
+        }
     }
 
     fn group_sq_norm(&self, grads: &[Option<Vec<f32>>], sg: SubGroupId) -> f64 {
@@ -2079,6 +2123,8 @@ impl Trainer {
         self.latch(r)?;
         let r = self.store.flush_writes();
         self.latch(r)?;
+        // The last step's optimizer tail has ended: its disk time too.
+        self.record_disk();
         let (bytes_read, bytes_written) = tier_bytes(&self.store.counters(), &self.opt.counters());
         let s = Summary {
             summary: true,

@@ -150,6 +150,7 @@ struct State {
     order: VecDeque<SubGroupId>,
     steps: HashMap<SubGroupId, PendingStep>,
     live: std::sync::Arc<std::sync::Mutex<OptCounters>>,
+    timeline: Option<std::sync::Arc<super::Timeline>>,
 }
 
 impl State {
@@ -186,6 +187,7 @@ impl State {
             return Ok(None);
         };
         self.order.pop_front();
+        let t0 = std::time::Instant::now();
         self.adam.set_hyper(hyper)?;
         let n = self.opt.numel_of(sg)?;
         let mut lp_bf16: Vec<bf16> = Vec::new();
@@ -232,6 +234,14 @@ impl State {
                     .collect();
             }
             _ => {}
+        }
+        if let Some(tl) = &self.timeline {
+            tl.span(
+                super::Lane::Optimizer,
+                || format!("sg {}", sg.0),
+                t0,
+                std::time::Instant::now(),
+            );
         }
         Ok(Some(Done::Stepped { sg, bytes }))
     }
@@ -322,8 +332,14 @@ impl State {
 }
 
 impl OptimizerWorker {
-    /// Starts the thread, which takes ownership of the state.
-    pub fn spawn(opt: OptimizerState, adam: CpuAdam, dtype: DType) -> Result<Self> {
+    /// Starts the thread, which takes ownership of the state; with a
+    /// timeline, each sub-group's step is a span of it.
+    pub fn spawn(
+        opt: OptimizerState,
+        adam: CpuAdam,
+        dtype: DType,
+        timeline: Option<std::sync::Arc<super::Timeline>>,
+    ) -> Result<Self> {
         let (tx, jobs) = crossbeam_channel::unbounded::<Job>();
         let (done_tx, rx) = crossbeam_channel::unbounded::<Done>();
         let live = std::sync::Arc::new(std::sync::Mutex::new(opt.counters()));
@@ -334,6 +350,7 @@ impl OptimizerWorker {
             order: VecDeque::new(),
             steps: HashMap::new(),
             live: live.clone(),
+            timeline,
         };
         let handle = std::thread::Builder::new()
             .name("tierzero-optim".into())
@@ -539,7 +556,7 @@ mod tests {
         assert_eq!(opt.read_ahead(), 1);
         let read0 = opt.counters().nvme_read_bytes;
         let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
-        let w = OptimizerWorker::spawn(opt, adam, DType::F32).unwrap();
+        let w = OptimizerWorker::spawn(opt, adam, DType::F32, None).unwrap();
         w.send(Job::Expect((0..4).map(SubGroupId).collect()))
             .unwrap();
         wait_reads(&w, read0, 2, "after Expect");
@@ -576,7 +593,7 @@ mod tests {
         assert_eq!(opt.read_ahead(), 2, "extra buffers deepen the reads");
         let read0 = opt.counters().nvme_read_bytes;
         let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
-        let w = OptimizerWorker::spawn(opt, adam, DType::F32).unwrap();
+        let w = OptimizerWorker::spawn(opt, adam, DType::F32, None).unwrap();
         let order = [3usize, 1, 2, 0].map(SubGroupId);
         w.send(Job::Expect(order.to_vec())).unwrap();
         let t0 = Instant::now();

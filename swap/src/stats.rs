@@ -13,7 +13,10 @@
 //! engine for optimizer state) can share one [`BusyClock`]: the wall time
 //! during which *any* of their workers had I/O in flight. That union, not
 //! the sum of per-worker busy times (which exceeds wall time as soon as two
-//! rings overlap), is "I/O busy" in an overlap-efficiency figure.
+//! rings overlap), is "I/O busy" in an overlap-efficiency figure. While
+//! [`BusyClock::set_logging`] is on, the clock also keeps each busy period
+//! (start, end) for [`BusyClock::take_periods`]: a timeline of when the
+//! disk worked (the trainer's `--timeline`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -50,6 +53,8 @@ struct BusyInner {
     active: usize,
     since: Option<Instant>,
     total: Duration,
+    /// Finished busy periods, kept while logging is on.
+    periods: Option<Vec<(Instant, Instant)>>,
 }
 
 impl BusyClock {
@@ -77,9 +82,26 @@ impl BusyClock {
         g.active = g.active.saturating_sub(1);
         if g.active == 0 {
             if let Some(t) = g.since.take() {
-                g.total += t.elapsed();
+                let now = Instant::now();
+                g.total += now.duration_since(t);
+                if let Some(p) = g.periods.as_mut() {
+                    p.push((t, now));
+                }
             }
         }
+    }
+
+    /// Starts (or stops, dropping what was kept) keeping busy periods.
+    pub fn set_logging(&self, on: bool) {
+        let mut g = self.lock();
+        g.periods = on.then(|| g.periods.take().unwrap_or_default());
+    }
+
+    /// The busy periods that ended since the last call, oldest first
+    /// (empty unless logging is on). A period still open is not included.
+    pub fn take_periods(&self) -> Vec<(Instant, Instant)> {
+        let mut g = self.lock();
+        g.periods.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     /// Seconds of wall time with any sharing worker busy, so far (a busy
@@ -255,6 +277,36 @@ mod tests {
         std::thread::sleep(Duration::from_millis(5));
         assert!(clock.busy_s() >= got + 0.005);
         a.busy_stop(0, Duration::from_millis(5));
+    }
+
+    #[test]
+    fn busy_clock_logs_the_union_periods_only_while_asked() {
+        let clock = BusyClock::new();
+        let a = Stats::new(1, Some(clock.clone()));
+        let b = Stats::new(1, Some(clock.clone()));
+        a.busy_start();
+        a.busy_stop(0, Duration::ZERO);
+        assert!(clock.take_periods().is_empty(), "logging is off");
+        clock.set_logging(true);
+        let t0 = Instant::now();
+        a.busy_start();
+        b.busy_start();
+        a.busy_stop(0, Duration::ZERO);
+        b.busy_stop(0, Duration::ZERO);
+        b.busy_start();
+        b.busy_stop(0, Duration::ZERO);
+        let p = clock.take_periods();
+        // Overlapping workers make one period; a later one is separate.
+        assert_eq!(p.len(), 2, "{p:?}");
+        assert!(
+            p[0].0 >= t0 && p[0].1 >= p[0].0 && p[1].0 >= p[0].1,
+            "{p:?}"
+        );
+        assert!(clock.take_periods().is_empty(), "taken");
+        clock.set_logging(false);
+        a.busy_start();
+        a.busy_stop(0, Duration::ZERO);
+        assert!(clock.take_periods().is_empty(), "logging is off again");
     }
 
     #[test]

@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Where a step lost its overlap, from a `tierzero train --timeline` file.
+
+Usage: scripts/timeline_gaps.py TIMELINE.json [--top N]
+
+For each step span: its wall time, the time the disk was busy inside it,
+the time the compute thread spent waiting for params, and the N longest
+disk-idle gaps, each with the compute span (or params wait) it fell in.
+Only the standard library is used.
+"""
+import json
+import sys
+
+
+def load(path):
+    with open(path) as f:
+        v = json.load(f)
+    lanes = {e["tid"]: e["args"]["name"] for e in v["traceEvents"] if e.get("ph") == "M"}
+    spans = {}
+    for e in v["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        lane = lanes.get(e["tid"], str(e["tid"]))
+        spans.setdefault(lane, []).append((e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3, e["name"]))
+    for s in spans.values():
+        s.sort()
+    return spans
+
+
+def clip(intervals, a, b):
+    return [(max(s, a), min(e, b), n) for s, e, n in intervals if e > a and s < b]
+
+
+def main():
+    args = sys.argv[1:]
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if args else 2
+    top = 3
+    if "--top" in args:
+        i = args.index("--top")
+        top = int(args[i + 1])
+        del args[i : i + 2]
+    spans = load(args[0])
+    disk = spans.get("disk", [])
+    for s0, s1, name in spans.get("step", []):
+        busy = clip(disk, s0, s1)
+        busy_ms = sum(e - s for s, e, _ in busy)
+        waits = clip(spans.get("params", []), s0, s1)
+        wait_ms = sum(e - s for s, e, _ in waits)
+        comp_ms = sum(e - s for s, e, _ in clip(spans.get("compute", []), s0, s1))
+        gaps, t = [], s0
+        for s, e, _ in busy:
+            if s > t:
+                gaps.append((s - t, t, s))
+            t = max(t, e)
+        if s1 > t:
+            gaps.append((s1 - t, t, s1))
+        gaps.sort(reverse=True)
+        print(
+            f"{name}: {s1 - s0:.1f} ms; disk busy {busy_ms:.1f} ms ({busy_ms / (s1 - s0):.0%}), "
+            f"compute {comp_ms:.1f} ms, waiting for params {wait_ms:.1f} ms"
+        )
+        for d, a, b in gaps[:top]:
+            during = [n for s, e, n in clip(spans.get("compute", []) + spans.get("params", []), a, b)]
+            what = ", ".join(sorted(set(during))) or "nothing on the compute thread"
+            print(f"  disk idle {d:.1f} ms at +{a - s0:.1f} ms, during: {what}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
