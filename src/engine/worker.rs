@@ -298,6 +298,9 @@ impl State {
                     match self.step_front()? {
                         Some(d) => {
                             let _ = out.send(d);
+                            // The next read first (its group's read is
+                            // done), then wait for older writes.
+                            self.pump()?;
                             self.opt.retire_behind()?;
                             self.publish();
                         }
@@ -405,6 +408,7 @@ impl OptimizerWorker {
                     None => st.pump().and_then(|()| match st.step_front()? {
                         Some(d) => {
                             let _ = done_tx.send(d);
+                            st.pump()?;
                             st.opt.retire_behind()
                         }
                         None => Ok(()),
