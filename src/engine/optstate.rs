@@ -42,9 +42,7 @@
 //! gradient arrives, not for queueing: a parameter read that the compute
 //! is waiting for shares the disk with these reads, and would otherwise
 //! queue behind the whole read-ahead (12 MiB at the overlap harness's
-//! settings) instead of one sub-group. On the overlap harness this cut
-//! the step by about 11% against unpaced reads (the note of issue 4).
-//! A finished write's buffers return to the pool when the write is
+//! settings) instead of one sub-group. A finished write's buffers return to the pool when the write is
 //! retired: [`OptimizerState::poll_writes`] retires the finished ones
 //! without blocking, [`OptimizerState::retire_behind`] blocks until at
 //! most `write_behind` remain (called after each step, once the new
@@ -250,11 +248,6 @@ impl OptimizerState {
             .flat_map(|(_, ts)| ts.iter())
             .find(|t| !t.is_done())
             .map(Ticket::receiver)
-    }
-
-    /// Sub-groups whose state writes are not yet retired.
-    pub fn writes_pending(&self) -> usize {
-        self.nvme.as_ref().map_or(0, |n| n.writes.len())
     }
 
     /// How many reads may run ahead of the step.

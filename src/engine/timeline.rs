@@ -206,8 +206,7 @@ impl Timeline {
     /// Writes [`Timeline::to_json`] to `path` (atomically: temp file,
     /// fsync, rename).
     pub fn write(&self, path: &Path) -> Result<(), crate::durable::DurableError> {
-        let text = serde_json::to_string(&self.to_json()).unwrap_or_default();
-        crate::durable::write_atomic(path, text.as_bytes())
+        crate::durable::write_atomic(path, self.to_json().to_string().as_bytes())
     }
 }
 
