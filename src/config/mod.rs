@@ -62,9 +62,11 @@ pub use validate::{
 /// The embedded default config: a small-model run with ZeRO stage 3 and
 /// NVMe offload of both parameters and optimizer state into
 /// `./tierzero-swap/`, fp32, AdamW with a linear warmup then decay over
-/// `--steps`. `offload_param.buffer_size` is 4e6 elements, so the default
-/// model's largest tensor must stay at or below 4M elements. Load it with
-/// [`load_default`], which creates the swap directory.
+/// `--steps`. `offload_param.buffer_size` is 2e5 elements (64 buffers: one
+/// per tensor of the default model, so one step's parameter write-backs
+/// never wait for a free buffer), so the default model's largest tensor
+/// must stay at or below 200K elements. Load it with [`load_default`],
+/// which creates the swap directory.
 pub fn default_embedded() -> &'static str {
     include_str!("default.json")
 }
