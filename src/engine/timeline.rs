@@ -171,7 +171,8 @@ impl Timeline {
     }
 
     /// Number of spans kept in `lane`.
-    pub fn count(&self, lane: Lane) -> usize {
+    #[cfg(test)]
+    fn count(&self, lane: Lane) -> usize {
         self.spans
             .lock()
             .unwrap_or_else(|e| e.into_inner())

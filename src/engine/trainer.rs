@@ -1134,9 +1134,10 @@ impl Trainer {
 
     fn step_inner(&mut self) -> Result<StepReport> {
         let t_step = Instant::now();
+        let this_step = self.steps_done + 1;
         if let Some(tl) = &self.opts.timeline {
             self.record_disk();
-            tl.begin_step(self.steps_done + 1);
+            tl.begin_step(this_step);
         }
         let c0 = self.store.counters();
         let o0 = self.opt.counters();
@@ -1202,7 +1203,7 @@ impl Trainer {
                 self.visit(uid, Pass::Forward, shape)?;
                 let tf = Instant::now();
                 let params = self.fetch_unit(uid)?;
-                self.span(Lane::Params, || format!("u{} fwd", uid.0), tf);
+                self.span(this_step, Lane::Params, || format!("u{} fwd", uid.0), tf);
                 if self.opts.skip_compute {
                     drop(params);
                     self.release_unit(uid)?;
@@ -1222,7 +1223,7 @@ impl Trainer {
                     (_, None) => return Err(EngineError::internal("block before embedding")),
                 };
                 compute += t0.elapsed();
-                self.span(Lane::Compute, || format!("fwd u{}", uid.0), t0);
+                self.span(this_step, Lane::Compute, || format!("fwd u{}", uid.0), t0);
                 drop(params);
                 self.release_unit(uid)?;
                 hidden = Some(out.into_tensor());
@@ -1233,7 +1234,7 @@ impl Trainer {
                 self.visit(uid, Pass::Backward, shape)?;
                 let tf = Instant::now();
                 let params = self.fetch_unit(uid)?;
-                self.span(Lane::Params, || format!("u{} bwd", uid.0), tf);
+                self.span(this_step, Lane::Params, || format!("u{} bwd", uid.0), tf);
                 let t0 = Instant::now();
                 let g = match kind {
                     _ if self.opts.skip_compute => UnitGrads {
@@ -1292,7 +1293,7 @@ impl Trainer {
                     self.accumulate(&mut grads, &mut pending, uid, *pid, grad)?;
                 }
                 compute += t0.elapsed();
-                self.span(Lane::Compute, || format!("bwd u{}", uid.0), t0);
+                self.span(this_step, Lane::Compute, || format!("bwd u{}", uid.0), t0);
                 upstream = g.input;
                 saved[uid.0] = None;
                 self.release_unit(uid)?;
@@ -1424,8 +1425,12 @@ impl Trainer {
 
         // Metrics.
         let wall = t_step.elapsed().as_secs_f64();
-        let step_no = self.steps_done;
-        self.span(Lane::Step, || format!("step {step_no}"), t_step);
+        self.span(
+            this_step,
+            Lane::Step,
+            || format!("step {this_step}"),
+            t_step,
+        );
         self.record_disk();
         let c1 = self.store.counters();
         let o1 = self.opt.counters();
@@ -1477,16 +1482,10 @@ impl Trainer {
         Ok(StepReport { metrics })
     }
 
-    /// A compute-thread span from `start` to now, if the timeline keeps
-    /// the current step (`steps_done + 1` while it runs; the step span is
-    /// recorded after the count moved on, so it checks `steps_done`).
-    fn span(&self, lane: Lane, name: impl FnOnce() -> String, start: Instant) {
+    /// A compute-thread span of step `step` (1-based) from `start` to
+    /// now, if the timeline keeps that step.
+    fn span(&self, step: u64, lane: Lane, name: impl FnOnce() -> String, start: Instant) {
         if let Some(tl) = &self.opts.timeline {
-            let step = if lane == Lane::Step {
-                self.steps_done
-            } else {
-                self.steps_done + 1
-            };
             if tl.keeps(step) {
                 tl.span(lane, name, start, Instant::now());
             }

@@ -246,6 +246,15 @@ impl State {
         Ok(Some(Done::Stepped { sg, bytes }))
     }
 
+    /// After a step: sends its reply, issues the next read (the stepped
+    /// group's read is done, so pacing allows one), then waits for older
+    /// state writes down to `write_behind`.
+    fn hand_on(&mut self, done: Done, out: &Sender<Done>) -> Result<()> {
+        let _ = out.send(done);
+        self.pump()?;
+        self.opt.retire_behind()
+    }
+
     fn enqueue(&mut self, sg: SubGroupId) {
         if !self.order.contains(&sg) {
             self.order.push_back(sg);
@@ -297,11 +306,7 @@ impl State {
                     self.pump()?;
                     match self.step_front()? {
                         Some(d) => {
-                            let _ = out.send(d);
-                            // The next read first (its group's read is
-                            // done), then wait for older writes.
-                            self.pump()?;
-                            self.opt.retire_behind()?;
+                            self.hand_on(d, out)?;
                             self.publish();
                         }
                         None => {
@@ -406,11 +411,7 @@ impl OptimizerWorker {
                 let r = match job {
                     Some(j) => st.handle(j, &done_tx),
                     None => st.pump().and_then(|()| match st.step_front()? {
-                        Some(d) => {
-                            let _ = done_tx.send(d);
-                            st.pump()?;
-                            st.opt.retire_behind()
-                        }
+                        Some(d) => st.hand_on(d, &done_tx),
                         None => Ok(()),
                     }),
                 };
