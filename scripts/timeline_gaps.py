@@ -63,6 +63,7 @@ def main():
         )
         for d, a, b in gaps[:top]:
             during = [n for s, e, n in clip(spans.get("compute", []) + spans.get("params", []), a, b)]
+            during += [f"store {n}" for s, e, n in clip(spans.get("store", []), a, b)]
             what = ", ".join(sorted(set(during))) or "nothing on the compute thread"
             print(f"  disk idle {d:.1f} ms at +{a - s0:.1f} ms, during: {what}")
     return 0

@@ -591,6 +591,16 @@ fn timeline_traces_the_steps_after_the_first() {
             "{name} [{a}, {b}] outside every step: {steps:?}"
         );
     }
-    assert!(!spans("optimizer").is_empty(), "no sub-group step");
+    let stepped = spans("optimizer");
+    assert!(!stepped.is_empty(), "no sub-group step");
+    // Every stored sub-group was stepped by the optimizer thread first.
+    let stored = spans("store");
+    assert!(!stored.is_empty(), "no store of new params");
+    for (name, a, _) in &stored {
+        assert!(
+            stepped.iter().any(|(n, _, b)| n == name && b <= a),
+            "{name} stored at {a} before any step of it: {stepped:?}"
+        );
+    }
     assert!(!spans("disk").is_empty(), "no disk time");
 }

@@ -15,6 +15,7 @@
 //! | `step` | each optimizer step, from `Trainer::step` call to return |
 //! | `compute` | a unit's forward or backward (recompute included) |
 //! | `params` | the compute thread waiting for a unit's params (`fetch_unit`: reads, and updates still coming from the optimizer) |
+//! | `store` | the compute thread storing a stepped sub-group's new params (copy, write-back to the home tier: it waits when no param swap buffer is free); inside a `params` wait when a fetch needed them |
 //! | `optimizer` | one sub-group's step on the optimizer thread, its state read wait included |
 //! | `disk` | the union of the swap engines' busy time ([`tierzero_swap::BusyClock`]) |
 //!
@@ -41,6 +42,8 @@ pub enum Lane {
     Compute,
     /// The compute thread waiting for params.
     Params,
+    /// The compute thread storing a stepped sub-group's new params.
+    Store,
     /// Sub-group steps on the optimizer thread.
     Optimizer,
     /// Disk busy periods.
@@ -48,10 +51,11 @@ pub enum Lane {
 }
 
 impl Lane {
-    const ALL: [Lane; 5] = [
+    const ALL: [Lane; 6] = [
         Lane::Step,
         Lane::Compute,
         Lane::Params,
+        Lane::Store,
         Lane::Optimizer,
         Lane::Disk,
     ];
@@ -61,6 +65,7 @@ impl Lane {
             Lane::Step => "step",
             Lane::Compute => "compute",
             Lane::Params => "params",
+            Lane::Store => "store",
             Lane::Optimizer => "optimizer",
             Lane::Disk => "disk",
         }
@@ -73,6 +78,7 @@ impl Lane {
             Lane::Params => 3,
             Lane::Optimizer => 4,
             Lane::Disk => 5,
+            Lane::Store => 6,
         }
     }
 }
@@ -251,7 +257,10 @@ mod tests {
             .filter(|e| e["ph"] == "M")
             .map(|e| e["args"]["name"].as_str().unwrap())
             .collect();
-        assert_eq!(names, ["step", "compute", "params", "optimizer", "disk"]);
+        assert_eq!(
+            names,
+            ["step", "compute", "params", "store", "optimizer", "disk"]
+        );
         let xs: Vec<&serde_json::Value> = ev.iter().filter(|e| e["ph"] == "X").collect();
         assert_eq!(xs.len(), 7);
         let ts: Vec<f64> = xs.iter().map(|e| e["ts"].as_f64().unwrap()).collect();

@@ -1598,6 +1598,7 @@ impl Trainer {
     fn on_done(&mut self, done: Done) -> Result<()> {
         match done {
             Done::Stepped { sg, bytes } => {
+                let t0 = Instant::now();
                 let g = self
                     .layout
                     .sub_groups
@@ -1618,6 +1619,14 @@ impl Trainer {
                 if let Some(p) = self.pending.get_mut(sg.0) {
                     *p = false;
                 }
+                // In the step being run (`steps_done + 1`), the one whose
+                // forward overlaps this tail.
+                self.span(
+                    self.steps_done + 1,
+                    Lane::Store,
+                    || format!("sg {}", sg.0),
+                    t0,
+                );
                 Ok(())
             }
             Done::Flushed => {
