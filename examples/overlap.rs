@@ -6,10 +6,23 @@
 //! cargo run --release --example overlap -- LAYERS HIDDEN STEPS ROUNDS [DIR]
 //! ```
 //!
-//! Each round runs four trainers on the same model, data and seed, one
-//! after another (so machine noise hits them alike), `STEPS` steps
-//! each; the first step of each (trace recording, cold caches) is dropped
-//! and the per-step medians are kept:
+//! Two methods (`MODE`):
+//!
+//! * **`interleaved`** (the default): the three trainers below live side
+//!   by side in one process and take turns, a *block* of `STEPS` steps
+//!   each, for `ROUNDS` blocks (the order rotates block by block). Each
+//!   block starts from a settled optimizer (the previous block's tail
+//!   waited for, untimed), and its first step is dropped, so every kept
+//!   real step overlaps the previous step's optimizer tail as in a long
+//!   run. The three timings of a block are taken within about a second of
+//!   each other, so the VM's drift (here the I/O phase alone moved by
+//!   ±30% from minute to minute) hits numerator and denominator alike;
+//! * **`separate`**: each round builds four trainers one after another and
+//!   runs each for `STEPS` steps (the first dropped), the method of the
+//!   earlier notes. I/O alone runs twice, before and after the stage-0
+//!   run, and the faster is kept.
+//!
+//! The trainers, on the same model, data and seed:
 //!
 //! * **compute alone** and **optimizer alone**: stage 0, everything in
 //!   memory. `compute_s` is forward + backward; `optimizer_s` is the Adam
@@ -18,10 +31,13 @@
 //!   `TrainerOptions::skip_compute`: every param is fetched and released in
 //!   trace order and the optimizer reads, steps (zero gradients) and writes
 //!   its state, with no forward or backward. Its step wall time is the I/O
-//!   phase. It runs twice a round, before and after the stage-0 run, and
-//!   the faster is kept (what ran just before moved it by ~12% here);
+//!   phase;
 //! * **full step**: the same NVMe configuration training for real; its
 //!   step wall time is what the ratio compares.
+//!
+//! Per round (block) the medians over its kept steps give one ratio
+//! `step / max(compute, I/O, optimizer)`; the summary gives the medians
+//! over rounds and the median of the per-round ratios.
 //!
 //! Environment: `CLIP` (default 0 = off) sets `gradient_clipping`;
 //! `OVERLAP=off` turns the optimizer overlap and pipelining off; `MICRO`
@@ -30,8 +46,9 @@
 //! `COMPUTE_THREADS` sets `tierzero.compute_threads` for all three runs
 //! (default: what `"auto"` gives the offloaded run, so compute alone is
 //! timed with the threads the real step computes with); `TIMELINE=FILE`
-//! writes a timeline of the real run's steps 2..=4 (the last round's; see
-//! `tierzero train --timeline`); `OPT_BUFFERS` and
+//! writes a timeline of three of the real run's steps (`separate`: steps
+//! 2..=4 of the last round; `interleaved`: the first kept steps after the
+//! warm-up; see `tierzero train --timeline`); `OPT_BUFFERS` and
 //! `PARAM_BUFFERS` set `offload_optimizer.buffer_count` and
 //! `offload_param.buffer_count` (default 16 each). Output: one JSON line
 //! per round, then a summary line with the medians over rounds and the
@@ -89,6 +106,130 @@ fn med(ms: &[StepMetrics], f: impl Fn(&StepMetrics) -> f64) -> f64 {
     median(ms.iter().map(f).collect())
 }
 
+/// One of the interleaved trainers.
+struct Arm {
+    trainer: Trainer,
+    /// Kept steps of the current block.
+    block: Vec<StepMetrics>,
+}
+
+impl Arm {
+    fn new(
+        setup: &Setup,
+        skip_compute: bool,
+        timeline: Option<std::sync::Arc<Timeline>>,
+    ) -> Result<Self, Box<dyn Error>> {
+        let (config, md, data) = setup.build()?;
+        let mut opts = TrainerOptions::cpu(1, env_or("SEQ_LEN", 64));
+        opts.skip_compute = skip_compute;
+        opts.timeline = timeline;
+        let mut trainer = Trainer::new(&config, &md, data, opts)?;
+        // Warm-up: the trace-recording step and one more, untimed.
+        for _ in 0..2 {
+            trainer.step()?;
+        }
+        trainer.settle_optimizer()?;
+        Ok(Arm {
+            trainer,
+            block: Vec::new(),
+        })
+    }
+
+    /// `steps` steps, the first dropped, then the tail settled (untimed).
+    fn run_block(&mut self, steps: u64) -> Result<(), Box<dyn Error>> {
+        self.block.clear();
+        for i in 0..steps {
+            let m = self.trainer.step()?.metrics;
+            if i > 0 {
+                self.block.push(m);
+            }
+        }
+        self.trainer.settle_optimizer()?;
+        Ok(())
+    }
+}
+
+/// `MODE=interleaved`: see the module docs.
+fn interleaved(
+    base: &Setup,
+    stage0: &Setup,
+    steps: u64,
+    rounds: usize,
+) -> Result<Vec<Round>, Box<dyn Error>> {
+    // Separate roots: two NVMe trainers are alive at once.
+    let io_setup = Setup {
+        root: base.root.join("io"),
+        ..base.clone()
+    };
+    let real_setup = Setup {
+        root: base.root.join("real"),
+        ..base.clone()
+    };
+    let timeline_path = std::env::var_os("TIMELINE");
+    // Steps 4..=6 of the real trainer: after the warm-up (1, 2) and the
+    // first block's dropped step (3); within that block if STEPS >= 4.
+    let timeline = timeline_path.as_ref().map(|_| Timeline::new(4, 6));
+    let mut arms = [
+        Arm::new(&io_setup, true, None)?,
+        Arm::new(stage0, false, None)?,
+        Arm::new(&real_setup, false, timeline.clone())?,
+    ];
+    let mut out = Vec::new();
+    for round in 0..rounds {
+        for k in 0..arms.len() {
+            arms[(round + k) % arms.len()].run_block(steps)?;
+        }
+        let [io, s0, real] = &arms;
+        out.push(Round::of(&io.block, &io.block, &s0.block, &real.block));
+    }
+    for arm in arms {
+        arm.trainer.finish()?;
+    }
+    if let (Some(tl), Some(path)) = (timeline, timeline_path) {
+        tl.write(std::path::Path::new(&path))?;
+    }
+    Ok(out)
+}
+
+/// The medians of one round (block).
+struct Round {
+    compute: f64,
+    optimizer: f64,
+    io: f64,
+    step: f64,
+    line: serde_json::Value,
+}
+
+impl Round {
+    fn of(
+        io_before: &[StepMetrics],
+        io_after: &[StepMetrics],
+        s0: &[StepMetrics],
+        real: &[StepMetrics],
+    ) -> Round {
+        let c = med(s0, |m| m.compute_s);
+        let o = med(s0, |m| m.optimizer_s);
+        let i = med(io_before, |m| m.wall_s).min(med(io_after, |m| m.wall_s));
+        let w = med(real, |m| m.wall_s);
+        let line = json!({"compute_alone_s": c, "optimizer_alone_s": o,
+               "io_alone_s": i, "io_alone_before_s": med(io_before, |m| m.wall_s),
+               "io_alone_after_s": med(io_after, |m| m.wall_s), "step_s": w,
+               "ratio": w / c.max(o).max(i),
+               "overlap_efficiency": med(real, |m| m.overlap_efficiency),
+               "step_compute_s": med(real, |m| m.compute_s),
+               "step_io_wait_s": med(real, |m| m.io_wait_s),
+               "step_io_busy_s": med(real, |m| m.io_busy_s),
+               "io_alone_nvme_bytes": nvme_bytes(io_after), "step_nvme_bytes": nvme_bytes(real)});
+        Round {
+            compute: c,
+            optimizer: o,
+            io: i,
+            step: w,
+            line,
+        }
+    }
+}
+
 fn main() -> Result<(), Box<dyn Error>> {
     let a: Vec<String> = std::env::args().collect();
     if a.len() < 5 {
@@ -134,40 +275,49 @@ fn main() -> Result<(), Box<dyn Error>> {
         tier: Tier::Stage0,
         ..base.clone()
     };
-    let (mut compute, mut optimizer, mut io, mut full, mut eff) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for round in 0..rounds {
-        // I/O alone twice, before and after the compute-heavy stage-0 run,
-        // and the faster one kept: on this VM the I/O phase ran about 12%
-        // faster right after a run that kept both cores busy than after
-        // one that kept one busy, so one position alone would let the
-        // thread setting move the denominator.
-        let io_before = run(&base, steps, true)?;
-        let s0 = run(&stage0, steps, false)?;
-        let io_after = run(&base, steps, true)?;
-        let real = run(&base, steps, false)?;
-        let c = med(&s0, |m| m.compute_s);
-        let o = med(&s0, |m| m.optimizer_s);
-        let i = med(&io_before, |m| m.wall_s).min(med(&io_after, |m| m.wall_s));
-        let w = med(&real, |m| m.wall_s);
-        let e = med(&real, |m| m.overlap_efficiency);
-        println!(
-            "{}",
-            json!({"round": round, "compute_alone_s": c, "optimizer_alone_s": o,
-                   "io_alone_s": i, "io_alone_before_s": med(&io_before, |m| m.wall_s),
-                   "io_alone_after_s": med(&io_after, |m| m.wall_s), "step_s": w, "ratio": w / c.max(o).max(i),
-                   "overlap_efficiency": e,
-                   "step_compute_s": med(&real, |m| m.compute_s),
-                   "step_io_wait_s": med(&real, |m| m.io_wait_s),
-                   "step_io_busy_s": med(&real, |m| m.io_busy_s),
-                   "io_alone_nvme_bytes": nvme_bytes(&io_after), "step_nvme_bytes": nvme_bytes(&real)})
-        );
-        compute.push(c);
-        optimizer.push(o);
-        io.push(i);
-        full.push(w);
-        eff.push(e);
+    let mode = std::env::var("MODE").unwrap_or_else(|_| "interleaved".into());
+    let rounds_out = match mode.as_str() {
+        "interleaved" => interleaved(&base, &stage0, steps, rounds)?,
+        "separate" => {
+            let mut v = Vec::new();
+            for _ in 0..rounds {
+                // I/O alone twice, before and after the compute-heavy
+                // stage-0 run, and the faster one kept: on this VM the I/O
+                // phase ran about 12% faster right after a run that kept
+                // both cores busy than after one that kept one busy, so
+                // one position alone would let the thread setting move the
+                // denominator.
+                let io_before = run(&base, steps, true)?;
+                let s0 = run(&stage0, steps, false)?;
+                let io_after = run(&base, steps, true)?;
+                let real = run(&base, steps, false)?;
+                v.push(Round::of(&io_before, &io_after, &s0, &real));
+            }
+            v
+        }
+        other => return Err(format!("MODE `{other}`: expected interleaved or separate").into()),
+    };
+    let (mut compute, mut optimizer, mut io, mut full, mut eff, mut ratios) = (
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+    );
+    for (round, r) in rounds_out.into_iter().enumerate() {
+        let mut line = r.line;
+        line["round"] = json!(round);
+        println!("{line}");
+        ratios.push(line["ratio"].as_f64().unwrap_or(f64::NAN));
+        eff.push(line["overlap_efficiency"].as_f64().unwrap_or(f64::NAN));
+        compute.push(r.compute);
+        optimizer.push(r.optimizer);
+        io.push(r.io);
+        full.push(r.step);
     }
+    let within = ratios.iter().filter(|r| **r <= 1.15).count();
+    let median_ratio = median(ratios);
     let (c, o, i, w) = (median(compute), median(optimizer), median(io), median(full));
     println!(
         "{}",
@@ -175,8 +325,9 @@ fn main() -> Result<(), Box<dyn Error>> {
                "steps": steps, "rounds": rounds, "clip": base.clip, "overlap": base.overlap,
                "micro_batch": base.micro_batch, "seq_len": env_or("SEQ_LEN", 64usize),
                "compute_threads": compute_threads,
-               "compute_alone_s": c, "optimizer_alone_s": o, "io_alone_s": i, "step_s": w,
-               "ratio": w / c.max(o).max(i), "overlap_efficiency": median(eff)})
+               "mode": mode, "compute_alone_s": c, "optimizer_alone_s": o, "io_alone_s": i,
+               "step_s": w, "ratio": w / c.max(o).max(i), "median_round_ratio": median_ratio,
+               "rounds_within_1_15": within, "overlap_efficiency": median(eff)})
     );
     Ok(())
 }

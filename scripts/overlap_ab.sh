@@ -10,11 +10,12 @@
 # binary's name); BIN: overlap binaries (e.g. a copy of
 # target/release/examples/overlap per commit; a wrapper script that sets an
 # env knob such as OPT_BUFFERS and execs a binary works too). MICRO
-# (default 2), SEQ_LEN (32) and CLIP (0) pass through; DIR (default
-# overlap-ab) holds the model and swap files.
+# (default 2), SEQ_LEN (32), CLIP (0) and MODE pass through; LAYERS (6),
+# HIDDEN (256), STEPS (12) and ROUNDS (3) are the harness's arguments;
+# DIR (default overlap-ab) holds the model and swap files.
 set -euo pipefail
 if [ $# -lt 3 ]; then
-  sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 n=$1; out=$2; shift 2
@@ -22,7 +23,7 @@ dir=${DIR:-overlap-ab}
 : > "$out"
 for _ in $(seq "$n"); do
   for b in "$@"; do
-    MICRO=${MICRO:-2} SEQ_LEN=${SEQ_LEN:-32} CLIP=${CLIP:-0} "$b" 6 256 12 3 "$dir" 2>/dev/null \
+    MICRO=${MICRO:-2} SEQ_LEN=${SEQ_LEN:-32} CLIP=${CLIP:-0} "$b" "${LAYERS:-6}" "${HIDDEN:-256}" "${STEPS:-12}" "${ROUNDS:-3}" "$dir" 2>/dev/null \
       | grep '"round"' | sed "s|^|$(basename "$b") |" >> "$out"
   done
 done

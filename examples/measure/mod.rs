@@ -78,8 +78,8 @@ impl Setup {
         let stage = if self.tier == Tier::Stage0 { 0 } else { 3 };
         let mut zero = json!({"stage": stage, "sub_group_size": 4 * hidden * hidden,
             "stage3_param_persistence_threshold": 10 * hidden,
-            "stage3_prefetch_bucket_size": 24 * hidden * hidden,
-            "stage3_max_live_parameters": 48 * hidden * hidden,
+            "stage3_prefetch_bucket_size": env_or("BUCKET_H2", 24) * hidden * hidden,
+            "stage3_max_live_parameters": env_or("LIVE_H2", 48) * hidden * hidden,
             "stage3_max_reuse_distance": 0});
         if stage == 3 {
             zero["offload_param"] = off.clone();
