@@ -50,7 +50,10 @@
 //! 2..=4 of the last round; `interleaved`: the first kept steps after the
 //! warm-up; see `tierzero train --timeline`); `OPT_BUFFERS` and
 //! `PARAM_BUFFERS` set `offload_optimizer.buffer_count` and
-//! `offload_param.buffer_count` (default 16 each). Output: one JSON line
+//! `offload_param.buffer_count` (default 16 each); `BUCKET_H2` and `LIVE_H2`
+//! set `stage3_prefetch_bucket_size` and `stage3_max_live_parameters` in
+//! units of hidden² (default 24 and 48: two and four blocks); `MODE`
+//! (above). Output: one JSON line
 //! per round, then a summary line with the medians over rounds and the
 //! ratio. A round's line also gives the median NVMe bytes (read +
 //! written) per step of the I/O-alone run and of the real step, to compare
