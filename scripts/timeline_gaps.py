@@ -3,9 +3,10 @@
 
 Usage: scripts/timeline_gaps.py TIMELINE.json [--top N]
 
-For each step span: its wall time, the time the disk was busy inside it,
-the time the compute thread spent waiting for params, and the N longest
-disk-idle gaps, each with the compute span (or params wait) it fell in.
+For each step span: its wall time, the time the disk was busy inside it
+(and each engine's share: params, state reads, state writes), the time the
+compute thread spent waiting for params, and the N longest disk-idle gaps,
+each with the compute span (or params wait) it fell in.
 Only the standard library is used.
 """
 import json
@@ -57,8 +58,14 @@ def main():
         if s1 > t:
             gaps.append((s1 - t, t, s1))
         gaps.sort(reverse=True)
+        engines = ", ".join(
+            f"{lane[6:]} {sum(e - s for s, e, _ in clip(spans[lane], s0, s1)):.1f}"
+            for lane in ("disk: params", "disk: state reads", "disk: state writes")
+            if lane in spans
+        )
         print(
-            f"{name}: {s1 - s0:.1f} ms; disk busy {busy_ms:.1f} ms ({busy_ms / (s1 - s0):.0%}), "
+            f"{name}: {s1 - s0:.1f} ms; disk busy {busy_ms:.1f} ms ({busy_ms / (s1 - s0):.0%}"
+            f"{'; ' + engines if engines else ''}), "
             f"compute {comp_ms:.1f} ms, waiting for params {wait_ms:.1f} ms"
         )
         for d, a, b in gaps[:top]:

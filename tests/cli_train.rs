@@ -609,5 +609,18 @@ fn timeline_traces_the_steps_after_the_first() {
             "{name} last stored at {a} before any step of it: {stepped:?}"
         );
     }
-    assert!(!spans("disk").is_empty(), "no disk time");
+    let disk = spans("disk");
+    assert!(!disk.is_empty(), "no disk time");
+    // The optimizer's state is on NVMe: its engines have lanes of their
+    // own, each inside the union.
+    for lane in ["disk: state reads", "disk: state writes"] {
+        let own = spans(lane);
+        assert!(!own.is_empty(), "no {lane} time");
+        for (_, a, b) in &own {
+            assert!(
+                disk.iter().any(|(_, s, e)| s <= a && b <= e),
+                "{lane} [{a}, {b}] outside the union: {disk:?}"
+            );
+        }
+    }
 }

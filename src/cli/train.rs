@@ -119,8 +119,9 @@ pub struct TrainArgs {
     /// Write a timeline of a few steps to FILE, as a Chrome trace (open it
     /// in ui.perfetto.dev or chrome://tracing): compute, the waits for
     /// params, the storing of the optimizer's new params, the optimizer
-    /// thread's sub-group steps and the disk's busy time, one lane each.
-    /// It covers --timeline-steps steps after the run's first.
+    /// thread's sub-group steps and the disk's busy time (all engines, and
+    /// each engine: params, state reads, state writes), one lane each. It
+    /// covers --timeline-steps steps after the run's first.
     #[arg(long, value_name = "FILE")]
     timeline: Option<PathBuf>,
     /// How many steps --timeline covers.

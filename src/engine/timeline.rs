@@ -18,6 +18,9 @@
 //! | `store` | the compute thread storing a stepped sub-group's new params (copy, write-back to the home tier: it waits when no param swap buffer is free); inside a `params` wait when a fetch needed them |
 //! | `optimizer` | one sub-group's step on the optimizer thread, its state read wait included |
 //! | `disk` | the union of the swap engines' busy time ([`tierzero_swap::BusyClock`]) |
+//! | `disk: params` | the param engine's busy time (fetch reads, write-backs of new params) |
+//! | `disk: state reads` | the optimizer's read engine (master, m, v; spilled gradients) |
+//! | `disk: state writes` | the optimizer's write engine (state write-backs, gradient spills) |
 //!
 //! Only a window of steps is kept ([`Timeline::new`]: by default the three
 //! after the first, whose trace recording and cold caches make it
@@ -46,18 +49,27 @@ pub enum Lane {
     Store,
     /// Sub-group steps on the optimizer thread.
     Optimizer,
-    /// Disk busy periods.
+    /// Disk busy periods (all engines).
     Disk,
+    /// The param engine's busy periods.
+    DiskParams,
+    /// The optimizer read engine's busy periods.
+    DiskStateReads,
+    /// The optimizer write engine's busy periods.
+    DiskStateWrites,
 }
 
 impl Lane {
-    const ALL: [Lane; 6] = [
+    const ALL: [Lane; 9] = [
         Lane::Step,
         Lane::Compute,
         Lane::Params,
         Lane::Store,
         Lane::Optimizer,
         Lane::Disk,
+        Lane::DiskParams,
+        Lane::DiskStateReads,
+        Lane::DiskStateWrites,
     ];
 
     fn name(self) -> &'static str {
@@ -68,6 +80,9 @@ impl Lane {
             Lane::Store => "store",
             Lane::Optimizer => "optimizer",
             Lane::Disk => "disk",
+            Lane::DiskParams => "disk: params",
+            Lane::DiskStateReads => "disk: state reads",
+            Lane::DiskStateWrites => "disk: state writes",
         }
     }
 
@@ -79,6 +94,9 @@ impl Lane {
             Lane::Optimizer => 4,
             Lane::Disk => 5,
             Lane::Store => 6,
+            Lane::DiskParams => 7,
+            Lane::DiskStateReads => 8,
+            Lane::DiskStateWrites => 9,
         }
     }
 }
@@ -162,14 +180,15 @@ impl Timeline {
             .push(span);
     }
 
-    /// Adds disk busy periods (from [`tierzero_swap::BusyClock::take_periods`]).
-    pub fn disk(&self, periods: &[(Instant, Instant)]) {
+    /// Adds busy periods (from [`tierzero_swap::BusyClock::take_periods`])
+    /// to a disk lane ([`Lane::Disk`] or one engine's).
+    pub fn disk(&self, lane: Lane, periods: &[(Instant, Instant)]) {
         if !self.is_recording() {
             return;
         }
         let mut g = self.spans.lock().unwrap_or_else(|e| e.into_inner());
         g.extend(periods.iter().map(|&(start, end)| Span {
-            lane: Lane::Disk,
+            lane,
             name: "busy".into(),
             start,
             end,
@@ -249,7 +268,7 @@ mod tests {
         assert_eq!(t.count(Lane::Optimizer), 3);
         assert_eq!(t.count(Lane::Compute), 2);
         t.begin_step(3);
-        t.disk(&[(at(31), at(32)), (at(33), at(35))]);
+        t.disk(Lane::Disk, &[(at(31), at(32)), (at(33), at(35))]);
         let v = t.to_json();
         let ev = v["traceEvents"].as_array().unwrap();
         let names: Vec<&str> = ev
@@ -259,7 +278,17 @@ mod tests {
             .collect();
         assert_eq!(
             names,
-            ["step", "compute", "params", "store", "optimizer", "disk"]
+            [
+                "step",
+                "compute",
+                "params",
+                "store",
+                "optimizer",
+                "disk",
+                "disk: params",
+                "disk: state reads",
+                "disk: state writes"
+            ]
         );
         let xs: Vec<&serde_json::Value> = ev.iter().filter(|e| e["ph"] == "X").collect();
         assert_eq!(xs.len(), 7);

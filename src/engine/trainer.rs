@@ -250,6 +250,9 @@ pub struct Trainer {
     save_lock: Option<crate::checkpoint::SaveDirLock>,
     /// Union of the busy time of every I/O engine of this trainer.
     io_clock: Arc<BusyClock>,
+    /// With a timeline: the param, optimizer-read and optimizer-write
+    /// engines' own clocks (its per-engine disk lanes).
+    engine_clocks: Option<[Arc<BusyClock>; 3]>,
     /// Sub-groups whose step job was sent and whose new param bytes have
     /// not been stored yet (see "Optimizer tail" in the module docs).
     pending: Vec<bool>,
@@ -331,6 +334,7 @@ fn lock_policy(pin: bool, lockable: bool, memlock: config::Memlock) -> LockPolic
 fn engine_config(
     config: &Config,
     clock: &Arc<BusyClock>,
+    own_clock: Option<Arc<BusyClock>>,
     faults: Option<Arc<FaultInjector>>,
 ) -> EngineConfig {
     EngineConfig {
@@ -345,6 +349,7 @@ fn engine_config(
         sqpoll: false,
         faults,
         busy_clock: Some(clock.clone()),
+        own_clock,
     }
 }
 
@@ -656,6 +661,16 @@ impl Trainer {
         }
 
         let io_clock = BusyClock::new();
+        // With a timeline, one clock per engine too (its disk lanes): the
+        // param engine, the optimizer's read and write engines.
+        let engine_clocks: Option<[Arc<BusyClock>; 3]> = opts.timeline.as_ref().map(|_| {
+            let c = [BusyClock::new(), BusyClock::new(), BusyClock::new()];
+            for k in &c {
+                k.set_logging(true);
+            }
+            c
+        });
+        let engine_clock = |i: usize| engine_clocks.as_ref().map(|c| c[i].clone());
 
         // Cpu-tier pages.
         let cpu_shards: Vec<u64> = layout
@@ -731,7 +746,12 @@ impl Trainer {
             let engine = Engine::new(
                 space,
                 arena.clone(),
-                engine_config(config, &io_clock, opts.faults.params.clone()),
+                engine_config(
+                    config,
+                    &io_clock,
+                    engine_clock(0),
+                    opts.faults.params.clone(),
+                ),
             )?;
             Some(NvmeParams { engine, arena })
         } else {
@@ -765,12 +785,22 @@ impl Trainer {
                 let read = Engine::new(
                     space.clone(),
                     arena.clone(),
-                    engine_config(config, &io_clock, opts.faults.optim_read.clone()),
+                    engine_config(
+                        config,
+                        &io_clock,
+                        engine_clock(1),
+                        opts.faults.optim_read.clone(),
+                    ),
                 )?;
                 let write = Engine::new(
                     space,
                     arena.clone(),
-                    engine_config(config, &io_clock, opts.faults.optim_write.clone()),
+                    engine_config(
+                        config,
+                        &io_clock,
+                        engine_clock(2),
+                        opts.faults.optim_write.clone(),
+                    ),
                 )?;
                 Some(NvmeOptim { read, write, arena })
             }
@@ -932,6 +962,7 @@ impl Trainer {
             data_name: "unnamed".to_owned(),
             save_lock: None,
             io_clock,
+            engine_clocks,
             pending: vec![false; n_sub_groups],
             flush_open: false,
             optimizer_wait: Duration::ZERO,
@@ -1495,7 +1526,17 @@ impl Trainer {
     /// Moves the disk's finished busy periods into the timeline.
     fn record_disk(&self) {
         if let Some(tl) = &self.opts.timeline {
-            tl.disk(&self.io_clock.take_periods());
+            tl.disk(Lane::Disk, &self.io_clock.take_periods());
+            if let Some(c) = &self.engine_clocks {
+                let lanes = [
+                    Lane::DiskParams,
+                    Lane::DiskStateReads,
+                    Lane::DiskStateWrites,
+                ];
+                for (clock, lane) in c.iter().zip(lanes) {
+                    tl.disk(lane, &clock.take_periods());
+                }
+            }
         }
     }
 

@@ -62,6 +62,9 @@ pub struct EngineConfig {
     /// A busy clock shared with other engines (the union of their busy
     /// time); `None`: per-worker busy time only.
     pub busy_clock: Option<Arc<BusyClock>>,
+    /// A clock of this engine alone, driven beside `busy_clock` (for
+    /// example one lane of a timeline: which engine had the disk when).
+    pub own_clock: Option<Arc<BusyClock>>,
 }
 
 impl Default for EngineConfig {
@@ -74,6 +77,7 @@ impl Default for EngineConfig {
             sqpoll: false,
             faults: None,
             busy_clock: None,
+            own_clock: None,
         }
     }
 }
@@ -424,7 +428,15 @@ impl Engine {
         }
         let shared = Arc::new(Shared {
             space: space.clone(),
-            stats: Stats::new(config.workers, config.busy_clock.clone()),
+            stats: Stats::new(
+                config.workers,
+                config
+                    .busy_clock
+                    .iter()
+                    .chain(&config.own_clock)
+                    .cloned()
+                    .collect(),
+            ),
             faults: config.faults.clone(),
             block_bytes: config.block_bytes,
             inflight: Mutex::new(0),

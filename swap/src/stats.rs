@@ -37,7 +37,8 @@ pub struct Stats {
     latency: Vec<AtomicU64>,
     device_latency: Vec<AtomicU64>,
     busy_ns: Vec<AtomicU64>,
-    clock: Option<Arc<BusyClock>>,
+    /// The shared clock and the engine's own, where configured.
+    clocks: Vec<Arc<BusyClock>>,
 }
 
 /// Wall time during which at least one of the workers sharing this clock
@@ -148,7 +149,11 @@ fn bucket_mid_ns(b: usize) -> f64 {
 }
 
 impl Stats {
-    pub(crate) fn new(workers: usize, clock: Option<Arc<BusyClock>>) -> Self {
+    /// `clocks`: busy clocks the workers drive, outermost first (a clock
+    /// shared with other engines, then this engine's own; see
+    /// [`crate::EngineConfig`]). They are started in that order and stopped
+    /// in reverse, so an inner clock's periods lie inside the outer's.
+    pub(crate) fn new(workers: usize, clocks: Vec<Arc<BusyClock>>) -> Self {
         Stats {
             read_bytes: AtomicU64::new(0),
             write_bytes: AtomicU64::new(0),
@@ -158,7 +163,7 @@ impl Stats {
             latency: (0..BUCKETS).map(|_| AtomicU64::new(0)).collect(),
             device_latency: (0..BUCKETS).map(|_| AtomicU64::new(0)).collect(),
             busy_ns: (0..workers).map(|_| AtomicU64::new(0)).collect(),
-            clock,
+            clocks,
         }
     }
 
@@ -182,14 +187,14 @@ impl Stats {
 
     /// A worker's in-flight count went from 0 to 1.
     pub(crate) fn busy_start(&self) {
-        if let Some(c) = &self.clock {
+        for c in &self.clocks {
             c.start();
         }
     }
 
     /// A worker's in-flight count went back to 0 after `d` busy.
     pub(crate) fn busy_stop(&self, worker: usize, d: Duration) {
-        if let Some(c) = &self.clock {
+        for c in self.clocks.iter().rev() {
             c.stop();
         }
         self.add_busy(worker, d);
@@ -252,8 +257,8 @@ mod tests {
     #[test]
     fn busy_clock_counts_the_union_of_overlapping_workers() {
         let clock = BusyClock::new();
-        let a = Stats::new(1, Some(clock.clone()));
-        let b = Stats::new(1, Some(clock.clone()));
+        let a = Stats::new(1, vec![clock.clone()]);
+        let b = Stats::new(1, vec![clock.clone()]);
         let outer = Instant::now();
         a.busy_start();
         std::thread::sleep(Duration::from_millis(15));
@@ -282,8 +287,8 @@ mod tests {
     #[test]
     fn busy_clock_logs_the_union_periods_only_while_asked() {
         let clock = BusyClock::new();
-        let a = Stats::new(1, Some(clock.clone()));
-        let b = Stats::new(1, Some(clock.clone()));
+        let a = Stats::new(1, vec![clock.clone()]);
+        let b = Stats::new(1, vec![clock.clone()]);
         a.busy_start();
         a.busy_stop(0, Duration::ZERO);
         assert!(clock.take_periods().is_empty(), "logging is off");
@@ -311,7 +316,7 @@ mod tests {
 
     #[test]
     fn quantiles_follow_the_data() {
-        let s = Stats::new(1, None);
+        let s = Stats::new(1, Vec::new());
         for _ in 0..98 {
             s.record(IoOp::Read, 10, true, Duration::from_micros(100));
         }

@@ -56,6 +56,7 @@ fn rig_with(
             sqpoll: false,
             faults,
             busy_clock: None,
+            own_clock: None,
         },
     )
     .unwrap();
@@ -491,6 +492,69 @@ fn dropped_tickets_return_buffers_to_the_pool() {
         let arena = r.arena.clone();
         drop(r.engine);
         assert_eq!(arena.free_count(), arena.count(), "{be:?}");
+    }
+}
+
+#[test]
+fn own_clocks_tell_engines_apart_and_the_shared_one_takes_both() {
+    for be in BACKENDS {
+        let dir = test_dir();
+        let space = SwapSpace::create(SpaceConfig::new(dir.path(), 8 << 20)).unwrap();
+        let mut acfg = ArenaConfig::new(8 << 20, 1 << 20);
+        acfg.alignment = space.alignment();
+        let arena = PinnedArena::new(acfg).unwrap();
+        let shared = BusyClock::new();
+        let own: Vec<_> = (0..2).map(|_| BusyClock::new()).collect();
+        for c in own.iter().chain([&shared]) {
+            c.set_logging(true);
+        }
+        let engines: Vec<_> = own
+            .iter()
+            .map(|c| {
+                Engine::new(
+                    space.clone(),
+                    arena.clone(),
+                    EngineConfig {
+                        backend: be,
+                        busy_clock: Some(shared.clone()),
+                        own_clock: Some(c.clone()),
+                        ..EngineConfig::default()
+                    },
+                )
+                .unwrap()
+            })
+            .collect();
+        let extents: Vec<_> = (0..4).map(|_| space.allocate(1 << 20).unwrap()).collect();
+        let writes: Vec<_> = extents
+            .iter()
+            .map(|e| engines[0].write(e, arena.try_acquire().unwrap()).unwrap())
+            .collect();
+        wait_all(writes).unwrap();
+        engines[0].wait_idle();
+        let first = own[0].take_periods();
+        assert!(!first.is_empty(), "{be:?}: engine 0 wrote");
+        assert!(
+            own[1].take_periods().is_empty(),
+            "{be:?}: engine 1 did nothing"
+        );
+        let reads: Vec<_> = extents
+            .iter()
+            .map(|e| engines[1].read(e, arena.try_acquire().unwrap()).unwrap())
+            .collect();
+        wait_all(reads).unwrap();
+        engines[1].wait_idle();
+        let second = own[1].take_periods();
+        assert!(!second.is_empty(), "{be:?}: engine 1 read");
+        assert!(own[0].take_periods().is_empty(), "{be:?}: engine 0 idle");
+        // The shared clock saw both, and each engine's periods lie inside
+        // its periods (started outermost first, stopped in reverse).
+        let all = shared.take_periods();
+        for p in first.iter().chain(&second) {
+            assert!(
+                all.iter().any(|a| a.0 <= p.0 && p.1 <= a.1),
+                "{be:?}: {p:?} outside {all:?}"
+            );
+        }
     }
 }
 
