@@ -518,6 +518,9 @@ impl ParamStore {
             }
             Home::Nvme { extent } => {
                 let extent = extent.clone();
+                // Two writes of one extent in flight could land in either
+                // order: the older one's must finish first.
+                self.wait_write_of(id)?;
                 let mut buf = self.acquire_buffer()?;
                 buf.as_mut_slice()[..len].copy_from_slice(shard);
                 let nv = self
@@ -552,19 +555,26 @@ impl ParamStore {
         Ok(())
     }
 
-    /// Retires the writes at the front of the queue that have completed,
-    /// without blocking.
+    /// Retires every queued write that has completed, wherever it is in
+    /// the queue, without blocking: its swap buffer goes back to the pool.
+    /// (Only the front was retired before; one slow write then kept every
+    /// later finished one's buffer, and with the pool full of those, the
+    /// next fetch read its params one at a time.)
     fn retire_done_writes(&mut self) -> Result<()> {
-        while let Some((_, t)) = self.writes.front() {
-            match t.poll() {
-                Some(c) => {
-                    self.writes.pop_front();
-                    drop(c.into_result()?);
+        let mut first_err = None;
+        self.writes.retain(|(_, t)| match t.poll() {
+            Some(c) => {
+                if let Err(e) = c.into_result() {
+                    first_err.get_or_insert(e);
                 }
-                None => break,
+                false
             }
+            None => true,
+        });
+        match first_err {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     fn retire_oldest_write(&mut self) -> Result<bool> {
@@ -590,6 +600,10 @@ impl ParamStore {
             };
             if let Ok(b) = arena.try_acquire() {
                 return Ok(b);
+            }
+            self.retire_done_writes()?;
+            if arena.free_count() > 0 {
+                continue;
             }
             if self.retire_oldest_write()? {
                 continue;
@@ -671,7 +685,10 @@ impl ParamStore {
     /// fetch, and the prefetch window would be as short as the buffer
     /// count even when `stage3_max_live_parameters` allows more. Returns
     /// how many were harvested; a failed read's error comes back here.
+    /// Finished write-backs are retired too (their buffers freed), so the
+    /// prefetch window that follows sees every free buffer.
     pub fn harvest(&mut self) -> Result<usize> {
+        self.retire_done_writes()?;
         let mut n = 0;
         for i in 0..self.slots.len() {
             let done = match &self.slots[i] {
@@ -902,6 +919,81 @@ mod tests {
         assert_eq!(s.resident_bytes(), 0);
         // release is idempotent at the API level (no event when not resident).
         s.release(p).unwrap();
+    }
+
+    /// A store with every param on NVMe and `buffers` swap buffers.
+    fn nvme_store(model: &Model, dir: &std::path::Path, buffers: u64) -> ParamStore {
+        std::fs::create_dir_all(dir).unwrap();
+        let layout = Layout::new(model, 0, 1, 1000);
+        let tiers = vec![Tier::Nvme; model.params().len()];
+        let space = tierzero_swap::SwapSpace::create(tierzero_swap::SpaceConfig::new(dir, 1 << 20))
+            .unwrap();
+        let mut ac = ArenaConfig::new(4096 * buffers, 4096);
+        ac.lock = LockPolicy::Off;
+        let arena = PinnedArena::new(ac).unwrap();
+        let engine =
+            Engine::new(space, arena.clone(), tierzero_swap::EngineConfig::default()).unwrap();
+        let mut s = ParamStore::new(
+            model,
+            &layout,
+            &tiers,
+            DType::BF16,
+            Device::Cpu,
+            Arc::new(SingleRank),
+            Vec::new(),
+            Some(NvmeParams { engine, arena }),
+        )
+        .unwrap();
+        for p in model.params() {
+            let bytes: Vec<u8> = (0..p.numel * 2).map(|i| (i % 5) as u8).collect();
+            s.store_initial(p.id, &bytes).unwrap();
+        }
+        s
+    }
+
+    #[test]
+    fn finished_write_backs_free_their_buffers_at_harvest_and_one_param_writes_once_at_a_time() {
+        let model = tiny();
+        let n = model.params().len() as u64;
+        assert!(n >= 4, "{n}");
+        let dir = std::env::temp_dir().join(format!("tz-store-writes-{}", std::process::id()));
+        let mut s = nvme_store(&model, &dir, n);
+        assert_eq!(s.free_buffers(), n as usize);
+        // Every buffer carries a write-back.
+        for p in model.params() {
+            let bytes = vec![7u8; p.numel * 2];
+            s.update(p.id, &bytes, false).unwrap();
+        }
+        assert_eq!(s.free_buffers(), 0);
+        if let Some(nv) = &s.nvme {
+            nv.engine.wait_idle();
+        }
+        // All finished: harvest frees every buffer, whichever finished first.
+        s.harvest().unwrap();
+        assert_eq!(s.free_buffers(), n as usize);
+        assert!(s.writes.is_empty());
+        // Two updates of one param: never two writes of it in flight.
+        let p = ParamId(1);
+        let numel = model.params()[1].numel;
+        s.update(p, &vec![1u8; numel * 2], false).unwrap();
+        s.update(p, &vec![2u8; numel * 2], false).unwrap();
+        assert!(s.writes.iter().filter(|(q, _)| *q == p).count() <= 1);
+        assert_eq!(
+            s.read_shard(p).unwrap(),
+            vec![2u8; numel * 2],
+            "the last one wins"
+        );
+        s.release(p).unwrap();
+        // The window after a harvest issues reads for every free buffer.
+        s.flush_writes().unwrap();
+        let issued = model
+            .params()
+            .iter()
+            .filter(|q| s.prefetch(q.id).unwrap())
+            .count();
+        assert_eq!(issued, n as usize);
+        s.settle().unwrap();
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]
