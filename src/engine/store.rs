@@ -866,19 +866,32 @@ mod tests {
         ac.lock = LockPolicy::Off;
         let arena = PinnedArena::new(ac).unwrap();
         let bufs = arena.try_acquire_n(pages).unwrap();
+        seeded_store(model, &layout, &tiers, bufs, None, 7)
+    }
+
+    /// A bf16 store on one rank with every param's initial bytes
+    /// `i % modulus`.
+    fn seeded_store(
+        model: &Model,
+        layout: &Layout,
+        tiers: &[Tier],
+        cpu_pages: Vec<Buffer>,
+        nvme: Option<NvmeParams>,
+        modulus: usize,
+    ) -> ParamStore {
         let mut s = ParamStore::new(
             model,
-            &layout,
-            &tiers,
+            layout,
+            tiers,
             DType::BF16,
             Device::Cpu,
             Arc::new(SingleRank),
-            bufs,
-            None,
+            cpu_pages,
+            nvme,
         )
         .unwrap();
         for p in model.params() {
-            let bytes: Vec<u8> = (0..p.numel * 2).map(|i| (i % 7) as u8).collect();
+            let bytes: Vec<u8> = (0..p.numel * 2).map(|i| (i % modulus) as u8).collect();
             s.store_initial(p.id, &bytes).unwrap();
         }
         s
@@ -933,22 +946,8 @@ mod tests {
         let arena = PinnedArena::new(ac).unwrap();
         let engine =
             Engine::new(space, arena.clone(), tierzero_swap::EngineConfig::default()).unwrap();
-        let mut s = ParamStore::new(
-            model,
-            &layout,
-            &tiers,
-            DType::BF16,
-            Device::Cpu,
-            Arc::new(SingleRank),
-            Vec::new(),
-            Some(NvmeParams { engine, arena }),
-        )
-        .unwrap();
-        for p in model.params() {
-            let bytes: Vec<u8> = (0..p.numel * 2).map(|i| (i % 5) as u8).collect();
-            s.store_initial(p.id, &bytes).unwrap();
-        }
-        s
+        let nvme = Some(NvmeParams { engine, arena });
+        seeded_store(model, &layout, &tiers, Vec::new(), nvme, 5)
     }
 
     #[test]
