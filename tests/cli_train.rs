@@ -612,11 +612,14 @@ fn timeline_traces_the_steps_after_the_first() {
     let disk = spans("disk");
     assert!(!disk.is_empty(), "no disk time");
     // The optimizer's state is on NVMe: its engines have lanes of their
-    // own, each inside the union.
+    // own, each inside the union. (An engine's period closes a moment
+    // before the union's: at the window's end the union's can fall
+    // outside it, so the check stops at the last union span.)
+    let union_end = disk.iter().map(|d| d.2).fold(f64::MIN, f64::max);
     for lane in ["disk: state reads", "disk: state writes"] {
         let own = spans(lane);
         assert!(!own.is_empty(), "no {lane} time");
-        for (_, a, b) in &own {
+        for (_, a, b) in own.iter().filter(|s| s.2 <= union_end) {
             assert!(
                 disk.iter().any(|(_, s, e)| s <= a && b <= e),
                 "{lane} [{a}, {b}] outside the union: {disk:?}"
