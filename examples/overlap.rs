@@ -53,7 +53,7 @@
 //! `offload_param.buffer_count` (default 16 each); `BUCKET_H2` and `LIVE_H2`
 //! set `stage3_prefetch_bucket_size` and `stage3_max_live_parameters` in
 //! units of hidden² (default 24 and 48: two and four blocks); `MODE`
-//! (above). Output: one JSON line
+//! (above); `PER_STEP=1` prints every step's wall time to stderr. Output: one JSON line
 //! per round, then a summary line with the medians over rounds and the
 //! ratio. A round's line also gives the median NVMe bytes (read +
 //! written) per step of the I/O-alone run and of the real step, to compare
@@ -85,16 +85,33 @@ fn run(setup: &Setup, steps: u64, skip_compute: bool) -> Result<Vec<StepMetrics>
     }
     let timeline = opts.timeline.clone();
     let mut t = Trainer::new(&config, &md, data, opts)?;
-    let mut out = Vec::new();
-    for i in 0..steps {
-        let m = t.step()?.metrics;
-        if i > 0 {
-            out.push(m);
-        }
-    }
+    let out = kept_steps(&mut t, steps, skip_compute)?;
     t.finish()?;
     if let (Some(tl), Some(path)) = (timeline, timeline_path) {
         tl.write(std::path::Path::new(&path))?;
+    }
+    Ok(out)
+}
+
+/// `steps` steps of `t`, the first dropped. `PER_STEP=1` prints every
+/// step's wall time to stderr (`io` or `compute` run), e.g. to see a fresh
+/// trainer's first steps run faster than its later ones.
+fn kept_steps(
+    t: &mut Trainer,
+    steps: u64,
+    skip_compute: bool,
+) -> Result<Vec<StepMetrics>, Box<dyn Error>> {
+    let per_step = std::env::var_os("PER_STEP").is_some();
+    let mut out = Vec::new();
+    for i in 0..steps {
+        let m = t.step()?.metrics;
+        if per_step {
+            let kind = if skip_compute { "io" } else { "compute" };
+            eprintln!("step {kind} {} {:.1} ms", m.step, m.wall_s * 1e3);
+        }
+        if i > 0 {
+            out.push(m);
+        }
     }
     Ok(out)
 }
@@ -112,6 +129,7 @@ fn med(ms: &[StepMetrics], f: impl Fn(&StepMetrics) -> f64) -> f64 {
 /// One of the interleaved trainers.
 struct Arm {
     trainer: Trainer,
+    skip_compute: bool,
     /// Kept steps of the current block.
     block: Vec<StepMetrics>,
 }
@@ -134,19 +152,14 @@ impl Arm {
         trainer.settle_optimizer()?;
         Ok(Arm {
             trainer,
+            skip_compute,
             block: Vec::new(),
         })
     }
 
     /// `steps` steps, the first dropped, then the tail settled (untimed).
     fn run_block(&mut self, steps: u64) -> Result<(), Box<dyn Error>> {
-        self.block.clear();
-        for i in 0..steps {
-            let m = self.trainer.step()?.metrics;
-            if i > 0 {
-                self.block.push(m);
-            }
-        }
+        self.block = kept_steps(&mut self.trainer, steps, self.skip_compute)?;
         self.trainer.settle_optimizer()?;
         Ok(())
     }
@@ -183,6 +196,7 @@ fn interleaved(
             arms[(round + k) % arms.len()].run_block(steps)?;
         }
         let [io, s0, real] = &arms;
+        // One I/O-alone block a round: it stands as both "before" and "after".
         out.push(Round::of(&io.block, &io.block, &s0.block, &real.block));
     }
     for arm in arms {

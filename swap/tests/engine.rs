@@ -543,20 +543,25 @@ fn own_clocks_tell_engines_apart_and_the_shared_one_takes_both() {
                 std::thread::sleep(Duration::from_millis(1));
             }
         };
-        let writes: Vec<_> = extents
-            .iter()
-            .map(|e| engines[0].write(e, arena.try_acquire().unwrap()).unwrap())
-            .collect();
-        wait_all(writes).unwrap();
+        // Every extent through one engine, waited for.
+        let all_through = |engine: &Engine, op: IoOp| {
+            let tickets: Vec<_> = extents
+                .iter()
+                .map(|e| {
+                    let buf = arena.try_acquire().unwrap();
+                    engine
+                        .submit(Request::range(op, e, 0, e.len_bytes(), buf))
+                        .unwrap()
+                })
+                .collect();
+            wait_all(tickets).unwrap();
+        };
+        all_through(&engines[0], IoOp::Write);
         let first = closed(&own[0], None);
         assert!(!first.is_empty(), "{be:?}: engine 0 wrote");
         assert_eq!(own[1].busy_s(), 0.0, "{be:?}: engine 1 did nothing");
         let reads_start = std::time::Instant::now();
-        let reads: Vec<_> = extents
-            .iter()
-            .map(|e| engines[1].read(e, arena.try_acquire().unwrap()).unwrap())
-            .collect();
-        wait_all(reads).unwrap();
+        all_through(&engines[1], IoOp::Read);
         let second = closed(&own[1], None);
         assert!(!second.is_empty(), "{be:?}: engine 1 read");
         // Engine 0 was idle since: a period it closes late is a write's.
