@@ -426,6 +426,38 @@ fn compute_threads_is_auto_a_count_or_an_error() {
 }
 
 #[test]
+fn optimizer_resident_bytes_is_auto_a_size_or_an_error() {
+    let resident = |v: serde_json::Value| {
+        load(json!({"train_batch_size": 8, "tierzero": {"optimizer_resident_bytes": v}}))
+            .config
+            .tierzero
+            .optimizer_resident_bytes
+    };
+    assert_eq!(resident(json!("auto")), None);
+    assert_eq!(resident(json!(0)), Some(Bytes(0)));
+    assert_eq!(resident(json!("64MiB")), Some(Bytes(64 << 20)));
+    assert_eq!(
+        load(json!({"train_batch_size": 8}))
+            .config
+            .tierzero
+            .optimizer_resident_bytes,
+        None
+    );
+    for bad in [json!(-1), json!("lots"), json!(true), json!(1.5)] {
+        let e = load_str(
+            &json!({"train_batch_size": 8, "tierzero": {"optimizer_resident_bytes": bad}})
+                .to_string(),
+            &skip_fs(),
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("tierzero.optimizer_resident_bytes"),
+            "{bad}: {e}"
+        );
+    }
+}
+
+#[test]
 fn nvme_path_on_non_nvme_device_is_a_note() {
     let l = load(
         json!({"train_batch_size": 8, "zero_optimization": {"stage": 3,

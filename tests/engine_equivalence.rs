@@ -159,6 +159,61 @@ fn clipping_nvme_and_non_overlapped_optimizer() {
 }
 
 #[test]
+fn resident_optimizer_groups_change_the_bytes_not_the_bits() {
+    // `tierzero.optimizer_resident_bytes`: none (every sub-group's state
+    // on NVMe), some (the first three sub-groups: 8192 + 1088 + 3072
+    // elements × 12 bytes fit 150 000) and all of it. (Auto keeps at most a
+    // quarter of the state, less than this model's first group.) With
+    // clipping, so resident groups also take the gradient-spill path
+    // (their spilled gradient stays in memory).
+    let dir = tiny_gpt2_dir("resident", 2, 32);
+    let base = Knobs {
+        clip: 0.05,
+        ..Knobs::default()
+    };
+    let nvme = |resident: Option<u64>| Knobs {
+        clip: 0.05,
+        optimizer_resident_bytes: resident,
+        ..Knobs::nvme()
+    };
+    let a = train(&dir, &base, 7, STEPS, |_| SEQ);
+    let none = train(&dir, &nvme(Some(0)), 7, STEPS, |_| SEQ);
+    let some = train(&dir, &nvme(Some(150_000)), 7, STEPS, |_| SEQ);
+    let all = train(&dir, &nvme(Some(1 << 30)), 7, STEPS, |_| SEQ);
+    assert_identical(&a, &none, "no resident groups");
+    assert_identical(&a, &some, "some resident groups");
+    assert_identical(&a, &all, "all groups resident");
+    // Resident groups are never read or written: some move fewer bytes
+    // than none, and with every group resident only params (and nothing of
+    // the optimizer) touch NVMe.
+    let (rn, rs, rl) = (
+        none.nvme_read_bytes(),
+        some.nvme_read_bytes(),
+        all.nvme_read_bytes(),
+    );
+    let (wn, ws, wl) = (
+        none.nvme_written_bytes(),
+        some.nvme_written_bytes(),
+        all.nvme_written_bytes(),
+    );
+    assert!(rn > rs && rs > rl, "reads: none {rn}, some {rs}, all {rl}");
+    assert!(wn > ws && ws > wl, "writes: none {wn}, some {ws}, all {wl}");
+    let params_only = train(
+        &dir,
+        &Knobs {
+            clip: 0.05,
+            optim: "cpu",
+            ..Knobs::nvme()
+        },
+        7,
+        STEPS,
+        |_| SEQ,
+    );
+    assert_eq!(rl, params_only.nvme_read_bytes(), "all resident: reads");
+    assert_eq!(wl, params_only.nvme_written_bytes(), "all resident: writes");
+}
+
+#[test]
 fn hash_depends_on_the_weights() {
     // Guard against a hash that ignores its input: another seed differs.
     let dir = tiny_gpt2_dir("seed", 2, 32);

@@ -145,3 +145,48 @@ fn plan_nvme_bytes_follow_the_layout() {
         "{text}"
     );
 }
+
+#[test]
+fn plan_and_engine_agree_on_resident_optimizer_groups() {
+    for clip in [false, true] {
+        let d = scratch("resident");
+        let mut cfg = ds(&d, clip, None);
+        let t = trainer(&d, &cfg).unwrap();
+        let groups: Vec<u64> = t
+            .layout()
+            .sub_groups
+            .iter()
+            .map(|g| g.numel as u64)
+            .collect();
+        drop(t);
+        // Exactly the first sub-group's state (it holds the embedding, the
+        // first unit's param); one byte less keeps nothing resident.
+        for (budget, resident) in [(12 * groups[0], 1), (12 * groups[0] - 1, 0)] {
+            cfg["tierzero"]["optimizer_resident_bytes"] = json!(budget);
+            let plan = plan_of(&d, &cfg);
+            assert_eq!(plan.resident_sub_groups, resident, "budget {budget}");
+            let on_nvme: u64 = groups[resident..].iter().map(|&n| align(n * 4)).sum();
+            let in_host: u64 = groups[..resident].iter().map(|&n| n * 12).sum();
+            assert_eq!(plan.optimizer.nvme_bytes, 3 * on_nvme);
+            assert_eq!(plan.optimizer.host_bytes, in_host);
+            assert_eq!(plan.grads.nvme_bytes, if clip { on_nvme } else { 0 });
+            // The read-ahead's two NVMe groups hold their gradients, and so
+            // does a resident group before them.
+            assert_eq!(
+                plan.held_sub_groups,
+                if clip { 2 + resident } else { 0 },
+                "budget {budget}"
+            );
+            // The engine allocates exactly the NVMe bytes the plan shows.
+            let t = trainer(&d, &cfg).unwrap();
+            assert_eq!(t.swap_usage().allocated_bytes, plan.nvme_total_bytes());
+            drop(t);
+            let text = plan.to_string();
+            assert_eq!(
+                text.contains("optimizer state (1 groups resident)"),
+                resident == 1,
+                "{text}"
+            );
+        }
+    }
+}

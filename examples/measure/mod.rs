@@ -116,6 +116,12 @@ impl Setup {
                 ds["zero_optimization"]["offload_param"]["buffer_count"] = json!(n);
             }
         }
+        if let Ok(v) = std::env::var("OPT_RESIDENT") {
+            ds["tierzero"]["optimizer_resident_bytes"] = match v.parse::<u64>() {
+                Ok(n) => json!(n),
+                Err(_) => json!(v),
+            };
+        }
         if let Some(n) = self.compute_threads {
             ds["tierzero"]["compute_threads"] = json!(n);
         }

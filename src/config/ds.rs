@@ -542,6 +542,16 @@ pub struct DsTierzero {
     /// every core otherwise; `RAYON_NUM_THREADS` in the environment takes
     /// the place of `"auto"`. `None` = auto.
     pub compute_threads: Option<u64>,
+    /// `optimizer_resident_bytes`: host memory (pageable, not pinned) for
+    /// the fp32 state of the sub-groups the next forward needs first, kept
+    /// out of `offload_optimizer.device = "nvme"`: they are the last
+    /// stepped, so their state would be written in the optimizer's tail,
+    /// while the next forward waits on it, and read again at the end of
+    /// the next backward. `"auto"` (absent) = the state of one
+    /// `stage3_prefetch_bucket_size` (12 bytes per element), at most a
+    /// quarter of all the state; 0 = none.
+    /// Same result either way. `None` = auto.
+    pub optimizer_resident_bytes: Option<u64>,
 }
 
 impl Default for DsTierzero {
@@ -556,6 +566,7 @@ impl Default for DsTierzero {
             checksums: true,
             overlap_optimizer: true,
             compute_threads: None,
+            optimizer_resident_bytes: None,
         }
     }
 }
@@ -725,6 +736,7 @@ const TIERZERO_KEYS: &[&str] = &[
     "checksums",
     "overlap_optimizer",
     "compute_threads",
+    "optimizer_resident_bytes",
 ];
 
 // ---------------------------------------------------------------------------
@@ -1322,6 +1334,13 @@ fn read_tierzero(f: &Field<'_>, sink: &mut Sink) -> Result<DsTierzero, ConfigErr
     }
     if let Some(f) = o.take("compute_threads") {
         t.compute_threads = f.auto_u64()?;
+    }
+    if let Some(f) = o.take("optimizer_resident_bytes") {
+        t.optimizer_resident_bytes = if f.value.as_str() == Some("auto") {
+            None
+        } else {
+            Some(bytes_field(&f)?)
+        };
     }
     o.finish(sink);
     Ok(t)

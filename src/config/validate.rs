@@ -315,6 +315,9 @@ pub struct Tierzero {
     /// Threads of the CPU compute kernels; `None` = auto (see
     /// `crate::engine::threads`).
     pub compute_threads: Option<u32>,
+    /// Host memory for the state of the optimizer's tail sub-groups kept
+    /// out of NVMe; `None` = auto (one prefetch bucket's state).
+    pub optimizer_resident_bytes: Option<Bytes>,
 }
 
 /// The validated configuration the engine runs with.
@@ -737,6 +740,7 @@ pub(crate) fn validate(
             )?),
             None => None,
         },
+        optimizer_resident_bytes: t.optimizer_resident_bytes.map(Bytes),
     };
 
     let config = Config {

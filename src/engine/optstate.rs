@@ -48,6 +48,24 @@
 //! most `write_behind` remain (called after each step, once the new
 //! params are handed on).
 
+//!
+//! # Resident sub-groups
+//!
+//! With NVMe state, some sub-groups keep their state in host memory
+//! anyway (`resident` in [`OptimizerState::new`]): never read, never
+//! written, stepped in place like the memory tier. The trainer picks the
+//! groups holding the params the next forward needs first
+//! (`tierzero.optimizer_resident_bytes`, by default one prefetch bucket's
+//! state). Those are the groups backward finishes last, so they are the
+//! optimizer's tail: on NVMe, their state writes (and any reads the
+//! read-ahead had not reached) ran while the next forward waited for
+//! their params, and their state was read back at the very end of the
+//! next backward. Kept in memory, the tail is Adam alone, and every step
+//! moves `24 bytes × their elements` less. They also need no NVMe extents
+//! (nor gradient-spill extents: a resident group's gradient given to
+//! [`OptimizerState::spill_grad`] stays in memory until its step). The
+//! result is bit-identical: the same kernel on the same values.
+
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -85,7 +103,8 @@ pub struct NvmeOptim {
 #[derive(Debug)]
 struct NvmeState {
     io: NvmeOptim,
-    extents: Vec<[Extent; 3]>,
+    /// `None` for a resident sub-group (its state lives in `mem`).
+    extents: Vec<Option<[Extent; 3]>>,
     grad_extents: Vec<Option<Extent>>,
     spilled: Vec<bool>,
     spill_writes: Vec<Option<Ticket>>,
@@ -110,11 +129,24 @@ pub struct OptCounters {
 #[derive(Debug)]
 pub struct OptimizerState {
     numel: Vec<usize>,
-    mem: Vec<MemGroup>,
+    /// Per sub-group: its state in host memory (every group without NVMe;
+    /// the resident ones with it), else `None` (on NVMe).
+    mem: Vec<Option<MemGroup>>,
+    /// A resident group's gradient handed to [`OptimizerState::spill_grad`]:
+    /// kept here (it has no extent to go to) until its step.
+    held: Vec<Option<Vec<f32>>>,
     nvme: Option<NvmeState>,
     read_ahead: usize,
     write_behind: usize,
     counters: OptCounters,
+}
+
+/// The extents of an NVMe sub-group.
+fn nvme_extents(extents: &[Option<[Extent; 3]>], sg: SubGroupId) -> Result<&[Extent; 3]> {
+    extents
+        .get(sg.0)
+        .and_then(Option::as_ref)
+        .ok_or_else(|| EngineError::internal(format!("sub-group {sg:?} has no NVMe extents")))
 }
 
 fn as_f32(buf: &mut Buffer, numel: usize) -> Result<&mut [f32]> {
@@ -128,27 +160,31 @@ fn as_f32(buf: &mut Buffer, numel: usize) -> Result<&mut [f32]> {
 
 impl OptimizerState {
     /// State for sub-groups of `numel` elements each, in memory (`nvme`
-    /// None) or on NVMe. Initialise every sub-group with
+    /// None) or on NVMe, except the groups `resident` marks (see
+    /// "Resident sub-groups" in the module docs), which stay in host memory
+    /// either way. Initialise every sub-group with
     /// [`OptimizerState::init_group`].
     pub fn new(
         numel: Vec<usize>,
         nvme: Option<NvmeOptim>,
+        resident: &[bool],
         read_ahead: usize,
         write_behind: usize,
         spill_grads: bool,
     ) -> Result<Self> {
-        let (mem, nvme) = match nvme {
-            None => (
-                numel
-                    .iter()
-                    .map(|&n| MemGroup {
-                        master: vec![0.0; n],
-                        m: vec![0.0; n],
-                        v: vec![0.0; n],
-                    })
-                    .collect(),
-                None,
-            ),
+        let mem_group = |n: usize| MemGroup {
+            master: vec![0.0; n],
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+        };
+        let in_mem = |i: usize| nvme.is_none() || resident.get(i).copied().unwrap_or(false);
+        let mem: Vec<Option<MemGroup>> = numel
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| in_mem(i).then(|| mem_group(n)))
+            .collect();
+        let nvme = match nvme {
+            None => None,
             Some(io) => {
                 let need = buffers_needed(read_ahead, write_behind, spill_grads);
                 if io.arena.count() < need {
@@ -159,10 +195,19 @@ impl OptimizerState {
                 }
                 let mut extents = Vec::with_capacity(numel.len());
                 let mut grad_extents = Vec::with_capacity(numel.len());
-                for &n in &numel {
+                for (i, &n) in numel.iter().enumerate() {
+                    if mem[i].is_some() {
+                        extents.push(None);
+                        grad_extents.push(None);
+                        continue;
+                    }
                     let b = (n.max(1) * 4) as u64;
                     let space = io.read.space().clone();
-                    extents.push([space.allocate(b)?, space.allocate(b)?, space.allocate(b)?]);
+                    extents.push(Some([
+                        space.allocate(b)?,
+                        space.allocate(b)?,
+                        space.allocate(b)?,
+                    ]));
                     grad_extents.push(if spill_grads {
                         Some(space.allocate(b)?)
                     } else {
@@ -170,20 +215,18 @@ impl OptimizerState {
                     });
                 }
                 let groups = numel.len();
-                (
-                    Vec::new(),
-                    Some(NvmeState {
-                        io,
-                        extents,
-                        grad_extents,
-                        spilled: vec![false; groups],
-                        spill_writes: (0..groups).map(|_| None).collect(),
-                        reading: VecDeque::new(),
-                        writes: VecDeque::new(),
-                    }),
-                )
+                Some(NvmeState {
+                    io,
+                    extents,
+                    grad_extents,
+                    spilled: vec![false; groups],
+                    spill_writes: (0..groups).map(|_| None).collect(),
+                    reading: VecDeque::new(),
+                    writes: VecDeque::new(),
+                })
             }
         };
+        let held = numel.iter().map(|_| None).collect();
         // Buffers beyond what the configured depths need deepen the read
         // pipeline (not with spilled gradients, whose spill writes take
         // buffers of the same pool while backward runs).
@@ -196,6 +239,7 @@ impl OptimizerState {
         Ok(OptimizerState {
             numel,
             mem,
+            held,
             nvme,
             read_ahead,
             write_behind,
@@ -203,9 +247,28 @@ impl OptimizerState {
         })
     }
 
-    /// Whether state lives on NVMe.
+    /// Whether state lives on NVMe (all of it but the resident groups).
     pub fn is_nvme(&self) -> bool {
         self.nvme.is_some()
+    }
+
+    /// Whether `sg`'s state lives in host memory (the memory tiers, or a
+    /// resident group of NVMe state): it is never read or written.
+    pub fn in_memory(&self, sg: SubGroupId) -> bool {
+        self.mem.get(sg.0).is_some_and(Option::is_some)
+    }
+
+    /// Elements of NVMe state kept resident in host memory.
+    pub fn resident_numel(&self) -> usize {
+        if self.nvme.is_none() {
+            return 0;
+        }
+        self.numel
+            .iter()
+            .zip(&self.mem)
+            .filter(|(_, m)| m.is_some())
+            .map(|(n, _)| n)
+            .sum()
     }
 
     /// Counters so far.
@@ -219,6 +282,13 @@ impl OptimizerState {
             n.io.read.stats().busy_s.iter().sum::<f64>()
                 + n.io.write.stats().busy_s.iter().sum::<f64>()
         })
+    }
+
+    /// Whether `sg`'s state read is issued and it is not yet stepped.
+    pub fn is_issued(&self, sg: SubGroupId) -> bool {
+        self.nvme
+            .as_ref()
+            .is_some_and(|n| n.reading.iter().any(|(g, _)| *g == sg))
     }
 
     /// Sub-groups whose reads are issued and not yet stepped.
@@ -277,16 +347,18 @@ impl OptimizerState {
         if states.iter().any(|s| s.len() != n) {
             return Err(EngineError::internal("load_group: wrong length"));
         }
+        if let Some(g) = self.mem.get_mut(sg.0).and_then(Option::as_mut) {
+            g.master.copy_from_slice(states[0]);
+            g.m.copy_from_slice(states[1]);
+            g.v.copy_from_slice(states[2]);
+            return Ok(());
+        }
         match &mut self.nvme {
-            None => {
-                let g = &mut self.mem[sg.0];
-                g.master.copy_from_slice(states[0]);
-                g.m.copy_from_slice(states[1]);
-                g.v.copy_from_slice(states[2]);
-            }
+            None => return Err(EngineError::internal("no state for a sub-group")),
             Some(nv) => {
                 let mut tickets = Vec::with_capacity(3);
-                for (ext, src) in nv.extents[sg.0].iter().zip(states) {
+                let exts = nvme_extents(&nv.extents, sg)?;
+                for (ext, src) in exts.iter().zip(states) {
                     let mut buf = nv.io.arena.acquire()?;
                     as_f32(&mut buf, n)?.copy_from_slice(src);
                     let len = ext.len_bytes();
@@ -343,8 +415,7 @@ impl OptimizerState {
         };
         crate::failpoint::io_point(crate::failpoint::Site::CkptStateWrite)
             .map_err(io_err("writing"))?;
-        if self.nvme.is_none() {
-            let g = &self.mem[sg.0];
+        if let Some(g) = self.mem.get(sg.0).and_then(Option::as_ref) {
             let v = match k {
                 0 => &g.master,
                 1 => &g.m,
@@ -369,7 +440,7 @@ impl OptimizerState {
             .nvme
             .as_ref()
             .ok_or_else(|| EngineError::internal("nvme state missing"))?;
-        let ext = &nv.extents[sg.0][k];
+        let ext = &nvme_extents(&nv.extents, sg)?[k];
         let space = ext.space().clone();
         space.copy_extent_to_file(ext, len_bytes, file, path, offset_bytes)?;
         match ext.recorded_crc32c() {
@@ -468,6 +539,9 @@ impl OptimizerState {
         let n = self.numel_of(sg)?;
         self.retire_spill_writes(false)?;
         let limit = self.read_ahead + 1;
+        if self.in_memory(sg) {
+            return Ok(true);
+        }
         let Some(nv) = &mut self.nvme else {
             return Ok(true);
         };
@@ -513,7 +587,8 @@ impl OptimizerState {
             None
         };
         let mut tickets = Vec::with_capacity(k);
-        for (ext, buf) in nv.extents[sg.0].iter().chain(grad_ext.as_ref()).zip(bufs) {
+        let exts = nvme_extents(&nv.extents, sg)?;
+        for (ext, buf) in exts.iter().chain(grad_ext.as_ref()).zip(bufs) {
             let len = (n * 4) as u64;
             let len = nv.io.read.space().alignment().round_up(len.max(1));
             tickets.push(nv.io.read.submit(tierzero_swap::Request::range(
@@ -547,11 +622,11 @@ impl OptimizerState {
         if grad.is_some_and(|g| g.len() != n) {
             return Err(EngineError::internal("step: gradient length"));
         }
-        if self.nvme.is_none() {
-            let grad = grad.ok_or_else(|| {
+        if let Some(g) = self.mem.get_mut(sg.0).and_then(Option::as_mut) {
+            let held = self.held.get_mut(sg.0).and_then(Option::take);
+            let grad = grad.or(held.as_deref()).ok_or_else(|| {
                 EngineError::internal("step without a gradient in the memory tier")
             })?;
-            let g = &mut self.mem[sg.0];
             let t0 = Instant::now();
             adam.step(
                 step,
@@ -633,7 +708,8 @@ impl OptimizerState {
             *f = false;
         }
         let mut tickets = Vec::with_capacity(3);
-        for (ext, buf) in nv.extents[sg.0].iter().zip(bufs) {
+        let exts = nvme_extents(&nv.extents, sg)?;
+        for (ext, buf) in exts.iter().zip(bufs) {
             let len = nv
                 .io
                 .write
@@ -666,6 +742,7 @@ impl OptimizerState {
 
     /// Drops prefetched reads and spilled gradients (a skipped fp16 step).
     pub fn cancel_reads(&mut self) -> Result<()> {
+        self.held.iter_mut().for_each(|h| *h = None);
         if let Some(nv) = &mut self.nvme {
             while let Some((_, ts)) = nv.reading.pop_front() {
                 drop(tierzero_swap::wait_all(ts)?);
@@ -680,9 +757,12 @@ impl OptimizerState {
 
     /// Whether gradients can be spilled (NVMe state with gradient extents).
     pub fn can_spill(&self) -> bool {
-        self.nvme
-            .as_ref()
-            .is_some_and(|nv| nv.grad_extents.iter().all(Option::is_some))
+        self.nvme.as_ref().is_some_and(|nv| {
+            nv.grad_extents
+                .iter()
+                .zip(&self.mem)
+                .all(|(e, m)| e.is_some() || m.is_some())
+        })
     }
 
     /// Writes a sub-group's final gradient to NVMe (asynchronously) so host
@@ -692,6 +772,14 @@ impl OptimizerState {
         let n = self.numel_of(sg)?;
         if grad.len() != n {
             return Err(EngineError::internal("spill_grad: gradient length"));
+        }
+        if self.in_memory(sg) {
+            // No extent to spill to: a resident group's gradient stays in
+            // memory until its step (bounded like the group itself).
+            if let Some(h) = self.held.get_mut(sg.0) {
+                *h = Some(grad.to_vec());
+            }
+            return Ok(());
         }
         loop {
             let nv = self
@@ -746,11 +834,14 @@ impl OptimizerState {
     pub fn master(&mut self, sg: SubGroupId) -> Result<Vec<f32>> {
         let n = self.numel_of(sg)?;
         self.flush()?;
+        if let Some(g) = self.mem.get(sg.0).and_then(Option::as_ref) {
+            return Ok(g.master.clone());
+        }
         match &mut self.nvme {
-            None => Ok(self.mem[sg.0].master.clone()),
+            None => Err(EngineError::internal("no state for a sub-group")),
             Some(nv) => {
                 let buf = nv.io.arena.acquire()?;
-                let ext = &nv.extents[sg.0][0];
+                let ext = &nvme_extents(&nv.extents, sg)?[0];
                 let mut buf = nv.io.read.read(ext, buf)?.wait()?;
                 self.counters.nvme_read_bytes += ext.len_bytes();
                 Ok(as_f32(&mut buf, n)?.to_vec())

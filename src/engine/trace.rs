@@ -117,23 +117,7 @@ impl Scheduler {
         let unit_params: Vec<Vec<ParamId>> =
             model.units().iter().map(|u| u.params.clone()).collect();
         let numel: Vec<u64> = model.params().iter().map(|p| p.numel as u64).collect();
-        let mut first_units = vec![false; numel.len()];
-        let mut kept = 0u64;
-        for (i, ps) in unit_params.iter().enumerate() {
-            let n: u64 = ps
-                .iter()
-                .map(|p| numel.get(p.0).copied().unwrap_or(0))
-                .sum();
-            if i > 0 && kept + n > limits.prefetch_bucket_numel {
-                break;
-            }
-            kept += n;
-            for p in ps {
-                if let Some(f) = first_units.get_mut(p.0) {
-                    *f = true;
-                }
-            }
-        }
+        let first_units = Self::first_units(model, limits.prefetch_bucket_numel);
         Scheduler {
             state: TraceState::Record(Vec::new()),
             limits,
@@ -144,6 +128,34 @@ impl Scheduler {
             rerecords: 0,
             first_units,
         }
+    }
+
+    /// Per param: whether it belongs to the units the next forward needs
+    /// first: the first units in model order, up to `bucket_numel`
+    /// elements (at least the first unit). Their optimizer updates stay
+    /// resident ([`Scheduler::keep_after_update`]), and their sub-groups'
+    /// state may stay in host memory (`tierzero.optimizer_resident_bytes`).
+    pub fn first_units(model: &Model, bucket_numel: u64) -> Vec<bool> {
+        let numel: Vec<u64> = model.params().iter().map(|p| p.numel as u64).collect();
+        let mut first_units = vec![false; numel.len()];
+        let mut kept = 0u64;
+        for (i, u) in model.units().iter().enumerate() {
+            let n: u64 = u
+                .params
+                .iter()
+                .map(|p| numel.get(p.0).copied().unwrap_or(0))
+                .sum();
+            if i > 0 && kept + n > bucket_numel {
+                break;
+            }
+            kept += n;
+            for p in &u.params {
+                if let Some(f) = first_units.get_mut(p.0) {
+                    *f = true;
+                }
+            }
+        }
+        first_units
     }
 
     /// Whether `p`'s optimizer update should stay resident (written

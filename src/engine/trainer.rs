@@ -366,6 +366,67 @@ fn space_config(config: &Config, path: &std::path::Path, capacity_bytes: u64) ->
 
 const ALIGN: u64 = 4096;
 
+/// Per sub-group of `layout`: whether its optimizer state stays in host
+/// memory although `offload_optimizer.device` is `nvme` (always false
+/// without NVMe state). Those are the groups holding a param of the next
+/// forward's first units ([`Scheduler::first_units`], one prefetch
+/// bucket), in index order, while their state (12 bytes per element:
+/// master, m, v) fits `tierzero.optimizer_resident_bytes`. Auto: one
+/// prefetch bucket's state, and never more than a quarter of the rank's
+/// state (NVMe offload asks for the state to stay off host memory; auto
+/// only takes the tail). See "Resident sub-groups" in `optstate.rs`. The
+/// start-up plan shows the same set.
+pub fn optimizer_resident_groups(config: &Config, model: &Model, layout: &Layout) -> Vec<bool> {
+    let zero = &config.zero;
+    if zero.offload_optimizer.device.nvme_path().is_none() {
+        return vec![false; layout.sub_groups.len()];
+    }
+    let bucket = zero.prefetch_bucket_numel.0;
+    let state_bytes = (layout.shard_numel() as u64).saturating_mul(12);
+    let budget_bytes = config
+        .tierzero
+        .optimizer_resident_bytes
+        .map_or(bucket.saturating_mul(12).min(state_bytes / 4), |b| b.0);
+    let first_units = Scheduler::first_units(model, bucket);
+    let mut resident = vec![false; layout.sub_groups.len()];
+    let mut used_bytes = 0u64;
+    for g in &layout.sub_groups {
+        if !g
+            .params
+            .iter()
+            .any(|p| first_units.get(p.0).copied().unwrap_or(false))
+        {
+            continue;
+        }
+        let bytes = (g.numel as u64).saturating_mul(12);
+        if used_bytes.saturating_add(bytes) > budget_bytes {
+            break;
+        }
+        used_bytes += bytes;
+        if let Some(r) = resident.get_mut(g.id.0) {
+            *r = true;
+        }
+    }
+    resident
+}
+
+/// With spilled gradients: the sub-groups below this index keep their
+/// final gradients in memory. They are the first `nvme_groups` groups
+/// whose state is on NVMe (index order), whose reads start with the step,
+/// and the resident groups among them.
+pub fn held_grad_bound(resident: &[bool], nvme_groups: usize) -> usize {
+    let mut seen = 0;
+    for (i, r) in resident.iter().enumerate() {
+        if !r {
+            seen += 1;
+            if seen == nvme_groups {
+                return i + 1;
+            }
+        }
+    }
+    resident.len()
+}
+
 fn align_up(x: u64) -> u64 {
     x.max(1).div_ceil(ALIGN) * ALIGN
 }
@@ -768,12 +829,17 @@ impl Trainer {
             nvme_params,
         )?;
 
-        // Optimizer state.
+        // Optimizer state. With NVMe, the sub-groups holding the params the
+        // next forward needs first keep their state in host memory, within
+        // `tierzero.optimizer_resident_bytes` ("Resident sub-groups" in
+        // optstate.rs).
+        let resident = optimizer_resident_groups(config, &model, &layout);
         let nvme_opt = match &opt_nvme {
             Some(path) => {
                 let cap: u64 = layout
                     .sub_groups
                     .iter()
+                    .filter(|g| !resident.get(g.id.0).copied().unwrap_or(false))
                     .map(|g| (3 + u64::from(spill_grads)) * align_up(g.numel as u64 * 4))
                     .sum();
                 let path = rank_dir(path)?;
@@ -809,6 +875,7 @@ impl Trainer {
         let mut opt = OptimizerState::new(
             layout.sub_groups.iter().map(|g| g.numel).collect(),
             nvme_opt,
+            &resident,
             read_ahead,
             write_behind,
             spill_grads,
@@ -888,9 +955,14 @@ impl Trainer {
         // (index order: the next forward needs them first) are issued when
         // the step starts (`Job::Expect`), and those groups' gradients are
         // held in memory instead of spilled: a read issued before its
-        // spill would miss it. As many as the pipeline reads at once, so
-        // the set is fixed by the config, not by timing.
-        let held_grad_groups = if spill_grads { opt.read_ahead() + 1 } else { 0 };
+        // spill would miss it. As many NVMe groups as the pipeline reads at
+        // once (resident groups among them are read by nobody), so the set
+        // is fixed by the config, not by timing.
+        let held_grad_groups = if spill_grads {
+            held_grad_bound(&resident, opt.read_ahead() + 1)
+        } else {
+            0
+        };
         if opts.timeline.is_some() {
             io_clock.set_logging(true);
         }

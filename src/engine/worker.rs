@@ -172,7 +172,11 @@ impl State {
     /// else the oldest unretired write, whose buffers it needs.
     fn wanted_io(&self) -> Option<&crossbeam_channel::Receiver<tierzero_swap::Completion>> {
         let pending = self.opt.reads_pending();
-        if self.order.len() > pending && pending <= self.opt.read_ahead() {
+        let unissued = self
+            .order
+            .iter()
+            .any(|&g| !self.opt.in_memory(g) && !self.opt.is_issued(g));
+        if unissued && pending <= self.opt.read_ahead() {
             self.opt.inflight_read().or_else(|| self.opt.oldest_write())
         } else {
             None
@@ -298,10 +302,15 @@ impl State {
                 // in index order (forward order), because the next step's
                 // forward, which overlaps this tail, needs the lowest first
                 // ("Optimizer tail" in trainer.rs). Groups whose state reads
-                // are already issued keep their place (reads are FIFO).
+                // are already issued keep their place (reads are FIFO), and
+                // so does everything before the last of them.
                 // Each group's result does not depend on the order.
-                let issued = self.opt.reads_pending().min(self.order.len());
-                self.order.make_contiguous()[issued..].sort_by_key(|g| g.0);
+                let fixed = self
+                    .order
+                    .iter()
+                    .rposition(|&g| self.opt.is_issued(g))
+                    .map_or(0, |i| i + 1);
+                self.order.make_contiguous()[fixed..].sort_by_key(|g| g.0);
                 while !self.steps.is_empty() {
                     self.pump()?;
                     match self.step_front()? {
@@ -498,6 +507,16 @@ mod tests {
     /// over `buffers` 4 KiB buffers (write-behind 1, read-ahead from the
     /// extra buffers), all masters 1.0.
     fn nvme_state(dir: &std::path::Path, groups: usize, buffers: u64) -> OptimizerState {
+        nvme_state_with(dir, groups, buffers, &[])
+    }
+
+    /// [`nvme_state`] with the groups `resident` marks kept in memory.
+    fn nvme_state_with(
+        dir: &std::path::Path,
+        groups: usize,
+        buffers: u64,
+        resident: &[bool],
+    ) -> OptimizerState {
         std::fs::create_dir_all(dir).unwrap();
         let numel = vec![1024usize; groups];
         let buf_bytes = 4096u64;
@@ -510,6 +529,7 @@ mod tests {
         let mut opt = OptimizerState::new(
             numel.clone(),
             Some(NvmeOptim { read, write, arena }),
+            resident,
             1,
             1,
             false,
@@ -622,6 +642,87 @@ mod tests {
             }
         }
         assert_eq!(stepped, order.to_vec());
+        drop(w);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Resident sub-groups of NVMe state: never read or written, a
+    /// spilled gradient of theirs kept until the step, results equal to
+    /// the memory tier's, interleaved with NVMe groups in one order.
+    #[test]
+    fn resident_groups_are_never_read_or_written_and_step_like_the_rest() {
+        let dir = std::env::temp_dir().join(format!("tz-worker-resident-{}", std::process::id()));
+        let resident = [false, true, false, true];
+        let opt = nvme_state_with(&dir, 4, 9, &resident);
+        assert!(opt.in_memory(SubGroupId(1)) && !opt.in_memory(SubGroupId(2)));
+        assert_eq!(opt.resident_numel(), 2048);
+        let c0 = opt.counters();
+        // Init wrote only the NVMe groups.
+        assert_eq!(c0.nvme_written_bytes, 2 * 3 * 4096);
+        let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
+        // The reference: every group in memory.
+        let mut mem = OptimizerState::new(vec![1024; 4], None, &[], 1, 1, false).unwrap();
+        let mut want = Vec::new();
+        for sg in 0..4 {
+            mem.init_group(SubGroupId(sg), &[1.0; 1024]).unwrap();
+            let mut bytes = Vec::new();
+            mem.step(
+                SubGroupId(sg),
+                &adam,
+                1,
+                Some(&[0.5; 1024]),
+                GradScale::ONE,
+                None,
+                &mut |m: &[f32]| {
+                    bytes = m.iter().flat_map(|x| x.to_le_bytes()).collect();
+                    Ok(())
+                },
+            )
+            .unwrap();
+            want.push(bytes);
+        }
+        let w = OptimizerWorker::spawn(opt, adam, DType::F32, None).unwrap();
+        let order = [3usize, 2, 1, 0].map(SubGroupId);
+        w.send(Job::Expect(order.to_vec())).unwrap();
+        // Resident group 1's gradient goes through the spill path.
+        w.send(Job::SpillGrad {
+            sg: SubGroupId(1),
+            grad: vec![0.5; 1024],
+        })
+        .unwrap();
+        for &sg in &order {
+            let job = if sg.0 == 1 {
+                Job::Step {
+                    sg,
+                    grad: None,
+                    scale: GradScale::ONE,
+                    step: 1,
+                    hyper: AdamHyper::default(),
+                }
+            } else {
+                step_job(sg.0)
+            };
+            w.send(job).unwrap();
+        }
+        w.send(Job::Flush).unwrap();
+        let mut stepped = Vec::new();
+        loop {
+            match w.recv().unwrap() {
+                Done::Stepped { sg, bytes } => {
+                    assert_eq!(bytes, want[sg.0], "sub-group {}", sg.0);
+                    stepped.push(sg);
+                }
+                Done::Flushed => break,
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        // Every group once (the tail after `Flush` goes in index order, so
+        // the order depends on what was stepped before it).
+        stepped.sort_by_key(|g| g.0);
+        assert_eq!(stepped, (0..4).map(SubGroupId).collect::<Vec<_>>());
+        let c = w.counters();
+        assert_eq!(c.nvme_read_bytes - c0.nvme_read_bytes, 2 * 3 * 4096);
+        assert_eq!(c.nvme_written_bytes - c0.nvme_written_bytes, 2 * 3 * 4096);
         drop(w);
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -46,7 +46,9 @@
 use std::fmt::{self, Write as _};
 
 use crate::config::{Config, OffloadDevice, Precision};
+use crate::engine::layout::SubGroup;
 use crate::engine::optstate::buffers_needed;
+use crate::engine::trainer::{held_grad_bound, optimizer_resident_groups};
 use crate::engine::{Layout, ParamStore, Tier};
 use crate::model::Model;
 use crate::units::format_bytes;
@@ -124,6 +126,10 @@ pub struct Plan {
     pub held_sub_groups: usize,
     /// fp32 master weights, `m` and `v`.
     pub optimizer: TierBytes,
+    /// With NVMe optimizer state, the sub-groups whose state stays in host
+    /// memory (`tierzero.optimizer_resident_bytes`; the engine's rule,
+    /// `optimizer_resident_groups`).
+    pub resident_sub_groups: usize,
     /// Parameter swap-in buffers: count and bytes each.
     pub param_buffers: (u64, u64),
     /// Optimizer-state swap buffers: count and bytes each.
@@ -188,6 +194,8 @@ impl Plan {
             && config.tierzero.overlap_optimizer
             && (config.gradient_clipping.is_some()
                 || matches!(config.precision, Precision::Fp16 { .. }));
+        let resident = optimizer_resident_groups(config, model, layout);
+        let is_resident = |g: &SubGroup| resident.get(g.id.0).copied().unwrap_or(false);
         let mut grads = TierBytes {
             host_bytes: shard_numel * 4,
             ..TierBytes::default()
@@ -196,17 +204,20 @@ impl Plan {
             grads.nvme_bytes = layout
                 .sub_groups
                 .iter()
+                .filter(|g| !is_resident(g))
                 .map(|g| align_up(g.numel as u64 * 4))
                 .sum();
         }
 
         let mut optimizer = TierBytes::default();
         if opt_nvme.is_some() {
-            optimizer.nvme_bytes = layout
-                .sub_groups
-                .iter()
-                .map(|g| 3 * align_up(g.numel as u64 * 4))
-                .sum();
+            for g in &layout.sub_groups {
+                if is_resident(g) {
+                    optimizer.host_bytes += g.numel as u64 * 12;
+                } else {
+                    optimizer.nvme_bytes += 3 * align_up(g.numel as u64 * 4);
+                }
+            }
         } else {
             optimizer.host_bytes = shard_numel * 12;
         }
@@ -254,11 +265,15 @@ impl Plan {
             grads,
             spill_grads,
             held_sub_groups: if spill_grads {
-                (usize::from(zero.offload_optimizer.pipeline_read) + 1).min(layout.sub_groups.len())
+                held_grad_bound(
+                    &resident,
+                    usize::from(zero.offload_optimizer.pipeline_read) + 1,
+                )
             } else {
                 0
             },
             optimizer,
+            resident_sub_groups: resident.iter().filter(|r| **r).count(),
             param_buffers,
             optimizer_buffers,
             sub_groups: (layout.sub_groups.len(), layout.max_sub_group_numel() as u64),
@@ -351,11 +366,11 @@ impl fmt::Display for Plan {
             (true, n) => format!("grads (fp32; spilled but first {n} held)"),
         };
         row(&mut s, &grads_label, &self.grads);
-        row(
-            &mut s,
-            "optimizer state (fp32 master, m, v)",
-            &self.optimizer,
-        );
+        let opt_label = match self.resident_sub_groups {
+            0 => "optimizer state (fp32 master, m, v)".to_owned(),
+            n => format!("optimizer state ({n} groups resident)"),
+        };
+        row(&mut s, &opt_label, &self.optimizer);
         let param_bufs = TierBytes {
             pinned_bytes: self.param_buffers.0 * self.param_buffers.1,
             ..TierBytes::default()

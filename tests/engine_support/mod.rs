@@ -99,6 +99,8 @@ pub struct Knobs {
     pub param_buffer_numel: u64,
     pub param_buffer_count: u64,
     pub max_in_cpu: u64,
+    /// `tierzero.optimizer_resident_bytes` (`None`: absent, auto).
+    pub optimizer_resident_bytes: Option<u64>,
 }
 
 impl Default for Knobs {
@@ -120,6 +122,7 @@ impl Default for Knobs {
             param_buffer_numel: 20000,
             param_buffer_count: 4,
             max_in_cpu: 0,
+            optimizer_resident_bytes: None,
         }
     }
 }
@@ -185,6 +188,9 @@ pub fn ds_config(k: &Knobs, swap: &Path, total_steps: u64) -> Value {
     });
     if let Some(b) = k.pinned_budget {
         tz["pinned_budget_bytes"] = json!(b);
+    }
+    if let Some(b) = k.optimizer_resident_bytes {
+        tz["optimizer_resident_bytes"] = json!(b);
     }
     json!({
         "train_micro_batch_size_per_gpu": 2,
