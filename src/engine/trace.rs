@@ -96,6 +96,17 @@ pub struct Limits {
     pub device_cache_bytes: u64,
 }
 
+/// Elements of the first forward units whose optimizer updates stay
+/// resident ([`Scheduler::keep_after_update`]): what
+/// `stage3_max_live_parameters` leaves beside one prefetch bucket (the
+/// window the first fetch of a step reads ahead), and at least one bucket.
+pub fn keep_bound_numel(limits: &Limits) -> u64 {
+    limits
+        .max_live_numel
+        .saturating_sub(limits.prefetch_bucket_numel)
+        .max(limits.prefetch_bucket_numel)
+}
+
 /// The scheduler.
 #[derive(Debug, Clone)]
 pub struct Scheduler {
@@ -106,7 +117,7 @@ pub struct Scheduler {
     cached: HashSet<ParamId>,
     cache_bytes: u64,
     rerecords: u64,
-    /// Params of the first forward units, up to one prefetch bucket of
+    /// Params of the first forward units, up to [`keep_bound_numel`]
     /// elements (at least the first unit): see [`Scheduler::keep_after_update`].
     first_units: Vec<bool>,
 }
@@ -117,7 +128,7 @@ impl Scheduler {
         let unit_params: Vec<Vec<ParamId>> =
             model.units().iter().map(|u| u.params.clone()).collect();
         let numel: Vec<u64> = model.params().iter().map(|p| p.numel as u64).collect();
-        let first_units = Self::first_units(model, limits.prefetch_bucket_numel);
+        let first_units = Self::first_units(model, keep_bound_numel(&limits));
         Scheduler {
             state: TraceState::Record(Vec::new()),
             limits,
@@ -159,10 +170,14 @@ impl Scheduler {
     }
 
     /// Whether `p`'s optimizer update should stay resident (written
-    /// through): it belongs to the units the next forward needs first (one
-    /// prefetch bucket of them, from the model's unit order), so writing it
-    /// and reading it straight back would stall that forward. Decided from
-    /// the model alone, never from timing, so a step's read count is fixed.
+    /// through): it belongs to the units the next forward needs first
+    /// ([`keep_bound_numel`] elements of them, from the model's unit
+    /// order: what `stage3_max_live_parameters` leaves beside the first
+    /// fetch's prefetch bucket), so writing it and reading it straight back
+    /// would stall that forward. Their updates are the last of a step (the
+    /// optimizer's tail): read back, they queued behind the tail's writes.
+    /// Decided from the model and the limits, never from timing, so a
+    /// step's read count is fixed.
     pub fn keep_after_update(&self, p: ParamId) -> bool {
         self.first_units.get(p.0).copied().unwrap_or(false)
     }
