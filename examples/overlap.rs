@@ -50,9 +50,11 @@
 //! 2..=4 of the last round; `interleaved`: the first kept steps after the
 //! warm-up; see `tierzero train --timeline`); `OPT_BUFFERS` and
 //! `PARAM_BUFFERS` set `offload_optimizer.buffer_count` and
-//! `offload_param.buffer_count` (default 16 each); `BUCKET_H2` and `LIVE_H2`
-//! set `stage3_prefetch_bucket_size` and `stage3_max_live_parameters` in
-//! units of hidden² (default 24 and 48: two and four blocks); `MODE`
+//! `offload_param.buffer_count` (default 16 each); `BUCKET_H2`, `LIVE_H2`
+//! and `REUSE_H2` set `stage3_prefetch_bucket_size`,
+//! `stage3_max_live_parameters` and `stage3_max_reuse_distance` in units
+//! of hidden² (a block is 12: default 24, 48 and 0); `OPT_RESIDENT` sets
+//! `tierzero.optimizer_resident_bytes` (bytes, or "auto"); `MODE`
 //! (above); `PER_STEP=1` prints every step's wall time to stderr. Output: one JSON line
 //! per round, then a summary line with the medians over rounds and the
 //! ratio. A round's line also gives the median NVMe bytes (read +

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Side-by-side overlap measurement of several builds of examples/overlap:
-# invocations alternate build by build (so the VM's drift hits them alike),
+# invocations alternate build by build, in an order that reverses every
+# other pass (so the VM's drift and the position hit them alike),
 # each doing 3 rounds of 12 steps, then one line per build with the medians
 # over all its rounds.
 #
@@ -21,8 +22,18 @@ fi
 n=$1; out=$2; shift 2
 dir=${DIR:-overlap-ab}
 : > "$out"
-for _ in $(seq "$n"); do
-  for b in "$@"; do
+bins=("$@")
+for i in $(seq "$n"); do
+  # The order reverses every other invocation (ABBA...), so a position
+  # effect cannot favour one build. (An A/A run, one binary under two
+  # names, showed none beyond the noise: per-pass ratios 0.92-1.14,
+  # median 0.994. The noise is why N should be 4 or more.)
+  order=("${bins[@]}")
+  if [ $((i % 2)) -eq 0 ]; then
+    order=()
+    for ((k = ${#bins[@]} - 1; k >= 0; k--)); do order+=("${bins[k]}"); done
+  fi
+  for b in "${order[@]}"; do
     MICRO=${MICRO:-2} SEQ_LEN=${SEQ_LEN:-32} CLIP=${CLIP:-0} "$b" "${LAYERS:-6}" "${HIDDEN:-256}" "${STEPS:-12}" "${ROUNDS:-3}" "$dir" 2>/dev/null \
       | grep '"round"' | sed "s|^|$(basename "$b") |" >> "$out"
   done

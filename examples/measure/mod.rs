@@ -80,7 +80,7 @@ impl Setup {
             "stage3_param_persistence_threshold": 10 * hidden,
             "stage3_prefetch_bucket_size": env_or("BUCKET_H2", 24) * hidden * hidden,
             "stage3_max_live_parameters": env_or("LIVE_H2", 48) * hidden * hidden,
-            "stage3_max_reuse_distance": 0});
+            "stage3_max_reuse_distance": env_or("REUSE_H2", 0) * hidden * hidden});
         if stage == 3 {
             zero["offload_param"] = off.clone();
             zero["offload_optimizer"] = off;

@@ -130,6 +130,38 @@ pub enum Done {
     Failed(EngineError),
 }
 
+/// Where a queued sub-group stands when backward ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TailClass {
+    /// State in host memory: steps without a read.
+    InMemory,
+    /// State read issued: must step in read (FIFO) order.
+    Issued,
+    /// State read not yet issued.
+    Unissued,
+}
+
+/// The optimizer tail's order: in-memory groups in index order, then the
+/// issued ones in their order, then the rest in index order.
+fn tail_order(
+    order: &VecDeque<SubGroupId>,
+    class: impl Fn(SubGroupId) -> TailClass,
+) -> VecDeque<SubGroupId> {
+    let mut mem: Vec<SubGroupId> = Vec::new();
+    let mut issued: Vec<SubGroupId> = Vec::new();
+    let mut rest: Vec<SubGroupId> = Vec::new();
+    for &g in order {
+        match class(g) {
+            TailClass::InMemory => mem.push(g),
+            TailClass::Issued => issued.push(g),
+            TailClass::Unissued => rest.push(g),
+        }
+    }
+    mem.sort_by_key(|g| g.0);
+    rest.sort_by_key(|g| g.0);
+    mem.into_iter().chain(issued).chain(rest).collect()
+}
+
 /// Handle on the optimizer thread.
 #[derive(Debug)]
 pub struct OptimizerWorker {
@@ -301,16 +333,20 @@ impl State {
                 // Backward is over: the sub-groups still queued are stepped
                 // in index order (forward order), because the next step's
                 // forward, which overlaps this tail, needs the lowest first
-                // ("Optimizer tail" in trainer.rs). Groups whose state reads
-                // are already issued keep their place (reads are FIFO), and
-                // so does everything before the last of them.
+                // ("Optimizer tail" in trainer.rs). Groups whose state is in
+                // memory (resident) need no read: they go first. Groups
+                // whose state reads are already issued keep their order
+                // (reads are FIFO), before the rest.
                 // Each group's result does not depend on the order.
-                let fixed = self
-                    .order
-                    .iter()
-                    .rposition(|&g| self.opt.is_issued(g))
-                    .map_or(0, |i| i + 1);
-                self.order.make_contiguous()[fixed..].sort_by_key(|g| g.0);
+                self.order = tail_order(&self.order, |g| {
+                    if self.opt.in_memory(g) {
+                        TailClass::InMemory
+                    } else if self.opt.is_issued(g) {
+                        TailClass::Issued
+                    } else {
+                        TailClass::Unissued
+                    }
+                });
                 while !self.steps.is_empty() {
                     self.pump()?;
                     match self.step_front()? {
@@ -725,5 +761,17 @@ mod tests {
         assert_eq!(c.nvme_written_bytes - c0.nvme_written_bytes, 2 * 3 * 4096);
         drop(w);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_tail_steps_in_memory_groups_first_then_issued_reads_in_order() {
+        let order: VecDeque<SubGroupId> = [9, 4, 7, 2, 5, 0, 3, 1].map(SubGroupId).into();
+        let class = |g: SubGroupId| match g.0 {
+            0..=2 => TailClass::InMemory,
+            7 | 4 => TailClass::Issued,
+            _ => TailClass::Unissued,
+        };
+        let got: Vec<usize> = tail_order(&order, class).iter().map(|g| g.0).collect();
+        assert_eq!(got, vec![0, 1, 2, 4, 7, 3, 5, 9]);
     }
 }
