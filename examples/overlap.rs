@@ -48,7 +48,9 @@
 //! timed with the threads the real step computes with); `TIMELINE=FILE`
 //! writes a timeline of three of the real run's steps (`separate`: steps
 //! 2..=4 of the last round; `interleaved`: the first kept steps after the
-//! warm-up; see `tierzero train --timeline`); `OPT_BUFFERS` and
+//! warm-up; see `tierzero train --timeline`); `TIMELINE_STAGE0=FILE` the
+//! same window of the compute-alone run (`interleaved` only), to compare
+//! each unit's compute; `OPT_BUFFERS` and
 //! `PARAM_BUFFERS` set `offload_optimizer.buffer_count` and
 //! `offload_param.buffer_count` (default 16 each); `BUCKET_H2`, `LIVE_H2`
 //! and `REUSE_H2` set `stage3_prefetch_bucket_size`,
@@ -187,9 +189,13 @@ fn interleaved(
     // Steps 4..=6 of the real trainer: after the warm-up (1, 2) and the
     // first block's dropped step (3); within that block if STEPS >= 4.
     let timeline = timeline_path.as_ref().map(|_| Timeline::new(4, 6));
+    // `TIMELINE_STAGE0=FILE`: the same window of the compute-alone trainer,
+    // to compare each unit's compute with the real step's.
+    let stage0_path = std::env::var_os("TIMELINE_STAGE0");
+    let stage0_timeline = stage0_path.as_ref().map(|_| Timeline::new(4, 6));
     let mut arms = [
         Arm::new(&io_setup, true, None)?,
-        Arm::new(stage0, false, None)?,
+        Arm::new(stage0, false, stage0_timeline.clone())?,
         Arm::new(&real_setup, false, timeline.clone())?,
     ];
     let mut out = Vec::new();
@@ -205,6 +211,9 @@ fn interleaved(
         arm.trainer.finish()?;
     }
     if let (Some(tl), Some(path)) = (timeline, timeline_path) {
+        tl.write(std::path::Path::new(&path))?;
+    }
+    if let (Some(tl), Some(path)) = (stage0_timeline, stage0_path) {
         tl.write(std::path::Path::new(&path))?;
     }
     Ok(out)

@@ -337,6 +337,14 @@ fn embedded_default_runs_two_steps_with_nvme_offload_in_the_working_dir() {
     assert!(s.contains("NVMe swap: params"), "{s}");
     assert!(s.contains("optimizer state in ./tierzero-swap"), "{s}");
     assert!(s.contains("of a budget of 256 MiB"), "{s}");
+    // The run line says what became of malloc's thresholds.
+    let user_malloc = std::env::var("GLIBC_TUNABLES").is_ok_and(|v| v.contains("glibc.malloc."));
+    let malloc = if user_malloc {
+        "host malloc: glibc malloc as GLIBC_TUNABLES sets it"
+    } else {
+        "host malloc: glibc heap kept mapped (M_MMAP_THRESHOLD 256 MiB, M_TRIM_THRESHOLD 1024 MiB)"
+    };
+    assert!(s.contains(malloc), "{s}");
     let lines = metrics_lines(&d.join("m.jsonl"));
     assert_eq!(lines.len(), 3, "{lines:?}");
     for m in &lines[..2] {

@@ -575,7 +575,7 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         "tierzero train: model {model_name} ({}, {} layers, hidden {}, {} params, {}), \
          data {data_name}, config {config_name}\n\
          run: {steps} steps x {} sequences x {seq_len} tokens = {tokens_per_step} tokens/step, \
-         seed {seed}, {} Adam thread(s){}\n{plan}\n",
+         seed {seed}, {} Adam thread(s){}{}\n{plan}\n",
         match mc.arch {
             Arch::Gpt2 => "GPT-2",
             Arch::Llama => "Llama",
@@ -593,7 +593,10 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         match comm.world_size() {
             1 => String::new(),
             n => format!(", {n} ranks (plan: rank 0's shard)"),
-        }
+        },
+        trainer
+            .malloc_tuning()
+            .map_or(String::new(), |m| format!(", host malloc: {m}"))
     ))?;
 
     // Train.

@@ -102,6 +102,7 @@ pub mod comm_mpi;
 pub mod comm_nccl;
 pub mod data;
 pub mod error;
+pub mod heap;
 pub mod layout;
 pub mod metrics;
 pub mod optstate;

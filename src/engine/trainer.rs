@@ -168,6 +168,9 @@ pub struct TrainerOptions {
     /// A timeline of a window of steps (`--timeline`, see
     /// [`super::timeline`]); none by default.
     pub timeline: Option<Arc<Timeline>>,
+    /// Raise glibc's mmap and trim thresholds for the process (see
+    /// [`super::heap`]); on by default.
+    pub keep_heap_mapped: bool,
 }
 
 /// Fault injectors for the trainer's swap engines: the parameter engine,
@@ -196,6 +199,7 @@ impl TrainerOptions {
             skip_compute: false,
             faults: FaultPlan::default(),
             timeline: None,
+            keep_heap_mapped: true,
         }
     }
 }
@@ -223,6 +227,8 @@ enum OverlapMode {
 pub struct Trainer {
     config: Config,
     compute_threads: ComputeThreads,
+    /// What [`super::heap::keep_heap_mapped`] did (`None`: option off).
+    malloc: Option<tierzero_swap::MallocTuning>,
     model: Model,
     data: TokenData,
     opts: TrainerOptions,
@@ -609,6 +615,7 @@ impl Trainer {
             matches!(opts.device, Device::Cpu),
         );
         threads::apply(&compute_threads);
+        let malloc = opts.keep_heap_mapped.then(super::heap::keep_heap_mapped);
         let (param_dtype, scaler) = match config.precision {
             Precision::Fp32 => (DType::F32, LossScaler::none()),
             Precision::Bf16 => (DType::BF16, LossScaler::none()),
@@ -1008,6 +1015,7 @@ impl Trainer {
         };
         Ok(Trainer {
             compute_threads,
+            malloc,
             config: config.clone(),
             model,
             data,
@@ -1085,6 +1093,12 @@ impl Trainer {
     /// [`super::threads`]).
     pub fn compute_threads(&self) -> ComputeThreads {
         self.compute_threads
+    }
+
+    /// The process's malloc settings as this trainer found or made them
+    /// (`None`: [`TrainerOptions::keep_heap_mapped`] off).
+    pub fn malloc_tuning(&self) -> Option<tierzero_swap::MallocTuning> {
+        self.malloc
     }
 
     /// The layout (shards and sub-groups).

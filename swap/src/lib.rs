@@ -15,6 +15,8 @@
 //!   `portable` (`pread`/`pwrite` threads) run the transfers.
 //! - `lock`: one process per swap directory (`flock` on `tierzero/lock`).
 //! - `fault`, `stats`, `bench`: fault injection, counters, measurement.
+//! - `malloc`: glibc's mmap and trim thresholds raised for a process whose
+//!   compute threads allocate beside the I/O threads (see its docs).
 //!
 //! ## Alignment
 //! Every swap file is opened with `O_DIRECT` (unless the file system refuses
@@ -59,6 +61,7 @@ pub mod engine;
 pub mod error;
 pub mod fault;
 pub mod lock;
+pub mod malloc;
 mod portable;
 mod ring;
 pub mod space;
@@ -72,5 +75,6 @@ pub use engine::{
 };
 pub use error::{IoOp, Result, SwapError};
 pub use fault::{FaultInjector, FaultKind, FaultRule};
+pub use malloc::{keep_heap_mapped, MallocTuning};
 pub use space::{CopyReport, DirectIo, Extent, ExtentId, FileIdx, SpaceConfig, SwapSpace};
 pub use stats::{BusyClock, StatsSnapshot};
