@@ -47,7 +47,6 @@
 //! without blocking, [`OptimizerState::retire_behind`] blocks until at
 //! most `write_behind` remain (called after each step, once the new
 //! params are handed on).
-
 //!
 //! # Resident sub-groups
 //!
