@@ -50,7 +50,8 @@
 //! 2..=4 of the last round; `interleaved`: the first kept steps after the
 //! warm-up; see `tierzero train --timeline`); `TIMELINE_STAGE0=FILE` the
 //! same window of the compute-alone run (`interleaved` only), to compare
-//! each unit's compute; `OPT_BUFFERS` and
+//! each unit's compute (`scripts/timeline_gaps.py TIMELINE --against
+//! TIMELINE_STAGE0`); `OPT_BUFFERS` and
 //! `PARAM_BUFFERS` set `offload_optimizer.buffer_count` and
 //! `offload_param.buffer_count` (default 16 each); `BUCKET_H2`, `LIVE_H2`
 //! and `REUSE_H2` set `stage3_prefetch_bucket_size`,

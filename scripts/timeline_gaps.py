@@ -1,15 +1,21 @@
 #!/usr/bin/env python3
 """Where a step lost its overlap, from a `tierzero train --timeline` file.
 
-Usage: scripts/timeline_gaps.py TIMELINE.json [--top N]
+Usage: scripts/timeline_gaps.py TIMELINE.json [--top N] [--against ALONE.json]
 
 For each step span: its wall time, the time the disk was busy inside it
 (and each engine's share: params, state reads, state writes), the time the
 compute thread spent waiting for params, and the N longest disk-idle gaps,
 each with the compute span (or params wait) it fell in.
+
+With --against ALONE.json (a timeline of the same model computing alone,
+e.g. `examples/overlap`'s TIMELINE_STAGE0), also each unit's compute time:
+the median over the steps in both files, their ratio, and the share of the
+unit's spans during which the disk was busy in TIMELINE.json.
 Only the standard library is used.
 """
 import json
+import statistics
 import sys
 
 
@@ -42,6 +48,11 @@ def main():
         i = args.index("--top")
         top = int(args[i + 1])
         del args[i : i + 2]
+    against = None
+    if "--against" in args:
+        i = args.index("--against")
+        against = load(args[i + 1])
+        del args[i : i + 2]
     spans = load(args[0])
     disk = spans.get("disk", [])
     for s0, s1, name in spans.get("step", []):
@@ -73,7 +84,39 @@ def main():
             during += [f"store {n}" for s, e, n in clip(spans.get("store", []), a, b)]
             what = ", ".join(sorted(set(during))) or "nothing on the compute thread"
             print(f"  disk idle {d:.1f} ms at +{a - s0:.1f} ms, during: {what}")
+    if against is not None:
+        per_unit(spans, against)
     return 0
+
+
+def per_unit(spans, alone):
+    """Each unit's compute here against the same unit computing alone."""
+
+    def by_name(sp):
+        out = {}
+        for s, e, n in sp.get("compute", []):
+            out.setdefault(n, []).append((s, e))
+        return out
+
+    here, there = by_name(spans), by_name(alone)
+    disk = spans.get("disk", [])
+    order = sorted(there, key=lambda n: (n.split()[0] == "bwd", n))
+    total_here = total_alone = 0.0
+    print("unit      alone ms  here ms  ratio  disk busy")
+    for name in order:
+        if name not in here:
+            continue
+        a = statistics.median(e - s for s, e in there[name])
+        h = statistics.median(e - s for s, e in here[name])
+        share = statistics.median(
+            sum(de - ds for ds, de, _ in clip(disk, s, e)) / (e - s) if e > s else 0.0
+            for s, e in here[name]
+        )
+        total_here += h
+        total_alone += a
+        print(f"{name:8} {a:9.2f} {h:8.2f} {h / a if a else float('nan'):6.2f} {share:9.0%}")
+    if total_alone:
+        print(f"{'total':8} {total_alone:9.2f} {total_here:8.2f} {total_here / total_alone:6.2f}")
 
 
 if __name__ == "__main__":
