@@ -171,9 +171,13 @@ fn resident_optimizer_groups_change_the_bytes_not_the_bits() {
         clip: 0.05,
         ..Knobs::default()
     };
+    // A prefetch bucket that covers the whole model, so every sub-group
+    // holds params of "the first units" and all can be resident.
     let nvme = |resident: Option<u64>| Knobs {
         clip: 0.05,
         optimizer_resident_bytes: resident,
+        prefetch_bucket: 50_000,
+        max_live: 200_000,
         ..Knobs::nvme()
     };
     let a = train(&dir, &base, 7, STEPS, |_| SEQ);
@@ -203,6 +207,8 @@ fn resident_optimizer_groups_change_the_bytes_not_the_bits() {
         &Knobs {
             clip: 0.05,
             optim: "cpu",
+            prefetch_bucket: 50_000,
+            max_live: 200_000,
             ..Knobs::nvme()
         },
         7,

@@ -38,7 +38,12 @@ fn prefetch_issues_reads_ahead_once_the_trace_is_complete() {
     // 50,000), so the forward's later units are not among the params whose
     // updates stay resident, and are read ahead.
     let dir = tiny_gpt2_dir("prefetch", 6, 64);
-    let mut t = build(&dir, &Knobs::nvme(), 1, 16, 4);
+    let knobs = Knobs {
+        prefetch_bucket: 50_000,
+        max_live: 200_000,
+        ..Knobs::nvme()
+    };
+    let mut t = build(&dir, &knobs, 1, 16, 4);
     t.step().unwrap();
     assert!(matches!(t.scheduler().state(), TraceState::Record(_)));
     assert_eq!(

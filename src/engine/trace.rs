@@ -37,7 +37,12 @@
 //!   filled first-come by params as they are released, and a cached param
 //!   stays resident across steps (the optimizer updates it in place);
 //! * its next use in the trace is within `stage3_max_reuse_distance`
-//!   elements (the elements of the params visited in between).
+//!   elements (the elements of the params visited in between), or within
+//!   one `stage3_prefetch_bucket_size` when that is larger: released, it
+//!   would be read straight back by the prefetch window, which reaches a
+//!   bucket ahead (DeepSpeed releases and re-reads it; at the turn from
+//!   forward to backward that is the last block, read again right after
+//!   its forward while the head computes).
 //!
 //! Otherwise it is released (for NVMe params nothing is written: the home
 //! copy is unchanged during forward and backward).
@@ -263,7 +268,12 @@ impl Scheduler {
         if n < self.limits.persistence_threshold_numel || self.cached.contains(&p) {
             return true;
         }
-        // Next use within the reuse distance?
+        // Next use within the reuse distance, or within the window the
+        // prefetcher would read it back in?
+        let reach = self
+            .limits
+            .max_reuse_distance_numel
+            .max(self.limits.prefetch_bucket_numel);
         let mut dist = 0u64;
         for v in self.upcoming() {
             let ps = self.unit_params.get(v.unit.0).map_or(&[][..], |x| x);
@@ -274,7 +284,7 @@ impl Scheduler {
                 .iter()
                 .map(|q| self.numel.get(q.0).copied().unwrap_or(0))
                 .sum::<u64>();
-            if dist > self.limits.max_reuse_distance_numel {
+            if dist > reach {
                 break;
             }
         }
@@ -284,5 +294,86 @@ impl Scheduler {
             return true;
         }
         false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failure is a panic
+    use super::*;
+    use crate::model::ModelConfig;
+
+    fn gpt2(layers: usize, hidden: usize) -> Model {
+        let json = serde_json::json!({"model_type": "gpt2", "vocab_size": 256,
+            "n_positions": 32, "n_embd": hidden, "n_layer": layers, "n_head": 2,
+            "tie_word_embeddings": true});
+        let (cfg, _) = ModelConfig::from_hf_json(&json.to_string()).unwrap();
+        Model::new(cfg).unwrap()
+    }
+
+    /// One step's visits: forward over the embedding and blocks, the head
+    /// (forward and backward at once), backward over the blocks and the
+    /// embedding.
+    fn step_visits(model: &Model) -> Vec<Visit> {
+        let n = model.units().len();
+        let visit = |u: usize, pass| Visit {
+            unit: UnitId(u),
+            pass,
+            shape: [2, 16],
+        };
+        let mut v: Vec<Visit> = (0..n - 1).map(|u| visit(u, Pass::Forward)).collect();
+        v.extend((0..n).rev().map(|u| visit(u, Pass::Backward)));
+        v
+    }
+
+    /// Whether, after each forward visit, its unit's params are kept.
+    fn kept_after_forward(model: &Model, bucket_numel: u64) -> Vec<bool> {
+        let limits = Limits {
+            prefetch_bucket_numel: bucket_numel,
+            max_live_numel: u64::MAX,
+            max_reuse_distance_numel: 0,
+            persistence_threshold_numel: 0,
+            device_cache_bytes: 0,
+        };
+        let mut s = Scheduler::new(model, limits);
+        let visits = step_visits(model);
+        s.begin_step();
+        for v in &visits {
+            assert!(s.visit(v.clone()));
+        }
+        s.begin_step();
+        let mut kept = Vec::new();
+        for v in &visits {
+            assert!(s.visit(v.clone()));
+            if v.pass == Pass::Forward {
+                let ps = model.units()[v.unit.0].params.clone();
+                let bytes = |p: ParamId| model.params()[p.0].numel as u64 * 4;
+                kept.push(ps.iter().all(|&p| s.keep(p, bytes(p))));
+            }
+        }
+        kept
+    }
+
+    /// At `stage3_max_reuse_distance` 0 a param is still kept when its next
+    /// use lies within the prefetch window (which would read it straight
+    /// back): the last block, whose backward follows its forward after the
+    /// head alone. The others, used again much later, are released.
+    #[test]
+    fn a_param_the_prefetcher_would_read_straight_back_is_kept() {
+        let model = gpt2(4, 64);
+        // The head's params between the last block's two visits: the final
+        // norm and the tied embedding (256 × 64).
+        let head: u64 = model.units()[5]
+            .params
+            .iter()
+            .map(|p| model.params()[p.0].numel as u64)
+            .sum();
+        assert!(head > 16_000 && head < 20_000, "head {head}");
+        assert_eq!(
+            kept_after_forward(&model, 20_000),
+            vec![false, false, false, false, true]
+        );
+        // A bucket smaller than the head: released, as DeepSpeed does.
+        assert_eq!(kept_after_forward(&model, 10_000), vec![false; 5]);
     }
 }

@@ -101,6 +101,13 @@ pub struct Knobs {
     pub max_in_cpu: u64,
     /// `tierzero.optimizer_resident_bytes` (`None`: absent, auto).
     pub optimizer_resident_bytes: Option<u64>,
+    /// `stage3_prefetch_bucket_size` and `stage3_max_live_parameters`.
+    /// The defaults (10 000 and 20 000) are small beside the tiny test
+    /// models (a block of width 32 is about 12 500 elements), so params
+    /// are released and read again within a step, and the read path is
+    /// exercised in every step, not only the first.
+    pub prefetch_bucket: u64,
+    pub max_live: u64,
 }
 
 impl Default for Knobs {
@@ -123,6 +130,8 @@ impl Default for Knobs {
             param_buffer_count: 4,
             max_in_cpu: 0,
             optimizer_resident_bytes: None,
+            prefetch_bucket: 10_000,
+            max_live: 20_000,
         }
     }
 }
@@ -172,8 +181,8 @@ pub fn ds_config(k: &Knobs, swap: &Path, total_steps: u64) -> Value {
         "stage": k.stage,
         "sub_group_size": k.sub_group,
         "stage3_param_persistence_threshold": k.persistence,
-        "stage3_prefetch_bucket_size": 50000,
-        "stage3_max_live_parameters": 200000,
+        "stage3_prefetch_bucket_size": k.prefetch_bucket,
+        "stage3_max_live_parameters": k.max_live,
         "stage3_max_reuse_distance": 1000,
     });
     if k.stage == 3 {
