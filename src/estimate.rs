@@ -60,7 +60,12 @@
 //! - **Optimizer state**: fp32 master + m + v, `(4 + 2m)` bytes per param,
 //!   `N` of them at stage 0 and `S` from stage 1: on the device, in
 //!   *pageable* host memory (`cpu`: the CPU Adam reads and writes it in
-//!   place, no DMA touches it, so it need not be pinned), or on NVMe.
+//!   place, no DMA touches it, so it need not be pinned), or on NVMe. On
+//!   NVMe, tierzero keeps the state of the first forward units' sub-groups
+//!   in pageable memory (`tierzero.optimizer_resident_bytes`; auto: one
+//!   prefetch bucket's state, at most a quarter): counted there at its
+//!   budget when the first sub-group (the embedding's, at least the
+//!   largest tensor when the model is known) fits it, else not at all.
 //! - **Pinned swap buffers**, from the config (DeepSpeed's defaults without
 //!   one):
 //!   - param swap-in buffers: `buffer_count × buffer_size × p`;
@@ -238,6 +243,10 @@ pub struct SwapSettings {
     pub optimizer_pipelined: bool,
     /// `sub_group_size` (elements).
     pub sub_group_numel: u64,
+    /// `stage3_prefetch_bucket_size` (elements).
+    pub prefetch_bucket_numel: u64,
+    /// `tierzero.optimizer_resident_bytes` (`None`: auto).
+    pub optimizer_resident_bytes: Option<u64>,
 }
 
 impl SwapSettings {
@@ -255,6 +264,8 @@ impl SwapSettings {
             optimizer_pin_memory: o.pin_memory,
             optimizer_pipelined: o.pipeline_read || o.pipeline_write,
             sub_group_numel: c.zero.sub_group_numel.0,
+            prefetch_bucket_numel: c.zero.prefetch_bucket_numel.0,
+            optimizer_resident_bytes: c.tierzero.optimizer_resident_bytes.map(|b| b.0),
         }
     }
 }
@@ -638,12 +649,64 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
         Offload::Cpu => Tier::Pageable,
         Offload::Nvme => Tier::Nvme,
     };
+    let state_bytes = mul(on, per, "optimizer state")?;
+    // With NVMe state, the sub-groups of the first forward units stay in
+    // host memory (`tierzero.optimizer_resident_bytes`; auto: one prefetch
+    // bucket's state, at most a quarter). The engine keeps only whole
+    // sub-groups holding those units' params, and the first holds the
+    // embedding (a param larger than `sub_group_size` is a group of its
+    // own; the embedding is the largest tensor of GPT-2 and Llama), so
+    // this counts the budget when that group's state fits it (at the
+    // most), and nothing when it does not.
+    let resident_bytes = if c.optimizer == Offload::Nvme {
+        let budget = sw
+            .optimizer_resident_bytes
+            .unwrap_or_else(|| {
+                sw.prefetch_bucket_numel
+                    .saturating_mul(per)
+                    .min(state_bytes / 4)
+            })
+            .min(state_bytes);
+        let one_group = sw
+            .sub_group_numel
+            .min(on)
+            .max(inp.largest_tensor_numel.unwrap_or(0))
+            .saturating_mul(per);
+        if one_group <= budget {
+            budget
+        } else {
+            0
+        }
+    } else {
+        0
+    };
     push(
         state_tier,
         "fp32 master + Adam m, v",
-        mul(on, per, "optimizer state")?,
-        format!("{os} × (4 + 2 × {}) B", inp.moment_elem_bytes),
+        state_bytes - resident_bytes,
+        if resident_bytes > 0 {
+            format!(
+                "{os} × (4 + 2 × {}) B, less the resident part",
+                inp.moment_elem_bytes
+            )
+        } else {
+            format!("{os} × (4 + 2 × {}) B", inp.moment_elem_bytes)
+        },
     );
+    if resident_bytes > 0 {
+        push(
+            Tier::Pageable,
+            "optimizer state kept resident (at most)",
+            resident_bytes,
+            match sw.optimizer_resident_bytes {
+                Some(b) => format!("tierzero.optimizer_resident_bytes {b} B"),
+                None => format!(
+                    "min(stage3_prefetch_bucket_size {} × {per} B, state / 4)",
+                    sw.prefetch_bucket_numel
+                ),
+            },
+        );
+    }
     let tile = sw.sub_group_numel.min(on);
     if c.optimizer == Offload::Nvme {
         let (count, why) = optimizer_buffer_count(sw);
@@ -1018,6 +1081,60 @@ mod tests {
 
     fn settings(json: &str) -> SwapSettings {
         SwapSettings::from_config(&load_config(json, 1, 1000).unwrap().config)
+    }
+
+    /// `tierzero.optimizer_resident_bytes`: with NVMe state, auto keeps one
+    /// prefetch bucket's state in pageable memory when the first sub-group
+    /// fits it; an explicit size replaces the bucket; 0, or a first group
+    /// (the embedding) larger than the budget, keeps nothing.
+    #[test]
+    fn resident_optimizer_state_moves_from_nvme_to_host() {
+        let cfg = |extra: &str| {
+            settings(&format!(
+                r#"{{"zero_optimization": {{"stage": 3, "sub_group_size": 1e6,
+                    "stage3_prefetch_bucket_size": 5e6,
+                    "offload_optimizer": {{"device": "cpu"}}}}{extra}}}"#
+            ))
+        };
+        let (n, l) = (100_000_000u64, 5_000_000u64);
+        let resident = |sw: SwapSettings, largest: Option<u64>| {
+            let mut inp = inputs(n, l, 1, sw);
+            inp.largest_tensor_numel = largest;
+            let r = estimate(&inp, &machine(1 << 40, 1 << 40, None)).unwrap();
+            let e = find(&r, 3, Offload::Nvme, Offload::Nvme);
+            let kept = e
+                .items
+                .iter()
+                .find(|i| i.what == "optimizer state kept resident (at most)")
+                .map(|i| (i.tier, i.bytes));
+            let state = e
+                .items
+                .iter()
+                .find(|i| i.what == "fp32 master + Adam m, v")
+                .map(|i| (i.tier, i.bytes));
+            (kept, state)
+        };
+        let all = n * 12;
+        assert_eq!(
+            resident(cfg(""), None),
+            (
+                Some((Tier::Pageable, 5_000_000 * 12)),
+                Some((Tier::Nvme, all - 5_000_000 * 12))
+            )
+        );
+        let explicit = r#", "tierzero": {"optimizer_resident_bytes": "100MiB"}"#;
+        assert_eq!(
+            resident(cfg(explicit), None).0,
+            Some((Tier::Pageable, 100 << 20))
+        );
+        let off = r#", "tierzero": {"optimizer_resident_bytes": 0}"#;
+        assert_eq!(resident(cfg(off), None), (None, Some((Tier::Nvme, all))));
+        // An embedding of 10M elements is a group of its own, larger than
+        // the bucket's 5M: nothing is resident.
+        assert_eq!(
+            resident(cfg(""), Some(10_000_000)),
+            (None, Some((Tier::Nvme, all)))
+        );
     }
 
     #[test]
