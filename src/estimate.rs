@@ -662,9 +662,11 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
         let budget = sw
             .optimizer_resident_bytes
             .unwrap_or_else(|| {
-                sw.prefetch_bucket_numel
-                    .saturating_mul(per)
-                    .min(state_bytes / 4)
+                crate::engine::trainer::auto_optimizer_resident_bytes(
+                    sw.prefetch_bucket_numel,
+                    per,
+                    state_bytes,
+                )
             })
             .min(state_bytes);
         let one_group = sw

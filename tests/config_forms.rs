@@ -412,15 +412,23 @@ fn compute_threads_is_auto_a_count_or_an_error() {
             .compute_threads,
         None
     );
-    for bad in [json!(0), json!(-1), json!(5000), json!("many"), json!(1.5)] {
+    tierzero_key_rejects(
+        "compute_threads",
+        [json!(0), json!(-1), json!(5000), json!("many"), json!(1.5)],
+    );
+}
+
+/// Each of `bad` as `tierzero.<key>` is an error that names the key.
+fn tierzero_key_rejects<const N: usize>(key: &str, bad: [serde_json::Value; N]) {
+    for v in bad {
         let e = load_str(
-            &json!({"train_batch_size": 8, "tierzero": {"compute_threads": bad}}).to_string(),
+            &json!({"train_batch_size": 8, "tierzero": {key: v}}).to_string(),
             &skip_fs(),
         )
         .unwrap_err();
         assert!(
-            e.to_string().contains("tierzero.compute_threads"),
-            "{bad}: {e}"
+            e.to_string().contains(&format!("tierzero.{key}")),
+            "{v}: {e}"
         );
     }
 }
@@ -443,18 +451,10 @@ fn optimizer_resident_bytes_is_auto_a_size_or_an_error() {
             .optimizer_resident_bytes,
         None
     );
-    for bad in [json!(-1), json!("lots"), json!(true), json!(1.5)] {
-        let e = load_str(
-            &json!({"train_batch_size": 8, "tierzero": {"optimizer_resident_bytes": bad}})
-                .to_string(),
-            &skip_fs(),
-        )
-        .unwrap_err();
-        assert!(
-            e.to_string().contains("tierzero.optimizer_resident_bytes"),
-            "{bad}: {e}"
-        );
-    }
+    tierzero_key_rejects(
+        "optimizer_resident_bytes",
+        [json!(-1), json!("lots"), json!(true), json!(1.5)],
+    );
 }
 
 #[test]

@@ -257,19 +257,6 @@ impl OptimizerState {
         self.mem.get(sg.0).is_some_and(Option::is_some)
     }
 
-    /// Elements of NVMe state kept resident in host memory.
-    pub fn resident_numel(&self) -> usize {
-        if self.nvme.is_none() {
-            return 0;
-        }
-        self.numel
-            .iter()
-            .zip(&self.mem)
-            .filter(|(_, m)| m.is_some())
-            .map(|(n, _)| n)
-            .sum()
-    }
-
     /// Counters so far.
     pub fn counters(&self) -> OptCounters {
         self.counters

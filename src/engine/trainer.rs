@@ -389,10 +389,10 @@ pub fn optimizer_resident_groups(config: &Config, model: &Model, layout: &Layout
     }
     let bucket = zero.prefetch_bucket_numel.0;
     let state_bytes = (layout.shard_numel() as u64).saturating_mul(12);
-    let budget_bytes = config
-        .tierzero
-        .optimizer_resident_bytes
-        .map_or(bucket.saturating_mul(12).min(state_bytes / 4), |b| b.0);
+    let budget_bytes = config.tierzero.optimizer_resident_bytes.map_or(
+        auto_optimizer_resident_bytes(bucket, 12, state_bytes),
+        |b| b.0,
+    );
     let first_units = Scheduler::first_units(model, bucket);
     let mut resident = vec![false; layout.sub_groups.len()];
     let mut used_bytes = 0u64;
@@ -414,6 +414,19 @@ pub fn optimizer_resident_groups(config: &Config, model: &Model, layout: &Layout
         }
     }
     resident
+}
+
+/// `tierzero.optimizer_resident_bytes: "auto"`: one prefetch bucket of
+/// state (`state_bytes_per_elem` each), at most a quarter of all the
+/// state (`state_bytes`). Shared with `tierzero estimate`.
+pub fn auto_optimizer_resident_bytes(
+    prefetch_bucket_numel: u64,
+    state_bytes_per_elem: u64,
+    state_bytes: u64,
+) -> u64 {
+    prefetch_bucket_numel
+        .saturating_mul(state_bytes_per_elem)
+        .min(state_bytes / 4)
 }
 
 /// With spilled gradients: the sub-groups below this index keep their

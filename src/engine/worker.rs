@@ -690,8 +690,8 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("tz-worker-resident-{}", std::process::id()));
         let resident = [false, true, false, true];
         let opt = nvme_state_with(&dir, 4, 9, &resident);
-        assert!(opt.in_memory(SubGroupId(1)) && !opt.in_memory(SubGroupId(2)));
-        assert_eq!(opt.resident_numel(), 2048);
+        let in_memory: Vec<bool> = (0..4).map(|g| opt.in_memory(SubGroupId(g))).collect();
+        assert_eq!(in_memory, resident);
         let c0 = opt.counters();
         // Init wrote only the NVMe groups.
         assert_eq!(c0.nvme_written_bytes, 2 * 3 * 4096);
