@@ -247,6 +247,8 @@ impl Round {
                "overlap_efficiency": med(real, |m| m.overlap_efficiency),
                "step_compute_s": med(real, |m| m.compute_s),
                "step_io_wait_s": med(real, |m| m.io_wait_s),
+               "step_param_write_wait_s": med(real, |m| m.param_write_wait_s),
+               "step_idle_s": med(real, |m| m.idle_s),
                "step_io_busy_s": med(real, |m| m.io_busy_s),
                "io_alone_nvme_bytes": nvme_bytes(io_after), "step_nvme_bytes": nvme_bytes(real)});
         Round {
