@@ -100,6 +100,7 @@ pub mod comm_check;
 pub mod comm_mpi;
 #[cfg(feature = "gpu")]
 pub mod comm_nccl;
+pub mod copier;
 pub mod data;
 pub mod error;
 pub mod heap;

@@ -105,7 +105,7 @@
 //! default) logs one warning with the numbers and runs with unlocked
 //! buffers, so the out-of-the-box run works under a default 8 MiB limit.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -124,11 +124,11 @@ use super::metrics::{peak_rss_bytes, MetricsWriter, StepMetrics, Summary};
 use super::optstate::{buffers_needed, NvmeOptim, OptCounters, OptimizerState};
 use super::schedule::{LossScaler, LrSchedule};
 use super::sha256::Sha256;
-use super::store::{NvmeParams, ParamStore, StoreCounters, Tier};
+use super::store::{NvmeParams, ParamState, ParamStore, StoreCounters, Tier};
 use super::threads::{self, ComputeThreads};
 use super::timeline::{Lane, Timeline};
 use super::trace::{Limits, Pass, Scheduler, Visit};
-use super::worker::{Done, ExclusiveJob, ExclusiveResult, Job, OptimizerWorker};
+use super::worker::{Done, ExclusiveJob, ExclusiveResult, Job, OptimizerWorker, TensorWant};
 use super::{EngineError, Result};
 use crate::checkpoint::{
     align_state_bytes, step_dir_name, Checkpoint, ConfigFingerprint, DataPosition, FileEntry,
@@ -1448,6 +1448,7 @@ impl Trainer {
                                     scale: GradScale::ONE,
                                     step: adam_step,
                                     hyper,
+                                    tensors: self.tensor_wants(sg),
                                 })?;
                                 order.push(sg);
                                 sent[sg.0] = true;
@@ -1531,6 +1532,7 @@ impl Trainer {
                         scale,
                         step: adam_step,
                         hyper,
+                        tensors: self.tensor_wants(sg),
                     })?;
                     sent[sg.0] = true;
                     self.pending[sg.0] = true;
@@ -1734,10 +1736,40 @@ impl Trainer {
         Ok(())
     }
 
+    /// The params of `sg` whose new tensors the optimizer thread should
+    /// build: those [`Trainer::on_done`] will keep resident (kept after the
+    /// update, resident now, or device-tier), with one rank only. A guess
+    /// that turns out wrong costs only time: a tensor not needed is
+    /// dropped, one missing is built by the store.
+    fn tensor_wants(&self, sg: SubGroupId) -> Vec<TensorWant> {
+        if self.layout.world > 1 {
+            return Vec::new();
+        }
+        let Some(g) = self.layout.sub_groups.get(sg.0) else {
+            return Vec::new();
+        };
+        g.params
+            .iter()
+            .filter(|&&pid| {
+                self.sched.keep_after_update(pid)
+                    || self.store.state(pid) == ParamState::Resident
+                    || self.store.tier(pid) == Tier::Device
+            })
+            .filter_map(|&pid| {
+                let shape = self.model.params().get(pid.0)?.shape.clone();
+                Some(TensorWant {
+                    param: pid,
+                    offset_in_group: self.layout.params.get(pid.0)?.offset_in_group,
+                    shape,
+                })
+            })
+            .collect()
+    }
+
     /// Stores the new param bytes of a stepped sub-group.
     fn on_done(&mut self, done: Done) -> Result<()> {
         match done {
-            Done::Stepped { sg, bytes } => {
+            Done::Stepped { sg, bytes, tensors } => {
                 let t0 = Instant::now();
                 let g = self
                     .layout
@@ -1746,6 +1778,7 @@ impl Trainer {
                     .ok_or_else(|| EngineError::internal("stepped an unknown sub-group"))?;
                 let params = g.params.clone();
                 let eb = self.store.device_bytes_per_elem() as usize;
+                let mut built: HashMap<ParamId, Tensor> = tensors.into_iter().collect();
                 for pid in params {
                     let slot = &self.layout.params[pid.0];
                     let range =
@@ -1754,7 +1787,7 @@ impl Trainer {
                         .get(range)
                         .ok_or_else(|| EngineError::internal("param bytes out of range"))?;
                     let keep = self.sched.keep_after_update(pid);
-                    self.store.update(pid, shard, keep)?;
+                    self.store.update(pid, shard, keep, built.remove(&pid))?;
                 }
                 if let Some(p) = self.pending.get_mut(sg.0) {
                     *p = false;

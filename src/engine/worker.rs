@@ -42,13 +42,14 @@
 use std::collections::{HashMap, VecDeque};
 use std::thread::JoinHandle;
 
-use candle_core::DType;
+use candle_core::{DType, Device, Tensor};
 use crossbeam_channel::{Receiver, Sender};
 use half::{bf16, f16};
 
 use super::layout::SubGroupId;
 use super::optstate::{OptCounters, OptimizerState};
 use super::{EngineError, Result};
+use crate::model::ParamId;
 use crate::optim::{AdamHyper, CpuAdam, GradScale, LowPrecisionOut};
 
 /// Work for the optimizer thread.
@@ -73,6 +74,10 @@ pub enum Job {
         step: u64,
         /// Hyper-parameters (the scheduled lr).
         hyper: AdamHyper,
+        /// Params of the sub-group whose new tensors the compute thread
+        /// will keep resident: built here, from the new bytes, so the
+        /// compute thread does not copy them (see [`TensorWant`]).
+        tensors: Vec<TensorWant>,
     },
     /// The order in which this step's `Step` jobs will come (backward
     /// order). The worker queues them and starts their state reads now,
@@ -93,6 +98,22 @@ pub enum Job {
     /// Run a closure on the state with nothing else in flight (checkpoint
     /// save); its result comes back as [`Done::Ran`].
     Exclusive(ExclusiveJob),
+}
+
+/// A param of a stepped sub-group whose new tensor the optimizer thread
+/// builds (on the CPU, with `Tensor::from_raw_buffer` over the param's new
+/// bytes: the call the compute thread would make, so the same bits). The
+/// compute thread asks for the params it will keep resident after the
+/// update, with one rank only (several ranks gather on the compute
+/// thread). It took a copy of megabytes per step off the compute thread.
+#[derive(Debug, Clone)]
+pub struct TensorWant {
+    /// Which param.
+    pub param: ParamId,
+    /// Its first element within the sub-group.
+    pub offset_in_group: usize,
+    /// Its shape (the whole param: one rank holds it).
+    pub shape: Vec<usize>,
 }
 
 /// The result of an [`ExclusiveJob`].
@@ -119,6 +140,8 @@ pub enum Done {
         sg: SubGroupId,
         /// Bytes of the whole sub-group, in its param order.
         bytes: Vec<u8>,
+        /// The tensors the `Step` job asked for ([`TensorWant`]).
+        tensors: Vec<(ParamId, Tensor)>,
     },
     /// All queued work finished.
     Flushed,
@@ -172,8 +195,8 @@ pub struct OptimizerWorker {
 }
 
 /// A step job waiting for its turn: gradient (None: spilled), multiplier,
-/// 1-based Adam step, hyper-parameters.
-type PendingStep = (Option<Vec<f32>>, GradScale, u64, AdamHyper);
+/// 1-based Adam step, hyper-parameters, tensors to build.
+type PendingStep = (Option<Vec<f32>>, GradScale, u64, AdamHyper, Vec<TensorWant>);
 
 struct State {
     opt: OptimizerState,
@@ -219,7 +242,7 @@ impl State {
         let Some(&sg) = self.order.front() else {
             return Ok(None);
         };
-        let Some((grad, scale, step, hyper)) = self.steps.remove(&sg) else {
+        let Some((grad, scale, step, hyper, wants)) = self.steps.remove(&sg) else {
             return Ok(None);
         };
         self.order.pop_front();
@@ -271,6 +294,18 @@ impl State {
             }
             _ => {}
         }
+        let eb = self.dtype.size_in_bytes();
+        let tensors = wants
+            .into_iter()
+            .map(|w| {
+                let n: usize = w.shape.iter().product();
+                let src = bytes
+                    .get(w.offset_in_group * eb..(w.offset_in_group + n) * eb)
+                    .ok_or_else(|| EngineError::internal("wanted tensor out of its sub-group"))?;
+                let t = Tensor::from_raw_buffer(src, self.dtype, &w.shape, &Device::Cpu)?;
+                Ok((w.param, t))
+            })
+            .collect::<Result<Vec<_>>>()?;
         if let Some(tl) = &self.timeline {
             tl.span(
                 super::Lane::Optimizer,
@@ -279,7 +314,7 @@ impl State {
                 std::time::Instant::now(),
             );
         }
-        Ok(Some(Done::Stepped { sg, bytes }))
+        Ok(Some(Done::Stepped { sg, bytes, tensors }))
     }
 
     /// After a step: sends its reply, issues the next read (the stepped
@@ -315,9 +350,10 @@ impl State {
                 scale,
                 step,
                 hyper,
+                tensors,
             } => {
                 self.enqueue(sg);
-                self.steps.insert(sg, (grad, scale, step, hyper));
+                self.steps.insert(sg, (grad, scale, step, hyper, tensors));
             }
             Job::Expect(order) => {
                 for sg in order {
@@ -602,6 +638,7 @@ mod tests {
             scale: GradScale::ONE,
             step: 1,
             hyper: AdamHyper::default(),
+            tensors: Vec::new(),
         }
     }
 
@@ -662,15 +699,51 @@ mod tests {
             assert!(t0.elapsed() < Duration::from_secs(10), "no read started");
             std::thread::sleep(Duration::from_millis(1));
         }
+        // Sub-group 1 asks for two of its params' tensors (a 4×8 matrix
+        // at its start, 900 elements from element 100).
+        let wants = vec![
+            TensorWant {
+                param: ParamId(7),
+                offset_in_group: 0,
+                shape: vec![4, 8],
+            },
+            TensorWant {
+                param: ParamId(9),
+                offset_in_group: 100,
+                shape: vec![900],
+            },
+        ];
         for &sg in &order {
-            w.send(step_job(sg.0)).unwrap();
+            let mut job = step_job(sg.0);
+            if let Job::Step { tensors, .. } = &mut job {
+                if sg.0 == 1 {
+                    *tensors = wants.clone();
+                }
+            }
+            w.send(job).unwrap();
         }
         w.send(Job::Flush).unwrap();
         let mut stepped = Vec::new();
         loop {
             match w.recv().unwrap() {
-                Done::Stepped { sg, bytes } => {
+                Done::Stepped { sg, bytes, tensors } => {
                     assert_eq!(bytes.len(), 1024 * 4);
+                    let got: Vec<(ParamId, Vec<usize>, Vec<u8>)> = tensors
+                        .iter()
+                        .map(|(p, t)| {
+                            let b = crate::engine::store::tensor_bytes(t).unwrap();
+                            (*p, t.dims().to_vec(), b)
+                        })
+                        .collect();
+                    let expect: Vec<(ParamId, Vec<usize>, Vec<u8>)> = if sg.0 == 1 {
+                        vec![
+                            (ParamId(7), vec![4, 8], bytes[..32 * 4].to_vec()),
+                            (ParamId(9), vec![900], bytes[100 * 4..1000 * 4].to_vec()),
+                        ]
+                    } else {
+                        Vec::new()
+                    };
+                    assert_eq!(got, expect, "sub-group {}", sg.0);
                     stepped.push(sg);
                 }
                 Done::Flushed => break,
@@ -734,6 +807,7 @@ mod tests {
                     scale: GradScale::ONE,
                     step: 1,
                     hyper: AdamHyper::default(),
+                    tensors: Vec::new(),
                 }
             } else {
                 step_job(sg.0)
@@ -744,7 +818,7 @@ mod tests {
         let mut stepped = Vec::new();
         loop {
             match w.recv().unwrap() {
-                Done::Stepped { sg, bytes } => {
+                Done::Stepped { sg, bytes, .. } => {
                     assert_eq!(bytes, want[sg.0], "sub-group {}", sg.0);
                     stepped.push(sg);
                 }
