@@ -22,7 +22,12 @@
 //! * the elements issued in this call would exceed
 //!   `stage3_prefetch_bucket_size` (the first param is always issued, so a
 //!   param larger than the bucket is still prefetched);
-//! * resident plus issued elements would exceed `stage3_max_live_parameters`;
+//! * resident, in-flight and issued elements together would exceed
+//!   `stage3_max_live_parameters` (a read in flight counts as live, as in
+//!   DeepSpeed, whose count of available params grows when a fetch is
+//!   issued: counting only resident params, each fetch could put another
+//!   window's reads in flight on top of the last, and residency overshot
+//!   the limit by up to the swap buffer count's worth of params);
 //! * no swap buffer is free ([`super::ParamStore::prefetch`] returns false).
 //!
 //! Unlike DeepSpeed we do not stop at the first param still on NVMe: every
@@ -239,7 +244,7 @@ impl Scheduler {
     /// Params to read ahead now, in trace order (see the module docs).
     pub fn prefetch_candidates(&self, store: &ParamStore) -> Vec<ParamId> {
         let elem = store.device_bytes_per_elem();
-        let live = store.resident_bytes() / elem.max(1);
+        let live = (store.resident_bytes() + store.inflight_bytes()) / elem.max(1);
         let mut issued = 0u64;
         let mut out = Vec::new();
         let mut seen = HashSet::new();
