@@ -13,10 +13,11 @@
 //! * [`Tier::Nvme`]: one [`Extent`] per parameter shard in the swap space.
 //!   A fetch reads it into a pinned swap buffer (one of
 //!   `offload_param.buffer_count` buffers of `buffer_size` elements) on the
-//!   I/O engine's thread, then builds the device tensor and returns the
-//!   buffer to the pool at once. The buffers therefore bound the reads *in
-//!   flight*, not the params resident: residency is bounded by the
-//!   scheduler (max-live, device-cache budget).
+//!   I/O engine's thread; the param copy thread ([`super::copier`]) builds
+//!   the tensor from it as it lands and returns the buffer to the pool at
+//!   once. The buffers therefore bound the reads *in flight*, not the
+//!   params resident: residency is bounded by the scheduler (max-live,
+//!   which counts reads in flight, and the device-cache budget).
 //!
 //! Stored bytes are the training precision's bits (bf16 or fp16 when
 //! enabled, else fp32), little-endian, this rank's shard only; a fetch
@@ -78,9 +79,8 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 use tierzero_swap::{Buffer, Engine, Extent, PinnedArena, Ticket};
 
-use super::copier::{Copier, PendingRead, Unpack, Unpacked};
-
 use super::comm::Comm;
+use super::copier::{Copier, PendingRead, Unpack, Unpacked};
 use super::layout::Layout;
 use super::{EngineError, Result};
 use crate::model::{Model, ParamId};
@@ -114,7 +114,7 @@ pub enum ParamState {
 #[derive(Debug)]
 pub enum ParamEvent {
     /// An asynchronous read was submitted; the copy thread takes it out of
-    /// its swap buffer when it lands (see [`super::unpack`]).
+    /// its swap buffer when it lands (see [`super::copier`]).
     ReadIssued(PendingRead),
     /// The tensor is on the device.
     Materialized(Tensor),
@@ -514,10 +514,17 @@ impl ParamStore {
             // Complete the stale read first (see module docs).
             self.complete_read(id, false)?;
         }
-        let keep = keep
-            || matches!(self.state(id), ParamState::Resident | ParamState::Staged)
-            || self.tier(id) == Tier::Device;
+        let keep = self.stays_resident(id, keep);
         self.write_home(id, shard, keep, built)
+    }
+
+    /// Whether an [`ParamStore::update`] of `id` asked to `keep` it leaves
+    /// it resident: asked to, resident (or staged) now, or device-tier.
+    /// (The trainer asks the optimizer thread for the tensors of exactly
+    /// these params.)
+    pub fn stays_resident(&self, id: ParamId, keep: bool) -> bool {
+        keep || matches!(self.state(id), ParamState::Resident | ParamState::Staged)
+            || self.tier(id) == Tier::Device
     }
 
     fn write_home(

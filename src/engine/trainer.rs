@@ -124,7 +124,7 @@ use super::metrics::{peak_rss_bytes, MetricsWriter, StepMetrics, Summary};
 use super::optstate::{buffers_needed, NvmeOptim, OptCounters, OptimizerState};
 use super::schedule::{LossScaler, LrSchedule};
 use super::sha256::Sha256;
-use super::store::{NvmeParams, ParamState, ParamStore, StoreCounters, Tier};
+use super::store::{NvmeParams, ParamStore, StoreCounters, Tier};
 use super::threads::{self, ComputeThreads};
 use super::timeline::{Lane, Timeline};
 use super::trace::{Limits, Pass, Scheduler, Visit};
@@ -1737,10 +1737,10 @@ impl Trainer {
     }
 
     /// The params of `sg` whose new tensors the optimizer thread should
-    /// build: those [`Trainer::on_done`] will keep resident (kept after the
-    /// update, resident now, or device-tier), with one rank only. A guess
-    /// that turns out wrong costs only time: a tensor not needed is
-    /// dropped, one missing is built by the store.
+    /// build: those [`Trainer::on_done`]'s update will leave resident as
+    /// things stand now ([`ParamStore::stays_resident`]), with one rank
+    /// only. A guess that turns out wrong costs only time: a tensor not
+    /// needed is dropped, one missing is built by the store.
     fn tensor_wants(&self, sg: SubGroupId) -> Vec<TensorWant> {
         if self.layout.world > 1 {
             return Vec::new();
@@ -1751,9 +1751,8 @@ impl Trainer {
         g.params
             .iter()
             .filter(|&&pid| {
-                self.sched.keep_after_update(pid)
-                    || self.store.state(pid) == ParamState::Resident
-                    || self.store.tier(pid) == Tier::Device
+                self.store
+                    .stays_resident(pid, self.sched.keep_after_update(pid))
             })
             .filter_map(|&pid| {
                 let shape = self.model.params().get(pid.0)?.shape.clone();
