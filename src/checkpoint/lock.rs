@@ -16,13 +16,16 @@
 //!   a few bytes, and ignored by the reader (not a `step-*` name).
 //! * **Readers do not lock.** Opening a checkpoint never needs the lock:
 //!   the write protocol keeps every step dir whole or invisible.
-//! * std's `File::try_lock` is `flock(LOCK_EX | LOCK_NB)` on Linux (locks
-//!   of two open file descriptions conflict even within one process).
+//! * The protocol is the swap directory lock's ([`tierzero_swap::lock`]:
+//!   open without following a symlink, std's `File::try_lock`, which is
+//!   `flock(LOCK_EX | LOCK_NB)` on Linux, the holder's pid read when
+//!   refused and ours written when not). Locks of two open file
+//!   descriptions conflict even within one process.
 
-use std::fs::{File, OpenOptions};
-use std::io::{Read as _, Seek as _, SeekFrom, Write as _};
-use std::os::unix::fs::OpenOptionsExt;
+use std::fs::File;
 use std::path::{Path, PathBuf};
+
+use tierzero_swap::lock::{open_lock_file, try_lock, write_pid, TryLock};
 
 use super::{io_err, CheckpointError};
 
@@ -47,33 +50,20 @@ impl SaveDirLock {
             .canonicalize()
             .map_err(io_err("opening", save_dir))?;
         let path = dir.join(LOCK_FILE);
-        let mut file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .custom_flags(O_NOFOLLOW)
-            .open(&path)
-            .map_err(io_err("opening", &path))?;
-        match file.try_lock() {
-            Ok(()) => {}
-            Err(std::fs::TryLockError::WouldBlock) => {
-                let mut text = String::new();
-                let _ = file.read_to_string(&mut text);
-                let holder = text
-                    .trim()
-                    .parse::<u32>()
-                    .map_or_else(|_| "another process".to_owned(), |p| format!("process {p}"));
+        let mut file = open_lock_file(&path).map_err(io_err("opening", &path))?;
+        match try_lock(&mut file).map_err(io_err("locking", &path))? {
+            TryLock::Locked => {}
+            TryLock::Busy { holder_pid } => {
+                let holder = holder_pid
+                    .map_or_else(|| "another process".to_owned(), |p| format!("process {p}"));
                 return Err(CheckpointError::Locked { path, holder });
             }
-            Err(std::fs::TryLockError::Error(e)) => return Err(io_err("locking", &path)(e)),
+            // A save dir must be lockable: two runs saving into one would
+            // race on `latest` and on step dirs.
+            TryLock::Unsupported(e) => return Err(io_err("locking", &path)(e)),
         }
         // Ours now: record our pid for the message of the next one.
-        file.set_len(0)
-            .and_then(|()| file.seek(SeekFrom::Start(0)))
-            .and_then(|_| writeln!(file, "{}", std::process::id()))
-            .map_err(io_err("writing", &path))?;
+        write_pid(&mut file).map_err(io_err("writing", &path))?;
         Ok(SaveDirLock { dir, _file: file })
     }
 
@@ -87,10 +77,6 @@ impl SaveDirLock {
         save_dir.canonicalize().is_ok_and(|d| d == self.dir)
     }
 }
-
-/// `O_NOFOLLOW` on Linux (the main crate has no libc): never lock through a
-/// symlink someone planted as `.lock`.
-const O_NOFOLLOW: i32 = 0o400000;
 
 #[cfg(test)]
 mod tests {

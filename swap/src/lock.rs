@@ -34,10 +34,16 @@
 //! reads it for the error message only (it is never used to decide anything).
 //! File systems without `flock` support (`ENOLCK`, `EOPNOTSUPP`) get a
 //! warning and no lock.
+//!
+//! ## The pieces, shared
+//! [`open_lock_file`], [`try_lock`] and [`write_pid`] are the whole
+//! protocol (open without following a symlink, lock without waiting, read
+//! the holder's pid when refused, write ours when not). `tierzero`'s
+//! checkpoint save-dir lock uses them too, so both locks behave alike and
+//! the one `flock` call is std's `File::try_lock`.
 
-use std::fs::{File, OpenOptions};
+use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{Read, Seek, Write};
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -66,33 +72,19 @@ impl DirLock {
         // Each retry follows a concurrent unlink by the previous holder; a
         // handful is plenty.
         for _ in 0..16 {
-            let mut file = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .mode(0o600)
-                .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
-                .open(&path)
-                .map_err(|e| setup("opening lock file", e))?;
-            match flock_exclusive_nonblocking(&file) {
-                Ok(()) => {}
-                Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => {
+            let mut file = open_lock_file(&path).map_err(|e| setup("opening lock file", e))?;
+            match try_lock(&mut file).map_err(|e| setup("locking", e))? {
+                TryLock::Locked => {}
+                TryLock::Busy { holder_pid } => {
                     return Err(SwapError::Locked {
                         path: path.clone(),
-                        holder_pid: read_holder_pid(&mut file),
+                        holder_pid,
                     });
                 }
-                Err(e)
-                    if matches!(
-                        e.raw_os_error(),
-                        Some(libc::ENOLCK) | Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS)
-                    ) =>
-                {
+                TryLock::Unsupported(e) => {
                     tracing::warn!(path = %path.display(), error = %e, "this file system cannot lock files; nothing stops a second tierzero process from using this nvme_path");
                     return Ok(None);
                 }
-                Err(e) => return Err(setup("locking", e)),
             }
             // Still the file the path names? (See the module docs.)
             let ours = file.metadata().map_err(|e| setup("stat of", e))?;
@@ -100,11 +92,7 @@ impl DirLock {
                 Ok(now) if now.dev() == ours.dev() && now.ino() == ours.ino() => {}
                 _ => continue,
             }
-            let pid = format!("{}\n", std::process::id());
-            file.set_len(0)
-                .and_then(|()| file.rewind())
-                .and_then(|()| file.write_all(pid.as_bytes()))
-                .map_err(|e| setup("writing our pid to", e))?;
+            write_pid(&mut file).map_err(|e| setup("writing our pid to", e))?;
             return Ok(Some(DirLock { path, _file: file }));
         }
         Err(SwapError::Config(format!(
@@ -126,19 +114,62 @@ impl Drop for DirLock {
     }
 }
 
-fn flock_exclusive_nonblocking(file: &File) -> std::io::Result<()> {
-    loop {
-        // SAFETY: flock on a descriptor we own and keep open for the call;
-        // no memory is passed.
-        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        if rc == 0 {
-            return Ok(());
+/// Opens (creating it, mode 0600) a lock file, never through a symlink
+/// (`O_NOFOLLOW`: a link planted as the lock file is an error, and its
+/// target is never written), close-on-exec.
+pub fn open_lock_file(path: &Path) -> std::io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+        .open(path)
+}
+
+/// What [`try_lock`] found.
+#[derive(Debug)]
+pub enum TryLock {
+    /// The file is locked through this descriptor (closing it releases it).
+    Locked,
+    /// Another open file description holds the lock; the pid its holder
+    /// wrote, if it has written one yet.
+    Busy {
+        /// The holder's pid, for the message.
+        holder_pid: Option<u32>,
+    },
+    /// The file system cannot lock files (`ENOLCK`, `EOPNOTSUPP`,
+    /// `ENOSYS`).
+    Unsupported(std::io::Error),
+}
+
+/// An exclusive `flock` of `file` without waiting (std's
+/// `File::try_lock`). Any other failure is the error.
+pub fn try_lock(file: &mut File) -> std::io::Result<TryLock> {
+    match file.try_lock() {
+        Ok(()) => Ok(TryLock::Locked),
+        Err(TryLockError::WouldBlock) => Ok(TryLock::Busy {
+            holder_pid: read_holder_pid(file),
+        }),
+        Err(TryLockError::Error(e))
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::ENOLCK) | Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS)
+            ) =>
+        {
+            Ok(TryLock::Unsupported(e))
         }
-        let e = std::io::Error::last_os_error();
-        if e.raw_os_error() != Some(libc::EINTR) {
-            return Err(e);
-        }
+        Err(TryLockError::Error(e)) => Err(e),
     }
+}
+
+/// Replaces the file's contents with our pid (for the next one's message).
+pub fn write_pid(file: &mut File) -> std::io::Result<()> {
+    let pid = format!("{}\n", std::process::id());
+    file.set_len(0)?;
+    file.rewind()?;
+    file.write_all(pid.as_bytes())
 }
 
 /// The pid the holder wrote, if it has written it yet (it writes right
