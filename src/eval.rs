@@ -31,16 +31,28 @@
 //!
 //! # Numerics and memory
 //!
-//! Parameters are fetched once through the caller's closure and converted to
+//! Parameters are fetched through the caller's closure and converted to
 //! fp32 on the compute device (so a checkpoint's master weights, a
 //! safetensors file in 16-bit or a seeded init all evaluate the same way).
-//! Windows run `batch_windows` at a time through the units
+//! Windows run `batch_windows` at a time (a *batch*) through the units
 //! ([`Model::forward_unit`]) and the head's [`Model::logits`], in fp32; the
 //! log-softmax of each predicted position is then taken in f64 from the fp32
 //! logits and summed in f64, in window order, so the result does not depend
-//! on `batch_windows`. Memory is the model in fp32 plus one batch's
-//! activations; the largest piece is the logits, `batch_windows × (L − 1) ×
-//! vocab_size × 4` bytes, which `--batch` bounds.
+//! on `batch_windows`.
+//!
+//! The weights are **streamed unit by unit**, as in training, never held
+//! whole: a model that trains with its parameters on NVMe evaluates in
+//! about the memory of its largest unit. The batches go in *passes*: a pass
+//! takes as many consecutive batches as keep their hidden states within
+//! [`EvalOptions::pass_bytes`] (at least one), fetches each unit's params
+//! once, runs every batch of the pass through that unit, and drops them
+//! before the next unit. Memory is the largest unit in fp32, the pass's
+//! hidden states, and one batch's logits (`batch_windows × (L − 1) ×
+//! vocab_size × 4` bytes, which `--batch` bounds). Each batch runs the same
+//! operations as it would alone, and the sums still go in window order, so
+//! the result does not depend on `pass_bytes` either (a test checks the
+//! bits). A param a later unit uses too (tied embeddings) is fetched again
+//! there; each pass fetches the weights once more.
 //!
 //! # Where the weights come from
 //!
@@ -125,7 +137,14 @@ pub struct EvalOptions {
     pub batch_windows: usize,
     /// Compute device.
     pub device: Device,
+    /// Bytes of hidden states (fp32) one pass may hold: how many batches
+    /// share one read of the weights (see the module docs). Does not change
+    /// the result. [`DEFAULT_PASS_BYTES`] is a good start.
+    pub pass_bytes: u64,
 }
+
+/// 1 GiB of hidden states per pass over the weights.
+pub const DEFAULT_PASS_BYTES: u64 = 1 << 30;
 
 /// How a token stream splits into windows (pure arithmetic; see the module
 /// docs).
@@ -181,7 +200,9 @@ pub struct EvalResult {
 /// The mean next-token cross-entropy of `model` over `tokens` (see the
 /// module docs for windows and weighting). `fetch` gives each parameter's
 /// weights (any float dtype, any device; converted to fp32 on
-/// `opts.device`); it is called once per parameter.
+/// `opts.device`); it is called for each unit's params when a pass reaches
+/// that unit (once per unit that uses the param, per pass), and the
+/// weights are dropped after the unit, so it should load lazily.
 pub fn evaluate<E>(
     model: &Model,
     mut fetch: impl FnMut(ParamId) -> Result<Tensor, E>,
@@ -221,41 +242,34 @@ where
         });
     }
 
-    let mut params = Vec::with_capacity(model.params().len());
-    for spec in model.params() {
-        let t = fetch(spec.id).map_err(|e| EvalError::Fetch {
-            name: spec.name.clone(),
-            source: Box::new(e),
-        })?;
-        params.push(t.to_dtype(DType::F32)?.to_device(&opts.device)?);
-    }
-
-    // Groups of windows, each a run of equal-length windows: the full ones
+    // Batches of windows, each a run of equal-length windows: the full ones
     // `batch_windows` at a time, then the partial one alone.
-    let mut groups: Vec<(usize, usize, usize)> = Vec::new(); // (first token, windows, length)
+    let mut batches: Vec<(usize, usize, usize)> = Vec::new(); // (first token, windows, length)
     let mut w = 0;
     while w < windows.full {
         let n = opts.batch_windows.min(windows.full - w);
-        groups.push((w * seq_len, n, seq_len));
+        batches.push((w * seq_len, n, seq_len));
         w += n;
     }
     if windows.partial_len > 0 {
-        groups.push((windows.full * seq_len, 1, windows.partial_len));
+        batches.push((windows.full * seq_len, 1, windows.partial_len));
     }
 
+    let hidden_bytes =
+        |&(_, n, len): &(usize, usize, usize)| (n * (len - 1) * cfg.hidden_size * 4) as u64;
     let mut nll_sum = 0f64;
-    for (start, n, len) in groups {
-        let t = len - 1;
-        let mut ids = Vec::with_capacity(n * t);
-        let mut targets = Vec::with_capacity(n * t);
-        for k in 0..n {
-            let win = &tokens[start + k * len..start + (k + 1) * len];
-            ids.extend_from_slice(&win[..t]);
-            targets.extend_from_slice(&win[1..]);
+    let mut rest = &batches[..];
+    while !rest.is_empty() {
+        // A pass: at least one batch, then as many as fit `pass_bytes`.
+        let mut take = 1;
+        let mut bytes = hidden_bytes(&rest[0]);
+        while take < rest.len() && bytes + hidden_bytes(&rest[take]) <= opts.pass_bytes {
+            bytes += hidden_bytes(&rest[take]);
+            take += 1;
         }
-        let ids = Tensor::from_vec(ids, (n, t), &opts.device)?;
-        let logits = forward_logits(model, &params, &ids)?;
-        nll_sum += nll_sum_f64(&logits, &targets, cfg.vocab_size)?;
+        let (pass, later) = rest.split_at(take);
+        rest = later;
+        nll_sum += eval_pass(model, &mut fetch, tokens, pass, &opts.device)?;
     }
     let loss = nll_sum / windows.predicted as f64;
     if !loss.is_finite() {
@@ -269,22 +283,73 @@ where
     })
 }
 
-/// Logits `[batch, seq, vocab]` of the whole model for token ids `[batch, seq]`.
-fn forward_logits(model: &Model, params: &[Tensor], ids: &Tensor) -> Result<Tensor, EvalError> {
-    let mut hidden: Option<Tensor> = None;
+/// One pass (see the module docs): each unit's params fetched once, every
+/// batch of `pass` run through it, then dropped. Returns the pass's NLL sum,
+/// batches in order.
+fn eval_pass<E>(
+    model: &Model,
+    fetch: &mut impl FnMut(ParamId) -> Result<Tensor, E>,
+    tokens: &[u32],
+    pass: &[(usize, usize, usize)],
+    device: &Device,
+) -> Result<f64, EvalError>
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let vocab = model.config().vocab_size;
+    let mut inputs = Vec::with_capacity(pass.len());
+    let mut targets = Vec::with_capacity(pass.len());
+    for &(start, n, len) in pass {
+        let t = len - 1;
+        let mut ids = Vec::with_capacity(n * t);
+        let mut tg = Vec::with_capacity(n * t);
+        for k in 0..n {
+            let win = &tokens[start + k * len..start + (k + 1) * len];
+            ids.extend_from_slice(&win[..t]);
+            tg.extend_from_slice(&win[1..]);
+        }
+        inputs.push(Tensor::from_vec(ids, (n, t), device)?);
+        targets.push(tg);
+    }
+    let mut hidden: Vec<Tensor> = Vec::new();
     for unit in model.units() {
-        let p = model.unit_params(unit.id, params)?;
-        match (unit.kind, &hidden) {
-            (UnitKind::Embedding, _) => {
-                let out = model.forward_unit(unit.id, &p, UnitInput::Tokens(ids))?;
-                hidden = Some(out.into_tensor());
+        let mut p = Vec::with_capacity(unit.params.len());
+        for &id in &unit.params {
+            let t = fetch(id).map_err(|e| EvalError::Fetch {
+                name: model
+                    .param(id)
+                    .map_or_else(|| format!("{id:?}"), |s| s.name.clone()),
+                source: Box::new(e),
+            })?;
+            p.push(t.to_dtype(DType::F32)?.to_device(device)?);
+        }
+        match unit.kind {
+            UnitKind::Embedding => {
+                hidden = inputs
+                    .iter()
+                    .map(|ids| {
+                        Ok(model
+                            .forward_unit(unit.id, &p, UnitInput::Tokens(ids))?
+                            .into_tensor())
+                    })
+                    .collect::<Result<_, EvalError>>()?;
             }
-            (UnitKind::Block { .. }, Some(h)) => {
-                let out = model.forward_unit(unit.id, &p, UnitInput::Hidden(h))?;
-                hidden = Some(out.into_tensor());
+            UnitKind::Block { .. } if hidden.len() == pass.len() => {
+                for h in &mut hidden {
+                    *h = model
+                        .forward_unit(unit.id, &p, UnitInput::Hidden(h))?
+                        .into_tensor();
+                }
             }
-            (UnitKind::Head, Some(h)) => return Ok(model.logits(&p, h)?),
-            (_, None) => break,
+            UnitKind::Head if hidden.len() == pass.len() => {
+                let mut sum = 0f64;
+                for (h, tg) in hidden.drain(..).zip(&targets) {
+                    let logits = model.logits(&p, &h)?;
+                    sum += nll_sum_f64(&logits, tg, vocab)?;
+                }
+                return Ok(sum);
+            }
+            _ => break,
         }
     }
     Err(EvalError::Model(ModelError::Unsupported {

@@ -52,6 +52,7 @@ fn library(model_dir: &Path, data: &TokenData, seq_len: usize, seed: u64) -> (f6
             seq_len,
             batch_windows: 1,
             device: Device::Cpu,
+            pass_bytes: tierzero::eval::DEFAULT_PASS_BYTES,
         },
     )
     .unwrap();

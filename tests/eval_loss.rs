@@ -18,6 +18,7 @@ fn opts(seq_len: usize, batch_windows: usize) -> EvalOptions {
         seq_len,
         batch_windows,
         device: Device::Cpu,
+        pass_bytes: tierzero::eval::DEFAULT_PASS_BYTES,
     }
 }
 
@@ -255,4 +256,47 @@ fn bad_inputs_are_errors_naming_the_numbers() {
         matches!(&e, EvalError::Fetch { name: n, .. } if *n == name),
         "{e}"
     );
+}
+
+/// The weights stream unit by unit: each pass fetches every unit's params
+/// in unit order (a tied embedding once per unit that uses it), and the
+/// passes (`pass_bytes`) change how often the weights are read, never the
+/// result's bits.
+#[test]
+fn weights_stream_unit_by_unit_and_passes_change_only_how_often_they_are_read() {
+    for cfg in [gpt2_config(true), gpt2_config(false), llama_config(false)] {
+        let model = Model::new(cfg).unwrap();
+        let vocab = model.config().vocab_size;
+        let params = random_params(&model, 5, DType::F32);
+        // L = 5 over 23 tokens: 4 full windows, then a partial one. Batches
+        // of 2: [2 windows][2 windows][partial].
+        let toks = tokens(23, vocab);
+        let one_pass: Vec<usize> = model
+            .units()
+            .iter()
+            .flat_map(|u| u.params.iter().map(|p| p.0))
+            .collect();
+        let mut results = Vec::new();
+        for (pass_bytes, passes) in [(u64::MAX, 1), (1, 3)] {
+            let mut fetched = Vec::new();
+            let o = EvalOptions {
+                pass_bytes,
+                ..opts(5, 2)
+            };
+            let r = evaluate(
+                &model,
+                |id| {
+                    fetched.push(id.0);
+                    Ok::<_, ModelError>(params[id.0].clone())
+                },
+                &toks,
+                &o,
+            )
+            .unwrap();
+            assert_eq!(fetched, one_pass.repeat(passes), "pass_bytes {pass_bytes}");
+            results.push(r);
+        }
+        assert_eq!(results[0], results[1]);
+        assert_eq!(results[0].tokens, 18);
+    }
 }

@@ -102,6 +102,7 @@ pub fn run(args: EvalArgs) -> Result<(), Failure> {
         seq_len,
         batch_windows: batch,
         device: device.clone(),
+        pass_bytes: tierzero::eval::DEFAULT_PASS_BYTES,
     };
     // Each weight source gives the model and one fetch closure.
     if let Some(dir) = &args.checkpoint {
