@@ -47,14 +47,15 @@
 //!   have landed; a [`PendingRead`] whose thread is gone reports
 //!   [`EngineError::Internal`] instead of hanging.
 //!
-//! The tensor is built on the CPU with `Tensor::from_raw_buffer`, the same
-//! call as before, so the bits are those of a read completed on the
-//! compute thread; the store moves it to the compute device.
+//! The tensor is built on the CPU by [`super::store::cpu_tensor`], the
+//! function the store uses, so the bits are those of a read completed on
+//! the compute thread; the store moves it to the compute device.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use crossbeam_channel::{Receiver, Select, Sender, TryRecvError};
 use tierzero_swap::Ticket;
 
+use super::store::cpu_tensor;
 use super::{EngineError, Result};
 
 /// What to make of a completed read.
@@ -214,21 +215,7 @@ fn run(jobs: &Receiver<Job>) {
 
 fn unpack_bytes(what: &Unpack, bytes: &[u8]) -> Result<Unpacked> {
     match what {
-        Unpack::Tensor { dtype, shape } => {
-            let len = shape.iter().product::<usize>() * dtype.size_in_bytes();
-            let src = bytes.get(..len).ok_or_else(|| {
-                EngineError::internal(format!(
-                    "a read of {} bytes for a tensor of {len}",
-                    bytes.len()
-                ))
-            })?;
-            Ok(Unpacked::Tensor(Tensor::from_raw_buffer(
-                src,
-                *dtype,
-                shape,
-                &Device::Cpu,
-            )?))
-        }
+        Unpack::Tensor { dtype, shape } => Ok(Unpacked::Tensor(cpu_tensor(bytes, *dtype, shape)?)),
         Unpack::Bytes { len_bytes } => {
             let src = bytes.get(..*len_bytes).ok_or_else(|| {
                 EngineError::internal(format!(

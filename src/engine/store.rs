@@ -473,12 +473,12 @@ impl ParamStore {
                     shard.len()
                 )));
             }
-            Tensor::from_raw_buffer(shard, self.dtype, &info.shape, &Device::Cpu)?
+            cpu_tensor(shard, self.dtype, &info.shape)?
         } else {
             let mut full = vec![0u8; info.numel * self.elem_bytes];
             self.comm
                 .all_gather_bytes(shard, &info.counts_bytes, &mut full)?;
-            Tensor::from_raw_buffer(&full, self.dtype, &info.shape, &Device::Cpu)?
+            cpu_tensor(&full, self.dtype, &info.shape)?
         };
         Ok(t.to_device(&self.device)?)
     }
@@ -881,6 +881,21 @@ impl ParamStore {
     }
 }
 
+/// A CPU tensor of `shape` from the first `numel × dtype size` bytes of
+/// `bytes` (`Tensor::from_raw_buffer`). Every param tensor is built from its
+/// stored bytes here, whichever thread builds it (the store, the param copy
+/// thread, the optimizer thread), so they all give the same bits.
+pub fn cpu_tensor(bytes: &[u8], dtype: DType, shape: &[usize]) -> Result<Tensor> {
+    let need = shape.iter().product::<usize>() * dtype.size_in_bytes();
+    let src = bytes.get(..need).ok_or_else(|| {
+        EngineError::internal(format!(
+            "{} bytes for a tensor of {need} bytes ({shape:?} {dtype:?})",
+            bytes.len()
+        ))
+    })?;
+    Ok(Tensor::from_raw_buffer(src, dtype, shape, &Device::Cpu)?)
+}
+
 /// Little-endian bytes of a tensor (bf16/f16/f32), in row-major order.
 pub fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
     let flat = t.flatten_all()?.to_device(&Device::Cpu)?;
@@ -1118,8 +1133,7 @@ mod tests {
         let n = model.params().len();
         let dir = std::env::temp_dir().join(format!("tz-store-live-{}", std::process::id()));
         let mut s = nvme_store(&model, &dir, n as u64);
-        let numel: Vec<u64> = model.params().iter().map(|p| p.numel as u64).collect();
-        let total: u64 = numel.iter().sum();
+        let total: u64 = model.params().iter().map(|p| p.numel as u64).sum();
         let limits = Limits {
             prefetch_bucket_numel: total,
             max_live_numel: total / 2,
@@ -1142,7 +1156,8 @@ mod tests {
         }
         sched.begin_step();
         assert!(sched.visit(visits[0].clone()));
-        let live = |s: &ParamStore| (s.resident_bytes() + s.inflight_bytes()) / 2;
+        let elem = s.device_bytes_per_elem();
+        let live = |s: &ParamStore| (s.resident_bytes() + s.inflight_bytes()) / elem;
         for round in 0..2 {
             for p in sched.prefetch_candidates(&s) {
                 assert!(s.prefetch(p).unwrap());
@@ -1157,7 +1172,7 @@ mod tests {
         }
         s.settle().unwrap();
         assert_eq!(s.inflight_bytes(), 0);
-        assert!(s.resident_bytes() / 2 <= limits.max_live_numel);
+        assert!(s.resident_bytes() / elem <= limits.max_live_numel);
         std::fs::remove_dir_all(&dir).ok();
     }
 

@@ -42,7 +42,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::thread::JoinHandle;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use crossbeam_channel::{Receiver, Sender};
 use half::{bf16, f16};
 
@@ -101,8 +101,9 @@ pub enum Job {
 }
 
 /// A param of a stepped sub-group whose new tensor the optimizer thread
-/// builds (on the CPU, with `Tensor::from_raw_buffer` over the param's new
-/// bytes: the call the compute thread would make, so the same bits). The
+/// builds (on the CPU, with [`super::store::cpu_tensor`] over the param's
+/// new bytes: the function the compute thread would call, so the same
+/// bits). The
 /// compute thread asks for the params it will keep resident after the
 /// update, with one rank only (several ranks gather on the compute
 /// thread). It took a copy of megabytes per step off the compute thread.
@@ -302,7 +303,7 @@ impl State {
                 let src = bytes
                     .get(w.offset_in_group * eb..(w.offset_in_group + n) * eb)
                     .ok_or_else(|| EngineError::internal("wanted tensor out of its sub-group"))?;
-                let t = Tensor::from_raw_buffer(src, self.dtype, &w.shape, &Device::Cpu)?;
+                let t = super::store::cpu_tensor(src, self.dtype, &w.shape)?;
                 Ok((w.param, t))
             })
             .collect::<Result<Vec<_>>>()?;
