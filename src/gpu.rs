@@ -65,14 +65,16 @@ pub enum GpuError {
         detail: String,
     },
     /// `libnccl.so` could not be loaded.
-    #[error(
-        "libnccl.so not found: install NCCL 2 (libnccl2 from NVIDIA's CUDA repository, or the \
-         nvidia-nccl-cu12 wheel), or add the directory that holds libnccl.so.2 to \
-         LD_LIBRARY_PATH"
-    )]
+    #[error("{}", nccl_missing_message(versioned.as_deref()))]
     NcclMissing {
         /// cudarc's message (the names it tried), for the debug log.
         detail: String,
+        /// A `libnccl.so.N` found where the loader looks: cudarc asks for
+        /// the unversioned `libnccl.so` (and `.so.1`, `.so.9`–`.so.12`),
+        /// which only NCCL's development package and NVIDIA's tarball
+        /// install; the runtime package `libnccl2` and the `nvidia-nccl`
+        /// wheels ship `libnccl.so.2` alone.
+        versioned: Option<std::path::PathBuf>,
     },
     /// The library loaded but lacks a function the bindings use.
     #[error("{library} is older than tierzero's bindings (CUDA 12.8, NCCL 2.30 headers): {detail}; update it")]
@@ -123,6 +125,20 @@ pub enum GpuError {
     /// The NCCL id could not be handed to every rank.
     #[error("{0}")]
     Rendezvous(#[source] crate::engine::EngineError),
+    /// `ncclCommInitRank` answered `ncclInvalidUsage`: NCCL refuses a
+    /// communicator in which two ranks share one GPU ("Duplicate GPU
+    /// detected", printed only under `NCCL_DEBUG=WARN`), which is what a
+    /// launch with the wrong devices gives.
+    #[error(
+        "NCCL refused to build the communicator on cuda:{ordinal} (ncclInvalidUsage). Most often \
+         two ranks of this job use one GPU: give each rank its own (`--device cuda` takes \
+         cuda:<local rank>; check CUDA_VISIBLE_DEVICES on each rank). Run with NCCL_DEBUG=WARN \
+         to see NCCL's own reason"
+    )]
+    InitRefused {
+        /// This rank's device.
+        ordinal: usize,
+    },
     /// Other ranks could not start CUDA or NCCL (their own messages say why).
     #[error("ranks {ranks:?} could not start CUDA/NCCL (see their messages); stopping")]
     PeerFailed {
@@ -270,7 +286,10 @@ pub fn parse_device(text: &str) -> Result<Option<DeviceChoice>, String> {
 pub fn classify_panic(op: &'static str, message: String) -> GpuError {
     let missing_lib = message.contains("Unable to dynamically load");
     if missing_lib && message.contains("\"nccl\"") {
-        GpuError::NcclMissing { detail: message }
+        GpuError::NcclMissing {
+            detail: message,
+            versioned: find_versioned_nccl(&nccl_search_dirs()),
+        }
     } else if missing_lib {
         GpuError::DriverMissing { detail: message }
     } else if message.starts_with("Missing symbol nccl") {
@@ -286,6 +305,67 @@ pub fn classify_panic(op: &'static str, message: String) -> GpuError {
     } else {
         GpuError::Panicked { op, message }
     }
+}
+
+/// The error text for a missing `libnccl.so`: with a versioned library
+/// found, the symlink that makes it loadable; else how to install NCCL.
+fn nccl_missing_message(versioned: Option<&std::path::Path>) -> String {
+    match versioned {
+        Some(path) => format!(
+            "libnccl.so not found, but {path} is: tierzero's CUDA bindings load the unversioned \
+             name, which only NCCL's development files provide. Link it: `mkdir -p \
+             ~/.local/lib/tierzero && ln -sf {path} ~/.local/lib/tierzero/libnccl.so` and add \
+             ~/.local/lib/tierzero to LD_LIBRARY_PATH",
+            path = path.display()
+        ),
+        None => "libnccl.so not found: install NCCL 2 (libnccl2 and libnccl-dev from NVIDIA's \
+                 CUDA repository, or the nvidia-nccl-cu12 wheel and a libnccl.so link to its \
+                 libnccl.so.2), or add the directory that holds libnccl.so to LD_LIBRARY_PATH"
+            .to_owned(),
+    }
+}
+
+/// Where the dynamic loader looks, in its order: `LD_LIBRARY_PATH`, then
+/// the usual system directories (those of `ld.so.conf` on Debian, Ubuntu
+/// and RHEL, and CUDA's).
+fn nccl_search_dirs() -> Vec<std::path::PathBuf> {
+    let mut dirs: Vec<std::path::PathBuf> = std::env::var_os("LD_LIBRARY_PATH")
+        .map(|v| std::env::split_paths(&v).collect())
+        .unwrap_or_default();
+    for d in [
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+        "/usr/lib64",
+        "/usr/lib",
+        "/usr/local/lib",
+        "/usr/local/cuda/lib64",
+        "/usr/local/nvidia/lib64",
+    ] {
+        dirs.push(d.into());
+    }
+    dirs
+}
+
+/// The first `libnccl.so.N` (N a number, as `libnccl.so.2` or
+/// `libnccl.so.2.27.3`) in `dirs`.
+fn find_versioned_nccl(dirs: &[std::path::PathBuf]) -> Option<std::path::PathBuf> {
+    dirs.iter().find_map(|dir| {
+        let mut names: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
+            .ok()?
+            .filter_map(|e| e.ok())
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .and_then(|n| n.strip_prefix("libnccl.so."))
+                    .is_some_and(|v| v.split('.').all(|part| part.parse::<u32>().is_ok()))
+            })
+            .collect();
+        // The shortest name is the soname (`libnccl.so.2`), the one the
+        // package keeps stable across updates.
+        names.sort_by_key(|p| (p.as_os_str().len(), p.clone()));
+        names.into_iter().next()
+    })
 }
 
 /// The text of a panic payload.
@@ -513,6 +593,33 @@ mod tests {
         }
         .to_string()
         .starts_with("libcuda.so not found: install the NVIDIA driver"));
+    }
+
+    #[test]
+    fn a_versioned_nccl_alone_is_found_and_named_in_the_fix() {
+        let root = std::env::temp_dir().join(format!("tz-nccl-{}", std::process::id()));
+        let (empty, wheel) = (root.join("empty"), root.join("wheel"));
+        std::fs::create_dir_all(&empty).unwrap();
+        std::fs::create_dir_all(&wheel).unwrap();
+        for name in [
+            "libnccl.so.2.27.3",
+            "libnccl.so.2",
+            "libnccl.so.2.bak",
+            "libnccl-net.so",
+        ] {
+            std::fs::write(wheel.join(name), b"").unwrap();
+        }
+        let dirs = [root.join("absent"), empty.clone(), wheel.clone()];
+        let found = find_versioned_nccl(&dirs);
+        assert_eq!(found.as_deref(), Some(wheel.join("libnccl.so.2").as_path()));
+        assert_eq!(find_versioned_nccl(&dirs[..2]), None);
+        let with = nccl_missing_message(found.as_deref());
+        assert!(
+            with.contains(&format!("ln -sf {} ", wheel.join("libnccl.so.2").display())),
+            "{with}"
+        );
+        assert!(nccl_missing_message(None).starts_with("libnccl.so not found: install NCCL 2"));
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

@@ -127,10 +127,11 @@ fn gpu_failure(device: DeviceChoice, e: GpuError) -> Failure {
             | GpuError::LibraryTooOld { .. }
             | GpuError::NoDevice
             | GpuError::BadOrdinal { .. }
+            | GpuError::InitRefused { .. }
             | GpuError::PeerFailed { .. }
             | GpuError::Rendezvous(_)
     );
-    if let GpuError::DriverMissing { detail } | GpuError::NcclMissing { detail } = &e {
+    if let GpuError::DriverMissing { detail } | GpuError::NcclMissing { detail, .. } = &e {
         tracing::debug!("{detail}");
     }
     let err = anyhow!("--device {device}: {e}");

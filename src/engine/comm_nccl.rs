@@ -299,12 +299,13 @@ fn cuda_thread(
             },
         ))
     })();
-    let stream = match setup {
+    let (stream, ordinal) = match setup {
         Ok((stream, r)) => {
+            let ordinal = r.ordinal;
             if ready.send(Ok(r)).is_err() {
                 return;
             }
-            stream
+            (stream, ordinal)
         }
         Err(e) => {
             let _ = ready.send(Err(e));
@@ -323,7 +324,7 @@ fn cuda_thread(
             world,
         },
         Err(e) => {
-            let _ = replies.send(Reply::Failed(nccl_error("ncclCommInitRank", &e)));
+            let _ = replies.send(Reply::Failed(init_error(ordinal, &e)));
             return;
         }
     };
@@ -334,6 +335,16 @@ fn cuda_thread(
         if replies.send(gpu.serve(op)).is_err() {
             break;
         }
+    }
+}
+
+/// Why `ncclCommInitRank` failed: `ncclInvalidUsage` (two ranks on one
+/// GPU, seen on a one-GPU machine with NCCL 2.28) is the user's to fix.
+fn init_error(ordinal: usize, e: &cudarc::nccl::result::NcclError) -> GpuError {
+    if e.0 == cudarc::nccl::sys::ncclResult_t::ncclInvalidUsage {
+        GpuError::InitRefused { ordinal }
+    } else {
+        nccl_error("ncclCommInitRank", e)
     }
 }
 
