@@ -23,32 +23,52 @@
 #   7. issue 4's overlap ratio on this machine's cores and disk (a
 #      measurement, never a failure): `examples/overlap` (built with the
 #      binary in step 1; skipped with TIERZERO_BIN unless OVERLAP_BIN
-#      names one) first calibrates MICRO (1 round of 4 steps at each of
-#      2, 4, 8, 16, 32 micro-batch rows) and picks the one whose compute
-#      alone is closest to its I/O alone, then runs 8 interleaved rounds
-#      of 6 steps there, with the harness's limits and again with
-#      LIVE_H2=72 REUSE_H2=24 (max-live 6 blocks, reuse 2 blocks). On the
-#      2-vCPU development VM the balanced ratio was 1.29 and 1.19: the
-#      compute thread runs 5-26% slower whenever the disk streams
-#      (measured per unit against compute alone, and with dd alone).
-#      Swap files go under OVERLAP_DIR (default ./overlap-check, on the
-#      disk rather than a tmpfs /tmp), removed afterwards.
+#      names one). With more than 2 cores it first times compute alone at
+#      1, 2, 4, 8 and cores-1 ("auto") compute threads (MICRO=2; and at 1,
+#      4 and auto on a 4-layer hidden-512 model, MICRO=8) and keeps the
+#      fastest; then calibrates MICRO (1 round of 4 steps at 2, 4, 8, ...
+#      until compute alone passes I/O alone), picks the MICRO whose
+#      compute alone is closest to its I/O alone, and runs 6 interleaved
+#      rounds of 6 steps there, with the harness's limits and again with
+#      LIVE_H2=72 REUSE_H2=24 (max-live 6 blocks, reuse 2 blocks); last,
+#      MICRO=2 with the "auto" threads. Each run is skipped when too
+#      little of the budget is left. Swap files go under OVERLAP_DIR
+#      (default ./overlap-check, on the disk rather than a tmpfs /tmp),
+#      removed afterwards.
+#
+# Run on one H200 machine (16 cores) on 2026-11-30: every step passed; two
+# ranks on its one GPU were refused (ncclInvalidUsage, now an exit-2 hint).
 #
 # Environment: TIERZERO_BIN, OVERLAP_BIN, OVERLAP_DIR, GPU_CHECK_PORT
 # (default 29517), GPU_CHECK_BYTES (timed all-gather per rank, default
-# 256M), OUT.
-# Written without a GPU at hand: it has not been run yet (see the report of
-# the branch that added it).
+# 256M), GPU_CHECK_BUDGET_S (default 300: the overlap measurement uses
+# what steps 1-6 leave of it, so the whole check fits a short device
+# lease), OUT (the JSON and every step's log, logs.txt, go there).
+#
+# Libraries: cudarc loads the unversioned libnccl.so, which only NCCL's
+# development files install; a machine with the runtime alone (the
+# libnccl2 package, or the nvidia-nccl wheel that PyTorch brings) has
+# libnccl.so.2. Step 3 first probes as the machine is (what a user sees:
+# with the fix `tierzero` prints for that case), then, if NCCL was not
+# loadable, finds a libnccl.so.N, links it as $WORK/lib/libnccl.so, puts
+# that first on LD_LIBRARY_PATH and probes again; the JSON records both.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 PORT="${GPU_CHECK_PORT:-29517}"
 BYTES="${GPU_CHECK_BYTES:-256M}"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-300}"
 WORK="$(mktemp -d)"
-trap 'rm -rf "$WORK"' EXIT
-export TIERZERO_COMM_TIMEOUT_S="${TIERZERO_COMM_TIMEOUT_S:-90}"
+LOGS="${OUT:-$WORK}/logs.txt"
+# Every step's files go into logs.txt on the way out.
+trap 'for f in $(find "$WORK" -maxdepth 2 -type f \( -name "*.txt" -o -name "*.err" -o -name "*.json" -o -name "*.log" \) | sort); do printf "\n===== %s\n" "${f#$WORK/}"; tail -c 20000 "$f"; done >"$LOGS" 2>/dev/null; rm -rf "$WORK"' EXIT
+export TIERZERO_COMM_TIMEOUT_S="${TIERZERO_COMM_TIMEOUT_S:-60}"
 unset TIERZERO_NCCL_ADDR TIERZERO_RANK TIERZERO_WORLD_SIZE
 failed=0
+# Seconds left of the budget (never below 1).
+left() { local l=$(( BUDGET_S - SECONDS )); [ "$l" -ge 1 ] && echo "$l" || echo 1; }
+# A timeout no longer than `left`.
+cap() { local l; l=$(left); [ "$1" -lt "$l" ] && echo "$1" || echo "$l"; }
 
 # A JSON string from a file's text (escapes \ " and control characters;
 # the last 4000 bytes).
@@ -59,9 +79,12 @@ json_str() {
 # A JSON value: the last line of a file if it is an object, else null.
 json_obj() {
   local last
-  last="$(grep -E '^\{' "$1" | tail -n 1)"
+  last="$(grep -E '^\{' "$1" 2>/dev/null | tail -n 1)"
   if [ -n "$last" ]; then printf '%s' "$last"; else printf 'null'; fi
 }
+
+# 0. The machine.
+{ echo "nproc: $(nproc)"; uname -r; free -g; df -h .; ldconfig -p | grep -E 'libcuda\.so|libnccl' ; } >"$WORK/machine.txt" 2>&1
 
 # 1. Binary.
 build_s=null
@@ -90,24 +113,41 @@ fi
 smi="$WORK/smi.txt"
 if command -v nvidia-smi >/dev/null; then nvidia-smi -L >"$smi" 2>&1; else echo "nvidia-smi not found" >"$smi"; fi
 
-# 3. Probe.
+# 3. Probe: first as the machine is, then (if NCCL did not load) with a
+# libnccl.so link to the libnccl.so.N the machine has.
+probe_plain="$WORK/probe_plain.json"
+timeout "$(cap 120)" "$BIN" gpu-info --json >"$probe_plain" 2>"$WORK/probe_plain.err"; probe_plain_rc=$?
+nccl_link=null
+if ! grep -q '"nccl":{"version"' "$probe_plain"; then
+  lib=$(ldconfig -p 2>/dev/null | grep -o '/[^ ]*/libnccl\.so\.[0-9][0-9.]*$' | head -n 1)
+  if [ -z "$lib" ]; then
+    lib=$(timeout 60 find / -xdev \( -path /proc -o -path /sys \) -prune -o -name 'libnccl.so.[0-9]*' -print 2>/dev/null | sort | head -n 1)
+  fi
+  if [ -n "$lib" ]; then
+    mkdir -p "$WORK/lib" && ln -sf "$lib" "$WORK/lib/libnccl.so"
+    export LD_LIBRARY_PATH="$WORK/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    nccl_link="\"$lib\""
+  fi
+fi
 probe_out="$WORK/probe.json"; probe_err="$WORK/probe.err"
-timeout 120 "$BIN" gpu-info --json >"$probe_out" 2>"$probe_err"; probe_rc=$?
+timeout "$(cap 120)" "$BIN" gpu-info --json >"$probe_out" 2>"$probe_err"; probe_rc=$?
 [ "$probe_rc" -eq 0 ] || failed=1
 ngpu=$(grep -o '"ordinal":[0-9]*' "$probe_out" | wc -l)
 
 # 4. One rank.
 one_out="$WORK/one.json"; one_err="$WORK/one.err"
-timeout 300 "$BIN" gpu-info --json --nccl-test --device cuda:0 --test-bytes "$BYTES" \
+timeout "$(cap 120)" "$BIN" gpu-info --json --nccl-test --device cuda:0 --test-bytes "$BYTES" \
   >"$one_out" 2>"$one_err"; one_rc=$?
 [ "$one_rc" -eq 0 ] || failed=1
 
-# 5. Two ranks over the TCP rendezvous.
+# 5. Two ranks over the TCP rendezvous (short timeouts: with one GPU NCCL
+# is expected to refuse at once, and a hang must not eat the lease).
 if [ "$ngpu" -ge 2 ]; then dev1=cuda:1; two_expect="pass"; else dev1=cuda:0; two_expect="refused (one GPU)"; fi
+two_t=$(cap 60)
 for r in 0 1; do
   dev=cuda:0; [ "$r" -eq 1 ] && dev="$dev1"
-  TIERZERO_NCCL_ADDR="127.0.0.1:$PORT" TIERZERO_RANK=$r TIERZERO_WORLD_SIZE=2 \
-    timeout 300 "$BIN" gpu-info --json --nccl-test --device "$dev" --test-bytes "$BYTES" \
+  TIERZERO_COMM_TIMEOUT_S=30 TIERZERO_NCCL_ADDR="127.0.0.1:$PORT" TIERZERO_RANK=$r TIERZERO_WORLD_SIZE=2 \
+    timeout "$two_t" "$BIN" gpu-info --json --nccl-test --device "$dev" --test-bytes "$BYTES" \
     >"$WORK/two$r.json" 2>"$WORK/two$r.err" &
   eval "pid$r=\$!"
 done
@@ -118,39 +158,73 @@ if [ "$ngpu" -ge 2 ] && { [ "$two_rc0" -ne 0 ] || [ "$two_rc1" -ne 0 ]; }; then 
 # 6. Training through NCCL vs the CPU path (one rank, same arguments).
 for dev in cpu cuda:0; do
   d="$WORK/train-${dev%%:*}"; mkdir -p "$d"
-  (cd "$d" && timeout 300 "$BIN" train --device "$dev" --steps 3 --json >out.json 2>err.txt); echo $? >"$d/rc"
+  t0=$SECONDS
+  (cd "$d" && timeout "$(cap 150)" "$BIN" train --device "$dev" --steps 3 --json >out.json 2>err.txt); echo $? >"$d/rc"
+  echo $(( SECONDS - t0 )) >"$d/secs"
 done
 sha_cpu=$(grep -o '"weight_sha256":"[0-9a-f]*"' "$WORK/train-cpu/out.json" 2>/dev/null || true)
 sha_gpu=$(grep -o '"weight_sha256":"[0-9a-f]*"' "$WORK/train-cuda/out.json" 2>/dev/null || true)
 if [ -n "$sha_cpu" ] && [ "$sha_cpu" = "$sha_gpu" ]; then train_same=true; else train_same=false; failed=1; fi
 
-# 7. Overlap (a measurement: never sets `failed`). A summary line's field.
+# 7. Overlap (a measurement: never sets `failed`), in what is left of the
+# budget. A summary line's field.
 field() { grep -o "\"$2\":[0-9.eE+-]*" <<<"$1" | head -n 1 | cut -d: -f2; }
 ov_dir="${OVERLAP_DIR:-$PWD/overlap-check}"
 ov_log="$WORK/overlap.txt"; : >"$ov_log"
 ov_calib=""; ov_micro=null; ov_balanced=null; ov_roomy=null; ov_default=null
+# One run: MICRO=$1 STEPS=$2 ROUNDS=$3 (extra env before the call); prints
+# the summary line or nothing; skipped when under $4 seconds are left.
+# OV_LAYERS and OV_HIDDEN (default 6 and 256) set the model.
+ov_run() {
+  [ "$(left)" -ge "$4" ] || { echo "skipped MICRO=$1 ($(left) s left)" >>"$ov_log"; return; }
+  MICRO=$1 SEQ_LEN=32 timeout "$(cap 150)" "$OVERLAP_BIN" "${OV_LAYERS:-6}" "${OV_HIDDEN:-256}" "$2" "$3" "$ov_dir" 2>>"$ov_log" \
+    | grep '"summary"' | tail -n 1
+}
+ov_threads=""; ov_threads_big=""; ov_t=null
 if [ -n "${OVERLAP_BIN:-}" ] && [ -x "$OVERLAP_BIN" ]; then
   mkdir -p "$ov_dir"
+  # Compute threads: "auto" leaves one core to the helpers and gives the
+  # rest to candle. On a small model more threads can be slower; scan
+  # them (compute alone, MICRO=2) and calibrate with the fastest.
+  if [ "$(nproc)" -gt 2 ]; then
+    auto=$(( $(nproc) - 1 )); best_c=""
+    for t in 1 2 4 8 "$auto"; do
+      line=$(COMPUTE_THREADS=$t ov_run 2 4 1 40)
+      [ -n "$line" ] || continue
+      c=$(field "$line" compute_alone_s)
+      ov_threads="$ov_threads${ov_threads:+,}{\"threads\":$t,\"compute_alone_s\":$c,\"io_alone_s\":$(field "$line" io_alone_s)}"
+      if [ -z "$best_c" ] || awk -v c="$c" -v b="$best_c" 'BEGIN { exit !(c < b) }'; then best_c=$c; ov_t=$t; fi
+    done
+    # The same on a model 4x as wide per layer (4 layers, hidden 512, MICRO=8).
+    for t in 1 4 "$auto"; do
+      line=$(OV_LAYERS=4 OV_HIDDEN=512 COMPUTE_THREADS=$t ov_run 8 4 1 60)
+      [ -n "$line" ] || continue
+      ov_threads_big="$ov_threads_big${ov_threads_big:+,}{\"threads\":$t,\"compute_alone_s\":$(field "$line" compute_alone_s),\"io_alone_s\":$(field "$line" io_alone_s),\"step_s\":$(field "$line" step_s)}"
+    done
+    [ "$ov_t" = null ] || export COMPUTE_THREADS=$ov_t
+  fi
   best=""; best_gap=""
-  for m in 2 4 8 16 32; do
-    line=$(MICRO=$m SEQ_LEN=32 timeout 120 "$OVERLAP_BIN" 6 256 4 1 "$ov_dir" 2>>"$ov_log" | grep '"summary"' | tail -n 1)
-    [ -n "$line" ] || continue
+  # Compute grows with MICRO and I/O does not: stop once compute passes I/O.
+  for m in 2 4 8 16 32 64 128; do
+    line=$(ov_run "$m" 4 1 40)
+    [ -n "$line" ] || break
     ov_calib="$ov_calib${ov_calib:+,}{\"micro\":$m,\"result\":$line}"
+    c=$(field "$line" compute_alone_s); i=$(field "$line" io_alone_s)
     # |log(compute / io)|: 0 when they take the same time.
-    gap=$(awk -v c="$(field "$line" compute_alone_s)" -v i="$(field "$line" io_alone_s)" \
-      'BEGIN { if (c > 0 && i > 0) { g = log(c / i); print (g < 0 ? -g : g) } }')
+    gap=$(awk -v c="$c" -v i="$i" 'BEGIN { if (c > 0 && i > 0) { g = log(c / i); print (g < 0 ? -g : g) } }')
     if [ -n "$gap" ] && { [ -z "$best_gap" ] || awk -v g="$gap" -v b="$best_gap" 'BEGIN { exit !(g < b) }'; }; then
       best=$m; best_gap=$gap
     fi
+    awk -v c="$c" -v i="$i" 'BEGIN { exit !(c > i) }' && break
   done
   if [ -n "$best" ]; then
     ov_micro=$best
-    ov_balanced=$(MICRO=$best SEQ_LEN=32 timeout 300 "$OVERLAP_BIN" 6 256 6 8 "$ov_dir" 2>>"$ov_log" | grep '"summary"' | tail -n 1)
-    [ -n "$ov_balanced" ] || ov_balanced=null
-    ov_roomy=$(LIVE_H2=72 REUSE_H2=24 MICRO=$best SEQ_LEN=32 timeout 300 "$OVERLAP_BIN" 6 256 6 8 "$ov_dir" 2>>"$ov_log" | grep '"summary"' | tail -n 1)
-    [ -n "$ov_roomy" ] || ov_roomy=null
+    ov_balanced=$(ov_run "$best" 6 6 30); [ -n "$ov_balanced" ] || ov_balanced=null
+    ov_roomy=$(LIVE_H2=72 REUSE_H2=24 ov_run "$best" 6 6 30); [ -n "$ov_roomy" ] || ov_roomy=null
   fi
-  ov_default=$(MICRO=2 SEQ_LEN=32 timeout 300 "$OVERLAP_BIN" 6 256 6 8 "$ov_dir" 2>>"$ov_log" | grep '"summary"' | tail -n 1)
+  # MICRO=2 with the threads "auto" gives, as a user would run it.
+  unset COMPUTE_THREADS
+  ov_default=$(ov_run 2 6 4 20)
   [ -n "$ov_default" ] || ov_default=null
   rm -rf "$ov_dir"
 else
@@ -160,16 +234,19 @@ fi
 {
   printf '{"ok":%s,' "$([ "$failed" -eq 0 ] && echo true || echo false)"
   printf '"build_s":%s,"nvidia_smi":%s,' "$build_s" "$(json_str "$smi")"
+  printf '"elapsed_s":%s,"budget_s":%s,"machine":%s,' "$SECONDS" "$BUDGET_S" "$(json_str "$WORK/machine.txt")"
+  printf '"probe_as_installed":{"rc":%s,"result":%s,"stderr":%s},"nccl_linked_from":%s,' \
+    "$probe_plain_rc" "$(json_obj "$probe_plain")" "$(json_str "$WORK/probe_plain.err")" "$nccl_link"
   printf '"probe":{"rc":%s,"result":%s,"stderr":%s},' "$probe_rc" "$(json_obj "$probe_out")" "$(json_str "$probe_err")"
   printf '"nccl_one_rank":{"rc":%s,"result":%s,"stderr":%s},' "$one_rc" "$(json_obj "$one_out")" "$(json_str "$one_err")"
   printf '"nccl_two_ranks":{"gpus":%s,"expected":"%s","rank0":{"rc":%s,"result":%s,"stderr":%s},"rank1":{"rc":%s,"result":%s,"stderr":%s}},' \
     "$ngpu" "$two_expect" "$two_rc0" "$(json_obj "$WORK/two0.json")" "$(json_str "$WORK/two0.err")" \
     "$two_rc1" "$(json_obj "$WORK/two1.json")" "$(json_str "$WORK/two1.err")"
-  printf '"train":{"same_weights_cpu_vs_nccl":%s,"cpu":{"rc":%s,"result":%s,"stderr":%s},"nccl":{"rc":%s,"result":%s,"stderr":%s}},' \
-    "$train_same" "$(cat "$WORK/train-cpu/rc")" "$(json_obj "$WORK/train-cpu/out.json")" "$(json_str "$WORK/train-cpu/err.txt")" \
-    "$(cat "$WORK/train-cuda/rc")" "$(json_obj "$WORK/train-cuda/out.json")" "$(json_str "$WORK/train-cuda/err.txt")"
-  printf '"overlap":{"cores":%s,"calibration":[%s],"balanced_micro":%s,"balanced":%s,"balanced_live72_reuse24":%s,"micro_2":%s,"log":%s}}\n' \
-    "$(nproc)" "$ov_calib" "$ov_micro" "$ov_balanced" "$ov_roomy" "$ov_default" "$(json_str "$ov_log")"
+  printf '"train":{"same_weights_cpu_vs_nccl":%s,"cpu":{"rc":%s,"secs":%s,"result":%s,"stderr":%s},"nccl":{"rc":%s,"secs":%s,"result":%s,"stderr":%s}},' \
+    "$train_same" "$(cat "$WORK/train-cpu/rc")" "$(cat "$WORK/train-cpu/secs")" "$(json_obj "$WORK/train-cpu/out.json")" "$(json_str "$WORK/train-cpu/err.txt")" \
+    "$(cat "$WORK/train-cuda/rc")" "$(cat "$WORK/train-cuda/secs")" "$(json_obj "$WORK/train-cuda/out.json")" "$(json_str "$WORK/train-cuda/err.txt")"
+  printf '"overlap":{"cores":%s,"threads_scan_micro2":[%s],"threads_scan_h512_micro8":[%s],"compute_threads":%s,"calibration":[%s],"balanced_micro":%s,"balanced":%s,"balanced_live72_reuse24":%s,"micro_2":%s,"log":%s}}\n' \
+    "$(nproc)" "$ov_threads" "$ov_threads_big" "$ov_t" "$ov_calib" "$ov_micro" "$ov_balanced" "$ov_roomy" "$ov_default" "$(json_str "$ov_log")"
 } >"$WORK/result.json"
 [ -n "${OUT:-}" ] && cp "$WORK/result.json" "$OUT/gpu_check.json"
 cat "$WORK/result.json"

@@ -80,7 +80,11 @@
 //!   and 2 both reduce-scatter; the shard's sum is the same), and
 //!   checkpoints of sharded state. NCCL (`comm_nccl`, feature `gpu`) stages
 //!   host buffers through the device: compute is on the CPU, so there is
-//!   no zero-copy device path yet, and it has not been run on a GPU in CI.
+//!   no zero-copy device path yet. CI has no GPU; `scripts/gpu_check.sh`
+//!   passed on one H200 (2026-11-30: every collective bit-checked on one
+//!   rank, and `train --device cuda:0` gave the CPU run's weights), but the
+//!   staging is slow (a 256 MiB all-gather on one rank: 0.48 s) and two
+//!   ranks have not met on two GPUs yet.
 //! * Gradient spill between micro-batches: accumulated fp32 gradients live
 //!   in host memory per sub-group until they are final. Once final they
 //!   are handed to the optimizer thread (overlapped mode) or, when the step
