@@ -418,6 +418,27 @@ fn compute_threads_is_auto_a_count_or_an_error() {
     );
 }
 
+#[test]
+fn pin_threads_is_auto_true_false_or_an_error() {
+    let pin = |v: serde_json::Value| {
+        load(json!({"train_batch_size": 8, "tierzero": {"pin_threads": v}}))
+            .config
+            .tierzero
+            .pin_threads
+    };
+    assert_eq!(pin(json!("auto")), None);
+    assert_eq!(pin(json!(true)), Some(true));
+    assert_eq!(pin(json!(false)), Some(false));
+    assert_eq!(
+        load(json!({"train_batch_size": 8}))
+            .config
+            .tierzero
+            .pin_threads,
+        None
+    );
+    tierzero_key_rejects("pin_threads", [json!(1), json!("yes"), json!([0, 1])]);
+}
+
 /// Each of `bad` as `tierzero.<key>` is an error that names the key.
 fn tierzero_key_rejects<const N: usize>(key: &str, bad: [serde_json::Value; N]) {
     for v in bad {

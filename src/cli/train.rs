@@ -559,10 +559,15 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         trainer.layout(),
         trainer.store(),
         match device {
-            None => format!("cpu, {}", trainer.compute_threads()),
+            None => format!(
+                "cpu, {}; {}",
+                trainer.compute_threads(),
+                trainer.placement()
+            ),
             Some(d) => format!(
-                "cpu, {} (collectives: NCCL on {d})",
-                trainer.compute_threads()
+                "cpu, {}; {} (collectives: NCCL on {d})",
+                trainer.compute_threads(),
+                trainer.placement()
             ),
         },
     );

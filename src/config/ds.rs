@@ -552,6 +552,12 @@ pub struct DsTierzero {
     /// quarter of all the state; 0 = none.
     /// Same result either way. `None` = auto.
     pub optimizer_resident_bytes: Option<u64>,
+    /// `pin_threads`: keep the compute thread(s) and the helper threads
+    /// (I/O rings, param copy, optimizer) on separate CPUs. `"auto"`
+    /// (absent) pins when something is offloaded on a single rank and a
+    /// CPU is left for the helpers; `true` pins whenever a CPU is left;
+    /// `false` never. `None` = auto.
+    pub pin_threads: Option<bool>,
 }
 
 impl Default for DsTierzero {
@@ -567,6 +573,7 @@ impl Default for DsTierzero {
             overlap_optimizer: true,
             compute_threads: None,
             optimizer_resident_bytes: None,
+            pin_threads: None,
         }
     }
 }
@@ -737,6 +744,7 @@ const TIERZERO_KEYS: &[&str] = &[
     "overlap_optimizer",
     "compute_threads",
     "optimizer_resident_bytes",
+    "pin_threads",
 ];
 
 // ---------------------------------------------------------------------------
@@ -1334,6 +1342,9 @@ fn read_tierzero(f: &Field<'_>, sink: &mut Sink) -> Result<DsTierzero, ConfigErr
     }
     if let Some(f) = o.take("compute_threads") {
         t.compute_threads = f.auto_u64()?;
+    }
+    if let Some(f) = o.take("pin_threads") {
+        t.pin_threads = f.auto_bool()?;
     }
     if let Some(f) = o.take("optimizer_resident_bytes") {
         t.optimizer_resident_bytes = if f.value.as_str() == Some("auto") {

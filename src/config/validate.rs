@@ -318,6 +318,9 @@ pub struct Tierzero {
     /// Host memory for the state of the optimizer's tail sub-groups kept
     /// out of NVMe; `None` = auto (one prefetch bucket's state).
     pub optimizer_resident_bytes: Option<Bytes>,
+    /// Keep compute and helper threads on separate CPUs; `None` = auto
+    /// (see `crate::engine::threads`).
+    pub pin_threads: Option<bool>,
 }
 
 /// The validated configuration the engine runs with.
@@ -741,6 +744,7 @@ pub(crate) fn validate(
             None => None,
         },
         optimizer_resident_bytes: t.optimizer_resident_bytes.map(Bytes),
+        pin_threads: t.pin_threads,
     };
 
     let config = Config {

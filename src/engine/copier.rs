@@ -126,12 +126,15 @@ pub struct Copier {
 }
 
 impl Copier {
-    /// Starts the thread (`tz-param-copy`).
-    pub fn spawn() -> Result<Self> {
+    /// Starts the thread (`tz-param-copy`), on `cpus` when given.
+    pub fn spawn(cpus: Option<std::sync::Arc<[usize]>>) -> Result<Self> {
         let (tx, rx) = crossbeam_channel::unbounded::<Job>();
         let thread = std::thread::Builder::new()
             .name("tz-param-copy".into())
-            .spawn(move || run(&rx))
+            .spawn(move || {
+                tierzero_swap::affinity::place_current_thread(cpus.as_deref(), "tz-param-copy");
+                run(&rx)
+            })
             .map_err(|e| {
                 EngineError::internal(format!("could not start the param copy thread: {e}"))
             })?;

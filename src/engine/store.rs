@@ -191,6 +191,9 @@ pub struct NvmeParams {
     pub engine: Engine,
     /// Swap-in buffers (`buffer_count` x `buffer_size` elements).
     pub arena: Arc<PinnedArena>,
+    /// CPUs of the param copy thread (`super::threads::Placement`);
+    /// `None`: unpinned.
+    pub copier_cpus: Option<Arc<[usize]>>,
 }
 
 /// Byte and time counters, per tier.
@@ -338,7 +341,10 @@ impl ParamStore {
             device,
             comm,
             pages: cpu_pages,
-            copier: nvme.as_ref().map(|_| Copier::spawn()).transpose()?,
+            copier: nvme
+                .as_ref()
+                .map(|n| Copier::spawn(n.copier_cpus.clone()))
+                .transpose()?,
             nvme,
             writes: VecDeque::new(),
             resident_bytes: 0,
@@ -1030,7 +1036,11 @@ mod tests {
         let arena = PinnedArena::new(ac).unwrap();
         let engine =
             Engine::new(space, arena.clone(), tierzero_swap::EngineConfig::default()).unwrap();
-        let nvme = Some(NvmeParams { engine, arena });
+        let nvme = Some(NvmeParams {
+            engine,
+            arena,
+            copier_cpus: None,
+        });
         seeded_store(model, &layout, &tiers, Vec::new(), nvme, 5)
     }
 

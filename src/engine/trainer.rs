@@ -227,6 +227,8 @@ enum OverlapMode {
 pub struct Trainer {
     config: Config,
     compute_threads: ComputeThreads,
+    /// Which CPUs compute and helper threads run on.
+    placement: threads::Placement,
     /// What [`super::heap::keep_heap_mapped`] did (`None`: option off).
     malloc: Option<tierzero_swap::MallocTuning>,
     model: Model,
@@ -342,6 +344,7 @@ fn engine_config(
     clock: &Arc<BusyClock>,
     own_clock: Option<Arc<BusyClock>>,
     faults: Option<Arc<FaultInjector>>,
+    thread_cpus: Option<Arc<[usize]>>,
 ) -> EngineConfig {
     EngineConfig {
         backend: match config.tierzero.io_backend {
@@ -356,6 +359,7 @@ fn engine_config(
         faults,
         busy_clock: Some(clock.clone()),
         own_clock,
+        thread_cpus,
     }
 }
 
@@ -628,6 +632,22 @@ impl Trainer {
             matches!(opts.device, Device::Cpu),
         );
         threads::apply(&compute_threads);
+        let offloaded = config.zero.offload_param.device != OffloadDevice::None
+            || config.zero.offload_optimizer.device != OffloadDevice::None;
+        // The building thread's mask: what `taskset` or a cpuset allows.
+        let placement = match tierzero_swap::affinity::current_thread_cpus() {
+            Ok(allowed) => threads::place(
+                config.tierzero.pin_threads,
+                &allowed,
+                &compute_threads,
+                world,
+                offloaded,
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not read the CPU mask; threads not pinned");
+                threads::Placement::Unpinned("the CPU mask could not be read")
+            }
+        };
         let malloc = opts.keep_heap_mapped.then(super::heap::keep_heap_mapped);
         let (param_dtype, scaler) = match config.precision {
             Precision::Fp32 => (DType::F32, LossScaler::none()),
@@ -832,9 +852,14 @@ impl Trainer {
                     &io_clock,
                     engine_clock(0),
                     opts.faults.params.clone(),
+                    placement.helper_cpus(),
                 ),
             )?;
-            Some(NvmeParams { engine, arena })
+            Some(NvmeParams {
+                engine,
+                arena,
+                copier_cpus: placement.helper_cpus(),
+            })
         } else {
             None
         };
@@ -876,6 +901,7 @@ impl Trainer {
                         &io_clock,
                         engine_clock(1),
                         opts.faults.optim_read.clone(),
+                        placement.helper_cpus(),
                     ),
                 )?;
                 let write = Engine::new(
@@ -886,6 +912,7 @@ impl Trainer {
                         &io_clock,
                         engine_clock(2),
                         opts.faults.optim_write.clone(),
+                        placement.helper_cpus(),
                     ),
                 )?;
                 Some(NvmeOptim { read, write, arena })
@@ -986,7 +1013,13 @@ impl Trainer {
         if opts.timeline.is_some() {
             io_clock.set_logging(true);
         }
-        let opt = OptimizerWorker::spawn(opt, adam.clone(), param_dtype, opts.timeline.clone())?;
+        let opt = OptimizerWorker::spawn(
+            opt,
+            adam.clone(),
+            param_dtype,
+            opts.timeline.clone(),
+            placement.helper_cpus(),
+        )?;
         let limits = Limits {
             prefetch_bucket_numel: zero.prefetch_bucket_numel.0,
             max_live_numel: zero.max_live_parameters_numel.0,
@@ -1028,6 +1061,7 @@ impl Trainer {
         };
         Ok(Trainer {
             compute_threads,
+            placement,
             malloc,
             config: config.clone(),
             model,
@@ -1106,6 +1140,11 @@ impl Trainer {
     /// [`super::threads`]).
     pub fn compute_threads(&self) -> ComputeThreads {
         self.compute_threads
+    }
+
+    /// Which CPUs the compute and helper threads run on.
+    pub fn placement(&self) -> &threads::Placement {
+        &self.placement
     }
 
     /// The process's malloc settings as this trainer found or made them
@@ -1258,6 +1297,12 @@ impl Trainer {
     /// trainer is stopped (see the module docs).
     pub fn step(&mut self) -> Result<StepReport> {
         self.check_usable()?;
+        // The calling thread computes this step on the compute CPUs, and
+        // gets its own mask back after (`threads::ComputePin`).
+        let _pin = self
+            .placement
+            .compute_cpus()
+            .map(threads::ComputePin::enter);
         let r = self.step_inner();
         self.latch(r)
     }

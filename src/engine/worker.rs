@@ -429,6 +429,7 @@ impl OptimizerWorker {
         adam: CpuAdam,
         dtype: DType,
         timeline: Option<std::sync::Arc<super::Timeline>>,
+        cpus: Option<std::sync::Arc<[usize]>>,
     ) -> Result<Self> {
         let (tx, jobs) = crossbeam_channel::unbounded::<Job>();
         let (done_tx, rx) = crossbeam_channel::unbounded::<Done>();
@@ -444,66 +445,70 @@ impl OptimizerWorker {
         };
         let handle = std::thread::Builder::new()
             .name("tierzero-optim".into())
-            .spawn(move || loop {
-                // Step whatever is ready before blocking for more work.
-                let ready = st.order.front().is_some_and(|sg| st.steps.contains_key(sg));
-                let job = if ready {
-                    match jobs.try_recv() {
-                        Ok(j) => Some(j),
-                        Err(crossbeam_channel::TryRecvError::Empty) => None,
-                        Err(crossbeam_channel::TryRecvError::Disconnected) => return,
-                    }
-                } else {
-                    // Nothing to step: issue the reads that fit, then wait
-                    // for a job, or for the I/O completion that lets the
-                    // next wanted read start (see `wanted_io`).
-                    if let Err(e) = st.opt.poll_writes().and_then(|()| st.pump()) {
+            .spawn(move || {
+                // Adam's scoped threads inherit this mask.
+                tierzero_swap::affinity::place_current_thread(cpus.as_deref(), "tierzero-optim");
+                loop {
+                    // Step whatever is ready before blocking for more work.
+                    let ready = st.order.front().is_some_and(|sg| st.steps.contains_key(sg));
+                    let job = if ready {
+                        match jobs.try_recv() {
+                            Ok(j) => Some(j),
+                            Err(crossbeam_channel::TryRecvError::Empty) => None,
+                            Err(crossbeam_channel::TryRecvError::Disconnected) => return,
+                        }
+                    } else {
+                        // Nothing to step: issue the reads that fit, then wait
+                        // for a job, or for the I/O completion that lets the
+                        // next wanted read start (see `wanted_io`).
+                        if let Err(e) = st.opt.poll_writes().and_then(|()| st.pump()) {
+                            let _ = done_tx.send(Done::Failed(e));
+                            return;
+                        }
+                        st.publish();
+                        match st.wanted_io() {
+                            Some(io) => {
+                                let mut sel = crossbeam_channel::Select::new();
+                                let job_op = sel.recv(&jobs);
+                                sel.recv(io);
+                                if sel.ready() != job_op {
+                                    // Ready with nothing in it: the engine
+                                    // dropped the request unanswered.
+                                    if io.is_empty() {
+                                        let _ = done_tx.send(Done::Failed(
+                                            tierzero_swap::SwapError::Shutdown.into(),
+                                        ));
+                                        return;
+                                    }
+                                    continue;
+                                }
+                                match jobs.try_recv() {
+                                    Ok(j) => Some(j),
+                                    Err(crossbeam_channel::TryRecvError::Empty) => continue,
+                                    Err(crossbeam_channel::TryRecvError::Disconnected) => return,
+                                }
+                            }
+                            None => match jobs.recv() {
+                                Ok(j) => Some(j),
+                                Err(_) => return,
+                            },
+                        }
+                    };
+                    let r = match job {
+                        Some(j) => st.handle(j, &done_tx),
+                        None => st.pump().and_then(|()| match st.step_front()? {
+                            Some(d) => st.hand_on(d, &done_tx),
+                            None => Ok(()),
+                        }),
+                    };
+                    st.publish();
+                    if let Err(e) = r {
+                        // Stop at the first failure: the state is no longer
+                        // trustworthy, and a job that keeps failing must not
+                        // spin. Dropping the state drains its in-flight I/O.
                         let _ = done_tx.send(Done::Failed(e));
                         return;
                     }
-                    st.publish();
-                    match st.wanted_io() {
-                        Some(io) => {
-                            let mut sel = crossbeam_channel::Select::new();
-                            let job_op = sel.recv(&jobs);
-                            sel.recv(io);
-                            if sel.ready() != job_op {
-                                // Ready with nothing in it: the engine
-                                // dropped the request unanswered.
-                                if io.is_empty() {
-                                    let _ = done_tx.send(Done::Failed(
-                                        tierzero_swap::SwapError::Shutdown.into(),
-                                    ));
-                                    return;
-                                }
-                                continue;
-                            }
-                            match jobs.try_recv() {
-                                Ok(j) => Some(j),
-                                Err(crossbeam_channel::TryRecvError::Empty) => continue,
-                                Err(crossbeam_channel::TryRecvError::Disconnected) => return,
-                            }
-                        }
-                        None => match jobs.recv() {
-                            Ok(j) => Some(j),
-                            Err(_) => return,
-                        },
-                    }
-                };
-                let r = match job {
-                    Some(j) => st.handle(j, &done_tx),
-                    None => st.pump().and_then(|()| match st.step_front()? {
-                        Some(d) => st.hand_on(d, &done_tx),
-                        None => Ok(()),
-                    }),
-                };
-                st.publish();
-                if let Err(e) = r {
-                    // Stop at the first failure: the state is no longer
-                    // trustworthy, and a job that keeps failing must not
-                    // spin. Dropping the state drains its in-flight I/O.
-                    let _ = done_tx.send(Done::Failed(e));
-                    return;
                 }
             })
             .map_err(|e| EngineError::internal(format!("spawning the optimizer thread: {e}")))?;
@@ -655,7 +660,7 @@ mod tests {
         assert_eq!(opt.read_ahead(), 1);
         let read0 = opt.counters().nvme_read_bytes;
         let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
-        let w = OptimizerWorker::spawn(opt, adam, DType::F32, None).unwrap();
+        let w = OptimizerWorker::spawn(opt, adam, DType::F32, None, None).unwrap();
         w.send(Job::Expect((0..4).map(SubGroupId).collect()))
             .unwrap();
         wait_reads(&w, read0, 2, "after Expect");
@@ -692,7 +697,7 @@ mod tests {
         assert_eq!(opt.read_ahead(), 2, "extra buffers deepen the reads");
         let read0 = opt.counters().nvme_read_bytes;
         let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
-        let w = OptimizerWorker::spawn(opt, adam, DType::F32, None).unwrap();
+        let w = OptimizerWorker::spawn(opt, adam, DType::F32, None, None).unwrap();
         let order = [3usize, 1, 2, 0].map(SubGroupId);
         w.send(Job::Expect(order.to_vec())).unwrap();
         let t0 = Instant::now();
@@ -791,7 +796,7 @@ mod tests {
             .unwrap();
             want.push(bytes);
         }
-        let w = OptimizerWorker::spawn(opt, adam, DType::F32, None).unwrap();
+        let w = OptimizerWorker::spawn(opt, adam, DType::F32, None, None).unwrap();
         let order = [3usize, 2, 1, 0].map(SubGroupId);
         w.send(Job::Expect(order.to_vec())).unwrap();
         // Resident group 1's gradient goes through the spill path.

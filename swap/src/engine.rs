@@ -65,6 +65,9 @@ pub struct EngineConfig {
     /// A clock of this engine alone, driven beside `busy_clock` (for
     /// example one lane of a timeline: which engine had the disk when).
     pub own_clock: Option<Arc<BusyClock>>,
+    /// CPUs the engine's threads (rings, or the portable pool) run on
+    /// ([`crate::affinity`]); `None`: wherever the scheduler puts them.
+    pub thread_cpus: Option<Arc<[usize]>>,
 }
 
 impl Default for EngineConfig {
@@ -78,6 +81,7 @@ impl Default for EngineConfig {
             faults: None,
             busy_clock: None,
             own_clock: None,
+            thread_cpus: None,
         }
     }
 }

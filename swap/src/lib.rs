@@ -53,6 +53,7 @@
 //! and length. A failed write poisons the space: all later operations fail
 //! fast with [`SwapError::Poisoned`] instead of reading stale bytes later.
 
+pub mod affinity;
 pub mod align;
 pub mod alloc;
 pub mod arena;

@@ -28,9 +28,11 @@ pub(crate) fn spawn_pool(shared: &Arc<Shared>, config: &EngineConfig) -> Result<
         let rx = rx.clone();
         let shared = shared.clone();
         let stat_slot = t % config.workers;
+        let cpus = config.thread_cpus.clone();
         let h = std::thread::Builder::new()
             .name(format!("tz-pio-{t}"))
             .spawn(move || {
+                crate::affinity::place_current_thread(cpus.as_deref(), "tz-pio");
                 while let Ok(job) = rx.recv() {
                     let start = Instant::now();
                     shared.stats.busy_start();

@@ -62,30 +62,34 @@ pub(crate) fn spawn_rings(
         let arena = arena.clone();
         let qd = config.queue_depth;
         let sqpoll = config.sqpoll;
+        let cpus = config.thread_cpus.clone();
         let thread = std::thread::Builder::new()
             .name(format!("tz-ring-{idx}"))
-            .spawn(move || match setup(&shared, &arena, qd, sqpoll) {
-                Ok((ring, fixed_buffers, fixed_files)) => {
-                    let _ = ready_tx.send(Ok((fixed_buffers, fixed_files)));
-                    let mut r = Ring {
-                        ring,
-                        shared,
-                        idx,
-                        qd: qd as usize,
-                        fixed_buffers,
-                        fixed_files,
-                        jobs: Vec::new(),
-                        free_jobs: Vec::new(),
-                        queue: VecDeque::new(),
-                        slots: (0..qd).map(|_| None).collect(),
-                        free_slots: (0..qd as usize).rev().collect(),
-                        in_flight: 0,
-                        busy_since: None,
-                    };
-                    r.run(rx);
-                }
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e));
+            .spawn(move || {
+                crate::affinity::place_current_thread(cpus.as_deref(), "tz-ring");
+                match setup(&shared, &arena, qd, sqpoll) {
+                    Ok((ring, fixed_buffers, fixed_files)) => {
+                        let _ = ready_tx.send(Ok((fixed_buffers, fixed_files)));
+                        let mut r = Ring {
+                            ring,
+                            shared,
+                            idx,
+                            qd: qd as usize,
+                            fixed_buffers,
+                            fixed_files,
+                            jobs: Vec::new(),
+                            free_jobs: Vec::new(),
+                            queue: VecDeque::new(),
+                            slots: (0..qd).map(|_| None).collect(),
+                            free_slots: (0..qd as usize).rev().collect(),
+                            in_flight: 0,
+                            busy_since: None,
+                        };
+                        r.run(rx);
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                    }
                 }
             })
             .map_err(|source| SwapError::Setup {

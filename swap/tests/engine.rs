@@ -57,6 +57,7 @@ fn rig_with(
             faults,
             busy_clock: None,
             own_clock: None,
+            thread_cpus: None,
         },
     )
     .unwrap();

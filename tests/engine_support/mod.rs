@@ -108,6 +108,8 @@ pub struct Knobs {
     /// exercised in every step, not only the first.
     pub prefetch_bucket: u64,
     pub max_live: u64,
+    /// `tierzero.pin_threads` (`None`: absent, auto).
+    pub pin_threads: Option<bool>,
 }
 
 impl Default for Knobs {
@@ -132,6 +134,7 @@ impl Default for Knobs {
             optimizer_resident_bytes: None,
             prefetch_bucket: 10_000,
             max_live: 20_000,
+            pin_threads: None,
         }
     }
 }
@@ -200,6 +203,9 @@ pub fn ds_config(k: &Knobs, swap: &Path, total_steps: u64) -> Value {
     }
     if let Some(b) = k.optimizer_resident_bytes {
         tz["optimizer_resident_bytes"] = json!(b);
+    }
+    if let Some(p) = k.pin_threads {
+        tz["pin_threads"] = json!(p);
     }
     json!({
         "train_micro_batch_size_per_gpu": 2,
