@@ -57,7 +57,8 @@
 //! and `REUSE_H2` set `stage3_prefetch_bucket_size`,
 //! `stage3_max_live_parameters` and `stage3_max_reuse_distance` in units
 //! of hidden² (a block is 12: default 24, 48 and 0); `OPT_RESIDENT` sets
-//! `tierzero.optimizer_resident_bytes` (bytes, or "auto"); `MODE`
+//! `tierzero.optimizer_resident_bytes` (bytes, or "auto"); `PIN=off` or
+//! `PIN=on` sets `tierzero.pin_threads` (default "auto"); `MODE`
 //! (above); `PER_STEP=1` prints every step's wall time to stderr. Output: one JSON line
 //! per round, then a summary line with the medians over rounds and the
 //! ratio. A round's line also gives the median NVMe bytes (read +

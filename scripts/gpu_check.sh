@@ -31,7 +31,8 @@
 #      compute alone is closest to its I/O alone, and runs 6 interleaved
 #      rounds of 6 steps there, with the harness's limits and again with
 #      LIVE_H2=72 REUSE_H2=24 (max-live 6 blocks, reuse 2 blocks); last,
-#      MICRO=2 with the "auto" threads. Each run is skipped when too
+#      MICRO=2 with the "auto" threads. The balanced and MICRO=2 runs are
+#      repeated with PIN=off (tierzero.pin_threads: false) beside them. Each run is skipped when too
 #      little of the budget is left. Swap files go under OVERLAP_DIR
 #      (default ./overlap-check, on the disk rather than a tmpfs /tmp),
 #      removed afterwards.
@@ -172,6 +173,7 @@ field() { grep -o "\"$2\":[0-9.eE+-]*" <<<"$1" | head -n 1 | cut -d: -f2; }
 ov_dir="${OVERLAP_DIR:-$PWD/overlap-check}"
 ov_log="$WORK/overlap.txt"; : >"$ov_log"
 ov_calib=""; ov_micro=null; ov_balanced=null; ov_roomy=null; ov_default=null
+ov_balanced_unpinned=null; ov_default_unpinned=null
 # One run: MICRO=$1 STEPS=$2 ROUNDS=$3 (extra env before the call); prints
 # the summary line or nothing; skipped when under $4 seconds are left.
 # OV_LAYERS and OV_HIDDEN (default 6 and 256) set the model.
@@ -220,12 +222,15 @@ if [ -n "${OVERLAP_BIN:-}" ] && [ -x "$OVERLAP_BIN" ]; then
   if [ -n "$best" ]; then
     ov_micro=$best
     ov_balanced=$(ov_run "$best" 6 6 30); [ -n "$ov_balanced" ] || ov_balanced=null
+    ov_balanced_unpinned=$(PIN=off ov_run "$best" 6 6 30); [ -n "$ov_balanced_unpinned" ] || ov_balanced_unpinned=null
     ov_roomy=$(LIVE_H2=72 REUSE_H2=24 ov_run "$best" 6 6 30); [ -n "$ov_roomy" ] || ov_roomy=null
   fi
   # MICRO=2 with the threads "auto" gives, as a user would run it.
   unset COMPUTE_THREADS
   ov_default=$(ov_run 2 6 4 20)
   [ -n "$ov_default" ] || ov_default=null
+  ov_default_unpinned=$(PIN=off ov_run 2 6 4 20)
+  [ -n "$ov_default_unpinned" ] || ov_default_unpinned=null
   rm -rf "$ov_dir"
 else
   echo "no overlap binary (OVERLAP_BIN)" >"$ov_log"
@@ -245,8 +250,8 @@ fi
   printf '"train":{"same_weights_cpu_vs_nccl":%s,"cpu":{"rc":%s,"secs":%s,"result":%s,"stderr":%s},"nccl":{"rc":%s,"secs":%s,"result":%s,"stderr":%s}},' \
     "$train_same" "$(cat "$WORK/train-cpu/rc")" "$(cat "$WORK/train-cpu/secs")" "$(json_obj "$WORK/train-cpu/out.json")" "$(json_str "$WORK/train-cpu/err.txt")" \
     "$(cat "$WORK/train-cuda/rc")" "$(cat "$WORK/train-cuda/secs")" "$(json_obj "$WORK/train-cuda/out.json")" "$(json_str "$WORK/train-cuda/err.txt")"
-  printf '"overlap":{"cores":%s,"threads_scan_micro2":[%s],"threads_scan_h512_micro8":[%s],"compute_threads":%s,"calibration":[%s],"balanced_micro":%s,"balanced":%s,"balanced_live72_reuse24":%s,"micro_2":%s,"log":%s}}\n' \
-    "$(nproc)" "$ov_threads" "$ov_threads_big" "$ov_t" "$ov_calib" "$ov_micro" "$ov_balanced" "$ov_roomy" "$ov_default" "$(json_str "$ov_log")"
+  printf '"overlap":{"cores":%s,"threads_scan_micro2":[%s],"threads_scan_h512_micro8":[%s],"compute_threads":%s,"calibration":[%s],"balanced_micro":%s,"balanced":%s,"balanced_unpinned":%s,"balanced_live72_reuse24":%s,"micro_2":%s,"micro_2_unpinned":%s,"log":%s}}\n' \
+    "$(nproc)" "$ov_threads" "$ov_threads_big" "$ov_t" "$ov_calib" "$ov_micro" "$ov_balanced" "$ov_balanced_unpinned" "$ov_roomy" "$ov_default" "$ov_default_unpinned" "$(json_str "$ov_log")"
 } >"$WORK/result.json"
 [ -n "${OUT:-}" ] && cp "$WORK/result.json" "$OUT/gpu_check.json"
 cat "$WORK/result.json"

@@ -125,6 +125,11 @@ impl Setup {
         if let Some(n) = self.compute_threads {
             ds["tierzero"]["compute_threads"] = json!(n);
         }
+        match std::env::var("PIN").as_deref() {
+            Ok("off") => ds["tierzero"]["pin_threads"] = json!(false),
+            Ok("on") => ds["tierzero"]["pin_threads"] = json!(true),
+            _ => {}
+        }
         let run = RunContext {
             path_checks: PathChecks::CreateMissing,
             ..RunContext::default()
