@@ -53,6 +53,8 @@
 
 use candle_core::{DType, Tensor};
 use crossbeam_channel::{Receiver, Select, Sender, TryRecvError};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use tierzero_swap::Ticket;
 
 use super::store::cpu_tensor;
@@ -112,6 +114,56 @@ fn gone() -> EngineError {
     EngineError::internal("the param copy thread stopped before a read's result came back")
 }
 
+/// How many param reads are on the disk now, for the optimizer thread:
+/// its state read-ahead beyond the next sub-group to step waits while
+/// param reads are in flight (`worker::State::pump`), so the reads the
+/// compute waits for do not share the disk with reads wanted only later.
+/// The store counts a read in when it hands it over ([`Copier::read`]);
+/// the copy thread counts it out when it lands, and wakes the optimizer
+/// thread ([`ParamReadGate::idle`]) when none is left.
+#[derive(Debug)]
+pub struct ParamReadGate {
+    inflight: AtomicUsize,
+    idle_tx: Sender<()>,
+    idle_rx: Receiver<()>,
+}
+
+impl ParamReadGate {
+    /// A gate with no read in flight.
+    pub fn new() -> Arc<Self> {
+        let (idle_tx, idle_rx) = crossbeam_channel::bounded(1);
+        Arc::new(ParamReadGate {
+            inflight: AtomicUsize::new(0),
+            idle_tx,
+            idle_rx,
+        })
+    }
+
+    /// Whether a param read is on the disk.
+    pub fn busy(&self) -> bool {
+        self.inflight.load(Ordering::Acquire) > 0
+    }
+
+    /// Gets a message after the last read in flight landed (possibly a
+    /// stale one: check [`ParamReadGate::busy`] again).
+    pub fn idle(&self) -> &Receiver<()> {
+        &self.idle_rx
+    }
+
+    /// Counts a read in (the store, as it hands one over).
+    pub(crate) fn issued(&self) {
+        self.inflight.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Counts a read out (the copy thread, as it lands).
+    pub(crate) fn landed(&self) {
+        if self.inflight.fetch_sub(1, Ordering::AcqRel) == 1 {
+            // Full means a wake-up is already waiting.
+            let _ = self.idle_tx.try_send(());
+        }
+    }
+}
+
 struct Job {
     ticket: Ticket,
     unpack: Unpack,
@@ -121,24 +173,28 @@ struct Job {
 /// The copy thread's handle (see the module docs).
 #[derive(Debug)]
 pub struct Copier {
+    gate: Arc<ParamReadGate>,
     tx: Option<Sender<Job>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Copier {
-    /// Starts the thread (`tz-param-copy`), on `cpus` when given.
-    pub fn spawn(cpus: Option<std::sync::Arc<[usize]>>) -> Result<Self> {
+    /// Starts the thread (`tz-param-copy`), on `cpus` when given; it
+    /// counts reads in and out of `gate`.
+    pub fn spawn(cpus: Option<Arc<[usize]>>, gate: Arc<ParamReadGate>) -> Result<Self> {
         let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+        let thread_gate = gate.clone();
         let thread = std::thread::Builder::new()
             .name("tz-param-copy".into())
             .spawn(move || {
                 tierzero_swap::affinity::place_current_thread(cpus.as_deref(), "tz-param-copy");
-                run(&rx)
+                run(&rx, &thread_gate)
             })
             .map_err(|e| {
                 EngineError::internal(format!("could not start the param copy thread: {e}"))
             })?;
         Ok(Copier {
+            gate,
             tx: Some(tx),
             thread: Some(thread),
         })
@@ -147,15 +203,19 @@ impl Copier {
     /// Hands over a submitted read.
     pub fn read(&self, ticket: Ticket, unpack: Unpack) -> Result<PendingRead> {
         let (reply, rx) = crossbeam_channel::bounded(1);
-        self.tx
-            .as_ref()
-            .ok_or_else(gone)?
+        let tx = self.tx.as_ref().ok_or_else(gone)?;
+        self.gate.issued();
+        if tx
             .send(Job {
                 ticket,
                 unpack,
                 reply,
             })
-            .map_err(|_| gone())?;
+            .is_err()
+        {
+            self.gate.landed();
+            return Err(gone());
+        }
         Ok(PendingRead { rx })
     }
 }
@@ -171,7 +231,7 @@ impl Drop for Copier {
     }
 }
 
-fn run(jobs: &Receiver<Job>) {
+fn run(jobs: &Receiver<Job>, gate: &ParamReadGate) {
     let mut held: Vec<Job> = Vec::new();
     let mut open = true;
     while open || !held.is_empty() {
@@ -200,16 +260,14 @@ fn run(jobs: &Receiver<Job>) {
         let job = held.swap_remove(k);
         // `ready` said this ticket's channel has its completion (or is
         // closed, when the engine is gone: `wait` then reports it).
-        let res = job
-            .ticket
-            .wait()
-            .map_err(EngineError::from)
-            .and_then(|buf| {
-                let out = unpack_bytes(&job.unpack, buf.as_slice());
-                // Back to the pool before the result is seen.
-                drop(buf);
-                out
-            });
+        let landed = job.ticket.wait();
+        gate.landed();
+        let res = landed.map_err(EngineError::from).and_then(|buf| {
+            let out = unpack_bytes(&job.unpack, buf.as_slice());
+            // Back to the pool before the result is seen.
+            drop(buf);
+            out
+        });
         // The store may have dropped its pending read (it was dropped
         // itself): then nobody is told, and the send fails harmlessly.
         let _ = job.reply.send(res);

@@ -42,7 +42,10 @@
 //! gradient arrives, not for queueing: a parameter read that the compute
 //! is waiting for shares the disk with these reads, and would otherwise
 //! queue behind the whole read-ahead (12 MiB at the overlap harness's
-//! settings) instead of one sub-group. A finished write's buffers return to the pool when the write is
+//! settings) instead of one sub-group. The worker goes further: while
+//! param reads are on the disk, it reads ahead only the next sub-group to
+//! step, and the rest wait until those reads land (`worker.rs`, `pump`).
+//! A finished write's buffers return to the pool when the write is
 //! retired: [`OptimizerState::poll_writes`] retires the finished ones
 //! without blocking, [`OptimizerState::retire_behind`] blocks until at
 //! most `write_behind` remain (called after each step, once the new

@@ -194,6 +194,9 @@ pub struct NvmeParams {
     /// CPUs of the param copy thread (`super::threads::Placement`);
     /// `None`: unpinned.
     pub copier_cpus: Option<Arc<[usize]>>,
+    /// Counts this store's reads on the disk, for the optimizer thread
+    /// ([`super::copier::ParamReadGate`]).
+    pub read_gate: Arc<super::copier::ParamReadGate>,
 }
 
 /// Byte and time counters, per tier.
@@ -343,7 +346,7 @@ impl ParamStore {
             pages: cpu_pages,
             copier: nvme
                 .as_ref()
-                .map(|n| Copier::spawn(n.copier_cpus.clone()))
+                .map(|n| Copier::spawn(n.copier_cpus.clone(), n.read_gate.clone()))
                 .transpose()?,
             nvme,
             writes: VecDeque::new(),
@@ -1040,6 +1043,7 @@ mod tests {
             engine,
             arena,
             copier_cpus: None,
+            read_gate: crate::engine::copier::ParamReadGate::new(),
         });
         seeded_store(model, &layout, &tiers, Vec::new(), nvme, 5)
     }
@@ -1206,6 +1210,9 @@ mod tests {
             })
             .collect();
         let arena = s.nvme.as_ref().unwrap().arena.clone();
+        // The optimizer's view of the param reads on the disk: none once
+        // every buffer is back.
+        let gate = s.nvme.as_ref().unwrap().read_gate.clone();
         let wait_full = |what: &str| {
             let t0 = Instant::now();
             while arena.free_count() < n {
@@ -1217,6 +1224,7 @@ mod tests {
             assert!(s.prefetch(p.id).unwrap());
         }
         wait_full("buffers not back without a harvest");
+        assert!(!gate.busy(), "landed reads still counted in flight");
         assert!(model
             .params()
             .iter()
@@ -1232,6 +1240,10 @@ mod tests {
         }
         drop(s);
         wait_full("a buffer lost with the store");
+        assert!(
+            !gate.busy(),
+            "a dropped store's reads still counted in flight"
+        );
         std::fs::remove_dir_all(&dir).ok();
     }
 }

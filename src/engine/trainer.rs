@@ -859,10 +859,12 @@ impl Trainer {
                 engine,
                 arena,
                 copier_cpus: placement.helper_cpus(),
+                read_gate: super::copier::ParamReadGate::new(),
             })
         } else {
             None
         };
+        let param_read_gate = nvme_params.as_ref().map(|n| n.read_gate.clone());
         let mut store = ParamStore::new(
             &model,
             &layout,
@@ -1019,6 +1021,7 @@ impl Trainer {
             param_dtype,
             opts.timeline.clone(),
             placement.helper_cpus(),
+            param_read_gate,
         )?;
         let limits = Limits {
             prefetch_bucket_numel: zero.prefetch_bucket_numel.0,

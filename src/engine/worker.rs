@@ -207,17 +207,40 @@ struct State {
     steps: HashMap<SubGroupId, PendingStep>,
     live: std::sync::Arc<std::sync::Mutex<OptCounters>>,
     timeline: Option<std::sync::Arc<super::Timeline>>,
+    /// The param store's reads on the disk (`None`: params not on NVMe).
+    gate: Option<std::sync::Arc<super::copier::ParamReadGate>>,
+    /// `pump` held a read back for the param reads (see there).
+    deferred: bool,
 }
 
 impl State {
+    /// Issues the state reads that fit (`OptimizerState::prefetch`), in
+    /// step order. While param reads are on the disk, only the next
+    /// sub-group on NVMe to step reads: the deeper read-ahead waits for a
+    /// gap ([`super::copier::ParamReadGate`]), so the reads the compute
+    /// waits for (at the start of forward, the optimizer's read-ahead for
+    /// backward took half the disk while the compute waited on params) get
+    /// the disk, and the read-ahead fills the idle turn between forward
+    /// and backward instead. `deferred` says whether a read is held back.
     fn pump(&mut self) -> Result<()> {
+        self.deferred = false;
         if !self.opt.is_nvme() {
             return Ok(());
         }
+        let yield_to_params = self.gate.as_ref().is_some_and(|g| g.busy());
+        let mut on_disk_before = 0usize;
         for &sg in &self.order {
+            if self.opt.in_memory(sg) {
+                continue;
+            }
+            if yield_to_params && on_disk_before > 0 && !self.opt.is_issued(sg) {
+                self.deferred = true;
+                break;
+            }
             if !self.opt.prefetch(sg)? {
                 break;
             }
+            on_disk_before += 1;
         }
         Ok(())
     }
@@ -430,6 +453,7 @@ impl OptimizerWorker {
         dtype: DType,
         timeline: Option<std::sync::Arc<super::Timeline>>,
         cpus: Option<std::sync::Arc<[usize]>>,
+        gate: Option<std::sync::Arc<super::copier::ParamReadGate>>,
     ) -> Result<Self> {
         let (tx, jobs) = crossbeam_channel::unbounded::<Job>();
         let (done_tx, rx) = crossbeam_channel::unbounded::<Done>();
@@ -442,6 +466,8 @@ impl OptimizerWorker {
             steps: HashMap::new(),
             live: live.clone(),
             timeline,
+            gate,
+            deferred: false,
         };
         let handle = std::thread::Builder::new()
             .name("tierzero-optim".into())
@@ -466,32 +492,37 @@ impl OptimizerWorker {
                             return;
                         }
                         st.publish();
-                        match st.wanted_io() {
-                            Some(io) => {
-                                let mut sel = crossbeam_channel::Select::new();
-                                let job_op = sel.recv(&jobs);
-                                sel.recv(io);
-                                if sel.ready() != job_op {
-                                    // Ready with nothing in it: the engine
-                                    // dropped the request unanswered.
-                                    if io.is_empty() {
-                                        let _ = done_tx.send(Done::Failed(
-                                            tierzero_swap::SwapError::Shutdown.into(),
-                                        ));
-                                        return;
-                                    }
-                                    continue;
-                                }
-                                match jobs.try_recv() {
-                                    Ok(j) => Some(j),
-                                    Err(crossbeam_channel::TryRecvError::Empty) => continue,
-                                    Err(crossbeam_channel::TryRecvError::Disconnected) => return,
-                                }
+                        // Wait for a job, for the completion a wanted read
+                        // waits for, or (when read-ahead yields to param
+                        // reads, see `pump`) for the param reads to land.
+                        let io = st.wanted_io();
+                        let gate = st.deferred.then_some(st.gate.as_ref()).flatten();
+                        let mut sel = crossbeam_channel::Select::new();
+                        let job_op = sel.recv(&jobs);
+                        let io_op = io.map(|io| sel.recv(io));
+                        let gate_op = gate.map(|g| sel.recv(g.idle()));
+                        let k = sel.ready();
+                        if Some(k) == gate_op {
+                            if let Some(g) = gate {
+                                let _ = g.idle().try_recv();
                             }
-                            None => match jobs.recv() {
-                                Ok(j) => Some(j),
-                                Err(_) => return,
-                            },
+                            continue;
+                        }
+                        if let (Some(io), true) = (io, Some(k) == io_op) {
+                            // Ready with nothing in it: the engine
+                            // dropped the request unanswered.
+                            if io.is_empty() {
+                                let _ = done_tx
+                                    .send(Done::Failed(tierzero_swap::SwapError::Shutdown.into()));
+                                return;
+                            }
+                            continue;
+                        }
+                        debug_assert_eq!(k, job_op);
+                        match jobs.try_recv() {
+                            Ok(j) => Some(j),
+                            Err(crossbeam_channel::TryRecvError::Empty) => continue,
+                            Err(crossbeam_channel::TryRecvError::Disconnected) => return,
                         }
                     };
                     let r = match job {
@@ -660,7 +691,7 @@ mod tests {
         assert_eq!(opt.read_ahead(), 1);
         let read0 = opt.counters().nvme_read_bytes;
         let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
-        let w = OptimizerWorker::spawn(opt, adam, DType::F32, None, None).unwrap();
+        let w = OptimizerWorker::spawn(opt, adam, DType::F32, None, None, None).unwrap();
         w.send(Job::Expect((0..4).map(SubGroupId).collect()))
             .unwrap();
         wait_reads(&w, read0, 2, "after Expect");
@@ -687,6 +718,49 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// While a param read is on the disk, only the next sub-group's state
+    /// is read; the deeper read-ahead starts once the param reads landed,
+    /// with no job to wake the thread.
+    #[test]
+    fn deep_read_ahead_waits_for_param_reads_to_land() {
+        let dir = std::env::temp_dir().join(format!("tz-worker-gate-{}", std::process::id()));
+        // 12 buffers: read-ahead 2 (three groups reading when free).
+        let opt = nvme_state(&dir, 4, 12);
+        assert_eq!(opt.read_ahead(), 2);
+        let read0 = opt.counters().nvme_read_bytes;
+        let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
+        let gate = super::super::copier::ParamReadGate::new();
+        gate.issued();
+        let w =
+            OptimizerWorker::spawn(opt, adam, DType::F32, None, None, Some(gate.clone())).unwrap();
+        w.send(Job::Expect((0..4).map(SubGroupId).collect()))
+            .unwrap();
+        wait_reads(&w, read0, 1, "with a param read in flight");
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(
+            w.counters().nvme_read_bytes,
+            read0 + 3 * 4096,
+            "the read-ahead went past the next group while a param read was in flight"
+        );
+        gate.landed();
+        wait_reads(&w, read0, 3, "after the param read landed");
+        for sg in 0..4 {
+            w.send(step_job(sg)).unwrap();
+        }
+        w.send(Job::Flush).unwrap();
+        let mut stepped = Vec::new();
+        loop {
+            match w.recv().unwrap() {
+                Done::Stepped { sg, .. } => stepped.push(sg.0),
+                Done::Flushed => break,
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(stepped, vec![0, 1, 2, 3]);
+        drop(w);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// `Job::Expect` starts the state reads before any gradient arrives,
     /// and the steps then come back in the expected order.
     #[test]
@@ -697,7 +771,7 @@ mod tests {
         assert_eq!(opt.read_ahead(), 2, "extra buffers deepen the reads");
         let read0 = opt.counters().nvme_read_bytes;
         let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
-        let w = OptimizerWorker::spawn(opt, adam, DType::F32, None, None).unwrap();
+        let w = OptimizerWorker::spawn(opt, adam, DType::F32, None, None, None).unwrap();
         let order = [3usize, 1, 2, 0].map(SubGroupId);
         w.send(Job::Expect(order.to_vec())).unwrap();
         let t0 = Instant::now();
@@ -796,7 +870,7 @@ mod tests {
             .unwrap();
             want.push(bytes);
         }
-        let w = OptimizerWorker::spawn(opt, adam, DType::F32, None, None).unwrap();
+        let w = OptimizerWorker::spawn(opt, adam, DType::F32, None, None, None).unwrap();
         let order = [3usize, 2, 1, 0].map(SubGroupId);
         w.send(Job::Expect(order.to_vec())).unwrap();
         // Resident group 1's gradient goes through the spill path.
