@@ -622,18 +622,17 @@ impl Trainer {
             )));
         }
         // Before any of our threads start (see `threads`).
+        let offloaded = config.zero.offload_param.device != OffloadDevice::None
+            || config.zero.offload_optimizer.device != OffloadDevice::None;
         let compute_threads = threads::resolve(
             config.tierzero.compute_threads,
             threads::user_env().as_deref(),
             threads::cores(),
-            config.zero.offload_param.device != OffloadDevice::None
-                || config.zero.offload_optimizer.device != OffloadDevice::None,
+            offloaded,
             opts.adam_threads.get(),
             matches!(opts.device, Device::Cpu),
         );
         threads::apply(&compute_threads);
-        let offloaded = config.zero.offload_param.device != OffloadDevice::None
-            || config.zero.offload_optimizer.device != OffloadDevice::None;
         // The building thread's mask: what `taskset` or a cpuset allows.
         let placement = match tierzero_swap::affinity::current_thread_cpus() {
             Ok(allowed) => threads::place(

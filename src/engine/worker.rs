@@ -668,6 +668,19 @@ mod tests {
         assert_eq!(w.counters().nvme_read_bytes, want, "{what}: read too far");
     }
 
+    /// Sends `Flush` and returns the sub-groups stepped before it, in order.
+    fn flush_and_collect(w: &OptimizerWorker) -> Vec<usize> {
+        w.send(Job::Flush).unwrap();
+        let mut stepped = Vec::new();
+        loop {
+            match w.recv().unwrap() {
+                Done::Stepped { sg, .. } => stepped.push(sg.0),
+                Done::Flushed => return stepped,
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+
     fn step_job(sg: usize) -> Job {
         Job::Step {
             sg: SubGroupId(sg),
@@ -704,15 +717,7 @@ mod tests {
         for sg in 1..4 {
             w.send(step_job(sg)).unwrap();
         }
-        w.send(Job::Flush).unwrap();
-        let mut stepped = Vec::new();
-        loop {
-            match w.recv().unwrap() {
-                Done::Stepped { sg, .. } => stepped.push(sg.0),
-                Done::Flushed => break,
-                other => panic!("unexpected {other:?}"),
-            }
-        }
+        let stepped = flush_and_collect(&w);
         assert_eq!(stepped, vec![1, 2, 3]);
         drop(w);
         let _ = std::fs::remove_dir_all(&dir);
@@ -747,15 +752,7 @@ mod tests {
         for sg in 0..4 {
             w.send(step_job(sg)).unwrap();
         }
-        w.send(Job::Flush).unwrap();
-        let mut stepped = Vec::new();
-        loop {
-            match w.recv().unwrap() {
-                Done::Stepped { sg, .. } => stepped.push(sg.0),
-                Done::Flushed => break,
-                other => panic!("unexpected {other:?}"),
-            }
-        }
+        let stepped = flush_and_collect(&w);
         assert_eq!(stepped, vec![0, 1, 2, 3]);
         drop(w);
         let _ = std::fs::remove_dir_all(&dir);
