@@ -153,3 +153,43 @@ fn export_of_a_corrupt_checkpoint_names_the_part() {
     assert!(r.stderr.contains("corrupt"), "{}", r.stderr);
     assert!(!out.exists(), "a partial export was left behind");
 }
+
+/// The special token ids of the source `config.json` (which change nothing
+/// we compute) reach the checkpoint and the exported `config.json`, as
+/// written, so generation after export stops where the source model did.
+#[test]
+fn export_keeps_the_source_models_token_ids() {
+    let dir = tiny_gpt2_dir("export-ids", 2, 32);
+    let cfg_path = dir.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["bos_token_id"] = serde_json::json!(1);
+    cfg["eos_token_id"] = serde_json::json!([2, 3]);
+    cfg["pad_token_id"] = serde_json::Value::Null;
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let save = checkpoint_of(&dir);
+    let out = scratch("export-ids-out");
+    let file = out.join("model.safetensors");
+    let r = run_tierzero(
+        None,
+        &[
+            "export",
+            "--checkpoint",
+            save.to_str().unwrap(),
+            "--out",
+            file.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let exported: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(exported["bos_token_id"], 1);
+    assert_eq!(exported["eos_token_id"], serde_json::json!([2, 3]));
+    assert!(exported.get("pad_token_id").is_none(), "{exported}");
+    // The exported directory reopens as the same model, ids included.
+    let md = ModelDir::open(&out, 0).unwrap();
+    let ckpt = Checkpoint::open(&save).unwrap();
+    assert_eq!(md.model().config(), ckpt.model().config());
+    assert_eq!(md.model().token_ids(), ckpt.model().token_ids());
+    assert!(!md.model().token_ids().is_empty());
+}

@@ -13,7 +13,8 @@
 //!   ([`crate::durable`]): an interrupted export never leaves a partial file
 //!   under the output name.
 //! * `config.json` is written beside the output so the directory loads with
-//!   `from_pretrained`. If a `config.json` is already there with the same
+//!   `from_pretrained`, with the source model's special token ids
+//!   ([`crate::model::TokenIds`], kept in the checkpoint's manifest). If a `config.json` is already there with the same
 //!   JSON content it is left alone; with different content the export is
 //!   refused before anything is written (it would otherwise describe
 //!   another model, or be silently overwritten).
@@ -69,7 +70,7 @@ pub fn export_safetensors(
     let config_action = match std::fs::read_to_string(&config_path) {
         Ok(existing) => {
             let same = serde_json::from_str::<serde_json::Value>(&existing)
-                .is_ok_and(|v| v == model.config().to_hf_value());
+                .is_ok_and(|v| v == model.hf_config_value());
             if !same {
                 return Err(CheckpointError::Mismatch {
                     what: format!(

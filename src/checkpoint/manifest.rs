@@ -384,6 +384,7 @@ impl Manifest {
     pub fn build_model(&self, path: &Path) -> Result<Model, CheckpointError> {
         let (cfg, _unknown) = ModelConfig::from_hf_value(&self.model)
             .map_err(|e| bad(path, format!("model config: {e}")))?;
+        let token_ids = crate::model::TokenIds::from_hf_value(&self.model);
         // Every layer has parameters and every parameter is listed in the
         // manifest, so a model with more layers than the manifest has
         // parameter entries cannot be this checkpoint's; refusing it here
@@ -404,7 +405,9 @@ impl Manifest {
                 ),
             ));
         }
-        Model::new(cfg).map_err(|e| bad(path, format!("model config: {e}")))
+        Model::new(cfg)
+            .map(|m| m.with_token_ids(token_ids))
+            .map_err(|e| bad(path, format!("model config: {e}")))
     }
 
     /// The entry of file `rel`.

@@ -36,7 +36,8 @@
 //! step, Adam steps, skipped steps, loss-scaler state; seed, seq_len, data
 //! source and samples consumed; precision; world size and, per rank, its
 //! sub-groups (numel, offset, length) and the params in them (name, whole
-//! numel, shard range, offset in the sub-group); the model's HF config;
+//! numel, shard range, offset in the sub-group); the model's HF config
+//! (with its special token ids, which older readers ignore as harmless);
 //! a fingerprint of the resolved training config (resuming with different
 //! numerics is warned about, naming the settings); and every file with its
 //! relative path, byte length and crc32c, plus a crc32c per sub-group

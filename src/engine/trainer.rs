@@ -2239,7 +2239,7 @@ impl Trainer {
             },
             precision: precision_name(&self.config.precision).to_owned(),
             world_size: world,
-            model: self.model.config().to_hf_value(),
+            model: self.model.hf_config_value(),
             config: config_fingerprint(&self.config),
             ranks,
             hf_weights,

@@ -286,6 +286,60 @@ const HARMLESS_KEYS: &[&str] = &[
     "label2id",
 ];
 
+/// The special token ids of an HF `config.json` (`bos_token_id`,
+/// `eos_token_id`, `pad_token_id`). They change nothing we compute (the
+/// data loader owns tokens), so they are not part of [`ModelConfig`] and
+/// two models differing only in them train alike; but generation reads
+/// them, so they travel with the model into checkpoints and the exported
+/// `config.json`. Each is kept as written when it is a non-negative integer
+/// or a list of them (Llama 3 lists several `eos_token_id`s); `null` is
+/// dropped, anything else dropped with a warning.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TokenIds(serde_json::Map<String, Value>);
+
+/// The keys of [`TokenIds`].
+pub const TOKEN_ID_KEYS: [&str; 3] = ["bos_token_id", "eos_token_id", "pad_token_id"];
+
+impl TokenIds {
+    /// The ids in an HF config object (nothing from anything else).
+    pub fn from_hf_value(value: &Value) -> Self {
+        let is_id = |v: &Value| v.as_u64().is_some();
+        let mut out = serde_json::Map::new();
+        let Some(obj) = value.as_object() else {
+            return TokenIds(out);
+        };
+        for key in TOKEN_ID_KEYS {
+            match obj.get(key) {
+                None | Some(Value::Null) => {}
+                Some(v) if is_id(v) => {
+                    out.insert(key.to_owned(), v.clone());
+                }
+                Some(Value::Array(a)) if !a.is_empty() && a.iter().all(is_id) => {
+                    out.insert(key.to_owned(), Value::Array(a.clone()));
+                }
+                Some(v) => {
+                    tracing::warn!(key, value = %v, "config.json: not a token id or a list of them; dropped");
+                }
+            }
+        }
+        TokenIds(out)
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Adds the ids to an HF config object.
+    pub fn add_to(&self, value: &mut Value) {
+        if let Some(obj) = value.as_object_mut() {
+            for (k, v) in &self.0 {
+                obj.insert(k.clone(), v.clone());
+            }
+        }
+    }
+}
+
 fn invalid(key: &str, reason: impl Into<String>) -> ModelError {
     ModelError::InvalidConfig {
         key: key.to_string(),
@@ -630,6 +684,24 @@ mod tests {
         assert_eq!(cfg.head_dim, 64);
         assert_eq!(cfg.activation, Activation::GeluTanh);
         assert!(cfg.tie_word_embeddings);
+    }
+
+    #[test]
+    fn token_ids_travel_as_written_and_bad_ones_are_dropped() {
+        let v: Value = serde_json::json!({"model_type": "llama", "bos_token_id": 128000,
+            "eos_token_id": [128001, 128008], "pad_token_id": null});
+        let ids = TokenIds::from_hf_value(&v);
+        let mut out = serde_json::json!({"model_type": "llama"});
+        ids.add_to(&mut out);
+        assert_eq!(
+            out,
+            serde_json::json!({"model_type": "llama", "bos_token_id": 128000,
+                "eos_token_id": [128001, 128008]})
+        );
+        let bad = serde_json::json!({"bos_token_id": -1, "eos_token_id": "x",
+            "pad_token_id": []});
+        assert!(TokenIds::from_hf_value(&bad).is_empty());
+        assert!(TokenIds::from_hf_value(&serde_json::json!([1])).is_empty());
     }
 
     #[test]

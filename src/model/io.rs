@@ -41,7 +41,7 @@ use candle_core::{DType, Device, Tensor};
 use safetensors::tensor::Metadata;
 use safetensors::Dtype as StDtype;
 
-use super::{Arch, Init, Model, ModelConfig, ModelError, ParamId, ParamSpec};
+use super::{Arch, Init, Model, ModelConfig, ModelError, ParamId, ParamSpec, TokenIds};
 
 /// Largest safetensors header we accept (the `safetensors` crate's limit).
 const MAX_HEADER_BYTES: u64 = 100_000_000;
@@ -224,8 +224,12 @@ impl ModelDir {
         let dir = dir.as_ref();
         let cfg_path = dir.join("config.json");
         let text = std::fs::read_to_string(&cfg_path).map_err(io_err(&cfg_path))?;
-        let (config, unknown_config_keys) = ModelConfig::from_hf_json(&text)?;
-        let model = Model::new(config)?;
+        let value: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| ModelError::ConfigJson {
+                reason: e.to_string(),
+            })?;
+        let (config, unknown_config_keys) = ModelConfig::from_hf_value(&value)?;
+        let model = Model::new(config)?.with_token_ids(TokenIds::from_hf_value(&value));
         let files = weight_files(dir)?;
         let source = if files.is_empty() {
             Source::Init
@@ -455,10 +459,8 @@ pub fn save_hf_dir(
 
 /// The HF `config.json` text of `model` (pretty JSON).
 pub fn hf_config_text(model: &Model) -> Result<String, ModelError> {
-    serde_json::to_string_pretty(&model.config().to_hf_value()).map_err(|e| {
-        ModelError::ConfigJson {
-            reason: e.to_string(),
-        }
+    serde_json::to_string_pretty(&model.hf_config_value()).map_err(|e| ModelError::ConfigJson {
+        reason: e.to_string(),
     })
 }
 

@@ -73,7 +73,7 @@ pub mod ops;
 
 use candle_core::{DType, Device, Tensor, Var};
 
-pub use config::{Activation, Arch, ModelConfig};
+pub use config::{Activation, Arch, ModelConfig, TokenIds};
 pub use io::{hf_config_text, save_hf_dir, write_safetensors, ModelDir};
 
 /// Errors of the model area.
@@ -341,6 +341,8 @@ pub struct UnitGrads {
 #[derive(Debug, Clone)]
 pub struct Model {
     config: ModelConfig,
+    /// Special token ids, carried for the exported `config.json`.
+    token_ids: TokenIds,
     params: Vec<ParamSpec>,
     units: Vec<UnitSpec>,
     by_name: std::collections::HashMap<String, ParamId>,
@@ -566,6 +568,7 @@ impl Model {
         }
         Ok(Model {
             config,
+            token_ids: TokenIds::default(),
             params: b.params,
             units: b.units,
             by_name: b.by_name,
@@ -575,6 +578,25 @@ impl Model {
     /// The validated config.
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// This model with the special token ids `ids` (see [`TokenIds`]).
+    pub fn with_token_ids(mut self, ids: TokenIds) -> Self {
+        self.token_ids = ids;
+        self
+    }
+
+    /// The special token ids carried with the model.
+    pub fn token_ids(&self) -> &TokenIds {
+        &self.token_ids
+    }
+
+    /// The HF `config.json` object of this model: the config
+    /// ([`ModelConfig::to_hf_value`]) and the special token ids.
+    pub fn hf_config_value(&self) -> serde_json::Value {
+        let mut v = self.config.to_hf_value();
+        self.token_ids.add_to(&mut v);
+        v
     }
 
     /// All parameters, each once, indexed by [`ParamId`].
