@@ -24,22 +24,23 @@ fn checkpoint_of(model_dir: &std::path::Path) -> std::path::PathBuf {
     save
 }
 
+/// `tierzero export --checkpoint SAVE --out FILE` and `extra` arguments.
+fn export(save: &std::path::Path, file: &std::path::Path, extra: &[&str]) -> cli_support::Out {
+    let mut args = vec![
+        "export",
+        "--checkpoint",
+        save.to_str().unwrap(),
+        "--out",
+        file.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    run_tierzero(None, &args)
+}
+
 fn assert_export_matches(save: &std::path::Path, dtype: &str) {
     let out = scratch("export-out");
     let file = out.join("model.safetensors");
-    let r = run_tierzero(
-        None,
-        &[
-            "export",
-            "--checkpoint",
-            save.to_str().unwrap(),
-            "--out",
-            file.to_str().unwrap(),
-            "--dtype",
-            dtype,
-            "--json",
-        ],
-    );
+    let r = export(save, &file, &["--dtype", dtype, "--json"]);
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
     let report: serde_json::Value = serde_json::from_str(r.stdout.trim()).unwrap();
     assert_eq!(report["step"], 2);
@@ -81,33 +82,13 @@ fn assert_export_matches(save: &std::path::Path, dtype: &str) {
         assert_eq!(a, b, "{} differs", p.name);
     }
     // Exporting again next to the same config.json is fine...
-    let again = run_tierzero(
-        None,
-        &[
-            "export",
-            "--checkpoint",
-            save.to_str().unwrap(),
-            "--out",
-            file.to_str().unwrap(),
-            "--dtype",
-            dtype,
-        ],
-    );
+    let again = export(save, &file, &["--dtype", dtype]);
     assert_eq!(again.code, 0, "{}", again.stderr);
     assert!(again.stdout.contains("already there"), "{}", again.stdout);
     // ... a different one is refused, and nothing is written.
     std::fs::write(out.join("config.json"), "{\"model_type\": \"llama\"}").unwrap();
     std::fs::remove_file(&file).unwrap();
-    let clash = run_tierzero(
-        None,
-        &[
-            "export",
-            "--checkpoint",
-            save.to_str().unwrap(),
-            "--out",
-            file.to_str().unwrap(),
-        ],
-    );
+    let clash = export(save, &file, &[]);
     assert_eq!(clash.code, 2, "{}", clash.stderr);
     assert!(clash.stderr.contains("config.json"), "{}", clash.stderr);
     assert!(!file.exists());
@@ -134,16 +115,7 @@ fn export_of_a_corrupt_checkpoint_names_the_part() {
     bytes[100] ^= 0x40;
     std::fs::write(&master, bytes).unwrap();
     let out = scratch("export-bad-out").join("m.safetensors");
-    let r = run_tierzero(
-        None,
-        &[
-            "export",
-            "--checkpoint",
-            save.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ],
-    );
+    let r = export(&save, &out, &[]);
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(
         r.stderr.contains("master of rank 0, sub-group 0"),
@@ -170,16 +142,7 @@ fn export_keeps_the_source_models_token_ids() {
     let save = checkpoint_of(&dir);
     let out = scratch("export-ids-out");
     let file = out.join("model.safetensors");
-    let r = run_tierzero(
-        None,
-        &[
-            "export",
-            "--checkpoint",
-            save.to_str().unwrap(),
-            "--out",
-            file.to_str().unwrap(),
-        ],
-    );
+    let r = export(&save, &file, &[]);
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
     let exported: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
