@@ -209,8 +209,6 @@ struct State {
     timeline: Option<std::sync::Arc<super::Timeline>>,
     /// The param store's reads on the disk (`None`: params not on NVMe).
     gate: Option<std::sync::Arc<super::copier::ParamReadGate>>,
-    /// `pump` held a read back for the param reads (see there).
-    deferred: bool,
 }
 
 impl State {
@@ -221,11 +219,10 @@ impl State {
     /// waits for (at the start of forward, the optimizer's read-ahead for
     /// backward took half the disk while the compute waited on params) get
     /// the disk, and the read-ahead fills the idle turn between forward
-    /// and backward instead. `deferred` says whether a read is held back.
-    fn pump(&mut self) -> Result<()> {
-        self.deferred = false;
+    /// and backward instead. Returns whether a read was held back so.
+    fn pump(&mut self) -> Result<bool> {
         if !self.opt.is_nvme() {
-            return Ok(());
+            return Ok(false);
         }
         let yield_to_params = self.gate.as_ref().is_some_and(|g| g.busy());
         let mut on_disk_before = 0usize;
@@ -234,15 +231,14 @@ impl State {
                 continue;
             }
             if yield_to_params && on_disk_before > 0 && !self.opt.is_issued(sg) {
-                self.deferred = true;
-                break;
+                return Ok(true);
             }
             if !self.opt.prefetch(sg)? {
                 break;
             }
             on_disk_before += 1;
         }
-        Ok(())
+        Ok(false)
     }
 
     /// When a queued sub-group's state read could start but waits (the
@@ -467,7 +463,6 @@ impl OptimizerWorker {
             live: live.clone(),
             timeline,
             gate,
-            deferred: false,
         };
         let handle = std::thread::Builder::new()
             .name("tierzero-optim".into())
@@ -487,16 +482,19 @@ impl OptimizerWorker {
                         // Nothing to step: issue the reads that fit, then wait
                         // for a job, or for the I/O completion that lets the
                         // next wanted read start (see `wanted_io`).
-                        if let Err(e) = st.opt.poll_writes().and_then(|()| st.pump()) {
-                            let _ = done_tx.send(Done::Failed(e));
-                            return;
-                        }
+                        let deferred = match st.opt.poll_writes().and_then(|()| st.pump()) {
+                            Ok(d) => d,
+                            Err(e) => {
+                                let _ = done_tx.send(Done::Failed(e));
+                                return;
+                            }
+                        };
                         st.publish();
                         // Wait for a job, for the completion a wanted read
                         // waits for, or (when read-ahead yields to param
                         // reads, see `pump`) for the param reads to land.
                         let io = st.wanted_io();
-                        let gate = st.deferred.then_some(st.gate.as_ref()).flatten();
+                        let gate = deferred.then_some(st.gate.as_ref()).flatten();
                         let mut sel = crossbeam_channel::Select::new();
                         let job_op = sel.recv(&jobs);
                         let io_op = io.map(|io| sel.recv(io));
@@ -527,7 +525,7 @@ impl OptimizerWorker {
                     };
                     let r = match job {
                         Some(j) => st.handle(j, &done_tx),
-                        None => st.pump().and_then(|()| match st.step_front()? {
+                        None => st.pump().and_then(|_| match st.step_front()? {
                             Some(d) => st.hand_on(d, &done_tx),
                             None => Ok(()),
                         }),
@@ -668,6 +666,18 @@ mod tests {
         assert_eq!(w.counters().nvme_read_bytes, want, "{what}: read too far");
     }
 
+    /// A worker (fp32, default Adam) over `opt`, and the NVMe bytes `opt`
+    /// had read before it started.
+    fn spawn_with_reads(
+        opt: OptimizerState,
+        gate: Option<std::sync::Arc<super::super::copier::ParamReadGate>>,
+    ) -> (OptimizerWorker, u64) {
+        let read0 = opt.counters().nvme_read_bytes;
+        let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
+        let w = OptimizerWorker::spawn(opt, adam, DType::F32, None, None, gate).unwrap();
+        (w, read0)
+    }
+
     /// Sends `Flush` and returns the sub-groups stepped before it, in order.
     fn flush_and_collect(w: &OptimizerWorker) -> Vec<usize> {
         w.send(Job::Flush).unwrap();
@@ -702,9 +712,7 @@ mod tests {
         // 9 buffers: the minimum, so read-ahead 1 (two groups reading).
         let opt = nvme_state(&dir, 4, 9);
         assert_eq!(opt.read_ahead(), 1);
-        let read0 = opt.counters().nvme_read_bytes;
-        let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
-        let w = OptimizerWorker::spawn(opt, adam, DType::F32, None, None, None).unwrap();
+        let (w, read0) = spawn_with_reads(opt, None);
         w.send(Job::Expect((0..4).map(SubGroupId).collect()))
             .unwrap();
         wait_reads(&w, read0, 2, "after Expect");
@@ -732,12 +740,9 @@ mod tests {
         // 12 buffers: read-ahead 2 (three groups reading when free).
         let opt = nvme_state(&dir, 4, 12);
         assert_eq!(opt.read_ahead(), 2);
-        let read0 = opt.counters().nvme_read_bytes;
-        let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
         let gate = super::super::copier::ParamReadGate::new();
         gate.issued();
-        let w =
-            OptimizerWorker::spawn(opt, adam, DType::F32, None, None, Some(gate.clone())).unwrap();
+        let (w, read0) = spawn_with_reads(opt, Some(gate.clone()));
         w.send(Job::Expect((0..4).map(SubGroupId).collect()))
             .unwrap();
         wait_reads(&w, read0, 1, "with a param read in flight");
@@ -766,9 +771,7 @@ mod tests {
         // 12 buffers: one group stepping, one writing, two read ahead.
         let opt = nvme_state(&dir, 4, 12);
         assert_eq!(opt.read_ahead(), 2, "extra buffers deepen the reads");
-        let read0 = opt.counters().nvme_read_bytes;
-        let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
-        let w = OptimizerWorker::spawn(opt, adam, DType::F32, None, None, None).unwrap();
+        let (w, read0) = spawn_with_reads(opt, None);
         let order = [3usize, 1, 2, 0].map(SubGroupId);
         w.send(Job::Expect(order.to_vec())).unwrap();
         let t0 = Instant::now();
