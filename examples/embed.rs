@@ -18,7 +18,8 @@ use std::path::{Path, PathBuf};
 use candle_core::{Device, Tensor};
 use serde_json::json;
 use tierzero::config::{load_str, PathChecks, RunContext};
-use tierzero::engine::{TokenData, Trainer, TrainerOptions};
+use tierzero::data::TokenData;
+use tierzero::engine::{Trainer, TrainerOptions};
 use tierzero::model::{ModelDir, UnitInput, UnitKind, UnitOutput};
 use tierzero::run::DEFAULT_CORPUS;
 

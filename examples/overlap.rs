@@ -71,7 +71,8 @@ use std::error::Error;
 use std::path::PathBuf;
 
 use serde_json::json;
-use tierzero::engine::{threads, StepMetrics, Timeline, Trainer, TrainerOptions};
+use tierzero::engine::host::threads;
+use tierzero::engine::{StepMetrics, Timeline, Trainer, TrainerOptions};
 
 mod measure;
 use measure::{env_or, median, Setup, Tier};

@@ -5,6 +5,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod data;
 pub mod durable;
 pub mod engine;
 pub mod estimate;
@@ -14,4 +15,5 @@ pub mod gpu;
 pub mod model;
 pub mod optim;
 pub mod run;
+pub mod sha256;
 pub mod units;

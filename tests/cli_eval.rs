@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
 use serde_json::{json, Value};
-use tierzero::engine::TokenData;
+use tierzero::data::TokenData;
 use tierzero::eval::{evaluate, EvalOptions};
 use tierzero::model::{save_hf_dir, ModelDir};
 

@@ -5,7 +5,7 @@
 mod engine_support;
 
 use engine_support::{build, tiny_gpt2_dir, Knobs};
-use tierzero::engine::threads::Placement;
+use tierzero::engine::host::threads::Placement;
 use tierzero_swap::affinity::{current_thread_cpus, pin_current_thread};
 
 /// The CPUs `/proc` says a thread of this process may use.

@@ -11,7 +11,7 @@
 mod engine_support;
 
 use engine_support::{assert_identical, build, tiny_gpt2_dir, train, Knobs};
-use tierzero::engine::trace::TraceState;
+use tierzero::engine::params::prefetch::TraceState;
 use tierzero::engine::ParamState;
 
 fn seq_schedule(step: u64) -> usize {
@@ -45,14 +45,17 @@ fn prefetch_issues_reads_ahead_once_the_trace_is_complete() {
     };
     let mut t = build(&dir, &knobs, 1, 16, 4);
     t.step().unwrap();
-    assert!(matches!(t.scheduler().state(), TraceState::Record(_)));
+    assert!(matches!(t.prefetcher().state(), TraceState::Record(_)));
     assert_eq!(
         t.lookahead_reads(),
         0,
         "no trace yet, nothing to prefetch on"
     );
     t.step().unwrap();
-    assert!(matches!(t.scheduler().state(), TraceState::Complete { .. }));
+    assert!(matches!(
+        t.prefetcher().state(),
+        TraceState::Complete { .. }
+    ));
     assert!(
         t.lookahead_reads() > 0,
         "with a complete trace some reads must be issued ahead"

@@ -10,7 +10,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use tierzero::engine::comm_nccl::{Bootstrap, NcclComm, NcclOptions};
+use tierzero::engine::comm::nccl::{Bootstrap, NcclComm, NcclOptions};
 use tierzero::gpu::{self, DeviceChoice, GpuError};
 
 fn driver_visible() -> bool {

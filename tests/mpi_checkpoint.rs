@@ -31,7 +31,7 @@ use engine_support::{corpus, ds_config, scratch, Knobs};
 use serde_json::{json, Value};
 use tierzero::checkpoint::{export_safetensors, Checkpoint};
 use tierzero::config::{load_str, PathChecks, RunContext};
-use tierzero::engine::comm_mpi::MpiComm;
+use tierzero::engine::comm::mpi::MpiComm;
 use tierzero::engine::{Comm, SingleRank, Trainer, TrainerOptions};
 use tierzero::model::ModelDir;
 

@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 use tierzero::config::{load_str, PathChecks, RunContext};
-use tierzero::engine::{EngineError, TokenData, Trainer, TrainerOptions};
+use tierzero::data::TokenData;
+use tierzero::engine::{EngineError, Trainer, TrainerOptions};
 use tierzero::model::ModelDir;
 use tierzero::run::Plan;
 

@@ -5,7 +5,8 @@
 
 use std::path::{Path, PathBuf};
 
-use tierzero::engine::{EngineError, TokenData};
+use tierzero::data::TokenData;
+use tierzero::engine::EngineError;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

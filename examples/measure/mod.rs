@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::json;
 use tierzero::config::{load_str, Config, PathChecks, RunContext};
-use tierzero::engine::TokenData;
+use tierzero::data::TokenData;
 use tierzero::model::ModelDir;
 
 /// Where params and optimizer state live.

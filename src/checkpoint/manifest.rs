@@ -7,8 +7,8 @@ use std::path::{Component, Path};
 use serde::{Deserialize, Serialize};
 
 use super::CheckpointError;
-use crate::engine::schedule::LossScalerState;
 use crate::model::{Model, ModelConfig};
+use crate::optim::schedule::LossScalerState;
 
 /// `format` of every manifest.
 pub const FORMAT_NAME: &str = "tierzero-checkpoint";

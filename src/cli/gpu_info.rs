@@ -10,7 +10,7 @@
 //! * **`--nccl-test`** builds this rank's NCCL communicator exactly as
 //!   `train --device` does (`launch::rank_comm_on`: TCP rendezvous through
 //!   `TIERZERO_NCCL_ADDR`, MPI under `mpirun`, or one rank) and runs
-//!   [`tierzero::engine::comm_check::self_test`]: every collective the
+//!   [`tierzero::engine::comm::check::self_test`]: every collective the
 //!   engine uses, checked bit for bit (reduce-scatter in rank order), then a
 //!   timed all-gather. Every rank prints its own JSON line.
 //! * **`--json`**: one JSON object on stdout, for scripts
@@ -101,7 +101,7 @@ pub fn run(args: GpuInfoArgs) -> Result<(), Failure> {
         None => None,
         Some((device, bytes, iters)) => {
             let comm = super::launch::rank_comm_on(Some(device))?;
-            let r = tierzero::engine::comm_check::self_test(comm.as_ref(), bytes, iters)
+            let r = tierzero::engine::comm::check::self_test(comm.as_ref(), bytes, iters)
                 .map_err(|e| Failure::Internal(anyhow!("NCCL self-test: {e}")))?;
             Some(r)
         }

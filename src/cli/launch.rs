@@ -77,7 +77,7 @@ pub struct LaunchArgs {
 /// A collective's wait without `TIERZERO_COMM_TIMEOUT_S`: MPI's default,
 /// and the same for NCCL.
 #[cfg(feature = "mpi")]
-const DEFAULT_COMM_TIMEOUT: std::time::Duration = tierzero::engine::comm_mpi::DEFAULT_TIMEOUT;
+const DEFAULT_COMM_TIMEOUT: std::time::Duration = tierzero::engine::comm::mpi::DEFAULT_TIMEOUT;
 #[cfg(all(feature = "gpu", not(feature = "mpi")))]
 const DEFAULT_COMM_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 
@@ -165,7 +165,7 @@ fn env_count(keys: &[&str]) -> Result<Option<usize>, Failure> {
 
 #[cfg(feature = "gpu")]
 fn nccl_comm(device: DeviceChoice, world: usize) -> Result<Arc<dyn Comm>, Failure> {
-    use tierzero::engine::comm_nccl::{Bootstrap, NcclComm, NcclOptions};
+    use tierzero::engine::comm::nccl::{Bootstrap, NcclComm, NcclOptions};
     let timeout = comm_timeout()?;
     let bootstrap = match std::env::var("TIERZERO_NCCL_ADDR") {
         Ok(addr) => {
@@ -205,7 +205,7 @@ fn nccl_comm(device: DeviceChoice, world: usize) -> Result<Arc<dyn Comm>, Failur
 
 #[cfg(feature = "mpi")]
 fn mpi_comm(world: usize) -> Result<Arc<dyn Comm>, Failure> {
-    let c = tierzero::engine::comm_mpi::MpiComm::init(comm_timeout()?)
+    let c = tierzero::engine::comm::mpi::MpiComm::init(comm_timeout()?)
         .map_err(|e| Failure::Internal(anyhow!("starting MPI: {e}")))?;
     if c.world_size() != world {
         return Err(Failure::Internal(anyhow!(

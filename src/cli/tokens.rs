@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use tierzero::engine::TokenData;
+use tierzero::data::TokenData;
 use tierzero::model::ModelConfig;
 
 use super::train::{bad, must_exist};

@@ -56,7 +56,8 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use tierzero::checkpoint::{Checkpoint, CheckpointError, SaveDirLock};
 use tierzero::config::{self, AutoOr, ConfigWarning, PathChecks, RunContext};
-use tierzero::engine::{EngineError, StepMetrics, Timeline, TokenData, Trainer, TrainerOptions};
+use tierzero::data::TokenData;
+use tierzero::engine::{EngineError, StepMetrics, Timeline, Trainer, TrainerOptions};
 use tierzero::model::{Arch, ModelDir};
 use tierzero::run::{
     Plan, DEFAULT_CORPUS, DEFAULT_CORPUS_NAME, DEFAULT_MODEL_CONFIG, DEFAULT_SEQ_LEN, DEFAULT_STEPS,

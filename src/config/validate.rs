@@ -313,13 +313,13 @@ pub struct Tierzero {
     /// Overlap the CPU optimizer with backward.
     pub overlap_optimizer: bool,
     /// Threads of the CPU compute kernels; `None` = auto (see
-    /// `crate::engine::threads`).
+    /// `crate::engine::host::threads`).
     pub compute_threads: Option<u32>,
     /// Host memory for the state of the optimizer's tail sub-groups kept
     /// out of NVMe; `None` = auto (one prefetch bucket's state).
     pub optimizer_resident_bytes: Option<Bytes>,
     /// Keep compute and helper threads on separate CPUs; `None` = auto
-    /// (see `crate::engine::threads`).
+    /// (see `crate::engine::host::threads`).
     pub pin_threads: Option<bool>,
 }
 

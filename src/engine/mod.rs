@@ -99,38 +99,20 @@
 //!   demonstrated (see the measurements in the branch's notes).
 
 pub mod comm;
-pub mod comm_check;
-#[cfg(feature = "mpi")]
-pub mod comm_mpi;
-#[cfg(feature = "gpu")]
-pub mod comm_nccl;
-pub mod copier;
-pub mod data;
 pub mod error;
-pub mod heap;
+pub mod host;
 pub mod layout;
-pub mod metrics;
-pub mod optstate;
-#[cfg(any(feature = "mpi", feature = "gpu"))]
-mod owner;
-pub mod rendezvous;
-pub mod schedule;
-pub mod sha256;
-pub mod store;
-pub mod threads;
-pub mod timeline;
-pub mod trace;
+pub mod observe;
+pub mod optimizer;
+pub mod params;
 pub mod trainer;
-pub mod worker;
 
 pub use comm::{Comm, SingleRank};
-pub use data::TokenData;
 pub use error::EngineError;
 pub use layout::{Layout, SubGroupId};
-pub use metrics::{StepMetrics, Summary};
-pub use schedule::{LossScaler, LrSchedule};
-pub use store::{ParamEvent, ParamState, ParamStore, Tier};
-pub use timeline::{Lane, Timeline};
+pub use observe::metrics::{StepMetrics, Summary};
+pub use observe::timeline::{Lane, Timeline};
+pub use params::store::{ParamEvent, ParamState, ParamStore, Tier};
 pub use trainer::{FaultPlan, StepReport, SwapUsage, Trainer, TrainerOptions};
 
 /// Result type of the engine.

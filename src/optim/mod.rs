@@ -96,6 +96,7 @@ mod kernels;
 mod norm;
 mod par;
 mod scalar;
+pub mod schedule;
 
 #[cfg(test)]
 mod tests;

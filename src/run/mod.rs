@@ -47,7 +47,7 @@ use std::fmt::{self, Write as _};
 
 use crate::config::{Config, OffloadDevice, Precision};
 use crate::engine::layout::SubGroup;
-use crate::engine::optstate::buffers_needed;
+use crate::engine::optimizer::state::buffers_needed;
 use crate::engine::trainer::{held_grad_bound, optimizer_resident_groups};
 use crate::engine::{Layout, ParamStore, Tier};
 use crate::model::Model;

@@ -12,7 +12,7 @@
 //! offloaded step ran about 8% longer than the same compute alone, and
 //! keeping the helpers on one core and the compute on the other removed
 //! that (`examples/overlap`, ABBA, 13 of 16 rounds shorter). The main
-//! crate decides the placement (`tierzero::engine::threads`); the ring
+//! crate decides the placement (`tierzero::engine::host::threads`); the ring
 //! threads are spawned here, so they place themselves
 //! ([`crate::engine::EngineConfig::thread_cpus`]).
 //!

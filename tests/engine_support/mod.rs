@@ -10,7 +10,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use serde_json::{json, Value};
 use tierzero::config::{load_str, PathChecks, RunContext};
-use tierzero::engine::{StepMetrics, TokenData, Trainer, TrainerOptions};
+use tierzero::data::TokenData;
+use tierzero::engine::{StepMetrics, Trainer, TrainerOptions};
 use tierzero::model::ModelDir;
 
 static NEXT: AtomicUsize = AtomicUsize::new(0);
@@ -297,7 +298,7 @@ pub fn train(
         t.set_seq_len(seq_at(s)).unwrap();
         out.push(t.step().unwrap().metrics);
     }
-    let rerecords = t.scheduler().rerecords();
+    let rerecords = t.prefetcher().rerecords();
     let summary = t.finish().unwrap();
     Run {
         steps: out,

@@ -1,8 +1,8 @@
 //! The thread that owns a communicator's handles.
 //!
 //! MPI and NCCL handles must not be used from several threads at once, and
-//! the main crate forbids `unsafe`, so [`super::comm_mpi::MpiComm`] and
-//! [`super::comm_nccl::NcclComm`] each give their handles to one thread
+//! the main crate forbids `unsafe`, so [`crate::engine::comm::mpi::MpiComm`] and
+//! [`crate::engine::comm::nccl::NcclComm`] each give their handles to one thread
 //! and talk to it over channels. This is that shared half: the channels
 //! behind a lock (one operation at a time), a bound on every wait (a rank
 //! that died or hangs makes the wait fail instead of hang), and a `broken`

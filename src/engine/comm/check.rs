@@ -1,7 +1,7 @@
 //! A self-test of any [`Comm`]: every collective the engine uses, on inputs
 //! every rank can recompute for every other rank, checked bit for bit, plus
 //! a timed all-gather. `tierzero gpu-info --nccl-test` runs it over NCCL
-//! (`scripts/gpu_check.sh`); the unit tests run it over [`super::SingleRank`].
+//! (`scripts/gpu_check.sh`); the unit tests run it over [`crate::engine::SingleRank`].
 //!
 //! The checks are the determinism contract of [`Comm`]: the reduce-scatter
 //! must equal, bit for bit, the host adding every rank's chunk into the
@@ -10,8 +10,8 @@
 
 use std::time::Instant;
 
-use super::comm::Comm;
-use super::{EngineError, Result};
+use crate::engine::comm::Comm;
+use crate::engine::{EngineError, Result};
 
 /// What [`self_test`] measured. Every check passed when it returns `Ok`.
 #[derive(Debug, Clone, serde::Serialize)]

@@ -43,9 +43,9 @@ use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::CommunicatorCollectives;
 use mpi::Threading;
 
-use super::comm::{add_chunks_in_rank_order, check_counts, Comm};
-use super::owner::{CallFailure, OwnerThread};
-use super::{EngineError, Result};
+use crate::engine::comm::owner::{CallFailure, OwnerThread};
+use crate::engine::comm::{add_chunks_in_rank_order, check_counts, Comm};
+use crate::engine::{EngineError, Result};
 
 /// How long a collective waits for the other ranks by default.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);

@@ -117,29 +117,31 @@ use tierzero_swap::{
     MemlockInfo, PinnedArena, SpaceConfig, SwapError, SwapSpace,
 };
 
-use super::comm::{agree, all_gather_var, Comm, SingleRank};
-use super::data::TokenData;
-use super::layout::{shard_counts, Layout, SubGroupId};
-use super::metrics::{peak_rss_bytes, MetricsWriter, StepMetrics, Summary};
-use super::optstate::{buffers_needed, NvmeOptim, OptCounters, OptimizerState};
-use super::schedule::{LossScaler, LrSchedule};
-use super::sha256::Sha256;
-use super::store::{NvmeParams, ParamStore, StoreCounters, Tier};
-use super::threads::{self, ComputeThreads};
-use super::timeline::{Lane, Timeline};
-use super::trace::{Limits, Pass, Scheduler, Visit};
-use super::worker::{Done, ExclusiveJob, ExclusiveResult, Job, OptimizerWorker, TensorWant};
-use super::{EngineError, Result};
 use crate::checkpoint::{
     align_state_bytes, step_dir_name, Checkpoint, ConfigFingerprint, DataPosition, FileEntry,
     Manifest, ParamEntry, RankLayout, RegionCrc, StagedCheckpoint, StateKind, SubGroupEntry,
     FORMAT_NAME, FORMAT_VERSION,
 };
 use crate::config::{self, Config, OffloadDevice, Precision, Stage};
+use crate::data::TokenData;
+use crate::engine::comm::{agree, all_gather_var, Comm, SingleRank};
+use crate::engine::host::threads::{self, ComputeThreads};
+use crate::engine::layout::{shard_counts, Layout, SubGroupId};
+use crate::engine::observe::metrics::{peak_rss_bytes, MetricsWriter, StepMetrics, Summary};
+use crate::engine::observe::timeline::{Lane, Timeline};
+use crate::engine::optimizer::state::{buffers_needed, NvmeOptim, OptCounters, OptimizerState};
+use crate::engine::optimizer::worker::{
+    Done, ExclusiveJob, ExclusiveResult, Job, OptimizerWorker, TensorWant,
+};
+use crate::engine::params::prefetch::{Limits, Pass, Prefetcher, Visit};
+use crate::engine::params::store::{NvmeParams, ParamStore, StoreCounters, Tier};
+use crate::engine::{EngineError, Result};
 use crate::model::{Model, ModelDir, ParamId, UnitGrads, UnitId, UnitInput, UnitKind, Upstream};
+use crate::optim::schedule::{LossScaler, LrSchedule};
 use crate::optim::{
     f32_to_bf16_bits, f32_to_f16_bits, AdamHyper, AdamMode, CpuAdam, GradNorm, GradScale, GradStep,
 };
+use crate::sha256::Sha256;
 
 /// Run options that are not in the ds_config.
 #[derive(Debug, Clone)]
@@ -166,10 +168,10 @@ pub struct TrainerOptions {
     /// Fault injection on the swap engines (tests); none by default.
     pub faults: FaultPlan,
     /// A timeline of a window of steps (`--timeline`, see
-    /// [`super::timeline`]); none by default.
+    /// [`crate::engine::observe::timeline`]); none by default.
     pub timeline: Option<Arc<Timeline>>,
     /// Raise glibc's mmap and trim thresholds for the process (see
-    /// [`super::heap`]); on by default.
+    /// [`crate::engine::host::heap`]); on by default.
     pub keep_heap_mapped: bool,
 }
 
@@ -229,7 +231,7 @@ pub struct Trainer {
     compute_threads: ComputeThreads,
     /// Which CPUs compute and helper threads run on.
     placement: threads::Placement,
-    /// What [`super::heap::keep_heap_mapped`] did (`None`: option off).
+    /// What [`crate::engine::host::heap::keep_heap_mapped`] did (`None`: option off).
     malloc: Option<tierzero_swap::MallocTuning>,
     model: Model,
     data: TokenData,
@@ -237,7 +239,7 @@ pub struct Trainer {
     layout: Layout,
     store: ParamStore,
     opt: OptimizerWorker,
-    sched: Scheduler,
+    sched: Prefetcher,
     adam: CpuAdam,
     lr: LrSchedule,
     scaler: LossScaler,
@@ -379,7 +381,7 @@ const ALIGN: u64 = 4096;
 /// Per sub-group of `layout`: whether its optimizer state stays in host
 /// memory although `offload_optimizer.device` is `nvme` (always false
 /// without NVMe state). Those are the groups holding a param of the next
-/// forward's first units ([`Scheduler::first_units`], one prefetch
+/// forward's first units ([`Prefetcher::first_units`], one prefetch
 /// bucket), in index order, while their state (12 bytes per element:
 /// master, m, v) fits `tierzero.optimizer_resident_bytes`. Auto: one
 /// prefetch bucket's state, and never more than a quarter of the rank's
@@ -397,7 +399,7 @@ pub fn optimizer_resident_groups(config: &Config, model: &Model, layout: &Layout
         auto_optimizer_resident_bytes(bucket, 12, state_bytes),
         |b| b.0,
     );
-    let first_units = Scheduler::first_units(model, bucket);
+    let first_units = Prefetcher::first_units(model, bucket);
     let mut resident = vec![false; layout.sub_groups.len()];
     let mut used_bytes = 0u64;
     for g in &layout.sub_groups {
@@ -647,7 +649,9 @@ impl Trainer {
                 threads::Placement::Unpinned("the CPU mask could not be read")
             }
         };
-        let malloc = opts.keep_heap_mapped.then(super::heap::keep_heap_mapped);
+        let malloc = opts
+            .keep_heap_mapped
+            .then(crate::engine::host::heap::keep_heap_mapped);
         let (param_dtype, scaler) = match config.precision {
             Precision::Fp32 => (DType::F32, LossScaler::none()),
             Precision::Bf16 => (DType::BF16, LossScaler::none()),
@@ -858,7 +862,7 @@ impl Trainer {
                 engine,
                 arena,
                 copier_cpus: placement.helper_cpus(),
-                read_gate: super::copier::ParamReadGate::new(),
+                read_gate: crate::engine::params::copier::ParamReadGate::new(),
             })
         } else {
             None
@@ -1029,7 +1033,7 @@ impl Trainer {
             persistence_threshold_numel: zero.param_persistence_threshold_numel.0,
             device_cache_bytes: config.tierzero.device_cache_bytes.0,
         };
-        let sched = Scheduler::new(&model, limits);
+        let sched = Prefetcher::new(&model, limits);
         let n_sub_groups = layout.sub_groups.len();
         let mut groups_after_unit = vec![Vec::new(); model.units().len()];
         for g in &layout.sub_groups {
@@ -1139,7 +1143,7 @@ impl Trainer {
     }
 
     /// Threads of the CPU compute kernels, and why (see
-    /// [`super::threads`]).
+    /// [`crate::engine::host::threads`]).
     pub fn compute_threads(&self) -> ComputeThreads {
         self.compute_threads
     }
@@ -1165,8 +1169,8 @@ impl Trainer {
         &self.store
     }
 
-    /// The scheduler.
-    pub fn scheduler(&self) -> &Scheduler {
+    /// The prefetcher.
+    pub fn prefetcher(&self) -> &Prefetcher {
         &self.sched
     }
 
@@ -1207,7 +1211,7 @@ impl Trainer {
     }
 
     /// Fetches the params of `unit` (declared order), after issuing the
-    /// scheduler's prefetches.
+    /// prefetcher's prefetches.
     pub fn fetch_unit(&mut self, unit: UnitId) -> Result<Vec<Tensor>> {
         self.check_usable()?;
         let r = self.fetch_unit_inner(unit);
@@ -1244,7 +1248,7 @@ impl Trainer {
         ids.iter().map(|&p| self.store.fetch(p)).collect()
     }
 
-    /// Releases the params of `unit` that the scheduler does not keep.
+    /// Releases the params of `unit` that the prefetcher does not keep.
     pub fn release_unit(&mut self, unit: UnitId) -> Result<()> {
         self.check_usable()?;
         let r = self.release_unit_inner(unit);
@@ -1906,7 +1910,7 @@ impl Trainer {
     /// the manifest last, renames the dir into place and rewrites
     /// `latest`. Only rank 0 touches anything outside its own rank dir.
     /// After each phase the ranks agree on the outcome
-    /// ([`super::comm::agree`]), so a rank that fails makes every rank fail
+    /// ([`crate::engine::comm::agree`]), so a rank that fails makes every rank fail
     /// with an error naming it instead of leaving them waiting, and no rank
     /// returns before the checkpoint is visible (or the save has failed
     /// everywhere).

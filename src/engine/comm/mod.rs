@@ -1,7 +1,7 @@
 //! Collectives between data-parallel ranks.
 //!
 //! ZeRO partitions every parameter, gradient and optimizer-state tensor into
-//! per-rank shards ([`super::layout`]). A fetch gathers the shards into the
+//! per-rank shards ([`crate::engine::layout`]). A fetch gathers the shards into the
 //! full tensor, a gradient is reduce-scattered so each rank keeps the sum of
 //! its shard, and the global gradient norm and the loss are all-reduced.
 //! The engine calls these through [`Comm`] only, so an MPI or NCCL backend
@@ -32,9 +32,9 @@
 //! only at points that are the same on every rank (a fetch in unit order, a
 //! gradient in backward order, the step's decision), never from code whose
 //! timing differs between ranks (I/O completions, the optimizer thread's
-//! replies): see the "staged" state in [`super::store`].
+//! replies): see the "staged" state in [`crate::engine::params::store`].
 
-use super::{EngineError, Result};
+use crate::engine::{EngineError, Result};
 
 /// The collectives the engine needs.
 pub trait Comm: Send + Sync + std::fmt::Debug {
@@ -237,3 +237,12 @@ mod tests {
         assert!(check_counts("x", 0, &[3, 3, 2], 3, 9).is_err());
     }
 }
+
+pub mod check;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+#[cfg(feature = "gpu")]
+pub mod nccl;
+#[cfg(any(feature = "mpi", feature = "gpu"))]
+mod owner;
+pub mod rendezvous;

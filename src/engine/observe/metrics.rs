@@ -11,7 +11,7 @@
 //!
 //! A step's counters are the work done *during its wall time*: the
 //! optimizer tail of step `n` overlaps the forward of step `n+1`
-//! (see [`super::trainer`]), so its I/O and Adam time land partly in step
+//! (see [`crate::engine::trainer`]), so its I/O and Adam time land partly in step
 //! `n+1`'s line. Per-step figures therefore depend on timing; the summary's
 //! totals do not.
 //!
@@ -40,7 +40,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use super::{EngineError, Result};
+use crate::engine::{EngineError, Result};
 
 /// One optimizer step.
 #[derive(Debug, Clone, PartialEq, Serialize)]

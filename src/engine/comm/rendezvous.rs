@@ -32,8 +32,8 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use super::comm::Comm;
-use super::{EngineError, Result};
+use crate::engine::comm::Comm;
+use crate::engine::{EngineError, Result};
 
 /// Bytes of an `ncclUniqueId`.
 pub const ID_BYTES: usize = 128;

@@ -20,7 +20,7 @@ use std::path::Path;
 
 use candle_core::{Device, Tensor};
 
-use super::{EngineError, Result};
+use crate::engine::{EngineError, Result};
 
 /// Tokens of a training corpus.
 #[derive(Debug, Clone)]

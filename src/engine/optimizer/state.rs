@@ -30,7 +30,7 @@
 //! (`offload_optimizer.buffer_count` above the minimum) and `pipeline_read`
 //! is on, the extra ones deepen the reads: `read_ahead` becomes
 //! `buffers / 3 − 1 − write_behind`, so state reads issued at the start of
-//! a step ([`super::worker::Job::Expect`]) run as far ahead as memory
+//! a step ([`crate::engine::optimizer::worker::Job::Expect`]) run as far ahead as memory
 //! allows (DeepSpeed's `PipelinedOptimizerSwapper` asserts
 //! at run time instead). Sub-groups must be stepped in the order their
 //! reads were issued (FIFO); the trainer does.
@@ -74,8 +74,8 @@ use std::time::{Duration, Instant};
 
 use tierzero_swap::{Buffer, Engine, Extent, PinnedArena, Ticket};
 
-use super::layout::SubGroupId;
-use super::{EngineError, Result};
+use crate::engine::layout::SubGroupId;
+use crate::engine::{EngineError, Result};
 use crate::optim::{CpuAdam, GradScale, LowPrecisionOut, Moments};
 
 /// Buffers a pipeline with these depths needs: 3 states per sub-group, 4

@@ -35,7 +35,7 @@
 //!   caller in rank order.
 //! * **Bootstrap.** Rank 0 makes the `ncclUniqueId`; it reaches the others
 //!   through an existing communicator (MPI under `mpirun`) or a TCP
-//!   rendezvous (`TIERZERO_NCCL_ADDR`), see [`super::rendezvous`]. Every
+//!   rendezvous (`TIERZERO_NCCL_ADDR`), see [`crate::engine::comm::rendezvous`]. Every
 //!   rank first tries CUDA and NCCL locally and reports whether it could,
 //!   so a rank without a driver makes *every* rank fail at once with a
 //!   clear error instead of leaving them in `ncclCommInitRank`.
@@ -60,10 +60,10 @@ use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
 use cudarc::nccl::result::{group_end, group_start};
 
-use super::comm::{add_chunks_in_rank_order, check_counts, Comm};
-use super::owner::{CallFailure, OwnerThread};
-use super::rendezvous::{self, ID_BYTES};
-use super::{EngineError, Result};
+use crate::engine::comm::owner::{CallFailure, OwnerThread};
+use crate::engine::comm::rendezvous::{self, ID_BYTES};
+use crate::engine::comm::{add_chunks_in_rank_order, check_counts, Comm};
+use crate::engine::{EngineError, Result};
 use crate::gpu::imp::{device_count, driver_error, nccl_error, nccl_version};
 use crate::gpu::{
     classify_panic, panic_message, spawn_guarded, DeviceChoice, GpuError, NcclVersion,

@@ -28,7 +28,7 @@
 //!   issued: counting only resident params, each fetch could put another
 //!   window's reads in flight on top of the last, and residency overshot
 //!   the limit by up to the swap buffer count's worth of params);
-//! * no swap buffer is free ([`super::ParamStore::prefetch`] returns false).
+//! * no swap buffer is free ([`crate::engine::ParamStore::prefetch`] returns false).
 //!
 //! Unlike DeepSpeed we do not stop at the first param still on NVMe: every
 //! param in the window gets its own asynchronous read, so a read is never
@@ -54,7 +54,7 @@
 
 use std::collections::HashSet;
 
-use super::store::{ParamState, ParamStore};
+use crate::engine::params::store::{ParamState, ParamStore};
 use crate::model::{Model, ParamId, UnitId};
 
 /// Forward or backward.
@@ -91,7 +91,7 @@ pub enum TraceState {
     },
 }
 
-/// Scheduler limits (element counts except the cache).
+/// Prefetcher limits (element counts except the cache).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
     /// `stage3_prefetch_bucket_size`.
@@ -107,7 +107,7 @@ pub struct Limits {
 }
 
 /// Elements of the first forward units whose optimizer updates stay
-/// resident ([`Scheduler::keep_after_update`]): what
+/// resident ([`Prefetcher::keep_after_update`]): what
 /// `stage3_max_live_parameters` leaves beside one prefetch bucket (the
 /// window the first fetch of a step reads ahead), and at least one bucket.
 pub fn keep_bound_numel(limits: &Limits) -> u64 {
@@ -119,7 +119,7 @@ pub fn keep_bound_numel(limits: &Limits) -> u64 {
 
 /// The scheduler.
 #[derive(Debug, Clone)]
-pub struct Scheduler {
+pub struct Prefetcher {
     state: TraceState,
     limits: Limits,
     unit_params: Vec<Vec<ParamId>>,
@@ -128,18 +128,18 @@ pub struct Scheduler {
     cache_bytes: u64,
     rerecords: u64,
     /// Params of the first forward units, up to [`keep_bound_numel`]
-    /// elements (at least the first unit): see [`Scheduler::keep_after_update`].
+    /// elements (at least the first unit): see [`Prefetcher::keep_after_update`].
     first_units: Vec<bool>,
 }
 
-impl Scheduler {
+impl Prefetcher {
     /// A scheduler for `model` that starts by recording.
     pub fn new(model: &Model, limits: Limits) -> Self {
         let unit_params: Vec<Vec<ParamId>> =
             model.units().iter().map(|u| u.params.clone()).collect();
         let numel: Vec<u64> = model.params().iter().map(|p| p.numel as u64).collect();
         let first_units = Self::first_units(model, keep_bound_numel(&limits));
-        Scheduler {
+        Prefetcher {
             state: TraceState::Record(Vec::new()),
             limits,
             unit_params,
@@ -154,7 +154,7 @@ impl Scheduler {
     /// Per param: whether it belongs to the units the next forward needs
     /// first: the first units in model order, up to `bucket_numel`
     /// elements (at least the first unit). Their optimizer updates stay
-    /// resident ([`Scheduler::keep_after_update`]), and their sub-groups'
+    /// resident ([`Prefetcher::keep_after_update`]), and their sub-groups'
     /// state may stay in host memory (`tierzero.optimizer_resident_bytes`).
     pub fn first_units(model: &Model, bucket_numel: u64) -> Vec<bool> {
         let numel: Vec<u64> = model.params().iter().map(|p| p.numel as u64).collect();
@@ -340,7 +340,7 @@ mod tests {
             persistence_threshold_numel: 0,
             device_cache_bytes: 0,
         };
-        let mut s = Scheduler::new(model, limits);
+        let mut s = Prefetcher::new(model, limits);
         let visits = step_visits(model);
         s.begin_step();
         for v in &visits {

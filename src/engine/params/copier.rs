@@ -47,7 +47,7 @@
 //!   have landed; a [`PendingRead`] whose thread is gone reports
 //!   [`EngineError::Internal`] instead of hanging.
 //!
-//! The tensor is built on the CPU by [`super::store::cpu_tensor`], the
+//! The tensor is built on the CPU by [`crate::engine::params::store::cpu_tensor`], the
 //! function the store uses, so the bits are those of a read completed on
 //! the compute thread; the store moves it to the compute device.
 
@@ -57,8 +57,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use tierzero_swap::Ticket;
 
-use super::store::cpu_tensor;
-use super::{EngineError, Result};
+use crate::engine::params::store::cpu_tensor;
+use crate::engine::{EngineError, Result};
 
 /// What to make of a completed read.
 #[derive(Debug, Clone)]

@@ -31,7 +31,7 @@
 //! thread never waits on a write it does not need. The updated 16-bit (or
 //! fp32) parameter bytes go back as [`Done::Stepped`]; the compute thread
 //! stores them at unit boundaries, and before the next step uses those
-//! params (the [`super::ParamStore`] has a single owner, the compute
+//! params (the [`crate::engine::ParamStore`] has a single owner, the compute
 //! thread, so it needs no lock). A stepped sub-group's params are never
 //! used again in the same step, so applying them later cannot change a
 //! value. The worker publishes its counters after every job
@@ -46,9 +46,9 @@ use candle_core::{DType, Tensor};
 use crossbeam_channel::{Receiver, Sender};
 use half::{bf16, f16};
 
-use super::layout::SubGroupId;
-use super::optstate::{OptCounters, OptimizerState};
-use super::{EngineError, Result};
+use crate::engine::layout::SubGroupId;
+use crate::engine::optimizer::state::{OptCounters, OptimizerState};
+use crate::engine::{EngineError, Result};
 use crate::model::ParamId;
 use crate::optim::{AdamHyper, CpuAdam, GradScale, LowPrecisionOut};
 
@@ -101,7 +101,7 @@ pub enum Job {
 }
 
 /// A param of a stepped sub-group whose new tensor the optimizer thread
-/// builds (on the CPU, with [`super::store::cpu_tensor`] over the param's
+/// builds (on the CPU, with [`crate::engine::params::store::cpu_tensor`] over the param's
 /// new bytes: the function the compute thread would call, so the same
 /// bits). The
 /// compute thread asks for the params it will keep resident after the
@@ -206,16 +206,16 @@ struct State {
     order: VecDeque<SubGroupId>,
     steps: HashMap<SubGroupId, PendingStep>,
     live: std::sync::Arc<std::sync::Mutex<OptCounters>>,
-    timeline: Option<std::sync::Arc<super::Timeline>>,
+    timeline: Option<std::sync::Arc<crate::engine::Timeline>>,
     /// The param store's reads on the disk (`None`: params not on NVMe).
-    gate: Option<std::sync::Arc<super::copier::ParamReadGate>>,
+    gate: Option<std::sync::Arc<crate::engine::params::copier::ParamReadGate>>,
 }
 
 impl State {
     /// Issues the state reads that fit (`OptimizerState::prefetch`), in
     /// step order. While param reads are on the disk, only the next
     /// sub-group on NVMe to step reads: the deeper read-ahead waits for a
-    /// gap ([`super::copier::ParamReadGate`]), so the reads the compute
+    /// gap ([`crate::engine::params::copier::ParamReadGate`]), so the reads the compute
     /// waits for (at the start of forward, the optimizer's read-ahead for
     /// backward took half the disk while the compute waited on params) get
     /// the disk, and the read-ahead fills the idle turn between forward
@@ -322,13 +322,13 @@ impl State {
                 let src = bytes
                     .get(w.offset_in_group * eb..(w.offset_in_group + n) * eb)
                     .ok_or_else(|| EngineError::internal("wanted tensor out of its sub-group"))?;
-                let t = super::store::cpu_tensor(src, self.dtype, &w.shape)?;
+                let t = crate::engine::params::store::cpu_tensor(src, self.dtype, &w.shape)?;
                 Ok((w.param, t))
             })
             .collect::<Result<Vec<_>>>()?;
         if let Some(tl) = &self.timeline {
             tl.span(
-                super::Lane::Optimizer,
+                crate::engine::Lane::Optimizer,
                 || format!("sg {}", sg.0),
                 t0,
                 std::time::Instant::now(),
@@ -447,9 +447,9 @@ impl OptimizerWorker {
         opt: OptimizerState,
         adam: CpuAdam,
         dtype: DType,
-        timeline: Option<std::sync::Arc<super::Timeline>>,
+        timeline: Option<std::sync::Arc<crate::engine::Timeline>>,
         cpus: Option<std::sync::Arc<[usize]>>,
-        gate: Option<std::sync::Arc<super::copier::ParamReadGate>>,
+        gate: Option<std::sync::Arc<crate::engine::params::copier::ParamReadGate>>,
     ) -> Result<Self> {
         let (tx, jobs) = crossbeam_channel::unbounded::<Job>();
         let (done_tx, rx) = crossbeam_channel::unbounded::<Done>();
@@ -607,7 +607,7 @@ mod tests {
     };
 
     use super::*;
-    use crate::engine::optstate::NvmeOptim;
+    use crate::engine::optimizer::state::NvmeOptim;
     use crate::optim::AdamHyper;
 
     /// An NVMe optimizer state of `groups` sub-groups of 1024 elements
@@ -670,7 +670,7 @@ mod tests {
     /// had read before it started.
     fn spawn_with_reads(
         opt: OptimizerState,
-        gate: Option<std::sync::Arc<super::super::copier::ParamReadGate>>,
+        gate: Option<std::sync::Arc<crate::engine::params::copier::ParamReadGate>>,
     ) -> (OptimizerWorker, u64) {
         let read0 = opt.counters().nvme_read_bytes;
         let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
@@ -740,7 +740,7 @@ mod tests {
         // 12 buffers: read-ahead 2 (three groups reading when free).
         let opt = nvme_state(&dir, 4, 12);
         assert_eq!(opt.read_ahead(), 2);
-        let gate = super::super::copier::ParamReadGate::new();
+        let gate = crate::engine::params::copier::ParamReadGate::new();
         gate.issued();
         let (w, read0) = spawn_with_reads(opt, Some(gate.clone()));
         w.send(Job::Expect((0..4).map(SubGroupId).collect()))
@@ -811,7 +811,7 @@ mod tests {
                     let got: Vec<(ParamId, Vec<usize>, Vec<u8>)> = tensors
                         .iter()
                         .map(|(p, t)| {
-                            let b = crate::engine::store::tensor_bytes(t).unwrap();
+                            let b = crate::engine::params::store::tensor_bytes(t).unwrap();
                             (*p, t.dims().to_vec(), b)
                         })
                         .collect();

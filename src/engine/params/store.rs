@@ -13,7 +13,7 @@
 //! * [`Tier::Nvme`]: one [`Extent`] per parameter shard in the swap space.
 //!   A fetch reads it into a pinned swap buffer (one of
 //!   `offload_param.buffer_count` buffers of `buffer_size` elements) on the
-//!   I/O engine's thread; the param copy thread ([`super::copier`]) builds
+//!   I/O engine's thread; the param copy thread ([`crate::engine::params::copier`]) builds
 //!   the tensor from it as it lands and returns the buffer to the pool at
 //!   once. The buffers therefore bound the reads *in flight*, not the
 //!   params resident: residency is bounded by the scheduler (max-live,
@@ -79,10 +79,10 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 use tierzero_swap::{Buffer, Engine, Extent, PinnedArena, Ticket};
 
-use super::comm::Comm;
-use super::copier::{Copier, PendingRead, Unpack, Unpacked};
-use super::layout::Layout;
-use super::{EngineError, Result};
+use crate::engine::comm::Comm;
+use crate::engine::layout::Layout;
+use crate::engine::params::copier::{Copier, PendingRead, Unpack, Unpacked};
+use crate::engine::{EngineError, Result};
 use crate::model::{Model, ParamId};
 
 /// Where a parameter lives between uses.
@@ -114,7 +114,7 @@ pub enum ParamState {
 #[derive(Debug)]
 pub enum ParamEvent {
     /// An asynchronous read was submitted; the copy thread takes it out of
-    /// its swap buffer when it lands (see [`super::copier`]).
+    /// its swap buffer when it lands (see [`crate::engine::params::copier`]).
     ReadIssued(PendingRead),
     /// The tensor is on the device.
     Materialized(Tensor),
@@ -191,12 +191,12 @@ pub struct NvmeParams {
     pub engine: Engine,
     /// Swap-in buffers (`buffer_count` x `buffer_size` elements).
     pub arena: Arc<PinnedArena>,
-    /// CPUs of the param copy thread (`super::threads::Placement`);
+    /// CPUs of the param copy thread (`crate::engine::host::threads::Placement`);
     /// `None`: unpinned.
     pub copier_cpus: Option<Arc<[usize]>>,
     /// Counts this store's reads on the disk, for the optimizer thread
-    /// ([`super::copier::ParamReadGate`]).
-    pub read_gate: Arc<super::copier::ParamReadGate>,
+    /// ([`crate::engine::params::copier::ParamReadGate`]).
+    pub read_gate: Arc<crate::engine::params::copier::ParamReadGate>,
 }
 
 /// Byte and time counters, per tier.
@@ -234,7 +234,7 @@ pub struct ParamStore {
     comm: Arc<dyn Comm>,
     pages: Vec<Buffer>,
     /// Copies landed param reads out of their swap buffers (NVMe tier
-    /// only; see [`super::copier`]).
+    /// only; see [`crate::engine::params::copier`]).
     copier: Option<Copier>,
     nvme: Option<NvmeParams>,
     writes: VecDeque<(ParamId, Ticket)>,
@@ -326,7 +326,7 @@ impl ParamStore {
                 shape: p.shape.clone(),
                 numel: p.numel,
                 shard_numel: slot.shard_numel,
-                counts_bytes: super::layout::shard_counts(p.numel, layout.world)
+                counts_bytes: crate::engine::layout::shard_counts(p.numel, layout.world)
                     .iter()
                     .map(|c| c * elem_bytes)
                     .collect(),
@@ -510,7 +510,7 @@ impl ParamStore {
     /// number of reads a step does stays fixed.
     ///
     /// `built` is the CPU tensor of `shard` when the optimizer thread built
-    /// it already (one rank; see [`super::worker::TensorWant`]); it is used
+    /// it already (one rank; see [`crate::engine::optimizer::worker::TensorWant`]); it is used
     /// if the param stays resident, else dropped.
     pub fn update(
         &mut self,
@@ -1043,7 +1043,7 @@ mod tests {
             engine,
             arena,
             copier_cpus: None,
-            read_gate: crate::engine::copier::ParamReadGate::new(),
+            read_gate: crate::engine::params::copier::ParamReadGate::new(),
         });
         seeded_store(model, &layout, &tiers, Vec::new(), nvme, 5)
     }
@@ -1141,7 +1141,7 @@ mod tests {
     /// window's reads in flight on top of the first).
     #[test]
     fn the_prefetch_window_counts_reads_in_flight_as_live() {
-        use crate::engine::trace::{Limits, Pass, Scheduler, Visit};
+        use crate::engine::params::prefetch::{Limits, Pass, Prefetcher, Visit};
         use crate::model::UnitId;
         let model = tiny();
         let n = model.params().len();
@@ -1155,7 +1155,7 @@ mod tests {
             persistence_threshold_numel: 0,
             device_cache_bytes: 0,
         };
-        let mut sched = Scheduler::new(&model, limits);
+        let mut sched = Prefetcher::new(&model, limits);
         let units = model.units().len();
         let visits: Vec<Visit> = (0..units)
             .map(|u| Visit {

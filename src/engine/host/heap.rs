@@ -10,8 +10,8 @@
 //! offloaded step took 0.86× and 0.93× the time with the thresholds
 //! raised; compute alone and I/O alone did not move.
 //!
-//! Like `tierzero.compute_threads` ([`super::threads`]) it is process-wide:
-//! the first trainer built with [`super::TrainerOptions::keep_heap_mapped`]
+//! Like `tierzero.compute_threads` ([`crate::engine::host::threads`]) it is process-wide:
+//! the first trainer built with [`crate::engine::TrainerOptions::keep_heap_mapped`]
 //! (the default) applies it, and `GLIBC_TUNABLES` with any `glibc.malloc.*`
 //! tunable leaves malloc as the user set it. Embedders who manage malloc
 //! themselves turn the option off.
