@@ -110,6 +110,8 @@ use std::path::Path;
 
 use serde::Serialize;
 
+use crate::engine::sizing::{self, Buffers, Shape};
+
 use crate::config::{
     parse_str, AutoOr, Config, ConfigError, Loaded, OffloadDevice, PathChecks, RunContext, Stage,
 };
@@ -239,8 +241,15 @@ pub struct SwapSettings {
     pub optimizer_buffer_count: u64,
     /// `offload_optimizer.pin_memory`.
     pub optimizer_pin_memory: bool,
-    /// `pipeline_read || pipeline_write`.
-    pub optimizer_pipelined: bool,
+    /// `offload_optimizer.pipeline_read`.
+    pub pipeline_read: bool,
+    /// `offload_optimizer.pipeline_write`.
+    pub pipeline_write: bool,
+    /// Whether final gradients would spill to NVMe with the optimizer
+    /// state there (overlap on, and clipping or fp16: see
+    /// [`crate::engine::sizing::spills_grads`]); their read-back takes a
+    /// fourth buffer per sub-group in the pipeline.
+    pub spill_grads_with_nvme_state: bool,
     /// `sub_group_size` (elements).
     pub sub_group_numel: u64,
     /// `stage3_prefetch_bucket_size` (elements).
@@ -262,7 +271,11 @@ impl SwapSettings {
             param_pin_memory: p.pin_memory,
             optimizer_buffer_count: o.buffer_count,
             optimizer_pin_memory: o.pin_memory,
-            optimizer_pipelined: o.pipeline_read || o.pipeline_write,
+            pipeline_read: o.pipeline_read,
+            pipeline_write: o.pipeline_write,
+            spill_grads_with_nvme_state: c.tierzero.overlap_optimizer
+                && (c.gradient_clipping.is_some()
+                    || matches!(c.precision, crate::config::Precision::Fp16 { .. })),
             sub_group_numel: c.zero.sub_group_numel.0,
             prefetch_bucket_numel: c.zero.prefetch_bucket_numel.0,
             optimizer_resident_bytes: c.tierzero.optimizer_resident_bytes.map(|b| b.0),
@@ -577,22 +590,14 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
                 param_bytes,
                 format!("{ps} × {p} B"),
             );
-            let bufs = mul(
-                mul(
-                    sw.param_buffer_count,
-                    sw.param_buffer_numel,
-                    "param buffers",
-                )?,
-                p,
-                "param buffers",
-            )?;
+            let bufs = sizing::param_buffers(sw.param_buffer_count, sw.param_buffer_numel, p);
             push(
                 pinned_or(sw.param_pin_memory),
                 "param swap-in buffers",
-                bufs,
+                mul(bufs.count, bufs.bytes_each, "param buffers")?,
                 format!(
-                    "buffer_count {} × buffer_size {} × {p} B",
-                    sw.param_buffer_count, sw.param_buffer_numel
+                    "buffer_count {} × buffer_size {} × {p} B, 4 KiB-aligned",
+                    bufs.count, sw.param_buffer_numel
                 ),
             );
             let cached = sw.param_max_in_cpu_numel.min(pn);
@@ -650,6 +655,10 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
         Offload::Nvme => Tier::Nvme,
     };
     let state_bytes = mul(on, per, "optimizer state")?;
+    // The largest sub-group as the sizing policy sees a model known by its
+    // size: a param larger than `sub_group_size` is a group of its own.
+    let largest_group =
+        Shape::estimated(on, inp.largest_tensor_numel, sw.sub_group_numel).max_sub_group_numel();
     // With NVMe state, the sub-groups of the first forward units stay in
     // host memory (`tierzero.optimizer_resident_bytes`; auto: one prefetch
     // bucket's state, at most a quarter). The engine keeps only whole
@@ -662,18 +671,10 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
         let budget = sw
             .optimizer_resident_bytes
             .unwrap_or_else(|| {
-                crate::engine::trainer::auto_optimizer_resident_bytes(
-                    sw.prefetch_bucket_numel,
-                    per,
-                    state_bytes,
-                )
+                sizing::auto_optimizer_resident_bytes(sw.prefetch_bucket_numel, per, state_bytes)
             })
             .min(state_bytes);
-        let one_group = sw
-            .sub_group_numel
-            .min(on)
-            .max(inp.largest_tensor_numel.unwrap_or(0))
-            .saturating_mul(per);
+        let one_group = largest_group.saturating_mul(per);
         if one_group <= budget {
             budget
         } else {
@@ -711,18 +712,14 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
     }
     let tile = sw.sub_group_numel.min(on);
     if c.optimizer == Offload::Nvme {
-        let (count, why) = optimizer_buffer_count(sw);
+        let (bufs, why) = optimizer_buffer_count(sw, largest_group);
         push(
             pinned_or(sw.optimizer_pin_memory),
             "optimizer swap buffers",
-            mul(
-                mul(count, tile, "optimizer buffers")?,
-                4,
-                "optimizer buffers",
-            )?,
+            mul(bufs.count, bufs.bytes_each, "optimizer buffers")?,
             format!(
-                "{count} buffers ({why}) × min(sub_group_size {}, {os}) × 4 B",
-                sw.sub_group_numel
+                "{} buffers ({why}) × max(min(sub_group_size {}, {os}), largest tensor) × 4 B, 4 KiB-aligned",
+                bufs.count, sw.sub_group_numel
             ),
         );
     }
@@ -737,14 +734,23 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
     Ok(v)
 }
 
-/// The optimizer swap buffers counted, and why.
-fn optimizer_buffer_count(sw: &SwapSettings) -> (u64, &'static str) {
-    const PIPELINE: u64 = 3 * 4;
-    if sw.optimizer_pipelined && sw.optimizer_buffer_count < PIPELINE {
-        (PIPELINE, "pipelined: 3 sub-groups × 4 states")
+/// The optimizer swap buffers the engine maps (the sizing policy's rule,
+/// [`sizing::optimizer_buffers`]) for a largest sub-group of
+/// `largest_group_numel` elements, and why that many.
+fn optimizer_buffer_count(sw: &SwapSettings, largest_group_numel: u64) -> (Buffers, &'static str) {
+    let (bufs, needed) = sizing::optimizer_buffers(
+        sw.optimizer_buffer_count,
+        usize::from(sw.pipeline_read),
+        usize::from(sw.pipeline_write),
+        sw.spill_grads_with_nvme_state,
+        largest_group_numel,
+    );
+    let why = if bufs.count == needed && needed > sw.optimizer_buffer_count {
+        "what the pipeline needs"
     } else {
-        (sw.optimizer_buffer_count, "buffer_count")
-    }
+        "buffer_count"
+    };
+    (bufs, why)
 }
 
 /// DeepSpeed's estimators, transcribed (see the module docs for the source).
@@ -986,9 +992,16 @@ pub fn estimate(inp: &Inputs, machine: &Machine) -> Result<Report, EstimateError
             ));
         }
     }
-    if inp.swap.optimizer_pipelined && inp.swap.optimizer_buffer_count < 12 {
+    let (_, needed) = sizing::optimizer_buffers(
+        inp.swap.optimizer_buffer_count,
+        usize::from(inp.swap.pipeline_read),
+        usize::from(inp.swap.pipeline_write),
+        inp.swap.spill_grads_with_nvme_state,
+        0,
+    );
+    if inp.swap.optimizer_buffer_count < needed {
         notes.push(format!(
-            "offload_optimizer.buffer_count {} is below the 12 buffers a pipelined swap needs (3 sub-groups in flight × 4 states); counted as 12",
+            "offload_optimizer.buffer_count {} is below the {needed} buffers the optimizer pipeline needs (states per sub-group × sub-groups in flight); counted as {needed}",
             inp.swap.optimizer_buffer_count
         ));
     }
@@ -1329,12 +1342,14 @@ mod tests {
         assert_eq!(
             pinned,
             vec![
-                ("param swap-in buffers", 6 * 200_000_000 * 2),
-                ("optimizer swap buffers", 5 * 100_000_000 * 4),
+                // Each buffer rounded up to 4 KiB, as the engine maps it.
+                ("param swap-in buffers", 6 * 400_003_072),
+                ("optimizer swap buffers", 5 * 400_003_072),
             ]
         );
         assert_eq!(e.per_rank.nvme_bytes, n * (2 + 4 + 12));
-        // Pipelined: counted as 3 × 4 buffers, with a note.
+        // Pipelined reads: 3 states × (1 + 1 read ahead) = 6 buffers, the
+        // engine's rule (above buffer_count's 4), with a note.
         let sw = settings(
             r#"{"zero_optimization": {"stage": 3, "sub_group_size": 1e8,
                 "offload_optimizer": {"device": "cpu", "pipeline_read": true}}}"#,
@@ -1346,8 +1361,11 @@ mod tests {
             .iter()
             .find(|i| i.what == "optimizer swap buffers")
             .unwrap();
-        assert_eq!(opt.bytes, 12 * 100_000_000 * 4);
-        assert!(r.notes.iter().any(|n| n.contains("pipelined")));
+        assert_eq!(opt.bytes, 6 * 400_003_072);
+        assert!(r
+            .notes
+            .iter()
+            .any(|n| n.contains("below the 6 buffers the optimizer pipeline needs")));
         // pin_memory false moves them to pageable.
         let sw = settings(
             r#"{"zero_optimization": {"stage": 3,
@@ -1387,7 +1405,8 @@ mod tests {
         assert!(e.node_ram_bytes < 4 * GIB, "{}", e.node_ram_bytes);
         assert_eq!(
             e.per_rank.pinned_bytes,
-            5 * 100_000_000 * 2 + 4 * 100_000_000 * 4
+            // 4 KiB-aligned buffers, as the engine maps them.
+            5 * 200_003_584 + 4 * 400_003_072
         );
         let m = machine(24 * GIB, 500 * GIB, None);
         let r = estimate(&inp, &m).unwrap();
@@ -1426,7 +1445,7 @@ mod tests {
         let e = find(&r, 3, Offload::Nvme, Offload::Nvme);
         assert_eq!(
             e.per_rank.pinned_bytes,
-            5 * 100_000_000 * 2 + 1_000_000_000 * 2 + 4 * 1_000_000_000 * 4
+            5 * 200_003_584 + 1_000_000_000 * 2 + 4 * 4_000_002_048
         );
     }
 

@@ -191,7 +191,7 @@ fn offload_param_without_stage_3() {
 fn pinned_budget_too_small_for_the_swap_buffers() {
     check(
         "budget",
-        json!({"zero_optimization": {"offload_param": {"buffer_count": 4, "buffer_size": 1e6}},
+        json!({"zero_optimization": {"offload_param": {"buffer_count": 4, "buffer_size": 1e6, "max_in_cpu": 0}},
                "tierzero": {"pinned_budget_bytes": 4096}}),
         &[
             "`tierzero.pinned_budget_bytes` = 4096 bytes",

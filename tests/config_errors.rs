@@ -313,7 +313,9 @@ fn pinned_budget_too_small_for_param_buffers() {
             ..
         } => {
             assert_eq!(*budget_bytes, 256 << 20);
-            assert_eq!(*required_bytes, 5 * 100_000_000 * 2);
+            // Five buffers of 2e8 bytes, each rounded up to 4 KiB as the
+            // engine maps them (the sizing policy's rule).
+            assert_eq!(*required_bytes, 5 * 200_003_584);
         }
         other => panic!("unexpected {other:?}"),
     }
@@ -325,7 +327,7 @@ fn pinned_budget_too_small_for_param_buffers() {
             "buffer_count 5",
             "buffer_size 100000000 elements",
             "2 bytes",
-            "1000000000",
+            "1000017920",
         ],
     );
 }
@@ -334,13 +336,15 @@ fn pinned_budget_too_small_for_param_buffers() {
 fn pinned_budget_includes_optimizer_buffers_when_model_size_is_known() {
     let v = with(
         nvme_stage3("/x"),
-        json!({"zero_optimization": {"offload_param": {"buffer_count": 2, "buffer_size": 1e6}, "sub_group_size": 1e7},
+        json!({"zero_optimization": {"offload_param": {"buffer_count": 2, "buffer_size": 1e6, "max_in_cpu": 0}, "sub_group_size": 1e7},
                "tierzero": {"pinned_budget_bytes": 20_000_000}}),
     );
     let text = v.to_string();
     // Params alone: 2 × 1e6 × 4 = 8 MB, fits.
     load_str(&text, &skip_fs()).unwrap();
-    // A 100M-param model on 2 ranks: optimizer buffers 4 × min(1e7, 5e7) × 4 = 160 MB.
+    // A 100M-param model on 2 ranks: the pipeline needs 3 optimizer buffers
+    // of min(1e7, 5e7) × 4 = 40 MB (4 KiB-aligned: 40_001_536), beside the
+    // params' 2 × 4_001_792.
     let run = RunContext {
         ranks: 2,
         model_numel: Some(100_000_000),
@@ -351,7 +355,7 @@ fn pinned_budget_includes_optimizer_buffers_when_model_size_is_known() {
         matches!(
             e,
             ConfigError::PinnedBudgetTooSmall {
-                required_bytes: 168_000_000,
+                required_bytes: 128_008_192,
                 ..
             }
         ),

@@ -515,8 +515,14 @@ fn embedded_default_is_stage3_nvme_into_tierzero_swap() {
     ));
     // Its pinned buffers fit its own budget, with the model size known.
     let budget = c.tierzero.pinned_budget_bytes.unwrap();
-    let need = c.param_swap_pinned_bytes().0 + c.optimizer_swap_pinned_bytes(Numel(u64::MAX)).0;
-    assert!(need <= budget.0, "{need} > {}", budget.0);
+    let shape = tierzero::engine::sizing::Shape::estimated(
+        1_000_000_000_000,
+        None,
+        c.zero.sub_group_numel.0,
+    );
+    let sized = tierzero::engine::sizing::decide(c, &shape).unwrap();
+    let buffers = sized.param_buffers.total_bytes() + sized.optimizer_buffers.total_bytes();
+    assert!(buffers <= budget.0, "{buffers} > {}", budget.0);
     // Without --steps the decay has no end: a clear error, not a guess.
     let e = load_default(&RunContext {
         path_checks: PathChecks::Skip,

@@ -1,7 +1,8 @@
-//! `tierzero::run::Plan` against the engine: the pinned bytes the plan
-//! recomputes from the config are exactly what the engine needs (a budget
-//! of that size starts, one byte less is refused), and the NVMe and tier
-//! numbers follow the layout.
+//! `tierzero::run::Plan` against the engine: the plan prints the sizing the
+//! trainer was built with, its pinned total is the bytes the arenas mapped
+//! (for many configs), that total is exactly what the engine needs (a
+//! budget of that size starts, one byte less is refused), and the NVMe and
+//! tier numbers follow the layout.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
 
 use std::path::{Path, PathBuf};
@@ -73,9 +74,110 @@ fn plan_of(d: &Path, cfg: &Value) -> Plan {
         &loaded.config,
         t.model(),
         t.layout(),
-        t.store(),
+        t.sizing(),
         "cpu".into(),
     )
+}
+
+/// The plan's pinned total is the bytes the trainer's arenas mapped, and
+/// its buffer counts are the arenas' (odd `buffer_size`, `buffer_count`
+/// below what the pipeline needs and above it, clipping, GA > 1, params
+/// and optimizer on cpu or nvme, a pinned budget that caps the buffers).
+#[test]
+fn plan_pinned_total_is_what_the_arenas_mapped() {
+    let d = scratch("mapped");
+    let swap = d.join("swap");
+    let nvme = json!({"device": "nvme", "nvme_path": swap});
+    let cases: Vec<(&str, Value)> = vec![
+        ("as ds()", json!({})),
+        (
+            "odd buffer_size, buffer_count 1",
+            json!({"zero_optimization": {"offload_param": {"buffer_size": 19_999, "buffer_count": 1}}}),
+        ),
+        (
+            "optimizer buffer_count below the pipeline",
+            json!({"zero_optimization": {"offload_optimizer": {"buffer_count": 4}}}),
+        ),
+        (
+            "optimizer buffer_count above the pipeline",
+            json!({"zero_optimization": {"offload_optimizer": {"buffer_count": 17}}}),
+        ),
+        ("clipping", json!({"gradient_clipping": 1.0})),
+        (
+            "clipping, GA 3, no pipelining",
+            json!({"gradient_clipping": 1.0, "gradient_accumulation_steps": 3,
+                   "zero_optimization": {"offload_optimizer": {"pipeline_read": false, "pipeline_write": false}}}),
+        ),
+        (
+            "params on cpu",
+            json!({"zero_optimization": {"offload_param": {"device": "cpu"}}}),
+        ),
+        (
+            "params partly in cpu (max_in_cpu)",
+            json!({"zero_optimization": {"offload_param": {"max_in_cpu": 9_000}}}),
+        ),
+        (
+            "optimizer on cpu, params on nvme",
+            json!({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}),
+        ),
+        (
+            "nothing offloaded",
+            json!({"zero_optimization": {"offload_param": {"device": "none"}, "offload_optimizer": {"device": "none"}}}),
+        ),
+        (
+            "unpinned nvme buffers",
+            json!({"zero_optimization": {"offload_param": nvme.clone(), "offload_optimizer": {"pin_memory": false}}}),
+        ),
+        (
+            "a budget that caps the optimizer buffers",
+            json!({"zero_optimization": {"offload_optimizer": {"buffer_count": 40}},
+                   "tierzero": {"pinned_budget_bytes": 4 * align(20_000 * 4) + 10 * align(10_000 * 4) + 100}}),
+        ),
+    ];
+    let mut seen_counts = std::collections::BTreeSet::new();
+    for (name, patch) in cases {
+        let mut cfg = ds(&d, false, None);
+        merge(&mut cfg, &patch);
+        let run = RunContext {
+            path_checks: PathChecks::Check,
+            ..RunContext::default()
+        };
+        let loaded = load_str(&cfg.to_string(), &run).unwrap();
+        let t = trainer(&d, &cfg).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let plan = Plan::new(
+            &loaded.config,
+            t.model(),
+            t.layout(),
+            t.sizing(),
+            "cpu".into(),
+        );
+        assert_eq!(
+            plan.pinned_total_bytes(),
+            t.pinned_mapped_bytes(),
+            "{name}: plan {plan:?}"
+        );
+        assert_eq!(
+            plan.optimizer_buffers.0 * plan.optimizer_buffers.1,
+            t.swap_usage().optimizer_buffers_bytes,
+            "{name}"
+        );
+        seen_counts.insert((plan.param_buffers, plan.optimizer_buffers));
+        drop(t);
+    }
+    // The cases really differ in what they map.
+    assert!(seen_counts.len() >= 6, "{seen_counts:?}");
+}
+
+/// `patch` merged into `v`, objects key by key.
+fn merge(v: &mut Value, patch: &Value) {
+    match (v, patch) {
+        (Value::Object(a), Value::Object(b)) => {
+            for (k, pv) in b {
+                merge(a.entry(k.clone()).or_insert(Value::Null), pv);
+            }
+        }
+        (slot, p) => *slot = p.clone(),
+    }
 }
 
 fn align(b: u64) -> u64 {

@@ -558,7 +558,7 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         cfg,
         trainer.model(),
         trainer.layout(),
-        trainer.store(),
+        trainer.sizing(),
         match device {
             None => format!(
                 "cpu, {}; {}",

@@ -348,36 +348,6 @@ pub struct Config {
     pub tierzero: Tierzero,
 }
 
-impl Config {
-    /// Pinned bytes the parameter swap-in buffers need: `buffer_count ×
-    /// buffer_size × element bytes` when params are offloaded to NVMe with
-    /// `pin_memory`, else 0.
-    pub fn param_swap_pinned_bytes(&self) -> Bytes {
-        let p = &self.zero.offload_param;
-        if !matches!(p.device, OffloadDevice::Nvme { .. }) || !p.pin_memory {
-            return Bytes(0);
-        }
-        Bytes(
-            p.buffer_count
-                .saturating_mul(p.buffer_numel.0)
-                .saturating_mul(self.precision.param_elem_bytes()),
-        )
-    }
-
-    /// Pinned bytes the optimizer swap buffers need for a model whose
-    /// largest sub-group on this rank has `largest_sub_group_numel`
-    /// elements: `buffer_count × min(sub_group_size, that) × 4` (fp32), when
-    /// optimizer state is offloaded to NVMe with `pin_memory`, else 0.
-    pub fn optimizer_swap_pinned_bytes(&self, largest_sub_group_numel: Numel) -> Bytes {
-        let o = &self.zero.offload_optimizer;
-        if !matches!(o.device, OffloadDevice::Nvme { .. }) || !o.pin_memory {
-            return Bytes(0);
-        }
-        let numel = largest_sub_group_numel.0.min(self.zero.sub_group_numel.0);
-        Bytes(o.buffer_count.saturating_mul(numel).saturating_mul(4))
-    }
-}
-
 // ---------------------------------------------------------------------------
 
 struct Resolver<'r> {
@@ -1394,49 +1364,68 @@ fn validate_optimizer_offload(
     })
 }
 
+/// `tierzero.pinned_budget_bytes` against the swap buffers, with the
+/// engine's own sizing policy ([`crate::engine::sizing`]): on a model
+/// known by its size (`run.model_numel`) the whole decision, else the
+/// param swap-in buffers alone (the optimizer's depend on the model's
+/// sub-groups). The engine checks again with the real layout at build.
 fn check_pinned_budget(c: &Config, run: &RunContext) -> Result<(), ConfigError> {
+    use crate::engine::sizing::{self, Shape};
     let Some(budget) = c.tierzero.pinned_budget_bytes else {
         return Ok(());
     };
     let p = &c.zero.offload_param;
-    let param = c.param_swap_pinned_bytes();
+    let elem = c.precision.param_elem_bytes();
+    let short = match run.model_numel {
+        Some(model) => {
+            let per_rank = model.div_ceil(c.batch.ranks.max(1));
+            let shape = Shape::estimated(per_rank, None, c.zero.sub_group_numel.0);
+            sizing::decide(c, &shape).err()
+        }
+        None => {
+            let bufs = sizing::param_buffers(p.buffer_count, p.buffer_numel.0, elem);
+            let nvme =
+                c.zero.stage == Stage::Parameters && matches!(p.device, OffloadDevice::Nvme { .. });
+            (nvme && bufs.total_bytes() > budget.0).then_some(sizing::BudgetShort {
+                budget_bytes: budget.0,
+                param_buffers: bufs,
+                optimizer_buffers_needed: sizing::Buffers::NONE,
+                optimizer_stages: 0,
+                required_bytes: bufs.total_bytes(),
+            })
+        }
+    };
+    let Some(short) = short else {
+        return Ok(());
+    };
     let mut what = Vec::new();
     let mut parts = Vec::new();
     let mut lower = Vec::new();
-    if param.0 > 0 {
+    if short.param_buffers.count > 0 {
         what.push("offload_param");
         parts.push(format!(
-            "buffer_count {} × buffer_size {} elements × {} bytes",
-            p.buffer_count,
-            p.buffer_numel.0,
-            c.precision.param_elem_bytes()
+            "buffer_count {} × buffer_size {} elements × {elem} bytes, 4 KiB-aligned ({} bytes each)",
+            short.param_buffers.count, p.buffer_numel.0, short.param_buffers.bytes_each
         ));
         lower.push("zero_optimization.offload_param.buffer_count / buffer_size");
     }
-    let mut opt = Bytes(0);
-    if let Some(model) = run.model_numel {
-        let per_rank = model.div_ceil(c.batch.ranks.max(1));
-        opt = c.optimizer_swap_pinned_bytes(Numel(per_rank));
-        if opt.0 > 0 {
-            what.push("offload_optimizer");
-            parts.push(format!(
-                "buffer_count {} × min(sub_group_size {}, {} params per rank) elements × 4 bytes",
-                c.zero.offload_optimizer.buffer_count, c.zero.sub_group_numel.0, per_rank
-            ));
-            lower.push("zero_optimization.sub_group_size");
-        }
+    if short.optimizer_buffers_needed.count > 0 {
+        what.push("offload_optimizer");
+        parts.push(format!(
+            "{} buffers (what the optimizer pipeline needs) × {} bytes (the largest sub-group's fp32 state, 4 KiB-aligned; sub_group_size {})",
+            short.optimizer_buffers_needed.count,
+            short.optimizer_buffers_needed.bytes_each,
+            c.zero.sub_group_numel.0
+        ));
+        lower.push("zero_optimization.sub_group_size");
     }
-    let required = param.0.saturating_add(opt.0);
-    if required > budget.0 {
-        return Err(ConfigError::PinnedBudgetTooSmall {
-            budget_bytes: budget.0,
-            required_bytes: required,
-            what: what.join(" + "),
-            breakdown: parts.join(" + "),
-            lower_keys: lower.join(" or "),
-        });
-    }
-    Ok(())
+    Err(ConfigError::PinnedBudgetTooSmall {
+        budget_bytes: budget.0,
+        required_bytes: short.required_bytes,
+        what: what.join(" + "),
+        breakdown: parts.join(" + "),
+        lower_keys: lower.join(" or "),
+    })
 }
 
 /// Checks that `dir` is an existing, writable directory (creating it first

@@ -105,6 +105,7 @@ pub mod layout;
 pub mod observe;
 pub mod optimizer;
 pub mod params;
+pub mod sizing;
 pub mod trainer;
 
 pub use comm::{Comm, SingleRank};

@@ -26,30 +26,22 @@
 //!
 //! The model fits one optimizer sub-group (`sub_group_size` 2e6), so the
 //! optimizer pipeline reads, steps and writes one sub-group per step; a
-//! model four times larger would take the default run past the time the
-//! issue allows on 2 cores.
+//! model four times larger would take the default run well past two
+//! minutes on 2 cores.
 //!
 //! # The plan
 //!
-//! [`Plan::new`] reads the engine's layout (shards, sub-groups) and its
-//! parameter store (each parameter's home tier and stored dtype), and the
-//! config for the buffer settings. Two numbers are **not exposed by the
-//! engine** and are recomputed here with the engine's own rules (see
-//! `engine::trainer::Trainer::new`): whether final gradients are spilled to
-//! NVMe (optimizer state on NVMe, `overlap_optimizer`, and clipping or
-//! fp16), the count of optimizer swap buffers
-//! (`max(buffers_needed(read_ahead, write_behind, spill), offload_optimizer.buffer_count)`,
-//! capped by what the pinned budget leaves after the parameter buffers) and
-//! the pinned pages of the cpu tier ([`ParamStore::cpu_page_plan`]). NVMe
-//! extents are counted with the engine's 4 KiB alignment.
+//! [`Plan::new`] shows what the engine was built with: the trainer's
+//! layout (shards, sub-groups) and its [`Sizing`], the one sizing policy's
+//! answer ([`crate::engine::sizing::decide`]). The plan computes no size of
+//! its own, so what it prints is what was allocated; `tests/run_plan.rs`
+//! checks its pinned total against the bytes the arenas mapped.
 
 use std::fmt::{self, Write as _};
 
 use crate::config::{Config, OffloadDevice, Precision};
-use crate::engine::layout::SubGroup;
-use crate::engine::optimizer::state::buffers_needed;
-use crate::engine::trainer::{held_grad_bound, optimizer_resident_groups};
-use crate::engine::{Layout, ParamStore, Tier};
+use crate::engine::sizing::{Buffers, Sizing, STATE_BYTES_PER_ELEM};
+use crate::engine::{Layout, Tier};
 use crate::model::Model;
 use crate::units::format_bytes;
 
@@ -80,13 +72,6 @@ pub const DEFAULT_STEPS: u64 = 150;
 /// Sequence length when `--seq-len` is not given (capped by the model's
 /// maximum positions).
 pub const DEFAULT_SEQ_LEN: usize = 128;
-
-/// Alignment of NVMe extents and pinned buffers in the engine.
-const ALIGN_BYTES: u64 = 4096;
-
-fn align_up(bytes: u64) -> u64 {
-    bytes.max(1).div_ceil(ALIGN_BYTES) * ALIGN_BYTES
-}
 
 /// Bytes of one kind of state in each tier.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -151,106 +136,57 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// The plan of a built trainer: `layout` and `store` from the engine,
-    /// the rest from `config` (see the module docs for what is recomputed).
+    /// The plan of a built trainer: its `layout` and the [`Sizing`] it was
+    /// built with ([`crate::engine::Trainer::sizing`]); nothing here
+    /// recomputes a size.
     pub fn new(
         config: &Config,
         model: &Model,
         layout: &Layout,
-        store: &ParamStore,
+        sizing: &Sizing,
         device: String,
     ) -> Plan {
-        let elem = store.device_bytes_per_elem();
+        let elem = sizing.param_elem_bytes;
         let zero = &config.zero;
         let mut params = TierBytes::default();
         let mut per_tier = [0usize; 3];
-        let mut cpu_shards = Vec::new();
-        for slot in &layout.params {
+        for (slot, tier) in layout.params.iter().zip(&sizing.tiers) {
             let bytes = slot.shard_numel as u64 * elem;
-            match store.tier(slot.id) {
+            match tier {
                 Tier::Device => {
                     per_tier[0] += 1;
                     params.device_bytes += bytes;
                 }
-                Tier::Cpu => {
-                    per_tier[1] += 1;
-                    cpu_shards.push(bytes);
-                }
-                Tier::Nvme => {
-                    per_tier[2] += 1;
-                    params.nvme_bytes += align_up(bytes);
-                }
+                Tier::Cpu => per_tier[1] += 1,
+                Tier::Nvme => per_tier[2] += 1,
             }
         }
-        let (page_bytes, pages) = ParamStore::cpu_page_plan(&cpu_shards);
-        params.pinned_bytes = page_bytes * pages as u64;
+        params.pinned_bytes = sizing.cpu_pages.total_bytes();
+        params.nvme_bytes = sizing.param_nvme_bytes;
 
         let shard_numel = layout.shard_numel() as u64;
         let opt_nvme = zero.offload_optimizer.device.nvme_path();
-        // The engine's rule: final gradients are spilled to NVMe (and read
-        // back with the state) when the state is on NVMe, the optimizer
-        // overlaps backward, and the step must wait for the global norm.
-        let spill_grads = opt_nvme.is_some()
-            && config.tierzero.overlap_optimizer
-            && (config.gradient_clipping.is_some()
-                || matches!(config.precision, Precision::Fp16 { .. }));
-        let resident = optimizer_resident_groups(config, model, layout);
-        let is_resident = |g: &SubGroup| resident.get(g.id.0).copied().unwrap_or(false);
-        let mut grads = TierBytes {
+        let grads = TierBytes {
             host_bytes: shard_numel * 4,
+            nvme_bytes: sizing.grad_spill_nvme_bytes,
             ..TierBytes::default()
         };
-        if spill_grads {
-            grads.nvme_bytes = layout
+        let mut optimizer = TierBytes {
+            nvme_bytes: sizing.optimizer_nvme_bytes,
+            ..TierBytes::default()
+        };
+        if opt_nvme.is_some() {
+            optimizer.host_bytes = layout
                 .sub_groups
                 .iter()
-                .filter(|g| !is_resident(g))
-                .map(|g| align_up(g.numel as u64 * 4))
+                .zip(&sizing.resident_groups)
+                .filter(|(_, r)| **r)
+                .map(|(g, _)| g.numel as u64 * STATE_BYTES_PER_ELEM)
                 .sum();
+        } else {
+            optimizer.host_bytes = shard_numel * STATE_BYTES_PER_ELEM;
         }
-
-        let mut optimizer = TierBytes::default();
-        if opt_nvme.is_some() {
-            for g in &layout.sub_groups {
-                if is_resident(g) {
-                    optimizer.host_bytes += g.numel as u64 * 12;
-                } else {
-                    optimizer.nvme_bytes += 3 * align_up(g.numel as u64 * 4);
-                }
-            }
-        } else {
-            optimizer.host_bytes = shard_numel * 12;
-        }
-
-        let param_buffers = if per_tier[2] > 0 {
-            (
-                zero.offload_param.buffer_count.max(1),
-                align_up(zero.offload_param.buffer_numel.0.saturating_mul(elem)),
-            )
-        } else {
-            (0, 0)
-        };
-        let opt_buf_bytes = align_up(layout.max_sub_group_numel() as u64 * 4);
-        let optimizer_buffers = if opt_nvme.is_some() {
-            let needed = buffers_needed(
-                usize::from(zero.offload_optimizer.pipeline_read),
-                usize::from(zero.offload_optimizer.pipeline_write),
-                spill_grads,
-            ) as u64;
-            let wanted = needed.max(zero.offload_optimizer.buffer_count);
-            let count = match config.tierzero.pinned_budget_bytes {
-                None => wanted,
-                Some(b) => {
-                    let avail = b.0.saturating_sub(param_buffers.0 * param_buffers.1)
-                        / opt_buf_bytes.max(1);
-                    avail.min(wanted)
-                }
-            };
-            (count, opt_buf_bytes)
-        } else {
-            (0, 0)
-        };
-
+        let pair = |b: Buffers| (b.count, b.bytes_each);
         Plan {
             params_numel: model.numel() as u64,
             largest_param_numel: model
@@ -263,19 +199,12 @@ impl Plan {
             param_elem_bytes: elem,
             params,
             grads,
-            spill_grads,
-            held_sub_groups: if spill_grads {
-                held_grad_bound(
-                    &resident,
-                    usize::from(zero.offload_optimizer.pipeline_read) + 1,
-                )
-            } else {
-                0
-            },
+            spill_grads: sizing.spill_grads,
+            held_sub_groups: sizing.held_grad_groups,
             optimizer,
-            resident_sub_groups: resident.iter().filter(|r| **r).count(),
-            param_buffers,
-            optimizer_buffers,
+            resident_sub_groups: sizing.resident_group_count(),
+            param_buffers: pair(sizing.param_buffers),
+            optimizer_buffers: pair(sizing.optimizer_buffers),
             sub_groups: (layout.sub_groups.len(), layout.max_sub_group_numel() as u64),
             pinned_budget_bytes: config.tierzero.pinned_budget_bytes.map(|b| b.0),
             param_nvme_path: if per_tier[2] > 0 {

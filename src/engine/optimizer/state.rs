@@ -75,14 +75,9 @@ use std::time::{Duration, Instant};
 use tierzero_swap::{Buffer, Engine, Extent, PinnedArena, Ticket};
 
 use crate::engine::layout::SubGroupId;
+use crate::engine::sizing::buffers_needed;
 use crate::engine::{EngineError, Result};
 use crate::optim::{CpuAdam, GradScale, LowPrecisionOut, Moments};
-
-/// Buffers a pipeline with these depths needs: 3 states per sub-group, 4
-/// when gradients are spilled to NVMe and read back with the state.
-pub fn buffers_needed(read_ahead: usize, write_behind: usize, spill_grads: bool) -> usize {
-    (3 + usize::from(spill_grads)) * (1 + read_ahead + write_behind)
-}
 
 #[derive(Debug)]
 struct MemGroup {

@@ -166,6 +166,33 @@ impl Slot {
     }
 }
 
+/// Whether a param's home bytes are the latest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Freshness {
+    /// The home bytes are the param's latest value.
+    Current,
+    /// An optimizer step of its sub-group is running: new bytes are
+    /// coming, so a read of the home copy now would be wasted and a fetch
+    /// must wait for them ([`ParamStore::expect_update`]).
+    UpdateComing,
+}
+
+/// A param's entry in the state map: its tensor's slot and its freshness.
+#[derive(Debug)]
+struct Entry {
+    slot: Slot,
+    freshness: Freshness,
+}
+
+impl Entry {
+    fn new() -> Entry {
+        Entry {
+            slot: Slot::OnDisk,
+            freshness: Freshness::Current,
+        }
+    }
+}
+
 #[derive(Debug)]
 enum Home {
     Device,
@@ -227,7 +254,9 @@ pub struct StoreCounters {
 pub struct ParamStore {
     info: Vec<ParamInfo>,
     homes: Vec<Home>,
-    slots: Vec<Slot>,
+    /// One entry per param: where its tensor is, and whether new bytes
+    /// are coming.
+    slots: Vec<Entry>,
     dtype: DType,
     elem_bytes: usize,
     device: Device,
@@ -255,7 +284,7 @@ fn dtype_bytes(dtype: DType) -> Result<usize> {
 impl ParamStore {
     /// Lays out every parameter in its tier. `tiers` is indexed by
     /// `ParamId`; `cpu_pages` gives the pinned host pages for the cpu tier
-    /// (see [`ParamStore::cpu_page_plan`]); `nvme` is required when any
+    /// (see [`crate::engine::sizing::cpu_page_plan`]); `nvme` is required when any
     /// tier is [`Tier::Nvme`]. Nothing is stored yet: call
     /// [`ParamStore::store_initial`] for every param.
     #[allow(
@@ -333,7 +362,7 @@ impl ParamStore {
                 tier,
             });
             homes.push(home);
-            slots.push(Slot::OnDisk);
+            slots.push(Entry::new());
         }
         Ok(ParamStore {
             info,
@@ -355,30 +384,53 @@ impl ParamStore {
         })
     }
 
-    /// Page size and count for the cpu tier: pages of at least 64 MiB (or
-    /// the largest cpu-tier shard), at most 1 GiB, enough for first-fit
-    /// packing in `ParamId` order. Returns `(page_bytes, pages)`.
-    pub fn cpu_page_plan(shard_bytes: &[u64]) -> (u64, usize) {
-        let largest = shard_bytes.iter().copied().max().unwrap_or(0);
-        if largest == 0 {
-            return (0, 0);
+    /// Marks `id`'s new bytes as coming (its sub-group's optimizer step
+    /// was sent): `Current → UpdateComing`. [`ParamStore::update`] makes it
+    /// `Current` again. Marking a param whose update is already coming is
+    /// an error: one step of a sub-group at a time.
+    pub fn expect_update(&mut self, id: ParamId) -> Result<()> {
+        let name = &self.info[id.0].name;
+        let e = self
+            .slots
+            .get_mut(id.0)
+            .ok_or_else(|| EngineError::internal(format!("no param {id:?}")))?;
+        if e.freshness == Freshness::UpdateComing {
+            return Err(EngineError::BadTransition {
+                param: name.clone(),
+                from: "UpdateComing",
+                event: "UpdateExpected",
+            });
         }
-        let total: u64 = shard_bytes.iter().sum();
-        let page = largest.max(total.min(64 << 20)).div_ceil(4096) * 4096;
-        let (mut pages, mut off) = (1usize, 0u64);
-        for &b in shard_bytes {
-            if off + b > page {
-                pages += 1;
-                off = 0;
-            }
-            off += b;
-        }
-        (page, pages)
+        e.freshness = Freshness::UpdateComing;
+        Ok(())
+    }
+
+    /// Whether `id`'s home bytes are the latest.
+    pub fn freshness(&self, id: ParamId) -> Freshness {
+        self.slots
+            .get(id.0)
+            .map_or(Freshness::Current, |e| e.freshness)
+    }
+
+    /// Whether any param's new bytes are still coming.
+    pub fn any_update_coming(&self) -> bool {
+        self.slots
+            .iter()
+            .any(|e| e.freshness == Freshness::UpdateComing)
+    }
+
+    /// The gate counting this store's NVMe param reads on the disk, for
+    /// the optimizer thread ([`crate::engine::params::copier::ParamReadGate`]);
+    /// `None` without NVMe params.
+    pub fn read_gate(&self) -> Option<Arc<crate::engine::params::copier::ParamReadGate>> {
+        self.nvme.as_ref().map(|n| n.read_gate.clone())
     }
 
     /// The state of `id`.
     pub fn state(&self, id: ParamId) -> ParamState {
-        self.slots.get(id.0).map_or(ParamState::OnDisk, Slot::state)
+        self.slots
+            .get(id.0)
+            .map_or(ParamState::OnDisk, |e| e.slot.state())
     }
 
     /// The home tier of `id`.
@@ -409,7 +461,7 @@ impl ParamStore {
         self.slots
             .iter()
             .enumerate()
-            .filter(|(_, s)| matches!(s, Slot::InFlight(_)))
+            .filter(|(_, e)| matches!(e.slot, Slot::InFlight(_)))
             .map(|(i, _)| self.device_bytes(ParamId(i)))
             .sum()
     }
@@ -437,6 +489,7 @@ impl ParamStore {
         let slot = self
             .slots
             .get_mut(id.0)
+            .map(|e| &mut e.slot)
             .ok_or_else(|| EngineError::internal(format!("no param {id:?}")))?;
         let from = slot.name();
         let ev = event.name();
@@ -524,7 +577,11 @@ impl ParamStore {
             self.complete_read(id, false)?;
         }
         let keep = self.stays_resident(id, keep);
-        self.write_home(id, shard, keep, built)
+        self.write_home(id, shard, keep, built)?;
+        if let Some(e) = self.slots.get_mut(id.0) {
+            e.freshness = Freshness::Current;
+        }
+        Ok(())
     }
 
     /// Whether an [`ParamStore::update`] of `id` asked to `keep` it leaves
@@ -668,7 +725,7 @@ impl ParamStore {
             let inflight = self
                 .slots
                 .iter()
-                .position(|s| matches!(s, Slot::InFlight(_)));
+                .position(|e| matches!(e.slot, Slot::InFlight(_)));
             match inflight {
                 Some(i) => self.complete_read(ParamId(i), false)?,
                 None => {
@@ -723,9 +780,9 @@ impl ParamStore {
     /// Completes the read of `id`; builds the tensor when `gather` (called
     /// from a fetch) or with one rank, else stages the shard bytes.
     fn complete_read(&mut self, id: ParamId, gather: bool) -> Result<()> {
-        let slot = std::mem::replace(&mut self.slots[id.0], Slot::OnDisk);
+        let slot = std::mem::replace(&mut self.slots[id.0].slot, Slot::OnDisk);
         let Slot::InFlight(read) = slot else {
-            self.slots[id.0] = slot;
+            self.slots[id.0].slot = slot;
             return Err(EngineError::internal(
                 "complete_read of a param not in flight",
             ));
@@ -748,12 +805,12 @@ impl ParamStore {
         self.retire_done_writes()?;
         let mut n = 0;
         for i in 0..self.slots.len() {
-            let done = match &self.slots[i] {
+            let done = match &self.slots[i].slot {
                 Slot::InFlight(read) => read.poll(),
                 _ => None,
             };
             if let Some(r) = done {
-                self.slots[i] = Slot::OnDisk;
+                self.slots[i].slot = Slot::OnDisk;
                 self.finish_read(ParamId(i), r, false)?;
                 n += 1;
             }
@@ -809,7 +866,7 @@ impl ParamStore {
             ParamState::Resident => self.counters.hits += 1,
             ParamState::InFlight => self.complete_read(id, true)?,
             ParamState::Staged => {
-                let shard = match &mut self.slots[id.0] {
+                let shard = match &mut self.slots[id.0].slot {
                     Slot::Staged(b) => std::mem::take(b),
                     _ => return Err(EngineError::internal("staged slot changed")),
                 };
@@ -853,7 +910,7 @@ impl ParamStore {
                 }
             },
         }
-        match &self.slots[id.0] {
+        match &self.slots[id.0].slot {
             Slot::Resident(t) => Ok(t.clone()),
             other => Err(EngineError::internal(format!(
                 "fetch left `{}` {}",
@@ -875,7 +932,7 @@ impl ParamStore {
     /// Completes every in-flight read (e.g. when a trace is invalidated).
     pub fn settle(&mut self) -> Result<()> {
         for i in 0..self.slots.len() {
-            if matches!(self.slots[i], Slot::InFlight(_)) {
+            if matches!(self.slots[i].slot, Slot::InFlight(_)) {
                 self.complete_read(ParamId(i), false)?;
             }
         }
@@ -954,7 +1011,8 @@ mod tests {
             .iter()
             .map(|p| p.shard_numel as u64 * 2)
             .collect();
-        let (page, pages) = ParamStore::cpu_page_plan(&shards);
+        let plan = crate::engine::sizing::cpu_page_plan(&shards);
+        let (page, pages) = (plan.bytes_each, plan.count as usize);
         let mut ac = ArenaConfig::new(page * pages as u64, page);
         ac.lock = LockPolicy::Off;
         let arena = PinnedArena::new(ac).unwrap();

@@ -1,0 +1,583 @@
+//! The one sizing policy: from a validated [`Config`] and the model's shape
+//! on one rank, where every param lives and how much memory each tier
+//! gets.
+//!
+//! [`decide`] is the only place these numbers are computed:
+//!
+//! - each param's home tier ([`Tier`]): the device below stage 3 or
+//!   without `offload_param`; pinned host memory with `offload_param:
+//!   cpu`; with `nvme`, pinned host memory for params in `ParamId` order
+//!   while their elements fit `offload_param.max_in_cpu`, NVMe for the rest
+//!   (DeepSpeed's `max_in_cpu` rule);
+//! - the pinned pages of the cpu tier ([`cpu_page_plan`]);
+//! - the param swap-in buffers ([`param_buffers`]): `buffer_count` (at
+//!   least 1) buffers of `buffer_size` elements, rounded up to 4 KiB, when
+//!   any param lives on NVMe;
+//! - whether final gradients spill to NVMe ([`spills_grads`]);
+//! - which optimizer sub-groups keep their state in host memory
+//!   ([`resident_groups`]) and which groups hold their gradients instead of
+//!   spilling them ([`held_grad_bound`]);
+//! - the optimizer swap buffers ([`optimizer_buffers`]): what the pipeline
+//!   needs ([`buffers_needed`]) or `buffer_count` if more, each the
+//!   largest sub-group's fp32 state rounded up to 4 KiB, capped by what
+//!   `tierzero.pinned_budget_bytes` leaves after the param buffers;
+//! - the NVMe bytes of the swap files, and the bytes to page-lock.
+//!
+//! `Trainer::build` maps exactly what it returns; the start-up plan
+//! ([`crate::run::Plan`]) prints the [`Sizing`] the trainer was built
+//! with; the config's budget check and `tierzero estimate` call the same
+//! functions on an estimated [`Shape`] (the model's size, not its layout).
+//! A test checks that the plan's pinned total is the bytes the arenas
+//! mapped.
+//!
+//! A budget too small for the buffers is [`BudgetShort`], with every
+//! number in it; callers turn it into their own error
+//! ([`crate::engine::EngineError::PinnedBudget`],
+//! `ConfigError::PinnedBudgetTooSmall`).
+
+use crate::config::{Config, OffloadDevice, Precision, Stage};
+use crate::engine::layout::Layout;
+use crate::engine::params::prefetch::Prefetcher;
+use crate::engine::params::store::Tier;
+use crate::model::Model;
+
+/// Alignment of NVMe extents and pinned buffers (O_DIRECT).
+pub const ALIGN_BYTES: u64 = 4096;
+
+/// `bytes` rounded up to [`ALIGN_BYTES`] (at least one block).
+pub fn align_up(bytes: u64) -> u64 {
+    bytes.max(1).div_ceil(ALIGN_BYTES) * ALIGN_BYTES
+}
+
+/// Bytes of fp32 optimizer state per element: master, m and v.
+pub const STATE_BYTES_PER_ELEM: u64 = 12;
+
+/// Most sub-groups an estimated [`Shape`] lists.
+const MAX_ESTIMATED_GROUPS: u64 = 1 << 20;
+
+/// What sizing needs to know of a model on one rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shape {
+    /// This rank's elements of each param, in `ParamId` order.
+    pub param_shard_numel: Vec<u64>,
+    /// The optimizer sub-groups, in index order.
+    pub sub_groups: Vec<GroupShape>,
+}
+
+/// One optimizer sub-group as sizing sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupShape {
+    /// Elements of the group (this rank's shards of its params).
+    pub numel: u64,
+    /// Whether it holds a param of the next forward's first units
+    /// ([`Prefetcher::first_units`]), whose state may stay resident.
+    pub first_units: bool,
+}
+
+impl Shape {
+    /// The exact shape of a model laid out on one rank.
+    pub fn of(config: &Config, model: &Model, layout: &Layout) -> Shape {
+        let first = Prefetcher::first_units(model, config.zero.prefetch_bucket_numel.0);
+        Shape {
+            param_shard_numel: layout.params.iter().map(|s| s.shard_numel as u64).collect(),
+            sub_groups: layout
+                .sub_groups
+                .iter()
+                .map(|g| GroupShape {
+                    numel: g.numel as u64,
+                    first_units: g
+                        .params
+                        .iter()
+                        .any(|p| first.get(p.0).copied().unwrap_or(false)),
+                })
+                .collect(),
+        }
+    }
+
+    /// The shape of a model known only by its size: `per_rank_numel`
+    /// elements on this rank, the largest param (if known) first and the
+    /// rest in params of `sub_group_numel`, one sub-group each; the first
+    /// group counts as the first units'. The largest sub-group is thus
+    /// `max(min(sub_group_size, elements), largest param)`, as in a real
+    /// layout, where a param larger than a sub-group is a group of its own.
+    pub fn estimated(
+        per_rank_numel: u64,
+        largest_param_numel: Option<u64>,
+        sub_group_numel: u64,
+    ) -> Shape {
+        let mut params = Vec::new();
+        let mut left = per_rank_numel;
+        if let Some(l) = largest_param_numel.filter(|l| *l > 0) {
+            let l = l.min(left);
+            params.push(l);
+            left -= l;
+        }
+        // At most 2^20 groups stand for the rest: a `sub_group_size` so
+        // small that more would be needed is counted as if it were
+        // `elements / 2^20` (bounded work for any model).
+        let chunk = sub_group_numel
+            .max(1)
+            .max(left.div_ceil(MAX_ESTIMATED_GROUPS));
+        while left > 0 {
+            let n = chunk.min(left);
+            params.push(n);
+            left -= n;
+        }
+        let sub_groups = params
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| GroupShape {
+                numel: n,
+                first_units: i == 0,
+            })
+            .collect();
+        Shape {
+            param_shard_numel: params,
+            sub_groups,
+        }
+    }
+
+    /// Elements on this rank.
+    pub fn numel(&self) -> u64 {
+        self.param_shard_numel.iter().sum()
+    }
+
+    /// Elements of the largest sub-group.
+    pub fn max_sub_group_numel(&self) -> u64 {
+        self.sub_groups.iter().map(|g| g.numel).max().unwrap_or(0)
+    }
+}
+
+/// A set of equal buffers (or pages).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Buffers {
+    /// How many.
+    pub count: u64,
+    /// Bytes of each.
+    pub bytes_each: u64,
+}
+
+impl Buffers {
+    /// None at all.
+    pub const NONE: Buffers = Buffers {
+        count: 0,
+        bytes_each: 0,
+    };
+
+    /// `count × bytes_each`.
+    pub fn total_bytes(&self) -> u64 {
+        self.count.saturating_mul(self.bytes_each)
+    }
+}
+
+/// Everything [`decide`] decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sizing {
+    /// Home tier of each param, in `ParamId` order.
+    pub tiers: Vec<Tier>,
+    /// Bytes of one stored param element (2, or 4 in an fp32 run).
+    pub param_elem_bytes: u64,
+    /// Pinned pages of the cpu tier.
+    pub cpu_pages: Buffers,
+    /// Param swap-in buffers (none without NVMe params).
+    pub param_buffers: Buffers,
+    /// Optimizer swap buffers (none without NVMe optimizer state).
+    pub optimizer_buffers: Buffers,
+    /// Optimizer buffers the pipeline needs at the least.
+    pub optimizer_buffers_needed: u64,
+    /// `offload_optimizer.pipeline_read`: sub-groups read ahead.
+    pub read_ahead: usize,
+    /// `offload_optimizer.pipeline_write`: sub-groups written behind.
+    pub write_behind: usize,
+    /// Whether final gradients are spilled to NVMe until the step.
+    pub spill_grads: bool,
+    /// Per sub-group: its optimizer state stays in host memory.
+    pub resident_groups: Vec<bool>,
+    /// With `spill_grads`: sub-groups below this index hold their final
+    /// gradients in memory (0 without spilling).
+    pub held_grad_groups: usize,
+    /// NVMe bytes of the param extents.
+    pub param_nvme_bytes: u64,
+    /// NVMe bytes of the optimizer state extents (master, m, v).
+    pub optimizer_nvme_bytes: u64,
+    /// NVMe bytes of the spilled-gradient extents.
+    pub grad_spill_nvme_bytes: u64,
+    /// Bytes the run would page-lock (offload blocks with `pin_memory`).
+    pub lock_bytes: u64,
+}
+
+impl Sizing {
+    /// Pinned host memory mapped: cpu-tier pages and both sets of swap
+    /// buffers (page-locked or not, by `pin_memory`).
+    pub fn pinned_total_bytes(&self) -> u64 {
+        self.cpu_pages.total_bytes()
+            + self.param_buffers.total_bytes()
+            + self.optimizer_buffers.total_bytes()
+    }
+
+    /// Whether any param lives on NVMe.
+    pub fn params_on_nvme(&self) -> bool {
+        self.tiers.contains(&Tier::Nvme)
+    }
+
+    /// Sub-groups whose state stays in host memory.
+    pub fn resident_group_count(&self) -> usize {
+        self.resident_groups.iter().filter(|r| **r).count()
+    }
+}
+
+/// `tierzero.pinned_budget_bytes` is too small for the swap buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BudgetShort {
+    /// The configured budget.
+    pub budget_bytes: u64,
+    /// The param swap-in buffers.
+    pub param_buffers: Buffers,
+    /// Optimizer buffers the pipeline needs, and bytes of each.
+    pub optimizer_buffers_needed: Buffers,
+    /// Pipeline stages that hold buffers at once.
+    pub optimizer_stages: u64,
+    /// The smallest budget that works.
+    pub required_bytes: u64,
+}
+
+/// Buffers a pipeline with these depths needs: 3 states per sub-group, 4
+/// when gradients are spilled to NVMe and read back with the state.
+pub fn buffers_needed(read_ahead: usize, write_behind: usize, spill_grads: bool) -> usize {
+    (3 + usize::from(spill_grads)) * (1 + read_ahead + write_behind)
+}
+
+/// Final gradients spill to NVMe (and are read back with the state) when
+/// the state is on NVMe, the optimizer overlaps backward, and the step must
+/// wait for the global norm (clipping, or fp16's overflow check).
+pub fn spills_grads(config: &Config) -> bool {
+    config.zero.offload_optimizer.device.nvme_path().is_some()
+        && config.tierzero.overlap_optimizer
+        && (config.gradient_clipping.is_some()
+            || matches!(config.precision, Precision::Fp16 { .. }))
+}
+
+/// The param swap-in buffers: `buffer_count` (at least 1) buffers of
+/// `buffer_size` elements of `elem_bytes`, each rounded up to 4 KiB.
+pub fn param_buffers(buffer_count: u64, buffer_numel: u64, elem_bytes: u64) -> Buffers {
+    Buffers {
+        count: buffer_count.max(1),
+        bytes_each: align_up(buffer_numel.saturating_mul(elem_bytes)),
+    }
+}
+
+/// The optimizer swap buffers wanted: what the pipeline needs or
+/// `buffer_count` if more, each one fp32 state of the largest sub-group
+/// rounded up to 4 KiB. Returns `(wanted, needed)`.
+pub fn optimizer_buffers(
+    buffer_count: u64,
+    read_ahead: usize,
+    write_behind: usize,
+    spill_grads: bool,
+    max_sub_group_numel: u64,
+) -> (Buffers, u64) {
+    let needed = buffers_needed(read_ahead, write_behind, spill_grads) as u64;
+    (
+        Buffers {
+            count: needed.max(buffer_count),
+            bytes_each: align_up(max_sub_group_numel.saturating_mul(4)),
+        },
+        needed,
+    )
+}
+
+/// Page size and count for the cpu tier: pages of at least 64 MiB (or the
+/// largest cpu-tier shard), at most 1 GiB, enough for first-fit packing in
+/// `ParamId` order.
+pub fn cpu_page_plan(shard_bytes: &[u64]) -> Buffers {
+    let largest = shard_bytes.iter().copied().max().unwrap_or(0);
+    if largest == 0 {
+        return Buffers::NONE;
+    }
+    let total: u64 = shard_bytes.iter().sum();
+    let page = largest.max(total.min(64 << 20)).div_ceil(4096) * 4096;
+    let (mut pages, mut off) = (1u64, 0u64);
+    for &b in shard_bytes {
+        if off + b > page {
+            pages += 1;
+            off = 0;
+        }
+        off += b;
+    }
+    Buffers {
+        count: pages,
+        bytes_each: page,
+    }
+}
+
+/// `tierzero.optimizer_resident_bytes: "auto"`: one prefetch bucket of
+/// state (`state_bytes_per_elem` each), at most a quarter of all the
+/// state (`state_bytes`).
+pub fn auto_optimizer_resident_bytes(
+    prefetch_bucket_numel: u64,
+    state_bytes_per_elem: u64,
+    state_bytes: u64,
+) -> u64 {
+    prefetch_bucket_numel
+        .saturating_mul(state_bytes_per_elem)
+        .min(state_bytes / 4)
+}
+
+/// Per sub-group: whether its optimizer state stays in host memory
+/// although `offload_optimizer.device` is `nvme` (always false without
+/// NVMe state). Those are the groups holding a param of the next
+/// forward's first units, in index order, while their state (12 bytes per
+/// element) fits `tierzero.optimizer_resident_bytes` (auto:
+/// [`auto_optimizer_resident_bytes`]). See "Resident sub-groups" in
+/// [`crate::engine::optimizer::state`].
+pub fn resident_groups(config: &Config, shape: &Shape) -> Vec<bool> {
+    let zero = &config.zero;
+    let mut resident = vec![false; shape.sub_groups.len()];
+    if zero.offload_optimizer.device.nvme_path().is_none() {
+        return resident;
+    }
+    let state_bytes = shape.numel().saturating_mul(STATE_BYTES_PER_ELEM);
+    let budget_bytes = config.tierzero.optimizer_resident_bytes.map_or(
+        auto_optimizer_resident_bytes(
+            zero.prefetch_bucket_numel.0,
+            STATE_BYTES_PER_ELEM,
+            state_bytes,
+        ),
+        |b| b.0,
+    );
+    let mut used_bytes = 0u64;
+    for (g, r) in shape.sub_groups.iter().zip(resident.iter_mut()) {
+        if !g.first_units {
+            continue;
+        }
+        let bytes = g.numel.saturating_mul(STATE_BYTES_PER_ELEM);
+        if used_bytes.saturating_add(bytes) > budget_bytes {
+            break;
+        }
+        used_bytes += bytes;
+        *r = true;
+    }
+    resident
+}
+
+/// With spilled gradients: the sub-groups below this index keep their
+/// final gradients in memory. They are the first `nvme_groups` groups
+/// whose state is on NVMe (index order), whose reads start with the step,
+/// and the resident groups among them.
+pub fn held_grad_bound(resident: &[bool], nvme_groups: usize) -> usize {
+    let mut seen = 0;
+    for (i, r) in resident.iter().enumerate() {
+        if !r {
+            seen += 1;
+            if seen == nvme_groups {
+                return i + 1;
+            }
+        }
+    }
+    resident.len()
+}
+
+/// Home tier of each param (see the module docs).
+fn home_tiers(config: &Config, shape: &Shape) -> Vec<Tier> {
+    let zero = &config.zero;
+    let mut in_cpu = 0u64;
+    shape
+        .param_shard_numel
+        .iter()
+        .map(|&n| {
+            if zero.stage != Stage::Parameters {
+                return Tier::Device;
+            }
+            match &zero.offload_param.device {
+                OffloadDevice::None => Tier::Device,
+                OffloadDevice::Cpu => Tier::Cpu,
+                OffloadDevice::Nvme { .. } => {
+                    if in_cpu + n <= zero.offload_param.max_in_cpu_numel.0 {
+                        in_cpu += n;
+                        Tier::Cpu
+                    } else {
+                        Tier::Nvme
+                    }
+                }
+            }
+        })
+        .collect()
+}
+
+/// The one sizing policy (see the module docs).
+pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
+    let zero = &config.zero;
+    let elem_bytes = config.precision.param_elem_bytes();
+    let tiers = home_tiers(config, shape);
+    let shard_bytes_on = |tier: Tier| {
+        shape
+            .param_shard_numel
+            .iter()
+            .zip(&tiers)
+            .filter(move |(_, t)| **t == tier)
+            .map(move |(n, _)| n * elem_bytes)
+    };
+    let cpu_shards: Vec<u64> = shard_bytes_on(Tier::Cpu).collect();
+    let cpu_pages = cpu_page_plan(&cpu_shards);
+    let param_nvme_bytes: u64 = shard_bytes_on(Tier::Nvme).map(align_up).sum();
+
+    let param_buffers = if tiers.contains(&Tier::Nvme) {
+        param_buffers(
+            zero.offload_param.buffer_count,
+            zero.offload_param.buffer_numel.0,
+            elem_bytes,
+        )
+    } else {
+        Buffers::NONE
+    };
+
+    let opt_nvme = zero.offload_optimizer.device.nvme_path().is_some();
+    let read_ahead = usize::from(zero.offload_optimizer.pipeline_read);
+    let write_behind = usize::from(zero.offload_optimizer.pipeline_write);
+    let spill_grads = spills_grads(config);
+    let (wanted, needed) = optimizer_buffers(
+        zero.offload_optimizer.buffer_count,
+        read_ahead,
+        write_behind,
+        spill_grads,
+        shape.max_sub_group_numel(),
+    );
+    let short = |needed: u64| BudgetShort {
+        budget_bytes: config.tierzero.pinned_budget_bytes.map_or(0, |b| b.0),
+        param_buffers,
+        optimizer_buffers_needed: if opt_nvme {
+            Buffers {
+                count: needed,
+                bytes_each: wanted.bytes_each,
+            }
+        } else {
+            Buffers::NONE
+        },
+        optimizer_stages: if opt_nvme {
+            needed / (3 + u64::from(spill_grads))
+        } else {
+            0
+        },
+        required_bytes: param_buffers.total_bytes()
+            + if opt_nvme {
+                needed * wanted.bytes_each
+            } else {
+                0
+            },
+    };
+    if let Some(b) = config.tierzero.pinned_budget_bytes {
+        if param_buffers.total_bytes() > b.0 {
+            return Err(short(needed));
+        }
+    }
+    let optimizer_buffers = if opt_nvme {
+        match config.tierzero.pinned_budget_bytes {
+            None => wanted,
+            Some(b) => {
+                let avail =
+                    b.0.saturating_sub(param_buffers.total_bytes()) / wanted.bytes_each.max(1);
+                if avail < needed {
+                    return Err(short(needed));
+                }
+                Buffers {
+                    count: avail.min(wanted.count),
+                    bytes_each: wanted.bytes_each,
+                }
+            }
+        }
+    } else {
+        Buffers::NONE
+    };
+
+    let resident = resident_groups(config, shape);
+    let nvme_groups = || {
+        shape
+            .sub_groups
+            .iter()
+            .zip(&resident)
+            .filter(|(_, r)| !**r)
+            .map(|(g, _)| align_up(g.numel * 4))
+    };
+    let (optimizer_nvme_bytes, grad_spill_nvme_bytes) = if opt_nvme {
+        let one: u64 = nvme_groups().sum();
+        (3 * one, if spill_grads { one } else { 0 })
+    } else {
+        (0, 0)
+    };
+    let held_grad_groups = if spill_grads {
+        held_grad_bound(&resident, read_ahead + 1)
+    } else {
+        0
+    };
+    let lock_bytes = if zero.offload_param.pin_memory {
+        cpu_pages.total_bytes() + param_buffers.total_bytes()
+    } else {
+        0
+    } + if zero.offload_optimizer.pin_memory {
+        optimizer_buffers.total_bytes()
+    } else {
+        0
+    };
+    Ok(Sizing {
+        tiers,
+        param_elem_bytes: elem_bytes,
+        cpu_pages,
+        param_buffers,
+        optimizer_buffers,
+        optimizer_buffers_needed: if opt_nvme { needed } else { 0 },
+        read_ahead,
+        write_behind,
+        spill_grads,
+        resident_groups: resident,
+        held_grad_groups,
+        param_nvme_bytes,
+        optimizer_nvme_bytes,
+        grad_spill_nvme_bytes,
+        lock_bytes,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn estimated_shape_keeps_the_total_and_the_largest_group() {
+        let s = Shape::estimated(10_000_000, Some(3_000_000), 1_000_000);
+        assert_eq!(s.numel(), 10_000_000);
+        assert_eq!(s.max_sub_group_numel(), 3_000_000);
+        assert!(s.sub_groups[0].first_units);
+        assert!(!s.sub_groups[1].first_units);
+        let s = Shape::estimated(500, None, 1_000_000);
+        assert_eq!(s.param_shard_numel, vec![500]);
+        assert_eq!(Shape::estimated(0, Some(5), 10).numel(), 0);
+    }
+
+    #[test]
+    fn buffers_round_up_and_never_fall_below_the_pipeline() {
+        let p = param_buffers(0, 1000, 2);
+        assert_eq!((p.count, p.bytes_each), (1, 4096));
+        let (o, needed) = optimizer_buffers(4, 1, 1, true, 1025);
+        assert_eq!(needed, 12);
+        assert_eq!((o.count, o.bytes_each), (12, 8192));
+        let (o, needed) = optimizer_buffers(20, 0, 0, false, 1024);
+        assert_eq!((o.count, needed), (20, 3));
+    }
+
+    #[test]
+    fn cpu_pages_pack_first_fit() {
+        assert_eq!(cpu_page_plan(&[]), Buffers::NONE);
+        let p = cpu_page_plan(&[100, 200]);
+        assert_eq!((p.count, p.bytes_each), (1, 4096));
+        let big = 40 << 20;
+        let p = cpu_page_plan(&[big, big, big]);
+        assert_eq!(p.bytes_each, 64 << 20);
+        assert_eq!(p.count, 3);
+    }
+
+    #[test]
+    fn held_groups_skip_resident_ones() {
+        assert_eq!(held_grad_bound(&[true, false, false, false], 2), 3);
+        assert_eq!(held_grad_bound(&[false, false], 5), 2);
+    }
+}

@@ -1,0 +1,587 @@
+use super::*;
+
+/// The lock policy of an arena: `pin` is its offload block's `pin_memory`;
+/// `lockable` says whether all pinned buffers together fit under
+/// `RLIMIT_MEMLOCK` (see the module docs).
+fn lock_policy(pin: bool, lockable: bool, memlock: config::Memlock) -> LockPolicy {
+    match (pin, lockable, memlock) {
+        (false, _, _) | (true, false, _) => LockPolicy::Off,
+        (true, true, config::Memlock::Require) => LockPolicy::Require,
+        (true, true, config::Memlock::Auto) => LockPolicy::BestEffort,
+    }
+}
+
+fn engine_config(
+    config: &Config,
+    clock: &Arc<BusyClock>,
+    own_clock: Option<Arc<BusyClock>>,
+    faults: Option<Arc<FaultInjector>>,
+    thread_cpus: Option<Arc<[usize]>>,
+) -> EngineConfig {
+    EngineConfig {
+        backend: match config.tierzero.io_backend {
+            config::IoBackend::Auto => BackendKind::Auto,
+            config::IoBackend::Uring => BackendKind::Uring,
+            config::IoBackend::Portable => BackendKind::Portable,
+        },
+        workers: config.tierzero.ring_threads.max(1) as usize,
+        queue_depth: config.aio.queue_depth.max(1),
+        block_bytes: config.aio.block_bytes.0.max(4096).div_ceil(4096) * 4096,
+        sqpoll: false,
+        faults,
+        busy_clock: Some(clock.clone()),
+        own_clock,
+        thread_cpus,
+    }
+}
+
+fn space_config(config: &Config, path: &std::path::Path, capacity_bytes: u64) -> SpaceConfig {
+    let mut sc = SpaceConfig::new(path, capacity_bytes.max(1 << 20));
+    sc.direct_io = match config.tierzero.direct_io {
+        config::DirectIo::Auto => tierzero_swap::DirectIo::Auto,
+        config::DirectIo::Require => tierzero_swap::DirectIo::Require,
+        config::DirectIo::Off => tierzero_swap::DirectIo::Off,
+    };
+    sc.checksums = config.tierzero.checksums;
+    sc
+}
+
+/// Low-precision bytes of fp32 values (round to nearest even, the same
+/// conversion as the optimizer's fused output).
+fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
+    match dtype {
+        DType::BF16 => values
+            .iter()
+            .flat_map(|&x| f32_to_bf16_bits(x).to_le_bytes())
+            .collect(),
+        DType::F16 => values
+            .iter()
+            .flat_map(|&x| f32_to_f16_bits(x).to_le_bytes())
+            .collect(),
+        _ => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
+}
+
+/// The precision's stored param dtype and its loss scaler.
+fn precision_setup(precision: &Precision) -> (DType, LossScaler) {
+    match precision {
+        Precision::Fp32 => (DType::F32, LossScaler::none()),
+        Precision::Bf16 => (DType::BF16, LossScaler::none()),
+        Precision::Fp16 { loss_scale } => (DType::F16, LossScaler::from_config(*loss_scale)),
+    }
+}
+
+/// The run's shape checks: token ids within the vocabulary, a sequence
+/// length the model can take, a rank within its world, and a config
+/// resolved for this world.
+fn check_run(
+    config: &Config,
+    model: &Model,
+    data: &TokenData,
+    opts: &TrainerOptions,
+) -> Result<()> {
+    let mc = model.config();
+    if data.vocab_needed() > mc.vocab_size {
+        return Err(EngineError::config(format!(
+            "the data has token ids up to {} but the model's vocab_size is {}",
+            data.vocab_needed().saturating_sub(1),
+            mc.vocab_size
+        )));
+    }
+    if opts.seq_len == 0 || opts.seq_len > mc.max_seq_len {
+        return Err(EngineError::config(format!(
+            "seq_len {} must be in 1..={} (the model's max positions)",
+            opts.seq_len, mc.max_seq_len
+        )));
+    }
+    let world = opts.comm.world_size();
+    let rank = opts.comm.rank();
+    if world == 0 || rank >= world {
+        return Err(EngineError::internal(format!(
+            "rank {rank} of a world of {world}"
+        )));
+    }
+    if config.batch.ranks != world as u64 {
+        return Err(EngineError::config(format!(
+            "the config was resolved for {} ranks but the communicator has {world}",
+            config.batch.ranks
+        )));
+    }
+    Ok(())
+}
+
+/// The compute threads, where threads run, and the malloc settings:
+/// decided before any of our threads start (see `host::threads`).
+struct HostSetup {
+    compute_threads: ComputeThreads,
+    placement: threads::Placement,
+    malloc: Option<tierzero_swap::MallocTuning>,
+}
+
+impl HostSetup {
+    fn new(config: &Config, opts: &TrainerOptions) -> HostSetup {
+        let offloaded = config.zero.offload_param.device != OffloadDevice::None
+            || config.zero.offload_optimizer.device != OffloadDevice::None;
+        let world = opts.comm.world_size();
+        let compute_threads = threads::resolve(
+            config.tierzero.compute_threads,
+            threads::user_env().as_deref(),
+            threads::cores(),
+            offloaded,
+            opts.adam_threads.get(),
+            matches!(opts.device, Device::Cpu),
+        );
+        threads::apply(&compute_threads);
+        // The building thread's mask: what `taskset` or a cpuset allows.
+        let placement = match tierzero_swap::affinity::current_thread_cpus() {
+            Ok(allowed) => threads::place(
+                config.tierzero.pin_threads,
+                &allowed,
+                &compute_threads,
+                world,
+                offloaded,
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not read the CPU mask; threads not pinned");
+                threads::Placement::Unpinned("the CPU mask could not be read")
+            }
+        };
+        let malloc = opts
+            .keep_heap_mapped
+            .then(crate::engine::host::heap::keep_heap_mapped);
+        HostSetup {
+            compute_threads,
+            placement,
+            malloc,
+        }
+    }
+}
+
+/// The sizing's budget shortfall as the engine reports it.
+fn budget_error(s: BudgetShort) -> EngineError {
+    EngineError::PinnedBudget {
+        budget_bytes: s.budget_bytes,
+        param_buffer_count: s.param_buffers.count,
+        param_buffer_bytes: s.param_buffers.bytes_each,
+        param_buffers_bytes: s.param_buffers.total_bytes(),
+        optimizer_buffers_needed: s.optimizer_buffers_needed.count,
+        optimizer_buffer_bytes: s.optimizer_buffers_needed.bytes_each,
+        optimizer_stages: s.optimizer_stages,
+        required_bytes: s.required_bytes,
+    }
+}
+
+/// Whether everything the sizing would page-lock fits `RLIMIT_MEMLOCK`,
+/// checked before anything is mapped. `tierzero.memlock = "require"`
+/// refuses when it does not; `"auto"` warns and runs unlocked.
+fn check_memlock(config: &Config, sizing: &Sizing) -> Result<bool> {
+    let lock_bytes = sizing.lock_bytes;
+    let info = MemlockInfo::current();
+    let lockable = lock_bytes == 0 || info.check(lock_bytes).is_ok();
+    if !lockable {
+        if config.tierzero.memlock == config::Memlock::Require {
+            return Err(EngineError::Swap(SwapError::MemlockTooLow {
+                requested_bytes: lock_bytes,
+                limit_bytes: info.limit_bytes,
+                locked_bytes: info.locked_bytes,
+            }));
+        }
+        tracing::warn!(
+            pinned_bytes = lock_bytes,
+            memlock_limit_bytes = info.limit_bytes,
+            "the pinned buffers exceed RLIMIT_MEMLOCK; running with unlocked buffers (fix: \
+             `ulimit -l unlimited` or lower the buffers; tierzero.memlock = \"require\" \
+             refuses instead)"
+        );
+    }
+    Ok(lockable)
+}
+
+/// The busy clocks of the I/O engines: one union clock, and with a
+/// timeline one per engine (its disk lanes: params, optimizer reads,
+/// optimizer writes).
+struct Clocks {
+    io: Arc<BusyClock>,
+    engines: Option<[Arc<BusyClock>; 3]>,
+}
+
+impl Clocks {
+    fn new(opts: &TrainerOptions) -> Clocks {
+        let engines = opts.timeline.as_ref().map(|_| {
+            let c = [BusyClock::new(), BusyClock::new(), BusyClock::new()];
+            for k in &c {
+                k.set_logging(true);
+            }
+            c
+        });
+        Clocks {
+            io: BusyClock::new(),
+            engines,
+        }
+    }
+
+    fn engine(&self, i: usize) -> Option<Arc<BusyClock>> {
+        self.engines.as_ref().map(|c| c[i].clone())
+    }
+}
+
+/// What building the tiers needs besides the config and the sizing.
+struct TierBuild<'a> {
+    config: &'a Config,
+    sizing: &'a Sizing,
+    opts: &'a TrainerOptions,
+    clocks: &'a Clocks,
+    helper_cpus: Option<Arc<[usize]>>,
+    lockable: bool,
+    /// Swap spaces made so far (params, then optimizer state).
+    swap_spaces: Vec<Arc<SwapSpace>>,
+    /// Pinned arenas mapped so far.
+    arenas: Vec<Arc<PinnedArena>>,
+}
+
+impl TierBuild<'_> {
+    /// This rank's directory under `path`: `<path>/rank<R>/` with several
+    /// ranks, `path` itself with one.
+    fn rank_dir(&self, path: &std::path::Path) -> Result<PathBuf> {
+        let (rank, world) = (self.opts.comm.rank(), self.opts.comm.world_size());
+        if world == 1 {
+            return Ok(path.to_owned());
+        }
+        let d = path.join(format!("rank{rank}"));
+        std::fs::create_dir_all(&d).map_err(|source| EngineError::Io {
+            path: d.clone(),
+            source,
+        })?;
+        Ok(d)
+    }
+
+    /// Maps one arena of `buffers`, locked by its block's `pin_memory`.
+    fn arena(&mut self, buffers: Buffers, pin: bool) -> Result<Arc<PinnedArena>> {
+        let mut ac = ArenaConfig::new(buffers.total_bytes(), buffers.bytes_each);
+        ac.lock = lock_policy(pin, self.lockable, self.config.tierzero.memlock);
+        let arena = PinnedArena::new(ac)?;
+        self.arenas.push(arena.clone());
+        Ok(arena)
+    }
+
+    /// A swap space of `capacity_bytes` (plus slack) under `path`.
+    fn space(&mut self, path: &std::path::Path, capacity_bytes: u64) -> Result<Arc<SwapSpace>> {
+        let path = self.rank_dir(path)?;
+        let space =
+            SwapSpace::create(space_config(self.config, &path, capacity_bytes + (1 << 20)))?;
+        self.swap_spaces.push(space.clone());
+        Ok(space)
+    }
+
+    /// An I/O engine over `space` and `arena` with disk lane `lane`.
+    fn engine(
+        &self,
+        space: Arc<SwapSpace>,
+        arena: Arc<PinnedArena>,
+        lane: usize,
+        faults: Option<Arc<FaultInjector>>,
+    ) -> Result<Engine> {
+        Ok(Engine::new(
+            space,
+            arena,
+            engine_config(
+                self.config,
+                &self.clocks.io,
+                self.clocks.engine(lane),
+                faults,
+                self.helper_cpus.clone(),
+            ),
+        )?)
+    }
+
+    /// The param store: cpu-tier pages, and the NVMe tier's space, buffers
+    /// and engine.
+    fn store(&mut self, model: &Model, layout: &Layout, dtype: DType) -> Result<ParamStore> {
+        let zero = &self.config.zero;
+        let pin = zero.offload_param.pin_memory;
+        let cpu_pages = if self.sizing.cpu_pages.count > 0 {
+            let arena = self.arena(self.sizing.cpu_pages, pin)?;
+            arena.try_acquire_n(self.sizing.cpu_pages.count as usize)?
+        } else {
+            Vec::new()
+        };
+        let nvme = if self.sizing.params_on_nvme() {
+            let path = zero
+                .offload_param
+                .device
+                .nvme_path()
+                .ok_or_else(|| EngineError::internal("nvme tier without nvme_path"))?;
+            let space = self.space(path, self.sizing.param_nvme_bytes)?;
+            let arena = self.arena(self.sizing.param_buffers, pin)?;
+            let faults = self.opts.faults.params.clone();
+            let engine = self.engine(space, arena.clone(), 0, faults)?;
+            Some(NvmeParams {
+                engine,
+                arena,
+                copier_cpus: self.helper_cpus.clone(),
+                read_gate: crate::engine::params::copier::ParamReadGate::new(),
+            })
+        } else {
+            None
+        };
+        ParamStore::new(
+            model,
+            layout,
+            &self.sizing.tiers,
+            dtype,
+            self.opts.device.clone(),
+            self.opts.comm.clone(),
+            cpu_pages,
+            nvme,
+        )
+    }
+
+    /// The optimizer state: in host memory, or on NVMe with its space,
+    /// buffers, and read and write engines. With NVMe, the sub-groups
+    /// holding the params the next forward needs first keep their state in
+    /// host memory ("Resident sub-groups" in `optimizer/state.rs`).
+    fn optimizer(&mut self, layout: &Layout) -> Result<OptimizerState> {
+        let zero = &self.config.zero;
+        let nvme = match zero.offload_optimizer.device.nvme_path() {
+            Some(path) => {
+                let space = self.space(
+                    path,
+                    self.sizing.optimizer_nvme_bytes + self.sizing.grad_spill_nvme_bytes,
+                )?;
+                let arena = self.arena(
+                    self.sizing.optimizer_buffers,
+                    zero.offload_optimizer.pin_memory,
+                )?;
+                let faults = &self.opts.faults;
+                let read =
+                    self.engine(space.clone(), arena.clone(), 1, faults.optim_read.clone())?;
+                let write = self.engine(space, arena.clone(), 2, faults.optim_write.clone())?;
+                Some(NvmeOptim { read, write, arena })
+            }
+            None => None,
+        };
+        OptimizerState::new(
+            layout.sub_groups.iter().map(|g| g.numel).collect(),
+            nvme,
+            &self.sizing.resident_groups,
+            self.sizing.read_ahead,
+            self.sizing.write_behind,
+            self.sizing.spill_grads,
+        )
+    }
+}
+
+/// Stores the initial weights: fp32 masters → stored bytes, and masters
+/// per sub-group (from a checkpoint, the moments too).
+fn load_initial(
+    layout: &Layout,
+    source: WeightSource<'_>,
+    dtype: DType,
+    store: &mut ParamStore,
+    opt: &mut OptimizerState,
+) -> Result<()> {
+    for g in &layout.sub_groups {
+        let mut states = [
+            vec![0f32; g.numel],
+            vec![0f32; g.numel],
+            vec![0f32; g.numel],
+        ];
+        match source {
+            WeightSource::Dir(dir) => {
+                for &pid in &g.params {
+                    let slot = &layout.params[pid.0];
+                    let at = slot.offset_in_group..slot.offset_in_group + slot.shard_numel;
+                    let t = dir.load_param(pid, DType::F32, &Device::Cpu)?;
+                    let all = t.flatten_all()?.to_vec1::<f32>()?;
+                    let shard = all
+                        .get(slot.shard_start..slot.shard_start + slot.shard_numel)
+                        .ok_or_else(|| EngineError::internal("shard out of range"))?;
+                    states[0][at].copy_from_slice(shard);
+                }
+            }
+            // Reshard on load: exactly this rank's range of each param,
+            // assembled from whichever ranks of the checkpoint hold it (any
+            // world size, any sub_group_size). One state at a time, so the
+            // reader keeps one region per source rank.
+            WeightSource::Checkpoint(ckpt) => {
+                for kind in StateKind::ALL {
+                    for &pid in &g.params {
+                        let slot = &layout.params[pid.0];
+                        let v = ckpt.load_param_state_range(
+                            kind,
+                            pid,
+                            slot.shard_start,
+                            slot.shard_numel,
+                        )?;
+                        states[kind.index()]
+                            [slot.offset_in_group..slot.offset_in_group + slot.shard_numel]
+                            .copy_from_slice(&v);
+                    }
+                }
+            }
+        }
+        for &pid in &g.params {
+            let slot = &layout.params[pid.0];
+            let shard = &states[0][slot.offset_in_group..slot.offset_in_group + slot.shard_numel];
+            store.store_initial(pid, &encode(shard, dtype))?;
+        }
+        opt.load_group(g.id, [&states[0], &states[1], &states[2]])?;
+    }
+    if let WeightSource::Checkpoint(ckpt) = source {
+        ckpt.release_cache();
+    }
+    opt.flush()
+}
+
+/// Adam's hyper-parameters from the config.
+fn adam_hyper(o: &config::Optimizer) -> AdamHyper {
+    AdamHyper {
+        lr: o.lr,
+        beta1: o.betas[0],
+        beta2: o.betas[1],
+        eps: o.eps,
+        weight_decay: o.weight_decay,
+        mode: if o.decoupled_weight_decay {
+            AdamMode::AdamW
+        } else {
+            AdamMode::L2
+        },
+        bias_correction: true,
+    }
+}
+
+/// The prefetcher's limits from the config.
+fn limits(config: &Config) -> Limits {
+    let zero = &config.zero;
+    Limits {
+        prefetch_bucket_numel: zero.prefetch_bucket_numel.0,
+        max_live_numel: zero.max_live_parameters_numel.0,
+        max_reuse_distance_numel: zero.max_reuse_distance_numel.0,
+        persistence_threshold_numel: zero.param_persistence_threshold_numel.0,
+        device_cache_bytes: config.tierzero.device_cache_bytes.0,
+    }
+}
+
+/// Per unit, the sub-groups whose gradients are final after its
+/// backward; and the order a step's sub-groups become final in backward
+/// (units in reverse, each unit's groups, then any left, by index): the
+/// order of the Step jobs without clipping or fp16.
+fn group_orders(model: &Model, layout: &Layout) -> (Vec<Vec<SubGroupId>>, Vec<SubGroupId>) {
+    let n_sub_groups = layout.sub_groups.len();
+    let mut groups_after_unit = vec![Vec::new(); model.units().len()];
+    for g in &layout.sub_groups {
+        if let Some(v) = groups_after_unit.get_mut(g.final_after_unit.0) {
+            v.push(g.id);
+        }
+    }
+    let mut backward_order: Vec<SubGroupId> = Vec::with_capacity(n_sub_groups);
+    let mut listed = vec![false; n_sub_groups];
+    for v in groups_after_unit.iter().rev() {
+        for &g in v {
+            if let Some(seen) = listed.get_mut(g.0) {
+                if !*seen {
+                    *seen = true;
+                    backward_order.push(g);
+                }
+            }
+        }
+    }
+    for (i, seen) in listed.iter().enumerate() {
+        if !seen {
+            backward_order.push(SubGroupId(i));
+        }
+    }
+    (groups_after_unit, backward_order)
+}
+
+impl Trainer {
+    /// Builds the tiers as [`sizing::decide`] sizes them, stores the
+    /// initial weights and optimizer state, and starts the optimizer
+    /// thread.
+    pub(super) fn build(
+        config: &Config,
+        model: Model,
+        source: WeightSource<'_>,
+        data: TokenData,
+        opts: TrainerOptions,
+    ) -> Result<Self> {
+        check_run(config, &model, &data, &opts)?;
+        let host = HostSetup::new(config, &opts);
+        let (param_dtype, scaler) = precision_setup(&config.precision);
+        let sub_group = usize::try_from(config.zero.sub_group_numel.0).unwrap_or(usize::MAX);
+        let layout = Layout::new(&model, opts.comm.rank(), opts.comm.world_size(), sub_group);
+        let sizing =
+            sizing::decide(config, &Shape::of(config, &model, &layout)).map_err(budget_error)?;
+        let lockable = check_memlock(config, &sizing)?;
+        let clocks = Clocks::new(&opts);
+        let mut tiers = TierBuild {
+            config,
+            sizing: &sizing,
+            opts: &opts,
+            clocks: &clocks,
+            helper_cpus: host.placement.helper_cpus(),
+            lockable,
+            swap_spaces: Vec::new(),
+            arenas: Vec::new(),
+        };
+        let mut store = tiers.store(&model, &layout, param_dtype)?;
+        let mut opt = tiers.optimizer(&layout)?;
+        let (swap_spaces, arenas) = (tiers.swap_spaces, tiers.arenas);
+        load_initial(&layout, source, param_dtype, &mut store, &mut opt)?;
+
+        let adam = CpuAdam::new(adam_hyper(&config.optimizer), opts.adam_threads)?;
+        if opts.timeline.is_some() {
+            clocks.io.set_logging(true);
+        }
+        let opt = OptimizerWorker::spawn(
+            opt,
+            adam.clone(),
+            param_dtype,
+            opts.timeline.clone(),
+            host.placement.helper_cpus(),
+            store.read_gate(),
+        )?;
+        let sched = Prefetcher::new(&model, limits(config));
+        let (groups_after_unit, backward_order) = group_orders(&model, &layout);
+        let metrics = match &opts.metrics_path {
+            Some(p) => Some(MetricsWriter::create(p)?),
+            None => None,
+        };
+        Ok(Trainer {
+            compute_threads: host.compute_threads,
+            placement: host.placement,
+            malloc: host.malloc,
+            config: config.clone(),
+            model,
+            data,
+            opts,
+            layout,
+            store,
+            opt,
+            sched,
+            adam,
+            lr: LrSchedule {
+                scheduler: config.scheduler,
+                base_lr: config.optimizer.lr,
+            },
+            scaler,
+            steps_done: 0,
+            adam_steps: 0,
+            skipped: 0,
+            metrics,
+            groups_after_unit,
+            backward_order,
+            lookahead_reads: 0,
+            sizing,
+            arenas,
+            data_name: "unnamed".to_owned(),
+            save_lock: None,
+            io_clock: clocks.io,
+            engine_clocks: clocks.engines,
+            flush_open: false,
+            optimizer_wait: Duration::ZERO,
+            swap_spaces,
+            failed: None,
+        })
+    }
+}

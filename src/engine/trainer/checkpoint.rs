@@ -1,0 +1,491 @@
+use super::*;
+
+/// The settings that change the numbers, as text, and a hash of the whole
+/// resolved config (see [`ConfigFingerprint`]).
+pub fn config_fingerprint(config: &Config) -> ConfigFingerprint {
+    let mut numerics = BTreeMap::new();
+    numerics.insert("batch".to_owned(), format!("{:?}", config.batch));
+    numerics.insert(
+        "gradient_clipping".to_owned(),
+        format!("{:?}", config.gradient_clipping),
+    );
+    numerics.insert("precision".to_owned(), format!("{:?}", config.precision));
+    numerics.insert("optimizer".to_owned(), format!("{:?}", config.optimizer));
+    numerics.insert("scheduler".to_owned(), format!("{:?}", config.scheduler));
+    numerics.insert(
+        "sub_group_size".to_owned(),
+        format!("{}", config.zero.sub_group_numel.0),
+    );
+    let mut h = Sha256::new();
+    h.update(format!("{config:?}").as_bytes());
+    ConfigFingerprint {
+        numerics,
+        full_sha256: h.finish_hex(),
+    }
+}
+
+pub(super) fn precision_name(p: &Precision) -> &'static str {
+    match p {
+        Precision::Fp32 => "fp32",
+        Precision::Bf16 => "bf16",
+        Precision::Fp16 { .. } => "fp16",
+    }
+}
+
+impl Trainer {
+    /// A trainer that continues from `ckpt`: the model is the checkpoint's,
+    /// masters and moments are loaded (crc-verified) and the params
+    /// re-encoded from the masters; step counters, the loss scaler and so
+    /// the lr schedule and data position continue where it stopped. With the
+    /// same config, the run continues bit-identically.
+    ///
+    /// Refused ([`CheckpointError::Mismatch`]) when the run cannot use the
+    /// checkpoint; warned about when the config's numerics, the seq_len or
+    /// the precision of the loss scaler differ.
+    pub fn resume(
+        config: &Config,
+        ckpt: &Checkpoint,
+        data: TokenData,
+        opts: TrainerOptions,
+    ) -> Result<Self> {
+        let m = ckpt.manifest();
+        let run_fp = config_fingerprint(config);
+        // Another rank count with the same global batch and micro-batch
+        // size does the same arithmetic (N ranks with accumulation G are
+        // one rank with G·N) and reads the same data: not a difference.
+        let same_global_batch = m.data.micro_batch_size == config.batch.micro_batch_size
+            && m.data
+                .micro_batch_size
+                .checked_mul(m.data.gradient_accumulation_steps)
+                .and_then(|x| x.checked_mul(m.world_size as u64))
+                == Some(config.batch.train_batch_size);
+        let differing: Vec<&str> = run_fp
+            .numerics
+            .iter()
+            .filter(|(k, v)| m.config.numerics.get(*k) != Some(*v))
+            .filter(|(k, _)| !(k.as_str() == "batch" && same_global_batch))
+            .map(|(k, _)| k.as_str())
+            .collect();
+        let world = opts.comm.world_size();
+        if m.world_size != world && opts.comm.rank() == 0 {
+            tracing::info!(
+                checkpoint_ranks = m.world_size,
+                ranks = world,
+                "resharding the checkpoint: each rank loads its own shard of every parameter"
+            );
+        }
+        if !differing.is_empty() {
+            tracing::warn!(
+                settings = %differing.join(", "),
+                "the training config differs from the checkpoint's in settings that change the \
+                 numbers; the resumed run will not match an uninterrupted one"
+            );
+        }
+        if m.seq_len != opts.seq_len {
+            tracing::warn!(
+                checkpoint = m.seq_len,
+                run = opts.seq_len,
+                "seq_len differs from the checkpoint's: the data position moves"
+            );
+        }
+        let mut t = Self::build(
+            config,
+            ckpt.model().clone(),
+            WeightSource::Checkpoint(ckpt),
+            data,
+            opts,
+        )?;
+        t.steps_done = m.step;
+        t.adam_steps = m.adam_steps;
+        t.skipped = m.skipped_steps;
+        match (
+            &m.loss_scaler,
+            matches!(config.precision, Precision::Fp16 { .. }),
+        ) {
+            (Some(s), true) => t.scaler.restore(s),
+            (None, true) => tracing::warn!(
+                "the checkpoint has no loss-scaler state (not fp16): starting from the config's"
+            ),
+            _ => {}
+        }
+        Ok(t)
+    }
+
+    /// Hands the trainer a save-dir lock taken earlier (the CLI takes it at
+    /// start-up, to refuse before training rather than at the first save).
+    /// [`Trainer::save_checkpoint`] takes one itself when it has none for
+    /// its save dir.
+    pub fn adopt_save_dir_lock(&mut self, lock: crate::checkpoint::SaveDirLock) {
+        self.save_lock = Some(lock);
+    }
+
+    /// One writer per save dir (rank 0 writes everything outside the rank
+    /// dirs): the `flock` on `<save_dir>/.lock`, held until the trainer is
+    /// dropped.
+    pub(super) fn take_save_lock(&mut self, save_dir: &std::path::Path) -> Result<()> {
+        if !self.save_lock.as_ref().is_some_and(|l| l.covers(save_dir)) {
+            crate::durable::create_dir_all(save_dir)
+                .map_err(crate::checkpoint::CheckpointError::from)?;
+            self.save_lock = Some(crate::checkpoint::SaveDirLock::acquire(save_dir)?);
+        }
+        Ok(())
+    }
+
+    /// Writes a checkpoint of the current state to
+    /// `<save_dir>/step-<N>/` and points `<save_dir>/latest` at it; returns
+    /// the step dir. See [`crate::checkpoint`] for the format and the
+    /// write sequence. Pending parameter writes and the optimizer pipeline
+    /// are drained first; NVMe optimizer extents are copied with
+    /// `copy_file_range`, memory tiers written from memory.
+    ///
+    /// Several ranks: a collective, called by every rank at the same step.
+    /// Rank 0 creates the staging dir (named after its pid, which every
+    /// rank learns through an all-gather); every rank writes and fsyncs its
+    /// own `rank<RRRR>/` files in parallel; the ranks' layouts and file
+    /// records (crcs) are all-gathered; rank 0 writes the consolidated
+    /// 16-bit weights if configured (each param gathered from all ranks),
+    /// the manifest last, renames the dir into place and rewrites
+    /// `latest`. Only rank 0 touches anything outside its own rank dir.
+    /// After each phase the ranks agree on the outcome
+    /// ([`crate::engine::comm::agree`]), so a rank that fails makes every rank fail
+    /// with an error naming it instead of leaving them waiting, and no rank
+    /// returns before the checkpoint is visible (or the save has failed
+    /// everywhere).
+    pub fn save_checkpoint(&mut self, save_dir: &std::path::Path) -> Result<PathBuf> {
+        let comm = self.opts.comm.clone();
+        let world = comm.world_size();
+        let rank = comm.rank();
+        let step = self.steps_done;
+        // A stopped trainer's state is not trustworthy: never save it.
+        // Then the last step's optimizer tail (its Flush included), and the
+        // param writes it caused.
+        let ready = self.check_usable().and_then(|()| {
+            self.settle_optimizer()?;
+            self.store.flush_writes()
+        });
+        agree(&*comm, "saving a checkpoint (preparing)", ready)?;
+
+        // Rank 0's pid names the staging dir; everyone learns it.
+        let owner_pid = if world == 1 {
+            std::process::id()
+        } else {
+            let mut all = vec![0u8; 4 * world];
+            comm.all_gather_bytes(&std::process::id().to_le_bytes(), &vec![4; world], &mut all)?;
+            u32::from_le_bytes([all[0], all[1], all[2], all[3]])
+        };
+        let begun = if rank == 0 {
+            self.take_save_lock(save_dir).and_then(|()| {
+                StagedCheckpoint::begin(save_dir, step)
+                    .map(Some)
+                    .map_err(EngineError::from)
+            })
+        } else {
+            Ok(None)
+        };
+        // Also the barrier before the other ranks write into the dir.
+        let mut staged = agree(&*comm, "saving a checkpoint (staging dir)", begun)?;
+
+        // Every rank: its own state files. A failure anywhere fails every
+        // rank, after all have stopped writing (rank 0 then removes the
+        // staging dir when `staged` drops).
+        let part = self.save_rank_part(&mut staged, save_dir, owner_pid);
+        let layout = agree(&*comm, "saving a checkpoint (state files)", part)?;
+
+        // The ranks' layouts and file records, to rank 0 (all-gathered).
+        let own_files = match &staged {
+            Some(s) if rank != 0 => s.files().to_vec(),
+            _ => Vec::new(),
+        };
+        let record = serde_json::to_vec(&(&layout, &own_files))
+            .map_err(|e| EngineError::internal(format!("serialising a rank record: {e}")))?;
+        let records = all_gather_var(&*comm, &record)?;
+
+        // Consolidated 16-bit weights (a collective), then rank 0 commits.
+        let hf = self.save_hf_weights(if rank == 0 { staged.as_mut() } else { None });
+        let done = match (rank, hf) {
+            (0, Ok(hf_weights)) => match staged.take() {
+                Some(s) => self.commit_checkpoint(s, layout, &records, hf_weights),
+                None => Err(EngineError::internal("rank 0 has no staging dir")),
+            },
+            (_, Ok(_)) => Ok(save_dir.join(step_dir_name(step))),
+            (_, Err(e)) => Err(e),
+        };
+        // No rank returns before the checkpoint is complete.
+        let dir = agree(&*comm, "saving a checkpoint (commit)", done)?;
+        if rank == 0 {
+            tracing::info!(dir = %dir.display(), name = %step_dir_name(step), ranks = world, "checkpoint saved");
+        }
+        Ok(dir)
+    }
+
+    /// This rank's part of a save: joins rank 0's staging dir (other
+    /// ranks), writes `rank<RRRR>/{master,exp_avg,exp_avg_sq}.f32`, records
+    /// them with their region crcs and (other ranks) fsyncs them. Returns
+    /// this rank's layout for the manifest.
+    pub(super) fn save_rank_part(
+        &mut self,
+        staged: &mut Option<StagedCheckpoint>,
+        save_dir: &std::path::Path,
+        owner_pid: u32,
+    ) -> Result<RankLayout> {
+        let rank = self.opts.comm.rank();
+        if staged.is_none() {
+            *staged = Some(StagedCheckpoint::join(
+                save_dir,
+                self.steps_done,
+                owner_pid,
+            )?);
+        }
+        let staged = staged
+            .as_mut()
+            .ok_or_else(|| EngineError::internal("no staging dir"))?;
+        let rank_dir = format!("rank{rank:04}");
+        staged.create_dir(&rank_dir)?;
+
+        // Regions: the same in the three state files.
+        let mut regions: Vec<(u64, u64)> = Vec::with_capacity(self.layout.sub_groups.len());
+        let mut offset = 0u64;
+        for g in &self.layout.sub_groups {
+            let len = align_state_bytes(g.numel as u64 * 4)
+                .ok_or_else(|| EngineError::internal("sub-group size overflows"))?;
+            regions.push((offset, len));
+            offset += len;
+        }
+        let total_bytes = offset;
+        let mut files = Vec::with_capacity(3);
+        for kind in StateKind::ALL {
+            let rel = format!("{rank_dir}/{}.f32", kind.name());
+            let (f, path) = staged.create_file(&rel)?;
+            f.set_len(total_bytes)
+                .map_err(crate::checkpoint::io_err("sizing", &path))?;
+            files.push((kind, rel, f, path));
+        }
+        // The copies run on the optimizer thread, which owns the state.
+        let job_regions = regions.clone();
+        let job_files: Vec<(usize, std::fs::File, PathBuf)> = files
+            .iter()
+            .map(|(k, _, f, p)| {
+                f.try_clone()
+                    .map(|f| (k.index(), f, p.clone()))
+                    .map_err(|source| EngineError::Io {
+                        path: p.clone(),
+                        source,
+                    })
+            })
+            .collect::<Result<_>>()?;
+        self.opt
+            .send(Job::Exclusive(ExclusiveJob(Box::new(move |st| {
+                let mut crcs: Vec<Vec<u32>> = Vec::with_capacity(3);
+                for (k, f, p) in &job_files {
+                    let mut v = Vec::with_capacity(job_regions.len());
+                    for (i, &(off, len)) in job_regions.iter().enumerate() {
+                        v.push(st.save_state(SubGroupId(i), *k, f, p, off, len)?);
+                    }
+                    crcs.push(v);
+                }
+                Ok(Box::new(crcs) as ExclusiveResult)
+            }))))?;
+        let crcs: Vec<Vec<u32>> = loop {
+            match self.opt.recv()? {
+                Done::Ran(r) => {
+                    break *r.downcast::<Vec<Vec<u32>>>().map_err(|_| {
+                        EngineError::internal("checkpoint job returned the wrong type")
+                    })?
+                }
+                other => self.on_done(other)?,
+            }
+        };
+        for ((_, rel, _, _), crc) in files.iter().zip(&crcs) {
+            let rc = regions
+                .iter()
+                .zip(crc)
+                .map(|(&(offset_bytes, len_bytes), &crc32c)| RegionCrc {
+                    offset_bytes,
+                    len_bytes,
+                    crc32c,
+                })
+                .collect();
+            staged.add_file_with_regions(rel, rc)?;
+        }
+        drop(files);
+        if rank != 0 {
+            // Rank 0's commit syncs its own (and again everyone's).
+            staged.sync_own()?;
+        }
+
+        let mut states = std::collections::BTreeMap::new();
+        for kind in StateKind::ALL {
+            states.insert(
+                kind.name().to_owned(),
+                format!("{rank_dir}/{}.f32", kind.name()),
+            );
+        }
+        let sub_groups = self
+            .layout
+            .sub_groups
+            .iter()
+            .zip(&regions)
+            .map(|(g, &(offset_bytes, len_bytes))| SubGroupEntry {
+                numel: g.numel as u64,
+                offset_bytes,
+                len_bytes,
+                params: g
+                    .params
+                    .iter()
+                    .map(|&pid| {
+                        let slot = &self.layout.params[pid.0];
+                        ParamEntry {
+                            name: self
+                                .model
+                                .param(pid)
+                                .map(|p| p.name.clone())
+                                .unwrap_or_default(),
+                            numel: slot.numel as u64,
+                            shard_start: slot.shard_start as u64,
+                            shard_numel: slot.shard_numel as u64,
+                            offset_in_group: slot.offset_in_group as u64,
+                        }
+                    })
+                    .collect(),
+            })
+            .collect();
+        Ok(RankLayout {
+            rank,
+            states,
+            sub_groups,
+        })
+    }
+
+    /// Consolidated 16-bit weights (`stage3_gather_16bit_weights_on_model_save`):
+    /// every param is gathered from all ranks in `ParamId` order (a
+    /// collective on every rank); rank 0 (`staged` is `Some`) streams them
+    /// into `model.safetensors` and writes `config.json`. If rank 0's
+    /// writing fails part-way, it still takes part in the remaining
+    /// gathers, so the other ranks are not left waiting, and then fails.
+    pub(super) fn save_hf_weights(
+        &mut self,
+        staged: Option<&mut StagedCheckpoint>,
+    ) -> Result<Option<crate::checkpoint::HfWeights>> {
+        if !self.config.zero.gather_16bit_weights_on_model_save {
+            return Ok(None);
+        }
+        let model = self.model.clone();
+        let mut cache: Option<(SubGroupId, Vec<f32>)> = None;
+        let Some(staged) = staged else {
+            for p in model.params() {
+                self.gather_master(p.id, &mut cache)?;
+            }
+            return Ok(None);
+        };
+        let dtype = self.store.dtype();
+        let mut fetched = 0usize;
+        let mut gather_err: Option<EngineError> = None;
+        let written = staged
+            .create_file("model.safetensors")
+            .map_err(EngineError::from)
+            .and_then(|(f, path)| {
+                crate::model::write_safetensors(f, &path, &model, dtype, |pid| {
+                    fetched += 1;
+                    let shape = model
+                        .param(pid)
+                        .map(|p| p.shape.clone())
+                        .unwrap_or_default();
+                    match self.gather_master(pid, &mut cache) {
+                        Ok(v) => Ok(Tensor::from_vec(v, shape.as_slice(), &Device::Cpu)?),
+                        Err(e) => {
+                            let text = e.to_string();
+                            gather_err = Some(e);
+                            Err(crate::model::ModelError::Unsupported { what: text })
+                        }
+                    }
+                })
+                .map_err(EngineError::Model)
+            });
+        if let Some(e) = gather_err {
+            return Err(e);
+        }
+        if let Err(e) = written {
+            // The others still gather the params rank 0 did not fetch.
+            for p in model.params().iter().skip(fetched) {
+                self.gather_master(p.id, &mut cache)?;
+            }
+            return Err(e);
+        }
+        drop(written);
+        let (cf, cpath) = staged.create_file("config.json")?;
+        let text = crate::model::hf_config_text(&self.model)?;
+        {
+            use std::io::Write as _;
+            let mut cf = cf;
+            cf.write_all(text.as_bytes())
+                .map_err(|source| EngineError::Io {
+                    path: cpath.clone(),
+                    source,
+                })?;
+        }
+        staged.add_file("model.safetensors")?;
+        staged.add_file("config.json")?;
+        Ok(Some(crate::checkpoint::manifest_hf_weights(
+            "model.safetensors",
+            "config.json",
+            match dtype {
+                DType::BF16 => "bf16",
+                DType::F16 => "fp16",
+                _ => "fp32",
+            },
+        )))
+    }
+
+    /// Rank 0: records the other ranks' files, writes the manifest (every
+    /// rank's layout, in rank order) last and makes the step dir visible.
+    pub(super) fn commit_checkpoint(
+        &self,
+        mut staged: StagedCheckpoint,
+        own: RankLayout,
+        records: &[Vec<u8>],
+        hf_weights: Option<crate::checkpoint::HfWeights>,
+    ) -> Result<PathBuf> {
+        let world = self.opts.comm.world_size();
+        let mut ranks = Vec::with_capacity(world);
+        ranks.push(own);
+        for (r, bytes) in records.iter().enumerate().skip(1) {
+            let (layout, files): (RankLayout, Vec<FileEntry>) = serde_json::from_slice(bytes)
+                .map_err(|e| EngineError::internal(format!("rank {r}'s record: {e}")))?;
+            if layout.rank != r {
+                return Err(EngineError::internal(format!(
+                    "rank {r}'s record says rank {}",
+                    layout.rank
+                )));
+            }
+            staged.add_entries(files)?;
+            ranks.push(layout);
+        }
+        let gas = self.config.batch.gradient_accumulation_steps.max(1);
+        let mb = self.config.batch.micro_batch_size.max(1);
+        let manifest = Manifest {
+            format: FORMAT_NAME.to_owned(),
+            version: FORMAT_VERSION,
+            step: self.steps_done,
+            adam_steps: self.adam_steps,
+            skipped_steps: self.skipped,
+            loss_scaler: matches!(self.config.precision, Precision::Fp16 { .. })
+                .then(|| self.scaler.state()),
+            seed: self.opts.seed,
+            seq_len: self.opts.seq_len,
+            data: DataPosition {
+                source: self.data_name.clone(),
+                samples_consumed: self.steps_done * gas * world as u64 * mb,
+                micro_batch_size: mb,
+                gradient_accumulation_steps: gas,
+            },
+            precision: precision_name(&self.config.precision).to_owned(),
+            world_size: world,
+            model: self.model.hf_config_value(),
+            config: config_fingerprint(&self.config),
+            ranks,
+            hf_weights,
+            files: Vec::new(),
+        };
+        Ok(staged.commit(manifest)?)
+    }
+}

@@ -1,0 +1,64 @@
+use super::*;
+
+/// Run options that are not in the ds_config.
+#[derive(Debug, Clone)]
+pub struct TrainerOptions {
+    /// Init seed (models without weights).
+    pub seed: u64,
+    /// Sequence length (tokens per row).
+    pub seq_len: usize,
+    /// Compute device.
+    pub device: Device,
+    /// Collectives (one rank: [`SingleRank`]).
+    pub comm: Arc<dyn Comm>,
+    /// Threads of the CPU Adam kernel.
+    pub adam_threads: NonZeroUsize,
+    /// JSON-lines metrics file.
+    pub metrics_path: Option<PathBuf>,
+    /// Measurement only ("I/O alone"): forward and backward are not
+    /// computed. Every parameter is still fetched and released in trace
+    /// order, and the optimizer still reads, steps and writes its state
+    /// with zero gradients, so a step does exactly the I/O of a real step
+    /// and almost none of its compute. The weights it trains are
+    /// meaningless; `examples/overlap.rs` uses it to time the I/O phase.
+    pub skip_compute: bool,
+    /// Fault injection on the swap engines (tests); none by default.
+    pub faults: FaultPlan,
+    /// A timeline of a window of steps (`--timeline`, see
+    /// [`crate::engine::observe::timeline`]); none by default.
+    pub timeline: Option<Arc<Timeline>>,
+    /// Raise glibc's mmap and trim thresholds for the process (see
+    /// [`crate::engine::host::heap`]); on by default.
+    pub keep_heap_mapped: bool,
+}
+
+/// Fault injectors for the trainer's swap engines: the parameter engine,
+/// and the optimizer state's read and write engines. Each injector counts
+/// the completions of its own engine (see [`FaultInjector`]).
+#[derive(Debug, Clone, Default)]
+pub struct FaultPlan {
+    /// On the parameter swap engine.
+    pub params: Option<Arc<FaultInjector>>,
+    /// On the optimizer state's read engine.
+    pub optim_read: Option<Arc<FaultInjector>>,
+    /// On the optimizer state's write engine.
+    pub optim_write: Option<Arc<FaultInjector>>,
+}
+
+impl TrainerOptions {
+    /// One rank on the CPU, one Adam thread, no metrics file.
+    pub fn cpu(seed: u64, seq_len: usize) -> Self {
+        TrainerOptions {
+            seed,
+            seq_len,
+            device: Device::Cpu,
+            comm: Arc::new(SingleRank),
+            adam_threads: NonZeroUsize::MIN,
+            metrics_path: None,
+            skip_compute: false,
+            faults: FaultPlan::default(),
+            timeline: None,
+            keep_heap_mapped: true,
+        }
+    }
+}

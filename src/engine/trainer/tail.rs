@@ -1,0 +1,179 @@
+use super::*;
+
+impl Trainer {
+    /// Fetches the params of `unit` (declared order), after issuing the
+    /// prefetcher's prefetches.
+    pub fn fetch_unit(&mut self, unit: UnitId) -> Result<Vec<Tensor>> {
+        self.check_usable()?;
+        let r = self.fetch_unit_inner(unit);
+        self.latch(r)
+    }
+
+    pub(super) fn fetch_unit_inner(&mut self, unit: UnitId) -> Result<Vec<Tensor>> {
+        // This unit's own params first: their reads are issued together
+        // (not one synchronous read after another), then the window ahead.
+        // A param whose write-back is still queued is skipped, not waited
+        // for: only running out of swap buffers ends the window.
+        let ids = self.model.unit(unit)?.params.clone();
+        // The last step's optimizer may still be running (its tail overlaps
+        // this step's forward): this unit's params must be the new ones.
+        self.drain_done()?;
+        for &p in &ids {
+            self.wait_updated(p)?;
+        }
+        self.store.harvest()?;
+        let ahead = self.sched.prefetch_candidates(&self.store);
+        for (k, &p) in ids.iter().chain(&ahead).enumerate() {
+            if self.store.free_buffers() == 0 {
+                break;
+            }
+            // A read of a param whose new bytes are still coming would be
+            // wasted (the update replaces it): skip it.
+            if self.store.freshness(p) == Freshness::UpdateComing {
+                continue;
+            }
+            if self.store.prefetch(p)? && k >= ids.len() {
+                self.lookahead_reads += 1;
+            }
+        }
+        ids.iter().map(|&p| self.store.fetch(p)).collect()
+    }
+
+    /// Releases the params of `unit` that the prefetcher does not keep.
+    pub fn release_unit(&mut self, unit: UnitId) -> Result<()> {
+        self.check_usable()?;
+        let r = self.release_unit_inner(unit);
+        self.latch(r)
+    }
+
+    pub(super) fn release_unit_inner(&mut self, unit: UnitId) -> Result<()> {
+        let ids = self.model.unit(unit)?.params.clone();
+        for p in ids {
+            let bytes = self.store.device_bytes(p);
+            if !self.sched.keep(p, bytes) {
+                self.store.release(p)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Marks the params of `sg` as having new bytes coming: its step job
+    /// is being sent (see "Optimizer tail" in the module docs).
+    pub(super) fn expect_update(&mut self, sg: SubGroupId) -> Result<()> {
+        let g = self
+            .layout
+            .sub_groups
+            .get(sg.0)
+            .ok_or_else(|| EngineError::internal("a step of an unknown sub-group"))?;
+        for &p in &g.params {
+            self.store.expect_update(p)?;
+        }
+        Ok(())
+    }
+
+    /// Waits until the new bytes of `p` (if a step of its sub-group is
+    /// running) are stored.
+    pub(super) fn wait_updated(&mut self, p: ParamId) -> Result<()> {
+        while self.store.freshness(p) == Freshness::UpdateComing {
+            let t0 = Instant::now();
+            let d = self.opt.recv()?;
+            self.optimizer_wait += t0.elapsed();
+            self.on_done(d)?;
+        }
+        Ok(())
+    }
+
+    /// Waits until the optimizer thread has finished every step and write
+    /// of the last step, and their new param bytes are stored and written
+    /// to their home tier: afterwards no I/O of the last step is in flight.
+    pub fn settle_optimizer(&mut self) -> Result<()> {
+        while self.flush_open || self.store.any_update_coming() {
+            let t0 = Instant::now();
+            let d = self.opt.recv()?;
+            self.optimizer_wait += t0.elapsed();
+            self.on_done(d)?;
+        }
+        self.store.flush_writes()
+    }
+
+    /// Applies the optimizer thread's replies that are already there.
+    pub(super) fn drain_done(&mut self) -> Result<()> {
+        while let Some(d) = self.opt.try_recv() {
+            self.on_done(d)?;
+        }
+        Ok(())
+    }
+
+    /// The params of `sg` whose new tensors the optimizer thread should
+    /// build: those [`Trainer::on_done`]'s update will leave resident as
+    /// things stand now ([`ParamStore::stays_resident`]), with one rank
+    /// only. A guess that turns out wrong costs only time: a tensor not
+    /// needed is dropped, one missing is built by the store.
+    pub(super) fn tensor_wants(&self, sg: SubGroupId) -> Vec<TensorWant> {
+        if self.layout.world > 1 {
+            return Vec::new();
+        }
+        let Some(g) = self.layout.sub_groups.get(sg.0) else {
+            return Vec::new();
+        };
+        g.params
+            .iter()
+            .filter(|&&pid| {
+                self.store
+                    .stays_resident(pid, self.sched.keep_after_update(pid))
+            })
+            .filter_map(|&pid| {
+                let shape = self.model.params().get(pid.0)?.shape.clone();
+                Some(TensorWant {
+                    param: pid,
+                    offset_in_group: self.layout.params.get(pid.0)?.offset_in_group,
+                    shape,
+                })
+            })
+            .collect()
+    }
+
+    /// Stores the new param bytes of a stepped sub-group.
+    pub(super) fn on_done(&mut self, done: Done) -> Result<()> {
+        match done {
+            Done::Stepped { sg, bytes, tensors } => {
+                let t0 = Instant::now();
+                let g = self
+                    .layout
+                    .sub_groups
+                    .get(sg.0)
+                    .ok_or_else(|| EngineError::internal("stepped an unknown sub-group"))?;
+                let params = g.params.clone();
+                let eb = self.store.device_bytes_per_elem() as usize;
+                let mut built: HashMap<ParamId, Tensor> = tensors.into_iter().collect();
+                for pid in params {
+                    let slot = &self.layout.params[pid.0];
+                    let range =
+                        slot.offset_in_group * eb..(slot.offset_in_group + slot.shard_numel) * eb;
+                    let shard = bytes
+                        .get(range)
+                        .ok_or_else(|| EngineError::internal("param bytes out of range"))?;
+                    let keep = self.sched.keep_after_update(pid);
+                    self.store.update(pid, shard, keep, built.remove(&pid))?;
+                }
+                // In the step being run (`steps_done + 1`), the one whose
+                // forward overlaps this tail.
+                self.span(
+                    self.steps_done + 1,
+                    Lane::Store,
+                    || format!("sg {}", sg.0),
+                    t0,
+                );
+                Ok(())
+            }
+            Done::Flushed => {
+                self.flush_open = false;
+                Ok(())
+            }
+            Done::Failed(e) => Err(e),
+            Done::Master(..) | Done::Ran(_) => Err(EngineError::internal(
+                "unexpected reply from the optimizer thread",
+            )),
+        }
+    }
+}
