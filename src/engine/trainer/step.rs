@@ -22,6 +22,208 @@ pub(super) fn tier_bytes(
     (read, written)
 }
 
+/// The numbers a step fixes at its start.
+#[derive(Debug)]
+struct StepPlan {
+    /// The step being run, 1-based (`steps_done + 1`).
+    step: u64,
+    gas: usize,
+    micro_batch: usize,
+    world: u64,
+    rank: u64,
+    seq_len: usize,
+    loss_scale: f64,
+    mode: OverlapMode,
+    lr: f64,
+    hyper: AdamHyper,
+    /// Adam's step count if this step applies (1-based).
+    adam_step: u64,
+    /// The head's upstream gradient: `loss_scale / (GAS · ranks)`.
+    head_scale: f64,
+}
+
+/// Counters and clocks at a step's start.
+#[derive(Debug)]
+struct StepStart {
+    at: Instant,
+    store: StoreCounters,
+    opt: OptCounters,
+    io_busy_s: f64,
+    optimizer_wait: Duration,
+}
+
+/// Compute-thread time a step spent computing and taking norms.
+#[derive(Debug, Default)]
+struct StepTimes {
+    compute: Duration,
+    norm: Duration,
+}
+
+/// What a step came to, for its metrics.
+#[derive(Debug)]
+struct StepOutcome {
+    loss: f32,
+    skipped: bool,
+    grad_norm: Option<f64>,
+    /// Sub-groups stepped while backward ran.
+    overlapped: u64,
+    opt_wait: Duration,
+}
+
+/// One micro-batch's tokens.
+#[derive(Debug)]
+struct Batch<'a> {
+    ids: &'a Tensor,
+    targets: &'a Tensor,
+    shape: [usize; 2],
+    /// The step's last micro-batch: gradients become final during its
+    /// backward.
+    last_micro: bool,
+}
+
+/// Where one sub-group stands within a step. A step keeps exactly one of
+/// these per sub-group ([`StepGroups`]), moved only by [`GroupEvent`]s
+/// (see "A step" in the module docs):
+///
+/// ```text
+/// Accumulating ──Norm──▶ Normed ──Spill──▶ Spilled
+///      │                   │                  │
+///      └──────Send─────────┴───────Send───────┴──▶ Sent
+/// ```
+#[derive(Debug)]
+enum GroupStep {
+    /// Backward adds gradients into its fp32 accumulator (`None` until the
+    /// first one).
+    Accumulating(Option<Vec<f32>>),
+    /// Its gradients are final and its Σg² taken; the gradient waits in
+    /// memory for the step (clipping or fp16).
+    Normed { grad: Option<Vec<f32>>, sq: f64 },
+    /// Final with its Σg² taken; the gradient was spilled to NVMe and is
+    /// read back with the state.
+    Spilled { sq: f64 },
+    /// Its step was sent to the optimizer thread.
+    Sent,
+}
+
+/// What can happen to a sub-group within a step.
+#[derive(Debug, Clone, Copy)]
+enum GroupEvent {
+    /// Its Σg² was taken (its gradients are final).
+    Norm(f64),
+    /// Its gradient goes to NVMe (returned by [`StepGroups::apply`]).
+    Spill,
+    /// Its step goes to the optimizer thread with the gradient returned
+    /// by [`StepGroups::apply`] (zeros if none came; `None` if spilled).
+    Send,
+}
+
+/// The step state of every sub-group, in index order.
+#[derive(Debug)]
+struct StepGroups {
+    groups: Vec<GroupStep>,
+}
+
+impl StepGroups {
+    fn new(n: usize) -> StepGroups {
+        StepGroups {
+            groups: (0..n).map(|_| GroupStep::Accumulating(None)).collect(),
+        }
+    }
+
+    fn get_mut(&mut self, sg: SubGroupId) -> Result<&mut GroupStep> {
+        self.groups
+            .get_mut(sg.0)
+            .ok_or_else(|| EngineError::internal(format!("no sub-group {}", sg.0)))
+    }
+
+    /// The accumulator of `sg` (created zeroed, `numel` elements): only
+    /// while its gradients are not final.
+    fn accumulator(&mut self, sg: SubGroupId, numel: usize) -> Result<&mut Vec<f32>> {
+        match self.get_mut(sg)? {
+            GroupStep::Accumulating(acc) => Ok(acc.get_or_insert_with(|| vec![0f32; numel])),
+            other => Err(EngineError::internal(format!(
+                "a gradient for sub-group {} after it became final ({})",
+                sg.0,
+                other.name()
+            ))),
+        }
+    }
+
+    /// `sg`'s Σg², taken now if not yet (`Accumulating → Normed`).
+    fn norm(&mut self, sg: SubGroupId, adam: &CpuAdam) -> Result<f64> {
+        let sq = match self.get_mut(sg)? {
+            GroupStep::Normed { sq, .. } | GroupStep::Spilled { sq } => return Ok(*sq),
+            GroupStep::Accumulating(acc) => acc.as_ref().map_or(0.0, |g| adam.grad_sq_norm(g)),
+            GroupStep::Sent => {
+                return Err(EngineError::internal(format!(
+                    "the norm of sub-group {} after its step was sent",
+                    sg.0
+                )))
+            }
+        };
+        self.apply(sg, GroupEvent::Norm(sq), 0)?;
+        Ok(sq)
+    }
+
+    /// The only way a sub-group's state changes. Returns the gradient the
+    /// event hands on: the spilled one for `Spill`, the step's for `Send`
+    /// (`numel` zeros if no gradient came; `None` once spilled).
+    fn apply(
+        &mut self,
+        sg: SubGroupId,
+        event: GroupEvent,
+        numel: usize,
+    ) -> Result<Option<Vec<f32>>> {
+        let slot = self.get_mut(sg)?;
+        let old = std::mem::replace(slot, GroupStep::Sent);
+        let zeros_if_none = |g: Option<Vec<f32>>| Some(g.unwrap_or_else(|| vec![0f32; numel]));
+        let (new, out) = match (old, event) {
+            (GroupStep::Accumulating(grad), GroupEvent::Norm(sq)) => {
+                (GroupStep::Normed { grad, sq }, None)
+            }
+            (GroupStep::Normed { grad, sq }, GroupEvent::Spill) => {
+                (GroupStep::Spilled { sq }, zeros_if_none(grad))
+            }
+            (GroupStep::Accumulating(grad) | GroupStep::Normed { grad, .. }, GroupEvent::Send) => {
+                (GroupStep::Sent, zeros_if_none(grad))
+            }
+            (GroupStep::Spilled { .. }, GroupEvent::Send) => (GroupStep::Sent, None),
+            (old, event) => {
+                let from = old.name();
+                *slot = old;
+                return Err(EngineError::internal(format!(
+                    "sub-group {}: {event:?} while {from}",
+                    sg.0
+                )));
+            }
+        };
+        *slot = new;
+        Ok(out)
+    }
+
+    fn is_sent(&self, sg: SubGroupId) -> bool {
+        matches!(self.groups.get(sg.0), Some(GroupStep::Sent))
+    }
+
+    fn sent_count(&self) -> usize {
+        self.groups
+            .iter()
+            .filter(|g| matches!(g, GroupStep::Sent))
+            .count()
+    }
+}
+
+impl GroupStep {
+    fn name(&self) -> &'static str {
+        match self {
+            GroupStep::Accumulating(_) => "Accumulating",
+            GroupStep::Normed { .. } => "Normed",
+            GroupStep::Spilled { .. } => "Spilled",
+            GroupStep::Sent => "Sent",
+        }
+    }
+}
+
 impl Trainer {
     /// Runs one optimizer step (all micro-batches). After an error the
     /// trainer is stopped (see the module docs).
@@ -38,290 +240,30 @@ impl Trainer {
     }
 
     pub(super) fn step_inner(&mut self) -> Result<StepReport> {
-        let t_step = Instant::now();
-        let this_step = self.steps_done + 1;
-        if let Some(tl) = &self.opts.timeline {
-            self.record_disk();
-            tl.begin_step(this_step);
-        }
-        let c0 = self.store.counters();
-        let o0 = self.opt.counters();
-        let busy0 = self.io_clock.busy_s();
-        let wait0 = self.optimizer_wait;
-        let mut compute = Duration::ZERO;
-        let mut norm_time = Duration::ZERO;
-
-        let gas = self.config.batch.gradient_accumulation_steps.max(1) as usize;
-        let mb = self.config.batch.micro_batch_size.max(1) as usize;
-        let world = self.opts.comm.world_size() as u64;
-        let rank = self.opts.comm.rank() as u64;
-        let seq = self.opts.seq_len;
-        let loss_scale = self.scaler.scale();
-        let mode = self.overlap_mode();
-        let lr = self.lr.lr(self.adam_steps);
-        let mut hyper = *self.adam.hyper();
-        hyper.lr = lr;
-        self.adam.set_hyper(hyper)?;
-        let adam_step = self.adam_steps + 1;
-        let n_groups = self.layout.sub_groups.len();
-        let mut grads: Vec<Option<Vec<f32>>> = vec![None; n_groups];
+        let start = self.step_start();
+        let plan = self.step_plan()?;
+        let mut groups = StepGroups::new(self.layout.sub_groups.len());
+        let mut times = StepTimes::default();
+        self.sched.begin_step();
+        self.expect_reads(&plan)?;
         // A micro-batch's gradient of a param used by several units (a tied
         // embedding), summed locally until its last unit (see accumulate).
-        let mut pending: BTreeMap<ParamId, Vec<f32>> = BTreeMap::new();
-        let mut sq: Vec<Option<f64>> = vec![None; n_groups];
-        // Sub-groups in the order their state reads were requested.
-        let mut order: Vec<SubGroupId> = Vec::with_capacity(n_groups);
-        let mut sent = vec![false; n_groups];
-        let mut spilled = vec![false; n_groups];
-        // The head's gradient starts at scale / (GAS · ranks): the mean over
-        // the global batch, as one rank with GAS · ranks micro-batches.
-        let head_scale = loss_scale / (gas as f64 * world as f64);
-        let units: Vec<(UnitId, UnitKind)> =
-            self.model.units().iter().map(|u| (u.id, u.kind)).collect();
-        let mut micro_losses = vec![0f32; gas];
-        self.sched.begin_step();
-        if mode == OverlapMode::Io && self.sizing.spill_grads {
-            // Steps come after backward, in index order; the first groups'
-            // state reads start now (their gradients are held, see
-            // `held_grad_groups`).
-            self.opt
-                .send(Job::Expect((0..n_groups).map(SubGroupId).collect()))?;
-        } else if mode == OverlapMode::Step {
-            // The order the Step jobs will come in (`backward_order`); the
-            // worker starts their state reads now.
-            self.opt.send(Job::Expect(self.backward_order.clone()))?;
+        let mut tied: BTreeMap<ParamId, Vec<f32>> = BTreeMap::new();
+        let mut micro_losses = vec![0f32; plan.gas];
+        for (micro, loss) in micro_losses.iter_mut().enumerate() {
+            *loss = self.micro_batch(&plan, micro, &mut groups, &mut tied, &mut times)?;
         }
-
-        for micro in 0..gas {
-            let first = ((self.steps_done * gas as u64 + micro as u64) * world + rank) * mb as u64;
-            let (ids, targets) = self.data.batch(first, mb, seq, &self.opts.device)?;
-            let shape = [mb, seq];
-            let last_micro = micro + 1 == gas;
-            // Forward over everything but the head, saving unit inputs.
-            let mut saved: Vec<Option<Tensor>> = vec![None; units.len()];
-            let mut hidden: Option<Tensor> = None;
-            for &(uid, kind) in &units {
-                if kind == UnitKind::Head {
-                    saved[uid.0] = hidden.clone();
-                    continue;
-                }
-                self.visit(uid, Pass::Forward, shape)?;
-                let tf = Instant::now();
-                let params = self.fetch_unit(uid)?;
-                self.span(this_step, Lane::Params, || format!("u{} fwd", uid.0), tf);
-                if self.opts.skip_compute {
-                    drop(params);
-                    self.release_unit(uid)?;
-                    continue;
-                }
-                let t0 = Instant::now();
-                let out = match (kind, &hidden) {
-                    (UnitKind::Embedding, _) => {
-                        self.model
-                            .forward_unit(uid, &params, UnitInput::Tokens(&ids))?
-                    }
-                    (_, Some(h)) => {
-                        saved[uid.0] = Some(h.clone());
-                        self.model
-                            .forward_unit(uid, &params, UnitInput::Hidden(h))?
-                    }
-                    (_, None) => return Err(EngineError::internal("block before embedding")),
-                };
-                compute += t0.elapsed();
-                self.span(this_step, Lane::Compute, || format!("fwd u{}", uid.0), t0);
-                drop(params);
-                self.release_unit(uid)?;
-                hidden = Some(out.into_tensor());
-            }
-            // Backward in reverse, by recompute.
-            let mut upstream: Option<Tensor> = None;
-            for &(uid, kind) in units.iter().rev() {
-                self.visit(uid, Pass::Backward, shape)?;
-                let tf = Instant::now();
-                let params = self.fetch_unit(uid)?;
-                self.span(this_step, Lane::Params, || format!("u{} bwd", uid.0), tf);
-                let t0 = Instant::now();
-                let g = match kind {
-                    _ if self.opts.skip_compute => UnitGrads {
-                        params: Vec::new(),
-                        input: None,
-                        loss: None,
-                    },
-                    UnitKind::Head => {
-                        let h = saved[uid.0]
-                            .as_ref()
-                            .ok_or_else(|| EngineError::internal("head input missing"))?;
-                        self.model.backward_unit(
-                            uid,
-                            &params,
-                            UnitInput::HiddenWithTargets {
-                                hidden: h,
-                                targets: &targets,
-                            },
-                            Upstream::LossScale(head_scale),
-                        )?
-                    }
-                    UnitKind::Block { .. } => {
-                        let h = saved[uid.0]
-                            .as_ref()
-                            .ok_or_else(|| EngineError::internal("block input missing"))?;
-                        let up = upstream
-                            .as_ref()
-                            .ok_or_else(|| EngineError::internal("upstream missing"))?;
-                        self.model.backward_unit(
-                            uid,
-                            &params,
-                            UnitInput::Hidden(h),
-                            Upstream::Grad(up),
-                        )?
-                    }
-                    UnitKind::Embedding => {
-                        let up = upstream
-                            .as_ref()
-                            .ok_or_else(|| EngineError::internal("upstream missing"))?;
-                        self.model.backward_unit(
-                            uid,
-                            &params,
-                            UnitInput::Tokens(&ids),
-                            Upstream::Grad(up),
-                        )?
-                    }
-                };
-                drop(params);
-                if let Some(l) = &g.loss {
-                    let l = l.to_dtype(DType::F32)?.to_scalar::<f32>()?;
-                    if let Some(m) = micro_losses.get_mut(micro) {
-                        *m += l;
-                    }
-                }
-                for (pid, grad) in &g.params {
-                    self.accumulate(&mut grads, &mut pending, uid, *pid, grad)?;
-                }
-                compute += t0.elapsed();
-                self.span(this_step, Lane::Compute, || format!("bwd u{}", uid.0), t0);
-                upstream = g.input;
-                saved[uid.0] = None;
-                self.release_unit(uid)?;
-                crate::failpoint::kill_point(crate::failpoint::Site::StepBackward);
-                // Params of sub-groups the optimizer thread has finished.
-                self.drain_done()?;
-                if last_micro && mode != OverlapMode::None {
-                    let finals = self
-                        .groups_after_unit
-                        .get(uid.0)
-                        .cloned()
-                        .unwrap_or_default();
-                    for sg in finals {
-                        match mode {
-                            OverlapMode::Step => {
-                                let grad = grads[sg.0].take().unwrap_or_else(|| {
-                                    vec![0f32; self.layout.sub_groups[sg.0].numel]
-                                });
-                                self.opt.send(Job::Step {
-                                    sg,
-                                    grad: Some(grad),
-                                    scale: GradScale::ONE,
-                                    step: adam_step,
-                                    hyper,
-                                    tensors: self.tensor_wants(sg),
-                                })?;
-                                order.push(sg);
-                                sent[sg.0] = true;
-                                self.expect_update(sg)?;
-                            }
-                            _ => {
-                                // The norm now; the step after backward, in
-                                // index order (see "Optimizer tail").
-                                let t0 = Instant::now();
-                                sq[sg.0] = Some(self.group_sq_norm(&grads, sg));
-                                norm_time += t0.elapsed();
-                                if self.sizing.spill_grads && sg.0 >= self.sizing.held_grad_groups {
-                                    let grad = grads[sg.0].take().unwrap_or_else(|| {
-                                        vec![0f32; self.layout.sub_groups[sg.0].numel]
-                                    });
-                                    self.opt.send(Job::SpillGrad { sg, grad })?;
-                                    spilled[sg.0] = true;
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-        }
-
         let loss = self.global_loss(&micro_losses)?;
-        let overlapped = sent.iter().filter(|x| **x).count() as u64;
-        // Decision.
-        let fp16 = matches!(self.config.precision, Precision::Fp16 { .. });
-        let clip = self.config.gradient_clipping;
-        let mut grad_norm = None;
-        let decision = if mode == OverlapMode::Step {
-            GradNorm::from_sq_sum(0.0).scale_for_step(loss_scale, None)?
-        } else if fp16 || clip.is_some() {
-            let t0 = Instant::now();
-            let mut total = 0f64;
-            for (i, s) in sq.iter_mut().enumerate() {
-                let v = match s {
-                    Some(v) => *v,
-                    None => self.group_sq_norm(&grads, SubGroupId(i)),
-                };
-                *s = Some(v);
-                total += v;
-            }
-            norm_time += t0.elapsed();
-            let total = self.opts.comm.all_reduce_sum_f64(total)?;
-            let gn = GradNorm::from_sq_sum(total);
-            grad_norm = Some(gn.norm(loss_scale));
-            gn.scale_for_step(loss_scale, clip)?
-        } else {
-            GradNorm::from_sq_sum(0.0).scale_for_step(loss_scale, None)?
-        };
-        let skipped = match decision {
-            GradStep::Skip => {
-                self.opt.send(Job::CancelReads)?;
-                true
-            }
-            GradStep::Apply(scale) => {
-                // The rest, in read order first, then index order.
-                for i in 0..n_groups {
-                    if !order.contains(&SubGroupId(i)) {
-                        order.push(SubGroupId(i));
-                    }
-                }
-                for &sg in &order {
-                    if sent[sg.0] {
-                        continue;
-                    }
-                    let grad = if spilled[sg.0] {
-                        None
-                    } else {
-                        Some(
-                            grads[sg.0]
-                                .take()
-                                .unwrap_or_else(|| vec![0f32; self.layout.sub_groups[sg.0].numel]),
-                        )
-                    };
-                    self.opt.send(Job::Step {
-                        sg,
-                        grad,
-                        scale,
-                        step: adam_step,
-                        hyper,
-                        tensors: self.tensor_wants(sg),
-                    })?;
-                    sent[sg.0] = true;
-                    self.expect_update(sg)?;
-                }
-                false
-            }
-        };
+        let overlapped = groups.sent_count() as u64;
+        let (decision, grad_norm) = self.decide(&plan, &mut groups, &mut times)?;
+        let skipped = self.dispatch(&plan, &mut groups, decision)?;
         // The optimizer tail runs on while the next step's forward starts:
-        // `fetch_unit` waits for the sub-groups it needs, `settle_optimizer`
+        // `fetch_unit` waits for the params it needs, `settle_optimizer`
         // for all of them.
         self.opt.send(Job::Flush)?;
         self.flush_open = true;
         self.drain_done()?;
-        let opt_wait = self.optimizer_wait.saturating_sub(wait0);
+        let opt_wait = self.optimizer_wait.saturating_sub(start.optimizer_wait);
         self.scaler.update(skipped);
         if skipped {
             self.skipped += 1;
@@ -329,25 +271,410 @@ impl Trainer {
             self.adam_steps += 1;
         }
         self.steps_done += 1;
+        let metrics = self.report(
+            &plan,
+            &start,
+            &times,
+            StepOutcome {
+                loss,
+                skipped,
+                grad_norm,
+                overlapped,
+                opt_wait,
+            },
+        );
+        if let Some(w) = &mut self.metrics {
+            w.write(&metrics)?;
+        }
+        Ok(StepReport { metrics })
+    }
 
-        // Metrics.
-        let wall = t_step.elapsed().as_secs_f64();
+    /// Counters and clocks at the start of a step (the metrics report
+    /// their differences).
+    fn step_start(&self) -> StepStart {
+        let step = self.steps_done + 1;
+        if let Some(tl) = &self.opts.timeline {
+            self.record_disk();
+            tl.begin_step(step);
+        }
+        StepStart {
+            at: Instant::now(),
+            store: self.store.counters(),
+            opt: self.opt.counters(),
+            io_busy_s: self.io_clock.busy_s(),
+            optimizer_wait: self.optimizer_wait,
+        }
+    }
+
+    /// The step's fixed numbers; sets the optimizer's learning rate.
+    fn step_plan(&mut self) -> Result<StepPlan> {
+        let gas = self.config.batch.gradient_accumulation_steps.max(1) as usize;
+        let world = self.opts.comm.world_size() as u64;
+        let loss_scale = self.scaler.scale();
+        let lr = self.lr.lr(self.adam_steps);
+        let mut hyper = *self.adam.hyper();
+        hyper.lr = lr;
+        self.adam.set_hyper(hyper)?;
+        Ok(StepPlan {
+            step: self.steps_done + 1,
+            gas,
+            micro_batch: self.config.batch.micro_batch_size.max(1) as usize,
+            world,
+            rank: self.opts.comm.rank() as u64,
+            seq_len: self.opts.seq_len,
+            loss_scale,
+            mode: self.overlap_mode(),
+            lr,
+            hyper,
+            adam_step: self.adam_steps + 1,
+            // The head's gradient starts at scale / (GAS · ranks): the mean
+            // over the global batch, as one rank with GAS · ranks
+            // micro-batches.
+            head_scale: loss_scale / (gas as f64 * world as f64),
+        })
+    }
+
+    /// Starts the state reads the step will want, before its gradients
+    /// are final (see "Optimizer tail" in the module docs).
+    fn expect_reads(&mut self, plan: &StepPlan) -> Result<()> {
+        let n_groups = self.layout.sub_groups.len();
+        if plan.mode == OverlapMode::Io && self.sizing.spill_grads {
+            // Steps come after backward, in index order; the first groups'
+            // state reads start now (their gradients are held, see
+            // `Sizing::held_grad_groups`).
+            self.opt
+                .send(Job::Expect((0..n_groups).map(SubGroupId).collect()))?;
+        } else if plan.mode == OverlapMode::Step {
+            // The order the Step jobs will come in (`backward_order`); the
+            // worker starts their state reads now.
+            self.opt.send(Job::Expect(self.backward_order.clone()))?;
+        }
+        Ok(())
+    }
+
+    /// One micro-batch: forward over everything but the head, then
+    /// backward by recompute from the head. Returns its loss.
+    fn micro_batch(
+        &mut self,
+        plan: &StepPlan,
+        micro: usize,
+        groups: &mut StepGroups,
+        tied: &mut BTreeMap<ParamId, Vec<f32>>,
+        times: &mut StepTimes,
+    ) -> Result<f32> {
+        let first = ((self.steps_done * plan.gas as u64 + micro as u64) * plan.world + plan.rank)
+            * plan.micro_batch as u64;
+        let (ids, targets) =
+            self.data
+                .batch(first, plan.micro_batch, plan.seq_len, &self.opts.device)?;
+        let batch = Batch {
+            ids: &ids,
+            targets: &targets,
+            shape: [plan.micro_batch, plan.seq_len],
+            last_micro: micro + 1 == plan.gas,
+        };
+        let mut saved = self.forward(plan, &batch, times)?;
+        self.backward(plan, &batch, &mut saved, groups, tied, times)
+    }
+
+    /// Forward over every unit but the head; returns each unit's input
+    /// (the head's too), kept for the backward's recompute.
+    fn forward(
+        &mut self,
+        plan: &StepPlan,
+        batch: &Batch<'_>,
+        times: &mut StepTimes,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let units: Vec<(UnitId, UnitKind)> =
+            self.model.units().iter().map(|u| (u.id, u.kind)).collect();
+        let mut saved: Vec<Option<Tensor>> = vec![None; units.len()];
+        let mut hidden: Option<Tensor> = None;
+        for &(uid, kind) in &units {
+            if kind == UnitKind::Head {
+                saved[uid.0] = hidden.clone();
+                continue;
+            }
+            self.visit(uid, Pass::Forward, batch.shape)?;
+            let tf = Instant::now();
+            let params = self.fetch_unit(uid)?;
+            self.span(plan.step, Lane::Params, || format!("u{} fwd", uid.0), tf);
+            if self.opts.skip_compute {
+                drop(params);
+                self.release_unit(uid)?;
+                continue;
+            }
+            let t0 = Instant::now();
+            let out = match (kind, &hidden) {
+                (UnitKind::Embedding, _) => {
+                    self.model
+                        .forward_unit(uid, &params, UnitInput::Tokens(batch.ids))?
+                }
+                (_, Some(h)) => {
+                    saved[uid.0] = Some(h.clone());
+                    self.model
+                        .forward_unit(uid, &params, UnitInput::Hidden(h))?
+                }
+                (_, None) => return Err(EngineError::internal("block before embedding")),
+            };
+            times.compute += t0.elapsed();
+            self.span(plan.step, Lane::Compute, || format!("fwd u{}", uid.0), t0);
+            drop(params);
+            self.release_unit(uid)?;
+            hidden = Some(out.into_tensor());
+        }
+        Ok(saved)
+    }
+
+    /// Backward over every unit in reverse, by recompute from the inputs
+    /// `saved`; gradients go into the sub-groups' accumulators. Returns the
+    /// micro-batch's loss (the head's).
+    fn backward(
+        &mut self,
+        plan: &StepPlan,
+        batch: &Batch<'_>,
+        saved: &mut [Option<Tensor>],
+        groups: &mut StepGroups,
+        tied: &mut BTreeMap<ParamId, Vec<f32>>,
+        times: &mut StepTimes,
+    ) -> Result<f32> {
+        let units: Vec<(UnitId, UnitKind)> =
+            self.model.units().iter().map(|u| (u.id, u.kind)).collect();
+        let mut loss = 0f32;
+        let mut upstream: Option<Tensor> = None;
+        for &(uid, kind) in units.iter().rev() {
+            self.visit(uid, Pass::Backward, batch.shape)?;
+            let tf = Instant::now();
+            let params = self.fetch_unit(uid)?;
+            self.span(plan.step, Lane::Params, || format!("u{} bwd", uid.0), tf);
+            let t0 = Instant::now();
+            let g =
+                self.backward_unit(plan, uid, kind, &params, batch, saved, upstream.as_ref())?;
+            drop(params);
+            if let Some(l) = &g.loss {
+                loss += l.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+            }
+            for (pid, grad) in &g.params {
+                self.accumulate(groups, tied, uid, *pid, grad)?;
+            }
+            times.compute += t0.elapsed();
+            self.span(plan.step, Lane::Compute, || format!("bwd u{}", uid.0), t0);
+            upstream = g.input;
+            saved[uid.0] = None;
+            self.release_unit(uid)?;
+            crate::failpoint::kill_point(crate::failpoint::Site::StepBackward);
+            // Params of sub-groups the optimizer thread has finished.
+            self.drain_done()?;
+            if batch.last_micro && plan.mode != OverlapMode::None {
+                self.on_final_groups(plan, uid, groups, times)?;
+            }
+        }
+        Ok(loss)
+    }
+
+    /// One unit's backward (or nothing, with `skip_compute`).
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the unit, its params, its inputs and its upstream gradient: one call of the model"
+    )]
+    fn backward_unit(
+        &self,
+        plan: &StepPlan,
+        uid: UnitId,
+        kind: UnitKind,
+        params: &[Tensor],
+        batch: &Batch<'_>,
+        saved: &[Option<Tensor>],
+        upstream: Option<&Tensor>,
+    ) -> Result<UnitGrads> {
+        if self.opts.skip_compute {
+            return Ok(UnitGrads {
+                params: Vec::new(),
+                input: None,
+                loss: None,
+            });
+        }
+        let input = || {
+            saved[uid.0]
+                .as_ref()
+                .ok_or_else(|| EngineError::internal("unit input missing"))
+        };
+        let up = || upstream.ok_or_else(|| EngineError::internal("upstream missing"));
+        Ok(match kind {
+            UnitKind::Head => self.model.backward_unit(
+                uid,
+                params,
+                UnitInput::HiddenWithTargets {
+                    hidden: input()?,
+                    targets: batch.targets,
+                },
+                Upstream::LossScale(plan.head_scale),
+            )?,
+            UnitKind::Block { .. } => self.model.backward_unit(
+                uid,
+                params,
+                UnitInput::Hidden(input()?),
+                Upstream::Grad(up()?),
+            )?,
+            UnitKind::Embedding => self.model.backward_unit(
+                uid,
+                params,
+                UnitInput::Tokens(batch.ids),
+                Upstream::Grad(up()?),
+            )?,
+        })
+    }
+
+    /// The sub-groups whose gradients became final with `uid`'s backward
+    /// (last micro-batch): without clipping or fp16 they are stepped now,
+    /// on the optimizer thread, while backward goes on; otherwise their
+    /// norm is taken now and, with NVMe state, their gradient spilled
+    /// (except the first groups', whose state reads started with the step).
+    fn on_final_groups(
+        &mut self,
+        plan: &StepPlan,
+        uid: UnitId,
+        groups: &mut StepGroups,
+        times: &mut StepTimes,
+    ) -> Result<()> {
+        let finals = self
+            .groups_after_unit
+            .get(uid.0)
+            .cloned()
+            .unwrap_or_default();
+        for sg in finals {
+            if plan.mode == OverlapMode::Step {
+                self.send_step(plan, groups, sg, GradScale::ONE)?;
+                continue;
+            }
+            // The norm now; the step after backward, in index order (see
+            // "Optimizer tail").
+            let t0 = Instant::now();
+            groups.norm(sg, &self.adam)?;
+            times.norm += t0.elapsed();
+            if self.sizing.spill_grads && sg.0 >= self.sizing.held_grad_groups {
+                let numel = self.sub_group_numel(sg)?;
+                let grad = groups
+                    .apply(sg, GroupEvent::Spill, numel)?
+                    .unwrap_or_default();
+                self.opt.send(Job::SpillGrad { sg, grad })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Elements of sub-group `sg`.
+    fn sub_group_numel(&self, sg: SubGroupId) -> Result<usize> {
+        self.layout
+            .sub_groups
+            .get(sg.0)
+            .map(|g| g.numel)
+            .ok_or_else(|| EngineError::internal("an unknown sub-group"))
+    }
+
+    /// Sends `sg`'s step to the optimizer thread, with its gradient (none
+    /// if spilled: it is read back with the state).
+    fn send_step(
+        &mut self,
+        plan: &StepPlan,
+        groups: &mut StepGroups,
+        sg: SubGroupId,
+        scale: GradScale,
+    ) -> Result<()> {
+        let numel = self.sub_group_numel(sg)?;
+        let grad = groups.apply(sg, GroupEvent::Send, numel)?;
+        let tensors = self.tensor_wants(sg);
+        self.opt.send(Job::Step {
+            sg,
+            grad,
+            scale,
+            step: plan.adam_step,
+            hyper: plan.hyper,
+            tensors,
+        })?;
+        self.expect_update(sg)
+    }
+
+    /// The decision: Σg² over sub-groups in index order (all ranks), then
+    /// skip (fp16 overflow) or the multiplier (clip / loss scale). Returns
+    /// it with the global gradient norm when one was taken.
+    fn decide(
+        &mut self,
+        plan: &StepPlan,
+        groups: &mut StepGroups,
+        times: &mut StepTimes,
+    ) -> Result<(GradStep, Option<f64>)> {
+        let fp16 = matches!(self.config.precision, Precision::Fp16 { .. });
+        let clip = self.config.gradient_clipping;
+        if plan.mode == OverlapMode::Step || !(fp16 || clip.is_some()) {
+            let d = GradNorm::from_sq_sum(0.0).scale_for_step(plan.loss_scale, None)?;
+            return Ok((d, None));
+        }
+        let t0 = Instant::now();
+        let mut total = 0f64;
+        for i in 0..self.layout.sub_groups.len() {
+            total += groups.norm(SubGroupId(i), &self.adam)?;
+        }
+        times.norm += t0.elapsed();
+        let total = self.opts.comm.all_reduce_sum_f64(total)?;
+        let gn = GradNorm::from_sq_sum(total);
+        Ok((
+            gn.scale_for_step(plan.loss_scale, clip)?,
+            Some(gn.norm(plan.loss_scale)),
+        ))
+    }
+
+    /// Carries out the decision: the sub-groups not stepped yet are sent in
+    /// index order, or the state reads are cancelled. Returns whether the
+    /// step was skipped.
+    fn dispatch(
+        &mut self,
+        plan: &StepPlan,
+        groups: &mut StepGroups,
+        decision: GradStep,
+    ) -> Result<bool> {
+        match decision {
+            GradStep::Skip => {
+                self.opt.send(Job::CancelReads)?;
+                Ok(true)
+            }
+            GradStep::Apply(scale) => {
+                for i in 0..self.layout.sub_groups.len() {
+                    let sg = SubGroupId(i);
+                    if !groups.is_sent(sg) {
+                        self.send_step(plan, groups, sg, scale)?;
+                    }
+                }
+                Ok(false)
+            }
+        }
+    }
+
+    /// The step's metrics line.
+    fn report(
+        &self,
+        plan: &StepPlan,
+        start: &StepStart,
+        times: &StepTimes,
+        out: StepOutcome,
+    ) -> StepMetrics {
+        let wall = start.at.elapsed().as_secs_f64();
         self.span(
-            this_step,
+            plan.step,
             Lane::Step,
-            || format!("step {this_step}"),
-            t_step,
+            || format!("step {}", plan.step),
+            start.at,
         );
         self.record_disk();
+        let (c0, o0) = (&start.store, &start.opt);
         let c1 = self.store.counters();
         let o1 = self.opt.counters();
         let io_wait = (c1.io_wait + o1.io_wait).saturating_sub(c0.io_wait + o0.io_wait);
-        let optimizer = o1.adam.saturating_sub(o0.adam) + norm_time;
-        let io_busy = (self.io_clock.busy_s() - busy0).max(0.0);
-        let compute_s = compute.as_secs_f64();
+        let optimizer = o1.adam.saturating_sub(o0.adam) + times.norm;
+        let io_busy = (self.io_clock.busy_s() - start.io_busy_s).max(0.0);
+        let compute_s = times.compute.as_secs_f64();
         let io_wait_s = io_wait.as_secs_f64();
         let optimizer_s = optimizer.as_secs_f64();
-        let (r0, w0) = tier_bytes(&c0, &o0);
+        let (r0, w0) = tier_bytes(c0, o0);
         let (mut bytes_read, mut bytes_written) = tier_bytes(&c1, &o1);
         for (now, before) in [(&mut bytes_read, r0), (&mut bytes_written, w0)] {
             for (tier, b) in before {
@@ -356,17 +683,17 @@ impl Trainer {
                 }
             }
         }
-        let tokens = (mb * gas * seq) as f64 * world as f64;
+        let tokens = (plan.micro_batch * plan.gas * plan.seq_len) as f64 * plan.world as f64;
         let main_busy = compute_s + (c1.io_wait.saturating_sub(c0.io_wait)).as_secs_f64();
-        let metrics = StepMetrics {
+        StepMetrics {
             step: self.steps_done,
-            loss,
+            loss: out.loss,
             tokens_per_s: if wall > 0.0 { tokens / wall } else { 0.0 },
             wall_s: wall,
             compute_s,
             io_wait_s,
             optimizer_s,
-            idle_s: (wall - main_busy - opt_wait.as_secs_f64()).max(0.0),
+            idle_s: (wall - main_busy - out.opt_wait.as_secs_f64()).max(0.0),
             io_busy_s: io_busy,
             bytes_read,
             bytes_written,
@@ -376,17 +703,13 @@ impl Trainer {
             } else {
                 0.0
             },
-            lr,
-            loss_scale,
-            skipped,
-            grad_norm,
-            sub_groups_stepped_during_backward: overlapped,
+            lr: plan.lr,
+            loss_scale: plan.loss_scale,
+            skipped: out.skipped,
+            grad_norm: out.grad_norm,
+            sub_groups_stepped_during_backward: out.overlapped,
             param_write_wait_s: c1.write_wait.saturating_sub(c0.write_wait).as_secs_f64(),
-        };
-        if let Some(w) = &mut self.metrics {
-            w.write(&metrics)?;
         }
-        Ok(StepReport { metrics })
     }
 
     pub(super) fn visit(&mut self, unit: UnitId, pass: Pass, shape: [usize; 2]) -> Result<()> {
@@ -430,13 +753,6 @@ impl Trainer {
         }
     }
 
-    pub(super) fn group_sq_norm(&self, grads: &[Option<Vec<f32>>], sg: SubGroupId) -> f64 {
-        match grads.get(sg.0).and_then(|g| g.as_ref()) {
-            Some(g) => self.adam.grad_sq_norm(g),
-            None => 0.0,
-        }
-    }
-
     /// Adds one unit's gradient of `pid` into the sub-group accumulator.
     ///
     /// A param used by several units (a tied embedding: head, then
@@ -448,10 +764,10 @@ impl Trainer {
     /// rank's order over the same micro-batches bit for bit. The price is
     /// one full fp32 gradient of such a param held during backward (as
     /// PyTorch's autograd holds it before ZeRO's hook sees it).
-    pub(super) fn accumulate(
+    fn accumulate(
         &self,
-        grads: &mut [Option<Vec<f32>>],
-        pending: &mut BTreeMap<ParamId, Vec<f32>>,
+        groups: &mut StepGroups,
+        tied: &mut BTreeMap<ParamId, Vec<f32>>,
         unit: UnitId,
         pid: ParamId,
         grad: &Tensor,
@@ -466,7 +782,7 @@ impl Trainer {
             .flatten_all()?
             .to_device(&Device::Cpu)?
             .to_vec1::<f32>()?;
-        let full = match pending.remove(&pid) {
+        let full = match tied.remove(&pid) {
             Some(mut sum) => {
                 for (a, b) in sum.iter_mut().zip(&full) {
                     *a += *b;
@@ -482,11 +798,11 @@ impl Trainer {
             .and_then(|p| p.units.iter().copied().min())
             .unwrap_or(unit);
         if unit != last_unit {
-            pending.insert(pid, full);
+            tied.insert(pid, full);
             return Ok(());
         }
-        let g = &self.layout.sub_groups[slot.sub_group.0];
-        let acc = grads[slot.sub_group.0].get_or_insert_with(|| vec![0f32; g.numel]);
+        let numel = self.sub_group_numel(slot.sub_group)?;
+        let acc = groups.accumulator(slot.sub_group, numel)?;
         let dst = acc
             .get_mut(slot.offset_in_group..slot.offset_in_group + slot.shard_numel)
             .ok_or_else(|| EngineError::internal("grad slot out of range"))?;
