@@ -89,6 +89,51 @@ fn base_config_trains() {
     assert!(out.stdout.contains("weight_sha256"), "{}", out.stdout);
 }
 
+/// DeepSpeed reads its config with hjson; a config with comments and
+/// trailing commas trains, and to the same weights as the plain JSON.
+#[test]
+fn commented_config_trains_like_the_plain_one() {
+    let d = scratch("commented");
+    let swap = d.join("swap");
+    let swap = swap.to_str().unwrap();
+    let commented = format!(
+        r#"// ZeRO-3, everything on NVMe
+{{
+  "train_micro_batch_size_per_gpu": 2, # per rank
+  "gradient_accumulation_steps": 1,
+  /* AdamW as HF writes it */
+  "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3, "betas": [0.9, 0.999],}},}},
+  "zero_optimization": {{
+    "stage": 3,
+    "offload_param": {{"device": "nvme", "nvme_path": "{swap}"}},
+    "offload_optimizer": {{"device": "nvme", "nvme_path": "{swap}",}},
+  }},
+}}
+"#
+    );
+    std::fs::write(d.join("commented.json"), commented).unwrap();
+    std::fs::write(d.join("plain.json"), base(&d).to_string()).unwrap();
+    let sha = |name: &str| {
+        let out = run_tierzero(
+            Some(&d),
+            &[
+                "train",
+                "--config",
+                name,
+                "--steps",
+                "1",
+                "--seq-len",
+                "16",
+                "--json",
+            ],
+        );
+        assert_eq!(out.code, 0, "{name}: stderr: {}", out.stderr);
+        let v: Value = serde_json::from_str(&out.stdout).unwrap();
+        v["weight_sha256"].as_str().unwrap().to_owned()
+    };
+    assert_eq!(sha("commented.json"), sha("plain.json"));
+}
+
 #[test]
 fn batch_arithmetic_that_does_not_add_up_shows_all_three_numbers() {
     check(
@@ -221,14 +266,27 @@ fn invalid_json_has_line_and_column() {
     check_text(
         "json",
         &d,
-        "{\n  \"train_micro_batch_size_per_gpu\": 2,\n  \"fp16\": {\"enabled\": tru}\n}\n",
-        &["invalid JSON at line 3, column", "fix:"],
+        "{\n  \"train_micro_batch_size_per_gpu\": 2,\n  \"fp16\": {\"enabled\" true}\n}\n",
+        &["invalid JSON at line 3, column 22", "expected `:`", "fix:"],
     );
+}
+
+#[test]
+fn duplicate_key_names_both_lines() {
+    let d = scratch("dup");
+    let mut text = serde_json::to_string_pretty(&base(&d)).unwrap();
+    // A second `stage` right after the first, inside zero_optimization.
+    let first = text.lines().position(|l| l.contains("\"stage\"")).unwrap() + 1;
+    text = text.replacen("\"stage\": 3", "\"stage\": 3,\n      \"stage\": 2", 1);
     check_text(
-        "trailing-comma",
+        "dup",
         &d,
-        "{\n  \"train_micro_batch_size_per_gpu\": 2,\n}\n",
-        &["line 3, column 1", "trailing commas"],
+        &text,
+        &[
+            "`zero_optimization.stage` is given twice",
+            &format!("at line {first} and at line {}", first + 1),
+            "fix:",
+        ],
     );
 }
 
