@@ -476,6 +476,18 @@ fn optimizer_resident_bytes_is_auto_a_size_or_an_error() {
         "optimizer_resident_bytes",
         [json!(-1), json!("lots"), json!(true), json!(1.5)],
     );
+    // Like every key that takes "auto", the error says so.
+    let e = load_str(
+        &json!({"train_batch_size": 8, "tierzero": {"optimizer_resident_bytes": "lots"}})
+            .to_string(),
+        &skip_fs(),
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("expected a byte count such as 1073741824 or \"1GiB\" or \"auto\""),
+        "{e}"
+    );
 }
 
 #[test]
