@@ -89,6 +89,51 @@ fn base_config_trains() {
     assert!(out.stdout.contains("weight_sha256"), "{}", out.stdout);
 }
 
+/// DeepSpeed reads its config with hjson; a config with comments and
+/// trailing commas trains, and to the same weights as the plain JSON.
+#[test]
+fn commented_config_trains_like_the_plain_one() {
+    let d = scratch("commented");
+    let swap = d.join("swap");
+    let swap = swap.to_str().unwrap();
+    let commented = format!(
+        r#"// ZeRO-3, everything on NVMe
+{{
+  "train_micro_batch_size_per_gpu": 2, # per rank
+  "gradient_accumulation_steps": 1,
+  /* AdamW as HF writes it */
+  "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3, "betas": [0.9, 0.999],}},}},
+  "zero_optimization": {{
+    "stage": 3,
+    "offload_param": {{"device": "nvme", "nvme_path": "{swap}"}},
+    "offload_optimizer": {{"device": "nvme", "nvme_path": "{swap}",}},
+  }},
+}}
+"#
+    );
+    std::fs::write(d.join("commented.json"), commented).unwrap();
+    std::fs::write(d.join("plain.json"), base(&d).to_string()).unwrap();
+    let sha = |name: &str| {
+        let out = run_tierzero(
+            Some(&d),
+            &[
+                "train",
+                "--config",
+                name,
+                "--steps",
+                "1",
+                "--seq-len",
+                "16",
+                "--json",
+            ],
+        );
+        assert_eq!(out.code, 0, "{name}: stderr: {}", out.stderr);
+        let v: Value = serde_json::from_str(&out.stdout).unwrap();
+        v["weight_sha256"].as_str().unwrap().to_owned()
+    };
+    assert_eq!(sha("commented.json"), sha("plain.json"));
+}
+
 #[test]
 fn batch_arithmetic_that_does_not_add_up_shows_all_three_numbers() {
     check(
@@ -221,14 +266,27 @@ fn invalid_json_has_line_and_column() {
     check_text(
         "json",
         &d,
-        "{\n  \"train_micro_batch_size_per_gpu\": 2,\n  \"fp16\": {\"enabled\": tru}\n}\n",
-        &["invalid JSON at line 3, column", "fix:"],
+        "{\n  \"train_micro_batch_size_per_gpu\": 2,\n  \"fp16\": {\"enabled\" true}\n}\n",
+        &["invalid JSON at line 3, column 22", "expected `:`", "fix:"],
     );
+}
+
+#[test]
+fn duplicate_key_names_both_lines() {
+    let d = scratch("dup");
+    let mut text = serde_json::to_string_pretty(&base(&d)).unwrap();
+    // A second `stage` right after the first, inside zero_optimization.
+    let first = text.lines().position(|l| l.contains("\"stage\"")).unwrap() + 1;
+    text = text.replacen("\"stage\": 3", "\"stage\": 3,\n      \"stage\": 2", 1);
     check_text(
-        "trailing-comma",
+        "dup",
         &d,
-        "{\n  \"train_micro_batch_size_per_gpu\": 2,\n}\n",
-        &["line 3, column 1", "trailing commas"],
+        &text,
+        &[
+            "`zero_optimization.stage` is given twice",
+            &format!("at line {first} and at line {}", first + 1),
+            "fix:",
+        ],
     );
 }
 
@@ -308,4 +366,104 @@ fn deprecated_alias_given_with_its_replacement() {
             "keep only",
         ],
     );
+}
+
+/// `tierzero train --config NAME --steps 1 --seq-len 16 --json FLAGS...` in
+/// `d`: the exit status, and the summary when it succeeded.
+fn train_json(d: &Path, name: &str, flags: &[&str]) -> (cli_support::Out, Option<Value>) {
+    let mut args = vec![
+        "train",
+        "--config",
+        name,
+        "--steps",
+        "1",
+        "--seq-len",
+        "16",
+        "--json",
+    ];
+    args.extend_from_slice(flags);
+    let out = run_tierzero(Some(d), &args);
+    let summary = (out.code == 0).then(|| serde_json::from_str(&out.stdout).unwrap());
+    (out, summary)
+}
+
+/// HF Trainer fills `"auto"` from its own arguments; `--micro-batch`,
+/// `--grad-accum` and `--lr` do the same, so an "auto" config with the
+/// flags trains exactly as the config that writes those numbers.
+#[test]
+fn flags_fill_auto_batch_sizes_and_lr() {
+    let d = scratch("flags-auto");
+    let auto = patched(
+        base(&d),
+        json!({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+               "optimizer": {"params": {"lr": "auto"}}}),
+    );
+    let written = patched(
+        base(&d),
+        json!({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2,
+               "optimizer": {"params": {"lr": 5e-4}}}),
+    );
+    std::fs::write(d.join("auto.json"), auto.to_string()).unwrap();
+    std::fs::write(d.join("written.json"), written.to_string()).unwrap();
+    let flags = ["--micro-batch", "3", "--grad-accum", "2", "--lr", "5e-4"];
+    let (out, a) = train_json(&d, "auto.json", &flags);
+    let a = a.unwrap_or_else(|| panic!("auto.json: {}", out.stderr));
+    // 3 samples × 2 micro-steps × 16 tokens (the "auto" default would be 8 × 1).
+    assert_eq!(a["tokens_per_step"], 96, "{a}");
+    let (out, b) = train_json(&d, "written.json", &[]);
+    let b = b.unwrap_or_else(|| panic!("written.json: {}", out.stderr));
+    assert_eq!(a["weight_sha256"], b["weight_sha256"]);
+    // A flag equal to what the config writes is fine.
+    let (out, c) = train_json(&d, "written.json", &flags);
+    let c = c.unwrap_or_else(|| panic!("written.json with equal flags: {}", out.stderr));
+    assert_eq!(c["weight_sha256"], b["weight_sha256"]);
+}
+
+/// A number in the config that a flag contradicts is an error naming the
+/// key, the config's value, the flag and its value (exit 2).
+#[test]
+fn flags_that_contradict_the_config_name_both() {
+    let d = scratch("flags-mismatch");
+    // base: micro 2, accumulation 1, lr 1e-3.
+    std::fs::write(d.join("bad.json"), base(&d).to_string()).unwrap();
+    for (flags, words) in [
+        (
+            ["--micro-batch", "4"],
+            [
+                "`train_micro_batch_size_per_gpu` = 2 in the config",
+                "but 4 was given",
+                "(--micro-batch)",
+            ],
+        ),
+        (
+            ["--grad-accum", "3"],
+            [
+                "`gradient_accumulation_steps` = 1 in the config",
+                "but 3 was given",
+                "(--grad-accum)",
+            ],
+        ),
+        (
+            ["--lr", "3e-4"],
+            [
+                "`optimizer.params.lr` = 0.001 in the config",
+                "but 0.0003 was given",
+                "(--lr)",
+            ],
+        ),
+    ] {
+        let (out, _) = train_json(&d, "bad.json", &flags);
+        let mut words = words.to_vec();
+        words.push("fix:");
+        assert_bad_input(&out, flags[0], &words);
+    }
+    for (flags, words) in [
+        (["--lr", "banana"], ["--lr banana", "positive number"]),
+        (["--lr", "-0.001"], ["--lr -0.001", "positive number"]),
+        (["--micro-batch", "0"], ["--micro-batch", "out of range"]),
+        (["--grad-accum", "x"], ["--grad-accum", "whole number"]),
+    ] {
+        let (out, _) = train_json(&d, "bad.json", &flags);
+        assert_bad_input(&out, flags[0], &words);
+    }
 }

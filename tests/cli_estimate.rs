@@ -226,7 +226,7 @@ fn estimate_from_model_and_config() {
 fn bad_inputs_exit_2_with_one_line() {
     let tmp = tempfile::tempdir().unwrap();
     let bad_json = tmp.path().join("bad.json");
-    std::fs::write(&bad_json, "{\"zero_optimization\": {\"stage\": 3,}}").unwrap();
+    std::fs::write(&bad_json, "{\"zero_optimization\": {\"stage\" 3}}").unwrap();
     let bad_stage = tmp.path().join("stage.json");
     std::fs::write(&bad_stage, r#"{"zero_optimization": {"stage": "three"}}"#).unwrap();
     let bad_model = tmp.path().join("model.json");

@@ -283,7 +283,7 @@ fn user_mistakes_exit_2_with_one_line() {
     // directory, a pinned budget too small for the buffers.
     std::fs::write(
         d.join("broken.json"),
-        "{\n  \"train_micro_batch_size_per_gpu\": 2,\n}",
+        "{\n  \"train_micro_batch_size_per_gpu\": 2,\n  \"fp16\" {}\n}",
     )
     .unwrap();
     assert_bad(

@@ -446,12 +446,75 @@ fn wrong_types_name_the_key_path_and_expected_type() {
 
 #[test]
 fn invalid_json_has_line_and_column() {
-    let text = "{\n  \"train_batch_size\": 8,\n  \"fp16\": {\"enabled\": tru}\n}\n";
+    // A key without its colon is wrong in hjson too.
+    let text = "{\n  \"train_batch_size\": 8,\n  \"fp16\": {\"enabled\" true}\n}\n";
     let e = err_with(text, &skip_fs());
+    assert!(
+        matches!(
+            e,
+            ConfigError::Json {
+                line: 3,
+                column: 22,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert_msg(&e, &["line 3, column 22", "expected `:`"]);
+    // An unclosed object: the end of the text.
+    let e = err_with("{\n  \"fp16\": {\"enabled\": true}\n", &skip_fs());
     assert!(matches!(e, ConfigError::Json { line: 3, .. }), "{e:?}");
-    assert_msg(&e, &["line 3, column"]);
+    assert_msg(&e, &["end of the text"]);
     let e = err_with("", &skip_fs());
     assert!(matches!(e, ConfigError::Json { .. }));
+    // The message no longer claims DeepSpeed forbids comments.
+    assert!(!e.to_string().contains("no comments"), "{e}");
+}
+
+/// DeepSpeed's loader raises on a key given twice in one object; a JSON
+/// reader keeps the last one and the batch size changes without a word.
+#[test]
+fn duplicate_keys_name_the_path_and_both_lines() {
+    let text = "{\n  \"train_micro_batch_size_per_gpu\": 4,\n  \"gradient_accumulation_steps\": 1,\n  \"train_micro_batch_size_per_gpu\": 8\n}\n";
+    let e = err_with(text, &skip_fs());
+    match &e {
+        ConfigError::DuplicateKey {
+            key,
+            first_line,
+            second_line,
+        } => {
+            assert_eq!(key, "train_micro_batch_size_per_gpu");
+            assert_eq!((*first_line, *second_line), (2, 4));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(e.key(), Some("train_micro_batch_size_per_gpu"));
+    assert_msg(
+        &e,
+        &[
+            "`train_micro_batch_size_per_gpu`",
+            "line 2",
+            "line 4",
+            "delete one",
+        ],
+    );
+
+    // Nested, with comments and blank lines between the two.
+    let text = "{\n  \"train_micro_batch_size_per_gpu\": 4,\n  \"zero_optimization\": {\n    \"stage\": 3, // partition everything\n    /* offload\n       later */\n\n    \"stage\": 2\n  }\n}\n";
+    let e = err_with(text, &skip_fs());
+    assert!(
+        matches!(&e, ConfigError::DuplicateKey { key, first_line: 4, second_line: 8 }
+            if key == "zero_optimization.stage"),
+        "{e:?}"
+    );
+    assert_msg(&e, &["`zero_optimization.stage`", "line 4", "line 8"]);
+
+    // The same key in two objects is not a duplicate.
+    load_str(
+        r#"{"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": false}, "bf16": {"enabled": false}}"#,
+        &skip_fs(),
+    )
+    .unwrap();
 }
 
 #[test]

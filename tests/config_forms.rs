@@ -476,6 +476,18 @@ fn optimizer_resident_bytes_is_auto_a_size_or_an_error() {
         "optimizer_resident_bytes",
         [json!(-1), json!("lots"), json!(true), json!(1.5)],
     );
+    // Like every key that takes "auto", the error says so.
+    let e = load_str(
+        &json!({"train_batch_size": 8, "tierzero": {"optimizer_resident_bytes": "lots"}})
+            .to_string(),
+        &skip_fs(),
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("expected a byte count such as 1073741824 or \"1GiB\" or \"auto\""),
+        "{e}"
+    );
 }
 
 #[test]
@@ -545,6 +557,50 @@ fn embedded_default_creates_its_swap_dir() {
     };
     load_str(&text, &run).unwrap();
     assert!(dir.is_dir());
+}
+
+/// DeepSpeed reads its config with hjson: comments of all three kinds and
+/// trailing commas load to exactly what the plain JSON loads to.
+#[test]
+fn comments_and_trailing_commas_load_like_plain_json() {
+    let plain = r#"{
+  "train_batch_size": 16,
+  "train_micro_batch_size_per_gpu": 4,
+  "gradient_clipping": 1.0,
+  "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95]}},
+  "zero_optimization": {
+    "stage": 3,
+    "sub_group_size": 1e9,
+    "offload_param": {"device": "cpu", "pin_memory": true}
+  }
+}"#;
+    let commented = r#"// HF-style header comment
+{
+  "train_batch_size": 16, // global
+  "train_micro_batch_size_per_gpu": 4,
+  # a hash comment, as Python hjson allows
+  "gradient_clipping": 1.0,
+  /* a block
+     comment */
+  "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95,],},},
+  "zero_optimization": {
+    "stage": 3,
+    "sub_group_size": 1e9,
+    "offload_param": {"device": "cpu", "pin_memory": true,},
+  },
+}
+"#;
+    let run = RunContext {
+        ranks: 2,
+        ..skip_fs()
+    };
+    let a = load_str(plain, &run).unwrap();
+    let b = load_str(commented, &run).unwrap();
+    assert_eq!(b.config, a.config);
+    assert_eq!(b.ds, a.ds);
+    assert_eq!(b.warnings, a.warnings);
+    assert_eq!(b.config.batch.gradient_accumulation_steps, 2);
+    assert_eq!(b.config.optimizer.betas, [0.9, 0.95]);
 }
 
 #[test]

@@ -29,9 +29,10 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    // Boxed: `train` has by far the most flags (clippy::large_enum_variant).
     /// Train a model with ZeRO-3 offload (no options: the embedded default,
     /// a small GPT-2 with params and optimizer state on NVMe in ./tierzero-swap/).
-    Train(train::TrainArgs),
+    Train(Box<train::TrainArgs>),
     /// Measure NVMe read/write bandwidth across block sizes and queue depths.
     BenchIo(bench_io::BenchIoArgs),
     /// Sweep I/O settings and print a ready-to-paste ds_config "aio" block.
@@ -122,7 +123,7 @@ pub fn main() -> i32 {
         }
     };
     let result = match cli.command {
-        Command::Train(a) => train::run(a),
+        Command::Train(a) => train::run(*a),
         Command::BenchIo(a) => bench_io::run_bench_io(a),
         Command::Tune(a) => bench_io::run_tune(a),
         Command::BenchAdam(a) => bench_adam::run(a).map_err(Failure::Internal),

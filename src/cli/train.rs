@@ -16,6 +16,13 @@
 //!   Without `--steps`, a user config
 //!   with a concrete `total_num_steps` runs that many steps, anything else
 //!   runs [`DEFAULT_STEPS`].
+//! * **HF Trainer's arguments.** `--micro-batch`, `--grad-accum` and `--lr`
+//!   are HF Trainer's `per_device_train_batch_size`,
+//!   `gradient_accumulation_steps` and `learning_rate`: they fill the
+//!   config's `"auto"` (or absent) `train_micro_batch_size_per_gpu`,
+//!   `gradient_accumulation_steps` and `optimizer.params.lr` through the
+//!   `RunContext`, and a config that gives a different number is an error
+//!   naming the key, both values and the flag (exit 2).
 //! * **Errors.** Every number is parsed here, not by clap, so a bad value is
 //!   one line naming the flag and the fix (exit 2), like every other user
 //!   mistake: missing files, a bad config, a model or data the engine
@@ -72,6 +79,8 @@ Examples:
       the embedded default: a small GPT-2 on the shipped corpus, ZeRO-3 with
       params and optimizer state on NVMe under ./tierzero-swap/
   tierzero train --steps 50 --metrics metrics.jsonl
+  tierzero train --config ds_config.json --micro-batch 4 --grad-accum 8 --lr 2e-5
+      fills the config's \"auto\" batch sizes and lr, as HF Trainer's arguments do
   tierzero train --config ds_config.json --model ./gpt2 --data corpus.txt --seq-len 256
   tierzero train --steps 100 --save-dir ckpt --save-every 25
       checkpoints in ckpt/step-00000025/ ... and ckpt/latest
@@ -110,6 +119,22 @@ pub struct TrainArgs {
     /// Seed of the model init (models without weights).
     #[arg(long, value_name = "N", default_value = "1")]
     seed: String,
+    /// Samples per rank per micro-step, as HF Trainer's
+    /// --per_device_train_batch_size: fills train_micro_batch_size_per_gpu
+    /// when the config says "auto" or leaves it out; a different number in
+    /// the config is an error.
+    #[arg(long, value_name = "N")]
+    micro_batch: Option<String>,
+    /// Gradient accumulation steps, as HF Trainer's
+    /// --gradient_accumulation_steps: fills gradient_accumulation_steps
+    /// "auto" or absent; a different number in the config is an error.
+    #[arg(long, value_name = "N")]
+    grad_accum: Option<String>,
+    /// Learning rate, as HF Trainer's --learning_rate: fills
+    /// optimizer.params.lr "auto" or absent (and so a scheduler's
+    /// warmup_max_lr "auto"); a different number in the config is an error.
+    #[arg(long, value_name = "X", allow_negative_numbers = true)]
+    lr: Option<String>,
     /// Tokens per sample. Default: 128, or the model's maximum positions if
     /// smaller.
     #[arg(long, value_name = "N")]
@@ -188,6 +213,33 @@ pub(super) fn must_exist(flag: &str, path: &Path, dir: bool, fix: &str) -> Resul
             }
         ))),
         Err(e) => Err(bad(format!("{flag} {}: {e}; {fix}", path.display()))),
+    }
+}
+
+/// Names the flag behind a run value the config contradicts
+/// ([`config::ConfigError::RunMismatch`] names the `RunContext` field).
+fn flag_names(e: config::ConfigError) -> config::ConfigError {
+    match e {
+        config::ConfigError::RunMismatch {
+            key,
+            config_value,
+            run_value,
+            run_source,
+        } => {
+            let flag = match run_source.as_str() {
+                "micro_batch_size" => "--micro-batch",
+                "gradient_accumulation_steps" => "--grad-accum",
+                "learning_rate" => "--lr",
+                other => other,
+            };
+            config::ConfigError::RunMismatch {
+                key,
+                config_value,
+                run_value,
+                run_source: flag.to_owned(),
+            }
+        }
+        other => other,
     }
 }
 
@@ -359,6 +411,27 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         Some(s) => Some(number("--steps", s, 1, 1 << 40)?),
         None => None,
     };
+    let micro_batch = match &args.micro_batch {
+        Some(s) => Some(number("--micro-batch", s, 1, 1 << 30)?),
+        None => None,
+    };
+    let grad_accum = match &args.grad_accum {
+        Some(s) => Some(number("--grad-accum", s, 1, 1 << 30)?),
+        None => None,
+    };
+    let lr = match &args.lr {
+        Some(s) => Some(
+            s.parse::<f64>()
+                .ok()
+                .filter(|v| v.is_finite() && *v > 0.0)
+                .ok_or_else(|| {
+                    bad(format!(
+                        "--lr {s}: not a positive number; give a learning rate such as --lr 1e-4"
+                    ))
+                })?,
+        ),
+        None => None,
+    };
 
     let save_every = match &args.save_every {
         Some(s) => Some(number("--save-every", s, 1, 1 << 40)?),
@@ -467,7 +540,8 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
             PathChecks::CreateMissing,
         ),
     };
-    let cfg_err = |e: config::ConfigError| bad(format!("config ({config_name}): {e}"));
+    let cfg_err =
+        |e: config::ConfigError| bad(format!("config ({config_name}): {}", flag_names(e)));
     let parsed = config::parse_str(&text).map_err(cfg_err)?;
     let config_steps = parsed
         .ds
@@ -479,6 +553,9 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         });
     let steps = steps_flag.or(config_steps).unwrap_or(DEFAULT_STEPS);
     let run = RunContext {
+        micro_batch_size: micro_batch,
+        gradient_accumulation_steps: grad_accum,
+        learning_rate: lr,
         total_steps: Some(steps),
         hidden_size: Some(mc.hidden_size as u64),
         model_numel: Some(numel),

@@ -8,11 +8,21 @@
 //! DeepSpeed's own key names (useful for `--print-config` style output); it
 //! deserialises back to the same value.
 //!
-//! Defaults are DeepSpeed's (see `shared/reference/deepspeed-offload.md`
-//! section 1(a) and DeepSpeed's `runtime/config.py`, `runtime/zero/config.py`,
-//! `runtime/zero/offload_config.py`, `runtime/swap_tensor/aio_config.py`,
-//! `runtime/lr_schedules.py`). Where DeepSpeed's default is "none" the field
-//! is an `Option`.
+//! Each object is declared once, as a `section!` table: one row per key
+//! with its field, type, DeepSpeed's default, reader and other names (see
+//! `reader.rs`). Only what a table cannot say is written by hand: the
+//! `optimizer` and `scheduler` blocks (a required `type` that decides which
+//! `params` apply), and the deprecated boolean offload forms of
+//! `zero_optimization`.
+//!
+//! Defaults are DeepSpeed's, from its sources (paths under `deepspeed/`):
+//! `runtime/config.py` and `runtime/constants.py` (top level),
+//! `runtime/precision_config.py` (`fp16`, `bf16`), `runtime/zero/config.py`
+//! (`zero_optimization`), `runtime/zero/offload_config.py` (`offload_param`,
+//! `offload_optimizer`), `runtime/swap_tensor/aio_config.py` (`aio`),
+//! `ops/adam/cpu_adam.py` (Adam's params) and `runtime/lr_schedules.py`
+//! (schedulers). Where DeepSpeed's default is "none" the field is an
+//! `Option`.
 //!
 //! Deprecated aliases accepted (each logs a [`ConfigWarning::Deprecated`];
 //! giving an alias together with its replacement is
@@ -39,7 +49,9 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::Value;
 
 use super::error::{render, ConfigError};
-use super::reader::{ConfigWarning, Field, Obj, Sink};
+use super::reader::{
+    auto, auto_none, flag, int, num, pair, section, some, ConfigWarning, Field, Obj, Sink,
+};
 use super::units::parse_bytes_str;
 
 /// A value that may be written as `"auto"` (to be filled from the run, the
@@ -50,15 +62,6 @@ pub enum AutoOr<T> {
     Auto,
     /// A concrete value.
     Value(T),
-}
-
-impl<T> AutoOr<T> {
-    fn from_opt(v: Option<T>) -> Self {
-        match v {
-            Some(v) => AutoOr::Value(v),
-            None => AutoOr::Auto,
-        }
-    }
 }
 
 impl<T: Serialize> Serialize for AutoOr<T> {
@@ -82,104 +85,95 @@ impl<'de, T: DeserializeOwned> Deserialize<'de> for AutoOr<T> {
     }
 }
 
-/// The whole `ds_config.json`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct DsConfig {
-    /// `train_batch_size`: samples per optimizer step over all ranks.
-    pub train_batch_size: Option<AutoOr<u64>>,
-    /// `train_micro_batch_size_per_gpu`: samples per forward/backward per rank.
-    pub train_micro_batch_size_per_gpu: Option<AutoOr<u64>>,
-    /// `gradient_accumulation_steps`.
-    pub gradient_accumulation_steps: Option<AutoOr<u64>>,
-    /// `gradient_clipping`: global-norm clip; `None` = absent, DeepSpeed's
-    /// default 0.0 (off).
-    pub gradient_clipping: Option<AutoOr<f64>>,
-    /// `steps_per_print`: DeepSpeed default 10.
-    pub steps_per_print: u64,
-    /// `wall_clock_breakdown`: DeepSpeed default false.
-    pub wall_clock_breakdown: bool,
-    /// `fp16` block.
-    pub fp16: DsFp16,
-    /// `bf16` block (alias `bfloat16`).
-    pub bf16: DsBf16,
-    /// `optimizer` block; `None` when absent.
-    pub optimizer: Option<DsOptimizer>,
-    /// `scheduler` block; `None` when absent.
-    pub scheduler: Option<DsScheduler>,
-    /// `zero_optimization` block.
-    pub zero_optimization: DsZero,
-    /// `aio` block.
-    pub aio: DsAio,
-    /// Our own knobs.
-    pub tierzero: DsTierzero,
-}
-
-impl Default for DsConfig {
-    fn default() -> Self {
-        DsConfig {
-            train_batch_size: None,
-            train_micro_batch_size_per_gpu: None,
-            gradient_accumulation_steps: None,
-            gradient_clipping: None,
-            steps_per_print: 10,
-            wall_clock_breakdown: false,
-            fp16: DsFp16::default(),
-            bf16: DsBf16::default(),
-            optimizer: None,
-            scheduler: None,
-            zero_optimization: DsZero::default(),
-            aio: DsAio::default(),
-            tierzero: DsTierzero::default(),
-        }
+section! {
+    /// The whole `ds_config.json`.
+    pub struct DsConfig {
+        /// `train_batch_size`: samples per optimizer step over all ranks.
+        train_batch_size: Option<AutoOr<u64>> => some(auto(int));
+        /// `train_micro_batch_size_per_gpu`: samples per forward/backward per rank.
+        train_micro_batch_size_per_gpu: Option<AutoOr<u64>> => some(auto(int));
+        /// `gradient_accumulation_steps`.
+        gradient_accumulation_steps: Option<AutoOr<u64>> => some(auto(int));
+        /// `gradient_clipping`: global-norm clip; `None` = absent, DeepSpeed's
+        /// default 0.0 (off).
+        gradient_clipping: Option<AutoOr<f64>> => some(auto(num));
+        /// `steps_per_print`: DeepSpeed default 10.
+        steps_per_print: u64 = 10 => int;
+        /// `wall_clock_breakdown`: DeepSpeed default false.
+        wall_clock_breakdown: bool => flag;
+        /// `fp16` block.
+        fp16: DsFp16 => DsFp16::read;
+        /// `bf16` block (deprecated name `bfloat16`).
+        bf16: DsBf16 => DsBf16::read, deprecated "bfloat16";
+        /// `optimizer` block; `None` when absent.
+        optimizer: Option<DsOptimizer> => some(read_optimizer);
+        /// `scheduler` block; `None` when absent.
+        scheduler: Option<DsScheduler> => some(read_scheduler);
+        /// `zero_optimization` block.
+        zero_optimization: DsZero => DsZero::read;
+        /// `aio` block.
+        aio: DsAio => DsAio::read;
+        /// Our own knobs.
+        tierzero: DsTierzero => DsTierzero::read;
     }
+    ignored: [
+        "prescale_gradients",
+        "gradient_predivide_factor",
+        "sparse_gradients",
+        "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer",
+        "activation_checkpointing",
+        "flops_profiler",
+        "tensorboard",
+        "wandb",
+        "csv_monitor",
+        "comms_logger",
+        "communication_data_type",
+        "amp",
+        "autotuning",
+        "elasticity",
+        "data_efficiency",
+        "curriculum_learning",
+        "memory_breakdown",
+        "dump_state",
+        "checkpoint",
+        "data_types",
+        "compression_training",
+        "pipeline",
+        "sparse_attention",
+        "dataloader_drop_last",
+        "fp32_allreduce",
+        "disable_allgather",
+        "seed",
+    ];
 }
 
-/// `fp16` {...}.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct DsFp16 {
-    /// `enabled`: default false.
-    pub enabled: AutoOr<bool>,
-    /// `loss_scale`: 0 means dynamic loss scaling (default 0).
-    pub loss_scale: f64,
-    /// `initial_scale_power`: the first dynamic scale is 2^this (default 16).
-    pub initial_scale_power: u32,
-    /// `loss_scale_window`: steps without overflow before raising the scale (default 1000).
-    pub loss_scale_window: u64,
-    /// `hysteresis`: overflows tolerated before lowering the scale (default 2).
-    pub hysteresis: u64,
-    /// `min_loss_scale`: floor of the dynamic scale (default 1).
-    pub min_loss_scale: f64,
-}
-
-impl Default for DsFp16 {
-    fn default() -> Self {
-        DsFp16 {
-            enabled: AutoOr::Value(false),
-            loss_scale: 0.0,
-            initial_scale_power: 16,
-            loss_scale_window: 1000,
-            hysteresis: 2,
-            min_loss_scale: 1.0,
-        }
+section! {
+    /// `fp16` {...}.
+    pub struct DsFp16 {
+        /// `enabled`: default false.
+        enabled: AutoOr<bool> = AutoOr::Value(false) => auto(flag);
+        /// `loss_scale`: 0 means dynamic loss scaling (default 0).
+        loss_scale: f64 => num;
+        /// `initial_scale_power`: the first dynamic scale is 2^this (default 16).
+        initial_scale_power: u32 = 16 => scale_power;
+        /// `loss_scale_window`: steps without overflow before raising the scale (default 1000).
+        loss_scale_window: u64 = 1000 => int;
+        /// `hysteresis`: overflows tolerated before lowering the scale (default 2).
+        hysteresis: u64 = 2 => int;
+        /// `min_loss_scale`: floor of the dynamic scale (default 1).
+        min_loss_scale: f64 = 1.0 => num;
     }
+    ignored: ["auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"];
 }
 
-/// `bf16` {...}.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct DsBf16 {
-    /// `enabled`: default false.
-    pub enabled: AutoOr<bool>,
-}
-
-impl Default for DsBf16 {
-    fn default() -> Self {
-        DsBf16 {
-            enabled: AutoOr::Value(false),
-        }
+section! {
+    /// `bf16` {...}.
+    pub struct DsBf16 {
+        /// `enabled`: default false.
+        enabled: AutoOr<bool> = AutoOr::Value(false) => auto(flag);
     }
+    ignored: ["immediate_grad_update", "check_grad_overflow"];
 }
 
 /// `optimizer` {...}.
@@ -193,34 +187,23 @@ pub struct DsOptimizer {
     pub params: DsAdamParams,
 }
 
-/// `optimizer.params` for Adam/AdamW. `None` = not written (DeepSpeed's
-/// defaults apply: lr 1e-3, betas [0.9, 0.999], eps 1e-8, weight_decay 0).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct DsAdamParams {
-    /// `lr`.
-    pub lr: Option<AutoOr<f64>>,
-    /// `betas`.
-    pub betas: Option<AutoOr<[f64; 2]>>,
-    /// `eps`.
-    pub eps: Option<AutoOr<f64>>,
-    /// `weight_decay`.
-    pub weight_decay: Option<AutoOr<f64>>,
-    /// `adam_w_mode`: decoupled weight decay for type `Adam` (DeepSpeed
-    /// default true; type `AdamW` is always decoupled).
-    pub adam_w_mode: bool,
-}
-
-impl Default for DsAdamParams {
-    fn default() -> Self {
-        DsAdamParams {
-            lr: None,
-            betas: None,
-            eps: None,
-            weight_decay: None,
-            adam_w_mode: true,
-        }
+section! {
+    /// `optimizer.params` for Adam/AdamW. `None` = not written (DeepSpeed's
+    /// defaults apply: lr 1e-3, betas [0.9, 0.999], eps 1e-8, weight_decay 0).
+    pub struct DsAdamParams {
+        /// `lr`.
+        lr: Option<AutoOr<f64>> => some(auto(num));
+        /// `betas`.
+        betas: Option<AutoOr<[f64; 2]>> => some(auto(pair));
+        /// `eps`.
+        eps: Option<AutoOr<f64>> => some(auto(num));
+        /// `weight_decay`.
+        weight_decay: Option<AutoOr<f64>> => some(auto(num));
+        /// `adam_w_mode`: decoupled weight decay for type `Adam` (DeepSpeed
+        /// default true; type `AdamW` is always decoupled).
+        adam_w_mode: bool = true => flag;
     }
+    ignored: ["torch_adam", "bias_correction", "amsgrad", "fp32_optimizer_states"];
 }
 
 /// `scheduler` {...}.
@@ -229,40 +212,42 @@ pub struct DsScheduler {
     /// `type` as written (DeepSpeed matches it exactly).
     #[serde(rename = "type")]
     pub kind: String,
-    /// `params`; which keys apply depends on `type`.
+    /// `params`; which keys apply depends on `type`
+    /// (`scheduler_param_keys`).
     #[serde(default)]
     pub params: DsSchedulerParams,
 }
 
-/// `scheduler.params` for WarmupLR / WarmupDecayLR / WarmupCosineLR. `None`
-/// = not written. DeepSpeed defaults: `warmup_min_lr` 0, `warmup_max_lr`
-/// 0.001, `warmup_num_steps` 1000, `warmup_type` "log", `warmup_min_ratio`
-/// 0, `cos_min_ratio` 0.0001; `total_num_steps` has no default (required by
-/// WarmupDecayLR and WarmupCosineLR).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct DsSchedulerParams {
-    /// `warmup_min_lr` (WarmupLR, WarmupDecayLR).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub warmup_min_lr: Option<AutoOr<f64>>,
-    /// `warmup_max_lr` (WarmupLR, WarmupDecayLR).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub warmup_max_lr: Option<AutoOr<f64>>,
-    /// `warmup_num_steps` (all three).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub warmup_num_steps: Option<AutoOr<u64>>,
-    /// `warmup_type`: "log" or "linear" (all three).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub warmup_type: Option<String>,
-    /// `total_num_steps` (WarmupDecayLR, WarmupCosineLR).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub total_num_steps: Option<AutoOr<u64>>,
-    /// `warmup_min_ratio` (WarmupCosineLR).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub warmup_min_ratio: Option<f64>,
-    /// `cos_min_ratio` (WarmupCosineLR).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub cos_min_ratio: Option<f64>,
+section! {
+    /// `scheduler.params` for WarmupLR / WarmupDecayLR / WarmupCosineLR. `None`
+    /// = not written. DeepSpeed defaults: `warmup_min_lr` 0, `warmup_max_lr`
+    /// 0.001, `warmup_num_steps` 1000, `warmup_type` "log", `warmup_min_ratio`
+    /// 0, `cos_min_ratio` 0.0001; `total_num_steps` has no default (required by
+    /// WarmupDecayLR and WarmupCosineLR).
+    pub struct DsSchedulerParams {
+        /// `warmup_min_lr` (WarmupLR, WarmupDecayLR).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        warmup_min_lr: Option<AutoOr<f64>> => some(auto(num));
+        /// `warmup_max_lr` (WarmupLR, WarmupDecayLR).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        warmup_max_lr: Option<AutoOr<f64>> => some(auto(num));
+        /// `warmup_num_steps` (all three).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        warmup_num_steps: Option<AutoOr<u64>> => some(auto(int));
+        /// `warmup_type`: "log" or "linear" (all three).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        warmup_type: Option<String> => some(warmup_type);
+        /// `total_num_steps` (WarmupDecayLR, WarmupCosineLR).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        total_num_steps: Option<AutoOr<u64>> => some(auto(int));
+        /// `warmup_min_ratio` (WarmupCosineLR).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        warmup_min_ratio: Option<f64> => some(num);
+        /// `cos_min_ratio` (WarmupCosineLR).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        cos_min_ratio: Option<f64> => some(num);
+    }
+    ignored: ["last_batch_iteration"];
 }
 
 /// Offload device as DeepSpeed spells it.
@@ -289,157 +274,128 @@ impl DsDevice {
     }
 }
 
-/// `zero_optimization` {...}. Sizes are element counts, as in DeepSpeed.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct DsZero {
-    /// `stage`: 0..=3 (default 0). Kept wide here; validated later.
-    pub stage: u64,
-    /// `offload_param` (stage 3 only); `None` when absent.
-    pub offload_param: Option<DsOffloadParam>,
-    /// `offload_optimizer`; `None` when absent.
-    pub offload_optimizer: Option<DsOffloadOptimizer>,
-    /// `sub_group_size` (elements, default 1e9).
-    pub sub_group_size: u64,
-    /// `stage3_prefetch_bucket_size` (elements, default 5e7).
-    #[serde(alias = "prefetch_bucket_size")]
-    pub stage3_prefetch_bucket_size: AutoOr<u64>,
-    /// `stage3_param_persistence_threshold` (elements, default 1e5).
-    #[serde(alias = "param_persistence_threshold")]
-    pub stage3_param_persistence_threshold: AutoOr<u64>,
-    /// `stage3_max_live_parameters` (elements, default 1e9).
-    #[serde(alias = "max_live_parameters")]
-    pub stage3_max_live_parameters: u64,
-    /// `stage3_max_reuse_distance` (elements, default 1e9).
-    #[serde(alias = "max_reuse_distance")]
-    pub stage3_max_reuse_distance: u64,
-    /// `stage3_gather_16bit_weights_on_model_save` (default false).
-    #[serde(
-        alias = "stage3_gather_fp16_weights_on_model_save",
-        alias = "gather_16bit_weights_on_model_save"
-    )]
-    pub stage3_gather_16bit_weights_on_model_save: AutoOr<bool>,
-    /// `contiguous_gradients` (default true).
-    pub contiguous_gradients: bool,
-    /// `overlap_comm` (default: true for stage 3, false otherwise).
-    pub overlap_comm: Option<bool>,
-    /// `reduce_bucket_size` (elements, default 5e8).
-    pub reduce_bucket_size: AutoOr<u64>,
+section! {
+    /// `zero_optimization` {...}. Sizes are element counts, as in DeepSpeed.
+    pub struct DsZero {
+        /// `stage`: 0..=3 (default 0). Kept wide here; validated later.
+        stage: u64 => zero_stage;
+        /// `offload_param` (stage 3 only); `None` when absent.
+        offload_param: Option<DsOffloadParam> => some(DsOffloadParam::read);
+        /// `offload_optimizer`; `None` when absent.
+        offload_optimizer: Option<DsOffloadOptimizer> => some(DsOffloadOptimizer::read),
+            then deprecated_cpu_offload;
+        /// `sub_group_size` (elements, default 1e9).
+        sub_group_size: u64 = 1_000_000_000 => int;
+        /// `stage3_prefetch_bucket_size` (elements, default 5e7).
+        stage3_prefetch_bucket_size: AutoOr<u64> = AutoOr::Value(50_000_000) => auto(int),
+            alias "prefetch_bucket_size";
+        /// `stage3_param_persistence_threshold` (elements, default 1e5).
+        stage3_param_persistence_threshold: AutoOr<u64> = AutoOr::Value(100_000) => auto(int),
+            alias "param_persistence_threshold";
+        /// `stage3_max_live_parameters` (elements, default 1e9).
+        stage3_max_live_parameters: u64 = 1_000_000_000 => int, alias "max_live_parameters";
+        /// `stage3_max_reuse_distance` (elements, default 1e9).
+        stage3_max_reuse_distance: u64 = 1_000_000_000 => int, alias "max_reuse_distance";
+        /// `stage3_gather_16bit_weights_on_model_save` (default false). The
+        /// deprecated fp16 name warns; the short field name does not.
+        stage3_gather_16bit_weights_on_model_save: AutoOr<bool> = AutoOr::Value(false) => auto(flag),
+            deprecated "stage3_gather_fp16_weights_on_model_save",
+            alias "gather_16bit_weights_on_model_save";
+        /// `contiguous_gradients` (default true).
+        contiguous_gradients: bool = true => flag;
+        /// `overlap_comm` (default: true for stage 3, false otherwise).
+        overlap_comm: Option<bool> => some(flag);
+        /// `reduce_bucket_size` (elements, default 5e8).
+        reduce_bucket_size: AutoOr<u64> = AutoOr::Value(500_000_000) => auto(int);
+    }
+    ignored: [
+        "reduce_scatter",
+        "allgather_partitions",
+        "allgather_bucket_size",
+        "use_multi_rank_bucket_allreduce",
+        "load_from_fp32_weights",
+        "stage3_model_persistence_threshold",
+        "model_persistence_threshold",
+        "round_robin_gradients",
+        "zero_hpz_partition_size",
+        "zero_quantized_weights",
+        "zero_quantized_nontrainable_weights",
+        "zero_quantized_gradients",
+        "zeropp_loco_param",
+        "memory_efficient_linear",
+        "override_module_apply",
+        "pipeline_loading_checkpoint",
+        "log_trace_cache_warnings",
+        "enable_sanity_checks",
+        "leaf_module",
+        "ignore_unused_parameters",
+        "legacy_stage1",
+        "elastic_checkpoint",
+        "zenflow",
+        "stage3_module_granularity_threshold",
+        "stage3_use_all_reduce_for_fetch_params",
+        "stage3_allgather_sequential",
+        "save_muon_momentum_buffer_in_memory",
+        "mics_shard_size",
+        "mics_hierarchical_params_gather",
+    ];
+    also: ["cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"];
 }
 
-impl Default for DsZero {
-    fn default() -> Self {
-        DsZero {
-            stage: 0,
-            offload_param: None,
-            offload_optimizer: None,
-            sub_group_size: 1_000_000_000,
-            stage3_prefetch_bucket_size: AutoOr::Value(50_000_000),
-            stage3_param_persistence_threshold: AutoOr::Value(100_000),
-            stage3_max_live_parameters: 1_000_000_000,
-            stage3_max_reuse_distance: 1_000_000_000,
-            stage3_gather_16bit_weights_on_model_save: AutoOr::Value(false),
-            contiguous_gradients: true,
-            overlap_comm: None,
-            reduce_bucket_size: AutoOr::Value(500_000_000),
-        }
+section! {
+    /// `zero_optimization.offload_param` {...}.
+    pub struct DsOffloadParam {
+        /// `device` (default "none").
+        device: DsDevice => device;
+        /// `nvme_path` (no default).
+        nvme_path: Option<PathBuf> => some(path);
+        /// `buffer_count`: pinned swap-in buffers (default 5).
+        buffer_count: u64 = 5 => int;
+        /// `buffer_size`: **elements** per buffer (default 1e8).
+        buffer_size: u64 = 100_000_000 => int;
+        /// `max_in_cpu`: **elements** of params kept in host memory with nvme (default 1e9).
+        max_in_cpu: u64 = 1_000_000_000 => int;
+        /// `pin_memory` (default true).
+        pin_memory: bool = true => flag;
     }
 }
 
-/// `zero_optimization.offload_param` {...}.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct DsOffloadParam {
-    /// `device` (default "none").
-    pub device: DsDevice,
-    /// `nvme_path` (no default).
-    pub nvme_path: Option<PathBuf>,
-    /// `buffer_count`: pinned swap-in buffers (default 5).
-    pub buffer_count: u64,
-    /// `buffer_size`: **elements** per buffer (default 1e8).
-    pub buffer_size: u64,
-    /// `max_in_cpu`: **elements** of params kept in host memory with nvme (default 1e9).
-    pub max_in_cpu: u64,
-    /// `pin_memory` (default true).
-    pub pin_memory: bool,
-}
-
-impl Default for DsOffloadParam {
-    fn default() -> Self {
-        DsOffloadParam {
-            device: DsDevice::None,
-            nvme_path: None,
-            buffer_count: 5,
-            buffer_size: 100_000_000,
-            max_in_cpu: 1_000_000_000,
-            pin_memory: true,
-        }
+section! {
+    /// `zero_optimization.offload_optimizer` {...}.
+    pub struct DsOffloadOptimizer {
+        /// `device` (default "none").
+        device: DsDevice => device;
+        /// `nvme_path` (no default).
+        nvme_path: Option<PathBuf> => some(path);
+        /// `buffer_count`: pinned buffers of one sub-group each (default 4).
+        buffer_count: u64 = 4 => int;
+        /// `pin_memory` (default true).
+        pin_memory: bool = true => flag;
+        /// `pipeline_read` (default false).
+        pipeline_read: bool => flag;
+        /// `pipeline_write` (default false).
+        pipeline_write: bool => flag;
+        /// `fast_init` (default false).
+        fast_init: bool => flag;
     }
+    ignored: ["ratio", "super_offload", "cpuadam_cores_perc", "pipeline"];
 }
 
-/// `zero_optimization.offload_optimizer` {...}.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct DsOffloadOptimizer {
-    /// `device` (default "none").
-    pub device: DsDevice,
-    /// `nvme_path` (no default).
-    pub nvme_path: Option<PathBuf>,
-    /// `buffer_count`: pinned buffers of one sub-group each (default 4).
-    pub buffer_count: u64,
-    /// `pin_memory` (default true).
-    pub pin_memory: bool,
-    /// `pipeline_read` (default false).
-    pub pipeline_read: bool,
-    /// `pipeline_write` (default false).
-    pub pipeline_write: bool,
-    /// `fast_init` (default false).
-    pub fast_init: bool,
-}
-
-impl Default for DsOffloadOptimizer {
-    fn default() -> Self {
-        DsOffloadOptimizer {
-            device: DsDevice::None,
-            nvme_path: None,
-            buffer_count: 4,
-            pin_memory: true,
-            pipeline_read: false,
-            pipeline_write: false,
-            fast_init: false,
-        }
-    }
-}
-
-/// Top-level `aio` {...}.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct DsAio {
-    /// `block_size`: **bytes** per request (default 1048576).
-    pub block_size: u64,
-    /// `queue_depth`: requests in flight per worker (default 8).
-    pub queue_depth: u64,
-    /// `intra_op_parallelism` (old name `thread_count`): workers per op (default 1).
-    #[serde(alias = "thread_count")]
-    pub intra_op_parallelism: u64,
-    /// `single_submit` (default false).
-    pub single_submit: bool,
-    /// `overlap_events` (default true).
-    pub overlap_events: bool,
-    /// `use_gds` (default false).
-    pub use_gds: bool,
-}
-
-impl Default for DsAio {
-    fn default() -> Self {
-        DsAio {
-            block_size: 1_048_576,
-            queue_depth: 8,
-            intra_op_parallelism: 1,
-            single_submit: false,
-            overlap_events: true,
-            use_gds: false,
-        }
+section! {
+    /// Top-level `aio` {...}.
+    pub struct DsAio {
+        /// `block_size`: **bytes** per request (default 1048576).
+        block_size: u64 = 1_048_576 => int;
+        /// `queue_depth`: requests in flight per worker (default 8).
+        queue_depth: u64 = 8 => int;
+        /// `intra_op_parallelism` (old name `thread_count`): workers per op (default 1).
+        intra_op_parallelism: u64 = 1 => int, deprecated "thread_count";
+        /// `single_submit` (default false).
+        single_submit: bool => flag;
+        /// `overlap_events` (default true).
+        overlap_events: bool = true => flag;
+        /// `use_gds` (default false).
+        use_gds: bool => flag;
     }
 }
 
@@ -503,388 +459,214 @@ impl From<DirectIo> for tierzero_swap::DirectIo {
     }
 }
 
-/// Our own knobs: the top-level `"tierzero": {...}` block. DeepSpeed ignores
-/// unknown top-level keys only with a warning, so a config that carries this
-/// block still loads in DeepSpeed.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct DsTierzero {
-    /// `pinned_budget_bytes`: the most page-locked host memory tierzero may
-    /// allocate for all swap buffers together (integer bytes or a string
-    /// like `"2GiB"`). Absent = sized to what the buffers need. Checked
-    /// against `offload_param.buffer_count × buffer_size × element bytes`
-    /// at load time (DeepSpeed#3000: pinned buffers OOM small hosts).
-    pub pinned_budget_bytes: Option<u64>,
-    /// `device_cache_bytes`: accelerator memory tierzero may use to keep
-    /// gathered parameters resident between uses, beyond
-    /// `stage3_max_live_parameters` (DeepSpeed#3054). Default 0 (no cache).
-    pub device_cache_bytes: u64,
-    /// `io_backend`: "auto" (default), "uring" or "portable".
-    pub io_backend: IoBackend,
-    /// `direct_io`: "auto" (default), "require" or "off".
-    pub direct_io: DirectIo,
-    /// `memlock`: "auto" (default) or "require"; see [`Memlock`].
-    pub memlock: Memlock,
-    /// `ring_threads`: I/O submission threads (one io_uring each). Absent =
-    /// `aio.intra_op_parallelism`.
-    pub ring_threads: Option<u64>,
-    /// `checksums`: CRC32C every swap extent on write and verify on read, so
-    /// a short or torn write is caught at the next read with its file and
-    /// offset (DeepSpeed's "buffer nbytes != file bytes"). Default true.
-    pub checksums: bool,
-    /// `overlap_optimizer`: step the CPU optimizer for a sub-group as soon as
-    /// its gradients are final, overlapping backward, instead of after
-    /// backward as DeepSpeed does. Same result; default true.
-    pub overlap_optimizer: bool,
-    /// `compute_threads`: threads of the CPU compute kernels (candle's
-    /// matmuls). `"auto"` (absent) keeps one core per Adam thread free for
-    /// the optimizer and I/O threads when anything is offloaded, and uses
-    /// every core otherwise; `RAYON_NUM_THREADS` in the environment takes
-    /// the place of `"auto"`. `None` = auto.
-    pub compute_threads: Option<u64>,
-    /// `optimizer_resident_bytes`: host memory (pageable, not pinned) for
-    /// the fp32 state of the sub-groups the next forward needs first, kept
-    /// out of `offload_optimizer.device = "nvme"`: they are the last
-    /// stepped, so their state would be written in the optimizer's tail,
-    /// while the next forward waits on it, and read again at the end of
-    /// the next backward. `"auto"` (absent) = the state of one
-    /// `stage3_prefetch_bucket_size` (12 bytes per element), at most a
-    /// quarter of all the state; 0 = none.
-    /// Same result either way. `None` = auto.
-    pub optimizer_resident_bytes: Option<u64>,
-    /// `pin_threads`: keep the compute thread(s) and the helper threads
-    /// (I/O rings, param copy, optimizer) on separate CPUs. `"auto"`
-    /// (absent) pins when something is offloaded on a single rank and a
-    /// CPU is left for the helpers; `true` pins whenever a CPU is left;
-    /// `false` never. `None` = auto.
-    pub pin_threads: Option<bool>,
+/// One of our string-valued settings, spelled as serde spells it.
+trait Choice: Copy + Serialize + DeserializeOwned + 'static {
+    /// Every value, in the order the error lists them.
+    const ALL: &'static [Self];
+    /// The fix an error suggests.
+    const FIX: &'static str;
 }
 
-impl Default for DsTierzero {
-    fn default() -> Self {
-        DsTierzero {
-            pinned_budget_bytes: None,
-            device_cache_bytes: 0,
-            io_backend: IoBackend::Auto,
-            direct_io: DirectIo::Auto,
-            memlock: Memlock::Auto,
-            ring_threads: None,
-            checksums: true,
-            overlap_optimizer: true,
-            compute_threads: None,
-            optimizer_resident_bytes: None,
-            pin_threads: None,
-        }
+impl Choice for IoBackend {
+    const ALL: &'static [Self] = &[IoBackend::Auto, IoBackend::Uring, IoBackend::Portable];
+    const FIX: &'static str = "use \"auto\" unless you need to force a backend";
+}
+
+impl Choice for DirectIo {
+    const ALL: &'static [Self] = &[DirectIo::Auto, DirectIo::Require, DirectIo::Off];
+    const FIX: &'static str = "use \"auto\" to fall back to buffered I/O where O_DIRECT is refused";
+}
+
+impl Choice for Memlock {
+    const ALL: &'static [Self] = &[Memlock::Auto, Memlock::Require];
+    const FIX: &'static str =
+        "use \"auto\" to run with unlocked buffers when RLIMIT_MEMLOCK is too low";
+}
+
+section! {
+    /// Our own knobs: the top-level `"tierzero": {...}` block. DeepSpeed ignores
+    /// unknown top-level keys only with a warning, so a config that carries this
+    /// block still loads in DeepSpeed.
+    pub struct DsTierzero {
+        /// `pinned_budget_bytes`: the most page-locked host memory tierzero may
+        /// allocate for all swap buffers together (integer bytes or a string
+        /// like `"2GiB"`). Absent = sized to what the buffers need. Checked
+        /// against `offload_param.buffer_count × buffer_size × element bytes`
+        /// at load time (DeepSpeed#3000: pinned buffers OOM small hosts).
+        pinned_budget_bytes: Option<u64> => some(bytes);
+        /// `device_cache_bytes`: accelerator memory tierzero may use to keep
+        /// gathered parameters resident between uses, beyond
+        /// `stage3_max_live_parameters` (DeepSpeed#3054). Default 0 (no cache).
+        device_cache_bytes: u64 => bytes;
+        /// `io_backend`: "auto" (default), "uring" or "portable".
+        io_backend: IoBackend => choice;
+        /// `direct_io`: "auto" (default), "require" or "off".
+        direct_io: DirectIo => choice;
+        /// `memlock`: "auto" (default) or "require"; see [`Memlock`].
+        memlock: Memlock => choice;
+        /// `ring_threads`: I/O submission threads (one io_uring each). Absent =
+        /// `aio.intra_op_parallelism`.
+        ring_threads: Option<u64> => some(int);
+        /// `checksums`: CRC32C every swap extent on write and verify on read, so
+        /// a short or torn write is caught at the next read with its file and
+        /// offset (DeepSpeed's "buffer nbytes != file bytes"). Default true.
+        checksums: bool = true => flag;
+        /// `overlap_optimizer`: step the CPU optimizer for a sub-group as soon as
+        /// its gradients are final, overlapping backward, instead of after
+        /// backward as DeepSpeed does. Same result; default true.
+        overlap_optimizer: bool = true => flag;
+        /// `compute_threads`: threads of the CPU compute kernels (candle's
+        /// matmuls). `"auto"` (absent) keeps one core per Adam thread free for
+        /// the optimizer and I/O threads when anything is offloaded, and uses
+        /// every core otherwise; `RAYON_NUM_THREADS` in the environment takes
+        /// the place of `"auto"`. `None` = auto.
+        compute_threads: Option<u64> => auto_none(int);
+        /// `optimizer_resident_bytes`: host memory (pageable, not pinned) for
+        /// the fp32 state of the sub-groups the next forward needs first, kept
+        /// out of `offload_optimizer.device = "nvme"`: they are the last
+        /// stepped, so their state would be written in the optimizer's tail,
+        /// while the next forward waits on it, and read again at the end of
+        /// the next backward. `"auto"` (absent) = the state of one
+        /// `stage3_prefetch_bucket_size` (12 bytes per element), at most a
+        /// quarter of all the state; 0 = none.
+        /// Same result either way. `None` = auto.
+        optimizer_resident_bytes: Option<u64> => auto_none(bytes);
+        /// `pin_threads`: keep the compute thread(s) and the helper threads
+        /// (I/O rings, param copy, optimizer) on separate CPUs. `"auto"`
+        /// (absent) pins when something is offloaded on a single rank and a
+        /// CPU is left for the helpers; `true` pins whenever a CPU is left;
+        /// `false` never. `None` = auto.
+        pin_threads: Option<bool> => auto_none(flag);
     }
 }
 
 // ---------------------------------------------------------------------------
-// Schema: known keys and DeepSpeed keys tierzero ignores, per object.
+// Readers of single keys (the generic ones are in `reader.rs`).
 
-const TOP_KEYS: &[&str] = &[
-    "train_batch_size",
-    "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps",
-    "gradient_clipping",
-    "steps_per_print",
-    "wall_clock_breakdown",
-    "fp16",
-    "bf16",
-    "bfloat16",
-    "optimizer",
-    "scheduler",
-    "zero_optimization",
-    "aio",
-    "tierzero",
-];
-const TOP_IGNORED: &[&str] = &[
-    "prescale_gradients",
-    "gradient_predivide_factor",
-    "sparse_gradients",
-    "zero_allow_untested_optimizer",
-    "zero_force_ds_cpu_optimizer",
-    "activation_checkpointing",
-    "flops_profiler",
-    "tensorboard",
-    "wandb",
-    "csv_monitor",
-    "comms_logger",
-    "communication_data_type",
-    "amp",
-    "autotuning",
-    "elasticity",
-    "data_efficiency",
-    "curriculum_learning",
-    "memory_breakdown",
-    "dump_state",
-    "checkpoint",
-    "data_types",
-    "compression_training",
-    "pipeline",
-    "sparse_attention",
-    "dataloader_drop_last",
-    "fp32_allreduce",
-    "disable_allgather",
-    "seed",
-];
-const FP16_KEYS: &[&str] = &[
-    "enabled",
-    "loss_scale",
-    "initial_scale_power",
-    "loss_scale_window",
-    "hysteresis",
-    "min_loss_scale",
-];
-const FP16_IGNORED: &[&str] = &[
-    "auto_cast",
-    "consecutive_hysteresis",
-    "fp16_master_weights_and_grads",
-];
-const BF16_KEYS: &[&str] = &["enabled"];
-const BF16_IGNORED: &[&str] = &["immediate_grad_update", "check_grad_overflow"];
-const OPT_KEYS: &[&str] = &["type", "params"];
-const ADAM_KEYS: &[&str] = &["lr", "betas", "eps", "weight_decay", "adam_w_mode"];
-const ADAM_IGNORED: &[&str] = &[
-    "torch_adam",
-    "bias_correction",
-    "amsgrad",
-    "fp32_optimizer_states",
-];
-const SCHED_KEYS: &[&str] = &["type", "params"];
-const SCHED_IGNORED: &[&str] = &["last_batch_iteration"];
-const ZERO_KEYS: &[&str] = &[
-    "stage",
-    "offload_param",
-    "offload_optimizer",
-    "sub_group_size",
-    "stage3_prefetch_bucket_size",
-    "stage3_param_persistence_threshold",
-    "stage3_max_live_parameters",
-    "stage3_max_reuse_distance",
-    "stage3_gather_16bit_weights_on_model_save",
-    "contiguous_gradients",
-    "overlap_comm",
-    "reduce_bucket_size",
-    "prefetch_bucket_size",
-    "param_persistence_threshold",
-    "max_live_parameters",
-    "max_reuse_distance",
-    "gather_16bit_weights_on_model_save",
-    "stage3_gather_fp16_weights_on_model_save",
-    "cpu_offload",
-    "cpu_offload_param",
-    "cpu_offload_use_pin_memory",
-];
-const ZERO_IGNORED: &[&str] = &[
-    "reduce_scatter",
-    "allgather_partitions",
-    "allgather_bucket_size",
-    "use_multi_rank_bucket_allreduce",
-    "load_from_fp32_weights",
-    "stage3_model_persistence_threshold",
-    "model_persistence_threshold",
-    "round_robin_gradients",
-    "zero_hpz_partition_size",
-    "zero_quantized_weights",
-    "zero_quantized_nontrainable_weights",
-    "zero_quantized_gradients",
-    "zeropp_loco_param",
-    "memory_efficient_linear",
-    "override_module_apply",
-    "pipeline_loading_checkpoint",
-    "log_trace_cache_warnings",
-    "enable_sanity_checks",
-    "leaf_module",
-    "ignore_unused_parameters",
-    "legacy_stage1",
-    "elastic_checkpoint",
-    "zenflow",
-    "stage3_module_granularity_threshold",
-    "stage3_use_all_reduce_for_fetch_params",
-    "stage3_allgather_sequential",
-    "save_muon_momentum_buffer_in_memory",
-    "mics_shard_size",
-    "mics_hierarchical_params_gather",
-];
-const OFFLOAD_PARAM_KEYS: &[&str] = &[
-    "device",
-    "nvme_path",
-    "buffer_count",
-    "buffer_size",
-    "max_in_cpu",
-    "pin_memory",
-];
-const OFFLOAD_OPT_KEYS: &[&str] = &[
-    "device",
-    "nvme_path",
-    "buffer_count",
-    "pin_memory",
-    "pipeline_read",
-    "pipeline_write",
-    "fast_init",
-];
-const OFFLOAD_OPT_IGNORED: &[&str] = &["ratio", "super_offload", "cpuadam_cores_perc", "pipeline"];
-const AIO_KEYS: &[&str] = &[
-    "block_size",
-    "queue_depth",
-    "intra_op_parallelism",
-    "thread_count",
-    "single_submit",
-    "overlap_events",
-    "use_gds",
-];
-const TIERZERO_KEYS: &[&str] = &[
-    "pinned_budget_bytes",
-    "device_cache_bytes",
-    "io_backend",
-    "direct_io",
-    "memlock",
-    "ring_threads",
-    "checksums",
-    "overlap_optimizer",
-    "compute_threads",
-    "optimizer_resident_bytes",
-    "pin_threads",
-];
+/// `zero_optimization.stage`: any integer here (validated later), anything
+/// else is [`ConfigError::InvalidStage`].
+fn zero_stage(f: &Field<'_>, _: &mut Sink) -> Result<u64, ConfigError> {
+    f.u64().map_err(|e| match e {
+        ConfigError::WrongType { value, .. } | ConfigError::OutOfRange { value, .. } => {
+            ConfigError::InvalidStage { value }
+        }
+        other => other,
+    })
+}
+
+/// `fp16.initial_scale_power`: at most 127 (the scale is 2^power in fp32).
+fn scale_power(f: &Field<'_>, _: &mut Sink) -> Result<u32, ConfigError> {
+    u32::try_from(f.u64()?)
+        .ok()
+        .filter(|v| *v <= 127)
+        .ok_or_else(|| {
+            f.out_of_range(
+                "at most 127 (the scale is 2^power in fp32)",
+                "use DeepSpeed's default 16",
+            )
+        })
+}
+
+/// `scheduler.params.warmup_type`: `"log"` or `"linear"`.
+fn warmup_type(f: &Field<'_>, _: &mut Sink) -> Result<String, ConfigError> {
+    match f.str()? {
+        t @ ("log" | "linear") => Ok(t.to_owned()),
+        _ => Err(f.out_of_range(
+            "\"log\" or \"linear\"",
+            "use \"linear\" (or DeepSpeed's default \"log\")",
+        )),
+    }
+}
+
+/// A string naming a value of `T` as serde spells it.
+fn named<T: DeserializeOwned>(f: &Field<'_>) -> Option<T> {
+    let s = f.value.as_str()?;
+    serde_json::from_value(Value::String(s.to_owned())).ok()
+}
+
+/// An offload `device`.
+fn device(f: &Field<'_>, _: &mut Sink) -> Result<DsDevice, ConfigError> {
+    named(f).ok_or_else(|| ConfigError::UnknownOffloadDevice {
+        key: f.key.clone(),
+        value: render(f.value),
+    })
+}
+
+/// One of a [`Choice`]'s values.
+fn choice<T: Choice>(f: &Field<'_>, _: &mut Sink) -> Result<T, ConfigError> {
+    named(f).ok_or_else(|| {
+        let names: Vec<String> = T::ALL
+            .iter()
+            .map(|v| serde_json::to_string(v).unwrap_or_default())
+            .collect();
+        let allowed = match names.split_last() {
+            Some((last, rest)) if !rest.is_empty() => format!("{} or {last}", rest.join(", ")),
+            _ => names.concat(),
+        };
+        f.out_of_range(&allowed, T::FIX)
+    })
+}
+
+/// A non-empty path.
+fn path(f: &Field<'_>, _: &mut Sink) -> Result<PathBuf, ConfigError> {
+    match f.str()? {
+        "" => Err(f.wrong("a non-empty directory path")),
+        s => Ok(PathBuf::from(s)),
+    }
+}
+
+/// Bytes as an integer (integral floats accepted) or a string with a unit.
+fn bytes(f: &Field<'_>, _: &mut Sink) -> Result<u64, ConfigError> {
+    let expected = "a byte count such as 1073741824 or \"1GiB\"";
+    if let Some(s) = f.value.as_str() {
+        return parse_bytes_str(s).ok_or_else(|| f.wrong(expected));
+    }
+    f.u64().map_err(|e| match e {
+        ConfigError::WrongType { .. } => f.wrong(expected),
+        other => other,
+    })
+}
 
 // ---------------------------------------------------------------------------
-// Walker.
-
-fn auto_u64(f: &Field<'_>) -> Result<AutoOr<u64>, ConfigError> {
-    f.auto_u64().map(AutoOr::from_opt)
-}
-
-fn auto_f64(f: &Field<'_>) -> Result<AutoOr<f64>, ConfigError> {
-    f.auto_f64().map(AutoOr::from_opt)
-}
-
-fn auto_bool(f: &Field<'_>) -> Result<AutoOr<bool>, ConfigError> {
-    f.auto_bool().map(AutoOr::from_opt)
-}
+// What a table cannot say.
 
 /// Reads the whole config from a parsed JSON value.
 pub(crate) fn read(root: &Value, sink: &mut Sink) -> Result<DsConfig, ConfigError> {
-    let mut o = Obj::new("", root, TOP_KEYS, TOP_IGNORED)?;
-    let mut c = DsConfig::default();
-    if let Some(f) = o.take("train_batch_size") {
-        c.train_batch_size = Some(auto_u64(&f)?);
-    }
-    if let Some(f) = o.take("train_micro_batch_size_per_gpu") {
-        c.train_micro_batch_size_per_gpu = Some(auto_u64(&f)?);
-    }
-    if let Some(f) = o.take("gradient_accumulation_steps") {
-        c.gradient_accumulation_steps = Some(auto_u64(&f)?);
-    }
-    if let Some(f) = o.take("gradient_clipping") {
-        c.gradient_clipping = Some(auto_f64(&f)?);
-    }
-    if let Some(f) = o.take("steps_per_print") {
-        c.steps_per_print = f.u64()?;
-    }
-    if let Some(f) = o.take("wall_clock_breakdown") {
-        c.wall_clock_breakdown = f.bool()?;
-    }
-    if let Some(f) = o.take("fp16") {
-        c.fp16 = read_fp16(&f, sink)?;
-    }
-    if let Some(f) = o.take_alias("bf16", &["bfloat16"], true, sink)? {
-        let mut b = Obj::new(&f.key, f.value, BF16_KEYS, BF16_IGNORED)?;
-        if let Some(e) = b.take("enabled") {
-            c.bf16.enabled = auto_bool(&e)?;
-        }
-        b.finish(sink);
-    }
-    if let Some(f) = o.take("optimizer") {
-        c.optimizer = Some(read_optimizer(&f, sink)?);
-    }
-    if let Some(f) = o.take("scheduler") {
-        c.scheduler = Some(read_scheduler(&f, sink)?);
-    }
-    if let Some(f) = o.take("zero_optimization") {
-        c.zero_optimization = read_zero(&f, sink)?;
-    }
-    if let Some(f) = o.take("aio") {
-        c.aio = read_aio(&f, sink)?;
-    }
-    if let Some(f) = o.take("tierzero") {
-        c.tierzero = read_tierzero(&f, sink)?;
-    }
-    o.finish(sink);
-    Ok(c)
+    let top = Field {
+        key: String::new(),
+        value: root,
+    };
+    DsConfig::read(&top, sink)
 }
 
-fn read_fp16(f: &Field<'_>, sink: &mut Sink) -> Result<DsFp16, ConfigError> {
-    let mut o = Obj::new(&f.key, f.value, FP16_KEYS, FP16_IGNORED)?;
-    let mut p = DsFp16::default();
-    if let Some(f) = o.take("enabled") {
-        p.enabled = auto_bool(&f)?;
-    }
-    if let Some(f) = o.take("loss_scale") {
-        p.loss_scale = f.f64()?;
-    }
-    if let Some(f) = o.take("initial_scale_power") {
-        let v = f.u64()?;
-        p.initial_scale_power =
-            u32::try_from(v)
-                .ok()
-                .filter(|v| *v <= 127)
-                .ok_or_else(|| ConfigError::OutOfRange {
-                    key: f.key.clone(),
-                    value: render(f.value),
-                    allowed: "at most 127 (the scale is 2^power in fp32)".to_owned(),
-                    fix: "use DeepSpeed's default 16".to_owned(),
-                })?;
-    }
-    if let Some(f) = o.take("loss_scale_window") {
-        p.loss_scale_window = f.u64()?;
-    }
-    if let Some(f) = o.take("hysteresis") {
-        p.hysteresis = f.u64()?;
-    }
-    if let Some(f) = o.take("min_loss_scale") {
-        p.min_loss_scale = f.f64()?;
-    }
-    o.finish(sink);
-    Ok(p)
-}
-
-fn read_optimizer(f: &Field<'_>, sink: &mut Sink) -> Result<DsOptimizer, ConfigError> {
-    let mut o = Obj::new(&f.key, f.value, OPT_KEYS, &[])?;
+/// Opens an `optimizer` or `scheduler` block (`what`) and reads its
+/// required `type`.
+fn typed_block<'a>(f: &Field<'a>, what: &str, fix: &str) -> Result<(Obj<'a>, String), ConfigError> {
+    let mut o = Obj::new(&f.key, f.value, &["type", "params"], &[])?;
     let kind = match o.take("type") {
         Some(t) => t.str()?.to_owned(),
         None => {
             return Err(ConfigError::MissingKey {
                 key: o.key_path("type"),
-                why: "an optimizer block needs a type".to_owned(),
-                fix: "add \"type\": \"AdamW\" (or \"Adam\")".to_owned(),
+                why: format!("{what} block needs a type"),
+                fix: fix.to_owned(),
             })
         }
     };
-    let mut params = DsAdamParams::default();
-    if let Some(pf) = o.take("params") {
-        let mut p = Obj::new(&pf.key, pf.value, ADAM_KEYS, ADAM_IGNORED)?;
-        if let Some(f) = p.take("lr") {
-            params.lr = Some(auto_f64(&f)?);
-        }
-        if let Some(f) = p.take("betas") {
-            params.betas = Some(AutoOr::from_opt(f.auto_pair()?));
-        }
-        if let Some(f) = p.take("eps") {
-            params.eps = Some(auto_f64(&f)?);
-        }
-        if let Some(f) = p.take("weight_decay") {
-            params.weight_decay = Some(auto_f64(&f)?);
-        }
-        if let Some(f) = p.take("adam_w_mode") {
-            params.adam_w_mode = f.bool()?;
-        }
-        p.finish(sink);
-    }
+    Ok((o, kind))
+}
+
+fn read_optimizer(f: &Field<'_>, sink: &mut Sink) -> Result<DsOptimizer, ConfigError> {
+    let fix = "add \"type\": \"AdamW\" (or \"Adam\")";
+    let (mut o, kind) = typed_block(f, "an optimizer", fix)?;
+    let params = o.take("params").map(|p| DsAdamParams::read(&p, sink));
+    let params = params.transpose()?.unwrap_or_default();
     o.finish(sink);
     Ok(DsOptimizer { kind, params })
 }
 
-/// Which `scheduler.params` keys each supported type takes.
+/// Which `scheduler.params` keys each supported type takes (the keys of
+/// DeepSpeed's `lr_schedules.py` constructors).
 pub(crate) fn scheduler_param_keys(kind: &str) -> Option<&'static [&'static str]> {
     match kind {
         "WarmupLR" => Some(&[
@@ -912,18 +694,9 @@ pub(crate) fn scheduler_param_keys(kind: &str) -> Option<&'static [&'static str]
 }
 
 fn read_scheduler(f: &Field<'_>, sink: &mut Sink) -> Result<DsScheduler, ConfigError> {
-    let mut o = Obj::new(&f.key, f.value, SCHED_KEYS, &[])?;
-    let kind = match o.take("type") {
-        Some(t) => t.str()?.to_owned(),
-        None => {
-            return Err(ConfigError::MissingKey {
-                key: o.key_path("type"),
-                why: "a scheduler block needs a type".to_owned(),
-                fix: "add \"type\": \"WarmupLR\", \"WarmupDecayLR\" or \"WarmupCosineLR\", or remove the block"
-                    .to_owned(),
-            })
-        }
-    };
+    let fix =
+        "add \"type\": \"WarmupLR\", \"WarmupDecayLR\" or \"WarmupCosineLR\", or remove the block";
+    let (mut o, kind) = typed_block(f, "a scheduler", fix)?;
     let Some(keys) = scheduler_param_keys(&kind) else {
         let fix = match ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
             .iter()
@@ -938,421 +711,137 @@ fn read_scheduler(f: &Field<'_>, sink: &mut Sink) -> Result<DsScheduler, ConfigE
             fix,
         });
     };
-    let mut params = DsSchedulerParams::default();
-    if let Some(pf) = o.take("params") {
-        let mut p = Obj::new(&pf.key, pf.value, keys, SCHED_IGNORED)?;
-        let wants = |k: &str| keys.contains(&k);
-        // Keys that do not belong to this type stay untaken and are reported
-        // as unknown by `finish` (DeepSpeed would reject them as unexpected
-        // keyword arguments).
-        if wants("warmup_min_lr") {
-            if let Some(f) = p.take("warmup_min_lr") {
-                params.warmup_min_lr = Some(auto_f64(&f)?);
-            }
-        }
-        if wants("warmup_max_lr") {
-            if let Some(f) = p.take("warmup_max_lr") {
-                params.warmup_max_lr = Some(auto_f64(&f)?);
-            }
-        }
-        if let Some(f) = p.take("warmup_num_steps") {
-            params.warmup_num_steps = Some(auto_u64(&f)?);
-        }
-        if let Some(f) = p.take("warmup_type") {
-            let t = f.str()?;
-            if t != "log" && t != "linear" {
-                return Err(ConfigError::OutOfRange {
-                    key: f.key.clone(),
-                    value: render(f.value),
-                    allowed: "\"log\" or \"linear\"".to_owned(),
-                    fix: "use \"linear\" (or DeepSpeed's default \"log\")".to_owned(),
-                });
-            }
-            params.warmup_type = Some(t.to_owned());
-        }
-        if wants("total_num_steps") {
-            if let Some(f) = p.take("total_num_steps") {
-                params.total_num_steps = Some(auto_u64(&f)?);
-            }
-        }
-        if wants("warmup_min_ratio") {
-            if let Some(f) = p.take("warmup_min_ratio") {
-                params.warmup_min_ratio = Some(f.f64()?);
-            }
-        }
-        if wants("cos_min_ratio") {
-            if let Some(f) = p.take("cos_min_ratio") {
-                params.cos_min_ratio = Some(f.f64()?);
-            }
-        }
-        p.finish(sink);
-    }
+    // Keys that do not belong to this type stay untaken and are reported as
+    // unknown (DeepSpeed would reject them as unexpected keyword arguments).
+    let params = o
+        .take("params")
+        .map(|p| DsSchedulerParams::read_known(&p, sink, keys));
+    let params = params.transpose()?.unwrap_or_default();
     o.finish(sink);
     Ok(DsScheduler { kind, params })
 }
 
-fn read_device(f: &Field<'_>) -> Result<DsDevice, ConfigError> {
-    match f.str() {
-        Ok("none") => Ok(DsDevice::None),
-        Ok("cpu") => Ok(DsDevice::Cpu),
-        Ok("nvme") => Ok(DsDevice::Nvme),
-        _ => Err(ConfigError::UnknownOffloadDevice {
-            key: f.key.clone(),
-            value: render(f.value),
-        }),
+/// The offload blocks that the deprecated `cpu_offload*` flags stand for.
+trait OffloadBlock: Sized {
+    /// The block's key in `zero_optimization`.
+    const KEY: &'static str;
+    /// Reads the block ([`section!`]'s `read`).
+    fn read_block(f: &Field<'_>, sink: &mut Sink) -> Result<Self, ConfigError>;
+}
+
+impl OffloadBlock for DsOffloadParam {
+    const KEY: &'static str = "offload_param";
+    fn read_block(f: &Field<'_>, sink: &mut Sink) -> Result<Self, ConfigError> {
+        Self::read(f, sink)
     }
 }
 
-fn read_path(f: &Field<'_>) -> Result<PathBuf, ConfigError> {
-    let s = f.str()?;
-    if s.is_empty() {
-        return Err(ConfigError::WrongType {
-            key: f.key.clone(),
-            value: render(f.value),
-            expected: "a non-empty directory path".to_owned(),
-        });
+impl OffloadBlock for DsOffloadOptimizer {
+    const KEY: &'static str = "offload_optimizer";
+    fn read_block(f: &Field<'_>, sink: &mut Sink) -> Result<Self, ConfigError> {
+        Self::read(f, sink)
     }
-    Ok(PathBuf::from(s))
 }
 
 /// A deprecated `cpu_offload` / `cpu_offload_param` flag: warns, and when
-/// true fills `slot` (the new-style `new_name` block) with `make(pin)`,
-/// refusing if that block is also given. Returns whether the deprecated
-/// pin-memory flag was used.
-fn deprecated_cpu_offload<T>(
-    f: &Field<'_>,
-    new_name: &str,
-    new_key: String,
+/// true fills `slot` with the block it stands for, `{"device": "cpu"}` (and
+/// `pin_memory` when the deprecated pin flag is given), refusing if that
+/// block is also written. Returns whether the pin flag was used.
+fn cpu_offload_flag<T: OffloadBlock>(
+    o: &mut Obj<'_>,
+    flag: &str,
     slot: &mut Option<T>,
     pin: Option<bool>,
     sink: &mut Sink,
-    make: impl FnOnce(Option<bool>) -> T,
 ) -> Result<bool, ConfigError> {
+    let Some(f) = o.take(flag) else {
+        return Ok(false);
+    };
     sink.warnings.push(ConfigWarning::Deprecated {
         key: f.key.clone(),
-        replacement: format!("\"{new_name}\": {{\"device\": \"cpu\"}}"),
+        replacement: format!("\"{}\": {{\"device\": \"cpu\"}}", T::KEY),
     });
     if !f.bool()? {
         return Ok(false);
     }
+    let key = o.key_path(T::KEY);
     if slot.is_some() {
         return Err(ConfigError::ConflictingAlias {
             old: f.key.clone(),
-            new: new_key,
+            new: key,
         });
     }
-    *slot = Some(make(pin));
+    let mut block = serde_json::Map::new();
+    block.insert("device".to_owned(), "cpu".into());
+    if let Some(pin) = pin {
+        block.insert("pin_memory".to_owned(), pin.into());
+    }
+    let value = Value::Object(block);
+    *slot = Some(T::read_block(&Field { key, value: &value }, sink)?);
     Ok(pin.is_some())
 }
 
-fn read_zero(f: &Field<'_>, sink: &mut Sink) -> Result<DsZero, ConfigError> {
-    let mut o = Obj::new(&f.key, f.value, ZERO_KEYS, ZERO_IGNORED)?;
-    let mut z = DsZero::default();
-    if let Some(f) = o.take("stage") {
-        z.stage = f.u64().map_err(|e| match e {
-            ConfigError::WrongType { value, .. } | ConfigError::OutOfRange { value, .. } => {
-                ConfigError::InvalidStage { value }
-            }
-            other => other,
-        })?;
-    }
-    if let Some(f) = o.take("offload_param") {
-        z.offload_param = Some(read_offload_param(&f, sink)?);
-    }
-    if let Some(f) = o.take("offload_optimizer") {
-        z.offload_optimizer = Some(read_offload_optimizer(&f, sink)?);
-    }
-
-    // Deprecated boolean forms.
+/// `zero_optimization`'s deprecated boolean forms: `cpu_offload`,
+/// `cpu_offload_param` and `cpu_offload_use_pin_memory`.
+fn deprecated_cpu_offload(
+    o: &mut Obj<'_>,
+    z: &mut DsZero,
+    sink: &mut Sink,
+) -> Result<(), ConfigError> {
     let pin = match o.take("cpu_offload_use_pin_memory") {
         Some(f) => Some((f.bool()?, f.key.clone())),
         None => None,
     };
     let pin_flag = pin.as_ref().map(|(p, _)| *p);
-    let mut pin_used = false;
-    if let Some(f) = o.take("cpu_offload") {
-        let new_key = o.key_path("offload_optimizer");
-        pin_used |= deprecated_cpu_offload(
-            &f,
-            "offload_optimizer",
-            new_key,
-            &mut z.offload_optimizer,
-            pin_flag,
-            sink,
-            |pin| DsOffloadOptimizer {
-                device: DsDevice::Cpu,
-                pin_memory: pin.unwrap_or(DsOffloadOptimizer::default().pin_memory),
-                ..DsOffloadOptimizer::default()
-            },
-        )?;
-    }
-    if let Some(f) = o.take("cpu_offload_param") {
-        let new_key = o.key_path("offload_param");
-        pin_used |= deprecated_cpu_offload(
-            &f,
-            "offload_param",
-            new_key,
-            &mut z.offload_param,
-            pin_flag,
-            sink,
-            |pin| DsOffloadParam {
-                device: DsDevice::Cpu,
-                pin_memory: pin.unwrap_or(DsOffloadParam::default().pin_memory),
-                ..DsOffloadParam::default()
-            },
-        )?;
-    }
+    let optimizer = cpu_offload_flag(o, "cpu_offload", &mut z.offload_optimizer, pin_flag, sink)?;
+    let param = cpu_offload_flag(o, "cpu_offload_param", &mut z.offload_param, pin_flag, sink)?;
     if let Some((_, key)) = pin {
         sink.warnings.push(ConfigWarning::Deprecated {
             key: key.clone(),
             replacement: "\"pin_memory\" inside offload_param / offload_optimizer".to_owned(),
         });
-        if !pin_used {
+        if !(optimizer || param) {
             sink.note(&key, "has no effect without cpu_offload or cpu_offload_param; set pin_memory inside the offload blocks");
         }
     }
+    Ok(())
+}
 
-    if let Some(f) = o.take("sub_group_size") {
-        z.sub_group_size = f.u64()?;
-    }
-    if let Some(f) = o.take_alias(
-        "stage3_prefetch_bucket_size",
-        &["prefetch_bucket_size"],
-        false,
-        sink,
-    )? {
-        z.stage3_prefetch_bucket_size = auto_u64(&f)?;
-    }
-    if let Some(f) = o.take_alias(
-        "stage3_param_persistence_threshold",
-        &["param_persistence_threshold"],
-        false,
-        sink,
-    )? {
-        z.stage3_param_persistence_threshold = auto_u64(&f)?;
-    }
-    if let Some(f) = o.take_alias(
-        "stage3_max_live_parameters",
-        &["max_live_parameters"],
-        false,
-        sink,
-    )? {
-        z.stage3_max_live_parameters = f.u64()?;
-    }
-    if let Some(f) = o.take_alias(
-        "stage3_max_reuse_distance",
-        &["max_reuse_distance"],
-        false,
-        sink,
-    )? {
-        z.stage3_max_reuse_distance = f.u64()?;
-    }
-    // The deprecated fp16 name warns; the short field name does not.
-    if let Some(f) = o.take_alias(
-        "stage3_gather_16bit_weights_on_model_save",
-        &["stage3_gather_fp16_weights_on_model_save"],
-        true,
-        sink,
-    )? {
-        if o.has("gather_16bit_weights_on_model_save") {
-            return Err(ConfigError::ConflictingAlias {
-                old: o.key_path("gather_16bit_weights_on_model_save"),
-                new: f.key.clone(),
-            });
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scheduler_param_keys_are_fields() {
+        for kind in ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"] {
+            for k in scheduler_param_keys(kind).unwrap_or_default() {
+                assert!(DsSchedulerParams::KEYS.contains(k), "{kind}: {k}");
+            }
         }
-        z.stage3_gather_16bit_weights_on_model_save = auto_bool(&f)?;
-    } else if let Some(f) = o.take("gather_16bit_weights_on_model_save") {
-        z.stage3_gather_16bit_weights_on_model_save = auto_bool(&f)?;
     }
-    if let Some(f) = o.take("contiguous_gradients") {
-        z.contiguous_gradients = f.bool()?;
-    }
-    if let Some(f) = o.take("overlap_comm") {
-        z.overlap_comm = Some(f.bool()?);
-    }
-    if let Some(f) = o.take("reduce_bucket_size") {
-        z.reduce_bucket_size = auto_u64(&f)?;
-    }
-    o.finish(sink);
-    Ok(z)
-}
 
-fn read_offload_param(f: &Field<'_>, sink: &mut Sink) -> Result<DsOffloadParam, ConfigError> {
-    let mut o = Obj::new(&f.key, f.value, OFFLOAD_PARAM_KEYS, &[])?;
-    let mut p = DsOffloadParam::default();
-    if let Some(f) = o.take("device") {
-        p.device = read_device(&f)?;
+    #[test]
+    fn keys_list_fields_aliases_and_hand_read_keys() {
+        assert_eq!(
+            DsAio::KEYS,
+            [
+                "block_size",
+                "queue_depth",
+                "intra_op_parallelism",
+                "single_submit",
+                "overlap_events",
+                "use_gds",
+                "thread_count"
+            ]
+        );
+        for k in [
+            "stage",
+            "gather_16bit_weights_on_model_save",
+            "stage3_gather_fp16_weights_on_model_save",
+            "cpu_offload_use_pin_memory",
+        ] {
+            assert!(DsZero::KEYS.contains(&k), "{k}");
+        }
+        assert!(DsConfig::KEYS.contains(&"bfloat16"));
     }
-    if let Some(f) = o.take("nvme_path") {
-        p.nvme_path = Some(read_path(&f)?);
-    }
-    if let Some(f) = o.take("buffer_count") {
-        p.buffer_count = f.u64()?;
-    }
-    if let Some(f) = o.take("buffer_size") {
-        p.buffer_size = f.u64()?;
-    }
-    if let Some(f) = o.take("max_in_cpu") {
-        p.max_in_cpu = f.u64()?;
-    }
-    if let Some(f) = o.take("pin_memory") {
-        p.pin_memory = f.bool()?;
-    }
-    o.finish(sink);
-    Ok(p)
-}
-
-fn read_offload_optimizer(
-    f: &Field<'_>,
-    sink: &mut Sink,
-) -> Result<DsOffloadOptimizer, ConfigError> {
-    let mut o = Obj::new(&f.key, f.value, OFFLOAD_OPT_KEYS, OFFLOAD_OPT_IGNORED)?;
-    let mut p = DsOffloadOptimizer::default();
-    if let Some(f) = o.take("device") {
-        p.device = read_device(&f)?;
-    }
-    if let Some(f) = o.take("nvme_path") {
-        p.nvme_path = Some(read_path(&f)?);
-    }
-    if let Some(f) = o.take("buffer_count") {
-        p.buffer_count = f.u64()?;
-    }
-    if let Some(f) = o.take("pin_memory") {
-        p.pin_memory = f.bool()?;
-    }
-    if let Some(f) = o.take("pipeline_read") {
-        p.pipeline_read = f.bool()?;
-    }
-    if let Some(f) = o.take("pipeline_write") {
-        p.pipeline_write = f.bool()?;
-    }
-    if let Some(f) = o.take("fast_init") {
-        p.fast_init = f.bool()?;
-    }
-    o.finish(sink);
-    Ok(p)
-}
-
-fn read_aio(f: &Field<'_>, sink: &mut Sink) -> Result<DsAio, ConfigError> {
-    let mut o = Obj::new(&f.key, f.value, AIO_KEYS, &[])?;
-    let mut a = DsAio::default();
-    if let Some(f) = o.take("block_size") {
-        a.block_size = f.u64()?;
-    }
-    if let Some(f) = o.take("queue_depth") {
-        a.queue_depth = f.u64()?;
-    }
-    if let Some(f) = o.take_alias("intra_op_parallelism", &["thread_count"], true, sink)? {
-        a.intra_op_parallelism = f.u64()?;
-    }
-    if let Some(f) = o.take("single_submit") {
-        a.single_submit = f.bool()?;
-    }
-    if let Some(f) = o.take("overlap_events") {
-        a.overlap_events = f.bool()?;
-    }
-    if let Some(f) = o.take("use_gds") {
-        a.use_gds = f.bool()?;
-    }
-    o.finish(sink);
-    Ok(a)
-}
-
-/// Bytes as an integer (integral floats accepted) or a string with a unit.
-fn bytes_field(f: &Field<'_>) -> Result<u64, ConfigError> {
-    if let Some(s) = f.value.as_str() {
-        return parse_bytes_str(s).ok_or_else(|| ConfigError::WrongType {
-            key: f.key.clone(),
-            value: render(f.value),
-            expected: "a byte count such as 1073741824 or \"1GiB\"".to_owned(),
-        });
-    }
-    f.u64().map_err(|e| match e {
-        ConfigError::WrongType { key, value, .. } => ConfigError::WrongType {
-            key,
-            value,
-            expected: "a byte count such as 1073741824 or \"1GiB\"".to_owned(),
-        },
-        other => other,
-    })
-}
-
-fn read_tierzero(f: &Field<'_>, sink: &mut Sink) -> Result<DsTierzero, ConfigError> {
-    let mut o = Obj::new(&f.key, f.value, TIERZERO_KEYS, &[])?;
-    let mut t = DsTierzero::default();
-    if let Some(f) = o.take("pinned_budget_bytes") {
-        t.pinned_budget_bytes = Some(bytes_field(&f)?);
-    }
-    if let Some(f) = o.take("device_cache_bytes") {
-        t.device_cache_bytes = bytes_field(&f)?;
-    }
-    if let Some(f) = o.take("io_backend") {
-        t.io_backend = match f.str() {
-            Ok("auto") => IoBackend::Auto,
-            Ok("uring") => IoBackend::Uring,
-            Ok("portable") => IoBackend::Portable,
-            _ => {
-                return Err(ConfigError::OutOfRange {
-                    key: f.key.clone(),
-                    value: render(f.value),
-                    allowed: "\"auto\", \"uring\" or \"portable\"".to_owned(),
-                    fix: "use \"auto\" unless you need to force a backend".to_owned(),
-                })
-            }
-        };
-    }
-    if let Some(f) = o.take("direct_io") {
-        t.direct_io = match f.str() {
-            Ok("auto") => DirectIo::Auto,
-            Ok("require") => DirectIo::Require,
-            Ok("off") => DirectIo::Off,
-            _ => {
-                return Err(ConfigError::OutOfRange {
-                    key: f.key.clone(),
-                    value: render(f.value),
-                    allowed: "\"auto\", \"require\" or \"off\"".to_owned(),
-                    fix: "use \"auto\" to fall back to buffered I/O where O_DIRECT is refused"
-                        .to_owned(),
-                })
-            }
-        };
-    }
-    if let Some(f) = o.take("memlock") {
-        t.memlock =
-            match f.str() {
-                Ok("auto") => Memlock::Auto,
-                Ok("require") => Memlock::Require,
-                _ => return Err(ConfigError::OutOfRange {
-                    key: f.key.clone(),
-                    value: render(f.value),
-                    allowed: "\"auto\" or \"require\"".to_owned(),
-                    fix: "use \"auto\" to run with unlocked buffers when RLIMIT_MEMLOCK is too low"
-                        .to_owned(),
-                }),
-            };
-    }
-    if let Some(f) = o.take("ring_threads") {
-        t.ring_threads = Some(f.u64()?);
-    }
-    if let Some(f) = o.take("checksums") {
-        t.checksums = f.bool()?;
-    }
-    if let Some(f) = o.take("overlap_optimizer") {
-        t.overlap_optimizer = f.bool()?;
-    }
-    if let Some(f) = o.take("compute_threads") {
-        t.compute_threads = f.auto_u64()?;
-    }
-    if let Some(f) = o.take("pin_threads") {
-        t.pin_threads = f.auto_bool()?;
-    }
-    if let Some(f) = o.take("optimizer_resident_bytes") {
-        t.optimizer_resident_bytes = if f.value.as_str() == Some("auto") {
-            None
-        } else {
-            Some(bytes_field(&f)?)
-        };
-    }
-    o.finish(sink);
-    Ok(t)
 }

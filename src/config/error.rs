@@ -52,15 +52,29 @@ pub enum ConfigError {
         source: std::io::Error,
     },
 
-    /// The text is not valid JSON.
-    #[error("invalid JSON at line {line}, column {column}: {message}; fix: correct the JSON syntax there (DeepSpeed configs allow no comments and no trailing commas)")]
+    /// The text is neither JSON nor hjson (DeepSpeed reads its config with
+    /// Python's `hjson`: comments and trailing commas are fine).
+    #[error("invalid JSON at line {line}, column {column}: {message}; fix: correct the syntax there (the config is read as DeepSpeed reads it, as hjson: `//`, `#` and `/* */` comments and trailing commas are accepted)")]
     Json {
         /// 1-based line.
         line: usize,
         /// 1-based column.
         column: usize,
-        /// serde_json's description, without its position suffix.
+        /// What is wrong there.
         message: String,
+    },
+
+    /// A key given twice in one object. DeepSpeed refuses it (its hjson
+    /// loader raises on duplicates); a JSON reader would silently keep the
+    /// last value.
+    #[error("`{key}` is given twice, at line {first_line} and at line {second_line}: DeepSpeed refuses duplicate keys, and a JSON reader would silently keep the second; fix: delete one of the two")]
+    DuplicateKey {
+        /// JSON path of the key.
+        key: String,
+        /// 1-based line of the first occurrence.
+        first_line: usize,
+        /// 1-based line of the second occurrence.
+        second_line: usize,
     },
 
     /// A key holds a value of the wrong JSON type (or a non-integral number
@@ -290,6 +304,7 @@ impl ConfigError {
             | ConfigError::NvmePathNotWritable { key, .. }
             | ConfigError::AutoUnresolved { key, .. }
             | ConfigError::MissingKey { key, .. }
+            | ConfigError::DuplicateKey { key, .. }
             | ConfigError::RunMismatch { key, .. } => Some(key),
             ConfigError::InvalidStage { .. } => Some("zero_optimization.stage"),
             ConfigError::UnsupportedOptimizer { .. } => Some("optimizer.type"),

@@ -4,8 +4,11 @@
 //! already use with DeepSpeed or HF Trainer. This module reads it in three
 //! layers:
 //!
-//! 1. **JSON** ([`parse_str`]): `serde_json` to a `Value`; syntax errors
-//!    become [`ConfigError::Json`] with line and column.
+//! 1. **Text** ([`parse_str`]): hjson, as DeepSpeed reads it (JSON plus
+//!    comments and trailing commas), to a `serde_json::Value` (see
+//!    `hjson.rs`); syntax errors become [`ConfigError::Json`] with line and
+//!    column, a key given twice in one object [`ConfigError::DuplicateKey`]
+//!    with both lines.
 //! 2. **Edge** ([`ds`]): a walker fills serde structs that mirror
 //!    DeepSpeed's keys and defaults ([`DsConfig`]). It accepts the forms real
 //!    configs use: `"auto"`, integers written as floats (`5e8`, `1e14`),
@@ -42,6 +45,7 @@
 
 pub mod ds;
 mod error;
+mod hjson;
 mod reader;
 pub mod run;
 pub mod units;
@@ -132,20 +136,10 @@ impl Loaded {
     }
 }
 
-/// Parses config text to the edge layer (no run context, no filesystem).
+/// Parses config text (JSON or hjson, as DeepSpeed reads it) to the edge
+/// layer (no run context, no filesystem).
 pub fn parse_str(text: &str) -> Result<Parsed, ConfigError> {
-    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| {
-        let full = e.to_string();
-        let message = match full.rfind(" at line ") {
-            Some(i) => full[..i].to_owned(),
-            None => full,
-        };
-        ConfigError::Json {
-            line: e.line(),
-            column: e.column(),
-            message: error::truncate(&message),
-        }
-    })?;
+    let value = hjson::parse(text)?;
     let mut sink = reader::Sink::default();
     let ds = ds::read(&value, &mut sink)?;
     Ok(Parsed {

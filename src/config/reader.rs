@@ -9,6 +9,11 @@
 //! it; the walker covers all of it in a few hundred lines with no new
 //! dependency.
 //!
+//! Each object of the config is declared once, with [`section!`]: one table
+//! row per key gives the field, its type, DeepSpeed's default, its reader
+//! and its other names, and the macro writes the struct, its `Default`, its
+//! list of known keys and the reader that walks the object.
+//!
 //! An [`Obj`] wraps one JSON object with its path and the list of keys the
 //! schema knows. Every `take*` call marks a key as consumed; [`Obj::finish`]
 //! turns the unconsumed ones into [`ConfigWarning`]s: `IgnoredKey` for keys
@@ -20,6 +25,7 @@ use std::fmt;
 
 use serde_json::{Map, Value};
 
+use super::ds::AutoOr;
 use super::error::{render, ConfigError};
 
 /// A non-fatal finding while reading a config. The loader logs each one with
@@ -183,24 +189,26 @@ impl<'a> Obj<'a> {
         })
     }
 
-    /// Takes `key`, also accepting the other names in `aliases`. At most one
-    /// of them may be present. With `deprecated`, using an alias produces a
-    /// [`ConfigWarning::Deprecated`].
+    /// Takes `key`, also accepting the other names in `aliases`, each with
+    /// whether it is deprecated (using a deprecated one produces a
+    /// [`ConfigWarning::Deprecated`]; the others are accepted silently, as
+    /// DeepSpeed accepts its field names). At most one of the names may be
+    /// present: two are [`ConfigError::ConflictingAlias`], the later one in
+    /// `key, aliases...` order named as the old name.
     pub fn take_alias(
         &mut self,
         key: &str,
-        aliases: &[&str],
-        deprecated: bool,
+        aliases: &[(&str, bool)],
         sink: &mut Sink,
     ) -> Result<Option<Field<'a>>, ConfigError> {
-        let present: Vec<&str> = std::iter::once(key)
+        let present: Vec<(&str, bool)> = std::iter::once((key, false))
             .chain(aliases.iter().copied())
-            .filter(|n| self.has(n))
+            .filter(|(n, _)| self.has(n))
             .collect();
         match present.as_slice() {
             [] => Ok(None),
-            [name] => {
-                if *name != key && deprecated {
+            [(name, deprecated)] => {
+                if *deprecated {
                     sink.warnings.push(ConfigWarning::Deprecated {
                         key: self.key_path(name),
                         replacement: format!("`{}`", self.key_path(key)),
@@ -208,7 +216,7 @@ impl<'a> Obj<'a> {
                 }
                 Ok(self.take(name))
             }
-            [first, second, ..] => Err(ConfigError::ConflictingAlias {
+            [(first, _), (second, _), ..] => Err(ConfigError::ConflictingAlias {
                 old: self.key_path(second),
                 new: self.key_path(first),
             }),
@@ -303,7 +311,8 @@ pub(crate) fn is_auto(v: &Value) -> bool {
 }
 
 impl<'a> Field<'a> {
-    fn wrong(&self, expected: &str) -> ConfigError {
+    /// A [`ConfigError::WrongType`] for this key and value.
+    pub fn wrong(&self, expected: &str) -> ConfigError {
         ConfigError::WrongType {
             key: self.key.clone(),
             value: render(self.value),
@@ -311,27 +320,26 @@ impl<'a> Field<'a> {
         }
     }
 
-    /// A non-negative integer; integral floats such as `5e8` or `1.0` are
-    /// accepted, as DeepSpeed's pydantic models accept them.
-    pub fn u64(&self) -> Result<u64, ConfigError> {
-        let wrong = |expected: &str| ConfigError::WrongType {
-            key: self.key.clone(),
-            value: render(self.value),
-            expected: expected.to_owned(),
-        };
-        let out_of_range = |allowed: &str, fix: &str| ConfigError::OutOfRange {
+    /// A [`ConfigError::OutOfRange`] for this key and value.
+    pub fn out_of_range(&self, allowed: &str, fix: &str) -> ConfigError {
+        ConfigError::OutOfRange {
             key: self.key.clone(),
             value: render(self.value),
             allowed: allowed.to_owned(),
             fix: fix.to_owned(),
-        };
+        }
+    }
+
+    /// A non-negative integer; integral floats such as `5e8` or `1.0` are
+    /// accepted, as DeepSpeed's pydantic models accept them.
+    pub fn u64(&self) -> Result<u64, ConfigError> {
         let negative =
-            || out_of_range("a non-negative integer", "use 0 or a positive whole number");
+            || self.out_of_range("a non-negative integer", "use 0 or a positive whole number");
         let Value::Number(n) = self.value else {
             if is_auto(self.value) {
-                return Err(wrong("an integer (\"auto\" is not accepted for this key)"));
+                return Err(self.wrong("an integer (\"auto\" is not accepted for this key)"));
             }
-            return Err(wrong("an integer"));
+            return Err(self.wrong("an integer"));
         };
         if let Some(u) = n.as_u64() {
             return Ok(u);
@@ -344,22 +352,14 @@ impl<'a> Field<'a> {
                 if f < 0.0 {
                     Err(negative())
                 } else if f >= 2f64.powi(64) {
-                    Err(out_of_range("below 2^64", "use a smaller number"))
+                    Err(self.out_of_range("below 2^64", "use a smaller number"))
                 } else {
                     // Exact: integral and below 2^64.
                     Ok(f as u64)
                 }
             }
-            _ => Err(wrong("an integer")),
+            _ => Err(self.wrong("an integer")),
         }
-    }
-
-    /// Like [`Field::u64`] but also `"auto"` (returns `None`).
-    pub fn auto_u64(&self) -> Result<Option<u64>, ConfigError> {
-        if is_auto(self.value) {
-            return Ok(None);
-        }
-        self.u64().map(Some).map_err(|e| self.add_auto_hint(e))
     }
 
     /// Any JSON number as `f64`.
@@ -370,14 +370,6 @@ impl<'a> Field<'a> {
         }
     }
 
-    /// Like [`Field::f64`] but also `"auto"` (returns `None`).
-    pub fn auto_f64(&self) -> Result<Option<f64>, ConfigError> {
-        if is_auto(self.value) {
-            return Ok(None);
-        }
-        self.f64().map(Some).map_err(|e| self.add_auto_hint(e))
-    }
-
     /// `true` or `false`.
     pub fn bool(&self) -> Result<bool, ConfigError> {
         self.value
@@ -385,50 +377,210 @@ impl<'a> Field<'a> {
             .ok_or_else(|| self.wrong("true or false"))
     }
 
-    /// Like [`Field::bool`] but also `"auto"` (returns `None`).
-    pub fn auto_bool(&self) -> Result<Option<bool>, ConfigError> {
-        if is_auto(self.value) {
-            return Ok(None);
-        }
-        self.bool().map(Some).map_err(|e| self.add_auto_hint(e))
-    }
-
     /// A string.
     pub fn str(&self) -> Result<&'a str, ConfigError> {
         self.value.as_str().ok_or_else(|| self.wrong("a string"))
     }
+}
 
-    /// Two numbers `[b1, b2]`, or `"auto"` (returns `None`).
-    pub fn auto_pair(&self) -> Result<Option<[f64; 2]>, ConfigError> {
-        if is_auto(self.value) {
-            return Ok(None);
-        }
-        let expected = "an array of two numbers like [0.9, 0.999] or \"auto\"";
-        let arr = self.value.as_array().ok_or_else(|| self.wrong(expected))?;
-        match arr.as_slice() {
-            [a, b] => match (a.as_f64(), b.as_f64()) {
-                (Some(a), Some(b)) if a.is_finite() && b.is_finite() => Ok(Some([a, b])),
-                _ => Err(self.wrong(expected)),
-            },
-            _ => Err(self.wrong(expected)),
-        }
-    }
-
-    fn add_auto_hint(&self, e: ConfigError) -> ConfigError {
-        match e {
-            ConfigError::WrongType {
-                key,
-                value,
-                expected,
-            } => ConfigError::WrongType {
-                key,
-                value,
-                expected: format!("{expected} or \"auto\""),
-            },
-            other => other,
-        }
+/// Adds `or "auto"` to what a key that accepts `"auto"` expected.
+fn add_auto_hint(e: ConfigError) -> ConfigError {
+    match e {
+        ConfigError::WrongType {
+            key,
+            value,
+            expected,
+        } => ConfigError::WrongType {
+            key,
+            value,
+            expected: format!("{expected} or \"auto\""),
+        },
+        other => other,
     }
 }
+
+// ---------------------------------------------------------------------------
+// Readers: what a `section!` row names to read its key's value. Each takes
+// the field and the warning sink (nested objects warn), and returns the
+// field's value.
+
+/// A non-negative integer ([`Field::u64`]).
+pub(crate) fn int(f: &Field<'_>, _: &mut Sink) -> Result<u64, ConfigError> {
+    f.u64()
+}
+
+/// A finite number ([`Field::f64`]).
+pub(crate) fn num(f: &Field<'_>, _: &mut Sink) -> Result<f64, ConfigError> {
+    f.f64()
+}
+
+/// `true` or `false`.
+pub(crate) fn flag(f: &Field<'_>, _: &mut Sink) -> Result<bool, ConfigError> {
+    f.bool()
+}
+
+/// Two numbers `[b1, b2]`.
+pub(crate) fn pair(f: &Field<'_>, _: &mut Sink) -> Result<[f64; 2], ConfigError> {
+    let expected = "an array of two numbers like [0.9, 0.999]";
+    match f.value.as_array().map(Vec::as_slice) {
+        Some([a, b]) => match (a.as_f64(), b.as_f64()) {
+            (Some(a), Some(b)) if a.is_finite() && b.is_finite() => Ok([a, b]),
+            _ => Err(f.wrong(expected)),
+        },
+        _ => Err(f.wrong(expected)),
+    }
+}
+
+/// `read`, for a field that is `None` when the key is absent.
+pub(crate) fn some<T>(
+    read: impl Fn(&Field<'_>, &mut Sink) -> Result<T, ConfigError>,
+) -> impl Fn(&Field<'_>, &mut Sink) -> Result<Option<T>, ConfigError> {
+    move |f, sink| read(f, sink).map(Some)
+}
+
+/// `read`, or `"auto"` ([`AutoOr::Auto`]).
+pub(crate) fn auto<T>(
+    read: impl Fn(&Field<'_>, &mut Sink) -> Result<T, ConfigError>,
+) -> impl Fn(&Field<'_>, &mut Sink) -> Result<AutoOr<T>, ConfigError> {
+    move |f, sink| {
+        if is_auto(f.value) {
+            return Ok(AutoOr::Auto);
+        }
+        read(f, sink).map(AutoOr::Value).map_err(add_auto_hint)
+    }
+}
+
+/// `read`, or `"auto"` as `None` (for our own keys, where absent means
+/// `"auto"` too).
+pub(crate) fn auto_none<T>(
+    read: impl Fn(&Field<'_>, &mut Sink) -> Result<T, ConfigError>,
+) -> impl Fn(&Field<'_>, &mut Sink) -> Result<Option<T>, ConfigError> {
+    move |f, sink| match auto(&read)(f, sink)? {
+        AutoOr::Auto => Ok(None),
+        AutoOr::Value(v) => Ok(Some(v)),
+    }
+}
+
+/// Declares one JSON object of the config from one table, so that each key
+/// is written once. For
+///
+/// ```ignore
+/// section! {
+///     /// `aio` {...}.
+///     pub struct DsAio {
+///         /// `queue_depth` (default 8).
+///         queue_depth: u64 = 8 => int;
+///         /// `intra_op_parallelism` (old name `thread_count`).
+///         intra_op_parallelism: u64 = 1 => int, deprecated "thread_count";
+///         /// `use_gds` (default false).
+///         use_gds: bool => flag;
+///     }
+///     ignored: ["some_deepspeed_key"];
+///     also: ["handled_by_hand"];
+/// }
+/// ```
+///
+/// it writes:
+/// - the struct, every field `pub`, with serde's derive (`#[serde(default)]`
+///   and an `alias` per other name), so the config prints back in
+///   DeepSpeed's names and reads back the same;
+/// - `Default`, from the `= default` of each row (`Default::default()` where
+///   a row has none);
+/// - `KEYS`, the keys the object knows (fields, their other names, and the
+///   `also` keys that a `then` hook reads by hand), for [`Obj::finish`]'s
+///   unknown-key warnings and did-you-mean;
+/// - `read` (and `read_known`, which reads only the fields in a given list
+///   of known keys: `scheduler.params` depends on the type), which takes
+///   each row's key or one of its other names ([`Obj::take_alias`]:
+///   `deprecated` names warn, `alias` names do not, two names at once are
+///   an error), reads its value with the row's reader (`int`, `auto(int)`,
+///   `some(path)`, a nested section's `read`, ...), calls the row's `then`
+///   hook if it has one (`fn(&mut Obj, &mut Self, &mut Sink) -> Result<(),
+///   ConfigError>`, for keys read by hand), and reports every key left.
+///
+/// Rows are read in table order, which is the order of their warnings.
+macro_rules! section {
+    (
+        $(#[$meta:meta])*
+        pub struct $name:ident {
+            $(
+                $(#[$fmeta:meta])*
+                $field:ident : $ty:ty $(= $default:expr)? => $read:expr
+                    $(, deprecated $old:literal)* $(, alias $alias:literal)*
+                    $(, then $then:path)? ;
+            )*
+        }
+        $(ignored: [$($ignored:literal),* $(,)?];)?
+        $(also: [$($also:literal),* $(,)?];)?
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, PartialEq, ::serde::Serialize, ::serde::Deserialize)]
+        #[serde(default)]
+        pub struct $name {
+            $(
+                $(#[$fmeta])*
+                $(#[serde(alias = $old)])*
+                $(#[serde(alias = $alias)])*
+                pub $field: $ty,
+            )*
+        }
+
+        impl ::std::default::Default for $name {
+            fn default() -> Self {
+                $name {
+                    $($field: $crate::config::reader::section!(@default $($default)?),)*
+                }
+            }
+        }
+
+        // Not every section uses every item (`scheduler.params` is read with
+        // `read_known` only).
+        #[allow(dead_code)]
+        impl $name {
+            /// The keys this object knows.
+            pub(crate) const KEYS: &'static [&'static str] = &[
+                $(stringify!($field),)*
+                $($($old,)* $($alias,)*)*
+                $($($also,)*)?
+            ];
+            /// DeepSpeed keys of this object that tierzero does not use.
+            const IGNORED: &'static [&'static str] = &[$($($ignored),*)?];
+
+            /// Reads the object at `f`; every key of [`Self::KEYS`] is known.
+            pub(crate) fn read(
+                f: &$crate::config::reader::Field<'_>,
+                sink: &mut $crate::config::reader::Sink,
+            ) -> ::std::result::Result<Self, $crate::config::ConfigError> {
+                Self::read_known(f, sink, Self::KEYS)
+            }
+
+            /// Reads the object at `f`, taking only the fields in `known`;
+            /// the other keys are reported as unknown.
+            pub(crate) fn read_known(
+                f: &$crate::config::reader::Field<'_>,
+                sink: &mut $crate::config::reader::Sink,
+                known: &'static [&'static str],
+            ) -> ::std::result::Result<Self, $crate::config::ConfigError> {
+                let mut o = $crate::config::reader::Obj::new(&f.key, f.value, known, Self::IGNORED)?;
+                let mut s = Self::default();
+                $(
+                    if known.contains(&stringify!($field)) {
+                        let names: &[(&str, bool)] = &[$(($old, true),)* $(($alias, false),)*];
+                        if let Some(f) = o.take_alias(stringify!($field), names, sink)? {
+                            s.$field = ($read)(&f, sink)?;
+                        }
+                    }
+                    $($then(&mut o, &mut s, sink)?;)?
+                )*
+                o.finish(sink);
+                Ok(s)
+            }
+        }
+    };
+    (@default) => { ::std::default::Default::default() };
+    (@default $default:expr) => { $default };
+}
+pub(crate) use section;
 
 #[cfg(test)]
 mod tests {
