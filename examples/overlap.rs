@@ -1,4 +1,5 @@
-//! Overlap measurement (issue 4): runs each phase of a training step alone
+//! Overlap measurement (step ≤ 1.15 × the slowest phase alone, see
+//! `docs/decisions/overlap.md`): runs each phase of a training step alone
 //! and the whole step, side by side, and reports
 //! `step time / max(compute alone, I/O alone, optimizer alone)`.
 //!
@@ -18,8 +19,8 @@
 //!   each other, so the VM's drift (here the I/O phase alone moved by
 //!   ±30% from minute to minute) hits numerator and denominator alike;
 //! * **`separate`**: each round builds four trainers one after another and
-//!   runs each for `STEPS` steps (the first dropped), the method of the
-//!   earlier notes. I/O alone runs twice, before and after the stage-0
+//!   runs each for `STEPS` steps (the first dropped), the first method
+//!   used. I/O alone runs twice, before and after the stage-0
 //!   run, and the faster is kept.
 //!
 //! The trainers, on the same model, data and seed:

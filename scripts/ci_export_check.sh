@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Export check (issue 5), run by .ci/run after the tests: train the embedded
+# Export check, run by .ci/run after the tests: train the embedded
 # default for a few steps with a checkpoint, export it, and check the export
 # with an independent reader (scripts/check_export.py: safetensors + numpy,
 # a GPT-2 forward written in numpy) against `tierzero eval`'s loss.

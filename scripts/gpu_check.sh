@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (DEVELOPERS.md): run it in one go on a machine
+# The one prepared GPU check (the developers' guide asks for one script): run it in one go on a machine
 # with an NVIDIA GPU. It never fails half-way: every step's outcome goes
 # into one JSON object on stdout (and $OUT/gpu_check.json when $OUT is set);
 # the exit status is 0 when every step that applies passed, 1 otherwise.
@@ -20,7 +20,7 @@
 #   6. `train --device cuda` against `train --device cpu` (3 steps, one
 #      rank): the weights' sha256 must be equal (NCCL with one rank moves
 #      bytes only; the arithmetic is the CPU's);
-#   7. issue 4's overlap ratio on this machine's cores and disk (a
+#   7. the overlap ratio (docs/decisions/overlap.md) on this machine's cores and disk (a
 #      measurement, never a failure): `examples/overlap` (built with the
 #      binary in step 1; skipped with TIERZERO_BIN unless OVERLAP_BIN
 #      names one). With more than 2 cores it first times compute alone at

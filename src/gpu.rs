@@ -8,7 +8,7 @@
 //! Adam run on the CPU whatever `--device` says. With the `gpu` feature the
 //! crate uses CUDA for two things: [`probe`] (devices, names, memory, NCCL's
 //! version; `tierzero gpu-info`) and the NCCL communicator
-//! ([`crate::engine::comm::nccl::NcclComm`], `tierzero train --device
+//! (`crate::engine::comm::nccl::NcclComm`, `tierzero train --device
 //! cuda`), whose collectives stage host buffers through device memory.
 //! Without the feature every entry point here returns
 //! [`GpuError::NotBuilt`] with the rebuild command, so the CLI needs no

@@ -4,8 +4,7 @@
 //! can compare it with `sha256sum` of the same bytes. It is computed once
 //! per run over the fp32 masters, so speed does not matter; a 60-line
 //! implementation checked against the FIPS test vectors avoids adding a
-//! crate (the `sha2` crate is not in the offline registry cache of the
-//! build machines).
+//! dependency.
 
 const K: [u32; 64] = [
     0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,

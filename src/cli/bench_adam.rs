@@ -31,8 +31,9 @@ use tierzero::optim::{
 };
 
 /// `torch.optim.AdamW(fused=True)` on this machine (2 threads, 100M fp32
-/// params, 10 steps, median of 3), as measured in the issue that asked for
-/// this kernel. An external reference point, not computed here.
+/// params, 10 steps, median of 3), measured on the 2-core development VM
+/// with PyTorch's CPU wheel beside this kernel. An external reference
+/// point, not computed here.
 pub const TORCH_FUSED_ANCHOR_PARAMS_PER_S: f64 = 1.20e9;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]

@@ -1,4 +1,4 @@
-//! `tierzero inspect DIR`: summarise a swap directory.
+//! `tierzero inspect DIR`: summarise a checkpoint or a swap directory.
 //!
 //! A swap directory is what `tierzero-swap` creates under each NVMe path:
 //! `<nvme_path>/tierzero/` holding `swap-<pid>-<space>-<path>.tzswap` files

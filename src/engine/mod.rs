@@ -5,22 +5,26 @@
 //! # Pieces
 //!
 //! ```text
-//!  Trainer (trainer.rs) ─ step(): micro-batches → forward units → head → backward units
-//!     │                                └─ grads (fp32, GradStore) ─┐
-//!     ├─ ParamStore (store.rs)  home tier per param: device | cpu (pinned) | nvme
-//!     │     one state map per tensor: OnDisk / InFlight / Resident, driven by ParamEvent
-//!     ├─ Scheduler (trace.rs)   unit trace, prefetch window, release policy
-//!     ├─ OptimizerWorker (worker.rs) the optimizer thread, owning
-//!     ├─ OptimizerState (optstate.rs) fp32 master/m/v per sub-group in none|cpu|nvme,
-//!     │     pipelined read(i+1) / step(i) / write(i-1) on separate read and write engines
-//!     ├─ Layout (layout.rs)     per-rank shards, sub-groups of whole params
-//!     ├─ Comm (comm.rs)         collectives in rank order; SingleRank, MpiComm (comm_mpi.rs,
-//!     │     feature `mpi`), NcclComm (comm_nccl.rs, feature `gpu`; id via rendezvous.rs)
-//!     ├─ schedules (schedule.rs) DeepSpeed WarmupLR / WarmupDecayLR / WarmupCosineLR,
-//!     │     fp16 dynamic loss scaler
-//!     ├─ data (data.rs)         byte-level token file loader
-//!     └─ metrics (metrics.rs)   JSON lines per step and a summary with weight_sha256
+//!  trainer/        Trainer: step() = micro-batches → forward units → head → backward units
+//!     │             (step.rs: one GroupStep per sub-group; tail.rs: the optimizer's replies;
+//!     │              build.rs: the tiers as sizing decided them; checkpoint.rs: save/resume)
+//!     ├─ sizing.rs  the one sizing policy: home tiers, buffers, spill, resident groups
+//!     ├─ params/    ParamStore (store.rs): home tier per param, device | cpu (pinned) | nvme,
+//!     │             one state map per tensor driven by ParamEvent, and its Freshness;
+//!     │             the param copy thread (copier.rs); the Prefetcher (prefetch.rs):
+//!     │             unit trace, prefetch window, release policy
+//!     ├─ optimizer/ OptimizerWorker (worker.rs), the optimizer thread, owning
+//!     │             OptimizerState (state.rs): fp32 master/m/v per sub-group in host memory
+//!     │             or on NVMe, pipelined read(i+1) / step(i) / write(i-1)
+//!     ├─ layout.rs  per-rank shards, sub-groups of whole params
+//!     ├─ comm/      Comm: collectives in rank order; SingleRank, MpiComm (mpi.rs, feature
+//!     │             `mpi`), NcclComm (nccl.rs, feature `gpu`; id via rendezvous.rs)
+//!     ├─ host/      compute threads and their placement (threads.rs), malloc settings (heap.rs)
+//!     └─ observe/   JSON lines per step and the summary (metrics.rs), --timeline (timeline.rs)
 //! ```
+//!
+//! Learning-rate schedules and the fp16 loss scaler are in
+//! [`crate::optim::schedule`]; the token loader in [`crate::data`].
 //!
 //! # Bit-identical results across tiers (the central invariant)
 //!
@@ -51,7 +55,7 @@
 //!
 //! # What overlaps with what
 //!
-//! * Parameter reads from NVMe are issued ahead of use by the scheduler
+//! * Parameter reads from NVMe are issued ahead of use by the prefetcher
 //!   (bounded by `stage3_prefetch_bucket_size`, `stage3_max_live_parameters`
 //!   and free swap buffers) and complete on the I/O engine's threads while
 //!   the compute thread runs earlier units.
@@ -64,46 +68,37 @@
 //!   continues on earlier units. With clipping or fp16 the step needs the
 //!   global norm (or the global overflow flag) first: the per-sub-group
 //!   norms and the state reads still overlap backward, the steps run after
-//!   it. This is the choice the issue asks us to document.
-//! * Adam runs on its own thread ([`worker`]): the compute thread hands
+//!   it.
+//! * Adam runs on its own thread (`worker`): the compute thread hands
 //!   it each final sub-group's gradient and continues backward; the new
 //!   16-bit params come back over a channel and are stored at unit
 //!   boundaries.
 //!
-//! # Not yet here (see the issue)
+//! # Not yet here
 //!
-//! * Several ranks run over MPI (`comm_mpi`, feature `mpi`), bit-identical
-//!   to one rank with the same global batch (see [`trainer`]). Not yet: the
-//!   all-gather of unit i+1 overlapping the compute of unit i (the NVMe read
-//!   of this rank's shard is prefetched; the gather runs at the fetch, on
-//!   the compute thread's call), stage 1's separate all-reduce (stages 1
-//!   and 2 both reduce-scatter; the shard's sum is the same), and
-//!   checkpoints of sharded state. NCCL (`comm_nccl`, feature `gpu`) stages
-//!   host buffers through the device: compute is on the CPU, so there is
-//!   no zero-copy device path yet. CI has no GPU; `scripts/gpu_check.sh`
-//!   passed on one H200 (2026-11-30: every collective bit-checked on one
-//!   rank, and `train --device cuda:0` gave the CPU run's weights), but the
-//!   staging is slow (a 256 MiB all-gather on one rank: 0.48 s) and two
-//!   ranks have not met on two GPUs yet.
-//! * Gradient spill between micro-batches: accumulated fp32 gradients live
-//!   in host memory per sub-group until they are final. Once final they
-//!   are handed to the optimizer thread (overlapped mode) or, when the step
-//!   must wait for the global norm (clipping, fp16) and the state is on
-//!   NVMe, written to NVMe and read back with the state (4 buffers per
-//!   sub-group in the pipeline). With `gradient_accumulation_steps > 1`, or
-//!   with `overlap_optimizer` off, the whole model's fp32 gradients are
-//!   held in host memory (4 bytes per parameter) until the step.
-//! * HF `tokenizer.json` input (the loader is byte-level only).
-//! * Overlap measurement: `examples/engine_train.rs` reports the per-phase
-//!   times, but the "step ≤ 1.15 × max(phase alone)" target is not yet
-//!   demonstrated (see the measurements in the branch's notes).
+//! * The all-gather of unit i+1 overlapping the compute of unit i with
+//!   several ranks (the NVMe read of this rank's shard is prefetched; the
+//!   gather runs at the fetch, on the compute thread's call), and stage
+//!   1's separate all-reduce (stages 1 and 2 both reduce-scatter; the
+//!   shard's sum is the same).
+//! * A zero-copy device path for NCCL: compute is on the CPU, so NCCL
+//!   stages host buffers through the device
+//!   (`docs/decisions/gpu-collectives.md`).
+//! * Gradients held per model size: until they are final, accumulated fp32
+//!   gradients live in host memory per sub-group. Once final they go to
+//!   the optimizer thread, or, when the step must wait for the global norm
+//!   (clipping, fp16) and the state is on NVMe, to NVMe with the state. With
+//!   `gradient_accumulation_steps > 1`, or with `overlap_optimizer` off,
+//!   the whole model's fp32 gradients are held in host memory (4 bytes per
+//!   parameter) until the step.
+//! * Overlap figures are in `docs/decisions/overlap.md`.
 
 pub mod comm;
-pub mod error;
+pub(crate) mod error;
 pub mod host;
-pub mod layout;
-pub mod observe;
-pub mod optimizer;
+pub(crate) mod layout;
+pub(crate) mod observe;
+pub(crate) mod optimizer;
 pub mod params;
 pub mod sizing;
 pub mod trainer;

@@ -329,7 +329,7 @@ pub fn auto_optimizer_resident_bytes(
 /// forward's first units, in index order, while their state (12 bytes per
 /// element) fits `tierzero.optimizer_resident_bytes` (auto:
 /// [`auto_optimizer_resident_bytes`]). See "Resident sub-groups" in
-/// [`crate::engine::optimizer::state`].
+/// `crate::engine::optimizer::state`.
 pub fn resident_groups(config: &Config, shape: &Shape) -> Vec<bool> {
     let zero = &config.zero;
     let mut resident = vec![false; shape.sub_groups.len()];

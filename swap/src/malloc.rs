@@ -16,8 +16,8 @@
 //! 30% slower than the same compute alone; with both thresholds raised
 //! (the tunables below, set through `GLIBC_TUNABLES`) the offloaded step
 //! took 0.86× and 0.93× the time in two side-by-side runs, while compute
-//! alone and I/O alone did not move (`examples/overlap`, see the
-//! tierzero notes). Raising only one of the two made it slower: setting
+//! alone and I/O alone did not move (`examples/overlap`; the figures are in
+//! tierzero's `docs/decisions/host-heap.md`). Raising only one of the two made it slower: setting
 //! either turns off glibc's dynamic adjustment, so the other stays at its
 //! small default.
 //!

@@ -1,12 +1,12 @@
 //! Collectives between data-parallel ranks.
 //!
 //! ZeRO partitions every parameter, gradient and optimizer-state tensor into
-//! per-rank shards ([`crate::engine::layout`]). A fetch gathers the shards into the
+//! per-rank shards (`crate::engine::layout`). A fetch gathers the shards into the
 //! full tensor, a gradient is reduce-scattered so each rank keeps the sum of
 //! its shard, and the global gradient norm and the loss are all-reduced.
 //! The engine calls these through [`Comm`] only, so an MPI or NCCL backend
 //! plugs in without touching the step. [`SingleRank`] is one rank (every
-//! collective is a copy); `comm_mpi::MpiComm` (feature `mpi`) runs N ranks
+//! collective is a copy); `mpi::MpiComm` (feature `mpi`) runs N ranks
 //! as N processes under `mpirun`.
 //!
 //! # Determinism
@@ -245,4 +245,5 @@ pub mod mpi;
 pub mod nccl;
 #[cfg(any(feature = "mpi", feature = "gpu"))]
 mod owner;
-pub mod rendezvous;
+#[cfg(any(feature = "gpu", test))]
+pub(crate) mod rendezvous;

@@ -18,7 +18,7 @@
 //!   communicator is a raw handle (not `Send`), the context is bound per
 //!   thread, and cudarc panics when a library is missing: a thread that owns
 //!   everything solves all three without `unsafe` (the same shape as
-//!   `comm_mpi`). A mutex serialises callers, so collectives are issued in
+//!   `mpi.rs`). A mutex serialises callers, so collectives are issued in
 //!   call order.
 //! * **Deterministic, as [`Comm`] requires.** NCCL never reduces anything
 //!   here. [`Comm::all_gather_bytes`] pads every shard to the largest count

@@ -160,7 +160,7 @@ impl OptimizerState {
     /// None) or on NVMe, except the groups `resident` marks (see
     /// "Resident sub-groups" in the module docs), which stay in host memory
     /// either way. Initialise every sub-group with
-    /// [`OptimizerState::init_group`].
+    /// [`OptimizerState::load_group`].
     pub fn new(
         numel: Vec<usize>,
         nvme: Option<NvmeOptim>,
@@ -260,14 +260,6 @@ impl OptimizerState {
         self.counters
     }
 
-    /// Busy seconds of the read and write engines' workers.
-    pub fn io_busy_s(&self) -> f64 {
-        self.nvme.as_ref().map_or(0.0, |n| {
-            n.io.read.stats().busy_s.iter().sum::<f64>()
-                + n.io.write.stats().busy_s.iter().sum::<f64>()
-        })
-    }
-
     /// Whether `sg`'s state read is issued and it is not yet stepped.
     pub fn is_issued(&self, sg: SubGroupId) -> bool {
         self.nvme
@@ -317,7 +309,8 @@ impl OptimizerState {
             .ok_or_else(|| EngineError::internal(format!("no sub-group {sg:?}")))
     }
 
-    /// Sets a sub-group's master weights; zeroes its moments.
+    /// Sets a sub-group's master weights; zeroes its moments (tests).
+    #[cfg(test)]
     pub fn init_group(&mut self, sg: SubGroupId, master: &[f32]) -> Result<()> {
         let n = self.numel_of(sg)?;
         let zeros = vec![0f32; n];
@@ -737,16 +730,6 @@ impl OptimizerState {
             nv.spilled.iter_mut().for_each(|f| *f = false);
         }
         Ok(())
-    }
-
-    /// Whether gradients can be spilled (NVMe state with gradient extents).
-    pub fn can_spill(&self) -> bool {
-        self.nvme.as_ref().is_some_and(|nv| {
-            nv.grad_extents
-                .iter()
-                .zip(&self.mem)
-                .all(|(e, m)| e.is_some() || m.is_some())
-        })
     }
 
     /// Writes a sub-group's final gradient to NVMe (asynchronously) so host

@@ -389,7 +389,7 @@ impl State {
                 // Backward is over: the sub-groups still queued are stepped
                 // in index order (forward order), because the next step's
                 // forward, which overlaps this tail, needs the lowest first
-                // ("Optimizer tail" in trainer.rs). Groups whose state is in
+                // ("Optimizer tail" in the trainer module docs). Groups whose state is in
                 // memory (resident) need no read: they go first. Groups
                 // whose state reads are already issued keep their order
                 // (reads are FIFO), before the rest.

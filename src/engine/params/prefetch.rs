@@ -1,4 +1,4 @@
-//! The prefetching scheduler: unit trace, prefetch window, release policy.
+//! The prefetcher: unit trace, prefetch window, release policy.
 //!
 //! # Trace
 //!
@@ -8,7 +8,7 @@
 //! change of sequence length or batch is a change of trace. The first step
 //! records ([`TraceState::Record`]); at the next step the trace is frozen
 //! ([`TraceState::Complete`]) and each visit is checked against it. On a
-//! mismatch the scheduler reports it (the trainer completes every
+//! mismatch the prefetcher reports it (the trainer completes every
 //! in-flight read so nothing is left holding a buffer or waiting), keeps
 //! the visits that matched, and records the rest of this step: the next
 //! step runs with the new trace. Prefetching only ever *issues* reads, and
@@ -117,7 +117,7 @@ pub fn keep_bound_numel(limits: &Limits) -> u64 {
         .max(limits.prefetch_bucket_numel)
 }
 
-/// The scheduler.
+/// The prefetcher.
 #[derive(Debug, Clone)]
 pub struct Prefetcher {
     state: TraceState,
@@ -133,7 +133,7 @@ pub struct Prefetcher {
 }
 
 impl Prefetcher {
-    /// A scheduler for `model` that starts by recording.
+    /// A prefetcher for `model` that starts by recording.
     pub fn new(model: &Model, limits: Limits) -> Self {
         let unit_params: Vec<Vec<ParamId>> =
             model.units().iter().map(|u| u.params.clone()).collect();

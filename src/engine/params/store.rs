@@ -13,10 +13,10 @@
 //! * [`Tier::Nvme`]: one [`Extent`] per parameter shard in the swap space.
 //!   A fetch reads it into a pinned swap buffer (one of
 //!   `offload_param.buffer_count` buffers of `buffer_size` elements) on the
-//!   I/O engine's thread; the param copy thread ([`crate::engine::params::copier`]) builds
+//!   I/O engine's thread; the param copy thread (`crate::engine::params::copier`) builds
 //!   the tensor from it as it lands and returns the buffer to the pool at
 //!   once. The buffers therefore bound the reads *in flight*, not the
-//!   params resident: residency is bounded by the scheduler (max-live,
+//!   params resident: residency is bounded by the prefetcher (max-live,
 //!   which counts reads in flight, and the device-cache budget).
 //!
 //! Stored bytes are the training precision's bits (bf16 or fp16 when
@@ -114,7 +114,7 @@ pub enum ParamState {
 #[derive(Debug)]
 pub enum ParamEvent {
     /// An asynchronous read was submitted; the copy thread takes it out of
-    /// its swap buffer when it lands (see [`crate::engine::params::copier`]).
+    /// its swap buffer when it lands (see `crate::engine::params::copier`).
     ReadIssued(PendingRead),
     /// The tensor is on the device.
     Materialized(Tensor),
@@ -222,7 +222,7 @@ pub struct NvmeParams {
     /// `None`: unpinned.
     pub copier_cpus: Option<Arc<[usize]>>,
     /// Counts this store's reads on the disk, for the optimizer thread
-    /// ([`crate::engine::params::copier::ParamReadGate`]).
+    /// (`crate::engine::params::copier::ParamReadGate`).
     pub read_gate: Arc<crate::engine::params::copier::ParamReadGate>,
 }
 
@@ -420,7 +420,7 @@ impl ParamStore {
     }
 
     /// The gate counting this store's NVMe param reads on the disk, for
-    /// the optimizer thread ([`crate::engine::params::copier::ParamReadGate`]);
+    /// the optimizer thread (`crate::engine::params::copier::ParamReadGate`);
     /// `None` without NVMe params.
     pub fn read_gate(&self) -> Option<Arc<crate::engine::params::copier::ParamReadGate>> {
         self.nvme.as_ref().map(|n| n.read_gate.clone())
@@ -563,7 +563,7 @@ impl ParamStore {
     /// number of reads a step does stays fixed.
     ///
     /// `built` is the CPU tensor of `shard` when the optimizer thread built
-    /// it already (one rank; see [`crate::engine::optimizer::worker::TensorWant`]); it is used
+    /// it already (one rank; see `crate::engine::optimizer::worker::TensorWant`); it is used
     /// if the param stays resident, else dropped.
     pub fn update(
         &mut self,

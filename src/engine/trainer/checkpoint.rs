@@ -39,7 +39,7 @@ impl Trainer {
     /// the lr schedule and data position continue where it stopped. With the
     /// same config, the run continues bit-identically.
     ///
-    /// Refused ([`CheckpointError::Mismatch`]) when the run cannot use the
+    /// Refused ([`crate::checkpoint::CheckpointError::Mismatch`]) when the run cannot use the
     /// checkpoint; warned about when the config's numerics, the seq_len or
     /// the precision of the loss scaler differ.
     pub fn resume(

@@ -38,7 +38,7 @@
 //! stored); [`Trainer::settle_optimizer`] waits for the whole tail, and
 //! `master`, `weight_sha256` and `finish` call it.
 //!
-//! State reads start before the gradients are final ([`Job::Expect`] at
+//! State reads start before the gradients are final (`Job::Expect` at
 //! the start of the step): without clipping or fp16, in the order backward
 //! makes gradients final, as deep as the optimizer's buffers allow; with
 //! them, for the first `read_ahead + 1` sub-groups in index order (the

@@ -25,10 +25,10 @@ pub struct TrainerOptions {
     /// Fault injection on the swap engines (tests); none by default.
     pub faults: FaultPlan,
     /// A timeline of a window of steps (`--timeline`, see
-    /// [`crate::engine::observe::timeline`]); none by default.
+    /// `crate::engine::observe::timeline`); none by default.
     pub timeline: Option<Arc<Timeline>>,
     /// Raise glibc's mmap and trim thresholds for the process (see
-    /// [`crate::engine::host::heap`]); on by default.
+    /// `crate::engine::host::heap`); on by default.
     pub keep_heap_mapped: bool,
 }
 
