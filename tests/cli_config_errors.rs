@@ -114,21 +114,9 @@ fn commented_config_trains_like_the_plain_one() {
     std::fs::write(d.join("commented.json"), commented).unwrap();
     std::fs::write(d.join("plain.json"), base(&d).to_string()).unwrap();
     let sha = |name: &str| {
-        let out = run_tierzero(
-            Some(&d),
-            &[
-                "train",
-                "--config",
-                name,
-                "--steps",
-                "1",
-                "--seq-len",
-                "16",
-                "--json",
-            ],
-        );
+        let (out, summary) = train_json(&d, name, &[]);
         assert_eq!(out.code, 0, "{name}: stderr: {}", out.stderr);
-        let v: Value = serde_json::from_str(&out.stdout).unwrap();
+        let v: Value = summary.unwrap();
         v["weight_sha256"].as_str().unwrap().to_owned()
     };
     assert_eq!(sha("commented.json"), sha("plain.json"));
