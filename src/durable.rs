@@ -15,8 +15,15 @@
 //! * **Directories are synced explicitly** ([`sync_dir`]): a file's `fsync`
 //!   does not persist its directory entry.
 //!
-//! Every manifest, checkpoint file and `latest` pointer goes through these
-//! helpers. They return [`DurableError`], which names the operation and the
+//! * **Streamed atomic write** ([`write_atomic_streamed`]): the same
+//!   sequence for a file too large to hold in memory (an exported
+//!   `model.safetensors`), written through a caller's function.
+//! * **Renames into place** ([`rename`]): a rename followed by the `fsync`
+//!   of the target's directory (a staged checkpoint dir becoming
+//!   `step-<N>`).
+//!
+//! Every manifest, checkpoint file, `latest` pointer, export and saved HF
+//! directory goes through these helpers; nothing else renames into place. They return [`DurableError`], which names the operation and the
 //! path.
 
 use std::fs::{File, OpenOptions};
@@ -106,10 +113,7 @@ pub(crate) fn write_atomic_with(
     bytes: &[u8],
     mid: Option<crate::failpoint::Site>,
 ) -> Result<(), DurableError> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
+    let dir = parent_dir(path);
     let name = path
         .file_name()
         .ok_or_else(|| DurableError {
@@ -141,6 +145,56 @@ pub(crate) fn write_atomic_with(
         let _ = std::fs::remove_file(&tmp);
     }
     result
+}
+
+/// The directory a path's temporary sibling goes in.
+fn parent_dir(path: &Path) -> PathBuf {
+    match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+/// [`write_atomic`] for contents written by `write` instead of held in
+/// memory: `write` gets the new temporary file (0600, in `path`'s
+/// directory) and its path, and returns the file when done; it is then
+/// `fsync`ed, renamed over `path`, and the directory `fsync`ed. Returns the
+/// bytes written. On any error the temporary file is removed and `path` is
+/// unchanged.
+pub fn write_atomic_streamed<E: From<DurableError>>(
+    path: &Path,
+    write: impl FnOnce(File, &Path) -> Result<File, E>,
+) -> Result<u64, E> {
+    let dir = parent_dir(path);
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "file".to_owned());
+    let tmp = dir.join(format!(
+        ".{name}.tmp-{}-{}",
+        std::process::id(),
+        TMP_SEQ.fetch_add(1, Ordering::Relaxed)
+    ));
+    let result = (|| {
+        let file = write(create_file(&tmp)?, &tmp)?;
+        sync_file(&file, &tmp)?;
+        let bytes = file.metadata().map_err(err("stat", &tmp))?.len();
+        drop(file);
+        std::fs::rename(&tmp, path).map_err(err("renaming to", path))?;
+        sync_dir(&dir)?;
+        Ok(bytes)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Renames `from` to `to` (a file or a directory, in one file system) and
+/// `fsync`s `to`'s directory, so the new name is on disk when this returns.
+pub fn rename(from: &Path, to: &Path) -> Result<(), DurableError> {
+    std::fs::rename(from, to).map_err(err("renaming to", to))?;
+    sync_dir(&parent_dir(to))
 }
 
 #[cfg(test)]

@@ -86,42 +86,23 @@ pub fn export_safetensors(
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => ConfigJsonAction::Written,
         Err(e) => return Err(io_err("reading", &config_path)(e)),
     };
-    let name = out
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "model.safetensors".into());
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let _ = std::fs::remove_file(&tmp);
-    let result = (|| {
-        let file = durable::create_file(&tmp)?;
-        // A load error is kept whole (it names the corrupt part) and
-        // returned instead of the model-area error it is carried as.
-        let mut load_err: Option<CheckpointError> = None;
-        let written = write_safetensors(file, &tmp, model, dtype, |id| {
+    // A load error is kept whole (it names the corrupt part) and returned
+    // instead of the model-area error it is carried as.
+    let mut load_err: Option<CheckpointError> = None;
+    let bytes = durable::write_atomic_streamed(out, |file, tmp| {
+        let written = write_safetensors(file, tmp, model, dtype, |id| {
             ckpt.load_param_f32(id).map_err(|e| {
                 let text = e.to_string();
                 load_err = Some(e);
                 crate::model::ModelError::Unsupported { what: text }
             })
         });
-        let file = match (written, load_err) {
-            (Ok(f), _) => f,
-            (Err(_), Some(e)) => return Err(e),
-            (Err(e), None) => return Err(e.into()),
-        };
-        durable::sync_file(&file, &tmp)?;
-        let bytes = file.metadata().map_err(io_err("stat", &tmp))?.len();
-        std::fs::rename(&tmp, out).map_err(io_err("renaming to", out))?;
-        durable::sync_dir(&dir)?;
-        Ok::<u64, CheckpointError>(bytes)
-    })();
-    let bytes = match result {
-        Ok(b) => b,
-        Err(e) => {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(e);
+        match (written, load_err.take()) {
+            (Ok(f), _) => Ok(f),
+            (Err(_), Some(e)) => Err(e),
+            (Err(e), None) => Err(e.into()),
         }
-    };
+    })?;
     if config_action == ConfigJsonAction::Written {
         durable::write_atomic(&config_path, cfg_text.as_bytes())?;
     }

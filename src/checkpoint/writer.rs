@@ -318,15 +318,14 @@ impl StagedCheckpoint {
             .join(format!(".{name}.old-{}", std::process::id()));
         let replaced = match std::fs::symlink_metadata(&final_dir) {
             Ok(_) => {
-                std::fs::rename(&final_dir, &old).map_err(io_err("moving aside", &final_dir))?;
+                durable::rename(&final_dir, &old)?;
                 true
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
             Err(e) => return Err(io_err("stat", &final_dir)(e)),
         };
-        std::fs::rename(&self.tmp_dir, &final_dir).map_err(io_err("renaming to", &final_dir))?;
+        durable::rename(&self.tmp_dir, &final_dir)?;
         self.committed = true;
-        durable::sync_dir(&self.save_dir)?;
         failpoint::kill_point(Site::CkptBeforeLatest);
         durable::write_atomic_with(
             &self.save_dir.join(LATEST_FILE),

@@ -437,7 +437,9 @@ pub fn init_param(
 /// Writes `config.json` and `model.safetensors` in HF layout under `dir`.
 /// Tensors come from `fetch` one at a time (in [`ParamId`] order), are
 /// converted to `dtype` and streamed to the file, so the whole model never
-/// needs to be in memory. Written to a temporary name, then renamed.
+/// needs to be in memory. Each file is written atomically
+/// ([`crate::durable`]: a temporary file, fsync, rename, fsync of the
+/// directory).
 pub fn save_hf_dir(
     dir: impl AsRef<Path>,
     model: &Model,
@@ -445,15 +447,11 @@ pub fn save_hf_dir(
     fetch: impl FnMut(ParamId) -> Result<Tensor, ModelError>,
 ) -> Result<(), ModelError> {
     let dir = dir.as_ref();
-    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
-    let cfg_path = dir.join("config.json");
-    std::fs::write(&cfg_path, hf_config_text(model)?).map_err(io_err(&cfg_path))?;
-    let final_path = dir.join("model.safetensors");
-    let tmp_path = dir.join("model.safetensors.tmp");
-    let file = File::create(&tmp_path).map_err(io_err(&tmp_path))?;
-    let file = write_safetensors(file, &tmp_path, model, dtype, fetch)?;
-    file.sync_all().map_err(io_err(&tmp_path))?;
-    std::fs::rename(&tmp_path, &final_path).map_err(io_err(&final_path))?;
+    crate::durable::create_dir_all(dir)?;
+    crate::durable::write_atomic(&dir.join("config.json"), hf_config_text(model)?.as_bytes())?;
+    crate::durable::write_atomic_streamed(&dir.join("model.safetensors"), |file, tmp| {
+        write_safetensors(file, tmp, model, dtype, fetch)
+    })?;
     Ok(())
 }
 

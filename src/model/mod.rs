@@ -79,6 +79,9 @@ pub use io::{hf_config_text, save_hf_dir, write_safetensors, ModelDir};
 /// Errors of the model area.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
+    /// A durable write of a model file (see [`crate::durable`]).
+    #[error(transparent)]
+    Durable(#[from] crate::durable::DurableError),
     /// I/O on a model file.
     #[error("I/O error on {path}: {source}")]
     Io {
