@@ -64,8 +64,8 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tierzero::checkpoint::{Checkpoint, CheckpointError, SaveDirLock};
 use tierzero::config::{self, AutoOr, ConfigWarning, PathChecks, RunContext};
 use tierzero::data::TokenData;
-use tierzero::engine::{EngineError, StepMetrics, Timeline, Trainer, TrainerOptions};
-use tierzero::model::{Arch, ModelDir};
+use tierzero::engine::{EngineError, StepMetrics, Summary, Timeline, Trainer, TrainerOptions};
+use tierzero::model::{Arch, Model, ModelConfig, ModelDir};
 use tierzero::run::{
     Plan, DEFAULT_CORPUS, DEFAULT_CORPUS_NAME, DEFAULT_MODEL_CONFIG, DEFAULT_SEQ_LEN, DEFAULT_STEPS,
 };
@@ -396,80 +396,75 @@ struct JsonSummary<'a> {
     metrics: Option<String>,
 }
 
-/// Runs `tierzero train`.
-pub fn run(args: TrainArgs) -> Result<(), Failure> {
-    let started = Instant::now();
-    // Several ranks (under mpirun): rank 0 prints and writes --metrics, the
-    // others only log (see launch.rs).
-    let device = tierzero::gpu::parse_device(&args.device).map_err(bad)?;
-    let comm = super::launch::rank_comm_on(device)?;
-    let lead = comm.rank() == 0;
-    let seed = number("--seed", &args.seed, 0, u64::MAX)?;
-    let threads = number("--threads", &args.threads, 1, 1024)?;
-    let threads = NonZeroUsize::new(threads as usize).unwrap_or(NonZeroUsize::MIN);
-    let steps_flag = match &args.steps {
-        Some(s) => Some(number("--steps", s, 1, 1 << 40)?),
-        None => None,
-    };
-    let micro_batch = match &args.micro_batch {
-        Some(s) => Some(number("--micro-batch", s, 1, 1 << 30)?),
-        None => None,
-    };
-    let grad_accum = match &args.grad_accum {
-        Some(s) => Some(number("--grad-accum", s, 1, 1 << 30)?),
-        None => None,
-    };
-    let lr = match &args.lr {
-        Some(s) => Some(
-            s.parse::<f64>()
-                .ok()
-                .filter(|v| v.is_finite() && *v > 0.0)
-                .ok_or_else(|| {
-                    bad(format!(
-                        "--lr {s}: not a positive number; give a learning rate such as --lr 1e-4"
-                    ))
-                })?,
-        ),
-        None => None,
-    };
+/// The number flags of `tierzero train`, checked.
+struct Flags {
+    seed: u64,
+    threads: NonZeroUsize,
+    steps: Option<u64>,
+    micro_batch: Option<u64>,
+    grad_accum: Option<u64>,
+    lr: Option<f64>,
+    save_every: Option<u64>,
+}
 
-    let save_every = match &args.save_every {
-        Some(s) => Some(number("--save-every", s, 1, 1 << 40)?),
-        None => None,
-    };
-    if save_every.is_some() && args.save_dir.is_none() {
-        return Err(bad(
-            "--save-every needs --save-dir DIR (where to put the checkpoints)",
-        ));
+impl Flags {
+    fn parse(args: &TrainArgs) -> Result<Flags, Failure> {
+        let opt = |flag: &str, text: &Option<String>, max: u64| -> Result<Option<u64>, Failure> {
+            text.as_deref().map(|s| number(flag, s, 1, max)).transpose()
+        };
+        let seed = number("--seed", &args.seed, 0, u64::MAX)?;
+        let threads = number("--threads", &args.threads, 1, 1024)?;
+        let steps = opt("--steps", &args.steps, 1 << 40)?;
+        let micro_batch = opt("--micro-batch", &args.micro_batch, 1 << 30)?;
+        let grad_accum = opt("--grad-accum", &args.grad_accum, 1 << 30)?;
+        let lr = match &args.lr {
+            Some(s) => Some(
+                s.parse::<f64>()
+                    .ok()
+                    .filter(|v| v.is_finite() && *v > 0.0)
+                    .ok_or_else(|| {
+                        bad(format!(
+                            "--lr {s}: not a positive number; give a learning rate such as --lr 1e-4"
+                        ))
+                    })?,
+            ),
+            None => None,
+        };
+        Ok(Flags {
+            seed,
+            threads: NonZeroUsize::new(threads as usize).unwrap_or(NonZeroUsize::MIN),
+            steps,
+            micro_batch,
+            grad_accum,
+            lr,
+            save_every: opt("--save-every", &args.save_every, 1 << 40)?,
+        })
     }
-    if let Err(e) = tierzero::failpoint::check_env() {
-        return Err(bad(e));
-    }
-    // The save dir is ours for the whole run (refused now, not at the
-    // first save, when another run is saving into it). With several ranks
-    // rank 0 holds it: it writes everything outside the rank dirs.
-    let save_lock = match &args.save_dir {
+}
+
+/// The save dir is ours for the whole run (refused now, not at the first
+/// save, when another run is saving into it). With several ranks rank 0
+/// holds it: it writes everything outside the rank dirs.
+fn claim_save_dir(args: &TrainArgs, lead: bool) -> Result<Option<SaveDirLock>, Failure> {
+    match &args.save_dir {
         Some(d) if lead => {
             tierzero::durable::create_dir_all(d)
                 .map_err(|e| bad(format!("--save-dir {}: {e}", d.display())))?;
-            Some(
-                SaveDirLock::acquire(d)
-                    .map_err(|e| bad(format!("--save-dir {}: {e}", d.display())))?,
-            )
+            let lock = SaveDirLock::acquire(d)
+                .map_err(|e| bad(format!("--save-dir {}: {e}", d.display())))?;
+            Ok(Some(lock))
         }
-        _ => None,
-    };
-    let ckpt = match &args.resume {
-        Some(d) => Some(Checkpoint::open(d).map_err(|e| {
-            bad(format!(
-                "--resume {}: {e}; give a save dir (with `latest`) or a step-<N> directory",
-                d.display()
-            ))
-        })?),
-        None => None,
-    };
+        _ => Ok(None),
+    }
+}
 
-    // Model.
+/// The model to train: its directory (none when resuming without
+/// `--model`) and the model itself.
+fn open_model(
+    args: &TrainArgs,
+    seed: u64,
+    ckpt: Option<&Checkpoint>,
+) -> Result<(Option<ModelDir>, Model), Failure> {
     let model_dir = match &args.model {
         Some(dir) => {
             let fix = "give a HF model directory with config.json (and optionally *.safetensors)";
@@ -497,19 +492,18 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         (None, Some(c)) => c.model().clone(),
         (None, None) => return Err(Failure::Internal(anyhow!("no model"))),
     };
-    let mc = model.config().clone();
-    let numel = model.numel() as u64;
+    Ok((model_dir, model))
+}
 
-    let seq_len = match (&args.seq_len, &ckpt) {
-        (Some(s), _) => number("--seq-len", s, 1, mc.max_seq_len as u64)? as usize,
-        (None, Some(c)) => c.manifest().seq_len.min(mc.max_seq_len),
-        (None, None) => DEFAULT_SEQ_LEN.min(mc.max_seq_len),
-    };
-
-    // Data.
+/// The token data of `--data` (or the embedded corpus) and its name.
+fn load_data(
+    args: &TrainArgs,
+    mc: &ModelConfig,
+    seq_len: usize,
+) -> Result<(TokenData, String), Failure> {
     let (data, data_name) = match &args.data {
         Some(p) => (
-            super::tokens::load_tokens(p, args.tokenizer.as_deref(), &mc)?,
+            super::tokens::load_tokens(p, args.tokenizer.as_deref(), mc)?,
             p.display().to_string(),
         ),
         None => (
@@ -526,7 +520,18 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         )));
     }
 
-    // Config.
+    Ok((data, data_name))
+}
+
+/// The validated config (`--config`, or the embedded one) resolved with
+/// the run's flags, its name, and the steps to run.
+fn load_config(
+    args: &TrainArgs,
+    flags: &Flags,
+    mc: &ModelConfig,
+    numel: u64,
+    ranks: usize,
+) -> Result<(config::Loaded, String, u64), Failure> {
     let (text, config_name, path_checks) = match &args.config {
         Some(p) => {
             must_exist("--config", p, false, "give a ds_config.json file")?;
@@ -551,15 +556,15 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
             Some(AutoOr::Value(n)) => Some(n),
             _ => None,
         });
-    let steps = steps_flag.or(config_steps).unwrap_or(DEFAULT_STEPS);
+    let steps = flags.steps.or(config_steps).unwrap_or(DEFAULT_STEPS);
     let run = RunContext {
-        micro_batch_size: micro_batch,
-        gradient_accumulation_steps: grad_accum,
-        learning_rate: lr,
+        micro_batch_size: flags.micro_batch,
+        gradient_accumulation_steps: flags.grad_accum,
+        learning_rate: flags.lr,
         total_steps: Some(steps),
         hidden_size: Some(mc.hidden_size as u64),
         model_numel: Some(numel),
-        ranks: comm.world_size() as u64,
+        ranks: ranks as u64,
         path_checks,
         ..RunContext::default()
     };
@@ -567,8 +572,11 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
     for w in &loaded.warnings {
         print_warning(w);
     }
-    let cfg = &loaded.config;
+    Ok((loaded, config_name, steps))
+}
 
+/// `--metrics` and `--timeline` go into a directory that must exist.
+fn check_output_dirs(args: &TrainArgs) -> Result<(), Failure> {
     for (flag, file) in [("--metrics", &args.metrics), ("--timeline", &args.timeline)] {
         if let Some(parent) = file
             .as_ref()
@@ -583,117 +591,93 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
             )?;
         }
     }
-    let timeline_steps = number("--timeline-steps", &args.timeline_steps, 1, 1000)?;
+    Ok(())
+}
 
-    // With --json, stdout carries only the summary object; under several
-    // ranks only rank 0 prints.
-    let say = |text: &str| -> Result<(), Failure> {
-        if !lead {
-            Ok(())
-        } else if args.json {
-            eprint!("{text}");
-            Ok(())
-        } else {
-            emit(text)
-        }
-    };
+/// What the start-up lines and the summary say about the run.
+struct RunInfo<'a> {
+    data_name: &'a str,
+    config_name: &'a str,
+    steps: u64,
+    start_step: u64,
+    seq_len: usize,
+    tokens_per_step: u64,
+    seed: u64,
+    threads: NonZeroUsize,
+    ranks: usize,
+    /// Rank 0: it prints.
+    lead: bool,
+    /// Samples per optimizer step, all ranks.
+    train_batch_size: u64,
+    /// `steps_per_print`: the progress line interval.
+    steps_per_print: u64,
+}
 
-    // Engine.
-    let start_step = ckpt.as_ref().map_or(0, |c| c.step());
-    let timeline = args.timeline.as_ref().filter(|_| lead).map(|_| {
-        let (first, last) = Timeline::window(start_step, steps, timeline_steps);
-        Timeline::new(first, last)
-    });
-    let opts = TrainerOptions {
-        adam_threads: threads,
-        metrics_path: args.metrics.clone().filter(|_| lead),
-        timeline: timeline.clone(),
-        comm: comm.clone(),
-        ..TrainerOptions::cpu(seed, seq_len)
-    };
-    // Tokens of the global batch (every rank's micro-batches).
-    let tokens_per_step = cfg.batch.train_batch_size * seq_len as u64;
-    if start_step >= steps {
-        return say(&format!(
-            "the checkpoint {} is at step {start_step}, which already reaches --steps {steps}; \
-             nothing to do (raise --steps to train further)\n",
-            ckpt.as_ref()
-                .map_or(String::new(), |c| c.dir().display().to_string())
-        ));
-    }
-    let mut trainer = match (&ckpt, &model_dir) {
-        (Some(c), _) => Trainer::resume(cfg, c, data, opts),
-        (None, Some(md)) => Trainer::new(cfg, md, data, opts),
-        (None, None) => return Err(Failure::Internal(anyhow!("no model"))),
-    }
-    .map_err(startup_failure)?;
-    trainer.set_data_name(data_name.clone());
-    if let Some(lock) = save_lock {
-        trainer.adopt_save_dir_lock(lock);
-    }
-    let plan = Plan::new(
-        cfg,
-        trainer.model(),
-        trainer.layout(),
-        trainer.sizing(),
-        match device {
-            None => format!(
-                "cpu, {}; {}",
-                trainer.compute_threads(),
-                trainer.placement()
-            ),
-            Some(d) => format!(
-                "cpu, {}; {} (collectives: NCCL on {d})",
-                trainer.compute_threads(),
-                trainer.placement()
-            ),
-        },
-    );
-    let model_name = match (&args.model, &ckpt) {
+/// The start-up lines: model, data, config, run, and the plan.
+fn banner(
+    args: &TrainArgs,
+    ckpt: Option<&Checkpoint>,
+    model_dir: Option<&ModelDir>,
+    trainer: &Trainer,
+    plan: &Plan,
+    run: &RunInfo<'_>,
+) -> String {
+    let mc = trainer.model().config();
+    let model_name = match (&args.model, ckpt) {
         (Some(d), _) => d.display().to_string(),
         (None, Some(c)) => format!("from checkpoint {}", c.dir().display()),
         (None, None) => "embedded default".to_owned(),
     };
-    say(&format!(
+    format!(
         "tierzero train: model {model_name} ({}, {} layers, hidden {}, {} params, {}), \
-         data {data_name}, config {config_name}\n\
-         run: {steps} steps x {} sequences x {seq_len} tokens = {tokens_per_step} tokens/step, \
-         seed {seed}, {} Adam thread(s){}{}\n{plan}\n",
+         data {}, config {}\n\
+         run: {} steps x {} sequences x {} tokens = {} tokens/step, \
+         seed {}, {} Adam thread(s){}{}\n{plan}\n",
         match mc.arch {
             Arch::Gpt2 => "GPT-2",
             Arch::Llama => "Llama",
         },
         mc.n_layer,
         mc.hidden_size,
-        numel,
-        match (&ckpt, &model_dir) {
+        trainer.model().numel(),
+        match (ckpt, model_dir) {
             (Some(_), _) => "resumed",
             (None, Some(md)) if md.has_weights() => "weights from safetensors",
             _ => "seeded init",
         },
-        cfg.batch.train_batch_size,
-        threads,
-        match comm.world_size() {
+        run.data_name,
+        run.config_name,
+        run.steps,
+        run.train_batch_size,
+        run.seq_len,
+        run.tokens_per_step,
+        run.seed,
+        run.threads,
+        match run.ranks {
             1 => String::new(),
             n => format!(", {n} ranks (plan: rank 0's shard)"),
         },
         trainer
             .malloc_tuning()
             .map_or(String::new(), |m| format!(", host malloc: {m}"))
-    ))?;
+    )
+}
 
-    // Train.
-    let progress = Progress::new(steps, cfg.steps_per_print);
-    let train_started = Instant::now();
+/// The steps from `start_step` to `steps`, with progress and checkpoints
+/// (every `--save-every` and at the end). Returns the first and last
+/// steps' metrics.
+fn train_steps(
+    trainer: &mut Trainer,
+    args: &TrainArgs,
+    flags: &Flags,
+    run: &RunInfo<'_>,
+    say: &dyn Fn(&str) -> Result<(), Failure>,
+) -> Result<(StepMetrics, StepMetrics), Failure> {
+    let (steps, start_step, save_every) = (run.steps, run.start_step, flags.save_every);
+    let lead = run.lead;
+    let progress = Progress::new(steps, run.steps_per_print);
     let mut first: Option<StepMetrics> = None;
     let mut last: Option<StepMetrics> = None;
-    if start_step > 0 {
-        say(&format!(
-            "resuming at step {start_step} of {steps} from {}\n",
-            ckpt.as_ref()
-                .map_or(String::new(), |c| c.dir().display().to_string())
-        ))?;
-    }
     let mut saved_at: Option<u64> = None;
     let save = |trainer: &mut Trainer, dir: &Path| -> Result<(), Failure> {
         let p = trainer
@@ -726,7 +710,7 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         }
         if let (Some(every), Some(dir)) = (save_every, &args.save_dir) {
             if m.step.is_multiple_of(every) {
-                save(&mut trainer, dir).inspect_err(|_| progress.finish())?;
+                save(trainer, dir).inspect_err(|_| progress.finish())?;
                 saved_at = Some(m.step);
             }
         }
@@ -738,25 +722,23 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
     progress.finish();
     if let Some(dir) = &args.save_dir {
         if saved_at != Some(trainer.steps_done()) {
-            save(&mut trainer, dir)?;
+            save(trainer, dir)?;
         }
     }
-    let train_s = train_started.elapsed().as_secs_f64();
-    let summary = trainer
-        .finish()
-        .map_err(|e| run_failure(e, "finishing the run"))?;
-    if let (Some(tl), Some(path)) = (&timeline, &args.timeline) {
-        tl.write(path).map_err(|e| {
-            Failure::Internal(anyhow!("writing the timeline {}: {e}", path.display()))
-        })?;
+    match (first, last) {
+        (Some(first), Some(last)) => Ok((first, last)),
+        _ => Err(Failure::Internal(anyhow!("no step ran"))),
     }
+}
+
+/// An armed failpoint that never fired (the run was shorter than the
+/// point): the counts of every site let a test pick points that exist.
+fn report_unreached_failpoint() {
     if let Some(a) = tierzero::failpoint::check_env()
         .ok()
         .flatten()
         .filter(|a| tierzero::failpoint::hits(a.site) < a.nth)
     {
-        // Armed but never fired: the run was shorter than the point. The
-        // counts of every site let a test pick points that exist.
         eprintln!(
             "failpoint {}:{} was not reached; hits: {}",
             a.site.name(),
@@ -766,17 +748,188 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
                 .join(" ")
         );
     }
-    let (Some(first), Some(last)) = (first, last) else {
-        return Err(Failure::Internal(anyhow!("no step ran")));
+}
+
+/// Runs `tierzero train`.
+pub fn run(args: TrainArgs) -> Result<(), Failure> {
+    let started = Instant::now();
+    // Several ranks (under mpirun): rank 0 prints and writes --metrics, the
+    // others only log (see launch.rs).
+    let device = tierzero::gpu::parse_device(&args.device).map_err(bad)?;
+    let comm = super::launch::rank_comm_on(device)?;
+    let lead = comm.rank() == 0;
+    let flags = Flags::parse(&args)?;
+    if flags.save_every.is_some() && args.save_dir.is_none() {
+        return Err(bad(
+            "--save-every needs --save-dir DIR (where to put the checkpoints)",
+        ));
+    }
+    if let Err(e) = tierzero::failpoint::check_env() {
+        return Err(bad(e));
+    }
+    let save_lock = claim_save_dir(&args, lead)?;
+    let ckpt = match &args.resume {
+        Some(d) => Some(Checkpoint::open(d).map_err(|e| {
+            bad(format!(
+                "--resume {}: {e}; give a save dir (with `latest`) or a step-<N> directory",
+                d.display()
+            ))
+        })?),
+        None => None,
     };
+    let (model_dir, model) = open_model(&args, flags.seed, ckpt.as_ref())?;
+    let mc = model.config().clone();
+    let numel = model.numel() as u64;
+    let seq_len = match (&args.seq_len, &ckpt) {
+        (Some(s), _) => number("--seq-len", s, 1, mc.max_seq_len as u64)? as usize,
+        (None, Some(c)) => c.manifest().seq_len.min(mc.max_seq_len),
+        (None, None) => DEFAULT_SEQ_LEN.min(mc.max_seq_len),
+    };
+    let (data, data_name) = load_data(&args, &mc, seq_len)?;
+    let (loaded, config_name, steps) = load_config(&args, &flags, &mc, numel, comm.world_size())?;
+    let cfg = &loaded.config;
+    check_output_dirs(&args)?;
+    let timeline_steps = number("--timeline-steps", &args.timeline_steps, 1, 1000)?;
+
+    // With --json, stdout carries only the summary object; under several
+    // ranks only rank 0 prints.
+    let say = |text: &str| -> Result<(), Failure> {
+        if !lead {
+            Ok(())
+        } else if args.json {
+            eprint!("{text}");
+            Ok(())
+        } else {
+            emit(text)
+        }
+    };
+
+    // Engine.
+    let start_step = ckpt.as_ref().map_or(0, |c| c.step());
+    let timeline = args.timeline.as_ref().filter(|_| lead).map(|_| {
+        let (first, last) = Timeline::window(start_step, steps, timeline_steps);
+        Timeline::new(first, last)
+    });
+    let opts = TrainerOptions {
+        adam_threads: flags.threads,
+        metrics_path: args.metrics.clone().filter(|_| lead),
+        timeline: timeline.clone(),
+        comm: comm.clone(),
+        ..TrainerOptions::cpu(flags.seed, seq_len)
+    };
+    let run = RunInfo {
+        data_name: &data_name,
+        config_name: &config_name,
+        steps,
+        start_step,
+        seq_len,
+        // Tokens of the global batch (every rank's micro-batches).
+        tokens_per_step: cfg.batch.train_batch_size * seq_len as u64,
+        seed: flags.seed,
+        threads: flags.threads,
+        ranks: comm.world_size(),
+        lead,
+        train_batch_size: cfg.batch.train_batch_size,
+        steps_per_print: cfg.steps_per_print,
+    };
+    if start_step >= steps {
+        return say(&format!(
+            "the checkpoint {} is at step {start_step}, which already reaches --steps {steps}; \
+             nothing to do (raise --steps to train further)\n",
+            ckpt.as_ref()
+                .map_or(String::new(), |c| c.dir().display().to_string())
+        ));
+    }
+    let mut trainer = match (&ckpt, &model_dir) {
+        (Some(c), _) => Trainer::resume(cfg, c, data, opts),
+        (None, Some(md)) => Trainer::new(cfg, md, data, opts),
+        (None, None) => return Err(Failure::Internal(anyhow!("no model"))),
+    }
+    .map_err(startup_failure)?;
+    trainer.set_data_name(data_name.clone());
+    if let Some(lock) = save_lock {
+        trainer.adopt_save_dir_lock(lock);
+    }
+    let threads_line = format!("{}; {}", trainer.compute_threads(), trainer.placement());
+    let plan = Plan::new(
+        cfg,
+        trainer.model(),
+        trainer.layout(),
+        trainer.sizing(),
+        match device {
+            None => format!("cpu, {threads_line}"),
+            Some(d) => format!("cpu, {threads_line} (collectives: NCCL on {d})"),
+        },
+    );
+    say(&banner(
+        &args,
+        ckpt.as_ref(),
+        model_dir.as_ref(),
+        &trainer,
+        &plan,
+        &run,
+    ))?;
+
+    // Train.
+    let train_started = Instant::now();
+    if start_step > 0 {
+        say(&format!(
+            "resuming at step {start_step} of {steps} from {}\n",
+            ckpt.as_ref()
+                .map_or(String::new(), |c| c.dir().display().to_string())
+        ))?;
+    }
+    let (first, last) = train_steps(&mut trainer, &args, &flags, &run, &say)?;
+    let train_s = train_started.elapsed().as_secs_f64();
+    let summary = trainer
+        .finish()
+        .map_err(|e| run_failure(e, "finishing the run"))?;
+    if let (Some(tl), Some(path)) = (&timeline, &args.timeline) {
+        tl.write(path).map_err(|e| {
+            Failure::Internal(anyhow!("writing the timeline {}: {e}", path.display()))
+        })?;
+    }
+    report_unreached_failpoint();
+    if !lead {
+        return Ok(());
+    }
+    let timing = Timing {
+        train_s,
+        total_s: started.elapsed().as_secs_f64(),
+    };
+    print_summary(
+        &args,
+        &run,
+        &summary,
+        (&first, &last),
+        timing,
+        timeline.as_deref(),
+    )
+}
+
+/// Seconds of a run: the steps alone, and everything.
+#[derive(Debug, Clone, Copy)]
+struct Timing {
+    train_s: f64,
+    total_s: f64,
+}
+
+/// The summary on stdout: one JSON object with `--json`, else lines.
+fn print_summary(
+    args: &TrainArgs,
+    run: &RunInfo<'_>,
+    summary: &Summary,
+    (first, last): (&StepMetrics, &StepMetrics),
+    timing: Timing,
+    timeline: Option<&Timeline>,
+) -> Result<(), Failure> {
+    let (tokens_per_step, start_step, train_s) =
+        (run.tokens_per_step, run.start_step, timing.train_s);
     // The run's totals (initial weights and the last optimizer tail
     // included), not a sum of step lines.
     let nvme_read = summary.bytes_read.get("nvme").copied().unwrap_or(0);
     let nvme_written = summary.bytes_written.get("nvme").copied().unwrap_or(0);
     let tokens_per_s = (tokens_per_step * (summary.steps - start_step)) as f64 / train_s.max(1e-9);
-    if !lead {
-        return Ok(());
-    }
     if args.json {
         // A struct, not json!: the losses keep their f32 form (shortest
         // repr), exactly as the metrics file writes them.
@@ -790,7 +943,7 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
             tokens_per_step,
             tokens_per_s,
             train_s,
-            total_s: started.elapsed().as_secs_f64(),
+            total_s: timing.total_s,
             nvme_read_bytes: nvme_read,
             nvme_written_bytes: nvme_written,
             peak_rss_bytes: summary.peak_rss_bytes,
@@ -807,7 +960,7 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
          weight_sha256: {}\n\
          NVMe: read {}, written {}; peak RSS {}{}\n",
         summary.steps - start_step,
-        started.elapsed().as_secs_f64(),
+        timing.total_s,
         first.loss,
         first.step,
         last.loss,
@@ -821,7 +974,7 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
             None => String::new(),
         }
     ))?;
-    if let (Some(tl), Some(path)) = (&timeline, &args.timeline) {
+    if let (Some(tl), Some(path)) = (timeline, &args.timeline) {
         let (a, b) = tl.steps();
         emit(&format!(
             "timeline of steps {a}..={b} in {} (open it in ui.perfetto.dev)\n",
