@@ -61,6 +61,7 @@
 //! (`|id| dir.load_param(id, DType::F32, &device)`), or a checkpoint's fp32
 //! master weights.
 
+use crate::data::TokenSource;
 use candle_core::{DType, Device, Tensor};
 
 use crate::model::{Model, ModelError, ParamId, UnitInput, UnitKind};
@@ -206,7 +207,7 @@ pub struct EvalResult {
 pub fn evaluate<E>(
     model: &Model,
     mut fetch: impl FnMut(ParamId) -> Result<Tensor, E>,
-    tokens: &[u32],
+    tokens: &(impl TokenSource + ?Sized),
     opts: &EvalOptions,
 ) -> Result<EvalResult, EvalError>
 where
@@ -214,7 +215,7 @@ where
 {
     let cfg = model.config();
     let seq_len = opts.seq_len;
-    let windows = Windows::new(tokens.len(), seq_len)?;
+    let windows = Windows::new(tokens.token_count(), seq_len)?;
     if seq_len > cfg.max_seq_len {
         return Err(EvalError::SeqLenTooLarge {
             seq_len,
@@ -223,18 +224,15 @@ where
     }
     if windows.full == 0 {
         return Err(EvalError::TooFewTokens {
-            tokens: tokens.len(),
+            tokens: tokens.token_count(),
             seq_len,
         });
     }
     if opts.batch_windows == 0 {
         return Err(EvalError::ZeroBatch);
     }
-    if let Some((position, &token)) = tokens
-        .iter()
-        .enumerate()
-        .find(|(_, &t)| t as usize >= cfg.vocab_size)
-    {
+    let bound = u32::try_from(cfg.vocab_size).unwrap_or(u32::MAX);
+    if let Some((position, token)) = tokens.first_at_or_above(bound) {
         return Err(EvalError::TokenOutOfVocab {
             token,
             position,
@@ -289,7 +287,7 @@ where
 fn eval_pass<E>(
     model: &Model,
     fetch: &mut impl FnMut(ParamId) -> Result<Tensor, E>,
-    tokens: &[u32],
+    tokens: &(impl TokenSource + ?Sized),
     pass: &[(usize, usize, usize)],
     device: &Device,
 ) -> Result<f64, EvalError>
@@ -303,8 +301,10 @@ where
         let t = len - 1;
         let mut ids = Vec::with_capacity(n * t);
         let mut tg = Vec::with_capacity(n * t);
+        let mut win = Vec::with_capacity(len);
         for k in 0..n {
-            let win = &tokens[start + k * len..start + (k + 1) * len];
+            win.clear();
+            tokens.extend_window(start + k * len, len, &mut win);
             ids.extend_from_slice(&win[..t]);
             tg.extend_from_slice(&win[1..]);
         }

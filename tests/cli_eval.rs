@@ -47,7 +47,7 @@ fn library(model_dir: &Path, data: &TokenData, seq_len: usize, seed: u64) -> (f6
     let r = evaluate(
         md.model(),
         |id| md.load_param(id, DType::F32, &Device::Cpu),
-        data.tokens(),
+        data,
         &EvalOptions {
             seq_len,
             batch_windows: 1,
@@ -193,6 +193,8 @@ fn hf_tokenizer_gives_the_ids() {
     )
     .unwrap();
     // 7 ids per sentence, 28 ids: 3 windows of 8 and a partial of 4 -> 3*7+3.
+    // The whole file is one document; the tokenizer ends it with id 5,
+    // given as the EOS, so no EOS is added after it.
     let out = eval(
         &d,
         &[
@@ -202,6 +204,10 @@ fn hf_tokenizer_gives_the_ids() {
             "words.txt",
             "--tokenizer",
             fixture,
+            "--data-format",
+            "text",
+            "--eos-id",
+            "5",
             "--seq-len",
             "8",
             "--json",
@@ -225,6 +231,8 @@ fn hf_tokenizer_gives_the_ids() {
             "words.txt",
             "--tokenizer",
             fixture,
+            "--eos-id",
+            "4",
             "--seq-len",
             "8",
         ],
@@ -232,7 +240,12 @@ fn hf_tokenizer_gives_the_ids() {
     assert_bad_input(
         &out,
         "vocab 5",
-        &["--tokenizer", "token id 7", "vocab_size is 5"],
+        &[
+            "--tokenizer",
+            "token id 6",
+            "token 4 of the corpus",
+            "vocab_size is 5",
+        ],
     );
 }
 

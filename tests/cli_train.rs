@@ -439,7 +439,16 @@ fn tokenizer_json_feeds_the_run() {
     let args = with(&TINY, &[("--model", "model8"), ("--data", "words.txt")]);
     assert_bad(&d, &args, &["vocab_size is 8", "--tokenizer"]);
     let mut args = with(&args, &[("--steps", "2")]);
-    args.extend(["--tokenizer", fixture.as_str(), "--metrics", "m.jsonl"]);
+    // The WordLevel fixture has no end-of-text token: id 5 (".") ends
+    // each document instead.
+    args.extend([
+        "--tokenizer",
+        fixture.as_str(),
+        "--eos-id",
+        "5",
+        "--metrics",
+        "m.jsonl",
+    ]);
     let out = train(&d, &args);
     assert_eq!(out.code, 0, "stderr: {}", out.stderr);
     let lines = metrics_lines(&d.join("m.jsonl"));

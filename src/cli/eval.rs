@@ -60,9 +60,12 @@ pub struct EvalArgs {
     /// from 2 to the model's maximum positions.
     #[arg(long, value_name = "L")]
     seq_len: String,
-    /// HF tokenizer.json to turn --data into token ids.
+    /// HF tokenizer.json to turn --data's text into token ids, document by
+    /// document, with its truncation and padding off.
     #[arg(long, value_name = "tokenizer.json")]
     tokenizer: Option<PathBuf>,
+    #[command(flatten)]
+    data_options: super::tokens::DataOptions,
     /// Windows per forward pass (bounds memory: the logits take
     /// N x (L-1) x vocab_size x 4 bytes); does not change the result.
     #[arg(long, value_name = "N", default_value = "4")]
@@ -114,8 +117,15 @@ pub fn run(args: EvalArgs) -> Result<(), Failure> {
         )?;
         let ck = tierzero::checkpoint::Checkpoint::open(dir)
             .map_err(|e| bad(format!("--checkpoint {}: {e}", dir.display())))?;
-        let data = load_tokens(&args.data, args.tokenizer.as_deref(), ck.model().config())?;
-        let result = evaluate(ck.model(), |id| ck.load_param_f32(id), data.tokens(), &opts);
+        let (data, data_line) = load_tokens(
+            &args.data,
+            args.tokenizer.as_deref(),
+            &args.data_options,
+            ck.model(),
+        )?;
+        // What was read goes to stderr; stdout carries the result.
+        eprintln!("{data_line}");
+        let result = evaluate(ck.model(), |id| ck.load_param_f32(id), &data, &opts);
         return report(
             &args,
             &format!(
@@ -124,7 +134,7 @@ pub fn run(args: EvalArgs) -> Result<(), Failure> {
                 ck.step()
             ),
             ck.model().config(),
-            data.len(),
+            (data.len(), &data_line),
             result,
         );
     }
@@ -136,11 +146,17 @@ pub fn run(args: EvalArgs) -> Result<(), Failure> {
     must_exist("--model", &dir.join("config.json"), false, fix)?;
     let md =
         ModelDir::open(dir, seed).map_err(|e| bad(format!("--model {}: {e}", dir.display())))?;
-    let data = load_tokens(&args.data, args.tokenizer.as_deref(), md.model().config())?;
+    let (data, data_line) = load_tokens(
+        &args.data,
+        args.tokenizer.as_deref(),
+        &args.data_options,
+        md.model(),
+    )?;
+
     let result = evaluate(
         md.model(),
         |id| md.load_param(id, DType::F32, &device),
-        data.tokens(),
+        &data,
         &opts,
     );
     let source = if md.has_weights() {
@@ -152,7 +168,7 @@ pub fn run(args: EvalArgs) -> Result<(), Failure> {
         &args,
         &format!("{} ({source})", dir.display()),
         md.model().config(),
-        data.len(),
+        (data.len(), &data_line),
         result,
     )
 }
@@ -162,13 +178,15 @@ fn report(
     args: &EvalArgs,
     model_name: &str,
     mc: &ModelConfig,
-    n_tokens: usize,
+    (n_tokens, data_line): (usize, &str),
     result: Result<EvalResult, EvalError>,
 ) -> Result<(), Failure> {
     let data_name = args.data.display();
     let r = result.map_err(|e| eval_failure(e, &args.data))?;
     let seq_len = number("--seq-len", &args.seq_len, 2, 1 << 30)? as usize;
     let windows = Windows::new(n_tokens, seq_len).map_err(|e| eval_failure(e, &args.data))?;
+    // What was read goes to stderr; stdout carries the result.
+    eprintln!("{data_line}");
     let header = format!(
         "tierzero eval: model {model_name}, {} layers, hidden {}, vocab {}; data {data_name}: \
          {n_tokens} tokens in {} windows of {seq_len} ({} full{}{}), {} predicted",

@@ -1,42 +1,191 @@
-//! Reading `--data` (with `--tokenizer` when given) for `train` and `eval`:
-//! one place that turns a file into token ids and explains what is wrong
-//! in one line.
+//! Reading `--data` for `train` and `eval`: one place that turns a file
+//! into token ids (bytes, text documents or JSONL with `--tokenizer`, or a
+//! token file), says what it did, and explains what is wrong in one line.
 
+use std::io::IsTerminal as _;
 use std::path::Path;
 
-use tierzero::data::TokenData;
-use tierzero::model::ModelConfig;
+use clap::Args;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use tierzero::data::{DataFormat, DataSpec, Loaded, Origin, TokenData};
+use tierzero::model::Model;
+use tierzero::units::format_bytes;
 
-use super::train::{bad, must_exist};
+use super::train::{bad, must_exist, number};
 use super::Failure;
 
-/// Token ids of `data`: encoded with the HF `tokenizer.json` when one is
-/// given, else byte-level. Every id is checked against the model's
-/// `vocab_size`.
+/// How `--data` is read (shared by `train` and `eval`).
+#[derive(Debug, Clone, Args)]
+pub struct DataOptions {
+    /// What --data is: auto (by extension: .jsonl/.json JSONL, .u16/.u32 or
+    /// .bin/.tokens token ids, else text documents with --tokenizer and
+    /// bytes without), bytes, text (the whole file is one document),
+    /// paragraphs (documents end at a blank line), lines (each line is a
+    /// document), jsonl, u16 or u32 (flat little-endian token ids)
+    #[arg(long, value_name = "FORMAT", default_value = "auto")]
+    pub data_format: String,
+    /// The JSONL field holding each document's text
+    #[arg(long, value_name = "NAME", default_value = "text")]
+    pub text_field: String,
+    /// The id appended after each document. Default: eos_token_id from the
+    /// model's config.json, else the tokenizer's end-of-text token
+    #[arg(long, value_name = "ID")]
+    pub eos_id: Option<String>,
+    /// Do not keep the encoded corpus next to the data (it is cached as
+    /// .<data>.tz-<key>.u16 by default, so the next run starts at once)
+    #[arg(long)]
+    pub no_data_cache: bool,
+}
+
+/// End-of-text tokens of common tokenizers, in the order they are tried
+/// when the model's config has no `eos_token_id`.
+const EOS_TOKENS: [&str; 6] = [
+    "<|endoftext|>",
+    "</s>",
+    "<|end_of_text|>",
+    "<eos>",
+    "<|im_end|>",
+    "[SEP]",
+];
+
+/// The EOS id after each document: `--eos-id`, else the model config's
+/// `eos_token_id`, else the tokenizer's end-of-text token.
+fn eos_id(opts: &DataOptions, model: &Model, tokenizer: &Path) -> Result<u32, Failure> {
+    let vocab = model.config().vocab_size as u64;
+    if let Some(s) = &opts.eos_id {
+        return Ok(number("--eos-id", s, 0, vocab.saturating_sub(1))? as u32);
+    }
+    if let Some(id) = model.token_ids().eos() {
+        return u32::try_from(id)
+            .ok()
+            .filter(|&i| u64::from(i) < vocab)
+            .ok_or_else(|| {
+                bad(format!(
+                    "the model's eos_token_id {id} is not below its vocab_size {vocab}; give \
+                     --eos-id"
+                ))
+            });
+    }
+    let t = tierzero::data::encode::open_tokenizer(tokenizer)
+        .map_err(|e| bad(format!("--tokenizer: {e}")))?;
+    EOS_TOKENS
+        .iter()
+        .find_map(|name| t.token_to_id(name))
+        .ok_or_else(|| {
+            bad(format!(
+                "--tokenizer {}: no end-of-text token to put after each document (the \
+                 model's config.json has no eos_token_id, and the tokenizer has none of {}); \
+                 give --eos-id ID",
+                tokenizer.display(),
+                EOS_TOKENS.join(", ")
+            ))
+        })
+}
+
+/// A progress bar over the data's bytes while text is encoded (stderr,
+/// when it is a terminal).
+fn encode_bar(total_bytes: u64) -> Option<ProgressBar> {
+    if !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = ProgressBar::with_draw_target(Some(total_bytes), ProgressDrawTarget::stderr());
+    if let Ok(style) = ProgressStyle::with_template(
+        "encoding {bar:30} {binary_bytes}/{binary_total_bytes} ({binary_bytes_per_sec}, eta {eta})",
+    ) {
+        bar.set_style(style);
+    }
+    Some(bar)
+}
+
+/// Token ids of `data` as `opts` and `tokenizer` say, every id checked
+/// against the model's `vocab_size`; and a line saying what was read.
 pub(super) fn load_tokens(
     data: &Path,
     tokenizer: Option<&Path>,
-    model: &ModelConfig,
-) -> Result<TokenData, Failure> {
-    must_exist("--data", data, false, "give a text file")?;
-    match tokenizer {
-        Some(t) => {
-            must_exist("--tokenizer", t, false, "give a HF tokenizer.json file")?;
-            TokenData::from_tokenizer_file(data, t, model.vocab_size)
-                .map_err(|e| bad(format!("--data with --tokenizer: {e}")))
-        }
-        None => {
-            let d = TokenData::from_byte_file(data).map_err(|e| bad(format!("--data: {e}")))?;
-            if d.vocab_needed() > model.vocab_size {
-                return Err(bad(format!(
-                    "--data {}: byte-level tokens go up to {} but the model's vocab_size is {}; \
-                     use a model with vocab_size >= 256 or give --tokenizer",
-                    data.display(),
-                    d.vocab_needed() - 1,
-                    model.vocab_size
-                )));
-            }
-            Ok(d)
-        }
+    opts: &DataOptions,
+    model: &Model,
+) -> Result<(TokenData, String), Failure> {
+    must_exist("--data", data, false, "give a text, JSONL or token file")?;
+    if let Some(t) = tokenizer {
+        must_exist("--tokenizer", t, false, "give a HF tokenizer.json file")?;
     }
+    let format = DataFormat::detect(
+        data,
+        Some(opts.data_format.as_str()),
+        tokenizer.is_some(),
+        &opts.text_field,
+    )
+    .map_err(|e| bad(format!("--data: {e}")))?;
+    let eos = match tokenizer {
+        Some(t) if format.needs_tokenizer() => Some(eos_id(opts, model, t)?),
+        _ => None,
+    };
+    let spec = DataSpec {
+        path: data.to_owned(),
+        format: format.clone(),
+        tokenizer: tokenizer.map(Path::to_path_buf),
+        eos,
+        cache: !opts.no_data_cache,
+    };
+    let started = std::time::Instant::now();
+    let total = std::fs::metadata(data).map_or(0, |m| m.len());
+    let bar = if format.needs_tokenizer() {
+        encode_bar(total)
+    } else {
+        None
+    };
+    let loaded = TokenData::load(&spec, model.config().vocab_size, &|done, _| {
+        if let Some(b) = &bar {
+            b.set_position(done);
+        }
+    });
+    if let Some(b) = &bar {
+        b.finish_and_clear();
+    }
+    let loaded = loaded.map_err(|e| match tokenizer {
+        Some(_) => bad(format!("--data with --tokenizer: {e}")),
+        None => bad(format!("--data: {e}")),
+    })?;
+    let line = describe(
+        &loaded,
+        &format,
+        eos,
+        total,
+        started.elapsed().as_secs_f64(),
+    );
+    Ok((loaded.data, line))
+}
+
+/// One line on what was read: tokens, documents, and the cache.
+fn describe(
+    l: &Loaded,
+    format: &DataFormat,
+    eos: Option<u32>,
+    total_bytes: u64,
+    seconds: f64,
+) -> String {
+    let docs = match (l.documents, eos) {
+        (Some(d), Some(e)) => format!(", {d} documents, each followed by EOS id {e}"),
+        (Some(d), None) => format!(", {d} documents"),
+        _ => String::new(),
+    };
+    let how = match &l.origin {
+        Origin::Read if l.data.is_mapped() => "mapped".to_owned(),
+        Origin::Read => "read".to_owned(),
+        Origin::CacheHit(p) => format!("from the token cache {}", p.display()),
+        Origin::Encoded { cached, no_cache } => format!(
+            "encoded in {seconds:.1} s ({}/s){}",
+            format_bytes((total_bytes as f64 / seconds.max(1e-9)) as u64),
+            match (cached, no_cache) {
+                (Some(p), _) => format!(", cached in {}", p.display()),
+                (None, Some(why)) => format!(", not cached: {why}"),
+                (None, None) => String::new(),
+            }
+        ),
+    };
+    format!(
+        "data: {} tokens ({}{docs}), {how}",
+        l.data.len(),
+        format.name()
+    )
 }

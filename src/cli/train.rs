@@ -104,14 +104,18 @@ pub struct TrainArgs {
     /// Default: the embedded small GPT-2 (seeded init).
     #[arg(long, value_name = "DIR")]
     model: Option<PathBuf>,
-    /// Training text, read byte-level (one token per byte). Default: the
-    /// embedded corpus (data/corpus.txt).
+    /// Training data: text (byte-level, or documents with --tokenizer),
+    /// JSONL, or a token file (see --data-format). Default: the embedded
+    /// corpus (data/corpus.txt), byte-level
     #[arg(long, value_name = "FILE")]
     data: Option<PathBuf>,
-    /// HF tokenizer.json to turn --data into token ids (needs --data; every
-    /// id must be below the model's vocab_size).
+    /// HF tokenizer.json to turn --data's text into token ids, document by
+    /// document, with its truncation and padding off (needs --data; every
+    /// id must be below the model's vocab_size)
     #[arg(long, value_name = "tokenizer.json", requires = "data")]
     tokenizer: Option<PathBuf>,
+    #[command(flatten)]
+    data_options: super::tokens::DataOptions,
     /// Total optimizer steps (also fills scheduler total_num_steps "auto").
     /// Default: the config's total_num_steps if concrete, else 150.
     #[arg(long, value_name = "N")]
@@ -495,20 +499,27 @@ fn open_model(
     Ok((model_dir, model))
 }
 
-/// The token data of `--data` (or the embedded corpus) and its name.
+/// The token data of `--data` (or the embedded corpus), its name, and a
+/// line on what was read (none for the embedded corpus).
 fn load_data(
     args: &TrainArgs,
-    mc: &ModelConfig,
+    model: &Model,
     seq_len: usize,
-) -> Result<(TokenData, String), Failure> {
-    let (data, data_name) = match &args.data {
-        Some(p) => (
-            super::tokens::load_tokens(p, args.tokenizer.as_deref(), mc)?,
-            p.display().to_string(),
-        ),
+) -> Result<(TokenData, String, Option<String>), Failure> {
+    let (data, data_name, line) = match &args.data {
+        Some(p) => {
+            let (d, line) = super::tokens::load_tokens(
+                p,
+                args.tokenizer.as_deref(),
+                &args.data_options,
+                model,
+            )?;
+            (d, p.display().to_string(), Some(line))
+        }
         None => (
             TokenData::from_bytes(DEFAULT_CORPUS, Path::new(DEFAULT_CORPUS_NAME)),
             DEFAULT_CORPUS_NAME.to_owned(),
+            None,
         ),
     };
     if data.len() < seq_len + 2 {
@@ -520,7 +531,7 @@ fn load_data(
         )));
     }
 
-    Ok((data, data_name))
+    Ok((data, data_name, line))
 }
 
 /// The validated config (`--config`, or the embedded one) resolved with
@@ -785,9 +796,20 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         (None, Some(c)) => c.manifest().seq_len.min(mc.max_seq_len),
         (None, None) => DEFAULT_SEQ_LEN.min(mc.max_seq_len),
     };
-    let (data, data_name) = load_data(&args, &mc, seq_len)?;
+    let (data, data_name, data_line) = load_data(&args, &model, seq_len)?;
     let (loaded, config_name, steps) = load_config(&args, &flags, &mc, numel, comm.world_size())?;
     let cfg = &loaded.config;
+    // One micro-batch's rows must be distinct windows of the corpus.
+    let micro_tokens = cfg.batch.micro_batch_size * seq_len as u64 + 1;
+    if (data.len() as u64) < micro_tokens {
+        return Err(bad(format!(
+            "--data {data_name}: {} tokens are fewer than one micro-batch needs \
+             (train_micro_batch_size_per_gpu {} × --seq-len {seq_len} + 1 = {micro_tokens}); \
+             give more data, or a smaller micro-batch or --seq-len",
+            data.len(),
+            cfg.batch.micro_batch_size
+        )));
+    }
     check_output_dirs(&args)?;
     let timeline_steps = number("--timeline-steps", &args.timeline_steps, 1, 1000)?;
 
@@ -869,6 +891,9 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         &plan,
         &run,
     ))?;
+    if let Some(line) = &data_line {
+        say(&format!("{line}\n"))?;
+    }
 
     // Train.
     let train_started = Instant::now();

@@ -122,6 +122,9 @@ pub enum EngineError {
     /// From checkpoint saving or loading.
     #[error(transparent)]
     Checkpoint(#[from] crate::checkpoint::CheckpointError),
+    /// A durable write (the token cache, see [`crate::durable`]).
+    #[error(transparent)]
+    Durable(#[from] crate::durable::DurableError),
 }
 
 impl EngineError {

@@ -330,6 +330,15 @@ impl TokenIds {
         self.0.is_empty()
     }
 
+    /// `eos_token_id`: the id, or the first of a list (Llama 3 writes
+    /// several).
+    pub fn eos(&self) -> Option<u64> {
+        match self.0.get("eos_token_id")? {
+            Value::Array(a) => a.first().and_then(Value::as_u64),
+            v => v.as_u64(),
+        }
+    }
+
     /// Adds the ids to an HF config object.
     pub fn add_to(&self, value: &mut Value) {
         if let Some(obj) = value.as_object_mut() {

@@ -63,6 +63,7 @@ pub mod error;
 pub mod fault;
 pub mod lock;
 pub mod malloc;
+pub mod mapped;
 mod portable;
 mod ring;
 pub mod space;
@@ -77,5 +78,6 @@ pub use engine::{
 pub use error::{IoOp, Result, SwapError};
 pub use fault::{FaultInjector, FaultKind, FaultRule};
 pub use malloc::{keep_heap_mapped, MallocTuning};
+pub use mapped::MappedFile;
 pub use space::{CopyReport, DirectIo, Extent, ExtentId, FileIdx, SpaceConfig, SwapSpace};
 pub use stats::{BusyClock, StatsSnapshot};

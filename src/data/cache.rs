@@ -1,0 +1,167 @@
+//! The token cache: an encoded text corpus kept next to its data, so the
+//! next run starts at once.
+//!
+//! A corpus `DIR/corpus.jsonl` encoded with some tokenizer is written to
+//! `DIR/.corpus.jsonl.tz-<key>.u16` (or `.u32`: the narrowest width for the
+//! model's vocabulary), a flat little-endian token file, and described by
+//! the sidecar `DIR/.corpus.jsonl.tz-<key>.u16.json`. The key is the
+//! SHA-256 of everything the ids depend on: the `tokenizer.json` bytes, the
+//! data's length and CRC-32C (its whole content, read once; hardware CRC
+//! runs at memory speed), the format (documents, JSONL field), the EOS id,
+//! the width and the `tokenizers` version. So an edited corpus, another
+//! tokenizer or another EOS is a miss and re-encodes; nothing stale is
+//! ever read.
+//!
+//! Both files are written with [`crate::durable`] (temporary file, fsync,
+//! rename), the token file first: a crash leaves no sidecar, which is a
+//! miss. A hit needs the sidecar's key and token count to match the token
+//! file's size. A directory the process cannot write to means no cache
+//! (the tokens stay in memory), said in the report.
+
+use std::io::Read as _;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::format::{DataFormat, TokenWidth};
+use crate::engine::{EngineError, Result};
+use crate::sha256::Sha256;
+
+/// Bumped when the meaning of a cached file changes.
+const CACHE_VERSION: u32 = 1;
+
+/// The data file's length and CRC-32C.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataIdentity {
+    /// Bytes.
+    pub bytes: u64,
+    /// CRC-32C of all of them.
+    pub crc32c: u32,
+}
+
+impl DataIdentity {
+    /// Reads `path` once.
+    pub fn of(path: &Path) -> Result<DataIdentity> {
+        let io = |source| EngineError::Io {
+            path: path.to_owned(),
+            source,
+        };
+        let mut f = std::fs::File::open(path).map_err(io)?;
+        let mut buf = vec![0u8; 1 << 20];
+        let (mut bytes, mut crc) = (0u64, 0u32);
+        loop {
+            let n = f.read(&mut buf).map_err(io)?;
+            if n == 0 {
+                break;
+            }
+            crc = crc32c::crc32c_append(crc, &buf[..n]);
+            bytes += n as u64;
+        }
+        Ok(DataIdentity { bytes, crc32c: crc })
+    }
+}
+
+/// What a cache entry says about itself (the sidecar).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheMeta {
+    /// [`CACHE_VERSION`].
+    pub tierzero_token_cache: u32,
+    /// The key (hex SHA-256).
+    pub key: String,
+    /// `uint16` or `uint32`.
+    pub dtype: String,
+    /// Token ids in the file.
+    pub tokens: u64,
+    /// Documents encoded.
+    pub documents: u64,
+    /// The data file, as given.
+    pub source: String,
+    /// The data it was encoded from.
+    pub data: DataIdentity,
+    /// The format's name.
+    pub format: String,
+    /// The EOS id appended after each document.
+    pub eos_id: Option<u32>,
+}
+
+/// The inputs of a cache key.
+#[derive(Debug)]
+pub struct KeyInputs<'a> {
+    /// The `tokenizer.json` bytes.
+    pub tokenizer_json: &'a [u8],
+    /// The data.
+    pub data: DataIdentity,
+    /// Its format.
+    pub format: &'a DataFormat,
+    /// The EOS id.
+    pub eos: Option<u32>,
+    /// The stored width.
+    pub width: TokenWidth,
+}
+
+/// The key of `k` (hex SHA-256).
+pub fn key(k: &KeyInputs<'_>) -> String {
+    let mut h = Sha256::new();
+    let field = |h: &mut Sha256, b: &[u8]| {
+        h.update(&(b.len() as u64).to_le_bytes());
+        h.update(b);
+    };
+    field(
+        &mut h,
+        format!("tierzero-token-cache-v{CACHE_VERSION}").as_bytes(),
+    );
+    field(&mut h, b"tokenizers 0.23");
+    field(&mut h, k.tokenizer_json);
+    field(&mut h, &k.data.bytes.to_le_bytes());
+    field(&mut h, &k.data.crc32c.to_le_bytes());
+    field(&mut h, k.format.name().as_bytes());
+    field(&mut h, format!("{:?}", k.eos).as_bytes());
+    field(&mut h, k.width.dtype_name().as_bytes());
+    h.finish_hex()
+}
+
+/// The token file and sidecar of the cache entry `key` of `data`.
+pub fn paths(data: &Path, key: &str, width: TokenWidth) -> (PathBuf, PathBuf) {
+    let dir = match data.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let name = data
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "data".into());
+    let ext = match width {
+        TokenWidth::U16 => "u16",
+        TokenWidth::U32 => "u32",
+    };
+    let tokens = dir.join(format!(".{name}.tz-{}.{ext}", &key[..16.min(key.len())]));
+    let mut side = tokens.as_os_str().to_owned();
+    side.push(".json");
+    (tokens, PathBuf::from(side))
+}
+
+/// The entry's sidecar when it describes a whole token file of `key`.
+pub fn lookup(tokens: &Path, sidecar: &Path, key: &str, width: TokenWidth) -> Option<CacheMeta> {
+    let text = std::fs::read_to_string(sidecar).ok()?;
+    let meta: CacheMeta = serde_json::from_str(&text).ok()?;
+    let len = std::fs::metadata(tokens).ok()?.len();
+    (meta.tierzero_token_cache == CACHE_VERSION
+        && meta.key == key
+        && meta.dtype == width.dtype_name()
+        && len == meta.tokens * width.bytes() as u64)
+        .then_some(meta)
+}
+
+/// Whether files can be created in `dir` (a probe file, created and
+/// removed).
+pub fn writable(dir: &Path) -> bool {
+    let probe = dir.join(format!(".tierzero-cache-probe-{}", std::process::id()));
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+    {
+        Ok(_) => std::fs::remove_file(&probe).is_ok(),
+        Err(_) => false,
+    }
+}

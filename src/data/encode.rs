@@ -1,0 +1,400 @@
+//! Text documents to token ids, in a stream.
+//!
+//! A [`Docs`] reader yields one document at a time from a text or JSONL
+//! file (see [`super::format`] for where a document ends), with the line it
+//! starts on for errors. [`encode`] encodes documents in chunks of about
+//! [`CHUNK_BYTES`] of text with `Tokenizer::encode_batch` (the chunk's
+//! documents in parallel, results in document order), appends the EOS id
+//! after each document unless the tokenizer's post-processor already ended
+//! it with that id, checks every id against the model's vocabulary, and
+//! hands the ids to a sink in order. Memory is bounded by one chunk, not by
+//! the corpus.
+//!
+//! The tokenizer is the user's `tokenizer.json` with its truncation and
+//! padding turned off ([`open_tokenizer`]): a corpus is not a batch of
+//! model inputs, and a `max_length` of 128 would otherwise keep 128 tokens
+//! of every document. Special tokens are added per document as
+//! `tokenizer(doc)` adds them (BERT: `[CLS] … [SEP]`; Llama: a BOS).
+
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+
+use crate::engine::{EngineError, Result};
+
+/// Text encoded per `encode_batch` call.
+pub const CHUNK_BYTES: usize = 4 << 20;
+
+/// Documents per `encode_batch` call at most.
+const CHUNK_DOCS: usize = 8192;
+
+/// How a [`Docs`] reader cuts its file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cut {
+    /// The whole file is one document.
+    Whole,
+    /// Documents end at a blank line.
+    Paragraphs,
+    /// Each non-empty line is a document.
+    Lines,
+    /// One JSON object per line; the named field is the text.
+    Jsonl(String),
+}
+
+/// One document and the 1-based line it starts on.
+#[derive(Debug)]
+pub struct Doc {
+    /// Its text.
+    pub text: String,
+    /// The line it starts on.
+    pub line: u64,
+}
+
+/// Documents of a text file, one at a time.
+#[derive(Debug)]
+pub struct Docs<R> {
+    reader: R,
+    cut: Cut,
+    path: PathBuf,
+    /// Lines read so far.
+    line: u64,
+    /// Bytes read so far.
+    bytes: u64,
+    done: bool,
+    buf: Vec<u8>,
+}
+
+impl<R: BufRead> Docs<R> {
+    /// Documents of `reader` (the file `path`, named in errors).
+    pub fn new(reader: R, cut: Cut, path: &Path) -> Docs<R> {
+        Docs {
+            reader,
+            cut,
+            path: path.to_owned(),
+            line: 0,
+            bytes: 0,
+            done: false,
+            buf: Vec::new(),
+        }
+    }
+
+    /// Bytes of the file read so far.
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes
+    }
+
+    fn err(&self, line: u64, reason: String) -> EngineError {
+        EngineError::Data {
+            path: self.path.clone(),
+            reason: format!("line {line}: {reason}"),
+        }
+    }
+
+    /// The next raw line (without its line break), or `None` at the end.
+    fn next_line(&mut self) -> Result<Option<String>> {
+        self.buf.clear();
+        let n = self
+            .reader
+            .read_until(b'\n', &mut self.buf)
+            .map_err(|source| EngineError::Io {
+                path: self.path.clone(),
+                source,
+            })?;
+        if n == 0 {
+            return Ok(None);
+        }
+        let at = self.bytes;
+        self.bytes += n as u64;
+        self.line += 1;
+        while matches!(self.buf.last(), Some(b'\n' | b'\r')) {
+            self.buf.pop();
+        }
+        match std::str::from_utf8(&self.buf) {
+            Ok(s) => Ok(Some(s.to_owned())),
+            Err(e) => Err(self.err(
+                self.line,
+                format!(
+                    "not UTF-8 text (invalid byte at offset {}); a tokenizer needs text, or use \
+                     --data-format bytes to read the file byte-level",
+                    at + e.valid_up_to() as u64
+                ),
+            )),
+        }
+    }
+
+    /// The next document, or `None` at the end. Empty documents are
+    /// skipped.
+    pub fn next_doc(&mut self) -> Result<Option<Doc>> {
+        if self.done {
+            return Ok(None);
+        }
+        match self.cut.clone() {
+            Cut::Whole => {
+                self.done = true;
+                let mut all = Vec::new();
+                self.bytes +=
+                    self.reader
+                        .read_to_end(&mut all)
+                        .map_err(|source| EngineError::Io {
+                            path: self.path.clone(),
+                            source,
+                        })? as u64;
+                let text = String::from_utf8(all).map_err(|e| {
+                    self.err(
+                        1,
+                        format!(
+                            "not UTF-8 text (invalid byte at offset {}); a tokenizer needs text, \
+                             or use --data-format bytes to read the file byte-level",
+                            e.utf8_error().valid_up_to()
+                        ),
+                    )
+                })?;
+                Ok((!text.is_empty()).then_some(Doc { text, line: 1 }))
+            }
+            Cut::Lines => loop {
+                match self.next_line()? {
+                    None => return Ok(None),
+                    Some(l) if l.trim().is_empty() => {}
+                    Some(l) => {
+                        return Ok(Some(Doc {
+                            text: l,
+                            line: self.line,
+                        }))
+                    }
+                }
+            },
+            Cut::Paragraphs => {
+                let mut text = String::new();
+                let mut first = 0;
+                loop {
+                    match self.next_line()? {
+                        None => break,
+                        Some(l) if l.trim().is_empty() => {
+                            if !text.is_empty() {
+                                break;
+                            }
+                        }
+                        Some(l) => {
+                            if text.is_empty() {
+                                first = self.line;
+                            } else {
+                                text.push('\n');
+                            }
+                            text.push_str(&l);
+                        }
+                    }
+                }
+                Ok((!text.is_empty()).then_some(Doc { text, line: first }))
+            }
+            Cut::Jsonl(field) => loop {
+                let Some(l) = self.next_line()? else {
+                    return Ok(None);
+                };
+                if l.trim().is_empty() {
+                    continue;
+                }
+                let v: serde_json::Value = serde_json::from_str(&l).map_err(|e| {
+                    self.err(
+                        self.line,
+                        format!("not a JSON object ({e}); JSONL is one object per line"),
+                    )
+                })?;
+                match v.get(&field) {
+                    Some(serde_json::Value::String(s)) => {
+                        if s.is_empty() {
+                            continue;
+                        }
+                        return Ok(Some(Doc {
+                            text: s.clone(),
+                            line: self.line,
+                        }));
+                    }
+                    Some(other) => {
+                        return Err(self.err(
+                            self.line,
+                            format!(
+                                "\"{field}\" is {}, not a string",
+                                match other {
+                                    serde_json::Value::Null => "null",
+                                    serde_json::Value::Bool(_) => "a boolean",
+                                    serde_json::Value::Number(_) => "a number",
+                                    serde_json::Value::Array(_) => "an array",
+                                    serde_json::Value::Object(_) => "an object",
+                                    serde_json::Value::String(_) => "a string",
+                                }
+                            ),
+                        ))
+                    }
+                    None => {
+                        return Err(self.err(
+                            self.line,
+                            format!("no \"{field}\" field; name the text field with --text-field"),
+                        ))
+                    }
+                }
+            },
+        }
+    }
+}
+
+/// The user's tokenizer with truncation and padding off (see the module
+/// docs).
+pub fn open_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer> {
+    let bad = |reason: String| EngineError::Data {
+        path: path.to_owned(),
+        reason,
+    };
+    let mut t = tokenizers::Tokenizer::from_file(path)
+        .map_err(|e| bad(format!("not a usable HF tokenizer.json: {e}")))?;
+    t.with_truncation(None)
+        .map_err(|e| bad(format!("turning truncation off: {e}")))?;
+    t.with_padding(None);
+    Ok(t)
+}
+
+/// What [`encode`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Encoded {
+    /// Documents encoded.
+    pub documents: u64,
+    /// Token ids handed to the sink (EOS included).
+    pub tokens: u64,
+}
+
+/// Encodes every document of `docs` (see the module docs), handing the ids
+/// to `sink` in order; `progress` gets the bytes read so far after each
+/// chunk. Fails on the first id at or above `vocab_size`, naming it, the
+/// document's line and its offset in the token stream.
+pub fn encode<R: BufRead>(
+    docs: &mut Docs<R>,
+    tokenizer: &tokenizers::Tokenizer,
+    eos: Option<u32>,
+    vocab_size: usize,
+    sink: &mut dyn FnMut(&[u32]) -> Result<()>,
+    progress: &dyn Fn(u64),
+) -> Result<Encoded> {
+    let mut done = Encoded::default();
+    let mut out: Vec<u32> = Vec::new();
+    loop {
+        let mut texts = Vec::new();
+        let mut lines = Vec::new();
+        let mut bytes = 0usize;
+        while bytes < CHUNK_BYTES && texts.len() < CHUNK_DOCS {
+            match docs.next_doc()? {
+                Some(d) => {
+                    bytes += d.text.len();
+                    lines.push(d.line);
+                    texts.push(d.text);
+                }
+                None => break,
+            }
+        }
+        if texts.is_empty() {
+            return Ok(done);
+        }
+        let encodings = tokenizer
+            .encode_batch(texts, true)
+            .map_err(|e| EngineError::Data {
+                path: docs.path.clone(),
+                reason: format!("encoding the document at line {}: {e}", lines[0]),
+            })?;
+        out.clear();
+        for (enc, line) in encodings.iter().zip(&lines) {
+            let ids = enc.get_ids();
+            let start = done.tokens + out.len() as u64;
+            if let Some((k, &id)) = ids
+                .iter()
+                .enumerate()
+                .find(|(_, &id)| id as usize >= vocab_size)
+            {
+                return Err(EngineError::Data {
+                    path: docs.path.clone(),
+                    reason: format!(
+                        "the tokenizer gives token id {id} (document at line {line}, token \
+                         {} of the corpus) but the model's vocab_size is {vocab_size}; use the \
+                         tokenizer the model was trained with",
+                        start + k as u64
+                    ),
+                });
+            }
+            out.extend_from_slice(ids);
+            if let Some(e) = eos {
+                if ids.last() != Some(&e) {
+                    out.push(e);
+                }
+            }
+        }
+        sink(&out)?;
+        done.tokens += out.len() as u64;
+        done.documents += encodings.len() as u64;
+        progress(docs.bytes_read());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+
+    fn docs(text: &str, cut: Cut) -> Result<Vec<(String, u64)>> {
+        let mut d = Docs::new(text.as_bytes(), cut, Path::new("t"));
+        let mut v = Vec::new();
+        while let Some(doc) = d.next_doc()? {
+            v.push((doc.text, doc.line));
+        }
+        assert_eq!(d.bytes_read(), text.len() as u64);
+        Ok(v)
+    }
+
+    #[test]
+    fn documents_end_where_the_format_says() {
+        let text = "a b\nc\n\n\n  \nd\r\ne\n\nf";
+        assert_eq!(
+            docs(text, Cut::Paragraphs).unwrap(),
+            vec![("a b\nc".into(), 1), ("d\ne".into(), 6), ("f".into(), 9)]
+        );
+        assert_eq!(
+            docs(text, Cut::Lines).unwrap(),
+            vec![
+                ("a b".into(), 1),
+                ("c".into(), 2),
+                ("d".into(), 6),
+                ("e".into(), 7),
+                ("f".into(), 9)
+            ]
+        );
+        assert_eq!(docs(text, Cut::Whole).unwrap(), vec![(text.into(), 1)]);
+        assert!(docs("", Cut::Whole).unwrap().is_empty());
+    }
+
+    #[test]
+    fn jsonl_takes_the_field_and_names_bad_lines() {
+        let j = "{\"text\": \"one\"}\n\n{\"text\": \"\", \"x\": 1}\n{\"text\": \"two\\nlines\"}\n";
+        assert_eq!(
+            docs(j, Cut::Jsonl("text".into())).unwrap(),
+            vec![("one".into(), 1), ("two\nlines".into(), 4)]
+        );
+        let e = docs("{\"text\": \"a\"}\nnot json\n", Cut::Jsonl("text".into()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("line 2") && e.contains("not a JSON object"),
+            "{e}"
+        );
+        let e = docs("{\"body\": \"a\"}\n", Cut::Jsonl("text".into()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("line 1") && e.contains("--text-field"), "{e}");
+        let e = docs("{\"text\": 3}\n", Cut::Jsonl("text".into()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("a number"), "{e}");
+    }
+
+    #[test]
+    fn invalid_utf8_names_the_offset() {
+        let mut d = Docs::new(&b"ok\nb\xffd\n"[..], Cut::Lines, Path::new("t"));
+        assert_eq!(d.next_doc().unwrap().unwrap().text, "ok");
+        let e = d.next_doc().unwrap_err().to_string();
+        assert!(e.contains("offset 4") && e.contains("line 2"), "{e}");
+    }
+}

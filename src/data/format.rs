@@ -1,0 +1,265 @@
+//! What a `--data` file is: byte-level text, text documents, HF-datasets
+//! JSONL, or a flat file of token ids; and how that is decided.
+//!
+//! Detection ([`DataFormat::detect`]), when `--data-format` is `auto`:
+//!
+//! | file | with `--tokenizer` | without |
+//! |---|---|---|
+//! | `*.jsonl`, `*.json` | JSONL documents (field `text`, or `--text-field`) | error: needs a tokenizer |
+//! | `*.u16`, `*.u32` | error: already token ids | token ids of that width |
+//! | `*.bin`, `*.tokens` | error: already token ids | token ids; the width from the sidecar `FILE.json` (`{"dtype": "uint16"}`), else an error asking for `--data-format u16` or `u32` |
+//! | anything else | text documents split at blank lines | byte-level (one token per byte) |
+//!
+//! An explicit `--data-format` wins: `bytes`, `text` (the whole file is one
+//! document), `paragraphs` (documents end at a blank line), `lines` (each
+//! line is a document), `jsonl`, `u16`, `u32`.
+
+use std::path::Path;
+
+use crate::engine::{EngineError, Result};
+
+/// Bytes of one stored token id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TokenWidth {
+    /// `uint16` little-endian (nanoGPT's `train.bin`; vocabularies up to
+    /// 65,536).
+    U16,
+    /// `uint32` little-endian.
+    U32,
+}
+
+impl TokenWidth {
+    /// Bytes per id.
+    pub fn bytes(self) -> usize {
+        match self {
+            TokenWidth::U16 => 2,
+            TokenWidth::U32 => 4,
+        }
+    }
+
+    /// The narrowest width holding every id below `vocab_size`.
+    pub fn for_vocab(vocab_size: usize) -> TokenWidth {
+        if vocab_size <= 1 << 16 {
+            TokenWidth::U16
+        } else {
+            TokenWidth::U32
+        }
+    }
+
+    /// numpy's name (`uint16`, `uint32`), as sidecars write it.
+    pub fn dtype_name(self) -> &'static str {
+        match self {
+            TokenWidth::U16 => "uint16",
+            TokenWidth::U32 => "uint32",
+        }
+    }
+
+    fn from_dtype_name(name: &str) -> Option<TokenWidth> {
+        match name {
+            "uint16" | "u16" => Some(TokenWidth::U16),
+            "uint32" | "u32" => Some(TokenWidth::U32),
+            _ => None,
+        }
+    }
+}
+
+/// Where one document of a text file ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DocSplit {
+    /// The whole file is one document.
+    Whole,
+    /// A document ends at a blank line (a line of white space only).
+    Paragraphs,
+    /// Each non-empty line is a document.
+    Lines,
+}
+
+/// The format of a `--data` file.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum DataFormat {
+    /// One token per byte (ids 0..=255), no tokenizer.
+    Bytes,
+    /// UTF-8 text cut into documents, each encoded with the tokenizer.
+    Text(DocSplit),
+    /// One JSON object per line; `field` holds the document's text.
+    Jsonl {
+        /// The field with the text (`"text"` by default).
+        field: String,
+    },
+    /// A flat file of little-endian token ids.
+    Tokens(TokenWidth),
+}
+
+impl DataFormat {
+    /// Whether the format needs a tokenizer.
+    pub fn needs_tokenizer(&self) -> bool {
+        matches!(self, DataFormat::Text(_) | DataFormat::Jsonl { .. })
+    }
+
+    /// A stable name (cache keys, messages).
+    pub fn name(&self) -> String {
+        match self {
+            DataFormat::Bytes => "bytes".into(),
+            DataFormat::Text(DocSplit::Whole) => "text".into(),
+            DataFormat::Text(DocSplit::Paragraphs) => "paragraphs".into(),
+            DataFormat::Text(DocSplit::Lines) => "lines".into(),
+            DataFormat::Jsonl { field } => format!("jsonl:{field}"),
+            DataFormat::Tokens(w) => w.dtype_name().into(),
+        }
+    }
+
+    /// The format of `path` (see the module docs): `requested` is the
+    /// `--data-format` value (`None` or `"auto"`: detect), `text_field`
+    /// the JSONL field.
+    pub fn detect(
+        path: &Path,
+        requested: Option<&str>,
+        has_tokenizer: bool,
+        text_field: &str,
+    ) -> Result<DataFormat> {
+        let bad = |reason: String| EngineError::Data {
+            path: path.to_owned(),
+            reason,
+        };
+        let jsonl = || DataFormat::Jsonl {
+            field: text_field.to_owned(),
+        };
+        let format = match requested.unwrap_or("auto") {
+            "auto" => {
+                let ext = path
+                    .extension()
+                    .and_then(|e| e.to_str())
+                    .unwrap_or("")
+                    .to_ascii_lowercase();
+                match ext.as_str() {
+                    "jsonl" | "json" => jsonl(),
+                    "u16" => DataFormat::Tokens(TokenWidth::U16),
+                    "u32" => DataFormat::Tokens(TokenWidth::U32),
+                    "bin" | "tokens" => {
+                        DataFormat::Tokens(sidecar_width(path)?.ok_or_else(|| {
+                            bad(
+                                "a token file needs its width: give --data-format u16 or u32 \
+                             (nanoGPT's train.bin is u16), or a sidecar FILE.json with \
+                             {\"dtype\": \"uint16\"}"
+                                    .into(),
+                            )
+                        })?)
+                    }
+                    _ if has_tokenizer => DataFormat::Text(DocSplit::Paragraphs),
+                    _ => DataFormat::Bytes,
+                }
+            }
+            "bytes" => DataFormat::Bytes,
+            "text" => DataFormat::Text(DocSplit::Whole),
+            "paragraphs" => DataFormat::Text(DocSplit::Paragraphs),
+            "lines" => DataFormat::Text(DocSplit::Lines),
+            "jsonl" => jsonl(),
+            "u16" | "uint16" => DataFormat::Tokens(TokenWidth::U16),
+            "u32" | "uint32" => DataFormat::Tokens(TokenWidth::U32),
+            other => {
+                return Err(bad(format!(
+                    "--data-format {other}: unknown; use auto, bytes, text, paragraphs, lines, \
+                     jsonl, u16 or u32"
+                )))
+            }
+        };
+        match (&format, has_tokenizer) {
+            (f, false) if f.needs_tokenizer() => Err(bad(format!(
+                "{} data is text to encode: give --tokenizer tokenizer.json (or \
+                 --data-format bytes to read it byte-level)",
+                f.name()
+            ))),
+            (DataFormat::Tokens(_), true) => Err(bad(
+                "a token file holds token ids already: drop --tokenizer".into(),
+            )),
+            (DataFormat::Bytes, true) => Err(bad(
+                "--data-format bytes reads one token per byte: drop --tokenizer, or pick a \
+                 text format (text, paragraphs, lines, jsonl)"
+                    .into(),
+            )),
+            _ => Ok(format),
+        }
+    }
+}
+
+/// The token width a sidecar `FILE.json` gives (`{"dtype": "uint16"}`), if
+/// there is one.
+fn sidecar_width(path: &Path) -> Result<Option<TokenWidth>> {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".json");
+    let sidecar = std::path::PathBuf::from(name);
+    let text = match std::fs::read_to_string(&sidecar) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(EngineError::Io {
+                path: sidecar,
+                source,
+            })
+        }
+    };
+    let bad = |reason: &str| EngineError::Data {
+        path: sidecar.clone(),
+        reason: reason.to_owned(),
+    };
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|_| bad("a token file's sidecar must be JSON"))?;
+    let dtype = v
+        .get("dtype")
+        .and_then(|d| d.as_str())
+        .ok_or_else(|| bad("a token file's sidecar needs \"dtype\": \"uint16\" or \"uint32\""))?;
+    TokenWidth::from_dtype_name(dtype)
+        .map(Some)
+        .ok_or_else(|| bad("\"dtype\" must be \"uint16\" or \"uint32\""))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+
+    #[test]
+    fn detection_by_extension_flag_and_sidecar() {
+        let d = tempfile::tempdir().unwrap();
+        let p = |n: &str| d.path().join(n);
+        let det =
+            |n: &str, req: Option<&str>, tok: bool| DataFormat::detect(&p(n), req, tok, "text");
+        assert_eq!(det("a.txt", None, false).unwrap(), DataFormat::Bytes);
+        assert_eq!(
+            det("a.txt", None, true).unwrap(),
+            DataFormat::Text(DocSplit::Paragraphs)
+        );
+        assert_eq!(
+            det("a.txt", Some("lines"), true).unwrap(),
+            DataFormat::Text(DocSplit::Lines)
+        );
+        assert!(matches!(
+            det("a.jsonl", None, true).unwrap(),
+            DataFormat::Jsonl { .. }
+        ));
+        assert!(det("a.jsonl", None, false).is_err());
+        assert_eq!(
+            det("a.u32", None, false).unwrap(),
+            DataFormat::Tokens(TokenWidth::U32)
+        );
+        assert!(det("a.u16", None, true).is_err());
+        let e = det("train.bin", None, false).unwrap_err().to_string();
+        assert!(e.contains("--data-format u16"), "{e}");
+        std::fs::write(p("train.bin.json"), r#"{"dtype": "uint16", "tokens": 3}"#).unwrap();
+        assert_eq!(
+            det("train.bin", None, false).unwrap(),
+            DataFormat::Tokens(TokenWidth::U16)
+        );
+        std::fs::write(p("bad.bin.json"), r#"{"dtype": "int8"}"#).unwrap();
+        assert!(det("bad.bin", None, false).is_err());
+        assert!(det("a.txt", Some("csv"), false).is_err());
+        assert!(det("a.txt", Some("bytes"), true).is_err());
+    }
+
+    #[test]
+    fn widths() {
+        assert_eq!(TokenWidth::for_vocab(65_536), TokenWidth::U16);
+        assert_eq!(TokenWidth::for_vocab(65_537), TokenWidth::U32);
+        assert_eq!(TokenWidth::U32.bytes(), 4);
+    }
+}

@@ -1,0 +1,548 @@
+//! Training data: token ids from what users bring, and the windows cut
+//! from them.
+//!
+//! # What `--data` can be
+//!
+//! - **Bytes** (the default without a tokenizer): every byte is one token
+//!   (ids 0..=255, so the model's vocabulary needs at least 256 entries).
+//! - **Text documents** with a HF `tokenizer.json`: plain text whose
+//!   documents end at a blank line (or each line, or the whole file), or
+//!   HF `datasets` JSONL with one object per line and the text in a field.
+//!   Each document is encoded on its own, with the tokenizer's truncation
+//!   and padding off and its special tokens added as `tokenizer(doc)` adds
+//!   them, and followed by the EOS id: how HF's `run_clm` and nanoGPT build
+//!   their streams. Encoding streams document by document
+//!   ([`encode`]) and the result is cached next to the data ([`cache`]).
+//! - **Token files**: flat little-endian `uint16` or `uint32` ids
+//!   (nanoGPT's `train.bin`, and our cache), read through a memory map
+//!   ([`tierzero_swap::MappedFile`]), so a corpus of any size costs no
+//!   heap.
+//!
+//! [`format`] says how a file's format is decided. Every id is checked
+//! against the model's `vocab_size` at load, with the id, the file and
+//! its offset in the error.
+//!
+//! # Windows
+//!
+//! Sample `s` (a global index over steps, micro-batches, ranks and rows) is
+//! the window of `seq_len + 1` tokens starting at `(s · seq_len) mod (len −
+//! seq_len − 1)`: inputs are its first `seq_len` tokens, targets the last
+//! `seq_len`. Ranks read disjoint samples of the same global batch, so the
+//! data of a step does not depend on how it is split over ranks and
+//! micro-batches, whatever the format; the checkpoint's data position is
+//! the sample count.
+
+pub mod cache;
+pub mod encode;
+pub mod format;
+
+pub use format::{DataFormat, DocSplit, TokenWidth};
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
+use tierzero_swap::MappedFile;
+
+use crate::engine::{EngineError, Result};
+
+/// Tokens of a training corpus: in memory or mapped from a token file.
+#[derive(Debug, Clone)]
+pub struct TokenData {
+    store: Store,
+    source: PathBuf,
+    /// Largest id plus one (0 when empty).
+    vocab_needed: usize,
+}
+
+#[derive(Debug, Clone)]
+enum Store {
+    Owned(Arc<Vec<u32>>),
+    Mapped {
+        map: Arc<MappedFile>,
+        width: TokenWidth,
+    },
+}
+
+/// Token ids that windows are cut from: a slice, or a [`TokenData`] in
+/// memory or mapped.
+pub trait TokenSource {
+    /// Number of ids.
+    fn token_count(&self) -> usize;
+    /// Appends ids `start .. start + n` to `out` (panics past the end, as
+    /// slicing does).
+    fn extend_window(&self, start: usize, n: usize, out: &mut Vec<u32>);
+    /// The first id at or above `bound`, with its position.
+    fn first_at_or_above(&self, bound: u32) -> Option<(usize, u32)>;
+}
+
+impl TokenSource for [u32] {
+    fn token_count(&self) -> usize {
+        self.len()
+    }
+    fn extend_window(&self, start: usize, n: usize, out: &mut Vec<u32>) {
+        out.extend_from_slice(&self[start..start + n]);
+    }
+    fn first_at_or_above(&self, bound: u32) -> Option<(usize, u32)> {
+        self.iter().copied().enumerate().find(|&(_, t)| t >= bound)
+    }
+}
+
+impl TokenSource for Vec<u32> {
+    fn token_count(&self) -> usize {
+        self.len()
+    }
+    fn extend_window(&self, start: usize, n: usize, out: &mut Vec<u32>) {
+        self.as_slice().extend_window(start, n, out);
+    }
+    fn first_at_or_above(&self, bound: u32) -> Option<(usize, u32)> {
+        self.as_slice().first_at_or_above(bound)
+    }
+}
+
+impl TokenSource for TokenData {
+    fn token_count(&self) -> usize {
+        self.len()
+    }
+    fn extend_window(&self, start: usize, n: usize, out: &mut Vec<u32>) {
+        match &self.store {
+            Store::Owned(v) => out.extend_from_slice(&v[start..start + n]),
+            Store::Mapped { map, width } => {
+                let w = width.bytes();
+                let bytes = &map.bytes()[start * w..(start + n) * w];
+                out.extend(decode(bytes, *width));
+            }
+        }
+    }
+    fn first_at_or_above(&self, bound: u32) -> Option<(usize, u32)> {
+        match &self.store {
+            Store::Owned(v) => v.as_slice().first_at_or_above(bound),
+            Store::Mapped { map, width } => decode(map.bytes(), *width)
+                .enumerate()
+                .find(|&(_, t)| t >= bound),
+        }
+    }
+}
+
+/// The ids of little-endian `bytes` of `width`.
+fn decode(bytes: &[u8], width: TokenWidth) -> impl Iterator<Item = u32> + '_ {
+    let w = width.bytes();
+    bytes.chunks_exact(w).map(move |c| match c {
+        [a, b] => u32::from(u16::from_le_bytes([*a, *b])),
+        [a, b, c, d] => u32::from_le_bytes([*a, *b, *c, *d]),
+        _ => 0,
+    })
+}
+
+/// How a corpus is read: the file, its format, the tokenizer for text, the
+/// EOS id after each document, and whether to cache the encoding.
+#[derive(Debug, Clone)]
+pub struct DataSpec {
+    /// The `--data` file.
+    pub path: PathBuf,
+    /// Its format ([`DataFormat::detect`]).
+    pub format: DataFormat,
+    /// The `tokenizer.json` (text formats).
+    pub tokenizer: Option<PathBuf>,
+    /// The id appended after each document (text formats).
+    pub eos: Option<u32>,
+    /// Keep the encoding next to the data ([`cache`]).
+    pub cache: bool,
+}
+
+/// Where the tokens of a loaded corpus came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    /// Read as they are (bytes, a token file).
+    Read,
+    /// Encoded now, and cached in this file.
+    Encoded {
+        /// The cache's token file, if one was written.
+        cached: Option<PathBuf>,
+        /// Why none was written, when not.
+        no_cache: Option<String>,
+    },
+    /// Found in the cache.
+    CacheHit(PathBuf),
+}
+
+/// A corpus as loaded.
+#[derive(Debug, Clone)]
+pub struct Loaded {
+    /// Its tokens.
+    pub data: TokenData,
+    /// Documents (text formats).
+    pub documents: Option<u64>,
+    /// Where the tokens came from.
+    pub origin: Origin,
+}
+
+impl TokenData {
+    /// Reads `path` as bytes, one token per byte.
+    pub fn from_byte_file(path: &Path) -> Result<Self> {
+        let bytes = std::fs::read(path).map_err(|source| EngineError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        Ok(Self::from_bytes(&bytes, path))
+    }
+
+    /// Reads `data_path` as UTF-8 text and encodes it whole, as one
+    /// sequence, with the HF tokenizer in `tokenizer_path`
+    /// (`tokenizer.json`), its truncation and padding off, special tokens
+    /// added as `tokenizer(text)` adds them, and no EOS appended (documents
+    /// with EOS: [`TokenData::load`]). Fails with both numbers when an id
+    /// is not below `vocab_size` (the model's).
+    pub fn from_tokenizer_file(
+        data_path: &Path,
+        tokenizer_path: &Path,
+        vocab_size: usize,
+    ) -> Result<Self> {
+        let tokenizer = encode::open_tokenizer(tokenizer_path)?;
+        let bytes = std::fs::read(data_path).map_err(|source| EngineError::Io {
+            path: data_path.to_owned(),
+            source,
+        })?;
+        let text = String::from_utf8(bytes).map_err(|e| EngineError::Data {
+            path: data_path.to_owned(),
+            reason: format!(
+                "not UTF-8 text (invalid byte at offset {}); a tokenizer needs text, \
+                 or drop --tokenizer to read the file byte-level",
+                e.utf8_error().valid_up_to()
+            ),
+        })?;
+        let encoding = tokenizer
+            .encode(text.as_str(), true)
+            .map_err(|e| EngineError::Data {
+                path: data_path.to_owned(),
+                reason: format!("encoding with {}: {e}", tokenizer_path.display()),
+            })?;
+        let data = TokenData::from_ids(encoding.get_ids().to_vec(), data_path);
+        let needed = data.vocab_needed();
+        if needed > vocab_size {
+            return Err(EngineError::Data {
+                path: data_path.to_owned(),
+                reason: format!(
+                    "tokenizer {} gives token id {} but the model's vocab_size is {vocab_size}; \
+                     use the tokenizer the model was trained with (ids must be below \
+                     vocab_size)",
+                    tokenizer_path.display(),
+                    needed - 1
+                ),
+            });
+        }
+        Ok(data)
+    }
+
+    /// Byte-level tokens from memory (`source` names them in errors).
+    pub fn from_bytes(bytes: &[u8], source: &Path) -> Self {
+        Self::from_ids(bytes.iter().map(|&b| u32::from(b)).collect(), source)
+    }
+
+    /// Token ids from memory (`source` names them in errors).
+    pub fn from_ids(ids: Vec<u32>, source: &Path) -> Self {
+        let vocab_needed = ids.iter().copied().max().map_or(0, |m| m as usize + 1);
+        TokenData {
+            store: Store::Owned(Arc::new(ids)),
+            source: source.to_owned(),
+            vocab_needed,
+        }
+    }
+
+    /// A flat file of little-endian ids of `width`, mapped. Every id must
+    /// be below `vocab_size`: the first that is not is an error with the
+    /// id and its offset.
+    pub fn from_token_file(path: &Path, width: TokenWidth, vocab_size: usize) -> Result<Self> {
+        let bad = |reason: String| EngineError::Data {
+            path: path.to_owned(),
+            reason,
+        };
+        let map = MappedFile::open(path).map_err(|e| bad(e.to_string()))?;
+        let len = map.bytes().len();
+        if len % width.bytes() != 0 {
+            return Err(bad(format!(
+                "{len} bytes are not a whole number of {} ids ({} bytes each); is it the                  other width?",
+                width.dtype_name(),
+                width.bytes()
+            )));
+        }
+        let mut max = 0u32;
+        for (i, t) in decode(map.bytes(), width).enumerate() {
+            if t as usize >= vocab_size {
+                return Err(bad(format!(
+                    "token id {t} at token {i} (byte offset {}) is not below the model's \
+                     vocab_size {vocab_size}; the file was made for another vocabulary",
+                    i * width.bytes()
+                )));
+            }
+            max = max.max(t);
+        }
+        Ok(TokenData {
+            vocab_needed: if len == 0 { 0 } else { max as usize + 1 },
+            store: Store::Mapped {
+                map: Arc::new(map),
+                width,
+            },
+            source: path.to_owned(),
+        })
+    }
+
+    /// Loads a corpus as `spec` says (see the module docs), checking every
+    /// id against `vocab_size`; `progress` gets the data bytes read so far
+    /// while text is encoded (with the total).
+    pub fn load(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) -> Result<Loaded> {
+        let read = |data: TokenData| Loaded {
+            data,
+            documents: None,
+            origin: Origin::Read,
+        };
+        match &spec.format {
+            DataFormat::Bytes => {
+                let d = Self::from_byte_file(&spec.path)?;
+                if d.vocab_needed() > vocab_size {
+                    return Err(EngineError::Data {
+                        path: spec.path.clone(),
+                        reason: format!(
+                            "byte-level tokens go up to {} but the model's vocab_size is \
+                             {vocab_size}; use a model with vocab_size >= 256 or give \
+                             --tokenizer",
+                            d.vocab_needed() - 1
+                        ),
+                    });
+                }
+                Ok(read(d))
+            }
+            DataFormat::Tokens(w) => Ok(read(Self::from_token_file(&spec.path, *w, vocab_size)?)),
+            DataFormat::Text(_) | DataFormat::Jsonl { .. } => load_text(spec, vocab_size, progress),
+        }
+    }
+
+    /// The tokens, in file order (a copy when mapped).
+    pub fn tokens(&self) -> std::borrow::Cow<'_, [u32]> {
+        match &self.store {
+            Store::Owned(v) => std::borrow::Cow::Borrowed(v.as_slice()),
+            Store::Mapped { map, width } => decode(map.bytes(), *width).collect(),
+        }
+    }
+
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        match &self.store {
+            Store::Owned(v) => v.len(),
+            Store::Mapped { map, width } => map.bytes().len() / width.bytes(),
+        }
+    }
+
+    /// True when there is no token.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Largest token id plus one.
+    pub fn vocab_needed(&self) -> usize {
+        self.vocab_needed
+    }
+
+    /// Whether the tokens are mapped from a file (not in memory).
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.store, Store::Mapped { .. })
+    }
+
+    /// Inputs and targets `[rows, seq_len]` (`u32`) of the samples
+    /// `first_sample .. first_sample + rows`.
+    pub fn batch(
+        &self,
+        first_sample: u64,
+        rows: usize,
+        seq_len: usize,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        let n = self.len();
+        if seq_len == 0 || n < seq_len + 2 {
+            return Err(EngineError::Data {
+                path: self.source.clone(),
+                reason: format!(
+                    "{n} tokens cannot give windows of seq_len {seq_len} + 1 (need at least {})",
+                    seq_len + 2
+                ),
+            });
+        }
+        let span = (n - seq_len - 1) as u64;
+        let mut ids = Vec::with_capacity(rows * seq_len);
+        let mut tgt = Vec::with_capacity(rows * seq_len);
+        let mut w = Vec::with_capacity(seq_len + 1);
+        for r in 0..rows as u64 {
+            let s = first_sample + r;
+            let start = ((s.wrapping_mul(seq_len as u64)) % span) as usize;
+            w.clear();
+            self.extend_window(start, seq_len + 1, &mut w);
+            ids.extend_from_slice(&w[..seq_len]);
+            tgt.extend_from_slice(&w[1..]);
+        }
+        let ids = Tensor::from_vec(ids, (rows, seq_len), device)?;
+        let tgt = Tensor::from_vec(tgt, (rows, seq_len), device)?;
+        Ok((ids, tgt))
+    }
+}
+
+/// [`TokenData::load`] of a text format: from the cache, or encoded now
+/// (into the cache when it can be written, else into memory).
+fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) -> Result<Loaded> {
+    let tok_path = spec.tokenizer.as_deref().ok_or_else(|| EngineError::Data {
+        path: spec.path.clone(),
+        reason: format!("{} data needs --tokenizer", spec.format.name()),
+    })?;
+    let cut = match &spec.format {
+        DataFormat::Text(DocSplit::Whole) => encode::Cut::Whole,
+        DataFormat::Text(DocSplit::Paragraphs) => encode::Cut::Paragraphs,
+        DataFormat::Text(DocSplit::Lines) => encode::Cut::Lines,
+        DataFormat::Jsonl { field } => encode::Cut::Jsonl(field.clone()),
+        other => {
+            return Err(EngineError::internal(format!(
+                "load_text of {}",
+                other.name()
+            )))
+        }
+    };
+    let io = |path: &Path| {
+        let path = path.to_owned();
+        move |source| EngineError::Io { path, source }
+    };
+    let tokenizer_json = std::fs::read(tok_path).map_err(io(tok_path))?;
+    let tokenizer = encode::open_tokenizer(tok_path)?;
+    let total = std::fs::metadata(&spec.path).map_err(io(&spec.path))?.len();
+    let open_docs = || -> Result<encode::Docs<std::io::BufReader<std::fs::File>>> {
+        let f = std::fs::File::open(&spec.path).map_err(io(&spec.path))?;
+        Ok(encode::Docs::new(
+            std::io::BufReader::with_capacity(1 << 20, f),
+            cut.clone(),
+            &spec.path,
+        ))
+    };
+    let width = TokenWidth::for_vocab(vocab_size);
+    let empty = |documents: u64| EngineError::Data {
+        path: spec.path.clone(),
+        reason: format!(
+            "the corpus is empty ({documents} documents, no tokens); give a file with text in it"
+        ),
+    };
+    let on_progress = |bytes: u64| progress(bytes, total);
+
+    let mut no_cache = None;
+    let mut target = None;
+    if spec.cache {
+        let data = cache::DataIdentity::of(&spec.path)?;
+        let key = cache::key(&cache::KeyInputs {
+            tokenizer_json: &tokenizer_json,
+            data,
+            format: &spec.format,
+            eos: spec.eos,
+            width,
+        });
+        let (tokens, sidecar) = cache::paths(&spec.path, &key, width);
+        if let Some(meta) = cache::lookup(&tokens, &sidecar, &key, width) {
+            let data = TokenData::from_token_file(&tokens, width, vocab_size)?;
+            if data.is_empty() {
+                return Err(empty(meta.documents));
+            }
+            return Ok(Loaded {
+                data,
+                documents: Some(meta.documents),
+                origin: Origin::CacheHit(tokens),
+            });
+        }
+        let dir = tokens.parent().map(Path::to_path_buf).unwrap_or_default();
+        if cache::writable(&dir) {
+            target = Some((tokens, sidecar, key, data));
+        } else {
+            no_cache = Some(format!(
+                "{} is not writable: the tokens stay in memory",
+                dir.display()
+            ));
+        }
+    } else {
+        no_cache = Some("the cache is off (--no-data-cache)".into());
+    }
+
+    let mut docs = open_docs()?;
+    let Some((tokens, sidecar, key, ident)) = target else {
+        let mut ids = Vec::new();
+        let enc = encode::encode(
+            &mut docs,
+            &tokenizer,
+            spec.eos,
+            vocab_size,
+            &mut |x| {
+                ids.extend_from_slice(x);
+                Ok(())
+            },
+            &on_progress,
+        )?;
+        if ids.is_empty() {
+            return Err(empty(enc.documents));
+        }
+        return Ok(Loaded {
+            data: TokenData::from_ids(ids, &spec.path),
+            documents: Some(enc.documents),
+            origin: Origin::Encoded {
+                cached: None,
+                no_cache,
+            },
+        });
+    };
+    let mut enc = encode::Encoded::default();
+    crate::durable::write_atomic_streamed(&tokens, |file, tmp| -> Result<std::fs::File> {
+        use std::io::Write as _;
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
+        let werr = |source| EngineError::Io {
+            path: tmp.to_owned(),
+            source,
+        };
+        let mut bytes = Vec::new();
+        enc = encode::encode(
+            &mut docs,
+            &tokenizer,
+            spec.eos,
+            vocab_size,
+            &mut |ids| {
+                bytes.clear();
+                for &t in ids {
+                    match width {
+                        // Every id is below vocab_size, which fits the width.
+                        TokenWidth::U16 => bytes.extend_from_slice(&(t as u16).to_le_bytes()),
+                        TokenWidth::U32 => bytes.extend_from_slice(&t.to_le_bytes()),
+                    }
+                }
+                w.write_all(&bytes).map_err(werr)
+            },
+            &on_progress,
+        )?;
+        w.into_inner().map_err(|e| werr(e.into_error()))
+    })?;
+    if enc.tokens == 0 {
+        let _ = std::fs::remove_file(&tokens);
+        return Err(empty(enc.documents));
+    }
+    let meta = cache::CacheMeta {
+        tierzero_token_cache: 1,
+        key,
+        dtype: width.dtype_name().into(),
+        tokens: enc.tokens,
+        documents: enc.documents,
+        source: spec.path.display().to_string(),
+        data: ident,
+        format: spec.format.name(),
+        eos_id: spec.eos,
+    };
+    let text = serde_json::to_vec_pretty(&meta)
+        .map_err(|e| EngineError::internal(format!("token cache sidecar: {e}")))?;
+    crate::durable::write_atomic(&sidecar, &text)?;
+    Ok(Loaded {
+        data: TokenData::from_token_file(&tokens, width, vocab_size)?,
+        documents: Some(enc.documents),
+        origin: Origin::Encoded {
+            cached: Some(tokens),
+            no_cache: None,
+        },
+    })
+}
