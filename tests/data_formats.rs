@@ -1,0 +1,405 @@
+//! Training data as users bring it: a tokenizer's truncation does not cut
+//! the corpus, every document ends with EOS, JSONL, text documents and
+//! uint16/uint32 token files train and evaluate, the encoding is cached,
+//! and bad data is a one-line error with exit 2.
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+use tierzero::data::{DataFormat, DataSpec, DocSplit, Origin, TokenData, TokenWidth};
+
+mod cli_support;
+use cli_support::{assert_bad_input, run_tierzero, scratch, Out};
+
+const WORDS: [&str; 12] = [
+    "the", "engine", "streams", "layers", "from", "nvme", "to", "pinned", "memory", "and", "back",
+    ".",
+];
+/// Ids: `[UNK]` 0, the words 1..=12, `<|endoftext|>` 13.
+const EOS: u32 = 13;
+const VOCAB: usize = 14;
+
+/// A WordLevel `tokenizer.json` whose file asks for truncation at 4 tokens
+/// and padding, as sentence-transformers' files do.
+fn tokenizer(d: &Path) -> PathBuf {
+    let mut vocab = serde_json::Map::new();
+    vocab.insert("[UNK]".into(), json!(0));
+    for (i, w) in WORDS.iter().enumerate() {
+        vocab.insert((*w).into(), json!(i + 1));
+    }
+    vocab.insert("<|endoftext|>".into(), json!(EOS));
+    let t = json!({
+        "version": "1.0",
+        "truncation": {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0},
+        "padding": {"strategy": {"Fixed": 4}, "direction": "Right", "pad_to_multiple_of": null,
+                    "pad_id": 0, "pad_type_id": 0, "pad_token": "[UNK]"},
+        "added_tokens": [
+            {"id": 0, "content": "[UNK]", "single_word": false, "lstrip": false, "rstrip": false,
+             "normalized": false, "special": true},
+            {"id": EOS, "content": "<|endoftext|>", "single_word": false, "lstrip": false,
+             "rstrip": false, "normalized": false, "special": true}
+        ],
+        "normalizer": {"type": "Lowercase"},
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+    });
+    let p = d.join("tokenizer.json");
+    std::fs::write(&p, t.to_string()).unwrap();
+    p
+}
+
+/// `n` documents of varied length, each several sentences.
+fn documents(n: usize) -> Vec<String> {
+    (0..n)
+        .map(|i| {
+            let words = 5 + (i * 7) % 23;
+            (0..words)
+                .map(|k| WORDS[(i * 3 + k * 5) % WORDS.len()])
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect()
+}
+
+fn spec(path: &Path, format: DataFormat, tok: Option<&Path>, cache: bool) -> DataSpec {
+    DataSpec {
+        path: path.to_owned(),
+        format,
+        tokenizer: tok.map(Path::to_path_buf),
+        eos: tok.map(|_| EOS),
+        cache,
+    }
+}
+
+fn load(s: &DataSpec) -> tierzero::data::Loaded {
+    TokenData::load(s, VOCAB, &|_, _| {}).unwrap()
+}
+
+#[test]
+fn truncation_is_off_and_every_document_ends_with_eos() {
+    let d = scratch("data", "trunc");
+    let tok = tokenizer(&d);
+    let docs = documents(40);
+    std::fs::write(d.join("corpus.txt"), docs.join("\n\n")).unwrap();
+    let loaded = load(&spec(
+        &d.join("corpus.txt"),
+        DataFormat::Text(DocSplit::Paragraphs),
+        Some(&tok),
+        false,
+    ));
+    // HF tokenizers with truncation and padding off, one EOS per document.
+    let mut plain = tokenizers::Tokenizer::from_file(&tok).unwrap();
+    plain.with_truncation(None).unwrap();
+    plain.with_padding(None);
+    let mut expected = Vec::new();
+    for doc in &docs {
+        expected.extend_from_slice(plain.encode(doc.as_str(), true).unwrap().get_ids());
+        expected.push(EOS);
+    }
+    assert_eq!(loaded.documents, Some(40));
+    assert_eq!(&*loaded.data.tokens(), expected.as_slice());
+    // The file's own settings would have kept 4 tokens per document.
+    let as_written = tokenizers::Tokenizer::from_file(&tok).unwrap();
+    let cut: usize = docs
+        .iter()
+        .map(|doc| as_written.encode(doc.as_str(), true).unwrap().len() + 1)
+        .sum();
+    assert_eq!(cut, 40 * 5);
+    assert!(
+        loaded.data.len() > 3 * cut,
+        "{} vs {cut}",
+        loaded.data.len()
+    );
+    // Lines and JSONL give the same stream for the same documents.
+    std::fs::write(d.join("corpus.lines"), docs.join("\n")).unwrap();
+    let lines = load(&spec(
+        &d.join("corpus.lines"),
+        DataFormat::Text(DocSplit::Lines),
+        Some(&tok),
+        false,
+    ));
+    assert_eq!(&*lines.data.tokens(), expected.as_slice());
+    let jsonl: String = docs
+        .iter()
+        .map(|t| format!("{}\n", json!({"text": t, "id": 1})))
+        .collect();
+    std::fs::write(d.join("corpus.jsonl"), jsonl).unwrap();
+    let j = load(&spec(
+        &d.join("corpus.jsonl"),
+        DataFormat::Jsonl {
+            field: "text".into(),
+        },
+        Some(&tok),
+        false,
+    ));
+    assert_eq!(&*j.data.tokens(), expected.as_slice());
+}
+
+#[test]
+fn the_encoding_is_cached_and_a_change_of_data_or_eos_misses() {
+    let d = scratch("data", "cache");
+    let tok = tokenizer(&d);
+    let data = d.join("c.jsonl");
+    let write = |docs: &[String]| {
+        let t: String = docs
+            .iter()
+            .map(|t| format!("{}\n", json!({"text": t})))
+            .collect();
+        std::fs::write(&data, t).unwrap();
+    };
+    write(&documents(30));
+    let s = spec(
+        &data,
+        DataFormat::Jsonl {
+            field: "text".into(),
+        },
+        Some(&tok),
+        true,
+    );
+    let first = load(&s);
+    let Origin::Encoded {
+        cached: Some(cache),
+        ..
+    } = &first.origin
+    else {
+        panic!("{:?}", first.origin)
+    };
+    assert!(first.data.is_mapped());
+    assert!(cache
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .starts_with(".c.jsonl.tz-"));
+    let second = load(&s);
+    assert_eq!(second.origin, Origin::CacheHit(cache.clone()));
+    assert_eq!(second.data.tokens(), first.data.tokens());
+    assert_eq!(second.documents, Some(30));
+    // Another EOS, or edited data, is another key.
+    let other_eos = DataSpec {
+        eos: Some(12),
+        ..s.clone()
+    };
+    assert!(matches!(load(&other_eos).origin, Origin::Encoded { .. }));
+    write(&documents(31));
+    let edited = load(&s);
+    assert!(matches!(edited.origin, Origin::Encoded { .. }));
+    assert_eq!(edited.documents, Some(31));
+    // Without the cache nothing is written and the tokens are the same.
+    let off = load(&DataSpec {
+        cache: false,
+        ..s.clone()
+    });
+    assert!(!off.data.is_mapped());
+    assert_eq!(off.data.tokens(), edited.data.tokens());
+}
+
+#[test]
+fn token_files_are_mapped_and_checked() {
+    let d = scratch("data", "tokfile");
+    let ids: Vec<u32> = (0..1000u32).map(|i| (i * 7) % 300).collect();
+    let u16s: Vec<u8> = ids.iter().flat_map(|&t| (t as u16).to_le_bytes()).collect();
+    let u32s: Vec<u8> = ids.iter().flat_map(|&t| t.to_le_bytes()).collect();
+    std::fs::write(d.join("a.u16"), &u16s).unwrap();
+    std::fs::write(d.join("a.bin"), &u32s).unwrap();
+    std::fs::write(d.join("a.bin.json"), r#"{"dtype": "uint32"}"#).unwrap();
+    let a = TokenData::from_token_file(&d.join("a.u16"), TokenWidth::U16, 300).unwrap();
+    assert!(a.is_mapped());
+    assert_eq!(&*a.tokens(), ids.as_slice());
+    let f = DataFormat::detect(&d.join("a.bin"), None, false, "text").unwrap();
+    assert_eq!(f, DataFormat::Tokens(TokenWidth::U32));
+    let b = TokenData::load(&spec(&d.join("a.bin"), f, None, true), 300, &|_, _| {}).unwrap();
+    assert_eq!(b.data.tokens(), a.tokens());
+    // An id at or above the vocabulary: the id and where it is.
+    let e = TokenData::from_token_file(&d.join("a.u16"), TokenWidth::U16, 299)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("token id 299 at token 257 (byte offset 514)"),
+        "{e}"
+    );
+    // Half an id.
+    std::fs::write(d.join("odd.u16"), [1u8, 0, 2]).unwrap();
+    let e = TokenData::from_token_file(&d.join("odd.u16"), TokenWidth::U16, 300)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not a whole number"), "{e}");
+}
+
+// ---- the CLI -------------------------------------------------------------
+
+fn model(d: &Path, vocab: usize) {
+    std::fs::create_dir_all(d.join("model")).unwrap();
+    let cfg = json!({"model_type": "gpt2", "vocab_size": vocab, "n_positions": 64,
+        "n_embd": 32, "n_layer": 2, "n_head": 2, "tie_word_embeddings": true,
+        "eos_token_id": EOS});
+    std::fs::write(d.join("model/config.json"), cfg.to_string()).unwrap();
+}
+
+fn ds(d: &Path) -> PathBuf {
+    let swap = d.join("swap");
+    std::fs::create_dir_all(&swap).unwrap();
+    let v = json!({"train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0},
+            "offload_optimizer": {"device": "nvme", "nvme_path": swap}}});
+    let p = d.join("ds.json");
+    std::fs::write(&p, v.to_string()).unwrap();
+    p
+}
+
+fn train(d: &Path, extra: &[&str]) -> Out {
+    let mut args = vec![
+        "train",
+        "--config",
+        "ds.json",
+        "--model",
+        "model",
+        "--steps",
+        "2",
+        "--seq-len",
+        "16",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    run_tierzero(Some(d), &args)
+}
+
+fn eval(d: &Path, extra: &[&str]) -> Out {
+    let mut args = vec!["eval", "--model", "model", "--seq-len", "16", "--json"];
+    args.extend_from_slice(extra);
+    run_tierzero(Some(d), &args)
+}
+
+fn loss(out: &Out) -> f64 {
+    assert_eq!(out.code, 0, "stderr: {}", out.stderr);
+    let v: Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    v["loss"].as_f64().unwrap()
+}
+
+#[test]
+fn every_format_trains_and_evaluates_and_jsonl_equals_its_token_file() {
+    let d = scratch("data", "cli");
+    model(&d, VOCAB);
+    ds(&d);
+    let tok = tokenizer(&d);
+    let tok = tok.to_str().unwrap();
+    let docs = documents(60);
+    let jsonl: String = docs
+        .iter()
+        .map(|t| format!("{}\n", json!({"body": t})))
+        .collect();
+    std::fs::write(d.join("c.jsonl"), jsonl).unwrap();
+    std::fs::write(d.join("c.txt"), docs.join("\n\n")).unwrap();
+    let j = [
+        "--data",
+        "c.jsonl",
+        "--tokenizer",
+        tok,
+        "--text-field",
+        "body",
+    ];
+    let out = train(&d, &j);
+    assert_eq!(out.code, 0, "stderr: {}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("60 documents, each followed by EOS id 13")
+            && out.stderr.contains("cached in"),
+        "{}",
+        out.stderr
+    );
+    // The second run reads the cache.
+    let out = train(&d, &j);
+    assert!(
+        out.stderr.contains("from the token cache"),
+        "{}",
+        out.stderr
+    );
+    let out = train(&d, &["--data", "c.txt", "--tokenizer", tok]);
+    assert_eq!(out.code, 0, "stderr: {}", out.stderr);
+    // eval: JSONL, its cached token file, and the same ids written as u32.
+    let l_jsonl = loss(&eval(&d, &j));
+    let cache = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            let n = p.file_name().unwrap().to_str().unwrap();
+            n.starts_with(".c.jsonl.tz-") && n.ends_with(".u16")
+        })
+        .unwrap();
+    let cache = cache.to_str().unwrap();
+    let l_cache = loss(&eval(&d, &["--data", cache]));
+    assert_eq!(l_jsonl, l_cache);
+    let ids: Vec<u8> = std::fs::read(cache)
+        .unwrap()
+        .chunks(2)
+        .flat_map(|c| u32::from(u16::from_le_bytes([c[0], c[1]])).to_le_bytes())
+        .collect();
+    std::fs::write(d.join("c.tokens"), ids).unwrap();
+    let l_u32 = loss(&eval(&d, &["--data", "c.tokens", "--data-format", "u32"]));
+    assert_eq!(l_jsonl, l_u32);
+    // And a u32 token file trains.
+    let out = train(&d, &["--data", "c.tokens", "--data-format", "u32"]);
+    assert_eq!(out.code, 0, "stderr: {}", out.stderr);
+    // The paragraphs text gives the same stream as the JSONL.
+    let l_txt = loss(&eval(&d, &["--data", "c.txt", "--tokenizer", tok]));
+    assert_eq!(l_jsonl, l_txt);
+}
+
+#[test]
+fn bad_data_is_one_line_and_exit_2() {
+    let d = scratch("data", "bad");
+    model(&d, VOCAB);
+    ds(&d);
+    let tok = tokenizer(&d);
+    let tok = tok.to_str().unwrap();
+    std::fs::write(d.join("bad.jsonl"), "{\"text\": \"the engine\"}\n{oops\n").unwrap();
+    let out = train(&d, &["--data", "bad.jsonl", "--tokenizer", tok]);
+    assert_bad_input(&out, "jsonl", &["bad.jsonl", "line 2", "not a JSON object"]);
+    std::fs::write(d.join("nofield.jsonl"), "{\"content\": \"the engine\"}\n").unwrap();
+    let out = eval(&d, &["--data", "nofield.jsonl", "--tokenizer", tok]);
+    assert_bad_input(
+        &out,
+        "field",
+        &["line 1", "no \"text\" field", "--text-field"],
+    );
+    // A token id at or above vocab_size, with the file and the offset.
+    let ids: Vec<u8> = [1u16, 2, 3, 14, 5]
+        .iter()
+        .flat_map(|t| t.to_le_bytes())
+        .collect();
+    std::fs::write(d.join("big.u16"), ids).unwrap();
+    let out = train(&d, &["--data", "big.u16"]);
+    assert_bad_input(
+        &out,
+        "vocab",
+        &[
+            "big.u16",
+            "token id 14 at token 3 (byte offset 6)",
+            "vocab_size 14",
+        ],
+    );
+    // An empty corpus (only blank lines).
+    std::fs::write(d.join("empty.txt"), "\n\n  \n").unwrap();
+    let out = train(&d, &["--data", "empty.txt", "--tokenizer", tok]);
+    assert_bad_input(&out, "empty", &["empty.txt", "the corpus is empty"]);
+    // Shorter than one micro-batch (2 × 16 + 1 tokens): 20 words and EOS.
+    let long: String = std::iter::repeat_n("the engine streams layers .", 4)
+        .collect::<Vec<_>>()
+        .join(" ");
+    std::fs::write(d.join("short2.txt"), long).unwrap();
+    let out = train(&d, &["--data", "short2.txt", "--tokenizer", tok]);
+    assert_bad_input(
+        &out,
+        "micro-batch",
+        &["short2.txt", "fewer than one micro-batch", "= 33"],
+    );
+    // A text format without a tokenizer, and a token file with one.
+    let out = train(&d, &["--data", "bad.jsonl"]);
+    assert_bad_input(&out, "needs tokenizer", &["--tokenizer"]);
+    let out = train(&d, &["--data", "big.u16", "--tokenizer", tok]);
+    assert_bad_input(&out, "token file + tokenizer", &["drop --tokenizer"]);
+}
