@@ -164,9 +164,10 @@ fn describe(
     total_bytes: u64,
     seconds: f64,
 ) -> String {
+    let plural = |d: u64| if d == 1 { "document" } else { "documents" };
     let docs = match (l.documents, eos) {
-        (Some(d), Some(e)) => format!(", {d} documents, each followed by EOS id {e}"),
-        (Some(d), None) => format!(", {d} documents"),
+        (Some(d), Some(e)) => format!(", {d} {}, each followed by EOS id {e}", plural(d)),
+        (Some(d), None) => format!(", {d} {}", plural(d)),
         _ => String::new(),
     };
     let how = match &l.origin {
