@@ -73,6 +73,11 @@ pub struct EvalArgs {
     /// Print {"loss": ..., "perplexity": ..., "tokens": ...} on stdout.
     #[arg(long)]
     json: bool,
+    /// Open --model even when its config.json has keys tierzero does not
+    /// know (each is warned about and ignored): at your own risk, the model
+    /// evaluated may not be the one the file describes.
+    #[arg(long)]
+    allow_unknown_model_keys: bool,
 }
 
 /// Classifies an evaluation error: input mistakes are exit 2, with the flag
@@ -134,8 +139,9 @@ pub fn run(args: EvalArgs) -> Result<(), Failure> {
     let fix = "give a HF model directory with config.json (and optionally *.safetensors)";
     must_exist("--model", dir, true, fix)?;
     must_exist("--model", &dir.join("config.json"), false, fix)?;
-    let md =
-        ModelDir::open(dir, seed).map_err(|e| bad(format!("--model {}: {e}", dir.display())))?;
+    let open_opts = super::model_dir_options(args.allow_unknown_model_keys);
+    let md = ModelDir::open_with(dir, seed, open_opts)
+        .map_err(|e| bad(format!("--model {}: {e}", dir.display())))?;
     let data = load_tokens(&args.data, args.tokenizer.as_deref(), md.model().config())?;
     let result = evaluate(
         md.model(),
