@@ -46,8 +46,8 @@ all predicted tokens; \"tokens\" is their count.
 #[derive(Debug, Args)]
 #[command(after_help = EXAMPLES)]
 pub struct EvalArgs {
-    /// HF model directory: config.json plus *.safetensors (GPT-2 or Llama
-    /// layout); config.json alone means the seeded init of --seed.
+    /// HF model directory: config.json plus *.safetensors (GPT-2 or the Llama
+    /// family: Llama, Mistral, Qwen2, Qwen3); config.json alone means the seeded init of --seed.
     #[arg(long, value_name = "DIR", required_unless_present = "checkpoint")]
     model: Option<PathBuf>,
     /// A tierzero checkpoint directory (evaluates its fp32 master weights).

@@ -99,8 +99,8 @@ pub struct TrainArgs {
     /// (stage 3, NVMe offload of params and optimizer state into ./tierzero-swap/).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
-    /// HF model directory: config.json plus *.safetensors (GPT-2 or Llama
-    /// layout); config.json alone means a model initialised from --seed.
+    /// HF model directory: config.json plus *.safetensors (GPT-2 or the Llama
+    /// family: Llama, Mistral, Qwen2, Qwen3); config.json alone means a model initialised from --seed.
     /// Default: the embedded small GPT-2 (seeded init).
     #[arg(long, value_name = "DIR")]
     model: Option<PathBuf>,
