@@ -1,4 +1,5 @@
-//! Decoder-only transformer models (GPT-2 and Llama) cut into **units**, with
+//! Decoder-only transformer models (GPT-2 and the Llama family: Llama,
+//! Mistral, Qwen2, Qwen3) cut into **units**, with
 //! a per-unit backward by recompute. This is the compute side of ZeRO-3: the
 //! engine owns every weight and hands each unit its parameters just before
 //! the unit runs.
