@@ -631,3 +631,37 @@ fn load_param_respects_dtype_and_device() {
     assert!(t.device().same_device(&Device::Cpu));
     let _ = t.max_keepdim(D::Minus1).unwrap();
 }
+
+/// `ModelDir::open` refuses a `config.json` key it does not know, naming
+/// it; `open_with` and `UnknownKeys::Allow` open it and list the key.
+#[test]
+fn unknown_config_key_refused_by_open_allowed_by_option() {
+    use tierzero::model::{ModelDirOptions, ModelError, UnknownKeys};
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = serde_json::json!({"model_type": "qwen2", "vocab_size": 16, "hidden_size": 8,
+        "intermediate_size": 12, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "max_position_embeddings": 8, "rope_scaling_mode": "x"});
+    std::fs::write(tmp.path().join("config.json"), cfg.to_string()).unwrap();
+    match ModelDir::open(tmp.path(), 0) {
+        Err(ModelError::UnknownConfigKey { key, model_type }) => {
+            assert_eq!(
+                (key.as_str(), model_type.as_str()),
+                ("rope_scaling_mode", "qwen2")
+            );
+        }
+        other => panic!("expected UnknownConfigKey, got {other:?}"),
+    }
+    let opts = ModelDirOptions {
+        unknown_keys: UnknownKeys::Allow,
+    };
+    let md = ModelDir::open_with(tmp.path(), 0, opts).unwrap();
+    assert_eq!(md.unknown_config_keys(), ["rope_scaling_mode".to_string()]);
+    // Qwen2's q/k/v biases are parameters, o_proj has none.
+    let m = md.model();
+    assert!(m
+        .param_by_name("model.layers.0.self_attn.k_proj.bias")
+        .is_some());
+    assert!(m
+        .param_by_name("model.layers.0.self_attn.o_proj.bias")
+        .is_none());
+}

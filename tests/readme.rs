@@ -25,3 +25,19 @@ fn readme_library_example_is_examples_embed() {
         "README.md does not contain the body of examples/embed.rs verbatim:\n{snippet}"
     );
 }
+
+/// The README's model section documents the one list of harmless
+/// `config.json` keys (`HARMLESS_KEYS`), every key of it.
+#[test]
+fn readme_lists_every_harmless_model_key() {
+    let readme = read("README.md");
+    let start = readme.find("\n## Models\n").expect("a Models section");
+    let section = &readme[start..];
+    let section = &section[..section[1..].find("\n## ").map_or(section.len(), |e| e + 1)];
+    for key in tierzero::model::config::HARMLESS_KEYS {
+        assert!(
+            section.contains(&format!("`{key}`")),
+            "README's Models section does not list the harmless key `{key}`"
+        );
+    }
+}

@@ -26,7 +26,7 @@ use tierzero::config::Stage;
 use tierzero::estimate::{
     self, Choice, Estimate, Inputs, LargestSource, Memlock, Report, SwapSettings, Verdict,
 };
-use tierzero::model::{Model, ModelConfig};
+use tierzero::model::{Model, ModelConfig, UnknownKeys};
 use tierzero::units::{format_bytes, parse_bytes, parse_count};
 
 use super::Failure;
@@ -114,7 +114,9 @@ fn model_size(path: &Path) -> Result<ModelSize, Failure> {
     };
     let text = std::fs::read_to_string(&file)
         .map_err(|e| bad(format!("--model: cannot read {}: {e}", file.display())))?;
-    let (cfg, _unknown) = ModelConfig::from_hf_json(&text)
+    // Sizes only, nothing is trained or evaluated: an unknown key is warned
+    // about (it could still mean tensors this estimate does not count).
+    let (cfg, _unknown) = ModelConfig::from_hf_json_with(&text, UnknownKeys::Allow)
         .map_err(|e| bad(format!("--model {}: {e}", file.display())))?;
     let model = Model::new(cfg).map_err(|e| bad(format!("--model {}: {e}", file.display())))?;
     let params = model.params();

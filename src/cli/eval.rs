@@ -46,8 +46,8 @@ all predicted tokens; \"tokens\" is their count.
 #[derive(Debug, Args)]
 #[command(after_help = EXAMPLES)]
 pub struct EvalArgs {
-    /// HF model directory: config.json plus *.safetensors (GPT-2 or Llama
-    /// layout); config.json alone means the seeded init of --seed.
+    /// HF model directory: config.json plus *.safetensors (GPT-2 or the Llama
+    /// family: Llama, Mistral, Qwen2, Qwen3); config.json alone means the seeded init of --seed.
     #[arg(long, value_name = "DIR", required_unless_present = "checkpoint")]
     model: Option<PathBuf>,
     /// A tierzero checkpoint directory (evaluates its fp32 master weights).
@@ -76,6 +76,11 @@ pub struct EvalArgs {
     /// Print {"loss": ..., "perplexity": ..., "tokens": ...} on stdout.
     #[arg(long)]
     json: bool,
+    /// Open --model even when its config.json has keys tierzero does not
+    /// know (each is warned about and ignored): at your own risk, the model
+    /// evaluated may not be the one the file describes.
+    #[arg(long)]
+    allow_unknown_model_keys: bool,
 }
 
 /// Classifies an evaluation error: input mistakes are exit 2, with the flag
@@ -144,15 +149,15 @@ pub fn run(args: EvalArgs) -> Result<(), Failure> {
     let fix = "give a HF model directory with config.json (and optionally *.safetensors)";
     must_exist("--model", dir, true, fix)?;
     must_exist("--model", &dir.join("config.json"), false, fix)?;
-    let md =
-        ModelDir::open(dir, seed).map_err(|e| bad(format!("--model {}: {e}", dir.display())))?;
+    let open_opts = super::model_dir_options(args.allow_unknown_model_keys);
+    let md = ModelDir::open_with(dir, seed, open_opts)
+        .map_err(|e| bad(format!("--model {}: {e}", dir.display())))?;
     let (data, data_line) = load_tokens(
         &args.data,
         args.tokenizer.as_deref(),
         &args.data_options,
         md.model(),
     )?;
-
     let result = evaluate(
         md.model(),
         |id| md.load_param(id, DType::F32, &device),

@@ -392,7 +392,6 @@ pub struct CheckpointReport {
 }
 
 fn checkpoint_report(dir: &Path, verify: bool) -> Result<CheckpointReport, Failure> {
-    use tierzero::model::Arch;
     let c = tierzero::checkpoint::Checkpoint::open(dir)
         .map_err(|e| bad(format!("{}: {e}", dir.display())))?;
     let m = c.manifest();
@@ -425,10 +424,7 @@ fn checkpoint_report(dir: &Path, verify: bool) -> Result<CheckpointReport, Failu
         loss_scale: m.loss_scaler.map(|s| f64::from_bits(s.cur_scale_bits)),
         model: format!(
             "{}, {} layers, hidden {}, vocab {}",
-            match mc.arch {
-                Arch::Gpt2 => "GPT-2",
-                Arch::Llama => "Llama",
-            },
+            mc.family.name(),
             mc.n_layer,
             mc.hidden_size,
             mc.vocab_size

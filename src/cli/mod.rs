@@ -95,6 +95,20 @@ impl Failure {
     }
 }
 
+/// The options of `ModelDir::open_with` for `--allow-unknown-model-keys`
+/// (`train` and `eval`).
+pub(crate) fn model_dir_options(
+    allow_unknown_model_keys: bool,
+) -> tierzero::model::ModelDirOptions {
+    tierzero::model::ModelDirOptions {
+        unknown_keys: if allow_unknown_model_keys {
+            tierzero::model::UnknownKeys::Allow
+        } else {
+            tierzero::model::UnknownKeys::Refuse
+        },
+    }
+}
+
 /// Writes a command's output to stdout. A closed pipe (`tierzero estimate
 /// | head`) is not an error: the reader has what it wanted.
 pub fn emit(text: &str) -> Result<(), Failure> {

@@ -65,7 +65,7 @@ use tierzero::checkpoint::{Checkpoint, CheckpointError, SaveDirLock};
 use tierzero::config::{self, AutoOr, ConfigWarning, PathChecks, RunContext};
 use tierzero::data::TokenData;
 use tierzero::engine::{EngineError, StepMetrics, Summary, Timeline, Trainer, TrainerOptions};
-use tierzero::model::{Arch, Model, ModelConfig, ModelDir};
+use tierzero::model::{Model, ModelConfig, ModelDir};
 use tierzero::run::{
     Plan, DEFAULT_CORPUS, DEFAULT_CORPUS_NAME, DEFAULT_MODEL_CONFIG, DEFAULT_SEQ_LEN, DEFAULT_STEPS,
 };
@@ -99,8 +99,8 @@ pub struct TrainArgs {
     /// (stage 3, NVMe offload of params and optimizer state into ./tierzero-swap/).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
-    /// HF model directory: config.json plus *.safetensors (GPT-2 or Llama
-    /// layout); config.json alone means a model initialised from --seed.
+    /// HF model directory: config.json plus *.safetensors (GPT-2 or the Llama
+    /// family: Llama, Mistral, Qwen2, Qwen3); config.json alone means a model initialised from --seed.
     /// Default: the embedded small GPT-2 (seeded init).
     #[arg(long, value_name = "DIR")]
     model: Option<PathBuf>,
@@ -182,6 +182,11 @@ pub struct TrainArgs {
     /// either way (candle is built without CUDA).
     #[arg(long, value_name = "DEVICE", default_value = "cpu")]
     device: String,
+    /// Open --model even when its config.json has keys tierzero does not
+    /// know (each is warned about and ignored): at your own risk, the model
+    /// trained may not be the one the file describes.
+    #[arg(long)]
+    allow_unknown_model_keys: bool,
 }
 
 pub(super) fn bad(msg: impl Into<String>) -> Failure {
@@ -474,7 +479,8 @@ fn open_model(
             let fix = "give a HF model directory with config.json (and optionally *.safetensors)";
             must_exist("--model", dir, true, fix)?;
             must_exist("--model", &dir.join("config.json"), false, fix)?;
-            let md = ModelDir::open(dir, seed)
+            let open_opts = super::model_dir_options(args.allow_unknown_model_keys);
+            let md = ModelDir::open_with(dir, seed, open_opts)
                 .map_err(|e| bad(format!("--model {}: {e}", dir.display())))?;
             if let Some(c) = &ckpt {
                 if md.model().config() != c.model().config() {
@@ -644,10 +650,7 @@ fn banner(
          data {}, config {}\n\
          run: {} steps x {} sequences x {} tokens = {} tokens/step, \
          seed {}, {} Adam thread(s){}{}\n{plan}\n",
-        match mc.arch {
-            Arch::Gpt2 => "GPT-2",
-            Arch::Llama => "Llama",
-        },
+        mc.family.name(),
         mc.n_layer,
         mc.hidden_size,
         trainer.model().numel(),

@@ -2,18 +2,39 @@
 //! [`ModelConfig`] inside.
 //!
 //! Design:
-//! - The serde structs ([`HfGpt2Config`], [`HfLlamaConfig`]) mirror the key
-//!   names and defaults of the HF `transformers` classes `GPT2Config` and
-//!   `LlamaConfig`, so a `config.json` written by `save_pretrained` reads
-//!   unchanged, and a config that omits a key means what it means there.
-//! - Unknown keys are warned about (through `tracing`), never rejected. Keys
-//!   that HF writes but that do not change the math we run (token ids,
-//!   `torch_dtype`, dropout probabilities: we train without dropout) are
-//!   accepted silently.
-//! - Keys whose values would change the math to something we do not implement
-//!   (`rope_scaling`, attention biases in Llama, cross-attention, ...) are an
-//!   error ([`ModelError::Unsupported`]): silently training a different model
-//!   than the checkpoint describes is worse than refusing.
+//! - Families: GPT-2 (`"gpt2"`) and the Llama family (`"llama"`,
+//!   `"mistral"`, `"qwen2"`, `"qwen3"`), which share Llama's math (RMSNorm,
+//!   rotary embeddings, SwiGLU, GQA) and differ in flags: biases on q/k/v (and
+//!   o), RMSNorm of q and k per head (Qwen3), a sliding attention window
+//!   (Mistral). The serde struct [`HfGpt2Config`] and the per-family defaults
+//!   of the Llama family mirror the key names and defaults of the HF
+//!   `transformers` config classes, so a `config.json` written by
+//!   `save_pretrained` reads unchanged, and a config that omits a key means
+//!   what it means there.
+//! - **Every key is accounted for.** A key is either read (it changes the
+//!   math, and its value is honoured or refused), or on [`HARMLESS_KEYS`],
+//!   the one list of keys that change no arithmetic we run (token ids,
+//!   dtypes, dropout: we train without it, caching, bookkeeping). Any other
+//!   key is an error naming it ([`ModelError::UnknownConfigKey`]), because a
+//!   key we do not know may describe a different model (transformers 5's
+//!   `rope_parameters` once did: ignoring it trained with the wrong rotary
+//!   base). [`UnknownKeys::Allow`] (`--allow-unknown-model-keys`) turns the
+//!   error into a warning, at the user's risk. The keys inside
+//!   `rope_parameters` / `rope_scaling` are checked the same way.
+//! - **Rotary settings, both styles.** transformers 4 writes `rope_theta`
+//!   and `rope_scaling` at the top level; transformers 5 writes
+//!   `rope_parameters: {rope_type, rope_theta, ...}`. Both are read, with
+//!   transformers 5's precedence (`rope_scaling` over `rope_parameters`, a
+//!   value inside the dict over the top-level one); two different values
+//!   for the same setting are an error rather than a silent choice.
+//!   Rotary types: `default`, `linear`, `dynamic`, `llama3`, `yarn`
+//!   ([`RopeScaling`]; the formulas are in [`super::ops::rope_inv_freq`]);
+//!   any other is an error naming it.
+//! - Values that would change the math to something we do not implement
+//!   (`partial_rotary_factor` below 1, cross-attention, a Qwen sliding
+//!   window, an activation other than SiLU in the Llama family, ...) are an
+//!   error ([`ModelError::Unsupported`]): silently training a different
+//!   model than the checkpoint describes is worse than refusing.
 //! - Validation checks every size for zero, divisibility and `usize` overflow
 //!   of the parameter counts, so later code can multiply dimensions freely.
 
@@ -27,8 +48,125 @@ use super::ModelError;
 pub enum Arch {
     /// GPT-2: learned position embedding, LayerNorm, fused qkv Conv1D, GELU MLP.
     Gpt2,
-    /// Llama: RMSNorm, rotary embeddings, SwiGLU MLP, no biases.
+    /// The Llama family: RMSNorm, rotary embeddings, SwiGLU MLP (Llama,
+    /// Mistral, Qwen2, Qwen3; see [`Family`] and the flags of
+    /// [`ModelConfig`]).
     Llama,
+}
+
+/// Which HF model family: the `model_type`, the tensor names' owner and the
+/// exported `architectures`. The math is [`Arch`] plus the flags of
+/// [`ModelConfig`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Family {
+    /// `"gpt2"`, `GPT2LMHeadModel`.
+    Gpt2,
+    /// `"llama"`, `LlamaForCausalLM`.
+    Llama,
+    /// `"mistral"`, `MistralForCausalLM`: Llama math with a sliding window.
+    Mistral,
+    /// `"qwen2"` (Qwen2, Qwen2.5), `Qwen2ForCausalLM`: bias on q, k and v.
+    Qwen2,
+    /// `"qwen3"`, `Qwen3ForCausalLM`: RMSNorm of q and k per head.
+    Qwen3,
+}
+
+impl Family {
+    /// The HF `model_type`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::Gpt2 => "gpt2",
+            Family::Llama => "llama",
+            Family::Mistral => "mistral",
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+        }
+    }
+
+    /// The HF class of the causal LM (`architectures` of an export).
+    pub fn architecture(self) -> &'static str {
+        match self {
+            Family::Gpt2 => "GPT2LMHeadModel",
+            Family::Llama => "LlamaForCausalLM",
+            Family::Mistral => "MistralForCausalLM",
+            Family::Qwen2 => "Qwen2ForCausalLM",
+            Family::Qwen3 => "Qwen3ForCausalLM",
+        }
+    }
+
+    /// A display name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Gpt2 => "GPT-2",
+            Family::Llama => "Llama",
+            Family::Mistral => "Mistral",
+            Family::Qwen2 => "Qwen2",
+            Family::Qwen3 => "Qwen3",
+        }
+    }
+}
+
+/// The rotary variant (`rope_type`), with its parameters as transformers
+/// names them. The inverse frequencies each gives are computed by
+/// [`super::ops::rope_inv_freq`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// Plain RoPE: `inv_freq[i] = theta^(-2i/d)`.
+    Default,
+    /// Position interpolation: `inv_freq / factor`.
+    Linear {
+        /// `factor`.
+        factor: f64,
+    },
+    /// Dynamic NTK: the base grows with the sequence beyond
+    /// `max_position_embeddings` (so plain RoPE at training lengths, which
+    /// never exceed it).
+    Dynamic {
+        /// `factor`.
+        factor: f64,
+    },
+    /// Llama 3.1's piecewise rescaling of the frequencies.
+    Llama3 {
+        /// `factor` (8 in Llama 3.1).
+        factor: f64,
+        /// `low_freq_factor` (1).
+        low_freq_factor: f64,
+        /// `high_freq_factor` (4).
+        high_freq_factor: f64,
+        /// `original_max_position_embeddings` (8192).
+        original_max_position_embeddings: usize,
+    },
+    /// YaRN: ramped interpolation plus an attention factor on cos and sin.
+    Yarn {
+        /// `factor`.
+        factor: f64,
+        /// `original_max_position_embeddings`.
+        original_max_position_embeddings: usize,
+        /// `attention_factor` (`None`: from `factor`, `mscale`, `mscale_all_dim`).
+        attention_factor: Option<f64>,
+        /// `beta_fast` (`None`: 32).
+        beta_fast: Option<f64>,
+        /// `beta_slow` (`None`: 1).
+        beta_slow: Option<f64>,
+        /// `mscale`.
+        mscale: Option<f64>,
+        /// `mscale_all_dim`.
+        mscale_all_dim: Option<f64>,
+        /// `truncate` (default true).
+        truncate: bool,
+    },
+}
+
+/// What to do with a `config.json` key that is neither read nor on
+/// [`HARMLESS_KEYS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UnknownKeys {
+    /// An error naming the key (the default).
+    #[default]
+    Refuse,
+    /// A warning; the key is ignored and listed (at the user's risk: the
+    /// model may not be the one the file describes).
+    Allow,
 }
 
 /// The MLP nonlinearity.
@@ -65,8 +203,28 @@ pub struct ModelConfig {
     pub max_seq_len: usize,
     /// Epsilon of LayerNorm / RMSNorm.
     pub norm_eps: f64,
-    /// Rotary base (Llama only; unused for GPT-2).
+    /// Rotary base (Llama family only; unused for GPT-2).
     pub rope_theta: f64,
+    /// Rotary variant (Llama family only; `Default` for GPT-2).
+    pub rope_scaling: RopeScaling,
+    /// HF family (model_type, names of the export).
+    pub family: Family,
+    /// Llama family: bias on the q, k and v projections (Llama and Qwen3
+    /// `attention_bias`; always for Qwen2). False for GPT-2 (whose biases
+    /// are fixed by its layout).
+    pub qkv_bias: bool,
+    /// Llama family: bias on the attention output projection (Llama and Qwen3
+    /// `attention_bias`; never for Qwen2).
+    pub o_bias: bool,
+    /// Llama family: biases on gate, up and down projections (Llama
+    /// `mlp_bias`).
+    pub mlp_bias: bool,
+    /// RMSNorm of q and k over each head, before the rotary embedding
+    /// (Qwen3's `q_norm` / `k_norm`).
+    pub qk_norm: bool,
+    /// Each query attends to at most this many keys, itself included
+    /// (Mistral's `sliding_window`); `None`: all earlier keys.
+    pub sliding_window: Option<usize>,
     /// LM head shares the token embedding matrix.
     pub tie_word_embeddings: bool,
     /// MLP nonlinearity.
@@ -153,73 +311,6 @@ pub struct HfGpt2Config {
     pub add_cross_attention: bool,
 }
 
-fn d_llama_vocab() -> usize {
-    32000
-}
-fn d_llama_hidden() -> usize {
-    4096
-}
-fn d_llama_inter() -> usize {
-    11008
-}
-fn d_32() -> usize {
-    32
-}
-fn d_llama_maxpos() -> usize {
-    2048
-}
-fn d_rms_eps() -> f64 {
-    1e-6
-}
-fn d_rope_theta() -> f64 {
-    10000.0
-}
-fn d_silu() -> String {
-    "silu".to_string()
-}
-
-/// HF `LlamaConfig` keys that we read (defaults as in `transformers`).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct HfLlamaConfig {
-    /// Always `"llama"`.
-    pub model_type: String,
-    #[serde(default = "d_llama_vocab")]
-    pub vocab_size: usize,
-    #[serde(default = "d_llama_hidden")]
-    pub hidden_size: usize,
-    #[serde(default = "d_llama_inter")]
-    pub intermediate_size: usize,
-    #[serde(default = "d_32")]
-    pub num_hidden_layers: usize,
-    #[serde(default = "d_32")]
-    pub num_attention_heads: usize,
-    /// `None` means `num_attention_heads` (no GQA).
-    #[serde(default)]
-    pub num_key_value_heads: Option<usize>,
-    /// `None` means `hidden_size / num_attention_heads`.
-    #[serde(default)]
-    pub head_dim: Option<usize>,
-    #[serde(default = "d_llama_maxpos")]
-    pub max_position_embeddings: usize,
-    #[serde(default = "d_rms_eps")]
-    pub rms_norm_eps: f64,
-    #[serde(default = "d_rope_theta")]
-    pub rope_theta: f64,
-    /// Must be null: scaled rotary variants are not implemented.
-    #[serde(default)]
-    pub rope_scaling: Option<Value>,
-    #[serde(default = "d_false")]
-    pub tie_word_embeddings: bool,
-    #[serde(default = "d_silu")]
-    pub hidden_act: String,
-    #[serde(default = "d_false")]
-    pub attention_bias: bool,
-    #[serde(default = "d_false")]
-    pub mlp_bias: bool,
-    #[serde(default = "d_init_range")]
-    pub initializer_range: f64,
-}
-
 const GPT2_KEYS: &[&str] = &[
     "model_type",
     "vocab_size",
@@ -237,7 +328,8 @@ const GPT2_KEYS: &[&str] = &[
     "add_cross_attention",
 ];
 
-const LLAMA_KEYS: &[&str] = &[
+/// Keys every Llama-family config may have, all read.
+const LLAMA_FAMILY_KEYS: &[&str] = &[
     "model_type",
     "vocab_size",
     "hidden_size",
@@ -250,16 +342,48 @@ const LLAMA_KEYS: &[&str] = &[
     "rms_norm_eps",
     "rope_theta",
     "rope_scaling",
+    "rope_parameters",
+    "partial_rotary_factor",
+    "original_max_position_embeddings",
     "tie_word_embeddings",
     "hidden_act",
-    "attention_bias",
-    "mlp_bias",
     "initializer_range",
 ];
 
-/// Keys HF writes that do not change the math we run (we train without
-/// dropout, and token ids / dtypes are the data loader's and store's business).
-const HARMLESS_KEYS: &[&str] = &[
+/// The family's own keys beyond [`LLAMA_FAMILY_KEYS`], all read.
+fn family_keys(family: Family) -> &'static [&'static str] {
+    match family {
+        Family::Gpt2 => &[],
+        Family::Llama => &["attention_bias", "mlp_bias"],
+        Family::Mistral => &["sliding_window"],
+        Family::Qwen2 => &[
+            "use_sliding_window",
+            "sliding_window",
+            "max_window_layers",
+            "layer_types",
+        ],
+        Family::Qwen3 => &[
+            "attention_bias",
+            "use_sliding_window",
+            "sliding_window",
+            "max_window_layers",
+            "layer_types",
+        ],
+    }
+}
+
+/// The one list of `config.json` keys that change no arithmetic tierzero
+/// runs, accepted in every family without a word: special token ids (the
+/// data loader owns tokens; they travel into exports as [`TokenIds`]),
+/// dtypes (the run's config decides precision), dropout probabilities (we
+/// train without dropout), generation caching, tensor-parallel hints of
+/// pretraining (`pretraining_tp`: the same product, split), attention
+/// upcasting (`reorder_and_upcast_attn`: precision only), the GPT-2
+/// sequence-classification head (`summary_*`: not a causal LM's), labels,
+/// and bookkeeping. `initializer_range` is read, not listed: it sets the
+/// seeded init. The README's model section lists the same keys; keep them
+/// in step.
+pub const HARMLESS_KEYS: &[&str] = &[
     "architectures",
     "torch_dtype",
     "dtype",
@@ -360,29 +484,446 @@ fn unsupported(what: impl Into<String>) -> ModelError {
     ModelError::Unsupported { what: what.into() }
 }
 
-fn warn_unknown(obj: &serde_json::Map<String, Value>, known: &[&str]) -> Vec<String> {
-    let mut unknown = Vec::new();
-    for key in obj.keys() {
-        if !known.contains(&key.as_str()) && !HARMLESS_KEYS.contains(&key.as_str()) {
-            tracing::warn!(key = %key, "config.json: unknown key ignored");
-            unknown.push(key.clone());
+/// Qwen2/Qwen3's sliding window is per layer (`layer_types`, or
+/// `use_sliding_window` from layer `max_window_layers` on). Only configs
+/// whose every layer is full attention are accepted; the others are refused
+/// (not implemented) rather than run without their window.
+fn qwen_sliding_window(k: &Keys<'_>, n_layer: usize) -> Result<(), ModelError> {
+    let use_sw = k.bool("use_sliding_window", false)?;
+    let window = if use_sw {
+        k.opt_usize("sliding_window")?
+    } else {
+        None
+    };
+    let refuse = |why: String| {
+        unsupported(format!(
+            "{why}: per-layer sliding-window attention (Qwen2/Qwen3) is not implemented; \
+             use_sliding_window false trains every layer with full attention"
+        ))
+    };
+    match k.get("layer_types") {
+        Some(Value::Array(types)) => {
+            if types.len() != n_layer {
+                return Err(invalid(
+                    "layer_types",
+                    format!("{} entries for num_hidden_layers {n_layer}", types.len()),
+                ));
+            }
+            for (i, t) in types.iter().enumerate() {
+                match t.as_str() {
+                    Some("full_attention") => {}
+                    Some("sliding_attention") => {
+                        return Err(refuse(format!("layer_types[{i}] = \"sliding_attention\"")))
+                    }
+                    _ => {
+                        return Err(invalid(
+                            "layer_types",
+                            format!("entry {i} is {t}; expected \"full_attention\" or \"sliding_attention\""),
+                        ))
+                    }
+                }
+            }
+        }
+        Some(v) => return Err(invalid("layer_types", format!("expected a list, got {v}"))),
+        None => {
+            let from = k.usize("max_window_layers", 28)?;
+            if window.is_some() && from < n_layer {
+                return Err(refuse(format!(
+                    "use_sliding_window true with max_window_layers {from} < num_hidden_layers {n_layer}"
+                )));
+            }
         }
     }
-    unknown
+    Ok(())
+}
+
+/// Checks `obj`'s keys against `known` and [`HARMLESS_KEYS`]; `prefix`
+/// names a nested object in messages (`"rope_parameters."`). Refused: the
+/// first unknown key (in key order) is an error. Allowed: each is warned
+/// about and returned.
+fn check_keys(
+    obj: &serde_json::Map<String, Value>,
+    known: &[&[&str]],
+    harmless: &[&str],
+    prefix: &str,
+    model_type: &str,
+    policy: UnknownKeys,
+    unknown: &mut Vec<String>,
+) -> Result<(), ModelError> {
+    for key in obj.keys() {
+        let k = key.as_str();
+        if known.iter().any(|list| list.contains(&k)) || harmless.contains(&k) {
+            continue;
+        }
+        let name = format!("{prefix}{key}");
+        match policy {
+            UnknownKeys::Refuse => {
+                return Err(ModelError::UnknownConfigKey {
+                    key: name,
+                    model_type: model_type.to_owned(),
+                })
+            }
+            UnknownKeys::Allow => {
+                tracing::warn!(key = %name, "config.json: unknown key ignored (allowed by --allow-unknown-model-keys); the model may differ from the one the file describes");
+                unknown.push(name);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Typed reads of a Llama-family `config.json` object, `null` meaning the
+/// default as in transformers.
+struct Keys<'a>(&'a serde_json::Map<String, Value>);
+
+impl Keys<'_> {
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.0.get(key).filter(|v| !v.is_null())
+    }
+
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>, ModelError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| invalid(key, format!("expected a non-negative integer, got {v}"))),
+        }
+    }
+
+    fn usize(&self, key: &str, default: usize) -> Result<usize, ModelError> {
+        Ok(self.opt_usize(key)?.unwrap_or(default))
+    }
+
+    fn opt_f64(&self, key: &str) -> Result<Option<f64>, ModelError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| invalid(key, format!("expected a number, got {v}"))),
+        }
+    }
+
+    fn f64(&self, key: &str, default: f64) -> Result<f64, ModelError> {
+        Ok(self.opt_f64(key)?.unwrap_or(default))
+    }
+
+    fn bool(&self, key: &str, default: bool) -> Result<bool, ModelError> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| invalid(key, format!("expected true or false, got {v}"))),
+        }
+    }
+
+    fn str<'s>(&'s self, key: &str, default: &'s str) -> Result<&'s str, ModelError> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v
+                .as_str()
+                .ok_or_else(|| invalid(key, format!("expected a string, got {v}"))),
+        }
+    }
+}
+
+/// transformers' defaults of one Llama-family config class.
+struct FamilyDefaults {
+    vocab_size: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    layers: usize,
+    heads: usize,
+    /// `None`: `num_attention_heads`.
+    kv_heads: Option<usize>,
+    /// `None`: `hidden_size / num_attention_heads`.
+    head_dim: Option<usize>,
+    max_positions: usize,
+    /// Mistral's `sliding_window` when the key is absent.
+    sliding_window: Option<usize>,
+}
+
+fn family_defaults(family: Family) -> FamilyDefaults {
+    match family {
+        Family::Gpt2 | Family::Llama => FamilyDefaults {
+            vocab_size: 32000,
+            hidden_size: 4096,
+            intermediate_size: 11008,
+            layers: 32,
+            heads: 32,
+            kv_heads: None,
+            head_dim: None,
+            max_positions: 2048,
+            sliding_window: None,
+        },
+        Family::Mistral => FamilyDefaults {
+            vocab_size: 32000,
+            hidden_size: 4096,
+            intermediate_size: 14336,
+            layers: 32,
+            heads: 32,
+            kv_heads: Some(8),
+            head_dim: None,
+            max_positions: 4096 * 32,
+            sliding_window: Some(4096),
+        },
+        Family::Qwen2 | Family::Qwen3 => FamilyDefaults {
+            vocab_size: 151936,
+            hidden_size: 4096,
+            intermediate_size: 22016,
+            layers: 32,
+            heads: 32,
+            kv_heads: Some(32),
+            head_dim: (family == Family::Qwen3).then_some(128),
+            max_positions: 32768,
+            sliding_window: None,
+        },
+    }
+}
+
+/// Keys of a rotary dict per `rope_type` (besides `rope_type` / `type`,
+/// `rope_theta` and `partial_rotary_factor`, allowed in all).
+fn rope_keys(rope_type: &str) -> Option<&'static [&'static str]> {
+    Some(match rope_type {
+        "default" => &[],
+        "linear" | "dynamic" => &["factor"],
+        "llama3" => &[
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        ],
+        "yarn" => &[
+            "factor",
+            "original_max_position_embeddings",
+            "attention_factor",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        ],
+        _ => return None,
+    })
+}
+
+/// The rotary base and variant of a Llama-family config, as transformers 5
+/// resolves them (`standardize_rope_params`), from either style.
+fn parse_rope(
+    top: &Keys<'_>,
+    max_positions: usize,
+    model_type: &str,
+    policy: UnknownKeys,
+    unknown: &mut Vec<String>,
+) -> Result<(f64, RopeScaling), ModelError> {
+    let scaling = top.get("rope_scaling");
+    let params = top.get("rope_parameters");
+    // transformers 5: `rope_scaling or rope_parameters`.
+    let (dict_key, dict) = match (scaling, params) {
+        (Some(s), Some(p)) if s != p => {
+            return Err(invalid(
+                "rope_scaling",
+                format!(
+                    "both rope_scaling {s} and rope_parameters {p} are given and differ; keep one"
+                ),
+            ))
+        }
+        (Some(s), _) => ("rope_scaling", Some(s)),
+        (None, Some(p)) => ("rope_parameters", Some(p)),
+        (None, None) => ("rope_parameters", None),
+    };
+    let empty = serde_json::Map::new();
+    let obj = match dict {
+        None => &empty,
+        Some(Value::Object(o)) => o,
+        Some(v) => {
+            return Err(invalid(
+                dict_key,
+                format!("expected an object such as {{\"rope_type\": \"default\", \"rope_theta\": 10000.0}}, got {v}"),
+            ))
+        }
+    };
+    let rope = Keys(obj);
+    let name = |k: &str| format!("{dict_key}.{k}");
+    let inner = |k: &str| -> Result<Option<f64>, ModelError> {
+        rope.opt_f64(k).map_err(|_| {
+            invalid(
+                &name(k),
+                format!(
+                    "expected a number, got {}",
+                    obj.get(k).unwrap_or(&Value::Null)
+                ),
+            )
+        })
+    };
+    let rope_type = match (rope.get("rope_type"), rope.get("type")) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(invalid(
+                &name("rope_type"),
+                format!("rope_type {a} and type {b} differ; keep one"),
+            ))
+        }
+        (Some(v), _) | (None, Some(v)) => v
+            .as_str()
+            .ok_or_else(|| invalid(&name("rope_type"), format!("expected a string, got {v}")))?,
+        (None, None) => "default",
+    };
+    let Some(type_keys) = rope_keys(rope_type) else {
+        return Err(unsupported(format!(
+            "{dict_key}.rope_type {rope_type:?}: tierzero implements default, linear, dynamic, \
+             llama3 and yarn; convert the model or use one of those"
+        )));
+    };
+    check_keys(
+        obj,
+        &[
+            &["rope_type", "type", "rope_theta", "partial_rotary_factor"],
+            type_keys,
+        ],
+        &[],
+        &format!("{dict_key}."),
+        model_type,
+        policy,
+        unknown,
+    )?;
+    // One value per setting: the dict's wins in transformers; two different
+    // ones are refused.
+    let agree = |key: &str, outer: Option<f64>, nested: Option<f64>| match (outer, nested) {
+        (Some(a), Some(b)) if a != b => Err(invalid(
+            key,
+            format!("{key} {a} and {} {b} differ; keep one", name(key)),
+        )),
+        (a, b) => Ok(b.or(a)),
+    };
+    let theta = agree(
+        "rope_theta",
+        top.opt_f64("rope_theta")?,
+        inner("rope_theta")?,
+    )?
+    .unwrap_or(10000.0);
+    let partial = agree(
+        "partial_rotary_factor",
+        top.opt_f64("partial_rotary_factor")?,
+        inner("partial_rotary_factor")?,
+    )?;
+    if let Some(f) = partial.filter(|&f| f != 1.0) {
+        return Err(unsupported(format!(
+            "partial_rotary_factor {f}: rotary embeddings on part of each head are not \
+             implemented (only 1.0)"
+        )));
+    }
+    let need = |k: &str| -> Result<f64, ModelError> {
+        inner(k)?.ok_or_else(|| {
+            invalid(
+                &name(k),
+                format!("rope_type {rope_type:?} needs {k}; add it to {dict_key}"),
+            )
+        })
+    };
+    let original_max = || -> Result<usize, ModelError> {
+        let outer = top.opt_usize("original_max_position_embeddings")?;
+        let nested = rope
+            .opt_usize("original_max_position_embeddings")
+            .map_err(|e| match e {
+                ModelError::InvalidConfig { reason, .. } => {
+                    invalid(&name("original_max_position_embeddings"), reason)
+                }
+                e => e,
+            })?;
+        match (outer, nested) {
+            (Some(a), Some(b)) if a != b => Err(invalid(
+                "original_max_position_embeddings",
+                format!(
+                    "original_max_position_embeddings {a} and {} {b} differ; keep one",
+                    name("original_max_position_embeddings")
+                ),
+            )),
+            (a, b) => Ok(a.or(b).unwrap_or(max_positions)),
+        }
+    };
+    let scaling = match rope_type {
+        "default" => RopeScaling::Default,
+        "linear" => RopeScaling::Linear {
+            factor: need("factor")?,
+        },
+        "dynamic" => RopeScaling::Dynamic {
+            factor: need("factor")?,
+        },
+        "llama3" => RopeScaling::Llama3 {
+            factor: need("factor")?,
+            low_freq_factor: need("low_freq_factor")?,
+            high_freq_factor: need("high_freq_factor")?,
+            original_max_position_embeddings: original_max()?,
+        },
+        "yarn" => RopeScaling::Yarn {
+            factor: need("factor")?,
+            original_max_position_embeddings: original_max()?,
+            attention_factor: inner("attention_factor")?,
+            beta_fast: inner("beta_fast")?,
+            beta_slow: inner("beta_slow")?,
+            mscale: inner("mscale")?,
+            mscale_all_dim: inner("mscale_all_dim")?,
+            truncate: rope.bool("truncate", true).map_err(|e| match e {
+                ModelError::InvalidConfig { reason, .. } => invalid(&name("truncate"), reason),
+                e => e,
+            })?,
+        },
+        other => return Err(unsupported(format!("rope_type {other:?}"))),
+    };
+    // A top-level original_max_position_embeddings only means something to
+    // the scaled types that read it.
+    if top.get("original_max_position_embeddings").is_some()
+        && !matches!(
+            scaling,
+            RopeScaling::Llama3 { .. } | RopeScaling::Yarn { .. }
+        )
+    {
+        let e = ModelError::UnknownConfigKey {
+            key: "original_max_position_embeddings".to_owned(),
+            model_type: model_type.to_owned(),
+        };
+        match policy {
+            UnknownKeys::Refuse => return Err(e),
+            UnknownKeys::Allow => unknown.push("original_max_position_embeddings".to_owned()),
+        }
+    }
+    Ok((theta, scaling))
 }
 
 impl ModelConfig {
-    /// Parses an HF `config.json` text. Returns the config and the unknown
-    /// keys that were ignored (also logged as warnings).
+    /// Parses an HF `config.json` text; an unknown key is an error
+    /// ([`UnknownKeys::Refuse`]). Returns the config and the unknown keys
+    /// that were ignored (none, with this policy).
     pub fn from_hf_json(text: &str) -> Result<(Self, Vec<String>), ModelError> {
+        Self::from_hf_json_with(text, UnknownKeys::Refuse)
+    }
+
+    /// Like [`ModelConfig::from_hf_json`] with an explicit policy for
+    /// unknown keys.
+    pub fn from_hf_json_with(
+        text: &str,
+        policy: UnknownKeys,
+    ) -> Result<(Self, Vec<String>), ModelError> {
         let value: Value = serde_json::from_str(text).map_err(|e| ModelError::ConfigJson {
             reason: e.to_string(),
         })?;
-        Self::from_hf_value(&value)
+        Self::from_hf_value_with(&value, policy)
     }
 
     /// Like [`ModelConfig::from_hf_json`], from a parsed JSON value.
     pub fn from_hf_value(value: &Value) -> Result<(Self, Vec<String>), ModelError> {
+        Self::from_hf_value_with(value, UnknownKeys::Refuse)
+    }
+
+    /// Like [`ModelConfig::from_hf_value`] with an explicit policy for
+    /// unknown keys: with [`UnknownKeys::Allow`] they are warned about and
+    /// returned.
+    pub fn from_hf_value_with(
+        value: &Value,
+        policy: UnknownKeys,
+    ) -> Result<(Self, Vec<String>), ModelError> {
         let obj = value
             .as_object()
             .ok_or_else(|| invalid("<root>", "config.json must be a JSON object"))?;
@@ -393,21 +934,44 @@ impl ModelConfig {
         let de_err = |e: serde_json::Error| ModelError::ConfigJson {
             reason: e.to_string(),
         };
-        match model_type {
-            "gpt2" => {
-                let unknown = warn_unknown(obj, GPT2_KEYS);
-                let hf: HfGpt2Config = serde_json::from_value(value.clone()).map_err(de_err)?;
-                Ok((Self::from_gpt2(&hf)?, unknown))
+        let family = match model_type {
+            "gpt2" => Family::Gpt2,
+            "llama" => Family::Llama,
+            "mistral" => Family::Mistral,
+            "qwen2" => Family::Qwen2,
+            "qwen3" => Family::Qwen3,
+            other => {
+                return Err(unsupported(format!(
+                    "model_type {other:?} (supported: \"gpt2\", \"llama\", \"mistral\", \
+                     \"qwen2\", \"qwen3\")"
+                )))
             }
-            "llama" => {
-                let unknown = warn_unknown(obj, LLAMA_KEYS);
-                let hf: HfLlamaConfig = serde_json::from_value(value.clone()).map_err(de_err)?;
-                Ok((Self::from_llama(&hf)?, unknown))
-            }
-            other => Err(unsupported(format!(
-                "model_type {other:?} (supported: \"gpt2\", \"llama\")"
-            ))),
+        };
+        let mut unknown = Vec::new();
+        if family == Family::Gpt2 {
+            check_keys(
+                obj,
+                &[GPT2_KEYS],
+                HARMLESS_KEYS,
+                "",
+                model_type,
+                policy,
+                &mut unknown,
+            )?;
+            let hf: HfGpt2Config = serde_json::from_value(value.clone()).map_err(de_err)?;
+            return Ok((Self::from_gpt2(&hf)?, unknown));
         }
+        check_keys(
+            obj,
+            &[LLAMA_FAMILY_KEYS, family_keys(family)],
+            HARMLESS_KEYS,
+            "",
+            model_type,
+            policy,
+            &mut unknown,
+        )?;
+        let cfg = Self::from_llama_family(obj, family, policy, &mut unknown)?;
+        Ok((cfg, unknown))
     }
 
     /// Validates an HF GPT-2 config.
@@ -453,7 +1017,14 @@ impl ModelConfig {
             intermediate_size,
             max_seq_len: hf.n_positions,
             norm_eps: hf.layer_norm_epsilon,
-            rope_theta: d_rope_theta(),
+            rope_theta: 10000.0,
+            rope_scaling: RopeScaling::Default,
+            family: Family::Gpt2,
+            qkv_bias: false,
+            o_bias: false,
+            mlp_bias: false,
+            qk_norm: false,
+            sliding_window: None,
             tie_word_embeddings: hf.tie_word_embeddings,
             activation,
             initializer_range: hf.initializer_range,
@@ -462,51 +1033,93 @@ impl ModelConfig {
         Ok(cfg)
     }
 
-    /// Validates an HF Llama config.
-    pub fn from_llama(hf: &HfLlamaConfig) -> Result<Self, ModelError> {
-        if hf.hidden_act != "silu" {
-            return Err(unsupported(format!("Llama hidden_act {:?}", hf.hidden_act)));
+    /// Validates a Llama-family config object (keys already checked).
+    fn from_llama_family(
+        obj: &serde_json::Map<String, Value>,
+        family: Family,
+        policy: UnknownKeys,
+        unknown: &mut Vec<String>,
+    ) -> Result<Self, ModelError> {
+        let k = Keys(obj);
+        let d = family_defaults(family);
+        let fam = family.name();
+        let hidden_act = k.str("hidden_act", "silu")?;
+        if hidden_act != "silu" {
+            return Err(unsupported(format!(
+                "{fam} hidden_act {hidden_act:?} (only \"silu\", SwiGLU)"
+            )));
         }
-        if hf.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
-            return Err(unsupported("Llama rope_scaling (only plain RoPE)"));
-        }
-        if hf.attention_bias || hf.mlp_bias {
-            return Err(unsupported("Llama attention_bias / mlp_bias = true"));
-        }
-        if hf.num_attention_heads == 0 {
+        let hidden_size = k.usize("hidden_size", d.hidden_size)?;
+        let n_head = k.usize("num_attention_heads", d.heads)?;
+        if n_head == 0 {
             return Err(invalid("num_attention_heads", "must be positive"));
         }
-        let n_kv_head = hf.num_key_value_heads.unwrap_or(hf.num_attention_heads);
-        let head_dim = match hf.head_dim {
-            Some(d) => d,
+        let n_kv_head = match k.opt_usize("num_key_value_heads")? {
+            Some(n) => n,
+            None => d.kv_heads.unwrap_or(n_head),
+        };
+        let head_dim = match k.opt_usize("head_dim")?.or(d.head_dim) {
+            Some(h) => h,
             None => {
-                if !hf.hidden_size.is_multiple_of(hf.num_attention_heads) {
+                if !hidden_size.is_multiple_of(n_head) {
                     return Err(invalid(
                         "num_attention_heads",
                         format!(
-                            "hidden_size {} is not a multiple of num_attention_heads {} (and no head_dim given)",
-                            hf.hidden_size, hf.num_attention_heads
+                            "hidden_size {hidden_size} is not a multiple of num_attention_heads \
+                             {n_head} (and no head_dim given)"
                         ),
                     ));
                 }
-                hf.hidden_size / hf.num_attention_heads
+                hidden_size / n_head
             }
+        };
+        let max_seq_len = k.usize("max_position_embeddings", d.max_positions)?;
+        let (rope_theta, rope_scaling) =
+            parse_rope(&k, max_seq_len, family.model_type(), policy, unknown)?;
+        let attention_bias = k.bool("attention_bias", false)?;
+        let (qkv_bias, o_bias) = match family {
+            Family::Qwen2 => (true, false),
+            Family::Llama | Family::Qwen3 => (attention_bias, attention_bias),
+            Family::Mistral | Family::Gpt2 => (false, false),
+        };
+        let mlp_bias = k.bool("mlp_bias", false)?;
+        let n_layer = k.usize("num_hidden_layers", d.layers)?;
+        let sliding_window = match family {
+            Family::Mistral => {
+                if obj.contains_key("sliding_window") {
+                    k.opt_usize("sliding_window")?
+                } else {
+                    d.sliding_window
+                }
+            }
+            Family::Qwen2 | Family::Qwen3 => {
+                qwen_sliding_window(&k, n_layer)?;
+                None
+            }
+            Family::Llama | Family::Gpt2 => None,
         };
         let cfg = ModelConfig {
             arch: Arch::Llama,
-            vocab_size: hf.vocab_size,
-            hidden_size: hf.hidden_size,
-            n_layer: hf.num_hidden_layers,
-            n_head: hf.num_attention_heads,
+            vocab_size: k.usize("vocab_size", d.vocab_size)?,
+            hidden_size,
+            n_layer,
+            n_head,
             n_kv_head,
             head_dim,
-            intermediate_size: hf.intermediate_size,
-            max_seq_len: hf.max_position_embeddings,
-            norm_eps: hf.rms_norm_eps,
-            rope_theta: hf.rope_theta,
-            tie_word_embeddings: hf.tie_word_embeddings,
+            intermediate_size: k.usize("intermediate_size", d.intermediate_size)?,
+            max_seq_len,
+            norm_eps: k.f64("rms_norm_eps", 1e-6)?,
+            rope_theta,
+            rope_scaling,
+            family,
+            qkv_bias,
+            o_bias,
+            mlp_bias,
+            qk_norm: family == Family::Qwen3,
+            sliding_window,
+            tie_word_embeddings: k.bool("tie_word_embeddings", false)?,
             activation: Activation::Silu,
-            initializer_range: hf.initializer_range,
+            initializer_range: k.f64("initializer_range", 0.02)?,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -563,6 +1176,14 @@ impl ModelConfig {
                 format!("must be > 0, got {}", self.rope_theta),
             ));
         }
+        self.validate_family()?;
+        if self.sliding_window == Some(0) {
+            return Err(invalid(
+                "sliding_window",
+                "must be positive (or null for none)",
+            ));
+        }
+        self.validate_rope()?;
         if !(self.initializer_range.is_finite() && self.initializer_range >= 0.0) {
             return Err(invalid(
                 "initializer_range",
@@ -637,7 +1258,184 @@ impl ModelConfig {
         Ok(())
     }
 
-    /// The HF `config.json` object for this config (what an exporter writes).
+    /// The flags must be ones the family's HF class can express (so the
+    /// export builds the same model).
+    fn validate_family(&self) -> Result<(), ModelError> {
+        let f = self.family;
+        let ok = match f {
+            Family::Gpt2 => {
+                self.arch == Arch::Gpt2
+                    && !(self.qkv_bias || self.o_bias || self.mlp_bias || self.qk_norm)
+                    && self.sliding_window.is_none()
+            }
+            _ if self.arch != Arch::Llama => false,
+            Family::Llama => {
+                self.qkv_bias == self.o_bias && !self.qk_norm && self.sliding_window.is_none()
+            }
+            Family::Mistral => !(self.qkv_bias || self.o_bias || self.mlp_bias || self.qk_norm),
+            Family::Qwen2 => {
+                self.qkv_bias
+                    && !(self.o_bias || self.mlp_bias || self.qk_norm)
+                    && self.sliding_window.is_none()
+            }
+            Family::Qwen3 => {
+                self.qkv_bias == self.o_bias
+                    && self.qk_norm
+                    && !self.mlp_bias
+                    && self.sliding_window.is_none()
+            }
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(invalid(
+                "model_type",
+                format!(
+                    "{:?} with qkv_bias {}, o_bias {}, mlp_bias {}, qk_norm {}, sliding_window \
+                     {:?} is not a {} model",
+                    self.arch,
+                    self.qkv_bias,
+                    self.o_bias,
+                    self.mlp_bias,
+                    self.qk_norm,
+                    self.sliding_window,
+                    f.name()
+                ),
+            ))
+        }
+    }
+
+    fn validate_rope(&self) -> Result<(), ModelError> {
+        let positive = |key: &str, v: f64| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(invalid(key, format!("must be a number > 0, got {v}")))
+            }
+        };
+        let finite = |key: &str, v: Option<f64>| match v {
+            Some(x) if !x.is_finite() => Err(invalid(key, format!("must be finite, got {x}"))),
+            _ => Ok(()),
+        };
+        match &self.rope_scaling {
+            RopeScaling::Default => Ok(()),
+            RopeScaling::Linear { factor } | RopeScaling::Dynamic { factor } => {
+                positive("rope_parameters.factor", *factor)
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                positive("rope_parameters.factor", *factor)?;
+                positive("rope_parameters.low_freq_factor", *low_freq_factor)?;
+                positive("rope_parameters.high_freq_factor", *high_freq_factor)?;
+                if high_freq_factor <= low_freq_factor {
+                    return Err(invalid(
+                        "rope_parameters.high_freq_factor",
+                        format!(
+                            "must be greater than low_freq_factor {low_freq_factor}, got \
+                             {high_freq_factor}"
+                        ),
+                    ));
+                }
+                if *original_max_position_embeddings == 0 {
+                    return Err(invalid(
+                        "rope_parameters.original_max_position_embeddings",
+                        "must be positive",
+                    ));
+                }
+                Ok(())
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                attention_factor,
+                beta_fast,
+                beta_slow,
+                mscale,
+                mscale_all_dim,
+                ..
+            } => {
+                positive("rope_parameters.factor", *factor)?;
+                finite("rope_parameters.attention_factor", *attention_factor)?;
+                finite("rope_parameters.beta_fast", *beta_fast)?;
+                finite("rope_parameters.beta_slow", *beta_slow)?;
+                finite("rope_parameters.mscale", *mscale)?;
+                finite("rope_parameters.mscale_all_dim", *mscale_all_dim)?;
+                if *original_max_position_embeddings == 0 {
+                    return Err(invalid(
+                        "rope_parameters.original_max_position_embeddings",
+                        "must be positive",
+                    ));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The transformers 4 `rope_scaling` object of the rotary variant
+    /// (`None` for plain RoPE); transformers 5 reads it too.
+    pub fn rope_scaling_value(&self) -> Option<Value> {
+        use serde_json::json;
+        match &self.rope_scaling {
+            RopeScaling::Default => None,
+            RopeScaling::Linear { factor } => {
+                Some(json!({"rope_type": "linear", "factor": factor}))
+            }
+            RopeScaling::Dynamic { factor } => {
+                Some(json!({"rope_type": "dynamic", "factor": factor}))
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => Some(json!({
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low_freq_factor,
+                "high_freq_factor": high_freq_factor,
+                "original_max_position_embeddings": original_max_position_embeddings,
+            })),
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                attention_factor,
+                beta_fast,
+                beta_slow,
+                mscale,
+                mscale_all_dim,
+                truncate,
+            } => {
+                let mut v = json!({
+                    "rope_type": "yarn",
+                    "factor": factor,
+                    "original_max_position_embeddings": original_max_position_embeddings,
+                    "truncate": truncate,
+                });
+                for (k, x) in [
+                    ("attention_factor", attention_factor),
+                    ("beta_fast", beta_fast),
+                    ("beta_slow", beta_slow),
+                    ("mscale", mscale),
+                    ("mscale_all_dim", mscale_all_dim),
+                ] {
+                    if let (Some(x), Some(o)) = (x, v.as_object_mut()) {
+                        o.insert(k.to_owned(), json!(x));
+                    }
+                }
+                Some(v)
+            }
+        }
+    }
+
+    /// The HF `config.json` object for this config (what an exporter
+    /// writes): the family's `model_type` and `architectures` and every key
+    /// that changes the math, so `from_pretrained` builds the same model.
+    /// Rotary settings go in transformers 4's style (`rope_theta`,
+    /// `rope_scaling`), which transformers 5 reads as well.
     pub fn to_hf_value(&self) -> Value {
         match self.arch {
             Arch::Gpt2 => serde_json::json!({
@@ -657,23 +1455,50 @@ impl ModelConfig {
                 "initializer_range": self.initializer_range,
                 "tie_word_embeddings": self.tie_word_embeddings,
             }),
-            Arch::Llama => serde_json::json!({
-                "model_type": "llama",
-                "architectures": ["LlamaForCausalLM"],
-                "vocab_size": self.vocab_size,
-                "hidden_size": self.hidden_size,
-                "intermediate_size": self.intermediate_size,
-                "num_hidden_layers": self.n_layer,
-                "num_attention_heads": self.n_head,
-                "num_key_value_heads": self.n_kv_head,
-                "head_dim": self.head_dim,
-                "max_position_embeddings": self.max_seq_len,
-                "rms_norm_eps": self.norm_eps,
-                "rope_theta": self.rope_theta,
-                "tie_word_embeddings": self.tie_word_embeddings,
-                "hidden_act": "silu",
-                "initializer_range": self.initializer_range,
-            }),
+            Arch::Llama => {
+                let mut v = serde_json::json!({
+                    "model_type": self.family.model_type(),
+                    "architectures": [self.family.architecture()],
+                    "vocab_size": self.vocab_size,
+                    "hidden_size": self.hidden_size,
+                    "intermediate_size": self.intermediate_size,
+                    "num_hidden_layers": self.n_layer,
+                    "num_attention_heads": self.n_head,
+                    "num_key_value_heads": self.n_kv_head,
+                    "head_dim": self.head_dim,
+                    "max_position_embeddings": self.max_seq_len,
+                    "rms_norm_eps": self.norm_eps,
+                    "rope_theta": self.rope_theta,
+                    "tie_word_embeddings": self.tie_word_embeddings,
+                    "hidden_act": "silu",
+                    "initializer_range": self.initializer_range,
+                });
+                let extra = match self.family {
+                    Family::Mistral => serde_json::json!({"sliding_window": self.sliding_window}),
+                    Family::Qwen2 => serde_json::json!({
+                        "use_sliding_window": false,
+                        "sliding_window": null,
+                    }),
+                    Family::Qwen3 => serde_json::json!({
+                        "attention_bias": self.qkv_bias,
+                        "use_sliding_window": false,
+                        "sliding_window": null,
+                    }),
+                    Family::Llama | Family::Gpt2 => serde_json::json!({
+                        "attention_bias": self.qkv_bias,
+                        "mlp_bias": self.mlp_bias,
+                    }),
+                };
+                if let (Some(o), Some(e)) = (v.as_object_mut(), extra.as_object()) {
+                    for (k, x) in e {
+                        o.insert(k.clone(), x.clone());
+                    }
+                    if let Some(r) = self.rope_scaling_value() {
+                        o.insert("rope_scaling".to_owned(), r);
+                    }
+                }
+                v
+            }
         }
     }
 }
@@ -714,11 +1539,189 @@ mod tests {
     }
 
     #[test]
-    fn unknown_keys_warned_not_rejected() {
-        let (_, unknown) =
-            ModelConfig::from_hf_json(r#"{"model_type":"gpt2","bos_token_id":1,"frobnicate":3}"#)
-                .unwrap();
+    fn unknown_key_is_an_error_naming_it_unless_allowed() {
+        let text = r#"{"model_type":"gpt2","bos_token_id":1,"frobnicate":3}"#;
+        let e = ModelConfig::from_hf_json(text).unwrap_err();
+        assert!(
+            matches!(&e, ModelError::UnknownConfigKey { key, .. } if key == "frobnicate"),
+            "{e}"
+        );
+        let msg = e.to_string();
+        assert!(msg.contains("`frobnicate`") && msg.contains("--allow-unknown-model-keys"));
+        assert!(!msg.contains('\n'), "one line: {msg}");
+        let (_, unknown) = ModelConfig::from_hf_json_with(text, UnknownKeys::Allow).unwrap();
         assert_eq!(unknown, vec!["frobnicate".to_string()]);
+        // Inside the rotary dict too, named with its path.
+        let text = r#"{"model_type":"llama","rope_parameters":{"rope_type":"default","rope_theta":5.0,"warp":2}}"#;
+        let e = ModelConfig::from_hf_json(text).unwrap_err();
+        assert!(
+            matches!(&e, ModelError::UnknownConfigKey { key, .. } if key == "rope_parameters.warp"),
+            "{e}"
+        );
+        let (c, unknown) = ModelConfig::from_hf_json_with(text, UnknownKeys::Allow).unwrap();
+        assert_eq!(unknown, vec!["rope_parameters.warp".to_string()]);
+        assert_eq!(c.rope_theta, 5.0);
+        // A key of another family is unknown here.
+        let e = ModelConfig::from_hf_json(r#"{"model_type":"mistral","attention_bias":true}"#)
+            .unwrap_err();
+        assert!(matches!(e, ModelError::UnknownConfigKey { .. }), "{e}");
+        // The harmless ones pass in every family.
+        for family in ["gpt2", "llama", "mistral", "qwen2", "qwen3"] {
+            let mut v = serde_json::json!({"model_type": family});
+            for k in HARMLESS_KEYS {
+                v[*k] = Value::Null;
+            }
+            ModelConfig::from_hf_value(&v).unwrap();
+        }
+    }
+
+    const SMALL: &str = r#""vocab_size":10,"hidden_size":16,"intermediate_size":12,
+        "num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":2,
+        "max_position_embeddings":64"#;
+
+    fn llama(extra: &str) -> Result<ModelConfig, ModelError> {
+        ModelConfig::from_hf_json(&format!(r#"{{"model_type":"llama",{SMALL}{extra}}}"#))
+            .map(|(c, _)| c)
+    }
+
+    #[test]
+    fn rope_settings_read_in_both_styles() {
+        // transformers 4: top level; transformers 5: rope_parameters.
+        let v4 = llama(r#","rope_theta":500000.0"#).unwrap();
+        let v5 =
+            llama(r#","rope_parameters":{"rope_type":"default","rope_theta":500000.0}"#).unwrap();
+        assert_eq!(v4.rope_theta, 500000.0);
+        assert_eq!(v4, v5);
+        assert_eq!(llama("").unwrap().rope_theta, 10000.0);
+        let l3 = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 32,
+        };
+        let a = llama(
+            r#","rope_theta":500000.0,"rope_scaling":{"rope_type":"llama3","factor":8.0,
+            "low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":32}"#,
+        )
+        .unwrap();
+        let b = llama(
+            r#","rope_parameters":{"rope_type":"llama3","factor":8.0,"rope_theta":500000.0,
+            "low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":32}"#,
+        )
+        .unwrap();
+        assert_eq!(a.rope_scaling, l3);
+        assert_eq!(a, b);
+        // transformers 4's `type` alias; original_max_position_embeddings
+        // defaults to max_position_embeddings.
+        let c = llama(r#","rope_scaling":{"type":"linear","factor":2.0}"#).unwrap();
+        assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 2.0 });
+        let d = llama(
+            r#","rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0}"#,
+        )
+        .unwrap();
+        assert!(matches!(
+            d.rope_scaling,
+            RopeScaling::Llama3 {
+                original_max_position_embeddings: 64,
+                ..
+            }
+        ));
+        let y = llama(r#","rope_parameters":{"rope_type":"yarn","factor":4.0,"beta_fast":16}"#)
+            .unwrap();
+        assert!(matches!(
+            y.rope_scaling,
+            RopeScaling::Yarn { factor, beta_fast: Some(b), truncate: true, .. } if factor == 4.0 && b == 16.0
+        ));
+        // Every variant round-trips through the exported config.
+        for cfg in [a, c, d, y, v4] {
+            let (back, unknown) = ModelConfig::from_hf_value(&cfg.to_hf_value()).unwrap();
+            assert!(unknown.is_empty());
+            assert_eq!(back, cfg);
+        }
+    }
+
+    #[test]
+    fn rope_conflicts_and_unknown_types_are_errors_naming_them() {
+        for (extra, needle) in [
+            (
+                r#","rope_theta":1.0,"rope_parameters":{"rope_theta":2.0}"#,
+                "rope_theta",
+            ),
+            (
+                r#","rope_scaling":{"rope_type":"linear","factor":2.0},"rope_parameters":{"rope_type":"default"}"#,
+                "rope_scaling",
+            ),
+            (r#","rope_parameters":{"rope_type":"longrope"}"#, "longrope"),
+            (r#","rope_parameters":{"rope_type":"linear"}"#, "factor"),
+            (
+                r#","rope_parameters":{"rope_type":"linear","type":"dynamic","factor":2}"#,
+                "rope_type",
+            ),
+            (r#","rope_parameters":"fast""#, "rope_parameters"),
+            (r#","partial_rotary_factor":0.5"#, "partial_rotary_factor"),
+            (
+                r#","rope_parameters":{"rope_type":"llama3","factor":8.0,"low_freq_factor":4.0,"high_freq_factor":1.0}"#,
+                "high_freq_factor",
+            ),
+            (
+                r#","original_max_position_embeddings":16"#,
+                "original_max_position_embeddings",
+            ),
+        ] {
+            let e = llama(extra).unwrap_err().to_string();
+            assert!(e.contains(needle), "{extra}: {e}");
+            assert!(!e.contains('\n'), "{e}");
+        }
+        // The same value twice is fine.
+        llama(r#","rope_theta":7.0,"rope_parameters":{"rope_type":"default","rope_theta":7.0}"#)
+            .unwrap();
+    }
+
+    #[test]
+    fn families_read_their_math_keys() {
+        let fam = |t: &str, extra: &str| {
+            ModelConfig::from_hf_json(&format!(r#"{{"model_type":"{t}",{SMALL}{extra}}}"#))
+                .map(|(c, _)| c)
+        };
+        let l = fam(
+            "llama",
+            r#","attention_bias":true,"mlp_bias":true,"head_dim":8"#,
+        )
+        .unwrap();
+        assert!(l.qkv_bias && l.o_bias && l.mlp_bias && !l.qk_norm);
+        assert_eq!(l.head_dim, 8);
+        let m = fam("mistral", r#","sliding_window":5"#).unwrap();
+        assert_eq!((m.family, m.sliding_window), (Family::Mistral, Some(5)));
+        assert_eq!(
+            fam("mistral", r#","sliding_window":null"#)
+                .unwrap()
+                .sliding_window,
+            None
+        );
+        // transformers' MistralConfig default.
+        assert_eq!(fam("mistral", "").unwrap().sliding_window, Some(4096));
+        let q2 = fam("qwen2", r#","layer_types":["full_attention"],"use_sliding_window":false,"sliding_window":null,"max_window_layers":28"#).unwrap();
+        assert!(q2.qkv_bias && !q2.o_bias && !q2.qk_norm);
+        let q3 = fam("qwen3", r#","head_dim":6"#).unwrap();
+        assert!(q3.qk_norm && !q3.qkv_bias && q3.head_dim == 6);
+        assert_eq!(fam("qwen3", "").unwrap().head_dim, 128);
+        for cfg in [l, m, q2, q3] {
+            let v = cfg.to_hf_value();
+            assert_eq!(v["model_type"], cfg.family.model_type());
+            let (back, unknown) = ModelConfig::from_hf_value(&v).unwrap();
+            assert!(unknown.is_empty());
+            assert_eq!(back, cfg);
+        }
+        // Qwen's per-layer sliding window is refused, not ignored.
+        for extra in [
+            r#","layer_types":["sliding_attention"]"#,
+            r#","use_sliding_window":true,"sliding_window":4,"max_window_layers":0"#,
+        ] {
+            let e = fam("qwen2", extra).unwrap_err().to_string();
+            assert!(e.contains("sliding"), "{e}");
+        }
+        assert!(fam("llama", r#","hidden_act":"gelu""#).is_err());
+        assert!(fam("mistral", r#","sliding_window":0"#).is_err());
     }
 
     #[test]
@@ -739,7 +1742,8 @@ mod tests {
             r#"{"model_type":"gpt2","n_layer":0}"#,
             r#"{"model_type":"gpt2","n_embd":-1}"#,
             r#"{"model_type":"bert"}"#,
-            r#"{"model_type":"llama","rope_scaling":{"type":"linear","factor":2.0}}"#,
+            r#"{"model_type":"llama","rope_scaling":{"type":"su","factor":2.0}}"#,
+            r#"{"model_type":"mixtral"}"#,
             r#"{"model_type":"llama","num_attention_heads":32,"num_key_value_heads":5}"#,
             r#"{"model_type":"gpt2","vocab_size":18446744073709551615,"n_embd":1024,"n_head":1}"#,
             r#"[1,2]"#,

@@ -41,7 +41,9 @@ use candle_core::{DType, Device, Tensor};
 use safetensors::tensor::Metadata;
 use safetensors::Dtype as StDtype;
 
-use super::{Arch, Init, Model, ModelConfig, ModelError, ParamId, ParamSpec, TokenIds};
+use super::{
+    Arch, Init, Model, ModelConfig, ModelError, ParamId, ParamSpec, TokenIds, UnknownKeys,
+};
 
 /// Largest safetensors header we accept (the `safetensors` crate's limit).
 const MAX_HEADER_BYTES: u64 = 100_000_000;
@@ -216,11 +218,30 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
     Ok(files)
 }
 
+/// How [`ModelDir::open_with`] reads a model directory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ModelDirOptions {
+    /// What to do with a `config.json` key that is neither read nor known
+    /// to be harmless: refuse (the default) or warn and ignore
+    /// (`--allow-unknown-model-keys`, at the user's risk).
+    pub unknown_keys: UnknownKeys,
+}
+
 impl ModelDir {
     /// Opens `dir`: reads `config.json`, indexes and validates the safetensors
     /// headers (no tensor data read). `seed` is used only when the directory
-    /// holds no weights.
+    /// holds no weights. An unknown `config.json` key is an error
+    /// ([`ModelDir::open_with`] can allow it).
     pub fn open(dir: impl AsRef<Path>, seed: u64) -> Result<Self, ModelError> {
+        Self::open_with(dir, seed, ModelDirOptions::default())
+    }
+
+    /// [`ModelDir::open`] with options.
+    pub fn open_with(
+        dir: impl AsRef<Path>,
+        seed: u64,
+        options: ModelDirOptions,
+    ) -> Result<Self, ModelError> {
         let dir = dir.as_ref();
         let cfg_path = dir.join("config.json");
         let text = std::fs::read_to_string(&cfg_path).map_err(io_err(&cfg_path))?;
@@ -228,7 +249,8 @@ impl ModelDir {
             serde_json::from_str(&text).map_err(|e| ModelError::ConfigJson {
                 reason: e.to_string(),
             })?;
-        let (config, unknown_config_keys) = ModelConfig::from_hf_value(&value)?;
+        let (config, unknown_config_keys) =
+            ModelConfig::from_hf_value_with(&value, options.unknown_keys)?;
         let model = Model::new(config)?.with_token_ids(TokenIds::from_hf_value(&value));
         let files = weight_files(dir)?;
         let source = if files.is_empty() {
@@ -325,7 +347,8 @@ impl ModelDir {
         matches!(self.source, Source::Files { .. })
     }
 
-    /// Unknown `config.json` keys that were ignored.
+    /// Unknown `config.json` keys that were ignored (only with
+    /// [`UnknownKeys::Allow`]).
     pub fn unknown_config_keys(&self) -> &[String] {
         &self.unknown_config_keys
     }

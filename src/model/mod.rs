@@ -1,4 +1,5 @@
-//! Decoder-only transformer models (GPT-2 and Llama) cut into **units**, with
+//! Decoder-only transformer models (GPT-2 and the Llama family: Llama,
+//! Mistral, Qwen2, Qwen3) cut into **units**, with
 //! a per-unit backward by recompute. This is the compute side of ZeRO-3: the
 //! engine owns every weight and hands each unit its parameters just before
 //! the unit runs.
@@ -73,8 +74,8 @@ pub mod ops;
 
 use candle_core::{DType, Device, Tensor, Var};
 
-pub use config::{Activation, Arch, ModelConfig, TokenIds};
-pub use io::{hf_config_text, save_hf_dir, write_safetensors, ModelDir};
+pub use config::{Activation, Arch, Family, ModelConfig, RopeScaling, TokenIds, UnknownKeys};
+pub use io::{hf_config_text, save_hf_dir, write_safetensors, ModelDir, ModelDirOptions};
 
 /// Errors of the model area.
 #[derive(Debug, thiserror::Error)]
@@ -103,6 +104,20 @@ pub enum ModelError {
         key: String,
         /// What is wrong.
         reason: String,
+    },
+    /// A `config.json` key that tierzero neither reads nor knows to be
+    /// harmless ([`config::HARMLESS_KEYS`]).
+    #[error(
+        "config.json: unknown key `{key}` for model_type {model_type:?}: it may change the \
+         model's math, so tierzero refuses rather than run a different model; remove the key, \
+         or pass --allow-unknown-model-keys (library: UnknownKeys::Allow) to proceed at your \
+         own risk"
+    )]
+    UnknownConfigKey {
+        /// The key (`rope_parameters.<k>` inside the rotary dict).
+        key: String,
+        /// The config's `model_type`.
+        model_type: String,
     },
     /// The config or checkpoint asks for something not implemented.
     #[error("unsupported: {what}")]
@@ -501,29 +516,49 @@ impl Model {
                     }
                 }
                 Arch::Llama => {
+                    // Declared order = the order `block` reads them; the
+                    // optional tensors sit right after their weight, so a
+                    // config without them keeps the plain Llama order.
                     let p = format!("model.layers.{layer}.");
                     let lin = ParamKind::LinearWeight;
-                    let list: [(&str, Vec<usize>, ParamKind, Init); 9] = [
-                        (
-                            "input_layernorm.weight",
-                            vec![h],
-                            ParamKind::NormWeight,
-                            Init::Ones,
-                        ),
-                        ("self_attn.q_proj.weight", vec![q_out, h], lin, normal),
-                        ("self_attn.k_proj.weight", vec![kv_out, h], lin, normal),
-                        ("self_attn.v_proj.weight", vec![kv_out, h], lin, normal),
-                        ("self_attn.o_proj.weight", vec![h, q_out], lin, resid),
-                        (
-                            "post_attention_layernorm.weight",
-                            vec![h],
-                            ParamKind::NormWeight,
-                            Init::Ones,
-                        ),
-                        ("mlp.gate_proj.weight", vec![inter, h], lin, normal),
-                        ("mlp.up_proj.weight", vec![inter, h], lin, normal),
-                        ("mlp.down_proj.weight", vec![h, inter], lin, resid),
-                    ];
+                    let norm = |n: &str, d: usize| {
+                        (n.to_owned(), vec![d], ParamKind::NormWeight, Init::Ones)
+                    };
+                    let bias =
+                        |n: &str, d: usize| (n.to_owned(), vec![d], ParamKind::Bias, Init::Zeros);
+                    let weight =
+                        |n: &str, shape: Vec<usize>, init: Init| (n.to_owned(), shape, lin, init);
+                    let mut list = vec![norm("input_layernorm.weight", h)];
+                    for (n, out) in [("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)] {
+                        list.push(weight(
+                            &format!("self_attn.{n}.weight"),
+                            vec![out, h],
+                            normal,
+                        ));
+                        if c.qkv_bias {
+                            list.push(bias(&format!("self_attn.{n}.bias"), out));
+                        }
+                    }
+                    list.push(weight("self_attn.o_proj.weight", vec![h, q_out], resid));
+                    if c.o_bias {
+                        list.push(bias("self_attn.o_proj.bias", h));
+                    }
+                    if c.qk_norm {
+                        list.push(norm("self_attn.q_norm.weight", c.head_dim));
+                        list.push(norm("self_attn.k_norm.weight", c.head_dim));
+                    }
+                    list.push(norm("post_attention_layernorm.weight", h));
+                    for (n, shape, init) in [
+                        ("gate_proj", vec![inter, h], normal),
+                        ("up_proj", vec![inter, h], normal),
+                        ("down_proj", vec![h, inter], resid),
+                    ] {
+                        let out = shape[0];
+                        list.push(weight(&format!("mlp.{n}.weight"), shape, init));
+                        if c.mlp_bias {
+                            list.push(bias(&format!("mlp.{n}.bias"), out));
+                        }
+                    }
                     for (n, shape, kind, init) in list {
                         b.param(u, format!("{p}{n}"), shape, kind, init)?;
                     }
@@ -993,21 +1028,47 @@ impl Model {
                 Ok((x + ops::conv1d(&m, &p[10], Some(&p[11]))?)?)
             }
             Arch::Llama => {
-                let a = ops::rms_norm(x, &p[0], c.norm_eps)?;
-                let q = heads(&ops::linear(&a, &p[1], None)?, nh)?;
-                let k = heads(&ops::linear(&a, &p[2], None)?, nkv)?;
-                let v = heads(&ops::linear(&a, &p[3], None)?, nkv)?;
-                let (cos, sin) = ops::rope_tables(t, hd, c.rope_theta, x.dtype(), x.device())?;
+                // The params in declared order (see `Model::new`).
+                let mut it = p.iter();
+                let mut next = || {
+                    it.next().ok_or_else(|| {
+                        candle_core::Error::Msg("block has fewer params than declared".into())
+                    })
+                };
+                let proj = |x: &Tensor, w: &Tensor, b: Option<&Tensor>| ops::linear(x, w, b);
+                let a = ops::rms_norm(x, next()?, c.norm_eps)?;
+                let mut qkv = Vec::with_capacity(3);
+                for _ in 0..3 {
+                    let w = next()?;
+                    let bias = if c.qkv_bias { Some(next()?) } else { None };
+                    qkv.push(proj(&a, w, bias)?);
+                }
+                let o_w = next()?;
+                let o_b = if c.o_bias { Some(next()?) } else { None };
+                let mut q = heads(&qkv[0], nh)?;
+                let mut k = heads(&qkv[1], nkv)?;
+                let v = heads(&qkv[2], nkv)?;
+                if c.qk_norm {
+                    q = ops::rms_norm(&q, next()?, c.norm_eps)?;
+                    k = ops::rms_norm(&k, next()?, c.norm_eps)?;
+                }
+                let (cos, sin) = ops::rope_tables_for(c, t, x.dtype(), x.device())?;
                 let q = ops::apply_rope(&q, &cos, &sin)?;
                 let k = ops::apply_rope(&k, &cos, &sin)?;
                 let k = ops::repeat_kv(&k, nh / nkv)?;
                 let v = ops::repeat_kv(&v, nh / nkv)?;
-                let y = merge(&ops::causal_attention(&q, &k, &v)?)?;
-                let x = (x + ops::linear(&y, &p[4], None)?)?;
-                let m = ops::rms_norm(&x, &p[5], c.norm_eps)?;
-                let gate = ops::linear(&m, &p[6], None)?.silu()?;
-                let up = ops::linear(&m, &p[7], None)?;
-                Ok((x + ops::linear(&gate.mul(&up)?, &p[8], None)?)?)
+                let y = merge(&ops::causal_attention_window(&q, &k, &v, c.sliding_window)?)?;
+                let x = (x + proj(&y, o_w, o_b)?)?;
+                let m = ops::rms_norm(&x, next()?, c.norm_eps)?;
+                let mut mlp = Vec::with_capacity(3);
+                for _ in 0..3 {
+                    let w = next()?;
+                    let bias = if c.mlp_bias { Some(next()?) } else { None };
+                    mlp.push((w, bias));
+                }
+                let gate = proj(&m, mlp[0].0, mlp[0].1)?.silu()?;
+                let up = proj(&m, mlp[1].0, mlp[1].1)?;
+                Ok((x + proj(&gate.mul(&up)?, mlp[2].0, mlp[2].1)?)?)
             }
         }
     }

@@ -21,6 +21,8 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
+use super::config::{ModelConfig, RopeScaling};
+
 /// `y = x W + b` with `W` in HF Conv1D layout `[in, out]`, over the last dim.
 pub fn conv1d(x: &Tensor, w_in_out: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
     let y = matmul_last(x, w_in_out)?;
@@ -95,10 +97,25 @@ pub fn gelu_erf(x: &Tensor) -> candle_core::Result<Tensor> {
 
 /// Causal additive mask `[t, t]`: 0 where key <= query, -inf above.
 pub fn causal_mask(t: usize, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
+    causal_mask_window(t, None, dtype, device)
+}
+
+/// Causal additive mask `[t, t]` with an optional sliding window `w`:
+/// query `i` sees key `j` when `j <= i` and `i - j < w` (`w` keys, itself
+/// included: transformers' `kv_idx > q_idx - sliding_window`), -inf
+/// elsewhere. A window of `t` or more is the plain causal mask.
+pub fn causal_mask_window(
+    t: usize,
+    window: Option<usize>,
+    dtype: DType,
+    device: &Device,
+) -> candle_core::Result<Tensor> {
     let mut m = vec![0f32; t * t];
     for (i, row) in m.chunks_mut(t).enumerate() {
-        for v in row.iter_mut().skip(i + 1) {
-            *v = f32::NEG_INFINITY;
+        for (j, v) in row.iter_mut().enumerate() {
+            if j > i || window.is_some_and(|w| i - j >= w) {
+                *v = f32::NEG_INFINITY;
+            }
         }
     }
     Tensor::from_vec(m, (t, t), device)?.to_dtype(dtype)
@@ -107,16 +124,28 @@ pub fn causal_mask(t: usize, dtype: DType, device: &Device) -> candle_core::Resu
 /// Causal self-attention on `q [b, h, t, d]`, `k, v [b, h, t, d]`
 /// (already head-split); returns `[b, h, t, d]`.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
+    causal_attention_window(q, k, v, None)
+}
+
+/// [`causal_attention`] with an optional sliding window (see
+/// [`causal_mask_window`]).
+pub fn causal_attention_window(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    window: Option<usize>,
+) -> candle_core::Result<Tensor> {
     let (_, _, t, d) = q.dims4()?;
     let scale = 1.0 / (d as f64).sqrt();
     let att = q.matmul(&k.t()?)?.affine(scale, 0.0)?;
-    let mask = causal_mask(t, q.dtype(), q.device())?;
+    let mask = causal_mask_window(t, window, q.dtype(), q.device())?;
     let att = softmax_last(&att.broadcast_add(&mask)?)?;
     att.matmul(v)
 }
 
 /// Rotary tables `cos, sin` of shape `[t, head_dim]` in HF's "rotate_half"
-/// layout (the frequency vector repeated twice), computed in f64 on the host.
+/// layout (the frequency vector repeated twice), computed in f64 on the
+/// host, for plain RoPE of base `theta`.
 pub fn rope_tables(
     t: usize,
     head_dim: usize,
@@ -124,22 +153,187 @@ pub fn rope_tables(
     dtype: DType,
     device: &Device,
 ) -> candle_core::Result<(Tensor, Tensor)> {
-    let half = head_dim / 2;
-    let mut cos = Vec::with_capacity(t * head_dim);
-    let mut sin = Vec::with_capacity(t * head_dim);
+    let inv_freq = default_inv_freq(head_dim, theta);
+    rope_tables_from(t, &inv_freq, 1.0, dtype, device)
+}
+
+/// The rotary tables of a Llama-family config for sequences of `t`
+/// ([`rope_inv_freq`], then [`rope_tables_from`]).
+pub fn rope_tables_for(
+    c: &ModelConfig,
+    t: usize,
+    dtype: DType,
+    device: &Device,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let (inv_freq, scale) =
+        rope_inv_freq(c.head_dim, c.rope_theta, &c.rope_scaling, c.max_seq_len, t);
+    rope_tables_from(t, &inv_freq, scale, dtype, device)
+}
+
+/// `cos, sin` `[t, 2 * inv_freq.len()]` of angles `pos * inv_freq[i]`
+/// (f64), each times `scale` (YaRN's attention factor; 1 leaves the bits
+/// alone).
+pub fn rope_tables_from(
+    t: usize,
+    inv_freq: &[f64],
+    scale: f64,
+    dtype: DType,
+    device: &Device,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let d = 2 * inv_freq.len();
+    let mut cos = Vec::with_capacity(t * d);
+    let mut sin = Vec::with_capacity(t * d);
     for pos in 0..t {
         for _repeat in 0..2 {
-            for i in 0..half {
-                let inv_freq = theta.powf(-((2 * i) as f64) / head_dim as f64);
-                let angle = pos as f64 * inv_freq;
-                cos.push(angle.cos());
-                sin.push(angle.sin());
+            for &f in inv_freq {
+                let angle = pos as f64 * f;
+                if scale == 1.0 {
+                    cos.push(angle.cos());
+                    sin.push(angle.sin());
+                } else {
+                    cos.push(angle.cos() * scale);
+                    sin.push(angle.sin() * scale);
+                }
             }
         }
     }
-    let cos = Tensor::from_vec(cos, (t, head_dim), device)?.to_dtype(dtype)?;
-    let sin = Tensor::from_vec(sin, (t, head_dim), device)?.to_dtype(dtype)?;
+    let cos = Tensor::from_vec(cos, (t, d), device)?.to_dtype(dtype)?;
+    let sin = Tensor::from_vec(sin, (t, d), device)?.to_dtype(dtype)?;
     Ok((cos, sin))
+}
+
+/// Plain RoPE: `inv_freq[i] = theta^(-2i/d)` for `i < d/2`.
+pub fn default_inv_freq(head_dim: usize, theta: f64) -> Vec<f64> {
+    (0..head_dim / 2)
+        .map(|i| theta.powf(-((2 * i) as f64) / head_dim as f64))
+        .collect()
+}
+
+/// The inverse frequencies (`head_dim / 2` of them) and the factor on cos
+/// and sin of a rotary variant, as transformers 5 computes them
+/// (`modeling_rope_utils.py`), in f64 where transformers uses fp32:
+///
+/// - `default`: `theta^(-2i/d)`; factor 1.
+/// - `linear`: `default / factor`.
+/// - `dynamic`: `default` with base `theta * (factor * s / m - (factor -
+///   1))^(d / (d - 2))`, `s = max(seq_len, m)`, `m =
+///   max_position_embeddings`: the base changes only beyond `m`, so at
+///   training lengths (never above `m`) it is plain RoPE.
+/// - `llama3`: with `L = original_max_position_embeddings`, wavelength
+///   `w = 2 pi / f`: `f` where `w < L / high_freq_factor`, `f / factor` where
+///   `w > L / low_freq_factor`, in between `(1 - s) f / factor + s f` with
+///   `s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor)`.
+/// - `yarn`: dims below `low` keep `f`, above `high` take `f / factor`, a
+///   linear ramp between (`low`, `high` from `beta_fast`, `beta_slow` by the
+///   correction-dim formula, floored/ceiled unless `truncate` is false);
+///   the factor on cos and sin is `attention_factor`, else `0.1 ln(factor)
+///   + 1` (or the `mscale` / `mscale_all_dim` ratio).
+pub fn rope_inv_freq(
+    head_dim: usize,
+    theta: f64,
+    scaling: &RopeScaling,
+    max_positions: usize,
+    seq_len: usize,
+) -> (Vec<f64>, f64) {
+    let d = head_dim as f64;
+    match scaling {
+        RopeScaling::Default => (default_inv_freq(head_dim, theta), 1.0),
+        RopeScaling::Linear { factor } => (
+            default_inv_freq(head_dim, theta)
+                .into_iter()
+                .map(|f| f / factor)
+                .collect(),
+            1.0,
+        ),
+        RopeScaling::Dynamic { factor } => {
+            let s = seq_len.max(max_positions) as f64;
+            let m = max_positions as f64;
+            if s == m {
+                // The base factor is 1^(d/(d-2)) = 1 exactly.
+                return (default_inv_freq(head_dim, theta), 1.0);
+            }
+            let base = theta * ((factor * s / m) - (factor - 1.0)).powf(d / (d - 2.0));
+            (default_inv_freq(head_dim, base), 1.0)
+        }
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
+            let old = *original_max_position_embeddings as f64;
+            let low_wavelen = old / low_freq_factor;
+            let high_wavelen = old / high_freq_factor;
+            let inv = default_inv_freq(head_dim, theta)
+                .into_iter()
+                .map(|f| {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let s = (old / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        (1.0 - s) * f / factor + s * f
+                    }
+                })
+                .collect();
+            (inv, 1.0)
+        }
+        RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            attention_factor,
+            beta_fast,
+            beta_slow,
+            mscale,
+            mscale_all_dim,
+            truncate,
+        } => {
+            let get_mscale = |scale: f64, m: f64| {
+                if scale <= 1.0 {
+                    1.0
+                } else {
+                    0.1 * m * scale.ln() + 1.0
+                }
+            };
+            let attention = match (attention_factor, mscale, mscale_all_dim) {
+                (Some(a), _, _) => *a,
+                // Python's truthiness: 0 or absent means "not given".
+                (None, Some(m), Some(all)) if *m != 0.0 && *all != 0.0 => {
+                    get_mscale(*factor, *m) / get_mscale(*factor, *all)
+                }
+                _ => get_mscale(*factor, 1.0),
+            };
+            let beta_fast = beta_fast.filter(|&b| b != 0.0).unwrap_or(32.0);
+            let beta_slow = beta_slow.filter(|&b| b != 0.0).unwrap_or(1.0);
+            let orig = *original_max_position_embeddings as f64;
+            let correction_dim = |rotations: f64| {
+                (d * (orig / (rotations * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * theta.ln())
+            };
+            let (mut low, mut high) = (correction_dim(beta_fast), correction_dim(beta_slow));
+            if *truncate {
+                low = low.floor();
+                high = high.ceil();
+            }
+            let low = low.max(0.0);
+            let mut high = high.min(d - 1.0);
+            if low == high {
+                high += 0.001;
+            }
+            let inv = default_inv_freq(head_dim, theta)
+                .into_iter()
+                .enumerate()
+                .map(|(i, f)| {
+                    let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                    let extrapolation = 1.0 - ramp;
+                    (f / factor) * (1.0 - extrapolation) + f * extrapolation
+                })
+                .collect();
+            (inv, attention)
+        }
+    }
 }
 
 /// Applies rotary embedding to `x [b, h, t, d]`: `x cos + rotate_half(x) sin`.
@@ -276,6 +470,145 @@ mod tests {
             .to_scalar::<f64>()
             .unwrap();
         assert!((l - 7f64.ln()).abs() < 1e-12);
+    }
+
+    /// Relative closeness of two frequency lists.
+    fn assert_close(ours: &[f64], reference: &[f64], what: &str) {
+        assert_eq!(ours.len(), reference.len(), "{what}");
+        for (i, (a, b)) in ours.iter().zip(reference).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-12 * b.abs().max(1e-300),
+                "{what}: inv_freq[{i}] = {a}, reference {b}"
+            );
+        }
+    }
+
+    /// inv_freq written the textbook way: 1 / theta^(2i / d).
+    fn reference_default(d: usize, theta: f64) -> Vec<f64> {
+        (0..d / 2)
+            .map(|i| 1.0 / theta.powf(2.0 * i as f64 / d as f64))
+            .collect()
+    }
+
+    #[test]
+    fn rope_variants_match_scalar_references_at_awkward_sizes() {
+        for (d, theta) in [
+            (2usize, 10000.0),
+            (6, 500000.0),
+            (10, 1e4),
+            (34, 1e6),
+            (128, 5e5),
+        ] {
+            let base = reference_default(d, theta);
+            let (f, s) = rope_inv_freq(d, theta, &RopeScaling::Default, 64, 7);
+            assert_close(&f, &base, "default");
+            assert_eq!(s, 1.0);
+            let (f, _) = rope_inv_freq(d, theta, &RopeScaling::Linear { factor: 3.5 }, 64, 7);
+            let r: Vec<f64> = base.iter().map(|x| x / 3.5).collect();
+            assert_close(&f, &r, "linear");
+            // Dynamic: plain up to max_position_embeddings, a larger base beyond.
+            let dynamic = RopeScaling::Dynamic { factor: 2.0 };
+            let (f, _) = rope_inv_freq(d, theta, &dynamic, 64, 64);
+            assert_close(&f, &base, "dynamic within max positions");
+            if d > 2 {
+                let (f, _) = rope_inv_freq(d, theta, &dynamic, 64, 100);
+                let grown = theta * (2.0f64 * 100.0 / 64.0 - 1.0).powf(d as f64 / (d as f64 - 2.0));
+                assert_close(&f, &reference_default(d, grown), "dynamic beyond");
+            }
+            // Llama 3.1, classified by frequency instead of wavelength:
+            // high band f > 2 pi hf / L, low band f < 2 pi lf / L.
+            let (factor, lf, hf, l) = (8.0, 1.0, 4.0, 40usize);
+            let l3 = RopeScaling::Llama3 {
+                factor,
+                low_freq_factor: lf,
+                high_freq_factor: hf,
+                original_max_position_embeddings: l,
+            };
+            let tau = 2.0 * std::f64::consts::PI;
+            let r: Vec<f64> = base
+                .iter()
+                .map(|&x| {
+                    let rotations = x * l as f64 / tau; // L / wavelength
+                    if rotations > hf {
+                        x
+                    } else if rotations < lf {
+                        x / factor
+                    } else {
+                        let smooth = (rotations - lf) / (hf - lf);
+                        x * ((1.0 - smooth) / factor + smooth)
+                    }
+                })
+                .collect();
+            let (f, s) = rope_inv_freq(d, theta, &l3, 64, 7);
+            assert_close(&f, &r, &format!("llama3 d={d}"));
+            assert_eq!(s, 1.0);
+        }
+        // The three llama3 bands are all exercised at d = 34 (checked above):
+        let l3 = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 40,
+        };
+        let (f, _) = rope_inv_freq(34, 1e6, &l3, 64, 7);
+        let base = reference_default(34, 1e6);
+        let ratios: Vec<f64> = f.iter().zip(&base).map(|(a, b)| a / b).collect();
+        assert!(ratios.contains(&1.0));
+        assert!(ratios.iter().any(|&r| (r - 0.125).abs() < 1e-15));
+        assert!(ratios.iter().any(|&r| r > 0.13 && r < 0.99));
+    }
+
+    #[test]
+    fn yarn_matches_its_formula() {
+        // d = 10, theta 1e4, factor 4, original 32, beta 32 / 1, truncate:
+        // correction dim(r) = d ln(32 / (2 pi r)) / (2 ln 1e4).
+        let d = 10usize;
+        let cd = |r: f64| {
+            d as f64 * (32.0 / (r * 2.0 * std::f64::consts::PI)).ln() / (2.0 * 1e4f64.ln())
+        };
+        let low = cd(32.0).floor().max(0.0);
+        let high = cd(1.0).ceil().min(d as f64 - 1.0);
+        let y = RopeScaling::Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 32,
+            attention_factor: None,
+            beta_fast: None,
+            beta_slow: None,
+            mscale: None,
+            mscale_all_dim: None,
+            truncate: true,
+        };
+        let (f, s) = rope_inv_freq(d, 1e4, &y, 128, 7);
+        let r: Vec<f64> = reference_default(d, 1e4)
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| {
+                let t = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                x * (1.0 - t) + x / 4.0 * t
+            })
+            .collect();
+        assert_close(&f, &r, "yarn");
+        assert!((s - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-15);
+    }
+
+    #[test]
+    fn sliding_window_mask() {
+        let m = causal_mask_window(5, Some(2), DType::F32, &Device::Cpu)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        for (i, row) in m.iter().enumerate() {
+            for (j, &v) in row.iter().enumerate() {
+                let visible = j <= i && i - j < 2;
+                assert_eq!(v == 0.0, visible, "({i}, {j})");
+            }
+        }
+        let full = causal_mask(5, DType::F32, &Device::Cpu).unwrap();
+        let wide = causal_mask_window(5, Some(5), DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(
+            full.to_vec2::<f32>().unwrap(),
+            wide.to_vec2::<f32>().unwrap()
+        );
     }
 
     #[test]
