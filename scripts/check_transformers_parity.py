@@ -283,7 +283,7 @@ def check_case(name, spec, binary, work, seed):
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     g = torch.Generator().manual_seed(1000 + seed)
     tokens = torch.randint(0, 256, (N_TOKENS,), generator=g).tolist()
-    data = os.path.join(d, "data.bin")
+    data = os.path.join(d, "data.bytes")
     with open(data, "wb") as f:
         f.write(bytes(tokens))
     want, count = hf_loss(ref, tokens, SEQ_LEN)

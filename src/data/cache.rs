@@ -82,6 +82,10 @@ pub struct CacheMeta {
     pub format: String,
     /// The EOS id appended after each document.
     pub eos_id: Option<u32>,
+    /// The largest id in the file: a hit is checked against the model's
+    /// vocabulary without reading the file (older entries: `None`, read).
+    #[serde(default)]
+    pub max_id: Option<u32>,
 }
 
 /// The inputs of a cache key.

@@ -258,6 +258,8 @@ pub struct Encoded {
     pub documents: u64,
     /// Token ids handed to the sink (EOS included).
     pub tokens: u64,
+    /// The largest of them (0 when there are none).
+    pub max_id: u32,
 }
 
 /// Encodes every document of `docs` (see the module docs), handing the ids
@@ -324,6 +326,7 @@ pub fn encode<R: BufRead>(
             }
         }
         sink(&out)?;
+        done.max_id = out.iter().copied().fold(done.max_id, u32::max);
         done.tokens += out.len() as u64;
         done.documents += encodings.len() as u64;
         progress(docs.bytes_read());

@@ -138,9 +138,10 @@ impl DataFormat {
                     "bin" | "tokens" => {
                         DataFormat::Tokens(sidecar_width(path)?.ok_or_else(|| {
                             bad(
-                                "a token file needs its width: give --data-format u16 or u32 \
-                             (nanoGPT's train.bin is u16), or a sidecar FILE.json with \
-                             {\"dtype\": \"uint16\"}"
+                                "a .bin or .tokens file is read as token ids and needs their \
+                             width: give --data-format u16 or u32 (nanoGPT's train.bin is u16) \
+                             or a sidecar FILE.json with {\"dtype\": \"uint16\"}; for one token \
+                             per byte, --data-format bytes"
                                     .into(),
                             )
                         })?)

@@ -251,34 +251,59 @@ impl TokenData {
 
     /// A flat file of little-endian ids of `width`, mapped. Every id must
     /// be below `vocab_size`: the first that is not is an error with the
-    /// id and its offset.
+    /// id and its offset. The check reads the file in chunks rather than
+    /// through the map, so it leaves no mapped pages resident.
     pub fn from_token_file(path: &Path, width: TokenWidth, vocab_size: usize) -> Result<Self> {
         let bad = |reason: String| EngineError::Data {
             path: path.to_owned(),
             reason,
         };
-        let map = MappedFile::open(path).map_err(|e| bad(e.to_string()))?;
-        let len = map.bytes().len();
-        if len % width.bytes() != 0 {
+        let io = |source| EngineError::Io {
+            path: path.to_owned(),
+            source,
+        };
+        let len = std::fs::metadata(path).map_err(io)?.len();
+        let w = width.bytes() as u64;
+        if len % w != 0 {
             return Err(bad(format!(
-                "{len} bytes are not a whole number of {} ids ({} bytes each); is it the                  other width?",
-                width.dtype_name(),
-                width.bytes()
+                "{len} bytes are not a whole number of {} ids ({w} bytes each); is it the \
+                 other width?",
+                width.dtype_name()
             )));
         }
-        let mut max = 0u32;
-        for (i, t) in decode(map.bytes(), width).enumerate() {
-            if t as usize >= vocab_size {
-                return Err(bad(format!(
-                    "token id {t} at token {i} (byte offset {}) is not below the model's \
-                     vocab_size {vocab_size}; the file was made for another vocabulary",
-                    i * width.bytes()
-                )));
+        let mut f = std::fs::File::open(path).map_err(io)?;
+        let mut buf = vec![0u8; 1 << 20];
+        let (mut max, mut at) = (0u32, 0u64);
+        loop {
+            let n = read_full(&mut f, &mut buf).map_err(io)?;
+            if n == 0 {
+                break;
             }
-            max = max.max(t);
+            for (k, t) in decode(&buf[..n], width).enumerate() {
+                if t as usize >= vocab_size {
+                    let i = at + k as u64;
+                    return Err(bad(format!(
+                        "token id {t} at token {i} (byte offset {}) is not below the model's \
+                         vocab_size {vocab_size}; the file was made for another vocabulary",
+                        i * w
+                    )));
+                }
+                max = max.max(t);
+            }
+            at += (n as u64) / w;
         }
+        Self::mapped(path, width, (len > 0).then_some(max))
+    }
+
+    /// A token file whose largest id is known (`None`: it is empty),
+    /// mapped without reading it.
+    fn mapped(path: &Path, width: TokenWidth, max_id: Option<u32>) -> Result<Self> {
+        let map = MappedFile::open(path).map_err(|e| EngineError::Data {
+            path: path.to_owned(),
+            reason: e.to_string(),
+        })?;
         Ok(TokenData {
-            vocab_needed: if len == 0 { 0 } else { max as usize + 1 },
+            vocab_needed: max_id.map_or(0, |m| m as usize + 1),
             store: Store::Mapped {
                 map: Arc::new(map),
                 width,
@@ -385,6 +410,42 @@ impl TokenData {
     }
 }
 
+/// Reads until `buf` is full or the file ends; returns the bytes read.
+fn read_full(f: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
+    use std::io::Read as _;
+    let mut n = 0;
+    while n < buf.len() {
+        match f.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
+/// A cached token file as its sidecar describes it: checked against
+/// `vocab_size` by its recorded largest id (read when not recorded).
+fn cached(
+    tokens: &Path,
+    width: TokenWidth,
+    meta: &cache::CacheMeta,
+    vocab_size: usize,
+) -> Result<TokenData> {
+    match meta.max_id {
+        Some(m) if (m as usize) < vocab_size => TokenData::mapped(tokens, width, Some(m)),
+        Some(m) => Err(EngineError::Data {
+            path: tokens.to_owned(),
+            reason: format!(
+                "the cached encoding has token id {m}, not below the model's vocab_size \
+                 {vocab_size}; use the tokenizer the model was trained with"
+            ),
+        }),
+        None => TokenData::from_token_file(tokens, width, vocab_size),
+    }
+}
+
 /// [`TokenData::load`] of a text format: from the cache, or encoded now
 /// (into the cache when it can be written, else into memory).
 fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) -> Result<Loaded> {
@@ -441,7 +502,7 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
         });
         let (tokens, sidecar) = cache::paths(&spec.path, &key, width);
         if let Some(meta) = cache::lookup(&tokens, &sidecar, &key, width) {
-            let data = TokenData::from_token_file(&tokens, width, vocab_size)?;
+            let data = cached(&tokens, width, &meta, vocab_size)?;
             if data.is_empty() {
                 return Err(empty(meta.documents));
             }
@@ -533,12 +594,13 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
         data: ident,
         format: spec.format.name(),
         eos_id: spec.eos,
+        max_id: Some(enc.max_id),
     };
     let text = serde_json::to_vec_pretty(&meta)
         .map_err(|e| EngineError::internal(format!("token cache sidecar: {e}")))?;
     crate::durable::write_atomic(&sidecar, &text)?;
     Ok(Loaded {
-        data: TokenData::from_token_file(&tokens, width, vocab_size)?,
+        data: cached(&tokens, width, &meta, vocab_size)?,
         documents: Some(enc.documents),
         origin: Origin::Encoded {
             cached: Some(tokens),
