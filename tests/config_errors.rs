@@ -772,3 +772,37 @@ fn optimizer_or_scheduler_without_type() {
     let e = err(with(base(), json!({"scheduler": {"params": {}}})));
     assert!(matches!(&e, ConfigError::MissingKey { key, .. } if key == "scheduler.type"));
 }
+
+/// A parameter larger than `sub_group_size` (an LLM's embedding) is an
+/// optimizer sub-group of its own: with the largest parameter known, the
+/// budget check sizes the optimizer buffers for it, as the engine's
+/// layout will, instead of passing a config the build then refuses.
+#[test]
+fn pinned_budget_counts_the_largest_parameter_as_its_own_sub_group() {
+    let v = with(
+        nvme_stage3("/x"),
+        json!({"zero_optimization": {"offload_param": {"buffer_count": 2, "buffer_size": 1e6, "max_in_cpu": 0},
+                                     "sub_group_size": 1e6},
+               "tierzero": {"pinned_budget_bytes": 100_000_000}}),
+    );
+    let text = v.to_string();
+    let run = |largest: Option<u64>| RunContext {
+        model_numel: Some(100_000_000),
+        largest_param_numel: largest,
+        ..skip_fs()
+    };
+    // Sub-groups of 1e6: 3 buffers of 4 MB beside 8 MB of params, fits.
+    load_str(&text, &run(None)).unwrap();
+    // A 5e7-element embedding: 3 buffers of 200 MB do not.
+    let e = err_with(&text, &run(Some(50_000_000)));
+    assert!(
+        matches!(
+            e,
+            ConfigError::PinnedBudgetTooSmall {
+                required_bytes: 608_014_336,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+}

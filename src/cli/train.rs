@@ -65,7 +65,7 @@ use tierzero::checkpoint::{Checkpoint, CheckpointError, SaveDirLock};
 use tierzero::config::{self, AutoOr, ConfigWarning, PathChecks, RunContext};
 use tierzero::data::TokenData;
 use tierzero::engine::{EngineError, StepMetrics, Summary, Timeline, Trainer, TrainerOptions};
-use tierzero::model::{Model, ModelConfig, ModelDir};
+use tierzero::model::{Model, ModelDir};
 use tierzero::run::{
     Plan, DEFAULT_CORPUS, DEFAULT_CORPUS_NAME, DEFAULT_MODEL_CONFIG, DEFAULT_SEQ_LEN, DEFAULT_STEPS,
 };
@@ -545,10 +545,11 @@ fn load_data(
 fn load_config(
     args: &TrainArgs,
     flags: &Flags,
-    mc: &ModelConfig,
-    numel: u64,
+    model: &Model,
     ranks: usize,
 ) -> Result<(config::Loaded, String, u64), Failure> {
+    let mc = model.config();
+    let numel = model.numel() as u64;
     let (text, config_name, path_checks) = match &args.config {
         Some(p) => {
             must_exist("--config", p, false, "give a ds_config.json file")?;
@@ -581,6 +582,7 @@ fn load_config(
         total_steps: Some(steps),
         hidden_size: Some(mc.hidden_size as u64),
         model_numel: Some(numel),
+        largest_param_numel: model.params().iter().map(|p| p.numel as u64).max(),
         ranks: ranks as u64,
         path_checks,
         ..RunContext::default()
@@ -793,14 +795,13 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
     };
     let (model_dir, model) = open_model(&args, flags.seed, ckpt.as_ref())?;
     let mc = model.config().clone();
-    let numel = model.numel() as u64;
     let seq_len = match (&args.seq_len, &ckpt) {
         (Some(s), _) => number("--seq-len", s, 1, mc.max_seq_len as u64)? as usize,
         (None, Some(c)) => c.manifest().seq_len.min(mc.max_seq_len),
         (None, None) => DEFAULT_SEQ_LEN.min(mc.max_seq_len),
     };
     let (data, data_name, data_line) = load_data(&args, &model, seq_len)?;
-    let (loaded, config_name, steps) = load_config(&args, &flags, &mc, numel, comm.world_size())?;
+    let (loaded, config_name, steps) = load_config(&args, &flags, &model, comm.world_size())?;
     let cfg = &loaded.config;
     // One micro-batch's rows must be distinct windows of the corpus.
     let micro_tokens = cfg.batch.micro_batch_size * seq_len as u64 + 1;

@@ -109,6 +109,11 @@ pub struct RunContext {
     /// pinned-budget check include the NVMe optimizer swap buffers, whose
     /// size is `min(sub_group_size, params per rank)` elements.
     pub model_numel: Option<u64>,
+    /// Elements of the model's largest parameter, once known: a parameter
+    /// larger than `sub_group_size` is an optimizer sub-group of its own,
+    /// so the pinned-budget check sizes the optimizer buffers for it, as
+    /// the engine will.
+    pub largest_param_numel: Option<u64>,
     /// Filesystem checks on `nvme_path`.
     pub path_checks: PathChecks,
 }
@@ -130,6 +135,7 @@ impl Default for RunContext {
             hidden_size: None,
             save_16bit_model: None,
             model_numel: None,
+            largest_param_numel: None,
             path_checks: PathChecks::Check,
         }
     }

@@ -1378,8 +1378,12 @@ fn check_pinned_budget(c: &Config, run: &RunContext) -> Result<(), ConfigError> 
     let elem = c.precision.param_elem_bytes();
     let short = match run.model_numel {
         Some(model) => {
-            let per_rank = model.div_ceil(c.batch.ranks.max(1));
-            let shape = Shape::estimated(per_rank, None, c.zero.sub_group_numel.0);
+            let ranks = c.batch.ranks.max(1);
+            let per_rank = model.div_ceil(ranks);
+            // The largest parameter's shard is a sub-group of its own when
+            // it exceeds sub_group_size, as in the engine's layout.
+            let largest = run.largest_param_numel.map(|l| l.div_ceil(ranks));
+            let shape = Shape::estimated(per_rank, largest, c.zero.sub_group_numel.0);
             sizing::decide(c, &shape).err()
         }
         None => {
