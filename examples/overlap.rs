@@ -59,7 +59,10 @@
 //! `stage3_max_live_parameters` and `stage3_max_reuse_distance` in units
 //! of hidden² (a block is 12: default 24, 48 and 0); `OPT_RESIDENT` sets
 //! `tierzero.optimizer_resident_bytes` (bytes, or "auto"); `PIN=off` or
-//! `PIN=on` sets `tierzero.pin_threads` (default "auto"); `MODE`
+//! `PIN=on` sets `tierzero.pin_threads` (default "auto");
+//! `SPECULATIVE=off` or `SPECULATIVE=on` sets `tierzero.speculative_step`
+//! (default "auto"; a round's line gives the real trainer's
+//! `speculation_hits` and `speculation_misses` so far); `MODE`
 //! (above); `PER_STEP=1` prints every step's wall time to stderr. Output: one JSON line
 //! per round, then a summary line with the medians over rounds and the
 //! ratio. A round's line also gives the median NVMe bytes (read +
@@ -253,7 +256,10 @@ impl Round {
                "step_param_write_wait_s": med(real, |m| m.param_write_wait_s),
                "step_idle_s": med(real, |m| m.idle_s),
                "step_io_busy_s": med(real, |m| m.io_busy_s),
-               "io_alone_nvme_bytes": nvme_bytes(io_after), "step_nvme_bytes": nvme_bytes(real)});
+               "io_alone_nvme_bytes": nvme_bytes(io_after), "step_nvme_bytes": nvme_bytes(real),
+               // Cumulative counts of the real trainer at the block's end.
+               "speculation_hits": real.last().map_or(0, |m| m.speculation_hits),
+               "speculation_misses": real.last().map_or(0, |m| m.speculation_misses)});
         Round {
             compute: c,
             optimizer: o,

@@ -73,11 +73,15 @@ pub enum Site {
     /// `ckpt.latest_write`: halfway through writing `latest`'s temporary
     /// file (the old `latest` is still in place).
     CkptLatestWrite,
+    /// `optim.before_commit`: every speculative step of a step is written
+    /// to its shadow extents, none committed yet. A kill leaves old and
+    /// new state side by side in the swap file; only checkpoints count.
+    SpeculativeBeforeCommit,
 }
 
 impl Site {
     /// Every site.
-    pub const ALL: [Site; 7] = [
+    pub const ALL: [Site; 8] = [
         Site::StepBackward,
         Site::OptimWriteBack,
         Site::CkptStateWrite,
@@ -85,6 +89,7 @@ impl Site {
         Site::CkptBeforeRename,
         Site::CkptBeforeLatest,
         Site::CkptLatestWrite,
+        Site::SpeculativeBeforeCommit,
     ];
 
     /// The name used in [`ENV_VAR`].
@@ -97,6 +102,7 @@ impl Site {
             Site::CkptBeforeRename => "ckpt.before_rename",
             Site::CkptBeforeLatest => "ckpt.before_latest",
             Site::CkptLatestWrite => "ckpt.latest_write",
+            Site::SpeculativeBeforeCommit => "optim.before_commit",
         }
     }
 
@@ -118,6 +124,7 @@ impl Site {
             Site::CkptBeforeRename => 4,
             Site::CkptBeforeLatest => 5,
             Site::CkptLatestWrite => 6,
+            Site::SpeculativeBeforeCommit => 7,
         }
     }
 }

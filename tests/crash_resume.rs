@@ -21,7 +21,7 @@
 //! when no checkpoint exists yet), possibly killed again (seeded), until it
 //! completes; its final weight hash (metrics summary) and its final
 //! checkpoint's state files must equal those of a run never killed, byte
-//! for byte. `crash_resume_5_points` runs in CI; `crash_resume_30_points`
+//! for byte. `crash_resume_6_points` runs in CI; `crash_resume_30_points`
 //! is `#[ignore]`d (`cargo test --test crash_resume -- --ignored`).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
 
@@ -37,7 +37,7 @@ use tierzero::checkpoint::{Checkpoint, StateKind};
 mod cli_support;
 
 const TOTAL: u64 = 5;
-const SITES: [&str; 7] = [
+const SITES: [&str; 8] = [
     "step.backward",
     "optim.write_back",
     "ckpt.state_write",
@@ -45,6 +45,8 @@ const SITES: [&str; 7] = [
     "ckpt.before_rename",
     "ckpt.before_latest",
     "ckpt.latest_write",
+    // Speculative steps written to their shadow extents, not committed.
+    "optim.before_commit",
 ];
 
 /// splitmix64: the seeded choices.
@@ -100,7 +102,8 @@ fn setup(d: &Path) {
     let cfg = json!({
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
+        // Above this model's gradient norms: the speculative steps commit.
+        "gradient_clipping": 100.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
         "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2,
             "total_num_steps": TOTAL}},
@@ -111,7 +114,10 @@ fn setup(d: &Path) {
             "offload_optimizer": {"device": "nvme", "nvme_path": swap},
             "sub_group_size": 3000
         },
-        "tierzero": {"pinned_budget_bytes": "16MiB", "checksums": true}
+        // Clipping with NVMe state: sub-groups step speculatively (kept on
+        // even when a step clips, so the commit is reached).
+        "tierzero": {"pinned_budget_bytes": "16MiB", "checksums": true,
+                     "speculative_step": true}
     });
     std::fs::write(d.join("ds.json"), cfg.to_string()).unwrap();
 }
@@ -316,7 +322,7 @@ fn crash_points(points: usize, seed: u64, kinds: &[usize]) {
     };
     for i in 0..points {
         let save = format!("ck-{i}");
-        // Round-robin over the 7 sites and timed kills, seeded n / delay.
+        // Round-robin over the sites and timed kills, seeded n / delay.
         let first = pick(&mut rng, kinds[i % kinds.len()] as u64);
         let mut kill = Some(first.clone());
         let mut attempt = 0;
@@ -446,14 +452,15 @@ fn crash_points(points: usize, seed: u64, kinds: &[usize]) {
 }
 
 #[test]
-fn crash_resume_5_points() {
+fn crash_resume_6_points() {
     // Mid-step, mid write-back, a partly written state file, after the
-    // step dir's rename, mid `latest` rewrite (others come from re-kills).
-    crash_points(5, 0x7131_2e40, &[0, 1, 2, 5, 6]);
+    // step dir's rename, mid `latest` rewrite, before a speculative
+    // commit (others come from re-kills).
+    crash_points(6, 0x7131_2e40, &[0, 1, 2, 5, 6, 7]);
 }
 
 #[test]
 #[ignore = "30 seeded kill points, about 20 s on 2 cores; run with --ignored"]
 fn crash_resume_30_points() {
-    crash_points(30, 0x5eed_0030, &[0, 1, 2, 3, 4, 5, 6, 7, 7]);
+    crash_points(30, 0x5eed_0030, &[0, 1, 2, 3, 4, 5, 6, 7, 8, 8]);
 }

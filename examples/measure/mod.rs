@@ -130,6 +130,11 @@ impl Setup {
             Ok("on") => ds["tierzero"]["pin_threads"] = json!(true),
             _ => {}
         }
+        match std::env::var("SPECULATIVE").as_deref() {
+            Ok("off") => ds["tierzero"]["speculative_step"] = json!(false),
+            Ok("on") => ds["tierzero"]["speculative_step"] = json!(true),
+            _ => {}
+        }
         let run = RunContext {
             path_checks: PathChecks::CreateMissing,
             ..RunContext::default()

@@ -537,6 +537,13 @@ section! {
         /// CPU is left for the helpers; `true` pins whenever a CPU is left;
         /// `false` never. `None` = auto.
         pin_threads: Option<bool> => auto_none(flag);
+        /// `speculative_step`: with clipping or fp16 and optimizer state on
+        /// NVMe, step each sub-group as soon as its gradients are final,
+        /// assuming no clip and no overflow, into new extents, and commit
+        /// or redo it exactly once the global norm is known. `"auto"`
+        /// (absent) speculates and stops after a run of misses; `true`
+        /// always; `false` never. Same result either way. `None` = auto.
+        speculative_step: Option<bool> => auto_none(flag);
     }
 }
 

@@ -321,6 +321,9 @@ pub struct Tierzero {
     /// Keep compute and helper threads on separate CPUs; `None` = auto
     /// (see `crate::engine::host::threads`).
     pub pin_threads: Option<bool>,
+    /// Speculative optimizer step with clipping or fp16; `None` = auto
+    /// (see `crate::engine::trainer` "Speculative step").
+    pub speculative_step: Option<bool>,
 }
 
 /// The validated configuration the engine runs with.
@@ -715,6 +718,7 @@ pub(crate) fn validate(
         },
         optimizer_resident_bytes: t.optimizer_resident_bytes.map(Bytes),
         pin_threads: t.pin_threads,
+        speculative_step: t.speculative_step,
     };
 
     let config = Config {

@@ -191,6 +191,11 @@ pub struct Sizing {
     pub write_behind: usize,
     /// Whether final gradients are spilled to NVMe until the step.
     pub spill_grads: bool,
+    /// Whether sub-groups step speculatively during backward
+    /// ([`speculates`]): each NVMe group then has a second set of state
+    /// extents, the speculative step's new state, committed or dropped
+    /// once the global norm is known.
+    pub speculative: bool,
     /// Per sub-group: its optimizer state stays in host memory.
     pub resident_groups: Vec<bool>,
     /// With `spill_grads`: sub-groups below this index hold their final
@@ -255,6 +260,13 @@ pub fn spills_grads(config: &Config) -> bool {
         && config.tierzero.overlap_optimizer
         && (config.gradient_clipping.is_some()
             || matches!(config.precision, Precision::Fp16 { .. }))
+}
+
+/// Sub-groups step speculatively during backward, assuming no clip and no
+/// overflow: when gradients spill ([`spills_grads`]: the step must wait for
+/// the global norm) and `tierzero.speculative_step` is not `false`.
+pub fn speculates(config: &Config) -> bool {
+    spills_grads(config) && config.tierzero.speculative_step != Some(false)
 }
 
 /// The param swap-in buffers: `buffer_count` (at least 1) buffers of
@@ -435,6 +447,7 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
     let read_ahead = usize::from(zero.offload_optimizer.pipeline_read);
     let write_behind = usize::from(zero.offload_optimizer.pipeline_write);
     let spill_grads = spills_grads(config);
+    let speculative = speculates(config);
     let (wanted, needed) = optimizer_buffers(
         zero.offload_optimizer.buffer_count,
         read_ahead,
@@ -500,10 +513,15 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
     };
     let (optimizer_nvme_bytes, grad_spill_nvme_bytes) = if opt_nvme {
         let one: u64 = nvme_groups().sum();
-        (3 * one, if spill_grads { one } else { 0 })
+        // Speculation keeps the old state while the new one is written.
+        let sets = if speculative { 6 } else { 3 };
+        (sets * one, if spill_grads { one } else { 0 })
     } else {
         (0, 0)
     };
+    // (With speculation the optimizer thread spills each gradient after its
+    // speculative step; the bound still holds for the steps that do not
+    // speculate.)
     let held_grad_groups = if spill_grads {
         held_grad_bound(&resident, read_ahead + 1)
     } else {
@@ -528,6 +546,7 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
         read_ahead,
         write_behind,
         spill_grads,
+        speculative,
         resident_groups: resident,
         held_grad_groups,
         param_nvme_bytes,

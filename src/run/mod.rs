@@ -109,6 +109,10 @@ pub struct Plan {
     /// runs (the engine's rule: as many as the pipeline reads at once,
     /// `pipeline_read + 1`).
     pub held_sub_groups: usize,
+    /// Whether NVMe sub-groups step speculatively during backward
+    /// (`tierzero.speculative_step`); their second set of state extents is
+    /// in `optimizer.nvme_bytes`.
+    pub speculative: bool,
     /// fp32 master weights, `m` and `v`.
     pub optimizer: TierBytes,
     /// With NVMe optimizer state, the sub-groups whose state stays in host
@@ -201,6 +205,7 @@ impl Plan {
             grads,
             spill_grads: sizing.spill_grads,
             held_sub_groups: sizing.held_grad_groups,
+            speculative: sizing.speculative,
             optimizer,
             resident_sub_groups: sizing.resident_group_count(),
             param_buffers: pair(sizing.param_buffers),
@@ -350,6 +355,16 @@ impl fmt::Display for Plan {
                     let _ = writeln!(s, "  NVMe swap: {what} in {o}");
                 }
             }
+        }
+        if self.speculative {
+            let _ = writeln!(
+                s,
+                "  speculative step: on (clipping or fp16): NVMe sub-groups step during backward \
+                 into a second set of state extents ({} of the NVMe optimizer state), committed \
+                 when nothing clips or overflows, redone or undone exactly otherwise \
+                 (tierzero.speculative_step)",
+                cell(self.optimizer.nvme_bytes / 2).trim()
+            );
         }
         f.write_str(s.trim_end())
     }

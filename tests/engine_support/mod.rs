@@ -111,6 +111,8 @@ pub struct Knobs {
     pub max_live: u64,
     /// `tierzero.pin_threads` (`None`: absent, auto).
     pub pin_threads: Option<bool>,
+    /// `tierzero.speculative_step` (`None`: absent, auto).
+    pub speculative: Option<bool>,
 }
 
 impl Default for Knobs {
@@ -136,6 +138,7 @@ impl Default for Knobs {
             prefetch_bucket: 10_000,
             max_live: 20_000,
             pin_threads: None,
+            speculative: None,
         }
     }
 }
@@ -207,6 +210,9 @@ pub fn ds_config(k: &Knobs, swap: &Path, total_steps: u64) -> Value {
     }
     if let Some(p) = k.pin_threads {
         tz["pin_threads"] = json!(p);
+    }
+    if let Some(s) = k.speculative {
+        tz["speculative_step"] = json!(s);
     }
     json!({
         "train_micro_batch_size_per_gpu": 2,

@@ -84,6 +84,12 @@ pub struct StepMetrics {
     /// Part of `io_wait_s` spent waiting for param write-backs to free a
     /// swap buffer.
     pub param_write_wait_s: f64,
+    /// Speculative steps so far whose speculation held (committed as
+    /// stepped; see "Speculative step" in the trainer docs).
+    pub speculation_hits: u64,
+    /// Speculative steps so far redone (clipping) or undone (fp16
+    /// overflow).
+    pub speculation_misses: u64,
 }
 
 /// The last line of a metrics file.
@@ -101,6 +107,10 @@ pub struct Summary {
     pub peak_rss_bytes: u64,
     /// Times the trace was re-recorded after a mismatch.
     pub trace_rerecords: u64,
+    /// Speculative steps whose speculation held.
+    pub speculation_hits: u64,
+    /// Speculative steps redone or undone.
+    pub speculation_misses: u64,
     /// Bytes read over the whole run, per tier (`cpu`, `nvme`).
     pub bytes_read: BTreeMap<String, u64>,
     /// Bytes written over the whole run, per tier (initial weights and

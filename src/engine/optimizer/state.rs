@@ -51,6 +51,17 @@
 //! most `write_behind` remain (called after each step, once the new
 //! params are handed on).
 //!
+//! # Speculative steps
+//!
+//! With speculation ([`crate::engine::sizing::speculates`]) every NVMe
+//! sub-group has a second set of three extents, its shadow. A speculative
+//! [`OptimizerState::step`] reads the current state as any step does and
+//! writes the new state to the shadow, so the old state survives until
+//! [`OptimizerState::commit`] swaps the two sets (after every write has
+//! retired: the next read of the group is of the new state). A group not
+//! committed steps again from its current extents, untouched; its shadow is
+//! simply overwritten by its next speculation.
+//!
 //! # Resident sub-groups
 //!
 //! With NVMe state, some sub-groups keep their state in host memory
@@ -102,6 +113,10 @@ struct NvmeState {
     io: NvmeOptim,
     /// `None` for a resident sub-group (its state lives in `mem`).
     extents: Vec<Option<[Extent; 3]>>,
+    /// With speculation, a second set per NVMe sub-group: a speculative
+    /// step writes its new state here, and [`OptimizerState::commit`]
+    /// swaps the two sets (see "Speculative steps" in the module docs).
+    shadow: Vec<Option<[Extent; 3]>>,
     grad_extents: Vec<Option<Extent>>,
     spilled: Vec<bool>,
     spill_writes: Vec<Option<Ticket>>,
@@ -168,6 +183,7 @@ impl OptimizerState {
         read_ahead: usize,
         write_behind: usize,
         spill_grads: bool,
+        speculative: bool,
     ) -> Result<Self> {
         let mem_group = |n: usize| MemGroup {
             master: vec![0.0; n],
@@ -191,10 +207,12 @@ impl OptimizerState {
                     )));
                 }
                 let mut extents = Vec::with_capacity(numel.len());
+                let mut shadow = Vec::with_capacity(numel.len());
                 let mut grad_extents = Vec::with_capacity(numel.len());
                 for (i, &n) in numel.iter().enumerate() {
                     if mem[i].is_some() {
                         extents.push(None);
+                        shadow.push(None);
                         grad_extents.push(None);
                         continue;
                     }
@@ -205,6 +223,11 @@ impl OptimizerState {
                         space.allocate(b)?,
                         space.allocate(b)?,
                     ]));
+                    shadow.push(if speculative {
+                        Some([space.allocate(b)?, space.allocate(b)?, space.allocate(b)?])
+                    } else {
+                        None
+                    });
                     grad_extents.push(if spill_grads {
                         Some(space.allocate(b)?)
                     } else {
@@ -215,6 +238,7 @@ impl OptimizerState {
                 Some(NvmeState {
                     io,
                     extents,
+                    shadow,
                     grad_extents,
                     spilled: vec![false; groups],
                     spill_writes: (0..groups).map(|_| None).collect(),
@@ -583,7 +607,9 @@ impl OptimizerState {
 
     /// Runs Adam on `sg`: reads its state (or takes the prefetched read),
     /// steps with `grad`, hands the updated master to `after` (to produce
-    /// fp32 params), and writes the state back (asynchronously on NVMe).
+    /// fp32 params), and writes the state back (asynchronously on NVMe):
+    /// into its extents, or with `speculative` into its shadow extents,
+    /// leaving the old state in place until [`OptimizerState::commit`].
     #[allow(clippy::too_many_arguments)]
     pub fn step(
         &mut self,
@@ -594,6 +620,7 @@ impl OptimizerState {
         scale: GradScale,
         out: Option<LowPrecisionOut<'_>>,
         after: &mut dyn FnMut(&[f32]) -> Result<()>,
+        speculative: bool,
     ) -> Result<()> {
         let n = self.numel_of(sg)?;
         if grad.is_some_and(|g| g.len() != n) {
@@ -685,7 +712,12 @@ impl OptimizerState {
             *f = false;
         }
         let mut tickets = Vec::with_capacity(3);
-        let exts = nvme_extents(&nv.extents, sg)?;
+        let exts = if speculative {
+            nvme_extents(&nv.shadow, sg)
+                .map_err(|_| EngineError::internal("a speculative step without shadow extents"))?
+        } else {
+            nvme_extents(&nv.extents, sg)?
+        };
         for (ext, buf) in exts.iter().zip(bufs) {
             let len = nv
                 .io
@@ -795,6 +827,36 @@ impl OptimizerState {
     /// Waits for every write.
     pub fn flush(&mut self) -> Result<()> {
         self.retire_writes(0)
+    }
+
+    /// Makes the speculative steps of `groups` current: waits for every
+    /// write, then swaps each group's extents with its shadow (the old
+    /// state becomes the next speculation's target) and forgets its spilled
+    /// gradient, which only a re-step would have read.
+    pub fn commit(&mut self, groups: &[SubGroupId]) -> Result<()> {
+        self.flush()?;
+        self.retire_spill_writes(true)?;
+        crate::failpoint::kill_point(crate::failpoint::Site::SpeculativeBeforeCommit);
+        let Some(nv) = &mut self.nvme else {
+            return Ok(());
+        };
+        for &sg in groups {
+            let (Some(e), Some(s)) = (nv.extents.get_mut(sg.0), nv.shadow.get_mut(sg.0)) else {
+                return Err(EngineError::internal(format!(
+                    "commit of unknown sub-group {sg:?}"
+                )));
+            };
+            if e.is_none() || s.is_none() {
+                return Err(EngineError::internal(format!(
+                    "commit of sub-group {sg:?} without shadow extents"
+                )));
+            }
+            std::mem::swap(e, s);
+            if let Some(f) = nv.spilled.get_mut(sg.0) {
+                *f = false;
+            }
+        }
+        Ok(())
     }
 
     /// The master weights of `sg` (a synchronous read on NVMe).

@@ -14,6 +14,11 @@
 //! * [`Job::Expect`]: at the start of a step whose sub-groups step during
 //!   backward, the order their `Step` jobs will come in, so their state
 //!   reads start before their gradients are final;
+//! * `Step { speculative: true, .. }`, [`Job::Commit`] and [`Job::Restore`]:
+//!   the speculative step with clipping or fp16 ("Speculative step" in the
+//!   trainer module docs); a `Step` that replaces a queued one, or a
+//!   speculative step `CancelReads` drops, is answered
+//!   [`Done::Superseded`], so every sent step gets exactly one reply;
 //! * [`Job::CancelReads`] (a skipped fp16 step), [`Job::Flush`],
 //!   [`Job::Master`].
 //!
@@ -78,7 +83,21 @@ pub enum Job {
         /// will keep resident: built here, from the new bytes, so the
         /// compute thread does not copy them (see [`TensorWant`]).
         tensors: Vec<TensorWant>,
+        /// A speculative step (NVMe state only): the new state goes to the
+        /// group's shadow extents and the gradient is spilled after the
+        /// step, for a re-step should the speculation miss. A later `Step`
+        /// of the same group before this one ran replaces it (the
+        /// replaced one is answered [`Done::Superseded`]) and inherits its
+        /// gradient.
+        speculative: bool,
     },
+    /// Make the speculative steps of these groups current (after every
+    /// queued step has run): the speculation held.
+    Commit(Vec<SubGroupId>),
+    /// Reply with a sub-group's param bytes made from its current master
+    /// weights, as a [`Done::Stepped`]: undoes a speculative step's params
+    /// after an fp16 overflow.
+    Restore(SubGroupId),
     /// The order in which this step's `Step` jobs will come (backward
     /// order). The worker queues them and starts their state reads now,
     /// as far as its buffers allow, instead of when each gradient is
@@ -150,6 +169,10 @@ pub enum Done {
     Master(SubGroupId, Vec<f32>),
     /// An [`Job::Exclusive`] closure's result.
     Ran(ExclusiveResult),
+    /// A queued step that will not run: replaced by a later `Step` of the
+    /// same group, or dropped by `CancelReads`. Its params get no bytes
+    /// from it.
+    Superseded(SubGroupId),
     /// A job failed.
     Failed(EngineError),
 }
@@ -196,8 +219,15 @@ pub struct OptimizerWorker {
 }
 
 /// A step job waiting for its turn: gradient (None: spilled), multiplier,
-/// 1-based Adam step, hyper-parameters, tensors to build.
-type PendingStep = (Option<Vec<f32>>, GradScale, u64, AdamHyper, Vec<TensorWant>);
+/// 1-based Adam step, hyper-parameters, tensors to build, speculative.
+type PendingStep = (
+    Option<Vec<f32>>,
+    GradScale,
+    u64,
+    AdamHyper,
+    Vec<TensorWant>,
+    bool,
+);
 
 struct State {
     opt: OptimizerState,
@@ -262,7 +292,7 @@ impl State {
         let Some(&sg) = self.order.front() else {
             return Ok(None);
         };
-        let Some((grad, scale, step, hyper, wants)) = self.steps.remove(&sg) else {
+        let Some((grad, scale, step, hyper, wants, speculative)) = self.steps.remove(&sg) else {
             return Ok(None);
         };
         self.order.pop_front();
@@ -298,7 +328,16 @@ impl State {
             scale,
             out,
             &mut after,
+            speculative,
         )?;
+        if speculative {
+            // Kept for a re-step from the old state, should the
+            // speculation miss (the spill a non-speculative step with
+            // clipping makes before its step).
+            if let Some(g) = &grad {
+                self.opt.spill_grad(sg, g)?;
+            }
+        }
         match self.dtype {
             DType::BF16 => {
                 bytes = lp_bf16
@@ -346,6 +385,21 @@ impl State {
         self.opt.retire_behind()
     }
 
+    /// Steps every queued sub-group in the current order.
+    fn run_queued(&mut self, out: &Sender<Done>) -> Result<()> {
+        while !self.steps.is_empty() {
+            self.pump()?;
+            match self.step_front()? {
+                Some(d) => {
+                    self.hand_on(d, out)?;
+                    self.publish();
+                }
+                None => return Err(EngineError::internal("a queued sub-group has no step job")),
+            }
+        }
+        Ok(())
+    }
+
     fn enqueue(&mut self, sg: SubGroupId) {
         if !self.order.contains(&sg) {
             self.order.push_back(sg);
@@ -371,9 +425,43 @@ impl State {
                 step,
                 hyper,
                 tensors,
+                speculative,
             } => {
                 self.enqueue(sg);
-                self.steps.insert(sg, (grad, scale, step, hyper, tensors));
+                let mut grad = grad;
+                if let Some(old) = self.steps.remove(&sg) {
+                    // A re-step replacing a speculative step that did not
+                    // run: it steps from the old state with the same
+                    // gradient.
+                    grad = grad.or(old.0);
+                    let _ = out.send(Done::Superseded(sg));
+                }
+                self.steps
+                    .insert(sg, (grad, scale, step, hyper, tensors, speculative));
+            }
+            Job::Commit(groups) => {
+                self.run_queued(out)?;
+                self.opt.commit(&groups)?;
+                self.publish();
+            }
+            Job::Restore(sg) => {
+                let master = self.opt.master(sg)?;
+                let bytes = match self.dtype {
+                    DType::BF16 => master
+                        .iter()
+                        .flat_map(|&x| crate::optim::f32_to_bf16_bits(x).to_le_bytes())
+                        .collect(),
+                    DType::F16 => master
+                        .iter()
+                        .flat_map(|&x| crate::optim::f32_to_f16_bits(x).to_le_bytes())
+                        .collect(),
+                    _ => master.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                };
+                let _ = out.send(Done::Stepped {
+                    sg,
+                    bytes,
+                    tensors: Vec::new(),
+                });
             }
             Job::Expect(order) => {
                 for sg in order {
@@ -382,6 +470,17 @@ impl State {
                 self.pump()?;
             }
             Job::CancelReads => {
+                // Queued speculative steps of a skipped step do not run.
+                let dropped: Vec<SubGroupId> = self
+                    .steps
+                    .iter()
+                    .filter(|(_, s)| s.5)
+                    .map(|(g, _)| *g)
+                    .collect();
+                for sg in dropped {
+                    self.steps.remove(&sg);
+                    let _ = out.send(Done::Superseded(sg));
+                }
                 self.opt.cancel_reads()?;
                 self.order.retain(|g| self.steps.contains_key(g));
             }
@@ -403,20 +502,7 @@ impl State {
                         TailClass::Unissued
                     }
                 });
-                while !self.steps.is_empty() {
-                    self.pump()?;
-                    match self.step_front()? {
-                        Some(d) => {
-                            self.hand_on(d, out)?;
-                            self.publish();
-                        }
-                        None => {
-                            return Err(EngineError::internal(
-                                "flush: a queued sub-group has no step job",
-                            ))
-                        }
-                    }
-                }
+                self.run_queued(out)?;
                 self.opt.flush()?;
                 self.publish();
                 let _ = out.send(Done::Flushed);
@@ -640,6 +726,7 @@ mod tests {
             1,
             1,
             false,
+            false,
         )
         .unwrap();
         for (i, &n) in numel.iter().enumerate() {
@@ -699,6 +786,7 @@ mod tests {
             step: 1,
             hyper: AdamHyper::default(),
             tensors: Vec::new(),
+            speculative: false,
         }
     }
 
@@ -850,7 +938,7 @@ mod tests {
         assert_eq!(c0.nvme_written_bytes, 2 * 3 * 4096);
         let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
         // The reference: every group in memory.
-        let mut mem = OptimizerState::new(vec![1024; 4], None, &[], 1, 1, false).unwrap();
+        let mut mem = OptimizerState::new(vec![1024; 4], None, &[], 1, 1, false, false).unwrap();
         let mut want = Vec::new();
         for sg in 0..4 {
             mem.init_group(SubGroupId(sg), &[1.0; 1024]).unwrap();
@@ -866,6 +954,7 @@ mod tests {
                     bytes = m.iter().flat_map(|x| x.to_le_bytes()).collect();
                     Ok(())
                 },
+                false,
             )
             .unwrap();
             want.push(bytes);
@@ -888,6 +977,7 @@ mod tests {
                     step: 1,
                     hyper: AdamHyper::default(),
                     tensors: Vec::new(),
+                    speculative: false,
                 }
             } else {
                 step_job(sg.0)

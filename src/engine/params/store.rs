@@ -171,24 +171,35 @@ impl Slot {
 pub enum Freshness {
     /// The home bytes are the param's latest value.
     Current,
-    /// An optimizer step of its sub-group is running: new bytes are
-    /// coming, so a read of the home copy now would be wasted and a fetch
-    /// must wait for them ([`ParamStore::expect_update`]).
+    /// An optimizer step of its sub-group is running (or several: a
+    /// speculative step and its re-step): new bytes are coming, so a read
+    /// of the home copy now would be wasted and a fetch must wait for them
+    /// ([`ParamStore::expect_update`]).
     UpdateComing,
 }
 
-/// A param's entry in the state map: its tensor's slot and its freshness.
+/// A param's entry in the state map: its tensor's slot, and how many
+/// updates of it are coming (a speculative step and its re-step can both
+/// be in flight).
 #[derive(Debug)]
 struct Entry {
     slot: Slot,
-    freshness: Freshness,
+    updates_coming: u32,
 }
 
 impl Entry {
     fn new() -> Entry {
         Entry {
             slot: Slot::OnDisk,
-            freshness: Freshness::Current,
+            updates_coming: 0,
+        }
+    }
+
+    fn freshness(&self) -> Freshness {
+        if self.updates_coming == 0 {
+            Freshness::Current
+        } else {
+            Freshness::UpdateComing
         }
     }
 }
@@ -384,24 +395,36 @@ impl ParamStore {
         })
     }
 
-    /// Marks `id`'s new bytes as coming (its sub-group's optimizer step
-    /// was sent): `Current → UpdateComing`. [`ParamStore::update`] makes it
-    /// `Current` again. Marking a param whose update is already coming is
-    /// an error: one step of a sub-group at a time.
+    /// Marks one more update of `id` as coming (a step of its sub-group
+    /// was sent): `UpdateComing` until every one has arrived
+    /// ([`ParamStore::update`]) or was dropped
+    /// ([`ParamStore::update_dropped`]).
     pub fn expect_update(&mut self, id: ParamId) -> Result<()> {
+        let e = self
+            .slots
+            .get_mut(id.0)
+            .ok_or_else(|| EngineError::internal(format!("no param {id:?}")))?;
+        e.updates_coming += 1;
+        Ok(())
+    }
+
+    /// An expected update of `id` that will not come (its step was
+    /// replaced or dropped). Dropping one that was not expected is an
+    /// error.
+    pub fn update_dropped(&mut self, id: ParamId) -> Result<()> {
         let name = &self.info[id.0].name;
         let e = self
             .slots
             .get_mut(id.0)
             .ok_or_else(|| EngineError::internal(format!("no param {id:?}")))?;
-        if e.freshness == Freshness::UpdateComing {
+        if e.updates_coming == 0 {
             return Err(EngineError::BadTransition {
                 param: name.clone(),
-                from: "UpdateComing",
-                event: "UpdateExpected",
+                from: "Current",
+                event: "UpdateDropped",
             });
         }
-        e.freshness = Freshness::UpdateComing;
+        e.updates_coming -= 1;
         Ok(())
     }
 
@@ -409,14 +432,12 @@ impl ParamStore {
     pub fn freshness(&self, id: ParamId) -> Freshness {
         self.slots
             .get(id.0)
-            .map_or(Freshness::Current, |e| e.freshness)
+            .map_or(Freshness::Current, Entry::freshness)
     }
 
     /// Whether any param's new bytes are still coming.
     pub fn any_update_coming(&self) -> bool {
-        self.slots
-            .iter()
-            .any(|e| e.freshness == Freshness::UpdateComing)
+        self.slots.iter().any(|e| e.updates_coming > 0)
     }
 
     /// The gate counting this store's NVMe param reads on the disk, for
@@ -579,7 +600,7 @@ impl ParamStore {
         let keep = self.stays_resident(id, keep);
         self.write_home(id, shard, keep, built)?;
         if let Some(e) = self.slots.get_mut(id.0) {
-            e.freshness = Freshness::Current;
+            e.updates_coming = e.updates_coming.saturating_sub(1);
         }
         Ok(())
     }

@@ -367,6 +367,7 @@ impl TierBuild<'_> {
             self.sizing.read_ahead,
             self.sizing.write_behind,
             self.sizing.spill_grads,
+            self.sizing.speculative,
         )
     }
 }
@@ -580,6 +581,7 @@ impl Trainer {
             engine_clocks: clocks.engines,
             flush_open: false,
             optimizer_wait: Duration::ZERO,
+            speculation: Speculation::default(),
             swap_spaces,
             failed: None,
         })

@@ -54,6 +54,47 @@
 //! Data: micro-batch `k` of step `s` on rank `r` reads rows starting at
 //! global sample `((s · GAS + k) · ranks + r) · micro_batch`.
 //!
+//! # Speculative step
+//!
+//! With clipping or fp16 a step needs the global gradient norm (or the
+//! overflow flag) before it can scale a single gradient, and backward ends
+//! before that is known: without more, the optimizer could only read
+//! ahead during backward and step after it. With NVMe optimizer state and
+//! `tierzero.speculative_step` not `false` ([`crate::engine::sizing::speculates`]),
+//! each NVMe sub-group instead **steps as soon as its gradients are
+//! final**, with the multiplier the decision gives when nothing clips or
+//! overflows (`1 / loss_scale`, no clip coefficient). The optimizer
+//! thread writes that step's new state to the group's **shadow extents**
+//! (the old state stays where it is) and spills the gradient, and its new
+//! params are stored as in the overlapped case. Resident (in-memory)
+//! groups are not speculated: they step after the decision. When backward
+//! ends:
+//!
+//! * the decision's multiplier equals the speculative one (norm at or
+//!   below `max_norm`: torch's coefficient is exactly 1; no overflow): the
+//!   speculative steps are the step, bit for bit. `Job::Commit` swaps the
+//!   extents (after every queued step has run);
+//! * it differs (clipping): every speculated group is **stepped again from
+//!   its old state** with the real multiplier, exactly as the step that
+//!   waits computes it; a speculative step not yet run is replaced by its
+//!   re-step (`Done::Superseded` answers it);
+//! * overflow (fp16): queued speculative steps are dropped, the ones that
+//!   ran get their params back from the old masters (`Job::Restore`), and
+//!   the step is skipped.
+//!
+//! So the weights are the same bits with speculation on or off (the
+//! equivalence tests in `tests/engine_speculative.rs` force hits, misses
+//! and overflows). The cost: a second set of state extents on NVMe (12
+//! bytes per parameter of the NVMe groups, shown in the plan), one
+//! gradient write per speculated group (the spill a re-step reads back),
+//! and on a miss the re-step's reads and writes; host memory holds nothing
+//! more than the pipeline's buffers. With `"auto"` the run stops
+//! speculating after 3 misses in a row and says so once; `true` never
+//! stops. `speculation_hits` and `speculation_misses` are in every step's
+//! metrics and in the summary. A kill before the commit
+//! (`optim.before_commit`) leaves both sets in the swap file, which only
+//! checkpoints outlive.
+//!
 //! # Several ranks
 //!
 //! Each rank holds its shard of every param, gradient and optimizer state
@@ -169,7 +210,90 @@ enum OverlapMode {
     Io,
     /// State reads and steps during backward.
     Step,
+    /// Clipping or fp16 with NVMe state: NVMe sub-groups step during
+    /// backward as if nothing clips or overflows, into shadow extents,
+    /// and are committed, redone or undone once the global norm is known
+    /// (see "Speculative step" in the module docs).
+    Speculate,
 }
+
+/// How the speculative step has fared in this run.
+#[derive(Debug, Clone, Copy, Default)]
+struct Speculation {
+    /// Steps whose speculation held.
+    hits: u64,
+    /// Steps redone (clipping) or undone (fp16 overflow).
+    misses: u64,
+    /// Misses since the last hit.
+    misses_in_a_row: u32,
+    /// `"auto"` stopped speculating after [`SPECULATION_GIVE_UP`] misses
+    /// in a row; it speculates again after as many steps in a row whose
+    /// decision would have held.
+    given_up: bool,
+    /// While stopped: steps in a row whose speculation would have held.
+    would_hold_in_a_row: u32,
+    /// The stop was said (once).
+    said: bool,
+}
+
+/// What a step changed in [`Speculation`], worth saying.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SpeculationNews {
+    /// `"auto"` stopped speculating (said once per run).
+    Stopped { misses: u32 },
+    /// `"auto"` speculates again.
+    Resumed,
+}
+
+impl Speculation {
+    /// Records a step: `speculated` whether it speculated, `held` whether
+    /// its decision kept (or would have kept) the speculative multiplier,
+    /// `auto` whether `tierzero.speculative_step` is `"auto"`.
+    fn record(&mut self, speculated: bool, held: bool, auto: bool) -> Option<SpeculationNews> {
+        if !speculated {
+            if !self.given_up {
+                return None;
+            }
+            self.would_hold_in_a_row = if held {
+                self.would_hold_in_a_row + 1
+            } else {
+                0
+            };
+            if self.would_hold_in_a_row < SPECULATION_GIVE_UP {
+                return None;
+            }
+            self.given_up = false;
+            self.misses_in_a_row = 0;
+            return Some(SpeculationNews::Resumed);
+        }
+        if held {
+            self.hits += 1;
+            self.misses_in_a_row = 0;
+            return None;
+        }
+        self.misses += 1;
+        self.misses_in_a_row += 1;
+        if !auto || self.given_up || self.misses_in_a_row < SPECULATION_GIVE_UP {
+            return None;
+        }
+        self.given_up = true;
+        self.would_hold_in_a_row = 0;
+        if self.said {
+            return None;
+        }
+        self.said = true;
+        Some(SpeculationNews::Stopped {
+            misses: self.misses_in_a_row,
+        })
+    }
+}
+
+/// With `tierzero.speculative_step: "auto"`, misses in a row after which
+/// the run stops speculating (early fine-tuning steps often clip; when
+/// every step does, speculation only costs the re-step), and steps in a
+/// row that would have held after which it speculates again (later steps
+/// rarely clip).
+const SPECULATION_GIVE_UP: u32 = 3;
 
 /// One rank's trainer.
 #[derive(Debug)]
@@ -215,6 +339,8 @@ pub struct Trainer {
     flush_open: bool,
     /// Time the compute thread spent waiting for the optimizer thread.
     optimizer_wait: Duration,
+    /// The speculative step's record.
+    speculation: Speculation,
     /// This rank's swap spaces (params, optimizer state), for [`Trainer::swap_usage`].
     swap_spaces: Vec<Arc<SwapSpace>>,
     /// The first error out of a step; set, the trainer refuses to go on.
@@ -488,10 +614,52 @@ impl Trainer {
             weight_sha256: self.weight_sha256()?,
             peak_rss_bytes: peak_rss_bytes(),
             trace_rerecords: self.sched.rerecords(),
+            speculation_hits: self.speculation.hits,
+            speculation_misses: self.speculation.misses,
         };
         if let Some(w) = &mut self.metrics {
             w.write(&s)?;
         }
         Ok(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_speculation_stops_after_misses_and_resumes_after_would_be_hits() {
+        let mut s = Speculation::default();
+        assert_eq!(s.record(true, false, true), None);
+        assert_eq!(s.record(true, false, true), None);
+        assert_eq!(
+            s.record(true, false, true),
+            Some(SpeculationNews::Stopped { misses: 3 })
+        );
+        assert!(s.given_up);
+        // Two would-be hits and a clip: still stopped.
+        assert_eq!(s.record(false, true, true), None);
+        assert_eq!(s.record(false, true, true), None);
+        assert_eq!(s.record(false, false, true), None);
+        assert!(s.given_up);
+        for _ in 0..2 {
+            assert_eq!(s.record(false, true, true), None);
+        }
+        assert_eq!(s.record(false, true, true), Some(SpeculationNews::Resumed));
+        assert!(!s.given_up);
+        assert_eq!(s.record(true, true, true), None);
+        assert_eq!((s.hits, s.misses), (1, 3));
+        // A second stop is not said again.
+        for _ in 0..3 {
+            assert_eq!(s.record(true, false, true), None);
+        }
+        assert!(s.given_up);
+        // `true` never stops.
+        let mut t = Speculation::default();
+        for _ in 0..10 {
+            assert_eq!(t.record(true, false, false), None);
+        }
+        assert!(!t.given_up);
     }
 }

@@ -40,6 +40,9 @@ struct StepPlan {
     adam_step: u64,
     /// The head's upstream gradient: `loss_scale / (GAS · ranks)`.
     head_scale: f64,
+    /// The multiplier a speculative step assumes: unscaling only, no
+    /// clip (what the decision gives when nothing clips or overflows).
+    speculative_scale: GradScale,
 }
 
 /// Counters and clocks at a step's start.
@@ -87,9 +90,12 @@ struct Batch<'a> {
 ///
 /// ```text
 /// Accumulating ──Norm──▶ Normed ──Spill──▶ Spilled
-///      │                   │                  │
-///      └──────Send─────────┴───────Send───────┴──▶ Sent
+///      │                   │  └──Speculate──▶ Speculated
+///      └──────Send─────────┴───────Send─────────┴──▶ Sent
 /// ```
+///
+/// (`Send` from `Spilled` and `Speculated` hands on no gradient: the
+/// optimizer thread has it.)
 #[derive(Debug)]
 enum GroupStep {
     /// Backward adds gradients into its fp32 accumulator (`None` until the
@@ -101,6 +107,10 @@ enum GroupStep {
     /// Final with its Σg² taken; the gradient was spilled to NVMe and is
     /// read back with the state.
     Spilled { sq: f64 },
+    /// Final with its Σg² taken; stepped speculatively (no clip, no
+    /// overflow) on the optimizer thread, which keeps the gradient for a
+    /// re-step.
+    Speculated { sq: f64 },
     /// Its step was sent to the optimizer thread.
     Sent,
 }
@@ -115,6 +125,9 @@ enum GroupEvent {
     /// Its step goes to the optimizer thread with the gradient returned
     /// by [`StepGroups::apply`] (zeros if none came; `None` if spilled).
     Send,
+    /// Its speculative step goes to the optimizer thread with the
+    /// gradient returned by [`StepGroups::apply`].
+    Speculate,
 }
 
 /// The step state of every sub-group, in index order.
@@ -152,7 +165,9 @@ impl StepGroups {
     /// `sg`'s Σg², taken now if not yet (`Accumulating → Normed`).
     fn norm(&mut self, sg: SubGroupId, adam: &CpuAdam) -> Result<f64> {
         let sq = match self.get_mut(sg)? {
-            GroupStep::Normed { sq, .. } | GroupStep::Spilled { sq } => return Ok(*sq),
+            GroupStep::Normed { sq, .. }
+            | GroupStep::Spilled { sq }
+            | GroupStep::Speculated { sq } => return Ok(*sq),
             GroupStep::Accumulating(acc) => acc.as_ref().map_or(0.0, |g| adam.grad_sq_norm(g)),
             GroupStep::Sent => {
                 return Err(EngineError::internal(format!(
@@ -187,7 +202,12 @@ impl StepGroups {
             (GroupStep::Accumulating(grad) | GroupStep::Normed { grad, .. }, GroupEvent::Send) => {
                 (GroupStep::Sent, zeros_if_none(grad))
             }
-            (GroupStep::Spilled { .. }, GroupEvent::Send) => (GroupStep::Sent, None),
+            (GroupStep::Normed { grad, sq }, GroupEvent::Speculate) => {
+                (GroupStep::Speculated { sq }, zeros_if_none(grad))
+            }
+            (GroupStep::Spilled { .. } | GroupStep::Speculated { .. }, GroupEvent::Send) => {
+                (GroupStep::Sent, None)
+            }
             (old, event) => {
                 let from = old.name();
                 *slot = old;
@@ -205,6 +225,16 @@ impl StepGroups {
         matches!(self.groups.get(sg.0), Some(GroupStep::Sent))
     }
 
+    /// The sub-groups stepped speculatively, in index order.
+    fn speculated(&self) -> Vec<SubGroupId> {
+        self.groups
+            .iter()
+            .enumerate()
+            .filter(|(_, g)| matches!(g, GroupStep::Speculated { .. }))
+            .map(|(i, _)| SubGroupId(i))
+            .collect()
+    }
+
     fn sent_count(&self) -> usize {
         self.groups
             .iter()
@@ -219,6 +249,7 @@ impl GroupStep {
             GroupStep::Accumulating(_) => "Accumulating",
             GroupStep::Normed { .. } => "Normed",
             GroupStep::Spilled { .. } => "Spilled",
+            GroupStep::Speculated { .. } => "Speculated",
             GroupStep::Sent => "Sent",
         }
     }
@@ -331,6 +362,10 @@ impl Trainer {
             // over the global batch, as one rank with GAS · ranks
             // micro-batches.
             head_scale: loss_scale / (gas as f64 * world as f64),
+            speculative_scale: match GradNorm::from_sq_sum(0.0).scale_for_step(loss_scale, None)? {
+                GradStep::Apply(s) => s,
+                GradStep::Skip => GradScale::ONE,
+            },
         })
     }
 
@@ -348,6 +383,23 @@ impl Trainer {
             // The order the Step jobs will come in (`backward_order`); the
             // worker starts their state reads now.
             self.opt.send(Job::Expect(self.backward_order.clone()))?;
+        } else if plan.mode == OverlapMode::Speculate {
+            // The NVMe groups' speculative steps come in backward order;
+            // the resident groups step after the decision.
+            let nvme: Vec<SubGroupId> = self
+                .backward_order
+                .iter()
+                .copied()
+                .filter(|g| {
+                    !self
+                        .sizing
+                        .resident_groups
+                        .get(g.0)
+                        .copied()
+                        .unwrap_or(false)
+                })
+                .collect();
+            self.opt.send(Job::Expect(nvme))?;
         }
         Ok(())
     }
@@ -546,6 +598,21 @@ impl Trainer {
                 self.send_step(plan, groups, sg, GradScale::ONE)?;
                 continue;
             }
+            if plan.mode == OverlapMode::Speculate {
+                let t0 = Instant::now();
+                groups.norm(sg, &self.adam)?;
+                times.norm += t0.elapsed();
+                if !self
+                    .sizing
+                    .resident_groups
+                    .get(sg.0)
+                    .copied()
+                    .unwrap_or(false)
+                {
+                    self.send_speculative(plan, groups, sg)?;
+                }
+                continue;
+            }
             // The norm now; the step after backward, in index order (see
             // "Optimizer tail").
             let t0 = Instant::now();
@@ -590,6 +657,30 @@ impl Trainer {
             step: plan.adam_step,
             hyper: plan.hyper,
             tensors,
+            speculative: false,
+        })?;
+        self.expect_update(sg)
+    }
+
+    /// Sends `sg`'s speculative step (no clip, no overflow assumed) with its
+    /// gradient.
+    fn send_speculative(
+        &mut self,
+        plan: &StepPlan,
+        groups: &mut StepGroups,
+        sg: SubGroupId,
+    ) -> Result<()> {
+        let numel = self.sub_group_numel(sg)?;
+        let grad = groups.apply(sg, GroupEvent::Speculate, numel)?;
+        let tensors = self.tensor_wants(sg);
+        self.opt.send(Job::Step {
+            sg,
+            grad,
+            scale: plan.speculative_scale,
+            step: plan.adam_step,
+            hyper: plan.hyper,
+            tensors,
+            speculative: true,
         })?;
         self.expect_update(sg)
     }
@@ -632,20 +723,66 @@ impl Trainer {
         groups: &mut StepGroups,
         decision: GradStep,
     ) -> Result<bool> {
+        let speculated = groups.speculated();
+        let held = match decision {
+            GradStep::Apply(scale) => scale == plan.speculative_scale,
+            GradStep::Skip => false,
+        };
+        if !speculated.is_empty() {
+            self.record_speculation(held);
+        } else if plan.mode == OverlapMode::Io && self.sizing.speculative {
+            self.record_would_hold(held);
+        }
         match decision {
             GradStep::Skip => {
+                // Queued speculative steps are dropped; the ones that ran
+                // get their params back from the old masters.
                 self.opt.send(Job::CancelReads)?;
+                for sg in speculated {
+                    self.opt.send(Job::Restore(sg))?;
+                    self.expect_update(sg)?;
+                }
                 Ok(true)
             }
             GradStep::Apply(scale) => {
+                if held && !speculated.is_empty() {
+                    // Exactly the step with this multiplier: keep it.
+                    self.opt.send(Job::Commit(speculated))?;
+                }
                 for i in 0..self.layout.sub_groups.len() {
                     let sg = SubGroupId(i);
-                    if !groups.is_sent(sg) {
-                        self.send_step(plan, groups, sg, scale)?;
+                    let redo = matches!(groups.groups.get(i), Some(GroupStep::Speculated { .. }));
+                    if (redo && held) || groups.is_sent(sg) {
+                        continue;
                     }
+                    // A missed speculation steps again from the old state
+                    // with the real multiplier.
+                    self.send_step(plan, groups, sg, scale)?;
                 }
                 Ok(false)
             }
+        }
+    }
+
+    /// Counts a speculative step's outcome (see [`Speculation::record`]).
+    fn record_speculation(&mut self, held: bool) {
+        let auto = self.config.tierzero.speculative_step.is_none();
+        if let Some(SpeculationNews::Stopped { misses }) = self.speculation.record(true, held, auto)
+        {
+            tracing::warn!(
+                misses,
+                "the speculative optimizer step missed {misses} steps in a row (clipping or fp16 \
+                 overflow); stepping after the global norm until {SPECULATION_GIVE_UP} steps in a \
+                 row would not have clipped (tierzero.speculative_step: true keeps speculating)"
+            );
+        }
+    }
+
+    /// While `"auto"` is not speculating: whether this step's decision
+    /// would have held (see [`Speculation::record`]).
+    fn record_would_hold(&mut self, held: bool) {
+        if let Some(SpeculationNews::Resumed) = self.speculation.record(false, held, true) {
+            tracing::debug!("speculating again: {SPECULATION_GIVE_UP} steps in a row did not clip");
         }
     }
 
@@ -709,6 +846,8 @@ impl Trainer {
             grad_norm: out.grad_norm,
             sub_groups_stepped_during_backward: out.overlapped,
             param_write_wait_s: c1.write_wait.saturating_sub(c0.write_wait).as_secs_f64(),
+            speculation_hits: self.speculation.hits,
+            speculation_misses: self.speculation.misses,
         }
     }
 
@@ -839,7 +978,11 @@ impl Trainer {
         } else if self.config.gradient_clipping.is_some()
             || matches!(self.config.precision, Precision::Fp16 { .. })
         {
-            OverlapMode::Io
+            if self.sizing.speculative && !self.speculation.given_up {
+                OverlapMode::Speculate
+            } else {
+                OverlapMode::Io
+            }
         } else {
             OverlapMode::Step
         }

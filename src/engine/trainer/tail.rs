@@ -166,6 +166,19 @@ impl Trainer {
                 );
                 Ok(())
             }
+            Done::Superseded(sg) => {
+                let params = self
+                    .layout
+                    .sub_groups
+                    .get(sg.0)
+                    .ok_or_else(|| EngineError::internal("superseded an unknown sub-group"))?
+                    .params
+                    .clone();
+                for p in params {
+                    self.store.update_dropped(p)?;
+                }
+                Ok(())
+            }
             Done::Flushed => {
                 self.flush_open = false;
                 Ok(())

@@ -1,0 +1,108 @@
+//! The speculative optimizer step (`tierzero.speculative_step`): with
+//! clipping or fp16 and optimizer state on NVMe, sub-groups step during
+//! backward as if nothing clips or overflows, and are committed, redone or
+//! undone once the global norm is known. Whatever happens, every loss and
+//! the final weights are bit-identical to the step that waits.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
+
+mod engine_support;
+
+use engine_support::{assert_identical, tiny_gpt2_dir, train, Knobs, Run};
+
+const STEPS: u64 = 12;
+const SEQ: usize = 16;
+
+fn speculative(k: &Knobs, on: Option<bool>) -> Knobs {
+    Knobs {
+        speculative: on,
+        ..k.clone()
+    }
+}
+
+fn counts(r: &Run) -> (u64, u64) {
+    let last = r.steps.last().unwrap();
+    (last.speculation_hits, last.speculation_misses)
+}
+
+/// Runs `k` speculating and not, checks the bits, returns (hits, misses).
+fn both(tag: &str, k: &Knobs, on: Option<bool>) -> (u64, u64) {
+    let dir = tiny_gpt2_dir(tag, 2, 32);
+    let spec = train(&dir, &speculative(k, on), 5, STEPS, |_| SEQ);
+    let wait = train(&dir, &speculative(k, Some(false)), 5, STEPS, |_| SEQ);
+    assert_identical(&spec, &wait, tag);
+    assert_eq!(counts(&wait), (0, 0), "{tag}: speculation off speculated");
+    counts(&spec)
+}
+
+#[test]
+fn clipping_that_never_clips_commits_every_step() {
+    let k = Knobs {
+        clip: 1e6,
+        ..Knobs::nvme()
+    };
+    assert_eq!(both("spec-noclip", &k, Some(true)), (STEPS, 0));
+}
+
+#[test]
+fn clipping_that_always_clips_redoes_every_step() {
+    let k = Knobs {
+        clip: 0.05,
+        ..Knobs::nvme()
+    };
+    assert_eq!(both("spec-clip", &k, Some(true)), (0, STEPS));
+}
+
+#[test]
+fn clipping_sometimes_mixes_hits_and_misses() {
+    // Find a max_norm between the run's gradient norms, so some steps clip
+    // and some do not.
+    let dir = tiny_gpt2_dir("spec-mixed-probe", 2, 32);
+    let probe = Knobs {
+        clip: 1e6,
+        speculative: Some(false),
+        ..Knobs::nvme()
+    };
+    let r = train(&dir, &probe, 5, STEPS, |_| SEQ);
+    let mut norms: Vec<f64> = r.steps.iter().map(|s| s.grad_norm.unwrap()).collect();
+    norms.sort_by(f64::total_cmp);
+    let k = Knobs {
+        clip: norms[norms.len() / 2],
+        ..Knobs::nvme()
+    };
+    let (hits, misses) = both("spec-mixed", &k, Some(true));
+    assert!(hits > 0 && misses > 0, "hits {hits} misses {misses}");
+    assert_eq!(hits + misses, STEPS);
+}
+
+#[test]
+fn fp16_overflow_undoes_the_speculation_and_skips() {
+    // 2^24 overflows the first steps' fp16 gradients (skipped), then the
+    // scale comes down and steps apply.
+    let k = Knobs {
+        precision: "fp16",
+        initial_scale_power: 24,
+        ..Knobs::nvme()
+    };
+    let dir = tiny_gpt2_dir("spec-fp16", 2, 32);
+    let spec = train(&dir, &speculative(&k, Some(true)), 5, STEPS, |_| SEQ);
+    let wait = train(&dir, &speculative(&k, Some(false)), 5, STEPS, |_| SEQ);
+    assert_identical(&spec, &wait, "fp16 speculative");
+    let skipped = spec.steps.iter().filter(|s| s.skipped).count() as u64;
+    assert!(skipped > 0, "no overflow step");
+    let (hits, misses) = counts(&spec);
+    assert_eq!(misses, skipped, "every overflow is a miss");
+    assert_eq!(hits, STEPS - skipped);
+}
+
+#[test]
+fn auto_stops_speculating_after_three_misses_in_a_row() {
+    let k = Knobs {
+        clip: 0.05,
+        ..Knobs::nvme()
+    };
+    assert_eq!(both("spec-auto", &k, None), (0, 3));
+}
