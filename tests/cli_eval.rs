@@ -53,6 +53,7 @@ fn library(model_dir: &Path, data: &TokenData, seq_len: usize, seed: u64) -> (f6
             batch_windows: 1,
             device: Device::Cpu,
             pass_bytes: tierzero::eval::DEFAULT_PASS_BYTES,
+            dtype: DType::F32,
         },
     )
     .unwrap();
