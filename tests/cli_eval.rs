@@ -145,6 +145,47 @@ fn json_result_is_the_library_result_on_the_same_windows() {
     }
 }
 
+/// `--precision bf16|fp16` runs the model as training does under the
+/// precision policy: close to fp32 (a near-uniform init), not the same
+/// bits, and the loss is not a 16-bit number.
+#[test]
+fn precision_bf16_and_fp16() {
+    let d = setup("precision");
+    let run = |p: &str| {
+        let out = eval(
+            &d,
+            &[
+                "--model",
+                "model",
+                "--data",
+                "data.txt",
+                "--seq-len",
+                "16",
+                "--json",
+                "--precision",
+                p,
+            ],
+        );
+        assert!(
+            out.stderr.contains(&format!("precision {p}")),
+            "{}",
+            out.stderr
+        );
+        json_result(&out).0
+    };
+    let fp32 = run("fp32");
+    for p in ["bf16", "fp16"] {
+        let loss = run(p);
+        assert_ne!(loss, fp32, "{p}");
+        assert!(
+            (loss - fp32).abs() <= 2e-3 * fp32,
+            "{p}: {loss} vs fp32 {fp32}"
+        );
+        let rounded = f64::from(half::bf16::from_f64(loss).to_f32());
+        assert_ne!(loss, rounded, "{p}: the loss is fp32, not bf16");
+    }
+}
+
 #[test]
 fn text_output_and_safetensors_weights() {
     let d = setup("text");
@@ -275,6 +316,11 @@ fn user_mistakes_exit_2_with_one_line() {
         &with(&["--seq-len", "16", "--batch", "0"]),
         "batch 0",
         &["--batch"],
+    );
+    assert_bad_input(
+        &with(&["--seq-len", "16", "--precision", "fp8"]),
+        "precision fp8",
+        &["--precision", "fp8", "bf16"],
     );
     // Data shorter than one window.
     std::fs::write(d.join("short.txt"), "ten bytes!").unwrap();
