@@ -63,8 +63,12 @@
 //!
 //! # Devices and dtypes
 //!
-//! Every function takes tensors on whatever candle `Device` they live on, and
-//! computes in their dtype; nothing here assumes CPU. Small tables (causal
+//! Every function takes tensors on whatever candle `Device` they live on;
+//! nothing here assumes CPU. A unit's params, hidden input and hidden output
+//! share one storage dtype; what each op computes in follows from it by the
+//! policy of [`precision`] (with fp32 or f64 params, everything in that
+//! dtype; with bf16 or fp16, 16-bit matmul operands and fp32 for the rest,
+//! as `torch.autocast` does, and the head's loss in fp32). Small tables (causal
 //! mask, rotary cos/sin) are built on the host and moved to the input's
 //! device.
 
