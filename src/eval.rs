@@ -32,13 +32,16 @@
 //! # Numerics and memory
 //!
 //! Parameters are fetched through the caller's closure and converted to
-//! fp32 on the compute device (so a checkpoint's master weights, a
-//! safetensors file in 16-bit or a seeded init all evaluate the same way).
-//! Windows run `batch_windows` at a time (a *batch*) through the units
-//! ([`Model::forward_unit`]) and the head's [`Model::logits`], in fp32; the
-//! log-softmax of each predicted position is then taken in f64 from the fp32
-//! logits and summed in f64, in window order, so the result does not depend
-//! on `batch_windows`.
+//! [`EvalOptions::dtype`] (fp32 unless asked) on the compute device (so a
+//! checkpoint's master weights, a safetensors file in 16-bit or a seeded
+//! init all evaluate the same way). Windows run `batch_windows` at a time
+//! (a *batch*) through the units ([`Model::forward_unit`]) and the head's
+//! [`Model::logits`], in that dtype under the precision policy
+//! ([`crate::model::precision`]: with bf16 or fp16 the matmuls take 16-bit
+//! operands and the norms and softmax run in fp32, as training computes);
+//! the log-softmax of each predicted position is then taken in f64 from the
+//! logits (upcast to fp32 exactly) and summed in f64, in window order, so
+//! the result does not depend on `batch_windows`.
 //!
 //! The weights are **streamed unit by unit**, as in training, never held
 //! whole: a model that trains with its parameters on NVMe evaluates in
@@ -142,6 +145,12 @@ pub struct EvalOptions {
     /// share one read of the weights (see the module docs). Does not change
     /// the result. [`DEFAULT_PASS_BYTES`] is a good start.
     pub pass_bytes: u64,
+    /// The dtype the weights are converted to and the units run in:
+    /// `F32` (the default of `tierzero eval`), or `BF16` / `F16` to
+    /// evaluate as training computes under `bf16` / `fp16`, by the
+    /// precision policy of [`crate::model::precision`] (16-bit matmuls,
+    /// fp32 norms, softmax and loss).
+    pub dtype: DType,
 }
 
 /// 1 GiB of hidden states per pass over the weights.
@@ -200,7 +209,7 @@ pub struct EvalResult {
 
 /// The mean next-token cross-entropy of `model` over `tokens` (see the
 /// module docs for windows and weighting). `fetch` gives each parameter's
-/// weights (any float dtype, any device; converted to fp32 on
+/// weights (any float dtype, any device; converted to `opts.dtype` on
 /// `opts.device`); it is called for each unit's params when a pass reaches
 /// that unit (once per unit that uses the param, per pass), and the
 /// weights are dropped after the unit, so it should load lazily.
@@ -267,7 +276,7 @@ where
         }
         let (pass, later) = rest.split_at(take);
         rest = later;
-        nll_sum += eval_pass(model, &mut fetch, tokens, pass, &opts.device)?;
+        nll_sum += eval_pass(model, &mut fetch, tokens, pass, opts)?;
     }
     let loss = nll_sum / windows.predicted as f64;
     if !loss.is_finite() {
@@ -289,12 +298,13 @@ fn eval_pass<E>(
     fetch: &mut impl FnMut(ParamId) -> Result<Tensor, E>,
     tokens: &(impl TokenSource + ?Sized),
     pass: &[(usize, usize, usize)],
-    device: &Device,
+    opts: &EvalOptions,
 ) -> Result<f64, EvalError>
 where
     E: std::error::Error + Send + Sync + 'static,
 {
     let vocab = model.config().vocab_size;
+    let device = &opts.device;
     let mut inputs = Vec::with_capacity(pass.len());
     let mut targets = Vec::with_capacity(pass.len());
     for &(start, n, len) in pass {
@@ -321,7 +331,7 @@ where
                     .map_or_else(|| format!("{id:?}"), |s| s.name.clone()),
                 source: Box::new(e),
             })?;
-            p.push(t.to_dtype(DType::F32)?.to_device(device)?);
+            p.push(t.to_dtype(opts.dtype)?.to_device(device)?);
         }
         match unit.kind {
             UnitKind::Embedding => {
@@ -344,7 +354,9 @@ where
             UnitKind::Head if hidden.len() == pass.len() => {
                 let mut sum = 0f64;
                 for (h, tg) in hidden.drain(..).zip(&targets) {
-                    let logits = model.logits(&p, &h)?;
+                    // In the storage dtype under 16-bit (the LM head's
+                    // output), upcast exactly, as transformers' loss does.
+                    let logits = model.logits(&p, &h)?.to_dtype(DType::F32)?;
                     sum += nll_sum_f64(&logits, tg, vocab)?;
                 }
                 return Ok(sum);

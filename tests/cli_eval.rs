@@ -53,6 +53,7 @@ fn library(model_dir: &Path, data: &TokenData, seq_len: usize, seed: u64) -> (f6
             batch_windows: 1,
             device: Device::Cpu,
             pass_bytes: tierzero::eval::DEFAULT_PASS_BYTES,
+            dtype: DType::F32,
         },
     )
     .unwrap();
@@ -141,6 +142,47 @@ fn json_result_is_the_library_result_on_the_same_windows() {
         let (b_loss, _, b_tokens) = json_result(&out);
         assert_eq!(b_tokens, tokens);
         assert!((b_loss - loss).abs() <= 1e-6 * loss, "--batch {batch}");
+    }
+}
+
+/// `--precision bf16|fp16` runs the model as training does under the
+/// precision policy: close to fp32 (a near-uniform init), not the same
+/// bits, and the loss is not a 16-bit number.
+#[test]
+fn precision_bf16_and_fp16() {
+    let d = setup("precision");
+    let run = |p: &str| {
+        let out = eval(
+            &d,
+            &[
+                "--model",
+                "model",
+                "--data",
+                "data.txt",
+                "--seq-len",
+                "16",
+                "--json",
+                "--precision",
+                p,
+            ],
+        );
+        assert!(
+            out.stderr.contains(&format!("precision {p}")),
+            "{}",
+            out.stderr
+        );
+        json_result(&out).0
+    };
+    let fp32 = run("fp32");
+    for p in ["bf16", "fp16"] {
+        let loss = run(p);
+        assert_ne!(loss, fp32, "{p}");
+        assert!(
+            (loss - fp32).abs() <= 2e-3 * fp32,
+            "{p}: {loss} vs fp32 {fp32}"
+        );
+        let rounded = f64::from(half::bf16::from_f64(loss).to_f32());
+        assert_ne!(loss, rounded, "{p}: the loss is fp32, not bf16");
     }
 }
 
@@ -274,6 +316,11 @@ fn user_mistakes_exit_2_with_one_line() {
         &with(&["--seq-len", "16", "--batch", "0"]),
         "batch 0",
         &["--batch"],
+    );
+    assert_bad_input(
+        &with(&["--seq-len", "16", "--precision", "fp8"]),
+        "precision fp8",
+        &["--precision", "fp8", "bf16"],
     );
     // Data shorter than one window.
     std::fs::write(d.join("short.txt"), "ten bytes!").unwrap();

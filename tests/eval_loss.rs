@@ -19,6 +19,7 @@ fn opts(seq_len: usize, batch_windows: usize) -> EvalOptions {
         batch_windows,
         device: Device::Cpu,
         pass_bytes: tierzero::eval::DEFAULT_PASS_BYTES,
+        dtype: DType::F32,
     }
 }
 

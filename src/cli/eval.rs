@@ -73,6 +73,12 @@ pub struct EvalArgs {
     /// Seed of the init when --model has no weights.
     #[arg(long, value_name = "N", default_value = "1")]
     seed: String,
+    /// The dtype the model runs in: fp32, or bf16 / fp16 as training
+    /// computes with bf16 / fp16 enabled (weights rounded to 16 bits,
+    /// 16-bit matmuls with fp32 accumulation, fp32 norms, softmax and loss;
+    /// the policy of tierzero::model::precision).
+    #[arg(long, value_name = "fp32|bf16|fp16", default_value = "fp32")]
+    precision: String,
     /// Print {"loss": ..., "perplexity": ..., "tokens": ...} on stdout.
     #[arg(long)]
     json: bool,
@@ -105,12 +111,23 @@ pub fn run(args: EvalArgs) -> Result<(), Failure> {
     let seq_len = number("--seq-len", &args.seq_len, 2, 1 << 30)? as usize;
     let batch = number("--batch", &args.batch, 1, 1 << 20)? as usize;
     let seed = number("--seed", &args.seed, 0, u64::MAX)?;
+    let dtype = match args.precision.as_str() {
+        "fp32" => DType::F32,
+        "bf16" => DType::BF16,
+        "fp16" => DType::F16,
+        other => {
+            return Err(bad(format!(
+                "--precision {other:?}: give fp32, bf16 or fp16"
+            )))
+        }
+    };
     let device = Device::Cpu;
     let opts = EvalOptions {
         seq_len,
         batch_windows: batch,
         device: device.clone(),
         pass_bytes: tierzero::eval::DEFAULT_PASS_BYTES,
+        dtype,
     };
     // Each weight source gives the model and one fetch closure.
     if let Some(dir) = &args.checkpoint {
@@ -194,7 +211,7 @@ fn report(
     eprintln!("{data_line}");
     let header = format!(
         "tierzero eval: model {model_name}, {} layers, hidden {}, vocab {}; data {data_name}: \
-         {n_tokens} tokens in {} windows of {seq_len} ({} full{}{}), {} predicted",
+         {n_tokens} tokens in {} windows of {seq_len} ({} full{}{}), {} predicted; precision {}",
         mc.n_layer,
         mc.hidden_size,
         mc.vocab_size,
@@ -210,7 +227,8 @@ fn report(
         } else {
             String::new()
         },
-        r.tokens
+        r.tokens,
+        args.precision
     );
     if args.json {
         eprintln!("{header}");

@@ -63,16 +63,23 @@
 //!
 //! # Devices and dtypes
 //!
-//! Every function takes tensors on whatever candle `Device` they live on, and
-//! computes in their dtype; nothing here assumes CPU. Small tables (causal
+//! Every function takes tensors on whatever candle `Device` they live on;
+//! nothing here assumes CPU. A unit's params, hidden input and hidden output
+//! share one storage dtype; what each op computes in follows from it by the
+//! policy of [`precision`] (with fp32 or f64 params, everything in that
+//! dtype; with bf16 or fp16, 16-bit matmul operands and fp32 for the rest,
+//! as `torch.autocast` does, and the head's loss in fp32). Small tables (causal
 //! mask, rotary cos/sin) are built on the host and moved to the input's
 //! device.
 
 pub mod config;
 pub mod io;
 pub mod ops;
+pub mod precision;
 
 use candle_core::{DType, Device, Tensor, Var};
+
+use precision::Policy;
 
 pub use config::{Activation, Arch, Family, ModelConfig, RopeScaling, TokenIds, UnknownKeys};
 pub use io::{hf_config_text, save_hf_dir, write_safetensors, ModelDir, ModelDirOptions};
@@ -832,7 +839,7 @@ impl Model {
                 }
                 let logits = self.logits_unchecked(params, hidden)?;
                 let flat = logits.reshape((b * t, self.config.vocab_size))?;
-                let loss = ops::cross_entropy(&flat, &targets.flatten_all()?)?;
+                let loss = Policy::new(dtype).cross_entropy(&flat, &targets.flatten_all()?)?;
                 Ok(UnitOutput::Loss(loss))
             }
             (UnitKind::Head, _) => Err(wrong("HiddenWithTargets")),
@@ -994,13 +1001,26 @@ impl Model {
             .index_select(&ids.flatten_all()?, 0)?
             .reshape((b, t, h))?;
         Ok(match self.config.arch {
-            Arch::Gpt2 => x.broadcast_add(&p[1].narrow(0, 0, t)?)?,
+            // The sum in the math dtype, rounded to storage once.
+            Arch::Gpt2 => {
+                let pol = Policy::new(p[0].dtype());
+                pol.down(
+                    &pol.up(&x)?
+                        .broadcast_add(&pol.up(&p[1].narrow(0, 0, t)?)?)?,
+                )?
+            }
             Arch::Llama => x,
         })
     }
 
+    /// One block under the precision policy ([`precision`]): `x` and the
+    /// params in the storage dtype, the residual stream, norms, softmax,
+    /// activations and rotary embedding in the math dtype, matmuls on
+    /// storage-dtype operands; the output rounded to storage once. With
+    /// fp32 params every cast is the identity.
     fn block(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor, ModelError> {
         let c = &self.config;
+        let pol = Policy::new(x.dtype());
         let (b, t, h) = x.dims3()?;
         let (nh, nkv, hd) = (c.n_head, c.n_kv_head, c.head_dim);
         // [b, t, n * hd] -> [b, n, t, hd]
@@ -1010,22 +1030,24 @@ impl Model {
         let merge = |y: &Tensor| -> candle_core::Result<Tensor> {
             y.transpose(1, 2)?.contiguous()?.reshape((b, t, nh * hd))
         };
-        match c.arch {
+        // The residual stream, in the math dtype.
+        let x = pol.up(x)?;
+        let out = match c.arch {
             Arch::Gpt2 => {
-                let a = ops::layer_norm(x, &p[0], &p[1], c.norm_eps)?;
-                let qkv = ops::conv1d(&a, &p[2], Some(&p[3]))?;
+                let a = pol.layer_norm(&x, &p[0], &p[1], c.norm_eps)?;
+                let qkv = pol.conv1d(&a, &p[2], Some(&p[3]))?;
                 let q = heads(&qkv.narrow(2, 0, h)?, nh)?;
                 let k = heads(&qkv.narrow(2, h, h)?, nh)?;
                 let v = heads(&qkv.narrow(2, 2 * h, h)?, nh)?;
-                let y = merge(&ops::causal_attention(&q, &k, &v)?)?;
-                let x = (x + ops::conv1d(&y, &p[4], Some(&p[5]))?)?;
-                let m = ops::layer_norm(&x, &p[6], &p[7], c.norm_eps)?;
-                let m = ops::conv1d(&m, &p[8], Some(&p[9]))?;
+                let y = merge(&pol.attention(&q, &k, &v, None)?)?;
+                let x = (x + pol.up(&pol.conv1d(&y, &p[4], Some(&p[5]))?)?)?;
+                let m = pol.layer_norm(&x, &p[6], &p[7], c.norm_eps)?;
+                let m = pol.up(&pol.conv1d(&m, &p[8], Some(&p[9]))?)?;
                 let m = match c.activation {
                     Activation::GeluErf => ops::gelu_erf(&m)?,
                     _ => ops::gelu_tanh(&m)?,
                 };
-                Ok((x + ops::conv1d(&m, &p[10], Some(&p[11]))?)?)
+                (x + pol.up(&pol.conv1d(&m, &p[10], Some(&p[11]))?)?)?
             }
             Arch::Llama => {
                 // The params in declared order (see `Model::new`).
@@ -1035,8 +1057,8 @@ impl Model {
                         candle_core::Error::Msg("block has fewer params than declared".into())
                     })
                 };
-                let proj = |x: &Tensor, w: &Tensor, b: Option<&Tensor>| ops::linear(x, w, b);
-                let a = ops::rms_norm(x, next()?, c.norm_eps)?;
+                let proj = |x: &Tensor, w: &Tensor, b: Option<&Tensor>| pol.linear(x, w, b);
+                let a = pol.rms_norm(&x, next()?, c.norm_eps)?;
                 let mut qkv = Vec::with_capacity(3);
                 for _ in 0..3 {
                     let w = next()?;
@@ -1045,41 +1067,48 @@ impl Model {
                 }
                 let o_w = next()?;
                 let o_b = if c.o_bias { Some(next()?) } else { None };
-                let mut q = heads(&qkv[0], nh)?;
-                let mut k = heads(&qkv[1], nkv)?;
+                // q, k from the storage-dtype projections; norm and rotary
+                // embedding in the math dtype.
+                let mut q = pol.up(&heads(&qkv[0], nh)?)?;
+                let mut k = pol.up(&heads(&qkv[1], nkv)?)?;
                 let v = heads(&qkv[2], nkv)?;
                 if c.qk_norm {
-                    q = ops::rms_norm(&q, next()?, c.norm_eps)?;
-                    k = ops::rms_norm(&k, next()?, c.norm_eps)?;
+                    q = pol.rms_norm(&q, next()?, c.norm_eps)?;
+                    k = pol.rms_norm(&k, next()?, c.norm_eps)?;
                 }
-                let (cos, sin) = ops::rope_tables_for(c, t, x.dtype(), x.device())?;
+                let (cos, sin) = ops::rope_tables_for(c, t, pol.math(), x.device())?;
                 let q = ops::apply_rope(&q, &cos, &sin)?;
                 let k = ops::apply_rope(&k, &cos, &sin)?;
                 let k = ops::repeat_kv(&k, nh / nkv)?;
                 let v = ops::repeat_kv(&v, nh / nkv)?;
-                let y = merge(&ops::causal_attention_window(&q, &k, &v, c.sliding_window)?)?;
-                let x = (x + proj(&y, o_w, o_b)?)?;
-                let m = ops::rms_norm(&x, next()?, c.norm_eps)?;
+                let y = merge(&pol.attention(&q, &k, &v, c.sliding_window)?)?;
+                let x = (x + pol.up(&proj(&y, o_w, o_b)?)?)?;
+                let m = pol.rms_norm(&x, next()?, c.norm_eps)?;
                 let mut mlp = Vec::with_capacity(3);
                 for _ in 0..3 {
                     let w = next()?;
                     let bias = if c.mlp_bias { Some(next()?) } else { None };
                     mlp.push((w, bias));
                 }
-                let gate = proj(&m, mlp[0].0, mlp[0].1)?.silu()?;
-                let up = proj(&m, mlp[1].0, mlp[1].1)?;
-                Ok((x + proj(&gate.mul(&up)?, mlp[2].0, mlp[2].1)?)?)
+                let gate = pol.up(&proj(&m, mlp[0].0, mlp[0].1)?)?.silu()?;
+                let up = pol.up(&proj(&m, mlp[1].0, mlp[1].1)?)?;
+                (x + pol.up(&proj(&gate.mul(&up)?, mlp[2].0, mlp[2].1)?)?)?
             }
-        }
+        };
+        Ok(pol.down(&out)?)
     }
 
+    /// The head's logits under the policy: the final norm in the math
+    /// dtype, the LM head's matmul output in the storage dtype (as
+    /// autocast's `lm_head`; the loss upcasts them).
     fn logits_unchecked(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor, ModelError> {
         let c = &self.config;
+        let pol = Policy::new(x.dtype());
         let (n, w) = match c.arch {
-            Arch::Gpt2 => (ops::layer_norm(x, &p[0], &p[1], c.norm_eps)?, &p[2]),
-            Arch::Llama => (ops::rms_norm(x, &p[0], c.norm_eps)?, &p[1]),
+            Arch::Gpt2 => (pol.layer_norm(x, &p[0], &p[1], c.norm_eps)?, &p[2]),
+            Arch::Llama => (pol.rms_norm(x, &p[0], c.norm_eps)?, &p[1]),
         };
         // Both the tied embedding [vocab, hidden] and lm_head (nn.Linear) are [out, in].
-        Ok(ops::linear(&n, w, None)?)
+        Ok(pol.linear(&n, w, None)?)
     }
 }
