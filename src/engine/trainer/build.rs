@@ -547,6 +547,7 @@ impl Trainer {
             Some(p) => Some(MetricsWriter::create(p)?),
             None => None,
         };
+        let stop = opts.stop.clone();
         Ok(Trainer {
             compute_threads: host.compute_threads,
             placement: host.placement,
@@ -582,6 +583,11 @@ impl Trainer {
             optimizer_wait: Duration::ZERO,
             swap_spaces,
             failed: None,
+            stop,
+            stopped: None,
+            stop_seen_at: None,
+            slowest_save: None,
+            last_step_wall: None,
         })
     }
 }

@@ -152,6 +152,16 @@ impl Trainer {
     /// returns before the checkpoint is visible (or the save has failed
     /// everywhere).
     pub fn save_checkpoint(&mut self, save_dir: &std::path::Path) -> Result<PathBuf> {
+        let started = Instant::now();
+        let r = self.save_checkpoint_inner(save_dir);
+        let took = started.elapsed();
+        if r.is_ok() && self.slowest_save.is_none_or(|s| s < took) {
+            self.slowest_save = Some(took);
+        }
+        r
+    }
+
+    fn save_checkpoint_inner(&mut self, save_dir: &std::path::Path) -> Result<PathBuf> {
         let comm = self.opts.comm.clone();
         let world = comm.world_size();
         let rank = comm.rank();
