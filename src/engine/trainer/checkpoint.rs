@@ -268,6 +268,10 @@ impl Trainer {
             let (f, path) = staged.create_file(&rel)?;
             f.set_len(total_bytes)
                 .map_err(crate::checkpoint::io_err("sizing", &path))?;
+            crate::durable::record::note(|| crate::durable::record::FsOp::SetLen {
+                path: path.clone(),
+                len: total_bytes,
+            });
             files.push((kind, rel, f, path));
         }
         // The copies run on the optimizer thread, which owns the state.
@@ -432,6 +436,7 @@ impl Trainer {
                     path: cpath.clone(),
                     source,
                 })?;
+            crate::durable::record::write(&cpath, 0, text.len() as u64);
         }
         staged.add_file("model.safetensors")?;
         staged.add_file("config.json")?;
