@@ -59,9 +59,19 @@ fn main() -> Result<(), Box<dyn Error>> {
     let (train_text, held_out) = DEFAULT_CORPUS.split_at(DEFAULT_CORPUS.len() / 10 * 9);
     let data = TokenData::from_bytes(train_text, Path::new("corpus"));
     let mut trainer = Trainer::new(&config, &model, data, TrainerOptions::cpu(1, 64))?;
+    // Any thread (a UI, a timer, your own signal handling) may ask for a
+    // stop; the step in progress finishes and reports it.
+    let stop = trainer.stop_handle();
     for _ in 0..30 {
-        let m = trainer.step()?.metrics;
+        let report = trainer.step()?;
+        let m = &report.metrics;
         println!("step {} loss {:.4}", m.step, m.loss);
+        if m.step == 25 {
+            stop.request(); // stop early, at the next step boundary
+        }
+        if report.stop.is_some() {
+            break; // then trainer.save_on_stop(dir) keeps this step
+        }
     }
 
     // Held-out loss, streaming the trained weights one unit at a time.

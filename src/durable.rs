@@ -25,6 +25,13 @@
 //! Every manifest, checkpoint file, `latest` pointer, export and saved HF
 //! directory goes through these helpers; nothing else renames into place. They return [`DurableError`], which names the operation and the
 //! path.
+//!
+//! * **Recorded, for the power-loss test** ([`record`]): while a test
+//!   records, every create, write, fsync, rename and removal of these
+//!   helpers and of the checkpoint writer is logged in order, an fsync with
+//!   the file's bytes at that moment; `tests/power_loss.rs` replays every
+//!   prefix of a save with what was not fsynced dropped. Free when not
+//!   recording (one atomic load), never on in production.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write as _;
@@ -55,6 +62,117 @@ fn err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> D
 
 static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
 
+/// A log of file-system operations, in the style of ALICE / CrashMonkey:
+/// what a crash-consistency model needs to rebuild what a power loss at
+/// any point would leave on disk.
+///
+/// [`start`] begins a recording for the whole process (the checkpoint's
+/// state files are written on the optimizer thread), [`finish`] ends it
+/// and returns the operations in the order they ran. The sites are
+/// `durable`'s helpers and the checkpoint writer's own writes, removals
+/// and resizes (`crate::checkpoint`, `Trainer::save_checkpoint`).
+pub mod record {
+    use std::path::{Path, PathBuf};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Mutex;
+
+    /// One operation.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub enum FsOp {
+        /// A new, empty file.
+        CreateFile(PathBuf),
+        /// A new directory.
+        CreateDir(PathBuf),
+        /// `len` bytes written at `offset` (not yet durable).
+        Write {
+            /// The file.
+            path: PathBuf,
+            /// Where.
+            offset: u64,
+            /// How many bytes.
+            len: u64,
+        },
+        /// The file's length set (`set_len`).
+        SetLen {
+            /// The file.
+            path: PathBuf,
+            /// The new length.
+            len: u64,
+        },
+        /// `fsync` of a file: its bytes at that moment are durable.
+        Fsync {
+            /// The file.
+            path: PathBuf,
+            /// Its whole contents when synced.
+            contents: Vec<u8>,
+        },
+        /// `fsync` of a directory: its entries at that moment are durable.
+        FsyncDir(PathBuf),
+        /// A rename (of a file or a directory).
+        Rename {
+            /// The old name.
+            from: PathBuf,
+            /// The new name.
+            to: PathBuf,
+        },
+        /// A file or a directory tree removed.
+        Remove(PathBuf),
+    }
+
+    static ON: AtomicBool = AtomicBool::new(false);
+    static LOG: Mutex<Vec<FsOp>> = Mutex::new(Vec::new());
+
+    /// Starts recording (dropping anything recorded before).
+    pub fn start() {
+        LOG.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        ON.store(true, Ordering::SeqCst);
+    }
+
+    /// Stops recording; the operations since [`start`], in order.
+    pub fn finish() -> Vec<FsOp> {
+        ON.store(false, Ordering::SeqCst);
+        std::mem::take(&mut *LOG.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// The operations so far, recording on.
+    pub fn snapshot() -> Vec<FsOp> {
+        LOG.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Records `op()` when recording.
+    #[inline]
+    pub(crate) fn note(op: impl FnOnce() -> FsOp) {
+        if ON.load(Ordering::Relaxed) {
+            let op = op();
+            LOG.lock().unwrap_or_else(|p| p.into_inner()).push(op);
+        }
+    }
+
+    /// Records a write of `len` bytes at `offset` of `path`.
+    #[inline]
+    pub(crate) fn write(path: &Path, offset: u64, len: u64) {
+        note(|| FsOp::Write {
+            path: path.to_path_buf(),
+            offset,
+            len,
+        });
+    }
+
+    /// Records a removal.
+    #[inline]
+    pub(crate) fn remove(path: &Path) {
+        note(|| FsOp::Remove(path.to_path_buf()));
+    }
+
+    /// Records an fsync of `path`, with its bytes now.
+    pub(super) fn fsync(path: &Path) {
+        note(|| FsOp::Fsync {
+            path: path.to_path_buf(),
+            contents: std::fs::read(path).unwrap_or_default(),
+        });
+    }
+}
+
 /// Creates `path` as a new file, mode `0600`, read-write; fails if anything
 /// (a file or a symlink) is already there.
 pub fn create_file(path: &Path) -> Result<File, DurableError> {
@@ -65,6 +183,7 @@ pub fn create_file(path: &Path) -> Result<File, DurableError> {
         .mode(0o600)
         .open(path)
         .map_err(err("creating", path))
+        .inspect(|_| record::note(|| record::FsOp::CreateFile(path.to_path_buf())))
 }
 
 /// Creates the directory `path`, mode `0700` (its parent must exist).
@@ -73,16 +192,26 @@ pub fn create_dir(path: &Path) -> Result<(), DurableError> {
         .mode(0o700)
         .create(path)
         .map_err(err("creating directory", path))
+        .inspect(|()| record::note(|| record::FsOp::CreateDir(path.to_path_buf())))
 }
 
 /// Creates `path` and missing parents, each new one `0700`; an existing
 /// directory is fine.
 pub fn create_dir_all(path: &Path) -> Result<(), DurableError> {
+    let missing: Vec<PathBuf> = path
+        .ancestors()
+        .take_while(|p| !p.as_os_str().is_empty() && !p.exists())
+        .map(Path::to_path_buf)
+        .collect();
     std::fs::DirBuilder::new()
         .mode(0o700)
         .recursive(true)
         .create(path)
-        .map_err(err("creating directory", path))
+        .map_err(err("creating directory", path))?;
+    for p in missing.into_iter().rev() {
+        record::note(|| record::FsOp::CreateDir(p));
+    }
+    Ok(())
 }
 
 /// `fsync`s a directory, persisting the entries created, renamed or removed
@@ -90,12 +219,33 @@ pub fn create_dir_all(path: &Path) -> Result<(), DurableError> {
 pub fn sync_dir(path: &Path) -> Result<(), DurableError> {
     File::open(path)
         .and_then(|d| d.sync_all())
-        .map_err(err("syncing directory", path))
+        .map_err(err("syncing directory", path))?;
+    record::note(|| record::FsOp::FsyncDir(path.to_path_buf()));
+    Ok(())
 }
 
 /// `fsync`s a file's data and metadata.
 pub fn sync_file(file: &File, path: &Path) -> Result<(), DurableError> {
-    file.sync_all().map_err(err("syncing", path))
+    file.sync_all().map_err(err("syncing", path))?;
+    record::fsync(path);
+    Ok(())
+}
+
+/// `std::fs::rename`, recorded.
+fn rename_raw(from: &Path, to: &Path) -> Result<(), DurableError> {
+    std::fs::rename(from, to).map_err(err("renaming to", to))?;
+    record::note(|| record::FsOp::Rename {
+        from: from.to_path_buf(),
+        to: to.to_path_buf(),
+    });
+    Ok(())
+}
+
+/// Removes a temporary file after a failed rewrite (recorded).
+fn remove_tmp(tmp: &Path) {
+    if std::fs::remove_file(tmp).is_ok() {
+        record::remove(tmp);
+    }
 }
 
 /// Atomically replaces (or creates) `path` with `bytes`: temp file in the
@@ -132,17 +282,19 @@ pub(crate) fn write_atomic_with(
         let mut f = create_file(&tmp)?;
         let (a, b) = bytes.split_at(bytes.len() / 2);
         f.write_all(a).map_err(err("writing", &tmp))?;
+        record::write(&tmp, 0, a.len() as u64);
         if let Some(site) = mid {
             crate::failpoint::io_point(site).map_err(err("writing", &tmp))?;
         }
         f.write_all(b).map_err(err("writing", &tmp))?;
+        record::write(&tmp, a.len() as u64, b.len() as u64);
         sync_file(&f, &tmp)?;
         drop(f);
-        std::fs::rename(&tmp, path).map_err(err("renaming to", path))?;
+        rename_raw(&tmp, path)?;
         sync_dir(&dir)
     })();
     if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+        remove_tmp(&tmp);
     }
     result
 }
@@ -177,15 +329,16 @@ pub fn write_atomic_streamed<E: From<DurableError>>(
     ));
     let result = (|| {
         let file = write(create_file(&tmp)?, &tmp)?;
-        sync_file(&file, &tmp)?;
         let bytes = file.metadata().map_err(err("stat", &tmp))?.len();
+        record::write(&tmp, 0, bytes);
+        sync_file(&file, &tmp)?;
         drop(file);
-        std::fs::rename(&tmp, path).map_err(err("renaming to", path))?;
+        rename_raw(&tmp, path)?;
         sync_dir(&dir)?;
         Ok(bytes)
     })();
     if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+        remove_tmp(&tmp);
     }
     result
 }
@@ -193,7 +346,7 @@ pub fn write_atomic_streamed<E: From<DurableError>>(
 /// Renames `from` to `to` (a file or a directory, in one file system) and
 /// `fsync`s `to`'s directory, so the new name is on disk when this returns.
 pub fn rename(from: &Path, to: &Path) -> Result<(), DurableError> {
-    std::fs::rename(from, to).map_err(err("renaming to", to))?;
+    rename_raw(from, to)?;
     sync_dir(&parent_dir(to))
 }
 

@@ -439,6 +439,32 @@ fn pin_threads_is_auto_true_false_or_an_error() {
     tierzero_key_rejects("pin_threads", [json!(1), json!("yes"), json!([0, 1])]);
 }
 
+#[test]
+fn stop_grace_s_is_positive_seconds_or_absent() {
+    let grace = |v: serde_json::Value| {
+        load(json!({"train_batch_size": 8, "tierzero": {"stop_grace_s": v}}))
+            .config
+            .tierzero
+            .stop_grace
+    };
+    assert_eq!(grace(json!(25)), Some(std::time::Duration::from_secs(25)));
+    assert_eq!(
+        grace(json!(0.5)),
+        Some(std::time::Duration::from_millis(500))
+    );
+    assert_eq!(
+        load(json!({"train_batch_size": 8}))
+            .config
+            .tierzero
+            .stop_grace,
+        None
+    );
+    tierzero_key_rejects(
+        "stop_grace_s",
+        [json!(0), json!(-3), json!(1e9), json!("30s"), json!(true)],
+    );
+}
+
 /// Each of `bad` as `tierzero.<key>` is an error that names the key.
 fn tierzero_key_rejects<const N: usize>(key: &str, bad: [serde_json::Value; N]) {
     for v in bad {

@@ -21,8 +21,8 @@
 //! when no checkpoint exists yet), possibly killed again (seeded), until it
 //! completes; its final weight hash (metrics summary) and its final
 //! checkpoint's state files must equal those of a run never killed, byte
-//! for byte. `crash_resume_6_points` runs in CI; `crash_resume_30_points`
-//! is `#[ignore]`d (`cargo test --test crash_resume -- --ignored`).
+//! for byte. `crash_resume_30_points` runs in CI (`cargo test --workspace`):
+//! every site and timed kills, a few seconds on 2 cores.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
 
 use std::collections::BTreeMap;
@@ -451,16 +451,12 @@ fn crash_points(points: usize, seed: u64, kinds: &[usize]) {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
+/// 30 seeded points: round-robin over the 8 sites (mid-step, mid
+/// write-back, a partly written state file, a half-written manifest, before
+/// the rename, before `latest`, a half-written `latest`, before a
+/// speculative commit) and timed kills, each possibly killed again on
+/// resume.
 #[test]
-fn crash_resume_6_points() {
-    // Mid-step, mid write-back, a partly written state file, after the
-    // step dir's rename, mid `latest` rewrite, before a speculative
-    // commit (others come from re-kills).
-    crash_points(6, 0x7131_2e40, &[0, 1, 2, 5, 6, 7]);
-}
-
-#[test]
-#[ignore = "30 seeded kill points, about 20 s on 2 cores; run with --ignored"]
 fn crash_resume_30_points() {
     crash_points(30, 0x5eed_0030, &[0, 1, 2, 3, 4, 5, 6, 7, 8, 8]);
 }

@@ -104,9 +104,16 @@ impl Checkpoint {
                 let text = String::from_utf8_lossy(&bytes);
                 let name = text.trim();
                 match parse_step_dir_name(name) {
-                    Some(_) => match Self::open_step_dir(&dir.join(name)) {
+                    Some(step) => match Self::open_step_dir(&dir.join(name)) {
                         Ok(c) => return Ok(c),
-                        Err(e) => latest_err = Some(e),
+                        Err(e) => {
+                            if !dir.join(name).exists() {
+                                if let Some(c) = Self::open_moved_aside(dir, name, step) {
+                                    return Ok(c);
+                                }
+                            }
+                            latest_err = Some(e)
+                        }
                     },
                     None => {
                         latest_err = Some(manifest_err(
@@ -149,6 +156,35 @@ impl Checkpoint {
                 "not a checkpoint: no manifest.json, no `latest`, and no valid step-* directory",
             )
         }))
+    }
+
+    /// `latest` names `step-<N>`, which is not there: a save that replaces
+    /// `step-<N>` moves it aside to `.step-<N>.old-<pid>` and renames its
+    /// staging dir in its place, so a crash (or power loss) between the two
+    /// renames leaves the checkpoint `latest` names only under that name.
+    /// It is whole (its manifest and sizes validate here, its crcs at every
+    /// read), so it is opened rather than going back to an older step.
+    fn open_moved_aside(dir: &Path, name: &str, step: u64) -> Option<Checkpoint> {
+        let prefix = format!(".{name}.old-");
+        let mut aside: Vec<PathBuf> = std::fs::read_dir(dir)
+            .ok()?
+            .flatten()
+            .filter(|e| {
+                e.file_name()
+                    .to_str()
+                    .and_then(|n| n.strip_prefix(&prefix))
+                    .is_some_and(|pid| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
+            })
+            .map(|e| e.path())
+            .collect();
+        aside.sort();
+        aside.into_iter().find_map(|p| match Self::open_step_dir(&p) {
+            Ok(c) if c.step() == step => {
+                tracing::warn!(dir = %p.display(), "`latest` names {name}, which a save interrupted while replacing it had moved aside; using it");
+                Some(c)
+            }
+            _ => None,
+        })
     }
 
     fn open_step_dir(dir: &Path) -> Result<Checkpoint, CheckpointError> {

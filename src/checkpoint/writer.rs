@@ -67,6 +67,7 @@ fn remove_stale(save_dir: &Path) {
             {
                 match std::fs::remove_file(e.path()) {
                     Ok(()) => {
+                        durable::record::remove(&e.path());
                         tracing::warn!(file = %e.path().display(), pid, "removed a half-written `latest` of a process that is gone")
                     }
                     Err(err) => {
@@ -87,6 +88,7 @@ fn remove_stale(save_dir: &Path) {
         }
         match std::fs::remove_dir_all(e.path()) {
             Ok(()) => {
+                durable::record::remove(&e.path());
                 tracing::warn!(dir = %e.path().display(), pid, "removed an unfinished checkpoint of a process that is gone")
             }
             Err(err) => {
@@ -129,6 +131,7 @@ impl StagedCheckpoint {
         if tmp_dir.exists() {
             // Ours, from an earlier failed save in this process.
             std::fs::remove_dir_all(&tmp_dir).map_err(io_err("removing", &tmp_dir))?;
+            durable::record::remove(&tmp_dir);
         }
         durable::create_dir(&tmp_dir)?;
         Ok(StagedCheckpoint {
@@ -334,6 +337,7 @@ impl StagedCheckpoint {
         )?;
         if replaced {
             std::fs::remove_dir_all(&old).map_err(io_err("removing", &old))?;
+            durable::record::remove(&old);
             durable::sync_dir(&self.save_dir)?;
         }
         Ok(final_dir)
@@ -345,7 +349,9 @@ impl Drop for StagedCheckpoint {
         if !self.committed && self.owner {
             // A failed save: the staging dir is never read; remove it now
             // rather than at the next save.
-            let _ = std::fs::remove_dir_all(&self.tmp_dir);
+            if std::fs::remove_dir_all(&self.tmp_dir).is_ok() {
+                durable::record::remove(&self.tmp_dir);
+            }
         }
     }
 }

@@ -248,8 +248,9 @@ fn is_root() -> bool {
     std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
 }
 
-/// Runs `tierzero launch`.
-pub fn run(args: LaunchArgs) -> Result<(), Failure> {
+/// Runs `tierzero launch`; returns the exit code (0, or 130 / 143 when
+/// the ranks stopped on a signal).
+pub fn run(args: LaunchArgs) -> Result<i32, Failure> {
     let nproc = match tierzero::units::parse_count(&args.nproc) {
         Ok(n) if (1..=1 << 20).contains(&n) => n,
         _ => {
@@ -269,7 +270,7 @@ pub fn run(args: LaunchArgs) -> Result<(), Failure> {
 }
 
 #[cfg(not(feature = "mpi"))]
-fn launch(_nproc: u64, _args: &LaunchArgs) -> Result<(), Failure> {
+fn launch(_nproc: u64, _args: &LaunchArgs) -> Result<i32, Failure> {
     Err(Failure::BadInput(anyhow!(
         "this tierzero was built without MPI support, so it cannot start several ranks; rebuild \
          with `cargo build --release --features mpi` (needs OpenMPI: apt-get install \
@@ -278,7 +279,7 @@ fn launch(_nproc: u64, _args: &LaunchArgs) -> Result<(), Failure> {
 }
 
 #[cfg(feature = "mpi")]
-fn launch(nproc: u64, args: &LaunchArgs) -> Result<(), Failure> {
+fn launch(nproc: u64, args: &LaunchArgs) -> Result<i32, Failure> {
     use std::process::Command;
     let exe = std::env::current_exe()
         .map_err(|e| Failure::Internal(anyhow!("finding this executable: {e}")))?;
@@ -304,6 +305,9 @@ fn launch(nproc: u64, args: &LaunchArgs) -> Result<(), Failure> {
             .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
     }
     cmd.arg(&exe).args(&args.command);
+    // A Ctrl-C reaches mpirun and the ranks too (one process group); this
+    // process waits for mpirun's status instead of dying first.
+    super::signals::install_for_launcher()?;
     let status = cmd.status().map_err(|e| {
         Failure::BadInput(anyhow!(
             "running {}: {e}; install OpenMPI (apt-get install openmpi-bin) or give --mpirun",
@@ -311,7 +315,9 @@ fn launch(nproc: u64, args: &LaunchArgs) -> Result<(), Failure> {
         ))
     })?;
     match status.code() {
-        Some(0) => Ok(()),
+        Some(0) => Ok(0),
+        // The ranks stopped at a step boundary on a signal.
+        Some(c @ (super::signals::EXIT_SIGINT | super::signals::EXIT_SIGTERM)) => Ok(c),
         Some(2) => Err(Failure::BadInput(anyhow!(
             "a rank refused its input (mpirun exited with 2); see its message above"
         ))),

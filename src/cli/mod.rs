@@ -2,7 +2,8 @@
 //!
 //! Exit codes: 0 on success, 2 on bad input (clap usage errors, invalid
 //! values, paths that do not exist, configurations that cannot work), 1 on
-//! internal failure. A user's mistake is reported as one clear line, never
+//! internal failure; `train` stopped by a signal at a step boundary: 130
+//! (SIGINT) or 143 (SIGTERM) (see `signals`). A user's mistake is reported as one clear line, never
 //! as a panic or a backtrace.
 
 pub mod bench_adam;
@@ -13,6 +14,7 @@ pub mod export;
 pub mod gpu_info;
 pub mod inspect;
 pub mod launch;
+pub mod signals;
 mod tokens;
 pub mod train;
 
@@ -136,20 +138,15 @@ pub fn main() -> i32 {
             return code;
         }
     };
-    let result = match cli.command {
-        Command::Train(a) => train::run(*a),
-        Command::BenchIo(a) => bench_io::run_bench_io(a),
-        Command::Tune(a) => bench_io::run_tune(a),
-        Command::BenchAdam(a) => bench_adam::run(a).map_err(Failure::Internal),
-        Command::Estimate(a) => estimate::run(a),
-        Command::Eval(a) => eval::run(a),
-        Command::Export(a) => export::run(a),
-        Command::Inspect(a) => inspect::run(a),
+    // Ok: the exit code (0, or a stopped run's 130 / 143, which is no
+    // failure: every rank stopped at the same step).
+    let result: Result<i32, Failure> = match cli.command {
+        Command::Train(a) => train::run(*a).map(train::Ended::exit_code),
         Command::Launch(a) => launch::run(a),
-        Command::GpuInfo(a) => gpu_info::run(a),
+        other => run_other(other).map(|()| 0),
     };
     let code = match result {
-        Ok(()) => 0,
+        Ok(code) => code,
         Err(Failure::BadInput(e)) => {
             eprintln!("error: {}", chain_text(&e));
             2
@@ -160,12 +157,28 @@ pub fn main() -> i32 {
         }
     };
     // Several ranks: a failed rank stops the others (MPI_Abort); a finished
-    // one finalises MPI before exiting.
-    if code != 0 {
+    // (or stopped) one finalises MPI before exiting.
+    if !matches!(code, 0 | signals::EXIT_SIGINT | signals::EXIT_SIGTERM) {
         launch::abort_ranks(code);
     }
     launch::finalize();
     code
+}
+
+/// The commands other than `train` and `launch`.
+fn run_other(command: Command) -> Result<(), Failure> {
+    match command {
+        Command::Train(a) => train::run(*a).map(|_| ()),
+        Command::BenchIo(a) => bench_io::run_bench_io(a),
+        Command::Tune(a) => bench_io::run_tune(a),
+        Command::BenchAdam(a) => bench_adam::run(a).map_err(Failure::Internal),
+        Command::Estimate(a) => estimate::run(a),
+        Command::Eval(a) => eval::run(a),
+        Command::Export(a) => export::run(a),
+        Command::Inspect(a) => inspect::run(a),
+        Command::Launch(a) => launch::run(a).map(|_| ()),
+        Command::GpuInfo(a) => gpu_info::run(a),
+    }
 }
 
 /// The error and its causes on one line, `a: b: c`, leaving out a cause

@@ -64,7 +64,10 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tierzero::checkpoint::{Checkpoint, CheckpointError, SaveDirLock};
 use tierzero::config::{self, AutoOr, ConfigWarning, PathChecks, RunContext};
 use tierzero::data::TokenData;
-use tierzero::engine::{EngineError, StepMetrics, Summary, Timeline, Trainer, TrainerOptions};
+use tierzero::engine::{
+    EngineError, StepMetrics, StopCause, StopHandle, StopSave, Summary, Timeline, Trainer,
+    TrainerOptions,
+};
 use tierzero::model::{Model, ModelDir};
 use tierzero::run::{
     Plan, DEFAULT_CORPUS, DEFAULT_CORPUS_NAME, DEFAULT_MODEL_CONFIG, DEFAULT_SEQ_LEN, DEFAULT_STEPS,
@@ -168,6 +171,14 @@ pub struct TrainArgs {
     /// the end.
     #[arg(long, value_name = "N")]
     save_every: Option<String>,
+    /// On SIGINT or SIGTERM, the run stops at the next step boundary, saves
+    /// that step (with --save-dir), removes its swap files, prints the
+    /// summary and exits 130 (SIGINT) or 143 (SIGTERM); a second signal
+    /// aborts at once. This bounds that stop, from the signal to the exit,
+    /// in seconds: a save that would not fit is skipped (and said so).
+    /// Default: tierzero.stop_grace_s, else no bound.
+    #[arg(long, value_name = "SECONDS")]
+    stop_grace: Option<String>,
     /// Continue from a checkpoint: a save dir (its `latest`) or a step dir.
     /// --steps stays the total.
     #[arg(long, value_name = "DIR")]
@@ -403,6 +414,16 @@ struct JsonSummary<'a> {
     peak_rss_bytes: u64,
     trace_rerecords: u64,
     metrics: Option<String>,
+    /// `"signal"` when a signal stopped the run early; absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stopped: Option<&'a str>,
+    /// `"SIGINT"` or `"SIGTERM"`, with `stopped`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stop_signal: Option<&'a str>,
+    /// With `stopped` and --save-dir: the step of the checkpoint that
+    /// continues the run (`null`: none was saved).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    checkpoint_step: Option<Option<u64>>,
 }
 
 /// The number flags of `tierzero train`, checked.
@@ -414,6 +435,7 @@ struct Flags {
     grad_accum: Option<u64>,
     lr: Option<f64>,
     save_every: Option<u64>,
+    stop_grace: Option<std::time::Duration>,
 }
 
 impl Flags {
@@ -447,6 +469,23 @@ impl Flags {
             grad_accum,
             lr,
             save_every: opt("--save-every", &args.save_every, 1 << 40)?,
+            stop_grace: match &args.stop_grace {
+                None => None,
+                Some(s) => Some(
+                    s.parse::<f64>()
+                        .ok()
+                        .filter(|v| v.is_finite() && *v > 0.0 && *v <= config::MAX_STOP_GRACE_S)
+                        .map(std::time::Duration::from_secs_f64)
+                        .ok_or_else(|| {
+                            bad(format!(
+                                "--stop-grace {s}: not a number of seconds above 0 (at most \
+                                 {}); give the grace period before SIGKILL, such as \
+                                 --stop-grace 30",
+                                config::MAX_STOP_GRACE_S
+                            ))
+                        })?,
+                ),
+            },
         })
     }
 }
@@ -630,6 +669,8 @@ struct RunInfo<'a> {
     train_batch_size: u64,
     /// `steps_per_print`: the progress line interval.
     steps_per_print: u64,
+    /// The step of the checkpoint resumed from, when it is in --save-dir.
+    resumed_from: Option<u64>,
 }
 
 /// The start-up lines: model, data, config, run, and the plan.
@@ -679,22 +720,40 @@ fn banner(
     )
 }
 
+/// How a run's steps ended.
+struct Steps {
+    first: StepMetrics,
+    last: StepMetrics,
+    /// Set when a signal stopped the run early.
+    stop: Option<Stopped>,
+}
+
+/// A run stopped early.
+struct Stopped {
+    cause: StopCause,
+    /// With --save-dir: the step of the newest checkpoint of this run or
+    /// the one it resumed from (`None`: none).
+    checkpoint_step: Option<u64>,
+}
+
 /// The steps from `start_step` to `steps`, with progress and checkpoints
-/// (every `--save-every` and at the end). Returns the first and last
-/// steps' metrics.
+/// (every `--save-every` and at the end), or until a stop is requested
+/// (the step it stopped at is saved, within the grace period). Returns the
+/// first and last steps' metrics.
 fn train_steps(
     trainer: &mut Trainer,
     args: &TrainArgs,
     flags: &Flags,
     run: &RunInfo<'_>,
     say: &dyn Fn(&str) -> Result<(), Failure>,
-) -> Result<(StepMetrics, StepMetrics), Failure> {
+) -> Result<Steps, Failure> {
     let (steps, start_step, save_every) = (run.steps, run.start_step, flags.save_every);
     let lead = run.lead;
     let progress = Progress::new(steps, run.steps_per_print);
     let mut first: Option<StepMetrics> = None;
     let mut last: Option<StepMetrics> = None;
     let mut saved_at: Option<u64> = None;
+    let mut stop: Option<StopCause> = None;
     let save = |trainer: &mut Trainer, dir: &Path| -> Result<(), Failure> {
         let p = trainer
             .save_checkpoint(dir)
@@ -706,13 +765,11 @@ fn train_steps(
         ))
     };
     for _ in start_step..steps {
-        let m = trainer
-            .step()
-            .map_err(|e| {
-                progress.finish();
-                run_failure(e, "training step")
-            })?
-            .metrics;
+        let report = trainer.step().map_err(|e| {
+            progress.finish();
+            run_failure(e, "training step")
+        })?;
+        let m = report.metrics;
         if !m.loss.is_finite() {
             progress.finish();
             return Err(Failure::Internal(anyhow!(
@@ -723,6 +780,16 @@ fn train_steps(
         }
         if lead {
             progress.step(&m, steps);
+        }
+        if let Some(cause) = report.stop {
+            // Every rank stops here (the trainer agreed on it); the save of
+            // this step follows, within the grace period.
+            stop = Some(cause);
+            if first.is_none() {
+                first = Some(m.clone());
+            }
+            last = Some(m);
+            break;
         }
         if let (Some(every), Some(dir)) = (save_every, &args.save_dir) {
             if m.step.is_multiple_of(every) {
@@ -736,14 +803,78 @@ fn train_steps(
         last = Some(m);
     }
     progress.finish();
-    if let Some(dir) = &args.save_dir {
-        if saved_at != Some(trainer.steps_done()) {
-            save(trainer, dir)?;
+    let stopped = match (stop, &args.save_dir) {
+        (None, Some(dir)) => {
+            if saved_at != Some(trainer.steps_done()) {
+                save(trainer, dir)?;
+            }
+            None
         }
-    }
+        (None, None) => None,
+        (Some(cause), dir) => {
+            let step = trainer.steps_done();
+            say(&format!(
+                "stopping at step {step} of {steps} ({})\n",
+                cause
+                    .signal_name()
+                    .unwrap_or_else(|| "requested".to_owned())
+            ))?;
+            let checkpoint_step = match dir {
+                None => None,
+                Some(_) if saved_at == Some(step) => Some(step),
+                Some(dir) => stop_save(trainer, dir, saved_at.or(run.resumed_from), say)?,
+            };
+            Some(Stopped {
+                cause,
+                checkpoint_step,
+            })
+        }
+    };
     match (first, last) {
-        (Some(first), Some(last)) => Ok((first, last)),
+        (Some(first), Some(last)) => Ok(Steps {
+            first,
+            last,
+            stop: stopped,
+        }),
         _ => Err(Failure::Internal(anyhow!("no step ran"))),
+    }
+}
+
+/// The checkpoint of the step a stopped run ended at, unless the grace
+/// period has too little time left; returns the newest checkpoint's step
+/// (`before` when skipped).
+fn stop_save(
+    trainer: &mut Trainer,
+    dir: &Path,
+    before: Option<u64>,
+    say: &dyn Fn(&str) -> Result<(), Failure>,
+) -> Result<Option<u64>, Failure> {
+    let step = trainer.steps_done();
+    match trainer
+        .save_on_stop(dir)
+        .map_err(|e| run_failure(e, "saving a checkpoint after a stop"))?
+    {
+        StopSave::Saved(p) => {
+            say(&format!(
+                "checkpoint: step {step} saved to {}\n",
+                p.display()
+            ))?;
+            Ok(Some(step))
+        }
+        StopSave::Skipped { needed_s, left_s } => {
+            let grace = trainer.stop_grace().map_or(0.0, |g| g.as_secs_f64());
+            eprintln!(
+                "warning: the checkpoint of step {step} was skipped: a save takes about \
+                 {needed_s:.1} s and {:.1} s of the {grace} s stop grace period \
+                 (--stop-grace / tierzero.stop_grace_s) were left; {}",
+                left_s.max(0.0),
+                match before {
+                    Some(b) => format!("the newest checkpoint in {} is step {b}", dir.display()),
+                    None => format!("{} holds no checkpoint of this run", dir.display()),
+                }
+            );
+            Ok(before)
+        }
     }
 }
 
@@ -766,8 +897,31 @@ fn report_unreached_failpoint() {
     }
 }
 
+/// How `tierzero train` ended (its exit code).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// Every step ran (exit 0).
+    Done,
+    /// A signal stopped it at a step boundary: exit 130 (SIGINT) or 143
+    /// (SIGTERM).
+    Stopped {
+        /// 128 + the signal's number.
+        exit_code: i32,
+    },
+}
+
+impl Ended {
+    /// The process's exit code.
+    pub fn exit_code(self) -> i32 {
+        match self {
+            Ended::Done => 0,
+            Ended::Stopped { exit_code } => exit_code,
+        }
+    }
+}
+
 /// Runs `tierzero train`.
-pub fn run(args: TrainArgs) -> Result<(), Failure> {
+pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     let started = Instant::now();
     // Several ranks (under mpirun): rank 0 prints and writes --metrics, the
     // others only log (see launch.rs).
@@ -775,6 +929,10 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
     let comm = super::launch::rank_comm_on(device)?;
     let lead = comm.rank() == 0;
     let flags = Flags::parse(&args)?;
+    // From here on SIGINT and SIGTERM stop at a step boundary (see
+    // `signals`); a signal during start-up stops after the first step.
+    let stop = StopHandle::new();
+    super::signals::install(stop.clone())?;
     if flags.save_every.is_some() && args.save_dir.is_none() {
         return Err(bad(
             "--save-every needs --save-dir DIR (where to put the checkpoints)",
@@ -841,7 +999,15 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         metrics_path: args.metrics.clone().filter(|_| lead),
         timeline: timeline.clone(),
         comm: comm.clone(),
+        stop,
+        stop_grace: flags.stop_grace,
         ..TrainerOptions::cpu(flags.seed, seq_len)
+    };
+    // A checkpoint resumed from in the save dir is the one a stop that
+    // skips its save leaves newest.
+    let resumed_from = match (&ckpt, &args.save_dir) {
+        (Some(c), Some(d)) if c.dir().parent().is_some_and(|p| same_dir(p, d)) => Some(c.step()),
+        _ => None,
     };
     let run = RunInfo {
         data_name: &data_name,
@@ -857,14 +1023,32 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
         lead,
         train_batch_size: cfg.batch.train_batch_size,
         steps_per_print: cfg.steps_per_print,
+        resumed_from,
     };
     if start_step >= steps {
+        // A run killed after its last save left its swap files; reclaim
+        // them as a run that builds its tiers would.
+        for dev in [
+            &cfg.zero.offload_param.device,
+            &cfg.zero.offload_optimizer.device,
+        ] {
+            if let Some(p) = dev.nvme_path() {
+                let base = match comm.world_size() {
+                    1 => p.to_owned(),
+                    _ => p.join(format!("rank{}", comm.rank())),
+                };
+                if let Err(e) = tierzero_swap::space::reclaim_stale_files(&base) {
+                    tracing::warn!(path = %base.display(), error = %e, "could not reclaim stale swap files");
+                }
+            }
+        }
         return say(&format!(
             "the checkpoint {} is at step {start_step}, which already reaches --steps {steps}; \
              nothing to do (raise --steps to train further)\n",
             ckpt.as_ref()
                 .map_or(String::new(), |c| c.dir().display().to_string())
-        ));
+        ))
+        .map(|()| Ended::Done);
     }
     let mut trainer = match (&ckpt, &model_dir) {
         (Some(c), _) => Trainer::resume(cfg, c, data, opts),
@@ -908,11 +1092,26 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
                 .map_or(String::new(), |c| c.dir().display().to_string())
         ))?;
     }
-    let (first, last) = train_steps(&mut trainer, &args, &flags, &run, &say)?;
+    let ran = train_steps(&mut trainer, &args, &flags, &run, &say)?;
     let train_s = train_started.elapsed().as_secs_f64();
+    // Dropping the trainer (in `finish`) removes its swap files.
     let summary = trainer
         .finish()
         .map_err(|e| run_failure(e, "finishing the run"))?;
+    let ended = match &ran.stop {
+        None => Ended::Done,
+        Some(s) => {
+            if comm.world_size() > 1 {
+                // No rank exits (non-zero: mpirun may then kill the rest)
+                // before every rank has removed its swap files.
+                comm.barrier()
+                    .map_err(|e| run_failure(e, "finishing the run"))?;
+            }
+            Ended::Stopped {
+                exit_code: super::signals::exit_code(s.cause),
+            }
+        }
+    };
     if let (Some(tl), Some(path)) = (&timeline, &args.timeline) {
         tl.write(path).map_err(|e| {
             Failure::Internal(anyhow!("writing the timeline {}: {e}", path.display()))
@@ -920,20 +1119,22 @@ pub fn run(args: TrainArgs) -> Result<(), Failure> {
     }
     report_unreached_failpoint();
     if !lead {
-        return Ok(());
+        return Ok(ended);
     }
     let timing = Timing {
         train_s,
         total_s: started.elapsed().as_secs_f64(),
     };
-    print_summary(
-        &args,
-        &run,
-        &summary,
-        (&first, &last),
-        timing,
-        timeline.as_deref(),
-    )
+    print_summary(&args, &run, &summary, &ran, timing, timeline.as_deref())?;
+    Ok(ended)
+}
+
+/// Whether two paths name the same directory.
+fn same_dir(a: &Path, b: &Path) -> bool {
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
 }
 
 /// Seconds of a run: the steps alone, and everything.
@@ -948,10 +1149,11 @@ fn print_summary(
     args: &TrainArgs,
     run: &RunInfo<'_>,
     summary: &Summary,
-    (first, last): (&StepMetrics, &StepMetrics),
+    ran: &Steps,
     timing: Timing,
     timeline: Option<&Timeline>,
 ) -> Result<(), Failure> {
+    let (first, last) = (&ran.first, &ran.last);
     let (tokens_per_step, start_step, train_s) =
         (run.tokens_per_step, run.start_step, timing.train_s);
     // The run's totals (initial weights and the last optimizer tail
@@ -978,6 +1180,13 @@ fn print_summary(
             peak_rss_bytes: summary.peak_rss_bytes,
             trace_rerecords: summary.trace_rerecords,
             metrics: args.metrics.as_ref().map(|p| p.display().to_string()),
+            stopped: ran.stop.as_ref().map(|s| s.cause.kind()),
+            stop_signal: summary.stop_signal.as_deref(),
+            checkpoint_step: ran
+                .stop
+                .as_ref()
+                .filter(|_| args.save_dir.is_some())
+                .map(|s| s.checkpoint_step),
         };
         let obj = serde_json::to_string(&obj)
             .map_err(|e| Failure::Internal(anyhow!("writing the JSON summary: {e}")))?;
@@ -1003,6 +1212,25 @@ fn print_summary(
             None => String::new(),
         }
     ))?;
+    if let Some(s) = &ran.stop {
+        emit(&format!(
+            "stopped by {} at step {} of {}{}\n",
+            s.cause
+                .signal_name()
+                .unwrap_or_else(|| "request".to_owned()),
+            summary.steps,
+            run.steps,
+            match (&args.save_dir, s.checkpoint_step) {
+                (Some(d), Some(c)) => format!(
+                    "; checkpoint of step {c} in {}: continue with --resume {}",
+                    d.display(),
+                    d.display()
+                ),
+                (Some(d), None) => format!("; no checkpoint in {}", d.display()),
+                (None, _) => "; no checkpoint (no --save-dir)".to_owned(),
+            }
+        ))?;
+    }
     if let (Some(tl), Some(path)) = (timeline, &args.timeline) {
         let (a, b) = tl.steps();
         emit(&format!(

@@ -544,6 +544,12 @@ section! {
         /// (absent) speculates and stops after a run of misses; `true`
         /// always; `false` never. Same result either way. `None` = auto.
         speculative_step: Option<bool> => auto_none(flag);
+        /// `stop_grace_s`: seconds a stop (SIGINT, SIGTERM, or a library
+        /// `StopHandle`) may take from the request to the end of the run:
+        /// the step in progress, the checkpoint of that step and the
+        /// summary. A save that would not fit is skipped, and the run says
+        /// so. Absent = no bound (`--stop-grace` overrides it).
+        stop_grace_s: Option<f64> => some(num);
     }
 }
 

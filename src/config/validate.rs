@@ -324,6 +324,9 @@ pub struct Tierzero {
     /// Speculative optimizer step with clipping or fp16; `None` = auto
     /// (see `crate::engine::trainer` "Speculative step").
     pub speculative_step: Option<bool>,
+    /// How long a stop may take from its request to the end of the run
+    /// (`tierzero.stop_grace_s`); `None` = no bound.
+    pub stop_grace: Option<std::time::Duration>,
 }
 
 /// The validated configuration the engine runs with.
@@ -511,6 +514,9 @@ impl Resolver<'_> {
         }
     }
 }
+
+/// The largest `tierzero.stop_grace_s` (a week).
+pub const MAX_STOP_GRACE_S: f64 = 604_800.0;
 
 fn range(key: &str, value: impl ToString, allowed: &str, fix: &str) -> ConfigError {
     ConfigError::OutOfRange {
@@ -719,6 +725,21 @@ pub(crate) fn validate(
         optimizer_resident_bytes: t.optimizer_resident_bytes.map(Bytes),
         pin_threads: t.pin_threads,
         speculative_step: t.speculative_step,
+        stop_grace: match t.stop_grace_s {
+            Some(s) if s.is_finite() && s > 0.0 && s <= MAX_STOP_GRACE_S => {
+                Some(std::time::Duration::from_secs_f64(s))
+            }
+            Some(s) => {
+                return Err(range(
+                    "tierzero.stop_grace_s",
+                    s,
+                    &format!("seconds, more than 0 and at most {MAX_STOP_GRACE_S}"),
+                    "use the grace period your scheduler gives before SIGKILL (SLURM's and \
+                     Kubernetes' default is 30), or remove it for no bound",
+                ))
+            }
+            None => None,
+        },
     };
 
     let config = Config {

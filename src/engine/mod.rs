@@ -109,7 +109,9 @@ pub use layout::{Layout, SubGroupId};
 pub use observe::metrics::{StepMetrics, Summary};
 pub use observe::timeline::{Lane, Timeline};
 pub use params::store::{ParamEvent, ParamState, ParamStore, Tier};
-pub use trainer::{FaultPlan, StepReport, SwapUsage, Trainer, TrainerOptions};
+pub use trainer::{
+    FaultPlan, StepReport, StopCause, StopHandle, StopSave, SwapUsage, Trainer, TrainerOptions,
+};
 
 /// Result type of the engine.
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;

@@ -916,6 +916,22 @@ pub fn ignore_sigxfsz() {
     }
 }
 
+/// Removes the stale swap files (of processes that are gone) under the
+/// swap path `base`, as creating a [`SwapSpace`] there does, without
+/// creating one: for a run that ends before it needs swap space (a
+/// resume with nothing left to do). Holds the directory's lock while it
+/// looks, so no live space's file is touched. A `base` without our
+/// subdirectory has nothing to reclaim.
+pub fn reclaim_stale_files(base: &Path) -> Result<()> {
+    let dir = base.join(SWAP_SUBDIR);
+    if !dir.is_dir() {
+        return Ok(());
+    }
+    let _lease = DirLease::acquire(dir.clone())?;
+    reclaim_stale(&dir);
+    Ok(())
+}
+
 /// Removes `swap-<pid>-*.tzswap` files whose process is gone.
 fn reclaim_stale(dir: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else {

@@ -116,6 +116,13 @@ pub struct Summary {
     /// Bytes written over the whole run, per tier (initial weights and
     /// state included).
     pub bytes_written: BTreeMap<String, u64>,
+    /// Why the run ended early (`"signal"`, `"request"`); absent when it ran
+    /// all its steps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stopped: Option<String>,
+    /// The signal that stopped it (`"SIGINT"`, `"SIGTERM"`); absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stop_signal: Option<String>,
 }
 
 /// Peak RSS (`VmHWM`) of this process, 0 where unknown.

@@ -427,6 +427,7 @@ impl OptimizerState {
             bytes.resize(len_bytes as usize, 0);
             file.write_all_at(&bytes, offset_bytes)
                 .map_err(io_err("writing"))?;
+            crate::durable::record::write(path, offset_bytes, len_bytes);
             return Ok(crc32c::crc32c(&bytes));
         }
         // Nothing may be in flight on these extents while the kernel copies.
@@ -444,6 +445,7 @@ impl OptimizerState {
         let ext = &nvme_extents(&nv.extents, sg)?[k];
         let space = ext.space().clone();
         space.copy_extent_to_file(ext, len_bytes, file, path, offset_bytes)?;
+        crate::durable::record::write(path, offset_bytes, len_bytes);
         match ext.recorded_crc32c() {
             Some(crc) if ext.len_bytes() == len_bytes => Ok(crc),
             _ => {

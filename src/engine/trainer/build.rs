@@ -548,6 +548,7 @@ impl Trainer {
             Some(p) => Some(MetricsWriter::create(p)?),
             None => None,
         };
+        let stop = opts.stop.clone();
         Ok(Trainer {
             compute_threads: host.compute_threads,
             placement: host.placement,
@@ -584,6 +585,11 @@ impl Trainer {
             speculation: Speculation::default(),
             swap_spaces,
             failed: None,
+            stop,
+            stopped: None,
+            stop_seen_at: None,
+            slowest_save: None,
+            last_step_wall: None,
         })
     }
 }

@@ -152,6 +152,16 @@ impl Trainer {
     /// returns before the checkpoint is visible (or the save has failed
     /// everywhere).
     pub fn save_checkpoint(&mut self, save_dir: &std::path::Path) -> Result<PathBuf> {
+        let started = Instant::now();
+        let r = self.save_checkpoint_inner(save_dir);
+        let took = started.elapsed();
+        if r.is_ok() && self.slowest_save.is_none_or(|s| s < took) {
+            self.slowest_save = Some(took);
+        }
+        r
+    }
+
+    fn save_checkpoint_inner(&mut self, save_dir: &std::path::Path) -> Result<PathBuf> {
         let comm = self.opts.comm.clone();
         let world = comm.world_size();
         let rank = comm.rank();
@@ -258,6 +268,10 @@ impl Trainer {
             let (f, path) = staged.create_file(&rel)?;
             f.set_len(total_bytes)
                 .map_err(crate::checkpoint::io_err("sizing", &path))?;
+            crate::durable::record::note(|| crate::durable::record::FsOp::SetLen {
+                path: path.clone(),
+                len: total_bytes,
+            });
             files.push((kind, rel, f, path));
         }
         // The copies run on the optimizer thread, which owns the state.
@@ -422,6 +436,7 @@ impl Trainer {
                     path: cpath.clone(),
                     source,
                 })?;
+            crate::durable::record::write(&cpath, 0, text.len() as u64);
         }
         staged.add_file("model.safetensors")?;
         staged.add_file("config.json")?;

@@ -150,10 +150,12 @@ mod build;
 mod checkpoint;
 mod options;
 mod step;
+mod stop;
 mod tail;
 
 pub use checkpoint::config_fingerprint;
 pub use options::{FaultPlan, TrainerOptions};
+pub use stop::{StopCause, StopHandle, StopSave};
 
 use std::collections::{BTreeMap, HashMap};
 use std::num::NonZeroUsize;
@@ -199,6 +201,10 @@ use crate::sha256::Sha256;
 pub struct StepReport {
     /// The metrics line of the step.
     pub metrics: StepMetrics,
+    /// Set when the run is to stop after this step: a [`StopHandle`]
+    /// request on this rank or any other (every rank reports it at the
+    /// same step). See [`Trainer::save_on_stop`].
+    pub stop: Option<StopCause>,
 }
 
 /// How the optimizer relates to backward in a step.
@@ -345,6 +351,17 @@ pub struct Trainer {
     swap_spaces: Vec<Arc<SwapSpace>>,
     /// The first error out of a step; set, the trainer refuses to go on.
     failed: Option<String>,
+    /// Requests to stop at a step boundary ([`StopHandle`]).
+    stop: StopHandle,
+    /// What the ranks agreed to stop for (sticky).
+    stopped: Option<StopCause>,
+    /// When this rank learned of the stop (its own request's time, or the
+    /// agreement's).
+    stop_seen_at: Option<Instant>,
+    /// The slowest checkpoint save of this trainer (the grace estimate).
+    slowest_save: Option<Duration>,
+    /// The last step's wall time (the grace estimate before any save).
+    last_step_wall: Option<Duration>,
 }
 
 /// Where the initial weights come from.
@@ -616,6 +633,8 @@ impl Trainer {
             trace_rerecords: self.sched.rerecords(),
             speculation_hits: self.speculation.hits,
             speculation_misses: self.speculation.misses,
+            stopped: self.stopped.map(|c| c.kind().to_owned()),
+            stop_signal: self.stopped.and_then(StopCause::signal_name),
         };
         if let Some(w) = &mut self.metrics {
             w.write(&s)?;

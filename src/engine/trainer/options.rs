@@ -30,6 +30,13 @@ pub struct TrainerOptions {
     /// Raise glibc's mmap and trim thresholds for the process (see
     /// `crate::engine::host::heap`); on by default.
     pub keep_heap_mapped: bool,
+    /// Requests to stop at a step boundary; a fresh handle by default
+    /// ([`Trainer::stop_handle`] gives it back). Hand one in to request a
+    /// stop before the trainer is built.
+    pub stop: StopHandle,
+    /// Bounds a stop from its request to the end of the run (see
+    /// [`Trainer::save_on_stop`]); `None` = `tierzero.stop_grace_s`.
+    pub stop_grace: Option<Duration>,
 }
 
 /// Fault injectors for the trainer's swap engines: the parameter engine,
@@ -59,6 +66,8 @@ impl TrainerOptions {
             faults: FaultPlan::default(),
             timeline: None,
             keep_heap_mapped: true,
+            stop: StopHandle::new(),
+            stop_grace: None,
         }
     }
 }

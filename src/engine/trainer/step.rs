@@ -317,7 +317,10 @@ impl Trainer {
         if let Some(w) = &mut self.metrics {
             w.write(&metrics)?;
         }
-        Ok(StepReport { metrics })
+        self.last_step_wall = Some(start.at.elapsed());
+        // The step boundary: every rank, every step (a collective).
+        let stop = self.agree_stop()?;
+        Ok(StepReport { metrics, stop })
     }
 
     /// Counters and clocks at the start of a step (the metrics report
