@@ -1317,6 +1317,16 @@ impl ModelConfig {
             Some(x) if !x.is_finite() => Err(invalid(key, format!("must be finite, got {x}"))),
             _ => Ok(()),
         };
+        let original_positions = |n: usize| {
+            if n == 0 {
+                Err(invalid(
+                    "rope_parameters.original_max_position_embeddings",
+                    "must be positive",
+                ))
+            } else {
+                Ok(())
+            }
+        };
         match &self.rope_scaling {
             RopeScaling::Default => Ok(()),
             RopeScaling::Linear { factor } | RopeScaling::Dynamic { factor } => {
@@ -1340,13 +1350,7 @@ impl ModelConfig {
                         ),
                     ));
                 }
-                if *original_max_position_embeddings == 0 {
-                    return Err(invalid(
-                        "rope_parameters.original_max_position_embeddings",
-                        "must be positive",
-                    ));
-                }
-                Ok(())
+                original_positions(*original_max_position_embeddings)
             }
             RopeScaling::Yarn {
                 factor,
@@ -1364,13 +1368,7 @@ impl ModelConfig {
                 finite("rope_parameters.beta_slow", *beta_slow)?;
                 finite("rope_parameters.mscale", *mscale)?;
                 finite("rope_parameters.mscale_all_dim", *mscale_all_dim)?;
-                if *original_max_position_embeddings == 0 {
-                    return Err(invalid(
-                        "rope_parameters.original_max_position_embeddings",
-                        "must be positive",
-                    ));
-                }
-                Ok(())
+                original_positions(*original_max_position_embeddings)
             }
         }
     }

@@ -650,19 +650,7 @@ impl Trainer {
         sg: SubGroupId,
         scale: GradScale,
     ) -> Result<()> {
-        let numel = self.sub_group_numel(sg)?;
-        let grad = groups.apply(sg, GroupEvent::Send, numel)?;
-        let tensors = self.tensor_wants(sg);
-        self.opt.send(Job::Step {
-            sg,
-            grad,
-            scale,
-            step: plan.adam_step,
-            hyper: plan.hyper,
-            tensors,
-            speculative: false,
-        })?;
-        self.expect_update(sg)
+        self.send_job(plan, groups, sg, scale, GroupEvent::Send)
     }
 
     /// Sends `sg`'s speculative step (no clip, no overflow assumed) with its
@@ -673,17 +661,32 @@ impl Trainer {
         groups: &mut StepGroups,
         sg: SubGroupId,
     ) -> Result<()> {
+        let scale = plan.speculative_scale;
+        self.send_job(plan, groups, sg, scale, GroupEvent::Speculate)
+    }
+
+    /// Moves `sg` by `event` (`Send` or `Speculate`) and sends the step job
+    /// with the gradient the move hands on; its params' new bytes are then
+    /// coming.
+    fn send_job(
+        &mut self,
+        plan: &StepPlan,
+        groups: &mut StepGroups,
+        sg: SubGroupId,
+        scale: GradScale,
+        event: GroupEvent,
+    ) -> Result<()> {
         let numel = self.sub_group_numel(sg)?;
-        let grad = groups.apply(sg, GroupEvent::Speculate, numel)?;
+        let grad = groups.apply(sg, event, numel)?;
         let tensors = self.tensor_wants(sg);
         self.opt.send(Job::Step {
             sg,
             grad,
-            scale: plan.speculative_scale,
+            scale,
             step: plan.adam_step,
             hyper: plan.hyper,
             tensors,
-            speculative: true,
+            speculative: matches!(event, GroupEvent::Speculate),
         })?;
         self.expect_update(sg)
     }
