@@ -656,22 +656,26 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
     };
     let state_bytes = mul(on, per, "optimizer state")?;
     // The largest sub-group as the sizing policy sees a model known by its
-    // size: a param larger than `sub_group_size` is a group of its own.
+    // size: a param larger than `sub_group_size` is tiled, so at most
+    // `sub_group_size`.
     let largest_group =
         Shape::estimated(on, inp.largest_tensor_numel, sw.sub_group_numel).max_sub_group_numel();
     // With NVMe state, the sub-groups of the first forward units stay in
-    // host memory (`tierzero.optimizer_resident_bytes`; auto: one prefetch
-    // bucket's state, at most a quarter). The engine keeps only whole
-    // sub-groups holding those units' params, and the first holds the
-    // embedding (a param larger than `sub_group_size` is a group of its
-    // own; the embedding is the largest tensor of GPT-2 and Llama), so
-    // this counts the budget when that group's state fits it (at the
-    // most), and nothing when it does not.
+    // host memory (`tierzero.optimizer_resident_bytes`; auto: one
+    // sub-group's state, at most one prefetch bucket's and a quarter of
+    // all). The engine keeps only whole sub-groups holding those units'
+    // params, so this counts the budget when one group's state fits it
+    // (at the most), and nothing when it does not.
     let resident_bytes = if c.optimizer == Offload::Nvme {
         let budget = sw
             .optimizer_resident_bytes
             .unwrap_or_else(|| {
-                sizing::auto_optimizer_resident_bytes(sw.prefetch_bucket_numel, per, state_bytes)
+                sizing::auto_optimizer_resident_bytes(
+                    sw.prefetch_bucket_numel,
+                    sw.sub_group_numel,
+                    per,
+                    state_bytes,
+                )
             })
             .min(state_bytes);
         let one_group = largest_group.saturating_mul(per);
@@ -1130,11 +1134,13 @@ mod tests {
             (kept, state)
         };
         let all = n * 12;
+        // "auto": one sub-group's state (1M elements, within the 5M
+        // bucket).
         assert_eq!(
             resident(cfg(""), None),
             (
-                Some((Tier::Pageable, 5_000_000 * 12)),
-                Some((Tier::Nvme, all - 5_000_000 * 12))
+                Some((Tier::Pageable, 1_000_000 * 12)),
+                Some((Tier::Nvme, all - 1_000_000 * 12))
             )
         );
         let explicit = r#", "tierzero": {"optimizer_resident_bytes": "100MiB"}"#;
@@ -1144,11 +1150,14 @@ mod tests {
         );
         let off = r#", "tierzero": {"optimizer_resident_bytes": 0}"#;
         assert_eq!(resident(cfg(off), None), (None, Some((Tier::Nvme, all))));
-        // An embedding of 10M elements is a group of its own, larger than
-        // the bucket's 5M: nothing is resident.
+        // An embedding of 10M elements is tiled into groups of 1M: its
+        // first tile is resident, as any first group.
         assert_eq!(
             resident(cfg(""), Some(10_000_000)),
-            (None, Some((Tier::Nvme, all)))
+            (
+                Some((Tier::Pageable, 1_000_000 * 12)),
+                Some((Tier::Nvme, all - 1_000_000 * 12))
+            )
         );
     }
 

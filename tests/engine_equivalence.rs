@@ -265,3 +265,26 @@ fn nvme_with_max_in_cpu_cache_splits_params_over_two_tiers() {
     assert!(b.nvme_read_bytes() > 0, "nothing served from NVMe");
     assert_identical(&a, &b, "max_in_cpu");
 }
+
+#[test]
+fn tiling_a_param_larger_than_a_sub_group_changes_no_bit() {
+    // wte (256 x 32 = 8192 elements) is tiled over three sub-groups of at
+    // most 3000, and over none at 1e6. Adam is element-wise, so without
+    // clipping (whose global norm sums per-group partial sums) the weights
+    // are the same bits; the tiled run's params are assembled from pieces.
+    let dir = tiny_gpt2_dir("tiling", 2, 32);
+    for precision in ["fp32", "bf16"] {
+        let tiled = Knobs {
+            precision,
+            gas: 2,
+            ..Knobs::nvme()
+        };
+        let whole = Knobs {
+            sub_group: 1_000_000,
+            ..tiled.clone()
+        };
+        let a = train(&dir, &tiled, 5, 6, |_| SEQ);
+        let b = train(&dir, &whole, 5, 6, |_| SEQ);
+        assert_identical(&a, &b, &format!("tiling {precision}"));
+    }
+}

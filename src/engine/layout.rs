@@ -6,12 +6,17 @@
 //!   empty); rank `r` owns `[r·c, min((r+1)·c, n))`. With one rank the shard
 //!   is the whole parameter.
 //! * **Sub-groups.** This rank's shards, in `ParamId` order, are packed into
-//!   sub-groups of at most `sub_group_size` elements; a shard that is larger
-//!   on its own forms its own sub-group (as DeepSpeed's
-//!   `_create_fp16_sub_groups`). Sub-groups hold whole shards, so writing
-//!   the 16-bit params of a stepped sub-group writes whole param records,
-//!   never a partial, unaligned range of one. The sub-group is the unit of
-//!   optimizer I/O and of the step.
+//!   sub-groups of at most `sub_group_size` elements. A shard larger than
+//!   that is **tiled**: cut into pieces of `sub_group_size` elements, each
+//!   the start of a sub-group of its own (the last piece packs with the
+//!   shards after it). DeepSpeed's `_create_fp16_sub_groups` makes such a
+//!   shard one oversized group instead, and every optimizer swap buffer
+//!   grows to it (a 128k × 4096 embedding: 2 GB per fp32 buffer); here
+//!   every sub-group, and so every buffer, is bounded by the config. The
+//!   sub-group is the unit of optimizer I/O and of the step; Adam is
+//!   element-wise, so the cut changes no value of the step. A tiled param's
+//!   new 16-bit bytes come back piece by piece and are assembled by the
+//!   param store before they are written home.
 //! * **Finality.** Backward visits units in reverse, so a parameter's
 //!   gradient is final after the backward of the *smallest* unit that uses
 //!   it (a tied embedding: the embedding unit, not the head). A sub-group is
@@ -35,10 +40,43 @@ pub struct ParamSlot {
     pub shard_start: usize,
     /// Elements in this rank's shard.
     pub shard_numel: usize,
-    /// The sub-group holding the shard.
+    /// The shard's pieces in order: one, unless the shard is larger than
+    /// `sub_group_size` (then tiled over several sub-groups).
+    pub pieces: Vec<Piece>,
+}
+
+impl ParamSlot {
+    /// Whether the shard is cut over several sub-groups.
+    pub fn is_tiled(&self) -> bool {
+        self.pieces.len() > 1
+    }
+}
+
+/// A contiguous range of one param's shard inside one sub-group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Piece {
+    /// The parameter.
+    pub param: ParamId,
+    /// The sub-group holding it.
     pub sub_group: SubGroupId,
-    /// Offset of the shard inside the sub-group, in elements.
+    /// Its first element inside the sub-group.
     pub offset_in_group: usize,
+    /// Its first element inside the param's shard.
+    pub offset_in_shard: usize,
+    /// Elements.
+    pub numel: usize,
+}
+
+impl Piece {
+    /// Its elements inside the sub-group.
+    pub fn group_range(&self) -> std::ops::Range<usize> {
+        self.offset_in_group..self.offset_in_group + self.numel
+    }
+
+    /// Its elements inside the param's shard.
+    pub fn shard_range(&self) -> std::ops::Range<usize> {
+        self.offset_in_shard..self.offset_in_shard + self.numel
+    }
 }
 
 /// A tile of the optimizer step.
@@ -46,12 +84,20 @@ pub struct ParamSlot {
 pub struct SubGroup {
     /// Its index.
     pub id: SubGroupId,
-    /// Params whose shards it holds, in order.
-    pub params: Vec<ParamId>,
+    /// The pieces of param shards it holds, in order (a tiled param has
+    /// pieces in several groups).
+    pub pieces: Vec<Piece>,
     /// Elements.
     pub numel: usize,
     /// Its gradients are final after the backward of this unit.
     pub final_after_unit: UnitId,
+}
+
+impl SubGroup {
+    /// The params with a piece here, in order.
+    pub fn param_ids(&self) -> impl Iterator<Item = ParamId> + '_ {
+        self.pieces.iter().map(|p| p.param)
+    }
 }
 
 /// Shards and sub-groups of one rank.
@@ -95,31 +141,51 @@ impl Layout {
         for p in model.params() {
             let (start, shard) = shard_range(p.numel, rank, world);
             let first_unit = p.units.iter().copied().min().unwrap_or(UnitId(0));
-            let need_new = match groups.last() {
-                None => true,
-                Some(g) => g.numel > 0 && g.numel + shard > cap,
-            };
-            if need_new {
-                groups.push(SubGroup {
-                    id: SubGroupId(groups.len()),
-                    params: Vec::new(),
-                    numel: 0,
-                    final_after_unit: first_unit,
-                });
+            let mut pieces = Vec::new();
+            let mut done = 0usize;
+            // An empty shard still gets its (empty) piece, so every param
+            // has a place.
+            loop {
+                let left = shard - done;
+                if groups
+                    .last()
+                    .is_none_or(|g| g.numel > 0 && g.numel + left > cap)
+                {
+                    groups.push(SubGroup {
+                        id: SubGroupId(groups.len()),
+                        pieces: Vec::new(),
+                        numel: 0,
+                        final_after_unit: first_unit,
+                    });
+                }
+                let gi = groups.len() - 1;
+                let g = &mut groups[gi];
+                // A fresh group takes at most `cap` (a tile of a larger
+                // shard); a started one only ever gets a whole rest.
+                let n = if g.numel == 0 { left.min(cap) } else { left };
+                let piece = Piece {
+                    param: p.id,
+                    sub_group: g.id,
+                    offset_in_group: g.numel,
+                    offset_in_shard: done,
+                    numel: n,
+                };
+                g.pieces.push(piece);
+                g.numel += n;
+                g.final_after_unit = g.final_after_unit.min(first_unit);
+                pieces.push(piece);
+                done += n;
+                if done >= shard {
+                    break;
+                }
             }
-            let gi = groups.len() - 1;
-            let g = &mut groups[gi];
             params.push(ParamSlot {
                 id: p.id,
                 numel: p.numel,
                 shard_start: start,
                 shard_numel: shard,
-                sub_group: g.id,
-                offset_in_group: g.numel,
+                pieces,
             });
-            g.params.push(p.id);
-            g.numel += shard;
-            g.final_after_unit = g.final_after_unit.min(first_unit);
         }
         Layout {
             params,
@@ -160,5 +226,47 @@ mod tests {
         }
         assert_eq!(shard_counts(5, 2), vec![3, 2]);
         assert_eq!(shard_counts(32, 3), vec![11, 11, 10]);
+    }
+
+    #[test]
+    fn a_shard_larger_than_a_sub_group_is_tiled_and_every_element_has_one_place() {
+        use crate::model::ModelConfig;
+        let json = serde_json::json!({"model_type": "gpt2", "vocab_size": 300,
+            "n_positions": 16, "n_embd": 32, "n_layer": 2, "n_head": 2,
+            "tie_word_embeddings": true});
+        let (cfg, _) =
+            ModelConfig::from_hf_json(&json.to_string()).unwrap_or_else(|e| panic!("{e}"));
+        let model = Model::new(cfg).unwrap_or_else(|e| panic!("{e}"));
+        for world in [1usize, 2, 3] {
+            for cap in [1000usize, 4096, 9600, 1 << 20] {
+                for rank in 0..world {
+                    let l = Layout::new(&model, rank, world, cap);
+                    assert!(l.max_sub_group_numel() <= cap, "cap {cap}");
+                    for slot in &l.params {
+                        let mut next = 0;
+                        for pc in &slot.pieces {
+                            assert_eq!(pc.offset_in_shard, next);
+                            next += pc.numel;
+                            let g = &l.sub_groups[pc.sub_group.0];
+                            assert!(g.pieces.contains(pc));
+                        }
+                        assert_eq!(next, slot.shard_numel);
+                        assert_eq!(slot.is_tiled(), slot.shard_numel > cap);
+                    }
+                    for g in &l.sub_groups {
+                        let mut at = 0;
+                        for pc in &g.pieces {
+                            assert_eq!(pc.offset_in_group, at);
+                            at += pc.numel;
+                        }
+                        assert_eq!(at, g.numel);
+                    }
+                }
+            }
+        }
+        // wte is 300 x 32 = 9600 elements: tiled at 4096 into 4096, 4096, 1408.
+        let l = Layout::new(&model, 0, 1, 4096);
+        let wte: Vec<usize> = l.params[0].pieces.iter().map(|p| p.numel).collect();
+        assert_eq!(wte, vec![4096, 4096, 1408]);
     }
 }

@@ -86,8 +86,7 @@ impl Shape {
                 .map(|g| GroupShape {
                     numel: g.numel as u64,
                     first_units: g
-                        .params
-                        .iter()
+                        .param_ids()
                         .any(|p| first.get(p.0).copied().unwrap_or(false)),
                 })
                 .collect(),
@@ -96,41 +95,48 @@ impl Shape {
 
     /// The shape of a model known only by its size: `per_rank_numel`
     /// elements on this rank, the largest param (if known) first and the
-    /// rest in params of `sub_group_numel`, one sub-group each; the first
-    /// group counts as the first units'. The largest sub-group is thus
-    /// `max(min(sub_group_size, elements), largest param)`, as in a real
-    /// layout, where a param larger than a sub-group is a group of its own.
+    /// rest in params of `sub_group_numel`, one sub-group each. The largest
+    /// param is tiled into sub-groups of `sub_group_numel` as a real layout
+    /// tiles it (`crate::engine::layout`), and its groups count as the
+    /// first units' (it is the embedding). The largest sub-group is thus
+    /// `min(sub_group_size, elements)`, whatever the largest param.
     pub fn estimated(
         per_rank_numel: u64,
         largest_param_numel: Option<u64>,
         sub_group_numel: u64,
     ) -> Shape {
         let mut params = Vec::new();
+        let mut sub_groups = Vec::new();
         let mut left = per_rank_numel;
-        if let Some(l) = largest_param_numel.filter(|l| *l > 0) {
-            let l = l.min(left);
-            params.push(l);
-            left -= l;
-        }
         // At most 2^20 groups stand for the rest: a `sub_group_size` so
         // small that more would be needed is counted as if it were
         // `elements / 2^20` (bounded work for any model).
         let chunk = sub_group_numel
             .max(1)
-            .max(left.div_ceil(MAX_ESTIMATED_GROUPS));
+            .max(per_rank_numel.div_ceil(MAX_ESTIMATED_GROUPS));
+        if let Some(l) = largest_param_numel.filter(|l| *l > 0) {
+            let l = l.min(left);
+            params.push(l);
+            left -= l;
+            let mut tiles = l;
+            while tiles > 0 {
+                let n = chunk.min(tiles);
+                sub_groups.push(GroupShape {
+                    numel: n,
+                    first_units: true,
+                });
+                tiles -= n;
+            }
+        }
         while left > 0 {
             let n = chunk.min(left);
             params.push(n);
+            sub_groups.push(GroupShape {
+                numel: n,
+                first_units: sub_groups.is_empty(),
+            });
             left -= n;
         }
-        let sub_groups = params
-            .iter()
-            .enumerate()
-            .map(|(i, &n)| GroupShape {
-                numel: n,
-                first_units: i == 0,
-            })
-            .collect();
         Shape {
             param_shard_numel: params,
             sub_groups,
@@ -322,15 +328,18 @@ pub fn cpu_page_plan(shard_bytes: &[u64]) -> Buffers {
     }
 }
 
-/// `tierzero.optimizer_resident_bytes: "auto"`: one prefetch bucket of
-/// state (`state_bytes_per_elem` each), at most a quarter of all the
-/// state (`state_bytes`).
+/// `tierzero.optimizer_resident_bytes: "auto"`: one sub-group's state
+/// (`sub_group_numel` elements of `state_bytes_per_elem` each), at most
+/// one prefetch bucket of it and a quarter of all the state
+/// (`state_bytes`). Bounded by the config, whatever the model's size.
 pub fn auto_optimizer_resident_bytes(
     prefetch_bucket_numel: u64,
+    sub_group_numel: u64,
     state_bytes_per_elem: u64,
     state_bytes: u64,
 ) -> u64 {
     prefetch_bucket_numel
+        .min(sub_group_numel)
         .saturating_mul(state_bytes_per_elem)
         .min(state_bytes / 4)
 }
@@ -352,6 +361,7 @@ pub fn resident_groups(config: &Config, shape: &Shape) -> Vec<bool> {
     let budget_bytes = config.tierzero.optimizer_resident_bytes.map_or(
         auto_optimizer_resident_bytes(
             zero.prefetch_bucket_numel.0,
+            zero.sub_group_numel.0,
             STATE_BYTES_PER_ELEM,
             state_bytes,
         ),
@@ -562,11 +572,14 @@ mod tests {
 
     #[test]
     fn estimated_shape_keeps_the_total_and_the_largest_group() {
+        // The largest param (3M) is tiled into three groups of 1M, the
+        // first units' groups.
         let s = Shape::estimated(10_000_000, Some(3_000_000), 1_000_000);
         assert_eq!(s.numel(), 10_000_000);
-        assert_eq!(s.max_sub_group_numel(), 3_000_000);
-        assert!(s.sub_groups[0].first_units);
-        assert!(!s.sub_groups[1].first_units);
+        assert_eq!(s.max_sub_group_numel(), 1_000_000);
+        assert_eq!(s.sub_groups.len(), 10);
+        assert!(s.sub_groups[..3].iter().all(|g| g.first_units));
+        assert!(!s.sub_groups[3].first_units);
         let s = Shape::estimated(500, None, 1_000_000);
         assert_eq!(s.param_shard_numel, vec![500]);
         assert_eq!(Shape::estimated(0, Some(5), 10).numel(), 0);

@@ -47,7 +47,13 @@
 //!   would be read straight back by the prefetch window, which reaches a
 //!   bucket ahead (DeepSpeed releases and re-reads it; at the turn from
 //!   forward to backward that is the last block, read again right after
-//!   its forward while the head computes).
+//!   its forward while the head computes);
+//!
+//! and, for the last two, the resident params (this one included) are
+//! within `stage3_max_live_parameters` elements: residency is bounded by
+//! the config, never by the model (DeepSpeed's default reuse distance,
+//! 1e9 elements, would otherwise keep every block of a smaller model
+//! resident from its forward to its backward).
 //!
 //! Otherwise it is released (for NVMe params nothing is written: the home
 //! copy is unchanged during forward and backward).
@@ -268,10 +274,16 @@ impl Prefetcher {
     }
 
     /// Whether `p`, just used, stays resident.
-    pub fn keep(&mut self, p: ParamId, bytes: u64) -> bool {
+    pub fn keep(&mut self, p: ParamId, bytes: u64, live_numel: u64) -> bool {
         let n = self.numel.get(p.0).copied().unwrap_or(0);
         if n < self.limits.persistence_threshold_numel || self.cached.contains(&p) {
             return true;
+        }
+        // Kept, it stays live: never past `stage3_max_live_parameters`
+        // (the live elements include `p`'s own), so resident params are
+        // bounded by the config whatever the model's size.
+        if live_numel > self.limits.max_live_numel {
+            return false;
         }
         // Next use within the reuse distance, or within the window the
         // prefetcher would read it back in?
@@ -353,7 +365,7 @@ mod tests {
             if v.pass == Pass::Forward {
                 let ps = model.units()[v.unit.0].params.clone();
                 let bytes = |p: ParamId| model.params()[p.0].numel as u64 * 4;
-                kept.push(ps.iter().all(|&p| s.keep(p, bytes(p))));
+                kept.push(ps.iter().all(|&p| s.keep(p, bytes(p), 0)));
             }
         }
         kept

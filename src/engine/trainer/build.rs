@@ -381,6 +381,13 @@ fn load_initial(
     store: &mut ParamStore,
     opt: &mut OptimizerState,
 ) -> Result<()> {
+    // Streamed: one sub-group's state and one param at a time (a tiled
+    // param's fp32 values and encoded shard are kept until its last
+    // piece), so a model larger than memory is initialised tile by tile.
+    let total_numel: usize = layout.sub_groups.iter().map(|g| g.numel).sum();
+    let mut progress = InitProgress::new(total_numel);
+    let mut loaded: Option<(ParamId, Vec<f32>)> = None;
+    let mut encoded: Option<(ParamId, Vec<u8>)> = None;
     for g in &layout.sub_groups {
         let mut states = [
             vec![0f32; g.numel],
@@ -389,15 +396,18 @@ fn load_initial(
         ];
         match source {
             WeightSource::Dir(dir) => {
-                for &pid in &g.params {
-                    let slot = &layout.params[pid.0];
-                    let at = slot.offset_in_group..slot.offset_in_group + slot.shard_numel;
-                    let t = dir.load_param(pid, DType::F32, &Device::Cpu)?;
-                    let all = t.flatten_all()?.to_vec1::<f32>()?;
-                    let shard = all
-                        .get(slot.shard_start..slot.shard_start + slot.shard_numel)
+                for pc in &g.pieces {
+                    let slot = &layout.params[pc.param.0];
+                    if loaded.as_ref().is_none_or(|(p, _)| *p != pc.param) {
+                        let t = dir.load_param(pc.param, DType::F32, &Device::Cpu)?;
+                        loaded = Some((pc.param, t.flatten_all()?.to_vec1::<f32>()?));
+                    }
+                    let all = loaded.as_ref().map(|(_, v)| v.as_slice()).unwrap_or(&[]);
+                    let from = slot.shard_start + pc.offset_in_shard;
+                    let piece = all
+                        .get(from..from + pc.numel)
                         .ok_or_else(|| EngineError::internal("shard out of range"))?;
-                    states[0][at].copy_from_slice(shard);
+                    states[0][pc.group_range()].copy_from_slice(piece);
                 }
             }
             // Reshard on load: exactly this rank's range of each param,
@@ -406,32 +416,86 @@ fn load_initial(
             // reader keeps one region per source rank.
             WeightSource::Checkpoint(ckpt) => {
                 for kind in StateKind::ALL {
-                    for &pid in &g.params {
-                        let slot = &layout.params[pid.0];
+                    for pc in &g.pieces {
+                        let slot = &layout.params[pc.param.0];
                         let v = ckpt.load_param_state_range(
                             kind,
-                            pid,
-                            slot.shard_start,
-                            slot.shard_numel,
+                            pc.param,
+                            slot.shard_start + pc.offset_in_shard,
+                            pc.numel,
                         )?;
-                        states[kind.index()]
-                            [slot.offset_in_group..slot.offset_in_group + slot.shard_numel]
-                            .copy_from_slice(&v);
+                        states[kind.index()][pc.group_range()].copy_from_slice(&v);
                     }
                 }
             }
         }
-        for &pid in &g.params {
-            let slot = &layout.params[pid.0];
-            let shard = &states[0][slot.offset_in_group..slot.offset_in_group + slot.shard_numel];
-            store.store_initial(pid, &encode(shard, dtype))?;
+        for pc in &g.pieces {
+            let slot = &layout.params[pc.param.0];
+            let bytes = encode(&states[0][pc.group_range()], dtype);
+            if !slot.is_tiled() {
+                store.store_initial(pc.param, &bytes)?;
+                continue;
+            }
+            if encoded.as_ref().is_none_or(|(p, _)| *p != pc.param) {
+                encoded = Some((
+                    pc.param,
+                    Vec::with_capacity(bytes.len() * slot.pieces.len()),
+                ));
+            }
+            if let Some((_, shard)) = encoded.as_mut() {
+                shard.extend_from_slice(&bytes);
+            }
+            if pc.offset_in_shard + pc.numel == slot.shard_numel {
+                if let Some((_, shard)) = encoded.take() {
+                    store.store_initial(pc.param, &shard)?;
+                }
+                loaded = None;
+            }
         }
         opt.load_group(g.id, [&states[0], &states[1], &states[2]])?;
+        progress.done(g.numel);
     }
     if let WeightSource::Checkpoint(ckpt) = source {
         ckpt.release_cache();
     }
     opt.flush()
+}
+
+/// Progress of the initial store, logged every few seconds (a model
+/// larger than memory takes minutes to write to its tiers).
+struct InitProgress {
+    total_numel: usize,
+    done_numel: usize,
+    start: Instant,
+    last: Instant,
+}
+
+impl InitProgress {
+    const EVERY: Duration = Duration::from_secs(10);
+
+    fn new(total_numel: usize) -> InitProgress {
+        let now = Instant::now();
+        InitProgress {
+            total_numel,
+            done_numel: 0,
+            start: now,
+            last: now,
+        }
+    }
+
+    fn done(&mut self, numel: usize) {
+        self.done_numel += numel;
+        if self.last.elapsed() >= Self::EVERY {
+            self.last = Instant::now();
+            let pct = 100.0 * self.done_numel as f64 / self.total_numel.max(1) as f64;
+            tracing::info!(
+                "initial weights and optimizer state: {} of {} elements stored ({pct:.0}%, {:.0} s)",
+                self.done_numel,
+                self.total_numel,
+                self.start.elapsed().as_secs_f64()
+            );
+        }
+    }
 }
 
 /// Adam's hyper-parameters from the config.

@@ -344,9 +344,10 @@ impl Trainer {
                 offset_bytes,
                 len_bytes,
                 params: g
-                    .params
+                    .pieces
                     .iter()
-                    .map(|&pid| {
+                    .map(|pc| {
+                        let pid = pc.param;
                         let slot = &self.layout.params[pid.0];
                         ParamEntry {
                             name: self
@@ -355,9 +356,9 @@ impl Trainer {
                                 .map(|p| p.name.clone())
                                 .unwrap_or_default(),
                             numel: slot.numel as u64,
-                            shard_start: slot.shard_start as u64,
-                            shard_numel: slot.shard_numel as u64,
-                            offset_in_group: slot.offset_in_group as u64,
+                            shard_start: (slot.shard_start + pc.offset_in_shard) as u64,
+                            shard_numel: pc.numel as u64,
+                            offset_in_group: pc.offset_in_group as u64,
                         }
                     })
                     .collect(),

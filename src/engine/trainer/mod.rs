@@ -549,14 +549,18 @@ impl Trainer {
             .get(pid.0)
             .cloned()
             .ok_or_else(|| EngineError::internal("master of an unknown param"))?;
-        if cache.as_ref().is_none_or(|(sg, _)| *sg != slot.sub_group) {
-            *cache = Some((slot.sub_group, self.master(slot.sub_group)?));
+        // A tiled shard is assembled from its pieces, group by group.
+        let mut shard_bytes: Vec<u8> = Vec::with_capacity(slot.shard_numel * 4);
+        for pc in &slot.pieces {
+            if cache.as_ref().is_none_or(|(sg, _)| *sg != pc.sub_group) {
+                *cache = Some((pc.sub_group, self.master(pc.sub_group)?));
+            }
+            let group = cache.as_ref().map(|(_, m)| m.as_slice()).unwrap_or(&[]);
+            let piece = group
+                .get(pc.group_range())
+                .ok_or_else(|| EngineError::internal("master shard out of range"))?;
+            shard_bytes.extend(piece.iter().flat_map(|x| x.to_le_bytes()));
         }
-        let group = cache.as_ref().map(|(_, m)| m.as_slice()).unwrap_or(&[]);
-        let shard = group
-            .get(slot.offset_in_group..slot.offset_in_group + slot.shard_numel)
-            .ok_or_else(|| EngineError::internal("master shard out of range"))?;
-        let shard_bytes: Vec<u8> = shard.iter().flat_map(|x| x.to_le_bytes()).collect();
         let counts: Vec<usize> = shard_counts(slot.numel, self.layout.world)
             .iter()
             .map(|c| c * 4)

@@ -946,15 +946,39 @@ impl Trainer {
             tied.insert(pid, full);
             return Ok(());
         }
-        let numel = self.sub_group_numel(slot.sub_group)?;
-        let acc = groups.accumulator(slot.sub_group, numel)?;
-        let dst = acc
-            .get_mut(slot.offset_in_group..slot.offset_in_group + slot.shard_numel)
-            .ok_or_else(|| EngineError::internal("grad slot out of range"))?;
         // Every rank's chunk of this rank's shard is added in rank order
-        // (reduce-scatter), straight into the accumulator.
+        // (reduce-scatter), straight into the accumulator; a tiled shard's
+        // pieces are copied out, added to and copied back (the same
+        // additions in the same order).
         let counts = shard_counts(slot.numel, self.layout.world);
-        self.opts.comm.reduce_scatter_add_f32(&full, &counts, dst)
+        if let [pc] = slot.pieces.as_slice() {
+            let numel = self.sub_group_numel(pc.sub_group)?;
+            let acc = groups.accumulator(pc.sub_group, numel)?;
+            let dst = acc
+                .get_mut(pc.group_range())
+                .ok_or_else(|| EngineError::internal("grad slot out of range"))?;
+            return self.opts.comm.reduce_scatter_add_f32(&full, &counts, dst);
+        }
+        let mut shard = vec![0f32; slot.shard_numel];
+        for pc in &slot.pieces {
+            let numel = self.sub_group_numel(pc.sub_group)?;
+            let acc = groups.accumulator(pc.sub_group, numel)?;
+            let src = acc
+                .get(pc.group_range())
+                .ok_or_else(|| EngineError::internal("grad slot out of range"))?;
+            shard[pc.shard_range()].copy_from_slice(src);
+        }
+        self.opts
+            .comm
+            .reduce_scatter_add_f32(&full, &counts, &mut shard)?;
+        for pc in &slot.pieces {
+            let numel = self.sub_group_numel(pc.sub_group)?;
+            let acc = groups.accumulator(pc.sub_group, numel)?;
+            acc.get_mut(pc.group_range())
+                .ok_or_else(|| EngineError::internal("grad slot out of range"))?
+                .copy_from_slice(&shard[pc.shard_range()]);
+        }
+        Ok(())
     }
 
     /// The step's loss: every rank's micro-batch losses, all-gathered and

@@ -50,7 +50,9 @@ impl Trainer {
         let ids = self.model.unit(unit)?.params.clone();
         for p in ids {
             let bytes = self.store.device_bytes(p);
-            if !self.sched.keep(p, bytes) {
+            let live_numel =
+                self.store.resident_bytes() / self.store.device_bytes_per_elem().max(1);
+            if !self.sched.keep(p, bytes, live_numel) {
                 self.store.release(p)?;
             }
         }
@@ -65,7 +67,7 @@ impl Trainer {
             .sub_groups
             .get(sg.0)
             .ok_or_else(|| EngineError::internal("a step of an unknown sub-group"))?;
-        for &p in &g.params {
+        for p in g.param_ids() {
             self.store.expect_update(p)?;
         }
         Ok(())
@@ -116,17 +118,25 @@ impl Trainer {
         let Some(g) = self.layout.sub_groups.get(sg.0) else {
             return Vec::new();
         };
-        g.params
+        // A tiled param's tensor is built once its pieces are assembled
+        // (by the store), never from one piece.
+        g.pieces
             .iter()
-            .filter(|&&pid| {
-                self.store
-                    .stays_resident(pid, self.sched.keep_after_update(pid))
+            .filter(|pc| {
+                self.layout
+                    .params
+                    .get(pc.param.0)
+                    .is_some_and(|s| !s.is_tiled())
             })
-            .filter_map(|&pid| {
-                let shape = self.model.params().get(pid.0)?.shape.clone();
+            .filter(|pc| {
+                self.store
+                    .stays_resident(pc.param, self.sched.keep_after_update(pc.param))
+            })
+            .filter_map(|pc| {
+                let shape = self.model.params().get(pc.param.0)?.shape.clone();
                 Some(TensorWant {
-                    param: pid,
-                    offset_in_group: self.layout.params.get(pid.0)?.offset_in_group,
+                    param: pc.param,
+                    offset_in_group: pc.offset_in_group,
                     shape,
                 })
             })
@@ -143,18 +153,22 @@ impl Trainer {
                     .sub_groups
                     .get(sg.0)
                     .ok_or_else(|| EngineError::internal("stepped an unknown sub-group"))?;
-                let params = g.params.clone();
+                let pieces = g.pieces.clone();
                 let eb = self.store.device_bytes_per_elem() as usize;
                 let mut built: HashMap<ParamId, Tensor> = tensors.into_iter().collect();
-                for pid in params {
-                    let slot = &self.layout.params[pid.0];
-                    let range =
-                        slot.offset_in_group * eb..(slot.offset_in_group + slot.shard_numel) * eb;
-                    let shard = bytes
+                for pc in pieces {
+                    let range = pc.offset_in_group * eb..(pc.offset_in_group + pc.numel) * eb;
+                    let piece = bytes
                         .get(range)
                         .ok_or_else(|| EngineError::internal("param bytes out of range"))?;
-                    let keep = self.sched.keep_after_update(pid);
-                    self.store.update(pid, shard, keep, built.remove(&pid))?;
+                    let keep = self.sched.keep_after_update(pc.param);
+                    self.store.update_piece(
+                        pc.param,
+                        pc.offset_in_shard * eb,
+                        piece,
+                        keep,
+                        built.remove(&pc.param),
+                    )?;
                 }
                 // In the step being run (`steps_done + 1`), the one whose
                 // forward overlaps this tail.
@@ -172,8 +186,8 @@ impl Trainer {
                     .sub_groups
                     .get(sg.0)
                     .ok_or_else(|| EngineError::internal("superseded an unknown sub-group"))?
-                    .params
-                    .clone();
+                    .param_ids()
+                    .collect::<Vec<_>>();
                 for p in params {
                     self.store.update_dropped(p)?;
                 }
