@@ -662,8 +662,7 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
         Shape::estimated(on, inp.largest_tensor_numel, sw.sub_group_numel).max_sub_group_numel();
     // With NVMe state, the sub-groups of the first forward units stay in
     // host memory (`tierzero.optimizer_resident_bytes`; auto: one
-    // sub-group's state, at most one prefetch bucket's and a quarter of
-    // all). The engine keeps only whole sub-groups holding those units'
+    // sub-group's state, at most one prefetch bucket's). The engine keeps only whole sub-groups holding those units'
     // params, so this counts the budget when one group's state fits it
     // (at the most), and nothing when it does not.
     let resident_bytes = if c.optimizer == Offload::Nvme {
@@ -674,7 +673,6 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
                     sw.prefetch_bucket_numel,
                     sw.sub_group_numel,
                     per,
-                    state_bytes,
                 )
             })
             .min(state_bytes);

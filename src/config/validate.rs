@@ -1420,6 +1420,7 @@ fn check_pinned_budget(c: &Config, run: &RunContext) -> Result<(), ConfigError> 
                 param_buffers: bufs,
                 optimizer_buffers_needed: sizing::Buffers::NONE,
                 optimizer_stages: 0,
+                park_buffers: sizing::Buffers::NONE,
                 required_bytes: bufs.total_bytes(),
             })
         }
@@ -1447,6 +1448,12 @@ fn check_pinned_budget(c: &Config, run: &RunContext) -> Result<(), ConfigError> 
             c.zero.sub_group_numel.0
         ));
         lower.push("zero_optimization.sub_group_size");
+    }
+    if short.park_buffers.count > 0 {
+        parts.push(format!(
+            "{} gradient park buffers × {} bytes (partial sums between micro-batches; the largest sub-group's fp32 gradient)",
+            short.park_buffers.count, short.park_buffers.bytes_each
+        ));
     }
     Err(ConfigError::PinnedBudgetTooSmall {
         budget_bytes: budget.0,

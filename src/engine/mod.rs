@@ -95,6 +95,7 @@
 
 pub mod comm;
 pub(crate) mod error;
+pub(crate) mod grads;
 pub mod host;
 pub(crate) mod layout;
 pub(crate) mod observe;

@@ -213,6 +213,13 @@ pub struct Sizing {
     pub optimizer_nvme_bytes: u64,
     /// NVMe bytes of the spilled-gradient extents.
     pub grad_spill_nvme_bytes: u64,
+    /// Whether partial gradient sums are parked on NVMe between
+    /// micro-batches ([`parks_grads`]).
+    pub park_grads: bool,
+    /// The park's pinned buffers (none without parking).
+    pub park_buffers: Buffers,
+    /// NVMe bytes of the park's extents.
+    pub grad_park_nvme_bytes: u64,
     /// Bytes the run would page-lock (offload blocks with `pin_memory`).
     pub lock_bytes: u64,
 }
@@ -224,6 +231,7 @@ impl Sizing {
         self.cpu_pages.total_bytes()
             + self.param_buffers.total_bytes()
             + self.optimizer_buffers.total_bytes()
+            + self.park_buffers.total_bytes()
     }
 
     /// Whether any param lives on NVMe.
@@ -248,6 +256,8 @@ pub struct BudgetShort {
     pub optimizer_buffers_needed: Buffers,
     /// Pipeline stages that hold buffers at once.
     pub optimizer_stages: u64,
+    /// The gradient park's buffers ([`parks_grads`]).
+    pub park_buffers: Buffers,
     /// The smallest budget that works.
     pub required_bytes: u64,
 }
@@ -266,6 +276,16 @@ pub fn spills_grads(config: &Config) -> bool {
         && config.tierzero.overlap_optimizer
         && (config.gradient_clipping.is_some()
             || matches!(config.precision, Precision::Fp16 { .. }))
+}
+
+/// Partial gradient sums are parked on NVMe between micro-batches
+/// (`crate::engine::grads`) when there are several micro-batches and the
+/// optimizer state is on NVMe: host memory then holds only the sums being
+/// added into. (With the state in host memory, 12 bytes per element of it
+/// are there anyway, and the 4 of the sums stay beside them.)
+pub fn parks_grads(config: &Config) -> bool {
+    config.zero.offload_optimizer.device.nvme_path().is_some()
+        && config.batch.gradient_accumulation_steps > 1
 }
 
 /// Sub-groups step speculatively during backward, assuming no clip and no
@@ -330,18 +350,16 @@ pub fn cpu_page_plan(shard_bytes: &[u64]) -> Buffers {
 
 /// `tierzero.optimizer_resident_bytes: "auto"`: one sub-group's state
 /// (`sub_group_numel` elements of `state_bytes_per_elem` each), at most
-/// one prefetch bucket of it and a quarter of all the state
-/// (`state_bytes`). Bounded by the config, whatever the model's size.
+/// one prefetch bucket of it. Bounded by the config, whatever the model's
+/// size (a share of all the state, as before, grew with the model).
 pub fn auto_optimizer_resident_bytes(
     prefetch_bucket_numel: u64,
     sub_group_numel: u64,
     state_bytes_per_elem: u64,
-    state_bytes: u64,
 ) -> u64 {
     prefetch_bucket_numel
         .min(sub_group_numel)
         .saturating_mul(state_bytes_per_elem)
-        .min(state_bytes / 4)
 }
 
 /// Per sub-group: whether its optimizer state stays in host memory
@@ -357,13 +375,11 @@ pub fn resident_groups(config: &Config, shape: &Shape) -> Vec<bool> {
     if zero.offload_optimizer.device.nvme_path().is_none() {
         return resident;
     }
-    let state_bytes = shape.numel().saturating_mul(STATE_BYTES_PER_ELEM);
     let budget_bytes = config.tierzero.optimizer_resident_bytes.map_or(
         auto_optimizer_resident_bytes(
             zero.prefetch_bucket_numel.0,
             zero.sub_group_numel.0,
             STATE_BYTES_PER_ELEM,
-            state_bytes,
         ),
         |b| b.0,
     );
@@ -458,6 +474,17 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
     let write_behind = usize::from(zero.offload_optimizer.pipeline_write);
     let spill_grads = spills_grads(config);
     let speculative = speculates(config);
+    let park_grads = parks_grads(config);
+    let park_buffers = if park_grads {
+        Buffers {
+            count: crate::engine::grads::PARK_BUFFERS,
+            bytes_each: align_up(shape.max_sub_group_numel().saturating_mul(4)),
+        }
+    } else {
+        Buffers::NONE
+    };
+    // Buffers the budget must hold before the optimizer's.
+    let fixed_bytes = param_buffers.total_bytes() + park_buffers.total_bytes();
     let (wanted, needed) = optimizer_buffers(
         zero.offload_optimizer.buffer_count,
         read_ahead,
@@ -481,7 +508,8 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
         } else {
             0
         },
-        required_bytes: param_buffers.total_bytes()
+        park_buffers,
+        required_bytes: fixed_bytes
             + if opt_nvme {
                 needed * wanted.bytes_each
             } else {
@@ -489,7 +517,7 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
             },
     };
     if let Some(b) = config.tierzero.pinned_budget_bytes {
-        if param_buffers.total_bytes() > b.0 {
+        if fixed_bytes > b.0 {
             return Err(short(needed));
         }
     }
@@ -497,8 +525,7 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
         match config.tierzero.pinned_budget_bytes {
             None => wanted,
             Some(b) => {
-                let avail =
-                    b.0.saturating_sub(param_buffers.total_bytes()) / wanted.bytes_each.max(1);
+                let avail = b.0.saturating_sub(fixed_bytes) / wanted.bytes_each.max(1);
                 if avail < needed {
                     return Err(short(needed));
                 }
@@ -542,7 +569,7 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
     } else {
         0
     } + if zero.offload_optimizer.pin_memory {
-        optimizer_buffers.total_bytes()
+        optimizer_buffers.total_bytes() + park_buffers.total_bytes()
     } else {
         0
     };
@@ -562,6 +589,17 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
         param_nvme_bytes,
         optimizer_nvme_bytes,
         grad_spill_nvme_bytes,
+        park_grads,
+        park_buffers,
+        grad_park_nvme_bytes: if park_grads {
+            shape
+                .sub_groups
+                .iter()
+                .map(|g| align_up(g.numel * 4))
+                .sum()
+        } else {
+            0
+        },
         lock_bytes,
     })
 }

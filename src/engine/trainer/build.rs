@@ -167,6 +167,7 @@ fn budget_error(s: BudgetShort) -> EngineError {
         optimizer_buffers_needed: s.optimizer_buffers_needed.count,
         optimizer_buffer_bytes: s.optimizer_buffers_needed.bytes_each,
         optimizer_stages: s.optimizer_stages,
+        park_buffers_bytes: s.park_buffers.total_bytes(),
         required_bytes: s.required_bytes,
     }
 }
@@ -334,6 +335,28 @@ impl TierBuild<'_> {
             cpu_pages,
             nvme,
         )
+    }
+
+    /// The gradient park (several micro-batches with NVMe optimizer
+    /// state): its own space beside the optimizer's, buffers and engine.
+    fn park(&mut self, layout: &Layout) -> Result<Option<GradPark>> {
+        if !self.sizing.park_grads {
+            return Ok(None);
+        }
+        let zero = &self.config.zero;
+        let path = zero
+            .offload_optimizer
+            .device
+            .nvme_path()
+            .ok_or_else(|| EngineError::internal("gradient park without nvme_path"))?;
+        let space = self.space(path, self.sizing.grad_park_nvme_bytes)?;
+        let arena = self.arena(self.sizing.park_buffers, zero.offload_optimizer.pin_memory)?;
+        let engine = self.engine(space, arena.clone(), 3, None)?;
+        Ok(Some(GradPark::new(
+            engine,
+            arena,
+            layout.sub_groups.iter().map(|g| g.numel).collect(),
+        )?))
     }
 
     /// The optimizer state: in host memory, or on NVMe with its space,
@@ -591,6 +614,7 @@ impl Trainer {
         };
         let mut store = tiers.store(&model, &layout, param_dtype)?;
         let mut opt = tiers.optimizer(&layout)?;
+        let park = tiers.park(&layout)?;
         let (swap_spaces, arenas) = (tiers.swap_spaces, tiers.arenas);
         load_initial(&layout, source, param_dtype, &mut store, &mut opt)?;
 
@@ -624,6 +648,7 @@ impl Trainer {
             layout,
             store,
             opt,
+            park,
             sched,
             adam,
             lr: LrSchedule {

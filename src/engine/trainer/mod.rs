@@ -178,6 +178,7 @@ use crate::config::{self, Config, OffloadDevice, Precision};
 use crate::data::TokenData;
 use crate::engine::comm::{agree, all_gather_var, Comm, SingleRank};
 use crate::engine::host::threads::{self, ComputeThreads};
+use crate::engine::grads::{GradPark, ParkCounters};
 use crate::engine::layout::{shard_counts, Layout, SubGroupId};
 use crate::engine::observe::metrics::{peak_rss_bytes, MetricsWriter, StepMetrics, Summary};
 use crate::engine::observe::timeline::{Lane, Timeline};
@@ -316,6 +317,10 @@ pub struct Trainer {
     layout: Layout,
     store: ParamStore,
     opt: OptimizerWorker,
+    /// Partial gradient sums parked on NVMe between micro-batches
+    /// (`crate::engine::grads`), with several micro-batches and NVMe
+    /// optimizer state.
+    park: Option<GradPark>,
     sched: Prefetcher,
     adam: CpuAdam,
     lr: LrSchedule,
@@ -625,7 +630,11 @@ impl Trainer {
         // The last step's optimizer tail has ended: its disk time too.
         self.record_disk();
         let (bytes_read, bytes_written) =
-            step::tier_bytes(&self.store.counters(), &self.opt.counters());
+            step::tier_bytes(
+                &self.store.counters(),
+                &self.opt.counters(),
+                &self.park_counters(),
+            );
         let s = Summary {
             summary: true,
             bytes_read,

@@ -4,19 +4,20 @@ use super::*;
 pub(super) fn tier_bytes(
     store: &StoreCounters,
     opt: &OptCounters,
+    park: &ParkCounters,
 ) -> (BTreeMap<String, u64>, BTreeMap<String, u64>) {
     let read = BTreeMap::from([
         ("cpu".to_string(), store.cpu_read_bytes),
         (
             "nvme".to_string(),
-            store.nvme_read_bytes + opt.nvme_read_bytes,
+            store.nvme_read_bytes + opt.nvme_read_bytes + park.read_bytes,
         ),
     ]);
     let written = BTreeMap::from([
         ("cpu".to_string(), store.cpu_written_bytes),
         (
             "nvme".to_string(),
-            store.nvme_written_bytes + opt.nvme_written_bytes,
+            store.nvme_written_bytes + opt.nvme_written_bytes + park.written_bytes,
         ),
     ]);
     (read, written)
@@ -51,6 +52,7 @@ struct StepStart {
     at: Instant,
     store: StoreCounters,
     opt: OptCounters,
+    park: ParkCounters,
     io_busy_s: f64,
     optimizer_wait: Duration,
 }
@@ -89,10 +91,13 @@ struct Batch<'a> {
 /// (see "A step" in the module docs):
 ///
 /// ```text
-/// Accumulating ──Norm──▶ Normed ──Spill──▶ Spilled
-///      │                   │  └──Speculate──▶ Speculated
-///      └──────Send─────────┴───────Send─────────┴──▶ Sent
+/// Parked ◀──Park── Accumulating ──Norm──▶ Normed ──Spill──▶ Spilled
+///   └────Unpark─────▶ │                   │  └──Speculate──▶ Speculated
+///                     └──────Send─────────┴───────Send─────────┴──▶ Sent
 /// ```
+///
+/// (`Park`/`Unpark`: between micro-batches, the partial sum waits on NVMe,
+/// see `crate::engine::grads`.)
 ///
 /// (`Send` from `Spilled` and `Speculated` hands on no gradient: the
 /// optimizer thread has it.)
@@ -101,6 +106,8 @@ enum GroupStep {
     /// Backward adds gradients into its fp32 accumulator (`None` until the
     /// first one).
     Accumulating(Option<Vec<f32>>),
+    /// Between micro-batches: its partial sum is in the gradient park.
+    Parked,
     /// Its gradients are final and its Σg² taken; the gradient waits in
     /// memory for the step (clipping or fp16).
     Normed { grad: Option<Vec<f32>>, sq: f64 },
@@ -116,8 +123,13 @@ enum GroupStep {
 }
 
 /// What can happen to a sub-group within a step.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 enum GroupEvent {
+    /// Its partial sum goes to the gradient park (returned by
+    /// [`StepGroups::apply`]) until the next micro-batch adds to it.
+    Park,
+    /// Its partial sum is back from the park.
+    Unpark(Vec<f32>),
     /// Its Σg² was taken (its gradients are final).
     Norm(f64),
     /// Its gradient goes to NVMe (returned by [`StepGroups::apply`]).
@@ -169,6 +181,12 @@ impl StepGroups {
             | GroupStep::Spilled { sq }
             | GroupStep::Speculated { sq } => return Ok(*sq),
             GroupStep::Accumulating(acc) => acc.as_ref().map_or(0.0, |g| adam.grad_sq_norm(g)),
+            GroupStep::Parked => {
+                return Err(EngineError::internal(format!(
+                    "the norm of sub-group {} while its sum is parked",
+                    sg.0
+                )))
+            }
             GroupStep::Sent => {
                 return Err(EngineError::internal(format!(
                     "the norm of sub-group {} after its step was sent",
@@ -193,6 +211,12 @@ impl StepGroups {
         let old = std::mem::replace(slot, GroupStep::Sent);
         let zeros_if_none = |g: Option<Vec<f32>>| Some(g.unwrap_or_else(|| vec![0f32; numel]));
         let (new, out) = match (old, event) {
+            (GroupStep::Accumulating(Some(sum)), GroupEvent::Park) => {
+                (GroupStep::Parked, Some(sum))
+            }
+            (GroupStep::Parked, GroupEvent::Unpark(sum)) => {
+                (GroupStep::Accumulating(Some(sum)), None)
+            }
             (GroupStep::Accumulating(grad), GroupEvent::Norm(sq)) => {
                 (GroupStep::Normed { grad, sq }, None)
             }
@@ -211,8 +235,12 @@ impl StepGroups {
             (old, event) => {
                 let from = old.name();
                 *slot = old;
+                let event = match event {
+                    GroupEvent::Unpark(_) => "Unpark".to_owned(),
+                    other => format!("{other:?}"),
+                };
                 return Err(EngineError::internal(format!(
-                    "sub-group {}: {event:?} while {from}",
+                    "sub-group {}: {event} while {from}",
                     sg.0
                 )));
             }
@@ -247,6 +275,7 @@ impl GroupStep {
     fn name(&self) -> &'static str {
         match self {
             GroupStep::Accumulating(_) => "Accumulating",
+            GroupStep::Parked => "Parked",
             GroupStep::Normed { .. } => "Normed",
             GroupStep::Spilled { .. } => "Spilled",
             GroupStep::Speculated { .. } => "Speculated",
@@ -335,6 +364,7 @@ impl Trainer {
             at: Instant::now(),
             store: self.store.counters(),
             opt: self.opt.counters(),
+            park: self.park_counters(),
             io_busy_s: self.io_clock.busy_s(),
             optimizer_wait: self.optimizer_wait,
         }
@@ -429,7 +459,60 @@ impl Trainer {
             last_micro: micro + 1 == plan.gas,
         };
         let mut saved = self.forward(plan, &batch, times)?;
-        self.backward(plan, &batch, &mut saved, groups, tied, times)
+        let loss = self.backward(plan, &batch, &mut saved, groups, tied, times)?;
+        if batch.last_micro {
+            // Every sum is back in memory for the step (a group no unit
+            // added to in this micro-batch would otherwise stay parked).
+            for i in 0..self.layout.sub_groups.len() {
+                self.unpark(groups, SubGroupId(i))?;
+            }
+        }
+        Ok(loss)
+    }
+
+    /// After `uid`'s backward in a micro-batch before the last: the
+    /// sub-groups it completed go to the gradient park (if there is one).
+    fn park_final_groups(&mut self, uid: UnitId, groups: &mut StepGroups) -> Result<()> {
+        let Some(park) = self.park.as_mut() else {
+            return Ok(());
+        };
+        let done = self.groups_after_unit.get(uid.0).map_or(&[][..], |g| g);
+        for &sg in done {
+            if matches!(groups.groups.get(sg.0), Some(GroupStep::Accumulating(Some(_)))) {
+                if let Some(sum) = groups.apply(sg, GroupEvent::Park, 0)? {
+                    park.park(sg, &sum)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Issues the park's reads of the sums the next units will add to, in
+    /// backward order, as far as its buffers allow.
+    fn prefetch_parked(&mut self) -> Result<()> {
+        match self.park.as_mut() {
+            Some(park) => park.prefetch_in(&self.backward_order),
+            None => Ok(()),
+        }
+    }
+
+    /// The gradient park's counters (zeros without one).
+    pub(super) fn park_counters(&self) -> ParkCounters {
+        self.park.as_ref().map(GradPark::counters).unwrap_or_default()
+    }
+
+    /// Brings `sg`'s parked sum back into memory (no-op if not parked).
+    fn unpark(&mut self, groups: &mut StepGroups, sg: SubGroupId) -> Result<()> {
+        if !matches!(groups.groups.get(sg.0), Some(GroupStep::Parked)) {
+            return Ok(());
+        }
+        let park = self
+            .park
+            .as_mut()
+            .ok_or_else(|| EngineError::internal("a parked sum without a park"))?;
+        let sum = park.take(sg)?;
+        groups.apply(sg, GroupEvent::Unpark(sum), 0)?;
+        Ok(())
     }
 
     /// Forward over every unit but the head; returns each unit's input
@@ -475,6 +558,7 @@ impl Trainer {
             self.span(plan.step, Lane::Compute, || format!("fwd u{}", uid.0), t0);
             drop(params);
             self.release_unit(uid)?;
+            self.prefetch_parked()?;
             hidden = Some(out.into_tensor());
         }
         Ok(saved)
@@ -511,6 +595,10 @@ impl Trainer {
             for (pid, grad) in &g.params {
                 self.accumulate(groups, tied, uid, *pid, grad)?;
             }
+            if !batch.last_micro {
+                self.park_final_groups(uid, groups)?;
+            }
+            self.prefetch_parked()?;
             times.compute += t0.elapsed();
             self.span(plan.step, Lane::Compute, || format!("bwd u{}", uid.0), t0);
             upstream = g.input;
@@ -677,6 +765,7 @@ impl Trainer {
         event: GroupEvent,
     ) -> Result<()> {
         let numel = self.sub_group_numel(sg)?;
+        let speculative = matches!(event, GroupEvent::Speculate);
         let grad = groups.apply(sg, event, numel)?;
         let tensors = self.tensor_wants(sg);
         self.opt.send(Job::Step {
@@ -686,7 +775,7 @@ impl Trainer {
             step: plan.adam_step,
             hyper: plan.hyper,
             tensors,
-            speculative: matches!(event, GroupEvent::Speculate),
+            speculative,
         })?;
         self.expect_update(sg)
     }
@@ -811,14 +900,16 @@ impl Trainer {
         let (c0, o0) = (&start.store, &start.opt);
         let c1 = self.store.counters();
         let o1 = self.opt.counters();
-        let io_wait = (c1.io_wait + o1.io_wait).saturating_sub(c0.io_wait + o0.io_wait);
+        let p1 = self.park_counters();
+        let io_wait = (c1.io_wait + o1.io_wait + p1.io_wait)
+            .saturating_sub(c0.io_wait + o0.io_wait + start.park.io_wait);
         let optimizer = o1.adam.saturating_sub(o0.adam) + times.norm;
         let io_busy = (self.io_clock.busy_s() - start.io_busy_s).max(0.0);
         let compute_s = times.compute.as_secs_f64();
         let io_wait_s = io_wait.as_secs_f64();
         let optimizer_s = optimizer.as_secs_f64();
-        let (r0, w0) = tier_bytes(c0, o0);
-        let (mut bytes_read, mut bytes_written) = tier_bytes(&c1, &o1);
+        let (r0, w0) = tier_bytes(c0, o0, &start.park);
+        let (mut bytes_read, mut bytes_written) = tier_bytes(&c1, &o1, &p1);
         for (now, before) in [(&mut bytes_read, r0), (&mut bytes_written, w0)] {
             for (tier, b) in before {
                 if let Some(n) = now.get_mut(&tier) {
@@ -910,7 +1001,7 @@ impl Trainer {
     /// one full fp32 gradient of such a param held during backward (as
     /// PyTorch's autograd holds it before ZeRO's hook sees it).
     fn accumulate(
-        &self,
+        &mut self,
         groups: &mut StepGroups,
         tied: &mut BTreeMap<ParamId, Vec<f32>>,
         unit: UnitId,
@@ -921,6 +1012,7 @@ impl Trainer {
             .layout
             .params
             .get(pid.0)
+            .cloned()
             .ok_or_else(|| EngineError::internal("grad of unknown param"))?;
         let full = grad
             .to_dtype(DType::F32)?
@@ -945,6 +1037,10 @@ impl Trainer {
         if unit != last_unit {
             tied.insert(pid, full);
             return Ok(());
+        }
+        // A sum parked after the last micro-batch comes back first.
+        for pc in &slot.pieces {
+            self.unpark(groups, pc.sub_group)?;
         }
         // Every rank's chunk of this rank's shard is added in rank order
         // (reduce-scatter), straight into the accumulator; a tiled shard's
