@@ -1243,6 +1243,70 @@ mod tests {
         assert_eq!(g, 2 * n + 18 * n / 8);
     }
 
+    /// Byte-exact figures of DeepSpeed 0.19.8's own functions (printed by
+    /// `scripts/compare_estimate.py`'s DeepSpeed, run by hand):
+    /// `estimate_zero3_model_states_mem_needs(N, L, G, 1, cpu_offload,
+    /// cpu_offload_params, zero_init, 1.5)` for 7B on 1 GPU and 70B on 8,
+    /// each with the largest unit tierzero assumes for it, and
+    /// `estimate_zero2_model_states_mem_needs(7e9, 1, 1, cpu_offload, 1.5)`.
+    #[test]
+    fn matches_deepspeed_0_19_8_to_the_byte() {
+        // (total params, largest layer, GPUs, (per CPU, per GPU) per row).
+        type Case = (u64, u64, u64, [(u64, u64); 6]);
+        let cases: [Case; 2] = [
+            (
+                7_000_000_000,
+                212_121_213,
+                1,
+                [
+                    (189_000_000_000, 848_484_852),
+                    (189_000_000_000, 848_484_852),
+                    (168_000_000_000, 14_848_484_852),
+                    (168_000_000_000, 14_848_484_852),
+                    (1_272_727_278, 126_848_484_852),
+                    (42_000_000_000, 126_848_484_852),
+                ],
+            ),
+            (
+                70_000_000_000,
+                985_915_493,
+                8,
+                [
+                    (1_890_000_000_000, 3_943_661_972),
+                    (3_360_000_000_000, 3_943_661_972),
+                    (1_680_000_000_000, 21_443_661_972),
+                    (3_360_000_000_000, 21_443_661_972),
+                    (47_323_943_664, 161_443_661_972),
+                    (3_360_000_000_000, 161_443_661_972),
+                ],
+            ),
+        ];
+        // DeepSpeed's row order: (optimizer cpu, params cpu, zero_init).
+        let rows = [
+            (true, true, true),
+            (true, true, false),
+            (true, false, true),
+            (true, false, false),
+            (false, false, true),
+            (false, false, false),
+        ];
+        for (n, l, g, want) in cases {
+            assert_eq!(assumed_largest_unit_numel(n), l);
+            for ((opt, par, init), (cpu, gpu)) in rows.into_iter().zip(want) {
+                let (c, gm, _) = deepspeed::zero3(n, l, g, 1, opt, par, init, 1.5);
+                assert_eq!((c, gm), (cpu, gpu), "{n} {g} {opt} {par} {init}");
+            }
+        }
+        assert_eq!(
+            deepspeed::zero2(7_000_000_000, 1, 1, true, 1.5),
+            (168_000_000_000, 14_000_000_000)
+        );
+        assert_eq!(
+            deepspeed::zero2(7_000_000_000, 1, 1, false, 1.5),
+            (42_000_000_000, 140_000_000_000)
+        );
+    }
+
     fn find(r: &Report, stage: u8, optimizer: Offload, params: Offload) -> &Estimate {
         r.estimates
             .iter()
