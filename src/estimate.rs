@@ -26,7 +26,9 @@
 //! | 3 | optimizer + params cpu | `4L` | `18N·f·G/T` |
 //!
 //! [`deepspeed`] reproduces these formulas exactly (tested against the
-//! numbers printed in `memory.rst`), and each estimate carries DeepSpeed's
+//! numbers printed in `memory.rst`, and byte for byte against DeepSpeed
+//! 0.19.8's functions from PyPI: `scripts/compare_estimate.py` checks every
+//! figure of the column against them), and each estimate carries DeepSpeed's
 //! figure for comparison where DeepSpeed has one (one node of `R` GPUs,
 //! `zero_init=1`, `f = 1.5`, and our largest unit as its largest layer).
 //! `memory.rst` still prints `4N + 16N/T` per GPU for stage 2 without
@@ -84,6 +86,60 @@
 //! Not counted (as in DeepSpeed): activations, communication buckets,
 //! allocator fragmentation. The per-node host and NVMe totals assume all
 //! `R` ranks run on this machine.
+//!
+//! # Where ours and DeepSpeed's ZeRO-3 numbers differ, term by term
+//!
+//! `scripts/compare_estimate.py` prints both side by side (DeepSpeed's
+//! `estimate_zero3_model_states_mem_needs`, the function behind
+//! `estimate_zero3_model_states_mem_needs_all_cold`, against our device and
+//! host totals, with the same `L`); re-run it when the sizing changes. Each
+//! of DeepSpeed's terms and the item of ours it corresponds to:
+//!
+//! - **`4L` per GPU** (`largest_layer_memory`, in every row; we read it as
+//!   the largest layer's 16-bit params and 16-bit grads): ours are the
+//!   *gathered units* item, `2·L·p` because the unit being prefetched is
+//!   held beside the one being computed (none with one rank and params on
+//!   the device, where nothing is gathered), plus the *unit gradients* item,
+//!   `L·p`. `L` also means more here: DeepSpeed's `model_to_params` takes
+//!   the largest single module (one `Linear`, or the embedding), ours the
+//!   largest unit the engine gathers (a whole transformer block).
+//! - **`2N/T` per GPU** (params on the device, optimizer on the CPU) is our
+//!   *16-bit params* item on the device, `S·p`: equal with 16-bit params,
+//!   twice it in an fp32 run (`p = 4`).
+//! - **`18N/T` per GPU** (nothing offloaded) is our *16-bit params* +
+//!   *fp32 gradient accumulators* + *optimizer state* items on the device,
+//!   `S·(p + 4 + 4 + 2m)`: the same 18 bytes with 16-bit params and fp32
+//!   moments, 14 with bf16 moments.
+//! - **The 1.5 (`additional_buffer_factor`) on every per-CPU figure** and
+//!   on none of the per-GPU ones has no counterpart: we add no blanket
+//!   factor and instead list the host buffers by name (below); that alone
+//!   makes DeepSpeed's per-CPU figure 1.5 times the terms we share.
+//! - **`16N·f·G/T` per CPU** (optimizer offloaded: 4 B of fp32 grads and
+//!   12 B of fp32 master + m + v per param) is our *fp32 gradient accumulators*
+//!   item (pinned host memory, with `pin_memory`) plus our *optimizer state*
+//!   item (pageable host memory), each as large as the sizing plan holds it
+//!   in host memory.
+//! - **`18N·f·G/T` per CPU** (params offloaded too) adds 2 B of 16-bit
+//!   params: our *16-bit param partition* item, pinned with `pin_memory`
+//!   (`S·p`).
+//! - **The 16-bit write-back staging** (one sub-group, pinned, when the
+//!   optimizer is offloaded and the params are on the device) is not a term
+//!   of DeepSpeed's formula; it is inside its 1.5.
+//! - **`4L·G·f` per CPU with `zero_init=1`, `4N·G·f` (or `N·max(4G, 16 or
+//!   18)·f`) with `zero_init=0`** is memory for building the model (one
+//!   layer in fp32 under `zero.Init`, or the whole fp32 model in every
+//!   process before it is partitioned); we count only the training-time
+//!   model states, no load-time memory, so we have no `zero_init=0`
+//!   variant and no host bytes when nothing is offloaded.
+//! - **pinned vs pageable**: DeepSpeed's per-CPU figure is one number;
+//!   ours is split, since pinned memory is what `RLIMIT_MEMLOCK` limits
+//!   and what runs out first.
+//! - **NVMe**: DeepSpeed's estimators take only `cpu_offload` /
+//!   `cpu_offload_params` booleans and have no NVMe tier, so our NVMe rows,
+//!   their NVMe bytes and the pinned swap buffers and param host cache
+//!   (`max_in_cpu`) they need have no DeepSpeed figure.
+//! - **Precision**: DeepSpeed's formulas fix 16-bit params and fp32 Adam
+//!   moments; ours take `p` and `m` from the config and `--moments`.
 //!
 //! # Fitting
 //!
@@ -1248,6 +1304,70 @@ mod tests {
         let (c, g) = deepspeed::zero2(n, 8, 1, false, 1.5);
         assert_eq!(gib2(c), "127.45");
         assert_eq!(g, 2 * n + 18 * n / 8);
+    }
+
+    /// Byte-exact figures of DeepSpeed 0.19.8's own functions (printed by
+    /// `scripts/compare_estimate.py`'s DeepSpeed, run by hand):
+    /// `estimate_zero3_model_states_mem_needs(N, L, G, 1, cpu_offload,
+    /// cpu_offload_params, zero_init, 1.5)` for 7B on 1 GPU and 70B on 8,
+    /// each with the largest unit tierzero assumes for it, and
+    /// `estimate_zero2_model_states_mem_needs(7e9, 1, 1, cpu_offload, 1.5)`.
+    #[test]
+    fn matches_deepspeed_0_19_8_to_the_byte() {
+        // (total params, largest layer, GPUs, (per CPU, per GPU) per row).
+        type Case = (u64, u64, u64, [(u64, u64); 6]);
+        let cases: [Case; 2] = [
+            (
+                7_000_000_000,
+                212_121_213,
+                1,
+                [
+                    (189_000_000_000, 848_484_852),
+                    (189_000_000_000, 848_484_852),
+                    (168_000_000_000, 14_848_484_852),
+                    (168_000_000_000, 14_848_484_852),
+                    (1_272_727_278, 126_848_484_852),
+                    (42_000_000_000, 126_848_484_852),
+                ],
+            ),
+            (
+                70_000_000_000,
+                985_915_493,
+                8,
+                [
+                    (1_890_000_000_000, 3_943_661_972),
+                    (3_360_000_000_000, 3_943_661_972),
+                    (1_680_000_000_000, 21_443_661_972),
+                    (3_360_000_000_000, 21_443_661_972),
+                    (47_323_943_664, 161_443_661_972),
+                    (3_360_000_000_000, 161_443_661_972),
+                ],
+            ),
+        ];
+        // DeepSpeed's row order: (optimizer cpu, params cpu, zero_init).
+        let rows = [
+            (true, true, true),
+            (true, true, false),
+            (true, false, true),
+            (true, false, false),
+            (false, false, true),
+            (false, false, false),
+        ];
+        for (n, l, g, want) in cases {
+            assert_eq!(assumed_largest_unit_numel(n), l);
+            for ((opt, par, init), (cpu, gpu)) in rows.into_iter().zip(want) {
+                let (c, gm, _) = deepspeed::zero3(n, l, g, 1, opt, par, init, 1.5);
+                assert_eq!((c, gm), (cpu, gpu), "{n} {g} {opt} {par} {init}");
+            }
+        }
+        assert_eq!(
+            deepspeed::zero2(7_000_000_000, 1, 1, true, 1.5),
+            (168_000_000_000, 14_000_000_000)
+        );
+        assert_eq!(
+            deepspeed::zero2(7_000_000_000, 1, 1, false, 1.5),
+            (42_000_000_000, 140_000_000_000)
+        );
     }
 
     fn find(r: &Report, stage: u8, optimizer: Offload, params: Offload) -> &Estimate {
