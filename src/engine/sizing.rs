@@ -295,6 +295,38 @@ pub fn speculates(config: &Config) -> bool {
     spills_grads(config) && config.tierzero.speculative_step != Some(false)
 }
 
+/// Steps with their gradient the optimizer thread may have queued or
+/// running at once (the compute thread waits for a reply beyond): one per
+/// pipeline stage, and one more being handed over.
+pub fn grads_in_flight(read_ahead: usize, write_behind: usize) -> usize {
+    2 + read_ahead + write_behind
+}
+
+/// Bytes of fp32 gradients host memory holds at most, from the config
+/// and the layout alone. With the optimizer state in host memory, the
+/// whole shard's (4 bytes per element, beside the state's 12). With it on
+/// NVMe: the sums backward is adding into (the sub-groups of the largest
+/// unit, `unit_groups`), the first groups held for the step
+/// (`held_grad_groups`) and the steps handed to the optimizer thread
+/// ([`grads_in_flight`]), each at most the largest sub-group.
+pub fn host_grad_bound_bytes(
+    sizing: &Sizing,
+    shape: &Shape,
+    opt_nvme: bool,
+    unit_groups: u64,
+) -> u64 {
+    if !opt_nvme {
+        return shape.numel().saturating_mul(4);
+    }
+    let groups = unit_groups
+        + sizing.held_grad_groups as u64
+        + grads_in_flight(sizing.read_ahead, sizing.write_behind) as u64;
+    groups
+        .min(shape.sub_groups.len() as u64)
+        .saturating_mul(shape.max_sub_group_numel())
+        .saturating_mul(4)
+}
+
 /// The param swap-in buffers: `buffer_count` (at least 1) buffers of
 /// `buffer_size` elements of `elem_bytes`, each rounded up to 4 KiB.
 pub fn param_buffers(buffer_count: u64, buffer_numel: u64, elem_bytes: u64) -> Buffers {
@@ -592,11 +624,7 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
         park_grads,
         park_buffers,
         grad_park_nvme_bytes: if park_grads {
-            shape
-                .sub_groups
-                .iter()
-                .map(|g| align_up(g.numel * 4))
-                .sum()
+            shape.sub_groups.iter().map(|g| align_up(g.numel * 4)).sum()
         } else {
             0
         },

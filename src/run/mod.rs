@@ -102,6 +102,12 @@ pub struct Plan {
     /// fp32 gradients: host accumulators (at most; freed per sub-group once
     /// final) and, when the engine spills final gradients, their NVMe extents.
     pub grads: TierBytes,
+    /// Partial gradient sums parked between micro-batches: the park's
+    /// pinned buffers and NVMe extents.
+    pub park: TierBytes,
+    /// NVMe bytes one step reads and writes, predicted from the sizing
+    /// (params read in every pass: an upper bound).
+    pub nvme_step: (u64, u64),
     /// Whether final gradients are spilled to NVMe until the step.
     pub spill_grads: bool,
     /// With `spill_grads`, the first sub-groups (index order) whose
@@ -170,11 +176,52 @@ impl Plan {
 
         let shard_numel = layout.shard_numel() as u64;
         let opt_nvme = zero.offload_optimizer.device.nvme_path();
+        // The sub-groups the largest unit's params touch: the sums
+        // backward adds into at once.
+        let unit_groups = model
+            .units()
+            .iter()
+            .map(|u| {
+                let mut gs: Vec<usize> = u
+                    .params
+                    .iter()
+                    .filter_map(|p| layout.params.get(p.0))
+                    .flat_map(|s| s.pieces.iter().map(|pc| pc.sub_group.0))
+                    .collect();
+                gs.sort_unstable();
+                gs.dedup();
+                gs.len() as u64
+            })
+            .max()
+            .unwrap_or(1);
+        let shape = crate::engine::sizing::Shape::of(config, model, layout);
         let grads = TierBytes {
-            host_bytes: shard_numel * 4,
+            host_bytes: crate::engine::sizing::host_grad_bound_bytes(
+                sizing,
+                &shape,
+                zero.offload_optimizer.device.nvme_path().is_some(),
+                unit_groups,
+            ),
             nvme_bytes: sizing.grad_spill_nvme_bytes,
             ..TierBytes::default()
         };
+        let park = TierBytes {
+            pinned_bytes: sizing.park_buffers.total_bytes(),
+            nvme_bytes: sizing.grad_park_nvme_bytes,
+            ..TierBytes::default()
+        };
+        // Predicted NVMe bytes of one step: every NVMe param read in each
+        // pass of each micro-batch (an upper bound: kept params are not
+        // read again) and written once; state read and written once;
+        // spilled gradients written and read once; parked sums written and
+        // read once per micro-batch but the last.
+        let gas = config.batch.gradient_accumulation_steps.max(1);
+        let state_rw = sizing.optimizer_nvme_bytes / if sizing.speculative { 2 } else { 1 };
+        let park_rw = sizing.grad_park_nvme_bytes * (gas - 1);
+        let nvme_step = (
+            sizing.param_nvme_bytes * 2 * gas + state_rw + sizing.grad_spill_nvme_bytes + park_rw,
+            sizing.param_nvme_bytes + state_rw + sizing.grad_spill_nvme_bytes + park_rw,
+        );
         let mut optimizer = TierBytes {
             nvme_bytes: sizing.optimizer_nvme_bytes,
             ..TierBytes::default()
@@ -203,6 +250,8 @@ impl Plan {
             param_elem_bytes: elem,
             params,
             grads,
+            park,
+            nvme_step,
             spill_grads: sizing.spill_grads,
             held_sub_groups: sizing.held_grad_groups,
             speculative: sizing.speculative,
@@ -233,11 +282,15 @@ impl Plan {
         self.param_buffers.0 * self.param_buffers.1
             + self.optimizer_buffers.0 * self.optimizer_buffers.1
             + self.params.pinned_bytes
+            + self.park.pinned_bytes
     }
 
     /// NVMe bytes the run allocates.
     pub fn nvme_total_bytes(&self) -> u64 {
-        self.params.nvme_bytes + self.grads.nvme_bytes + self.optimizer.nvme_bytes
+        self.params.nvme_bytes
+            + self.grads.nvme_bytes
+            + self.optimizer.nvme_bytes
+            + self.park.nvme_bytes
     }
 }
 
@@ -300,6 +353,9 @@ impl fmt::Display for Plan {
             (true, n) => format!("grads (fp32; spilled but first {n} held)"),
         };
         row(&mut s, &grads_label, &self.grads);
+        if self.park.nvme_bytes > 0 {
+            row(&mut s, "grad sums parked between micro-batches", &self.park);
+        }
         let opt_label = match self.resident_sub_groups {
             0 => "optimizer state (fp32 master, m, v)".to_owned(),
             n => format!("optimizer state ({n} groups resident)"),
@@ -333,6 +389,14 @@ impl fmt::Display for Plan {
             format_bytes(self.pinned_total_bytes()),
             format_bytes(self.nvme_total_bytes())
         );
+        if self.nvme_step != (0, 0) {
+            let _ = writeln!(
+                s,
+                "  NVMe per step (predicted, params read in every pass at most): read {}, written {}",
+                format_bytes(self.nvme_step.0),
+                format_bytes(self.nvme_step.1)
+            );
+        }
         match (&self.param_nvme_path, &self.optimizer_nvme_path) {
             (Some(p), Some(o)) if p == o => {
                 let what = if self.spill_grads {

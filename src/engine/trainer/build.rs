@@ -672,6 +672,7 @@ impl Trainer {
             flush_open: false,
             optimizer_wait: Duration::ZERO,
             speculation: Speculation::default(),
+            grads_out: std::collections::HashSet::new(),
             swap_spaces,
             failed: None,
             stop,

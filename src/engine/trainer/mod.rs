@@ -177,8 +177,8 @@ use crate::checkpoint::{
 use crate::config::{self, Config, OffloadDevice, Precision};
 use crate::data::TokenData;
 use crate::engine::comm::{agree, all_gather_var, Comm, SingleRank};
-use crate::engine::host::threads::{self, ComputeThreads};
 use crate::engine::grads::{GradPark, ParkCounters};
+use crate::engine::host::threads::{self, ComputeThreads};
 use crate::engine::layout::{shard_counts, Layout, SubGroupId};
 use crate::engine::observe::metrics::{peak_rss_bytes, MetricsWriter, StepMetrics, Summary};
 use crate::engine::observe::timeline::{Lane, Timeline};
@@ -352,6 +352,11 @@ pub struct Trainer {
     optimizer_wait: Duration,
     /// The speculative step's record.
     speculation: Speculation,
+    /// Sub-groups whose step was sent with its gradient and not answered
+    /// yet: at most [`sizing::grads_in_flight`] (the compute thread waits
+    /// for a reply first), so gradients queued for the optimizer thread
+    /// are bounded by the config, not by the model.
+    grads_out: std::collections::HashSet<SubGroupId>,
     /// This rank's swap spaces (params, optimizer state), for [`Trainer::swap_usage`].
     swap_spaces: Vec<Arc<SwapSpace>>,
     /// The first error out of a step; set, the trainer refuses to go on.
@@ -629,12 +634,11 @@ impl Trainer {
         self.latch(r)?;
         // The last step's optimizer tail has ended: its disk time too.
         self.record_disk();
-        let (bytes_read, bytes_written) =
-            step::tier_bytes(
-                &self.store.counters(),
-                &self.opt.counters(),
-                &self.park_counters(),
-            );
+        let (bytes_read, bytes_written) = step::tier_bytes(
+            &self.store.counters(),
+            &self.opt.counters(),
+            &self.park_counters(),
+        );
         let s = Summary {
             summary: true,
             bytes_read,

@@ -478,7 +478,10 @@ impl Trainer {
         };
         let done = self.groups_after_unit.get(uid.0).map_or(&[][..], |g| g);
         for &sg in done {
-            if matches!(groups.groups.get(sg.0), Some(GroupStep::Accumulating(Some(_)))) {
+            if matches!(
+                groups.groups.get(sg.0),
+                Some(GroupStep::Accumulating(Some(_)))
+            ) {
                 if let Some(sum) = groups.apply(sg, GroupEvent::Park, 0)? {
                     park.park(sg, &sum)?;
                 }
@@ -498,7 +501,10 @@ impl Trainer {
 
     /// The gradient park's counters (zeros without one).
     pub(super) fn park_counters(&self) -> ParkCounters {
-        self.park.as_ref().map(GradPark::counters).unwrap_or_default()
+        self.park
+            .as_ref()
+            .map(GradPark::counters)
+            .unwrap_or_default()
     }
 
     /// Brings `sg`'s parked sum back into memory (no-op if not parked).
@@ -766,7 +772,19 @@ impl Trainer {
     ) -> Result<()> {
         let numel = self.sub_group_numel(sg)?;
         let speculative = matches!(event, GroupEvent::Speculate);
+        // Bounded hand-over: wait for a reply while the optimizer thread
+        // holds its share of gradients (see `Trainer::grads_out`).
+        let limit = sizing::grads_in_flight(self.sizing.read_ahead, self.sizing.write_behind);
+        while self.grads_out.len() >= limit {
+            let t0 = Instant::now();
+            let d = self.opt.recv()?;
+            self.optimizer_wait += t0.elapsed();
+            self.on_done(d)?;
+        }
         let grad = groups.apply(sg, event, numel)?;
+        if grad.is_some() {
+            self.grads_out.insert(sg);
+        }
         let tensors = self.tensor_wants(sg);
         self.opt.send(Job::Step {
             sg,

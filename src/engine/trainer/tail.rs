@@ -147,6 +147,7 @@ impl Trainer {
     pub(super) fn on_done(&mut self, done: Done) -> Result<()> {
         match done {
             Done::Stepped { sg, bytes, tensors } => {
+                self.grads_out.remove(&sg);
                 let t0 = Instant::now();
                 let g = self
                     .layout
@@ -181,6 +182,7 @@ impl Trainer {
                 Ok(())
             }
             Done::Superseded(sg) => {
+                self.grads_out.remove(&sg);
                 let params = self
                     .layout
                     .sub_groups
