@@ -60,6 +60,8 @@
 //! of hidden² (a block is 12: default 24, 48 and 0); `OPT_RESIDENT` sets
 //! `tierzero.optimizer_resident_bytes` (bytes, or "auto"); `PIN=off` or
 //! `PIN=on` sets `tierzero.pin_threads` (default "auto");
+//! `LR` sets the AdamW learning rate (default 1e-3) and `WARMUP=N` a
+//! linear warm-up to it over N steps (default none);
 //! `SPECULATIVE=off` or `SPECULATIVE=on` sets `tierzero.speculative_step`
 //! (default "auto"; a round's line gives the real trainer's
 //! `speculation_hits`, `speculation_misses` and `speculation_pool_waits`
