@@ -60,9 +60,12 @@
 //! of hidden² (a block is 12: default 24, 48 and 0); `OPT_RESIDENT` sets
 //! `tierzero.optimizer_resident_bytes` (bytes, or "auto"); `PIN=off` or
 //! `PIN=on` sets `tierzero.pin_threads` (default "auto");
+//! `LR` sets the AdamW learning rate (default 1e-3) and `WARMUP=N` a
+//! linear warm-up to it over N steps (default none);
 //! `SPECULATIVE=off` or `SPECULATIVE=on` sets `tierzero.speculative_step`
 //! (default "auto"; a round's line gives the real trainer's
-//! `speculation_hits` and `speculation_misses` so far); `MODE`
+//! `speculation_hits`, `speculation_misses` and `speculation_pool_waits`
+//! so far, and its kept steps' `grad_norms`); `MODE`
 //! (above); `PER_STEP=1` prints every step's wall time to stderr. Output: one JSON line
 //! per round, then a summary line with the medians over rounds and the
 //! ratio. A round's line also gives the median NVMe bytes (read +
@@ -259,7 +262,11 @@ impl Round {
                "io_alone_nvme_bytes": nvme_bytes(io_after), "step_nvme_bytes": nvme_bytes(real),
                // Cumulative counts of the real trainer at the block's end.
                "speculation_hits": real.last().map_or(0, |m| m.speculation_hits),
-               "speculation_misses": real.last().map_or(0, |m| m.speculation_misses)});
+               "speculation_misses": real.last().map_or(0, |m| m.speculation_misses),
+               "speculation_pool_waits": real.last().map_or(0, |m| m.speculation_pool_waits),
+               // The real trainer's kept steps' global gradient norms
+               // (clipping or fp16), to see whether `CLIP` clips.
+               "grad_norms": real.iter().filter_map(|m| m.grad_norm).collect::<Vec<_>>()});
         Round {
             compute: c,
             optimizer: o,

@@ -74,7 +74,7 @@ pub enum Site {
     /// file (the old `latest` is still in place).
     CkptLatestWrite,
     /// `optim.before_commit`: every speculative step of a step is written
-    /// to its shadow extents, none committed yet. A kill leaves old and
+    /// to its speculation pool slot, none committed yet. A kill leaves old and
     /// new state side by side in the swap file; only checkpoints count.
     SpeculativeBeforeCommit,
 }

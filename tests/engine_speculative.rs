@@ -106,3 +106,43 @@ fn auto_stops_speculating_after_three_misses_in_a_row() {
     };
     assert_eq!(both("spec-auto", &k, None), (0, 3));
 }
+
+/// More NVMe sub-groups than the speculation pool has slots (3 with the
+/// pipeline, 1 without): the first groups backward finishes speculate,
+/// the rest wait for the decision, every step, and the bits are still the
+/// waiting step's, for hits, misses and fp16 overflows alike.
+#[test]
+fn a_pool_smaller_than_the_groups_keeps_the_bits() {
+    for pipeline in [true, false] {
+        for (tag, clip, precision) in [
+            ("hit", 1e6, "bf16"),
+            ("miss", 0.05, "bf16"),
+            ("fp16", 1e6, "fp16"),
+        ] {
+            let tag = format!("spec-pool-{tag}-{pipeline}");
+            let k = Knobs {
+                clip,
+                precision,
+                initial_scale_power: 24,
+                pipeline,
+                ..Knobs::nvme()
+            };
+            let dir = tiny_gpt2_dir(&tag, 2, 32);
+            let spec = train(&dir, &speculative(&k, Some(true)), 5, STEPS, |_| SEQ);
+            let wait = train(&dir, &speculative(&k, Some(false)), 5, STEPS, |_| SEQ);
+            assert_identical(&spec, &wait, &tag);
+            let last = spec.steps.last().unwrap();
+            let (hits, misses) = counts(&spec);
+            assert_eq!(hits + misses, STEPS, "{tag}");
+            // The same groups wait every step.
+            let waits = last.speculation_pool_waits;
+            assert!(waits > 0 && waits % STEPS == 0, "{tag}: {waits} pool waits");
+            assert_eq!(wait.steps.last().unwrap().speculation_pool_waits, 0);
+            if tag.contains("fp16") {
+                let skipped = spec.steps.iter().filter(|s| s.skipped).count() as u64;
+                assert!(skipped > 0, "{tag}: no overflow step");
+                assert_eq!(misses, skipped, "{tag}");
+            }
+        }
+    }
+}

@@ -238,11 +238,25 @@ fn plan_nvme_bytes_follow_the_layout() {
         .map(|g| align(g.numel as u64 * 4))
         .sum();
     assert_eq!(plan.params.nvme_bytes, params);
-    // Clipping with NVMe state speculates: a second set of state extents.
+    // Clipping with NVMe state speculates: a pool of the pipeline's depth
+    // (read-ahead 1, write-behind 1, the step: 3 slots), each three extents
+    // of the largest group.
     assert!(t.sizing().speculative);
-    assert_eq!(plan.optimizer.nvme_bytes, 6 * groups);
+    let nvme_groups = t.layout().sub_groups.len();
+    let slots = 3.min(nvme_groups);
+    assert_eq!(t.sizing().speculation_slots, slots);
+    let largest = t
+        .layout()
+        .sub_groups
+        .iter()
+        .map(|g| align(g.numel as u64 * 4))
+        .max()
+        .unwrap();
+    let pool = slots as u64 * 3 * largest;
+    assert_eq!(plan.speculation_pool, (slots, pool));
+    assert_eq!(plan.optimizer.nvme_bytes, 3 * groups + pool);
     assert_eq!(plan.grads.nvme_bytes, groups);
-    assert_eq!(plan.nvme_total_bytes(), params + 7 * groups);
+    assert_eq!(plan.nvme_total_bytes(), params + 4 * groups + pool);
     assert_eq!(plan.params_numel, t.model().numel() as u64);
     let text = plan.to_string();
     assert!(
@@ -272,9 +286,16 @@ fn plan_and_engine_agree_on_resident_optimizer_groups() {
             assert_eq!(plan.resident_sub_groups, resident, "budget {budget}");
             let on_nvme: u64 = groups[resident..].iter().map(|&n| align(n * 4)).sum();
             let in_host: u64 = groups[..resident].iter().map(|&n| n * 12).sum();
-            // With clipping, speculation keeps a second set of extents.
-            let sets = if clip { 6 } else { 3 };
-            assert_eq!(plan.optimizer.nvme_bytes, sets * on_nvme);
+            // With clipping, speculation keeps a pool of three slots, each
+            // three extents of the largest NVMe group.
+            let largest = groups[resident..]
+                .iter()
+                .map(|&n| align(n * 4))
+                .max()
+                .unwrap();
+            let slots = 3.min(groups.len() - resident) as u64;
+            let pool = if clip { slots * 3 * largest } else { 0 };
+            assert_eq!(plan.optimizer.nvme_bytes, 3 * on_nvme + pool);
             assert_eq!(plan.optimizer.host_bytes, in_host);
             assert_eq!(plan.grads.nvme_bytes, if clip { on_nvme } else { 0 });
             // The read-ahead's two NVMe groups hold their gradients, and so

@@ -87,7 +87,7 @@ impl Setup {
         }
         let mut ds = json!({
             "train_micro_batch_size_per_gpu": self.micro_batch, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "optimizer": {"type": "AdamW", "params": {"lr": env_or("LR", 1e-3)}},
             "zero_optimization": zero,
             "tierzero": {"overlap_optimizer": self.overlap, "checksums": false}
         });
@@ -96,6 +96,13 @@ impl Setup {
             .and_then(|v| v.parse::<u32>().ok())
         {
             ds["aio"] = json!({"queue_depth": qd});
+        }
+        // `WARMUP=N`: a linear warm-up from 0 to `LR` over N steps.
+        let warmup: u64 = env_or("WARMUP", 0);
+        if warmup > 0 {
+            ds["scheduler"] = json!({"type": "WarmupLR", "params": {"warmup_min_lr": 0.0,
+                "warmup_max_lr": env_or("LR", 1e-3), "warmup_num_steps": warmup,
+                "warmup_type": "linear"}});
         }
         if self.clip > 0.0 {
             ds["gradient_clipping"] = json!(self.clip);

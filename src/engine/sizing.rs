@@ -198,10 +198,19 @@ pub struct Sizing {
     /// Whether final gradients are spilled to NVMe until the step.
     pub spill_grads: bool,
     /// Whether sub-groups step speculatively during backward
-    /// ([`speculates`]): each NVMe group then has a second set of state
-    /// extents, the speculative step's new state, committed or dropped
-    /// once the global norm is known.
+    /// ([`speculates`]): a speculative step writes its new state into a
+    /// slot of a bounded pool of state extents, committed or dropped once
+    /// the global norm is known.
     pub speculative: bool,
+    /// With `speculative`: the pool's slots ([`speculation_slots`]), the
+    /// most sub-groups a step speculates (the others wait for the
+    /// decision), and the most speculative gradients the optimizer thread
+    /// keeps in host memory for a re-step. 0 without speculation.
+    pub speculation_slots: usize,
+    /// NVMe bytes of the speculation pool (in `optimizer_nvme_bytes`):
+    /// `speculation_slots` sets of three extents of the largest NVMe
+    /// sub-group.
+    pub speculation_pool_nvme_bytes: u64,
     /// Per sub-group: its optimizer state stays in host memory.
     pub resident_groups: Vec<bool>,
     /// With `spill_grads`: sub-groups below this index hold their final
@@ -307,7 +316,8 @@ pub fn grads_in_flight(read_ahead: usize, write_behind: usize) -> usize {
 /// whole shard's (4 bytes per element, beside the state's 12). With it on
 /// NVMe: the sums backward is adding into (the sub-groups of the largest
 /// unit, `unit_groups`), the first groups held for the step
-/// (`held_grad_groups`) and the steps handed to the optimizer thread
+/// (`held_grad_groups`), the speculated gradients the optimizer thread
+/// keeps for a re-step (`speculation_slots`) and the steps handed to it
 /// ([`grads_in_flight`]), each at most the largest sub-group.
 pub fn host_grad_bound_bytes(
     sizing: &Sizing,
@@ -320,11 +330,31 @@ pub fn host_grad_bound_bytes(
     }
     let groups = unit_groups
         + sizing.held_grad_groups as u64
+        + sizing.speculation_slots as u64
         + grads_in_flight(sizing.read_ahead, sizing.write_behind) as u64;
     groups
         .min(shape.sub_groups.len() as u64)
         .saturating_mul(shape.max_sub_group_numel())
         .saturating_mul(4)
+}
+
+/// The speculation pool's slots: one sub-group pipeline's worth of state
+/// in flight, `1 + read_ahead + write_behind` sub-groups (as many as the
+/// optimizer pipeline holds at once, [`buffers_needed`]), at most the NVMe
+/// sub-groups; 0 without speculation. Bounded by the config, not the
+/// model: a step speculates this many sub-groups (the first backward
+/// finishes) and the others wait for the decision.
+pub fn speculation_slots(
+    speculative: bool,
+    read_ahead: usize,
+    write_behind: usize,
+    nvme_groups: usize,
+) -> usize {
+    if speculative {
+        (1 + read_ahead + write_behind).min(nvme_groups)
+    } else {
+        0
+    }
 }
 
 /// The param swap-in buffers: `buffer_count` (at least 1) buffers of
@@ -580,17 +610,29 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
             .filter(|(_, r)| !**r)
             .map(|(g, _)| align_up(g.numel * 4))
     };
+    let speculation_slots = speculation_slots(
+        speculative && opt_nvme,
+        read_ahead,
+        write_behind,
+        nvme_groups().count(),
+    );
+    // Speculation keeps the old state while the new one is written: into a
+    // pool slot, sized for any NVMe group (a committed slot becomes the
+    // group's extents, its old extents a slot).
+    let speculation_pool_nvme_bytes =
+        speculation_slots as u64 * 3 * nvme_groups().max().unwrap_or(0);
     let (optimizer_nvme_bytes, grad_spill_nvme_bytes) = if opt_nvme {
         let one: u64 = nvme_groups().sum();
-        // Speculation keeps the old state while the new one is written.
-        let sets = if speculative { 6 } else { 3 };
-        (sets * one, if spill_grads { one } else { 0 })
+        (
+            3 * one + speculation_pool_nvme_bytes,
+            if spill_grads { one } else { 0 },
+        )
     } else {
         (0, 0)
     };
-    // (With speculation the optimizer thread spills each gradient after its
-    // speculative step; the bound still holds for the steps that do not
-    // speculate.)
+    // (With speculation the trainer applies the same rule to the NVMe
+    // groups that do not speculate, see `Trainer::expect_reads`; the
+    // speculated ones' gradients go to the optimizer thread.)
     let held_grad_groups = if spill_grads {
         held_grad_bound(&resident, read_ahead + 1)
     } else {
@@ -616,6 +658,8 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
         write_behind,
         spill_grads,
         speculative,
+        speculation_slots,
+        speculation_pool_nvme_bytes,
         resident_groups: resident,
         held_grad_groups,
         param_nvme_bytes,

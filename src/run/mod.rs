@@ -116,9 +116,11 @@ pub struct Plan {
     /// `pipeline_read + 1`).
     pub held_sub_groups: usize,
     /// Whether NVMe sub-groups step speculatively during backward
-    /// (`tierzero.speculative_step`); their second set of state extents is
-    /// in `optimizer.nvme_bytes`.
+    /// (`tierzero.speculative_step`).
     pub speculative: bool,
+    /// With `speculative`: the speculation pool's slots (sub-groups a step
+    /// speculates) and its NVMe bytes (in `optimizer.nvme_bytes`).
+    pub speculation_pool: (usize, u64),
     /// fp32 master weights, `m` and `v`.
     pub optimizer: TierBytes,
     /// With NVMe optimizer state, the sub-groups whose state stays in host
@@ -255,6 +257,7 @@ impl Plan {
             spill_grads: sizing.spill_grads,
             held_sub_groups: sizing.held_grad_groups,
             speculative: sizing.speculative,
+            speculation_pool: (sizing.speculation_slots, sizing.speculation_pool_nvme_bytes),
             optimizer,
             resident_sub_groups: sizing.resident_group_count(),
             param_buffers: pair(sizing.param_buffers),
@@ -424,10 +427,13 @@ impl fmt::Display for Plan {
             let _ = writeln!(
                 s,
                 "  speculative step: on (clipping or fp16): NVMe sub-groups step during backward \
-                 into a second set of state extents ({} of the NVMe optimizer state), committed \
-                 when nothing clips or overflows, redone or undone exactly otherwise \
+                 into a pool of {} state slot(s) ({} of the NVMe optimizer state; a step's \
+                 groups beyond the first {} backward finishes wait for the norm), committed when \
+                 nothing clips or overflows, redone or undone exactly otherwise \
                  (tierzero.speculative_step)",
-                cell(self.optimizer.nvme_bytes / 2).trim()
+                self.speculation_pool.0,
+                cell(self.speculation_pool.1).trim(),
+                self.speculation_pool.0
             );
         }
         f.write_str(s.trim_end())

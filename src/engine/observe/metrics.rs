@@ -90,6 +90,10 @@ pub struct StepMetrics {
     /// Speculative steps so far redone (clipping) or undone (fp16
     /// overflow).
     pub speculation_misses: u64,
+    /// NVMe sub-groups so far that, in a speculative step, waited for the
+    /// decision because the speculation pool's slots were all taken
+    /// (`speculation_slots` in the plan).
+    pub speculation_pool_waits: u64,
 }
 
 /// The last line of a metrics file.
@@ -111,6 +115,9 @@ pub struct Summary {
     pub speculation_hits: u64,
     /// Speculative steps redone or undone.
     pub speculation_misses: u64,
+    /// NVMe sub-groups that waited for the decision because the
+    /// speculation pool was taken.
+    pub speculation_pool_waits: u64,
     /// Bytes read over the whole run, per tier (`cpu`, `nvme`).
     pub bytes_read: BTreeMap<String, u64>,
     /// Bytes written over the whole run, per tier (initial weights and

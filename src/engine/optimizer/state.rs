@@ -53,14 +53,36 @@
 //!
 //! # Speculative steps
 //!
-//! With speculation ([`crate::engine::sizing::speculates`]) every NVMe
-//! sub-group has a second set of three extents, its shadow. A speculative
-//! [`OptimizerState::step`] reads the current state as any step does and
-//! writes the new state to the shadow, so the old state survives until
-//! [`OptimizerState::commit`] swaps the two sets (after every write has
-//! retired: the next read of the group is of the new state). A group not
-//! committed steps again from its current extents, untouched; its shadow is
-//! simply overwritten by its next speculation.
+//! With speculation ([`crate::engine::sizing::speculates`]) the NVMe state
+//! has a bounded **pool** of spare extents: `pool_slots` sets of three
+//! ([`crate::engine::sizing::speculation_slots`], the pipeline's depth),
+//! each sized for the largest NVMe sub-group. A speculative
+//! [`OptimizerState::step`] reads the group's current state as any step
+//! does and writes the new state into a free slot (the smallest that
+//! fits), so the old state survives; the slot is the group's *pending*
+//! state. Then:
+//!
+//! * [`OptimizerState::commit`] (the speculation held), after every write
+//!   has retired: the pending slot becomes the group's current extents and
+//!   the group's old extents become a free slot. Extents swap roles, so
+//!   the group → extents mapping is per-group state of this struct; a
+//!   checkpoint ([`OptimizerState::save_state`]) copies the current
+//!   extents, and refuses while any group has a pending slot: it sees only
+//!   committed state;
+//! * a non-speculative step of a group with a pending slot (its re-step
+//!   after a miss) writes the group's current extents in place, as every
+//!   non-speculative step does, and returns the slot to the pool;
+//! * [`OptimizerState::cancel_reads`] (fp16 overflow) returns every
+//!   pending slot.
+//!
+//! A slot returned while its speculative write may be in flight is taken
+//! again only once that write has retired (writes retire in order, so a
+//! sequence number per slot says when). A speculative step with no free
+//! slot is an error: the trainer speculates at most `pool_slots` groups a
+//! step, and every slot is free again by the end of the step's decision.
+//! The swap file never outlives the run (checkpoints do), so a kill before
+//! the commit leaves the last committed state, the one the last checkpoint
+//! copied.
 //!
 //! # Resident sub-groups
 //!
@@ -111,17 +133,33 @@ pub struct NvmeOptim {
 #[derive(Debug)]
 struct NvmeState {
     io: NvmeOptim,
-    /// `None` for a resident sub-group (its state lives in `mem`).
+    /// The current (committed) state of each sub-group; `None` for a
+    /// resident one (its state lives in `mem`).
     extents: Vec<Option<[Extent; 3]>>,
-    /// With speculation, a second set per NVMe sub-group: a speculative
-    /// step writes its new state here, and [`OptimizerState::commit`]
-    /// swaps the two sets (see "Speculative steps" in the module docs).
-    shadow: Vec<Option<[Extent; 3]>>,
+    /// The speculation pool's free slots (see "Speculative steps" in the
+    /// module docs).
+    pool: Vec<Slot>,
+    /// Per sub-group: the slot its speculative step wrote, until commit.
+    pending: Vec<Option<Slot>>,
+    /// Slots the pool was built with.
+    pool_slots: usize,
+    /// Sub-groups' state writes issued and retired so far (they retire in
+    /// order): a slot whose `last_write` is retired is safe to overwrite.
+    writes_issued: u64,
+    writes_retired: u64,
     grad_extents: Vec<Option<Extent>>,
     spilled: Vec<bool>,
     spill_writes: Vec<Option<Ticket>>,
     reading: VecDeque<(SubGroupId, Vec<Ticket>)>,
     writes: VecDeque<Vec<Option<Ticket>>>,
+}
+
+/// A speculation pool slot: three extents (master, m, v) and the sequence
+/// number of the last state write into them.
+#[derive(Debug)]
+struct Slot {
+    ext: [Extent; 3],
+    last_write: u64,
 }
 
 /// Counters of the optimizer state I/O.
@@ -183,7 +221,7 @@ impl OptimizerState {
         read_ahead: usize,
         write_behind: usize,
         spill_grads: bool,
-        speculative: bool,
+        pool_slots: usize,
     ) -> Result<Self> {
         let mem_group = |n: usize| MemGroup {
             master: vec![0.0; n],
@@ -207,38 +245,51 @@ impl OptimizerState {
                     )));
                 }
                 let mut extents = Vec::with_capacity(numel.len());
-                let mut shadow = Vec::with_capacity(numel.len());
                 let mut grad_extents = Vec::with_capacity(numel.len());
+                let space = io.read.space().clone();
                 for (i, &n) in numel.iter().enumerate() {
                     if mem[i].is_some() {
                         extents.push(None);
-                        shadow.push(None);
                         grad_extents.push(None);
                         continue;
                     }
                     let b = (n.max(1) * 4) as u64;
-                    let space = io.read.space().clone();
                     extents.push(Some([
                         space.allocate(b)?,
                         space.allocate(b)?,
                         space.allocate(b)?,
                     ]));
-                    shadow.push(if speculative {
-                        Some([space.allocate(b)?, space.allocate(b)?, space.allocate(b)?])
-                    } else {
-                        None
-                    });
                     grad_extents.push(if spill_grads {
                         Some(space.allocate(b)?)
                     } else {
                         None
                     });
                 }
+                // Slots fit any NVMe group: a committed slot becomes the
+                // group's extents, and its old extents a slot.
+                let largest = (0..numel.len())
+                    .filter(|&i| mem[i].is_none())
+                    .map(|i| numel[i].max(1) * 4)
+                    .max();
+                let mut pool = Vec::new();
+                if let Some(b) = largest {
+                    for _ in 0..pool_slots {
+                        let b = b as u64;
+                        pool.push(Slot {
+                            ext: [space.allocate(b)?, space.allocate(b)?, space.allocate(b)?],
+                            last_write: 0,
+                        });
+                    }
+                }
                 let groups = numel.len();
                 Some(NvmeState {
                     io,
                     extents,
-                    shadow,
+                    pool_slots: pool.len(),
+                    pool,
+                    pending: (0..groups).map(|_| None).collect(),
+                    writes_issued: 0,
+                    writes_retired: 0,
                     grad_extents,
                     spilled: vec![false; groups],
                     spill_writes: (0..groups).map(|_| None).collect(),
@@ -430,6 +481,12 @@ impl OptimizerState {
             crate::durable::record::write(path, offset_bytes, len_bytes);
             return Ok(crc32c::crc32c(&bytes));
         }
+        // Only committed state is saved.
+        if self.pending_speculations() > 0 {
+            return Err(EngineError::internal(
+                "save_state with speculative steps not committed",
+            ));
+        }
         // Nothing may be in flight on these extents while the kernel copies.
         if self.reads_pending() > 0 {
             return Err(EngineError::internal(
@@ -496,6 +553,7 @@ impl OptimizerState {
         };
         while nv.writes.len() > keep {
             if let Some(ts) = nv.writes.pop_front() {
+                nv.writes_retired += 1;
                 let t0 = Instant::now();
                 let r = tierzero_swap::wait_all(ts.into_iter().flatten().collect());
                 self.counters.io_wait += t0.elapsed();
@@ -529,6 +587,7 @@ impl OptimizerState {
                 break;
             }
             nv.writes.pop_front();
+            nv.writes_retired += 1;
         }
         Ok(())
     }
@@ -610,8 +669,10 @@ impl OptimizerState {
     /// Runs Adam on `sg`: reads its state (or takes the prefetched read),
     /// steps with `grad`, hands the updated master to `after` (to produce
     /// fp32 params), and writes the state back (asynchronously on NVMe):
-    /// into its extents, or with `speculative` into its shadow extents,
-    /// leaving the old state in place until [`OptimizerState::commit`].
+    /// into its extents, or with `speculative` into a free slot of the
+    /// speculation pool, leaving the old state in place until
+    /// [`OptimizerState::commit`] (see "Speculative steps" in the module
+    /// docs).
     #[allow(clippy::too_many_arguments)]
     pub fn step(
         &mut self,
@@ -713,12 +774,24 @@ impl OptimizerState {
         if let Some(f) = nv.spilled.get_mut(sg.0) {
             *f = false;
         }
-        let mut tickets = Vec::with_capacity(3);
-        let exts = if speculative {
-            nvme_extents(&nv.shadow, sg)
-                .map_err(|_| EngineError::internal("a speculative step without shadow extents"))?
+        let seq = nv.writes_issued + 1;
+        let slot = if speculative {
+            Some(self.take_slot(sg, n)?)
         } else {
-            nvme_extents(&nv.extents, sg)?
+            // A re-step after a miss (or a step after an fp16 skip): the
+            // speculative state it replaces is garbage, its slot free once
+            // that write has retired.
+            self.release_pending(sg);
+            None
+        };
+        let nv = self
+            .nvme
+            .as_mut()
+            .ok_or_else(|| EngineError::internal("nvme state missing"))?;
+        let mut tickets = Vec::with_capacity(3);
+        let exts = match &slot {
+            Some(s) => &s.ext,
+            None => nvme_extents(&nv.extents, sg)?,
         };
         for (ext, buf) in exts.iter().zip(bufs) {
             let len = nv
@@ -736,6 +809,13 @@ impl OptimizerState {
             ))?));
             self.counters.nvme_written_bytes += len;
         }
+        if let Some(mut s) = slot {
+            s.last_write = seq;
+            if let Some(p) = nv.pending.get_mut(sg.0) {
+                *p = Some(s);
+            }
+        }
+        nv.writes_issued = seq;
         nv.writes.push_back(tickets);
         crate::failpoint::kill_point(crate::failpoint::Site::OptimWriteBack);
         // The writes are retired down to `write_behind` by the caller
@@ -762,6 +842,10 @@ impl OptimizerState {
                 drop(t.wait()?);
             }
             nv.spilled.iter_mut().for_each(|f| *f = false);
+            // An fp16 skip drops every speculative step's new state.
+            for s in nv.pending.iter_mut().filter_map(Option::take) {
+                nv.pool.push(s);
+            }
         }
         Ok(())
     }
@@ -832,9 +916,8 @@ impl OptimizerState {
     }
 
     /// Makes the speculative steps of `groups` current: waits for every
-    /// write, then swaps each group's extents with its shadow (the old
-    /// state becomes the next speculation's target) and forgets its spilled
-    /// gradient, which only a re-step would have read.
+    /// write, then each group's pending slot becomes its extents and its
+    /// old extents a free slot of the pool.
     pub fn commit(&mut self, groups: &[SubGroupId]) -> Result<()> {
         self.flush()?;
         self.retire_spill_writes(true)?;
@@ -843,22 +926,94 @@ impl OptimizerState {
             return Ok(());
         };
         for &sg in groups {
-            let (Some(e), Some(s)) = (nv.extents.get_mut(sg.0), nv.shadow.get_mut(sg.0)) else {
+            let (Some(e), Some(p)) = (nv.extents.get_mut(sg.0), nv.pending.get_mut(sg.0)) else {
                 return Err(EngineError::internal(format!(
                     "commit of unknown sub-group {sg:?}"
                 )));
             };
-            if e.is_none() || s.is_none() {
+            let (Some(cur), Some(new)) = (e.as_mut(), p.take()) else {
                 return Err(EngineError::internal(format!(
-                    "commit of sub-group {sg:?} without shadow extents"
+                    "commit of sub-group {sg:?} without a speculative step"
                 )));
-            }
-            std::mem::swap(e, s);
+            };
+            let old = std::mem::replace(cur, new.ext);
+            // Every write has retired (`flush` above).
+            nv.pool.push(Slot {
+                ext: old,
+                last_write: nv.writes_issued,
+            });
             if let Some(f) = nv.spilled.get_mut(sg.0) {
                 *f = false;
             }
         }
         Ok(())
+    }
+
+    /// Slots of the speculation pool (free or pending).
+    pub fn pool_slots(&self) -> usize {
+        self.nvme.as_ref().map_or(0, |nv| nv.pool_slots)
+    }
+
+    /// Sub-groups with a speculative step not yet committed or dropped.
+    pub fn pending_speculations(&self) -> usize {
+        self.nvme
+            .as_ref()
+            .map_or(0, |nv| nv.pending.iter().flatten().count())
+    }
+
+    /// Takes the smallest free slot that holds `numel` elements for `sg`'s
+    /// speculative step, first retiring writes until its last one has.
+    fn take_slot(&mut self, sg: SubGroupId, numel: usize) -> Result<Slot> {
+        let nv = self
+            .nvme
+            .as_mut()
+            .ok_or_else(|| EngineError::internal("nvme state missing"))?;
+        if nv.pending.get(sg.0).is_some_and(Option::is_some) {
+            return Err(EngineError::internal(format!(
+                "a second speculative step of sub-group {sg:?} before its commit"
+            )));
+        }
+        let need = (numel.max(1) * 4) as u64;
+        let best = nv
+            .pool
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.ext[0].len_bytes() >= need)
+            .min_by_key(|(_, s)| s.ext[0].len_bytes())
+            .map(|(i, _)| i)
+            .ok_or_else(|| {
+                EngineError::internal(format!(
+                    "a speculative step of sub-group {sg:?} with the speculation pool empty \
+                     ({} slots)",
+                    nv.pool_slots
+                ))
+            })?;
+        let slot = nv.pool.swap_remove(best);
+        let last = slot.last_write;
+        while self
+            .nvme
+            .as_ref()
+            .is_some_and(|nv| nv.writes_retired < last)
+        {
+            let queued = self.nvme.as_ref().map_or(0, |nv| nv.writes.len());
+            if queued == 0 {
+                return Err(EngineError::internal(
+                    "a speculation slot's write neither queued nor retired",
+                ));
+            }
+            self.retire_writes(queued - 1)?;
+        }
+        Ok(slot)
+    }
+
+    /// Returns `sg`'s pending slot, if any, to the pool (its write may
+    /// still be in flight: see [`OptimizerState::take_slot`]).
+    fn release_pending(&mut self, sg: SubGroupId) {
+        if let Some(nv) = &mut self.nvme {
+            if let Some(s) = nv.pending.get_mut(sg.0).and_then(Option::take) {
+                nv.pool.push(s);
+            }
+        }
     }
 
     /// The master weights of `sg` (a synchronous read on NVMe).

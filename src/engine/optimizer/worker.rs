@@ -83,16 +83,20 @@ pub enum Job {
         /// will keep resident: built here, from the new bytes, so the
         /// compute thread does not copy them (see [`TensorWant`]).
         tensors: Vec<TensorWant>,
-        /// A speculative step (NVMe state only): the new state goes to the
-        /// group's shadow extents and the gradient is spilled after the
-        /// step, for a re-step should the speculation miss. A later `Step`
-        /// of the same group before this one ran replaces it (the
-        /// replaced one is answered [`Done::Superseded`]) and inherits its
-        /// gradient.
+        /// A speculative step (NVMe state only): the new state goes to a
+        /// slot of the speculation pool (see "Speculative steps" in
+        /// `state.rs`) and the gradient stays in host memory after the
+        /// step, for a re-step should the speculation miss (at most as many
+        /// as the pool has slots; beyond that it is spilled to NVMe). A
+        /// later `Step` of the same group before this one ran replaces it
+        /// (the replaced one is answered [`Done::Superseded`]) and inherits
+        /// its gradient; one after it ran, without a gradient, takes the
+        /// kept one.
         speculative: bool,
     },
     /// Make the speculative steps of these groups current (after every
-    /// queued step has run): the speculation held.
+    /// queued step has run): the speculation held. Their kept gradients
+    /// are dropped.
     Commit(Vec<SubGroupId>),
     /// Reply with a sub-group's param bytes made from its current master
     /// weights, as a [`Done::Stepped`]: undoes a speculative step's params
@@ -235,6 +239,9 @@ struct State {
     dtype: DType,
     order: VecDeque<SubGroupId>,
     steps: HashMap<SubGroupId, PendingStep>,
+    /// Gradients of speculative steps that ran, kept in host memory for a
+    /// re-step until the decision (at most `opt.pool_slots()`).
+    kept: HashMap<SubGroupId, Vec<f32>>,
     live: std::sync::Arc<std::sync::Mutex<OptCounters>>,
     timeline: Option<std::sync::Arc<crate::engine::Timeline>>,
     /// The param store's reads on the disk (`None`: params not on NVMe).
@@ -296,6 +303,8 @@ impl State {
             return Ok(None);
         };
         self.order.pop_front();
+        // A re-step after its speculative step ran: the kept gradient.
+        let grad = grad.or_else(|| self.kept.remove(&sg));
         let t0 = std::time::Instant::now();
         self.adam.set_hyper(hyper)?;
         let n = self.opt.numel_of(sg)?;
@@ -332,10 +341,14 @@ impl State {
         )?;
         if speculative {
             // Kept for a re-step from the old state, should the
-            // speculation miss (the spill a non-speculative step with
-            // clipping makes before its step).
-            if let Some(g) = &grad {
-                self.opt.spill_grad(sg, g)?;
+            // speculation miss: in host memory, within the pool's bound (a
+            // hit then writes no gradient); spilled beyond it.
+            if let Some(g) = grad {
+                if self.kept.len() < self.opt.pool_slots() {
+                    self.kept.insert(sg, g);
+                } else {
+                    self.opt.spill_grad(sg, &g)?;
+                }
             }
         }
         match self.dtype {
@@ -442,6 +455,9 @@ impl State {
             Job::Commit(groups) => {
                 self.run_queued(out)?;
                 self.opt.commit(&groups)?;
+                for sg in &groups {
+                    self.kept.remove(sg);
+                }
                 self.publish();
             }
             Job::Restore(sg) => {
@@ -481,6 +497,7 @@ impl State {
                     self.steps.remove(&sg);
                     let _ = out.send(Done::Superseded(sg));
                 }
+                self.kept.clear();
                 self.opt.cancel_reads()?;
                 self.order.retain(|g| self.steps.contains_key(g));
             }
@@ -546,6 +563,7 @@ impl OptimizerWorker {
             dtype,
             order: VecDeque::new(),
             steps: HashMap::new(),
+            kept: HashMap::new(),
             live: live.clone(),
             timeline,
             gate,
@@ -710,6 +728,19 @@ mod tests {
         buffers: u64,
         resident: &[bool],
     ) -> OptimizerState {
+        nvme_state_opts(dir, groups, buffers, resident, false, 0)
+    }
+
+    /// [`nvme_state_with`] with gradient spill extents and a speculation
+    /// pool of `pool` slots.
+    fn nvme_state_opts(
+        dir: &std::path::Path,
+        groups: usize,
+        buffers: u64,
+        resident: &[bool],
+        spill: bool,
+        pool: usize,
+    ) -> OptimizerState {
         std::fs::create_dir_all(dir).unwrap();
         let numel = vec![1024usize; groups];
         let buf_bytes = 4096u64;
@@ -725,8 +756,8 @@ mod tests {
             resident,
             1,
             1,
-            false,
-            false,
+            spill,
+            pool,
         )
         .unwrap();
         for (i, &n) in numel.iter().enumerate() {
@@ -938,7 +969,7 @@ mod tests {
         assert_eq!(c0.nvme_written_bytes, 2 * 3 * 4096);
         let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
         // The reference: every group in memory.
-        let mut mem = OptimizerState::new(vec![1024; 4], None, &[], 1, 1, false, false).unwrap();
+        let mut mem = OptimizerState::new(vec![1024; 4], None, &[], 1, 1, false, 0).unwrap();
         let mut want = Vec::new();
         for sg in 0..4 {
             mem.init_group(SubGroupId(sg), &[1.0; 1024]).unwrap();
@@ -1003,6 +1034,138 @@ mod tests {
         let c = w.counters();
         assert_eq!(c.nvme_read_bytes - c0.nvme_read_bytes, 2 * 3 * 4096);
         assert_eq!(c.nvme_written_bytes - c0.nvme_written_bytes, 2 * 3 * 4096);
+        drop(w);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Waits for `n` replies; returns the `Stepped` ones' bytes by group
+    /// (a later one replaces an earlier one) and the `Superseded` groups.
+    fn replies(w: &OptimizerWorker, n: usize) -> (HashMap<usize, Vec<u8>>, Vec<usize>) {
+        let mut stepped = HashMap::new();
+        let mut superseded = Vec::new();
+        for _ in 0..n {
+            match w.recv().unwrap() {
+                Done::Stepped { sg, bytes, .. } => {
+                    stepped.insert(sg.0, bytes);
+                }
+                Done::Superseded(sg) => superseded.push(sg.0),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        (stepped, superseded)
+    }
+
+    /// The speculation pool: 4 NVMe groups, 2 slots. Groups 3 and 2
+    /// speculate every step, 0 and 1 wait for the decision; a hit commits
+    /// (slots and extents swap roles), a miss re-steps from the old state
+    /// with the kept gradient, an overflow drops and restores. Every
+    /// master equals the memory tier's stepped without speculation, and a
+    /// hit writes no gradient.
+    #[test]
+    fn the_speculation_pool_swaps_extents_and_keeps_the_bits() {
+        let dir = std::env::temp_dir().join(format!("tz-worker-pool-{}", std::process::id()));
+        let opt = nvme_state_opts(&dir, 4, 12, &[], true, 2);
+        assert_eq!(opt.pool_slots(), 2);
+        let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
+        let mut mem = OptimizerState::new(vec![1024; 4], None, &[], 1, 1, false, 0).unwrap();
+        for sg in 0..4 {
+            mem.init_group(SubGroupId(sg), &[1.0; 1024]).unwrap();
+        }
+        let grad = |sg: usize, step: u64| vec![0.01 * (sg as f32 + 1.0) * step as f32; 1024];
+        let job = |sg: usize, step: u64, g: Option<Vec<f32>>, scale: f32, spec: bool| Job::Step {
+            sg: SubGroupId(sg),
+            grad: g,
+            scale: GradScale(scale),
+            step,
+            hyper: AdamHyper::default(),
+            tensors: Vec::new(),
+            speculative: spec,
+        };
+        let w = OptimizerWorker::spawn(opt, adam.clone(), DType::F32, None, None, None).unwrap();
+        let order = || Job::Expect([3usize, 2, 0, 1].map(SubGroupId).to_vec());
+        // (Adam step, outcome): hit, miss (scale 0.5), overflow, hit.
+        let mut adam_step = 0u64;
+        for (round, outcome) in ["hit", "miss", "overflow", "hit"].into_iter().enumerate() {
+            let t = round as u64 + 1;
+            let written0 = w.counters().nvme_written_bytes;
+            w.send(order()).unwrap();
+            for sg in [3, 2] {
+                w.send(job(sg, adam_step + 1, Some(grad(sg, t)), 1.0, true))
+                    .unwrap();
+            }
+            let (first, _) = replies(&w, 2);
+            let scale = match outcome {
+                "hit" => {
+                    w.send(Job::Commit(vec![SubGroupId(3), SubGroupId(2)]))
+                        .unwrap();
+                    1.0
+                }
+                "miss" => {
+                    for sg in [2, 3] {
+                        w.send(job(sg, adam_step + 1, None, 0.5, false)).unwrap();
+                    }
+                    0.5
+                }
+                _ => {
+                    w.send(Job::CancelReads).unwrap();
+                    for sg in [3, 2] {
+                        w.send(Job::Restore(SubGroupId(sg))).unwrap();
+                    }
+                    let (restored, _) = replies(&w, 2);
+                    for sg in [3, 2] {
+                        let want: Vec<u8> = mem
+                            .master(SubGroupId(sg))
+                            .unwrap()
+                            .iter()
+                            .flat_map(|x| x.to_le_bytes())
+                            .collect();
+                        assert_eq!(restored[&sg], want, "restore of {sg}");
+                    }
+                    assert_ne!(first[&3], restored[&3]);
+                    assert_eq!(flush_and_collect(&w), Vec::<usize>::new());
+                    continue;
+                }
+            };
+            adam_step += 1;
+            for sg in [0, 1] {
+                w.send(job(sg, adam_step, Some(grad(sg, t)), scale, false))
+                    .unwrap();
+            }
+            let (mut got, _) = replies(&w, if outcome == "miss" { 4 } else { 2 });
+            assert_eq!(flush_and_collect(&w), Vec::<usize>::new());
+            if outcome == "hit" {
+                got.extend(first);
+                // Three state extents per group, no gradient written.
+                let written = w.counters().nvme_written_bytes - written0;
+                assert_eq!(written, 4 * 3 * 4096, "round {round}");
+            }
+            for sg in 0..4 {
+                let mut want = Vec::new();
+                mem.step(
+                    SubGroupId(sg),
+                    &adam,
+                    adam_step,
+                    Some(&grad(sg, t)),
+                    GradScale(scale),
+                    None,
+                    &mut |m: &[f32]| {
+                        want = m.iter().flat_map(|x| x.to_le_bytes()).collect();
+                        Ok(())
+                    },
+                    false,
+                )
+                .unwrap();
+                assert_eq!(got[&sg], want, "round {round} group {sg}");
+                w.send(Job::Master(SubGroupId(sg))).unwrap();
+                match w.recv().unwrap() {
+                    Done::Master(g, m) => {
+                        assert_eq!(g.0, sg);
+                        assert_eq!(m, mem.master(SubGroupId(sg)).unwrap(), "round {round}");
+                    }
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+        }
         drop(w);
         let _ = std::fs::remove_dir_all(&dir);
     }

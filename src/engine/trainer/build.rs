@@ -390,7 +390,7 @@ impl TierBuild<'_> {
             self.sizing.read_ahead,
             self.sizing.write_behind,
             self.sizing.spill_grads,
-            self.sizing.speculative,
+            self.sizing.speculation_slots,
         )
     }
 }

@@ -61,39 +61,49 @@
 //! before that is known: without more, the optimizer could only read
 //! ahead during backward and step after it. With NVMe optimizer state and
 //! `tierzero.speculative_step` not `false` ([`crate::engine::sizing::speculates`]),
-//! each NVMe sub-group instead **steps as soon as its gradients are
-//! final**, with the multiplier the decision gives when nothing clips or
-//! overflows (`1 / loss_scale`, no clip coefficient). The optimizer
-//! thread writes that step's new state to the group's **shadow extents**
-//! (the old state stays where it is) and spills the gradient, and its new
-//! params are stored as in the overlapped case. Resident (in-memory)
-//! groups are not speculated: they step after the decision. When backward
-//! ends:
+//! NVMe sub-groups instead **step as soon as their gradients are final**,
+//! with the multiplier the decision gives when nothing clips or overflows
+//! (`1 / loss_scale`, no clip coefficient). The optimizer thread writes
+//! that step's new state into a slot of the **speculation pool** (the old
+//! state stays where it is; "Speculative steps" in `optimizer/state.rs`)
+//! and keeps the gradient in host memory for a possible re-step, and its
+//! new params are stored as in the overlapped case. The pool has
+//! `speculation_slots` slots, the pipeline's depth (`1 + pipeline_read +
+//! pipeline_write` sub-groups, [`crate::engine::sizing::speculation_slots`],
+//! in the plan): a step speculates the first that many NVMe groups
+//! backward finishes; **when the pool is taken, the others wait for the
+//! decision** as without speculation (their gradients held or spilled,
+//! their state reads started ahead), counted in `speculation_pool_waits`.
+//! Resident (in-memory) groups are not speculated: they step after the
+//! decision. When backward ends:
 //!
 //! * the decision's multiplier equals the speculative one (norm at or
 //!   below `max_norm`: torch's coefficient is exactly 1; no overflow): the
-//!   speculative steps are the step, bit for bit. `Job::Commit` swaps the
-//!   extents (after every queued step has run);
+//!   speculative steps are the step, bit for bit. `Job::Commit` makes each
+//!   slot the group's extents and its old extents a free slot (after every
+//!   queued step has run), and drops the kept gradients;
 //! * it differs (clipping): every speculated group is **stepped again from
-//!   its old state** with the real multiplier, exactly as the step that
-//!   waits computes it; a speculative step not yet run is replaced by its
-//!   re-step (`Done::Superseded` answers it);
-//! * overflow (fp16): queued speculative steps are dropped, the ones that
-//!   ran get their params back from the old masters (`Job::Restore`), and
-//!   the step is skipped.
+//!   its old state** with the real multiplier and its kept gradient,
+//!   exactly as the step that waits computes it, and its slot returns to
+//!   the pool; a speculative step not yet run is replaced by its re-step
+//!   (`Done::Superseded` answers it);
+//! * overflow (fp16): queued speculative steps are dropped, the slots
+//!   return to the pool, the ones that ran get their params back from the
+//!   old masters (`Job::Restore`), and the step is skipped.
 //!
 //! So the weights are the same bits with speculation on or off (the
 //! equivalence tests in `tests/engine_speculative.rs` force hits, misses
-//! and overflows). The cost: a second set of state extents on NVMe (12
-//! bytes per parameter of the NVMe groups, shown in the plan), one
-//! gradient write per speculated group (the spill a re-step reads back),
-//! and on a miss the re-step's reads and writes; host memory holds nothing
-//! more than the pipeline's buffers. With `"auto"` the run stops
-//! speculating after 3 misses in a row and says so once; `true` never
-//! stops. `speculation_hits` and `speculation_misses` are in every step's
-//! metrics and in the summary. A kill before the commit
-//! (`optim.before_commit`) leaves both sets in the swap file, which only
-//! checkpoints outlive.
+//! and overflows, with more NVMe groups than slots). The cost: the pool on
+//! NVMe (`speculation_slots` × 12 bytes × the largest NVMe sub-group's
+//! elements, shown in the plan), no extra gradient write (the optimizer
+//! thread keeps at most `speculation_slots` speculated gradients in host
+//! memory, and spills beyond that), and on a miss the re-step's reads and
+//! writes. With `"auto"` the run stops speculating after 3 misses in a row
+//! and says so once; `true` never stops. `speculation_hits` and
+//! `speculation_misses` are in every step's metrics and in the summary. A
+//! kill before the commit (`optim.before_commit`) leaves the last
+//! committed state: the swap file holds old and new state side by side,
+//! and only checkpoints (which copy committed state only) outlive the run.
 //!
 //! # Several ranks
 //!
@@ -218,8 +228,8 @@ enum OverlapMode {
     /// State reads and steps during backward.
     Step,
     /// Clipping or fp16 with NVMe state: NVMe sub-groups step during
-    /// backward as if nothing clips or overflows, into shadow extents,
-    /// and are committed, redone or undone once the global norm is known
+    /// backward as if nothing clips or overflows, into slots of the
+    /// speculation pool (as many as it has), and are committed, redone or undone once the global norm is known
     /// (see "Speculative step" in the module docs).
     Speculate,
 }
@@ -231,6 +241,9 @@ struct Speculation {
     hits: u64,
     /// Steps redone (clipping) or undone (fp16 overflow).
     misses: u64,
+    /// NVMe sub-groups that waited for the decision while speculating
+    /// because the speculation pool's slots were taken.
+    pool_waits: u64,
     /// Misses since the last hit.
     misses_in_a_row: u32,
     /// `"auto"` stopped speculating after [`SPECULATION_GIVE_UP`] misses
@@ -650,6 +663,7 @@ impl Trainer {
             trace_rerecords: self.sched.rerecords(),
             speculation_hits: self.speculation.hits,
             speculation_misses: self.speculation.misses,
+            speculation_pool_waits: self.speculation.pool_waits,
             stopped: self.stopped.map(|c| c.kind().to_owned()),
             stop_signal: self.stopped.and_then(StopCause::signal_name),
         };

@@ -44,6 +44,14 @@ struct StepPlan {
     /// The multiplier a speculative step assumes: unscaling only, no
     /// clip (what the decision gives when nothing clips or overflows).
     speculative_scale: GradScale,
+    /// With [`OverlapMode::Speculate`], per sub-group: whether it
+    /// speculates this step (the first `speculation_slots` NVMe groups in
+    /// backward order, see `Trainer::speculation_plan`).
+    speculate: Vec<bool>,
+    /// With [`OverlapMode::Speculate`]: the NVMe groups below this index
+    /// that do not speculate hold their final gradients in memory (their
+    /// state reads may start before the decision); the others spill.
+    held_below: usize,
 }
 
 /// Counters and clocks at a step's start.
@@ -379,6 +387,12 @@ impl Trainer {
         let mut hyper = *self.adam.hyper();
         hyper.lr = lr;
         self.adam.set_hyper(hyper)?;
+        let mode = self.overlap_mode();
+        let (speculate, held_below) = if mode == OverlapMode::Speculate {
+            self.speculation_plan()
+        } else {
+            (Vec::new(), 0)
+        };
         Ok(StepPlan {
             step: self.steps_done + 1,
             gas,
@@ -387,7 +401,7 @@ impl Trainer {
             rank: self.opts.comm.rank() as u64,
             seq_len: self.opts.seq_len,
             loss_scale,
-            mode: self.overlap_mode(),
+            mode,
             lr,
             hyper,
             adam_step: self.adam_steps + 1,
@@ -399,7 +413,43 @@ impl Trainer {
                 GradStep::Apply(s) => s,
                 GradStep::Skip => GradScale::ONE,
             },
+            speculate,
+            held_below,
         })
+    }
+
+    /// Which sub-groups speculate, and the held-gradient bound of those
+    /// that do not. The pool has `speculation_slots` slots (see
+    /// [`crate::engine::sizing::speculation_slots`]), all free at a step's
+    /// start: the first that many NVMe groups backward finishes
+    /// speculate; the rest wait for the decision as without speculation.
+    /// Those are read in index order once the speculated ones are, at most
+    /// `read_ahead + 1` before the decision (the reads the worker may
+    /// issue ahead of a step): those hold their gradients in memory (a
+    /// read issued before a spill would miss it), the others spill
+    /// ([`crate::engine::sizing::held_grad_bound`] over the groups that do
+    /// not speculate).
+    fn speculation_plan(&self) -> (Vec<bool>, usize) {
+        let resident = &self.sizing.resident_groups;
+        let is_resident = |g: SubGroupId| resident.get(g.0).copied().unwrap_or(false);
+        let mut speculate = vec![false; self.layout.sub_groups.len()];
+        for &g in self
+            .backward_order
+            .iter()
+            .filter(|g| !is_resident(**g))
+            .take(self.sizing.speculation_slots)
+        {
+            if let Some(s) = speculate.get_mut(g.0) {
+                *s = true;
+            }
+        }
+        let skip: Vec<bool> = speculate
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| s || is_resident(SubGroupId(i)))
+            .collect();
+        let held_below = crate::engine::sizing::held_grad_bound(&skip, self.sizing.read_ahead + 1);
+        (speculate, held_below)
     }
 
     /// Starts the state reads the step will want, before its gradients
@@ -417,22 +467,26 @@ impl Trainer {
             // worker starts their state reads now.
             self.opt.send(Job::Expect(self.backward_order.clone()))?;
         } else if plan.mode == OverlapMode::Speculate {
-            // The NVMe groups' speculative steps come in backward order;
-            // the resident groups step after the decision.
-            let nvme: Vec<SubGroupId> = self
+            // The speculated groups' steps come in backward order, then
+            // the other NVMe groups' after the decision, in index order
+            // (`dispatch`); the resident groups step after the decision
+            // and need no read.
+            let speculated = self
                 .backward_order
                 .iter()
                 .copied()
-                .filter(|g| {
-                    !self
+                .filter(|g| plan.speculate.get(g.0).copied().unwrap_or(false));
+            let waiting = (0..n_groups).map(SubGroupId).filter(|g| {
+                !plan.speculate.get(g.0).copied().unwrap_or(false)
+                    && !self
                         .sizing
                         .resident_groups
                         .get(g.0)
                         .copied()
                         .unwrap_or(false)
-                })
-                .collect();
-            self.opt.send(Job::Expect(nvme))?;
+            });
+            self.opt
+                .send(Job::Expect(speculated.chain(waiting).collect()))?;
         }
         Ok(())
     }
@@ -699,14 +753,28 @@ impl Trainer {
                 let t0 = Instant::now();
                 groups.norm(sg, &self.adam)?;
                 times.norm += t0.elapsed();
-                if !self
+                if plan.speculate.get(sg.0).copied().unwrap_or(false) {
+                    self.send_speculative(plan, groups, sg)?;
+                    continue;
+                }
+                if self
                     .sizing
                     .resident_groups
                     .get(sg.0)
                     .copied()
                     .unwrap_or(false)
                 {
-                    self.send_speculative(plan, groups, sg)?;
+                    continue;
+                }
+                // The pool is taken: this group waits for the decision, its
+                // gradient held or spilled as without speculation.
+                self.speculation.pool_waits += 1;
+                if sg.0 >= plan.held_below {
+                    let numel = self.sub_group_numel(sg)?;
+                    let grad = groups
+                        .apply(sg, GroupEvent::Spill, numel)?
+                        .unwrap_or_default();
+                    self.opt.send(Job::SpillGrad { sg, grad })?;
                 }
                 continue;
             }
@@ -963,6 +1031,7 @@ impl Trainer {
             param_write_wait_s: c1.write_wait.saturating_sub(c0.write_wait).as_secs_f64(),
             speculation_hits: self.speculation.hits,
             speculation_misses: self.speculation.misses,
+            speculation_pool_waits: self.speculation.pool_waits,
         }
     }
 
