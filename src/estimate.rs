@@ -65,9 +65,9 @@
 //!   place, no DMA touches it, so it need not be pinned), or on NVMe. On
 //!   NVMe, tierzero keeps the state of the first forward units' sub-groups
 //!   in pageable memory (`tierzero.optimizer_resident_bytes`; auto: one
-//!   prefetch bucket's state, at most a quarter): counted there at its
-//!   budget when the first sub-group (the embedding's, at least the
-//!   largest tensor when the model is known) fits it, else not at all.
+//!   sub-group's state, at most one prefetch bucket's): counted there at
+//!   its budget when one sub-group (at most `sub_group_size`: a larger
+//!   tensor is tiled) fits it, else not at all.
 //! - **Pinned swap buffers**, from the config (DeepSpeed's defaults without
 //!   one):
 //!   - param swap-in buffers: `buffer_count × buffer_size × p`;

@@ -77,18 +77,9 @@ fn peak_rss(dir: &std::path::Path, layers: u64, gas: u64, clip: f64) -> (u64, St
 
 fn flat(tag: &str, gas: u64, clip: f64) {
     let dir = scratch("memflat", tag);
-    let (small, plan4) = peak_rss(&dir, 4, gas, clip);
-    let (large, plan16) = peak_rss(&dir, 16, gas, clip);
-    // The plan's host column is the same at both sizes (config and largest
-    // unit only) ...
-    let host_rows = |plan: &str| -> Vec<String> {
-        plan.lines()
-            .filter(|l| l.starts_with("  grads") || l.starts_with("  optimizer state"))
-            .map(|l| l.split_whitespace().rev().nth(1).unwrap_or("").to_owned())
-            .collect()
-    };
-    assert_eq!(host_rows(&plan4), host_rows(&plan16), "{plan4}\n{plan16}");
-    // ... and the peak RSS follows it, but for the saved unit inputs.
+    let (small, _) = peak_rss(&dir, 4, gas, clip);
+    let (large, _) = peak_rss(&dir, 16, gas, clip);
+    // The peak RSS is flat but for the saved unit inputs.
     let activations = 12 * MICRO * SEQ * HIDDEN * 4;
     let allowed = small + small / 10 + activations;
     assert!(

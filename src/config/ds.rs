@@ -527,8 +527,8 @@ section! {
         /// stepped, so their state would be written in the optimizer's tail,
         /// while the next forward waits on it, and read again at the end of
         /// the next backward. `"auto"` (absent) = the state of one
-        /// `stage3_prefetch_bucket_size` (12 bytes per element), at most a
-        /// quarter of all the state; 0 = none.
+        /// sub-group (`sub_group_size` × 12 bytes), at most one
+        /// `stage3_prefetch_bucket_size`'s; 0 = none.
         /// Same result either way. `None` = auto.
         optimizer_resident_bytes: Option<u64> => auto_none(bytes);
         /// `pin_threads`: keep the compute thread(s) and the helper threads

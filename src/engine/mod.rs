@@ -16,7 +16,8 @@
 //!     ├─ optimizer/ OptimizerWorker (worker.rs), the optimizer thread, owning
 //!     │             OptimizerState (state.rs): fp32 master/m/v per sub-group in host memory
 //!     │             or on NVMe, pipelined read(i+1) / step(i) / write(i-1)
-//!     ├─ layout.rs  per-rank shards, sub-groups of whole params
+//!     ├─ layout.rs  per-rank shards, sub-groups (a param larger than one is tiled)
+//!     ├─ grads.rs   GradPark: partial gradient sums on NVMe between micro-batches
 //!     ├─ comm/      Comm: collectives in rank order; SingleRank, MpiComm (mpi.rs, feature
 //!     │             `mpi`), NcclComm (nccl.rs, feature `gpu`; id via rendezvous.rs)
 //!     ├─ host/      compute threads and their placement (threads.rs), malloc settings (heap.rs)
@@ -84,13 +85,10 @@
 //! * A zero-copy device path for NCCL: compute is on the CPU, so NCCL
 //!   stages host buffers through the device
 //!   (`docs/decisions/gpu-collectives.md`).
-//! * Gradients held per model size: until they are final, accumulated fp32
-//!   gradients live in host memory per sub-group. Once final they go to
-//!   the optimizer thread, or, when the step must wait for the global norm
-//!   (clipping, fp16) and the state is on NVMe, to NVMe with the state. With
-//!   `gradient_accumulation_steps > 1`, or with `overlap_optimizer` off,
-//!   the whole model's fp32 gradients are held in host memory (4 bytes per
-//!   parameter) until the step.
+//! * Reading a param larger than `offload_param.buffer_size` in pieces:
+//!   such a param is an error naming the size to set
+//!   ([`EngineError::ParamTooLarge`]); the optimizer side tiles it
+//!   (`layout.rs`).
 //! * Overlap figures are in `docs/decisions/overlap.md`.
 
 pub mod comm;

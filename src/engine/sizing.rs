@@ -446,10 +446,18 @@ pub fn resident_groups(config: &Config, shape: &Shape) -> Vec<bool> {
         |b| b.0,
     );
     let mut used_bytes = 0u64;
+    let mut kept = 0usize;
     for (g, r) in shape.sub_groups.iter().zip(resident.iter_mut()) {
         if !g.first_units {
             continue;
         }
+        // "auto" never keeps every group: some state is always on the
+        // tier the config names (a one-group model stays offloaded).
+        if config.tierzero.optimizer_resident_bytes.is_none() && kept + 1 >= shape.sub_groups.len()
+        {
+            break;
+        }
+        kept += 1;
         let bytes = g.numel.saturating_mul(STATE_BYTES_PER_ELEM);
         if used_bytes.saturating_add(bytes) > budget_bytes {
             break;

@@ -841,9 +841,12 @@ impl Trainer {
         let numel = self.sub_group_numel(sg)?;
         let speculative = matches!(event, GroupEvent::Speculate);
         // Bounded hand-over: wait for a reply while the optimizer thread
-        // holds its share of gradients (see `Trainer::grads_out`).
+        // holds its share of gradients (see `Trainer::grads_out`). Only
+        // where every job comes in the worker's expected order (steps
+        // during backward): with clipping or fp16 a group's job may follow
+        // the decision, and the worker waits for it in its order.
         let limit = sizing::grads_in_flight(self.sizing.read_ahead, self.sizing.write_behind);
-        while self.grads_out.len() >= limit {
+        while plan.mode == OverlapMode::Step && self.grads_out.len() >= limit {
             let t0 = Instant::now();
             let d = self.opt.recv()?;
             self.optimizer_wait += t0.elapsed();
