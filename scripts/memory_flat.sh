@@ -3,7 +3,15 @@
 # params and optimizer state on NVMe, sub_group_size 1e6, buffer_size 2e6,
 # 3 steps; two configs: GA 2 with clipping 1.0, and GA 1 without clipping.
 # Issue 18's table. Usage: scripts/memory_flat.sh [tierzero binary]
+# BUCKETS=small adds stage3_prefetch_bucket_size 1e6,
+# stage3_max_live_parameters 2e6 and stage3_max_reuse_distance 1e6 (buckets
+# below both models, as tests/memory_flat.rs sets them); by default
+# DeepSpeed's defaults apply.
 set -euo pipefail
+EXTRA=""
+if [ "${BUCKETS:-}" = small ]; then
+  EXTRA='"stage3_prefetch_bucket_size":1e6,"stage3_max_live_parameters":2e6,"stage3_max_reuse_distance":1e6,'
+fi
 BIN=${1:-target/release/tierzero}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/tz-memflat.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
@@ -18,7 +26,7 @@ config() { # ga clip
   cat > "$WORK/ds_$1_$2.json" <<J
 {"train_micro_batch_size_per_gpu":2,"gradient_accumulation_steps":$1,"gradient_clipping":$2,
  "optimizer":{"type":"AdamW","params":{"lr":1e-3}},
- "zero_optimization":{"stage":3,"sub_group_size":1e6,
+ "zero_optimization":{"stage":3,"sub_group_size":1e6,$EXTRA
    "offload_param":{"device":"nvme","nvme_path":"$WORK/swap","buffer_size":2e6,"max_in_cpu":0},
    "offload_optimizer":{"device":"nvme","nvme_path":"$WORK/swap"}}}
 J

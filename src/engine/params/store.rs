@@ -735,32 +735,45 @@ impl ParamStore {
         }
         match &self.homes[id.0] {
             Home::Device => Err(EngineError::internal("device-tier param not resident")),
-            Home::Cpu { page, offset_bytes } => {
-                let (page, off) = (*page, *offset_bytes);
-                let src = self
-                    .pages
-                    .get(page)
-                    .ok_or_else(|| EngineError::internal("cpu page missing"))?;
-                Ok(src.as_slice()[off..off + len].to_vec())
-            }
+            Home::Cpu { .. } => Ok(self.cpu_home_bytes(id)?.to_vec()),
             Home::Nvme { .. } => {
-                self.wait_write_of(id)?;
-                let buf = self.acquire_buffer()?;
-                let Home::Nvme { extent } = &self.homes[id.0] else {
-                    return Err(EngineError::internal("home changed"));
-                };
-                let nv = self
-                    .nvme
-                    .as_ref()
-                    .ok_or_else(|| EngineError::internal("nvme engine missing"))?;
-                let ticket = nv.engine.read(extent, buf)?;
-                self.counters.nvme_read_bytes += extent.len_bytes();
+                let ticket = self.read_home_now(id)?;
                 let t0 = Instant::now();
                 let buf = ticket.wait()?;
                 self.counters.io_wait += t0.elapsed();
                 Ok(buf.as_slice()[..len].to_vec())
             }
         }
+    }
+
+    /// The shard bytes of a cpu-tier param, in its pinned page.
+    fn cpu_home_bytes(&self, id: ParamId) -> Result<&[u8]> {
+        let len = self.shard_bytes(id)?;
+        let Home::Cpu { page, offset_bytes } = &self.homes[id.0] else {
+            return Err(EngineError::internal("not a cpu-tier param"));
+        };
+        self.pages
+            .get(*page)
+            .and_then(|p| p.as_slice().get(*offset_bytes..*offset_bytes + len))
+            .ok_or_else(|| EngineError::internal("cpu page missing"))
+    }
+
+    /// Issues a read of an NVMe param's home extent now, after its queued
+    /// write, into a swap buffer (retiring writes or completing reads to
+    /// free one).
+    fn read_home_now(&mut self, id: ParamId) -> Result<Ticket> {
+        self.wait_write_of(id)?;
+        let buf = self.acquire_buffer()?;
+        let Home::Nvme { extent } = &self.homes[id.0] else {
+            return Err(EngineError::internal("not an NVMe-tier param"));
+        };
+        let nv = self
+            .nvme
+            .as_ref()
+            .ok_or_else(|| EngineError::internal("nvme engine missing"))?;
+        let ticket = nv.engine.read(extent, buf)?;
+        self.counters.nvme_read_bytes += extent.len_bytes();
+        Ok(ticket)
     }
 
     /// Whether an [`ParamStore::update`] of `id` asked to `keep` it leaves
@@ -1059,29 +1072,14 @@ impl ParamStore {
                         self.info[id.0].name
                     )))
                 }
-                Home::Cpu { page, offset_bytes } => {
-                    let len = self.info[id.0].shard_numel * self.elem_bytes;
-                    let (page, off) = (*page, *offset_bytes);
-                    let src = self
-                        .pages
-                        .get(page)
-                        .ok_or_else(|| EngineError::internal("cpu page missing"))?;
-                    let t = self.tensor_from_shard(id, &src.as_slice()[off..off + len])?;
-                    self.counters.cpu_read_bytes += len as u64;
+                Home::Cpu { .. } => {
+                    let src = self.cpu_home_bytes(id)?;
+                    let t = self.tensor_from_shard(id, src)?;
+                    self.counters.cpu_read_bytes += src.len() as u64;
                     self.apply(id, ParamEvent::Materialized(t))?;
                 }
                 Home::Nvme { .. } => {
-                    self.wait_write_of(id)?;
-                    let buf = self.acquire_buffer()?;
-                    let Home::Nvme { extent } = &self.homes[id.0] else {
-                        return Err(EngineError::internal("home changed"));
-                    };
-                    let nv = self
-                        .nvme
-                        .as_ref()
-                        .ok_or_else(|| EngineError::internal("nvme engine missing"))?;
-                    let ticket = nv.engine.read(extent, buf)?;
-                    self.counters.nvme_read_bytes += extent.len_bytes();
+                    let ticket = self.read_home_now(id)?;
                     self.counters.sync_reads += 1;
                     let read = self.hand_over(id, ticket)?;
                     self.apply(id, ParamEvent::ReadIssued(read))?;

@@ -158,6 +158,7 @@
 
 mod build;
 mod checkpoint;
+mod groups;
 mod options;
 mod step;
 mod stop;
