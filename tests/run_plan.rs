@@ -194,13 +194,31 @@ fn plan_pinned_bytes_are_exactly_what_the_engine_needs() {
         assert_eq!(plan.params.pinned_bytes, 0);
         assert_eq!(plan.param_buffers, (4, align(20000 * 4)));
         assert_eq!(plan.spill_grads, clip);
-        // The first read_ahead + 1 = 2 sub-groups are read while backward
-        // runs; their gradients are held, not spilled.
-        assert_eq!(plan.held_sub_groups, if clip { 2 } else { 0 });
+        // The first read_ahead + 1 = 2 NVMe sub-groups are read while
+        // backward runs; their gradients are held, not spilled, and so are
+        // those of the resident groups before them (auto keeps one: the
+        // first units' group, state within one prefetch bucket's).
+        let resident = {
+            let t = trainer(&d, &ds(&d, clip, None)).unwrap();
+            t.sizing().resident_groups.clone()
+        };
+        assert_eq!(resident.iter().filter(|r| **r).count(), 1, "{resident:?}");
+        let first_nvme = resident.iter().position(|r| !r).unwrap();
+        let held = resident
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| !**r)
+            .nth(1)
+            .map(|(i, _)| i + 1)
+            .unwrap();
+        assert!(held >= 2 && held > first_nvme);
+        assert_eq!(plan.held_sub_groups, if clip { held } else { 0 });
         if clip {
-            assert!(plan
-                .to_string()
-                .contains("grads (fp32; spilled but first 2 held)"));
+            let text = plan.to_string();
+            assert!(
+                text.contains(&format!("grads (fp32; spilled but first {held} held)")),
+                "{text}"
+            );
         }
         // 3 states (4 with spilled grads) x (1 + read ahead + write behind).
         assert_eq!(plan.optimizer_buffers.0, if clip { 12 } else { 9 });
@@ -231,27 +249,27 @@ fn plan_nvme_bytes_follow_the_layout() {
         .iter()
         .map(|p| align(p.shard_numel as u64 * 4))
         .sum();
-    let groups: u64 = t
+    // The groups whose state is on NVMe: all but the resident ones.
+    let resident = &t.sizing().resident_groups;
+    assert_eq!(resident.len(), t.layout().sub_groups.len());
+    let nvme: Vec<u64> = t
         .layout()
         .sub_groups
         .iter()
-        .map(|g| align(g.numel as u64 * 4))
-        .sum();
+        .zip(resident)
+        .filter(|(_, r)| !**r)
+        .map(|(g, _)| align(g.numel as u64 * 4))
+        .collect();
+    assert!(nvme.len() < resident.len(), "auto keeps a group resident");
+    let groups: u64 = nvme.iter().sum();
     assert_eq!(plan.params.nvme_bytes, params);
     // Clipping with NVMe state speculates: a pool of the pipeline's depth
     // (read-ahead 1, write-behind 1, the step: 3 slots), each three extents
     // of the largest group.
     assert!(t.sizing().speculative);
-    let nvme_groups = t.layout().sub_groups.len();
-    let slots = 3.min(nvme_groups);
+    let slots = 3.min(nvme.len());
     assert_eq!(t.sizing().speculation_slots, slots);
-    let largest = t
-        .layout()
-        .sub_groups
-        .iter()
-        .map(|g| align(g.numel as u64 * 4))
-        .max()
-        .unwrap();
+    let largest = *nvme.iter().max().unwrap();
     let pool = slots as u64 * 3 * largest;
     assert_eq!(plan.speculation_pool, (slots, pool));
     assert_eq!(plan.optimizer.nvme_bytes, 3 * groups + pool);
