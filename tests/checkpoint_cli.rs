@@ -135,6 +135,22 @@ fn save_every_then_resume_matches_one_run() {
     );
     assert_eq!(b.code, 0, "{}{}", b.stdout, b.stderr);
     assert!(b.stdout.contains("resuming at step 4 of 6"), "{}", b.stdout);
+    // The save and the load say their size and time.
+    let saved = a
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("checkpoint: step 4 saved to"))
+        .unwrap();
+    assert!(saved.contains(" in ") && saved.ends_with("/s)"), "{saved}");
+    let loaded = b
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("checkpoint: step 4 loaded from"))
+        .unwrap_or_else(|| panic!("{}", b.stdout));
+    assert!(
+        loaded.contains("step-00000004") && loaded.contains(" in "),
+        "{loaded}"
+    );
     let c = train(&d, &["--steps", "6", "--metrics", "c.jsonl"]);
     assert_eq!(c.code, 0, "{}{}", c.stdout, c.stderr);
     // Steps 5 and 6 of the resumed run are those of the single run.
