@@ -140,6 +140,30 @@
 //!   (`max_in_cpu`) they need have no DeepSpeed figure.
 //! - **Precision**: DeepSpeed's formulas fix 16-bit params and fp32 Adam
 //!   moments; ours take `p` and `m` from the config and `--moments`.
+//! - **Gradients with the state on NVMe** never sit in host memory for the
+//!   whole model (DeepSpeed's NVMe swapper swaps them out too, and its
+//!   estimators do not model it): host memory holds at most the fp32 sums
+//!   of the largest unit's sub-groups, those held for the clipping norm,
+//!   the speculated ones and the steps handed to the optimizer thread
+//!   (`sizing::nvme_state_grad_bound_bytes`, the bound the plan prints);
+//!   with clipping or fp16 the final gradients spill to NVMe (`4S`), with
+//!   gradient accumulation the partial sums are parked there between
+//!   micro-batches (`4S`, through 4 pinned buffers of one sub-group), and
+//!   a speculative step writes into a pool of state slots there.
+//!
+//! # Against a run
+//!
+//! `scripts/scale_run.sh`'s config and model (a 2.03B Llama, bf16, GA 2,
+//! clipping, `sub_group_size` 1e7) estimated with `tierzero estimate
+//! --config ... --model ...`: NVMe 44.59 GB (params 4.06, state 24.27,
+//! spilled grads 8.13, parked sums 8.13), and the run's plan maps
+//! 44.6 GB on NVMe; host memory 1.75 GB (device 0.39 GB, pinned 0.72 GB,
+//! pageable 0.64 GB; the plan: pinned 0.72 GB, grads 0.52 GB, resident
+//! state 0.12 GB) against a measured peak RSS of 3.12 GB (2.91 GiB).
+//! The rest is what the estimate leaves out: the compute's activations and
+//! workspace (the largest unit's fp32 copies and gradients in backward:
+//! the 65.5M-element embedding alone is 262 MB per fp32 copy), the
+//! program and its heap.
 //!
 //! # Fitting
 //!
@@ -312,6 +336,14 @@ pub struct SwapSettings {
     pub prefetch_bucket_numel: u64,
     /// `tierzero.optimizer_resident_bytes` (`None`: auto).
     pub optimizer_resident_bytes: Option<u64>,
+    /// Whether sub-groups would step speculatively with the state on NVMe
+    /// ([`crate::engine::sizing::speculates`]): a pool of state slots on
+    /// NVMe, and their gradients kept in host memory.
+    pub speculative_with_nvme_state: bool,
+    /// `gradient_accumulation_steps` (1 when `"auto"` or absent): above 1,
+    /// with the state on NVMe, partial sums are parked on NVMe between
+    /// micro-batches.
+    pub gradient_accumulation_steps: u64,
 }
 
 impl SwapSettings {
@@ -332,6 +364,11 @@ impl SwapSettings {
             spill_grads_with_nvme_state: c.tierzero.overlap_optimizer
                 && (c.gradient_clipping.is_some()
                     || matches!(c.precision, crate::config::Precision::Fp16 { .. })),
+            speculative_with_nvme_state: c.tierzero.overlap_optimizer
+                && (c.gradient_clipping.is_some()
+                    || matches!(c.precision, crate::config::Precision::Fp16 { .. }))
+                && c.tierzero.speculative_step != Some(false),
+            gradient_accumulation_steps: c.batch.gradient_accumulation_steps.max(1),
             sub_group_numel: c.zero.sub_group_numel.0,
             prefetch_bucket_numel: c.zero.prefetch_bucket_numel.0,
             optimizer_resident_bytes: c.tierzero.optimizer_resident_bytes.map(|b| b.0),
@@ -687,20 +724,25 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
         );
     }
 
-    // fp32 gradient accumulators, where the optimizer runs.
+    // fp32 gradient accumulators, where the optimizer runs. With the
+    // state on NVMe they are bounded below (after the state's items).
     let (gn, gs) = part(c.stage >= Stage::Gradients);
     let grad_bytes = mul(gn, 4, "fp32 grads")?;
-    let grad_tier = match c.optimizer {
-        Offload::None => Tier::Device,
-        Offload::Cpu => pinned_or(sw.optimizer_pin_memory),
-        Offload::Nvme => Tier::Nvme,
-    };
-    push(
-        grad_tier,
-        "fp32 grad accumulators",
-        grad_bytes,
-        format!("{gs} × 4 B"),
-    );
+    match c.optimizer {
+        Offload::None => push(
+            Tier::Device,
+            "fp32 grad accumulators",
+            grad_bytes,
+            format!("{gs} × 4 B"),
+        ),
+        Offload::Cpu => push(
+            pinned_or(sw.optimizer_pin_memory),
+            "fp32 grad accumulators",
+            grad_bytes,
+            format!("{gs} × 4 B"),
+        ),
+        Offload::Nvme => {}
+    }
 
     // Optimizer state.
     let (on, os) = part(c.stage >= Stage::OptimizerStates);
@@ -762,13 +804,16 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
             match sw.optimizer_resident_bytes {
                 Some(b) => format!("tierzero.optimizer_resident_bytes {b} B"),
                 None => format!(
-                    "min(stage3_prefetch_bucket_size {} × {per} B, state / 4)",
-                    sw.prefetch_bucket_numel
+                    "min(stage3_prefetch_bucket_size {}, sub_group_size {}) × {per} B",
+                    sw.prefetch_bucket_numel, sw.sub_group_numel
                 ),
             },
         );
     }
     let tile = sw.sub_group_numel.min(on);
+    if c.optimizer == Offload::Nvme {
+        nvme_state_grads(inp, c, largest_group, resident_bytes > 0, &mut push)?;
+    }
     if c.optimizer == Offload::Nvme {
         let (bufs, why) = optimizer_buffer_count(sw, largest_group);
         push(
@@ -776,7 +821,7 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
             "optimizer swap buffers",
             mul(bufs.count, bufs.bytes_each, "optimizer buffers")?,
             format!(
-                "{} buffers ({why}) × max(min(sub_group_size {}, {os}), largest tensor) × 4 B, 4 KiB-aligned",
+                "{} buffers ({why}) × min(sub_group_size {}, {os}) × 4 B (a larger tensor is tiled), 4 KiB-aligned",
                 bufs.count, sw.sub_group_numel
             ),
         );
@@ -790,6 +835,107 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
         );
     }
     Ok(v)
+}
+
+/// With the optimizer state on NVMe, where the fp32 gradients are (the
+/// sizing policy's rules, `crate::engine::sizing`): host memory holds at
+/// most the sums of the largest unit's sub-groups, the groups held for the
+/// step (with clipping or fp16), the speculated ones and the steps handed
+/// to the optimizer thread, each one largest sub-group; with clipping or
+/// fp16 the final gradients spill to NVMe; with gradient accumulation the
+/// partial sums are parked on NVMe between micro-batches, through pinned
+/// buffers; speculation writes new state into a pool of slots on NVMe.
+fn nvme_state_grads(
+    inp: &Inputs,
+    c: Choice,
+    largest_group: u64,
+    one_resident: bool,
+    push: &mut impl FnMut(Tier, &'static str, u64, String),
+) -> Result<(), EstimateError> {
+    let sw = &inp.swap;
+    let (on, os) = if c.stage >= Stage::Gradients && inp.ranks > 1 {
+        let s = inp.total_numel.div_ceil(inp.ranks);
+        (s, format!("⌈{}/{}⌉", inp.total_numel, inp.ranks))
+    } else {
+        (inp.total_numel, inp.total_numel.to_string())
+    };
+    let shape = Shape::estimated(on, inp.largest_tensor_numel, sw.sub_group_numel);
+    let sub_groups = shape.sub_groups.len() as u64;
+    let g = largest_group.max(1);
+    let (ra, wb) = (
+        usize::from(sw.pipeline_read),
+        usize::from(sw.pipeline_write),
+    );
+    let spill = sw.spill_grads_with_nvme_state;
+    // The largest unit's params touch at most its elements' worth of
+    // groups plus one at each end (a tiled tensor starts a group of its
+    // own, and a unit's other params may sit in the groups on either side).
+    let unit_groups = (inp.largest_unit_numel.div_ceil(g) + 2).min(sub_groups);
+    let resident = u64::from(one_resident);
+    let held = if spill {
+        (ra as u64 + 1 + resident).min(sub_groups)
+    } else {
+        0
+    };
+    let slots = sizing::speculation_slots(
+        sw.speculative_with_nvme_state,
+        ra,
+        wb,
+        sub_groups.saturating_sub(resident) as usize,
+    ) as u64;
+    let in_flight = sizing::grads_in_flight(ra, wb);
+    push(
+        Tier::Pageable,
+        "fp32 grads in host memory (at most)",
+        sizing::nvme_state_grad_bound_bytes(unit_groups + held + slots, ra, wb, sub_groups, g),
+        format!(
+            "min((unit {unit_groups} + held {held} + speculated {slots} + handed over {in_flight}) sub-groups, {sub_groups}) × {g} × 4 B"
+        ),
+    );
+    if spill {
+        push(
+            Tier::Nvme,
+            "final fp32 grads spilled (clipping / fp16)",
+            mul(on, 4, "spilled grads")?,
+            format!("{os} × 4 B"),
+        );
+    }
+    if sw.gradient_accumulation_steps > 1 {
+        push(
+            Tier::Nvme,
+            "fp32 grad sums parked between micro-batches",
+            mul(on, 4, "parked grads")?,
+            format!(
+                "{os} × 4 B (gradient_accumulation_steps {})",
+                sw.gradient_accumulation_steps
+            ),
+        );
+        let bufs = sizing::park_buffers(g);
+        push(
+            pinned_or_pageable(sw.optimizer_pin_memory),
+            "grad park buffers",
+            mul(bufs.count, bufs.bytes_each, "park buffers")?,
+            format!("{} × {g} × 4 B, 4 KiB-aligned", bufs.count),
+        );
+    }
+    if slots > 0 {
+        let per = 4 + 2 * inp.moment_elem_bytes;
+        push(
+            Tier::Nvme,
+            "speculation pool (state slots)",
+            mul(mul(slots, per, "speculation pool")?, g, "speculation pool")?,
+            format!("{slots} slots × {g} × {per} B"),
+        );
+    }
+    Ok(())
+}
+
+fn pinned_or_pageable(pin: bool) -> Tier {
+    if pin {
+        Tier::Pinned
+    } else {
+        Tier::Pageable
+    }
 }
 
 /// The optimizer swap buffers the engine maps (the sizing policy's rule,
@@ -1474,7 +1620,9 @@ mod tests {
                 ("optimizer swap buffers", 5 * 400_003_072),
             ]
         );
-        assert_eq!(e.per_rank.nvme_bytes, n * (2 + 4 + 12));
+        // No clipping, GA 1: the gradients neither spill nor park; only
+        // params and state are on NVMe.
+        assert_eq!(e.per_rank.nvme_bytes, n * (2 + 12));
         // Pipelined reads: 3 states × (1 + 1 read ahead) = 6 buffers, the
         // engine's rule (above buffer_count's 4), with a note.
         let sw = settings(
@@ -1509,7 +1657,7 @@ mod tests {
 
     /// 7B without a GPU (the CPU is the device) and with 500 GiB of NVMe:
     /// on 8 GiB of RAM only stage 3 with everything on NVMe fits (under
-    /// 4 GiB of RAM with a moderate `sub_group_size`); on 24 GiB the 16-bit
+    /// 7 GiB of RAM with a moderate `sub_group_size`); on 24 GiB the 16-bit
     /// params (13 GiB) can stay in RAM and only the optimizer goes to NVMe.
     /// The CPU-offload choices need over 100 GiB of RAM.
     #[test]
@@ -1529,7 +1677,14 @@ mod tests {
         let r = estimate(&inp, &machine(8 * GIB, 500 * GIB, None)).unwrap();
         assert_eq!(r.recommended, Some(nvme_only));
         let e = find(&r, 3, Offload::Nvme, Offload::Nvme);
-        assert!(e.node_ram_bytes < 4 * GIB, "{}", e.node_ram_bytes);
+        // Host fp32 grads at most (unit 3 + 2, handed over 2) x 1e8 x 4 B.
+        let grads = e
+            .items
+            .iter()
+            .find(|i| i.what == "fp32 grads in host memory (at most)")
+            .unwrap();
+        assert_eq!(grads.bytes, 7 * 100_000_000 * 4, "{}", grads.formula);
+        assert!(e.node_ram_bytes < 7 * GIB, "{}", e.node_ram_bytes);
         assert_eq!(
             e.per_rank.pinned_bytes,
             // 4 KiB-aligned buffers, as the engine maps them.
@@ -1549,8 +1704,8 @@ mod tests {
         assert!(!find(&r, 3, Offload::Cpu, Offload::Cpu).fit.fits);
         assert!(find(&r, 3, Offload::Cpu, Offload::Cpu).node_ram_bytes > 100 * GIB);
         // Not enough disk: nothing fits; the closest is all on NVMe with the
-        // params in RAM (104 GiB of NVMe for 100 GiB free).
-        let r = estimate(&inp, &machine(24 * GIB, 100 * GIB, None)).unwrap();
+        // params in RAM (78.2 GiB of NVMe state for 75 GiB free).
+        let r = estimate(&inp, &machine(24 * GIB, 75 * GIB, None)).unwrap();
         assert_eq!(r.recommended, None);
         assert_eq!(
             r.closest,

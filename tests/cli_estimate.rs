@@ -129,7 +129,13 @@ fn estimate_json_matches_the_formulas() {
     assert!(e["deepspeed"].is_null());
     let opt = items_named(e, "optimizer swap buffers");
     assert_eq!(u(&opt["bytes"]), 4 * align(s.min(1_000_000_000) * 4));
-    assert_eq!(u(&e["per_rank"]["nvme_bytes"]), s * 2 + s * 4 + s * 12);
+    // No clipping and GA 1: gradients neither spill nor park, so NVMe
+    // holds params and state; host memory holds the fp32 sums of at most
+    // (the unit's 2 + 2 handed over) sub-groups, here the only one.
+    assert_eq!(u(&e["per_rank"]["nvme_bytes"]), s * 2 + s * 12);
+    let grads = items_named(e, "fp32 grads in host memory (at most)");
+    assert_eq!(grads["tier"], "pageable");
+    assert_eq!(u(&grads["bytes"]), s * 4);
 }
 
 /// Bytes rounded up to 4 KiB, as the engine maps its swap buffers.
@@ -212,6 +218,27 @@ fn estimate_from_model_and_config() {
         u(&items_named(e, "fp32 master + Adam m, v")["bytes"]),
         124_439_808 * 8 - 10_000_000 * 8
     );
+    // Host fp32 grads bounded by sub-groups: the largest unit's (38.6M
+    // over groups of 1e7: 4, + 2 for the groups at its ends) and 3 handed
+    // over (2 + read ahead): 9 groups of 1e7. Without clipping or
+    // fp16 none is held for the norm, none spills, and there is no
+    // speculation pool; GA 1: no park.
+    let grads = items_named(e, "fp32 grads in host memory (at most)");
+    assert_eq!(u(&grads["bytes"]), 9 * 10_000_000 * 4, "{grads}");
+    for what in [
+        "final fp32 grads spilled (clipping / fp16)",
+        "fp32 grad sums parked between micro-batches",
+        "speculation pool (state slots)",
+    ] {
+        assert!(
+            e["items"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|i| i["what"] != what),
+            "{what}"
+        );
+    }
     // buffer_size 1e7 is below the largest tensor (38.6M): flagged.
     let notes = r["notes"].as_array().unwrap();
     assert!(

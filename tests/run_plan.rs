@@ -329,7 +329,7 @@ fn plan_and_engine_agree_on_resident_optimizer_groups() {
             drop(t);
             let text = plan.to_string();
             assert_eq!(
-                text.contains("optimizer state (1 groups resident)"),
+                text.contains("optimizer state (1 group resident)"),
                 resident == 1,
                 "{text}"
             );

@@ -328,14 +328,40 @@ pub fn host_grad_bound_bytes(
     if !opt_nvme {
         return shape.numel().saturating_mul(4);
     }
-    let groups = unit_groups
-        + sizing.held_grad_groups as u64
-        + sizing.speculation_slots as u64
-        + grads_in_flight(sizing.read_ahead, sizing.write_behind) as u64;
-    groups
-        .min(shape.sub_groups.len() as u64)
-        .saturating_mul(shape.max_sub_group_numel())
+    nvme_state_grad_bound_bytes(
+        unit_groups + sizing.held_grad_groups as u64 + sizing.speculation_slots as u64,
+        sizing.read_ahead,
+        sizing.write_behind,
+        shape.sub_groups.len() as u64,
+        shape.max_sub_group_numel(),
+    )
+}
+
+/// [`host_grad_bound_bytes`] with the optimizer state on NVMe, from its
+/// parts: `groups` sub-groups' sums being added into, held or speculated,
+/// and the [`grads_in_flight`] steps handed over, at most `sub_groups`
+/// groups of `max_group_numel` fp32 elements (`tierzero estimate` calls
+/// it for a model known by its size).
+pub fn nvme_state_grad_bound_bytes(
+    groups: u64,
+    read_ahead: usize,
+    write_behind: usize,
+    sub_groups: u64,
+    max_group_numel: u64,
+) -> u64 {
+    (groups + grads_in_flight(read_ahead, write_behind) as u64)
+        .min(sub_groups)
+        .saturating_mul(max_group_numel)
         .saturating_mul(4)
+}
+
+/// The gradient park's pinned buffers ([`parks_grads`]): a fixed count,
+/// each one largest sub-group of fp32 sums, 4 KiB-aligned.
+pub fn park_buffers(max_group_numel: u64) -> Buffers {
+    Buffers {
+        count: crate::engine::grads::PARK_BUFFERS,
+        bytes_each: align_up(max_group_numel.saturating_mul(4)),
+    }
 }
 
 /// The speculation pool's slots: one sub-group pipeline's worth of state
@@ -546,10 +572,7 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
     let speculative = speculates(config);
     let park_grads = parks_grads(config);
     let park_buffers = if park_grads {
-        Buffers {
-            count: crate::engine::grads::PARK_BUFFERS,
-            bytes_each: align_up(shape.max_sub_group_numel().saturating_mul(4)),
-        }
+        park_buffers(shape.max_sub_group_numel())
     } else {
         Buffers::NONE
     };

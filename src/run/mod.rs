@@ -361,6 +361,7 @@ impl fmt::Display for Plan {
         }
         let opt_label = match self.resident_sub_groups {
             0 => "optimizer state (fp32 master, m, v)".to_owned(),
+            1 => "optimizer state (1 group resident)".to_owned(),
             n => format!("optimizer state ({n} groups resident)"),
         };
         row(&mut s, &opt_label, &self.optimizer);
