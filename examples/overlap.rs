@@ -58,7 +58,8 @@
 //! and `REUSE_H2` set `stage3_prefetch_bucket_size`,
 //! `stage3_max_live_parameters` and `stage3_max_reuse_distance` in units
 //! of hidden² (a block is 12: default 24, 48 and 0); `OPT_RESIDENT` sets
-//! `tierzero.optimizer_resident_bytes` (bytes, or "auto"); `PIN=off` or
+//! `tierzero.optimizer_resident_bytes` (bytes, or "auto"); `SPEC_POOL` sets
+//! `tierzero.speculation_pool_bytes` (bytes, or "auto"); `PIN=off` or
 //! `PIN=on` sets `tierzero.pin_threads` (default "auto");
 //! `LR` sets the AdamW learning rate (default 1e-3) and `WARMUP=N` a
 //! linear warm-up to it over N steps (default none);

@@ -344,6 +344,8 @@ pub struct SwapSettings {
     /// with the state on NVMe, partial sums are parked on NVMe between
     /// micro-batches.
     pub gradient_accumulation_steps: u64,
+    /// `tierzero.speculation_pool_bytes` (`None`: auto).
+    pub speculation_pool_bytes: Option<u64>,
 }
 
 impl SwapSettings {
@@ -369,6 +371,7 @@ impl SwapSettings {
                     || matches!(c.precision, crate::config::Precision::Fp16 { .. }))
                 && c.tierzero.speculative_step != Some(false),
             gradient_accumulation_steps: c.batch.gradient_accumulation_steps.max(1),
+            speculation_pool_bytes: c.tierzero.speculation_pool_bytes.map(|b| b.0),
             sub_group_numel: c.zero.sub_group_numel.0,
             prefetch_bucket_numel: c.zero.prefetch_bucket_numel.0,
             optimizer_resident_bytes: c.tierzero.optimizer_resident_bytes.map(|b| b.0),
@@ -877,11 +880,14 @@ fn nvme_state_grads(
     } else {
         0
     };
-    let slots = sizing::speculation_slots(
+    let per = 4 + 2 * inp.moment_elem_bytes;
+    let slots = sizing::speculation_pool_slots(
         sw.speculative_with_nvme_state,
         ra,
         wb,
         sub_groups.saturating_sub(resident) as usize,
+        sw.speculation_pool_bytes,
+        per.saturating_mul(g),
     ) as u64;
     let in_flight = sizing::grads_in_flight(ra, wb);
     push(
@@ -919,7 +925,6 @@ fn nvme_state_grads(
         );
     }
     if slots > 0 {
-        let per = 4 + 2 * inp.moment_elem_bytes;
         push(
             Tier::Nvme,
             "speculation pool (state slots)",

@@ -146,3 +146,33 @@ fn a_pool_smaller_than_the_groups_keeps_the_bits() {
         }
     }
 }
+
+/// `tierzero.speculation_pool_bytes` large enough for every NVMe group: no
+/// group waits for the norm, and the bits are those of the step that waits
+/// (hits and misses, with and without pipelining).
+#[test]
+fn a_pool_of_every_group_never_waits_and_keeps_the_bits() {
+    for pipeline in [true, false] {
+        for (tag, clip) in [("hit", 1e6), ("miss", 0.05)] {
+            let tag = format!("spec-pool-all-{tag}-{pipeline}");
+            let k = Knobs {
+                clip,
+                precision: "bf16",
+                pipeline,
+                speculation_pool_bytes: Some(1 << 40),
+                ..Knobs::nvme()
+            };
+            let dir = tiny_gpt2_dir(&tag, 2, 32);
+            let spec = train(&dir, &speculative(&k, Some(true)), 5, STEPS, |_| SEQ);
+            let wait = train(&dir, &speculative(&k, Some(false)), 5, STEPS, |_| SEQ);
+            assert_identical(&spec, &wait, &tag);
+            let (hits, misses) = counts(&spec);
+            assert_eq!(hits + misses, STEPS, "{tag}");
+            assert_eq!(
+                spec.steps.last().unwrap().speculation_pool_waits,
+                0,
+                "{tag}"
+            );
+        }
+    }
+}

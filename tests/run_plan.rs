@@ -272,6 +272,37 @@ fn plan_nvme_bytes_follow_the_layout() {
     let largest = *nvme.iter().max().unwrap();
     let pool = slots as u64 * 3 * largest;
     assert_eq!(plan.speculation_pool, (slots, pool));
+    // Every NVMe group speculating takes one slot each.
+    assert_eq!(
+        plan.speculation_pool_all,
+        (nvme.len(), nvme.len() as u64 * 3 * largest)
+    );
+    // Unpipelined, the pool has one slot: the plan names the bytes that
+    // would give every NVMe group one, and they do.
+    let mut one = cfg.clone();
+    one["zero_optimization"]["offload_optimizer"]["pipeline_read"] = json!(false);
+    one["zero_optimization"]["offload_optimizer"]["pipeline_write"] = json!(false);
+    let plan_one = plan_of(&d, &one);
+    assert_eq!(plan_one.speculation_pool.0, 1);
+    assert!(nvme.len() > 1);
+    let all_bytes = nvme.len() as u64 * 3 * largest;
+    assert_eq!(plan_one.speculation_pool_all, (nvme.len(), all_bytes));
+    let text = plan_one.to_string();
+    assert!(
+        text.contains(&format!(
+            "1 of {} NVMe sub-groups speculate; tierzero.speculation_pool_bytes {all_bytes} (",
+            nvme.len()
+        )),
+        "{text}"
+    );
+    one["tierzero"]["speculation_pool_bytes"] = json!(all_bytes);
+    let t1 = trainer(&d, &one).unwrap();
+    assert_eq!(t1.sizing().speculation_slots, nvme.len());
+    drop(t1);
+    one["tierzero"]["speculation_pool_bytes"] = json!(all_bytes - 1);
+    let t2 = trainer(&d, &one).unwrap();
+    assert_eq!(t2.sizing().speculation_slots, nvme.len() - 1);
+    drop(t2);
     assert_eq!(plan.optimizer.nvme_bytes, 3 * groups + pool);
     assert_eq!(plan.grads.nvme_bytes, groups);
     assert_eq!(plan.nvme_total_bytes(), params + 4 * groups + pool);

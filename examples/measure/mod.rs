@@ -129,6 +129,12 @@ impl Setup {
                 Err(_) => json!(v),
             };
         }
+        if let Ok(v) = std::env::var("SPEC_POOL") {
+            ds["tierzero"]["speculation_pool_bytes"] = match v.parse::<u64>() {
+                Ok(n) => json!(n),
+                Err(_) => json!(v),
+            };
+        }
         if let Some(n) = self.compute_threads {
             ds["tierzero"]["compute_threads"] = json!(n);
         }

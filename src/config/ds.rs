@@ -544,6 +544,16 @@ section! {
         /// (absent) speculates and stops after a run of misses; `true`
         /// always; `false` never. Same result either way. `None` = auto.
         speculative_step: Option<bool> => auto_none(flag);
+        /// `speculation_pool_bytes`: NVMe space for the speculative step's
+        /// pool of state slots (each the fp32 master, m and v of one largest
+        /// sub-group). A step speculates as many sub-groups as there are
+        /// slots; the others wait for the global norm. `"auto"` (absent) =
+        /// one optimizer pipeline's worth (1 + `pipeline_read` +
+        /// `pipeline_write` slots); a byte count buys that many slots (at
+        /// least one, at most one per NVMe sub-group: a second copy of all
+        /// state lets every sub-group speculate). Same result either way.
+        /// `None` = auto.
+        speculation_pool_bytes: Option<u64> => auto_none(bytes);
         /// `stop_grace_s`: seconds a stop (SIGINT, SIGTERM, or a library
         /// `StopHandle`) may take from the request to the end of the run:
         /// the step in progress, the checkpoint of that step and the

@@ -324,6 +324,9 @@ pub struct Tierzero {
     /// Speculative optimizer step with clipping or fp16; `None` = auto
     /// (see `crate::engine::trainer` "Speculative step").
     pub speculative_step: Option<bool>,
+    /// NVMe bytes of the speculation pool; `None` = auto (one optimizer
+    /// pipeline's worth of slots, see `crate::engine::sizing`).
+    pub speculation_pool_bytes: Option<Bytes>,
     /// How long a stop may take from its request to the end of the run
     /// (`tierzero.stop_grace_s`); `None` = no bound.
     pub stop_grace: Option<std::time::Duration>,
@@ -725,6 +728,7 @@ pub(crate) fn validate(
         optimizer_resident_bytes: t.optimizer_resident_bytes.map(Bytes),
         pin_threads: t.pin_threads,
         speculative_step: t.speculative_step,
+        speculation_pool_bytes: t.speculation_pool_bytes.map(Bytes),
         stop_grace: match t.stop_grace_s {
             Some(s) if s.is_finite() && s > 0.0 && s <= MAX_STOP_GRACE_S => {
                 Some(std::time::Duration::from_secs_f64(s))

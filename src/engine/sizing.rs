@@ -364,6 +364,30 @@ pub fn park_buffers(max_group_numel: u64) -> Buffers {
     }
 }
 
+/// The speculation pool's slots with `tierzero.speculation_pool_bytes`:
+/// `None` (auto) is [`speculation_slots`]; a byte count buys
+/// `pool_bytes / slot_bytes` slots (a slot is one largest NVMe sub-group's
+/// three state extents), at least one and at most `nvme_groups`; 0
+/// without speculation.
+pub fn speculation_pool_slots(
+    speculative: bool,
+    read_ahead: usize,
+    write_behind: usize,
+    nvme_groups: usize,
+    pool_bytes: Option<u64>,
+    slot_bytes: u64,
+) -> usize {
+    match pool_bytes {
+        Some(b) if speculative && nvme_groups > 0 => {
+            let bought = b.checked_div(slot_bytes).unwrap_or(u64::MAX);
+            usize::try_from(bought)
+                .unwrap_or(usize::MAX)
+                .clamp(1, nvme_groups)
+        }
+        _ => speculation_slots(speculative, read_ahead, write_behind, nvme_groups),
+    }
+}
+
 /// The speculation pool's slots: one sub-group pipeline's worth of state
 /// in flight, `1 + read_ahead + write_behind` sub-groups (as many as the
 /// optimizer pipeline holds at once, [`buffers_needed`]), at most the NVMe
@@ -641,11 +665,13 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
             .filter(|(_, r)| !**r)
             .map(|(g, _)| align_up(g.numel * 4))
     };
-    let speculation_slots = speculation_slots(
+    let speculation_slots = speculation_pool_slots(
         speculative && opt_nvme,
         read_ahead,
         write_behind,
         nvme_groups().count(),
+        config.tierzero.speculation_pool_bytes.map(|b| b.0),
+        3 * nvme_groups().max().unwrap_or(0),
     );
     // Speculation keeps the old state while the new one is written: into a
     // pool slot, sized for any NVMe group (a committed slot becomes the
@@ -710,6 +736,25 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_speculation_pool_buys_slots_with_bytes() {
+        // auto: one pipeline's worth, at most the NVMe groups.
+        assert_eq!(speculation_pool_slots(true, 1, 1, 10, None, 300), 3);
+        assert_eq!(speculation_pool_slots(true, 1, 1, 2, None, 300), 2);
+        // bytes: floor(bytes / slot), at least one, at most the groups.
+        assert_eq!(speculation_pool_slots(true, 1, 1, 10, Some(1500), 300), 5);
+        assert_eq!(speculation_pool_slots(true, 1, 1, 10, Some(299), 300), 1);
+        assert_eq!(speculation_pool_slots(true, 0, 0, 10, Some(0), 300), 1);
+        assert_eq!(
+            speculation_pool_slots(true, 1, 1, 10, Some(1 << 40), 300),
+            10
+        );
+        assert_eq!(speculation_pool_slots(true, 1, 1, 10, Some(5), 0), 10);
+        // No speculation, or no NVMe group: none.
+        assert_eq!(speculation_pool_slots(false, 1, 1, 10, Some(3000), 300), 0);
+        assert_eq!(speculation_pool_slots(true, 1, 1, 0, Some(3000), 300), 0);
+    }
 
     #[test]
     fn estimated_shape_keeps_the_total_and_the_largest_group() {

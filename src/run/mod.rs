@@ -121,6 +121,10 @@ pub struct Plan {
     /// With `speculative`: the speculation pool's slots (sub-groups a step
     /// speculates) and its NVMe bytes (in `optimizer.nvme_bytes`).
     pub speculation_pool: (usize, u64),
+    /// With `speculative`: the NVMe sub-groups (all could speculate with
+    /// one slot each) and the `tierzero.speculation_pool_bytes` that buys
+    /// them all.
+    pub speculation_pool_all: (usize, u64),
     /// fp32 master weights, `m` and `v`.
     pub optimizer: TierBytes,
     /// With NVMe optimizer state, the sub-groups whose state stays in host
@@ -258,6 +262,14 @@ impl Plan {
             held_sub_groups: sizing.held_grad_groups,
             speculative: sizing.speculative,
             speculation_pool: (sizing.speculation_slots, sizing.speculation_pool_nvme_bytes),
+            speculation_pool_all: {
+                let nvme_groups = sizing.resident_groups.iter().filter(|r| !**r).count();
+                let slot_bytes = sizing
+                    .speculation_pool_nvme_bytes
+                    .checked_div(sizing.speculation_slots as u64)
+                    .unwrap_or(0);
+                (nvme_groups, nvme_groups as u64 * slot_bytes)
+            },
             optimizer,
             resident_sub_groups: sizing.resident_group_count(),
             param_buffers: pair(sizing.param_buffers),
@@ -436,6 +448,17 @@ impl fmt::Display for Plan {
                 cell(self.speculation_pool.1).trim(),
                 self.speculation_pool.0
             );
+            let (all_groups, all_bytes) = self.speculation_pool_all;
+            if self.speculation_pool.0 < all_groups {
+                let _ = writeln!(
+                    s,
+                    "  speculation pool: {} of {all_groups} NVMe sub-groups speculate; \
+                     tierzero.speculation_pool_bytes {all_bytes} ({} more NVMe) lets every one \
+                     step during backward, as without clipping",
+                    self.speculation_pool.0,
+                    cell(all_bytes.saturating_sub(self.speculation_pool.1)).trim()
+                );
+            }
         }
         f.write_str(s.trim_end())
     }

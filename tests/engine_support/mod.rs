@@ -113,6 +113,8 @@ pub struct Knobs {
     pub pin_threads: Option<bool>,
     /// `tierzero.speculative_step` (`None`: absent, auto).
     pub speculative: Option<bool>,
+    /// `tierzero.speculation_pool_bytes` (`None`: absent, auto).
+    pub speculation_pool_bytes: Option<u64>,
 }
 
 impl Default for Knobs {
@@ -139,6 +141,7 @@ impl Default for Knobs {
             max_live: 20_000,
             pin_threads: None,
             speculative: None,
+            speculation_pool_bytes: None,
         }
     }
 }
@@ -213,6 +216,9 @@ pub fn ds_config(k: &Knobs, swap: &Path, total_steps: u64) -> Value {
     }
     if let Some(s) = k.speculative {
         tz["speculative_step"] = json!(s);
+    }
+    if let Some(b) = k.speculation_pool_bytes {
+        tz["speculation_pool_bytes"] = json!(b);
     }
     json!({
         "train_micro_batch_size_per_gpu": 2,
