@@ -141,7 +141,12 @@ fn save_every_then_resume_matches_one_run() {
         .lines()
         .find(|l| l.starts_with("checkpoint: step 4 saved to"))
         .unwrap();
-    assert!(saved.contains(" in ") && saved.ends_with("/s)"), "{saved}");
+    assert!(
+        saved.contains(" in ")
+            && saved.contains("/s; after ")
+            && saved.ends_with("optimizer tail)"),
+        "{saved}"
+    );
     let loaded = b
         .stdout
         .lines()

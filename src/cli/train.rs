@@ -755,12 +755,19 @@ fn train_steps(
     let mut saved_at: Option<u64> = None;
     let mut stop: Option<StopCause> = None;
     let save = |trainer: &mut Trainer, dir: &Path| -> Result<(), Failure> {
+        // The last step's optimizer tail first, so the time said is the
+        // save's own.
+        let tail_started = Instant::now();
+        trainer
+            .settle_optimizer()
+            .map_err(|e| run_failure(e, "saving a checkpoint"))?;
+        let tail_s = tail_started.elapsed().as_secs_f64();
         let started = Instant::now();
         let p = trainer
             .save_checkpoint(dir)
             .map_err(|e| run_failure(e, "saving a checkpoint"))?;
         say(&format!(
-            "checkpoint: step {} saved to {} ({})\n",
+            "checkpoint: step {} saved to {} ({}; after {tail_s:.1} s of the step's optimizer tail)\n",
             trainer.steps_done(),
             p.display(),
             size_and_time(&p, started.elapsed().as_secs_f64())

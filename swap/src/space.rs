@@ -44,12 +44,17 @@
 //! ## Copies to and from ordinary files
 //! [`SwapSpace::copy_extent_to_file`] and
 //! [`SwapSpace::copy_extent_from_file`] move an extent's bytes (piece by
-//! striping piece) with `copy_file_range`, never through user memory: the
-//! kernel reflinks on XFS/btrfs and copies in-kernel elsewhere. Checkpoints
-//! use them for NVMe optimizer state. Where the kernel refuses the call
+//! striping piece). Checkpoints use them for NVMe optimizer state. Three
+//! ways, the first that applies: where both files are on one XFS or btrfs
+//! file system, `copy_file_range` (the kernel reflinks, moving no data);
+//! for a save (extent to file) where every offset and length is aligned
+//! and both files take O_DIRECT, direct reads and writes through an 8 MiB
+//! bounce buffer, past the page cache (on this ext4 VM a 2.4 GiB save took
+//! 1.7-3.2 s against about 7 s with `copy_file_range`, which copied
+//! through the page cache with a core of kernel memcpy); else
+//! `copy_file_range` in-kernel, and where the kernel refuses that call
 //! between the two files, a `pread`/`pwrite` fallback through a 1 MiB heap
-//! buffer does the piece, and the [`CopyReport`] says how many bytes took
-//! which way.
+//! buffer. The [`CopyReport`] says how many bytes took which way.
 //!
 //! ## O_DIRECT
 //! `DirectIo::Auto` opens with `O_DIRECT` and falls back to buffered I/O
@@ -512,6 +517,10 @@ pub struct CopyReport {
     /// Bytes moved by the `pread`/`pwrite` fallback (file systems or kernels
     /// where `copy_file_range` between these files is refused).
     pub fallback_bytes: u64,
+    /// Bytes moved by O_DIRECT reads and writes through a bounce buffer,
+    /// past the page cache (both sides on O_DIRECT-capable files, every
+    /// offset and length aligned): the first choice.
+    pub direct_bytes: u64,
 }
 
 /// Which way [`SwapSpace::copy_extent_to_file`] /
@@ -622,6 +631,17 @@ impl SwapSpace {
                 extent_bytes: ext.len_bytes(),
             });
         }
+        // Saves go the direct way. Restores do not: the checkpoint reader
+        // has just read the file to verify its crcs, so `copy_file_range`
+        // finds it in the page cache, where a direct read would go to the
+        // disk again (measured: 3.5 s against 4.1 s for 2.4 GiB, cold).
+        if way == CopyWay::ToFile {
+            if let Some(report) =
+                self.direct_copy_to_file(ext, len_bytes, other_path, other_offset_bytes)?
+            {
+                return Ok(report);
+            }
+        }
         let mut report = CopyReport::default();
         // The swap side through a buffered descriptor: the kernel refuses
         // `copy_file_range` on an O_DIRECT one (EINVAL). The page cache
@@ -688,6 +708,171 @@ impl SwapSpace {
         Ok(report)
     }
 }
+
+impl SwapSpace {
+    /// [`SwapSpace::copy_extent_to_file`] past the page cache: the swap side
+    /// through its own O_DIRECT descriptors, the other file through an
+    /// O_DIRECT descriptor of its own, [`DIRECT_COPY_CHUNK_BYTES`] at a time
+    /// through an aligned bounce buffer (the striped pieces of a chunk
+    /// gathered from the swap files, one write to the other). Copying through
+    /// the page cache (`copy_file_range`, 1 MiB stripe by stripe) ran at
+    /// about half the disk's bandwidth and a core of kernel memcpy here.
+    ///
+    /// `None` when it does not apply: a swap file without O_DIRECT, an
+    /// other file that cannot be opened with it (tmpfs), an offset or
+    /// length off the alignment, or the kernel refusing the first direct
+    /// call (`EINVAL`); the caller then copies as before. Nothing is
+    /// written before the first call succeeds, so the fallback starts
+    /// from a clean slate; later errors are errors.
+    fn direct_copy_to_file(
+        &self,
+        ext: &Extent,
+        len_bytes: u64,
+        other_path: &Path,
+        other_offset_bytes: u64,
+    ) -> Result<Option<CopyReport>> {
+        use std::os::unix::fs::FileExt;
+        let align = self.alignment.bytes();
+        let pieces = ext.pieces(0, len_bytes, u64::MAX);
+        let aligned = |x: u64| x.is_multiple_of(align);
+        if len_bytes == 0
+            || !aligned(len_bytes)
+            || !aligned(other_offset_bytes)
+            || pieces.iter().any(|p| {
+                !self.file(p.file).direct || !aligned(p.file_offset_bytes) || !aligned(p.len_bytes)
+            })
+        {
+            return Ok(None);
+        }
+        let other = match OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW | libc::O_DIRECT)
+            .open(other_path)
+        {
+            Ok(f) => f,
+            Err(_) => return Ok(None),
+        };
+        // Where `copy_file_range` can reflink (XFS, btrfs) it moves no data
+        // at all: leave the copy to it.
+        if pieces
+            .iter()
+            .any(|p| reflinks_between(&self.file(p.file).file, &other))
+        {
+            return Ok(None);
+        }
+        let chunk_bytes = (DIRECT_COPY_CHUNK_BYTES as u64).min(len_bytes) as usize;
+        // Every piece within one chunk (stripes divide the chunk).
+        let chunk_of = |x: u64| x / chunk_bytes as u64;
+        if pieces
+            .iter()
+            .any(|p| chunk_of(p.buf_offset_bytes) != chunk_of(p.buf_offset_bytes + p.len_bytes - 1))
+        {
+            return Ok(None);
+        }
+        // An aligned window of a heap allocation: no unsafe, and the
+        // allocation outlives every call that uses it (the calls are
+        // synchronous).
+        let mut backing = vec![0u8; chunk_bytes + align as usize];
+        let start = backing.as_ptr().align_offset(align as usize);
+        let buf = &mut backing[start..start + chunk_bytes];
+        let mut first = true;
+        let mut chunk_start = 0u64;
+        while chunk_start < len_bytes {
+            let n = (len_bytes - chunk_start).min(chunk_bytes as u64);
+            let chunk = &mut buf[..n as usize];
+            let other_off = other_offset_bytes + chunk_start;
+            let within: Vec<&Piece> = pieces
+                .iter()
+                .filter(|p| {
+                    p.buf_offset_bytes >= chunk_start && p.buf_offset_bytes < chunk_start + n
+                })
+                .collect();
+            let io =
+                |r: std::io::Result<()>, path: &Path, offset_bytes: u64, len: u64, op: IoOp| {
+                    r.map_err(|source| {
+                        if source.kind() == std::io::ErrorKind::UnexpectedEof {
+                            SwapError::ShortIo {
+                                op,
+                                path: path.to_path_buf(),
+                                offset_bytes,
+                                expected_bytes: len,
+                                got_bytes: 0,
+                            }
+                        } else {
+                            SwapError::Io {
+                                op,
+                                path: path.to_path_buf(),
+                                offset_bytes,
+                                len_bytes: len,
+                                source,
+                            }
+                        }
+                    })
+                };
+            // The kernel's verdict on direct I/O comes with the first call.
+            let refused = |r: &std::io::Result<()>| matches!(r, Err(e) if e.raw_os_error() == Some(libc::EINVAL));
+            for p in &within {
+                let sf = self.file(p.file);
+                let at = (p.buf_offset_bytes - chunk_start) as usize;
+                let r = sf.file.read_exact_at(
+                    &mut chunk[at..at + p.len_bytes as usize],
+                    p.file_offset_bytes,
+                );
+                if first && refused(&r) {
+                    return Ok(None);
+                }
+                io(r, &sf.path, p.file_offset_bytes, p.len_bytes, IoOp::Read)?;
+            }
+            let r = other.write_all_at(chunk, other_off);
+            if first && refused(&r) {
+                return Ok(None);
+            }
+            first = false;
+            io(r, other_path, other_off, n, IoOp::Write)?;
+            chunk_start += n;
+        }
+        Ok(Some(CopyReport {
+            direct_bytes: len_bytes,
+            ..CopyReport::default()
+        }))
+    }
+}
+
+/// Whether two open files are on one XFS or btrfs file system, where
+/// `copy_file_range` shares extents instead of copying.
+fn reflinks_between(a: &File, b: &File) -> bool {
+    const XFS_MAGIC: i64 = 0x5846_5342;
+    const BTRFS_MAGIC: i64 = 0x9123_683e;
+    let fs = |f: &File| -> Option<(i64, [i32; 2])> {
+        let mut st = std::mem::MaybeUninit::<libc::statfs>::zeroed();
+        // SAFETY: `f` is an open descriptor for the call (borrowed), and
+        // `st` is a valid, exclusively borrowed `statfs` the kernel fills;
+        // it is read only after a 0 return.
+        let rc = unsafe { libc::fstatfs(f.as_raw_fd(), st.as_mut_ptr()) };
+        if rc != 0 {
+            return None;
+        }
+        // SAFETY: fstatfs returned 0, so it wrote the whole struct (and it
+        // was zeroed before: every field is initialised either way).
+        let st = unsafe { st.assume_init() };
+        // SAFETY: `fsid_t` is two i32s in every libc layout; read as such.
+        let id: [i32; 2] = unsafe { std::mem::transmute(st.f_fsid) };
+        // `f_type`'s width differs between libc targets.
+        #[allow(clippy::unnecessary_cast, reason = "i64 on some targets only")]
+        let kind = st.f_type as i64;
+        Some((kind, id))
+    };
+    match (fs(a), fs(b)) {
+        (Some((ta, ia)), Some((tb, ib))) => {
+            ta == tb && ia == ib && (ta == XFS_MAGIC || ta == BTRFS_MAGIC)
+        }
+        _ => false,
+    }
+}
+
+/// The bounce buffer of [`SwapSpace::direct_copy_to_file`]: large enough that one
+/// call per chunk on the other file runs at the disk's rate.
+const DIRECT_COPY_CHUNK_BYTES: usize = 8 << 20;
 
 /// One side of a copy.
 #[derive(Debug, Clone, Copy)]
@@ -1189,6 +1374,8 @@ mod tests {
         let r = space
             .copy_extent_from_file(&ext, len, &src, &src_path, 100)
             .unwrap_or_else(|e| panic!("copy in: {e}"));
+        // Offset 100 is off the alignment: not the direct way.
+        assert_eq!(r.direct_bytes, 0);
         assert_eq!(r.kernel_bytes + r.fallback_bytes, len);
         // Each striping piece landed where `pieces` says.
         for p in ext.pieces(0, len, u64::MAX) {
@@ -1210,11 +1397,40 @@ mod tests {
         let r = space
             .copy_extent_to_file(&ext, len - 4096, &dst, &dst_path, 4096)
             .unwrap_or_else(|e| panic!("copy out: {e}"));
-        assert_eq!(r.kernel_bytes + r.fallback_bytes, len - 4096);
+        assert_eq!(
+            r.kernel_bytes + r.fallback_bytes + r.direct_bytes,
+            len - 4096
+        );
+        // Aligned, on O_DIRECT-capable files: past the page cache.
+        let direct = space.files().iter().all(SwapFile::is_direct);
+        assert_eq!(r.direct_bytes, if direct { len - 4096 } else { 0 }, "{r:?}");
         let mut got = vec![0u8; (len - 4096) as usize];
         dst.read_exact_at(&mut got, 4096)
             .unwrap_or_else(|e| panic!("read: {e}"));
         assert_eq!(got, pattern[100..100 + (len - 4096) as usize]);
+        // And in again from there (restores take copy_file_range): the
+        // same bytes.
+        let ext2 = space
+            .allocate(5 * 4096)
+            .unwrap_or_else(|e| panic!("allocate: {e}"));
+        let r = space
+            .copy_extent_from_file(&ext2, len - 4096, &dst, &dst_path, 4096)
+            .unwrap_or_else(|e| panic!("copy in again: {e}"));
+        assert_eq!(r.direct_bytes, 0, "{r:?}");
+        let out2 = out.path().join("dst2");
+        let dst2 = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&out2)
+            .unwrap_or_else(|e| panic!("create: {e}"));
+        space
+            .copy_extent_to_file(&ext2, len - 4096, &dst2, &out2, 0)
+            .unwrap_or_else(|e| panic!("copy out again: {e}"));
+        let mut got2 = vec![0u8; (len - 4096) as usize];
+        dst2.read_exact_at(&mut got2, 0)
+            .unwrap_or_else(|e| panic!("read: {e}"));
+        assert_eq!(got2, got);
         // Longer than the extent: refused before any I/O.
         assert!(matches!(
             space.copy_extent_to_file(&ext, len + 4096, &dst, &dst_path, 0),
