@@ -29,8 +29,8 @@
 //! `offset_bytes` (a multiple of 4096) and takes `len_bytes =
 //! align_up(numel × 4, 4096)`; the padding is not data. The same offsets are
 //! used in all three files. The 4096 alignment lets NVMe extents be copied
-//! across with `copy_file_range` (reflinked on XFS/btrfs) instead of through
-//! a buffer in RAM.
+//! across with O_DIRECT, past the page cache (or reflinked by
+//! `copy_file_range` on XFS/btrfs).
 //!
 //! **Manifest** (`manifest.json`, [`Manifest`]): format name and version;
 //! step, Adam steps, skipped steps, loss-scaler state; seed, seq_len, data

@@ -437,9 +437,9 @@ impl OptimizerState {
     /// the tail is padding), and returns the region's crc32c.
     ///
     /// Memory tiers write from memory (zero padding) and compute the crc as
-    /// they go. NVMe copies the extent with `copy_file_range` (no bounce
-    /// through RAM; see [`tierzero_swap::SwapSpace::copy_extent_to_file`])
-    /// after draining every queued write; the crc is the one the swap space
+    /// they go. NVMe copies the extent with
+    /// [`tierzero_swap::SwapSpace::copy_extent_to_file`] (O_DIRECT past the
+    /// page cache, or a reflink) after draining every queued write; the crc is the one the swap space
     /// recorded for the extent when checksums are on (and the extent is
     /// exactly the region), else it is computed by reading the region back.
     pub fn save_state(

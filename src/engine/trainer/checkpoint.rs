@@ -135,8 +135,9 @@ impl Trainer {
     /// `<save_dir>/step-<N>/` and points `<save_dir>/latest` at it; returns
     /// the step dir. See [`crate::checkpoint`] for the format and the
     /// write sequence. Pending parameter writes and the optimizer pipeline
-    /// are drained first; NVMe optimizer extents are copied with
-    /// `copy_file_range`, memory tiers written from memory.
+    /// are drained first; NVMe optimizer extents are copied by the swap
+    /// space (O_DIRECT through a bounce buffer, or a reflink), memory tiers
+    /// written from memory.
     ///
     /// Several ranks: a collective, called by every rank at the same step.
     /// Rank 0 creates the staging dir (named after its pid, which every
