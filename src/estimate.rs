@@ -363,13 +363,8 @@ impl SwapSettings {
             optimizer_pin_memory: o.pin_memory,
             pipeline_read: o.pipeline_read,
             pipeline_write: o.pipeline_write,
-            spill_grads_with_nvme_state: c.tierzero.overlap_optimizer
-                && (c.gradient_clipping.is_some()
-                    || matches!(c.precision, crate::config::Precision::Fp16 { .. })),
-            speculative_with_nvme_state: c.tierzero.overlap_optimizer
-                && (c.gradient_clipping.is_some()
-                    || matches!(c.precision, crate::config::Precision::Fp16 { .. }))
-                && c.tierzero.speculative_step != Some(false),
+            spill_grads_with_nvme_state: sizing::spills_with_nvme_state(c),
+            speculative_with_nvme_state: sizing::speculates_with_nvme_state(c),
             gradient_accumulation_steps: c.batch.gradient_accumulation_steps.max(1),
             speculation_pool_bytes: c.tierzero.speculation_pool_bytes.map(|b| b.0),
             sub_group_numel: c.zero.sub_group_numel.0,
@@ -661,7 +656,6 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
             (n, format!("{n}"))
         }
     };
-    let pinned_or = |pin: bool| if pin { Tier::Pinned } else { Tier::Pageable };
 
     // 16-bit params.
     let (pn, ps) = part(c.stage == Stage::Parameters);
@@ -815,7 +809,7 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
     }
     let tile = sw.sub_group_numel.min(on);
     if c.optimizer == Offload::Nvme {
-        nvme_state_grads(inp, c, largest_group, resident_bytes > 0, &mut push)?;
+        nvme_state_grads(inp, (on, &os), largest_group, resident_bytes > 0, &mut push)?;
     }
     if c.optimizer == Offload::Nvme {
         let (bufs, why) = optimizer_buffer_count(sw, largest_group);
@@ -848,20 +842,16 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
 /// fp16 the final gradients spill to NVMe; with gradient accumulation the
 /// partial sums are parked on NVMe between micro-batches, through pinned
 /// buffers; speculation writes new state into a pool of slots on NVMe.
+///
+/// `(on, os)` is the optimizer state's partition, elements and formula.
 fn nvme_state_grads(
     inp: &Inputs,
-    c: Choice,
+    (on, os): (u64, &str),
     largest_group: u64,
     one_resident: bool,
     push: &mut impl FnMut(Tier, &'static str, u64, String),
 ) -> Result<(), EstimateError> {
     let sw = &inp.swap;
-    let (on, os) = if c.stage >= Stage::Gradients && inp.ranks > 1 {
-        let s = inp.total_numel.div_ceil(inp.ranks);
-        (s, format!("⌈{}/{}⌉", inp.total_numel, inp.ranks))
-    } else {
-        (inp.total_numel, inp.total_numel.to_string())
-    };
     let shape = Shape::estimated(on, inp.largest_tensor_numel, sw.sub_group_numel);
     let sub_groups = shape.sub_groups.len() as u64;
     let g = largest_group.max(1);
@@ -918,7 +908,7 @@ fn nvme_state_grads(
         );
         let bufs = sizing::park_buffers(g);
         push(
-            pinned_or_pageable(sw.optimizer_pin_memory),
+            pinned_or(sw.optimizer_pin_memory),
             "grad park buffers",
             mul(bufs.count, bufs.bytes_each, "park buffers")?,
             format!("{} × {g} × 4 B, 4 KiB-aligned", bufs.count),
@@ -935,7 +925,9 @@ fn nvme_state_grads(
     Ok(())
 }
 
-fn pinned_or_pageable(pin: bool) -> Tier {
+/// Where a buffer the config may pin lives: pinned, or pageable with
+/// `pin_memory: false`.
+fn pinned_or(pin: bool) -> Tier {
     if pin {
         Tier::Pinned
     } else {

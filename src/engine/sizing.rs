@@ -281,10 +281,22 @@ pub fn buffers_needed(read_ahead: usize, write_behind: usize, spill_grads: bool)
 /// the state is on NVMe, the optimizer overlaps backward, and the step must
 /// wait for the global norm (clipping, or fp16's overflow check).
 pub fn spills_grads(config: &Config) -> bool {
-    config.zero.offload_optimizer.device.nvme_path().is_some()
-        && config.tierzero.overlap_optimizer
+    config.zero.offload_optimizer.device.nvme_path().is_some() && spills_with_nvme_state(config)
+}
+
+/// [`spills_grads`] whatever the optimizer's device: whether gradients
+/// would spill were the state on NVMe (`tierzero estimate` asks it of
+/// every offload choice).
+pub fn spills_with_nvme_state(config: &Config) -> bool {
+    config.tierzero.overlap_optimizer
         && (config.gradient_clipping.is_some()
             || matches!(config.precision, Precision::Fp16 { .. }))
+}
+
+/// [`speculates`] whatever the optimizer's device, as
+/// [`spills_with_nvme_state`].
+pub fn speculates_with_nvme_state(config: &Config) -> bool {
+    spills_with_nvme_state(config) && config.tierzero.speculative_step != Some(false)
 }
 
 /// Partial gradient sums are parked on NVMe between micro-batches

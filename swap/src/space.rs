@@ -788,28 +788,6 @@ impl SwapSpace {
                     p.buf_offset_bytes >= chunk_start && p.buf_offset_bytes < chunk_start + n
                 })
                 .collect();
-            let io =
-                |r: std::io::Result<()>, path: &Path, offset_bytes: u64, len: u64, op: IoOp| {
-                    r.map_err(|source| {
-                        if source.kind() == std::io::ErrorKind::UnexpectedEof {
-                            SwapError::ShortIo {
-                                op,
-                                path: path.to_path_buf(),
-                                offset_bytes,
-                                expected_bytes: len,
-                                got_bytes: 0,
-                            }
-                        } else {
-                            SwapError::Io {
-                                op,
-                                path: path.to_path_buf(),
-                                offset_bytes,
-                                len_bytes: len,
-                                source,
-                            }
-                        }
-                    })
-                };
             // The kernel's verdict on direct I/O comes with the first call.
             let refused = |r: &std::io::Result<()>| matches!(r, Err(e) if e.raw_os_error() == Some(libc::EINVAL));
             for p in &within {
@@ -822,14 +800,16 @@ impl SwapSpace {
                 if first && refused(&r) {
                     return Ok(None);
                 }
-                io(r, &sf.path, p.file_offset_bytes, p.len_bytes, IoOp::Read)?;
+                r.map_err(|e| {
+                    positional_error(IoOp::Read, &sf.path, p.file_offset_bytes, p.len_bytes, e)
+                })?;
             }
             let r = other.write_all_at(chunk, other_off);
             if first && refused(&r) {
                 return Ok(None);
             }
             first = false;
-            io(r, other_path, other_off, n, IoOp::Write)?;
+            r.map_err(|e| positional_error(IoOp::Write, other_path, other_off, n, e))?;
             chunk_start += n;
         }
         Ok(Some(CopyReport {
@@ -888,6 +868,35 @@ impl End<'_> {
         End {
             offset_bytes: self.offset_bytes + by,
             ..*self
+        }
+    }
+}
+
+/// The error of a positional read or write of `len_bytes` at
+/// `offset_bytes` of `path`: a read that met the end of the file is a
+/// short read, anything else an I/O error.
+fn positional_error(
+    op: IoOp,
+    path: &Path,
+    offset_bytes: u64,
+    len_bytes: u64,
+    source: std::io::Error,
+) -> SwapError {
+    if source.kind() == std::io::ErrorKind::UnexpectedEof {
+        SwapError::ShortIo {
+            op,
+            path: path.to_path_buf(),
+            offset_bytes,
+            expected_bytes: len_bytes,
+            got_bytes: 0,
+        }
+    } else {
+        SwapError::Io {
+            op,
+            path: path.to_path_buf(),
+            offset_bytes,
+            len_bytes,
+            source,
         }
     }
 }

@@ -191,6 +191,8 @@ pub struct OptimizerState {
     counters: OptCounters,
 }
 
+mod checkpoint;
+
 /// The extents of an NVMe sub-group.
 fn nvme_extents(extents: &[Option<[Extent; 3]>], sg: SubGroupId) -> Result<&[Extent; 3]> {
     extents
@@ -390,135 +392,6 @@ impl OptimizerState {
         let n = self.numel_of(sg)?;
         let zeros = vec![0f32; n];
         self.load_group(sg, [master, &zeros, &zeros])
-    }
-
-    /// Sets all three states of a sub-group (master, m, v), e.g. from a
-    /// checkpoint.
-    pub fn load_group(&mut self, sg: SubGroupId, states: [&[f32]; 3]) -> Result<()> {
-        let n = self.numel_of(sg)?;
-        if states.iter().any(|s| s.len() != n) {
-            return Err(EngineError::internal("load_group: wrong length"));
-        }
-        if let Some(g) = self.mem.get_mut(sg.0).and_then(Option::as_mut) {
-            g.master.copy_from_slice(states[0]);
-            g.m.copy_from_slice(states[1]);
-            g.v.copy_from_slice(states[2]);
-            return Ok(());
-        }
-        match &mut self.nvme {
-            None => return Err(EngineError::internal("no state for a sub-group")),
-            Some(nv) => {
-                let mut tickets = Vec::with_capacity(3);
-                let exts = nvme_extents(&nv.extents, sg)?;
-                for (ext, src) in exts.iter().zip(states) {
-                    let mut buf = nv.io.arena.acquire()?;
-                    as_f32(&mut buf, n)?.copy_from_slice(src);
-                    let len = ext.len_bytes();
-                    // The padding past the data is written too: zeros, not
-                    // a reused buffer's old bytes, so the extent (and any
-                    // checkpoint copied from it) depends only on the state.
-                    if let Some(tail) = usize::try_from(len)
-                        .ok()
-                        .and_then(|l| buf.as_mut_slice().get_mut(n * 4..l))
-                    {
-                        tail.fill(0);
-                    }
-                    tickets.push(nv.io.write.write(ext, buf)?);
-                    self.counters.nvme_written_bytes += len;
-                }
-                tierzero_swap::wait_all(tickets)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Writes state `k` (0 master, 1 m, 2 v) of `sg` into `file` at
-    /// `offset_bytes`, `len_bytes` long (`numel × 4` rounded up to 4096;
-    /// the tail is padding), and returns the region's crc32c.
-    ///
-    /// Memory tiers write from memory (zero padding) and compute the crc as
-    /// they go. NVMe copies the extent with
-    /// [`tierzero_swap::SwapSpace::copy_extent_to_file`] (O_DIRECT past the
-    /// page cache, or a reflink) after draining every queued write; the crc is the one the swap space
-    /// recorded for the extent when checksums are on (and the extent is
-    /// exactly the region), else it is computed by reading the region back.
-    pub fn save_state(
-        &mut self,
-        sg: SubGroupId,
-        k: usize,
-        file: &std::fs::File,
-        path: &std::path::Path,
-        offset_bytes: u64,
-        len_bytes: u64,
-    ) -> Result<u32> {
-        use std::os::unix::fs::FileExt;
-        let n = self.numel_of(sg)?;
-        if k > 2 || (n as u64) * 4 > len_bytes {
-            return Err(EngineError::internal("save_state: bad state or region"));
-        }
-        let io_err = |op: &'static str| {
-            move |source: std::io::Error| {
-                EngineError::Checkpoint(crate::checkpoint::CheckpointError::Io {
-                    op,
-                    path: path.to_path_buf(),
-                    source,
-                })
-            }
-        };
-        crate::failpoint::io_point(crate::failpoint::Site::CkptStateWrite)
-            .map_err(io_err("writing"))?;
-        if let Some(g) = self.mem.get(sg.0).and_then(Option::as_ref) {
-            let v = match k {
-                0 => &g.master,
-                1 => &g.m,
-                _ => &g.v,
-            };
-            let mut bytes: Vec<u8> = Vec::with_capacity(len_bytes as usize);
-            bytes.extend(v.iter().flat_map(|x| x.to_le_bytes()));
-            bytes.resize(len_bytes as usize, 0);
-            file.write_all_at(&bytes, offset_bytes)
-                .map_err(io_err("writing"))?;
-            crate::durable::record::write(path, offset_bytes, len_bytes);
-            return Ok(crc32c::crc32c(&bytes));
-        }
-        // Only committed state is saved.
-        if self.pending_speculations() > 0 {
-            return Err(EngineError::internal(
-                "save_state with speculative steps not committed",
-            ));
-        }
-        // Nothing may be in flight on these extents while the kernel copies.
-        if self.reads_pending() > 0 {
-            return Err(EngineError::internal(
-                "save_state with optimizer reads in flight",
-            ));
-        }
-        self.retire_writes(0)?;
-        self.retire_spill_writes(true)?;
-        let nv = self
-            .nvme
-            .as_ref()
-            .ok_or_else(|| EngineError::internal("nvme state missing"))?;
-        let ext = &nvme_extents(&nv.extents, sg)?[k];
-        let space = ext.space().clone();
-        space.copy_extent_to_file(ext, len_bytes, file, path, offset_bytes)?;
-        crate::durable::record::write(path, offset_bytes, len_bytes);
-        match ext.recorded_crc32c() {
-            Some(crc) if ext.len_bytes() == len_bytes => Ok(crc),
-            _ => {
-                let mut buf = vec![0u8; 1 << 20];
-                let mut crc = 0u32;
-                let mut pos = 0u64;
-                while pos < len_bytes {
-                    let take = ((len_bytes - pos) as usize).min(buf.len());
-                    file.read_exact_at(&mut buf[..take], offset_bytes + pos)
-                        .map_err(io_err("reading back"))?;
-                    crc = crc32c::crc32c_append(crc, &buf[..take]);
-                    pos += take as u64;
-                }
-                Ok(crc)
-            }
-        }
     }
 
     /// Retires gradient-spill writes: those already complete, or (with
