@@ -190,24 +190,6 @@ struct Entry {
     assembling: Option<Assembly>,
 }
 
-/// The new bytes of a tiled param's pieces that have arrived.
-#[derive(Debug)]
-struct Assembly {
-    /// The whole shard, `shard_numel × elem_bytes`.
-    bytes: Vec<u8>,
-    /// Byte ranges filled so far, by start (a piece sent again, a re-step
-    /// or a restore, overwrites its range).
-    filled: std::collections::BTreeMap<usize, usize>,
-    /// Whether any piece asked to stay resident.
-    keep: bool,
-}
-
-impl Assembly {
-    fn filled_bytes(&self) -> usize {
-        self.filled.values().sum()
-    }
-}
-
 impl Entry {
     fn new() -> Entry {
         Entry {
@@ -303,6 +285,11 @@ pub struct ParamStore {
     resident_bytes: u64,
     counters: StoreCounters,
 }
+
+mod assembly;
+mod writes;
+
+use assembly::Assembly;
 
 fn dtype_bytes(dtype: DType) -> Result<usize> {
     match dtype {
@@ -630,120 +617,12 @@ impl ParamStore {
         Ok(())
     }
 
-    /// New bytes for one piece of `id`'s shard (`offset_bytes` into it),
-    /// after an optimizer step of the sub-group holding it. A whole shard
-    /// is [`ParamStore::update`]; the pieces of a tiled param (see
-    /// `crate::engine::layout`) are assembled in host memory (one shard,
-    /// the largest tensor's at most) and written home when the last
-    /// expected update arrives. Should some pieces get no update in that
-    /// round (their group was not stepped: a skipped step restores only the
-    /// speculated groups), their current bytes are read from home first.
-    pub fn update_piece(
-        &mut self,
-        id: ParamId,
-        offset_bytes: usize,
-        bytes: &[u8],
-        keep: bool,
-        built: Option<Tensor>,
-    ) -> Result<()> {
-        let len = self.shard_bytes(id)?;
-        if offset_bytes == 0 && bytes.len() == len {
-            return self.update(id, bytes, keep, built);
-        }
-        let end = offset_bytes
-            .checked_add(bytes.len())
-            .filter(|&e| e <= len)
-            .ok_or_else(|| {
-                EngineError::internal(format!(
-                    "piece {offset_bytes}+{} of a {len}-byte shard",
-                    bytes.len()
-                ))
-            })?;
-        let e = self
-            .slots
-            .get_mut(id.0)
-            .ok_or_else(|| EngineError::internal(format!("no param {id:?}")))?;
-        let a = e.assembling.get_or_insert_with(|| Assembly {
-            bytes: vec![0u8; len],
-            filled: std::collections::BTreeMap::new(),
-            keep: false,
-        });
-        a.bytes[offset_bytes..end].copy_from_slice(bytes);
-        a.filled.insert(offset_bytes, bytes.len());
-        a.keep |= keep;
-        e.updates_coming = e.updates_coming.saturating_sub(1);
-        if e.updates_coming == 0 {
-            self.finish_assembly(id)?;
-        }
-        Ok(())
-    }
-
     /// Bytes of `id`'s shard.
     fn shard_bytes(&self, id: ParamId) -> Result<usize> {
         self.info
             .get(id.0)
             .map(|i| i.shard_numel * self.elem_bytes)
             .ok_or_else(|| EngineError::internal(format!("no param {id:?}")))
-    }
-
-    /// Writes an assembled shard home; ranges no piece filled keep their
-    /// current bytes.
-    fn finish_assembly(&mut self, id: ParamId) -> Result<()> {
-        let Some(mut a) = self.slots.get_mut(id.0).and_then(|e| e.assembling.take()) else {
-            return Ok(());
-        };
-        if a.filled_bytes() < a.bytes.len() {
-            let current = self.current_shard(id)?;
-            let mut at = 0usize;
-            let filled: Vec<(usize, usize)> = a.filled.iter().map(|(&o, &l)| (o, l)).collect();
-            for (o, l) in filled.into_iter().chain([(a.bytes.len(), 0)]) {
-                if o > at {
-                    a.bytes[at..o].copy_from_slice(&current[at..o]);
-                }
-                at = at.max(o + l);
-            }
-        }
-        if self.state(id) == ParamState::InFlight {
-            self.complete_read(id, false)?;
-        }
-        let keep = self.stays_resident(id, a.keep);
-        self.write_home(id, &a.bytes, keep, None)
-    }
-
-    /// This rank's current shard bytes of `id`, from wherever they are
-    /// (never a collective: several ranks stage, and gather only in
-    /// fetches).
-    fn current_shard(&mut self, id: ParamId) -> Result<Vec<u8>> {
-        let len = self.shard_bytes(id)?;
-        if self.state(id) == ParamState::InFlight {
-            self.complete_read(id, false)?;
-        }
-        match &self.slots[id.0].slot {
-            Slot::Staged(b) => return Ok(b.clone()),
-            Slot::Resident(t) => {
-                let all = tensor_bytes(t)?;
-                let rank = self.comm.rank();
-                let start: usize = self.info[id.0].counts_bytes.iter().take(rank).sum();
-                return all
-                    .get(start..start + len)
-                    .map(<[u8]>::to_vec)
-                    .ok_or_else(|| {
-                        EngineError::internal("resident tensor shorter than its shard")
-                    });
-            }
-            _ => {}
-        }
-        match &self.homes[id.0] {
-            Home::Device => Err(EngineError::internal("device-tier param not resident")),
-            Home::Cpu { .. } => Ok(self.cpu_home_bytes(id)?.to_vec()),
-            Home::Nvme { .. } => {
-                let ticket = self.read_home_now(id)?;
-                let t0 = Instant::now();
-                let buf = ticket.wait()?;
-                self.counters.io_wait += t0.elapsed();
-                Ok(buf.as_slice()[..len].to_vec())
-            }
-        }
     }
 
     /// The shard bytes of a cpu-tier param, in its pinned page.
@@ -785,118 +664,6 @@ impl ParamStore {
             || self.tier(id) == Tier::Device
     }
 
-    fn write_home(
-        &mut self,
-        id: ParamId,
-        shard: &[u8],
-        keep_resident: bool,
-        built: Option<Tensor>,
-    ) -> Result<()> {
-        let info = self
-            .info
-            .get(id.0)
-            .ok_or_else(|| EngineError::internal(format!("no param {id:?}")))?;
-        let len = info.shard_numel * self.elem_bytes;
-        if shard.len() != len {
-            return Err(EngineError::internal(format!(
-                "`{}`: {} bytes for a shard of {len}",
-                info.name,
-                shard.len()
-            )));
-        }
-        match &self.homes[id.0] {
-            Home::Device => {}
-            Home::Cpu { page, offset_bytes } => {
-                let (page, off) = (*page, *offset_bytes);
-                let dst = self
-                    .pages
-                    .get_mut(page)
-                    .ok_or_else(|| EngineError::internal("cpu page missing"))?;
-                dst.as_mut_slice()[off..off + len].copy_from_slice(shard);
-                self.counters.cpu_written_bytes += len as u64;
-            }
-            Home::Nvme { extent } => {
-                let extent = extent.clone();
-                // Two writes of one extent in flight could land in either
-                // order: the older one's must finish first.
-                self.wait_write_of(id)?;
-                // The copy stays on this thread: handed to the copy
-                // thread, a write-back held its buffer until that thread
-                // got the core (the optimizer shares it), and the next
-                // acquire waited for it (measured: steps 7-9% longer).
-                let mut buf = self.acquire_buffer()?;
-                buf.as_mut_slice()[..len].copy_from_slice(shard);
-                let nv = self
-                    .nvme
-                    .as_ref()
-                    .ok_or_else(|| EngineError::internal("nvme engine missing"))?;
-                let ticket = nv.engine.write(&extent, buf)?;
-                self.writes.push_back((id, ticket));
-                self.counters.nvme_written_bytes += extent.len_bytes();
-            }
-        }
-        if keep_resident && self.defer_gather() {
-            return self.apply(id, ParamEvent::Staged(shard.to_vec()));
-        }
-        let t = if keep_resident {
-            Some(match built {
-                Some(t) if self.comm.world_size() == 1 => t.to_device(&self.device)?,
-                _ => self.tensor_from_shard(id, shard)?,
-            })
-        } else {
-            None
-        };
-        self.apply(id, ParamEvent::Updated(t))
-    }
-
-    /// Whether building a tensor is a collective that must wait for a
-    /// fetch (see the module docs).
-    fn defer_gather(&self) -> bool {
-        self.comm.world_size() > 1
-    }
-
-    /// Waits for every queued write.
-    pub fn flush_writes(&mut self) -> Result<()> {
-        while self.retire_oldest_write()? {}
-        Ok(())
-    }
-
-    /// Retires every queued write that has completed, wherever it is in
-    /// the queue, without blocking: its swap buffer goes back to the pool.
-    /// (Only the front was retired before; one slow write then kept every
-    /// later finished one's buffer, and with the pool full of those, the
-    /// next fetch read its params one at a time.)
-    fn retire_done_writes(&mut self) -> Result<()> {
-        let mut first_err = None;
-        self.writes.retain(|(_, t)| match t.poll() {
-            Some(c) => {
-                if let Err(e) = c.into_result() {
-                    first_err.get_or_insert(e);
-                }
-                false
-            }
-            None => true,
-        });
-        match first_err {
-            Some(e) => Err(e.into()),
-            None => Ok(()),
-        }
-    }
-
-    fn retire_oldest_write(&mut self) -> Result<bool> {
-        match self.writes.pop_front() {
-            None => Ok(false),
-            Some((_, t)) => {
-                let t0 = Instant::now();
-                let r = t.wait();
-                self.counters.io_wait += t0.elapsed();
-                self.counters.write_wait += t0.elapsed();
-                drop(r?);
-                Ok(true)
-            }
-        }
-    }
-
     /// A swap buffer, retiring writes or completing reads until one is free.
     fn acquire_buffer(&mut self) -> Result<Buffer> {
         loop {
@@ -927,13 +694,6 @@ impl ParamStore {
                 }
             }
         }
-    }
-
-    fn wait_write_of(&mut self, id: ParamId) -> Result<()> {
-        while self.writes.iter().any(|(p, _)| *p == id) {
-            self.retire_oldest_write()?;
-        }
-        Ok(())
     }
 
     /// Issues an asynchronous read of `id` if it is on NVMe and not yet

@@ -1,0 +1,126 @@
+//! The param store's write-backs to the home tier: a new shard written
+//! home (kept coherent with a resident copy), the queue of NVMe writes in
+//! flight, each holding its swap buffer until it is retired.
+
+use super::*;
+
+impl ParamStore {
+    pub(super) fn write_home(
+        &mut self,
+        id: ParamId,
+        shard: &[u8],
+        keep_resident: bool,
+        built: Option<Tensor>,
+    ) -> Result<()> {
+        let info = self
+            .info
+            .get(id.0)
+            .ok_or_else(|| EngineError::internal(format!("no param {id:?}")))?;
+        let len = info.shard_numel * self.elem_bytes;
+        if shard.len() != len {
+            return Err(EngineError::internal(format!(
+                "`{}`: {} bytes for a shard of {len}",
+                info.name,
+                shard.len()
+            )));
+        }
+        match &self.homes[id.0] {
+            Home::Device => {}
+            Home::Cpu { page, offset_bytes } => {
+                let (page, off) = (*page, *offset_bytes);
+                let dst = self
+                    .pages
+                    .get_mut(page)
+                    .ok_or_else(|| EngineError::internal("cpu page missing"))?;
+                dst.as_mut_slice()[off..off + len].copy_from_slice(shard);
+                self.counters.cpu_written_bytes += len as u64;
+            }
+            Home::Nvme { extent } => {
+                let extent = extent.clone();
+                // Two writes of one extent in flight could land in either
+                // order: the older one's must finish first.
+                self.wait_write_of(id)?;
+                // The copy stays on this thread: handed to the copy
+                // thread, a write-back held its buffer until that thread
+                // got the core (the optimizer shares it), and the next
+                // acquire waited for it (measured: steps 7-9% longer).
+                let mut buf = self.acquire_buffer()?;
+                buf.as_mut_slice()[..len].copy_from_slice(shard);
+                let nv = self
+                    .nvme
+                    .as_ref()
+                    .ok_or_else(|| EngineError::internal("nvme engine missing"))?;
+                let ticket = nv.engine.write(&extent, buf)?;
+                self.writes.push_back((id, ticket));
+                self.counters.nvme_written_bytes += extent.len_bytes();
+            }
+        }
+        if keep_resident && self.defer_gather() {
+            return self.apply(id, ParamEvent::Staged(shard.to_vec()));
+        }
+        let t = if keep_resident {
+            Some(match built {
+                Some(t) if self.comm.world_size() == 1 => t.to_device(&self.device)?,
+                _ => self.tensor_from_shard(id, shard)?,
+            })
+        } else {
+            None
+        };
+        self.apply(id, ParamEvent::Updated(t))
+    }
+
+    /// Whether building a tensor is a collective that must wait for a
+    /// fetch (see the module docs).
+    pub(super) fn defer_gather(&self) -> bool {
+        self.comm.world_size() > 1
+    }
+
+    /// Waits for every queued write.
+    pub fn flush_writes(&mut self) -> Result<()> {
+        while self.retire_oldest_write()? {}
+        Ok(())
+    }
+
+    /// Retires every queued write that has completed, wherever it is in
+    /// the queue, without blocking: its swap buffer goes back to the pool.
+    /// (Only the front was retired before; one slow write then kept every
+    /// later finished one's buffer, and with the pool full of those, the
+    /// next fetch read its params one at a time.)
+    pub(super) fn retire_done_writes(&mut self) -> Result<()> {
+        let mut first_err = None;
+        self.writes.retain(|(_, t)| match t.poll() {
+            Some(c) => {
+                if let Err(e) = c.into_result() {
+                    first_err.get_or_insert(e);
+                }
+                false
+            }
+            None => true,
+        });
+        match first_err {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
+
+    pub(super) fn retire_oldest_write(&mut self) -> Result<bool> {
+        match self.writes.pop_front() {
+            None => Ok(false),
+            Some((_, t)) => {
+                let t0 = Instant::now();
+                let r = t.wait();
+                self.counters.io_wait += t0.elapsed();
+                self.counters.write_wait += t0.elapsed();
+                drop(r?);
+                Ok(true)
+            }
+        }
+    }
+
+    pub(super) fn wait_write_of(&mut self, id: ParamId) -> Result<()> {
+        while self.writes.iter().any(|(p, _)| *p == id) {
+            self.retire_oldest_write()?;
+        }
+        Ok(())
+    }
+}
