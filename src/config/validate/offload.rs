@@ -1,0 +1,242 @@
+//! The offload sections validated: each device and its `nvme_path`, the
+//! param and optimizer offload settings, the pinned budget against the
+//! buffers the sizing policy needs, and the swap directories' checks.
+
+use super::*;
+
+pub(super) fn device(
+    section: &str,
+    dev: DsDevice,
+    nvme_path: Option<&PathBuf>,
+    sink: &mut Sink,
+) -> Result<OffloadDevice, ConfigError> {
+    let key = format!("zero_optimization.{section}.nvme_path");
+    match (dev, nvme_path) {
+        (DsDevice::Nvme, Some(p)) => Ok(OffloadDevice::Nvme { path: p.clone() }),
+        (DsDevice::Nvme, None) => Err(ConfigError::NvmePathMissing {
+            key,
+            device_key: format!("zero_optimization.{section}.device"),
+        }),
+        (other, Some(_)) => {
+            sink.note(
+                &key,
+                format!(
+                    "ignored because device is \"{}\", not \"nvme\"",
+                    other.as_str()
+                ),
+            );
+            Ok(if other == DsDevice::Cpu {
+                OffloadDevice::Cpu
+            } else {
+                OffloadDevice::None
+            })
+        }
+        (DsDevice::Cpu, None) => Ok(OffloadDevice::Cpu),
+        (DsDevice::None, None) => Ok(OffloadDevice::None),
+    }
+}
+
+pub(super) fn validate_param_offload(
+    p: Option<&DsOffloadParam>,
+    stage: Stage,
+    sink: &mut Sink,
+) -> Result<ParamOffload, ConfigError> {
+    let d = DsOffloadParam::default();
+    let p = p.unwrap_or(&d);
+    let dev = device("offload_param", p.device, p.nvme_path.as_ref(), sink)?;
+    if dev != OffloadDevice::None && stage != Stage::Parameters {
+        return Err(ConfigError::OffloadParamNeedsStage3 {
+            stage: stage.number(),
+            device: p.device.as_str(),
+        });
+    }
+    if matches!(dev, OffloadDevice::Nvme { .. }) {
+        positive(
+            "zero_optimization.offload_param.buffer_count",
+            p.buffer_count,
+            "use DeepSpeed's default 5",
+        )?;
+        positive(
+            "zero_optimization.offload_param.buffer_size",
+            p.buffer_size,
+            "use a size (in elements) at least as large as the largest parameter, e.g. 1e8",
+        )?;
+    }
+    Ok(ParamOffload {
+        device: dev,
+        buffer_count: p.buffer_count,
+        buffer_numel: Numel(p.buffer_size),
+        max_in_cpu_numel: Numel(p.max_in_cpu),
+        pin_memory: p.pin_memory,
+    })
+}
+
+pub(super) fn validate_optimizer_offload(
+    o: Option<&DsOffloadOptimizer>,
+    stage: Stage,
+    sink: &mut Sink,
+) -> Result<OptimizerOffload, ConfigError> {
+    let d = DsOffloadOptimizer::default();
+    let o = o.unwrap_or(&d);
+    let dev = device("offload_optimizer", o.device, o.nvme_path.as_ref(), sink)?;
+    match (&dev, stage) {
+        (OffloadDevice::Nvme { .. }, s) if s != Stage::Parameters => {
+            return Err(ConfigError::NvmeOptimizerNeedsStage3 { stage: s.number() })
+        }
+        (OffloadDevice::Cpu, Stage::Disabled) => {
+            return Err(range(
+                "zero_optimization.offload_optimizer.device",
+                "\"cpu\"",
+                "\"none\" with zero_optimization.stage 0 (offload needs stage 1, 2 or 3)",
+                "set zero_optimization.stage to 3 (or 1/2)",
+            ))
+        }
+        (OffloadDevice::Nvme { .. }, _) if o.buffer_count < 4 => return Err(range(
+            "zero_optimization.offload_optimizer.buffer_count",
+            o.buffer_count,
+            "at least 4 with nvme (fp32 params, Adam m and v, and gradients each take a buffer)",
+            "use DeepSpeed's default 4",
+        )),
+        _ => {}
+    }
+    Ok(OptimizerOffload {
+        device: dev,
+        buffer_count: o.buffer_count,
+        pin_memory: o.pin_memory,
+        pipeline_read: o.pipeline_read,
+        pipeline_write: o.pipeline_write,
+        fast_init: o.fast_init,
+    })
+}
+
+/// `tierzero.pinned_budget_bytes` against the swap buffers, with the
+/// engine's own sizing policy ([`crate::engine::sizing`]): on a model
+/// known by its size (`run.model_numel`) the whole decision, else the
+/// param swap-in buffers alone (the optimizer's depend on the model's
+/// sub-groups). The engine checks again with the real layout at build.
+pub(super) fn check_pinned_budget(c: &Config, run: &RunContext) -> Result<(), ConfigError> {
+    use crate::engine::sizing::{self, Shape};
+    let Some(budget) = c.tierzero.pinned_budget_bytes else {
+        return Ok(());
+    };
+    let p = &c.zero.offload_param;
+    let elem = c.precision.param_elem_bytes();
+    let short = match run.model_numel {
+        Some(model) => {
+            let ranks = c.batch.ranks.max(1);
+            let per_rank = model.div_ceil(ranks);
+            // The largest parameter's shard is a sub-group of its own when
+            // it exceeds sub_group_size, as in the engine's layout.
+            let largest = run.largest_param_numel.map(|l| l.div_ceil(ranks));
+            let shape = Shape::estimated(per_rank, largest, c.zero.sub_group_numel.0);
+            sizing::decide(c, &shape).err()
+        }
+        None => {
+            let bufs = sizing::param_buffers(p.buffer_count, p.buffer_numel.0, elem);
+            let nvme =
+                c.zero.stage == Stage::Parameters && matches!(p.device, OffloadDevice::Nvme { .. });
+            (nvme && bufs.total_bytes() > budget.0).then_some(sizing::BudgetShort {
+                budget_bytes: budget.0,
+                param_buffers: bufs,
+                optimizer_buffers_needed: sizing::Buffers::NONE,
+                optimizer_stages: 0,
+                park_buffers: sizing::Buffers::NONE,
+                required_bytes: bufs.total_bytes(),
+            })
+        }
+    };
+    let Some(short) = short else {
+        return Ok(());
+    };
+    let mut what = Vec::new();
+    let mut parts = Vec::new();
+    let mut lower = Vec::new();
+    if short.param_buffers.count > 0 {
+        what.push("offload_param");
+        parts.push(format!(
+            "buffer_count {} × buffer_size {} elements × {elem} bytes, 4 KiB-aligned ({} bytes each)",
+            short.param_buffers.count, p.buffer_numel.0, short.param_buffers.bytes_each
+        ));
+        lower.push("zero_optimization.offload_param.buffer_count / buffer_size");
+    }
+    if short.optimizer_buffers_needed.count > 0 {
+        what.push("offload_optimizer");
+        parts.push(format!(
+            "{} buffers (what the optimizer pipeline needs) × {} bytes (the largest sub-group's fp32 state, 4 KiB-aligned; sub_group_size {})",
+            short.optimizer_buffers_needed.count,
+            short.optimizer_buffers_needed.bytes_each,
+            c.zero.sub_group_numel.0
+        ));
+        lower.push("zero_optimization.sub_group_size");
+    }
+    if short.park_buffers.count > 0 {
+        parts.push(format!(
+            "{} gradient park buffers × {} bytes (partial sums between micro-batches; the largest sub-group's fp32 gradient)",
+            short.park_buffers.count, short.park_buffers.bytes_each
+        ));
+    }
+    Err(ConfigError::PinnedBudgetTooSmall {
+        budget_bytes: budget.0,
+        required_bytes: short.required_bytes,
+        what: what.join(" + "),
+        breakdown: parts.join(" + "),
+        lower_keys: lower.join(" or "),
+    })
+}
+
+/// Checks that `dir` is an existing, writable directory (creating it first
+/// with [`PathChecks::CreateMissing`]). Writability is tested by creating
+/// and removing a probe file, which also catches read-only mounts that
+/// permission bits do not show.
+pub(super) fn check_dir(key: &str, dir: &Path, mode: PathChecks) -> Result<(), ConfigError> {
+    let not_writable = |reason: String| ConfigError::NvmePathNotWritable {
+        key: key.to_owned(),
+        dir: dir.to_owned(),
+        reason: crate::config::error::truncate(&reason),
+    };
+    match mode {
+        PathChecks::Skip => return Ok(()),
+        PathChecks::CreateMissing if !dir.exists() => {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| not_writable(format!("cannot create it: {e}")))?;
+        }
+        _ => {}
+    }
+    match std::fs::metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(ConfigError::NvmePathNotFound {
+                key: key.to_owned(),
+                dir: dir.to_owned(),
+            })
+        }
+        Err(e) => return Err(not_writable(e.to_string())),
+        Ok(m) if !m.is_dir() => {
+            return Err(ConfigError::NvmePathNotDir {
+                key: key.to_owned(),
+                dir: dir.to_owned(),
+            })
+        }
+        Ok(_) => {}
+    }
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let probe = dir.join(format!(
+        ".tierzero-write-probe-{}-{nanos}",
+        std::process::id()
+    ));
+    let created = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe);
+    match created {
+        Ok(f) => {
+            drop(f);
+            std::fs::remove_file(&probe)
+                .map_err(|e| not_writable(format!("cannot remove probe file: {e}")))?;
+            Ok(())
+        }
+        Err(e) => Err(not_writable(format!("cannot create a file there: {e}"))),
+    }
+}
