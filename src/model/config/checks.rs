@@ -1,0 +1,186 @@
+//! [`ModelConfig::validate`]: sizes positive and divisible, every
+//! parameter's element count within bounds, and the family's own rules.
+
+use super::*;
+
+impl ModelConfig {
+    /// Checks sizes: positive, divisible, and that every parameter's element
+    /// count fits in `usize`.
+    pub fn validate(&self) -> Result<(), ModelError> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("n_layer", self.n_layer),
+            ("n_head", self.n_head),
+            ("n_kv_head", self.n_kv_head),
+            ("head_dim", self.head_dim),
+            ("intermediate_size", self.intermediate_size),
+            ("max_seq_len", self.max_seq_len),
+        ];
+        for (key, v) in positive {
+            if v == 0 {
+                return Err(invalid(key, "must be positive"));
+            }
+        }
+        if !self.n_head.is_multiple_of(self.n_kv_head) {
+            return Err(invalid(
+                "num_key_value_heads",
+                format!(
+                    "n_head {} must be a multiple of n_kv_head {}",
+                    self.n_head, self.n_kv_head
+                ),
+            ));
+        }
+        if self.arch == Arch::Llama && !self.head_dim.is_multiple_of(2) {
+            return Err(invalid(
+                "head_dim",
+                format!(
+                    "rotary embeddings need an even head_dim, got {}",
+                    self.head_dim
+                ),
+            ));
+        }
+        if self.arch == Arch::Gpt2 && self.n_head * self.head_dim != self.hidden_size {
+            return Err(invalid("n_head", "n_head * head_dim must equal n_embd"));
+        }
+        if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
+            return Err(invalid(
+                "norm_eps",
+                format!("must be > 0, got {}", self.norm_eps),
+            ));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return Err(invalid(
+                "rope_theta",
+                format!("must be > 0, got {}", self.rope_theta),
+            ));
+        }
+        self.validate_family()?;
+        if self.sliding_window == Some(0) {
+            return Err(invalid(
+                "sliding_window",
+                "must be positive (or null for none)",
+            ));
+        }
+        self.validate_rope()?;
+        if !(self.initializer_range.is_finite() && self.initializer_range >= 0.0) {
+            return Err(invalid(
+                "initializer_range",
+                format!("must be >= 0, got {}", self.initializer_range),
+            ));
+        }
+        // Absurd sizes are refused before anything is allocated (a model
+        // description with n_layer = 2^31 would otherwise allocate its
+        // parameter list, and vocab_size = 2^40 its embedding).
+        let bounded = [
+            ("vocab_size", self.vocab_size, MAX_VOCAB_SIZE),
+            ("hidden_size", self.hidden_size, MAX_WIDTH),
+            ("intermediate_size", self.intermediate_size, MAX_WIDTH),
+            ("n_layer", self.n_layer, MAX_LAYERS),
+            ("n_head", self.n_head, MAX_HEADS),
+            ("n_kv_head", self.n_kv_head, MAX_HEADS),
+            ("head_dim", self.head_dim, MAX_WIDTH),
+            ("max_seq_len", self.max_seq_len, MAX_SEQ_LEN),
+        ];
+        for (key, v, max) in bounded {
+            if v > max {
+                return Err(invalid(
+                    key,
+                    format!("{v} is larger than tierzero supports ({max}); is the file corrupt?"),
+                ));
+            }
+        }
+        // Every product of dimensions the model forms must fit in usize.
+        let dims = [
+            (
+                "vocab_size * hidden_size",
+                self.vocab_size,
+                self.hidden_size,
+            ),
+            (
+                "max_seq_len * hidden_size",
+                self.max_seq_len,
+                self.hidden_size,
+            ),
+            ("n_head * head_dim", self.n_head, self.head_dim),
+            ("n_kv_head * head_dim", self.n_kv_head, self.head_dim),
+            (
+                "intermediate_size * hidden_size",
+                self.intermediate_size,
+                self.hidden_size,
+            ),
+        ];
+        for (what, a, b) in dims {
+            a.checked_mul(b).ok_or_else(|| ModelError::SizeOverflow {
+                what: what.to_string(),
+            })?;
+        }
+        // GPT-2's fused qkv projection is [hidden, 3 * hidden].
+        self.hidden_size
+            .checked_mul(3)
+            .and_then(|x| x.checked_mul(self.hidden_size))
+            .ok_or_else(|| ModelError::SizeOverflow {
+                what: "3 * hidden_size * hidden_size".to_string(),
+            })?;
+        // And no single tensor beyond MAX_TENSOR_NUMEL elements.
+        for (what, a, b) in dims {
+            if a.saturating_mul(b) > MAX_TENSOR_NUMEL {
+                return Err(invalid(
+                    "<sizes>",
+                    format!(
+                        "{what} = {a} x {b} elements is larger than tierzero supports \
+                         ({MAX_TENSOR_NUMEL} per tensor)"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The flags must be ones the family's HF class can express (so the
+    /// export builds the same model).
+    pub(super) fn validate_family(&self) -> Result<(), ModelError> {
+        let f = self.family;
+        let ok = match f {
+            Family::Gpt2 => {
+                self.arch == Arch::Gpt2
+                    && !(self.qkv_bias || self.o_bias || self.mlp_bias || self.qk_norm)
+                    && self.sliding_window.is_none()
+            }
+            _ if self.arch != Arch::Llama => false,
+            Family::Llama => {
+                self.qkv_bias == self.o_bias && !self.qk_norm && self.sliding_window.is_none()
+            }
+            Family::Mistral => !(self.qkv_bias || self.o_bias || self.mlp_bias || self.qk_norm),
+            Family::Qwen2 => {
+                self.qkv_bias
+                    && !(self.o_bias || self.mlp_bias || self.qk_norm)
+                    && self.sliding_window.is_none()
+            }
+            Family::Qwen3 => {
+                self.qkv_bias == self.o_bias
+                    && self.qk_norm
+                    && !self.mlp_bias
+                    && self.sliding_window.is_none()
+            }
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(invalid(
+                "model_type",
+                format!(
+                    "{:?} with qkv_bias {}, o_bias {}, mlp_bias {}, qk_norm {}, sliding_window \
+                     {:?} is not a {} model",
+                    self.arch,
+                    self.qkv_bias,
+                    self.o_bias,
+                    self.mlp_bias,
+                    self.qk_norm,
+                    self.sliding_window,
+                    f.name()
+                ),
+            ))
+        }
+    }
+}
