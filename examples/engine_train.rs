@@ -32,6 +32,7 @@ fn main() -> Result<(), Box<dyn Error>> {
         // embedded default config.
         clip: env_or("CLIP", 1.0),
         root: PathBuf::from(a.get(6).cloned().unwrap_or_else(|| "engine-measure".into())),
+        shared: PathBuf::from(a.get(6).cloned().unwrap_or_else(|| "engine-measure".into())),
         micro_batch: env_or("MICRO", 4),
         compute_threads: None,
     };

@@ -61,6 +61,11 @@
 //! `tierzero.optimizer_resident_bytes` (bytes, or "auto"); `SPEC_POOL` sets
 //! `tierzero.speculation_pool_bytes` (bytes, or "auto"); `PIN=off` or
 //! `PIN=on` sets `tierzero.pin_threads` (default "auto");
+//! `PRETRAIN=N` starts every trainer from weights pre-trained N steps
+//! (stage 0, `PRETRAIN_LR`, default 1e-3, clipping 1.0; made once and
+//! kept under DIR), so that with a fine-tuning `LR` such as 2e-5 the
+//! gradient norms are mostly below `CLIP=1`, as when fine-tuning a
+//! pretrained model (from the seeded init they stay at 2-27);
 //! `LR` sets the AdamW learning rate (default 1e-3) and `WARMUP=N` a
 //! linear warm-up to it over N steps (default none);
 //! `SPECULATIVE=off` or `SPECULATIVE=on` sets `tierzero.speculative_step`
@@ -305,17 +310,19 @@ fn main() -> Result<(), Box<dyn Error>> {
             );
             u32::try_from(t.threads).unwrap_or(1)
         });
+    let root = PathBuf::from(
+        a.get(5)
+            .cloned()
+            .unwrap_or_else(|| "overlap-measure".into()),
+    );
     let base = Setup {
         layers: a[1].parse()?,
         hidden: a[2].parse()?,
         tier: Tier::Nvme,
         overlap: std::env::var("OVERLAP").map_or(true, |v| v != "off"),
         clip: env_or("CLIP", 0.0),
-        root: PathBuf::from(
-            a.get(5)
-                .cloned()
-                .unwrap_or_else(|| "overlap-measure".into()),
-        ),
+        shared: root.clone(),
+        root,
         micro_batch: env_or("MICRO", 4),
         compute_threads: Some(compute_threads),
     };

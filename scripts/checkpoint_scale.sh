@@ -12,7 +12,8 @@
 # B's step 3 is A's bit for bit: the same loss and the same weight_sha256
 # after it. Exits 1 if not.
 #
-# Needs about 40 GB free under WORK (swap about 13 GB per run, run B's
+# Needs about 40 GB free under WORK (swap about 13 GB per run, plus the
+# speculation pool's 6.6 GB where half the free space holds it, run B's
 # after run A's is removed; two checkpoints of about 7.7 GB each) and takes
 # about 8 minutes on 2 cores. Too slow for CI.
 #

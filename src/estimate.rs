@@ -632,8 +632,24 @@ fn mul(a: u64, b: u64, what: &str) -> Result<u64, EstimateError> {
     })
 }
 
-/// Per-rank accounting of one choice (see the module docs).
+/// What the speculation pool's row is called.
+const SPECULATION_POOL: &str = "speculation pool (state slots)";
+
+/// Per-rank accounting of one choice (see the module docs), with no
+/// known limit on NVMe space: [`items_within`] with `None`.
 pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
+    items_within(inp, c, None)
+}
+
+/// Per-rank accounting of one choice, with `nvme_room_bytes` the NVMe
+/// space a rank has beside its other extents, when known: it bounds the
+/// auto speculation pool as the run bounds it
+/// ([`sizing::speculation_pool_slots`]).
+pub fn items_within(
+    inp: &Inputs,
+    c: Choice,
+    nvme_room_bytes: Option<u64>,
+) -> Result<Vec<Item>, EstimateError> {
     let n = inp.total_numel;
     let r = inp.ranks;
     let s = n.div_ceil(r);
@@ -809,7 +825,14 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
     }
     let tile = sw.sub_group_numel.min(on);
     if c.optimizer == Offload::Nvme {
-        nvme_state_grads(inp, (on, &os), largest_group, resident_bytes > 0, &mut push)?;
+        nvme_state_grads(
+            inp,
+            (on, &os),
+            largest_group,
+            resident_bytes > 0,
+            nvme_room_bytes,
+            &mut push,
+        )?;
     }
     if c.optimizer == Offload::Nvme {
         let (bufs, why) = optimizer_buffer_count(sw, largest_group);
@@ -849,6 +872,7 @@ fn nvme_state_grads(
     (on, os): (u64, &str),
     largest_group: u64,
     one_resident: bool,
+    nvme_room_bytes: Option<u64>,
     push: &mut impl FnMut(Tier, &'static str, u64, String),
 ) -> Result<(), EstimateError> {
     let sw = &inp.swap;
@@ -878,14 +902,16 @@ fn nvme_state_grads(
         sub_groups.saturating_sub(resident) as usize,
         sw.speculation_pool_bytes,
         per.saturating_mul(g),
+        nvme_room_bytes,
     ) as u64;
+    let kept = sizing::speculation_kept_grads(ra, wb, slots as usize) as u64;
     let in_flight = sizing::grads_in_flight(ra, wb);
     push(
         Tier::Pageable,
         "fp32 grads in host memory (at most)",
-        sizing::nvme_state_grad_bound_bytes(unit_groups + held + slots, ra, wb, sub_groups, g),
+        sizing::nvme_state_grad_bound_bytes(unit_groups + held + kept, ra, wb, sub_groups, g),
         format!(
-            "min((unit {unit_groups} + held {held} + speculated {slots} + handed over {in_flight}) sub-groups, {sub_groups}) × {g} × 4 B"
+            "min((unit {unit_groups} + held {held} + speculated {kept} + handed over {in_flight}) sub-groups, {sub_groups}) × {g} × 4 B"
         ),
     );
     if spill {
@@ -915,11 +941,19 @@ fn nvme_state_grads(
         );
     }
     if slots > 0 {
+        let nvme_groups = sub_groups.saturating_sub(resident);
+        let why = match sw.speculation_pool_bytes {
+            Some(b) => format!("tierzero.speculation_pool_bytes {b}"),
+            None if slots == nvme_groups => "auto: every NVMe sub-group".to_owned(),
+            None => format!(
+                "auto: of {nvme_groups} NVMe sub-groups, what half the free space left buys"
+            ),
+        };
         push(
             Tier::Nvme,
-            "speculation pool (state slots)",
+            SPECULATION_POOL,
             mul(mul(slots, per, "speculation pool")?, g, "speculation pool")?,
-            format!("{slots} slots × {g} × {per} B"),
+            format!("{slots} slots × {g} × {per} B ({why})"),
         );
     }
     Ok(())
@@ -1143,7 +1177,22 @@ pub fn estimate(inp: &Inputs, machine: &Machine) -> Result<Report, EstimateError
     validate(inp)?;
     let mut estimates = Vec::new();
     for choice in Choice::all() {
-        let items = items(inp, choice)?;
+        let mut items = items(inp, choice)?;
+        // The run bounds an auto speculation pool by the free space
+        // (half what is left after its other extents): so does this.
+        if let Some(free) = machine.nvme_free_bytes {
+            let pool = items.iter().any(|i| i.what == SPECULATION_POOL);
+            if pool && inp.swap.speculation_pool_bytes.is_none() {
+                let others: u64 = items
+                    .iter()
+                    .filter(|i| i.tier == Tier::Nvme && i.what != SPECULATION_POOL)
+                    .map(|i| i.bytes)
+                    .sum();
+                let ranks = inp.ranks.max(1);
+                let room = free.saturating_sub(others.saturating_mul(ranks)) / ranks;
+                items = items_within(inp, choice, Some(room))?;
+            }
+        }
         let mut per_rank = Totals::default();
         for it in &items {
             per_rank.add(it.tier, it.bytes);

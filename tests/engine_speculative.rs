@@ -107,8 +107,8 @@ fn auto_stops_speculating_after_three_misses_in_a_row() {
     assert_eq!(both("spec-auto", &k, None), (0, 3));
 }
 
-/// More NVMe sub-groups than the speculation pool has slots (3 with the
-/// pipeline, 1 without): the first groups backward finishes speculate,
+/// More NVMe sub-groups than the speculation pool has slots (one, bought
+/// by `tierzero.speculation_pool_bytes`): the first group backward finishes speculates,
 /// the rest wait for the decision, every step, and the bits are still the
 /// waiting step's, for hits, misses and fp16 overflows alike.
 #[test]
@@ -125,6 +125,7 @@ fn a_pool_smaller_than_the_groups_keeps_the_bits() {
                 precision,
                 initial_scale_power: 24,
                 pipeline,
+                speculation_pool_bytes: Some(1),
                 ..Knobs::nvme()
             };
             let dir = tiny_gpt2_dir(&tag, 2, 32);
@@ -147,19 +148,27 @@ fn a_pool_smaller_than_the_groups_keeps_the_bits() {
     }
 }
 
-/// `tierzero.speculation_pool_bytes` large enough for every NVMe group: no
-/// group waits for the norm, and the bits are those of the step that waits
-/// (hits and misses, with and without pipelining).
+/// A pool for every NVMe group, auto's choice when the disk has room (and
+/// `tierzero.speculation_pool_bytes` large enough): no group waits for the
+/// norm, the gradients beyond the pipeline's depth are spilled for a
+/// re-step, and the bits are those of the step that waits (hits and
+/// misses, fp16 overflows, with and without pipelining).
 #[test]
 fn a_pool_of_every_group_never_waits_and_keeps_the_bits() {
     for pipeline in [true, false] {
-        for (tag, clip) in [("hit", 1e6), ("miss", 0.05)] {
+        for (tag, clip, precision, pool) in [
+            ("hit", 1e6, "bf16", None),
+            ("miss", 0.05, "bf16", None),
+            ("fp16", 1e6, "fp16", None),
+            ("miss-bytes", 0.05, "bf16", Some(1 << 40)),
+        ] {
             let tag = format!("spec-pool-all-{tag}-{pipeline}");
             let k = Knobs {
                 clip,
-                precision: "bf16",
+                precision,
+                initial_scale_power: 24,
                 pipeline,
-                speculation_pool_bytes: Some(1 << 40),
+                speculation_pool_bytes: pool,
                 ..Knobs::nvme()
             };
             let dir = tiny_gpt2_dir(&tag, 2, 32);

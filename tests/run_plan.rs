@@ -263,25 +263,27 @@ fn plan_nvme_bytes_follow_the_layout() {
     assert!(nvme.len() < resident.len(), "auto keeps a group resident");
     let groups: u64 = nvme.iter().sum();
     assert_eq!(plan.params.nvme_bytes, params);
-    // Clipping with NVMe state speculates: a pool of the pipeline's depth
-    // (read-ahead 1, write-behind 1, the step: 3 slots), each three extents
-    // of the largest group.
+    // Clipping with NVMe state speculates: auto, with the disk's room, a
+    // pool slot for every NVMe group, each three extents of the largest
+    // group; the pipeline's depth (read-ahead 1, write-behind 1, the step:
+    // 3) of their gradients kept in memory.
     assert!(t.sizing().speculative);
-    let slots = 3.min(nvme.len());
+    let slots = nvme.len();
     assert_eq!(t.sizing().speculation_slots, slots);
+    assert_eq!(t.sizing().speculation_kept_grads, 3.min(slots));
     let largest = *nvme.iter().max().unwrap();
     let pool = slots as u64 * 3 * largest;
     assert_eq!(plan.speculation_pool, (slots, pool));
-    // Every NVMe group speculating takes one slot each.
-    assert_eq!(
-        plan.speculation_pool_all,
-        (nvme.len(), nvme.len() as u64 * 3 * largest)
+    assert_eq!(plan.speculation_pool_all, (nvme.len(), pool));
+    assert!(
+        plan.to_string()
+            .contains("; every NVMe sub-group), committed"),
+        "{plan}"
     );
-    // Unpipelined, the pool has one slot: the plan names the bytes that
-    // would give every NVMe group one, and they do.
+    // A pool of one slot (what one slot's bytes buy): the plan names the
+    // bytes that would give every NVMe group one, and they do.
     let mut one = cfg.clone();
-    one["zero_optimization"]["offload_optimizer"]["pipeline_read"] = json!(false);
-    one["zero_optimization"]["offload_optimizer"]["pipeline_write"] = json!(false);
+    one["tierzero"]["speculation_pool_bytes"] = json!(3 * largest);
     let plan_one = plan_of(&d, &one);
     assert_eq!(plan_one.speculation_pool.0, 1);
     assert!(nvme.len() > 1);
@@ -289,10 +291,8 @@ fn plan_nvme_bytes_follow_the_layout() {
     assert_eq!(plan_one.speculation_pool_all, (nvme.len(), all_bytes));
     let text = plan_one.to_string();
     assert!(
-        text.contains(&format!(
-            "1 of {} NVMe sub-groups speculate; tierzero.speculation_pool_bytes {all_bytes} (",
-            nvme.len()
-        )),
+        text.contains(&format!("1 of {} NVMe sub-groups speculate (", nvme.len()))
+            && text.contains(&format!("tierzero.speculation_pool_bytes {all_bytes} (")),
         "{text}"
     );
     one["tierzero"]["speculation_pool_bytes"] = json!(all_bytes);
@@ -335,14 +335,15 @@ fn plan_and_engine_agree_on_resident_optimizer_groups() {
             assert_eq!(plan.resident_sub_groups, resident, "budget {budget}");
             let on_nvme: u64 = groups[resident..].iter().map(|&n| align(n * 4)).sum();
             let in_host: u64 = groups[..resident].iter().map(|&n| n * 12).sum();
-            // With clipping, speculation keeps a pool of three slots, each
-            // three extents of the largest NVMe group.
+            // With clipping, speculation keeps a pool slot for every NVMe
+            // group (auto, with the disk's room), each three extents of
+            // the largest NVMe group.
             let largest = groups[resident..]
                 .iter()
                 .map(|&n| align(n * 4))
                 .max()
                 .unwrap();
-            let slots = 3.min(groups.len() - resident) as u64;
+            let slots = (groups.len() - resident) as u64;
             let pool = if clip { slots * 3 * largest } else { 0 };
             assert_eq!(plan.optimizer.nvme_bytes, 3 * on_nvme + pool);
             assert_eq!(plan.optimizer.host_bytes, in_host);
@@ -366,4 +367,61 @@ fn plan_and_engine_agree_on_resident_optimizer_groups() {
             );
         }
     }
+}
+
+/// The auto speculation pool within a known free space: at most what half
+/// the room left by the run's other extents buys, at least the pipeline's
+/// depth; a byte count is taken as it is.
+#[test]
+fn the_auto_pool_takes_at_most_half_the_free_space() {
+    use tierzero::engine::sizing::{decide_within, Shape};
+    let d = scratch("room");
+    let mut cfg = ds(&d, true, None);
+    cfg["zero_optimization"]["sub_group_size"] = json!(2000);
+    let t = trainer(&d, &cfg).unwrap();
+    let run = RunContext {
+        path_checks: PathChecks::Check,
+        ..RunContext::default()
+    };
+    let config = load_str(&cfg.to_string(), &run).unwrap().config;
+    let shape = Shape::of(&config, t.model(), t.layout());
+    let full = decide_within(&config, &shape, None).unwrap();
+    let groups = full.speculation_slots;
+    assert!(groups > 5, "{groups} NVMe groups");
+    let slot = full.speculation_pool_nvme_bytes / groups as u64;
+    let others = full.param_nvme_bytes
+        + full.optimizer_nvme_bytes
+        + full.grad_spill_nvme_bytes
+        + full.grad_park_nvme_bytes
+        - full.speculation_pool_nvme_bytes;
+    let slots = |avail: u64| {
+        decide_within(&config, &shape, Some(avail))
+            .unwrap()
+            .speculation_slots
+    };
+    assert_eq!(slots(others + 2 * groups as u64 * slot), groups);
+    assert_eq!(slots(u64::MAX), groups);
+    assert_eq!(slots(others + 8 * slot + 1), 4);
+    assert_eq!(slots(others + 10 * slot - 1), 4);
+    // No room: the pipeline's depth, whose extents then fail at fallocate
+    // with the numbers, as any swap file too large for the disk.
+    assert_eq!(slots(others), 3);
+    assert_eq!(slots(0), 3);
+    // Kept gradients stay the pipeline's depth whatever the pool.
+    assert_eq!(
+        decide_within(&config, &shape, Some(0))
+            .unwrap()
+            .speculation_kept_grads,
+        3
+    );
+    assert_eq!(full.speculation_kept_grads, 3);
+    let mut bytes = cfg.clone();
+    bytes["tierzero"]["speculation_pool_bytes"] = json!(5 * slot);
+    let config = load_str(&bytes.to_string(), &run).unwrap().config;
+    assert_eq!(
+        decide_within(&config, &shape, Some(0))
+            .unwrap()
+            .speculation_slots,
+        5
+    );
 }

@@ -548,11 +548,10 @@ section! {
         /// pool of state slots (each the fp32 master, m and v of one largest
         /// sub-group). A step speculates as many sub-groups as there are
         /// slots; the others wait for the global norm. `"auto"` (absent) =
-        /// one optimizer pipeline's worth (1 + `pipeline_read` +
-        /// `pipeline_write` slots); a byte count buys that many slots (at
-        /// least one, at most one per NVMe sub-group: a second copy of all
-        /// state lets every sub-group speculate). Same result either way.
-        /// `None` = auto.
+        /// a slot for every NVMe sub-group, within half the disk's free
+        /// space after the run's other extents (at least 1 +
+        /// `pipeline_read` + `pipeline_write`); bytes buy `bytes / slot`
+        /// slots, at least one. Same result either way. `None` = auto.
         speculation_pool_bytes: Option<u64> => auto_none(bytes);
         /// `stop_grace_s`: seconds a stop (SIGINT, SIGTERM, or a library
         /// `StopHandle`) may take from the request to the end of the run:

@@ -330,8 +330,9 @@ pub struct Tierzero {
     /// Speculative optimizer step with clipping or fp16; `None` = auto
     /// (see `crate::engine::trainer` "Speculative step").
     pub speculative_step: Option<bool>,
-    /// NVMe bytes of the speculation pool; `None` = auto (one optimizer
-    /// pipeline's worth of slots, see `crate::engine::sizing`).
+    /// NVMe bytes of the speculation pool; `None` = auto (a slot for every
+    /// NVMe sub-group within half the free space, see
+    /// `crate::engine::sizing::speculation_pool_slots`).
     pub speculation_pool_bytes: Option<Bytes>,
     /// How long a stop may take from its request to the end of the run
     /// (`tierzero.stop_grace_s`); `None` = no bound.

@@ -202,11 +202,14 @@ pub struct Sizing {
     /// slot of a bounded pool of state extents, committed or dropped once
     /// the global norm is known.
     pub speculative: bool,
-    /// With `speculative`: the pool's slots ([`speculation_slots`]), the
-    /// most sub-groups a step speculates (the others wait for the
-    /// decision), and the most speculative gradients the optimizer thread
-    /// keeps in host memory for a re-step. 0 without speculation.
+    /// With `speculative`: the pool's slots ([`speculation_pool_slots`]),
+    /// the most sub-groups a step speculates (the others wait for the
+    /// decision). 0 without speculation.
     pub speculation_slots: usize,
+    /// With `speculative`: the most speculated gradients the optimizer
+    /// thread keeps in host memory for a re-step
+    /// ([`speculation_kept_grads`]); the others are spilled.
+    pub speculation_kept_grads: usize,
     /// NVMe bytes of the speculation pool (in `optimizer_nvme_bytes`):
     /// `speculation_slots` sets of three extents of the largest NVMe
     /// sub-group.
@@ -329,7 +332,7 @@ pub fn grads_in_flight(read_ahead: usize, write_behind: usize) -> usize {
 /// NVMe: the sums backward is adding into (the sub-groups of the largest
 /// unit, `unit_groups`), the first groups held for the step
 /// (`held_grad_groups`), the speculated gradients the optimizer thread
-/// keeps for a re-step (`speculation_slots`) and the steps handed to it
+/// keeps for a re-step (`speculation_kept_grads`) and the steps handed to it
 /// ([`grads_in_flight`]), each at most the largest sub-group.
 pub fn host_grad_bound_bytes(
     sizing: &Sizing,
@@ -341,7 +344,7 @@ pub fn host_grad_bound_bytes(
         return shape.numel().saturating_mul(4);
     }
     nvme_state_grad_bound_bytes(
-        unit_groups + sizing.held_grad_groups as u64 + sizing.speculation_slots as u64,
+        unit_groups + sizing.held_grad_groups as u64 + sizing.speculation_kept_grads as u64,
         sizing.read_ahead,
         sizing.write_behind,
         shape.sub_groups.len() as u64,
@@ -376,11 +379,24 @@ pub fn park_buffers(max_group_numel: u64) -> Buffers {
     }
 }
 
-/// The speculation pool's slots with `tierzero.speculation_pool_bytes`:
-/// `None` (auto) is [`speculation_slots`]; a byte count buys
-/// `pool_bytes / slot_bytes` slots (a slot is one largest NVMe sub-group's
-/// three state extents), at least one and at most `nvme_groups`; 0
-/// without speculation.
+/// The speculation pool's slots with `tierzero.speculation_pool_bytes`.
+///
+/// * A byte count buys `pool_bytes / slot_bytes` slots (a slot is one
+///   largest NVMe sub-group's three state extents), at least one and at
+///   most `nvme_groups`.
+/// * `None` (auto): a slot for every NVMe group, so that every group
+///   backward finishes can step before the norm is known, as without
+///   clipping; with `room_bytes` (the free space of the state's file
+///   system less the run's other swap extents, when known) at most what
+///   half of it buys, leaving the rest for checkpoints and other files,
+///   and never fewer than the pipeline's depth ([`speculation_slots`]).
+///
+/// The pool is the price of an exact speculation: the old state must
+/// survive until the decision, so every group that steps before it needs
+/// a second set of extents. With the pipeline's depth alone, the overlap
+/// harness at `CLIP=1` ran at 1.358× its slowest phase, against 1.288×
+/// without speculation and 1.053× with every group (docs/decisions/overlap.md).
+/// 0 without speculation.
 pub fn speculation_pool_slots(
     speculative: bool,
     read_ahead: usize,
@@ -388,24 +404,30 @@ pub fn speculation_pool_slots(
     nvme_groups: usize,
     pool_bytes: Option<u64>,
     slot_bytes: u64,
+    room_bytes: Option<u64>,
 ) -> usize {
+    if !speculative || nvme_groups == 0 {
+        return 0;
+    }
+    let buys = |b: u64| {
+        usize::try_from(b.checked_div(slot_bytes).unwrap_or(u64::MAX)).unwrap_or(usize::MAX)
+    };
     match pool_bytes {
-        Some(b) if speculative && nvme_groups > 0 => {
-            let bought = b.checked_div(slot_bytes).unwrap_or(u64::MAX);
-            usize::try_from(bought)
-                .unwrap_or(usize::MAX)
-                .clamp(1, nvme_groups)
+        Some(b) => buys(b).clamp(1, nvme_groups),
+        None => {
+            let floor = speculation_slots(true, read_ahead, write_behind, nvme_groups);
+            match room_bytes {
+                Some(room) => buys(room / 2).clamp(floor, nvme_groups),
+                None => nvme_groups,
+            }
         }
-        _ => speculation_slots(speculative, read_ahead, write_behind, nvme_groups),
     }
 }
 
-/// The speculation pool's slots: one sub-group pipeline's worth of state
-/// in flight, `1 + read_ahead + write_behind` sub-groups (as many as the
+/// The least pool auto gives: one sub-group pipeline's worth of state in
+/// flight, `1 + read_ahead + write_behind` sub-groups (as many as the
 /// optimizer pipeline holds at once, [`buffers_needed`]), at most the NVMe
-/// sub-groups; 0 without speculation. Bounded by the config, not the
-/// model: a step speculates this many sub-groups (the first backward
-/// finishes) and the others wait for the decision.
+/// sub-groups; 0 without speculation.
 pub fn speculation_slots(
     speculative: bool,
     read_ahead: usize,
@@ -417,6 +439,17 @@ pub fn speculation_slots(
     } else {
         0
     }
+}
+
+/// Speculated gradients the optimizer thread keeps in host memory for a
+/// re-step should the speculation miss: the pipeline's depth
+/// ([`speculation_slots`]), at most the pool's slots. Beyond that they are
+/// written to their spill extents (which every NVMe group has when the
+/// step speculates), so host memory stays bounded by the config however
+/// large the pool: a hit costs those gradients' write, a miss reads them
+/// back.
+pub fn speculation_kept_grads(read_ahead: usize, write_behind: usize, pool_slots: usize) -> usize {
+    (1 + read_ahead + write_behind).min(pool_slots)
 }
 
 /// The param swap-in buffers: `buffer_count` (at least 1) buffers of
@@ -574,8 +607,23 @@ fn home_tiers(config: &Config, shape: &Shape) -> Vec<Tier> {
         .collect()
 }
 
-/// The one sizing policy (see the module docs).
+/// The one sizing policy (see the module docs), with no known limit on
+/// NVMe space: [`decide_within`] with `None`.
 pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
+    decide_within(config, shape, None)
+}
+
+/// The one sizing policy, with `nvme_available_bytes` the free space of
+/// the file system under `offload_optimizer.nvme_path` when known
+/// (`statvfs`'s available bytes, before this run's swap files exist): it
+/// bounds the auto speculation pool ([`speculation_pool_slots`]), to what
+/// half of it buys after the run's other extents (the params' too when
+/// they share the directory).
+pub fn decide_within(
+    config: &Config,
+    shape: &Shape,
+    nvme_available_bytes: Option<u64>,
+) -> Result<Sizing, BudgetShort> {
     let zero = &config.zero;
     let elem_bytes = config.precision.param_elem_bytes();
     let tiers = home_tiers(config, shape);
@@ -677,6 +725,19 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
             .filter(|(_, r)| !**r)
             .map(|(g, _)| align_up(g.numel * 4))
     };
+    let spill_nvme_bytes: u64 = if spill_grads { nvme_groups().sum() } else { 0 };
+    let park_nvme_bytes: u64 = if park_grads {
+        shape.sub_groups.iter().map(|g| align_up(g.numel * 4)).sum()
+    } else {
+        0
+    };
+    let params_beside = zero.offload_param.device.nvme_path().is_some()
+        && zero.offload_param.device.nvme_path() == zero.offload_optimizer.device.nvme_path();
+    let room_bytes = nvme_available_bytes.map(|avail| {
+        avail
+            .saturating_sub(3 * nvme_groups().sum::<u64>() + spill_nvme_bytes + park_nvme_bytes)
+            .saturating_sub(if params_beside { param_nvme_bytes } else { 0 })
+    });
     let speculation_slots = speculation_pool_slots(
         speculative && opt_nvme,
         read_ahead,
@@ -684,7 +745,10 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
         nvme_groups().count(),
         config.tierzero.speculation_pool_bytes.map(|b| b.0),
         3 * nvme_groups().max().unwrap_or(0),
+        room_bytes,
     );
+    let speculation_kept_grads =
+        speculation_kept_grads(read_ahead, write_behind, speculation_slots);
     // Speculation keeps the old state while the new one is written: into a
     // pool slot, sized for any NVMe group (a committed slot becomes the
     // group's extents, its old extents a slot).
@@ -692,10 +756,7 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
         speculation_slots as u64 * 3 * nvme_groups().max().unwrap_or(0);
     let (optimizer_nvme_bytes, grad_spill_nvme_bytes) = if opt_nvme {
         let one: u64 = nvme_groups().sum();
-        (
-            3 * one + speculation_pool_nvme_bytes,
-            if spill_grads { one } else { 0 },
-        )
+        (3 * one + speculation_pool_nvme_bytes, spill_nvme_bytes)
     } else {
         (0, 0)
     };
@@ -728,6 +789,7 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
         spill_grads,
         speculative,
         speculation_slots,
+        speculation_kept_grads,
         speculation_pool_nvme_bytes,
         resident_groups: resident,
         held_grad_groups,
@@ -736,11 +798,7 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
         grad_spill_nvme_bytes,
         park_grads,
         park_buffers,
-        grad_park_nvme_bytes: if park_grads {
-            shape.sub_groups.iter().map(|g| align_up(g.numel * 4)).sum()
-        } else {
-            0
-        },
+        grad_park_nvme_bytes: park_nvme_bytes,
         lock_bytes,
     })
 }
@@ -751,21 +809,40 @@ mod tests {
 
     #[test]
     fn the_speculation_pool_buys_slots_with_bytes() {
-        // auto: one pipeline's worth, at most the NVMe groups.
-        assert_eq!(speculation_pool_slots(true, 1, 1, 10, None, 300), 3);
-        assert_eq!(speculation_pool_slots(true, 1, 1, 2, None, 300), 2);
-        // bytes: floor(bytes / slot), at least one, at most the groups.
-        assert_eq!(speculation_pool_slots(true, 1, 1, 10, Some(1500), 300), 5);
-        assert_eq!(speculation_pool_slots(true, 1, 1, 10, Some(299), 300), 1);
-        assert_eq!(speculation_pool_slots(true, 0, 0, 10, Some(0), 300), 1);
+        let slots =
+            |groups, bytes, room| speculation_pool_slots(true, 1, 1, groups, bytes, 300, room);
+        // auto, no known room: every NVMe group.
+        assert_eq!(slots(10, None, None), 10);
+        assert_eq!(slots(2, None, None), 2);
+        // auto within a room: what half of it buys, at least the
+        // pipeline's depth (3), at most the groups.
+        assert_eq!(slots(10, None, Some(6000)), 10);
+        assert_eq!(slots(10, None, Some(3000)), 5);
+        assert_eq!(slots(10, None, Some(2999)), 4);
+        assert_eq!(slots(10, None, Some(0)), 3);
+        assert_eq!(slots(2, None, Some(0)), 2);
+        // bytes: floor(bytes / slot), at least one, at most the groups,
+        // whatever the room.
+        assert_eq!(slots(10, Some(1500), None), 5);
+        assert_eq!(slots(10, Some(1500), Some(0)), 5);
+        assert_eq!(slots(10, Some(299), None), 1);
         assert_eq!(
-            speculation_pool_slots(true, 1, 1, 10, Some(1 << 40), 300),
-            10
+            speculation_pool_slots(true, 0, 0, 10, Some(0), 300, None),
+            1
         );
-        assert_eq!(speculation_pool_slots(true, 1, 1, 10, Some(5), 0), 10);
+        assert_eq!(slots(10, Some(1 << 40), None), 10);
+        assert_eq!(speculation_pool_slots(true, 1, 1, 10, Some(5), 0, None), 10);
         // No speculation, or no NVMe group: none.
-        assert_eq!(speculation_pool_slots(false, 1, 1, 10, Some(3000), 300), 0);
-        assert_eq!(speculation_pool_slots(true, 1, 1, 0, Some(3000), 300), 0);
+        assert_eq!(
+            speculation_pool_slots(false, 1, 1, 10, Some(3000), 300, None),
+            0
+        );
+        assert_eq!(speculation_pool_slots(false, 1, 1, 10, None, 300, None), 0);
+        assert_eq!(slots(0, Some(3000), None), 0);
+        // Kept gradients: the pipeline's depth, at most the slots.
+        assert_eq!(speculation_kept_grads(1, 1, 10), 3);
+        assert_eq!(speculation_kept_grads(1, 1, 2), 2);
+        assert_eq!(speculation_kept_grads(0, 0, 0), 0);
     }
 
     #[test]

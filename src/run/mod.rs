@@ -125,6 +125,9 @@ pub struct Plan {
     /// one slot each) and the `tierzero.speculation_pool_bytes` that buys
     /// them all.
     pub speculation_pool_all: (usize, u64),
+    /// With `speculative`: the speculated gradients kept in host memory
+    /// for a re-step (the others are spilled).
+    pub speculation_kept_grads: usize,
     /// fp32 master weights, `m` and `v`.
     pub optimizer: TierBytes,
     /// With NVMe optimizer state, the sub-groups whose state stays in host
@@ -270,6 +273,7 @@ impl Plan {
                     .unwrap_or(0);
                 (nvme_groups, nvme_groups as u64 * slot_bytes)
             },
+            speculation_kept_grads: sizing.speculation_kept_grads,
             optimizer,
             resident_sub_groups: sizing.resident_group_count(),
             param_buffers: pair(sizing.param_buffers),
@@ -437,26 +441,31 @@ impl fmt::Display for Plan {
             }
         }
         if self.speculative {
+            let (slots, pool_bytes) = self.speculation_pool;
+            let (all_groups, all_bytes) = self.speculation_pool_all;
+            let waits = if slots < all_groups {
+                format!("; a step's groups beyond the first {slots} backward finishes wait for the norm")
+            } else {
+                "; every NVMe sub-group".to_owned()
+            };
             let _ = writeln!(
                 s,
                 "  speculative step: on (clipping or fp16): NVMe sub-groups step during backward \
-                 into a pool of {} state slot(s) ({} of the NVMe optimizer state; a step's \
-                 groups beyond the first {} backward finishes wait for the norm), committed when \
-                 nothing clips or overflows, redone or undone exactly otherwise \
+                 into a pool of {slots} state slot(s) ({} of NVMe{waits}), committed when \
+                 nothing clips or overflows, redone or undone exactly otherwise; {} speculated \
+                 gradient(s) kept in memory for a re-step, the rest spilled \
                  (tierzero.speculative_step)",
-                self.speculation_pool.0,
-                cell(self.speculation_pool.1).trim(),
-                self.speculation_pool.0
+                cell(pool_bytes).trim(),
+                self.speculation_kept_grads,
             );
-            let (all_groups, all_bytes) = self.speculation_pool_all;
-            if self.speculation_pool.0 < all_groups {
+            if slots < all_groups {
                 let _ = writeln!(
                     s,
-                    "  speculation pool: {} of {all_groups} NVMe sub-groups speculate; \
-                     tierzero.speculation_pool_bytes {all_bytes} ({} more NVMe) lets every one \
-                     step during backward, as without clipping",
-                    self.speculation_pool.0,
-                    cell(all_bytes.saturating_sub(self.speculation_pool.1)).trim()
+                    "  speculation pool: {slots} of {all_groups} NVMe sub-groups speculate (the \
+                     pool holds what tierzero.speculation_pool_bytes buys or, under auto, half \
+                     the disk's free space); tierzero.speculation_pool_bytes {all_bytes} ({} more NVMe) lets every one step during backward, as without \
+                     clipping",
+                    cell(all_bytes.saturating_sub(pool_bytes)).trim()
                 );
             }
         }

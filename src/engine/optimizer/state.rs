@@ -55,8 +55,9 @@
 //!
 //! With speculation ([`crate::engine::sizing::speculates`]) the NVMe state
 //! has a bounded **pool** of spare extents: `pool_slots` sets of three
-//! ([`crate::engine::sizing::speculation_slots`], the pipeline's depth),
-//! each sized for the largest NVMe sub-group. A speculative
+//! ([`crate::engine::sizing::speculation_pool_slots`]: by default one per
+//! NVMe group, as far as the disk's free space allows), each sized for
+//! the largest NVMe sub-group. A speculative
 //! [`OptimizerState::step`] reads the group's current state as any step
 //! does and writes the new state into a free slot (the smallest that
 //! fits), so the old state survives; the slot is the group's *pending*
@@ -825,6 +826,18 @@ impl OptimizerState {
     /// Slots of the speculation pool (free or pending).
     pub fn pool_slots(&self) -> usize {
         self.nvme.as_ref().map_or(0, |nv| nv.pool_slots)
+    }
+
+    /// The most speculated gradients kept in host memory for a re-step
+    /// ([`crate::engine::sizing::speculation_kept_grads`]; the read-ahead
+    /// is the configured one whenever gradients spill, as they do when
+    /// steps speculate).
+    pub fn kept_grads_max(&self) -> usize {
+        crate::engine::sizing::speculation_kept_grads(
+            self.read_ahead,
+            self.write_behind,
+            self.pool_slots(),
+        )
     }
 
     /// Sub-groups with a speculative step not yet committed or dropped.

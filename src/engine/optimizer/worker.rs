@@ -86,8 +86,9 @@ pub enum Job {
         /// A speculative step (NVMe state only): the new state goes to a
         /// slot of the speculation pool (see "Speculative steps" in
         /// `state.rs`) and the gradient stays in host memory after the
-        /// step, for a re-step should the speculation miss (at most as many
-        /// as the pool has slots; beyond that it is spilled to NVMe). A
+        /// step, for a re-step should the speculation miss (at most
+        /// [`OptimizerState::kept_grads_max`]; beyond that it is spilled
+        /// to NVMe). A
         /// later `Step` of the same group before this one ran replaces it
         /// (the replaced one is answered [`Done::Superseded`]) and inherits
         /// its gradient; one after it ran, without a gradient, takes the
@@ -341,10 +342,11 @@ impl State {
         )?;
         if speculative {
             // Kept for a re-step from the old state, should the
-            // speculation miss: in host memory, within the pool's bound (a
-            // hit then writes no gradient); spilled beyond it.
+            // speculation miss: in host memory, up to the pipeline's depth
+            // (a hit then writes no gradient); spilled beyond it, so host
+            // memory does not grow with the pool.
             if let Some(g) = grad {
-                if self.kept.len() < self.opt.pool_slots() {
+                if self.kept.len() < self.opt.kept_grads_max() {
                     self.kept.insert(sg, g);
                 } else {
                     self.opt.spill_grad(sg, &g)?;

@@ -395,6 +395,26 @@ impl TierBuild<'_> {
     }
 }
 
+/// The free space of the file system under `offload_optimizer.nvme_path`
+/// (its nearest existing ancestor, when the directory is not made yet),
+/// which bounds the auto speculation pool; `None` without NVMe state or
+/// when `statvfs` fails (the pool is then not bounded by it, and a short
+/// disk shows as the swap file's `fallocate` error).
+fn nvme_available_bytes(config: &Config) -> Option<u64> {
+    let path = config.zero.offload_optimizer.device.nvme_path()?;
+    path.ancestors()
+        .map(|p| {
+            if p.as_os_str().is_empty() {
+                std::path::Path::new(".")
+            } else {
+                p
+            }
+        })
+        .find(|p| p.exists())
+        .and_then(|p| tierzero_swap::space::filesystem_space(p).ok())
+        .map(|s| s.available_bytes)
+}
+
 /// Stores the initial weights: fp32 masters → stored bytes, and masters
 /// per sub-group (from a checkpoint, the moments too).
 fn load_initial(
@@ -598,8 +618,12 @@ impl Trainer {
         let (param_dtype, scaler) = precision_setup(&config.precision);
         let sub_group = usize::try_from(config.zero.sub_group_numel.0).unwrap_or(usize::MAX);
         let layout = Layout::new(&model, opts.comm.rank(), opts.comm.world_size(), sub_group);
-        let sizing =
-            sizing::decide(config, &Shape::of(config, &model, &layout)).map_err(budget_error)?;
+        let sizing = sizing::decide_within(
+            config,
+            &Shape::of(config, &model, &layout),
+            nvme_available_bytes(config),
+        )
+        .map_err(budget_error)?;
         let lockable = check_memlock(config, &sizing)?;
         let clocks = Clocks::new(&opts);
         let mut tiers = TierBuild {

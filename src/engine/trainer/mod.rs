@@ -66,14 +66,20 @@
 //! (`1 / loss_scale`, no clip coefficient). The optimizer thread writes
 //! that step's new state into a slot of the **speculation pool** (the old
 //! state stays where it is; "Speculative steps" in `optimizer/state.rs`)
-//! and keeps the gradient in host memory for a possible re-step, and its
+//! and keeps the gradient for a possible re-step, and its
 //! new params are stored as in the overlapped case. The pool has
-//! `speculation_slots` slots, the pipeline's depth (`1 + pipeline_read +
-//! pipeline_write` sub-groups, [`crate::engine::sizing::speculation_slots`],
-//! in the plan): a step speculates the first that many NVMe groups
-//! backward finishes; **when the pool is taken, the others wait for the
-//! decision** as without speculation (their gradients held or spilled,
-//! their state reads started ahead), counted in `speculation_pool_waits`.
+//! `speculation_slots` slots ([`crate::engine::sizing::speculation_pool_slots`],
+//! in the plan): by default one per NVMe group, a second copy of the NVMe
+//! state, because an exact speculation must keep every old state that
+//! steps before the decision, and every group backward finishes steps
+//! before it; auto takes at most half the disk's free space left by the
+//! run's other extents (at least the pipeline's depth,
+//! `1 + pipeline_read + pipeline_write`), and
+//! `tierzero.speculation_pool_bytes` sets it. A
+//! step speculates the first that many NVMe groups backward finishes;
+//! **when the pool is taken, the others wait for the decision** as
+//! without speculation (their gradients held or spilled, their state
+//! reads started ahead), counted in `speculation_pool_waits`.
 //! Resident (in-memory) groups are not speculated: they step after the
 //! decision. When backward ends:
 //!
@@ -93,12 +99,13 @@
 //!
 //! So the weights are the same bits with speculation on or off (the
 //! equivalence tests in `tests/engine_speculative.rs` force hits, misses
-//! and overflows, with more NVMe groups than slots). The cost: the pool on
-//! NVMe (`speculation_slots` × 12 bytes × the largest NVMe sub-group's
-//! elements, shown in the plan), no extra gradient write (the optimizer
-//! thread keeps at most `speculation_slots` speculated gradients in host
-//! memory, and spills beyond that), and on a miss the re-step's reads and
-//! writes. With `"auto"` the run stops speculating after 3 misses in a row
+//! and overflows, with a pool of one slot and of every group). The cost:
+//! the pool on NVMe (`speculation_slots` × 12 bytes × the largest NVMe
+//! sub-group's elements, shown in the plan); the speculated gradients
+//! beyond the pipeline's depth written to their spill extents (the
+//! optimizer thread keeps `speculation_kept_grads`, the pipeline's depth,
+//! in host memory, so host memory does not grow with the pool; a hit
+//! never reads them back); and on a miss the re-step's reads and writes. With `"auto"` the run stops speculating after 3 misses in a row
 //! and says so once; `true` never stops. `speculation_hits` and
 //! `speculation_misses` are in every step's metrics and in the summary. A
 //! kill before the commit (`optim.before_commit`) leaves the last
