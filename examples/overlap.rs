@@ -61,6 +61,8 @@
 //! `tierzero.optimizer_resident_bytes` (bytes, or "auto"); `SPEC_POOL` sets
 //! `tierzero.speculation_pool_bytes` (bytes, or "auto"); `PIN=off` or
 //! `PIN=on` sets `tierzero.pin_threads` (default "auto");
+//! `ACT_BUDGET` sets `tierzero.activation_budget_bytes` (default 0: every
+//! block recomputed, so the real step does the I/O-alone run's I/O);
 //! `PRETRAIN=N` starts every trainer from weights pre-trained N steps
 //! (stage 0, `PRETRAIN_LR`, default 1e-3, clipping 1.0; made once and
 //! kept under DIR), so that with a fine-tuning `LR` such as 2e-5 the

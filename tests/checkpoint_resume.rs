@@ -42,6 +42,7 @@ fn split_run(dir: &std::path::Path, k: &Knobs, k2: &Knobs, n: u64, m: u64) -> Ru
         // The resumed half's totals only.
         bytes_read: s.bytes_read,
         bytes_written: s.bytes_written,
+        activations: None,
     }
 }
 

@@ -8,8 +8,9 @@
 )]
 
 use tierzero::config::{
-    load_str, parse_str, ConfigError, ConfigWarning, LossScale, Numel, OffloadDevice,
-    OptimizerKind, PathChecks, Precision, RunContext, Scheduler, Source, Stage, WarmupType,
+    load_str, parse_str, ActivationBudget, ConfigError, ConfigWarning, LossScale, Numel,
+    OffloadDevice, OptimizerKind, PathChecks, Precision, RunContext, Scheduler, Source, Stage,
+    WarmupType,
 };
 
 fn fixture(name: &str) -> String {
@@ -355,7 +356,10 @@ fn deepspeed_examples_zero_offload_10b_infers_micro_batch() {
         |w| matches!(w, ConfigWarning::UnknownKey { key, suggestion: Some(s) }
         if key == "zero_optimization.comm_overlap" && s == "zero_optimization.overlap_comm")
     ));
-    assert!(has_warning(
+    // Its activation_checkpointing block turns checkpointing on: every
+    // block is recomputed, as DeepSpeed's checkpointed Megatron model does.
+    assert_eq!(c.tierzero.activations, ActivationBudget::Checkpointing);
+    assert!(!has_warning(
         &l.warnings,
         |w| matches!(w, ConfigWarning::IgnoredKey { key } if key == "activation_checkpointing")
     ));
@@ -460,4 +464,55 @@ fn hf_docs_nvme_example_warns_about_nested_aio() {
         }
     );
     assert_eq!(l.config.zero.offload_param.buffer_numel, Numel(100_000_000));
+}
+
+/// `tierzero.activation_budget_bytes` and DeepSpeed's
+/// `activation_checkpointing`: absent both, auto; the block alone,
+/// checkpointing (recompute every block); the key, its bytes (with the
+/// block too, and a note that the block changes nothing); a wrong type in
+/// the block, an error naming the key.
+#[test]
+fn activation_budget_and_deepspeeds_checkpointing_block() {
+    let with = |extra: &str| {
+        load_str(
+            &format!(r#"{{"train_micro_batch_size_per_gpu": 1 {extra}}}"#),
+            &skip_fs(),
+        )
+    };
+    assert_eq!(
+        with("").unwrap().config.tierzero.activations,
+        ActivationBudget::Auto
+    );
+    let block = r#", "activation_checkpointing": {"partition_activations": false,
+        "cpu_checkpointing": true, "number_checkpoints": 4}"#;
+    assert_eq!(
+        with(block).unwrap().config.tierzero.activations,
+        ActivationBudget::Checkpointing
+    );
+    let key = r#", "tierzero": {"activation_budget_bytes": "2GiB"}"#;
+    assert_eq!(
+        with(key).unwrap().config.tierzero.activations,
+        ActivationBudget::Bytes(2 << 30)
+    );
+    let both = with(&format!("{block}{key}")).unwrap();
+    assert_eq!(
+        both.config.tierzero.activations,
+        ActivationBudget::Bytes(2 << 30)
+    );
+    assert!(has_warning(&both.warnings, |w| matches!(w,
+        ConfigWarning::Note { key, .. } if key == "activation_checkpointing")));
+    let auto = r#", "tierzero": {"activation_budget_bytes": "auto"}"#;
+    assert_eq!(
+        with(auto).unwrap().config.tierzero.activations,
+        ActivationBudget::Auto
+    );
+    let bad = with(r#", "activation_checkpointing": {"partition_activations": 3}"#);
+    let e = bad.unwrap_err().to_string();
+    assert!(
+        e.contains("activation_checkpointing.partition_activations"),
+        "{e}"
+    );
+    let unknown = with(r#", "activation_checkpointing": {"partition_activation": true}"#).unwrap();
+    assert!(has_warning(&unknown.warnings, |w| matches!(w,
+        ConfigWarning::UnknownKey { key, .. } if key == "activation_checkpointing.partition_activation")));
 }

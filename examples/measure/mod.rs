@@ -148,6 +148,17 @@ impl Setup {
         if let Some(n) = self.compute_threads {
             ds["tierzero"]["compute_threads"] = json!(n);
         }
+        // `ACT_BUDGET`: `tierzero.activation_budget_bytes` (bytes or
+        // "auto"); default 0, every block recomputed, so that the real step
+        // does the I/O the I/O-alone run does (a kept block is not fetched
+        // again in backward, and without compute nothing is kept).
+        ds["tierzero"]["activation_budget_bytes"] = match std::env::var("ACT_BUDGET") {
+            Ok(v) => match v.parse::<u64>() {
+                Ok(n) => json!(n),
+                Err(_) => json!(v),
+            },
+            Err(_) => json!(0),
+        };
         match std::env::var("PIN").as_deref() {
             Ok("off") => ds["tierzero"]["pin_threads"] = json!(false),
             Ok("on") => ds["tierzero"]["pin_threads"] = json!(true),

@@ -187,6 +187,14 @@ pub struct TrainArgs {
     /// and progress go to stderr).
     #[arg(long)]
     json: bool,
+    /// Recompute every block's activations in backward instead of keeping
+    /// them, as HF Trainer's --gradient_checkpointing (and DeepSpeed's
+    /// activation_checkpointing block): the least memory, one more forward
+    /// per step. Default: tierzero.activation_budget_bytes ("auto": blocks
+    /// keep their forward graphs while half the available memory holds
+    /// them).
+    #[arg(long)]
+    gradient_checkpointing: bool,
     /// cpu, or cuda / cuda:N: the collectives between ranks run over NCCL
     /// on that GPU (build with --features gpu; the NVIDIA driver and NCCL
     /// are needed to run). Forward, backward and Adam stay on the CPU
@@ -382,6 +390,14 @@ impl Progress {
                     eprintln!("{}", progress_text(m, steps));
                 }
             }
+        }
+    }
+
+    /// A line between progress updates.
+    fn println(&self, line: &str) {
+        match self {
+            Progress::Bar(bar) => bar.println(line),
+            Progress::Lines { .. } => eprintln!("{line}"),
         }
     }
 
@@ -626,9 +642,22 @@ fn load_config(
         path_checks,
         ..RunContext::default()
     };
-    let loaded = parsed.resolve(&run).map_err(cfg_err)?;
+    let mut loaded = parsed.resolve(&run).map_err(cfg_err)?;
     for w in &loaded.warnings {
         print_warning(w);
+    }
+    if args.gradient_checkpointing {
+        if let config::ActivationBudget::Bytes(b) = loaded.config.tierzero.activations {
+            if b > 0 {
+                print_warning(&config::ConfigWarning::Note {
+                    key: "tierzero.activation_budget_bytes".into(),
+                    message: format!(
+                        "--gradient-checkpointing recomputes every block; the budget {b} is not used"
+                    ),
+                });
+            }
+        }
+        loaded.config.tierzero.activations = config::ActivationBudget::Checkpointing;
     }
     Ok((loaded, config_name, steps))
 }
@@ -754,6 +783,7 @@ fn train_steps(
     let mut last: Option<StepMetrics> = None;
     let mut saved_at: Option<u64> = None;
     let mut stop: Option<StopCause> = None;
+    let mut said_activations: Option<[usize; 2]> = None;
     let save = |trainer: &mut Trainer, dir: &Path| -> Result<(), Failure> {
         // The last step's optimizer tail first, so the time said is the
         // save's own.
@@ -779,6 +809,24 @@ fn train_steps(
             run_failure(e, "training step")
         })?;
         let m = report.metrics;
+        // The activation policy decides in the first micro-batch of a batch
+        // shape: say what it kept, once per decision.
+        if lead {
+            if let Some(d) = trainer.activation_decision() {
+                if said_activations.as_ref() != Some(&d.shape) {
+                    said_activations = Some(d.shape);
+                    progress.println(&format!(
+                        "activations: {} of {} blocks keep their forward graph for backward \
+                         ({} measured), the others are recomputed; {} x {} tokens a micro-batch",
+                        d.kept(),
+                        d.blocks,
+                        tierzero::units::format_bytes(d.kept_bytes()),
+                        d.shape[0],
+                        d.shape[1]
+                    ));
+                }
+            }
+        }
         if !m.loss.is_finite() {
             progress.finish();
             return Err(Failure::Internal(anyhow!(
@@ -1107,7 +1155,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         trainer.adopt_save_dir_lock(lock);
     }
     let threads_line = format!("{}; {}", trainer.compute_threads(), trainer.placement());
-    let plan = Plan::new(
+    let mut plan = Plan::new(
         cfg,
         trainer.model(),
         trainer.layout(),
@@ -1117,6 +1165,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
             Some(d) => format!("cpu, {threads_line} (collectives: NCCL on {d})"),
         },
     );
+    plan.activations = Some(trainer.activations_line());
     say(&banner(
         &args,
         ckpt.as_ref(),

@@ -113,6 +113,11 @@ section! {
         zero_optimization: DsZero => DsZero::read;
         /// `aio` block.
         aio: DsAio => DsAio::read;
+        /// `activation_checkpointing` block; `None` when absent. Present, it
+        /// means checkpointing on: every unit's activations are recomputed
+        /// in backward (unless `tierzero.activation_budget_bytes` is set).
+        activation_checkpointing: Option<DsActivationCheckpointing> =>
+            some(DsActivationCheckpointing::read);
         /// Our own knobs.
         tierzero: DsTierzero => DsTierzero::read;
     }
@@ -122,7 +127,6 @@ section! {
         "sparse_gradients",
         "zero_allow_untested_optimizer",
         "zero_force_ds_cpu_optimizer",
-        "activation_checkpointing",
         "flops_profiler",
         "tensorboard",
         "wandb",
@@ -382,6 +386,29 @@ section! {
 }
 
 section! {
+    /// Top-level `activation_checkpointing` {...}: DeepSpeed's settings of
+    /// `deepspeed.checkpointing`. Its presence turns checkpointing on
+    /// (recompute every unit); the settings themselves change nothing
+    /// here: the engine checkpoints each unit's input in host memory
+    /// (`cpu_checkpointing`'s place) and has no model parallelism to
+    /// partition across (`partition_activations`).
+    pub struct DsActivationCheckpointing {
+        /// `partition_activations` (default false).
+        partition_activations: bool => flag;
+        /// `cpu_checkpointing` (default false).
+        cpu_checkpointing: bool => flag;
+        /// `contiguous_memory_optimization` (default false).
+        contiguous_memory_optimization: bool => flag;
+        /// `number_checkpoints` (default none).
+        number_checkpoints: Option<u64> => some(int);
+        /// `synchronize_checkpoint_boundary` (default false).
+        synchronize_checkpoint_boundary: bool => flag;
+        /// `profile` (default false).
+        profile: bool => flag;
+    }
+}
+
+section! {
     /// Top-level `aio` {...}.
     pub struct DsAio {
         /// `block_size`: **bytes** per request (default 1048576).
@@ -553,6 +580,14 @@ section! {
         /// `pipeline_read` + `pipeline_write`); bytes buy `bytes / slot`
         /// slots, at least one. Same result either way. `None` = auto.
         speculation_pool_bytes: Option<u64> => auto_none(bytes);
+        /// `activation_budget_bytes`: host (compute device) memory for the
+        /// units' forward graphs kept until their backward; a unit whose
+        /// graph does not fit is recomputed from its saved input, as with
+        /// checkpointing. 0 recomputes every unit. `"auto"` (absent) = half
+        /// the memory available once the engine is built, or 0 when
+        /// `activation_checkpointing` is present. Same result either way.
+        /// `None` = auto.
+        activation_budget_bytes: Option<u64> => auto_none(bytes);
         /// `stop_grace_s`: seconds a stop (SIGINT, SIGTERM, or a library
         /// `StopHandle`) may take from the request to the end of the run:
         /// the step in progress, the checkpoint of that step and the

@@ -59,8 +59,9 @@ pub use reader::ConfigWarning;
 pub use run::{MixedPrecision, PathChecks, Resolved, RunContext, Source};
 pub use units::{Bytes, Numel};
 pub use validate::{
-    Aio, Batch, Config, LossScale, OffloadDevice, Optimizer, OptimizerKind, OptimizerOffload,
-    ParamOffload, Precision, Scheduler, Stage, Tierzero, WarmupType, Zero, MAX_STOP_GRACE_S,
+    ActivationBudget, Aio, Batch, Config, LossScale, OffloadDevice, Optimizer, OptimizerKind,
+    OptimizerOffload, ParamOffload, Precision, Scheduler, Stage, Tierzero, WarmupType, Zero,
+    MAX_STOP_GRACE_S,
 };
 
 /// The embedded default config: a small-model run with ZeRO stage 3 and

@@ -337,6 +337,27 @@ pub struct Tierzero {
     /// How long a stop may take from its request to the end of the run
     /// (`tierzero.stop_grace_s`); `None` = no bound.
     pub stop_grace: Option<std::time::Duration>,
+    /// Memory for the units' forward graphs kept until backward
+    /// (`tierzero.activation_budget_bytes`, DeepSpeed's
+    /// `activation_checkpointing`).
+    pub activations: ActivationBudget,
+}
+
+/// The activation policy's budget (see "Activations" in
+/// `crate::engine::trainer`): how much memory may hold the units' forward
+/// graphs from their forward to their backward; the units beyond it are
+/// recomputed from their saved inputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ActivationBudget {
+    /// `"auto"`: half the memory available once the engine is built.
+    #[default]
+    Auto,
+    /// `tierzero.activation_budget_bytes` (0: recompute every unit).
+    Bytes(u64),
+    /// Checkpointing on (DeepSpeed's `activation_checkpointing` block, or
+    /// `tierzero train --gradient-checkpointing` as HF's switch):
+    /// recompute every unit.
+    Checkpointing,
 }
 
 /// The validated configuration the engine runs with.
@@ -750,6 +771,21 @@ pub(crate) fn validate(
                 ))
             }
             None => None,
+        },
+        activations: match (t.activation_budget_bytes, &ds.activation_checkpointing) {
+            (Some(b), Some(_)) => {
+                sink.note(
+                    "activation_checkpointing",
+                    format!(
+                        "tierzero.activation_budget_bytes {b} decides which units are kept \
+                         and which recomputed; this block changes nothing"
+                    ),
+                );
+                ActivationBudget::Bytes(b)
+            }
+            (Some(b), None) => ActivationBudget::Bytes(b),
+            (None, Some(_)) => ActivationBudget::Checkpointing,
+            (None, None) => ActivationBudget::Auto,
         },
     };
 

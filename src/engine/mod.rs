@@ -109,7 +109,8 @@ pub use observe::metrics::{StepMetrics, Summary};
 pub use observe::timeline::{Lane, Timeline};
 pub use params::store::{ParamEvent, ParamState, ParamStore, Tier};
 pub use trainer::{
-    FaultPlan, StepReport, StopCause, StopHandle, StopSave, SwapUsage, Trainer, TrainerOptions,
+    ActivationDecision, FaultPlan, StepReport, StopCause, StopHandle, StopSave, SwapUsage, Trainer,
+    TrainerOptions,
 };
 
 /// Result type of the engine.

@@ -41,6 +41,17 @@
 //! loss scale. The result is the param grads (same order as declared) and the
 //! input grad (none for the embedding, whose input is token ids).
 //!
+//! # Keep or recompute
+//!
+//! The engine may instead keep a unit's forward graph until its backward
+//! (its activation policy, `crate::engine`): [`Model::record_unit`] runs
+//! the forward on `Var` copies as the recompute would, returns the output
+//! with its graph and says how many bytes that holds
+//! ([`RecordedUnit::held_bytes`]); [`Model::backward_recorded`]
+//! backpropagates from it. `backward_unit` is exactly `record_unit` then
+//! `backward_recorded` on the saved input, so a kept unit's gradients are
+//! the recomputed unit's, bit for bit (the forward is deterministic).
+//!
 //! Per-unit backward of the whole chain reproduces one full-graph backward:
 //! `tests/model_grad.rs` measures the difference (see the report there; the
 //! only non-identical tensor is a tied embedding, whose two contributions are
@@ -73,6 +84,7 @@
 //! device.
 
 pub mod config;
+pub mod fused;
 pub mod io;
 pub mod ops;
 pub mod precision;
@@ -361,6 +373,58 @@ pub struct UnitGrads {
     /// The recomputed loss (head only; unscaled), so the engine can run the
     /// head once per micro-batch instead of forward + backward.
     pub loss: Option<Tensor>,
+}
+
+/// A unit's forward with its graph, kept for its backward
+/// ([`Model::record_unit`]).
+#[derive(Debug)]
+pub struct RecordedUnit {
+    unit: UnitId,
+    vars: Vec<Var>,
+    input: Option<Var>,
+    out: UnitOutput,
+}
+
+impl RecordedUnit {
+    /// The unit's hidden output, detached from the graph (the next unit's
+    /// input: its own graph must not reach into this one); `None` for the
+    /// head.
+    pub fn hidden(&self) -> Option<Tensor> {
+        match &self.out {
+            UnitOutput::Hidden(y) => Some(y.detach()),
+            UnitOutput::Loss(_) => None,
+        }
+    }
+
+    /// Bytes the record holds: the distinct storages of every tensor on a
+    /// path from the output to a param or the input (the params' and the
+    /// input's `Var` copies included), each counted once however many views
+    /// share it, as far as its views reach. Constants off those paths (the
+    /// causal mask, rotary tables) are not counted; they are small and
+    /// shared.
+    pub fn held_bytes(&self) -> u64 {
+        let mut spans: std::collections::HashMap<usize, u64> = std::collections::HashMap::new();
+        for t in self.out.tensor().sorted_nodes() {
+            let (storage, layout) = t.storage_and_layout();
+            let key = std::ptr::from_ref::<candle_core::Storage>(&storage).addr();
+            let reach = if layout.shape().elem_count() == 0 {
+                0
+            } else {
+                layout.start_offset()
+                    + layout
+                        .dims()
+                        .iter()
+                        .zip(layout.stride())
+                        .map(|(&d, &s)| (d - 1) * s)
+                        .sum::<usize>()
+                    + 1
+            };
+            let bytes = (reach * t.dtype().size_in_bytes()) as u64;
+            let e = spans.entry(key).or_insert(0);
+            *e = (*e).max(bytes);
+        }
+        spans.values().sum()
+    }
 }
 
 /// A model description: config, parameters, units. Holds no weights.
@@ -869,6 +933,23 @@ impl Model {
         input: UnitInput<'_>,
         upstream: Upstream<'_>,
     ) -> Result<UnitGrads, ModelError> {
+        let recorded = self.record_unit(unit, params, input)?;
+        self.backward_recorded(recorded, upstream)
+    }
+
+    /// One unit's forward with its graph kept for backward (the activation
+    /// policy's *keep*, see "Keep or recompute" in the module docs): the
+    /// params and the hidden input become candle `Var`s (one copy each),
+    /// and the output holds every intermediate its backward needs.
+    /// [`Model::backward_recorded`] then backpropagates without running the
+    /// forward again. [`Model::backward_unit`] is this followed by that, so
+    /// keeping a unit and recomputing it give the same bits.
+    pub fn record_unit(
+        &self,
+        unit: UnitId,
+        params: &[Tensor],
+        input: UnitInput<'_>,
+    ) -> Result<RecordedUnit, ModelError> {
         let spec = self.unit(unit)?;
         // Validate before copying anything.
         self.check_params(spec, params)?;
@@ -899,6 +980,33 @@ impl Model {
             _ => return Err(bad("inconsistent input")),
         };
         let out = self.run_unit(spec, &var_tensors, recompute_input)?;
+        Ok(RecordedUnit {
+            unit,
+            vars,
+            input: input_var,
+            out,
+        })
+    }
+
+    /// Backward of a unit recorded by [`Model::record_unit`] (see
+    /// [`Model::backward_unit`] for `upstream`). Consumes the record: its
+    /// graph is freed when this returns.
+    pub fn backward_recorded(
+        &self,
+        recorded: RecordedUnit,
+        upstream: Upstream<'_>,
+    ) -> Result<UnitGrads, ModelError> {
+        let RecordedUnit {
+            unit,
+            vars,
+            input: input_var,
+            out,
+        } = recorded;
+        let spec = self.unit(unit)?;
+        let bad = |reason: &str| ModelError::BadInput {
+            unit,
+            reason: reason.to_string(),
+        };
         let (objective, loss) = match (out, upstream) {
             (UnitOutput::Loss(loss), Upstream::LossScale(s)) => {
                 (loss.affine(s, 0.0)?, Some(loss.detach()))

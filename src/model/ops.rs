@@ -27,7 +27,7 @@ use super::config::{ModelConfig, RopeScaling};
 pub fn conv1d(x: &Tensor, w_in_out: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
     let y = matmul_last(x, w_in_out)?;
     match b {
-        Some(b) => y.broadcast_add(b),
+        Some(b) => super::fused::bias_add(&y, b),
         None => Ok(y),
     }
 }
@@ -36,7 +36,7 @@ pub fn conv1d(x: &Tensor, w_in_out: &Tensor, b: Option<&Tensor>) -> candle_core:
 pub fn linear(x: &Tensor, w_out_in: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
     let y = matmul_last(x, &w_out_in.t()?)?;
     match b {
-        Some(b) => y.broadcast_add(b),
+        Some(b) => super::fused::bias_add(&y, b),
         None => Ok(y),
     }
 }
@@ -135,11 +135,9 @@ pub fn causal_attention_window(
     v: &Tensor,
     window: Option<usize>,
 ) -> candle_core::Result<Tensor> {
-    let (_, _, t, d) = q.dims4()?;
+    let (_, _, _, d) = q.dims4()?;
     let scale = 1.0 / (d as f64).sqrt();
-    let att = q.matmul(&k.t()?)?.affine(scale, 0.0)?;
-    let mask = causal_mask_window(t, window, q.dtype(), q.device())?;
-    let att = softmax_last(&att.broadcast_add(&mask)?)?;
+    let att = super::fused::causal_softmax(&q.matmul(&k.t()?)?, scale, window)?;
     att.matmul(v)
 }
 

@@ -196,12 +196,12 @@ impl Policy {
         b: &Tensor,
         eps: f64,
     ) -> candle_core::Result<Tensor> {
-        ops::layer_norm(&self.up(x)?, &self.up(w)?, &self.up(b)?, eps)
+        super::fused::layer_norm(&self.up(x)?, &self.up(w)?, &self.up(b)?, eps)
     }
 
     /// RMSNorm in the math dtype (output in the math dtype).
     pub fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
-        ops::rms_norm(&self.up(x)?, &self.up(w)?, eps)
+        super::fused::rms_norm(&self.up(x)?, &self.up(w)?, eps)
     }
 
     /// Causal attention on `q, k, v [b, h, t, d]`: operands in `S`, scores,
@@ -216,11 +216,9 @@ impl Policy {
         window: Option<usize>,
     ) -> candle_core::Result<Tensor> {
         let (q, k, v) = (self.operand(q)?, self.operand(k)?, self.operand(v)?);
-        let (_, _, t, d) = q.dims4()?;
+        let (_, _, _, d) = q.dims4()?;
         let scale = 1.0 / (d as f64).sqrt();
-        let att = q.matmul(&k.t()?)?.affine(scale, 0.0)?;
-        let mask = ops::causal_mask_window(t, window, att.dtype(), att.device())?;
-        let p = ops::softmax_last(&att.broadcast_add(&mask)?)?;
+        let p = super::fused::causal_softmax(&q.matmul(&k.t()?)?, scale, window)?;
         self.down(&self.operand(&p)?.matmul(&v)?)
     }
 

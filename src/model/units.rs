@@ -68,7 +68,7 @@ impl Model {
                 let m = pol.up(&pol.conv1d(&m, &p[8], Some(&p[9]))?)?;
                 let m = match c.activation {
                     Activation::GeluErf => ops::gelu_erf(&m)?,
-                    _ => ops::gelu_tanh(&m)?,
+                    _ => super::fused::gelu_tanh(&m)?,
                 };
                 (x + pol.up(&pol.conv1d(&m, &p[10], Some(&p[11]))?)?)?
             }
@@ -102,8 +102,8 @@ impl Model {
                 let (cos, sin) = ops::rope_tables_for(c, t, pol.math(), x.device())?;
                 let q = ops::apply_rope(&q, &cos, &sin)?;
                 let k = ops::apply_rope(&k, &cos, &sin)?;
-                let k = ops::repeat_kv(&k, nh / nkv)?;
-                let v = ops::repeat_kv(&v, nh / nkv)?;
+                let k = super::fused::repeat_kv(&k, nh / nkv)?;
+                let v = super::fused::repeat_kv(&v, nh / nkv)?;
                 let y = merge(&pol.attention(&q, &k, &v, c.sliding_window)?)?;
                 let x = (x + pol.up(&proj(&y, o_w, o_b)?)?)?;
                 let m = pol.rms_norm(&x, next()?, c.norm_eps)?;
@@ -113,9 +113,10 @@ impl Model {
                     let bias = if c.mlp_bias { Some(next()?) } else { None };
                     mlp.push((w, bias));
                 }
-                let gate = pol.up(&proj(&m, mlp[0].0, mlp[0].1)?)?.silu()?;
+                let gate = pol.up(&proj(&m, mlp[0].0, mlp[0].1)?)?;
                 let up = pol.up(&proj(&m, mlp[1].0, mlp[1].1)?)?;
-                (x + pol.up(&proj(&gate.mul(&up)?, mlp[2].0, mlp[2].1)?)?)?
+                let act = super::fused::swiglu(&gate, &up)?;
+                (x + pol.up(&proj(&act, mlp[2].0, mlp[2].1)?)?)?
             }
         };
         Ok(pol.down(&out)?)

@@ -152,6 +152,9 @@ pub struct Plan {
     pub precision: &'static str,
     /// Compute device label.
     pub device: String,
+    /// The activation policy's line (`Trainer::activations_line`), when
+    /// the caller has a trainer.
+    pub activations: Option<String>,
 }
 
 impl Plan {
@@ -293,6 +296,7 @@ impl Plan {
                 Precision::Fp16 { .. } => "fp16",
             },
             device,
+            activations: None,
         }
     }
 
@@ -468,6 +472,9 @@ impl fmt::Display for Plan {
                     cell(all_bytes.saturating_sub(pool_bytes)).trim()
                 );
             }
+        }
+        if let Some(line) = &self.activations {
+            let _ = writeln!(s, "  {line}");
         }
         f.write_str(s.trim_end())
     }

@@ -115,6 +115,8 @@ pub struct Knobs {
     pub speculative: Option<bool>,
     /// `tierzero.speculation_pool_bytes` (`None`: absent, auto).
     pub speculation_pool_bytes: Option<u64>,
+    /// `tierzero.activation_budget_bytes` (`None`: absent, auto).
+    pub activation_budget: Option<u64>,
 }
 
 impl Default for Knobs {
@@ -142,6 +144,7 @@ impl Default for Knobs {
             pin_threads: None,
             speculative: None,
             speculation_pool_bytes: None,
+            activation_budget: None,
         }
     }
 }
@@ -220,6 +223,9 @@ pub fn ds_config(k: &Knobs, swap: &Path, total_steps: u64) -> Value {
     if let Some(b) = k.speculation_pool_bytes {
         tz["speculation_pool_bytes"] = json!(b);
     }
+    if let Some(b) = k.activation_budget {
+        tz["activation_budget_bytes"] = json!(b);
+    }
     json!({
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": k.gas,
@@ -248,6 +254,8 @@ pub struct Run {
     /// the optimizer tail overlaps the next step).
     pub bytes_read: std::collections::BTreeMap<String, u64>,
     pub bytes_written: std::collections::BTreeMap<String, u64>,
+    /// The activation policy's last decision.
+    pub activations: Option<tierzero::engine::ActivationDecision>,
 }
 
 impl Run {
@@ -311,6 +319,7 @@ pub fn train(
         out.push(t.step().unwrap().metrics);
     }
     let rerecords = t.prefetcher().rerecords();
+    let activations = t.activation_decision().cloned();
     let summary = t.finish().unwrap();
     Run {
         steps: out,
@@ -318,6 +327,7 @@ pub fn train(
         rerecords,
         bytes_read: summary.bytes_read,
         bytes_written: summary.bytes_written,
+        activations,
     }
 }
 

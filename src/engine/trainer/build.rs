@@ -661,6 +661,11 @@ impl Trainer {
             None => None,
         };
         let stop = opts.stop.clone();
+        // After every buffer, param and state is in place: what is left.
+        let activations = activations::Activations::new(
+            config.tierzero.activations,
+            activations::mem_available_bytes(),
+        );
         Ok(Trainer {
             compute_threads: host.compute_threads,
             placement: host.placement,
@@ -704,6 +709,7 @@ impl Trainer {
             stop_seen_at: None,
             slowest_save: None,
             last_step_wall: None,
+            activations,
         })
     }
 }

@@ -54,6 +54,16 @@
 //! Data: micro-batch `k` of step `s` on rank `r` reads rows starting at
 //! global sample `((s · GAS + k) · ranks + r) · micro_batch`.
 //!
+//! # Activations
+//!
+//! Backward needs what each block's forward computed. The activation
+//! policy (`activations.rs`, `tierzero.activation_budget_bytes`) keeps a
+//! block's forward graph from its forward to its backward while the
+//! measured graphs fit the budget, and recomputes the others from their
+//! saved inputs; a kept block is not fetched again in backward. The
+//! decision is made in the first micro-batch of each batch shape and
+//! holds for the shape. The gradients are the same bits either way.
+//!
 //! # Speculative step
 //!
 //! With clipping or fp16 a step needs the global gradient norm (or the
@@ -163,6 +173,8 @@
 //! default) logs one warning with the numbers and runs with unlocked
 //! buffers, so the out-of-the-box run works under a default 8 MiB limit.
 
+mod activations;
+pub use activations::Decision as ActivationDecision;
 mod build;
 mod checkpoint;
 mod groups;
@@ -393,6 +405,8 @@ pub struct Trainer {
     slowest_save: Option<Duration>,
     /// The last step's wall time (the grace estimate before any save).
     last_step_wall: Option<Duration>,
+    /// The activation policy: which blocks keep their forward graph.
+    activations: activations::Activations,
 }
 
 /// Where the initial weights come from.
@@ -500,6 +514,18 @@ impl Trainer {
     /// arena it made (cpu-tier pages, param and optimizer swap buffers).
     pub fn pinned_mapped_bytes(&self) -> u64 {
         self.arenas.iter().map(|a| a.total_bytes()).sum()
+    }
+
+    /// The activation policy's line for the plan (its budget and where it
+    /// came from).
+    pub fn activations_line(&self) -> String {
+        self.activations.describe()
+    }
+
+    /// Which blocks the activation policy keeps, once the first
+    /// micro-batch of the current batch shape decided it.
+    pub fn activation_decision(&self) -> Option<&ActivationDecision> {
+        self.activations.last_decision()
     }
 
     /// The parameter store.
