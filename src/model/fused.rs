@@ -4,7 +4,7 @@
 //!
 //! The ops: bias add, LayerNorm, RMSNorm, the causal softmax (scale and
 //! mask folded in), GELU (tanh), SwiGLU (`silu(a) · b`) and GQA's
-//! `repeat_kv`.
+//! `repeat_kv`; and the injection of a unit's upstream gradient.
 //!
 //! # Why
 //!
@@ -164,37 +164,66 @@ fn row_len(shape: &Shape) -> candle_core::Result<usize> {
         .ok_or_else(|| candle_core::Error::Msg("fused op: empty rows".into()))
 }
 
-/// Rows per parallel task and per partial sum: fixed, so that no result
-/// depends on the number of threads (rayon's pool, the one candle's gemm
-/// runs on).
-const BLOCK_ROWS: usize = 16;
+/// Elements per parallel task: rayon wakes its workers for each task, so
+/// a task of a few thousand elements cost more in scheduling than it
+/// saved (a fifth of a step's samples were the kernel's scheduler).
+const TASK_ELEMS: usize = 32 * 1024;
 
-/// Fills `out` (rows of `n`) in parallel, block by block: `f(first_row,
-/// the block's rows)`.
+/// Rows of `n` per task and per partial column sum: from the row length
+/// alone, so that no result depends on the number of threads (rayon's
+/// pool, the one candle's gemm runs on).
+fn rows_per_task(n: usize) -> usize {
+    (TASK_ELEMS / n.max(1)).max(1)
+}
+
+/// Fills `out` (rows of `n`) task by task, in parallel when there is more
+/// than one task: `f(first_row, the task's rows)`.
 fn par_rows<T: Send>(out: &mut [T], n: usize, f: impl Fn(usize, &mut [T]) + Sync + Send) {
-    out.par_chunks_mut(n * BLOCK_ROWS)
+    let rows = rows_per_task(n);
+    if out.len() <= rows * n {
+        f(0, out);
+        return;
+    }
+    out.par_chunks_mut(n * rows)
         .enumerate()
-        .for_each(|(b, chunk)| f(b * BLOCK_ROWS, chunk));
+        .for_each(|(b, chunk)| f(b * rows, chunk));
+}
+
+/// Elementwise over `len` elements: `f(range)` per task, in parallel when
+/// there is more than one.
+fn par_elems<T: Send>(out: &mut [T], f: impl Fn(usize, &mut [T]) + Sync + Send) {
+    if out.len() <= TASK_ELEMS {
+        f(0, out);
+        return;
+    }
+    out.par_chunks_mut(TASK_ELEMS)
+        .enumerate()
+        .for_each(|(b, chunk)| f(b * TASK_ELEMS, chunk));
 }
 
 /// Column sums over `rows` rows of `n`: `add(row, acc)` adds one row's
-/// terms into `acc`. Each block of [`BLOCK_ROWS`] rows sums in f64 in
-/// row order, in parallel, and the blocks' sums add up in block order.
+/// terms into `acc`. Each block of [`rows_per_task`] rows sums in f64 in
+/// row order (in parallel when there are several), and the blocks' sums
+/// add up in block order.
 fn column_sums<T: Real>(
     rows: usize,
     n: usize,
     add: impl Fn(usize, &mut [f64]) + Sync + Send,
 ) -> Vec<T> {
-    let partials: Vec<Vec<f64>> = (0..rows.div_ceil(BLOCK_ROWS))
-        .into_par_iter()
-        .map(|b| {
-            let mut acc = vec![0f64; n];
-            for r in b * BLOCK_ROWS..((b + 1) * BLOCK_ROWS).min(rows) {
-                add(r, &mut acc);
-            }
-            acc
-        })
-        .collect();
+    let per = rows_per_task(n);
+    let block = |b: usize| {
+        let mut acc = vec![0f64; n];
+        for r in b * per..((b + 1) * per).min(rows) {
+            add(r, &mut acc);
+        }
+        acc
+    };
+    let blocks = rows.div_ceil(per);
+    let partials: Vec<Vec<f64>> = if blocks <= 1 {
+        (0..blocks).map(block).collect()
+    } else {
+        (0..blocks).into_par_iter().map(block).collect()
+    };
     let mut total = vec![0f64; n];
     for p in partials {
         for (t, v) in total.iter_mut().zip(p) {
@@ -684,35 +713,28 @@ fn gelu_th<T: Real>(x: f64) -> f64 {
     T::tanh_in(SQRT_2_OVER_PI * (x + GELU_C * x * x * x))
 }
 
-/// Elements per parallel GELU task.
-const GELU_CHUNK: usize = 16 * 1024;
-
 impl GeluTanh {
     fn fwd<T: Real>(x: &[T]) -> Vec<T> {
         let mut out = vec![T::of(0.0); x.len()];
-        out.par_chunks_mut(GELU_CHUNK)
-            .zip(x.par_chunks(GELU_CHUNK))
-            .for_each(|(o, x)| {
-                for (o, &x) in o.iter_mut().zip(x) {
-                    let x = x.f();
-                    *o = T::of(0.5 * x * (1.0 + gelu_th::<T>(x)));
-                }
-            });
+        par_elems(&mut out, |at, o| {
+            for (o, &x) in o.iter_mut().zip(&x[at..]) {
+                let x = x.f();
+                *o = T::of(0.5 * x * (1.0 + gelu_th::<T>(x)));
+            }
+        });
         out
     }
 
     fn bwd_elems<T: Real>(x: &[T], g: &[T]) -> Vec<T> {
         let mut out = vec![T::of(0.0); x.len()];
-        out.par_chunks_mut(GELU_CHUNK)
-            .zip(x.par_chunks(GELU_CHUNK).zip(g.par_chunks(GELU_CHUNK)))
-            .for_each(|(o, (x, g))| {
-                for ((o, &x), &g) in o.iter_mut().zip(x).zip(g) {
-                    let x = x.f();
-                    let th = gelu_th::<T>(x);
-                    let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x);
-                    *o = T::of(g.f() * (0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * du));
-                }
-            });
+        par_elems(&mut out, |at, o| {
+            for ((o, &x), &g) in o.iter_mut().zip(&x[at..]).zip(&g[at..]) {
+                let x = x.f();
+                let th = gelu_th::<T>(x);
+                let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x);
+                *o = T::of(g.f() * (0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * du));
+            }
+        });
         out
     }
 }
@@ -769,36 +791,29 @@ impl SwiGlu {
 
     fn fwd<T: Real>(a: &[T], b: &[T]) -> Vec<T> {
         let mut out = vec![T::of(0.0); a.len()];
-        out.par_chunks_mut(GELU_CHUNK)
-            .zip(a.par_chunks(GELU_CHUNK).zip(b.par_chunks(GELU_CHUNK)))
-            .for_each(|(o, (a, b))| {
-                for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
-                    *o = T::of(Self::silu::<T>(a.f()).0 * b.f());
-                }
-            });
+        par_elems(&mut out, |at, o| {
+            for ((o, &a), &b) in o.iter_mut().zip(&a[at..]).zip(&b[at..]) {
+                *o = T::of(Self::silu::<T>(a.f()).0 * b.f());
+            }
+        });
         out
     }
 
-    /// `(da, db)`.
+    /// `(da, db)`, interleaved per element then split (one pass).
     fn bwd_elems<T: Real>(a: &[T], b: &[T], g: &[T]) -> (Vec<T>, Vec<T>) {
-        let mut da = vec![T::of(0.0); a.len()];
-        let mut db = vec![T::of(0.0); a.len()];
-        da.par_chunks_mut(GELU_CHUNK)
-            .zip(db.par_chunks_mut(GELU_CHUNK))
-            .zip(
-                a.par_chunks(GELU_CHUNK)
-                    .zip(b.par_chunks(GELU_CHUNK).zip(g.par_chunks(GELU_CHUNK))),
-            )
-            .for_each(|((da, db), (a, (b, g)))| {
-                for (((da, db), &a), (&b, &g)) in
-                    da.iter_mut().zip(db.iter_mut()).zip(a).zip(b.iter().zip(g))
-                {
-                    let a = a.f();
-                    let (silu, s) = Self::silu::<T>(a);
-                    *da = T::of(g.f() * b.f() * (s + a * s * (1.0 - s)));
-                    *db = T::of(g.f() * silu);
-                }
-            });
+        let mut both = vec![T::of(0.0); 2 * a.len()];
+        par_elems(&mut both, |at, o| {
+            let first = at / 2;
+            for (k, pair) in o.chunks_exact_mut(2).enumerate() {
+                let i = first + k;
+                let x = a[i].f();
+                let (silu, s) = Self::silu::<T>(x);
+                pair[0] = T::of(g[i].f() * b[i].f() * (s + x * s * (1.0 - s)));
+                pair[1] = T::of(g[i].f() * silu);
+            }
+        });
+        let da = both.iter().step_by(2).copied().collect();
+        let db = both.iter().skip(1).step_by(2).copied().collect();
         (da, db)
     }
 }
@@ -944,6 +959,59 @@ pub fn repeat_kv(x: &Tensor, n_rep: usize) -> candle_core::Result<Tensor> {
         x.contiguous()?.apply_op1(RepeatKv { n_rep })
     } else {
         ops::repeat_kv(x, n_rep)
+    }
+}
+
+// ---------------------------------------------------------------- upstream
+
+/// A unit's backward objective `⟨y, g⟩` with `g` constant: its only use is
+/// its gradient with respect to `y`, which is `g` (times the incoming
+/// scalar, exactly 1 at the root). The forward returns 0 instead of the
+/// inner product nobody reads, and the backward hands `g` on without the
+/// two full-size products (`y · g` forward, `1 · g` backward) of
+/// `sum(y * g)`.
+struct Inject {
+    g: Tensor,
+}
+
+impl CustomOp1 for Inject {
+    fn name(&self) -> &'static str {
+        "tz-inject-upstream"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, _l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let out = match s {
+            CpuStorage::F32(_) => f32::storage(vec![0.0]),
+            CpuStorage::F64(_) => f64::storage(vec![0.0]),
+            _ => return Err(candle_core::Error::Msg("inject: dtype".into())),
+        };
+        Ok((out, Shape::from(())))
+    }
+
+    fn bwd(
+        &self,
+        _y: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let k = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        if k == 1.0 {
+            Ok(Some(self.g.clone()))
+        } else {
+            Ok(Some(self.g.affine(k, 0.0)?))
+        }
+    }
+}
+
+/// The scalar whose gradient with respect to `y` is `g` (fused when it can
+/// be; else `sum(y * g)`, whose value is the inner product).
+pub fn upstream_objective(y: &Tensor, g: &Tensor) -> candle_core::Result<Tensor> {
+    if fusable(&[y, g]) && y.shape() == g.shape() {
+        y.apply_op1(Inject {
+            g: g.detach().contiguous()?,
+        })
+    } else {
+        y.mul(&g.detach())?.sum_all()
     }
 }
 
@@ -1099,6 +1167,26 @@ mod tests {
                         reference,
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn the_upstream_objective_passes_g_on_exactly() {
+        for dtype in [DType::F32, DType::F64] {
+            let y = Var::from_tensor(&rand(&[3, 5, 7], 1, dtype)).unwrap();
+            let g = rand(&[3, 5, 7], 2, dtype);
+            let w = Var::from_tensor(&rand(&[7], 3, dtype)).unwrap();
+            // Through an op, so the gradient flows on: d/dw of <y * w, g>.
+            let yw = y.as_tensor().broadcast_mul(w.as_tensor()).unwrap();
+            let fused = upstream_objective(&yw, &g).unwrap().backward().unwrap();
+            let prim = yw.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+            for v in [&y, &w] {
+                let (a, b) = (
+                    fused.get(v.as_tensor()).unwrap(),
+                    prim.get(v.as_tensor()).unwrap(),
+                );
+                assert_eq!(max_rel(a, b), 0.0, "{dtype:?}");
             }
         }
     }

@@ -36,7 +36,8 @@
 //! forward, and backpropagates. The upstream gradient `g` of a unit output
 //! `y` is injected as the scalar `sum(y * g)` (with `g` constant), whose
 //! gradient with respect to `y` is exactly `g` (`1 * g` is exact in floating
-//! point). The head starts from `d(loss) = loss_scale`, so the caller can fold
+//! point; [`fused::upstream_objective`] hands `g` on without computing the
+//! products). The head starts from `d(loss) = loss_scale`, so the caller can fold
 //! in micro-batch averaging (`1 / gradient_accumulation_steps`) or an fp16
 //! loss scale. The result is the param grads (same order as declared) and the
 //! input grad (none for the embedding, whose input is token ids).
@@ -1024,8 +1025,8 @@ impl Model {
                         ),
                     });
                 }
-                // d/dy sum(y * g) = g exactly; g is constant (not a Var).
-                (y.mul(&g.detach())?.sum_all()?, None)
+                // d/dy <y, g> = g exactly; g is constant (not a Var).
+                (fused::upstream_objective(&y, g)?, None)
             }
             (UnitOutput::Loss(_), Upstream::Grad(_)) => {
                 return Err(bad("the head starts from Upstream::LossScale"))
