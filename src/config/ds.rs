@@ -584,7 +584,8 @@ section! {
         /// units' forward graphs kept until their backward; a unit whose
         /// graph does not fit is recomputed from its saved input, as with
         /// checkpointing. 0 recomputes every unit. `"auto"` (absent) = half
-        /// the memory available once the engine is built, or 0 when
+        /// the memory available once the engine is built (shared by the
+        /// ranks), or 0 when
         /// `activation_checkpointing` is present. Same result either way.
         /// `None` = auto.
         activation_budget_bytes: Option<u64> => auto_none(bytes);

@@ -154,6 +154,51 @@ fn with_elems<T: Real, R>(
     }
 }
 
+/// [`with_elems`] of three tensors at once.
+fn with_elems3<T: Real, R>(
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    f: impl FnOnce(&[T], &[T], &[T]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    with_elems::<T, _>(a, |a| {
+        with_elems::<T, _>(b, |b| with_elems::<T, _>(c, |c| f(a, b, c)))
+    })
+}
+
+/// Checks that `param` (a bias or norm weight) has one element per
+/// element of a row of `x`.
+fn per_row(x: &Layout, param: &Layout, what: &str) -> candle_core::Result<()> {
+    if param.shape().elem_count() != row_len(x.shape())? {
+        return Err(candle_core::Error::Msg(format!(
+            "{what}: {:?} does not match rows of {:?}",
+            param.shape(),
+            x.shape()
+        )));
+    }
+    Ok(())
+}
+
+/// A forward over two contiguous inputs of one dtype, in `T`.
+trait Forward2 {
+    fn run<T: Real>(&self, a: &[T], b: &[T]) -> Vec<T>;
+}
+
+/// A [`Forward2`] on CPU storages: f32 or f64, the output shaped as `l1`.
+fn cpu_fwd2(
+    op: &impl Forward2,
+    what: &str,
+    (s1, l1): (&CpuStorage, &Layout),
+    (s2, l2): (&CpuStorage, &Layout),
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let out = match s1 {
+        CpuStorage::F32(_) => f32::storage(op.run(elems(s1, l1)?, elems(s2, l2)?)),
+        CpuStorage::F64(_) => f64::storage(op.run(elems(s1, l1)?, elems(s2, l2)?)),
+        _ => return Err(candle_core::Error::Msg(format!("{what}: dtype"))),
+    };
+    Ok((out, l1.shape().clone()))
+}
+
 /// The last dim of a shape (the row length), at least 1 element.
 fn row_len(shape: &Shape) -> candle_core::Result<usize> {
     shape
@@ -238,8 +283,8 @@ fn column_sums<T: Real>(
 /// `x [.., n] + b [n]`.
 struct BiasAdd;
 
-impl BiasAdd {
-    fn fwd<T: Real>(x: &[T], b: &[T]) -> Vec<T> {
+impl Forward2 for BiasAdd {
+    fn run<T: Real>(&self, x: &[T], b: &[T]) -> Vec<T> {
         let n = b.len();
         let mut out = vec![T::of(0.0); x.len()];
         par_rows(&mut out, n, |r0, o| {
@@ -265,16 +310,8 @@ impl CustomOp2 for BiasAdd {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let n = row_len(l1.shape())?;
-        if l2.shape().elem_count() != n {
-            return Err(candle_core::Error::Msg("bias add: bias length".into()));
-        }
-        let out = match s1 {
-            CpuStorage::F32(_) => f32::storage(Self::fwd(elems(s1, l1)?, elems(s2, l2)?)),
-            CpuStorage::F64(_) => f64::storage(Self::fwd(elems(s1, l1)?, elems(s2, l2)?)),
-            _ => return Err(candle_core::Error::Msg("bias add: dtype".into())),
-        };
-        Ok((out, l1.shape().clone()))
+        per_row(l1, l2, "bias add")?;
+        cpu_fwd2(self, "bias add", (s1, l1), (s2, l2))
     }
 
     fn bwd(
@@ -421,17 +458,13 @@ impl CustomOp3 for LayerNorm {
             b: &Tensor,
             g: &Tensor,
         ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-            with_elems::<T, _>(x, |xs| {
-                with_elems::<T, _>(w, |ws| {
-                    with_elems::<T, _>(g, |gs| {
-                        let (dx, dw, db) = op.bwd_rows(xs, ws, gs);
-                        Ok((
-                            T::tensor(dx, x.shape())?,
-                            T::tensor(dw, w.shape())?,
-                            T::tensor(db, b.shape())?,
-                        ))
-                    })
-                })
+            with_elems3::<T, _>(x, w, g, |xs, ws, gs| {
+                let (dx, dw, db) = op.bwd_rows(xs, ws, gs);
+                Ok((
+                    T::tensor(dx, x.shape())?,
+                    T::tensor(dw, w.shape())?,
+                    T::tensor(db, b.shape())?,
+                ))
             })
         }
         let (dx, dw, db) = match x.dtype() {
@@ -465,7 +498,7 @@ impl RmsNorm {
         1.0 / (ms + self.eps).sqrt()
     }
 
-    fn fwd<T: Real>(&self, x: &[T], w: &[T]) -> Vec<T> {
+    fn fwd_rows<T: Real>(&self, x: &[T], w: &[T]) -> Vec<T> {
         let n = w.len();
         let mut out = vec![T::of(0.0); x.len()];
         par_rows(&mut out, n, |r0, o| {
@@ -510,6 +543,12 @@ impl RmsNorm {
     }
 }
 
+impl Forward2 for RmsNorm {
+    fn run<T: Real>(&self, x: &[T], w: &[T]) -> Vec<T> {
+        self.fwd_rows(x, w)
+    }
+}
+
 impl CustomOp2 for RmsNorm {
     fn name(&self) -> &'static str {
         "tz-rms-norm"
@@ -522,16 +561,8 @@ impl CustomOp2 for RmsNorm {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let n = row_len(l1.shape())?;
-        if l2.shape().elem_count() != n {
-            return Err(candle_core::Error::Msg("rms norm: weight length".into()));
-        }
-        let out = match s1 {
-            CpuStorage::F32(_) => f32::storage(self.fwd(elems(s1, l1)?, elems(s2, l2)?)),
-            CpuStorage::F64(_) => f64::storage(self.fwd(elems(s1, l1)?, elems(s2, l2)?)),
-            _ => return Err(candle_core::Error::Msg("rms norm: dtype".into())),
-        };
-        Ok((out, l1.shape().clone()))
+        per_row(l1, l2, "rms norm")?;
+        cpu_fwd2(self, "rms norm", (s1, l1), (s2, l2))
     }
 
     fn bwd(
@@ -547,13 +578,9 @@ impl CustomOp2 for RmsNorm {
             w: &Tensor,
             g: &Tensor,
         ) -> candle_core::Result<(Tensor, Tensor)> {
-            with_elems::<T, _>(x, |xs| {
-                with_elems::<T, _>(w, |ws| {
-                    with_elems::<T, _>(g, |gs| {
-                        let (dx, dw) = op.bwd_rows(xs, ws, gs);
-                        Ok((T::tensor(dx, x.shape())?, T::tensor(dw, w.shape())?))
-                    })
-                })
+            with_elems3::<T, _>(x, w, g, |xs, ws, gs| {
+                let (dx, dw) = op.bwd_rows(xs, ws, gs);
+                Ok((T::tensor(dx, x.shape())?, T::tensor(dw, w.shape())?))
             })
         }
         let (dx, dw) = match x.dtype() {
@@ -789,16 +816,6 @@ impl SwiGlu {
         (a * s, s)
     }
 
-    fn fwd<T: Real>(a: &[T], b: &[T]) -> Vec<T> {
-        let mut out = vec![T::of(0.0); a.len()];
-        par_elems(&mut out, |at, o| {
-            for ((o, &a), &b) in o.iter_mut().zip(&a[at..]).zip(&b[at..]) {
-                *o = T::of(Self::silu::<T>(a.f()).0 * b.f());
-            }
-        });
-        out
-    }
-
     /// `(da, db)`, interleaved per element then split (one pass).
     fn bwd_elems<T: Real>(a: &[T], b: &[T], g: &[T]) -> (Vec<T>, Vec<T>) {
         let mut both = vec![T::of(0.0); 2 * a.len()];
@@ -818,6 +835,18 @@ impl SwiGlu {
     }
 }
 
+impl Forward2 for SwiGlu {
+    fn run<T: Real>(&self, a: &[T], b: &[T]) -> Vec<T> {
+        let mut out = vec![T::of(0.0); a.len()];
+        par_elems(&mut out, |at, o| {
+            for ((o, &a), &b) in o.iter_mut().zip(&a[at..]).zip(&b[at..]) {
+                *o = T::of(Self::silu::<T>(a.f()).0 * b.f());
+            }
+        });
+        out
+    }
+}
+
 impl CustomOp2 for SwiGlu {
     fn name(&self) -> &'static str {
         "tz-swiglu"
@@ -833,12 +862,7 @@ impl CustomOp2 for SwiGlu {
         if l1.shape() != l2.shape() {
             return Err(candle_core::Error::Msg("swiglu: shapes differ".into()));
         }
-        let out = match s1 {
-            CpuStorage::F32(_) => f32::storage(Self::fwd(elems(s1, l1)?, elems(s2, l2)?)),
-            CpuStorage::F64(_) => f64::storage(Self::fwd(elems(s1, l1)?, elems(s2, l2)?)),
-            _ => return Err(candle_core::Error::Msg("swiglu: dtype".into())),
-        };
-        Ok((out, l1.shape().clone()))
+        cpu_fwd2(self, "swiglu", (s1, l1), (s2, l2))
     }
 
     fn bwd(
@@ -853,13 +877,9 @@ impl CustomOp2 for SwiGlu {
             b: &Tensor,
             g: &Tensor,
         ) -> candle_core::Result<(Tensor, Tensor)> {
-            with_elems::<T, _>(a, |xa| {
-                with_elems::<T, _>(b, |xb| {
-                    with_elems::<T, _>(g, |xg| {
-                        let (da, db) = SwiGlu::bwd_elems(xa, xb, xg);
-                        Ok((T::tensor(da, a.shape())?, T::tensor(db, b.shape())?))
-                    })
-                })
+            with_elems3::<T, _>(a, b, g, |xa, xb, xg| {
+                let (da, db) = SwiGlu::bwd_elems(xa, xb, xg);
+                Ok((T::tensor(da, a.shape())?, T::tensor(db, b.shape())?))
             })
         }
         let (da, db) = match a.dtype() {

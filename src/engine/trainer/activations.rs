@@ -24,7 +24,8 @@
 //! * `"auto"`: half the memory available (`MemAvailable`) once the engine
 //!   is built, its buffers, params and optimizer state in place (the other
 //!   half is left for the compute's transient workspace and the rest of
-//!   the machine);
+//!   the machine), divided among the run's ranks (they may share the
+//!   machine);
 //! * a byte count (0: recompute every block);
 //! * DeepSpeed's `activation_checkpointing` block, or `tierzero train
 //!   --gradient-checkpointing` (HF's switch): recompute every block.
@@ -113,10 +114,16 @@ pub(super) enum Plan {
 
 impl Activations {
     /// The budget resolved: `available_bytes` is `MemAvailable` now (the
-    /// engine built), for `"auto"`.
-    pub(super) fn new(budget: ActivationBudget, available_bytes: Option<u64>) -> Self {
+    /// engine built), for `"auto"`, shared by `ranks` (the ranks of a run
+    /// may share one machine, each building while the others do: each
+    /// takes its share of the half).
+    pub(super) fn new(
+        budget: ActivationBudget,
+        available_bytes: Option<u64>,
+        ranks: usize,
+    ) -> Self {
         let budget_bytes = match budget {
-            ActivationBudget::Auto => available_bytes.map_or(0, |b| b / 2),
+            ActivationBudget::Auto => available_bytes.map_or(0, |b| b / 2 / ranks.max(1) as u64),
             ActivationBudget::Bytes(b) => b,
             ActivationBudget::Checkpointing => 0,
         };
@@ -196,17 +203,21 @@ mod tests {
 
     #[test]
     fn the_budget_resolves_by_its_source() {
-        let auto = Activations::new(ActivationBudget::Auto, Some(10_000));
+        let auto = Activations::new(ActivationBudget::Auto, Some(10_000), 1);
         assert_eq!(auto.budget_bytes(), 5_000);
         assert_eq!(
-            Activations::new(ActivationBudget::Auto, None).budget_bytes(),
+            Activations::new(ActivationBudget::Auto, Some(10_000), 2).budget_bytes(),
+            2_500
+        );
+        assert_eq!(
+            Activations::new(ActivationBudget::Auto, None, 1).budget_bytes(),
             0
         );
         assert_eq!(
-            Activations::new(ActivationBudget::Bytes(7), Some(10_000)).budget_bytes(),
+            Activations::new(ActivationBudget::Bytes(7), Some(10_000), 1).budget_bytes(),
             7
         );
-        let ckpt = Activations::new(ActivationBudget::Checkpointing, Some(10_000));
+        let ckpt = Activations::new(ActivationBudget::Checkpointing, Some(10_000), 1);
         assert_eq!(ckpt.budget_bytes(), 0);
         assert_eq!(ckpt.plan([1, 8], 1), Plan::Recompute);
         assert!(ckpt.describe().contains("every block recomputed"));
@@ -214,7 +225,7 @@ mod tests {
 
     #[test]
     fn a_decision_holds_for_its_shape_only() {
-        let mut a = Activations::new(ActivationBudget::Bytes(100), None);
+        let mut a = Activations::new(ActivationBudget::Bytes(100), None, 1);
         assert_eq!(a.plan([2, 8], 1), Plan::Try);
         a.decide(Decision {
             shape: [2, 8],

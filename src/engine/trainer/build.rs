@@ -665,6 +665,7 @@ impl Trainer {
         let activations = activations::Activations::new(
             config.tierzero.activations,
             activations::mem_available_bytes(),
+            opts.comm.world_size(),
         );
         Ok(Trainer {
             compute_threads: host.compute_threads,
