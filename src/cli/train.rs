@@ -817,7 +817,7 @@ fn train_steps(
                     said_activations = Some(d.shape);
                     progress.println(&format!(
                         "activations: {} of {} blocks keep their forward graph for backward \
-                         ({} measured), the others are recomputed; {} x {} tokens a micro-batch",
+                         ({} held), the others are recomputed; {} x {} tokens a micro-batch",
                         d.kept(),
                         d.blocks,
                         tierzero::units::format_bytes(d.kept_bytes()),

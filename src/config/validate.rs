@@ -777,7 +777,7 @@ pub(crate) fn validate(
                 sink.note(
                     "activation_checkpointing",
                     format!(
-                        "tierzero.activation_budget_bytes {b} decides which units are kept \
+                        "tierzero.activation_budget_bytes {b} decides which blocks are kept \
                          and which recomputed; this block changes nothing"
                     ),
                 );

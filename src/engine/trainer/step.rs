@@ -430,7 +430,7 @@ impl Trainer {
                 kept_bytes = decision.kept_bytes(),
                 budget_bytes = self.activations.budget_bytes(),
                 "activations: {} of {blocks} blocks keep their forward graph for backward \
-                 ({} measured, budget {}), the others are recomputed; micro-batch {} x {} tokens",
+                 ({} held, budget {}), the others are recomputed; micro-batch {} x {} tokens",
                 decision.kept(),
                 crate::units::format_bytes(decision.kept_bytes()),
                 crate::units::format_bytes(self.activations.budget_bytes()),
