@@ -386,7 +386,9 @@ fn render_table(r: &Report, config_choice: Option<Choice>) -> Result<String, std
         if i.ranks == 1 { "" } else { "s" }
     )?;
     writeln!(out,
-        "per param: params {} B, fp32 grads 4 B, fp32 master + m + v {} B; activations not included",
+        "per param: params {} B, fp32 grads 4 B, fp32 master + m + v {} B; activations not included \
+         (the blocks' kept forward graphs take at most tierzero.activation_budget_bytes, by default \
+         half the memory left once the run is built; the rest are recomputed)",
         i.param_elem_bytes,
         4 + 2 * i.moment_elem_bytes
     )?;
