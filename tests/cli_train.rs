@@ -646,3 +646,59 @@ fn timeline_traces_the_steps_after_the_first() {
         }
     }
 }
+
+/// The activation policy from the command line: by default (auto) both
+/// blocks keep their forward graphs, said once; `--gradient-checkpointing`
+/// (HF's switch) and DeepSpeed's `activation_checkpointing` block recompute
+/// every block, say so in the plan, and measure nothing; all three give the
+/// same weights, and the flag wins over an explicit budget with a warning.
+#[test]
+fn gradient_checkpointing_recomputes_every_block_with_the_same_weights() {
+    let d = tiny_setup("act-cli");
+    let sha = |out: &Out| -> String {
+        let v: Value = serde_json::from_str(out.stdout.trim()).unwrap();
+        v["weight_sha256"].as_str().unwrap().to_owned()
+    };
+    let json = [&TINY[..], &["--json"]].concat();
+    let kept = train(&d, &json);
+    assert_eq!(kept.code, 0, "{}", kept.stderr);
+    assert!(
+        kept.stderr
+            .contains("activations: 2 of 2 blocks keep their forward graph"),
+        "{}",
+        kept.stderr
+    );
+    let ckpt = train(&d, &[&json[..], &["--gradient-checkpointing"]].concat());
+    assert_eq!(ckpt.code, 0, "{}", ckpt.stderr);
+    assert!(
+        ckpt.stderr
+            .contains("activations: every block recomputed in backward")
+            && !ckpt.stderr.contains("blocks keep their forward graph"),
+        "{}",
+        ckpt.stderr
+    );
+    assert_eq!(sha(&kept), sha(&ckpt));
+    // DeepSpeed's block, and the flag over an explicit budget.
+    let mut cfg = ds_config(&d);
+    cfg["activation_checkpointing"] = json!({"partition_activations": false});
+    write_config(&d, cfg.clone());
+    let block = train(&d, &json);
+    assert_eq!(block.code, 0, "{}", block.stderr);
+    assert!(
+        block.stderr.contains("activation checkpointing on"),
+        "{}",
+        block.stderr
+    );
+    assert_eq!(sha(&block), sha(&kept));
+    cfg["tierzero"]["activation_budget_bytes"] = json!("1GiB");
+    write_config(&d, cfg);
+    let both = train(&d, &[&json[..], &["--gradient-checkpointing"]].concat());
+    assert_eq!(both.code, 0, "{}", both.stderr);
+    assert!(
+        both.stderr
+            .contains("--gradient-checkpointing recomputes every block"),
+        "{}",
+        both.stderr
+    );
+    assert_eq!(sha(&both), sha(&kept));
+}
