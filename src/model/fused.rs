@@ -278,6 +278,43 @@ fn column_sums<T: Real>(
     total.into_iter().map(T::of).collect()
 }
 
+/// [`par_rows`] whose tasks also sum columns: `f(first_row, the task's
+/// rows, acc)` fills the rows and adds their terms into `sums`
+/// accumulators of `n` f64 columns, in row order. The tasks are
+/// [`column_sums`]' blocks, and their sums add up in task order as its
+/// blocks' do, so a gradient's column sums come out of the pass that
+/// writes its rows, with the same bits.
+fn par_rows_summing<T: Real>(
+    out: &mut [T],
+    n: usize,
+    sums: usize,
+    f: impl Fn(usize, &mut [T], &mut [Vec<f64>]) + Sync + Send,
+) -> Vec<Vec<T>> {
+    let rows = rows_per_task(n);
+    let task = |(b, chunk): (usize, &mut [T])| {
+        let mut acc = vec![vec![0f64; n]; sums];
+        f(b * rows, chunk, &mut acc);
+        acc
+    };
+    let partials: Vec<Vec<Vec<f64>>> = if out.len() <= rows * n {
+        vec![task((0, out))]
+    } else {
+        out.par_chunks_mut(n * rows).enumerate().map(task).collect()
+    };
+    let mut total = vec![vec![0f64; n]; sums];
+    for p in partials {
+        for (t, v) in total.iter_mut().zip(p) {
+            for (a, b) in t.iter_mut().zip(v) {
+                *a += b;
+            }
+        }
+    }
+    total
+        .into_iter()
+        .map(|t| t.into_iter().map(T::of).collect())
+        .collect()
+}
+
 // ---------------------------------------------------------------- bias
 
 /// `x [.., n] + b [n]`.
@@ -378,12 +415,12 @@ impl LayerNorm {
         out
     }
 
-    /// `(dx, dw, db)`.
+    /// `(dx, dw, db)`, in one pass over the rows (each row's moments
+    /// once).
     fn bwd_rows<T: Real>(&self, x: &[T], w: &[T], g: &[T]) -> (Vec<T>, Vec<T>, Vec<T>) {
         let n = w.len();
-        let rows = x.len() / n;
         let mut dx = vec![T::of(0.0); x.len()];
-        par_rows(&mut dx, n, |r0, d| {
+        let mut sums = par_rows_summing(&mut dx, n, 2, |r0, d, acc| {
             for (k, d) in d.chunks_exact_mut(n).enumerate() {
                 let r = r0 + k;
                 let (xr, gr) = (&x[r * n..(r + 1) * n], &g[r * n..(r + 1) * n]);
@@ -393,6 +430,8 @@ impl LayerNorm {
                     let dxh = gr[j].f() * w[j].f();
                     s1 += dxh;
                     s2 += dxh * (xr[j].f() - mean) * rstd;
+                    acc[0][j] += gr[j].f() * (xr[j].f() - mean) * rstd;
+                    acc[1][j] += gr[j].f();
                 }
                 let (m1, m2) = (s1 / n as f64, s2 / n as f64);
                 for j in 0..n {
@@ -401,14 +440,8 @@ impl LayerNorm {
                 }
             }
         });
-        let dw = column_sums(rows, n, |r, acc| {
-            let (xr, gr) = (&x[r * n..(r + 1) * n], &g[r * n..(r + 1) * n]);
-            let (mean, rstd) = moments(xr, self.eps);
-            for ((a, &x), &g) in acc.iter_mut().zip(xr).zip(gr) {
-                *a += g.f() * (x.f() - mean) * rstd;
-            }
-        });
-        let db = bias_grad(g, n);
+        let db = sums.pop().unwrap_or_default();
+        let dw = sums.pop().unwrap_or_default();
         (dx, dw, db)
     }
 }
@@ -512,12 +545,11 @@ impl RmsNorm {
         out
     }
 
-    /// `(dx, dw)`.
+    /// `(dx, dw)`, in one pass over the rows.
     fn bwd_rows<T: Real>(&self, x: &[T], w: &[T], g: &[T]) -> (Vec<T>, Vec<T>) {
         let n = w.len();
-        let rows = x.len() / n;
         let mut dx = vec![T::of(0.0); x.len()];
-        par_rows(&mut dx, n, |r0, d| {
+        let mut sums = par_rows_summing(&mut dx, n, 1, |r0, d, acc| {
             for (k, d) in d.chunks_exact_mut(n).enumerate() {
                 let r = r0 + k;
                 let (xr, gr) = (&x[r * n..(r + 1) * n], &g[r * n..(r + 1) * n]);
@@ -529,17 +561,11 @@ impl RmsNorm {
                 for j in 0..n {
                     let xhat = xr[j].f() * rstd;
                     d[j] = T::of(rstd * (gr[j].f() * w[j].f() - xhat * m));
+                    acc[0][j] += gr[j].f() * xr[j].f() * rstd;
                 }
             }
         });
-        let dw = column_sums(rows, n, |r, acc| {
-            let (xr, gr) = (&x[r * n..(r + 1) * n], &g[r * n..(r + 1) * n]);
-            let rstd = self.rstd(xr);
-            for ((a, &x), &g) in acc.iter_mut().zip(xr).zip(gr) {
-                *a += g.f() * x.f() * rstd;
-            }
-        });
-        (dx, dw)
+        (dx, sums.pop().unwrap_or_default())
     }
 }
 
