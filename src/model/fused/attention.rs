@@ -1,0 +1,207 @@
+//! The attention's fused ops: the causal softmax (scale and mask folded
+//! in) and GQA's `repeat_kv`.
+
+use super::*;
+
+/// `softmax(scale · s + causal mask)` over the last dim of scores
+/// `s [.., t, t]`, query `i` seeing keys `j ≤ i` (within `window`, see
+/// [`ops::causal_mask_window`]); masked probabilities are exactly 0.
+struct CausalSoftmax {
+    scale: f64,
+    window: Option<usize>,
+}
+
+impl CausalSoftmax {
+    /// The keys row `i` sees: `lo..=i`.
+    fn lo(&self, i: usize) -> usize {
+        match self.window {
+            Some(w) if w > 0 => (i + 1).saturating_sub(w),
+            _ => 0,
+        }
+    }
+
+    fn fwd<T: Real>(&self, s: &[T], t: usize) -> Vec<T> {
+        let mut out = vec![T::of(0.0); s.len()];
+        par_rows(&mut out, t, |r0, o| {
+            for (k, (o, row)) in o
+                .chunks_exact_mut(t)
+                .zip(s[r0 * t..].chunks_exact(t))
+                .enumerate()
+            {
+                let i = (r0 + k) % t;
+                let lo = self.lo(i);
+                let mut max = f64::NEG_INFINITY;
+                for x in &row[lo..=i] {
+                    max = max.max(self.scale * x.f());
+                }
+                let mut sum = 0f64;
+                for (o, x) in o[lo..=i].iter_mut().zip(&row[lo..=i]) {
+                    let e = T::exp_in(self.scale * x.f() - max);
+                    sum += e;
+                    *o = T::of(e);
+                }
+                for o in &mut o[lo..=i] {
+                    *o = T::of(o.f() / sum);
+                }
+            }
+        });
+        out
+    }
+
+    /// `d s = scale · y ⊙ (g − Σ g ⊙ y)` per row.
+    fn bwd_rows<T: Real>(&self, y: &[T], g: &[T], t: usize) -> Vec<T> {
+        let mut ds = vec![T::of(0.0); y.len()];
+        par_rows(&mut ds, t, |r0, d| {
+            for (k, d) in d.chunks_exact_mut(t).enumerate() {
+                let r = r0 + k;
+                let (yr, gr) = (&y[r * t..(r + 1) * t], &g[r * t..(r + 1) * t]);
+                let i = r % t;
+                let lo = self.lo(i);
+                let dot: f64 = (lo..=i).map(|j| gr[j].f() * yr[j].f()).sum();
+                for j in lo..=i {
+                    d[j] = T::of(self.scale * yr[j].f() * (gr[j].f() - dot));
+                }
+            }
+        });
+        ds
+    }
+}
+
+impl CustomOp1 for CausalSoftmax {
+    fn name(&self) -> &'static str {
+        "tz-causal-softmax"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let t = row_len(l.shape())?;
+        let dims = l.shape().dims();
+        if dims.len() < 2 || dims[dims.len() - 2] != t {
+            return Err(candle_core::Error::Msg(
+                "causal softmax: scores are not [.., t, t]".into(),
+            ));
+        }
+        let out = match s {
+            CpuStorage::F32(_) => f32::storage(self.fwd(elems::<f32>(s, l)?, t)),
+            CpuStorage::F64(_) => f64::storage(self.fwd(elems::<f64>(s, l)?, t)),
+            _ => return Err(candle_core::Error::Msg("causal softmax: dtype".into())),
+        };
+        Ok((out, l.shape().clone()))
+    }
+
+    fn bwd(&self, s: &Tensor, y: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let t = s.dims().last().copied().unwrap_or(1);
+        let ds = match s.dtype() {
+            DType::F32 => with_elems::<f32, _>(y, |ys| {
+                with_elems::<f32, _>(g, |gs| f32::tensor(self.bwd_rows(ys, gs, t), s.shape()))
+            })?,
+            _ => with_elems::<f64, _>(y, |ys| {
+                with_elems::<f64, _>(g, |gs| f64::tensor(self.bwd_rows(ys, gs, t), s.shape()))
+            })?,
+        };
+        Ok(Some(ds))
+    }
+}
+
+/// `softmax(scale · scores + causal mask)` over the last dim of
+/// `scores [.., t, t]` (fused when it can be; else the primitive
+/// composition: affine, the mask of [`ops::causal_mask_window`], and
+/// [`ops::softmax_last`]).
+pub fn causal_softmax(
+    scores: &Tensor,
+    scale: f64,
+    window: Option<usize>,
+) -> candle_core::Result<Tensor> {
+    let dims = scores.dims();
+    let square = dims.len() >= 2 && dims[dims.len() - 1] == dims[dims.len() - 2];
+    if fusable(&[scores]) && square && dims[dims.len() - 1] > 0 {
+        scores
+            .contiguous()?
+            .apply_op1(CausalSoftmax { scale, window })
+    } else {
+        let t = dims.last().copied().unwrap_or(0);
+        let att = scores.affine(scale, 0.0)?;
+        let mask = ops::causal_mask_window(t, window, att.dtype(), att.device())?;
+        ops::softmax_last(&att.broadcast_add(&mask)?)
+    }
+}
+
+/// `[b, kv, t, d] -> [b, kv · n_rep, t, d]`, each head repeated `n_rep`
+/// times in place (GQA's `repeat_kv`).
+struct RepeatKv {
+    n_rep: usize,
+}
+
+impl RepeatKv {
+    fn fwd<T: Real>(&self, x: &[T], block: usize) -> Vec<T> {
+        let mut out = vec![T::of(0.0); x.len() * self.n_rep];
+        out.par_chunks_mut(block * self.n_rep)
+            .zip(x.par_chunks(block))
+            .for_each(|(o, x)| {
+                for o in o.chunks_exact_mut(block) {
+                    o.copy_from_slice(x);
+                }
+            });
+        out
+    }
+
+    /// Sums the `n_rep` copies of each head's gradient, in copy order.
+    fn bwd_heads<T: Real>(&self, g: &[T], block: usize) -> Vec<T> {
+        let mut dx = vec![T::of(0.0); g.len() / self.n_rep];
+        dx.par_chunks_mut(block)
+            .zip(g.par_chunks(block * self.n_rep))
+            .for_each(|(d, g)| {
+                for (j, d) in d.iter_mut().enumerate() {
+                    let mut acc = 0f64;
+                    for r in 0..self.n_rep {
+                        acc += g[r * block + j].f();
+                    }
+                    *d = T::of(acc);
+                }
+            });
+        dx
+    }
+}
+
+impl CustomOp1 for RepeatKv {
+    fn name(&self) -> &'static str {
+        "tz-repeat-kv"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let &[b, kv, t, d] = l.shape().dims() else {
+            return Err(candle_core::Error::Msg(
+                "repeat_kv: not [b, kv, t, d]".into(),
+            ));
+        };
+        let out = match s {
+            CpuStorage::F32(_) => f32::storage(self.fwd(elems::<f32>(s, l)?, t * d)),
+            CpuStorage::F64(_) => f64::storage(self.fwd(elems::<f64>(s, l)?, t * d)),
+            _ => return Err(candle_core::Error::Msg("repeat_kv: dtype".into())),
+        };
+        Ok((out, Shape::from((b, kv * self.n_rep, t, d))))
+    }
+
+    fn bwd(&self, x: &Tensor, _y: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let (_, _, t, d) = x.dims4()?;
+        let dx = match x.dtype() {
+            DType::F32 => {
+                with_elems::<f32, _>(g, |gs| f32::tensor(self.bwd_heads(gs, t * d), x.shape()))?
+            }
+            _ => with_elems::<f64, _>(g, |gs| f64::tensor(self.bwd_heads(gs, t * d), x.shape()))?,
+        };
+        Ok(Some(dx))
+    }
+}
+
+/// Repeats key/value heads `[b, kv, t, d] -> [b, kv · n_rep, t, d]` (fused
+/// when it can be; else [`ops::repeat_kv`]).
+pub fn repeat_kv(x: &Tensor, n_rep: usize) -> candle_core::Result<Tensor> {
+    if n_rep == 1 {
+        return Ok(x.clone());
+    }
+    if fusable(&[x]) && x.rank() == 4 && x.elem_count() > 0 {
+        x.contiguous()?.apply_op1(RepeatKv { n_rep })
+    } else {
+        ops::repeat_kv(x, n_rep)
+    }
+}

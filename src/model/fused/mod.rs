@@ -1,0 +1,516 @@
+//! Fused CPU ops with a hand-written backward: the blocks' norms, bias
+//! adds, masked softmax and GELU, each one pass forward and one backward
+//! over contiguous rows instead of candle's chain of primitive ops.
+//!
+//! The ops: bias add, LayerNorm, RMSNorm, the causal softmax (scale and
+//! mask folded in), GELU (tanh), SwiGLU (`silu(a) · b`) and GQA's
+//! `repeat_kv`; and the injection of a unit's upstream gradient.
+//!
+//! # Why
+//!
+//! [`super::ops`] builds every function from candle primitives, whose
+//! backward is candle's. Profiled on the 2-core machine (stage 0, the
+//! embedded GPT-2 shape, 8 × 128 tokens; `perf record`, see issue 27's
+//! note), 13% of all samples were candle's `ReduceSum` slow path: the
+//! backward of every broadcast over leading dims (each bias and norm
+//! weight's gradient) sums with two integer divisions per element. The
+//! primitive softmax, norm and GELU chains also allocate and walk a
+//! full-size tensor per op, forward and backward.
+//!
+//! With these ops, candle's barrier pool off (`CANDLE_NUM_THREADS=1`, see
+//! `crate::engine::host::threads::apply`) and gemm's AVX-512 kernels, the
+//! same run went from 0.28x PyTorch eager's tokens/s to 0.80x
+//! (`scripts/compare_torch.py`; the fused ops alone: 4,000 to 6,300-6,500
+//! tokens/s), and the profile is the matmuls first.
+//!
+//! # The contract
+//!
+//! * Each op here computes what its [`super::ops`] counterpart computes,
+//!   to rounding: the statistics of a row (norm means and variances, the
+//!   softmax sum, the column sums of a gradient) are accumulated in f64 in
+//!   a fixed order, so a result never depends on threads or timing.
+//!   `tests` compares values and gradients with the primitive composition
+//!   at awkward sizes in f32 and f64, and `tests/model_grad.rs`' finite
+//!   differences (f64) run through these ops.
+//! * f32 and f64 on the CPU only; any other dtype or device, and
+//!   `TIERZERO_PRIMITIVE_OPS=1` in the environment, takes the primitive
+//!   composition (the reference, and the A/B switch).
+//! * Inputs are made contiguous first (a no-op for the blocks' tensors).
+//! * The backward returns plain tensors: no second-order gradients.
+
+use std::sync::OnceLock;
+
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Storage, Tensor,
+};
+
+use rayon::prelude::*;
+
+use super::ops;
+
+/// Whether the fused ops are used (not `TIERZERO_PRIMITIVE_OPS=1`).
+pub fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("TIERZERO_PRIMITIVE_OPS").map_or(true, |v| v.is_empty() || v == "0")
+    })
+}
+
+/// All CPU tensors of one dtype, f32 or f64.
+fn fusable(ts: &[&Tensor]) -> bool {
+    let Some(first) = ts.first() else {
+        return false;
+    };
+    enabled()
+        && matches!(first.dtype(), DType::F32 | DType::F64)
+        && ts
+            .iter()
+            .all(|t| t.device().is_cpu() && t.dtype() == first.dtype())
+}
+
+/// The element types the fused ops run on.
+trait Real: Copy + Send + Sync + 'static {
+    fn of(x: f64) -> Self;
+    fn f(self) -> f64;
+    fn slice(s: &CpuStorage) -> Option<&[Self]>;
+    fn storage(v: Vec<Self>) -> CpuStorage;
+    fn tensor(v: Vec<Self>, shape: &Shape) -> candle_core::Result<Tensor>;
+    /// `exp(x)` in this type's precision (as candle's `exp` computes it).
+    fn exp_in(x: f64) -> f64;
+    /// `tanh(x)` in this type's precision.
+    fn tanh_in(x: f64) -> f64;
+    /// `tanh` for this type: f32 through one `exp` (`1 - 2 / (e^{2x} + 1)`,
+    /// within 1e-7 of libm's `tanhf`, which costs twice as much through
+    /// `expm1f`); f64 exactly.
+    fn tanh_fast(x: Self) -> f64;
+}
+
+macro_rules! real {
+    ($t:ty, $variant:ident, $tanh:expr) => {
+        impl Real for $t {
+            #[inline(always)]
+            fn of(x: f64) -> Self {
+                x as $t
+            }
+            #[inline(always)]
+            fn f(self) -> f64 {
+                f64::from(self)
+            }
+            fn slice(s: &CpuStorage) -> Option<&[Self]> {
+                match s {
+                    CpuStorage::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn storage(v: Vec<Self>) -> CpuStorage {
+                CpuStorage::$variant(v)
+            }
+            fn tensor(v: Vec<Self>, shape: &Shape) -> candle_core::Result<Tensor> {
+                Tensor::from_vec(v, shape.clone(), &candle_core::Device::Cpu)
+            }
+            #[inline(always)]
+            fn exp_in(x: f64) -> f64 {
+                f64::from((x as $t).exp())
+            }
+            #[inline(always)]
+            fn tanh_in(x: f64) -> f64 {
+                Self::tanh_fast(x as $t)
+            }
+            #[inline(always)]
+            fn tanh_fast(x: Self) -> f64 {
+                let f: fn($t) -> f64 = $tanh;
+                f(x)
+            }
+        }
+    };
+}
+real!(f32, F32, |x: f32| {
+    let e = (2.0 * x).exp();
+    f64::from(1.0 - 2.0 / (e + 1.0))
+});
+real!(f64, F64, f64::tanh);
+
+/// The contiguous elements of a CPU storage under `layout`.
+fn elems<'a, T: Real>(s: &'a CpuStorage, layout: &Layout) -> candle_core::Result<&'a [T]> {
+    let all = T::slice(s).ok_or_else(|| candle_core::Error::Msg("fused op: dtype".into()))?;
+    let (a, b) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("fused op: non-contiguous input".into()))?;
+    all.get(a..b)
+        .ok_or_else(|| candle_core::Error::Msg("fused op: layout out of storage".into()))
+}
+
+/// Runs `f` on a tensor's contiguous elements (copied contiguous first if
+/// need be).
+fn with_elems<T: Real, R>(
+    t: &Tensor,
+    f: impl FnOnce(&[T]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(s) => f(elems::<T>(s, layout)?),
+        _ => Err(candle_core::Error::Msg("fused op: not a CPU tensor".into())),
+    }
+}
+
+/// [`with_elems`] of three tensors at once.
+fn with_elems3<T: Real, R>(
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    f: impl FnOnce(&[T], &[T], &[T]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    with_elems::<T, _>(a, |a| {
+        with_elems::<T, _>(b, |b| with_elems::<T, _>(c, |c| f(a, b, c)))
+    })
+}
+
+/// Checks that `param` (a bias or norm weight) has one element per
+/// element of a row of `x`.
+fn per_row(x: &Layout, param: &Layout, what: &str) -> candle_core::Result<()> {
+    if param.shape().elem_count() != row_len(x.shape())? {
+        return Err(candle_core::Error::Msg(format!(
+            "{what}: {:?} does not match rows of {:?}",
+            param.shape(),
+            x.shape()
+        )));
+    }
+    Ok(())
+}
+
+/// A forward over two contiguous inputs of one dtype, in `T`.
+trait Forward2 {
+    fn run<T: Real>(&self, a: &[T], b: &[T]) -> Vec<T>;
+}
+
+/// A [`Forward2`] on CPU storages: f32 or f64, the output shaped as `l1`.
+fn cpu_fwd2(
+    op: &impl Forward2,
+    what: &str,
+    (s1, l1): (&CpuStorage, &Layout),
+    (s2, l2): (&CpuStorage, &Layout),
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let out = match s1 {
+        CpuStorage::F32(_) => f32::storage(op.run(elems(s1, l1)?, elems(s2, l2)?)),
+        CpuStorage::F64(_) => f64::storage(op.run(elems(s1, l1)?, elems(s2, l2)?)),
+        _ => return Err(candle_core::Error::Msg(format!("{what}: dtype"))),
+    };
+    Ok((out, l1.shape().clone()))
+}
+
+/// The last dim of a shape (the row length), at least 1 element.
+fn row_len(shape: &Shape) -> candle_core::Result<usize> {
+    shape
+        .dims()
+        .last()
+        .copied()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| candle_core::Error::Msg("fused op: empty rows".into()))
+}
+
+/// Elements per parallel task: rayon wakes its workers for each task, so
+/// a task of a few thousand elements cost more in scheduling than it
+/// saved (a fifth of a step's samples were the kernel's scheduler).
+const TASK_ELEMS: usize = 32 * 1024;
+
+/// Rows of `n` per task and per partial column sum: from the row length
+/// alone, so that no result depends on the number of threads (rayon's
+/// pool, the one candle's gemm runs on).
+fn rows_per_task(n: usize) -> usize {
+    (TASK_ELEMS / n.max(1)).max(1)
+}
+
+/// Fills `out` (rows of `n`) task by task, in parallel when there is more
+/// than one task: `f(first_row, the task's rows)`.
+fn par_rows<T: Send>(out: &mut [T], n: usize, f: impl Fn(usize, &mut [T]) + Sync + Send) {
+    let rows = rows_per_task(n);
+    if out.len() <= rows * n {
+        f(0, out);
+        return;
+    }
+    out.par_chunks_mut(n * rows)
+        .enumerate()
+        .for_each(|(b, chunk)| f(b * rows, chunk));
+}
+
+/// Elementwise over `len` elements: `f(range)` per task, in parallel when
+/// there is more than one.
+fn par_elems<T: Send>(out: &mut [T], f: impl Fn(usize, &mut [T]) + Sync + Send) {
+    if out.len() <= TASK_ELEMS {
+        f(0, out);
+        return;
+    }
+    out.par_chunks_mut(TASK_ELEMS)
+        .enumerate()
+        .for_each(|(b, chunk)| f(b * TASK_ELEMS, chunk));
+}
+
+/// Column sums over `rows` rows of `n`: `add(row, acc)` adds one row's
+/// terms into `acc`. Each block of [`rows_per_task`] rows sums in f64 in
+/// row order (in parallel when there are several), and the blocks' sums
+/// add up in block order.
+fn column_sums<T: Real>(
+    rows: usize,
+    n: usize,
+    add: impl Fn(usize, &mut [f64]) + Sync + Send,
+) -> Vec<T> {
+    let per = rows_per_task(n);
+    let block = |b: usize| {
+        let mut acc = vec![0f64; n];
+        for r in b * per..((b + 1) * per).min(rows) {
+            add(r, &mut acc);
+        }
+        acc
+    };
+    let blocks = rows.div_ceil(per);
+    let partials: Vec<Vec<f64>> = if blocks <= 1 {
+        (0..blocks).map(block).collect()
+    } else {
+        (0..blocks).into_par_iter().map(block).collect()
+    };
+    let mut total = vec![0f64; n];
+    for p in partials {
+        for (t, v) in total.iter_mut().zip(p) {
+            *t += v;
+        }
+    }
+    total.into_iter().map(T::of).collect()
+}
+
+/// [`par_rows`] whose tasks also sum columns: `f(first_row, the task's
+/// rows, acc)` fills the rows and adds their terms into `sums`
+/// accumulators of `n` f64 columns, in row order. The tasks are
+/// [`column_sums`]' blocks, and their sums add up in task order as its
+/// blocks' do, so a gradient's column sums come out of the pass that
+/// writes its rows, with the same bits.
+fn par_rows_summing<T: Real>(
+    out: &mut [T],
+    n: usize,
+    sums: usize,
+    f: impl Fn(usize, &mut [T], &mut [Vec<f64>]) + Sync + Send,
+) -> Vec<Vec<T>> {
+    let rows = rows_per_task(n);
+    let task = |(b, chunk): (usize, &mut [T])| {
+        let mut acc = vec![vec![0f64; n]; sums];
+        f(b * rows, chunk, &mut acc);
+        acc
+    };
+    let partials: Vec<Vec<Vec<f64>>> = if out.len() <= rows * n {
+        vec![task((0, out))]
+    } else {
+        out.par_chunks_mut(n * rows).enumerate().map(task).collect()
+    };
+    let mut total = vec![vec![0f64; n]; sums];
+    for p in partials {
+        for (t, v) in total.iter_mut().zip(p) {
+            for (a, b) in t.iter_mut().zip(v) {
+                *a += b;
+            }
+        }
+    }
+    total
+        .into_iter()
+        .map(|t| t.into_iter().map(T::of).collect())
+        .collect()
+}
+
+mod attention;
+mod norm;
+mod pointwise;
+
+pub use attention::{causal_softmax, repeat_kv};
+pub use norm::{layer_norm, rms_norm};
+pub use pointwise::{bias_add, gelu_tanh, swiglu, upstream_objective};
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn rand(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
+        let n: usize = shape.iter().product();
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let v: Vec<f64> = (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0
+            })
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+    }
+
+    fn max_rel(a: &Tensor, b: &Tensor) -> f64 {
+        let a: Vec<f64> = a
+            .flatten_all()
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let b: Vec<f64> = b
+            .flatten_all()
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(a.len(), b.len());
+        let scale = b.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-3);
+        a.iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs() / scale)
+            .fold(0.0, f64::max)
+    }
+
+    /// Values and the gradients of `sum(f(args) · r)` (a random `r`), fused
+    /// against the primitive composition: in f64, of the same args; for
+    /// f32 args, against the primitive composition in f64 of the same
+    /// values (the f32 composition itself loses digits to cancellation,
+    /// e.g. an RMSNorm of one element, where the fused op keeps them).
+    fn check(
+        what: &str,
+        args: &[Tensor],
+        fused: impl Fn(&[Tensor]) -> Tensor,
+        reference: impl Fn(&[Tensor]) -> Tensor,
+    ) {
+        let tol = if args[0].dtype() == DType::F64 {
+            1e-12
+        } else {
+            2e-6
+        };
+        let grads = |args: &[Tensor], f: &dyn Fn(&[Tensor]) -> Tensor| {
+            let vars: Vec<Var> = args.iter().map(|a| Var::from_tensor(a).unwrap()).collect();
+            let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+            let y = f(&ts);
+            let r = rand(y.dims(), 99, y.dtype());
+            let g = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+            let gs: Vec<Tensor> = vars
+                .iter()
+                .map(|v| g.get(v.as_tensor()).unwrap().clone())
+                .collect();
+            (y, gs)
+        };
+        let up: Vec<Tensor> = args
+            .iter()
+            .map(|a| a.to_dtype(DType::F64).unwrap())
+            .collect();
+        let (yf, gf) = grads(args, &fused);
+        let (yr, gr) = grads(&up, &reference);
+        let e = max_rel(&yf, &yr);
+        assert!(e < tol, "{what}: forward {e:e}");
+        for (k, (a, b)) in gf.iter().zip(&gr).enumerate() {
+            let e = max_rel(a, b);
+            assert!(e < tol, "{what}: gradient of argument {k} {e:e}");
+        }
+    }
+
+    /// Rows of awkward lengths: 1, odd, a prime, one past a SIMD width.
+    const ROWS: [usize; 5] = [1, 7, 17, 33, 192];
+
+    #[test]
+    fn fused_ops_match_the_primitive_composition() {
+        for dtype in [DType::F64, DType::F32] {
+            for (k, &n) in ROWS.iter().enumerate() {
+                let seed = k as u64 * 10;
+                let x = rand(&[2, 3, n], seed, dtype);
+                let w = rand(&[n], seed + 1, dtype);
+                let b = rand(&[n], seed + 2, dtype);
+                check(
+                    &format!("bias {dtype:?} {n}"),
+                    &[x.clone(), b.clone()],
+                    |a| bias_add(&a[0], &a[1]).unwrap(),
+                    |a| a[0].broadcast_add(&a[1]).unwrap(),
+                );
+                check(
+                    &format!("layer norm {dtype:?} {n}"),
+                    &[x.clone(), w.clone(), b.clone()],
+                    |a| layer_norm(&a[0], &a[1], &a[2], 1e-5).unwrap(),
+                    |a| ops::layer_norm(&a[0], &a[1], &a[2], 1e-5).unwrap(),
+                );
+                check(
+                    &format!("rms norm {dtype:?} {n}"),
+                    &[x.clone(), w.clone()],
+                    |a| rms_norm(&a[0], &a[1], 1e-6).unwrap(),
+                    |a| ops::rms_norm(&a[0], &a[1], 1e-6).unwrap(),
+                );
+                check(
+                    &format!("swiglu {dtype:?} {n}"),
+                    &[x.clone(), rand(&[2, 3, n], seed + 4, dtype)],
+                    |a| swiglu(&a[0], &a[1]).unwrap(),
+                    |a| a[0].silu().unwrap().mul(&a[1]).unwrap(),
+                );
+                for n_rep in [2, 3] {
+                    check(
+                        &format!("repeat_kv {dtype:?} {n} x{n_rep}"),
+                        &[rand(&[2, 3, 5, n], seed + 5, dtype)],
+                        |a| repeat_kv(&a[0], n_rep).unwrap(),
+                        |a| ops::repeat_kv(&a[0], n_rep).unwrap(),
+                    );
+                }
+                check(
+                    &format!("gelu {dtype:?} {n}"),
+                    std::slice::from_ref(&x),
+                    |a| gelu_tanh(&a[0]).unwrap(),
+                    |a| ops::gelu_tanh(&a[0]).unwrap(),
+                );
+                for window in [None, Some(1), Some(3)] {
+                    let s = rand(&[2, 2, n, n], seed + 3, dtype);
+                    let reference = |a: &[Tensor]| {
+                        let att = a[0].affine(0.37, 0.0).unwrap();
+                        let mask =
+                            ops::causal_mask_window(n, window, DType::F64, &Device::Cpu).unwrap();
+                        ops::softmax_last(&att.broadcast_add(&mask).unwrap()).unwrap()
+                    };
+                    check(
+                        &format!("softmax {dtype:?} {n} {window:?}"),
+                        &[s],
+                        |a| causal_softmax(&a[0], 0.37, window).unwrap(),
+                        reference,
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_upstream_objective_passes_g_on_exactly() {
+        for dtype in [DType::F32, DType::F64] {
+            let y = Var::from_tensor(&rand(&[3, 5, 7], 1, dtype)).unwrap();
+            let g = rand(&[3, 5, 7], 2, dtype);
+            let w = Var::from_tensor(&rand(&[7], 3, dtype)).unwrap();
+            // Through an op, so the gradient flows on: d/dw of <y * w, g>.
+            let yw = y.as_tensor().broadcast_mul(w.as_tensor()).unwrap();
+            let fused = upstream_objective(&yw, &g).unwrap().backward().unwrap();
+            let prim = yw.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+            for v in [&y, &w] {
+                let (a, b) = (
+                    fused.get(v.as_tensor()).unwrap(),
+                    prim.get(v.as_tensor()).unwrap(),
+                );
+                assert_eq!(max_rel(a, b), 0.0, "{dtype:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn other_dtypes_take_the_primitive_path() {
+        let x = rand(&[2, 5], 1, DType::BF16);
+        let b = rand(&[5], 2, DType::BF16);
+        let y = bias_add(&x, &b).unwrap();
+        let r = x.broadcast_add(&b).unwrap();
+        assert_eq!(max_rel(&y, &r), 0.0);
+        assert!(!fusable(&[&x, &b]));
+        // Mixed dtypes are not fused either.
+        assert!(!fusable(&[
+            &rand(&[2], 1, DType::F32),
+            &rand(&[2], 1, DType::F64)
+        ]));
+    }
+}
