@@ -1,0 +1,285 @@
+//! One micro-batch's compute: forward over the units but the head, then
+//! backward from the head, each unit from what its forward left (its
+//! input, or its recorded graph: the activation policy, `activations.rs`),
+//! its gradients handed to the sub-groups as they become final.
+
+use super::super::activations::{Plan as ActivationPlan, Saved};
+use super::*;
+
+/// One micro-batch's tokens.
+#[derive(Debug)]
+struct Batch<'a> {
+    ids: &'a Tensor,
+    targets: &'a Tensor,
+    shape: [usize; 2],
+    /// The step's last micro-batch: gradients become final during its
+    /// backward.
+    last_micro: bool,
+}
+
+impl Trainer {
+    /// One micro-batch: forward over everything but the head, then
+    /// backward by recompute from the head. Returns its loss.
+    pub(super) fn micro_batch(
+        &mut self,
+        plan: &StepPlan,
+        micro: usize,
+        groups: &mut StepGroups,
+        tied: &mut BTreeMap<ParamId, Vec<f32>>,
+        times: &mut StepTimes,
+    ) -> Result<f32> {
+        let first = ((self.steps_done * plan.gas as u64 + micro as u64) * plan.world + plan.rank)
+            * plan.micro_batch as u64;
+        let (ids, targets) =
+            self.data
+                .batch(first, plan.micro_batch, plan.seq_len, &self.opts.device)?;
+        let batch = Batch {
+            ids: &ids,
+            targets: &targets,
+            shape: [plan.micro_batch, plan.seq_len],
+            last_micro: micro + 1 == plan.gas,
+        };
+        let mut saved = self.forward(plan, &batch, times)?;
+        let loss = self.backward(plan, &batch, &mut saved, groups, tied, times)?;
+        if batch.last_micro {
+            // Every sum is back in memory for the step (a group no unit
+            // added to in this micro-batch would otherwise stay parked).
+            for i in 0..self.layout.sub_groups.len() {
+                self.unpark(groups, SubGroupId(i))?;
+            }
+        }
+        Ok(loss)
+    }
+
+    /// Forward over every unit but the head; returns what each unit's
+    /// backward needs (the head's input too): its input, or, for a block
+    /// the activation policy keeps, its forward graph (`activations.rs`).
+    fn forward(
+        &mut self,
+        plan: &StepPlan,
+        batch: &Batch<'_>,
+        times: &mut StepTimes,
+    ) -> Result<Vec<Option<Saved>>> {
+        let units: Vec<(UnitId, UnitKind)> =
+            self.model.units().iter().map(|u| (u.id, u.kind)).collect();
+        let mut saved: Vec<Option<Saved>> = (0..units.len()).map(|_| None).collect();
+        let mut hidden: Option<Tensor> = None;
+        // Deciding (the first micro-batch of this shape): the running
+        // total of the kept graphs, and whether one no longer fit.
+        let deciding = self.activations.decision(batch.shape).is_none()
+            && self.activations.budget_bytes() > 0
+            && !self.opts.skip_compute;
+        let mut keep = vec![false; units.len()];
+        let mut held = vec![0u64; units.len()];
+        let mut used_bytes = 0u64;
+        let mut full = false;
+        for &(uid, kind) in &units {
+            if kind == UnitKind::Head {
+                saved[uid.0] = hidden.clone().map(Saved::Input);
+                continue;
+            }
+            self.visit(uid, Pass::Forward, batch.shape)?;
+            let tf = Instant::now();
+            let params = self.fetch_unit(uid)?;
+            self.span(plan.step, Lane::Params, || format!("u{} fwd", uid.0), tf);
+            if self.opts.skip_compute {
+                drop(params);
+                self.release_unit(uid)?;
+                continue;
+            }
+            let t0 = Instant::now();
+            let policy = match kind {
+                UnitKind::Block { .. } if !full => self.activations.plan(batch.shape, uid.0),
+                _ => ActivationPlan::Recompute,
+            };
+            let out = match (kind, &hidden, policy) {
+                (UnitKind::Embedding, _, _) => self
+                    .model
+                    .forward_unit(uid, &params, UnitInput::Tokens(batch.ids))?
+                    .into_tensor(),
+                (_, Some(h), ActivationPlan::Recompute) => {
+                    saved[uid.0] = Some(Saved::Input(h.clone()));
+                    self.model
+                        .forward_unit(uid, &params, UnitInput::Hidden(h))?
+                        .into_tensor()
+                }
+                (_, Some(h), ActivationPlan::Keep | ActivationPlan::Try) => {
+                    let rec = self.model.record_unit(uid, &params, UnitInput::Hidden(h))?;
+                    let out = rec
+                        .hidden()
+                        .ok_or_else(|| EngineError::internal("a block without a hidden output"))?;
+                    if policy == ActivationPlan::Keep {
+                        saved[uid.0] = Some(Saved::Kept(rec));
+                    } else {
+                        let bytes = rec.held_bytes();
+                        held[uid.0] = bytes;
+                        if used_bytes.saturating_add(bytes) <= self.activations.budget_bytes() {
+                            used_bytes += bytes;
+                            keep[uid.0] = true;
+                            saved[uid.0] = Some(Saved::Kept(rec));
+                        } else {
+                            // It does not fit, nor would the next: this one
+                            // and the rest are recomputed.
+                            full = true;
+                            saved[uid.0] = Some(Saved::Input(h.clone()));
+                        }
+                    }
+                    out
+                }
+                (_, None, _) => return Err(EngineError::internal("block before embedding")),
+            };
+            times.compute += t0.elapsed();
+            self.span(plan.step, Lane::Compute, || format!("fwd u{}", uid.0), t0);
+            drop(params);
+            self.release_unit(uid)?;
+            self.prefetch_parked()?;
+            hidden = Some(out);
+        }
+        if deciding {
+            let blocks = units
+                .iter()
+                .filter(|(_, k)| matches!(k, UnitKind::Block { .. }))
+                .count();
+            let decision = ActivationDecision {
+                shape: batch.shape,
+                keep,
+                held_bytes: held,
+                blocks,
+            };
+            tracing::info!(
+                kept = decision.kept(),
+                blocks,
+                kept_bytes = decision.kept_bytes(),
+                budget_bytes = self.activations.budget_bytes(),
+                "activations: {} of {blocks} blocks keep their forward graph for backward \
+                 ({} held, budget {}), the others are recomputed; micro-batch {} x {} tokens",
+                decision.kept(),
+                crate::units::format_bytes(decision.kept_bytes()),
+                crate::units::format_bytes(self.activations.budget_bytes()),
+                batch.shape[0],
+                batch.shape[1],
+            );
+            self.activations.decide(decision);
+        }
+        Ok(saved)
+    }
+
+    /// Backward over every unit in reverse, by recompute from the inputs
+    /// `saved` or from a kept graph; gradients go into the sub-groups'
+    /// accumulators. Returns the micro-batch's loss (the head's).
+    fn backward(
+        &mut self,
+        plan: &StepPlan,
+        batch: &Batch<'_>,
+        saved: &mut [Option<Saved>],
+        groups: &mut StepGroups,
+        tied: &mut BTreeMap<ParamId, Vec<f32>>,
+        times: &mut StepTimes,
+    ) -> Result<f32> {
+        let units: Vec<(UnitId, UnitKind)> =
+            self.model.units().iter().map(|u| (u.id, u.kind)).collect();
+        let mut loss = 0f32;
+        let mut upstream: Option<Tensor> = None;
+        for &(uid, kind) in units.iter().rev() {
+            let this = saved.get_mut(uid.0).and_then(Option::take);
+            // A kept block needs no params: its graph holds their copies.
+            let kept = matches!(this, Some(Saved::Kept(_)));
+            let params = if kept {
+                Vec::new()
+            } else {
+                self.visit(uid, Pass::Backward, batch.shape)?;
+                let tf = Instant::now();
+                let params = self.fetch_unit(uid)?;
+                self.span(plan.step, Lane::Params, || format!("u{} bwd", uid.0), tf);
+                params
+            };
+            let t0 = Instant::now();
+            let g = self.backward_unit(plan, uid, kind, &params, batch, this, upstream.as_ref())?;
+            drop(params);
+            if let Some(l) = &g.loss {
+                loss += l.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+            }
+            for (pid, grad) in &g.params {
+                self.accumulate(groups, tied, uid, *pid, grad)?;
+            }
+            if !batch.last_micro {
+                self.park_final_groups(uid, groups)?;
+            }
+            self.prefetch_parked()?;
+            times.compute += t0.elapsed();
+            self.span(plan.step, Lane::Compute, || format!("bwd u{}", uid.0), t0);
+            upstream = g.input;
+            if !kept {
+                self.release_unit(uid)?;
+            }
+            crate::failpoint::kill_point(crate::failpoint::Site::StepBackward);
+            // Params of sub-groups the optimizer thread has finished.
+            self.drain_done()?;
+            if batch.last_micro && plan.mode != OverlapMode::None {
+                self.on_final_groups(plan, uid, groups, times)?;
+            }
+        }
+        Ok(loss)
+    }
+
+    /// One unit's backward (or nothing, with `skip_compute`), from what its
+    /// forward left: its input (recompute) or its graph (kept).
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the unit, its params, its inputs and its upstream gradient: one call of the model"
+    )]
+    fn backward_unit(
+        &self,
+        plan: &StepPlan,
+        uid: UnitId,
+        kind: UnitKind,
+        params: &[Tensor],
+        batch: &Batch<'_>,
+        saved: Option<Saved>,
+        upstream: Option<&Tensor>,
+    ) -> Result<UnitGrads> {
+        if self.opts.skip_compute {
+            return Ok(UnitGrads {
+                params: Vec::new(),
+                input: None,
+                loss: None,
+            });
+        }
+        let up = || upstream.ok_or_else(|| EngineError::internal("upstream missing"));
+        let input = match saved {
+            Some(Saved::Kept(rec)) => {
+                return Ok(self.model.backward_recorded(rec, Upstream::Grad(up()?))?)
+            }
+            Some(Saved::Input(t)) => Some(t),
+            None => None,
+        };
+        let input = || {
+            input
+                .as_ref()
+                .ok_or_else(|| EngineError::internal("unit input missing"))
+        };
+        Ok(match kind {
+            UnitKind::Head => self.model.backward_unit(
+                uid,
+                params,
+                UnitInput::HiddenWithTargets {
+                    hidden: input()?,
+                    targets: batch.targets,
+                },
+                Upstream::LossScale(plan.head_scale),
+            )?,
+            UnitKind::Block { .. } => self.model.backward_unit(
+                uid,
+                params,
+                UnitInput::Hidden(input()?),
+                Upstream::Grad(up()?),
+            )?,
+            UnitKind::Embedding => self.model.backward_unit(
+                uid,
+                params,
+                UnitInput::Tokens(batch.ids),
+                Upstream::Grad(up()?),
+            )?,
+        })
+    }
+}
