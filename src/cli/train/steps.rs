@@ -1,0 +1,177 @@
+//! The training loop of `tierzero train`: the steps with their progress
+//! and checkpoints (every `--save-every`, at the end, and the step a stop
+//! ended at, within the grace period).
+
+use super::*;
+
+/// The steps from `start_step` to `steps`, with progress and checkpoints
+/// (every `--save-every` and at the end), or until a stop is requested
+/// (the step it stopped at is saved, within the grace period). Returns the
+/// first and last steps' metrics.
+pub(super) fn train_steps(
+    trainer: &mut Trainer,
+    args: &TrainArgs,
+    flags: &Flags,
+    run: &RunInfo<'_>,
+    say: &dyn Fn(&str) -> Result<(), Failure>,
+) -> Result<Steps, Failure> {
+    let (steps, start_step, save_every) = (run.steps, run.start_step, flags.save_every);
+    let lead = run.lead;
+    let progress = Progress::new(steps, run.steps_per_print);
+    let mut first: Option<StepMetrics> = None;
+    let mut last: Option<StepMetrics> = None;
+    let mut saved_at: Option<u64> = None;
+    let mut stop: Option<StopCause> = None;
+    let mut said_activations: Option<[usize; 2]> = None;
+    let save = |trainer: &mut Trainer, dir: &Path| -> Result<(), Failure> {
+        // The last step's optimizer tail first, so the time said is the
+        // save's own.
+        let tail_started = Instant::now();
+        trainer
+            .settle_optimizer()
+            .map_err(|e| run_failure(e, "saving a checkpoint"))?;
+        let tail_s = tail_started.elapsed().as_secs_f64();
+        let started = Instant::now();
+        let p = trainer
+            .save_checkpoint(dir)
+            .map_err(|e| run_failure(e, "saving a checkpoint"))?;
+        say(&format!(
+            "checkpoint: step {} saved to {} ({}; after {tail_s:.1} s of the step's optimizer tail)\n",
+            trainer.steps_done(),
+            p.display(),
+            size_and_time(&p, started.elapsed().as_secs_f64())
+        ))
+    };
+    for _ in start_step..steps {
+        let report = trainer.step().map_err(|e| {
+            progress.finish();
+            run_failure(e, "training step")
+        })?;
+        let m = report.metrics;
+        // The activation policy decides in the first micro-batch of a batch
+        // shape: say what it kept, once per decision.
+        if lead {
+            if let Some(d) = trainer.activation_decision() {
+                if said_activations.as_ref() != Some(&d.shape) {
+                    said_activations = Some(d.shape);
+                    progress.println(&format!(
+                        "activations: {} of {} blocks keep their forward graph for backward \
+                         ({} held), the others are recomputed; {} x {} tokens a micro-batch",
+                        d.kept(),
+                        d.blocks,
+                        tierzero::units::format_bytes(d.kept_bytes()),
+                        d.shape[0],
+                        d.shape[1]
+                    ));
+                }
+            }
+        }
+        if !m.loss.is_finite() {
+            progress.finish();
+            return Err(Failure::Internal(anyhow!(
+                "step {}: the loss is {} (diverged); lower the learning rate",
+                m.step,
+                m.loss
+            )));
+        }
+        if lead {
+            progress.step(&m, steps);
+        }
+        if let Some(cause) = report.stop {
+            // Every rank stops here (the trainer agreed on it); the save of
+            // this step follows, within the grace period.
+            stop = Some(cause);
+            if first.is_none() {
+                first = Some(m.clone());
+            }
+            last = Some(m);
+            break;
+        }
+        if let (Some(every), Some(dir)) = (save_every, &args.save_dir) {
+            if m.step.is_multiple_of(every) {
+                save(trainer, dir).inspect_err(|_| progress.finish())?;
+                saved_at = Some(m.step);
+            }
+        }
+        if first.is_none() {
+            first = Some(m.clone());
+        }
+        last = Some(m);
+    }
+    progress.finish();
+    let stopped = match (stop, &args.save_dir) {
+        (None, Some(dir)) => {
+            if saved_at != Some(trainer.steps_done()) {
+                save(trainer, dir)?;
+            }
+            None
+        }
+        (None, None) => None,
+        (Some(cause), dir) => {
+            let step = trainer.steps_done();
+            say(&format!(
+                "stopping at step {step} of {steps} ({})\n",
+                cause
+                    .signal_name()
+                    .unwrap_or_else(|| "requested".to_owned())
+            ))?;
+            let checkpoint_step = match dir {
+                None => None,
+                Some(_) if saved_at == Some(step) => Some(step),
+                Some(dir) => stop_save(trainer, dir, saved_at.or(run.resumed_from), say)?,
+            };
+            Some(Stopped {
+                cause,
+                checkpoint_step,
+            })
+        }
+    };
+    match (first, last) {
+        (Some(first), Some(last)) => Ok(Steps {
+            first,
+            last,
+            stop: stopped,
+        }),
+        _ => Err(Failure::Internal(anyhow!("no step ran"))),
+    }
+}
+
+/// The checkpoint of the step a stopped run ended at, unless the grace
+/// period has too little time left; returns the newest checkpoint's step
+/// (`before` when skipped).
+fn stop_save(
+    trainer: &mut Trainer,
+    dir: &Path,
+    before: Option<u64>,
+    say: &dyn Fn(&str) -> Result<(), Failure>,
+) -> Result<Option<u64>, Failure> {
+    let step = trainer.steps_done();
+    let started = Instant::now();
+    match trainer
+        .save_on_stop(dir)
+        .map_err(|e| run_failure(e, "saving a checkpoint after a stop"))?
+    {
+        StopSave::Saved(p) => {
+            say(&format!(
+                "checkpoint: step {step} saved to {} ({})\n",
+                p.display(),
+                size_and_time(&p, started.elapsed().as_secs_f64())
+            ))?;
+            Ok(Some(step))
+        }
+        StopSave::Skipped { needed_s, left_s } => {
+            let grace = trainer.stop_grace().map_or(0.0, |g| g.as_secs_f64());
+            eprintln!(
+                "warning: the checkpoint of step {step} was skipped: a save takes about \
+                 {needed_s:.1} s and {:.1} s of the {grace} s stop grace period \
+                 (--stop-grace / tierzero.stop_grace_s) were left; {}",
+                left_s.max(0.0),
+                match before {
+                    Some(b) => format!("the newest checkpoint in {} is step {b}", dir.display()),
+                    None => format!("{} holds no checkpoint of this run", dir.display()),
+                }
+            );
+            Ok(before)
+        }
+    }
+}
