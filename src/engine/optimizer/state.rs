@@ -176,6 +176,17 @@ pub struct OptCounters {
     pub adam: Duration,
 }
 
+/// The speculation pool as the sizing policy decided it
+/// (`Sizing::speculation_slots`, `Sizing::speculation_kept_grads`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolSize {
+    /// Slots of spare state extents.
+    pub slots: usize,
+    /// Speculated gradients kept in host memory for a re-step; the others
+    /// are spilled.
+    pub kept_grads: usize,
+}
+
 /// Master weights and moments of this rank's sub-groups.
 #[derive(Debug)]
 pub struct OptimizerState {
@@ -189,6 +200,8 @@ pub struct OptimizerState {
     nvme: Option<NvmeState>,
     read_ahead: usize,
     write_behind: usize,
+    /// [`PoolSize::kept_grads`].
+    kept_grads: usize,
     counters: OptCounters,
 }
 
@@ -224,8 +237,9 @@ impl OptimizerState {
         read_ahead: usize,
         write_behind: usize,
         spill_grads: bool,
-        pool_slots: usize,
+        pool: PoolSize,
     ) -> Result<Self> {
+        let pool_slots = pool.slots;
         let mem_group = |n: usize| MemGroup {
             master: vec![0.0; n],
             m: vec![0.0; n],
@@ -318,6 +332,7 @@ impl OptimizerState {
             nvme,
             read_ahead,
             write_behind,
+            kept_grads: pool.kept_grads,
             counters: OptCounters::default(),
         })
     }
@@ -824,20 +839,15 @@ impl OptimizerState {
     }
 
     /// Slots of the speculation pool (free or pending).
+    #[cfg(test)]
     pub fn pool_slots(&self) -> usize {
         self.nvme.as_ref().map_or(0, |nv| nv.pool_slots)
     }
 
     /// The most speculated gradients kept in host memory for a re-step
-    /// ([`crate::engine::sizing::speculation_kept_grads`]; the read-ahead
-    /// is the configured one whenever gradients spill, as they do when
-    /// steps speculate).
+    /// ([`PoolSize::kept_grads`], the sizing policy's).
     pub fn kept_grads_max(&self) -> usize {
-        crate::engine::sizing::speculation_kept_grads(
-            self.read_ahead,
-            self.write_behind,
-            self.pool_slots(),
-        )
+        self.kept_grads
     }
 
     /// Sub-groups with a speculative step not yet committed or dropped.

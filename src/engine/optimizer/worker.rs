@@ -241,7 +241,7 @@ struct State {
     order: VecDeque<SubGroupId>,
     steps: HashMap<SubGroupId, PendingStep>,
     /// Gradients of speculative steps that ran, kept in host memory for a
-    /// re-step until the decision (at most `opt.pool_slots()`).
+    /// re-step until the decision (at most `opt.kept_grads_max()`).
     kept: HashMap<SubGroupId, Vec<f32>>,
     live: std::sync::Arc<std::sync::Mutex<OptCounters>>,
     timeline: Option<std::sync::Arc<crate::engine::Timeline>>,
@@ -713,7 +713,7 @@ mod tests {
     };
 
     use super::*;
-    use crate::engine::optimizer::state::NvmeOptim;
+    use crate::engine::optimizer::state::{NvmeOptim, PoolSize};
     use crate::optim::AdamHyper;
 
     /// An NVMe optimizer state of `groups` sub-groups of 1024 elements
@@ -759,7 +759,10 @@ mod tests {
             1,
             1,
             spill,
-            pool,
+            PoolSize {
+                slots: pool,
+                kept_grads: crate::engine::sizing::speculation_kept_grads(1, 1, pool),
+            },
         )
         .unwrap();
         for (i, &n) in numel.iter().enumerate() {
@@ -971,7 +974,9 @@ mod tests {
         assert_eq!(c0.nvme_written_bytes, 2 * 3 * 4096);
         let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
         // The reference: every group in memory.
-        let mut mem = OptimizerState::new(vec![1024; 4], None, &[], 1, 1, false, 0).unwrap();
+        let mut mem =
+            OptimizerState::new(vec![1024; 4], None, &[], 1, 1, false, PoolSize::default())
+                .unwrap();
         let mut want = Vec::new();
         for sg in 0..4 {
             mem.init_group(SubGroupId(sg), &[1.0; 1024]).unwrap();
@@ -1069,7 +1074,9 @@ mod tests {
         let opt = nvme_state_opts(&dir, 4, 12, &[], true, 2);
         assert_eq!(opt.pool_slots(), 2);
         let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
-        let mut mem = OptimizerState::new(vec![1024; 4], None, &[], 1, 1, false, 0).unwrap();
+        let mut mem =
+            OptimizerState::new(vec![1024; 4], None, &[], 1, 1, false, PoolSize::default())
+                .unwrap();
         for sg in 0..4 {
             mem.init_group(SubGroupId(sg), &[1.0; 1024]).unwrap();
         }

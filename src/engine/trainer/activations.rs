@@ -149,15 +149,22 @@ impl Activations {
         self.decided.as_ref()
     }
 
+    /// Whether a forward of `shape` decides (measures and keeps what fits):
+    /// a budget, and no decision for the shape yet.
+    pub(super) fn deciding(&self, shape: [usize; 2]) -> bool {
+        self.budget_bytes > 0 && self.decision(shape).is_none()
+    }
+
     /// What to do with unit `unit` (a block) in a forward of `shape`.
     pub(super) fn plan(&self, shape: [usize; 2], unit: usize) -> Plan {
-        if self.budget_bytes == 0 {
-            return Plan::Recompute;
+        if self.deciding(shape) {
+            return Plan::Try;
         }
         match self.decision(shape) {
-            Some(d) if d.keep.get(unit).copied().unwrap_or(false) => Plan::Keep,
-            Some(_) => Plan::Recompute,
-            None => Plan::Try,
+            Some(d) if self.budget_bytes > 0 && d.keep.get(unit).copied().unwrap_or(false) => {
+                Plan::Keep
+            }
+            _ => Plan::Recompute,
         }
     }
 

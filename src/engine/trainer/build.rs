@@ -390,7 +390,10 @@ impl TierBuild<'_> {
             self.sizing.read_ahead,
             self.sizing.write_behind,
             self.sizing.spill_grads,
-            self.sizing.speculation_slots,
+            PoolSize {
+                slots: self.sizing.speculation_slots,
+                kept_grads: self.sizing.speculation_kept_grads,
+            },
         )
     }
 }

@@ -212,7 +212,7 @@ use crate::engine::host::threads::{self, ComputeThreads};
 use crate::engine::layout::{shard_counts, Layout, SubGroupId};
 use crate::engine::observe::metrics::{peak_rss_bytes, MetricsWriter, StepMetrics, Summary};
 use crate::engine::observe::timeline::{Lane, Timeline};
-use crate::engine::optimizer::state::{NvmeOptim, OptCounters, OptimizerState};
+use crate::engine::optimizer::state::{NvmeOptim, OptCounters, OptimizerState, PoolSize};
 use crate::engine::optimizer::worker::{
     Done, ExclusiveJob, ExclusiveResult, Job, OptimizerWorker, TensorWant,
 };

@@ -66,9 +66,7 @@ impl Trainer {
         let mut hidden: Option<Tensor> = None;
         // Deciding (the first micro-batch of this shape): the running
         // total of the kept graphs, and whether one no longer fit.
-        let deciding = self.activations.decision(batch.shape).is_none()
-            && self.activations.budget_bytes() > 0
-            && !self.opts.skip_compute;
+        let deciding = self.activations.deciding(batch.shape) && !self.opts.skip_compute;
         let mut keep = vec![false; units.len()];
         let mut held = vec![0u64; units.len()];
         let mut used_bytes = 0u64;
