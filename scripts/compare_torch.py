@@ -147,6 +147,10 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--arms", default="torch,torch_ckpt,tz,tz_ckpt,tz_nvme")
+    ap.add_argument("--workdir", default=None,
+                    help="keep each arm's ds.json, model/config.json and metrics here "
+                         "(default: a temporary directory, removed), e.g. to profile one "
+                         "with perf record")
     ap.add_argument("--clip", type=float, default=1.0,
                     help="gradient clipping max norm for every arm (0: off)")
     args = ap.parse_args()
@@ -163,7 +167,7 @@ def main():
     arms = args.arms.split(",")
     results = {a: [] for a in arms}
     with tempfile.TemporaryDirectory(prefix="tz-vs-torch-") as tmp:
-        tmp = Path(tmp)
+        tmp = Path(args.workdir) if args.workdir else Path(tmp)
         for r in range(args.rounds):
             order = arms if r % 2 == 0 else arms[::-1]
             for a in order:

@@ -192,8 +192,10 @@ pub const CANDLE_ENV: &str = "CANDLE_NUM_THREADS";
 /// op. The heavy elementwise work runs in this crate's fused ops
 /// (`crate::model::fused`) and the matmuls on rayon's pool
 /// (`RAYON_NUM_THREADS`), so on 2 cores the spinning worker only took a
-/// core from them: 25% of the samples of a stage-0 step, and 7,500 tokens/s
-/// against 6,300-6,700 with the pool (issue 27's note).
+/// core from them: 25% of the samples of a stage-0 step. Alternating
+/// `scripts/compare_torch.py --arms tz --rounds 1` with and without
+/// `CANDLE_NUM_THREADS=2` (the pool on): 9,316-9,624 tokens/s without the
+/// pool, 8,594-8,746 with it.
 pub fn apply(t: &ComputeThreads) {
     if t.source != ThreadsSource::NotCpu && user_candle_env().is_none() {
         std::env::set_var(CANDLE_ENV, "1");

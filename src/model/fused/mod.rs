@@ -19,9 +19,11 @@
 //!
 //! With these ops, candle's barrier pool off (`CANDLE_NUM_THREADS=1`, see
 //! `crate::engine::host::threads::apply`) and gemm's AVX-512 kernels, the
-//! same run went from 0.28x PyTorch eager's tokens/s to 0.80x
-//! (`scripts/compare_torch.py`; the fused ops alone: 4,000 to 6,300-6,500
-//! tokens/s), and the profile is the matmuls first.
+//! same run went from 0.28x PyTorch eager's tokens/s to 0.82x
+//! (`scripts/compare_torch.py`), and the profile is the matmuls first.
+//! The fused ops' share, alternating `scripts/compare_torch.py --arms tz
+//! --rounds 1` with and without `TIERZERO_PRIMITIVE_OPS=1`: 9,316-9,624
+//! tokens/s fused, 4,001-4,172 with the primitives.
 //!
 //! # The contract
 //!
