@@ -97,7 +97,7 @@ pub(crate) mod grads;
 pub mod host;
 pub(crate) mod layout;
 pub(crate) mod observe;
-pub(crate) mod optimizer;
+pub mod optimizer;
 pub mod params;
 pub mod sizing;
 pub mod trainer;

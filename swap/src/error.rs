@@ -102,6 +102,15 @@ pub enum SwapError {
         largest_free_bytes: u64,
     },
 
+    /// A read of a caller's file would go past its end (`fileio`).
+    #[error("read of {len_bytes} bytes at offset {offset_bytes} of {path} goes past its end: the file holds {file_bytes} bytes (offset + length must be at most the file size)")]
+    ReadPastEnd {
+        path: PathBuf,
+        offset_bytes: u64,
+        len_bytes: u64,
+        file_bytes: u64,
+    },
+
     /// A transfer does not fit the buffer or the extent.
     #[error("{op} of {len_bytes} bytes at offset {offset_bytes} does not fit: buffer holds {buffer_bytes} bytes, extent holds {extent_bytes} bytes")]
     OutOfBounds {

@@ -13,6 +13,9 @@
 //!   extents placed by a first-fit allocator, striped over paths.
 //! - `engine`: validation, tickets, completions; `ring` (io_uring) and
 //!   `portable` (`pread`/`pwrite` threads) run the transfers.
+//! - `fileio`: positional I/O on the caller's files into the caller's
+//!   memory, with bounce buffers where it is unaligned (DeepNVMe-style
+//!   handles: the Python `tierzero.aio`).
 //! - `lock`: one process per swap directory (`flock` on `tierzero/lock`).
 //! - `fault`, `stats`, `bench`: fault injection, counters, measurement.
 //! - `malloc`: glibc's mmap and trim thresholds raised for a process whose
@@ -61,6 +64,7 @@ pub mod bench;
 pub mod engine;
 pub mod error;
 pub mod fault;
+pub mod fileio;
 pub mod lock;
 pub mod malloc;
 pub mod mapped;

@@ -912,6 +912,29 @@ impl OptimizerState {
         }
     }
 
+    /// The master weights and moments of `sg` (synchronous reads on NVMe,
+    /// after every queued write), e.g. for a framework's `state_dict`.
+    pub fn group_states(&mut self, sg: SubGroupId) -> Result<[Vec<f32>; 3]> {
+        let n = self.numel_of(sg)?;
+        self.flush()?;
+        if let Some(g) = self.mem.get(sg.0).and_then(Option::as_ref) {
+            return Ok([g.master.clone(), g.m.clone(), g.v.clone()]);
+        }
+        let nv = self
+            .nvme
+            .as_mut()
+            .ok_or_else(|| EngineError::internal("no state for a sub-group"))?;
+        let exts = nvme_extents(&nv.extents, sg)?.clone();
+        let mut out: [Vec<f32>; 3] = Default::default();
+        for (k, ext) in exts.iter().enumerate() {
+            let buf = nv.io.arena.acquire()?;
+            let mut buf = nv.io.read.read(ext, buf)?.wait()?;
+            self.counters.nvme_read_bytes += ext.len_bytes();
+            out[k] = as_f32(&mut buf, n)?.to_vec();
+        }
+        Ok(out)
+    }
+
     /// The master weights of `sg` (a synchronous read on NVMe).
     pub fn master(&mut self, sg: SubGroupId) -> Result<Vec<f32>> {
         let n = self.numel_of(sg)?;

@@ -1,0 +1,404 @@
+//! `_OffloadAdam`: the state and step of `tierzero.torch.AdamW`.
+//!
+//! The Rust engine's own optimizer state ([`OptimizerState`]): fp32 master
+//! weights, `m` and `v` per sub-group, in host memory (`offload="none"` or
+//! `"cpu"`: the CPU optimizer runs on the host either way) or on NVMe
+//! (`"nvme"`: three extents per sub-group, streamed through pinned buffers
+//! of `largest sub-group × 4` bytes by a read and a write engine), stepped
+//! by the SIMD AdamW kernel ([`CpuAdam`]).
+//!
+//! ## The pipeline
+//! Python calls [`OffloadAdam::step_group`] once per sub-group in order,
+//! naming the next one: the state read of `i + 1` is issued before `i` is
+//! stepped, and `i`'s write is retired only once `i + 1` has been stepped
+//! (`write_behind` 1), so read `i+1`, step `i` and write `i-1` overlap. The
+//! GIL is released for the whole call.
+//!
+//! ## Sizing
+//! The pinned buffers are what [`sizing::buffers_needed`] says the pipeline
+//! needs, the one rule the engine uses too; a `pinned_budget_bytes` below
+//! that fails with the numbers ([`OffloadAdam::plan`] prints them).
+
+use std::num::NonZeroUsize;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use tierzero::engine::optimizer::state::{NvmeOptim, OptimizerState, PoolSize};
+use tierzero::engine::{sizing, SubGroupId};
+use tierzero::optim::{AdamHyper, AdamMode, CpuAdam, GradScale};
+use tierzero_swap::{
+    ArenaConfig, Engine, EngineConfig, LockPolicy, PinnedArena, SpaceConfig, SwapSpace,
+};
+
+use crate::dlpack;
+
+fn err(e: impl std::fmt::Display) -> PyErr {
+    PyRuntimeError::new_err(e.to_string())
+}
+
+/// f32 view of a contiguous host float32 tensor (DLPack), with its owners.
+fn f32_tensor<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<dlpack::HostTensor> {
+    let t = dlpack::host_tensor(obj)?;
+    if t.addr % 4 != 0 {
+        return Err(PyValueError::new_err(format!("{what}: not 4-byte aligned")));
+    }
+    Ok(t)
+}
+
+/// The optimizer state of `tierzero.torch.AdamW`.
+#[pyclass(name = "_OffloadAdam", module = "tierzero._native")]
+#[derive(Debug)]
+pub struct OffloadAdam {
+    state: Mutex<OptimizerState>,
+    numel: Vec<usize>,
+    threads: NonZeroUsize,
+    plan: String,
+}
+
+#[pymethods]
+impl OffloadAdam {
+    /// Sub-groups of `numel` elements; `offload` "none", "cpu" or "nvme"
+    /// (then `nvme_path`, a directory); `pinned_budget_bytes` caps the
+    /// pinned buffers (None: exactly what the pipeline needs).
+    #[new]
+    #[pyo3(signature = (numel, offload, nvme_path=None, pinned_budget_bytes=None, threads=None))]
+    fn new(
+        py: Python<'_>,
+        numel: Vec<usize>,
+        offload: &str,
+        nvme_path: Option<PathBuf>,
+        pinned_budget_bytes: Option<u64>,
+        threads: Option<usize>,
+    ) -> PyResult<Self> {
+        let threads =
+            NonZeroUsize::new(threads.unwrap_or_else(|| {
+                std::thread::available_parallelism().map_or(1, NonZeroUsize::get)
+            }))
+            .ok_or_else(|| PyValueError::new_err("threads must be >= 1"))?;
+        let (read_ahead, write_behind) = (1usize, 1usize);
+        let largest_bytes = numel
+            .iter()
+            .map(|&n| (n.max(1) * 4) as u64)
+            .max()
+            .unwrap_or(4096);
+        let total_elems: u64 = numel.iter().map(|&n| n as u64).sum();
+        let (nvme, plan) = match offload {
+            "none" | "cpu" => (
+                None,
+                format!(
+                    "optimizer state in host memory ({offload}): {} sub-groups, {} elements, {} bytes (master, m, v in fp32)",
+                    numel.len(),
+                    total_elems,
+                    total_elems * 12
+                ),
+            ),
+            "nvme" => {
+                let dir = nvme_path.ok_or_else(|| {
+                    PyValueError::new_err("offload=\"nvme\" needs nvme_path (a directory on the NVMe)")
+                })?;
+                let align = tierzero_swap::Alignment::for_path(&dir);
+                let buf_bytes = align.round_up(largest_bytes);
+                let need = sizing::buffers_needed(read_ahead, write_behind, false) as u64;
+                let need_bytes = need * buf_bytes;
+                let budget = pinned_budget_bytes.unwrap_or(need_bytes);
+                if budget < need_bytes {
+                    return Err(PyValueError::new_err(format!(
+                        "pinned_budget_bytes = {budget} is too small: the optimizer pipeline needs {need} buffers of {buf_bytes} bytes (3 states x 3 stages: read ahead, step, write behind, of the largest sub-group's {largest_bytes} bytes) = {need_bytes} bytes; raise pinned_budget_bytes to at least {need_bytes} or lower sub_group_size"
+                    )));
+                }
+                let capacity: u64 = numel.iter().map(|&n| 3 * align.round_up((n.max(1) * 4) as u64)).sum::<u64>() + (1 << 20);
+                let built = py.detach(|| -> tierzero_swap::Result<NvmeOptim> {
+                    std::fs::create_dir_all(&dir).map_err(|source| tierzero_swap::SwapError::Setup {
+                        what: format!("creating {}", dir.display()),
+                        source,
+                    })?;
+                    let space = SwapSpace::create(SpaceConfig::new(&dir, capacity))?;
+                    let mut ac = ArenaConfig::new(budget, buf_bytes);
+                    ac.lock = LockPolicy::BestEffort;
+                    let arena = PinnedArena::new(ac)?;
+                    let read = Engine::new(space.clone(), arena.clone(), EngineConfig::default())?;
+                    let write = Engine::new(space, arena.clone(), EngineConfig::default())?;
+                    Ok(NvmeOptim { read, write, arena })
+                });
+                let io = built.map_err(err)?;
+                let plan = format!(
+                    "optimizer state on NVMe at {}: {} sub-groups, {} elements, {} bytes on disk; pinned: {} buffers of {} bytes = {} bytes (budget {}; the pipeline needs {need}: 3 states x (read ahead 1 + step + write behind 1))",
+                    dir.display(),
+                    numel.len(),
+                    total_elems,
+                    capacity,
+                    io.arena.count(),
+                    buf_bytes,
+                    io.arena.count() as u64 * buf_bytes,
+                    budget,
+                );
+                (Some(io), plan)
+            }
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "offload {other:?}: expected \"none\", \"cpu\" or \"nvme\""
+                )))
+            }
+        };
+        let resident = vec![false; numel.len()];
+        let state = OptimizerState::new(
+            numel.clone(),
+            nvme,
+            &resident,
+            read_ahead,
+            write_behind,
+            false,
+            PoolSize::default(),
+        )
+        .map_err(err)?;
+        Ok(OffloadAdam {
+            state: Mutex::new(state),
+            numel,
+            threads,
+            plan,
+        })
+    }
+
+    /// Where the state lives and what the pinned buffers are.
+    fn plan(&self) -> String {
+        self.plan.clone()
+    }
+
+    /// Sub-groups.
+    fn __len__(&self) -> usize {
+        self.numel.len()
+    }
+
+    /// Sets sub-group `sg`'s master, `m` and `v` (float32 host tensors of
+    /// its numel; `m`/`v` None: zeros).
+    #[pyo3(signature = (sg, master, m=None, v=None))]
+    fn load(
+        &self,
+        py: Python<'_>,
+        sg: usize,
+        master: &Bound<'_, PyAny>,
+        m: Option<&Bound<'_, PyAny>>,
+        v: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let n = self.numel_of(sg)?;
+        let master = f32_tensor(master, "master")?;
+        let m = m.map(|t| f32_tensor(t, "m")).transpose()?;
+        let v = v.map(|t| f32_tensor(t, "v")).transpose()?;
+        for (t, name) in [
+            (Some(&master), "master"),
+            (m.as_ref(), "m"),
+            (v.as_ref(), "v"),
+        ] {
+            if let Some(t) = t {
+                if t.nbytes != n * 4 {
+                    return Err(PyValueError::new_err(format!(
+                        "{name} of sub-group {sg}: {} bytes, want {} (float32 x {n})",
+                        t.nbytes,
+                        n * 4
+                    )));
+                }
+            }
+        }
+        let zeros = vec![0f32; if m.is_none() || v.is_none() { n } else { 0 }];
+        let view = |t: &Option<dlpack::HostTensor>| -> &[f32] {
+            match t {
+                // SAFETY: a contiguous float32 host tensor of n elements,
+                // 4-byte aligned (checked), kept alive by its owners for
+                // this call; nothing writes it while we read (the GIL is
+                // held by Python code that owns it until we return).
+                Some(t) => unsafe { std::slice::from_raw_parts(t.addr as *const f32, n) },
+                None => &zeros,
+            }
+        };
+        // SAFETY: as above, for the master tensor.
+        let master_s = unsafe { std::slice::from_raw_parts(master.addr as *const f32, n) };
+        let (ms, vs) = (view(&m), view(&v));
+        py.detach(|| self.locked().load_group(SubGroupId(sg), [master_s, ms, vs]))
+            .map_err(err)
+    }
+
+    /// Writes sub-group `sg`'s master, `m` and `v` into three float32 host
+    /// tensors of its numel.
+    fn read_state(
+        &self,
+        py: Python<'_>,
+        sg: usize,
+        master: &Bound<'_, PyAny>,
+        m: &Bound<'_, PyAny>,
+        v: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let n = self.numel_of(sg)?;
+        let outs = [
+            f32_tensor(master, "master")?,
+            f32_tensor(m, "m")?,
+            f32_tensor(v, "v")?,
+        ];
+        if outs.iter().any(|t| t.nbytes != n * 4 || t.read_only) {
+            return Err(PyValueError::new_err(format!(
+                "read_state of sub-group {sg}: want three writable float32 tensors of {n} elements"
+            )));
+        }
+        let states = py
+            .detach(|| self.locked().group_states(SubGroupId(sg)))
+            .map_err(err)?;
+        for (t, s) in outs.iter().zip(states) {
+            // SAFETY: a writable, contiguous float32 host tensor of n
+            // elements (checked), alive for this call.
+            unsafe { std::slice::from_raw_parts_mut(t.addr as *mut f32, n) }.copy_from_slice(&s);
+        }
+        Ok(())
+    }
+
+    /// One AdamW step (1-based `step`) of sub-group `sg` with `grad` (float32
+    /// host tensor of its numel), writing the updated master into `out` (a
+    /// float32 host tensor of its numel). `next`: the sub-group stepped
+    /// after this one, whose state read is issued first. `grad_scale`
+    /// multiplies the gradient.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the hyper-parameters of torch's param group"
+    )]
+    #[pyo3(signature = (sg, step, lr, beta1, beta2, eps, weight_decay, grad, out, next=None, grad_scale=1.0))]
+    fn step_group(
+        &self,
+        py: Python<'_>,
+        sg: usize,
+        step: u64,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        grad: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        next: Option<usize>,
+        grad_scale: f32,
+    ) -> PyResult<()> {
+        let n = self.numel_of(sg)?;
+        if let Some(nx) = next {
+            self.numel_of(nx)?;
+        }
+        if step == 0 {
+            return Err(PyValueError::new_err("step is 1-based"));
+        }
+        let hyper = AdamHyper {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            mode: AdamMode::AdamW,
+            bias_correction: true,
+        };
+        let adam =
+            CpuAdam::new(hyper, self.threads).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let g = f32_tensor(grad, "grad")?;
+        let o = f32_tensor(out, "out")?;
+        if g.nbytes != n * 4 || o.nbytes != n * 4 || o.read_only {
+            return Err(PyValueError::new_err(format!(
+                "step of sub-group {sg}: grad and out must be float32 tensors of {n} elements (got {} and {} bytes)",
+                g.nbytes, o.nbytes
+            )));
+        }
+        // SAFETY: contiguous float32 host tensors of n elements (checked),
+        // alive for this call (their owners are held by `g` and `o`); the
+        // Python caller does not touch them while the call runs.
+        let grad_s = unsafe { std::slice::from_raw_parts(g.addr as *const f32, n) };
+        // SAFETY: as above; `out` is writable and distinct from `grad`.
+        let out_s = unsafe { std::slice::from_raw_parts_mut(o.addr as *mut f32, n) };
+        if g.addr < o.addr + n * 4 && o.addr < g.addr + n * 4 {
+            return Err(PyValueError::new_err("grad and out overlap"));
+        }
+        py.detach(|| -> tierzero::engine::Result<()> {
+            let mut st = self.locked();
+            st.prefetch(SubGroupId(sg))?;
+            if let Some(nx) = next {
+                st.prefetch(SubGroupId(nx))?;
+            }
+            st.step(
+                SubGroupId(sg),
+                &adam,
+                step,
+                Some(grad_s),
+                GradScale(grad_scale),
+                None,
+                &mut |master| {
+                    out_s.copy_from_slice(master);
+                    Ok(())
+                },
+                false,
+            )?;
+            st.retire_behind()?;
+            if let Some(nx) = next {
+                st.prefetch(SubGroupId(nx))?;
+            }
+            Ok(())
+        })
+        .map_err(err)
+    }
+
+    /// Waits for every state write.
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.locked().flush()).map_err(err)
+    }
+
+    /// Bytes of state read from and written to NVMe so far.
+    fn io_bytes(&self) -> (u64, u64) {
+        let c = self.locked().counters();
+        (c.nvme_read_bytes, c.nvme_written_bytes)
+    }
+}
+
+impl OffloadAdam {
+    fn locked(&self) -> std::sync::MutexGuard<'_, OptimizerState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn numel_of(&self, sg: usize) -> PyResult<usize> {
+        self.numel.get(sg).copied().ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "sub-group {sg} out of range ({} sub-groups)",
+                self.numel.len()
+            ))
+        })
+    }
+}
+
+/// The optimizer-offload settings of a `ds_config.json` (its text), read as
+/// `tierzero train` reads it (hjson, duplicate keys refused, DeepSpeed's
+/// names and defaults, "auto" resolved with HF's defaults): a dict of
+/// `offload` ("none" / "cpu" / "nvme"), `nvme_path`, `sub_group_size`
+/// (elements), `pinned_budget_bytes` (None: what the pipeline needs),
+/// `pin_memory`, and `unknown_keys` (for a warning).
+#[pyfunction]
+pub fn ds_offload_settings(py: Python<'_>, text: &str) -> PyResult<Py<pyo3::types::PyDict>> {
+    use tierzero::config::OffloadDevice;
+    let parsed =
+        tierzero::config::parse_str(text).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let loaded = parsed
+        .resolve(&tierzero::config::RunContext {
+            path_checks: tierzero::config::PathChecks::CreateMissing,
+            ..Default::default()
+        })
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let c = &loaded.config;
+    let d = pyo3::types::PyDict::new(py);
+    let off = &c.zero.offload_optimizer;
+    let (offload, path) = match &off.device {
+        OffloadDevice::None => ("none", None),
+        OffloadDevice::Cpu => ("cpu", None),
+        OffloadDevice::Nvme { path } => ("nvme", Some(path.display().to_string())),
+    };
+    d.set_item("offload", offload)?;
+    d.set_item("nvme_path", path)?;
+    d.set_item("sub_group_size", c.zero.sub_group_numel.0)?;
+    d.set_item(
+        "pinned_budget_bytes",
+        c.tierzero.pinned_budget_bytes.map(|b| b.0),
+    )?;
+    d.set_item("pin_memory", off.pin_memory)?;
+    d.set_item("unknown_keys", loaded.unknown_keys())?;
+    Ok(d.unbind())
+}

@@ -1,0 +1,177 @@
+"""tierzero.torch.AdamW against torch.optim.AdamW(foreach=False)."""
+
+import hashlib
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import tierzero.torch as tzt  # noqa: E402
+
+SIZES = [0, 1, 7, 15, 1023, 4097, 10**6]
+
+
+def make_params(sizes=SIZES, dtype=torch.float32):
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(n).to(dtype)) for n in sizes]
+
+
+def groups_of(ps):
+    # HF's decay / no-decay split, with a group-specific lr.
+    return [
+        {"params": ps[: len(ps) // 2], "weight_decay": 0.1},
+        {"params": ps[len(ps) // 2 :], "weight_decay": 0.0, "lr": 2e-3},
+    ]
+
+
+def train(make_opt, steps, ps=None, seed=1, start=0, opt=None):
+    ps = make_params() if ps is None else ps
+    opt = make_opt(groups_of(ps)) if opt is None else opt
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+    if start:
+        sched.load_state_dict({**sched.state_dict(), "last_epoch": start})
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] / (1 + 0.1 * start)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(start):
+        for p in ps:
+            torch.randn(p.shape, generator=g)
+    for _ in range(steps):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        opt.step()
+        sched.step()
+    return ps, opt
+
+
+def rel_err(got, ref):
+    return max(((a.double() - b.double()).norm() / b.double().norm()).item() for a, b in zip(got, ref) if b.numel())
+
+
+def weight_hash(ps):
+    h = hashlib.sha256()
+    for p in ps:
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def torch_adamw(gr):
+    return torch.optim.AdamW(gr, lr=1e-3, foreach=False)
+
+
+def tz(offload, tmp_path, **kw):
+    nvme = tmp_path / "nvme" if tmp_path is not None else None
+    return lambda gr: tzt.AdamW(gr, lr=1e-3, offload=offload, nvme_path=nvme, **kw)
+
+
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_matches_torch_after_1_and_100_steps(offload, tmp_path):
+    ref, _ = train(torch_adamw, 1)
+    got, _ = train(tz(offload, tmp_path, sub_group_size=5000), 1)
+    assert rel_err(got, ref) <= 1e-6
+    ref, _ = train(torch_adamw, 100)
+    got, opt = train(tz(offload, tmp_path, sub_group_size=300_000), 100)
+    assert rel_err(got, ref) <= 1e-5
+    if offload == "nvme":
+        read, written = opt.nvme_bytes()
+        assert read > 0 and written > 0
+
+
+def test_same_weights_for_every_tier_and_sub_group_size(tmp_path):
+    hashes = set()
+    for offload, sgs in [("none", 10**9), ("cpu", 4096), ("nvme", 10**9), ("nvme", 1000), ("nvme", 4097)]:
+        ps, _ = train(tz(offload, tmp_path / f"{offload}{sgs}", sub_group_size=sgs), 5)
+        hashes.add(weight_hash(ps))
+    assert len(hashes) == 1
+
+
+def test_bf16_params_get_the_rounded_master(tmp_path):
+    ps = make_params([1023, 4097], torch.bfloat16)
+    masters = [p.detach().float().clone() for p in ps]
+    opt = tzt.AdamW([{"params": ps}], lr=1e-2, offload="nvme", nvme_path=tmp_path)
+    ref = [torch.nn.Parameter(m.clone()) for m in masters]
+    ref_opt = torch.optim.AdamW([{"params": ref}], lr=1e-2, foreach=False)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        for p, r in zip(ps, ref):
+            grad = torch.randn(p.shape, generator=g)
+            p.grad = grad.to(torch.bfloat16)
+            r.grad = grad.to(torch.bfloat16).float()
+        opt.step()
+        ref_opt.step()
+    for p, r in zip(ps, ref):
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(p.detach(), r.detach().to(torch.bfloat16))
+    sd = opt.state_dict()
+    assert all("master" in st for st in sd["state"].values())
+
+
+def test_resume_from_state_dict_and_checkpoint_is_bit_identical(tmp_path):
+    make = tz("nvme", tmp_path / "a", sub_group_size=100_000)
+    whole, _ = train(make, 100)
+    half, opt = train(make, 50)
+    sd = opt.state_dict()
+    opt.save_checkpoint(tmp_path / "opt.ckpt")
+    saved = [p.detach().clone() for p in half]
+    # Resume from torch's state_dict.
+    ps = [torch.nn.Parameter(t.clone()) for t in saved]
+    opt2 = tz("nvme", tmp_path / "b", sub_group_size=100_000)(groups_of(ps))
+    opt2.load_state_dict(sd)
+    resumed, _ = train(None, 50, ps=ps, start=50, opt=opt2)
+    assert weight_hash(resumed) == weight_hash(whole)
+    # Resume from the streaming checkpoint, into another tier.
+    ps = [torch.nn.Parameter(torch.zeros_like(t)) for t in saved]
+    opt3 = tz("cpu", tmp_path / "c", sub_group_size=100_000)(groups_of(ps))
+    opt3.load_checkpoint(tmp_path / "opt.ckpt")
+    resumed, _ = train(None, 50, ps=ps, start=50, opt=opt3)
+    assert weight_hash(resumed) == weight_hash(whole)
+
+
+def test_state_dict_is_torch_format():
+    ps, opt = train(tz("none", None), 3)
+    ref, ref_opt = train(torch_adamw, 3)
+    sd, rsd = opt.state_dict(), ref_opt.state_dict()
+    assert sd["state"].keys() == rsd["state"].keys()
+    for k in rsd["state"]:
+        for key in ("exp_avg", "exp_avg_sq"):
+            a, b = sd["state"][k][key], rsd["state"][k][key]
+            assert a.shape == b.shape
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)  # lerp vs fma rounding
+        assert float(sd["state"][k]["step"]) == float(rsd["state"][k]["step"]) == 3.0
+    assert [g["params"] for g in sd["param_groups"]] == [g["params"] for g in rsd["param_groups"]]
+    # torch's AdamW takes it.
+    fresh = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    torch.optim.AdamW(groups_of(fresh), lr=1e-3, foreach=False).load_state_dict(sd)
+
+
+def test_bad_arguments_raise():
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ValueError, match="amsgrad"):
+        tzt.AdamW(p, amsgrad=True, offload="none")
+    with pytest.raises(ValueError, match="nvme_path"):
+        tzt.AdamW(p, offload="nvme")
+    with pytest.raises(ValueError, match="offload"):
+        tzt.AdamW(p, offload="gpu")
+    with pytest.raises(ValueError, match="learning rate"):
+        tzt.AdamW(p, lr=-1.0, offload="none")
+
+
+def test_pinned_budget_too_small_names_the_numbers(tmp_path):
+    p = [torch.nn.Parameter(torch.zeros(10_000))]
+    with pytest.raises(ValueError, match=r"needs 9 buffers of 40960 bytes.*at least 368640"):
+        tzt.AdamW(p, offload="nvme", nvme_path=tmp_path, pinned_budget_bytes=4096)
+
+
+def test_ds_config_supplies_the_offload(tmp_path):
+    cfg = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": 1000,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "ds")},
+        },
+    }
+    ps = make_params([4097])
+    opt = tzt.AdamW(ps, ds_config=cfg)
+    assert opt.offload == "nvme"
+    assert "5 sub-groups" in opt.plan()
+    assert str(tmp_path / "ds") in opt.plan()

@@ -1,0 +1,371 @@
+"""``AdamW``: a ``torch.optim.Optimizer`` whose state lives in tierzero.
+
+The fp32 master weights and the Adam moments ``m`` and ``v`` live in
+tierzero's optimizer state (the Rust engine's own), on ``offload="none"`` /
+``"cpu"`` (host memory) or ``"nvme"`` (files under ``nvme_path``, streamed
+through pinned buffers). PyTorch does the forward, backward and autograd;
+``step()`` runs tierzero's SIMD AdamW kernel over one sub-group at a time:
+
+- the params of each param group are cut, in order, into sub-groups of at
+  most ``sub_group_size`` elements (DeepSpeed's name and default, 1e9);
+- for sub-group ``i``: its state read was issued while ``i - 1`` was
+  stepped (NVMe), its gradients are gathered into one fp32 buffer, AdamW
+  runs with the GIL released, and the new fp32 master is copied into the
+  params (any dtype, CPU or CUDA); its state write goes on while ``i + 1``
+  is stepped. Host memory is two sub-groups of buffers, not the model.
+
+Semantics are ``torch.optim.AdamW``'s (decoupled weight decay, bias
+correction, ``eps`` after the square root), and the hyper-parameters are
+re-read from ``param_groups`` at every step, so LR schedulers work. A param
+whose ``.grad`` is None is not stepped when its whole sub-group has none (as
+torch skips it); inside a sub-group that has gradients it is stepped with a
+zero gradient (as DeepSpeed does).
+
+``state_dict()`` is torch's format (``step``, ``exp_avg``, ``exp_avg_sq`` per
+param, plus ``master`` for params that are not fp32) and materialises it in
+host memory; ``save_checkpoint`` / ``load_checkpoint`` stream the state one
+sub-group at a time instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ._native import _OffloadAdam, ds_offload_settings
+
+__all__ = ["AdamW"]
+
+_MAGIC = b"TZADAMW1"
+
+
+def _ds_settings(ds_config):
+    if ds_config is None:
+        return {}
+    if isinstance(ds_config, dict):
+        text = json.dumps(ds_config)
+    else:
+        with open(ds_config, encoding="utf-8") as f:
+            text = f.read()
+    s = ds_offload_settings(text)
+    if s["unknown_keys"]:
+        import warnings
+
+        warnings.warn(f"ds_config: unknown keys ignored: {', '.join(s['unknown_keys'])}", stacklevel=3)
+    return s
+
+
+class _SubGroup:
+    __slots__ = ("group", "pieces", "numel", "steps")
+
+    def __init__(self, group):
+        self.group = group
+        self.pieces = []  # (param, start, end, offset in the sub-group)
+        self.numel = 0
+        self.steps = 0
+
+
+class AdamW(torch.optim.Optimizer):
+    """``torch.optim.AdamW`` with its state in tierzero (see the module docs).
+
+    ``offload``: ``"none"``, ``"cpu"`` or ``"nvme"`` (with ``nvme_path``).
+    ``ds_config``: a ``ds_config.json`` path or dict; its
+    ``zero_optimization.offload_optimizer``, ``sub_group_size`` and
+    ``tierzero.pinned_budget_bytes`` are used where the keyword is not given.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        amsgrad=False,
+        *,
+        offload=None,
+        nvme_path=None,
+        sub_group_size=None,
+        pinned_budget_bytes=None,
+        moments_dtype=torch.float32,
+        ds_config=None,
+        threads=None,
+        maximize=False,
+        foreach=None,
+        fused=None,
+        capturable=False,
+        differentiable=False,
+    ):
+        if amsgrad:
+            raise ValueError("tierzero.torch.AdamW does not implement amsgrad=True")
+        for name, flag in (("maximize", maximize), ("capturable", capturable), ("differentiable", differentiable)):
+            if flag:
+                raise ValueError(f"tierzero.torch.AdamW does not implement {name}=True")
+        if moments_dtype not in (torch.float32, "float32"):
+            raise ValueError(f"moments_dtype={moments_dtype}: only torch.float32 moments are implemented")
+        if not 0.0 <= float(lr):
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameters: {betas}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False)
+        super().__init__(params, defaults)
+        ds = _ds_settings(ds_config)
+        offload = offload if offload is not None else ds.get("offload", "nvme")
+        nvme_path = nvme_path if nvme_path is not None else ds.get("nvme_path")
+        if sub_group_size is None:
+            sub_group_size = ds.get("sub_group_size", 1_000_000_000)
+        if pinned_budget_bytes is None:
+            pinned_budget_bytes = ds.get("pinned_budget_bytes")
+        sub_group_size = int(sub_group_size)
+        if sub_group_size < 1:
+            raise ValueError(f"sub_group_size must be >= 1, got {sub_group_size}")
+        self.offload = offload
+        self._subgroups: list[_SubGroup] = []
+        for gi, group in enumerate(self.param_groups):
+            sg = _SubGroup(gi)
+            for p in group["params"]:
+                if not p.is_contiguous():
+                    raise ValueError("tierzero.torch.AdamW needs contiguous params")
+                n, start = p.numel(), 0
+                while start < n:
+                    take = min(n - start, sub_group_size - sg.numel)
+                    sg.pieces.append((p, start, start + take, sg.numel))
+                    sg.numel += take
+                    start += take
+                    if sg.numel == sub_group_size:
+                        self._subgroups.append(sg)
+                        sg = _SubGroup(gi)
+            if sg.numel:
+                self._subgroups.append(sg)
+        self._native = _OffloadAdam(
+            [s.numel for s in self._subgroups],
+            offload,
+            os.fspath(nvme_path) if nvme_path is not None else None,
+            pinned_budget_bytes,
+            threads,
+        )
+        # Params of no elements belong to no sub-group; torch still counts
+        # their steps (and lists them in its state_dict).
+        self._empty_steps = {p: 0 for g in self.param_groups for p in g["params"] if p.numel() == 0}
+        largest = max((s.numel for s in self._subgroups), default=0)
+        self._grad_buf = torch.empty(largest, dtype=torch.float32)
+        self._out_buf = torch.empty(largest, dtype=torch.float32)
+        with torch.no_grad():
+            for i, s in enumerate(self._subgroups):
+                self._native.load(i, self._gather_params(s))
+
+    def plan(self) -> str:
+        """Where the state lives and what the pinned buffers are."""
+        return self._native.plan()
+
+    def nvme_bytes(self):
+        """``(read, written)`` bytes of state I/O so far."""
+        return self._native.io_bytes()
+
+    # Gather and scatter between params and flat fp32 buffers.
+    def _gather_params(self, s: _SubGroup):
+        buf = self._grad_buf[: s.numel]
+        for p, a, b, off in s.pieces:
+            buf[off : off + b - a].copy_(p.detach().reshape(-1)[a:b])
+        return buf
+
+    def _gather_grads(self, s: _SubGroup):
+        buf = self._grad_buf[: s.numel]
+        for p, a, b, off in s.pieces:
+            if p.grad is None:
+                buf[off : off + b - a].zero_()
+            else:
+                if p.grad.is_sparse:
+                    raise RuntimeError("tierzero.torch.AdamW does not support sparse gradients")
+                buf[off : off + b - a].copy_(p.grad.detach().reshape(-1)[a:b])
+        return buf
+
+    def _scatter_params(self, s: _SubGroup, src):
+        for p, a, b, off in s.pieces:
+            p.detach().view(-1)[a:b].copy_(src[off : off + b - a])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for p in self._empty_steps:
+            if p.grad is not None:
+                self._empty_steps[p] += 1
+        todo = [i for i, s in enumerate(self._subgroups) if any(p.grad is not None for p, *_ in s.pieces)]
+        for k, i in enumerate(todo):
+            s = self._subgroups[i]
+            group = self.param_groups[s.group]
+            beta1, beta2 = group["betas"]
+            s.steps += 1
+            grad = self._gather_grads(s)
+            out = self._out_buf[: s.numel]
+            self._native.step_group(
+                i,
+                s.steps,
+                float(group["lr"]),
+                float(beta1),
+                float(beta2),
+                float(group["eps"]),
+                float(group["weight_decay"]),
+                grad,
+                out,
+                todo[k + 1] if k + 1 < len(todo) else None,
+            )
+            self._scatter_params(s, out)
+        self._native.flush()
+        return loss
+
+    # torch's state_dict format.
+    def _param_states(self):
+        """{param: {"step", "exp_avg", "exp_avg_sq"[, "master"]}} from every sub-group."""
+        out = {}
+        for i, s in enumerate(self._subgroups):
+            master = torch.empty(s.numel, dtype=torch.float32)
+            m = torch.empty_like(master)
+            v = torch.empty_like(master)
+            self._native.read_state(i, master, m, v)
+            for p, a, b, off in s.pieces:
+                st = out.get(p)
+                if st is None:
+                    st = {
+                        "step": torch.tensor(float(s.steps)),
+                        "exp_avg": torch.zeros(p.numel(), dtype=torch.float32),
+                        "exp_avg_sq": torch.zeros(p.numel(), dtype=torch.float32),
+                    }
+                    if p.dtype != torch.float32:
+                        st["master"] = torch.zeros(p.numel(), dtype=torch.float32)
+                    out[p] = st
+                st["exp_avg"][a:b] = m[off : off + b - a]
+                st["exp_avg_sq"][a:b] = v[off : off + b - a]
+                if "master" in st:
+                    st["master"][a:b] = master[off : off + b - a]
+        for p, steps in self._empty_steps.items():
+            if steps:
+                out[p] = {
+                    "step": torch.tensor(float(steps)),
+                    "exp_avg": torch.zeros(p.shape, dtype=torch.float32),
+                    "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32),
+                }
+        for p, st in out.items():
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                if key in st:
+                    st[key] = st[key].view(p.shape)
+        return out
+
+    def state_dict(self):
+        states = self._param_states()
+        index = {}
+        groups = []
+        for group in self.param_groups:
+            g = {k: v for k, v in group.items() if k != "params"}
+            g["params"] = []
+            for p in group["params"]:
+                index.setdefault(id(p), len(index))
+                g["params"].append(index[id(p)])
+            groups.append(g)
+        by_id = {id(p): p for group in self.param_groups for p in group["params"]}
+        state = {index[pid]: states[by_id[pid]] for pid in index if by_id[pid] in states}
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict):
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"loaded state dict has {len(groups)} parameter groups, the optimizer has {len(self.param_groups)}"
+            )
+        params = {}
+        for mine, saved in zip(self.param_groups, groups):
+            if len(mine["params"]) != len(saved["params"]):
+                raise ValueError(
+                    f"loaded state dict has a group of {len(saved['params'])} params where the optimizer has {len(mine['params'])}"
+                )
+            for k, v in saved.items():
+                if k != "params":
+                    mine[k] = v
+            for idx, p in zip(saved["params"], mine["params"]):
+                params[p] = state_dict["state"].get(idx, state_dict["state"].get(str(idx)))
+                if p in self._empty_steps:
+                    self._empty_steps[p] = int(float(params[p]["step"])) if params[p] else 0
+        for i, s in enumerate(self._subgroups):
+            master = torch.empty(s.numel, dtype=torch.float32)
+            m = torch.zeros_like(master)
+            v = torch.zeros_like(master)
+            steps = 0
+            for p, a, b, off in s.pieces:
+                st = params.get(p)
+                src = st.get("master") if st else None
+                if src is None:
+                    src = p.detach()
+                master[off : off + b - a] = src.reshape(-1)[a:b].float().cpu()
+                if st:
+                    m[off : off + b - a] = st["exp_avg"].reshape(-1)[a:b].float().cpu()
+                    v[off : off + b - a] = st["exp_avg_sq"].reshape(-1)[a:b].float().cpu()
+                    steps = max(steps, int(float(st["step"])))
+            s.steps = steps
+            self._native.load(i, master, m, v)
+            self._scatter_params(s, master)
+
+    # Streaming checkpoints: one sub-group in memory at a time.
+    def save_checkpoint(self, path):
+        """Writes the whole optimizer state to ``path`` (atomically: a temp
+        file, fsync, rename, fsync of the directory), one sub-group at a
+        time."""
+        path = os.fspath(path)
+        header = {
+            "subgroups": [{"numel": s.numel, "steps": s.steps} for s in self._subgroups],
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+        }
+        head = json.dumps(header).encode()
+        tmp = f"{path}.tmp.{os.getpid()}"
+        buf = [torch.empty(max((s.numel for s in self._subgroups), default=0), dtype=torch.float32) for _ in range(3)]
+        with open(tmp, "wb") as f:
+            f.write(_MAGIC + len(head).to_bytes(8, "little") + head)
+            for i, s in enumerate(self._subgroups):
+                views = [b[: s.numel] for b in buf]
+                self._native.read_state(i, *views)
+                for t in views:
+                    f.write(t.numpy().tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    @torch.no_grad()
+    def load_checkpoint(self, path):
+        """Loads what ``save_checkpoint`` wrote, one sub-group at a time, and
+        sets the params to the saved master weights."""
+        with open(path, "rb") as f:
+            if f.read(8) != _MAGIC:
+                raise ValueError(f"{path}: not a tierzero AdamW checkpoint")
+            head = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            saved = head["subgroups"]
+            mine = [s.numel for s in self._subgroups]
+            if [g["numel"] for g in saved] != mine:
+                raise ValueError(
+                    f"{path}: saved sub-groups of {[g['numel'] for g in saved]} elements, this optimizer has {mine}; build it with the same params and sub_group_size"
+                )
+            for g, src in zip(self.param_groups, head["param_groups"]):
+                g.update(src)
+            for i, s in enumerate(self._subgroups):
+                t = []
+                for _ in range(3):
+                    raw = f.read(s.numel * 4)
+                    if len(raw) != s.numel * 4:
+                        raise ValueError(f"{path}: truncated in sub-group {i}")
+                    t.append(torch.frombuffer(bytearray(raw), dtype=torch.float32))
+                self._native.load(i, *t)
+                s.steps = saved[i]["steps"]
+                self._scatter_params(s, t[0])

@@ -1,0 +1,1395 @@
+//! # Positional I/O on caller files into caller memory
+//!
+//! [`Engine`](crate::Engine) moves bytes between its own pinned
+//! [`Buffer`]s and extents of its own swap files. This module serves the
+//! other shape of I/O, the one DeepSpeed's DeepNVMe `aio_handle` exposes:
+//! read or write `len` bytes of *someone else's memory* (a tensor) at
+//! `file_offset` of *any file* named by the caller. The Python binding's
+//! `tierzero.aio` is built on it; nothing here knows about tensors either.
+//!
+//! ## Pieces
+//! - [`IoFile`]: a file opened twice, with `O_DIRECT` where the file system
+//!   allows it and without, so that any offset and length can be served.
+//! - [`HostMemory`]: the caller's bytes and the object that keeps them
+//!   alive. Built from a `Vec` (safe) or from raw parts (`unsafe`: the
+//!   caller promises the memory stays valid while its owner lives).
+//! - [`FileIo`]: `threads` workers (DeepSpeed's `intra_op_parallelism`),
+//!   each an io_uring ring (or, on the portable backend, a thread doing
+//!   `pread`/`pwrite`). An op is cut into one contiguous part per worker at
+//!   aligned file offsets; a part into pieces of at most `block_bytes`; up to
+//!   `queue_depth` pieces are in flight per ring.
+//!
+//! ## Alignment: three ways to move a piece
+//! O_DIRECT needs the file offset, the length and the memory address to be
+//! multiples of the device's block size ([`Alignment`], at least 4096). A
+//! part is cut so that only its first and last pieces can be partial blocks:
+//! - **direct**: the piece's file range is whole blocks and its memory is
+//!   aligned: the kernel moves the bytes straight into (out of) the
+//!   caller's memory. Page-locked tensors from `new_cpu_locked_tensor` take
+//!   this path, with no copy.
+//! - **bounce**: whole blocks, but the memory is not aligned (a plain
+//!   `torch.empty` tensor is 64-byte aligned): the piece goes through a
+//!   pinned bounce buffer of the worker's own arena, copied in before a
+//!   write and out after a read.
+//! - **buffered**: a partial block at either end of an unaligned range, or
+//!   a file system without O_DIRECT (tmpfs): the piece goes through the
+//!   second, buffered descriptor, straight from the caller's memory. Linux
+//!   keeps the page cache coherent with the direct writes of other blocks.
+//!
+//! [`FileIoCounters`] says how many bytes took each way.
+//!
+//! ## Ownership while I/O is in flight
+//! The [`HostMemory`] is moved into the op and comes back in the
+//! [`FileCompletion`]; until then only the workers touch it. Dropping the
+//! [`FileTicket`] cancels nothing: the last worker to finish drops the
+//! memory's owner after the kernel is done with it, so "a tensor dropped
+//! before `wait()`" still receives its bytes and is freed only then. A
+//! bounce buffer travels with its piece until the piece's last CQE.
+//! Dropping the [`FileIo`] drains every op first.
+//!
+//! ## Every completion is checked
+//! As in the engine: a short transfer is continued (through the buffered
+//! descriptor if the rest is no longer aligned), a read that finds end of
+//! file is [`SwapError::ShortIo`], an errno is [`SwapError::Io`] naming the
+//! path, offset and length. A read past the end of the file is refused at
+//! submission ([`SwapError::ReadPastEnd`]). A failed write poisons the
+//! `FileIo`: every later submission fails with [`SwapError::Poisoned`].
+
+use std::any::Any;
+use std::collections::VecDeque;
+use std::fs::{File, OpenOptions};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use io_uring::{opcode, types, IoUring};
+
+use crate::align::Alignment;
+use crate::arena::{ArenaConfig, Buffer, LockPolicy, PinnedArena};
+use crate::engine::BackendKind;
+use crate::error::{IoOp, Result, SwapError};
+use crate::fault::FaultInjector;
+use crate::space::DirectIo;
+
+/// Bounce buffers per worker (each `block_bytes`): how many unaligned
+/// pieces one worker keeps in flight.
+pub const BOUNCE_BUFFERS_PER_WORKER: usize = 8;
+
+/// Settings for [`FileIo::new`].
+#[derive(Debug, Clone)]
+pub struct FileIoConfig {
+    /// io_uring, the portable threads, or io_uring with the threads as
+    /// fallback.
+    pub backend: BackendKind,
+    /// Workers each op is split over (DeepSpeed's `intra_op_parallelism`).
+    pub threads: usize,
+    /// Pieces in flight per ring (DeepSpeed's `queue_depth`).
+    pub queue_depth: u32,
+    /// Largest piece (DeepSpeed's `block_size`), rounded up to the alignment.
+    pub block_bytes: u64,
+    /// One `io_uring_enter` per piece instead of one per batch.
+    pub single_submit: bool,
+    /// Refill the queue as pieces complete; `false`: issue a batch of up to
+    /// `queue_depth` pieces and wait for all of it before the next.
+    pub overlap_events: bool,
+    /// Fault injection (tests).
+    pub faults: Option<Arc<FaultInjector>>,
+}
+
+impl Default for FileIoConfig {
+    fn default() -> Self {
+        FileIoConfig {
+            backend: BackendKind::Auto,
+            threads: 1,
+            queue_depth: 128,
+            block_bytes: 1 << 20,
+            single_submit: false,
+            overlap_events: false,
+            faults: None,
+        }
+    }
+}
+
+/// Read or write access to an [`IoFile`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// `O_RDONLY`.
+    Read,
+    /// `O_WRONLY | O_CREAT` (mode 0600, as DeepSpeed creates its files); the
+    /// file is never truncated.
+    Write,
+}
+
+/// A caller's file: an O_DIRECT descriptor where possible, and a buffered one.
+#[derive(Debug)]
+pub struct IoFile {
+    path: PathBuf,
+    direct: Option<File>,
+    buffered: File,
+    alignment: Alignment,
+}
+
+fn open_with(path: &Path, access: Access, direct: bool) -> std::io::Result<File> {
+    let mut o = OpenOptions::new();
+    match access {
+        Access::Read => o.read(true),
+        Access::Write => o.write(true).create(true).mode(0o600),
+    };
+    let mut flags = libc::O_CLOEXEC;
+    if direct {
+        flags |= libc::O_DIRECT;
+    }
+    o.custom_flags(flags).open(path)
+}
+
+impl IoFile {
+    /// Opens `path`. With [`DirectIo::Auto`] a file system that refuses
+    /// O_DIRECT (`EINVAL`, as tmpfs does) is served buffered;
+    /// [`DirectIo::Require`] fails instead.
+    pub fn open(path: &Path, access: Access, direct_io: DirectIo) -> Result<Arc<Self>> {
+        let setup = |source: std::io::Error| SwapError::Setup {
+            what: format!(
+                "opening {} for {}",
+                path.display(),
+                match access {
+                    Access::Read => "reading",
+                    Access::Write => "writing",
+                }
+            ),
+            source,
+        };
+        let buffered = open_with(path, access, false).map_err(setup)?;
+        let direct = match direct_io {
+            DirectIo::Off => None,
+            DirectIo::Auto | DirectIo::Require => match open_with(path, access, true) {
+                Ok(f) => Some(f),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    if direct_io == DirectIo::Require {
+                        return Err(SwapError::DirectIoUnsupported {
+                            path: path.to_path_buf(),
+                        });
+                    }
+                    None
+                }
+                Err(e) => return Err(setup(e)),
+            },
+        };
+        Ok(Arc::new(IoFile {
+            path: path.to_path_buf(),
+            direct,
+            buffered,
+            alignment: Alignment::for_path(path),
+        }))
+    }
+
+    /// A file the caller already has open as `fd` (which is not taken over:
+    /// it is reopened through `/proc/self/fd`, so its offset and flags are
+    /// left alone). The path in errors is what `/proc/self/fd/<fd>` points
+    /// at.
+    pub fn from_fd(fd: RawFd, access: Access, direct_io: DirectIo) -> Result<Arc<Self>> {
+        let proc = PathBuf::from(format!("/proc/self/fd/{fd}"));
+        let target = std::fs::read_link(&proc).map_err(|source| SwapError::Setup {
+            what: format!("file descriptor {fd} is not open"),
+            source,
+        })?;
+        let mut f = IoFile::open(&proc, access, direct_io)?;
+        if let Some(inner) = Arc::get_mut(&mut f) {
+            inner.alignment = Alignment::for_path(&target);
+            inner.path = target;
+        }
+        Ok(f)
+    }
+
+    /// The path (for errors).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether whole blocks go through O_DIRECT.
+    pub fn is_direct(&self) -> bool {
+        self.direct.is_some()
+    }
+
+    /// The O_DIRECT alignment of the device holding the file.
+    pub fn alignment(&self) -> Alignment {
+        self.alignment
+    }
+
+    /// The file's current size.
+    pub fn len_bytes(&self) -> Result<u64> {
+        self.buffered
+            .metadata()
+            .map(|m| m.len())
+            .map_err(|source| SwapError::Setup {
+                what: format!("stat {}", self.path.display()),
+                source,
+            })
+    }
+
+    fn fd(&self, direct: bool) -> RawFd {
+        match (&self.direct, direct) {
+            (Some(f), true) => f.as_raw_fd(),
+            _ => self.buffered.as_raw_fd(),
+        }
+    }
+}
+
+/// The caller's bytes, and what keeps them alive.
+pub struct HostMemory {
+    addr: usize,
+    len_bytes: usize,
+    owner: Box<dyn Any + Send>,
+}
+
+impl std::fmt::Debug for HostMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostMemory")
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len_bytes", &self.len_bytes)
+            .finish()
+    }
+}
+
+impl HostMemory {
+    /// `len_bytes` of `vec` from `offset_bytes` (which lets tests choose an
+    /// aligned or an unaligned address). Moving a `Vec` does not move its
+    /// heap buffer, so the address stays valid while the owner lives.
+    ///
+    /// # Panics
+    /// If the range does not fit the vector (a caller bug, not input).
+    pub fn from_vec(mut vec: Vec<u8>, offset_bytes: usize, len_bytes: usize) -> Self {
+        assert!(
+            offset_bytes
+                .checked_add(len_bytes)
+                .is_some_and(|end| end <= vec.len()),
+            "HostMemory::from_vec: {offset_bytes}+{len_bytes} outside a vector of {} bytes",
+            vec.len()
+        );
+        let addr = vec.as_mut_ptr() as usize + offset_bytes;
+        HostMemory {
+            addr,
+            len_bytes,
+            owner: Box::new(vec),
+        }
+    }
+
+    /// Memory the caller vouches for.
+    ///
+    /// # Safety
+    /// `[addr, addr + len_bytes)` must be valid for reads and writes for as
+    /// long as `owner` is alive, and from submission until the completion
+    /// (or, if the ticket is dropped, until `owner` is dropped) nothing else
+    /// may write it, nor read it while a read op fills it.
+    pub unsafe fn from_raw_parts(
+        addr: *mut u8,
+        len_bytes: usize,
+        owner: Box<dyn Any + Send>,
+    ) -> Self {
+        HostMemory {
+            addr: addr as usize,
+            len_bytes,
+            owner,
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len_bytes(&self) -> usize {
+        self.len_bytes
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len_bytes == 0
+    }
+
+    /// The address (for alignment checks).
+    pub fn addr(&self) -> usize {
+        self.addr
+    }
+
+    /// The bytes. Only between ops: no op may hold this memory.
+    pub fn as_slice(&self) -> &[u8] {
+        if self.len_bytes == 0 {
+            return &[];
+        }
+        // SAFETY: the constructors guarantee the range is valid while the
+        // owner (held by self) lives; `&self` outside an op means no worker
+        // holds it (ops take the HostMemory by value).
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len_bytes) }
+    }
+
+    /// The owner, for the caller to take back (`downcast` a `Vec<u8>`).
+    pub fn into_owner(self) -> Box<dyn Any + Send> {
+        self.owner
+    }
+}
+
+/// Bytes moved each way (see the module docs).
+#[derive(Debug, Default)]
+pub struct FileIoCounters {
+    /// O_DIRECT straight into or out of the caller's memory.
+    pub direct_bytes: AtomicU64,
+    /// O_DIRECT through a bounce buffer (the caller's memory was unaligned).
+    pub bounce_bytes: AtomicU64,
+    /// Through the page cache (partial blocks, or no O_DIRECT).
+    pub buffered_bytes: AtomicU64,
+    /// Ops completed.
+    pub ops: AtomicU64,
+}
+
+/// The outcome of an op; the memory always comes back.
+#[derive(Debug)]
+pub struct FileCompletion {
+    /// Read or write.
+    pub op: IoOp,
+    /// The caller's memory (holding the data, after a successful read).
+    pub memory: HostMemory,
+    /// Whether every byte moved.
+    pub result: Result<()>,
+}
+
+/// A handle on one op's completion.
+#[derive(Debug)]
+pub struct FileTicket {
+    rx: Receiver<FileCompletion>,
+}
+
+impl FileTicket {
+    /// Waits for the completion.
+    pub fn wait(self) -> Result<FileCompletion> {
+        self.rx.recv().map_err(|_| SwapError::Shutdown)
+    }
+    /// Whether the op has completed.
+    pub fn is_done(&self) -> bool {
+        !self.rx.is_empty()
+    }
+}
+
+#[derive(Debug, Default)]
+struct Poison {
+    set: AtomicBool,
+    cause: Mutex<Option<String>>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    faults: Option<Arc<FaultInjector>>,
+    counters: FileIoCounters,
+    poison: Poison,
+    block_bytes: u64,
+}
+
+/// One op, shared by its parts.
+struct OpState {
+    op: IoOp,
+    file: Arc<IoFile>,
+    mem_addr: usize,
+    parts_left: AtomicUsize,
+    error: Mutex<Option<SwapError>>,
+    finish: Mutex<Option<(HostMemory, Sender<FileCompletion>)>>,
+}
+
+/// A contiguous share of an op, run by one worker.
+struct Part {
+    op: Arc<OpState>,
+    file_offset_bytes: u64,
+    mem_offset_bytes: u64,
+    len_bytes: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Way {
+    Direct,
+    Bounce,
+    Buffered,
+}
+
+/// One piece of a part.
+struct PieceTask {
+    part: usize,
+    file_offset_bytes: u64,
+    mem_offset_bytes: u64,
+    len_bytes: u64,
+    done_bytes: u64,
+    way: Way,
+    bounce: Option<Buffer>,
+}
+
+/// Cuts `[file_offset, file_offset + len)` so that only the first and the
+/// last piece can be partial blocks; whole-block pieces are at most `block`.
+fn cut_pieces(part: usize, p: &Part, align: Alignment, block: u64, direct: bool) -> Vec<PieceTask> {
+    let mut out = Vec::new();
+    let a = align.bytes();
+    let mut file = p.file_offset_bytes;
+    let mut mem = p.mem_offset_bytes;
+    let end = p.file_offset_bytes + p.len_bytes;
+    let mut push = |file: u64, mem: u64, len: u64, way: Way| {
+        out.push(PieceTask {
+            part,
+            file_offset_bytes: file,
+            mem_offset_bytes: mem,
+            len_bytes: len,
+            done_bytes: 0,
+            way,
+            bounce: None,
+        })
+    };
+    if !direct {
+        while file < end {
+            let len = block.min(end - file);
+            push(file, mem, len, Way::Buffered);
+            file += len;
+            mem += len;
+        }
+        return out;
+    }
+    if !align.is_aligned(file) {
+        let len = (align.round_up(file) - file).min(end - file);
+        push(file, mem, len, Way::Buffered);
+        file += len;
+        mem += len;
+    }
+    let whole_end = file + (end - file) / a * a;
+    while file < whole_end {
+        let len = block.min(whole_end - file);
+        let aligned_mem = align.is_aligned(p.op.mem_addr as u64 + mem);
+        push(
+            file,
+            mem,
+            len,
+            if aligned_mem {
+                Way::Direct
+            } else {
+                Way::Bounce
+            },
+        );
+        file += len;
+        mem += len;
+    }
+    if file < end {
+        push(file, mem, end - file, Way::Buffered);
+    }
+    out
+}
+
+/// What a piece's raw result means.
+enum Outcome {
+    Done,
+    Again,
+    Failed(SwapError),
+}
+
+impl Shared {
+    fn check(&self, op: &OpState, piece: &mut PieceTask, raw: i64) -> Outcome {
+        let remaining = piece.len_bytes - piece.done_bytes;
+        let raw = match &self.faults {
+            Some(f) => f.apply(op.op, raw, remaining),
+            None => raw,
+        };
+        if raw == -(libc::EINTR as i64) || raw == -(libc::EAGAIN as i64) {
+            return Outcome::Again;
+        }
+        if raw < 0 {
+            let errno = i32::try_from(-raw).unwrap_or(libc::EIO);
+            return Outcome::Failed(SwapError::Io {
+                op: op.op,
+                path: op.file.path.clone(),
+                offset_bytes: piece.file_offset_bytes + piece.done_bytes,
+                len_bytes: remaining,
+                source: std::io::Error::from_raw_os_error(errno),
+            });
+        }
+        let got = raw as u64;
+        if got == 0 || got > remaining {
+            return Outcome::Failed(SwapError::ShortIo {
+                op: op.op,
+                path: op.file.path.clone(),
+                offset_bytes: piece.file_offset_bytes,
+                expected_bytes: piece.len_bytes,
+                got_bytes: piece.done_bytes + got.min(remaining),
+            });
+        }
+        piece.done_bytes += got;
+        if piece.done_bytes < piece.len_bytes {
+            return Outcome::Again;
+        }
+        let counter = match piece.way {
+            Way::Direct => &self.counters.direct_bytes,
+            Way::Bounce => &self.counters.bounce_bytes,
+            Way::Buffered => &self.counters.buffered_bytes,
+        };
+        counter.fetch_add(piece.len_bytes, Ordering::Relaxed);
+        Outcome::Done
+    }
+
+    /// A part is done: the last part of an op finishes it.
+    fn part_done(&self, op: &Arc<OpState>, error: Option<SwapError>) {
+        if let Some(e) = error {
+            let mut slot = op.error.lock().unwrap_or_else(|e| e.into_inner());
+            if slot.is_none() {
+                *slot = Some(e);
+            }
+        }
+        if op.parts_left.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        let error = op.error.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let (IoOp::Write, Some(e)) = (op.op, &error) {
+            self.poison(format!("{e}"));
+        }
+        self.counters.ops.fetch_add(1, Ordering::Relaxed);
+        let finish = op.finish.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some((memory, reply)) = finish {
+            let _ = reply.send(FileCompletion {
+                op: op.op,
+                memory,
+                result: error.map_or(Ok(()), Err),
+            });
+        }
+    }
+
+    fn poison(&self, cause: String) {
+        let mut c = self.poison.cause.lock().unwrap_or_else(|e| e.into_inner());
+        if c.is_none() {
+            *c = Some(cause);
+        }
+        self.poison.set.store(true, Ordering::Release);
+    }
+}
+
+/// Where a piece's next transfer goes: descriptor, address, length, offset.
+fn target(op: &OpState, piece: &mut PieceTask, align: Alignment) -> (RawFd, *mut u8, u32, u64) {
+    let off = piece.file_offset_bytes + piece.done_bytes;
+    let len = piece.len_bytes - piece.done_bytes;
+    let ptr: *mut u8 = match piece.bounce.as_mut() {
+        Some(b) => b.as_mut_ptr().wrapping_add(piece.done_bytes as usize),
+        None => (op.mem_addr + (piece.mem_offset_bytes + piece.done_bytes) as usize) as *mut u8,
+    };
+    let direct = piece.way != Way::Buffered
+        && align.is_aligned(off)
+        && align.is_aligned(len)
+        && align.is_aligned(ptr as u64);
+    (op.file.fd(direct), ptr, len as u32, off)
+}
+
+/// Copies between a bounce buffer and the caller's memory.
+fn bounce_copy(op: &OpState, piece: &mut PieceTask, into_bounce: bool) {
+    let len = piece.len_bytes as usize;
+    let mem = (op.mem_addr + piece.mem_offset_bytes as usize) as *mut u8;
+    let Some(b) = piece.bounce.as_mut() else {
+        return;
+    };
+    let bounce = &mut b.as_mut_slice()[..len];
+    if into_bounce {
+        // SAFETY: [mem, mem+len) lies inside the op's HostMemory (cut_pieces
+        // stays inside the part, the part inside the op), valid while the op
+        // holds it; this worker is the only one touching this piece's range.
+        bounce.copy_from_slice(unsafe { std::slice::from_raw_parts(mem, len) });
+    } else {
+        // SAFETY: as above; a read op's memory is written only by the piece
+        // that covers each range.
+        unsafe { std::slice::from_raw_parts_mut(mem, len) }.copy_from_slice(bounce);
+    }
+}
+
+fn bounce_arena(align: Alignment, block: u64) -> Result<Arc<PinnedArena>> {
+    PinnedArena::new(ArenaConfig {
+        budget_bytes: block * BOUNCE_BUFFERS_PER_WORKER as u64,
+        buffer_bytes: block,
+        alignment: align,
+        lock: LockPolicy::BestEffort,
+        registrar: None,
+    })
+}
+
+/// The I/O workers of one handle.
+#[derive(Debug)]
+pub struct FileIo {
+    shared: Arc<Shared>,
+    senders: Vec<Sender<Part>>,
+    threads: Vec<JoinHandle<()>>,
+    uring: bool,
+    next: AtomicUsize,
+    config: FileIoConfig,
+}
+
+impl FileIo {
+    /// Starts the workers: `threads` io_uring rings, or `threads` portable
+    /// threads where io_uring cannot be set up ([`BackendKind::Auto`]) or is
+    /// not wanted.
+    pub fn new(config: FileIoConfig) -> Result<Self> {
+        if config.threads == 0 || config.queue_depth == 0 || config.block_bytes == 0 {
+            return Err(SwapError::Config(format!(
+                "file I/O needs at least one thread, a queue depth and a block size (got threads {}, queue_depth {}, block_bytes {})",
+                config.threads, config.queue_depth, config.block_bytes
+            )));
+        }
+        let shared = Arc::new(Shared {
+            faults: config.faults.clone(),
+            counters: FileIoCounters::default(),
+            poison: Poison::default(),
+            block_bytes: config.block_bytes,
+        });
+        let mut senders = Vec::new();
+        let mut threads = Vec::new();
+        let uring = config.backend != BackendKind::Portable;
+        for idx in 0..config.threads {
+            let (tx, rx) = crossbeam_channel::unbounded::<Part>();
+            let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<()>>(1);
+            let shared2 = shared.clone();
+            let cfg = config.clone();
+            let want_uring = uring;
+            let h = std::thread::Builder::new()
+                .name(format!("tz-fio-{idx}"))
+                .spawn(move || {
+                    if want_uring {
+                        match build_ring(cfg.queue_depth) {
+                            Ok(ring) => {
+                                let _ = ready_tx.send(Ok(()));
+                                RingWorker::new(ring, shared2, &cfg).run(rx);
+                            }
+                            Err(e) => {
+                                let _ = ready_tx.send(Err(e));
+                            }
+                        }
+                    } else {
+                        let _ = ready_tx.send(Ok(()));
+                        portable_worker(&shared2, rx);
+                    }
+                })
+                .map_err(|source| SwapError::Setup {
+                    what: "spawning file I/O threads".into(),
+                    source,
+                })?;
+            match ready_rx.recv().unwrap_or(Err(SwapError::Shutdown)) {
+                Ok(()) => {
+                    senders.push(tx);
+                    threads.push(h);
+                }
+                Err(e) => {
+                    let _ = h.join();
+                    drop(tx);
+                    if config.backend == BackendKind::Uring || idx > 0 {
+                        drop(senders);
+                        for t in threads {
+                            let _ = t.join();
+                        }
+                        return Err(e);
+                    }
+                    // Auto: io_uring refused; every worker is portable.
+                    return FileIo::new(FileIoConfig {
+                        backend: BackendKind::Portable,
+                        ..config
+                    });
+                }
+            }
+        }
+        Ok(FileIo {
+            shared,
+            senders,
+            threads,
+            uring,
+            next: AtomicUsize::new(0),
+            config,
+        })
+    }
+
+    /// Whether the workers are io_uring rings (else portable threads).
+    pub fn is_uring(&self) -> bool {
+        self.uring
+    }
+
+    /// The settings it runs with.
+    pub fn config(&self) -> &FileIoConfig {
+        &self.config
+    }
+
+    /// Bytes moved each way so far.
+    pub fn counters(&self) -> &FileIoCounters {
+        &self.shared.counters
+    }
+
+    /// Whether a failed write has poisoned it.
+    pub fn is_poisoned(&self) -> bool {
+        self.shared.poison.set.load(Ordering::Acquire)
+    }
+
+    /// Submits `op` of `memory.len_bytes()` bytes at `file_offset_bytes` of
+    /// `file`. A read must lie inside the file ([`SwapError::ReadPastEnd`]
+    /// otherwise); a write may extend it.
+    pub fn submit(
+        &self,
+        op: IoOp,
+        file: &Arc<IoFile>,
+        file_offset_bytes: u64,
+        memory: HostMemory,
+    ) -> Result<FileTicket> {
+        if self.is_poisoned() {
+            let cause = self
+                .shared
+                .poison
+                .cause
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+                .unwrap_or_default();
+            return Err(SwapError::Poisoned { op, cause });
+        }
+        let len = memory.len_bytes as u64;
+        if op == IoOp::Read {
+            let file_bytes = file.len_bytes()?;
+            if file_offset_bytes.saturating_add(len) > file_bytes {
+                return Err(SwapError::ReadPastEnd {
+                    path: file.path.clone(),
+                    offset_bytes: file_offset_bytes,
+                    len_bytes: len,
+                    file_bytes,
+                });
+            }
+        }
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        // Parts: one per worker, cut at aligned file offsets.
+        let align = file.alignment;
+        let workers = self.senders.len() as u64;
+        let mut cuts = vec![file_offset_bytes];
+        for k in 1..workers {
+            let c = align
+                .round_up(file_offset_bytes + len * k / workers)
+                .min(file_offset_bytes + len);
+            if c > *cuts.last().unwrap_or(&0) {
+                cuts.push(c);
+            }
+        }
+        cuts.push(file_offset_bytes + len);
+        cuts.dedup();
+        let nparts = cuts.len().saturating_sub(1);
+        let state = Arc::new(OpState {
+            op,
+            file: file.clone(),
+            mem_addr: memory.addr,
+            parts_left: AtomicUsize::new(nparts.max(1)),
+            error: Mutex::new(None),
+            finish: Mutex::new(Some((memory, tx))),
+        });
+        if nparts == 0 {
+            self.shared.part_done(&state, None);
+            return Ok(FileTicket { rx });
+        }
+        let first = self.next.fetch_add(1, Ordering::Relaxed);
+        for (k, w) in cuts.windows(2).enumerate() {
+            let part = Part {
+                op: state.clone(),
+                file_offset_bytes: w[0],
+                mem_offset_bytes: w[0] - file_offset_bytes,
+                len_bytes: w[1] - w[0],
+            };
+            let worker = (first + k) % self.senders.len();
+            if let Err(e) = self.senders[worker].send(part) {
+                self.shared.part_done(&e.0.op, Some(SwapError::Shutdown));
+            }
+        }
+        Ok(FileTicket { rx })
+    }
+}
+
+impl Drop for FileIo {
+    fn drop(&mut self) {
+        self.senders.clear();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn build_ring(qd: u32) -> Result<IoUring> {
+    let entries = qd.next_power_of_two().clamp(2, 4096);
+    IoUring::builder()
+        .setup_single_issuer()
+        .setup_coop_taskrun()
+        .build(entries)
+        .or_else(|_| IoUring::new(entries))
+        .map_err(|source| SwapError::Setup {
+            what: "io_uring setup for file I/O".into(),
+            source,
+        })
+}
+
+/// The portable worker: each part's pieces in order, `pread`/`pwrite`.
+fn portable_worker(shared: &Arc<Shared>, rx: Receiver<Part>) {
+    let mut arena: Option<Arc<PinnedArena>> = None;
+    while let Ok(part) = rx.recv() {
+        let align = part.op.file.alignment;
+        let block = align.round_up(shared.block_bytes);
+        let mut error = None;
+        for mut piece in cut_pieces(0, &part, align, block, part.op.file.is_direct()) {
+            if let Err(e) = run_piece_sync(shared, &part.op, &mut piece, &mut arena, align, block) {
+                error = Some(e);
+                break;
+            }
+        }
+        shared.part_done(&part.op, error);
+    }
+}
+
+fn take_bounce(
+    arena: &mut Option<Arc<PinnedArena>>,
+    align: Alignment,
+    block: u64,
+) -> Result<Buffer> {
+    let a = match arena {
+        Some(a) if a.buffer_bytes() >= block && a.alignment() >= align => a.clone(),
+        _ => {
+            let a = bounce_arena(align, block)?;
+            *arena = Some(a.clone());
+            a
+        }
+    };
+    a.acquire()
+}
+
+fn run_piece_sync(
+    shared: &Shared,
+    op: &OpState,
+    piece: &mut PieceTask,
+    arena: &mut Option<Arc<PinnedArena>>,
+    align: Alignment,
+    block: u64,
+) -> Result<()> {
+    if piece.way == Way::Bounce {
+        piece.bounce = Some(take_bounce(arena, align, block)?);
+        if op.op == IoOp::Write {
+            bounce_copy(op, piece, true);
+        }
+    }
+    loop {
+        let (fd, ptr, len, off) = target(op, piece, align);
+        // SAFETY: `ptr..ptr+len` is inside the piece's bounce buffer or the
+        // op's HostMemory (see `target`), both alive for this call; `fd` is
+        // open while the op holds its IoFile.
+        let raw = unsafe {
+            match op.op {
+                IoOp::Read => libc::pread(fd, ptr.cast(), len as usize, off as libc::off_t),
+                IoOp::Write => libc::pwrite(fd, ptr.cast(), len as usize, off as libc::off_t),
+            }
+        };
+        let raw = if raw < 0 {
+            -(std::io::Error::last_os_error()
+                .raw_os_error()
+                .unwrap_or(libc::EIO) as i64)
+        } else {
+            raw as i64
+        };
+        match shared.check(op, piece, raw) {
+            Outcome::Done => break,
+            Outcome::Again => continue,
+            Outcome::Failed(e) => return Err(e),
+        }
+    }
+    if op.op == IoOp::Read && piece.way == Way::Bounce {
+        bounce_copy(op, piece, false);
+    }
+    piece.bounce = None;
+    Ok(())
+}
+
+struct PartState {
+    part: Part,
+    pending: usize,
+    error: Option<SwapError>,
+}
+
+struct RingWorker {
+    ring: IoUring,
+    shared: Arc<Shared>,
+    qd: usize,
+    single_submit: bool,
+    overlap: bool,
+    parts: Vec<Option<PartState>>,
+    free_parts: Vec<usize>,
+    queue: VecDeque<PieceTask>,
+    slots: Vec<Option<PieceTask>>,
+    free_slots: Vec<usize>,
+    in_flight: usize,
+    arena: Option<Arc<PinnedArena>>,
+}
+
+impl RingWorker {
+    fn new(ring: IoUring, shared: Arc<Shared>, cfg: &FileIoConfig) -> Self {
+        let qd = cfg.queue_depth as usize;
+        RingWorker {
+            ring,
+            shared,
+            qd,
+            single_submit: cfg.single_submit,
+            overlap: cfg.overlap_events,
+            parts: Vec::new(),
+            free_parts: Vec::new(),
+            queue: VecDeque::new(),
+            slots: (0..qd).map(|_| None).collect(),
+            free_slots: (0..qd).rev().collect(),
+            in_flight: 0,
+            arena: None,
+        }
+    }
+
+    fn run(mut self, rx: Receiver<Part>) {
+        let mut open = true;
+        loop {
+            if open && self.queue.is_empty() && self.in_flight == 0 {
+                match rx.recv() {
+                    Ok(p) => self.accept(p),
+                    Err(_) => open = false,
+                }
+            }
+            while open {
+                match rx.try_recv() {
+                    Ok(p) => self.accept(p),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => open = false,
+                }
+            }
+            if !open && self.queue.is_empty() && self.in_flight == 0 {
+                return;
+            }
+            if self.overlap || self.in_flight == 0 {
+                self.push();
+            }
+            if self.in_flight > 0 {
+                match self.ring.submit_and_wait(1) {
+                    Ok(_) => {}
+                    Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                    Err(e) => {
+                        // The ring is unusable: fail what is queued; what is
+                        // in flight still completes below.
+                        tracing::error!(error = %e, "io_uring_enter failed in file I/O");
+                    }
+                }
+                self.reap();
+            }
+        }
+    }
+
+    fn accept(&mut self, part: Part) {
+        let idx = self.free_parts.pop().unwrap_or_else(|| {
+            self.parts.push(None);
+            self.parts.len() - 1
+        });
+        let align = part.op.file.alignment;
+        let block = align.round_up(self.shared.block_bytes);
+        let pieces = cut_pieces(idx, &part, align, block, part.op.file.is_direct());
+        let n = pieces.len();
+        self.parts[idx] = Some(PartState {
+            part,
+            pending: n,
+            error: None,
+        });
+        self.queue.extend(pieces);
+        if n == 0 {
+            self.finish_part(idx);
+        }
+    }
+
+    fn push(&mut self) {
+        let mut pushed_any = false;
+        while self.in_flight < self.qd {
+            let Some(mut piece) = self.queue.pop_front() else {
+                break;
+            };
+            let Some(ps) = self.parts[piece.part].as_ref() else {
+                continue;
+            };
+            if ps.error.is_some() {
+                self.piece_done(piece, None);
+                continue;
+            }
+            let op = ps.part.op.clone();
+            let align = op.file.alignment;
+            if piece.way == Way::Bounce && piece.bounce.is_none() {
+                let block = align.round_up(self.shared.block_bytes);
+                let got = match &self.arena {
+                    Some(a) if a.buffer_bytes() >= block && a.alignment() >= align => {
+                        a.try_acquire()
+                    }
+                    _ if self.in_flight > 0 => {
+                        // A new arena only once nothing holds the old one's buffers.
+                        Err(SwapError::Shutdown)
+                    }
+                    _ => take_bounce(&mut self.arena, align, block),
+                };
+                match got {
+                    Ok(b) => piece.bounce = Some(b),
+                    Err(e) if self.in_flight == 0 => {
+                        self.piece_done(piece, Some(e));
+                        continue;
+                    }
+                    Err(_) => {
+                        // Wait for a bounce buffer to come back.
+                        self.queue.push_front(piece);
+                        break;
+                    }
+                }
+                if op.op == IoOp::Write {
+                    bounce_copy(&op, &mut piece, true);
+                }
+            }
+            let Some(slot) = self.free_slots.pop() else {
+                self.queue.push_front(piece);
+                break;
+            };
+            let (fd, ptr, len, off) = target(&op, &mut piece, align);
+            let entry = match op.op {
+                IoOp::Read => opcode::Read::new(types::Fd(fd), ptr, len)
+                    .offset(off)
+                    .build(),
+                IoOp::Write => opcode::Write::new(types::Fd(fd), ptr, len)
+                    .offset(off)
+                    .build(),
+            }
+            .user_data(slot as u64);
+            // SAFETY: the SQE points into the piece's bounce buffer or the
+            // op's HostMemory; the piece (with its bounce buffer) sits in
+            // `slots[slot]` and its part's OpState (owning the memory) in
+            // `parts` until this CQE is reaped; the fd belongs to the op's
+            // IoFile, held by the same OpState.
+            let ok = unsafe { self.ring.submission().push(&entry) }.is_ok();
+            if !ok {
+                self.free_slots.push(slot);
+                self.queue.push_front(piece);
+                let _ = self.ring.submit();
+                break;
+            }
+            self.slots[slot] = Some(piece);
+            self.in_flight += 1;
+            pushed_any = true;
+            if self.single_submit {
+                let _ = self.ring.submit();
+            }
+        }
+        if pushed_any && !self.single_submit {
+            let _ = self.ring.submit();
+        }
+    }
+
+    fn reap(&mut self) {
+        let done: Vec<(usize, i64)> = self
+            .ring
+            .completion()
+            .map(|c| (c.user_data() as usize, c.result() as i64))
+            .collect();
+        for (slot, raw) in done {
+            let Some(mut piece) = self.slots.get_mut(slot).and_then(Option::take) else {
+                tracing::error!(slot, "completion for an unknown file I/O slot");
+                continue;
+            };
+            self.free_slots.push(slot);
+            self.in_flight -= 1;
+            let Some(op) = self.parts[piece.part].as_ref().map(|p| p.part.op.clone()) else {
+                continue;
+            };
+            match self.shared.check(&op, &mut piece, raw) {
+                Outcome::Done => {
+                    if op.op == IoOp::Read && piece.way == Way::Bounce {
+                        bounce_copy(&op, &mut piece, false);
+                    }
+                    piece.bounce = None;
+                    self.piece_done(piece, None);
+                }
+                Outcome::Again => self.queue.push_front(piece),
+                Outcome::Failed(e) => self.piece_done(piece, Some(e)),
+            }
+        }
+    }
+
+    fn piece_done(&mut self, piece: PieceTask, error: Option<SwapError>) {
+        let idx = piece.part;
+        drop(piece);
+        let Some(ps) = self.parts[idx].as_mut() else {
+            return;
+        };
+        if ps.error.is_none() {
+            ps.error = error;
+        }
+        ps.pending = ps.pending.saturating_sub(1);
+        if ps.pending == 0 {
+            self.finish_part(idx);
+        }
+    }
+
+    fn finish_part(&mut self, idx: usize) {
+        if let Some(ps) = self.parts[idx].take() {
+            self.free_parts.push(idx);
+            self.shared.part_done(&ps.part.op, ps.error);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+    use crate::fault::{FaultKind, FaultRule};
+
+    fn pattern(n: usize, seed: u8) -> Vec<u8> {
+        (0..n)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect()
+    }
+
+    fn io(backend: BackendKind, threads: usize, overlap: bool, single: bool) -> FileIo {
+        FileIo::new(FileIoConfig {
+            backend,
+            threads,
+            queue_depth: 4,
+            block_bytes: 8192,
+            single_submit: single,
+            overlap_events: overlap,
+            faults: None,
+        })
+        .unwrap()
+    }
+
+    fn write_at(io: &FileIo, f: &Arc<IoFile>, off: u64, data: &[u8], mem_off: usize) {
+        let mut v = vec![0u8; data.len() + mem_off];
+        v[mem_off..].copy_from_slice(data);
+        let c = io
+            .submit(
+                IoOp::Write,
+                f,
+                off,
+                HostMemory::from_vec(v, mem_off, data.len()),
+            )
+            .unwrap()
+            .wait()
+            .unwrap();
+        c.result.unwrap();
+    }
+
+    fn read_at(io: &FileIo, f: &Arc<IoFile>, off: u64, len: usize, mem_off: usize) -> Vec<u8> {
+        let v = vec![0u8; len + mem_off];
+        let c = io
+            .submit(IoOp::Read, f, off, HostMemory::from_vec(v, mem_off, len))
+            .unwrap()
+            .wait()
+            .unwrap();
+        c.result.unwrap();
+        c.memory.as_slice().to_vec()
+    }
+
+    /// Awkward sizes, offsets and memory alignments, every backend and mode,
+    /// against `std::fs` as the reference.
+    #[test]
+    fn matches_std_fs_at_awkward_sizes() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut k = 0u8;
+        for backend in [BackendKind::Uring, BackendKind::Portable] {
+            for (threads, overlap, single) in
+                [(1, false, false), (2, true, false), (3, false, true)]
+            {
+                let io = io(backend, threads, overlap, single);
+                for &(off, len, mem_off) in &[
+                    (0u64, 0usize, 0usize),
+                    (0, 1, 0),
+                    (0, 4096, 0),
+                    (4096, 3 * 8192 + 4096, 0),
+                    (100, 5000, 3),
+                    (4095, 70_001, 64),
+                    (12_288, 8191, 0),
+                ] {
+                    k = k.wrapping_add(1);
+                    let path = dir.path().join(format!("f{k}"));
+                    let w = IoFile::open(&path, Access::Write, DirectIo::Auto).unwrap();
+                    let data = pattern(len, k);
+                    write_at(&io, &w, off, &data, mem_off);
+                    let on_disk = std::fs::read(&path).unwrap();
+                    assert_eq!(
+                        on_disk.len() as u64,
+                        off + len as u64,
+                        "{backend:?} {off} {len}"
+                    );
+                    assert_eq!(&on_disk[off as usize..], &data[..]);
+                    let r = IoFile::open(&path, Access::Read, DirectIo::Auto).unwrap();
+                    let mem_off2 = (mem_off + 1) % 7;
+                    assert_eq!(
+                        read_at(&io, &r, off, len, mem_off2),
+                        data,
+                        "{backend:?} {off} {len}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn aligned_memory_is_zero_copy_and_unaligned_bounces() {
+        let dir = tempfile::tempdir().unwrap();
+        let io = io(BackendKind::Auto, 1, true, false);
+        let path = dir.path().join("z");
+        let f = IoFile::open(&path, Access::Write, DirectIo::Auto).unwrap();
+        if !f.is_direct() {
+            return; // no O_DIRECT where the temp dir lives: nothing to tell apart
+        }
+        // A Vec with room to find a 4096-aligned start.
+        let v = vec![0u8; 3 * 4096];
+        let skew = (4096 - (v.as_ptr() as usize % 4096)) % 4096;
+        let c = io
+            .submit(IoOp::Write, &f, 0, HostMemory::from_vec(v, skew, 8192))
+            .unwrap()
+            .wait()
+            .unwrap();
+        c.result.unwrap();
+        assert_eq!(io.counters().direct_bytes.load(Ordering::Relaxed), 8192);
+        assert_eq!(io.counters().bounce_bytes.load(Ordering::Relaxed), 0);
+        let v = c.memory.into_owner().downcast::<Vec<u8>>().unwrap();
+        let c = io
+            .submit(IoOp::Write, &f, 0, HostMemory::from_vec(*v, skew + 1, 8192))
+            .unwrap()
+            .wait()
+            .unwrap();
+        c.result.unwrap();
+        assert_eq!(io.counters().bounce_bytes.load(Ordering::Relaxed), 8192);
+    }
+
+    #[test]
+    fn read_past_end_is_refused_with_the_numbers() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("short");
+        std::fs::write(&path, vec![1u8; 1000]).unwrap();
+        let io = io(BackendKind::Auto, 1, false, false);
+        let f = IoFile::open(&path, Access::Read, DirectIo::Auto).unwrap();
+        let e = io
+            .submit(
+                IoOp::Read,
+                &f,
+                10,
+                HostMemory::from_vec(vec![0; 1000], 0, 1000),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                SwapError::ReadPastEnd {
+                    offset_bytes: 10,
+                    len_bytes: 1000,
+                    file_bytes: 1000,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn injected_errors_name_the_piece_and_a_failed_write_poisons() {
+        let dir = tempfile::tempdir().unwrap();
+        for backend in [BackendKind::Uring, BackendKind::Portable] {
+            let faults = Arc::new(FaultInjector::new(vec![FaultRule {
+                nth: 2,
+                op: Some(IoOp::Write),
+                kind: FaultKind::Errno(libc::ENOSPC),
+            }]));
+            let io = FileIo::new(FileIoConfig {
+                backend,
+                block_bytes: 4096,
+                faults: Some(faults),
+                ..FileIoConfig::default()
+            })
+            .unwrap();
+            let path = dir.path().join(format!("e{backend:?}"));
+            let f = IoFile::open(&path, Access::Write, DirectIo::Auto).unwrap();
+            let c = io
+                .submit(
+                    IoOp::Write,
+                    &f,
+                    0,
+                    HostMemory::from_vec(vec![7; 3 * 4096], 0, 3 * 4096),
+                )
+                .unwrap()
+                .wait()
+                .unwrap();
+            match c.result {
+                Err(SwapError::Io {
+                    source,
+                    len_bytes: 4096,
+                    ..
+                }) => {
+                    assert_eq!(source.raw_os_error(), Some(libc::ENOSPC))
+                }
+                other => panic!("{other:?}"),
+            }
+            assert!(io.is_poisoned());
+            let e = io
+                .submit(IoOp::Write, &f, 0, HostMemory::from_vec(vec![7; 10], 0, 10))
+                .unwrap_err();
+            assert!(matches!(e, SwapError::Poisoned { .. }), "{e}");
+        }
+    }
+
+    #[test]
+    fn short_transfers_are_finished() {
+        let dir = tempfile::tempdir().unwrap();
+        let faults = Arc::new(FaultInjector::new(vec![FaultRule {
+            nth: 1,
+            op: Some(IoOp::Read),
+            kind: FaultKind::Short,
+        }]));
+        let io = FileIo::new(FileIoConfig {
+            faults: Some(faults.clone()),
+            block_bytes: 1 << 16,
+            ..FileIoConfig::default()
+        })
+        .unwrap();
+        let path = dir.path().join("s");
+        let data = pattern(1 << 16, 3);
+        std::fs::write(&path, &data).unwrap();
+        let f = IoFile::open(&path, Access::Read, DirectIo::Auto).unwrap();
+        assert_eq!(read_at(&io, &f, 0, data.len(), 0), data);
+        assert_eq!(faults.injected(), 1);
+    }
+
+    /// The ticket dropped before the op is done: the bytes still land, and
+    /// the memory's owner is dropped only after the kernel is done with it.
+    #[test]
+    fn dropped_ticket_still_lands() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d");
+        let data = pattern(1 << 20, 9);
+        {
+            let io = io(BackendKind::Auto, 2, true, false);
+            let f = IoFile::open(&path, Access::Write, DirectIo::Auto).unwrap();
+            drop(
+                io.submit(
+                    IoOp::Write,
+                    &f,
+                    0,
+                    HostMemory::from_vec(data.clone(), 0, data.len()),
+                )
+                .unwrap(),
+            );
+        }
+        assert_eq!(std::fs::read(&path).unwrap(), data);
+    }
+
+    #[test]
+    fn from_fd_reopens_without_touching_the_callers_offset() {
+        use std::io::{Seek, SeekFrom, Write};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("fd");
+        let mut own = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        own.write_all(b"abc").unwrap();
+        let io = io(BackendKind::Auto, 1, false, false);
+        let f = IoFile::from_fd(own.as_raw_fd(), Access::Write, DirectIo::Auto).unwrap();
+        assert_eq!(f.path(), path.canonicalize().unwrap());
+        write_at(&io, &f, 4096, &pattern(5000, 1), 0);
+        assert_eq!(own.stream_position().unwrap(), 3);
+        assert_eq!(own.seek(SeekFrom::End(0)).unwrap(), 4096 + 5000);
+    }
+}
