@@ -313,6 +313,12 @@ impl OffloadAdam {
         }
         py.detach(|| -> tierzero::engine::Result<()> {
             let mut st = self.locked();
+            // A read issued for another sub-group (the caller's guess of the
+            // next one was wrong, as it can be when stepping in backward):
+            // drop it; the state on disk is unchanged.
+            if st.next_read().is_some_and(|g| g != SubGroupId(sg)) {
+                st.cancel_reads()?;
+            }
             st.prefetch(SubGroupId(sg))?;
             if let Some(nx) = next {
                 st.prefetch(SubGroupId(nx))?;

@@ -175,3 +175,28 @@ def test_ds_config_supplies_the_offload(tmp_path):
     assert opt.offload == "nvme"
     assert "5 sub-groups" in opt.plan()
     assert str(tmp_path / "ds") in opt.plan()
+
+
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_step_in_backward_equals_step_after(offload, tmp_path):
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(32, 300), torch.nn.GELU(), torch.nn.Linear(300, 300), torch.nn.GELU(), torch.nn.Linear(300, 8)
+        )
+
+    results = []
+    for in_backward in (False, True):
+        m = mlp()
+        opt = tzt.AdamW(m.parameters(), lr=1e-2, offload=offload, nvme_path=tmp_path / str(in_backward), sub_group_size=20_000, step_in_backward=in_backward)
+        g = torch.Generator().manual_seed(5)
+        for _ in range(5):
+            x = torch.randn(16, 32, generator=g)
+            loss = m(x).square().mean()
+            loss.backward()
+            if in_backward:
+                assert all(p.grad is None for p in m.parameters())  # stepped and freed in backward
+            opt.step()
+            opt.zero_grad()
+        results.append(weight_hash(list(m.parameters())))
+    assert results[0] == results[1]

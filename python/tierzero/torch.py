@@ -21,6 +21,14 @@ whose ``.grad`` is None is not stepped when its whole sub-group has none (as
 torch skips it); inside a sub-group that has gradients it is stepped with a
 zero gradient (as DeepSpeed does).
 
+With ``step_in_backward=True`` each sub-group is stepped as soon as the
+gradients of all its params are final in backward
+(``register_post_accumulate_grad_hook``), overlapping Adam and its state I/O
+with the rest of backward, and those gradients are freed; ``step()`` then
+steps what backward did not reach and waits for the writes. As with torch's
+own optimizer-in-backward recipe, this is for one backward per step with no
+gradient clipping or accumulation (the step happens before either could).
+
 ``state_dict()`` is torch's format (``step``, ``exp_avg``, ``exp_avg_sq`` per
 param, plus ``master`` for params that are not fp32) and materialises it in
 host memory; ``save_checkpoint`` / ``load_checkpoint`` stream the state one
@@ -92,6 +100,7 @@ class AdamW(torch.optim.Optimizer):
         moments_dtype=torch.float32,
         ds_config=None,
         threads=None,
+        step_in_backward=False,
         maximize=False,
         foreach=None,
         fused=None,
@@ -159,6 +168,22 @@ class AdamW(torch.optim.Optimizer):
         with torch.no_grad():
             for i, s in enumerate(self._subgroups):
                 self._native.load(i, self._gather_params(s))
+        # Step in backward: per sub-group, its params whose gradients are
+        # not final yet in this backward; per param, its sub-groups.
+        self.step_in_backward = bool(step_in_backward)
+        self._hooks = []
+        self._stepped: set[int] = set()
+        self._last_stepped = None
+        if self.step_in_backward:
+            self._param_sgs: dict = {}
+            for i, s in enumerate(self._subgroups):
+                for p, *_ in s.pieces:
+                    self._param_sgs.setdefault(p, []).append(i)
+            self._waiting = [None] * len(self._subgroups)
+            self._reset_waiting()
+            for p in self._param_sgs:
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_final))
 
     def plan(self) -> str:
         """Where the state lives and what the pinned buffers are."""
@@ -190,6 +215,28 @@ class AdamW(torch.optim.Optimizer):
         for p, a, b, off in s.pieces:
             p.detach().view(-1)[a:b].copy_(src[off : off + b - a])
 
+    def _step_one(self, i, next_sg):
+        s = self._subgroups[i]
+        group = self.param_groups[s.group]
+        beta1, beta2 = group["betas"]
+        s.steps += 1
+        grad = self._gather_grads(s)
+        out = self._out_buf[: s.numel]
+        self._native.step_group(
+            i,
+            s.steps,
+            float(group["lr"]),
+            float(beta1),
+            float(beta2),
+            float(group["eps"]),
+            float(group["weight_decay"]),
+            grad,
+            out,
+            next_sg,
+        )
+        self._scatter_params(s, out)
+        self._stepped.add(i)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -199,29 +246,44 @@ class AdamW(torch.optim.Optimizer):
         for p in self._empty_steps:
             if p.grad is not None:
                 self._empty_steps[p] += 1
-        todo = [i for i, s in enumerate(self._subgroups) if any(p.grad is not None for p, *_ in s.pieces)]
+        todo = [
+            i
+            for i, s in enumerate(self._subgroups)
+            if i not in self._stepped and any(p.grad is not None for p, *_ in s.pieces)
+        ]
         for k, i in enumerate(todo):
-            s = self._subgroups[i]
-            group = self.param_groups[s.group]
-            beta1, beta2 = group["betas"]
-            s.steps += 1
-            grad = self._gather_grads(s)
-            out = self._out_buf[: s.numel]
-            self._native.step_group(
-                i,
-                s.steps,
-                float(group["lr"]),
-                float(beta1),
-                float(beta2),
-                float(group["eps"]),
-                float(group["weight_decay"]),
-                grad,
-                out,
-                todo[k + 1] if k + 1 < len(todo) else None,
-            )
-            self._scatter_params(s, out)
+            self._step_one(i, todo[k + 1] if k + 1 < len(todo) else None)
         self._native.flush()
+        self._stepped.clear()
+        if self.step_in_backward:
+            self._reset_waiting()
         return loss
+
+    # Step in backward (register_post_accumulate_grad_hook).
+    def _reset_waiting(self):
+        for i, s in enumerate(self._subgroups):
+            self._waiting[i] = {id(p) for p, *_ in s.pieces if p.requires_grad}
+
+    @torch.no_grad()
+    def _grad_final(self, p):
+        """A param's gradient is final for this backward: step every
+        sub-group of it whose params are all final, guessing that the one
+        before it comes next (backward runs the model in reverse)."""
+        for i in self._param_sgs.get(p, ()):
+            w = self._waiting[i]
+            w.discard(id(p))
+            if not w and i not in self._stepped:
+                self._step_one(i, i - 1 if i > 0 else None)
+                # Free the gradients no other pending sub-group needs.
+                for q, *_ in self._subgroups[i].pieces:
+                    if all(j in self._stepped for j in self._param_sgs[q]):
+                        q.grad = None
+
+    def remove_hooks(self):
+        """Removes the step-in-backward hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
 
     # torch's state_dict format.
     def _param_states(self):

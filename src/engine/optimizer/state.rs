@@ -360,6 +360,12 @@ impl OptimizerState {
             .is_some_and(|n| n.reading.iter().any(|(g, _)| *g == sg))
     }
 
+    /// The sub-group whose state read is the oldest issued, the only one
+    /// [`OptimizerState::step`] may step next without reading again.
+    pub fn next_read(&self) -> Option<SubGroupId> {
+        self.nvme.as_ref()?.reading.front().map(|(g, _)| *g)
+    }
+
     /// Sub-groups whose reads are issued and not yet stepped.
     pub fn reads_pending(&self) -> usize {
         self.nvme.as_ref().map_or(0, |n| n.reading.len())
