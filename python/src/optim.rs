@@ -377,18 +377,27 @@ impl OffloadAdam {
 /// names and defaults, "auto" resolved with HF's defaults): a dict of
 /// `offload` ("none" / "cpu" / "nvme"), `nvme_path`, `sub_group_size`
 /// (elements), `pinned_budget_bytes` (None: what the pipeline needs),
-/// `pin_memory`, and `unknown_keys` (for a warning).
+/// `pin_memory`; for the params `param_offload`, `param_nvme_path`,
+/// `prefetch_bucket_size`, `max_live_parameters` and
+/// `param_persistence_threshold` (elements); and `unknown_keys` (for a
+/// warning).
 #[pyfunction]
 pub fn ds_offload_settings(py: Python<'_>, text: &str) -> PyResult<Py<pyo3::types::PyDict>> {
     use tierzero::config::OffloadDevice;
-    let parsed =
-        tierzero::config::parse_str(text).map_err(|e| PyValueError::new_err(e.to_string()))?;
-    let loaded = parsed
-        .resolve(&tierzero::config::RunContext {
+    let load = |micro_batch_size| {
+        tierzero::config::parse_str(text)?.resolve(&tierzero::config::RunContext {
             path_checks: tierzero::config::PathChecks::CreateMissing,
+            micro_batch_size,
             ..Default::default()
         })
-        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    };
+    // The batch sizes are the trainer's business here: a config without
+    // any (an optimizer-only one) is read as if they were "auto".
+    let loaded = match load(None) {
+        Err(tierzero::config::ConfigError::BatchMissing) => load(Some(1)),
+        other => other,
+    }
+    .map_err(|e| PyValueError::new_err(e.to_string()))?;
     let c = &loaded.config;
     let d = pyo3::types::PyDict::new(py);
     let off = &c.zero.offload_optimizer;
@@ -405,6 +414,19 @@ pub fn ds_offload_settings(py: Python<'_>, text: &str) -> PyResult<Py<pyo3::type
         c.tierzero.pinned_budget_bytes.map(|b| b.0),
     )?;
     d.set_item("pin_memory", off.pin_memory)?;
+    let (param_offload, param_path) = match &c.zero.offload_param.device {
+        OffloadDevice::None => ("none", None),
+        OffloadDevice::Cpu => ("cpu", None),
+        OffloadDevice::Nvme { path } => ("nvme", Some(path.display().to_string())),
+    };
+    d.set_item("param_offload", param_offload)?;
+    d.set_item("param_nvme_path", param_path)?;
+    d.set_item("prefetch_bucket_size", c.zero.prefetch_bucket_numel.0)?;
+    d.set_item("max_live_parameters", c.zero.max_live_parameters_numel.0)?;
+    d.set_item(
+        "param_persistence_threshold",
+        c.zero.param_persistence_threshold_numel.0,
+    )?;
     d.set_item("unknown_keys", loaded.unknown_keys())?;
     Ok(d.unbind())
 }

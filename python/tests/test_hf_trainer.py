@@ -146,3 +146,20 @@ def test_bare_accelerate_loop(tmp_path):
         results.append(out)
     assert max(abs(a - b) for a, b in zip(*results)) <= 1e-4
     os.environ.pop("ACCELERATE_USE_CPU", None)
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_offload_parameters_is_bit_identical(device, tmp_path):
+    runs = []
+    for offload in (False, True):
+        m = model()
+        handle = None
+        if offload:
+            handle = tzt.offload_parameters(m, device, nvme_path=tmp_path / "params", param_persistence_threshold=1000)
+        opt = tzt.AdamW(decay_groups(m, 0.1), lr=1e-3, offload="nvme", nvme_path=tmp_path / f"opt{offload}")
+        t = transformers.Trainer(model=m, args=args(tmp_path), train_dataset=Windows(512), optimizers=(opt, None))
+        runs.append(losses(t))
+        if handle is not None:
+            assert handle.live_numel() == 0
+            handle.remove()
+    assert runs[0] == runs[1]

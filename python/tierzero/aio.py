@@ -64,6 +64,10 @@ __all__ = ["aio_handle", "aio_read", "aio_write", "deepspeed_memcpy", "AioError"
 _PAGE = mmap.PAGESIZE
 _HOST_DEVICES = (1, 3)  # kDLCPU, kDLCUDAHost
 
+# The largest piece handed to the native handle (get_block_size() still
+# says what the caller asked for).
+_MAX_NATIVE_BLOCK = 64 << 20
+
 # Page-locked tensors made by new_cpu_locked_tensor: data_ptr -> locked bytes.
 _LOCKED: dict[int, int] = {}
 
@@ -150,7 +154,11 @@ class aio_handle:
         self._overlap_events = bool(overlap_events)
         self._intra_op_parallelism = int(intra_op_parallelism)
         self._h = _AioHandle(
-            self._block_size,
+            # Pieces of at most 64 MiB: the native bounce buffers cannot
+            # exceed 1 GiB (a larger block fails every unaligned op), each
+            # worker zero-fills 8 of them on its first unaligned op, and a
+            # piece's length must fit a u32. Bigger pieces gain nothing.
+            min(self._block_size, _MAX_NATIVE_BLOCK),
             self._queue_depth,
             self._single_submit,
             self._overlap_events,

@@ -43,10 +43,26 @@ import os
 import torch
 
 from ._native import _OffloadAdam, ds_offload_settings
+from .offload import ParamOffload, home_of, offload_parameters
 
-__all__ = ["AdamW"]
+__all__ = ["AdamW", "offload_parameters", "ParamOffload"]
 
 _MAGIC = b"TZADAMW1"
+
+
+def _values(p):
+    """A param's flat values, live or (offloaded and released) from its home."""
+    home = home_of(p)
+    if home is None or home.is_live():
+        return p.detach().reshape(-1)
+    out = torch.empty(home.numel, dtype=home.dtype, device=home.device)
+    home.read_into(out)
+    return out
+
+
+def _shape(p):
+    home = home_of(p)
+    return home.shape if home is not None else p.shape
 
 
 def _ds_settings(ds_config):
@@ -141,7 +157,8 @@ class AdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if not p.is_contiguous():
                     raise ValueError("tierzero.torch.AdamW needs contiguous params")
-                n, start = p.numel(), 0
+                home = home_of(p)
+                n, start = (home.numel if home is not None else p.numel()), 0
                 while start < n:
                     take = min(n - start, sub_group_size - sg.numel)
                     sg.pieces.append((p, start, start + take, sg.numel))
@@ -161,7 +178,9 @@ class AdamW(torch.optim.Optimizer):
         )
         # Params of no elements belong to no sub-group; torch still counts
         # their steps (and lists them in its state_dict).
-        self._empty_steps = {p: 0 for g in self.param_groups for p in g["params"] if p.numel() == 0}
+        self._empty_steps = {
+            p: 0 for g in self.param_groups for p in g["params"] if p.numel() == 0 and home_of(p) is None
+        }
         largest = max((s.numel for s in self._subgroups), default=0)
         self._grad_buf = torch.empty(largest, dtype=torch.float32)
         self._out_buf = torch.empty(largest, dtype=torch.float32)
@@ -197,7 +216,7 @@ class AdamW(torch.optim.Optimizer):
     def _gather_params(self, s: _SubGroup):
         buf = self._grad_buf[: s.numel]
         for p, a, b, off in s.pieces:
-            buf[off : off + b - a].copy_(p.detach().reshape(-1)[a:b])
+            buf[off : off + b - a].copy_(_values(p)[a:b])
         return buf
 
     def _gather_grads(self, s: _SubGroup):
@@ -213,7 +232,11 @@ class AdamW(torch.optim.Optimizer):
 
     def _scatter_params(self, s: _SubGroup, src):
         for p, a, b, off in s.pieces:
-            p.detach().view(-1)[a:b].copy_(src[off : off + b - a])
+            home = home_of(p)
+            if home is None:
+                p.detach().view(-1)[a:b].copy_(src[off : off + b - a])
+            else:
+                home.write_from(src[off : off + b - a], start=a)
 
     def _step_one(self, i, next_sg):
         s = self._subgroups[i]
@@ -299,11 +322,11 @@ class AdamW(torch.optim.Optimizer):
                 if st is None:
                     st = {
                         "step": torch.tensor(float(s.steps)),
-                        "exp_avg": torch.zeros(p.numel(), dtype=torch.float32),
-                        "exp_avg_sq": torch.zeros(p.numel(), dtype=torch.float32),
+                        "exp_avg": torch.zeros(_shape(p).numel(), dtype=torch.float32),
+                        "exp_avg_sq": torch.zeros(_shape(p).numel(), dtype=torch.float32),
                     }
                     if p.dtype != torch.float32:
-                        st["master"] = torch.zeros(p.numel(), dtype=torch.float32)
+                        st["master"] = torch.zeros(_shape(p).numel(), dtype=torch.float32)
                     out[p] = st
                 st["exp_avg"][a:b] = m[off : off + b - a]
                 st["exp_avg_sq"][a:b] = v[off : off + b - a]
@@ -319,7 +342,7 @@ class AdamW(torch.optim.Optimizer):
         for p, st in out.items():
             for key in ("exp_avg", "exp_avg_sq", "master"):
                 if key in st:
-                    st[key] = st[key].view(p.shape)
+                    st[key] = st[key].view(_shape(p))
         return out
 
     def state_dict(self):
@@ -366,7 +389,7 @@ class AdamW(torch.optim.Optimizer):
                 st = params.get(p)
                 src = st.get("master") if st else None
                 if src is None:
-                    src = p.detach()
+                    src = _values(p)
                 master[off : off + b - a] = src.reshape(-1)[a:b].float().cpu()
                 if st:
                     m[off : off + b - a] = st["exp_avg"].reshape(-1)[a:b].float().cpu()

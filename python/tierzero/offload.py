@@ -1,0 +1,365 @@
+"""``offload_parameters``: ZeRO-3 parameter offload for any ``nn.Module``.
+
+DeepSpeed's mechanism, on tierzero's I/O:
+
+- every param larger than the persistence threshold gets a home on its
+  tier: a host copy (``device="cpu"``, page-locked where the memlock limit
+  allows) or a region of one file under ``nvme_path`` (``"nvme"``, through
+  ``tierzero.aio``, O_DIRECT, 4096-aligned regions);
+- a forward pre-hook on each module that owns params fetches them
+  (``param.data`` becomes the full tensor again), after first issuing the
+  reads of the params the next modules of the recorded module trace need,
+  up to ``prefetch_bucket_size`` elements and while fewer than
+  ``max_live_parameters`` elements are live;
+- a forward hook releases them (``param.data`` becomes an empty tensor, so
+  the memory goes back) and wraps the module's outputs in an autograd
+  function whose backward fetches them again before the module's backward
+  runs;
+- a post-accumulate-grad hook releases each param once its gradient is
+  final. (A frozen param, which has no gradient, stays live from its
+  module's backward until that module's next forward.)
+
+Params used by several modules (tied embeddings) are counted: each fetch
+takes a reference, each release drops one, and the data goes only at zero.
+The values are never changed by the round trip (bytes in, bytes out), so a
+run with offload is bit-identical to one without.
+
+The optimizer must update the params where they live: ``tierzero.torch.AdamW``
+does (it reads and writes a released param through its home). Another
+optimizer needs the params gathered around its step (``with
+handle.gathered(): opt.step()``), which holds the whole model for that time.
+
+``handle.remove()`` gathers every param for good and removes the hooks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import torch
+
+from .aio import aio_handle
+
+__all__ = ["offload_parameters", "ParamOffload", "home_of"]
+
+_ALIGN = 4096
+# id(param) -> its _Home, for tierzero.torch.AdamW (tensors compare
+# elementwise, so they cannot be dict keys themselves).
+_HOMES: "dict[int, _Home]" = {}
+
+
+def home_of(param):
+    """The offload home of ``param`` (None if it is not offloaded)."""
+    h = _HOMES.get(id(param))
+    return h if h is not None and h.param is param else None
+
+
+class _Home:
+    """Where one param lives between uses, and its live references."""
+
+    __slots__ = ("param", "owner", "shape", "dtype", "device", "numel", "host", "offset", "refs", "inflight")
+
+    def __init__(self, param, owner):
+        self.param = param
+        self.owner = owner
+        self.shape = param.shape
+        self.dtype = param.dtype
+        self.device = param.device
+        self.numel = param.numel()
+        self.host = None  # "cpu": the host copy
+        self.offset = None  # "nvme": offset in the file
+        self.refs = 0
+        self.inflight = None  # "nvme": tensor being read
+
+    @property
+    def nbytes(self):
+        return self.numel * self.param.element_size()
+
+    def is_live(self):
+        return self.param.data.numel() == self.numel and self.numel > 0
+
+    def read_into(self, out):
+        """The param's current values into ``out`` (a contiguous tensor of its
+        numel): from the live data, or from its home."""
+        if self.is_live():
+            out.copy_(self.param.data.reshape(-1))
+        else:
+            out.copy_(self.owner._load(self).reshape(-1))
+
+    def write_from(self, src, start=0):
+        """Sets ``[start, start + len(src))`` of the param's flat values, live
+        or at home."""
+        if self.is_live():
+            self.param.data.view(-1)[start : start + src.numel()].copy_(src)
+        if self.host is not None:
+            self.host.view(-1)[start : start + src.numel()].copy_(src)
+        elif self.offset is not None and not self.is_live():
+            self.owner._store_range(self, src, start)
+        elif self.offset is not None:
+            self.owner._dirty.add(self)
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on the outputs; its backward fetches the module's params."""
+
+    @staticmethod
+    def forward(ctx, fetch, *tensors):
+        ctx.fetch = fetch
+        out = tuple(t.view_as(t) for t in tensors)
+        return out if len(out) != 1 else out[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.fetch()
+        return (None, *grads)
+
+
+class ParamOffload:
+    """The hooks and homes of one model's offloaded params (see module docs)."""
+
+    def __init__(
+        self,
+        model,
+        device="cpu",
+        nvme_path=None,
+        prefetch_bucket_size=50_000_000,
+        max_live_parameters=1_000_000_000,
+        param_persistence_threshold=100_000,
+        aio=None,
+    ):
+        if device not in ("cpu", "nvme"):
+            raise ValueError(f"device {device!r}: expected \"cpu\" or \"nvme\"")
+        if device == "nvme" and nvme_path is None:
+            raise ValueError("device=\"nvme\" needs nvme_path (a directory on the NVMe)")
+        self.model = model
+        self.device = device
+        self.prefetch_bucket_size = int(prefetch_bucket_size)
+        self.max_live_parameters = int(max_live_parameters)
+        self.persistence_threshold = int(param_persistence_threshold)
+        self._aio = aio if aio is not None else (aio_handle() if device == "nvme" else None)
+        self._file = None
+        self._dirty = set()
+        self._hooks = []
+        self._trace: list = []  # modules in the order their forward ran
+        self._trace_pos: dict = {}
+        self._recording = True
+        self._step_in_trace = 0
+        self.fetched_bytes = 0
+        self.prefetched = 0
+        # Homes: every param above the threshold, once (shared params too).
+        self._module_homes: dict = {}
+        seen = {}  # id(param) -> _Home
+        offset = 0
+        for module in model.modules():
+            homes = []
+            for p in module._parameters.values():
+                if p is None or p.numel() <= self.persistence_threshold:
+                    continue
+                if id(p) not in seen:
+                    if home_of(p) is not None:
+                        raise ValueError("a parameter is already offloaded by another offload_parameters")
+                    h = _Home(p, self)
+                    if device == "nvme":
+                        h.offset = offset
+                        offset += -(-h.nbytes // _ALIGN) * _ALIGN
+                    seen[id(p)] = h
+                homes.append(seen[id(p)])
+            if homes:
+                self._module_homes[module] = homes
+        self._homes = list(seen.values())
+        if device == "nvme":
+            os.makedirs(nvme_path, exist_ok=True)
+            self._file = os.path.join(nvme_path, f"tierzero-params-{os.getpid()}-{id(self):x}.bin")
+        with torch.no_grad():
+            for h in self._homes:
+                if device == "cpu":
+                    h.host = torch.empty(h.shape, dtype=h.dtype, device="cpu")
+                    h.host.copy_(h.param.data)
+                else:
+                    self._aio.sync_pwrite(h.param.data.detach().reshape(-1).cpu().contiguous(), self._file, h.offset)
+                _HOMES[id(h.param)] = h
+                self._release(h, force=True)
+        for module, homes in self._module_homes.items():
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(module.register_forward_hook(self._post_forward))
+        for h in self._homes:
+            if h.param.requires_grad:
+                self._hooks.append(h.param.register_post_accumulate_grad_hook(self._grad_final))
+
+    # Moving bytes.
+    def _load(self, h):
+        """The param's values from its home (a new tensor on its device)."""
+        if h.host is not None:
+            return h.host.to(h.device, copy=True)
+        if h.inflight is not None:
+            self._aio.wait()
+            t, h.inflight = h.inflight, None
+        else:
+            t = torch.empty(h.shape, dtype=h.dtype, device="cpu")
+            self._aio.sync_pread(t.reshape(-1), self._file, h.offset)
+        self.fetched_bytes += h.nbytes
+        return t.to(h.device) if h.device.type != "cpu" else t
+
+    def _store_range(self, h, src, start):
+        """Writes flat elements ``[start, start + len(src))`` of a released
+        NVMe param (read, modify, write of its region)."""
+        full = self._load(h).reshape(-1)
+        full[start : start + src.numel()].copy_(src)
+        self._aio.sync_pwrite(full.cpu(), self._file, h.offset)
+
+    def _fetch(self, h, count=True):
+        """Makes the param live; ``count``: a forward use, dropped by its
+        ``_release``."""
+        if count:
+            h.refs += 1
+        if not h.is_live():
+            h.param.data = self._load(h).view(h.shape)
+
+    def _release(self, h, force=False):
+        if not force:
+            h.refs = max(0, h.refs - 1)
+            if h.refs:
+                return
+        if h.offset is not None and h in self._dirty and h.is_live():
+            self._aio.sync_pwrite(h.param.data.detach().reshape(-1).cpu().contiguous(), self._file, h.offset)
+        self._dirty.discard(h)
+        h.param.data = torch.empty(0, dtype=h.dtype, device=h.device)
+
+    def live_numel(self):
+        return sum(h.numel for h in self._homes if h.is_live())
+
+    def _prefetch_after(self, module):
+        """Issues the reads of the next modules' params (NVMe), up to the
+        bucket and while the live elements stay under the limit."""
+        if self.device != "nvme" or self._recording:
+            return
+        pos = self._trace_pos.get(module)
+        if pos is None:
+            return
+        budget = self.prefetch_bucket_size
+        live = self.live_numel()
+        for nxt in itertools.islice(self._trace, pos + 1, None):
+            for h in self._module_homes.get(nxt, ()):
+                if h.is_live() or h.inflight is not None:
+                    continue
+                if budget < h.numel or live + h.numel > self.max_live_parameters:
+                    return
+                h.inflight = torch.empty(h.shape, dtype=h.dtype, device="cpu")
+                self._aio.async_pread(h.inflight.reshape(-1), self._file, h.offset)
+                self.prefetched += 1
+                budget -= h.numel
+                live += h.numel
+
+    # Hooks.
+    def _pre_forward(self, module, args):
+        if module in self._trace_pos and self._trace_pos[module] == 0 and self._trace:
+            self._recording = False
+        if self._recording and module not in self._trace_pos:
+            self._trace_pos[module] = len(self._trace)
+            self._trace.append(module)
+        for h in self._module_homes[module]:
+            self._fetch(h)
+        self._prefetch_after(module)
+
+    def _post_forward(self, module, args, output):
+        homes = self._module_homes[module]
+        for h in homes:
+            self._release(h)
+        if not torch.is_grad_enabled():
+            return output
+
+        def fetch():
+            # Backward: live until its gradient is final (_grad_final).
+            for h in homes:
+                self._fetch(h, count=False)
+
+        return _wrap(output, fetch)
+
+    def _grad_final(self, p):
+        h = home_of(p)
+        if h is not None:
+            h.refs = 0
+            self._release(h, force=True)
+
+    # Public.
+    def gathered(self):
+        """A context manager that keeps every param live inside it."""
+        outer = self
+
+        class _Gathered:
+            def __enter__(self):
+                for h in outer._homes:
+                    outer._fetch(h)
+                return outer.model
+
+            def __exit__(self, *exc):
+                for h in outer._homes:
+                    outer._dirty.add(h)
+                    outer._release(h)
+                return False
+
+        return _Gathered()
+
+    def remove(self):
+        """Gathers every param for good, removes the hooks and the file."""
+        if self._aio is not None and self.device == "nvme":
+            self._aio.wait()
+        for h in self._homes:
+            if not h.is_live():
+                h.param.data = self._load(h).view(h.shape)
+            h.inflight = None
+            _HOMES.pop(id(h.param), None)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self._homes = []
+        if self._file and os.path.exists(self._file):
+            os.remove(self._file)
+
+
+def _wrap(output, fetch):
+    """``output`` with its grad-requiring tensors passed through _PreBackward."""
+    if isinstance(output, torch.Tensor):
+        return _PreBackward.apply(fetch, output) if output.requires_grad else output
+    if isinstance(output, tuple) and not hasattr(output, "_fields"):
+        idx = [i for i, t in enumerate(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return output
+        wrapped = _PreBackward.apply(fetch, *[output[i] for i in idx])
+        if len(idx) == 1:
+            wrapped = (wrapped,)
+        out = list(output)
+        for i, t in zip(idx, wrapped):
+            out[i] = t
+        return tuple(out)
+    if isinstance(output, dict):
+        keys = [k for k, t in output.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not keys:
+            return output
+        wrapped = _PreBackward.apply(fetch, *[output[k] for k in keys])
+        if len(keys) == 1:
+            wrapped = (wrapped,)
+        for k, t in zip(keys, wrapped):
+            output[k] = t
+        return output
+    return output
+
+
+def offload_parameters(model, device=None, nvme_path=None, *, ds_config=None, **kw):
+    """Offloads ``model``'s params (see the module docs); returns the
+    ``ParamOffload`` whose ``remove()`` restores the model. ``ds_config``
+    (a path or a dict) supplies ``offload_param.device`` / ``nvme_path``,
+    ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters`` and
+    ``stage3_param_persistence_threshold`` where they are not given."""
+    if ds_config is not None:
+        from .torch import _ds_settings
+
+        s = _ds_settings(ds_config)
+        if device is None and s["param_offload"] != "none":
+            device = s["param_offload"]
+        nvme_path = nvme_path if nvme_path is not None else s["param_nvme_path"]
+        kw.setdefault("prefetch_bucket_size", s["prefetch_bucket_size"])
+        kw.setdefault("max_live_parameters", s["max_live_parameters"])
+        kw.setdefault("param_persistence_threshold", s["param_persistence_threshold"])
+    return ParamOffload(model, device or "cpu", nvme_path, **kw)
