@@ -430,3 +430,98 @@ pub fn ds_offload_settings(py: Python<'_>, text: &str) -> PyResult<Py<pyo3::type
     d.set_item("unknown_keys", loaded.unknown_keys())?;
     Ok(d.unbind())
 }
+
+/// One AdamW step in place over a param's own memory (`offload="cpu"` with
+/// fp32 params: the param is the master weight, as with DeepSpeed's CPU
+/// Adam): `param`, `grad`, `m` and `v` are contiguous float32 host tensors
+/// of one numel, in distinct memory. The GIL is released for the step.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the hyper-parameters of torch's param group"
+)]
+#[pyfunction]
+#[pyo3(signature = (step, lr, beta1, beta2, eps, weight_decay, param, grad, m, v, threads=None, grad_scale=1.0))]
+pub fn adamw_step_inplace(
+    py: Python<'_>,
+    step: u64,
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    weight_decay: f64,
+    param: &Bound<'_, PyAny>,
+    grad: &Bound<'_, PyAny>,
+    m: &Bound<'_, PyAny>,
+    v: &Bound<'_, PyAny>,
+    threads: Option<usize>,
+    grad_scale: f32,
+) -> PyResult<()> {
+    if step == 0 {
+        return Err(PyValueError::new_err("step is 1-based"));
+    }
+    let threads = NonZeroUsize::new(
+        threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, NonZeroUsize::get)),
+    )
+    .ok_or_else(|| PyValueError::new_err("threads must be >= 1"))?;
+    let adam = CpuAdam::new(
+        AdamHyper {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            mode: AdamMode::AdamW,
+            bias_correction: true,
+        },
+        threads,
+    )
+    .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let t = [
+        f32_tensor(param, "param")?,
+        f32_tensor(grad, "grad")?,
+        f32_tensor(m, "m")?,
+        f32_tensor(v, "v")?,
+    ];
+    let nbytes = t[0].nbytes;
+    if t.iter().any(|x| x.nbytes != nbytes) || [0, 2, 3].iter().any(|&i| t[i].read_only) {
+        return Err(PyValueError::new_err(
+            "param, grad, m and v must be float32 tensors of one numel (param, m, v writable)",
+        ));
+    }
+    for i in 0..4 {
+        for j in i + 1..4 {
+            if nbytes > 0 && t[i].addr < t[j].addr + nbytes && t[j].addr < t[i].addr + nbytes {
+                return Err(PyValueError::new_err(
+                    "param, grad, m and v must not overlap",
+                ));
+            }
+        }
+    }
+    let n = nbytes / 4;
+    if n == 0 {
+        return Ok(());
+    }
+    // SAFETY: four contiguous, 4-byte aligned float32 host tensors of n
+    // elements, pairwise disjoint (checked above), kept alive by `t` for
+    // this call; the Python caller does not touch them while it runs.
+    let (p, g, ms, vs) = unsafe {
+        (
+            std::slice::from_raw_parts_mut(t[0].addr as *mut f32, n),
+            std::slice::from_raw_parts(t[1].addr as *const f32, n),
+            std::slice::from_raw_parts_mut(t[2].addr as *mut f32, n),
+            std::slice::from_raw_parts_mut(t[3].addr as *mut f32, n),
+        )
+    };
+    py.detach(|| {
+        adam.step(
+            step,
+            p,
+            g,
+            tierzero::optim::Moments::F32 { m: ms, v: vs },
+            None,
+            GradScale(grad_scale),
+        )
+    })
+    .map_err(err)
+}

@@ -42,12 +42,56 @@ import os
 
 import torch
 
+from . import _native
 from ._native import _OffloadAdam, ds_offload_settings
 from .offload import ParamOffload, home_of, offload_parameters
 
 __all__ = ["AdamW", "offload_parameters", "ParamOffload"]
 
 _MAGIC = b"TZADAMW1"
+
+
+class _InPlaceState:
+    """The memory tier over fp32 CPU params: the param is the master weight,
+    ``m`` and ``v`` are tensors here; the same SIMD kernel, stepped in place
+    (``_native.adamw_step_inplace``). The interface of ``_OffloadAdam``."""
+
+    def __init__(self, subgroups, threads):
+        self._params = [s.pieces[0][0] for s in subgroups]
+        self._m = [torch.zeros(s.numel, dtype=torch.float32) for s in subgroups]
+        self._v = [torch.zeros(s.numel, dtype=torch.float32) for s in subgroups]
+        self._threads = threads
+
+    def plan(self):
+        n = sum(p.numel() for p in self._params)
+        return (
+            f"optimizer state in host memory, stepped in place on the fp32 params: {len(self._params)} params, "
+            f"{n} elements, {8 * n} bytes of moments (the params are the master weights)"
+        )
+
+    def io_bytes(self):
+        return (0, 0)
+
+    def _flat(self, i):
+        return self._params[i].detach().view(-1)
+
+    def load(self, i, master, m=None, v=None):
+        self._flat(i).copy_(master)
+        self._m[i].copy_(m) if m is not None else self._m[i].zero_()
+        self._v[i].copy_(v) if v is not None else self._v[i].zero_()
+
+    def read_state(self, i, master, m, v):
+        master.copy_(self._flat(i))
+        m.copy_(self._m[i])
+        v.copy_(self._v[i])
+
+    def step_group(self, i, step, lr, beta1, beta2, eps, weight_decay, grad, out, next=None):
+        _native.adamw_step_inplace(
+            step, lr, beta1, beta2, eps, weight_decay, self._flat(i), grad, self._m[i], self._v[i], self._threads
+        )
+
+    def flush(self):
+        pass
 
 
 def _values(p):
@@ -151,6 +195,16 @@ class AdamW(torch.optim.Optimizer):
         if sub_group_size < 1:
             raise ValueError(f"sub_group_size must be >= 1, got {sub_group_size}")
         self.offload = offload
+        params = [p for g in self.param_groups for p in g["params"]]
+        # Host-memory state over fp32 CPU params: the params are the master
+        # weights, stepped in place (as DeepSpeed's CPU Adam does): one
+        # sub-group per param, no copies in or out.
+        self._inplace = offload in ("none", "cpu") and all(
+            p.dtype == torch.float32 and p.device.type == "cpu" and p.is_contiguous() and home_of(p) is None
+            for p in params
+        )
+        if self._inplace:
+            sub_group_size = max([p.numel() for p in params] + [1])
         self._subgroups: list[_SubGroup] = []
         for gi, group in enumerate(self.param_groups):
             sg = _SubGroup(gi)
@@ -164,29 +218,33 @@ class AdamW(torch.optim.Optimizer):
                     sg.pieces.append((p, start, start + take, sg.numel))
                     sg.numel += take
                     start += take
-                    if sg.numel == sub_group_size:
+                    if sg.numel == sub_group_size or (self._inplace and start == n):
                         self._subgroups.append(sg)
                         sg = _SubGroup(gi)
             if sg.numel:
                 self._subgroups.append(sg)
-        self._native = _OffloadAdam(
-            [s.numel for s in self._subgroups],
-            offload,
-            os.fspath(nvme_path) if nvme_path is not None else None,
-            pinned_budget_bytes,
-            threads,
-        )
+        if self._inplace:
+            self._native = _InPlaceState(self._subgroups, threads)
+        else:
+            self._native = _OffloadAdam(
+                [s.numel for s in self._subgroups],
+                offload,
+                os.fspath(nvme_path) if nvme_path is not None else None,
+                pinned_budget_bytes,
+                threads,
+            )
         # Params of no elements belong to no sub-group; torch still counts
         # their steps (and lists them in its state_dict).
         self._empty_steps = {
             p: 0 for g in self.param_groups for p in g["params"] if p.numel() == 0 and home_of(p) is None
         }
-        largest = max((s.numel for s in self._subgroups), default=0)
+        largest = max((s.numel for s in self._subgroups), default=0) if not self._inplace else 0
         self._grad_buf = torch.empty(largest, dtype=torch.float32)
         self._out_buf = torch.empty(largest, dtype=torch.float32)
-        with torch.no_grad():
-            for i, s in enumerate(self._subgroups):
-                self._native.load(i, self._gather_params(s))
+        if not self._inplace:
+            with torch.no_grad():
+                for i, s in enumerate(self._subgroups):
+                    self._native.load(i, self._gather_params(s))
         # Step in backward: per sub-group, its params whose gradients are
         # not final yet in this backward; per param, its sub-groups.
         self.step_in_backward = bool(step_in_backward)
@@ -220,6 +278,14 @@ class AdamW(torch.optim.Optimizer):
         return buf
 
     def _gather_grads(self, s: _SubGroup):
+        if self._inplace:
+            (p, *_), = s.pieces
+            g = p.grad
+            if g is None:
+                return torch.zeros(s.numel, dtype=torch.float32)
+            if g.is_sparse:
+                raise RuntimeError("tierzero.torch.AdamW does not support sparse gradients")
+            return g.detach().reshape(-1).to(torch.float32).contiguous()
         buf = self._grad_buf[: s.numel]
         for p, a, b, off in s.pieces:
             if p.grad is None:
@@ -244,7 +310,7 @@ class AdamW(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         s.steps += 1
         grad = self._gather_grads(s)
-        out = self._out_buf[: s.numel]
+        out = self._out_buf[: s.numel] if not self._inplace else None
         self._native.step_group(
             i,
             s.steps,
@@ -257,7 +323,8 @@ class AdamW(torch.optim.Optimizer):
             out,
             next_sg,
         )
-        self._scatter_params(s, out)
+        if out is not None:
+            self._scatter_params(s, out)
         self._stepped.add(i)
 
     @torch.no_grad()
@@ -399,26 +466,48 @@ class AdamW(torch.optim.Optimizer):
             self._native.load(i, master, m, v)
             self._scatter_params(s, master)
 
-    # Streaming checkpoints: one sub-group in memory at a time.
+    # Streaming checkpoints: one sub-group in memory at a time. The file is
+    # laid out by param, not by sub-group (three sections, master, m and v,
+    # each the params' flat values in param_groups order), so it loads into
+    # any tier and any sub_group_size.
+    def _flat_offsets(self):
+        offsets, total = {}, 0
+        for g in self.param_groups:
+            for p in g["params"]:
+                offsets[id(p)] = total
+                total += _shape(p).numel()
+        return offsets, total
+
     def save_checkpoint(self, path):
         """Writes the whole optimizer state to ``path`` (atomically: a temp
         file, fsync, rename, fsync of the directory), one sub-group at a
         time."""
         path = os.fspath(path)
+        offsets, total = self._flat_offsets()
+        steps = {}
+        for s in self._subgroups:
+            for p, *_ in s.pieces:
+                steps[offsets[id(p)]] = s.steps
         header = {
-            "subgroups": [{"numel": s.numel, "steps": s.steps} for s in self._subgroups],
+            "numel": total,
+            "steps": sorted(steps.items()),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
         }
         head = json.dumps(header).encode()
+        base = len(_MAGIC) + 8 + len(head)
         tmp = f"{path}.tmp.{os.getpid()}"
-        buf = [torch.empty(max((s.numel for s in self._subgroups), default=0), dtype=torch.float32) for _ in range(3)]
+        largest = max((s.numel for s in self._subgroups), default=0)
+        buf = [torch.empty(largest, dtype=torch.float32) for _ in range(3)]
         with open(tmp, "wb") as f:
             f.write(_MAGIC + len(head).to_bytes(8, "little") + head)
+            f.truncate(base + 12 * total)
             for i, s in enumerate(self._subgroups):
                 views = [b[: s.numel] for b in buf]
                 self._native.read_state(i, *views)
-                for t in views:
-                    f.write(t.numpy().tobytes())
+                for k, t in enumerate(views):
+                    for p, a, b, off in s.pieces:
+                        f.seek(base + 4 * (k * total + offsets[id(p)] + a))
+                        f.write(t[off : off + b - a].numpy().tobytes())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -432,25 +521,30 @@ class AdamW(torch.optim.Optimizer):
     def load_checkpoint(self, path):
         """Loads what ``save_checkpoint`` wrote, one sub-group at a time, and
         sets the params to the saved master weights."""
+        offsets, total = self._flat_offsets()
         with open(path, "rb") as f:
             if f.read(8) != _MAGIC:
                 raise ValueError(f"{path}: not a tierzero AdamW checkpoint")
-            head = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-            saved = head["subgroups"]
-            mine = [s.numel for s in self._subgroups]
-            if [g["numel"] for g in saved] != mine:
+            head_len = int.from_bytes(f.read(8), "little")
+            head = json.loads(f.read(head_len))
+            if head["numel"] != total:
                 raise ValueError(
-                    f"{path}: saved sub-groups of {[g['numel'] for g in saved]} elements, this optimizer has {mine}; build it with the same params and sub_group_size"
+                    f"{path}: saved state of {head['numel']} elements, this optimizer's params have {total}; build it with the same params"
                 )
+            base = len(_MAGIC) + 8 + head_len
+            steps = dict((int(k), v) for k, v in head["steps"])
             for g, src in zip(self.param_groups, head["param_groups"]):
                 g.update(src)
             for i, s in enumerate(self._subgroups):
-                t = []
-                for _ in range(3):
-                    raw = f.read(s.numel * 4)
-                    if len(raw) != s.numel * 4:
-                        raise ValueError(f"{path}: truncated in sub-group {i}")
-                    t.append(torch.frombuffer(bytearray(raw), dtype=torch.float32))
+                t = [torch.empty(s.numel, dtype=torch.float32) for _ in range(3)]
+                for k in range(3):
+                    for p, a, b, off in s.pieces:
+                        f.seek(base + 4 * (k * total + offsets[id(p)] + a))
+                        raw = f.read(4 * (b - a))
+                        if len(raw) != 4 * (b - a):
+                            raise ValueError(f"{path}: truncated")
+                        t[k][off : off + b - a] = torch.frombuffer(bytearray(raw), dtype=torch.float32)
                 self._native.load(i, *t)
-                s.steps = saved[i]["steps"]
-                self._scatter_params(s, t[0])
+                s.steps = steps.get(offsets[id(s.pieces[0][0])], 0)
+                if not self._inplace:
+                    self._scatter_params(s, t[0])
