@@ -120,6 +120,9 @@ fn parse_faults(faults: Option<Vec<(String, u64, i32)>>) -> PyResult<Option<Arc<
     };
     let mut rules = Vec::new();
     for (op, nth, what) in list {
+        if nth == 0 {
+            return Err(PyValueError::new_err("fault nth counts from 1"));
+        }
         let op = match op.as_str() {
             "read" => Some(IoOp::Read),
             "write" => Some(IoOp::Write),

@@ -64,9 +64,6 @@ __all__ = ["aio_handle", "aio_read", "aio_write", "deepspeed_memcpy", "AioError"
 _PAGE = mmap.PAGESIZE
 _HOST_DEVICES = (1, 3)  # kDLCPU, kDLCUDAHost
 
-# The largest piece handed to the native handle (get_block_size() still
-# says what the caller asked for).
-_MAX_NATIVE_BLOCK = 64 << 20
 
 # Page-locked tensors made by new_cpu_locked_tensor: data_ptr -> locked bytes.
 _LOCKED: dict[int, int] = {}
@@ -154,11 +151,10 @@ class aio_handle:
         self._overlap_events = bool(overlap_events)
         self._intra_op_parallelism = int(intra_op_parallelism)
         self._h = _AioHandle(
-            # Pieces of at most 64 MiB: the native bounce buffers cannot
-            # exceed 1 GiB (a larger block fails every unaligned op), each
-            # worker zero-fills 8 of them on its first unaligned op, and a
-            # piece's length must fit a u32. Bigger pieces gain nothing.
-            min(self._block_size, _MAX_NATIVE_BLOCK),
+            # Pieces of more than 64 MiB are cut by the native side
+            # (tierzero_swap::fileio::MAX_PIECE_BYTES); get_block_size()
+            # still says what the caller asked for.
+            self._block_size,
             self._queue_depth,
             self._single_submit,
             self._overlap_events,
@@ -283,9 +279,12 @@ class aio_handle:
         self._submit(True, buffer, filename, False, file_offset)
         return 0
 
-    def async_pwrite(self, buffer, filename, file_offset=0) -> int:
-        """``filename`` may be a path or an open file descriptor (``fd``)."""
-        self._submit(False, buffer, filename, False, file_offset)
+    def async_pwrite(self, buffer, filename=None, file_offset=0, *, fd=None) -> int:
+        """``filename`` may be a path or an open file descriptor; DeepSpeed's
+        fd overload names it ``fd`` (``async_pwrite(buffer, fd=fd)``)."""
+        if (filename is None) == (fd is None):
+            raise TypeError("async_pwrite() takes a filename or an fd (exactly one)")
+        self._submit(False, buffer, filename if fd is None else int(fd), False, file_offset)
         return 0
 
     def wait(self) -> int:
