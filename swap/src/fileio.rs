@@ -1267,7 +1267,7 @@ mod tests {
                     let path = dir.path().join(format!("f{k}"));
                     // Every third file buffered only, as on a file system
                     // without O_DIRECT.
-                    let policy = if k % 3 == 0 {
+                    let policy = if k.is_multiple_of(3) {
                         DirectIo::Off
                     } else {
                         DirectIo::Auto
