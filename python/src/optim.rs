@@ -47,6 +47,36 @@ fn f32_tensor<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<dlpack::Host
     Ok(t)
 }
 
+/// `threads`, or every CPU this process may use.
+fn threads_or_all(threads: Option<usize>) -> PyResult<NonZeroUsize> {
+    NonZeroUsize::new(
+        threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, NonZeroUsize::get)),
+    )
+    .ok_or_else(|| PyValueError::new_err("threads must be >= 1"))
+}
+
+/// torch's AdamW (decoupled decay, bias correction) with these settings;
+/// out-of-range values are torch's `ValueError`s.
+fn adamw(
+    lr: f64,
+    betas: [f64; 2],
+    eps: f64,
+    weight_decay: f64,
+    threads: NonZeroUsize,
+) -> PyResult<CpuAdam> {
+    let hyper = AdamHyper {
+        lr,
+        beta1: betas[0],
+        beta2: betas[1],
+        eps,
+        weight_decay,
+        mode: AdamMode::AdamW,
+        bias_correction: true,
+    };
+    CpuAdam::new(hyper, threads).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
 /// The optimizer state of `tierzero.torch.AdamW`.
 #[pyclass(name = "_OffloadAdam", module = "tierzero._native")]
 #[derive(Debug)]
@@ -72,11 +102,7 @@ impl OffloadAdam {
         pinned_budget_bytes: Option<u64>,
         threads: Option<usize>,
     ) -> PyResult<Self> {
-        let threads =
-            NonZeroUsize::new(threads.unwrap_or_else(|| {
-                std::thread::available_parallelism().map_or(1, NonZeroUsize::get)
-            }))
-            .ok_or_else(|| PyValueError::new_err("threads must be >= 1"))?;
+        let threads = threads_or_all(threads)?;
         let (read_ahead, write_behind) = (1usize, 1usize);
         let largest_bytes = numel
             .iter()
@@ -283,17 +309,7 @@ impl OffloadAdam {
         if step == 0 {
             return Err(PyValueError::new_err("step is 1-based"));
         }
-        let hyper = AdamHyper {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            mode: AdamMode::AdamW,
-            bias_correction: true,
-        };
-        let adam =
-            CpuAdam::new(hyper, self.threads).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let adam = adamw(lr, [beta1, beta2], eps, weight_decay, self.threads)?;
         let g = f32_tensor(grad, "grad")?;
         let o = f32_tensor(out, "out")?;
         if g.nbytes != n * 4 || o.nbytes != n * 4 || o.read_only {
@@ -459,24 +475,13 @@ pub fn adamw_step_inplace(
     if step == 0 {
         return Err(PyValueError::new_err("step is 1-based"));
     }
-    let threads = NonZeroUsize::new(
-        threads
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, NonZeroUsize::get)),
-    )
-    .ok_or_else(|| PyValueError::new_err("threads must be >= 1"))?;
-    let adam = CpuAdam::new(
-        AdamHyper {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            mode: AdamMode::AdamW,
-            bias_correction: true,
-        },
-        threads,
-    )
-    .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let adam = adamw(
+        lr,
+        [beta1, beta2],
+        eps,
+        weight_decay,
+        threads_or_all(threads)?,
+    )?;
     let t = [
         f32_tensor(param, "param")?,
         f32_tensor(grad, "grad")?,
