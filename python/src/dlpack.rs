@@ -25,6 +25,10 @@ pub const DEVICE_CPU: i32 = 1;
 pub const DEVICE_CUDA: i32 = 2;
 /// `kDLCUDAHost`: page-locked host memory.
 pub const DEVICE_CUDA_HOST: i32 = 3;
+/// DLPack dtype of float32.
+pub const DTYPE_F32: (u8, u8, u16) = (2, 32, 1);
+/// DLPack dtype of bfloat16.
+pub const DTYPE_BF16: (u8, u8, u16) = (4, 16, 1);
 /// `DLPACK_FLAG_BITMASK_READ_ONLY`.
 const FLAG_READ_ONLY: u64 = 1;
 
@@ -90,6 +94,9 @@ pub struct HostTensor {
     pub device_type: i32,
     /// Read-only per the producer's flags.
     pub read_only: bool,
+    /// DLPack `(code, bits, lanes)`: `(2, 32, 1)` float32, `(4, 16, 1)`
+    /// bfloat16.
+    pub dtype: (u8, u8, u16),
     /// The tensor and its capsule: dropping them releases the memory.
     pub owners: (Py<PyAny>, Py<PyAny>),
 }
@@ -202,6 +209,7 @@ pub fn host_tensor(obj: &Bound<'_, PyAny>) -> PyResult<HostTensor> {
         nbytes,
         device_type: t.device.device_type,
         read_only: flags & FLAG_READ_ONLY != 0,
+        dtype: (t.dtype.code, t.dtype.bits, t.dtype.lanes),
         owners: (obj.clone().unbind(), capsule.unbind()),
     })
 }

@@ -38,11 +38,29 @@ fn err(e: impl std::fmt::Display) -> PyErr {
     PyRuntimeError::new_err(e.to_string())
 }
 
-/// f32 view of a contiguous host float32 tensor (DLPack), with its owners.
-fn f32_tensor<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<dlpack::HostTensor> {
+/// A contiguous host float32 tensor (DLPack), with its owners.
+fn f32_tensor(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<dlpack::HostTensor> {
+    typed_tensor(obj, what, dlpack::DTYPE_F32)
+}
+
+/// A contiguous host tensor of `dtype`, aligned to its element size.
+fn typed_tensor(
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    dtype: (u8, u8, u16),
+) -> PyResult<dlpack::HostTensor> {
     let t = dlpack::host_tensor(obj)?;
-    if t.addr % 4 != 0 {
-        return Err(PyValueError::new_err(format!("{what}: not 4-byte aligned")));
+    if t.dtype != dtype {
+        return Err(PyValueError::new_err(format!(
+            "{what}: DLPack dtype {:?}, want {dtype:?} (float32 is (2, 32, 1), bfloat16 (4, 16, 1))",
+            t.dtype
+        )));
+    }
+    let align = usize::from(dtype.1 / 8).max(1);
+    if t.addr % align != 0 {
+        return Err(PyValueError::new_err(format!(
+            "{what}: not {align}-byte aligned"
+        )));
     }
     Ok(t)
 }
@@ -449,8 +467,9 @@ pub fn ds_offload_settings(py: Python<'_>, text: &str) -> PyResult<Py<pyo3::type
 
 /// One AdamW step in place over a param's own memory (`offload="cpu"` with
 /// fp32 params: the param is the master weight, as with DeepSpeed's CPU
-/// Adam): `param`, `grad`, `m` and `v` are contiguous float32 host tensors
-/// of one numel, in distinct memory. The GIL is released for the step.
+/// Adam): `param`, `grad`, `m` and `v` are contiguous host tensors of one
+/// numel, in distinct memory: float32, with `m` and `v` both float32 or
+/// both bfloat16. The GIL is released for the step.
 #[allow(
     clippy::too_many_arguments,
     reason = "the hyper-parameters of torch's param group"
@@ -482,51 +501,73 @@ pub fn adamw_step_inplace(
         weight_decay,
         threads_or_all(threads)?,
     )?;
+    // Moments in float32, or both in bfloat16 (computed in f32, stored
+    // rounded: `tierzero::optim::Moments::Bf16`).
+    let mdt = if dlpack::host_tensor(m)?.dtype == dlpack::DTYPE_BF16 {
+        dlpack::DTYPE_BF16
+    } else {
+        dlpack::DTYPE_F32
+    };
     let t = [
         f32_tensor(param, "param")?,
         f32_tensor(grad, "grad")?,
-        f32_tensor(m, "m")?,
-        f32_tensor(v, "v")?,
+        typed_tensor(m, "m", mdt)?,
+        typed_tensor(v, "v", mdt)?,
     ];
-    let nbytes = t[0].nbytes;
-    if t.iter().any(|x| x.nbytes != nbytes) || [0, 2, 3].iter().any(|&i| t[i].read_only) {
+    let n = t[0].nbytes / 4;
+    let mbytes = n * usize::from(mdt.1 / 8);
+    if t[1].nbytes != n * 4 || t[2].nbytes != mbytes || t[3].nbytes != mbytes {
         return Err(PyValueError::new_err(
-            "param, grad, m and v must be float32 tensors of one numel (param, m, v writable)",
+            "param, grad, m and v must have one numel (param and grad float32; m and v both float32 or both bfloat16)",
         ));
     }
+    if [0, 2, 3].iter().any(|&i| t[i].read_only) {
+        return Err(PyValueError::new_err("param, m and v must be writable"));
+    }
+    let span = |i: usize| (t[i].addr, t[i].addr + t[i].nbytes);
     for i in 0..4 {
         for j in i + 1..4 {
-            if nbytes > 0 && t[i].addr < t[j].addr + nbytes && t[j].addr < t[i].addr + nbytes {
+            let ((a0, a1), (b0, b1)) = (span(i), span(j));
+            if n > 0 && a0 < b1 && b0 < a1 {
                 return Err(PyValueError::new_err(
                     "param, grad, m and v must not overlap",
                 ));
             }
         }
     }
-    let n = nbytes / 4;
     if n == 0 {
         return Ok(());
     }
-    // SAFETY: four contiguous, 4-byte aligned float32 host tensors of n
-    // elements, pairwise disjoint (checked above), kept alive by `t` for
-    // this call; the Python caller does not touch them while it runs.
-    let (p, g, ms, vs) = unsafe {
+    // SAFETY: contiguous host tensors of n elements each, aligned to their
+    // element size and of the dtypes checked above, pairwise disjoint,
+    // kept alive by `t` for this call; the Python caller does not touch
+    // them while it runs.
+    let (p, g) = unsafe {
         (
             std::slice::from_raw_parts_mut(t[0].addr as *mut f32, n),
             std::slice::from_raw_parts(t[1].addr as *const f32, n),
-            std::slice::from_raw_parts_mut(t[2].addr as *mut f32, n),
-            std::slice::from_raw_parts_mut(t[3].addr as *mut f32, n),
         )
     };
-    py.detach(|| {
-        adam.step(
-            step,
-            p,
-            g,
-            tierzero::optim::Moments::F32 { m: ms, v: vs },
-            None,
-            GradScale(grad_scale),
-        )
-    })
-    .map_err(err)
+    let moments = if mdt == dlpack::DTYPE_BF16 {
+        // SAFETY: as above; `half::bf16` is a transparent u16, and the
+        // tensors are 2-byte aligned (checked).
+        let (ms, vs) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(t[2].addr as *mut half::bf16, n),
+                std::slice::from_raw_parts_mut(t[3].addr as *mut half::bf16, n),
+            )
+        };
+        tierzero::optim::Moments::Bf16 { m: ms, v: vs }
+    } else {
+        // SAFETY: as above, float32 and 4-byte aligned.
+        let (ms, vs) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(t[2].addr as *mut f32, n),
+                std::slice::from_raw_parts_mut(t[3].addr as *mut f32, n),
+            )
+        };
+        tierzero::optim::Moments::F32 { m: ms, v: vs }
+    };
+    py.detach(|| adam.step(step, p, g, moments, None, GradScale(grad_scale)))
+        .map_err(err)
 }

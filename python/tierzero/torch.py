@@ -56,17 +56,18 @@ class _InPlaceState:
     ``m`` and ``v`` are tensors here; the same SIMD kernel, stepped in place
     (``_native.adamw_step_inplace``). The interface of ``_OffloadAdam``."""
 
-    def __init__(self, subgroups, threads):
+    def __init__(self, subgroups, threads, moments_dtype=torch.float32):
         self._params = [s.pieces[0][0] for s in subgroups]
-        self._m = [torch.zeros(s.numel, dtype=torch.float32) for s in subgroups]
-        self._v = [torch.zeros(s.numel, dtype=torch.float32) for s in subgroups]
+        self._m = [torch.zeros(s.numel, dtype=moments_dtype) for s in subgroups]
+        self._v = [torch.zeros(s.numel, dtype=moments_dtype) for s in subgroups]
         self._threads = threads
 
     def plan(self):
         n = sum(p.numel() for p in self._params)
         return (
             f"optimizer state in host memory, stepped in place on the fp32 params: {len(self._params)} params, "
-            f"{n} elements, {8 * n} bytes of moments (the params are the master weights)"
+            f"{n} elements, {self._m[0].element_size() * 2 * n if self._m else 0} bytes of "
+            f"{self._m[0].dtype if self._m else 'no'} moments (the params are the master weights)"
         )
 
     def io_bytes(self):
@@ -172,8 +173,10 @@ class AdamW(torch.optim.Optimizer):
         for name, flag in (("maximize", maximize), ("capturable", capturable), ("differentiable", differentiable)):
             if flag:
                 raise ValueError(f"tierzero.torch.AdamW does not implement {name}=True")
-        if moments_dtype not in (torch.float32, "float32"):
-            raise ValueError(f"moments_dtype={moments_dtype}: only torch.float32 moments are implemented")
+        if moments_dtype in ("float32", "bfloat16"):
+            moments_dtype = getattr(torch, moments_dtype)
+        if moments_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"moments_dtype={moments_dtype}: torch.float32 or torch.bfloat16")
         if not 0.0 <= float(lr):
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -203,6 +206,12 @@ class AdamW(torch.optim.Optimizer):
             p.dtype == torch.float32 and p.device.type == "cpu" and p.is_contiguous() and home_of(p) is None
             for p in params
         )
+        if moments_dtype == torch.bfloat16 and not self._inplace:
+            raise ValueError(
+                "moments_dtype=torch.bfloat16 needs offload=\"cpu\" (or \"none\") over fp32 CPU params; "
+                "the NVMe state (and a master copy for non-fp32 params) keeps fp32 moments"
+            )
+        self.moments_dtype = moments_dtype
         if self._inplace:
             sub_group_size = max([p.numel() for p in params] + [1])
         self._subgroups: list[_SubGroup] = []
@@ -224,7 +233,7 @@ class AdamW(torch.optim.Optimizer):
             if sg.numel:
                 self._subgroups.append(sg)
         if self._inplace:
-            self._native = _InPlaceState(self._subgroups, threads)
+            self._native = _InPlaceState(self._subgroups, threads, moments_dtype)
         else:
             self._native = _OffloadAdam(
                 [s.numel for s in self._subgroups],
