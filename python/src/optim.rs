@@ -465,6 +465,138 @@ pub fn ds_offload_settings(py: Python<'_>, text: &str) -> PyResult<Py<pyo3::type
     Ok(d.unbind())
 }
 
+/// One param's tensors for an in-place step, checked: `param`, `grad`, `m`
+/// and `v` contiguous host tensors of one numel; float32, with `m` and `v`
+/// both float32 or both bfloat16; `param`, `m` and `v` writable.
+#[derive(Debug)]
+struct InPlaceItem {
+    hyper: AdamHyper,
+    step: u64,
+    /// param, grad, m, v (held: their memory stays valid while this lives).
+    t: [dlpack::HostTensor; 4],
+    numel: usize,
+    bf16_moments: bool,
+}
+
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the hyper-parameters of torch's param group"
+)]
+fn in_place_item(
+    step: u64,
+    lr: f64,
+    betas: [f64; 2],
+    eps: f64,
+    weight_decay: f64,
+    param: &Bound<'_, PyAny>,
+    grad: &Bound<'_, PyAny>,
+    m: &Bound<'_, PyAny>,
+    v: &Bound<'_, PyAny>,
+) -> PyResult<InPlaceItem> {
+    if step == 0 {
+        return Err(PyValueError::new_err("step is 1-based"));
+    }
+    let hyper = *adamw(lr, betas, eps, weight_decay, NonZeroUsize::MIN)?.hyper();
+    // Moments in float32, or both in bfloat16 (computed in f32, stored
+    // rounded: `tierzero::optim::Moments::Bf16`).
+    let mdt = if dlpack::host_tensor(m)?.dtype == dlpack::DTYPE_BF16 {
+        dlpack::DTYPE_BF16
+    } else {
+        dlpack::DTYPE_F32
+    };
+    let t = [
+        f32_tensor(param, "param")?,
+        f32_tensor(grad, "grad")?,
+        typed_tensor(m, "m", mdt)?,
+        typed_tensor(v, "v", mdt)?,
+    ];
+    let n = t[0].nbytes / 4;
+    let mbytes = n * usize::from(mdt.1 / 8);
+    if t[1].nbytes != n * 4 || t[2].nbytes != mbytes || t[3].nbytes != mbytes {
+        return Err(PyValueError::new_err(
+            "param, grad, m and v must have one numel (param and grad float32; m and v both float32 or both bfloat16)",
+        ));
+    }
+    if [0, 2, 3].iter().any(|&i| t[i].read_only) {
+        return Err(PyValueError::new_err("param, m and v must be writable"));
+    }
+    Ok(InPlaceItem {
+        hyper,
+        step,
+        t,
+        numel: n,
+        bf16_moments: mdt == dlpack::DTYPE_BF16,
+    })
+}
+
+/// Steps `items` in one call of the kernel (threads spawned once), with
+/// the GIL released. Refuses any two tensors of any items that share
+/// memory, before anything is stepped.
+fn step_in_place(
+    py: Python<'_>,
+    items: &[InPlaceItem],
+    threads: Option<usize>,
+    grad_scale: f32,
+) -> PyResult<()> {
+    let mut spans: Vec<(usize, usize)> = items
+        .iter()
+        .filter(|it| it.numel > 0)
+        .flat_map(|it| it.t.iter().map(|t| (t.addr, t.addr + t.nbytes)))
+        .collect();
+    spans.sort_unstable();
+    if spans.windows(2).any(|w| w[1].0 < w[0].1) {
+        return Err(PyValueError::new_err(
+            "param, grad, m and v must not overlap (within a param or across the params of one call)",
+        ));
+    }
+    let adam = adamw(1e-3, [0.9, 0.999], 1e-8, 0.0, threads_or_all(threads)?)?;
+    let mut steps = Vec::with_capacity(items.len());
+    for it in items.iter().filter(|it| it.numel > 0) {
+        let (t, n) = (&it.t, it.numel);
+        // SAFETY: contiguous host tensors of n elements each, aligned to
+        // their element size and of the dtypes checked by `in_place_item`,
+        // pairwise disjoint across every item (checked above), kept alive
+        // by `items` for this call; the Python caller does not touch them
+        // while it runs.
+        let (master, grad) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(t[0].addr as *mut f32, n),
+                std::slice::from_raw_parts(t[1].addr as *const f32, n),
+            )
+        };
+        let moments = if it.bf16_moments {
+            // SAFETY: as above; `half::bf16` is a transparent u16, and the
+            // tensors are 2-byte aligned (checked).
+            let (ms, vs) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(t[2].addr as *mut half::bf16, n),
+                    std::slice::from_raw_parts_mut(t[3].addr as *mut half::bf16, n),
+                )
+            };
+            tierzero::optim::Moments::Bf16 { m: ms, v: vs }
+        } else {
+            // SAFETY: as above, float32 and 4-byte aligned.
+            let (ms, vs) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(t[2].addr as *mut f32, n),
+                    std::slice::from_raw_parts_mut(t[3].addr as *mut f32, n),
+                )
+            };
+            tierzero::optim::Moments::F32 { m: ms, v: vs }
+        };
+        steps.push(tierzero::optim::StepItem {
+            hyper: it.hyper,
+            step: it.step,
+            master,
+            grad,
+            moments,
+            low_precision_out: None,
+            grad_scale: GradScale(grad_scale),
+        });
+    }
+    py.detach(|| adam.step_many(steps)).map_err(err)
+}
+
 /// One AdamW step in place over a param's own memory (`offload="cpu"` with
 /// fp32 params: the param is the master weight, as with DeepSpeed's CPU
 /// Adam): `param`, `grad`, `m` and `v` are contiguous host tensors of one
@@ -491,83 +623,51 @@ pub fn adamw_step_inplace(
     threads: Option<usize>,
     grad_scale: f32,
 ) -> PyResult<()> {
-    if step == 0 {
-        return Err(PyValueError::new_err("step is 1-based"));
-    }
-    let adam = adamw(
+    let item = in_place_item(
+        step,
         lr,
         [beta1, beta2],
         eps,
         weight_decay,
-        threads_or_all(threads)?,
+        param,
+        grad,
+        m,
+        v,
     )?;
-    // Moments in float32, or both in bfloat16 (computed in f32, stored
-    // rounded: `tierzero::optim::Moments::Bf16`).
-    let mdt = if dlpack::host_tensor(m)?.dtype == dlpack::DTYPE_BF16 {
-        dlpack::DTYPE_BF16
-    } else {
-        dlpack::DTYPE_F32
-    };
-    let t = [
-        f32_tensor(param, "param")?,
-        f32_tensor(grad, "grad")?,
-        typed_tensor(m, "m", mdt)?,
-        typed_tensor(v, "v", mdt)?,
-    ];
-    let n = t[0].nbytes / 4;
-    let mbytes = n * usize::from(mdt.1 / 8);
-    if t[1].nbytes != n * 4 || t[2].nbytes != mbytes || t[3].nbytes != mbytes {
-        return Err(PyValueError::new_err(
-            "param, grad, m and v must have one numel (param and grad float32; m and v both float32 or both bfloat16)",
-        ));
-    }
-    if [0, 2, 3].iter().any(|&i| t[i].read_only) {
-        return Err(PyValueError::new_err("param, m and v must be writable"));
-    }
-    let span = |i: usize| (t[i].addr, t[i].addr + t[i].nbytes);
-    for i in 0..4 {
-        for j in i + 1..4 {
-            let ((a0, a1), (b0, b1)) = (span(i), span(j));
-            if n > 0 && a0 < b1 && b0 < a1 {
-                return Err(PyValueError::new_err(
-                    "param, grad, m and v must not overlap",
-                ));
-            }
-        }
-    }
-    if n == 0 {
-        return Ok(());
-    }
-    // SAFETY: contiguous host tensors of n elements each, aligned to their
-    // element size and of the dtypes checked above, pairwise disjoint,
-    // kept alive by `t` for this call; the Python caller does not touch
-    // them while it runs.
-    let (p, g) = unsafe {
-        (
-            std::slice::from_raw_parts_mut(t[0].addr as *mut f32, n),
-            std::slice::from_raw_parts(t[1].addr as *const f32, n),
-        )
-    };
-    let moments = if mdt == dlpack::DTYPE_BF16 {
-        // SAFETY: as above; `half::bf16` is a transparent u16, and the
-        // tensors are 2-byte aligned (checked).
-        let (ms, vs) = unsafe {
-            (
-                std::slice::from_raw_parts_mut(t[2].addr as *mut half::bf16, n),
-                std::slice::from_raw_parts_mut(t[3].addr as *mut half::bf16, n),
+    step_in_place(py, &[item], threads, grad_scale)
+}
+
+/// [`adamw_step_inplace`] over many params in one call: `items` is a list
+/// of `(step, lr, beta1, beta2, eps, weight_decay, param, grad, m, v)`,
+/// each checked as there, all stepped with the kernel's threads spawned
+/// once (a spawn costs more than stepping a small param: see
+/// `tierzero::optim::par`). Nothing is stepped if any item is refused.
+#[pyfunction]
+#[pyo3(signature = (items, threads=None, grad_scale=1.0))]
+pub fn adamw_step_inplace_many(
+    py: Python<'_>,
+    items: &Bound<'_, PyAny>,
+    threads: Option<usize>,
+    grad_scale: f32,
+) -> PyResult<()> {
+    let mut checked = Vec::new();
+    for (i, item) in items.try_iter()?.enumerate() {
+        let item = item?;
+        let at = |k: usize| item.get_item(k);
+        let r = (|| {
+            in_place_item(
+                at(0)?.extract()?,
+                at(1)?.extract()?,
+                [at(2)?.extract()?, at(3)?.extract()?],
+                at(4)?.extract()?,
+                at(5)?.extract()?,
+                &at(6)?,
+                &at(7)?,
+                &at(8)?,
+                &at(9)?,
             )
-        };
-        tierzero::optim::Moments::Bf16 { m: ms, v: vs }
-    } else {
-        // SAFETY: as above, float32 and 4-byte aligned.
-        let (ms, vs) = unsafe {
-            (
-                std::slice::from_raw_parts_mut(t[2].addr as *mut f32, n),
-                std::slice::from_raw_parts_mut(t[3].addr as *mut f32, n),
-            )
-        };
-        tierzero::optim::Moments::F32 { m: ms, v: vs }
-    };
-    py.detach(|| adam.step(step, p, g, moments, None, GradScale(grad_scale)))
-        .map_err(err)
+        })();
+        checked.push(r.map_err(|e| PyValueError::new_err(format!("item {i}: {}", e.value(py))))?);
+    }
+    step_in_place(py, &checked, threads, grad_scale)
 }

@@ -91,6 +91,15 @@ class _InPlaceState:
             step, lr, beta1, beta2, eps, weight_decay, self._flat(i), grad, self._m[i], self._v[i], self._threads
         )
 
+    def step_groups(self, todo):
+        """Steps several sub-groups in one native call (the kernel's threads
+        are spawned once, not once per param): ``todo`` holds
+        ``(i, step, lr, beta1, beta2, eps, weight_decay, grad)``."""
+        _native.adamw_step_inplace_many(
+            [(st, lr, b1, b2, eps, wd, self._flat(i), g, self._m[i], self._v[i]) for i, st, lr, b1, b2, eps, wd, g in todo],
+            self._threads,
+        )
+
     def flush(self):
         pass
 
@@ -336,6 +345,23 @@ class AdamW(torch.optim.Optimizer):
             self._scatter_params(s, out)
         self._stepped.add(i)
 
+    def _step_in_place(self, todo):
+        """The in-place host path: every sub-group of ``todo`` in one call."""
+        work = []
+        for i in todo:
+            s = self._subgroups[i]
+            group = self.param_groups[s.group]
+            beta1, beta2 = group["betas"]
+            grad = self._gather_grads(s)
+            work.append(
+                (i, s.steps + 1, float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                 float(group["weight_decay"]), grad)
+            )
+        self._native.step_groups(work)
+        for i in todo:
+            self._subgroups[i].steps += 1
+            self._stepped.add(i)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -350,8 +376,11 @@ class AdamW(torch.optim.Optimizer):
             for i, s in enumerate(self._subgroups)
             if i not in self._stepped and any(p.grad is not None for p, *_ in s.pieces)
         ]
-        for k, i in enumerate(todo):
-            self._step_one(i, todo[k + 1] if k + 1 < len(todo) else None)
+        if self._inplace:
+            self._step_in_place(todo)
+        else:
+            for k, i in enumerate(todo):
+                self._step_one(i, todo[k + 1] if k + 1 < len(todo) else None)
         self._native.flush()
         self._stepped.clear()
         if self.step_in_backward:

@@ -406,6 +406,20 @@ impl<'a> par::Split for Tile<'a> {
     }
 }
 
+/// One tile of [`CpuAdam::step_many`]: what [`CpuAdam::step`] takes, with
+/// its own hyper-parameters.
+#[derive(Debug)]
+pub struct StepItem<'a> {
+    pub hyper: AdamHyper,
+    /// Adam's step count, 1-based.
+    pub step: u64,
+    pub master: &'a mut [f32],
+    pub grad: &'a [f32],
+    pub moments: Moments<'a>,
+    pub low_precision_out: Option<LowPrecisionOut<'a>>,
+    pub grad_scale: GradScale,
+}
+
 /// The CPU Adam optimizer: hyper-parameters, thread count and instruction set.
 /// It holds no state; moments live in the caller's (swapped) buffers.
 #[derive(Debug, Clone)]
@@ -474,6 +488,31 @@ impl CpuAdam {
         let isa = self.isa;
         par::for_each_chunk(tile, self.threads.get(), |chunk| {
             kernels::run_tile(isa, &scalars, chunk)
+        });
+        Ok(())
+    }
+
+    /// Steps several tiles, each with its own hyper-parameters and step
+    /// count (torch's param groups, per-param step counts), in one call:
+    /// the same kernel and bits as [`CpuAdam::step`] on each, with this
+    /// optimizer's threads spawned once for all of them. Every item is
+    /// validated before any is stepped. `self`'s own hyper-parameters are
+    /// not used.
+    pub fn step_many(&self, items: Vec<StepItem<'_>>) -> Result<(), OptimError> {
+        let mut tiles = Vec::with_capacity(items.len());
+        let mut scalars = Vec::with_capacity(items.len());
+        for item in items {
+            scalars.push(StepScalars::new(&item.hyper, item.step, item.grad_scale)?);
+            tiles.push(Tile::new(
+                item.master,
+                item.grad,
+                item.moments,
+                item.low_precision_out,
+            )?);
+        }
+        let isa = self.isa;
+        par::for_each_chunk_many(tiles, self.threads.get(), |i, chunk| {
+            kernels::run_tile(isa, &scalars[i], chunk)
         });
         Ok(())
     }

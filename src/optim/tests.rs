@@ -1035,3 +1035,116 @@ fn bf16_moments_long_run() {
     }
     assert!(b[steps - 1] < 0.01 * b[0], "bf16 run did not train");
 }
+
+/// `step_many` gives each tile the bits `step` gives it alone, with each
+/// item's own hyper-parameters and step count, at awkward sizes (empty,
+/// shorter than a SIMD width, more than one work chunk) and any thread count.
+#[test]
+fn step_many_matches_step_per_tile() {
+    let sizes = [
+        0usize,
+        1,
+        7,
+        1023,
+        WORK_CHUNK_NUMEL + 17,
+        3 * WORK_CHUNK_NUMEL - 5,
+    ];
+    let hypers: Vec<AdamHyper> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, _)| AdamHyper {
+            lr: 1e-3 * (i + 1) as f64,
+            weight_decay: if i % 2 == 0 { 0.1 } else { 0.0 },
+            beta1: 0.9 - 0.01 * i as f64,
+            ..hyper(AdamMode::AdamW)
+        })
+        .collect();
+    let want: Vec<State> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let mut s = make_state(n, 40 + i as u64);
+            let adam = CpuAdam::new(hypers[i], nz(1)).unwrap();
+            let (m, v) = (&mut s.m, &mut s.v);
+            adam.step(
+                (i + 1) as u64,
+                &mut s.p,
+                &s.g,
+                Moments::F32 { m, v },
+                None,
+                GradScale(0.5),
+            )
+            .unwrap();
+            s
+        })
+        .collect();
+    for threads in [1, 2, 3, 8] {
+        let mut got: Vec<State> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| make_state(n, 40 + i as u64))
+            .collect();
+        let items = got
+            .iter_mut()
+            .enumerate()
+            .map(|(i, s)| StepItem {
+                hyper: hypers[i],
+                step: (i + 1) as u64,
+                master: &mut s.p,
+                grad: &s.g,
+                moments: Moments::F32 {
+                    m: &mut s.m,
+                    v: &mut s.v,
+                },
+                low_precision_out: None,
+                grad_scale: GradScale(0.5),
+            })
+            .collect();
+        // The optimizer's own hyper-parameters are not used.
+        let adam = CpuAdam::new(hyper(AdamMode::L2), nz(threads)).unwrap();
+        adam.step_many(items).unwrap();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&g.p),
+                bits(&w.p),
+                "tile {i}, {threads} threads: params"
+            );
+            assert_eq!(bits(&g.m), bits(&w.m), "tile {i}, {threads} threads: m");
+            assert_eq!(bits(&g.v), bits(&w.v), "tile {i}, {threads} threads: v");
+        }
+    }
+    // A bad item fails the call before any tile is stepped.
+    let mut s = make_state(8, 1);
+    let before = s.p.clone();
+    let mut bad = make_state(8, 2);
+    let adam = CpuAdam::new(hyper(AdamMode::AdamW), nz(2)).unwrap();
+    let items = vec![
+        StepItem {
+            hyper: hypers[0],
+            step: 1,
+            master: &mut s.p,
+            grad: &s.g,
+            moments: Moments::F32 {
+                m: &mut s.m,
+                v: &mut s.v,
+            },
+            low_precision_out: None,
+            grad_scale: GradScale::ONE,
+        },
+        StepItem {
+            hyper: hypers[0],
+            step: 0,
+            master: &mut bad.p,
+            grad: &bad.g,
+            moments: Moments::F32 {
+                m: &mut bad.m,
+                v: &mut bad.v,
+            },
+            low_precision_out: None,
+            grad_scale: GradScale::ONE,
+        },
+    ];
+    assert_eq!(adam.step_many(items), Err(OptimError::StepZero));
+    assert_eq!(s.p, before);
+}
