@@ -50,6 +50,12 @@ fn typed_tensor(
     dtype: (u8, u8, u16),
 ) -> PyResult<dlpack::HostTensor> {
     let t = dlpack::host_tensor(obj)?;
+    check_dtype(&t, what, dtype)?;
+    Ok(t)
+}
+
+/// `t` is of `dtype` and aligned to its element size.
+fn check_dtype(t: &dlpack::HostTensor, what: &str, dtype: (u8, u8, u16)) -> PyResult<()> {
     if t.dtype != dtype {
         return Err(PyValueError::new_err(format!(
             "{what}: DLPack dtype {:?}, want {dtype:?} (float32 is (2, 32, 1), bfloat16 (4, 16, 1))",
@@ -57,12 +63,12 @@ fn typed_tensor(
         )));
     }
     let align = usize::from(dtype.1 / 8).max(1);
-    if t.addr % align != 0 {
+    if !t.addr.is_multiple_of(align) {
         return Err(PyValueError::new_err(format!(
             "{what}: not {align}-byte aligned"
         )));
     }
-    Ok(t)
+    Ok(())
 }
 
 /// `threads`, or every CPU this process may use.
@@ -472,44 +478,47 @@ pub fn ds_offload_settings(py: Python<'_>, text: &str) -> PyResult<Py<pyo3::type
 struct InPlaceItem {
     hyper: AdamHyper,
     step: u64,
-    /// param, grad, m, v (held: their memory stays valid while this lives).
-    t: [dlpack::HostTensor; 4],
+    /// param, grad, m, v: first byte and one past the last.
+    spans: [(usize, usize); 4],
     numel: usize,
     bf16_moments: bool,
+    /// The tensors this item imported, which keep its memory valid for the
+    /// call (cached moments are kept by their [`InPlaceMoments`]).
+    _held: Vec<dlpack::HostTensor>,
 }
 
-#[allow(
-    clippy::too_many_arguments,
-    reason = "the hyper-parameters of torch's param group"
-)]
-fn in_place_item(
-    step: u64,
-    lr: f64,
-    betas: [f64; 2],
-    eps: f64,
-    weight_decay: f64,
-    param: &Bound<'_, PyAny>,
-    grad: &Bound<'_, PyAny>,
-    m: &Bound<'_, PyAny>,
-    v: &Bound<'_, PyAny>,
-) -> PyResult<InPlaceItem> {
+/// Hyper-parameters and step count of one item, checked.
+fn item_hyper(step: u64, lr: f64, betas: [f64; 2], eps: f64, wd: f64) -> PyResult<AdamHyper> {
     if step == 0 {
         return Err(PyValueError::new_err("step is 1-based"));
     }
-    let hyper = *adamw(lr, betas, eps, weight_decay, NonZeroUsize::MIN)?.hyper();
-    // Moments in float32, or both in bfloat16 (computed in f32, stored
-    // rounded: `tierzero::optim::Moments::Bf16`).
-    let mdt = if dlpack::host_tensor(m)?.dtype == dlpack::DTYPE_BF16 {
+    Ok(*adamw(lr, betas, eps, wd, NonZeroUsize::MIN)?.hyper())
+}
+
+/// The moments' dtype of `m` (float32, or bfloat16 for both).
+fn moments_dtype(m: &dlpack::HostTensor) -> (u8, u8, u16) {
+    if m.dtype == dlpack::DTYPE_BF16 {
         dlpack::DTYPE_BF16
     } else {
         dlpack::DTYPE_F32
-    };
-    let t = [
-        f32_tensor(param, "param")?,
-        f32_tensor(grad, "grad")?,
-        typed_tensor(m, "m", mdt)?,
-        typed_tensor(v, "v", mdt)?,
-    ];
+    }
+}
+
+/// Checks one item's four tensors (see [`InPlaceItem`]); `held` are the
+/// ones imported for this call.
+fn in_place_item(
+    hyper: AdamHyper,
+    step: u64,
+    t: [&dlpack::HostTensor; 4],
+    held: Vec<dlpack::HostTensor>,
+) -> PyResult<InPlaceItem> {
+    let mdt = moments_dtype(t[2]);
+    for (k, what) in [(0, "param"), (1, "grad")] {
+        check_dtype(t[k], what, dlpack::DTYPE_F32)?;
+    }
+    for (k, what) in [(2, "m"), (3, "v")] {
+        check_dtype(t[k], what, mdt)?;
+    }
     let n = t[0].nbytes / 4;
     let mbytes = n * usize::from(mdt.1 / 8);
     if t[1].nbytes != n * 4 || t[2].nbytes != mbytes || t[3].nbytes != mbytes {
@@ -523,9 +532,10 @@ fn in_place_item(
     Ok(InPlaceItem {
         hyper,
         step,
-        t,
+        spans: t.map(|t| (t.addr, t.addr + t.nbytes)),
         numel: n,
         bf16_moments: mdt == dlpack::DTYPE_BF16,
+        _held: held,
     })
 }
 
@@ -541,7 +551,7 @@ fn step_in_place(
     let mut spans: Vec<(usize, usize)> = items
         .iter()
         .filter(|it| it.numel > 0)
-        .flat_map(|it| it.t.iter().map(|t| (t.addr, t.addr + t.nbytes)))
+        .flat_map(|it| it.spans)
         .collect();
     spans.sort_unstable();
     if spans.windows(2).any(|w| w[1].0 < w[0].1) {
@@ -552,16 +562,17 @@ fn step_in_place(
     let adam = adamw(1e-3, [0.9, 0.999], 1e-8, 0.0, threads_or_all(threads)?)?;
     let mut steps = Vec::with_capacity(items.len());
     for it in items.iter().filter(|it| it.numel > 0) {
-        let (t, n) = (&it.t, it.numel);
+        let (a, n) = (it.spans.map(|s| s.0), it.numel);
         // SAFETY: contiguous host tensors of n elements each, aligned to
         // their element size and of the dtypes checked by `in_place_item`,
         // pairwise disjoint across every item (checked above), kept alive
-        // by `items` for this call; the Python caller does not touch them
-        // while it runs.
+        // for this call by the item (`_held`) or by the `InPlaceMoments`
+        // that caches them; the Python caller does not touch them while it
+        // runs.
         let (master, grad) = unsafe {
             (
-                std::slice::from_raw_parts_mut(t[0].addr as *mut f32, n),
-                std::slice::from_raw_parts(t[1].addr as *const f32, n),
+                std::slice::from_raw_parts_mut(a[0] as *mut f32, n),
+                std::slice::from_raw_parts(a[1] as *const f32, n),
             )
         };
         let moments = if it.bf16_moments {
@@ -569,8 +580,8 @@ fn step_in_place(
             // tensors are 2-byte aligned (checked).
             let (ms, vs) = unsafe {
                 (
-                    std::slice::from_raw_parts_mut(t[2].addr as *mut half::bf16, n),
-                    std::slice::from_raw_parts_mut(t[3].addr as *mut half::bf16, n),
+                    std::slice::from_raw_parts_mut(a[2] as *mut half::bf16, n),
+                    std::slice::from_raw_parts_mut(a[3] as *mut half::bf16, n),
                 )
             };
             tierzero::optim::Moments::Bf16 { m: ms, v: vs }
@@ -578,8 +589,8 @@ fn step_in_place(
             // SAFETY: as above, float32 and 4-byte aligned.
             let (ms, vs) = unsafe {
                 (
-                    std::slice::from_raw_parts_mut(t[2].addr as *mut f32, n),
-                    std::slice::from_raw_parts_mut(t[3].addr as *mut f32, n),
+                    std::slice::from_raw_parts_mut(a[2] as *mut f32, n),
+                    std::slice::from_raw_parts_mut(a[3] as *mut f32, n),
                 )
             };
             tierzero::optim::Moments::F32 { m: ms, v: vs }
@@ -595,6 +606,83 @@ fn step_in_place(
         });
     }
     py.detach(|| adam.step_many(steps)).map_err(err)
+}
+
+/// The moments of the in-place host path, imported once: `tierzero.torch`
+/// keeps its `m` and `v` tensors here (it never replaces them; it copies
+/// into them), so a step imports only each param and its gradient.
+#[pyclass(name = "_InPlaceMoments", module = "tierzero._native")]
+#[derive(Debug)]
+pub struct InPlaceMoments {
+    m: Vec<dlpack::HostTensor>,
+    v: Vec<dlpack::HostTensor>,
+}
+
+#[pymethods]
+impl InPlaceMoments {
+    /// `m[i]` and `v[i]`: sub-group `i`'s moments, float32 or bfloat16.
+    #[new]
+    fn new(m: Vec<Bound<'_, PyAny>>, v: Vec<Bound<'_, PyAny>>) -> PyResult<Self> {
+        if m.len() != v.len() {
+            return Err(PyValueError::new_err(format!(
+                "{} m tensors and {} v tensors",
+                m.len(),
+                v.len()
+            )));
+        }
+        let import = |ts: Vec<Bound<'_, PyAny>>| -> PyResult<Vec<dlpack::HostTensor>> {
+            ts.iter().map(dlpack::host_tensor).collect()
+        };
+        Ok(InPlaceMoments {
+            m: import(m)?,
+            v: import(v)?,
+        })
+    }
+
+    /// Steps the sub-groups of `items`, a list of `(i, step, lr, beta1,
+    /// beta2, eps, weight_decay, param, grad)`, on their cached moments,
+    /// in one native call (see [`adamw_step_inplace_many`]).
+    #[pyo3(signature = (items, threads=None, grad_scale=1.0))]
+    fn step_many(
+        &self,
+        py: Python<'_>,
+        items: &Bound<'_, PyAny>,
+        threads: Option<usize>,
+        grad_scale: f32,
+    ) -> PyResult<()> {
+        let mut checked = Vec::new();
+        for (k, item) in items.try_iter()?.enumerate() {
+            let item = item?;
+            let r = (|| {
+                let at = |j: usize| item.get_item(j);
+                let i: usize = at(0)?.extract()?;
+                let (Some(m), Some(v)) = (self.m.get(i), self.v.get(i)) else {
+                    return Err(PyValueError::new_err(format!(
+                        "sub-group {i} of {}",
+                        self.m.len()
+                    )));
+                };
+                let step: u64 = at(1)?.extract()?;
+                let hyper = item_hyper(
+                    step,
+                    at(2)?.extract()?,
+                    [at(3)?.extract()?, at(4)?.extract()?],
+                    at(5)?.extract()?,
+                    at(6)?.extract()?,
+                )?;
+                let p = dlpack::host_tensor(&at(7)?)?;
+                let g = dlpack::host_tensor(&at(8)?)?;
+                let item = in_place_item(hyper, step, [&p, &g, m, v], Vec::new())?;
+                Ok(InPlaceItem {
+                    _held: vec![p, g],
+                    ..item
+                })
+            })();
+            checked
+                .push(r.map_err(|e| PyValueError::new_err(format!("item {k}: {}", e.value(py))))?);
+        }
+        step_in_place(py, &checked, threads, grad_scale)
+    }
 }
 
 /// One AdamW step in place over a param's own memory (`offload="cpu"` with
@@ -623,18 +711,37 @@ pub fn adamw_step_inplace(
     threads: Option<usize>,
     grad_scale: f32,
 ) -> PyResult<()> {
-    let item = in_place_item(
+    let item = imported_item(
         step,
         lr,
         [beta1, beta2],
         eps,
         weight_decay,
-        param,
-        grad,
-        m,
-        v,
+        [param, grad, m, v],
     )?;
     step_in_place(py, &[item], threads, grad_scale)
+}
+
+/// An item whose four tensors are imported now.
+fn imported_item(
+    step: u64,
+    lr: f64,
+    betas: [f64; 2],
+    eps: f64,
+    weight_decay: f64,
+    tensors: [&Bound<'_, PyAny>; 4],
+) -> PyResult<InPlaceItem> {
+    let hyper = item_hyper(step, lr, betas, eps, weight_decay)?;
+    let held = tensors
+        .iter()
+        .map(|t| dlpack::host_tensor(t))
+        .collect::<PyResult<Vec<_>>>()?;
+    let [p, g, m, v] = [&held[0], &held[1], &held[2], &held[3]];
+    let item = in_place_item(hyper, step, [p, g, m, v], Vec::new())?;
+    Ok(InPlaceItem {
+        _held: held,
+        ..item
+    })
 }
 
 /// [`adamw_step_inplace`] over many params in one call: `items` is a list
@@ -653,18 +760,15 @@ pub fn adamw_step_inplace_many(
     let mut checked = Vec::new();
     for (i, item) in items.try_iter()?.enumerate() {
         let item = item?;
-        let at = |k: usize| item.get_item(k);
         let r = (|| {
-            in_place_item(
+            let at = |k: usize| item.get_item(k);
+            imported_item(
                 at(0)?.extract()?,
                 at(1)?.extract()?,
                 [at(2)?.extract()?, at(3)?.extract()?],
                 at(4)?.extract()?,
                 at(5)?.extract()?,
-                &at(6)?,
-                &at(7)?,
-                &at(8)?,
-                &at(9)?,
+                [&at(6)?, &at(7)?, &at(8)?, &at(9)?],
             )
         })();
         checked.push(r.map_err(|e| PyValueError::new_err(format!("item {i}: {}", e.value(py))))?);

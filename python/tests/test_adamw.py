@@ -270,3 +270,32 @@ def test_in_place_many_equals_one_call_per_param():
         )
     for x, y in zip(before, many[3]):
         assert torch.equal(x, y)
+
+
+def test_in_place_moments_cache_equals_one_call_per_param():
+    """_InPlaceMoments (the in-place path's m and v, imported once) steps
+    every param as adamw_step_inplace does; a bad index, or a param that
+    overlaps a cached moment, is refused before anything is stepped."""
+    from tierzero import _native
+
+    sizes = [1, 7, 4097, (1 << 18) + 5]
+    gen = torch.Generator().manual_seed(5)
+    ps = [torch.randn(n, generator=gen) for n in sizes]
+    gs = [torch.randn(n, generator=gen) for n in sizes]
+    ref = [(p.clone(), torch.zeros(n), torch.zeros(n)) for p, n in zip(ps, sizes)]
+    ms, vs = [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes]
+    cache = _native._InPlaceMoments(ms, vs)
+    for step in (1, 2, 3):
+        for k, (p, m, v) in enumerate(ref):
+            _native.adamw_step_inplace(step, 1e-3 * (k + 1), 0.9, 0.999, 1e-8, 0.1, p, gs[k], m, v, 2)
+        cache.step_many([(k, step, 1e-3 * (k + 1), 0.9, 0.999, 1e-8, 0.1, ps[k], gs[k]) for k in range(len(sizes))], 2)
+    for k, (p, m, v) in enumerate(ref):
+        assert torch.equal(p, ps[k]) and torch.equal(m, ms[k]) and torch.equal(v, vs[k])
+    before = ps[0].clone()
+    with pytest.raises(ValueError, match="sub-group 9 of 4"):
+        cache.step_many([(0, 4, 1e-3, 0.9, 0.999, 1e-8, 0.0, ps[0], gs[0]), (9, 4, 1e-3, 0.9, 0.999, 1e-8, 0.0, ps[0], gs[0])])
+    with pytest.raises(ValueError, match="overlap"):
+        cache.step_many([(0, 4, 1e-3, 0.9, 0.999, 1e-8, 0.0, ps[0], gs[0]), (1, 4, 1e-3, 0.9, 0.999, 1e-8, 0.0, ms[1], gs[1])])
+    assert torch.equal(ps[0], before)
+    with pytest.raises(ValueError, match="2 m tensors and 1 v"):
+        _native._InPlaceMoments(ms[:2], vs[:1])

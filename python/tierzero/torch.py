@@ -60,6 +60,8 @@ class _InPlaceState:
         self._params = [s.pieces[0][0] for s in subgroups]
         self._m = [torch.zeros(s.numel, dtype=moments_dtype) for s in subgroups]
         self._v = [torch.zeros(s.numel, dtype=moments_dtype) for s in subgroups]
+        # m and v imported once: they are never replaced, only copied into.
+        self._moments = _native._InPlaceMoments(self._m, self._v)
         self._threads = threads
 
     def plan(self):
@@ -95,8 +97,8 @@ class _InPlaceState:
         """Steps several sub-groups in one native call (the kernel's threads
         are spawned once, not once per param): ``todo`` holds
         ``(i, step, lr, beta1, beta2, eps, weight_decay, grad)``."""
-        _native.adamw_step_inplace_many(
-            [(st, lr, b1, b2, eps, wd, self._flat(i), g, self._m[i], self._v[i]) for i, st, lr, b1, b2, eps, wd, g in todo],
+        self._moments.step_many(
+            [(i, st, lr, b1, b2, eps, wd, self._params[i].detach(), g) for i, st, lr, b1, b2, eps, wd, g in todo],
             self._threads,
         )
 
@@ -303,6 +305,8 @@ class AdamW(torch.optim.Optimizer):
                 return torch.zeros(s.numel, dtype=torch.float32)
             if g.is_sparse:
                 raise RuntimeError("tierzero.torch.AdamW does not support sparse gradients")
+            if g.dtype == torch.float32 and not g.requires_grad and g.is_contiguous():
+                return g  # as it is: the binding reads any contiguous shape
             return g.detach().reshape(-1).to(torch.float32).contiguous()
         buf = self._grad_buf[: s.numel]
         for p, a, b, off in s.pieces:
