@@ -608,6 +608,24 @@ fn step_in_place(
     py.detach(|| adam.step_many(steps)).map_err(err)
 }
 
+/// Checks every item of the Python list `items` with `check`, naming the
+/// first refused one (`item k: ...`); nothing is stepped before all pass.
+fn check_items<'py>(
+    py: Python<'py>,
+    items: &Bound<'py, PyAny>,
+    check: impl Fn(&dyn Fn(usize) -> PyResult<Bound<'py, PyAny>>) -> PyResult<InPlaceItem>,
+) -> PyResult<Vec<InPlaceItem>> {
+    let mut checked = Vec::new();
+    for (k, item) in items.try_iter()?.enumerate() {
+        let item = item?;
+        let at = |j: usize| item.get_item(j);
+        checked.push(
+            check(&at).map_err(|e| PyValueError::new_err(format!("item {k}: {}", e.value(py))))?,
+        );
+    }
+    Ok(checked)
+}
+
 /// The moments of the in-place host path, imported once: `tierzero.torch`
 /// keeps its `m` and `v` tensors here (it never replaces them; it copies
 /// into them), so a step imports only each param and its gradient.
@@ -650,37 +668,30 @@ impl InPlaceMoments {
         threads: Option<usize>,
         grad_scale: f32,
     ) -> PyResult<()> {
-        let mut checked = Vec::new();
-        for (k, item) in items.try_iter()?.enumerate() {
-            let item = item?;
-            let r = (|| {
-                let at = |j: usize| item.get_item(j);
-                let i: usize = at(0)?.extract()?;
-                let (Some(m), Some(v)) = (self.m.get(i), self.v.get(i)) else {
-                    return Err(PyValueError::new_err(format!(
-                        "sub-group {i} of {}",
-                        self.m.len()
-                    )));
-                };
-                let step: u64 = at(1)?.extract()?;
-                let hyper = item_hyper(
-                    step,
-                    at(2)?.extract()?,
-                    [at(3)?.extract()?, at(4)?.extract()?],
-                    at(5)?.extract()?,
-                    at(6)?.extract()?,
-                )?;
-                let p = dlpack::host_tensor(&at(7)?)?;
-                let g = dlpack::host_tensor(&at(8)?)?;
-                let item = in_place_item(hyper, step, [&p, &g, m, v], Vec::new())?;
-                Ok(InPlaceItem {
-                    _held: vec![p, g],
-                    ..item
-                })
-            })();
-            checked
-                .push(r.map_err(|e| PyValueError::new_err(format!("item {k}: {}", e.value(py))))?);
-        }
+        let checked = check_items(py, items, |at| {
+            let i: usize = at(0)?.extract()?;
+            let (Some(m), Some(v)) = (self.m.get(i), self.v.get(i)) else {
+                return Err(PyValueError::new_err(format!(
+                    "sub-group {i} of {}",
+                    self.m.len()
+                )));
+            };
+            let step: u64 = at(1)?.extract()?;
+            let hyper = item_hyper(
+                step,
+                at(2)?.extract()?,
+                [at(3)?.extract()?, at(4)?.extract()?],
+                at(5)?.extract()?,
+                at(6)?.extract()?,
+            )?;
+            let p = dlpack::host_tensor(&at(7)?)?;
+            let g = dlpack::host_tensor(&at(8)?)?;
+            let item = in_place_item(hyper, step, [&p, &g, m, v], Vec::new())?;
+            Ok(InPlaceItem {
+                _held: vec![p, g],
+                ..item
+            })
+        })?;
         step_in_place(py, &checked, threads, grad_scale)
     }
 }
@@ -757,21 +768,15 @@ pub fn adamw_step_inplace_many(
     threads: Option<usize>,
     grad_scale: f32,
 ) -> PyResult<()> {
-    let mut checked = Vec::new();
-    for (i, item) in items.try_iter()?.enumerate() {
-        let item = item?;
-        let r = (|| {
-            let at = |k: usize| item.get_item(k);
-            imported_item(
-                at(0)?.extract()?,
-                at(1)?.extract()?,
-                [at(2)?.extract()?, at(3)?.extract()?],
-                at(4)?.extract()?,
-                at(5)?.extract()?,
-                [&at(6)?, &at(7)?, &at(8)?, &at(9)?],
-            )
-        })();
-        checked.push(r.map_err(|e| PyValueError::new_err(format!("item {i}: {}", e.value(py))))?);
-    }
+    let checked = check_items(py, items, |at| {
+        imported_item(
+            at(0)?.extract()?,
+            at(1)?.extract()?,
+            [at(2)?.extract()?, at(3)?.extract()?],
+            at(4)?.extract()?,
+            at(5)?.extract()?,
+            [&at(6)?, &at(7)?, &at(8)?, &at(9)?],
+        )
+    })?;
     step_in_place(py, &checked, threads, grad_scale)
 }
