@@ -342,15 +342,16 @@ impl OffloadAdam {
                 g.nbytes, o.nbytes
             )));
         }
+        if n > 0 && g.addr < o.addr + n * 4 && o.addr < g.addr + n * 4 {
+            return Err(PyValueError::new_err("grad and out overlap"));
+        }
         // SAFETY: contiguous float32 host tensors of n elements (checked),
         // alive for this call (their owners are held by `g` and `o`); the
         // Python caller does not touch them while the call runs.
         let grad_s = unsafe { std::slice::from_raw_parts(g.addr as *const f32, n) };
-        // SAFETY: as above; `out` is writable and distinct from `grad`.
+        // SAFETY: as above; `out` is writable and distinct from `grad`
+        // (checked before either slice exists).
         let out_s = unsafe { std::slice::from_raw_parts_mut(o.addr as *mut f32, n) };
-        if g.addr < o.addr + n * 4 && o.addr < g.addr + n * 4 {
-            return Err(PyValueError::new_err("grad and out overlap"));
-        }
         py.detach(|| -> tierzero::engine::Result<()> {
             let mut st = self.locked();
             // A read issued for another sub-group (the caller's guess of the
