@@ -29,6 +29,8 @@ pub const DEVICE_CUDA_HOST: i32 = 3;
 pub const DTYPE_F32: (u8, u8, u16) = (2, 32, 1);
 /// DLPack dtype of bfloat16.
 pub const DTYPE_BF16: (u8, u8, u16) = (4, 16, 1);
+/// DLPack's float16: `(kDLFloat, 16, 1)`.
+pub const DTYPE_F16: (u8, u8, u16) = (2, 16, 1);
 /// `DLPACK_FLAG_BITMASK_READ_ONLY`.
 const FLAG_READ_ONLY: u64 = 1;
 

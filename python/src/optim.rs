@@ -27,7 +27,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use tierzero::engine::optimizer::state::{NvmeOptim, OptimizerState, PoolSize};
 use tierzero::engine::{sizing, SubGroupId};
-use tierzero::optim::{AdamHyper, AdamMode, CpuAdam, GradScale};
+use tierzero::optim::{AdamHyper, AdamMode, CpuAdam, GradScale, LowPrecisionOut};
 use tierzero_swap::{
     ArenaConfig, Engine, EngineConfig, LockPolicy, PinnedArena, SpaceConfig, SwapSpace,
 };
@@ -303,7 +303,9 @@ impl OffloadAdam {
 
     /// One AdamW step (1-based `step`) of sub-group `sg` with `grad` (float32
     /// host tensor of its numel), writing the updated master into `out` (a
-    /// float32 host tensor of its numel). `next`: the sub-group stepped
+    /// host tensor of its numel): float32, or bfloat16 / float16, which the
+    /// kernel writes in the same pass as the step (the fused low-precision
+    /// copy: round to nearest even, as torch's cast). `next`: the sub-group stepped
     /// after this one, whose state read is issued first. `grad_scale`
     /// multiplies the gradient.
     #[allow(
@@ -335,23 +337,46 @@ impl OffloadAdam {
         }
         let adam = adamw(lr, [beta1, beta2], eps, weight_decay, self.threads)?;
         let g = f32_tensor(grad, "grad")?;
-        let o = f32_tensor(out, "out")?;
-        if g.nbytes != n * 4 || o.nbytes != n * 4 || o.read_only {
+        let o = dlpack::host_tensor(out)?;
+        let out_dtype = o.dtype;
+        if ![dlpack::DTYPE_F32, dlpack::DTYPE_BF16, dlpack::DTYPE_F16].contains(&out_dtype) {
             return Err(PyValueError::new_err(format!(
-                "step of sub-group {sg}: grad and out must be float32 tensors of {n} elements (got {} and {} bytes)",
+                "out: DLPack dtype {out_dtype:?}: float32, bfloat16 or float16"
+            )));
+        }
+        check_dtype(&o, "out", out_dtype)?;
+        let out_bytes = n * usize::from(out_dtype.1 / 8);
+        if g.nbytes != n * 4 || o.nbytes != out_bytes || o.read_only {
+            return Err(PyValueError::new_err(format!(
+                "step of sub-group {sg}: grad (float32) and a writable out must have {n} elements (got {} and {} bytes)",
                 g.nbytes, o.nbytes
             )));
         }
-        if n > 0 && g.addr < o.addr + n * 4 && o.addr < g.addr + n * 4 {
+        if n > 0 && g.addr < o.addr + out_bytes && o.addr < g.addr + n * 4 {
             return Err(PyValueError::new_err("grad and out overlap"));
         }
-        // SAFETY: contiguous float32 host tensors of n elements (checked),
-        // alive for this call (their owners are held by `g` and `o`); the
-        // Python caller does not touch them while the call runs.
+        // SAFETY: a contiguous float32 host tensor of n elements (checked),
+        // alive for this call (its owners are held by `g`); the Python
+        // caller does not touch it while the call runs.
         let grad_s = unsafe { std::slice::from_raw_parts(g.addr as *const f32, n) };
-        // SAFETY: as above; `out` is writable and distinct from `grad`
-        // (checked before either slice exists).
-        let out_s = unsafe { std::slice::from_raw_parts_mut(o.addr as *mut f32, n) };
+        // `out` as the kernel's fused copy, or as the fp32 master's target.
+        let (mut out_f32, low) = if out_dtype == dlpack::DTYPE_F32 {
+            // SAFETY: as above, float32 and 4-byte aligned; writable and
+            // distinct from `grad` (checked before either slice exists).
+            (
+                Some(unsafe { std::slice::from_raw_parts_mut(o.addr as *mut f32, n) }),
+                None,
+            )
+        } else if out_dtype == dlpack::DTYPE_BF16 {
+            // SAFETY: as above; `half::bf16` is a transparent u16 and the
+            // tensor is 2-byte aligned (checked).
+            let s = unsafe { std::slice::from_raw_parts_mut(o.addr as *mut half::bf16, n) };
+            (None, Some(LowPrecisionOut::Bf16(s)))
+        } else {
+            // SAFETY: as for bfloat16; `half::f16` is a transparent u16.
+            let s = unsafe { std::slice::from_raw_parts_mut(o.addr as *mut half::f16, n) };
+            (None, Some(LowPrecisionOut::F16(s)))
+        };
         py.detach(|| -> tierzero::engine::Result<()> {
             let mut st = self.locked();
             // A read issued for another sub-group (the caller's guess of the
@@ -370,9 +395,11 @@ impl OffloadAdam {
                 step,
                 Some(grad_s),
                 GradScale(grad_scale),
-                None,
+                low,
                 &mut |master| {
-                    out_s.copy_from_slice(master);
+                    if let Some(o) = out_f32.as_mut() {
+                        o.copy_from_slice(master);
+                    }
                     Ok(())
                 },
                 false,

@@ -10,8 +10,11 @@ through pinned buffers). PyTorch does the forward, backward and autograd;
   most ``sub_group_size`` elements (DeepSpeed's name and default, 1e9);
 - for sub-group ``i``: its state read was issued while ``i - 1`` was
   stepped (NVMe), its gradients are gathered into one fp32 buffer, AdamW
-  runs with the GIL released, and the new fp32 master is copied into the
-  params (any dtype, CPU or CUDA); its state write goes on while ``i + 1``
+  runs with the GIL released, and the new params are written in the same
+  pass: straight into a live CPU param's memory where the sub-group is one
+  piece of it, else into a buffer of the params' dtype (bf16 and fp16: the
+  kernel's fused rounded copy) that is copied into the params (CPU or
+  CUDA) after; its state write goes on while ``i + 1``
   is stepped. Host memory is two sub-groups of buffers, not the model.
 
 Semantics are ``torch.optim.AdamW``'s (decoupled weight decay, bias
@@ -260,7 +263,8 @@ class AdamW(torch.optim.Optimizer):
         }
         largest = max((s.numel for s in self._subgroups), default=0) if not self._inplace else 0
         self._grad_buf = torch.empty(largest, dtype=torch.float32)
-        self._out_buf = torch.empty(largest, dtype=torch.float32)
+        self._largest = largest
+        self._out_bufs = {}  # dtype -> the kernel's output for scattered sub-groups
         if not self._inplace:
             with torch.no_grad():
                 for i, s in enumerate(self._subgroups):
@@ -332,7 +336,7 @@ class AdamW(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         s.steps += 1
         grad = self._gather_grads(s)
-        out = self._out_buf[: s.numel] if not self._inplace else None
+        out, direct = self._out_for(s)
         self._native.step_group(
             i,
             s.steps,
@@ -345,9 +349,28 @@ class AdamW(torch.optim.Optimizer):
             out,
             next_sg,
         )
-        if out is not None:
+        if not direct:
             self._scatter_params(s, out)
         self._stepped.add(i)
+
+    def _out_for(self, s: _SubGroup):
+        """Where the kernel writes sub-group ``s``'s new params, and whether
+        that is the params themselves: a sub-group that is one piece of one
+        live CPU param gets the param's own memory; otherwise a buffer of the
+        params' dtype (bf16 and fp16 params get the kernel's fused
+        low-precision copy, as torch's cast rounds it), scattered after."""
+        dtypes = {(home_of(p).dtype if home_of(p) is not None else p.dtype) for p, *_ in s.pieces}
+        dt = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        if dt not in (torch.float32, torch.bfloat16, torch.float16):
+            dt = torch.float32
+        if len(s.pieces) == 1:
+            (p, a, b, _), = s.pieces
+            if home_of(p) is None and p.device.type == "cpu" and p.dtype == dt:
+                return p.detach().view(-1)[a:b], True
+        buf = self._out_bufs.get(dt)
+        if buf is None or buf.numel() < s.numel:
+            buf = self._out_bufs[dt] = torch.empty(self._largest, dtype=dt)
+        return buf[: s.numel], False
 
     def _step_in_place(self, todo):
         """The in-place host path: every sub-group of ``todo`` in one call."""
