@@ -18,3 +18,27 @@ def run(n, k, threads, reps=7):
 for threads in (1,2):
     for n,k in ((50_000_000,1),(5_000_000,10),(500_000,100),(50_000,1000)):
         print(threads, n, k, f"{run(n,k,threads)*1e3:.2f} ms")
+
+# The binding's cost per param: 500 params of 8 elements, all in one call
+# (the in-place AdamW path: _InPlaceMoments.step_many imports each param and
+# its gradient; the moments were imported once), and one adamw_step_inplace
+# call per param (four DLPack imports each).
+K = 500
+small = [[torch.randn(8) for _ in range(4)] for _ in range(K)]
+cache = _native._InPlaceMoments([t[2] for t in small], [t[3] for t in small])
+items = [(i, 1, 1e-3, 0.9, 0.999, 1e-8, 0.01, t[0], t[1]) for i, t in enumerate(small)]
+
+
+def per_call():
+    for p, g, m, v in small:
+        _native.adamw_step_inplace(1, 1e-3, 0.9, 0.999, 1e-8, 0.01, p, g, m, v, 2)
+
+
+for name, f in (("step_many, 500 x 8 elements", lambda: cache.step_many(items, 2)),
+                ("adamw_step_inplace per param, 500 x 8 elements", per_call)):
+    ts = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t0)
+    print(f"{name}: {statistics.median(ts[1:]) * 1e3:.2f} ms ({statistics.median(ts[1:]) / K * 1e6:.1f} us a param)")

@@ -388,7 +388,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("AioError", m.py().get_type::<AioError>())?;
     m.add_function(wrap_pyfunction!(optim::ds_offload_settings, m)?)?;
     m.add_function(wrap_pyfunction!(optim::adamw_step_inplace, m)?)?;
-    m.add_function(wrap_pyfunction!(optim::adamw_step_inplace_many, m)?)?;
     m.add_class::<optim::InPlaceMoments>()?;
     m.add_function(wrap_pyfunction!(mlock, m)?)?;
     m.add_function(wrap_pyfunction!(munlock, m)?)?;

@@ -80,15 +80,9 @@ fn threads_or_all(threads: Option<usize>) -> PyResult<NonZeroUsize> {
     .ok_or_else(|| PyValueError::new_err("threads must be >= 1"))
 }
 
-/// torch's AdamW (decoupled decay, bias correction) with these settings;
+/// torch's AdamW settings (decoupled decay, bias correction), validated:
 /// out-of-range values are torch's `ValueError`s.
-fn adamw(
-    lr: f64,
-    betas: [f64; 2],
-    eps: f64,
-    weight_decay: f64,
-    threads: NonZeroUsize,
-) -> PyResult<CpuAdam> {
+fn torch_hyper(lr: f64, betas: [f64; 2], eps: f64, weight_decay: f64) -> PyResult<AdamHyper> {
     let hyper = AdamHyper {
         lr,
         beta1: betas[0],
@@ -98,6 +92,14 @@ fn adamw(
         mode: AdamMode::AdamW,
         bias_correction: true,
     };
+    hyper
+        .validate()
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    Ok(hyper)
+}
+
+/// The kernel on `threads` threads with `hyper`.
+fn cpu_adam(hyper: AdamHyper, threads: NonZeroUsize) -> PyResult<CpuAdam> {
     CpuAdam::new(hyper, threads).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
@@ -335,7 +337,10 @@ impl OffloadAdam {
         if step == 0 {
             return Err(PyValueError::new_err("step is 1-based"));
         }
-        let adam = adamw(lr, [beta1, beta2], eps, weight_decay, self.threads)?;
+        let adam = cpu_adam(
+            torch_hyper(lr, [beta1, beta2], eps, weight_decay)?,
+            self.threads,
+        )?;
         let g = f32_tensor(grad, "grad")?;
         let o = dlpack::host_tensor(out)?;
         let out_dtype = o.dtype;
@@ -520,7 +525,7 @@ fn item_hyper(step: u64, lr: f64, betas: [f64; 2], eps: f64, wd: f64) -> PyResul
     if step == 0 {
         return Err(PyValueError::new_err("step is 1-based"));
     }
-    Ok(*adamw(lr, betas, eps, wd, NonZeroUsize::MIN)?.hyper())
+    torch_hyper(lr, betas, eps, wd)
 }
 
 /// The moments' dtype of `m` (float32, or bfloat16 for both).
@@ -532,13 +537,12 @@ fn moments_dtype(m: &dlpack::HostTensor) -> (u8, u8, u16) {
     }
 }
 
-/// Checks one item's four tensors (see [`InPlaceItem`]); `held` are the
-/// ones imported for this call.
+/// Checks one item's four tensors (see [`InPlaceItem`]); the caller makes
+/// the item hold the ones it imported.
 fn in_place_item(
     hyper: AdamHyper,
     step: u64,
     t: [&dlpack::HostTensor; 4],
-    held: Vec<dlpack::HostTensor>,
 ) -> PyResult<InPlaceItem> {
     let mdt = moments_dtype(t[2]);
     for (k, what) in [(0, "param"), (1, "grad")] {
@@ -563,7 +567,7 @@ fn in_place_item(
         spans: t.map(|t| (t.addr, t.addr + t.nbytes)),
         numel: n,
         bf16_moments: mdt == dlpack::DTYPE_BF16,
-        _held: held,
+        _held: Vec::new(),
     })
 }
 
@@ -587,7 +591,8 @@ fn step_in_place(
             "param, grad, m and v must not overlap (within a param or across the params of one call)",
         ));
     }
-    let adam = adamw(1e-3, [0.9, 0.999], 1e-8, 0.0, threads_or_all(threads)?)?;
+    // Each item carries its own hyper-parameters (`CpuAdam::step_many`).
+    let adam = cpu_adam(AdamHyper::default(), threads_or_all(threads)?)?;
     let mut steps = Vec::with_capacity(items.len());
     for it in items.iter().filter(|it| it.numel > 0) {
         let (a, n) = (it.spans.map(|s| s.0), it.numel);
@@ -636,24 +641,6 @@ fn step_in_place(
     py.detach(|| adam.step_many(steps)).map_err(err)
 }
 
-/// Checks every item of the Python list `items` with `check`, naming the
-/// first refused one (`item k: ...`); nothing is stepped before all pass.
-fn check_items<'py>(
-    py: Python<'py>,
-    items: &Bound<'py, PyAny>,
-    check: impl Fn(&dyn Fn(usize) -> PyResult<Bound<'py, PyAny>>) -> PyResult<InPlaceItem>,
-) -> PyResult<Vec<InPlaceItem>> {
-    let mut checked = Vec::new();
-    for (k, item) in items.try_iter()?.enumerate() {
-        let item = item?;
-        let at = |j: usize| item.get_item(j);
-        checked.push(
-            check(&at).map_err(|e| PyValueError::new_err(format!("item {k}: {}", e.value(py))))?,
-        );
-    }
-    Ok(checked)
-}
-
 /// The moments of the in-place host path, imported once: `tierzero.torch`
 /// keeps its `m` and `v` tensors here (it never replaces them; it copies
 /// into them), so a step imports only each param and its gradient.
@@ -662,6 +649,36 @@ fn check_items<'py>(
 pub struct InPlaceMoments {
     m: Vec<dlpack::HostTensor>,
     v: Vec<dlpack::HostTensor>,
+}
+
+impl InPlaceMoments {
+    /// One `(i, step, lr, beta1, beta2, eps, weight_decay, param, grad)`
+    /// item on sub-group `i`'s cached moments, checked.
+    fn item(&self, item: &Bound<'_, PyAny>) -> PyResult<InPlaceItem> {
+        let at = |j: usize| item.get_item(j);
+        let i: usize = at(0)?.extract()?;
+        let (Some(m), Some(v)) = (self.m.get(i), self.v.get(i)) else {
+            return Err(PyValueError::new_err(format!(
+                "sub-group {i} of {}",
+                self.m.len()
+            )));
+        };
+        let step: u64 = at(1)?.extract()?;
+        let hyper = item_hyper(
+            step,
+            at(2)?.extract()?,
+            [at(3)?.extract()?, at(4)?.extract()?],
+            at(5)?.extract()?,
+            at(6)?.extract()?,
+        )?;
+        let p = dlpack::host_tensor(&at(7)?)?;
+        let g = dlpack::host_tensor(&at(8)?)?;
+        let checked = in_place_item(hyper, step, [&p, &g, m, v])?;
+        Ok(InPlaceItem {
+            _held: vec![p, g],
+            ..checked
+        })
+    }
 }
 
 #[pymethods]
@@ -687,7 +704,9 @@ impl InPlaceMoments {
 
     /// Steps the sub-groups of `items`, a list of `(i, step, lr, beta1,
     /// beta2, eps, weight_decay, param, grad)`, on their cached moments,
-    /// in one native call (see [`adamw_step_inplace_many`]).
+    /// in one native call: the kernel's threads are spawned once (a spawn
+    /// costs more than stepping a small param: see `tierzero::optim::par`),
+    /// and nothing is stepped if any item is refused.
     #[pyo3(signature = (items, threads=None, grad_scale=1.0))]
     fn step_many(
         &self,
@@ -696,30 +715,13 @@ impl InPlaceMoments {
         threads: Option<usize>,
         grad_scale: f32,
     ) -> PyResult<()> {
-        let checked = check_items(py, items, |at| {
-            let i: usize = at(0)?.extract()?;
-            let (Some(m), Some(v)) = (self.m.get(i), self.v.get(i)) else {
-                return Err(PyValueError::new_err(format!(
-                    "sub-group {i} of {}",
-                    self.m.len()
-                )));
-            };
-            let step: u64 = at(1)?.extract()?;
-            let hyper = item_hyper(
-                step,
-                at(2)?.extract()?,
-                [at(3)?.extract()?, at(4)?.extract()?],
-                at(5)?.extract()?,
-                at(6)?.extract()?,
-            )?;
-            let p = dlpack::host_tensor(&at(7)?)?;
-            let g = dlpack::host_tensor(&at(8)?)?;
-            let item = in_place_item(hyper, step, [&p, &g, m, v], Vec::new())?;
-            Ok(InPlaceItem {
-                _held: vec![p, g],
-                ..item
-            })
-        })?;
+        let mut checked = Vec::new();
+        for (k, item) in items.try_iter()?.enumerate() {
+            let item = self
+                .item(&item?)
+                .map_err(|e| PyValueError::new_err(format!("item {k}: {}", e.value(py))))?;
+            checked.push(item);
+        }
         step_in_place(py, &checked, threads, grad_scale)
     }
 }
@@ -775,36 +777,9 @@ fn imported_item(
         .iter()
         .map(|t| dlpack::host_tensor(t))
         .collect::<PyResult<Vec<_>>>()?;
-    let [p, g, m, v] = [&held[0], &held[1], &held[2], &held[3]];
-    let item = in_place_item(hyper, step, [p, g, m, v], Vec::new())?;
+    let item = in_place_item(hyper, step, [&held[0], &held[1], &held[2], &held[3]])?;
     Ok(InPlaceItem {
         _held: held,
         ..item
     })
-}
-
-/// [`adamw_step_inplace`] over many params in one call: `items` is a list
-/// of `(step, lr, beta1, beta2, eps, weight_decay, param, grad, m, v)`,
-/// each checked as there, all stepped with the kernel's threads spawned
-/// once (a spawn costs more than stepping a small param: see
-/// `tierzero::optim::par`). Nothing is stepped if any item is refused.
-#[pyfunction]
-#[pyo3(signature = (items, threads=None, grad_scale=1.0))]
-pub fn adamw_step_inplace_many(
-    py: Python<'_>,
-    items: &Bound<'_, PyAny>,
-    threads: Option<usize>,
-    grad_scale: f32,
-) -> PyResult<()> {
-    let checked = check_items(py, items, |at| {
-        imported_item(
-            at(0)?.extract()?,
-            at(1)?.extract()?,
-            [at(2)?.extract()?, at(3)?.extract()?],
-            at(4)?.extract()?,
-            at(5)?.extract()?,
-            [&at(6)?, &at(7)?, &at(8)?, &at(9)?],
-        )
-    })?;
-    step_in_place(py, &checked, threads, grad_scale)
 }

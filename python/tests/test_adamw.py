@@ -233,9 +233,10 @@ def test_bf16_moments_match_the_kernel_reference():
 
 
 def test_in_place_many_equals_one_call_per_param():
-    """adamw_step_inplace_many (the in-place path's one call per step) gives
-    each param the bits of its own adamw_step_inplace call, with per-item
-    hyper-parameters; a refused item (overlap, bad dtype) steps nothing."""
+    """One step_many call over every param (the in-place path's one call a
+    step) gives each param the bits of its own adamw_step_inplace call, with
+    per-item hyper-parameters; a refused item (overlap, bad dtype) steps
+    nothing."""
     from tierzero import _native
 
     sizes = [0, 1, 7, 1023, 4097, (1 << 18) + 5]
@@ -248,12 +249,14 @@ def test_in_place_many_equals_one_call_per_param():
 
     one = state()
     many = [[t.clone() for t in ts] for ts in one]
+    cache = _native._InPlaceMoments([ts[2] for ts in many], [ts[3] for ts in many])
     hyper = [(k + 1, 1e-3 * (k + 1), 0.9, 0.99 - 0.001 * k, 1e-8, 0.01 * (k % 2)) for k in range(len(sizes))]
     for step in (1, 2):
         for (st, lr, b1, b2, eps, wd), (p, g, m, v) in zip(hyper, one):
             _native.adamw_step_inplace(st + step, lr, b1, b2, eps, wd, p, g, m, v, 2)
-        _native.adamw_step_inplace_many(
-            [(st + step, lr, b1, b2, eps, wd, p, g, m, v) for (st, lr, b1, b2, eps, wd), (p, g, m, v) in zip(hyper, many)],
+        cache.step_many(
+            [(k, st + step, lr, b1, b2, eps, wd, p, g) for k, ((st, lr, b1, b2, eps, wd), (p, g, _, _))
+             in enumerate(zip(hyper, many))],
             2,
         )
     for a, b in zip(one, many):
@@ -263,11 +266,9 @@ def test_in_place_many_equals_one_call_per_param():
     p, g, m, v = many[3]
     with pytest.raises(ValueError, match="overlap"):
         # The same param twice: its memory would be stepped twice at once.
-        _native.adamw_step_inplace_many([(1, 1e-3, 0.9, 0.999, 1e-8, 0.0, p, g, m, v)] * 2)
+        cache.step_many([(3, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, p, g)] * 2)
     with pytest.raises(ValueError, match="item 1"):
-        _native.adamw_step_inplace_many(
-            [(1, 1e-3, 0.9, 0.999, 1e-8, 0.0, p, g, m, v), (1, 1e-3, 0.9, 0.999, 1e-8, 0.0, p, g, m.double(), v)]
-        )
+        cache.step_many([(3, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, p, g), (4, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, p, g.double())])
     for x, y in zip(before, many[3]):
         assert torch.equal(x, y)
 

@@ -56,8 +56,9 @@ _MAGIC = b"TZADAMW1"
 
 class _InPlaceState:
     """The memory tier over fp32 CPU params: the param is the master weight,
-    ``m`` and ``v`` are tensors here; the same SIMD kernel, stepped in place
-    (``_native.adamw_step_inplace``). The interface of ``_OffloadAdam``."""
+    ``m`` and ``v`` are tensors here (imported once into
+    ``_native._InPlaceMoments``); the same SIMD kernel, stepped in place. The
+    interface of ``_OffloadAdam``."""
 
     def __init__(self, subgroups, threads, moments_dtype=torch.float32):
         self._params = [s.pieces[0][0] for s in subgroups]
@@ -92,9 +93,7 @@ class _InPlaceState:
         v.copy_(self._v[i])
 
     def step_group(self, i, step, lr, beta1, beta2, eps, weight_decay, grad, out, next=None):
-        _native.adamw_step_inplace(
-            step, lr, beta1, beta2, eps, weight_decay, self._flat(i), grad, self._m[i], self._v[i], self._threads
-        )
+        self.step_groups([(i, step, lr, beta1, beta2, eps, weight_decay, grad)])
 
     def step_groups(self, todo):
         """Steps several sub-groups in one native call (the kernel's threads
@@ -330,25 +329,19 @@ class AdamW(torch.optim.Optimizer):
             else:
                 home.write_from(src[off : off + b - a], start=a)
 
-    def _step_one(self, i, next_sg):
-        s = self._subgroups[i]
+    def _hyper(self, s: _SubGroup):
+        """``(lr, beta1, beta2, eps, weight_decay)`` of ``s``'s param group,
+        read now (LR schedulers change them between steps)."""
         group = self.param_groups[s.group]
         beta1, beta2 = group["betas"]
+        return float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"])
+
+    def _step_one(self, i, next_sg):
+        s = self._subgroups[i]
         s.steps += 1
         grad = self._gather_grads(s)
         out, direct = self._out_for(s)
-        self._native.step_group(
-            i,
-            s.steps,
-            float(group["lr"]),
-            float(beta1),
-            float(beta2),
-            float(group["eps"]),
-            float(group["weight_decay"]),
-            grad,
-            out,
-            next_sg,
-        )
+        self._native.step_group(i, s.steps, *self._hyper(s), grad, out, next_sg)
         if not direct:
             self._scatter_params(s, out)
         self._stepped.add(i)
@@ -359,16 +352,17 @@ class AdamW(torch.optim.Optimizer):
         live CPU param gets the param's own memory; otherwise a buffer of the
         params' dtype (bf16 and fp16 params get the kernel's fused
         low-precision copy, as torch's cast rounds it), scattered after."""
-        dtypes = {(home_of(p).dtype if home_of(p) is not None else p.dtype) for p, *_ in s.pieces}
+        homes = [(p, home_of(p)) for p, *_ in s.pieces]
+        dtypes = {h.dtype if h is not None else p.dtype for p, h in homes}
         dt = dtypes.pop() if len(dtypes) == 1 else torch.float32
         if dt not in (torch.float32, torch.bfloat16, torch.float16):
             dt = torch.float32
-        if len(s.pieces) == 1:
+        if len(s.pieces) == 1 and homes[0][1] is None:
             (p, a, b, _), = s.pieces
-            if home_of(p) is None and p.device.type == "cpu" and p.dtype == dt:
+            if p.device.type == "cpu" and p.dtype == dt:
                 return p.detach().view(-1)[a:b], True
         buf = self._out_bufs.get(dt)
-        if buf is None or buf.numel() < s.numel:
+        if buf is None:  # one per dtype, of the largest sub-group
             buf = self._out_bufs[dt] = torch.empty(self._largest, dtype=dt)
         return buf[: s.numel], False
 
@@ -377,13 +371,7 @@ class AdamW(torch.optim.Optimizer):
         work = []
         for i in todo:
             s = self._subgroups[i]
-            group = self.param_groups[s.group]
-            beta1, beta2 = group["betas"]
-            grad = self._gather_grads(s)
-            work.append(
-                (i, s.steps + 1, float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                 float(group["weight_decay"]), grad)
-            )
+            work.append((i, s.steps + 1, *self._hyper(s), self._gather_grads(s)))
         self._native.step_groups(work)
         for i in todo:
             self._subgroups[i].steps += 1

@@ -1036,6 +1036,22 @@ fn bf16_moments_long_run() {
     assert!(b[steps - 1] < 0.01 * b[0], "bf16 run did not train");
 }
 
+/// A [`StepItem`] over a test state's tensors, fp32 moments.
+fn item(s: &mut State, hyper: AdamHyper, step: u64, grad_scale: GradScale) -> StepItem<'_> {
+    StepItem {
+        hyper,
+        step,
+        master: &mut s.p,
+        grad: &s.g,
+        moments: Moments::F32 {
+            m: &mut s.m,
+            v: &mut s.v,
+        },
+        low_precision_out: None,
+        grad_scale,
+    }
+}
+
 /// `step_many` gives each tile the bits `step` gives it alone, with each
 /// item's own hyper-parameters and step count, at awkward sizes (empty,
 /// shorter than a SIMD width, more than one work chunk) and any thread count.
@@ -1087,18 +1103,7 @@ fn step_many_matches_step_per_tile() {
         let items = got
             .iter_mut()
             .enumerate()
-            .map(|(i, s)| StepItem {
-                hyper: hypers[i],
-                step: (i + 1) as u64,
-                master: &mut s.p,
-                grad: &s.g,
-                moments: Moments::F32 {
-                    m: &mut s.m,
-                    v: &mut s.v,
-                },
-                low_precision_out: None,
-                grad_scale: GradScale(0.5),
-            })
+            .map(|(i, s)| item(s, hypers[i], (i + 1) as u64, GradScale(0.5)))
             .collect();
         // The optimizer's own hyper-parameters are not used.
         let adam = CpuAdam::new(hyper(AdamMode::L2), nz(threads)).unwrap();
@@ -1120,30 +1125,8 @@ fn step_many_matches_step_per_tile() {
     let mut bad = make_state(8, 2);
     let adam = CpuAdam::new(hyper(AdamMode::AdamW), nz(2)).unwrap();
     let items = vec![
-        StepItem {
-            hyper: hypers[0],
-            step: 1,
-            master: &mut s.p,
-            grad: &s.g,
-            moments: Moments::F32 {
-                m: &mut s.m,
-                v: &mut s.v,
-            },
-            low_precision_out: None,
-            grad_scale: GradScale::ONE,
-        },
-        StepItem {
-            hyper: hypers[0],
-            step: 0,
-            master: &mut bad.p,
-            grad: &bad.g,
-            moments: Moments::F32 {
-                m: &mut bad.m,
-                v: &mut bad.v,
-            },
-            low_precision_out: None,
-            grad_scale: GradScale::ONE,
-        },
+        item(&mut s, hypers[0], 1, GradScale::ONE),
+        item(&mut bad, hypers[0], 0, GradScale::ONE),
     ];
     assert_eq!(adam.step_many(items), Err(OptimError::StepZero));
     assert_eq!(s.p, before);

@@ -649,6 +649,11 @@ fn bounce_piece_bytes(align: Alignment, block: u64) -> u64 {
     align.round_up(block.min(MAX_BOUNCE_PIECE_BYTES))
 }
 
+/// Whether `arena`'s buffers can bounce pieces of at most `block` at `align`.
+fn bounces(arena: &PinnedArena, align: Alignment, block: u64) -> bool {
+    arena.buffer_bytes() >= bounce_piece_bytes(align, block) && arena.alignment() >= align
+}
+
 fn bounce_arena(align: Alignment, block: u64) -> Result<Arc<PinnedArena>> {
     let bytes = bounce_piece_bytes(align, block);
     PinnedArena::new(ArenaConfig {
@@ -898,11 +903,7 @@ fn take_bounce(
     block: u64,
 ) -> Result<Buffer> {
     let a = match arena {
-        Some(a)
-            if a.buffer_bytes() >= bounce_piece_bytes(align, block) && a.alignment() >= align =>
-        {
-            a.clone()
-        }
+        Some(a) if bounces(a, align, block) => a.clone(),
         _ => {
             let a = bounce_arena(align, block)?;
             *arena = Some(a.clone());
@@ -1072,12 +1073,7 @@ impl RingWorker {
             if piece.way == Way::Bounce && piece.bounce.is_none() {
                 let block = align.round_up(self.shared.block_bytes);
                 let got = match &self.arena {
-                    Some(a)
-                        if a.buffer_bytes() >= bounce_piece_bytes(align, block)
-                            && a.alignment() >= align =>
-                    {
-                        a.try_acquire()
-                    }
+                    Some(a) if bounces(a, align, block) => a.try_acquire(),
                     _ if self.in_flight > 0 => {
                         // A new arena only once nothing holds the old one's buffers.
                         Err(SwapError::Shutdown)
