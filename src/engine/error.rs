@@ -80,6 +80,14 @@ pub enum EngineError {
         /// Cause.
         source: std::io::Error,
     },
+    /// The compute threads could not be started.
+    #[error("could not start {threads} compute thread(s): {reason}")]
+    ComputeThreads {
+        /// Threads asked for.
+        threads: usize,
+        /// rayon's reason.
+        reason: String,
+    },
     /// Something the engine does not implement yet.
     #[error("unsupported: {what}")]
     Unsupported {

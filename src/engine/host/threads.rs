@@ -59,16 +59,48 @@
 //! helpers pin themselves when they start (the swap engines' threads
 //! through `EngineConfig::thread_cpus`, the param copy and optimizer
 //! threads in this crate; the optimizer's scoped Adam threads inherit its
-//! mask). The compute thread is the caller's: [`ComputePin`] pins it for
-//! the length of a `Trainer::step` and restores its own mask after, so an
-//! embedding program's thread is left as it was; candle's pool threads,
-//! started from inside a step, inherit the compute mask.
+//! mask). The compute threads are the [`ComputePool`]'s (below): they
+//! pin themselves to the compute CPUs when they start, so an embedding
+//! program's own thread is left as it was.
 //!
 //! `"auto"` (the default) pins when compute is on the CPU, something is
 //! offloaded (there are helpers to keep apart), this is the only rank
 //! (ranks of one machine started without binding would all pick the same
 //! CPUs) and at least one CPU is left for the helpers. `true` pins
 //! whenever a CPU is left; `false` never.
+
+//!
+//! # Where a step's compute runs ([`ComputePool`])
+//!
+//! candle's matmuls (through gemm) and this crate's fused ops split their
+//! work on rayon's *current* pool. Called from a thread outside any pool,
+//! each split injects its jobs into rayon's global pool and puts the
+//! caller to sleep until a worker has run them: two wake-ups a split.
+//! gemm splits every cache block of every matmul, so a stage-0 step of the
+//! embedded GPT-2 did about 10,000 of them. On this project's development
+//! VM (KVM, 2 cores), whose wake-ups became slow between sessions, that
+//! halved the speed: `perf stat` of `tierzero train` (stage 0, 8 × 128
+//! tokens, 25 steps) counted 240,000-260,000 context switches and
+//! 4,762-4,996 tokens/s, with 1.26 CPUs busy.
+//!
+//! So each `Trainer::step` runs on a pool of its own, of the compute
+//! thread count, through `install`: the step runs on a pool thread, a
+//! split pushes its jobs onto that thread's own deque, and the thread runs
+//! them itself when the other workers are slow to wake; nobody sleeps on
+//! the caller's side. The same runs: 10,000 context switches and
+//! 5,976-6,187 tokens/s, alternating; the losses are the same, step by
+//! step. The caller's thread waits for the step (one wake-up a step).
+//!
+//! Keeping the other workers awake for the length of a step (a broadcast
+//! job polling `rayon::yield_now`, as OpenMP's spin-wait does) was tried
+//! and dropped: it took 1.94 CPUs and ran slower, 5,285-5,923 tokens/s
+//! against 5,703-6,262 alternating, since what keeps the second core idle
+//! is the step's serial work (candle's gradient accumulation), not late
+//! wake-ups.
+//!
+//! The pool is the trainer's, not rayon's global one, so an embedding
+//! program's own use of the global pool keeps its size and its threads'
+//! masks.
 
 use std::fmt;
 use std::sync::{Arc, OnceLock};
@@ -301,44 +333,58 @@ pub fn place(
     }
 }
 
-/// The compute thread's pin for one step: pins the calling thread to the
-/// compute CPUs and gives it back its own mask when dropped. A mask that
-/// cannot be read or set leaves the thread as it was (logged once per
-/// failure).
-#[derive(Debug)]
-pub struct ComputePin {
-    restore: Option<Vec<usize>>,
+/// The threads a step's CPU compute runs on (see the module docs): a
+/// rayon pool of the compute thread count, whose threads pin themselves to
+/// the compute CPUs when the placement has them. A thread that cannot be
+/// pinned runs unpinned (logged).
+pub struct ComputePool {
+    pool: rayon::ThreadPool,
+    threads: usize,
 }
 
-impl ComputePin {
-    /// Pins the calling thread to `cpus` until the guard is dropped.
-    pub fn enter(cpus: &[usize]) -> ComputePin {
-        use tierzero_swap::affinity;
-        let restore = match affinity::current_thread_cpus() {
-            Ok(own) if own.as_slice() == cpus => None,
-            Ok(own) => match affinity::pin_current_thread(cpus) {
-                Ok(()) => Some(own),
-                Err(e) => {
-                    tracing::warn!(error = %e, "could not pin the compute thread");
-                    None
-                }
-            },
-            Err(e) => {
-                tracing::warn!(error = %e, "could not read the compute thread's CPU mask");
-                None
-            }
-        };
-        ComputePin { restore }
+impl fmt::Debug for ComputePool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ComputePool")
+            .field("threads", &self.threads)
+            .finish()
     }
 }
 
-impl Drop for ComputePin {
-    fn drop(&mut self) {
-        if let Some(own) = self.restore.take() {
-            if let Err(e) = tierzero_swap::affinity::pin_current_thread(&own) {
-                tracing::warn!(error = %e, "could not give the compute thread its CPU mask back");
-            }
+impl ComputePool {
+    /// The pool for `t` threads on `placement`'s compute CPUs; `None` when
+    /// compute is not on the CPU.
+    pub fn new(
+        t: &ComputeThreads,
+        placement: &Placement,
+    ) -> Result<Option<ComputePool>, rayon::ThreadPoolBuildError> {
+        if t.source == ThreadsSource::NotCpu {
+            return Ok(None);
         }
+        let threads = t.threads.max(1);
+        let cpus: Option<Arc<[usize]>> = placement.compute_cpus().map(Arc::from);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("tierzero-compute-{i}"))
+            .start_handler(move |_| {
+                if let Some(cpus) = &cpus {
+                    if let Err(e) = tierzero_swap::affinity::pin_current_thread(cpus) {
+                        tracing::warn!(error = %e, "could not pin a compute thread");
+                    }
+                }
+            })
+            .build()?;
+        Ok(Some(ComputePool { pool, threads }))
+    }
+
+    /// Runs `f` on one of the pool's threads, the caller waiting; rayon
+    /// splits inside `f` (gemm's, the fused ops') stay on the pool.
+    pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
+    }
+
+    /// Threads in the pool.
+    pub fn threads(&self) -> usize {
+        self.threads
     }
 }
 
@@ -452,22 +498,47 @@ mod tests {
     }
 
     #[test]
-    fn a_compute_pin_lasts_until_dropped() {
+    fn the_compute_pool_runs_the_step_and_its_splits_on_pinned_threads() {
+        use rayon::prelude::*;
         let allowed = tierzero_swap::affinity::current_thread_cpus().unwrap();
         let first = allowed[0];
-        let (during, after) = std::thread::spawn(move || {
-            let pin = ComputePin::enter(&[first]);
-            let during = tierzero_swap::affinity::current_thread_cpus().unwrap();
-            drop(pin);
-            (
-                during,
-                tierzero_swap::affinity::current_thread_cpus().unwrap(),
-            )
-        })
-        .join()
-        .unwrap();
-        assert_eq!(during, vec![first]);
-        assert_eq!(after, allowed);
+        let placement = Placement::Pinned {
+            compute_cpus: vec![first].into(),
+            helper_cpus: vec![first].into(),
+        };
+        let t = ComputeThreads {
+            threads: 2,
+            source: ThreadsSource::Config,
+        };
+        let pool = ComputePool::new(&t, &placement).unwrap().unwrap();
+        assert_eq!(pool.threads(), 2);
+        let before = tierzero_swap::affinity::current_thread_cpus().unwrap();
+        let (outer, splits) = pool.run(|| {
+            let me = std::thread::current().name().map(str::to_owned);
+            let splits: Vec<(Option<String>, Vec<usize>)> = (0..8)
+                .into_par_iter()
+                .map(|_| {
+                    (
+                        std::thread::current().name().map(str::to_owned),
+                        tierzero_swap::affinity::current_thread_cpus().unwrap(),
+                    )
+                })
+                .collect();
+            (me, splits)
+        });
+        assert!(outer.unwrap().starts_with("tierzero-compute-"));
+        for (name, cpus) in splits {
+            assert!(name.unwrap().starts_with("tierzero-compute-"));
+            assert_eq!(cpus, vec![first]);
+        }
+        // The caller's own mask is untouched.
+        assert_eq!(
+            tierzero_swap::affinity::current_thread_cpus().unwrap(),
+            before
+        );
+        // Not on the CPU: no pool.
+        let gpu = resolve(None, None, 2, true, 1, false);
+        assert!(ComputePool::new(&gpu, &placement).unwrap().is_none());
     }
 
     #[test]

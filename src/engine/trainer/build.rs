@@ -115,11 +115,12 @@ fn check_run(
 struct HostSetup {
     compute_threads: ComputeThreads,
     placement: threads::Placement,
+    compute_pool: Option<std::sync::Arc<threads::ComputePool>>,
     malloc: Option<tierzero_swap::MallocTuning>,
 }
 
 impl HostSetup {
-    fn new(config: &Config, opts: &TrainerOptions) -> HostSetup {
+    fn new(config: &Config, opts: &TrainerOptions) -> Result<HostSetup> {
         let offloaded = config.zero.offload_param.device != OffloadDevice::None
             || config.zero.offload_optimizer.device != OffloadDevice::None;
         let world = opts.comm.world_size();
@@ -146,14 +147,21 @@ impl HostSetup {
                 threads::Placement::Unpinned("the CPU mask could not be read")
             }
         };
+        let compute_pool = threads::ComputePool::new(&compute_threads, &placement)
+            .map_err(|e| EngineError::ComputeThreads {
+                threads: compute_threads.threads,
+                reason: e.to_string(),
+            })?
+            .map(std::sync::Arc::new);
         let malloc = opts
             .keep_heap_mapped
             .then(crate::engine::host::heap::keep_heap_mapped);
-        HostSetup {
+        Ok(HostSetup {
             compute_threads,
             placement,
+            compute_pool,
             malloc,
-        }
+        })
     }
 }
 
@@ -617,7 +625,7 @@ impl Trainer {
         opts: TrainerOptions,
     ) -> Result<Self> {
         check_run(config, &model, &data, &opts)?;
-        let host = HostSetup::new(config, &opts);
+        let host = HostSetup::new(config, &opts)?;
         let (param_dtype, scaler) = precision_setup(&config.precision);
         let sub_group = usize::try_from(config.zero.sub_group_numel.0).unwrap_or(usize::MAX);
         let layout = Layout::new(&model, opts.comm.rank(), opts.comm.world_size(), sub_group);
@@ -673,6 +681,7 @@ impl Trainer {
         Ok(Trainer {
             compute_threads: host.compute_threads,
             placement: host.placement,
+            compute_pool: host.compute_pool,
             malloc: host.malloc,
             config: config.clone(),
             model,

@@ -342,6 +342,8 @@ pub struct Trainer {
     compute_threads: ComputeThreads,
     /// Which CPUs compute and helper threads run on.
     placement: threads::Placement,
+    /// Where a step's CPU compute runs (`None`: compute is not on the CPU).
+    compute_pool: Option<Arc<threads::ComputePool>>,
     /// What [`crate::engine::host::heap::keep_heap_mapped`] did (`None`: option off).
     malloc: Option<tierzero_swap::MallocTuning>,
     model: Model,

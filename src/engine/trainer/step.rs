@@ -92,13 +92,12 @@ impl Trainer {
     /// trainer is stopped (see the module docs).
     pub fn step(&mut self) -> Result<StepReport> {
         self.check_usable()?;
-        // The calling thread computes this step on the compute CPUs, and
-        // gets its own mask back after (`threads::ComputePin`).
-        let _pin = self
-            .placement
-            .compute_cpus()
-            .map(threads::ComputePin::enter);
-        let r = self.step_inner();
+        // The step runs on the compute pool's threads, the caller waiting
+        // (`threads::ComputePool`).
+        let r = match self.compute_pool.clone() {
+            Some(pool) => pool.run(|| self.step_inner()),
+            None => self.step_inner(),
+        };
         self.latch(r)
     }
 
