@@ -25,24 +25,16 @@ use super::config::{ModelConfig, RopeScaling};
 
 /// `y = x W + b` with `W` in HF Conv1D layout `[in, out]`, over the last dim.
 pub fn conv1d(x: &Tensor, w_in_out: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
-    let y = matmul_last(x, w_in_out)?;
-    match b {
-        Some(b) => super::fused::bias_add(&y, b),
-        None => Ok(y),
-    }
+    super::fused::linear(x, w_in_out, b, super::fused::WeightLayout::InOut)
 }
 
 /// `y = x W^T + b` with `W` in `nn.Linear` layout `[out, in]`, over the last dim.
 pub fn linear(x: &Tensor, w_out_in: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
-    let y = matmul_last(x, &w_out_in.t()?)?;
-    match b {
-        Some(b) => super::fused::bias_add(&y, b),
-        None => Ok(y),
-    }
+    super::fused::linear(x, w_out_in, b, super::fused::WeightLayout::OutIn)
 }
 
 /// `x [.., in] @ w [in, out]` as one 2-D GEMM over the flattened leading dims.
-fn matmul_last(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+pub(super) fn matmul_last(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     let dims = x.dims().to_vec();
     let (lead, last) = dims.split_at(dims.len().saturating_sub(1));
     let rows: usize = lead.iter().product();

@@ -204,10 +204,13 @@ impl Policy {
         super::fused::rms_norm(&self.up(x)?, &self.up(w)?, eps)
     }
 
-    /// Causal attention on `q, k, v [b, h, t, d]`: operands in `S`, scores,
-    /// mask and softmax in the math dtype, probabilities rounded to `S` for
-    /// `p v`, the output rounded to `S`. Without mixing it is
-    /// [`ops::causal_attention_window`], op for op.
+    /// Causal attention of `q, k [b, n, t, d]` (`nh` and `nkv` heads) and
+    /// `v [b, t, nkv · d]` (its projection's output), to the merged `[b,
+    /// t, nh · d]`; GQA: query head `h` reads key/value head `h / (nh /
+    /// nkv)`. Operands in `S`, scores, mask and softmax in the math dtype,
+    /// probabilities rounded to `S` for `p v`, the output rounded to `S`.
+    /// Without mixing it is [`super::fused::attention`], which computes
+    /// [`ops::causal_attention_window`] to rounding.
     pub fn attention(
         &self,
         q: &Tensor,
@@ -215,11 +218,51 @@ impl Policy {
         v: &Tensor,
         window: Option<usize>,
     ) -> candle_core::Result<Tensor> {
-        let (q, k, v) = (self.operand(q)?, self.operand(k)?, self.operand(v)?);
-        let (_, _, _, d) = q.dims4()?;
+        let (b, nh, t, d) = q.dims4()?;
         let scale = 1.0 / (d as f64).sqrt();
+        if !self.is_mixed() {
+            // Every cast is the identity: the fused op (it falls back to
+            // the same composition where it cannot run).
+            return super::fused::attention(q, k, v, scale, window);
+        }
+        let nkv = k.dim(1)?;
+        if nkv == 0 || nh % nkv != 0 {
+            return Err(candle_core::Error::Msg(format!(
+                "attention: {nh} query heads over {nkv} key/value heads"
+            )));
+        }
+        let v = v.reshape((b, t, nkv, d))?.transpose(1, 2)?.contiguous()?;
+        let (k, v) = (
+            super::fused::repeat_kv(k, nh / nkv)?,
+            super::fused::repeat_kv(&v, nh / nkv)?,
+        );
+        let (q, k, v) = (self.operand(q)?, self.operand(&k)?, self.operand(&v)?);
         let p = super::fused::causal_softmax(&q.matmul(&k.t()?)?, scale, window)?;
-        self.down(&self.operand(&p)?.matmul(&v)?)
+        let y = self.down(&self.operand(&p)?.matmul(&v)?)?;
+        y.transpose(1, 2)?.contiguous()?.reshape((b, t, nh * d))
+    }
+
+    /// GPT-2's attention of the packed `qkv [b, t, 3 · nh · d]` (`c_attn`'s
+    /// output), to the merged `[b, t, nh · d]`, as [`Policy::attention`]
+    /// (fused without mixing: [`super::fused::attention_packed`]).
+    pub fn attention_packed(&self, qkv: &Tensor, nh: usize) -> candle_core::Result<Tensor> {
+        let (b, t, w) = qkv.dims3()?;
+        if nh == 0 || w % (3 * nh) != 0 {
+            return Err(candle_core::Error::Msg(format!(
+                "attention: a packed width of {w} is not 3 x {nh} heads"
+            )));
+        }
+        let (h, d) = (w / 3, w / (3 * nh));
+        if !self.is_mixed() {
+            let scale = 1.0 / (d as f64).sqrt();
+            return super::fused::attention_packed(qkv, nh, scale, None);
+        }
+        let heads = |y: &Tensor| -> candle_core::Result<Tensor> {
+            y.reshape((b, t, nh, d))?.transpose(1, 2)?.contiguous()
+        };
+        let q = heads(&qkv.narrow(2, 0, h)?)?;
+        let k = heads(&qkv.narrow(2, h, h)?)?;
+        self.attention(&q, &k, &qkv.narrow(2, 2 * h, h)?.contiguous()?, None)
     }
 
     /// Mean cross-entropy of `logits [n, v]` in the math dtype (a scalar in
@@ -445,14 +488,16 @@ mod tests {
                     .unwrap()
             };
             let (q, k, v) = (mk(1), mk(2), mk(3));
-            let y = p.attention(&q, &k, &v, None).unwrap();
+            // v as its projection's rows, one head: [1, t, d].
+            let y = p
+                .attention(&q, &k, &v.reshape((1, t, d)).unwrap(), None)
+                .unwrap();
             assert_eq!(y.dtype(), dtype);
+            assert_eq!(y.dims(), &[1, t, d]);
             let f = |x: &Tensor| {
                 x.to_dtype(DType::F64)
                     .unwrap()
-                    .squeeze(0)
-                    .unwrap()
-                    .squeeze(0)
+                    .reshape((t, d))
                     .unwrap()
                     .to_vec2::<f64>()
                     .unwrap()

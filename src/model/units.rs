@@ -44,14 +44,11 @@ impl Model {
     pub(super) fn block(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor, ModelError> {
         let c = &self.config;
         let pol = Policy::new(x.dtype());
-        let (b, t, h) = x.dims3()?;
+        let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (c.n_head, c.n_kv_head, c.head_dim);
         // [b, t, n * hd] -> [b, n, t, hd]
         let heads = |y: &Tensor, n: usize| -> candle_core::Result<Tensor> {
             y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()
-        };
-        let merge = |y: &Tensor| -> candle_core::Result<Tensor> {
-            y.transpose(1, 2)?.contiguous()?.reshape((b, t, nh * hd))
         };
         // The residual stream, in the math dtype.
         let x = pol.up(x)?;
@@ -59,10 +56,7 @@ impl Model {
             Arch::Gpt2 => {
                 let a = pol.layer_norm(&x, &p[0], &p[1], c.norm_eps)?;
                 let qkv = pol.conv1d(&a, &p[2], Some(&p[3]))?;
-                let q = heads(&qkv.narrow(2, 0, h)?, nh)?;
-                let k = heads(&qkv.narrow(2, h, h)?, nh)?;
-                let v = heads(&qkv.narrow(2, 2 * h, h)?, nh)?;
-                let y = merge(&pol.attention(&q, &k, &v, None)?)?;
+                let y = pol.attention_packed(&qkv, nh)?;
                 let x = (x + pol.up(&pol.conv1d(&y, &p[4], Some(&p[5]))?)?)?;
                 let m = pol.layer_norm(&x, &p[6], &p[7], c.norm_eps)?;
                 let m = pol.up(&pol.conv1d(&m, &p[8], Some(&p[9]))?)?;
@@ -94,7 +88,8 @@ impl Model {
                 // embedding in the math dtype.
                 let mut q = pol.up(&heads(&qkv[0], nh)?)?;
                 let mut k = pol.up(&heads(&qkv[1], nkv)?)?;
-                let v = heads(&qkv[2], nkv)?;
+                // v as its projection wrote it, `[b, t, nkv · hd]`.
+                let v = &qkv[2];
                 if c.qk_norm {
                     q = pol.rms_norm(&q, next()?, c.norm_eps)?;
                     k = pol.rms_norm(&k, next()?, c.norm_eps)?;
@@ -102,9 +97,8 @@ impl Model {
                 let (cos, sin) = ops::rope_tables_for(c, t, pol.math(), x.device())?;
                 let q = ops::apply_rope(&q, &cos, &sin)?;
                 let k = ops::apply_rope(&k, &cos, &sin)?;
-                let k = super::fused::repeat_kv(&k, nh / nkv)?;
-                let v = super::fused::repeat_kv(&v, nh / nkv)?;
-                let y = merge(&pol.attention(&q, &k, &v, c.sliding_window)?)?;
+                // GQA: `attention` reads key/value head `h / (nh / nkv)`.
+                let y = pol.attention(&q, &k, v, c.sliding_window)?;
                 let x = (x + pol.up(&proj(&y, o_w, o_b)?)?)?;
                 let m = pol.rms_norm(&x, next()?, c.norm_eps)?;
                 let mut mlp = Vec::with_capacity(3);

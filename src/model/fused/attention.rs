@@ -1,14 +1,16 @@
 //! The attention's fused ops: the causal softmax (scale and mask folded
-//! in) and GQA's `repeat_kv`.
+//! in) and GQA's `repeat_kv`. The whole attention of a block's heads, which
+//! uses the softmax's rows, is [`super::sdpa`].
 
 use super::*;
 
 /// `softmax(scale · s + causal mask)` over the last dim of scores
 /// `s [.., t, t]`, query `i` seeing keys `j ≤ i` (within `window`, see
 /// [`ops::causal_mask_window`]); masked probabilities are exactly 0.
-struct CausalSoftmax {
-    scale: f64,
-    window: Option<usize>,
+#[derive(Debug, Clone, Copy)]
+pub(super) struct CausalSoftmax {
+    pub(super) scale: f64,
+    pub(super) window: Option<usize>,
 }
 
 impl CausalSoftmax {
@@ -20,29 +22,47 @@ impl CausalSoftmax {
         }
     }
 
+    /// Row `i` of the probabilities, in place: `row` holds the scores and
+    /// gets `softmax(scale · row[lo..=i])` there and exact zeros elsewhere.
+    /// The max and the sum are f64, in key order.
+    pub(super) fn row_in_place<T: Real>(&self, i: usize, row: &mut [T]) {
+        let lo = self.lo(i);
+        let mut max = f64::NEG_INFINITY;
+        for x in &row[lo..=i] {
+            max = max.max(self.scale * x.f());
+        }
+        let mut sum = 0f64;
+        for x in &mut row[lo..=i] {
+            let e = T::exp_in(self.scale * x.f() - max);
+            sum += e;
+            *x = T::of(e);
+        }
+        for x in &mut row[lo..=i] {
+            *x = T::of(x.f() / sum);
+        }
+        row[..lo].fill(T::of(0.0));
+        row[i + 1..].fill(T::of(0.0));
+    }
+
+    /// Row `i` of the scores' gradient, in place: `d` holds the
+    /// probabilities' gradient `g` and gets `scale · y ⊙ (g − Σ g ⊙ y)`
+    /// (the sum in f64, in key order), exact zeros where masked.
+    pub(super) fn bwd_row_in_place<T: Real>(&self, i: usize, y: &[T], d: &mut [T]) {
+        let lo = self.lo(i);
+        let dot: f64 = (lo..=i).map(|j| d[j].f() * y[j].f()).sum();
+        for j in lo..=i {
+            d[j] = T::of(self.scale * y[j].f() * (d[j].f() - dot));
+        }
+        d[..lo].fill(T::of(0.0));
+        d[i + 1..].fill(T::of(0.0));
+    }
+
+    /// The probabilities of scores `s` (rows of `t`, query `row % t`).
     fn fwd<T: Real>(&self, s: &[T], t: usize) -> Vec<T> {
-        let mut out = vec![T::of(0.0); s.len()];
+        let mut out = s.to_vec();
         par_rows(&mut out, t, |r0, o| {
-            for (k, (o, row)) in o
-                .chunks_exact_mut(t)
-                .zip(s[r0 * t..].chunks_exact(t))
-                .enumerate()
-            {
-                let i = (r0 + k) % t;
-                let lo = self.lo(i);
-                let mut max = f64::NEG_INFINITY;
-                for x in &row[lo..=i] {
-                    max = max.max(self.scale * x.f());
-                }
-                let mut sum = 0f64;
-                for (o, x) in o[lo..=i].iter_mut().zip(&row[lo..=i]) {
-                    let e = T::exp_in(self.scale * x.f() - max);
-                    sum += e;
-                    *o = T::of(e);
-                }
-                for o in &mut o[lo..=i] {
-                    *o = T::of(o.f() / sum);
-                }
+            for (k, row) in o.chunks_exact_mut(t).enumerate() {
+                self.row_in_place((r0 + k) % t, row);
             }
         });
         out
@@ -50,17 +70,11 @@ impl CausalSoftmax {
 
     /// `d s = scale · y ⊙ (g − Σ g ⊙ y)` per row.
     fn bwd_rows<T: Real>(&self, y: &[T], g: &[T], t: usize) -> Vec<T> {
-        let mut ds = vec![T::of(0.0); y.len()];
+        let mut ds = g.to_vec();
         par_rows(&mut ds, t, |r0, d| {
             for (k, d) in d.chunks_exact_mut(t).enumerate() {
                 let r = r0 + k;
-                let (yr, gr) = (&y[r * t..(r + 1) * t], &g[r * t..(r + 1) * t]);
-                let i = r % t;
-                let lo = self.lo(i);
-                let dot: f64 = (lo..=i).map(|j| gr[j].f() * yr[j].f()).sum();
-                for j in lo..=i {
-                    d[j] = T::of(self.scale * yr[j].f() * (gr[j].f() - dot));
-                }
+                self.bwd_row_in_place(r % t, &y[r * t..(r + 1) * t], d);
             }
         });
         ds

@@ -2,9 +2,13 @@
 //! adds, masked softmax and GELU, each one pass forward and one backward
 //! over contiguous rows instead of candle's chain of primitive ops.
 //!
-//! The ops: bias add, LayerNorm, RMSNorm, the causal softmax (scale and
-//! mask folded in), GELU (tanh), SwiGLU (`silu(a) · b`) and GQA's
-//! `repeat_kv`; and the injection of a unit's upstream gradient.
+//! The ops: the linear (`x W + b`, [`linear`]), the whole causal attention
+//! of a block's heads ([`attention`], [`attention_packed`]: see `sdpa`),
+//! bias add, LayerNorm, RMSNorm, the causal softmax (scale and mask folded
+//! in), GELU (tanh), SwiGLU (`silu(a) · b`) and GQA's `repeat_kv`; and the
+//! injection of a unit's upstream gradient. The linear and the attention
+//! run their own matmuls through `matmul`, a bounds-checked wrapper of
+//! gemm (the module's one `unsafe` call).
 //!
 //! # Why
 //!
@@ -77,7 +81,9 @@ trait Real: Copy + Send + Sync + 'static {
     fn slice(s: &CpuStorage) -> Option<&[Self]>;
     fn storage(v: Vec<Self>) -> CpuStorage;
     fn tensor(v: Vec<Self>, shape: &Shape) -> candle_core::Result<Tensor>;
-    /// `exp(x)` in this type's precision (as candle's `exp` computes it).
+    /// `exp(x)` in this type's precision: f64's own; for f32 the
+    /// branch-free [`pointwise::exp_f32`] (within 2 ulp of libm's `expf`,
+    /// which candle's `exp` calls, and several times cheaper).
     fn exp_in(x: f64) -> f64;
     /// `tanh(x)` in this type's precision.
     fn tanh_in(x: f64) -> f64;
@@ -88,7 +94,7 @@ trait Real: Copy + Send + Sync + 'static {
 }
 
 macro_rules! real {
-    ($t:ty, $variant:ident, $tanh:expr) => {
+    ($t:ty, $variant:ident, $tanh:expr, $exp:expr) => {
         impl Real for $t {
             #[inline(always)]
             fn of(x: f64) -> Self {
@@ -112,7 +118,8 @@ macro_rules! real {
             }
             #[inline(always)]
             fn exp_in(x: f64) -> f64 {
-                f64::from((x as $t).exp())
+                let f: fn($t) -> $t = $exp;
+                f64::from(f(x as $t))
             }
             #[inline(always)]
             fn tanh_in(x: f64) -> f64 {
@@ -126,11 +133,16 @@ macro_rules! real {
         }
     };
 }
-real!(f32, F32, |x: f32| {
-    let e = (2.0 * x).exp();
-    f64::from(1.0 - 2.0 / (e + 1.0))
-});
-real!(f64, F64, f64::tanh);
+real!(
+    f32,
+    F32,
+    |x: f32| {
+        let e = (2.0 * x).exp();
+        f64::from(1.0 - 2.0 / (e + 1.0))
+    },
+    pointwise::exp_f32
+);
+real!(f64, F64, f64::tanh, f64::exp);
 
 /// The contiguous elements of a CPU storage under `layout`.
 fn elems<'a, T: Real>(s: &'a CpuStorage, layout: &Layout) -> candle_core::Result<&'a [T]> {
@@ -318,12 +330,17 @@ fn par_rows_summing<T: Real>(
 }
 
 mod attention;
+mod linear;
+mod matmul;
 mod norm;
 mod pointwise;
+mod sdpa;
 
 pub use attention::{causal_softmax, repeat_kv};
+pub use linear::{linear, WeightLayout};
 pub use norm::{layer_norm, rms_norm};
 pub use pointwise::{bias_add, gelu_tanh, swiglu, upstream_objective};
+pub use sdpa::{attention, attention_packed};
 
 #[cfg(test)]
 mod tests {
@@ -387,6 +404,17 @@ mod tests {
         } else {
             2e-6
         };
+        check_within(what, tol, args, fused, reference);
+    }
+
+    /// [`check`] within `tol` (relative to the largest reference value).
+    fn check_within(
+        what: &str,
+        tol: f64,
+        args: &[Tensor],
+        fused: impl Fn(&[Tensor]) -> Tensor,
+        reference: impl Fn(&[Tensor]) -> Tensor,
+    ) {
         let grads = |args: &[Tensor], f: &dyn Fn(&[Tensor]) -> Tensor| {
             let vars: Vec<Var> = args.iter().map(|a| Var::from_tensor(a).unwrap()).collect();
             let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
@@ -479,6 +507,248 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The attention's reference: [`ops::repeat_kv`], the scores, the
+    /// primitive masked softmax, `p v`, and the heads merged to `[b, t, nh
+    /// · d]` (`v` in `[b, nkv, t, d]`).
+    fn attention_reference(q: &Tensor, k: &Tensor, v: &Tensor, window: Option<usize>) -> Tensor {
+        let (b, nh, t, d) = q.dims4().unwrap();
+        let n_rep = nh / k.dim(1).unwrap();
+        let k = ops::repeat_kv(k, n_rep).unwrap();
+        let v = ops::repeat_kv(v, n_rep).unwrap();
+        let att = q.matmul(&k.t().unwrap()).unwrap();
+        let att = att.affine(1.0 / (d as f64).sqrt(), 0.0).unwrap();
+        let mask = ops::causal_mask_window(t, window, DType::F64, &Device::Cpu).unwrap();
+        let p = ops::softmax_last(&att.broadcast_add(&mask).unwrap()).unwrap();
+        let y = p.matmul(&v).unwrap();
+        y.transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .reshape((b, t, nh * d))
+            .unwrap()
+    }
+
+    /// `[b, t, n · d]` rows to `[b, n, t, d]` heads.
+    fn split_heads(x: &Tensor, n: usize) -> Tensor {
+        let (b, t, w) = x.dims3().unwrap();
+        x.reshape((b, t, n, w / n))
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+    }
+
+    #[test]
+    fn fused_attention_matches_the_primitive_composition() {
+        // Sequence lengths and head dims of awkward sizes; 1, 2 and 3 query
+        // heads per key/value head; windows none, 1 and 3; `v` as heads
+        // and as its projection's rows.
+        let mut seed = 500;
+        for dtype in [DType::F64, DType::F32] {
+            // f32 sums of up to 33 products against the f64 reference.
+            let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+            for &(t, d) in &[(1, 1), (7, 5), (17, 8), (33, 3)] {
+                for (nkv, n_rep) in [(2, 1), (1, 2), (2, 3)] {
+                    for window in [None, Some(1), Some(3)] {
+                        seed += 3;
+                        let nh = nkv * n_rep;
+                        let what =
+                            format!("attention {dtype:?} t {t} d {d} {nkv}x{n_rep} {window:?}");
+                        let scale = 1.0 / (d as f64).sqrt();
+                        let args = [
+                            rand(&[2, nh, t, d], seed, dtype),
+                            rand(&[2, nkv, t, d], seed + 1, dtype),
+                            rand(&[2, nkv, t, d], seed + 2, dtype),
+                        ];
+                        check_within(
+                            &what,
+                            tol,
+                            &args,
+                            |a| attention(&a[0], &a[1], &a[2], scale, window).unwrap(),
+                            |a| attention_reference(&a[0], &a[1], &a[2], window),
+                        );
+                        let rows = [
+                            args[0].clone(),
+                            args[1].clone(),
+                            rand(&[2, t, nkv * d], seed + 2, dtype),
+                        ];
+                        check_within(
+                            &format!("{what}, v rows"),
+                            tol,
+                            &rows,
+                            |a| attention(&a[0], &a[1], &a[2], scale, window).unwrap(),
+                            |a| attention_reference(&a[0], &a[1], &split_heads(&a[2], nkv), window),
+                        );
+                        if n_rep == 1 {
+                            // GPT-2's packed qkv.
+                            let h = nh * d;
+                            let qkv = rand(&[2, t, 3 * h], seed + 2, dtype);
+                            check_within(
+                                &format!("{what}, packed"),
+                                tol,
+                                &[qkv],
+                                |a| attention_packed(&a[0], nh, scale, window).unwrap(),
+                                |a| {
+                                    let part =
+                                        |i| split_heads(&a[0].narrow(2, i * h, h).unwrap(), nh);
+                                    attention_reference(&part(0), &part(1), &part(2), window)
+                                },
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fused_linear_matches_the_primitive_composition() {
+        let mut seed = 900;
+        for dtype in [DType::F64, DType::F32] {
+            let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+            for &(lead, n_in, n_out) in &[
+                (&[1usize][..], 1, 1),
+                (&[2, 3], 7, 5),
+                (&[3, 11], 33, 17),
+                (&[65], 192, 9),
+            ] {
+                for layout in [WeightLayout::InOut, WeightLayout::OutIn] {
+                    for bias in [false, true] {
+                        seed += 3;
+                        let mut xs = lead.to_vec();
+                        xs.push(n_in);
+                        let ws = match layout {
+                            WeightLayout::InOut => [n_in, n_out],
+                            WeightLayout::OutIn => [n_out, n_in],
+                        };
+                        let mut args = vec![rand(&xs, seed, dtype), rand(&ws, seed + 1, dtype)];
+                        if bias {
+                            args.push(rand(&[n_out], seed + 2, dtype));
+                        }
+                        check_within(
+                            &format!("linear {dtype:?} {xs:?} -> {n_out} {layout:?} bias {bias}"),
+                            tol,
+                            &args,
+                            |a| linear(&a[0], &a[1], a.get(2), layout).unwrap(),
+                            |a| {
+                                let w = match layout {
+                                    WeightLayout::InOut => a[1].clone(),
+                                    WeightLayout::OutIn => a[1].t().unwrap(),
+                                };
+                                let y = a[0].broadcast_matmul(&w).unwrap();
+                                match a.get(2) {
+                                    Some(b) => y.broadcast_add(b).unwrap(),
+                                    None => y,
+                                }
+                            },
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fused_linear_refuses_bad_shapes_and_ignores_the_thread_count() {
+        let x = rand(&[4, 6], 1, DType::F32);
+        assert!(linear(&x, &rand(&[5, 3], 2, DType::F32), None, WeightLayout::InOut).is_err());
+        assert!(linear(&x, &rand(&[3, 5], 2, DType::F32), None, WeightLayout::OutIn).is_err());
+        let w = rand(&[6, 3], 2, DType::F32);
+        assert!(linear(
+            &x,
+            &w,
+            Some(&rand(&[4], 3, DType::F32)),
+            WeightLayout::InOut
+        )
+        .is_err());
+        // Large enough for gemm to split: the same bits on 1 and 3 threads.
+        let x = rand(&[256, 192], 4, DType::F32);
+        let w = rand(&[768, 192], 5, DType::F32);
+        let b = rand(&[768], 6, DType::F32);
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                let vars = [&x, &w, &b].map(|t| Var::from_tensor(t).unwrap());
+                let y = linear(
+                    vars[0].as_tensor(),
+                    vars[1].as_tensor(),
+                    Some(vars[2].as_tensor()),
+                    WeightLayout::OutIn,
+                )
+                .unwrap();
+                let g = y.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+                let bits = |t: &Tensor| {
+                    t.flatten_all()
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap()
+                        .into_iter()
+                        .map(f32::to_bits)
+                        .collect::<Vec<_>>()
+                };
+                let mut all = vec![bits(&y)];
+                all.extend(vars.iter().map(|v| bits(g.get(v.as_tensor()).unwrap())));
+                all
+            })
+        };
+        assert_eq!(run(1), run(3));
+    }
+
+    #[test]
+    fn fused_attention_refuses_bad_shapes_and_ignores_the_thread_count() {
+        let q = rand(&[1, 3, 4, 2], 1, DType::F32);
+        let k = rand(&[1, 2, 4, 2], 2, DType::F32);
+        assert!(attention(&q, &k, &k, 1.0, None).is_err());
+        let k = rand(&[1, 3, 5, 2], 2, DType::F32);
+        assert!(attention(&q, &k, &k, 1.0, None).is_err());
+        let k = rand(&[1, 3, 4, 2], 2, DType::F32);
+        assert!(attention(&q, &k, &rand(&[1, 4, 5], 3, DType::F32), 1.0, None).is_err());
+        assert!(attention_packed(&rand(&[1, 4, 10], 1, DType::F32), 3, 1.0, None).is_err());
+        // The same bits from any number of threads (tasks are heads).
+        let q = rand(&[2, 4, 9, 3], 3, DType::F32);
+        let k = rand(&[2, 2, 9, 3], 4, DType::F32);
+        let v = rand(&[2, 2, 9, 3], 5, DType::F32);
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let three = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        let run = |pool: &rayon::ThreadPool| {
+            pool.install(|| {
+                let vars = [&q, &k, &v].map(|x| Var::from_tensor(x).unwrap());
+                let y = attention(
+                    vars[0].as_tensor(),
+                    vars[1].as_tensor(),
+                    vars[2].as_tensor(),
+                    0.5,
+                    None,
+                )
+                .unwrap();
+                let g = y.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+                let bits = |x: &Tensor| {
+                    x.flatten_all()
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap()
+                        .into_iter()
+                        .map(f32::to_bits)
+                        .collect::<Vec<_>>()
+                };
+                let mut all = vec![bits(&y)];
+                all.extend(vars.iter().map(|v| bits(g.get(v.as_tensor()).unwrap())));
+                all
+            })
+        };
+        assert_eq!(run(&one), run(&three));
     }
 
     #[test]

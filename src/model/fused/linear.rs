@@ -1,0 +1,300 @@
+//! The fused linear: `y = x W (+ b)` over the last dim of `x`, one candle
+//! op in place of four (a reshape to rows, the matmul, the reshape back and
+//! the bias add; five with `nn.Linear`'s `Wᵀ`).
+//!
+//! # Why
+//!
+//! Each node of candle's graph costs a zeroed tensor of its input's size
+//! and an add in backward (see [`super::sdpa`]'s docs); the reshapes and
+//! the bias add of a linear cost one `x` and two `y` of those a linear,
+//! which for the MLP's `[rows, 4h]` outputs was the largest share of a
+//! block's. Here backward computes `dx`, `dW` and `db` directly.
+//!
+//! # Numbers
+//!
+//! The products are gemm's, split over the current rayon pool
+//! ([`super::matmul::matmul_split`]), with the operands in the same
+//! orientation as the composition's (`x` rows times `W`, `Wᵀ` a strided
+//! view), and the bias is added after the product in `T`, as
+//! [`super::bias_add`] adds it; its gradient is that op's column sum (f64,
+//! fixed blocks). `dx = g Wᵀ`, `dW = xᵀ g` (`nn.Linear`: `gᵀ x`).
+
+use super::matmul::{matmul_split, Mat};
+use super::*;
+
+/// How the weight is laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightLayout {
+    /// `[in, out]`: HF's `Conv1D` (GPT-2).
+    InOut,
+    /// `[out, in]`: `nn.Linear`.
+    OutIn,
+}
+
+/// The op, given the weight's layout.
+struct Linear {
+    layout: WeightLayout,
+}
+
+/// Rows of `x`, inputs, outputs.
+#[derive(Debug, Clone, Copy)]
+struct Sizes {
+    rows: usize,
+    n_in: usize,
+    n_out: usize,
+}
+
+impl Linear {
+    /// The sizes of `x [.., in]` times `w`, checked.
+    fn sizes(&self, x: &Shape, w: &Shape) -> candle_core::Result<Sizes> {
+        let n_in = row_len(x)?;
+        let &[a, b] = w.dims() else {
+            return Err(candle_core::Error::Msg(format!(
+                "linear: weight {w:?} is not 2-D"
+            )));
+        };
+        let (w_in, n_out) = match self.layout {
+            WeightLayout::InOut => (a, b),
+            WeightLayout::OutIn => (b, a),
+        };
+        if w_in != n_in {
+            return Err(candle_core::Error::Msg(format!(
+                "linear: x {x:?} against weight {w:?} ({:?})",
+                self.layout
+            )));
+        }
+        Ok(Sizes {
+            rows: x.elem_count() / n_in,
+            n_in,
+            n_out,
+        })
+    }
+
+    /// `W` as the `[in, out]` operand.
+    fn w<'a, T>(&self, w: &'a [T], s: Sizes) -> Mat<'a, T> {
+        match self.layout {
+            WeightLayout::InOut => Mat::rows(w, s.n_in, s.n_out),
+            WeightLayout::OutIn => Mat::rows(w, s.n_out, s.n_in).t(),
+        }
+    }
+
+    fn fwd<T: Real>(
+        &self,
+        x: &[T],
+        w: &[T],
+        b: Option<&[T]>,
+        s: Sizes,
+    ) -> candle_core::Result<Vec<T>> {
+        let mut y = vec![T::of(0.0); s.rows * s.n_out];
+        matmul_split(
+            &mut y,
+            Mat::rows(x, s.rows, s.n_in),
+            self.w(w, s),
+            T::of(1.0),
+            false,
+        )?;
+        if let Some(b) = b {
+            let n = s.n_out;
+            par_rows(&mut y, n, |_, rows| {
+                for row in rows.chunks_exact_mut(n) {
+                    for (y, &b) in row.iter_mut().zip(b) {
+                        *y = T::of(y.f() + b.f());
+                    }
+                }
+            });
+        }
+        Ok(y)
+    }
+
+    /// `dx`, `dW` and (with a bias) `db` from the output's gradient `g`.
+    #[allow(clippy::type_complexity, reason = "three gradients")]
+    fn bwd<T: Real>(
+        &self,
+        x: &[T],
+        w: &[T],
+        g: &[T],
+        bias: bool,
+        s: Sizes,
+    ) -> candle_core::Result<(Vec<T>, Vec<T>, Option<Vec<T>>)> {
+        let one = T::of(1.0);
+        let gm = Mat::rows(g, s.rows, s.n_out);
+        let xm = Mat::rows(x, s.rows, s.n_in);
+        let mut dx = vec![T::of(0.0); s.rows * s.n_in];
+        matmul_split(&mut dx, gm, self.w(w, s).t(), one, false)?;
+        let mut dw = vec![T::of(0.0); s.n_in * s.n_out];
+        match self.layout {
+            WeightLayout::InOut => matmul_split(&mut dw, xm.t(), gm, one, false)?,
+            WeightLayout::OutIn => matmul_split(&mut dw, gm.t(), xm, one, false)?,
+        }
+        let db = bias.then(|| super::pointwise::bias_grad(g, s.n_out));
+        Ok((dx, dw, db))
+    }
+
+    fn out_shape(x: &Shape, s: Sizes) -> Shape {
+        let mut dims = x.dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last = s.n_out;
+        }
+        Shape::from(dims)
+    }
+}
+
+/// Runs `f` on the contiguous elements of `s` under `l` as `T`.
+fn on<T: Real, R>(
+    s: &CpuStorage,
+    l: &Layout,
+    f: impl FnOnce(&[T]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    f(elems::<T>(s, l)?)
+}
+
+impl CustomOp2 for Linear {
+    fn name(&self) -> &'static str {
+        "tz-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let s = self.sizes(lx.shape(), lw.shape())?;
+        let out = match sx {
+            CpuStorage::F32(_) => on::<f32, _>(sx, lx, |x| {
+                on::<f32, _>(sw, lw, |w| Ok(f32::storage(self.fwd(x, w, None, s)?)))
+            })?,
+            CpuStorage::F64(_) => on::<f64, _>(sx, lx, |x| {
+                on::<f64, _>(sw, lw, |w| Ok(f64::storage(self.fwd(x, w, None, s)?)))
+            })?,
+            _ => return Err(candle_core::Error::Msg("linear: dtype".into())),
+        };
+        Ok((out, Linear::out_shape(lx.shape(), s)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let s = self.sizes(x.shape(), w.shape())?;
+        fn run<T: Real>(
+            op: &Linear,
+            (x, w, g): (&Tensor, &Tensor, &Tensor),
+            s: Sizes,
+        ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+            let (dx, dw, _) =
+                with_elems3::<T, _>(x, w, g, |xs, ws, gs| op.bwd(xs, ws, gs, false, s))?;
+            Ok((
+                Some(T::tensor(dx, x.shape())?),
+                Some(T::tensor(dw, w.shape())?),
+            ))
+        }
+        match x.dtype() {
+            DType::F32 => run::<f32>(self, (x, w, g), s),
+            _ => run::<f64>(self, (x, w, g), s),
+        }
+    }
+}
+
+impl CustomOp3 for Linear {
+    fn name(&self) -> &'static str {
+        "tz-linear-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+        sb: &CpuStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let s = self.sizes(lx.shape(), lw.shape())?;
+        if lb.shape().elem_count() != s.n_out {
+            return Err(candle_core::Error::Msg(format!(
+                "linear: bias {:?} for {} outputs",
+                lb.shape(),
+                s.n_out
+            )));
+        }
+        let out = match sx {
+            CpuStorage::F32(_) => on::<f32, _>(sx, lx, |x| {
+                on::<f32, _>(sw, lw, |w| {
+                    on::<f32, _>(sb, lb, |b| Ok(f32::storage(self.fwd(x, w, Some(b), s)?)))
+                })
+            })?,
+            CpuStorage::F64(_) => on::<f64, _>(sx, lx, |x| {
+                on::<f64, _>(sw, lw, |w| {
+                    on::<f64, _>(sb, lb, |b| Ok(f64::storage(self.fwd(x, w, Some(b), s)?)))
+                })
+            })?,
+            _ => return Err(candle_core::Error::Msg("linear: dtype".into())),
+        };
+        Ok((out, Linear::out_shape(lx.shape(), s)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let s = self.sizes(x.shape(), w.shape())?;
+        type Three = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
+        fn run<T: Real>(
+            op: &Linear,
+            (x, w, b, g): (&Tensor, &Tensor, &Tensor, &Tensor),
+            s: Sizes,
+        ) -> candle_core::Result<Three> {
+            let (dx, dw, db) =
+                with_elems3::<T, _>(x, w, g, |xs, ws, gs| op.bwd(xs, ws, gs, true, s))?;
+            let db = db.map(|db| T::tensor(db, b.shape())).transpose()?;
+            Ok((
+                Some(T::tensor(dx, x.shape())?),
+                Some(T::tensor(dw, w.shape())?),
+                db,
+            ))
+        }
+        match x.dtype() {
+            DType::F32 => run::<f32>(self, (x, w, b, g), s),
+            _ => run::<f64>(self, (x, w, b, g), s),
+        }
+    }
+}
+
+/// `y = x W (+ b)` over the last dim of `x`, `W` laid out as `layout`:
+/// fused when it can be, else the composition (rows, matmul, reshape,
+/// [`bias_add`]).
+pub fn linear(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    layout: WeightLayout,
+) -> candle_core::Result<Tensor> {
+    let mut all = vec![x, w];
+    all.extend(b);
+    if fusable(&all) && x.elem_count() > 0 && w.rank() == 2 {
+        let op = Linear { layout };
+        let (x, w) = (x.contiguous()?, w.contiguous()?);
+        return match b {
+            Some(b) => x.apply_op3(&w, &b.contiguous()?, op),
+            None => x.apply_op2(&w, op),
+        };
+    }
+    let w = match layout {
+        WeightLayout::InOut => w.clone(),
+        WeightLayout::OutIn => w.t()?,
+    };
+    let y = ops::matmul_last(x, &w)?;
+    match b {
+        Some(b) => bias_add(&y, b),
+        None => Ok(y),
+    }
+}

@@ -1,0 +1,342 @@
+//! A bounds-checked GEMM on slices, for the fused ops that run their own
+//! matmuls (the attention's per-head products, the fused linears).
+//!
+//! gemm's entry point takes raw pointers and strides. [`matmul`] and
+//! [`matmul_split`] check every view against its slice first, so the one
+//! `unsafe` call below can only touch elements of the slices it was given:
+//! the output is a `&mut [T]` (exclusive, so it overlaps no input), the
+//! inputs are shared slices, and nothing is kept after the call.
+//!
+//! [`matmul`] runs on the calling thread (`Parallelism::None`): the
+//! attention splits its work over heads on rayon itself. [`matmul_split`]
+//! lets gemm split the output's blocks over the current rayon pool, as
+//! candle's own matmul does (the linears' large products); gemm splits
+//! rows and columns of the output, never the inner dimension, so each
+//! element is the same sum in the same order whatever the thread count
+//! (the linear's tests check it).
+#![allow(unsafe_code)]
+
+use super::Real;
+
+/// A strided matrix view: element `(i, j)` is `data[i · row_stride + j ·
+/// col_stride]`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Mat<'a, T> {
+    data: &'a [T],
+    rows: usize,
+    cols: usize,
+    row_stride: usize,
+    col_stride: usize,
+}
+
+impl<'a, T> Mat<'a, T> {
+    /// `data` as a dense row-major `rows × cols` matrix.
+    pub(super) fn rows(data: &'a [T], rows: usize, cols: usize) -> Self {
+        Mat {
+            data,
+            rows,
+            cols,
+            row_stride: cols,
+            col_stride: 1,
+        }
+    }
+
+    /// `rows × cols` rows of `row_stride` elements from the start of
+    /// `data` (a head's columns in a wider row).
+    pub(super) fn strided(data: &'a [T], rows: usize, cols: usize, row_stride: usize) -> Self {
+        Mat {
+            data,
+            rows,
+            cols,
+            row_stride,
+            col_stride: 1,
+        }
+    }
+
+    /// Rows of the view.
+    pub(super) fn rows_len(&self) -> usize {
+        self.rows
+    }
+
+    /// The transpose (no copy).
+    pub(super) fn t(self) -> Self {
+        Mat {
+            data: self.data,
+            rows: self.cols,
+            cols: self.rows,
+            row_stride: self.col_stride,
+            col_stride: self.row_stride,
+        }
+    }
+
+    /// Whether every element the view names lies in its slice.
+    fn in_bounds(&self) -> bool {
+        if self.rows == 0 || self.cols == 0 {
+            return true;
+        }
+        let last = (self.rows - 1)
+            .checked_mul(self.row_stride)
+            .zip((self.cols - 1).checked_mul(self.col_stride))
+            .and_then(|(a, b)| a.checked_add(b));
+        last.is_some_and(|l| l < self.data.len())
+            && isize::try_from(self.row_stride).is_ok()
+            && isize::try_from(self.col_stride).is_ok()
+    }
+}
+
+/// Sizes that do not fit: a bug of the caller, reported as an error.
+fn mismatch(what: &str) -> candle_core::Error {
+    candle_core::Error::Msg(format!("fused matmul: {what}"))
+}
+
+/// `dst = scale · a · b` (`accumulate`: `dst += scale · a · b`), `dst`
+/// dense row-major `a.rows × b.cols`, on the calling thread.
+pub(super) fn matmul<T: Real>(
+    dst: &mut [T],
+    a: Mat<'_, T>,
+    b: Mat<'_, T>,
+    scale: T,
+    accumulate: bool,
+) -> candle_core::Result<()> {
+    product(dst, a, b, scale, accumulate, gemm::Parallelism::None)
+}
+
+/// [`matmul`], split by gemm over the current rayon pool's threads.
+pub(super) fn matmul_split<T: Real>(
+    dst: &mut [T],
+    a: Mat<'_, T>,
+    b: Mat<'_, T>,
+    scale: T,
+    accumulate: bool,
+) -> candle_core::Result<()> {
+    let threads = rayon::current_num_threads();
+    let par = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    product(dst, a, b, scale, accumulate, par)
+}
+
+fn product<T: Real>(
+    dst: &mut [T],
+    a: Mat<'_, T>,
+    b: Mat<'_, T>,
+    scale: T,
+    accumulate: bool,
+    par: gemm::Parallelism,
+) -> candle_core::Result<()> {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    if b.rows != k {
+        return Err(mismatch("inner dims differ"));
+    }
+    if m.checked_mul(n) != Some(dst.len()) {
+        return Err(mismatch("output size"));
+    }
+    if !a.in_bounds() || !b.in_bounds() {
+        return Err(mismatch("a view outside its slice"));
+    }
+    if dst.is_empty() {
+        return Ok(());
+    }
+    if k == 0 {
+        if !accumulate {
+            dst.fill(T::of(0.0));
+        }
+        return Ok(());
+    }
+    let s = |x: usize| isize::try_from(x).map_err(|_| mismatch("stride"));
+    let (dst_rs, a_rs, a_cs, b_rs, b_cs) = (
+        s(n)?,
+        s(a.row_stride)?,
+        s(a.col_stride)?,
+        s(b.row_stride)?,
+        s(b.col_stride)?,
+    );
+    // SAFETY: `dst` is an exclusive slice of exactly m × n elements,
+    // written row-major (row stride n, column stride 1); `a` and `b` were
+    // checked above to name only elements of their own slices (the last
+    // element (rows-1, cols-1) is in bounds and strides are non-negative),
+    // and they cannot overlap `dst`, which is borrowed mutably. T is f32 or
+    // f64 (`Real`'s only impls), both of which gemm supports. The call is
+    // synchronous (with `Parallelism::Rayon` it returns once every split
+    // has run, and the splits write disjoint blocks of `dst`) and keeps no
+    // pointer.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs,
+            accumulate,
+            a.data.as_ptr(),
+            a_cs,
+            a_rs,
+            b.data.as_ptr(),
+            b_cs,
+            b_rs,
+            T::of(1.0),
+            scale,
+            false,
+            false,
+            false,
+            par,
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+
+    fn vals(n: usize, seed: u64) -> Vec<f64> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// The scalar reference: f64, in index order.
+    fn reference(a: &Mat<'_, f64>, b: &Mat<'_, f64>) -> Vec<f64> {
+        let mut out = vec![0.0; a.rows * b.cols];
+        for i in 0..a.rows {
+            for j in 0..b.cols {
+                let mut acc = 0.0;
+                for p in 0..a.cols {
+                    acc += a.data[i * a.row_stride + p * a.col_stride]
+                        * b.data[p * b.row_stride + j * b.col_stride];
+                }
+                out[i * b.cols + j] = acc;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn matches_the_scalar_reference_at_awkward_sizes_and_transposes() {
+        for &(m, k, n) in &[
+            (1, 1, 1),
+            (7, 3, 5),
+            (17, 33, 1),
+            (1, 129, 31),
+            (48, 64, 48),
+        ] {
+            let a = vals(m * k, 1);
+            let b = vals(k * n, 2);
+            let at = vals(k * m, 3);
+            let bt = vals(n * k, 4);
+            let cases = [
+                (Mat::rows(&a[..], m, k), Mat::rows(&b[..], k, n)),
+                (Mat::rows(&at[..], k, m).t(), Mat::rows(&b[..], k, n)),
+                (Mat::rows(&a[..], m, k), Mat::rows(&bt[..], n, k).t()),
+                (Mat::rows(&at[..], k, m).t(), Mat::rows(&bt[..], n, k).t()),
+            ];
+            for (c, (x, y)) in cases.iter().enumerate() {
+                let want = reference(x, y);
+                let mut got = vec![0.5; m * n];
+                matmul(&mut got, *x, *y, 1.0, false).unwrap();
+                for (g, w) in got.iter().zip(&want) {
+                    assert!((g - w).abs() < 1e-12, "{m}x{k}x{n} case {c}");
+                }
+                // Accumulating, scaled: dst + 0.5 · a · b.
+                let mut acc = vec![0.25; m * n];
+                matmul(&mut acc, *x, *y, 0.5, true).unwrap();
+                for (g, w) in acc.iter().zip(&want) {
+                    assert!((g - (0.25 + 0.5 * w)).abs() < 1e-12, "{m}x{k}x{n} case {c}");
+                }
+                // f32 too, within its rounding.
+                let (x32, y32): (Vec<f32>, Vec<f32>) = (
+                    x.data.iter().map(|&v| v as f32).collect(),
+                    y.data.iter().map(|&v| v as f32).collect(),
+                );
+                let view = |m: &Mat<'_, f64>, d| Mat {
+                    data: d,
+                    rows: m.rows,
+                    cols: m.cols,
+                    row_stride: m.row_stride,
+                    col_stride: m.col_stride,
+                };
+                let mut got32 = vec![0f32; m * n];
+                matmul(&mut got32, view(x, &x32[..]), view(y, &y32[..]), 1.0, false).unwrap();
+                for (g, w) in got32.iter().zip(&want) {
+                    assert!(
+                        (f64::from(*g) - w).abs() < 1e-5 * k as f64,
+                        "{m}x{k}x{n} f32"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn refuses_views_outside_their_slices_and_wrong_sizes() {
+        let a = vec![1.0f64; 6];
+        let b = vec![1.0f64; 6];
+        let mut out = vec![0.0; 4];
+        // 2x3 · 3x2 fits.
+        matmul(
+            &mut out,
+            Mat::rows(&a, 2, 3),
+            Mat::rows(&b, 3, 2),
+            1.0,
+            false,
+        )
+        .unwrap();
+        assert_eq!(out, vec![3.0; 4]);
+        // A view one row too long.
+        assert!(matmul(
+            &mut out,
+            Mat::rows(&a[..5], 2, 3),
+            Mat::rows(&b, 3, 2),
+            1.0,
+            false
+        )
+        .is_err());
+        // Inner dims that differ, and an output of the wrong size.
+        assert!(matmul(
+            &mut out,
+            Mat::rows(&a, 2, 3),
+            Mat::rows(&b, 2, 3),
+            1.0,
+            false
+        )
+        .is_err());
+        assert!(matmul(
+            &mut out[..3],
+            Mat::rows(&a, 2, 3),
+            Mat::rows(&b, 3, 2),
+            1.0,
+            false
+        )
+        .is_err());
+        // k = 0: zeros, or dst unchanged when accumulating.
+        let mut z = vec![7.0; 4];
+        matmul(
+            &mut z,
+            Mat::rows(&a[..0], 2, 0),
+            Mat::rows(&b[..0], 0, 2),
+            1.0,
+            true,
+        )
+        .unwrap();
+        assert_eq!(z, vec![7.0; 4]);
+        matmul(
+            &mut z,
+            Mat::rows(&a[..0], 2, 0),
+            Mat::rows(&b[..0], 0, 2),
+            1.0,
+            false,
+        )
+        .unwrap();
+        assert_eq!(z, vec![0.0; 4]);
+    }
+}
