@@ -46,10 +46,6 @@ impl Model {
         let pol = Policy::new(x.dtype());
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (c.n_head, c.n_kv_head, c.head_dim);
-        // [b, t, n * hd] -> [b, n, t, hd]
-        let heads = |y: &Tensor, n: usize| -> candle_core::Result<Tensor> {
-            y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()
-        };
         // The residual stream, in the math dtype.
         let x = pol.up(x)?;
         let out = match c.arch {
@@ -85,18 +81,20 @@ impl Model {
                 let o_w = next()?;
                 let o_b = if c.o_bias { Some(next()?) } else { None };
                 // q, k from the storage-dtype projections; norm and rotary
-                // embedding in the math dtype.
-                let mut q = pol.up(&heads(&qkv[0], nh)?)?;
-                let mut k = pol.up(&heads(&qkv[1], nkv)?)?;
+                // embedding in the math dtype, the heads split by the
+                // rotation (`rope_heads`: rows in, `[b, n, t, hd]` out).
+                let mut q = pol.up(&qkv[0])?;
+                let mut k = pol.up(&qkv[1])?;
                 // v as its projection wrote it, `[b, t, nkv · hd]`.
                 let v = &qkv[2];
                 if c.qk_norm {
-                    q = pol.rms_norm(&q, next()?, c.norm_eps)?;
-                    k = pol.rms_norm(&k, next()?, c.norm_eps)?;
+                    // Per head: rows of `hd`.
+                    q = pol.rms_norm(&q.reshape((b, t, nh, hd))?, next()?, c.norm_eps)?;
+                    k = pol.rms_norm(&k.reshape((b, t, nkv, hd))?, next()?, c.norm_eps)?;
                 }
                 let (cos, sin) = ops::rope_tables_for(c, t, pol.math(), x.device())?;
-                let q = ops::apply_rope(&q, &cos, &sin)?;
-                let k = ops::apply_rope(&k, &cos, &sin)?;
+                let q = super::fused::rope_heads(&q, nh, &cos, &sin)?;
+                let k = super::fused::rope_heads(&k, nkv, &cos, &sin)?;
                 // GQA: `attention` reads key/value head `h / (nh / nkv)`.
                 let y = pol.attention(&q, &k, v, c.sliding_window)?;
                 let x = (x + pol.up(&proj(&y, o_w, o_b)?)?)?;

@@ -4,7 +4,8 @@
 //!
 //! The ops: the linear (`x W + b`, [`linear`]), the whole causal attention
 //! of a block's heads ([`attention`], [`attention_packed`]: see `sdpa`),
-//! bias add, LayerNorm, RMSNorm, the causal softmax (scale and mask folded
+//! the rotary embedding with the split into heads ([`rope_heads`]), bias
+//! add, LayerNorm, RMSNorm, the causal softmax (scale and mask folded
 //! in), GELU (tanh), SwiGLU (`silu(a) · b`) and GQA's `repeat_kv`; and the
 //! injection of a unit's upstream gradient. The linear and the attention
 //! run their own matmuls through `matmul`, a bounds-checked wrapper of
@@ -334,12 +335,14 @@ mod linear;
 mod matmul;
 mod norm;
 mod pointwise;
+mod rope;
 mod sdpa;
 
 pub use attention::{causal_softmax, repeat_kv};
 pub use linear::{linear, WeightLayout};
 pub use norm::{layer_norm, rms_norm};
 pub use pointwise::{bias_add, gelu_tanh, swiglu, upstream_objective};
+pub use rope::rope_heads;
 pub use sdpa::{attention, attention_packed};
 
 #[cfg(test)]
@@ -602,6 +605,38 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn fused_rope_gives_the_compositions_bits() {
+        for dtype in [DType::F64, DType::F32] {
+            for &(t, n, d) in &[(1, 1, 2), (7, 3, 6), (17, 2, 16)] {
+                let x = rand(&[2, t, n * d], 40 + t as u64, dtype);
+                let (cos, sin) = ops::rope_tables(t, d, 10_000.0, dtype, &Device::Cpu).unwrap();
+                let r = rand(&[2, n, t, d], 41, dtype);
+                let run = |fused: bool| {
+                    let v = Var::from_tensor(&x).unwrap();
+                    let y = if fused {
+                        rope_heads(v.as_tensor(), n, &cos, &sin).unwrap()
+                    } else {
+                        ops::apply_rope(&split_heads(v.as_tensor(), n), &cos, &sin).unwrap()
+                    };
+                    let g = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+                    (y, g.get(v.as_tensor()).unwrap().clone())
+                };
+                let ((yf, gf), (yc, gc)) = (run(true), run(false));
+                assert_eq!(yf.dims(), &[2, n, t, d]);
+                assert_eq!(max_rel(&yf, &yc), 0.0, "{dtype:?} {t} {n} {d}");
+                assert_eq!(max_rel(&gf, &gc), 0.0, "{dtype:?} {t} {n} {d} gradient");
+                // [b, t, n, d] in (after a per-head norm) is the same.
+                let y4 = rope_heads(&x.reshape((2, t, n, d)).unwrap(), n, &cos, &sin).unwrap();
+                assert_eq!(max_rel(&y4, &yc), 0.0);
+            }
+        }
+        let x = rand(&[1, 3, 6], 1, DType::F32);
+        let (cos, sin) = ops::rope_tables(3, 6, 10_000.0, DType::F32, &Device::Cpu).unwrap();
+        assert!(rope_heads(&x, 4, &cos, &sin).is_err());
+        assert!(rope_heads(&x, 2, &cos, &sin).is_err(), "d = 3 is odd");
     }
 
     #[test]
