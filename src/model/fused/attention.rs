@@ -27,18 +27,25 @@ impl CausalSoftmax {
     /// The max and the sum are f64, in key order.
     pub(super) fn row_in_place<T: Real>(&self, i: usize, row: &mut [T]) {
         let lo = self.lo(i);
-        let mut max = f64::NEG_INFINITY;
+        // Rounding is monotonic, so the max of the scaled scores is the
+        // scaled max (the scaled min for a negative scale).
+        let (mut hi, mut low) = (f64::NEG_INFINITY, f64::INFINITY);
         for x in &row[lo..=i] {
-            max = max.max(self.scale * x.f());
+            hi = hi.max(x.f());
+            low = low.min(x.f());
         }
+        let max = self.scale * if self.scale >= 0.0 { hi } else { low };
         let mut sum = 0f64;
         for x in &mut row[lo..=i] {
             let e = T::exp_in(self.scale * x.f() - max);
             sum += e;
             *x = T::of(e);
         }
+        // One division a row (the f64 reciprocal is within an ulp of each
+        // quotient, far below `T`'s rounding).
+        let inv = 1.0 / sum;
         for x in &mut row[lo..=i] {
-            *x = T::of(x.f() / sum);
+            *x = T::of(x.f() * inv);
         }
         row[..lo].fill(T::of(0.0));
         row[i + 1..].fill(T::of(0.0));

@@ -493,18 +493,23 @@ mod tests {
                     |a| gelu_tanh(&a[0]).unwrap(),
                     |a| ops::gelu_tanh(&a[0]).unwrap(),
                 );
-                for window in [None, Some(1), Some(3)] {
+                for (window, scale) in [
+                    (None, 0.37),
+                    (Some(1), 0.37),
+                    (Some(3), 0.37),
+                    (None, -0.37),
+                ] {
                     let s = rand(&[2, 2, n, n], seed + 3, dtype);
                     let reference = |a: &[Tensor]| {
-                        let att = a[0].affine(0.37, 0.0).unwrap();
+                        let att = a[0].affine(scale, 0.0).unwrap();
                         let mask =
                             ops::causal_mask_window(n, window, DType::F64, &Device::Cpu).unwrap();
                         ops::softmax_last(&att.broadcast_add(&mask).unwrap()).unwrap()
                     };
                     check(
-                        &format!("softmax {dtype:?} {n} {window:?}"),
+                        &format!("softmax {dtype:?} {n} {window:?} scale {scale}"),
                         &[s],
-                        |a| causal_softmax(&a[0], 0.37, window).unwrap(),
+                        |a| causal_softmax(&a[0], scale, window).unwrap(),
                         reference,
                     );
                 }
