@@ -302,14 +302,7 @@ fn main() -> Result<(), Box<dyn Error>> {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| {
-            let t = threads::resolve(
-                None,
-                threads::user_env().as_deref(),
-                threads::cores(),
-                true,
-                1,
-                true,
-            );
+            let t = threads::resolve(None, threads::user_env().as_deref(), threads::cores(), true);
             u32::try_from(t.threads).unwrap_or(1)
         });
     let root = PathBuf::from(

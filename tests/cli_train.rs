@@ -496,8 +496,7 @@ fn json_prints_only_the_summary_object_on_stdout() {
 }
 
 /// `tierzero.compute_threads`: the plan names the count and where it came
-/// from: the config, `RAYON_NUM_THREADS`, or "auto" (offloaded: one core
-/// per Adam thread kept free).
+/// from: the config, `RAYON_NUM_THREADS`, or "auto" (every core).
 #[test]
 fn the_plan_names_the_compute_threads_and_their_source() {
     let d = tiny_setup("threads");
@@ -525,7 +524,7 @@ fn the_plan_names_the_compute_threads_and_their_source() {
     };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let auto = run(None);
-    let want = cores.saturating_sub(1).max(1);
+    let want = cores;
     assert!(
         auto.contains(&format!("cpu, {want} compute thread")) && auto.contains("\"auto\""),
         "{auto}"

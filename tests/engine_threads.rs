@@ -52,9 +52,13 @@ fn helpers_run_on_their_cpus_and_the_stepping_thread_gets_its_own_mask_back() {
     );
     let dir = tiny_gpt2_dir("pin", 2, 32);
 
-    // "auto" with everything on NVMe, one rank: pinned, one compute CPU
-    // (auto keeps one core per Adam thread), the rest for helpers.
-    let mut t = build(&dir, &Knobs::nvme(), 1, 16, 2);
+    // Everything on NVMe, one rank, one compute thread: "auto" pins it to
+    // the first CPU and the helpers to the rest.
+    let one = Knobs {
+        compute_threads: Some(1),
+        ..Knobs::nvme()
+    };
+    let mut t = build(&dir, &one, 1, 16, 2);
     let Placement::Pinned {
         compute_cpus,
         helper_cpus,
@@ -65,8 +69,9 @@ fn helpers_run_on_their_cpus_and_the_stepping_thread_gets_its_own_mask_back() {
     let n = t.compute_threads().threads;
     assert_eq!(&compute_cpus[..], &allowed[..n]);
     assert_eq!(&helper_cpus[..], &allowed[n..]);
-    // Run a step on a thread whose own mask is narrower than the process's
-    // (one helper CPU): the step moves it to the compute CPUs and back.
+    // Run a step from a thread whose own mask is narrower than the
+    // process's (one helper CPU): the step runs on the compute pool, and
+    // the caller's mask is left alone.
     let own = vec![*allowed.last().unwrap()];
     let own2 = own.clone();
     let (t_back, before, after) = std::thread::spawn(move || {
@@ -89,6 +94,12 @@ fn helpers_run_on_their_cpus_and_the_stepping_thread_gets_its_own_mask_back() {
     }
     for (name, cpus) in &threads {
         assert_eq!(&cpus[..], &helper_cpus[..], "{name}");
+    }
+    // The compute pool's threads run on the compute CPUs.
+    let compute = helpers(&["tierzero-cpu-"]);
+    assert_eq!(compute.len(), n, "{compute:?}");
+    for (name, cpus) in &compute {
+        assert_eq!(&cpus[..], &compute_cpus[..], "{name}");
     }
     t_back.finish().unwrap();
 

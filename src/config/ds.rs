@@ -543,10 +543,9 @@ section! {
         /// backward as DeepSpeed does. Same result; default true.
         overlap_optimizer: bool = true => flag;
         /// `compute_threads`: threads of the CPU compute kernels (candle's
-        /// matmuls). `"auto"` (absent) keeps one core per Adam thread free for
-        /// the optimizer and I/O threads when anything is offloaded, and uses
-        /// every core otherwise; `RAYON_NUM_THREADS` in the environment takes
-        /// the place of `"auto"`. `None` = auto.
+        /// matmuls). `"auto"` (absent) uses every core;
+        /// `RAYON_NUM_THREADS` in the environment takes the place of
+        /// `"auto"`. `None` = auto.
         compute_threads: Option<u64> => auto_none(int);
         /// `optimizer_resident_bytes`: host memory (pageable, not pinned) for
         /// the fp32 state of the sub-groups the next forward needs first, kept

@@ -748,8 +748,7 @@ pub(crate) fn validate(
                 "tierzero.compute_threads",
                 n,
                 1024,
-                "use \"auto\" (one core per Adam thread kept for the optimizer and I/O \
-                 threads when offloading), or a count no larger than the machine's cores",
+                "use \"auto\" (every core), or a count no larger than the machine's cores",
             )?),
             None => None,
         },

@@ -111,6 +111,8 @@ pub struct Knobs {
     pub max_live: u64,
     /// `tierzero.pin_threads` (`None`: absent, auto).
     pub pin_threads: Option<bool>,
+    /// `tierzero.compute_threads` (`None`: absent, auto).
+    pub compute_threads: Option<u32>,
     /// `tierzero.speculative_step` (`None`: absent, auto).
     pub speculative: Option<bool>,
     /// `tierzero.speculation_pool_bytes` (`None`: absent, auto).
@@ -142,6 +144,7 @@ impl Default for Knobs {
             prefetch_bucket: 10_000,
             max_live: 20_000,
             pin_threads: None,
+            compute_threads: None,
             speculative: None,
             speculation_pool_bytes: None,
             activation_budget: None,
@@ -213,6 +216,9 @@ pub fn ds_config(k: &Knobs, swap: &Path, total_steps: u64) -> Value {
     }
     if let Some(b) = k.optimizer_resident_bytes {
         tz["optimizer_resident_bytes"] = json!(b);
+    }
+    if let Some(n) = k.compute_threads {
+        tz["compute_threads"] = json!(n);
     }
     if let Some(p) = k.pin_threads {
         tz["pin_threads"] = json!(p);

@@ -2,17 +2,11 @@
 //!
 //! # Why this exists
 //!
-//! A step on the CPU runs three kinds of work at once: the compute thread
-//! (forward and backward through candle), the optimizer thread (CPU Adam,
-//! `--threads` of them) and the swap engines' ring threads. candle's CPU
-//! matmuls split across `RAYON_NUM_THREADS` threads, by default one per
-//! core. With offloading on, those compute threads then share every core
-//! with the Adam and ring threads, and each preemption stalls a matmul
-//! whose other half waits at the join. On the 2-core development machine
-//! the compute of a real offloaded step ran 10–20% slower than the same
-//! compute alone, and the small matmuls of a transformer block gain little
-//! from a second thread anyway (`examples/overlap.rs`: compute alone took
-//! about the same time on one thread as on two).
+//! A step on the CPU runs three kinds of work at once: the compute threads
+//! (forward and backward through candle, on the trainer's
+//! [`ComputePool`]), the optimizer thread (CPU Adam, `--threads` of them)
+//! and the swap engines' ring threads. candle's CPU matmuls split across
+//! `RAYON_NUM_THREADS` threads.
 //!
 //! # The rule
 //!
@@ -20,9 +14,22 @@
 //!
 //! * a number: that many threads, whatever the environment says;
 //! * `"auto"` (the default): `RAYON_NUM_THREADS` if the environment sets
-//!   it (the user's choice wins over our guess); otherwise, when parameters
-//!   or optimizer state are offloaded (the Adam and ring threads run beside
-//!   compute), `cores − adam_threads`, at least 1; otherwise every core.
+//!   it (the user's choice wins over our guess); otherwise every core,
+//!   offloaded or not.
+//!
+//! Until session 7 "auto" kept a core per Adam thread when anything was
+//! offloaded: with the compute's splits injected into rayon's global pool
+//! (see [`ComputePool`]), an Adam or ring thread that preempted a compute
+//! thread stalled every join, and an offloaded step's compute ran 10-20%
+//! slower on 2 cores. On the pool, a preempted worker's splits are stolen
+//! by the others, and the second core paid off: the GPT-2 of
+//! `scripts/compare_torch.py`'s `tz_nvme` arm (params and optimizer state
+//! on NVMe, 8 × 128 tokens, clipping 1.0), 25 steps alternating, ran at
+//! 4,547-4,591 tokens/s with one compute thread (pinned) and 6,354-6,412
+//! with two; `scripts/overlap_ab.sh 2` (`examples/overlap`, I/O-bound:
+//! I/O alone 0.074-0.077 s, compute alone 0.044) gave steps of 0.0855 s
+//! with one and 0.0832 s with two. Pinning (below) then needs
+//! `compute_threads` below the CPU count.
 //!
 //! Only CPU compute is affected: on a CUDA device the setting is ignored.
 //!
@@ -115,14 +122,7 @@ pub enum ThreadsSource {
     Config,
     /// `RAYON_NUM_THREADS` in the environment (config said `"auto"`).
     Env,
-    /// `"auto"` with offloading: cores minus the Adam threads.
-    AutoOffload {
-        /// Cores of the machine.
-        cores: usize,
-        /// Adam threads kept a core each.
-        adam_threads: usize,
-    },
-    /// `"auto"` without offloading: every core.
+    /// `"auto"`: every core.
     AutoAll {
         /// Cores of the machine.
         cores: usize,
@@ -144,13 +144,11 @@ pub struct ComputeThreads {
 /// Resolves the count. `configured` is `tierzero.compute_threads`
 /// (`None` = auto); `env` the value of `RAYON_NUM_THREADS`, if any (an
 /// unparsable or zero value counts as unset, as candle and rayon treat it);
-/// `offloaded` whether params or optimizer state leave the compute device.
+/// `cpu` whether compute is on the CPU.
 pub fn resolve(
     configured: Option<u32>,
     env: Option<&str>,
     cores: usize,
-    offloaded: bool,
-    adam_threads: usize,
     cpu: bool,
 ) -> ComputeThreads {
     if !cpu {
@@ -175,19 +173,9 @@ pub fn resolve(
             source: ThreadsSource::Env,
         };
     }
-    if offloaded {
-        ComputeThreads {
-            threads: cores.saturating_sub(adam_threads).max(1),
-            source: ThreadsSource::AutoOffload {
-                cores,
-                adam_threads,
-            },
-        }
-    } else {
-        ComputeThreads {
-            threads: cores,
-            source: ThreadsSource::AutoAll { cores },
-        }
+    ComputeThreads {
+        threads: cores,
+        source: ThreadsSource::AutoAll { cores },
     }
 }
 
@@ -364,7 +352,7 @@ impl ComputePool {
         let cpus: Option<Arc<[usize]>> = placement.compute_cpus().map(Arc::from);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
-            .thread_name(|i| format!("tierzero-compute-{i}"))
+            .thread_name(|i| format!("tierzero-cpu-{i}"))
             .start_handler(move |_| {
                 if let Some(cpus) = &cpus {
                     if let Err(e) = tierzero_swap::affinity::pin_current_thread(cpus) {
@@ -395,21 +383,10 @@ impl fmt::Display for ComputeThreads {
         match self.source {
             ThreadsSource::Config => write!(f, "{n} compute thread{s} (tierzero.compute_threads)"),
             ThreadsSource::Env => write!(f, "{n} compute thread{s} (RAYON_NUM_THREADS)"),
-            ThreadsSource::AutoOffload {
-                cores,
-                adam_threads,
-            } => write!(
+            ThreadsSource::AutoAll { cores } => write!(
                 f,
-                "{n} compute thread{s} ({cores} cores, {} kept for the {adam_threads} Adam \
-                 thread(s) and the I/O threads; tierzero.compute_threads: \"auto\")",
-                cores - n.min(cores)
+                "{n} compute thread{s} (all {cores} cores; tierzero.compute_threads: \"auto\")"
             ),
-            ThreadsSource::AutoAll { cores } => {
-                write!(
-                    f,
-                    "{n} compute thread{s} (all {cores} cores; nothing offloaded)"
-                )
-            }
             ThreadsSource::NotCpu => write!(f, "compute not on the CPU"),
         }
     }
@@ -422,53 +399,51 @@ mod tests {
 
     #[test]
     fn config_wins_over_env_and_auto() {
-        let t = resolve(Some(3), Some("7"), 2, true, 1, true);
+        let t = resolve(Some(3), Some("7"), 2, true);
         assert_eq!(t.threads, 3);
         assert_eq!(t.source, ThreadsSource::Config);
     }
 
     #[test]
     fn env_replaces_auto() {
-        let t = resolve(None, Some(" 5 "), 2, true, 1, true);
+        let t = resolve(None, Some(" 5 "), 2, true);
         assert_eq!(t.threads, 5);
         assert_eq!(t.source, ThreadsSource::Env);
         // Zero or garbage is "unset", as candle and rayon read it.
         for bad in ["0", "x", ""] {
-            let t = resolve(None, Some(bad), 4, true, 1, true);
-            assert_eq!(t.threads, 3, "{bad:?}");
+            let t = resolve(None, Some(bad), 4, true);
+            assert_eq!(t.threads, 4, "{bad:?}");
         }
     }
 
     #[test]
-    fn auto_keeps_cores_for_adam_when_offloading() {
-        assert_eq!(resolve(None, None, 2, true, 1, true).threads, 1);
-        assert_eq!(resolve(None, None, 16, true, 2, true).threads, 14);
+    fn auto_is_every_core() {
+        for cores in [1, 2, 16] {
+            let t = resolve(None, None, cores, true);
+            assert_eq!(
+                (t.threads, t.source),
+                (cores, ThreadsSource::AutoAll { cores })
+            );
+        }
         // Never below one.
-        assert_eq!(resolve(None, None, 1, true, 1, true).threads, 1);
-        assert_eq!(resolve(None, None, 2, true, 4, true).threads, 1);
-        // Nothing offloaded: every core.
-        let t = resolve(None, None, 8, false, 1, true);
-        assert_eq!(
-            (t.threads, t.source),
-            (8, ThreadsSource::AutoAll { cores: 8 })
-        );
+        assert_eq!(resolve(None, None, 0, true).threads, 1);
     }
 
     #[test]
     fn not_cpu_sets_nothing() {
-        let t = resolve(Some(4), None, 8, true, 1, false);
+        let t = resolve(Some(4), None, 8, false);
         assert_eq!(t.source, ThreadsSource::NotCpu);
         assert_eq!(t.threads, 0);
     }
 
     #[test]
     fn placement_splits_the_allowed_cpus_compute_first() {
-        let auto1 = resolve(None, None, 2, true, 1, true);
+        let auto1 = resolve(Some(1), None, 2, true);
         let p = place(None, &[0, 1], &auto1, 1, true);
         assert_eq!(p.compute_cpus(), Some(&[0][..]));
         assert_eq!(p.helper_cpus().as_deref(), Some(&[1][..]));
         // A restricted mask (taskset 2,3,5): its own CPUs, in order.
-        let two = resolve(Some(2), None, 3, true, 1, true);
+        let two = resolve(Some(2), None, 3, true);
         let p = place(Some(true), &[2, 3, 5], &two, 1, true);
         assert_eq!(p.compute_cpus(), Some(&[2, 3][..]));
         assert_eq!(p.helper_cpus().as_deref(), Some(&[5][..]));
@@ -481,7 +456,7 @@ mod tests {
 
     #[test]
     fn placement_stays_off_where_it_would_hurt_or_was_refused() {
-        let auto1 = resolve(None, None, 2, true, 1, true);
+        let auto1 = resolve(Some(1), None, 2, true);
         let unpinned = |p: Placement| matches!(p, Placement::Unpinned(_));
         assert!(unpinned(place(Some(false), &[0, 1], &auto1, 1, true)));
         // Auto: not with several ranks, not without offloading.
@@ -490,10 +465,13 @@ mod tests {
         // Forced: with several ranks too.
         assert!(!unpinned(place(Some(true), &[0, 1], &auto1, 2, true)));
         // No CPU left for helpers, even when forced.
-        let all = resolve(Some(2), None, 2, true, 1, true);
+        let all = resolve(Some(2), None, 2, true);
         assert!(unpinned(place(Some(true), &[0, 1], &all, 1, true)));
         assert!(unpinned(place(None, &[0], &auto1, 1, true)));
-        let gpu = resolve(None, None, 2, true, 1, false);
+        // Auto's every core leaves none for the helpers.
+        let auto = resolve(None, None, 2, true);
+        assert!(unpinned(place(None, &[0, 1], &auto, 1, true)));
+        let gpu = resolve(None, None, 2, false);
         assert!(unpinned(place(Some(true), &[0, 1], &gpu, 1, true)));
     }
 
@@ -526,9 +504,9 @@ mod tests {
                 .collect();
             (me, splits)
         });
-        assert!(outer.unwrap().starts_with("tierzero-compute-"));
+        assert!(outer.unwrap().starts_with("tierzero-cpu-"));
         for (name, cpus) in splits {
-            assert!(name.unwrap().starts_with("tierzero-compute-"));
+            assert!(name.unwrap().starts_with("tierzero-cpu-"));
             assert_eq!(cpus, vec![first]);
         }
         // The caller's own mask is untouched.
@@ -537,17 +515,19 @@ mod tests {
             before
         );
         // Not on the CPU: no pool.
-        let gpu = resolve(None, None, 2, true, 1, false);
+        let gpu = resolve(None, None, 2, false);
         assert!(ComputePool::new(&gpu, &placement).unwrap().is_none());
     }
 
     #[test]
     fn display_names_the_source() {
-        let t = resolve(None, None, 2, true, 1, true);
+        let t = resolve(None, None, 2, true);
         let s = t.to_string();
-        assert!(s.starts_with("1 compute thread ("), "{s}");
-        assert!(s.contains("2 cores, 1 kept"), "{s}");
-        assert!(resolve(Some(2), None, 2, true, 1, true)
+        assert!(s.starts_with("2 compute threads ("), "{s}");
+        assert!(s.contains("all 2 cores") && s.contains("\"auto\""), "{s}");
+        let one = resolve(None, Some("1"), 2, true).to_string();
+        assert!(one.starts_with("1 compute thread ("), "{one}");
+        assert!(resolve(Some(2), None, 2, true)
             .to_string()
             .contains("tierzero.compute_threads"));
     }

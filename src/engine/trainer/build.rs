@@ -128,8 +128,6 @@ impl HostSetup {
             config.tierzero.compute_threads,
             threads::user_env().as_deref(),
             threads::cores(),
-            offloaded,
-            opts.adam_threads.get(),
             matches!(opts.device, Device::Cpu),
         );
         threads::apply(&compute_threads);
