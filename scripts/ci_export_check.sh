@@ -19,7 +19,10 @@ trap 'rm -rf "$WORK"' EXIT
 # 64 windows of 128 bytes from the bundled corpus.
 head -c $((64 * 128)) data/corpus.txt > "$WORK/eval.txt"
 
-"$BIN" train --steps 4 --save-dir "$WORK/ckpt" --metrics "$WORK/m.jsonl" \
+# From $WORK: the embedded config swaps to ./tierzero-swap, which would
+# otherwise be left (empty) in the checkout.
+ABS_BIN=$(realpath "$BIN")
+(cd "$WORK" && "$ABS_BIN" train --steps 4 --save-dir "$WORK/ckpt" --metrics "$WORK/m.jsonl") \
   > "$WORK/train.log" 2>&1 || { cat "$WORK/train.log"; exit 1; }
 "$BIN" export --checkpoint "$WORK/ckpt" --out "$WORK/out/model.safetensors" --dtype fp32
 "$BIN" eval --checkpoint "$WORK/ckpt" --data "$WORK/eval.txt" --seq-len 128 --json \

@@ -30,6 +30,17 @@
 //! --rounds 1` with and without `TIERZERO_PRIMITIVE_OPS=1`: 9,316-9,624
 //! tokens/s fused, 4,001-4,172 with the primitives.
 //!
+//! On session 7's VM, whose thread wake-ups are slower, the same build ran
+//! at 0.42x (4,806 against 11,515 tokens/s). After the compute pool
+//! (`crate::engine::host::threads::ComputePool`), the fused linear,
+//! attention (`sdpa`) and rotary embedding, and the branch-free f32
+//! exponential, `scripts/compare_torch.py --rounds 3 --arms torch,tz,tz_nvme`
+//! gave 0.76x in memory and 0.71x with params and optimizer state on NVMe
+//! (the NVMe step 1.07x the in-memory one); the Llama shape 0.62x. What is
+//! left: gemm's own two-thread scaling (245 GFLOP/s against MKL's 340 on a
+//! `[1024, 192] x [192, 768]` product, 157 and 175 on one thread) and
+//! candle's one-thread zero-and-add per graph node in backward.
+//!
 //! # The contract
 //!
 //! * Each op here computes what its [`super::ops`] counterpart computes,
