@@ -246,23 +246,13 @@ impl Policy {
     /// output), to the merged `[b, t, nh · d]`, as [`Policy::attention`]
     /// (fused without mixing: [`super::fused::attention_packed`]).
     pub fn attention_packed(&self, qkv: &Tensor, nh: usize) -> candle_core::Result<Tensor> {
-        let (b, t, w) = qkv.dims3()?;
-        if nh == 0 || w % (3 * nh) != 0 {
-            return Err(candle_core::Error::Msg(format!(
-                "attention: a packed width of {w} is not 3 x {nh} heads"
-            )));
-        }
-        let (h, d) = (w / 3, w / (3 * nh));
         if !self.is_mixed() {
-            let scale = 1.0 / (d as f64).sqrt();
+            let d = qkv.dim(2)? / (3 * nh.max(1));
+            let scale = 1.0 / (d.max(1) as f64).sqrt();
             return super::fused::attention_packed(qkv, nh, scale, None);
         }
-        let heads = |y: &Tensor| -> candle_core::Result<Tensor> {
-            y.reshape((b, t, nh, d))?.transpose(1, 2)?.contiguous()
-        };
-        let q = heads(&qkv.narrow(2, 0, h)?)?;
-        let k = heads(&qkv.narrow(2, h, h)?)?;
-        self.attention(&q, &k, &qkv.narrow(2, 2 * h, h)?.contiguous()?, None)
+        let (q, k, v) = super::fused::split_packed(qkv, nh)?;
+        self.attention(&q, &k, &v, None)
     }
 
     /// Mean cross-entropy of `logits [n, v]` in the math dtype (a scalar in

@@ -327,13 +327,12 @@ pub fn place(
 /// pinned runs unpinned (logged).
 pub struct ComputePool {
     pool: rayon::ThreadPool,
-    threads: usize,
 }
 
 impl fmt::Debug for ComputePool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ComputePool")
-            .field("threads", &self.threads)
+            .field("threads", &self.threads())
             .finish()
     }
 }
@@ -361,7 +360,7 @@ impl ComputePool {
                 }
             })
             .build()?;
-        Ok(Some(ComputePool { pool, threads }))
+        Ok(Some(ComputePool { pool }))
     }
 
     /// Runs `f` on one of the pool's threads, the caller waiting; rayon
@@ -372,7 +371,7 @@ impl ComputePool {
 
     /// Threads in the pool.
     pub fn threads(&self) -> usize {
-        self.threads
+        self.pool.current_num_threads()
     }
 }
 

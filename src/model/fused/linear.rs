@@ -139,13 +139,79 @@ impl Linear {
     }
 }
 
-/// Runs `f` on the contiguous elements of `s` under `l` as `T`.
-fn on<T: Real, R>(
-    s: &CpuStorage,
-    l: &Layout,
-    f: impl FnOnce(&[T]) -> candle_core::Result<R>,
-) -> candle_core::Result<R> {
-    f(elems::<T>(s, l)?)
+impl Linear {
+    /// The forward on CPU storages, with or without a bias.
+    fn cpu(
+        &self,
+        (sx, lx): (&CpuStorage, &Layout),
+        (sw, lw): (&CpuStorage, &Layout),
+        bias: Option<(&CpuStorage, &Layout)>,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let s = self.sizes(lx.shape(), lw.shape())?;
+        if let Some((_, lb)) = bias {
+            if lb.shape().elem_count() != s.n_out {
+                return Err(candle_core::Error::Msg(format!(
+                    "linear: bias {:?} for {} outputs",
+                    lb.shape(),
+                    s.n_out
+                )));
+            }
+        }
+        fn run<T: Real>(
+            op: &Linear,
+            (sx, lx): (&CpuStorage, &Layout),
+            (sw, lw): (&CpuStorage, &Layout),
+            bias: Option<(&CpuStorage, &Layout)>,
+            s: Sizes,
+        ) -> candle_core::Result<CpuStorage> {
+            let b = bias.map(|(sb, lb)| elems::<T>(sb, lb)).transpose()?;
+            Ok(T::storage(op.fwd(
+                elems::<T>(sx, lx)?,
+                elems::<T>(sw, lw)?,
+                b,
+                s,
+            )?))
+        }
+        let out = match sx {
+            CpuStorage::F32(_) => run::<f32>(self, (sx, lx), (sw, lw), bias, s)?,
+            CpuStorage::F64(_) => run::<f64>(self, (sx, lx), (sw, lw), bias, s)?,
+            _ => return Err(candle_core::Error::Msg("linear: dtype".into())),
+        };
+        Ok((out, Linear::out_shape(lx.shape(), s)))
+    }
+
+    /// The gradients of `x`, `w` and (given) the bias.
+    fn grads(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let s = self.sizes(x.shape(), w.shape())?;
+        type Three = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
+        fn run<T: Real>(
+            op: &Linear,
+            (x, w, b, g): (&Tensor, &Tensor, Option<&Tensor>, &Tensor),
+            s: Sizes,
+        ) -> candle_core::Result<Three> {
+            let (dx, dw, db) =
+                with_elems3::<T, _>(x, w, g, |xs, ws, gs| op.bwd(xs, ws, gs, b.is_some(), s))?;
+            let db = match (db, b) {
+                (Some(db), Some(b)) => Some(T::tensor(db, b.shape())?),
+                _ => None,
+            };
+            Ok((
+                Some(T::tensor(dx, x.shape())?),
+                Some(T::tensor(dw, w.shape())?),
+                db,
+            ))
+        }
+        match x.dtype() {
+            DType::F32 => run::<f32>(self, (x, w, b, g), s),
+            _ => run::<f64>(self, (x, w, b, g), s),
+        }
+    }
 }
 
 impl CustomOp2 for Linear {
@@ -160,17 +226,7 @@ impl CustomOp2 for Linear {
         sw: &CpuStorage,
         lw: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let s = self.sizes(lx.shape(), lw.shape())?;
-        let out = match sx {
-            CpuStorage::F32(_) => on::<f32, _>(sx, lx, |x| {
-                on::<f32, _>(sw, lw, |w| Ok(f32::storage(self.fwd(x, w, None, s)?)))
-            })?,
-            CpuStorage::F64(_) => on::<f64, _>(sx, lx, |x| {
-                on::<f64, _>(sw, lw, |w| Ok(f64::storage(self.fwd(x, w, None, s)?)))
-            })?,
-            _ => return Err(candle_core::Error::Msg("linear: dtype".into())),
-        };
-        Ok((out, Linear::out_shape(lx.shape(), s)))
+        self.cpu((sx, lx), (sw, lw), None)
     }
 
     fn bwd(
@@ -180,23 +236,8 @@ impl CustomOp2 for Linear {
         _y: &Tensor,
         g: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let s = self.sizes(x.shape(), w.shape())?;
-        fn run<T: Real>(
-            op: &Linear,
-            (x, w, g): (&Tensor, &Tensor, &Tensor),
-            s: Sizes,
-        ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-            let (dx, dw, _) =
-                with_elems3::<T, _>(x, w, g, |xs, ws, gs| op.bwd(xs, ws, gs, false, s))?;
-            Ok((
-                Some(T::tensor(dx, x.shape())?),
-                Some(T::tensor(dw, w.shape())?),
-            ))
-        }
-        match x.dtype() {
-            DType::F32 => run::<f32>(self, (x, w, g), s),
-            _ => run::<f64>(self, (x, w, g), s),
-        }
+        let (dx, dw, _) = self.grads(x, w, None, g)?;
+        Ok((dx, dw))
     }
 }
 
@@ -214,28 +255,7 @@ impl CustomOp3 for Linear {
         sb: &CpuStorage,
         lb: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let s = self.sizes(lx.shape(), lw.shape())?;
-        if lb.shape().elem_count() != s.n_out {
-            return Err(candle_core::Error::Msg(format!(
-                "linear: bias {:?} for {} outputs",
-                lb.shape(),
-                s.n_out
-            )));
-        }
-        let out = match sx {
-            CpuStorage::F32(_) => on::<f32, _>(sx, lx, |x| {
-                on::<f32, _>(sw, lw, |w| {
-                    on::<f32, _>(sb, lb, |b| Ok(f32::storage(self.fwd(x, w, Some(b), s)?)))
-                })
-            })?,
-            CpuStorage::F64(_) => on::<f64, _>(sx, lx, |x| {
-                on::<f64, _>(sw, lw, |w| {
-                    on::<f64, _>(sb, lb, |b| Ok(f64::storage(self.fwd(x, w, Some(b), s)?)))
-                })
-            })?,
-            _ => return Err(candle_core::Error::Msg("linear: dtype".into())),
-        };
-        Ok((out, Linear::out_shape(lx.shape(), s)))
+        self.cpu((sx, lx), (sw, lw), Some((sb, lb)))
     }
 
     fn bwd(
@@ -246,26 +266,7 @@ impl CustomOp3 for Linear {
         _y: &Tensor,
         g: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let s = self.sizes(x.shape(), w.shape())?;
-        type Three = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
-        fn run<T: Real>(
-            op: &Linear,
-            (x, w, b, g): (&Tensor, &Tensor, &Tensor, &Tensor),
-            s: Sizes,
-        ) -> candle_core::Result<Three> {
-            let (dx, dw, db) =
-                with_elems3::<T, _>(x, w, g, |xs, ws, gs| op.bwd(xs, ws, gs, true, s))?;
-            let db = db.map(|db| T::tensor(db, b.shape())).transpose()?;
-            Ok((
-                Some(T::tensor(dx, x.shape())?),
-                Some(T::tensor(dw, w.shape())?),
-                db,
-            ))
-        }
-        match x.dtype() {
-            DType::F32 => run::<f32>(self, (x, w, b, g), s),
-            _ => run::<f64>(self, (x, w, b, g), s),
-        }
+        self.grads(x, w, Some(b), g)
     }
 }
 

@@ -319,24 +319,14 @@ mod tests {
         )
         .is_err());
         // k = 0: zeros, or dst unchanged when accumulating.
+        let empty = |z: &mut [f64], accumulate| {
+            let (a0, b0) = (Mat::rows(&a[..0], 2, 0), Mat::rows(&b[..0], 0, 2));
+            matmul(z, a0, b0, 1.0, accumulate).unwrap();
+        };
         let mut z = vec![7.0; 4];
-        matmul(
-            &mut z,
-            Mat::rows(&a[..0], 2, 0),
-            Mat::rows(&b[..0], 0, 2),
-            1.0,
-            true,
-        )
-        .unwrap();
+        empty(&mut z, true);
         assert_eq!(z, vec![7.0; 4]);
-        matmul(
-            &mut z,
-            Mat::rows(&a[..0], 2, 0),
-            Mat::rows(&b[..0], 0, 2),
-            1.0,
-            false,
-        )
-        .unwrap();
+        empty(&mut z, false);
         assert_eq!(z, vec![0.0; 4]);
     }
 }

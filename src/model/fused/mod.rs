@@ -97,16 +97,10 @@ trait Real: Copy + Send + Sync + 'static {
     /// branch-free [`pointwise::exp_f32`] (within 2 ulp of libm's `expf`,
     /// which candle's `exp` calls, and several times cheaper).
     fn exp_in(x: f64) -> f64;
-    /// `tanh(x)` in this type's precision.
-    fn tanh_in(x: f64) -> f64;
-    /// `tanh` for this type: f32 through one `exp` (`1 - 2 / (e^{2x} + 1)`,
-    /// within 1e-7 of libm's `tanhf`, which costs twice as much through
-    /// `expm1f`); f64 exactly.
-    fn tanh_fast(x: Self) -> f64;
 }
 
 macro_rules! real {
-    ($t:ty, $variant:ident, $tanh:expr, $exp:expr) => {
+    ($t:ty, $variant:ident, $exp:expr) => {
         impl Real for $t {
             #[inline(always)]
             fn of(x: f64) -> Self {
@@ -133,28 +127,11 @@ macro_rules! real {
                 let f: fn($t) -> $t = $exp;
                 f64::from(f(x as $t))
             }
-            #[inline(always)]
-            fn tanh_in(x: f64) -> f64 {
-                Self::tanh_fast(x as $t)
-            }
-            #[inline(always)]
-            fn tanh_fast(x: Self) -> f64 {
-                let f: fn($t) -> f64 = $tanh;
-                f(x)
-            }
         }
     };
 }
-real!(
-    f32,
-    F32,
-    |x: f32| {
-        let e = (2.0 * x).exp();
-        f64::from(1.0 - 2.0 / (e + 1.0))
-    },
-    pointwise::exp_f32
-);
-real!(f64, F64, f64::tanh, f64::exp);
+real!(f32, F32, pointwise::exp_f32);
+real!(f64, F64, f64::exp);
 
 /// The contiguous elements of a CPU storage under `layout`.
 fn elems<'a, T: Real>(s: &'a CpuStorage, layout: &Layout) -> candle_core::Result<&'a [T]> {
@@ -354,7 +331,7 @@ pub use linear::{linear, WeightLayout};
 pub use norm::{layer_norm, rms_norm};
 pub use pointwise::{bias_add, gelu_tanh, swiglu, upstream_objective};
 pub use rope::rope_heads;
-pub use sdpa::{attention, attention_packed};
+pub use sdpa::{attention, attention_packed, split_packed};
 
 #[cfg(test)]
 mod tests {
@@ -702,6 +679,37 @@ mod tests {
         }
     }
 
+    /// The bits of `f(args)` and of the gradients of `sum(f(args)²)` with
+    /// respect to each arg, computed on a pool of `threads` threads.
+    fn bits_on(
+        threads: usize,
+        args: &[&Tensor],
+        f: impl Fn(&[Tensor]) -> Tensor + Send + Sync,
+    ) -> Vec<Vec<u32>> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            let vars: Vec<Var> = args.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+            let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+            let y = f(&ts);
+            let g = y.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+            let bits = |t: &Tensor| {
+                t.flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                    .into_iter()
+                    .map(f32::to_bits)
+                    .collect::<Vec<_>>()
+            };
+            let mut all = vec![bits(&y)];
+            all.extend(vars.iter().map(|v| bits(g.get(v.as_tensor()).unwrap())));
+            all
+        })
+    }
+
     #[test]
     fn fused_linear_refuses_bad_shapes_and_ignores_the_thread_count() {
         let x = rand(&[4, 6], 1, DType::F32);
@@ -719,36 +727,8 @@ mod tests {
         let x = rand(&[256, 192], 4, DType::F32);
         let w = rand(&[768, 192], 5, DType::F32);
         let b = rand(&[768], 6, DType::F32);
-        let run = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            pool.install(|| {
-                let vars = [&x, &w, &b].map(|t| Var::from_tensor(t).unwrap());
-                let y = linear(
-                    vars[0].as_tensor(),
-                    vars[1].as_tensor(),
-                    Some(vars[2].as_tensor()),
-                    WeightLayout::OutIn,
-                )
-                .unwrap();
-                let g = y.sqr().unwrap().sum_all().unwrap().backward().unwrap();
-                let bits = |t: &Tensor| {
-                    t.flatten_all()
-                        .unwrap()
-                        .to_vec1::<f32>()
-                        .unwrap()
-                        .into_iter()
-                        .map(f32::to_bits)
-                        .collect::<Vec<_>>()
-                };
-                let mut all = vec![bits(&y)];
-                all.extend(vars.iter().map(|v| bits(g.get(v.as_tensor()).unwrap())));
-                all
-            })
-        };
-        assert_eq!(run(1), run(3));
+        let op = |a: &[Tensor]| linear(&a[0], &a[1], Some(&a[2]), WeightLayout::OutIn).unwrap();
+        assert_eq!(bits_on(1, &[&x, &w, &b], op), bits_on(3, &[&x, &w, &b], op));
     }
 
     #[test]
@@ -765,41 +745,8 @@ mod tests {
         let q = rand(&[2, 4, 9, 3], 3, DType::F32);
         let k = rand(&[2, 2, 9, 3], 4, DType::F32);
         let v = rand(&[2, 2, 9, 3], 5, DType::F32);
-        let one = rayon::ThreadPoolBuilder::new()
-            .num_threads(1)
-            .build()
-            .unwrap();
-        let three = rayon::ThreadPoolBuilder::new()
-            .num_threads(3)
-            .build()
-            .unwrap();
-        let run = |pool: &rayon::ThreadPool| {
-            pool.install(|| {
-                let vars = [&q, &k, &v].map(|x| Var::from_tensor(x).unwrap());
-                let y = attention(
-                    vars[0].as_tensor(),
-                    vars[1].as_tensor(),
-                    vars[2].as_tensor(),
-                    0.5,
-                    None,
-                )
-                .unwrap();
-                let g = y.sqr().unwrap().sum_all().unwrap().backward().unwrap();
-                let bits = |x: &Tensor| {
-                    x.flatten_all()
-                        .unwrap()
-                        .to_vec1::<f32>()
-                        .unwrap()
-                        .into_iter()
-                        .map(f32::to_bits)
-                        .collect::<Vec<_>>()
-                };
-                let mut all = vec![bits(&y)];
-                all.extend(vars.iter().map(|v| bits(g.get(v.as_tensor()).unwrap())));
-                all
-            })
-        };
-        assert_eq!(run(&one), run(&three));
+        let op = |a: &[Tensor]| attention(&a[0], &a[1], &a[2], 0.5, None).unwrap();
+        assert_eq!(bits_on(1, &[&q, &k, &v], op), bits_on(3, &[&q, &k, &v], op));
     }
 
     #[test]

@@ -77,10 +77,10 @@ struct GeluTanh;
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const GELU_C: f64 = 0.044715;
 
-/// `tanh` of the GELU argument `sqrt(2/pi) (x + 0.044715 x^3)`, in `T`'s
-/// precision (as candle's `tanh` of the primitive composition).
-fn gelu_th<T: Real>(x: f64) -> f64 {
-    T::tanh_in(SQRT_2_OVER_PI * (x + GELU_C * x * x * x))
+/// `tanh` of the GELU argument `sqrt(2/pi) (x + 0.044715 x^3)`, in f64
+/// (f32 has its own, [`tanh_f32`]).
+fn gelu_th(x: f64) -> f64 {
+    (SQRT_2_OVER_PI * (x + GELU_C * x * x * x)).tanh()
 }
 
 impl GeluTanh {
@@ -114,13 +114,13 @@ trait GeluKernel: Sized {
 impl GeluKernel for f64 {
     fn gelu(x: &[f64], o: &mut [f64]) {
         for (o, &x) in o.iter_mut().zip(x) {
-            *o = 0.5 * x * (1.0 + gelu_th::<f64>(x));
+            *o = 0.5 * x * (1.0 + gelu_th(x));
         }
     }
 
     fn gelu_grad(x: &[f64], g: &[f64], o: &mut [f64]) {
         for ((o, &x), &g) in o.iter_mut().zip(x).zip(g) {
-            let th = gelu_th::<f64>(x);
+            let th = gelu_th(x);
             let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x);
             *o = g * (0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * du);
         }

@@ -70,6 +70,14 @@ struct Dims {
 }
 
 impl Input {
+    /// Whether every head's view lies in one batch element's chunk.
+    fn fits(&self, m: Dims) -> bool {
+        match self.at {
+            HeadsAt::Split => true,
+            HeadsAt::Rows { width, col0 } => col0 + self.n * m.d <= width,
+        }
+    }
+
     /// Elements of one batch element's chunk of the tensor.
     fn batch_elems(&self, m: Dims) -> usize {
         match self.at {
@@ -264,16 +272,6 @@ impl Sdpa {
     }
 }
 
-impl Input {
-    /// Whether every head's view lies in one batch element's chunk.
-    fn fits(&self, m: Dims) -> bool {
-        match self.at {
-            HeadsAt::Split => true,
-            HeadsAt::Rows { width, col0 } => col0 + self.n * m.d <= width,
-        }
-    }
-}
-
 /// GPT-2's form: the packed `qkv [b, t, 3 · nh · d]` (q, k, v side by
 /// side, as `c_attn` writes them) to the merged output `[b, t, nh · d]`.
 struct PackedSdpa {
@@ -423,14 +421,9 @@ pub fn attention_packed(
     scale: f64,
     window: Option<usize>,
 ) -> candle_core::Result<Tensor> {
-    let (b, t, w) = qkv.dims3()?;
-    if nh == 0 || w % (3 * nh) != 0 {
-        return Err(candle_core::Error::Msg(format!(
-            "attention: a packed width of {w} is not 3 x {nh} heads"
-        )));
-    }
-    let (h, d) = (w / 3, w / (3 * nh));
+    let (h, d) = packed_heads(qkv, nh)?;
     if fusable(&[qkv]) && qkv.elem_count() > 0 {
+        let w = 3 * h;
         let at = |col0| Input {
             n: nh,
             at: HeadsAt::Rows { width: w, col0 },
@@ -446,14 +439,35 @@ pub fn attention_packed(
         };
         return qkv.contiguous()?.apply_op1(op);
     }
+    let (q, k, v) = split_packed(qkv, nh)?;
+    attention(&q, &k, &v, scale, window)
+}
+
+/// The width `h` of each of q, k and v in a packed `qkv [b, t, 3h]` of
+/// `nh` heads, and the head dim.
+fn packed_heads(qkv: &Tensor, nh: usize) -> candle_core::Result<(usize, usize)> {
+    let (_, _, w) = qkv.dims3()?;
+    if nh == 0 || !w.is_multiple_of(3 * nh) {
+        return Err(candle_core::Error::Msg(format!(
+            "attention: a packed width of {w} is not 3 x {nh} heads"
+        )));
+    }
+    Ok((w / 3, w / (3 * nh)))
+}
+
+/// A packed `qkv [b, t, 3 · nh · d]` as the composition's operands: `q`
+/// and `k` split into heads `[b, nh, t, d]`, `v` as rows `[b, t, nh · d]`
+/// (the form [`attention`] and `Policy::attention` take).
+pub fn split_packed(qkv: &Tensor, nh: usize) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+    let (b, t, _) = qkv.dims3()?;
+    let (h, d) = packed_heads(qkv, nh)?;
     let heads = |i: usize| -> candle_core::Result<Tensor> {
         qkv.narrow(2, i * h, h)?
             .reshape((b, t, nh, d))?
             .transpose(1, 2)?
             .contiguous()
     };
-    let y = attention(&heads(0)?, &heads(1)?, &heads(2)?, scale, window)?;
-    y.transpose(1, 2)?.contiguous()?.reshape((b, t, h))
+    Ok((heads(0)?, heads(1)?, qkv.narrow(2, 2 * h, h)?.contiguous()?))
 }
 
 /// Causal attention of `q [b, nh, t, d]` over `k [b, nkv, t, d]` and `v`,
