@@ -37,9 +37,10 @@
 //! exponential, `scripts/compare_torch.py --rounds 3 --arms torch,tz,tz_nvme`
 //! gave 0.76x in memory and 0.71x with params and optimizer state on NVMe
 //! (the NVMe step 1.07x the in-memory one); the Llama shape 0.62x. What is
-//! left: gemm's own two-thread scaling (245 GFLOP/s against MKL's 340 on a
-//! `[1024, 192] x [192, 768]` product, 157 and 175 on one thread) and
-//! candle's one-thread zero-and-add per graph node in backward.
+//! left: gemm's own two-thread scaling (`scripts/compare_matmul.py`, a
+//! `[1024, 192] x [192, 768]` product: gemm 140-144 GFLOP/s on one thread
+//! and 219-226 on two, torch's MKL 151-152 and 266-277) and candle's
+//! one-thread zero-and-add per graph node in backward.
 //!
 //! # The contract
 //!
