@@ -1,6 +1,7 @@
 //! The process's malloc settings while a trainer runs.
 //!
-//! A trainer raises glibc's mmap and trim thresholds once per process
+//! A trainer raises glibc's mmap and trim thresholds, and shares one
+//! arena among all threads, once per process
 //! ([`tierzero_swap::keep_heap_mapped`], whose docs give the mechanism):
 //! without it, the compute of an offloaded step on the 2-core development
 //! machine ran up to 30% slower than the same compute alone, because each
@@ -13,7 +14,15 @@
 //! Like `tierzero.compute_threads` ([`crate::engine::host::threads`]) it is process-wide:
 //! the first trainer built with [`crate::engine::TrainerOptions::keep_heap_mapped`]
 //! (the default) applies it, and `GLIBC_TUNABLES` with any `glibc.malloc.*`
-//! tunable leaves malloc as the user set it. Embedders who manage malloc
+//! tunable leaves malloc as the user set it. The `tierzero` binary applies
+//! it first thing in `main`, before any thread starts: `M_ARENA_MAX` only
+//! stops arenas not yet made, and glibc hands the arenas threads made
+//! before the cap round-robin to the threads that come after, so one
+//! early thread's arena would again split the heap in two (the signal
+//! thread's did, and the 16-layer run of `tests/memory_flat.rs` still
+//! peaked at 294–300 MiB in three runs of four). Embedded in a process
+//! whose threads already have arenas (PyTorch's), the cap still stops
+//! new ones. Embedders who manage malloc
 //! themselves turn the option off.
 
 use std::sync::OnceLock;
@@ -24,12 +33,17 @@ use tierzero_swap::MallocTuning;
 pub const MMAP_THRESHOLD_BYTES: usize = 256 << 20;
 /// `M_TRIM_THRESHOLD`: free heap top kept before returning it.
 pub const TRIM_THRESHOLD_BYTES: usize = 1 << 30;
+/// `M_ARENA_MAX`: one arena for every thread, so the memory the heap keeps
+/// is one high-water mark, not one per thread that happened to allocate
+/// (`tierzero_swap::keep_heap_mapped`'s docs give the figures).
+pub const ARENA_MAX: usize = 1;
 
 static APPLIED: OnceLock<MallocTuning> = OnceLock::new();
 
 /// Applies the settings once per process; later calls return the first
 /// outcome.
 pub fn keep_heap_mapped() -> MallocTuning {
-    *APPLIED
-        .get_or_init(|| tierzero_swap::keep_heap_mapped(MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES))
+    *APPLIED.get_or_init(|| {
+        tierzero_swap::keep_heap_mapped(MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES, ARENA_MAX)
+    })
 }

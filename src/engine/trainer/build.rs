@@ -145,15 +145,17 @@ impl HostSetup {
                 threads::Placement::Unpinned("the CPU mask could not be read")
             }
         };
+        // Before the pool's threads start: the arena cap only stops arenas
+        // not yet made.
+        let malloc = opts
+            .keep_heap_mapped
+            .then(crate::engine::host::heap::keep_heap_mapped);
         let compute_pool = threads::ComputePool::new(&compute_threads, &placement)
             .map_err(|e| EngineError::ComputeThreads {
                 threads: compute_threads.threads,
                 reason: e.to_string(),
             })?
             .map(std::sync::Arc::new);
-        let malloc = opts
-            .keep_heap_mapped
-            .then(crate::engine::host::heap::keep_heap_mapped);
         Ok(HostSetup {
             compute_threads,
             placement,
