@@ -13,6 +13,40 @@ pub(super) struct CausalSoftmax {
     pub(super) window: Option<usize>,
 }
 
+/// The softmax rows' partial results: element `j` goes to lane `j % LANES`.
+const LANES: usize = 8;
+
+/// The max and the min of `xs` (as f64), NaN ignored as `f64::max` does;
+/// `(-inf, inf)` for no elements.
+#[inline(always)]
+fn max_min<T: Real>(xs: &[T]) -> (f64, f64) {
+    let (mut hi, mut lo) = ([f64::NEG_INFINITY; LANES], [f64::INFINITY; LANES]);
+    let mut lane = |k: usize, x: f64| {
+        hi[k] = if x > hi[k] { x } else { hi[k] };
+        lo[k] = if x < lo[k] { x } else { lo[k] };
+    };
+    let chunks = xs.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (k, x) in c.iter().enumerate() {
+            lane(k, x.f());
+        }
+    }
+    for (k, x) in rest.iter().enumerate() {
+        lane(k, x.f());
+    }
+    (
+        hi.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        lo.iter().copied().fold(f64::INFINITY, f64::min),
+    )
+}
+
+/// The lanes' partial sums, in lane order.
+#[inline(always)]
+fn lanes_sum(acc: &[f64; LANES]) -> f64 {
+    acc.iter().sum()
+}
+
 impl CausalSoftmax {
     /// The keys row `i` sees: `lo..=i`.
     fn lo(&self, i: usize) -> usize {
@@ -24,26 +58,35 @@ impl CausalSoftmax {
 
     /// Row `i` of the probabilities, in place: `row` holds the scores and
     /// gets `softmax(scale · row[lo..=i])` there and exact zeros elsewhere.
-    /// The max and the sum are f64, in key order.
+    /// The max and the sum are f64, in [`LANES`] interleaved partial
+    /// results (element `j` in lane `j % LANES`) combined in lane order: a
+    /// fixed order, whatever the threads, and no chain of dependent adds,
+    /// so the loops vectorize.
+    #[inline(always)]
     pub(super) fn row_in_place<T: Real>(&self, i: usize, row: &mut [T]) {
         let lo = self.lo(i);
         // Rounding is monotonic, so the max of the scaled scores is the
         // scaled max (the scaled min for a negative scale).
-        let (mut hi, mut low) = (f64::NEG_INFINITY, f64::INFINITY);
-        for x in &row[lo..=i] {
-            hi = hi.max(x.f());
-            low = low.min(x.f());
-        }
+        let (hi, low) = max_min(&row[lo..=i]);
         let max = self.scale * if self.scale >= 0.0 { hi } else { low };
-        let mut sum = 0f64;
-        for x in &mut row[lo..=i] {
+        let mut acc = [0f64; LANES];
+        let seen = &mut row[lo..=i];
+        let mut chunks = seen.chunks_exact_mut(LANES);
+        for c in &mut chunks {
+            for (x, a) in c.iter_mut().zip(&mut acc) {
+                let e = T::exp_in(self.scale * x.f() - max);
+                *a += e;
+                *x = T::of(e);
+            }
+        }
+        for (x, a) in chunks.into_remainder().iter_mut().zip(&mut acc) {
             let e = T::exp_in(self.scale * x.f() - max);
-            sum += e;
+            *a += e;
             *x = T::of(e);
         }
         // One division a row (the f64 reciprocal is within an ulp of each
         // quotient, far below `T`'s rounding).
-        let inv = 1.0 / sum;
+        let inv = 1.0 / lanes_sum(&acc);
         for x in &mut row[lo..=i] {
             *x = T::of(x.f() * inv);
         }
@@ -53,12 +96,26 @@ impl CausalSoftmax {
 
     /// Row `i` of the scores' gradient, in place: `d` holds the
     /// probabilities' gradient `g` and gets `scale · y ⊙ (g − Σ g ⊙ y)`
-    /// (the sum in f64, in key order), exact zeros where masked.
+    /// (the sum in f64, in [`LANES`] partial sums as
+    /// [`Self::row_in_place`]'s), exact zeros where masked.
+    #[inline(always)]
     pub(super) fn bwd_row_in_place<T: Real>(&self, i: usize, y: &[T], d: &mut [T]) {
         let lo = self.lo(i);
-        let dot: f64 = (lo..=i).map(|j| d[j].f() * y[j].f()).sum();
-        for j in lo..=i {
-            d[j] = T::of(self.scale * y[j].f() * (d[j].f() - dot));
+        let (ys, ds) = (&y[lo..=i], &mut d[lo..=i]);
+        let mut acc = [0f64; LANES];
+        let (yc, dc) = (ys.chunks_exact(LANES), ds.chunks_exact(LANES));
+        let (yr, dr) = (yc.remainder(), dc.remainder());
+        for (yc, dc) in yc.zip(dc) {
+            for ((y, d), a) in yc.iter().zip(dc).zip(&mut acc) {
+                *a += d.f() * y.f();
+            }
+        }
+        for ((y, d), a) in yr.iter().zip(dr).zip(&mut acc) {
+            *a += d.f() * y.f();
+        }
+        let dot = lanes_sum(&acc);
+        for (d, y) in ds.iter_mut().zip(ys) {
+            *d = T::of(self.scale * y.f() * (d.f() - dot));
         }
         d[..lo].fill(T::of(0.0));
         d[i + 1..].fill(T::of(0.0));
@@ -67,23 +124,33 @@ impl CausalSoftmax {
     /// The probabilities of scores `s` (rows of `t`, query `row % t`).
     fn fwd<T: Real>(&self, s: &[T], t: usize) -> Vec<T> {
         let mut out = s.to_vec();
-        par_rows(&mut out, t, |r0, o| {
-            for (k, row) in o.chunks_exact_mut(t).enumerate() {
-                self.row_in_place((r0 + k) % t, row);
-            }
-        });
+        par_rows(
+            &mut out,
+            t,
+            #[inline(always)]
+            |r0, o| {
+                for (k, row) in o.chunks_exact_mut(t).enumerate() {
+                    self.row_in_place((r0 + k) % t, row);
+                }
+            },
+        );
         out
     }
 
     /// `d s = scale · y ⊙ (g − Σ g ⊙ y)` per row.
     fn bwd_rows<T: Real>(&self, y: &[T], g: &[T], t: usize) -> Vec<T> {
         let mut ds = g.to_vec();
-        par_rows(&mut ds, t, |r0, d| {
-            for (k, d) in d.chunks_exact_mut(t).enumerate() {
-                let r = r0 + k;
-                self.bwd_row_in_place(r % t, &y[r * t..(r + 1) * t], d);
-            }
-        });
+        par_rows(
+            &mut ds,
+            t,
+            #[inline(always)]
+            |r0, d| {
+                for (k, d) in d.chunks_exact_mut(t).enumerate() {
+                    let r = r0 + k;
+                    self.bwd_row_in_place(r % t, &y[r * t..(r + 1) * t], d);
+                }
+            },
+        );
         ds
     }
 }

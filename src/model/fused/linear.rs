@@ -95,13 +95,18 @@ impl Linear {
         )?;
         if let Some(b) = b {
             let n = s.n_out;
-            par_rows(&mut y, n, |_, rows| {
-                for row in rows.chunks_exact_mut(n) {
-                    for (y, &b) in row.iter_mut().zip(b) {
-                        *y = T::of(y.f() + b.f());
+            par_rows(
+                &mut y,
+                n,
+                #[inline(always)]
+                |_, rows| {
+                    for row in rows.chunks_exact_mut(n) {
+                        for (y, &b) in row.iter_mut().zip(b) {
+                            *y = T::of(y.f() + b.f());
+                        }
                     }
-                }
-            });
+                },
+            );
         }
         Ok(y)
     }

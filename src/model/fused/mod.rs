@@ -229,25 +229,37 @@ fn rows_per_task(n: usize) -> usize {
 /// than one task: `f(first_row, the task's rows)`.
 fn par_rows<T: Send>(out: &mut [T], n: usize, f: impl Fn(usize, &mut [T]) + Sync + Send) {
     let rows = rows_per_task(n);
+    let task = |r0: usize, chunk: &mut [T]| {
+        wide::run(
+            #[inline(always)]
+            || f(r0, chunk),
+        )
+    };
     if out.len() <= rows * n {
-        f(0, out);
+        task(0, out);
         return;
     }
     out.par_chunks_mut(n * rows)
         .enumerate()
-        .for_each(|(b, chunk)| f(b * rows, chunk));
+        .for_each(|(b, chunk)| task(b * rows, chunk));
 }
 
 /// Elementwise over `len` elements: `f(range)` per task, in parallel when
 /// there is more than one.
 fn par_elems<T: Send>(out: &mut [T], f: impl Fn(usize, &mut [T]) + Sync + Send) {
+    let task = |at: usize, chunk: &mut [T]| {
+        wide::run(
+            #[inline(always)]
+            || f(at, chunk),
+        )
+    };
     if out.len() <= TASK_ELEMS {
-        f(0, out);
+        task(0, out);
         return;
     }
     out.par_chunks_mut(TASK_ELEMS)
         .enumerate()
-        .for_each(|(b, chunk)| f(b * TASK_ELEMS, chunk));
+        .for_each(|(b, chunk)| task(b * TASK_ELEMS, chunk));
 }
 
 /// Column sums over `rows` rows of `n`: `add(row, acc)` adds one row's
@@ -262,9 +274,14 @@ fn column_sums<T: Real>(
     let per = rows_per_task(n);
     let block = |b: usize| {
         let mut acc = vec![0f64; n];
-        for r in b * per..((b + 1) * per).min(rows) {
-            add(r, &mut acc);
-        }
+        wide::run(
+            #[inline(always)]
+            || {
+                for r in b * per..((b + 1) * per).min(rows) {
+                    add(r, &mut acc);
+                }
+            },
+        );
         acc
     };
     let blocks = rows.div_ceil(per);
@@ -297,7 +314,10 @@ fn par_rows_summing<T: Real>(
     let rows = rows_per_task(n);
     let task = |(b, chunk): (usize, &mut [T])| {
         let mut acc = vec![vec![0f64; n]; sums];
-        f(b * rows, chunk, &mut acc);
+        wide::run(
+            #[inline(always)]
+            || f(b * rows, chunk, &mut acc),
+        );
         acc
     };
     let partials: Vec<Vec<Vec<f64>>> = if out.len() <= rows * n {
@@ -326,6 +346,7 @@ mod norm;
 mod pointwise;
 mod rope;
 mod sdpa;
+mod wide;
 
 pub use attention::{causal_softmax, repeat_kv};
 pub use linear::{linear, WeightLayout};
@@ -686,7 +707,7 @@ mod tests {
         threads: usize,
         args: &[&Tensor],
         f: impl Fn(&[Tensor]) -> Tensor + Send + Sync,
-    ) -> Vec<Vec<u32>> {
+    ) -> Vec<Vec<u64>> {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .build()
@@ -696,13 +717,16 @@ mod tests {
             let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
             let y = f(&ts);
             let g = y.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+            // As f64 (exact for f32).
             let bits = |t: &Tensor| {
                 t.flatten_all()
                     .unwrap()
-                    .to_vec1::<f32>()
+                    .to_dtype(DType::F64)
+                    .unwrap()
+                    .to_vec1::<f64>()
                     .unwrap()
                     .into_iter()
-                    .map(f32::to_bits)
+                    .map(f64::to_bits)
                     .collect::<Vec<_>>()
             };
             let mut all = vec![bits(&y)];
@@ -748,6 +772,90 @@ mod tests {
         let v = rand(&[2, 2, 9, 3], 5, DType::F32);
         let op = |a: &[Tensor]| attention(&a[0], &a[1], &a[2], 0.5, None).unwrap();
         assert_eq!(bits_on(1, &[&q, &k, &v], op), bits_on(3, &[&q, &k, &v], op));
+    }
+
+    /// [`bits_on`] 2 threads with the fused ops' loops built for `isa`
+    /// (an index in [`wide::ALL`]).
+    fn bits_with(
+        isa: usize,
+        args: &[&Tensor],
+        f: &(dyn Fn(&[Tensor]) -> Tensor + Sync),
+    ) -> Vec<Vec<u64>> {
+        wide::TEST_CHOICE.store(isa + 1, std::sync::atomic::Ordering::Relaxed);
+        let all = bits_on(2, args, f);
+        wide::TEST_CHOICE.store(0, std::sync::atomic::Ordering::Relaxed);
+        all
+    }
+
+    #[test]
+    fn every_instruction_set_gives_the_same_bits() {
+        type Op = Box<dyn Fn(&[Tensor]) -> Tensor + Sync>;
+        let isas: Vec<usize> = (1..wide::ALL.len())
+            .filter(|&k| wide::ALL[k].supported())
+            .collect();
+        for dtype in [DType::F32, DType::F64] {
+            for (k, &n) in ROWS.iter().enumerate() {
+                let seed = 700 + k as u64 * 10;
+                // 3 x 37 rows: several tasks for the larger rows.
+                let x = rand(&[3, 37, n], seed, dtype);
+                let y = rand(&[3, 37, n], seed + 1, dtype);
+                let w = rand(&[n], seed + 2, dtype);
+                let b = rand(&[n], seed + 3, dtype);
+                let s = rand(&[2, 3, n, n], seed + 4, dtype);
+                let cases: Vec<(&str, Vec<Tensor>, Op)> = vec![
+                    (
+                        "bias",
+                        vec![x.clone(), b.clone()],
+                        Box::new(|a| bias_add(&a[0], &a[1]).unwrap()),
+                    ),
+                    (
+                        "layer norm",
+                        vec![x.clone(), w.clone(), b.clone()],
+                        Box::new(|a| layer_norm(&a[0], &a[1], &a[2], 1e-5).unwrap()),
+                    ),
+                    (
+                        "rms norm",
+                        vec![x.clone(), w.clone()],
+                        Box::new(|a| rms_norm(&a[0], &a[1], 1e-6).unwrap()),
+                    ),
+                    (
+                        "gelu",
+                        vec![x.clone()],
+                        Box::new(|a| gelu_tanh(&a[0]).unwrap()),
+                    ),
+                    (
+                        "swiglu",
+                        vec![x.clone(), y.clone()],
+                        Box::new(|a| swiglu(&a[0], &a[1]).unwrap()),
+                    ),
+                    (
+                        "softmax",
+                        vec![s.clone()],
+                        Box::new(|a| causal_softmax(&a[0], 0.37, Some(5)).unwrap()),
+                    ),
+                    (
+                        "attention",
+                        vec![
+                            rand(&[2, 4, n, 3], seed + 5, dtype),
+                            rand(&[2, 2, n, 3], seed + 6, dtype),
+                            rand(&[2, 2, n, 3], seed + 7, dtype),
+                        ],
+                        Box::new(|a| attention(&a[0], &a[1], &a[2], 0.5, None).unwrap()),
+                    ),
+                ];
+                for (what, args, op) in &cases {
+                    let args: Vec<&Tensor> = args.iter().collect();
+                    let base = bits_with(0, &args, op.as_ref());
+                    for &isa in &isas {
+                        assert!(
+                            base == bits_with(isa, &args, op.as_ref()),
+                            "{what} {dtype:?} {n}: {:?} differs from the baseline build",
+                            wide::ALL[isa]
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]

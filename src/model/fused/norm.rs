@@ -19,14 +19,19 @@ impl LayerNorm {
     fn fwd<T: Real>(&self, x: &[T], w: &[T], b: &[T]) -> Vec<T> {
         let n = w.len();
         let mut out = vec![T::of(0.0); x.len()];
-        par_rows(&mut out, n, |r0, o| {
-            for (o, row) in o.chunks_exact_mut(n).zip(x[r0 * n..].chunks_exact(n)) {
-                let (mean, rstd) = moments(row, self.eps);
-                for (((o, &x), &w), &b) in o.iter_mut().zip(row).zip(w).zip(b) {
-                    *o = T::of((x.f() - mean) * rstd * w.f() + b.f());
+        par_rows(
+            &mut out,
+            n,
+            #[inline(always)]
+            |r0, o| {
+                for (o, row) in o.chunks_exact_mut(n).zip(x[r0 * n..].chunks_exact(n)) {
+                    let (mean, rstd) = moments(row, self.eps);
+                    for (((o, &x), &w), &b) in o.iter_mut().zip(row).zip(w).zip(b) {
+                        *o = T::of((x.f() - mean) * rstd * w.f() + b.f());
+                    }
                 }
-            }
-        });
+            },
+        );
         out
     }
 
@@ -35,26 +40,32 @@ impl LayerNorm {
     fn bwd_rows<T: Real>(&self, x: &[T], w: &[T], g: &[T]) -> (Vec<T>, Vec<T>, Vec<T>) {
         let n = w.len();
         let mut dx = vec![T::of(0.0); x.len()];
-        let mut sums = par_rows_summing(&mut dx, n, 2, |r0, d, acc| {
-            for (k, d) in d.chunks_exact_mut(n).enumerate() {
-                let r = r0 + k;
-                let (xr, gr) = (&x[r * n..(r + 1) * n], &g[r * n..(r + 1) * n]);
-                let (mean, rstd) = moments(xr, self.eps);
-                let (mut s1, mut s2) = (0f64, 0f64);
-                for j in 0..n {
-                    let dxh = gr[j].f() * w[j].f();
-                    s1 += dxh;
-                    s2 += dxh * (xr[j].f() - mean) * rstd;
-                    acc[0][j] += gr[j].f() * (xr[j].f() - mean) * rstd;
-                    acc[1][j] += gr[j].f();
+        let mut sums = par_rows_summing(
+            &mut dx,
+            n,
+            2,
+            #[inline(always)]
+            |r0, d, acc| {
+                for (k, d) in d.chunks_exact_mut(n).enumerate() {
+                    let r = r0 + k;
+                    let (xr, gr) = (&x[r * n..(r + 1) * n], &g[r * n..(r + 1) * n]);
+                    let (mean, rstd) = moments(xr, self.eps);
+                    let (mut s1, mut s2) = (0f64, 0f64);
+                    for j in 0..n {
+                        let dxh = gr[j].f() * w[j].f();
+                        s1 += dxh;
+                        s2 += dxh * (xr[j].f() - mean) * rstd;
+                        acc[0][j] += gr[j].f() * (xr[j].f() - mean) * rstd;
+                        acc[1][j] += gr[j].f();
+                    }
+                    let (m1, m2) = (s1 / n as f64, s2 / n as f64);
+                    for j in 0..n {
+                        let xhat = (xr[j].f() - mean) * rstd;
+                        d[j] = T::of(rstd * (gr[j].f() * w[j].f() - m1 - xhat * m2));
+                    }
                 }
-                let (m1, m2) = (s1 / n as f64, s2 / n as f64);
-                for j in 0..n {
-                    let xhat = (xr[j].f() - mean) * rstd;
-                    d[j] = T::of(rstd * (gr[j].f() * w[j].f() - m1 - xhat * m2));
-                }
-            }
-        });
+            },
+        );
         let db = sums.pop().unwrap_or_default();
         let dw = sums.pop().unwrap_or_default();
         (dx, dw, db)
@@ -149,14 +160,19 @@ impl RmsNorm {
     fn fwd_rows<T: Real>(&self, x: &[T], w: &[T]) -> Vec<T> {
         let n = w.len();
         let mut out = vec![T::of(0.0); x.len()];
-        par_rows(&mut out, n, |r0, o| {
-            for (o, row) in o.chunks_exact_mut(n).zip(x[r0 * n..].chunks_exact(n)) {
-                let rstd = self.rstd(row);
-                for ((o, &x), &w) in o.iter_mut().zip(row).zip(w) {
-                    *o = T::of(x.f() * rstd * w.f());
+        par_rows(
+            &mut out,
+            n,
+            #[inline(always)]
+            |r0, o| {
+                for (o, row) in o.chunks_exact_mut(n).zip(x[r0 * n..].chunks_exact(n)) {
+                    let rstd = self.rstd(row);
+                    for ((o, &x), &w) in o.iter_mut().zip(row).zip(w) {
+                        *o = T::of(x.f() * rstd * w.f());
+                    }
                 }
-            }
-        });
+            },
+        );
         out
     }
 
@@ -164,22 +180,28 @@ impl RmsNorm {
     fn bwd_rows<T: Real>(&self, x: &[T], w: &[T], g: &[T]) -> (Vec<T>, Vec<T>) {
         let n = w.len();
         let mut dx = vec![T::of(0.0); x.len()];
-        let mut sums = par_rows_summing(&mut dx, n, 1, |r0, d, acc| {
-            for (k, d) in d.chunks_exact_mut(n).enumerate() {
-                let r = r0 + k;
-                let (xr, gr) = (&x[r * n..(r + 1) * n], &g[r * n..(r + 1) * n]);
-                let rstd = self.rstd(xr);
-                let s: f64 = (0..n)
-                    .map(|j| gr[j].f() * w[j].f() * xr[j].f() * rstd)
-                    .sum();
-                let m = s / n as f64;
-                for j in 0..n {
-                    let xhat = xr[j].f() * rstd;
-                    d[j] = T::of(rstd * (gr[j].f() * w[j].f() - xhat * m));
-                    acc[0][j] += gr[j].f() * xr[j].f() * rstd;
+        let mut sums = par_rows_summing(
+            &mut dx,
+            n,
+            1,
+            #[inline(always)]
+            |r0, d, acc| {
+                for (k, d) in d.chunks_exact_mut(n).enumerate() {
+                    let r = r0 + k;
+                    let (xr, gr) = (&x[r * n..(r + 1) * n], &g[r * n..(r + 1) * n]);
+                    let rstd = self.rstd(xr);
+                    let s: f64 = (0..n)
+                        .map(|j| gr[j].f() * w[j].f() * xr[j].f() * rstd)
+                        .sum();
+                    let m = s / n as f64;
+                    for j in 0..n {
+                        let xhat = xr[j].f() * rstd;
+                        d[j] = T::of(rstd * (gr[j].f() * w[j].f() - xhat * m));
+                        acc[0][j] += gr[j].f() * xr[j].f() * rstd;
+                    }
                 }
-            }
-        });
+            },
+        );
         (dx, sums.pop().unwrap_or_default())
     }
 }

@@ -10,13 +10,18 @@ impl Forward2 for BiasAdd {
     fn run<T: Real>(&self, x: &[T], b: &[T]) -> Vec<T> {
         let n = b.len();
         let mut out = vec![T::of(0.0); x.len()];
-        par_rows(&mut out, n, |r0, o| {
-            for (o, x) in o.chunks_exact_mut(n).zip(x[r0 * n..].chunks_exact(n)) {
-                for ((o, &x), &b) in o.iter_mut().zip(x).zip(b) {
-                    *o = T::of(x.f() + b.f());
+        par_rows(
+            &mut out,
+            n,
+            #[inline(always)]
+            |r0, o| {
+                for (o, x) in o.chunks_exact_mut(n).zip(x[r0 * n..].chunks_exact(n)) {
+                    for ((o, &x), &b) in o.iter_mut().zip(x).zip(b) {
+                        *o = T::of(x.f() + b.f());
+                    }
                 }
-            }
-        });
+            },
+        );
         out
     }
 }
@@ -55,11 +60,16 @@ impl CustomOp2 for BiasAdd {
 
 /// The bias's gradient: the column sums of `g`.
 pub(super) fn bias_grad<T: Real>(g: &[T], n: usize) -> Vec<T> {
-    column_sums(g.len() / n, n, |r, acc| {
-        for (a, g) in acc.iter_mut().zip(&g[r * n..(r + 1) * n]) {
-            *a += g.f();
-        }
-    })
+    column_sums(
+        g.len() / n,
+        n,
+        #[inline(always)]
+        |r, acc| {
+            for (a, g) in acc.iter_mut().zip(&g[r * n..(r + 1) * n]) {
+                *a += g.f();
+            }
+        },
+    )
 }
 
 /// `x [.., n] + b [n]` (fused when it can be, see the module docs).
@@ -86,16 +96,24 @@ fn gelu_th(x: f64) -> f64 {
 impl GeluTanh {
     fn fwd<T: Real + GeluKernel>(x: &[T]) -> Vec<T> {
         let mut out = vec![T::of(0.0); x.len()];
-        par_elems(&mut out, |at, o| T::gelu(&x[at..at + o.len()], o));
+        par_elems(
+            &mut out,
+            #[inline(always)]
+            |at, o| T::gelu(&x[at..at + o.len()], o),
+        );
         out
     }
 
     fn bwd_elems<T: Real + GeluKernel>(x: &[T], g: &[T]) -> Vec<T> {
         let mut out = vec![T::of(0.0); x.len()];
-        par_elems(&mut out, |at, o| {
-            let n = o.len();
-            T::gelu_grad(&x[at..at + n], &g[at..at + n], o);
-        });
+        par_elems(
+            &mut out,
+            #[inline(always)]
+            |at, o| {
+                let n = o.len();
+                T::gelu_grad(&x[at..at + n], &g[at..at + n], o);
+            },
+        );
         out
     }
 }
@@ -112,12 +130,14 @@ trait GeluKernel: Sized {
 }
 
 impl GeluKernel for f64 {
+    #[inline(always)]
     fn gelu(x: &[f64], o: &mut [f64]) {
         for (o, &x) in o.iter_mut().zip(x) {
             *o = 0.5 * x * (1.0 + gelu_th(x));
         }
     }
 
+    #[inline(always)]
     fn gelu_grad(x: &[f64], g: &[f64], o: &mut [f64]) {
         for ((o, &x), &g) in o.iter_mut().zip(x).zip(g) {
             let th = gelu_th(x);
@@ -134,6 +154,7 @@ fn tanh_f32(u: f32) -> f32 {
 }
 
 impl GeluKernel for f32 {
+    #[inline(always)]
     fn gelu(x: &[f32], o: &mut [f32]) {
         let (a, c) = (SQRT_2_OVER_PI as f32, GELU_C as f32);
         for (o, &x) in o.iter_mut().zip(x) {
@@ -142,6 +163,7 @@ impl GeluKernel for f32 {
         }
     }
 
+    #[inline(always)]
     fn gelu_grad(x: &[f32], g: &[f32], o: &mut [f32]) {
         let (a, c) = (SQRT_2_OVER_PI as f32, GELU_C as f32);
         for ((o, &x), &g) in o.iter_mut().zip(x).zip(g) {
@@ -231,16 +253,20 @@ impl SwiGlu {
     /// `(da, db)`, interleaved per element then split (one pass).
     fn bwd_elems<T: Real>(a: &[T], b: &[T], g: &[T]) -> (Vec<T>, Vec<T>) {
         let mut both = vec![T::of(0.0); 2 * a.len()];
-        par_elems(&mut both, |at, o| {
-            let first = at / 2;
-            for (k, pair) in o.chunks_exact_mut(2).enumerate() {
-                let i = first + k;
-                let x = a[i].f();
-                let (silu, s) = Self::silu::<T>(x);
-                pair[0] = T::of(g[i].f() * b[i].f() * (s + x * s * (1.0 - s)));
-                pair[1] = T::of(g[i].f() * silu);
-            }
-        });
+        par_elems(
+            &mut both,
+            #[inline(always)]
+            |at, o| {
+                let first = at / 2;
+                for (k, pair) in o.chunks_exact_mut(2).enumerate() {
+                    let i = first + k;
+                    let x = a[i].f();
+                    let (silu, s) = Self::silu::<T>(x);
+                    pair[0] = T::of(g[i].f() * b[i].f() * (s + x * s * (1.0 - s)));
+                    pair[1] = T::of(g[i].f() * silu);
+                }
+            },
+        );
         let da = both.iter().step_by(2).copied().collect();
         let db = both.iter().skip(1).step_by(2).copied().collect();
         (da, db)
@@ -250,11 +276,15 @@ impl SwiGlu {
 impl Forward2 for SwiGlu {
     fn run<T: Real>(&self, a: &[T], b: &[T]) -> Vec<T> {
         let mut out = vec![T::of(0.0); a.len()];
-        par_elems(&mut out, |at, o| {
-            for ((o, &a), &b) in o.iter_mut().zip(&a[at..]).zip(&b[at..]) {
-                *o = T::of(Self::silu::<T>(a.f()).0 * b.f());
-            }
-        });
+        par_elems(
+            &mut out,
+            #[inline(always)]
+            |at, o| {
+                for ((o, &a), &b) in o.iter_mut().zip(&a[at..]).zip(&b[at..]) {
+                    *o = T::of(Self::silu::<T>(a.f()).0 * b.f());
+                }
+            },
+        );
         out
     }
 }

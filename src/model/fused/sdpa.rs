@@ -160,9 +160,14 @@ impl Sdpa {
     fn probs<T: Real>(&self, q: Mat<'_, T>, k: Mat<'_, T>, p: &mut [T]) -> candle_core::Result<()> {
         let t = q.rows_len();
         matmul(p, q, k.t(), T::of(1.0), false)?;
-        for (i, row) in p.chunks_exact_mut(t).enumerate() {
-            self.soft.row_in_place(i, row);
-        }
+        wide::run(
+            #[inline(always)]
+            || {
+                for (i, row) in p.chunks_exact_mut(t).enumerate() {
+                    self.soft.row_in_place(i, row);
+                }
+            },
+        );
         Ok(())
     }
 
@@ -236,11 +241,16 @@ impl Sdpa {
                         self.probs(qh, kh, p)?;
                         matmul(&mut dv, Mat::rows(p, t, t).t(), gh, one, r > 0)?;
                         matmul(ds, gh, vh.t(), one, false)?;
-                        for (i, (y, dsr)) in
-                            p.chunks_exact(t).zip(ds.chunks_exact_mut(t)).enumerate()
-                        {
-                            self.soft.bwd_row_in_place(i, y, dsr);
-                        }
+                        wide::run(
+                            #[inline(always)]
+                            || {
+                                for (i, (y, dsr)) in
+                                    p.chunks_exact(t).zip(ds.chunks_exact_mut(t)).enumerate()
+                                {
+                                    self.soft.bwd_row_in_place(i, y, dsr);
+                                }
+                            },
+                        );
                         matmul(dqh, Mat::rows(ds, t, t), kh, one, false)?;
                         matmul(&mut dk, Mat::rows(ds, t, t).t(), qh, one, r > 0)?;
                     }
