@@ -17,3 +17,4 @@ pub mod optim;
 pub mod run;
 pub mod sha256;
 pub mod units;
+pub(crate) mod wide;

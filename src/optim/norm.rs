@@ -23,7 +23,17 @@ pub const NORM_PARTS: usize = 256;
 
 const LANES: usize = 8;
 
+/// Σ x² of one part (the loop built with FMA where the CPU has it, see
+/// [`crate::wide`]: the same bits either way).
 fn part_sq_sum(x: &[f32]) -> f64 {
+    crate::wide::run(
+        #[inline(always)]
+        || part_sq_sum_lanes(x),
+    )
+}
+
+#[inline(always)]
+fn part_sq_sum_lanes(x: &[f32]) -> f64 {
     let mut acc = [0.0f64; LANES];
     let mut chunks = x.chunks_exact(LANES);
     for c in &mut chunks {

@@ -230,7 +230,7 @@ fn rows_per_task(n: usize) -> usize {
 fn par_rows<T: Send>(out: &mut [T], n: usize, f: impl Fn(usize, &mut [T]) + Sync + Send) {
     let rows = rows_per_task(n);
     let task = |r0: usize, chunk: &mut [T]| {
-        wide::run(
+        crate::wide::run(
             #[inline(always)]
             || f(r0, chunk),
         )
@@ -248,7 +248,7 @@ fn par_rows<T: Send>(out: &mut [T], n: usize, f: impl Fn(usize, &mut [T]) + Sync
 /// there is more than one.
 fn par_elems<T: Send>(out: &mut [T], f: impl Fn(usize, &mut [T]) + Sync + Send) {
     let task = |at: usize, chunk: &mut [T]| {
-        wide::run(
+        crate::wide::run(
             #[inline(always)]
             || f(at, chunk),
         )
@@ -274,7 +274,7 @@ fn column_sums<T: Real>(
     let per = rows_per_task(n);
     let block = |b: usize| {
         let mut acc = vec![0f64; n];
-        wide::run(
+        crate::wide::run(
             #[inline(always)]
             || {
                 for r in b * per..((b + 1) * per).min(rows) {
@@ -314,7 +314,7 @@ fn par_rows_summing<T: Real>(
     let rows = rows_per_task(n);
     let task = |(b, chunk): (usize, &mut [T])| {
         let mut acc = vec![vec![0f64; n]; sums];
-        wide::run(
+        crate::wide::run(
             #[inline(always)]
             || f(b * rows, chunk, &mut acc),
         );
@@ -346,7 +346,6 @@ mod norm;
 mod pointwise;
 mod rope;
 mod sdpa;
-mod wide;
 
 pub use attention::{causal_softmax, repeat_kv};
 pub use linear::{linear, WeightLayout};
@@ -775,23 +774,23 @@ mod tests {
     }
 
     /// [`bits_on`] 2 threads with the fused ops' loops built for `isa`
-    /// (an index in [`wide::ALL`]).
+    /// (an index in [`crate::wide::ALL`]).
     fn bits_with(
         isa: usize,
         args: &[&Tensor],
         f: &(dyn Fn(&[Tensor]) -> Tensor + Sync),
     ) -> Vec<Vec<u64>> {
-        wide::TEST_CHOICE.store(isa + 1, std::sync::atomic::Ordering::Relaxed);
+        crate::wide::TEST_CHOICE.store(isa + 1, std::sync::atomic::Ordering::Relaxed);
         let all = bits_on(2, args, f);
-        wide::TEST_CHOICE.store(0, std::sync::atomic::Ordering::Relaxed);
+        crate::wide::TEST_CHOICE.store(0, std::sync::atomic::Ordering::Relaxed);
         all
     }
 
     #[test]
     fn every_instruction_set_gives_the_same_bits() {
         type Op = Box<dyn Fn(&[Tensor]) -> Tensor + Sync>;
-        let isas: Vec<usize> = (1..wide::ALL.len())
-            .filter(|&k| wide::ALL[k].supported())
+        let isas: Vec<usize> = (1..crate::wide::ALL.len())
+            .filter(|&k| crate::wide::ALL[k].supported())
             .collect();
         for dtype in [DType::F32, DType::F64] {
             for (k, &n) in ROWS.iter().enumerate() {
@@ -850,7 +849,7 @@ mod tests {
                         assert!(
                             base == bits_with(isa, &args, op.as_ref()),
                             "{what} {dtype:?} {n}: {:?} differs from the baseline build",
-                            wide::ALL[isa]
+                            crate::wide::ALL[isa]
                         );
                     }
                 }

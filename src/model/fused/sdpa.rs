@@ -160,7 +160,7 @@ impl Sdpa {
     fn probs<T: Real>(&self, q: Mat<'_, T>, k: Mat<'_, T>, p: &mut [T]) -> candle_core::Result<()> {
         let t = q.rows_len();
         matmul(p, q, k.t(), T::of(1.0), false)?;
-        wide::run(
+        crate::wide::run(
             #[inline(always)]
             || {
                 for (i, row) in p.chunks_exact_mut(t).enumerate() {
@@ -241,7 +241,7 @@ impl Sdpa {
                         self.probs(qh, kh, p)?;
                         matmul(&mut dv, Mat::rows(p, t, t).t(), gh, one, r > 0)?;
                         matmul(ds, gh, vh.t(), one, false)?;
-                        wide::run(
+                        crate::wide::run(
                             #[inline(always)]
                             || {
                                 for (i, (y, dsr)) in

@@ -1,4 +1,5 @@
-//! The fused ops' element loops compiled for the CPU's widest vectors.
+//! Safe loops compiled for the CPU's wider vectors: the fused ops' element
+//! loops, and the gradient norm's sums of squares.
 //!
 //! # Why
 //!
@@ -7,12 +8,17 @@
 //! the softmax rows, the norms, the bias add) were a fifth of a GPT-2
 //! step's samples after gemm, which picks its own kernels at run time. One
 //! choke point does the same for them: every task the fused ops hand to
-//! the pool ([`super::par_rows`], [`super::par_elems`], ...) runs through
+//! the pool (`par_rows`, `par_elems`, ... in `model::fused`) runs through
 //! [`run`], which calls it inside a `#[target_feature]` function for the
 //! best instruction set the CPU has. LLVM inlines the task (a closure with
 //! one call site) and the kernels it calls (`#[inline(always)]`) into that
 //! function and compiles them with its features; whatever it does not
 //! inline runs as built, so a missed inline costs speed, never results.
+//!
+//! The gradient norm ([`crate::optim`]'s `part_sq_sum`) runs through it
+//! too: its `f64::mul_add`, built for baseline x86-64, is a call of the
+//! software fma per element (1% of a GPT-2 step's samples); with FMA
+//! enabled it is one instruction, with the same, correctly rounded result.
 //!
 //! # The same bits on every instruction set
 //!
@@ -106,16 +112,16 @@ impl Wide {
 /// [`ALL`]). Process-wide, so another test that runs meanwhile gets it
 /// too: harmless, as every choice gives the same bits.
 #[cfg(test)]
-pub(super) static TEST_CHOICE: std::sync::atomic::AtomicUsize =
+pub(crate) static TEST_CHOICE: std::sync::atomic::AtomicUsize =
     std::sync::atomic::AtomicUsize::new(0);
 
 /// Every instruction set, baseline first.
 #[cfg(test)]
-pub(super) const ALL: [Wide; 3] = [Wide::Baseline, Wide::Avx2, Wide::Avx512];
+pub(crate) const ALL: [Wide; 3] = [Wide::Baseline, Wide::Avx2, Wide::Avx512];
 
 /// Runs `f` with the instruction set [`Wide::detected`] chose.
 #[inline(always)]
-pub(super) fn run<R>(f: impl FnOnce() -> R) -> R {
+pub(crate) fn run<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(test)]
     {
         let k = TEST_CHOICE.load(std::sync::atomic::Ordering::Relaxed);
@@ -128,7 +134,7 @@ pub(super) fn run<R>(f: impl FnOnce() -> R) -> R {
 
 /// Runs `f` with `isa`, or as built where this CPU lacks it.
 #[inline(always)]
-pub(super) fn run_on<R>(isa: Wide, f: impl FnOnce() -> R) -> R {
+pub(crate) fn run_on<R>(isa: Wide, f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
     {
         match isa {
