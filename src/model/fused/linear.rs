@@ -85,14 +85,7 @@ impl Linear {
         b: Option<&[T]>,
         s: Sizes,
     ) -> candle_core::Result<Vec<T>> {
-        let mut y = vec![T::of(0.0); s.rows * s.n_out];
-        matmul_split(
-            &mut y,
-            Mat::rows(x, s.rows, s.n_in),
-            self.w(w, s),
-            T::of(1.0),
-            false,
-        )?;
+        let mut y = matmul_split(Mat::rows(x, s.rows, s.n_in), self.w(w, s), T::of(1.0))?;
         if let Some(b) = b {
             let n = s.n_out;
             par_rows(
@@ -124,13 +117,11 @@ impl Linear {
         let one = T::of(1.0);
         let gm = Mat::rows(g, s.rows, s.n_out);
         let xm = Mat::rows(x, s.rows, s.n_in);
-        let mut dx = vec![T::of(0.0); s.rows * s.n_in];
-        matmul_split(&mut dx, gm, self.w(w, s).t(), one, false)?;
-        let mut dw = vec![T::of(0.0); s.n_in * s.n_out];
-        match self.layout {
-            WeightLayout::InOut => matmul_split(&mut dw, xm.t(), gm, one, false)?,
-            WeightLayout::OutIn => matmul_split(&mut dw, gm.t(), xm, one, false)?,
-        }
+        let dx = matmul_split(gm, self.w(w, s).t(), one)?;
+        let dw = match self.layout {
+            WeightLayout::InOut => matmul_split(xm.t(), gm, one)?,
+            WeightLayout::OutIn => matmul_split(gm.t(), xm, one)?,
+        };
         let db = bias.then(|| super::pointwise::bias_grad(g, s.n_out));
         Ok((dx, dw, db))
     }

@@ -98,28 +98,73 @@ pub(super) fn matmul<T: Real>(
     scale: T,
     accumulate: bool,
 ) -> candle_core::Result<()> {
-    product(dst, a, b, scale, accumulate, gemm::Parallelism::None)
+    product(
+        Dst::of(dst),
+        a,
+        b,
+        scale,
+        accumulate,
+        gemm::Parallelism::None,
+    )
 }
 
-/// [`matmul`], split by gemm over the current rayon pool's threads.
+/// `scale · a · b` into a new dense row-major `a.rows × b.cols` vector,
+/// split by gemm over the current rayon pool's threads. The vector is not
+/// zeroed first: gemm overwrites every element (zeroing a linear's output
+/// and its gradients was 2–3% of a GPT-2 step, in `memset`).
 pub(super) fn matmul_split<T: Real>(
-    dst: &mut [T],
     a: Mat<'_, T>,
     b: Mat<'_, T>,
     scale: T,
-    accumulate: bool,
-) -> candle_core::Result<()> {
+) -> candle_core::Result<Vec<T>> {
+    let len = a
+        .rows
+        .checked_mul(b.cols)
+        .ok_or_else(|| mismatch("output size"))?;
+    let mut out: Vec<T> = Vec::with_capacity(len);
+    let dst = Dst {
+        ptr: out.as_mut_ptr(),
+        len,
+    };
+    product(dst, a, b, scale, false, split())?;
+    // SAFETY: `out` has capacity `len`; `product` returned Ok with m · n =
+    // len and `accumulate` false, so every one of the `len` elements was
+    // written before it returned: zeros for an empty inner dimension, else
+    // by gemm (with `read_dst` false it overwrites the whole m × n output
+    // without reading it).
+    unsafe { out.set_len(len) };
+    Ok(out)
+}
+
+/// gemm's parallelism for the current rayon pool.
+fn split() -> gemm::Parallelism {
     let threads = rayon::current_num_threads();
-    let par = if threads > 1 {
+    if threads > 1 {
         gemm::Parallelism::Rayon(threads)
     } else {
         gemm::Parallelism::None
-    };
-    product(dst, a, b, scale, accumulate, par)
+    }
+}
+
+/// The output of [`product`]: `len` elements at `ptr`, exclusively the
+/// caller's (a `&mut [T]`, or a fresh vector's capacity, which is written
+/// before it is read: only with `accumulate` false).
+struct Dst<T> {
+    ptr: *mut T,
+    len: usize,
+}
+
+impl<T> Dst<T> {
+    fn of(dst: &mut [T]) -> Self {
+        Dst {
+            ptr: dst.as_mut_ptr(),
+            len: dst.len(),
+        }
+    }
 }
 
 fn product<T: Real>(
-    dst: &mut [T],
+    dst: Dst<T>,
     a: Mat<'_, T>,
     b: Mat<'_, T>,
     scale: T,
@@ -130,18 +175,23 @@ fn product<T: Real>(
     if b.rows != k {
         return Err(mismatch("inner dims differ"));
     }
-    if m.checked_mul(n) != Some(dst.len()) {
+    if m.checked_mul(n) != Some(dst.len) {
         return Err(mismatch("output size"));
     }
     if !a.in_bounds() || !b.in_bounds() {
         return Err(mismatch("a view outside its slice"));
     }
-    if dst.is_empty() {
+    if dst.len == 0 {
         return Ok(());
     }
     if k == 0 {
         if !accumulate {
-            dst.fill(T::of(0.0));
+            for i in 0..dst.len {
+                // SAFETY: `i < dst.len`, elements `Dst` says are the
+                // caller's to write; `T` is `Copy`, so the write drops
+                // nothing (the memory may be uninitialised).
+                unsafe { dst.ptr.add(i).write(T::of(0.0)) };
+            }
         }
         return Ok(());
     }
@@ -153,21 +203,22 @@ fn product<T: Real>(
         s(b.row_stride)?,
         s(b.col_stride)?,
     );
-    // SAFETY: `dst` is an exclusive slice of exactly m × n elements,
-    // written row-major (row stride n, column stride 1); `a` and `b` were
-    // checked above to name only elements of their own slices (the last
-    // element (rows-1, cols-1) is in bounds and strides are non-negative),
-    // and they cannot overlap `dst`, which is borrowed mutably. T is f32 or
-    // f64 (`Real`'s only impls), both of which gemm supports. The call is
-    // synchronous (with `Parallelism::Rayon` it returns once every split
-    // has run, and the splits write disjoint blocks of `dst`) and keeps no
-    // pointer.
+    // SAFETY: `dst` names exactly m × n elements that are the caller's
+    // alone (`Dst`), written row-major (row stride n, column stride 1),
+    // and read only when `accumulate` (then they are an initialised
+    // slice); `a` and `b` were checked above to name only elements of
+    // their own slices (the last element (rows-1, cols-1) is in bounds and
+    // strides are non-negative), and they cannot overlap `dst`, which is
+    // borrowed mutably or freshly allocated. T is f32 or f64 (`Real`'s only
+    // impls), both of which gemm supports. The call is synchronous (with
+    // `Parallelism::Rayon` it returns once every split has run, and the
+    // splits write disjoint blocks of `dst`) and keeps no pointer.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst.ptr,
             1,
             dst_rs,
             accumulate,
@@ -253,6 +304,14 @@ mod tests {
                 for (g, w) in acc.iter().zip(&want) {
                     assert!((g - (0.25 + 0.5 * w)).abs() < 1e-12, "{m}x{k}x{n} case {c}");
                 }
+                // Into a new vector, split over 3 threads: the same bits
+                // as on the calling thread.
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(3)
+                    .build()
+                    .unwrap();
+                let split = pool.install(|| matmul_split(*x, *y, 1.0).unwrap());
+                assert_eq!(split, got, "{m}x{k}x{n} case {c} split");
                 // f32 too, within its rounding.
                 let (x32, y32): (Vec<f32>, Vec<f32>) = (
                     x.data.iter().map(|&v| v as f32).collect(),
@@ -275,6 +334,26 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn an_empty_inner_dimension_gives_zeros() {
+        let (a, b) = (vec![0.0f64; 0], vec![0.0f64; 0]);
+        assert_eq!(
+            matmul_split(Mat::rows(&a, 3, 0), Mat::rows(&b, 0, 2), 1.0).unwrap(),
+            vec![0.0; 6]
+        );
+        let mut out = vec![7.0; 6];
+        matmul(
+            &mut out,
+            Mat::rows(&a, 3, 0),
+            Mat::rows(&b, 0, 2),
+            1.0,
+            false,
+        )
+        .unwrap();
+        assert_eq!(out, vec![0.0; 6]);
+        assert!(matmul_split(Mat::rows(&a, 3, 0), Mat::rows(&b, 1, 2), 1.0).is_err());
     }
 
     #[test]
