@@ -13,9 +13,6 @@ pub(super) struct CausalSoftmax {
     pub(super) window: Option<usize>,
 }
 
-/// The softmax rows' partial results: element `j` goes to lane `j % LANES`.
-const LANES: usize = 8;
-
 /// The max and the min of `xs` (as f64), NaN ignored as `f64::max` does;
 /// `(-inf, inf)` for no elements.
 #[inline(always)]
@@ -102,18 +99,7 @@ impl CausalSoftmax {
     pub(super) fn bwd_row_in_place<T: Real>(&self, i: usize, y: &[T], d: &mut [T]) {
         let lo = self.lo(i);
         let (ys, ds) = (&y[lo..=i], &mut d[lo..=i]);
-        let mut acc = [0f64; LANES];
-        let (yc, dc) = (ys.chunks_exact(LANES), ds.chunks_exact(LANES));
-        let (yr, dr) = (yc.remainder(), dc.remainder());
-        for (yc, dc) in yc.zip(dc) {
-            for ((y, d), a) in yc.iter().zip(dc).zip(&mut acc) {
-                *a += d.f() * y.f();
-            }
-        }
-        for ((y, d), a) in yr.iter().zip(dr).zip(&mut acc) {
-            *a += d.f() * y.f();
-        }
-        let dot = lanes_sum(&acc);
+        let dot = sum_lanes(ys.len(), |j| ds[j].f() * ys[j].f());
         for (d, y) in ds.iter_mut().zip(ys) {
             *d = T::of(self.scale * y.f() * (d.f() - dot));
         }

@@ -244,6 +244,28 @@ fn par_rows<T: Send>(out: &mut [T], n: usize, f: impl Fn(usize, &mut [T]) + Sync
         .for_each(|(b, chunk)| task(b * rows, chunk));
 }
 
+/// Partial results of the fused ops' row reductions: term `j` goes to lane
+/// `j % LANES`, and the lanes combine in lane order. A fixed order whatever
+/// the threads, and no chain of dependent adds, so the loops vectorize.
+pub(super) const LANES: usize = 8;
+
+/// `Σ term(j)` for `j` in `0..n`, in f64, in [`LANES`] interleaved partial
+/// sums.
+#[inline(always)]
+fn sum_lanes(n: usize, term: impl Fn(usize) -> f64) -> f64 {
+    let mut acc = [0f64; LANES];
+    let full = n - n % LANES;
+    for j0 in (0..full).step_by(LANES) {
+        for (k, a) in acc.iter_mut().enumerate() {
+            *a += term(j0 + k);
+        }
+    }
+    for (a, j) in acc.iter_mut().zip(full..n) {
+        *a += term(j);
+    }
+    acc.iter().sum()
+}
+
 /// Elementwise over `len` elements: `f(range)` per task, in parallel when
 /// there is more than one.
 fn par_elems<T: Send>(out: &mut [T], f: impl Fn(usize, &mut [T]) + Sync + Send) {
