@@ -24,7 +24,7 @@ pub const NORM_PARTS: usize = 256;
 const LANES: usize = 8;
 
 /// Σ x² of one part (the loop built with FMA where the CPU has it, see
-/// [`crate::wide`]: the same bits either way).
+/// `crate::wide`: the same bits either way).
 fn part_sq_sum(x: &[f32]) -> f64 {
     crate::wide::run(
         #[inline(always)]

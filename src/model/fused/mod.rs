@@ -44,7 +44,7 @@
 //!
 //! On session 8's VM (its speed rose by half during the session with no
 //! change of code), after the element loops built for AVX2
-//! ([`crate::wide`]), the softmax rows in f64 lanes, the gradient norm on
+//! (`crate::wide`), the softmax rows in f64 lanes, the gradient norm on
 //! hardware FMA and gemm outputs that are not zeroed first, the same
 //! command gave 0.78x in memory (11,629 against 14,996 tokens/s) and 0.70x
 //! on NVMe (the NVMe step 1.10x the in-memory one), the Llama shape 0.71x.
