@@ -91,19 +91,14 @@ impl Wide {
             .unwrap_or(Wide::Baseline)
     }
 
-    /// Whether this CPU runs `self`.
+    /// Whether this CPU runs `self`: the optimizer kernels' detection
+    /// ([`crate::optim::Isa`]; its AVX2 set also asks for F16C, which every
+    /// AVX2 CPU has).
     pub(crate) fn supported(self) -> bool {
         match self {
             Wide::Baseline => true,
-            #[cfg(target_arch = "x86_64")]
-            Wide::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
-            #[cfg(target_arch = "x86_64")]
-            Wide::Avx2 => {
-                std::arch::is_x86_feature_detected!("avx2")
-                    && std::arch::is_x86_feature_detected!("fma")
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            _ => false,
+            Wide::Avx512 => crate::optim::Isa::Avx512.is_supported(),
+            Wide::Avx2 => crate::optim::Isa::Avx2Fma.is_supported(),
         }
     }
 }
@@ -134,7 +129,7 @@ pub(crate) fn run<R>(f: impl FnOnce() -> R) -> R {
 
 /// Runs `f` with `isa`, or as built where this CPU lacks it.
 #[inline(always)]
-pub(crate) fn run_on<R>(isa: Wide, f: impl FnOnce() -> R) -> R {
+fn run_on<R>(isa: Wide, f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
     {
         match isa {

@@ -242,19 +242,8 @@ fn product<T: Real>(
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::super::tests::unit_values as vals;
     use super::*;
-
-    fn vals(n: usize, seed: u64) -> Vec<f64> {
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-            })
-            .collect()
-    }
 
     /// The scalar reference: f64, in index order.
     fn reference(a: &Mat<'_, f64>, b: &Mat<'_, f64>) -> Vec<f64> {

@@ -393,17 +393,24 @@ mod tests {
     use super::*;
     use candle_core::{Device, Var};
 
-    fn rand(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
-        let n: usize = shape.iter().product();
+    /// `n` deterministic values in [-1, 1) (xorshift of `seed`), the fused
+    /// tests' and `matmul`'s inputs.
+    pub(super) fn unit_values(n: usize, seed: u64) -> Vec<f64> {
         let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        let v: Vec<f64> = (0..n)
+        (0..n)
             .map(|_| {
                 x ^= x << 13;
                 x ^= x >> 7;
                 x ^= x << 17;
-                (x >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0
+                (x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
             })
-            .collect();
+            .collect()
+    }
+
+    /// A tensor of values in [-2, 2) (twice [`unit_values`]: exact).
+    fn rand(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
+        let n: usize = shape.iter().product();
+        let v: Vec<f64> = unit_values(n, seed).into_iter().map(|v| 2.0 * v).collect();
         Tensor::from_vec(v, shape, &Device::Cpu)
             .unwrap()
             .to_dtype(dtype)

@@ -15,6 +15,33 @@ fn moments<T: Real>(row: &[T], eps: f64) -> (f64, f64) {
     (mean, 1.0 / (var + eps).sqrt())
 }
 
+/// A norm's backward over the rows (`n` wide) of `x` and `g`: `row(x_row,
+/// g_row, dx_row, acc)` writes one row of `dx` and adds the row's terms to
+/// `sums` column sums ([`par_rows_summing`]).
+#[inline(always)]
+fn bwd_by_row<T: Real>(
+    x: &[T],
+    g: &[T],
+    n: usize,
+    sums: usize,
+    row: impl Fn(&[T], &[T], &mut [T], &mut [Vec<f64>]) + Sync + Send,
+) -> (Vec<T>, Vec<Vec<T>>) {
+    let mut dx = vec![T::of(0.0); x.len()];
+    let sums = par_rows_summing(
+        &mut dx,
+        n,
+        sums,
+        #[inline(always)]
+        |r0, d, acc| {
+            for (k, d) in d.chunks_exact_mut(n).enumerate() {
+                let r = r0 + k;
+                row(&x[r * n..(r + 1) * n], &g[r * n..(r + 1) * n], d, acc);
+            }
+        },
+    );
+    (dx, sums)
+}
+
 impl LayerNorm {
     fn fwd<T: Real>(&self, x: &[T], w: &[T], b: &[T]) -> Vec<T> {
         let n = w.len();
@@ -39,30 +66,26 @@ impl LayerNorm {
     /// once).
     fn bwd_rows<T: Real>(&self, x: &[T], w: &[T], g: &[T]) -> (Vec<T>, Vec<T>, Vec<T>) {
         let n = w.len();
-        let mut dx = vec![T::of(0.0); x.len()];
-        let mut sums = par_rows_summing(
-            &mut dx,
+        let (dx, mut sums) = bwd_by_row(
+            x,
+            g,
             n,
             2,
             #[inline(always)]
-            |r0, d, acc| {
-                for (k, d) in d.chunks_exact_mut(n).enumerate() {
-                    let r = r0 + k;
-                    let (xr, gr) = (&x[r * n..(r + 1) * n], &g[r * n..(r + 1) * n]);
-                    let (mean, rstd) = moments(xr, self.eps);
-                    let (mut s1, mut s2) = (0f64, 0f64);
-                    for j in 0..n {
-                        let dxh = gr[j].f() * w[j].f();
-                        s1 += dxh;
-                        s2 += dxh * (xr[j].f() - mean) * rstd;
-                        acc[0][j] += gr[j].f() * (xr[j].f() - mean) * rstd;
-                        acc[1][j] += gr[j].f();
-                    }
-                    let (m1, m2) = (s1 / n as f64, s2 / n as f64);
-                    for j in 0..n {
-                        let xhat = (xr[j].f() - mean) * rstd;
-                        d[j] = T::of(rstd * (gr[j].f() * w[j].f() - m1 - xhat * m2));
-                    }
+            |xr, gr, d, acc| {
+                let (mean, rstd) = moments(xr, self.eps);
+                let (mut s1, mut s2) = (0f64, 0f64);
+                for j in 0..n {
+                    let dxh = gr[j].f() * w[j].f();
+                    s1 += dxh;
+                    s2 += dxh * (xr[j].f() - mean) * rstd;
+                    acc[0][j] += gr[j].f() * (xr[j].f() - mean) * rstd;
+                    acc[1][j] += gr[j].f();
+                }
+                let (m1, m2) = (s1 / n as f64, s2 / n as f64);
+                for j in 0..n {
+                    let xhat = (xr[j].f() - mean) * rstd;
+                    d[j] = T::of(rstd * (gr[j].f() * w[j].f() - m1 - xhat * m2));
                 }
             },
         );
@@ -179,26 +202,22 @@ impl RmsNorm {
     /// `(dx, dw)`, in one pass over the rows.
     fn bwd_rows<T: Real>(&self, x: &[T], w: &[T], g: &[T]) -> (Vec<T>, Vec<T>) {
         let n = w.len();
-        let mut dx = vec![T::of(0.0); x.len()];
-        let mut sums = par_rows_summing(
-            &mut dx,
+        let (dx, mut sums) = bwd_by_row(
+            x,
+            g,
             n,
             1,
             #[inline(always)]
-            |r0, d, acc| {
-                for (k, d) in d.chunks_exact_mut(n).enumerate() {
-                    let r = r0 + k;
-                    let (xr, gr) = (&x[r * n..(r + 1) * n], &g[r * n..(r + 1) * n]);
-                    let rstd = self.rstd(xr);
-                    let s: f64 = (0..n)
-                        .map(|j| gr[j].f() * w[j].f() * xr[j].f() * rstd)
-                        .sum();
-                    let m = s / n as f64;
-                    for j in 0..n {
-                        let xhat = xr[j].f() * rstd;
-                        d[j] = T::of(rstd * (gr[j].f() * w[j].f() - xhat * m));
-                        acc[0][j] += gr[j].f() * xr[j].f() * rstd;
-                    }
+            |xr, gr, d, acc| {
+                let rstd = self.rstd(xr);
+                let s: f64 = (0..n)
+                    .map(|j| gr[j].f() * w[j].f() * xr[j].f() * rstd)
+                    .sum();
+                let m = s / n as f64;
+                for j in 0..n {
+                    let xhat = xr[j].f() * rstd;
+                    d[j] = T::of(rstd * (gr[j].f() * w[j].f() - xhat * m));
+                    acc[0][j] += gr[j].f() * xr[j].f() * rstd;
                 }
             },
         );

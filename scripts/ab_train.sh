@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Side-by-side `tierzero train` runs of one model and config, the arms
+# alternating ROUNDS times; one line a run: tokens/s, weight_sha256, peak RSS.
+#
+#   scripts/ab_train.sh ROUNDS DIR STEPS ARM...
+#
+# DIR holds `ds.json` and `model/` (an arm directory of
+# `scripts/compare_torch.py --workdir W`, e.g. W/tz0). An ARM is a command
+# run through env(1): a binary, optionally after VAR=VALUE settings, e.g.
+#   scripts/ab_train.sh 3 W/tz0 30 /tmp/tz_old target/release/tierzero
+#   scripts/ab_train.sh 3 W/tz0 30 "TIERZERO_FUSED_ISA=baseline target/release/tierzero" \
+#       "TIERZERO_FUSED_ISA=avx2 target/release/tierzero"
+set -euo pipefail
+if [ $# -lt 4 ]; then
+  sed -n '2,12p' "$0" >&2
+  exit 2
+fi
+rounds=$1 dir=$2 steps=$3
+shift 3
+here=$(cd "$(dirname "$0")/.." && pwd)
+for r in $(seq "$rounds"); do
+  for arm in "$@"; do
+    # shellcheck disable=SC2086 # the arm is words on purpose
+    out=$(env $arm train --config "$dir/ds.json" --model "$dir/model" \
+      --data "$here/data/corpus.txt" --data-format bytes --seq-len 128 \
+      --steps "$steps" --json 2>/dev/null)
+    python3 -c '
+import json, sys
+arm, out, r = sys.argv[1:]
+v = json.loads(out)
+print("round %s  %s: %s tok/s  sha %s  peak RSS %d MiB" % (
+    r, arm, format(round(v["tokens_per_s"]), ","), v["weight_sha256"][:12],
+    v["peak_rss_bytes"] >> 20))' \
+      "$arm" "$out" "$r"
+  done
+done
