@@ -188,7 +188,8 @@ pub(super) fn exp_f32(x: f32) -> f32 {
     const LN2_LO: f32 = -2.121_944_4e-4;
     const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23
     let x = x.clamp(-87.0, 88.0);
-    let n = (x * LOG2E + ROUND) - ROUND;
+    let t = x * LOG2E + ROUND;
+    let n = t - ROUND;
     let r = x - n * LN2_HI - n * LN2_LO;
     let p = 1.987_569_1e-4_f32;
     let p = p * r + 1.398_2e-3;
@@ -197,8 +198,14 @@ pub(super) fn exp_f32(x: f32) -> f32 {
     let p = p * r + 0.166_666_65;
     let p = p * r + 0.5;
     let e = p * r * r + r + 1.0;
-    // n is in [-126, 127] after the clamp: a normal exponent.
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // n is in [-126, 127] after the clamp: a normal exponent. `t`'s low
+    // mantissa bits hold n (ROUND's mantissa is 2^22, so `t`'s bits are
+    // ROUND's plus n), and n + 127 is in [1, 254]: its 9 low bits, shifted
+    // into the exponent field, are 2^n; the shift drops ROUND's bits. This
+    // is the bits `(n as i32 + 127) << 23` gave, but `as i32` (saturating,
+    // NaN to 0) compiled to a scalar convert and branchless fix-up per lane,
+    // which kept every loop over `exp_f32` from vectorizing.
+    let scale = f32::from_bits(t.to_bits().wrapping_add(127) << 23);
     e * scale
 }
 
@@ -414,6 +421,37 @@ mod tests {
         for (x, lo, hi) in [(1e4f32, 1e38f32, f32::MAX), (-1e4, 1e-38, 2e-38)] {
             let e = exp_f32(x);
             assert!(e.is_finite() && e >= lo && e <= hi, "{x}: {e}");
+        }
+        assert!(exp_f32(f32::NAN).is_nan());
+        // The exponent from the rounding constant's bits gives what the
+        // integer convert gave (the implementation before it): the same
+        // bits at every input, the clamps and NaN too.
+        let by_convert = |x: f32| {
+            let x = x.clamp(-87.0, 88.0);
+            let n = (x * std::f32::consts::LOG2_E + 12_582_912.0) - 12_582_912.0;
+            let r = x - n * (355.0 / 512.0) - n * -2.121_944_4e-4;
+            let p = 1.987_569_1e-4_f32;
+            let p = p * r + 1.398_2e-3;
+            let p = p * r + 8.333_452e-3;
+            let p = p * r + 4.166_579_6e-2;
+            let p = p * r + 0.166_666_65;
+            let p = p * r + 0.5;
+            let e = p * r * r + r + 1.0;
+            e * f32::from_bits(((n as i32 + 127) as u32) << 23)
+        };
+        let sweep = (-2_000_000..=2_000_000).map(|i| i as f32 * 5e-5);
+        let edges = [
+            -1e30f32,
+            -87.5,
+            -87.0,
+            88.0,
+            88.5,
+            1e30,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+        ];
+        for x in sweep.chain(edges) {
+            assert_eq!(exp_f32(x).to_bits(), by_convert(x).to_bits(), "{x}");
         }
         // tanh through it, against f64's.
         for i in -2000..=2000 {
