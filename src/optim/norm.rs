@@ -35,14 +35,16 @@ fn part_sq_sum(x: &[f32]) -> f64 {
 #[inline(always)]
 fn part_sq_sum_lanes(x: &[f32]) -> f64 {
     let mut acc = [0.0f64; LANES];
-    let mut chunks = x.chunks_exact(LANES);
-    for c in &mut chunks {
+    // Fixed-size windows: indexing `chunks_exact`'s slices kept their
+    // bounds checks, and the loop compiled to scalar FMAs.
+    let (chunks, rest) = x.as_chunks::<LANES>();
+    for c in chunks {
         for j in 0..LANES {
             let g = c[j] as f64;
             acc[j] = g.mul_add(g, acc[j]);
         }
     }
-    for (j, &r) in chunks.remainder().iter().enumerate() {
+    for (j, &r) in rest.iter().enumerate() {
         let g = r as f64;
         acc[j] = g.mul_add(g, acc[j]);
     }

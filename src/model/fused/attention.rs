@@ -38,12 +38,6 @@ fn max_min<T: Real>(xs: &[T]) -> (f64, f64) {
     )
 }
 
-/// The lanes' partial sums, in lane order.
-#[inline(always)]
-fn lanes_sum(acc: &[f64; LANES]) -> f64 {
-    acc.iter().sum()
-}
-
 impl CausalSoftmax {
     /// The keys row `i` sees: `lo..=i`.
     fn lo(&self, i: usize) -> usize {
@@ -66,24 +60,17 @@ impl CausalSoftmax {
         // scaled max (the scaled min for a negative scale).
         let (hi, low) = max_min(&row[lo..=i]);
         let max = self.scale * if self.scale >= 0.0 { hi } else { low };
-        let mut acc = [0f64; LANES];
+        // The exponentials first, a plain map that vectorizes, then their
+        // sum over the stored values: `T::of(e)` is `e` exactly (`exp_in`
+        // rounds to `T`), so this is the sum of the same terms.
         let seen = &mut row[lo..=i];
-        let mut chunks = seen.chunks_exact_mut(LANES);
-        for c in &mut chunks {
-            for (x, a) in c.iter_mut().zip(&mut acc) {
-                let e = T::exp_in(self.scale * x.f() - max);
-                *a += e;
-                *x = T::of(e);
-            }
+        for x in seen.iter_mut() {
+            *x = T::of(T::exp_in(self.scale * x.f() - max));
         }
-        for (x, a) in chunks.into_remainder().iter_mut().zip(&mut acc) {
-            let e = T::exp_in(self.scale * x.f() - max);
-            *a += e;
-            *x = T::of(e);
-        }
+        let total = sum_lanes([&*seen], |[e]| e);
         // One division a row (the f64 reciprocal is within an ulp of each
         // quotient, far below `T`'s rounding).
-        let inv = 1.0 / lanes_sum(&acc);
+        let inv = 1.0 / total;
         for x in &mut row[lo..=i] {
             *x = T::of(x.f() * inv);
         }
@@ -99,7 +86,7 @@ impl CausalSoftmax {
     pub(super) fn bwd_row_in_place<T: Real>(&self, i: usize, y: &[T], d: &mut [T]) {
         let lo = self.lo(i);
         let (ys, ds) = (&y[lo..=i], &mut d[lo..=i]);
-        let dot = sum_lanes(ys.len(), |j| ds[j].f() * ys[j].f());
+        let dot = sum_lanes([&*ds, ys], |[d, y]| d * y);
         for (d, y) in ds.iter_mut().zip(ys) {
             *d = T::of(self.scale * y.f() * (d.f() - dot));
         }

@@ -260,19 +260,27 @@ fn par_rows<T: Send>(out: &mut [T], n: usize, f: impl Fn(usize, &mut [T]) + Sync
 /// the threads, and no chain of dependent adds, so the loops vectorize.
 pub(super) const LANES: usize = 8;
 
-/// `Σ term(j)` for `j` in `0..n`, in f64, in [`LANES`] interleaved partial
-/// sums.
+/// `Σ term(cols[0][j], .., cols[K-1][j])` over the elements `j` of `K`
+/// columns of one length (a shorter one panics), in f64, in [`LANES`]
+/// interleaved partial sums: element `j` in lane `j % LANES`, the lanes
+/// added in lane order.
+///
+/// The loop takes the columns [`LANES`] elements at a time as arrays: a
+/// term given an index (`|j| x[j]`) kept its bounds checks and compiled to
+/// scalar adds, which the fixed windows do not.
 #[inline(always)]
-fn sum_lanes(n: usize, term: impl Fn(usize) -> f64) -> f64 {
+fn sum_lanes<T: Real, const K: usize>(cols: [&[T]; K], term: impl Fn([f64; K]) -> f64) -> f64 {
+    let n = cols.first().map_or(0, |c| c.len());
+    let split: [(&[[T; LANES]], &[T]); K] = std::array::from_fn(|i| cols[i][..n].as_chunks());
     let mut acc = [0f64; LANES];
-    let full = n - n % LANES;
-    for j0 in (0..full).step_by(LANES) {
+    for c in 0..n / LANES {
+        let win: [&[T; LANES]; K] = std::array::from_fn(|i| &split[i].0[c]);
         for (k, a) in acc.iter_mut().enumerate() {
-            *a += term(j0 + k);
+            *a += term(std::array::from_fn(|i| win[i][k].f()));
         }
     }
-    for (a, j) in acc.iter_mut().zip(full..n) {
-        *a += term(j);
+    for (k, a) in acc.iter_mut().enumerate().take(n % LANES) {
+        *a += term(std::array::from_fn(|i| split[i].1[k].f()));
     }
     acc.iter().sum()
 }
@@ -405,6 +413,43 @@ mod tests {
                 (x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
             })
             .collect()
+    }
+
+    /// `sum_lanes` is its documented order (element `j` in lane `j %
+    /// LANES`, lanes added in order) at sizes around the window, for one,
+    /// two and three columns, bit for bit.
+    #[test]
+    fn sum_lanes_is_in_lane_order() {
+        for n in [0, 1, 7, 8, 9, 15, 16, 17, 63, 192, 193] {
+            let cols: Vec<Vec<f32>> = (0..3)
+                .map(|s| {
+                    unit_values(n, 40 + s)
+                        .into_iter()
+                        .map(|v| v as f32 * 1e3)
+                        .collect()
+                })
+                .collect();
+            let (a, b, c) = (&cols[0][..], &cols[1][..], &cols[2][..]);
+            let want = |term: &dyn Fn(usize) -> f64| {
+                let mut lanes = [0f64; LANES];
+                for j in 0..n {
+                    lanes[j % LANES] += term(j);
+                }
+                lanes.iter().sum::<f64>()
+            };
+            let f = |j: usize| f64::from(a[j]);
+            assert_eq!(
+                sum_lanes([a], |[x]| x).to_bits(),
+                want(&f).to_bits(),
+                "n={n}"
+            );
+            let f = |j: usize| f64::from(a[j]) * f64::from(b[j]);
+            let got = sum_lanes([a, b], |[x, y]| x * y);
+            assert_eq!(got.to_bits(), want(&f).to_bits(), "n={n}");
+            let f = |j: usize| f64::from(a[j]) * f64::from(b[j]) - f64::from(c[j]);
+            let got = sum_lanes([a, b, c], |[x, y, z]| x * y - z);
+            assert_eq!(got.to_bits(), want(&f).to_bits(), "n={n}");
+        }
     }
 
     /// A tensor of values in [-2, 2) (twice [`unit_values`]: exact).

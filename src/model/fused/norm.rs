@@ -7,11 +7,17 @@ struct LayerNorm {
     eps: f64,
 }
 
-/// A row's mean and `1 / sqrt(var + eps)` (biased variance), in f64.
+/// A row's mean and `1 / sqrt(var + eps)` (biased variance), in f64, the
+/// sums in [`LANES`] partial sums ([`sum_lanes`]): a fixed order, and loops
+/// that vectorize.
+#[inline(always)]
 fn moments<T: Real>(row: &[T], eps: f64) -> (f64, f64) {
     let n = row.len() as f64;
-    let mean = row.iter().map(|x| x.f()).sum::<f64>() / n;
-    let var = row.iter().map(|x| (x.f() - mean).powi(2)).sum::<f64>() / n;
+    let mean = sum_lanes([row], |[x]| x) / n;
+    let var = sum_lanes([row], |[x]| {
+        let d = x - mean;
+        d * d
+    }) / n;
     (mean, 1.0 / (var + eps).sqrt())
 }
 
@@ -73,14 +79,18 @@ impl LayerNorm {
             2,
             #[inline(always)]
             |xr, gr, d, acc| {
+                let (xr, gr, w) = (&xr[..n], &gr[..n], &w[..n]);
                 let (mean, rstd) = moments(xr, self.eps);
-                let (mut s1, mut s2) = (0f64, 0f64);
-                for j in 0..n {
-                    let dxh = gr[j].f() * w[j].f();
-                    s1 += dxh;
-                    s2 += dxh * (xr[j].f() - mean) * rstd;
-                    acc[0][j] += gr[j].f() * (xr[j].f() - mean) * rstd;
-                    acc[1][j] += gr[j].f();
+                // The row sums in lanes, the column sums in their own loop:
+                // one loop doing both did not vectorize.
+                let s1 = sum_lanes([gr, w], |[g, w]| g * w);
+                let s2 = sum_lanes([gr, w, xr], |[g, w, x]| g * w * (x - mean) * rstd);
+                let [a0, a1] = acc else {
+                    unreachable!("two column sums")
+                };
+                for (((a0, a1), &x), &g) in a0.iter_mut().zip(a1.iter_mut()).zip(xr).zip(gr) {
+                    *a0 += g.f() * (x.f() - mean) * rstd;
+                    *a1 += g.f();
                 }
                 let (m1, m2) = (s1 / n as f64, s2 / n as f64);
                 for j in 0..n {
@@ -175,8 +185,9 @@ struct RmsNorm {
 }
 
 impl RmsNorm {
+    #[inline(always)]
     fn rstd<T: Real>(&self, row: &[T]) -> f64 {
-        let ms = row.iter().map(|x| x.f() * x.f()).sum::<f64>() / row.len() as f64;
+        let ms = sum_lanes([row], |[x]| x * x) / row.len() as f64;
         1.0 / (ms + self.eps).sqrt()
     }
 
@@ -209,10 +220,9 @@ impl RmsNorm {
             1,
             #[inline(always)]
             |xr, gr, d, acc| {
+                let (xr, gr, w) = (&xr[..n], &gr[..n], &w[..n]);
                 let rstd = self.rstd(xr);
-                let s: f64 = (0..n)
-                    .map(|j| gr[j].f() * w[j].f() * xr[j].f() * rstd)
-                    .sum();
+                let s = sum_lanes([gr, w, xr], |[g, w, x]| g * w * x * rstd);
                 let m = s / n as f64;
                 for j in 0..n {
                     let xhat = xr[j].f() * rstd;
