@@ -183,13 +183,31 @@ impl GeluKernel for f32 {
 /// overflowing to infinity or going subnormal.
 #[inline(always)]
 pub(super) fn exp_f32(x: f32) -> f32 {
+    let (t, e) = exp_f32_parts(x);
+    // n = t - ROUND is in [-126, 127] after the clamp: a normal exponent.
+    // `t`'s low mantissa bits hold n (ROUND's mantissa is 2^22, so `t`'s
+    // bits are ROUND's plus n), and n + 127 is in [1, 254]: its 9 low bits,
+    // shifted into the exponent field, are 2^n; the shift drops ROUND's
+    // bits. This is the bits `(n as i32 + 127) << 23` gave, but `as i32`
+    // (saturating, NaN to 0) compiled to a scalar convert and a fix-up per
+    // lane, which kept every loop over `exp_f32` from vectorizing.
+    e * f32::from_bits(t.to_bits().wrapping_add(127) << 23)
+}
+
+/// 1.5 · 2^23: adding it rounds an f32 of magnitude below 2^22 to an
+/// integer.
+const EXP_ROUND: f32 = 12_582_912.0;
+
+/// [`exp_f32`]'s `(x log2 e + EXP_ROUND, e^r)`: the rounded exponent `n`
+/// is the first minus [`EXP_ROUND`], and `e^x = e^r · 2^n`.
+#[inline(always)]
+fn exp_f32_parts(x: f32) -> (f32, f32) {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 355.0 / 512.0; // 0.693359375, exact in f32
     const LN2_LO: f32 = -2.121_944_4e-4;
-    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23
     let x = x.clamp(-87.0, 88.0);
-    let t = x * LOG2E + ROUND;
-    let n = t - ROUND;
+    let t = x * LOG2E + EXP_ROUND;
+    let n = t - EXP_ROUND;
     let r = x - n * LN2_HI - n * LN2_LO;
     let p = 1.987_569_1e-4_f32;
     let p = p * r + 1.398_2e-3;
@@ -197,16 +215,7 @@ pub(super) fn exp_f32(x: f32) -> f32 {
     let p = p * r + 4.166_579_6e-2;
     let p = p * r + 0.166_666_65;
     let p = p * r + 0.5;
-    let e = p * r * r + r + 1.0;
-    // n is in [-126, 127] after the clamp: a normal exponent. `t`'s low
-    // mantissa bits hold n (ROUND's mantissa is 2^22, so `t`'s bits are
-    // ROUND's plus n), and n + 127 is in [1, 254]: its 9 low bits, shifted
-    // into the exponent field, are 2^n; the shift drops ROUND's bits. This
-    // is the bits `(n as i32 + 127) << 23` gave, but `as i32` (saturating,
-    // NaN to 0) compiled to a scalar convert and branchless fix-up per lane,
-    // which kept every loop over `exp_f32` from vectorizing.
-    let scale = f32::from_bits(t.to_bits().wrapping_add(127) << 23);
-    e * scale
+    (t, p * r * r + r + 1.0)
 }
 
 impl CustomOp1 for GeluTanh {
@@ -427,17 +436,8 @@ mod tests {
         // integer convert gave (the implementation before it): the same
         // bits at every input, the clamps and NaN too.
         let by_convert = |x: f32| {
-            let x = x.clamp(-87.0, 88.0);
-            let n = (x * std::f32::consts::LOG2_E + 12_582_912.0) - 12_582_912.0;
-            let r = x - n * (355.0 / 512.0) - n * -2.121_944_4e-4;
-            let p = 1.987_569_1e-4_f32;
-            let p = p * r + 1.398_2e-3;
-            let p = p * r + 8.333_452e-3;
-            let p = p * r + 4.166_579_6e-2;
-            let p = p * r + 0.166_666_65;
-            let p = p * r + 0.5;
-            let e = p * r * r + r + 1.0;
-            e * f32::from_bits(((n as i32 + 127) as u32) << 23)
+            let (t, e) = exp_f32_parts(x);
+            e * f32::from_bits((((t - EXP_ROUND) as i32 + 127) as u32) << 23)
         };
         let sweep = (-2_000_000..=2_000_000).map(|i| i as f32 * 5e-5);
         let edges = [
