@@ -10,9 +10,12 @@
 #   scripts/ab_train.sh 3 W/tz0 30 /tmp/tz_old target/release/tierzero
 #   scripts/ab_train.sh 3 W/tz0 30 "TIERZERO_FUSED_ISA=baseline target/release/tierzero" \
 #       "TIERZERO_FUSED_ISA=avx2 target/release/tierzero"
+# An ARM starting with @D runs on directory D instead (another config of
+# the same model, e.g. the NVMe arm of compare_torch.py against stage 0):
+#   scripts/ab_train.sh 3 W/tz0 40 target/release/tierzero "@N/tzn0 target/release/tierzero"
 set -euo pipefail
 if [ $# -lt 4 ]; then
-  sed -n '2,12p' "$0" >&2
+  sed -n '2,15p' "$0" >&2
   exit 2
 fi
 rounds=$1 dir=$2 steps=$3
@@ -21,7 +24,11 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 for r in $(seq "$rounds"); do
   for arm in "$@"; do
     # shellcheck disable=SC2086 # the arm is words on purpose
-    out=$(env $arm train --config "$dir/ds.json" --model "$dir/model" \
+    d=$dir cmd=$arm
+    if [[ $arm == @* ]]; then
+      d=${arm%% *} d=${d#@} cmd=${arm#* }
+    fi
+    out=$(env $cmd train --config "$d/ds.json" --model "$d/model" \
       --data "$here/data/corpus.txt" --data-format bytes --seq-len 128 \
       --steps "$steps" --json 2>/dev/null)
     python3 -c '

@@ -147,7 +147,14 @@ fn tiny_run_writes_metrics_plan_and_summary_and_is_deterministic() {
     // the hash and the losses of the metrics file.
     let s = &out.stdout;
     assert!(s.contains("plan: ZeRO stage 3"), "{s}");
-    for word in ["device", "pinned host", "NVMe", "param swap buffers (4 x"] {
+    // 4 buffers of 20,000 fp32 elements (80 KiB each) cut into slots of
+    // the largest shard, 8,192 elements (32 KiB): 2 a buffer.
+    for word in [
+        "device",
+        "pinned host",
+        "NVMe",
+        "param swap buffers (8 x 32 KiB)",
+    ] {
         assert!(s.contains(word), "`{word}` missing from the plan: {s}");
     }
     assert!(s.contains("pinned total"), "{s}");

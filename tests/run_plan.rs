@@ -192,7 +192,18 @@ fn plan_pinned_bytes_are_exactly_what_the_engine_needs() {
         // Every param is on NVMe; nothing in cpu-tier pages.
         assert_eq!(plan.params_per_tier[0] + plan.params_per_tier[1], 0);
         assert_eq!(plan.params.pinned_bytes, 0);
-        assert_eq!(plan.param_buffers, (4, align(20000 * 4)));
+        // 4 configured buffers of 20,000 fp32 elements, cut into slots of
+        // the largest shard: as many as fit in each.
+        let largest = {
+            let t = trainer(&d, &ds(&d, clip, None)).unwrap();
+            let l = t.layout().params.iter().map(|p| p.shard_numel as u64).max();
+            align(l.unwrap() * 4)
+        };
+        assert!(largest < align(20000 * 4));
+        assert_eq!(
+            plan.param_buffers,
+            (4 * (align(20000 * 4) / largest), largest)
+        );
         assert_eq!(plan.spill_grads, clip);
         // The first read_ahead + 1 = 2 NVMe sub-groups are read while
         // backward runs; their gradients are held, not spilled, and so are

@@ -12,7 +12,8 @@
 //! - the pinned pages of the cpu tier ([`cpu_page_plan`]);
 //! - the param swap-in buffers ([`param_buffers`]): `buffer_count` (at
 //!   least 1) buffers of `buffer_size` elements, rounded up to 4 KiB, when
-//!   any param lives on NVMe;
+//!   any param lives on NVMe, mapped cut into slots of the largest NVMe
+//!   shard ([`param_slots`]; never more bytes than configured);
 //! - whether final gradients spill to NVMe ([`spills_grads`]);
 //! - which optimizer sub-groups keep their state in host memory
 //!   ([`resident_groups`]) and which groups hold their gradients instead of
@@ -62,6 +63,11 @@ pub struct Shape {
     pub param_shard_numel: Vec<u64>,
     /// The optimizer sub-groups, in index order.
     pub sub_groups: Vec<GroupShape>,
+    /// Whether `param_shard_numel` are the real shards ([`Shape::of`]), so
+    /// the param swap buffers are cut into slots of the largest
+    /// ([`param_slots`]); an estimated shape's are stand-ins, and sizing
+    /// counts the configured buffers, the most the slots can take.
+    pub exact_shards: bool,
 }
 
 /// One optimizer sub-group as sizing sees it.
@@ -90,6 +96,7 @@ impl Shape {
                         .any(|p| first.get(p.0).copied().unwrap_or(false)),
                 })
                 .collect(),
+            exact_shards: true,
         }
     }
 
@@ -140,6 +147,7 @@ impl Shape {
         Shape {
             param_shard_numel: params,
             sub_groups,
+            exact_shards: false,
         }
     }
 
@@ -185,7 +193,8 @@ pub struct Sizing {
     pub param_elem_bytes: u64,
     /// Pinned pages of the cpu tier.
     pub cpu_pages: Buffers,
-    /// Param swap-in buffers (none without NVMe params).
+    /// Param swap-in slots, as the arena maps them (none without NVMe
+    /// params): the configured buffers cut by [`param_slots`].
     pub param_buffers: Buffers,
     /// Optimizer swap buffers (none without NVMe optimizer state).
     pub optimizer_buffers: Buffers,
@@ -262,7 +271,7 @@ impl Sizing {
 pub struct BudgetShort {
     /// The configured budget.
     pub budget_bytes: u64,
-    /// The param swap-in buffers.
+    /// The param swap-in slots ([`param_slots`] of [`param_buffers`]).
     pub param_buffers: Buffers,
     /// Optimizer buffers the pipeline needs, and bytes of each.
     pub optimizer_buffers_needed: Buffers,
@@ -452,12 +461,49 @@ pub fn speculation_kept_grads(read_ahead: usize, write_behind: usize, pool_slots
     (1 + read_ahead + write_behind).min(pool_slots)
 }
 
-/// The param swap-in buffers: `buffer_count` (at least 1) buffers of
-/// `buffer_size` elements of `elem_bytes`, each rounded up to 4 KiB.
+/// The param swap-in buffers as configured: `buffer_count` (at least 1)
+/// buffers of `buffer_size` elements of `elem_bytes`, each rounded up to
+/// 4 KiB: the most pinned memory the params' swap maps. The config's
+/// budget check and `tierzero estimate` count it where the shards are not
+/// known; [`decide`] maps it as [`param_slots`].
 pub fn param_buffers(buffer_count: u64, buffer_numel: u64, elem_bytes: u64) -> Buffers {
     Buffers {
         count: buffer_count.max(1),
         bytes_each: align_up(buffer_numel.saturating_mul(elem_bytes)),
+    }
+}
+
+/// The slots the param swap arena cuts `configured` ([`param_buffers`])
+/// into: each the largest NVMe shard (`largest_shard_bytes`, 4 KiB-aligned)
+/// instead of `buffer_size`, as many as fit in each configured buffer,
+/// and at most two per NVMe param (`nvme_params`: one read and one
+/// write-back each is the most any param has in flight). Never more bytes
+/// than configured, never fewer slots; a shard larger than `buffer_size`
+/// keeps the configured buffers (the store then refuses that param with
+/// both numbers).
+///
+/// Why: a swap buffer holds one shard while its read or write-back is in
+/// flight, so `buffer_count` buffers bound the shards in flight, however
+/// small they are. DeepSpeed's default 5 buffers of 1e8 elements hold 5
+/// shards; on the GPT-2 of `scripts/compare_torch.py` (52 shards of at most
+/// 148,608 elements, 5 × 4e6-element buffers) the compute thread waited for
+/// a write-back to free a buffer for 17 ms of a 127 ms step, and the NVMe
+/// step was 1.14× the in-memory step; cut into 576 KiB slots it was 1.05×
+/// (`docs/decisions/param-swap-slots.md`).
+pub fn param_slots(configured: Buffers, largest_shard_bytes: u64, nvme_params: u64) -> Buffers {
+    let slot = align_up(largest_shard_bytes);
+    if configured.count == 0 || slot >= configured.bytes_each {
+        return configured;
+    }
+    let per_buffer = configured.bytes_each / slot;
+    let count = configured
+        .count
+        .saturating_mul(per_buffer)
+        .min(nvme_params.saturating_mul(2))
+        .max(configured.count);
+    Buffers {
+        count,
+        bytes_each: slot,
     }
 }
 
@@ -639,7 +685,10 @@ pub fn decide_within(
     let cpu_pages = cpu_page_plan(&cpu_shards);
     let param_nvme_bytes: u64 = shard_bytes_on(Tier::Nvme).map(align_up).sum();
 
-    let param_buffers = if tiers.contains(&Tier::Nvme) {
+    // The arena maps the configured buffers cut into slots (never more
+    // bytes); the budget counts what it maps. An estimated shape counts
+    // the configured buffers: at least what the slots will take.
+    let configured = if tiers.contains(&Tier::Nvme) {
         param_buffers(
             zero.offload_param.buffer_count,
             zero.offload_param.buffer_numel.0,
@@ -647,6 +696,15 @@ pub fn decide_within(
         )
     } else {
         Buffers::NONE
+    };
+    let param_buffers = if shape.exact_shards {
+        param_slots(
+            configured,
+            shard_bytes_on(Tier::Nvme).max().unwrap_or(0),
+            shard_bytes_on(Tier::Nvme).count() as u64,
+        )
+    } else {
+        configured
     };
 
     let opt_nvme = zero.offload_optimizer.device.nvme_path().is_some();
@@ -858,6 +916,25 @@ mod tests {
         let s = Shape::estimated(500, None, 1_000_000);
         assert_eq!(s.param_shard_numel, vec![500]);
         assert_eq!(Shape::estimated(0, Some(5), 10).numel(), 0);
+    }
+
+    #[test]
+    fn param_slots_cut_the_configured_bytes_into_shard_slots() {
+        // 5 buffers of 4e6 fp32 elements (15.3 MiB each), shards of at
+        // most 148,608 elements (580.5 KiB, 584 KiB aligned): 26 slots a
+        // buffer, capped at two per NVMe param.
+        let conf = param_buffers(5, 4_000_000, 4);
+        let s = param_slots(conf, 148_608 * 4, 52);
+        assert_eq!((s.count, s.bytes_each), (104, 584 * 1024));
+        let s = param_slots(conf, 148_608 * 4, 1000);
+        assert_eq!((s.count, s.bytes_each), (130, 584 * 1024));
+        assert!(s.total_bytes() <= conf.total_bytes());
+        // Never fewer slots than buffers, never larger than configured.
+        let s = param_slots(conf, 148_608 * 4, 1);
+        assert_eq!(s.count, 5);
+        assert_eq!(param_slots(conf, 4_000_000 * 4, 52), conf);
+        assert_eq!(param_slots(conf, 9_000_000 * 4, 52), conf);
+        assert_eq!(param_slots(Buffers::NONE, 4096, 3), Buffers::NONE);
     }
 
     #[test]
