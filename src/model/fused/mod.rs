@@ -53,6 +53,29 @@
 //! backward), candle's backprop add 5.7% and its zeroing 3.7%. Row sums in
 //! 8 lanes for the norms gave the same bits and no speed; not kept.
 //!
+//! Session 9 read the element loops' machine code (`perf annotate`). Most
+//! of them were still scalar, for two reasons:
+//! * `exp_f32`'s `n as i32`, a saturating cast, compiled to a scalar
+//!   convert and a NaN fix-up per lane. The exponent now comes from the
+//!   rounding constant's bits, with the same result (`pointwise`'s tests);
+//!   GELU, SwiGLU and the softmax vectorize.
+//! * The lane sums indexed their inputs through a closure (`|j| x[j]`),
+//!   which kept the bounds checks and compiled to 8 scalar adds.
+//!   [`sum_lanes`] now takes fixed `LANES`-wide windows of its columns, and
+//!   the norms' row sums and the softmax sum go through it. The order is
+//!   the same, and so are the bits.
+//!
+//! Results:
+//! * The element loops went from 26% of the samples to 14% (gemm 54%,
+//!   candle's backprop add 8%, memset 6%).
+//! * GPT-2 stage 0 ran 8-13% faster, with the same `weight_sha256`
+//!   (`scripts/ab_train.sh`).
+//! * `scripts/compare_torch.py --rounds 3` gave 0.82x in memory (10,083
+//!   against 12,223 tokens/s) and 0.80x on NVMe. The NVMe step was 1.035x
+//!   the in-memory one, after the param swap slots
+//!   (`docs/decisions/param-swap-slots.md`).
+//! * The Llama shape gave 0.77x, and 0.68x on NVMe.
+//!
 //! # The contract
 //!
 //! * Each op here computes what its [`super::ops`] counterpart computes,
