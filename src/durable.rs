@@ -66,8 +66,8 @@ static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
 /// what a crash-consistency model needs to rebuild what a power loss at
 /// any point would leave on disk.
 ///
-/// [`start`] begins a recording for the whole process (the checkpoint's
-/// state files are written on the optimizer thread), [`finish`] ends it
+/// [`start`](record::start) begins a recording for the whole process (the checkpoint's
+/// state files are written on the optimizer thread), [`finish`](record::finish) ends it
 /// and returns the operations in the order they ran. The sites are
 /// `durable`'s helpers and the checkpoint writer's own writes, removals
 /// and resizes (`crate::checkpoint`, `Trainer::save_checkpoint`).

@@ -64,7 +64,7 @@ impl DataIdentity {
 /// What a cache entry says about itself (the sidecar).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CacheMeta {
-    /// [`CACHE_VERSION`].
+    /// The cache format version (`CACHE_VERSION`).
     pub tierzero_token_cache: u32,
     /// The key (hex SHA-256).
     pub key: String,

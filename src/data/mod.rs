@@ -18,7 +18,7 @@
 //!   ([`tierzero_swap::MappedFile`]), so a corpus of any size costs no
 //!   heap.
 //!
-//! [`format`] says how a file's format is decided. Every id is checked
+//! [`format`](mod@format) says how a file's format is decided. Every id is checked
 //! against the model's `vocab_size` at load, with the id, the file and
 //! its offset in the error.
 //!

@@ -64,7 +64,7 @@
 //! bf16 once. Its fp16 `matmul` uses `gemm-f16`, which on x86 packs to f32
 //! and accumulates in f32 within a k-block but rounds the partial sums to
 //! fp16 between k-blocks, and on aarch64 with `fp16` accumulates in fp16.
-//! [`Policy::matmul`] therefore does the widening itself for both 16-bit
+//! [`Policy::operand`] therefore does the widening itself for both 16-bit
 //! types: the operands are rounded to `S`, widened (exactly) to fp32 and
 //! multiplied by the f32 `gemm`; products of two `S` values are exact in
 //! fp32, so this is "16-bit inputs, fp32 accumulation" for bf16 and fp16

@@ -61,7 +61,7 @@
 //!   GELU, SwiGLU and the softmax vectorize.
 //! * The lane sums indexed their inputs through a closure (`|j| x[j]`),
 //!   which kept the bounds checks and compiled to 8 scalar adds.
-//!   [`sum_lanes`] now takes fixed `LANES`-wide windows of its columns, and
+//!   `sum_lanes` now takes fixed `LANES`-wide windows of its columns, and
 //!   the norms' row sums and the softmax sum go through it. The order is
 //!   the same, and so are the bits.
 //!
