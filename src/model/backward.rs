@@ -15,6 +15,9 @@ pub struct RecordedUnit {
     vars: Vec<Var>,
     input: Option<Var>,
     out: UnitOutput,
+    /// Bytes the graph's fused ops keep inside themselves
+    /// ([`fused::count_hidden`]).
+    hidden_bytes: u64,
 }
 
 impl RecordedUnit {
@@ -33,7 +36,9 @@ impl RecordedUnit {
     /// input's `Var` copies included), each counted once however many views
     /// share it, as far as its views reach. Constants off those paths (the
     /// causal mask, rotary tables) are not counted; they are small and
-    /// shared.
+    /// shared. Plus what the fused ops keep inside themselves for their
+    /// backward (a fused linear + GELU's pre-activation), which no graph
+    /// walk sees.
     pub fn held_bytes(&self) -> u64 {
         let mut spans: std::collections::HashMap<usize, u64> = std::collections::HashMap::new();
         for t in self.out.tensor().sorted_nodes() {
@@ -55,7 +60,7 @@ impl RecordedUnit {
             let e = spans.entry(key).or_insert(0);
             *e = (*e).max(bytes);
         }
-        spans.values().sum()
+        spans.values().sum::<u64>() + self.hidden_bytes
     }
 }
 
@@ -116,12 +121,14 @@ impl Model {
             },
             _ => return Err(bad("inconsistent input")),
         };
-        let out = self.run_unit(spec, &var_tensors, recompute_input)?;
+        let (out, hidden_bytes) =
+            fused::count_hidden(|| self.run_unit(spec, &var_tensors, recompute_input));
         Ok(RecordedUnit {
             unit,
             vars,
             input: input_var,
-            out,
+            out: out?,
+            hidden_bytes,
         })
     }
 
@@ -138,6 +145,7 @@ impl Model {
             vars,
             input: input_var,
             out,
+            hidden_bytes: _,
         } = recorded;
         let spec = self.unit(unit)?;
         let bad = |reason: &str| ModelError::BadInput {

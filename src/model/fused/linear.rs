@@ -19,6 +19,9 @@
 //! [`super::bias_add`] adds it; its gradient is that op's column sum (f64,
 //! fixed blocks). `dx = g Wᵀ`, `dW = xᵀ g` (`nn.Linear`: `gᵀ x`).
 
+use std::cell::Cell;
+use std::sync::Mutex;
+
 use super::matmul::{matmul_split, Mat};
 use super::*;
 
@@ -294,4 +297,121 @@ pub fn linear(
         Some(b) => bias_add(&y, b),
         None => Ok(y),
     }
+}
+
+/// `gelu_tanh(x W + b)`: the MLP's first linear and its activation in one
+/// op (GPT-2's `c_fc` and `gelu_new`).
+///
+/// # Why
+///
+/// As separate ops the `[rows, 4h]` pre-activation is a graph node, and
+/// candle's backward zeroes a tensor of its size and adds into it (the
+/// largest edge of a block's backward, beside the GELU output's; see
+/// `sdpa`'s docs). Here the op keeps the pre-activation itself for its
+/// backward, `dpre = g · gelu'(pre)` is computed and handed straight to the
+/// linear's backward.
+///
+/// # Numbers
+///
+/// The same as the composition, bit for bit: the linear's forward, GELU's
+/// element loop on its output, GELU's gradient loop, and the linear's
+/// backward on that gradient (`tests`).
+///
+/// # Memory
+///
+/// The pre-activation lives in the op, which the graph holds until it is
+/// dropped, so it is not a tensor `RecordedUnit::held_bytes` can see: the
+/// forward adds its bytes to this thread's count ([`count_hidden`]), which
+/// `Model::record_unit` reads. Without a graph (no input tracks its op) the
+/// op is not used, and nothing is held.
+struct LinearGelu {
+    lin: Linear,
+    pre: Mutex<Option<CpuStorage>>,
+}
+
+thread_local! {
+    /// Bytes the fused ops on this thread have kept inside themselves for
+    /// their backward since [`count_hidden`] started counting.
+    static HIDDEN_BYTES: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Runs `f` and returns, beside its result, the bytes the fused ops it ran
+/// on this thread keep inside themselves for their backward (state a graph
+/// walk does not see; see `LinearGelu`).
+pub fn count_hidden<R>(f: impl FnOnce() -> R) -> (R, u64) {
+    let before = HIDDEN_BYTES.with(Cell::get);
+    let r = f();
+    let after = HIDDEN_BYTES.with(Cell::get);
+    (r, after.wrapping_sub(before))
+}
+
+fn storage_bytes(s: &CpuStorage) -> u64 {
+    match s {
+        CpuStorage::F32(v) => (v.len() * 4) as u64,
+        CpuStorage::F64(v) => (v.len() * 8) as u64,
+        _ => 0,
+    }
+}
+
+impl CustomOp3 for LinearGelu {
+    fn name(&self) -> &'static str {
+        "tz-linear-bias-gelu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+        sb: &CpuStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (pre, shape) = self.lin.cpu((sx, lx), (sw, lw), Some((sb, lb)))?;
+        let y = super::pointwise::gelu_tanh_storage(&pre)?;
+        let bytes = storage_bytes(&pre);
+        HIDDEN_BYTES.with(|h| h.set(h.get().wrapping_add(bytes)));
+        *self.pre.lock().unwrap_or_else(|p| p.into_inner()) = Some(pre);
+        Ok((y, shape))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dpre = {
+            let pre = self.pre.lock().unwrap_or_else(|p| p.into_inner());
+            let pre = pre.as_ref().ok_or_else(|| {
+                candle_core::Error::Msg("linear + gelu: backward before forward".into())
+            })?;
+            super::pointwise::gelu_tanh_grad_storage(pre, g)?
+        };
+        self.lin.grads(x, w, Some(b), &dpre)
+    }
+}
+
+/// `gelu_tanh(x W + b)` over the last dim of `x`, `W` laid out as
+/// `layout`: one op (`LinearGelu`) when it can be and a graph is being
+/// recorded, else [`linear`] then [`super::gelu_tanh`] (the same values).
+pub fn linear_gelu_tanh(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    layout: WeightLayout,
+) -> candle_core::Result<Tensor> {
+    let tracked = x.track_op() || w.track_op() || b.track_op();
+    if tracked && fusable(&[x, w, b]) && x.elem_count() > 0 && w.rank() == 2 {
+        let op = LinearGelu {
+            lin: Linear { layout },
+            pre: Mutex::new(None),
+        };
+        return x
+            .contiguous()?
+            .apply_op3(&w.contiguous()?, &b.contiguous()?, op);
+    }
+    super::gelu_tanh(&linear(x, w, Some(b), layout)?)
 }
