@@ -79,7 +79,10 @@
 //! * Then the fc linear and its GELU became one op ([`linear_gelu_tanh`]),
 //!   one `[rows, 4h]` graph edge fewer a block. The same bits. Alternated
 //!   over 7 rounds: median 10,012 tok/s against 9,850 (+1.6%, 6 rounds of
-//!   7 faster), and peak RSS 4 MiB lower.
+//!   7 faster), and peak RSS 4 MiB lower. `scripts/compare_torch.py
+//!   --rounds 3 --arms torch,tz,tz_nvme` then gave 0.86x in memory
+//!   (10,361 against 12,019 tokens/s) and 0.82x on NVMe (the NVMe step
+//!   1.06x the in-memory one).
 //!
 //! # The contract
 //!
