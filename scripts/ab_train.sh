@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Side-by-side `tierzero train` runs of one model and config, the arms
-# alternating ROUNDS times; one line a run: tokens/s, weight_sha256, peak RSS.
+# alternating ROUNDS times; one line a run: tokens/s, weight_sha256, peak
+# RSS, and the mean `param_write_wait_s` of steps 6 on (the compute thread
+# waiting for a param write-back to free a swap buffer; 0 without NVMe).
 #
 #   scripts/ab_train.sh ROUNDS DIR STEPS ARM...
 #
@@ -21,6 +23,8 @@ fi
 rounds=$1 dir=$2 steps=$3
 shift 3
 here=$(cd "$(dirname "$0")/.." && pwd)
+metrics=$(mktemp)
+trap 'rm -f "$metrics"' EXIT
 for r in $(seq "$rounds"); do
   for arm in "$@"; do
     # shellcheck disable=SC2086 # the arm is words on purpose
@@ -30,14 +34,17 @@ for r in $(seq "$rounds"); do
     fi
     out=$(env $cmd train --config "$d/ds.json" --model "$d/model" \
       --data "$here/data/corpus.txt" --data-format bytes --seq-len 128 \
-      --steps "$steps" --json 2>/dev/null)
+      --steps "$steps" --metrics "$metrics" --json 2>/dev/null)
     python3 -c '
 import json, sys
-arm, out, r = sys.argv[1:]
+arm, out, r, metrics = sys.argv[1:]
 v = json.loads(out)
-print("round %s  %s: %s tok/s  sha %s  peak RSS %d MiB" % (
+lines = [json.loads(l) for l in open(metrics)]
+steps = [m for m in lines if not m.get("summary")][5:]
+wait_ms = 1e3 * sum(m["param_write_wait_s"] for m in steps) / max(len(steps), 1)
+print("round %s  %s: %s tok/s  sha %s  peak RSS %d MiB  write wait %.1f ms/step" % (
     r, arm, format(round(v["tokens_per_s"]), ","), v["weight_sha256"][:12],
-    v["peak_rss_bytes"] >> 20))' \
-      "$arm" "$out" "$r"
+    v["peak_rss_bytes"] >> 20, wait_ms))' \
+      "$arm" "$out" "$r" "$metrics"
   done
 done

@@ -176,6 +176,24 @@ impl Policy {
         self.down(&y)
     }
 
+    /// `gelu_tanh(x W + b)` (GPT-2's `c_fc` and `gelu_new`), the GELU in
+    /// the math dtype on the linear's output as [`Policy::conv1d`] rounds
+    /// it. Without 16-bit storage the casts are the identity, and the two
+    /// are one fused op ([`super::fused::linear_gelu_tanh`], the same
+    /// values).
+    pub fn conv1d_gelu_tanh(
+        &self,
+        x: &Tensor,
+        w_in_out: &Tensor,
+        b: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        if self.is_mixed() {
+            super::fused::gelu_tanh(&self.up(&self.conv1d(x, w_in_out, Some(b))?)?)
+        } else {
+            super::fused::linear_gelu_tanh(x, w_in_out, b, super::fused::WeightLayout::InOut)
+        }
+    }
+
     /// `y = x Wᵀ + b` (`nn.Linear`, `W [out, in]`): as [`Policy::conv1d`].
     pub fn linear(
         &self,

@@ -56,21 +56,10 @@ impl Model {
                 let x = (x + pol.up(&pol.conv1d(&y, &p[4], Some(&p[5]))?)?)?;
                 let m = pol.layer_norm(&x, &p[6], &p[7], c.norm_eps)?;
                 let m = match c.activation {
-                    // Without 16-bit storage the casts are the identity, and
-                    // the linear and its GELU are one op (the same values).
-                    Activation::GeluTanh if !pol.is_mixed() => super::fused::linear_gelu_tanh(
-                        &m,
-                        &p[8],
-                        &p[9],
-                        super::fused::WeightLayout::InOut,
-                    )?,
-                    act => {
-                        let m = pol.up(&pol.conv1d(&m, &p[8], Some(&p[9]))?)?;
-                        match act {
-                            Activation::GeluErf => ops::gelu_erf(&m)?,
-                            _ => super::fused::gelu_tanh(&m)?,
-                        }
+                    Activation::GeluErf => {
+                        ops::gelu_erf(&pol.up(&pol.conv1d(&m, &p[8], Some(&p[9]))?)?)?
                     }
+                    _ => pol.conv1d_gelu_tanh(&m, &p[8], &p[9])?,
                 };
                 (x + pol.up(&pol.conv1d(&m, &p[10], Some(&p[11]))?)?)?
             }

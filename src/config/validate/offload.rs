@@ -153,21 +153,12 @@ pub(super) fn check_pinned_budget(c: &Config, run: &RunContext) -> Result<(), Co
     let mut lower = Vec::new();
     if short.param_buffers.count > 0 {
         what.push("offload_param");
-        let configured = sizing::param_buffers(p.buffer_count, p.buffer_numel.0, elem);
-        parts.push(if short.param_buffers == configured {
-            format!(
-                "buffer_count {} × buffer_size {} elements × {elem} bytes, 4 KiB-aligned ({} bytes each)",
-                short.param_buffers.count, p.buffer_numel.0, short.param_buffers.bytes_each
-            )
-        } else {
-            format!(
-                "{} param swap slots × {} bytes (buffer_count {} × buffer_size {} elements × {elem} bytes, cut into slots of the largest NVMe shard)",
-                short.param_buffers.count,
-                short.param_buffers.bytes_each,
-                configured.count,
-                p.buffer_numel.0
-            )
-        });
+        // The config check sizes an estimated shape, whose param buffers
+        // are the configured ones (`sizing::Shape::exact_shards`).
+        parts.push(format!(
+            "buffer_count {} × buffer_size {} elements × {elem} bytes, 4 KiB-aligned ({} bytes each)",
+            short.param_buffers.count, p.buffer_numel.0, short.param_buffers.bytes_each
+        ));
         lower.push("zero_optimization.offload_param.buffer_count / buffer_size");
     }
     if short.optimizer_buffers_needed.count > 0 {

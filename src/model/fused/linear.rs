@@ -23,6 +23,7 @@ use std::cell::Cell;
 use std::sync::Mutex;
 
 use super::matmul::{matmul_split, Mat};
+use super::pointwise::GeluTanh;
 use super::*;
 
 /// How the weight is laid out.
@@ -326,7 +327,8 @@ pub fn linear(
 /// op is not used, and nothing is held.
 struct LinearGelu {
     lin: Linear,
-    pre: Mutex<Option<CpuStorage>>,
+    /// The pre-activation `x W + b`, from the forward.
+    pre: Mutex<Option<Tensor>>,
 }
 
 thread_local! {
@@ -345,14 +347,6 @@ pub fn count_hidden<R>(f: impl FnOnce() -> R) -> (R, u64) {
     (r, after.wrapping_sub(before))
 }
 
-fn storage_bytes(s: &CpuStorage) -> u64 {
-    match s {
-        CpuStorage::F32(v) => (v.len() * 4) as u64,
-        CpuStorage::F64(v) => (v.len() * 8) as u64,
-        _ => 0,
-    }
-}
-
 impl CustomOp3 for LinearGelu {
     fn name(&self) -> &'static str {
         "tz-linear-bias-gelu"
@@ -367,9 +361,15 @@ impl CustomOp3 for LinearGelu {
         sb: &CpuStorage,
         lb: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
+        // The linear's forward, then GELU's own forward on its output.
         let (pre, shape) = self.lin.cpu((sx, lx), (sw, lw), Some((sb, lb)))?;
-        let y = super::pointwise::gelu_tanh_storage(&pre)?;
-        let bytes = storage_bytes(&pre);
+        let (y, _) = GeluTanh.cpu_fwd(&pre, &Layout::contiguous(&shape))?;
+        let pre = match pre {
+            CpuStorage::F32(v) => f32::tensor(v, &shape)?,
+            CpuStorage::F64(v) => f64::tensor(v, &shape)?,
+            _ => return Err(candle_core::Error::Msg("linear + gelu: dtype".into())),
+        };
+        let bytes = (pre.elem_count() * pre.dtype().size_in_bytes()) as u64;
         HIDDEN_BYTES.with(|h| h.set(h.get().wrapping_add(bytes)));
         *self.pre.lock().unwrap_or_else(|p| p.into_inner()) = Some(pre);
         Ok((y, shape))
@@ -383,13 +383,11 @@ impl CustomOp3 for LinearGelu {
         _y: &Tensor,
         g: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let dpre = {
-            let pre = self.pre.lock().unwrap_or_else(|p| p.into_inner());
-            let pre = pre.as_ref().ok_or_else(|| {
-                candle_core::Error::Msg("linear + gelu: backward before forward".into())
-            })?;
-            super::pointwise::gelu_tanh_grad_storage(pre, g)?
-        };
+        let pre = self.pre.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let no_grad = || candle_core::Error::Msg("linear + gelu: backward before forward".into());
+        let pre = pre.ok_or_else(no_grad)?;
+        // GELU's own backward (it reads only its input), then the linear's.
+        let dpre = GeluTanh.bwd(&pre, &pre, g)?.ok_or_else(no_grad)?;
         self.lin.grads(x, w, Some(b), &dpre)
     }
 }

@@ -82,7 +82,7 @@ pub fn bias_add(x: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 /// GELU, tanh approximation (`gelu_new`).
-struct GeluTanh;
+pub(super) struct GeluTanh;
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const GELU_C: f64 = 0.044715;
@@ -242,43 +242,6 @@ impl CustomOp1 for GeluTanh {
             })?,
         };
         Ok(Some(dx))
-    }
-}
-
-/// GELU (tanh) of a CPU storage's elements, as the fused op's forward
-/// computes it (for [`super::linear`]'s fused GELU).
-pub(super) fn gelu_tanh_storage(s: &CpuStorage) -> candle_core::Result<CpuStorage> {
-    match s {
-        CpuStorage::F32(v) => Ok(f32::storage(GeluTanh::fwd::<f32>(v))),
-        CpuStorage::F64(v) => Ok(f64::storage(GeluTanh::fwd::<f64>(v))),
-        _ => Err(candle_core::Error::Msg("gelu: dtype".into())),
-    }
-}
-
-/// `g · gelu'(x)` for the elements `x` of a CPU storage and a gradient
-/// `g` of the same count, as the fused op's backward computes it; the
-/// result shaped as `g`.
-pub(super) fn gelu_tanh_grad_storage(x: &CpuStorage, g: &Tensor) -> candle_core::Result<Tensor> {
-    let n = g.elem_count();
-    let count = |len: usize| {
-        if len == n {
-            Ok(())
-        } else {
-            Err(candle_core::Error::Msg(format!(
-                "gelu backward: {len} inputs for {n} gradients"
-            )))
-        }
-    };
-    match x {
-        CpuStorage::F32(v) => {
-            count(v.len())?;
-            with_elems::<f32, _>(g, |gs| f32::tensor(GeluTanh::bwd_elems(v, gs), g.shape()))
-        }
-        CpuStorage::F64(v) => {
-            count(v.len())?;
-            with_elems::<f64, _>(g, |gs| f64::tensor(GeluTanh::bwd_elems(v, gs), g.shape()))
-        }
-        _ => Err(candle_core::Error::Msg("gelu: dtype".into())),
     }
 }
 
