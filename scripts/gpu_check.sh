@@ -20,6 +20,9 @@
 #   6. `train --device cuda` against `train --device cpu` (3 steps, one
 #      rank): the weights' sha256 must be equal (NCCL with one rank moves
 #      bytes only; the arithmetic is the CPU's);
+#   6b. the Python package's AdamW over CUDA params against CPU params, bit
+#      for bit (python/tests/test_adamw_cuda.py, with the machine's
+#      PyTorch; the wheel from $TIERZERO_WHEEL or target/wheels/);
 #   7. the overlap ratio (docs/decisions/overlap.md) on this machine's cores and disk (a
 #      measurement, never a failure): `examples/overlap` (built with the
 #      binary in step 1; skipped with TIERZERO_BIN unless OVERLAP_BIN
@@ -172,6 +175,29 @@ sha_cpu=$(grep -o '"weight_sha256":"[0-9a-f]*"' "$WORK/train-cpu/out.json" 2>/de
 sha_gpu=$(grep -o '"weight_sha256":"[0-9a-f]*"' "$WORK/train-cuda/out.json" 2>/dev/null || true)
 if [ -n "$sha_cpu" ] && [ "$sha_cpu" = "$sha_gpu" ]; then train_same=true; else train_same=false; failed=1; fi
 
+# 6b. The Python package over CUDA params (python/tests/test_adamw_cuda.py:
+# gradients down and new params up through pinned buffers on a side
+# stream, bit for bit against CPU params), with the machine's PyTorch. The
+# wheel: $TIERZERO_WHEEL, else target/wheels/tierzero-*.whl (carry it);
+# installed with --no-deps into a scratch directory.
+py_log="$WORK/python_cuda.txt"; : >"$py_log"
+PY="${TIERZERO_PY:-$(ls /opt/torch/.venv/bin/python 2>/dev/null || command -v python3)}"
+WHEEL="${TIERZERO_WHEEL:-$(ls target/wheels/tierzero-*.whl 2>/dev/null | head -n 1)}"
+py_rc=null; py_result=null
+if [ -n "$WHEEL" ] && [ -n "$PY" ]; then
+  if "$PY" -m pip install -q --no-deps --no-index --target "$WORK/py" "$WHEEL" >>"$py_log" 2>&1; then
+    PYTHONPATH="$WORK/py" timeout "$(cap 150)" "$PY" python/tests/test_adamw_cuda.py "$WORK/pyt" >"$WORK/python_cuda.json" 2>>"$py_log"
+    py_rc=$?
+    py_result=$(json_obj "$WORK/python_cuda.json")
+    rm -rf "$WORK/pyt"
+  else
+    py_rc=\"install\"
+  fi
+  [ "$py_rc" = 0 ] || failed=1
+else
+  echo "no wheel (TIERZERO_WHEEL, target/wheels) or no python" >"$py_log"
+fi
+
 # 7. Overlap (a measurement: never sets `failed`), in what is left of the
 # budget. A summary line's field.
 field() { grep -o "\"$2\":[0-9.eE+-]*" <<<"$1" | head -n 1 | cut -d: -f2; }
@@ -255,6 +281,8 @@ fi
   printf '"train":{"same_weights_cpu_vs_nccl":%s,"cpu":{"rc":%s,"secs":%s,"result":%s,"stderr":%s},"nccl":{"rc":%s,"secs":%s,"result":%s,"stderr":%s}},' \
     "$train_same" "$(cat "$WORK/train-cpu/rc")" "$(cat "$WORK/train-cpu/secs")" "$(json_obj "$WORK/train-cpu/out.json")" "$(json_str "$WORK/train-cpu/err.txt")" \
     "$(cat "$WORK/train-cuda/rc")" "$(cat "$WORK/train-cuda/secs")" "$(json_obj "$WORK/train-cuda/out.json")" "$(json_str "$WORK/train-cuda/err.txt")"
+  printf '"python_cuda":{"wheel":"%s","python":"%s","rc":%s,"result":%s,"log":%s},' \
+    "$WHEEL" "$PY" "$py_rc" "$py_result" "$(json_str "$py_log")"
   printf '"overlap":{"cores":%s,"threads_scan_micro2":[%s],"threads_scan_h512_micro8":[%s],"compute_threads":%s,"calibration":[%s],"balanced_micro":%s,"balanced":%s,"balanced_unpinned":%s,"balanced_live72_reuse24":%s,"micro_2":%s,"micro_2_unpinned":%s,"log":%s}}\n' \
     "$(nproc)" "$ov_threads" "$ov_threads_big" "$ov_t" "$ov_calib" "$ov_micro" "$ov_balanced" "$ov_balanced_unpinned" "$ov_roomy" "$ov_default" "$ov_default_unpinned" "$(json_str "$ov_log")"
 } >"$WORK/result.json"

@@ -1,7 +1,7 @@
 //! `_OffloadAdam`: the state and step of `tierzero.torch.AdamW`.
 //!
 //! The Rust engine's own optimizer state ([`OptimizerState`]): fp32 master
-//! weights, `m` and `v` per sub-group, in host memory (`offload="none"` or
+//! weights, `m` and `v` (fp32 or bf16, `moments_dtype`) per sub-group, in host memory (`offload="none"` or
 //! `"cpu"`: the CPU optimizer runs on the host either way) or on NVMe
 //! (`"nvme"`: three extents per sub-group, streamed through pinned buffers
 //! of `largest sub-group × 4` bytes by a read and a write engine), stepped
@@ -27,7 +27,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use tierzero::engine::optimizer::state::{NvmeOptim, OptimizerState, PoolSize};
 use tierzero::engine::{sizing, SubGroupId};
-use tierzero::optim::{AdamHyper, AdamMode, CpuAdam, GradScale, LowPrecisionOut};
+use tierzero::optim::{AdamHyper, AdamMode, CpuAdam, GradScale, LowPrecisionOut, MomentDtype};
 use tierzero_swap::{
     ArenaConfig, Engine, EngineConfig, LockPolicy, PinnedArena, SpaceConfig, SwapSpace,
 };
@@ -117,9 +117,11 @@ pub struct OffloadAdam {
 impl OffloadAdam {
     /// Sub-groups of `numel` elements; `offload` "none", "cpu" or "nvme"
     /// (then `nvme_path`, a directory); `pinned_budget_bytes` caps the
-    /// pinned buffers (None: exactly what the pipeline needs).
+    /// pinned buffers (None: exactly what the pipeline needs);
+    /// `moments_dtype` "float32" or "bfloat16" (`m` and `v` as stored, in
+    /// memory and on NVMe).
     #[new]
-    #[pyo3(signature = (numel, offload, nvme_path=None, pinned_budget_bytes=None, threads=None))]
+    #[pyo3(signature = (numel, offload, nvme_path=None, pinned_budget_bytes=None, threads=None, moments_dtype="float32"))]
     fn new(
         py: Python<'_>,
         numel: Vec<usize>,
@@ -127,8 +129,19 @@ impl OffloadAdam {
         nvme_path: Option<PathBuf>,
         pinned_budget_bytes: Option<u64>,
         threads: Option<usize>,
+        moments_dtype: &str,
     ) -> PyResult<Self> {
         let threads = threads_or_all(threads)?;
+        let moments = match moments_dtype {
+            "float32" => MomentDtype::F32,
+            "bfloat16" => MomentDtype::Bf16,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "moments_dtype {other:?}: expected \"float32\" or \"bfloat16\""
+                )))
+            }
+        };
+        let per_elem = 4 + 2 * moments.bytes_per_elem();
         let (read_ahead, write_behind) = (1usize, 1usize);
         let largest_bytes = numel
             .iter()
@@ -140,10 +153,11 @@ impl OffloadAdam {
             "none" | "cpu" => (
                 None,
                 format!(
-                    "optimizer state in host memory ({offload}): {} sub-groups, {} elements, {} bytes (master, m, v in fp32)",
+                    "optimizer state in host memory ({offload}): {} sub-groups, {} elements, {} bytes (fp32 master, {} m and v)",
                     numel.len(),
                     total_elems,
-                    total_elems * 12
+                    total_elems * per_elem,
+                    moments.name(),
                 ),
             ),
             "nvme" => {
@@ -160,7 +174,12 @@ impl OffloadAdam {
                         "pinned_budget_bytes = {budget} is too small: the optimizer pipeline needs {need} buffers of {buf_bytes} bytes (3 states x 3 stages: read ahead, step, write behind, of the largest sub-group's {largest_bytes} bytes) = {need_bytes} bytes; raise pinned_budget_bytes to at least {need_bytes} or lower sub_group_size"
                     )));
                 }
-                let capacity: u64 = numel.iter().map(|&n| 3 * align.round_up((n.max(1) * 4) as u64)).sum::<u64>() + (1 << 20);
+                let capacity: u64 = numel
+                    .iter()
+                    .flat_map(|&n| sizing::state_bytes(n, moments))
+                    .map(|b| align.round_up(b))
+                    .sum::<u64>()
+                    + (1 << 20);
                 let built = py.detach(|| -> tierzero_swap::Result<NvmeOptim> {
                     std::fs::create_dir_all(&dir).map_err(|source| tierzero_swap::SwapError::Setup {
                         what: format!("creating {}", dir.display()),
@@ -176,11 +195,12 @@ impl OffloadAdam {
                 });
                 let io = built.map_err(err)?;
                 let plan = format!(
-                    "optimizer state on NVMe at {}: {} sub-groups, {} elements, {} bytes on disk; pinned: {} buffers of {} bytes = {} bytes (budget {}; the pipeline needs {need}: 3 states x (read ahead 1 + step + write behind 1))",
+                    "optimizer state on NVMe at {}: {} sub-groups, {} elements, {} bytes on disk (fp32 master, {} m and v); pinned: {} buffers of {} bytes = {} bytes (budget {}; the pipeline needs {need}: 3 states x (read ahead 1 + step + write behind 1))",
                     dir.display(),
                     numel.len(),
                     total_elems,
                     capacity,
+                    moments.name(),
                     io.arena.count(),
                     buf_bytes,
                     io.arena.count() as u64 * buf_bytes,
@@ -203,6 +223,7 @@ impl OffloadAdam {
             write_behind,
             false,
             PoolSize::default(),
+            moments,
         )
         .map_err(err)?;
         Ok(OffloadAdam {

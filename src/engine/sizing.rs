@@ -53,6 +53,16 @@ pub fn align_up(bytes: u64) -> u64 {
 /// Bytes of fp32 optimizer state per element: master, m and v.
 pub const STATE_BYTES_PER_ELEM: u64 = 12;
 
+/// Bytes of a sub-group's three states (master, m, v) before alignment,
+/// each at least one element's: the fp32 master, and the moments in
+/// `moments`. The optimizer state's extents, reads and writes, and a
+/// binding's swap-space capacity, all take their lengths from here.
+pub fn state_bytes(numel: usize, moments: crate::optim::MomentDtype) -> [u64; 3] {
+    let n = numel.max(1) as u64;
+    let mb = n * moments.bytes_per_elem();
+    [n * 4, mb, mb]
+}
+
 /// Most sub-groups an estimated [`Shape`] lists.
 const MAX_ESTIMATED_GROUPS: u64 = 1 << 20;
 

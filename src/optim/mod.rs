@@ -229,6 +229,34 @@ pub enum Moments<'a> {
     },
 }
 
+/// How Adam moments are stored: what [`Moments`] a state hands the kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MomentDtype {
+    /// fp32 `m` and `v` (torch's AdamW).
+    #[default]
+    F32,
+    /// bf16 `m` and `v` ([`Moments::Bf16`]'s rounding): half the bytes.
+    Bf16,
+}
+
+impl MomentDtype {
+    /// Bytes of one moment element.
+    pub fn bytes_per_elem(self) -> u64 {
+        match self {
+            MomentDtype::F32 => 4,
+            MomentDtype::Bf16 => 2,
+        }
+    }
+
+    /// The name torch gives the dtype.
+    pub fn name(self) -> &'static str {
+        match self {
+            MomentDtype::F32 => "float32",
+            MomentDtype::Bf16 => "bfloat16",
+        }
+    }
+}
+
 /// Destination of the low-precision copy of the updated parameters.
 #[derive(Debug)]
 pub enum LowPrecisionOut<'a> {

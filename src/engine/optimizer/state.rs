@@ -10,6 +10,19 @@
 //! streams them through
 //! pinned buffers of `largest sub-group × 4` bytes.
 //!
+//! # Moment dtype
+//!
+//! `m` and `v` are fp32 or bf16 ([`MomentDtype`], fixed at
+//! [`OptimizerState::new`]); the master is always fp32. With bf16 the
+//! memory tier holds `Vec<bf16>` moments and the NVMe extents of `m` and
+//! `v` are `numel × 2` bytes ([`state_bytes`]), so a step moves 8 bytes per
+//! element each way instead of 12; the pinned buffers keep one size (the
+//! master's), a moment using the front half of its buffer. The kernel
+//! steps either in place ([`Moments::Bf16`]'s rounding). The interface
+//! stays fp32: [`OptimizerState::group_states`] widens the moments (exact)
+//! and [`OptimizerState::load_group`] rounds them as the kernel stores
+//! them, so values that came out of bf16 state go back bit for bit.
+//!
 //! # Pipeline (NVMe)
 //!
 //! ```text
@@ -109,15 +122,88 @@ use std::time::{Duration, Instant};
 use tierzero_swap::{Buffer, Engine, Extent, PinnedArena, Ticket};
 
 use crate::engine::layout::SubGroupId;
-use crate::engine::sizing::buffers_needed;
+use half::bf16;
+
+use crate::engine::sizing::{buffers_needed, state_bytes};
 use crate::engine::{EngineError, Result};
-use crate::optim::{CpuAdam, GradScale, LowPrecisionOut, Moments};
+use crate::optim::{
+    f32_to_bf16_moment_bits, CpuAdam, GradScale, LowPrecisionOut, MomentDtype, Moments,
+};
 
 #[derive(Debug)]
 struct MemGroup {
     master: Vec<f32>,
-    m: Vec<f32>,
-    v: Vec<f32>,
+    moments: MemMoments,
+}
+
+/// A memory-tier group's `m` and `v`, in their [`MomentDtype`].
+#[derive(Debug)]
+enum MemMoments {
+    F32 { m: Vec<f32>, v: Vec<f32> },
+    Bf16 { m: Vec<bf16>, v: Vec<bf16> },
+}
+
+impl MemMoments {
+    fn zeros(n: usize, dtype: MomentDtype) -> Self {
+        match dtype {
+            MomentDtype::F32 => MemMoments::F32 {
+                m: vec![0.0; n],
+                v: vec![0.0; n],
+            },
+            MomentDtype::Bf16 => MemMoments::Bf16 {
+                m: vec![bf16::ZERO; n],
+                v: vec![bf16::ZERO; n],
+            },
+        }
+    }
+
+    fn as_moments(&mut self) -> Moments<'_> {
+        match self {
+            MemMoments::F32 { m, v } => Moments::F32 { m, v },
+            MemMoments::Bf16 { m, v } => Moments::Bf16 { m, v },
+        }
+    }
+
+    /// Moment `k` (1 `m`, 2 `v`) widened to f32 (exact).
+    fn widened(&self, k: usize) -> Vec<f32> {
+        match (self, k) {
+            (MemMoments::F32 { m, .. }, 1) => m.clone(),
+            (MemMoments::F32 { v, .. }, _) => v.clone(),
+            (MemMoments::Bf16 { m, .. }, 1) => m.iter().map(|x| x.to_f32()).collect(),
+            (MemMoments::Bf16 { v, .. }, _) => v.iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+
+    /// Sets both moments from f32 values (rounded as the kernel stores them).
+    fn set(&mut self, m_src: &[f32], v_src: &[f32]) {
+        match self {
+            MemMoments::F32 { m, v } => {
+                m.copy_from_slice(m_src);
+                v.copy_from_slice(v_src);
+            }
+            MemMoments::Bf16 { m, v } => {
+                narrow_into(m, m_src);
+                narrow_into(v, v_src);
+            }
+        }
+    }
+
+    /// Moment `k`'s stored bytes (little-endian).
+    fn le_bytes(&self, k: usize) -> Vec<u8> {
+        match (self, k) {
+            (MemMoments::F32 { m, .. }, 1) => m.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            (MemMoments::F32 { v, .. }, _) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            (MemMoments::Bf16 { m, .. }, 1) => m.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            (MemMoments::Bf16 { v, .. }, _) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+}
+
+/// f32 values stored as bf16 moments, rounded as the kernel stores them.
+fn narrow_into(dst: &mut [bf16], src: &[f32]) {
+    for (d, &x) in dst.iter_mut().zip(src) {
+        *d = bf16::from_bits(f32_to_bf16_moment_bits(x));
+    }
 }
 
 /// The NVMe side: two engines over one swap space and one arena.
@@ -202,10 +288,14 @@ pub struct OptimizerState {
     write_behind: usize,
     /// [`PoolSize::kept_grads`].
     kept_grads: usize,
+    /// How `m` and `v` are stored (see "Moment dtype" in the module docs).
+    moments: MomentDtype,
     counters: OptCounters,
 }
 
 mod checkpoint;
+#[cfg(test)]
+mod tests;
 
 /// The extents of an NVMe sub-group.
 fn nvme_extents(extents: &[Option<[Extent; 3]>], sg: SubGroupId) -> Result<&[Extent; 3]> {
@@ -216,12 +306,36 @@ fn nvme_extents(extents: &[Option<[Extent; 3]>], sg: SubGroupId) -> Result<&[Ext
 }
 
 fn as_f32(buf: &mut Buffer, numel: usize) -> Result<&mut [f32]> {
+    as_typed(buf, numel)
+}
+
+/// The first `numel` elements of a pinned buffer, as `T`.
+fn as_typed<T: bytemuck::Pod>(buf: &mut Buffer, numel: usize) -> Result<&mut [T]> {
     let bytes = buf
         .as_mut_slice()
-        .get_mut(..numel * 4)
+        .get_mut(..numel * std::mem::size_of::<T>())
         .ok_or_else(|| EngineError::internal("optimizer buffer smaller than its sub-group"))?;
-    bytemuck::try_cast_slice_mut::<u8, f32>(bytes)
+    bytemuck::try_cast_slice_mut::<u8, T>(bytes)
         .map_err(|e| EngineError::internal(format!("optimizer buffer cast: {e}")))
+}
+
+/// The `m` and `v` buffers of an NVMe group as the kernel's [`Moments`].
+fn buffer_moments<'a>(
+    m: &'a mut Buffer,
+    v: &'a mut Buffer,
+    numel: usize,
+    dtype: MomentDtype,
+) -> Result<Moments<'a>> {
+    Ok(match dtype {
+        MomentDtype::F32 => Moments::F32 {
+            m: as_typed(m, numel)?,
+            v: as_typed(v, numel)?,
+        },
+        MomentDtype::Bf16 => Moments::Bf16 {
+            m: as_typed(m, numel)?,
+            v: as_typed(v, numel)?,
+        },
+    })
 }
 
 impl OptimizerState {
@@ -229,7 +343,9 @@ impl OptimizerState {
     /// None) or on NVMe, except the groups `resident` marks (see
     /// "Resident sub-groups" in the module docs), which stay in host memory
     /// either way. Initialise every sub-group with
-    /// [`OptimizerState::load_group`].
+    /// [`OptimizerState::load_group`]. `m` and `v` are stored as `moments`
+    /// says (see "Moment dtype" in the module docs).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         numel: Vec<usize>,
         nvme: Option<NvmeOptim>,
@@ -238,12 +354,12 @@ impl OptimizerState {
         write_behind: usize,
         spill_grads: bool,
         pool: PoolSize,
+        moments: MomentDtype,
     ) -> Result<Self> {
         let pool_slots = pool.slots;
         let mem_group = |n: usize| MemGroup {
             master: vec![0.0; n],
-            m: vec![0.0; n],
-            v: vec![0.0; n],
+            moments: MemMoments::zeros(n, moments),
         };
         let in_mem = |i: usize| nvme.is_none() || resident.get(i).copied().unwrap_or(false);
         let mem: Vec<Option<MemGroup>> = numel
@@ -270,14 +386,14 @@ impl OptimizerState {
                         grad_extents.push(None);
                         continue;
                     }
-                    let b = (n.max(1) * 4) as u64;
+                    let [b0, b1, b2] = state_bytes(n, moments);
                     extents.push(Some([
-                        space.allocate(b)?,
-                        space.allocate(b)?,
-                        space.allocate(b)?,
+                        space.allocate(b0)?,
+                        space.allocate(b1)?,
+                        space.allocate(b2)?,
                     ]));
                     grad_extents.push(if spill_grads {
-                        Some(space.allocate(b)?)
+                        Some(space.allocate(b0)?)
                     } else {
                         None
                     });
@@ -286,14 +402,18 @@ impl OptimizerState {
                 // group's extents, and its old extents a slot.
                 let largest = (0..numel.len())
                     .filter(|&i| mem[i].is_none())
-                    .map(|i| numel[i].max(1) * 4)
+                    .map(|i| numel[i])
                     .max();
                 let mut pool = Vec::new();
-                if let Some(b) = largest {
+                if let Some(n) = largest {
+                    let [b0, b1, b2] = state_bytes(n, moments);
                     for _ in 0..pool_slots {
-                        let b = b as u64;
                         pool.push(Slot {
-                            ext: [space.allocate(b)?, space.allocate(b)?, space.allocate(b)?],
+                            ext: [
+                                space.allocate(b0)?,
+                                space.allocate(b1)?,
+                                space.allocate(b2)?,
+                            ],
                             last_write: 0,
                         });
                     }
@@ -333,8 +453,14 @@ impl OptimizerState {
             read_ahead,
             write_behind,
             kept_grads: pool.kept_grads,
+            moments,
             counters: OptCounters::default(),
         })
+    }
+
+    /// How `m` and `v` are stored.
+    pub fn moment_dtype(&self) -> MomentDtype {
+        self.moments
     }
 
     /// Whether state lives on NVMe (all of it but the resident groups).
@@ -545,9 +671,11 @@ impl OptimizerState {
         };
         let mut tickets = Vec::with_capacity(k);
         let exts = nvme_extents(&nv.extents, sg)?;
-        for (ext, buf) in exts.iter().chain(grad_ext.as_ref()).zip(bufs) {
-            let len = (n * 4) as u64;
-            let len = nv.io.read.space().alignment().round_up(len.max(1));
+        let sizes = state_bytes(n, self.moments);
+        // The three states, then the spilled gradient (fp32, the master's size).
+        let lens = sizes.into_iter().chain(std::iter::once(sizes[0]));
+        for ((ext, buf), len) in exts.iter().chain(grad_ext.as_ref()).zip(bufs).zip(lens) {
+            let len = nv.io.read.space().alignment().round_up(len);
             tickets.push(nv.io.read.submit(tierzero_swap::Request::range(
                 tierzero_swap::IoOp::Read,
                 ext,
@@ -594,10 +722,7 @@ impl OptimizerState {
                 step,
                 &mut g.master,
                 grad,
-                Moments::F32 {
-                    m: &mut g.m,
-                    v: &mut g.v,
-                },
+                g.moments.as_moments(),
                 out,
                 scale,
             )?;
@@ -649,8 +774,7 @@ impl OptimizerState {
             let (bm, rest) = bufs.split_at_mut(1);
             let (bmm, bv) = rest.split_at_mut(1);
             let master = as_f32(&mut bm[0], n)?;
-            let m = as_f32(&mut bmm[0], n)?;
-            let v = as_f32(&mut bv[0], n)?;
+            let moments = buffer_moments(&mut bmm[0], &mut bv[0], n, self.moments)?;
             let g: &[f32] = match (grad, grad_buf.as_mut()) {
                 (Some(g), _) => g,
                 (None, Some(b)) => as_f32(b, n)?,
@@ -661,7 +785,7 @@ impl OptimizerState {
                 }
             };
             let t0 = Instant::now();
-            adam.step(step, master, g, Moments::F32 { m, v }, out, scale)?;
+            adam.step(step, master, g, moments, out, scale)?;
             self.counters.adam += t0.elapsed();
             after(master)?;
         }
@@ -688,13 +812,8 @@ impl OptimizerState {
             Some(s) => &s.ext,
             None => nvme_extents(&nv.extents, sg)?,
         };
-        for (ext, buf) in exts.iter().zip(bufs) {
-            let len = nv
-                .io
-                .write
-                .space()
-                .alignment()
-                .round_up((n.max(1) * 4) as u64);
+        for ((ext, buf), len) in exts.iter().zip(bufs).zip(state_bytes(n, self.moments)) {
+            let len = nv.io.write.space().alignment().round_up(len);
             tickets.push(Some(nv.io.write.submit(tierzero_swap::Request::range(
                 tierzero_swap::IoOp::Write,
                 ext,
@@ -924,7 +1043,7 @@ impl OptimizerState {
         let n = self.numel_of(sg)?;
         self.flush()?;
         if let Some(g) = self.mem.get(sg.0).and_then(Option::as_ref) {
-            return Ok([g.master.clone(), g.m.clone(), g.v.clone()]);
+            return Ok([g.master.clone(), g.moments.widened(1), g.moments.widened(2)]);
         }
         let nv = self
             .nvme
@@ -936,7 +1055,13 @@ impl OptimizerState {
             let buf = nv.io.arena.acquire()?;
             let mut buf = nv.io.read.read(ext, buf)?.wait()?;
             self.counters.nvme_read_bytes += ext.len_bytes();
-            out[k] = as_f32(&mut buf, n)?.to_vec();
+            out[k] = match (k, self.moments) {
+                (0, _) | (_, MomentDtype::F32) => as_f32(&mut buf, n)?.to_vec(),
+                (_, MomentDtype::Bf16) => as_typed::<bf16>(&mut buf, n)?
+                    .iter()
+                    .map(|x| x.to_f32())
+                    .collect(),
+            };
         }
         Ok(out)
     }

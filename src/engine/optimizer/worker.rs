@@ -723,6 +723,13 @@ mod tests {
         nvme_state_with(dir, groups, buffers, &[])
     }
 
+    /// Four groups of 1024 elements in memory (the reference).
+    fn mem_state() -> OptimizerState {
+        let pool = PoolSize::default();
+        let moments = crate::optim::MomentDtype::F32;
+        OptimizerState::new(vec![1024; 4], None, &[], 1, 1, false, pool, moments).unwrap()
+    }
+
     /// [`nvme_state`] with the groups `resident` marks kept in memory.
     fn nvme_state_with(
         dir: &std::path::Path,
@@ -763,6 +770,7 @@ mod tests {
                 slots: pool,
                 kept_grads: crate::engine::sizing::speculation_kept_grads(1, 1, pool),
             },
+            crate::optim::MomentDtype::F32,
         )
         .unwrap();
         for (i, &n) in numel.iter().enumerate() {
@@ -974,9 +982,7 @@ mod tests {
         assert_eq!(c0.nvme_written_bytes, 2 * 3 * 4096);
         let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
         // The reference: every group in memory.
-        let mut mem =
-            OptimizerState::new(vec![1024; 4], None, &[], 1, 1, false, PoolSize::default())
-                .unwrap();
+        let mut mem = mem_state();
         let mut want = Vec::new();
         for sg in 0..4 {
             mem.init_group(SubGroupId(sg), &[1.0; 1024]).unwrap();
@@ -1074,9 +1080,7 @@ mod tests {
         let opt = nvme_state_opts(&dir, 4, 12, &[], true, 2);
         assert_eq!(opt.pool_slots(), 2);
         let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
-        let mut mem =
-            OptimizerState::new(vec![1024; 4], None, &[], 1, 1, false, PoolSize::default())
-                .unwrap();
+        let mut mem = mem_state();
         for sg in 0..4 {
             mem.init_group(SubGroupId(sg), &[1.0; 1024]).unwrap();
         }

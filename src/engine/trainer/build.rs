@@ -402,6 +402,8 @@ impl TierBuild<'_> {
                 slots: self.sizing.speculation_slots,
                 kept_grads: self.sizing.speculation_kept_grads,
             },
+            // ds_config has no moment dtype: fp32, as DeepSpeed's CPU Adam.
+            crate::optim::MomentDtype::F32,
         )
     }
 }

@@ -14,8 +14,7 @@ impl OptimizerState {
         }
         if let Some(g) = self.mem.get_mut(sg.0).and_then(Option::as_mut) {
             g.master.copy_from_slice(states[0]);
-            g.m.copy_from_slice(states[1]);
-            g.v.copy_from_slice(states[2]);
+            g.moments.set(states[1], states[2]);
             return Ok(());
         }
         match &mut self.nvme {
@@ -23,16 +22,26 @@ impl OptimizerState {
             Some(nv) => {
                 let mut tickets = Vec::with_capacity(3);
                 let exts = nvme_extents(&nv.extents, sg)?;
-                for (ext, src) in exts.iter().zip(states) {
+                let moments = self.moments;
+                for (k, (ext, src)) in exts.iter().zip(states).enumerate() {
                     let mut buf = nv.io.arena.acquire()?;
-                    as_f32(&mut buf, n)?.copy_from_slice(src);
+                    let data_bytes = match (k, moments) {
+                        (0, _) | (_, MomentDtype::F32) => {
+                            as_f32(&mut buf, n)?.copy_from_slice(src);
+                            n * 4
+                        }
+                        (_, MomentDtype::Bf16) => {
+                            narrow_into(as_typed::<bf16>(&mut buf, n)?, src);
+                            n * 2
+                        }
+                    };
                     let len = ext.len_bytes();
                     // The padding past the data is written too: zeros, not
                     // a reused buffer's old bytes, so the extent (and any
                     // checkpoint copied from it) depends only on the state.
                     if let Some(tail) = usize::try_from(len)
                         .ok()
-                        .and_then(|l| buf.as_mut_slice().get_mut(n * 4..l))
+                        .and_then(|l| buf.as_mut_slice().get_mut(data_bytes..l))
                     {
                         tail.fill(0);
                     }
@@ -46,8 +55,9 @@ impl OptimizerState {
     }
 
     /// Writes state `k` (0 master, 1 m, 2 v) of `sg` into `file` at
-    /// `offset_bytes`, `len_bytes` long (`numel × 4` rounded up to 4096;
-    /// the tail is padding), and returns the region's crc32c.
+    /// `offset_bytes`, `len_bytes` long (its stored bytes,
+    /// [`state_bytes`], rounded up to 4096; the tail is padding), and
+    /// returns the region's crc32c.
     ///
     /// Memory tiers write from memory (zero padding) and compute the crc as
     /// they go. NVMe copies the extent with
@@ -66,7 +76,8 @@ impl OptimizerState {
     ) -> Result<u32> {
         use std::os::unix::fs::FileExt;
         let n = self.numel_of(sg)?;
-        if k > 2 || (n as u64) * 4 > len_bytes {
+        let stored = state_bytes(n, self.moments);
+        if k > 2 || (n > 0 && stored[k] > len_bytes) {
             return Err(EngineError::internal("save_state: bad state or region"));
         }
         let io_err = |op: &'static str| {
@@ -81,13 +92,10 @@ impl OptimizerState {
         crate::failpoint::io_point(crate::failpoint::Site::CkptStateWrite)
             .map_err(io_err("writing"))?;
         if let Some(g) = self.mem.get(sg.0).and_then(Option::as_ref) {
-            let v = match k {
-                0 => &g.master,
-                1 => &g.m,
-                _ => &g.v,
+            let mut bytes: Vec<u8> = match k {
+                0 => g.master.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                _ => g.moments.le_bytes(k),
             };
-            let mut bytes: Vec<u8> = Vec::with_capacity(len_bytes as usize);
-            bytes.extend(v.iter().flat_map(|x| x.to_le_bytes()));
             bytes.resize(len_bytes as usize, 0);
             file.write_all_at(&bytes, offset_bytes)
                 .map_err(io_err("writing"))?;

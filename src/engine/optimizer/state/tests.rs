@@ -1,0 +1,258 @@
+//! The state's tiers against each other and against the kernel run on
+//! plain slices, for both moment dtypes.
+#![allow(clippy::unwrap_used)] // tests: a failure is a panic
+
+use std::num::NonZeroUsize;
+
+use tierzero_swap::{
+    ArenaConfig, Engine, EngineConfig, LockPolicy, PinnedArena, SpaceConfig, SwapSpace,
+};
+
+use super::*;
+use crate::optim::AdamHyper;
+
+/// Awkward sizes: empty, one element, odd, across a block boundary.
+const NUMEL: [usize; 5] = [0, 1, 1023, 1025, 3000];
+
+/// NVMe state I/O over `buffers` pinned buffers of `largest` elements' fp32.
+fn nvme(dir: &std::path::Path, buffers: u64, largest: u64) -> NvmeOptim {
+    std::fs::create_dir_all(dir).unwrap();
+    let buf_bytes = (largest * 4).next_multiple_of(4096);
+    let space = SwapSpace::create(SpaceConfig::new(dir, 8 << 20)).unwrap();
+    let mut ac = ArenaConfig::new(buf_bytes * buffers, buf_bytes);
+    ac.lock = LockPolicy::Off;
+    let arena = PinnedArena::new(ac).unwrap();
+    let read = Engine::new(space.clone(), arena.clone(), EngineConfig::default()).unwrap();
+    let write = Engine::new(space, arena.clone(), EngineConfig::default()).unwrap();
+    NvmeOptim { read, write, arena }
+}
+
+fn adam() -> CpuAdam {
+    CpuAdam::new(
+        AdamHyper {
+            lr: 1e-2,
+            weight_decay: 0.1,
+            ..AdamHyper::default()
+        },
+        NonZeroUsize::new(2).unwrap(),
+    )
+    .unwrap()
+}
+
+/// Deterministic values in about [-1, 1] (a small LCG).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// Five steps of every group (the third speculative, then committed),
+/// returning each group's master, m and v.
+fn run(state: &mut OptimizerState) -> Vec<[Vec<f32>; 3]> {
+    let adam = adam();
+    for (i, &n) in NUMEL.iter().enumerate() {
+        let zeros = vec![0f32; n];
+        state
+            .load_group(SubGroupId(i), [&values(n, i as u64), &zeros, &zeros])
+            .unwrap();
+    }
+    for step in 1..=5u64 {
+        let speculative = step == 3 && state.is_nvme();
+        let mut stepped = Vec::new();
+        for (i, &n) in NUMEL.iter().enumerate() {
+            let sg = SubGroupId(i);
+            state.prefetch(sg).unwrap();
+            let g = values(n, 100 * step + i as u64);
+            state
+                .step(
+                    sg,
+                    &adam,
+                    step,
+                    Some(&g),
+                    GradScale::ONE,
+                    None,
+                    &mut |_| Ok(()),
+                    speculative && !state.in_memory(sg),
+                )
+                .unwrap();
+            state.retire_behind().unwrap();
+            if speculative && !state.in_memory(sg) {
+                stepped.push(sg);
+            }
+        }
+        state.commit(&stepped).unwrap();
+    }
+    (0..NUMEL.len())
+        .map(|i| state.group_states(SubGroupId(i)).unwrap())
+        .collect()
+}
+
+/// The kernel alone on slices: the reference for [`run`].
+fn reference(moments: MomentDtype) -> Vec<[Vec<f32>; 3]> {
+    let adam = adam();
+    NUMEL
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let mut master = values(n, i as u64);
+            let (mut m32, mut v32) = (vec![0f32; n], vec![0f32; n]);
+            let (mut m16, mut v16) = (vec![bf16::ZERO; n], vec![bf16::ZERO; n]);
+            for step in 1..=5u64 {
+                let g = values(n, 100 * step + i as u64);
+                let mom = match moments {
+                    MomentDtype::F32 => Moments::F32 {
+                        m: &mut m32,
+                        v: &mut v32,
+                    },
+                    MomentDtype::Bf16 => Moments::Bf16 {
+                        m: &mut m16,
+                        v: &mut v16,
+                    },
+                };
+                adam.step(step, &mut master, &g, mom, None, GradScale::ONE)
+                    .unwrap();
+            }
+            match moments {
+                MomentDtype::F32 => [master, m32, v32],
+                MomentDtype::Bf16 => [
+                    master,
+                    m16.iter().map(|x| x.to_f32()).collect(),
+                    v16.iter().map(|x| x.to_f32()).collect(),
+                ],
+            }
+        })
+        .collect()
+}
+
+fn bits(states: &[[Vec<f32>; 3]]) -> Vec<Vec<u32>> {
+    states
+        .iter()
+        .flat_map(|s| s.iter().map(|v| v.iter().map(|x| x.to_bits()).collect()))
+        .collect()
+}
+
+#[test]
+fn every_tier_steps_as_the_kernel_does_for_both_moment_dtypes() {
+    let dir = tempfile::tempdir().unwrap();
+    for moments in [MomentDtype::F32, MomentDtype::Bf16] {
+        let want = bits(&reference(moments));
+        let groups = NUMEL.len();
+        let resident = [false, true, false, false, true];
+        let cases: [(&str, Option<NvmeOptim>, &[bool], usize); 3] = [
+            ("memory", None, &[], 0),
+            (
+                "nvme",
+                Some(nvme(&dir.path().join(moments.name()), 9, 3000)),
+                &[],
+                2,
+            ),
+            (
+                "nvme + resident",
+                Some(nvme(
+                    &dir.path().join(format!("{}r", moments.name())),
+                    9,
+                    3000,
+                )),
+                &resident,
+                2,
+            ),
+        ];
+        for (what, io, resident, slots) in cases {
+            let mut state = OptimizerState::new(
+                NUMEL.to_vec(),
+                io,
+                resident,
+                1,
+                1,
+                false,
+                PoolSize {
+                    slots: slots * groups,
+                    kept_grads: 0,
+                },
+                moments,
+            )
+            .unwrap();
+            assert_eq!(state.moment_dtype(), moments);
+            assert_eq!(bits(&run(&mut state)), want, "{what}, {moments:?}");
+        }
+    }
+}
+
+#[test]
+fn bf16_moments_move_two_thirds_of_the_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut moved = Vec::new();
+    for moments in [MomentDtype::F32, MomentDtype::Bf16] {
+        let io = nvme(&dir.path().join(moments.name()), 9, 4096);
+        let mut state = OptimizerState::new(
+            vec![4096],
+            Some(io),
+            &[],
+            1,
+            1,
+            false,
+            PoolSize::default(),
+            moments,
+        )
+        .unwrap();
+        let zeros = vec![0f32; 4096];
+        state
+            .load_group(SubGroupId(0), [&values(4096, 1), &zeros, &zeros])
+            .unwrap();
+        let c0 = state.counters();
+        state
+            .step(
+                SubGroupId(0),
+                &adam(),
+                1,
+                Some(&values(4096, 2)),
+                GradScale::ONE,
+                None,
+                &mut |_| Ok(()),
+                false,
+            )
+            .unwrap();
+        state.flush().unwrap();
+        let c1 = state.counters();
+        moved.push((
+            c1.nvme_read_bytes - c0.nvme_read_bytes,
+            c1.nvme_written_bytes - c0.nvme_written_bytes,
+        ));
+    }
+    assert_eq!(moved[0], (3 * 16384, 3 * 16384));
+    assert_eq!(moved[1], (2 * 16384, 2 * 16384));
+}
+
+#[test]
+fn bf16_moments_load_rounded_as_the_kernel_stores_them() {
+    let mut state = OptimizerState::new(
+        vec![4],
+        None,
+        &[],
+        1,
+        1,
+        false,
+        PoolSize::default(),
+        MomentDtype::Bf16,
+    )
+    .unwrap();
+    // 1 + 2^-8, halfway between two bf16s, rounds to even (1.0); a
+    // subnormal is stored as signed zero.
+    let m = [1.0 + f32::EPSILON * 2f32.powi(15), -1e-40, 0.5, 3.0];
+    state
+        .load_group(SubGroupId(0), [&[1.0; 4], &m, &[2.0; 4]])
+        .unwrap();
+    let [_, m_out, v_out] = state.group_states(SubGroupId(0)).unwrap();
+    assert_eq!(m_out[0].to_bits(), 1.0f32.to_bits());
+    assert_eq!(m_out[1].to_bits(), (-0.0f32).to_bits());
+    assert_eq!(&m_out[2..], &[0.5, 3.0]);
+    assert_eq!(v_out, vec![2.0; 4]);
+}
