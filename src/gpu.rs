@@ -77,7 +77,7 @@ pub enum GpuError {
         versioned: Option<std::path::PathBuf>,
     },
     /// The library loaded but lacks a function the bindings use.
-    #[error("{library} is older than tierzero's bindings (CUDA 12.8, NCCL 2.30 headers): {detail}; update it")]
+    #[error("{library} is older than tierzero's bindings (CUDA 13.0, NCCL 2.30 headers): {detail}; update it")]
     LibraryTooOld {
         /// "libcuda.so" or "libnccl.so".
         library: &'static str,

@@ -1,0 +1,572 @@
+//! Scalar CPU references of every kernel in [`crate::kernels`], with the
+//! kernels' arithmetic in the kernels' order: the same per-thread partial
+//! sums and block-sum tree ([`block_sum`]), the same operations left to
+//! right, `mul_add` exactly where the sources write `fmaf` (the kernels
+//! compile with `--fmad=false`). Storage goes through [`Storage`] (fp32,
+//! bf16, fp16; rounding to nearest even, as `cvt.rn`). The transcendental
+//! functions (`exp`, `tanh`, `ln`) are Rust's, within a few ulp of CUDA's.
+//!
+//! These are the functions the device check compares each kernel with;
+//! `tests/reference.rs` checks them against candle's autograd.
+
+use half::{bf16, f16};
+
+use crate::kernels::BLOCK_THREADS;
+
+const BLOCK: usize = BLOCK_THREADS as usize;
+
+/// A storage dtype: loaded to f32, stored from f32.
+pub trait Storage: Copy + Default + std::fmt::Debug + PartialEq + Send + Sync + 'static {
+    /// Its value as f32 (exact).
+    fn load(self) -> f32;
+    /// `x` rounded to nearest even (NaN stays NaN).
+    fn store(x: f32) -> Self;
+}
+
+impl Storage for f32 {
+    fn load(self) -> f32 {
+        self
+    }
+    fn store(x: f32) -> Self {
+        x
+    }
+}
+
+impl Storage for bf16 {
+    fn load(self) -> f32 {
+        self.to_f32()
+    }
+    fn store(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+}
+
+impl Storage for f16 {
+    fn load(self) -> f32 {
+        self.to_f32()
+    }
+    fn store(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+}
+
+/// `tz_warp_sum`: the butterfly xor 16, 8, 4, 2, 1 over 32 lanes; lane 0's
+/// value (every lane ends with it).
+fn warp_sum(mut lanes: [f32; 32]) -> f32 {
+    let mut o = 16;
+    while o > 0 {
+        let prev = lanes;
+        for (i, l) in lanes.iter_mut().enumerate() {
+            *l = prev[i] + prev[i ^ o];
+        }
+        o >>= 1;
+    }
+    lanes[0]
+}
+
+/// `tz_block_sum` over a block of [`BLOCK_THREADS`] threads whose thread
+/// `j` holds `partials[j]`.
+pub fn block_sum(partials: &[f32; BLOCK]) -> f32 {
+    let mut warps = [0f32; 32];
+    for (w, chunk) in partials.chunks_exact(32).enumerate() {
+        let mut lanes = [0f32; 32];
+        lanes.copy_from_slice(chunk);
+        warps[w] = warp_sum(lanes);
+    }
+    warp_sum(warps)
+}
+
+/// Thread `j`'s partial sum of `term(i)` for `i = j, j + BLOCK, ... < n`,
+/// then [`block_sum`]: a block's strided loop and reduction.
+pub fn strided_block_sum(n: usize, term: impl Fn(usize) -> f32) -> f32 {
+    let mut partials = [0f32; BLOCK];
+    for (j, p) in partials.iter_mut().enumerate() {
+        let mut s = 0f32;
+        let mut i = j;
+        while i < n {
+            s += term(i);
+            i += BLOCK;
+        }
+        *p = s;
+    }
+    block_sum(&partials)
+}
+
+fn block_max(n: usize, term: impl Fn(usize) -> f32) -> f32 {
+    (0..n).fold(f32::NEG_INFINITY, |m, i| m.max(term(i)))
+}
+
+/// `embedding_fwd`: the rows of `table` ([vocab, hidden]) at `ids`; a NaN
+/// row for an id outside the vocabulary.
+pub fn embedding_fwd<T: Storage>(table: &[T], ids: &[i32], hidden: usize) -> Vec<T> {
+    let vocab = table.len() / hidden.max(1);
+    let mut out = Vec::with_capacity(ids.len() * hidden);
+    for &id in ids {
+        match usize::try_from(id).ok().filter(|&i| i < vocab) {
+            Some(i) => out.extend_from_slice(&table[i * hidden..(i + 1) * hidden]),
+            None => out.extend(std::iter::repeat_n(T::store(f32::NAN), hidden)),
+        }
+    }
+    out
+}
+
+/// The host's plan for `embedding_bwd`: the distinct ids (ascending), the
+/// token positions sorted by (id, position), and each id's run in them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EmbeddingRuns {
+    /// Distinct ids, ascending.
+    pub uniq: Vec<i32>,
+    /// `starts[u] .. starts[u + 1]`: the positions of `uniq[u]` in `order`.
+    pub starts: Vec<i32>,
+    /// Token positions sorted by (id, position).
+    pub order: Vec<i32>,
+}
+
+/// [`EmbeddingRuns`] of `ids` (a counting sort would do; a stable sort is
+/// simpler and the host does it once per step).
+pub fn embedding_runs(ids: &[i32]) -> EmbeddingRuns {
+    let mut order: Vec<i32> = (0..ids.len() as i32).collect();
+    order.sort_by_key(|&p| ids[p as usize]);
+    let (mut uniq, mut starts) = (Vec::new(), Vec::new());
+    for (k, &p) in order.iter().enumerate() {
+        let id = ids[p as usize];
+        if uniq.last() != Some(&id) {
+            uniq.push(id);
+            starts.push(k as i32);
+        }
+    }
+    starts.push(order.len() as i32);
+    EmbeddingRuns {
+        uniq,
+        starts,
+        order,
+    }
+}
+
+/// `embedding_bwd`: `grad_table[id] += ` the id's rows of `grad_out`, in
+/// position order.
+pub fn embedding_bwd<T: Storage>(
+    grad_table: &mut [f32],
+    grad_out: &[T],
+    ids: &[i32],
+    hidden: usize,
+) {
+    let runs = embedding_runs(ids);
+    for (u, &id) in runs.uniq.iter().enumerate() {
+        let run = &runs.order[runs.starts[u] as usize..runs.starts[u + 1] as usize];
+        for h in 0..hidden {
+            let mut s = 0f32;
+            for &p in run {
+                s += grad_out[p as usize * hidden + h].load();
+            }
+            grad_table[id as usize * hidden + h] += s;
+        }
+    }
+}
+
+/// `layernorm_fwd` over `rows` rows of `cols`: `(y, mean, rstd)`.
+pub fn layernorm_fwd<T: Storage>(
+    x: &[T],
+    w: &[T],
+    b: Option<&[T]>,
+    cols: usize,
+    eps: f32,
+) -> (Vec<T>, Vec<f32>, Vec<f32>) {
+    let rows = x.len() / cols.max(1);
+    let (mut y, mut mean, mut rstd) = (
+        vec![T::default(); x.len()],
+        vec![0f32; rows],
+        vec![0f32; rows],
+    );
+    for r in 0..rows {
+        let xr = &x[r * cols..(r + 1) * cols];
+        let mu = strided_block_sum(cols, |c| xr[c].load()) / cols as f32;
+        let var = strided_block_sum(cols, |c| {
+            let d = xr[c].load() - mu;
+            d * d
+        }) / cols as f32;
+        let rs = 1.0 / (var + eps).sqrt();
+        for c in 0..cols {
+            let bias = b.map_or(0.0, |b| b[c].load());
+            y[r * cols + c] = T::store((xr[c].load() - mu) * rs * w[c].load() + bias);
+        }
+        mean[r] = mu;
+        rstd[r] = rs;
+    }
+    (y, mean, rstd)
+}
+
+/// `layernorm_bwd_dx`.
+pub fn layernorm_bwd_dx<T: Storage>(
+    dy: &[T],
+    x: &[T],
+    w: &[T],
+    mean: &[f32],
+    rstd: &[f32],
+    cols: usize,
+) -> Vec<T> {
+    let mut dx = vec![T::default(); x.len()];
+    for (r, (&mu, &rs)) in mean.iter().zip(rstd).enumerate() {
+        let o = r * cols;
+        let g = |c: usize| dy[o + c].load() * w[c].load();
+        let xhat = |c: usize| (x[o + c].load() - mu) * rs;
+        let mg = strided_block_sum(cols, g) / cols as f32;
+        let mgx = strided_block_sum(cols, |c| g(c) * xhat(c)) / cols as f32;
+        for c in 0..cols {
+            dx[o + c] = T::store(rs * (g(c) - mg - xhat(c) * mgx));
+        }
+    }
+    dx
+}
+
+/// `layernorm_bwd_wb`: `dw += Σ_rows dy·xhat`, `db += Σ_rows dy`.
+pub fn layernorm_bwd_wb<T: Storage>(
+    dw: &mut [f32],
+    db: Option<&mut [f32]>,
+    dy: &[T],
+    x: &[T],
+    mean: &[f32],
+    rstd: &[f32],
+    cols: usize,
+) {
+    let mut sb = vec![0f32; cols];
+    for c in 0..cols {
+        let mut sw = 0f32;
+        for (r, (&mu, &rs)) in mean.iter().zip(rstd).enumerate() {
+            let g = dy[r * cols + c].load();
+            sw += g * ((x[r * cols + c].load() - mu) * rs);
+            sb[c] += g;
+        }
+        dw[c] += sw;
+    }
+    if let Some(db) = db {
+        for (d, s) in db.iter_mut().zip(sb) {
+            *d += s;
+        }
+    }
+}
+
+/// `rmsnorm_fwd`: `(y, rstd)`.
+pub fn rmsnorm_fwd<T: Storage>(x: &[T], w: &[T], cols: usize, eps: f32) -> (Vec<T>, Vec<f32>) {
+    let rows = x.len() / cols.max(1);
+    let (mut y, mut rstd) = (vec![T::default(); x.len()], vec![0f32; rows]);
+    for r in 0..rows {
+        let xr = &x[r * cols..(r + 1) * cols];
+        let ms = strided_block_sum(cols, |c| {
+            let v = xr[c].load();
+            v * v
+        }) / cols as f32;
+        let rs = 1.0 / (ms + eps).sqrt();
+        for c in 0..cols {
+            y[r * cols + c] = T::store(xr[c].load() * rs * w[c].load());
+        }
+        rstd[r] = rs;
+    }
+    (y, rstd)
+}
+
+/// `rmsnorm_bwd_dx`.
+pub fn rmsnorm_bwd_dx<T: Storage>(dy: &[T], x: &[T], w: &[T], rstd: &[f32], cols: usize) -> Vec<T> {
+    let mut dx = vec![T::default(); x.len()];
+    for (r, &rs) in rstd.iter().enumerate() {
+        let o = r * cols;
+        let mgx = strided_block_sum(cols, |c| {
+            dy[o + c].load() * w[c].load() * (x[o + c].load() * rs)
+        }) / cols as f32;
+        for c in 0..cols {
+            let g = dy[o + c].load() * w[c].load();
+            dx[o + c] = T::store(rs * (g - (x[o + c].load() * rs) * mgx));
+        }
+    }
+    dx
+}
+
+/// `rmsnorm_bwd_w`: `dw += Σ_rows dy·xhat`.
+pub fn rmsnorm_bwd_w<T: Storage>(dw: &mut [f32], dy: &[T], x: &[T], rstd: &[f32], cols: usize) {
+    for (c, d) in dw.iter_mut().enumerate().take(cols) {
+        let mut sw = 0f32;
+        for (r, &rs) in rstd.iter().enumerate() {
+            sw += dy[r * cols + c].load() * (x[r * cols + c].load() * rs);
+        }
+        *d += sw;
+    }
+}
+
+/// The shape of a rotary embedding's input: [batch, seq, heads, head_dim].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RopeShape {
+    /// Batch.
+    pub batch: usize,
+    /// Sequence length (positions 0..seq).
+    pub seq: usize,
+    /// Heads.
+    pub heads: usize,
+    /// Elements per head (even).
+    pub head_dim: usize,
+}
+
+/// `rope`: rotate by `sign`·θ; `cos`, `sin` are [seq, head_dim / 2].
+pub fn rope<T: Storage>(x: &[T], cos: &[f32], sin: &[f32], s: RopeShape, sign: f32) -> Vec<T> {
+    let half = s.head_dim / 2;
+    let mut y = x.to_vec();
+    for row in 0..s.batch * s.seq * s.heads {
+        let t = (row / s.heads) % s.seq;
+        for j in 0..half {
+            let (c, sn) = (cos[t * half + j], sign * sin[t * half + j]);
+            let a = row * s.head_dim + j;
+            let (x1, x2) = (x[a].load(), x[a + half].load());
+            y[a] = T::store(x1 * c - x2 * sn);
+            y[a + half] = T::store(x2 * c + x1 * sn);
+        }
+    }
+    y
+}
+
+/// `softmax_causal_fwd` over rows of `seq` scores (row `r` is query
+/// `r % seq`).
+pub fn softmax_causal_fwd<T: Storage>(s: &[T], seq: usize, scale: f32) -> Vec<T> {
+    let mut p = vec![T::default(); s.len()];
+    for (row, (sr, pr)) in s.chunks_exact(seq).zip(p.chunks_exact_mut(seq)).enumerate() {
+        let t = row % seq;
+        let mx = block_max(t + 1, |j| sr[j].load() * scale);
+        let sum = strided_block_sum(t + 1, |j| (sr[j].load() * scale - mx).exp());
+        let inv = 1.0 / sum;
+        for (j, pj) in pr.iter_mut().enumerate() {
+            *pj = T::store(if j <= t {
+                (sr[j].load() * scale - mx).exp() * inv
+            } else {
+                0.0
+            });
+        }
+    }
+    p
+}
+
+/// `softmax_bwd`.
+pub fn softmax_bwd<T: Storage>(p: &[T], dp: &[T], seq: usize, scale: f32) -> Vec<T> {
+    let mut ds = vec![T::default(); p.len()];
+    for ((pr, dpr), dsr) in p
+        .chunks_exact(seq)
+        .zip(dp.chunks_exact(seq))
+        .zip(ds.chunks_exact_mut(seq))
+    {
+        let dot = strided_block_sum(seq, |j| pr[j].load() * dpr[j].load());
+        for j in 0..seq {
+            dsr[j] = T::store(pr[j].load() * (dpr[j].load() - dot) * scale);
+        }
+    }
+    ds
+}
+
+const GELU_K: f32 = 0.797_884_6;
+const GELU_C: f32 = 0.044715;
+
+/// `gelu_tanh_fwd`.
+pub fn gelu_tanh_fwd<T: Storage>(x: &[T]) -> Vec<T> {
+    x.iter()
+        .map(|&x| {
+            let v = x.load();
+            let u = GELU_K * (v + GELU_C * v * v * v);
+            T::store(0.5 * v * (1.0 + u.tanh()))
+        })
+        .collect()
+}
+
+/// `gelu_tanh_bwd`.
+pub fn gelu_tanh_bwd<T: Storage>(dy: &[T], x: &[T]) -> Vec<T> {
+    dy.iter()
+        .zip(x)
+        .map(|(&dy, &x)| {
+            let v = x.load();
+            let u = GELU_K * (v + GELU_C * v * v * v);
+            let th = u.tanh();
+            let du = GELU_K * (1.0 + 3.0 * GELU_C * v * v);
+            let d = 0.5 * (1.0 + th) + 0.5 * v * (1.0 - th * th) * du;
+            T::store(dy.load() * d)
+        })
+        .collect()
+}
+
+/// `swiglu_fwd`.
+pub fn swiglu_fwd<T: Storage>(gate: &[T], up: &[T]) -> Vec<T> {
+    gate.iter()
+        .zip(up)
+        .map(|(&g, &u)| {
+            let g = g.load();
+            T::store(g / (1.0 + (-g).exp()) * u.load())
+        })
+        .collect()
+}
+
+/// `swiglu_bwd`: `(dgate, dup)`.
+pub fn swiglu_bwd<T: Storage>(dy: &[T], gate: &[T], up: &[T]) -> (Vec<T>, Vec<T>) {
+    let mut dgate = Vec::with_capacity(dy.len());
+    let mut dup = Vec::with_capacity(dy.len());
+    for ((&d, &g), &u) in dy.iter().zip(gate).zip(up) {
+        let (g, u, d) = (g.load(), u.load(), d.load());
+        let sig = 1.0 / (1.0 + (-g).exp());
+        dup.push(T::store(d * (g * sig)));
+        dgate.push(T::store(d * u * sig * (1.0 + g * (1.0 - sig))));
+    }
+    (dgate, dup)
+}
+
+/// `bias_add` (in place).
+pub fn bias_add<T: Storage>(y: &mut [T], b: &[T]) {
+    let cols = b.len();
+    for (i, v) in y.iter_mut().enumerate() {
+        *v = T::store(v.load() + b[i % cols].load());
+    }
+}
+
+/// `bias_grad`: `db += Σ_rows dy`.
+pub fn bias_grad<T: Storage>(db: &mut [f32], dy: &[T]) {
+    let cols = db.len();
+    for (c, d) in db.iter_mut().enumerate() {
+        let mut s = 0f32;
+        for r in 0..dy.len() / cols {
+            s += dy[r * cols + c].load();
+        }
+        *d += s;
+    }
+}
+
+/// `cross_entropy` over rows of `vocab` logits: the per-row losses, and
+/// (with `grad_scale`) the logits' gradient.
+pub fn cross_entropy<T: Storage>(
+    logits: &[T],
+    targets: &[i32],
+    vocab: usize,
+    ignore_index: i32,
+    grad_scale: Option<f32>,
+) -> (Vec<f32>, Option<Vec<T>>) {
+    let mut loss = vec![0f32; targets.len()];
+    let mut grad = grad_scale.map(|_| vec![T::default(); logits.len()]);
+    for (row, &target) in targets.iter().enumerate() {
+        let lr = &logits[row * vocab..(row + 1) * vocab];
+        if target == ignore_index {
+            if let Some(g) = grad.as_mut() {
+                g[row * vocab..(row + 1) * vocab].fill(T::store(0.0));
+            }
+            continue;
+        }
+        let mx = block_max(vocab, |j| lr[j].load());
+        let lse = mx + strided_block_sum(vocab, |j| (lr[j].load() - mx).exp()).ln();
+        loss[row] = match usize::try_from(target).ok().filter(|&t| t < vocab) {
+            Some(t) => lse - lr[t].load(),
+            None => f32::NAN,
+        };
+        if let (Some(g), Some(scale)) = (grad.as_mut(), grad_scale) {
+            for j in 0..vocab {
+                let pj = (lr[j].load() - lse).exp();
+                let hot = if j as i32 == target { 1.0 } else { 0.0 };
+                g[row * vocab + j] = T::store((pj - hot) * scale);
+            }
+        }
+    }
+    (loss, grad)
+}
+
+/// `sum_f32`.
+pub fn sum_f32(x: &[f32]) -> f32 {
+    strided_block_sum(x.len(), |i| x[i])
+}
+
+/// The `cast_*` kernels.
+pub fn cast<S: Storage, D: Storage>(src: &[S]) -> Vec<D> {
+    src.iter().map(|s| D::store(s.load())).collect()
+}
+
+/// `sumsq_groups`: Σ x² over `offsets[g] .. offsets[g + 1]` per group.
+pub fn sumsq_groups<T: Storage>(x: &[T], offsets: &[i64]) -> Vec<f32> {
+    offsets
+        .windows(2)
+        .map(|w| {
+            let (a, b) = (w[0] as usize, w[1] as usize);
+            strided_block_sum(b - a, |i| {
+                let v = x[a + i].load();
+                v * v
+            })
+        })
+        .collect()
+}
+
+/// The f32 constants of one AdamW step, as the CPU kernel derives them
+/// (`src/optim/mod.rs`, `StepScalars`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamScalars {
+    /// Gradient multiplier (unscale and clip).
+    pub grad_scale: f32,
+    /// β1.
+    pub beta1: f32,
+    /// 1 − β1.
+    pub one_minus_beta1: f32,
+    /// β2.
+    pub beta2: f32,
+    /// 1 − β2.
+    pub one_minus_beta2: f32,
+    /// ε.
+    pub eps: f32,
+    /// −lr / (1 − β1^t).
+    pub neg_step_size: f32,
+    /// 1 / sqrt(1 − β2^t).
+    pub inv_sqrt_bc2: f32,
+    /// −lr · weight decay.
+    pub neg_lr_wd: f32,
+}
+
+/// `adamw`: one step of every element; `out` gets the new params in `T`.
+pub fn adamw<T: Storage>(
+    master: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    grad: &[f32],
+    mut out: Option<&mut [T]>,
+    s: AdamScalars,
+) {
+    for i in 0..master.len() {
+        let g = grad[i] * s.grad_scale;
+        let m2 = s.beta1.mul_add(m[i], s.one_minus_beta1 * g);
+        let v2 = s.beta2.mul_add(v[i], (s.one_minus_beta2 * g) * g);
+        let den = v2.sqrt().mul_add(s.inv_sqrt_bc2, s.eps);
+        let upd = m2 / den;
+        let p = master[i];
+        let p2 = s.neg_step_size.mul_add(upd, s.neg_lr_wd.mul_add(p, p));
+        master[i] = p2;
+        m[i] = m2;
+        v[i] = v2;
+        if let Some(o) = out.as_deref_mut() {
+            o[i] = T::store(p2);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_sum_is_the_butterfly_tree() {
+        // Values whose sum depends on the order: the tree's, not the
+        // left-to-right one.
+        let mut p = [0f32; BLOCK];
+        p[0] = 1e8;
+        p[1] = 1.0;
+        p[16] = -1e8;
+        p[17] = 1.0;
+        // Lane 0: (p0 + p16) + (p1 + p17) = 0 + 2.
+        assert_eq!(block_sum(&p), 2.0);
+        let seq = p.iter().fold(0f32, |a, &b| a + b);
+        assert_ne!(seq, 2.0);
+        let ones = [1f32; BLOCK];
+        assert_eq!(block_sum(&ones), BLOCK as f32);
+    }
+
+    #[test]
+    fn embedding_runs_sort_by_id_then_position() {
+        let r = embedding_runs(&[5, 2, 5, 2, 9, 5]);
+        assert_eq!(r.uniq, vec![2, 5, 9]);
+        assert_eq!(r.order, vec![1, 3, 0, 2, 5, 4]);
+        assert_eq!(r.starts, vec![0, 2, 5, 6]);
+    }
+}

@@ -1,0 +1,395 @@
+//! The kernels' scalar references (`tierzero_gpu::reference`) against
+//! candle's autograd in f64, at awkward sizes: forward outputs and every
+//! gradient within 1e-5 relative (fp32 storage), and the 16-bit storage
+//! paths within their rounding.
+#![allow(clippy::unwrap_used)]
+
+use candle_core::{DType, Device, Tensor, Var};
+use half::bf16;
+use tierzero_gpu::reference as r;
+
+/// Columns that cross warp and block boundaries.
+const COLS: [usize; 6] = [1, 7, 255, 256, 257, 1000];
+const ROWS: usize = 3;
+
+fn data(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn var(v: &[f32], shape: &[usize]) -> Var {
+    let v64: Vec<f64> = v.iter().map(|&x| x as f64).collect();
+    Var::from_slice(&v64, shape, &Device::Cpu).unwrap()
+}
+
+fn tensor(v: &[f32], shape: &[usize]) -> Tensor {
+    var(v, shape).as_tensor().clone()
+}
+
+fn vals(t: &Tensor) -> Vec<f64> {
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// ‖got − want‖ / ‖want‖ (0 when both are 0).
+fn rel(got: &[f32], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let (mut d, mut n) = (0f64, 0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        assert!(g.is_finite(), "non-finite output {g}");
+        d += (g as f64 - w).powi(2);
+        n += w * w;
+    }
+    if n == 0.0 {
+        d.sqrt()
+    } else {
+        (d / n).sqrt()
+    }
+}
+
+fn close(what: &str, got: &[f32], want: &[f64], tol: f64) {
+    let e = rel(got, want);
+    assert!(e <= tol, "{what}: relative error {e:e} > {tol:e}");
+}
+
+/// The gradients of `Σ y·dy` (`dy` laid out as `y`).
+fn grads(y: &Tensor, dy: &[f32]) -> candle_core::backprop::GradStore {
+    let dy = tensor(dy, y.dims());
+    (y * dy).unwrap().sum_all().unwrap().backward().unwrap()
+}
+
+/// [`close`] at 1e-5 for the gradient of `v` in `g`.
+fn close_grad(what: &str, got: &[f32], g: &candle_core::backprop::GradStore, v: &Var) {
+    close(what, got, &vals(g.get(v).unwrap()), 1e-5);
+}
+
+#[test]
+fn layernorm_forward_and_backward() {
+    for cols in COLS {
+        let n = ROWS * cols;
+        let (x, w, b, dy) = (data(n, 1), data(cols, 2), data(cols, 3), data(n, 4));
+        let eps = 1e-5;
+        let (y, mean, rstd) = r::layernorm_fwd(&x, &w, Some(&b), cols, eps);
+        let dx = r::layernorm_bwd_dx(&dy, &x, &w, &mean, &rstd, cols);
+        let (mut dw, mut db) = (vec![0f32; cols], vec![0f32; cols]);
+        r::layernorm_bwd_wb(&mut dw, Some(&mut db), &dy, &x, &mean, &rstd, cols);
+
+        let (xv, wv, bv) = (var(&x, &[ROWS, cols]), var(&w, &[cols]), var(&b, &[cols]));
+        let mu = xv.mean_keepdim(1).unwrap();
+        let xc = xv.broadcast_sub(&mu).unwrap();
+        let v = xc.sqr().unwrap().mean_keepdim(1).unwrap();
+        let yh = xc
+            .broadcast_div(&v.affine(1.0, eps as f64).unwrap().sqrt().unwrap())
+            .unwrap();
+        let yt = yh.broadcast_mul(&wv).unwrap().broadcast_add(&bv).unwrap();
+        let g = grads(&yt, &dy);
+        let what = format!("layernorm cols {cols}");
+        close(&format!("{what} y"), &y, &vals(&yt), 1e-5);
+        close_grad(&format!("{what} dx"), &dx, &g, &xv);
+        close_grad(&format!("{what} dw"), &dw, &g, &wv);
+        close_grad(&format!("{what} db"), &db, &g, &bv);
+    }
+}
+
+#[test]
+fn rmsnorm_forward_and_backward() {
+    // Not 1 column: there dx = rstd·g·eps / (x² + eps), a difference of two
+    // terms equal to f32 precision (in any formula that, like torch's
+    // autograd, differentiates x·rstd), so no f32 result is within 1e-5.
+    for cols in COLS.into_iter().skip(1) {
+        let n = ROWS * cols;
+        let (x, w, dy) = (data(n, 5), data(cols, 6), data(n, 7));
+        let eps = 1e-6;
+        let (y, rstd) = r::rmsnorm_fwd(&x, &w, cols, eps);
+        let dx = r::rmsnorm_bwd_dx(&dy, &x, &w, &rstd, cols);
+        let mut dw = vec![0f32; cols];
+        r::rmsnorm_bwd_w(&mut dw, &dy, &x, &rstd, cols);
+
+        let (xv, wv) = (var(&x, &[ROWS, cols]), var(&w, &[cols]));
+        let ms = xv.sqr().unwrap().mean_keepdim(1).unwrap();
+        let yh = xv
+            .broadcast_div(&ms.affine(1.0, eps as f64).unwrap().sqrt().unwrap())
+            .unwrap();
+        let yt = yh.broadcast_mul(&wv).unwrap();
+        let g = grads(&yt, &dy);
+        let what = format!("rmsnorm cols {cols}");
+        close(&format!("{what} y"), &y, &vals(&yt), 1e-5);
+        close_grad(&format!("{what} dx"), &dx, &g, &xv);
+        close_grad(&format!("{what} dw"), &dw, &g, &wv);
+    }
+}
+
+#[test]
+fn rope_and_its_inverse_are_the_rotation_and_its_gradient() {
+    for head_dim in [2usize, 6, 64, 130] {
+        let s = r::RopeShape {
+            batch: 2,
+            seq: 5,
+            heads: 3,
+            head_dim,
+        };
+        let half = head_dim / 2;
+        let n = s.batch * s.seq * s.heads * head_dim;
+        let (x, dy) = (data(n, 8), data(n, 9));
+        let theta: Vec<f32> = (0..s.seq * half)
+            .map(|i| (i / half) as f32 * 10000f32.powf(-((i % half) as f32) / half as f32))
+            .collect();
+        let (cos, sin): (Vec<f32>, Vec<f32>) = theta.iter().map(|t| (t.cos(), t.sin())).unzip();
+        let y = r::rope(&x, &cos, &sin, s, 1.0);
+        let dx = r::rope(&dy, &cos, &sin, s, -1.0);
+
+        let shape = [s.batch, s.seq, s.heads, head_dim];
+        let xv = var(&x, &shape);
+        let c = tensor(&cos, &[1, s.seq, 1, half]);
+        let sn = tensor(&sin, &[1, s.seq, 1, half]);
+        let x1 = xv.narrow(3, 0, half).unwrap();
+        let x2 = xv.narrow(3, half, half).unwrap();
+        let y1 = (x1.broadcast_mul(&c).unwrap() - x2.broadcast_mul(&sn).unwrap()).unwrap();
+        let y2 = (x2.broadcast_mul(&c).unwrap() + x1.broadcast_mul(&sn).unwrap()).unwrap();
+        let yt = Tensor::cat(&[y1, y2], 3).unwrap();
+        let g = grads(&yt, &dy);
+        close(&format!("rope {head_dim} y"), &y, &vals(&yt), 1e-5);
+        close_grad(&format!("rope {head_dim} dx"), &dx, &g, &xv);
+    }
+}
+
+#[test]
+fn causal_softmax_forward_and_backward() {
+    for seq in [1usize, 7, 255, 257, 600] {
+        let rows = 2 * seq; // two (batch, head) pairs of `seq` queries
+        let (s, dp) = (data(rows * seq, 10), data(rows * seq, 11));
+        let scale = 0.125;
+        let p = r::softmax_causal_fwd(&s, seq, scale);
+        let ds = r::softmax_bwd(&p, &dp, seq, scale);
+
+        let sv = var(&s, &[rows, seq]);
+        let mask: Vec<f32> = (0..rows * seq)
+            .map(|i| {
+                if i % seq <= (i / seq) % seq {
+                    0.0
+                } else {
+                    -1e30
+                }
+            })
+            .collect();
+        let z = sv
+            .affine(scale as f64, 0.0)
+            .unwrap()
+            .broadcast_add(&tensor(&mask, &[rows, seq]))
+            .unwrap();
+        let z = z
+            .broadcast_sub(&z.max_keepdim(1).unwrap())
+            .unwrap()
+            .exp()
+            .unwrap();
+        let pt = z.broadcast_div(&z.sum_keepdim(1).unwrap()).unwrap();
+        let g = grads(&pt, &dp);
+        close(&format!("softmax {seq} p"), &p, &vals(&pt), 1e-5);
+        close_grad(&format!("softmax {seq} ds"), &ds, &g, &sv);
+    }
+}
+
+#[test]
+fn gelu_and_swiglu_forward_and_backward() {
+    for n in [1usize, 7, 1000, 4097] {
+        let (x, u, dy) = (data(n, 12), data(n, 13), data(n, 14));
+        let x3: Vec<f32> = x.iter().map(|v| v * 3.0).collect(); // into the tails
+        let y = r::gelu_tanh_fwd(&x3);
+        let dx = r::gelu_tanh_bwd(&dy, &x3);
+        let xv = var(&x3, &[n]);
+        let inner =
+            (xv.as_tensor() + xv.powf(3.0).unwrap().affine(0.044715, 0.0).unwrap()).unwrap();
+        let t = inner
+            .affine((2.0 / std::f64::consts::PI).sqrt(), 0.0)
+            .unwrap()
+            .tanh()
+            .unwrap();
+        let yt = (xv.as_tensor() * t.affine(0.5, 0.5).unwrap()).unwrap();
+        let g = grads(&yt, &dy);
+        close(&format!("gelu {n} y"), &y, &vals(&yt), 1e-5);
+        close_grad(&format!("gelu {n} dx"), &dx, &g, &xv);
+
+        let y = r::swiglu_fwd(&x3, &u);
+        let (dg, du) = r::swiglu_bwd(&dy, &x3, &u);
+        let (gv, uv) = (var(&x3, &[n]), var(&u, &[n]));
+        let sig = gv
+            .neg()
+            .unwrap()
+            .exp()
+            .unwrap()
+            .affine(1.0, 1.0)
+            .unwrap()
+            .recip()
+            .unwrap();
+        let yt = ((gv.as_tensor() * sig).unwrap() * uv.as_tensor()).unwrap();
+        let g = grads(&yt, &dy);
+        close(&format!("swiglu {n} y"), &y, &vals(&yt), 1e-5);
+        close_grad(&format!("swiglu {n} dgate"), &dg, &g, &gv);
+        close_grad(&format!("swiglu {n} dup"), &du, &g, &uv);
+    }
+}
+
+#[test]
+fn bias_add_and_gradient() {
+    for cols in COLS {
+        let (x, b, dy) = (data(ROWS * cols, 15), data(cols, 16), data(ROWS * cols, 17));
+        let mut y = x.clone();
+        r::bias_add(&mut y, &b);
+        let mut db = vec![0f32; cols];
+        r::bias_grad(&mut db, &dy);
+        let bv = var(&b, &[cols]);
+        let yt = tensor(&x, &[ROWS, cols]).broadcast_add(&bv).unwrap();
+        let g = grads(&yt, &dy);
+        close(&format!("bias {cols} y"), &y, &vals(&yt), 1e-6);
+        close_grad(&format!("bias {cols} db"), &db, &g, &bv);
+    }
+}
+
+#[test]
+fn cross_entropy_loss_and_logit_gradient() {
+    for vocab in [1usize, 7, 257, 1000, 50257] {
+        let rows = 4;
+        let logits: Vec<f32> = data(rows * vocab, 18).iter().map(|v| v * 8.0).collect();
+        let mut targets: Vec<i32> = (0..rows).map(|i| ((i * 7919) % vocab) as i32).collect();
+        targets[2] = -100; // ignored
+        let counted = 3.0f32;
+        let (loss, grad) = r::cross_entropy(&logits, &targets, vocab, -100, Some(1.0 / counted));
+        let total = r::sum_f32(&loss) / counted;
+
+        let lv = var(&logits, &[rows, vocab]);
+        let mx = lv.max_keepdim(1).unwrap();
+        let lse = lv
+            .broadcast_sub(&mx)
+            .unwrap()
+            .exp()
+            .unwrap()
+            .sum_keepdim(1)
+            .unwrap()
+            .log()
+            .unwrap();
+        let lse = (lse + mx).unwrap();
+        let keep: Vec<u32> = vec![0, 1, 3];
+        let keep_t = Tensor::new(keep.as_slice(), &Device::Cpu).unwrap();
+        let idx: Vec<u32> = keep.iter().map(|&k| targets[k as usize] as u32).collect();
+        let idx_t = Tensor::new(idx.as_slice(), &Device::Cpu)
+            .unwrap()
+            .unsqueeze(1)
+            .unwrap();
+        let picked = lv
+            .index_select(&keep_t, 0)
+            .unwrap()
+            .gather(&idx_t, 1)
+            .unwrap();
+        let per = (lse.index_select(&keep_t, 0).unwrap() - picked).unwrap();
+        let mean = per.mean_all().unwrap();
+        let g = mean.backward().unwrap();
+        let want_total = vals(&mean)[0];
+        let err = (total as f64 - want_total).abs() / want_total.abs().max(1e-30);
+        assert!(
+            err < 1e-5 || (total == 0.0 && want_total == 0.0),
+            "vocab {vocab}: {total} vs {want_total}"
+        );
+        close(
+            &format!("ce {vocab} dlogits"),
+            &grad.unwrap(),
+            &vals(g.get(&lv).unwrap()),
+            1e-5,
+        );
+        assert_eq!(loss[2], 0.0);
+    }
+    // A target outside the vocabulary gives NaN, not a read past the row.
+    let (loss, _) = r::cross_entropy(&[0.0f32; 4], &[4], 4, -100, None);
+    assert!(loss[0].is_nan());
+}
+
+#[test]
+fn embedding_forward_and_backward() {
+    for hidden in [1usize, 7, 257] {
+        let vocab = 11;
+        let ids: Vec<i32> = vec![3, 0, 10, 3, 3, 7, 0];
+        let (table, dy) = (data(vocab * hidden, 19), data(ids.len() * hidden, 20));
+        let out = r::embedding_fwd(&table, &ids, hidden);
+        let mut gt = vec![0f32; vocab * hidden];
+        r::embedding_bwd(&mut gt, &dy, &ids, hidden);
+        let tv = var(&table, &[vocab, hidden]);
+        let idx: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
+        let ot = tv
+            .index_select(&Tensor::new(idx.as_slice(), &Device::Cpu).unwrap(), 0)
+            .unwrap();
+        let g = (&ot * tensor(&dy, &[ids.len(), hidden]))
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        close(&format!("embedding {hidden} out"), &out, &vals(&ot), 0.0);
+        close(
+            &format!("embedding {hidden} grad"),
+            &gt,
+            &vals(g.get(&tv).unwrap()),
+            1e-6,
+        );
+    }
+    let out = r::embedding_fwd(&[1.0f32, 2.0], &[2, -1], 1);
+    assert!(out.iter().all(|v| v.is_nan()));
+}
+
+#[test]
+fn sum_of_squares_per_group() {
+    let x = data(10_000, 21);
+    let offsets = [0i64, 0, 1, 255, 257, 4096, 10_000];
+    let got = r::sumsq_groups(&x, &offsets);
+    for (g, w) in offsets.windows(2).enumerate() {
+        let part = &x[w[0] as usize..w[1] as usize];
+        let want: f64 = part.iter().map(|&v| (v as f64).powi(2)).sum();
+        assert!(
+            (got[g] as f64 - want).abs() <= 1e-5 * want.max(1e-30),
+            "group {g}: {} vs {want}",
+            got[g]
+        );
+    }
+}
+
+#[test]
+fn sixteen_bit_storage_rounds_once_at_the_store() {
+    // bf16 in and out: the fp32 computation of the same (rounded) inputs,
+    // rounded once.
+    let cols = 257;
+    let x32 = data(ROWS * cols, 22);
+    let w32 = data(cols, 23);
+    let x: Vec<bf16> = r::cast(&x32);
+    let w: Vec<bf16> = r::cast(&w32);
+    let (y16, _, _) = r::layernorm_fwd(&x, &w, None, cols, 1e-5);
+    let (y32, _, _) = r::layernorm_fwd(
+        &r::cast::<bf16, f32>(&x),
+        &r::cast::<bf16, f32>(&w),
+        None,
+        cols,
+        1e-5,
+    );
+    assert_eq!(y16, r::cast::<f32, bf16>(&y32));
+    // The casts round to nearest even and keep NaN.
+    let v = [
+        1.0f32 + f32::EPSILON * 2f32.powi(15),
+        f32::NAN,
+        -0.0,
+        65520.0,
+    ];
+    let b: Vec<bf16> = r::cast(&v);
+    assert_eq!(b[0].to_bits(), 0x3f80);
+    assert!(b[1].is_nan());
+    assert_eq!(b[2].to_bits(), 0x8000);
+    let h: Vec<half::f16> = r::cast(&v);
+    assert!(h[3].is_infinite(), "65520 rounds to +inf in fp16");
+}
