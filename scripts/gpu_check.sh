@@ -23,6 +23,8 @@
 #   6b. the Python package's AdamW over CUDA params against CPU params, bit
 #      for bit (python/tests/test_adamw_cuda.py, with the machine's
 #      PyTorch; the wheel from $TIERZERO_WHEEL or target/wheels/);
+#   6c. every CUDA kernel against its CPU reference (gpu/examples/
+#      kernel_check, $KERNEL_CHECK_BIN), with PyTorch's cuBLAS and NVRTC;
 #   7. the overlap ratio (docs/decisions/overlap.md) on this machine's cores and disk (a
 #      measurement, never a failure): `examples/overlap` (built with the
 #      binary in step 1; skipped with TIERZERO_BIN unless OVERLAP_BIN
@@ -43,7 +45,8 @@
 # Run on one H200 machine (16 cores) on 2026-11-30: every step passed; two
 # ranks on its one GPU were refused (ncclInvalidUsage, now an exit-2 hint).
 #
-# Environment: TIERZERO_BIN, OVERLAP_BIN, OVERLAP_DIR, GPU_CHECK_PORT
+# Environment: TIERZERO_BIN, KERNEL_CHECK_BIN, TIERZERO_WHEEL, TIERZERO_PY,
+# OVERLAP_BIN, OVERLAP_DIR, GPU_CHECK_PORT
 # (default 29517), GPU_CHECK_BYTES (timed all-gather per rank, default
 # 256M), GPU_CHECK_BUDGET_S (default 300: the overlap measurement uses
 # what steps 1-6 leave of it, so the whole check fits a short device
@@ -198,6 +201,32 @@ else
   echo "no wheel (TIERZERO_WHEEL, target/wheels) or no python" >"$py_log"
 fi
 
+# 6c. Every CUDA kernel against its CPU reference (tierzero-gpu's
+# examples/kernel_check: fresh inputs, poisoned outputs, fp32 at 1e-5 and
+# bf16 at 2e-2 relative, cuBLAS GEMMs, AdamW bit for bit). CUDA 13's cuBLAS
+# and NVRTC come from the machine's PyTorch wheels: every nvidia/*/lib
+# under /opt/torch/.venv goes on LD_LIBRARY_PATH for this step (the JSON
+# lists them). The binary: $KERNEL_CHECK_BIN, else
+# target/release/examples/kernel_check, else built here.
+kc_log="$WORK/kernel_check.err"; : >"$kc_log"
+KC_BIN="${KERNEL_CHECK_BIN:-}"
+if [ -z "$KC_BIN" ] && [ -x target/release/examples/kernel_check ]; then KC_BIN=target/release/examples/kernel_check; fi
+if [ -z "$KC_BIN" ] && command -v cargo >/dev/null; then
+  cargo build --release -p tierzero-gpu --example kernel_check >>"$kc_log" 2>&1 && KC_BIN=target/release/examples/kernel_check
+fi
+nv_libs=$(ls -d /opt/torch/.venv/lib/python3*/site-packages/nvidia/*/lib 2>/dev/null | paste -sd: -)
+kc_rc=null; kc_result=null
+if [ -n "$KC_BIN" ]; then
+  LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
+    timeout "$(cap 180)" "$KC_BIN" "$WORK/kernel_check.json" >/dev/null 2>>"$kc_log"
+  kc_rc=$?
+  kc_result=$(json_obj "$WORK/kernel_check.json")
+  [ "$kc_rc" = 0 ] || failed=1
+else
+  echo "no kernel_check binary (KERNEL_CHECK_BIN) and no cargo" >>"$kc_log"
+  failed=1
+fi
+
 # 7. Overlap (a measurement: never sets `failed`), in what is left of the
 # budget. A summary line's field.
 field() { grep -o "\"$2\":[0-9.eE+-]*" <<<"$1" | head -n 1 | cut -d: -f2; }
@@ -281,6 +310,8 @@ fi
   printf '"train":{"same_weights_cpu_vs_nccl":%s,"cpu":{"rc":%s,"secs":%s,"result":%s,"stderr":%s},"nccl":{"rc":%s,"secs":%s,"result":%s,"stderr":%s}},' \
     "$train_same" "$(cat "$WORK/train-cpu/rc")" "$(cat "$WORK/train-cpu/secs")" "$(json_obj "$WORK/train-cpu/out.json")" "$(json_str "$WORK/train-cpu/err.txt")" \
     "$(cat "$WORK/train-cuda/rc")" "$(cat "$WORK/train-cuda/secs")" "$(json_obj "$WORK/train-cuda/out.json")" "$(json_str "$WORK/train-cuda/err.txt")"
+  printf '"kernels":{"bin":"%s","cuda_libs":"%s","rc":%s,"result":%s,"log":%s},' \
+    "$KC_BIN" "$nv_libs" "$kc_rc" "$kc_result" "$(json_str "$kc_log")"
   printf '"python_cuda":{"wheel":"%s","python":"%s","rc":%s,"result":%s,"log":%s},' \
     "$WHEEL" "$PY" "$py_rc" "$py_result" "$(json_str "$py_log")"
   printf '"overlap":{"cores":%s,"threads_scan_micro2":[%s],"threads_scan_h512_micro8":[%s],"compute_threads":%s,"calibration":[%s],"balanced_micro":%s,"balanced":%s,"balanced_unpinned":%s,"balanced_live72_reuse24":%s,"micro_2":%s,"micro_2_unpinned":%s,"log":%s}}\n' \

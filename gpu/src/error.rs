@@ -51,6 +51,59 @@ pub enum GpuError {
         /// NVRTC's result code.
         code: String,
     },
+    /// A CUDA driver call failed.
+    #[error("CUDA {call} failed: {detail}")]
+    Driver {
+        /// What was called.
+        call: &'static str,
+        /// The driver's error.
+        detail: String,
+    },
+    /// A cuBLAS call failed.
+    #[error("cuBLAS {call} failed: {detail}")]
+    Blas {
+        /// What was called.
+        call: &'static str,
+        /// cuBLAS's status.
+        detail: String,
+    },
+    /// The device budget is larger than the device's free memory.
+    #[error(
+        "device budget {budget_bytes} bytes is more than cuda:{ordinal}'s free memory ({free_bytes} of \
+         {total_bytes} bytes); lower tierzero.device_budget_bytes or free the GPU"
+    )]
+    DeviceMemory {
+        /// The device.
+        ordinal: usize,
+        /// The budget asked for.
+        budget_bytes: u64,
+        /// Free device memory at start-up.
+        free_bytes: u64,
+        /// The device's memory.
+        total_bytes: u64,
+    },
+    /// An allocation would pass the device budget.
+    #[error(
+        "{what}: {want_bytes} bytes would pass the device budget ({used_bytes} of {budget_bytes} bytes in use)"
+    )]
+    OutOfBudget {
+        /// What was being allocated.
+        what: String,
+        /// Its bytes.
+        want_bytes: u64,
+        /// Bytes allocated already.
+        used_bytes: u64,
+        /// The budget.
+        budget_bytes: u64,
+    },
+    /// A kernel was called with buffers that do not fit its shape.
+    #[error("{kernel}: {detail}")]
+    Shape {
+        /// The kernel.
+        kernel: String,
+        /// Which buffer, its length and the length the shape needs.
+        detail: String,
+    },
     /// The kernel cache could not be read or written.
     #[error("kernel cache {path}: {source}")]
     Cache {

@@ -40,9 +40,21 @@
 //! threads) is part of that order.
 
 pub mod cache;
+pub mod device;
 mod error;
 pub mod kernels;
 pub mod nvrtc;
+pub mod ops;
 pub mod reference;
 
 pub use error::{GpuError, Result};
+
+/// The file names cudarc's loader tries for `lib` on Linux (its list also
+/// holds Windows-style `lib{lib}64_*` names, left out of messages).
+pub(crate) fn tried_names(lib: &str) -> String {
+    cudarc::get_lib_name_candidates(lib)
+        .into_iter()
+        .filter(|n| !n.contains("64"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}

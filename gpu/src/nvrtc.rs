@@ -160,7 +160,7 @@ pub fn available() -> Result<()> {
     }
     Err(GpuError::LibraryMissing {
         library: LIBRARY,
-        tried: cudarc::get_lib_name_candidates("nvrtc").join(", "),
+        tried: crate::tried_names("nvrtc"),
         fix: FIX,
     })
 }

@@ -541,6 +541,40 @@ pub fn adamw<T: Storage>(
     }
 }
 
+/// The product [`crate::ops::matmul`] asks cuBLAS for (row-major, per
+/// batch: `C = α·op(A)·op(B) + β·C`), summed in f64 (cuBLAS's order is its
+/// own: compare within a tolerance).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul<T: Storage>(
+    c: &mut [T],
+    a: &[T],
+    b: &[T],
+    batch: usize,
+    (m, n, k): (usize, usize, usize),
+    (trans_a, trans_b): (bool, bool),
+    alpha: f32,
+    beta: f32,
+) {
+    for p in 0..batch {
+        let (a, b) = (
+            &a[p * m * k..(p + 1) * m * k],
+            &b[p * k * n..(p + 1) * k * n],
+        );
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = 0f64;
+                for l in 0..k {
+                    let x = if trans_a { a[l * m + i] } else { a[i * k + l] };
+                    let y = if trans_b { b[j * k + l] } else { b[l * n + j] };
+                    s += x.load() as f64 * y.load() as f64;
+                }
+                let o = &mut c[p * m * n + i * n + j];
+                *o = T::store((alpha as f64 * s + beta as f64 * o.load() as f64) as f32);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,622 @@
+//! The device check of every kernel: each against its CPU reference
+//! (`tierzero_gpu::reference`) on fresh inputs at awkward sizes, in fp32
+//! and bf16, with every output poisoned (NaN) before the launch. A result
+//! passes when no output is NaN where the reference is not (every element
+//! written) and the relative error ‖got − ref‖ / ‖ref‖ is at most 1e-5 in
+//! fp32, 2e-2 in bf16. Prints one JSON object; exit 0 when all pass, 1
+//! when one fails, 2 when the device cannot be opened (the error says why).
+//!
+//! `cargo run --release -p tierzero-gpu --example kernel_check [OUT.json]`
+//! (`scripts/gpu_check.sh` runs it with PyTorch's CUDA libraries on
+//! `LD_LIBRARY_PATH`).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Instant;
+
+use half::bf16;
+use tierzero_gpu::cache::KernelCache;
+use tierzero_gpu::device::{Device, DeviceBuffer, DeviceOptions};
+use tierzero_gpu::ops::{self, AdamState, DeviceRuns, Elem, MatmulShape, NormOut, NormStats};
+use tierzero_gpu::reference::{self as r, AdamScalars, RopeShape, Storage};
+use tierzero_gpu::Result;
+
+fn data(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn typed<T: Storage>(v: &[f32]) -> Vec<T> {
+    v.iter().map(|&x| T::store(x)).collect()
+}
+
+struct Report {
+    results: Vec<String>,
+    failed: usize,
+}
+
+impl Report {
+    fn compare<T: Storage>(&mut self, kernel: &str, size: &str, got: &[T], want: &[T], tol: f64) {
+        let (mut d, mut n, mut unwritten) = (0f64, 0f64, 0usize);
+        for (g, w) in got.iter().zip(want) {
+            let (g, w) = (g.load() as f64, w.load() as f64);
+            if w.is_nan() {
+                continue;
+            }
+            if !g.is_finite() {
+                unwritten += 1;
+                continue;
+            }
+            d += (g - w).powi(2);
+            n += w * w;
+        }
+        let rel = if n == 0.0 { d.sqrt() } else { (d / n).sqrt() };
+        let ok = got.len() == want.len() && unwritten == 0 && rel <= tol;
+        if !ok {
+            self.failed += 1;
+        }
+        self.results.push(format!(
+            "{{\"kernel\":\"{kernel}\",\"size\":\"{size}\",\"rel_err\":{rel:e},\"tol\":{tol:e},\"non_finite\":{unwritten},\"ok\":{ok}}}"
+        ));
+    }
+}
+
+fn poisoned<T: Elem>(dev: &Device, n: usize) -> Result<DeviceBuffer<T>> {
+    dev.upload("output", &vec![T::store(f32::NAN); n])
+}
+
+fn up<T: Elem>(dev: &Device, v: &[f32]) -> Result<DeviceBuffer<T>> {
+    dev.upload("input", &typed::<T>(v))
+}
+
+fn check_all<T: Elem>(dev: &Device, rep: &mut Report, tol: f64) -> Result<()>
+where
+    cudarc::cublas::CudaBlas: cudarc::cublas::Gemm<T>,
+{
+    let sfx = T::SUFFIX;
+    let name = |k: &str| format!("{k}_{sfx}");
+    // Norms.
+    for (rows, cols) in [(3usize, 1usize), (5, 255), (4, 257), (7, 1000), (2, 4096)] {
+        let size = format!("{rows}x{cols}");
+        let n = rows * cols;
+        let (x, w, b, dy) = (
+            typed::<T>(&data(n, 1)),
+            typed::<T>(&data(cols, 2)),
+            typed::<T>(&data(cols, 3)),
+            typed::<T>(&data(n, 4)),
+        );
+        let (dx_, dw_, db_) = (
+            up::<T>(dev, &r::cast::<T, f32>(&x))?,
+            up::<T>(dev, &r::cast::<T, f32>(&w))?,
+            up::<T>(dev, &r::cast::<T, f32>(&b))?,
+        );
+        let ddy = up::<T>(dev, &r::cast::<T, f32>(&dy))?;
+        let (y, mean, rstd) = r::layernorm_fwd(&x, &w, Some(&b), cols, 1e-5);
+        let (mut gy, mut gm, mut gr) = (
+            poisoned::<T>(dev, n)?,
+            poisoned::<f32>(dev, rows)?,
+            poisoned::<f32>(dev, rows)?,
+        );
+        ops::layernorm_fwd(
+            dev,
+            NormOut {
+                y: &mut gy,
+                mean: Some(&mut gm),
+                rstd: &mut gr,
+            },
+            &dx_,
+            &dw_,
+            Some(&db_),
+            cols,
+            1e-5,
+        )?;
+        rep.compare(&name("layernorm_fwd"), &size, &dev.download(&gy)?, &y, tol);
+        rep.compare(
+            "layernorm_fwd.rstd",
+            &size,
+            &dev.download(&gr)?,
+            &rstd,
+            1e-5,
+        );
+        let dx = r::layernorm_bwd_dx(&dy, &x, &w, &mean, &rstd, cols);
+        let mut gdx = poisoned::<T>(dev, n)?;
+        let stats = NormStats {
+            mean: Some(&gm),
+            rstd: &gr,
+        };
+        ops::layernorm_bwd_dx(dev, &mut gdx, &ddy, &dx_, &dw_, stats, cols)?;
+        rep.compare(
+            &name("layernorm_bwd_dx"),
+            &size,
+            &dev.download(&gdx)?,
+            &dx,
+            tol,
+        );
+        let (mut dw, mut db) = (data(cols, 5), data(cols, 6));
+        let (mut gdw, mut gdb) = (dev.upload("dw", &dw)?, dev.upload("db", &db)?);
+        r::layernorm_bwd_wb(&mut dw, Some(&mut db), &dy, &x, &mean, &rstd, cols);
+        ops::layernorm_bwd_wb(dev, &mut gdw, Some(&mut gdb), &ddy, &dx_, stats, cols)?;
+        rep.compare(
+            &name("layernorm_bwd_wb.dw"),
+            &size,
+            &dev.download(&gdw)?,
+            &dw,
+            1e-5,
+        );
+        rep.compare(
+            &name("layernorm_bwd_wb.db"),
+            &size,
+            &dev.download(&gdb)?,
+            &db,
+            1e-5,
+        );
+
+        let (y, rstd) = r::rmsnorm_fwd(&x, &w, cols, 1e-6);
+        let (mut gy, mut gr) = (poisoned::<T>(dev, n)?, poisoned::<f32>(dev, rows)?);
+        ops::rmsnorm_fwd(
+            dev,
+            NormOut {
+                y: &mut gy,
+                mean: None,
+                rstd: &mut gr,
+            },
+            &dx_,
+            &dw_,
+            cols,
+            1e-6,
+        )?;
+        rep.compare(&name("rmsnorm_fwd"), &size, &dev.download(&gy)?, &y, tol);
+        let dx = r::rmsnorm_bwd_dx(&dy, &x, &w, &rstd, cols);
+        let mut gdx = poisoned::<T>(dev, n)?;
+        ops::rmsnorm_bwd_dx(dev, &mut gdx, &ddy, &dx_, &dw_, &gr, cols)?;
+        rep.compare(
+            &name("rmsnorm_bwd_dx"),
+            &size,
+            &dev.download(&gdx)?,
+            &dx,
+            tol,
+        );
+        let mut dw = data(cols, 7);
+        let mut gdw = dev.upload("dw", &dw)?;
+        r::rmsnorm_bwd_w(&mut dw, &dy, &x, &rstd, cols);
+        ops::rmsnorm_bwd_w(dev, &mut gdw, &ddy, &dx_, &gr, cols)?;
+        rep.compare(
+            &name("rmsnorm_bwd_w"),
+            &size,
+            &dev.download(&gdw)?,
+            &dw,
+            1e-5,
+        );
+
+        // Bias.
+        let mut yb = x.clone();
+        r::bias_add(&mut yb, &b);
+        let mut gyb = up::<T>(dev, &r::cast::<T, f32>(&x))?;
+        ops::bias_add(dev, &mut gyb, &db_)?;
+        rep.compare(&name("bias_add"), &size, &dev.download(&gyb)?, &yb, tol);
+        let mut dbb = data(cols, 8);
+        let mut gdbb = dev.upload("db", &dbb)?;
+        r::bias_grad(&mut dbb, &dy);
+        ops::bias_grad(dev, &mut gdbb, &ddy)?;
+        rep.compare(&name("bias_grad"), &size, &dev.download(&gdbb)?, &dbb, 1e-5);
+    }
+    // Rope.
+    for head_dim in [2usize, 64, 130] {
+        let s = RopeShape {
+            batch: 2,
+            seq: 33,
+            heads: 3,
+            head_dim,
+        };
+        let half = head_dim / 2;
+        let n = s.batch * s.seq * s.heads * head_dim;
+        let x = typed::<T>(&data(n, 9));
+        let theta: Vec<f32> = (0..s.seq * half)
+            .map(|i| (i / half) as f32 * 10000f32.powf(-((i % half) as f32) / half as f32))
+            .collect();
+        let (cos, sin): (Vec<f32>, Vec<f32>) = theta.iter().map(|t| (t.cos(), t.sin())).unzip();
+        let (gx, gc, gs) = (
+            up::<T>(dev, &r::cast::<T, f32>(&x))?,
+            dev.upload("cos", &cos)?,
+            dev.upload("sin", &sin)?,
+        );
+        for sign in [1.0f32, -1.0] {
+            let want = r::rope(&x, &cos, &sin, s, sign);
+            let mut gy = poisoned::<T>(dev, n)?;
+            ops::rope(dev, &mut gy, &gx, &gc, &gs, s, sign)?;
+            rep.compare(
+                &name("rope"),
+                &format!("d{head_dim} sign{sign}"),
+                &dev.download(&gy)?,
+                &want,
+                tol,
+            );
+        }
+    }
+    // Causal softmax.
+    for seq in [1usize, 7, 255, 257, 1024] {
+        let rows = 2 * seq;
+        let (s, dp) = (
+            typed::<T>(&data(rows * seq, 10)),
+            typed::<T>(&data(rows * seq, 11)),
+        );
+        let p = r::softmax_causal_fwd(&s, seq, 0.125);
+        let (gsc, gdp) = (
+            up::<T>(dev, &r::cast::<T, f32>(&s))?,
+            up::<T>(dev, &r::cast::<T, f32>(&dp))?,
+        );
+        let mut gp = poisoned::<T>(dev, rows * seq)?;
+        ops::softmax_causal_fwd(dev, &mut gp, &gsc, seq, 0.125)?;
+        rep.compare(
+            &name("softmax_causal_fwd"),
+            &format!("seq{seq}"),
+            &dev.download(&gp)?,
+            &p,
+            tol,
+        );
+        let ds = r::softmax_bwd(&p, &dp, seq, 0.125);
+        let gp2 = up::<T>(dev, &r::cast::<T, f32>(&p))?;
+        let mut gds = poisoned::<T>(dev, rows * seq)?;
+        ops::softmax_bwd(dev, &mut gds, &gp2, &gdp, seq, 0.125)?;
+        rep.compare(
+            &name("softmax_bwd"),
+            &format!("seq{seq}"),
+            &dev.download(&gds)?,
+            &ds,
+            tol,
+        );
+    }
+    // Pointwise.
+    for n in [1usize, 7, 1000, 1 << 20] {
+        let size = n.to_string();
+        let x = typed::<T>(&data(n, 12).iter().map(|v| v * 3.0).collect::<Vec<_>>());
+        let (u, dy) = (typed::<T>(&data(n, 13)), typed::<T>(&data(n, 14)));
+        let (gx, gu, gdy) = (
+            up::<T>(dev, &r::cast::<T, f32>(&x))?,
+            up::<T>(dev, &r::cast::<T, f32>(&u))?,
+            up::<T>(dev, &r::cast::<T, f32>(&dy))?,
+        );
+        let mut g = poisoned::<T>(dev, n)?;
+        ops::gelu_tanh_fwd(dev, &mut g, &gx)?;
+        rep.compare(
+            &name("gelu_tanh_fwd"),
+            &size,
+            &dev.download(&g)?,
+            &r::gelu_tanh_fwd(&x),
+            tol,
+        );
+        ops::gelu_tanh_bwd(dev, &mut g, &gdy, &gx)?;
+        rep.compare(
+            &name("gelu_tanh_bwd"),
+            &size,
+            &dev.download(&g)?,
+            &r::gelu_tanh_bwd(&dy, &x),
+            tol,
+        );
+        let mut g = poisoned::<T>(dev, n)?;
+        ops::swiglu_fwd(dev, &mut g, &gx, &gu)?;
+        rep.compare(
+            &name("swiglu_fwd"),
+            &size,
+            &dev.download(&g)?,
+            &r::swiglu_fwd(&x, &u),
+            tol,
+        );
+        let (dg, du) = r::swiglu_bwd(&dy, &x, &u);
+        let (mut g1, mut g2) = (poisoned::<T>(dev, n)?, poisoned::<T>(dev, n)?);
+        ops::swiglu_bwd(dev, &mut g1, &mut g2, &gdy, &gx, &gu)?;
+        rep.compare(
+            &name("swiglu_bwd.dgate"),
+            &size,
+            &dev.download(&g1)?,
+            &dg,
+            tol,
+        );
+        rep.compare(
+            &name("swiglu_bwd.dup"),
+            &size,
+            &dev.download(&g2)?,
+            &du,
+            tol,
+        );
+    }
+    // Cross-entropy and the loss sum.
+    for vocab in [1usize, 257, 50257] {
+        let rows = 9;
+        let logits = typed::<T>(
+            &data(rows * vocab, 15)
+                .iter()
+                .map(|v| v * 8.0)
+                .collect::<Vec<_>>(),
+        );
+        let mut targets: Vec<i32> = (0..rows).map(|i| ((i * 7919) % vocab) as i32).collect();
+        targets[4] = -100;
+        let (loss, grad) = r::cross_entropy(&logits, &targets, vocab, -100, Some(1.0 / 8.0));
+        let (gl, gt) = (
+            up::<T>(dev, &r::cast::<T, f32>(&logits))?,
+            dev.upload("targets", &targets)?,
+        );
+        let (mut glr, mut gd) = (
+            poisoned::<f32>(dev, rows)?,
+            poisoned::<T>(dev, rows * vocab)?,
+        );
+        ops::cross_entropy(
+            dev,
+            &mut glr,
+            Some(&mut gd),
+            &gl,
+            &gt,
+            vocab,
+            -100,
+            1.0 / 8.0,
+        )?;
+        let size = format!("vocab{vocab}");
+        rep.compare(
+            &name("cross_entropy.loss"),
+            &size,
+            &dev.download(&glr)?,
+            &loss,
+            1e-5,
+        );
+        rep.compare(
+            &name("cross_entropy.dlogits"),
+            &size,
+            &dev.download(&gd)?,
+            &grad.unwrap(),
+            tol,
+        );
+        let mut gs = poisoned::<f32>(dev, 1)?;
+        ops::sum_f32(dev, &mut gs, &glr)?;
+        rep.compare(
+            "sum_f32",
+            &size,
+            &dev.download(&gs)?,
+            &[r::sum_f32(&loss)],
+            1e-5,
+        );
+    }
+    // Embedding.
+    for hidden in [1usize, 257, 768] {
+        let vocab = 50;
+        let ids: Vec<i32> = (0..300).map(|i| ((i * 37) % vocab) as i32).collect();
+        let table = typed::<T>(&data(vocab * hidden, 16));
+        let dy = typed::<T>(&data(ids.len() * hidden, 17));
+        let (gtab, gids) = (
+            up::<T>(dev, &r::cast::<T, f32>(&table))?,
+            dev.upload("ids", &ids)?,
+        );
+        let mut go = poisoned::<T>(dev, ids.len() * hidden)?;
+        ops::embedding_fwd(dev, &mut go, &gtab, &gids, hidden)?;
+        rep.compare(
+            &name("embedding_fwd"),
+            &format!("h{hidden}"),
+            &dev.download(&go)?,
+            &r::embedding_fwd(&table, &ids, hidden),
+            0.0,
+        );
+        let runs = r::embedding_runs(&ids);
+        let druns = DeviceRuns {
+            uniq: dev.upload("uniq", &runs.uniq)?,
+            starts: dev.upload("starts", &runs.starts)?,
+            order: dev.upload("order", &runs.order)?,
+        };
+        let mut gt = data(vocab * hidden, 18);
+        let mut ggt = dev.upload("grad_table", &gt)?;
+        let gdy = up::<T>(dev, &r::cast::<T, f32>(&dy))?;
+        r::embedding_bwd(&mut gt, &dy, &ids, hidden);
+        ops::embedding_bwd(dev, &mut ggt, &gdy, &druns, vocab, hidden)?;
+        rep.compare(
+            &name("embedding_bwd"),
+            &format!("h{hidden}"),
+            &dev.download(&ggt)?,
+            &gt,
+            1e-5,
+        );
+    }
+    // Sums of squares per group.
+    let x = typed::<T>(&data(100_000, 19));
+    let offsets = [0i64, 0, 1, 255, 257, 4096, 100_000];
+    let (gx, go) = (
+        up::<T>(dev, &r::cast::<T, f32>(&x))?,
+        dev.upload("offsets", &offsets)?,
+    );
+    let mut gout = poisoned::<f32>(dev, offsets.len() - 1)?;
+    ops::sumsq_groups(dev, &mut gout, &gx, &go, &offsets)?;
+    rep.compare(
+        &name("sumsq_groups"),
+        "7 groups",
+        &dev.download(&gout)?,
+        &r::sumsq_groups(&x, &offsets),
+        1e-5,
+    );
+    // Matmul (cuBLAS), every transpose.
+    for (m, n, k) in [(1usize, 1usize, 1usize), (33, 65, 17), (128, 256, 768)] {
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            let batch = 3;
+            let (a, b) = (
+                typed::<T>(&data(batch * m * k, 20)),
+                typed::<T>(&data(batch * k * n, 21)),
+            );
+            let mut c = typed::<T>(&data(batch * m * n, 22));
+            let (ga, gb) = (
+                up::<T>(dev, &r::cast::<T, f32>(&a))?,
+                up::<T>(dev, &r::cast::<T, f32>(&b))?,
+            );
+            let mut gc = up::<T>(dev, &r::cast::<T, f32>(&c))?;
+            r::matmul(&mut c, &a, &b, batch, (m, n, k), (ta, tb), 0.5, 1.0);
+            ops::matmul(
+                dev,
+                &mut gc,
+                &ga,
+                &gb,
+                MatmulShape {
+                    batch,
+                    m,
+                    n,
+                    k,
+                    trans_a: ta,
+                    trans_b: tb,
+                },
+                0.5,
+                1.0,
+            )?;
+            rep.compare(
+                &name("matmul"),
+                &format!("{m}x{n}x{k} t{}{}", ta as u8, tb as u8),
+                &dev.download(&gc)?,
+                &c,
+                tol.max(1e-5),
+            );
+        }
+    }
+    Ok(())
+}
+
+fn check_f32_only(dev: &Device, rep: &mut Report) -> Result<()> {
+    // AdamW: the CPU kernel's arithmetic, so the bits should be equal; the
+    // tolerance is the fp32 one, and the JSON says the error.
+    let n = 1_000_003;
+    let (mut p, mut m, mut v) = (data(n, 30), vec![0f32; n], vec![0f32; n]);
+    let (mut gp, mut gm, mut gv) = (
+        dev.upload("master", &p)?,
+        dev.upload("m", &m)?,
+        dev.upload("v", &v)?,
+    );
+    let mut out = vec![bf16::ZERO; n];
+    let mut gout = poisoned::<bf16>(dev, n)?;
+    for step in 1..=3u64 {
+        let g = data(n, 40 + step);
+        let gg = dev.upload("grad", &g)?;
+        let t = step as f64;
+        let s = AdamScalars {
+            grad_scale: 0.5,
+            beta1: 0.9,
+            one_minus_beta1: (1.0f64 - 0.9) as f32,
+            beta2: 0.999,
+            one_minus_beta2: (1.0f64 - 0.999) as f32,
+            eps: 1e-8,
+            neg_step_size: (-1e-3 / (1.0 - 0.9f64.powf(t))) as f32,
+            inv_sqrt_bc2: (1.0 / (1.0 - 0.999f64.powf(t)).sqrt()) as f32,
+            neg_lr_wd: (-1e-3f64 * 0.1) as f32,
+        };
+        r::adamw(&mut p, &mut m, &mut v, &g, Some(&mut out), s);
+        ops::adamw(
+            dev,
+            AdamState {
+                master: &mut gp,
+                m: &mut gm,
+                v: &mut gv,
+            },
+            &gg,
+            Some(&mut gout),
+            s,
+        )?;
+    }
+    let got = dev.download(&gp)?;
+    let same_bits = got.iter().zip(&p).all(|(a, b)| a.to_bits() == b.to_bits());
+    rep.compare(
+        "adamw_bf16.master",
+        &format!("{n} x3 steps, bits equal: {same_bits}"),
+        &got,
+        &p,
+        1e-5,
+    );
+    rep.compare(
+        "adamw_bf16.out",
+        &n.to_string(),
+        &dev.download(&gout)?,
+        &out,
+        2e-2,
+    );
+    // Casts.
+    let x = data(100_001, 50);
+    let gx = dev.upload("x", &x)?;
+    let mut gb = poisoned::<bf16>(dev, x.len())?;
+    ops::cast(dev, &mut gb, &gx)?;
+    rep.compare(
+        "cast_f32_bf16",
+        "100001",
+        &dev.download(&gb)?,
+        &r::cast::<f32, bf16>(&x),
+        0.0,
+    );
+    let mut gh = poisoned::<half::f16>(dev, x.len())?;
+    ops::cast(dev, &mut gh, &gb)?;
+    let bx: Vec<bf16> = r::cast(&x);
+    rep.compare(
+        "cast_bf16_f16",
+        "100001",
+        &dev.download(&gh)?,
+        &r::cast::<bf16, half::f16>(&bx),
+        0.0,
+    );
+    let mut gf = poisoned::<f32>(dev, x.len())?;
+    ops::cast(dev, &mut gf, &gh)?;
+    let hx: Vec<half::f16> = r::cast(&bx);
+    rep.compare(
+        "cast_f16_f32",
+        "100001",
+        &dev.download(&gf)?,
+        &r::cast::<half::f16, f32>(&hx),
+        0.0,
+    );
+    Ok(())
+}
+
+fn main() {
+    let out_path = std::env::args().nth(1);
+    let t0 = Instant::now();
+    let opts = DeviceOptions {
+        budget_bytes: None,
+        cache: KernelCache::in_default_dir(),
+    };
+    let emit = |json: String| {
+        println!("{json}");
+        if let Some(p) = &out_path {
+            std::fs::write(p, format!("{json}\n")).expect("writing the JSON");
+        }
+    };
+    let dev = match Device::open(0, &opts) {
+        Ok(d) => d,
+        Err(e) => {
+            emit(format!(
+                "{{\"ok\":false,\"step\":\"open\",\"error\":{:?}}}",
+                e.to_string()
+            ));
+            eprintln!("kernel_check: {e}");
+            std::process::exit(2);
+        }
+    };
+    let open_s = t0.elapsed().as_secs_f64();
+    let mut rep = Report {
+        results: Vec::new(),
+        failed: 0,
+    };
+    let run = check_all::<f32>(&dev, &mut rep, 1e-5)
+        .and_then(|_| check_all::<bf16>(&dev, &mut rep, 2e-2))
+        .and_then(|_| check_f32_only(&dev, &mut rep));
+    let error = match run {
+        Ok(()) => "null".to_string(),
+        Err(e) => {
+            rep.failed += 1;
+            format!("{:?}", e.to_string())
+        }
+    };
+    let ok = rep.failed == 0;
+    emit(format!(
+        "{{\"ok\":{ok},\"device\":{:?},\"arch\":{},\"open_s\":{open_s:.2},\"total_s\":{:.2},\"checks\":{},\"failed\":{},\"error\":{error},\"results\":[{}]}}",
+        dev.name(),
+        dev.arch(),
+        t0.elapsed().as_secs_f64(),
+        rep.results.len(),
+        rep.failed,
+        rep.results.join(",")
+    ));
+    std::process::exit(if ok { 0 } else { 1 });
+}

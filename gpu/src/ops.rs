@@ -1,0 +1,817 @@
+//! Typed launches of every kernel in [`crate::kernels`] on a [`Device`]'s
+//! compute stream.
+//!
+//! Each function checks every buffer's length against the shape it is
+//! given before it launches (an error names the buffer, its length and the
+//! length needed), so the kernel reads and writes only inside its buffers:
+//! that check and the argument list matching the kernel's signature
+//! (types and order, in `src/kernels/*.cu`) are the `SAFETY` of every
+//! launch. Optional pointers (a bias, a gradient output) are passed as
+//! null. Nothing here waits for the GPU.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use half::{bf16, f16};
+
+use crate::device::{Device, DeviceBuffer};
+use crate::kernels::BLOCK_THREADS;
+use crate::reference::{AdamScalars, RopeShape, Storage};
+use crate::{GpuError, Result};
+
+/// A storage dtype the kernels take (its entry-point suffix).
+pub trait Elem: Storage + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits {
+    /// `f32`, `bf16` or `f16`.
+    const SUFFIX: &'static str;
+}
+
+impl Elem for f32 {
+    const SUFFIX: &'static str = "f32";
+}
+impl Elem for bf16 {
+    const SUFFIX: &'static str = "bf16";
+}
+impl Elem for f16 {
+    const SUFFIX: &'static str = "f16";
+}
+
+/// Most blocks a grid-stride kernel is launched with.
+const MAX_GRID: u64 = 1 << 16;
+
+/// One block per row.
+fn per_row(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.max(1) as u32, 1, 1),
+        block_dim: (BLOCK_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// A grid-stride launch over `n` items.
+fn per_item(n: usize) -> LaunchConfig {
+    let blocks = (n as u64).div_ceil(BLOCK_THREADS as u64).clamp(1, MAX_GRID);
+    LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (BLOCK_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn shape_err(kernel: &str, detail: String) -> GpuError {
+    GpuError::Shape {
+        kernel: kernel.to_string(),
+        detail,
+    }
+}
+
+/// `what` has `len` elements where the shape needs `want`.
+fn need(kernel: &str, what: &str, len: usize, want: usize) -> Result<()> {
+    if len == want {
+        Ok(())
+    } else {
+        Err(shape_err(
+            kernel,
+            format!("{what} has {len} elements, the shape needs {want}"),
+        ))
+    }
+}
+
+fn int(kernel: &str, what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| shape_err(kernel, format!("{what} = {v} is past i32")))
+}
+
+/// Rows × cols as a product that cannot overflow.
+fn product(kernel: &str, a: usize, b: usize) -> Result<usize> {
+    a.checked_mul(b)
+        .ok_or_else(|| shape_err(kernel, format!("{a} x {b} overflows")))
+}
+
+fn launch_err(entry: String) -> impl Fn(cudarc::driver::DriverError) -> GpuError {
+    move |e| GpuError::Driver {
+        call: "cuLaunchKernel",
+        detail: format!("{entry}: {e}"),
+    }
+}
+
+/// Launches `a` with `cfg`.
+///
+/// # Safety
+/// As `LaunchArgs::launch`: the arguments pushed into `a` match the
+/// kernel's parameters in type and order, and every buffer holds what the
+/// kernel touches for the shape it is given.
+unsafe fn fire(a: &mut cudarc::driver::LaunchArgs<'_>, cfg: LaunchConfig, k: String) -> Result<()> {
+    // SAFETY: the caller's contract.
+    unsafe { a.launch(cfg) }.map_err(launch_err(k))?;
+    Ok(())
+}
+
+/// Rows of `cols` in `what` (`len` elements, a whole number of rows).
+fn rows_of(kernel: &str, what: &str, len: usize, cols: usize) -> Result<usize> {
+    let rows = len / cols.max(1);
+    need(kernel, what, len, product(kernel, rows, cols)?)?;
+    Ok(rows)
+}
+
+/// The null device pointer, for an optional argument left out.
+const NULL: u64 = 0;
+
+/// `embedding_fwd`: `out[t] = table[ids[t]]` ([tokens, hidden] from
+/// [vocab, hidden]).
+pub fn embedding_fwd<T: Elem>(
+    dev: &Device,
+    out: &mut DeviceBuffer<T>,
+    table: &DeviceBuffer<T>,
+    ids: &DeviceBuffer<i32>,
+    hidden: usize,
+) -> Result<()> {
+    let k = format!("embedding_fwd_{}", T::SUFFIX);
+    let tokens = ids.len();
+    let vocab = table.len() / hidden.max(1);
+    need(&k, "table", table.len(), product(&k, vocab, hidden)?)?;
+    need(&k, "out", out.len(), product(&k, tokens, hidden)?)?;
+    let (t, h, v) = (
+        int(&k, "tokens", tokens)?,
+        int(&k, "hidden", hidden)?,
+        int(&k, "vocab", vocab)?,
+    );
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(out.slice_mut())
+        .arg(table.slice())
+        .arg(ids.slice())
+        .arg(&t)
+        .arg(&h)
+        .arg(&v);
+    // SAFETY: see the module docs: lengths checked above; the arguments are
+    // embedding_fwd's (T*, const T*, const int*, int, int, int).
+    unsafe { fire(&mut a, per_item(tokens * hidden), k) }
+}
+
+/// The host plan of `embedding_bwd` on the device
+/// ([`crate::reference::embedding_runs`]).
+#[derive(Debug)]
+pub struct DeviceRuns {
+    /// Distinct ids.
+    pub uniq: DeviceBuffer<i32>,
+    /// Each id's run in `order` (`uniq.len() + 1` entries).
+    pub starts: DeviceBuffer<i32>,
+    /// Token positions sorted by (id, position).
+    pub order: DeviceBuffer<i32>,
+}
+
+/// `embedding_bwd`: `grad_table[id] += Σ grad_out` over the id's tokens
+/// (fp32 [vocab, hidden]).
+pub fn embedding_bwd<T: Elem>(
+    dev: &Device,
+    grad_table: &mut DeviceBuffer<f32>,
+    grad_out: &DeviceBuffer<T>,
+    runs: &DeviceRuns,
+    vocab: usize,
+    hidden: usize,
+) -> Result<()> {
+    let k = format!("embedding_bwd_{}", T::SUFFIX);
+    let n_uniq = runs.uniq.len();
+    need(&k, "starts", runs.starts.len(), n_uniq + 1)?;
+    need(
+        &k,
+        "grad_out",
+        grad_out.len(),
+        product(&k, runs.order.len(), hidden)?,
+    )?;
+    need(
+        &k,
+        "grad_table",
+        grad_table.len(),
+        product(&k, vocab, hidden)?,
+    )?;
+    let (u, h) = (int(&k, "distinct ids", n_uniq)?, int(&k, "hidden", hidden)?);
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(grad_table.slice_mut())
+        .arg(grad_out.slice())
+        .arg(runs.uniq.slice())
+        .arg(runs.starts.slice())
+        .arg(runs.order.slice())
+        .arg(&u)
+        .arg(&h);
+    // SAFETY: lengths checked above (the runs come from
+    // `reference::embedding_runs` of ids below `vocab`, checked by the
+    // caller's upload); arguments as embedding_bwd's signature.
+    unsafe { fire(&mut a, per_item(n_uniq * hidden), k) }
+}
+
+/// LayerNorm's forward outputs: `y`, and each row's mean and 1/std.
+#[derive(Debug)]
+pub struct NormOut<'a, T> {
+    /// [rows, cols].
+    pub y: &'a mut DeviceBuffer<T>,
+    /// [rows] (LayerNorm only; RMSNorm ignores it).
+    pub mean: Option<&'a mut DeviceBuffer<f32>>,
+    /// [rows].
+    pub rstd: &'a mut DeviceBuffer<f32>,
+}
+
+/// `layernorm_fwd` over rows of `cols`.
+pub fn layernorm_fwd<T: Elem>(
+    dev: &Device,
+    out: NormOut<'_, T>,
+    x: &DeviceBuffer<T>,
+    w: &DeviceBuffer<T>,
+    b: Option<&DeviceBuffer<T>>,
+    cols: usize,
+    eps: f32,
+) -> Result<()> {
+    let k = format!("layernorm_fwd_{}", T::SUFFIX);
+    let rows = rows_of(&k, "x", x.len(), cols)?;
+    need(&k, "y", out.y.len(), x.len())?;
+    need(&k, "w", w.len(), cols)?;
+    if let Some(b) = b {
+        need(&k, "b", b.len(), cols)?;
+    }
+    let mean = out
+        .mean
+        .ok_or_else(|| shape_err(&k, "LayerNorm needs its mean buffer".into()))?;
+    need(&k, "mean", mean.len(), rows)?;
+    need(&k, "rstd", out.rstd.len(), rows)?;
+    let c = int(&k, "cols", cols)?;
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(out.y.slice_mut())
+        .arg(mean.slice_mut())
+        .arg(out.rstd.slice_mut())
+        .arg(x.slice())
+        .arg(w.slice());
+    match b {
+        Some(b) => a.arg(b.slice()),
+        None => a.arg(&NULL),
+    };
+    a.arg(&c).arg(&eps);
+    // SAFETY: lengths checked above; arguments as layernorm_fwd's.
+    unsafe { fire(&mut a, per_row(rows), k) }
+}
+
+/// A norm's saved statistics, for backward.
+#[derive(Debug, Clone, Copy)]
+pub struct NormStats<'a> {
+    /// Each row's mean (LayerNorm).
+    pub mean: Option<&'a DeviceBuffer<f32>>,
+    /// Each row's 1/std (1/rms for RMSNorm).
+    pub rstd: &'a DeviceBuffer<f32>,
+}
+
+/// `layernorm_bwd_dx`.
+pub fn layernorm_bwd_dx<T: Elem>(
+    dev: &Device,
+    dx: &mut DeviceBuffer<T>,
+    dy: &DeviceBuffer<T>,
+    x: &DeviceBuffer<T>,
+    w: &DeviceBuffer<T>,
+    stats: NormStats<'_>,
+    cols: usize,
+) -> Result<()> {
+    let k = format!("layernorm_bwd_dx_{}", T::SUFFIX);
+    let rows = rows_of(&k, "x", x.len(), cols)?;
+    need(&k, "dx", dx.len(), x.len())?;
+    need(&k, "dy", dy.len(), x.len())?;
+    need(&k, "w", w.len(), cols)?;
+    let mean = stats
+        .mean
+        .ok_or_else(|| shape_err(&k, "LayerNorm needs its mean".into()))?;
+    need(&k, "mean", mean.len(), rows)?;
+    need(&k, "rstd", stats.rstd.len(), rows)?;
+    let c = int(&k, "cols", cols)?;
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(dx.slice_mut())
+        .arg(dy.slice())
+        .arg(x.slice())
+        .arg(w.slice())
+        .arg(mean.slice())
+        .arg(stats.rstd.slice())
+        .arg(&c);
+    // SAFETY: lengths checked above; arguments as layernorm_bwd_dx's.
+    unsafe { fire(&mut a, per_row(rows), k) }
+}
+
+/// `layernorm_bwd_wb`: `dw += Σ dy·xhat`, `db += Σ dy` (fp32, [cols]).
+pub fn layernorm_bwd_wb<T: Elem>(
+    dev: &Device,
+    dw: &mut DeviceBuffer<f32>,
+    db: Option<&mut DeviceBuffer<f32>>,
+    dy: &DeviceBuffer<T>,
+    x: &DeviceBuffer<T>,
+    stats: NormStats<'_>,
+    cols: usize,
+) -> Result<()> {
+    let k = format!("layernorm_bwd_wb_{}", T::SUFFIX);
+    let rows = rows_of(&k, "x", x.len(), cols)?;
+    need(&k, "dy", dy.len(), x.len())?;
+    need(&k, "dw", dw.len(), cols)?;
+    let mean = stats
+        .mean
+        .ok_or_else(|| shape_err(&k, "LayerNorm needs its mean".into()))?;
+    need(&k, "mean", mean.len(), rows)?;
+    need(&k, "rstd", stats.rstd.len(), rows)?;
+    let (r, c) = (int(&k, "rows", rows)?, int(&k, "cols", cols)?);
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(dw.slice_mut());
+    match db {
+        Some(db) => {
+            need(&k, "db", db.len(), cols)?;
+            a.arg(db.slice_mut())
+        }
+        None => a.arg(&NULL),
+    };
+    a.arg(dy.slice())
+        .arg(x.slice())
+        .arg(mean.slice())
+        .arg(stats.rstd.slice())
+        .arg(&r)
+        .arg(&c);
+    // SAFETY: lengths checked above; arguments as layernorm_bwd_wb's.
+    unsafe { fire(&mut a, per_item(cols), k) }
+}
+
+/// `rmsnorm_fwd` (`out.mean` unused).
+pub fn rmsnorm_fwd<T: Elem>(
+    dev: &Device,
+    out: NormOut<'_, T>,
+    x: &DeviceBuffer<T>,
+    w: &DeviceBuffer<T>,
+    cols: usize,
+    eps: f32,
+) -> Result<()> {
+    let k = format!("rmsnorm_fwd_{}", T::SUFFIX);
+    let rows = rows_of(&k, "x", x.len(), cols)?;
+    need(&k, "y", out.y.len(), x.len())?;
+    need(&k, "w", w.len(), cols)?;
+    need(&k, "rstd", out.rstd.len(), rows)?;
+    let c = int(&k, "cols", cols)?;
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(out.y.slice_mut())
+        .arg(out.rstd.slice_mut())
+        .arg(x.slice())
+        .arg(w.slice())
+        .arg(&c)
+        .arg(&eps);
+    // SAFETY: lengths checked above; arguments as rmsnorm_fwd's.
+    unsafe { fire(&mut a, per_row(rows), k) }
+}
+
+/// `rmsnorm_bwd_dx`.
+pub fn rmsnorm_bwd_dx<T: Elem>(
+    dev: &Device,
+    dx: &mut DeviceBuffer<T>,
+    dy: &DeviceBuffer<T>,
+    x: &DeviceBuffer<T>,
+    w: &DeviceBuffer<T>,
+    rstd: &DeviceBuffer<f32>,
+    cols: usize,
+) -> Result<()> {
+    let k = format!("rmsnorm_bwd_dx_{}", T::SUFFIX);
+    let rows = rows_of(&k, "x", x.len(), cols)?;
+    need(&k, "dx", dx.len(), x.len())?;
+    need(&k, "dy", dy.len(), x.len())?;
+    need(&k, "w", w.len(), cols)?;
+    need(&k, "rstd", rstd.len(), rows)?;
+    let c = int(&k, "cols", cols)?;
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(dx.slice_mut())
+        .arg(dy.slice())
+        .arg(x.slice())
+        .arg(w.slice())
+        .arg(rstd.slice())
+        .arg(&c);
+    // SAFETY: lengths checked above; arguments as rmsnorm_bwd_dx's.
+    unsafe { fire(&mut a, per_row(rows), k) }
+}
+
+/// `rmsnorm_bwd_w`: `dw += Σ dy·xhat`.
+pub fn rmsnorm_bwd_w<T: Elem>(
+    dev: &Device,
+    dw: &mut DeviceBuffer<f32>,
+    dy: &DeviceBuffer<T>,
+    x: &DeviceBuffer<T>,
+    rstd: &DeviceBuffer<f32>,
+    cols: usize,
+) -> Result<()> {
+    let k = format!("rmsnorm_bwd_w_{}", T::SUFFIX);
+    let rows = rows_of(&k, "x", x.len(), cols)?;
+    need(&k, "dy", dy.len(), x.len())?;
+    need(&k, "dw", dw.len(), cols)?;
+    need(&k, "rstd", rstd.len(), rows)?;
+    let (r, c) = (int(&k, "rows", rows)?, int(&k, "cols", cols)?);
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(dw.slice_mut())
+        .arg(dy.slice())
+        .arg(x.slice())
+        .arg(rstd.slice())
+        .arg(&r)
+        .arg(&c);
+    // SAFETY: lengths checked above; arguments as rmsnorm_bwd_w's.
+    unsafe { fire(&mut a, per_item(cols), k) }
+}
+
+/// `rope`: `y` = `x` rotated by `sign`·θ ([batch, seq, heads, head_dim];
+/// `cos`, `sin` [seq, head_dim / 2]).
+pub fn rope<T: Elem>(
+    dev: &Device,
+    y: &mut DeviceBuffer<T>,
+    x: &DeviceBuffer<T>,
+    cos: &DeviceBuffer<f32>,
+    sin: &DeviceBuffer<f32>,
+    s: RopeShape,
+    sign: f32,
+) -> Result<()> {
+    let k = format!("rope_{}", T::SUFFIX);
+    if !s.head_dim.is_multiple_of(2) {
+        return Err(shape_err(&k, format!("head_dim {} is odd", s.head_dim)));
+    }
+    let n = product(
+        &k,
+        product(&k, s.batch, s.seq)?,
+        product(&k, s.heads, s.head_dim)?,
+    )?;
+    need(&k, "x", x.len(), n)?;
+    need(&k, "y", y.len(), n)?;
+    need(&k, "cos", cos.len(), product(&k, s.seq, s.head_dim / 2)?)?;
+    need(&k, "sin", sin.len(), cos.len())?;
+    let (b, t, h, d) = (
+        int(&k, "batch", s.batch)?,
+        int(&k, "seq", s.seq)?,
+        int(&k, "heads", s.heads)?,
+        int(&k, "head_dim", s.head_dim)?,
+    );
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(y.slice_mut())
+        .arg(x.slice())
+        .arg(cos.slice())
+        .arg(sin.slice())
+        .arg(&b)
+        .arg(&t)
+        .arg(&h)
+        .arg(&d)
+        .arg(&sign);
+    // SAFETY: lengths checked above; arguments as rope's.
+    unsafe { fire(&mut a, per_item(n / 2), k) }
+}
+
+/// `softmax_causal_fwd` over rows of `seq` scores.
+pub fn softmax_causal_fwd<T: Elem>(
+    dev: &Device,
+    p: &mut DeviceBuffer<T>,
+    s: &DeviceBuffer<T>,
+    seq: usize,
+    scale: f32,
+) -> Result<()> {
+    let k = format!("softmax_causal_fwd_{}", T::SUFFIX);
+    let rows = rows_of(&k, "scores", s.len(), seq)?;
+    need(&k, "p", p.len(), s.len())?;
+    let t = int(&k, "seq", seq)?;
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(p.slice_mut()).arg(s.slice()).arg(&t).arg(&scale);
+    // SAFETY: lengths checked above; arguments as softmax_causal_fwd's.
+    unsafe { fire(&mut a, per_row(rows), k) }
+}
+
+/// `softmax_bwd`.
+pub fn softmax_bwd<T: Elem>(
+    dev: &Device,
+    ds: &mut DeviceBuffer<T>,
+    p: &DeviceBuffer<T>,
+    dp: &DeviceBuffer<T>,
+    seq: usize,
+    scale: f32,
+) -> Result<()> {
+    let k = format!("softmax_bwd_{}", T::SUFFIX);
+    let rows = rows_of(&k, "p", p.len(), seq)?;
+    need(&k, "dp", dp.len(), p.len())?;
+    need(&k, "ds", ds.len(), p.len())?;
+    let t = int(&k, "seq", seq)?;
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(ds.slice_mut())
+        .arg(p.slice())
+        .arg(dp.slice())
+        .arg(&t)
+        .arg(&scale);
+    // SAFETY: lengths checked above; arguments as softmax_bwd's.
+    unsafe { fire(&mut a, per_row(rows), k) }
+}
+
+/// A pointwise kernel: `entry_T(out, ins..., n)` over equal-length buffers.
+fn pointwise<T: Elem>(
+    dev: &Device,
+    name: &str,
+    outs: &mut [&mut DeviceBuffer<T>],
+    ins: &[&DeviceBuffer<T>],
+) -> Result<()> {
+    let k = format!("{name}_{}", T::SUFFIX);
+    let n = outs.first().map_or(0, |o| o.len());
+    for (i, o) in outs.iter().enumerate() {
+        need(&k, &format!("output {i}"), o.len(), n)?;
+    }
+    for (i, b) in ins.iter().enumerate() {
+        need(&k, &format!("input {i}"), b.len(), n)?;
+    }
+    let n64 = n as i64;
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    for o in outs.iter_mut() {
+        a.arg(o.slice_mut());
+    }
+    for b in ins {
+        a.arg(b.slice());
+    }
+    a.arg(&n64);
+    // SAFETY: every buffer has the n elements the kernel touches (checked
+    // above); the callers below pass the outputs then the inputs in the
+    // order of the kernel's signature (activation.cu), then n as long long.
+    unsafe { fire(&mut a, per_item(n), k) }
+}
+
+/// `gelu_tanh_fwd`.
+pub fn gelu_tanh_fwd<T: Elem>(
+    dev: &Device,
+    y: &mut DeviceBuffer<T>,
+    x: &DeviceBuffer<T>,
+) -> Result<()> {
+    pointwise(dev, "gelu_tanh_fwd", &mut [y], &[x])
+}
+
+/// `gelu_tanh_bwd`.
+pub fn gelu_tanh_bwd<T: Elem>(
+    dev: &Device,
+    dx: &mut DeviceBuffer<T>,
+    dy: &DeviceBuffer<T>,
+    x: &DeviceBuffer<T>,
+) -> Result<()> {
+    pointwise(dev, "gelu_tanh_bwd", &mut [dx], &[dy, x])
+}
+
+/// `swiglu_fwd`.
+pub fn swiglu_fwd<T: Elem>(
+    dev: &Device,
+    y: &mut DeviceBuffer<T>,
+    gate: &DeviceBuffer<T>,
+    up: &DeviceBuffer<T>,
+) -> Result<()> {
+    pointwise(dev, "swiglu_fwd", &mut [y], &[gate, up])
+}
+
+/// `swiglu_bwd`.
+pub fn swiglu_bwd<T: Elem>(
+    dev: &Device,
+    dgate: &mut DeviceBuffer<T>,
+    dup: &mut DeviceBuffer<T>,
+    dy: &DeviceBuffer<T>,
+    gate: &DeviceBuffer<T>,
+    up: &DeviceBuffer<T>,
+) -> Result<()> {
+    pointwise(dev, "swiglu_bwd", &mut [dgate, dup], &[dy, gate, up])
+}
+
+/// `bias_add`: `y[r, c] += b[c]` in place.
+pub fn bias_add<T: Elem>(dev: &Device, y: &mut DeviceBuffer<T>, b: &DeviceBuffer<T>) -> Result<()> {
+    let k = format!("bias_add_{}", T::SUFFIX);
+    let cols = b.len();
+    let rows = rows_of(&k, "y", y.len(), cols)?;
+    let (r, c) = (rows as i64, int(&k, "cols", cols)?);
+    let cfg = per_item(y.len());
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(y.slice_mut()).arg(b.slice()).arg(&r).arg(&c);
+    // SAFETY: y is rows x cols, b is cols (checked); arguments as bias_add's.
+    unsafe { fire(&mut a, cfg, k) }
+}
+
+/// `bias_grad`: `db[c] += Σ_rows dy[r, c]`.
+pub fn bias_grad<T: Elem>(
+    dev: &Device,
+    db: &mut DeviceBuffer<f32>,
+    dy: &DeviceBuffer<T>,
+) -> Result<()> {
+    let k = format!("bias_grad_{}", T::SUFFIX);
+    let cols = db.len();
+    let rows = rows_of(&k, "dy", dy.len(), cols)?;
+    let (r, c) = (rows as i64, int(&k, "cols", cols)?);
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(db.slice_mut()).arg(dy.slice()).arg(&r).arg(&c);
+    // SAFETY: dy is rows x cols, db is cols (checked); arguments as bias_grad's.
+    unsafe { fire(&mut a, per_item(cols), k) }
+}
+
+/// `cross_entropy` over rows of `vocab` logits: per-row losses, and with
+/// `dlogits` the logits' gradient times `grad_scale`.
+#[allow(clippy::too_many_arguments)]
+pub fn cross_entropy<T: Elem>(
+    dev: &Device,
+    loss_rows: &mut DeviceBuffer<f32>,
+    dlogits: Option<&mut DeviceBuffer<T>>,
+    logits: &DeviceBuffer<T>,
+    targets: &DeviceBuffer<i32>,
+    vocab: usize,
+    ignore_index: i32,
+    grad_scale: f32,
+) -> Result<()> {
+    let k = format!("cross_entropy_{}", T::SUFFIX);
+    let rows = targets.len();
+    need(&k, "logits", logits.len(), product(&k, rows, vocab)?)?;
+    need(&k, "loss_rows", loss_rows.len(), rows)?;
+    let v = int(&k, "vocab", vocab)?;
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(loss_rows.slice_mut());
+    match dlogits {
+        Some(d) => {
+            need(&k, "dlogits", d.len(), logits.len())?;
+            a.arg(d.slice_mut())
+        }
+        None => a.arg(&NULL),
+    };
+    a.arg(logits.slice())
+        .arg(targets.slice())
+        .arg(&v)
+        .arg(&ignore_index)
+        .arg(&grad_scale);
+    // SAFETY: lengths checked above; arguments as cross_entropy's.
+    unsafe { fire(&mut a, per_row(rows), k) }
+}
+
+/// `sum_f32`: `out[0] = Σ x` (one block).
+pub fn sum_f32(dev: &Device, out: &mut DeviceBuffer<f32>, x: &DeviceBuffer<f32>) -> Result<()> {
+    let k = "sum_f32".to_string();
+    need(&k, "out", out.len(), 1)?;
+    let n = x.len() as i64;
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(out.slice_mut()).arg(x.slice()).arg(&n);
+    // SAFETY: out has 1 element, x has n; arguments as sum_f32's.
+    unsafe { fire(&mut a, per_row(1), k) }
+}
+
+/// The `cast_S_D` kernels.
+pub fn cast<S: Elem, D: Elem>(
+    dev: &Device,
+    dst: &mut DeviceBuffer<D>,
+    src: &DeviceBuffer<S>,
+) -> Result<()> {
+    let k = format!("cast_{}_{}", S::SUFFIX, D::SUFFIX);
+    need(&k, "dst", dst.len(), src.len())?;
+    let n = src.len() as i64;
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(dst.slice_mut()).arg(src.slice()).arg(&n);
+    // SAFETY: equal lengths (checked); arguments as cast's (D*, const S*, long long).
+    unsafe { fire(&mut a, per_item(src.len()), k) }
+}
+
+/// `sumsq_groups`: `out[g] = Σ x²` over `offsets[g] .. offsets[g + 1]`
+/// (`offsets` ascending, the last at most `x.len()`, checked on the host
+/// copy `host_offsets`).
+pub fn sumsq_groups<T: Elem>(
+    dev: &Device,
+    out: &mut DeviceBuffer<f32>,
+    x: &DeviceBuffer<T>,
+    offsets: &DeviceBuffer<i64>,
+    host_offsets: &[i64],
+) -> Result<()> {
+    let k = format!("sumsq_groups_{}", T::SUFFIX);
+    need(&k, "offsets", offsets.len(), host_offsets.len())?;
+    let groups = host_offsets.len().saturating_sub(1);
+    need(&k, "out", out.len(), groups)?;
+    let ok = host_offsets.windows(2).all(|w| 0 <= w[0] && w[0] <= w[1])
+        && host_offsets.last().is_none_or(|&l| l as usize <= x.len());
+    if !ok {
+        return Err(shape_err(
+            &k,
+            format!(
+                "offsets {host_offsets:?} are not ascending within {} elements",
+                x.len()
+            ),
+        ));
+    }
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(out.slice_mut()).arg(x.slice()).arg(offsets.slice());
+    // SAFETY: the groups lie inside x and out has one slot per group
+    // (checked on the host copy of the offsets, which `offsets` holds);
+    // arguments as sumsq_groups's.
+    unsafe { fire(&mut a, per_row(groups), k) }
+}
+
+/// The state `adamw` steps.
+#[derive(Debug)]
+pub struct AdamState<'a> {
+    /// fp32 master weights.
+    pub master: &'a mut DeviceBuffer<f32>,
+    /// First moments.
+    pub m: &'a mut DeviceBuffer<f32>,
+    /// Second moments.
+    pub v: &'a mut DeviceBuffer<f32>,
+}
+
+/// `adamw`: one step of every element; `out` (optional) gets the new
+/// params in `T`.
+pub fn adamw<T: Elem>(
+    dev: &Device,
+    st: AdamState<'_>,
+    grad: &DeviceBuffer<f32>,
+    out: Option<&mut DeviceBuffer<T>>,
+    s: AdamScalars,
+) -> Result<()> {
+    let k = format!("adamw_{}", T::SUFFIX);
+    let n = st.master.len();
+    need(&k, "m", st.m.len(), n)?;
+    need(&k, "v", st.v.len(), n)?;
+    need(&k, "grad", grad.len(), n)?;
+    let n64 = n as i64;
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(st.master.slice_mut())
+        .arg(st.m.slice_mut())
+        .arg(st.v.slice_mut())
+        .arg(grad.slice());
+    match out {
+        Some(o) => {
+            need(&k, "out", o.len(), n)?;
+            a.arg(o.slice_mut())
+        }
+        None => a.arg(&NULL),
+    };
+    a.arg(&n64)
+        .arg(&s.grad_scale)
+        .arg(&s.beta1)
+        .arg(&s.one_minus_beta1)
+        .arg(&s.beta2)
+        .arg(&s.one_minus_beta2)
+        .arg(&s.eps)
+        .arg(&s.neg_step_size)
+        .arg(&s.inv_sqrt_bc2)
+        .arg(&s.neg_lr_wd);
+    // SAFETY: lengths checked above; arguments as adamw's.
+    unsafe { fire(&mut a, per_item(n), k) }
+}
+
+/// A batched row-major matrix product `C = α·op(A)·op(B) + β·C`: `op(A)`
+/// is [m, k] (A stored [k, m] when `trans_a`), `op(B)` [k, n], C [m, n],
+/// `batch` of each, contiguous.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatmulShape {
+    /// Matrices per operand.
+    pub batch: usize,
+    /// Rows of C.
+    pub m: usize,
+    /// Columns of C.
+    pub n: usize,
+    /// The contracted dimension.
+    pub k: usize,
+    /// A is stored transposed.
+    pub trans_a: bool,
+    /// B is stored transposed.
+    pub trans_b: bool,
+}
+
+/// [`MatmulShape`]'s product by cuBLAS on the compute stream (fp32
+/// accumulation; 16-bit storage through `cublasGemmStridedBatchedEx`).
+pub fn matmul<T: Elem>(
+    dev: &Device,
+    c: &mut DeviceBuffer<T>,
+    a: &DeviceBuffer<T>,
+    b: &DeviceBuffer<T>,
+    s: MatmulShape,
+    alpha: f32,
+    beta: f32,
+) -> Result<()>
+where
+    cudarc::cublas::CudaBlas: cudarc::cublas::Gemm<T>,
+{
+    use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+    use cudarc::cublas::{Gemm, GemmConfig, StridedBatchedConfig};
+    let kname = format!("matmul_{}", T::SUFFIX);
+    let (mk, kn, mn) = (
+        product(&kname, s.m, s.k)?,
+        product(&kname, s.k, s.n)?,
+        product(&kname, s.m, s.n)?,
+    );
+    need(&kname, "A", a.len(), product(&kname, s.batch, mk)?)?;
+    need(&kname, "B", b.len(), product(&kname, s.batch, kn)?)?;
+    need(&kname, "C", c.len(), product(&kname, s.batch, mn)?)?;
+    let i = |what: &str, v: usize| int(&kname, what, v);
+    // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T.
+    let cfg = StridedBatchedConfig {
+        gemm: GemmConfig {
+            transa: if s.trans_b { CUBLAS_OP_T } else { CUBLAS_OP_N },
+            transb: if s.trans_a { CUBLAS_OP_T } else { CUBLAS_OP_N },
+            m: i("n", s.n)?,
+            n: i("m", s.m)?,
+            k: i("k", s.k)?,
+            alpha: T::store(alpha),
+            lda: i("ldb", if s.trans_b { s.k } else { s.n })?,
+            ldb: i("lda", if s.trans_a { s.m } else { s.k })?,
+            beta: T::store(beta),
+            ldc: i("n", s.n)?,
+        },
+        batch_size: i("batch", s.batch)?,
+        stride_a: kn as i64,
+        stride_b: mk as i64,
+        stride_c: mn as i64,
+    };
+    // SAFETY: every operand holds `batch` matrices of its shape (checked
+    // above), so cuBLAS reads and writes only inside them; all three live
+    // on this device and the handle runs on its compute stream.
+    unsafe {
+        dev.blas()
+            .gemm_strided_batched(cfg, b.slice(), a.slice(), c.slice_mut())
+    }
+    .map_err(|e| GpuError::Blas {
+        call: "cublasGemmStridedBatched",
+        detail: format!("{kname} {s:?}: {e}"),
+    })
+}
