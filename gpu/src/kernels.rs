@@ -94,6 +94,7 @@ pub const MODULES: &[Module] = &[
         ]
     ),
     module!("optim", ["sumsq_groups", "adamw"], []),
+    module!("layout", ["heads_from_rows", "rows_from_heads", "add"], []),
 ];
 
 /// The module named `name`.

@@ -46,6 +46,7 @@ pub mod kernels;
 pub mod nvrtc;
 pub mod ops;
 pub mod reference;
+pub mod unit;
 
 pub use error::{GpuError, Result};
 

@@ -14,7 +14,7 @@ use half::{bf16, f16};
 
 use crate::device::{Device, DeviceBuffer};
 use crate::kernels::BLOCK_THREADS;
-use crate::reference::{AdamScalars, RopeShape, Storage};
+use crate::reference::{AdamScalars, HeadsShape, RopeShape, Storage};
 use crate::{GpuError, Result};
 
 /// A storage dtype the kernels take (its entry-point suffix).
@@ -518,7 +518,8 @@ fn pointwise<T: Elem>(
     a.arg(&n64);
     // SAFETY: every buffer has the n elements the kernel touches (checked
     // above); the callers below pass the outputs then the inputs in the
-    // order of the kernel's signature (activation.cu), then n as long long.
+    // order of the kernel's signature (activation.cu, layout.cu), then n as
+    // long long.
     unsafe { fire(&mut a, per_item(n), k) }
 }
 
@@ -814,4 +815,73 @@ where
         call: "cublasGemmStridedBatched",
         detail: format!("{kname} {s:?}: {e}"),
     })
+}
+
+fn heads_args(k: &str, s: HeadsShape, slot: usize) -> Result<[i32; 6]> {
+    if slot >= s.slots {
+        return Err(shape_err(k, format!("slot {slot} of {} slots", s.slots)));
+    }
+    Ok([
+        int(k, "batch", s.batch)?,
+        int(k, "seq", s.seq)?,
+        int(k, "heads", s.heads)?,
+        int(k, "head_dim", s.head_dim)?,
+        int(k, "slots", s.slots)?,
+        int(k, "slot", slot)?,
+    ])
+}
+
+/// `heads_from_rows`: slot `slot` of `x` (rows) into `out` (heads).
+pub fn heads_from_rows<T: Elem>(
+    dev: &Device,
+    out: &mut DeviceBuffer<T>,
+    x: &DeviceBuffer<T>,
+    s: HeadsShape,
+    slot: usize,
+) -> Result<()> {
+    let k = format!("heads_from_rows_{}", T::SUFFIX);
+    let n = s.heads_numel();
+    need(&k, "out", out.len(), n)?;
+    need(&k, "x", x.len(), product(&k, n, s.slots)?)?;
+    let args = heads_args(&k, s, slot)?;
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(out.slice_mut()).arg(x.slice());
+    for v in &args {
+        a.arg(v);
+    }
+    // SAFETY: out holds the heads, x the rows of every slot (checked);
+    // arguments as heads_from_rows's.
+    unsafe { fire(&mut a, per_item(n), k) }
+}
+
+/// `rows_from_heads`: `x` (heads) into slot `slot` of `out` (rows).
+pub fn rows_from_heads<T: Elem>(
+    dev: &Device,
+    out: &mut DeviceBuffer<T>,
+    x: &DeviceBuffer<T>,
+    s: HeadsShape,
+    slot: usize,
+) -> Result<()> {
+    let k = format!("rows_from_heads_{}", T::SUFFIX);
+    let n = s.heads_numel();
+    need(&k, "x", x.len(), n)?;
+    need(&k, "out", out.len(), product(&k, n, s.slots)?)?;
+    let args = heads_args(&k, s, slot)?;
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(out.slice_mut()).arg(x.slice());
+    for v in &args {
+        a.arg(v);
+    }
+    // SAFETY: as heads_from_rows, the other way.
+    unsafe { fire(&mut a, per_item(n), k) }
+}
+
+/// `add`: `y = a + b`.
+pub fn add<T: Elem>(
+    dev: &Device,
+    y: &mut DeviceBuffer<T>,
+    a: &DeviceBuffer<T>,
+    b: &DeviceBuffer<T>,
+) -> Result<()> {
+    pointwise(dev, "add", &mut [y], &[a, b])
 }

@@ -541,6 +541,63 @@ pub fn adamw<T: Storage>(
     }
 }
 
+/// The shape `heads_from_rows` / `rows_from_heads` move between: rows
+/// [batch, seq, slots · heads · head_dim] and heads [batch, heads, seq,
+/// head_dim].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadsShape {
+    /// Batch.
+    pub batch: usize,
+    /// Sequence length.
+    pub seq: usize,
+    /// Heads.
+    pub heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// Slots per row (3 for GPT-2's packed q | k | v, else 1).
+    pub slots: usize,
+}
+
+impl HeadsShape {
+    /// Elements of one slot's heads: batch · heads · seq · head_dim.
+    pub fn heads_numel(&self) -> usize {
+        self.batch * self.heads * self.seq * self.head_dim
+    }
+
+    /// Row index of heads element `i` in the rows layout, slot `slot`.
+    fn row_index(&self, i: usize, slot: usize) -> usize {
+        let d = i % self.head_dim;
+        let t = (i / self.head_dim) % self.seq;
+        let h = (i / (self.head_dim * self.seq)) % self.heads;
+        let b = i / (self.head_dim * self.seq * self.heads);
+        ((b * self.seq + t) * self.slots + slot) * self.heads * self.head_dim
+            + h * self.head_dim
+            + d
+    }
+}
+
+/// `heads_from_rows`: slot `slot` of the rows, as heads.
+pub fn heads_from_rows<T: Storage>(x: &[T], s: HeadsShape, slot: usize) -> Vec<T> {
+    (0..s.heads_numel())
+        .map(|i| x[s.row_index(i, slot)])
+        .collect()
+}
+
+/// `rows_from_heads`: writes `x` (heads) into slot `slot` of `out` (rows).
+pub fn rows_from_heads<T: Storage>(out: &mut [T], x: &[T], s: HeadsShape, slot: usize) {
+    for (i, &v) in x.iter().enumerate().take(s.heads_numel()) {
+        out[s.row_index(i, slot)] = v;
+    }
+}
+
+/// `add`: `a + b` elementwise.
+pub fn add<T: Storage>(a: &[T], b: &[T]) -> Vec<T> {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| T::store(x.load() + y.load()))
+        .collect()
+}
+
 /// The product [`crate::ops::matmul`] asks cuBLAS for (row-major, per
 /// batch: `C = α·op(A)·op(B) + β·C`), summed in f64 (cuBLAS's order is its
 /// own: compare within a tolerance).

@@ -1,0 +1,54 @@
+// Layout moves and the residual add.
+//
+// heads_from_rows: rows [batch, seq, slots * heads * head_dim] (GPT-2's
+// packed q | k | v has 3 slots) to heads [batch, heads, seq, head_dim],
+// taking slot `slot`. rows_from_heads: the inverse, writing that slot of
+// the rows (the other slots untouched). Pure copies: no arithmetic.
+// add: y = a + b elementwise (y may be a or b).
+
+template <typename T>
+__device__ void heads_from_rows(T* out, const T* x, int batch, int seq, int heads, int head_dim,
+                                int slots, int slot) {
+    TZ_FOR_EACH(i, (long long)batch * heads * seq * head_dim) {
+        const long long d = i % head_dim;
+        const long long t = (i / head_dim) % seq;
+        const long long h = (i / ((long long)head_dim * seq)) % heads;
+        const long long b = i / ((long long)head_dim * seq * heads);
+        const long long row = b * seq + t;
+        out[i] = x[(row * slots + slot) * heads * head_dim + h * head_dim + d];
+    }
+}
+
+template <typename T>
+__device__ void rows_from_heads(T* out, const T* x, int batch, int seq, int heads, int head_dim,
+                                int slots, int slot) {
+    TZ_FOR_EACH(i, (long long)batch * heads * seq * head_dim) {
+        const long long d = i % head_dim;
+        const long long t = (i / head_dim) % seq;
+        const long long h = (i / ((long long)head_dim * seq)) % heads;
+        const long long b = i / ((long long)head_dim * seq * heads);
+        const long long row = b * seq + t;
+        out[(row * slots + slot) * heads * head_dim + h * head_dim + d] = x[i];
+    }
+}
+
+template <typename T>
+__device__ void add(T* y, const T* a, const T* b, long long n) {
+    TZ_FOR_EACH(i, n) tz_store(&y[i], tz_load(&a[i]) + tz_load(&b[i]));
+}
+
+#define TZ_LAYOUT(SUF, T)                                                                        \
+    extern "C" __global__ void heads_from_rows_##SUF(T* out, const T* x, int batch, int seq,      \
+                                                     int heads, int head_dim, int slots,         \
+                                                     int slot) {                                 \
+        heads_from_rows<T>(out, x, batch, seq, heads, head_dim, slots, slot);                    \
+    }                                                                                            \
+    extern "C" __global__ void rows_from_heads_##SUF(T* out, const T* x, int batch, int seq,      \
+                                                     int heads, int head_dim, int slots,         \
+                                                     int slot) {                                 \
+        rows_from_heads<T>(out, x, batch, seq, heads, head_dim, slots, slot);                    \
+    }                                                                                            \
+    extern "C" __global__ void add_##SUF(T* y, const T* a, const T* b, long long n) {            \
+        add<T>(y, a, b, n);                                                                      \
+    }
+TZ_DTYPES(TZ_LAYOUT)

@@ -1,0 +1,151 @@
+//! The GPT-2 units written for the GPU (`tierzero_gpu::unit`: forward and a
+//! hand-written backward over the kernels' operations), run on the host
+//! executor (every kernel's scalar reference), against the candle units
+//! the CPU trains with: the loss and every parameter's gradient over a
+//! whole model, embedding to head, tied and untied. The same unit code runs
+//! on the CUDA executor; the device check compares each kernel with its
+//! reference.
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+mod model_support;
+
+use candle_core::{DType, Tensor};
+use model_support::*;
+use tierzero::model::{Model, UnitKind};
+use tierzero_gpu::unit::{self, Exec, Gpt2Dims, HostExec};
+
+fn flat(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+fn ids_of(t: &Tensor) -> Vec<i32> {
+    t.flatten_all()
+        .unwrap()
+        .to_vec1::<u32>()
+        .unwrap()
+        .into_iter()
+        .map(|v| v as i32)
+        .collect()
+}
+
+fn rel(got: &[f32], want: &[f32]) -> f64 {
+    let (mut d, mut n) = (0f64, 0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        d += (g as f64 - w as f64).powi(2);
+        n += (w as f64).powi(2);
+    }
+    if n == 0.0 {
+        d.sqrt()
+    } else {
+        (d / n).sqrt()
+    }
+}
+
+/// Takes the buffers of `ids` out of `all` (to hand a unit disjoint
+/// mutable gradients), and [`put_back`] returns them.
+fn take(all: &mut [Vec<f32>], ids: &[usize]) -> Vec<Vec<f32>> {
+    ids.iter().map(|&i| std::mem::take(&mut all[i])).collect()
+}
+
+fn put_back(all: &mut [Vec<f32>], ids: &[usize], bufs: Vec<Vec<f32>>) {
+    for (&i, b) in ids.iter().zip(bufs) {
+        all[i] = b;
+    }
+}
+
+fn check(tied: bool) {
+    let model = Model::new(gpt2_config(tied)).unwrap();
+    let c = model.config().clone();
+    let params = random_params(&model, 7, DType::F32);
+    let (b, t) = (3usize, 5usize);
+    let (ids_t, targets_t) = batch(c.vocab_size, b, t, 2);
+    let (want_loss, want_grads) = per_unit_grads(&model, &params, &ids_t, &targets_t);
+
+    let e = HostExec;
+    let d = Gpt2Dims {
+        batch: b,
+        seq: t,
+        hidden: c.hidden_size,
+        heads: c.n_head,
+        inner: c.intermediate_size,
+        vocab: c.vocab_size,
+        eps: c.norm_eps as f32,
+    };
+    let p: Vec<Vec<f32>> = params.iter().map(flat).collect();
+    let mut grads: Vec<Vec<f32>> = p.iter().map(|v| vec![0.0; v.len()]).collect();
+    let ids = e.ids(&ids_of(&ids_t), c.vocab_size).unwrap();
+    let targets = e.ids(&ids_of(&targets_t), c.vocab_size).unwrap();
+    let pos: Vec<i32> = (0..b * t).map(|i| (i % t) as i32).collect();
+    let positions = e.ids(&pos, c.max_seq_len).unwrap();
+    let unit_ids =
+        |u: &tierzero::model::UnitSpec| u.params.iter().map(|id| id.0).collect::<Vec<_>>();
+    let gather = |ids: &[usize]| ids.iter().map(|&i| p[i].clone()).collect::<Vec<_>>();
+
+    // Forward, saving each block's input.
+    let units = model.units();
+    let mut h = Vec::new();
+    let mut saved = vec![Vec::new(); units.len()];
+    for u in units {
+        let pu = gather(&unit_ids(u));
+        match u.kind {
+            UnitKind::Embedding => {
+                h = unit::gpt2_embedding_forward(&e, &d, &pu, &ids, &positions).unwrap()
+            }
+            UnitKind::Block { .. } => {
+                saved[u.id.0] = h.clone();
+                h = unit::gpt2_block_forward(&e, &d, &pu, &h).unwrap();
+            }
+            UnitKind::Head => saved[u.id.0] = h.clone(),
+        }
+    }
+    // Backward, head first.
+    let mut up = Vec::new();
+    let mut loss = f32::NAN;
+    for u in units.iter().rev() {
+        let uid = unit_ids(u);
+        let pu = gather(&uid);
+        let mut g = take(&mut grads, &uid);
+        match u.kind {
+            UnitKind::Head => {
+                let (l, dx) =
+                    unit::gpt2_head(&e, &d, &pu, &saved[u.id.0], &targets, 1.0, &mut g).unwrap();
+                loss = l;
+                up = dx;
+            }
+            UnitKind::Block { .. } => {
+                up = unit::gpt2_block_backward(&e, &d, &pu, &saved[u.id.0], &up, &mut g).unwrap();
+            }
+            UnitKind::Embedding => {
+                unit::gpt2_embedding_backward(&e, &d, &up, &ids, &positions, &mut g).unwrap()
+            }
+        }
+        put_back(&mut grads, &uid, g);
+    }
+
+    let label = if tied { "tied" } else { "untied" };
+    let want = want_loss.to_scalar::<f32>().unwrap();
+    assert!(
+        ((loss - want) / want).abs() < 1e-5,
+        "{label}: loss {loss} vs {want}"
+    );
+    for spec in model.params() {
+        let e = rel(&grads[spec.id.0], &flat(&want_grads[spec.id.0]));
+        println!("{label}: {:30} relative error {e:.2e}", spec.name);
+        assert!(
+            e <= 1e-5,
+            "{label}: {} gradient differs by {e:e}",
+            spec.name
+        );
+    }
+}
+
+#[test]
+fn gpt2_units_on_the_kernel_references_train_as_the_candle_units() {
+    check(true);
+    check(false);
+}
