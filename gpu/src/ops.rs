@@ -831,6 +831,42 @@ fn heads_args(k: &str, s: HeadsShape, slot: usize) -> Result<[i32; 6]> {
     ])
 }
 
+/// `heads_from_rows` (`to_heads`) or `rows_from_heads`: one slot of rows
+/// to heads or back.
+fn heads_move<T: Elem>(
+    dev: &Device,
+    out: &mut DeviceBuffer<T>,
+    x: &DeviceBuffer<T>,
+    s: HeadsShape,
+    slot: usize,
+    to_heads: bool,
+) -> Result<()> {
+    let name = if to_heads {
+        "heads_from_rows"
+    } else {
+        "rows_from_heads"
+    };
+    let k = format!("{name}_{}", T::SUFFIX);
+    let n = s.heads_numel();
+    let (heads, rows) = if to_heads {
+        (out.len(), x.len())
+    } else {
+        (x.len(), out.len())
+    };
+    need(&k, "the heads", heads, n)?;
+    need(&k, "the rows", rows, product(&k, n, s.slots)?)?;
+    let args = heads_args(&k, s, slot)?;
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(out.slice_mut()).arg(x.slice());
+    for v in &args {
+        a.arg(v);
+    }
+    // SAFETY: the heads buffer holds one slot's heads and the rows buffer
+    // every slot's rows (checked); both kernels take (T* out, const T* x,
+    // int batch, seq, heads, head_dim, slots, slot).
+    unsafe { fire(&mut a, per_item(n), k) }
+}
+
 /// `heads_from_rows`: slot `slot` of `x` (rows) into `out` (heads).
 pub fn heads_from_rows<T: Elem>(
     dev: &Device,
@@ -839,19 +875,7 @@ pub fn heads_from_rows<T: Elem>(
     s: HeadsShape,
     slot: usize,
 ) -> Result<()> {
-    let k = format!("heads_from_rows_{}", T::SUFFIX);
-    let n = s.heads_numel();
-    need(&k, "out", out.len(), n)?;
-    need(&k, "x", x.len(), product(&k, n, s.slots)?)?;
-    let args = heads_args(&k, s, slot)?;
-    let mut a = dev.compute.launch_builder(dev.function(&k)?);
-    a.arg(out.slice_mut()).arg(x.slice());
-    for v in &args {
-        a.arg(v);
-    }
-    // SAFETY: out holds the heads, x the rows of every slot (checked);
-    // arguments as heads_from_rows's.
-    unsafe { fire(&mut a, per_item(n), k) }
+    heads_move(dev, out, x, s, slot, true)
 }
 
 /// `rows_from_heads`: `x` (heads) into slot `slot` of `out` (rows).
@@ -862,18 +886,7 @@ pub fn rows_from_heads<T: Elem>(
     s: HeadsShape,
     slot: usize,
 ) -> Result<()> {
-    let k = format!("rows_from_heads_{}", T::SUFFIX);
-    let n = s.heads_numel();
-    need(&k, "x", x.len(), n)?;
-    need(&k, "out", out.len(), product(&k, n, s.slots)?)?;
-    let args = heads_args(&k, s, slot)?;
-    let mut a = dev.compute.launch_builder(dev.function(&k)?);
-    a.arg(out.slice_mut()).arg(x.slice());
-    for v in &args {
-        a.arg(v);
-    }
-    // SAFETY: as heads_from_rows, the other way.
-    unsafe { fire(&mut a, per_item(n), k) }
+    heads_move(dev, out, x, s, slot, false)
 }
 
 /// `add`: `y = a + b`.

@@ -264,6 +264,18 @@ pub struct DeviceIds {
     vocab: usize,
 }
 
+/// A new device buffer of `n` elements for `what`, written by `op`.
+fn fresh(
+    dev: &Device,
+    what: &str,
+    n: usize,
+    op: impl FnOnce(&mut DeviceBuffer<f32>) -> Result<()>,
+) -> Result<DeviceBuffer<f32>> {
+    let mut b = dev.alloc_zeros(what, n)?;
+    op(&mut b)?;
+    Ok(b)
+}
+
 impl Exec for Device {
     type Buf = DeviceBuffer<f32>;
     type Ids = DeviceIds;
@@ -342,14 +354,14 @@ impl Exec for Device {
             rstd,
         };
         ops::layernorm_bwd_wb(self, dw, Some(db), dy, x, stats, cols)?;
-        let mut dx = self.alloc_zeros("layernorm dx", x.len())?;
-        ops::layernorm_bwd_dx(self, &mut dx, dy, x, w, stats, cols)?;
-        Ok(dx)
+        fresh(self, "layernorm dx", x.len(), |o| {
+            ops::layernorm_bwd_dx(self, o, dy, x, w, stats, cols)
+        })
     }
     fn softmax_causal_fwd(&self, s: &Self::Buf, seq: usize, scale: f32) -> Result<Self::Buf> {
-        let mut p = self.alloc_zeros("attention probabilities", s.len())?;
-        ops::softmax_causal_fwd(self, &mut p, s, seq, scale)?;
-        Ok(p)
+        fresh(self, "attention probabilities", s.len(), |o| {
+            ops::softmax_causal_fwd(self, o, s, seq, scale)
+        })
     }
     fn softmax_bwd(
         &self,
@@ -358,29 +370,27 @@ impl Exec for Device {
         seq: usize,
         scale: f32,
     ) -> Result<Self::Buf> {
-        let mut ds = self.alloc_zeros("score gradient", p.len())?;
-        ops::softmax_bwd(self, &mut ds, p, dp, seq, scale)?;
-        Ok(ds)
+        fresh(self, "score gradient", p.len(), |o| {
+            ops::softmax_bwd(self, o, p, dp, seq, scale)
+        })
     }
     fn gelu_fwd(&self, x: &Self::Buf) -> Result<Self::Buf> {
-        let mut y = self.alloc_zeros("gelu output", x.len())?;
-        ops::gelu_tanh_fwd(self, &mut y, x)?;
-        Ok(y)
+        fresh(self, "gelu output", x.len(), |o| {
+            ops::gelu_tanh_fwd(self, o, x)
+        })
     }
     fn gelu_bwd(&self, dy: &Self::Buf, x: &Self::Buf) -> Result<Self::Buf> {
-        let mut dx = self.alloc_zeros("gelu dx", x.len())?;
-        ops::gelu_tanh_bwd(self, &mut dx, dy, x)?;
-        Ok(dx)
+        fresh(self, "gelu dx", x.len(), |o| {
+            ops::gelu_tanh_bwd(self, o, dy, x)
+        })
     }
     fn add(&self, a: &Self::Buf, b: &Self::Buf) -> Result<Self::Buf> {
-        let mut y = self.alloc_zeros("sum", a.len())?;
-        ops::add(self, &mut y, a, b)?;
-        Ok(y)
+        fresh(self, "sum", a.len(), |o| ops::add(self, o, a, b))
     }
     fn heads_from_rows(&self, x: &Self::Buf, s: HeadsShape, slot: usize) -> Result<Self::Buf> {
-        let mut out = self.alloc_zeros("heads", s.heads_numel())?;
-        ops::heads_from_rows(self, &mut out, x, s, slot)?;
-        Ok(out)
+        fresh(self, "heads", s.heads_numel(), |o| {
+            ops::heads_from_rows(self, o, x, s, slot)
+        })
     }
     fn rows_from_heads(
         &self,
@@ -397,9 +407,9 @@ impl Exec for Device {
         ids: &DeviceIds,
         hidden: usize,
     ) -> Result<Self::Buf> {
-        let mut out = self.alloc_zeros("embedding output", ids.ids.len() * hidden)?;
-        ops::embedding_fwd(self, &mut out, table, &ids.ids, hidden)?;
-        Ok(out)
+        fresh(self, "embedding output", ids.ids.len() * hidden, |o| {
+            ops::embedding_fwd(self, o, table, &ids.ids, hidden)
+        })
     }
     fn embedding_bwd(
         &self,

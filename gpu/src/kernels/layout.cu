@@ -6,16 +6,21 @@
 // the rows (the other slots untouched). Pure copies: no arithmetic.
 // add: y = a + b elementwise (y may be a or b).
 
+// The rows index of heads element i (slot `slot`).
+__device__ __forceinline__ long long tz_row_index(long long i, int seq, int heads, int head_dim,
+                                                  int slots, int slot) {
+    const long long d = i % head_dim;
+    const long long t = (i / head_dim) % seq;
+    const long long h = (i / ((long long)head_dim * seq)) % heads;
+    const long long b = i / ((long long)head_dim * seq * heads);
+    return ((b * seq + t) * slots + slot) * heads * head_dim + h * head_dim + d;
+}
+
 template <typename T>
 __device__ void heads_from_rows(T* out, const T* x, int batch, int seq, int heads, int head_dim,
                                 int slots, int slot) {
     TZ_FOR_EACH(i, (long long)batch * heads * seq * head_dim) {
-        const long long d = i % head_dim;
-        const long long t = (i / head_dim) % seq;
-        const long long h = (i / ((long long)head_dim * seq)) % heads;
-        const long long b = i / ((long long)head_dim * seq * heads);
-        const long long row = b * seq + t;
-        out[i] = x[(row * slots + slot) * heads * head_dim + h * head_dim + d];
+        out[i] = x[tz_row_index(i, seq, heads, head_dim, slots, slot)];
     }
 }
 
@@ -23,12 +28,7 @@ template <typename T>
 __device__ void rows_from_heads(T* out, const T* x, int batch, int seq, int heads, int head_dim,
                                 int slots, int slot) {
     TZ_FOR_EACH(i, (long long)batch * heads * seq * head_dim) {
-        const long long d = i % head_dim;
-        const long long t = (i / head_dim) % seq;
-        const long long h = (i / ((long long)head_dim * seq)) % heads;
-        const long long b = i / ((long long)head_dim * seq * heads);
-        const long long row = b * seq + t;
-        out[(row * slots + slot) * heads * head_dim + h * head_dim + d] = x[i];
+        out[tz_row_index(i, seq, heads, head_dim, slots, slot)] = x[i];
     }
 }
 
