@@ -25,6 +25,9 @@
 #      PyTorch; the wheel from $TIERZERO_WHEEL or target/wheels/);
 #   6c. every CUDA kernel against its CPU reference (gpu/examples/
 #      kernel_check, $KERNEL_CHECK_BIN), with PyTorch's cuBLAS and NVRTC;
+#   6d. a small GPT-2 trained 20 steps on the GPU against the same units
+#      on the kernels' references, and twice on the GPU (gpu/examples/
+#      train_check, $TRAIN_CHECK_BIN);
 #   7. the overlap ratio (docs/decisions/overlap.md) on this machine's cores and disk (a
 #      measurement, never a failure): `examples/overlap` (built with the
 #      binary in step 1; skipped with TIERZERO_BIN unless OVERLAP_BIN
@@ -45,7 +48,7 @@
 # Run on one H200 machine (16 cores) on 2026-11-30: every step passed; two
 # ranks on its one GPU were refused (ncclInvalidUsage, now an exit-2 hint).
 #
-# Environment: TIERZERO_BIN, KERNEL_CHECK_BIN, TIERZERO_WHEEL, TIERZERO_PY,
+# Environment: TIERZERO_BIN, KERNEL_CHECK_BIN, TRAIN_CHECK_BIN, TIERZERO_WHEEL, TIERZERO_PY,
 # OVERLAP_BIN, OVERLAP_DIR, GPU_CHECK_PORT
 # (default 29517), GPU_CHECK_BYTES (timed all-gather per rank, default
 # 256M), GPU_CHECK_BUDGET_S (default 300: the overlap measurement uses
@@ -208,24 +211,38 @@ fi
 # under /opt/torch/.venv goes on LD_LIBRARY_PATH for this step (the JSON
 # lists them). The binary: $KERNEL_CHECK_BIN, else
 # target/release/examples/kernel_check, else built here.
-kc_log="$WORK/kernel_check.err"; : >"$kc_log"
-KC_BIN="${KERNEL_CHECK_BIN:-}"
-if [ -z "$KC_BIN" ] && [ -x target/release/examples/kernel_check ]; then KC_BIN=target/release/examples/kernel_check; fi
-if [ -z "$KC_BIN" ] && command -v cargo >/dev/null; then
-  cargo build --release -p tierzero-gpu --example kernel_check >>"$kc_log" 2>&1 && KC_BIN=target/release/examples/kernel_check
-fi
 nv_libs=$(ls -d /opt/torch/.venv/lib/python3*/site-packages/nvidia/*/lib 2>/dev/null | paste -sd: -)
-kc_rc=null; kc_result=null
-if [ -n "$KC_BIN" ]; then
-  LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
-    timeout "$(cap 180)" "$KC_BIN" "$WORK/kernel_check.json" >/dev/null 2>>"$kc_log"
-  kc_rc=$?
-  kc_result=$(json_obj "$WORK/kernel_check.json")
-  [ "$kc_rc" = 0 ] || failed=1
-else
-  echo "no kernel_check binary (KERNEL_CHECK_BIN) and no cargo" >>"$kc_log"
-  failed=1
-fi
+# run_example NAME BIN: runs tierzero-gpu's example NAME (BIN if given,
+# else target/release/examples/NAME, else built here) with PyTorch's CUDA
+# libraries; sets ex_bin, ex_rc and ex_result (the JSON it wrote); the log
+# is $WORK/NAME.err.
+run_example() {
+  local name=$1 bin=$2 log="$WORK/$1.err"
+  : >"$log"
+  if [ -z "$bin" ] && [ -x "target/release/examples/$name" ]; then bin="target/release/examples/$name"; fi
+  if [ -z "$bin" ] && command -v cargo >/dev/null; then
+    cargo build --release -p tierzero-gpu --example "$name" >>"$log" 2>&1 && bin="target/release/examples/$name"
+  fi
+  ex_bin=$bin; ex_rc=null; ex_result=null
+  if [ -n "$bin" ]; then
+    LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
+      timeout "$(cap 180)" "$bin" "$WORK/$name.json" >/dev/null 2>>"$log"
+    ex_rc=$?
+    ex_result=$(json_obj "$WORK/$name.json")
+    [ "$ex_rc" = 0 ] || failed=1
+  else
+    echo "no $name binary and no cargo" >>"$log"
+    failed=1
+  fi
+}
+run_example kernel_check "${KERNEL_CHECK_BIN:-}"
+KC_BIN=$ex_bin; kc_rc=$ex_rc; kc_result=$ex_result; kc_log="$WORK/kernel_check.err"
+
+# 6d. Training on the GPU: a small fp32 GPT-2, 20 steps, the CUDA units
+# against the same units on the kernels' CPU references (losses within 1e-3
+# relative at every step), and twice on the GPU (the same bits).
+run_example train_check "${TRAIN_CHECK_BIN:-}"
+TC_BIN=$ex_bin; tc_rc=$ex_rc; tc_result=$ex_result; tc_log="$WORK/train_check.err"
 
 # 7. Overlap (a measurement: never sets `failed`), in what is left of the
 # budget. A summary line's field.
@@ -312,6 +329,8 @@ fi
     "$(cat "$WORK/train-cuda/rc")" "$(cat "$WORK/train-cuda/secs")" "$(json_obj "$WORK/train-cuda/out.json")" "$(json_str "$WORK/train-cuda/err.txt")"
   printf '"kernels":{"bin":"%s","cuda_libs":"%s","rc":%s,"result":%s,"log":%s},' \
     "$KC_BIN" "$nv_libs" "$kc_rc" "$kc_result" "$(json_str "$kc_log")"
+  printf '"gpu_train":{"bin":"%s","rc":%s,"result":%s,"log":%s},' \
+    "$TC_BIN" "$tc_rc" "$tc_result" "$(json_str "$tc_log")"
   printf '"python_cuda":{"wheel":"%s","python":"%s","rc":%s,"result":%s,"log":%s},' \
     "$WHEEL" "$PY" "$py_rc" "$py_result" "$(json_str "$py_log")"
   printf '"overlap":{"cores":%s,"threads_scan_micro2":[%s],"threads_scan_h512_micro8":[%s],"compute_threads":%s,"calibration":[%s],"balanced_micro":%s,"balanced":%s,"balanced_unpinned":%s,"balanced_live72_reuse24":%s,"micro_2":%s,"micro_2_unpinned":%s,"log":%s}}\n' \

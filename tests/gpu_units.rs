@@ -112,8 +112,13 @@ fn check(tied: bool) {
         let mut g = take(&mut grads, &uid);
         match u.kind {
             UnitKind::Head => {
+                let [g0, g1, g2] = &mut g[..] else {
+                    panic!("the head has 3 params")
+                };
+                let p3 = [&pu[0], &pu[1], &pu[2]];
                 let (l, dx) =
-                    unit::gpt2_head(&e, &d, &pu, &saved[u.id.0], &targets, 1.0, &mut g).unwrap();
+                    unit::gpt2_head(&e, &d, p3, &saved[u.id.0], &targets, 1.0, [g0, g1, g2])
+                        .unwrap();
                 loss = l;
                 up = dx;
             }

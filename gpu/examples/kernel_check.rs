@@ -17,7 +17,7 @@ use half::bf16;
 use tierzero_gpu::cache::KernelCache;
 use tierzero_gpu::device::{Device, DeviceBuffer, DeviceOptions};
 use tierzero_gpu::ops::{self, AdamState, DeviceRuns, Elem, MatmulShape, NormOut, NormStats};
-use tierzero_gpu::reference::{self as r, AdamScalars, RopeShape, Storage};
+use tierzero_gpu::reference::{self as r, AdamScalars, HeadsShape, RopeShape, Storage};
 use tierzero_gpu::Result;
 
 fn data(n: usize, seed: u64) -> Vec<f32> {
@@ -419,6 +419,54 @@ where
             1e-5,
         );
     }
+    // Layout moves and the residual add.
+    let hs = HeadsShape {
+        batch: 2,
+        seq: 33,
+        heads: 3,
+        head_dim: 24,
+        slots: 3,
+    };
+    let rows = typed::<T>(&data(hs.heads_numel() * 3, 23));
+    let grows = up::<T>(dev, &r::cast::<T, f32>(&rows))?;
+    let mut back = poisoned::<T>(dev, rows.len())?;
+    for slot in 0..3 {
+        let want = r::heads_from_rows(&rows, hs, slot);
+        let mut gh = poisoned::<T>(dev, hs.heads_numel())?;
+        ops::heads_from_rows(dev, &mut gh, &grows, hs, slot)?;
+        rep.compare(
+            &name("heads_from_rows"),
+            &format!("slot{slot}"),
+            &dev.download(&gh)?,
+            &want,
+            0.0,
+        );
+        ops::rows_from_heads(dev, &mut back, &gh, hs, slot)?;
+    }
+    rep.compare(
+        &name("rows_from_heads"),
+        "3 slots",
+        &dev.download(&back)?,
+        &rows,
+        0.0,
+    );
+    let (xa, xb) = (
+        typed::<T>(&data(100_001, 24)),
+        typed::<T>(&data(100_001, 25)),
+    );
+    let (ga, gb) = (
+        up::<T>(dev, &r::cast::<T, f32>(&xa))?,
+        up::<T>(dev, &r::cast::<T, f32>(&xb))?,
+    );
+    let mut gy = poisoned::<T>(dev, xa.len())?;
+    ops::add(dev, &mut gy, &ga, &gb)?;
+    rep.compare(
+        &name("add"),
+        "100001",
+        &dev.download(&gy)?,
+        &r::add(&xa, &xb),
+        tol,
+    );
     // Sums of squares per group.
     let x = typed::<T>(&data(100_000, 19));
     let offsets = [0i64, 0, 1, 255, 257, 4096, 100_000];

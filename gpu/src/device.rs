@@ -437,6 +437,13 @@ impl Device {
             .map_err(driver_err("cuMemcpyHtoD"))
     }
 
+    /// Zeroes `buf` (queued on the compute stream).
+    pub fn zero<T: DeviceRepr + ValidAsZeroBits>(&self, buf: &mut DeviceBuffer<T>) -> Result<()> {
+        self.compute
+            .memset_zeros(buf.slice_mut())
+            .map_err(driver_err("cuMemsetD8Async"))
+    }
+
     /// `buf`'s contents, after everything queued on the compute stream.
     pub fn download<T: DeviceRepr + Default + Clone>(
         &self,

@@ -18,8 +18,8 @@
 //! GEMMs with fp32 outputs for the gradients).
 
 use crate::device::{Device, DeviceBuffer};
-use crate::ops::{self, MatmulShape, NormOut, NormStats};
-use crate::reference::{self as r, EmbeddingRuns, HeadsShape};
+use crate::ops::{self, AdamState, MatmulShape, NormOut, NormStats};
+use crate::reference::{self as r, AdamScalars, EmbeddingRuns, HeadsShape};
 use crate::{GpuError, Result};
 
 /// What a unit needs of its buffers' executor.
@@ -106,6 +106,14 @@ pub trait Exec {
         ids: &Self::Ids,
         hidden: usize,
     ) -> Result<()>;
+    /// A copy of `v` on this executor.
+    fn upload(&self, what: &str, v: &[f32]) -> Result<Self::Buf>;
+    /// A buffer's values on the host.
+    fn download(&self, b: &Self::Buf) -> Result<Vec<f32>>;
+    /// Zeroes a buffer in place.
+    fn fill_zero(&self, b: &mut Self::Buf) -> Result<()>;
+    /// [`ops::adamw`] on `[master, m, v]`.
+    fn adamw(&self, st: [&mut Self::Buf; 3], grad: &Self::Buf, s: AdamScalars) -> Result<()>;
     /// [`ops::cross_entropy`] and the sum of its rows: `(total loss, dlogits)`
     /// with `dlogits` scaled by `grad_scale`.
     fn cross_entropy(
@@ -140,6 +148,26 @@ fn check_ids(ids: &[i32], vocab: usize) -> Result<()> {
 impl Exec for HostExec {
     type Buf = Vec<f32>;
     type Ids = HostIds;
+
+    fn upload(&self, _: &str, v: &[f32]) -> Result<Vec<f32>> {
+        Ok(v.to_vec())
+    }
+    fn download(&self, b: &Vec<f32>) -> Result<Vec<f32>> {
+        Ok(b.clone())
+    }
+    fn fill_zero(&self, b: &mut Vec<f32>) -> Result<()> {
+        b.fill(0.0);
+        Ok(())
+    }
+    fn adamw(
+        &self,
+        [master, m, v]: [&mut Vec<f32>; 3],
+        grad: &Vec<f32>,
+        s: AdamScalars,
+    ) -> Result<()> {
+        r::adamw::<f32>(master, m, v, grad, None, s);
+        Ok(())
+    }
 
     fn zeros(&self, _: &str, n: usize) -> Result<Vec<f32>> {
         Ok(vec![0.0; n])
@@ -279,6 +307,24 @@ fn fresh(
 impl Exec for Device {
     type Buf = DeviceBuffer<f32>;
     type Ids = DeviceIds;
+
+    fn upload(&self, what: &str, v: &[f32]) -> Result<Self::Buf> {
+        Device::upload(self, what, v)
+    }
+    fn download(&self, b: &Self::Buf) -> Result<Vec<f32>> {
+        Device::download(self, b)
+    }
+    fn fill_zero(&self, b: &mut Self::Buf) -> Result<()> {
+        self.zero(b)
+    }
+    fn adamw(
+        &self,
+        [master, m, v]: [&mut Self::Buf; 3],
+        grad: &Self::Buf,
+        s: AdamScalars,
+    ) -> Result<()> {
+        ops::adamw::<f32>(self, AdamState { master, m, v }, grad, None, s)
+    }
 
     fn zeros(&self, what: &str, n: usize) -> Result<Self::Buf> {
         self.alloc_zeros(what, n)
@@ -753,44 +799,314 @@ pub fn gpt2_embedding_backward<E: Exec>(
 
 /// The head (params ln_f w, b, then the [vocab, hidden] output matrix):
 /// the mean cross-entropy of `targets`, and with `loss_scale` its
-/// backward: adds into `grads`, returns the hidden input's gradient.
-#[allow(clippy::too_many_arguments)]
+/// backward: adds into `grads` (same order), returns the hidden input's
+/// gradient.
 pub fn gpt2_head<E: Exec>(
     e: &E,
     d: &Gpt2Dims,
-    p: &[E::Buf],
+    p: [&E::Buf; 3],
     x: &E::Buf,
     targets: &E::Ids,
     loss_scale: f32,
-    grads: &mut [E::Buf],
+    grads: [&mut E::Buf; 3],
 ) -> Result<(f32, E::Buf)> {
     let (h, v, rows) = (d.hidden, d.vocab, d.rows());
-    check_params(e, "gpt2 head", p, &[h, h, v * h])?;
-    let ln = e.layernorm_fwd(x, &p[0], &p[1], h, d.eps)?;
+    for (i, (b, n)) in p.iter().zip([h, h, v * h]).enumerate() {
+        if e.len(b) != n || e.len(&*grads[i]) != n {
+            return Err(GpuError::Shape {
+                kernel: "gpt2 head".into(),
+                detail: format!("param {i} or its gradient is not {n} elements"),
+            });
+        }
+    }
+    let ln = e.layernorm_fwd(x, p[0], p[1], h, d.eps)?;
     let mut logits = e.zeros("logits", rows * v)?;
     e.matmul(
         &mut logits,
         &ln[0],
-        &p[2],
+        p[2],
         mm(1, rows, v, h, false, true),
         0.0,
     )?;
     let (total, dlogits) = e.cross_entropy(&logits, targets, v, loss_scale / rows as f32)?;
-    let [g0, g1, g2] = grads else {
-        return Err(GpuError::Shape {
-            kernel: "gpt2 head".into(),
-            detail: "3 gradient buffers".into(),
-        });
-    };
+    let [g0, g1, g2] = grads;
     e.matmul(g2, &dlogits, &ln[0], mm(1, v, h, rows, true, false), 1.0)?;
     let mut dn = e.zeros("head dx", rows * h)?;
     e.matmul(
         &mut dn,
         &dlogits,
-        &p[2],
+        p[2],
         mm(1, rows, h, v, false, false),
         0.0,
     )?;
-    let dx = e.layernorm_bwd(&dn, x, &p[0], [&ln[1], &ln[2]], g0, g1, h)?;
+    let dx = e.layernorm_bwd(&dn, x, p[0], [&ln[1], &ln[2]], g0, g1, h)?;
     Ok((total / rows as f32, dx))
+}
+
+/// AdamW's hyper-parameters for [`Gpt2Trainer`] (torch's defaults but
+/// the learning rate).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamHyper {
+    /// Learning rate.
+    pub lr: f64,
+    /// β1, β2.
+    pub betas: (f64, f64),
+    /// ε.
+    pub eps: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+}
+
+impl AdamHyper {
+    /// The f32 constants of step `t` (1-based), as the CPU kernel derives
+    /// them.
+    pub fn scalars(&self, t: u64) -> AdamScalars {
+        let (b1, b2) = self.betas;
+        let tf = t as f64;
+        AdamScalars {
+            grad_scale: 1.0,
+            beta1: b1 as f32,
+            one_minus_beta1: (1.0 - b1) as f32,
+            beta2: b2 as f32,
+            one_minus_beta2: (1.0 - b2) as f32,
+            eps: self.eps as f32,
+            neg_step_size: (-self.lr / (1.0 - b1.powf(tf))) as f32,
+            inv_sqrt_bc2: (1.0 / (1.0 - b2.powf(tf)).sqrt()) as f32,
+            neg_lr_wd: (-self.lr * self.weight_decay) as f32,
+        }
+    }
+}
+
+/// A whole GPT-2 (tied embeddings) trained in memory on one executor:
+/// the units above in the engine's order (forward saving each block's
+/// input, backward head first) and AdamW on every param. Params are
+/// `[wte, wpe, 12 per block..., ln_f w, ln_f b]`.
+pub struct Gpt2Trainer<'e, E: Exec> {
+    e: &'e E,
+    d: Gpt2Dims,
+    layers: usize,
+    params: Vec<E::Buf>,
+    grads: Vec<E::Buf>,
+    m: Vec<E::Buf>,
+    v: Vec<E::Buf>,
+    step: u64,
+    hyper: AdamHyper,
+}
+
+impl<E: Exec> std::fmt::Debug for Gpt2Trainer<'_, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpt2Trainer")
+            .field("dims", &self.d)
+            .field("layers", &self.layers)
+            .field("step", &self.step)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'e, E: Exec> Gpt2Trainer<'e, E> {
+    /// Elements of each param, in order (`max_seq` positions).
+    pub fn param_numel(d: &Gpt2Dims, layers: usize, max_seq: usize) -> Vec<usize> {
+        let mut n = vec![d.vocab * d.hidden, max_seq * d.hidden];
+        for _ in 0..layers {
+            n.extend(block_param_numel(d));
+        }
+        n.extend([d.hidden, d.hidden]);
+        n
+    }
+
+    /// A trainer over `init` (one vector per param, [`Self::param_numel`]).
+    pub fn new(
+        e: &'e E,
+        d: Gpt2Dims,
+        layers: usize,
+        init: &[Vec<f32>],
+        hyper: AdamHyper,
+    ) -> Result<Self> {
+        let up = |what: &str| -> Result<Vec<E::Buf>> {
+            init.iter().map(|v| e.zeros(what, v.len())).collect()
+        };
+        let (grads, m, v) = (up("gradients")?, up("adam m")?, up("adam v")?);
+        let params = init
+            .iter()
+            .map(|p| e.upload("params", p))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Gpt2Trainer {
+            e,
+            d,
+            layers,
+            params,
+            grads,
+            m,
+            v,
+            step: 0,
+            hyper,
+        })
+    }
+
+    fn block_range(&self, layer: usize) -> std::ops::Range<usize> {
+        2 + 12 * layer..2 + 12 * (layer + 1)
+    }
+
+    /// One step on `ids` / `targets` (`batch × seq` each): returns the
+    /// mean loss before the update.
+    pub fn step(&mut self, ids: &[i32], targets: &[i32]) -> Result<f32> {
+        let (e, d) = (self.e, self.d);
+        let ids = e.ids(ids, d.vocab)?;
+        let targets = e.ids(targets, d.vocab)?;
+        let pos: Vec<i32> = (0..d.batch * d.seq).map(|i| (i % d.seq) as i32).collect();
+        let max_seq = e.len(&self.params[1]) / d.hidden.max(1);
+        let positions = e.ids(&pos, max_seq)?;
+        for g in &mut self.grads {
+            e.fill_zero(g)?;
+        }
+        let mut h = gpt2_embedding_forward(e, &d, &self.params[0..2], &ids, &positions)?;
+        let mut saved = Vec::with_capacity(self.layers);
+        for l in 0..self.layers {
+            let next = gpt2_block_forward(e, &d, &self.params[self.block_range(l)], &h)?;
+            saved.push(std::mem::replace(&mut h, next));
+        }
+        // The head: ln_f (the last two params) and the tied wte (the first).
+        let n = self.params.len();
+        let head_p = [&self.params[n - 2], &self.params[n - 1], &self.params[0]];
+        let (wte_g, rest) = self.grads.split_at_mut(1);
+        let [.., lnw_g, lnb_g] = rest else {
+            return Err(GpuError::Shape {
+                kernel: "gpt2".into(),
+                detail: "fewer than 3 params".into(),
+            });
+        };
+        let (loss, mut up) = gpt2_head(
+            e,
+            &d,
+            head_p,
+            &h,
+            &targets,
+            1.0,
+            [lnw_g, lnb_g, &mut wte_g[0]],
+        )?;
+        for l in (0..self.layers).rev() {
+            let r = self.block_range(l);
+            up = gpt2_block_backward(
+                e,
+                &d,
+                &self.params[r.clone()],
+                &saved[l],
+                &up,
+                &mut self.grads[r],
+            )?;
+        }
+        gpt2_embedding_backward(e, &d, &up, &ids, &positions, &mut self.grads[0..2])?;
+        self.step += 1;
+        let s = self.hyper.scalars(self.step);
+        for (((p, g), m), v) in self
+            .params
+            .iter_mut()
+            .zip(&self.grads)
+            .zip(&mut self.m)
+            .zip(&mut self.v)
+        {
+            e.adamw([p, m, v], g, s)?;
+        }
+        Ok(loss)
+    }
+
+    /// The params' values on the host, in order.
+    pub fn params(&self) -> Result<Vec<Vec<f32>>> {
+        self.params.iter().map(|p| self.e.download(p)).collect()
+    }
+}
+
+/// A deterministic init for [`Gpt2Trainer`]: weights normal-ish with std
+/// 0.02 (a sum of uniforms), norm weights 1, biases 0.
+pub fn gpt2_init(d: &Gpt2Dims, layers: usize, max_seq: usize, seed: u64) -> Vec<Vec<f32>> {
+    let numel = Gpt2Trainer::<HostExec>::param_numel(d, layers, max_seq);
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut uniform = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    };
+    numel
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            // In each block: 0 ln_1 w, 1 b, 2 c_attn w, 3 b, 4 c_proj w, 5 b,
+            // 6 ln_2 w, 7 b, 8 c_fc w, 9 b, 10 c_proj w, 11 b; the head's
+            // ln_f w, b last.
+            let role = if i < 2 {
+                2
+            } else if i >= numel.len() - 2 {
+                (i - (numel.len() - 2)) % 2 + 6
+            } else {
+                (i - 2) % 12
+            };
+            match role {
+                0 | 6 => vec![1.0; n],
+                1 | 3 | 5 | 7 | 9 | 11 => vec![0.0; n],
+                _ => (0..n)
+                    .map(|_| 0.02 * 2.0 * (uniform() + uniform() + uniform()))
+                    .collect(),
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn dims() -> Gpt2Dims {
+        Gpt2Dims {
+            batch: 2,
+            seq: 8,
+            hidden: 16,
+            heads: 2,
+            inner: 32,
+            vocab: 23,
+            eps: 1e-5,
+        }
+    }
+
+    fn run(steps: usize) -> (Vec<f32>, Vec<Vec<f32>>) {
+        let d = dims();
+        let init = gpt2_init(&d, 2, 8, 3);
+        let hyper = AdamHyper {
+            lr: 1e-2,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.01,
+        };
+        let mut t = Gpt2Trainer::new(&HostExec, d, 2, &init, hyper).unwrap();
+        // A repeating sequence: learnable.
+        let toks: Vec<i32> = (0..d.batch * (d.seq + 1))
+            .map(|i| ((i * 5) % 7) as i32)
+            .collect();
+        let (mut ids, mut targets) = (Vec::new(), Vec::new());
+        for b in 0..d.batch {
+            let row = &toks[b * (d.seq + 1)..(b + 1) * (d.seq + 1)];
+            ids.extend_from_slice(&row[..d.seq]);
+            targets.extend_from_slice(&row[1..]);
+        }
+        let losses = (0..steps)
+            .map(|_| t.step(&ids, &targets).unwrap())
+            .collect();
+        (losses, t.params().unwrap())
+    }
+
+    #[test]
+    fn the_trainer_learns_a_repeating_sequence_and_repeats_its_bits() {
+        let (losses, params) = run(30);
+        assert!(
+            (losses[0] - (23f32).ln()).abs() < 0.1,
+            "first loss {} is not near ln(vocab)",
+            losses[0]
+        );
+        assert!(losses[29] < 0.5 * losses[0], "losses {losses:?}");
+        let (again, params2) = run(30);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&losses), bits(&again));
+        assert!(params.iter().zip(&params2).all(|(a, b)| bits(a) == bits(b)));
+    }
 }
