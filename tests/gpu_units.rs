@@ -11,8 +11,9 @@ mod model_support;
 
 use candle_core::{DType, Tensor};
 use model_support::*;
+use tierzero::model::ModelConfig;
 use tierzero::model::{Model, UnitKind};
-use tierzero_gpu::unit::{self, Exec, Gpt2Dims, HostExec};
+use tierzero_gpu::unit::{self, Exec, Gpt2Dims, HostExec, LlamaDims, RopeTables};
 
 fn flat(t: &Tensor) -> Vec<f32> {
     t.to_dtype(DType::F32)
@@ -153,4 +154,150 @@ fn check(tied: bool) {
 fn gpt2_units_on_the_kernel_references_train_as_the_candle_units() {
     check(true);
     check(false);
+}
+
+/// A Llama-family chain on the host executor against the candle units.
+fn check_llama(cfg: ModelConfig, label: &str) {
+    let model = Model::new(cfg).unwrap();
+    let c = model.config().clone();
+    let params = random_params(&model, 5, DType::F32);
+    let (b, t) = (2usize, 5usize);
+    let (ids_t, targets_t) = batch(c.vocab_size, b, t, 1);
+    let (want_loss, want_grads) = per_unit_grads(&model, &params, &ids_t, &targets_t);
+
+    let e = HostExec;
+    let d = LlamaDims {
+        batch: b,
+        seq: t,
+        hidden: c.hidden_size,
+        heads: c.n_head,
+        kv_heads: c.n_kv_head,
+        head_dim: c.head_dim,
+        inner: c.intermediate_size,
+        vocab: c.vocab_size,
+        eps: c.norm_eps as f32,
+        qkv_bias: c.qkv_bias,
+        o_bias: c.o_bias,
+        mlp_bias: c.mlp_bias,
+        qk_norm: c.qk_norm,
+    };
+    // The CPU units' rotary tables are [t, head_dim] (both halves); the
+    // kernel takes one half.
+    let (cos, sin) =
+        tierzero::model::ops::rope_tables_for(&c, t, DType::F32, &candle_core::Device::Cpu)
+            .unwrap();
+    let half = |x: &Tensor| {
+        flat(
+            &x.narrow(1, 0, c.head_dim / 2)
+                .unwrap()
+                .contiguous()
+                .unwrap(),
+        )
+    };
+    let rope = RopeTables {
+        cos: half(&cos),
+        sin: half(&sin),
+    };
+    let p: Vec<Vec<f32>> = params.iter().map(flat).collect();
+    let mut grads: Vec<Vec<f32>> = p.iter().map(|v| vec![0.0; v.len()]).collect();
+    let ids = e.ids(&ids_of(&ids_t), c.vocab_size).unwrap();
+    let targets = e.ids(&ids_of(&targets_t), c.vocab_size).unwrap();
+    let unit_ids =
+        |u: &tierzero::model::UnitSpec| u.params.iter().map(|id| id.0).collect::<Vec<_>>();
+    let gather = |ids: &[usize]| ids.iter().map(|&i| p[i].clone()).collect::<Vec<_>>();
+    let units = model.units();
+    let mut h = Vec::new();
+    let mut saved = vec![Vec::new(); units.len()];
+    for u in units {
+        let pu = gather(&unit_ids(u));
+        match u.kind {
+            UnitKind::Embedding => h = unit::llama_embedding_forward(&e, &d, &pu[0], &ids).unwrap(),
+            UnitKind::Block { .. } => {
+                saved[u.id.0] = h.clone();
+                h = unit::llama_block_forward(&e, &d, &pu, &h, &rope).unwrap();
+            }
+            UnitKind::Head => saved[u.id.0] = h.clone(),
+        }
+    }
+    let mut up = Vec::new();
+    let mut loss = f32::NAN;
+    for u in units.iter().rev() {
+        let uid = unit_ids(u);
+        let pu = gather(&uid);
+        let mut g = take(&mut grads, &uid);
+        match u.kind {
+            UnitKind::Head => {
+                let [g0, g1] = &mut g[..] else {
+                    panic!("the head has 2 params")
+                };
+                let (l, dx) = unit::llama_head(
+                    &e,
+                    &d,
+                    [&pu[0], &pu[1]],
+                    &saved[u.id.0],
+                    &targets,
+                    1.0,
+                    [g0, g1],
+                )
+                .unwrap();
+                loss = l;
+                up = dx;
+            }
+            UnitKind::Block { .. } => {
+                up = unit::llama_block_backward(&e, &d, &pu, &saved[u.id.0], &up, &mut g, &rope)
+                    .unwrap();
+            }
+            UnitKind::Embedding => {
+                unit::llama_embedding_backward(&e, &d, &up, &ids, &mut g[0]).unwrap()
+            }
+        }
+        put_back(&mut grads, &uid, g);
+    }
+    let want = want_loss.to_scalar::<f32>().unwrap();
+    assert!(
+        ((loss - want) / want).abs() < 1e-5,
+        "{label}: loss {loss} vs {want}"
+    );
+    let mut worst = 0f64;
+    for spec in model.params() {
+        let e = rel(&grads[spec.id.0], &flat(&want_grads[spec.id.0]));
+        worst = worst.max(e);
+        assert!(
+            e <= 1e-5,
+            "{label}: {} gradient differs by {e:e}",
+            spec.name
+        );
+    }
+    println!(
+        "{label}: {} gradients, worst relative error {worst:.2e}",
+        model.params().len()
+    );
+}
+
+fn hf(text: &str) -> ModelConfig {
+    ModelConfig::from_hf_json(text).unwrap().0
+}
+
+#[test]
+fn llama_family_units_on_the_kernel_references_train_as_the_candle_units() {
+    check_llama(llama_config(false), "llama untied (GQA 4/2)");
+    check_llama(llama_config(true), "llama tied");
+    // Qwen2: biases on q, k, v; head_dim 4, MHA.
+    check_llama(
+        hf(
+            r#"{"model_type":"qwen2","vocab_size":17,"hidden_size":16,"intermediate_size":24,
+            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":4,
+            "max_position_embeddings":8,"rope_theta":10000.0,"tie_word_embeddings":false}"#,
+        ),
+        "qwen2 (qkv bias)",
+    );
+    // Qwen3: q/k RMSNorm per head, an explicit head_dim, GQA 4/1.
+    check_llama(
+        hf(
+            r#"{"model_type":"qwen3","vocab_size":19,"hidden_size":16,"intermediate_size":24,
+            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":1,"head_dim":6,
+            "max_position_embeddings":8,"rope_theta":1000000.0,"tie_word_embeddings":true}"#,
+        ),
+        "qwen3 (qk norm, GQA 4/1)",
+    );
 }

@@ -17,7 +17,7 @@ use half::bf16;
 use tierzero_gpu::cache::KernelCache;
 use tierzero_gpu::device::{Device, DeviceBuffer, DeviceOptions};
 use tierzero_gpu::ops::{self, AdamState, DeviceRuns, Elem, MatmulShape, NormOut, NormStats};
-use tierzero_gpu::reference::{self as r, AdamScalars, HeadsShape, RopeShape, Storage};
+use tierzero_gpu::reference::{self as r, AdamScalars, HeadsShape, KvShape, RopeShape, Storage};
 use tierzero_gpu::Result;
 
 fn data(n: usize, seed: u64) -> Vec<f32> {
@@ -465,6 +465,34 @@ where
         "100001",
         &dev.download(&gy)?,
         &r::add(&xa, &xb),
+        tol,
+    );
+    // Grouped-query attention's repeat and its gradient's sum.
+    let ks = KvShape {
+        batch: 2,
+        kv_heads: 3,
+        group: 4,
+        n: 33 * 24,
+    };
+    let kv = typed::<T>(&data(ks.batch * ks.kv_heads * ks.n, 26));
+    let gkv = up::<T>(dev, &r::cast::<T, f32>(&kv))?;
+    let mut grep = poisoned::<T>(dev, kv.len() * ks.group)?;
+    ops::repeat_kv(dev, &mut grep, &gkv, ks)?;
+    let rep_want = r::repeat_kv(&kv, ks);
+    rep.compare(
+        &name("repeat_kv"),
+        "2x3x4",
+        &dev.download(&grep)?,
+        &rep_want,
+        0.0,
+    );
+    let mut gsum = poisoned::<T>(dev, kv.len())?;
+    ops::sum_kv(dev, &mut gsum, &grep, ks)?;
+    rep.compare(
+        &name("sum_kv"),
+        "2x3x4",
+        &dev.download(&gsum)?,
+        &r::sum_kv(&rep_want, ks),
         tol,
     );
     // Sums of squares per group.

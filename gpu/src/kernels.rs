@@ -94,7 +94,17 @@ pub const MODULES: &[Module] = &[
         ]
     ),
     module!("optim", ["sumsq_groups", "adamw"], []),
-    module!("layout", ["heads_from_rows", "rows_from_heads", "add"], []),
+    module!(
+        "layout",
+        [
+            "heads_from_rows",
+            "rows_from_heads",
+            "add",
+            "repeat_kv",
+            "sum_kv"
+        ],
+        []
+    ),
 ];
 
 /// The module named `name`.

@@ -15,7 +15,7 @@
 //! * [`cache`]: compiled images on disk, keyed by a hash of the source, the
 //!   options, the target and NVRTC's version, so a module compiles once per
 //!   device architecture.
-//! * [`reference`]: for every kernel a scalar Rust function with the same
+//! * [`mod@reference`]: for every kernel a scalar Rust function with the same
 //!   arithmetic in the same order (the same block-sum tree, the same fused
 //!   multiply-adds and no others: kernels compile with `--fmad=false`).
 //!   They are checked here against candle's autograd; the device check

@@ -8,7 +8,7 @@
 //!   program log.
 //!
 //! A program handle lives inside [`compile`] only, destroyed on every path
-//! ([`Program`]'s `Drop`); nothing NVRTC returns outlives it except the
+//! (`Program`'s `Drop`); nothing NVRTC returns outlives it except the
 //! bytes copied out.
 
 use std::ffi::{c_char, c_int, CStr, CString};

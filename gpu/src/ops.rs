@@ -14,7 +14,7 @@ use half::{bf16, f16};
 
 use crate::device::{Device, DeviceBuffer};
 use crate::kernels::BLOCK_THREADS;
-use crate::reference::{AdamScalars, HeadsShape, RopeShape, Storage};
+use crate::reference::{AdamScalars, HeadsShape, KvShape, RopeShape, Storage};
 use crate::{GpuError, Result};
 
 /// A storage dtype the kernels take (its entry-point suffix).
@@ -201,9 +201,9 @@ pub fn embedding_bwd<T: Elem>(
 pub struct NormOut<'a, T> {
     /// [rows, cols].
     pub y: &'a mut DeviceBuffer<T>,
-    /// [rows] (LayerNorm only; RMSNorm ignores it).
+    /// `[rows]` (LayerNorm only; RMSNorm ignores it).
     pub mean: Option<&'a mut DeviceBuffer<f32>>,
-    /// [rows].
+    /// `[rows]`.
     pub rstd: &'a mut DeviceBuffer<f32>,
 }
 
@@ -287,7 +287,7 @@ pub fn layernorm_bwd_dx<T: Elem>(
     unsafe { fire(&mut a, per_row(rows), k) }
 }
 
-/// `layernorm_bwd_wb`: `dw += Σ dy·xhat`, `db += Σ dy` (fp32, [cols]).
+/// `layernorm_bwd_wb`: `dw += Σ dy·xhat`, `db += Σ dy` (fp32, `[cols]`).
 pub fn layernorm_bwd_wb<T: Elem>(
     dev: &Device,
     dw: &mut DeviceBuffer<f32>,
@@ -897,4 +897,58 @@ pub fn add<T: Elem>(
     b: &DeviceBuffer<T>,
 ) -> Result<()> {
     pointwise(dev, "add", &mut [y], &[a, b])
+}
+
+/// `repeat_kv` (`expand`) or `sum_kv`.
+fn kv_move<T: Elem>(
+    dev: &Device,
+    out: &mut DeviceBuffer<T>,
+    x: &DeviceBuffer<T>,
+    s: KvShape,
+    expand: bool,
+) -> Result<()> {
+    let name = if expand { "repeat_kv" } else { "sum_kv" };
+    let k = format!("{name}_{}", T::SUFFIX);
+    let kv = product(&k, product(&k, s.batch, s.kv_heads)?, s.n)?;
+    let all = product(&k, kv, s.group)?;
+    let (o, i) = if expand { (all, kv) } else { (kv, all) };
+    need(&k, "out", out.len(), o)?;
+    need(&k, "x", x.len(), i)?;
+    let (b, h, g, n) = (
+        int(&k, "batch", s.batch)?,
+        int(&k, "kv_heads", s.kv_heads)?,
+        int(&k, "group", s.group)?,
+        s.n as i64,
+    );
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(out.slice_mut())
+        .arg(x.slice())
+        .arg(&b)
+        .arg(&h)
+        .arg(&g)
+        .arg(&n);
+    // SAFETY: out and x hold the two layouts' elements (checked); both
+    // kernels take (T*, const T*, int batch, int kv_heads, int group,
+    // long long n).
+    unsafe { fire(&mut a, per_item(o), k) }
+}
+
+/// `repeat_kv`: [batch, kv_heads, n] to [batch, kv_heads · group, n].
+pub fn repeat_kv<T: Elem>(
+    dev: &Device,
+    out: &mut DeviceBuffer<T>,
+    x: &DeviceBuffer<T>,
+    s: KvShape,
+) -> Result<()> {
+    kv_move(dev, out, x, s, true)
+}
+
+/// `sum_kv`: the way back, summing each group.
+pub fn sum_kv<T: Elem>(
+    dev: &Device,
+    out: &mut DeviceBuffer<T>,
+    x: &DeviceBuffer<T>,
+    s: KvShape,
+) -> Result<()> {
+    kv_move(dev, out, x, s, false)
 }

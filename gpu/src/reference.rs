@@ -598,6 +598,49 @@ pub fn add<T: Storage>(a: &[T], b: &[T]) -> Vec<T> {
         .collect()
 }
 
+/// The shape `repeat_kv` / `sum_kv` move between: [batch, kv_heads, n]
+/// and [batch, kv_heads · group, n] (n = seq · head_dim).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvShape {
+    /// Batch.
+    pub batch: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Query heads per key/value head.
+    pub group: usize,
+    /// Elements per head (seq · head_dim).
+    pub n: usize,
+}
+
+/// `repeat_kv`: each key/value head repeated `group` times.
+pub fn repeat_kv<T: Storage>(x: &[T], s: KvShape) -> Vec<T> {
+    let mut out = Vec::with_capacity(x.len() * s.group);
+    for b in 0..s.batch {
+        for h in 0..s.kv_heads * s.group {
+            let k = h / s.group;
+            out.extend_from_slice(&x[(b * s.kv_heads + k) * s.n..(b * s.kv_heads + k + 1) * s.n]);
+        }
+    }
+    out
+}
+
+/// `sum_kv`: the sum over each key/value head's `group` query heads.
+pub fn sum_kv<T: Storage>(x: &[T], s: KvShape) -> Vec<T> {
+    let mut out = Vec::with_capacity(s.batch * s.kv_heads * s.n);
+    for b in 0..s.batch {
+        for k in 0..s.kv_heads {
+            for j in 0..s.n {
+                let mut acc = 0f32;
+                for g in 0..s.group {
+                    acc += x[((b * s.kv_heads + k) * s.group + g) * s.n + j].load();
+                }
+                out.push(T::store(acc));
+            }
+        }
+    }
+    out
+}
+
 /// The product [`crate::ops::matmul`] asks cuBLAS for (row-major, per
 /// batch: `C = α·op(A)·op(B) + β·C`), summed in f64 (cuBLAS's order is its
 /// own: compare within a tolerance).

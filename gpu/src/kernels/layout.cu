@@ -52,3 +52,40 @@ __device__ void add(T* y, const T* a, const T* b, long long n) {
         add<T>(y, a, b, n);                                                                      \
     }
 TZ_DTYPES(TZ_LAYOUT)
+
+// Grouped-query attention: heads [batch, kv_heads · group, n] from
+// [batch, kv_heads, n] (each key/value head repeated for its `group` query
+// heads), and the gradient's way back: out[b, k] = the sum over g of
+// x[b, k · group + g], added in g order (no atomics).
+template <typename T>
+__device__ void repeat_kv(T* out, const T* x, int batch, int kv_heads, int group, long long n) {
+    TZ_FOR_EACH(i, (long long)batch * kv_heads * group * n) {
+        const long long j = i % n;
+        const long long h = (i / n) % ((long long)kv_heads * group);
+        const long long b = i / (n * kv_heads * group);
+        out[i] = x[(b * kv_heads + h / group) * n + j];
+    }
+}
+
+template <typename T>
+__device__ void sum_kv(T* out, const T* x, int batch, int kv_heads, int group, long long n) {
+    TZ_FOR_EACH(i, (long long)batch * kv_heads * n) {
+        const long long j = i % n;
+        const long long k = (i / n) % kv_heads;
+        const long long b = i / (n * kv_heads);
+        float s = 0.0f;
+        for (int g = 0; g < group; ++g) s += tz_load(&x[((b * kv_heads + k) * group + g) * n + j]);
+        tz_store(&out[i], s);
+    }
+}
+
+#define TZ_GQA(SUF, T)                                                                           \
+    extern "C" __global__ void repeat_kv_##SUF(T* out, const T* x, int batch, int kv_heads,      \
+                                               int group, long long n) {                         \
+        repeat_kv<T>(out, x, batch, kv_heads, group, n);                                         \
+    }                                                                                            \
+    extern "C" __global__ void sum_kv_##SUF(T* out, const T* x, int batch, int kv_heads,         \
+                                            int group, long long n) {                            \
+        sum_kv<T>(out, x, batch, kv_heads, group, n);                                            \
+    }
+TZ_DTYPES(TZ_GQA)

@@ -1,0 +1,200 @@
+//! [`HostExec`]: every operation is its kernel's scalar reference.
+
+use super::{check_ids, Exec};
+use crate::ops::MatmulShape;
+use crate::reference::{self as r, AdamScalars, HeadsShape, KvShape, RopeShape};
+use crate::Result;
+
+/// The host executor: every operation is its kernel's scalar reference.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HostExec;
+
+/// Ids on the host, with their embedding runs.
+#[derive(Debug, Clone)]
+pub struct HostIds {
+    ids: Vec<i32>,
+}
+
+impl Exec for HostExec {
+    type Buf = Vec<f32>;
+    type Ids = HostIds;
+
+    fn rmsnorm_fwd(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        cols: usize,
+        eps: f32,
+    ) -> Result<[Vec<f32>; 2]> {
+        let (y, rstd) = r::rmsnorm_fwd(x, w, cols, eps);
+        Ok([y, rstd])
+    }
+    fn rmsnorm_bwd(
+        &self,
+        dy: &Vec<f32>,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        rstd: &Vec<f32>,
+        dw: &mut Vec<f32>,
+        cols: usize,
+    ) -> Result<Vec<f32>> {
+        r::rmsnorm_bwd_w(dw, dy, x, rstd, cols);
+        Ok(r::rmsnorm_bwd_dx(dy, x, w, rstd, cols))
+    }
+    fn rope(
+        &self,
+        x: &Vec<f32>,
+        cos: &Vec<f32>,
+        sin: &Vec<f32>,
+        s: RopeShape,
+        sign: f32,
+    ) -> Result<Vec<f32>> {
+        Ok(r::rope(x, cos, sin, s, sign))
+    }
+    fn swiglu_fwd(&self, gate: &Vec<f32>, up: &Vec<f32>) -> Result<Vec<f32>> {
+        Ok(r::swiglu_fwd(gate, up))
+    }
+    fn swiglu_bwd(&self, dy: &Vec<f32>, gate: &Vec<f32>, up: &Vec<f32>) -> Result<[Vec<f32>; 2]> {
+        let (dg, du) = r::swiglu_bwd(dy, gate, up);
+        Ok([dg, du])
+    }
+    fn repeat_kv(&self, x: &Vec<f32>, s: KvShape) -> Result<Vec<f32>> {
+        Ok(r::repeat_kv(x, s))
+    }
+    fn sum_kv(&self, x: &Vec<f32>, s: KvShape) -> Result<Vec<f32>> {
+        Ok(r::sum_kv(x, s))
+    }
+    fn upload(&self, _: &str, v: &[f32]) -> Result<Vec<f32>> {
+        Ok(v.to_vec())
+    }
+    fn download(&self, b: &Vec<f32>) -> Result<Vec<f32>> {
+        Ok(b.clone())
+    }
+    fn fill_zero(&self, b: &mut Vec<f32>) -> Result<()> {
+        b.fill(0.0);
+        Ok(())
+    }
+    fn adamw(
+        &self,
+        [master, m, v]: [&mut Vec<f32>; 3],
+        grad: &Vec<f32>,
+        s: AdamScalars,
+    ) -> Result<()> {
+        r::adamw::<f32>(master, m, v, grad, None, s);
+        Ok(())
+    }
+
+    fn zeros(&self, _: &str, n: usize) -> Result<Vec<f32>> {
+        Ok(vec![0.0; n])
+    }
+    fn len(&self, b: &Vec<f32>) -> usize {
+        b.len()
+    }
+    fn ids(&self, ids: &[i32], vocab: usize) -> Result<HostIds> {
+        check_ids(ids, vocab)?;
+        Ok(HostIds { ids: ids.to_vec() })
+    }
+    fn matmul(
+        &self,
+        c: &mut Vec<f32>,
+        a: &Vec<f32>,
+        b: &Vec<f32>,
+        s: MatmulShape,
+        beta: f32,
+    ) -> Result<()> {
+        r::matmul(
+            c,
+            a,
+            b,
+            s.batch,
+            (s.m, s.n, s.k),
+            (s.trans_a, s.trans_b),
+            1.0,
+            beta,
+        );
+        Ok(())
+    }
+    fn bias_add(&self, y: &mut Vec<f32>, b: &Vec<f32>) -> Result<()> {
+        r::bias_add(y, b);
+        Ok(())
+    }
+    fn bias_grad(&self, db: &mut Vec<f32>, dy: &Vec<f32>) -> Result<()> {
+        r::bias_grad(db, dy);
+        Ok(())
+    }
+    fn layernorm_fwd(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        b: &Vec<f32>,
+        cols: usize,
+        eps: f32,
+    ) -> Result<[Vec<f32>; 3]> {
+        let (y, m, s) = r::layernorm_fwd(x, w, Some(b), cols, eps);
+        Ok([y, m, s])
+    }
+    fn layernorm_bwd(
+        &self,
+        dy: &Vec<f32>,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        [mean, rstd]: [&Vec<f32>; 2],
+        dw: &mut Vec<f32>,
+        db: &mut Vec<f32>,
+        cols: usize,
+    ) -> Result<Vec<f32>> {
+        r::layernorm_bwd_wb(dw, Some(db), dy, x, mean, rstd, cols);
+        Ok(r::layernorm_bwd_dx(dy, x, w, mean, rstd, cols))
+    }
+    fn softmax_causal_fwd(&self, s: &Vec<f32>, seq: usize, scale: f32) -> Result<Vec<f32>> {
+        Ok(r::softmax_causal_fwd(s, seq, scale))
+    }
+    fn softmax_bwd(&self, p: &Vec<f32>, dp: &Vec<f32>, seq: usize, scale: f32) -> Result<Vec<f32>> {
+        Ok(r::softmax_bwd(p, dp, seq, scale))
+    }
+    fn gelu_fwd(&self, x: &Vec<f32>) -> Result<Vec<f32>> {
+        Ok(r::gelu_tanh_fwd(x))
+    }
+    fn gelu_bwd(&self, dy: &Vec<f32>, x: &Vec<f32>) -> Result<Vec<f32>> {
+        Ok(r::gelu_tanh_bwd(dy, x))
+    }
+    fn add(&self, a: &Vec<f32>, b: &Vec<f32>) -> Result<Vec<f32>> {
+        Ok(r::add(a, b))
+    }
+    fn heads_from_rows(&self, x: &Vec<f32>, s: HeadsShape, slot: usize) -> Result<Vec<f32>> {
+        Ok(r::heads_from_rows(x, s, slot))
+    }
+    fn rows_from_heads(
+        &self,
+        out: &mut Vec<f32>,
+        x: &Vec<f32>,
+        s: HeadsShape,
+        slot: usize,
+    ) -> Result<()> {
+        r::rows_from_heads(out, x, s, slot);
+        Ok(())
+    }
+    fn embedding_fwd(&self, table: &Vec<f32>, ids: &HostIds, hidden: usize) -> Result<Vec<f32>> {
+        Ok(r::embedding_fwd(table, &ids.ids, hidden))
+    }
+    fn embedding_bwd(
+        &self,
+        grad_table: &mut Vec<f32>,
+        dy: &Vec<f32>,
+        ids: &HostIds,
+        hidden: usize,
+    ) -> Result<()> {
+        r::embedding_bwd(grad_table, dy, &ids.ids, hidden);
+        Ok(())
+    }
+    fn cross_entropy(
+        &self,
+        logits: &Vec<f32>,
+        targets: &HostIds,
+        vocab: usize,
+        grad_scale: f32,
+    ) -> Result<(f32, Vec<f32>)> {
+        let (rows, grad) = r::cross_entropy(logits, &targets.ids, vocab, -100, Some(grad_scale));
+        Ok((r::sum_f32(&rows), grad.unwrap_or_default()))
+    }
+}

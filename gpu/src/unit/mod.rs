@@ -1,0 +1,291 @@
+//! The model's units, GPT-2 ([`gpt2`]) and the Llama family ([`llama`]:
+//! embedding, block, head), written once, forward and backward, over an
+//! [`Exec`]: the operations of [`crate::ops`] on some buffers. Two
+//! executors run the same code:
+//!
+//! * [`HostExec`]: host `Vec<f32>`s through [`crate::reference`], each
+//!   kernel's scalar reference. `tests/gpu_units.rs` (main crate) runs a
+//!   whole model through it and checks loss and every gradient against the
+//!   candle units, so the algorithm (the shapes, the order, the backward's
+//!   derivation) is checked without a GPU;
+//! * [`crate::device::Device`]: the same calls as CUDA kernels and cuBLAS
+//!   GEMMs, each checked against its reference by the device check.
+//!
+//! Backward recomputes the unit's forward from its saved input (as the CPU
+//! units do), keeping the intermediates it needs, then runs the chain rule
+//! by hand. Parameter gradients are accumulated (`+=`), so a tied
+//! embedding's two units add into one buffer, and so do micro-batches.
+//! Storage is fp32 here (bf16 and fp16 units are the next step: they need
+//! GEMMs with fp32 outputs for the gradients).
+
+mod device;
+pub mod gpt2;
+mod host;
+pub mod llama;
+
+pub use device::DeviceIds;
+pub use gpt2::*;
+pub use host::{HostExec, HostIds};
+pub use llama::*;
+
+use crate::ops::MatmulShape;
+use crate::reference::{AdamScalars, HeadsShape, KvShape, RopeShape};
+use crate::{GpuError, Result};
+
+/// What a unit needs of its buffers' executor.
+pub trait Exec {
+    /// An fp32 buffer.
+    type Buf;
+    /// `n` zeros.
+    fn zeros(&self, what: &str, n: usize) -> Result<Self::Buf>;
+    /// A buffer's elements.
+    fn len(&self, b: &Self::Buf) -> usize;
+    /// Token ids (or positions) and their [`crate::reference::EmbeddingRuns`] on this executor.
+    type Ids;
+    /// Uploads `ids` (checked below `vocab`).
+    fn ids(&self, ids: &[i32], vocab: usize) -> Result<Self::Ids>;
+    /// [`crate::ops::matmul`].
+    fn matmul(
+        &self,
+        c: &mut Self::Buf,
+        a: &Self::Buf,
+        b: &Self::Buf,
+        s: MatmulShape,
+        beta: f32,
+    ) -> Result<()>;
+    /// [`crate::ops::bias_add`].
+    fn bias_add(&self, y: &mut Self::Buf, b: &Self::Buf) -> Result<()>;
+    /// [`crate::ops::bias_grad`].
+    fn bias_grad(&self, db: &mut Self::Buf, dy: &Self::Buf) -> Result<()>;
+    /// [`crate::ops::layernorm_fwd`]: `(y, mean, rstd)`.
+    fn layernorm_fwd(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        b: &Self::Buf,
+        cols: usize,
+        eps: f32,
+    ) -> Result<[Self::Buf; 3]>;
+    /// [`crate::ops::layernorm_bwd_dx`] and [`crate::ops::layernorm_bwd_wb`]: returns dx,
+    /// adds into dw and db.
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_bwd(
+        &self,
+        dy: &Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        stats: [&Self::Buf; 2],
+        dw: &mut Self::Buf,
+        db: &mut Self::Buf,
+        cols: usize,
+    ) -> Result<Self::Buf>;
+    /// [`crate::ops::softmax_causal_fwd`].
+    fn softmax_causal_fwd(&self, s: &Self::Buf, seq: usize, scale: f32) -> Result<Self::Buf>;
+    /// [`crate::ops::softmax_bwd`].
+    fn softmax_bwd(
+        &self,
+        p: &Self::Buf,
+        dp: &Self::Buf,
+        seq: usize,
+        scale: f32,
+    ) -> Result<Self::Buf>;
+    /// [`crate::ops::gelu_tanh_fwd`].
+    fn gelu_fwd(&self, x: &Self::Buf) -> Result<Self::Buf>;
+    /// [`crate::ops::gelu_tanh_bwd`].
+    fn gelu_bwd(&self, dy: &Self::Buf, x: &Self::Buf) -> Result<Self::Buf>;
+    /// [`crate::ops::add`].
+    fn add(&self, a: &Self::Buf, b: &Self::Buf) -> Result<Self::Buf>;
+    /// [`crate::ops::heads_from_rows`].
+    fn heads_from_rows(&self, x: &Self::Buf, s: HeadsShape, slot: usize) -> Result<Self::Buf>;
+    /// [`crate::ops::rows_from_heads`] (into `out`).
+    fn rows_from_heads(
+        &self,
+        out: &mut Self::Buf,
+        x: &Self::Buf,
+        s: HeadsShape,
+        slot: usize,
+    ) -> Result<()>;
+    /// [`crate::ops::embedding_fwd`].
+    fn embedding_fwd(&self, table: &Self::Buf, ids: &Self::Ids, hidden: usize)
+        -> Result<Self::Buf>;
+    /// [`crate::ops::embedding_bwd`] (adds into `grad_table`).
+    fn embedding_bwd(
+        &self,
+        grad_table: &mut Self::Buf,
+        dy: &Self::Buf,
+        ids: &Self::Ids,
+        hidden: usize,
+    ) -> Result<()>;
+    /// [`crate::ops::rmsnorm_fwd`]: `(y, rstd)`.
+    fn rmsnorm_fwd(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        cols: usize,
+        eps: f32,
+    ) -> Result<[Self::Buf; 2]>;
+    /// [`crate::ops::rmsnorm_bwd_dx`] and [`crate::ops::rmsnorm_bwd_w`]: returns dx, adds
+    /// into dw.
+    fn rmsnorm_bwd(
+        &self,
+        dy: &Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        rstd: &Self::Buf,
+        dw: &mut Self::Buf,
+        cols: usize,
+    ) -> Result<Self::Buf>;
+    /// [`crate::ops::rope`].
+    fn rope(
+        &self,
+        x: &Self::Buf,
+        cos: &Self::Buf,
+        sin: &Self::Buf,
+        s: RopeShape,
+        sign: f32,
+    ) -> Result<Self::Buf>;
+    /// [`crate::ops::swiglu_fwd`].
+    fn swiglu_fwd(&self, gate: &Self::Buf, up: &Self::Buf) -> Result<Self::Buf>;
+    /// [`crate::ops::swiglu_bwd`]: `(dgate, dup)`.
+    fn swiglu_bwd(
+        &self,
+        dy: &Self::Buf,
+        gate: &Self::Buf,
+        up: &Self::Buf,
+    ) -> Result<[Self::Buf; 2]>;
+    /// [`crate::ops::repeat_kv`].
+    fn repeat_kv(&self, x: &Self::Buf, s: KvShape) -> Result<Self::Buf>;
+    /// [`crate::ops::sum_kv`].
+    fn sum_kv(&self, x: &Self::Buf, s: KvShape) -> Result<Self::Buf>;
+    /// A copy of `v` on this executor.
+    fn upload(&self, what: &str, v: &[f32]) -> Result<Self::Buf>;
+    /// A buffer's values on the host.
+    fn download(&self, b: &Self::Buf) -> Result<Vec<f32>>;
+    /// Zeroes a buffer in place.
+    fn fill_zero(&self, b: &mut Self::Buf) -> Result<()>;
+    /// [`crate::ops::adamw`] on `[master, m, v]`.
+    fn adamw(&self, st: [&mut Self::Buf; 3], grad: &Self::Buf, s: AdamScalars) -> Result<()>;
+    /// [`crate::ops::cross_entropy`] and the sum of its rows: `(total loss, dlogits)`
+    /// with `dlogits` scaled by `grad_scale`.
+    fn cross_entropy(
+        &self,
+        logits: &Self::Buf,
+        targets: &Self::Ids,
+        vocab: usize,
+        grad_scale: f32,
+    ) -> Result<(f32, Self::Buf)>;
+}
+
+fn check_ids(ids: &[i32], vocab: usize) -> Result<()> {
+    match ids.iter().find(|&&i| i < 0 || i as usize >= vocab) {
+        Some(bad) => Err(GpuError::Shape {
+            kernel: "embedding".into(),
+            detail: format!("token id {bad} is outside the vocabulary of {vocab}"),
+        }),
+        None => Ok(()),
+    }
+}
+
+fn mm(batch: usize, m: usize, n: usize, k: usize, trans_a: bool, trans_b: bool) -> MatmulShape {
+    MatmulShape {
+        batch,
+        m,
+        n,
+        k,
+        trans_a,
+        trans_b,
+    }
+}
+
+fn check_params<E: Exec>(e: &E, unit: &str, p: &[E::Buf], want: &[usize]) -> Result<()> {
+    if p.len() != want.len() {
+        return Err(GpuError::Shape {
+            kernel: unit.into(),
+            detail: format!("{} params, the unit has {}", p.len(), want.len()),
+        });
+    }
+    for (i, (b, &n)) in p.iter().zip(want).enumerate() {
+        if e.len(b) != n {
+            return Err(GpuError::Shape {
+                kernel: unit.into(),
+                detail: format!("param {i} has {} elements, want {n}", e.len(b)),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// AdamW's hyper-parameters for [`Gpt2Trainer`] (torch's defaults but
+/// the learning rate).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamHyper {
+    /// Learning rate.
+    pub lr: f64,
+    /// β1, β2.
+    pub betas: (f64, f64),
+    /// ε.
+    pub eps: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+}
+
+impl AdamHyper {
+    /// The f32 constants of step `t` (1-based), as the CPU kernel derives
+    /// them.
+    pub fn scalars(&self, t: u64) -> AdamScalars {
+        let (b1, b2) = self.betas;
+        let tf = t as f64;
+        AdamScalars {
+            grad_scale: 1.0,
+            beta1: b1 as f32,
+            one_minus_beta1: (1.0 - b1) as f32,
+            beta2: b2 as f32,
+            one_minus_beta2: (1.0 - b2) as f32,
+            eps: self.eps as f32,
+            neg_step_size: (-self.lr / (1.0 - b1.powf(tf))) as f32,
+            inv_sqrt_bc2: (1.0 / (1.0 - b2.powf(tf)).sqrt()) as f32,
+            neg_lr_wd: (-self.lr * self.weight_decay) as f32,
+        }
+    }
+}
+
+/// The LM head on normalized rows `n` [rows, hidden] with the output
+/// matrix `w` [vocab, hidden]: the mean cross-entropy of `targets` and,
+/// with `loss_scale`, its backward: `gw += dlogitsᵀ n`; returns
+/// `(mean loss, dn)`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn lm_head<E: Exec>(
+    e: &E,
+    (rows, hidden, vocab): (usize, usize, usize),
+    n: &E::Buf,
+    w: &E::Buf,
+    targets: &E::Ids,
+    loss_scale: f32,
+    gw: &mut E::Buf,
+) -> Result<(f32, E::Buf)> {
+    let mut logits = e.zeros("logits", rows * vocab)?;
+    e.matmul(
+        &mut logits,
+        n,
+        w,
+        mm(1, rows, vocab, hidden, false, true),
+        0.0,
+    )?;
+    let (total, dlogits) = e.cross_entropy(&logits, targets, vocab, loss_scale / rows as f32)?;
+    e.matmul(
+        gw,
+        &dlogits,
+        n,
+        mm(1, vocab, hidden, rows, true, false),
+        1.0,
+    )?;
+    let mut dn = e.zeros("head dx", rows * hidden)?;
+    e.matmul(
+        &mut dn,
+        &dlogits,
+        w,
+        mm(1, rows, hidden, vocab, false, false),
+        0.0,
+    )?;
+    Ok((total / rows as f32, dn))
+}
