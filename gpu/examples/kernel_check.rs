@@ -555,6 +555,35 @@ where
 }
 
 fn check_f32_only(dev: &Device, rep: &mut Report) -> Result<()> {
+    // The bf16 x bf16 -> fp32 GEMM of the units' autocast mode.
+    for (m, n, k) in [(33usize, 65usize, 17usize), (256, 1024, 768)] {
+        for (ta, tb) in [(false, false), (true, false), (false, true)] {
+            let batch = 2;
+            let a: Vec<bf16> = r::cast(&data(batch * m * k, 60));
+            let b: Vec<bf16> = r::cast(&data(batch * k * n, 61));
+            let mut c = data(batch * m * n, 62);
+            let (ga, gb) = (dev.upload("a", &a)?, dev.upload("b", &b)?);
+            let mut gc = dev.upload("c", &c)?;
+            let (a32, b32) = (r::cast::<bf16, f32>(&a), r::cast::<bf16, f32>(&b));
+            r::matmul(&mut c, &a32, &b32, batch, (m, n, k), (ta, tb), 1.0, 0.5);
+            let s = MatmulShape {
+                batch,
+                m,
+                n,
+                k,
+                trans_a: ta,
+                trans_b: tb,
+            };
+            ops::matmul_bf16_f32(dev, &mut gc, &ga, &gb, s, 1.0, 0.5)?;
+            rep.compare(
+                "matmul_bf16_f32",
+                &format!("{m}x{n}x{k} t{}{}", ta as u8, tb as u8),
+                &dev.download(&gc)?,
+                &c,
+                1e-5,
+            );
+        }
+    }
     // AdamW: the CPU kernel's arithmetic, so the bits should be equal; the
     // tolerance is the fp32 one, and the JSON says the error.
     let n = 1_000_003;

@@ -1,10 +1,11 @@
 //! The device check of training: a small GPT-2 (tied embeddings, fp32)
 //! trained 20 steps on the GPU (`tierzero_gpu::unit::Gpt2Trainer` on a
-//! `Device`: the CUDA kernels, cuBLAS and the GPU AdamW) and on the host
+//! `CudaExec`: the CUDA kernels, cuBLAS and the GPU AdamW) and on the host
 //! executor (every kernel's CPU reference, which `tests/gpu_units.rs`
-//! checks against the candle units). Passes when every step's loss agrees
-//! within 1e-3 relative and a second GPU run gives the same bits (losses
-//! and final params). Prints one JSON object; exit 0 pass, 1 fail, 2 when
+//! checks against the candle units), with fp32 GEMMs and again with bf16
+//! GEMM operands. Passes when every step's loss agrees within 1e-3
+//! relative (1e-2 with bf16 GEMMs) and a second GPU run gives the same
+//! bits (losses and final params). Prints one JSON object; exit 0 pass, 1 fail, 2 when
 //! the device cannot be opened.
 //!
 //! `cargo run --release -p tierzero-gpu --example train_check [OUT.json]`
@@ -13,7 +14,9 @@
 use std::time::Instant;
 
 use tierzero_gpu::device::{Device, DeviceOptions};
-use tierzero_gpu::unit::{gpt2_init, AdamHyper, Exec, Gpt2Dims, Gpt2Trainer, HostExec};
+use tierzero_gpu::unit::{
+    gpt2_init, AdamHyper, CudaExec, Exec, GemmDtype, Gpt2Dims, Gpt2Trainer, HostExec,
+};
 use tierzero_gpu::Result;
 
 const STEPS: usize = 20;
@@ -87,32 +90,44 @@ fn main() {
         }
     };
     let run = || -> Result<String> {
-        let (gpu, gpu_params, gpu_s) = train(&dev)?;
-        let (gpu2, gpu2_params, _) = train(&dev)?;
-        let (host, _, host_s) = train(&HostExec)?;
-        let worst = gpu
-            .iter()
-            .zip(&host)
-            .map(|(g, h)| ((g - h) / h).abs() as f64)
-            .fold(0.0, f64::max);
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        let same = bits(&gpu) == bits(&gpu2)
-            && gpu_params
+        let mut parts = Vec::new();
+        let mut all_ok = true;
+        // fp32 GEMMs at the 1e-3; bf16 GEMM operands (autocast's
+        // rounding, on both sides) at 1e-2.
+        for (gemm, tol) in [(GemmDtype::F32, 1e-3), (GemmDtype::Bf16, 1e-2)] {
+            let cuda = CudaExec { dev: &dev, gemm };
+            let (gpu, gpu_params, gpu_s) = train(&cuda)?;
+            let (gpu2, gpu2_params, _) = train(&cuda)?;
+            let (host, _, host_s) = train(&HostExec { gemm })?;
+            let worst = gpu
                 .iter()
-                .zip(&gpu2_params)
-                .all(|(a, b)| bits(a) == bits(b));
-        let ok = worst <= 1e-3 && same && gpu.iter().all(|l| l.is_finite());
-        let list = |v: &[f32]| {
-            v.iter()
-                .map(|x| format!("{x}"))
-                .collect::<Vec<_>>()
-                .join(",")
-        };
+                .zip(&host)
+                .map(|(g, h)| ((g - h) / h).abs() as f64)
+                .fold(0.0, f64::max);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let same = bits(&gpu) == bits(&gpu2)
+                && gpu_params
+                    .iter()
+                    .zip(&gpu2_params)
+                    .all(|(a, b)| bits(a) == bits(b));
+            let ok = worst <= tol && same && gpu.iter().all(|l| l.is_finite());
+            all_ok &= ok;
+            let list = |v: &[f32]| {
+                v.iter()
+                    .map(|x| format!("{x}"))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            };
+            parts.push(format!(
+                "{{\"gemm\":\"{gemm:?}\",\"ok\":{ok},\"tol\":{tol:e},\"max_rel_loss_diff\":{worst:e},\"gpu_twice_same_bits\":{same},\"gpu_s\":{gpu_s:.3},\"host_s\":{host_s:.3},\"gpu_losses\":[{}],\"host_losses\":[{}]}}",
+                list(&gpu),
+                list(&host)
+            ));
+        }
         Ok(format!(
-            "{{\"ok\":{ok},\"device\":{:?},\"steps\":{STEPS},\"max_rel_loss_diff\":{worst:e},\"gpu_twice_same_bits\":{same},\"gpu_s\":{gpu_s:.3},\"host_s\":{host_s:.3},\"gpu_losses\":[{}],\"host_losses\":[{}]}}",
+            "{{\"ok\":{all_ok},\"device\":{:?},\"steps\":{STEPS},\"runs\":[{}]}}",
             dev.name(),
-            list(&gpu),
-            list(&host)
+            parts.join(",")
         ))
     };
     match run() {

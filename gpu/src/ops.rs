@@ -952,3 +952,75 @@ pub fn sum_kv<T: Elem>(
 ) -> Result<()> {
     kv_move(dev, out, x, s, false)
 }
+
+/// [`matmul`] with bf16 operands and an fp32 result (`C = α·op(A)·op(B) +
+/// β·C`, fp32 accumulation): autocast's GEMM, whose output stays fp32.
+pub fn matmul_bf16_f32(
+    dev: &Device,
+    c: &mut DeviceBuffer<f32>,
+    a: &DeviceBuffer<bf16>,
+    b: &DeviceBuffer<bf16>,
+    s: MatmulShape,
+    alpha: f32,
+    beta: f32,
+) -> Result<()> {
+    use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+    use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
+    use cudarc::driver::{DevicePtr, DevicePtrMut};
+    let kname = "matmul_bf16_f32";
+    let (mk, kn, mn) = (
+        product(kname, s.m, s.k)?,
+        product(kname, s.k, s.n)?,
+        product(kname, s.m, s.n)?,
+    );
+    need(kname, "A", a.len(), product(kname, s.batch, mk)?)?;
+    need(kname, "B", b.len(), product(kname, s.batch, kn)?)?;
+    need(kname, "C", c.len(), product(kname, s.batch, mn)?)?;
+    let i = |what: &str, v: usize| int(kname, what, v);
+    let (m, n, k) = (i("n", s.n)?, i("m", s.m)?, i("k", s.k)?);
+    let lda = i("ldb", if s.trans_b { s.k } else { s.n })?;
+    let ldb = i("lda", if s.trans_a { s.m } else { s.k })?;
+    let ldc = i("n", s.n)?;
+    let batch = i("batch", s.batch)?;
+    let stream = &dev.compute;
+    let (pa, _ga) = b.slice().device_ptr(stream);
+    let (pb, _gb) = a.slice().device_ptr(stream);
+    let (pc, _gc) = c.slice_mut().device_ptr_mut(stream);
+    // SAFETY: every operand holds `batch` matrices of its shape (checked
+    // above), the pointers are live device allocations of this context
+    // held by the guards for the call, the scalars are host f32s (the
+    // handle's default pointer mode), and the handle runs on the compute
+    // stream the guards record on. Row-major C = op(A) op(B) is
+    // column-major Cᵀ = op(B)ᵀ op(A)ᵀ, as in `matmul`.
+    unsafe {
+        cudarc::cublas::result::gemm_strided_batched_ex(
+            *dev.blas().handle(),
+            if s.trans_b { CUBLAS_OP_T } else { CUBLAS_OP_N },
+            if s.trans_a { CUBLAS_OP_T } else { CUBLAS_OP_N },
+            m,
+            n,
+            k,
+            (&alpha) as *const f32 as *const _,
+            pa as *const _,
+            cudaDataType_t::CUDA_R_16BF,
+            lda,
+            kn as i64,
+            pb as *const _,
+            cudaDataType_t::CUDA_R_16BF,
+            ldb,
+            mk as i64,
+            (&beta) as *const f32 as *const _,
+            pc as *mut _,
+            cudaDataType_t::CUDA_R_32F,
+            ldc,
+            mn as i64,
+            batch,
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| GpuError::Blas {
+        call: "cublasGemmStridedBatchedEx",
+        detail: format!("{kname} {s:?}: {e}"),
+    })
+}

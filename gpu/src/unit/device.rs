@@ -1,7 +1,7 @@
 //! The CUDA executor: [`Exec`] on a [`Device`], every operation a kernel
 //! of [`crate::ops`] or a cuBLAS GEMM on its compute stream.
 
-use super::{check_ids, Exec};
+use super::{check_ids, Exec, GemmDtype};
 use crate::device::{Device, DeviceBuffer};
 use crate::ops::{self, AdamState, MatmulShape, NormOut, NormStats};
 use crate::reference::{self as r, AdamScalars, EmbeddingRuns, HeadsShape, KvShape, RopeShape};
@@ -13,6 +13,24 @@ pub struct DeviceIds {
     ids: DeviceBuffer<i32>,
     runs: ops::DeviceRuns,
     vocab: usize,
+}
+
+/// The units on a [`Device`], with their GEMMs in `gemm`'s operand dtype.
+#[derive(Debug, Clone, Copy)]
+pub struct CudaExec<'a> {
+    /// The device.
+    pub dev: &'a Device,
+    /// The GEMMs' operand dtype (bf16: both operands cast by the
+    /// `cast_f32_bf16` kernel into scratch buffers, then a bf16 x bf16 ->
+    /// fp32 cuBLAS GEMM).
+    pub gemm: GemmDtype,
+}
+
+/// `x` cast to bf16 in a scratch buffer.
+fn to_bf16(dev: &Device, x: &DeviceBuffer<f32>) -> Result<DeviceBuffer<half::bf16>> {
+    let mut out = dev.alloc_zeros("bf16 GEMM operand", x.len())?;
+    ops::cast(dev, &mut out, x)?;
+    Ok(out)
 }
 
 /// A new device buffer of `n` elements for `what`, written by `op`.
@@ -27,7 +45,7 @@ fn fresh(
     Ok(b)
 }
 
-impl Exec for Device {
+impl Exec for CudaExec<'_> {
     type Buf = DeviceBuffer<f32>;
     type Ids = DeviceIds;
 
@@ -39,14 +57,14 @@ impl Exec for Device {
         eps: f32,
     ) -> Result<[Self::Buf; 2]> {
         let rows = x.len() / cols.max(1);
-        let mut y = self.alloc_zeros("rmsnorm output", x.len())?;
-        let mut rstd = self.alloc_zeros("rmsnorm rstd", rows)?;
+        let mut y = self.dev.alloc_zeros("rmsnorm output", x.len())?;
+        let mut rstd = self.dev.alloc_zeros("rmsnorm rstd", rows)?;
         let out = NormOut {
             y: &mut y,
             mean: None,
             rstd: &mut rstd,
         };
-        ops::rmsnorm_fwd(self, out, x, w, cols, eps)?;
+        ops::rmsnorm_fwd(self.dev, out, x, w, cols, eps)?;
         Ok([y, rstd])
     }
     fn rmsnorm_bwd(
@@ -58,9 +76,9 @@ impl Exec for Device {
         dw: &mut Self::Buf,
         cols: usize,
     ) -> Result<Self::Buf> {
-        ops::rmsnorm_bwd_w(self, dw, dy, x, rstd, cols)?;
-        fresh(self, "rmsnorm dx", x.len(), |o| {
-            ops::rmsnorm_bwd_dx(self, o, dy, x, w, rstd, cols)
+        ops::rmsnorm_bwd_w(self.dev, dw, dy, x, rstd, cols)?;
+        fresh(self.dev, "rmsnorm dx", x.len(), |o| {
+            ops::rmsnorm_bwd_dx(self.dev, o, dy, x, w, rstd, cols)
         })
     }
     fn rope(
@@ -71,13 +89,13 @@ impl Exec for Device {
         s: RopeShape,
         sign: f32,
     ) -> Result<Self::Buf> {
-        fresh(self, "rotated", x.len(), |o| {
-            ops::rope(self, o, x, cos, sin, s, sign)
+        fresh(self.dev, "rotated", x.len(), |o| {
+            ops::rope(self.dev, o, x, cos, sin, s, sign)
         })
     }
     fn swiglu_fwd(&self, gate: &Self::Buf, up: &Self::Buf) -> Result<Self::Buf> {
-        fresh(self, "swiglu output", gate.len(), |o| {
-            ops::swiglu_fwd(self, o, gate, up)
+        fresh(self.dev, "swiglu output", gate.len(), |o| {
+            ops::swiglu_fwd(self.dev, o, gate, up)
         })
     }
     fn swiglu_bwd(
@@ -86,29 +104,29 @@ impl Exec for Device {
         gate: &Self::Buf,
         up: &Self::Buf,
     ) -> Result<[Self::Buf; 2]> {
-        let mut dg = self.alloc_zeros("swiglu dgate", gate.len())?;
-        let mut du = self.alloc_zeros("swiglu dup", up.len())?;
-        ops::swiglu_bwd(self, &mut dg, &mut du, dy, gate, up)?;
+        let mut dg = self.dev.alloc_zeros("swiglu dgate", gate.len())?;
+        let mut du = self.dev.alloc_zeros("swiglu dup", up.len())?;
+        ops::swiglu_bwd(self.dev, &mut dg, &mut du, dy, gate, up)?;
         Ok([dg, du])
     }
     fn repeat_kv(&self, x: &Self::Buf, s: KvShape) -> Result<Self::Buf> {
-        fresh(self, "repeated kv", x.len() * s.group, |o| {
-            ops::repeat_kv(self, o, x, s)
+        fresh(self.dev, "repeated kv", x.len() * s.group, |o| {
+            ops::repeat_kv(self.dev, o, x, s)
         })
     }
     fn sum_kv(&self, x: &Self::Buf, s: KvShape) -> Result<Self::Buf> {
-        fresh(self, "kv gradient", x.len() / s.group.max(1), |o| {
-            ops::sum_kv(self, o, x, s)
+        fresh(self.dev, "kv gradient", x.len() / s.group.max(1), |o| {
+            ops::sum_kv(self.dev, o, x, s)
         })
     }
     fn upload(&self, what: &str, v: &[f32]) -> Result<Self::Buf> {
-        Device::upload(self, what, v)
+        self.dev.upload(what, v)
     }
     fn download(&self, b: &Self::Buf) -> Result<Vec<f32>> {
-        Device::download(self, b)
+        self.dev.download(b)
     }
     fn fill_zero(&self, b: &mut Self::Buf) -> Result<()> {
-        self.zero(b)
+        self.dev.zero(b)
     }
     fn adamw(
         &self,
@@ -116,11 +134,11 @@ impl Exec for Device {
         grad: &Self::Buf,
         s: AdamScalars,
     ) -> Result<()> {
-        ops::adamw::<f32>(self, AdamState { master, m, v }, grad, None, s)
+        ops::adamw::<f32>(self.dev, AdamState { master, m, v }, grad, None, s)
     }
 
     fn zeros(&self, what: &str, n: usize) -> Result<Self::Buf> {
-        self.alloc_zeros(what, n)
+        self.dev.alloc_zeros(what, n)
     }
     fn len(&self, b: &Self::Buf) -> usize {
         b.len()
@@ -133,11 +151,11 @@ impl Exec for Device {
             order,
         } = r::embedding_runs(ids);
         Ok(DeviceIds {
-            ids: self.upload("token ids", ids)?,
+            ids: self.dev.upload("token ids", ids)?,
             runs: ops::DeviceRuns {
-                uniq: self.upload("embedding runs", &uniq)?,
-                starts: self.upload("embedding runs", &starts)?,
-                order: self.upload("embedding runs", &order)?,
+                uniq: self.dev.upload("embedding runs", &uniq)?,
+                starts: self.dev.upload("embedding runs", &starts)?,
+                order: self.dev.upload("embedding runs", &order)?,
             },
             vocab,
         })
@@ -150,13 +168,19 @@ impl Exec for Device {
         s: MatmulShape,
         beta: f32,
     ) -> Result<()> {
-        ops::matmul(self, c, a, b, s, 1.0, beta)
+        match self.gemm {
+            GemmDtype::F32 => ops::matmul(self.dev, c, a, b, s, 1.0, beta),
+            GemmDtype::Bf16 => {
+                let (a16, b16) = (to_bf16(self.dev, a)?, to_bf16(self.dev, b)?);
+                ops::matmul_bf16_f32(self.dev, c, &a16, &b16, s, 1.0, beta)
+            }
+        }
     }
     fn bias_add(&self, y: &mut Self::Buf, b: &Self::Buf) -> Result<()> {
-        ops::bias_add(self, y, b)
+        ops::bias_add(self.dev, y, b)
     }
     fn bias_grad(&self, db: &mut Self::Buf, dy: &Self::Buf) -> Result<()> {
-        ops::bias_grad(self, db, dy)
+        ops::bias_grad(self.dev, db, dy)
     }
     fn layernorm_fwd(
         &self,
@@ -167,15 +191,15 @@ impl Exec for Device {
         eps: f32,
     ) -> Result<[Self::Buf; 3]> {
         let rows = x.len() / cols.max(1);
-        let mut y = self.alloc_zeros("layernorm output", x.len())?;
-        let mut mean = self.alloc_zeros("layernorm mean", rows)?;
-        let mut rstd = self.alloc_zeros("layernorm rstd", rows)?;
+        let mut y = self.dev.alloc_zeros("layernorm output", x.len())?;
+        let mut mean = self.dev.alloc_zeros("layernorm mean", rows)?;
+        let mut rstd = self.dev.alloc_zeros("layernorm rstd", rows)?;
         let out = NormOut {
             y: &mut y,
             mean: Some(&mut mean),
             rstd: &mut rstd,
         };
-        ops::layernorm_fwd(self, out, x, w, Some(b), cols, eps)?;
+        ops::layernorm_fwd(self.dev, out, x, w, Some(b), cols, eps)?;
         Ok([y, mean, rstd])
     }
     fn layernorm_bwd(
@@ -192,14 +216,14 @@ impl Exec for Device {
             mean: Some(mean),
             rstd,
         };
-        ops::layernorm_bwd_wb(self, dw, Some(db), dy, x, stats, cols)?;
-        fresh(self, "layernorm dx", x.len(), |o| {
-            ops::layernorm_bwd_dx(self, o, dy, x, w, stats, cols)
+        ops::layernorm_bwd_wb(self.dev, dw, Some(db), dy, x, stats, cols)?;
+        fresh(self.dev, "layernorm dx", x.len(), |o| {
+            ops::layernorm_bwd_dx(self.dev, o, dy, x, w, stats, cols)
         })
     }
     fn softmax_causal_fwd(&self, s: &Self::Buf, seq: usize, scale: f32) -> Result<Self::Buf> {
-        fresh(self, "attention probabilities", s.len(), |o| {
-            ops::softmax_causal_fwd(self, o, s, seq, scale)
+        fresh(self.dev, "attention probabilities", s.len(), |o| {
+            ops::softmax_causal_fwd(self.dev, o, s, seq, scale)
         })
     }
     fn softmax_bwd(
@@ -209,26 +233,26 @@ impl Exec for Device {
         seq: usize,
         scale: f32,
     ) -> Result<Self::Buf> {
-        fresh(self, "score gradient", p.len(), |o| {
-            ops::softmax_bwd(self, o, p, dp, seq, scale)
+        fresh(self.dev, "score gradient", p.len(), |o| {
+            ops::softmax_bwd(self.dev, o, p, dp, seq, scale)
         })
     }
     fn gelu_fwd(&self, x: &Self::Buf) -> Result<Self::Buf> {
-        fresh(self, "gelu output", x.len(), |o| {
-            ops::gelu_tanh_fwd(self, o, x)
+        fresh(self.dev, "gelu output", x.len(), |o| {
+            ops::gelu_tanh_fwd(self.dev, o, x)
         })
     }
     fn gelu_bwd(&self, dy: &Self::Buf, x: &Self::Buf) -> Result<Self::Buf> {
-        fresh(self, "gelu dx", x.len(), |o| {
-            ops::gelu_tanh_bwd(self, o, dy, x)
+        fresh(self.dev, "gelu dx", x.len(), |o| {
+            ops::gelu_tanh_bwd(self.dev, o, dy, x)
         })
     }
     fn add(&self, a: &Self::Buf, b: &Self::Buf) -> Result<Self::Buf> {
-        fresh(self, "sum", a.len(), |o| ops::add(self, o, a, b))
+        fresh(self.dev, "sum", a.len(), |o| ops::add(self.dev, o, a, b))
     }
     fn heads_from_rows(&self, x: &Self::Buf, s: HeadsShape, slot: usize) -> Result<Self::Buf> {
-        fresh(self, "heads", s.heads_numel(), |o| {
-            ops::heads_from_rows(self, o, x, s, slot)
+        fresh(self.dev, "heads", s.heads_numel(), |o| {
+            ops::heads_from_rows(self.dev, o, x, s, slot)
         })
     }
     fn rows_from_heads(
@@ -238,7 +262,7 @@ impl Exec for Device {
         s: HeadsShape,
         slot: usize,
     ) -> Result<()> {
-        ops::rows_from_heads(self, out, x, s, slot)
+        ops::rows_from_heads(self.dev, out, x, s, slot)
     }
     fn embedding_fwd(
         &self,
@@ -246,8 +270,8 @@ impl Exec for Device {
         ids: &DeviceIds,
         hidden: usize,
     ) -> Result<Self::Buf> {
-        fresh(self, "embedding output", ids.ids.len() * hidden, |o| {
-            ops::embedding_fwd(self, o, table, &ids.ids, hidden)
+        fresh(self.dev, "embedding output", ids.ids.len() * hidden, |o| {
+            ops::embedding_fwd(self.dev, o, table, &ids.ids, hidden)
         })
     }
     fn embedding_bwd(
@@ -257,7 +281,7 @@ impl Exec for Device {
         ids: &DeviceIds,
         hidden: usize,
     ) -> Result<()> {
-        ops::embedding_bwd(self, grad_table, dy, &ids.runs, ids.vocab, hidden)
+        ops::embedding_bwd(self.dev, grad_table, dy, &ids.runs, ids.vocab, hidden)
     }
     fn cross_entropy(
         &self,
@@ -267,10 +291,10 @@ impl Exec for Device {
         grad_scale: f32,
     ) -> Result<(f32, Self::Buf)> {
         let rows = targets.ids.len();
-        let mut loss_rows = self.alloc_zeros("loss rows", rows)?;
-        let mut dlogits = self.alloc_zeros("logit gradient", logits.len())?;
+        let mut loss_rows = self.dev.alloc_zeros("loss rows", rows)?;
+        let mut dlogits = self.dev.alloc_zeros("logit gradient", logits.len())?;
         ops::cross_entropy(
-            self,
+            self.dev,
             &mut loss_rows,
             Some(&mut dlogits),
             logits,
@@ -279,9 +303,9 @@ impl Exec for Device {
             -100,
             grad_scale,
         )?;
-        let mut total = self.alloc_zeros("loss", 1)?;
-        ops::sum_f32(self, &mut total, &loss_rows)?;
-        let t = self.download(&total)?;
+        let mut total = self.dev.alloc_zeros("loss", 1)?;
+        ops::sum_f32(self.dev, &mut total, &loss_rows)?;
+        let t = self.dev.download(&total)?;
         Ok((t.first().copied().unwrap_or(f32::NAN), dlogits))
     }
 }

@@ -511,7 +511,7 @@ mod tests {
             eps: 1e-8,
             weight_decay: 0.01,
         };
-        let mut t = Gpt2Trainer::new(&HostExec, d, 2, &init, hyper).unwrap();
+        let mut t = Gpt2Trainer::new(&HostExec::F32, d, 2, &init, hyper).unwrap();
         // A repeating sequence: learnable.
         let toks: Vec<i32> = (0..d.batch * (d.seq + 1))
             .map(|i| ((i * 5) % 7) as i32)

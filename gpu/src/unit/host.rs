@@ -1,13 +1,35 @@
 //! [`HostExec`]: every operation is its kernel's scalar reference.
 
-use super::{check_ids, Exec};
+use super::{check_ids, Exec, GemmDtype};
 use crate::ops::MatmulShape;
 use crate::reference::{self as r, AdamScalars, HeadsShape, KvShape, RopeShape};
 use crate::Result;
 
 /// The host executor: every operation is its kernel's scalar reference.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct HostExec;
+pub struct HostExec {
+    /// The GEMMs' operand dtype (bf16: operands rounded, as the device's
+    /// casts round them, before the product).
+    pub gemm: GemmDtype,
+}
+
+impl HostExec {
+    /// fp32 GEMMs.
+    pub const F32: HostExec = HostExec {
+        gemm: GemmDtype::F32,
+    };
+    /// bf16 GEMM operands.
+    pub const BF16: HostExec = HostExec {
+        gemm: GemmDtype::Bf16,
+    };
+}
+
+/// `v` rounded to bf16 (and back to f32).
+fn bf16_rounded(v: &[f32]) -> Vec<f32> {
+    v.iter()
+        .map(|&x| half::bf16::from_f32(x).to_f32())
+        .collect()
+}
 
 /// Ids on the host, with their embedding runs.
 #[derive(Debug, Clone)]
@@ -102,16 +124,21 @@ impl Exec for HostExec {
         s: MatmulShape,
         beta: f32,
     ) -> Result<()> {
-        r::matmul(
-            c,
-            a,
-            b,
-            s.batch,
-            (s.m, s.n, s.k),
-            (s.trans_a, s.trans_b),
-            1.0,
-            beta,
-        );
+        let shape = (s.m, s.n, s.k);
+        let trans = (s.trans_a, s.trans_b);
+        match self.gemm {
+            GemmDtype::F32 => r::matmul(c, a, b, s.batch, shape, trans, 1.0, beta),
+            GemmDtype::Bf16 => r::matmul(
+                c,
+                &bf16_rounded(a),
+                &bf16_rounded(b),
+                s.batch,
+                shape,
+                trans,
+                1.0,
+                beta,
+            ),
+        }
         Ok(())
     }
     fn bias_add(&self, y: &mut Vec<f32>, b: &Vec<f32>) -> Result<()> {

@@ -23,7 +23,7 @@ pub mod gpt2;
 mod host;
 pub mod llama;
 
-pub use device::DeviceIds;
+pub use device::{CudaExec, DeviceIds};
 pub use gpt2::*;
 pub use host::{HostExec, HostIds};
 pub use llama::*;
@@ -31,6 +31,19 @@ pub use llama::*;
 use crate::ops::MatmulShape;
 use crate::reference::{AdamScalars, HeadsShape, KvShape, RopeShape};
 use crate::{GpuError, Result};
+
+/// The operand dtype of the units' GEMMs. Everything else (the residual
+/// stream, norms, softmax, activations, gradients) is fp32 either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GemmDtype {
+    /// fp32 operands.
+    #[default]
+    F32,
+    /// Operands rounded to bf16, fp32 accumulation and result: what
+    /// `torch.autocast(dtype=bfloat16)` does to a matmul (autocast also
+    /// rounds its output; here it stays fp32).
+    Bf16,
+}
 
 /// What a unit needs of its buffers' executor.
 pub trait Exec {
