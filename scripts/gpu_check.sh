@@ -28,6 +28,8 @@
 #   6d. a small GPT-2 trained 20 steps on the GPU against the same units
 #      on the kernels' references, and twice on the GPU (gpu/examples/
 #      train_check, $TRAIN_CHECK_BIN);
+#   6e. throughput of a ~350M GPT-2 in GPU memory, bf16 GEMMs, seq 1024,
+#      against PyTorch eager on the same shape (a measurement);
 #   7. the overlap ratio (docs/decisions/overlap.md) on this machine's cores and disk (a
 #      measurement, never a failure): `examples/overlap` (built with the
 #      binary in step 1; skipped with TIERZERO_BIN unless OVERLAP_BIN
@@ -48,7 +50,8 @@
 # Run on one H200 machine (16 cores) on 2026-11-30: every step passed; two
 # ranks on its one GPU were refused (ncclInvalidUsage, now an exit-2 hint).
 #
-# Environment: TIERZERO_BIN, KERNEL_CHECK_BIN, TRAIN_CHECK_BIN, TIERZERO_WHEEL, TIERZERO_PY,
+# Environment: TIERZERO_BIN, KERNEL_CHECK_BIN, TRAIN_CHECK_BIN, THROUGHPUT_BIN,
+# TIERZERO_WHEEL, TIERZERO_PY,
 # OVERLAP_BIN, OVERLAP_DIR, GPU_CHECK_PORT
 # (default 29517), GPU_CHECK_BYTES (timed all-gather per rank, default
 # 256M), GPU_CHECK_BUDGET_S (default 300: the overlap measurement uses
@@ -244,6 +247,26 @@ KC_BIN=$ex_bin; kc_rc=$ex_rc; kc_result=$ex_result; kc_log="$WORK/kernel_check.e
 run_example train_check "${TRAIN_CHECK_BIN:-}"
 TC_BIN=$ex_bin; tc_rc=$ex_rc; tc_result=$ex_result; tc_log="$WORK/train_check.err"
 
+# 6e. Throughput in GPU memory (a measurement: never sets `failed`): a
+# GPT-2 of ~350M params, seq 1024, bf16 GEMMs, tierzero-gpu's
+# examples/throughput against PyTorch eager (scripts/torch_gpt2_throughput.py
+# with the machine's PyTorch, autocast bf16, eager attention, fused AdamW),
+# the same shape and batch; the issue's goal is a ratio of at least 0.8.
+failed_before_tp=$failed
+run_example throughput "${THROUGHPUT_BIN:-}"
+tp_rc=$ex_rc; tp_result=$ex_result; tp_log="$WORK/throughput.err"
+failed=$failed_before_tp
+th_rc=null; th_result=null
+if [ -n "$PY" ] && [ "$(left)" -ge 60 ]; then
+  timeout "$(cap 240)" "$PY" scripts/torch_gpt2_throughput.py --out "$WORK/torch_throughput.json" \
+    >/dev/null 2>"$WORK/torch_throughput.err"
+  th_rc=$?
+  th_result=$(json_obj "$WORK/torch_throughput.json")
+fi
+tp_ratio=$(awk -v a="$(grep -o '"tokens_per_s":[0-9.]*' "$WORK/throughput.json" 2>/dev/null | cut -d: -f2)" \
+  -v b="$(grep -o '"tokens_per_s": *[0-9.]*' "$WORK/torch_throughput.json" 2>/dev/null | sed 's/.*: *//')" \
+  'BEGIN { if (a > 0 && b > 0) printf "%.3f", a / b; else printf "null" }')
+
 # 7. Overlap (a measurement: never sets `failed`), in what is left of the
 # budget. A summary line's field.
 field() { grep -o "\"$2\":[0-9.eE+-]*" <<<"$1" | head -n 1 | cut -d: -f2; }
@@ -329,6 +352,8 @@ fi
     "$(cat "$WORK/train-cuda/rc")" "$(cat "$WORK/train-cuda/secs")" "$(json_obj "$WORK/train-cuda/out.json")" "$(json_str "$WORK/train-cuda/err.txt")"
   printf '"kernels":{"bin":"%s","cuda_libs":"%s","rc":%s,"result":%s,"log":%s},' \
     "$KC_BIN" "$nv_libs" "$kc_rc" "$kc_result" "$(json_str "$kc_log")"
+  printf '"throughput":{"tierzero":{"rc":%s,"result":%s,"log":%s},"torch_eager":{"rc":%s,"result":%s,"log":%s},"ratio":%s},' \
+    "$tp_rc" "$tp_result" "$(json_str "$tp_log")" "$th_rc" "$th_result" "$(json_str "$WORK/torch_throughput.err")" "$tp_ratio"
   printf '"gpu_train":{"bin":"%s","rc":%s,"result":%s,"log":%s},' \
     "$TC_BIN" "$tc_rc" "$tc_result" "$(json_str "$tc_log")"
   printf '"python_cuda":{"wheel":"%s","python":"%s","rc":%s,"result":%s,"log":%s},' \

@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""PyTorch eager's training throughput on the shape of
+gpu/examples/throughput.rs: a GPT-2 of about 350M params (24 layers, hidden
+1024, 16 heads, vocabulary 50257, tied embeddings), sequences of 1024,
+torch.autocast(bfloat16), eager attention, AdamW(fused=True). Prints one
+JSON line with tokens/s and model TFLOPS (6 * params + 12 * layers *
+hidden * seq FLOPs per token, the count the Rust example uses).
+
+  python scripts/torch_gpt2_throughput.py [--batch 4] [--steps 6] [--layers 24] [--out OUT.json]
+
+scripts/gpu_check.sh runs it with the lent machine's PyTorch beside the
+Rust example."""
+
+import argparse
+import json
+import time
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--out")
+    ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke test)")
+    a = ap.parse_args()
+    cfg = GPT2Config(
+        n_layer=a.layers, n_embd=1024, n_head=16, n_inner=4096, vocab_size=50257, n_positions=1024,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+    )
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg).to(a.device).train()
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+    g = torch.Generator(device=a.device).manual_seed(1)
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+
+    def step():
+        ids = torch.randint(0, cfg.vocab_size, (a.batch, 1024), device=a.device, generator=g)
+        with torch.autocast(a.device, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    first = step().item()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(a.steps - 1):
+        last = step()
+    sync()
+    secs = time.perf_counter() - t0
+    timed = a.steps - 1
+    tok_s = timed * a.batch * 1024 / secs
+    fpt = 6 * params + 12 * a.layers * 1024 * 1024
+    out = {
+        "ok": True, "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__, "params": params,
+        "layers": a.layers, "batch": a.batch, "seq": 1024, "steps_timed": timed, "step_s": secs / timed,
+        "tokens_per_s": tok_s, "model_tflops": tok_s * fpt / 1e12, "first_loss": first, "last_loss": last.item(),
+        "max_memory_allocated": torch.cuda.max_memory_allocated() if a.device == "cuda" else None,
+    }
+    line = json.dumps(out)
+    print(line)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
