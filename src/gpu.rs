@@ -433,6 +433,31 @@ pub fn probe() -> Result<GpuInfo, GpuError> {
     imp::probe()
 }
 
+/// The compute libraries the CUDA units need (crate `tierzero-gpu`), each
+/// with its version or why it does not load: NVRTC (the kernels, compiled
+/// at run time; with the architectures it targets) and cuBLAS. Empty
+/// without the `gpu` feature.
+pub fn compute_libraries() -> Vec<(&'static str, Result<String, String>)> {
+    #[cfg(feature = "gpu")]
+    {
+        let nvrtc = tierzero_gpu::nvrtc::version()
+            .and_then(|(major, minor)| {
+                let archs = tierzero_gpu::nvrtc::supported_archs()?;
+                let archs: Vec<String> = archs.iter().map(|a| format!("sm_{a}")).collect();
+                Ok(format!("{major}.{minor} (targets {})", archs.join(", ")))
+            })
+            .map_err(|e| e.to_string());
+        let cublas = tierzero_gpu::device::cublas_available()
+            .map(|()| "loads".to_string())
+            .map_err(|e| e.to_string());
+        vec![("nvrtc", nvrtc), ("cublas", cublas)]
+    }
+    #[cfg(not(feature = "gpu"))]
+    {
+        Vec::new()
+    }
+}
+
 #[cfg(all(feature = "gpu", panic = "abort"))]
 compile_error!(
     "the `gpu` feature needs unwinding panics: cudarc panics when libcuda.so is missing and \

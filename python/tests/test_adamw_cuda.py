@@ -26,6 +26,10 @@ except ImportError:
 if pytest is not None and __name__ != "__main__" and not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
+if torch is None:  # run as a script without torch: say so
+    print(json.dumps({"cuda": False, "error": "torch is not installed"}))
+    sys.exit(1)
+
 import tierzero.torch as tzt  # noqa: E402
 
 SIZES = [1, 7, 1023, 4097, 300_000]

@@ -106,10 +106,22 @@ pub fn run(args: GpuInfoArgs) -> Result<(), Failure> {
             Some(r)
         }
     };
+    let libs = gpu::compute_libraries();
+    let libs_json: serde_json::Map<String, serde_json::Value> = libs
+        .iter()
+        .map(|(name, r)| {
+            let v = match r {
+                Ok(v) => json!({"version": v}),
+                Err(e) => json!({"error": e}),
+            };
+            (name.to_string(), v)
+        })
+        .collect();
     if args.json {
         let obj = json!({
             "devices": devices,
             "nccl": nccl,
+            "compute_libraries": libs_json,
             "compute": "cpu (candle is built without CUDA)",
             "nccl_test": report,
         });
@@ -130,6 +142,12 @@ pub fn run(args: GpuInfoArgs) -> Result<(), Failure> {
     match &info.nccl {
         Ok(v) => text.push_str(&format!("NCCL {v}\n")),
         Err(e) => text.push_str(&format!("NCCL: {e}\n")),
+    }
+    for (name, r) in &libs {
+        match r {
+            Ok(v) => text.push_str(&format!("{name}: {v}\n")),
+            Err(e) => text.push_str(&format!("{name}: {e}\n")),
+        }
     }
     text.push_str("compute: cpu (candle is built without CUDA); --device cuda runs the collectives over NCCL\n");
     if let Some(r) = report {
