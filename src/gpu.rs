@@ -4,12 +4,14 @@
 //!
 //! # What runs on a GPU today
 //!
-//! Compute does not: candle is built without CUDA, so forward, backward and
-//! Adam run on the CPU whatever `--device` says. With the `gpu` feature the
-//! crate uses CUDA for two things: [`probe`] (devices, names, memory, NCCL's
+//! With `--device cuda`, forward and backward: the CUDA units of crate
+//! `tierzero-gpu` (kernels compiled by NVRTC, cuBLAS), which the engine
+//! calls through `crate::model::exec_units::CudaUnits`; candle itself is
+//! built without CUDA and runs on the CPU otherwise. With the `gpu`
+//! feature this module adds [`probe`] (devices, names, memory, NCCL's
 //! version; `tierzero gpu-info`) and the NCCL communicator
-//! (`crate::engine::comm::nccl::NcclComm`, `tierzero train --device
-//! cuda`), whose collectives stage host buffers through device memory.
+//! (`crate::engine::comm::nccl::NcclComm`), whose collectives stage host
+//! buffers through device memory.
 //! Without the feature every entry point here returns
 //! [`GpuError::NotBuilt`] with the rebuild command, so the CLI needs no
 //! `cfg`.

@@ -13,7 +13,7 @@ use candle_core::{DType, Tensor};
 use model_support::*;
 use tierzero::model::ModelConfig;
 use tierzero::model::{Model, UnitKind};
-use tierzero_gpu::unit::{self, Exec, Gpt2Dims, HostExec, LlamaDims, RopeTables};
+use tierzero_gpu::unit::{self, Exec, HostExec, RopeTables};
 
 fn flat(t: &Tensor) -> Vec<f32> {
     t.to_dtype(DType::F32)
@@ -74,15 +74,7 @@ fn check_with(tied: bool, e: HostExec, dtype: DType, tol: f64) {
     let (ids_t, targets_t) = batch(c.vocab_size, b, t, 2);
     let (want_loss, want_grads) = per_unit_grads(&model, &params, &ids_t, &targets_t);
 
-    let d = Gpt2Dims {
-        batch: b,
-        seq: t,
-        hidden: c.hidden_size,
-        heads: c.n_head,
-        inner: c.intermediate_size,
-        vocab: c.vocab_size,
-        eps: c.norm_eps as f32,
-    };
+    let d = tierzero::model::exec_units::gpt2_dims(&c, (b, t));
     let p: Vec<Vec<f32>> = params.iter().map(flat).collect();
     let mut grads: Vec<Vec<f32>> = p.iter().map(|v| vec![0.0; v.len()]).collect();
     let ids = e.ids(&ids_of(&ids_t), c.vocab_size).unwrap();
@@ -191,21 +183,7 @@ fn check_llama(cfg: ModelConfig, label: &str) {
     let (want_loss, want_grads) = per_unit_grads(&model, &params, &ids_t, &targets_t);
 
     let e = HostExec::F32;
-    let d = LlamaDims {
-        batch: b,
-        seq: t,
-        hidden: c.hidden_size,
-        heads: c.n_head,
-        kv_heads: c.n_kv_head,
-        head_dim: c.head_dim,
-        inner: c.intermediate_size,
-        vocab: c.vocab_size,
-        eps: c.norm_eps as f32,
-        qkv_bias: c.qkv_bias,
-        o_bias: c.o_bias,
-        mlp_bias: c.mlp_bias,
-        qk_norm: c.qk_norm,
-    };
+    let d = tierzero::model::exec_units::llama_dims(&c, (b, t));
     // The CPU units' rotary tables are [t, head_dim] (both halves); the
     // kernel takes one half.
     let (cos, sin) =

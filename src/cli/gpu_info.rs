@@ -122,7 +122,7 @@ pub fn run(args: GpuInfoArgs) -> Result<(), Failure> {
             "devices": devices,
             "nccl": nccl,
             "compute_libraries": libs_json,
-            "compute": "cpu (candle is built without CUDA)",
+            "compute": "the units on CUDA with --device cuda (tierzero-gpu: NVRTC kernels, cuBLAS), else candle on the CPU",
             "nccl_test": report,
         });
         return emit(&format!("{obj}\n"));
@@ -149,7 +149,7 @@ pub fn run(args: GpuInfoArgs) -> Result<(), Failure> {
             Err(e) => text.push_str(&format!("{name}: {e}\n")),
         }
     }
-    text.push_str("compute: cpu (candle is built without CUDA); --device cuda runs the collectives over NCCL\n");
+    text.push_str("compute: --device cuda runs the units on the GPU (NVRTC kernels, cuBLAS) and the collectives over NCCL; otherwise candle on the CPU\n");
     if let Some(r) = report {
         text.push_str(&format!(
             "NCCL self-test, rank {} of {}: passed {}; all-gather of {} per rank: {:.3} ms, {:.2} GB/s\n",

@@ -33,10 +33,15 @@
 //!   `steps_per_print` steps (and the first and last) otherwise. With
 //!   `--json`, stdout is only the summary as one JSON object (the plan goes
 //!   to stderr), for scripts.
-//! * **Device.** `--device cuda[:N]` puts the collectives between ranks on
-//!   NCCL (`launch::rank_comm_on`, feature `gpu`); compute stays on the
-//!   CPU, and the plan says so. Without the feature or without a driver it
-//!   is refused before anything loads (exit 2).
+//! * **Device.** `--device cuda[:N]` (feature `gpu`) computes the units on
+//!   that GPU (`tierzero_gpu`'s CUDA units: the kernels compiled by NVRTC
+//!   at start-up, cuBLAS GEMMs, through `TrainerOptions::compute`) and puts
+//!   the collectives between ranks on NCCL (`launch::rank_comm_on`); the
+//!   params, their tiers and the CPU optimizer stay as configured, and each
+//!   unit's params and activations cross to the device when it runs. fp32
+//!   only (a bf16 or fp16 config is refused with the fix). Without the
+//!   feature, a driver, cuBLAS or NVRTC it is refused before anything
+//!   loads (exit 2), naming the library and the fix.
 //! * **Data.** Byte-level, or a HF `tokenizer.json` with `--tokenizer`
 //!   (`cli::tokens`, shared with `eval`).
 //! * **Checkpoints.** `--save-dir DIR` saves every `--save-every N` steps
@@ -200,10 +205,11 @@ pub struct TrainArgs {
     /// them).
     #[arg(long)]
     gradient_checkpointing: bool,
-    /// cpu, or cuda / cuda:N: the collectives between ranks run over NCCL
-    /// on that GPU (build with --features gpu; the NVIDIA driver and NCCL
-    /// are needed to run). Forward, backward and Adam stay on the CPU
-    /// either way (candle is built without CUDA).
+    /// cpu, or cuda / cuda:N: forward and backward run on that GPU (the
+    /// CUDA units: fp32, kernels compiled by NVRTC at start-up, cuBLAS) and
+    /// the collectives between ranks over NCCL (build with --features gpu;
+    /// the NVIDIA driver, cuBLAS, NVRTC and NCCL are needed to run). Params
+    /// and the optimizer stay on their configured tiers (Adam on the CPU).
     #[arg(long, value_name = "DEVICE", default_value = "cpu")]
     device: String,
     /// Open --model even when its config.json has keys tierzero does not
@@ -728,7 +734,13 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         let (first, last) = Timeline::window(start_step, steps, timeline_steps);
         Timeline::new(first, last)
     });
+    // --device cuda: the units on that GPU (tierzero-gpu's CUDA units).
+    let compute = match device {
+        None => None,
+        Some(d) => Some(cuda_units(d, cfg, &model)?),
+    };
     let opts = TrainerOptions {
+        compute: compute.clone(),
         adam_threads: flags.threads,
         metrics_path: args.metrics.clone().filter(|_| lead),
         timeline: timeline.clone(),
@@ -810,9 +822,12 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         trainer.model(),
         trainer.layout(),
         trainer.sizing(),
-        match device {
-            None => format!("cpu, {threads_line}"),
-            Some(d) => format!("cpu, {threads_line} (collectives: NCCL on {d})"),
+        match (device, &compute) {
+            (Some(d), Some(c)) => format!(
+                "{}; host side {threads_line} (collectives: NCCL on {d})",
+                c.describe()
+            ),
+            _ => format!("cpu, {threads_line}"),
         },
     );
     plan.activations = Some(trainer.activations_line());
@@ -872,6 +887,60 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     };
     print_summary(&args, &run, &summary, &ran, timing, timeline.as_deref())?;
     Ok(ended)
+}
+
+/// The CUDA units on the GPU `--device` names (this rank's, for `cuda`),
+/// after the checks a user can act on: fp32 params (the units' storage),
+/// a model the units implement, then the device itself (driver, cuBLAS,
+/// NVRTC and its architecture; see `tierzero_gpu::device::Device::open`).
+fn cuda_units(
+    d: tierzero::gpu::DeviceChoice,
+    cfg: &tierzero::config::Config,
+    model: &tierzero::model::Model,
+) -> Result<std::sync::Arc<dyn tierzero::model::exec_units::UnitCompute>, Failure> {
+    use tierzero_gpu::GpuError as G;
+    if cfg.precision != tierzero::config::Precision::Fp32 {
+        return Err(bad(format!(
+            "--device {d}: the CUDA units compute in fp32 (with fp32 or bf16 GEMMs) and this \
+             config enables {:?}; set bf16.enabled and fp16.enabled to false, or train on \
+             --device cpu",
+            cfg.precision
+        )));
+    }
+    if let Some(why) = tierzero::model::exec_units::supports(model.config()) {
+        return Err(bad(format!(
+            "--device {d}: the CUDA units do not implement {why}; train on --device cpu"
+        )));
+    }
+    let count = tierzero::gpu::probe()
+        .map_err(|e| bad(format!("--device {d}: {e}")))?
+        .devices
+        .len();
+    let ordinal = d
+        .resolve(count, tierzero::gpu::local_rank_from_env())
+        .map_err(|e| bad(format!("--device {d}: {e}")))?;
+    let opts = tierzero_gpu::device::DeviceOptions::default();
+    let dev = tierzero_gpu::device::Device::open(ordinal, &opts).map_err(|e| {
+        let user = matches!(
+            e,
+            G::LibraryMissing { .. }
+                | G::LibraryTooOld { .. }
+                | G::UnsupportedArch { .. }
+                | G::DeviceMemory { .. }
+        );
+        let err = anyhow!("--device {d}: {e}");
+        if user {
+            Failure::BadInput(err)
+        } else {
+            Failure::Internal(err)
+        }
+    })?;
+    Ok(std::sync::Arc::new(
+        tierzero::model::exec_units::CudaUnits {
+            device: std::sync::Arc::new(dev),
+            gemm: tierzero_gpu::unit::GemmDtype::F32,
+        },
+    ))
 }
 
 /// Whether two paths name the same directory.

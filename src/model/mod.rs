@@ -86,6 +86,7 @@
 
 mod backward;
 pub mod config;
+pub mod exec_units;
 pub mod fused;
 pub mod io;
 pub mod ops;
@@ -227,6 +228,12 @@ pub enum ModelError {
     /// An error from candle.
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
+    /// The CUDA units (crate `tierzero-gpu`) failed.
+    #[error("GPU compute: {what}")]
+    Gpu {
+        /// tierzero-gpu's error.
+        what: String,
+    },
 }
 
 /// Index of a parameter in [`Model::params`].

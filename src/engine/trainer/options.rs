@@ -37,6 +37,11 @@ pub struct TrainerOptions {
     /// Bounds a stop from its request to the end of the run (see
     /// [`Trainer::save_on_stop`]); `None` = `tierzero.stop_grace_s`.
     pub stop_grace: Option<Duration>,
+    /// What computes the units: `None` is candle on [`TrainerOptions::device`];
+    /// `Some` another executor with the same unit contract (the CUDA units,
+    /// [`crate::model::exec_units`]). Its activations are always
+    /// recomputed in backward.
+    pub compute: Option<Arc<dyn crate::model::exec_units::UnitCompute>>,
 }
 
 /// Fault injectors for the trainer's swap engines: the parameter engine,
@@ -68,6 +73,7 @@ impl TrainerOptions {
             keep_heap_mapped: true,
             stop: StopHandle::new(),
             stop_grace: None,
+            compute: None,
         }
     }
 }

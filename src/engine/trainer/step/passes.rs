@@ -66,7 +66,9 @@ impl Trainer {
         let mut hidden: Option<Tensor> = None;
         // Deciding (the first micro-batch of this shape): the running
         // total of the kept graphs, and whether one no longer fit.
-        let deciding = self.activations.deciding(batch.shape) && !self.opts.skip_compute;
+        let deciding = self.activations.deciding(batch.shape)
+            && !self.opts.skip_compute
+            && self.opts.compute.is_none();
         let mut keep = vec![false; units.len()];
         let mut held = vec![0u64; units.len()];
         let mut used_bytes = 0u64;
@@ -87,18 +89,19 @@ impl Trainer {
             }
             let t0 = Instant::now();
             let policy = match kind {
-                UnitKind::Block { .. } if !full => self.activations.plan(batch.shape, uid.0),
+                // Another executor's units keep no candle graph.
+                UnitKind::Block { .. } if !full && self.opts.compute.is_none() => {
+                    self.activations.plan(batch.shape, uid.0)
+                }
                 _ => ActivationPlan::Recompute,
             };
             let out = match (kind, &hidden, policy) {
                 (UnitKind::Embedding, _, _) => self
-                    .model
                     .forward_unit(uid, &params, UnitInput::Tokens(batch.ids))?
                     .into_tensor(),
                 (_, Some(h), ActivationPlan::Recompute) => {
                     saved[uid.0] = Some(Saved::Input(h.clone()));
-                    self.model
-                        .forward_unit(uid, &params, UnitInput::Hidden(h))?
+                    self.forward_unit(uid, &params, UnitInput::Hidden(h))?
                         .into_tensor()
                 }
                 (_, Some(h), ActivationPlan::Keep | ActivationPlan::Try) => {
@@ -256,28 +259,35 @@ impl Trainer {
                 .as_ref()
                 .ok_or_else(|| EngineError::internal("unit input missing"))
         };
-        Ok(match kind {
-            UnitKind::Head => self.model.backward_unit(
-                uid,
-                params,
+        let (unit_input, upstream) = match kind {
+            UnitKind::Head => (
                 UnitInput::HiddenWithTargets {
                     hidden: input()?,
                     targets: batch.targets,
                 },
                 Upstream::LossScale(plan.head_scale),
-            )?,
-            UnitKind::Block { .. } => self.model.backward_unit(
-                uid,
-                params,
-                UnitInput::Hidden(input()?),
-                Upstream::Grad(up()?),
-            )?,
-            UnitKind::Embedding => self.model.backward_unit(
-                uid,
-                params,
-                UnitInput::Tokens(batch.ids),
-                Upstream::Grad(up()?),
-            )?,
+            ),
+            UnitKind::Block { .. } => (UnitInput::Hidden(input()?), Upstream::Grad(up()?)),
+            UnitKind::Embedding => (UnitInput::Tokens(batch.ids), Upstream::Grad(up()?)),
+        };
+        Ok(match &self.opts.compute {
+            None => self
+                .model
+                .backward_unit(uid, params, unit_input, upstream)?,
+            Some(c) => c.backward_unit(&self.model, uid, params, unit_input, upstream)?,
+        })
+    }
+
+    /// One unit's forward on candle or on [`TrainerOptions::compute`].
+    fn forward_unit(
+        &self,
+        uid: UnitId,
+        params: &[Tensor],
+        input: UnitInput<'_>,
+    ) -> Result<crate::model::UnitOutput> {
+        Ok(match &self.opts.compute {
+            None => self.model.forward_unit(uid, params, input)?,
+            Some(c) => c.forward_unit(&self.model, uid, params, input)?,
         })
     }
 }

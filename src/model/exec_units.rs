@@ -1,0 +1,483 @@
+//! The units on `tierzero-gpu`'s executors: the same unit contract as
+//! [`Model::forward_unit`] / [`Model::backward_unit`] (params, input and
+//! gradients as host candle tensors, in the declared order), computed by
+//! the CUDA kernels ([`CudaUnits`]) or by their scalar references on the
+//! host ([`ReferenceUnits`]), instead of candle. The engine calls a
+//! [`UnitCompute`] where it would call the model, so it does not learn
+//! which device computes.
+//!
+//! # Data movement (today)
+//!
+//! Each call uploads the unit's params and input, computes, and returns
+//! the output or the gradients on the host, where the engine's tiers and
+//! CPU optimizer keep them: the ZeRO-Infinity data path, without copy
+//! streams or device-resident params yet (the GPU tier, a later step).
+//! Activations are recomputed in backward (no kept graphs).
+//!
+//! # What it supports
+//!
+//! fp32 params; GPT-2 with `gelu_new` (tanh), the Llama family without a
+//! sliding window; GEMMs in fp32 or with bf16 operands ([`GemmDtype`]).
+//! [`supports`] says why not, for the start-up check.
+
+use candle_core::{DType, Device, Tensor};
+use tierzero_gpu::unit::{self, Exec, GemmDtype, Gpt2Dims, HostExec, LlamaDims, RopeTables};
+
+use super::{
+    ops, Activation, Arch, Model, ModelConfig, ModelError, UnitGrads, UnitId, UnitInput, UnitKind,
+    UnitOutput, Upstream,
+};
+
+/// Runs units: candle's (the model itself) or another executor's.
+pub trait UnitCompute: Send + Sync + std::fmt::Debug {
+    /// What computes, for the plan (e.g. "cuda:0 NVIDIA H200 (sm_90), fp32 GEMMs").
+    fn describe(&self) -> String;
+    /// [`Model::forward_unit`]'s contract.
+    fn forward_unit(
+        &self,
+        model: &Model,
+        unit: UnitId,
+        params: &[Tensor],
+        input: UnitInput<'_>,
+    ) -> Result<UnitOutput, ModelError>;
+    /// [`Model::backward_unit`]'s contract.
+    fn backward_unit(
+        &self,
+        model: &Model,
+        unit: UnitId,
+        params: &[Tensor],
+        input: UnitInput<'_>,
+        upstream: Upstream<'_>,
+    ) -> Result<UnitGrads, ModelError>;
+}
+
+/// Why `tierzero-gpu`'s units cannot run this model (None: they can).
+pub fn supports(c: &ModelConfig) -> Option<String> {
+    match c.arch {
+        Arch::Gpt2 if c.activation != Activation::GeluTanh => Some(format!(
+            "GPT-2 with activation {:?}: the CUDA units have gelu_new (tanh) only",
+            c.activation
+        )),
+        Arch::Llama if c.sliding_window.is_some() => Some(
+            "a sliding attention window (Mistral): the CUDA units attend causally over the whole sequence".into(),
+        ),
+        _ => None,
+    }
+}
+
+/// An executor to run units on: [`UnitCompute`] follows for every one.
+pub trait ExecSource: Send + Sync + std::fmt::Debug {
+    /// The executor.
+    type E<'a>: Exec
+    where
+        Self: 'a;
+    /// The executor for one call.
+    fn exec(&self) -> Self::E<'_>;
+    /// What computes, for the plan.
+    fn describe(&self) -> String;
+}
+
+impl<S: ExecSource> UnitCompute for S {
+    fn describe(&self) -> String {
+        ExecSource::describe(self)
+    }
+    fn forward_unit(
+        &self,
+        model: &Model,
+        unit: UnitId,
+        params: &[Tensor],
+        input: UnitInput<'_>,
+    ) -> Result<UnitOutput, ModelError> {
+        forward(&self.exec(), model, unit, params, input)
+    }
+    fn backward_unit(
+        &self,
+        model: &Model,
+        unit: UnitId,
+        params: &[Tensor],
+        input: UnitInput<'_>,
+        upstream: Upstream<'_>,
+    ) -> Result<UnitGrads, ModelError> {
+        backward(&self.exec(), model, unit, params, input, upstream)
+    }
+}
+
+/// The units on the kernels' scalar references (host memory): the CUDA
+/// units' arithmetic without a GPU.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ReferenceUnits {
+    /// The GEMMs' operand dtype.
+    pub gemm: GemmDtype,
+}
+
+impl ExecSource for ReferenceUnits {
+    type E<'a> = HostExec;
+    fn exec(&self) -> HostExec {
+        HostExec { gemm: self.gemm }
+    }
+    fn describe(&self) -> String {
+        format!(
+            "cpu (the CUDA kernels' scalar references), {:?} GEMMs",
+            self.gemm
+        )
+    }
+}
+
+/// The units on a GPU: the CUDA kernels and cuBLAS.
+#[derive(Debug, Clone)]
+pub struct CudaUnits {
+    /// The device.
+    pub device: std::sync::Arc<tierzero_gpu::device::Device>,
+    /// The GEMMs' operand dtype.
+    pub gemm: GemmDtype,
+}
+
+impl ExecSource for CudaUnits {
+    type E<'a> = unit::CudaExec<'a>;
+    fn exec(&self) -> unit::CudaExec<'_> {
+        unit::CudaExec {
+            dev: &self.device,
+            gemm: self.gemm,
+        }
+    }
+    fn describe(&self) -> String {
+        let d = &self.device;
+        format!(
+            "cuda:{} {} (sm_{}), {:?} GEMMs; params and activations cross to the device per unit",
+            d.ordinal(),
+            d.name(),
+            d.arch(),
+            self.gemm
+        )
+    }
+}
+
+fn gpu_err(e: tierzero_gpu::GpuError) -> ModelError {
+    ModelError::Gpu {
+        what: e.to_string(),
+    }
+}
+
+fn host_f32(t: &Tensor) -> Result<Vec<f32>, ModelError> {
+    if t.dtype() != DType::F32 {
+        return Err(ModelError::Unsupported {
+            what: format!(
+                "{:?} params or activations on the CUDA units (they are fp32; train with --precision fp32)",
+                t.dtype()
+            ),
+        });
+    }
+    Ok(t.flatten_all()?.to_vec1::<f32>()?)
+}
+
+fn ids_of(t: &Tensor) -> Result<Vec<i32>, ModelError> {
+    Ok(t.flatten_all()?
+        .to_vec1::<u32>()?
+        .into_iter()
+        .map(|v| v as i32)
+        .collect())
+}
+
+fn upload<E: Exec>(e: &E, what: &str, t: &Tensor) -> Result<E::Buf, ModelError> {
+    e.upload(what, &host_f32(t)?).map_err(gpu_err)
+}
+
+fn uploads<E: Exec>(e: &E, params: &[Tensor]) -> Result<Vec<E::Buf>, ModelError> {
+    params.iter().map(|p| upload(e, "unit params", p)).collect()
+}
+
+fn tensor(v: Vec<f32>, shape: &[usize]) -> Result<Tensor, ModelError> {
+    Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
+}
+
+/// The batch shape `[b, t]` of a unit's input.
+fn batch_shape(input: &UnitInput<'_>) -> Result<(usize, usize), ModelError> {
+    let t = match input {
+        UnitInput::Tokens(t) => *t,
+        UnitInput::Hidden(h) => *h,
+        UnitInput::HiddenWithTargets { hidden, .. } => *hidden,
+    };
+    let d = t.dims();
+    match d {
+        [b, s, ..] => Ok((*b, *s)),
+        _ => Err(ModelError::Unsupported {
+            what: format!("a unit input of shape {d:?}"),
+        }),
+    }
+}
+
+/// A GPT-2 config's dimensions for the units, at `(batch, seq)`.
+pub fn gpt2_dims(c: &ModelConfig, (batch, seq): (usize, usize)) -> Gpt2Dims {
+    Gpt2Dims {
+        batch,
+        seq,
+        hidden: c.hidden_size,
+        heads: c.n_head,
+        inner: c.intermediate_size,
+        vocab: c.vocab_size,
+        eps: c.norm_eps as f32,
+    }
+}
+
+/// A Llama-family config's dimensions and options for the units, at
+/// `(batch, seq)`.
+pub fn llama_dims(c: &ModelConfig, (batch, seq): (usize, usize)) -> LlamaDims {
+    LlamaDims {
+        batch,
+        seq,
+        hidden: c.hidden_size,
+        heads: c.n_head,
+        kv_heads: c.n_kv_head,
+        head_dim: c.head_dim,
+        inner: c.intermediate_size,
+        vocab: c.vocab_size,
+        eps: c.norm_eps as f32,
+        qkv_bias: c.qkv_bias,
+        o_bias: c.o_bias,
+        mlp_bias: c.mlp_bias,
+        qk_norm: c.qk_norm,
+    }
+}
+
+/// The rotary tables of `seq` positions as the kernel takes them (one
+/// half of the CPU units' `[seq, head_dim]` tables).
+fn rope_tables<E: Exec>(
+    e: &E,
+    c: &ModelConfig,
+    seq: usize,
+) -> Result<RopeTables<E::Buf>, ModelError> {
+    let (cos, sin) = ops::rope_tables_for(c, seq, DType::F32, &Device::Cpu)?;
+    let half = |t: &Tensor| -> Result<E::Buf, ModelError> {
+        upload(
+            e,
+            "rotary table",
+            &t.narrow(1, 0, c.head_dim / 2)?.contiguous()?,
+        )
+    };
+    Ok(RopeTables {
+        cos: half(&cos)?,
+        sin: half(&sin)?,
+    })
+}
+
+fn check(model: &Model, unit: UnitId, params: &[Tensor]) -> Result<UnitKind, ModelError> {
+    if let Some(why) = supports(model.config()) {
+        return Err(ModelError::Unsupported { what: why });
+    }
+    let spec = model.unit(unit)?;
+    if params.len() != spec.params.len() {
+        return Err(ModelError::ParamCount {
+            unit,
+            expected: spec.params.len(),
+            found: params.len(),
+        });
+    }
+    Ok(spec.kind)
+}
+
+/// The positions `0..seq` of each row.
+fn positions<E: Exec>(
+    e: &E,
+    c: &ModelConfig,
+    (b, t): (usize, usize),
+) -> Result<E::Ids, ModelError> {
+    let pos: Vec<i32> = (0..b * t).map(|i| (i % t) as i32).collect();
+    e.ids(&pos, c.max_seq_len).map_err(gpu_err)
+}
+
+fn forward<E: Exec>(
+    e: &E,
+    model: &Model,
+    unit: UnitId,
+    params: &[Tensor],
+    input: UnitInput<'_>,
+) -> Result<UnitOutput, ModelError> {
+    let kind = check(model, unit, params)?;
+    let c = model.config();
+    let bt = batch_shape(&input)?;
+    let p = uploads(e, params)?;
+    let h = c.hidden_size;
+    let out_shape = [bt.0, bt.1, h];
+    let hidden_out = |buf: E::Buf| -> Result<UnitOutput, ModelError> {
+        Ok(UnitOutput::Hidden(tensor(
+            e.download(&buf).map_err(gpu_err)?,
+            &out_shape,
+        )?))
+    };
+    match (kind, input, c.arch) {
+        (UnitKind::Embedding, UnitInput::Tokens(ids), arch) => {
+            let ids = e.ids(&ids_of(ids)?, c.vocab_size).map_err(gpu_err)?;
+            let y = match arch {
+                Arch::Gpt2 => {
+                    let pos = positions(e, c, bt)?;
+                    unit::gpt2_embedding_forward(e, &gpt2_dims(c, bt), &p, &ids, &pos)
+                }
+                Arch::Llama => unit::llama_embedding_forward(e, &llama_dims(c, bt), &p[0], &ids),
+            }
+            .map_err(gpu_err)?;
+            hidden_out(y)
+        }
+        (UnitKind::Block { .. }, UnitInput::Hidden(x), Arch::Gpt2) => {
+            let x = upload(e, "hidden", x)?;
+            hidden_out(unit::gpt2_block_forward(e, &gpt2_dims(c, bt), &p, &x).map_err(gpu_err)?)
+        }
+        (UnitKind::Block { .. }, UnitInput::Hidden(x), Arch::Llama) => {
+            let x = upload(e, "hidden", x)?;
+            let rope = rope_tables(e, c, bt.1)?;
+            let y =
+                unit::llama_block_forward(e, &llama_dims(c, bt), &p, &x, &rope).map_err(gpu_err)?;
+            hidden_out(y)
+        }
+        (UnitKind::Head, UnitInput::HiddenWithTargets { hidden, targets }, _) => {
+            // The loss alone: the head's backward at scale 0 computes it
+            // and its gradients are dropped.
+            let out = head(e, model, &p, hidden, targets, 0.0, bt)?;
+            Ok(UnitOutput::Loss(Tensor::new(out.loss, &Device::Cpu)?))
+        }
+        (kind, _, _) => Err(ModelError::BadInput {
+            unit,
+            reason: format!("{kind:?} was given the wrong kind of input"),
+        }),
+    }
+}
+
+/// What the head leaves: its mean loss, its params' gradients and its
+/// input's gradient.
+struct HeadOut<B> {
+    loss: f32,
+    grads: Vec<B>,
+    dx: B,
+}
+
+/// The head's loss and, at `loss_scale`, its gradients.
+fn head<E: Exec>(
+    e: &E,
+    model: &Model,
+    p: &[E::Buf],
+    hidden: &Tensor,
+    targets: &Tensor,
+    loss_scale: f32,
+    bt: (usize, usize),
+) -> Result<HeadOut<E::Buf>, ModelError> {
+    let c = model.config();
+    let x = upload(e, "hidden", hidden)?;
+    let t = e.ids(&ids_of(targets)?, c.vocab_size).map_err(gpu_err)?;
+    let mut g: Vec<E::Buf> = p
+        .iter()
+        .map(|b| e.zeros("head gradients", e.len(b)))
+        .collect::<tierzero_gpu::Result<_>>()
+        .map_err(gpu_err)?;
+    let (loss, dx) = match (c.arch, p, &mut g[..]) {
+        (Arch::Gpt2, [p0, p1, p2], [g0, g1, g2]) => unit::gpt2_head(
+            e,
+            &gpt2_dims(c, bt),
+            [p0, p1, p2],
+            &x,
+            &t,
+            loss_scale,
+            [g0, g1, g2],
+        ),
+        (Arch::Llama, [p0, p1], [g0, g1]) => unit::llama_head(
+            e,
+            &llama_dims(c, bt),
+            [p0, p1],
+            &x,
+            &t,
+            loss_scale,
+            [g0, g1],
+        ),
+        _ => {
+            return Err(ModelError::Unsupported {
+                what: format!("a head of {} params", p.len()),
+            })
+        }
+    }
+    .map_err(gpu_err)?;
+    Ok(HeadOut { loss, grads: g, dx })
+}
+
+fn backward<E: Exec>(
+    e: &E,
+    model: &Model,
+    unit: UnitId,
+    params: &[Tensor],
+    input: UnitInput<'_>,
+    upstream: Upstream<'_>,
+) -> Result<UnitGrads, ModelError> {
+    let kind = check(model, unit, params)?;
+    let spec = model.unit(unit)?.clone();
+    let c = model.config();
+    let bt = batch_shape(&input)?;
+    let p = uploads(e, params)?;
+    let h = c.hidden_size;
+    let zeros = |e: &E| -> Result<Vec<E::Buf>, ModelError> {
+        p.iter()
+            .map(|b| e.zeros("unit gradients", e.len(b)))
+            .collect::<tierzero_gpu::Result<_>>()
+            .map_err(gpu_err)
+    };
+    let (grads, input_grad, loss) = match (kind, input, upstream) {
+        (
+            UnitKind::Head,
+            UnitInput::HiddenWithTargets { hidden, targets },
+            Upstream::LossScale(s),
+        ) => {
+            let out = head(e, model, &p, hidden, targets, s as f32, bt)?;
+            (out.grads, Some(out.dx), Some(out.loss))
+        }
+        (UnitKind::Block { .. }, UnitInput::Hidden(x), Upstream::Grad(dy)) => {
+            let (x, dy) = (upload(e, "hidden", x)?, upload(e, "upstream gradient", dy)?);
+            let mut g = zeros(e)?;
+            let dx = match c.arch {
+                Arch::Gpt2 => unit::gpt2_block_backward(e, &gpt2_dims(c, bt), &p, &x, &dy, &mut g),
+                Arch::Llama => {
+                    let rope = rope_tables(e, c, bt.1)?;
+                    unit::llama_block_backward(e, &llama_dims(c, bt), &p, &x, &dy, &mut g, &rope)
+                }
+            }
+            .map_err(gpu_err)?;
+            (g, Some(dx), None)
+        }
+        (UnitKind::Embedding, UnitInput::Tokens(ids), Upstream::Grad(dy)) => {
+            let dy = upload(e, "upstream gradient", dy)?;
+            let ids = e.ids(&ids_of(ids)?, c.vocab_size).map_err(gpu_err)?;
+            let mut g = zeros(e)?;
+            match c.arch {
+                Arch::Gpt2 => {
+                    let pos = positions(e, c, bt)?;
+                    unit::gpt2_embedding_backward(e, &gpt2_dims(c, bt), &dy, &ids, &pos, &mut g)
+                }
+                Arch::Llama => {
+                    unit::llama_embedding_backward(e, &llama_dims(c, bt), &dy, &ids, &mut g[0])
+                }
+            }
+            .map_err(gpu_err)?;
+            (g, None, None)
+        }
+        (kind, _, _) => {
+            return Err(ModelError::BadInput {
+                unit,
+                reason: format!("{kind:?} was given the wrong kind of input or upstream"),
+            })
+        }
+    };
+    let params_out = spec
+        .params
+        .iter()
+        .zip(params)
+        .zip(&grads)
+        .map(|((id, p), g)| Ok((*id, tensor(e.download(g).map_err(gpu_err)?, p.dims())?)))
+        .collect::<Result<Vec<_>, ModelError>>()?;
+    let input = match input_grad {
+        Some(dx) => Some(tensor(e.download(&dx).map_err(gpu_err)?, &[bt.0, bt.1, h])?),
+        None => None,
+    };
+    Ok(UnitGrads {
+        params: params_out,
+        input,
+        loss: match loss {
+            Some(l) => Some(Tensor::new(l, &Device::Cpu)?),
+            None => None,
+        },
+    })
+}

@@ -1,0 +1,68 @@
+//! The engine training on another executor's units
+//! (`TrainerOptions::compute`): the CUDA units' code on the kernels'
+//! scalar references (`ReferenceUnits`), against candle's units, through
+//! the whole engine (tiers, optimizer, schedule, clipping, accumulation).
+//! A GPU runs the same units through `CudaUnits` (`--device cuda`; the
+//! device check compares it with the CPU).
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+mod engine_support;
+
+use std::sync::Arc;
+
+use engine_support::*;
+use tierzero::engine::TrainerOptions;
+use tierzero::model::exec_units::ReferenceUnits;
+use tierzero_gpu::unit::GemmDtype;
+
+fn losses(model: &std::path::Path, k: &Knobs, gemm: Option<GemmDtype>, steps: u64) -> Vec<f32> {
+    let mut opts = TrainerOptions::cpu(3, 16);
+    opts.compute = gemm.map(|g| Arc::new(ReferenceUnits { gemm: g }) as _);
+    let mut t = build_with(model, k, opts, steps);
+    let out = (0..steps).map(|_| t.step().unwrap().metrics.loss).collect();
+    t.finish().unwrap();
+    out
+}
+
+fn worst(a: &[f32], b: &[f32]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| ((x - y) / y).abs() as f64)
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn the_cuda_units_reference_trains_as_candle_through_the_engine() {
+    let gpt2 = tiny_gpt2_dir("exec", 2, 32);
+    let llama = tiny_llama_dir("exec");
+    let knobs = [
+        ("stage 0", Knobs::default()),
+        (
+            "stage 3 nvme, clipping, 2 micro-batches",
+            Knobs {
+                clip: 0.5,
+                gas: 2,
+                ..Knobs::nvme()
+            },
+        ),
+    ];
+    for (model, name) in [(&gpt2, "gpt2"), (&llama, "llama")] {
+        for (what, k) in &knobs {
+            let want = losses(model, k, None, 6);
+            let got = losses(model, k, Some(GemmDtype::F32), 6);
+            let e = worst(&got, &want);
+            println!("{name}, {what}: losses {got:?}, worst relative difference {e:.2e}");
+            assert!(e < 1e-5, "{name}, {what}: {got:?} vs {want:?}");
+            assert!(got[5] < got[0], "{name}, {what}: no learning: {got:?}");
+        }
+        // bf16 GEMM operands: close to fp32, not equal.
+        let f = losses(model, &Knobs::default(), Some(GemmDtype::F32), 4);
+        let b = losses(model, &Knobs::default(), Some(GemmDtype::Bf16), 4);
+        let e = worst(&b, &f);
+        println!("{name}, bf16 GEMMs: losses {b:?}, worst relative difference to fp32 {e:.2e}");
+        assert!(
+            e < 2e-2 && e > 0.0,
+            "{name}: bf16 GEMMs {b:?} vs fp32 {f:?}"
+        );
+    }
+}
