@@ -8,7 +8,7 @@ use std::num::NonZeroUsize;
 
 use half::bf16;
 use tierzero::optim::{AdamHyper, CpuAdam, GradScale, Isa, LowPrecisionOut, Moments};
-use tierzero_gpu::reference::{self as r, AdamScalars};
+use tierzero_gpu::reference as r;
 
 fn data(n: usize, seed: u32) -> Vec<f32> {
     let mut x = seed.wrapping_mul(2654435761) | 1;
@@ -20,23 +20,6 @@ fn data(n: usize, seed: u32) -> Vec<f32> {
             (x >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
         })
         .collect()
-}
-
-/// The constants as the CPU kernel derives them (f64, then f32).
-fn scalars(h: &AdamHyper, step: u64, grad_scale: f32) -> AdamScalars {
-    let t = step as f64;
-    let (bc1, bc2) = (1.0 - h.beta1.powf(t), 1.0 - h.beta2.powf(t));
-    AdamScalars {
-        grad_scale,
-        beta1: h.beta1 as f32,
-        one_minus_beta1: (1.0 - h.beta1) as f32,
-        beta2: h.beta2 as f32,
-        one_minus_beta2: (1.0 - h.beta2) as f32,
-        eps: h.eps as f32,
-        neg_step_size: (-h.lr / bc1) as f32,
-        inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
-        neg_lr_wd: (-h.lr * h.weight_decay) as f32,
-    }
 }
 
 #[test]
@@ -62,7 +45,9 @@ fn the_cuda_adamw_reference_gives_the_cpu_kernels_bits() {
                 let out = Some(LowPrecisionOut::Bf16(&mut o_cpu));
                 adam.step(step, &mut p_cpu, &g, moments, out, GradScale(scale))
                     .unwrap();
-                let s = scalars(&h, step, scale);
+                let s = tierzero::optim::gpu_step_scalars(&h, step, GradScale(scale))
+                    .unwrap()
+                    .unwrap();
                 r::adamw(&mut p_ref, &mut m_ref, &mut v_ref, &g, Some(&mut o_ref), s);
             }
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();

@@ -319,6 +319,31 @@ impl StepScalars {
     }
 }
 
+/// The constants of step `step` for the CUDA AdamW kernel
+/// (`tierzero_gpu::ops::adamw`), derived as the CPU kernel derives its own
+/// ([`StepScalars`]), so both step with the same f32 values. `None` in L2
+/// mode, which the CUDA kernel does not have.
+pub fn gpu_step_scalars(
+    hyper: &AdamHyper,
+    step: u64,
+    scale: GradScale,
+) -> Result<Option<tierzero_gpu::reference::AdamScalars>, OptimError> {
+    let s = StepScalars::new(hyper, step, scale)?;
+    Ok(
+        (s.mode == AdamMode::AdamW).then_some(tierzero_gpu::reference::AdamScalars {
+            grad_scale: s.grad_scale,
+            beta1: s.beta1,
+            one_minus_beta1: s.one_minus_beta1,
+            beta2: s.beta2,
+            one_minus_beta2: s.one_minus_beta2,
+            eps: s.eps,
+            neg_step_size: s.neg_step_size,
+            inv_sqrt_bc2: s.inv_sqrt_bc2,
+            neg_lr_wd: s.neg_lr_wd,
+        }),
+    )
+}
+
 /// One tile (or a thread's chunk of it): all slices have equal length.
 #[derive(Debug)]
 pub(crate) struct Tile<'a> {
