@@ -9,6 +9,8 @@
 //!     │             (step.rs: one GroupStep per sub-group; tail.rs: the optimizer's replies;
 //!     │              build.rs: the tiers as sizing decided them; checkpoint.rs: save/resume)
 //!     ├─ sizing.rs  the one sizing policy: home tiers, buffers, spill, resident groups
+//!     ├─ device/    the device tier: unit params staged ahead on a DeviceLink (a GPU, or the
+//!     │             simulated device), kept while they fit; TieredUnits is a UnitCompute
 //!     ├─ params/    ParamStore (store.rs): home tier per param, device | cpu (pinned) | nvme,
 //!     │             one state map per tensor driven by ParamEvent, and its Freshness;
 //!     │             the param copy thread (copier.rs); the Prefetcher (prefetch.rs):
@@ -92,6 +94,7 @@
 //! * Overlap figures are in `docs/decisions/overlap.md`.
 
 pub mod comm;
+pub mod device;
 pub(crate) mod error;
 pub(crate) mod grads;
 pub mod host;

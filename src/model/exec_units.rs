@@ -49,6 +49,46 @@ pub trait UnitCompute: Send + Sync + std::fmt::Debug {
         input: UnitInput<'_>,
         upstream: Upstream<'_>,
     ) -> Result<UnitGrads, ModelError>;
+    /// Whether the engine should hand it the next unit's params
+    /// ([`UnitCompute::stage`]) before this unit computes.
+    fn stages(&self) -> bool {
+        false
+    }
+    /// Starts moving `unit`'s params (host copies, declared order) to
+    /// where it computes, ahead of its call. The call then gets the same
+    /// `params`.
+    fn stage(&self, _model: &Model, _unit: UnitId, _params: &[Tensor]) -> Result<(), ModelError> {
+        Ok(())
+    }
+    /// A step begins: the optimizer may have changed every param since
+    /// the last call, so nothing moved before may be reused.
+    fn begin_step(&self) -> Result<(), ModelError> {
+        Ok(())
+    }
+    /// What moved to and from the device since the last call (None: it
+    /// does not count).
+    fn take_traffic(&self) -> Option<DeviceTraffic> {
+        None
+    }
+}
+
+/// What a compute device's tier moved, for the step's metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DeviceTraffic {
+    /// Bytes copied host to device (params staged or loaded).
+    pub h2d_bytes: u64,
+    /// Bytes copied device to host (outputs and gradients).
+    pub d2h_bytes: u64,
+    /// Seconds the compute waited for uploads.
+    pub h2d_wait_s: f64,
+    /// Params uploaded ahead of their unit.
+    pub staged: u64,
+    /// Of those, the ones whose copy had completed when their unit came.
+    pub staged_ready: u64,
+    /// Params uploaded when their unit ran.
+    pub sync_uploads: u64,
+    /// Params their unit found kept on the device.
+    pub cache_hits: u64,
 }
 
 /// Why `tierzero-gpu`'s units cannot run this model (None: they can).
@@ -158,7 +198,7 @@ fn gpu_err(e: tierzero_gpu::GpuError) -> ModelError {
     }
 }
 
-fn host_f32(t: &Tensor) -> Result<Vec<f32>, ModelError> {
+pub(crate) fn host_f32(t: &Tensor) -> Result<Vec<f32>, ModelError> {
     if t.dtype() != DType::F32 {
         return Err(ModelError::Unsupported {
             what: format!(
@@ -292,10 +332,25 @@ fn forward<E: Exec>(
     params: &[Tensor],
     input: UnitInput<'_>,
 ) -> Result<UnitOutput, ModelError> {
+    check(model, unit, params)?;
+    let p = uploads(e, params)?;
+    forward_with(e, model, unit, params, &p, input)
+}
+
+/// [`UnitCompute::forward_unit`] with the unit's params already on the
+/// executor (`p`, in declared order; `params` are their host copies).
+pub(crate) fn forward_with<E: Exec>(
+    e: &E,
+    model: &Model,
+    unit: UnitId,
+    params: &[Tensor],
+    p: &[E::Buf],
+    input: UnitInput<'_>,
+) -> Result<UnitOutput, ModelError> {
     let kind = check(model, unit, params)?;
+    check_on(e, unit, params, p)?;
     let c = model.config();
     let bt = batch_shape(&input)?;
-    let p = uploads(e, params)?;
     let h = c.hidden_size;
     let out_shape = [bt.0, bt.1, h];
     let hidden_out = |buf: E::Buf| -> Result<UnitOutput, ModelError> {
@@ -310,7 +365,7 @@ fn forward<E: Exec>(
             let y = match arch {
                 Arch::Gpt2 => {
                     let pos = positions(e, c, bt)?;
-                    unit::gpt2_embedding_forward(e, &gpt2_dims(c, bt), &p, &ids, &pos)
+                    unit::gpt2_embedding_forward(e, &gpt2_dims(c, bt), p, &ids, &pos)
                 }
                 Arch::Llama => unit::llama_embedding_forward(e, &llama_dims(c, bt), &p[0], &ids),
             }
@@ -319,19 +374,19 @@ fn forward<E: Exec>(
         }
         (UnitKind::Block { .. }, UnitInput::Hidden(x), Arch::Gpt2) => {
             let x = upload(e, "hidden", x)?;
-            hidden_out(unit::gpt2_block_forward(e, &gpt2_dims(c, bt), &p, &x).map_err(gpu_err)?)
+            hidden_out(unit::gpt2_block_forward(e, &gpt2_dims(c, bt), p, &x).map_err(gpu_err)?)
         }
         (UnitKind::Block { .. }, UnitInput::Hidden(x), Arch::Llama) => {
             let x = upload(e, "hidden", x)?;
             let rope = rope_tables(e, c, bt.1)?;
             let y =
-                unit::llama_block_forward(e, &llama_dims(c, bt), &p, &x, &rope).map_err(gpu_err)?;
+                unit::llama_block_forward(e, &llama_dims(c, bt), p, &x, &rope).map_err(gpu_err)?;
             hidden_out(y)
         }
         (UnitKind::Head, UnitInput::HiddenWithTargets { hidden, targets }, _) => {
             // The loss alone: the head's backward at scale 0 computes it
             // and its gradients are dropped.
-            let out = head(e, model, &p, hidden, targets, 0.0, bt)?;
+            let out = head(e, model, p, hidden, targets, 0.0, bt)?;
             Ok(UnitOutput::Loss(Tensor::new(out.loss, &Device::Cpu)?))
         }
         (kind, _, _) => Err(ModelError::BadInput {
@@ -404,11 +459,57 @@ fn backward<E: Exec>(
     input: UnitInput<'_>,
     upstream: Upstream<'_>,
 ) -> Result<UnitGrads, ModelError> {
+    check(model, unit, params)?;
+    let p = uploads(e, params)?;
+    backward_with(e, model, unit, params, &p, input, upstream)
+}
+
+/// The executor-side params match their host copies in count and length.
+fn check_on<E: Exec>(
+    e: &E,
+    unit: UnitId,
+    params: &[Tensor],
+    p: &[E::Buf],
+) -> Result<(), ModelError> {
+    if p.len() != params.len() {
+        return Err(ModelError::ParamCount {
+            unit,
+            expected: params.len(),
+            found: p.len(),
+        });
+    }
+    for (i, (host, dev)) in params.iter().zip(p).enumerate() {
+        if host.elem_count() != e.len(dev) {
+            return Err(ModelError::BadInput {
+                unit,
+                reason: format!(
+                    "param {i} has {} elements on the host and {} on the executor",
+                    host.elem_count(),
+                    e.len(dev)
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// [`UnitCompute::backward_unit`] with the unit's params already on the
+/// executor (`p`, in declared order; `params` are their host copies, whose
+/// shapes the gradients take).
+pub(crate) fn backward_with<E: Exec>(
+    e: &E,
+    model: &Model,
+    unit: UnitId,
+    params: &[Tensor],
+    p: &[E::Buf],
+    input: UnitInput<'_>,
+    upstream: Upstream<'_>,
+) -> Result<UnitGrads, ModelError> {
     let kind = check(model, unit, params)?;
+    check_on(e, unit, params, p)?;
     let spec = model.unit(unit)?.clone();
     let c = model.config();
     let bt = batch_shape(&input)?;
-    let p = uploads(e, params)?;
     let h = c.hidden_size;
     let zeros = |e: &E| -> Result<Vec<E::Buf>, ModelError> {
         p.iter()
@@ -422,17 +523,17 @@ fn backward<E: Exec>(
             UnitInput::HiddenWithTargets { hidden, targets },
             Upstream::LossScale(s),
         ) => {
-            let out = head(e, model, &p, hidden, targets, s as f32, bt)?;
+            let out = head(e, model, p, hidden, targets, s as f32, bt)?;
             (out.grads, Some(out.dx), Some(out.loss))
         }
         (UnitKind::Block { .. }, UnitInput::Hidden(x), Upstream::Grad(dy)) => {
             let (x, dy) = (upload(e, "hidden", x)?, upload(e, "upstream gradient", dy)?);
             let mut g = zeros(e)?;
             let dx = match c.arch {
-                Arch::Gpt2 => unit::gpt2_block_backward(e, &gpt2_dims(c, bt), &p, &x, &dy, &mut g),
+                Arch::Gpt2 => unit::gpt2_block_backward(e, &gpt2_dims(c, bt), p, &x, &dy, &mut g),
                 Arch::Llama => {
                     let rope = rope_tables(e, c, bt.1)?;
-                    unit::llama_block_backward(e, &llama_dims(c, bt), &p, &x, &dy, &mut g, &rope)
+                    unit::llama_block_backward(e, &llama_dims(c, bt), p, &x, &dy, &mut g, &rope)
                 }
             }
             .map_err(gpu_err)?;

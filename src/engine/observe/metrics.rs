@@ -94,6 +94,13 @@ pub struct StepMetrics {
     /// decision because the speculation pool's slots were all taken
     /// (`speculation_slots` in the plan).
     pub speculation_pool_waits: u64,
+    /// Bytes copied host to device by the device tier (0 computing on the
+    /// host).
+    pub h2d_bytes: u64,
+    /// Bytes copied device to host by the device tier.
+    pub d2h_bytes: u64,
+    /// Seconds the compute waited for the device tier's uploads.
+    pub h2d_wait_s: f64,
 }
 
 /// The last line of a metrics file.

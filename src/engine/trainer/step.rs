@@ -107,6 +107,11 @@ impl Trainer {
         let mut groups = StepGroups::new(self.layout.sub_groups.len());
         let mut times = StepTimes::default();
         self.sched.begin_step();
+        if let Some(c) = &self.opts.compute {
+            // The optimizer changed the params: nothing on the device is
+            // current.
+            c.begin_step()?;
+        }
         self.expect_reads(&plan)?;
         // A micro-batch's gradient of a param used by several units (a tied
         // embedding), summed locally until its last unit (see accumulate).
@@ -566,6 +571,12 @@ impl Trainer {
         }
         let tokens = (plan.micro_batch * plan.gas * plan.seq_len) as f64 * plan.world as f64;
         let main_busy = compute_s + (c1.io_wait.saturating_sub(c0.io_wait)).as_secs_f64();
+        let device = self
+            .opts
+            .compute
+            .as_ref()
+            .and_then(|c| c.take_traffic())
+            .unwrap_or_default();
         StepMetrics {
             step: self.steps_done,
             loss: out.loss,
@@ -593,6 +604,9 @@ impl Trainer {
             speculation_hits: self.speculation.hits,
             speculation_misses: self.speculation.misses,
             speculation_pool_waits: self.speculation.pool_waits,
+            h2d_bytes: device.h2d_bytes,
+            d2h_bytes: device.d2h_bytes,
+            h2d_wait_s: device.h2d_wait_s,
         }
     }
 

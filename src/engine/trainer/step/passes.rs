@@ -73,15 +73,20 @@ impl Trainer {
         let mut held = vec![0u64; units.len()];
         let mut used_bytes = 0u64;
         let mut full = false;
-        for &(uid, kind) in &units {
+        let stages = self.stages();
+        let mut ahead = None;
+        for (idx, &(uid, kind)) in units.iter().enumerate() {
             if kind == UnitKind::Head {
                 saved[uid.0] = hidden.clone().map(Saved::Input);
                 continue;
             }
-            self.visit(uid, Pass::Forward, batch.shape)?;
-            let tf = Instant::now();
-            let params = self.fetch_unit(uid)?;
-            self.span(plan.step, Lane::Params, || format!("u{} fwd", uid.0), tf);
+            let params = self.unit_params(plan, uid, Pass::Forward, batch.shape, &mut ahead)?;
+            match units.get(idx + 1) {
+                Some(&(next, k)) if stages && k != UnitKind::Head => {
+                    ahead = Some(self.stage_unit(plan, next, Pass::Forward, batch.shape)?);
+                }
+                _ => {}
+            }
             if self.opts.skip_compute {
                 drop(params);
                 self.release_unit(uid)?;
@@ -181,19 +186,24 @@ impl Trainer {
             self.model.units().iter().map(|u| (u.id, u.kind)).collect();
         let mut loss = 0f32;
         let mut upstream: Option<Tensor> = None;
-        for &(uid, kind) in units.iter().rev() {
+        let stages = self.stages();
+        let mut ahead = None;
+        for (idx, &(uid, kind)) in units.iter().enumerate().rev() {
             let this = saved.get_mut(uid.0).and_then(Option::take);
             // A kept block needs no params: its graph holds their copies.
             let kept = matches!(this, Some(Saved::Kept(_)));
             let params = if kept {
                 Vec::new()
             } else {
-                self.visit(uid, Pass::Backward, batch.shape)?;
-                let tf = Instant::now();
-                let params = self.fetch_unit(uid)?;
-                self.span(plan.step, Lane::Params, || format!("u{} bwd", uid.0), tf);
-                params
+                self.unit_params(plan, uid, Pass::Backward, batch.shape, &mut ahead)?
             };
+            if let Some(prev) = idx.checked_sub(1) {
+                let prev_kept = matches!(saved.get(units[prev].0 .0), Some(Some(Saved::Kept(_))));
+                if stages && !prev_kept {
+                    ahead =
+                        Some(self.stage_unit(plan, units[prev].0, Pass::Backward, batch.shape)?);
+                }
+            }
             let t0 = Instant::now();
             let g = self.backward_unit(plan, uid, kind, &params, batch, this, upstream.as_ref())?;
             drop(params);
@@ -221,6 +231,58 @@ impl Trainer {
             }
         }
         Ok(loss)
+    }
+
+    /// Whether the units' compute wants the next unit's params before
+    /// this one computes ([`crate::model::exec_units::UnitCompute::stage`]).
+    fn stages(&self) -> bool {
+        !self.opts.skip_compute && self.opts.compute.as_ref().is_some_and(|c| c.stages())
+    }
+
+    /// `uid`'s params for `pass`: the ones [`Trainer::stage_unit`] fetched
+    /// ahead, or fetched now (its visit first).
+    fn unit_params(
+        &mut self,
+        plan: &StepPlan,
+        uid: UnitId,
+        pass: Pass,
+        shape: [usize; 2],
+        ahead: &mut Option<(UnitId, Vec<Tensor>)>,
+    ) -> Result<Vec<Tensor>> {
+        match ahead.take() {
+            Some((u, params)) if u == uid => return Ok(params),
+            Some(_) => {
+                return Err(EngineError::internal(
+                    "params fetched ahead for another unit",
+                ))
+            }
+            None => {}
+        }
+        self.visit(uid, pass, shape)?;
+        let tf = Instant::now();
+        let params = self.fetch_unit(uid)?;
+        let name = match pass {
+            Pass::Forward => "fwd",
+            Pass::Backward => "bwd",
+        };
+        self.span(plan.step, Lane::Params, || format!("u{} {name}", uid.0), tf);
+        Ok(params)
+    }
+
+    /// Visits and fetches the next unit `uid` before this one computes,
+    /// and hands its params to the compute to move ahead of its call.
+    fn stage_unit(
+        &mut self,
+        plan: &StepPlan,
+        uid: UnitId,
+        pass: Pass,
+        shape: [usize; 2],
+    ) -> Result<(UnitId, Vec<Tensor>)> {
+        let params = self.unit_params(plan, uid, pass, shape, &mut None)?;
+        if let Some(c) = &self.opts.compute {
+            c.stage(&self.model, uid, &params)?;
+        }
+        Ok((uid, params))
     }
 
     /// One unit's backward (or nothing, with `skip_compute`), from what its

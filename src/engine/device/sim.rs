@@ -1,0 +1,342 @@
+//! The simulated device: the device tier's logic run without a GPU.
+//!
+//! * **Memory** is host memory with its own byte budget. An upload that
+//!   would pass the budget is refused with the numbers, so a tier that
+//!   overshoots fails; [`SimProbe::peak_bytes`] says how close it came.
+//! * **Staging buffers**: `staging_slots` of them, like the pinned
+//!   buffers of a real copy path. An upload takes one (waiting while none
+//!   is free) and the copy thread gives it back after the copy. The copy
+//!   checks that the buffer still holds what the upload put in it, so a
+//!   buffer refilled mid-copy is counted ([`SimProbe::violations`]).
+//! * **Copies** run on one thread, in order, each after `copy_delay`.
+//! * **Events** complete when the copy does. [`DeviceLink::finish`] waits
+//!   for them on the host.
+//! * **Compute** is the CUDA kernels' scalar references
+//!   ([`tierzero_gpu::unit::HostExec`]), on the buffers the copies made.
+//!
+//! Dropping the device waits for every queued copy.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender};
+use tierzero_gpu::unit::{GemmDtype, HostExec};
+
+use super::DeviceLink;
+use crate::model::ModelError;
+
+/// How the simulated device behaves.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    /// Device memory the tier's params may hold.
+    pub budget_bytes: u64,
+    /// How long each copy takes.
+    pub copy_delay: Duration,
+    /// Staging buffers (at least 1).
+    pub staging_slots: usize,
+    /// The GEMMs' operand dtype.
+    pub gemm: GemmDtype,
+    /// Fault injection: the `n`th upload (1-based) fails, as a copy the
+    /// driver refuses would.
+    pub fail_upload: Option<u64>,
+}
+
+/// A completion flag with its result.
+#[derive(Debug, Default)]
+struct Event {
+    done: Mutex<Option<Vec<f32>>>,
+    cv: Condvar,
+}
+
+/// One copy for the copy thread.
+struct Job {
+    slab: Vec<f32>,
+    sum: u64,
+    event: Arc<Event>,
+}
+
+/// What the copy thread and the callers share.
+#[derive(Debug, Default)]
+struct Shared {
+    used_bytes: AtomicU64,
+    peak_bytes: AtomicU64,
+    free_slabs: Mutex<Vec<Vec<f32>>>,
+    slab_back: Condvar,
+    violations: AtomicU64,
+    in_flight: AtomicU64,
+    peak_in_flight: AtomicU64,
+    copies: AtomicU64,
+    uploads: AtomicU64,
+}
+
+/// The simulated device's counters (see [`SimDevice::probe`]).
+#[derive(Debug, Clone)]
+pub struct SimProbe {
+    shared: Arc<Shared>,
+    slots: usize,
+}
+
+impl SimProbe {
+    /// Device bytes held now.
+    pub fn used_bytes(&self) -> u64 {
+        self.shared.used_bytes.load(Ordering::Relaxed)
+    }
+
+    /// The most device bytes held at once.
+    pub fn peak_bytes(&self) -> u64 {
+        self.shared.peak_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Staging buffers not lent to a copy.
+    pub fn free_staging(&self) -> usize {
+        self.shared
+            .free_slabs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len()
+    }
+
+    /// Staging buffers in all.
+    pub fn staging_slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Copies that found their staging buffer changed since the upload.
+    pub fn violations(&self) -> u64 {
+        self.shared.violations.load(Ordering::Relaxed)
+    }
+
+    /// Copies queued or running now.
+    pub fn in_flight(&self) -> u64 {
+        self.shared.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// The most copies queued or running at once.
+    pub fn peak_in_flight(&self) -> u64 {
+        self.shared.peak_in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Copies completed.
+    pub fn copies(&self) -> u64 {
+        self.shared.copies.load(Ordering::Relaxed)
+    }
+
+    /// Uploads asked for (refused ones included).
+    pub fn uploads(&self) -> u64 {
+        self.shared.uploads.load(Ordering::Relaxed)
+    }
+}
+
+/// An upload on the simulated device.
+#[derive(Debug)]
+pub struct SimUpload {
+    event: Arc<Event>,
+}
+
+/// The simulated device (see the module docs).
+#[derive(Debug)]
+pub struct SimDevice {
+    cfg: SimConfig,
+    shared: Arc<Shared>,
+    jobs: Mutex<Option<Sender<Job>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// An order-sensitive hash of a buffer's bits.
+fn fingerprint(v: &[f32]) -> u64 {
+    v.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
+        (h ^ u64::from(x.to_bits())).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+fn copy_thread(rx: Receiver<Job>, shared: Arc<Shared>, delay: Duration) {
+    for job in rx {
+        std::thread::sleep(delay);
+        if fingerprint(&job.slab) != job.sum {
+            shared.violations.fetch_add(1, Ordering::Relaxed);
+        }
+        let dst = job.slab.clone();
+        *job.event.done.lock().unwrap_or_else(|p| p.into_inner()) = Some(dst);
+        job.event.cv.notify_all();
+        shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+        shared.copies.fetch_add(1, Ordering::Relaxed);
+        shared
+            .free_slabs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(job.slab);
+        shared.slab_back.notify_all();
+    }
+}
+
+impl SimDevice {
+    /// A simulated device with its copy thread.
+    pub fn new(cfg: SimConfig) -> Result<Self, ModelError> {
+        let slots = cfg.staging_slots.max(1);
+        let shared = Arc::new(Shared {
+            free_slabs: Mutex::new((0..slots).map(|_| Vec::new()).collect()),
+            ..Shared::default()
+        });
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let s = shared.clone();
+        let delay = cfg.copy_delay;
+        let thread = std::thread::Builder::new()
+            .name("tierzero-sim-copy".into())
+            .spawn(move || copy_thread(rx, s, delay))
+            .map_err(|e| ModelError::Gpu {
+                what: format!("the simulated device's copy thread did not start: {e}"),
+            })?;
+        Ok(SimDevice {
+            cfg: SimConfig {
+                staging_slots: slots,
+                ..cfg
+            },
+            shared,
+            jobs: Mutex::new(Some(tx)),
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// A handle on the device's counters, valid after the device is gone.
+    pub fn probe(&self) -> SimProbe {
+        SimProbe {
+            shared: self.shared.clone(),
+            slots: self.cfg.staging_slots,
+        }
+    }
+
+    fn take_slab(&self) -> Vec<f32> {
+        let mut free = self
+            .shared
+            .free_slabs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(s) = free.pop() {
+                return s;
+            }
+            free = self
+                .shared
+                .slab_back
+                .wait(free)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+impl DeviceLink for SimDevice {
+    type Buf = Vec<f32>;
+    type Exec<'a> = HostExec;
+    type Upload = SimUpload;
+
+    fn exec(&self) -> HostExec {
+        HostExec {
+            gemm: self.cfg.gemm,
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "simulated device ({} budget, copies of {:?}, {} staging buffers; the kernels' \
+             scalar references), {:?} GEMMs",
+            crate::units::format_bytes(self.cfg.budget_bytes),
+            self.cfg.copy_delay,
+            self.cfg.staging_slots,
+            self.cfg.gemm
+        )
+    }
+
+    fn budget_bytes(&self) -> u64 {
+        self.cfg.budget_bytes
+    }
+
+    fn upload(&self, what: &str, host: &[f32]) -> Result<SimUpload, ModelError> {
+        let bytes = std::mem::size_of_val(host) as u64;
+        let nth = self.shared.uploads.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.cfg.fail_upload == Some(nth) {
+            return Err(ModelError::Gpu {
+                what: format!("simulated device: upload {nth} ({what}) failed (injected)"),
+            });
+        }
+        let used = self.shared.used_bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        if used > self.cfg.budget_bytes {
+            self.shared.used_bytes.fetch_sub(bytes, Ordering::Relaxed);
+            return Err(ModelError::Gpu {
+                what: format!(
+                    "simulated device: {what} needs {bytes} bytes with {} held of a {} byte budget",
+                    used - bytes,
+                    self.cfg.budget_bytes
+                ),
+            });
+        }
+        self.shared.peak_bytes.fetch_max(used, Ordering::Relaxed);
+        let mut slab = self.take_slab();
+        slab.clear();
+        slab.extend_from_slice(host);
+        let sum = fingerprint(&slab);
+        let event = Arc::new(Event::default());
+        let n = self.shared.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
+        self.shared.peak_in_flight.fetch_max(n, Ordering::Relaxed);
+        let sent = self
+            .jobs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|tx| {
+                tx.send(Job {
+                    slab,
+                    sum,
+                    event: event.clone(),
+                })
+            });
+        match sent {
+            Some(Ok(())) => Ok(SimUpload { event }),
+            _ => {
+                self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+                self.shared.used_bytes.fetch_sub(bytes, Ordering::Relaxed);
+                Err(ModelError::Gpu {
+                    what: "simulated device: the copy thread has stopped".into(),
+                })
+            }
+        }
+    }
+
+    fn ready(&self, upload: &SimUpload) -> bool {
+        upload
+            .event
+            .done
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+    }
+
+    fn finish(&self, upload: SimUpload) -> Result<Vec<f32>, ModelError> {
+        let mut done = upload.event.done.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(v) = done.take() {
+                return Ok(v);
+            }
+            done = upload
+                .event
+                .cv
+                .wait(done)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn free(&self, buf: Vec<f32>) {
+        let bytes = std::mem::size_of_val(buf.as_slice()) as u64;
+        self.shared.used_bytes.fetch_sub(bytes, Ordering::Relaxed);
+    }
+}
+
+impl Drop for SimDevice {
+    fn drop(&mut self) {
+        drop(self.jobs.lock().unwrap_or_else(|p| p.into_inner()).take());
+        if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,540 @@
+//! [`TieredUnits`]: the device tier's state map and its rules (see the
+//! module docs of [`super`]).
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use candle_core::Tensor;
+
+use super::DeviceLink;
+use crate::model::exec_units::{self, DeviceTraffic, UnitCompute};
+use crate::model::{
+    Model, ModelError, ParamId, UnitGrads, UnitId, UnitInput, UnitOutput, Upstream,
+};
+
+/// The tier's bounds (elements, except the cache).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TierLimits {
+    /// `stage3_prefetch_bucket_size`: elements uploading ahead of use.
+    pub prefetch_numel: u64,
+    /// `stage3_max_live_parameters`: elements uploading or in use.
+    pub max_live_numel: u64,
+    /// `tierzero.device_cache_bytes`: bytes kept between uses.
+    pub cache_bytes: u64,
+}
+
+/// A param on the device.
+#[derive(Debug)]
+pub enum Residency<U, B> {
+    /// Its upload is in flight, issued ahead of its unit.
+    Uploading {
+        /// The upload.
+        upload: U,
+        /// Its elements.
+        numel: u64,
+    },
+    /// Its unit is computing on it.
+    InUse {
+        /// Its elements.
+        numel: u64,
+    },
+    /// Kept on the device between uses (the device cache).
+    Resident {
+        /// The buffer.
+        buf: B,
+        /// Its elements.
+        numel: u64,
+    },
+}
+
+impl<U, B> Residency<U, B> {
+    fn numel(&self) -> u64 {
+        match self {
+            Residency::Uploading { numel, .. }
+            | Residency::InUse { numel }
+            | Residency::Resident { numel, .. } => *numel,
+        }
+    }
+    fn name(&self) -> &'static str {
+        match self {
+            Residency::Uploading { .. } => "uploading",
+            Residency::InUse { .. } => "in use",
+            Residency::Resident { .. } => "resident",
+        }
+    }
+}
+
+/// What happens to a param on the device (the table in [`super`]).
+#[derive(Debug)]
+pub enum TierEvent<U, B> {
+    /// Its upload was issued ahead of its unit.
+    Staged(U, u64),
+    /// It was uploaded when its unit ran.
+    Loaded(u64),
+    /// Its unit takes it (an upload is waited for).
+    Taken,
+    /// Its unit is done with it; `Some` keeps the buffer.
+    Returned(Option<B>),
+    /// Dropped (a new step, or the tier dropped).
+    Dropped,
+}
+
+impl<U, B> TierEvent<U, B> {
+    fn name(&self) -> &'static str {
+        match self {
+            TierEvent::Staged(..) => "staged",
+            TierEvent::Loaded(_) => "loaded",
+            TierEvent::Taken => "taken",
+            TierEvent::Returned(_) => "returned",
+            TierEvent::Dropped => "dropped",
+        }
+    }
+}
+
+/// The highest the tier went, since it was built.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TierPeaks {
+    /// Device bytes of all states together.
+    pub device_bytes: u64,
+    /// Elements uploading ahead of use.
+    pub ahead_numel: u64,
+    /// Elements uploading or in use.
+    pub live_numel: u64,
+    /// Bytes kept between uses.
+    pub cached_bytes: u64,
+    /// Elements uploading or in use right after an upload was staged
+    /// (what `stage3_max_live_parameters` bounds; a unit's own params
+    /// are uploaded when it runs even past it).
+    pub live_numel_at_stage: u64,
+}
+
+/// The state map and the counters.
+#[derive(Debug)]
+struct State<U, B> {
+    params: BTreeMap<ParamId, Residency<U, B>>,
+    traffic: DeviceTraffic,
+    peaks: TierPeaks,
+}
+
+const ELEM_BYTES: u64 = 4;
+
+impl<U, B> State<U, B> {
+    fn device_bytes(&self) -> u64 {
+        self.params.values().map(Residency::numel).sum::<u64>() * ELEM_BYTES
+    }
+    fn ahead_numel(&self) -> u64 {
+        self.params
+            .values()
+            .filter(|r| matches!(r, Residency::Uploading { .. }))
+            .map(Residency::numel)
+            .sum()
+    }
+    fn live_numel(&self) -> u64 {
+        self.params
+            .values()
+            .filter(|r| !matches!(r, Residency::Resident { .. }))
+            .map(Residency::numel)
+            .sum()
+    }
+    fn cached_bytes(&self) -> u64 {
+        self.params
+            .values()
+            .filter(|r| matches!(r, Residency::Resident { .. }))
+            .map(Residency::numel)
+            .sum::<u64>()
+            * ELEM_BYTES
+    }
+
+    /// The one place a param's state changes. Returns what leaves the map
+    /// (an upload to wait for, a buffer to compute on or to free).
+    fn apply(&mut self, id: ParamId, event: TierEvent<U, B>) -> Result<Left<U, B>, ModelError> {
+        let now = self.params.remove(&id);
+        let bad = |now: &Option<Residency<U, B>>, ev: &TierEvent<U, B>| ModelError::Gpu {
+            what: format!(
+                "device tier: param {} is {} and cannot be {} (an engine bug)",
+                id.0,
+                now.as_ref().map_or("absent", Residency::name),
+                ev.name()
+            ),
+        };
+        let (next, left) = match (now, event) {
+            (None, TierEvent::Staged(upload, numel)) => {
+                (Some(Residency::Uploading { upload, numel }), Left::Nothing)
+            }
+            (None, TierEvent::Loaded(numel)) => (Some(Residency::InUse { numel }), Left::Nothing),
+            (Some(Residency::Uploading { upload, numel }), TierEvent::Taken) => {
+                (Some(Residency::InUse { numel }), Left::Upload(upload))
+            }
+            (Some(Residency::Resident { buf, numel }), TierEvent::Taken) => {
+                (Some(Residency::InUse { numel }), Left::Buf(buf))
+            }
+            (Some(Residency::InUse { numel }), TierEvent::Returned(Some(buf))) => {
+                (Some(Residency::Resident { buf, numel }), Left::Nothing)
+            }
+            (Some(Residency::InUse { .. }), TierEvent::Returned(None)) => (None, Left::Nothing),
+            (Some(Residency::Uploading { upload, .. }), TierEvent::Dropped) => {
+                (None, Left::Upload(upload))
+            }
+            (Some(Residency::Resident { buf, .. }), TierEvent::Dropped) => (None, Left::Buf(buf)),
+            (now, ev) => {
+                let err = bad(&now, &ev);
+                if let Some(r) = now {
+                    self.params.insert(id, r);
+                }
+                return Err(err);
+            }
+        };
+        if let Some(r) = next {
+            self.params.insert(id, r);
+        }
+        let now = TierPeaks {
+            device_bytes: self.device_bytes(),
+            ahead_numel: self.ahead_numel(),
+            live_numel: self.live_numel(),
+            cached_bytes: self.cached_bytes(),
+            live_numel_at_stage: 0,
+        };
+        let p = &mut self.peaks;
+        p.device_bytes = p.device_bytes.max(now.device_bytes);
+        p.ahead_numel = p.ahead_numel.max(now.ahead_numel);
+        p.live_numel = p.live_numel.max(now.live_numel);
+        p.cached_bytes = p.cached_bytes.max(now.cached_bytes);
+        Ok(left)
+    }
+}
+
+/// What [`State::apply`] hands back.
+enum Left<U, B> {
+    Nothing,
+    Upload(U),
+    Buf(B),
+}
+
+/// The units computed on a [`DeviceLink`], their params staged ahead and
+/// kept while they fit (see the module docs of [`super`]).
+pub struct TieredUnits<L: DeviceLink> {
+    link: L,
+    limits: TierLimits,
+    state: Mutex<State<L::Upload, L::Buf>>,
+}
+
+impl<L: DeviceLink> std::fmt::Debug for TieredUnits<L> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TieredUnits")
+            .field("link", &self.link)
+            .field("limits", &self.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+fn numel_of(t: &Tensor) -> u64 {
+    t.elem_count() as u64
+}
+
+impl<L: DeviceLink> TieredUnits<L> {
+    /// The tier on `link`.
+    pub fn new(link: L, limits: TierLimits) -> Self {
+        TieredUnits {
+            link,
+            limits,
+            state: Mutex::new(State {
+                params: BTreeMap::new(),
+                traffic: DeviceTraffic::default(),
+                peaks: TierPeaks::default(),
+            }),
+        }
+    }
+
+    /// The link.
+    pub fn link(&self) -> &L {
+        &self.link
+    }
+
+    /// The bounds.
+    pub fn limits(&self) -> TierLimits {
+        self.limits
+    }
+
+    /// The highest the tier went.
+    pub fn peaks(&self) -> TierPeaks {
+        self.lock().peaks
+    }
+
+    /// Params on the device now, by state name.
+    pub fn census(&self) -> BTreeMap<&'static str, usize> {
+        let mut out = BTreeMap::new();
+        for r in self.lock().params.values() {
+            *out.entry(r.name()).or_insert(0) += 1;
+        }
+        out
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State<L::Upload, L::Buf>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Empties the map: uploads completed, then every buffer freed.
+    fn drop_all(&self, st: &mut State<L::Upload, L::Buf>) -> Result<(), ModelError> {
+        let ids: Vec<ParamId> = st.params.keys().copied().collect();
+        let mut first_err = None;
+        for id in ids {
+            if matches!(st.params.get(&id), Some(Residency::InUse { .. })) {
+                first_err.get_or_insert(ModelError::Gpu {
+                    what: format!("device tier: param {} is still in use", id.0),
+                });
+                st.params.remove(&id);
+                continue;
+            }
+            match st.apply(id, TierEvent::Dropped)? {
+                Left::Upload(u) => match self.link.finish(u) {
+                    Ok(b) => self.link.free(b),
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                    }
+                },
+                Left::Buf(b) => self.link.free(b),
+                Left::Nothing => {}
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Frees kept params until `bytes` more fit in the budget.
+    fn make_room(&self, st: &mut State<L::Upload, L::Buf>, bytes: u64) -> Result<(), ModelError> {
+        let budget = self.link.budget_bytes();
+        while st.device_bytes() + bytes > budget {
+            let kept = st
+                .params
+                .iter()
+                .find(|(_, r)| matches!(r, Residency::Resident { .. }))
+                .map(|(id, _)| *id);
+            let Some(id) = kept else { break };
+            if let Left::Buf(b) = st.apply(id, TierEvent::Dropped)? {
+                self.link.free(b);
+            }
+        }
+        Ok(())
+    }
+
+    /// The unit's params on the device, in declared order: kept ones,
+    /// staged ones (their uploads waited for) and the rest uploaded now.
+    fn take(
+        &self,
+        model: &Model,
+        unit: UnitId,
+        params: &[Tensor],
+    ) -> Result<(Vec<ParamId>, Vec<L::Buf>), ModelError> {
+        let ids = model.unit(unit)?.params.clone();
+        if ids.len() != params.len() {
+            return Err(ModelError::ParamCount {
+                unit,
+                expected: ids.len(),
+                found: params.len(),
+            });
+        }
+        let mut st = self.lock();
+        let mut bufs = Vec::with_capacity(ids.len());
+        for (k, (&id, host)) in ids.iter().zip(params).enumerate() {
+            match self.take_one(&mut st, unit, id, host) {
+                Ok(b) => bufs.push(b),
+                Err(e) => {
+                    // Give back what was taken: nothing is left in use.
+                    for (&id, b) in ids[..k].iter().zip(bufs) {
+                        let _ = st.apply(id, TierEvent::Returned(None));
+                        self.link.free(b);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok((ids, bufs))
+    }
+
+    fn take_one(
+        &self,
+        st: &mut State<L::Upload, L::Buf>,
+        unit: UnitId,
+        id: ParamId,
+        host: &Tensor,
+    ) -> Result<L::Buf, ModelError> {
+        if st.params.contains_key(&id) {
+            return match st.apply(id, TierEvent::Taken)? {
+                Left::Upload(u) => {
+                    if self.link.ready(&u) {
+                        st.traffic.staged_ready += 1;
+                    }
+                    let t = Instant::now();
+                    let b = self.link.finish(u);
+                    st.traffic.h2d_wait_s += t.elapsed().as_secs_f64();
+                    b.inspect_err(|_| {
+                        st.params.remove(&id);
+                    })
+                }
+                Left::Buf(b) => {
+                    st.traffic.cache_hits += 1;
+                    Ok(b)
+                }
+                Left::Nothing => Err(ModelError::Gpu {
+                    what: "device tier: a taken param left nothing".into(),
+                }),
+            };
+        }
+        let numel = numel_of(host);
+        let bytes = numel * ELEM_BYTES;
+        self.make_room(st, bytes)?;
+        let budget = self.link.budget_bytes();
+        let held = st.device_bytes();
+        if held + bytes > budget {
+            return Err(ModelError::Gpu {
+                what: format!(
+                    "device tier: unit {} needs {bytes} more bytes for param {} with {held} held \
+                     (params in flight and in use) of a {budget} byte device budget; raise \
+                     tierzero.device_budget_bytes or lower stage3_prefetch_bucket_size",
+                    unit.0, id.0
+                ),
+            });
+        }
+        let data = exec_units::host_f32(host)?;
+        let t = Instant::now();
+        let u = self.link.upload(&format!("param {}", id.0), &data)?;
+        st.apply(id, TierEvent::Loaded(numel))?;
+        st.traffic.h2d_bytes += bytes;
+        st.traffic.sync_uploads += 1;
+        let b = self.link.finish(u);
+        st.traffic.h2d_wait_s += t.elapsed().as_secs_f64();
+        b.inspect_err(|_| {
+            st.params.remove(&id);
+        })
+    }
+
+    /// The unit is done with its params: kept while the cache has room,
+    /// freed otherwise.
+    fn give_back(&self, ids: &[ParamId], bufs: Vec<L::Buf>) -> Result<(), ModelError> {
+        let mut st = self.lock();
+        let mut result = Ok(());
+        for (&id, b) in ids.iter().zip(bufs) {
+            let bytes = match st.params.get(&id) {
+                Some(r) => r.numel() * ELEM_BYTES,
+                None => 0,
+            };
+            let keep = st.cached_bytes() + bytes <= self.limits.cache_bytes;
+            if keep {
+                if let Err(e) = st.apply(id, TierEvent::Returned(Some(b))) {
+                    result = result.and(Err(e));
+                }
+            } else {
+                self.link.free(b);
+                if let Err(e) = st.apply(id, TierEvent::Returned(None)) {
+                    result = result.and(Err(e));
+                }
+            }
+        }
+        result
+    }
+}
+
+impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
+    fn describe(&self) -> String {
+        format!(
+            "{}; params staged a unit ahead (window {} elements, {} live), {} kept between uses",
+            self.link.describe(),
+            self.limits.prefetch_numel,
+            self.limits.max_live_numel,
+            crate::units::format_bytes(self.limits.cache_bytes)
+        )
+    }
+
+    fn forward_unit(
+        &self,
+        model: &Model,
+        unit: UnitId,
+        params: &[Tensor],
+        input: UnitInput<'_>,
+    ) -> Result<UnitOutput, ModelError> {
+        let (ids, bufs) = self.take(model, unit, params)?;
+        let e = self.link.exec();
+        let out = exec_units::forward_with(&e, model, unit, params, &bufs, input);
+        self.give_back(&ids, bufs)?;
+        let out = out?;
+        let down = match &out {
+            UnitOutput::Hidden(t) | UnitOutput::Loss(t) => numel_of(t),
+        };
+        self.lock().traffic.d2h_bytes += down * ELEM_BYTES;
+        Ok(out)
+    }
+
+    fn backward_unit(
+        &self,
+        model: &Model,
+        unit: UnitId,
+        params: &[Tensor],
+        input: UnitInput<'_>,
+        upstream: Upstream<'_>,
+    ) -> Result<UnitGrads, ModelError> {
+        let (ids, bufs) = self.take(model, unit, params)?;
+        let e = self.link.exec();
+        let out = exec_units::backward_with(&e, model, unit, params, &bufs, input, upstream);
+        self.give_back(&ids, bufs)?;
+        let out = out?;
+        let down = out.params.iter().map(|(_, g)| numel_of(g)).sum::<u64>()
+            + out.input.as_ref().map_or(0, numel_of);
+        self.lock().traffic.d2h_bytes += down * ELEM_BYTES;
+        Ok(out)
+    }
+
+    fn stages(&self) -> bool {
+        true
+    }
+
+    fn stage(&self, model: &Model, unit: UnitId, params: &[Tensor]) -> Result<(), ModelError> {
+        let ids = model.unit(unit)?.params.clone();
+        let mut st = self.lock();
+        let budget = self.link.budget_bytes();
+        for (&id, host) in ids.iter().zip(params) {
+            if st.params.contains_key(&id) {
+                continue;
+            }
+            let numel = numel_of(host);
+            let ahead = st.ahead_numel();
+            let window = ahead == 0 || ahead + numel <= self.limits.prefetch_numel;
+            let live = st.live_numel() + numel <= self.limits.max_live_numel;
+            let fits = st.device_bytes() + numel * ELEM_BYTES <= budget;
+            if !(window && live && fits) {
+                // The rest uploads when its unit runs.
+                break;
+            }
+            let data = exec_units::host_f32(host)?;
+            let u = self.link.upload(&format!("param {}", id.0), &data)?;
+            st.apply(id, TierEvent::Staged(u, numel))?;
+            st.peaks.live_numel_at_stage = st.peaks.live_numel_at_stage.max(st.live_numel());
+            st.traffic.h2d_bytes += numel * ELEM_BYTES;
+            st.traffic.staged += 1;
+        }
+        Ok(())
+    }
+
+    fn begin_step(&self) -> Result<(), ModelError> {
+        let mut st = self.lock();
+        self.drop_all(&mut st)
+    }
+
+    fn take_traffic(&self) -> Option<DeviceTraffic> {
+        Some(std::mem::take(&mut self.lock().traffic))
+    }
+}
+
+impl<L: DeviceLink> Drop for TieredUnits<L> {
+    fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        let mut st = std::mem::replace(
+            st,
+            State {
+                params: BTreeMap::new(),
+                traffic: DeviceTraffic::default(),
+                peaks: TierPeaks::default(),
+            },
+        );
+        let _ = self.drop_all(&mut st);
+    }
+}

@@ -1,0 +1,322 @@
+//! The device tier (`tierzero::engine::device`) through the whole engine
+//! on the simulated device: the same code a GPU runs through
+//! `CudaLink`, with a memory budget, copies on a thread after a delay and
+//! events that complete with the copy. The units compute on the CUDA
+//! kernels' scalar references, so the in-memory path to compare with is
+//! `ReferenceUnits`, the same arithmetic with no tier.
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+mod engine_support;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use engine_support::*;
+use tierzero::engine::device::sim::{SimConfig, SimDevice, SimProbe};
+use tierzero::engine::device::{TierLimits, TierPeaks, TieredUnits};
+use tierzero::engine::TrainerOptions;
+use tierzero::model::exec_units::ReferenceUnits;
+use tierzero_gpu::unit::GemmDtype;
+
+/// What a run left.
+struct Out {
+    loss_bits: Vec<u32>,
+    sha: String,
+    h2d_bytes: u64,
+    d2h_bytes: u64,
+    h2d_wait_s: f64,
+}
+
+fn reference(model: &Path, k: &Knobs, steps: u64) -> Out {
+    let mut opts = TrainerOptions::cpu(3, 16);
+    opts.compute = Some(Arc::new(ReferenceUnits {
+        gemm: GemmDtype::F32,
+    }));
+    run(model, k, opts, steps)
+}
+
+fn run(model: &Path, k: &Knobs, opts: TrainerOptions, steps: u64) -> Out {
+    let mut t = build_with(model, k, opts, steps);
+    let mut out = Out {
+        loss_bits: Vec::new(),
+        sha: String::new(),
+        h2d_bytes: 0,
+        d2h_bytes: 0,
+        h2d_wait_s: 0.0,
+    };
+    for _ in 0..steps {
+        let m = t.step().unwrap().metrics;
+        out.loss_bits.push(m.loss.to_bits());
+        out.h2d_bytes += m.h2d_bytes;
+        out.d2h_bytes += m.d2h_bytes;
+        out.h2d_wait_s += m.h2d_wait_s;
+    }
+    out.sha = t.finish().unwrap().weight_sha256;
+    out
+}
+
+fn sim(budget_bytes: u64, delay_ms: u64, slots: usize) -> SimConfig {
+    SimConfig {
+        budget_bytes,
+        copy_delay: Duration::from_millis(delay_ms),
+        staging_slots: slots,
+        gemm: GemmDtype::F32,
+        fail_upload: None,
+    }
+}
+
+/// Trains on a tier over a simulated device; returns the run, the tier's
+/// peaks, and the device's counters after the tier is dropped.
+fn tiered(
+    model: &Path,
+    k: &Knobs,
+    cfg: SimConfig,
+    limits: TierLimits,
+    steps: u64,
+) -> (Out, TierPeaks, SimProbe) {
+    let dev = SimDevice::new(cfg).unwrap();
+    let probe = dev.probe();
+    let tier = Arc::new(TieredUnits::new(dev, limits));
+    let mut opts = TrainerOptions::cpu(3, 16);
+    opts.compute = Some(tier.clone());
+    let out = run(model, k, opts, steps);
+    let peaks = tier.peaks();
+    drop(tier);
+    (out, peaks, probe)
+}
+
+fn wide_open() -> TierLimits {
+    TierLimits {
+        prefetch_numel: u64::MAX,
+        max_live_numel: u64::MAX,
+        cache_bytes: 0,
+    }
+}
+
+/// Everything went back: no device bytes, every staging buffer home, no
+/// copy left, none that saw its buffer change.
+fn assert_all_back(p: &SimProbe, what: &str) {
+    assert_eq!(p.used_bytes(), 0, "{what}: device bytes left");
+    assert_eq!(p.in_flight(), 0, "{what}: copies left");
+    assert_eq!(
+        p.free_staging(),
+        p.staging_slots(),
+        "{what}: staging buffers lent"
+    );
+    assert_eq!(
+        p.violations(),
+        0,
+        "{what}: a staging buffer changed mid-copy"
+    );
+}
+
+#[test]
+fn the_device_tier_trains_bit_identical_to_the_in_memory_units() {
+    let gpt2 = tiny_gpt2_dir("tier", 2, 32);
+    let llama = tiny_llama_dir("tier");
+    let knobs = [
+        ("stage 0", Knobs::default()),
+        (
+            "stage 3 nvme, clipping, 2 micro-batches",
+            Knobs {
+                clip: 0.5,
+                gas: 2,
+                ..Knobs::nvme()
+            },
+        ),
+    ];
+    for (model, name) in [(&gpt2, "gpt2"), (&llama, "llama")] {
+        for (what, k) in &knobs {
+            let want = reference(model, k, 3);
+            for cache_bytes in [0, 1 << 30] {
+                let limits = TierLimits {
+                    cache_bytes,
+                    ..wide_open()
+                };
+                let (got, peaks, probe) = tiered(model, k, sim(64 << 20, 1, 3), limits, 3);
+                let case = format!("{name}, {what}, cache {cache_bytes}");
+                println!(
+                    "{case}: h2d {} B, d2h {} B, wait {:.3} s, peaks {peaks:?}",
+                    got.h2d_bytes, got.d2h_bytes, got.h2d_wait_s
+                );
+                assert_eq!(got.loss_bits, want.loss_bits, "{case}: losses");
+                assert_eq!(got.sha, want.sha, "{case}: weights");
+                assert!(
+                    got.h2d_bytes > 0 && got.d2h_bytes > 0,
+                    "{case}: nothing moved"
+                );
+                assert!(peaks.ahead_numel > 0, "{case}: nothing was staged ahead");
+                assert_all_back(&probe, &case);
+            }
+        }
+    }
+}
+
+#[test]
+fn the_device_cache_keeps_params_from_forward_to_backward() {
+    let model = tiny_gpt2_dir("tier-cache", 2, 32);
+    let k = Knobs::default();
+    let run_with = |cache_bytes| {
+        tiered(
+            &model,
+            &k,
+            sim(64 << 20, 0, 2),
+            TierLimits {
+                cache_bytes,
+                ..wide_open()
+            },
+            2,
+        )
+    };
+    let (none, p0, _) = run_with(0);
+    let (all, p1, probe) = run_with(1 << 30);
+    println!(
+        "h2d without a cache {} B, with {} B",
+        none.h2d_bytes, all.h2d_bytes
+    );
+    assert_eq!(none.loss_bits, all.loss_bits);
+    assert_eq!(p0.cached_bytes, 0);
+    assert!(p1.cached_bytes > 0);
+    // Every param crosses once per step instead of once per use: the
+    // blocks' params are used twice (forward, backward), the embedding
+    // table three times (tied: embedding forward, head, embedding
+    // backward).
+    assert!(
+        all.h2d_bytes * 2 <= none.h2d_bytes + none.h2d_bytes / 4,
+        "{} vs {}",
+        all.h2d_bytes,
+        none.h2d_bytes
+    );
+    assert_all_back(&probe, "cache");
+}
+
+#[test]
+fn the_prefetch_window_live_params_and_device_budget_are_never_exceeded() {
+    let model = tiny_gpt2_dir("tier-bounds", 2, 32);
+    // A block of width 32: about 12 500 elements in 12 params, the
+    // largest 3 072 (the MLP's matrices); the tied embedding table 8 192.
+    let largest_param = 8192u64;
+    for (prefetch_numel, max_live_numel, cache_bytes, budget_bytes) in [
+        (1, u64::MAX, 0, 64 << 20),
+        (4_000, 20_000, 0, 64 << 20),
+        (10_000, 14_000, 40_000, 64 << 20),
+        (u64::MAX, u64::MAX, 1 << 30, 80_000),
+    ] {
+        let limits = TierLimits {
+            prefetch_numel,
+            max_live_numel,
+            cache_bytes,
+        };
+        let (out, peaks, probe) =
+            tiered(&model, &Knobs::nvme(), sim(budget_bytes, 0, 2), limits, 2);
+        println!(
+            "{limits:?}, budget {budget_bytes}: {peaks:?}, h2d {} B",
+            out.h2d_bytes
+        );
+        assert!(
+            peaks.ahead_numel <= prefetch_numel.max(largest_param),
+            "window {prefetch_numel}: {peaks:?}"
+        );
+        assert!(
+            peaks.live_numel_at_stage <= max_live_numel,
+            "live {max_live_numel}: {peaks:?}"
+        );
+        assert!(
+            peaks.cached_bytes <= cache_bytes,
+            "cache {cache_bytes}: {peaks:?}"
+        );
+        assert!(peaks.device_bytes <= budget_bytes, "budget: {peaks:?}");
+        assert!(
+            probe.peak_bytes() <= budget_bytes,
+            "the device saw {}",
+            probe.peak_bytes()
+        );
+        assert!(peaks.ahead_numel > 0, "nothing staged: {peaks:?}");
+        assert_all_back(&probe, "bounds");
+    }
+}
+
+#[test]
+fn a_unit_larger_than_the_device_budget_is_an_error_with_the_numbers() {
+    let model = tiny_gpt2_dir("tier-small", 2, 32);
+    let dev = SimDevice::new(sim(20_000, 0, 2)).unwrap();
+    let probe = dev.probe();
+    let tier = Arc::new(TieredUnits::new(dev, wide_open()));
+    let mut opts = TrainerOptions::cpu(3, 16);
+    opts.compute = Some(tier.clone());
+    let mut t = build_with(&model, &Knobs::default(), opts, 1);
+    let e = t.step().unwrap_err().to_string();
+    assert!(
+        e.contains("20000 byte device budget") && e.contains("tierzero.device_budget_bytes"),
+        "{e}"
+    );
+    drop(t);
+    drop(tier);
+    assert_all_back(&probe, "too small");
+}
+
+#[test]
+fn no_staging_buffer_is_reused_before_its_copy_completes() {
+    let model = tiny_llama_dir("tier-slots");
+    for slots in [1, 2] {
+        let (out, _, probe) = tiered(
+            &model,
+            &Knobs::cpu(),
+            sim(64 << 20, 2, slots),
+            wide_open(),
+            2,
+        );
+        assert!(out.h2d_bytes > 0);
+        assert!(
+            probe.peak_in_flight() <= slots as u64,
+            "{} copies in flight on {slots} staging buffers",
+            probe.peak_in_flight()
+        );
+        assert_eq!(probe.copies(), probe.uploads(), "every upload was copied");
+        assert_all_back(&probe, "slots");
+    }
+}
+
+#[test]
+fn a_step_dropped_mid_copy_returns_every_buffer() {
+    let model = tiny_gpt2_dir("tier-drop", 2, 32);
+    // Fail uploads at several points of the step (staged ahead, or when
+    // a unit runs) while other copies are in flight.
+    for nth in [2, 7, 15, 30] {
+        let dev = SimDevice::new(SimConfig {
+            fail_upload: Some(nth),
+            ..sim(64 << 20, 5, 3)
+        })
+        .unwrap();
+        let probe = dev.probe();
+        let tier = Arc::new(TieredUnits::new(dev, wide_open()));
+        let mut opts = TrainerOptions::cpu(3, 16);
+        opts.compute = Some(tier.clone());
+        let mut t = build_with(&model, &Knobs::nvme(), opts, 2);
+        let e = t.step().unwrap_err().to_string();
+        assert!(e.contains(&format!("upload {nth}")), "{e}");
+        drop(t);
+        drop(tier);
+        assert_all_back(&probe, &format!("failed upload {nth}"));
+    }
+}
+
+#[test]
+fn an_upload_slower_than_compute_makes_the_step_wait_not_race() {
+    let model = tiny_gpt2_dir("tier-slow", 2, 32);
+    let k = Knobs::default();
+    let want = reference(&model, &k, 2);
+    let (slow, _, probe) = tiered(&model, &k, sim(64 << 20, 25, 2), wide_open(), 2);
+    println!("25 ms copies: waited {:.3} s", slow.h2d_wait_s);
+    assert_eq!(slow.loss_bits, want.loss_bits);
+    assert_eq!(slow.sha, want.sha);
+    // Each step's ~30 uploads take 25 ms each on one copy thread, far
+    // longer than the tiny units compute: the compute waited.
+    assert!(
+        slow.h2d_wait_s > 0.3,
+        "waited only {:.3} s",
+        slow.h2d_wait_s
+    );
+    assert_all_back(&probe, "slow");
+}
