@@ -31,6 +31,10 @@
 #      train_check, $TRAIN_CHECK_BIN);
 #   6e. throughput of a ~350M GPT-2 in GPU memory, bf16 GEMMs, seq 1024,
 #      against PyTorch eager on the same shape (a measurement);
+#   6f. the device tier: `train --device cuda` at stage 0 in memory, with
+#      cpu offload, and with a 1 GiB device cache, each bit-identical
+#      (losses, weight_sha256) to step 6's GPU run with NVMe offload; the
+#      runs' h2d/d2h bytes and upload waits;
 #   7. the overlap ratio (docs/decisions/overlap.md) on this machine's cores and disk (a
 #      measurement, never a failure): `examples/overlap` (built with the
 #      binary in step 1; skipped with TIERZERO_BIN unless OVERLAP_BIN
@@ -219,6 +223,55 @@ for model in gpt2 llama; do
     "$model" "$ok" "$worst" "$twice" >"$WORK/train-$model.summary.json"
 done
 
+# 6f. The device tier (issue 23's equivalence): the same 20 steps on the
+# GPU with everything in host memory at stage 0, with params and optimizer
+# state offloaded to the CPU, and with a device cache of 1 GiB, each
+# against step 6's GPU run (stage 3, params and state on NVMe): the same
+# loss bits and weight_sha256. Each run's metrics carry h2d_bytes,
+# d2h_bytes and h2d_wait_s (the JSON keeps the totals).
+PYCFG=$(command -v python3 || echo /opt/torch/.venv/bin/python)
+tier_same=true
+for variant in stage0 cpu cache; do
+  "$PYCFG" - "$variant" "$WORK/ds-$variant.json" <<'PY' 2>"$WORK/ds-$variant.err"
+import json, sys
+variant, out = sys.argv[1], sys.argv[2]
+c = json.load(open("src/config/default.json"))
+z = c["zero_optimization"]
+if variant == "stage0":
+    z["stage"] = 0
+    z.pop("offload_param", None)
+    z.pop("offload_optimizer", None)
+elif variant == "cpu":
+    z["offload_param"] = {"device": "cpu", "pin_memory": True}
+    z["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+else:
+    z["offload_param"]["nvme_path"] = z["offload_optimizer"]["nvme_path"] = "./tierzero-swap"
+    c["tierzero"]["device_cache_bytes"] = 1 << 30
+json.dump(c, open(out, "w"))
+PY
+done
+for model in gpt2 llama; do
+  margs=(); [ "$model" = llama ] && margs=(--model "$WORK/llama")
+  base="$WORK/train-$model-cuda"
+  for variant in stage0 cpu cache; do
+    d="$WORK/tier-$model-$variant"; mkdir -p "$d"
+    t0=$SECONDS
+    (cd "$d" && LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
+      timeout "$(cap 150)" "$BIN" train --device cuda:0 --config "$WORK/ds-$variant.json" "${margs[@]}" \
+      --steps 20 --seq-len 128 --metrics metrics.jsonl --json >out.json 2>err.txt); echo $? >"$d/rc"
+    echo $(( SECONDS - t0 )) >"$d/secs"
+    grep -o '"loss":[0-9.eE+-]*' "$d/metrics.jsonl" 2>/dev/null | cut -d: -f2 >"$d/losses"
+    sha_v=$(grep -o '"weight_sha256":"[0-9a-f]*"' "$d/out.json" 2>/dev/null || true)
+    sha_b=$(grep -o '"weight_sha256":"[0-9a-f]*"' "$base/out.json" 2>/dev/null || true)
+    same=false
+    if [ -n "$sha_v" ] && [ "$sha_v" = "$sha_b" ] && [ "$(wc -l <"$d/losses")" -ge 20 ] && cmp -s "$d/losses" "$base/losses"; then same=true; fi
+    [ "$same" = true ] || { tier_same=false; failed=1; }
+    totals=$(awk -F'[:,}]' '{ for (i = 1; i < NF; i++) { if ($i ~ /"h2d_bytes"/) h += $(i+1); if ($i ~ /"d2h_bytes"/) d += $(i+1); if ($i ~ /"h2d_wait_s"/) w += $(i+1) } }
+      END { printf "{\"h2d_bytes\":%d,\"d2h_bytes\":%d,\"h2d_wait_s\":%.4f}", h, d, w }' "$d/metrics.jsonl" 2>/dev/null || echo null)
+    printf '{"same_bits_as_nvme_stage3":%s,"traffic":%s}\n' "$same" "$totals" >"$d/summary.json"
+  done
+done
+
 # 6b. The Python package over CUDA params (python/tests/test_adamw_cuda.py:
 # gradients down and new params up through pinned buffers on a side
 # stream, bit for bit against CPU params), with the machine's PyTorch. The
@@ -388,6 +441,16 @@ fi
     d="$WORK/train-$model-$run"
     printf '%s"%s_%s":{"rc":%s,"secs":%s,"result":%s,"stderr":%s}' "$sep" "$model" "$run" \
       "$(cat "$d/rc" 2>/dev/null || echo null)" "$(cat "$d/secs" 2>/dev/null || echo null)" "$(json_obj "$d/out.json")" "$(json_str "$d/err.txt")"
+    sep=","
+  done; done
+  printf '}},'
+  printf '"device_tier":{"ok":%s,"runs":{' "$tier_same"
+  sep=""
+  for model in gpt2 llama; do for variant in stage0 cpu cache; do
+    d="$WORK/tier-$model-$variant"
+    printf '%s"%s_%s":{"rc":%s,"secs":%s,"summary":%s,"result":%s,"stderr":%s}' "$sep" "$model" "$variant" \
+      "$(cat "$d/rc" 2>/dev/null || echo null)" "$(cat "$d/secs" 2>/dev/null || echo null)" "$(json_obj "$d/summary.json")" \
+      "$(json_obj "$d/out.json")" "$(json_str "$d/err.txt")"
     sep=","
   done; done
   printf '}},'

@@ -402,6 +402,29 @@ impl Device {
         }
     }
 
+    /// `len` elements for `what` allocated on the host-to-device stream,
+    /// not initialised: only for a copy that overwrites all of them on
+    /// that stream next ([`crate::link::Uploads::start`]).
+    pub(crate) fn alloc_uninit_on_h2d(&self, what: &str, len: usize) -> Result<DeviceBuffer<f32>> {
+        let bytes = (len * 4) as u64;
+        self.budget.take(what, bytes)?;
+        // SAFETY: the memory is uninitialised; the caller's copy on the
+        // same stream writes every element before any kernel reads it
+        // (the compute stream waits on that copy's event), and cudarc
+        // orders the slice's later uses on other streams after it.
+        match unsafe { self.h2d.alloc::<f32>(len) } {
+            Ok(slice) => Ok(DeviceBuffer {
+                slice,
+                bytes,
+                budget: self.budget.clone(),
+            }),
+            Err(e) => {
+                self.budget.give(bytes);
+                Err(driver_err("cuMemAlloc")(e))
+            }
+        }
+    }
+
     /// A copy of `host` on the device, for `what` (queued on the compute
     /// stream: later kernels there see it).
     pub fn upload<T: DeviceRepr>(&self, what: &str, host: &[T]) -> Result<DeviceBuffer<T>> {

@@ -43,6 +43,7 @@ pub mod cache;
 pub mod device;
 mod error;
 pub mod kernels;
+pub mod link;
 pub mod nvrtc;
 pub mod ops;
 pub mod reference;

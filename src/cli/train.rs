@@ -919,7 +919,10 @@ fn cuda_units(
     let ordinal = d
         .resolve(count, tierzero::gpu::local_rank_from_env())
         .map_err(|e| bad(format!("--device {d}: {e}")))?;
-    let opts = tierzero_gpu::device::DeviceOptions::default();
+    let opts = tierzero_gpu::device::DeviceOptions {
+        budget_bytes: cfg.tierzero.device_budget_bytes.map(|b| b.0),
+        ..Default::default()
+    };
     let dev = tierzero_gpu::device::Device::open(ordinal, &opts).map_err(|e| {
         let user = matches!(
             e,
@@ -935,11 +938,19 @@ fn cuda_units(
             Failure::Internal(err)
         }
     })?;
+    // The device tier: params staged a unit ahead on the copy stream,
+    // kept between uses within `tierzero.device_cache_bytes`.
+    let link = tierzero::engine::device::cuda::CudaLink::new(
+        std::sync::Arc::new(dev),
+        tierzero_gpu::unit::GemmDtype::F32,
+    );
+    let limits = tierzero::engine::device::TierLimits {
+        prefetch_numel: cfg.zero.prefetch_bucket_numel.0,
+        max_live_numel: cfg.zero.max_live_parameters_numel.0,
+        cache_bytes: cfg.tierzero.device_cache_bytes.0,
+    };
     Ok(std::sync::Arc::new(
-        tierzero::model::exec_units::CudaUnits {
-            device: std::sync::Arc::new(dev),
-            gemm: tierzero_gpu::unit::GemmDtype::F32,
-        },
+        tierzero::engine::device::TieredUnits::new(link, limits),
     ))
 }
 

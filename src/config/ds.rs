@@ -525,6 +525,11 @@ section! {
         /// gathered parameters resident between uses, beyond
         /// `stage3_max_live_parameters` (DeepSpeed#3054). Default 0 (no cache).
         device_cache_bytes: u64 => bytes;
+        /// `device_budget_bytes`: GPU memory tierzero may allocate with
+        /// `--device cuda` (params on the device tier, activations,
+        /// workspace). Absent = the free memory at start-up less 5%. A budget
+        /// above the free memory is refused at start-up with the numbers.
+        device_budget_bytes: Option<u64> => some(bytes);
         /// `io_backend`: "auto" (default), "uring" or "portable".
         io_backend: IoBackend => choice;
         /// `direct_io`: "auto" (default), "require" or "off".

@@ -306,6 +306,8 @@ pub struct Tierzero {
     pub pinned_budget_bytes: Option<Bytes>,
     /// Accelerator memory for a resident parameter cache.
     pub device_cache_bytes: Bytes,
+    /// GPU memory tierzero may allocate; `None` = free memory less 5%.
+    pub device_budget_bytes: Option<Bytes>,
     /// I/O backend.
     pub io_backend: IoBackend,
     /// O_DIRECT policy.
@@ -729,6 +731,7 @@ pub(crate) fn validate(
     let tierzero = Tierzero {
         pinned_budget_bytes: t.pinned_budget_bytes.map(Bytes),
         device_cache_bytes: Bytes(t.device_cache_bytes),
+        device_budget_bytes: t.device_budget_bytes.map(Bytes),
         io_backend: t.io_backend,
         direct_io: t.direct_io,
         memlock: t.memlock,

@@ -6,13 +6,15 @@
 //! [`UnitCompute`] where it would call the model, so it does not learn
 //! which device computes.
 //!
-//! # Data movement (today)
+//! # Data movement
 //!
-//! Each call uploads the unit's params and input, computes, and returns
-//! the output or the gradients on the host, where the engine's tiers and
-//! CPU optimizer keep them: the ZeRO-Infinity data path, without copy
-//! streams or device-resident params yet (the GPU tier, a later step).
-//! Activations are recomputed in backward (no kept graphs).
+//! [`CudaUnits`] and [`ReferenceUnits`] upload a unit's params and input
+//! at each call, compute, and return the output or the gradients on the
+//! host. There the engine's tiers and the CPU optimizer keep them.
+//! `crate::engine::device::TieredUnits` runs the same functions
+//! (`forward_with`, `backward_with`) on params that the device tier
+//! staged ahead or kept on the device. It is what `--device cuda` uses.
+//! Activations are recomputed in backward: no graphs are kept.
 //!
 //! # What it supports
 //!

@@ -12,7 +12,7 @@
 //!     and its events complete when the copy does. It computes on the
 //!     kernels' scalar references. The tests below run the engine on it,
 //!     with no GPU.
-//!   * [`cuda::CudaLink`] (feature `gpu`), a `tierzero_gpu` device. Its
+//!   * [`cuda::CudaLink`], a `tierzero_gpu` device. Its
 //!     uploads go through pinned staging buffers on the host-to-device
 //!     stream, and the compute stream waits on each upload's CUDA event.
 //! * [`TieredUnits`]: a [`crate::model::exec_units::UnitCompute`] over a
@@ -69,6 +69,7 @@
 //! params were staged, kept or uploaded when it ran. The copies move
 //! bytes; they never convert them.
 
+pub mod cuda;
 pub mod sim;
 mod tier;
 

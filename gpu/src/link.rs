@@ -1,0 +1,191 @@
+//! Asynchronous uploads for the engine's device tier: host data staged in
+//! pinned memory, copied on the host-to-device stream, ordered before the
+//! compute that reads it by a CUDA event.
+//!
+//! # How an upload travels
+//!
+//! 1. [`Uploads::start`] takes a pinned staging buffer of exactly the
+//!    upload's length from the pool, or allocates one. It fills the buffer
+//!    on the host and allocates the destination, counted against the
+//!    device budget, on the `h2d` stream. It queues the copy there and
+//!    records an event after it.
+//! 2. [`Uploads::ready`] asks the event without blocking.
+//! 3. [`Uploads::finish`] makes the compute stream wait on the event, so
+//!    the host does not wait. It then hands back the destination. The
+//!    staging buffer goes on the retiring list with its event.
+//! 4. A later `start` moves retiring buffers whose event completed back to
+//!    the pool. When the pool's pinned bytes would pass its cap, it waits
+//!    for the oldest event and frees that buffer.
+//!
+//! # What may be in flight
+//!
+//! A staging buffer is in exactly one place: the pool (idle), a
+//! [`PendingUpload`] (its copy queued), or the retiring list (the copy
+//! queued, its event not yet seen complete). It is refilled only from the
+//! pool. So the copy engine never reads a buffer the host is writing.
+//! cudarc's `PinnedHostSlice` also records its own event at each copy, and
+//! synchronises on it before any host access and before it is freed.
+//!
+//! The staging memory is write-combined, which suits memory the CPU only
+//! writes and the copy engine only reads. Nothing here is read back by
+//! the CPU.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaEvent, PinnedHostSlice};
+
+use crate::device::{Device, DeviceBuffer};
+use crate::{GpuError, Result};
+
+fn driver(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> GpuError {
+    move |e| GpuError::Driver {
+        call,
+        detail: e.to_string(),
+    }
+}
+
+/// An upload in flight: its destination, its staging buffer and the event
+/// recorded after its copy.
+#[derive(Debug)]
+pub struct PendingUpload {
+    dst: DeviceBuffer<f32>,
+    staging: PinnedHostSlice<f32>,
+    event: CudaEvent,
+}
+
+#[derive(Debug, Default)]
+struct Pool {
+    /// Idle staging buffers by length.
+    free: HashMap<usize, Vec<PinnedHostSlice<f32>>>,
+    /// Buffers whose copy may still run, oldest first.
+    retiring: VecDeque<(CudaEvent, PinnedHostSlice<f32>)>,
+    /// Pinned bytes of every buffer the pool owns, wherever it is.
+    pinned_bytes: u64,
+}
+
+/// The upload path of one device.
+#[derive(Debug)]
+pub struct Uploads {
+    dev: Arc<Device>,
+    pool: Mutex<Pool>,
+    cap_bytes: u64,
+}
+
+impl Uploads {
+    /// Uploads to `dev` through at most `cap_bytes` of pinned staging
+    /// memory (a single upload larger than the cap still gets its buffer).
+    pub fn new(dev: Arc<Device>, cap_bytes: u64) -> Self {
+        Uploads {
+            dev,
+            pool: Mutex::new(Pool::default()),
+            cap_bytes,
+        }
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.dev
+    }
+
+    /// Pinned bytes the pool owns now.
+    pub fn pinned_bytes(&self) -> u64 {
+        self.lock().pinned_bytes
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Pool> {
+        self.pool.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A staging buffer of `len` elements, from the pool or new.
+    fn staging(&self, pool: &mut Pool, len: usize) -> Result<PinnedHostSlice<f32>> {
+        // Copies that completed give their buffers back.
+        while let Some((ev, _)) = pool.retiring.front() {
+            if !ev.try_is_complete().map_err(driver("cuEventQuery"))? {
+                break;
+            }
+            if let Some((_, s)) = pool.retiring.pop_front() {
+                pool.free.entry(s.len()).or_default().push(s);
+            }
+        }
+        if let Some(s) = pool.free.get_mut(&len).and_then(Vec::pop) {
+            return Ok(s);
+        }
+        let bytes = (len * 4) as u64;
+        // Over the cap: free idle buffers of other lengths, then wait for
+        // the oldest copies and free theirs.
+        while pool.pinned_bytes + bytes > self.cap_bytes {
+            let idle = pool.free.values_mut().find_map(Vec::pop);
+            let victim = match idle {
+                Some(s) => s,
+                None => match pool.retiring.pop_front() {
+                    Some((ev, s)) => {
+                        ev.synchronize().map_err(driver("cuEventSynchronize"))?;
+                        s
+                    }
+                    None => break,
+                },
+            };
+            pool.pinned_bytes -= victim.num_bytes() as u64;
+            drop(victim);
+        }
+        // SAFETY: the buffer is uninitialised: `start` writes all of its
+        // `len` elements (the upload is exactly that long) before the copy
+        // reads it, and nothing else reads it.
+        let s = unsafe {
+            self.dev
+                .context()
+                .alloc_pinned::<f32>(len)
+                .map_err(driver("cuMemHostAlloc"))?
+        };
+        pool.pinned_bytes += bytes;
+        Ok(s)
+    }
+
+    /// Starts copying `host` into a new device buffer for `what`.
+    pub fn start(&self, what: &str, host: &[f32]) -> Result<PendingUpload> {
+        let mut pool = self.lock();
+        let mut staging = self.staging(&mut pool, host.len())?;
+        drop(pool);
+        staging
+            .as_mut_slice()
+            .map_err(driver("cuEventSynchronize"))?
+            .copy_from_slice(host);
+        let mut dst = self.dev.alloc_uninit_on_h2d(what, host.len())?;
+        self.dev
+            .h2d
+            .memcpy_htod(&staging, dst.slice_mut())
+            .map_err(driver("cuMemcpyHtoDAsync"))?;
+        let event = self
+            .dev
+            .h2d
+            .record_event(None)
+            .map_err(driver("cuEventRecord"))?;
+        Ok(PendingUpload {
+            dst,
+            staging,
+            event,
+        })
+    }
+
+    /// Whether the upload's copy has completed.
+    pub fn ready(&self, u: &PendingUpload) -> bool {
+        u.event.is_complete()
+    }
+
+    /// The destination, with the compute stream waiting on the copy's
+    /// event (the host does not wait).
+    pub fn finish(&self, u: PendingUpload) -> Result<DeviceBuffer<f32>> {
+        let PendingUpload {
+            dst,
+            staging,
+            event,
+        } = u;
+        self.dev
+            .compute
+            .wait(&event)
+            .map_err(driver("cuStreamWaitEvent"))?;
+        self.lock().retiring.push_back((event, staging));
+        Ok(dst)
+    }
+}
