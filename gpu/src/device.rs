@@ -381,6 +381,29 @@ impl Device {
         })
     }
 
+    /// `bytes` of the budget for `what`, kept by the buffer `alloc` makes
+    /// (given back if it fails with the driver error of `call`).
+    fn counted<T>(
+        &self,
+        what: &str,
+        bytes: u64,
+        call: &'static str,
+        alloc: impl FnOnce() -> std::result::Result<CudaSlice<T>, cudarc::driver::DriverError>,
+    ) -> Result<DeviceBuffer<T>> {
+        self.budget.take(what, bytes)?;
+        match alloc() {
+            Ok(slice) => Ok(DeviceBuffer {
+                slice,
+                bytes,
+                budget: self.budget.clone(),
+            }),
+            Err(e) => {
+                self.budget.give(bytes);
+                Err(driver_err(call)(e))
+            }
+        }
+    }
+
     /// `len` zeroed elements for `what`, on the compute stream.
     pub fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(
         &self,
@@ -388,59 +411,32 @@ impl Device {
         len: usize,
     ) -> Result<DeviceBuffer<T>> {
         let bytes = (len * std::mem::size_of::<T>()) as u64;
-        self.budget.take(what, bytes)?;
-        match self.compute.alloc_zeros::<T>(len) {
-            Ok(slice) => Ok(DeviceBuffer {
-                slice,
-                bytes,
-                budget: self.budget.clone(),
-            }),
-            Err(e) => {
-                self.budget.give(bytes);
-                Err(driver_err("cuMemAlloc")(e))
-            }
-        }
+        self.counted(what, bytes, "cuMemAlloc", || {
+            self.compute.alloc_zeros::<T>(len)
+        })
     }
 
     /// `len` elements for `what` allocated on the host-to-device stream,
     /// not initialised: only for a copy that overwrites all of them on
     /// that stream next ([`crate::link::Uploads::start`]).
     pub(crate) fn alloc_uninit_on_h2d(&self, what: &str, len: usize) -> Result<DeviceBuffer<f32>> {
-        let bytes = (len * 4) as u64;
-        self.budget.take(what, bytes)?;
-        // SAFETY: the memory is uninitialised; the caller's copy on the
-        // same stream writes every element before any kernel reads it
-        // (the compute stream waits on that copy's event), and cudarc
-        // orders the slice's later uses on other streams after it.
-        match unsafe { self.h2d.alloc::<f32>(len) } {
-            Ok(slice) => Ok(DeviceBuffer {
-                slice,
-                bytes,
-                budget: self.budget.clone(),
-            }),
-            Err(e) => {
-                self.budget.give(bytes);
-                Err(driver_err("cuMemAlloc")(e))
-            }
-        }
+        self.counted(what, (len * 4) as u64, "cuMemAlloc", || {
+            // SAFETY: the memory is uninitialised; the caller's copy on
+            // the same stream writes every element before any kernel
+            // reads it (the compute stream waits on that copy's event),
+            // and cudarc orders the slice's later uses on other streams
+            // after it.
+            unsafe { self.h2d.alloc::<f32>(len) }
+        })
     }
 
     /// A copy of `host` on the device, for `what` (queued on the compute
     /// stream: later kernels there see it).
     pub fn upload<T: DeviceRepr>(&self, what: &str, host: &[T]) -> Result<DeviceBuffer<T>> {
         let bytes = std::mem::size_of_val(host) as u64;
-        self.budget.take(what, bytes)?;
-        match self.compute.clone_htod(host) {
-            Ok(slice) => Ok(DeviceBuffer {
-                slice,
-                bytes,
-                budget: self.budget.clone(),
-            }),
-            Err(e) => {
-                self.budget.give(bytes);
-                Err(driver_err("cuMemcpyHtoD")(e))
-            }
-        }
+        self.counted(what, bytes, "cuMemcpyHtoD", || {
+            self.compute.clone_htod(host)
+        })
     }
 
     /// Overwrites `dst` with `host` (same length), on the compute stream.
