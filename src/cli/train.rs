@@ -37,8 +37,12 @@
 //!   that GPU (`tierzero_gpu`'s CUDA units: the kernels compiled by NVRTC
 //!   at start-up, cuBLAS GEMMs, through `TrainerOptions::compute`) and puts
 //!   the collectives between ranks on NCCL (`launch::rank_comm_on`); the
-//!   params, their tiers and the CPU optimizer stay as configured, and each
-//!   unit's params and activations cross to the device when it runs. fp32
+//!   params, their tiers and the CPU optimizer stay as configured. The
+//!   device tier (`engine::device`) stages each unit's params on the copy
+//!   stream while the unit before it computes, and keeps them between
+//!   uses within `tierzero.device_cache_bytes`, all within
+//!   `tierzero.device_budget_bytes`. Activations and gradients cross per
+//!   unit. fp32
 //!   only (a bf16 or fp16 config is refused with the fix). Without the
 //!   feature, a driver, cuBLAS or NVRTC it is refused before anything
 //!   loads (exit 2), naming the library and the fix.
