@@ -81,7 +81,8 @@ pub struct DeviceTraffic {
     pub h2d_bytes: u64,
     /// Bytes copied device to host (outputs and gradients).
     pub d2h_bytes: u64,
-    /// Seconds the compute waited for uploads.
+    /// Seconds the compute thread waited for uploads: for a staging
+    /// buffer to come back, or for a copy's event.
     pub h2d_wait_s: f64,
     /// Params uploaded ahead of their unit.
     pub staged: u64,

@@ -505,7 +505,10 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
                 break;
             }
             let data = exec_units::host_f32(host)?;
+            // Waiting here for a staging buffer is waiting for copies too.
+            let t = Instant::now();
             let u = self.link.upload(&format!("param {}", id.0), &data)?;
+            st.traffic.h2d_wait_s += t.elapsed().as_secs_f64();
             st.apply(id, TierEvent::Staged(u, numel))?;
             st.peaks.live_numel_at_stage = st.peaks.live_numel_at_stage.max(st.live_numel());
             st.traffic.h2d_bytes += numel * ELEM_BYTES;

@@ -99,7 +99,8 @@ pub struct StepMetrics {
     pub h2d_bytes: u64,
     /// Bytes copied device to host by the device tier.
     pub d2h_bytes: u64,
-    /// Seconds the compute waited for the device tier's uploads.
+    /// Seconds the compute thread waited for the device tier's uploads
+    /// (a staging buffer, or a copy's event).
     pub h2d_wait_s: f64,
 }
 
