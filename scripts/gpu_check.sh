@@ -245,7 +245,6 @@ elif variant == "cpu":
     z["offload_param"] = {"device": "cpu", "pin_memory": True}
     z["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
 else:
-    z["offload_param"]["nvme_path"] = z["offload_optimizer"]["nvme_path"] = "./tierzero-swap"
     c["tierzero"]["device_cache_bytes"] = 1 << 30
 json.dump(c, open(out, "w"))
 PY

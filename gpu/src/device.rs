@@ -84,7 +84,7 @@ pub fn guarded<T>(library: &'static str, f: impl FnOnce() -> Result<T>) -> Resul
     })
 }
 
-fn driver_err(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> GpuError {
+pub(crate) fn driver_err(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> GpuError {
     move |e| GpuError::Driver {
         call,
         detail: e.to_string(),

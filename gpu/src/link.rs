@@ -9,11 +9,10 @@
 //!    on the host and allocates the destination, counted against the
 //!    device budget, on the `h2d` stream. It queues the copy there and
 //!    records an event after it.
-//! 2. [`Uploads::ready`] asks the event without blocking.
-//! 3. [`Uploads::finish`] makes the compute stream wait on the event, so
+//! 2. [`Uploads::finish`] makes the compute stream wait on the event, so
 //!    the host does not wait. It then hands back the destination. The
 //!    staging buffer goes on the retiring list with its event.
-//! 4. A later `start` moves retiring buffers whose event completed back to
+//! 3. A later `start` moves retiring buffers whose event completed back to
 //!    the pool. When the pool's pinned bytes would pass its cap, it waits
 //!    for the oldest event and frees that buffer.
 //!
@@ -35,15 +34,8 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaEvent, PinnedHostSlice};
 
-use crate::device::{Device, DeviceBuffer};
-use crate::{GpuError, Result};
-
-fn driver(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> GpuError {
-    move |e| GpuError::Driver {
-        call,
-        detail: e.to_string(),
-    }
-}
+use crate::device::{driver_err as driver, Device, DeviceBuffer};
+use crate::Result;
 
 /// An upload in flight: its destination, its staging buffer and the event
 /// recorded after its copy.
@@ -166,11 +158,6 @@ impl Uploads {
             staging,
             event,
         })
-    }
-
-    /// Whether the upload's copy has completed.
-    pub fn ready(&self, u: &PendingUpload) -> bool {
-        u.event.is_complete()
     }
 
     /// The destination, with the compute stream waiting on the copy's

@@ -84,14 +84,6 @@ pub struct DeviceTraffic {
     /// Seconds the compute thread waited for uploads: for a staging
     /// buffer to come back, or for a copy's event.
     pub h2d_wait_s: f64,
-    /// Params uploaded ahead of their unit.
-    pub staged: u64,
-    /// Of those, the ones whose copy had completed when their unit came.
-    pub staged_ready: u64,
-    /// Params uploaded when their unit ran.
-    pub sync_uploads: u64,
-    /// Params their unit found kept on the device.
-    pub cache_hits: u64,
 }
 
 /// Why `tierzero-gpu`'s units cannot run this model (None: they can).
@@ -195,13 +187,22 @@ impl ExecSource for CudaUnits {
     }
 }
 
-fn gpu_err(e: tierzero_gpu::GpuError) -> ModelError {
+pub(crate) fn gpu_err(e: tierzero_gpu::GpuError) -> ModelError {
     ModelError::Gpu {
         what: e.to_string(),
     }
 }
 
-pub(crate) fn host_f32(t: &Tensor) -> Result<Vec<f32>, ModelError> {
+fn host_f32(t: &Tensor) -> Result<Vec<f32>, ModelError> {
+    with_host_f32(t, |v| Ok(v.to_vec()))
+}
+
+/// Runs `f` on an fp32 host tensor's elements (a contiguous one is not
+/// copied).
+pub(crate) fn with_host_f32<R>(
+    t: &Tensor,
+    f: impl FnOnce(&[f32]) -> Result<R, ModelError>,
+) -> Result<R, ModelError> {
     if t.dtype() != DType::F32 {
         return Err(ModelError::Unsupported {
             what: format!(
@@ -210,7 +211,7 @@ pub(crate) fn host_f32(t: &Tensor) -> Result<Vec<f32>, ModelError> {
             ),
         });
     }
-    Ok(t.flatten_all()?.to_vec1::<f32>()?)
+    super::fused::with_f32(t, |v| Ok(f(v)))?
 }
 
 fn ids_of(t: &Tensor) -> Result<Vec<i32>, ModelError> {
@@ -303,17 +304,40 @@ fn rope_tables<E: Exec>(
     })
 }
 
-fn check(model: &Model, unit: UnitId, params: &[Tensor]) -> Result<UnitKind, ModelError> {
+/// The model is one the units implement, and `p` (on the executor) and
+/// `params` (their host copies) are the unit's params: as many as it
+/// declares, each of its host copy's length.
+fn check<E: Exec>(
+    e: &E,
+    model: &Model,
+    unit: UnitId,
+    params: &[Tensor],
+    p: &[E::Buf],
+) -> Result<UnitKind, ModelError> {
     if let Some(why) = supports(model.config()) {
         return Err(ModelError::Unsupported { what: why });
     }
     let spec = model.unit(unit)?;
-    if params.len() != spec.params.len() {
-        return Err(ModelError::ParamCount {
-            unit,
-            expected: spec.params.len(),
-            found: params.len(),
-        });
+    for found in [params.len(), p.len()] {
+        if found != spec.params.len() {
+            return Err(ModelError::ParamCount {
+                unit,
+                expected: spec.params.len(),
+                found,
+            });
+        }
+    }
+    for (i, (host, dev)) in params.iter().zip(p).enumerate() {
+        if host.elem_count() != e.len(dev) {
+            return Err(ModelError::BadInput {
+                unit,
+                reason: format!(
+                    "param {i} has {} elements on the host and {} on the executor",
+                    host.elem_count(),
+                    e.len(dev)
+                ),
+            });
+        }
     }
     Ok(spec.kind)
 }
@@ -335,7 +359,6 @@ fn forward<E: Exec>(
     params: &[Tensor],
     input: UnitInput<'_>,
 ) -> Result<UnitOutput, ModelError> {
-    check(model, unit, params)?;
     let p = uploads(e, params)?;
     forward_with(e, model, unit, params, &p, input)
 }
@@ -350,8 +373,7 @@ pub(crate) fn forward_with<E: Exec>(
     p: &[E::Buf],
     input: UnitInput<'_>,
 ) -> Result<UnitOutput, ModelError> {
-    let kind = check(model, unit, params)?;
-    check_on(e, unit, params, p)?;
+    let kind = check(e, model, unit, params, p)?;
     let c = model.config();
     let bt = batch_shape(&input)?;
     let h = c.hidden_size;
@@ -462,38 +484,8 @@ fn backward<E: Exec>(
     input: UnitInput<'_>,
     upstream: Upstream<'_>,
 ) -> Result<UnitGrads, ModelError> {
-    check(model, unit, params)?;
     let p = uploads(e, params)?;
     backward_with(e, model, unit, params, &p, input, upstream)
-}
-
-/// The executor-side params match their host copies in count and length.
-fn check_on<E: Exec>(
-    e: &E,
-    unit: UnitId,
-    params: &[Tensor],
-    p: &[E::Buf],
-) -> Result<(), ModelError> {
-    if p.len() != params.len() {
-        return Err(ModelError::ParamCount {
-            unit,
-            expected: params.len(),
-            found: p.len(),
-        });
-    }
-    for (i, (host, dev)) in params.iter().zip(p).enumerate() {
-        if host.elem_count() != e.len(dev) {
-            return Err(ModelError::BadInput {
-                unit,
-                reason: format!(
-                    "param {i} has {} elements on the host and {} on the executor",
-                    host.elem_count(),
-                    e.len(dev)
-                ),
-            });
-        }
-    }
-    Ok(())
 }
 
 /// [`UnitCompute::backward_unit`] with the unit's params already on the
@@ -508,8 +500,7 @@ pub(crate) fn backward_with<E: Exec>(
     input: UnitInput<'_>,
     upstream: Upstream<'_>,
 ) -> Result<UnitGrads, ModelError> {
-    let kind = check(model, unit, params)?;
-    check_on(e, unit, params, p)?;
+    let kind = check(e, model, unit, params, p)?;
     let spec = model.unit(unit)?.clone();
     let c = model.config();
     let bt = batch_shape(&input)?;

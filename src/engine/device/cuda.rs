@@ -19,6 +19,7 @@ use tierzero_gpu::link::{PendingUpload, Uploads};
 use tierzero_gpu::unit::{CudaExec, GemmDtype};
 
 use super::DeviceLink;
+use crate::model::exec_units::gpu_err;
 use crate::model::ModelError;
 
 /// Pinned staging memory for the uploads: a few units' worth is enough
@@ -31,12 +32,6 @@ pub struct CudaLink {
     uploads: Uploads,
     gemm: GemmDtype,
     budget_bytes: u64,
-}
-
-fn gpu_err(e: tierzero_gpu::GpuError) -> ModelError {
-    ModelError::Gpu {
-        what: e.to_string(),
-    }
 }
 
 impl CudaLink {
@@ -91,10 +86,6 @@ impl DeviceLink for CudaLink {
 
     fn upload(&self, what: &str, host: &[f32]) -> Result<PendingUpload, ModelError> {
         self.uploads.start(what, host).map_err(gpu_err)
-    }
-
-    fn ready(&self, upload: &PendingUpload) -> bool {
-        self.uploads.ready(upload)
     }
 
     fn finish(&self, upload: PendingUpload) -> Result<DeviceBuffer<f32>, ModelError> {

@@ -97,8 +97,6 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
     /// pinned staging buffer, which travels with it: this may wait for a
     /// staging buffer to come back.
     fn upload(&self, what: &str, host: &[f32]) -> Result<Self::Upload, ModelError>;
-    /// Whether the upload's copy has completed (never blocks).
-    fn ready(&self, upload: &Self::Upload) -> bool;
     /// The uploaded buffer, ordered after its copy for the compute that
     /// follows: a CUDA compute stream waits on the copy's event, and the
     /// host does not; the simulated device waits on the host.

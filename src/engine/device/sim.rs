@@ -303,15 +303,6 @@ impl DeviceLink for SimDevice {
         }
     }
 
-    fn ready(&self, upload: &SimUpload) -> bool {
-        upload
-            .event
-            .done
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_some()
-    }
-
     fn finish(&self, upload: SimUpload) -> Result<Vec<f32>, ModelError> {
         let mut done = upload.event.done.lock().unwrap_or_else(|p| p.into_inner());
         loop {

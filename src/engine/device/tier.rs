@@ -361,9 +361,6 @@ impl<L: DeviceLink> TieredUnits<L> {
         if st.params.contains_key(&id) {
             return match st.apply(id, TierEvent::Taken)? {
                 Left::Upload(u) => {
-                    if self.link.ready(&u) {
-                        st.traffic.staged_ready += 1;
-                    }
                     let t = Instant::now();
                     let b = self.link.finish(u);
                     st.traffic.h2d_wait_s += t.elapsed().as_secs_f64();
@@ -371,10 +368,7 @@ impl<L: DeviceLink> TieredUnits<L> {
                         st.params.remove(&id);
                     })
                 }
-                Left::Buf(b) => {
-                    st.traffic.cache_hits += 1;
-                    Ok(b)
-                }
+                Left::Buf(b) => Ok(b),
                 Left::Nothing => Err(ModelError::Gpu {
                     what: "device tier: a taken param left nothing".into(),
                 }),
@@ -395,12 +389,11 @@ impl<L: DeviceLink> TieredUnits<L> {
                 ),
             });
         }
-        let data = exec_units::host_f32(host)?;
         let t = Instant::now();
-        let u = self.link.upload(&format!("param {}", id.0), &data)?;
+        let u =
+            exec_units::with_host_f32(host, |v| self.link.upload(&format!("param {}", id.0), v))?;
         st.apply(id, TierEvent::Loaded(numel))?;
         st.traffic.h2d_bytes += bytes;
-        st.traffic.sync_uploads += 1;
         let b = self.link.finish(u);
         st.traffic.h2d_wait_s += t.elapsed().as_secs_f64();
         b.inspect_err(|_| {
@@ -504,15 +497,15 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
                 // The rest uploads when its unit runs.
                 break;
             }
-            let data = exec_units::host_f32(host)?;
             // Waiting here for a staging buffer is waiting for copies too.
             let t = Instant::now();
-            let u = self.link.upload(&format!("param {}", id.0), &data)?;
+            let u = exec_units::with_host_f32(host, |v| {
+                self.link.upload(&format!("param {}", id.0), v)
+            })?;
             st.traffic.h2d_wait_s += t.elapsed().as_secs_f64();
             st.apply(id, TierEvent::Staged(u, numel))?;
             st.peaks.live_numel_at_stage = st.peaks.live_numel_at_stage.max(st.live_numel());
             st.traffic.h2d_bytes += numel * ELEM_BYTES;
-            st.traffic.staged += 1;
         }
         Ok(())
     }

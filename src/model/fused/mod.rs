@@ -200,6 +200,14 @@ fn with_elems<T: Real, R>(
     }
 }
 
+/// [`with_elems`] of an fp32 tensor, for the units on other executors.
+pub(crate) fn with_f32<R>(
+    t: &Tensor,
+    f: impl FnOnce(&[f32]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    with_elems::<f32, _>(t, f)
+}
+
 /// [`with_elems`] of three tensors at once.
 fn with_elems3<T: Real, R>(
     a: &Tensor,
