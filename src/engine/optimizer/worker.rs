@@ -962,7 +962,14 @@ mod tests {
                 other => panic!("unexpected {other:?}"),
             }
         }
-        assert_eq!(stepped, order.to_vec());
+        // The two read ahead by `Expect` step first, in its order. The
+        // others may still be queued when `Flush` comes, which puts the
+        // unissued ones in index order ("Optimizer tail"): either order
+        // of the last two is right, depending on when their steps ran.
+        assert_eq!(stepped[..2], order[..2], "{stepped:?}");
+        let mut tail = stepped[2..].to_vec();
+        tail.sort_by_key(|g| g.0);
+        assert_eq!(tail, [SubGroupId(0), SubGroupId(2)], "{stepped:?}");
         drop(w);
         let _ = std::fs::remove_dir_all(&dir);
     }
