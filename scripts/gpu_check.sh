@@ -228,7 +228,12 @@ done
 # state offloaded to the CPU, and with a device cache of 1 GiB, each
 # against step 6's GPU run (stage 3, params and state on NVMe): the same
 # loss bits and weight_sha256. Each run's metrics carry h2d_bytes,
-# d2h_bytes and h2d_wait_s (the JSON keeps the totals).
+# d2h_bytes, h2d_wait_s, and the compute and h2d streams' busy seconds
+# from CUDA events (device_busy_s, h2d_busy_s); the JSON keeps their
+# totals with the steps' wall seconds, so wall / max(device busy, h2d
+# busy) says how well copies and compute overlapped. The cpu-offload GPT-2
+# run also writes a timeline of one step with the device lanes
+# ($OUT/timeline-device-tier.json).
 PYCFG=$(command -v python3 || echo /opt/torch/.venv/bin/python)
 tier_same=true
 for variant in stage0 cpu cache; do
@@ -255,9 +260,10 @@ for model in gpt2 llama; do
   for variant in stage0 cpu cache; do
     d="$WORK/tier-$model-$variant"; mkdir -p "$d"
     t0=$SECONDS
+    targs=(); [ "$variant" = cpu ] && targs=(--timeline timeline.json --timeline-steps 1)
     (cd "$d" && LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
       timeout "$(cap 150)" "$BIN" train --device cuda:0 --config "$WORK/ds-$variant.json" "${margs[@]}" \
-      --steps 20 --seq-len 128 --metrics metrics.jsonl --json >out.json 2>err.txt); echo $? >"$d/rc"
+      --steps 20 --seq-len 128 --metrics metrics.jsonl "${targs[@]}" --json >out.json 2>err.txt); echo $? >"$d/rc"
     echo $(( SECONDS - t0 )) >"$d/secs"
     grep -o '"loss":[0-9.eE+-]*' "$d/metrics.jsonl" 2>/dev/null | cut -d: -f2 >"$d/losses"
     sha_v=$(grep -o '"weight_sha256":"[0-9a-f]*"' "$d/out.json" 2>/dev/null || true)
@@ -265,8 +271,10 @@ for model in gpt2 llama; do
     same=false
     if [ -n "$sha_v" ] && [ "$sha_v" = "$sha_b" ] && [ "$(wc -l <"$d/losses")" -ge 20 ] && cmp -s "$d/losses" "$base/losses"; then same=true; fi
     [ "$same" = true ] || { tier_same=false; failed=1; }
-    totals=$(awk -F'[:,}]' '{ for (i = 1; i < NF; i++) { if ($i ~ /"h2d_bytes"/) h += $(i+1); if ($i ~ /"d2h_bytes"/) d += $(i+1); if ($i ~ /"h2d_wait_s"/) w += $(i+1) } }
-      END { printf "{\"h2d_bytes\":%d,\"d2h_bytes\":%d,\"h2d_wait_s\":%.4f}", h, d, w }' "$d/metrics.jsonl" 2>/dev/null || echo null)
+    totals=$(awk -F'[:,}]' '/"step":/ && NR > 1 { for (i = 1; i < NF; i++) { if ($i ~ /"h2d_bytes"/) h += $(i+1); if ($i ~ /"d2h_bytes"/) d += $(i+1); if ($i ~ /"h2d_wait_s"/) w += $(i+1);
+        if ($i ~ /"device_busy_s"/) c += $(i+1); if ($i ~ /"h2d_busy_s"/) u += $(i+1); if ($i ~ /"wall_s"/) s += $(i+1) } }
+      END { m = (c > u ? c : u); printf "{\"steps_after_first\":true,\"h2d_bytes\":%d,\"d2h_bytes\":%d,\"h2d_wait_s\":%.4f,\"device_busy_s\":%.4f,\"h2d_busy_s\":%.4f,\"wall_s\":%.4f,\"wall_over_busiest_queue\":%s}", h, d, w, c, u, s, (m > 0 ? sprintf("%.3f", s / m) : "null") }' "$d/metrics.jsonl" 2>/dev/null || echo null)
+    [ -n "${OUT:-}" ] && [ -f "$d/timeline.json" ] && [ "$model" = gpt2 ] && cp "$d/timeline.json" "$OUT/timeline-device-tier.json"
     printf '{"same_bits_as_nvme_stage3":%s,"traffic":%s}\n' "$same" "$totals" >"$d/summary.json"
   done
 done

@@ -38,6 +38,17 @@ def clip(intervals, a, b):
     return [(max(s, a), min(e, b), n) for s, e, n in intervals if e > a and s < b]
 
 
+def union(spans):
+    """Overlapping spans merged, in order."""
+    out = []
+    for s, e, n in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e), out[-1][2])
+        else:
+            out.append((s, e, n))
+    return out
+
+
 def main():
     args = sys.argv[1:]
     if not args or args[0] in ("-h", "--help"):
@@ -79,6 +90,17 @@ def main():
             f"{'; ' + engines if engines else ''}), "
             f"compute {comp_ms:.1f} ms, waiting for params {wait_ms:.1f} ms"
         )
+        if "device: compute" in spans or "device: h2d" in spans:
+            dev = clip(spans.get("device: compute", []), s0, s1)
+            h2d = clip(spans.get("device: h2d", []), s0, s1)
+            both = sum(
+                max(0.0, min(e, f) - max(s, c)) for s, e, _ in union(h2d) for c, f, _ in union(dev)
+            )
+            print(
+                f"  device: compute busy {sum(e - s for s, e, _ in union(dev)):.1f} ms, "
+                f"h2d busy {sum(e - s for s, e, _ in union(h2d)):.1f} ms, "
+                f"both at once {both:.1f} ms"
+            )
         for d, a, b in gaps[:top]:
             during = [n for s, e, n in clip(spans.get("compute", []) + spans.get("params", []), a, b)]
             during += [f"store {n}" for s, e, n in clip(spans.get("store", []), a, b)]

@@ -708,3 +708,96 @@ fn gradient_checkpointing_recomputes_every_block_with_the_same_weights() {
     );
     assert_eq!(sha(&both), sha(&kept));
 }
+
+/// `--device sim`: the device tier on the simulated device, through the
+/// binary. The plan shows the device's rows and total; the metrics count
+/// the copies and both queues' busy time; the timeline has the device's
+/// two lanes, and some copy ran while a unit computed (the upload of the
+/// next unit's params overlaps this unit's compute).
+#[test]
+fn device_sim_shows_the_device_tier_in_the_plan_metrics_and_timeline() {
+    let d = tiny_setup("sim");
+    let args = with(
+        &TINY,
+        &[
+            ("--device", "sim"),
+            ("--sim-h2d-gbps", "0.05"),
+            ("--metrics", "m.jsonl"),
+            ("--timeline", "tl.json"),
+            ("--timeline-steps", "2"),
+        ],
+    );
+    let out = train(&d, &args);
+    assert_eq!(out.code, 0, "stdout {} stderr {}", out.stdout, out.stderr);
+    for want in [
+        "compute on simulated device",
+        "at 0.05 GB/s",
+        "params on the device (at most)",
+        "upload staging buffers",
+        "device total",
+        "of a 1 GiB device budget",
+    ] {
+        assert!(out.stdout.contains(want), "{want:?} in: {}", out.stdout);
+    }
+    let m = metrics_lines(&d.join("m.jsonl"));
+    assert_eq!(m.len(), 4, "3 steps and a summary: {m:?}");
+    for s in &m[..3] {
+        for key in ["h2d_bytes", "d2h_bytes"] {
+            assert!(s[key].as_u64().unwrap() > 0, "{key}: {s}");
+        }
+        for key in ["device_busy_s", "h2d_busy_s"] {
+            assert!(s[key].as_f64().unwrap() > 0.0, "{key}: {s}");
+        }
+    }
+    let tl: Value =
+        serde_json::from_str(&std::fs::read_to_string(d.join("tl.json")).unwrap()).unwrap();
+    let events = tl["traceEvents"].as_array().unwrap();
+    let tid_of = |name: &str| {
+        events
+            .iter()
+            .find(|e| e["ph"] == "M" && e["args"]["name"] == name)
+            .map(|e| e["tid"].clone())
+            .unwrap_or_else(|| panic!("no lane {name}"))
+    };
+    let spans = |name: &str| -> Vec<(f64, f64)> {
+        let tid = tid_of(name);
+        events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["tid"] == tid)
+            .map(|e| {
+                let ts = e["ts"].as_f64().unwrap();
+                (ts, ts + e["dur"].as_f64().unwrap())
+            })
+            .collect()
+    };
+    let compute = spans("device: compute");
+    let h2d = spans("device: h2d");
+    assert!(!compute.is_empty() && !h2d.is_empty(), "{tl}");
+    let overlapped = h2d
+        .iter()
+        .any(|&(a, b)| compute.iter().any(|&(c, e)| a < e && c < b));
+    assert!(
+        overlapped,
+        "no copy overlapped a unit's compute: {h2d:?} / {compute:?}"
+    );
+}
+
+#[test]
+fn device_sim_refuses_what_it_cannot_use() {
+    let d = tiny_setup("sim-bad");
+    assert_bad(
+        &d,
+        &with(&TINY, &[("--sim-h2d-gbps", "10")]),
+        &["--sim-h2d-gbps", "--device sim"],
+    );
+    assert_bad(
+        &d,
+        &with(&TINY, &[("--device", "sim"), ("--sim-h2d-gbps", "0")]),
+        &["--sim-h2d-gbps 0", "GB/s"],
+    );
+    assert_bad(
+        &d,
+        &with(&TINY, &[("--device", "simulated")]),
+        &["--device simulated", "or sim"],
+    );
+}

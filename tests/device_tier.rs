@@ -16,7 +16,7 @@ use engine_support::*;
 use tierzero::engine::device::sim::{SimConfig, SimDevice, SimProbe};
 use tierzero::engine::device::{TierLimits, TierPeaks, TieredUnits};
 use tierzero::engine::TrainerOptions;
-use tierzero::model::exec_units::ReferenceUnits;
+use tierzero::model::exec_units::{DeviceMemoryPlan, ReferenceUnits};
 use tierzero_gpu::unit::GemmDtype;
 
 /// What a run left.
@@ -26,6 +26,11 @@ struct Out {
     h2d_bytes: u64,
     d2h_bytes: u64,
     h2d_wait_s: f64,
+    device_busy_s: f64,
+    h2d_busy_s: f64,
+    /// The compute's device rows for the plan (the tier's: what its
+    /// params may hold, first).
+    device_plan: Option<DeviceMemoryPlan>,
 }
 
 fn reference(model: &Path, k: &Knobs, steps: u64) -> Out {
@@ -37,6 +42,7 @@ fn reference(model: &Path, k: &Knobs, steps: u64) -> Out {
 }
 
 fn run(model: &Path, k: &Knobs, opts: TrainerOptions, steps: u64) -> Out {
+    let compute = opts.compute.clone();
     let mut t = build_with(model, k, opts, steps);
     let mut out = Out {
         loss_bits: Vec::new(),
@@ -44,6 +50,9 @@ fn run(model: &Path, k: &Knobs, opts: TrainerOptions, steps: u64) -> Out {
         h2d_bytes: 0,
         d2h_bytes: 0,
         h2d_wait_s: 0.0,
+        device_busy_s: 0.0,
+        h2d_busy_s: 0.0,
+        device_plan: compute.and_then(|c| c.memory_plan(t.model())),
     };
     for _ in 0..steps {
         let m = t.step().unwrap().metrics;
@@ -51,6 +60,8 @@ fn run(model: &Path, k: &Knobs, opts: TrainerOptions, steps: u64) -> Out {
         out.h2d_bytes += m.h2d_bytes;
         out.d2h_bytes += m.d2h_bytes;
         out.h2d_wait_s += m.h2d_wait_s;
+        out.device_busy_s += m.device_busy_s;
+        out.h2d_busy_s += m.h2d_busy_s;
     }
     out.sha = t.finish().unwrap().weight_sha256;
     out
@@ -60,6 +71,7 @@ fn sim(budget_bytes: u64, delay_ms: u64, slots: usize) -> SimConfig {
     SimConfig {
         budget_bytes,
         copy_delay: Duration::from_millis(delay_ms),
+        h2d_bytes_per_s: None,
         staging_slots: slots,
         gemm: GemmDtype::F32,
         fail_upload: None,
@@ -227,6 +239,16 @@ fn the_prefetch_window_live_params_and_device_budget_are_never_exceeded() {
             "cache {cache_bytes}: {peaks:?}"
         );
         assert!(peaks.device_bytes <= budget_bytes, "budget: {peaks:?}");
+        // The plan's bound on the tier's params holds, and is the
+        // budget only when the budget is the tighter.
+        let plan = out.device_plan.as_ref().unwrap();
+        let bound = plan.rows[0].device_bytes;
+        println!("  plan bound {bound} B, peak {} B", peaks.device_bytes);
+        assert!(peaks.device_bytes <= bound, "plan {plan:?}: {peaks:?}");
+        assert_eq!(plan.budget_bytes, budget_bytes);
+        if budget_bytes > 1 << 20 {
+            assert!(bound < 1 << 20, "the bound is not the budget: {plan:?}");
+        }
         assert!(
             probe.peak_bytes() <= budget_bytes,
             "the device saw {}",
@@ -322,4 +344,79 @@ fn an_upload_slower_than_compute_makes_the_step_wait_not_race() {
         slow.h2d_wait_s
     );
     assert_all_back(&probe, "slow");
+}
+
+/// The simulated device's spans: its copies run on their own queue while
+/// units compute (the next unit's params upload during this unit's
+/// compute), the metrics' busy times are theirs, and the bound the plan
+/// prints for the staging buffers is what the device has.
+#[test]
+fn copies_overlap_compute_on_the_device_queues() {
+    let model = tiny_gpt2_dir("tier-spans", 2, 32);
+    let cfg = SimConfig {
+        h2d_bytes_per_s: Some(20e6),
+        ..sim(64 << 20, 0, 64)
+    };
+    let dev = SimDevice::new(cfg).unwrap();
+    let probe = dev.probe();
+    let tier = Arc::new(TieredUnits::new(dev, wide_open()));
+    let mut opts = TrainerOptions::cpu(3, 16);
+    opts.compute = Some(tier.clone());
+    let timeline = tierzero::engine::Timeline::new(1, 2);
+    opts.timeline = Some(timeline.clone());
+    let out = run(&model, &Knobs::default(), opts, 2);
+    drop(tier);
+    assert_all_back(&probe, "spans");
+    println!(
+        "compute busy {:.4} s, h2d busy {:.4} s, {} B up",
+        out.device_busy_s, out.h2d_busy_s, out.h2d_bytes
+    );
+    assert!(out.device_busy_s > 0.0 && out.h2d_busy_s > 0.0);
+    // 20 MB/s: the copies alone take at least their bytes' time.
+    let copy_floor_s = out.h2d_bytes as f64 / 20e6;
+    assert!(
+        out.h2d_busy_s >= 0.9 * copy_floor_s,
+        "{} s busy for {copy_floor_s} s of bytes",
+        out.h2d_busy_s
+    );
+    let v = timeline.to_json();
+    let ev = v["traceEvents"].as_array().unwrap();
+    let lane = |name: &str| -> Vec<(f64, f64)> {
+        let tid = ev
+            .iter()
+            .find(|e| e["ph"] == "M" && e["args"]["name"] == name)
+            .unwrap()["tid"]
+            .clone();
+        ev.iter()
+            .filter(|e| e["ph"] == "X" && e["tid"] == tid)
+            .map(|e| {
+                let ts = e["ts"].as_f64().unwrap();
+                (ts, ts + e["dur"].as_f64().unwrap())
+            })
+            .collect()
+    };
+    let compute = lane("device: compute");
+    let h2d = lane("device: h2d");
+    // GPT-2 of 2 blocks: the embedding and 2 blocks forward, and 4
+    // units backward (the head's forward and loss are its backward's),
+    // in each of 2 steps.
+    assert_eq!(compute.len(), 2 * 7, "{compute:?}");
+    assert!(!h2d.is_empty());
+    let overlap_us: f64 = h2d
+        .iter()
+        .flat_map(|&(a, b)| {
+            compute
+                .iter()
+                .map(move |&(c, e)| (b.min(e) - a.max(c)).max(0.0))
+        })
+        .sum();
+    println!("copies overlapping compute: {:.1} ms", overlap_us / 1e3);
+    assert!(overlap_us > 0.0, "no copy ran while a unit computed");
+    let plan = out.device_plan.unwrap();
+    let staging = plan
+        .rows
+        .iter()
+        .find(|r| r.what.contains("staging"))
+        .unwrap();
+    assert_eq!(staging.pinned_bytes, 64 * 8192 * 4, "{plan:?}");
 }

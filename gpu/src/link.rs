@@ -25,6 +25,13 @@
 //! cudarc's `PinnedHostSlice` also records its own event at each copy, and
 //! synchronises on it before any host access and before it is freed.
 //!
+//! # Timing
+//!
+//! Each copy is also bracketed by two timing events on the `h2d` stream
+//! ([`EventClock`]). [`Uploads::take_spans`] turns those whose end
+//! completed into host-clock spans for the timeline; the others wait for
+//! a later call.
+//!
 //! The staging memory is write-combined, which suits memory the CPU only
 //! writes and the copy engine only reads. Nothing here is read back by
 //! the CPU.
@@ -32,7 +39,10 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaEvent, PinnedHostSlice};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, CudaStream, PinnedHostSlice};
 
 use crate::device::{driver_err as driver, Device, DeviceBuffer};
 use crate::Result;
@@ -56,23 +66,123 @@ struct Pool {
     pinned_bytes: u64,
 }
 
+/// The host's clock for CUDA events: a base event recorded on the
+/// compute stream and waited for when the clock is made, with the host
+/// instant it completed at. An event's time is the base's instant plus
+/// `cuEventElapsedTime` from the base (microsecond resolution; the two
+/// clocks drift apart by far less than that over a run's few steps).
+#[derive(Debug)]
+pub struct EventClock {
+    base: CudaEvent,
+    at: Instant,
+}
+
+/// A span between two timing events, not yet known to have ended.
+#[derive(Debug)]
+pub struct TimedSpan {
+    /// What ran.
+    pub name: String,
+    start: CudaEvent,
+    end: CudaEvent,
+}
+
+impl EventClock {
+    /// The clock of `dev` (waits for its compute stream once).
+    pub fn new(dev: &Device) -> Result<Self> {
+        let base = Self::mark(&dev.compute)?;
+        base.synchronize().map_err(driver("cuEventSynchronize"))?;
+        Ok(EventClock {
+            base,
+            at: Instant::now(),
+        })
+    }
+
+    /// A timing event recorded on `stream` now.
+    pub fn mark(stream: &CudaStream) -> Result<CudaEvent> {
+        stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(driver("cuEventRecord"))
+    }
+
+    /// A span from `start` to an event recorded on `stream` now.
+    pub fn span(stream: &CudaStream, name: String, start: CudaEvent) -> Result<TimedSpan> {
+        Ok(TimedSpan {
+            name,
+            start,
+            end: Self::mark(stream)?,
+        })
+    }
+
+    fn instant(&self, ev: &CudaEvent) -> Result<Instant> {
+        let ms = self
+            .base
+            .elapsed_ms(ev)
+            .map_err(driver("cuEventElapsedTime"))?;
+        Ok(self.at + Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
+    }
+
+    /// Removes the spans of `pending` whose end completed and returns
+    /// them on the host's clock, in order; the rest stay.
+    pub fn resolve(&self, pending: &mut Vec<TimedSpan>) -> Result<Vec<(String, Instant, Instant)>> {
+        let mut done = Vec::new();
+        let mut keep = Vec::new();
+        for s in pending.drain(..) {
+            if s.end.try_is_complete().map_err(driver("cuEventQuery"))? {
+                done.push(s);
+            } else {
+                keep.push(s);
+            }
+        }
+        *pending = keep;
+        done.into_iter()
+            .map(|s| Ok((s.name, self.instant(&s.start)?, self.instant(&s.end)?)))
+            .collect()
+    }
+}
+
+/// Spans kept for [`Uploads::take_spans`] before the completed ones are
+/// dropped unread.
+const MAX_PENDING_SPANS: usize = 1 << 14;
+
 /// The upload path of one device.
 #[derive(Debug)]
 pub struct Uploads {
     dev: Arc<Device>,
     pool: Mutex<Pool>,
     cap_bytes: u64,
+    clock: EventClock,
+    spans: Mutex<Vec<TimedSpan>>,
 }
 
 impl Uploads {
     /// Uploads to `dev` through at most `cap_bytes` of pinned staging
     /// memory (a single upload larger than the cap still gets its buffer).
-    pub fn new(dev: Arc<Device>, cap_bytes: u64) -> Self {
-        Uploads {
+    pub fn new(dev: Arc<Device>, cap_bytes: u64) -> Result<Self> {
+        let clock = EventClock::new(&dev)?;
+        Ok(Uploads {
             dev,
             pool: Mutex::new(Pool::default()),
             cap_bytes,
-        }
+            clock,
+            spans: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The clock its spans are read with.
+    pub fn clock(&self) -> &EventClock {
+        &self.clock
+    }
+
+    /// The copies that completed since the last call, on the host's
+    /// clock.
+    pub fn take_spans(&self) -> Result<Vec<(String, Instant, Instant)>> {
+        let mut pending = self.spans.lock().unwrap_or_else(|p| p.into_inner());
+        self.clock.resolve(&mut pending)
+    }
+
+    /// The cap on its pinned staging bytes.
+    pub fn cap_bytes(&self) -> u64 {
+        self.cap_bytes
     }
 
     /// The device.
@@ -144,10 +254,19 @@ impl Uploads {
             .map_err(driver("cuEventSynchronize"))?
             .copy_from_slice(host);
         let mut dst = self.dev.alloc_uninit_on_h2d(what, host.len())?;
+        let began = EventClock::mark(&self.dev.h2d)?;
         self.dev
             .h2d
             .memcpy_htod(&staging, dst.slice_mut())
             .map_err(driver("cuMemcpyHtoDAsync"))?;
+        let span = EventClock::span(&self.dev.h2d, what.to_owned(), began)?;
+        let mut spans = self.spans.lock().unwrap_or_else(|p| p.into_inner());
+        if spans.len() >= MAX_PENDING_SPANS {
+            // Nobody reads them: keep only those not yet complete.
+            drop(self.clock.resolve(&mut spans)?);
+        }
+        spans.push(span);
+        drop(spans);
         let event = self
             .dev
             .h2d

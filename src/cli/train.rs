@@ -46,6 +46,12 @@
 //!   only (a bf16 or fp16 config is refused with the fix). Without the
 //!   feature, a driver, cuBLAS or NVRTC it is refused before anything
 //!   loads (exit 2), naming the library and the fix.
+//!   `--device sim` runs the same device tier on the simulated device
+//!   (`engine::device::sim`): its memory is a budget of host memory, its
+//!   copies take their bytes' time at `--sim-h2d-gbps` on a thread, it
+//!   computes on the CUDA kernels' scalar references. It shows, with no
+//!   GPU, what a config's device tier would hold and overlap: the plan's
+//!   device rows, the `h2d_*` metrics and the timeline's device lanes.
 //! * **Data.** Byte-level, or a HF `tokenizer.json` with `--tokenizer`
 //!   (`cli::tokens`, shared with `eval`).
 //! * **Checkpoints.** `--save-dir DIR` saves every `--save-every N` steps
@@ -106,6 +112,8 @@ Examples:
   TIERZERO_NCCL_ADDR=node0:29500 TIERZERO_RANK=1 TIERZERO_WORLD_SIZE=2 \\
     tierzero train --device cuda
       rank 1 of 2, collectives over NCCL (build with --features gpu)
+  tierzero train --device sim --steps 5 --timeline tl.json
+      the GPU tier on a simulated device: plan, copy metrics, timeline lanes
 ";
 
 /// `tierzero train` options.
@@ -214,8 +222,14 @@ pub struct TrainArgs {
     /// the collectives between ranks over NCCL (build with --features gpu;
     /// the NVIDIA driver, cuBLAS, NVRTC and NCCL are needed to run). Params
     /// and the optimizer stay on their configured tiers (Adam on the CPU).
+    /// sim: the device tier on a simulated device (no GPU; see
+    /// --sim-h2d-gbps and tierzero.device_budget_bytes, 1 GiB if unset).
     #[arg(long, value_name = "DEVICE", default_value = "cpu")]
     device: String,
+    /// With --device sim: the simulated host-to-device link's bandwidth,
+    /// in GB/s (default 25, about PCIe 4.0 x16's).
+    #[arg(long, value_name = "GBPS")]
+    sim_h2d_gbps: Option<String>,
     /// Open --model even when its config.json has keys tierzero does not
     /// know (each is warned about and ignored): at your own risk, the model
     /// trained may not be the one the file describes.
@@ -669,7 +683,19 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     let started = Instant::now();
     // Several ranks (under mpirun): rank 0 prints and writes --metrics, the
     // others only log (see launch.rs).
-    let device = tierzero::gpu::parse_device(&args.device).map_err(bad)?;
+    let simulated = args.device.trim() == "sim";
+    let device = match simulated {
+        true => None,
+        false => tierzero::gpu::parse_device(&args.device)
+            .map_err(|e| bad(format!("{e}, or sim (a simulated device)")))?,
+    };
+    if args.sim_h2d_gbps.is_some() && !simulated {
+        return Err(bad(format!(
+            "--sim-h2d-gbps is the simulated device's bandwidth and --device is {}; add \
+             --device sim, or drop --sim-h2d-gbps",
+            args.device
+        )));
+    }
     let comm = super::launch::rank_comm_on(device)?;
     let lead = comm.rank() == 0;
     let flags = Flags::parse(&args)?;
@@ -740,6 +766,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     });
     // --device cuda: the units on that GPU (tierzero-gpu's CUDA units).
     let compute = match device {
+        None if simulated => Some(sim_units(&args, cfg, &model)?),
         None => None,
         Some(d) => Some(cuda_units(d, cfg, &model)?),
     };
@@ -831,10 +858,14 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
                 "{}; host side {threads_line} (collectives: NCCL on {d})",
                 c.describe()
             ),
+            (None, Some(c)) => format!("{}; host side {threads_line}", c.describe()),
             _ => format!("cpu, {threads_line}"),
         },
     );
     plan.activations = Some(trainer.activations_line());
+    plan.device_memory = compute
+        .as_ref()
+        .and_then(|c| c.memory_plan(trainer.model()));
     say(&banner(
         &args,
         ckpt.as_ref(),
@@ -947,14 +978,75 @@ fn cuda_units(
     let link = tierzero::engine::device::cuda::CudaLink::new(
         std::sync::Arc::new(dev),
         tierzero_gpu::unit::GemmDtype::F32,
-    );
-    let limits = tierzero::engine::device::TierLimits {
+    )
+    .map_err(|e| Failure::Internal(anyhow!("--device {d}: {e}")))?;
+    Ok(std::sync::Arc::new(
+        tierzero::engine::device::TieredUnits::new(link, tier_limits(cfg)),
+    ))
+}
+
+/// The device tier's bounds from the config.
+fn tier_limits(cfg: &tierzero::config::Config) -> tierzero::engine::device::TierLimits {
+    tierzero::engine::device::TierLimits {
         prefetch_numel: cfg.zero.prefetch_bucket_numel.0,
         max_live_numel: cfg.zero.max_live_parameters_numel.0,
         cache_bytes: cfg.tierzero.device_cache_bytes.0,
-    };
+    }
+}
+
+/// Device memory of `--device sim` when `tierzero.device_budget_bytes`
+/// is not set.
+const SIM_DEFAULT_BUDGET_BYTES: u64 = 1 << 30;
+
+/// Staging buffers of `--device sim`.
+const SIM_STAGING_SLOTS: usize = 4;
+
+/// `--device sim`: the device tier on the simulated device, after the
+/// checks `--device cuda` makes of the model and the precision.
+fn sim_units(
+    args: &TrainArgs,
+    cfg: &tierzero::config::Config,
+    model: &tierzero::model::Model,
+) -> Result<std::sync::Arc<dyn tierzero::model::exec_units::UnitCompute>, Failure> {
+    use tierzero::engine::device::sim::{SimConfig, SimDevice};
+    if cfg.precision != tierzero::config::Precision::Fp32 {
+        return Err(bad(format!(
+            "--device sim: the device units compute in fp32 and this config enables {:?}; set \
+             bf16.enabled and fp16.enabled to false, or train on --device cpu",
+            cfg.precision
+        )));
+    }
+    if let Some(why) = tierzero::model::exec_units::supports(model.config()) {
+        return Err(bad(format!(
+            "--device sim: the device units do not implement {why}; train on --device cpu"
+        )));
+    }
+    let text = args.sim_h2d_gbps.as_deref().unwrap_or("25");
+    let gbps: f64 = text
+        .trim()
+        .parse()
+        .ok()
+        .filter(|g: &f64| g.is_finite() && *g > 0.0 && *g <= 10_000.0)
+        .ok_or_else(|| {
+            bad(format!(
+                "--sim-h2d-gbps {text}: give a bandwidth in GB/s above 0 and at most 10000 \
+                 (25 is about PCIe 4.0 x16's)"
+            ))
+        })?;
+    let dev = SimDevice::new(SimConfig {
+        budget_bytes: cfg
+            .tierzero
+            .device_budget_bytes
+            .map_or(SIM_DEFAULT_BUDGET_BYTES, |b| b.0),
+        copy_delay: std::time::Duration::ZERO,
+        h2d_bytes_per_s: Some(gbps * 1e9),
+        staging_slots: SIM_STAGING_SLOTS,
+        gemm: tierzero_gpu::unit::GemmDtype::F32,
+        fail_upload: None,
+    })
+    .map_err(|e| Failure::Internal(anyhow!("--device sim: {e}")))?;
     Ok(std::sync::Arc::new(
-        tierzero::engine::device::TieredUnits::new(link, limits),
+        tierzero::engine::device::TieredUnits::new(dev, tier_limits(cfg)),
     ))
 }
 

@@ -72,6 +72,86 @@ pub trait UnitCompute: Send + Sync + std::fmt::Debug {
     fn take_traffic(&self) -> Option<DeviceTraffic> {
         None
     }
+    /// The device's spans that completed since the last call: its
+    /// compute stream's units and its copies, for the timeline and the
+    /// step's busy time. Empty when it keeps none.
+    fn take_device_spans(&self) -> Vec<DeviceSpan> {
+        Vec::new()
+    }
+    /// The device memory it holds, for the start-up plan (None: it
+    /// computes in host memory).
+    fn memory_plan(&self, _model: &Model) -> Option<DeviceMemoryPlan> {
+        None
+    }
+}
+
+/// Which of a device's queues a [`DeviceSpan`] ran on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceQueue {
+    /// The compute stream: a unit's kernels.
+    Compute,
+    /// The host-to-device copy stream.
+    H2d,
+}
+
+/// A period a device's queue was busy, on the host's clock.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceSpan {
+    /// The queue.
+    pub queue: DeviceQueue,
+    /// What ran ("forward unit 3", "param 12").
+    pub name: String,
+    /// When it started.
+    pub start: std::time::Instant,
+    /// When it ended.
+    pub end: std::time::Instant,
+}
+
+/// Seconds in the union of `spans` (overlaps counted once).
+pub fn busy_s(spans: &[DeviceSpan], queue: DeviceQueue) -> f64 {
+    let mut v: Vec<(std::time::Instant, std::time::Instant)> = spans
+        .iter()
+        .filter(|s| s.queue == queue)
+        .map(|s| (s.start, s.end.max(s.start)))
+        .collect();
+    v.sort();
+    let mut total = 0.0;
+    let mut cur: Option<(std::time::Instant, std::time::Instant)> = None;
+    for (a, b) in v {
+        cur = match cur {
+            Some((ca, cb)) if a <= cb => Some((ca, cb.max(b))),
+            Some((ca, cb)) => {
+                total += (cb - ca).as_secs_f64();
+                Some((a, b))
+            }
+            None => Some((a, b)),
+        };
+    }
+    if let Some((a, b)) = cur {
+        total += (b - a).as_secs_f64();
+    }
+    total
+}
+
+/// A compute device's memory as the start-up plan shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceMemoryPlan {
+    /// The whole device budget (`tierzero.device_budget_bytes`, or what
+    /// the device had free).
+    pub budget_bytes: u64,
+    /// What holds it, each with its device and pinned host bytes.
+    pub rows: Vec<DeviceMemoryRow>,
+}
+
+/// One row of a [`DeviceMemoryPlan`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceMemoryRow {
+    /// What it is.
+    pub what: String,
+    /// Device bytes (at most).
+    pub device_bytes: u64,
+    /// Pinned host bytes (at most).
+    pub pinned_bytes: u64,
 }
 
 /// What a compute device's tier moved, for the step's metrics.

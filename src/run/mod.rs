@@ -42,6 +42,7 @@ use std::fmt::{self, Write as _};
 use crate::config::{Config, OffloadDevice, Precision};
 use crate::engine::sizing::{Buffers, Sizing, STATE_BYTES_PER_ELEM};
 use crate::engine::{Layout, Tier};
+use crate::model::exec_units::DeviceMemoryPlan;
 use crate::model::Model;
 use crate::units::format_bytes;
 
@@ -155,6 +156,9 @@ pub struct Plan {
     /// The activation policy's line (`Trainer::activations_line`), when
     /// the caller has a trainer.
     pub activations: Option<String>,
+    /// The compute device's memory, when the units compute on one
+    /// ([`crate::model::exec_units::UnitCompute::memory_plan`]).
+    pub device_memory: Option<DeviceMemoryPlan>,
 }
 
 impl Plan {
@@ -297,6 +301,7 @@ impl Plan {
             },
             device,
             activations: None,
+            device_memory: None,
         }
     }
 
@@ -403,6 +408,16 @@ impl fmt::Display for Plan {
             &buffers_label("optimizer swap buffers", self.optimizer_buffers),
             &opt_bufs,
         );
+        if let Some(d) = &self.device_memory {
+            for r in &d.rows {
+                let t = TierBytes {
+                    device_bytes: r.device_bytes,
+                    pinned_bytes: r.pinned_bytes,
+                    ..TierBytes::default()
+                };
+                row(&mut s, &r.what, &t);
+            }
+        }
         let budget = match self.pinned_budget_bytes {
             Some(b) => format!("of a budget of {}", format_bytes(b)),
             None => "(no tierzero.pinned_budget_bytes set)".to_owned(),
@@ -413,6 +428,18 @@ impl fmt::Display for Plan {
             format_bytes(self.pinned_total_bytes()),
             format_bytes(self.nvme_total_bytes())
         );
+        if let Some(d) = &self.device_memory {
+            let device: u64 = d.rows.iter().map(|r| r.device_bytes).sum();
+            let pinned: u64 = d.rows.iter().map(|r| r.pinned_bytes).sum();
+            let _ = writeln!(
+                s,
+                "  device total {} of a {} device budget (optimizer state and the optimizer's \
+                 grads in host memory); the uploads' pinned staging {} beside the pinned total",
+                format_bytes(device),
+                format_bytes(d.budget_bytes),
+                format_bytes(pinned)
+            );
+        }
         if self.nvme_step != (0, 0) {
             let _ = writeln!(
                 s,

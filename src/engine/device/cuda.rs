@@ -12,14 +12,14 @@
 //! unit whose temporaries do not fit fails with the device's
 //! `OutOfBudget`, which gives the numbers.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use tierzero_gpu::device::{Device, DeviceBuffer};
-use tierzero_gpu::link::{PendingUpload, Uploads};
+use tierzero_gpu::link::{EventClock, PendingUpload, TimedSpan, Uploads};
 use tierzero_gpu::unit::{CudaExec, GemmDtype};
 
-use super::DeviceLink;
-use crate::model::exec_units::gpu_err;
+use super::{DeviceLink, LinkMemory, Staging};
+use crate::model::exec_units::{gpu_err, DeviceQueue, DeviceSpan};
 use crate::model::ModelError;
 
 /// Pinned staging memory for the uploads: a few units' worth is enough
@@ -32,19 +32,25 @@ pub struct CudaLink {
     uploads: Uploads,
     gemm: GemmDtype,
     budget_bytes: u64,
+    startup_bytes: u64,
+    /// Units' compute between two events on the compute stream.
+    compute_spans: Mutex<Vec<TimedSpan>>,
 }
 
 impl CudaLink {
     /// The link to `dev`; the tier's params may hold half of what its
     /// budget has left.
-    pub fn new(dev: Arc<Device>, gemm: GemmDtype) -> Self {
+    pub fn new(dev: Arc<Device>, gemm: GemmDtype) -> Result<Self, ModelError> {
         let b = dev.budget();
-        let budget_bytes = b.budget_bytes().saturating_sub(b.used_bytes()) / 2;
-        CudaLink {
-            uploads: Uploads::new(dev, STAGING_CAP_BYTES),
+        let startup_bytes = b.used_bytes();
+        let budget_bytes = b.budget_bytes().saturating_sub(startup_bytes) / 2;
+        Ok(CudaLink {
+            uploads: Uploads::new(dev, STAGING_CAP_BYTES).map_err(gpu_err)?,
             gemm,
             budget_bytes,
-        }
+            startup_bytes,
+            compute_spans: Mutex::new(Vec::new()),
+        })
     }
 
     /// The device.
@@ -94,5 +100,54 @@ impl DeviceLink for CudaLink {
 
     fn free(&self, buf: DeviceBuffer<f32>) {
         drop(buf);
+    }
+
+    fn memory(&self) -> LinkMemory {
+        let whole = self.uploads.device().budget().budget_bytes();
+        LinkMemory {
+            device_budget_bytes: whole,
+            startup_bytes: self.startup_bytes,
+            temporaries_bytes: Some(
+                whole
+                    .saturating_sub(self.startup_bytes)
+                    .saturating_sub(self.budget_bytes),
+            ),
+            staging: Staging::CapBytes(self.uploads.cap_bytes()),
+        }
+    }
+
+    fn timed<T>(&self, name: impl FnOnce() -> String, f: impl FnOnce() -> T) -> T {
+        let stream = &self.uploads.device().compute;
+        // Timing is for the timeline: a failed record only loses the span.
+        let began = EventClock::mark(stream).ok();
+        let out = f();
+        if let Some(span) = began.and_then(|b| EventClock::span(stream, name(), b).ok()) {
+            self.compute_spans
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(span);
+        }
+        out
+    }
+
+    fn take_spans(&self) -> Vec<DeviceSpan> {
+        let clock = self.uploads.clock();
+        let mut pending = self.compute_spans.lock().unwrap_or_else(|p| p.into_inner());
+        let compute = clock.resolve(&mut pending);
+        drop(pending);
+        let copies = self.uploads.take_spans();
+        let mut out = Vec::new();
+        for (queue, got) in [(DeviceQueue::Compute, compute), (DeviceQueue::H2d, copies)] {
+            match got {
+                Ok(spans) => out.extend(spans.into_iter().map(|(name, start, end)| DeviceSpan {
+                    queue,
+                    name,
+                    start,
+                    end,
+                })),
+                Err(e) => tracing::warn!(error = %e, "could not read the device's timing events"),
+            }
+        }
+        out
     }
 }

@@ -63,6 +63,24 @@
 //! before it is taken (the tier dropped mid-step, a trace that was wrong)
 //! is first completed, then its destination is freed.
 //!
+//! # What it shows
+//!
+//! * **The plan's device rows** ([`TieredUnits`]'s `memory_plan`): the
+//!   bound on its params ([`TieredUnits::params_bound_bytes`]: the
+//!   largest unit in use, plus what may upload ahead, plus the cache,
+//!   within the link's budget), the pinned staging bound
+//!   ([`Staging::bound_bytes`]), and on a GPU the share left for a unit's
+//!   activations and temporaries and what start-up took (kernels,
+//!   cuBLAS). The optimizer state and its gradients stay in host memory,
+//!   in the plan's other rows.
+//! * **Spans of the device's queues** ([`DeviceLink::timed`],
+//!   [`DeviceLink::take_spans`]): each unit's compute and each param's
+//!   copy, on the host's clock. On a GPU they come from CUDA events on the
+//!   compute and h2d streams ([`tierzero_gpu::link::EventClock`]), so they
+//!   are the device's busy time, not the host's launches. The step takes
+//!   them for its `device_busy_s` and `h2d_busy_s` metrics and for the
+//!   timeline's `device: compute` and `device: h2d` lanes.
+//!
 //! # Bit-identical
 //!
 //! A unit computes the same operations on the same values whether its
@@ -75,6 +93,7 @@ mod tier;
 
 pub use tier::{Residency, TierEvent, TierLimits, TierPeaks, TieredUnits};
 
+use crate::model::exec_units::DeviceSpan;
 use crate::model::ModelError;
 
 /// What the device tier needs of a device.
@@ -103,4 +122,48 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
     fn finish(&self, upload: Self::Upload) -> Result<Self::Buf, ModelError>;
     /// Frees a buffer.
     fn free(&self, buf: Self::Buf);
+    /// The device's memory, for the plan.
+    fn memory(&self) -> LinkMemory;
+    /// Runs `f`, a unit's compute, as a span of the compute queue: on a
+    /// GPU, between two events on the compute stream (so the span is the
+    /// kernels', not the host's launches); on the simulated device, on the
+    /// host's clock.
+    fn timed<T>(&self, name: impl FnOnce() -> String, f: impl FnOnce() -> T) -> T;
+    /// The compute and copy spans that completed since the last call.
+    fn take_spans(&self) -> Vec<DeviceSpan>;
+}
+
+/// A link's memory, for the start-up plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinkMemory {
+    /// The whole device budget.
+    pub device_budget_bytes: u64,
+    /// What start-up took of it (kernels, cuBLAS's workspaces).
+    pub startup_bytes: u64,
+    /// What is left for a unit's activations, gradients and temporaries
+    /// (None: they are in host memory, as on the simulated device).
+    pub temporaries_bytes: Option<u64>,
+    /// The pinned staging buffers of the uploads.
+    pub staging: Staging,
+}
+
+/// How a link's pinned staging memory is bounded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Staging {
+    /// A fixed count of buffers, each as long as the longest upload.
+    Slots(usize),
+    /// A pool under a byte cap (a single longer upload still gets its own
+    /// buffer).
+    CapBytes(u64),
+}
+
+impl Staging {
+    /// The most pinned bytes it holds when the longest upload is
+    /// `largest_bytes`.
+    pub fn bound_bytes(self, largest_bytes: u64) -> u64 {
+        match self {
+            Staging::Slots(n) => n as u64 * largest_bytes,
+            Staging::CapBytes(cap) => cap.max(largest_bytes),
+        }
+    }
 }

@@ -8,7 +8,10 @@
 //!   is free) and the copy thread gives it back after the copy. The copy
 //!   checks that the buffer still holds what the upload put in it, so a
 //!   buffer refilled mid-copy is counted ([`SimProbe::violations`]).
-//! * **Copies** run on one thread, in order, each after `copy_delay`.
+//! * **Copies** run on one thread, in order, each taking `copy_delay`
+//!   plus its bytes at `h2d_bytes_per_s` (a PCIe link, say), and each is
+//!   a span of the `H2d` queue.
+//! * **Compute** spans are the host's time in a unit's compute.
 //! * **Events** complete when the copy does. [`DeviceLink::finish`] waits
 //!   for them on the host.
 //! * **Compute** is the CUDA kernels' scalar references
@@ -19,12 +22,13 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use tierzero_gpu::unit::{GemmDtype, HostExec};
 
-use super::DeviceLink;
+use super::{DeviceLink, LinkMemory, Staging};
+use crate::model::exec_units::{DeviceQueue, DeviceSpan};
 use crate::model::ModelError;
 
 /// How the simulated device behaves.
@@ -32,8 +36,10 @@ use crate::model::ModelError;
 pub struct SimConfig {
     /// Device memory the tier's params may hold.
     pub budget_bytes: u64,
-    /// How long each copy takes.
+    /// How long each copy takes, besides its bytes.
     pub copy_delay: Duration,
+    /// The copies' bandwidth (None: only `copy_delay`).
+    pub h2d_bytes_per_s: Option<f64>,
     /// Staging buffers (at least 1).
     pub staging_slots: usize,
     /// The GEMMs' operand dtype.
@@ -52,6 +58,7 @@ struct Event {
 
 /// One copy for the copy thread.
 struct Job {
+    what: String,
     slab: Vec<f32>,
     sum: u64,
     event: Arc<Event>,
@@ -69,6 +76,16 @@ struct Shared {
     peak_in_flight: AtomicU64,
     copies: AtomicU64,
     uploads: AtomicU64,
+    spans: Mutex<Vec<DeviceSpan>>,
+}
+
+impl Shared {
+    fn push_span(&self, span: DeviceSpan) {
+        self.spans
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(span);
+    }
 }
 
 /// The simulated device's counters (see [`SimDevice::probe`]).
@@ -151,13 +168,34 @@ fn fingerprint(v: &[f32]) -> u64 {
     })
 }
 
-fn copy_thread(rx: Receiver<Job>, shared: Arc<Shared>, delay: Duration) {
+/// How long the copy of `bytes` takes.
+fn copy_time(cfg: &SimConfig, bytes: u64) -> Duration {
+    let rate = cfg
+        .h2d_bytes_per_s
+        .filter(|r| r.is_finite() && *r > 0.0)
+        .map_or(Duration::ZERO, |r| {
+            Duration::from_secs_f64(bytes as f64 / r)
+        });
+    cfg.copy_delay + rate
+}
+
+fn copy_thread(rx: Receiver<Job>, shared: Arc<Shared>, cfg: SimConfig) {
     for job in rx {
-        std::thread::sleep(delay);
+        let start = Instant::now();
+        std::thread::sleep(copy_time(
+            &cfg,
+            std::mem::size_of_val(job.slab.as_slice()) as u64,
+        ));
         if fingerprint(&job.slab) != job.sum {
             shared.violations.fetch_add(1, Ordering::Relaxed);
         }
         let dst = job.slab.clone();
+        shared.push_span(DeviceSpan {
+            queue: DeviceQueue::H2d,
+            name: job.what,
+            start,
+            end: Instant::now(),
+        });
         *job.event.done.lock().unwrap_or_else(|p| p.into_inner()) = Some(dst);
         job.event.cv.notify_all();
         shared.in_flight.fetch_sub(1, Ordering::Relaxed);
@@ -181,10 +219,10 @@ impl SimDevice {
         });
         let (tx, rx) = crossbeam_channel::unbounded();
         let s = shared.clone();
-        let delay = cfg.copy_delay;
+        let c = cfg.clone();
         let thread = std::thread::Builder::new()
             .name("tierzero-sim-copy".into())
-            .spawn(move || copy_thread(rx, s, delay))
+            .spawn(move || copy_thread(rx, s, c))
             .map_err(|e| ModelError::Gpu {
                 what: format!("the simulated device's copy thread did not start: {e}"),
             })?;
@@ -238,11 +276,16 @@ impl DeviceLink for SimDevice {
     }
 
     fn describe(&self) -> String {
+        let delay = self.cfg.copy_delay;
+        let copies = match self.cfg.h2d_bytes_per_s.filter(|r| *r > 0.0) {
+            Some(r) if delay.is_zero() => format!("copies at {} GB/s", r / 1e9),
+            Some(r) => format!("copies of {delay:?} plus their bytes at {} GB/s", r / 1e9),
+            None => format!("copies of {delay:?}"),
+        };
         format!(
-            "simulated device ({} budget, copies of {:?}, {} staging buffers; the kernels' \
-             scalar references), {:?} GEMMs",
+            "simulated device ({} budget, {copies}, {} staging buffers; the kernels' scalar \
+             references), {:?} GEMMs",
             crate::units::format_bytes(self.cfg.budget_bytes),
-            self.cfg.copy_delay,
             self.cfg.staging_slots,
             self.cfg.gemm
         )
@@ -286,6 +329,7 @@ impl DeviceLink for SimDevice {
             .as_ref()
             .map(|tx| {
                 tx.send(Job {
+                    what: what.to_owned(),
                     slab,
                     sum,
                     event: event.clone(),
@@ -320,6 +364,31 @@ impl DeviceLink for SimDevice {
     fn free(&self, buf: Vec<f32>) {
         let bytes = std::mem::size_of_val(buf.as_slice()) as u64;
         self.shared.used_bytes.fetch_sub(bytes, Ordering::Relaxed);
+    }
+
+    fn memory(&self) -> LinkMemory {
+        LinkMemory {
+            device_budget_bytes: self.cfg.budget_bytes,
+            startup_bytes: 0,
+            temporaries_bytes: None,
+            staging: Staging::Slots(self.cfg.staging_slots),
+        }
+    }
+
+    fn timed<T>(&self, name: impl FnOnce() -> String, f: impl FnOnce() -> T) -> T {
+        let start = Instant::now();
+        let out = f();
+        self.shared.push_span(DeviceSpan {
+            queue: DeviceQueue::Compute,
+            name: name(),
+            start,
+            end: Instant::now(),
+        });
+        out
+    }
+
+    fn take_spans(&self) -> Vec<DeviceSpan> {
+        std::mem::take(&mut *self.shared.spans.lock().unwrap_or_else(|p| p.into_inner()))
     }
 }
 

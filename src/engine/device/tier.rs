@@ -8,7 +8,9 @@ use std::time::Instant;
 use candle_core::Tensor;
 
 use super::DeviceLink;
-use crate::model::exec_units::{self, DeviceTraffic, UnitCompute};
+use crate::model::exec_units::{
+    self, DeviceMemoryPlan, DeviceMemoryRow, DeviceSpan, DeviceTraffic, UnitCompute,
+};
 use crate::model::{
     Model, ModelError, ParamId, UnitGrads, UnitId, UnitInput, UnitOutput, Upstream,
 };
@@ -228,6 +230,16 @@ impl<L: DeviceLink> std::fmt::Debug for TieredUnits<L> {
     }
 }
 
+/// The elements of the model's largest param.
+fn largest_param_numel(model: &Model) -> u64 {
+    model
+        .params()
+        .iter()
+        .map(|p| p.numel as u64)
+        .max()
+        .unwrap_or(0)
+}
+
 fn numel_of(t: &Tensor) -> u64 {
     t.elem_count() as u64
 }
@@ -259,6 +271,35 @@ impl<L: DeviceLink> TieredUnits<L> {
     /// The highest the tier went.
     pub fn peaks(&self) -> TierPeaks {
         self.lock().peaks
+    }
+
+    /// The most device bytes the tier's params hold on `model`: the
+    /// largest unit's params in use, plus what may upload ahead (the
+    /// window, or the one larger param it always lets through), plus the
+    /// cache, and never more than the whole model or the link's budget
+    /// for them. The plan
+    /// prints it; `tests/device_tier.rs` checks the peaks against it.
+    pub fn params_bound_bytes(&self, model: &Model) -> u64 {
+        let numel = |ids: &[ParamId]| -> u64 {
+            ids.iter()
+                .filter_map(|p| model.params().get(p.0))
+                .map(|p| p.numel as u64)
+                .sum()
+        };
+        let largest_unit = model
+            .units()
+            .iter()
+            .map(|u| numel(&u.params))
+            .max()
+            .unwrap_or(0);
+        let largest_param = largest_param_numel(model);
+        let ahead = self.limits.prefetch_numel.max(largest_param);
+        let all: u64 = model.params().iter().map(|p| p.numel as u64).sum();
+        let bound = largest_unit
+            .saturating_add(ahead)
+            .saturating_mul(ELEM_BYTES)
+            .saturating_add(self.limits.cache_bytes);
+        bound.min(all * ELEM_BYTES).min(self.link.budget_bytes())
     }
 
     /// Params on the device now, by state name.
@@ -447,7 +488,10 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
     ) -> Result<UnitOutput, ModelError> {
         let (ids, bufs) = self.take(model, unit, params)?;
         let e = self.link.exec();
-        let out = exec_units::forward_with(&e, model, unit, params, &bufs, input);
+        let out = self.link.timed(
+            || format!("forward unit {}", unit.0),
+            || exec_units::forward_with(&e, model, unit, params, &bufs, input),
+        );
         self.give_back(&ids, bufs)?;
         let out = out?;
         let down = match &out {
@@ -467,7 +511,10 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
     ) -> Result<UnitGrads, ModelError> {
         let (ids, bufs) = self.take(model, unit, params)?;
         let e = self.link.exec();
-        let out = exec_units::backward_with(&e, model, unit, params, &bufs, input, upstream);
+        let out = self.link.timed(
+            || format!("backward unit {}", unit.0),
+            || exec_units::backward_with(&e, model, unit, params, &bufs, input, upstream),
+        );
         self.give_back(&ids, bufs)?;
         let out = out?;
         let down = out.params.iter().map(|(_, g)| numel_of(g)).sum::<u64>()
@@ -517,6 +564,45 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
 
     fn take_traffic(&self) -> Option<DeviceTraffic> {
         Some(std::mem::take(&mut self.lock().traffic))
+    }
+
+    fn take_device_spans(&self) -> Vec<DeviceSpan> {
+        self.link.take_spans()
+    }
+
+    fn memory_plan(&self, model: &Model) -> Option<DeviceMemoryPlan> {
+        let mem = self.link.memory();
+        let largest_param = largest_param_numel(model);
+        let mut rows = vec![
+            DeviceMemoryRow {
+                what: "params on the device (at most)".into(),
+                device_bytes: self.params_bound_bytes(model),
+                pinned_bytes: 0,
+            },
+            DeviceMemoryRow {
+                what: "upload staging buffers".into(),
+                device_bytes: 0,
+                pinned_bytes: mem.staging.bound_bytes(largest_param * ELEM_BYTES),
+            },
+        ];
+        if let Some(t) = mem.temporaries_bytes {
+            rows.push(DeviceMemoryRow {
+                what: "activations, grads, temporaries".into(),
+                device_bytes: t,
+                pinned_bytes: 0,
+            });
+        }
+        if mem.startup_bytes > 0 {
+            rows.push(DeviceMemoryRow {
+                what: "kernels and cuBLAS workspaces".into(),
+                device_bytes: mem.startup_bytes,
+                pinned_bytes: 0,
+            });
+        }
+        Some(DeviceMemoryPlan {
+            budget_bytes: mem.device_budget_bytes,
+            rows,
+        })
     }
 }
 

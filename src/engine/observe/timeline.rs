@@ -21,6 +21,8 @@
 //! | `disk: params` | the param engine's busy time (fetch reads, write-backs of new params) |
 //! | `disk: state reads` | the optimizer's read engine (master, m, v; spilled gradients) |
 //! | `disk: state writes` | the optimizer's write engine (state write-backs, gradient spills) |
+//! | `device: compute` | a unit's kernels on the device's compute stream (CUDA events; the simulated device's compute) |
+//! | `device: h2d` | a param's copy on the host-to-device stream (CUDA events; the simulated device's copy thread) |
 //!
 //! Only a window of steps is kept ([`Timeline::new`]: by default the three
 //! after the first, whose trace recording and cold caches make it
@@ -35,6 +37,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use serde_json::json;
+
+use crate::model::exec_units::{DeviceQueue, DeviceSpan};
 
 /// Which actor a span belongs to (a lane of the trace).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,10 +61,14 @@ pub enum Lane {
     DiskStateReads,
     /// The optimizer write engine's busy periods.
     DiskStateWrites,
+    /// Units on the device's compute queue.
+    DeviceCompute,
+    /// Copies on the device's host-to-device queue.
+    DeviceH2d,
 }
 
 impl Lane {
-    const ALL: [Lane; 9] = [
+    const ALL: [Lane; 11] = [
         Lane::Step,
         Lane::Compute,
         Lane::Params,
@@ -70,6 +78,8 @@ impl Lane {
         Lane::DiskParams,
         Lane::DiskStateReads,
         Lane::DiskStateWrites,
+        Lane::DeviceCompute,
+        Lane::DeviceH2d,
     ];
 
     fn name(self) -> &'static str {
@@ -83,6 +93,8 @@ impl Lane {
             Lane::DiskParams => "disk: params",
             Lane::DiskStateReads => "disk: state reads",
             Lane::DiskStateWrites => "disk: state writes",
+            Lane::DeviceCompute => "device: compute",
+            Lane::DeviceH2d => "device: h2d",
         }
     }
 
@@ -97,6 +109,8 @@ impl Lane {
             Lane::DiskParams => 7,
             Lane::DiskStateReads => 8,
             Lane::DiskStateWrites => 9,
+            Lane::DeviceCompute => 10,
+            Lane::DeviceH2d => 11,
         }
     }
 }
@@ -195,6 +209,25 @@ impl Timeline {
         }));
     }
 
+    /// Adds a device's spans (from
+    /// [`crate::model::exec_units::UnitCompute::take_device_spans`]) to
+    /// its lanes.
+    pub fn device(&self, spans: &[DeviceSpan]) {
+        if !self.is_recording() {
+            return;
+        }
+        let mut g = self.spans.lock().unwrap_or_else(|e| e.into_inner());
+        g.extend(spans.iter().map(|s| Span {
+            lane: match s.queue {
+                DeviceQueue::Compute => Lane::DeviceCompute,
+                DeviceQueue::H2d => Lane::DeviceH2d,
+            },
+            name: s.name.clone(),
+            start: s.start,
+            end: s.end,
+        }));
+    }
+
     /// Number of spans kept in `lane`.
     #[cfg(test)]
     fn count(&self, lane: Lane) -> usize {
@@ -287,7 +320,9 @@ mod tests {
                 "disk",
                 "disk: params",
                 "disk: state reads",
-                "disk: state writes"
+                "disk: state writes",
+                "device: compute",
+                "device: h2d"
             ]
         );
         let xs: Vec<&serde_json::Value> = ev.iter().filter(|e| e["ph"] == "X").collect();

@@ -86,6 +86,7 @@ struct StepOutcome {
 }
 
 use super::groups::{GroupEvent, GroupStep, StepGroups};
+use crate::model::exec_units::{busy_s, DeviceQueue};
 
 impl Trainer {
     /// Runs one optimizer step (all micro-batches). After an error the
@@ -577,6 +578,17 @@ impl Trainer {
             .as_ref()
             .and_then(|c| c.take_traffic())
             .unwrap_or_default();
+        let spans = self
+            .opts
+            .compute
+            .as_ref()
+            .map(|c| c.take_device_spans())
+            .unwrap_or_default();
+        if let Some(tl) = &self.opts.timeline {
+            if tl.keeps(plan.step) {
+                tl.device(&spans);
+            }
+        }
         StepMetrics {
             step: self.steps_done,
             loss: out.loss,
@@ -607,6 +619,8 @@ impl Trainer {
             h2d_bytes: device.h2d_bytes,
             d2h_bytes: device.d2h_bytes,
             h2d_wait_s: device.h2d_wait_s,
+            device_busy_s: busy_s(&spans, DeviceQueue::Compute),
+            h2d_busy_s: busy_s(&spans, DeviceQueue::H2d),
         }
     }
 
