@@ -35,6 +35,8 @@
 #      cpu offload, and with a 1 GiB device cache, each bit-identical
 #      (losses, weight_sha256) to step 6's GPU run with NVMe offload; the
 #      runs' h2d/d2h bytes and upload waits;
+#   6g. bf16: the embedded GPT-2 20 steps in bf16 on the GPU against the
+#      CPU in bf16, losses within 1e-2 relative;
 #   7. the overlap ratio (docs/decisions/overlap.md) on this machine's cores and disk (a
 #      measurement, never a failure): `examples/overlap` (built with the
 #      binary in step 1; skipped with TIERZERO_BIN unless OVERLAP_BIN
@@ -279,6 +281,34 @@ for model in gpt2 llama; do
   done
 done
 
+# 6g. bf16 (bf16.enabled in the default ZeRO-3 NVMe config): the embedded
+# GPT-2 20 steps with --device cuda (bf16 params, bf16 GEMM operands, fp32
+# elsewhere) against --device cpu in bf16: every step's loss within 1e-2
+# relative (the CPU units round linear outputs to bf16 too; on the
+# simulated device the two agree within 1e-3).
+"$PYCFG" - "$WORK/ds-bf16.json" <<'PY' 2>"$WORK/ds-bf16.err"
+import json, sys
+c = json.load(open("src/config/default.json"))
+c["bf16"] = {"enabled": True}
+json.dump(c, open(sys.argv[1], "w"))
+PY
+for run in cpu cuda; do
+  dev=cpu; [ "$run" = cuda ] && dev=cuda:0
+  d="$WORK/bf16-$run"; mkdir -p "$d"
+  t0=$SECONDS
+  (cd "$d" && LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
+    timeout "$(cap 150)" "$BIN" train --device "$dev" --config "$WORK/ds-bf16.json" --steps 20 --seq-len 128 \
+    --metrics metrics.jsonl --json >out.json 2>err.txt); echo $? >"$d/rc"
+  echo $(( SECONDS - t0 )) >"$d/secs"
+  grep -o '"loss":[0-9.eE+-]*' "$d/metrics.jsonl" 2>/dev/null | cut -d: -f2 >"$d/losses"
+done
+bf16_worst=$(paste "$WORK/bf16-cpu/losses" "$WORK/bf16-cuda/losses" | awk '
+  NF == 2 { d = ($2 - $1) / $1; if (d < 0) d = -d; if (d > w) w = d; n++ }
+  END { if (n >= 20) printf "%.3e", w; else print "null" }')
+bf16_ok=false
+if [ "$bf16_worst" != null ] && awk -v w="$bf16_worst" 'BEGIN { exit !(w <= 1e-2) }'; then bf16_ok=true; fi
+[ "$bf16_ok" = true ] || failed=1
+
 # 6b. The Python package over CUDA params (python/tests/test_adamw_cuda.py:
 # gradients down and new params up through pinned buffers on a side
 # stream, bit for bit against CPU params), with the machine's PyTorch. The
@@ -461,6 +491,10 @@ fi
     sep=","
   done; done
   printf '}},'
+  printf '"bf16":{"ok":%s,"max_rel_loss_diff_cpu_vs_cuda":%s,"cuda":{"rc":%s,"secs":%s,"result":%s,"stderr":%s},"cpu":{"rc":%s,"result":%s}},' \
+    "$bf16_ok" "$bf16_worst" "$(cat "$WORK/bf16-cuda/rc" 2>/dev/null || echo null)" "$(cat "$WORK/bf16-cuda/secs" 2>/dev/null || echo null)" \
+    "$(json_obj "$WORK/bf16-cuda/out.json")" "$(json_str "$WORK/bf16-cuda/err.txt")" \
+    "$(cat "$WORK/bf16-cpu/rc" 2>/dev/null || echo null)" "$(json_obj "$WORK/bf16-cpu/out.json")"
   printf '"kernels":{"bin":"%s","cuda_libs":"%s","rc":%s,"result":%s,"log":%s},' \
     "$KC_BIN" "$nv_libs" "$kc_rc" "$kc_result" "$(json_str "$kc_log")"
   printf '"throughput":{"tierzero":{"rc":%s,"result":%s,"log":%s},"torch_eager":{"rc":%s,"result":%s,"log":%s},"ratio":%s},' \

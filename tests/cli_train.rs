@@ -800,4 +800,39 @@ fn device_sim_refuses_what_it_cannot_use() {
         &with(&TINY, &[("--device", "simulated")]),
         &["--device simulated", "or sim"],
     );
+    let mut cfg = ds_config(&d);
+    cfg["fp16"] = json!({"enabled": true});
+    write_config(&d, cfg);
+    assert_bad(
+        &d,
+        &with(&TINY, &[("--device", "sim")]),
+        &["--device sim", "fp16.enabled to false"],
+    );
+}
+
+/// `--device sim` with `bf16.enabled`: bf16 GEMMs on bf16 params, and a
+/// loss within 1e-3 of the CPU's bf16 run.
+#[test]
+fn device_sim_trains_bf16() {
+    let d = tiny_setup("sim-bf16");
+    let mut cfg = ds_config(&d);
+    cfg["bf16"] = json!({"enabled": true});
+    write_config(&d, cfg);
+    let mut loss = Vec::new();
+    for dev in ["sim", "cpu"] {
+        let args = with(&TINY, &[("--device", dev)]);
+        let out = train(&d, &[&args[..], &["--json"]].concat());
+        assert_eq!(
+            out.code, 0,
+            "{dev}: stdout {} stderr {}",
+            out.stdout, out.stderr
+        );
+        if dev == "sim" {
+            assert!(out.stderr.contains("Bf16 GEMMs"), "{}", out.stderr);
+        }
+        let v: Value = serde_json::from_str(out.stdout.trim()).unwrap();
+        loss.push(v["final_loss"].as_f64().unwrap_or_else(|| panic!("{v}")));
+    }
+    let rel = ((loss[0] - loss[1]) / loss[1]).abs();
+    assert!(rel < 1e-3, "sim {} vs cpu {}", loss[0], loss[1]);
 }

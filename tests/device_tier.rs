@@ -420,3 +420,35 @@ fn copies_overlap_compute_on_the_device_queues() {
         .unwrap();
     assert_eq!(staging.pinned_bytes, 64 * 8192 * 4, "{plan:?}");
 }
+
+/// bf16 params through the tier: the same bits as the in-memory units
+/// with bf16 params (both widen them to fp32 at the unit, round the
+/// outputs back once), with and without the cache.
+#[test]
+fn bf16_params_through_the_device_tier_are_bit_identical_too() {
+    let model = tiny_llama_dir("tier-bf16");
+    let k = Knobs {
+        precision: "bf16",
+        clip: 0.5,
+        ..Knobs::nvme()
+    };
+    let mut opts = TrainerOptions::cpu(3, 16);
+    opts.compute = Some(Arc::new(ReferenceUnits {
+        gemm: GemmDtype::Bf16,
+    }));
+    let want = run(&model, &k, opts, 3);
+    for cache_bytes in [0, 1 << 30] {
+        let limits = TierLimits {
+            cache_bytes,
+            ..wide_open()
+        };
+        let cfg = SimConfig {
+            gemm: GemmDtype::Bf16,
+            ..sim(64 << 20, 0, 4)
+        };
+        let (got, _, probe) = tiered(&model, &k, cfg, limits, 3);
+        assert_eq!(got.loss_bits, want.loss_bits, "cache {cache_bytes}");
+        assert_eq!(got.sha, want.sha, "cache {cache_bytes}");
+        assert_all_back(&probe, "bf16");
+    }
+}

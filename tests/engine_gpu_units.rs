@@ -66,3 +66,51 @@ fn the_cuda_units_reference_trains_as_candle_through_the_engine() {
         );
     }
 }
+
+/// bf16 params (`bf16.enabled`): the units take them widened, compute
+/// with bf16 GEMM operands and fp32 elsewhere, and hand back bf16 hidden
+/// states and gradients. Within 1e-3 of candle's bf16 units (which also round
+/// linear outputs and attention probabilities), learning, and not the
+/// fp32 run.
+#[test]
+fn bf16_params_train_on_the_units_close_to_candle_bf16() {
+    let gpt2 = tiny_gpt2_dir("exec-bf16", 2, 32);
+    let llama = tiny_llama_dir("exec-bf16");
+    for (model, name) in [(&gpt2, "gpt2"), (&llama, "llama")] {
+        for (what, k) in [
+            (
+                "stage 0",
+                Knobs {
+                    precision: "bf16",
+                    ..Knobs::default()
+                },
+            ),
+            (
+                "stage 3 nvme, clipping, 2 micro-batches",
+                Knobs {
+                    precision: "bf16",
+                    clip: 0.5,
+                    gas: 2,
+                    ..Knobs::nvme()
+                },
+            ),
+        ] {
+            let want = losses(model, &k, None, 6);
+            let got = losses(model, &k, Some(GemmDtype::Bf16), 6);
+            let fp32 = losses(
+                model,
+                &Knobs {
+                    precision: "fp32",
+                    ..k.clone()
+                },
+                Some(GemmDtype::Bf16),
+                6,
+            );
+            let e = worst(&got, &want);
+            println!("{name}, {what}, bf16: losses {got:?}, candle bf16 {want:?}, worst {e:.2e}");
+            assert!(e < 1e-3, "{name}, {what}: {got:?} vs {want:?}");
+            assert!(got[5] < got[0], "{name}, {what}: no learning: {got:?}");
+            assert_ne!(got, fp32, "{name}, {what}: bf16 storage changed nothing");
+        }
+    }
+}

@@ -42,8 +42,8 @@
 //!   stream while the unit before it computes, and keeps them between
 //!   uses within `tierzero.device_cache_bytes`, all within
 //!   `tierzero.device_budget_bytes`. Activations and gradients cross per
-//!   unit. fp32
-//!   only (a bf16 or fp16 config is refused with the fix). Without the
+//!   unit. fp32 or bf16 (bf16 GEMM operands, bf16 params and unit
+//!   outputs; an fp16 config is refused with the fix). Without the
 //!   feature, a driver, cuBLAS or NVRTC it is refused before anything
 //!   loads (exit 2), naming the library and the fix.
 //!   `--device sim` runs the same device tier on the simulated device
@@ -218,7 +218,7 @@ pub struct TrainArgs {
     #[arg(long)]
     gradient_checkpointing: bool,
     /// cpu, or cuda / cuda:N: forward and backward run on that GPU (the
-    /// CUDA units: fp32, kernels compiled by NVRTC at start-up, cuBLAS) and
+    /// CUDA units: fp32 or bf16, kernels compiled by NVRTC at start-up, cuBLAS) and
     /// the collectives between ranks over NCCL (build with --features gpu;
     /// the NVIDIA driver, cuBLAS, NVRTC and NCCL are needed to run). Params
     /// and the optimizer stay on their configured tiers (Adam on the CPU).
@@ -934,14 +934,7 @@ fn cuda_units(
     model: &tierzero::model::Model,
 ) -> Result<std::sync::Arc<dyn tierzero::model::exec_units::UnitCompute>, Failure> {
     use tierzero_gpu::GpuError as G;
-    if cfg.precision != tierzero::config::Precision::Fp32 {
-        return Err(bad(format!(
-            "--device {d}: the CUDA units compute in fp32 (with fp32 or bf16 GEMMs) and this \
-             config enables {:?}; set bf16.enabled and fp16.enabled to false, or train on \
-             --device cpu",
-            cfg.precision
-        )));
-    }
+    let gemm = device_gemm(cfg).map_err(|e| bad(format!("--device {d}: {e}")))?;
     if let Some(why) = tierzero::model::exec_units::supports(model.config()) {
         return Err(bad(format!(
             "--device {d}: the CUDA units do not implement {why}; train on --device cpu"
@@ -975,14 +968,29 @@ fn cuda_units(
     })?;
     // The device tier: params staged a unit ahead on the copy stream,
     // kept between uses within `tierzero.device_cache_bytes`.
-    let link = tierzero::engine::device::cuda::CudaLink::new(
-        std::sync::Arc::new(dev),
-        tierzero_gpu::unit::GemmDtype::F32,
-    )
-    .map_err(|e| Failure::Internal(anyhow!("--device {d}: {e}")))?;
+    let link = tierzero::engine::device::cuda::CudaLink::new(std::sync::Arc::new(dev), gemm)
+        .map_err(|e| Failure::Internal(anyhow!("--device {d}: {e}")))?;
     Ok(std::sync::Arc::new(
         tierzero::engine::device::TieredUnits::new(link, tier_limits(cfg)),
     ))
+}
+
+/// The device units' GEMM operands for the config's precision: fp32, or
+/// bf16 under `bf16.enabled` (bf16 params and unit outputs, fp32 math
+/// elsewhere; see `model::exec_units`). fp16 is refused: its loss-scaled
+/// gradients are not on the device units yet.
+fn device_gemm(cfg: &tierzero::config::Config) -> Result<tierzero_gpu::unit::GemmDtype, String> {
+    use tierzero::config::Precision;
+    use tierzero_gpu::unit::GemmDtype;
+    match cfg.precision {
+        Precision::Fp32 => Ok(GemmDtype::F32),
+        Precision::Bf16 => Ok(GemmDtype::Bf16),
+        Precision::Fp16 { .. } => Err(
+            "the device units compute in fp32 or bf16 and this config enables fp16; set \
+             fp16.enabled to false (bf16.enabled to true for 16-bit), or train on --device cpu"
+                .into(),
+        ),
+    }
 }
 
 /// The device tier's bounds from the config.
@@ -1009,13 +1017,7 @@ fn sim_units(
     model: &tierzero::model::Model,
 ) -> Result<std::sync::Arc<dyn tierzero::model::exec_units::UnitCompute>, Failure> {
     use tierzero::engine::device::sim::{SimConfig, SimDevice};
-    if cfg.precision != tierzero::config::Precision::Fp32 {
-        return Err(bad(format!(
-            "--device sim: the device units compute in fp32 and this config enables {:?}; set \
-             bf16.enabled and fp16.enabled to false, or train on --device cpu",
-            cfg.precision
-        )));
-    }
+    let gemm = device_gemm(cfg).map_err(|e| bad(format!("--device sim: {e}")))?;
     if let Some(why) = tierzero::model::exec_units::supports(model.config()) {
         return Err(bad(format!(
             "--device sim: the device units do not implement {why}; train on --device cpu"
@@ -1041,7 +1043,7 @@ fn sim_units(
         copy_delay: std::time::Duration::ZERO,
         h2d_bytes_per_s: Some(gbps * 1e9),
         staging_slots: SIM_STAGING_SLOTS,
-        gemm: tierzero_gpu::unit::GemmDtype::F32,
+        gemm,
         fail_upload: None,
     })
     .map_err(|e| Failure::Internal(anyhow!("--device sim: {e}")))?;

@@ -18,8 +18,20 @@
 //!
 //! # What it supports
 //!
-//! fp32 params; GPT-2 with `gelu_new` (tanh), the Llama family without a
-//! sliding window; GEMMs in fp32 or with bf16 operands ([`GemmDtype`]).
+//! fp32 or bf16 params; GPT-2 with `gelu_new` (tanh), the Llama family
+//! without a sliding window; GEMMs in fp32 or with bf16 operands
+//! ([`GemmDtype`]).
+//!
+//! # bf16
+//!
+//! With bf16 params (`bf16.enabled`), a unit's params and hidden input
+//! cross to the executor widened to fp32 (exactly), it computes with bf16
+//! GEMM operands ([`GemmDtype::Bf16`]) and fp32 everywhere else, and its
+//! hidden output and gradients come back rounded to bf16 once: the
+//! storage rows of the precision policy (`super::precision`). Inside a
+//! unit it rounds less often than the CPU units (their linear outputs
+//! and attention probabilities are rounded to bf16 too), so the two are
+//! close, not bit-identical.
 //! [`supports`] says why not, for the start-up check.
 
 use candle_core::{DType, Device, Tensor};
@@ -277,21 +289,45 @@ fn host_f32(t: &Tensor) -> Result<Vec<f32>, ModelError> {
     with_host_f32(t, |v| Ok(v.to_vec()))
 }
 
-/// Runs `f` on an fp32 host tensor's elements (a contiguous one is not
-/// copied).
+/// Runs `f` on a host tensor's elements as fp32: an fp32 one in place (a
+/// contiguous one is not copied), a bf16 one widened (exactly) into a
+/// copy. The units compute in fp32 on the device, so a bf16 param or
+/// hidden state crosses as its fp32 value.
 pub(crate) fn with_host_f32<R>(
     t: &Tensor,
     f: impl FnOnce(&[f32]) -> Result<R, ModelError>,
 ) -> Result<R, ModelError> {
-    if t.dtype() != DType::F32 {
-        return Err(ModelError::Unsupported {
+    match t.dtype() {
+        DType::F32 => super::fused::with_f32(t, |v| Ok(f(v)))?,
+        DType::BF16 => {
+            let wide = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            f(&wide)
+        }
+        other => Err(ModelError::Unsupported {
             what: format!(
-                "{:?} params or activations on the CUDA units (they are fp32; train with --precision fp32)",
-                t.dtype()
+                "{other:?} params or activations on the CUDA units (they store fp32 or bf16; \
+                 set fp16.enabled to false)"
             ),
-        });
+        }),
     }
-    super::fused::with_f32(t, |v| Ok(f(v)))?
+}
+
+/// The dtype a unit's hidden output and gradients leave in: its params'
+/// (the storage dtype: bf16 under `bf16.enabled`, fp32 otherwise), as
+/// the CPU units' precision policy has them (`super::precision`). The
+/// loss is fp32 either way.
+fn storage_dtype(params: &[Tensor]) -> DType {
+    params.first().map_or(DType::F32, Tensor::dtype)
+}
+
+/// `v` as a host tensor of `shape` in `dtype` (rounded once from fp32).
+fn tensor_as(v: Vec<f32>, shape: &[usize], dtype: DType) -> Result<Tensor, ModelError> {
+    let t = tensor(v, shape)?;
+    Ok(if dtype == DType::F32 {
+        t
+    } else {
+        t.to_dtype(dtype)?
+    })
 }
 
 fn ids_of(t: &Tensor) -> Result<Vec<i32>, ModelError> {
@@ -458,10 +494,12 @@ pub(crate) fn forward_with<E: Exec>(
     let bt = batch_shape(&input)?;
     let h = c.hidden_size;
     let out_shape = [bt.0, bt.1, h];
+    let dtype = storage_dtype(params);
     let hidden_out = |buf: E::Buf| -> Result<UnitOutput, ModelError> {
-        Ok(UnitOutput::Hidden(tensor(
+        Ok(UnitOutput::Hidden(tensor_as(
             e.download(&buf).map_err(gpu_err)?,
             &out_shape,
+            dtype,
         )?))
     };
     match (kind, input, c.arch) {
@@ -636,15 +674,25 @@ pub(crate) fn backward_with<E: Exec>(
             })
         }
     };
+    let dtype = storage_dtype(params);
     let params_out = spec
         .params
         .iter()
         .zip(params)
         .zip(&grads)
-        .map(|((id, p), g)| Ok((*id, tensor(e.download(g).map_err(gpu_err)?, p.dims())?)))
+        .map(|((id, p), g)| {
+            Ok((
+                *id,
+                tensor_as(e.download(g).map_err(gpu_err)?, p.dims(), dtype)?,
+            ))
+        })
         .collect::<Result<Vec<_>, ModelError>>()?;
     let input = match input_grad {
-        Some(dx) => Some(tensor(e.download(&dx).map_err(gpu_err)?, &[bt.0, bt.1, h])?),
+        Some(dx) => Some(tensor_as(
+            e.download(&dx).map_err(gpu_err)?,
+            &[bt.0, bt.1, h],
+            dtype,
+        )?),
         None => None,
     };
     Ok(UnitGrads {
