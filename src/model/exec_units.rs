@@ -13,7 +13,8 @@
 //! host. There the engine's tiers and the CPU optimizer keep them.
 //! `crate::engine::device::TieredUnits` runs the same functions
 //! (`forward_with`, `backward_with`) on params that the device tier
-//! staged ahead or kept on the device. It is what `--device cuda` uses.
+//! staged ahead or kept on the device, and feeds them their inputs
+//! through its link ([`Feed`]). It is what `--device cuda` uses.
 //! Activations are recomputed in backward: no graphs are kept.
 //!
 //! # What it supports
@@ -169,7 +170,8 @@ pub struct DeviceMemoryRow {
 /// What a compute device's tier moved, for the step's metrics.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct DeviceTraffic {
-    /// Bytes copied host to device (params staged or loaded).
+    /// Bytes copied host to device: params staged or loaded, and the
+    /// units' inputs (hidden states, upstream gradients, rotary tables).
     pub h2d_bytes: u64,
     /// Bytes copied device to host (outputs and gradients).
     pub d2h_bytes: u64,
@@ -401,15 +403,14 @@ pub fn llama_dims(c: &ModelConfig, (batch, seq): (usize, usize)) -> LlamaDims {
 
 /// The rotary tables of `seq` positions as the kernel takes them (one
 /// half of the CPU units' `[seq, head_dim]` tables).
-fn rope_tables<E: Exec>(
-    e: &E,
+fn rope_tables<B>(
+    feed: Feed<'_, B>,
     c: &ModelConfig,
     seq: usize,
-) -> Result<RopeTables<E::Buf>, ModelError> {
+) -> Result<RopeTables<B>, ModelError> {
     let (cos, sin) = ops::rope_tables_for(c, seq, DType::F32, &Device::Cpu)?;
-    let half = |t: &Tensor| -> Result<E::Buf, ModelError> {
-        upload(
-            e,
+    let half = |t: &Tensor| -> Result<B, ModelError> {
+        feed(
             "rotary table",
             &t.narrow(1, 0, c.head_dim / 2)?.contiguous()?,
         )
@@ -476,13 +477,28 @@ fn forward<E: Exec>(
     input: UnitInput<'_>,
 ) -> Result<UnitOutput, ModelError> {
     let p = uploads(e, params)?;
-    forward_with(e, model, unit, params, &p, input)
+    forward_with(
+        e,
+        &|what, t| upload(e, what, t),
+        model,
+        unit,
+        params,
+        &p,
+        input,
+    )
 }
+
+/// Where a unit's host inputs go to the executor: its hidden input, its
+/// upstream gradient, its rotary tables. [`ReferenceUnits`] and
+/// [`CudaUnits`] upload them on the executor (`upload`); the device tier
+/// sends them through its link, asynchronously and counted.
+pub(crate) type Feed<'a, B> = &'a dyn Fn(&str, &Tensor) -> Result<B, ModelError>;
 
 /// [`UnitCompute::forward_unit`] with the unit's params already on the
 /// executor (`p`, in declared order; `params` are their host copies).
 pub(crate) fn forward_with<E: Exec>(
     e: &E,
+    feed: Feed<'_, E::Buf>,
     model: &Model,
     unit: UnitId,
     params: &[Tensor],
@@ -516,12 +532,12 @@ pub(crate) fn forward_with<E: Exec>(
             hidden_out(y)
         }
         (UnitKind::Block { .. }, UnitInput::Hidden(x), Arch::Gpt2) => {
-            let x = upload(e, "hidden", x)?;
+            let x = feed("hidden", x)?;
             hidden_out(unit::gpt2_block_forward(e, &gpt2_dims(c, bt), p, &x).map_err(gpu_err)?)
         }
         (UnitKind::Block { .. }, UnitInput::Hidden(x), Arch::Llama) => {
-            let x = upload(e, "hidden", x)?;
-            let rope = rope_tables(e, c, bt.1)?;
+            let x = feed("hidden", x)?;
+            let rope = rope_tables(feed, c, bt.1)?;
             let y =
                 unit::llama_block_forward(e, &llama_dims(c, bt), p, &x, &rope).map_err(gpu_err)?;
             hidden_out(y)
@@ -529,7 +545,7 @@ pub(crate) fn forward_with<E: Exec>(
         (UnitKind::Head, UnitInput::HiddenWithTargets { hidden, targets }, _) => {
             // The loss alone: the head's backward at scale 0 computes it
             // and its gradients are dropped.
-            let out = head(e, model, p, hidden, targets, 0.0, bt)?;
+            let out = head(e, feed, model, p, hidden, targets, 0.0, bt)?;
             Ok(UnitOutput::Loss(Tensor::new(out.loss, &Device::Cpu)?))
         }
         (kind, _, _) => Err(ModelError::BadInput {
@@ -548,8 +564,10 @@ struct HeadOut<B> {
 }
 
 /// The head's loss and, at `loss_scale`, its gradients.
+#[allow(clippy::too_many_arguments)] // the head's inputs, each its own
 fn head<E: Exec>(
     e: &E,
+    feed: Feed<'_, E::Buf>,
     model: &Model,
     p: &[E::Buf],
     hidden: &Tensor,
@@ -558,7 +576,7 @@ fn head<E: Exec>(
     bt: (usize, usize),
 ) -> Result<HeadOut<E::Buf>, ModelError> {
     let c = model.config();
-    let x = upload(e, "hidden", hidden)?;
+    let x = feed("hidden", hidden)?;
     let t = e.ids(&ids_of(targets)?, c.vocab_size).map_err(gpu_err)?;
     let mut g: Vec<E::Buf> = p
         .iter()
@@ -603,14 +621,25 @@ fn backward<E: Exec>(
     upstream: Upstream<'_>,
 ) -> Result<UnitGrads, ModelError> {
     let p = uploads(e, params)?;
-    backward_with(e, model, unit, params, &p, input, upstream)
+    backward_with(
+        e,
+        &|what, t| upload(e, what, t),
+        model,
+        unit,
+        params,
+        &p,
+        input,
+        upstream,
+    )
 }
 
 /// [`UnitCompute::backward_unit`] with the unit's params already on the
 /// executor (`p`, in declared order; `params` are their host copies, whose
 /// shapes the gradients take).
+#[allow(clippy::too_many_arguments)] // forward_with's, and the upstream
 pub(crate) fn backward_with<E: Exec>(
     e: &E,
+    feed: Feed<'_, E::Buf>,
     model: &Model,
     unit: UnitId,
     params: &[Tensor],
@@ -635,16 +664,16 @@ pub(crate) fn backward_with<E: Exec>(
             UnitInput::HiddenWithTargets { hidden, targets },
             Upstream::LossScale(s),
         ) => {
-            let out = head(e, model, p, hidden, targets, s as f32, bt)?;
+            let out = head(e, feed, model, p, hidden, targets, s as f32, bt)?;
             (out.grads, Some(out.dx), Some(out.loss))
         }
         (UnitKind::Block { .. }, UnitInput::Hidden(x), Upstream::Grad(dy)) => {
-            let (x, dy) = (upload(e, "hidden", x)?, upload(e, "upstream gradient", dy)?);
+            let (x, dy) = (feed("hidden", x)?, feed("upstream gradient", dy)?);
             let mut g = zeros(e)?;
             let dx = match c.arch {
                 Arch::Gpt2 => unit::gpt2_block_backward(e, &gpt2_dims(c, bt), p, &x, &dy, &mut g),
                 Arch::Llama => {
-                    let rope = rope_tables(e, c, bt.1)?;
+                    let rope = rope_tables(feed, c, bt.1)?;
                     unit::llama_block_backward(e, &llama_dims(c, bt), p, &x, &dy, &mut g, &rope)
                 }
             }
@@ -652,7 +681,7 @@ pub(crate) fn backward_with<E: Exec>(
             (g, Some(dx), None)
         }
         (UnitKind::Embedding, UnitInput::Tokens(ids), Upstream::Grad(dy)) => {
-            let dy = upload(e, "upstream gradient", dy)?;
+            let dy = feed("upstream gradient", dy)?;
             let ids = e.ids(&ids_of(ids)?, c.vocab_size).map_err(gpu_err)?;
             let mut g = zeros(e)?;
             match c.arch {

@@ -94,6 +94,11 @@ impl DeviceLink for CudaLink {
         self.uploads.start(what, host).map_err(gpu_err)
     }
 
+    fn upload_input(&self, what: &str, host: &[f32]) -> Result<PendingUpload, ModelError> {
+        // The device budget counts it with the other temporaries.
+        self.uploads.start(what, host).map_err(gpu_err)
+    }
+
     fn finish(&self, upload: PendingUpload) -> Result<DeviceBuffer<f32>, ModelError> {
         self.uploads.finish(upload).map_err(gpu_err)
     }

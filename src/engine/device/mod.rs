@@ -81,6 +81,16 @@
 //!   them for its `device_busy_s` and `h2d_busy_s` metrics and for the
 //!   timeline's `device: compute` and `device: h2d` lanes.
 //!
+//! # A unit's inputs
+//!
+//! A unit's hidden input, upstream gradient and rotary tables go through
+//! the link too ([`DeviceLink::upload_input`]): a pinned staging buffer,
+//! the copy queue, the compute stream waiting on the copy's event, as a
+//! param's upload does, instead of a synchronous copy from pageable
+//! memory on the compute stream. They are the unit's temporaries: the
+//! device budget's other share holds them, not the tier's, and they count
+//! in `h2d_bytes`.
+//!
 //! # Bit-identical
 //!
 //! A unit computes the same operations on the same values whether its
@@ -116,6 +126,11 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
     /// pinned staging buffer, which travels with it: this may wait for a
     /// staging buffer to come back.
     fn upload(&self, what: &str, host: &[f32]) -> Result<Self::Upload, ModelError>;
+    /// [`DeviceLink::upload`] of a unit's input (a hidden state, an
+    /// upstream gradient, a rotary table): a temporary of the unit, in the
+    /// device's share for temporaries, not in the tier's budget. The
+    /// executor drops it with the unit's other temporaries.
+    fn upload_input(&self, what: &str, host: &[f32]) -> Result<Self::Upload, ModelError>;
     /// The uploaded buffer, ordered after its copy for the compute that
     /// follows: a CUDA compute stream waits on the copy's event, and the
     /// host does not; the simulated device waits on the host.

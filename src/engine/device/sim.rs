@@ -1,6 +1,8 @@
 //! The simulated device: the device tier's logic run without a GPU.
 //!
-//! * **Memory** is host memory with its own byte budget. An upload that
+//! * **Memory** is host memory with its own byte budget for the tier's
+//!   params (a unit's inputs, `upload_input`, are its temporaries and not
+//!   counted, as a GPU's other share holds them). An upload that
 //!   would pass the budget is refused with the numbers, so a tier that
 //!   overshoots fails; [`SimProbe::peak_bytes`] says how close it came.
 //! * **Staging buffers**: `staging_slots` of them, like the pinned
@@ -262,41 +264,15 @@ impl SimDevice {
                 .unwrap_or_else(|p| p.into_inner());
         }
     }
-}
 
-impl DeviceLink for SimDevice {
-    type Buf = Vec<f32>;
-    type Exec<'a> = HostExec;
-    type Upload = SimUpload;
-
-    fn exec(&self) -> HostExec {
-        HostExec {
-            gemm: self.cfg.gemm,
-        }
-    }
-
-    fn describe(&self) -> String {
-        let delay = self.cfg.copy_delay;
-        let copies = match self.cfg.h2d_bytes_per_s.filter(|r| *r > 0.0) {
-            Some(r) if delay.is_zero() => format!("copies at {} GB/s", r / 1e9),
-            Some(r) => format!("copies of {delay:?} plus their bytes at {} GB/s", r / 1e9),
-            None => format!("copies of {delay:?}"),
+    /// Queues a copy of `host`; `counted`: into the budget (a param's),
+    /// or a unit's temporary (an input), which the budget does not count.
+    fn send(&self, what: &str, host: &[f32], counted: bool) -> Result<SimUpload, ModelError> {
+        let bytes = if counted {
+            std::mem::size_of_val(host) as u64
+        } else {
+            0
         };
-        format!(
-            "simulated device ({} budget, {copies}, {} staging buffers; the kernels' scalar \
-             references), {:?} GEMMs",
-            crate::units::format_bytes(self.cfg.budget_bytes),
-            self.cfg.staging_slots,
-            self.cfg.gemm
-        )
-    }
-
-    fn budget_bytes(&self) -> u64 {
-        self.cfg.budget_bytes
-    }
-
-    fn upload(&self, what: &str, host: &[f32]) -> Result<SimUpload, ModelError> {
-        let bytes = std::mem::size_of_val(host) as u64;
         let nth = self.shared.uploads.fetch_add(1, Ordering::Relaxed) + 1;
         if self.cfg.fail_upload == Some(nth) {
             return Err(ModelError::Gpu {
@@ -345,6 +321,46 @@ impl DeviceLink for SimDevice {
                 })
             }
         }
+    }
+}
+
+impl DeviceLink for SimDevice {
+    type Buf = Vec<f32>;
+    type Exec<'a> = HostExec;
+    type Upload = SimUpload;
+
+    fn exec(&self) -> HostExec {
+        HostExec {
+            gemm: self.cfg.gemm,
+        }
+    }
+
+    fn describe(&self) -> String {
+        let delay = self.cfg.copy_delay;
+        let copies = match self.cfg.h2d_bytes_per_s.filter(|r| *r > 0.0) {
+            Some(r) if delay.is_zero() => format!("copies at {} GB/s", r / 1e9),
+            Some(r) => format!("copies of {delay:?} plus their bytes at {} GB/s", r / 1e9),
+            None => format!("copies of {delay:?}"),
+        };
+        format!(
+            "simulated device ({} budget, {copies}, {} staging buffers; the kernels' scalar \
+             references), {:?} GEMMs",
+            crate::units::format_bytes(self.cfg.budget_bytes),
+            self.cfg.staging_slots,
+            self.cfg.gemm
+        )
+    }
+
+    fn budget_bytes(&self) -> u64 {
+        self.cfg.budget_bytes
+    }
+
+    fn upload(&self, what: &str, host: &[f32]) -> Result<SimUpload, ModelError> {
+        self.send(what, host, true)
+    }
+
+    fn upload_input(&self, what: &str, host: &[f32]) -> Result<SimUpload, ModelError> {
+        self.send(what, host, false)
     }
 
     fn finish(&self, upload: SimUpload) -> Result<Vec<f32>, ModelError> {

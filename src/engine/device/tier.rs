@@ -442,6 +442,19 @@ impl<L: DeviceLink> TieredUnits<L> {
         })
     }
 
+    /// A unit's input on the device, through the link like its params (a
+    /// pinned staging buffer, the copy queue, the compute ordered after
+    /// it), counted in the traffic; it is one of the unit's temporaries.
+    fn feed(&self, what: &str, t: &Tensor) -> Result<L::Buf, ModelError> {
+        let t0 = Instant::now();
+        let u = exec_units::with_host_f32(t, |v| self.link.upload_input(what, v))?;
+        let b = self.link.finish(u);
+        let mut st = self.lock();
+        st.traffic.h2d_bytes += numel_of(t) * ELEM_BYTES;
+        st.traffic.h2d_wait_s += t0.elapsed().as_secs_f64();
+        b
+    }
+
     /// The unit is done with its params: kept while the cache has room,
     /// freed otherwise.
     fn give_back(&self, ids: &[ParamId], bufs: Vec<L::Buf>) -> Result<(), ModelError> {
@@ -488,9 +501,10 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
     ) -> Result<UnitOutput, ModelError> {
         let (ids, bufs) = self.take(model, unit, params)?;
         let e = self.link.exec();
+        let feed = |what: &str, t: &Tensor| self.feed(what, t);
         let out = self.link.timed(
             || format!("forward unit {}", unit.0),
-            || exec_units::forward_with(&e, model, unit, params, &bufs, input),
+            || exec_units::forward_with(&e, &feed, model, unit, params, &bufs, input),
         );
         self.give_back(&ids, bufs)?;
         let out = out?;
@@ -511,9 +525,10 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
     ) -> Result<UnitGrads, ModelError> {
         let (ids, bufs) = self.take(model, unit, params)?;
         let e = self.link.exec();
+        let feed = |what: &str, t: &Tensor| self.feed(what, t);
         let out = self.link.timed(
             || format!("backward unit {}", unit.0),
-            || exec_units::backward_with(&e, model, unit, params, &bufs, input, upstream),
+            || exec_units::backward_with(&e, &feed, model, unit, params, &bufs, input, upstream),
         );
         self.give_back(&ids, bufs)?;
         let out = out?;
