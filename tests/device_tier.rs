@@ -111,6 +111,7 @@ fn wide_open() -> TierLimits {
 fn assert_all_back(p: &SimProbe, what: &str) {
     assert_eq!(p.used_bytes(), 0, "{what}: device bytes left");
     assert_eq!(p.in_flight(), 0, "{what}: copies left");
+    assert_eq!(p.downloads_in_flight(), 0, "{what}: downloads left");
     assert_eq!(
         p.free_staging(),
         p.staging_slots(),
@@ -412,6 +413,28 @@ fn copies_overlap_compute_on_the_device_queues() {
         .sum();
     println!("copies overlapping compute: {:.1} ms", overlap_us / 1e3);
     assert!(overlap_us > 0.0, "no copy ran while a unit computed");
+    // The gradients download while the next unit computes: some d2h
+    // span overlaps a compute span that started after it.
+    let d2h = lane("device: d2h");
+    assert!(!d2h.is_empty());
+    let down_overlap_us: f64 = d2h
+        .iter()
+        .flat_map(|&(a, b)| {
+            compute
+                .iter()
+                .filter(move |&&(c, _)| c >= a)
+                .map(move |&(c, e)| (b.min(e) - c).max(0.0))
+        })
+        .sum();
+    println!(
+        "gradient downloads overlapping a later unit's compute: {:.1} ms",
+        down_overlap_us / 1e3
+    );
+    assert!(
+        down_overlap_us > 0.0,
+        "no download ran under the next unit's compute"
+    );
+    assert!(probe.downloads() > 0);
     let plan = out.device_plan.unwrap();
     let staging = plan
         .rows

@@ -32,9 +32,25 @@
 //! completed into host-clock spans for the timeline; the others wait for
 //! a later call.
 //!
-//! The staging memory is write-combined, which suits memory the CPU only
-//! writes and the copy engine only reads. Nothing here is read back by
-//! the CPU.
+//! The upload staging memory is write-combined, which suits memory the
+//! CPU only writes and the copy engine only reads.
+//!
+//! # How a download travels ([`Downloads`])
+//!
+//! 1. [`Downloads::start`] takes the device buffer (a unit's gradient,
+//!    just computed on the compute stream) and a pinned staging buffer of
+//!    its length (plain page-locked memory, not write-combined: the CPU
+//!    reads it). The `d2h` stream waits on an event recorded on the
+//!    compute stream after the kernels that wrote the buffer, then copies
+//!    it out. The host does not wait.
+//! 2. [`Downloads::finish`] reads the staging buffer once its copy
+//!    completed (cudarc's `PinnedHostSlice` synchronises on the copy's
+//!    event before any host access), then frees the device buffer and
+//!    returns the staging buffer to the pool.
+//!
+//! A [`PendingDownload`] owns both buffers while its copy may run; dropped
+//! unfinished, it first waits for the copy, so neither is freed under
+//! it.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -140,9 +156,44 @@ impl EventClock {
     }
 }
 
-/// Spans kept for [`Uploads::take_spans`] before the completed ones are
+/// Spans kept for [`SpanLog::take`] before the completed ones are
 /// dropped unread.
 const MAX_PENDING_SPANS: usize = 1 << 14;
+
+/// Spans recorded on a device's streams, read back on the host's clock:
+/// an [`EventClock`] and the spans not yet read.
+#[derive(Debug)]
+pub struct SpanLog {
+    clock: EventClock,
+    pending: Mutex<Vec<TimedSpan>>,
+}
+
+impl SpanLog {
+    /// A log with its own clock on `dev`.
+    pub fn new(dev: &Device) -> Result<Self> {
+        Ok(SpanLog {
+            clock: EventClock::new(dev)?,
+            pending: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Keeps `span` until read; when nobody reads them, only those not
+    /// yet complete are kept past [`MAX_PENDING_SPANS`].
+    pub fn push(&self, span: TimedSpan) -> Result<()> {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        if pending.len() >= MAX_PENDING_SPANS {
+            drop(self.clock.resolve(&mut pending)?);
+        }
+        pending.push(span);
+        Ok(())
+    }
+
+    /// The spans that completed since the last call, on the host's clock.
+    pub fn take(&self) -> Result<Vec<(String, Instant, Instant)>> {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        self.clock.resolve(&mut pending)
+    }
+}
 
 /// The upload path of one device.
 #[derive(Debug)]
@@ -150,34 +201,25 @@ pub struct Uploads {
     dev: Arc<Device>,
     pool: Mutex<Pool>,
     cap_bytes: u64,
-    clock: EventClock,
-    spans: Mutex<Vec<TimedSpan>>,
+    spans: SpanLog,
 }
 
 impl Uploads {
     /// Uploads to `dev` through at most `cap_bytes` of pinned staging
     /// memory (a single upload larger than the cap still gets its buffer).
     pub fn new(dev: Arc<Device>, cap_bytes: u64) -> Result<Self> {
-        let clock = EventClock::new(&dev)?;
         Ok(Uploads {
+            spans: SpanLog::new(&dev)?,
             dev,
             pool: Mutex::new(Pool::default()),
             cap_bytes,
-            clock,
-            spans: Mutex::new(Vec::new()),
         })
-    }
-
-    /// The clock its spans are read with.
-    pub fn clock(&self) -> &EventClock {
-        &self.clock
     }
 
     /// The copies that completed since the last call, on the host's
     /// clock.
     pub fn take_spans(&self) -> Result<Vec<(String, Instant, Instant)>> {
-        let mut pending = self.spans.lock().unwrap_or_else(|p| p.into_inner());
-        self.clock.resolve(&mut pending)
+        self.spans.take()
     }
 
     /// The cap on its pinned staging bytes.
@@ -260,13 +302,7 @@ impl Uploads {
             .memcpy_htod(&staging, dst.slice_mut())
             .map_err(driver("cuMemcpyHtoDAsync"))?;
         let span = EventClock::span(&self.dev.h2d, what.to_owned(), began)?;
-        let mut spans = self.spans.lock().unwrap_or_else(|p| p.into_inner());
-        if spans.len() >= MAX_PENDING_SPANS {
-            // Nobody reads them: keep only those not yet complete.
-            drop(self.clock.resolve(&mut spans)?);
-        }
-        spans.push(span);
-        drop(spans);
+        self.spans.push(span)?;
         let event = self
             .dev
             .h2d
@@ -293,5 +329,125 @@ impl Uploads {
             .map_err(driver("cuStreamWaitEvent"))?;
         self.lock().retiring.push_back((event, staging));
         Ok(dst)
+    }
+}
+
+/// A download in flight: the device buffer being read and the pinned
+/// buffer being written (see the module docs).
+#[derive(Debug)]
+pub struct PendingDownload {
+    src: Option<DeviceBuffer<f32>>,
+    staging: Option<PinnedHostSlice<f32>>,
+}
+
+impl Drop for PendingDownload {
+    fn drop(&mut self) {
+        // Unfinished: wait for the copy before either buffer is freed.
+        if let Some(s) = &self.staging {
+            let _ = s.as_slice();
+        }
+    }
+}
+
+/// Idle pinned buffers by length, and their bytes.
+#[derive(Debug, Default)]
+struct IdlePinned {
+    by_len: HashMap<usize, Vec<PinnedHostSlice<f32>>>,
+    bytes: u64,
+}
+
+/// The download path of one device: copies out on the `d2h` stream
+/// through pooled pinned buffers.
+#[derive(Debug)]
+pub struct Downloads {
+    dev: Arc<Device>,
+    free: Mutex<IdlePinned>,
+    cap_bytes: u64,
+    spans: SpanLog,
+}
+
+impl Downloads {
+    /// Downloads from `dev`, keeping at most `cap_bytes` of idle pinned
+    /// buffers.
+    pub fn new(dev: Arc<Device>, cap_bytes: u64) -> Result<Self> {
+        Ok(Downloads {
+            spans: SpanLog::new(&dev)?,
+            dev,
+            free: Mutex::new(IdlePinned::default()),
+            cap_bytes,
+        })
+    }
+
+    /// Starts copying `src` to the host, after the compute stream's work
+    /// queued so far.
+    pub fn start(&self, what: &str, src: DeviceBuffer<f32>) -> Result<PendingDownload> {
+        let len = src.len();
+        let pooled = {
+            let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+            let got = free.by_len.get_mut(&len).and_then(Vec::pop);
+            if got.is_some() {
+                free.bytes -= (len * 4) as u64;
+            }
+            got
+        };
+        let mut staging = match pooled {
+            Some(s) => s,
+            // SAFETY: the buffer is uninitialised: the copy below writes
+            // all of its `len` elements (the source is exactly that long)
+            // before `finish` reads it, which waits for the copy first.
+            None => unsafe {
+                self.dev
+                    .context()
+                    .alloc_pinned_with_flags::<f32>(len, 0)
+                    .map_err(driver("cuMemHostAlloc"))?
+            },
+        };
+        let written = self
+            .dev
+            .compute
+            .record_event(None)
+            .map_err(driver("cuEventRecord"))?;
+        self.dev
+            .d2h
+            .wait(&written)
+            .map_err(driver("cuStreamWaitEvent"))?;
+        let began = EventClock::mark(&self.dev.d2h)?;
+        self.dev
+            .d2h
+            .memcpy_dtoh(src.slice(), &mut staging)
+            .map_err(driver("cuMemcpyDtoHAsync"))?;
+        let span = EventClock::span(&self.dev.d2h, what.to_owned(), began)?;
+        self.spans.push(span)?;
+        Ok(PendingDownload {
+            src: Some(src),
+            staging: Some(staging),
+        })
+    }
+
+    /// The downloaded elements (waits for the copy).
+    pub fn finish(&self, mut d: PendingDownload) -> Result<Vec<f32>> {
+        let staging = d.staging.take();
+        let src = d.src.take();
+        let Some(staging) = staging else {
+            return Ok(Vec::new());
+        };
+        let out = staging
+            .as_slice()
+            .map_err(driver("cuEventSynchronize"))?
+            .to_vec();
+        drop(src);
+        let bytes = staging.num_bytes() as u64;
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        if free.bytes + bytes <= self.cap_bytes {
+            free.bytes += bytes;
+            free.by_len.entry(staging.len()).or_default().push(staging);
+        }
+        Ok(out)
+    }
+
+    /// The copies that completed since the last call, on the host's
+    /// clock.
+    pub fn take_spans(&self) -> Result<Vec<(String, Instant, Instant)>> {
+        self.spans.take()
     }
 }

@@ -39,8 +39,8 @@ use candle_core::{DType, Device, Tensor};
 use tierzero_gpu::unit::{self, Exec, GemmDtype, Gpt2Dims, HostExec, LlamaDims, RopeTables};
 
 use super::{
-    ops, Activation, Arch, Model, ModelConfig, ModelError, UnitGrads, UnitId, UnitInput, UnitKind,
-    UnitOutput, Upstream,
+    ops, Activation, Arch, Model, ModelConfig, ModelError, ParamId, UnitGrads, UnitId, UnitInput,
+    UnitKind, UnitOutput, Upstream,
 };
 
 /// Runs units: candle's (the model itself) or another executor's.
@@ -85,6 +85,19 @@ pub trait UnitCompute: Send + Sync + std::fmt::Debug {
     fn take_traffic(&self) -> Option<DeviceTraffic> {
         None
     }
+    /// Whether [`UnitCompute::backward_unit`] leaves the param gradients
+    /// on their way to the host (a device's copy queue out), returning
+    /// none: the engine then collects them with [`UnitCompute::take_grads`]
+    /// after it has started the next unit's backward.
+    fn defers_grads(&self) -> bool {
+        false
+    }
+    /// The param gradients the last `backward_unit` of `unit` left in
+    /// flight, in declared order, once their copies completed (None: it
+    /// left none for `unit`).
+    fn take_grads(&self, _unit: UnitId) -> Result<Option<Vec<(ParamId, Tensor)>>, ModelError> {
+        Ok(None)
+    }
     /// The device's spans that completed since the last call: its
     /// compute stream's units and its copies, for the timeline and the
     /// step's busy time. Empty when it keeps none.
@@ -105,6 +118,8 @@ pub enum DeviceQueue {
     Compute,
     /// The host-to-device copy stream.
     H2d,
+    /// The device-to-host copy stream.
+    D2h,
 }
 
 /// A period a device's queue was busy, on the host's clock.
@@ -178,6 +193,8 @@ pub struct DeviceTraffic {
     /// Seconds the compute thread waited for uploads: for a staging
     /// buffer to come back, or for a copy's event.
     pub h2d_wait_s: f64,
+    /// Seconds the compute thread waited for gradients' downloads.
+    pub d2h_wait_s: f64,
 }
 
 /// Why `tierzero-gpu`'s units cannot run this model (None: they can).
@@ -323,7 +340,7 @@ fn storage_dtype(params: &[Tensor]) -> DType {
 }
 
 /// `v` as a host tensor of `shape` in `dtype` (rounded once from fp32).
-fn tensor_as(v: Vec<f32>, shape: &[usize], dtype: DType) -> Result<Tensor, ModelError> {
+pub(crate) fn tensor_as(v: Vec<f32>, shape: &[usize], dtype: DType) -> Result<Tensor, ModelError> {
     let t = tensor(v, shape)?;
     Ok(if dtype == DType::F32 {
         t
@@ -647,6 +664,49 @@ pub(crate) fn backward_with<E: Exec>(
     input: UnitInput<'_>,
     upstream: Upstream<'_>,
 ) -> Result<UnitGrads, ModelError> {
+    let out = backward_on(e, feed, model, unit, params, p, input, upstream)?;
+    let params = out
+        .grads
+        .into_iter()
+        .map(|(id, g, dims)| {
+            Ok((
+                id,
+                tensor_as(e.download(&g).map_err(gpu_err)?, &dims, out.dtype)?,
+            ))
+        })
+        .collect::<Result<Vec<_>, ModelError>>()?;
+    Ok(UnitGrads {
+        params,
+        input: out.input,
+        loss: out.loss,
+    })
+}
+
+/// A unit's backward with its param gradients still on the executor.
+pub(crate) struct BackwardOut<B> {
+    /// Each param's gradient, with its host shape, in declared order.
+    pub grads: Vec<(ParamId, B, Vec<usize>)>,
+    /// The input gradient, on the host in `dtype`.
+    pub input: Option<Tensor>,
+    /// The loss (the head's).
+    pub loss: Option<Tensor>,
+    /// The dtype the gradients leave in ([`storage_dtype`]).
+    pub dtype: DType,
+}
+
+/// [`backward_with`] leaving the param gradients on the executor (the
+/// device tier downloads them on its copy queue out).
+#[allow(clippy::too_many_arguments)] // backward_with's
+pub(crate) fn backward_on<E: Exec>(
+    e: &E,
+    feed: Feed<'_, E::Buf>,
+    model: &Model,
+    unit: UnitId,
+    params: &[Tensor],
+    p: &[E::Buf],
+    input: UnitInput<'_>,
+    upstream: Upstream<'_>,
+) -> Result<BackwardOut<E::Buf>, ModelError> {
     let kind = check(e, model, unit, params, p)?;
     let spec = model.unit(unit)?.clone();
     let c = model.config();
@@ -704,18 +764,13 @@ pub(crate) fn backward_with<E: Exec>(
         }
     };
     let dtype = storage_dtype(params);
-    let params_out = spec
+    let grads = spec
         .params
         .iter()
         .zip(params)
-        .zip(&grads)
-        .map(|((id, p), g)| {
-            Ok((
-                *id,
-                tensor_as(e.download(g).map_err(gpu_err)?, p.dims(), dtype)?,
-            ))
-        })
-        .collect::<Result<Vec<_>, ModelError>>()?;
+        .zip(grads)
+        .map(|((id, p), g)| (*id, g, p.dims().to_vec()))
+        .collect();
     let input = match input_grad {
         Some(dx) => Some(tensor_as(
             e.download(&dx).map_err(gpu_err)?,
@@ -724,12 +779,13 @@ pub(crate) fn backward_with<E: Exec>(
         )?),
         None => None,
     };
-    Ok(UnitGrads {
-        params: params_out,
+    Ok(BackwardOut {
+        grads,
         input,
         loss: match loss {
             Some(l) => Some(Tensor::new(l, &Device::Cpu)?),
             None => None,
         },
+        dtype,
     })
 }

@@ -1,6 +1,7 @@
 //! [`CudaLink`]: the device tier on a GPU (`tierzero_gpu`). The uploads
 //! are [`tierzero_gpu::link::Uploads`]: pinned staging, the h2d stream,
-//! and a compute stream that waits on each copy's event. The compute is
+//! and a compute stream that waits on each copy's event. The gradients'
+//! downloads are [`tierzero_gpu::link::Downloads`] on the d2h stream. The compute is
 //! the CUDA units ([`tierzero_gpu::unit::CudaExec`]).
 //!
 //! # Its share of the device
@@ -12,10 +13,10 @@
 //! unit whose temporaries do not fit fails with the device's
 //! `OutOfBudget`, which gives the numbers.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use tierzero_gpu::device::{Device, DeviceBuffer};
-use tierzero_gpu::link::{EventClock, PendingUpload, TimedSpan, Uploads};
+use tierzero_gpu::link::{Downloads, EventClock, PendingDownload, PendingUpload, SpanLog, Uploads};
 use tierzero_gpu::unit::{CudaExec, GemmDtype};
 
 use super::{DeviceLink, LinkMemory, Staging};
@@ -30,11 +31,12 @@ pub const STAGING_CAP_BYTES: u64 = 256 << 20;
 #[derive(Debug)]
 pub struct CudaLink {
     uploads: Uploads,
+    downloads: Downloads,
     gemm: GemmDtype,
     budget_bytes: u64,
     startup_bytes: u64,
     /// Units' compute between two events on the compute stream.
-    compute_spans: Mutex<Vec<TimedSpan>>,
+    compute_spans: SpanLog,
 }
 
 impl CudaLink {
@@ -45,11 +47,12 @@ impl CudaLink {
         let startup_bytes = b.used_bytes();
         let budget_bytes = b.budget_bytes().saturating_sub(startup_bytes) / 2;
         Ok(CudaLink {
+            downloads: Downloads::new(dev.clone(), STAGING_CAP_BYTES).map_err(gpu_err)?,
+            compute_spans: SpanLog::new(&dev).map_err(gpu_err)?,
             uploads: Uploads::new(dev, STAGING_CAP_BYTES).map_err(gpu_err)?,
             gemm,
             budget_bytes,
             startup_bytes,
-            compute_spans: Mutex::new(Vec::new()),
         })
     }
 
@@ -63,6 +66,7 @@ impl DeviceLink for CudaLink {
     type Buf = DeviceBuffer<f32>;
     type Exec<'a> = CudaExec<'a>;
     type Upload = PendingUpload;
+    type Download = PendingDownload;
 
     fn exec(&self) -> CudaExec<'_> {
         CudaExec {
@@ -107,6 +111,14 @@ impl DeviceLink for CudaLink {
         drop(buf);
     }
 
+    fn download(&self, what: &str, buf: DeviceBuffer<f32>) -> Result<PendingDownload, ModelError> {
+        self.downloads.start(what, buf).map_err(gpu_err)
+    }
+
+    fn finish_download(&self, d: PendingDownload) -> Result<Vec<f32>, ModelError> {
+        self.downloads.finish(d).map_err(gpu_err)
+    }
+
     fn memory(&self) -> LinkMemory {
         let whole = self.uploads.device().budget().budget_bytes();
         LinkMemory {
@@ -117,7 +129,8 @@ impl DeviceLink for CudaLink {
                     .saturating_sub(self.startup_bytes)
                     .saturating_sub(self.budget_bytes),
             ),
-            staging: Staging::CapBytes(self.uploads.cap_bytes()),
+            // Uploads' and downloads' pools, each under the cap.
+            staging: Staging::CapBytes(2 * self.uploads.cap_bytes()),
         }
     }
 
@@ -127,22 +140,21 @@ impl DeviceLink for CudaLink {
         let began = EventClock::mark(stream).ok();
         let out = f();
         if let Some(span) = began.and_then(|b| EventClock::span(stream, name(), b).ok()) {
-            self.compute_spans
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(span);
+            let _ = self.compute_spans.push(span);
         }
         out
     }
 
     fn take_spans(&self) -> Vec<DeviceSpan> {
-        let clock = self.uploads.clock();
-        let mut pending = self.compute_spans.lock().unwrap_or_else(|p| p.into_inner());
-        let compute = clock.resolve(&mut pending);
-        drop(pending);
+        let compute = self.compute_spans.take();
         let copies = self.uploads.take_spans();
+        let down = self.downloads.take_spans();
         let mut out = Vec::new();
-        for (queue, got) in [(DeviceQueue::Compute, compute), (DeviceQueue::H2d, copies)] {
+        for (queue, got) in [
+            (DeviceQueue::Compute, compute),
+            (DeviceQueue::H2d, copies),
+            (DeviceQueue::D2h, down),
+        ] {
             match got {
                 Ok(spans) => out.extend(spans.into_iter().map(|(name, start, end)| DeviceSpan {
                     queue,

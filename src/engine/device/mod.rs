@@ -81,6 +81,17 @@
 //!   them for its `device_busy_s` and `h2d_busy_s` metrics and for the
 //!   timeline's `device: compute` and `device: h2d` lanes.
 //!
+//! # Gradients out
+//!
+//! A unit's param gradients leave on the link's copy queue out
+//! ([`DeviceLink::download`]) while the engine starts the next unit's
+//! backward; the engine collects them after that
+//! ([`crate::model::exec_units::UnitCompute::take_grads`]), in the same
+//! order as before, so the sums are the same. A download owns its device
+//! buffer until its copy completed. The unit's input gradient comes down
+//! at once: it is the next unit's upstream. A new step, or the tier
+//! dropped, first waits for every download still in flight.
+//!
 //! # A unit's inputs
 //!
 //! A unit's hidden input, upstream gradient and rotary tables go through
@@ -116,6 +127,8 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
         Self: 'a;
     /// An upload in flight: its destination, its staging buffer, its event.
     type Upload: Send;
+    /// A download in flight: its source and its host buffer.
+    type Download: Send;
     /// The executor.
     fn exec(&self) -> Self::Exec<'_>;
     /// What computes, for the plan.
@@ -137,6 +150,12 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
     fn finish(&self, upload: Self::Upload) -> Result<Self::Buf, ModelError>;
     /// Frees a buffer.
     fn free(&self, buf: Self::Buf);
+    /// Starts copying `buf` (a unit's gradient) to the host, on the copy
+    /// queue out, after the compute that wrote it; the host does not
+    /// wait. The download owns `buf` until it completes.
+    fn download(&self, what: &str, buf: Self::Buf) -> Result<Self::Download, ModelError>;
+    /// The downloaded elements: waits for the copy, then frees its source.
+    fn finish_download(&self, d: Self::Download) -> Result<Vec<f32>, ModelError>;
     /// The device's memory, for the plan.
     fn memory(&self) -> LinkMemory;
     /// Runs `f`, a unit's compute, as a span of the compute queue: on a

@@ -14,6 +14,9 @@
 //!   plus its bytes at `h2d_bytes_per_s` (a PCIe link, say), and each is
 //!   a span of the `H2d` queue.
 //! * **Compute** spans are the host's time in a unit's compute.
+//! * **Downloads** (a unit's gradients) run on a second thread, the copy
+//!   queue out, each taking its bytes' time as a copy in does, and each is
+//!   a span of the `D2h` queue; waiting for one waits for its event.
 //! * **Events** complete when the copy does. [`DeviceLink::finish`] waits
 //!   for them on the host.
 //! * **Compute** is the CUDA kernels' scalar references
@@ -78,6 +81,8 @@ struct Shared {
     peak_in_flight: AtomicU64,
     copies: AtomicU64,
     uploads: AtomicU64,
+    downloads_in_flight: AtomicU64,
+    downloads: AtomicU64,
     spans: Mutex<Vec<DeviceSpan>>,
 }
 
@@ -146,11 +151,34 @@ impl SimProbe {
     pub fn uploads(&self) -> u64 {
         self.shared.uploads.load(Ordering::Relaxed)
     }
+
+    /// Downloads queued or running now.
+    pub fn downloads_in_flight(&self) -> u64 {
+        self.shared.downloads_in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Downloads completed.
+    pub fn downloads(&self) -> u64 {
+        self.shared.downloads.load(Ordering::Relaxed)
+    }
 }
 
 /// An upload on the simulated device.
 #[derive(Debug)]
 pub struct SimUpload {
+    event: Arc<Event>,
+}
+
+/// A download on the simulated device.
+#[derive(Debug)]
+pub struct SimDownload {
+    event: Arc<Event>,
+}
+
+/// One download for the download thread.
+struct Down {
+    what: String,
+    data: Vec<f32>,
     event: Arc<Event>,
 }
 
@@ -161,6 +189,8 @@ pub struct SimDevice {
     shared: Arc<Shared>,
     jobs: Mutex<Option<Sender<Job>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    downs: Mutex<Option<Sender<Down>>>,
+    down_thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 /// An order-sensitive hash of a buffer's bits.
@@ -211,8 +241,39 @@ fn copy_thread(rx: Receiver<Job>, shared: Arc<Shared>, cfg: SimConfig) {
     }
 }
 
+fn download_thread(rx: Receiver<Down>, shared: Arc<Shared>, cfg: SimConfig) {
+    for d in rx {
+        let start = Instant::now();
+        std::thread::sleep(copy_time(
+            &cfg,
+            std::mem::size_of_val(d.data.as_slice()) as u64,
+        ));
+        shared.push_span(DeviceSpan {
+            queue: DeviceQueue::D2h,
+            name: d.what,
+            start,
+            end: Instant::now(),
+        });
+        *d.event.done.lock().unwrap_or_else(|p| p.into_inner()) = Some(d.data);
+        d.event.cv.notify_all();
+        shared.downloads_in_flight.fetch_sub(1, Ordering::Relaxed);
+        shared.downloads.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Waits for `event`'s data.
+fn wait_event(event: &Event) -> Vec<f32> {
+    let mut done = event.done.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        if let Some(v) = done.take() {
+            return v;
+        }
+        done = event.cv.wait(done).unwrap_or_else(|p| p.into_inner());
+    }
+}
+
 impl SimDevice {
-    /// A simulated device with its copy thread.
+    /// A simulated device with its copy threads.
     pub fn new(cfg: SimConfig) -> Result<Self, ModelError> {
         let slots = cfg.staging_slots.max(1);
         let shared = Arc::new(Shared {
@@ -228,6 +289,14 @@ impl SimDevice {
             .map_err(|e| ModelError::Gpu {
                 what: format!("the simulated device's copy thread did not start: {e}"),
             })?;
+        let (dtx, drx) = crossbeam_channel::unbounded();
+        let (s, c) = (shared.clone(), cfg.clone());
+        let down_thread = std::thread::Builder::new()
+            .name("tierzero-sim-d2h".into())
+            .spawn(move || download_thread(drx, s, c))
+            .map_err(|e| ModelError::Gpu {
+                what: format!("the simulated device's download thread did not start: {e}"),
+            })?;
         Ok(SimDevice {
             cfg: SimConfig {
                 staging_slots: slots,
@@ -236,6 +305,8 @@ impl SimDevice {
             shared,
             jobs: Mutex::new(Some(tx)),
             thread: Mutex::new(Some(thread)),
+            downs: Mutex::new(Some(dtx)),
+            down_thread: Mutex::new(Some(down_thread)),
         })
     }
 
@@ -328,6 +399,7 @@ impl DeviceLink for SimDevice {
     type Buf = Vec<f32>;
     type Exec<'a> = HostExec;
     type Upload = SimUpload;
+    type Download = SimDownload;
 
     fn exec(&self) -> HostExec {
         HostExec {
@@ -364,22 +436,46 @@ impl DeviceLink for SimDevice {
     }
 
     fn finish(&self, upload: SimUpload) -> Result<Vec<f32>, ModelError> {
-        let mut done = upload.event.done.lock().unwrap_or_else(|p| p.into_inner());
-        loop {
-            if let Some(v) = done.take() {
-                return Ok(v);
-            }
-            done = upload
-                .event
-                .cv
-                .wait(done)
-                .unwrap_or_else(|p| p.into_inner());
-        }
+        Ok(wait_event(&upload.event))
     }
 
     fn free(&self, buf: Vec<f32>) {
         let bytes = std::mem::size_of_val(buf.as_slice()) as u64;
         self.shared.used_bytes.fetch_sub(bytes, Ordering::Relaxed);
+    }
+
+    fn download(&self, what: &str, buf: Vec<f32>) -> Result<SimDownload, ModelError> {
+        let event = Arc::new(Event::default());
+        self.shared
+            .downloads_in_flight
+            .fetch_add(1, Ordering::Relaxed);
+        let sent = self
+            .downs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|tx| {
+                tx.send(Down {
+                    what: what.to_owned(),
+                    data: buf,
+                    event: event.clone(),
+                })
+            });
+        match sent {
+            Some(Ok(())) => Ok(SimDownload { event }),
+            _ => {
+                self.shared
+                    .downloads_in_flight
+                    .fetch_sub(1, Ordering::Relaxed);
+                Err(ModelError::Gpu {
+                    what: "simulated device: the download thread has stopped".into(),
+                })
+            }
+        }
+    }
+
+    fn finish_download(&self, d: SimDownload) -> Result<Vec<f32>, ModelError> {
+        Ok(wait_event(&d.event))
     }
 
     fn memory(&self) -> LinkMemory {
@@ -411,6 +507,15 @@ impl DeviceLink for SimDevice {
 impl Drop for SimDevice {
     fn drop(&mut self) {
         drop(self.jobs.lock().unwrap_or_else(|p| p.into_inner()).take());
+        drop(self.downs.lock().unwrap_or_else(|p| p.into_inner()).take());
+        if let Some(t) = self
+            .down_thread
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            let _ = t.join();
+        }
         if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = t.join();
         }

@@ -1,11 +1,11 @@
 //! [`TieredUnits`]: the device tier's state map and its rules (see the
 //! module docs of [`super`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use super::DeviceLink;
 use crate::model::exec_units::{
@@ -219,6 +219,16 @@ pub struct TieredUnits<L: DeviceLink> {
     link: L,
     limits: TierLimits,
     state: Mutex<State<L::Upload, L::Buf>>,
+    /// Units' param gradients on their way to the host, oldest first.
+    downloads: Mutex<VecDeque<PendingGrads<L::Download>>>,
+}
+
+/// One unit's param gradients downloading (see [`UnitCompute::take_grads`]).
+struct PendingGrads<D> {
+    unit: UnitId,
+    /// Each param's download, with its host shape, in declared order.
+    grads: Vec<(ParamId, D, Vec<usize>)>,
+    dtype: DType,
 }
 
 impl<L: DeviceLink> std::fmt::Debug for TieredUnits<L> {
@@ -255,7 +265,28 @@ impl<L: DeviceLink> TieredUnits<L> {
                 traffic: DeviceTraffic::default(),
                 peaks: TierPeaks::default(),
             }),
+            downloads: Mutex::new(VecDeque::new()),
         }
+    }
+
+    /// Waits for every gradient download still in flight and drops them
+    /// (a new step, or the tier dropped): the first error, if any.
+    fn drain_downloads(&self) -> Result<(), ModelError> {
+        let pending: Vec<_> = self
+            .downloads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+            .collect();
+        let mut result = Ok(());
+        for p in pending {
+            for (_, d, _) in p.grads {
+                if let Err(e) = self.link.finish_download(d) {
+                    result = result.and(Err(e));
+                }
+            }
+        }
+        result
     }
 
     /// The link.
@@ -528,14 +559,32 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
         let feed = |what: &str, t: &Tensor| self.feed(what, t);
         let out = self.link.timed(
             || format!("backward unit {}", unit.0),
-            || exec_units::backward_with(&e, &feed, model, unit, params, &bufs, input, upstream),
+            || exec_units::backward_on(&e, &feed, model, unit, params, &bufs, input, upstream),
         );
         self.give_back(&ids, bufs)?;
         let out = out?;
-        let down = out.params.iter().map(|(_, g)| numel_of(g)).sum::<u64>()
-            + out.input.as_ref().map_or(0, numel_of);
+        // The param gradients go out on the copy queue while the engine
+        // starts the next unit; it collects them with `take_grads`.
+        let mut down = out.input.as_ref().map_or(0, numel_of);
+        let mut grads = Vec::with_capacity(out.grads.len());
+        for (id, g, dims) in out.grads {
+            down += dims.iter().product::<usize>() as u64;
+            grads.push((id, self.link.download(&format!("grad {}", id.0), g)?, dims));
+        }
+        self.downloads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back(PendingGrads {
+                unit,
+                grads,
+                dtype: out.dtype,
+            });
         self.lock().traffic.d2h_bytes += down * ELEM_BYTES;
-        Ok(out)
+        Ok(UnitGrads {
+            params: Vec::new(),
+            input: out.input,
+            loss: out.loss,
+        })
     }
 
     fn stages(&self) -> bool {
@@ -573,8 +622,40 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
     }
 
     fn begin_step(&self) -> Result<(), ModelError> {
+        let drained = self.drain_downloads();
         let mut st = self.lock();
-        self.drop_all(&mut st)
+        self.drop_all(&mut st).and(drained)
+    }
+
+    fn defers_grads(&self) -> bool {
+        true
+    }
+
+    fn take_grads(&self, unit: UnitId) -> Result<Option<Vec<(ParamId, Tensor)>>, ModelError> {
+        let pending = {
+            let mut q = self.downloads.lock().unwrap_or_else(|p| p.into_inner());
+            match q.iter().position(|p| p.unit == unit) {
+                Some(i) => q.remove(i),
+                None => None,
+            }
+        };
+        let Some(p) = pending else { return Ok(None) };
+        let t = Instant::now();
+        let mut out = Vec::with_capacity(p.grads.len());
+        let mut result = Ok(());
+        for (id, d, dims) in p.grads {
+            // After an error the rest are still waited for (their
+            // buffers come back), not used.
+            match self.link.finish_download(d) {
+                Ok(v) if result.is_ok() => {
+                    out.push((id, exec_units::tensor_as(v, &dims, p.dtype)?));
+                }
+                Ok(_) => {}
+                Err(e) => result = result.and(Err(e)),
+            }
+        }
+        self.lock().traffic.d2h_wait_s += t.elapsed().as_secs_f64();
+        result.map(|()| Some(out))
     }
 
     fn take_traffic(&self) -> Option<DeviceTraffic> {
@@ -623,6 +704,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
 
 impl<L: DeviceLink> Drop for TieredUnits<L> {
     fn drop(&mut self) {
+        let _ = self.drain_downloads();
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
         let mut st = std::mem::replace(
             st,

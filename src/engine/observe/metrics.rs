@@ -102,11 +102,17 @@ pub struct StepMetrics {
     /// Seconds the compute thread waited for the device tier's uploads
     /// (a staging buffer, or a copy's event).
     pub h2d_wait_s: f64,
+    /// Seconds the compute thread waited for the device tier's gradient
+    /// downloads (they run on the copy queue out while the next unit
+    /// computes).
+    pub d2h_wait_s: f64,
     /// Seconds the device's compute queue was busy with units (CUDA
     /// events on the compute stream; 0 without a device tier).
     pub device_busy_s: f64,
     /// Seconds the device's host-to-device copy queue was busy.
     pub h2d_busy_s: f64,
+    /// Seconds the device's device-to-host copy queue was busy.
+    pub d2h_busy_s: f64,
 }
 
 /// The last line of a metrics file.

@@ -22,7 +22,8 @@
 //! | `disk: state reads` | the optimizer's read engine (master, m, v; spilled gradients) |
 //! | `disk: state writes` | the optimizer's write engine (state write-backs, gradient spills) |
 //! | `device: compute` | a unit's kernels on the device's compute stream (CUDA events; the simulated device's compute) |
-//! | `device: h2d` | a param's copy on the host-to-device stream (CUDA events; the simulated device's copy thread) |
+//! | `device: h2d` | a param's or a unit input's copy on the host-to-device stream (CUDA events; the simulated device's copy thread) |
+//! | `device: d2h` | a gradient's copy on the device-to-host stream (CUDA events; the simulated device's download thread) |
 //!
 //! Only a window of steps is kept ([`Timeline::new`]: by default the three
 //! after the first, whose trace recording and cold caches make it
@@ -65,10 +66,12 @@ pub enum Lane {
     DeviceCompute,
     /// Copies on the device's host-to-device queue.
     DeviceH2d,
+    /// Copies on the device's device-to-host queue.
+    DeviceD2h,
 }
 
 impl Lane {
-    const ALL: [Lane; 11] = [
+    const ALL: [Lane; 12] = [
         Lane::Step,
         Lane::Compute,
         Lane::Params,
@@ -80,6 +83,7 @@ impl Lane {
         Lane::DiskStateWrites,
         Lane::DeviceCompute,
         Lane::DeviceH2d,
+        Lane::DeviceD2h,
     ];
 
     fn name(self) -> &'static str {
@@ -95,6 +99,7 @@ impl Lane {
             Lane::DiskStateWrites => "disk: state writes",
             Lane::DeviceCompute => "device: compute",
             Lane::DeviceH2d => "device: h2d",
+            Lane::DeviceD2h => "device: d2h",
         }
     }
 
@@ -111,6 +116,7 @@ impl Lane {
             Lane::DiskStateWrites => 9,
             Lane::DeviceCompute => 10,
             Lane::DeviceH2d => 11,
+            Lane::DeviceD2h => 12,
         }
     }
 }
@@ -221,6 +227,7 @@ impl Timeline {
             lane: match s.queue {
                 DeviceQueue::Compute => Lane::DeviceCompute,
                 DeviceQueue::H2d => Lane::DeviceH2d,
+                DeviceQueue::D2h => Lane::DeviceD2h,
             },
             name: s.name.clone(),
             start: s.start,
@@ -322,7 +329,8 @@ mod tests {
                 "disk: state reads",
                 "disk: state writes",
                 "device: compute",
-                "device: h2d"
+                "device: h2d",
+                "device: d2h"
             ]
         );
         let xs: Vec<&serde_json::Value> = ev.iter().filter(|e| e["ph"] == "X").collect();

@@ -187,6 +187,11 @@ impl Trainer {
         let mut loss = 0f32;
         let mut upstream: Option<Tensor> = None;
         let stages = self.stages();
+        let defers = self.defers_grads();
+        // With a device that defers its gradients: the unit whose grads
+        // are still downloading, finished after the next unit's backward
+        // has started (so the download overlaps that compute).
+        let mut downloading: Option<(UnitId, Vec<(ParamId, Tensor)>)> = None;
         let mut ahead = None;
         for (idx, &(uid, kind)) in units.iter().enumerate().rev() {
             let this = saved.get_mut(uid.0).and_then(Option::take);
@@ -210,27 +215,88 @@ impl Trainer {
             if let Some(l) = &g.loss {
                 loss += l.to_dtype(DType::F32)?.to_scalar::<f32>()?;
             }
-            for (pid, grad) in &g.params {
-                self.accumulate(groups, tied, uid, *pid, grad)?;
+            let mut grads = g.params;
+            if !defers {
+                self.add_unit_grads(batch, uid, std::mem::take(&mut grads), groups, tied)?;
             }
-            if !batch.last_micro {
-                self.park_final_groups(uid, groups)?;
-            }
-            self.prefetch_parked()?;
             times.compute += t0.elapsed();
             self.span(plan.step, Lane::Compute, || format!("bwd u{}", uid.0), t0);
             upstream = g.input;
             if !kept {
                 self.release_unit(uid)?;
             }
-            crate::failpoint::kill_point(crate::failpoint::Site::StepBackward);
-            // Params of sub-groups the optimizer thread has finished.
-            self.drain_done()?;
-            if batch.last_micro && plan.mode != OverlapMode::None {
-                self.on_final_groups(plan, uid, groups, times)?;
+            if defers {
+                // This unit's backward has started on the device: the
+                // previous unit's gradients were downloading meanwhile.
+                if let Some((prev, grads)) = downloading.replace((uid, grads)) {
+                    let t = Instant::now();
+                    self.add_unit_grads(batch, prev, grads, groups, tied)?;
+                    times.compute += t.elapsed();
+                    self.unit_grads_added(plan, batch, prev, groups, times)?;
+                }
+            } else {
+                self.unit_grads_added(plan, batch, uid, groups, times)?;
             }
         }
+        if let Some((prev, grads)) = downloading {
+            let t = Instant::now();
+            self.add_unit_grads(batch, prev, grads, groups, tied)?;
+            times.compute += t.elapsed();
+            self.unit_grads_added(plan, batch, prev, groups, times)?;
+        }
         Ok(loss)
+    }
+
+    /// Whether the units' compute leaves param gradients downloading
+    /// ([`crate::model::exec_units::UnitCompute::defers_grads`]).
+    fn defers_grads(&self) -> bool {
+        !self.opts.skip_compute && self.opts.compute.as_ref().is_some_and(|c| c.defers_grads())
+    }
+
+    /// A unit's param gradients (`ready`, or those its device still
+    /// downloads) into the sub-groups' accumulators, in declared order;
+    /// the groups that became final are parked between micro-batches.
+    fn add_unit_grads(
+        &mut self,
+        batch: &Batch<'_>,
+        uid: UnitId,
+        ready: Vec<(ParamId, Tensor)>,
+        groups: &mut StepGroups,
+        tied: &mut BTreeMap<ParamId, Vec<f32>>,
+    ) -> Result<()> {
+        let grads = match &self.opts.compute {
+            Some(c) if ready.is_empty() && !self.opts.skip_compute => {
+                c.take_grads(uid)?.unwrap_or_default()
+            }
+            _ => ready,
+        };
+        for (pid, grad) in &grads {
+            self.accumulate(groups, tied, uid, *pid, grad)?;
+        }
+        if !batch.last_micro {
+            self.park_final_groups(uid, groups)?;
+        }
+        self.prefetch_parked()
+    }
+
+    /// After a unit's gradients were added: the optimizer's finished
+    /// sub-groups come back, and with the last micro-batch the groups
+    /// that became final go to the optimizer.
+    fn unit_grads_added(
+        &mut self,
+        plan: &StepPlan,
+        batch: &Batch<'_>,
+        uid: UnitId,
+        groups: &mut StepGroups,
+        times: &mut StepTimes,
+    ) -> Result<()> {
+        crate::failpoint::kill_point(crate::failpoint::Site::StepBackward);
+        // Params of sub-groups the optimizer thread has finished.
+        self.drain_done()?;
+        if batch.last_micro && plan.mode != OverlapMode::None {
+            self.on_final_groups(plan, uid, groups, times)?;
+        }
+        Ok(())
     }
 
     /// Whether the units' compute wants the next unit's params before
