@@ -736,6 +736,7 @@ fn device_sim_shows_the_device_tier_in_the_plan_metrics_and_timeline() {
         "upload staging buffers",
         "device total",
         "of a 1 GiB device budget",
+        "the device units keep no forward graph",
     ] {
         assert!(out.stdout.contains(want), "{want:?} in: {}", out.stdout);
     }

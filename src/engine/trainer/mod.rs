@@ -519,8 +519,16 @@ impl Trainer {
     }
 
     /// The activation policy's line for the plan (its budget and where it
-    /// came from).
+    /// came from), or, with units computed elsewhere
+    /// ([`TrainerOptions::compute`]), that every block is recomputed.
     pub fn activations_line(&self) -> String {
+        if self.opts.compute.is_some() {
+            // Only candle's units keep forward graphs (passes.rs).
+            return "activations: every block is recomputed in backward from its input \
+                    (the device units keep no forward graph); \
+                    tierzero.activation_budget_bytes applies to the CPU units"
+                .to_owned();
+        }
         self.activations.describe()
     }
 
