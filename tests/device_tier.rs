@@ -469,9 +469,26 @@ fn bf16_params_through_the_device_tier_are_bit_identical_too() {
             gemm: GemmDtype::Bf16,
             ..sim(64 << 20, 0, 4)
         };
-        let (got, _, probe) = tiered(&model, &k, cfg, limits, 3);
+        let (got, _, probe) = tiered(&model, &k, cfg.clone(), limits, 3);
         assert_eq!(got.loss_bits, want.loss_bits, "cache {cache_bytes}");
         assert_eq!(got.sha, want.sha, "cache {cache_bytes}");
         assert_all_back(&probe, "bf16");
+        // bf16 params and activations cross as 2-byte elements (only the
+        // rotary tables are fp32): about half an fp32 run's traffic.
+        let fp32 = Knobs {
+            precision: "fp32",
+            ..k.clone()
+        };
+        let (wide, _, _) = tiered(&model, &fp32, cfg, limits, 3);
+        println!(
+            "cache {cache_bytes}: h2d {} B in bf16, {} B in fp32",
+            got.h2d_bytes, wide.h2d_bytes
+        );
+        assert!(
+            got.h2d_bytes * 100 <= wide.h2d_bytes * 55,
+            "bf16 {} B vs fp32 {} B",
+            got.h2d_bytes,
+            wide.h2d_bytes
+        );
     }
 }

@@ -419,14 +419,19 @@ impl Device {
     /// `len` elements for `what` allocated on the host-to-device stream,
     /// not initialised: only for a copy that overwrites all of them on
     /// that stream next ([`crate::link::Uploads::start`]).
-    pub(crate) fn alloc_uninit_on_h2d(&self, what: &str, len: usize) -> Result<DeviceBuffer<f32>> {
-        self.counted(what, (len * 4) as u64, "cuMemAlloc", || {
+    pub(crate) fn alloc_uninit_on_h2d<T: DeviceRepr>(
+        &self,
+        what: &str,
+        len: usize,
+    ) -> Result<DeviceBuffer<T>> {
+        let bytes = (len * std::mem::size_of::<T>()) as u64;
+        self.counted(what, bytes, "cuMemAlloc", || {
             // SAFETY: the memory is uninitialised; the caller's copy on
             // the same stream writes every element before any kernel
             // reads it (the compute stream waits on that copy's event),
             // and cudarc orders the slice's later uses on other streams
             // after it.
-            unsafe { self.h2d.alloc::<f32>(len) }
+            unsafe { self.h2d.alloc::<T>(len) }
         })
     }
 

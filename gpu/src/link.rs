@@ -12,8 +12,12 @@
 //! 2. [`Uploads::finish`] makes the compute stream wait on the event, so
 //!    the host does not wait. It then hands back the destination. The
 //!    staging buffer goes on the retiring list with its event.
+//!    A bf16 upload ([`Uploads::start_bf16`]) crosses as its 2-byte
+//!    elements into a bf16 buffer; `finish` widens it to the fp32
+//!    destination on the compute stream (`cast_bf16_f32`, exact), and the
+//!    bf16 buffer is freed after that read.
 //! 3. A later `start` moves retiring buffers whose event completed back to
-//!    the pool. When the pool's pinned bytes would pass its cap, it waits
+//!    the pool (one pool per element type). When the pool's pinned bytes would pass its cap, it waits
 //!    for the oldest event and frees that buffer.
 //!
 //! # What may be in flight
@@ -59,6 +63,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaStream, PinnedHostSlice};
+use half::bf16;
 
 use crate::device::{driver_err as driver, Device, DeviceBuffer};
 use crate::Result;
@@ -66,20 +71,47 @@ use crate::Result;
 /// An upload in flight: its destination, its staging buffer and the event
 /// recorded after its copy.
 #[derive(Debug)]
-pub struct PendingUpload {
-    dst: DeviceBuffer<f32>,
-    staging: PinnedHostSlice<f32>,
-    event: CudaEvent,
+pub enum PendingUpload {
+    /// fp32 elements, copied into the destination itself.
+    F32 {
+        /// The destination.
+        dst: DeviceBuffer<f32>,
+        /// The staging buffer the copy reads.
+        staging: PinnedHostSlice<f32>,
+        /// Recorded after the copy.
+        event: CudaEvent,
+    },
+    /// bf16 elements, copied as they are (half the bytes) into a bf16
+    /// buffer, widened to fp32 on the compute stream by `finish`.
+    Bf16 {
+        /// The bf16 copy on the device.
+        narrow: DeviceBuffer<bf16>,
+        /// The staging buffer the copy reads.
+        staging: PinnedHostSlice<bf16>,
+        /// Recorded after the copy.
+        event: CudaEvent,
+    },
 }
 
-#[derive(Debug, Default)]
-struct Pool {
+/// Staging buffers of one element type.
+#[derive(Debug)]
+struct Pool<T> {
     /// Idle staging buffers by length.
-    free: HashMap<usize, Vec<PinnedHostSlice<f32>>>,
+    free: HashMap<usize, Vec<PinnedHostSlice<T>>>,
     /// Buffers whose copy may still run, oldest first.
-    retiring: VecDeque<(CudaEvent, PinnedHostSlice<f32>)>,
+    retiring: VecDeque<(CudaEvent, PinnedHostSlice<T>)>,
     /// Pinned bytes of every buffer the pool owns, wherever it is.
     pinned_bytes: u64,
+}
+
+impl<T> Default for Pool<T> {
+    fn default() -> Self {
+        Pool {
+            free: HashMap::new(),
+            retiring: VecDeque::new(),
+            pinned_bytes: 0,
+        }
+    }
 }
 
 /// The host's clock for CUDA events: a base event recorded on the
@@ -199,19 +231,26 @@ impl SpanLog {
 #[derive(Debug)]
 pub struct Uploads {
     dev: Arc<Device>,
-    pool: Mutex<Pool>,
+    pool: Mutex<Pool<f32>>,
+    pool16: Mutex<Pool<bf16>>,
     cap_bytes: u64,
     spans: SpanLog,
 }
 
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl Uploads {
     /// Uploads to `dev` through at most `cap_bytes` of pinned staging
-    /// memory (a single upload larger than the cap still gets its buffer).
+    /// memory for each element type (a single upload larger than the cap
+    /// still gets its buffer).
     pub fn new(dev: Arc<Device>, cap_bytes: u64) -> Result<Self> {
         Ok(Uploads {
             spans: SpanLog::new(&dev)?,
             dev,
             pool: Mutex::new(Pool::default()),
+            pool16: Mutex::new(Pool::default()),
             cap_bytes,
         })
     }
@@ -222,7 +261,7 @@ impl Uploads {
         self.spans.take()
     }
 
-    /// The cap on its pinned staging bytes.
+    /// The cap on its pinned staging bytes of each element type.
     pub fn cap_bytes(&self) -> u64 {
         self.cap_bytes
     }
@@ -232,17 +271,17 @@ impl Uploads {
         &self.dev
     }
 
-    /// Pinned bytes the pool owns now.
+    /// Pinned bytes the pools own now.
     pub fn pinned_bytes(&self) -> u64 {
-        self.lock().pinned_bytes
+        locked(&self.pool).pinned_bytes + locked(&self.pool16).pinned_bytes
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Pool> {
-        self.pool.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// A staging buffer of `len` elements, from the pool or new.
-    fn staging(&self, pool: &mut Pool, len: usize) -> Result<PinnedHostSlice<f32>> {
+    /// A staging buffer of `len` elements, from `pool` or new.
+    fn staging<T: cudarc::driver::DeviceRepr>(
+        &self,
+        pool: &mut Pool<T>,
+        len: usize,
+    ) -> Result<PinnedHostSlice<T>> {
         // Copies that completed give their buffers back.
         while let Some((ev, _)) = pool.retiring.front() {
             if !ev.try_is_complete().map_err(driver("cuEventQuery"))? {
@@ -255,7 +294,7 @@ impl Uploads {
         if let Some(s) = pool.free.get_mut(&len).and_then(Vec::pop) {
             return Ok(s);
         }
-        let bytes = (len * 4) as u64;
+        let bytes = (len * std::mem::size_of::<T>()) as u64;
         // Over the cap: free idle buffers of other lengths, then wait for
         // the oldest copies and free theirs.
         while pool.pinned_bytes + bytes > self.cap_bytes {
@@ -279,23 +318,27 @@ impl Uploads {
         let s = unsafe {
             self.dev
                 .context()
-                .alloc_pinned::<f32>(len)
+                .alloc_pinned::<T>(len)
                 .map_err(driver("cuMemHostAlloc"))?
         };
         pool.pinned_bytes += bytes;
         Ok(s)
     }
 
-    /// Starts copying `host` into a new device buffer for `what`.
-    pub fn start(&self, what: &str, host: &[f32]) -> Result<PendingUpload> {
-        let mut pool = self.lock();
-        let mut staging = self.staging(&mut pool, host.len())?;
-        drop(pool);
+    /// Fills a staging buffer from `host` and queues its copy into a new
+    /// device buffer on the h2d stream: the buffers and the event after.
+    fn queue<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy>(
+        &self,
+        pool: &Mutex<Pool<T>>,
+        what: &str,
+        host: &[T],
+    ) -> Result<(DeviceBuffer<T>, PinnedHostSlice<T>, CudaEvent)> {
+        let mut staging = self.staging(&mut locked(pool), host.len())?;
         staging
             .as_mut_slice()
             .map_err(driver("cuEventSynchronize"))?
             .copy_from_slice(host);
-        let mut dst = self.dev.alloc_uninit_on_h2d(what, host.len())?;
+        let mut dst = self.dev.alloc_uninit_on_h2d::<T>(what, host.len())?;
         let began = EventClock::mark(&self.dev.h2d)?;
         self.dev
             .h2d
@@ -308,27 +351,70 @@ impl Uploads {
             .h2d
             .record_event(None)
             .map_err(driver("cuEventRecord"))?;
-        Ok(PendingUpload {
+        Ok((dst, staging, event))
+    }
+
+    /// Starts copying `host` into a new device buffer for `what`.
+    pub fn start(&self, what: &str, host: &[f32]) -> Result<PendingUpload> {
+        let (dst, staging, event) = self.queue(&self.pool, what, host)?;
+        Ok(PendingUpload::F32 {
             dst,
             staging,
             event,
         })
     }
 
-    /// The destination, with the compute stream waiting on the copy's
-    /// event (the host does not wait).
-    pub fn finish(&self, u: PendingUpload) -> Result<DeviceBuffer<f32>> {
-        let PendingUpload {
-            dst,
+    /// Starts copying bf16 `host` (its 2-byte elements, half an fp32
+    /// upload's bytes) to the device; `finish` widens it to fp32.
+    pub fn start_bf16(&self, what: &str, host: &[bf16]) -> Result<PendingUpload> {
+        let (narrow, staging, event) = self.queue(&self.pool16, what, host)?;
+        Ok(PendingUpload::Bf16 {
+            narrow,
             staging,
             event,
-        } = u;
+        })
+    }
+
+    /// Orders the compute stream's next work after `event`.
+    fn compute_waits(&self, event: &CudaEvent) -> Result<()> {
         self.dev
             .compute
-            .wait(&event)
-            .map_err(driver("cuStreamWaitEvent"))?;
-        self.lock().retiring.push_back((event, staging));
-        Ok(dst)
+            .wait(event)
+            .map_err(driver("cuStreamWaitEvent"))
+    }
+
+    /// The destination (fp32), with the compute stream waiting on the
+    /// copy's event (the host does not wait); a bf16 upload is widened
+    /// there, exactly, by the `cast_bf16_f32` kernel.
+    pub fn finish(&self, u: PendingUpload) -> Result<DeviceBuffer<f32>> {
+        match u {
+            PendingUpload::F32 {
+                dst,
+                staging,
+                event,
+            } => {
+                self.compute_waits(&event)?;
+                locked(&self.pool).retiring.push_back((event, staging));
+                Ok(dst)
+            }
+            PendingUpload::Bf16 {
+                narrow,
+                staging,
+                event,
+            } => {
+                self.compute_waits(&event)?;
+                locked(&self.pool16).retiring.push_back((event, staging));
+                let mut wide = self
+                    .dev
+                    .alloc_zeros::<f32>("widened upload", narrow.len())?;
+                crate::ops::cast::<bf16, f32>(&self.dev, &mut wide, &narrow)?;
+                // `narrow` is freed on the h2d stream after the cast's
+                // read: cudarc orders a slice's free after its uses on
+                // other streams.
+                drop(narrow);
+                Ok(wide)
+            }
+        }
     }
 }
 

@@ -331,6 +331,51 @@ pub(crate) fn with_host_f32<R>(
     }
 }
 
+/// A host tensor's elements as a device tier uploads them: fp32, or bf16
+/// as they are (2 bytes each; the device widens them).
+#[derive(Debug, Clone, Copy)]
+pub enum HostElems<'a> {
+    /// fp32 elements.
+    F32(&'a [f32]),
+    /// bf16 elements.
+    Bf16(&'a [half::bf16]),
+}
+
+impl HostElems<'_> {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            HostElems::F32(v) => v.len(),
+            HostElems::Bf16(v) => v.len(),
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes on the host (what the copy moves).
+    pub fn bytes(&self) -> u64 {
+        match self {
+            HostElems::F32(v) => std::mem::size_of_val(*v) as u64,
+            HostElems::Bf16(v) => std::mem::size_of_val(*v) as u64,
+        }
+    }
+}
+
+/// Runs `f` on a host tensor's elements as they are stored (fp32 or bf16,
+/// a contiguous one not copied), for an upload that crosses in that type.
+pub(crate) fn with_host_elems<R>(
+    t: &Tensor,
+    f: impl FnOnce(HostElems<'_>) -> Result<R, ModelError>,
+) -> Result<R, ModelError> {
+    match t.dtype() {
+        DType::BF16 => super::fused::with_bf16(t, |v| Ok(f(HostElems::Bf16(v))))?,
+        _ => with_host_f32(t, |v| f(HostElems::F32(v))),
+    }
+}
+
 /// The dtype a unit's hidden output and gradients leave in: its params'
 /// (the storage dtype: bf16 under `bf16.enabled`, fp32 otherwise), as
 /// the CPU units' precision policy has them (`super::precision`). The

@@ -20,7 +20,7 @@ use tierzero_gpu::link::{Downloads, EventClock, PendingDownload, PendingUpload, 
 use tierzero_gpu::unit::{CudaExec, GemmDtype};
 
 use super::{DeviceLink, LinkMemory, Staging};
-use crate::model::exec_units::{gpu_err, DeviceQueue, DeviceSpan};
+use crate::model::exec_units::{gpu_err, DeviceQueue, DeviceSpan, HostElems};
 use crate::model::ModelError;
 
 /// Pinned staging memory for the uploads: a few units' worth is enough
@@ -94,13 +94,17 @@ impl DeviceLink for CudaLink {
         self.budget_bytes
     }
 
-    fn upload(&self, what: &str, host: &[f32]) -> Result<PendingUpload, ModelError> {
-        self.uploads.start(what, host).map_err(gpu_err)
+    fn upload(&self, what: &str, host: HostElems<'_>) -> Result<PendingUpload, ModelError> {
+        match host {
+            HostElems::F32(v) => self.uploads.start(what, v),
+            HostElems::Bf16(v) => self.uploads.start_bf16(what, v),
+        }
+        .map_err(gpu_err)
     }
 
-    fn upload_input(&self, what: &str, host: &[f32]) -> Result<PendingUpload, ModelError> {
+    fn upload_input(&self, what: &str, host: HostElems<'_>) -> Result<PendingUpload, ModelError> {
         // The device budget counts it with the other temporaries.
-        self.uploads.start(what, host).map_err(gpu_err)
+        self.upload(what, host)
     }
 
     fn finish(&self, upload: PendingUpload) -> Result<DeviceBuffer<f32>, ModelError> {

@@ -114,7 +114,7 @@ mod tier;
 
 pub use tier::{Residency, TierEvent, TierLimits, TierPeaks, TieredUnits};
 
-use crate::model::exec_units::DeviceSpan;
+use crate::model::exec_units::{DeviceSpan, HostElems};
 use crate::model::ModelError;
 
 /// What the device tier needs of a device.
@@ -135,15 +135,17 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
     fn describe(&self) -> String;
     /// Device bytes the tier's params may hold.
     fn budget_bytes(&self) -> u64;
-    /// Starts copying `host` into a new device buffer. The copy reads a
+    /// Starts copying `host` into a new device buffer of fp32 elements
+    /// (bf16 ones cross as they are, half the bytes, and are widened on
+    /// the device, exactly). The copy reads a
     /// pinned staging buffer, which travels with it: this may wait for a
     /// staging buffer to come back.
-    fn upload(&self, what: &str, host: &[f32]) -> Result<Self::Upload, ModelError>;
+    fn upload(&self, what: &str, host: HostElems<'_>) -> Result<Self::Upload, ModelError>;
     /// [`DeviceLink::upload`] of a unit's input (a hidden state, an
     /// upstream gradient, a rotary table): a temporary of the unit, in the
     /// device's share for temporaries, not in the tier's budget. The
     /// executor drops it with the unit's other temporaries.
-    fn upload_input(&self, what: &str, host: &[f32]) -> Result<Self::Upload, ModelError>;
+    fn upload_input(&self, what: &str, host: HostElems<'_>) -> Result<Self::Upload, ModelError>;
     /// The uploaded buffer, ordered after its copy for the compute that
     /// follows: a CUDA compute stream waits on the copy's event, and the
     /// host does not; the simulated device waits on the host.

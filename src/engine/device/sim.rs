@@ -33,7 +33,7 @@ use crossbeam_channel::{Receiver, Sender};
 use tierzero_gpu::unit::{GemmDtype, HostExec};
 
 use super::{DeviceLink, LinkMemory, Staging};
-use crate::model::exec_units::{DeviceQueue, DeviceSpan};
+use crate::model::exec_units::{DeviceQueue, DeviceSpan, HostElems};
 use crate::model::ModelError;
 
 /// How the simulated device behaves.
@@ -64,6 +64,8 @@ struct Event {
 /// One copy for the copy thread.
 struct Job {
     what: String,
+    /// Bytes that cross (2 per bf16 element).
+    bytes: u64,
     slab: Vec<f32>,
     sum: u64,
     event: Arc<Event>,
@@ -214,10 +216,7 @@ fn copy_time(cfg: &SimConfig, bytes: u64) -> Duration {
 fn copy_thread(rx: Receiver<Job>, shared: Arc<Shared>, cfg: SimConfig) {
     for job in rx {
         let start = Instant::now();
-        std::thread::sleep(copy_time(
-            &cfg,
-            std::mem::size_of_val(job.slab.as_slice()) as u64,
-        ));
+        std::thread::sleep(copy_time(&cfg, job.bytes));
         if fingerprint(&job.slab) != job.sum {
             shared.violations.fetch_add(1, Ordering::Relaxed);
         }
@@ -338,12 +337,14 @@ impl SimDevice {
 
     /// Queues a copy of `host`; `counted`: into the budget (a param's),
     /// or a unit's temporary (an input), which the budget does not count.
-    fn send(&self, what: &str, host: &[f32], counted: bool) -> Result<SimUpload, ModelError> {
-        let bytes = if counted {
-            std::mem::size_of_val(host) as u64
-        } else {
-            0
-        };
+    fn send(
+        &self,
+        what: &str,
+        host: HostElems<'_>,
+        counted: bool,
+    ) -> Result<SimUpload, ModelError> {
+        // The destination holds fp32 elements, whatever crossed.
+        let bytes = if counted { host.len() as u64 * 4 } else { 0 };
         let nth = self.shared.uploads.fetch_add(1, Ordering::Relaxed) + 1;
         if self.cfg.fail_upload == Some(nth) {
             return Err(ModelError::Gpu {
@@ -364,7 +365,12 @@ impl SimDevice {
         self.shared.peak_bytes.fetch_max(used, Ordering::Relaxed);
         let mut slab = self.take_slab();
         slab.clear();
-        slab.extend_from_slice(host);
+        // bf16 is widened here rather than after the copy (the same exact
+        // values); the copy takes the time of the bytes that crossed.
+        match host {
+            HostElems::F32(v) => slab.extend_from_slice(v),
+            HostElems::Bf16(v) => slab.extend(v.iter().map(|x| x.to_f32())),
+        }
         let sum = fingerprint(&slab);
         let event = Arc::new(Event::default());
         let n = self.shared.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
@@ -377,6 +383,7 @@ impl SimDevice {
             .map(|tx| {
                 tx.send(Job {
                     what: what.to_owned(),
+                    bytes: host.bytes(),
                     slab,
                     sum,
                     event: event.clone(),
@@ -427,11 +434,11 @@ impl DeviceLink for SimDevice {
         self.cfg.budget_bytes
     }
 
-    fn upload(&self, what: &str, host: &[f32]) -> Result<SimUpload, ModelError> {
+    fn upload(&self, what: &str, host: HostElems<'_>) -> Result<SimUpload, ModelError> {
         self.send(what, host, true)
     }
 
-    fn upload_input(&self, what: &str, host: &[f32]) -> Result<SimUpload, ModelError> {
+    fn upload_input(&self, what: &str, host: HostElems<'_>) -> Result<SimUpload, ModelError> {
         self.send(what, host, false)
     }
 

@@ -462,10 +462,11 @@ impl<L: DeviceLink> TieredUnits<L> {
             });
         }
         let t = Instant::now();
-        let u =
-            exec_units::with_host_f32(host, |v| self.link.upload(&format!("param {}", id.0), v))?;
+        let (u, up_bytes) = exec_units::with_host_elems(host, |v| {
+            Ok((self.link.upload(&format!("param {}", id.0), v)?, v.bytes()))
+        })?;
         st.apply(id, TierEvent::Loaded(numel))?;
-        st.traffic.h2d_bytes += bytes;
+        st.traffic.h2d_bytes += up_bytes;
         let b = self.link.finish(u);
         st.traffic.h2d_wait_s += t.elapsed().as_secs_f64();
         b.inspect_err(|_| {
@@ -478,10 +479,11 @@ impl<L: DeviceLink> TieredUnits<L> {
     /// it), counted in the traffic; it is one of the unit's temporaries.
     fn feed(&self, what: &str, t: &Tensor) -> Result<L::Buf, ModelError> {
         let t0 = Instant::now();
-        let u = exec_units::with_host_f32(t, |v| self.link.upload_input(what, v))?;
+        let (u, up_bytes) =
+            exec_units::with_host_elems(t, |v| Ok((self.link.upload_input(what, v)?, v.bytes())))?;
         let b = self.link.finish(u);
         let mut st = self.lock();
-        st.traffic.h2d_bytes += numel_of(t) * ELEM_BYTES;
+        st.traffic.h2d_bytes += up_bytes;
         st.traffic.h2d_wait_s += t0.elapsed().as_secs_f64();
         b
     }
@@ -610,13 +612,13 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
             }
             // Waiting here for a staging buffer is waiting for copies too.
             let t = Instant::now();
-            let u = exec_units::with_host_f32(host, |v| {
-                self.link.upload(&format!("param {}", id.0), v)
+            let (u, up_bytes) = exec_units::with_host_elems(host, |v| {
+                Ok((self.link.upload(&format!("param {}", id.0), v)?, v.bytes()))
             })?;
             st.traffic.h2d_wait_s += t.elapsed().as_secs_f64();
             st.apply(id, TierEvent::Staged(u, numel))?;
             st.peaks.live_numel_at_stage = st.peaks.live_numel_at_stage.max(st.live_numel());
-            st.traffic.h2d_bytes += numel * ELEM_BYTES;
+            st.traffic.h2d_bytes += up_bytes;
         }
         Ok(())
     }

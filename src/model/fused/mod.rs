@@ -208,6 +208,28 @@ pub(crate) fn with_f32<R>(
     with_elems::<f32, _>(t, f)
 }
 
+/// A bf16 tensor's contiguous elements (copied contiguous first if need
+/// be), for the device tier's 2-byte uploads.
+pub(crate) fn with_bf16<R>(
+    t: &Tensor,
+    f: impl FnOnce(&[half::bf16]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(CpuStorage::BF16(all)) = &*storage else {
+        return Err(candle_core::Error::Msg(
+            "bf16 elements: not a bf16 CPU tensor".into(),
+        ));
+    };
+    let (a, b) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("bf16 elements: non-contiguous".into()))?;
+    let v = all
+        .get(a..b)
+        .ok_or_else(|| candle_core::Error::Msg("bf16 elements: layout out of storage".into()))?;
+    f(v)
+}
+
 /// [`with_elems`] of three tensors at once.
 fn with_elems3<T: Real, R>(
     a: &Tensor,
