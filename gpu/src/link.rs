@@ -42,8 +42,8 @@
 //! # How a download travels ([`Downloads`])
 //!
 //! 1. [`Downloads::start`] takes the device buffer (a unit's gradient,
-//!    just computed on the compute stream) and a pinned staging buffer of
-//!    its length (plain page-locked memory, not write-combined: the CPU
+//!    just computed on the compute stream; with `narrow`, first rounded to
+//!    a bf16 buffer there) and a pinned staging buffer of its length (plain page-locked memory, not write-combined: the CPU
 //!    reads it). The `d2h` stream waits on an event recorded on the
 //!    compute stream after the kernels that wrote the buffer, then copies
 //!    it out. The host does not wait.
@@ -422,24 +422,49 @@ impl Uploads {
 /// buffer being written (see the module docs).
 #[derive(Debug)]
 pub struct PendingDownload {
-    src: Option<DeviceBuffer<f32>>,
-    staging: Option<PinnedHostSlice<f32>>,
+    inner: Option<Down>,
+}
+
+#[derive(Debug)]
+enum Down {
+    F32(DeviceBuffer<f32>, PinnedHostSlice<f32>),
+    Bf16(DeviceBuffer<bf16>, PinnedHostSlice<bf16>),
 }
 
 impl Drop for PendingDownload {
     fn drop(&mut self) {
         // Unfinished: wait for the copy before either buffer is freed.
-        if let Some(s) = &self.staging {
-            let _ = s.as_slice();
+        match &self.inner {
+            Some(Down::F32(_, s)) => drop(s.as_slice()),
+            Some(Down::Bf16(_, s)) => drop(s.as_slice()),
+            None => {}
         }
     }
 }
 
-/// Idle pinned buffers by length, and their bytes.
-#[derive(Debug, Default)]
-struct IdlePinned {
-    by_len: HashMap<usize, Vec<PinnedHostSlice<f32>>>,
+/// What a download brought back.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Downloaded {
+    /// fp32 elements.
+    F32(Vec<f32>),
+    /// bf16 elements, rounded on the device (to nearest even).
+    Bf16(Vec<bf16>),
+}
+
+/// Idle pinned buffers of one element type by length, and their bytes.
+#[derive(Debug)]
+struct IdlePinned<T> {
+    by_len: HashMap<usize, Vec<PinnedHostSlice<T>>>,
     bytes: u64,
+}
+
+impl<T> Default for IdlePinned<T> {
+    fn default() -> Self {
+        IdlePinned {
+            by_len: HashMap::new(),
+            bytes: 0,
+        }
+    }
 }
 
 /// The download path of one device: copies out on the `d2h` stream
@@ -447,32 +472,39 @@ struct IdlePinned {
 #[derive(Debug)]
 pub struct Downloads {
     dev: Arc<Device>,
-    free: Mutex<IdlePinned>,
+    free: Mutex<IdlePinned<f32>>,
+    free16: Mutex<IdlePinned<bf16>>,
     cap_bytes: u64,
     spans: SpanLog,
 }
 
 impl Downloads {
     /// Downloads from `dev`, keeping at most `cap_bytes` of idle pinned
-    /// buffers.
+    /// buffers of each element type.
     pub fn new(dev: Arc<Device>, cap_bytes: u64) -> Result<Self> {
         Ok(Downloads {
             spans: SpanLog::new(&dev)?,
             dev,
             free: Mutex::new(IdlePinned::default()),
+            free16: Mutex::new(IdlePinned::default()),
             cap_bytes,
         })
     }
 
-    /// Starts copying `src` to the host, after the compute stream's work
-    /// queued so far.
-    pub fn start(&self, what: &str, src: DeviceBuffer<f32>) -> Result<PendingDownload> {
+    /// Queues the copy of `src` into a pinned buffer of its length on the
+    /// d2h stream, after the compute stream's work queued so far.
+    fn queue<T: cudarc::driver::DeviceRepr>(
+        &self,
+        pool: &Mutex<IdlePinned<T>>,
+        what: &str,
+        src: &DeviceBuffer<T>,
+    ) -> Result<PinnedHostSlice<T>> {
         let len = src.len();
         let pooled = {
-            let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+            let mut free = locked(pool);
             let got = free.by_len.get_mut(&len).and_then(Vec::pop);
             if got.is_some() {
-                free.bytes -= (len * 4) as u64;
+                free.bytes -= (len * std::mem::size_of::<T>()) as u64;
             }
             got
         };
@@ -484,7 +516,7 @@ impl Downloads {
             None => unsafe {
                 self.dev
                     .context()
-                    .alloc_pinned_with_flags::<f32>(len, 0)
+                    .alloc_pinned_with_flags::<T>(len, 0)
                     .map_err(driver("cuMemHostAlloc"))?
             },
         };
@@ -504,31 +536,61 @@ impl Downloads {
             .map_err(driver("cuMemcpyDtoHAsync"))?;
         let span = EventClock::span(&self.dev.d2h, what.to_owned(), began)?;
         self.spans.push(span)?;
-        Ok(PendingDownload {
-            src: Some(src),
-            staging: Some(staging),
-        })
+        Ok(staging)
+    }
+
+    /// Starts copying `src` to the host, after the compute stream's work
+    /// queued so far; with `narrow`, rounded to bf16 on the compute stream
+    /// first (`cast_f32_bf16`), so half the bytes cross.
+    pub fn start(
+        &self,
+        what: &str,
+        src: DeviceBuffer<f32>,
+        narrow: bool,
+    ) -> Result<PendingDownload> {
+        let inner = if narrow {
+            let mut half = self
+                .dev
+                .alloc_zeros::<bf16>("narrowed download", src.len())?;
+            crate::ops::cast::<f32, bf16>(&self.dev, &mut half, &src)?;
+            drop(src);
+            let staging = self.queue(&self.free16, what, &half)?;
+            Down::Bf16(half, staging)
+        } else {
+            let staging = self.queue(&self.free, what, &src)?;
+            Down::F32(src, staging)
+        };
+        Ok(PendingDownload { inner: Some(inner) })
     }
 
     /// The downloaded elements (waits for the copy).
-    pub fn finish(&self, mut d: PendingDownload) -> Result<Vec<f32>> {
-        let staging = d.staging.take();
-        let src = d.src.take();
-        let Some(staging) = staging else {
-            return Ok(Vec::new());
-        };
-        let out = staging
-            .as_slice()
-            .map_err(driver("cuEventSynchronize"))?
-            .to_vec();
-        drop(src);
-        let bytes = staging.num_bytes() as u64;
-        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-        if free.bytes + bytes <= self.cap_bytes {
-            free.bytes += bytes;
-            free.by_len.entry(staging.len()).or_default().push(staging);
+    pub fn finish(&self, mut d: PendingDownload) -> Result<Downloaded> {
+        fn back<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Clone>(
+            pool: &Mutex<IdlePinned<T>>,
+            cap: u64,
+            src: DeviceBuffer<T>,
+            staging: PinnedHostSlice<T>,
+        ) -> Result<Vec<T>> {
+            let out = staging
+                .as_slice()
+                .map_err(driver("cuEventSynchronize"))?
+                .to_vec();
+            drop(src);
+            let bytes = staging.num_bytes() as u64;
+            let mut free = locked(pool);
+            if free.bytes + bytes <= cap {
+                free.bytes += bytes;
+                free.by_len.entry(staging.len()).or_default().push(staging);
+            }
+            Ok(out)
         }
-        Ok(out)
+        Ok(match d.inner.take() {
+            Some(Down::F32(src, s)) => Downloaded::F32(back(&self.free, self.cap_bytes, src, s)?),
+            Some(Down::Bf16(src, s)) => {
+                Downloaded::Bf16(back(&self.free16, self.cap_bytes, src, s)?)
+            }
+            None => Downloaded::F32(Vec::new()),
+        })
     }
 
     /// The copies that completed since the last call, on the host's

@@ -364,6 +364,42 @@ impl HostElems<'_> {
     }
 }
 
+/// Elements a device tier downloaded: fp32, or bf16 rounded on the
+/// device (to nearest even, as candle's `to_dtype` rounds on the host).
+#[derive(Debug, Clone, PartialEq)]
+pub enum HostVec {
+    /// fp32 elements.
+    F32(Vec<f32>),
+    /// bf16 elements.
+    Bf16(Vec<half::bf16>),
+}
+
+impl HostVec {
+    /// Bytes that crossed.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            HostVec::F32(v) => std::mem::size_of_val(v.as_slice()) as u64,
+            HostVec::Bf16(v) => std::mem::size_of_val(v.as_slice()) as u64,
+        }
+    }
+
+    /// A host tensor of `dims` in `dtype` (fp32 elements rounded once if
+    /// `dtype` is narrower; bf16 ones taken as they are).
+    pub fn into_tensor(self, dims: &[usize], dtype: DType) -> Result<Tensor, ModelError> {
+        match self {
+            HostVec::F32(v) => tensor_as(v, dims, dtype),
+            HostVec::Bf16(v) => {
+                let t = Tensor::from_vec(v, dims, &Device::Cpu)?;
+                Ok(if dtype == DType::BF16 {
+                    t
+                } else {
+                    t.to_dtype(dtype)?
+                })
+            }
+        }
+    }
+}
+
 /// Runs `f` on a host tensor's elements as they are stored (fp32 or bf16,
 /// a contiguous one not copied), for an upload that crosses in that type.
 pub(crate) fn with_host_elems<R>(

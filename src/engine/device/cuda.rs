@@ -16,11 +16,13 @@
 use std::sync::Arc;
 
 use tierzero_gpu::device::{Device, DeviceBuffer};
-use tierzero_gpu::link::{Downloads, EventClock, PendingDownload, PendingUpload, SpanLog, Uploads};
+use tierzero_gpu::link::{
+    Downloaded, Downloads, EventClock, PendingDownload, PendingUpload, SpanLog, Uploads,
+};
 use tierzero_gpu::unit::{CudaExec, GemmDtype};
 
 use super::{DeviceLink, LinkMemory, Staging};
-use crate::model::exec_units::{gpu_err, DeviceQueue, DeviceSpan, HostElems};
+use crate::model::exec_units::{gpu_err, DeviceQueue, DeviceSpan, HostElems, HostVec};
 use crate::model::ModelError;
 
 /// Pinned staging memory for the uploads: a few units' worth is enough
@@ -115,12 +117,20 @@ impl DeviceLink for CudaLink {
         drop(buf);
     }
 
-    fn download(&self, what: &str, buf: DeviceBuffer<f32>) -> Result<PendingDownload, ModelError> {
-        self.downloads.start(what, buf).map_err(gpu_err)
+    fn download(
+        &self,
+        what: &str,
+        buf: DeviceBuffer<f32>,
+        narrow: bool,
+    ) -> Result<PendingDownload, ModelError> {
+        self.downloads.start(what, buf, narrow).map_err(gpu_err)
     }
 
-    fn finish_download(&self, d: PendingDownload) -> Result<Vec<f32>, ModelError> {
-        self.downloads.finish(d).map_err(gpu_err)
+    fn finish_download(&self, d: PendingDownload) -> Result<HostVec, ModelError> {
+        Ok(match self.downloads.finish(d).map_err(gpu_err)? {
+            Downloaded::F32(v) => HostVec::F32(v),
+            Downloaded::Bf16(v) => HostVec::Bf16(v),
+        })
     }
 
     fn memory(&self) -> LinkMemory {

@@ -114,7 +114,7 @@ mod tier;
 
 pub use tier::{Residency, TierEvent, TierLimits, TierPeaks, TieredUnits};
 
-use crate::model::exec_units::{DeviceSpan, HostElems};
+use crate::model::exec_units::{DeviceSpan, HostElems, HostVec};
 use crate::model::ModelError;
 
 /// What the device tier needs of a device.
@@ -154,10 +154,16 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
     fn free(&self, buf: Self::Buf);
     /// Starts copying `buf` (a unit's gradient) to the host, on the copy
     /// queue out, after the compute that wrote it; the host does not
-    /// wait. The download owns `buf` until it completes.
-    fn download(&self, what: &str, buf: Self::Buf) -> Result<Self::Download, ModelError>;
+    /// wait. With `narrow`, it is rounded to bf16 on the device first
+    /// (half the bytes cross). The download owns `buf` until it completes.
+    fn download(
+        &self,
+        what: &str,
+        buf: Self::Buf,
+        narrow: bool,
+    ) -> Result<Self::Download, ModelError>;
     /// The downloaded elements: waits for the copy, then frees its source.
-    fn finish_download(&self, d: Self::Download) -> Result<Vec<f32>, ModelError>;
+    fn finish_download(&self, d: Self::Download) -> Result<HostVec, ModelError>;
     /// The device's memory, for the plan.
     fn memory(&self) -> LinkMemory;
     /// Runs `f`, a unit's compute, as a span of the compute queue: on a

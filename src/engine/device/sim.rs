@@ -33,7 +33,7 @@ use crossbeam_channel::{Receiver, Sender};
 use tierzero_gpu::unit::{GemmDtype, HostExec};
 
 use super::{DeviceLink, LinkMemory, Staging};
-use crate::model::exec_units::{DeviceQueue, DeviceSpan, HostElems};
+use crate::model::exec_units::{DeviceQueue, DeviceSpan, HostElems, HostVec};
 use crate::model::ModelError;
 
 /// How the simulated device behaves.
@@ -174,14 +174,22 @@ pub struct SimUpload {
 /// A download on the simulated device.
 #[derive(Debug)]
 pub struct SimDownload {
-    event: Arc<Event>,
+    event: Arc<Down16>,
 }
 
 /// One download for the download thread.
 struct Down {
     what: String,
     data: Vec<f32>,
-    event: Arc<Event>,
+    narrow: bool,
+    event: Arc<Down16>,
+}
+
+/// A download's completion: what came back.
+#[derive(Debug, Default)]
+struct Down16 {
+    done: Mutex<Option<HostVec>>,
+    cv: Condvar,
 }
 
 /// The simulated device (see the module docs).
@@ -243,17 +251,20 @@ fn copy_thread(rx: Receiver<Job>, shared: Arc<Shared>, cfg: SimConfig) {
 fn download_thread(rx: Receiver<Down>, shared: Arc<Shared>, cfg: SimConfig) {
     for d in rx {
         let start = Instant::now();
-        std::thread::sleep(copy_time(
-            &cfg,
-            std::mem::size_of_val(d.data.as_slice()) as u64,
-        ));
+        // With `narrow`, rounded to bf16 on the device: half the bytes.
+        let out = if d.narrow {
+            HostVec::Bf16(d.data.iter().map(|&x| half::bf16::from_f32(x)).collect())
+        } else {
+            HostVec::F32(d.data)
+        };
+        std::thread::sleep(copy_time(&cfg, out.bytes()));
         shared.push_span(DeviceSpan {
             queue: DeviceQueue::D2h,
             name: d.what,
             start,
             end: Instant::now(),
         });
-        *d.event.done.lock().unwrap_or_else(|p| p.into_inner()) = Some(d.data);
+        *d.event.done.lock().unwrap_or_else(|p| p.into_inner()) = Some(out);
         d.event.cv.notify_all();
         shared.downloads_in_flight.fetch_sub(1, Ordering::Relaxed);
         shared.downloads.fetch_add(1, Ordering::Relaxed);
@@ -451,8 +462,8 @@ impl DeviceLink for SimDevice {
         self.shared.used_bytes.fetch_sub(bytes, Ordering::Relaxed);
     }
 
-    fn download(&self, what: &str, buf: Vec<f32>) -> Result<SimDownload, ModelError> {
-        let event = Arc::new(Event::default());
+    fn download(&self, what: &str, buf: Vec<f32>, narrow: bool) -> Result<SimDownload, ModelError> {
+        let event = Arc::new(Down16::default());
         self.shared
             .downloads_in_flight
             .fetch_add(1, Ordering::Relaxed);
@@ -465,6 +476,7 @@ impl DeviceLink for SimDevice {
                 tx.send(Down {
                     what: what.to_owned(),
                     data: buf,
+                    narrow,
                     event: event.clone(),
                 })
             });
@@ -481,8 +493,14 @@ impl DeviceLink for SimDevice {
         }
     }
 
-    fn finish_download(&self, d: SimDownload) -> Result<Vec<f32>, ModelError> {
-        Ok(wait_event(&d.event))
+    fn finish_download(&self, d: SimDownload) -> Result<HostVec, ModelError> {
+        let mut done = d.event.done.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(v) = done.take() {
+                return Ok(v);
+            }
+            done = d.event.cv.wait(done).unwrap_or_else(|p| p.into_inner());
+        }
     }
 
     fn memory(&self) -> LinkMemory {

@@ -567,11 +567,15 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
         let out = out?;
         // The param gradients go out on the copy queue while the engine
         // starts the next unit; it collects them with `take_grads`.
-        let mut down = out.input.as_ref().map_or(0, numel_of);
+        // bf16 gradients are rounded on the device: half the bytes cross.
+        let narrow = out.dtype == DType::BF16;
+        let grad_bytes = if narrow { 2 } else { ELEM_BYTES };
+        let mut down = out.input.as_ref().map_or(0, numel_of) * ELEM_BYTES;
         let mut grads = Vec::with_capacity(out.grads.len());
         for (id, g, dims) in out.grads {
-            down += dims.iter().product::<usize>() as u64;
-            grads.push((id, self.link.download(&format!("grad {}", id.0), g)?, dims));
+            down += dims.iter().product::<usize>() as u64 * grad_bytes;
+            let d = self.link.download(&format!("grad {}", id.0), g, narrow)?;
+            grads.push((id, d, dims));
         }
         self.downloads
             .lock()
@@ -581,7 +585,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
                 grads,
                 dtype: out.dtype,
             });
-        self.lock().traffic.d2h_bytes += down * ELEM_BYTES;
+        self.lock().traffic.d2h_bytes += down;
         Ok(UnitGrads {
             params: Vec::new(),
             input: out.input,
@@ -650,7 +654,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
             // buffers come back), not used.
             match self.link.finish_download(d) {
                 Ok(v) if result.is_ok() => {
-                    out.push((id, exec_units::tensor_as(v, &dims, p.dtype)?));
+                    out.push((id, v.into_tensor(&dims, p.dtype)?));
                 }
                 Ok(_) => {}
                 Err(e) => result = result.and(Err(e)),
