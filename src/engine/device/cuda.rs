@@ -143,8 +143,10 @@ impl DeviceLink for CudaLink {
                     .saturating_sub(self.startup_bytes)
                     .saturating_sub(self.budget_bytes),
             ),
-            // Uploads' and downloads' pools, each under the cap.
-            staging: Staging::CapBytes(2 * self.uploads.cap_bytes()),
+            // Four pools under the cap each: uploads' and downloads', of
+            // fp32 and of bf16 elements (a run fills at most two of them
+            // much: its storage dtype's).
+            staging: Staging::CapBytes(4 * self.uploads.cap_bytes()),
         }
     }
 
