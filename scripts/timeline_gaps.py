@@ -91,15 +91,18 @@ def main():
             f"compute {comp_ms:.1f} ms, waiting for params {wait_ms:.1f} ms"
         )
         if "device: compute" in spans or "device: h2d" in spans:
-            dev = clip(spans.get("device: compute", []), s0, s1)
-            h2d = clip(spans.get("device: h2d", []), s0, s1)
-            both = sum(
-                max(0.0, min(e, f) - max(s, c)) for s, e, _ in union(h2d) for c, f, _ in union(dev)
-            )
+            dev = union(clip(spans.get("device: compute", []), s0, s1))
+
+            def busy(lane):
+                u = union(clip(spans.get(lane, []), s0, s1))
+                under = sum(max(0.0, min(e, f) - max(s, c)) for s, e, _ in u for c, f, _ in dev)
+                return sum(e - s for s, e, _ in u), under
+
+            (h2d, h2d_under), (d2h, d2h_under) = busy("device: h2d"), busy("device: d2h")
             print(
-                f"  device: compute busy {sum(e - s for s, e, _ in union(dev)):.1f} ms, "
-                f"h2d busy {sum(e - s for s, e, _ in union(h2d)):.1f} ms, "
-                f"both at once {both:.1f} ms"
+                f"  device: compute busy {sum(e - s for s, e, _ in dev):.1f} ms; "
+                f"h2d busy {h2d:.1f} ms ({h2d_under:.1f} under compute); "
+                f"d2h busy {d2h:.1f} ms ({d2h_under:.1f} under compute)"
             )
         for d, a, b in gaps[:top]:
             during = [n for s, e, n in clip(spans.get("compute", []) + spans.get("params", []), a, b)]
