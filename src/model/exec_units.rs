@@ -195,6 +195,9 @@ pub struct DeviceTraffic {
     pub h2d_wait_s: f64,
     /// Seconds the compute thread waited for gradients' downloads.
     pub d2h_wait_s: f64,
+    /// Bytes of unit inputs not uploaded: the previous unit's output was
+    /// still on the device.
+    pub h2d_kept_bytes: u64,
 }
 
 /// Why `tierzero-gpu`'s units cannot run this model (None: they can).
@@ -508,7 +511,7 @@ fn rope_tables<B>(
 ) -> Result<RopeTables<B>, ModelError> {
     let (cos, sin) = ops::rope_tables_for(c, seq, DType::F32, &Device::Cpu)?;
     let half = |t: &Tensor| -> Result<B, ModelError> {
-        feed(
+        feed.feed(
             "rotary table",
             &t.narrow(1, 0, c.head_dim / 2)?.contiguous()?,
         )
@@ -575,22 +578,35 @@ fn forward<E: Exec>(
     input: UnitInput<'_>,
 ) -> Result<UnitOutput, ModelError> {
     let p = uploads(e, params)?;
-    forward_with(
-        e,
-        &|what, t| upload(e, what, t),
-        model,
-        unit,
-        params,
-        &p,
-        input,
-    )
+    forward_with(e, &Direct(e), model, unit, params, &p, input)
 }
 
-/// Where a unit's host inputs go to the executor: its hidden input, its
-/// upstream gradient, its rotary tables. [`ReferenceUnits`] and
-/// [`CudaUnits`] upload them on the executor (`upload`); the device tier
-/// sends them through its link, asynchronously and counted.
-pub(crate) type Feed<'a, B> = &'a dyn Fn(&str, &Tensor) -> Result<B, ModelError>;
+/// How a unit's tensors cross between the host and the executor.
+pub(crate) trait Crossing<B> {
+    /// A unit's host input on the executor: its hidden input, its upstream
+    /// gradient, its rotary tables. [`ReferenceUnits`] and [`CudaUnits`]
+    /// upload them on the executor (`upload`); the device tier sends them
+    /// through its link, asynchronously and counted, or hands back the
+    /// executor's own copy ([`Crossing::keep`]).
+    fn feed(&self, what: &str, t: &Tensor) -> Result<B, ModelError>;
+    /// A unit's output (hidden state, or its input gradient) was just
+    /// downloaded as `host` from `dev`: a crossing may keep `dev` to feed
+    /// back when `host` comes in as the next unit's input. Dropped by
+    /// default.
+    fn keep(&self, _host: &Tensor, _dev: B) {}
+}
+
+/// [`Crossing`] by plain uploads on the executor.
+struct Direct<'e, E>(&'e E);
+
+impl<E: Exec> Crossing<E::Buf> for Direct<'_, E> {
+    fn feed(&self, what: &str, t: &Tensor) -> Result<E::Buf, ModelError> {
+        upload(self.0, what, t)
+    }
+}
+
+/// A unit's [`Crossing`].
+pub(crate) type Feed<'a, B> = &'a dyn Crossing<B>;
 
 /// [`UnitCompute::forward_unit`] with the unit's params already on the
 /// executor (`p`, in declared order; `params` are their host copies).
@@ -610,11 +626,9 @@ pub(crate) fn forward_with<E: Exec>(
     let out_shape = [bt.0, bt.1, h];
     let dtype = storage_dtype(params);
     let hidden_out = |buf: E::Buf| -> Result<UnitOutput, ModelError> {
-        Ok(UnitOutput::Hidden(tensor_as(
-            e.download(&buf).map_err(gpu_err)?,
-            &out_shape,
-            dtype,
-        )?))
+        let t = tensor_as(e.download(&buf).map_err(gpu_err)?, &out_shape, dtype)?;
+        feed.keep(&t, buf);
+        Ok(UnitOutput::Hidden(t))
     };
     match (kind, input, c.arch) {
         (UnitKind::Embedding, UnitInput::Tokens(ids), arch) => {
@@ -630,11 +644,11 @@ pub(crate) fn forward_with<E: Exec>(
             hidden_out(y)
         }
         (UnitKind::Block { .. }, UnitInput::Hidden(x), Arch::Gpt2) => {
-            let x = feed("hidden", x)?;
+            let x = feed.feed("hidden", x)?;
             hidden_out(unit::gpt2_block_forward(e, &gpt2_dims(c, bt), p, &x).map_err(gpu_err)?)
         }
         (UnitKind::Block { .. }, UnitInput::Hidden(x), Arch::Llama) => {
-            let x = feed("hidden", x)?;
+            let x = feed.feed("hidden", x)?;
             let rope = rope_tables(feed, c, bt.1)?;
             let y =
                 unit::llama_block_forward(e, &llama_dims(c, bt), p, &x, &rope).map_err(gpu_err)?;
@@ -674,7 +688,7 @@ fn head<E: Exec>(
     bt: (usize, usize),
 ) -> Result<HeadOut<E::Buf>, ModelError> {
     let c = model.config();
-    let x = feed("hidden", hidden)?;
+    let x = feed.feed("hidden", hidden)?;
     let t = e.ids(&ids_of(targets)?, c.vocab_size).map_err(gpu_err)?;
     let mut g: Vec<E::Buf> = p
         .iter()
@@ -719,16 +733,7 @@ fn backward<E: Exec>(
     upstream: Upstream<'_>,
 ) -> Result<UnitGrads, ModelError> {
     let p = uploads(e, params)?;
-    backward_with(
-        e,
-        &|what, t| upload(e, what, t),
-        model,
-        unit,
-        params,
-        &p,
-        input,
-        upstream,
-    )
+    backward_with(e, &Direct(e), model, unit, params, &p, input, upstream)
 }
 
 /// [`UnitCompute::backward_unit`] with the unit's params already on the
@@ -809,7 +814,7 @@ pub(crate) fn backward_on<E: Exec>(
             (out.grads, Some(out.dx), Some(out.loss))
         }
         (UnitKind::Block { .. }, UnitInput::Hidden(x), Upstream::Grad(dy)) => {
-            let (x, dy) = (feed("hidden", x)?, feed("upstream gradient", dy)?);
+            let (x, dy) = (feed.feed("hidden", x)?, feed.feed("upstream gradient", dy)?);
             let mut g = zeros(e)?;
             let dx = match c.arch {
                 Arch::Gpt2 => unit::gpt2_block_backward(e, &gpt2_dims(c, bt), p, &x, &dy, &mut g),
@@ -822,7 +827,7 @@ pub(crate) fn backward_on<E: Exec>(
             (g, Some(dx), None)
         }
         (UnitKind::Embedding, UnitInput::Tokens(ids), Upstream::Grad(dy)) => {
-            let dy = feed("upstream gradient", dy)?;
+            let dy = feed.feed("upstream gradient", dy)?;
             let ids = e.ids(&ids_of(ids)?, c.vocab_size).map_err(gpu_err)?;
             let mut g = zeros(e)?;
             match c.arch {
@@ -853,11 +858,11 @@ pub(crate) fn backward_on<E: Exec>(
         .map(|((id, p), g)| (*id, g, p.dims().to_vec()))
         .collect();
     let input = match input_grad {
-        Some(dx) => Some(tensor_as(
-            e.download(&dx).map_err(gpu_err)?,
-            &[bt.0, bt.1, h],
-            dtype,
-        )?),
+        Some(dx) => {
+            let t = tensor_as(e.download(&dx).map_err(gpu_err)?, &[bt.0, bt.1, h], dtype)?;
+            feed.keep(&t, dx);
+            Some(t)
+        }
         None => None,
     };
     Ok(BackwardOut {

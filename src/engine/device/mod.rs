@@ -100,7 +100,12 @@
 //! param's upload does, instead of a synchronous copy from pageable
 //! memory on the compute stream. They are the unit's temporaries: the
 //! device budget's other share holds them, not the tier's, and they count
-//! in `h2d_bytes`.
+//! in `h2d_bytes`. A unit's fp32 output (a block's hidden state in
+//! forward, an input gradient in backward) is also kept on the device
+//! beside its host copy, one at a time: when that host copy comes in as
+//! the next unit's input, the kept buffer is fed instead of an upload
+//! (`h2d_kept_bytes`). A bf16 output is not kept: its host copy is
+//! rounded, the device's is not.
 //!
 //! # Bit-identical
 //!

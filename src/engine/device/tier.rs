@@ -5,11 +5,11 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Tensor, TensorId};
 
 use super::DeviceLink;
 use crate::model::exec_units::{
-    self, DeviceMemoryPlan, DeviceMemoryRow, DeviceSpan, DeviceTraffic, UnitCompute,
+    self, Crossing, DeviceMemoryPlan, DeviceMemoryRow, DeviceSpan, DeviceTraffic, UnitCompute,
 };
 use crate::model::{
     Model, ModelError, ParamId, UnitGrads, UnitId, UnitInput, UnitOutput, Upstream,
@@ -221,6 +221,43 @@ pub struct TieredUnits<L: DeviceLink> {
     state: Mutex<State<L::Upload, L::Buf>>,
     /// Units' param gradients on their way to the host, oldest first.
     downloads: Mutex<VecDeque<PendingGrads<L::Download>>>,
+    /// The last unit's fp32 output (hidden state or input gradient) still
+    /// on the device, with the id of its host copy: fed back instead of
+    /// uploaded when that copy is the next unit's input.
+    carry: Mutex<Option<(TensorId, L::Buf)>>,
+}
+
+/// The tier as a unit's [`Crossing`]: inputs through the link, or the
+/// output it kept.
+struct TierCrossing<'a, L: DeviceLink>(&'a TieredUnits<L>);
+
+impl<L: DeviceLink> Crossing<L::Buf> for TierCrossing<'_, L> {
+    fn feed(&self, what: &str, t: &Tensor) -> Result<L::Buf, ModelError> {
+        let kept = {
+            let mut c = self.0.carry.lock().unwrap_or_else(|p| p.into_inner());
+            match c.take() {
+                Some((id, b)) if id == t.id() => Some(b),
+                other => {
+                    *c = other;
+                    None
+                }
+            }
+        };
+        match kept {
+            Some(b) => {
+                self.0.lock().traffic.h2d_kept_bytes += numel_of(t) * ELEM_BYTES;
+                Ok(b)
+            }
+            None => self.0.feed(what, t),
+        }
+    }
+
+    fn keep(&self, host: &Tensor, dev: L::Buf) {
+        // Only fp32: a bf16 host copy is rounded, the device's is not.
+        if host.dtype() == DType::F32 {
+            *self.0.carry.lock().unwrap_or_else(|p| p.into_inner()) = Some((host.id(), dev));
+        }
+    }
 }
 
 /// One unit's param gradients downloading (see [`UnitCompute::take_grads`]).
@@ -266,6 +303,7 @@ impl<L: DeviceLink> TieredUnits<L> {
                 peaks: TierPeaks::default(),
             }),
             downloads: Mutex::new(VecDeque::new()),
+            carry: Mutex::new(None),
         }
     }
 
@@ -534,7 +572,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
     ) -> Result<UnitOutput, ModelError> {
         let (ids, bufs) = self.take(model, unit, params)?;
         let e = self.link.exec();
-        let feed = |what: &str, t: &Tensor| self.feed(what, t);
+        let feed = TierCrossing(self);
         let out = self.link.timed(
             || format!("forward unit {}", unit.0),
             || exec_units::forward_with(&e, &feed, model, unit, params, &bufs, input),
@@ -558,7 +596,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
     ) -> Result<UnitGrads, ModelError> {
         let (ids, bufs) = self.take(model, unit, params)?;
         let e = self.link.exec();
-        let feed = |what: &str, t: &Tensor| self.feed(what, t);
+        let feed = TierCrossing(self);
         let out = self.link.timed(
             || format!("backward unit {}", unit.0),
             || exec_units::backward_on(&e, &feed, model, unit, params, &bufs, input, upstream),
@@ -628,6 +666,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
     }
 
     fn begin_step(&self) -> Result<(), ModelError> {
+        drop(self.carry.lock().unwrap_or_else(|p| p.into_inner()).take());
         let drained = self.drain_downloads();
         let mut st = self.lock();
         self.drop_all(&mut st).and(drained)
@@ -710,6 +749,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
 
 impl<L: DeviceLink> Drop for TieredUnits<L> {
     fn drop(&mut self) {
+        drop(self.carry.lock().unwrap_or_else(|p| p.into_inner()).take());
         let _ = self.drain_downloads();
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
         let mut st = std::mem::replace(

@@ -106,6 +106,9 @@ pub struct StepMetrics {
     /// downloads (they run on the copy queue out while the next unit
     /// computes).
     pub d2h_wait_s: f64,
+    /// Bytes of units' inputs the device tier did not upload: the
+    /// previous unit's output was still on the device.
+    pub h2d_kept_bytes: u64,
     /// Seconds the device's compute queue was busy with units (CUDA
     /// events on the compute stream; 0 without a device tier).
     pub device_busy_s: f64,

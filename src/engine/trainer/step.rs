@@ -620,6 +620,7 @@ impl Trainer {
             d2h_bytes: device.d2h_bytes,
             h2d_wait_s: device.h2d_wait_s,
             d2h_wait_s: device.d2h_wait_s,
+            h2d_kept_bytes: device.h2d_kept_bytes,
             device_busy_s: busy_s(&spans, DeviceQueue::Compute),
             h2d_busy_s: busy_s(&spans, DeviceQueue::H2d),
             d2h_busy_s: busy_s(&spans, DeviceQueue::D2h),
