@@ -875,3 +875,72 @@ pub(crate) fn backward_on<E: Exec>(
         dtype,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failure is a panic
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    #[test]
+    fn busy_time_counts_overlapping_spans_once_and_only_its_queue() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let span = |queue, a, b| DeviceSpan {
+            queue,
+            name: String::new(),
+            start: at(a),
+            end: at(b),
+        };
+        let spans = [
+            span(DeviceQueue::H2d, 10, 20),
+            span(DeviceQueue::H2d, 15, 30), // overlaps the first
+            span(DeviceQueue::H2d, 40, 45),
+            span(DeviceQueue::Compute, 0, 100),
+            span(DeviceQueue::H2d, 44, 44), // empty, inside the last
+        ];
+        assert!((busy_s(&spans, DeviceQueue::H2d) - 0.025).abs() < 1e-9);
+        assert!((busy_s(&spans, DeviceQueue::Compute) - 0.1).abs() < 1e-9);
+        assert_eq!(busy_s(&spans, DeviceQueue::D2h), 0.0);
+    }
+
+    #[test]
+    fn bf16_elements_cross_as_they_are_and_come_back_as_the_host_rounds() {
+        let v: Vec<f32> = (0..37).map(|i| (i as f32 - 18.0) * 0.1234567).collect();
+        let t = Tensor::from_vec(v.clone(), 37, &Device::Cpu).unwrap();
+        let b = t.to_dtype(DType::BF16).unwrap();
+        // An fp32 tensor crosses as fp32, a bf16 one as its 2-byte bits.
+        with_host_elems(&t, |h| {
+            assert!(matches!(h, HostElems::F32(_)));
+            assert_eq!(h.bytes(), 37 * 4);
+            Ok(())
+        })
+        .unwrap();
+        let want: Vec<half::bf16> = b.to_vec1().unwrap();
+        with_host_elems(&b, |h| {
+            match h {
+                HostElems::Bf16(x) => assert_eq!(x, want.as_slice()),
+                HostElems::F32(_) => panic!("bf16 crossed as fp32"),
+            }
+            assert_eq!(h.bytes(), 37 * 2);
+            Ok(())
+        })
+        .unwrap();
+        // Rounded on the device (from_f32) is what to_dtype gives.
+        let narrowed = HostVec::Bf16(v.iter().map(|&x| half::bf16::from_f32(x)).collect());
+        assert_eq!(narrowed.bytes(), 37 * 2);
+        let got: Vec<half::bf16> = narrowed
+            .into_tensor(&[37], DType::BF16)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(got, want);
+        let wide: Vec<half::bf16> = HostVec::F32(v)
+            .into_tensor(&[37], DType::BF16)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(wide, want);
+    }
+}

@@ -214,3 +214,16 @@ impl Staging {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Staging;
+
+    #[test]
+    fn staging_bounds_count_slots_of_the_longest_upload_or_the_cap() {
+        assert_eq!(Staging::Slots(4).bound_bytes(1000), 4000);
+        assert_eq!(Staging::CapBytes(1 << 20).bound_bytes(1000), 1 << 20);
+        // One upload longer than the cap still gets its buffer.
+        assert_eq!(Staging::CapBytes(1000).bound_bytes(5000), 5000);
+    }
+}
