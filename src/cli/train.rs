@@ -91,8 +91,10 @@ use tierzero::units::{format_bytes, parse_count};
 
 use super::{emit, Failure};
 
+mod device;
 mod report;
 mod steps;
+use device::{cuda_units, sim_units};
 use report::{banner, print_summary, size_and_time, Progress};
 use steps::train_steps;
 
@@ -766,7 +768,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     });
     // --device cuda: the units on that GPU (tierzero-gpu's CUDA units).
     let compute = match device {
-        None if simulated => Some(sim_units(&args, cfg, &model)?),
+        None if simulated => Some(sim_units(args.sim_h2d_gbps.as_deref(), cfg, &model)?),
         None => None,
         Some(d) => Some(cuda_units(d, cfg, &model)?),
     };
@@ -922,134 +924,6 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     };
     print_summary(&args, &run, &summary, &ran, timing, timeline.as_deref())?;
     Ok(ended)
-}
-
-/// The CUDA units on the GPU `--device` names (this rank's, for `cuda`),
-/// after the checks a user can act on: fp32 params (the units' storage),
-/// a model the units implement, then the device itself (driver, cuBLAS,
-/// NVRTC and its architecture; see `tierzero_gpu::device::Device::open`).
-fn cuda_units(
-    d: tierzero::gpu::DeviceChoice,
-    cfg: &tierzero::config::Config,
-    model: &tierzero::model::Model,
-) -> Result<std::sync::Arc<dyn tierzero::model::exec_units::UnitCompute>, Failure> {
-    use tierzero_gpu::GpuError as G;
-    let gemm = device_gemm(cfg).map_err(|e| bad(format!("--device {d}: {e}")))?;
-    if let Some(why) = tierzero::model::exec_units::supports(model.config()) {
-        return Err(bad(format!(
-            "--device {d}: the CUDA units do not implement {why}; train on --device cpu"
-        )));
-    }
-    let count = tierzero::gpu::probe()
-        .map_err(|e| bad(format!("--device {d}: {e}")))?
-        .devices
-        .len();
-    let ordinal = d
-        .resolve(count, tierzero::gpu::local_rank_from_env())
-        .map_err(|e| bad(format!("--device {d}: {e}")))?;
-    let opts = tierzero_gpu::device::DeviceOptions {
-        budget_bytes: cfg.tierzero.device_budget_bytes.map(|b| b.0),
-        ..Default::default()
-    };
-    let dev = tierzero_gpu::device::Device::open(ordinal, &opts).map_err(|e| {
-        let user = matches!(
-            e,
-            G::LibraryMissing { .. }
-                | G::LibraryTooOld { .. }
-                | G::UnsupportedArch { .. }
-                | G::DeviceMemory { .. }
-        );
-        let err = anyhow!("--device {d}: {e}");
-        if user {
-            Failure::BadInput(err)
-        } else {
-            Failure::Internal(err)
-        }
-    })?;
-    // The device tier: params staged a unit ahead on the copy stream,
-    // kept between uses within `tierzero.device_cache_bytes`.
-    let link = tierzero::engine::device::cuda::CudaLink::new(std::sync::Arc::new(dev), gemm)
-        .map_err(|e| Failure::Internal(anyhow!("--device {d}: {e}")))?;
-    Ok(std::sync::Arc::new(
-        tierzero::engine::device::TieredUnits::new(link, tier_limits(cfg)),
-    ))
-}
-
-/// The device units' GEMM operands for the config's precision: fp32, or
-/// bf16 under `bf16.enabled` (bf16 params and unit outputs, fp32 math
-/// elsewhere; see `model::exec_units`). fp16 is refused: its loss-scaled
-/// gradients are not on the device units yet.
-fn device_gemm(cfg: &tierzero::config::Config) -> Result<tierzero_gpu::unit::GemmDtype, String> {
-    use tierzero::config::Precision;
-    use tierzero_gpu::unit::GemmDtype;
-    match cfg.precision {
-        Precision::Fp32 => Ok(GemmDtype::F32),
-        Precision::Bf16 => Ok(GemmDtype::Bf16),
-        Precision::Fp16 { .. } => Err(
-            "the device units compute in fp32 or bf16 and this config enables fp16; set \
-             fp16.enabled to false (bf16.enabled to true for 16-bit), or train on --device cpu"
-                .into(),
-        ),
-    }
-}
-
-/// The device tier's bounds from the config.
-fn tier_limits(cfg: &tierzero::config::Config) -> tierzero::engine::device::TierLimits {
-    tierzero::engine::device::TierLimits {
-        prefetch_numel: cfg.zero.prefetch_bucket_numel.0,
-        max_live_numel: cfg.zero.max_live_parameters_numel.0,
-        cache_bytes: cfg.tierzero.device_cache_bytes.0,
-    }
-}
-
-/// Device memory of `--device sim` when `tierzero.device_budget_bytes`
-/// is not set.
-const SIM_DEFAULT_BUDGET_BYTES: u64 = 1 << 30;
-
-/// Staging buffers of `--device sim`.
-const SIM_STAGING_SLOTS: usize = 4;
-
-/// `--device sim`: the device tier on the simulated device, after the
-/// checks `--device cuda` makes of the model and the precision.
-fn sim_units(
-    args: &TrainArgs,
-    cfg: &tierzero::config::Config,
-    model: &tierzero::model::Model,
-) -> Result<std::sync::Arc<dyn tierzero::model::exec_units::UnitCompute>, Failure> {
-    use tierzero::engine::device::sim::{SimConfig, SimDevice};
-    let gemm = device_gemm(cfg).map_err(|e| bad(format!("--device sim: {e}")))?;
-    if let Some(why) = tierzero::model::exec_units::supports(model.config()) {
-        return Err(bad(format!(
-            "--device sim: the device units do not implement {why}; train on --device cpu"
-        )));
-    }
-    let text = args.sim_h2d_gbps.as_deref().unwrap_or("25");
-    let gbps: f64 = text
-        .trim()
-        .parse()
-        .ok()
-        .filter(|g: &f64| g.is_finite() && *g > 0.0 && *g <= 10_000.0)
-        .ok_or_else(|| {
-            bad(format!(
-                "--sim-h2d-gbps {text}: give a bandwidth in GB/s above 0 and at most 10000 \
-                 (25 is about PCIe 4.0 x16's)"
-            ))
-        })?;
-    let dev = SimDevice::new(SimConfig {
-        budget_bytes: cfg
-            .tierzero
-            .device_budget_bytes
-            .map_or(SIM_DEFAULT_BUDGET_BYTES, |b| b.0),
-        copy_delay: std::time::Duration::ZERO,
-        h2d_bytes_per_s: Some(gbps * 1e9),
-        staging_slots: SIM_STAGING_SLOTS,
-        gemm,
-        fail_upload: None,
-    })
-    .map_err(|e| Failure::Internal(anyhow!("--device sim: {e}")))?;
-    Ok(std::sync::Arc::new(
-        tierzero::engine::device::TieredUnits::new(dev, tier_limits(cfg)),
-    ))
 }
 
 /// Whether two paths name the same directory.

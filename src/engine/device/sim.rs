@@ -54,11 +54,40 @@ pub struct SimConfig {
     pub fail_upload: Option<u64>,
 }
 
-/// A completion flag with its result.
-#[derive(Debug, Default)]
-struct Event {
-    done: Mutex<Option<Vec<f32>>>,
+/// A completion flag with its result: a copy's elements in
+/// ([`Vec<f32>`]) or out ([`HostVec`]).
+#[derive(Debug)]
+struct Event<T> {
+    done: Mutex<Option<T>>,
     cv: Condvar,
+}
+
+impl<T> Default for Event<T> {
+    fn default() -> Self {
+        Event {
+            done: Mutex::new(None),
+            cv: Condvar::new(),
+        }
+    }
+}
+
+impl<T> Event<T> {
+    /// Completes it with `v`.
+    fn complete(&self, v: T) {
+        *self.done.lock().unwrap_or_else(|p| p.into_inner()) = Some(v);
+        self.cv.notify_all();
+    }
+
+    /// Waits for its result.
+    fn wait(&self) -> T {
+        let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(v) = done.take() {
+                return v;
+            }
+            done = self.cv.wait(done).unwrap_or_else(|p| p.into_inner());
+        }
+    }
 }
 
 /// One copy for the copy thread.
@@ -68,7 +97,7 @@ struct Job {
     bytes: u64,
     slab: Vec<f32>,
     sum: u64,
-    event: Arc<Event>,
+    event: Arc<Event<Vec<f32>>>,
 }
 
 /// What the copy thread and the callers share.
@@ -168,13 +197,13 @@ impl SimProbe {
 /// An upload on the simulated device.
 #[derive(Debug)]
 pub struct SimUpload {
-    event: Arc<Event>,
+    event: Arc<Event<Vec<f32>>>,
 }
 
 /// A download on the simulated device.
 #[derive(Debug)]
 pub struct SimDownload {
-    event: Arc<Down16>,
+    event: Arc<Event<HostVec>>,
 }
 
 /// One download for the download thread.
@@ -182,14 +211,7 @@ struct Down {
     what: String,
     data: Vec<f32>,
     narrow: bool,
-    event: Arc<Down16>,
-}
-
-/// A download's completion: what came back.
-#[derive(Debug, Default)]
-struct Down16 {
-    done: Mutex<Option<HostVec>>,
-    cv: Condvar,
+    event: Arc<Event<HostVec>>,
 }
 
 /// The simulated device (see the module docs).
@@ -235,8 +257,7 @@ fn copy_thread(rx: Receiver<Job>, shared: Arc<Shared>, cfg: SimConfig) {
             start,
             end: Instant::now(),
         });
-        *job.event.done.lock().unwrap_or_else(|p| p.into_inner()) = Some(dst);
-        job.event.cv.notify_all();
+        job.event.complete(dst);
         shared.in_flight.fetch_sub(1, Ordering::Relaxed);
         shared.copies.fetch_add(1, Ordering::Relaxed);
         shared
@@ -264,21 +285,9 @@ fn download_thread(rx: Receiver<Down>, shared: Arc<Shared>, cfg: SimConfig) {
             start,
             end: Instant::now(),
         });
-        *d.event.done.lock().unwrap_or_else(|p| p.into_inner()) = Some(out);
-        d.event.cv.notify_all();
+        d.event.complete(out);
         shared.downloads_in_flight.fetch_sub(1, Ordering::Relaxed);
         shared.downloads.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-/// Waits for `event`'s data.
-fn wait_event(event: &Event) -> Vec<f32> {
-    let mut done = event.done.lock().unwrap_or_else(|p| p.into_inner());
-    loop {
-        if let Some(v) = done.take() {
-            return v;
-        }
-        done = event.cv.wait(done).unwrap_or_else(|p| p.into_inner());
     }
 }
 
@@ -454,7 +463,7 @@ impl DeviceLink for SimDevice {
     }
 
     fn finish(&self, upload: SimUpload) -> Result<Vec<f32>, ModelError> {
-        Ok(wait_event(&upload.event))
+        Ok(upload.event.wait())
     }
 
     fn free(&self, buf: Vec<f32>) {
@@ -463,7 +472,7 @@ impl DeviceLink for SimDevice {
     }
 
     fn download(&self, what: &str, buf: Vec<f32>, narrow: bool) -> Result<SimDownload, ModelError> {
-        let event = Arc::new(Down16::default());
+        let event = Arc::new(Event::default());
         self.shared
             .downloads_in_flight
             .fetch_add(1, Ordering::Relaxed);
@@ -494,13 +503,7 @@ impl DeviceLink for SimDevice {
     }
 
     fn finish_download(&self, d: SimDownload) -> Result<HostVec, ModelError> {
-        let mut done = d.event.done.lock().unwrap_or_else(|p| p.into_inner());
-        loop {
-            if let Some(v) = done.take() {
-                return Ok(v);
-            }
-            done = d.event.cv.wait(done).unwrap_or_else(|p| p.into_inner());
-        }
+        Ok(d.event.wait())
     }
 
     fn memory(&self) -> LinkMemory {

@@ -248,7 +248,7 @@ impl<L: DeviceLink> Crossing<L::Buf> for TierCrossing<'_, L> {
                 self.0.lock().traffic.h2d_kept_bytes += numel_of(t) * ELEM_BYTES;
                 Ok(b)
             }
-            None => self.0.feed(what, t),
+            None => self.0.upload_input(what, t),
         }
     }
 
@@ -515,7 +515,7 @@ impl<L: DeviceLink> TieredUnits<L> {
     /// A unit's input on the device, through the link like its params (a
     /// pinned staging buffer, the copy queue, the compute ordered after
     /// it), counted in the traffic; it is one of the unit's temporaries.
-    fn feed(&self, what: &str, t: &Tensor) -> Result<L::Buf, ModelError> {
+    fn upload_input(&self, what: &str, t: &Tensor) -> Result<L::Buf, ModelError> {
         let t0 = Instant::now();
         let (u, up_bytes) =
             exec_units::with_host_elems(t, |v| Ok((self.link.upload_input(what, v)?, v.bytes())))?;

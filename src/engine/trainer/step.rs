@@ -572,18 +572,10 @@ impl Trainer {
         }
         let tokens = (plan.micro_batch * plan.gas * plan.seq_len) as f64 * plan.world as f64;
         let main_busy = compute_s + (c1.io_wait.saturating_sub(c0.io_wait)).as_secs_f64();
-        let device = self
-            .opts
-            .compute
-            .as_ref()
-            .and_then(|c| c.take_traffic())
-            .unwrap_or_default();
-        let spans = self
-            .opts
-            .compute
-            .as_ref()
-            .map(|c| c.take_device_spans())
-            .unwrap_or_default();
+        let (device, spans) = match &self.opts.compute {
+            Some(c) => (c.take_traffic().unwrap_or_default(), c.take_device_spans()),
+            None => Default::default(),
+        };
         if let Some(tl) = &self.opts.timeline {
             if tl.keeps(plan.step) {
                 tl.device(&spans);

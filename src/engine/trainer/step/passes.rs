@@ -265,7 +265,7 @@ impl Trainer {
         tied: &mut BTreeMap<ParamId, Vec<f32>>,
     ) -> Result<()> {
         let grads = match &self.opts.compute {
-            Some(c) if ready.is_empty() && !self.opts.skip_compute => {
+            Some(c) if ready.is_empty() && self.defers_grads() => {
                 c.take_grads(uid)?.unwrap_or_default()
             }
             _ => ready,
