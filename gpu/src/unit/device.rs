@@ -137,6 +137,17 @@ impl Exec for CudaExec<'_> {
         ops::adamw::<f32>(self.dev, AdamState { master, m, v }, grad, None, s)
     }
 
+    fn sq_sum(&self, x: &Self::Buf) -> Result<f32> {
+        let host_offsets = [0, x.len() as i64];
+        let offsets = self.dev.upload("sum of squares offsets", &host_offsets)?;
+        let mut out = self.dev.alloc_zeros::<f32>("sum of squares", 1)?;
+        ops::sumsq_groups(self.dev, &mut out, x, &offsets, &host_offsets)?;
+        Ok(self.dev.download(&out)?.first().copied().unwrap_or(0.0))
+    }
+    fn round_bf16(&self, dst: &mut Self::Buf, src: &Self::Buf) -> Result<()> {
+        let narrow = to_bf16(self.dev, src)?;
+        ops::cast(self.dev, dst, &narrow)
+    }
     fn zeros(&self, what: &str, n: usize) -> Result<Self::Buf> {
         self.dev.alloc_zeros(what, n)
     }

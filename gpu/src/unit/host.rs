@@ -106,6 +106,19 @@ impl Exec for HostExec {
         Ok(())
     }
 
+    fn sq_sum(&self, x: &Vec<f32>) -> Result<f32> {
+        Ok(r::sumsq_groups(x, &[0, x.len() as i64])[0])
+    }
+    fn round_bf16(&self, dst: &mut Vec<f32>, src: &Vec<f32>) -> Result<()> {
+        if dst.len() != src.len() {
+            return Err(crate::GpuError::Shape {
+                kernel: "round_bf16".into(),
+                detail: format!("dst has {} elements, src {}", dst.len(), src.len()),
+            });
+        }
+        *dst = bf16_rounded(src);
+        Ok(())
+    }
     fn zeros(&self, _: &str, n: usize) -> Result<Vec<f32>> {
         Ok(vec![0.0; n])
     }
