@@ -31,10 +31,11 @@
 #      train_check, $TRAIN_CHECK_BIN);
 #   6e. throughput of a ~350M GPT-2 in GPU memory, bf16 GEMMs, seq 1024,
 #      against PyTorch eager on the same shape (a measurement);
-#   6f. the device tier: `train --device cuda` at stage 0 in memory, with
-#      cpu offload, and with a 1 GiB device cache, each bit-identical
-#      (losses, weight_sha256) to step 6's GPU run with NVMe offload; the
-#      runs' h2d/d2h bytes and upload waits;
+#   6f. the device tier: `train --device cuda` with cpu offload and with
+#      a 1 GiB device cache, each bit-identical (losses, weight_sha256) to
+#      step 6's GPU run with NVMe offload, and at stage 0 with nothing
+#      offloaded (training in GPU memory, Adam on the GPU) within 1e-4
+#      (it clips on the device's Σg²); the runs' h2d/d2h bytes and waits;
 #   6g. bf16: the embedded GPT-2 20 steps in bf16 on the GPU against the
 #      CPU in bf16, losses within 1e-2 relative;
 #   7. the overlap ratio (docs/decisions/overlap.md) on this machine's cores and disk (a
@@ -273,12 +274,20 @@ for model in gpt2 llama; do
     sha_b=$(grep -o '"weight_sha256":"[0-9a-f]*"' "$base/out.json" 2>/dev/null || true)
     same=false
     if [ -n "$sha_v" ] && [ "$sha_v" = "$sha_b" ] && [ "$(wc -l <"$d/losses")" -ge 20 ] && cmp -s "$d/losses" "$base/losses"; then same=true; fi
-    [ "$same" = true ] || { tier_same=false; failed=1; }
+    # stage0 has nothing offloaded: Adam runs on the device (ResidentUnits),
+    # and the default config clips, on the device's own Σg² (a fixed-order
+    # sum, not the host's): its losses within 1e-4 relative, not the bits.
+    close=$same
+    if [ "$variant" = stage0 ]; then
+      close=$("$PYCFG" -c 'import sys; a=[float(x) for x in open(sys.argv[1])]; b=[float(x) for x in open(sys.argv[2])]; print(str(len(a)>=20 and len(a)==len(b) and all(abs(x-y)<=1e-4*abs(y) for x,y in zip(a,b))).lower())' "$d/losses" "$base/losses" 2>/dev/null || echo false)
+    fi
+    [ "$close" = true ] || { tier_same=false; failed=1; }
     totals=$(awk -F'[:,}]' '/"step":/ && NR > 1 { for (i = 1; i < NF; i++) { if ($i ~ /"h2d_bytes"/) h += $(i+1); if ($i ~ /"d2h_bytes"/) d += $(i+1); if ($i ~ /"h2d_wait_s"/) w += $(i+1); if ($i ~ /"d2h_wait_s"/) x += $(i+1);
         if ($i ~ /"device_busy_s"/) c += $(i+1); if ($i ~ /"h2d_busy_s"/) u += $(i+1); if ($i ~ /"d2h_busy_s"/) o += $(i+1); if ($i ~ /"wall_s"/) s += $(i+1) } }
       END { m = (c > u ? c : u); m = (o > m ? o : m); printf "{\"steps_after_first\":true,\"h2d_bytes\":%d,\"d2h_bytes\":%d,\"h2d_wait_s\":%.4f,\"d2h_wait_s\":%.4f,\"device_busy_s\":%.4f,\"h2d_busy_s\":%.4f,\"d2h_busy_s\":%.4f,\"wall_s\":%.4f,\"wall_over_busiest_queue\":%s}", h, d, w, x, c, u, o, s, (m > 0 ? sprintf("%.3f", s / m) : "null") }' "$d/metrics.jsonl" 2>/dev/null || echo null)
     [ -n "${OUT:-}" ] && [ -f "$d/timeline.json" ] && [ "$model" = gpt2 ] && cp "$d/timeline.json" "$OUT/timeline-device-tier.json"
-    printf '{"same_bits_as_nvme_stage3":%s,"traffic":%s}\n' "$same" "$totals" >"$d/summary.json"
+    printf '{"same_bits_as_nvme_stage3":%s,"within_1e-4_of_nvme_stage3":%s,"adam_on_device":%s,"traffic":%s}\n' \
+      "$same" "$close" "$([ "$variant" = stage0 ] && echo true || echo false)" "$totals" >"$d/summary.json"
   done
 done
 

@@ -837,3 +837,53 @@ fn device_sim_trains_bf16() {
     let rel = ((loss[0] - loss[1]) / loss[1]).abs();
     assert!(rel < 1e-3, "sim {} vs cpu {}", loss[0], loss[1]);
 }
+
+/// `--device sim` with nothing offloaded trains in device memory: the
+/// plan shows the device's state rows (params, moments, gradients), the
+/// loss is within 1e-3 of the CPU's, and a device too small for the state
+/// is refused with the fix.
+#[test]
+fn device_sim_with_nothing_offloaded_trains_in_device_memory() {
+    let d = tiny_setup("sim-resident");
+    let mut cfg = ds_config(&d);
+    cfg["zero_optimization"] = json!({"stage": 2});
+    write_config(&d, cfg.clone());
+    let mut loss = Vec::new();
+    for dev in ["sim", "cpu"] {
+        let args = with(&TINY, &[("--device", dev)]);
+        let out = train(&d, &args);
+        assert_eq!(
+            out.code, 0,
+            "{dev}: stdout {} stderr {}",
+            out.stdout, out.stderr
+        );
+        if dev == "sim" {
+            for want in [
+                "AdamW resident on the device",
+                "params, resident",
+                "Adam moments (m, v), fp32",
+                "gradients (the step's sums)",
+                "device total",
+            ] {
+                assert!(out.stdout.contains(want), "{want:?} in: {}", out.stdout);
+            }
+        }
+        let json_out = train(&d, &[&args[..], &["--json"]].concat());
+        let v: Value = serde_json::from_str(json_out.stdout.trim()).unwrap();
+        loss.push(v["final_loss"].as_f64().unwrap_or_else(|| panic!("{v}")));
+    }
+    let rel = ((loss[0] - loss[1]) / loss[1]).abs();
+    assert!(rel < 1e-3, "sim {} vs cpu {}", loss[0], loss[1]);
+
+    cfg["tierzero"] = json!({"device_budget_bytes": 65536});
+    write_config(&d, cfg);
+    assert_bad(
+        &d,
+        &with(&TINY, &[("--device", "sim")]),
+        &[
+            "--device sim",
+            "is left after start-up",
+            "offload_optimizer.device",
+        ],
+    );
+}

@@ -768,9 +768,14 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     });
     // --device cuda: the units on that GPU (tierzero-gpu's CUDA units).
     let compute = match device {
-        None if simulated => Some(sim_units(args.sim_h2d_gbps.as_deref(), cfg, &model)?),
+        None if simulated => Some(sim_units(
+            args.sim_h2d_gbps.as_deref(),
+            cfg,
+            &model,
+            comm.world_size(),
+        )?),
         None => None,
-        Some(d) => Some(cuda_units(d, cfg, &model)?),
+        Some(d) => Some(cuda_units(d, cfg, &model, comm.world_size())?),
     };
     let opts = TrainerOptions {
         compute: compute.clone(),

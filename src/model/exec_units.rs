@@ -109,6 +109,37 @@ pub trait UnitCompute: Send + Sync + std::fmt::Debug {
     fn memory_plan(&self, _model: &Model) -> Option<DeviceMemoryPlan> {
         None
     }
+    /// The optimizer on its device, when it keeps the params, their
+    /// gradients and Adam's state there (None: the gradients go to the
+    /// host's optimizer). Its `backward_unit` then returns no param
+    /// gradients: they are summed on the device.
+    fn device_optimizer(&self) -> Option<&dyn DeviceOptimizer> {
+        None
+    }
+}
+
+/// Adam on the compute's device: with nothing offloaded, each param's
+/// weights, gradient sum, master and moments stay in device memory and
+/// the step runs there (`engine::device::ResidentUnits`). The host's
+/// optimizer state is its copy for checkpoints and the final weights:
+/// loaded into the device before the first step, and written back when
+/// the engine settles.
+pub trait DeviceOptimizer: Send + Sync {
+    /// Whether every param's state has been loaded ([`DeviceOptimizer::load`]).
+    fn is_loaded(&self) -> bool;
+    /// Param `id`'s state from the host: `[master, m, v]`, fp32, its
+    /// elements in order. The weights the units read are made from the
+    /// master (in bf16 storage, rounded to bf16).
+    fn load(&self, id: ParamId, state: [&[f32]; 3]) -> Result<(), ModelError>;
+    /// Σ g² over the step's gradients: each param's sum of squares on the
+    /// device (one fixed-order reduction, in f32), added on the host in
+    /// param order (in f64).
+    fn grad_sq_sum(&self) -> Result<f64, ModelError>;
+    /// One AdamW step of every param with `s` (None: the step is
+    /// skipped), in param order; the gradients are dropped either way.
+    fn step(&self, s: Option<tierzero_gpu::reference::AdamScalars>) -> Result<(), ModelError>;
+    /// Param `id`'s `[master, m, v]` on the host.
+    fn state(&self, id: ParamId) -> Result<[Vec<f32>; 3], ModelError>;
 }
 
 /// Which of a device's queues a [`DeviceSpan`] ran on.
@@ -169,6 +200,9 @@ pub struct DeviceMemoryPlan {
     pub budget_bytes: u64,
     /// What holds it, each with its device and pinned host bytes.
     pub rows: Vec<DeviceMemoryRow>,
+    /// Adam's state and the gradients are on the device
+    /// ([`DeviceOptimizer`]), not in host memory.
+    pub optimizer_on_device: bool,
 }
 
 /// One row of a [`DeviceMemoryPlan`].
@@ -198,6 +232,17 @@ pub struct DeviceTraffic {
     /// Bytes of unit inputs not uploaded: the previous unit's output was
     /// still on the device.
     pub h2d_kept_bytes: u64,
+}
+
+impl DeviceTraffic {
+    /// Adds `o`'s counts into these.
+    pub fn add(&mut self, o: &DeviceTraffic) {
+        self.h2d_bytes += o.h2d_bytes;
+        self.d2h_bytes += o.d2h_bytes;
+        self.h2d_wait_s += o.h2d_wait_s;
+        self.d2h_wait_s += o.d2h_wait_s;
+        self.h2d_kept_bytes += o.h2d_kept_bytes;
+    }
 }
 
 /// Why `tierzero-gpu`'s units cannot run this model (None: they can).

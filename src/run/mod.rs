@@ -431,10 +431,16 @@ impl fmt::Display for Plan {
         if let Some(d) = &self.device_memory {
             let device: u64 = d.rows.iter().map(|r| r.device_bytes).sum();
             let pinned: u64 = d.rows.iter().map(|r| r.pinned_bytes).sum();
+            let where_adam = if d.optimizer_on_device {
+                "Adam's state and the gradients on the device; the host's optimizer state above \
+                 is the copy checkpoints save, written back when they do"
+            } else {
+                "optimizer state and the optimizer's grads in host memory"
+            };
             let _ = writeln!(
                 s,
-                "  device total {} of a {} device budget (optimizer state and the optimizer's \
-                 grads in host memory); the uploads' pinned staging {} beside the pinned total",
+                "  device total {} of a {} device budget ({where_adam}); the uploads' pinned \
+                 staging {} beside the pinned total",
                 format_bytes(device),
                 format_bytes(d.budget_bytes),
                 format_bytes(pinned)

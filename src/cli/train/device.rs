@@ -15,6 +15,7 @@ pub(super) fn cuda_units(
     d: tierzero::gpu::DeviceChoice,
     cfg: &tierzero::config::Config,
     model: &tierzero::model::Model,
+    world: usize,
 ) -> Result<std::sync::Arc<dyn tierzero::model::exec_units::UnitCompute>, Failure> {
     use tierzero_gpu::GpuError as G;
     let gemm = unit_checks(&format!("--device {d}"), cfg, model)?;
@@ -48,9 +49,62 @@ pub(super) fn cuda_units(
     // kept between uses within `tierzero.device_cache_bytes`.
     let link = tierzero::engine::device::cuda::CudaLink::new(std::sync::Arc::new(dev), gemm)
         .map_err(|e| Failure::Internal(anyhow!("--device {d}: {e}")))?;
-    Ok(std::sync::Arc::new(
-        tierzero::engine::device::TieredUnits::new(link, tier_limits(cfg)),
-    ))
+    on_link(&format!("--device {d}"), link, cfg, model, world)
+}
+
+/// The units on `link`: everything resident with Adam on the device when
+/// nothing is offloaded ([`resident`]), else the device tier with the
+/// optimizer on the host.
+fn on_link<L: tierzero::engine::device::DeviceLink + 'static>(
+    flag: &str,
+    link: L,
+    cfg: &tierzero::config::Config,
+    model: &tierzero::model::Model,
+    world: usize,
+) -> Result<std::sync::Arc<dyn tierzero::model::exec_units::UnitCompute>, Failure> {
+    use tierzero::config::Precision;
+    match resident(cfg, world) {
+        Ok(()) => {
+            let bf16 = cfg.precision == Precision::Bf16;
+            let units = tierzero::engine::device::ResidentUnits::new(link, model, bf16)
+                .map_err(|e| bad(format!("{flag}: {e}")))?;
+            Ok(std::sync::Arc::new(units))
+        }
+        Err(why) => {
+            tracing::info!("{flag}: the optimizer runs on the host: {why}");
+            Ok(std::sync::Arc::new(
+                tierzero::engine::device::TieredUnits::new(link, tier_limits(cfg)),
+            ))
+        }
+    }
+}
+
+/// Whether the run trains in device memory (Adam on the device: what
+/// DeepSpeed does with nothing offloaded), or why not.
+fn resident(cfg: &tierzero::config::Config, world: usize) -> Result<(), String> {
+    use tierzero::config::OffloadDevice;
+    let z = &cfg.zero;
+    if z.offload_optimizer.device != OffloadDevice::None {
+        return Err(format!(
+            "zero_optimization.offload_optimizer.device is {:?}",
+            z.offload_optimizer.device
+        ));
+    }
+    if z.offload_param.device != OffloadDevice::None {
+        return Err(format!(
+            "zero_optimization.offload_param.device is {:?}",
+            z.offload_param.device
+        ));
+    }
+    if world > 1 {
+        return Err(format!(
+            "{world} ranks (the device optimizer holds whole params, one rank)"
+        ));
+    }
+    if !cfg.optimizer.decoupled_weight_decay {
+        return Err("adam_w_mode is false (the device kernel is AdamW's)".into());
+    }
+    Ok(())
 }
 
 /// The device units' GEMM operands for the config's precision: fp32, or
@@ -110,6 +164,7 @@ pub(super) fn sim_units(
     sim_h2d_gbps: Option<&str>,
     cfg: &tierzero::config::Config,
     model: &tierzero::model::Model,
+    world: usize,
 ) -> Result<std::sync::Arc<dyn tierzero::model::exec_units::UnitCompute>, Failure> {
     use tierzero::engine::device::sim::{SimConfig, SimDevice};
     let gemm = unit_checks("--device sim", cfg, model)?;
@@ -137,7 +192,5 @@ pub(super) fn sim_units(
         fail_upload: None,
     })
     .map_err(|e| Failure::Internal(anyhow!("--device sim: {e}")))?;
-    Ok(std::sync::Arc::new(
-        tierzero::engine::device::TieredUnits::new(dev, tier_limits(cfg)),
-    ))
+    on_link("--device sim", dev, cfg, model, world)
 }

@@ -20,6 +20,13 @@
 //!   rules that bound it. The engine calls it where it calls the model,
 //!   and hands it the next unit's params before it computes this one
 //!   ([`crate::model::exec_units::UnitCompute::stage`]).
+//! * [`ResidentUnits`]: training in device memory, when nothing is
+//!   offloaded (one rank). Every param's weights, gradient sum, fp32
+//!   master and moments stay on the device and AdamW steps there
+//!   ([`crate::model::exec_units::DeviceOptimizer`]); the host's optimizer
+//!   state is loaded into it before the first step and written back when
+//!   the trainer settles (a checkpoint, the final weights). Its own
+//!   module docs give its state table and what the plan shows.
 //!
 //! # One state per param on the device
 //!
@@ -71,8 +78,9 @@
 //!   within the link's budget), the pinned staging bound
 //!   ([`Staging::bound_bytes`]), and on a GPU the share left for a unit's
 //!   activations and temporaries and what start-up took (kernels,
-//!   cuBLAS). The optimizer state and its gradients stay in host memory,
-//!   in the plan's other rows.
+//!   cuBLAS). With the tier, the optimizer state and its gradients stay
+//!   in host memory, in the plan's other rows ([`ResidentUnits`] has
+//!   rows of its own: the params, moments and gradients it keeps).
 //! * **Spans of the device's queues** ([`DeviceLink::timed`],
 //!   [`DeviceLink::take_spans`]): each unit's compute and each param's
 //!   copy, on the host's clock. On a GPU they come from CUDA events on the
@@ -114,10 +122,16 @@
 //! bytes; they never convert them.
 
 pub mod cuda;
+mod inputs;
+mod resident;
 pub mod sim;
 mod tier;
 
+pub use resident::{resident_state_bytes, Grad, GradEvent, ResidentUnits};
 pub use tier::{Residency, TierEvent, TierLimits, TierPeaks, TieredUnits};
+
+/// Bytes of an fp32 element on the device.
+const ELEM_BYTES: u64 = 4;
 
 use crate::model::exec_units::{DeviceSpan, HostElems, HostVec};
 use crate::model::ModelError;

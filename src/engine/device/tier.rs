@@ -5,11 +5,12 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use candle_core::{DType, Tensor, TensorId};
+use candle_core::{DType, Tensor};
 
-use super::DeviceLink;
+use super::inputs::{output_numel, Inputs};
+use super::{DeviceLink, ELEM_BYTES};
 use crate::model::exec_units::{
-    self, Crossing, DeviceMemoryPlan, DeviceMemoryRow, DeviceSpan, DeviceTraffic, UnitCompute,
+    self, DeviceMemoryPlan, DeviceMemoryRow, DeviceSpan, DeviceTraffic, UnitCompute,
 };
 use crate::model::{
     Model, ModelError, ParamId, UnitGrads, UnitId, UnitInput, UnitOutput, Upstream,
@@ -119,8 +120,6 @@ struct State<U, B> {
     peaks: TierPeaks,
 }
 
-const ELEM_BYTES: u64 = 4;
-
 impl<U, B> State<U, B> {
     fn device_bytes(&self) -> u64 {
         self.params.values().map(Residency::numel).sum::<u64>() * ELEM_BYTES
@@ -221,43 +220,8 @@ pub struct TieredUnits<L: DeviceLink> {
     state: Mutex<State<L::Upload, L::Buf>>,
     /// Units' param gradients on their way to the host, oldest first.
     downloads: Mutex<VecDeque<PendingGrads<L::Download>>>,
-    /// The last unit's fp32 output (hidden state or input gradient) still
-    /// on the device, with the id of its host copy: fed back instead of
-    /// uploaded when that copy is the next unit's input.
-    carry: Mutex<Option<(TensorId, L::Buf)>>,
-}
-
-/// The tier as a unit's [`Crossing`]: inputs through the link, or the
-/// output it kept.
-struct TierCrossing<'a, L: DeviceLink>(&'a TieredUnits<L>);
-
-impl<L: DeviceLink> Crossing<L::Buf> for TierCrossing<'_, L> {
-    fn feed(&self, what: &str, t: &Tensor) -> Result<L::Buf, ModelError> {
-        let kept = {
-            let mut c = self.0.carry.lock().unwrap_or_else(|p| p.into_inner());
-            match c.take() {
-                Some((id, b)) if id == t.id() => Some(b),
-                other => {
-                    *c = other;
-                    None
-                }
-            }
-        };
-        match kept {
-            Some(b) => {
-                self.0.lock().traffic.h2d_kept_bytes += numel_of(t) * ELEM_BYTES;
-                Ok(b)
-            }
-            None => self.0.upload_input(what, t),
-        }
-    }
-
-    fn keep(&self, host: &Tensor, dev: L::Buf) {
-        // Only fp32: a bf16 host copy is rounded, the device's is not.
-        if host.dtype() == DType::F32 {
-            *self.0.carry.lock().unwrap_or_else(|p| p.into_inner()) = Some((host.id(), dev));
-        }
-    }
+    /// A unit's inputs, and the output it left on the device.
+    inputs: Inputs<L::Buf>,
 }
 
 /// One unit's param gradients downloading (see [`UnitCompute::take_grads`]).
@@ -303,7 +267,7 @@ impl<L: DeviceLink> TieredUnits<L> {
                 peaks: TierPeaks::default(),
             }),
             downloads: Mutex::new(VecDeque::new()),
-            carry: Mutex::new(None),
+            inputs: Inputs::new(),
         }
     }
 
@@ -512,20 +476,6 @@ impl<L: DeviceLink> TieredUnits<L> {
         })
     }
 
-    /// A unit's input on the device, through the link like its params (a
-    /// pinned staging buffer, the copy queue, the compute ordered after
-    /// it), counted in the traffic; it is one of the unit's temporaries.
-    fn upload_input(&self, what: &str, t: &Tensor) -> Result<L::Buf, ModelError> {
-        let t0 = Instant::now();
-        let (u, up_bytes) =
-            exec_units::with_host_elems(t, |v| Ok((self.link.upload_input(what, v)?, v.bytes())))?;
-        let b = self.link.finish(u);
-        let mut st = self.lock();
-        st.traffic.h2d_bytes += up_bytes;
-        st.traffic.h2d_wait_s += t0.elapsed().as_secs_f64();
-        b
-    }
-
     /// The unit is done with its params: kept while the cache has room,
     /// freed otherwise.
     fn give_back(&self, ids: &[ParamId], bufs: Vec<L::Buf>) -> Result<(), ModelError> {
@@ -571,18 +521,12 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
         input: UnitInput<'_>,
     ) -> Result<UnitOutput, ModelError> {
         let (ids, bufs) = self.take(model, unit, params)?;
-        let e = self.link.exec();
-        let feed = TierCrossing(self);
-        let out = self.link.timed(
-            || format!("forward unit {}", unit.0),
-            || exec_units::forward_with(&e, &feed, model, unit, params, &bufs, input),
-        );
+        let out = self
+            .inputs
+            .forward(&self.link, model, unit, (params, &bufs), input);
         self.give_back(&ids, bufs)?;
         let out = out?;
-        let down = match &out {
-            UnitOutput::Hidden(t) | UnitOutput::Loss(t) => numel_of(t),
-        };
-        self.lock().traffic.d2h_bytes += down * ELEM_BYTES;
+        self.lock().traffic.d2h_bytes += output_numel(&out) * ELEM_BYTES;
         Ok(out)
     }
 
@@ -595,12 +539,9 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
         upstream: Upstream<'_>,
     ) -> Result<UnitGrads, ModelError> {
         let (ids, bufs) = self.take(model, unit, params)?;
-        let e = self.link.exec();
-        let feed = TierCrossing(self);
-        let out = self.link.timed(
-            || format!("backward unit {}", unit.0),
-            || exec_units::backward_on(&e, &feed, model, unit, params, &bufs, input, upstream),
-        );
+        let out = self
+            .inputs
+            .backward(&self.link, model, unit, (params, &bufs), input, upstream);
         self.give_back(&ids, bufs)?;
         let out = out?;
         // The param gradients go out on the copy queue while the engine
@@ -666,7 +607,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
     }
 
     fn begin_step(&self) -> Result<(), ModelError> {
-        drop(self.carry.lock().unwrap_or_else(|p| p.into_inner()).take());
+        self.inputs.clear();
         let drained = self.drain_downloads();
         let mut st = self.lock();
         self.drop_all(&mut st).and(drained)
@@ -704,7 +645,9 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
     }
 
     fn take_traffic(&self) -> Option<DeviceTraffic> {
-        Some(std::mem::take(&mut self.lock().traffic))
+        let mut t = std::mem::take(&mut self.lock().traffic);
+        t.add(&self.inputs.take_traffic());
+        Some(t)
     }
 
     fn take_device_spans(&self) -> Vec<DeviceSpan> {
@@ -743,13 +686,14 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
         Some(DeviceMemoryPlan {
             budget_bytes: mem.device_budget_bytes,
             rows,
+            optimizer_on_device: false,
         })
     }
 }
 
 impl<L: DeviceLink> Drop for TieredUnits<L> {
     fn drop(&mut self) {
-        drop(self.carry.lock().unwrap_or_else(|p| p.into_inner()).take());
+        self.inputs.clear();
         let _ = self.drain_downloads();
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
         let mut st = std::mem::replace(

@@ -48,7 +48,7 @@ fn space_config(config: &Config, path: &std::path::Path, capacity_bytes: u64) ->
 
 /// Low-precision bytes of fp32 values (round to nearest even, the same
 /// conversion as the optimizer's fused output).
-fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
+pub(super) fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
     match dtype {
         DType::BF16 => values
             .iter()
@@ -714,6 +714,7 @@ impl Trainer {
             io_clock: clocks.io,
             engine_clocks: clocks.engines,
             flush_open: false,
+            device_dirty: false,
             optimizer_wait: Duration::ZERO,
             speculation: Speculation::default(),
             grads_out: std::collections::HashSet::new(),

@@ -177,6 +177,7 @@ mod activations;
 pub use activations::Decision as ActivationDecision;
 mod build;
 mod checkpoint;
+mod device_optim;
 mod groups;
 mod options;
 mod step;
@@ -383,6 +384,9 @@ pub struct Trainer {
     engine_clocks: Option<[Arc<BusyClock>; 3]>,
     /// A `Flush` was sent and its reply has not arrived.
     flush_open: bool,
+    /// The device optimizer stepped since its state was last loaded or
+    /// written back to the host (`device_optim.rs`).
+    device_dirty: bool,
     /// Time the compute thread spent waiting for the optimizer thread.
     optimizer_wait: Duration,
     /// The speculative step's record.

@@ -113,6 +113,7 @@ impl Trainer {
             // current.
             c.begin_step()?;
         }
+        self.load_device_optimizer()?;
         self.expect_reads(&plan)?;
         // A micro-batch's gradient of a param used by several units (a tied
         // embedding), summed locally until its last unit (see accumulate).
@@ -124,13 +125,22 @@ impl Trainer {
         let loss = self.global_loss(&micro_losses)?;
         let overlapped = groups.sent_count() as u64;
         let (decision, grad_norm) = self.decide(&plan, &mut groups, &mut times)?;
-        let skipped = self.dispatch(&plan, &mut groups, decision)?;
-        // The optimizer tail runs on while the next step's forward starts:
-        // `fetch_unit` waits for the params it needs, `settle_optimizer`
-        // for all of them.
-        self.opt.send(Job::Flush)?;
-        self.flush_open = true;
-        self.drain_done()?;
+        let skipped = if self.device_compute().is_some() {
+            // Adam on the device: nothing goes to the optimizer thread.
+            let t0 = Instant::now();
+            let skipped = self.device_step(&plan.hyper, plan.adam_step, decision)?;
+            times.compute += t0.elapsed();
+            skipped
+        } else {
+            let skipped = self.dispatch(&plan, &mut groups, decision)?;
+            // The optimizer tail runs on while the next step's forward
+            // starts: `fetch_unit` waits for the params it needs,
+            // `settle_optimizer` for all of them.
+            self.opt.send(Job::Flush)?;
+            self.flush_open = true;
+            self.drain_done()?;
+            skipped
+        };
         let opt_wait = self.optimizer_wait.saturating_sub(start.optimizer_wait);
         self.scaler.update(skipped);
         if skipped {
@@ -450,8 +460,17 @@ impl Trainer {
         }
         let t0 = Instant::now();
         let mut total = 0f64;
-        for i in 0..self.layout.sub_groups.len() {
-            total += groups.norm(SubGroupId(i), &self.adam)?;
+        match self.device_compute() {
+            Some(c) => {
+                if let Some(dev) = c.device_optimizer() {
+                    total = dev.grad_sq_sum()?;
+                }
+            }
+            None => {
+                for i in 0..self.layout.sub_groups.len() {
+                    total += groups.norm(SubGroupId(i), &self.adam)?;
+                }
+            }
         }
         times.norm += t0.elapsed();
         let total = self.opts.comm.all_reduce_sum_f64(total)?;
@@ -770,7 +789,8 @@ impl Trainer {
     }
 
     pub(super) fn overlap_mode(&self) -> OverlapMode {
-        if !self.config.tierzero.overlap_optimizer {
+        // Adam on the device steps after the decision, on the device.
+        if !self.config.tierzero.overlap_optimizer || self.device_compute().is_some() {
             OverlapMode::None
         } else if self.config.gradient_clipping.is_some()
             || matches!(self.config.precision, Precision::Fp16 { .. })

@@ -89,6 +89,8 @@ impl Trainer {
     /// of the last step, and their new param bytes are stored and written
     /// to their home tier: afterwards no I/O of the last step is in flight.
     pub fn settle_optimizer(&mut self) -> Result<()> {
+        // Adam on the device: its state is the host's again first.
+        self.write_back_device_optimizer()?;
         while self.flush_open || self.store.any_update_coming() {
             let t0 = Instant::now();
             let d = self.opt.recv()?;

@@ -1,0 +1,667 @@
+//! [`ResidentUnits`]: training in device memory. With nothing offloaded
+//! (`offload_optimizer` and `offload_param` both `none`, one rank), every
+//! param's weights, its gradient sum and Adam's state (fp32 master and
+//! moments) live on the device, the units compute on them, and the
+//! optimizer step runs there ([`DeviceOptimizer`]): no param or gradient
+//! crosses per step, only a unit's inputs and outputs.
+//!
+//! # One state per param
+//!
+//! [`OnDevice`] holds a param's buffers. Its gradient is a [`Grad`],
+//! changed only by [`GradEvent`]s in [`Grad::apply`]:
+//!
+//! | state | event | next |
+//! |---|---|---|
+//! | `Zero` | `Unit(g)` | `Micro { sum: None, micro: g }` |
+//! | `Micro { sum, micro }` | `Unit(g)` | `Micro { sum, micro: micro + g }` |
+//! | `Summed(s)` | `Unit(g)` | `Micro { sum: Some(s), micro: g }` |
+//! | `Micro { sum: None, micro }` | `Fold` | `Summed(micro)` |
+//! | `Micro { sum: Some(s), micro }` | `Fold` | `Summed(s + micro)` |
+//! | `Zero`, `Summed` | `Fold` | unchanged |
+//! | any | `Clear` | `Zero` (buffers freed) |
+//!
+//! A unit's gradient comes as `Unit`; `Fold` follows at the param's last
+//! unit of the micro-batch (the smallest unit that uses it: a tied
+//! embedding's is the embedding). These are the host's additions in the
+//! host's order (`Trainer::accumulate`: a micro-batch's units summed,
+//! then added to the step's sum), so the sums are the same bits. In bf16
+//! storage a unit's gradient is first rounded to bf16, as the host's
+//! copy would be.
+//!
+//! # The step
+//!
+//! [`DeviceOptimizer::step`] runs the AdamW kernel on each param in
+//! param order with the host kernel's f32 constants
+//! (`crate::optim::gpu_step_scalars`), the kernel written to give the CPU
+//! kernel's bits; a param no unit gave a gradient steps with zeros, as the
+//! host's zeroed accumulator does. In bf16 storage the weights are then the
+//! master rounded to bf16 (the kernels `cast_f32_bf16`, `cast_bf16_f32`),
+//! which is the host's bf16 copy. The gradient norm for clipping is each
+//! param's sum of squares on the device (one fixed-order reduction) added
+//! in param order on the host: the same bits every run, not the host's
+//! norm's bits.
+//!
+//! # Memory
+//!
+//! [`resident_state_bytes`] decides what the state needs; the plan
+//! prints its rows, and [`ResidentUnits::new`] refuses a model whose state
+//! does not fit the device (less what start-up took) with the numbers and
+//! the fix (offload the optimizer). What is left holds the units'
+//! activations and temporaries.
+//!
+//! # Buffers
+//!
+//! The weights, master and moments are uploaded through the link (counted
+//! in its budget) and freed through it. Gradients are the executor's
+//! buffers, dropped when cleared. A unit takes its weights out of the map
+//! while it computes and puts them back after, error or not.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use candle_core::{DType, Tensor};
+use tierzero_gpu::reference::AdamScalars;
+use tierzero_gpu::unit::Exec;
+
+use super::inputs::{output_numel, Inputs};
+use super::{DeviceLink, ELEM_BYTES};
+use crate::model::exec_units::{
+    self, DeviceMemoryPlan, DeviceMemoryRow, DeviceOptimizer, DeviceSpan, DeviceTraffic, HostElems,
+    UnitCompute,
+};
+use crate::model::{
+    Model, ModelError, ParamId, UnitGrads, UnitId, UnitInput, UnitOutput, Upstream,
+};
+
+/// A param's gradient on the device (the table in the module docs).
+#[derive(Debug, Default)]
+pub enum Grad<B> {
+    /// None this step.
+    #[default]
+    Zero,
+    /// This micro-batch's units' sum so far, beside the step's sum of the
+    /// micro-batches before.
+    Micro {
+        /// The earlier micro-batches' sum.
+        sum: Option<B>,
+        /// This micro-batch's.
+        micro: B,
+    },
+    /// The step's sum, this micro-batch's units all added.
+    Summed(B),
+}
+
+/// What happens to a param's gradient.
+#[derive(Debug)]
+pub enum GradEvent<B> {
+    /// A unit's gradient of the param.
+    Unit(B),
+    /// The param's last unit of the micro-batch is done: its sum joins the
+    /// step's.
+    Fold,
+    /// The step used or skipped it.
+    Clear,
+}
+
+impl<B> Grad<B> {
+    /// The next state; sums on `e`. After an error the gradient is gone
+    /// (the engine stops on it).
+    pub fn apply<E: Exec<Buf = B>>(
+        self,
+        e: &E,
+        event: GradEvent<B>,
+    ) -> Result<Grad<B>, ModelError> {
+        let add = |a: &B, b: &B| e.add(a, b).map_err(exec_units::gpu_err);
+        Ok(match (self, event) {
+            (_, GradEvent::Clear) => Grad::Zero,
+            (Grad::Zero, GradEvent::Unit(g)) => Grad::Micro {
+                sum: None,
+                micro: g,
+            },
+            (Grad::Micro { sum, micro }, GradEvent::Unit(g)) => Grad::Micro {
+                sum,
+                micro: add(&micro, &g)?,
+            },
+            (Grad::Summed(s), GradEvent::Unit(g)) => Grad::Micro {
+                sum: Some(s),
+                micro: g,
+            },
+            (Grad::Micro { sum: None, micro }, GradEvent::Fold) => Grad::Summed(micro),
+            (
+                Grad::Micro {
+                    sum: Some(s),
+                    micro,
+                },
+                GradEvent::Fold,
+            ) => Grad::Summed(add(&s, &micro)?),
+            (g @ (Grad::Zero | Grad::Summed(_)), GradEvent::Fold) => g,
+        })
+    }
+}
+
+/// One param on the device.
+#[derive(Debug)]
+struct OnDevice<B> {
+    /// What the units read: the master itself in fp32 storage, the master
+    /// rounded to bf16 in bf16 storage. None while its unit computes.
+    weights: Option<B>,
+    /// The fp32 master weights (bf16 storage only).
+    master: Option<B>,
+    /// First moments.
+    m: B,
+    /// Second moments.
+    v: B,
+    /// Its gradient.
+    grad: Grad<B>,
+    /// Its elements.
+    numel: usize,
+}
+
+/// Device bytes of the resident state of params of `numels` elements:
+/// `[weights, master, moments, gradients]`. bf16 storage has a master
+/// beside the weights; the gradients are the step's sums plus, at most,
+/// the largest param's micro-batch sum and one unit's gradient beside it.
+pub fn resident_state_bytes(numels: &[u64], bf16: bool) -> [u64; 4] {
+    let total: u64 = numels.iter().sum();
+    let largest = numels.iter().copied().max().unwrap_or(0);
+    [
+        total * ELEM_BYTES,
+        if bf16 { total * ELEM_BYTES } else { 0 },
+        2 * total * ELEM_BYTES,
+        (total + 2 * largest) * ELEM_BYTES,
+    ]
+}
+
+/// The units computed on a [`DeviceLink`] with everything resident (see
+/// the module docs).
+pub struct ResidentUnits<L: DeviceLink> {
+    link: L,
+    /// bf16 storage: the weights are the masters rounded.
+    bf16: bool,
+    /// Every param's elements, in param order.
+    numels: Vec<u64>,
+    /// Each param's last unit in backward (the smallest that uses it).
+    last_unit: Vec<UnitId>,
+    state: Mutex<Resident<L::Buf>>,
+    inputs: Inputs<L::Buf>,
+}
+
+#[derive(Debug)]
+struct Resident<B> {
+    params: BTreeMap<ParamId, OnDevice<B>>,
+    traffic: DeviceTraffic,
+}
+
+impl<L: DeviceLink> std::fmt::Debug for ResidentUnits<L> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResidentUnits")
+            .field("link", &self.link)
+            .field("bf16", &self.bf16)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<L: DeviceLink> ResidentUnits<L> {
+    /// `model` on `link`, its state in `bf16` storage or fp32. Refuses a
+    /// model whose state does not fit the device.
+    pub fn new(link: L, model: &Model, bf16: bool) -> Result<Self, ModelError> {
+        let numels: Vec<u64> = model.params().iter().map(|p| p.numel as u64).collect();
+        let last_unit = model
+            .params()
+            .iter()
+            .map(|p| p.units.iter().copied().min().unwrap_or(UnitId(0)))
+            .collect();
+        let need: u64 = resident_state_bytes(&numels, bf16).iter().sum();
+        let room = Self::room_bytes(&link);
+        if need > room {
+            return Err(ModelError::Gpu {
+                what: format!(
+                    "training in device memory: the model's {} params need {} on the device \
+                     (weights, {}Adam's moments and the gradients) and {} is left after \
+                     start-up; set zero_optimization.offload_optimizer.device to \"cpu\" (the \
+                     optimizer on the host, the params streamed to the device), or raise \
+                     tierzero.device_budget_bytes",
+                    numels.iter().sum::<u64>(),
+                    crate::units::format_bytes(need),
+                    if bf16 { "fp32 masters, " } else { "" },
+                    crate::units::format_bytes(room),
+                ),
+            });
+        }
+        Ok(ResidentUnits {
+            link,
+            bf16,
+            numels,
+            last_unit,
+            state: Mutex::new(Resident {
+                params: BTreeMap::new(),
+                traffic: DeviceTraffic::default(),
+            }),
+            inputs: Inputs::new(),
+        })
+    }
+
+    /// The device bytes the state may take: the whole budget less
+    /// start-up (the tier's share and the temporaries' together).
+    fn room_bytes(link: &L) -> u64 {
+        let mem = link.memory();
+        link.budget_bytes() + mem.temporaries_bytes.unwrap_or(0)
+    }
+
+    /// The link.
+    pub fn link(&self) -> &L {
+        &self.link
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Resident<L::Buf>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A host vector on the device, through the link (counted).
+    fn put(&self, st: &mut Resident<L::Buf>, what: &str, v: &[f32]) -> Result<L::Buf, ModelError> {
+        let u = self.link.upload(what, HostElems::F32(v))?;
+        st.traffic.h2d_bytes += v.len() as u64 * ELEM_BYTES;
+        self.link.finish(u)
+    }
+
+    /// The unit's weights, taken out of the map in declared order.
+    fn take(
+        &self,
+        model: &Model,
+        unit: UnitId,
+        params: &[Tensor],
+    ) -> Result<(Vec<ParamId>, Vec<L::Buf>), ModelError> {
+        let ids = model.unit(unit)?.params.clone();
+        if ids.len() != params.len() {
+            return Err(ModelError::ParamCount {
+                unit,
+                expected: ids.len(),
+                found: params.len(),
+            });
+        }
+        let mut st = self.lock();
+        let mut bufs = Vec::with_capacity(ids.len());
+        for &id in &ids {
+            match st.params.get_mut(&id).and_then(|p| p.weights.take()) {
+                Some(b) => bufs.push(b),
+                None => {
+                    let why = if st.params.contains_key(&id) {
+                        "is in use by another unit"
+                    } else {
+                        "has no state on the device (it is loaded before the first step)"
+                    };
+                    for (&back, b) in ids.iter().zip(bufs) {
+                        if let Some(p) = st.params.get_mut(&back) {
+                            p.weights = Some(b);
+                        }
+                    }
+                    return Err(ModelError::Gpu {
+                        what: format!("device optimizer: param {} of unit {} {why}", id.0, unit.0),
+                    });
+                }
+            }
+        }
+        Ok((ids, bufs))
+    }
+
+    /// Puts a unit's weights back.
+    fn put_back(&self, ids: &[ParamId], bufs: Vec<L::Buf>) {
+        let mut st = self.lock();
+        for (id, b) in ids.iter().zip(bufs) {
+            match st.params.get_mut(id) {
+                Some(p) => p.weights = Some(b),
+                None => self.link.free(b),
+            }
+        }
+    }
+
+    /// Moves param `id`'s gradient by `event`.
+    fn grad_event(
+        &self,
+        st: &mut Resident<L::Buf>,
+        id: ParamId,
+        event: GradEvent<L::Buf>,
+    ) -> Result<(), ModelError> {
+        let e = self.link.exec();
+        let p = st.params.get_mut(&id).ok_or_else(|| ModelError::Gpu {
+            what: format!(
+                "device optimizer: a gradient of param {}, which has no state",
+                id.0
+            ),
+        })?;
+        p.grad = std::mem::take(&mut p.grad).apply(&e, event)?;
+        Ok(())
+    }
+
+    /// Frees a param's link buffers.
+    fn free(&self, p: OnDevice<L::Buf>) {
+        for b in [p.weights, p.master].into_iter().flatten() {
+            self.link.free(b);
+        }
+        self.link.free(p.m);
+        self.link.free(p.v);
+    }
+
+    /// Every micro-batch sum still open joins the step's (a param whose
+    /// last unit did not run).
+    fn fold_all(&self, st: &mut Resident<L::Buf>) -> Result<(), ModelError> {
+        let ids: Vec<ParamId> = st.params.keys().copied().collect();
+        for id in ids {
+            self.grad_event(st, id, GradEvent::Fold)?;
+        }
+        Ok(())
+    }
+}
+
+fn numel_of(t: &Tensor) -> u64 {
+    t.elem_count() as u64
+}
+
+impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
+    fn describe(&self) -> String {
+        format!(
+            "{}; params, gradients and AdamW resident on the device",
+            self.link.describe()
+        )
+    }
+
+    fn forward_unit(
+        &self,
+        model: &Model,
+        unit: UnitId,
+        params: &[Tensor],
+        input: UnitInput<'_>,
+    ) -> Result<UnitOutput, ModelError> {
+        let (ids, bufs) = self.take(model, unit, params)?;
+        let out = self
+            .inputs
+            .forward(&self.link, model, unit, (params, &bufs), input);
+        self.put_back(&ids, bufs);
+        let out = out?;
+        self.lock().traffic.d2h_bytes += output_numel(&out) * ELEM_BYTES;
+        Ok(out)
+    }
+
+    fn backward_unit(
+        &self,
+        model: &Model,
+        unit: UnitId,
+        params: &[Tensor],
+        input: UnitInput<'_>,
+        upstream: Upstream<'_>,
+    ) -> Result<UnitGrads, ModelError> {
+        let (ids, bufs) = self.take(model, unit, params)?;
+        let out = self
+            .inputs
+            .backward(&self.link, model, unit, (params, &bufs), input, upstream);
+        self.put_back(&ids, bufs);
+        let out = out?;
+        let e = self.link.exec();
+        let mut st = self.lock();
+        st.traffic.d2h_bytes += out.input.as_ref().map_or(0, numel_of) * ELEM_BYTES;
+        for (id, g, _dims) in out.grads {
+            // A bf16 gradient is what the host would have received.
+            let g = if out.dtype == DType::BF16 {
+                let mut r = e
+                    .zeros("bf16 gradient", e.len(&g))
+                    .map_err(exec_units::gpu_err)?;
+                e.round_bf16(&mut r, &g).map_err(exec_units::gpu_err)?;
+                r
+            } else {
+                g
+            };
+            self.grad_event(&mut st, id, GradEvent::Unit(g))?;
+            if self.last_unit.get(id.0) == Some(&unit) {
+                self.grad_event(&mut st, id, GradEvent::Fold)?;
+            }
+        }
+        Ok(UnitGrads {
+            params: Vec::new(),
+            input: out.input,
+            loss: out.loss,
+        })
+    }
+
+    fn begin_step(&self) -> Result<(), ModelError> {
+        self.inputs.clear();
+        Ok(())
+    }
+
+    fn take_traffic(&self) -> Option<DeviceTraffic> {
+        let mut t = std::mem::take(&mut self.lock().traffic);
+        t.add(&self.inputs.take_traffic());
+        Some(t)
+    }
+
+    fn take_device_spans(&self) -> Vec<DeviceSpan> {
+        self.link.take_spans()
+    }
+
+    fn memory_plan(&self, model: &Model) -> Option<DeviceMemoryPlan> {
+        let mem = self.link.memory();
+        let [weights, master, moments, grads] = resident_state_bytes(&self.numels, self.bf16);
+        let largest = model
+            .params()
+            .iter()
+            .map(|p| p.numel as u64)
+            .max()
+            .unwrap_or(0);
+        let row = |what: &str, device_bytes: u64| DeviceMemoryRow {
+            what: what.into(),
+            device_bytes,
+            pinned_bytes: 0,
+        };
+        let mut rows = vec![row("params, resident", weights)];
+        if self.bf16 {
+            rows.push(row("fp32 master weights", master));
+        }
+        rows.push(row("Adam moments (m, v), fp32", moments));
+        rows.push(row("gradients (the step's sums)", grads));
+        rows.push(DeviceMemoryRow {
+            what: "upload staging buffers".into(),
+            device_bytes: 0,
+            pinned_bytes: mem.staging.bound_bytes(largest * ELEM_BYTES),
+        });
+        if mem.temporaries_bytes.is_some() {
+            let state = weights + master + moments + grads;
+            rows.push(row(
+                "activations, temporaries",
+                Self::room_bytes(&self.link).saturating_sub(state),
+            ));
+        }
+        if mem.startup_bytes > 0 {
+            rows.push(row("kernels and cuBLAS workspaces", mem.startup_bytes));
+        }
+        Some(DeviceMemoryPlan {
+            budget_bytes: mem.device_budget_bytes,
+            rows,
+            optimizer_on_device: true,
+        })
+    }
+
+    fn device_optimizer(&self) -> Option<&dyn DeviceOptimizer> {
+        Some(self)
+    }
+}
+
+impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
+    fn is_loaded(&self) -> bool {
+        self.lock().params.len() == self.numels.len()
+    }
+
+    fn load(&self, id: ParamId, [master, m, v]: [&[f32]; 3]) -> Result<(), ModelError> {
+        let numel = self
+            .numels
+            .get(id.0)
+            .copied()
+            .ok_or_else(|| ModelError::Gpu {
+                what: format!("device optimizer: param {} is not in the model", id.0),
+            })? as usize;
+        if [master.len(), m.len(), v.len()] != [numel; 3] {
+            return Err(ModelError::Gpu {
+                what: format!(
+                    "device optimizer: param {} has {numel} elements; its state has {}, {} and {}",
+                    id.0,
+                    master.len(),
+                    m.len(),
+                    v.len()
+                ),
+            });
+        }
+        let mut st = self.lock();
+        if let Some(old) = st.params.remove(&id) {
+            self.free(old);
+        }
+        let what = |k: &str| format!("{k} {}", id.0);
+        let (weights, master) = if self.bf16 {
+            let rounded: Vec<f32> = master
+                .iter()
+                .map(|&x| half::bf16::from_f32(x).to_f32())
+                .collect();
+            let w = self.put(&mut st, &what("param"), &rounded)?;
+            (w, Some(self.put(&mut st, &what("master"), master)?))
+        } else {
+            (self.put(&mut st, &what("param"), master)?, None)
+        };
+        let m = self.put(&mut st, &what("exp_avg"), m)?;
+        let v = self.put(&mut st, &what("exp_avg_sq"), v)?;
+        st.params.insert(
+            id,
+            OnDevice {
+                weights: Some(weights),
+                master,
+                m,
+                v,
+                grad: Grad::Zero,
+                numel,
+            },
+        );
+        Ok(())
+    }
+
+    fn grad_sq_sum(&self) -> Result<f64, ModelError> {
+        let mut st = self.lock();
+        self.fold_all(&mut st)?;
+        let e = self.link.exec();
+        let mut total = 0f64;
+        for p in st.params.values() {
+            if let Grad::Summed(g) = &p.grad {
+                total += f64::from(e.sq_sum(g).map_err(exec_units::gpu_err)?);
+            }
+        }
+        Ok(total)
+    }
+
+    fn step(&self, s: Option<AdamScalars>) -> Result<(), ModelError> {
+        let mut st = self.lock();
+        self.fold_all(&mut st)?;
+        let e = self.link.exec();
+        let gpu = exec_units::gpu_err;
+        self.link.timed(
+            || "optimizer step".to_string(),
+            || {
+                for (id, p) in st.params.iter_mut() {
+                    let grad = std::mem::take(&mut p.grad);
+                    let Some(s) = s else { continue };
+                    let g = match grad {
+                        Grad::Summed(g) => g,
+                        // No unit gave it a gradient: it steps on zeros.
+                        _ => e.zeros("zero gradient", p.numel).map_err(gpu)?,
+                    };
+                    let weights = p.weights.as_mut().ok_or_else(|| ModelError::Gpu {
+                        what: format!("device optimizer: param {} is in use in the step", id.0),
+                    })?;
+                    match p.master.as_mut() {
+                        Some(master) => {
+                            e.adamw([master, &mut p.m, &mut p.v], &g, s).map_err(gpu)?;
+                            e.round_bf16(weights, master).map_err(gpu)?;
+                        }
+                        None => e.adamw([weights, &mut p.m, &mut p.v], &g, s).map_err(gpu)?,
+                    }
+                }
+                Ok(())
+            },
+        )
+    }
+
+    fn state(&self, id: ParamId) -> Result<[Vec<f32>; 3], ModelError> {
+        let mut st = self.lock();
+        let e = self.link.exec();
+        let p = st.params.get(&id).ok_or_else(|| ModelError::Gpu {
+            what: format!(
+                "device optimizer: param {} has no state on the device",
+                id.0
+            ),
+        })?;
+        let master = p
+            .master
+            .as_ref()
+            .or(p.weights.as_ref())
+            .ok_or_else(|| ModelError::Gpu {
+                what: format!("device optimizer: param {} is in use", id.0),
+            })?;
+        let gpu = exec_units::gpu_err;
+        let out = [
+            e.download(master).map_err(gpu)?,
+            e.download(&p.m).map_err(gpu)?,
+            e.download(&p.v).map_err(gpu)?,
+        ];
+        st.traffic.d2h_bytes += 3 * p.numel as u64 * ELEM_BYTES;
+        Ok(out)
+    }
+}
+
+impl<L: DeviceLink> Drop for ResidentUnits<L> {
+    fn drop(&mut self) {
+        self.inputs.clear();
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        let params = std::mem::take(&mut st.params);
+        for p in params.into_values() {
+            self.free(p);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::{Grad, GradEvent};
+    use tierzero_gpu::unit::HostExec;
+
+    fn sum(g: &Grad<Vec<f32>>) -> Option<&Vec<f32>> {
+        match g {
+            Grad::Summed(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn gradients_add_a_micro_batch_s_units_first_then_into_the_step_s_sum() {
+        let e = HostExec::F32;
+        // Values where the order of the additions shows in f32.
+        let (a, b, c) = (vec![1.0e8f32], vec![1.0f32], vec![-1.0e8f32]);
+        let mut g = Grad::Zero;
+        // Micro-batch 1: two units (a tied param), then its last unit folds.
+        g = g.apply(&e, GradEvent::Unit(a.clone())).unwrap();
+        g = g.apply(&e, GradEvent::Unit(b.clone())).unwrap();
+        g = g.apply(&e, GradEvent::Fold).unwrap();
+        assert_eq!(sum(&g), Some(&vec![a[0] + b[0]]));
+        // Micro-batch 2: its own sum first, then added to the step's:
+        // (a + b) + (c + b), not ((a + b) + c) + b.
+        g = g.apply(&e, GradEvent::Unit(c.clone())).unwrap();
+        g = g.apply(&e, GradEvent::Unit(b.clone())).unwrap();
+        g = g.apply(&e, GradEvent::Fold).unwrap();
+        let want = (a[0] + b[0]) + (c[0] + b[0]);
+        assert_ne!(want, ((a[0] + b[0]) + c[0]) + b[0], "the test's values");
+        assert_eq!(sum(&g), Some(&vec![want]));
+        // A fold with nothing open changes nothing; clear empties it.
+        g = g.apply(&e, GradEvent::Fold).unwrap();
+        assert_eq!(sum(&g), Some(&vec![want]));
+        g = g.apply(&e, GradEvent::Clear).unwrap();
+        assert!(matches!(g, Grad::Zero));
+        assert!(matches!(
+            Grad::Zero.apply(&e, GradEvent::<Vec<f32>>::Fold).unwrap(),
+            Grad::Zero
+        ));
+    }
+}
