@@ -132,6 +132,7 @@ fn bf16_storage_with_adam_on_the_device_is_bit_identical_too() {
     };
     let want = host_optimizer(&model, &k, GemmDtype::Bf16, 3);
     let (got, _) = on_device(&model, &k, GemmDtype::Bf16, 3);
+    println!("bf16: h2d per step {:?} on the device", got.h2d_bytes);
     assert_eq!(got.loss_bits, want.loss_bits, "losses");
     assert_eq!(got.sha, want.sha, "weights");
 }

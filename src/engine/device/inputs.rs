@@ -11,10 +11,15 @@ use super::{DeviceLink, ELEM_BYTES};
 use crate::model::exec_units::{self, BackwardOut, Crossing, DeviceTraffic};
 use crate::model::{Model, ModelError, UnitId, UnitInput, UnitOutput, Upstream};
 
+/// Elements of a host tensor.
+pub(super) fn numel_of(t: &Tensor) -> u64 {
+    t.elem_count() as u64
+}
+
 /// Elements of a unit's output (it came down to the host).
 pub(super) fn output_numel(out: &UnitOutput) -> u64 {
     match out {
-        UnitOutput::Hidden(t) | UnitOutput::Loss(t) => t.elem_count() as u64,
+        UnitOutput::Hidden(t) | UnitOutput::Loss(t) => numel_of(t),
     }
 }
 
@@ -137,7 +142,7 @@ impl<L: DeviceLink> Crossing<L::Buf> for LinkCrossing<'_, L> {
         match kept {
             Some(b) => {
                 self.inputs
-                    .count(|c| c.h2d_kept_bytes += t.elem_count() as u64 * ELEM_BYTES);
+                    .count(|c| c.h2d_kept_bytes += numel_of(t) * ELEM_BYTES);
                 Ok(b)
             }
             None => self.upload(what, t),

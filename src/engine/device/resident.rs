@@ -63,7 +63,7 @@ use candle_core::{DType, Tensor};
 use tierzero_gpu::reference::AdamScalars;
 use tierzero_gpu::unit::Exec;
 
-use super::inputs::{output_numel, Inputs};
+use super::inputs::{numel_of, output_numel, Inputs};
 use super::{DeviceLink, ELEM_BYTES};
 use crate::model::exec_units::{
     self, DeviceMemoryPlan, DeviceMemoryRow, DeviceOptimizer, DeviceSpan, DeviceTraffic, HostElems,
@@ -258,9 +258,15 @@ impl<L: DeviceLink> ResidentUnits<L> {
     }
 
     /// A host vector on the device, through the link (counted).
-    fn put(&self, st: &mut Resident<L::Buf>, what: &str, v: &[f32]) -> Result<L::Buf, ModelError> {
-        let u = self.link.upload(what, HostElems::F32(v))?;
-        st.traffic.h2d_bytes += v.len() as u64 * ELEM_BYTES;
+    fn put(
+        &self,
+        st: &mut Resident<L::Buf>,
+        what: &str,
+        v: HostElems<'_>,
+    ) -> Result<L::Buf, ModelError> {
+        let bytes = v.bytes();
+        let u = self.link.upload(what, v)?;
+        st.traffic.h2d_bytes += bytes;
         self.link.finish(u)
     }
 
@@ -353,8 +359,11 @@ impl<L: DeviceLink> ResidentUnits<L> {
     }
 }
 
-fn numel_of(t: &Tensor) -> u64 {
-    t.elem_count() as u64
+/// An error about param `id`'s state.
+fn param_err(id: ParamId, what: &str) -> ModelError {
+    ModelError::Gpu {
+        what: format!("device optimizer: param {} {what}", id.0),
+    }
 }
 
 impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
@@ -437,15 +446,10 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
         self.link.take_spans()
     }
 
-    fn memory_plan(&self, model: &Model) -> Option<DeviceMemoryPlan> {
+    fn memory_plan(&self, _model: &Model) -> Option<DeviceMemoryPlan> {
         let mem = self.link.memory();
         let [weights, master, moments, grads] = resident_state_bytes(&self.numels, self.bf16);
-        let largest = model
-            .params()
-            .iter()
-            .map(|p| p.numel as u64)
-            .max()
-            .unwrap_or(0);
+        let largest = self.numels.iter().copied().max().unwrap_or(0);
         let row = |what: &str, device_bytes: u64| DeviceMemoryRow {
             what: what.into(),
             device_bytes,
@@ -494,9 +498,7 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
             .numels
             .get(id.0)
             .copied()
-            .ok_or_else(|| ModelError::Gpu {
-                what: format!("device optimizer: param {} is not in the model", id.0),
-            })? as usize;
+            .ok_or_else(|| param_err(id, "is not in the model"))? as usize;
         if [master.len(), m.len(), v.len()] != [numel; 3] {
             return Err(ModelError::Gpu {
                 what: format!(
@@ -513,18 +515,19 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
             self.free(old);
         }
         let what = |k: &str| format!("{k} {}", id.0);
+        let f32s = HostElems::F32;
         let (weights, master) = if self.bf16 {
-            let rounded: Vec<f32> = master
-                .iter()
-                .map(|&x| half::bf16::from_f32(x).to_f32())
-                .collect();
-            let w = self.put(&mut st, &what("param"), &rounded)?;
-            (w, Some(self.put(&mut st, &what("master"), master)?))
+            // The weights are the master rounded: they cross as bf16
+            // elements (2 bytes) and are widened on the device, exactly.
+            let rounded: Vec<half::bf16> =
+                master.iter().map(|&x| half::bf16::from_f32(x)).collect();
+            let w = self.put(&mut st, &what("param"), HostElems::Bf16(&rounded))?;
+            (w, Some(self.put(&mut st, &what("master"), f32s(master))?))
         } else {
-            (self.put(&mut st, &what("param"), master)?, None)
+            (self.put(&mut st, &what("param"), f32s(master))?, None)
         };
-        let m = self.put(&mut st, &what("exp_avg"), m)?;
-        let v = self.put(&mut st, &what("exp_avg_sq"), v)?;
+        let m = self.put(&mut st, &what("exp_avg"), f32s(m))?;
+        let v = self.put(&mut st, &what("exp_avg_sq"), f32s(v))?;
         st.params.insert(
             id,
             OnDevice {
@@ -568,9 +571,10 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
                         // No unit gave it a gradient: it steps on zeros.
                         _ => e.zeros("zero gradient", p.numel).map_err(gpu)?,
                     };
-                    let weights = p.weights.as_mut().ok_or_else(|| ModelError::Gpu {
-                        what: format!("device optimizer: param {} is in use in the step", id.0),
-                    })?;
+                    let weights = p
+                        .weights
+                        .as_mut()
+                        .ok_or_else(|| param_err(*id, "is in use in the step"))?;
                     match p.master.as_mut() {
                         Some(master) => {
                             e.adamw([master, &mut p.m, &mut p.v], &g, s).map_err(gpu)?;
@@ -587,19 +591,15 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
     fn state(&self, id: ParamId) -> Result<[Vec<f32>; 3], ModelError> {
         let mut st = self.lock();
         let e = self.link.exec();
-        let p = st.params.get(&id).ok_or_else(|| ModelError::Gpu {
-            what: format!(
-                "device optimizer: param {} has no state on the device",
-                id.0
-            ),
-        })?;
+        let p = st
+            .params
+            .get(&id)
+            .ok_or_else(|| param_err(id, "has no state on the device"))?;
         let master = p
             .master
             .as_ref()
             .or(p.weights.as_ref())
-            .ok_or_else(|| ModelError::Gpu {
-                what: format!("device optimizer: param {} is in use", id.0),
-            })?;
+            .ok_or_else(|| param_err(id, "is in use"))?;
         let gpu = exec_units::gpu_err;
         let out = [
             e.download(master).map_err(gpu)?,

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Tensor};
 
-use super::inputs::{output_numel, Inputs};
+use super::inputs::{numel_of, output_numel, Inputs};
 use super::{DeviceLink, ELEM_BYTES};
 use crate::model::exec_units::{
     self, DeviceMemoryPlan, DeviceMemoryRow, DeviceSpan, DeviceTraffic, UnitCompute,
@@ -249,10 +249,6 @@ fn largest_param_numel(model: &Model) -> u64 {
         .map(|p| p.numel as u64)
         .max()
         .unwrap_or(0)
-}
-
-fn numel_of(t: &Tensor) -> u64 {
-    t.elem_count() as u64
 }
 
 impl<L: DeviceLink> TieredUnits<L> {

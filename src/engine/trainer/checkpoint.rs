@@ -288,28 +288,17 @@ impl Trainer {
                     })
             })
             .collect::<Result<_>>()?;
-        self.opt
-            .send(Job::Exclusive(ExclusiveJob(Box::new(move |st| {
-                let mut crcs: Vec<Vec<u32>> = Vec::with_capacity(3);
-                for (k, f, p) in &job_files {
-                    let mut v = Vec::with_capacity(job_regions.len());
-                    for (i, &(off, len)) in job_regions.iter().enumerate() {
-                        v.push(st.save_state(SubGroupId(i), *k, f, p, off, len)?);
-                    }
-                    crcs.push(v);
+        let crcs: Vec<Vec<u32>> = self.exclusive(move |st| {
+            let mut crcs: Vec<Vec<u32>> = Vec::with_capacity(3);
+            for (k, f, p) in &job_files {
+                let mut v = Vec::with_capacity(job_regions.len());
+                for (i, &(off, len)) in job_regions.iter().enumerate() {
+                    v.push(st.save_state(SubGroupId(i), *k, f, p, off, len)?);
                 }
-                Ok(Box::new(crcs) as ExclusiveResult)
-            }))))?;
-        let crcs: Vec<Vec<u32>> = loop {
-            match self.opt.recv()? {
-                Done::Ran(r) => {
-                    break *r.downcast::<Vec<Vec<u32>>>().map_err(|_| {
-                        EngineError::internal("checkpoint job returned the wrong type")
-                    })?
-                }
-                other => self.on_done(other)?,
+                crcs.push(v);
             }
-        };
+            Ok(crcs)
+        })?;
         for ((_, rel, _, _), crc) in files.iter().zip(&crcs) {
             let rc = regions
                 .iter()

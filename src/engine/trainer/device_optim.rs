@@ -32,28 +32,6 @@ impl Trainer {
             .filter(|c| c.device_optimizer().is_some())
     }
 
-    /// Runs `f` on the optimizer thread's state with nothing else in
-    /// flight; applies the replies that come before its result.
-    fn exclusive<T: Send + 'static>(
-        &mut self,
-        f: impl FnOnce(&mut OptimizerState) -> Result<T> + Send + 'static,
-    ) -> Result<T> {
-        self.opt
-            .send(Job::Exclusive(ExclusiveJob(Box::new(move |st| {
-                Ok(Box::new(f(st)?) as ExclusiveResult)
-            }))))?;
-        loop {
-            match self.opt.recv()? {
-                Done::Ran(r) => {
-                    return r.downcast::<T>().map(|b| *b).map_err(|_| {
-                        EngineError::internal("an optimizer job returned the wrong type")
-                    })
-                }
-                other => self.on_done(other)?,
-            }
-        }
-    }
-
     /// Loads every param's state into the device, unless it is there.
     pub(super) fn load_device_optimizer(&mut self) -> Result<()> {
         let Some(compute) = self.device_compute() else {

@@ -100,6 +100,28 @@ impl Trainer {
         self.store.flush_writes()
     }
 
+    /// Runs `f` on the optimizer thread's state with nothing else in
+    /// flight; applies the replies that come before its result.
+    pub(super) fn exclusive<T: Send + 'static>(
+        &mut self,
+        f: impl FnOnce(&mut OptimizerState) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        self.opt
+            .send(Job::Exclusive(ExclusiveJob(Box::new(move |st| {
+                Ok(Box::new(f(st)?) as ExclusiveResult)
+            }))))?;
+        loop {
+            match self.opt.recv()? {
+                Done::Ran(r) => {
+                    return r.downcast::<T>().map(|b| *b).map_err(|_| {
+                        EngineError::internal("an optimizer job returned the wrong type")
+                    })
+                }
+                other => self.on_done(other)?,
+            }
+        }
+    }
+
     /// Applies the optimizer thread's replies that are already there.
     pub(super) fn drain_done(&mut self) -> Result<()> {
         while let Some(d) = self.opt.try_recv() {
