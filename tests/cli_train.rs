@@ -709,6 +709,43 @@ fn gradient_checkpointing_recomputes_every_block_with_the_same_weights() {
     assert_eq!(sha(&both), sha(&kept));
 }
 
+/// `--device sim --gradient-checkpointing`: the device units recompute
+/// every block, say so in the plan, count it in the metrics, and end with
+/// the weights of the run that kept every block's forward.
+#[test]
+fn device_sim_gradient_checkpointing_recomputes_to_the_same_weights() {
+    let d = tiny_setup("sim-ckpt");
+    let sha = |out: &Out| -> String {
+        let v: Value = serde_json::from_str(out.stdout.trim()).unwrap();
+        v["weight_sha256"].as_str().unwrap().to_owned()
+    };
+    let args = with(&TINY, &[("--device", "sim"), ("--metrics", "m.jsonl")]);
+    let args = [&args[..], &["--json"]].concat();
+    let kept = train(&d, &args);
+    assert_eq!(kept.code, 0, "{}", kept.stderr);
+    let kept_m = metrics_lines(&d.join("m.jsonl"));
+    let ckpt = train(&d, &[&args[..], &["--gradient-checkpointing"]].concat());
+    assert_eq!(ckpt.code, 0, "{}", ckpt.stderr);
+    assert!(
+        ckpt.stderr.contains(
+            "every block recomputed in backward from its input on the device \
+             (activation checkpointing on"
+        ),
+        "{}",
+        ckpt.stderr
+    );
+    let ckpt_m = metrics_lines(&d.join("m.jsonl"));
+    assert_eq!(sha(&kept), sha(&ckpt));
+    for (k, c) in kept_m.iter().zip(&ckpt_m).take(3) {
+        assert_eq!(c["device_forwards_kept"].as_u64(), Some(0), "{c}");
+        assert_eq!(
+            c["device_forwards_recomputed"], k["device_forwards_kept"],
+            "{c} {k}"
+        );
+        assert!(c["h2d_bytes"].as_u64() > k["h2d_bytes"].as_u64(), "{c} {k}");
+    }
+}
+
 /// `--device sim`: the device tier on the simulated device, through the
 /// binary. The plan shows the device's rows and total; the metrics count
 /// the copies and both queues' busy time; the timeline has the device's
@@ -736,13 +773,17 @@ fn device_sim_shows_the_device_tier_in_the_plan_metrics_and_timeline() {
         "upload staging buffers",
         "device total",
         "of a 1 GiB device budget",
-        "the device units keep no forward graph",
+        "each block's forward kept on the device for its backward",
     ] {
         assert!(out.stdout.contains(want), "{want:?} in: {}", out.stdout);
     }
     let m = metrics_lines(&d.join("m.jsonl"));
     assert_eq!(m.len(), 4, "3 steps and a summary: {m:?}");
     for s in &m[..3] {
+        // auto on the simulated device: half the host's available memory,
+        // which holds every block of the tiny model.
+        assert!(s["device_forwards_kept"].as_u64().unwrap() > 0, "{s}");
+        assert_eq!(s["device_forwards_recomputed"].as_u64(), Some(0), "{s}");
         for key in ["h2d_bytes", "d2h_bytes"] {
             assert!(s[key].as_u64().unwrap() > 0, "{key}: {s}");
         }

@@ -21,15 +21,7 @@ use tierzero_gpu::reference::{self as r, AdamScalars, HeadsShape, KvShape, RopeS
 use tierzero_gpu::Result;
 
 fn data(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
+    tierzero_gpu::reference::test_values(n, seed)
 }
 
 fn typed<T: Storage>(v: &[f32]) -> Vec<T> {

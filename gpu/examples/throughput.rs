@@ -4,13 +4,15 @@
 //! with bf16 GEMM operands (autocast's matmuls; fp32 everything else),
 //! AdamW on the GPU. Prints one JSON object: tokens/s and model TFLOPS
 //! (6 · params + 12 · layers · hidden · seq FLOPs per token, the usual
-//! count, without backward's recompute). `scripts/torch_gpt2_throughput.py`
+//! count, without backward's recompute). Each block's forward is kept for
+//! its backward, as PyTorch eager keeps its autograd graph (`RECOMPUTE=1`
+//! recomputes it in backward instead, one more forward per step). `scripts/torch_gpt2_throughput.py`
 //! measures PyTorch eager on the same shape; `scripts/gpu_check.sh` runs
 //! both side by side.
 //!
 //! `cargo run --release -p tierzero-gpu --example throughput [OUT.json]`
 //! (env: BATCH, default 4; STEPS, default 6; LAYERS, default 24;
-//! GEMM=f32 for fp32 GEMMs).
+//! GEMM=f32 for fp32 GEMMs; RECOMPUTE=1).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::time::Instant;
@@ -38,6 +40,7 @@ fn main() {
         Ok("f32") => GemmDtype::F32,
         _ => GemmDtype::Bf16,
     };
+    let recompute = std::env::var("RECOMPUTE").is_ok_and(|v| v == "1");
     let d = Gpt2Dims {
         batch,
         seq: 1024,
@@ -70,6 +73,7 @@ fn main() {
     let cuda = CudaExec { dev: &dev, gemm };
     let result = (|| -> tierzero_gpu::Result<String> {
         let mut t = Gpt2Trainer::new(&cuda, d, layers, &init, hyper)?;
+        t.keep_activations(!recompute);
         drop(init);
         let setup_s = t0.elapsed().as_secs_f64();
         let mut x = 12345u64;
@@ -100,7 +104,7 @@ fn main() {
         let tok_s = timed * (d.batch * d.seq) as f64 / secs;
         let flops_per_token = 6.0 * params as f64 + 12.0 * (layers * d.hidden * d.seq) as f64;
         Ok(format!(
-            "{{\"ok\":true,\"device\":{:?},\"gemm\":\"{gemm:?}\",\"params\":{params},\"layers\":{layers},\"batch\":{},\"seq\":{},\"steps_timed\":{},\"step_s\":{:.4},\"tokens_per_s\":{tok_s:.1},\"model_tflops\":{:.2},\"setup_s\":{setup_s:.2},\"first_loss\":{first},\"last_loss\":{last},\"device_bytes_used\":{}}}",
+            "{{\"ok\":true,\"device\":{:?},\"gemm\":\"{gemm:?}\",\"params\":{params},\"layers\":{layers},\"batch\":{},\"seq\":{},\"steps_timed\":{},\"recompute\":{recompute},\"step_s\":{:.4},\"tokens_per_s\":{tok_s:.1},\"model_tflops\":{:.2},\"setup_s\":{setup_s:.2},\"first_loss\":{first},\"last_loss\":{last},\"device_bytes_used\":{}}}",
             dev.name(),
             d.batch,
             d.seq,

@@ -13,15 +13,7 @@ const COLS: [usize; 6] = [1, 7, 255, 256, 257, 1000];
 const ROWS: usize = 3;
 
 fn data(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
+    tierzero_gpu::reference::test_values(n, seed)
 }
 
 fn var(v: &[f32], shape: &[usize]) -> Var {

@@ -63,6 +63,45 @@ pub fn state_bytes(numel: usize, moments: crate::optim::MomentDtype) -> [u64; 3]
     [n * 4, mb, mb]
 }
 
+/// `MemAvailable` from `/proc/meminfo`, if readable.
+pub fn mem_available_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    crate::estimate::parse_meminfo(&text).1
+}
+
+/// Device bytes the blocks' forwards kept from their forward to their
+/// backward may hold together (`tierzero.activation_budget_bytes` on a
+/// compute device; see "Kept forwards" in [`crate::engine::device`]):
+///
+/// * `"auto"`: half of `room_bytes`, what the device has left for a unit's
+///   activations and temporaries once everything else is placed (the
+///   other half is the working set of the unit computing); where that is
+///   host memory (`room_bytes` None: the simulated device), half of
+///   `host_available_bytes`, as on the CPU;
+/// * a byte count (0: every block recomputed): refused when more than
+///   `room_bytes`, since the unit computing would then find no memory;
+/// * activation checkpointing: 0.
+pub fn device_forward_budget_bytes(
+    budget: crate::config::ActivationBudget,
+    room_bytes: Option<u64>,
+    host_available_bytes: Option<u64>,
+) -> Result<u64, String> {
+    use crate::config::ActivationBudget;
+    match budget {
+        ActivationBudget::Checkpointing => Ok(0),
+        ActivationBudget::Auto => Ok(room_bytes.or(host_available_bytes).unwrap_or(0) / 2),
+        ActivationBudget::Bytes(b) => match room_bytes {
+            Some(room) if b > room => Err(format!(
+                "tierzero.activation_budget_bytes is {b}, and the device has {room} bytes left \
+                 for activations and temporaries; set it to \"auto\" (half of that) or to at \
+                 most {}",
+                room / 2
+            )),
+            _ => Ok(b),
+        },
+    }
+}
+
 /// Most sub-groups an estimated [`Shape`] lists.
 const MAX_ESTIMATED_GROUPS: u64 = 1 << 20;
 
@@ -873,7 +912,27 @@ pub fn decide_within(
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
     use super::*;
+
+    #[test]
+    fn the_device_s_kept_forwards_take_half_its_room_or_what_is_set() {
+        use crate::config::ActivationBudget as A;
+        let f = device_forward_budget_bytes;
+        assert_eq!(f(A::Auto, Some(1000), Some(9000)), Ok(500));
+        // Host memory (the simulated device): half of what is available.
+        assert_eq!(f(A::Auto, None, Some(9000)), Ok(4500));
+        assert_eq!(f(A::Auto, None, None), Ok(0));
+        assert_eq!(f(A::Checkpointing, Some(1000), None), Ok(0));
+        assert_eq!(f(A::Bytes(0), Some(1000), None), Ok(0));
+        assert_eq!(f(A::Bytes(1000), Some(1000), None), Ok(1000));
+        assert_eq!(f(A::Bytes(5000), None, None), Ok(5000));
+        let err = f(A::Bytes(1001), Some(1000), None).unwrap_err();
+        assert!(
+            err.contains("1001") && err.contains("1000") && err.contains("at most 500"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn the_speculation_pool_buys_slots_with_bytes() {

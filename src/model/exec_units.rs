@@ -116,6 +116,11 @@ pub trait UnitCompute: Send + Sync + std::fmt::Debug {
     fn device_optimizer(&self) -> Option<&dyn DeviceOptimizer> {
         None
     }
+    /// The plan's activations line: which blocks' forwards it keeps for
+    /// their backward (None: it keeps none, every block is recomputed).
+    fn activations_line(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Adam on the compute's device: with nothing offloaded, each param's
@@ -232,6 +237,11 @@ pub struct DeviceTraffic {
     /// Bytes of unit inputs not uploaded: the previous unit's output was
     /// still on the device.
     pub h2d_kept_bytes: u64,
+    /// Blocks whose backward ran from their kept forward
+    /// ([`KeptForward`]), with no recompute.
+    pub forwards_kept: u64,
+    /// Blocks whose backward computed their forward again from the input.
+    pub forwards_recomputed: u64,
 }
 
 impl DeviceTraffic {
@@ -242,7 +252,21 @@ impl DeviceTraffic {
         self.h2d_wait_s += o.h2d_wait_s;
         self.d2h_wait_s += o.d2h_wait_s;
         self.h2d_kept_bytes += o.h2d_kept_bytes;
+        self.forwards_kept += o.forwards_kept;
+        self.forwards_recomputed += o.forwards_recomputed;
     }
+}
+
+/// A block's forward kept on the executor from its forward to its
+/// backward: its input and the intermediates the backward reads, so the
+/// backward does not compute the forward again. The same bits as the
+/// recompute (`tierzero_gpu::unit::gpt2_block_backward_kept`).
+#[derive(Debug)]
+pub enum KeptForward<B> {
+    /// A GPT-2 block's.
+    Gpt2(unit::Gpt2Kept<B>),
+    /// A Llama-family block's.
+    Llama(unit::LlamaKept<B>),
 }
 
 /// Why `tierzero-gpu`'s units cannot run this model (None: they can).
@@ -460,6 +484,9 @@ pub(crate) fn with_host_elems<R>(
     }
 }
 
+/// Bytes of an fp32 element on the executor.
+const F32_BYTES: u64 = 4;
+
 /// The dtype a unit's hidden output and gradients leave in: its params'
 /// (the storage dtype: bf16 under `bf16.enabled`, fp32 otherwise), as
 /// the CPU units' precision policy has them (`super::precision`). The
@@ -639,6 +666,19 @@ pub(crate) trait Crossing<B> {
     /// back when `host` comes in as the next unit's input. Dropped by
     /// default.
     fn keep(&self, _host: &Tensor, _dev: B) {}
+    /// Whether a block's forward may be kept for its backward
+    /// ([`Crossing::keep_forward`]): the crossing holds a budget for them.
+    fn keeps_forwards(&self) -> bool {
+        false
+    }
+    /// Keeps `fwd`, `bytes` on the executor, the forward of `unit` on the
+    /// host input `input`, if it fits the budget; drops it otherwise.
+    fn keep_forward(&self, _unit: UnitId, _input: &Tensor, _fwd: KeptForward<B>, _bytes: u64) {}
+    /// The forward kept for `unit` on this same host input (None: its
+    /// backward recomputes it).
+    fn take_forward(&self, _unit: UnitId, _input: &Tensor) -> Option<KeptForward<B>> {
+        None
+    }
 }
 
 /// [`Crossing`] by plain uploads on the executor.
@@ -688,15 +728,28 @@ pub(crate) fn forward_with<E: Exec>(
             .map_err(gpu_err)?;
             hidden_out(y)
         }
-        (UnitKind::Block { .. }, UnitInput::Hidden(x), Arch::Gpt2) => {
-            let x = feed.feed("hidden", x)?;
-            hidden_out(unit::gpt2_block_forward(e, &gpt2_dims(c, bt), p, &x).map_err(gpu_err)?)
+        (UnitKind::Block { .. }, UnitInput::Hidden(host_x), Arch::Gpt2) => {
+            let x = feed.feed("hidden", host_x)?;
+            let d = gpt2_dims(c, bt);
+            if !feed.keeps_forwards() {
+                return hidden_out(unit::gpt2_block_forward(e, &d, p, &x).map_err(gpu_err)?);
+            }
+            let (y, kept) = unit::gpt2_block_forward_kept(e, &d, p, x).map_err(gpu_err)?;
+            let bytes = kept.numel(e) as u64 * F32_BYTES;
+            feed.keep_forward(unit, host_x, KeptForward::Gpt2(kept), bytes);
+            hidden_out(y)
         }
-        (UnitKind::Block { .. }, UnitInput::Hidden(x), Arch::Llama) => {
-            let x = feed.feed("hidden", x)?;
+        (UnitKind::Block { .. }, UnitInput::Hidden(host_x), Arch::Llama) => {
+            let x = feed.feed("hidden", host_x)?;
             let rope = rope_tables(feed, c, bt.1)?;
-            let y =
-                unit::llama_block_forward(e, &llama_dims(c, bt), p, &x, &rope).map_err(gpu_err)?;
+            let d = llama_dims(c, bt);
+            if !feed.keeps_forwards() {
+                let y = unit::llama_block_forward(e, &d, p, &x, &rope).map_err(gpu_err)?;
+                return hidden_out(y);
+            }
+            let (y, kept) = unit::llama_block_forward_kept(e, &d, p, x, &rope).map_err(gpu_err)?;
+            let bytes = kept.numel(e) as u64 * F32_BYTES;
+            feed.keep_forward(unit, host_x, KeptForward::Llama(kept), bytes);
             hidden_out(y)
         }
         (UnitKind::Head, UnitInput::HiddenWithTargets { hidden, targets }, _) => {
@@ -858,14 +911,36 @@ pub(crate) fn backward_on<E: Exec>(
             let out = head(e, feed, model, p, hidden, targets, s as f32, bt)?;
             (out.grads, Some(out.dx), Some(out.loss))
         }
-        (UnitKind::Block { .. }, UnitInput::Hidden(x), Upstream::Grad(dy)) => {
-            let (x, dy) = (feed.feed("hidden", x)?, feed.feed("upstream gradient", dy)?);
+        (UnitKind::Block { .. }, UnitInput::Hidden(host_x), Upstream::Grad(dy)) => {
+            // The kept forward (its input in it), or the input to
+            // recompute it from.
+            let kept = feed.take_forward(unit, host_x);
+            let x = match kept {
+                Some(_) => None,
+                None => Some(feed.feed("hidden", host_x)?),
+            };
+            let dy = feed.feed("upstream gradient", dy)?;
             let mut g = zeros(e)?;
-            let dx = match c.arch {
-                Arch::Gpt2 => unit::gpt2_block_backward(e, &gpt2_dims(c, bt), p, &x, &dy, &mut g),
-                Arch::Llama => {
+            let dx = match (c.arch, kept, &x) {
+                (Arch::Gpt2, Some(KeptForward::Gpt2(k)), _) => {
+                    unit::gpt2_block_backward_kept(e, &gpt2_dims(c, bt), p, k, &dy, &mut g)
+                }
+                (Arch::Gpt2, None, Some(x)) => {
+                    unit::gpt2_block_backward(e, &gpt2_dims(c, bt), p, x, &dy, &mut g)
+                }
+                (Arch::Llama, Some(KeptForward::Llama(k)), _) => {
                     let rope = rope_tables(feed, c, bt.1)?;
-                    unit::llama_block_backward(e, &llama_dims(c, bt), p, &x, &dy, &mut g, &rope)
+                    unit::llama_block_backward_kept(e, &llama_dims(c, bt), p, k, &dy, &mut g, &rope)
+                }
+                (Arch::Llama, None, Some(x)) => {
+                    let rope = rope_tables(feed, c, bt.1)?;
+                    unit::llama_block_backward(e, &llama_dims(c, bt), p, x, &dy, &mut g, &rope)
+                }
+                (arch, _, _) => {
+                    return Err(ModelError::BadInput {
+                        unit,
+                        reason: format!("a kept forward of another architecture than {arch:?}"),
+                    })
                 }
             }
             .map_err(gpu_err)?;

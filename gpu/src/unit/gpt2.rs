@@ -91,10 +91,10 @@ fn conv1d_bwd<E: Exec>(
     Ok(dx)
 }
 
-/// What a block's forward keeps for its backward.
+/// What a block's backward reads of its forward: the intermediates (the
+/// block's input is kept beside them, in [`Gpt2Kept`]).
 struct BlockSaved<B> {
     ln1: [B; 3],
-    qkv: B,
     q: B,
     k: B,
     v: B,
@@ -104,7 +104,44 @@ struct BlockSaved<B> {
     ln2: [B; 3],
     fc: B,
     g: B,
-    out: B,
+}
+
+impl<B> BlockSaved<B> {
+    /// Every buffer, for their sizes.
+    fn buffers(&self) -> impl Iterator<Item = &B> {
+        self.ln1
+            .iter()
+            .chain([&self.q, &self.k, &self.v, &self.p, &self.y, &self.x1])
+            .chain(self.ln2.iter())
+            .chain([&self.fc, &self.g])
+    }
+}
+
+/// A GPT-2 block's forward kept for its backward
+/// ([`gpt2_block_forward_kept`], [`gpt2_block_backward_kept`]): its input
+/// and the intermediates its backward reads, so the backward does not
+/// compute the forward again. Backward from them runs the same operations
+/// on the same values as [`gpt2_block_backward`]'s recompute: the same
+/// bits.
+pub struct Gpt2Kept<B> {
+    x: B,
+    s: BlockSaved<B>,
+}
+
+impl<B> Gpt2Kept<B> {
+    /// Elements held (fp32 each), the input included.
+    pub fn numel<E: Exec<Buf = B>>(&self, e: &E) -> usize {
+        std::iter::once(&self.x)
+            .chain(self.s.buffers())
+            .map(|b| e.len(b))
+            .sum()
+    }
+}
+
+impl<B> std::fmt::Debug for Gpt2Kept<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpt2Kept").finish_non_exhaustive()
+    }
 }
 
 fn block_forward_saving<E: Exec>(
@@ -112,7 +149,7 @@ fn block_forward_saving<E: Exec>(
     d: &Gpt2Dims,
     p: &[E::Buf],
     x: &E::Buf,
-) -> Result<BlockSaved<E::Buf>> {
+) -> Result<(BlockSaved<E::Buf>, E::Buf)> {
     let (h, inner, hd) = (d.hidden, d.inner, d.head_dim());
     let bh = d.batch * d.heads;
     let ln1 = e.layernorm_fwd(x, &p[0], &p[1], h, d.eps)?;
@@ -138,20 +175,22 @@ fn block_forward_saving<E: Exec>(
     let g = e.gelu_fwd(&fc)?;
     let mo = conv1d(e, d, &g, &p[10], &p[11], inner, h)?;
     let out = e.add(&x1, &mo)?;
-    Ok(BlockSaved {
-        ln1,
-        qkv,
-        q,
-        k,
-        v,
-        p: pr,
-        y,
-        x1,
-        ln2,
-        fc,
-        g,
+    drop(qkv);
+    Ok((
+        BlockSaved {
+            ln1,
+            q,
+            k,
+            v,
+            p: pr,
+            y,
+            x1,
+            ln2,
+            fc,
+            g,
+        },
         out,
-    })
+    ))
 }
 
 fn block_param_numel(d: &Gpt2Dims) -> [usize; 12] {
@@ -169,7 +208,28 @@ pub fn gpt2_block_forward<E: Exec>(
     x: &E::Buf,
 ) -> Result<E::Buf> {
     check_params(e, "gpt2 block", p, &block_param_numel(d))?;
-    Ok(block_forward_saving(e, d, p, x)?.out)
+    Ok(block_forward_saving(e, d, p, x)?.1)
+}
+
+/// [`gpt2_block_forward`] that keeps what the backward reads, the input
+/// `x` with it: the output and the kept forward, for
+/// [`gpt2_block_backward_kept`].
+pub fn gpt2_block_forward_kept<E: Exec>(
+    e: &E,
+    d: &Gpt2Dims,
+    p: &[E::Buf],
+    x: E::Buf,
+) -> Result<(E::Buf, Gpt2Kept<E::Buf>)> {
+    check_params(e, "gpt2 block", p, &block_param_numel(d))?;
+    let (s, out) = block_forward_saving(e, d, p, &x)?;
+    Ok((out, Gpt2Kept { x, s }))
+}
+
+/// A block's params and their gradients have the block's sizes.
+fn check_block<E: Exec>(e: &E, d: &Gpt2Dims, p: &[E::Buf], grads: &[E::Buf]) -> Result<()> {
+    let numel = block_param_numel(d);
+    check_params(e, "gpt2 block", p, &numel)?;
+    check_params(e, "gpt2 block gradients", grads, &numel)
 }
 
 /// A GPT-2 block's backward by recompute from its input `x`: adds the
@@ -183,12 +243,49 @@ pub fn gpt2_block_backward<E: Exec>(
     dout: &E::Buf,
     grads: &mut [E::Buf],
 ) -> Result<E::Buf> {
-    let numel = block_param_numel(d);
-    check_params(e, "gpt2 block", p, &numel)?;
-    check_params(e, "gpt2 block gradients", grads, &numel)?;
+    check_block(e, d, p, grads)?;
+    let (s, out) = block_forward_saving(e, d, p, x)?;
+    drop(out);
+    block_backward_from(e, d, p, x, &s, dout, grads)
+}
+
+/// [`gpt2_block_backward`] from the forward [`gpt2_block_forward_kept`]
+/// kept (for these params and this batch shape), with no recompute.
+pub fn gpt2_block_backward_kept<E: Exec>(
+    e: &E,
+    d: &Gpt2Dims,
+    p: &[E::Buf],
+    kept: Gpt2Kept<E::Buf>,
+    dout: &E::Buf,
+    grads: &mut [E::Buf],
+) -> Result<E::Buf> {
+    check_block(e, d, p, grads)?;
+    let (rows_h, probs) = (d.rows() * d.hidden, d.batch * d.heads * d.seq * d.seq);
+    if e.len(&kept.x) != rows_h || e.len(&kept.s.p) != probs {
+        return Err(GpuError::Shape {
+            kernel: "gpt2 block".into(),
+            detail: format!(
+                "a kept forward of {} input and {} attention elements for a batch of {rows_h} and {probs}",
+                e.len(&kept.x),
+                e.len(&kept.s.p)
+            ),
+        });
+    }
+    block_backward_from(e, d, p, &kept.x, &kept.s, dout, grads)
+}
+
+/// The chain rule of a block from its forward's intermediates `s`.
+fn block_backward_from<E: Exec>(
+    e: &E,
+    d: &Gpt2Dims,
+    p: &[E::Buf],
+    x: &E::Buf,
+    s: &BlockSaved<E::Buf>,
+    dout: &E::Buf,
+    grads: &mut [E::Buf],
+) -> Result<E::Buf> {
     let (h, inner, hd) = (d.hidden, d.inner, d.head_dim());
     let bh = d.batch * d.heads;
-    let s = block_forward_saving(e, d, p, x)?;
     let [g0, g1, g2, g3, g4, g5, g6, g7, g8, g9, g10, g11] = grads else {
         return Err(GpuError::Shape {
             kernel: "gpt2 block".into(),
@@ -245,8 +342,15 @@ pub fn gpt2_block_backward<E: Exec>(
     e.rows_from_heads(&mut dqkv, &dv, hs, 2)?;
     let da = conv1d_bwd(e, d, &dqkv, &s.ln1[0], &p[2], (g2, g3), h, 3 * h)?;
     let dx_ln = e.layernorm_bwd(&da, x, &p[0], [&s.ln1[1], &s.ln1[2]], g0, g1, h)?;
-    drop(s.qkv);
     e.add(&dx1, &dx_ln)
+}
+
+/// What [`Gpt2Trainer`] keeps of a block's forward for its backward.
+enum BlockInput<B> {
+    /// Its input (recompute).
+    Input(B),
+    /// Its forward.
+    Kept(Gpt2Kept<B>),
 }
 
 /// GPT-2's embedding: `wte[ids] + wpe[positions]` (params: wte, wpe).
@@ -324,6 +428,9 @@ pub struct Gpt2Trainer<'e, E: Exec> {
     v: Vec<E::Buf>,
     step: u64,
     hyper: AdamHyper,
+    /// Keep each block's forward for its backward instead of recomputing
+    /// it ([`Gpt2Trainer::keep_activations`]).
+    keep: bool,
 }
 
 impl<E: Exec> std::fmt::Debug for Gpt2Trainer<'_, E> {
@@ -373,7 +480,16 @@ impl<'e, E: Exec> Gpt2Trainer<'e, E> {
             v,
             step: 0,
             hyper,
+            keep: false,
         })
+    }
+
+    /// With `keep`, each block's forward is kept until its backward
+    /// ([`gpt2_block_forward_kept`]): one forward per step instead of
+    /// two, for the memory of every block's intermediates. The same bits
+    /// either way.
+    pub fn keep_activations(&mut self, keep: bool) {
+        self.keep = keep;
     }
 
     fn block_range(&self, layer: usize) -> std::ops::Range<usize> {
@@ -395,8 +511,15 @@ impl<'e, E: Exec> Gpt2Trainer<'e, E> {
         let mut h = gpt2_embedding_forward(e, &d, &self.params[0..2], &ids, &positions)?;
         let mut saved = Vec::with_capacity(self.layers);
         for l in 0..self.layers {
-            let next = gpt2_block_forward(e, &d, &self.params[self.block_range(l)], &h)?;
-            saved.push(std::mem::replace(&mut h, next));
+            let p = &self.params[self.block_range(l)];
+            let (next, s) = if self.keep {
+                let (next, kept) = gpt2_block_forward_kept(e, &d, p, h)?;
+                (next, BlockInput::Kept(kept))
+            } else {
+                (gpt2_block_forward(e, &d, p, &h)?, BlockInput::Input(h))
+            };
+            saved.push(s);
+            h = next;
         }
         // The head: ln_f (the last two params) and the tied wte (the first).
         let n = self.params.len();
@@ -417,16 +540,13 @@ impl<'e, E: Exec> Gpt2Trainer<'e, E> {
             1.0,
             [lnw_g, lnb_g, &mut wte_g[0]],
         )?;
-        for l in (0..self.layers).rev() {
+        for (l, s) in saved.into_iter().enumerate().rev() {
             let r = self.block_range(l);
-            up = gpt2_block_backward(
-                e,
-                &d,
-                &self.params[r.clone()],
-                &saved[l],
-                &up,
-                &mut self.grads[r],
-            )?;
+            let (p, g) = (&self.params[r.clone()], &mut self.grads[r]);
+            up = match s {
+                BlockInput::Kept(kept) => gpt2_block_backward_kept(e, &d, p, kept, &up, g)?,
+                BlockInput::Input(x) => gpt2_block_backward(e, &d, p, &x, &up, g)?,
+            };
         }
         gpt2_embedding_backward(e, &d, &up, &ids, &positions, &mut self.grads[0..2])?;
         self.step += 1;
@@ -503,6 +623,10 @@ mod tests {
     }
 
     fn run(steps: usize) -> (Vec<f32>, Vec<Vec<f32>>) {
+        run_keeping(steps, false)
+    }
+
+    fn run_keeping(steps: usize, keep: bool) -> (Vec<f32>, Vec<Vec<f32>>) {
         let d = dims();
         let init = gpt2_init(&d, 2, 8, 3);
         let hyper = AdamHyper {
@@ -512,6 +636,7 @@ mod tests {
             weight_decay: 0.01,
         };
         let mut t = Gpt2Trainer::new(&HostExec::F32, d, 2, &init, hyper).unwrap();
+        t.keep_activations(keep);
         // A repeating sequence: learnable.
         let toks: Vec<i32> = (0..d.batch * (d.seq + 1))
             .map(|i| ((i * 5) % 7) as i32)
@@ -541,5 +666,38 @@ mod tests {
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&losses), bits(&again));
         assert!(params.iter().zip(&params2).all(|(a, b)| bits(a) == bits(b)));
+    }
+
+    #[test]
+    fn keeping_each_block_s_forward_gives_the_recompute_s_bits() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let (losses, params) = run_keeping(4, false);
+        let (kept, kept_params) = run_keeping(4, true);
+        assert_eq!(bits(&losses), bits(&kept));
+        assert!(params
+            .iter()
+            .zip(&kept_params)
+            .all(|(a, b)| bits(a) == bits(b)));
+    }
+
+    #[test]
+    fn a_kept_forward_of_another_batch_shape_is_refused() {
+        let d = dims();
+        let e = HostExec::F32;
+        let init = gpt2_init(&d, 1, 8, 3);
+        let p: Vec<Vec<f32>> = init[2..14].to_vec();
+        let x: Vec<f32> = (0..d.batch * d.seq * d.hidden)
+            .map(|i| (i % 11) as f32 * 0.1)
+            .collect();
+        let (out, kept) = gpt2_block_forward_kept(&e, &d, &p, x).unwrap();
+        assert!(kept.numel(&e) > 4 * out.len(), "{}", kept.numel(&e));
+        let other = Gpt2Dims {
+            batch: 1,
+            seq: 16,
+            ..d
+        };
+        let mut g: Vec<Vec<f32>> = p.iter().map(|v| vec![0.0; v.len()]).collect();
+        let err = gpt2_block_backward_kept(&e, &other, &p, kept, &out, &mut g).unwrap_err();
+        assert!(err.to_string().contains("kept forward"), "{err}");
     }
 }

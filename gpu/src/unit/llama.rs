@@ -207,12 +207,12 @@ fn two<B>(grads: &mut [B], (w, b): (usize, Option<usize>)) -> (&mut B, Option<&m
     }
 }
 
+/// What a block's backward reads of its forward (its input is kept
+/// beside them, in [`LlamaKept`]).
 struct LlamaSaved<B> {
     ln1: [B; 2],
-    q: B,
-    k: B,
-    v: B,
-    qn: Option<([B; 2], [B; 2])>,
+    /// q and k before their norms, with the norms' outputs (Qwen3).
+    qn: Option<(B, B, [B; 2], [B; 2])>,
     qh: B,
     ke: B,
     ve: B,
@@ -223,7 +223,50 @@ struct LlamaSaved<B> {
     gate: B,
     up: B,
     act: B,
-    out: B,
+}
+
+impl<B> LlamaSaved<B> {
+    /// Every buffer, for their sizes.
+    fn buffers(&self) -> Vec<&B> {
+        let mut v: Vec<&B> = self.ln1.iter().collect();
+        if let Some((q, k, qn, kn)) = &self.qn {
+            v.extend([q, k]);
+            v.extend(qn.iter().chain(kn.iter()));
+        }
+        v.extend([&self.qh, &self.ke, &self.ve, &self.p, &self.y, &self.x1]);
+        v.extend(self.ln2.iter());
+        v.extend([&self.gate, &self.up, &self.act]);
+        v
+    }
+}
+
+/// A Llama-family block's forward kept for its backward
+/// ([`llama_block_forward_kept`], [`llama_block_backward_kept`]): its
+/// input and the intermediates its backward reads. Backward from them
+/// runs the same operations on the same values as
+/// [`llama_block_backward`]'s recompute: the same bits.
+pub struct LlamaKept<B> {
+    x: B,
+    s: LlamaSaved<B>,
+}
+
+impl<B> LlamaKept<B> {
+    /// Elements held (fp32 each), the input included.
+    pub fn numel<E: Exec<Buf = B>>(&self, e: &E) -> usize {
+        e.len(&self.x)
+            + self
+                .s
+                .buffers()
+                .into_iter()
+                .map(|b| e.len(b))
+                .sum::<usize>()
+    }
+}
+
+impl<B> std::fmt::Debug for LlamaKept<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LlamaKept").finish_non_exhaustive()
+    }
 }
 
 fn llama_forward_saving<E: Exec>(
@@ -232,7 +275,7 @@ fn llama_forward_saving<E: Exec>(
     p: &[E::Buf],
     x: &E::Buf,
     rope: &RopeTables<E::Buf>,
-) -> Result<LlamaSaved<E::Buf>> {
+) -> Result<(LlamaSaved<E::Buf>, E::Buf)> {
     let i = d.idx();
     let (rows, h, hd) = (d.rows(), d.hidden, d.head_dim);
     let (qd, kvd) = (d.heads * hd, d.kv_heads * hd);
@@ -281,24 +324,25 @@ fn llama_forward_saving<E: Exec>(
     let act = e.swiglu_fwd(&gate, &up)?;
     let mo = linear(e, rows, &act, &p[i.down.0], bias(i.down.1), h, d.inner)?;
     let out = e.add(&x1, &mo)?;
-    Ok(LlamaSaved {
-        ln1,
-        q,
-        k,
-        v,
-        qn,
-        qh,
-        ke,
-        ve,
-        p: pr,
-        y,
-        x1,
-        ln2,
-        gate,
-        up,
-        act,
+    drop(v);
+    let qn = qn.map(|(a, b)| (q, k, a, b));
+    Ok((
+        LlamaSaved {
+            ln1,
+            qn,
+            qh,
+            ke,
+            ve,
+            p: pr,
+            y,
+            x1,
+            ln2,
+            gate,
+            up,
+            act,
+        },
         out,
-    })
+    ))
 }
 
 fn check_llama<E: Exec>(e: &E, d: &LlamaDims, p: &[E::Buf]) -> Result<()> {
@@ -324,7 +368,28 @@ pub fn llama_block_forward<E: Exec>(
     rope: &RopeTables<E::Buf>,
 ) -> Result<E::Buf> {
     check_llama(e, d, p)?;
-    Ok(llama_forward_saving(e, d, p, x, rope)?.out)
+    Ok(llama_forward_saving(e, d, p, x, rope)?.1)
+}
+
+/// [`llama_block_forward`] that keeps what the backward reads, the input
+/// `x` with it: the output and the kept forward, for
+/// [`llama_block_backward_kept`].
+pub fn llama_block_forward_kept<E: Exec>(
+    e: &E,
+    d: &LlamaDims,
+    p: &[E::Buf],
+    x: E::Buf,
+    rope: &RopeTables<E::Buf>,
+) -> Result<(E::Buf, LlamaKept<E::Buf>)> {
+    check_llama(e, d, p)?;
+    let (s, out) = llama_forward_saving(e, d, p, &x, rope)?;
+    Ok((out, LlamaKept { x, s }))
+}
+
+/// A block's params and their gradients have the block's sizes.
+fn check_block<E: Exec>(e: &E, d: &LlamaDims, p: &[E::Buf], grads: &[E::Buf]) -> Result<()> {
+    check_llama(e, d, p)?;
+    check_params(e, "llama block gradients", grads, &d.block_param_numel())
 }
 
 /// A Llama-family block's backward by recompute: adds into `grads`,
@@ -338,12 +403,56 @@ pub fn llama_block_backward<E: Exec>(
     grads: &mut [E::Buf],
     rope: &RopeTables<E::Buf>,
 ) -> Result<E::Buf> {
-    check_llama(e, d, p)?;
-    check_params(e, "llama block gradients", grads, &d.block_param_numel())?;
+    check_block(e, d, p, grads)?;
+    let (s, out) = llama_forward_saving(e, d, p, x, rope)?;
+    drop(out);
+    backward_from(e, d, p, x, &s, dout, grads, rope)
+}
+
+/// [`llama_block_backward`] from the forward [`llama_block_forward_kept`]
+/// kept (for these params and this batch shape), with no recompute.
+pub fn llama_block_backward_kept<E: Exec>(
+    e: &E,
+    d: &LlamaDims,
+    p: &[E::Buf],
+    kept: LlamaKept<E::Buf>,
+    dout: &E::Buf,
+    grads: &mut [E::Buf],
+    rope: &RopeTables<E::Buf>,
+) -> Result<E::Buf> {
+    check_block(e, d, p, grads)?;
+    let (rows_h, probs) = (d.rows() * d.hidden, d.batch * d.heads * d.seq * d.seq);
+    if e.len(&kept.x) != rows_h || e.len(&kept.s.p) != probs {
+        return Err(GpuError::Shape {
+            kernel: "llama block".into(),
+            detail: format!(
+                "a kept forward of {} input and {} attention elements for a batch of {rows_h} and {probs}",
+                e.len(&kept.x),
+                e.len(&kept.s.p)
+            ),
+        });
+    }
+    backward_from(e, d, p, &kept.x, &kept.s, dout, grads, rope)
+}
+
+/// The chain rule of a block from its forward's intermediates `s`.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "a block's backward: params, input, forward, upstream, gradients, rotary tables"
+)]
+fn backward_from<E: Exec>(
+    e: &E,
+    d: &LlamaDims,
+    p: &[E::Buf],
+    x: &E::Buf,
+    s: &LlamaSaved<E::Buf>,
+    dout: &E::Buf,
+    grads: &mut [E::Buf],
+    rope: &RopeTables<E::Buf>,
+) -> Result<E::Buf> {
     let i = d.idx();
     let (rows, h, hd, inner) = (d.rows(), d.hidden, d.head_dim, d.inner);
     let (qd, kvd) = (d.heads * hd, d.kv_heads * hd);
-    let s = llama_forward_saving(e, d, p, x, rope)?;
     // MLP.
     let (gw, gb) = two(grads, i.down);
     let dact = linear_bwd(e, rows, dout, &s.act, &p[i.down.0], gw, gb, (h, inner))?;
@@ -404,9 +513,9 @@ pub fn llama_block_backward<E: Exec>(
     let dqn = e.rope(&dqr, &rope.cos, &rope.sin, d.rope_shape(d.heads), -1.0)?;
     let dkn = e.rope(&dkr, &rope.cos, &rope.sin, d.rope_shape(d.kv_heads), -1.0)?;
     let (dq_lin, dk_lin) = match (i.qk_norm, &s.qn) {
-        (Some((qi, ki)), Some((qn, kn))) => (
-            e.rmsnorm_bwd(&dqn, &s.q, &p[qi], &qn[1], &mut grads[qi], hd)?,
-            e.rmsnorm_bwd(&dkn, &s.k, &p[ki], &kn[1], &mut grads[ki], hd)?,
+        (Some((qi, ki)), Some((q, k, qn, kn))) => (
+            e.rmsnorm_bwd(&dqn, q, &p[qi], &qn[1], &mut grads[qi], hd)?,
+            e.rmsnorm_bwd(&dkn, k, &p[ki], &kn[1], &mut grads[ki], hd)?,
         ),
         _ => (dqn, dkn),
     };
@@ -418,7 +527,6 @@ pub fn llama_block_backward<E: Exec>(
     let da_v = linear_bwd(e, rows, &dv, &s.ln1[0], &p[i.v.0], gw, gb, (kvd, h))?;
     let da = e.add(&e.add(&da_q, &da_k)?, &da_v)?;
     let dx_n = e.rmsnorm_bwd(&da, x, &p[i.ln1], &s.ln1[1], &mut grads[i.ln1], h)?;
-    drop(s.v);
     e.add(&dx1, &dx_n)
 }
 
@@ -460,4 +568,76 @@ pub fn llama_head<E: Exec>(
     let (loss, dn) = lm_head(e, (rows, h, v), &ln[0], p[1], targets, loss_scale, g1)?;
     let dx = e.rmsnorm_bwd(&dn, x, p[0], &ln[1], g0, h)?;
     Ok((loss, dx))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+    use crate::unit::HostExec;
+
+    fn dims(qk_norm: bool) -> LlamaDims {
+        LlamaDims {
+            batch: 2,
+            seq: 5,
+            hidden: 12,
+            heads: 3,
+            kv_heads: 1,
+            head_dim: 4,
+            inner: 20,
+            vocab: 17,
+            eps: 1e-6,
+            qkv_bias: qk_norm,
+            o_bias: false,
+            mlp_bias: qk_norm,
+            qk_norm,
+        }
+    }
+
+    fn fill(n: usize, seed: u64) -> Vec<f32> {
+        crate::reference::test_values(n, seed)
+            .into_iter()
+            .map(|v| 0.5 * v)
+            .collect()
+    }
+
+    #[test]
+    fn backward_from_the_kept_forward_gives_the_recompute_s_bits() {
+        let e = HostExec::F32;
+        for qk_norm in [false, true] {
+            let d = dims(qk_norm);
+            let p: Vec<Vec<f32>> = d
+                .block_param_numel()
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| fill(n, i as u64 + 1))
+                .collect();
+            let half = d.head_dim / 2;
+            let angle = |s: usize, j: usize| s as f32 / 10f32.powf(j as f32 / half as f32);
+            let rope = RopeTables {
+                cos: (0..d.seq * half)
+                    .map(|i| angle(i / half, i % half).cos())
+                    .collect(),
+                sin: (0..d.seq * half)
+                    .map(|i| angle(i / half, i % half).sin())
+                    .collect(),
+            };
+            let x = fill(d.rows() * d.hidden, 99);
+            let dout = fill(d.rows() * d.hidden, 7);
+            let zeros = || -> Vec<Vec<f32>> { p.iter().map(|v| vec![0.0; v.len()]).collect() };
+            let mut g_re = zeros();
+            let dx_re = llama_block_backward(&e, &d, &p, &x, &dout, &mut g_re, &rope).unwrap();
+            let (out, kept) = llama_block_forward_kept(&e, &d, &p, x.clone(), &rope).unwrap();
+            assert_eq!(out, llama_block_forward(&e, &d, &p, &x, &rope).unwrap());
+            let mut g_kept = zeros();
+            let dx_kept =
+                llama_block_backward_kept(&e, &d, &p, kept, &dout, &mut g_kept, &rope).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&dx_re), bits(&dx_kept), "qk_norm {qk_norm}");
+            for (a, b) in g_re.iter().zip(&g_kept) {
+                assert_eq!(bits(a), bits(b), "qk_norm {qk_norm}");
+            }
+            assert!(g_re.iter().all(|g| g.iter().any(|v| *v != 0.0)));
+        }
+    }
 }

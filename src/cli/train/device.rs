@@ -67,14 +67,16 @@ fn on_link<L: tierzero::engine::device::DeviceLink + 'static>(
         Ok(()) => {
             let bf16 = cfg.precision == Precision::Bf16;
             let units = tierzero::engine::device::ResidentUnits::new(link, model, bf16)
+                .and_then(|u| u.keep_forwards(cfg.tierzero.activations))
                 .map_err(|e| bad(format!("{flag}: {e}")))?;
             Ok(std::sync::Arc::new(units))
         }
         Err(why) => {
             tracing::info!("{flag}: the optimizer runs on the host: {why}");
-            Ok(std::sync::Arc::new(
-                tierzero::engine::device::TieredUnits::new(link, tier_limits(cfg)),
-            ))
+            let units = tierzero::engine::device::TieredUnits::new(link, tier_limits(cfg))
+                .keep_forwards(cfg.tierzero.activations)
+                .map_err(|e| bad(format!("{flag}: {e}")))?;
+            Ok(std::sync::Arc::new(units))
         }
     }
 }

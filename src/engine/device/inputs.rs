@@ -1,14 +1,19 @@
 //! A unit's inputs through a [`DeviceLink`]: the [`Crossing`] both device
 //! computes ([`super::TieredUnits`], [`super::ResidentUnits`]) give their
-//! units (see "A unit's inputs" in the module docs of [`super`]).
+//! units (see "A unit's inputs" in the module docs of [`super`]), and the
+//! blocks' forwards kept on the device for their backward ("Kept
+//! forwards" there).
 
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Instant;
 
 use candle_core::{DType, Tensor, TensorId};
 
 use super::{DeviceLink, ELEM_BYTES};
-use crate::model::exec_units::{self, BackwardOut, Crossing, DeviceTraffic};
+use crate::config::ActivationBudget;
+use crate::engine::sizing;
+use crate::model::exec_units::{self, BackwardOut, Crossing, DeviceTraffic, KeptForward};
 use crate::model::{Model, ModelError, UnitId, UnitInput, UnitOutput, Upstream};
 
 /// Elements of a host tensor.
@@ -33,19 +38,115 @@ pub(super) struct Inputs<B> {
     /// The inputs' uploads (and what was not uploaded) since the last
     /// [`Inputs::take_traffic`].
     traffic: Mutex<DeviceTraffic>,
+    /// The blocks' forwards kept for their backward.
+    forwards: Mutex<Forwards<B>>,
+}
+
+/// The blocks' forwards kept on the device from their forward to their
+/// backward, within a byte budget.
+struct Forwards<B> {
+    /// Where the budget came from (None: nothing asked to keep them).
+    source: Option<ActivationBudget>,
+    /// Bytes they may hold together (0: every block recomputed).
+    budget_bytes: u64,
+    /// Bytes they hold now.
+    held_bytes: u64,
+    /// The most they held at once.
+    peak_bytes: u64,
+    /// Per unit: the id of the host input it was computed on, the
+    /// forward, its bytes.
+    kept: HashMap<UnitId, (TensorId, KeptForward<B>, u64)>,
+}
+
+impl<B> Forwards<B> {
+    fn drop_all(&mut self) {
+        self.kept.clear();
+        self.held_bytes = 0;
+    }
 }
 
 impl<B> Inputs<B> {
+    /// Inputs keeping no forward: every block recomputed in backward.
     pub(super) fn new() -> Self {
         Inputs {
             carry: Mutex::new(None),
             traffic: Mutex::new(DeviceTraffic::default()),
+            forwards: Mutex::new(Forwards {
+                source: None,
+                budget_bytes: 0,
+                held_bytes: 0,
+                peak_bytes: 0,
+                kept: HashMap::new(),
+            }),
         }
     }
 
-    /// Drops the kept output (a new step, or the compute dropped).
+    /// Keeps blocks' forwards within `budget` (resolved by
+    /// [`sizing::device_forward_budget_bytes`] against `room_bytes`, what
+    /// the device has left for activations and temporaries; None: host
+    /// memory). Drops any kept now.
+    pub(super) fn keep_forwards(
+        &self,
+        budget: ActivationBudget,
+        room_bytes: Option<u64>,
+    ) -> Result<(), ModelError> {
+        let bytes =
+            sizing::device_forward_budget_bytes(budget, room_bytes, sizing::mem_available_bytes())
+                .map_err(|what| ModelError::Gpu { what })?;
+        let mut f = self.lock_forwards();
+        f.drop_all();
+        f.source = Some(budget);
+        f.budget_bytes = bytes;
+        Ok(())
+    }
+
+    /// Device bytes the kept forwards may hold together.
+    pub(super) fn forward_budget_bytes(&self) -> u64 {
+        self.lock_forwards().budget_bytes
+    }
+
+    /// The plan's activations line.
+    pub(super) fn forwards_line(&self) -> String {
+        let f = self.lock_forwards();
+        let why = match f.source {
+            None => "the device units were not given an activation budget".to_owned(),
+            Some(ActivationBudget::Auto) => {
+                "tierzero.activation_budget_bytes auto: half the device's room for activations"
+                    .to_owned()
+            }
+            Some(ActivationBudget::Bytes(b)) => format!("tierzero.activation_budget_bytes {b}"),
+            Some(ActivationBudget::Checkpointing) => {
+                "activation checkpointing on: every block recomputed".to_owned()
+            }
+        };
+        if f.budget_bytes == 0 {
+            format!(
+                "activations: every block recomputed in backward from its input on the device \
+                 ({why})"
+            )
+        } else {
+            format!(
+                "activations: each block's forward kept on the device for its backward while \
+                 the kept ones fit {} ({why}); the rest recomputed from their input",
+                crate::units::format_bytes(f.budget_bytes)
+            )
+        }
+    }
+
+    /// The most device bytes the kept forwards held at once.
+    pub(super) fn forward_peak_bytes(&self) -> u64 {
+        self.lock_forwards().peak_bytes
+    }
+
+    fn lock_forwards(&self) -> std::sync::MutexGuard<'_, Forwards<B>> {
+        self.forwards.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Drops the kept output and every kept forward (a new step, or the
+    /// compute dropped).
     pub(super) fn clear(&self) {
         drop(self.carry.lock().unwrap_or_else(|p| p.into_inner()).take());
+        self.lock_forwards().drop_all();
     }
 
     /// What the inputs moved since the last call.
@@ -154,5 +255,43 @@ impl<L: DeviceLink> Crossing<L::Buf> for LinkCrossing<'_, L> {
         if host.dtype() == DType::F32 {
             *self.inputs.carry.lock().unwrap_or_else(|p| p.into_inner()) = Some((host.id(), dev));
         }
+    }
+
+    fn keeps_forwards(&self) -> bool {
+        self.inputs.lock_forwards().budget_bytes > 0
+    }
+
+    fn keep_forward(&self, unit: UnitId, input: &Tensor, fwd: KeptForward<L::Buf>, bytes: u64) {
+        let mut f = self.inputs.lock_forwards();
+        // A forward of this unit not taken (a forward with no backward)
+        // is replaced.
+        if let Some((_, old, old_bytes)) = f.kept.remove(&unit) {
+            drop(old);
+            f.held_bytes -= old_bytes;
+        }
+        if f.held_bytes.saturating_add(bytes) <= f.budget_bytes {
+            f.held_bytes += bytes;
+            f.peak_bytes = f.peak_bytes.max(f.held_bytes);
+            f.kept.insert(unit, (input.id(), fwd, bytes));
+        }
+    }
+
+    fn take_forward(&self, unit: UnitId, input: &Tensor) -> Option<KeptForward<L::Buf>> {
+        let found = {
+            let mut f = self.inputs.lock_forwards();
+            match f.kept.remove(&unit) {
+                Some((id, fwd, bytes)) => {
+                    f.held_bytes -= bytes;
+                    // Computed on another input: not this backward's.
+                    (id == input.id()).then_some(fwd)
+                }
+                None => None,
+            }
+        };
+        self.inputs.count(|c| match found {
+            Some(_) => c.forwards_kept += 1,
+            None => c.forwards_recomputed += 1,
+        });
+        found
     }
 }

@@ -115,10 +115,36 @@
 //! (`h2d_kept_bytes`). A bf16 output is not kept: its host copy is
 //! rounded, the device's is not.
 //!
+//! # Kept forwards
+//!
+//! A block's backward needs what its forward computed. By default it
+//! computes the forward again from the block's input (activation
+//! checkpointing): one more forward per step, and the input crosses to
+//! the device a second time. With
+//! [`TieredUnits::keep_forwards`] / [`ResidentUnits::keep_forwards`]
+//! (the CLI passes `tierzero.activation_budget_bytes`), a block's
+//! forward is kept on the device, its input and the intermediates its
+//! backward reads (`tierzero_gpu::unit::Gpt2Kept`, `LlamaKept`), while
+//! the kept ones fit the budget; the backward then runs from them, as
+//! PyTorch eager's autograd does. The budget is
+//! [`crate::engine::sizing::device_forward_budget_bytes`]'s: `"auto"`
+//! takes half of what the device has left for activations and
+//! temporaries (the other half is the computing unit's working set), a
+//! byte count more than that room is refused at start-up, and
+//! checkpointing keeps none. A forward that does not fit is dropped and
+//! its backward recomputes; the blocks of a model are alike, so the kept
+//! ones are the first blocks. Each kept forward carries the id of the
+//! host input it was computed on: a backward on another input
+//! recomputes. The step's metrics count both (`device_forwards_kept`,
+//! `device_forwards_recomputed`); every kept forward is dropped at a new
+//! step. The engine's trace does not change: backward still visits each
+//! block, for its params.
+//!
 //! # Bit-identical
 //!
 //! A unit computes the same operations on the same values whether its
-//! params were staged, kept or uploaded when it ran. The copies move
+//! params were staged, kept or uploaded when it ran, and whether its
+//! forward was kept or recomputed. The copies move
 //! bytes; they never convert them.
 
 pub mod cuda;

@@ -241,6 +241,27 @@ impl<L: DeviceLink> ResidentUnits<L> {
         })
     }
 
+    /// Keeps each block's forward on the device for its backward while
+    /// the kept ones fit `budget` (`tierzero.activation_budget_bytes`;
+    /// see "Kept forwards" in [`super`]), within what the state leaves of
+    /// the device. Without it every block is recomputed.
+    pub fn keep_forwards(
+        self,
+        budget: crate::config::ActivationBudget,
+    ) -> Result<Self, ModelError> {
+        let room = self.link.memory().temporaries_bytes.map(|_| {
+            let state: u64 = resident_state_bytes(&self.numels, self.bf16).iter().sum();
+            Self::room_bytes(&self.link).saturating_sub(state)
+        });
+        self.inputs.keep_forwards(budget, room)?;
+        Ok(self)
+    }
+
+    /// The most device bytes the kept forwards held at once.
+    pub fn forward_peak_bytes(&self) -> u64 {
+        self.inputs.forward_peak_bytes()
+    }
+
     /// The device bytes the state may take: the whole budget less
     /// start-up (the tier's share and the temporaries' together).
     fn room_bytes(link: &L) -> u64 {
@@ -468,10 +489,12 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
         });
         if mem.temporaries_bytes.is_some() {
             let state = weights + master + moments + grads;
-            rows.push(row(
-                "activations, temporaries",
-                Self::room_bytes(&self.link).saturating_sub(state),
-            ));
+            let room = Self::room_bytes(&self.link).saturating_sub(state);
+            let kept = self.inputs.forward_budget_bytes().min(room);
+            if kept > 0 {
+                rows.push(row("blocks' kept forwards (at most)", kept));
+            }
+            rows.push(row("activations, temporaries", room - kept));
         }
         if mem.startup_bytes > 0 {
             rows.push(row("kernels and cuBLAS workspaces", mem.startup_bytes));
@@ -485,6 +508,10 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
 
     fn device_optimizer(&self) -> Option<&dyn DeviceOptimizer> {
         Some(self)
+    }
+
+    fn activations_line(&self) -> Option<String> {
+        Some(self.inputs.forwards_line())
     }
 }
 

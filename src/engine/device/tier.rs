@@ -267,6 +267,24 @@ impl<L: DeviceLink> TieredUnits<L> {
         }
     }
 
+    /// Keeps each block's forward on the device for its backward while
+    /// the kept ones fit `budget` (`tierzero.activation_budget_bytes`;
+    /// see "Kept forwards" in [`super`]), within the device's share for
+    /// activations and temporaries. Without it every block is recomputed.
+    pub fn keep_forwards(
+        self,
+        budget: crate::config::ActivationBudget,
+    ) -> Result<Self, ModelError> {
+        let room = self.link.memory().temporaries_bytes;
+        self.inputs.keep_forwards(budget, room)?;
+        Ok(self)
+    }
+
+    /// The most device bytes the kept forwards held at once.
+    pub fn forward_peak_bytes(&self) -> u64 {
+        self.inputs.forward_peak_bytes()
+    }
+
     /// Waits for every gradient download still in flight and drops them
     /// (a new step, or the tier dropped): the first error, if any.
     fn drain_downloads(&self) -> Result<(), ModelError> {
@@ -650,6 +668,10 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
         self.link.take_spans()
     }
 
+    fn activations_line(&self) -> Option<String> {
+        Some(self.inputs.forwards_line())
+    }
+
     fn memory_plan(&self, model: &Model) -> Option<DeviceMemoryPlan> {
         let mem = self.link.memory();
         let largest_param = largest_param_numel(model);
@@ -666,9 +688,17 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
             },
         ];
         if let Some(t) = mem.temporaries_bytes {
+            let kept = self.inputs.forward_budget_bytes().min(t);
+            if kept > 0 {
+                rows.push(DeviceMemoryRow {
+                    what: "blocks' kept forwards (at most)".into(),
+                    device_bytes: kept,
+                    pinned_bytes: 0,
+                });
+            }
             rows.push(DeviceMemoryRow {
                 what: "activations, grads, temporaries".into(),
-                device_bytes: t,
+                device_bytes: t - kept,
                 pinned_bytes: 0,
             });
         }

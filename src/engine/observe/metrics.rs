@@ -109,6 +109,11 @@ pub struct StepMetrics {
     /// Bytes of units' inputs the device tier did not upload: the
     /// previous unit's output was still on the device.
     pub h2d_kept_bytes: u64,
+    /// Blocks whose backward on the device ran from their kept forward
+    /// (no recompute; see "Kept forwards" in `crate::engine::device`).
+    pub device_forwards_kept: u64,
+    /// Blocks whose backward on the device computed their forward again.
+    pub device_forwards_recomputed: u64,
     /// Seconds the device's compute queue was busy with units (CUDA
     /// events on the compute stream; 0 without a device tier).
     pub device_busy_s: f64,

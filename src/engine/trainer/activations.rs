@@ -197,12 +197,6 @@ impl Activations {
     }
 }
 
-/// `MemAvailable` from `/proc/meminfo`, if readable.
-pub(super) fn mem_available_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    crate::estimate::parse_meminfo(&text).1
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]

@@ -677,7 +677,7 @@ impl Trainer {
         // After every buffer, param and state is in place: what is left.
         let activations = activations::Activations::new(
             config.tierzero.activations,
-            activations::mem_available_bytes(),
+            crate::engine::sizing::mem_available_bytes(),
             opts.comm.world_size(),
         );
         Ok(Trainer {

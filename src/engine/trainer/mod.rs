@@ -526,12 +526,15 @@ impl Trainer {
     /// came from), or, with units computed elsewhere
     /// ([`TrainerOptions::compute`]), that every block is recomputed.
     pub fn activations_line(&self) -> String {
-        if self.opts.compute.is_some() {
-            // Only candle's units keep forward graphs (passes.rs).
-            return "activations: every block is recomputed in backward from its input \
-                    (the device units keep no forward graph); \
-                    tierzero.activation_budget_bytes applies to the CPU units"
-                .to_owned();
+        if let Some(c) = &self.opts.compute {
+            // Only candle's units keep forward graphs (passes.rs); a
+            // device compute may keep its blocks' forwards itself.
+            return c.activations_line().unwrap_or_else(|| {
+                "activations: every block is recomputed in backward from its input \
+                 (the device units keep no forward graph); \
+                 tierzero.activation_budget_bytes applies to the CPU units"
+                    .to_owned()
+            });
         }
         self.activations.describe()
     }

@@ -632,6 +632,8 @@ impl Trainer {
             h2d_wait_s: device.h2d_wait_s,
             d2h_wait_s: device.d2h_wait_s,
             h2d_kept_bytes: device.h2d_kept_bytes,
+            device_forwards_kept: device.forwards_kept,
+            device_forwards_recomputed: device.forwards_recomputed,
             device_busy_s: busy_s(&spans, DeviceQueue::Compute),
             h2d_busy_s: busy_s(&spans, DeviceQueue::H2d),
             d2h_busy_s: busy_s(&spans, DeviceQueue::D2h),
