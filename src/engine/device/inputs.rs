@@ -47,6 +47,9 @@ pub(super) struct Inputs<B> {
 struct Forwards<B> {
     /// Where the budget came from (None: nothing asked to keep them).
     source: Option<ActivationBudget>,
+    /// Whether the device said what it has left for activations (else
+    /// they are in host memory: the simulated device).
+    room_known: bool,
     /// Bytes they may hold together (0: every block recomputed).
     budget_bytes: u64,
     /// Bytes they hold now.
@@ -73,6 +76,7 @@ impl<B> Inputs<B> {
             traffic: Mutex::new(DeviceTraffic::default()),
             forwards: Mutex::new(Forwards {
                 source: None,
+                room_known: false,
                 budget_bytes: 0,
                 held_bytes: 0,
                 peak_bytes: 0,
@@ -96,6 +100,7 @@ impl<B> Inputs<B> {
         let mut f = self.lock_forwards();
         f.drop_all();
         f.source = Some(budget);
+        f.room_known = room_bytes.is_some();
         f.budget_bytes = bytes;
         Ok(())
     }
@@ -110,10 +115,13 @@ impl<B> Inputs<B> {
         let f = self.lock_forwards();
         let why = match f.source {
             None => "the device units were not given an activation budget".to_owned(),
-            Some(ActivationBudget::Auto) => {
+            Some(ActivationBudget::Auto) if f.room_known => {
                 "tierzero.activation_budget_bytes auto: half the device's room for activations"
                     .to_owned()
             }
+            Some(ActivationBudget::Auto) => "tierzero.activation_budget_bytes auto: half the \
+                host memory available, where this device computes"
+                .to_owned(),
             Some(ActivationBudget::Bytes(b)) => format!("tierzero.activation_budget_bytes {b}"),
             Some(ActivationBudget::Checkpointing) => {
                 "activation checkpointing on: every block recomputed".to_owned()
