@@ -435,7 +435,15 @@ z = c["zero_optimization"]
 z["stage"] = 3
 z["offload_param"] = {"device": "cpu", "pin_memory": True}
 z["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-c.setdefault("tierzero", {})["device_budget_bytes"] = 4 << 30
+# Sub-groups of 50M elements; uploads up to two blocks ahead (a block is
+# ~45M elements), at most ~1.2 GB of fp32 params live on the device.
+z["sub_group_size"] = 5e7
+z["stage3_prefetch_bucket_size"] = 1e8
+z["stage3_max_live_parameters"] = 3e8
+t = c.setdefault("tierzero", {})
+t["device_budget_bytes"] = 4 << 30
+# The cpu tier pins every param's pages: no cap below what they need.
+t.pop("pinned_budget_bytes", None)
 json.dump(c, open(sys.argv[1], "w"))
 PY
 otp_rc=null; otp_result=null; otp_tokens=null; otp_tflops=null
