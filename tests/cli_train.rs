@@ -908,6 +908,13 @@ fn device_sim_with_nothing_offloaded_trains_in_device_memory() {
             ] {
                 assert!(out.stdout.contains(want), "{want:?} in: {}", out.stdout);
             }
+            // The host's grads row holds nothing: the device sums them.
+            let row = out
+                .stdout
+                .lines()
+                .find(|l| l.contains("grads (summed on the device, below)"))
+                .unwrap_or_else(|| panic!("no device grads row in: {}", out.stdout));
+            assert!(row.split_whitespace().skip(6).all(|c| c == "-"), "{row}");
         }
         let json_out = train(&d, &[&args[..], &["--json"]].concat());
         let v: Value = serde_json::from_str(json_out.stdout.trim()).unwrap();

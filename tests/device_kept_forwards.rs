@@ -166,6 +166,15 @@ fn kept_forwards_train_to_the_recompute_s_bits_and_skip_the_inputs_second_upload
                     assert_eq!(a - b, per_step * HIDDEN_NUMEL * 4, "{case}");
                 }
                 assert!(peak > 0);
+                // With Adam on the device and every forward kept, nothing
+                // crosses after the first step's load (the rotary tables
+                // stay on the device).
+                if compute == Compute::Resident {
+                    assert!(
+                        kept.h2d_bytes[1..].iter().all(|&b| b == 0),
+                        "{case}: {kept:?}"
+                    );
+                }
             }
         }
     }

@@ -594,6 +594,24 @@ fn rope_tables<B>(
     })
 }
 
+/// Runs `f` with the rotary tables of `seq` positions on the executor:
+/// the crossing's kept ones ([`Crossing::take_rope`]), or fed now, then
+/// handed back to it.
+fn with_rope<B, R>(
+    feed: Feed<'_, B>,
+    c: &ModelConfig,
+    seq: usize,
+    f: impl FnOnce(&RopeTables<B>) -> Result<R, ModelError>,
+) -> Result<R, ModelError> {
+    let rope = match feed.take_rope(seq) {
+        Some(r) => r,
+        None => rope_tables(feed, c, seq)?,
+    };
+    let out = f(&rope);
+    feed.put_rope(seq, rope);
+    out
+}
+
 /// The model is one the units implement, and `p` (on the executor) and
 /// `params` (their host copies) are the unit's params: as many as it
 /// declares, each of its host copy's length.
@@ -679,6 +697,15 @@ pub(crate) trait Crossing<B> {
     fn take_forward(&self, _unit: UnitId, _input: &Tensor) -> Option<KeptForward<B>> {
         None
     }
+    /// The rotary tables of `seq` positions the crossing kept on the
+    /// executor from an earlier call (None: they are fed).
+    fn take_rope(&self, _seq: usize) -> Option<RopeTables<B>> {
+        None
+    }
+    /// Hands back the rotary tables of `seq` positions after a call: a
+    /// crossing may keep them for the next (they depend on the model and
+    /// `seq` alone). Dropped by default.
+    fn put_rope(&self, _seq: usize, _tables: RopeTables<B>) {}
 }
 
 /// [`Crossing`] by plain uploads on the executor.
@@ -741,15 +768,17 @@ pub(crate) fn forward_with<E: Exec>(
         }
         (UnitKind::Block { .. }, UnitInput::Hidden(host_x), Arch::Llama) => {
             let x = feed.feed("hidden", host_x)?;
-            let rope = rope_tables(feed, c, bt.1)?;
             let d = llama_dims(c, bt);
-            if !feed.keeps_forwards() {
-                let y = unit::llama_block_forward(e, &d, p, &x, &rope).map_err(gpu_err)?;
-                return hidden_out(y);
-            }
-            let (y, kept) = unit::llama_block_forward_kept(e, &d, p, x, &rope).map_err(gpu_err)?;
-            let bytes = kept.numel(e) as u64 * F32_BYTES;
-            feed.keep_forward(unit, host_x, KeptForward::Llama(kept), bytes);
+            let y = with_rope(feed, c, bt.1, |rope| {
+                if !feed.keeps_forwards() {
+                    return unit::llama_block_forward(e, &d, p, &x, rope).map_err(gpu_err);
+                }
+                let (y, kept) =
+                    unit::llama_block_forward_kept(e, &d, p, x, rope).map_err(gpu_err)?;
+                let bytes = kept.numel(e) as u64 * F32_BYTES;
+                feed.keep_forward(unit, host_x, KeptForward::Llama(kept), bytes);
+                Ok(y)
+            })?;
             hidden_out(y)
         }
         (UnitKind::Head, UnitInput::HiddenWithTargets { hidden, targets }, _) => {
@@ -924,26 +953,25 @@ pub(crate) fn backward_on<E: Exec>(
             let dx = match (c.arch, kept, &x) {
                 (Arch::Gpt2, Some(KeptForward::Gpt2(k)), _) => {
                     unit::gpt2_block_backward_kept(e, &gpt2_dims(c, bt), p, k, &dy, &mut g)
+                        .map_err(gpu_err)
                 }
                 (Arch::Gpt2, None, Some(x)) => {
                     unit::gpt2_block_backward(e, &gpt2_dims(c, bt), p, x, &dy, &mut g)
+                        .map_err(gpu_err)
                 }
-                (Arch::Llama, Some(KeptForward::Llama(k)), _) => {
-                    let rope = rope_tables(feed, c, bt.1)?;
-                    unit::llama_block_backward_kept(e, &llama_dims(c, bt), p, k, &dy, &mut g, &rope)
-                }
-                (Arch::Llama, None, Some(x)) => {
-                    let rope = rope_tables(feed, c, bt.1)?;
-                    unit::llama_block_backward(e, &llama_dims(c, bt), p, x, &dy, &mut g, &rope)
-                }
-                (arch, _, _) => {
-                    return Err(ModelError::BadInput {
-                        unit,
-                        reason: format!("a kept forward of another architecture than {arch:?}"),
-                    })
-                }
-            }
-            .map_err(gpu_err)?;
+                (Arch::Llama, Some(KeptForward::Llama(k)), _) => with_rope(feed, c, bt.1, |r| {
+                    unit::llama_block_backward_kept(e, &llama_dims(c, bt), p, k, &dy, &mut g, r)
+                        .map_err(gpu_err)
+                }),
+                (Arch::Llama, None, Some(x)) => with_rope(feed, c, bt.1, |r| {
+                    unit::llama_block_backward(e, &llama_dims(c, bt), p, x, &dy, &mut g, r)
+                        .map_err(gpu_err)
+                }),
+                (arch, _, _) => Err(ModelError::BadInput {
+                    unit,
+                    reason: format!("a kept forward of another architecture than {arch:?}"),
+                }),
+            }?;
             (g, Some(dx), None)
         }
         (UnitKind::Embedding, UnitInput::Tokens(ids), Upstream::Grad(dy)) => {

@@ -374,13 +374,25 @@ impl fmt::Display for Plan {
             );
         };
         row(&mut s, "params", &self.params);
+        let adam_on_device = self
+            .device_memory
+            .as_ref()
+            .is_some_and(|d| d.optimizer_on_device);
         let grads_label = match (self.spill_grads, self.held_sub_groups) {
+            // The host's optimizer never sees a gradient: the device sums
+            // them, in the device rows below.
+            _ if adam_on_device => "grads (summed on the device, below)".to_owned(),
             (false, _) => "grads (fp32, at most)".to_owned(),
             (true, 0) => "grads (fp32; final ones spilled)".to_owned(),
             (true, n) if n >= self.sub_groups.0 => "grads (fp32; held, none spilled)".to_owned(),
             (true, n) => format!("grads (fp32; spilled but first {n} held)"),
         };
-        row(&mut s, &grads_label, &self.grads);
+        let none = TierBytes::default();
+        row(
+            &mut s,
+            &grads_label,
+            if adam_on_device { &none } else { &self.grads },
+        );
         if self.park.nvme_bytes > 0 {
             row(&mut s, "grad sums parked between micro-batches", &self.park);
         }

@@ -15,6 +15,7 @@ use crate::config::ActivationBudget;
 use crate::engine::sizing;
 use crate::model::exec_units::{self, BackwardOut, Crossing, DeviceTraffic, KeptForward};
 use crate::model::{Model, ModelError, UnitId, UnitInput, UnitOutput, Upstream};
+use tierzero_gpu::unit::RopeTables;
 
 /// Elements of a host tensor.
 pub(super) fn numel_of(t: &Tensor) -> u64 {
@@ -40,6 +41,10 @@ pub(super) struct Inputs<B> {
     traffic: Mutex<DeviceTraffic>,
     /// The blocks' forwards kept for their backward.
     forwards: Mutex<Forwards<B>>,
+    /// The rotary tables of the last sequence length, kept on the device
+    /// from one unit's call to the next and across steps (they depend on
+    /// the model and the length alone).
+    rope: Mutex<Option<(usize, RopeTables<B>)>>,
 }
 
 /// The blocks' forwards kept on the device from their forward to their
@@ -82,6 +87,7 @@ impl<B> Inputs<B> {
                 peak_bytes: 0,
                 kept: HashMap::new(),
             }),
+            rope: Mutex::new(None),
         }
     }
 
@@ -282,6 +288,21 @@ impl<L: DeviceLink> Crossing<L::Buf> for LinkCrossing<'_, L> {
             f.peak_bytes = f.peak_bytes.max(f.held_bytes);
             f.kept.insert(unit, (input.id(), fwd, bytes));
         }
+    }
+
+    fn take_rope(&self, seq: usize) -> Option<RopeTables<L::Buf>> {
+        let mut r = self.inputs.rope.lock().unwrap_or_else(|p| p.into_inner());
+        match r.take() {
+            Some((len, tables)) if len == seq => Some(tables),
+            other => {
+                *r = other;
+                None
+            }
+        }
+    }
+
+    fn put_rope(&self, seq: usize, tables: RopeTables<L::Buf>) {
+        *self.inputs.rope.lock().unwrap_or_else(|p| p.into_inner()) = Some((seq, tables));
     }
 
     fn take_forward(&self, unit: UnitId, input: &Tensor) -> Option<KeptForward<L::Buf>> {

@@ -113,7 +113,9 @@
 //! beside its host copy, one at a time: when that host copy comes in as
 //! the next unit's input, the kept buffer is fed instead of an upload
 //! (`h2d_kept_bytes`). A bf16 output is not kept: its host copy is
-//! rounded, the device's is not.
+//! rounded, the device's is not. The rotary tables cross once per
+//! sequence length: they stay on the device for every later call and
+//! step, since they depend on the model and the length alone.
 //!
 //! # Kept forwards
 //!
