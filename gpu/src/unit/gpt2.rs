@@ -1,7 +1,7 @@
 //! GPT-2's units (embedding, block, head) over an [`Exec`], a whole-model
 //! trainer and a deterministic init.
 
-use super::{check_params, lm_head, mm, AdamHyper, Exec, HostExec};
+use super::{check_kept, check_params, lm_head, mm, AdamHyper, Exec, HostExec};
 use crate::ops::MatmulShape;
 use crate::reference::HeadsShape;
 use crate::{GpuError, Result};
@@ -260,17 +260,12 @@ pub fn gpt2_block_backward_kept<E: Exec>(
     grads: &mut [E::Buf],
 ) -> Result<E::Buf> {
     check_block(e, d, p, grads)?;
-    let (rows_h, probs) = (d.rows() * d.hidden, d.batch * d.heads * d.seq * d.seq);
-    if e.len(&kept.x) != rows_h || e.len(&kept.s.p) != probs {
-        return Err(GpuError::Shape {
-            kernel: "gpt2 block".into(),
-            detail: format!(
-                "a kept forward of {} input and {} attention elements for a batch of {rows_h} and {probs}",
-                e.len(&kept.x),
-                e.len(&kept.s.p)
-            ),
-        });
-    }
+    check_kept(
+        e,
+        "gpt2 block",
+        [&kept.x, &kept.s.p],
+        [d.rows() * d.hidden, d.batch * d.heads * d.seq * d.seq],
+    )?;
     block_backward_from(e, d, p, &kept.x, &kept.s, dout, grads)
 }
 

@@ -1,7 +1,7 @@
 //! The Llama family's units (Llama, Mistral without a sliding window,
 //! Qwen2, Qwen3) over an [`Exec`].
 
-use super::{check_params, lm_head, mm, Exec};
+use super::{check_kept, check_params, lm_head, mm, Exec};
 use crate::reference::{HeadsShape, KvShape, RopeShape};
 use crate::{GpuError, Result};
 
@@ -421,17 +421,12 @@ pub fn llama_block_backward_kept<E: Exec>(
     rope: &RopeTables<E::Buf>,
 ) -> Result<E::Buf> {
     check_block(e, d, p, grads)?;
-    let (rows_h, probs) = (d.rows() * d.hidden, d.batch * d.heads * d.seq * d.seq);
-    if e.len(&kept.x) != rows_h || e.len(&kept.s.p) != probs {
-        return Err(GpuError::Shape {
-            kernel: "llama block".into(),
-            detail: format!(
-                "a kept forward of {} input and {} attention elements for a batch of {rows_h} and {probs}",
-                e.len(&kept.x),
-                e.len(&kept.s.p)
-            ),
-        });
-    }
+    check_kept(
+        e,
+        "llama block",
+        [&kept.x, &kept.s.p],
+        [d.rows() * d.hidden, d.batch * d.heads * d.seq * d.seq],
+    )?;
     backward_from(e, d, p, &kept.x, &kept.s, dout, grads, rope)
 }
 

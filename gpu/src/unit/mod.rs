@@ -215,6 +215,22 @@ fn mm(batch: usize, m: usize, n: usize, k: usize, trans_a: bool, trans_b: bool) 
     }
 }
 
+/// A kept forward is this batch's: its input and its attention
+/// probabilities (`bufs`) have the elements `want`.
+fn check_kept<E: Exec>(e: &E, unit: &str, bufs: [&E::Buf; 2], want: [usize; 2]) -> Result<()> {
+    let found = bufs.map(|b| e.len(b));
+    if found == want {
+        return Ok(());
+    }
+    Err(GpuError::Shape {
+        kernel: unit.into(),
+        detail: format!(
+            "a kept forward of {} input and {} attention elements for a batch of {} and {}",
+            found[0], found[1], want[0], want[1]
+        ),
+    })
+}
+
 fn check_params<E: Exec>(e: &E, unit: &str, p: &[E::Buf], want: &[usize]) -> Result<()> {
     if p.len() != want.len() {
         return Err(GpuError::Shape {
