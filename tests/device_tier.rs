@@ -513,3 +513,88 @@ fn bf16_params_through_the_device_tier_are_bit_identical_too() {
         );
     }
 }
+
+/// The unit about to compute goes first: [`UnitCompute::load`] issues
+/// its missing uploads before the next unit is staged, so the copy queue
+/// carries them first, and what was staged for it leaves the prefetch
+/// window, which the next unit then fills whole.
+#[test]
+fn the_unit_computing_uploads_before_the_next_one_is_staged() {
+    use tierzero::model::exec_units::UnitCompute;
+    use tierzero::model::{ModelDir, UnitId};
+    let dir = tiny_gpt2_dir("tier-first", 2, 32);
+    let md = ModelDir::open(&dir, 1).unwrap();
+    let m = md.model();
+    let host = |u: usize| -> Vec<candle_core::Tensor> {
+        m.units()[u]
+            .params
+            .iter()
+            .map(|p| {
+                let spec = &m.params()[p.0];
+                candle_core::Tensor::zeros(
+                    spec.shape.as_slice(),
+                    candle_core::DType::F32,
+                    &candle_core::Device::Cpu,
+                )
+                .unwrap()
+            })
+            .collect()
+    };
+    let numel = |u: usize| -> u64 {
+        m.units()[u]
+            .params
+            .iter()
+            .map(|p| m.params()[p.0].numel as u64)
+            .sum()
+    };
+    let names = |u: usize| -> Vec<String> {
+        m.units()[u]
+            .params
+            .iter()
+            .map(|p| format!("param {}", p.0))
+            .collect()
+    };
+    // A window of exactly one block (unit 1 and unit 2 are alike).
+    assert_eq!(numel(1), numel(2));
+    let dev = SimDevice::new(sim(64 << 20, 2, 64)).unwrap();
+    let probe = dev.probe();
+    let tier = TieredUnits::new(
+        dev,
+        TierLimits {
+            prefetch_numel: numel(1),
+            ..wide_open()
+        },
+    );
+    tier.begin_step().unwrap();
+    // The embedding computes next; block 0 is staged behind it.
+    let (h0, h1, h2) = (host(0), host(1), host(2));
+    tier.load(m, UnitId(0), &h0).unwrap();
+    tier.stage(m, UnitId(1), &h1).unwrap();
+    let c = tier.census();
+    assert_eq!(c.get("loading"), Some(&h0.len()), "{c:?}");
+    // The embedding's params are not ahead of use: block 0 fits whole.
+    assert_eq!(c.get("uploading"), Some(&h1.len()), "{c:?}");
+    // Block 0 computes next: its staged uploads leave the window, so
+    // block 1 is staged whole too.
+    tier.load(m, UnitId(1), &h1).unwrap();
+    tier.stage(m, UnitId(2), &h2).unwrap();
+    let c = tier.census();
+    assert_eq!(c.get("loading"), Some(&(h0.len() + h1.len())), "{c:?}");
+    assert_eq!(c.get("uploading"), Some(&h2.len()), "{c:?}");
+    assert!(tier.peaks().ahead_numel <= numel(1));
+    while probe.in_flight() > 0 {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // The copies ran in the order issued: the embedding's, then block
+    // 0's, then block 1's.
+    let order: Vec<String> = tier
+        .take_device_spans()
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    let want: Vec<String> = [names(0), names(1), names(2)].concat();
+    assert_eq!(order, want);
+    tier.begin_step().unwrap();
+    drop(tier);
+    assert_all_back(&probe, "after the step");
+}

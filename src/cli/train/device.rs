@@ -52,9 +52,8 @@ pub(super) fn cuda_units(
     on_link(&format!("--device {d}"), link, cfg, model, world)
 }
 
-/// The units on `link`: everything resident with Adam on the device when
-/// nothing is offloaded ([`resident`]), else the device tier with the
-/// optimizer on the host.
+/// The units on `link` ([`tierzero::engine::device::units_on`]), its
+/// refusals given as `flag`'s.
 fn on_link<L: tierzero::engine::device::DeviceLink + 'static>(
     flag: &str,
     link: L,
@@ -62,51 +61,8 @@ fn on_link<L: tierzero::engine::device::DeviceLink + 'static>(
     model: &tierzero::model::Model,
     world: usize,
 ) -> Result<std::sync::Arc<dyn tierzero::model::exec_units::UnitCompute>, Failure> {
-    use tierzero::config::Precision;
-    match resident(cfg, world) {
-        Ok(()) => {
-            let bf16 = cfg.precision == Precision::Bf16;
-            let units = tierzero::engine::device::ResidentUnits::new(link, model, bf16)
-                .and_then(|u| u.keep_forwards(cfg.tierzero.activations))
-                .map_err(|e| bad(format!("{flag}: {e}")))?;
-            Ok(std::sync::Arc::new(units))
-        }
-        Err(why) => {
-            tracing::info!("{flag}: the optimizer runs on the host: {why}");
-            let units = tierzero::engine::device::TieredUnits::new(link, tier_limits(cfg))
-                .keep_forwards(cfg.tierzero.activations)
-                .map_err(|e| bad(format!("{flag}: {e}")))?;
-            Ok(std::sync::Arc::new(units))
-        }
-    }
-}
-
-/// Whether the run trains in device memory (Adam on the device: what
-/// DeepSpeed does with nothing offloaded), or why not.
-fn resident(cfg: &tierzero::config::Config, world: usize) -> Result<(), String> {
-    use tierzero::config::OffloadDevice;
-    let z = &cfg.zero;
-    if z.offload_optimizer.device != OffloadDevice::None {
-        return Err(format!(
-            "zero_optimization.offload_optimizer.device is {:?}",
-            z.offload_optimizer.device
-        ));
-    }
-    if z.offload_param.device != OffloadDevice::None {
-        return Err(format!(
-            "zero_optimization.offload_param.device is {:?}",
-            z.offload_param.device
-        ));
-    }
-    if world > 1 {
-        return Err(format!(
-            "{world} ranks (the device optimizer holds whole params, one rank)"
-        ));
-    }
-    if !cfg.optimizer.decoupled_weight_decay {
-        return Err("adam_w_mode is false (the device kernel is AdamW's)".into());
-    }
-    Ok(())
+    tierzero::engine::device::units_on(link, cfg, model, world)
+        .map_err(|e| bad(format!("{flag}: {e}")))
 }
 
 /// The device units' GEMM operands for the config's precision: fp32, or
@@ -142,15 +98,6 @@ fn unit_checks(
         )));
     }
     Ok(gemm)
-}
-
-/// The device tier's bounds from the config.
-fn tier_limits(cfg: &tierzero::config::Config) -> tierzero::engine::device::TierLimits {
-    tierzero::engine::device::TierLimits {
-        prefetch_numel: cfg.zero.prefetch_bucket_numel.0,
-        max_live_numel: cfg.zero.max_live_parameters_numel.0,
-        cache_bytes: cfg.tierzero.device_cache_bytes.0,
-    }
 }
 
 /// Device memory of `--device sim` when `tierzero.device_budget_bytes`

@@ -36,12 +36,14 @@
 //! | state | event | next | device bytes |
 //! |---|---|---|---|
 //! | absent | `Staged(upload)` | `Uploading` | held by the upload's destination |
+//! | absent | `Loading(upload)` (its unit computes next) | `Loading` | held |
+//! | `Uploading` | `Due` (its unit computes next) | `Loading` | held |
 //! | absent | `Loaded` (uploaded when its unit ran) | `InUse` | held |
-//! | `Uploading` | `Taken` (its event waited on) | `InUse` | held |
+//! | `Uploading`, `Loading` | `Taken` (its event waited on) | `InUse` | held |
 //! | `Resident` | `Taken` | `InUse` | held |
 //! | `InUse` | `Returned { keep: true }` | `Resident` | held |
 //! | `InUse` | `Returned { keep: false }` | absent | freed |
-//! | `Uploading`, `Resident` | `Dropped` (new step, or the tier dropped) | absent | freed once the copy completed |
+//! | `Uploading`, `Loading`, `Resident` | `Dropped` (new step, or the tier dropped) | absent | freed once the copy completed |
 //!
 //! # What bounds it
 //!
@@ -53,6 +55,17 @@
 //! * **The prefetch window** (`stage3_prefetch_bucket_size`): elements
 //!   whose uploads are in flight ahead of use. The first upload is always
 //!   issued.
+//! * **First things first.** Before the engine stages the next unit, it
+//!   hands the tier the unit about to compute
+//!   ([`crate::model::exec_units::UnitCompute::load`]): whatever of its
+//!   params is not on the device or on its way starts uploading then,
+//!   and what was staged for it is no longer ahead of use (both
+//!   `Loading`, outside the window), so the copy queue carries this
+//!   unit's params before the next one's, and the window is the next
+//!   unit's to fill. Without it
+//!   the first unit of each pass (the embedding forward, the tied head
+//!   backward: the largest params) queued behind the next block's
+//!   prefetch, and its compute waited for both.
 //! * **Live params** (`stage3_max_live_parameters`): elements uploading or
 //!   in use, the kept ones not counted.
 //! * **The device cache** (`tierzero.device_cache_bytes`): after its unit,
@@ -149,12 +162,14 @@
 //! forward was kept or recomputed. The copies move
 //! bytes; they never convert them.
 
+mod choose;
 pub mod cuda;
 mod inputs;
 mod resident;
 pub mod sim;
 mod tier;
 
+pub use choose::{trains_resident, units_on};
 pub use resident::{resident_state_bytes, Grad, GradEvent, ResidentUnits};
 pub use tier::{Residency, TierEvent, TierLimits, TierPeaks, TieredUnits};
 

@@ -37,6 +37,14 @@ pub enum Residency<U, B> {
         /// Its elements.
         numel: u64,
     },
+    /// Its upload is in flight, issued for its unit, which computes next
+    /// (outside the prefetch window).
+    Loading {
+        /// The upload.
+        upload: U,
+        /// Its elements.
+        numel: u64,
+    },
     /// Its unit is computing on it.
     InUse {
         /// Its elements.
@@ -55,6 +63,7 @@ impl<U, B> Residency<U, B> {
     fn numel(&self) -> u64 {
         match self {
             Residency::Uploading { numel, .. }
+            | Residency::Loading { numel, .. }
             | Residency::InUse { numel }
             | Residency::Resident { numel, .. } => *numel,
         }
@@ -62,6 +71,7 @@ impl<U, B> Residency<U, B> {
     fn name(&self) -> &'static str {
         match self {
             Residency::Uploading { .. } => "uploading",
+            Residency::Loading { .. } => "loading",
             Residency::InUse { .. } => "in use",
             Residency::Resident { .. } => "resident",
         }
@@ -73,6 +83,11 @@ impl<U, B> Residency<U, B> {
 pub enum TierEvent<U, B> {
     /// Its upload was issued ahead of its unit.
     Staged(U, u64),
+    /// Its upload was issued for its unit, which computes next.
+    Loading(U, u64),
+    /// Its unit computes next: an upload issued ahead is no longer ahead
+    /// of use.
+    Due,
     /// It was uploaded when its unit ran.
     Loaded(u64),
     /// Its unit takes it (an upload is waited for).
@@ -87,6 +102,8 @@ impl<U, B> TierEvent<U, B> {
     fn name(&self) -> &'static str {
         match self {
             TierEvent::Staged(..) => "staged",
+            TierEvent::Loading(..) => "loading",
+            TierEvent::Due => "due",
             TierEvent::Loaded(_) => "loaded",
             TierEvent::Taken => "taken",
             TierEvent::Returned(_) => "returned",
@@ -163,10 +180,17 @@ impl<U, B> State<U, B> {
             (None, TierEvent::Staged(upload, numel)) => {
                 (Some(Residency::Uploading { upload, numel }), Left::Nothing)
             }
-            (None, TierEvent::Loaded(numel)) => (Some(Residency::InUse { numel }), Left::Nothing),
-            (Some(Residency::Uploading { upload, numel }), TierEvent::Taken) => {
-                (Some(Residency::InUse { numel }), Left::Upload(upload))
+            (None, TierEvent::Loading(upload, numel)) => {
+                (Some(Residency::Loading { upload, numel }), Left::Nothing)
             }
+            (Some(Residency::Uploading { upload, numel }), TierEvent::Due) => {
+                (Some(Residency::Loading { upload, numel }), Left::Nothing)
+            }
+            (None, TierEvent::Loaded(numel)) => (Some(Residency::InUse { numel }), Left::Nothing),
+            (
+                Some(Residency::Uploading { upload, numel } | Residency::Loading { upload, numel }),
+                TierEvent::Taken,
+            ) => (Some(Residency::InUse { numel }), Left::Upload(upload)),
             (Some(Residency::Resident { buf, numel }), TierEvent::Taken) => {
                 (Some(Residency::InUse { numel }), Left::Buf(buf))
             }
@@ -174,9 +198,10 @@ impl<U, B> State<U, B> {
                 (Some(Residency::Resident { buf, numel }), Left::Nothing)
             }
             (Some(Residency::InUse { .. }), TierEvent::Returned(None)) => (None, Left::Nothing),
-            (Some(Residency::Uploading { upload, .. }), TierEvent::Dropped) => {
-                (None, Left::Upload(upload))
-            }
+            (
+                Some(Residency::Uploading { upload, .. } | Residency::Loading { upload, .. }),
+                TierEvent::Dropped,
+            ) => (None, Left::Upload(upload)),
             (Some(Residency::Resident { buf, .. }), TierEvent::Dropped) => (None, Left::Buf(buf)),
             (now, ev) => {
                 let err = bad(&now, &ev);
@@ -462,6 +487,27 @@ impl<L: DeviceLink> TieredUnits<L> {
                 }),
             };
         }
+        let t = Instant::now();
+        let (u, numel) = self.upload_now(st, unit, id, host)?;
+        st.apply(id, TierEvent::Loaded(numel))?;
+        let b = self.link.finish(u);
+        st.traffic.h2d_wait_s += t.elapsed().as_secs_f64();
+        b.inspect_err(|_| {
+            st.params.remove(&id);
+        })
+    }
+
+    /// Issues the upload of `unit`'s param `id`, absent from the device,
+    /// for use now: kept params are evicted to make room, and a param
+    /// that still does not fit the budget is an error with the numbers.
+    /// Its elements come back with the upload.
+    fn upload_now(
+        &self,
+        st: &mut State<L::Upload, L::Buf>,
+        unit: UnitId,
+        id: ParamId,
+        host: &Tensor,
+    ) -> Result<(L::Upload, u64), ModelError> {
         let numel = numel_of(host);
         let bytes = numel * ELEM_BYTES;
         self.make_room(st, bytes)?;
@@ -477,17 +523,11 @@ impl<L: DeviceLink> TieredUnits<L> {
                 ),
             });
         }
-        let t = Instant::now();
         let (u, up_bytes) = exec_units::with_host_elems(host, |v| {
             Ok((self.link.upload(&format!("param {}", id.0), v)?, v.bytes()))
         })?;
-        st.apply(id, TierEvent::Loaded(numel))?;
         st.traffic.h2d_bytes += up_bytes;
-        let b = self.link.finish(u);
-        st.traffic.h2d_wait_s += t.elapsed().as_secs_f64();
-        b.inspect_err(|_| {
-            st.params.remove(&id);
-        })
+        Ok((u, numel))
     }
 
     /// The unit is done with its params: kept while the cache has room,
@@ -616,6 +656,28 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
             st.apply(id, TierEvent::Staged(u, numel))?;
             st.peaks.live_numel_at_stage = st.peaks.live_numel_at_stage.max(st.live_numel());
             st.traffic.h2d_bytes += up_bytes;
+        }
+        Ok(())
+    }
+
+    fn load(&self, model: &Model, unit: UnitId, params: &[Tensor]) -> Result<(), ModelError> {
+        let ids = model.unit(unit)?.params.clone();
+        let mut st = self.lock();
+        for (&id, host) in ids.iter().zip(params) {
+            match st.params.get(&id) {
+                // Staged ahead: no longer ahead of use.
+                Some(Residency::Uploading { .. }) => {
+                    st.apply(id, TierEvent::Due)?;
+                    continue;
+                }
+                Some(_) => continue,
+                None => {}
+            }
+            // Waiting here for a staging buffer is waiting for copies too.
+            let t = Instant::now();
+            let (u, numel) = self.upload_now(&mut st, unit, id, host)?;
+            st.traffic.h2d_wait_s += t.elapsed().as_secs_f64();
+            st.apply(id, TierEvent::Loading(u, numel))?;
         }
         Ok(())
     }

@@ -81,6 +81,15 @@ pub trait UnitCompute: Send + Sync + std::fmt::Debug {
     fn stage(&self, _model: &Model, _unit: UnitId, _params: &[Tensor]) -> Result<(), ModelError> {
         Ok(())
     }
+    /// `unit` computes next: starts every copy its params (host copies,
+    /// declared order) still need, before the engine stages the unit
+    /// after it ([`UnitCompute::stage`]), so that the copies of the unit
+    /// that runs first are not queued behind those of the one that runs
+    /// second. Outside the prefetch window: they are for use now. The
+    /// call then gets the same `params`.
+    fn load(&self, _model: &Model, _unit: UnitId, _params: &[Tensor]) -> Result<(), ModelError> {
+        Ok(())
+    }
     /// A step begins: the optimizer may have changed every param since
     /// the last call, so nothing moved before may be reused.
     fn begin_step(&self) -> Result<(), ModelError> {

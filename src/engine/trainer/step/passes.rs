@@ -81,6 +81,9 @@ impl Trainer {
                 continue;
             }
             let params = self.unit_params(plan, uid, Pass::Forward, batch.shape, &mut ahead)?;
+            if stages {
+                self.load_unit(uid, &params)?;
+            }
             match units.get(idx + 1) {
                 Some(&(next, k)) if stages && k != UnitKind::Head => {
                     ahead = Some(self.stage_unit(plan, next, Pass::Forward, batch.shape)?);
@@ -202,6 +205,9 @@ impl Trainer {
             } else {
                 self.unit_params(plan, uid, Pass::Backward, batch.shape, &mut ahead)?
             };
+            if stages && !kept {
+                self.load_unit(uid, &params)?;
+            }
             if let Some(prev) = idx.checked_sub(1) {
                 let prev_kept = matches!(saved.get(units[prev].0 .0), Some(Some(Saved::Kept(_))));
                 if stages && !prev_kept {
@@ -333,6 +339,16 @@ impl Trainer {
         };
         self.span(plan.step, Lane::Params, || format!("u{} {name}", uid.0), tf);
         Ok(params)
+    }
+
+    /// Hands `uid`'s params, about to be computed on, to the compute
+    /// before the next unit is staged
+    /// ([`crate::model::exec_units::UnitCompute::load`]).
+    fn load_unit(&self, uid: UnitId, params: &[Tensor]) -> Result<()> {
+        if let Some(c) = &self.opts.compute {
+            c.load(&self.model, uid, params)?;
+        }
+        Ok(())
     }
 
     /// Visits and fetches the next unit `uid` before this one computes,
