@@ -45,6 +45,15 @@
 #      against PyTorch FSDP2 with CPUOffloadPolicy on the same config,
 #      batch and precision (scripts/fsdp2_offload_throughput.py); the
 #      issue's goal is a ratio of at least 1.5;
+#   6i. overlap on the GPU (a measurement): examples/device_overlap
+#      ($DEVICE_OVERLAP_BIN), the step of a GPT-2 (6 layers, hidden 1024,
+#      seq 256) whose params and optimizer state live in host memory
+#      (TIER=cpu), then on NVMe, streamed to the GPU, against each phase
+#      alone in the same process (compute with everything resident on
+#      the GPU, the params' h2d, the gradients' d2h, the tier's I/O, the
+#      CPU Adam); MICRO calibrated first (1, 2, 4, ... until compute
+#      alone passes h2d alone; the closest kept); the issue's aim is a
+#      ratio of at most 1.15;
 #   7. the overlap ratio (docs/decisions/overlap.md) on this machine's cores and disk (a
 #      measurement, never a failure): `examples/overlap` (built with the
 #      binary in step 1; skipped with TIERZERO_BIN unless OVERLAP_BIN
@@ -65,7 +74,7 @@
 # Run on one H200 machine (16 cores) on 2026-11-30: every step passed; two
 # ranks on its one GPU were refused (ncclInvalidUsage, now an exit-2 hint).
 #
-# Environment: TIERZERO_BIN, KERNEL_CHECK_BIN, TRAIN_CHECK_BIN, THROUGHPUT_BIN,
+# Environment: TIERZERO_BIN, KERNEL_CHECK_BIN, TRAIN_CHECK_BIN, THROUGHPUT_BIN, DEVICE_OVERLAP_BIN,
 # TIERZERO_WHEEL, TIERZERO_PY,
 # OVERLAP_BIN, OVERLAP_DIR, GPU_CHECK_PORT
 # (default 29517), GPU_CHECK_BYTES (timed all-gather per rank, default
@@ -121,10 +130,11 @@ if [ -n "${TIERZERO_BIN:-}" ] && [ -x "$TIERZERO_BIN" ]; then
   BIN="$TIERZERO_BIN"
 elif command -v cargo >/dev/null; then
   t0=$(date +%s)
-  if cargo build --release --features gpu --bin tierzero --example overlap >"$build_log" 2>&1; then
+  if cargo build --release --features gpu --bin tierzero --example overlap --example device_overlap >"$build_log" 2>&1; then
     build_s=$(( $(date +%s) - t0 ))
     BIN="${CARGO_TARGET_DIR:-target}/release/tierzero"
     OVERLAP_BIN="${OVERLAP_BIN:-${CARGO_TARGET_DIR:-target}/release/examples/overlap}"
+    DEVICE_OVERLAP_BIN="${DEVICE_OVERLAP_BIN:-${CARGO_TARGET_DIR:-target}/release/examples/device_overlap}"
   else
     BIN=""
   fi
@@ -484,9 +494,63 @@ fi
 otp_ratio=$(awk -v a="$otp_tokens" -v b="$(grep -o '"tokens_per_s": *[0-9.]*' "$WORK/fsdp2.json" 2>/dev/null | sed 's/.*: *//')" \
   'BEGIN { if (a > 0 && b > 0) printf "%.3f", a / b; else printf "null" }')
 
-# 7. Overlap (a measurement: never sets `failed`), in what is left of the
-# budget. A summary line's field.
+# A summary line's field.
 field() { grep -o "\"$2\":[0-9.eE+-]*" <<<"$1" | head -n 1 | cut -d: -f2; }
+# calibrate RUN GROWS FIXED MICRO...: runs `RUN m` (a summary line or
+# nothing) for each MICRO in turn. Field GROWS grows with MICRO and field
+# FIXED does not: stop once GROWS passes FIXED. Sets `best` (the MICRO
+# whose two fields are closest: |log(GROWS / FIXED)| least; empty if no
+# run gave a line) and `calib` (each run's line, JSON).
+calibrate() {
+  local run=$1 grows=$2 fixed=$3 m line a b gap best_gap=""; shift 3
+  best=""; calib=""
+  for m in "$@"; do
+    line=$($run "$m")
+    [ -n "$line" ] || break
+    calib="$calib${calib:+,}{\"micro\":$m,\"result\":$line}"
+    a=$(field "$line" "$grows"); b=$(field "$line" "$fixed")
+    gap=$(awk -v a="$a" -v b="$b" 'BEGIN { if (a > 0 && b > 0) { g = log(a / b); print (g < 0 ? -g : g) } }')
+    if [ -n "$gap" ] && { [ -z "$best_gap" ] || awk -v g="$gap" -v b="$best_gap" 'BEGIN { exit !(g < b) }'; }; then
+      best=$m; best_gap=$gap
+    fi
+    awk -v a="$a" -v b="$b" 'BEGIN { exit !(a > b) }' && break
+  done
+}
+
+# 6i. Overlap on the GPU (issue 23's second check; a measurement: never
+# sets `failed`). One run: TIER=$1 MICRO=$2 STEPS=$3 ROUNDS=$4, skipped
+# when under $5 seconds are left; prints the summary line or nothing.
+dov_dir="${OVERLAP_DIR:-$PWD/overlap-check}-device"
+dov_log="$WORK/device_overlap.txt"; : >"$dov_log"
+dov_calib=""; dov_micro=null; dov_cpu=null; dov_nvme=null
+dov_run() {
+  [ "$(left)" -ge "$5" ] || { echo "skipped TIER=$1 MICRO=$2 ($(left) s left)" >>"$dov_log"; return; }
+  rm -rf "$dov_dir"; mkdir -p "$dov_dir"
+  TIER=$1 MICRO=$2 SEQ_LEN=256 DEVICE=cuda:0 ADAM_THREADS=4 TIMELINE="$WORK/timeline-device-overlap-$1.json" \
+    LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
+    timeout "$(cap 90)" "$DEVICE_OVERLAP_BIN" 6 1024 "$3" "$4" "$dov_dir" 2>>"$dov_log" \
+    | tee -a "$dov_log" | grep '"summary"' | tail -n 1
+}
+dov_calibration_run() { dov_run cpu "$1" 3 1 45; }
+if [ -n "${DEVICE_OVERLAP_BIN:-}" ] && [ -x "$DEVICE_OVERLAP_BIN" ]; then
+  # Compute grows with MICRO and the params' h2d does not.
+  calibrate dov_calibration_run compute_alone_s h2d_alone_s 1 2 4 8 16 32
+  dov_calib=$calib
+  if [ -n "$best" ]; then
+    dov_micro=$best
+    dov_cpu=$(dov_run cpu "$best" 5 3 40); [ -n "$dov_cpu" ] || dov_cpu=null
+    dov_nvme=$(dov_run nvme "$best" 4 2 60); [ -n "$dov_nvme" ] || dov_nvme=null
+  fi
+  rm -rf "$dov_dir"
+  for t in cpu nvme; do
+    [ -n "${OUT:-}" ] && [ -f "$WORK/timeline-device-overlap-$t.json" ] && cp "$WORK/timeline-device-overlap-$t.json" "$OUT/"
+  done
+else
+  echo "no device overlap binary (DEVICE_OVERLAP_BIN)" >"$dov_log"
+fi
+
+# 7. Overlap (a measurement: never sets `failed`), in what is left of the
+# budget.
 ov_dir="${OVERLAP_DIR:-$PWD/overlap-check}"
 ov_log="$WORK/overlap.txt"; : >"$ov_log"
 ov_calib=""; ov_micro=null; ov_balanced=null; ov_roomy=null; ov_default=null
@@ -499,6 +563,7 @@ ov_run() {
   MICRO=$1 SEQ_LEN=32 timeout "$(cap 150)" "$OVERLAP_BIN" "${OV_LAYERS:-6}" "${OV_HIDDEN:-256}" "$2" "$3" "$ov_dir" 2>>"$ov_log" \
     | grep '"summary"' | tail -n 1
 }
+ov_calibration_run() { ov_run "$1" 4 1 40; }
 ov_threads=""; ov_threads_big=""; ov_t=null
 if [ -n "${OVERLAP_BIN:-}" ] && [ -x "$OVERLAP_BIN" ]; then
   mkdir -p "$ov_dir"
@@ -522,20 +587,9 @@ if [ -n "${OVERLAP_BIN:-}" ] && [ -x "$OVERLAP_BIN" ]; then
     done
     [ "$ov_t" = null ] || export COMPUTE_THREADS=$ov_t
   fi
-  best=""; best_gap=""
-  # Compute grows with MICRO and I/O does not: stop once compute passes I/O.
-  for m in 2 4 8 16 32 64 128; do
-    line=$(ov_run "$m" 4 1 40)
-    [ -n "$line" ] || break
-    ov_calib="$ov_calib${ov_calib:+,}{\"micro\":$m,\"result\":$line}"
-    c=$(field "$line" compute_alone_s); i=$(field "$line" io_alone_s)
-    # |log(compute / io)|: 0 when they take the same time.
-    gap=$(awk -v c="$c" -v i="$i" 'BEGIN { if (c > 0 && i > 0) { g = log(c / i); print (g < 0 ? -g : g) } }')
-    if [ -n "$gap" ] && { [ -z "$best_gap" ] || awk -v g="$gap" -v b="$best_gap" 'BEGIN { exit !(g < b) }'; }; then
-      best=$m; best_gap=$gap
-    fi
-    awk -v c="$c" -v i="$i" 'BEGIN { exit !(c > i) }' && break
-  done
+  # Compute grows with MICRO and I/O does not.
+  calibrate ov_calibration_run compute_alone_s io_alone_s 2 4 8 16 32 64 128
+  ov_calib=$calib
   if [ -n "$best" ]; then
     ov_micro=$best
     ov_balanced=$(ov_run "$best" 6 6 30); [ -n "$ov_balanced" ] || ov_balanced=null
@@ -595,6 +649,8 @@ fi
   printf '"offload_throughput":{"tierzero":{"rc":%s,"tokens_per_s":%s,"model_tflops":%s,"result":%s,"stderr":%s},"fsdp2_cpu_offload":{"rc":%s,"result":%s,"log":%s},"ratio":%s},' \
     "$otp_rc" "$otp_tokens" "$otp_tflops" "$otp_result" "$(json_str "$WORK/offload-tp/err.txt")" \
     "$fsdp_rc" "$fsdp_result" "$(json_str "$WORK/fsdp2.err")" "$otp_ratio"
+  printf '"device_overlap":{"calibration":[%s],"micro":%s,"cpu_tier":%s,"nvme_tier":%s,"log":%s},' \
+    "$dov_calib" "$dov_micro" "$dov_cpu" "$dov_nvme" "$(json_str "$dov_log")"
   printf '"gpu_train":{"bin":"%s","rc":%s,"result":%s,"log":%s},' \
     "$TC_BIN" "$tc_rc" "$tc_result" "$(json_str "$tc_log")"
   printf '"python_cuda":{"wheel":"%s","python":"%s","rc":%s,"result":%s,"log":%s},' \

@@ -66,7 +66,9 @@ impl Setup {
         let swap = self.root.join("swap");
         std::fs::create_dir_all(&model_dir)?;
         std::fs::create_dir_all(&swap)?;
-        let cfg = json!({"model_type": "gpt2", "vocab_size": 256, "n_positions": 128,
+        // Positions for `SEQ_LEN` tokens (at least 128).
+        let positions = env_or("SEQ_LEN", 64usize).max(128);
+        let cfg = json!({"model_type": "gpt2", "vocab_size": 256, "n_positions": positions,
             "n_embd": hidden, "n_layer": layers, "n_head": 4, "tie_word_embeddings": true});
         std::fs::write(model_dir.join("config.json"), cfg.to_string())?;
         // `PRETRAIN=N`: start from weights trained N steps (the model dir
@@ -101,6 +103,10 @@ impl Setup {
             "zero_optimization": zero,
             "tierzero": {"overlap_optimizer": self.overlap, "checksums": false}
         });
+        // `PRECISION=bf16`: bf16.enabled (bf16 params and GEMM operands).
+        if std::env::var("PRECISION").as_deref() == Ok("bf16") {
+            ds["bf16"] = json!({"enabled": true});
+        }
         if let Some(qd) = std::env::var("AIO_QD")
             .ok()
             .and_then(|v| v.parse::<u32>().ok())

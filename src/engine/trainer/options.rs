@@ -39,8 +39,9 @@ pub struct TrainerOptions {
     pub stop_grace: Option<Duration>,
     /// What computes the units: `None` is candle on [`TrainerOptions::device`];
     /// `Some` another executor with the same unit contract (the CUDA units,
-    /// [`crate::model::exec_units`]). Its activations are always
-    /// recomputed in backward.
+    /// [`crate::model::exec_units`]). It keeps no candle graph: a device
+    /// compute keeps its blocks' forwards itself, within
+    /// `tierzero.activation_budget_bytes`, or recomputes them.
     pub compute: Option<Arc<dyn crate::model::exec_units::UnitCompute>>,
 }
 
