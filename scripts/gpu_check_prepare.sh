@@ -11,7 +11,9 @@
 #   DEVICE_OVERLAP_BIN=target/gpu-carry/device_overlap \
 #   KERNEL_CHECK_BIN=target/gpu-carry/kernel_check TRAIN_CHECK_BIN=target/gpu-carry/train_check \
 #   THROUGHPUT_BIN=target/gpu-carry/throughput TIERZERO_WHEEL=$(ls target/gpu-carry/*.whl) \
-#   OUT=$OUT scripts/gpu_check.sh
+#   GPU_CHECK_BUDGET_S=560 OUT=$OUT scripts/gpu_check.sh
+# with timeout_s 600 (one command may run 10 minutes; the budget leaves
+# the JSON time to be written).
 # (the carry limit is 64 MiB: the binaries are stripped of debug info).
 set -euo pipefail
 cd "$(dirname "$0")/.."
