@@ -42,6 +42,7 @@
 pub mod cache;
 pub mod device;
 mod error;
+pub mod host_copy;
 pub mod kernels;
 pub mod link;
 pub mod nvrtc;

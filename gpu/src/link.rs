@@ -37,7 +37,9 @@
 //! a later call.
 //!
 //! The upload staging memory is write-combined, which suits memory the
-//! CPU only writes and the copy engine only reads.
+//! CPU only writes and the copy engine only reads. A long fill (and a
+//! download's long read-back) is split over threads
+//! ([`crate::host_copy`]): one core's copy would cap the link's rate.
 //!
 //! # How a download travels ([`Downloads`])
 //!
@@ -327,17 +329,22 @@ impl Uploads {
 
     /// Fills a staging buffer from `host` and queues its copy into a new
     /// device buffer on the h2d stream: the buffers and the event after.
-    fn queue<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy>(
+    fn queue<
+        T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Send + Sync,
+    >(
         &self,
         pool: &Mutex<Pool<T>>,
         what: &str,
         host: &[T],
     ) -> Result<(DeviceBuffer<T>, PinnedHostSlice<T>, CudaEvent)> {
         let mut staging = self.staging(&mut locked(pool), host.len())?;
-        staging
-            .as_mut_slice()
-            .map_err(driver("cuEventSynchronize"))?
-            .copy_from_slice(host);
+        // A long fill is split over threads (see `host_copy`).
+        crate::host_copy::copy(
+            staging
+                .as_mut_slice()
+                .map_err(driver("cuEventSynchronize"))?,
+            host,
+        );
         let mut dst = self.dev.alloc_uninit_on_h2d::<T>(what, host.len())?;
         let began = EventClock::mark(&self.dev.h2d)?;
         self.dev
@@ -565,16 +572,21 @@ impl Downloads {
 
     /// The downloaded elements (waits for the copy).
     pub fn finish(&self, mut d: PendingDownload) -> Result<Downloaded> {
-        fn back<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Clone>(
+        fn back<
+            T: cudarc::driver::DeviceRepr
+                + cudarc::driver::ValidAsZeroBits
+                + Copy
+                + Default
+                + Send
+                + Sync,
+        >(
             pool: &Mutex<IdlePinned<T>>,
             cap: u64,
             src: DeviceBuffer<T>,
             staging: PinnedHostSlice<T>,
         ) -> Result<Vec<T>> {
-            let out = staging
-                .as_slice()
-                .map_err(driver("cuEventSynchronize"))?
-                .to_vec();
+            let out =
+                crate::host_copy::to_vec(staging.as_slice().map_err(driver("cuEventSynchronize"))?);
             drop(src);
             let bytes = staging.num_bytes() as u64;
             let mut free = locked(pool);

@@ -1,0 +1,126 @@
+//! Host-side copies into and out of pinned staging memory, split over
+//! threads when they are long.
+//!
+//! An upload first copies its elements into a pinned staging buffer on
+//! the calling thread (the engine's), and a download copies them out of
+//! one: the copy engine reads and writes only page-locked memory. One
+//! core's `memcpy` moves on the order of 10 GB/s, while a PCIe Gen5 x16
+//! link carries about 50, so a one-thread fill would cap the whole tier's
+//! host-to-device rate at the fill's. A copy of at least
+//! [`PARALLEL_MIN_BYTES`] is therefore split into equal contiguous chunks,
+//! one per scoped thread (the caller copies the first), at most
+//! [`MAX_THREADS`] and at most the cores this process may use.
+//!
+//! The bytes are the same whichever way they are copied: each element is
+//! written once, from the same element of the source.
+
+use std::sync::OnceLock;
+
+/// Copies shorter than this stay on the calling thread: spawning costs
+/// tens of microseconds a thread.
+pub const PARALLEL_MIN_BYTES: usize = 8 << 20;
+
+/// The most threads one copy uses.
+pub const MAX_THREADS: usize = 8;
+
+/// Threads for a copy of `bytes` on `cores` cores: 1 below
+/// [`PARALLEL_MIN_BYTES`], then one per half of it, within [`MAX_THREADS`]
+/// and `cores`.
+pub fn threads_for(bytes: usize, cores: usize) -> usize {
+    if bytes < PARALLEL_MIN_BYTES {
+        return 1;
+    }
+    (bytes / (PARALLEL_MIN_BYTES / 2))
+        .min(MAX_THREADS)
+        .min(cores)
+        .max(1)
+}
+
+/// The cores this process may use (read once).
+fn cores() -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// `dst.copy_from_slice(src)`, over [`threads_for`] threads. The lengths
+/// must match, as for `copy_from_slice`.
+pub fn copy<T: Copy + Send + Sync>(dst: &mut [T], src: &[T]) {
+    copy_with(dst, src, threads_for(std::mem::size_of_val(src), cores()));
+}
+
+/// [`copy`] over exactly `threads` threads (at least one).
+fn copy_with<T: Copy + Send + Sync>(dst: &mut [T], src: &[T], threads: usize) {
+    if threads <= 1 || src.len() < 2 {
+        dst.copy_from_slice(src);
+        return;
+    }
+    assert_eq!(dst.len(), src.len(), "host copy of unequal lengths");
+    let chunk = src.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        let mut pairs = dst.chunks_mut(chunk).zip(src.chunks(chunk));
+        let first = pairs.next();
+        for (d, c) in pairs {
+            s.spawn(move || d.copy_from_slice(c));
+        }
+        if let Some((d, c)) = first {
+            d.copy_from_slice(c);
+        }
+    });
+}
+
+/// `src.to_vec()`, over [`threads_for`] threads.
+pub fn to_vec<T: Copy + Send + Sync + Default>(src: &[T]) -> Vec<T> {
+    let mut out = vec![T::default(); src.len()];
+    copy(&mut out, src);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+
+    #[test]
+    fn short_copies_stay_on_one_thread_and_long_ones_split_within_the_caps() {
+        assert_eq!(threads_for(0, 16), 1);
+        assert_eq!(threads_for(PARALLEL_MIN_BYTES - 1, 16), 1);
+        assert_eq!(threads_for(PARALLEL_MIN_BYTES, 16), 2);
+        assert_eq!(threads_for(PARALLEL_MIN_BYTES * 3, 16), 6);
+        assert_eq!(threads_for(1 << 30, 16), MAX_THREADS);
+        assert_eq!(threads_for(1 << 30, 3), 3);
+        assert_eq!(threads_for(1 << 30, 1), 1);
+        assert_eq!(threads_for(1 << 30, 0), 1);
+    }
+
+    #[test]
+    fn a_split_copy_writes_every_element_from_its_own() {
+        // Awkward lengths: chunks that do not divide evenly, fewer
+        // elements than threads, a single element.
+        for len in [0usize, 1, 2, 3, 7, 8, 9, 1000, 65_537] {
+            let src: Vec<f32> = (0..len).map(|i| i as f32 * 0.5 - 3.0).collect();
+            for threads in [1, 2, 3, 5, 8] {
+                let mut dst = vec![f32::NAN; len];
+                copy_with(&mut dst, &src, threads);
+                let same = dst
+                    .iter()
+                    .zip(&src)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "len {len}, {threads} threads");
+            }
+        }
+    }
+
+    #[test]
+    fn a_long_copy_is_the_same_bits_as_one_thread_s() {
+        let len = PARALLEL_MIN_BYTES / 2 + 13; // 2-byte elements: above the line
+        let src: Vec<half::bf16> = (0..len)
+            .map(|i| half::bf16::from_f32((i % 977) as f32 - 488.0))
+            .collect();
+        assert!(threads_for(std::mem::size_of_val(src.as_slice()), 4) > 1);
+        let out = to_vec(&src);
+        assert_eq!(out, src);
+        let mut dst = vec![half::bf16::ZERO; len];
+        copy(&mut dst, &src);
+        assert_eq!(dst, src);
+    }
+}
