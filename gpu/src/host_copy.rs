@@ -11,6 +11,10 @@
 //! one per scoped thread (the caller copies the first), at most
 //! [`MAX_THREADS`] and at most the cores this process may use.
 //!
+//! The main crate's param store builds its long param tensors from their
+//! stored bytes through it too (`tierzero::engine::params::store::cpu_tensor`):
+//! the other copy on a cpu-tier param's way to the device.
+//!
 //! The bytes are the same whichever way they are copied: each element is
 //! written once, from the same element of the source.
 

@@ -888,7 +888,15 @@ impl ParamStore {
 /// `bytes` (`Tensor::from_raw_buffer`). Every param tensor is built from its
 /// stored bytes here, whichever thread builds it (the store, the param copy
 /// thread, the optimizer thread), so they all give the same bits.
+///
+/// A long one (at least `tierzero_gpu::host_copy::PARALLEL_MIN_BYTES`)
+/// whose bytes are aligned for its elements (swap buffers and the cpu
+/// tier's homes are) is copied over several threads
+/// (`tierzero_gpu::host_copy`): one core's copy, about 9 GB/s here, is the
+/// whole cost of a cpu-tier fetch, on the engine thread's path. The
+/// elements are the same either way: both copy the native-endian bytes.
 pub fn cpu_tensor(bytes: &[u8], dtype: DType, shape: &[usize]) -> Result<Tensor> {
+    use tierzero_gpu::host_copy;
     let need = shape.iter().product::<usize>() * dtype.size_in_bytes();
     let src = bytes.get(..need).ok_or_else(|| {
         EngineError::internal(format!(
@@ -896,6 +904,28 @@ pub fn cpu_tensor(bytes: &[u8], dtype: DType, shape: &[usize]) -> Result<Tensor>
             bytes.len()
         ))
     })?;
+    if need >= host_copy::PARALLEL_MIN_BYTES {
+        fn split<T: bytemuck::Pod + Default + Send + Sync + candle_core::WithDType>(
+            src: &[u8],
+            shape: &[usize],
+        ) -> Option<candle_core::Result<Tensor>> {
+            let elems = bytemuck::try_cast_slice::<u8, T>(src).ok()?;
+            Some(Tensor::from_vec(
+                host_copy::to_vec(elems),
+                shape,
+                &Device::Cpu,
+            ))
+        }
+        let t = match dtype {
+            DType::F32 => split::<f32>(src, shape),
+            DType::BF16 => split::<half::bf16>(src, shape),
+            DType::F16 => split::<half::f16>(src, shape),
+            _ => None,
+        };
+        if let Some(t) = t {
+            return Ok(t?);
+        }
+    }
     Ok(Tensor::from_raw_buffer(src, dtype, shape, &Device::Cpu)?)
 }
 
@@ -933,6 +963,38 @@ mod tests {
     use crate::engine::comm::SingleRank;
     use crate::model::ModelConfig;
     use tierzero_swap::{ArenaConfig, LockPolicy};
+
+    #[test]
+    fn a_long_tensor_split_over_threads_has_the_bits_of_one_copy() {
+        let numel = tierzero_gpu::host_copy::PARALLEL_MIN_BYTES / 2 + 7;
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let size = dtype.size_in_bytes();
+            // 8-byte-aligned storage, viewed at byte 0 (aligned for the
+            // elements: the split path) and at byte 1 (misaligned: the
+            // one-copy path).
+            let mut words = vec![0u64; (numel * size).div_ceil(8) + 1];
+            let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut words);
+            for (i, b) in bytes.iter_mut().enumerate() {
+                *b = (i.wrapping_mul(2_654_435_761) >> 13) as u8;
+            }
+            let aligned = &bytes[..numel * size];
+            let shifted = &bytes[1..=numel * size];
+            assert!(bytemuck::try_cast_slice::<u8, half::f16>(aligned).is_ok());
+            assert!(bytemuck::try_cast_slice::<u8, half::f16>(shifted).is_err());
+            for view in [aligned, shifted] {
+                let got = cpu_tensor(view, dtype, &[numel]).unwrap();
+                let want =
+                    Tensor::from_raw_buffer(&view[..numel * size], dtype, &[numel], &Device::Cpu)
+                        .unwrap();
+                assert_eq!(
+                    tensor_bytes(&got).unwrap(),
+                    tensor_bytes(&want).unwrap(),
+                    "{dtype:?}"
+                );
+                assert_eq!(got.dims(), &[numel]);
+            }
+        }
+    }
 
     fn tiny() -> Model {
         let text = r#"{"model_type":"gpt2","vocab_size":11,"n_positions":6,"n_embd":8,
