@@ -78,9 +78,18 @@ use tierzero::model::exec_units::{HostElems, HostVec};
 use tierzero_gpu::unit::GemmDtype;
 
 mod measure;
-use measure::{env_or, median, Setup, Tier};
+use measure::{env_or, med, median, Setup, Tier};
 
 type Res<T> = Result<T, Box<dyn Error>>;
+
+/// The phases timed alone, in the order of a round's `phases`.
+const PHASES: [&str; 5] = [
+    "compute_alone_s",
+    "h2d_alone_s",
+    "d2h_alone_s",
+    "tier_alone_s",
+    "cpu_adam_alone_s",
+];
 
 /// What the step's units move per step, measured in its warm-up.
 #[derive(Debug, Clone, Copy)]
@@ -195,7 +204,7 @@ impl<L: DeviceLink> Copies<L> {
             if sent >= t.h2d_bytes {
                 break;
             }
-            ups.push(self.link.upload(name, elems(host))?);
+            ups.push(self.link.upload(name, host.elems())?);
             sent += host.bytes();
         }
         let mut bufs = Vec::with_capacity(ups.len());
@@ -256,18 +265,6 @@ impl<L: DeviceLink> Copies<L> {
     }
 }
 
-/// A host vector's elements as an upload takes them.
-fn elems(h: &HostVec) -> HostElems<'_> {
-    match h {
-        HostVec::F32(v) => HostElems::F32(v),
-        HostVec::Bf16(v) => HostElems::Bf16(v),
-    }
-}
-
-fn med(ms: &[StepMetrics], f: impl Fn(&StepMetrics) -> f64) -> f64 {
-    median(ms.iter().map(f).collect())
-}
-
 /// Every arm on links from `make`, `rounds` rounds of `steps` steps: one
 /// JSON line per round, and the summary.
 fn measure<L: DeviceLink + 'static>(
@@ -300,7 +297,7 @@ fn measure<L: DeviceLink + 'static>(
     let mut store = Arm::new::<L>(&at("store", base.tier), None, true, None)?;
     let mut adam = Arm::new::<L>(&at("adam", Tier::Stage0), None, true, None)?;
     let mut copies = Copies::new(make()?, base)?;
-    let (mut ratios, mut all) = (Vec::new(), Vec::new());
+    let mut all = Vec::new();
     for round in 0..rounds {
         for k in 0..5 {
             match (round + k) % 5 {
@@ -312,13 +309,13 @@ fn measure<L: DeviceLink + 'static>(
             }
         }
         let phases = [
-            ("compute_alone_s", med(&compute.block, |m| m.compute_s)),
-            ("h2d_alone_s", median(copies.h2d_s.clone())),
-            ("d2h_alone_s", median(copies.d2h_s.clone())),
-            ("tier_alone_s", med(&store.block, |m| m.wall_s)),
-            ("cpu_adam_alone_s", med(&adam.block, |m| m.optimizer_s)),
+            med(&compute.block, |m| m.compute_s),
+            median(copies.h2d_s.clone()),
+            median(copies.d2h_s.clone()),
+            med(&store.block, |m| m.wall_s),
+            med(&adam.block, |m| m.optimizer_s),
         ];
-        let slowest = phases.iter().map(|p| p.1).fold(0.0, f64::max);
+        let slowest = phases.iter().copied().fold(0.0, f64::max);
         let w = med(&step.block, |m| m.wall_s);
         let mut line = json!({"round": round, "step_s": w, "ratio": w / slowest,
             "step_compute_s": med(&step.block, |m| m.compute_s),
@@ -329,11 +326,10 @@ fn measure<L: DeviceLink + 'static>(
             "step_io_wait_s": med(&step.block, |m| m.io_wait_s),
             "step_optimizer_s": med(&step.block, |m| m.optimizer_s),
             "compute_alone_device_busy_s": med(&compute.block, |m| m.device_busy_s)});
-        for (name, s) in phases {
-            line[name] = json!(s);
+        for (name, s) in PHASES.iter().zip(phases) {
+            line[*name] = json!(s);
         }
         println!("{line}");
-        ratios.push(w / slowest);
         all.push(line);
     }
     for arm in [step, compute, store, adam] {
@@ -343,6 +339,7 @@ fn measure<L: DeviceLink + 'static>(
         tl.write(std::path::Path::new(&path))?;
     }
     let over = |k: &str| median(all.iter().filter_map(|l| l[k].as_f64()).collect());
+    let ratios: Vec<f64> = all.iter().filter_map(|l| l["ratio"].as_f64()).collect();
     let tier = if base.tier == Tier::Cpu {
         "cpu"
     } else {
@@ -355,26 +352,10 @@ fn measure<L: DeviceLink + 'static>(
         "h2d_bytes_per_step": traffic.h2d_bytes, "d2h_bytes_per_step": traffic.d2h_bytes,
         "rounds_within_1_15": ratios.iter().filter(|r| **r <= 1.15).count(),
         "median_round_ratio": median(ratios)});
-    for k in [
-        "step_s",
-        "compute_alone_s",
-        "h2d_alone_s",
-        "d2h_alone_s",
-        "tier_alone_s",
-        "cpu_adam_alone_s",
-    ] {
+    for k in std::iter::once("step_s").chain(PHASES) {
         summary[k] = json!(over(k));
     }
-    let slowest = [
-        "compute_alone_s",
-        "h2d_alone_s",
-        "d2h_alone_s",
-        "tier_alone_s",
-        "cpu_adam_alone_s",
-    ]
-    .iter()
-    .map(|k| over(k))
-    .fold(0.0, f64::max);
+    let slowest = PHASES.iter().map(|k| over(k)).fold(0.0, f64::max);
     summary["ratio"] = json!(over("step_s") / slowest);
     println!("{summary}");
     Ok(())

@@ -90,7 +90,7 @@ use tierzero::engine::host::threads;
 use tierzero::engine::{StepMetrics, Timeline, Trainer, TrainerOptions};
 
 mod measure;
-use measure::{env_or, median, Setup, Tier};
+use measure::{env_or, med, median, Setup, Tier};
 
 /// Per-step metrics of `steps` steps, the first dropped.
 fn run(setup: &Setup, steps: u64, skip_compute: bool) -> Result<Vec<StepMetrics>, Box<dyn Error>> {
@@ -142,10 +142,6 @@ fn kept_steps(
 fn nvme_bytes(ms: &[StepMetrics]) -> f64 {
     let get = |m: &std::collections::BTreeMap<String, u64>| m.get("nvme").copied().unwrap_or(0);
     med(ms, |m| (get(&m.bytes_read) + get(&m.bytes_written)) as f64)
-}
-
-fn med(ms: &[StepMetrics], f: impl Fn(&StepMetrics) -> f64) -> f64 {
-    median(ms.iter().map(f).collect())
 }
 
 /// One of the interleaved trainers.

@@ -262,3 +262,11 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get((v.len().max(1) - 1) / 2).copied().unwrap_or(f64::NAN)
 }
+
+/// The median of `f` over steps' metrics.
+pub fn med(
+    ms: &[tierzero::engine::StepMetrics],
+    f: impl Fn(&tierzero::engine::StepMetrics) -> f64,
+) -> f64 {
+    median(ms.iter().map(f).collect())
+}

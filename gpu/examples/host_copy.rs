@@ -1,6 +1,7 @@
 //! How fast a staging fill runs on this machine's cores: one thread's
 //! `copy_from_slice` against `tierzero_gpu::host_copy::copy` (split over
-//! threads), alternating, on one buffer of `MIB` MiB (default 256).
+//! threads), and a read-back's `to_vec` against `host_copy::to_vec`,
+//! alternating, on one buffer of `MIB` MiB (default 256).
 //!
 //! ```text
 //! cargo run --release -p tierzero-gpu --example host_copy -- [MIB] [ROUNDS]
@@ -35,10 +36,21 @@ fn main() {
         let t = std::time::Instant::now();
         tierzero_gpu::host_copy::copy(&mut dst, &src);
         let split = t.elapsed().as_secs_f64();
+        let t = std::time::Instant::now();
+        let v = src.to_vec();
+        let one_vec = t.elapsed().as_secs_f64();
+        drop(v);
+        let t = std::time::Instant::now();
+        let v = tierzero_gpu::host_copy::to_vec(&src);
+        let split_vec = t.elapsed().as_secs_f64();
+        drop(v);
         println!(
-            "round {round}: {mib} MiB, one thread {:.1} GB/s, {threads} threads {:.1} GB/s",
+            "round {round}: {mib} MiB, copy: one thread {:.1} GB/s, {threads} threads {:.1} GB/s; \
+             to_vec: one thread {:.1} GB/s, {threads} threads {:.1} GB/s",
             gb / one,
-            gb / split
+            gb / split,
+            gb / one_vec,
+            gb / split_vec
         );
     }
 }

@@ -54,29 +54,58 @@ pub fn copy<T: Copy + Send + Sync>(dst: &mut [T], src: &[T]) {
 
 /// [`copy`] over exactly `threads` threads (at least one).
 fn copy_with<T: Copy + Send + Sync>(dst: &mut [T], src: &[T], threads: usize) {
+    assert_eq!(dst.len(), src.len(), "host copy of unequal lengths");
+    split(dst, src, threads, <[T]>::copy_from_slice);
+}
+
+/// `src.to_vec()`, over [`threads_for`] threads: one pass, no zeroing
+/// first.
+pub fn to_vec<T: Copy + Send + Sync>(src: &[T]) -> Vec<T> {
+    to_vec_with(src, threads_for(std::mem::size_of_val(src), cores()))
+}
+
+/// [`to_vec`] over exactly `threads` threads (at least one).
+fn to_vec_with<T: Copy + Send + Sync>(src: &[T], threads: usize) -> Vec<T> {
+    if threads <= 1 {
+        return src.to_vec();
+    }
+    let mut out: Vec<T> = Vec::with_capacity(src.len());
+    let slots = out.spare_capacity_mut().get_mut(..src.len());
+    // `with_capacity(n)` leaves at least `n` spare slots.
+    let Some(slots) = slots else {
+        return src.to_vec();
+    };
+    split(slots, src, threads, |d, c| {
+        for (d, c) in d.iter_mut().zip(c) {
+            d.write(*c);
+        }
+    });
+    // SAFETY: `split` wrote each of the first `src.len()` slots from the
+    // element of `src` at its index (its chunks cover both slices exactly,
+    // pairwise), and its scope joined every thread before it returned: a
+    // thread that panicked would have propagated here before this line.
+    unsafe { out.set_len(src.len()) };
+    out
+}
+
+/// Runs `f` on equal contiguous chunks of `dst` and `src` (of equal
+/// lengths), one chunk per scoped thread, the caller taking the first.
+fn split<D: Send, S: Sync>(dst: &mut [D], src: &[S], threads: usize, f: fn(&mut [D], &[S])) {
     if threads <= 1 || src.len() < 2 {
-        dst.copy_from_slice(src);
+        f(dst, src);
         return;
     }
-    assert_eq!(dst.len(), src.len(), "host copy of unequal lengths");
     let chunk = src.len().div_ceil(threads);
     std::thread::scope(|s| {
         let mut pairs = dst.chunks_mut(chunk).zip(src.chunks(chunk));
         let first = pairs.next();
         for (d, c) in pairs {
-            s.spawn(move || d.copy_from_slice(c));
+            s.spawn(move || f(d, c));
         }
         if let Some((d, c)) = first {
-            d.copy_from_slice(c);
+            f(d, c);
         }
     });
-}
-
-/// `src.to_vec()`, over [`threads_for`] threads.
-pub fn to_vec<T: Copy + Send + Sync + Default>(src: &[T]) -> Vec<T> {
-    let mut out = vec![T::default(); src.len()];
-    copy(&mut out, src);
-    out
 }
 
 #[cfg(test)]
@@ -110,6 +139,10 @@ mod tests {
                     .zip(&src)
                     .all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "len {len}, {threads} threads");
+                let v = to_vec_with(&src, threads);
+                assert_eq!(v.len(), len);
+                let same = v.iter().zip(&src).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "to_vec: len {len}, {threads} threads");
             }
         }
     }

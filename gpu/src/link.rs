@@ -573,12 +573,7 @@ impl Downloads {
     /// The downloaded elements (waits for the copy).
     pub fn finish(&self, mut d: PendingDownload) -> Result<Downloaded> {
         fn back<
-            T: cudarc::driver::DeviceRepr
-                + cudarc::driver::ValidAsZeroBits
-                + Copy
-                + Default
-                + Send
-                + Sync,
+            T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Send + Sync,
         >(
             pool: &Mutex<IdlePinned<T>>,
             cap: u64,

@@ -679,15 +679,21 @@ pub fn matmul<T: Storage>(
 /// sequence seeded by `seed` (the kernels' checks and the units' tests
 /// feed these).
 pub fn test_values(n: usize, seed: u64) -> Vec<f32> {
+    let mut u = uniform(seed);
+    (0..n).map(|_| u() * 2.0 - 1.0).collect()
+}
+
+/// Deterministic draws in [0, 1) with 24 bits each, from a xorshift
+/// sequence seeded by `seed` ([`test_values`] and
+/// [`crate::unit::gpt2_init`] draw from it).
+pub fn uniform(seed: u64) -> impl FnMut() -> f32 {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
+    move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x >> 40) as f32 / (1u64 << 24) as f32
+    }
 }
 
 #[cfg(test)]

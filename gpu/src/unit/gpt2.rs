@@ -568,13 +568,8 @@ impl<'e, E: Exec> Gpt2Trainer<'e, E> {
 /// 0.02 (a sum of uniforms), norm weights 1, biases 0.
 pub fn gpt2_init(d: &Gpt2Dims, layers: usize, max_seq: usize, seed: u64) -> Vec<Vec<f32>> {
     let numel = Gpt2Trainer::<HostExec>::param_numel(d, layers, max_seq);
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut uniform = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-    };
+    let mut draw = crate::reference::uniform(seed);
+    let mut uniform = move || draw() - 0.5;
     numel
         .iter()
         .enumerate()

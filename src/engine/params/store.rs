@@ -905,7 +905,7 @@ pub fn cpu_tensor(bytes: &[u8], dtype: DType, shape: &[usize]) -> Result<Tensor>
         ))
     })?;
     if need >= host_copy::PARALLEL_MIN_BYTES {
-        fn split<T: bytemuck::Pod + Default + Send + Sync + candle_core::WithDType>(
+        fn split<T: bytemuck::Pod + Send + Sync + candle_core::WithDType>(
             src: &[u8],
             shape: &[usize],
         ) -> Option<candle_core::Result<Tensor>> {

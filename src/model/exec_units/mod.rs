@@ -450,6 +450,14 @@ pub enum HostVec {
 }
 
 impl HostVec {
+    /// Its elements as an upload takes them.
+    pub fn elems(&self) -> HostElems<'_> {
+        match self {
+            HostVec::F32(v) => HostElems::F32(v),
+            HostVec::Bf16(v) => HostElems::Bf16(v),
+        }
+    }
+
     /// Bytes that crossed.
     pub fn bytes(&self) -> u64 {
         match self {
