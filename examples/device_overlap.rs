@@ -118,8 +118,12 @@ impl Arm {
         let mut opts = TrainerOptions::cpu(1, env_or("SEQ_LEN", 64));
         opts.skip_compute = skip_compute;
         opts.timeline = timeline;
-        opts.adam_threads = std::num::NonZeroUsize::new(env_or("ADAM_THREADS", 1usize))
-            .unwrap_or(std::num::NonZeroUsize::MIN);
+        // One count for every arm (auto would differ between the device
+        // arms and the CPU Adam alone).
+        opts.adam_threads = Some(
+            std::num::NonZeroUsize::new(env_or("ADAM_THREADS", 1usize))
+                .unwrap_or(std::num::NonZeroUsize::MIN),
+        );
         if let Some(link) = link {
             opts.compute = Some(tierzero::engine::device::units_on(
                 link,

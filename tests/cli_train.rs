@@ -551,6 +551,30 @@ fn the_plan_names_the_compute_threads_and_their_source() {
     );
 }
 
+/// `--threads`: the run line names CPU Adam's threads and where the count
+/// came from; auto (the default, or said) is one beside CPU compute.
+#[test]
+fn the_run_line_names_adam_s_threads_and_their_source() {
+    let d = tiny_setup("adam-threads");
+    let run_line = |extra: &[(&str, &str)]| {
+        let out = train(&d, &with(&TINY, extra));
+        assert_eq!(out.code, 0, "stdout {} stderr {}", out.stdout, out.stderr);
+        out.stdout
+            .lines()
+            .find(|l| l.starts_with("run: "))
+            .unwrap_or_else(|| panic!("no run line in {}", out.stdout))
+            .to_owned()
+    };
+    let want_auto = "1 Adam thread (--threads auto: the compute threads have the cores)";
+    for extra in [&[][..], &[("--threads", "auto")][..]] {
+        let l = run_line(extra);
+        assert!(l.contains(want_auto), "{extra:?}: {l}");
+    }
+    let l = run_line(&[("--threads", "3")]);
+    assert!(l.contains("3 Adam threads (--threads)"), "{l}");
+    assert_bad(&d, &with(&TINY, &[("--threads", "many")]), &["--threads"]);
+}
+
 /// `--timeline`: a Chrome trace of the steps after the first, with every
 /// lane filled; each compute span lies inside a step span; the steps it
 /// covers are the ones the plan of the flag says. The weights are those
@@ -774,6 +798,14 @@ fn device_sim_shows_the_device_tier_in_the_plan_metrics_and_timeline() {
         "device total",
         "of a 1 GiB device budget",
         "each block's forward kept on the device for its backward",
+        // A device's compute leaves candle idle, and CPU Adam's auto
+        // count is half the cores.
+        "host side compute not on the CPU; threads not pinned",
+        &format!(
+            "{} Adam thread",
+            (std::thread::available_parallelism().map_or(1, |n| n.get()) / 2).max(1)
+        ),
+        "(--threads auto: half of",
     ] {
         assert!(out.stdout.contains(want), "{want:?} in: {}", out.stdout);
     }

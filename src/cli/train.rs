@@ -184,8 +184,9 @@ pub struct TrainArgs {
     /// How many steps --timeline covers.
     #[arg(long, value_name = "N", default_value = "3", requires = "timeline")]
     timeline_steps: String,
-    /// Threads of the CPU Adam kernel (it runs beside the compute thread).
-    #[arg(long, value_name = "N", default_value = "1")]
+    /// Threads of the CPU Adam kernel, or auto: one when the compute is
+    /// on the CPU (it has the cores), half the cores with --device.
+    #[arg(long, value_name = "N|auto", default_value = "auto")]
     threads: String,
     /// Save checkpoints under DIR (DIR/step-<N>/ and DIR/latest), every
     /// --save-every steps and at the end of the run.
@@ -365,7 +366,8 @@ fn print_warning(w: &ConfigWarning) {
 /// The number flags of `tierzero train`, checked.
 struct Flags {
     seed: u64,
-    threads: NonZeroUsize,
+    /// `None`: auto.
+    threads: Option<NonZeroUsize>,
     steps: Option<u64>,
     micro_batch: Option<u64>,
     grad_accum: Option<u64>,
@@ -380,7 +382,10 @@ impl Flags {
             text.as_deref().map(|s| number(flag, s, 1, max)).transpose()
         };
         let seed = number("--seed", &args.seed, 0, u64::MAX)?;
-        let threads = number("--threads", &args.threads, 1, 1024)?;
+        let threads = match args.threads.trim() {
+            "auto" => None,
+            t => NonZeroUsize::new(number("--threads", t, 1, 1024)? as usize),
+        };
         let steps = opt("--steps", &args.steps, 1 << 40)?;
         let micro_batch = opt("--micro-batch", &args.micro_batch, 1 << 30)?;
         let grad_accum = opt("--grad-accum", &args.grad_accum, 1 << 30)?;
@@ -399,7 +404,7 @@ impl Flags {
         };
         Ok(Flags {
             seed,
-            threads: NonZeroUsize::new(threads as usize).unwrap_or(NonZeroUsize::MIN),
+            threads,
             steps,
             micro_batch,
             grad_accum,
@@ -610,7 +615,6 @@ struct RunInfo<'a> {
     seq_len: usize,
     tokens_per_step: u64,
     seed: u64,
-    threads: NonZeroUsize,
     ranks: usize,
     /// Rank 0: it prints.
     lead: bool,
@@ -802,7 +806,6 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         // Tokens of the global batch (every rank's micro-batches).
         tokens_per_step: cfg.batch.train_batch_size * seq_len as u64,
         seed: flags.seed,
-        threads: flags.threads,
         ranks: comm.world_size(),
         lead,
         train_batch_size: cfg.batch.train_batch_size,

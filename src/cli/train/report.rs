@@ -134,7 +134,7 @@ pub(super) fn banner(
         "tierzero train: model {model_name} ({}, {} layers, hidden {}, {} params, {}), \
          data {}, config {}\n\
          run: {} steps x {} sequences x {} tokens = {} tokens/step, \
-         seed {}, {} Adam thread(s){}{}\n{plan}\n",
+         seed {}, {}{}{}\n{plan}\n",
         mc.family.name(),
         mc.n_layer,
         mc.hidden_size,
@@ -151,7 +151,7 @@ pub(super) fn banner(
         run.seq_len,
         run.tokens_per_step,
         run.seed,
-        run.threads,
+        trainer.adam_threads(),
         match run.ranks {
             1 => String::new(),
             n => format!(", {n} ranks (plan: rank 0's shard)"),

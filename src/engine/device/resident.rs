@@ -388,6 +388,10 @@ fn param_err(id: ParamId, what: &str) -> ModelError {
 }
 
 impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
+    fn on_device(&self) -> bool {
+        true
+    }
+
     fn describe(&self) -> String {
         format!(
             "{}; params, gradients and AdamW resident on the device",

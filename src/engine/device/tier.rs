@@ -557,6 +557,10 @@ impl<L: DeviceLink> TieredUnits<L> {
 }
 
 impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
+    fn on_device(&self) -> bool {
+        true
+    }
+
     fn describe(&self) -> String {
         format!(
             "{}; params staged a unit ahead (window {} elements, {} live), {} kept between uses",

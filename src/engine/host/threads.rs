@@ -31,7 +31,22 @@
 //! with one and 0.0832 s with two. Pinning (below) then needs
 //! `compute_threads` below the CPU count.
 //!
-//! Only CPU compute is affected: on a CUDA device the setting is ignored.
+//! Only CPU compute is affected: on a device (the CUDA units, the device
+//! tier, the simulated device: [`crate::model::exec_units::UnitCompute::on_device`])
+//! the setting is ignored, no compute pool is made and nothing is pinned.
+//!
+//! # CPU Adam's threads (`--threads`)
+//!
+//! [`adam_threads`]: a number is that many; `auto` (the default) is one
+//! when the compute is on the CPU (the compute threads have the cores;
+//! the optimizer overlaps them) and half the cores when it is on a
+//! device. There the host's cores are left to the helpers, and CPU Adam
+//! over the whole model's fp32 state is the longest of them. The other
+//! half is for the copies to and from the device's staging buffers
+//! (`tierzero_gpu::host_copy`), the param copy and I/O threads and the
+//! thread that drives the device. DeepSpeed's CPU Adam takes every core
+//! (OpenMP); half keeps the copies that feed the device from waiting on
+//! it.
 //!
 //! # How it is applied
 //!
@@ -110,6 +125,7 @@
 //! masks.
 
 use std::fmt;
+use std::num::NonZeroUsize;
 use std::sync::{Arc, OnceLock};
 
 /// The environment variable candle (and rayon) read.
@@ -176,6 +192,71 @@ pub fn resolve(
     ComputeThreads {
         threads: cores,
         source: ThreadsSource::AutoAll { cores },
+    }
+}
+
+/// CPU Adam's thread count and why ([`adam_threads`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdamThreads {
+    /// Threads of the CPU Adam kernel.
+    pub threads: NonZeroUsize,
+    /// Where it came from.
+    pub source: AdamSource,
+}
+
+/// Where CPU Adam's thread count came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdamSource {
+    /// Given (`--threads N`, [`crate::engine::TrainerOptions::adam_threads`]).
+    Given,
+    /// `auto` with compute on the CPU: one, beside the compute threads.
+    AutoBesideCompute,
+    /// `auto` with compute on a device: half of `cores`.
+    AutoHalf {
+        /// Cores of the machine.
+        cores: usize,
+    },
+}
+
+/// CPU Adam's threads (see the module docs): `given` wins; `auto`
+/// (`None`) is one beside CPU compute, half the cores (at least one)
+/// beside a device's.
+pub fn adam_threads(
+    given: Option<NonZeroUsize>,
+    compute: &ComputeThreads,
+    cores: usize,
+) -> AdamThreads {
+    match given {
+        Some(threads) => AdamThreads {
+            threads,
+            source: AdamSource::Given,
+        },
+        None if compute.source != ThreadsSource::NotCpu => AdamThreads {
+            threads: NonZeroUsize::MIN,
+            source: AdamSource::AutoBesideCompute,
+        },
+        None => AdamThreads {
+            threads: NonZeroUsize::new(cores / 2).unwrap_or(NonZeroUsize::MIN),
+            source: AdamSource::AutoHalf { cores },
+        },
+    }
+}
+
+impl fmt::Display for AdamThreads {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.threads.get();
+        let s = if n == 1 { "" } else { "s" };
+        match self.source {
+            AdamSource::Given => write!(f, "{n} Adam thread{s} (--threads)"),
+            AdamSource::AutoBesideCompute => write!(
+                f,
+                "{n} Adam thread{s} (--threads auto: the compute threads have the cores)"
+            ),
+            AdamSource::AutoHalf { cores } => write!(
+                f,
+                "{n} Adam thread{s} (--threads auto: half of {cores} cores, compute on the device)"
+            ),
+        }
     }
 }
 
@@ -433,6 +514,36 @@ mod tests {
         let t = resolve(Some(4), None, 8, false);
         assert_eq!(t.source, ThreadsSource::NotCpu);
         assert_eq!(t.threads, 0);
+    }
+
+    #[test]
+    fn adam_gets_one_thread_beside_cpu_compute_and_half_the_cores_beside_a_device() {
+        let n = |v: usize| NonZeroUsize::new(v).unwrap();
+        let cpu = resolve(None, None, 16, true);
+        let gpu = resolve(None, None, 16, false);
+        // Given wins on either.
+        for c in [&cpu, &gpu] {
+            let t = adam_threads(Some(n(3)), c, 16);
+            assert_eq!((t.threads, t.source), (n(3), AdamSource::Given));
+        }
+        let t = adam_threads(None, &cpu, 16);
+        assert_eq!((t.threads, t.source), (n(1), AdamSource::AutoBesideCompute));
+        for (cores, want) in [(16, 8), (3, 1), (2, 1), (1, 1), (0, 1)] {
+            let t = adam_threads(None, &gpu, cores);
+            assert_eq!(
+                (t.threads, t.source),
+                (n(want), AdamSource::AutoHalf { cores }),
+                "{cores} cores"
+            );
+        }
+        let s = adam_threads(None, &gpu, 16).to_string();
+        assert!(
+            s.starts_with("8 Adam threads") && s.contains("half of 16"),
+            "{s}"
+        );
+        assert!(adam_threads(None, &cpu, 2)
+            .to_string()
+            .starts_with("1 Adam thread "));
     }
 
     #[test]

@@ -114,6 +114,7 @@ fn check_run(
 /// decided before any of our threads start (see `host::threads`).
 struct HostSetup {
     compute_threads: ComputeThreads,
+    adam_threads: threads::AdamThreads,
     placement: threads::Placement,
     compute_pool: Option<std::sync::Arc<threads::ComputePool>>,
     malloc: Option<tierzero_swap::MallocTuning>,
@@ -124,12 +125,18 @@ impl HostSetup {
         let offloaded = config.zero.offload_param.device != OffloadDevice::None
             || config.zero.offload_optimizer.device != OffloadDevice::None;
         let world = opts.comm.world_size();
+        // A device's units (the CUDA ones, the device tier) leave candle
+        // idle: no compute threads to size.
+        let cpu_compute = matches!(opts.device, Device::Cpu)
+            && !opts.compute.as_ref().is_some_and(|c| c.on_device());
         let compute_threads = threads::resolve(
             config.tierzero.compute_threads,
             threads::user_env().as_deref(),
             threads::cores(),
-            matches!(opts.device, Device::Cpu),
+            cpu_compute,
         );
+        let adam_threads =
+            threads::adam_threads(opts.adam_threads, &compute_threads, threads::cores());
         threads::apply(&compute_threads);
         // The building thread's mask: what `taskset` or a cpuset allows.
         let placement = match tierzero_swap::affinity::current_thread_cpus() {
@@ -158,6 +165,7 @@ impl HostSetup {
             .map(std::sync::Arc::new);
         Ok(HostSetup {
             compute_threads,
+            adam_threads,
             placement,
             compute_pool,
             malloc,
@@ -655,7 +663,7 @@ impl Trainer {
         let (swap_spaces, arenas) = (tiers.swap_spaces, tiers.arenas);
         load_initial(&layout, source, param_dtype, &mut store, &mut opt)?;
 
-        let adam = CpuAdam::new(adam_hyper(&config.optimizer), opts.adam_threads)?;
+        let adam = CpuAdam::new(adam_hyper(&config.optimizer), host.adam_threads.threads)?;
         if opts.timeline.is_some() {
             clocks.io.set_logging(true);
         }
@@ -682,6 +690,7 @@ impl Trainer {
         );
         Ok(Trainer {
             compute_threads: host.compute_threads,
+            adam_threads: host.adam_threads,
             placement: host.placement,
             compute_pool: host.compute_pool,
             malloc: host.malloc,

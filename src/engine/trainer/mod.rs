@@ -341,6 +341,8 @@ const SPECULATION_GIVE_UP: u32 = 3;
 pub struct Trainer {
     config: Config,
     compute_threads: ComputeThreads,
+    /// CPU Adam's threads, resolved.
+    adam_threads: threads::AdamThreads,
     /// Which CPUs compute and helper threads run on.
     placement: threads::Placement,
     /// Where a step's CPU compute runs (`None`: compute is not on the CPU).
@@ -493,6 +495,12 @@ impl Trainer {
     /// [`crate::engine::host::threads`]).
     pub fn compute_threads(&self) -> ComputeThreads {
         self.compute_threads
+    }
+
+    /// CPU Adam's threads and why ([`TrainerOptions::adam_threads`]
+    /// resolved).
+    pub fn adam_threads(&self) -> threads::AdamThreads {
+        self.adam_threads
     }
 
     /// Which CPUs the compute and helper threads run on.

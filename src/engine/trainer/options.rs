@@ -11,8 +11,10 @@ pub struct TrainerOptions {
     pub device: Device,
     /// Collectives (one rank: [`SingleRank`]).
     pub comm: Arc<dyn Comm>,
-    /// Threads of the CPU Adam kernel.
-    pub adam_threads: NonZeroUsize,
+    /// Threads of the CPU Adam kernel; `None` (the default) is auto: one
+    /// beside CPU compute, half the cores beside a device's
+    /// ([`crate::engine::host::threads::adam_threads`]).
+    pub adam_threads: Option<NonZeroUsize>,
     /// JSON-lines metrics file.
     pub metrics_path: Option<PathBuf>,
     /// Measurement only ("I/O alone"): forward and backward are not
@@ -59,14 +61,15 @@ pub struct FaultPlan {
 }
 
 impl TrainerOptions {
-    /// One rank on the CPU, one Adam thread, no metrics file.
+    /// One rank on the CPU, Adam's threads auto (one, on the CPU), no
+    /// metrics file.
     pub fn cpu(seed: u64, seq_len: usize) -> Self {
         TrainerOptions {
             seed,
             seq_len,
             device: Device::Cpu,
             comm: Arc::new(SingleRank),
-            adam_threads: NonZeroUsize::MIN,
+            adam_threads: None,
             metrics_path: None,
             skip_compute: false,
             faults: FaultPlan::default(),

@@ -70,6 +70,13 @@ pub trait UnitCompute: Send + Sync + std::fmt::Debug {
         input: UnitInput<'_>,
         upstream: Upstream<'_>,
     ) -> Result<UnitGrads, ModelError>;
+    /// Whether it computes on a device (a GPU, or the simulated one),
+    /// not on the host's cores: the trainer then makes no CPU compute
+    /// pool and gives CPU Adam half the cores by default
+    /// (`crate::engine::host::threads`).
+    fn on_device(&self) -> bool {
+        false
+    }
     /// Whether the engine should hand it the next unit's params
     /// ([`UnitCompute::stage`]) before this unit computes.
     fn stages(&self) -> bool {
@@ -296,11 +303,16 @@ pub trait ExecSource: Send + Sync + std::fmt::Debug {
     fn exec(&self) -> Self::E<'_>;
     /// What computes, for the plan.
     fn describe(&self) -> String;
+    /// [`UnitCompute::on_device`].
+    fn on_device(&self) -> bool;
 }
 
 impl<S: ExecSource> UnitCompute for S {
     fn describe(&self) -> String {
         ExecSource::describe(self)
+    }
+    fn on_device(&self) -> bool {
+        ExecSource::on_device(self)
     }
     fn forward_unit(
         &self,
@@ -342,6 +354,9 @@ impl ExecSource for ReferenceUnits {
             self.gemm
         )
     }
+    fn on_device(&self) -> bool {
+        false
+    }
 }
 
 /// The units on a GPU: the CUDA kernels and cuBLAS.
@@ -355,6 +370,9 @@ pub struct CudaUnits {
 
 impl ExecSource for CudaUnits {
     type E<'a> = unit::CudaExec<'a>;
+    fn on_device(&self) -> bool {
+        true
+    }
     fn exec(&self) -> unit::CudaExec<'_> {
         unit::CudaExec {
             dev: &self.device,
