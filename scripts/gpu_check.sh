@@ -458,9 +458,10 @@ t.pop("pinned_budget_bytes", None)
 json.dump(c, open(sys.argv[1], "w"))
 PY
 otp_rc=null; otp_result=null; otp_tokens=null; otp_tflops=null
-# The CPU Adam over ~850M params on half the cores (the default, 1
-# thread, would make it the step; PyTorch's CPU optimizer uses every
-# core's intra-op threads).
+# The CPU Adam over ~850M params on half the cores (what --threads auto
+# gives beside a device; said here so that the comparison does not move
+# with the default. PyTorch's CPU optimizer uses every core's intra-op
+# threads).
 adam_threads=$(( $(nproc) > 3 ? $(nproc) / 2 : 1 ))
 fsdp_rc=null; fsdp_result=null; otp_ratio=null
 d="$WORK/offload-tp"; mkdir -p "$d"

@@ -6,7 +6,11 @@ torch.autocast(bfloat16), eager attention, AdamW(fused=True). Prints one
 JSON line with tokens/s and model TFLOPS (6 * params + 12 * layers *
 hidden * seq FLOPs per token, the count the Rust example uses).
 
-  python scripts/torch_gpt2_throughput.py [--batch 4] [--steps 6] [--layers 24] [--out OUT.json]
+  python scripts/torch_gpt2_throughput.py [--batch 4] [--steps 6] [--layers 24] [--out OUT.json] \
+      [--hidden 1024 --heads 16 --seq 1024] [--device cuda|cpu]
+
+`--device cpu` is a smoke test, not a measurement (`.ci/run` runs it on a
+small shape, so that the first lent GPU does not find a broken script).
 
 scripts/gpu_check.sh runs it with the lent machine's PyTorch beside the
 Rust example."""
@@ -24,11 +28,18 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--out")
-    ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke test)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cuda (the measurement) or cpu (a smoke test)")
     a = ap.parse_args()
+    if a.steps < 2:
+        raise SystemExit("--steps must be at least 2: the first is not timed")
     cfg = GPT2Config(
-        n_layer=a.layers, n_embd=1024, n_head=16, n_inner=4096, vocab_size=50257, n_positions=1024,
+        n_layer=a.layers, n_embd=a.hidden, n_head=a.heads, n_inner=4 * a.hidden, vocab_size=50257,
+        n_positions=a.seq,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
     )
     cfg._attn_implementation = "eager"
@@ -40,7 +51,7 @@ def main():
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
 
     def step():
-        ids = torch.randint(0, cfg.vocab_size, (a.batch, 1024), device=a.device, generator=g)
+        ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), device=a.device, generator=g)
         with torch.autocast(a.device, dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -56,11 +67,11 @@ def main():
     sync()
     secs = time.perf_counter() - t0
     timed = a.steps - 1
-    tok_s = timed * a.batch * 1024 / secs
-    fpt = 6 * params + 12 * a.layers * 1024 * 1024
+    tok_s = timed * a.batch * a.seq / secs
+    fpt = 6 * params + 12 * a.layers * a.hidden * a.seq
     out = {
         "ok": True, "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__, "params": params,
-        "layers": a.layers, "batch": a.batch, "seq": 1024, "steps_timed": timed, "step_s": secs / timed,
+        "layers": a.layers, "hidden": a.hidden, "batch": a.batch, "seq": a.seq, "steps_timed": timed, "step_s": secs / timed,
         "tokens_per_s": tok_s, "model_tflops": tok_s * fpt / 1e12, "first_loss": first, "last_loss": last.item(),
         "max_memory_allocated": torch.cuda.max_memory_allocated() if a.device == "cuda" else None,
     }
