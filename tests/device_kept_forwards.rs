@@ -108,7 +108,7 @@ fn train(
                 max_live_numel: u64::MAX,
                 cache_bytes: 0,
             };
-            let mut u = TieredUnits::new(sim(gemm), limits);
+            let mut u = TieredUnits::new(sim(gemm), limits).unwrap();
             if let Some(b) = budget {
                 u = u.keep_forwards(b).unwrap();
             }

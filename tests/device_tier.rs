@@ -92,7 +92,7 @@ fn tiered(
 ) -> (Out, TierPeaks, SimProbe) {
     let dev = SimDevice::new(cfg).unwrap();
     let probe = dev.probe();
-    let tier = Arc::new(TieredUnits::new(dev, limits));
+    let tier = Arc::new(TieredUnits::new(dev, limits).unwrap());
     let mut opts = TrainerOptions::cpu(3, 16);
     opts.compute = Some(tier.clone());
     let out = run(model, k, opts, steps);
@@ -271,7 +271,7 @@ fn a_unit_larger_than_the_device_budget_is_an_error_with_the_numbers() {
     let model = tiny_gpt2_dir("tier-small", 2, 32);
     let dev = SimDevice::new(sim(20_000, 0, 2)).unwrap();
     let probe = dev.probe();
-    let tier = Arc::new(TieredUnits::new(dev, wide_open()));
+    let tier = Arc::new(TieredUnits::new(dev, wide_open()).unwrap());
     let mut opts = TrainerOptions::cpu(3, 16);
     opts.compute = Some(tier.clone());
     let mut t = build_with(&model, &Knobs::default(), opts, 1);
@@ -319,7 +319,7 @@ fn a_step_dropped_mid_copy_returns_every_buffer() {
         })
         .unwrap();
         let probe = dev.probe();
-        let tier = Arc::new(TieredUnits::new(dev, wide_open()));
+        let tier = Arc::new(TieredUnits::new(dev, wide_open()).unwrap());
         let mut opts = TrainerOptions::cpu(3, 16);
         opts.compute = Some(tier.clone());
         let mut t = build_with(&model, &Knobs::nvme(), opts, 2);
@@ -366,7 +366,7 @@ fn copies_overlap_compute_on_the_device_queues() {
     };
     let dev = SimDevice::new(cfg).unwrap();
     let probe = dev.probe();
-    let tier = Arc::new(TieredUnits::new(dev, wide_open()));
+    let tier = Arc::new(TieredUnits::new(dev, wide_open()).unwrap());
     let mut opts = TrainerOptions::cpu(3, 16);
     opts.compute = Some(tier.clone());
     let timeline = tierzero::engine::Timeline::new(1, 2);
@@ -564,7 +564,8 @@ fn the_unit_computing_uploads_before_the_next_one_is_staged() {
             prefetch_numel: numel(1),
             ..wide_open()
         },
-    );
+    )
+    .unwrap();
     tier.begin_step().unwrap();
     // The embedding computes next; block 0 is staged behind it.
     let (h0, h1, h2) = (host(0), host(1), host(2));
@@ -582,19 +583,67 @@ fn the_unit_computing_uploads_before_the_next_one_is_staged() {
     assert_eq!(c.get("loading"), Some(&(h0.len() + h1.len())), "{c:?}");
     assert_eq!(c.get("uploading"), Some(&h2.len()), "{c:?}");
     assert!(tier.peaks().ahead_numel <= numel(1));
-    while probe.in_flight() > 0 {
+    // The copies ran in the order issued: the embedding's, then block
+    // 0's, then block 1's (the upload thread issues them as it fills).
+    let want: Vec<String> = [names(0), names(1), names(2)].concat();
+    let mut order: Vec<String> = Vec::new();
+    let t0 = std::time::Instant::now();
+    while order.len() < want.len() && t0.elapsed() < Duration::from_secs(20) {
+        order.extend(tier.take_device_spans().into_iter().map(|s| s.name));
         std::thread::sleep(Duration::from_millis(2));
     }
-    // The copies ran in the order issued: the embedding's, then block
-    // 0's, then block 1's.
-    let order: Vec<String> = tier
-        .take_device_spans()
-        .into_iter()
-        .map(|s| s.name)
-        .collect();
-    let want: Vec<String> = [names(0), names(1), names(2)].concat();
     assert_eq!(order, want);
     tier.begin_step().unwrap();
     drop(tier);
     assert_all_back(&probe, "after the step");
+}
+
+/// Staging the next unit does not fill its staging buffers on the
+/// engine's thread: the tier's upload thread issues them, while this unit
+/// would compute. With one staging buffer and slow copies, each upload
+/// after the first waits for the copy before it; `stage` returns before
+/// those waits, and dropping the staged params (a new step) waits for
+/// every one and returns every buffer.
+#[test]
+fn staging_the_next_unit_returns_before_its_uploads_are_issued() {
+    use tierzero::model::exec_units::UnitCompute;
+    use tierzero::model::{ModelDir, UnitId};
+    let dir = tiny_gpt2_dir("tier-fill", 2, 32);
+    let md = ModelDir::open(&dir, 1).unwrap();
+    let m = md.model();
+    let h1: Vec<candle_core::Tensor> = m.units()[1]
+        .params
+        .iter()
+        .map(|p| {
+            candle_core::Tensor::zeros(
+                m.params()[p.0].shape.as_slice(),
+                candle_core::DType::F32,
+                &candle_core::Device::Cpu,
+            )
+            .unwrap()
+        })
+        .collect();
+    assert!(h1.len() >= 4, "a block has {} params", h1.len());
+    let delay_ms = 60u64;
+    let dev = SimDevice::new(sim(64 << 20, delay_ms, 1)).unwrap();
+    let probe = dev.probe();
+    let tier = TieredUnits::new(dev, wide_open()).unwrap();
+    tier.begin_step().unwrap();
+    let t0 = std::time::Instant::now();
+    tier.stage(m, UnitId(1), &h1).unwrap();
+    let staged = t0.elapsed();
+    assert_eq!(tier.census().get("uploading"), Some(&h1.len()));
+    // Issuing them all on this thread would have waited for n - 1 copies.
+    let serial = Duration::from_millis(delay_ms * (h1.len() as u64 - 1));
+    println!("stage returned after {staged:?}; issuing in series takes {serial:?}");
+    assert!(staged < serial / 4, "stage took {staged:?} of {serial:?}");
+    tier.begin_step().unwrap();
+    let dropped = t0.elapsed();
+    assert!(
+        dropped >= serial,
+        "dropped after {dropped:?}, before the copies ({serial:?})"
+    );
+    assert_eq!(probe.uploads(), h1.len() as u64);
+    drop(tier);
+    assert_all_back(&probe, "after the staged params were dropped");
 }

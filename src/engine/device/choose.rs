@@ -29,7 +29,7 @@ pub fn units_on<L: DeviceLink + 'static>(
         }
         Err(why) => {
             tracing::info!("the optimizer runs on the host: {why}");
-            let units = TieredUnits::new(link, TierLimits::of(cfg))
+            let units = TieredUnits::new(link, TierLimits::of(cfg))?
                 .keep_forwards(cfg.tierzero.activations)?;
             Ok(Arc::new(units))
         }

@@ -74,6 +74,17 @@
 //!   Every step starts empty ([`crate::model::exec_units::UnitCompute::begin_step`]),
 //!   because the optimizer changed the params.
 //!
+//! # Off the engine's thread
+//!
+//! The params' uploads are issued by the tier's upload thread
+//! ([`fill`]): the fill of a staging buffer is a host copy of the param,
+//! and the engine stages the next unit before it launches this one's
+//! compute, so on the engine's thread every unit's compute waited for the
+//! next unit's fill. One thread, one queue, so the copies keep the order
+//! the tier asked for; the engine waits for a fill only when it takes
+//! the param. A unit's inputs and a param uploaded as its unit is taken
+//! are issued on the engine's thread: they are for use at once.
+//!
 //! # Buffers in flight
 //!
 //! An upload's pinned staging buffer is moved into the copy and comes back
@@ -164,6 +175,7 @@
 
 mod choose;
 pub mod cuda;
+mod fill;
 mod inputs;
 mod resident;
 pub mod sim;

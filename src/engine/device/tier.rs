@@ -2,11 +2,12 @@
 //! module docs of [`super`]).
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use candle_core::{DType, Tensor};
 
+use super::fill::{Filler, Queued};
 use super::inputs::{numel_of, output_numel, Inputs};
 use super::{DeviceLink, ELEM_BYTES};
 use crate::model::exec_units::{
@@ -240,13 +241,16 @@ enum Left<U, B> {
 /// The units computed on a [`DeviceLink`], their params staged ahead and
 /// kept while they fit (see the module docs of [`super`]).
 pub struct TieredUnits<L: DeviceLink> {
-    link: L,
+    link: Arc<L>,
     limits: TierLimits,
-    state: Mutex<State<L::Upload, L::Buf>>,
+    state: Mutex<State<Queued<L::Upload>, L::Buf>>,
     /// Units' param gradients on their way to the host, oldest first.
     downloads: Mutex<VecDeque<PendingGrads<L::Download>>>,
     /// A unit's inputs, and the output it left on the device.
     inputs: Inputs<L::Buf>,
+    /// Issues the params' uploads off the engine's thread (last: dropped
+    /// after the state, it waits for the uploads it still issues).
+    fill: Filler<L>,
 }
 
 /// One unit's param gradients downloading (see [`UnitCompute::take_grads`]).
@@ -266,6 +270,12 @@ impl<L: DeviceLink> std::fmt::Debug for TieredUnits<L> {
     }
 }
 
+/// Bytes an upload of `host` moves: bf16 crosses as it is, every other
+/// dtype as fp32 (what [`exec_units::with_host_elems`] hands the link).
+fn upload_bytes(host: &Tensor) -> u64 {
+    numel_of(host) * if host.dtype() == DType::BF16 { 2 } else { 4 }
+}
+
 /// The elements of the model's largest param.
 fn largest_param_numel(model: &Model) -> u64 {
     model
@@ -276,10 +286,12 @@ fn largest_param_numel(model: &Model) -> u64 {
         .unwrap_or(0)
 }
 
-impl<L: DeviceLink> TieredUnits<L> {
-    /// The tier on `link`.
-    pub fn new(link: L, limits: TierLimits) -> Self {
-        TieredUnits {
+impl<L: DeviceLink + 'static> TieredUnits<L> {
+    /// The tier on `link`, with its upload thread ([`super::fill`]).
+    pub fn new(link: L, limits: TierLimits) -> Result<Self, ModelError> {
+        let link = Arc::new(link);
+        Ok(TieredUnits {
+            fill: Filler::new(link.clone())?,
             link,
             limits,
             state: Mutex::new(State {
@@ -289,9 +301,11 @@ impl<L: DeviceLink> TieredUnits<L> {
             }),
             downloads: Mutex::new(VecDeque::new()),
             inputs: Inputs::new(),
-        }
+        })
     }
+}
 
+impl<L: DeviceLink> TieredUnits<L> {
     /// Keeps each block's forward on the device for its backward while
     /// the kept ones fit `budget` (`tierzero.activation_budget_bytes`;
     /// see "Kept forwards" in [`super`]), within the device's share for
@@ -383,12 +397,12 @@ impl<L: DeviceLink> TieredUnits<L> {
         out
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, State<L::Upload, L::Buf>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State<Queued<L::Upload>, L::Buf>> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Empties the map: uploads completed, then every buffer freed.
-    fn drop_all(&self, st: &mut State<L::Upload, L::Buf>) -> Result<(), ModelError> {
+    fn drop_all(&self, st: &mut State<Queued<L::Upload>, L::Buf>) -> Result<(), ModelError> {
         let ids: Vec<ParamId> = st.params.keys().copied().collect();
         let mut first_err = None;
         for id in ids {
@@ -400,7 +414,7 @@ impl<L: DeviceLink> TieredUnits<L> {
                 continue;
             }
             match st.apply(id, TierEvent::Dropped)? {
-                Left::Upload(u) => match self.link.finish(u) {
+                Left::Upload(u) => match u.wait().and_then(|u| self.link.finish(u)) {
                     Ok(b) => self.link.free(b),
                     Err(e) => {
                         first_err.get_or_insert(e);
@@ -414,7 +428,11 @@ impl<L: DeviceLink> TieredUnits<L> {
     }
 
     /// Frees kept params until `bytes` more fit in the budget.
-    fn make_room(&self, st: &mut State<L::Upload, L::Buf>, bytes: u64) -> Result<(), ModelError> {
+    fn make_room(
+        &self,
+        st: &mut State<Queued<L::Upload>, L::Buf>,
+        bytes: u64,
+    ) -> Result<(), ModelError> {
         let budget = self.link.budget_bytes();
         while st.device_bytes() + bytes > budget {
             let kept = st
@@ -466,7 +484,7 @@ impl<L: DeviceLink> TieredUnits<L> {
 
     fn take_one(
         &self,
-        st: &mut State<L::Upload, L::Buf>,
+        st: &mut State<Queued<L::Upload>, L::Buf>,
         unit: UnitId,
         id: ParamId,
         host: &Tensor,
@@ -475,7 +493,9 @@ impl<L: DeviceLink> TieredUnits<L> {
             return match st.apply(id, TierEvent::Taken)? {
                 Left::Upload(u) => {
                     let t = Instant::now();
-                    let b = self.link.finish(u);
+                    // The fill if the upload thread is still at it, then
+                    // the copy's event (on a GPU the host does not wait).
+                    let b = u.wait().and_then(|u| self.link.finish(u));
                     st.traffic.h2d_wait_s += t.elapsed().as_secs_f64();
                     b.inspect_err(|_| {
                         st.params.remove(&id);
@@ -498,16 +518,34 @@ impl<L: DeviceLink> TieredUnits<L> {
     }
 
     /// Issues the upload of `unit`'s param `id`, absent from the device,
-    /// for use now: kept params are evicted to make room, and a param
-    /// that still does not fit the budget is an error with the numbers.
-    /// Its elements come back with the upload.
+    /// for use now, on this thread ([`TieredUnits::admit`] first). Its
+    /// elements come back with the upload.
     fn upload_now(
         &self,
-        st: &mut State<L::Upload, L::Buf>,
+        st: &mut State<Queued<L::Upload>, L::Buf>,
         unit: UnitId,
         id: ParamId,
         host: &Tensor,
     ) -> Result<(L::Upload, u64), ModelError> {
+        let numel = self.admit(st, unit, id, host)?;
+        let (u, up_bytes) = exec_units::with_host_elems(host, |v| {
+            Ok((self.link.upload(&format!("param {}", id.0), v)?, v.bytes()))
+        })?;
+        st.traffic.h2d_bytes += up_bytes;
+        Ok((u, numel))
+    }
+
+    /// Makes room for `unit`'s param `id`, absent from the device, to be
+    /// uploaded for use now: kept params are evicted, and a param that
+    /// still does not fit the budget is an error with the numbers. Its
+    /// elements.
+    fn admit(
+        &self,
+        st: &mut State<Queued<L::Upload>, L::Buf>,
+        unit: UnitId,
+        id: ParamId,
+        host: &Tensor,
+    ) -> Result<u64, ModelError> {
         let numel = numel_of(host);
         let bytes = numel * ELEM_BYTES;
         self.make_room(st, bytes)?;
@@ -523,11 +561,7 @@ impl<L: DeviceLink> TieredUnits<L> {
                 ),
             });
         }
-        let (u, up_bytes) = exec_units::with_host_elems(host, |v| {
-            Ok((self.link.upload(&format!("param {}", id.0), v)?, v.bytes()))
-        })?;
-        st.traffic.h2d_bytes += up_bytes;
-        Ok((u, numel))
+        Ok(numel)
     }
 
     /// The unit is done with its params: kept while the cache has room,
@@ -581,7 +615,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
         let (ids, bufs) = self.take(model, unit, params)?;
         let out = self
             .inputs
-            .forward(&self.link, model, unit, (params, &bufs), input);
+            .forward(&*self.link, model, unit, (params, &bufs), input);
         self.give_back(&ids, bufs)?;
         let out = out?;
         self.lock().traffic.d2h_bytes += output_numel(&out) * ELEM_BYTES;
@@ -599,7 +633,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
         let (ids, bufs) = self.take(model, unit, params)?;
         let out = self
             .inputs
-            .backward(&self.link, model, unit, (params, &bufs), input, upstream);
+            .backward(&*self.link, model, unit, (params, &bufs), input, upstream);
         self.give_back(&ids, bufs)?;
         let out = out?;
         // The param gradients go out on the copy queue while the engine
@@ -638,6 +672,8 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
         let ids = model.unit(unit)?.params.clone();
         let mut st = self.lock();
         let budget = self.link.budget_bytes();
+        // Issued as one message to the upload thread, after the loop.
+        let mut items = Vec::new();
         for (&id, host) in ids.iter().zip(params) {
             if st.params.contains_key(&id) {
                 continue;
@@ -651,22 +687,22 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
                 // The rest uploads when its unit runs.
                 break;
             }
-            // Waiting here for a staging buffer is waiting for copies too.
-            let t = Instant::now();
-            let (u, up_bytes) = exec_units::with_host_elems(host, |v| {
-                Ok((self.link.upload(&format!("param {}", id.0), v)?, v.bytes()))
-            })?;
-            st.traffic.h2d_wait_s += t.elapsed().as_secs_f64();
-            st.apply(id, TierEvent::Staged(u, numel))?;
+            let (slot, q) = self.fill.slot();
+            st.apply(id, TierEvent::Staged(q, numel))?;
             st.peaks.live_numel_at_stage = st.peaks.live_numel_at_stage.max(st.live_numel());
-            st.traffic.h2d_bytes += up_bytes;
+            st.traffic.h2d_bytes += upload_bytes(host);
+            items.push((format!("param {}", id.0), host.clone(), slot));
         }
-        Ok(())
+        self.fill.send(items)
     }
 
     fn load(&self, model: &Model, unit: UnitId, params: &[Tensor]) -> Result<(), ModelError> {
         let ids = model.unit(unit)?.params.clone();
         let mut st = self.lock();
+        // On the upload thread, as one message, ahead of whatever is
+        // staged after it.
+        let mut items = Vec::new();
+        let mut admitted = Ok(());
         for (&id, host) in ids.iter().zip(params) {
             match st.params.get(&id) {
                 // Staged ahead: no longer ahead of use.
@@ -677,13 +713,22 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
                 Some(_) => continue,
                 None => {}
             }
-            // Waiting here for a staging buffer is waiting for copies too.
-            let t = Instant::now();
-            let (u, numel) = self.upload_now(&mut st, unit, id, host)?;
-            st.traffic.h2d_wait_s += t.elapsed().as_secs_f64();
-            st.apply(id, TierEvent::Loading(u, numel))?;
+            let numel = match self.admit(&mut st, unit, id, host) {
+                Ok(n) => n,
+                Err(e) => {
+                    admitted = Err(e);
+                    break;
+                }
+            };
+            let (slot, q) = self.fill.slot();
+            st.apply(id, TierEvent::Loading(q, numel))?;
+            st.traffic.h2d_bytes += upload_bytes(host);
+            items.push((format!("param {}", id.0), host.clone(), slot));
         }
-        Ok(())
+        // What was admitted before a refusal is issued all the same: its
+        // state waits for it.
+        self.fill.send(items)?;
+        admitted
     }
 
     fn begin_step(&self) -> Result<(), ModelError> {

@@ -1,0 +1,160 @@
+//! [`Filler`]: the device tier's param uploads issued off the engine's
+//! thread.
+//!
+//! # Why
+//!
+//! Issuing an upload fills its pinned staging buffer on the host (a copy
+//! of the param's bytes, `tierzero_gpu::host_copy`) before the copy
+//! engine can take it. The engine hands the tier the next unit's params
+//! ([`crate::model::exec_units::UnitCompute::stage`]) *before* it
+//! launches this unit's compute, so with the fill on the engine's thread
+//! the device sat idle for the whole fill of the next unit's params: per
+//! unit, fill then compute, not the longer of the two. On the filler's
+//! thread the fill runs while this unit computes; the engine only waits
+//! for it when the unit that needs the param is taken, and then only for
+//! what is left of it.
+//!
+//! # Order
+//!
+//! One thread, one queue: uploads are issued in the order the tier asked
+//! for them ([`Filler::send`] takes a unit's params in one message), so
+//! the copy queue carries the unit computing now before the one after it
+//! ("first things first" in [`super`]). A unit's inputs, needed at once,
+//! are still uploaded on the engine's thread.
+//!
+//! # What may be in flight
+//!
+//! A [`Queued`] upload is the receiving end of the filler's reply: the
+//! upload itself (its staging buffer, destination and event) is on the
+//! filler's thread until it is issued, then in the reply. The tier holds
+//! the [`Queued`] in the param's state, as it held the upload; its device
+//! bytes were counted when the tier admitted it, before the filler
+//! allocates them. An upload whose [`Queued`] was dropped before the reply
+//! (nobody will take it) is finished and freed on the filler's thread,
+//! as the tier finishes and frees an upload it drops. Dropping the filler
+//! waits for its thread, so nothing it issued outlives it.
+
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use candle_core::Tensor;
+use crossbeam_channel::{Receiver, Sender};
+
+use super::DeviceLink;
+use crate::model::exec_units::with_host_elems;
+use crate::model::ModelError;
+
+/// One param to upload, and where its upload goes.
+struct Item<U> {
+    what: String,
+    host: Tensor,
+    reply: Sender<Result<U, ModelError>>,
+}
+
+/// Where the filler puts one upload ([`Filler::slot`]).
+#[derive(Debug)]
+pub struct Slot<U> {
+    reply: Sender<Result<U, ModelError>>,
+}
+
+/// An upload the filler issues, or has issued.
+#[derive(Debug)]
+pub struct Queued<U> {
+    rx: Receiver<Result<U, ModelError>>,
+}
+
+impl<U> Queued<U> {
+    /// The upload, once the filler issued it (the host waits for the
+    /// fill, not for the copy); its error, if issuing failed.
+    pub fn wait(self) -> Result<U, ModelError> {
+        self.rx.recv().unwrap_or_else(|_| {
+            Err(ModelError::Gpu {
+                what: "device tier: the upload thread stopped before issuing an upload".into(),
+            })
+        })
+    }
+}
+
+/// The upload thread of one tier (see the module docs).
+pub struct Filler<L: DeviceLink> {
+    tx: Option<Sender<Vec<Item<L::Upload>>>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl<L: DeviceLink> std::fmt::Debug for Filler<L> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Filler").finish_non_exhaustive()
+    }
+}
+
+impl<L: DeviceLink + 'static> Filler<L> {
+    /// The thread that issues `link`'s uploads.
+    pub fn new(link: Arc<L>) -> Result<Self, ModelError> {
+        let (tx, rx) = crossbeam_channel::unbounded::<Vec<Item<L::Upload>>>();
+        let thread = std::thread::Builder::new()
+            .name("tierzero-h2d-fill".into())
+            .spawn(move || {
+                for items in rx {
+                    for Item { what, host, reply } in items {
+                        let r = with_host_elems(&host, |v| link.upload(&what, v));
+                        if let Err(crossbeam_channel::SendError(Ok(u))) = reply.send(r) {
+                            // Nobody takes it: finished and freed, as the
+                            // tier does with an upload it drops.
+                            if let Ok(b) = link.finish(u) {
+                                link.free(b);
+                            }
+                        }
+                    }
+                }
+            })
+            .map_err(|e| ModelError::Gpu {
+                what: format!("device tier: could not start the upload thread: {e}"),
+            })?;
+        Ok(Filler {
+            tx: Some(tx),
+            thread: Some(thread),
+        })
+    }
+}
+
+impl<L: DeviceLink> Filler<L> {
+    /// A reply slot: the [`Queued`] the tier keeps, and the [`Slot`] the
+    /// upload goes into, for [`Filler::send`]. A slot never sent leaves
+    /// its [`Queued`] an error.
+    pub fn slot(&self) -> (Slot<L::Upload>, Queued<L::Upload>) {
+        let (reply, rx) = crossbeam_channel::bounded(1);
+        (Slot { reply }, Queued { rx })
+    }
+
+    /// Issues the uploads of `items` (what, host tensor, slot), in order,
+    /// as one message.
+    pub fn send(&self, items: Vec<(String, Tensor, Slot<L::Upload>)>) -> Result<(), ModelError> {
+        if items.is_empty() {
+            return Ok(());
+        }
+        let msg = items
+            .into_iter()
+            .map(|(what, host, slot)| Item {
+                what,
+                host,
+                reply: slot.reply,
+            })
+            .collect();
+        self.tx
+            .as_ref()
+            .and_then(|tx| tx.send(msg).ok())
+            .ok_or_else(|| ModelError::Gpu {
+                what: "device tier: the upload thread has stopped".into(),
+            })
+    }
+}
+
+impl<L: DeviceLink> Drop for Filler<L> {
+    fn drop(&mut self) {
+        // The thread ends when its queue is closed and empty.
+        drop(self.tx.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
