@@ -326,6 +326,7 @@ fn measure<L: DeviceLink + 'static>(
             "step_device_busy_s": med(&step.block, |m| m.device_busy_s),
             "step_h2d_busy_s": med(&step.block, |m| m.h2d_busy_s),
             "step_d2h_busy_s": med(&step.block, |m| m.d2h_busy_s),
+            "step_h2d_fill_busy_s": med(&step.block, |m| m.h2d_fill_busy_s),
             "step_h2d_wait_s": med(&step.block, |m| m.h2d_wait_s),
             "step_io_wait_s": med(&step.block, |m| m.io_wait_s),
             "step_optimizer_s": med(&step.block, |m| m.optimizer_s),

@@ -819,7 +819,7 @@ fn device_sim_shows_the_device_tier_in_the_plan_metrics_and_timeline() {
         for key in ["h2d_bytes", "d2h_bytes"] {
             assert!(s[key].as_u64().unwrap() > 0, "{key}: {s}");
         }
-        for key in ["device_busy_s", "h2d_busy_s"] {
+        for key in ["device_busy_s", "h2d_busy_s", "h2d_fill_busy_s"] {
             assert!(s[key].as_f64().unwrap() > 0.0, "{key}: {s}");
         }
     }
@@ -847,6 +847,8 @@ fn device_sim_shows_the_device_tier_in_the_plan_metrics_and_timeline() {
     let compute = spans("device: compute");
     let h2d = spans("device: h2d");
     assert!(!compute.is_empty() && !h2d.is_empty(), "{tl}");
+    // The upload thread's fills have a lane of their own.
+    assert!(!spans("device: staging fill (host)").is_empty(), "{tl}");
     let overlapped = h2d
         .iter()
         .any(|&(a, b)| compute.iter().any(|&(c, e)| a < e && c < b));

@@ -34,14 +34,15 @@
 //! as the tier finishes and frees an upload it drops. Dropping the filler
 //! waits for its thread, so nothing it issued outlives it.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use candle_core::Tensor;
 use crossbeam_channel::{Receiver, Sender};
 
 use super::DeviceLink;
-use crate::model::exec_units::with_host_elems;
+use crate::model::exec_units::{with_host_elems, DeviceQueue, DeviceSpan};
 use crate::model::ModelError;
 
 /// One param to upload, and where its upload goes.
@@ -79,6 +80,9 @@ impl<U> Queued<U> {
 pub struct Filler<L: DeviceLink> {
     tx: Option<Sender<Vec<Item<L::Upload>>>>,
     thread: Option<JoinHandle<()>>,
+    /// Each upload's issue (fill, and any wait for a staging buffer), on
+    /// the host's clock, not yet taken.
+    spans: Arc<Mutex<Vec<DeviceSpan>>>,
 }
 
 impl<L: DeviceLink> std::fmt::Debug for Filler<L> {
@@ -91,12 +95,23 @@ impl<L: DeviceLink + 'static> Filler<L> {
     /// The thread that issues `link`'s uploads.
     pub fn new(link: Arc<L>) -> Result<Self, ModelError> {
         let (tx, rx) = crossbeam_channel::unbounded::<Vec<Item<L::Upload>>>();
+        let spans = Arc::new(Mutex::new(Vec::new()));
+        let log = spans.clone();
         let thread = std::thread::Builder::new()
             .name("tierzero-h2d-fill".into())
             .spawn(move || {
                 for items in rx {
                     for Item { what, host, reply } in items {
+                        let start = Instant::now();
                         let r = with_host_elems(&host, |v| link.upload(&what, v));
+                        log.lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .push(DeviceSpan {
+                                queue: DeviceQueue::Fill,
+                                name: what,
+                                start,
+                                end: Instant::now(),
+                            });
                         if let Err(crossbeam_channel::SendError(Ok(u))) = reply.send(r) {
                             // Nobody takes it: finished and freed, as the
                             // tier does with an upload it drops.
@@ -113,11 +128,18 @@ impl<L: DeviceLink + 'static> Filler<L> {
         Ok(Filler {
             tx: Some(tx),
             thread: Some(thread),
+            spans,
         })
     }
 }
 
 impl<L: DeviceLink> Filler<L> {
+    /// The issues that ended since the last call (the timeline's
+    /// `device: staging fill (host)` lane, `h2d_fill_busy_s`).
+    pub fn take_spans(&self) -> Vec<DeviceSpan> {
+        std::mem::take(&mut *self.spans.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
     /// A reply slot: the [`Queued`] the tier keeps, and the [`Slot`] the
     /// upload goes into, for [`Filler::send`]. A slot never sent leaves
     /// its [`Queued`] an error.

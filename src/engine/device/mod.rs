@@ -111,7 +111,11 @@
 //!   compute and h2d streams ([`tierzero_gpu::link::EventClock`]), so they
 //!   are the device's busy time, not the host's launches. The step takes
 //!   them for its `device_busy_s` and `h2d_busy_s` metrics and for the
-//!   timeline's `device: compute` and `device: h2d` lanes.
+//!   timeline's `device: compute` and `device: h2d` lanes. The upload
+//!   thread's issues (each staging fill, and any wait for a staging
+//!   buffer) are spans too, on the host's clock: `h2d_fill_busy_s` and
+//!   the `device: staging fill (host)` lane, which show whether the
+//!   fills keep ahead of the compute.
 //!
 //! # Gradients out
 //!

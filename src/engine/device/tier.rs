@@ -776,7 +776,9 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
     }
 
     fn take_device_spans(&self) -> Vec<DeviceSpan> {
-        self.link.take_spans()
+        let mut spans = self.link.take_spans();
+        spans.extend(self.fill.take_spans());
+        spans
     }
 
     fn activations_line(&self) -> Option<String> {

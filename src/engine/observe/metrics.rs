@@ -121,6 +121,10 @@ pub struct StepMetrics {
     pub h2d_busy_s: f64,
     /// Seconds the device's device-to-host copy queue was busy.
     pub d2h_busy_s: f64,
+    /// Seconds the device tier's upload thread spent issuing the params'
+    /// uploads (filling their staging buffers, waiting for one), beside
+    /// the compute.
+    pub h2d_fill_busy_s: f64,
 }
 
 /// The last line of a metrics file.

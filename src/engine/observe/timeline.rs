@@ -68,10 +68,12 @@ pub enum Lane {
     DeviceH2d,
     /// Copies on the device's device-to-host queue.
     DeviceD2h,
+    /// The host's fills of the device's upload staging buffers.
+    DeviceFill,
 }
 
 impl Lane {
-    const ALL: [Lane; 12] = [
+    const ALL: [Lane; 13] = [
         Lane::Step,
         Lane::Compute,
         Lane::Params,
@@ -84,6 +86,7 @@ impl Lane {
         Lane::DeviceCompute,
         Lane::DeviceH2d,
         Lane::DeviceD2h,
+        Lane::DeviceFill,
     ];
 
     fn name(self) -> &'static str {
@@ -100,6 +103,7 @@ impl Lane {
             Lane::DeviceCompute => "device: compute",
             Lane::DeviceH2d => "device: h2d",
             Lane::DeviceD2h => "device: d2h",
+            Lane::DeviceFill => "device: staging fill (host)",
         }
     }
 
@@ -117,6 +121,7 @@ impl Lane {
             Lane::DeviceCompute => 10,
             Lane::DeviceH2d => 11,
             Lane::DeviceD2h => 12,
+            Lane::DeviceFill => 13,
         }
     }
 }
@@ -228,6 +233,7 @@ impl Timeline {
                 DeviceQueue::Compute => Lane::DeviceCompute,
                 DeviceQueue::H2d => Lane::DeviceH2d,
                 DeviceQueue::D2h => Lane::DeviceD2h,
+                DeviceQueue::Fill => Lane::DeviceFill,
             },
             name: s.name.clone(),
             start: s.start,
@@ -330,7 +336,8 @@ mod tests {
                 "disk: state writes",
                 "device: compute",
                 "device: h2d",
-                "device: d2h"
+                "device: d2h",
+                "device: staging fill (host)"
             ]
         );
         let xs: Vec<&serde_json::Value> = ev.iter().filter(|e| e["ph"] == "X").collect();

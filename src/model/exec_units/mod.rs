@@ -178,6 +178,9 @@ pub enum DeviceQueue {
     H2d,
     /// The device-to-host copy stream.
     D2h,
+    /// The host's fills of upload staging buffers (the device tier's
+    /// upload thread), before their copies are queued.
+    Fill,
 }
 
 /// A period a device's queue was busy, on the host's clock.
