@@ -104,6 +104,17 @@ impl DeviceLink for CudaLink {
         .map_err(gpu_err)
     }
 
+    fn bind_upload_thread(&self) -> Result<(), ModelError> {
+        // cudarc binds the context at most calls; an event query (the
+        // staging pool's first look) does not.
+        self.device()
+            .context()
+            .bind_to_thread()
+            .map_err(|e| ModelError::Gpu {
+                what: format!("cuCtxSetCurrent on the device tier's upload thread: {e}"),
+            })
+    }
+
     fn upload_input(&self, what: &str, host: HostElems<'_>) -> Result<PendingUpload, ModelError> {
         // The device budget counts it with the other temporaries.
         self.upload(what, host)

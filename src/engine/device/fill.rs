@@ -100,10 +100,16 @@ impl<L: DeviceLink + 'static> Filler<L> {
         let thread = std::thread::Builder::new()
             .name("tierzero-h2d-fill".into())
             .spawn(move || {
+                let bound = link.bind_upload_thread();
                 for items in rx {
                     for Item { what, host, reply } in items {
                         let start = Instant::now();
-                        let r = with_host_elems(&host, |v| link.upload(&what, v));
+                        let r = match &bound {
+                            Ok(()) => with_host_elems(&host, |v| link.upload(&what, v)),
+                            Err(e) => Err(ModelError::Gpu {
+                                what: format!("device tier: {what} not uploaded: {e}"),
+                            }),
+                        };
                         log.lock()
                             .unwrap_or_else(|p| p.into_inner())
                             .push(DeviceSpan {

@@ -224,6 +224,12 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
     /// device's share for temporaries, not in the tier's budget. The
     /// executor drops it with the unit's other temporaries.
     fn upload_input(&self, what: &str, host: HostElems<'_>) -> Result<Self::Upload, ModelError>;
+    /// Makes the calling thread ready to issue uploads (the tier's upload
+    /// thread calls it once, first): a CUDA link makes its context
+    /// current there.
+    fn bind_upload_thread(&self) -> Result<(), ModelError> {
+        Ok(())
+    }
     /// The uploaded buffer, ordered after its copy for the compute that
     /// follows: a CUDA compute stream waits on the copy's event, and the
     /// host does not; the simulated device waits on the host.
