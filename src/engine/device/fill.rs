@@ -186,3 +186,98 @@ impl<L: DeviceLink> Drop for Filler<L> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use std::time::Duration;
+
+    use candle_core::{DType, Device};
+    use tierzero_gpu::unit::GemmDtype;
+
+    use super::*;
+    use crate::engine::device::sim::{SimConfig, SimDevice};
+
+    fn sim(delay_ms: u64, slots: usize) -> SimDevice {
+        SimDevice::new(SimConfig {
+            budget_bytes: 1 << 20,
+            copy_delay: Duration::from_millis(delay_ms),
+            h2d_bytes_per_s: None,
+            staging_slots: slots,
+            gemm: GemmDtype::F32,
+            fail_upload: None,
+        })
+        .unwrap()
+    }
+
+    fn host(n: usize, v: f32) -> Tensor {
+        Tensor::full(v, n, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn uploads_are_issued_in_the_order_sent_and_carry_their_bytes() {
+        let link = Arc::new(sim(1, 2));
+        let fill = Filler::new(link.clone()).unwrap();
+        let mut queued = Vec::new();
+        let mut items = Vec::new();
+        for (k, n) in [7usize, 1, 33, 4].into_iter().enumerate() {
+            let (slot, q) = fill.slot();
+            items.push((format!("p{k}"), host(n, k as f32 + 0.5), slot));
+            queued.push((n, k, q));
+        }
+        fill.send(items).unwrap();
+        for (n, k, q) in queued {
+            let buf = link.finish(q.wait().unwrap()).unwrap();
+            assert_eq!(buf, vec![k as f32 + 0.5; n]);
+            link.free(buf);
+        }
+        let names: Vec<String> = link.take_spans().into_iter().map(|s| s.name).collect();
+        assert_eq!(names, ["p0", "p1", "p2", "p3"]);
+        let fills = fill.take_spans();
+        assert_eq!(fills.len(), 4);
+        assert!(fills
+            .iter()
+            .all(|s| s.queue == DeviceQueue::Fill && s.end >= s.start));
+        drop(fill);
+        let p = link.probe();
+        assert_eq!((p.used_bytes(), p.in_flight()), (0, 0));
+    }
+
+    #[test]
+    fn an_upload_nobody_takes_is_finished_and_freed_by_the_thread() {
+        let link = Arc::new(sim(20, 1));
+        let p = link.probe();
+        let fill = Filler::new(link.clone()).unwrap();
+        let items: Vec<_> = (0..3)
+            .map(|k| {
+                let (slot, q) = fill.slot();
+                drop(q);
+                (format!("p{k}"), host(64, 1.0), slot)
+            })
+            .collect();
+        fill.send(items).unwrap();
+        // A slot never sent: its upload is an error, not a hang.
+        let (slot, q) = fill.slot();
+        drop(slot);
+        let e = q.wait().unwrap_err().to_string();
+        assert!(e.contains("stopped before issuing"), "{e}");
+        drop(fill);
+        assert_eq!(p.uploads(), 3);
+        assert_eq!((p.used_bytes(), p.in_flight()), (0, 0));
+        assert_eq!(p.free_staging(), p.staging_slots());
+        assert_eq!(p.violations(), 0);
+    }
+
+    #[test]
+    fn bf16_hosts_cross_as_bf16() {
+        let link = Arc::new(sim(0, 1));
+        let fill = Filler::new(link.clone()).unwrap();
+        let (slot, q) = fill.slot();
+        let t = host(5, 1.25).to_dtype(DType::BF16).unwrap();
+        fill.send(vec![("b".into(), t, slot)]).unwrap();
+        let buf = link.finish(q.wait().unwrap()).unwrap();
+        // Widened exactly on the device side.
+        assert_eq!(buf, vec![1.25f32; 5]);
+        link.free(buf);
+    }
+}
