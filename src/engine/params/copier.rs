@@ -1,5 +1,7 @@
 //! The param copy thread: takes landed param reads out of their swap
-//! buffers, off the compute thread.
+//! buffers, and prefetched cpu-tier params out of their pinned pages
+//! ([`Copier::copy_page`], done as soon as it arrives), off the compute
+//! thread.
 //!
 //! # Why a thread
 //!
@@ -53,9 +55,10 @@
 
 use candle_core::{DType, Tensor};
 use crossbeam_channel::{Receiver, Select, Sender, TryRecvError};
+use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-use tierzero_swap::Ticket;
+use std::sync::{Arc, RwLock};
+use tierzero_swap::{Buffer, Ticket};
 
 use crate::engine::params::store::cpu_tensor;
 use crate::engine::{EngineError, Result};
@@ -170,11 +173,27 @@ struct Job {
     reply: Sender<Result<Unpacked>>,
 }
 
+/// A cpu-tier param to copy out of its pinned page.
+struct PageJob {
+    page: Arc<RwLock<Buffer>>,
+    range: Range<usize>,
+    unpack: Unpack,
+    reply: Sender<Result<Unpacked>>,
+}
+
+/// What the thread is asked to do.
+enum Work {
+    /// A read in flight: copied out when it lands.
+    Read(Job),
+    /// A page region: copied out at once.
+    Page(PageJob),
+}
+
 /// The copy thread's handle (see the module docs).
 #[derive(Debug)]
 pub struct Copier {
     gate: Arc<ParamReadGate>,
-    tx: Option<Sender<Job>>,
+    tx: Option<Sender<Work>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -182,7 +201,7 @@ impl Copier {
     /// Starts the thread (`tz-param-copy`), on `cpus` when given; it
     /// counts reads in and out of `gate`.
     pub fn spawn(cpus: Option<Arc<[usize]>>, gate: Arc<ParamReadGate>) -> Result<Self> {
-        let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+        let (tx, rx) = crossbeam_channel::unbounded::<Work>();
         let thread_gate = gate.clone();
         let thread = std::thread::Builder::new()
             .name("tz-param-copy".into())
@@ -206,16 +225,37 @@ impl Copier {
         let tx = self.tx.as_ref().ok_or_else(gone)?;
         self.gate.issued();
         if tx
-            .send(Job {
+            .send(Work::Read(Job {
                 ticket,
                 unpack,
                 reply,
-            })
+            }))
             .is_err()
         {
             self.gate.landed();
             return Err(gone());
         }
+        Ok(PendingRead { rx })
+    }
+
+    /// Hands over the copy of `range` of a cpu-tier `page` (not a disk
+    /// read: the gate does not count it). The thread read-locks the page
+    /// while it copies.
+    pub fn copy_page(
+        &self,
+        page: Arc<RwLock<Buffer>>,
+        range: Range<usize>,
+        unpack: Unpack,
+    ) -> Result<PendingRead> {
+        let (reply, rx) = crossbeam_channel::bounded(1);
+        let tx = self.tx.as_ref().ok_or_else(gone)?;
+        tx.send(Work::Page(PageJob {
+            page,
+            range,
+            unpack,
+            reply,
+        }))
+        .map_err(|_| gone())?;
         Ok(PendingRead { rx })
     }
 }
@@ -231,7 +271,7 @@ impl Drop for Copier {
     }
 }
 
-fn run(jobs: &Receiver<Job>, gate: &ParamReadGate) {
+fn run(jobs: &Receiver<Work>, gate: &ParamReadGate) {
     let mut held: Vec<Job> = Vec::new();
     let mut open = true;
     while open || !held.is_empty() {
@@ -244,7 +284,8 @@ fn run(jobs: &Receiver<Job>, gate: &ParamReadGate) {
         if Some(k) == jobs_at {
             loop {
                 match jobs.try_recv() {
-                    Ok(job) => held.push(job),
+                    Ok(Work::Read(job)) => held.push(job),
+                    Ok(Work::Page(job)) => copy_page(job),
                     Err(TryRecvError::Empty) => break,
                     Err(TryRecvError::Disconnected) => {
                         open = false;
@@ -272,6 +313,22 @@ fn run(jobs: &Receiver<Job>, gate: &ParamReadGate) {
         // itself): then nobody is told, and the send fails harmlessly.
         let _ = job.reply.send(res);
     }
+}
+
+/// A page job, done now: its region read-locked, unpacked, answered.
+fn copy_page(job: PageJob) {
+    let res = {
+        let g = job.page.read().unwrap_or_else(|p| p.into_inner());
+        match g.as_slice().get(job.range.clone()) {
+            Some(bytes) => unpack_bytes(&job.unpack, bytes),
+            None => Err(EngineError::internal(format!(
+                "cpu page of {} bytes has no range {:?}",
+                g.as_slice().len(),
+                job.range
+            ))),
+        }
+    };
+    let _ = job.reply.send(res);
 }
 
 fn unpack_bytes(what: &Unpack, bytes: &[u8]) -> Result<Unpacked> {

@@ -7,7 +7,12 @@
 //!   0-2, or `offload_param.device = none`).
 //! * [`Tier::Cpu`]: the bytes live in pinned host memory (a [`PinnedArena`]
 //!   whose buffers are pages; params are packed first-fit in `ParamId`
-//!   order and never straddle a page). A fetch copies them to the device.
+//!   order and never straddle a page). A prefetch has the param copy
+//!   thread build the tensor from the page (the page read-locked while it
+//!   copies; a write-back of another param in that page waits for it), so
+//!   the copy of the next unit's params is off the engine's thread, which
+//!   on a device launches this unit meanwhile; a fetch of a param not
+//!   prefetched (the unit wanted now) copies it on the calling thread.
 //!   With `offload_param.device = nvme`, the first `max_in_cpu` elements
 //!   (in `ParamId` order) also live here: DeepSpeed's fp16 CPU cache.
 //! * [`Tier::Nvme`]: one [`Extent`] per parameter shard in the swap space.
@@ -73,7 +78,7 @@
 //! that nobody will complete, so it cannot deadlock).
 
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
@@ -233,9 +238,6 @@ pub struct NvmeParams {
     pub engine: Engine,
     /// Swap-in buffers (`buffer_count` x `buffer_size` elements).
     pub arena: Arc<PinnedArena>,
-    /// CPUs of the param copy thread (`crate::engine::host::threads::Placement`);
-    /// `None`: unpinned.
-    pub copier_cpus: Option<Arc<[usize]>>,
     /// Counts this store's reads on the disk, for the optimizer thread
     /// (`crate::engine::params::copier::ParamReadGate`).
     pub read_gate: Arc<crate::engine::params::copier::ParamReadGate>,
@@ -276,9 +278,12 @@ pub struct ParamStore {
     elem_bytes: usize,
     device: Device,
     comm: Arc<dyn Comm>,
-    pages: Vec<Buffer>,
-    /// Copies landed param reads out of their swap buffers (NVMe tier
-    /// only; see [`crate::engine::params::copier`]).
+    /// The cpu tier's pinned pages. A page is read by the copy thread
+    /// (a prefetch builds a param's tensor there) while this thread may
+    /// write another param's new bytes into it: the lock orders the two.
+    pages: Vec<Arc<RwLock<Buffer>>>,
+    /// Copies landed param reads out of their swap buffers, and cpu-tier
+    /// params out of their pages (see [`crate::engine::params::copier`]).
     copier: Option<Copier>,
     nvme: Option<NvmeParams>,
     writes: VecDeque<(ParamId, Ticket)>,
@@ -305,7 +310,9 @@ impl ParamStore {
     /// Lays out every parameter in its tier. `tiers` is indexed by
     /// `ParamId`; `cpu_pages` gives the pinned host pages for the cpu tier
     /// (see [`crate::engine::sizing::cpu_page_plan`]); `nvme` is required when any
-    /// tier is [`Tier::Nvme`]. Nothing is stored yet: call
+    /// tier is [`Tier::Nvme`]; `copier_cpus` are the CPUs of the param copy
+    /// thread (`crate::engine::host::threads::Placement`; `None`:
+    /// unpinned), started when a param is off the device. Nothing is stored yet: call
     /// [`ParamStore::store_initial`] for every param.
     #[allow(
         clippy::too_many_arguments,
@@ -320,6 +327,7 @@ impl ParamStore {
         comm: Arc<dyn Comm>,
         cpu_pages: Vec<Buffer>,
         nvme: Option<NvmeParams>,
+        copier_cpus: Option<Arc<[usize]>>,
     ) -> Result<Self> {
         let elem_bytes = dtype_bytes(dtype)?;
         let n = model.params().len();
@@ -392,11 +400,22 @@ impl ParamStore {
             elem_bytes,
             device,
             comm,
-            pages: cpu_pages,
-            copier: nvme
-                .as_ref()
-                .map(|n| Copier::spawn(n.copier_cpus.clone(), n.read_gate.clone()))
+            copier: (nvme.is_some() || !cpu_pages.is_empty())
+                .then(|| {
+                    // Without NVMe nobody reads the gate: no read ever
+                    // counts in.
+                    let gate = nvme
+                        .as_ref()
+                        .map_or_else(crate::engine::params::copier::ParamReadGate::new, |n| {
+                            n.read_gate.clone()
+                        });
+                    Copier::spawn(copier_cpus, gate)
+                })
                 .transpose()?,
+            pages: cpu_pages
+                .into_iter()
+                .map(|b| Arc::new(RwLock::new(b)))
+                .collect(),
             nvme,
             writes: VecDeque::new(),
             resident_bytes: 0,
@@ -625,16 +644,29 @@ impl ParamStore {
             .ok_or_else(|| EngineError::internal(format!("no param {id:?}")))
     }
 
-    /// The shard bytes of a cpu-tier param, in its pinned page.
-    fn cpu_home_bytes(&self, id: ParamId) -> Result<&[u8]> {
+    /// A cpu-tier param's page and the byte range of its shard there.
+    fn cpu_home(&self, id: ParamId) -> Result<(Arc<RwLock<Buffer>>, std::ops::Range<usize>)> {
         let len = self.shard_bytes(id)?;
         let Home::Cpu { page, offset_bytes } = &self.homes[id.0] else {
             return Err(EngineError::internal("not a cpu-tier param"));
         };
-        self.pages
+        let p = self
+            .pages
             .get(*page)
-            .and_then(|p| p.as_slice().get(*offset_bytes..*offset_bytes + len))
-            .ok_or_else(|| EngineError::internal("cpu page missing"))
+            .ok_or_else(|| EngineError::internal("cpu page missing"))?;
+        Ok((p.clone(), *offset_bytes..*offset_bytes + len))
+    }
+
+    /// `f` of the shard bytes of a cpu-tier param, in its pinned page
+    /// (read-locked: the copy thread may be reading it too).
+    fn with_cpu_home<R>(&self, id: ParamId, f: impl FnOnce(&[u8]) -> Result<R>) -> Result<R> {
+        let (page, range) = self.cpu_home(id)?;
+        let g = page.read().unwrap_or_else(|p| p.into_inner());
+        let src = g
+            .as_slice()
+            .get(range)
+            .ok_or_else(|| EngineError::internal("cpu page too short"))?;
+        f(src)
     }
 
     /// Issues a read of an NVMe param's home extent now, after its queued
@@ -696,11 +728,18 @@ impl ParamStore {
         }
     }
 
-    /// Issues an asynchronous read of `id` if it is on NVMe and not yet
-    /// resident or in flight, and a swap buffer is free now. Never blocks
-    /// on another param. Returns whether a read was issued.
+    /// Issues an asynchronous read of `id` if it is only at home (on
+    /// NVMe, with a swap buffer free now; or in its cpu page, copied out
+    /// by the copy thread). Never blocks on another param. Returns whether
+    /// a read was issued.
     pub fn prefetch(&mut self, id: ParamId) -> Result<bool> {
-        if self.state(id) != ParamState::OnDisk || self.tier(id) != Tier::Nvme {
+        if self.state(id) != ParamState::OnDisk {
+            return Ok(false);
+        }
+        if self.tier(id) == Tier::Cpu {
+            return self.prefetch_cpu(id);
+        }
+        if self.tier(id) != Tier::Nvme {
             return Ok(false);
         }
         self.retire_done_writes()?;
@@ -720,6 +759,21 @@ impl ParamStore {
         self.counters.nvme_read_bytes += extent.len_bytes();
         self.counters.prefetches += 1;
         let read = self.hand_over(id, ticket)?;
+        self.apply(id, ParamEvent::ReadIssued(read))?;
+        Ok(true)
+    }
+
+    /// A cpu-tier param's tensor built on the copy thread from its page
+    /// (the page read-locked there while it copies).
+    fn prefetch_cpu(&mut self, id: ParamId) -> Result<bool> {
+        let Some(copier) = &self.copier else {
+            return Ok(false);
+        };
+        let (page, range) = self.cpu_home(id)?;
+        let len = range.len();
+        let read = copier.copy_page(page, range, self.unpack(id))?;
+        self.counters.cpu_read_bytes += len as u64;
+        self.counters.prefetches += 1;
         self.apply(id, ParamEvent::ReadIssued(read))?;
         Ok(true)
     }
@@ -774,8 +828,17 @@ impl ParamStore {
     /// make of it: the tensor itself when one rank holds the whole param,
     /// else the shard's bytes (the gather belongs to the compute thread).
     fn hand_over(&self, id: ParamId, ticket: Ticket) -> Result<PendingRead> {
+        self.copier
+            .as_ref()
+            .ok_or_else(|| EngineError::internal("nvme read without a copy thread"))?
+            .read(ticket, self.unpack(id))
+    }
+
+    /// What the copy thread makes of `id`'s shard bytes: the tensor (one
+    /// rank), or the bytes to stage for the gather (several).
+    fn unpack(&self, id: ParamId) -> Unpack {
         let info = &self.info[id.0];
-        let unpack = if info.counts_bytes.len() == 1 {
+        if info.counts_bytes.len() == 1 {
             Unpack::Tensor {
                 dtype: self.dtype,
                 shape: info.shape.clone(),
@@ -784,11 +847,7 @@ impl ParamStore {
             Unpack::Bytes {
                 len_bytes: info.shard_numel * self.elem_bytes,
             }
-        };
-        self.copier
-            .as_ref()
-            .ok_or_else(|| EngineError::internal("nvme read without a copy thread"))?
-            .read(ticket, unpack)
+        }
     }
 
     /// The second half of a read: the slot is `OnDisk` (its read taken);
@@ -833,9 +892,10 @@ impl ParamStore {
                     )))
                 }
                 Home::Cpu { .. } => {
-                    let src = self.cpu_home_bytes(id)?;
-                    let t = self.tensor_from_shard(id, src)?;
-                    self.counters.cpu_read_bytes += src.len() as u64;
+                    let (t, len) = self.with_cpu_home(id, |src| {
+                        Ok((self.tensor_from_shard(id, src)?, src.len()))
+                    })?;
+                    self.counters.cpu_read_bytes += len as u64;
                     self.apply(id, ParamEvent::Materialized(t))?;
                 }
                 Home::Nvme { .. } => {
@@ -1038,6 +1098,7 @@ mod tests {
             Arc::new(SingleRank),
             cpu_pages,
             nvme,
+            None,
         )
         .unwrap();
         for p in model.params() {
@@ -1084,6 +1145,57 @@ mod tests {
         s.release(p).unwrap();
     }
 
+    /// A cpu-tier prefetch builds the tensor on the copy thread from the
+    /// param's page: the fetch takes it (same bits as a fetch that copies
+    /// on this thread); an update while it is in flight completes it
+    /// first, writes the page and keeps the copy coherent.
+    #[test]
+    fn a_cpu_tier_prefetch_is_copied_out_on_the_copy_thread() {
+        let model = tiny();
+        let mut direct = cpu_store(&model);
+        let mut s = cpu_store(&model);
+        for p in model.params() {
+            assert!(s.prefetch(p.id).unwrap(), "{}", p.name);
+            assert_eq!(s.state(p.id), ParamState::InFlight);
+            // Once in flight (or resident) it is not issued again.
+            assert!(!s.prefetch(p.id).unwrap());
+        }
+        assert_eq!(s.counters().prefetches, model.params().len() as u64);
+        assert_eq!(
+            s.inflight_bytes(),
+            (0..model.params().len())
+                .map(|i| s.device_bytes(ParamId(i)))
+                .sum::<u64>()
+        );
+        for p in model.params() {
+            let a = s.fetch(p.id).unwrap();
+            let b = direct.fetch(p.id).unwrap();
+            assert_eq!(
+                a.flatten_all().unwrap().to_vec1::<half::bf16>().unwrap(),
+                b.flatten_all().unwrap().to_vec1::<half::bf16>().unwrap(),
+                "{}",
+                p.name
+            );
+            assert_eq!(s.state(p.id), ParamState::Resident);
+            s.release(p.id).unwrap();
+        }
+        let p = ParamId(1);
+        let before = s.read_shard(p).unwrap(); // a fetch
+        s.release(p).unwrap();
+        assert!(s.prefetch(p).unwrap());
+        let new: Vec<u8> = before.iter().map(|b| b.wrapping_add(3)).collect();
+        s.update(p, &new, false, None).unwrap();
+        // The read was completed first, and its copy kept coherent.
+        assert_eq!(s.state(p), ParamState::Resident);
+        assert_eq!(s.read_shard(p).unwrap(), new);
+        s.release(p).unwrap();
+        assert!(s.prefetch(p).unwrap());
+        let t = s.fetch(p).unwrap();
+        assert_eq!(t.dims(), model.params()[1].shape.as_slice());
+        s.release(p).unwrap();
+        assert_eq!(s.read_shard(p).unwrap(), new);
+    }
+
     /// A store with every param on NVMe and `buffers` swap buffers.
     fn nvme_store(model: &Model, dir: &std::path::Path, buffers: u64) -> ParamStore {
         std::fs::create_dir_all(dir).unwrap();
@@ -1099,7 +1211,6 @@ mod tests {
         let nvme = Some(NvmeParams {
             engine,
             arena,
-            copier_cpus: None,
             read_gate: crate::engine::params::copier::ParamReadGate::new(),
         });
         seeded_store(model, &layout, &tiers, Vec::new(), nvme, 5)

@@ -335,7 +335,6 @@ impl TierBuild<'_> {
             Some(NvmeParams {
                 engine,
                 arena,
-                copier_cpus: self.helper_cpus.clone(),
                 read_gate: crate::engine::params::copier::ParamReadGate::new(),
             })
         } else {
@@ -350,6 +349,7 @@ impl TierBuild<'_> {
             self.opts.comm.clone(),
             cpu_pages,
             nvme,
+            self.helper_cpus.clone(),
         )
     }
 

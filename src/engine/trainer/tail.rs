@@ -1,4 +1,5 @@
 use super::*;
+use crate::engine::Tier;
 
 impl Trainer {
     /// Fetches the params of `unit` (declared order), after issuing the
@@ -24,12 +25,17 @@ impl Trainer {
         self.store.harvest()?;
         let ahead = self.sched.prefetch_candidates(&self.store);
         for (k, &p) in ids.iter().chain(&ahead).enumerate() {
-            if self.store.free_buffers() == 0 {
+            let tier = self.store.tier(p);
+            if tier == Tier::Nvme && self.store.free_buffers() == 0 {
                 break;
             }
             // A read of a param whose new bytes are still coming would be
-            // wasted (the update replaces it): skip it.
-            if self.store.freshness(p) == Freshness::UpdateComing {
+            // wasted (the update replaces it): skip it. So is a copy out
+            // of a cpu page on the copy thread for a param wanted now:
+            // the fetch below copies it on this thread.
+            if self.store.freshness(p) == Freshness::UpdateComing
+                || (tier == Tier::Cpu && k < ids.len())
+            {
                 continue;
             }
             if self.store.prefetch(p)? && k >= ids.len() {

@@ -121,7 +121,7 @@ impl ParamStore {
         }
         match &self.homes[id.0] {
             Home::Device => Err(EngineError::internal("device-tier param not resident")),
-            Home::Cpu { .. } => Ok(self.cpu_home_bytes(id)?.to_vec()),
+            Home::Cpu { .. } => self.with_cpu_home(id, |b| Ok(b.to_vec())),
             Home::Nvme { .. } => {
                 let ticket = self.read_home_now(id)?;
                 let t0 = Instant::now();

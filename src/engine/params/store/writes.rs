@@ -30,9 +30,15 @@ impl ParamStore {
                 let (page, off) = (*page, *offset_bytes);
                 let dst = self
                     .pages
-                    .get_mut(page)
+                    .get(page)
                     .ok_or_else(|| EngineError::internal("cpu page missing"))?;
-                dst.as_mut_slice()[off..off + len].copy_from_slice(shard);
+                // Waits for a copy-thread copy out of this page (another
+                // param's prefetch; this param's own read was completed
+                // by `update`).
+                dst.write()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .as_mut_slice()[off..off + len]
+                    .copy_from_slice(shard);
                 self.counters.cpu_written_bytes += len as u64;
             }
             Home::Nvme { extent } => {
