@@ -103,3 +103,29 @@ fn device_cache_keeps_params_resident_and_stays_identical() {
     assert_identical(&a, &b, "device cache");
     assert_identical(&a, &c, "no device cache");
 }
+
+/// The cpu tier reads ahead too: once the trace is complete, the next
+/// units' params are copied out of their pinned pages on the param copy
+/// thread (`ParamStore::prefetch`), and the results are those of a run
+/// without offload, bit for bit.
+#[test]
+fn cpu_tier_params_are_read_ahead_on_the_copy_thread_with_the_same_bits() {
+    let dir = tiny_gpt2_dir("prefetch-cpu", 6, 64);
+    let knobs = Knobs {
+        prefetch_bucket: 50_000,
+        max_live: 200_000,
+        ..Knobs::cpu()
+    };
+    let mut t = build(&dir, &knobs, 1, 16, 4);
+    t.step().unwrap();
+    assert_eq!(t.lookahead_reads(), 0, "no trace yet");
+    t.step().unwrap();
+    assert!(
+        t.lookahead_reads() > 0,
+        "with a complete trace cpu-tier params must be read ahead"
+    );
+    drop(t);
+    let a = train(&dir, &Knobs::default(), 3, 4, |_| 16);
+    let b = train(&dir, &knobs, 3, 4, |_| 16);
+    assert_identical(&a, &b, "cpu tier read ahead");
+}
