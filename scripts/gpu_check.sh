@@ -108,10 +108,11 @@ left() { local l=$(( BUDGET_S - SECONDS )); [ "$l" -ge 1 ] && echo "$l" || echo 
 # A timeout no longer than `left`.
 cap() { local l; l=$(left); [ "$1" -lt "$l" ] && echo "$1" || echo "$l"; }
 
-# A JSON string from a file's text (escapes \ " and control characters;
-# the last 4000 bytes).
+# A JSON string from a file's text (escapes \ " and tabs, drops terminal
+# colour codes and the other control characters; the last 4000 bytes).
 json_str() {
-  tail -c 4000 "$1" | sed -e 's/\\/\\\\/g' -e 's/"/\\"/g' -e 's/\t/\\t/g' -e 's/\r//g' \
+  tail -c 4000 "$1" | sed -e 's/\x1b\[[0-9;]*[A-Za-z]//g' | tr -d '\000-\010\013-\037' \
+    | sed -e 's/\\/\\\\/g' -e 's/"/\\"/g' -e 's/\t/\\t/g' -e 's/\r//g' \
     | awk 'BEGIN{ORS=""; print "\""} NR>1{print "\\n"} {print} END{print "\""}'
 }
 # A JSON value: the last line of a file if it is an object, else null.
@@ -147,6 +148,14 @@ if [ -z "$BIN" ]; then
   printf '{"ok":false,"step":"build","log":%s}\n' "$(json_str "$build_log")" | tee "${OUT:-$WORK}/gpu_check.json"
   exit 1
 fi
+# Every binary by its absolute path: several steps run them from a run
+# directory of their own (cd "$d"), where a relative path such as the
+# documented TIERZERO_BIN=target/gpu-carry/tierzero is not found.
+abs() { if [ -n "$1" ] && [ -e "$1" ]; then echo "$(cd "$(dirname "$1")" && pwd)/$(basename "$1")"; else echo "$1"; fi; }
+BIN=$(abs "$BIN")
+for v in OVERLAP_BIN DEVICE_OVERLAP_BIN KERNEL_CHECK_BIN TRAIN_CHECK_BIN THROUGHPUT_BIN TIERZERO_WHEEL; do
+  if [ -n "${!v:-}" ]; then printf -v "$v" '%s' "$(abs "${!v}")"; fi
+done
 
 # 2. nvidia-smi.
 smi="$WORK/smi.txt"
@@ -277,11 +286,13 @@ else:
 json.dump(c, open(out, "w"))
 PY
 done
+# The configs made from src/config/default.json keep its nvme_path
+# (./tierzero-swap, relative to the run directory), which must exist.
 for model in gpt2 llama; do
   margs=(); [ "$model" = llama ] && margs=(--model "$WORK/llama")
   base="$WORK/train-$model-cuda"
   for variant in stage0 cpu cache; do
-    d="$WORK/tier-$model-$variant"; mkdir -p "$d"
+    d="$WORK/tier-$model-$variant"; mkdir -p "$d/tierzero-swap"
     t0=$SECONDS
     targs=(); [ "$variant" = cpu ] && targs=(--timeline timeline.json --timeline-steps 1)
     (cd "$d" && LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
@@ -323,7 +334,7 @@ json.dump(c, open(sys.argv[1], "w"))
 PY
 for run in cpu cuda; do
   dev=cpu; [ "$run" = cuda ] && dev=cuda:0
-  d="$WORK/bf16-$run"; mkdir -p "$d"
+  d="$WORK/bf16-$run"; mkdir -p "$d/tierzero-swap"
   t0=$SECONDS
   (cd "$d" && LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
     timeout "$(cap 150)" "$BIN" train --device "$dev" --config "$WORK/ds-bf16.json" --steps 20 --seq-len 128 \

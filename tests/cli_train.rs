@@ -551,6 +551,24 @@ fn the_plan_names_the_compute_threads_and_their_source() {
     );
 }
 
+/// Logs written to a pipe or a file are plain text: no terminal colour
+/// codes (tracing colours only a terminal).
+#[test]
+fn logs_to_a_pipe_carry_no_colour_codes() {
+    let d = tiny_setup("plain-logs");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .current_dir(&d)
+        .arg("train")
+        .args(TINY)
+        .env("TIERZERO_LOG", "info")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("INFO"), "no log lines: {stderr}");
+    assert!(!stderr.contains('\x1b'), "colour codes in: {stderr:?}");
+}
+
 /// `--threads`: the run line names CPU Adam's threads and where the count
 /// came from; auto (the default, or said) is one beside CPU compute.
 #[test]

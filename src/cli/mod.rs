@@ -201,9 +201,11 @@ fn chain_text(e: &anyhow::Error) -> String {
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("TIERZERO_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    // Colours only on a terminal: a log file or a pipe gets plain text.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false)
         .try_init();
 }
