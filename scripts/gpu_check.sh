@@ -72,8 +72,12 @@
 #      (default ./overlap-check, on the disk rather than a tmpfs /tmp),
 #      removed afterwards.
 #
-# Run on one H200 machine (16 cores) on 2026-11-30: every step passed; two
-# ranks on its one GPU were refused (ncclInvalidUsage, now an exit-2 hint).
+# Run on one H200 machine (16 cores) on 2026-11-30, in its version of
+# that day (steps 1-5, a 3-step train --device cuda that carried only the
+# collectives, and 7): every step passed; two ranks on its one GPU were
+# refused (ncclInvalidUsage, now an exit-2 hint). Steps 6-6i have not run
+# on a GPU; run here without one (2026-12-03), with the carried binaries,
+# each CPU side trains and each CUDA run exits 2 naming libcuda.
 #
 # Environment: TIERZERO_BIN, KERNEL_CHECK_BIN, TRAIN_CHECK_BIN, THROUGHPUT_BIN, DEVICE_OVERLAP_BIN,
 # TIERZERO_WHEEL, TIERZERO_PY,
