@@ -292,6 +292,7 @@ pub struct ParamStore {
 }
 
 mod assembly;
+mod pages;
 mod writes;
 
 use assembly::Assembly;
@@ -644,31 +645,6 @@ impl ParamStore {
             .ok_or_else(|| EngineError::internal(format!("no param {id:?}")))
     }
 
-    /// A cpu-tier param's page and the byte range of its shard there.
-    fn cpu_home(&self, id: ParamId) -> Result<(Arc<RwLock<Buffer>>, std::ops::Range<usize>)> {
-        let len = self.shard_bytes(id)?;
-        let Home::Cpu { page, offset_bytes } = &self.homes[id.0] else {
-            return Err(EngineError::internal("not a cpu-tier param"));
-        };
-        let p = self
-            .pages
-            .get(*page)
-            .ok_or_else(|| EngineError::internal("cpu page missing"))?;
-        Ok((p.clone(), *offset_bytes..*offset_bytes + len))
-    }
-
-    /// `f` of the shard bytes of a cpu-tier param, in its pinned page
-    /// (read-locked: the copy thread may be reading it too).
-    fn with_cpu_home<R>(&self, id: ParamId, f: impl FnOnce(&[u8]) -> Result<R>) -> Result<R> {
-        let (page, range) = self.cpu_home(id)?;
-        let g = page.read().unwrap_or_else(|p| p.into_inner());
-        let src = g
-            .as_slice()
-            .get(range)
-            .ok_or_else(|| EngineError::internal("cpu page too short"))?;
-        f(src)
-    }
-
     /// Issues a read of an NVMe param's home extent now, after its queued
     /// write, into a swap buffer (retiring writes or completing reads to
     /// free one).
@@ -759,21 +735,6 @@ impl ParamStore {
         self.counters.nvme_read_bytes += extent.len_bytes();
         self.counters.prefetches += 1;
         let read = self.hand_over(id, ticket)?;
-        self.apply(id, ParamEvent::ReadIssued(read))?;
-        Ok(true)
-    }
-
-    /// A cpu-tier param's tensor built on the copy thread from its page
-    /// (the page read-locked there while it copies).
-    fn prefetch_cpu(&mut self, id: ParamId) -> Result<bool> {
-        let Some(copier) = &self.copier else {
-            return Ok(false);
-        };
-        let (page, range) = self.cpu_home(id)?;
-        let len = range.len();
-        let read = copier.copy_page(page, range, self.unpack(id))?;
-        self.counters.cpu_read_bytes += len as u64;
-        self.counters.prefetches += 1;
         self.apply(id, ParamEvent::ReadIssued(read))?;
         Ok(true)
     }
