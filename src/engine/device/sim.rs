@@ -257,7 +257,8 @@ fn copy_thread(rx: Receiver<Job>, shared: Arc<Shared>, cfg: SimConfig) {
             start,
             end: Instant::now(),
         });
-        job.event.complete(dst);
+        // The counters and the staging buffer first, then the event: who
+        // waited on it sees the device with this copy done.
         shared.in_flight.fetch_sub(1, Ordering::Relaxed);
         shared.copies.fetch_add(1, Ordering::Relaxed);
         shared
@@ -266,6 +267,7 @@ fn copy_thread(rx: Receiver<Job>, shared: Arc<Shared>, cfg: SimConfig) {
             .unwrap_or_else(|p| p.into_inner())
             .push(job.slab);
         shared.slab_back.notify_all();
+        job.event.complete(dst);
     }
 }
 
