@@ -327,6 +327,8 @@ fn measure<L: DeviceLink + 'static>(
             "step_h2d_busy_s": med(&step.block, |m| m.h2d_busy_s),
             "step_d2h_busy_s": med(&step.block, |m| m.d2h_busy_s),
             "step_h2d_fill_busy_s": med(&step.block, |m| m.h2d_fill_busy_s),
+            "step_forwards_ahead": med(&step.block, |m| m.device_forwards_ahead as f64),
+            "step_backwards_ahead": med(&step.block, |m| m.device_backwards_ahead as f64),
             "step_h2d_wait_s": med(&step.block, |m| m.h2d_wait_s),
             "step_io_wait_s": med(&step.block, |m| m.io_wait_s),
             "step_optimizer_s": med(&step.block, |m| m.optimizer_s),
@@ -418,6 +420,7 @@ fn run() -> Res<()> {
                 staging_slots: env_or("SIM_STAGING", 4),
                 gemm,
                 fail_upload: None,
+                compute_delay: std::time::Duration::ZERO,
             })?)
         };
         return measure(&make, &base, steps, rounds, &device);

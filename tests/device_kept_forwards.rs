@@ -65,6 +65,7 @@ fn sim(gemm: GemmDtype) -> SimDevice {
         staging_slots: 2,
         gemm,
         fail_upload: None,
+        compute_delay: std::time::Duration::ZERO,
     })
     .unwrap()
 }

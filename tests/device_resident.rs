@@ -28,6 +28,10 @@ struct Out {
     sha: String,
     /// Host-to-device bytes per step.
     h2d_bytes: Vec<u64>,
+    /// Forwards launched ahead and taken, per step.
+    forwards_ahead: Vec<u64>,
+    /// Backwards launched ahead and taken, per step.
+    backwards_ahead: Vec<u64>,
 }
 
 fn drive(mut t: Trainer, steps: u64) -> Out {
@@ -35,11 +39,15 @@ fn drive(mut t: Trainer, steps: u64) -> Out {
         loss_bits: Vec::new(),
         sha: String::new(),
         h2d_bytes: Vec::new(),
+        forwards_ahead: Vec::new(),
+        backwards_ahead: Vec::new(),
     };
     for _ in 0..steps {
         let m = t.step().unwrap().metrics;
         out.loss_bits.push(m.loss.to_bits());
         out.h2d_bytes.push(m.h2d_bytes);
+        out.forwards_ahead.push(m.device_forwards_ahead);
+        out.backwards_ahead.push(m.device_backwards_ahead);
     }
     out.sha = t.finish().unwrap().weight_sha256;
     out
@@ -69,6 +77,7 @@ fn sim(budget_bytes: u64, gemm: GemmDtype) -> SimConfig {
         staging_slots: 2,
         gemm,
         fail_upload: None,
+        compute_delay: std::time::Duration::ZERO,
     }
 }
 
@@ -117,6 +126,13 @@ fn adam_on_the_device_trains_bit_identical_to_the_host_optimizer() {
             // inputs cross, far less than a step of params.
             assert!(got.h2d_bytes[0] > got.h2d_bytes[1], "{case}: {got:?}");
             assert_eq!(got.h2d_bytes[1], got.h2d_bytes[2], "{case}: {got:?}");
+            // Every block's forward is launched as the unit before it
+            // comes down, every block's and the embedding's backward as
+            // the unit after it comes down, and each is taken by its
+            // call: all the params are on the device.
+            let blocks = blocks_in(model);
+            assert_eq!(got.forwards_ahead, vec![blocks * k.gas; 3], "{case}");
+            assert_eq!(got.backwards_ahead, vec![(blocks + 1) * k.gas; 3], "{case}");
             // Every device byte went back when the units were dropped.
             assert_eq!(probe.used_bytes(), 0, "{case}: device bytes left");
         }

@@ -17,6 +17,7 @@ use tierzero::engine::device::sim::{SimConfig, SimDevice, SimProbe};
 use tierzero::engine::device::{TierLimits, TierPeaks, TieredUnits};
 use tierzero::engine::TrainerOptions;
 use tierzero::model::exec_units::{DeviceMemoryPlan, ReferenceUnits};
+use tierzero::model::ModelDir;
 use tierzero_gpu::unit::GemmDtype;
 
 /// What a run left.
@@ -29,6 +30,12 @@ struct Out {
     device_busy_s: f64,
     h2d_busy_s: f64,
     h2d_kept_bytes: u64,
+    /// Seconds of each step.
+    wall_s: Vec<f64>,
+    /// Forwards launched ahead and taken by their call.
+    forwards_ahead: u64,
+    /// Backwards launched ahead and taken by their call.
+    backwards_ahead: u64,
     /// The compute's device rows for the plan (the tier's: what its
     /// params may hold, first).
     device_plan: Option<DeviceMemoryPlan>,
@@ -54,6 +61,9 @@ fn run(model: &Path, k: &Knobs, opts: TrainerOptions, steps: u64) -> Out {
         device_busy_s: 0.0,
         h2d_busy_s: 0.0,
         h2d_kept_bytes: 0,
+        wall_s: Vec::new(),
+        forwards_ahead: 0,
+        backwards_ahead: 0,
         device_plan: compute.and_then(|c| c.memory_plan(t.model())),
     };
     for _ in 0..steps {
@@ -65,6 +75,9 @@ fn run(model: &Path, k: &Knobs, opts: TrainerOptions, steps: u64) -> Out {
         out.device_busy_s += m.device_busy_s;
         out.h2d_busy_s += m.h2d_busy_s;
         out.h2d_kept_bytes += m.h2d_kept_bytes;
+        out.wall_s.push(m.wall_s);
+        out.forwards_ahead += m.device_forwards_ahead;
+        out.backwards_ahead += m.device_backwards_ahead;
     }
     out.sha = t.finish().unwrap().weight_sha256;
     out
@@ -78,6 +91,7 @@ fn sim(budget_bytes: u64, delay_ms: u64, slots: usize) -> SimConfig {
         staging_slots: slots,
         gemm: GemmDtype::F32,
         fail_upload: None,
+        compute_delay: std::time::Duration::ZERO,
     }
 }
 
@@ -90,9 +104,21 @@ fn tiered(
     limits: TierLimits,
     steps: u64,
 ) -> (Out, TierPeaks, SimProbe) {
+    tiered_with(model, k, cfg, limits, steps, true)
+}
+
+/// [`tiered`], launching units ahead or not.
+fn tiered_with(
+    model: &Path,
+    k: &Knobs,
+    cfg: SimConfig,
+    limits: TierLimits,
+    steps: u64,
+    ahead: bool,
+) -> (Out, TierPeaks, SimProbe) {
     let dev = SimDevice::new(cfg).unwrap();
     let probe = dev.probe();
-    let tier = Arc::new(TieredUnits::new(dev, limits).unwrap());
+    let tier = Arc::new(TieredUnits::new(dev, limits).unwrap().launch_ahead(ahead));
     let mut opts = TrainerOptions::cpu(3, 16);
     opts.compute = Some(tier.clone());
     let out = run(model, k, opts, steps);
@@ -168,6 +194,92 @@ fn the_device_tier_trains_bit_identical_to_the_in_memory_units() {
                 assert!(peaks.ahead_numel > 0, "{case}: nothing was staged ahead");
                 assert_all_back(&probe, &case);
             }
+        }
+    }
+}
+
+/// With copies faster than the compute (each unit takes at least 30 ms
+/// on the simulated device's clock, launched asynchronously as on a GPU),
+/// each unit's forward or backward is launched as the unit before it in
+/// that pass comes down ("Units launched ahead" in
+/// `tierzero::engine::device`) and taken by its call, with the same bits
+/// as the in-memory units. A launch needs the unit's fills issued, which
+/// on a loaded machine may come late: most are launched, not all. (With
+/// the slow copies above, a unit's fills are often still queued then.)
+#[test]
+fn units_launched_ahead_train_bit_identical_to_the_in_memory_units() {
+    let gpt2 = tiny_gpt2_dir("tier-ahead-train", 2, 32);
+    let llama = tiny_llama_dir("tier-ahead-train");
+    let nvme = Knobs {
+        clip: 0.5,
+        gas: 2,
+        ..Knobs::nvme()
+    };
+    for (model, name) in [(&gpt2, "gpt2"), (&llama, "llama")] {
+        for (what, k) in [
+            ("stage 0", Knobs::default()),
+            ("stage 3 nvme", nvme.clone()),
+        ] {
+            let case = format!("{name}, {what}");
+            let want = reference(model, &k, 3);
+            let cfg = SimConfig {
+                compute_delay: Duration::from_millis(30),
+                ..sim(64 << 20, 0, 64)
+            };
+            let (got, _, probe) = tiered(model, &k, cfg, wide_open(), 3);
+            let blocks = blocks_in(model);
+            // Per micro-batch: every block after the embedding in forward;
+            // every block and the embedding in backward.
+            let (fwd, bwd) = (3 * k.gas * blocks, 3 * k.gas * (blocks + 1));
+            println!(
+                "{case}: forwards launched ahead and taken {} of {fwd}, backwards {} of {bwd}",
+                got.forwards_ahead, got.backwards_ahead
+            );
+            assert!(got.forwards_ahead * 2 > fwd, "{case}: forwards");
+            assert!(got.backwards_ahead * 2 > bwd, "{case}: backwards");
+            assert!(
+                got.forwards_ahead <= fwd && got.backwards_ahead <= bwd,
+                "{case}"
+            );
+            assert_eq!(got.loss_bits, want.loss_bits, "{case}: losses");
+            assert_eq!(got.sha, want.sha, "{case}: weights");
+            assert_all_back(&probe, &case);
+        }
+    }
+}
+
+/// What launching ahead gains on the simulated device, whose compute is
+/// asynchronous with a `compute_delay` (each unit at least 20 ms on its
+/// clock): stage 3 with params and optimizer state on NVMe, so the
+/// engine's work between units includes its reads. Arms alternate; each
+/// prints its steps' wall seconds (the first dropped) and the device's
+/// busy share. The bits must match. A measurement, not a timed test:
+/// `cargo test --release --test device_tier -- --ignored what_launching_ahead_gains --nocapture`.
+#[test]
+#[ignore = "a measurement: run it with --ignored --nocapture"]
+fn what_launching_ahead_gains_on_the_simulated_device() {
+    let model = tiny_gpt2_dir("tier-ahead-ab", 4, 64);
+    let k = Knobs::nvme();
+    let cfg = SimConfig {
+        compute_delay: Duration::from_millis(20),
+        h2d_bytes_per_s: Some(25e9),
+        ..sim(64 << 20, 0, 64)
+    };
+    let mut sha = None;
+    for round in 0..2 {
+        for ahead in [true, false] {
+            let (got, _, _) = tiered_with(&model, &k, cfg.clone(), wide_open(), 6, ahead);
+            let walls = &got.wall_s[1..];
+            let wall: f64 = walls.iter().sum::<f64>() / walls.len() as f64;
+            println!(
+                "round {round}, launch ahead {ahead}: {:.1} ms a step, device busy {:.0}% of the \
+                 wall, {} forwards and {} backwards launched ahead",
+                wall * 1e3,
+                100.0 * got.device_busy_s / got.wall_s.iter().sum::<f64>(),
+                got.forwards_ahead,
+                got.backwards_ahead
+            );
+            assert_eq!(*sha.get_or_insert_with(|| got.sha.clone()), got.sha);
         }
     }
 }
@@ -315,6 +427,7 @@ fn a_step_dropped_mid_copy_returns_every_buffer() {
     for nth in [2, 7, 15, 30] {
         let dev = SimDevice::new(SimConfig {
             fail_upload: Some(nth),
+            compute_delay: std::time::Duration::ZERO,
             ..sim(64 << 20, 5, 3)
         })
         .unwrap();
@@ -521,7 +634,7 @@ fn bf16_params_through_the_device_tier_are_bit_identical_too() {
 #[test]
 fn the_unit_computing_uploads_before_the_next_one_is_staged() {
     use tierzero::model::exec_units::UnitCompute;
-    use tierzero::model::{ModelDir, UnitId};
+    use tierzero::model::UnitId;
     let dir = tiny_gpt2_dir("tier-first", 2, 32);
     let md = ModelDir::open(&dir, 1).unwrap();
     let m = md.model();
@@ -607,7 +720,7 @@ fn the_unit_computing_uploads_before_the_next_one_is_staged() {
 #[test]
 fn staging_the_next_unit_returns_before_its_uploads_are_issued() {
     use tierzero::model::exec_units::UnitCompute;
-    use tierzero::model::{ModelDir, UnitId};
+    use tierzero::model::UnitId;
     let dir = tiny_gpt2_dir("tier-fill", 2, 32);
     let md = ModelDir::open(&dir, 1).unwrap();
     let m = md.model();
@@ -646,4 +759,335 @@ fn staging_the_next_unit_returns_before_its_uploads_are_issued() {
     assert_eq!(probe.uploads(), h1.len() as u64);
     drop(tier);
     assert_all_back(&probe, "after the staged params were dropped");
+}
+
+/// Random host params of unit `u` (fp32), as the engine hands them over.
+fn random_params(m: &tierzero::model::Model, u: usize, seed: u64) -> Vec<candle_core::Tensor> {
+    m.units()[u]
+        .params
+        .iter()
+        .enumerate()
+        .map(|(k, p)| {
+            let spec = &m.params()[p.0];
+            let n = spec.numel;
+            // A fixed pattern per (seed, param): small, varied values.
+            let v: Vec<f32> = (0..n)
+                .map(|i| {
+                    let x = (i as u64).wrapping_mul(2654435761) ^ (seed * 97 + k as u64);
+                    ((x % 2001) as f32 - 1000.0) * 2e-5
+                })
+                .collect();
+            candle_core::Tensor::from_vec(v, spec.shape.as_slice(), &candle_core::Device::Cpu)
+                .unwrap()
+        })
+        .collect()
+}
+
+fn hidden_bits(out: &tierzero::model::UnitOutput) -> Vec<u32> {
+    match out {
+        tierzero::model::UnitOutput::Hidden(t) | tierzero::model::UnitOutput::Loss(t) => t
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .into_iter()
+            .map(f32::to_bits)
+            .collect(),
+    }
+}
+
+/// Once a unit's output came down, the staged next block's forward is
+/// launched on it; the engine's call for that block takes it (no second
+/// compute, the same bits as computing it then), and a call on another
+/// input gives it back unused and computes afresh. A launched forward
+/// left at a new step returns its params: nothing stays in use.
+#[test]
+fn the_next_block_s_forward_is_launched_ahead_and_taken_by_its_call() {
+    use tierzero::model::exec_units::UnitCompute;
+    use tierzero::model::{UnitId, UnitInput};
+    let dir = tiny_gpt2_dir("tier-ahead", 2, 32);
+    let md = ModelDir::open(&dir, 1).unwrap();
+    let m = md.model();
+    let (h0, h1, h2) = (
+        random_params(m, 0, 1),
+        random_params(m, 1, 2),
+        random_params(m, 2, 3),
+    );
+    let ids = candle_core::Tensor::from_vec(
+        vec![1u32, 5, 9, 3, 7, 2, 8, 4],
+        (2, 4),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let reference = ReferenceUnits {
+        gemm: GemmDtype::F32,
+    };
+    let want0 = reference
+        .forward_unit(m, UnitId(0), &h0, UnitInput::Tokens(&ids))
+        .unwrap();
+    let tierzero::model::UnitOutput::Hidden(x0) = &want0 else {
+        panic!("the embedding gave a loss")
+    };
+    let want1 = reference
+        .forward_unit(m, UnitId(1), &h1, UnitInput::Hidden(x0))
+        .unwrap();
+
+    let dev = SimDevice::new(sim(64 << 20, 0, 64)).unwrap();
+    let probe = dev.probe();
+    let tier = TieredUnits::new(dev, wide_open()).unwrap();
+    let ahead = |tier: &TieredUnits<SimDevice>| tier.take_traffic().unwrap().forwards_ahead;
+    // Until `n` uploads are done: their fills were issued before.
+    let copied = |n: u64| {
+        let t0 = std::time::Instant::now();
+        while probe.uploads() < n {
+            assert!(t0.elapsed() < Duration::from_secs(20), "uploads not done");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    for round in 0..2 {
+        tier.begin_step().unwrap();
+        let base = probe.uploads();
+        tier.load(m, UnitId(0), &h0).unwrap();
+        tier.stage(m, UnitId(1), &h1).unwrap();
+        copied(base + (h0.len() + h1.len()) as u64);
+        let got0 = tier
+            .forward_unit(m, UnitId(0), &h0, UnitInput::Tokens(&ids))
+            .unwrap();
+        assert_eq!(
+            hidden_bits(&got0),
+            hidden_bits(&want0),
+            "round {round}: embedding"
+        );
+        let tierzero::model::UnitOutput::Hidden(y0) = &got0 else {
+            panic!("the embedding gave a loss")
+        };
+        // Block 0's forward was launched on it: its params are in use.
+        assert_eq!(
+            tier.census().get("in use"),
+            Some(&h1.len()),
+            "round {round}: {:?}",
+            tier.census()
+        );
+        assert_eq!(ahead(&tier), 0, "round {round}: counted before its call");
+        tier.load(m, UnitId(1), &h1).unwrap();
+        let base = probe.uploads();
+        tier.stage(m, UnitId(2), &h2).unwrap();
+        copied(base + h2.len() as u64);
+        if round == 0 {
+            // The call on that input takes it.
+            let got1 = tier
+                .forward_unit(m, UnitId(1), &h1, UnitInput::Hidden(y0))
+                .unwrap();
+            assert_eq!(
+                hidden_bits(&got1),
+                hidden_bits(&want1),
+                "block 0 launched ahead"
+            );
+            assert_eq!(ahead(&tier), 1, "the launched forward was not taken");
+        } else {
+            // A call on another input (same values, another tensor)
+            // gives it back and computes afresh, with the same bits.
+            let other = y0.copy().unwrap();
+            let got1 = tier
+                .forward_unit(m, UnitId(1), &h1, UnitInput::Hidden(&other))
+                .unwrap();
+            assert_eq!(
+                hidden_bits(&got1),
+                hidden_bits(&want1),
+                "block 0 computed afresh"
+            );
+            assert_eq!(ahead(&tier), 0, "a forward on another input was taken");
+        }
+        // Block 1's forward is launched in turn; the new step gives it
+        // back.
+        assert_eq!(tier.census().get("in use"), Some(&h2.len()));
+    }
+    tier.begin_step().unwrap();
+    assert_eq!(tier.census().get("in use"), None);
+    drop(tier);
+    assert_all_back(&probe, "after the launched forwards were given back");
+}
+
+/// A staged block whose upload the upload thread has not issued yet (it
+/// waits for the only staging buffer, held by a slow copy) is not
+/// launched ahead: the tier never waits for a fill there.
+#[test]
+fn a_block_still_waiting_for_its_fills_is_not_launched_ahead() {
+    use tierzero::model::exec_units::UnitCompute;
+    use tierzero::model::{UnitId, UnitInput};
+    let dir = tiny_gpt2_dir("tier-ahead-wait", 2, 32);
+    let md = ModelDir::open(&dir, 1).unwrap();
+    let m = md.model();
+    let (h0, h1) = (random_params(m, 0, 1), random_params(m, 1, 2));
+    let ids = candle_core::Tensor::from_vec(vec![1u32, 5, 9, 3], (1, 4), &candle_core::Device::Cpu)
+        .unwrap();
+    // One staging buffer, 300 ms a copy: block 0's second upload is not
+    // issued until its first copy is done.
+    let dev = SimDevice::new(sim(64 << 20, 300, 1)).unwrap();
+    let probe = dev.probe();
+    let tier = TieredUnits::new(dev, wide_open()).unwrap();
+    tier.begin_step().unwrap();
+    tier.load(m, UnitId(0), &h0).unwrap();
+    tier.stage(m, UnitId(1), &h1).unwrap();
+    let out = tier
+        .forward_unit(m, UnitId(0), &h0, UnitInput::Tokens(&ids))
+        .unwrap();
+    assert!(matches!(out, tierzero::model::UnitOutput::Hidden(_)));
+    assert_eq!(tier.census().get("in use"), None, "{:?}", tier.census());
+    tier.begin_step().unwrap();
+    drop(tier);
+    assert_all_back(&probe, "after the step");
+}
+
+fn bits(t: &candle_core::Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f32::to_bits)
+        .collect()
+}
+
+/// In backward, once a unit's input gradient came down, the staged unit
+/// before it is launched on it and on its input in the last forward; the
+/// engine's call takes it, with the same input and param gradients as
+/// computing it then; a call with another upstream gradient gives it
+/// back and computes afresh. A forward launched ahead that a backward
+/// meets is given back.
+#[test]
+fn the_unit_before_s_backward_is_launched_ahead_and_taken_by_its_call() {
+    use tierzero::model::exec_units::UnitCompute;
+    use tierzero::model::{UnitGrads, UnitId, UnitInput, UnitOutput, Upstream};
+    let dir = tiny_gpt2_dir("tier-ahead-bwd", 2, 32);
+    let md = ModelDir::open(&dir, 1).unwrap();
+    let m = md.model();
+    let h: Vec<Vec<candle_core::Tensor>> =
+        (0..3).map(|u| random_params(m, u, u as u64 + 1)).collect();
+    let ids = candle_core::Tensor::from_vec(
+        vec![1u32, 5, 9, 3, 7, 2, 8, 4],
+        (2, 4),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let reference = ReferenceUnits {
+        gemm: GemmDtype::F32,
+    };
+    let dev = SimDevice::new(sim(64 << 20, 0, 64)).unwrap();
+    let probe = dev.probe();
+    let tier = TieredUnits::new(dev, wide_open()).unwrap();
+    let copied = |n: u64| {
+        let t0 = std::time::Instant::now();
+        while probe.uploads() < n {
+            assert!(t0.elapsed() < Duration::from_secs(20), "uploads not done");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    // `load(now)`, `stage(next)`, as the engine calls them, then the
+    // staged unit's fills done.
+    let load_stage = |now: usize, next: usize| {
+        tier.load(m, UnitId(now), &h[now]).unwrap();
+        let base = probe.uploads();
+        tier.stage(m, UnitId(next), &h[next]).unwrap();
+        copied(base + h[next].len() as u64);
+    };
+    let hidden = |o: UnitOutput| match o {
+        UnitOutput::Hidden(t) => t,
+        UnitOutput::Loss(_) => panic!("a loss"),
+    };
+    // Their params' gradients from the tier, in declared order.
+    let grads = |u: usize| -> Vec<Vec<u32>> {
+        tier.take_grads(UnitId(u))
+            .unwrap()
+            .unwrap()
+            .iter()
+            .map(|(_, g)| bits(g))
+            .collect()
+    };
+    let want_grads =
+        |g: &UnitGrads| -> Vec<Vec<u32>> { g.params.iter().map(|(_, t)| bits(t)).collect() };
+
+    tier.begin_step().unwrap();
+    load_stage(0, 1);
+    let y0 = hidden(
+        tier.forward_unit(m, UnitId(0), &h[0], UnitInput::Tokens(&ids))
+            .unwrap(),
+    );
+    load_stage(1, 2);
+    let y1 = hidden(
+        tier.forward_unit(m, UnitId(1), &h[1], UnitInput::Hidden(&y0))
+            .unwrap(),
+    );
+    // Block 1's forward is launched ahead; its backward meets it first
+    // and gives it back.
+    assert_eq!(tier.census().get("in use"), Some(&h[2].len()));
+    let dy = (y1.clone() * 0.5).unwrap();
+    // The tier's backward of `u` and the reference's.
+    let both = |u: usize, x: &candle_core::Tensor, up: &candle_core::Tensor| {
+        let input = || UnitInput::Hidden(x);
+        let got = tier
+            .backward_unit(m, UnitId(u), &h[u], input(), Upstream::Grad(up))
+            .unwrap();
+        let want = reference
+            .backward_unit(m, UnitId(u), &h[u], input(), Upstream::Grad(up))
+            .unwrap();
+        (got, want)
+    };
+    load_stage(2, 1);
+    let (g2, want2) = both(2, &y1, &dy);
+    let dx2 = g2.input.unwrap();
+    assert_eq!(bits(&dx2), bits(want2.input.as_ref().unwrap()), "block 1");
+    assert_eq!(grads(2), want_grads(&want2), "block 1's grads");
+    // Block 0's backward was launched on dx2 and on y0.
+    assert_eq!(tier.census().get("in use"), Some(&h[1].len()));
+    let t = tier.take_traffic().unwrap();
+    assert_eq!((t.forwards_ahead, t.backwards_ahead), (1, 0), "{t:?}");
+    load_stage(1, 0);
+    let (g1, want1) = both(1, &y0, &dx2);
+    let dx1 = g1.input.unwrap();
+    assert_eq!(
+        bits(&dx1),
+        bits(want1.input.as_ref().unwrap()),
+        "block 0 launched ahead"
+    );
+    assert_eq!(
+        grads(1),
+        want_grads(&want1),
+        "block 0's grads, launched ahead"
+    );
+    assert_eq!(tier.take_traffic().unwrap().backwards_ahead, 1);
+    // The embedding's backward was launched on dx1; a call with another
+    // upstream (the same values, another tensor) computes afresh.
+    assert_eq!(tier.census().get("in use"), Some(&h[0].len()));
+    let other = dx1.copy().unwrap();
+    tier.load(m, UnitId(0), &h[0]).unwrap();
+    let g0 = tier
+        .backward_unit(
+            m,
+            UnitId(0),
+            &h[0],
+            UnitInput::Tokens(&ids),
+            Upstream::Grad(&other),
+        )
+        .unwrap();
+    assert!(g0.input.is_none());
+    let want0 = reference
+        .backward_unit(
+            m,
+            UnitId(0),
+            &h[0],
+            UnitInput::Tokens(&ids),
+            Upstream::Grad(&other),
+        )
+        .unwrap();
+    assert_eq!(
+        grads(0),
+        want_grads(&want0),
+        "the embedding's grads, afresh"
+    );
+    assert_eq!(tier.take_traffic().unwrap().backwards_ahead, 0);
+    assert_eq!(tier.census().get("in use"), None);
+    tier.begin_step().unwrap();
+    drop(tier);
+    assert_all_back(&probe, "after the backward");
 }

@@ -26,6 +26,19 @@ pub fn scratch(tag: &str) -> PathBuf {
     d
 }
 
+/// The blocks of the model in `dir` (its units but the embedding and
+/// the head).
+#[allow(dead_code, reason = "not every test binary counts them")]
+pub fn blocks_in(dir: &Path) -> u64 {
+    tierzero::model::ModelDir::open(dir, 1)
+        .unwrap()
+        .model()
+        .units()
+        .iter()
+        .filter(|u| matches!(u.kind, tierzero::model::UnitKind::Block { .. }))
+        .count() as u64
+}
+
 /// A GPT-2 with byte vocabulary, 2 layers, width 32.
 pub fn tiny_gpt2_dir(tag: &str, n_layer: usize, n_embd: usize) -> PathBuf {
     let d = scratch(&format!("model-{tag}"));

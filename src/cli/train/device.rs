@@ -139,6 +139,7 @@ pub(super) fn sim_units(
         staging_slots: SIM_STAGING_SLOTS,
         gemm,
         fail_upload: None,
+        compute_delay: std::time::Duration::ZERO,
     })
     .map_err(|e| Failure::Internal(anyhow!("--device sim: {e}")))?;
     on_link("--device sim", dev, cfg, model, world)

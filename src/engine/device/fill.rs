@@ -65,6 +65,11 @@ pub struct Queued<U> {
 }
 
 impl<U> Queued<U> {
+    /// Whether the filler has answered: [`Queued::wait`] would not block.
+    pub fn is_ready(&self) -> bool {
+        !self.rx.is_empty()
+    }
+
     /// The upload, once the filler issued it (the host waits for the
     /// fill, not for the copy); its error, if issuing failed.
     pub fn wait(self) -> Result<U, ModelError> {
@@ -206,6 +211,7 @@ mod tests {
             staging_slots: slots,
             gemm: GemmDtype::F32,
             fail_upload: None,
+            compute_delay: std::time::Duration::ZERO,
         })
         .unwrap()
     }

@@ -13,7 +13,9 @@ use candle_core::{DType, Tensor, TensorId};
 use super::{DeviceLink, ELEM_BYTES};
 use crate::config::ActivationBudget;
 use crate::engine::sizing;
-use crate::model::exec_units::{self, BackwardOut, Crossing, DeviceTraffic, KeptForward};
+use crate::model::exec_units::{
+    self, BackwardDev, BackwardOut, Crossing, DeviceTraffic, ForwardOut, KeptForward,
+};
 use crate::model::{Model, ModelError, UnitId, UnitInput, UnitOutput, Upstream};
 use tierzero_gpu::unit::RopeTables;
 
@@ -177,26 +179,40 @@ impl<B> Inputs<B> {
     }
 
     /// `unit`'s forward on `link` with its params `bufs` (their host
-    /// copies `params`), as a span of the compute queue.
-    pub(super) fn forward<L: DeviceLink<Buf = B>>(
+    /// copies `params`), as a span of the compute queue, up to its output
+    /// on the device: the unit's compute is queued, its hidden output not
+    /// downloaded ([`Inputs::to_host`]).
+    pub(super) fn forward_on<L: DeviceLink<Buf = B>>(
         &self,
         link: &L,
         model: &Model,
         unit: UnitId,
         (params, bufs): (&[Tensor], &[B]),
         input: UnitInput<'_>,
-    ) -> Result<UnitOutput, ModelError> {
+    ) -> Result<ForwardOut<B>, ModelError> {
         let e = link.exec();
         let feed = self.crossing(link);
         link.timed(
             || format!("forward unit {}", unit.0),
-            || exec_units::forward_with(&e, &feed, model, unit, params, bufs, input),
+            || exec_units::forward_on(&e, &feed, model, unit, params, bufs, input),
         )
     }
 
-    /// `unit`'s backward on `link`, its param gradients left on the
-    /// device, as a span of the compute queue.
-    pub(super) fn backward<L: DeviceLink<Buf = B>>(
+    /// A forward's output on the host ([`ForwardOut::into_host`]): a hidden
+    /// state downloaded, its device buffer kept for the next unit.
+    pub(super) fn to_host<L: DeviceLink<Buf = B>>(
+        &self,
+        link: &L,
+        out: ForwardOut<B>,
+    ) -> Result<UnitOutput, ModelError> {
+        link.wait_compute();
+        out.into_host(&link.exec(), &self.crossing(link))
+    }
+
+    /// `unit`'s backward on `link`, as a span of the compute queue, up to
+    /// its results on the device: its compute is queued, nothing
+    /// downloaded ([`Inputs::backward_out`]).
+    pub(super) fn backward_dev<L: DeviceLink<Buf = B>>(
         &self,
         link: &L,
         model: &Model,
@@ -204,16 +220,29 @@ impl<B> Inputs<B> {
         (params, bufs): (&[Tensor], &[B]),
         input: UnitInput<'_>,
         upstream: Upstream<'_>,
-    ) -> Result<BackwardOut<B>, ModelError> {
+    ) -> Result<BackwardDev<B>, ModelError> {
         let e = link.exec();
         let feed = self.crossing(link);
         link.timed(
             || format!("backward unit {}", unit.0),
-            || exec_units::backward_on(&e, &feed, model, unit, params, bufs, input, upstream),
+            || exec_units::backward_dev(&e, &feed, model, unit, params, bufs, input, upstream),
         )
     }
 
-    fn count(&self, f: impl FnOnce(&mut DeviceTraffic)) {
+    /// A backward's input gradient on the host, once its compute is done
+    /// ([`BackwardDev::into_out`]); its param gradients left on the
+    /// device.
+    pub(super) fn backward_out<L: DeviceLink<Buf = B>>(
+        &self,
+        link: &L,
+        out: BackwardDev<B>,
+    ) -> Result<BackwardOut<B>, ModelError> {
+        link.wait_compute();
+        out.into_out(&link.exec(), &self.crossing(link))
+    }
+
+    /// Adds to what the inputs moved.
+    pub(super) fn count(&self, f: impl FnOnce(&mut DeviceTraffic)) {
         f(&mut self.traffic.lock().unwrap_or_else(|p| p.into_inner()));
     }
 }

@@ -117,6 +117,32 @@
 //!   the `device: staging fill (host)` lane, which show whether the
 //!   fills keep ahead of the compute.
 //!
+//! # Units launched ahead
+//!
+//! Between two units the engine does host work: it stores what the
+//! optimizer sent back, collects the last unit's gradients, releases the
+//! unit, fetches the unit after next (waiting, on NVMe, for its read)
+//! and stages it. A unit's call returns once its result is on the host
+//! (a forward's hidden output, a backward's input gradient), and the
+//! device then had nothing queued until the engine's next call: it idled
+//! through that work. So once a unit's result came down, both computes
+//! ([`TieredUnits`], [`ResidentUnits`]) launch the next unit of the pass
+//! on it at once ([`ahead`]): in forward the next block, on that output;
+//! in backward the unit before (a block or the embedding), on that
+//! gradient and on the unit's input in the last forward. Only when the
+//! engine staged that unit and each of its params is on the device with
+//! no fill left to wait for (kept, or its upload issued); otherwise
+//! nothing is launched, and the tier never waits for a fill there. The
+//! launched unit holds its params in use and its results on the device
+//! until the engine's call for it, which takes them if it is the same
+//! unit and pass on the same host tensors (input, upstream gradient,
+//! params: their ids); any other call, a new step or the compute dropped
+//! gives them back unused first. Its compute is the one the call would
+//! have launched, on the same values, so the bits do not change. The
+//! step's metrics count the ones taken (`device_forwards_ahead`,
+//! `device_backwards_ahead`). The simulated device shows it with a
+//! `compute_delay`: its compute is then asynchronous, as a GPU's is.
+//!
 //! # Gradients out
 //!
 //! A unit's param gradients leave on the link's copy queue out
@@ -177,6 +203,7 @@
 //! forward was kept or recomputed. The copies move
 //! bytes; they never convert them.
 
+mod ahead;
 mod choose;
 pub mod cuda;
 mod fill;
@@ -255,6 +282,11 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
     /// kernels', not the host's launches); on the simulated device, on the
     /// host's clock.
     fn timed<T>(&self, name: impl FnOnce() -> String, f: impl FnOnce() -> T) -> T;
+    /// Waits until the units launched so far have computed, before their
+    /// results are read on the host. A GPU's download waits on its stream
+    /// anyway, so the CUDA link does nothing here; the simulated device
+    /// with a compute delay sleeps out its own clock.
+    fn wait_compute(&self) {}
     /// The compute and copy spans that completed since the last call.
     fn take_spans(&self) -> Vec<DeviceSpan>;
 }

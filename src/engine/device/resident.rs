@@ -63,6 +63,7 @@ use candle_core::{DType, Tensor};
 use tierzero_gpu::reference::AdamScalars;
 use tierzero_gpu::unit::Exec;
 
+use super::ahead::{Aheads, Holder};
 use super::inputs::{numel_of, output_numel, Inputs};
 use super::{DeviceLink, ELEM_BYTES};
 use crate::model::exec_units::{
@@ -184,6 +185,8 @@ pub struct ResidentUnits<L: DeviceLink> {
     last_unit: Vec<UnitId>,
     state: Mutex<Resident<L::Buf>>,
     inputs: Inputs<L::Buf>,
+    /// The unit staged last, and the forward launched ahead.
+    aheads: Aheads<L::Buf>,
 }
 
 #[derive(Debug)]
@@ -238,6 +241,7 @@ impl<L: DeviceLink> ResidentUnits<L> {
                 traffic: DeviceTraffic::default(),
             }),
             inputs: Inputs::new(),
+            aheads: Aheads::new(),
         })
     }
 
@@ -255,6 +259,14 @@ impl<L: DeviceLink> ResidentUnits<L> {
         });
         self.inputs.keep_forwards(budget, room)?;
         Ok(self)
+    }
+
+    /// Whether a unit is launched ahead as the one before it in its pass
+    /// comes down (see "Units launched ahead" in [`super`]): on by
+    /// default; off only to measure what it gains.
+    pub fn launch_ahead(mut self, on: bool) -> Self {
+        self.aheads.set_enabled(on);
+        self
     }
 
     /// The most device bytes the kept forwards held at once.
@@ -387,6 +399,37 @@ fn param_err(id: ParamId, what: &str) -> ModelError {
     }
 }
 
+impl<L: DeviceLink> Holder<L> for ResidentUnits<L> {
+    fn link(&self) -> &L {
+        &self.link
+    }
+
+    fn inputs(&self) -> &Inputs<L::Buf> {
+        &self.inputs
+    }
+
+    fn take_params(
+        &self,
+        model: &Model,
+        unit: UnitId,
+        params: &[Tensor],
+    ) -> Result<(Vec<ParamId>, Vec<L::Buf>), ModelError> {
+        self.take(model, unit, params)
+    }
+
+    fn give_params(&self, ids: &[ParamId], bufs: Vec<L::Buf>) -> Result<(), ModelError> {
+        self.put_back(ids, bufs);
+        Ok(())
+    }
+
+    /// Every param's weights are on the device, unless a unit has them.
+    fn ready(&self, ids: &[ParamId]) -> bool {
+        let st = self.lock();
+        ids.iter()
+            .all(|id| st.params.get(id).is_some_and(|p| p.weights.is_some()))
+    }
+}
+
 impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
     fn on_device(&self) -> bool {
         true
@@ -406,12 +449,7 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
         params: &[Tensor],
         input: UnitInput<'_>,
     ) -> Result<UnitOutput, ModelError> {
-        let (ids, bufs) = self.take(model, unit, params)?;
-        let out = self
-            .inputs
-            .forward(&self.link, model, unit, (params, &bufs), input);
-        self.put_back(&ids, bufs);
-        let out = out?;
+        let out = self.aheads.forward(self, model, unit, params, input)?;
         self.lock().traffic.d2h_bytes += output_numel(&out) * ELEM_BYTES;
         Ok(out)
     }
@@ -424,12 +462,9 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
         input: UnitInput<'_>,
         upstream: Upstream<'_>,
     ) -> Result<UnitGrads, ModelError> {
-        let (ids, bufs) = self.take(model, unit, params)?;
         let out = self
-            .inputs
-            .backward(&self.link, model, unit, (params, &bufs), input, upstream);
-        self.put_back(&ids, bufs);
-        let out = out?;
+            .aheads
+            .backward(self, model, unit, params, input, upstream)?;
         let e = self.link.exec();
         let mut st = self.lock();
         st.traffic.d2h_bytes += out.input.as_ref().map_or(0, numel_of) * ELEM_BYTES;
@@ -449,6 +484,11 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
                 self.grad_event(&mut st, id, GradEvent::Fold)?;
             }
         }
+        drop(st);
+        // Its gradients are summed: the unit before it may compute now.
+        if let Some(dx) = &out.input {
+            self.aheads.launch_backward(self, model, unit, dx)?;
+        }
         Ok(UnitGrads {
             params: Vec::new(),
             input: out.input,
@@ -457,7 +497,20 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
     }
 
     fn begin_step(&self) -> Result<(), ModelError> {
+        let ahead = self.aheads.clear(self);
         self.inputs.clear();
+        ahead
+    }
+
+    /// The engine hands over the next unit's params, for its forward to
+    /// be launched ahead (see "Forwards launched ahead" in [`super`]):
+    /// they are on the device already.
+    fn stages(&self) -> bool {
+        true
+    }
+
+    fn stage(&self, _model: &Model, unit: UnitId, params: &[Tensor]) -> Result<(), ModelError> {
+        self.aheads.staged(unit, params);
         Ok(())
     }
 
@@ -644,6 +697,7 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
 
 impl<L: DeviceLink> Drop for ResidentUnits<L> {
     fn drop(&mut self) {
+        let _ = self.aheads.clear(&*self);
         self.inputs.clear();
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
         let params = std::mem::take(&mut st.params);

@@ -13,7 +13,12 @@
 //! * **Copies** run on one thread, in order, each taking `copy_delay`
 //!   plus its bytes at `h2d_bytes_per_s` (a PCIe link, say), and each is
 //!   a span of the `H2d` queue.
-//! * **Compute** spans are the host's time in a unit's compute.
+//! * **Compute** spans are the host's time in a unit's compute. With a
+//!   `compute_delay`, the compute is asynchronous, as a GPU's launches
+//!   are: each unit takes at least that long on the device's own clock,
+//!   after the units queued before it, while the host goes on; the host
+//!   waits for it where a GPU's would ([`DeviceLink::wait_compute`]: a
+//!   unit's output coming down), and a download starts after it.
 //! * **Downloads** (a unit's gradients) run on a second thread, the copy
 //!   queue out, each taking its bytes' time as a copy in does, and each is
 //!   a span of the `D2h` queue; waiting for one waits for its event.
@@ -52,6 +57,10 @@ pub struct SimConfig {
     /// Fault injection: the `n`th upload (1-based) fails, as a copy the
     /// driver refuses would.
     pub fail_upload: Option<u64>,
+    /// The least each unit's compute takes (a slower device: the compute
+    /// thread sleeps out the rest of it). Zero: as long as the reference
+    /// kernels take.
+    pub compute_delay: Duration,
 }
 
 /// A completion flag with its result: a copy's elements in
@@ -115,9 +124,16 @@ struct Shared {
     downloads_in_flight: AtomicU64,
     downloads: AtomicU64,
     spans: Mutex<Vec<DeviceSpan>>,
+    /// With a `compute_delay`: when the units launched so far are done
+    /// computing, on the device's own clock.
+    compute_until: Mutex<Option<Instant>>,
 }
 
 impl Shared {
+    fn compute_until(&self) -> Option<Instant> {
+        *self.compute_until.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn push_span(&self, span: DeviceSpan) {
         self.spans
             .lock()
@@ -212,6 +228,8 @@ struct Down {
     data: Vec<f32>,
     narrow: bool,
     event: Arc<Event<HostVec>>,
+    /// It starts once the compute queued before it is done.
+    after: Option<Instant>,
 }
 
 /// The simulated device (see the module docs).
@@ -273,6 +291,12 @@ fn copy_thread(rx: Receiver<Job>, shared: Arc<Shared>, cfg: SimConfig) {
 
 fn download_thread(rx: Receiver<Down>, shared: Arc<Shared>, cfg: SimConfig) {
     for d in rx {
+        if let Some(rest) = d
+            .after
+            .and_then(|t| t.checked_duration_since(Instant::now()))
+        {
+            std::thread::sleep(rest);
+        }
         let start = Instant::now();
         // With `narrow`, rounded to bf16 on the device: half the bytes.
         let out = if d.narrow {
@@ -489,6 +513,7 @@ impl DeviceLink for SimDevice {
                     data: buf,
                     narrow,
                     event: event.clone(),
+                    after: self.shared.compute_until(),
                 })
             });
         match sent {
@@ -520,13 +545,38 @@ impl DeviceLink for SimDevice {
     fn timed<T>(&self, name: impl FnOnce() -> String, f: impl FnOnce() -> T) -> T {
         let start = Instant::now();
         let out = f();
+        let (start, end) = if self.cfg.compute_delay.is_zero() {
+            (start, Instant::now())
+        } else {
+            // Launched: the device computes it after what it has queued,
+            // for at least `compute_delay`, while the host goes on.
+            let mut until = self
+                .shared
+                .compute_until
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let begin = until.map_or(start, |u| u.max(start));
+            let end = begin + self.cfg.compute_delay.max(start.elapsed());
+            *until = Some(end);
+            (begin, end)
+        };
         self.shared.push_span(DeviceSpan {
             queue: DeviceQueue::Compute,
             name: name(),
             start,
-            end: Instant::now(),
+            end,
         });
         out
+    }
+
+    fn wait_compute(&self) {
+        if let Some(rest) = self
+            .shared
+            .compute_until()
+            .and_then(|t| t.checked_duration_since(Instant::now()))
+        {
+            std::thread::sleep(rest);
+        }
     }
 
     fn take_spans(&self) -> Vec<DeviceSpan> {

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Tensor};
 
+use super::ahead::{Aheads, Holder};
 use super::fill::{Filler, Queued};
 use super::inputs::{numel_of, output_numel, Inputs};
 use super::{DeviceLink, ELEM_BYTES};
@@ -248,6 +249,8 @@ pub struct TieredUnits<L: DeviceLink> {
     downloads: Mutex<VecDeque<PendingGrads<L::Download>>>,
     /// A unit's inputs, and the output it left on the device.
     inputs: Inputs<L::Buf>,
+    /// The unit staged last, and the forward launched ahead.
+    aheads: Aheads<L::Buf>,
     /// Issues the params' uploads off the engine's thread (last: dropped
     /// after the state, it waits for the uploads it still issues).
     fill: Filler<L>,
@@ -301,6 +304,7 @@ impl<L: DeviceLink + 'static> TieredUnits<L> {
             }),
             downloads: Mutex::new(VecDeque::new()),
             inputs: Inputs::new(),
+            aheads: Aheads::new(),
         })
     }
 }
@@ -317,6 +321,14 @@ impl<L: DeviceLink> TieredUnits<L> {
         let room = self.link.memory().temporaries_bytes;
         self.inputs.keep_forwards(budget, room)?;
         Ok(self)
+    }
+
+    /// Whether a unit is launched ahead as the one before it in its pass
+    /// comes down (see "Units launched ahead" in [`super`]): on by
+    /// default; off only to measure what it gains.
+    pub fn launch_ahead(mut self, on: bool) -> Self {
+        self.aheads.set_enabled(on);
+        self
     }
 
     /// The most device bytes the kept forwards held at once.
@@ -590,6 +602,42 @@ impl<L: DeviceLink> TieredUnits<L> {
     }
 }
 
+impl<L: DeviceLink> Holder<L> for TieredUnits<L> {
+    fn link(&self) -> &L {
+        &self.link
+    }
+
+    fn inputs(&self) -> &Inputs<L::Buf> {
+        &self.inputs
+    }
+
+    fn take_params(
+        &self,
+        model: &Model,
+        unit: UnitId,
+        params: &[Tensor],
+    ) -> Result<(Vec<ParamId>, Vec<L::Buf>), ModelError> {
+        self.take(model, unit, params)
+    }
+
+    fn give_params(&self, ids: &[ParamId], bufs: Vec<L::Buf>) -> Result<(), ModelError> {
+        self.give_back(ids, bufs)
+    }
+
+    /// Kept, or its upload issued by the upload thread: taking it waits
+    /// for no fill (on a GPU, the compute stream waits for the copy).
+    fn ready(&self, ids: &[ParamId]) -> bool {
+        let st = self.lock();
+        ids.iter().all(|id| match st.params.get(id) {
+            Some(Residency::Resident { .. }) => true,
+            Some(Residency::Uploading { upload, .. } | Residency::Loading { upload, .. }) => {
+                upload.is_ready()
+            }
+            _ => false,
+        })
+    }
+}
+
 impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
     fn on_device(&self) -> bool {
         true
@@ -612,12 +660,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
         params: &[Tensor],
         input: UnitInput<'_>,
     ) -> Result<UnitOutput, ModelError> {
-        let (ids, bufs) = self.take(model, unit, params)?;
-        let out = self
-            .inputs
-            .forward(&*self.link, model, unit, (params, &bufs), input);
-        self.give_back(&ids, bufs)?;
-        let out = out?;
+        let out = self.aheads.forward(self, model, unit, params, input)?;
         self.lock().traffic.d2h_bytes += output_numel(&out) * ELEM_BYTES;
         Ok(out)
     }
@@ -630,12 +673,9 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
         input: UnitInput<'_>,
         upstream: Upstream<'_>,
     ) -> Result<UnitGrads, ModelError> {
-        let (ids, bufs) = self.take(model, unit, params)?;
         let out = self
-            .inputs
-            .backward(&*self.link, model, unit, (params, &bufs), input, upstream);
-        self.give_back(&ids, bufs)?;
-        let out = out?;
+            .aheads
+            .backward(self, model, unit, params, input, upstream)?;
         // The param gradients go out on the copy queue while the engine
         // starts the next unit; it collects them with `take_grads`.
         // bf16 gradients are rounded on the device: half the bytes cross.
@@ -657,6 +697,11 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
                 dtype: out.dtype,
             });
         self.lock().traffic.d2h_bytes += down;
+        // Its gradients are queued to come down: the unit before it may
+        // compute now.
+        if let Some(dx) = &out.input {
+            self.aheads.launch_backward(self, model, unit, dx)?;
+        }
         Ok(UnitGrads {
             params: Vec::new(),
             input: out.input,
@@ -670,6 +715,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
 
     fn stage(&self, model: &Model, unit: UnitId, params: &[Tensor]) -> Result<(), ModelError> {
         let ids = model.unit(unit)?.params.clone();
+        self.aheads.staged(unit, params);
         let mut st = self.lock();
         let budget = self.link.budget_bytes();
         // Issued as one message to the upload thread, after the loop.
@@ -732,8 +778,9 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
     }
 
     fn begin_step(&self) -> Result<(), ModelError> {
+        let ahead = self.aheads.clear(self);
         self.inputs.clear();
-        let drained = self.drain_downloads();
+        let drained = self.drain_downloads().and(ahead);
         let mut st = self.lock();
         self.drop_all(&mut st).and(drained)
     }
@@ -832,6 +879,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
 
 impl<L: DeviceLink> Drop for TieredUnits<L> {
     fn drop(&mut self) {
+        let _ = self.aheads.clear(&*self);
         self.inputs.clear();
         let _ = self.drain_downloads();
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());

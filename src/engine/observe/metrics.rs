@@ -114,6 +114,12 @@ pub struct StepMetrics {
     pub device_forwards_kept: u64,
     /// Blocks whose backward on the device computed their forward again.
     pub device_forwards_recomputed: u64,
+    /// Units whose forward the device computes launched ahead, before
+    /// the engine asked for it (see "Units launched ahead" in
+    /// `crate::engine::device`).
+    pub device_forwards_ahead: u64,
+    /// Units whose backward they launched ahead.
+    pub device_backwards_ahead: u64,
     /// Seconds the device's compute queue was busy with units (CUDA
     /// events on the compute stream; 0 without a device tier).
     pub device_busy_s: f64,

@@ -634,6 +634,8 @@ impl Trainer {
             h2d_kept_bytes: device.h2d_kept_bytes,
             device_forwards_kept: device.forwards_kept,
             device_forwards_recomputed: device.forwards_recomputed,
+            device_forwards_ahead: device.forwards_ahead,
+            device_backwards_ahead: device.backwards_ahead,
             device_busy_s: busy_s(&spans, DeviceQueue::Compute),
             h2d_busy_s: busy_s(&spans, DeviceQueue::H2d),
             d2h_busy_s: busy_s(&spans, DeviceQueue::D2h),

@@ -267,6 +267,14 @@ pub struct DeviceTraffic {
     pub forwards_kept: u64,
     /// Blocks whose backward computed their forward again from the input.
     pub forwards_recomputed: u64,
+    /// Units whose forward was launched ahead of the engine's call, as
+    /// soon as the unit before them had its output on the host, and then
+    /// taken by that call.
+    pub forwards_ahead: u64,
+    /// Units whose backward was launched ahead of the engine's call, as
+    /// soon as the unit after them had its input gradient on the host,
+    /// and then taken by that call.
+    pub backwards_ahead: u64,
 }
 
 impl DeviceTraffic {
@@ -279,6 +287,8 @@ impl DeviceTraffic {
         self.h2d_kept_bytes += o.h2d_kept_bytes;
         self.forwards_kept += o.forwards_kept;
         self.forwards_recomputed += o.forwards_recomputed;
+        self.forwards_ahead += o.forwards_ahead;
+        self.backwards_ahead += o.backwards_ahead;
     }
 }
 
@@ -676,16 +686,66 @@ pub(crate) fn forward_with<E: Exec>(
     p: &[E::Buf],
     input: UnitInput<'_>,
 ) -> Result<UnitOutput, ModelError> {
+    forward_on(e, feed, model, unit, params, p, input)?.into_host(e, feed)
+}
+
+/// A unit's forward output still on the executor: a hidden state not yet
+/// downloaded, or the head's loss (on the host already).
+#[derive(Debug)]
+pub(crate) enum ForwardOut<B> {
+    /// A hidden state (an embedding's or a block's output).
+    Hidden {
+        /// Its fp32 elements on the executor.
+        buf: B,
+        /// `[batch, seq, hidden]`.
+        shape: [usize; 3],
+        /// The dtype its host copy is stored in (its params').
+        dtype: DType,
+    },
+    /// The head's loss.
+    Loss(Tensor),
+}
+
+impl<B> ForwardOut<B> {
+    /// The output on the host: a hidden state downloaded (and rounded
+    /// once to its dtype), its executor buffer handed to the crossing to
+    /// keep for the next unit ([`Crossing::keep`]).
+    pub(crate) fn into_host<E: Exec<Buf = B>>(
+        self,
+        e: &E,
+        feed: Feed<'_, B>,
+    ) -> Result<UnitOutput, ModelError> {
+        match self {
+            ForwardOut::Hidden { buf, shape, dtype } => {
+                let t = tensor_as(e.download(&buf).map_err(gpu_err)?, &shape, dtype)?;
+                feed.keep(&t, buf);
+                Ok(UnitOutput::Hidden(t))
+            }
+            ForwardOut::Loss(t) => Ok(UnitOutput::Loss(t)),
+        }
+    }
+}
+
+/// [`forward_with`] up to the output on the executor: the unit's kernels
+/// are queued, its hidden output is not downloaded (the caller does, with
+/// [`ForwardOut::into_host`]).
+pub(crate) fn forward_on<E: Exec>(
+    e: &E,
+    feed: Feed<'_, E::Buf>,
+    model: &Model,
+    unit: UnitId,
+    params: &[Tensor],
+    p: &[E::Buf],
+    input: UnitInput<'_>,
+) -> Result<ForwardOut<E::Buf>, ModelError> {
     let kind = check(e, model, unit, params, p)?;
     let c = model.config();
     let bt = batch_shape(&input)?;
     let h = c.hidden_size;
-    let out_shape = [bt.0, bt.1, h];
+    let shape = [bt.0, bt.1, h];
     let dtype = storage_dtype(params);
-    let hidden_out = |buf: E::Buf| -> Result<UnitOutput, ModelError> {
-        let t = tensor_as(e.download(&buf).map_err(gpu_err)?, &out_shape, dtype)?;
-        feed.keep(&t, buf);
-        Ok(UnitOutput::Hidden(t))
+    let hidden_out = |buf: E::Buf| -> Result<ForwardOut<E::Buf>, ModelError> {
+        Ok(ForwardOut::Hidden { buf, shape, dtype })
     };
     match (kind, input, c.arch) {
         (UnitKind::Embedding, UnitInput::Tokens(ids), arch) => {
@@ -730,7 +790,7 @@ pub(crate) fn forward_with<E: Exec>(
             // The loss alone: the head's backward at scale 0 computes it
             // and its gradients are dropped.
             let out = head(e, feed, model, p, hidden, targets, 0.0, bt)?;
-            Ok(UnitOutput::Loss(Tensor::new(out.loss, &Device::Cpu)?))
+            Ok(ForwardOut::Loss(Tensor::new(out.loss, &Device::Cpu)?))
         }
         (kind, _, _) => Err(ModelError::BadInput {
             unit,
@@ -865,6 +925,63 @@ pub(crate) fn backward_on<E: Exec>(
     input: UnitInput<'_>,
     upstream: Upstream<'_>,
 ) -> Result<BackwardOut<E::Buf>, ModelError> {
+    backward_dev(e, feed, model, unit, params, p, input, upstream)?.into_out(e, feed)
+}
+
+/// A unit's backward still on the executor: its param gradients and its
+/// input gradient not yet downloaded.
+#[derive(Debug)]
+pub(crate) struct BackwardDev<B> {
+    /// Each param's gradient, with its host shape, in declared order.
+    grads: Vec<(ParamId, B, Vec<usize>)>,
+    /// The input gradient and its `[batch, seq, hidden]` shape (none for
+    /// the embedding).
+    input_grad: Option<(B, [usize; 3])>,
+    /// The loss (the head's).
+    loss: Option<Tensor>,
+    /// The dtype the gradients leave in ([`storage_dtype`]).
+    dtype: DType,
+}
+
+impl<B> BackwardDev<B> {
+    /// Its input gradient downloaded (and rounded once to its dtype), its
+    /// executor buffer handed to the crossing to keep as the next unit's
+    /// upstream ([`Crossing::keep`]); the param gradients stay.
+    pub(crate) fn into_out<E: Exec<Buf = B>>(
+        self,
+        e: &E,
+        feed: Feed<'_, B>,
+    ) -> Result<BackwardOut<B>, ModelError> {
+        let input = match self.input_grad {
+            Some((dx, shape)) => {
+                let t = tensor_as(e.download(&dx).map_err(gpu_err)?, &shape, self.dtype)?;
+                feed.keep(&t, dx);
+                Some(t)
+            }
+            None => None,
+        };
+        Ok(BackwardOut {
+            grads: self.grads,
+            input,
+            loss: self.loss,
+            dtype: self.dtype,
+        })
+    }
+}
+
+/// [`backward_on`] up to its results on the executor: the unit's kernels
+/// are queued, nothing downloaded ([`BackwardDev::into_out`]).
+#[allow(clippy::too_many_arguments)] // backward_with's
+pub(crate) fn backward_dev<E: Exec>(
+    e: &E,
+    feed: Feed<'_, E::Buf>,
+    model: &Model,
+    unit: UnitId,
+    params: &[Tensor],
+    p: &[E::Buf],
+    input: UnitInput<'_>,
+    upstream: Upstream<'_>,
+) -> Result<BackwardDev<E::Buf>, ModelError> {
     let kind = check(e, model, unit, params, p)?;
     let spec = model.unit(unit)?.clone();
     let c = model.config();
@@ -950,17 +1067,9 @@ pub(crate) fn backward_on<E: Exec>(
         .zip(grads)
         .map(|((id, p), g)| (*id, g, p.dims().to_vec()))
         .collect();
-    let input = match input_grad {
-        Some(dx) => {
-            let t = tensor_as(e.download(&dx).map_err(gpu_err)?, &[bt.0, bt.1, h], dtype)?;
-            feed.keep(&t, dx);
-            Some(t)
-        }
-        None => None,
-    };
-    Ok(BackwardOut {
+    Ok(BackwardDev {
         grads,
-        input,
+        input_grad: input_grad.map(|dx| (dx, [bt.0, bt.1, h])),
         loss: match loss {
             Some(l) => Some(Tensor::new(l, &Device::Cpu)?),
             None => None,
