@@ -273,12 +273,6 @@ impl<L: DeviceLink> std::fmt::Debug for TieredUnits<L> {
     }
 }
 
-/// Bytes an upload of `host` moves: bf16 crosses as it is, every other
-/// dtype as fp32 (what [`exec_units::with_host_elems`] hands the link).
-fn upload_bytes(host: &Tensor) -> u64 {
-    numel_of(host) * if host.dtype() == DType::BF16 { 2 } else { 4 }
-}
-
 /// The elements of the model's largest param.
 fn largest_param_numel(model: &Model) -> u64 {
     model
@@ -736,7 +730,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
             let (slot, q) = self.fill.slot();
             st.apply(id, TierEvent::Staged(q, numel))?;
             st.peaks.live_numel_at_stage = st.peaks.live_numel_at_stage.max(st.live_numel());
-            st.traffic.h2d_bytes += upload_bytes(host);
+            st.traffic.h2d_bytes += exec_units::host_elems_bytes(host);
             items.push((format!("param {}", id.0), host.clone(), slot));
         }
         self.fill.send(items)
@@ -768,7 +762,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
             };
             let (slot, q) = self.fill.slot();
             st.apply(id, TierEvent::Loading(q, numel))?;
-            st.traffic.h2d_bytes += upload_bytes(host);
+            st.traffic.h2d_bytes += exec_units::host_elems_bytes(host);
             items.push((format!("param {}", id.0), host.clone(), slot));
         }
         // What was admitted before a refusal is issued all the same: its

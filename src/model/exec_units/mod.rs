@@ -514,8 +514,20 @@ impl HostVec {
     }
 }
 
+/// Bytes an upload of `t` moves: bf16 crosses as it is, every other dtype
+/// as fp32 (what [`with_host_elems`] hands the link).
+pub(crate) fn host_elems_bytes(t: &Tensor) -> u64 {
+    let elem_bytes = if t.dtype() == DType::BF16 {
+        2
+    } else {
+        F32_BYTES
+    };
+    t.elem_count() as u64 * elem_bytes
+}
+
 /// Runs `f` on a host tensor's elements as they are stored (fp32 or bf16,
-/// a contiguous one not copied), for an upload that crosses in that type.
+/// a contiguous one not copied), for an upload that crosses in that type
+/// ([`host_elems_bytes`] of them).
 pub(crate) fn with_host_elems<R>(
     t: &Tensor,
     f: impl FnOnce(HostElems<'_>) -> Result<R, ModelError>,
