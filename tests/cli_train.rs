@@ -876,6 +876,40 @@ fn device_sim_shows_the_device_tier_in_the_plan_metrics_and_timeline() {
     );
 }
 
+/// `--device sim --sim-compute-ms`: the simulated device computes each
+/// unit for at least that long, asynchronously, so the units launched
+/// ahead show in the metrics and the plan says so.
+#[test]
+fn device_sim_with_a_compute_time_launches_units_ahead() {
+    let d = tiny_setup("sim-compute");
+    let args = with(
+        &TINY,
+        &[
+            ("--device", "sim"),
+            ("--sim-compute-ms", "10"),
+            ("--metrics", "m.jsonl"),
+        ],
+    );
+    let out = train(&d, &args);
+    assert_eq!(out.code, 0, "stdout {} stderr {}", out.stdout, out.stderr);
+    assert!(
+        out.stdout
+            .contains("each unit at least 10ms on its own clock"),
+        "{}",
+        out.stdout
+    );
+    let m = metrics_lines(&d.join("m.jsonl"));
+    let steps: Vec<&Value> = m.iter().filter(|l| l.get("step").is_some()).collect();
+    assert!(!steps.is_empty());
+    let sum = |key: &str| -> u64 { steps.iter().map(|l| l[key].as_u64().unwrap()).sum() };
+    let (fwd, bwd) = (sum("device_forwards_ahead"), sum("device_backwards_ahead"));
+    println!(
+        "{} steps: {fwd} forwards and {bwd} backwards launched ahead",
+        m.len()
+    );
+    assert!(fwd > 0 && bwd > 0, "forwards {fwd}, backwards {bwd}");
+}
+
 #[test]
 fn device_sim_refuses_what_it_cannot_use() {
     let d = tiny_setup("sim-bad");
@@ -889,6 +923,18 @@ fn device_sim_refuses_what_it_cannot_use() {
         &with(&TINY, &[("--device", "sim"), ("--sim-h2d-gbps", "0")]),
         &["--sim-h2d-gbps 0", "GB/s"],
     );
+    assert_bad(
+        &d,
+        &with(&TINY, &[("--sim-compute-ms", "5")]),
+        &["--sim-compute-ms", "--device sim"],
+    );
+    for ms in ["nan", "1e9", "fast"] {
+        assert_bad(
+            &d,
+            &with(&TINY, &[("--device", "sim"), ("--sim-compute-ms", ms)]),
+            &[&format!("--sim-compute-ms {ms}"), "milliseconds"],
+        );
+    }
     assert_bad(
         &d,
         &with(&TINY, &[("--device", "simulated")]),

@@ -49,7 +49,9 @@
 //!   `--device sim` runs the same device tier on the simulated device
 //!   (`engine::device::sim`): its memory is a budget of host memory, its
 //!   copies take their bytes' time at `--sim-h2d-gbps` on a thread, it
-//!   computes on the CUDA kernels' scalar references. It shows, with no
+//!   computes on the CUDA kernels' scalar references (each unit taking
+//!   at least `--sim-compute-ms` on its own clock, asynchronously, as a
+//!   GPU's compute is). It shows, with no
 //!   GPU, what a config's device tier would hold and overlap: the plan's
 //!   device rows, the `h2d_*` metrics and the timeline's device lanes.
 //! * **Data.** Byte-level, or a HF `tokenizer.json` with `--tokenizer`
@@ -233,6 +235,12 @@ pub struct TrainArgs {
     /// in GB/s (default 25, about PCIe 4.0 x16's).
     #[arg(long, value_name = "GBPS")]
     sim_h2d_gbps: Option<String>,
+    /// With --device sim: the least each unit's compute takes on the
+    /// simulated device, in milliseconds; its compute is then
+    /// asynchronous, as a GPU's is (default 0: as long as the reference
+    /// kernels take, on the host).
+    #[arg(long, value_name = "MS")]
+    sim_compute_ms: Option<String>,
     /// Open --model even when its config.json has keys tierzero does not
     /// know (each is warned about and ignored): at your own risk, the model
     /// trained may not be the one the file describes.
@@ -702,6 +710,13 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
             args.device
         )));
     }
+    if args.sim_compute_ms.is_some() && !simulated {
+        return Err(bad(format!(
+            "--sim-compute-ms is the simulated device's compute time and --device is {}; add \
+             --device sim, or drop --sim-compute-ms",
+            args.device
+        )));
+    }
     let comm = super::launch::rank_comm_on(device)?;
     let lead = comm.rank() == 0;
     let flags = Flags::parse(&args)?;
@@ -774,6 +789,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     let compute = match device {
         None if simulated => Some(sim_units(
             args.sim_h2d_gbps.as_deref(),
+            args.sim_compute_ms.as_deref(),
             cfg,
             &model,
             comm.world_size(),

@@ -111,6 +111,7 @@ const SIM_STAGING_SLOTS: usize = 4;
 /// checks `--device cuda` makes of the model and the precision.
 pub(super) fn sim_units(
     sim_h2d_gbps: Option<&str>,
+    sim_compute_ms: Option<&str>,
     cfg: &tierzero::config::Config,
     model: &tierzero::model::Model,
     world: usize,
@@ -129,6 +130,18 @@ pub(super) fn sim_units(
                  (25 is about PCIe 4.0 x16's)"
             ))
         })?;
+    let text = sim_compute_ms.unwrap_or("0");
+    let compute_ms: f64 = text
+        .trim()
+        .parse()
+        .ok()
+        .filter(|ms: &f64| ms.is_finite() && *ms >= 0.0 && *ms <= 60_000.0)
+        .ok_or_else(|| {
+            bad(format!(
+                "--sim-compute-ms {text}: give the least milliseconds a unit computes, from 0 \
+                 to 60000"
+            ))
+        })?;
     let dev = SimDevice::new(SimConfig {
         budget_bytes: cfg
             .tierzero
@@ -139,7 +152,7 @@ pub(super) fn sim_units(
         staging_slots: SIM_STAGING_SLOTS,
         gemm,
         fail_upload: None,
-        compute_delay: std::time::Duration::ZERO,
+        compute_delay: std::time::Duration::from_secs_f64(compute_ms / 1e3),
     })
     .map_err(|e| Failure::Internal(anyhow!("--device sim: {e}")))?;
     on_link("--device sim", dev, cfg, model, world)

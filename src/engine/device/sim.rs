@@ -467,9 +467,17 @@ impl DeviceLink for SimDevice {
             Some(r) => format!("copies of {delay:?} plus their bytes at {} GB/s", r / 1e9),
             None => format!("copies of {delay:?}"),
         };
+        let compute = if self.cfg.compute_delay.is_zero() {
+            String::new()
+        } else {
+            format!(
+                ", each unit at least {:?} on its own clock",
+                self.cfg.compute_delay
+            )
+        };
         format!(
             "simulated device ({} budget, {copies}, {} staging buffers; the kernels' scalar \
-             references), {:?} GEMMs",
+             references{compute}), {:?} GEMMs",
             crate::units::format_bytes(self.cfg.budget_bytes),
             self.cfg.staging_slots,
             self.cfg.gemm
