@@ -12,7 +12,7 @@
 //! at each call, compute, and return the output or the gradients on the
 //! host. There the engine's tiers and the CPU optimizer keep them.
 //! `crate::engine::device::TieredUnits` runs the same functions
-//! (`forward_with`, `backward_with`) on params that the device tier
+//! (`forward_on`, `backward_dev`) on params that the device tier
 //! staged ahead or kept on the device, and feeds them their inputs
 //! through its link ([`Feed`]). It is what `--device cuda` uses.
 //! Activations are recomputed in backward: no graphs are kept.
@@ -39,10 +39,18 @@ use candle_core::{DType, Device, Tensor};
 use tierzero_gpu::unit::{self, Exec, GemmDtype, Gpt2Dims, HostExec, LlamaDims};
 
 mod crossing;
+mod host;
+mod report;
 
 pub use crossing::KeptForward;
 use crossing::{with_rope, Direct};
 pub(crate) use crossing::{Crossing, Feed};
+use host::host_f32;
+pub(crate) use host::{host_elems_bytes, with_host_elems};
+pub use host::{HostElems, HostVec};
+pub use report::{
+    busy_s, DeviceMemoryPlan, DeviceMemoryRow, DeviceQueue, DeviceSpan, DeviceTraffic,
+};
 
 use super::{
     Activation, Arch, Model, ModelConfig, ModelError, ParamId, UnitGrads, UnitId, UnitInput,
@@ -169,129 +177,6 @@ pub trait DeviceOptimizer: Send + Sync {
     fn state(&self, id: ParamId) -> Result<[Vec<f32>; 3], ModelError>;
 }
 
-/// Which of a device's queues a [`DeviceSpan`] ran on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeviceQueue {
-    /// The compute stream: a unit's kernels.
-    Compute,
-    /// The host-to-device copy stream.
-    H2d,
-    /// The device-to-host copy stream.
-    D2h,
-    /// The host's fills of upload staging buffers (the device tier's
-    /// upload thread), before their copies are queued.
-    Fill,
-}
-
-/// A period a device's queue was busy, on the host's clock.
-#[derive(Debug, Clone, PartialEq)]
-pub struct DeviceSpan {
-    /// The queue.
-    pub queue: DeviceQueue,
-    /// What ran ("forward unit 3", "param 12").
-    pub name: String,
-    /// When it started.
-    pub start: std::time::Instant,
-    /// When it ended.
-    pub end: std::time::Instant,
-}
-
-/// Seconds in the union of `spans` (overlaps counted once).
-pub fn busy_s(spans: &[DeviceSpan], queue: DeviceQueue) -> f64 {
-    let mut v: Vec<(std::time::Instant, std::time::Instant)> = spans
-        .iter()
-        .filter(|s| s.queue == queue)
-        .map(|s| (s.start, s.end.max(s.start)))
-        .collect();
-    v.sort();
-    let mut total = 0.0;
-    let mut cur: Option<(std::time::Instant, std::time::Instant)> = None;
-    for (a, b) in v {
-        cur = match cur {
-            Some((ca, cb)) if a <= cb => Some((ca, cb.max(b))),
-            Some((ca, cb)) => {
-                total += (cb - ca).as_secs_f64();
-                Some((a, b))
-            }
-            None => Some((a, b)),
-        };
-    }
-    if let Some((a, b)) = cur {
-        total += (b - a).as_secs_f64();
-    }
-    total
-}
-
-/// A compute device's memory as the start-up plan shows it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeviceMemoryPlan {
-    /// The whole device budget (`tierzero.device_budget_bytes`, or what
-    /// the device had free).
-    pub budget_bytes: u64,
-    /// What holds it, each with its device and pinned host bytes.
-    pub rows: Vec<DeviceMemoryRow>,
-    /// Adam's state and the gradients are on the device
-    /// ([`DeviceOptimizer`]), not in host memory.
-    pub optimizer_on_device: bool,
-}
-
-/// One row of a [`DeviceMemoryPlan`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeviceMemoryRow {
-    /// What it is.
-    pub what: String,
-    /// Device bytes (at most).
-    pub device_bytes: u64,
-    /// Pinned host bytes (at most).
-    pub pinned_bytes: u64,
-}
-
-/// What a compute device's tier moved, for the step's metrics.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct DeviceTraffic {
-    /// Bytes copied host to device: params staged or loaded, and the
-    /// units' inputs (hidden states, upstream gradients, rotary tables).
-    pub h2d_bytes: u64,
-    /// Bytes copied device to host (outputs and gradients).
-    pub d2h_bytes: u64,
-    /// Seconds the compute thread waited for uploads: for a staging
-    /// buffer to come back, or for a copy's event.
-    pub h2d_wait_s: f64,
-    /// Seconds the compute thread waited for gradients' downloads.
-    pub d2h_wait_s: f64,
-    /// Bytes of unit inputs not uploaded: the previous unit's output was
-    /// still on the device.
-    pub h2d_kept_bytes: u64,
-    /// Blocks whose backward ran from their kept forward
-    /// ([`KeptForward`]), with no recompute.
-    pub forwards_kept: u64,
-    /// Blocks whose backward computed their forward again from the input.
-    pub forwards_recomputed: u64,
-    /// Units whose forward was launched ahead of the engine's call, as
-    /// soon as the unit before them had its output on the host, and then
-    /// taken by that call.
-    pub forwards_ahead: u64,
-    /// Units whose backward was launched ahead of the engine's call, as
-    /// soon as the unit after them had its input gradient on the host,
-    /// and then taken by that call.
-    pub backwards_ahead: u64,
-}
-
-impl DeviceTraffic {
-    /// Adds `o`'s counts into these.
-    pub fn add(&mut self, o: &DeviceTraffic) {
-        self.h2d_bytes += o.h2d_bytes;
-        self.d2h_bytes += o.d2h_bytes;
-        self.h2d_wait_s += o.h2d_wait_s;
-        self.d2h_wait_s += o.d2h_wait_s;
-        self.h2d_kept_bytes += o.h2d_kept_bytes;
-        self.forwards_kept += o.forwards_kept;
-        self.forwards_recomputed += o.forwards_recomputed;
-        self.forwards_ahead += o.forwards_ahead;
-        self.backwards_ahead += o.backwards_ahead;
-    }
-}
-
 /// Why `tierzero-gpu`'s units cannot run this model (None: they can).
 pub fn supports(c: &ModelConfig) -> Option<String> {
     match c.arch {
@@ -407,134 +292,6 @@ impl ExecSource for CudaUnits {
 pub(crate) fn gpu_err(e: tierzero_gpu::GpuError) -> ModelError {
     ModelError::Gpu {
         what: e.to_string(),
-    }
-}
-
-fn host_f32(t: &Tensor) -> Result<Vec<f32>, ModelError> {
-    with_host_f32(t, |v| Ok(v.to_vec()))
-}
-
-/// Runs `f` on a host tensor's elements as fp32: an fp32 one in place (a
-/// contiguous one is not copied), a bf16 one widened (exactly) into a
-/// copy. The units compute in fp32 on the device, so a bf16 param or
-/// hidden state crosses as its fp32 value.
-pub(crate) fn with_host_f32<R>(
-    t: &Tensor,
-    f: impl FnOnce(&[f32]) -> Result<R, ModelError>,
-) -> Result<R, ModelError> {
-    match t.dtype() {
-        DType::F32 => super::fused::with_f32(t, |v| Ok(f(v)))?,
-        DType::BF16 => {
-            let wide = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-            f(&wide)
-        }
-        other => Err(ModelError::Unsupported {
-            what: format!(
-                "{other:?} params or activations on the CUDA units (they store fp32 or bf16; \
-                 set fp16.enabled to false)"
-            ),
-        }),
-    }
-}
-
-/// A host tensor's elements as a device tier uploads them: fp32, or bf16
-/// as they are (2 bytes each; the device widens them).
-#[derive(Debug, Clone, Copy)]
-pub enum HostElems<'a> {
-    /// fp32 elements.
-    F32(&'a [f32]),
-    /// bf16 elements.
-    Bf16(&'a [half::bf16]),
-}
-
-impl HostElems<'_> {
-    /// Elements.
-    pub fn len(&self) -> usize {
-        match self {
-            HostElems::F32(v) => v.len(),
-            HostElems::Bf16(v) => v.len(),
-        }
-    }
-
-    /// Whether there are none.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Bytes on the host (what the copy moves).
-    pub fn bytes(&self) -> u64 {
-        match self {
-            HostElems::F32(v) => std::mem::size_of_val(*v) as u64,
-            HostElems::Bf16(v) => std::mem::size_of_val(*v) as u64,
-        }
-    }
-}
-
-/// Elements a device tier downloaded: fp32, or bf16 rounded on the
-/// device (to nearest even, as candle's `to_dtype` rounds on the host).
-#[derive(Debug, Clone, PartialEq)]
-pub enum HostVec {
-    /// fp32 elements.
-    F32(Vec<f32>),
-    /// bf16 elements.
-    Bf16(Vec<half::bf16>),
-}
-
-impl HostVec {
-    /// Its elements as an upload takes them.
-    pub fn elems(&self) -> HostElems<'_> {
-        match self {
-            HostVec::F32(v) => HostElems::F32(v),
-            HostVec::Bf16(v) => HostElems::Bf16(v),
-        }
-    }
-
-    /// Bytes that crossed.
-    pub fn bytes(&self) -> u64 {
-        match self {
-            HostVec::F32(v) => std::mem::size_of_val(v.as_slice()) as u64,
-            HostVec::Bf16(v) => std::mem::size_of_val(v.as_slice()) as u64,
-        }
-    }
-
-    /// A host tensor of `dims` in `dtype` (fp32 elements rounded once if
-    /// `dtype` is narrower; bf16 ones taken as they are).
-    pub fn into_tensor(self, dims: &[usize], dtype: DType) -> Result<Tensor, ModelError> {
-        match self {
-            HostVec::F32(v) => tensor_as(v, dims, dtype),
-            HostVec::Bf16(v) => {
-                let t = Tensor::from_vec(v, dims, &Device::Cpu)?;
-                Ok(if dtype == DType::BF16 {
-                    t
-                } else {
-                    t.to_dtype(dtype)?
-                })
-            }
-        }
-    }
-}
-
-/// Bytes an upload of `t` moves: bf16 crosses as it is, every other dtype
-/// as fp32 (what [`with_host_elems`] hands the link).
-pub(crate) fn host_elems_bytes(t: &Tensor) -> u64 {
-    let elem_bytes = if t.dtype() == DType::BF16 {
-        2
-    } else {
-        F32_BYTES
-    };
-    t.elem_count() as u64 * elem_bytes
-}
-
-/// Runs `f` on a host tensor's elements as they are stored (fp32 or bf16,
-/// a contiguous one not copied), for an upload that crosses in that type
-/// ([`host_elems_bytes`] of them).
-pub(crate) fn with_host_elems<R>(
-    t: &Tensor,
-    f: impl FnOnce(HostElems<'_>) -> Result<R, ModelError>,
-) -> Result<R, ModelError> {
-    match t.dtype() {
-        DType::BF16 => super::fused::with_bf16(t, |v| Ok(f(HostElems::Bf16(v))))?,
-        _ => with_host_f32(t, |v| f(HostElems::F32(v))),
     }
 }
 
@@ -684,21 +441,7 @@ fn forward<E: Exec>(
     input: UnitInput<'_>,
 ) -> Result<UnitOutput, ModelError> {
     let p = uploads(e, params)?;
-    forward_with(e, &Direct(e), model, unit, params, &p, input)
-}
-
-/// [`UnitCompute::forward_unit`] with the unit's params already on the
-/// executor (`p`, in declared order; `params` are their host copies).
-pub(crate) fn forward_with<E: Exec>(
-    e: &E,
-    feed: Feed<'_, E::Buf>,
-    model: &Model,
-    unit: UnitId,
-    params: &[Tensor],
-    p: &[E::Buf],
-    input: UnitInput<'_>,
-) -> Result<UnitOutput, ModelError> {
-    forward_on(e, feed, model, unit, params, p, input)?.into_host(e, feed)
+    forward_on(e, &Direct(e), model, unit, params, &p, input)?.into_host(e, &Direct(e))
 }
 
 /// A unit's forward output still on the executor: a hidden state not yet
@@ -738,8 +481,10 @@ impl<B> ForwardOut<B> {
     }
 }
 
-/// [`forward_with`] up to the output on the executor: the unit's kernels
-/// are queued, its hidden output is not downloaded (the caller does, with
+/// [`UnitCompute::forward_unit`] with the unit's params already on the
+/// executor (`p`, in declared order; `params` are their host copies), up
+/// to the output on the executor: the unit's kernels are queued, its
+/// hidden output is not downloaded (the caller does, with
 /// [`ForwardOut::into_host`]).
 pub(crate) fn forward_on<E: Exec>(
     e: &E,
@@ -877,24 +622,9 @@ fn backward<E: Exec>(
     upstream: Upstream<'_>,
 ) -> Result<UnitGrads, ModelError> {
     let p = uploads(e, params)?;
-    backward_with(e, &Direct(e), model, unit, params, &p, input, upstream)
-}
-
-/// [`UnitCompute::backward_unit`] with the unit's params already on the
-/// executor (`p`, in declared order; `params` are their host copies, whose
-/// shapes the gradients take).
-#[allow(clippy::too_many_arguments)] // forward_with's, and the upstream
-pub(crate) fn backward_with<E: Exec>(
-    e: &E,
-    feed: Feed<'_, E::Buf>,
-    model: &Model,
-    unit: UnitId,
-    params: &[Tensor],
-    p: &[E::Buf],
-    input: UnitInput<'_>,
-    upstream: Upstream<'_>,
-) -> Result<UnitGrads, ModelError> {
-    let out = backward_on(e, feed, model, unit, params, p, input, upstream)?;
+    let feed = Direct(e);
+    let out =
+        backward_dev(e, &feed, model, unit, params, &p, input, upstream)?.into_out(e, &feed)?;
     let params = out
         .grads
         .into_iter()
@@ -922,22 +652,6 @@ pub(crate) struct BackwardOut<B> {
     pub loss: Option<Tensor>,
     /// The dtype the gradients leave in ([`storage_dtype`]).
     pub dtype: DType,
-}
-
-/// [`backward_with`] leaving the param gradients on the executor (the
-/// device tier downloads them on its copy queue out).
-#[allow(clippy::too_many_arguments)] // backward_with's
-pub(crate) fn backward_on<E: Exec>(
-    e: &E,
-    feed: Feed<'_, E::Buf>,
-    model: &Model,
-    unit: UnitId,
-    params: &[Tensor],
-    p: &[E::Buf],
-    input: UnitInput<'_>,
-    upstream: Upstream<'_>,
-) -> Result<BackwardOut<E::Buf>, ModelError> {
-    backward_dev(e, feed, model, unit, params, p, input, upstream)?.into_out(e, feed)
 }
 
 /// A unit's backward still on the executor: its param gradients and its
@@ -981,9 +695,13 @@ impl<B> BackwardDev<B> {
     }
 }
 
-/// [`backward_on`] up to its results on the executor: the unit's kernels
-/// are queued, nothing downloaded ([`BackwardDev::into_out`]).
-#[allow(clippy::too_many_arguments)] // backward_with's
+/// [`UnitCompute::backward_unit`] with the unit's params already on the
+/// executor (`p`, in declared order; `params` are their host copies, whose
+/// shapes the gradients take), up to its results on the executor: the
+/// unit's kernels are queued, nothing downloaded
+/// ([`BackwardDev::into_out`]: the input gradient; the param gradients
+/// stay, for the device tier to download on its copy queue out).
+#[allow(clippy::too_many_arguments)] // the unit, its params twice, its inputs
 pub(crate) fn backward_dev<E: Exec>(
     e: &E,
     feed: Feed<'_, E::Buf>,
@@ -1088,73 +806,4 @@ pub(crate) fn backward_dev<E: Exec>(
         },
         dtype,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)] // tests: a failure is a panic
-    use std::time::{Duration, Instant};
-
-    use super::*;
-
-    #[test]
-    fn busy_time_counts_overlapping_spans_once_and_only_its_queue() {
-        let t0 = Instant::now();
-        let at = |ms: u64| t0 + Duration::from_millis(ms);
-        let span = |queue, a, b| DeviceSpan {
-            queue,
-            name: String::new(),
-            start: at(a),
-            end: at(b),
-        };
-        let spans = [
-            span(DeviceQueue::H2d, 10, 20),
-            span(DeviceQueue::H2d, 15, 30), // overlaps the first
-            span(DeviceQueue::H2d, 40, 45),
-            span(DeviceQueue::Compute, 0, 100),
-            span(DeviceQueue::H2d, 44, 44), // empty, inside the last
-        ];
-        assert!((busy_s(&spans, DeviceQueue::H2d) - 0.025).abs() < 1e-9);
-        assert!((busy_s(&spans, DeviceQueue::Compute) - 0.1).abs() < 1e-9);
-        assert_eq!(busy_s(&spans, DeviceQueue::D2h), 0.0);
-    }
-
-    #[test]
-    fn bf16_elements_cross_as_they_are_and_come_back_as_the_host_rounds() {
-        let v: Vec<f32> = (0..37).map(|i| (i as f32 - 18.0) * 0.1234567).collect();
-        let t = Tensor::from_vec(v.clone(), 37, &Device::Cpu).unwrap();
-        let b = t.to_dtype(DType::BF16).unwrap();
-        // An fp32 tensor crosses as fp32, a bf16 one as its 2-byte bits.
-        with_host_elems(&t, |h| {
-            assert!(matches!(h, HostElems::F32(_)));
-            assert_eq!(h.bytes(), 37 * 4);
-            Ok(())
-        })
-        .unwrap();
-        let want: Vec<half::bf16> = b.to_vec1().unwrap();
-        with_host_elems(&b, |h| {
-            match h {
-                HostElems::Bf16(x) => assert_eq!(x, want.as_slice()),
-                HostElems::F32(_) => panic!("bf16 crossed as fp32"),
-            }
-            assert_eq!(h.bytes(), 37 * 2);
-            Ok(())
-        })
-        .unwrap();
-        // Rounded on the device (from_f32) is what to_dtype gives.
-        let narrowed = HostVec::Bf16(v.iter().map(|&x| half::bf16::from_f32(x)).collect());
-        assert_eq!(narrowed.bytes(), 37 * 2);
-        let got: Vec<half::bf16> = narrowed
-            .into_tensor(&[37], DType::BF16)
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        assert_eq!(got, want);
-        let wide: Vec<half::bf16> = HostVec::F32(v)
-            .into_tensor(&[37], DType::BF16)
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        assert_eq!(wide, want);
-    }
 }
