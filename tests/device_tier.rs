@@ -769,6 +769,16 @@ fn staging_the_next_unit_returns_before_its_uploads_are_issued() {
     assert_all_back(&probe, "after the staged params were dropped");
 }
 
+/// Waits (up to 20 s) until `n` uploads are done on the simulated device:
+/// their fills were issued before.
+fn uploads_done(probe: &SimProbe, n: u64) {
+    let t0 = std::time::Instant::now();
+    while probe.uploads() < n {
+        assert!(t0.elapsed() < Duration::from_secs(20), "uploads not done");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Random host params of unit `u` (fp32), as the engine hands them over.
 fn random_params(m: &tierzero::model::Model, u: usize, seed: u64) -> Vec<candle_core::Tensor> {
     m.units()[u]
@@ -844,14 +854,7 @@ fn the_next_block_s_forward_is_launched_ahead_and_taken_by_its_call() {
     let probe = dev.probe();
     let tier = TieredUnits::new(dev, wide_open()).unwrap();
     let ahead = |tier: &TieredUnits<SimDevice>| tier.take_traffic().unwrap().forwards_ahead;
-    // Until `n` uploads are done: their fills were issued before.
-    let copied = |n: u64| {
-        let t0 = std::time::Instant::now();
-        while probe.uploads() < n {
-            assert!(t0.elapsed() < Duration::from_secs(20), "uploads not done");
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    };
+    let copied = |n: u64| uploads_done(&probe, n);
     for round in 0..2 {
         tier.begin_step().unwrap();
         let base = probe.uploads();
@@ -984,13 +987,7 @@ fn the_unit_before_s_backward_is_launched_ahead_and_taken_by_its_call() {
     let dev = SimDevice::new(sim(64 << 20, 0, 64)).unwrap();
     let probe = dev.probe();
     let tier = TieredUnits::new(dev, wide_open()).unwrap();
-    let copied = |n: u64| {
-        let t0 = std::time::Instant::now();
-        while probe.uploads() < n {
-            assert!(t0.elapsed() < Duration::from_secs(20), "uploads not done");
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    };
+    let copied = |n: u64| uploads_done(&probe, n);
     // `load(now)`, `stage(next)`, as the engine calls them, then the
     // staged unit's fills done.
     let load_stage = |now: usize, next: usize| {
