@@ -331,6 +331,11 @@ impl PinnedArena {
         Ok(Arc::new(arena))
     }
 
+    /// What registered the mapping with another subsystem, if anything.
+    pub fn registrar(&self) -> Option<&Arc<dyn HostRegistrar>> {
+        self.registrar.as_ref()
+    }
+
     /// Bytes in each buffer.
     pub fn buffer_bytes(&self) -> u64 {
         self.buffer_bytes as u64

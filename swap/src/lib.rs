@@ -70,6 +70,7 @@ pub mod malloc;
 pub mod mapped;
 mod portable;
 mod ring;
+pub mod shared;
 pub mod space;
 pub mod stats;
 
@@ -83,5 +84,6 @@ pub use error::{IoOp, Result, SwapError};
 pub use fault::{FaultInjector, FaultKind, FaultRule};
 pub use malloc::{keep_heap_mapped, MallocTuning};
 pub use mapped::MappedFile;
+pub use shared::{ReadPin, SharedBuffer, WriteGuard};
 pub use space::{CopyReport, DirectIo, Extent, ExtentId, FileIdx, SpaceConfig, SwapSpace};
 pub use stats::{BusyClock, StatsSnapshot};

@@ -57,8 +57,8 @@ use candle_core::{DType, Tensor};
 use crossbeam_channel::{Receiver, Select, Sender, TryRecvError};
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
-use tierzero_swap::{Buffer, Ticket};
+use std::sync::Arc;
+use tierzero_swap::{SharedBuffer, Ticket};
 
 use crate::engine::params::store::cpu_tensor;
 use crate::engine::{EngineError, Result};
@@ -175,7 +175,7 @@ struct Job {
 
 /// A cpu-tier param to copy out of its pinned page.
 struct PageJob {
-    page: Arc<RwLock<Buffer>>,
+    page: SharedBuffer,
     range: Range<usize>,
     unpack: Unpack,
     reply: Sender<Result<Unpacked>>,
@@ -243,7 +243,7 @@ impl Copier {
     /// while it copies.
     pub fn copy_page(
         &self,
-        page: Arc<RwLock<Buffer>>,
+        page: SharedBuffer,
         range: Range<usize>,
         unpack: Unpack,
     ) -> Result<PendingRead> {
@@ -317,16 +317,9 @@ fn run(jobs: &Receiver<Work>, gate: &ParamReadGate) {
 
 /// A page job, done now: its region read-locked, unpacked, answered.
 fn copy_page(job: PageJob) {
-    let res = {
-        let g = job.page.read().unwrap_or_else(|p| p.into_inner());
-        match g.as_slice().get(job.range.clone()) {
-            Some(bytes) => unpack_bytes(&job.unpack, bytes),
-            None => Err(EngineError::internal(format!(
-                "cpu page of {} bytes has no range {:?}",
-                g.as_slice().len(),
-                job.range
-            ))),
-        }
+    let res = match job.page.pin(job.range.clone()) {
+        Ok(pin) => unpack_bytes(&job.unpack, pin.bytes()),
+        Err(e) => Err(EngineError::internal(format!("cpu page: {e}"))),
     };
     let _ = job.reply.send(res);
 }

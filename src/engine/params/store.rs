@@ -13,6 +13,10 @@
 //!   the copy of the next unit's params is off the engine's thread, which
 //!   on a device launches this unit meanwhile; a fetch of a param not
 //!   prefetched (the unit wanted now) copies it on the calling thread.
+//!   A page is a [`SharedBuffer`]: its read locks are owned pins
+//!   ([`ParamStore::pin_home`]) that may travel with a device's copy out
+//!   of the page in place, and a write-back into the page waits for every
+//!   pin of it.
 //!   With `offload_param.device = nvme`, the first `max_in_cpu` elements
 //!   (in `ParamId` order) also live here: DeepSpeed's fp16 CPU cache.
 //! * [`Tier::Nvme`]: one [`Extent`] per parameter shard in the swap space.
@@ -78,11 +82,11 @@
 //! that nobody will complete, so it cannot deadlock).
 
 use std::collections::VecDeque;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use tierzero_swap::{Buffer, Engine, Extent, PinnedArena, Ticket};
+use tierzero_swap::{Buffer, Engine, Extent, PinnedArena, ReadPin, SharedBuffer, Ticket};
 
 use crate::engine::comm::Comm;
 use crate::engine::layout::Layout;
@@ -281,7 +285,7 @@ pub struct ParamStore {
     /// The cpu tier's pinned pages. A page is read by the copy thread
     /// (a prefetch builds a param's tensor there) while this thread may
     /// write another param's new bytes into it: the lock orders the two.
-    pages: Vec<Arc<RwLock<Buffer>>>,
+    pages: Vec<SharedBuffer>,
     /// Copies landed param reads out of their swap buffers, and cpu-tier
     /// params out of their pages (see [`crate::engine::params::copier`]).
     copier: Option<Copier>,
@@ -413,10 +417,7 @@ impl ParamStore {
                     Copier::spawn(copier_cpus, gate)
                 })
                 .transpose()?,
-            pages: cpu_pages
-                .into_iter()
-                .map(|b| Arc::new(RwLock::new(b)))
-                .collect(),
+            pages: cpu_pages.into_iter().map(SharedBuffer::new).collect(),
             nvme,
             writes: VecDeque::new(),
             resident_bytes: 0,

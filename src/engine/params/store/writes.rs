@@ -35,10 +35,12 @@ impl ParamStore {
                 // Waits for a copy-thread copy out of this page (another
                 // param's prefetch; this param's own read was completed
                 // by `update`).
-                dst.write()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .as_mut_slice()[off..off + len]
-                    .copy_from_slice(shard);
+                // And for a device's copy straight out of the page (a
+                // `ReadPin` held until its copy completed).
+                let (mut g, waited) = dst.write();
+                g.as_mut_slice()[off..off + len].copy_from_slice(shard);
+                drop(g);
+                self.counters.io_wait += waited;
                 self.counters.cpu_written_bytes += len as u64;
             }
             Home::Nvme { extent } => {
