@@ -43,6 +43,7 @@ pub mod cache;
 pub mod device;
 mod error;
 pub mod host_copy;
+pub mod host_register;
 pub mod kernels;
 pub mod link;
 pub mod nvrtc;

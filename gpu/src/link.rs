@@ -29,6 +29,18 @@
 //! cudarc's `PinnedHostSlice` also records its own event at each copy, and
 //! synchronises on it before any host access and before it is freed.
 //!
+//! # Copies in place
+//!
+//! A param whose bytes are in host memory registered with the device
+//! ([`crate::host_register`]) needs no staging buffer:
+//! [`Uploads::start_pinned`] queues the DMA from those bytes, then a host
+//! function that lets their `tierzero_swap::ReadPin` go, then the event.
+//! The pin keeps the bytes from being rewritten until the copy is done;
+//! the host function only sends it to a thread of its own that drops it,
+//! because dropping an arena's last pin may unregister the arena, a CUDA
+//! call, which a host function must not make. `finish` is the same as for
+//! a staged upload, with no staging buffer to retire.
+//!
 //! # Timing
 //!
 //! Each copy is also bracketed by two timing events on the `h2d` stream
@@ -78,8 +90,9 @@ pub enum PendingUpload {
     F32 {
         /// The destination.
         dst: DeviceBuffer<f32>,
-        /// The staging buffer the copy reads.
-        staging: PinnedHostSlice<f32>,
+        /// The staging buffer the copy reads (None: the copy reads the
+        /// host's registered memory in place, [`Uploads::start_pinned`]).
+        staging: Option<PinnedHostSlice<f32>>,
         /// Recorded after the copy.
         event: CudaEvent,
     },
@@ -88,8 +101,8 @@ pub enum PendingUpload {
     Bf16 {
         /// The bf16 copy on the device.
         narrow: DeviceBuffer<bf16>,
-        /// The staging buffer the copy reads.
-        staging: PinnedHostSlice<bf16>,
+        /// The staging buffer the copy reads (None: in place).
+        staging: Option<PinnedHostSlice<bf16>>,
         /// Recorded after the copy.
         event: CudaEvent,
     },
@@ -237,6 +250,31 @@ pub struct Uploads {
     pool16: Mutex<Pool<bf16>>,
     cap_bytes: u64,
     spans: SpanLog,
+    /// Where the h2d stream's host functions send the pins of copies in
+    /// place that are done ([`Uploads::start_pinned`]).
+    reaper: Mutex<std::sync::mpsc::Sender<tierzero_swap::ReadPin>>,
+}
+
+/// The thread that drops the pins of copies in place once they are done.
+/// A host function on a stream must make no CUDA call, and dropping the
+/// last pin of an arena whose store is gone drops the arena, which
+/// unregisters it (`cuMemHostUnregister`): so the host function only
+/// sends the pin here. The thread ends when the last sender (the
+/// uploads', and one per copy still queued) is gone.
+fn spawn_reaper() -> Result<std::sync::mpsc::Sender<tierzero_swap::ReadPin>> {
+    let (tx, rx) = std::sync::mpsc::channel::<tierzero_swap::ReadPin>();
+    std::thread::Builder::new()
+        .name("tierzero-pin-reaper".into())
+        .spawn(move || {
+            for pin in rx {
+                drop(pin);
+            }
+        })
+        .map_err(|e| crate::GpuError::Driver {
+            call: "std::thread::spawn",
+            detail: format!("the pin reaper thread did not start: {e}"),
+        })?;
+    Ok(tx)
 }
 
 fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -250,6 +288,7 @@ impl Uploads {
     pub fn new(dev: Arc<Device>, cap_bytes: u64) -> Result<Self> {
         Ok(Uploads {
             spans: SpanLog::new(&dev)?,
+            reaper: Mutex::new(spawn_reaper()?),
             dev,
             pool: Mutex::new(Pool::default()),
             pool16: Mutex::new(Pool::default()),
@@ -366,7 +405,7 @@ impl Uploads {
         let (dst, staging, event) = self.queue(&self.pool, what, host)?;
         Ok(PendingUpload::F32 {
             dst,
-            staging,
+            staging: Some(staging),
             event,
         })
     }
@@ -377,9 +416,119 @@ impl Uploads {
         let (narrow, staging, event) = self.queue(&self.pool16, what, host)?;
         Ok(PendingUpload::Bf16 {
             narrow,
-            staging,
+            staging: Some(staging),
             event,
         })
+    }
+
+    /// Starts copying `pin`'s bytes, in host memory registered with this
+    /// device ([`crate::host_register::HostRegistration`]), straight into
+    /// a new device buffer for `what`: one DMA, no staging copy. The bytes
+    /// are fp32 elements, or bf16 ones with `bf16` (widened by `finish`,
+    /// as [`Uploads::start_bf16`]'s are). The pin travels with the copy:
+    /// a host function queued on the h2d stream after it hands the pin to
+    /// the reaper thread when the copy is done ([`spawn_reaper`]), so a
+    /// write-back into those bytes waits for the copy and for nothing
+    /// else. The caller checks the registration
+    /// (`ReadPin::registered_with`); memory that is not registered would
+    /// still copy, but synchronously.
+    pub fn start_pinned(
+        &self,
+        what: &str,
+        pin: tierzero_swap::ReadPin,
+        bf16: bool,
+    ) -> Result<PendingUpload> {
+        let elem_bytes = if bf16 { 2 } else { 4 };
+        let len_bytes = pin.len_bytes();
+        if !len_bytes.is_multiple_of(elem_bytes) {
+            return Err(crate::GpuError::Driver {
+                call: "cuMemcpyHtoDAsync",
+                detail: format!(
+                    "{what}: {len_bytes} bytes is not a whole number of {elem_bytes}-byte elements"
+                ),
+            });
+        }
+        let numel = len_bytes / elem_bytes;
+        if bf16 {
+            let mut narrow = self.dev.alloc_uninit_on_h2d::<bf16>(what, numel)?;
+            let event = self.copy_pinned(what, pin, narrow.slice_mut())?;
+            Ok(PendingUpload::Bf16 {
+                narrow,
+                staging: None,
+                event,
+            })
+        } else {
+            let mut dst = self.dev.alloc_uninit_on_h2d::<f32>(what, numel)?;
+            let event = self.copy_pinned(what, pin, dst.slice_mut())?;
+            Ok(PendingUpload::F32 {
+                dst,
+                staging: None,
+                event,
+            })
+        }
+    }
+
+    /// Queues the copy of `pin` into `dst` on the h2d stream, then the
+    /// host function that lets the pin go, then the event after both.
+    fn copy_pinned<T>(
+        &self,
+        what: &str,
+        pin: tierzero_swap::ReadPin,
+        dst: &mut cudarc::driver::CudaSlice<T>,
+    ) -> Result<CudaEvent> {
+        use cudarc::driver::DevicePtrMut;
+        self.dev
+            .context()
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))?;
+        let began = EventClock::mark(&self.dev.h2d)?;
+        {
+            let (dst_ptr, _written) = dst.device_ptr_mut(&self.dev.h2d);
+            // SAFETY: `dst` is a live allocation on this context of at
+            // least `pin.len_bytes()` bytes (`start_pinned` sized it); the
+            // source is registered host memory that nobody writes while
+            // `pin` lives, and `pin` lives until the host function queued
+            // right after this copy on the same stream has run (or, if
+            // queuing it fails, until the copy's event completed).
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    dst_ptr,
+                    pin.bytes(),
+                    self.dev.h2d.cu_stream(),
+                )
+            }
+            .map_err(driver("cuMemcpyHtoDAsync"))?;
+        }
+        let span = EventClock::span(&self.dev.h2d, what.to_owned(), began)?;
+        self.spans.push(span)?;
+        let reaper = locked(&self.reaper).clone();
+        let boxed = Box::into_raw(Box::new((pin, reaper)));
+        // SAFETY: `release_pin` takes back exactly this box, once: the
+        // driver runs a queued host function once, after the work queued
+        // before it on the stream.
+        let queued = unsafe {
+            cudarc::driver::result::stream::launch_host_function(
+                self.dev.h2d.cu_stream(),
+                release_pin,
+                boxed.cast(),
+            )
+        };
+        if let Err(e) = queued {
+            // SAFETY: not queued, so the box is still ours alone.
+            let (pin, _) = *unsafe { Box::from_raw(boxed) };
+            let ev = self.dev.h2d.record_event(None);
+            if let Ok(ev) = &ev {
+                let _ = ev.synchronize();
+            } else {
+                let _ = self.dev.h2d.synchronize();
+            }
+            drop(pin);
+            return Err(driver("cuLaunchHostFunc")(e));
+        }
+        self.dev
+            .h2d
+            .record_event(None)
+            .map_err(driver("cuEventRecord"))
     }
 
     /// Orders the compute stream's next work after `event`.
@@ -401,7 +550,9 @@ impl Uploads {
                 event,
             } => {
                 self.compute_waits(&event)?;
-                locked(&self.pool).retiring.push_back((event, staging));
+                if let Some(staging) = staging {
+                    locked(&self.pool).retiring.push_back((event, staging));
+                }
                 Ok(dst)
             }
             PendingUpload::Bf16 {
@@ -410,7 +561,9 @@ impl Uploads {
                 event,
             } => {
                 self.compute_waits(&event)?;
-                locked(&self.pool16).retiring.push_back((event, staging));
+                if let Some(staging) = staging {
+                    locked(&self.pool16).retiring.push_back((event, staging));
+                }
                 let mut wide = self
                     .dev
                     .alloc_zeros::<f32>("widened upload", narrow.len())?;
@@ -605,4 +758,29 @@ impl Downloads {
     pub fn take_spans(&self) -> Result<Vec<(String, Instant, Instant)>> {
         self.spans.take()
     }
+}
+
+/// What `copy_pinned` hands the h2d stream's host function: the pin, and
+/// where to send it.
+type PinBox = (
+    tierzero_swap::ReadPin,
+    std::sync::mpsc::Sender<tierzero_swap::ReadPin>,
+);
+
+/// The h2d stream's host function after a copy straight from registered
+/// memory: the copy is done, so its pin goes to the reaper thread, which
+/// drops it (a waiting write-back may then proceed). It makes no CUDA
+/// call, as a host function must not (see [`spawn_reaper`]).
+unsafe extern "C" fn release_pin(arg: *mut std::ffi::c_void) {
+    // SAFETY: `arg` is the box `copy_pinned` leaked for this one call.
+    let (pin, reaper) = *unsafe { Box::from_raw(arg.cast::<PinBox>()) };
+    // Unwinding out of a driver callback would abort: keep it contained.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+        // The reaper gone (it cannot end while this sender lives, unless
+        // it panicked): the pin is dropped here, the lesser harm than a
+        // pin that never goes.
+        if let Err(std::sync::mpsc::SendError(pin)) = reaper.send(pin) {
+            drop(pin);
+        }
+    }));
 }
