@@ -910,6 +910,50 @@ fn device_sim_with_a_compute_time_launches_units_ahead() {
     assert!(fwd > 0 && bwd > 0, "forwards {fwd}, backwards {bwd}");
 }
 
+/// `--device sim` with params in the cpu tier: the plan says their pinned
+/// pages are registered with the device, and the metrics show their bytes
+/// crossing in place (`h2d_direct_bytes`); with params on NVMe (no pages)
+/// the plan says nothing of it and nothing crosses in place.
+#[test]
+fn device_sim_uploads_cpu_tier_params_from_their_registered_pages() {
+    let d = tiny_setup("sim-pages");
+    let mut cfg = ds_config(&d);
+    cfg["zero_optimization"]["offload_param"] = json!({"device": "cpu"});
+    write_config(&d, cfg);
+    let args = with(&TINY, &[("--device", "sim"), ("--metrics", "m.jsonl")]);
+    let out = train(&d, &args);
+    assert_eq!(out.code, 0, "stdout {} stderr {}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains("pinned pages") && out.stdout.contains("registered with the device"),
+        "{}",
+        out.stdout
+    );
+    let m = metrics_lines(&d.join("m.jsonl"));
+    let steps: Vec<&Value> = m.iter().filter(|l| l.get("step").is_some()).collect();
+    let sum = |key: &str| -> u64 { steps.iter().map(|l| l[key].as_u64().unwrap()).sum() };
+    let (direct, h2d) = (sum("h2d_direct_bytes"), sum("h2d_bytes"));
+    println!(
+        "{} steps: {direct} of {h2d} bytes uploaded in place",
+        steps.len()
+    );
+    // Every param lives in a page; the units' inputs here stay on the
+    // device (the unit before's outputs), so nearly all that crosses is
+    // in place.
+    assert!(direct > 0 && direct <= h2d, "in place {direct} of {h2d}");
+
+    let d = tiny_setup("sim-pages-nvme");
+    let out = train(&d, &args);
+    assert_eq!(out.code, 0, "stdout {} stderr {}", out.stdout, out.stderr);
+    assert!(!out.stdout.contains("pinned pages"), "{}", out.stdout);
+    let m = metrics_lines(&d.join("m.jsonl"));
+    let direct: u64 = m
+        .iter()
+        .filter(|l| l.get("step").is_some())
+        .map(|l| l["h2d_direct_bytes"].as_u64().unwrap())
+        .sum();
+    assert_eq!(direct, 0);
+}
+
 #[test]
 fn device_sim_refuses_what_it_cannot_use() {
     let d = tiny_setup("sim-bad");

@@ -30,6 +30,8 @@ struct Out {
     device_busy_s: f64,
     h2d_busy_s: f64,
     h2d_kept_bytes: u64,
+    /// Params' bytes copied in place from their registered pages.
+    h2d_direct_bytes: u64,
     /// Seconds of each step.
     wall_s: Vec<f64>,
     /// Forwards launched ahead and taken by their call.
@@ -61,6 +63,7 @@ fn run(model: &Path, k: &Knobs, opts: TrainerOptions, steps: u64) -> Out {
         device_busy_s: 0.0,
         h2d_busy_s: 0.0,
         h2d_kept_bytes: 0,
+        h2d_direct_bytes: 0,
         wall_s: Vec::new(),
         forwards_ahead: 0,
         backwards_ahead: 0,
@@ -75,6 +78,7 @@ fn run(model: &Path, k: &Knobs, opts: TrainerOptions, steps: u64) -> Out {
         out.device_busy_s += m.device_busy_s;
         out.h2d_busy_s += m.h2d_busy_s;
         out.h2d_kept_bytes += m.h2d_kept_bytes;
+        out.h2d_direct_bytes += m.h2d_direct_bytes;
         out.wall_s.push(m.wall_s);
         out.forwards_ahead += m.device_forwards_ahead;
         out.backwards_ahead += m.device_backwards_ahead;
@@ -116,7 +120,18 @@ fn tiered_with(
     steps: u64,
     ahead: bool,
 ) -> (Out, TierPeaks, SimProbe) {
-    let dev = SimDevice::new(cfg).unwrap();
+    tiered_on(model, k, SimDevice::new(cfg).unwrap(), limits, steps, ahead)
+}
+
+/// [`tiered_with`] on `dev`.
+fn tiered_on(
+    model: &Path,
+    k: &Knobs,
+    dev: SimDevice,
+    limits: TierLimits,
+    steps: u64,
+    ahead: bool,
+) -> (Out, TierPeaks, SimProbe) {
     let probe = dev.probe();
     let tier = Arc::new(TieredUnits::new(dev, limits).unwrap().launch_ahead(ahead));
     let mut opts = TrainerOptions::cpu(3, 16);
@@ -151,6 +166,7 @@ fn assert_all_back(p: &SimProbe, what: &str) {
         0,
         "{what}: a staging buffer changed mid-copy"
     );
+    assert_eq!(p.pins_held(), 0, "{what}: page pins held by copies");
 }
 
 #[test]
@@ -401,13 +417,13 @@ fn a_unit_larger_than_the_device_budget_is_an_error_with_the_numbers() {
 fn no_staging_buffer_is_reused_before_its_copy_completes() {
     let model = tiny_llama_dir("tier-slots");
     for slots in [1, 2] {
-        let (out, _, probe) = tiered(
-            &model,
-            &Knobs::cpu(),
-            sim(64 << 20, 2, slots),
-            wide_open(),
-            2,
-        );
+        // Every upload through staging: a device that registers nothing
+        // (cpu-tier params would otherwise cross from their pages in
+        // place, with no staging buffer).
+        let dev = SimDevice::new(sim(64 << 20, 2, slots))
+            .unwrap()
+            .without_registration();
+        let (out, _, probe) = tiered_on(&model, &Knobs::cpu(), dev, wide_open(), 2, true);
         assert!(out.h2d_bytes > 0);
         assert!(
             probe.peak_in_flight() <= slots as u64,
@@ -423,8 +439,13 @@ fn no_staging_buffer_is_reused_before_its_copy_completes() {
 fn a_step_dropped_mid_copy_returns_every_buffer() {
     let model = tiny_gpt2_dir("tier-drop", 2, 32);
     // Fail uploads at several points of the step (staged ahead, or when
-    // a unit runs) while other copies are in flight.
-    for nth in [2, 7, 15, 30] {
+    // a unit runs) while other copies are in flight: params from NVMe
+    // through staging, and params copied in place from their pages (the
+    // trainer, and with it the pages, dropped before the tier).
+    for (k, nth) in [2, 7, 15, 30]
+        .into_iter()
+        .flat_map(|n| [(Knobs::nvme(), n), (Knobs::cpu(), n)])
+    {
         let dev = SimDevice::new(SimConfig {
             fail_upload: Some(nth),
             compute_delay: std::time::Duration::ZERO,
@@ -435,12 +456,12 @@ fn a_step_dropped_mid_copy_returns_every_buffer() {
         let tier = Arc::new(TieredUnits::new(dev, wide_open()).unwrap());
         let mut opts = TrainerOptions::cpu(3, 16);
         opts.compute = Some(tier.clone());
-        let mut t = build_with(&model, &Knobs::nvme(), opts, 2);
+        let mut t = build_with(&model, &k, opts, 2);
         let e = t.step().unwrap_err().to_string();
         assert!(e.contains(&format!("upload {nth}")), "{e}");
         drop(t);
         drop(tier);
-        assert_all_back(&probe, &format!("failed upload {nth}"));
+        assert_all_back(&probe, &format!("{}: failed upload {nth}", k.param));
     }
 }
 
@@ -567,6 +588,69 @@ fn copies_overlap_compute_on_the_device_queues() {
 /// bf16 params through the tier: the same bits as the in-memory units
 /// with bf16 params (both widen them to fp32 at the unit, round the
 /// outputs back once), with and without the cache.
+/// Params whose home is a cpu-tier page cross from the page itself: the
+/// trainer maps the pages with the simulated device's registrar, and each
+/// staged or loaded param's upload reads its pinned range in place at the
+/// end of the copy's time, with no staging fill (`h2d_direct_bytes`). The
+/// pin is held until the copy is done, so a write-back into the page
+/// waits for it, and the simulated copy would read the new bytes if it
+/// did not. The bits are the in-memory units', in fp32 and bf16. A device
+/// that registers nothing sends the same params through staging, with the
+/// same bits.
+#[test]
+fn cpu_tier_params_cross_from_their_registered_pages_in_place() {
+    let gpt2 = tiny_gpt2_dir("tier-pinned", 2, 32);
+    let llama = tiny_llama_dir("tier-pinned");
+    for (model, name) in [(&gpt2, "gpt2"), (&llama, "llama")] {
+        for precision in ["fp32", "bf16"] {
+            let k = Knobs {
+                precision,
+                clip: 0.5,
+                gas: 2,
+                ..Knobs::cpu()
+            };
+            let gemm = match precision {
+                "bf16" => GemmDtype::Bf16,
+                _ => GemmDtype::F32,
+            };
+            let mut opts = TrainerOptions::cpu(3, 16);
+            opts.compute = Some(Arc::new(ReferenceUnits { gemm }));
+            let want = run(model, &k, opts, 3);
+            let cfg = SimConfig {
+                gemm,
+                ..sim(64 << 20, 1, 3)
+            };
+            for registered in [true, false] {
+                let case = format!("{name}, {precision}, registered {registered}");
+                let mut dev = SimDevice::new(cfg.clone()).unwrap();
+                if !registered {
+                    dev = dev.without_registration();
+                }
+                let (got, _, probe) = tiered_on(model, &k, dev, wide_open(), 3, true);
+                println!(
+                    "{case}: h2d {} B, {} B of it in place in {} copies",
+                    got.h2d_bytes,
+                    got.h2d_direct_bytes,
+                    probe.direct_copies()
+                );
+                assert_eq!(got.loss_bits, want.loss_bits, "{case}: losses");
+                assert_eq!(got.sha, want.sha, "{case}: weights");
+                assert_eq!(got.h2d_direct_bytes, probe.direct_bytes(), "{case}");
+                if registered {
+                    // Every param of every unit lives in a page: all that
+                    // crosses in place is params' bytes, the rest inputs.
+                    assert!(probe.direct_copies() > 0, "{case}: nothing in place");
+                    assert!(got.h2d_direct_bytes < got.h2d_bytes, "{case}");
+                } else {
+                    assert_eq!(probe.direct_copies(), 0, "{case}");
+                }
+                assert_eq!(probe.pins_held(), 0, "{case}: pins left");
+                assert_all_back(&probe, &case);
+            }
+        }
+    }
+}
+
 #[test]
 fn bf16_params_through_the_device_tier_are_bit_identical_too() {
     let model = tiny_llama_dir("tier-bf16");
@@ -683,16 +767,16 @@ fn the_unit_computing_uploads_before_the_next_one_is_staged() {
     tier.begin_step().unwrap();
     // The embedding computes next; block 0 is staged behind it.
     let (h0, h1, h2) = (host(0), host(1), host(2));
-    tier.load(m, UnitId(0), &h0).unwrap();
-    tier.stage(m, UnitId(1), &h1).unwrap();
+    tier.load(m, UnitId(0), &h0, Vec::new()).unwrap();
+    tier.stage(m, UnitId(1), &h1, Vec::new()).unwrap();
     let c = tier.census();
     assert_eq!(c.get("loading"), Some(&h0.len()), "{c:?}");
     // The embedding's params are not ahead of use: block 0 fits whole.
     assert_eq!(c.get("uploading"), Some(&h1.len()), "{c:?}");
     // Block 0 computes next: its staged uploads leave the window, so
     // block 1 is staged whole too.
-    tier.load(m, UnitId(1), &h1).unwrap();
-    tier.stage(m, UnitId(2), &h2).unwrap();
+    tier.load(m, UnitId(1), &h1, Vec::new()).unwrap();
+    tier.stage(m, UnitId(2), &h2, Vec::new()).unwrap();
     let c = tier.census();
     assert_eq!(c.get("loading"), Some(&(h0.len() + h1.len())), "{c:?}");
     assert_eq!(c.get("uploading"), Some(&h2.len()), "{c:?}");
@@ -751,7 +835,7 @@ fn staging_the_next_unit_returns_before_its_uploads_are_issued() {
     let tier = TieredUnits::new(dev, wide_open()).unwrap();
     tier.begin_step().unwrap();
     let t0 = std::time::Instant::now();
-    tier.stage(m, UnitId(1), &h1).unwrap();
+    tier.stage(m, UnitId(1), &h1, Vec::new()).unwrap();
     let staged = t0.elapsed();
     assert_eq!(tier.census().get("uploading"), Some(&h1.len()));
     // Issuing them all on this thread would have waited for n - 1 copies.
@@ -858,8 +942,8 @@ fn the_next_block_s_forward_is_launched_ahead_and_taken_by_its_call() {
     for round in 0..2 {
         tier.begin_step().unwrap();
         let base = probe.uploads();
-        tier.load(m, UnitId(0), &h0).unwrap();
-        tier.stage(m, UnitId(1), &h1).unwrap();
+        tier.load(m, UnitId(0), &h0, Vec::new()).unwrap();
+        tier.stage(m, UnitId(1), &h1, Vec::new()).unwrap();
         copied(base + (h0.len() + h1.len()) as u64);
         let got0 = tier
             .forward_unit(m, UnitId(0), &h0, UnitInput::Tokens(&ids))
@@ -880,9 +964,9 @@ fn the_next_block_s_forward_is_launched_ahead_and_taken_by_its_call() {
             tier.census()
         );
         assert_eq!(ahead(&tier), 0, "round {round}: counted before its call");
-        tier.load(m, UnitId(1), &h1).unwrap();
+        tier.load(m, UnitId(1), &h1, Vec::new()).unwrap();
         let base = probe.uploads();
-        tier.stage(m, UnitId(2), &h2).unwrap();
+        tier.stage(m, UnitId(2), &h2, Vec::new()).unwrap();
         copied(base + h2.len() as u64);
         if round == 0 {
             // The call on that input takes it.
@@ -938,8 +1022,8 @@ fn a_block_still_waiting_for_its_fills_is_not_launched_ahead() {
     let probe = dev.probe();
     let tier = TieredUnits::new(dev, wide_open()).unwrap();
     tier.begin_step().unwrap();
-    tier.load(m, UnitId(0), &h0).unwrap();
-    tier.stage(m, UnitId(1), &h1).unwrap();
+    tier.load(m, UnitId(0), &h0, Vec::new()).unwrap();
+    tier.stage(m, UnitId(1), &h1, Vec::new()).unwrap();
     let out = tier
         .forward_unit(m, UnitId(0), &h0, UnitInput::Tokens(&ids))
         .unwrap();
@@ -991,9 +1075,9 @@ fn the_unit_before_s_backward_is_launched_ahead_and_taken_by_its_call() {
     // `load(now)`, `stage(next)`, as the engine calls them, then the
     // staged unit's fills done.
     let load_stage = |now: usize, next: usize| {
-        tier.load(m, UnitId(now), &h[now]).unwrap();
+        tier.load(m, UnitId(now), &h[now], Vec::new()).unwrap();
         let base = probe.uploads();
-        tier.stage(m, UnitId(next), &h[next]).unwrap();
+        tier.stage(m, UnitId(next), &h[next], Vec::new()).unwrap();
         copied(base + h[next].len() as u64);
     };
     let hidden = |o: UnitOutput| match o {
@@ -1065,7 +1149,7 @@ fn the_unit_before_s_backward_is_launched_ahead_and_taken_by_its_call() {
     // upstream (the same values, another tensor) computes afresh.
     assert_eq!(tier.census().get("in use"), Some(&h[0].len()));
     let other = dx1.copy().unwrap();
-    tier.load(m, UnitId(0), &h[0]).unwrap();
+    tier.load(m, UnitId(0), &h[0], Vec::new()).unwrap();
     let g0 = tier
         .backward_unit(
             m,

@@ -159,6 +159,10 @@ pub struct Plan {
     /// The compute device's memory, when the units compute on one
     /// ([`crate::model::exec_units::UnitCompute::memory_plan`]).
     pub device_memory: Option<DeviceMemoryPlan>,
+    /// With a device tier and cpu-tier params: whether their pinned pages
+    /// are registered with the device, so their params cross in place
+    /// ([`crate::engine::Trainer::pages_registered`]).
+    pub pages_registered: Option<bool>,
 }
 
 impl Plan {
@@ -302,6 +306,7 @@ impl Plan {
             device,
             activations: None,
             device_memory: None,
+            pages_registered: None,
         }
     }
 
@@ -457,6 +462,24 @@ impl fmt::Display for Plan {
                 format_bytes(d.budget_bytes),
                 format_bytes(pinned)
             );
+            match self.pages_registered {
+                Some(true) => {
+                    let _ = writeln!(
+                        s,
+                        "  the cpu tier's pinned pages ({}) are registered with the device: their \
+                         params cross in place, with no staging copy",
+                        format_bytes(self.params.pinned_bytes)
+                    );
+                }
+                Some(false) => {
+                    let _ = writeln!(
+                        s,
+                        "  the cpu tier's pinned pages are not registered with the device: their \
+                         params cross through the staging buffers"
+                    );
+                }
+                None => {}
+            }
         }
         if self.nvme_step != (0, 0) {
             let _ = writeln!(

@@ -4,6 +4,12 @@
 //! downloads are [`tierzero_gpu::link::Downloads`] on the d2h stream. The compute is
 //! the CUDA units ([`tierzero_gpu::unit::CudaExec`]).
 //!
+//! A param whose bytes are in a cpu-tier page crosses from the page
+//! itself: the trainer maps the pages with this link's registrar
+//! ([`tierzero_gpu::host_register::HostRegistration`]), and
+//! [`DeviceLink::upload_pinned`] copies the pinned range in place
+//! ([`tierzero_gpu::link::Uploads::start_pinned`]), with no staging fill.
+//!
 //! # Its share of the device
 //!
 //! The params on the tier may hold half of the device budget left after
@@ -16,10 +22,13 @@
 use std::sync::Arc;
 
 use tierzero_gpu::device::{Device, DeviceBuffer};
+use tierzero_gpu::host_register::HostRegistration;
 use tierzero_gpu::link::{
     Downloaded, Downloads, EventClock, PendingDownload, PendingUpload, SpanLog, Uploads,
 };
 use tierzero_gpu::unit::{CudaExec, GemmDtype};
+
+use tierzero_swap::{HostRegistrar, ReadPin};
 
 use super::{DeviceLink, LinkMemory, Staging};
 use crate::model::exec_units::{gpu_err, DeviceQueue, DeviceSpan, HostElems, HostVec};
@@ -39,6 +48,8 @@ pub struct CudaLink {
     startup_bytes: u64,
     /// Units' compute between two events on the compute stream.
     compute_spans: SpanLog,
+    /// Registers the cpu tier's pinned pages with the device.
+    registrar: Arc<dyn HostRegistrar>,
 }
 
 impl CudaLink {
@@ -51,6 +62,7 @@ impl CudaLink {
         Ok(CudaLink {
             downloads: Downloads::new(dev.clone(), STAGING_CAP_BYTES).map_err(gpu_err)?,
             compute_spans: SpanLog::new(&dev).map_err(gpu_err)?,
+            registrar: Arc::new(HostRegistration::new(dev.clone())),
             uploads: Uploads::new(dev, STAGING_CAP_BYTES).map_err(gpu_err)?,
             gemm,
             budget_bytes,
@@ -102,6 +114,30 @@ impl DeviceLink for CudaLink {
             HostElems::Bf16(v) => self.uploads.start_bf16(what, v),
         }
         .map_err(gpu_err)
+    }
+
+    fn host_registrar(&self) -> Option<Arc<dyn HostRegistrar>> {
+        Some(self.registrar.clone())
+    }
+
+    fn upload_pinned(
+        &self,
+        what: &str,
+        pin: ReadPin,
+        host: HostElems<'_>,
+    ) -> Result<(PendingUpload, bool), ModelError> {
+        // In place only from memory this device registered, and only when
+        // the pinned bytes are the elements the tier asked for.
+        if !pin.registered_with(&self.registrar) || pin.len_bytes() as u64 != host.bytes() {
+            drop(pin);
+            return Ok((self.upload(what, host)?, false));
+        }
+        let bf16 = matches!(host, HostElems::Bf16(_));
+        let u = self
+            .uploads
+            .start_pinned(what, pin, bf16)
+            .map_err(gpu_err)?;
+        Ok((u, true))
     }
 
     fn bind_upload_thread(&self) -> Result<(), ModelError> {

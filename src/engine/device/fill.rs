@@ -34,12 +34,14 @@
 //! as the tier finishes and frees an upload it drops. Dropping the filler
 //! waits for its thread, so nothing it issued outlives it.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use candle_core::Tensor;
 use crossbeam_channel::{Receiver, Sender};
+use tierzero_swap::ReadPin;
 
 use super::DeviceLink;
 use crate::model::exec_units::{with_host_elems, DeviceQueue, DeviceSpan};
@@ -49,7 +51,22 @@ use crate::model::ModelError;
 struct Item<U> {
     what: String,
     host: Tensor,
+    pin: Option<ReadPin>,
     reply: Sender<Result<U, ModelError>>,
+}
+
+/// One param for [`Filler::send`]: its host tensor, the pin of the same
+/// bytes in a pinned page when it lives in one (the link may copy from
+/// there in place, [`DeviceLink::upload_pinned`]), and its slot.
+pub struct Fill<U> {
+    /// Its name in the spans.
+    pub what: String,
+    /// The param's host tensor.
+    pub host: Tensor,
+    /// Its bytes in a pinned page, if they are in one.
+    pub pin: Option<ReadPin>,
+    /// Where its upload goes.
+    pub slot: Slot<U>,
 }
 
 /// Where the filler puts one upload ([`Filler::slot`]).
@@ -88,6 +105,8 @@ pub struct Filler<L: DeviceLink> {
     /// Each upload's issue (fill, and any wait for a staging buffer), on
     /// the host's clock, not yet taken.
     spans: Arc<Mutex<Vec<DeviceSpan>>>,
+    /// Bytes uploaded in place from registered pages, not yet taken.
+    direct_bytes: Arc<AtomicU64>,
 }
 
 impl<L: DeviceLink> std::fmt::Debug for Filler<L> {
@@ -102,15 +121,32 @@ impl<L: DeviceLink + 'static> Filler<L> {
         let (tx, rx) = crossbeam_channel::unbounded::<Vec<Item<L::Upload>>>();
         let spans = Arc::new(Mutex::new(Vec::new()));
         let log = spans.clone();
+        let direct_bytes = Arc::new(AtomicU64::new(0));
+        let in_place = direct_bytes.clone();
         let thread = std::thread::Builder::new()
             .name("tierzero-h2d-fill".into())
             .spawn(move || {
                 let bound = link.bind_upload_thread();
                 for items in rx {
-                    for Item { what, host, reply } in items {
+                    for Item {
+                        what,
+                        host,
+                        pin,
+                        reply,
+                    } in items
+                    {
                         let start = Instant::now();
                         let r = match &bound {
-                            Ok(()) => with_host_elems(&host, |v| link.upload(&what, v)),
+                            Ok(()) => with_host_elems(&host, |v| match pin {
+                                Some(pin) => {
+                                    let (u, direct) = link.upload_pinned(&what, pin, v)?;
+                                    if direct {
+                                        in_place.fetch_add(v.bytes(), Ordering::Relaxed);
+                                    }
+                                    Ok(u)
+                                }
+                                None => link.upload(&what, v),
+                            }),
                             Err(e) => Err(ModelError::Gpu {
                                 what: format!("device tier: {what} not uploaded: {e}"),
                             }),
@@ -140,6 +176,7 @@ impl<L: DeviceLink + 'static> Filler<L> {
             tx: Some(tx),
             thread: Some(thread),
             spans,
+            direct_bytes,
         })
     }
 }
@@ -151,6 +188,12 @@ impl<L: DeviceLink> Filler<L> {
         std::mem::take(&mut *self.spans.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
+    /// Bytes uploaded in place from registered pages since the last call
+    /// (`h2d_direct_bytes`).
+    pub fn take_direct_bytes(&self) -> u64 {
+        self.direct_bytes.swap(0, Ordering::Relaxed)
+    }
+
     /// A reply slot: the [`Queued`] the tier keeps, and the [`Slot`] the
     /// upload goes into, for [`Filler::send`]. A slot never sent leaves
     /// its [`Queued`] an error.
@@ -159,18 +202,18 @@ impl<L: DeviceLink> Filler<L> {
         (Slot { reply }, Queued { rx })
     }
 
-    /// Issues the uploads of `items` (what, host tensor, slot), in order,
-    /// as one message.
-    pub fn send(&self, items: Vec<(String, Tensor, Slot<L::Upload>)>) -> Result<(), ModelError> {
+    /// Issues the uploads of `items`, in order, as one message.
+    pub fn send(&self, items: Vec<Fill<L::Upload>>) -> Result<(), ModelError> {
         if items.is_empty() {
             return Ok(());
         }
         let msg = items
             .into_iter()
-            .map(|(what, host, slot)| Item {
-                what,
-                host,
-                reply: slot.reply,
+            .map(|f| Item {
+                what: f.what,
+                host: f.host,
+                pin: f.pin,
+                reply: f.slot.reply,
             })
             .collect();
         self.tx
@@ -201,7 +244,7 @@ mod tests {
     use tierzero_gpu::unit::GemmDtype;
 
     use super::*;
-    use crate::engine::device::sim::{SimConfig, SimDevice};
+    use crate::engine::device::sim::{SimConfig, SimDevice, SimUpload};
 
     fn sim(delay_ms: u64, slots: usize) -> SimDevice {
         SimDevice::new(SimConfig {
@@ -216,6 +259,15 @@ mod tests {
         .unwrap()
     }
 
+    fn fill_of(what: String, host: Tensor, slot: Slot<SimUpload>) -> Fill<SimUpload> {
+        Fill {
+            what,
+            host,
+            pin: None,
+            slot,
+        }
+    }
+
     fn host(n: usize, v: f32) -> Tensor {
         Tensor::full(v, n, &Device::Cpu).unwrap()
     }
@@ -228,7 +280,7 @@ mod tests {
         let mut items = Vec::new();
         for (k, n) in [7usize, 1, 33, 4].into_iter().enumerate() {
             let (slot, q) = fill.slot();
-            items.push((format!("p{k}"), host(n, k as f32 + 0.5), slot));
+            items.push(fill_of(format!("p{k}"), host(n, k as f32 + 0.5), slot));
             queued.push((n, k, q));
         }
         fill.send(items).unwrap();
@@ -258,7 +310,7 @@ mod tests {
             .map(|k| {
                 let (slot, q) = fill.slot();
                 drop(q);
-                (format!("p{k}"), host(64, 1.0), slot)
+                fill_of(format!("p{k}"), host(64, 1.0), slot)
             })
             .collect();
         fill.send(items).unwrap();
@@ -280,7 +332,7 @@ mod tests {
         let fill = Filler::new(link.clone()).unwrap();
         let (slot, q) = fill.slot();
         let t = host(5, 1.25).to_dtype(DType::BF16).unwrap();
-        fill.send(vec![("b".into(), t, slot)]).unwrap();
+        fill.send(vec![fill_of("b".into(), t, slot)]).unwrap();
         let buf = link.finish(q.wait().unwrap()).unwrap();
         // Widened exactly on the device side.
         assert_eq!(buf, vec![1.25f32; 5]);

@@ -94,6 +94,25 @@
 //! before it is taken (the tier dropped mid-step, a trace that was wrong)
 //! is first completed, then its destination is freed.
 //!
+//! # Params straight from their pages
+//!
+//! A param whose home is a cpu-tier page needs no staging buffer: its
+//! bytes are pinned memory already. The trainer maps the pages with the
+//! link's registrar ([`DeviceLink::host_registrar`]; on a GPU,
+//! `cuMemHostRegister`), and hands the tier, with each staged or loaded
+//! unit, a read pin of each param's range ([`tierzero_swap::ReadPin`],
+//! taken on the engine's thread, so its bytes are those the param's
+//! tensor was built from). The upload thread gives the pin to
+//! [`DeviceLink::upload_pinned`], which copies the range in place: no
+//! host copy, one DMA. The pin travels with the copy until it is done
+//! (on a GPU, a host function queued on the h2d stream after the copy
+//! drops it), and a write-back of the optimizer's new bytes into that
+//! page waits for every pin of it ([`tierzero_swap::SharedBuffer`]), so
+//! the copy engine never reads a range the host is rewriting. A page the
+//! device did not register (registration refused, or a device with no
+//! registrar) goes through staging as before; the plan says which. The
+//! step's `h2d_direct_bytes` counts what crossed in place.
+//!
 //! # What it shows
 //!
 //! * **The plan's device rows** ([`TieredUnits`]'s `memory_plan`): the
@@ -219,6 +238,10 @@ pub use tier::{Residency, TierEvent, TierLimits, TierPeaks, TieredUnits};
 /// Bytes of an fp32 element on the device.
 const ELEM_BYTES: u64 = 4;
 
+use std::sync::Arc;
+
+use tierzero_swap::{HostRegistrar, ReadPin};
+
 use crate::model::exec_units::{DeviceSpan, HostElems, HostVec};
 use crate::model::ModelError;
 
@@ -251,6 +274,28 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
     /// device's share for temporaries, not in the tier's budget. The
     /// executor drops it with the unit's other temporaries.
     fn upload_input(&self, what: &str, host: HostElems<'_>) -> Result<Self::Upload, ModelError>;
+    /// What registers host memory with the device, so that its copy
+    /// engine reads it in place: the trainer maps the cpu tier's pinned
+    /// pages with it ([`DeviceLink::upload_pinned`]). None: no such thing.
+    fn host_registrar(&self) -> Option<Arc<dyn HostRegistrar>> {
+        None
+    }
+    /// [`DeviceLink::upload`] of a param whose bytes are also `pin`, a
+    /// range of a pinned page nobody writes while the pin lives. When the
+    /// page is registered through [`DeviceLink::host_registrar`] (and its
+    /// bytes are `host`'s), the copy reads the page in place, with no
+    /// staging fill, and the pin travels with the copy until it is done:
+    /// `(upload, true)`. Otherwise the pin is let go and `host` goes
+    /// through staging: `(upload, false)`.
+    fn upload_pinned(
+        &self,
+        what: &str,
+        pin: ReadPin,
+        host: HostElems<'_>,
+    ) -> Result<(Self::Upload, bool), ModelError> {
+        drop(pin);
+        Ok((self.upload(what, host)?, false))
+    }
     /// Makes the calling thread ready to issue uploads (the tier's upload
     /// thread calls it once, first): a CUDA link makes its context
     /// current there.

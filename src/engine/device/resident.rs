@@ -67,8 +67,8 @@ use super::ahead::{Aheads, Holder};
 use super::inputs::{numel_of, output_numel, Inputs};
 use super::{DeviceLink, ELEM_BYTES};
 use crate::model::exec_units::{
-    self, DeviceMemoryPlan, DeviceMemoryRow, DeviceOptimizer, DeviceSpan, DeviceTraffic, HostElems,
-    UnitCompute,
+    self, DeviceMemoryPlan, DeviceMemoryRow, DeviceOptimizer, DeviceSpan, DeviceTraffic, HomePins,
+    HostElems, UnitCompute,
 };
 use crate::model::{
     Model, ModelError, ParamId, UnitGrads, UnitId, UnitInput, UnitOutput, Upstream,
@@ -509,7 +509,13 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
         true
     }
 
-    fn stage(&self, _model: &Model, unit: UnitId, params: &[Tensor]) -> Result<(), ModelError> {
+    fn stage(
+        &self,
+        _model: &Model,
+        unit: UnitId,
+        params: &[Tensor],
+        _pins: HomePins,
+    ) -> Result<(), ModelError> {
         self.aheads.staged(unit, params);
         Ok(())
     }

@@ -10,6 +10,14 @@
 //!   is free) and the copy thread gives it back after the copy. The copy
 //!   checks that the buffer still holds what the upload put in it, so a
 //!   buffer refilled mid-copy is counted ([`SimProbe::violations`]).
+//! * **Registered pages**: the device has a registrar
+//!   ([`SimRegistrar`]; [`SimDevice::without_registration`] has none),
+//!   and a param pinned in a page it registered is copied in place
+//!   ([`DeviceLink::upload_pinned`]): the copy thread reads the pinned
+//!   bytes at the end of the copy's time and only then lets the pin go,
+//!   so a write into the page that did not wait for the pin would show
+//!   in the copied values. [`SimProbe::direct_copies`] and
+//!   [`SimProbe::pins_held`] count them.
 //! * **Copies** run on one thread, in order, each taking `copy_delay`
 //!   plus its bytes at `h2d_bytes_per_s` (a PCIe link, say), and each is
 //!   a span of the `H2d` queue.
@@ -36,6 +44,8 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use tierzero_gpu::unit::{GemmDtype, HostExec};
+
+use tierzero_swap::{HostRegistrar, ReadPin};
 
 use super::{DeviceLink, LinkMemory, Staging};
 use crate::model::exec_units::{DeviceQueue, DeviceSpan, HostElems, HostVec};
@@ -99,14 +109,58 @@ impl<T> Event<T> {
     }
 }
 
+/// What a copy reads.
+enum Source {
+    /// A staging buffer the upload filled, and its fingerprint then.
+    Staged { slab: Vec<f32>, sum: u64 },
+    /// A registered page, in place: the pin is let go when the copy is
+    /// done. bf16 elements with `bf16`, else fp32 (little-endian).
+    Pinned { pin: ReadPin, bf16: bool },
+}
+
 /// One copy for the copy thread.
 struct Job {
     what: String,
     /// Bytes that cross (2 per bf16 element).
     bytes: u64,
-    slab: Vec<f32>,
-    sum: u64,
+    src: Source,
     event: Arc<Event<Vec<f32>>>,
+}
+
+/// The fp32 elements of little-endian `bytes`: bf16 ones widened
+/// (exactly), or fp32 ones.
+fn widen(bytes: &[u8], bf16: bool) -> Vec<f32> {
+    if bf16 {
+        bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect()
+    } else {
+        bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+}
+
+/// What the simulated device registered: the arenas it may copy from in
+/// place.
+#[derive(Debug, Default)]
+pub struct SimRegistrar {
+    registered_bytes: AtomicU64,
+}
+
+impl HostRegistrar for SimRegistrar {
+    fn register(&self, _addr: usize, len_bytes: usize) -> std::io::Result<()> {
+        self.registered_bytes
+            .fetch_add(len_bytes as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn unregister(&self, _addr: usize, len_bytes: usize) {
+        self.registered_bytes
+            .fetch_sub(len_bytes as u64, Ordering::Relaxed);
+    }
 }
 
 /// What the copy thread and the callers share.
@@ -121,6 +175,11 @@ struct Shared {
     peak_in_flight: AtomicU64,
     copies: AtomicU64,
     uploads: AtomicU64,
+    /// Copies that read a registered page in place, and their bytes.
+    direct_copies: AtomicU64,
+    direct_bytes: AtomicU64,
+    /// Pins held by copies queued or running.
+    pins_held: AtomicU64,
     downloads_in_flight: AtomicU64,
     downloads: AtomicU64,
     spans: Mutex<Vec<DeviceSpan>>,
@@ -199,6 +258,21 @@ impl SimProbe {
         self.shared.uploads.load(Ordering::Relaxed)
     }
 
+    /// Copies that read a registered page in place (no staging fill).
+    pub fn direct_copies(&self) -> u64 {
+        self.shared.direct_copies.load(Ordering::Relaxed)
+    }
+
+    /// Bytes those copies moved.
+    pub fn direct_bytes(&self) -> u64 {
+        self.shared.direct_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Page pins held by copies queued or running now.
+    pub fn pins_held(&self) -> u64 {
+        self.shared.pins_held.load(Ordering::Relaxed)
+    }
+
     /// Downloads queued or running now.
     pub fn downloads_in_flight(&self) -> u64 {
         self.shared.downloads_in_flight.load(Ordering::Relaxed)
@@ -241,6 +315,9 @@ pub struct SimDevice {
     thread: Mutex<Option<JoinHandle<()>>>,
     downs: Mutex<Option<Sender<Down>>>,
     down_thread: Mutex<Option<JoinHandle<()>>>,
+    /// Registers pages for copies in place (None: it registers nothing,
+    /// and every upload goes through staging).
+    registrar: Option<Arc<dyn HostRegistrar>>,
 }
 
 /// An order-sensitive hash of a buffer's bits.
@@ -265,10 +342,28 @@ fn copy_thread(rx: Receiver<Job>, shared: Arc<Shared>, cfg: SimConfig) {
     for job in rx {
         let start = Instant::now();
         std::thread::sleep(copy_time(&cfg, job.bytes));
-        if fingerprint(&job.slab) != job.sum {
-            shared.violations.fetch_add(1, Ordering::Relaxed);
-        }
-        let dst = job.slab.clone();
+        // The bytes are read at the end of the copy's time: one that
+        // changed under it (a staging buffer refilled, a page written
+        // without waiting for the pin) is seen.
+        let (dst, slab) = match job.src {
+            Source::Staged { slab, sum } => {
+                if fingerprint(&slab) != sum {
+                    shared.violations.fetch_add(1, Ordering::Relaxed);
+                }
+                (slab.clone(), Some(slab))
+            }
+            Source::Pinned { pin, bf16 } => {
+                let dst = widen(pin.bytes(), bf16);
+                shared.direct_copies.fetch_add(1, Ordering::Relaxed);
+                shared
+                    .direct_bytes
+                    .fetch_add(pin.len_bytes() as u64, Ordering::Relaxed);
+                // The copy is done: its pin goes.
+                drop(pin);
+                shared.pins_held.fetch_sub(1, Ordering::Relaxed);
+                (dst, None)
+            }
+        };
         shared.push_span(DeviceSpan {
             queue: DeviceQueue::H2d,
             name: job.what,
@@ -279,12 +374,14 @@ fn copy_thread(rx: Receiver<Job>, shared: Arc<Shared>, cfg: SimConfig) {
         // waited on it sees the device with this copy done.
         shared.in_flight.fetch_sub(1, Ordering::Relaxed);
         shared.copies.fetch_add(1, Ordering::Relaxed);
-        shared
-            .free_slabs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(job.slab);
-        shared.slab_back.notify_all();
+        if let Some(slab) = slab {
+            shared
+                .free_slabs
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(slab);
+            shared.slab_back.notify_all();
+        }
         job.event.complete(dst);
     }
 }
@@ -352,7 +449,15 @@ impl SimDevice {
             thread: Mutex::new(Some(thread)),
             downs: Mutex::new(Some(dtx)),
             down_thread: Mutex::new(Some(down_thread)),
+            registrar: Some(Arc::new(SimRegistrar::default())),
         })
+    }
+
+    /// The device registering no host memory: every upload goes through
+    /// staging, as on a GPU whose registration failed.
+    pub fn without_registration(mut self) -> Self {
+        self.registrar = None;
+        self
     }
 
     /// A handle on the device's counters, valid after the device is gone.
@@ -389,8 +494,23 @@ impl SimDevice {
         host: HostElems<'_>,
         counted: bool,
     ) -> Result<SimUpload, ModelError> {
-        // The destination holds fp32 elements, whatever crossed.
         let bytes = if counted { host.len() as u64 * 4 } else { 0 };
+        self.admit(what, bytes)?;
+        let mut slab = self.take_slab();
+        slab.clear();
+        // bf16 is widened here rather than after the copy (the same exact
+        // values); the copy takes the time of the bytes that crossed.
+        match host {
+            HostElems::F32(v) => slab.extend_from_slice(v),
+            HostElems::Bf16(v) => slab.extend(v.iter().map(|x| x.to_f32())),
+        }
+        let sum = fingerprint(&slab);
+        self.queue(what, host.bytes(), bytes, Source::Staged { slab, sum })
+    }
+
+    /// Counts an upload and its `bytes` of device memory in the budget
+    /// (or refuses it, with the numbers).
+    fn admit(&self, what: &str, bytes: u64) -> Result<(), ModelError> {
         let nth = self.shared.uploads.fetch_add(1, Ordering::Relaxed) + 1;
         if self.cfg.fail_upload == Some(nth) {
             return Err(ModelError::Gpu {
@@ -409,15 +529,18 @@ impl SimDevice {
             });
         }
         self.shared.peak_bytes.fetch_max(used, Ordering::Relaxed);
-        let mut slab = self.take_slab();
-        slab.clear();
-        // bf16 is widened here rather than after the copy (the same exact
-        // values); the copy takes the time of the bytes that crossed.
-        match host {
-            HostElems::F32(v) => slab.extend_from_slice(v),
-            HostElems::Bf16(v) => slab.extend(v.iter().map(|x| x.to_f32())),
-        }
-        let sum = fingerprint(&slab);
+        Ok(())
+    }
+
+    /// Queues the copy of `src` (`cross_bytes` crossing, `bytes` admitted
+    /// to the budget, given back if the copy thread has stopped).
+    fn queue(
+        &self,
+        what: &str,
+        cross_bytes: u64,
+        bytes: u64,
+        src: Source,
+    ) -> Result<SimUpload, ModelError> {
         let event = Arc::new(Event::default());
         let n = self.shared.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
         self.shared.peak_in_flight.fetch_max(n, Ordering::Relaxed);
@@ -429,9 +552,8 @@ impl SimDevice {
             .map(|tx| {
                 tx.send(Job {
                     what: what.to_owned(),
-                    bytes: host.bytes(),
-                    slab,
-                    sum,
+                    bytes: cross_bytes,
+                    src,
                     event: event.clone(),
                 })
             });
@@ -494,6 +616,38 @@ impl DeviceLink for SimDevice {
 
     fn upload_input(&self, what: &str, host: HostElems<'_>) -> Result<SimUpload, ModelError> {
         self.send(what, host, false)
+    }
+
+    fn host_registrar(&self) -> Option<Arc<dyn HostRegistrar>> {
+        self.registrar.clone()
+    }
+
+    fn upload_pinned(
+        &self,
+        what: &str,
+        pin: ReadPin,
+        host: HostElems<'_>,
+    ) -> Result<(SimUpload, bool), ModelError> {
+        let registered = self
+            .registrar
+            .as_ref()
+            .is_some_and(|r| pin.registered_with(r));
+        if !registered || pin.len_bytes() as u64 != host.bytes() {
+            drop(pin);
+            return Ok((self.send(what, host, true)?, false));
+        }
+        let bytes = host.len() as u64 * 4;
+        self.admit(what, bytes)?;
+        let bf16 = matches!(host, HostElems::Bf16(_));
+        self.shared.pins_held.fetch_add(1, Ordering::Relaxed);
+        let cross = pin.len_bytes() as u64;
+        match self.queue(what, cross, bytes, Source::Pinned { pin, bf16 }) {
+            Ok(u) => Ok((u, true)),
+            Err(e) => {
+                self.shared.pins_held.fetch_sub(1, Ordering::Relaxed);
+                Err(e)
+            }
+        }
     }
 
     fn finish(&self, upload: SimUpload) -> Result<Vec<f32>, ModelError> {
@@ -607,5 +761,137 @@ impl Drop for SimDevice {
         if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use tierzero_swap::{ArenaConfig, LockPolicy, PinnedArena, SharedBuffer};
+
+    use super::*;
+
+    fn device(delay_ms: u64) -> SimDevice {
+        SimDevice::new(SimConfig {
+            budget_bytes: 1 << 20,
+            copy_delay: Duration::from_millis(delay_ms),
+            h2d_bytes_per_s: None,
+            staging_slots: 1,
+            gemm: GemmDtype::F32,
+            fail_upload: None,
+            compute_delay: Duration::ZERO,
+        })
+        .unwrap()
+    }
+
+    /// A page of 4096 bytes, registered through `registrar` if given.
+    fn page(registrar: Option<Arc<dyn HostRegistrar>>) -> SharedBuffer {
+        let mut c = ArenaConfig::new(4096, 4096);
+        c.lock = LockPolicy::Off;
+        c.registrar = registrar;
+        SharedBuffer::new(PinnedArena::new(c).unwrap().try_acquire().unwrap())
+    }
+
+    fn put(page: &SharedBuffer, v: &[f32]) {
+        let (mut g, _) = page.write();
+        for (i, x) in v.iter().enumerate() {
+            g.as_mut_slice()[4 * i..4 * i + 4].copy_from_slice(&x.to_le_bytes());
+        }
+    }
+
+    #[test]
+    fn a_copy_in_place_holds_its_pin_and_a_write_back_waits_for_it() {
+        let dev = device(300);
+        let probe = dev.probe();
+        let page = page(dev.host_registrar());
+        put(&page, &[1.0, 2.0, 3.0]);
+        let host = [1.0f32, 2.0, 3.0];
+        let (up, direct) = dev
+            .upload_pinned("p", page.pin(0..12).unwrap(), HostElems::F32(&host))
+            .unwrap();
+        assert!(direct);
+        assert_eq!(probe.pins_held(), 1);
+        // The optimizer's new bytes: the write waits for the copy.
+        let p2 = page.clone();
+        let writer = std::thread::spawn(move || put(&p2, &[9.0, 9.0, 9.0]));
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(
+            probe.in_flight(),
+            1,
+            "the copy ended early: the test saw nothing"
+        );
+        assert!(
+            !writer.is_finished(),
+            "a write went ahead of a copy in place"
+        );
+        writer.join().unwrap();
+        // The copy read the bytes of the pin's time, not the new ones.
+        assert_eq!(dev.finish(up).unwrap(), vec![1.0, 2.0, 3.0]);
+        assert_eq!((probe.pins_held(), probe.direct_copies()), (0, 1));
+        assert_eq!(probe.direct_bytes(), 12);
+        // No staging buffer was taken.
+        assert_eq!(probe.free_staging(), 1);
+    }
+
+    #[test]
+    fn a_page_the_device_did_not_register_goes_through_staging() {
+        let dev = device(0);
+        let probe = dev.probe();
+        let other: Arc<dyn HostRegistrar> = Arc::new(SimRegistrar::default());
+        for registrar in [None, Some(other)] {
+            let page = page(registrar);
+            put(&page, &[4.0, 5.0]);
+            let host = [4.0f32, 5.0];
+            let (up, direct) = dev
+                .upload_pinned("p", page.pin(0..8).unwrap(), HostElems::F32(&host))
+                .unwrap();
+            assert!(!direct);
+            // The pin was let go at once: a write does not wait.
+            assert_eq!(page.pins(), 0);
+            assert_eq!(dev.finish(up).unwrap(), vec![4.0, 5.0]);
+        }
+        assert_eq!(probe.direct_copies(), 0);
+        // Pinned bytes that are not the host's elements (an fp16 page for
+        // an fp32 upload, say) go through staging too.
+        let dev = device(0);
+        let page = page(dev.host_registrar());
+        let host = [4.0f32, 5.0];
+        let (up, direct) = dev
+            .upload_pinned("p", page.pin(0..4).unwrap(), HostElems::F32(&host))
+            .unwrap();
+        assert!(!direct);
+        assert_eq!(dev.finish(up).unwrap(), vec![4.0, 5.0]);
+    }
+
+    #[test]
+    fn bf16_pages_cross_as_bf16_and_a_device_dropped_mid_copy_lets_its_pins_go() {
+        let dev = device(50);
+        let probe = dev.probe();
+        let page = page(dev.host_registrar());
+        let host: Vec<half::bf16> = [1.5f32, -2.25, 3.0]
+            .iter()
+            .map(|&x| half::bf16::from_f32(x))
+            .collect();
+        {
+            let (mut g, _) = page.write();
+            for (i, x) in host.iter().enumerate() {
+                g.as_mut_slice()[2 * i..2 * i + 2].copy_from_slice(&x.to_le_bytes());
+            }
+        }
+        let (up, direct) = dev
+            .upload_pinned("b", page.pin(0..6).unwrap(), HostElems::Bf16(&host))
+            .unwrap();
+        assert!(direct);
+        assert_eq!(dev.finish(up).unwrap(), vec![1.5, -2.25, 3.0]);
+        // Two copies queued, the device dropped before they ran.
+        for _ in 0..2 {
+            let (up, _) = dev
+                .upload_pinned("b", page.pin(0..6).unwrap(), HostElems::Bf16(&host))
+                .unwrap();
+            drop(up);
+        }
+        assert!(page.pins() > 0);
+        drop(dev);
+        assert_eq!((page.pins(), probe.pins_held()), (0, 0));
     }
 }

@@ -8,11 +8,11 @@ use std::time::Instant;
 use candle_core::{DType, Tensor};
 
 use super::ahead::{Aheads, Holder};
-use super::fill::{Filler, Queued};
+use super::fill::{Fill, Filler, Queued};
 use super::inputs::{numel_of, output_numel, Inputs};
 use super::{DeviceLink, ELEM_BYTES};
 use crate::model::exec_units::{
-    self, DeviceMemoryPlan, DeviceMemoryRow, DeviceSpan, DeviceTraffic, UnitCompute,
+    self, DeviceMemoryPlan, DeviceMemoryRow, DeviceSpan, DeviceTraffic, HomePins, UnitCompute,
 };
 use crate::model::{
     Model, ModelError, ParamId, UnitGrads, UnitId, UnitInput, UnitOutput, Upstream,
@@ -707,14 +707,26 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
         true
     }
 
-    fn stage(&self, model: &Model, unit: UnitId, params: &[Tensor]) -> Result<(), ModelError> {
+    fn host_registrar(&self) -> Option<Arc<dyn tierzero_swap::HostRegistrar>> {
+        self.link.host_registrar()
+    }
+
+    fn stage(
+        &self,
+        model: &Model,
+        unit: UnitId,
+        params: &[Tensor],
+        pins: HomePins,
+    ) -> Result<(), ModelError> {
         let ids = model.unit(unit)?.params.clone();
+        let mut pins = pins.into_iter();
         self.aheads.staged(unit, params);
         let mut st = self.lock();
         let budget = self.link.budget_bytes();
         // Issued as one message to the upload thread, after the loop.
         let mut items = Vec::new();
         for (&id, host) in ids.iter().zip(params) {
+            let pin = pins.next().flatten();
             if st.params.contains_key(&id) {
                 continue;
             }
@@ -731,19 +743,32 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
             st.apply(id, TierEvent::Staged(q, numel))?;
             st.peaks.live_numel_at_stage = st.peaks.live_numel_at_stage.max(st.live_numel());
             st.traffic.h2d_bytes += exec_units::host_elems_bytes(host);
-            items.push((format!("param {}", id.0), host.clone(), slot));
+            items.push(Fill {
+                what: format!("param {}", id.0),
+                host: host.clone(),
+                pin,
+                slot,
+            });
         }
         self.fill.send(items)
     }
 
-    fn load(&self, model: &Model, unit: UnitId, params: &[Tensor]) -> Result<(), ModelError> {
+    fn load(
+        &self,
+        model: &Model,
+        unit: UnitId,
+        params: &[Tensor],
+        pins: HomePins,
+    ) -> Result<(), ModelError> {
         let ids = model.unit(unit)?.params.clone();
+        let mut pins = pins.into_iter();
         let mut st = self.lock();
         // On the upload thread, as one message, ahead of whatever is
         // staged after it.
         let mut items = Vec::new();
         let mut admitted = Ok(());
         for (&id, host) in ids.iter().zip(params) {
+            let pin = pins.next().flatten();
             match st.params.get(&id) {
                 // Staged ahead: no longer ahead of use.
                 Some(Residency::Uploading { .. }) => {
@@ -763,7 +788,12 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
             let (slot, q) = self.fill.slot();
             st.apply(id, TierEvent::Loading(q, numel))?;
             st.traffic.h2d_bytes += exec_units::host_elems_bytes(host);
-            items.push((format!("param {}", id.0), host.clone(), slot));
+            items.push(Fill {
+                what: format!("param {}", id.0),
+                host: host.clone(),
+                pin,
+                slot,
+            });
         }
         // What was admitted before a refusal is issued all the same: its
         // state waits for it.
@@ -813,6 +843,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
     fn take_traffic(&self) -> Option<DeviceTraffic> {
         let mut t = std::mem::take(&mut self.lock().traffic);
         t.add(&self.inputs.take_traffic());
+        t.h2d_direct_bytes += self.fill.take_direct_bytes();
         Some(t)
     }
 

@@ -109,6 +109,10 @@ pub struct StepMetrics {
     /// Bytes of units' inputs the device tier did not upload: the
     /// previous unit's output was still on the device.
     pub h2d_kept_bytes: u64,
+    /// Of `h2d_bytes`, the params' bytes the device tier copied in place
+    /// from their pinned pages (registered with the device), with no
+    /// staging fill.
+    pub h2d_direct_bytes: u64,
     /// Blocks whose backward on the device ran from their kept forward
     /// (no recompute; see "Kept forwards" in `crate::engine::device`).
     pub device_forwards_kept: u64,

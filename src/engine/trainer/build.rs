@@ -274,9 +274,41 @@ impl TierBuild<'_> {
 
     /// Maps one arena of `buffers`, locked by its block's `pin_memory`.
     fn arena(&mut self, buffers: Buffers, pin: bool) -> Result<Arc<PinnedArena>> {
+        self.arena_registered(buffers, pin, None)
+    }
+
+    /// [`TierBuild::arena`], registered through `registrar` too (with a
+    /// device's, its copy engine reads the arena in place). A registration
+    /// the device refuses is a warning: the arena is mapped without it,
+    /// and its bytes cross through staging buffers.
+    fn arena_registered(
+        &mut self,
+        buffers: Buffers,
+        pin: bool,
+        registrar: Option<Arc<dyn tierzero_swap::HostRegistrar>>,
+    ) -> Result<Arc<PinnedArena>> {
         let mut ac = ArenaConfig::new(buffers.total_bytes(), buffers.bytes_each);
         ac.lock = lock_policy(pin, self.lockable, self.config.tierzero.memlock);
-        let arena = PinnedArena::new(ac)?;
+        let arena = match registrar {
+            None => PinnedArena::new(ac)?,
+            Some(r) => {
+                let mut with = ac.clone();
+                with.registrar = Some(r);
+                match PinnedArena::new(with) {
+                    Ok(a) => a,
+                    Err(e) => {
+                        let a = PinnedArena::new(ac)?;
+                        tracing::warn!(
+                            bytes = buffers.total_bytes(),
+                            error = %e,
+                            "the device did not register the cpu tier's pinned pages; \
+                             their params cross through staging buffers"
+                        );
+                        a
+                    }
+                }
+            }
+        };
         self.arenas.push(arena.clone());
         Ok(arena)
     }
@@ -317,7 +349,14 @@ impl TierBuild<'_> {
         let zero = &self.config.zero;
         let pin = zero.offload_param.pin_memory;
         let cpu_pages = if self.sizing.cpu_pages.count > 0 {
-            let arena = self.arena(self.sizing.cpu_pages, pin)?;
+            // A device that copies from registered memory in place maps
+            // the pages with its registrar (one rank: the pins are of
+            // whole params).
+            let registrar = match &self.opts.compute {
+                Some(c) if self.opts.comm.world_size() == 1 => c.host_registrar(),
+                _ => None,
+            };
+            let arena = self.arena_registered(self.sizing.cpu_pages, pin, registrar)?;
             arena.try_acquire_n(self.sizing.cpu_pages.count as usize)?
         } else {
             Vec::new()

@@ -530,6 +530,19 @@ impl Trainer {
         self.arenas.iter().map(|a| a.total_bytes()).sum()
     }
 
+    /// With units computed on a device that stages params
+    /// ([`crate::model::exec_units::UnitCompute::stages`]) and params in
+    /// the cpu tier's pages: whether the pages are registered with the
+    /// device, so the params cross from them in place. None otherwise.
+    pub fn pages_registered(&self) -> Option<bool> {
+        let staged = self
+            .opts
+            .compute
+            .as_ref()
+            .is_some_and(|c| c.on_device() && c.stages());
+        (staged && self.sizing.cpu_pages.count > 0).then(|| self.store.pages_registered())
+    }
+
     /// The activation policy's line for the plan (its budget and where it
     /// came from), or, with units computed elsewhere
     /// ([`TrainerOptions::compute`]), that every block is recomputed.

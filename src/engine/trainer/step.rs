@@ -632,6 +632,7 @@ impl Trainer {
             h2d_wait_s: device.h2d_wait_s,
             d2h_wait_s: device.d2h_wait_s,
             h2d_kept_bytes: device.h2d_kept_bytes,
+            h2d_direct_bytes: device.h2d_direct_bytes,
             device_forwards_kept: device.forwards_kept,
             device_forwards_recomputed: device.forwards_recomputed,
             device_forwards_ahead: device.forwards_ahead,

@@ -57,6 +57,11 @@ use super::{
     UnitKind, UnitOutput, Upstream,
 };
 
+/// Read pins of a unit's params in pinned pages (declared order, `None`
+/// where a param is not in one; empty: none at all), for uploads straight
+/// from there ([`UnitCompute::stage`]).
+pub type HomePins = Vec<Option<tierzero_swap::ReadPin>>;
+
 /// Runs units: candle's (the model itself) or another executor's.
 pub trait UnitCompute: Send + Sync + std::fmt::Debug {
     /// What computes, for the plan (e.g. "cuda:0 NVIDIA H200 (sm_90), fp32 GEMMs").
@@ -92,8 +97,17 @@ pub trait UnitCompute: Send + Sync + std::fmt::Debug {
     }
     /// Starts moving `unit`'s params (host copies, declared order) to
     /// where it computes, ahead of its call. The call then gets the same
-    /// `params`.
-    fn stage(&self, _model: &Model, _unit: UnitId, _params: &[Tensor]) -> Result<(), ModelError> {
+    /// `params`. `pins` (declared order too, or empty) are the params'
+    /// same bytes in pinned pages, where they live in one: a device whose
+    /// registrar ([`UnitCompute::host_registrar`]) mapped those pages
+    /// copies from them in place.
+    fn stage(
+        &self,
+        _model: &Model,
+        _unit: UnitId,
+        _params: &[Tensor],
+        _pins: HomePins,
+    ) -> Result<(), ModelError> {
         Ok(())
     }
     /// `unit` computes next: starts every copy its params (host copies,
@@ -101,9 +115,24 @@ pub trait UnitCompute: Send + Sync + std::fmt::Debug {
     /// after it ([`UnitCompute::stage`]), so that the copies of the unit
     /// that runs first are not queued behind those of the one that runs
     /// second. Outside the prefetch window: they are for use now. The
-    /// call then gets the same `params`.
-    fn load(&self, _model: &Model, _unit: UnitId, _params: &[Tensor]) -> Result<(), ModelError> {
+    /// call then gets the same `params`; `pins` as for
+    /// [`UnitCompute::stage`].
+    fn load(
+        &self,
+        _model: &Model,
+        _unit: UnitId,
+        _params: &[Tensor],
+        _pins: HomePins,
+    ) -> Result<(), ModelError> {
         Ok(())
+    }
+    /// What registers host memory with the device it computes on, so its
+    /// copy engine reads that memory in place: the trainer maps the cpu
+    /// tier's pinned pages with it, and hands their pins to
+    /// [`UnitCompute::stage`] and [`UnitCompute::load`]. None: it copies
+    /// from nothing in place (the host, or a device without it).
+    fn host_registrar(&self) -> Option<std::sync::Arc<dyn tierzero_swap::HostRegistrar>> {
+        None
     }
     /// A step begins: the optimizer may have changed every param since
     /// the last call, so nothing moved before may be reused.

@@ -96,6 +96,9 @@ pub struct DeviceTraffic {
     /// Bytes of unit inputs not uploaded: the previous unit's output was
     /// still on the device.
     pub h2d_kept_bytes: u64,
+    /// Of `h2d_bytes`, the params' bytes copied in place from their
+    /// registered pinned pages, with no staging fill.
+    pub h2d_direct_bytes: u64,
     /// Blocks whose backward ran from their kept forward
     /// ([`KeptForward`]), with no recompute.
     pub forwards_kept: u64,
@@ -119,6 +122,7 @@ impl DeviceTraffic {
         self.h2d_wait_s += o.h2d_wait_s;
         self.d2h_wait_s += o.d2h_wait_s;
         self.h2d_kept_bytes += o.h2d_kept_bytes;
+        self.h2d_direct_bytes += o.h2d_direct_bytes;
         self.forwards_kept += o.forwards_kept;
         self.forwards_recomputed += o.forwards_recomputed;
         self.forwards_ahead += o.forwards_ahead;

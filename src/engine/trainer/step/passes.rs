@@ -5,6 +5,7 @@
 
 use super::super::activations::{Plan as ActivationPlan, Saved};
 use super::*;
+use crate::model::exec_units::{HomePins, UnitCompute};
 
 /// One micro-batch's tokens.
 #[derive(Debug)]
@@ -346,9 +347,21 @@ impl Trainer {
     /// ([`crate::model::exec_units::UnitCompute::load`]).
     fn load_unit(&self, uid: UnitId, params: &[Tensor]) -> Result<()> {
         if let Some(c) = &self.opts.compute {
-            c.load(&self.model, uid, params)?;
+            c.load(&self.model, uid, params, self.home_pins(c.as_ref(), uid)?)?;
         }
         Ok(())
+    }
+
+    /// Read pins of `uid`'s params in their pinned pages, for a compute
+    /// whose device copies from them in place (its registrar mapped the
+    /// pages; see [`crate::engine::device::DeviceLink::upload_pinned`]):
+    /// empty otherwise.
+    fn home_pins(&self, c: &dyn UnitCompute, uid: UnitId) -> Result<HomePins> {
+        if !self.store.pages_registered() || c.host_registrar().is_none() {
+            return Ok(Vec::new());
+        }
+        let ids = &self.model.unit(uid)?.params;
+        ids.iter().map(|&p| self.store.pin_home(p)).collect()
     }
 
     /// Visits and fetches the next unit `uid` before this one computes,
@@ -362,7 +375,7 @@ impl Trainer {
     ) -> Result<(UnitId, Vec<Tensor>)> {
         let params = self.unit_params(plan, uid, pass, shape, &mut None)?;
         if let Some(c) = &self.opts.compute {
-            c.stage(&self.model, uid, &params)?;
+            c.stage(&self.model, uid, &params, self.home_pins(c.as_ref(), uid)?)?;
         }
         Ok((uid, params))
     }
