@@ -32,6 +32,8 @@ struct Out {
     h2d_kept_bytes: u64,
     /// Params' bytes copied in place from their registered pages.
     h2d_direct_bytes: u64,
+    /// The upload thread's busy time (its fills and issues).
+    h2d_fill_busy_s: f64,
     /// Seconds of each step.
     wall_s: Vec<f64>,
     /// Forwards launched ahead and taken by their call.
@@ -64,6 +66,7 @@ fn run(model: &Path, k: &Knobs, opts: TrainerOptions, steps: u64) -> Out {
         h2d_busy_s: 0.0,
         h2d_kept_bytes: 0,
         h2d_direct_bytes: 0,
+        h2d_fill_busy_s: 0.0,
         wall_s: Vec::new(),
         forwards_ahead: 0,
         backwards_ahead: 0,
@@ -79,6 +82,7 @@ fn run(model: &Path, k: &Knobs, opts: TrainerOptions, steps: u64) -> Out {
         out.h2d_busy_s += m.h2d_busy_s;
         out.h2d_kept_bytes += m.h2d_kept_bytes;
         out.h2d_direct_bytes += m.h2d_direct_bytes;
+        out.h2d_fill_busy_s += m.h2d_fill_busy_s;
         out.wall_s.push(m.wall_s);
         out.forwards_ahead += m.device_forwards_ahead;
         out.backwards_ahead += m.device_backwards_ahead;
@@ -628,10 +632,11 @@ fn cpu_tier_params_cross_from_their_registered_pages_in_place() {
                 }
                 let (got, _, probe) = tiered_on(model, &k, dev, wide_open(), 3, true);
                 println!(
-                    "{case}: h2d {} B, {} B of it in place in {} copies",
+                    "{case}: h2d {} B, {} B of it in place in {} copies; upload thread busy {:.3} s",
                     got.h2d_bytes,
                     got.h2d_direct_bytes,
-                    probe.direct_copies()
+                    probe.direct_copies(),
+                    got.h2d_fill_busy_s
                 );
                 assert_eq!(got.loss_bits, want.loss_bits, "{case}: losses");
                 assert_eq!(got.sha, want.sha, "{case}: weights");

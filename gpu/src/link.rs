@@ -33,13 +33,14 @@
 //!
 //! A param whose bytes are in host memory registered with the device
 //! ([`crate::host_register`]) needs no staging buffer:
-//! [`Uploads::start_pinned`] queues the DMA from those bytes, then a host
-//! function that lets their `tierzero_swap::ReadPin` go, then the event.
-//! The pin keeps the bytes from being rewritten until the copy is done;
-//! the host function only sends it to a thread of its own that drops it,
-//! because dropping an arena's last pin may unregister the arena, a CUDA
-//! call, which a host function must not make. `finish` is the same as for
-//! a staged upload, with no staging buffer to retire.
+//! [`Uploads::start_pinned`] queues the DMA from those bytes and records
+//! an event after it. The bytes' `tierzero_swap::ReadPin` keeps them from
+//! being rewritten until the copy is done: it goes, with a second event
+//! after the copy, to a thread of the uploads' own, which waits for that
+//! event and drops the pin. Neither the copy stream nor the engine waits
+//! for it (not a host function on the stream: that would hold the stream
+//! until it ran). `finish` is the same as for a staged upload, with no
+//! staging buffer to retire.
 //!
 //! # Timing
 //!
@@ -250,23 +251,29 @@ pub struct Uploads {
     pool16: Mutex<Pool<bf16>>,
     cap_bytes: u64,
     spans: SpanLog,
-    /// Where the h2d stream's host functions send the pins of copies in
-    /// place that are done ([`Uploads::start_pinned`]).
-    reaper: Mutex<std::sync::mpsc::Sender<tierzero_swap::ReadPin>>,
+    /// Where the pins of copies in place go, each with an event after its
+    /// copy ([`Uploads::start_pinned`], [`spawn_reaper`]).
+    reaper: Mutex<std::sync::mpsc::Sender<(CudaEvent, tierzero_swap::ReadPin)>>,
 }
 
-/// The thread that drops the pins of copies in place once they are done.
-/// A host function on a stream must make no CUDA call, and dropping the
-/// last pin of an arena whose store is gone drops the arena, which
-/// unregisters it (`cuMemHostUnregister`): so the host function only
-/// sends the pin here. The thread ends when the last sender (the
-/// uploads', and one per copy still queued) is gone.
-fn spawn_reaper() -> Result<std::sync::mpsc::Sender<tierzero_swap::ReadPin>> {
-    let (tx, rx) = std::sync::mpsc::channel::<tierzero_swap::ReadPin>();
+/// The thread that lets the pins of copies in place go once they are
+/// done: it waits for each copy's event (copies on one stream complete in
+/// order, so in turn), then drops its pin, and a write-back waiting for
+/// that pin proceeds. The copy stream never waits for it, and the host
+/// only where the bytes are rewritten. Dropping an arena's last pin (its
+/// store gone) unregisters the arena, a CUDA call, which is fine on this
+/// thread. It ends when the uploads are dropped and its queue is empty.
+fn spawn_reaper() -> Result<std::sync::mpsc::Sender<(CudaEvent, tierzero_swap::ReadPin)>> {
+    let (tx, rx) = std::sync::mpsc::channel::<(CudaEvent, tierzero_swap::ReadPin)>();
     std::thread::Builder::new()
         .name("tierzero-pin-reaper".into())
         .spawn(move || {
-            for pin in rx {
+            for (done, pin) in rx {
+                if let Err(e) = done.synchronize() {
+                    // The context failed: no copy runs on it any more,
+                    // and a pin that never went would hang a write-back.
+                    tracing::warn!(error = %e, "cuEventSynchronize before letting a page pin go");
+                }
                 drop(pin);
             }
         })
@@ -426,10 +433,9 @@ impl Uploads {
     /// a new device buffer for `what`: one DMA, no staging copy. The bytes
     /// are fp32 elements, or bf16 ones with `bf16` (widened by `finish`,
     /// as [`Uploads::start_bf16`]'s are). The pin travels with the copy:
-    /// a host function queued on the h2d stream after it hands the pin to
-    /// the reaper thread when the copy is done ([`spawn_reaper`]), so a
-    /// write-back into those bytes waits for the copy and for nothing
-    /// else. The caller checks the registration
+    /// the reaper thread lets it go once an event after the copy completed
+    /// ([`spawn_reaper`]), so a write-back into those bytes waits for the
+    /// copy and for nothing else. The caller checks the registration
     /// (`ReadPin::registered_with`); memory that is not registered would
     /// still copy, but synchronously.
     pub fn start_pinned(
@@ -468,8 +474,9 @@ impl Uploads {
         }
     }
 
-    /// Queues the copy of `pin` into `dst` on the h2d stream, then the
-    /// host function that lets the pin go, then the event after both.
+    /// Queues the copy of `pin` into `dst` on the h2d stream and records
+    /// two events after it: one goes to the reaper thread with the pin
+    /// ([`spawn_reaper`]), the other is the caller's.
     fn copy_pinned<T>(
         &self,
         what: &str,
@@ -487,9 +494,9 @@ impl Uploads {
             // SAFETY: `dst` is a live allocation on this context of at
             // least `pin.len_bytes()` bytes (`start_pinned` sized it); the
             // source is registered host memory that nobody writes while
-            // `pin` lives, and `pin` lives until the host function queued
-            // right after this copy on the same stream has run (or, if
-            // queuing it fails, until the copy's event completed).
+            // `pin` lives, and `pin` lives until an event recorded after
+            // this copy on the same stream has completed (the reaper
+            // waits for it), or until the stream was synchronised.
             unsafe {
                 cudarc::driver::result::memcpy_htod_async(
                     dst_ptr,
@@ -499,36 +506,32 @@ impl Uploads {
             }
             .map_err(driver("cuMemcpyHtoDAsync"))?;
         }
-        let span = EventClock::span(&self.dev.h2d, what.to_owned(), began)?;
-        self.spans.push(span)?;
-        let reaper = locked(&self.reaper).clone();
-        let boxed = Box::into_raw(Box::new((pin, reaper)));
-        // SAFETY: `release_pin` takes back exactly this box, once: the
-        // driver runs a queued host function once, after the work queued
-        // before it on the stream.
-        let queued = unsafe {
-            cudarc::driver::result::stream::launch_host_function(
-                self.dev.h2d.cu_stream(),
-                release_pin,
-                boxed.cast(),
-            )
-        };
-        if let Err(e) = queued {
-            // SAFETY: not queued, so the box is still ours alone.
-            let (pin, _) = *unsafe { Box::from_raw(boxed) };
-            let ev = self.dev.h2d.record_event(None);
-            if let Ok(ev) = &ev {
-                let _ = ev.synchronize();
-            } else {
-                let _ = self.dev.h2d.synchronize();
-            }
-            drop(pin);
-            return Err(driver("cuLaunchHostFunc")(e));
+        // From here the copy may be running: every way out hands the pin
+        // to the reaper or waits for the stream first. The span is for the
+        // timeline only; a failed one only loses it.
+        if let Ok(span) = EventClock::span(&self.dev.h2d, what.to_owned(), began) {
+            let _ = self.spans.push(span);
         }
-        self.dev
-            .h2d
-            .record_event(None)
-            .map_err(driver("cuEventRecord"))
+        // The reaper's event, then the caller's: both after the copy.
+        let done = self.dev.h2d.record_event(None);
+        let event = self.dev.h2d.record_event(None);
+        let (done, event) = match (done, event) {
+            (Ok(d), Ok(e)) => (d, e),
+            (Err(e), _) | (_, Err(e)) => {
+                // No event to hand the pin over with: it goes once the
+                // stream has run the copy.
+                let _ = self.dev.h2d.synchronize();
+                drop(pin);
+                return Err(driver("cuEventRecord")(e));
+            }
+        };
+        if let Err(std::sync::mpsc::SendError((done, pin))) = locked(&self.reaper).send((done, pin))
+        {
+            // The reaper is gone (it panicked): wait here instead.
+            let _ = done.synchronize();
+            drop(pin);
+        }
+        Ok(event)
     }
 
     /// Orders the compute stream's next work after `event`.
@@ -758,29 +761,4 @@ impl Downloads {
     pub fn take_spans(&self) -> Result<Vec<(String, Instant, Instant)>> {
         self.spans.take()
     }
-}
-
-/// What `copy_pinned` hands the h2d stream's host function: the pin, and
-/// where to send it.
-type PinBox = (
-    tierzero_swap::ReadPin,
-    std::sync::mpsc::Sender<tierzero_swap::ReadPin>,
-);
-
-/// The h2d stream's host function after a copy straight from registered
-/// memory: the copy is done, so its pin goes to the reaper thread, which
-/// drops it (a waiting write-back may then proceed). It makes no CUDA
-/// call, as a host function must not (see [`spawn_reaper`]).
-unsafe extern "C" fn release_pin(arg: *mut std::ffi::c_void) {
-    // SAFETY: `arg` is the box `copy_pinned` leaked for this one call.
-    let (pin, reaper) = *unsafe { Box::from_raw(arg.cast::<PinBox>()) };
-    // Unwinding out of a driver callback would abort: keep it contained.
-    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
-        // The reaper gone (it cannot end while this sender lives, unless
-        // it panicked): the pin is dropped here, the lesser harm than a
-        // pin that never goes.
-        if let Err(std::sync::mpsc::SendError(pin)) = reaper.send(pin) {
-            drop(pin);
-        }
-    }));
 }
