@@ -233,7 +233,9 @@ impl SimProbe {
         self.slots
     }
 
-    /// Copies that found their staging buffer changed since the upload.
+    /// Copies that found their staging buffer changed since the upload,
+    /// and copies in place whose pinned bytes were not the upload's
+    /// elements.
     pub fn violations(&self) -> u64 {
         self.shared.violations.load(Ordering::Relaxed)
     }
@@ -636,6 +638,24 @@ impl DeviceLink for SimDevice {
             drop(pin);
             return Ok((self.send(what, host, true)?, false));
         }
+        // The pin must hold the elements the tier asked for: a pin of other
+        // bytes (a stale page, a wrong range) is counted, as a staging
+        // buffer changed mid-copy is.
+        let same = match host {
+            HostElems::F32(v) => pin
+                .bytes()
+                .chunks_exact(4)
+                .zip(v)
+                .all(|(c, x)| c == x.to_le_bytes()),
+            HostElems::Bf16(v) => pin
+                .bytes()
+                .chunks_exact(2)
+                .zip(v)
+                .all(|(c, x)| c == x.to_le_bytes()),
+        };
+        if !same {
+            self.shared.violations.fetch_add(1, Ordering::Relaxed);
+        }
         let bytes = host.len() as u64 * 4;
         self.admit(what, bytes)?;
         let bf16 = matches!(host, HostElems::Bf16(_));
@@ -861,6 +881,20 @@ mod tests {
             .unwrap();
         assert!(!direct);
         assert_eq!(dev.finish(up).unwrap(), vec![4.0, 5.0]);
+    }
+
+    #[test]
+    fn a_pin_of_other_bytes_than_the_upload_s_is_counted() {
+        let dev = device(0);
+        let probe = dev.probe();
+        let page = page(dev.host_registrar());
+        put(&page, &[1.0, 2.0]);
+        let host = [1.0f32, 7.0];
+        let (up, _) = dev
+            .upload_pinned("p", page.pin(0..8).unwrap(), HostElems::F32(&host))
+            .unwrap();
+        dev.free(dev.finish(up).unwrap());
+        assert_eq!(probe.violations(), 1);
     }
 
     #[test]
