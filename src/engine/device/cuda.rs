@@ -120,24 +120,14 @@ impl DeviceLink for CudaLink {
         Some(self.registrar.clone())
     }
 
-    fn upload_pinned(
+    fn copy_in_place(
         &self,
         what: &str,
         pin: ReadPin,
         host: HostElems<'_>,
-    ) -> Result<(PendingUpload, bool), ModelError> {
-        // In place only from memory this device registered, and only when
-        // the pinned bytes are the elements the tier asked for.
-        if !pin.registered_with(&self.registrar) || pin.len_bytes() as u64 != host.bytes() {
-            drop(pin);
-            return Ok((self.upload(what, host)?, false));
-        }
+    ) -> Result<PendingUpload, ModelError> {
         let bf16 = matches!(host, HostElems::Bf16(_));
-        let u = self
-            .uploads
-            .start_pinned(what, pin, bf16)
-            .map_err(gpu_err)?;
-        Ok((u, true))
+        self.uploads.start_pinned(what, pin, bf16).map_err(gpu_err)
     }
 
     fn bind_upload_thread(&self) -> Result<(), ModelError> {

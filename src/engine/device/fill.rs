@@ -47,14 +47,6 @@ use super::DeviceLink;
 use crate::model::exec_units::{with_host_elems, DeviceQueue, DeviceSpan};
 use crate::model::ModelError;
 
-/// One param to upload, and where its upload goes.
-struct Item<U> {
-    what: String,
-    host: Tensor,
-    pin: Option<ReadPin>,
-    reply: Sender<Result<U, ModelError>>,
-}
-
 /// One param for [`Filler::send`]: its host tensor, the pin of the same
 /// bytes in a pinned page when it lives in one (the link may copy from
 /// there in place, [`DeviceLink::upload_pinned`]), and its slot.
@@ -100,7 +92,7 @@ impl<U> Queued<U> {
 
 /// The upload thread of one tier (see the module docs).
 pub struct Filler<L: DeviceLink> {
-    tx: Option<Sender<Vec<Item<L::Upload>>>>,
+    tx: Option<Sender<Vec<Fill<L::Upload>>>>,
     thread: Option<JoinHandle<()>>,
     /// Each upload's issue (fill, and any wait for a staging buffer), on
     /// the host's clock, not yet taken.
@@ -118,7 +110,7 @@ impl<L: DeviceLink> std::fmt::Debug for Filler<L> {
 impl<L: DeviceLink + 'static> Filler<L> {
     /// The thread that issues `link`'s uploads.
     pub fn new(link: Arc<L>) -> Result<Self, ModelError> {
-        let (tx, rx) = crossbeam_channel::unbounded::<Vec<Item<L::Upload>>>();
+        let (tx, rx) = crossbeam_channel::unbounded::<Vec<Fill<L::Upload>>>();
         let spans = Arc::new(Mutex::new(Vec::new()));
         let log = spans.clone();
         let direct_bytes = Arc::new(AtomicU64::new(0));
@@ -128,11 +120,11 @@ impl<L: DeviceLink + 'static> Filler<L> {
             .spawn(move || {
                 let bound = link.bind_upload_thread();
                 for items in rx {
-                    for Item {
+                    for Fill {
                         what,
                         host,
                         pin,
-                        reply,
+                        slot: Slot { reply },
                     } in items
                     {
                         let start = Instant::now();
@@ -207,18 +199,9 @@ impl<L: DeviceLink> Filler<L> {
         if items.is_empty() {
             return Ok(());
         }
-        let msg = items
-            .into_iter()
-            .map(|f| Item {
-                what: f.what,
-                host: f.host,
-                pin: f.pin,
-                reply: f.slot.reply,
-            })
-            .collect();
         self.tx
             .as_ref()
-            .and_then(|tx| tx.send(msg).ok())
+            .and_then(|tx| tx.send(items).ok())
             .ok_or_else(|| ModelError::Gpu {
                 what: "device tier: the upload thread has stopped".into(),
             })

@@ -286,16 +286,33 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
     /// bytes are `host`'s), the copy reads the page in place, with no
     /// staging fill, and the pin travels with the copy until it is done:
     /// `(upload, true)`. Otherwise the pin is let go and `host` goes
-    /// through staging: `(upload, false)`.
+    /// through staging: `(upload, false)`. This is the one place that
+    /// decides; the link only copies ([`DeviceLink::copy_in_place`]).
     fn upload_pinned(
         &self,
         what: &str,
         pin: ReadPin,
         host: HostElems<'_>,
     ) -> Result<(Self::Upload, bool), ModelError> {
+        let registered = self
+            .host_registrar()
+            .is_some_and(|r| pin.registered_with(&r));
+        if registered && pin.len_bytes() as u64 == host.bytes() {
+            return Ok((self.copy_in_place(what, pin, host)?, true));
+        }
         drop(pin);
         Ok((self.upload(what, host)?, false))
     }
+    /// The copy of [`DeviceLink::upload_pinned`] in place: `pin`'s bytes,
+    /// in memory this link registered and exactly `host`'s elements, read
+    /// by the copy itself, the pin held until the copy is done. Reached
+    /// only through `upload_pinned`, so only for a link with a registrar.
+    fn copy_in_place(
+        &self,
+        what: &str,
+        pin: ReadPin,
+        host: HostElems<'_>,
+    ) -> Result<Self::Upload, ModelError>;
     /// Makes the calling thread ready to issue uploads (the tier's upload
     /// thread calls it once, first): a CUDA link makes its context
     /// current there.

@@ -143,24 +143,18 @@ fn widen(bytes: &[u8], bf16: bool) -> Vec<f32> {
     }
 }
 
-/// What the simulated device registered: the arenas it may copy from in
-/// place.
+/// The simulated device's registrar: an arena registered through it is
+/// one the device copies from in place (it has nothing to set up: its
+/// copies read host memory anyway).
 #[derive(Debug, Default)]
-pub struct SimRegistrar {
-    registered_bytes: AtomicU64,
-}
+pub struct SimRegistrar;
 
 impl HostRegistrar for SimRegistrar {
-    fn register(&self, _addr: usize, len_bytes: usize) -> std::io::Result<()> {
-        self.registered_bytes
-            .fetch_add(len_bytes as u64, Ordering::Relaxed);
+    fn register(&self, _addr: usize, _len_bytes: usize) -> std::io::Result<()> {
         Ok(())
     }
 
-    fn unregister(&self, _addr: usize, len_bytes: usize) {
-        self.registered_bytes
-            .fetch_sub(len_bytes as u64, Ordering::Relaxed);
-    }
+    fn unregister(&self, _addr: usize, _len_bytes: usize) {}
 }
 
 /// What the copy thread and the callers share.
@@ -451,7 +445,7 @@ impl SimDevice {
             thread: Mutex::new(Some(thread)),
             downs: Mutex::new(Some(dtx)),
             down_thread: Mutex::new(Some(down_thread)),
-            registrar: Some(Arc::new(SimRegistrar::default())),
+            registrar: Some(Arc::new(SimRegistrar)),
         })
     }
 
@@ -624,20 +618,12 @@ impl DeviceLink for SimDevice {
         self.registrar.clone()
     }
 
-    fn upload_pinned(
+    fn copy_in_place(
         &self,
         what: &str,
         pin: ReadPin,
         host: HostElems<'_>,
-    ) -> Result<(SimUpload, bool), ModelError> {
-        let registered = self
-            .registrar
-            .as_ref()
-            .is_some_and(|r| pin.registered_with(r));
-        if !registered || pin.len_bytes() as u64 != host.bytes() {
-            drop(pin);
-            return Ok((self.send(what, host, true)?, false));
-        }
+    ) -> Result<SimUpload, ModelError> {
         // The pin must hold the elements the tier asked for: a pin of other
         // bytes (a stale page, a wrong range) is counted, as a staging
         // buffer changed mid-copy is.
@@ -661,13 +647,10 @@ impl DeviceLink for SimDevice {
         let bf16 = matches!(host, HostElems::Bf16(_));
         self.shared.pins_held.fetch_add(1, Ordering::Relaxed);
         let cross = pin.len_bytes() as u64;
-        match self.queue(what, cross, bytes, Source::Pinned { pin, bf16 }) {
-            Ok(u) => Ok((u, true)),
-            Err(e) => {
+        self.queue(what, cross, bytes, Source::Pinned { pin, bf16 })
+            .inspect_err(|_| {
                 self.shared.pins_held.fetch_sub(1, Ordering::Relaxed);
-                Err(e)
-            }
-        }
+            })
     }
 
     fn finish(&self, upload: SimUpload) -> Result<Vec<f32>, ModelError> {
@@ -857,7 +840,7 @@ mod tests {
     fn a_page_the_device_did_not_register_goes_through_staging() {
         let dev = device(0);
         let probe = dev.probe();
-        let other: Arc<dyn HostRegistrar> = Arc::new(SimRegistrar::default());
+        let other: Arc<dyn HostRegistrar> = Arc::new(SimRegistrar);
         for registrar in [None, Some(other)] {
             let page = page(registrar);
             put(&page, &[4.0, 5.0]);

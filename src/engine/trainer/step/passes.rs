@@ -5,7 +5,7 @@
 
 use super::super::activations::{Plan as ActivationPlan, Saved};
 use super::*;
-use crate::model::exec_units::{HomePins, UnitCompute};
+use crate::model::exec_units::HomePins;
 
 /// One micro-batch's tokens.
 #[derive(Debug)]
@@ -347,17 +347,18 @@ impl Trainer {
     /// ([`crate::model::exec_units::UnitCompute::load`]).
     fn load_unit(&self, uid: UnitId, params: &[Tensor]) -> Result<()> {
         if let Some(c) = &self.opts.compute {
-            c.load(&self.model, uid, params, self.home_pins(c.as_ref(), uid)?)?;
+            c.load(&self.model, uid, params, self.home_pins(uid)?)?;
         }
         Ok(())
     }
 
-    /// Read pins of `uid`'s params in their pinned pages, for a compute
-    /// whose device copies from them in place (its registrar mapped the
-    /// pages; see [`crate::engine::device::DeviceLink::upload_pinned`]):
-    /// empty otherwise.
-    fn home_pins(&self, c: &dyn UnitCompute, uid: UnitId) -> Result<HomePins> {
-        if !self.store.pages_registered() || c.host_registrar().is_none() {
+    /// Read pins of `uid`'s params in their pinned pages, when the pages
+    /// were registered (only ever with the compute's own registrar, at
+    /// build): its device copies from them in place (see
+    /// [`crate::engine::device::DeviceLink::upload_pinned`]). Empty
+    /// otherwise.
+    fn home_pins(&self, uid: UnitId) -> Result<HomePins> {
+        if !self.store.pages_registered() {
             return Ok(Vec::new());
         }
         let ids = &self.model.unit(uid)?.params;
@@ -375,7 +376,7 @@ impl Trainer {
     ) -> Result<(UnitId, Vec<Tensor>)> {
         let params = self.unit_params(plan, uid, pass, shape, &mut None)?;
         if let Some(c) = &self.opts.compute {
-            c.stage(&self.model, uid, &params, self.home_pins(c.as_ref(), uid)?)?;
+            c.stage(&self.model, uid, &params, self.home_pins(uid)?)?;
         }
         Ok((uid, params))
     }
