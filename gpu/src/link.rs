@@ -226,7 +226,7 @@ impl SpanLog {
     }
 
     /// Keeps `span` until read; when nobody reads them, only those not
-    /// yet complete are kept past [`MAX_PENDING_SPANS`].
+    /// yet complete are kept past `MAX_PENDING_SPANS`.
     pub fn push(&self, span: TimedSpan) -> Result<()> {
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         if pending.len() >= MAX_PENDING_SPANS {
@@ -434,7 +434,7 @@ impl Uploads {
     /// are fp32 elements, or bf16 ones with `bf16` (widened by `finish`,
     /// as [`Uploads::start_bf16`]'s are). The pin travels with the copy:
     /// the reaper thread lets it go once an event after the copy completed
-    /// ([`spawn_reaper`]), so a write-back into those bytes waits for the
+    /// (`spawn_reaper`), so a write-back into those bytes waits for the
     /// copy and for nothing else. The caller checks the registration
     /// (`ReadPin::registered_with`); memory that is not registered would
     /// still copy, but synchronously.

@@ -321,7 +321,7 @@ impl StepScalars {
 
 /// The constants of step `step` for the CUDA AdamW kernel
 /// (`tierzero_gpu::ops::adamw`), derived as the CPU kernel derives its own
-/// ([`StepScalars`]), so both step with the same f32 values. `None` in L2
+/// (`StepScalars`), so both step with the same f32 values. `None` in L2
 /// mode, which the CUDA kernel does not have.
 pub fn gpu_step_scalars(
     hyper: &AdamHyper,

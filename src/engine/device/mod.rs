@@ -77,7 +77,7 @@
 //! # Off the engine's thread
 //!
 //! The params' uploads are issued by the tier's upload thread
-//! ([`fill`]): the fill of a staging buffer is a host copy of the param,
+//! (`fill.rs`): the fill of a staging buffer is a host copy of the param,
 //! and the engine stages the next unit before it launches this one's
 //! compute, so on the engine's thread every unit's compute waited for the
 //! next unit's fill. One thread, one queue, so the copies keep the order
@@ -146,7 +146,7 @@
 //! device then had nothing queued until the engine's next call: it idled
 //! through that work. So once a unit's result came down, both computes
 //! ([`TieredUnits`], [`ResidentUnits`]) launch the next unit of the pass
-//! on it at once ([`ahead`]): in forward the next block, on that output;
+//! on it at once (`ahead.rs`): in forward the next block, on that output;
 //! in backward the unit before (a block or the embedding), on that
 //! gradient and on the unit's input in the last forward. Only when the
 //! engine staged that unit and each of its params is on the device with

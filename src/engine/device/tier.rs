@@ -284,7 +284,7 @@ fn largest_param_numel(model: &Model) -> u64 {
 }
 
 impl<L: DeviceLink + 'static> TieredUnits<L> {
-    /// The tier on `link`, with its upload thread ([`super::fill`]).
+    /// The tier on `link`, with its upload thread (`fill.rs`).
     pub fn new(link: L, limits: TierLimits) -> Result<Self, ModelError> {
         let link = Arc::new(link);
         Ok(TieredUnits {

@@ -14,7 +14,7 @@
 //! `crate::engine::device::TieredUnits` runs the same functions
 //! (`forward_on`, `backward_dev`) on params that the device tier
 //! staged ahead or kept on the device, and feeds them their inputs
-//! through its link ([`Feed`]). It is what `--device cuda` uses.
+//! through its link (`Feed`). It is what `--device cuda` uses.
 //! Activations are recomputed in backward: no graphs are kept.
 //!
 //! # What it supports

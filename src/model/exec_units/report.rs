@@ -65,7 +65,7 @@ pub struct DeviceMemoryPlan {
     /// What holds it, each with its device and pinned host bytes.
     pub rows: Vec<DeviceMemoryRow>,
     /// Adam's state and the gradients are on the device
-    /// ([`DeviceOptimizer`]), not in host memory.
+    /// ([`super::DeviceOptimizer`]), not in host memory.
     pub optimizer_on_device: bool,
 }
 
@@ -100,7 +100,7 @@ pub struct DeviceTraffic {
     /// registered pinned pages, with no staging fill.
     pub h2d_direct_bytes: u64,
     /// Blocks whose backward ran from their kept forward
-    /// ([`KeptForward`]), with no recompute.
+    /// ([`super::KeptForward`]), with no recompute.
     pub forwards_kept: u64,
     /// Blocks whose backward computed their forward again from the input.
     pub forwards_recomputed: u64,
