@@ -186,6 +186,17 @@ impl ReadPin {
         &all[self.range.clone()]
     }
 
+    /// Another pin of the same range, for a second reader (e.g. a copy
+    /// engine's upload while the first pin stays with its owner). The
+    /// buffer is written again only once both are gone.
+    pub fn share(&self) -> ReadPin {
+        self.inner.holders().pins += 1;
+        ReadPin {
+            inner: self.inner.clone(),
+            range: self.range.clone(),
+        }
+    }
+
     /// The pinned range's offset in its buffer, in bytes.
     pub fn offset_bytes(&self) -> usize {
         self.range.start
@@ -323,6 +334,26 @@ mod tests {
         // The buffer and its arena live on in the pin.
         assert_eq!(pin.bytes().len(), 6);
         assert_eq!(pin.arena().count(), 1);
+    }
+
+    #[test]
+    fn a_buffer_held_by_pins_alone_goes_back_to_its_arena_with_the_last() {
+        let mut c = ArenaConfig::new(8192, 4096);
+        c.lock = LockPolicy::Off;
+        let arena = PinnedArena::new(c).unwrap();
+        let mut buf = arena.try_acquire().unwrap();
+        buf.as_mut_slice()[..3].copy_from_slice(&[5, 6, 7]);
+        let pin = SharedBuffer::new(buf).pin(0..3).unwrap();
+        assert_eq!(arena.free_count(), 1, "the pin holds the buffer");
+        let shared = pin.share();
+        assert_eq!(
+            (shared.offset_bytes(), shared.bytes()),
+            (0, &[5u8, 6, 7][..])
+        );
+        drop(pin);
+        assert_eq!(arena.free_count(), 1, "the shared pin still holds it");
+        std::thread::spawn(move || drop(shared)).join().unwrap();
+        assert_eq!(arena.free_count(), 2, "back with the last pin");
     }
 
     #[derive(Debug, Default)]
