@@ -913,9 +913,10 @@ fn device_sim_with_a_compute_time_launches_units_ahead() {
 /// `--device sim` with params in the cpu tier: the plan says their pinned
 /// pages are registered with the device, and the metrics show their bytes
 /// crossing in place (`h2d_direct_bytes`); with params on NVMe (no pages)
-/// the plan says nothing of it and nothing crosses in place.
+/// the plan says the swap buffers are registered instead, and params
+/// cross from the buffers their reads landed in.
 #[test]
-fn device_sim_uploads_cpu_tier_params_from_their_registered_pages() {
+fn device_sim_uploads_params_from_their_registered_pages_and_swap_buffers() {
     let d = tiny_setup("sim-pages");
     let mut cfg = ds_config(&d);
     cfg["zero_optimization"]["offload_param"] = json!({"device": "cpu"});
@@ -941,17 +942,38 @@ fn device_sim_uploads_cpu_tier_params_from_their_registered_pages() {
     // in place.
     assert!(direct > 0 && direct <= h2d, "in place {direct} of {h2d}");
 
+    assert!(
+        !out.stdout
+            .contains("registered with the device: a param crosses"),
+        "{}",
+        out.stdout
+    );
+
     let d = tiny_setup("sim-pages-nvme");
     let out = train(&d, &args);
     assert_eq!(out.code, 0, "stdout {} stderr {}", out.stdout, out.stderr);
     assert!(!out.stdout.contains("pinned pages"), "{}", out.stdout);
+    assert!(
+        out.stdout.contains("the param swap buffers (")
+            && out
+                .stdout
+                .contains("crosses from the buffer its read landed in"),
+        "{}",
+        out.stdout
+    );
     let m = metrics_lines(&d.join("m.jsonl"));
-    let direct: u64 = m
-        .iter()
-        .filter(|l| l.get("step").is_some())
-        .map(|l| l["h2d_direct_bytes"].as_u64().unwrap())
-        .sum();
-    assert_eq!(direct, 0);
+    let steps: Vec<&Value> = m.iter().filter(|l| l.get("step").is_some()).collect();
+    let sum = |key: &str| -> u64 { steps.iter().map(|l| l[key].as_u64().unwrap()).sum() };
+    let (direct, h2d, let_go) = (
+        sum("h2d_direct_bytes"),
+        sum("h2d_bytes"),
+        sum("param_buffers_let_go"),
+    );
+    println!(
+        "nvme, {} steps: {direct} of {h2d} bytes uploaded in place, {let_go} kept buffers let go",
+        steps.len()
+    );
+    assert!(direct > 0 && direct <= h2d, "in place {direct} of {h2d}");
 }
 
 #[test]

@@ -32,6 +32,8 @@ struct Out {
     h2d_kept_bytes: u64,
     /// Params' bytes copied in place from their registered pages.
     h2d_direct_bytes: u64,
+    /// Kept swap buffers let go for a read ahead or a write-back.
+    param_buffers_let_go: u64,
     /// The upload thread's busy time (its fills and issues).
     h2d_fill_busy_s: f64,
     /// Seconds of each step.
@@ -66,6 +68,7 @@ fn run(model: &Path, k: &Knobs, opts: TrainerOptions, steps: u64) -> Out {
         h2d_busy_s: 0.0,
         h2d_kept_bytes: 0,
         h2d_direct_bytes: 0,
+        param_buffers_let_go: 0,
         h2d_fill_busy_s: 0.0,
         wall_s: Vec::new(),
         forwards_ahead: 0,
@@ -82,6 +85,7 @@ fn run(model: &Path, k: &Knobs, opts: TrainerOptions, steps: u64) -> Out {
         out.h2d_busy_s += m.h2d_busy_s;
         out.h2d_kept_bytes += m.h2d_kept_bytes;
         out.h2d_direct_bytes += m.h2d_direct_bytes;
+        out.param_buffers_let_go += m.param_buffers_let_go;
         out.h2d_fill_busy_s += m.h2d_fill_busy_s;
         out.wall_s.push(m.wall_s);
         out.forwards_ahead += m.device_forwards_ahead;
@@ -589,9 +593,6 @@ fn copies_overlap_compute_on_the_device_queues() {
     assert_eq!(staging.pinned_bytes, 64 * 8192 * 4, "{plan:?}");
 }
 
-/// bf16 params through the tier: the same bits as the in-memory units
-/// with bf16 params (both widen them to fp32 at the unit, round the
-/// outputs back once), with and without the cache.
 /// Params whose home is a cpu-tier page cross from the page itself: the
 /// trainer maps the pages with the simulated device's registrar, and each
 /// staged or loaded param's upload reads its pinned range in place at the
@@ -613,49 +614,105 @@ fn cpu_tier_params_cross_from_their_registered_pages_in_place() {
                 gas: 2,
                 ..Knobs::cpu()
             };
-            let gemm = match precision {
-                "bf16" => GemmDtype::Bf16,
-                _ => GemmDtype::F32,
-            };
-            let mut opts = TrainerOptions::cpu(3, 16);
-            opts.compute = Some(Arc::new(ReferenceUnits { gemm }));
-            let want = run(model, &k, opts, 3);
-            let cfg = SimConfig {
-                gemm,
-                ..sim(64 << 20, 1, 3)
-            };
             for registered in [true, false] {
                 let case = format!("{name}, {precision}, registered {registered}");
-                let mut dev = SimDevice::new(cfg.clone()).unwrap();
-                if !registered {
-                    dev = dev.without_registration();
-                }
-                let (got, _, probe) = tiered_on(model, &k, dev, wide_open(), 3, true);
-                println!(
-                    "{case}: h2d {} B, {} B of it in place in {} copies; upload thread busy {:.3} s",
-                    got.h2d_bytes,
-                    got.h2d_direct_bytes,
-                    probe.direct_copies(),
-                    got.h2d_fill_busy_s
-                );
-                assert_eq!(got.loss_bits, want.loss_bits, "{case}: losses");
-                assert_eq!(got.sha, want.sha, "{case}: weights");
-                assert_eq!(got.h2d_direct_bytes, probe.direct_bytes(), "{case}");
-                if registered {
-                    // Every param of every unit lives in a page: all that
-                    // crosses in place is params' bytes, the rest inputs.
-                    assert!(probe.direct_copies() > 0, "{case}: nothing in place");
-                    assert!(got.h2d_direct_bytes < got.h2d_bytes, "{case}");
-                } else {
-                    assert_eq!(probe.direct_copies(), 0, "{case}");
-                }
-                assert_eq!(probe.pins_held(), 0, "{case}: pins left");
-                assert_all_back(&probe, &case);
+                in_place_or_staged(model, &k, registered, &case);
             }
         }
     }
 }
 
+/// Trains 3 steps with `k` on the simulated device, its homes registered
+/// or not, against the in-memory units; checks the bits, that params
+/// crossed in place exactly when `registered` (and never all of what
+/// crossed: the units' inputs go through staging), and that every pin and
+/// buffer came back. The run.
+fn in_place_or_staged(model: &Path, k: &Knobs, registered: bool, case: &str) -> Out {
+    let gemm = match k.precision {
+        "bf16" => GemmDtype::Bf16,
+        _ => GemmDtype::F32,
+    };
+    let mut opts = TrainerOptions::cpu(3, 16);
+    opts.compute = Some(Arc::new(ReferenceUnits { gemm }));
+    let want = run(model, k, opts, 3);
+    let mut dev = SimDevice::new(SimConfig {
+        gemm,
+        ..sim(64 << 20, 1, 3)
+    })
+    .unwrap();
+    if !registered {
+        dev = dev.without_registration();
+    }
+    let (got, _, probe) = tiered_on(model, k, dev, wide_open(), 3, true);
+    println!(
+        "{case}: h2d {} B, {} B of it in place in {} copies; {} kept swap buffers let go; \
+         upload thread busy {:.3} s",
+        got.h2d_bytes,
+        got.h2d_direct_bytes,
+        probe.direct_copies(),
+        got.param_buffers_let_go,
+        got.h2d_fill_busy_s
+    );
+    assert_eq!(got.loss_bits, want.loss_bits, "{case}: losses");
+    assert_eq!(got.sha, want.sha, "{case}: weights");
+    assert_eq!(got.h2d_direct_bytes, probe.direct_bytes(), "{case}");
+    if registered {
+        assert!(probe.direct_copies() > 0, "{case}: nothing in place");
+        assert!(got.h2d_direct_bytes < got.h2d_bytes, "{case}");
+    } else {
+        assert_eq!(probe.direct_copies(), 0, "{case}");
+        assert_eq!(got.param_buffers_let_go, 0, "{case}: nothing kept");
+    }
+    assert_all_back(&probe, case);
+    got
+}
+
+/// NVMe-tier params cross from the swap buffer their read landed in:
+/// the trainer maps the param swap buffers with the simulated device's
+/// registrar, the store keeps each landed read's buffer with the tensor
+/// built from it, and the staged or loaded param's upload reads the
+/// buffer in place (`h2d_direct_bytes`), the buffer going back to the pool
+/// when the copy is done. With two buffers, kept buffers yield to the
+/// reads ahead (fewer params cross in place, none is read late). The bits
+/// are the in-memory units' in fp32 and bf16, and a device that registers
+/// nothing sends the same params through staging with the same bits.
+#[test]
+fn nvme_tier_params_cross_from_the_swap_buffers_their_reads_landed_in() {
+    let gpt2 = tiny_gpt2_dir("tier-kept", 2, 32);
+    let llama = tiny_llama_dir("tier-kept");
+    for (model, name) in [(&gpt2, "gpt2"), (&llama, "llama")] {
+        for precision in ["fp32", "bf16"] {
+            // Bytes in place with 8 buffers, then with 2.
+            let mut in_place = Vec::new();
+            for buffers in [8, 2] {
+                let k = Knobs {
+                    precision,
+                    clip: 0.5,
+                    gas: 2,
+                    param_buffer_count: buffers,
+                    ..Knobs::nvme()
+                };
+                for registered in [true, false] {
+                    let case =
+                        format!("{name}, {precision}, {buffers} buffers, registered {registered}");
+                    let got = in_place_or_staged(model, &k, registered, &case);
+                    if registered {
+                        in_place.push(got.h2d_direct_bytes);
+                    }
+                }
+            }
+            // Two buffers keep fewer: they yield to the reads ahead.
+            assert!(
+                in_place[1] < in_place[0],
+                "{name}, {precision}: {in_place:?}"
+            );
+        }
+    }
+}
+
+/// bf16 params through the tier: the same bits as the in-memory units
+/// with bf16 params (both widen them to fp32 at the unit, round the
+/// outputs back once), with and without the cache.
 #[test]
 fn bf16_params_through_the_device_tier_are_bit_identical_too() {
     let model = tiny_llama_dir("tier-bf16");

@@ -163,6 +163,11 @@ pub struct Plan {
     /// are registered with the device, so their params cross in place
     /// ([`crate::engine::Trainer::pages_registered`]).
     pub pages_registered: Option<bool>,
+    /// With a device tier and NVMe-tier params: whether the param swap
+    /// buffers are registered with the device, so params cross from the
+    /// buffer their read landed in
+    /// ([`crate::engine::Trainer::swap_buffers_registered`]).
+    pub swap_buffers_registered: Option<bool>,
 }
 
 impl Plan {
@@ -307,6 +312,7 @@ impl Plan {
             activations: None,
             device_memory: None,
             pages_registered: None,
+            swap_buffers_registered: None,
         }
     }
 
@@ -475,6 +481,25 @@ impl fmt::Display for Plan {
                     let _ = writeln!(
                         s,
                         "  the cpu tier's pinned pages are not registered with the device: their \
+                         params cross through the staging buffers"
+                    );
+                }
+                None => {}
+            }
+            match self.swap_buffers_registered {
+                Some(true) => {
+                    let _ = writeln!(
+                        s,
+                        "  the param swap buffers ({}) are registered with the device: a param \
+                         crosses from the buffer its read landed in, kept until its unit is \
+                         loaded (let go earlier when a read wants it)",
+                        format_bytes(self.param_buffers.0 * self.param_buffers.1)
+                    );
+                }
+                Some(false) => {
+                    let _ = writeln!(
+                        s,
+                        "  the param swap buffers are not registered with the device: NVMe \
                          params cross through the staging buffers"
                     );
                 }

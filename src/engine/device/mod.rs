@@ -94,10 +94,14 @@
 //! before it is taken (the tier dropped mid-step, a trace that was wrong)
 //! is first completed, then its destination is freed.
 //!
-//! # Params straight from their pages
+//! # Params straight from their pages and swap buffers
 //!
 //! A param whose home is a cpu-tier page needs no staging buffer: its
-//! bytes are pinned memory already. The trainer maps the pages with the
+//! bytes are pinned memory already. Nor does an NVMe param whose read
+//! landed in a registered swap buffer: the store keeps that buffer, with
+//! the tensor built from it, until the param's unit is loaded (see "Swap
+//! buffers kept for the device" in [`crate::engine::params::store`]), and
+//! its pin is the one handed here. The trainer maps the pages with the
 //! link's registrar ([`DeviceLink::host_registrar`]; on a GPU,
 //! `cuMemHostRegister`), and hands the tier, with each staged or loaded
 //! unit, a read pin of each param's range ([`tierzero_swap::ReadPin`],
@@ -105,8 +109,8 @@
 //! tensor was built from). The upload thread gives the pin to
 //! [`DeviceLink::upload_pinned`], which copies the range in place: no
 //! host copy, one DMA. The pin travels with the copy until it is done
-//! (on a GPU, a host function queued on the h2d stream after the copy
-//! drops it), and a write-back of the optimizer's new bytes into that
+//! (on a GPU, the link's pin-reaper thread drops it once an event
+//! recorded after the copy completed), and a write-back of the optimizer's new bytes into that
 //! page waits for every pin of it ([`tierzero_swap::SharedBuffer`]), so
 //! the copy engine never reads a range the host is rewriting. A page the
 //! device did not register (registration refused, or a device with no

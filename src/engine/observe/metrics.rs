@@ -110,9 +110,15 @@ pub struct StepMetrics {
     /// previous unit's output was still on the device.
     pub h2d_kept_bytes: u64,
     /// Of `h2d_bytes`, the params' bytes the device tier copied in place
-    /// from their pinned pages (registered with the device), with no
-    /// staging fill.
+    /// from their pinned homes registered with the device (cpu-tier
+    /// pages, or the swap buffers NVMe reads landed in), with no staging
+    /// fill.
     pub h2d_direct_bytes: u64,
+    /// Swap buffers kept for a param's copy in place that were let go
+    /// before its unit was loaded, because a read ahead or a write-back
+    /// wanted the buffer: those params crossed through staging. Many of
+    /// them say `offload_param.buffer_count` is small for the read-ahead.
+    pub param_buffers_let_go: u64,
     /// Blocks whose backward on the device ran from their kept forward
     /// (no recompute; see "Kept forwards" in `crate::engine::device`).
     pub device_forwards_kept: u64,

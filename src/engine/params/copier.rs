@@ -38,7 +38,11 @@
 //!   always gets its answer.
 //! * The buffer is dropped (back to the pool) **before** the result is
 //!   sent: whoever waits on a [`PendingRead`] to free a buffer finds it
-//!   free once the result arrives. The buffer is the kernel's until the
+//!   free once the result arrives; unless the store asked to keep it
+//!   ([`Unpack::Tensor`]'s `keep_buffer`, the buffers registered with a
+//!   device): then it comes back *in* the result, as a [`ReadPin`] of the
+//!   tensor's bytes, and goes back to the pool when the last pin of it is
+//!   dropped (the store's, or a device copy's). The buffer is the kernel's until the
 //!   completion, whatever happens here: a ticket dropped unread leaves the
 //!   buffer with the I/O engine, which returns it to the pool when the
 //!   transfer ends.
@@ -58,7 +62,7 @@ use crossbeam_channel::{Receiver, Select, Sender, TryRecvError};
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use tierzero_swap::{SharedBuffer, Ticket};
+use tierzero_swap::{ReadPin, SharedBuffer, Ticket};
 
 use crate::engine::params::store::cpu_tensor;
 use crate::engine::{EngineError, Result};
@@ -73,6 +77,11 @@ pub enum Unpack {
         dtype: DType,
         /// The whole param's shape (one rank holds the whole param).
         shape: Vec<usize>,
+        /// Keep a landed read's swap buffer, as a read pin of the
+        /// tensor's bytes, for a device's copy engine to read in place
+        /// (the buffers' arena registered with it): see "Swap buffers
+        /// kept for the device" in the store's docs. Ignored for a page.
+        keep_buffer: bool,
     },
     /// The first `len_bytes` bytes, copied out (a shard to stage).
     Bytes {
@@ -84,8 +93,14 @@ pub enum Unpack {
 /// A read's bytes, out of the swap buffer.
 #[derive(Debug)]
 pub enum Unpacked {
-    /// Built on the CPU ([`Unpack::Tensor`]).
-    Tensor(Tensor),
+    /// Built on the CPU ([`Unpack::Tensor`]); with `keep_buffer`, the
+    /// swap buffer it was built from, pinned (the tensor's bytes).
+    Tensor {
+        /// The tensor.
+        tensor: Tensor,
+        /// The swap buffer's pin, when asked to keep it.
+        pin: Option<ReadPin>,
+    },
     /// Copied out ([`Unpack::Bytes`]).
     Bytes(Vec<u8>),
 }
@@ -304,10 +319,31 @@ fn run(jobs: &Receiver<Work>, gate: &ParamReadGate) {
         let landed = job.ticket.wait();
         gate.landed();
         let res = landed.map_err(EngineError::from).and_then(|buf| {
-            let out = unpack_bytes(&job.unpack, buf.as_slice());
-            // Back to the pool before the result is seen.
-            drop(buf);
-            out
+            let out = unpack_bytes(&job.unpack, buf.as_slice())?;
+            match (out, &job.unpack) {
+                (
+                    Unpacked::Tensor { tensor, .. },
+                    Unpack::Tensor {
+                        keep_buffer: true, ..
+                    },
+                ) => {
+                    // Held by the pin alone: back to the pool when the
+                    // store and every copy that shares it let it go.
+                    let len = tensor_len_bytes(&tensor);
+                    let pin = SharedBuffer::new(buf)
+                        .pin(0..len)
+                        .map_err(|e| EngineError::internal(format!("swap buffer: {e}")))?;
+                    Ok(Unpacked::Tensor {
+                        tensor,
+                        pin: Some(pin),
+                    })
+                }
+                (out, _) => {
+                    // Back to the pool before the result is seen.
+                    drop(buf);
+                    Ok(out)
+                }
+            }
         });
         // The store may have dropped its pending read (it was dropped
         // itself): then nobody is told, and the send fails harmlessly.
@@ -324,9 +360,17 @@ fn copy_page(job: PageJob) {
     let _ = job.reply.send(res);
 }
 
+/// Bytes of `t`'s elements.
+fn tensor_len_bytes(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
+}
+
 fn unpack_bytes(what: &Unpack, bytes: &[u8]) -> Result<Unpacked> {
     match what {
-        Unpack::Tensor { dtype, shape } => Ok(Unpacked::Tensor(cpu_tensor(bytes, *dtype, shape)?)),
+        Unpack::Tensor { dtype, shape, .. } => Ok(Unpacked::Tensor {
+            tensor: cpu_tensor(bytes, *dtype, shape)?,
+            pin: None,
+        }),
         Unpack::Bytes { len_bytes } => {
             let src = bytes.get(..*len_bytes).ok_or_else(|| {
                 EngineError::internal(format!(

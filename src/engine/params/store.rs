@@ -26,7 +26,38 @@
 //!   the tensor from it as it lands and returns the buffer to the pool at
 //!   once. The buffers therefore bound the reads *in flight*, not the
 //!   params resident: residency is bounded by the prefetcher (max-live,
-//!   which counts reads in flight, and the device-cache budget).
+//!   which counts reads in flight, and the device-cache budget), unless
+//!   the buffers are kept for a device (below).
+//!
+//! # Swap buffers kept for the device
+//!
+//! With units computed on a device that copies from registered host
+//! memory in place, the trainer maps the swap buffers with its registrar
+//! (one rank). A landed read's buffer is then **kept**: the copy thread
+//! still builds the tensor, and hands the buffer back in the result as a
+//! [`ReadPin`] of the param's bytes, which the `Resident` slot holds next
+//! to the tensor built from them ([`ParamEvent::Landed`]). When the engine
+//! stages or loads the param's unit, [`ParamStore::pin_home`] shares the
+//! pin with the upload, so the copy engine reads the param straight from
+//! the buffer the disk wrote: one DMA, no staging fill. Once the unit is
+//! loaded the engine lets the store's pin go
+//! ([`ParamStore::let_go_kept`]); the buffer goes back to the pool when
+//! the last copy's pin is dropped, i.e. when that copy is done.
+//!
+//! Kept buffers must not starve the reads, so they yield: a prefetch that
+//! finds no free buffer lets the **newest** kept buffer go (the param used
+//! last, which would hold its buffer longest) and reads into it; an
+//! acquire lets kept buffers go before it waits for a write or a read;
+//! and when every buffer is with a copy, it waits for a copy to end,
+//! which needs nothing from this thread. A param whose buffer was let go
+//! stays resident and crosses through staging, as without registration.
+//! Releasing, updating or staging a param drops its kept buffer with its
+//! tensor: the buffer holds the bytes the tensor was built from, never
+//! newer ones. A param that stays resident from an update (written
+//! through, for the next forward's first units) gets the write-back's
+//! buffer as its kept buffer once the write is retired: those are its
+//! new bytes, and its tensor was built from them. So no sizing rule ties `buffer_count` to the prefetch
+//! window: more buffers only mean more params cross in place.
 //!
 //! Stored bytes are the training precision's bits (bf16 or fp16 when
 //! enabled, else fp32), little-endian, this rank's shard only; a fetch
@@ -44,6 +75,9 @@
 //!   OnDisk   --ReadIssued(read)---->  InFlight
 //!   OnDisk   --Materialized(t)----->  Resident      (synchronous fetch)
 //!   InFlight --Materialized(t)----->  Resident      (read completed)
+//!   OnDisk | InFlight --Landed(t, pin)--> Resident    (read completed, its buffer kept)
+//!   Resident --Kept(pin)----------->  Resident      (its write-back's buffer kept)
+//!   Resident --LetGo--------------->  Resident      (the kept buffer let go)
 //!   Resident --Released------------>  OnDisk
 //!   OnDisk   --Updated(None)------->  OnDisk        (new bytes at home)
 //!   Resident --Updated(Some(t))---->  Resident      (new bytes, cache kept coherent)
@@ -127,6 +161,16 @@ pub enum ParamEvent {
     ReadIssued(PendingRead),
     /// The tensor is on the device.
     Materialized(Tensor),
+    /// A read landed: its tensor, and its swap buffer kept as a pin of the
+    /// same bytes for a device to copy from in place (see "Swap buffers
+    /// kept for the device").
+    Landed(Tensor, ReadPin),
+    /// A finished write-back's buffer, kept for the resident param whose
+    /// tensor was built from the bytes it wrote.
+    Kept(ReadPin),
+    /// The kept buffer let go (its unit loaded, or a read or write wants
+    /// a buffer); the tensor stays.
+    LetGo,
     /// The device copy is dropped.
     Released,
     /// New bytes were stored at home; `Some` keeps this tensor resident.
@@ -140,6 +184,9 @@ impl ParamEvent {
         match self {
             ParamEvent::ReadIssued(_) => "ReadIssued",
             ParamEvent::Materialized(_) => "Materialized",
+            ParamEvent::Landed(..) => "Landed",
+            ParamEvent::Kept(_) => "Kept",
+            ParamEvent::LetGo => "LetGo",
             ParamEvent::Released => "Released",
             ParamEvent::Updated(_) => "Updated",
             ParamEvent::Staged(_) => "Staged",
@@ -152,8 +199,19 @@ impl ParamEvent {
 enum Slot {
     OnDisk,
     InFlight(PendingRead),
-    Resident(Tensor),
+    /// The tensor, and the swap buffer its read landed in when kept for a
+    /// device's copy in place.
+    Resident(Tensor, Option<Kept>),
     Staged(Vec<u8>),
+}
+
+/// A landed read's swap buffer, kept: a pin of the param's bytes in it
+/// (the buffer goes back to the pool when this and every pin shared from
+/// it are gone), and when it landed, for [`ParamStore::evict_kept`].
+#[derive(Debug)]
+struct Kept {
+    pin: ReadPin,
+    landed_seq: u64,
 }
 
 impl Slot {
@@ -161,7 +219,7 @@ impl Slot {
         match self {
             Slot::OnDisk => ParamState::OnDisk,
             Slot::InFlight(_) => ParamState::InFlight,
-            Slot::Resident(_) => ParamState::Resident,
+            Slot::Resident(..) => ParamState::Resident,
             Slot::Staged(_) => ParamState::Staged,
         }
     }
@@ -169,7 +227,7 @@ impl Slot {
         match self {
             Slot::OnDisk => "OnDisk",
             Slot::InFlight(_) => "InFlight",
-            Slot::Resident(_) => "Resident",
+            Slot::Resident(..) => "Resident",
             Slot::Staged(_) => "Staged",
         }
     }
@@ -268,6 +326,11 @@ pub struct StoreCounters {
     pub sync_reads: u64,
     /// Reads issued ahead of use.
     pub prefetches: u64,
+    /// Swap buffers kept for a device's copy in place that were let go
+    /// before their unit was loaded, because a read or a write-back
+    /// wanted a buffer (see "Swap buffers kept for the device" in the
+    /// module docs).
+    pub kept_buffers_evicted: u64,
 }
 
 /// Parameters by home tier, with their state map.
@@ -290,13 +353,17 @@ pub struct ParamStore {
     /// params out of their pages (see [`crate::engine::params::copier`]).
     copier: Option<Copier>,
     nvme: Option<NvmeParams>,
-    writes: VecDeque<(ParamId, Ticket)>,
+    writes: VecDeque<writes::QueuedWrite>,
     resident_bytes: u64,
     counters: StoreCounters,
+    /// Reads landed into a kept swap buffer so far (orders [`Kept`]).
+    landed_seq: u64,
 }
 
 mod assembly;
+mod kept;
 mod pages;
+mod reads;
 mod writes;
 
 use assembly::Assembly;
@@ -422,6 +489,7 @@ impl ParamStore {
             writes: VecDeque::new(),
             resident_bytes: 0,
             counters: StoreCounters::default(),
+            landed_seq: 0,
         })
     }
 
@@ -550,18 +618,40 @@ impl ParamStore {
         let old = std::mem::replace(slot, Slot::OnDisk);
         let (new, delta): (Slot, i64) = match (old, event) {
             (Slot::OnDisk, ParamEvent::ReadIssued(t)) => (Slot::InFlight(t), 0),
-            (Slot::OnDisk, ParamEvent::Materialized(t)) => (Slot::Resident(t), bytes as i64),
-            (Slot::InFlight(_), ParamEvent::Materialized(t)) => (Slot::Resident(t), bytes as i64),
-            (Slot::Resident(_), ParamEvent::Released) => (Slot::OnDisk, -(bytes as i64)),
+            (Slot::OnDisk, ParamEvent::Materialized(t)) => (Slot::Resident(t, None), bytes as i64),
+            (Slot::InFlight(_), ParamEvent::Materialized(t)) => {
+                (Slot::Resident(t, None), bytes as i64)
+            }
+            (Slot::OnDisk | Slot::InFlight(_), ParamEvent::Landed(t, pin)) => {
+                self.landed_seq += 1;
+                let kept = Kept {
+                    pin,
+                    landed_seq: self.landed_seq,
+                };
+                (Slot::Resident(t, Some(kept)), bytes as i64)
+            }
+            (Slot::Resident(t, None), ParamEvent::Kept(pin)) => {
+                self.landed_seq += 1;
+                let kept = Kept {
+                    pin,
+                    landed_seq: self.landed_seq,
+                };
+                (Slot::Resident(t, Some(kept)), 0)
+            }
+            (Slot::Resident(t, Some(_)), ParamEvent::LetGo) => (Slot::Resident(t, None), 0),
+            // A kept buffer goes with its tensor: it holds the old bytes.
+            (Slot::Resident(..), ParamEvent::Released) => (Slot::OnDisk, -(bytes as i64)),
             (Slot::OnDisk, ParamEvent::Updated(None)) => (Slot::OnDisk, 0),
-            (Slot::OnDisk, ParamEvent::Updated(Some(t))) => (Slot::Resident(t), bytes as i64),
-            (Slot::Resident(_), ParamEvent::Updated(Some(t))) => (Slot::Resident(t), 0),
-            (Slot::Resident(_), ParamEvent::Updated(None)) => (Slot::OnDisk, -(bytes as i64)),
-            (Slot::Resident(_), ParamEvent::Staged(b)) => (Slot::Staged(b), -(bytes as i64)),
+            (Slot::OnDisk, ParamEvent::Updated(Some(t))) => (Slot::Resident(t, None), bytes as i64),
+            (Slot::Resident(..), ParamEvent::Updated(Some(t))) => (Slot::Resident(t, None), 0),
+            (Slot::Resident(..), ParamEvent::Updated(None)) => (Slot::OnDisk, -(bytes as i64)),
+            (Slot::Resident(..), ParamEvent::Staged(b)) => (Slot::Staged(b), -(bytes as i64)),
             (Slot::OnDisk | Slot::InFlight(_) | Slot::Staged(_), ParamEvent::Staged(b)) => {
                 (Slot::Staged(b), 0)
             }
-            (Slot::Staged(_), ParamEvent::Materialized(t)) => (Slot::Resident(t), bytes as i64),
+            (Slot::Staged(_), ParamEvent::Materialized(t)) => {
+                (Slot::Resident(t, None), bytes as i64)
+            }
             (Slot::Staged(_), ParamEvent::Updated(None)) => (Slot::OnDisk, 0),
             (old, _) => {
                 // Put the old slot back untouched and report.
@@ -646,24 +736,6 @@ impl ParamStore {
             .ok_or_else(|| EngineError::internal(format!("no param {id:?}")))
     }
 
-    /// Issues a read of an NVMe param's home extent now, after its queued
-    /// write, into a swap buffer (retiring writes or completing reads to
-    /// free one).
-    fn read_home_now(&mut self, id: ParamId) -> Result<Ticket> {
-        self.wait_write_of(id)?;
-        let buf = self.acquire_buffer()?;
-        let Home::Nvme { extent } = &self.homes[id.0] else {
-            return Err(EngineError::internal("not an NVMe-tier param"));
-        };
-        let nv = self
-            .nvme
-            .as_ref()
-            .ok_or_else(|| EngineError::internal("nvme engine missing"))?;
-        let ticket = nv.engine.read(extent, buf)?;
-        self.counters.nvme_read_bytes += extent.len_bytes();
-        Ok(ticket)
-    }
-
     /// Whether an [`ParamStore::update`] of `id` asked to `keep` it leaves
     /// it resident: asked to, resident (or staged) now, or device-tier.
     /// (The trainer asks the optimizer thread for the tensors of exactly
@@ -671,166 +743,6 @@ impl ParamStore {
     pub fn stays_resident(&self, id: ParamId, keep: bool) -> bool {
         keep || matches!(self.state(id), ParamState::Resident | ParamState::Staged)
             || self.tier(id) == Tier::Device
-    }
-
-    /// A swap buffer, retiring writes or completing reads until one is free.
-    fn acquire_buffer(&mut self) -> Result<Buffer> {
-        loop {
-            let arena = match &self.nvme {
-                Some(nv) => nv.arena.clone(),
-                None => return Err(EngineError::internal("nvme engine missing")),
-            };
-            if let Ok(b) = arena.try_acquire() {
-                return Ok(b);
-            }
-            self.retire_done_writes()?;
-            if arena.free_count() > 0 {
-                continue;
-            }
-            if self.retire_oldest_write()? {
-                continue;
-            }
-            let inflight = self
-                .slots
-                .iter()
-                .position(|e| matches!(e.slot, Slot::InFlight(_)));
-            match inflight {
-                Some(i) => self.complete_read(ParamId(i), false)?,
-                None => {
-                    return Err(EngineError::internal(
-                        "no parameter swap buffer is free and none is in flight",
-                    ))
-                }
-            }
-        }
-    }
-
-    /// Issues an asynchronous read of `id` if it is only at home (on
-    /// NVMe, with a swap buffer free now; or in its cpu page, copied out
-    /// by the copy thread). Never blocks on another param. Returns whether
-    /// a read was issued.
-    pub fn prefetch(&mut self, id: ParamId) -> Result<bool> {
-        if self.state(id) != ParamState::OnDisk {
-            return Ok(false);
-        }
-        if self.tier(id) == Tier::Cpu {
-            return self.prefetch_cpu(id);
-        }
-        if self.tier(id) != Tier::Nvme {
-            return Ok(false);
-        }
-        self.retire_done_writes()?;
-        if self.writes.iter().any(|(p, _)| *p == id) {
-            return Ok(false);
-        }
-        let Some(nv) = &self.nvme else {
-            return Ok(false);
-        };
-        let Ok(buf) = nv.arena.try_acquire() else {
-            return Ok(false);
-        };
-        let Home::Nvme { extent } = &self.homes[id.0] else {
-            return Ok(false);
-        };
-        let ticket = nv.engine.read(extent, buf)?;
-        self.counters.nvme_read_bytes += extent.len_bytes();
-        self.counters.prefetches += 1;
-        let read = self.hand_over(id, ticket)?;
-        self.apply(id, ParamEvent::ReadIssued(read))?;
-        Ok(true)
-    }
-
-    /// Number of free param swap buffers.
-    pub fn free_buffers(&self) -> usize {
-        self.nvme.as_ref().map_or(0, |n| n.arena.free_count())
-    }
-
-    /// Completes the read of `id`; builds the tensor when `gather` (called
-    /// from a fetch) or with one rank, else stages the shard bytes.
-    fn complete_read(&mut self, id: ParamId, gather: bool) -> Result<()> {
-        let slot = std::mem::replace(&mut self.slots[id.0].slot, Slot::OnDisk);
-        let Slot::InFlight(read) = slot else {
-            self.slots[id.0].slot = slot;
-            return Err(EngineError::internal(
-                "complete_read of a param not in flight",
-            ));
-        };
-        let t0 = Instant::now();
-        let res = read.wait();
-        self.counters.io_wait += t0.elapsed();
-        self.finish_read(id, res, gather)
-    }
-
-    /// Takes every prefetched param whose read the copy thread has taken
-    /// out of its swap buffer (into a tensor, or staged bytes under
-    /// several ranks) and makes it resident (or staged), without blocking.
-    /// (The buffers are already back in the pool: the copy thread frees
-    /// each as its read lands.) Returns how many were harvested; a failed
-    /// read's error comes back here.
-    /// Finished write-backs are retired too (their buffers freed), so the
-    /// prefetch window that follows sees every free buffer.
-    pub fn harvest(&mut self) -> Result<usize> {
-        self.retire_done_writes()?;
-        let mut n = 0;
-        for i in 0..self.slots.len() {
-            let done = match &self.slots[i].slot {
-                Slot::InFlight(read) => read.poll(),
-                _ => None,
-            };
-            if let Some(r) = done {
-                self.slots[i].slot = Slot::OnDisk;
-                self.finish_read(ParamId(i), r, false)?;
-                n += 1;
-            }
-        }
-        Ok(n)
-    }
-
-    /// Hands a submitted read of `id` to the copy thread, saying what to
-    /// make of it: the tensor itself when one rank holds the whole param,
-    /// else the shard's bytes (the gather belongs to the compute thread).
-    fn hand_over(&self, id: ParamId, ticket: Ticket) -> Result<PendingRead> {
-        self.copier
-            .as_ref()
-            .ok_or_else(|| EngineError::internal("nvme read without a copy thread"))?
-            .read(ticket, self.unpack(id))
-    }
-
-    /// What the copy thread makes of `id`'s shard bytes: the tensor (one
-    /// rank), or the bytes to stage for the gather (several).
-    fn unpack(&self, id: ParamId) -> Unpack {
-        let info = &self.info[id.0];
-        if info.counts_bytes.len() == 1 {
-            Unpack::Tensor {
-                dtype: self.dtype,
-                shape: info.shape.clone(),
-            }
-        } else {
-            Unpack::Bytes {
-                len_bytes: info.shard_numel * self.elem_bytes,
-            }
-        }
-    }
-
-    /// The second half of a read: the slot is `OnDisk` (its read taken);
-    /// makes the copy thread's tensor resident, or stages the shard (or,
-    /// when `gather`, builds the tensor from it).
-    fn finish_read(&mut self, id: ParamId, res: Result<Unpacked>, gather: bool) -> Result<()> {
-        // The slot is OnDisk while we build the tensor; restore InFlight
-        // semantics by going through the table: OnDisk -> Materialized.
-        match res? {
-            Unpacked::Tensor(t) => {
-                let t = t.to_device(&self.device)?;
-                self.apply(id, ParamEvent::Materialized(t))
-            }
-            Unpacked::Bytes(shard) if !gather && self.defer_gather() => {
-                self.apply(id, ParamEvent::Staged(shard))
-            }
-            Unpacked::Bytes(shard) => {
-                let t = self.tensor_from_shard(id, &shard)?;
-                self.apply(id, ParamEvent::Materialized(t))
-            }
-        }
     }
 
     /// The device tensor of `id`, fetching it if needed.
@@ -870,7 +782,7 @@ impl ParamStore {
             },
         }
         match &self.slots[id.0].slot {
-            Slot::Resident(t) => Ok(t.clone()),
+            Slot::Resident(t, _) => Ok(t.clone()),
             other => Err(EngineError::internal(format!(
                 "fetch left `{}` {}",
                 self.info[id.0].name,
@@ -1100,9 +1012,42 @@ mod tests {
             }
         ));
         assert_eq!(s.state(p), ParamState::Resident);
+        // No kept buffer to let go; a kept buffer only for a resident
+        // param that has none.
+        let e = s.apply(p, ParamEvent::LetGo).unwrap_err();
+        assert!(matches!(
+            e,
+            EngineError::BadTransition {
+                from: "Resident",
+                event: "LetGo",
+                ..
+            }
+        ));
+        let page = s.pages[0].clone();
+        s.apply(p, ParamEvent::Kept(page.pin(0..2).unwrap()))
+            .unwrap();
+        assert_eq!((s.kept_buffers(), page.pins()), (1, 1));
+        let e = s
+            .apply(p, ParamEvent::Kept(page.pin(0..2).unwrap()))
+            .unwrap_err();
+        assert!(matches!(
+            e,
+            EngineError::BadTransition { event: "Kept", .. }
+        ));
+        assert_eq!(page.pins(), 1, "the refused pin dropped");
+        s.apply(p, ParamEvent::LetGo).unwrap();
+        assert_eq!((s.kept_buffers(), page.pins()), (0, 0));
+        assert_eq!(s.resident_bytes(), s.device_bytes(p));
         s.release(p).unwrap();
         assert_eq!(s.state(p), ParamState::OnDisk);
         assert_eq!(s.resident_bytes(), 0);
+        let e = s
+            .apply(p, ParamEvent::Kept(page.pin(0..2).unwrap()))
+            .unwrap_err();
+        assert!(matches!(
+            e,
+            EngineError::BadTransition { from: "OnDisk", .. }
+        ));
         // release is idempotent at the API level (no event when not resident).
         s.release(p).unwrap();
     }
@@ -1160,6 +1105,16 @@ mod tests {
 
     /// A store with every param on NVMe and `buffers` swap buffers.
     fn nvme_store(model: &Model, dir: &std::path::Path, buffers: u64) -> ParamStore {
+        nvme_store_with(model, dir, buffers, None)
+    }
+
+    /// [`nvme_store`], its swap buffers registered through `registrar`.
+    fn nvme_store_with(
+        model: &Model,
+        dir: &std::path::Path,
+        buffers: u64,
+        registrar: Option<Arc<dyn tierzero_swap::HostRegistrar>>,
+    ) -> ParamStore {
         std::fs::create_dir_all(dir).unwrap();
         let layout = Layout::new(model, 0, 1, 1000);
         let tiers = vec![Tier::Nvme; model.params().len()];
@@ -1167,6 +1122,7 @@ mod tests {
             .unwrap();
         let mut ac = ArenaConfig::new(4096 * buffers, 4096);
         ac.lock = LockPolicy::Off;
+        ac.registrar = registrar;
         let arena = PinnedArena::new(ac).unwrap();
         let engine =
             Engine::new(space, arena.clone(), tierzero_swap::EngineConfig::default()).unwrap();
@@ -1204,7 +1160,7 @@ mod tests {
         let numel = model.params()[1].numel;
         s.update(p, &vec![1u8; numel * 2], false, None).unwrap();
         s.update(p, &vec![2u8; numel * 2], false, None).unwrap();
-        assert!(s.writes.iter().filter(|(q, _)| *q == p).count() <= 1);
+        assert!(s.writes.iter().filter(|w| w.id == p).count() <= 1);
         assert_eq!(
             s.read_shard(p).unwrap(),
             vec![2u8; numel * 2],
@@ -1374,6 +1330,151 @@ mod tests {
             !gate.busy(),
             "a dropped store's reads still counted in flight"
         );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// Registers nothing, but says it did: the swap buffers count as a
+    /// device's registered memory.
+    #[derive(Debug)]
+    struct Registers;
+
+    impl tierzero_swap::HostRegistrar for Registers {
+        fn register(&self, _addr: usize, _len_bytes: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn unregister(&self, _addr: usize, _len_bytes: usize) {}
+    }
+
+    /// Polls `f` (harvesting) until it holds, for at most 10 s.
+    fn eventually(s: &mut ParamStore, what: &str, mut f: impl FnMut(&mut ParamStore) -> bool) {
+        let t0 = Instant::now();
+        while !f(s) {
+            assert!(t0.elapsed() < Duration::from_secs(10), "{what}");
+            s.harvest().unwrap();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn a_registered_swap_buffer_is_kept_with_its_tensor_and_yields_to_reads_and_writes() {
+        let model = tiny();
+        let ids: Vec<ParamId> = model.params().iter().map(|p| p.id).collect();
+        let dir = std::env::temp_dir().join(format!("tz-store-kept-{}", std::process::id()));
+        let mut s = nvme_store_with(&model, &dir, 2, Some(Arc::new(Registers)));
+        assert!(s.swap_buffers_registered() && s.homes_registered());
+        assert!(!s.pages_registered());
+        let want: Vec<Vec<u8>> = ids
+            .iter()
+            .map(|&p| {
+                let b = s.read_shard(p).unwrap();
+                s.release(p).unwrap();
+                b
+            })
+            .collect();
+        assert_eq!(
+            (s.kept_buffers(), s.free_buffers()),
+            (0, 2),
+            "released with its tensor"
+        );
+
+        // A landed read keeps its buffer, pinned: the bytes its tensor was
+        // built from, shared with a copy.
+        assert!(s.prefetch(ids[0]).unwrap());
+        let t = s.fetch(ids[0]).unwrap();
+        assert_eq!((s.kept_buffers(), s.free_buffers()), (1, 1));
+        let pin = s.pin_home(ids[0]).unwrap().expect("a kept buffer's pin");
+        assert_eq!(pin.bytes(), &want[0][..]);
+        assert_eq!(tensor_bytes(&t).unwrap(), want[0]);
+        // Let go by the store, it stays with the copy until that is done.
+        s.let_go_kept(&[ids[0]]).unwrap();
+        assert_eq!(s.kept_buffers(), 0);
+        assert!(s.pin_home(ids[0]).unwrap().is_none(), "let go");
+        assert_eq!(s.free_buffers(), 1, "the copy's pin holds it");
+        drop(pin);
+        assert_eq!(s.free_buffers(), 2);
+        s.release(ids[0]).unwrap();
+
+        // Reads ahead are never starved by kept buffers: with two
+        // buffers every param is read ahead, each landed buffer yielding
+        // to the next read, newest first.
+        for &p in &ids {
+            eventually(&mut s, "a read ahead starved", |s| s.prefetch(p).unwrap());
+            eventually(&mut s, "a read not landed", |s| {
+                s.state(p) == ParamState::Resident
+            });
+        }
+        assert_eq!(s.kept_buffers(), 2);
+        assert_eq!(s.counters().kept_buffers_evicted, ids.len() as u64 - 2);
+        // The two kept are the ones read last but one (each new read let the
+        // newest go): the first param's and the last param's.
+        assert!(s.pin_home(ids[0]).unwrap().is_some());
+        assert!(s.pin_home(*ids.last().unwrap()).unwrap().is_some());
+        for (&p, w) in ids.iter().zip(&want) {
+            assert_eq!(&s.read_shard(p).unwrap(), w);
+        }
+
+        // A write-back takes a kept buffer, and an update drops the
+        // updated param's own: it held the old bytes.
+        let last = *ids.last().unwrap();
+        let new: Vec<u8> = want.last().unwrap().iter().map(|b| b ^ 0x5a).collect();
+        s.update(last, &new, true, None).unwrap();
+        assert!(s.pin_home(last).unwrap().is_none(), "a stale kept buffer");
+        assert_eq!(s.kept_buffers(), 1, "the first param's is left");
+        // Once written, the write's buffer is kept for the param that
+        // stayed resident from it: its new bytes, in place.
+        s.flush_writes().unwrap();
+        assert_eq!(s.pin_home(last).unwrap().unwrap().bytes(), &new[..]);
+        assert_eq!(s.read_shard(last).unwrap(), new);
+        assert_eq!(s.kept_buffers(), 2);
+        // Not so for a param not resident after its update.
+        let first = ids[0];
+        s.release(first).unwrap();
+        assert_eq!(s.kept_buffers(), 1, "let go with its tensor");
+        s.update(first, &want[0], false, None).unwrap();
+        s.flush_writes().unwrap();
+        assert_eq!(s.state(first), ParamState::OnDisk);
+        assert_eq!(s.kept_buffers(), 1);
+
+        // With every buffer lent to copies (kept buffers shared, then let
+        // go), a read waits for a copy to end, not for this thread.
+        for &p in &ids {
+            s.release(p).unwrap();
+        }
+        assert_eq!(s.free_buffers(), 2);
+        let mut pins = Vec::new();
+        for &p in &ids[..2] {
+            s.fetch(p).unwrap();
+            pins.push(s.pin_home(p).unwrap().unwrap());
+        }
+        s.let_go_kept(&ids[..2]).unwrap();
+        assert_eq!((s.kept_buffers(), s.free_buffers()), (0, 0));
+        let copies = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            drop(pins);
+        });
+        let t0 = Instant::now();
+        assert_eq!(tensor_bytes(&s.fetch(ids[2]).unwrap()).unwrap(), want[2]);
+        assert!(
+            t0.elapsed() >= Duration::from_millis(90),
+            "did not wait for a copy"
+        );
+        copies.join().unwrap();
+        drop(s);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn unregistered_swap_buffers_are_never_kept() {
+        let model = tiny();
+        let dir = std::env::temp_dir().join(format!("tz-store-unkept-{}", std::process::id()));
+        let mut s = nvme_store(&model, &dir, 2);
+        assert!(!s.homes_registered());
+        for p in model.params() {
+            s.fetch(p.id).unwrap();
+            assert!(s.pin_home(p.id).unwrap().is_none());
+        }
+        assert_eq!((s.kept_buffers(), s.free_buffers()), (0, 2));
+        drop(s);
         std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -274,18 +274,37 @@ impl TierBuild<'_> {
 
     /// Maps one arena of `buffers`, locked by its block's `pin_memory`.
     fn arena(&mut self, buffers: Buffers, pin: bool) -> Result<Arc<PinnedArena>> {
-        self.arena_registered(buffers, pin, None)
+        self.arena_registered(buffers, pin, None, "")
+    }
+
+    /// An arena params cross to the device from: registered with the
+    /// compute's registrar when its device copies from registered host
+    /// memory in place and this is the only rank (pins are of whole
+    /// params). `what` names it in a refusal's warning.
+    fn device_arena(
+        &mut self,
+        buffers: Buffers,
+        pin: bool,
+        what: &str,
+    ) -> Result<Arc<PinnedArena>> {
+        let registrar = match &self.opts.compute {
+            Some(c) if self.opts.comm.world_size() == 1 => c.host_registrar(),
+            _ => None,
+        };
+        self.arena_registered(buffers, pin, registrar, what)
     }
 
     /// [`TierBuild::arena`], registered through `registrar` too (with a
     /// device's, its copy engine reads the arena in place). A registration
     /// the device refuses is a warning: the arena is mapped without it,
-    /// and its bytes cross through staging buffers.
+    /// and its bytes cross through staging buffers. `what` names the
+    /// arena in that warning.
     fn arena_registered(
         &mut self,
         buffers: Buffers,
         pin: bool,
         registrar: Option<Arc<dyn tierzero_swap::HostRegistrar>>,
+        what: &str,
     ) -> Result<Arc<PinnedArena>> {
         let mut ac = ArenaConfig::new(buffers.total_bytes(), buffers.bytes_each);
         ac.lock = lock_policy(pin, self.lockable, self.config.tierzero.memlock);
@@ -301,7 +320,7 @@ impl TierBuild<'_> {
                         tracing::warn!(
                             bytes = buffers.total_bytes(),
                             error = %e,
-                            "the device did not register the cpu tier's pinned pages; \
+                            "the device did not register {what}; \
                              their params cross through staging buffers"
                         );
                         a
@@ -349,14 +368,8 @@ impl TierBuild<'_> {
         let zero = &self.config.zero;
         let pin = zero.offload_param.pin_memory;
         let cpu_pages = if self.sizing.cpu_pages.count > 0 {
-            // A device that copies from registered memory in place maps
-            // the pages with its registrar (one rank: the pins are of
-            // whole params).
-            let registrar = match &self.opts.compute {
-                Some(c) if self.opts.comm.world_size() == 1 => c.host_registrar(),
-                _ => None,
-            };
-            let arena = self.arena_registered(self.sizing.cpu_pages, pin, registrar)?;
+            let arena =
+                self.device_arena(self.sizing.cpu_pages, pin, "the cpu tier's pinned pages")?;
             arena.try_acquire_n(self.sizing.cpu_pages.count as usize)?
         } else {
             Vec::new()
@@ -368,7 +381,10 @@ impl TierBuild<'_> {
                 .nvme_path()
                 .ok_or_else(|| EngineError::internal("nvme tier without nvme_path"))?;
             let space = self.space(path, self.sizing.param_nvme_bytes)?;
-            let arena = self.arena(self.sizing.param_buffers, pin)?;
+            // Params cross from where their reads landed (the store keeps
+            // the buffers for it).
+            let arena =
+                self.device_arena(self.sizing.param_buffers, pin, "the param swap buffers")?;
             let faults = self.opts.faults.params.clone();
             let engine = self.engine(space, arena.clone(), 0, faults)?;
             Some(NvmeParams {

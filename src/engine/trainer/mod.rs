@@ -535,12 +535,26 @@ impl Trainer {
     /// the cpu tier's pages: whether the pages are registered with the
     /// device, so the params cross from them in place. None otherwise.
     pub fn pages_registered(&self) -> Option<bool> {
-        let staged = self
-            .opts
+        (self.stages_on_device() && self.sizing.cpu_pages.count > 0)
+            .then(|| self.store.pages_registered())
+    }
+
+    /// With units computed on a device that stages params and params on
+    /// NVMe: whether the param swap buffers are registered with the
+    /// device, so params cross from the buffers their reads landed in
+    /// (see "Swap buffers kept for the device" in
+    /// [`crate::engine::params::store`]). None otherwise.
+    pub fn swap_buffers_registered(&self) -> Option<bool> {
+        (self.stages_on_device() && self.sizing.params_on_nvme())
+            .then(|| self.store.swap_buffers_registered())
+    }
+
+    /// Whether units compute on a device that stages params.
+    fn stages_on_device(&self) -> bool {
+        self.opts
             .compute
             .as_ref()
-            .is_some_and(|c| c.on_device() && c.stages());
-        (staged && self.sizing.cpu_pages.count > 0).then(|| self.store.pages_registered())
+            .is_some_and(|c| c.on_device() && c.stages())
     }
 
     /// The activation policy's line for the plan (its budget and where it

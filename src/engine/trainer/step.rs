@@ -633,6 +633,7 @@ impl Trainer {
             d2h_wait_s: device.d2h_wait_s,
             h2d_kept_bytes: device.h2d_kept_bytes,
             h2d_direct_bytes: device.h2d_direct_bytes,
+            param_buffers_let_go: c1.kept_buffers_evicted - c0.kept_buffers_evicted,
             device_forwards_kept: device.forwards_kept,
             device_forwards_recomputed: device.forwards_recomputed,
             device_forwards_ahead: device.forwards_ahead,

@@ -106,7 +106,7 @@ impl ParamStore {
         }
         match &self.slots[id.0].slot {
             Slot::Staged(b) => return Ok(b.clone()),
-            Slot::Resident(t) => {
+            Slot::Resident(t, _) => {
                 let all = tensor_bytes(t)?;
                 let rank = self.comm.rank();
                 let start: usize = self.info[id.0].counts_bytes.iter().take(rank).sum();

@@ -32,38 +32,6 @@ impl ParamStore {
         f(pin.bytes())
     }
 
-    /// Whether the cpu tier's pages were registered with a device (their
-    /// arena has a registrar): pins of them may be copied from in place.
-    pub fn pages_registered(&self) -> bool {
-        self.pages
-            .first()
-            .is_some_and(|p| p.arena().registrar().is_some())
-    }
-
-    /// A read pin of `id`'s bytes in its pinned page, for a copy engine to
-    /// read in place (a device upload straight from the page): `None`
-    /// unless the param lives in a page, whole (one rank), with no new
-    /// bytes coming. Its bytes are the ones the param's tensor was built
-    /// from: pages are written on this thread only, and an update keeps
-    /// a resident tensor coherent with its page. A write-back into the
-    /// page waits for the pin ([`SharedBuffer::write`]).
-    pub fn pin_home(&self, id: ParamId) -> Result<Option<ReadPin>> {
-        let whole = self
-            .info
-            .get(id.0)
-            .is_some_and(|i| i.counts_bytes.len() == 1);
-        if !whole
-            || !matches!(self.homes[id.0], Home::Cpu { .. })
-            || self.freshness(id) != Freshness::Current
-        {
-            return Ok(None);
-        }
-        let (page, range) = self.cpu_home(id)?;
-        page.pin(range)
-            .map(Some)
-            .map_err(|e| EngineError::internal(format!("cpu page: {e}")))
-    }
-
     /// A cpu-tier param's tensor built on the copy thread from its page
     /// (the page read-locked there while it copies).
     pub(super) fn prefetch_cpu(&mut self, id: ParamId) -> Result<bool> {

@@ -4,6 +4,16 @@
 
 use super::*;
 
+/// An NVMe write-back in flight: its ticket holds the swap buffer.
+#[derive(Debug)]
+pub(super) struct QueuedWrite {
+    pub(super) id: ParamId,
+    pub(super) ticket: Ticket,
+    /// The param stays resident from this update and the buffers are
+    /// registered: the buffer is kept for its copy in place once written.
+    pub(super) keeps: bool,
+}
+
 impl ParamStore {
     pub(super) fn write_home(
         &mut self,
@@ -59,7 +69,11 @@ impl ParamStore {
                     .as_ref()
                     .ok_or_else(|| EngineError::internal("nvme engine missing"))?;
                 let ticket = nv.engine.write(&extent, buf)?;
-                self.writes.push_back((id, ticket));
+                self.writes.push_back(QueuedWrite {
+                    id,
+                    ticket,
+                    keeps: keep_resident && self.swap_buffers_registered(),
+                });
                 self.counters.nvme_written_bytes += extent.len_bytes();
             }
         }
@@ -94,39 +108,72 @@ impl ParamStore {
     /// (Only the front was retired before; one slow write then kept every
     /// later finished one's buffer, and with the pool full of those, the
     /// next fetch read its params one at a time.)
-    pub(super) fn retire_done_writes(&mut self) -> Result<()> {
+    pub(crate) fn retire_done_writes(&mut self) -> Result<()> {
         let mut first_err = None;
-        self.writes.retain(|(_, t)| match t.poll() {
+        let mut landed = Vec::new();
+        self.writes.retain(|w| match w.ticket.poll() {
             Some(c) => {
-                if let Err(e) = c.into_result() {
-                    first_err.get_or_insert(e);
+                match c.into_result() {
+                    Ok(buf) if w.keeps => landed.push((w.id, buf)),
+                    Ok(_) => {}
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                    }
                 }
                 false
             }
             None => true,
         });
+        for (id, buf) in landed {
+            self.keep_written(id, buf)?;
+        }
         match first_err {
             Some(e) => Err(e.into()),
             None => Ok(()),
         }
     }
 
+    /// A finished write-back's buffer, kept for the device when the param
+    /// stayed resident from that update (its tensor was built from these
+    /// very bytes): the next forward's first units then cross from it in
+    /// place too. Nothing changes a resident param's tensor while its
+    /// write is queued but a newer update, which retires this write first
+    /// (`wait_write_of`), so the slot still holds this write's tensor
+    /// here unless the param was let go.
+    fn keep_written(&mut self, id: ParamId, buf: Buffer) -> Result<()> {
+        let len = self.shard_bytes(id)?;
+        let unkept = matches!(
+            self.slots.get(id.0).map(|e| &e.slot),
+            Some(Slot::Resident(_, None))
+        );
+        if unkept {
+            let pin = SharedBuffer::new(buf)
+                .pin(0..len)
+                .map_err(|e| EngineError::internal(format!("swap buffer: {e}")))?;
+            self.apply(id, ParamEvent::Kept(pin))?;
+        }
+        Ok(())
+    }
+
     pub(super) fn retire_oldest_write(&mut self) -> Result<bool> {
         match self.writes.pop_front() {
             None => Ok(false),
-            Some((_, t)) => {
+            Some(w) => {
                 let t0 = Instant::now();
-                let r = t.wait();
+                let r = w.ticket.wait();
                 self.counters.io_wait += t0.elapsed();
                 self.counters.write_wait += t0.elapsed();
-                drop(r?);
+                let buf = r?;
+                if w.keeps {
+                    self.keep_written(w.id, buf)?;
+                }
                 Ok(true)
             }
         }
     }
 
     pub(super) fn wait_write_of(&mut self, id: ParamId) -> Result<()> {
-        while self.writes.iter().any(|(p, _)| *p == id) {
+        while self.writes.iter().any(|w| w.id == id) {
             self.retire_oldest_write()?;
         }
         Ok(())

@@ -345,21 +345,45 @@ impl Trainer {
     /// Hands `uid`'s params, about to be computed on, to the compute
     /// before the next unit is staged
     /// ([`crate::model::exec_units::UnitCompute::load`]).
-    fn load_unit(&self, uid: UnitId, params: &[Tensor]) -> Result<()> {
-        if let Some(c) = &self.opts.compute {
-            c.load(&self.model, uid, params, self.home_pins(uid)?)?;
+    /// The swap buffers kept for `uid`'s params are let go then (the
+    /// compute holds the params, or copies them with pins of its own),
+    /// but for a param another unit uses too (a tied embedding, uploaded
+    /// again for the head): it keeps its buffer while it is resident.
+    fn load_unit(&mut self, uid: UnitId, params: &[Tensor]) -> Result<()> {
+        if let Some(c) = self.opts.compute.clone() {
+            let pins = self.home_pins(uid)?;
+            c.load(&self.model, uid, params, pins)?;
+            if self.store.swap_buffers_registered() {
+                let units = self.model.units();
+                let own: Vec<ParamId> = self
+                    .model
+                    .unit(uid)?
+                    .params
+                    .iter()
+                    .copied()
+                    .filter(|p| !units.iter().any(|u| u.id != uid && u.params.contains(p)))
+                    .collect();
+                self.store.let_go_kept(&own)?;
+            }
         }
         Ok(())
     }
 
-    /// Read pins of `uid`'s params in their pinned pages, when the pages
-    /// were registered (only ever with the compute's own registrar, at
-    /// build): its device copies from them in place (see
+    /// Read pins of `uid`'s params in their registered pinned homes (pages,
+    /// or the swap buffers their reads landed in; registered only ever
+    /// with the compute's own registrar, at build): its device copies from
+    /// them in place (see
     /// [`crate::engine::device::DeviceLink::upload_pinned`]). Empty
     /// otherwise.
-    fn home_pins(&self, uid: UnitId) -> Result<HomePins> {
-        if !self.store.pages_registered() {
+    ///
+    /// Finished write-backs are retired first: a param kept resident from
+    /// its update crosses from its write's buffer once that is retired.
+    fn home_pins(&mut self, uid: UnitId) -> Result<HomePins> {
+        if !self.store.homes_registered() {
             return Ok(Vec::new());
+        }
+        if self.store.swap_buffers_registered() {
+            self.store.retire_done_writes()?;
         }
         let ids = &self.model.unit(uid)?.params;
         ids.iter().map(|&p| self.store.pin_home(p)).collect()
@@ -375,8 +399,9 @@ impl Trainer {
         shape: [usize; 2],
     ) -> Result<(UnitId, Vec<Tensor>)> {
         let params = self.unit_params(plan, uid, pass, shape, &mut None)?;
-        if let Some(c) = &self.opts.compute {
-            c.stage(&self.model, uid, &params, self.home_pins(uid)?)?;
+        if let Some(c) = self.opts.compute.clone() {
+            let pins = self.home_pins(uid)?;
+            c.stage(&self.model, uid, &params, pins)?;
         }
         Ok((uid, params))
     }
