@@ -1006,14 +1006,39 @@ fn device_sim_refuses_what_it_cannot_use() {
         &with(&TINY, &[("--device", "simulated")]),
         &["--device simulated", "or sim"],
     );
+}
+
+/// `--device sim` with `fp16.enabled` (refused before the device units had
+/// fp16): it trains with fp16 GEMMs, the optimizer on the host, its
+/// losses within 1e-3 of the CPU's fp16 run, skipping the same steps.
+#[test]
+fn device_sim_trains_fp16_with_the_optimizer_on_the_host() {
+    let d = tiny_setup("sim-fp16");
     let mut cfg = ds_config(&d);
-    cfg["fp16"] = json!({"enabled": true});
+    cfg["fp16"] = json!({"enabled": true, "initial_scale_power": 14});
     write_config(&d, cfg);
-    assert_bad(
-        &d,
-        &with(&TINY, &[("--device", "sim")]),
-        &["--device sim", "fp16.enabled to false"],
-    );
+    let losses = |device: &str, file: &str| -> Vec<(f64, bool)> {
+        let args = with(&TINY, &[("--device", device), ("--metrics", file)]);
+        let out = train(&d, &args);
+        assert_eq!(out.code, 0, "stdout {} stderr {}", out.stdout, out.stderr);
+        if device == "sim" {
+            assert!(out.stdout.contains("F16 GEMMs"), "{}", out.stdout);
+        }
+        metrics_lines(&d.join(file))
+            .iter()
+            .filter(|l| l.get("step").is_some())
+            .map(|l| (l["loss"].as_f64().unwrap(), l["skipped"].as_bool().unwrap()))
+            .collect()
+    };
+    let sim = losses("sim", "sim.jsonl");
+    let cpu = losses("cpu", "cpu.jsonl");
+    println!("fp16 (loss, skipped): sim {sim:?}, cpu {cpu:?}");
+    assert_eq!(sim.len(), cpu.len());
+    assert!(sim.iter().any(|s| !s.1), "every step overflowed: {sim:?}");
+    for ((a, sa), (b, sb)) in sim.iter().zip(&cpu) {
+        assert_eq!(sa, sb, "skips differ: {sim:?} vs {cpu:?}");
+        assert!(((a - b) / b).abs() < 1e-3, "{sim:?} vs {cpu:?}");
+    }
 }
 
 /// `--device sim` with `bf16.enabled`: bf16 GEMMs on bf16 params, and a

@@ -778,6 +778,58 @@ fn bf16_params_through_the_device_tier_are_bit_identical_too() {
 /// its missing uploads before the next unit is staged, so the copy queue
 /// carries them first, and what was staged for it leaves the prefetch
 /// window, which the next unit then fills whole.
+/// fp16 params through the tier: the same bits as the in-memory units
+/// with fp16 params, through steps that overflow at the initial loss
+/// scale and are skipped (the head's gradient at the scale, each unit's
+/// gradients rounded to fp16 once, on the host). fp16 crosses as fp32, so
+/// nothing crosses in place, even from registered pages.
+#[test]
+fn fp16_params_through_the_device_tier_are_bit_identical_and_skip_the_same_steps() {
+    let model = tiny_llama_dir("tier-fp16");
+    for base in [Knobs::nvme(), Knobs::cpu()] {
+        let k = Knobs {
+            precision: "fp16",
+            initial_scale_power: 18,
+            clip: 0.5,
+            ..base
+        };
+        let mut opts = TrainerOptions::cpu(3, 16);
+        opts.compute = Some(Arc::new(ReferenceUnits {
+            gemm: GemmDtype::F16,
+        }));
+        let mut t = build_with(&model, &k, opts, 4);
+        let skipped: Vec<bool> = (0..4).map(|_| t.step().unwrap().metrics.skipped).collect();
+        t.finish().unwrap();
+        assert!(
+            skipped.iter().any(|&s| s),
+            "{}: no step overflowed",
+            k.param
+        );
+        let mut opts = TrainerOptions::cpu(3, 16);
+        opts.compute = Some(Arc::new(ReferenceUnits {
+            gemm: GemmDtype::F16,
+        }));
+        let want = run(&model, &k, opts, 4);
+        for cache_bytes in [0, 1 << 30] {
+            let case = format!("{}, cache {cache_bytes}", k.param);
+            let limits = TierLimits {
+                cache_bytes,
+                ..wide_open()
+            };
+            let cfg = SimConfig {
+                gemm: GemmDtype::F16,
+                ..sim(64 << 20, 0, 4)
+            };
+            let (got, _, probe) = tiered(&model, &k, cfg, limits, 4);
+            println!("{case}: skipped {skipped:?}, h2d {} B", got.h2d_bytes);
+            assert_eq!(got.loss_bits, want.loss_bits, "{case}");
+            assert_eq!(got.sha, want.sha, "{case}");
+            assert_eq!(probe.direct_copies(), 0, "{case}: fp16 crossed in place");
+            assert_all_back(&probe, &case);
+        }
+    }
+}
+
 #[test]
 fn the_unit_computing_uploads_before_the_next_one_is_staged() {
     use tierzero::model::exec_units::UnitCompute;

@@ -152,7 +152,7 @@ fn check_with(tied: bool, e: HostExec, dtype: DType, tol: f64) {
         model.params().len()
     );
     if dtype != DType::F32 {
-        // bf16 really was applied on both sides.
+        // The 16-bit type really was applied on both sides.
         assert!(worst > 1e-4, "{label}: worst error {worst:e} is fp32's");
     }
 }
@@ -171,6 +171,14 @@ fn gpt2_units_with_bf16_gemms_agree_with_the_candle_bf16_units() {
     // bf16.
     check_with(true, HostExec::BF16, DType::BF16, 3e-2);
     check_with(false, HostExec::BF16, DType::BF16, 3e-2);
+}
+
+#[test]
+fn gpt2_units_with_f16_gemms_agree_with_the_candle_f16_units() {
+    // fp16 has 3 more mantissa bits than bf16: the same bound holds with
+    // room, and the errors are still not fp32's.
+    check_with(true, HostExec::F16, DType::F16, 3e-2);
+    check_with(false, HostExec::F16, DType::F16, 3e-2);
 }
 
 /// A Llama-family chain on the host executor against the candle units.

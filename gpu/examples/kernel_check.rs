@@ -13,7 +13,7 @@
 
 use std::time::Instant;
 
-use half::bf16;
+use half::{bf16, f16};
 use tierzero_gpu::cache::KernelCache;
 use tierzero_gpu::device::{Device, DeviceBuffer, DeviceOptions};
 use tierzero_gpu::ops::{self, AdamState, DeviceRuns, Elem, MatmulShape, NormOut, NormStats};
@@ -546,17 +546,18 @@ where
     Ok(())
 }
 
-fn check_f32_only(dev: &Device, rep: &mut Report) -> Result<()> {
-    // The bf16 x bf16 -> fp32 GEMM of the units' autocast mode.
+/// [`ops::matmul_16_f32`] with `T` operands against the reference on
+/// the same operands widened, at awkward and model sizes.
+fn check_gemm16<T: ops::Half16 + Storage>(dev: &Device, rep: &mut Report, seed: u64) -> Result<()> {
     for (m, n, k) in [(33usize, 65usize, 17usize), (256, 1024, 768)] {
         for (ta, tb) in [(false, false), (true, false), (false, true)] {
             let batch = 2;
-            let a: Vec<bf16> = r::cast(&data(batch * m * k, 60));
-            let b: Vec<bf16> = r::cast(&data(batch * k * n, 61));
-            let mut c = data(batch * m * n, 62);
+            let a: Vec<T> = r::cast(&data(batch * m * k, seed));
+            let b: Vec<T> = r::cast(&data(batch * k * n, seed + 1));
+            let mut c = data(batch * m * n, seed + 2);
             let (ga, gb) = (dev.upload("a", &a)?, dev.upload("b", &b)?);
             let mut gc = dev.upload("c", &c)?;
-            let (a32, b32) = (r::cast::<bf16, f32>(&a), r::cast::<bf16, f32>(&b));
+            let (a32, b32) = (r::cast::<T, f32>(&a), r::cast::<T, f32>(&b));
             r::matmul(&mut c, &a32, &b32, batch, (m, n, k), (ta, tb), 1.0, 0.5);
             let s = MatmulShape {
                 batch,
@@ -566,9 +567,9 @@ fn check_f32_only(dev: &Device, rep: &mut Report) -> Result<()> {
                 trans_a: ta,
                 trans_b: tb,
             };
-            ops::matmul_bf16_f32(dev, &mut gc, &ga, &gb, s, 1.0, 0.5)?;
+            ops::matmul_16_f32(dev, &mut gc, &ga, &gb, s, 1.0, 0.5)?;
             rep.compare(
-                "matmul_bf16_f32",
+                T::KERNEL,
                 &format!("{m}x{n}x{k} t{}{}", ta as u8, tb as u8),
                 &dev.download(&gc)?,
                 &c,
@@ -576,6 +577,13 @@ fn check_f32_only(dev: &Device, rep: &mut Report) -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+fn check_f32_only(dev: &Device, rep: &mut Report) -> Result<()> {
+    // The 16-bit x 16-bit -> fp32 GEMMs of the units' bf16 and fp16 modes.
+    check_gemm16::<bf16>(dev, rep, 60)?;
+    check_gemm16::<f16>(dev, rep, 63)?;
     // AdamW: the CPU kernel's arithmetic, so the bits should be equal; the
     // tolerance is the fp32 one, and the JSON says the error.
     let n = 1_000_003;

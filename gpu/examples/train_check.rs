@@ -3,8 +3,8 @@
 //! `CudaExec`: the CUDA kernels, cuBLAS and the GPU AdamW) and on the host
 //! executor (every kernel's CPU reference, which `tests/gpu_units.rs`
 //! checks against the candle units), with fp32 GEMMs and again with bf16
-//! GEMM operands. Passes when every step's loss agrees within 1e-3
-//! relative (1e-2 with bf16 GEMMs) and a second GPU run gives the same
+//! and with fp16 GEMM operands. Passes when every step's loss agrees
+//! within 1e-3 relative (1e-2 with 16-bit GEMMs) and a second GPU run gives the same
 //! bits (losses and final params). Prints one JSON object; exit 0 pass, 1 fail, 2 when
 //! the device cannot be opened.
 //!
@@ -92,9 +92,13 @@ fn main() {
     let run = || -> Result<String> {
         let mut parts = Vec::new();
         let mut all_ok = true;
-        // fp32 GEMMs at the 1e-3; bf16 GEMM operands (autocast's
-        // rounding, on both sides) at 1e-2.
-        for (gemm, tol) in [(GemmDtype::F32, 1e-3), (GemmDtype::Bf16, 1e-2)] {
+        // fp32 GEMMs at the 1e-3; bf16 and fp16 GEMM operands
+        // (autocast's rounding, on both sides) at 1e-2.
+        for (gemm, tol) in [
+            (GemmDtype::F32, 1e-3),
+            (GemmDtype::Bf16, 1e-2),
+            (GemmDtype::F16, 1e-2),
+        ] {
             let cuda = CudaExec { dev: &dev, gemm };
             let (gpu, gpu_params, gpu_s) = train(&cuda)?;
             let (gpu2, gpu2_params, _) = train(&cuda)?;

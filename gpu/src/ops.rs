@@ -953,13 +953,36 @@ pub fn sum_kv<T: Elem>(
     kv_move(dev, out, x, s, false)
 }
 
-/// [`matmul`] with bf16 operands and an fp32 result (`C = α·op(A)·op(B) +
-/// β·C`, fp32 accumulation): autocast's GEMM, whose output stays fp32.
-pub fn matmul_bf16_f32(
+/// A 16-bit GEMM operand type: its cuBLAS data type and its name in
+/// errors.
+pub trait Half16: Elem {
+    /// `CUDA_R_16BF` or `CUDA_R_16F`.
+    const CUDA: cudarc::cublas::sys::cudaDataType_t;
+    /// `matmul_bf16_f32` or `matmul_f16_f32`.
+    const KERNEL: &'static str;
+}
+
+impl Half16 for bf16 {
+    const CUDA: cudarc::cublas::sys::cudaDataType_t =
+        cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF;
+    const KERNEL: &'static str = "matmul_bf16_f32";
+}
+
+impl Half16 for f16 {
+    const CUDA: cudarc::cublas::sys::cudaDataType_t =
+        cudarc::cublas::sys::cudaDataType_t::CUDA_R_16F;
+    const KERNEL: &'static str = "matmul_f16_f32";
+}
+
+/// [`matmul`] with 16-bit operands (bf16, or fp16 under `fp16.enabled`)
+/// and an fp32 result (`C = α·op(A)·op(B) + β·C`, fp32 accumulation):
+/// autocast's GEMM, whose output stays fp32. Products of two 16-bit
+/// values are exact in fp32, as the host reference assumes.
+pub fn matmul_16_f32<T: Half16>(
     dev: &Device,
     c: &mut DeviceBuffer<f32>,
-    a: &DeviceBuffer<bf16>,
-    b: &DeviceBuffer<bf16>,
+    a: &DeviceBuffer<T>,
+    b: &DeviceBuffer<T>,
     s: MatmulShape,
     alpha: f32,
     beta: f32,
@@ -967,7 +990,7 @@ pub fn matmul_bf16_f32(
     use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
     use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
     use cudarc::driver::{DevicePtr, DevicePtrMut};
-    let kname = "matmul_bf16_f32";
+    let kname = T::KERNEL;
     let (mk, kn, mn) = (
         product(kname, s.m, s.k)?,
         product(kname, s.k, s.n)?,
@@ -1002,11 +1025,11 @@ pub fn matmul_bf16_f32(
             k,
             (&alpha) as *const f32 as *const _,
             pa as *const _,
-            cudaDataType_t::CUDA_R_16BF,
+            T::CUDA,
             lda,
             kn as i64,
             pb as *const _,
-            cudaDataType_t::CUDA_R_16BF,
+            T::CUDA,
             ldb,
             mk as i64,
             (&beta) as *const f32 as *const _,

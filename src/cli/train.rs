@@ -42,8 +42,9 @@
 //!   stream while the unit before it computes, and keeps them between
 //!   uses within `tierzero.device_cache_bytes`, all within
 //!   `tierzero.device_budget_bytes`. Activations and gradients cross per
-//!   unit. fp32 or bf16 (bf16 GEMM operands, bf16 params and unit
-//!   outputs; an fp16 config is refused with the fix). Without the
+//!   unit. fp32, bf16 or fp16 (16-bit GEMM operands, 16-bit params and
+//!   unit outputs; fp16's loss scale as on the CPU, Adam then on the
+//!   host). Without the
 //!   feature, a driver, cuBLAS or NVRTC it is refused before anything
 //!   loads (exit 2), naming the library and the fix.
 //!   `--device sim` runs the same device tier on the simulated device
@@ -223,7 +224,7 @@ pub struct TrainArgs {
     #[arg(long)]
     gradient_checkpointing: bool,
     /// cpu, or cuda / cuda:N: forward and backward run on that GPU (the
-    /// CUDA units: fp32 or bf16, kernels compiled by NVRTC at start-up, cuBLAS) and
+    /// CUDA units: fp32, bf16 or fp16, kernels compiled by NVRTC at start-up, cuBLAS) and
     /// the collectives between ranks over NCCL (build with --features gpu;
     /// the NVIDIA driver, cuBLAS, NVRTC and NCCL are needed to run). Params
     /// and the optimizer stay on their configured tiers (Adam on the CPU).

@@ -26,9 +26,9 @@ pub struct CudaExec<'a> {
     pub gemm: GemmDtype,
 }
 
-/// `x` cast to bf16 in a scratch buffer.
-fn to_bf16(dev: &Device, x: &DeviceBuffer<f32>) -> Result<DeviceBuffer<half::bf16>> {
-    let mut out = dev.alloc_zeros("bf16 GEMM operand", x.len())?;
+/// `x` cast to a 16-bit type (bf16 or fp16) in a scratch buffer.
+fn to_half<T: ops::Elem>(dev: &Device, x: &DeviceBuffer<f32>) -> Result<DeviceBuffer<T>> {
+    let mut out = dev.alloc_zeros("16-bit GEMM operand", x.len())?;
     ops::cast(dev, &mut out, x)?;
     Ok(out)
 }
@@ -145,7 +145,7 @@ impl Exec for CudaExec<'_> {
         Ok(self.dev.download(&out)?.first().copied().unwrap_or(0.0))
     }
     fn round_bf16(&self, dst: &mut Self::Buf, src: &Self::Buf) -> Result<()> {
-        let narrow = to_bf16(self.dev, src)?;
+        let narrow = to_half::<half::bf16>(self.dev, src)?;
         ops::cast(self.dev, dst, &narrow)
     }
     fn zeros(&self, what: &str, n: usize) -> Result<Self::Buf> {
@@ -182,8 +182,12 @@ impl Exec for CudaExec<'_> {
         match self.gemm {
             GemmDtype::F32 => ops::matmul(self.dev, c, a, b, s, 1.0, beta),
             GemmDtype::Bf16 => {
-                let (a16, b16) = (to_bf16(self.dev, a)?, to_bf16(self.dev, b)?);
-                ops::matmul_bf16_f32(self.dev, c, &a16, &b16, s, 1.0, beta)
+                let (a16, b16) = (to_half(self.dev, a)?, to_half(self.dev, b)?);
+                ops::matmul_16_f32::<half::bf16>(self.dev, c, &a16, &b16, s, 1.0, beta)
+            }
+            GemmDtype::F16 => {
+                let (a16, b16) = (to_half(self.dev, a)?, to_half(self.dev, b)?);
+                ops::matmul_16_f32::<half::f16>(self.dev, c, &a16, &b16, s, 1.0, beta)
             }
         }
     }

@@ -22,6 +22,10 @@ impl HostExec {
     pub const BF16: HostExec = HostExec {
         gemm: GemmDtype::Bf16,
     };
+    /// fp16 GEMM operands.
+    pub const F16: HostExec = HostExec {
+        gemm: GemmDtype::F16,
+    };
 }
 
 /// `v` rounded to bf16 (and back to f32).
@@ -29,6 +33,12 @@ fn bf16_rounded(v: &[f32]) -> Vec<f32> {
     v.iter()
         .map(|&x| half::bf16::from_f32(x).to_f32())
         .collect()
+}
+
+/// `v` rounded to fp16 (to nearest even, overflow to ±inf, as the cast
+/// kernel) and widened back.
+fn f16_rounded(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect()
 }
 
 /// Ids on the host, with their embedding runs.
@@ -145,6 +155,16 @@ impl Exec for HostExec {
                 c,
                 &bf16_rounded(a),
                 &bf16_rounded(b),
+                s.batch,
+                shape,
+                trans,
+                1.0,
+                beta,
+            ),
+            GemmDtype::F16 => r::matmul(
+                c,
+                &f16_rounded(a),
+                &f16_rounded(b),
                 s.batch,
                 shape,
                 trans,

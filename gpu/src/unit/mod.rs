@@ -43,6 +43,9 @@ pub enum GemmDtype {
     /// `torch.autocast(dtype=bfloat16)` does to a matmul (autocast also
     /// rounds its output; here it stays fp32).
     Bf16,
+    /// Operands rounded to fp16, fp32 accumulation and result: the same
+    /// GEMM under `fp16.enabled` (the gradients loss-scaled by the head).
+    F16,
 }
 
 /// What a unit needs of its buffers' executor.

@@ -66,21 +66,17 @@ fn on_link<L: tierzero::engine::device::DeviceLink + 'static>(
 }
 
 /// The device units' GEMM operands for the config's precision: fp32, or
-/// bf16 under `bf16.enabled` (bf16 params and unit outputs, fp32 math
-/// elsewhere; see `model::exec_units`). fp16 is refused: its loss-scaled
-/// gradients are not on the device units yet.
+/// bf16 under `bf16.enabled`, or fp16 under `fp16.enabled` (16-bit params
+/// and unit outputs, fp32 math elsewhere, the head's gradients at the
+/// loss scale; see `model::exec_units`).
 fn device_gemm(cfg: &tierzero::config::Config) -> Result<tierzero_gpu::unit::GemmDtype, String> {
     use tierzero::config::Precision;
     use tierzero_gpu::unit::GemmDtype;
-    match cfg.precision {
-        Precision::Fp32 => Ok(GemmDtype::F32),
-        Precision::Bf16 => Ok(GemmDtype::Bf16),
-        Precision::Fp16 { .. } => Err(
-            "the device units compute in fp32 or bf16 and this config enables fp16; set \
-             fp16.enabled to false (bf16.enabled to true for 16-bit), or train on --device cpu"
-                .into(),
-        ),
-    }
+    Ok(match cfg.precision {
+        Precision::Fp32 => GemmDtype::F32,
+        Precision::Bf16 => GemmDtype::Bf16,
+        Precision::Fp16 { .. } => GemmDtype::F16,
+    })
 }
 
 /// What the device units need of the run, as `flag` (`--device cuda:0`,

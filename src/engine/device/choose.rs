@@ -60,6 +60,12 @@ pub fn trains_resident(cfg: &Config, world: usize) -> Result<(), String> {
     if !cfg.optimizer.decoupled_weight_decay {
         return Err("adam_w_mode is false (the device kernel is AdamW's)".into());
     }
+    if matches!(cfg.precision, Precision::Fp16 { .. }) {
+        // Its params are rounded to bf16 or kept in fp32, and its sums of
+        // gradients are fp32: fp16's overflow of a loss-scaled gradient
+        // (which skips the step) would not show there as on the host.
+        return Err("fp16.enabled (the device optimizer keeps fp32 or bf16 params)".into());
+    }
     Ok(())
 }
 
@@ -72,5 +78,34 @@ impl TierLimits {
             max_live_numel: cfg.zero.max_live_parameters_numel.0,
             cache_bytes: cfg.tierzero.device_cache_bytes.0,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::config::{load_str, RunContext};
+
+    fn config(extra: &str) -> Config {
+        let text = format!(r#"{{"train_micro_batch_size_per_gpu": 2, {extra}}}"#);
+        load_str(&text, &RunContext::default()).unwrap().config
+    }
+
+    #[test]
+    fn nothing_offloaded_trains_resident_unless_fp16_or_l2_adam_or_several_ranks() {
+        let plain = config(r#""zero_optimization": {"stage": 0}"#);
+        assert_eq!(trains_resident(&plain, 1), Ok(()));
+        assert!(trains_resident(&plain, 2).unwrap_err().contains("2 ranks"));
+        let bf16 = config(r#""bf16": {"enabled": true}"#);
+        assert_eq!(trains_resident(&bf16, 1), Ok(()));
+        let fp16 = config(r#""fp16": {"enabled": true}"#);
+        assert!(trains_resident(&fp16, 1)
+            .unwrap_err()
+            .contains("fp16.enabled"));
+        let l2 = config(
+            r#""optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": false}}"#,
+        );
+        assert!(trains_resident(&l2, 1).unwrap_err().contains("adam_w_mode"));
     }
 }

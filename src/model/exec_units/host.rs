@@ -12,23 +12,22 @@ pub(super) fn host_f32(t: &Tensor) -> Result<Vec<f32>, ModelError> {
 }
 
 /// Runs `f` on a host tensor's elements as fp32: an fp32 one in place (a
-/// contiguous one is not copied), a bf16 one widened (exactly) into a
-/// copy. The units compute in fp32 on the device, so a bf16 param or
-/// hidden state crosses as its fp32 value.
+/// contiguous one is not copied), a bf16 or fp16 one widened (exactly)
+/// into a copy. The units compute in fp32 on the device, so a 16-bit
+/// param or hidden state crosses as its fp32 value.
 pub(super) fn with_host_f32<R>(
     t: &Tensor,
     f: impl FnOnce(&[f32]) -> Result<R, ModelError>,
 ) -> Result<R, ModelError> {
     match t.dtype() {
         DType::F32 => crate::model::fused::with_f32(t, |v| Ok(f(v)))?,
-        DType::BF16 => {
+        DType::BF16 | DType::F16 => {
             let wide = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
             f(&wide)
         }
         other => Err(ModelError::Unsupported {
             what: format!(
-                "{other:?} params or activations on the CUDA units (they store fp32 or bf16; \
-                 set fp16.enabled to false)"
+                "{other:?} params or activations on the CUDA units (they store fp32, bf16 or fp16)"
             ),
         }),
     }

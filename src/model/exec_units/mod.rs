@@ -19,9 +19,9 @@
 //!
 //! # What it supports
 //!
-//! fp32 or bf16 params; GPT-2 with `gelu_new` (tanh), the Llama family
-//! without a sliding window; GEMMs in fp32 or with bf16 operands
-//! ([`GemmDtype`]).
+//! fp32, bf16 or fp16 params; GPT-2 with `gelu_new` (tanh), the Llama
+//! family without a sliding window; GEMMs in fp32 or with bf16 or fp16
+//! operands ([`GemmDtype`]).
 //!
 //! # bf16
 //!
@@ -33,7 +33,20 @@
 //! unit it rounds less often than the CPU units (their linear outputs
 //! and attention probabilities are rounded to bf16 too), so the two are
 //! close, not bit-identical.
-//! [`supports`] says why not, for the start-up check.
+//!
+//! # fp16
+//!
+//! fp16 params (`fp16.enabled`) take the same path with fp16 GEMM
+//! operands ([`GemmDtype::F16`]): widened exactly on the way in, fp32
+//! math, the hidden output and gradients rounded to fp16 once on the way
+//! back. The head's gradient starts at the loss scale, as on the CPU, so
+//! a gradient that overflows fp16 comes back `inf` from that rounding and
+//! the engine skips the step and lowers the scale exactly as it does for
+//! the candle units. The device tier moves fp16 as fp32 (4 bytes an
+//! element both ways; bf16 crosses as 2), so its params never cross in
+//! place from a page or a swap buffer.
+//!
+//! [`supports`] says why a model is not supported, for the start-up check.
 
 use candle_core::{DType, Device, Tensor};
 use tierzero_gpu::unit::{self, Exec, GemmDtype, Gpt2Dims, HostExec, LlamaDims};
