@@ -974,6 +974,28 @@ fn device_sim_uploads_params_from_their_registered_pages_and_swap_buffers() {
         steps.len()
     );
     assert!(direct > 0 && direct <= h2d, "in place {direct} of {h2d}");
+    // Said once, at the first step that let most of its kept buffers go.
+    let short = steps.iter().position(|l| {
+        let (kept, let_go) = (
+            l["param_buffers_kept"].as_u64().unwrap(),
+            l["param_buffers_let_go"].as_u64().unwrap(),
+        );
+        kept >= 8 && let_go * 2 > kept
+    });
+    let said = out
+        .stderr
+        .matches("offload_param.buffer_count (now")
+        .count();
+    println!("buffers short at step {short:?}, said {said} time(s)");
+    assert_eq!(said, usize::from(short.is_some()), "{}", out.stderr);
+    if let Some(i) = short {
+        let step = steps[i]["step"].as_u64().unwrap();
+        assert!(
+            out.stderr.contains(&format!("step {step}: ")),
+            "{}",
+            out.stderr
+        );
+    }
 }
 
 #[test]

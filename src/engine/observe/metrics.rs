@@ -119,6 +119,11 @@ pub struct StepMetrics {
     /// wanted the buffer: those params crossed through staging. Many of
     /// them say `offload_param.buffer_count` is small for the read-ahead.
     pub param_buffers_let_go: u64,
+    /// Swap buffers kept this step for the device's copies in place
+    /// (landed reads and retired write-backs, with registered swap
+    /// buffers); `param_buffers_let_go` of them, or of those kept before,
+    /// were let go.
+    pub param_buffers_kept: u64,
     /// Blocks whose backward on the device ran from their kept forward
     /// (no recompute; see "Kept forwards" in `crate::engine::device`).
     pub device_forwards_kept: u64,

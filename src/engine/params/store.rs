@@ -331,6 +331,9 @@ pub struct StoreCounters {
     /// wanted a buffer (see "Swap buffers kept for the device" in the
     /// module docs).
     pub kept_buffers_evicted: u64,
+    /// Swap buffers kept for a device's copy in place (landed reads and
+    /// retired write-backs).
+    pub kept_buffers: u64,
 }
 
 /// Parameters by home tier, with their state map.
@@ -624,6 +627,7 @@ impl ParamStore {
             }
             (Slot::OnDisk | Slot::InFlight(_), ParamEvent::Landed(t, pin)) => {
                 self.landed_seq += 1;
+                self.counters.kept_buffers += 1;
                 let kept = Kept {
                     pin,
                     landed_seq: self.landed_seq,
@@ -632,6 +636,7 @@ impl ParamStore {
             }
             (Slot::Resident(t, None), ParamEvent::Kept(pin)) => {
                 self.landed_seq += 1;
+                self.counters.kept_buffers += 1;
                 let kept = Kept {
                     pin,
                     landed_seq: self.landed_seq,

@@ -779,6 +779,7 @@ impl Trainer {
             engine_clocks: clocks.engines,
             flush_open: false,
             device_dirty: false,
+            said_buffers_short: false,
             optimizer_wait: Duration::ZERO,
             speculation: Speculation::default(),
             grads_out: std::collections::HashSet::new(),

@@ -389,6 +389,9 @@ pub struct Trainer {
     /// The device optimizer stepped since its state was last loaded or
     /// written back to the host (`device_optim.rs`).
     device_dirty: bool,
+    /// The run said that its swap buffers were short for copies in place
+    /// ([`Trainer::check_kept_buffers`]; said once).
+    said_buffers_short: bool,
     /// Time the compute thread spent waiting for the optimizer thread.
     optimizer_wait: Duration,
     /// The speculative step's record.

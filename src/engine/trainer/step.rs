@@ -164,6 +164,7 @@ impl Trainer {
         if let Some(w) = &mut self.metrics {
             w.write(&metrics)?;
         }
+        self.check_kept_buffers(&metrics);
         self.last_step_wall = Some(start.at.elapsed());
         // The step boundary: every rank, every step (a collective).
         let stop = self.agree_stop()?;
@@ -531,6 +532,32 @@ impl Trainer {
         }
     }
 
+    /// Says once when a step let most of the swap buffers it kept for
+    /// copies in place go before their units were loaded (to reads ahead
+    /// or write-backs): those params crossed through staging, and more
+    /// `offload_param.buffer_count` would let them cross in place. A few
+    /// are let go in any run (a read ahead of the window's end); the
+    /// warning wants at least 8 kept in the step and over half let go.
+    fn check_kept_buffers(&mut self, m: &StepMetrics) {
+        let (kept, let_go) = (m.param_buffers_kept, m.param_buffers_let_go);
+        if self.said_buffers_short || kept < 8 || let_go * 2 <= kept {
+            return;
+        }
+        self.said_buffers_short = true;
+        tracing::warn!(
+            step = m.step,
+            kept,
+            let_go,
+            buffer_count = self.config.zero.offload_param.buffer_count,
+            "step {}: {let_go} of the {kept} param swap buffers kept for the device's copies in \
+             place were let go for reads ahead or write-backs before their units were loaded, so those params \
+             crossed through staging; a larger zero_optimization.offload_param.buffer_count (now \
+             {}) lets more cross in place (param_buffers_let_go in the metrics)",
+            m.step,
+            self.config.zero.offload_param.buffer_count
+        );
+    }
+
     /// Counts a speculative step's outcome (see [`Speculation::record`]).
     fn record_speculation(&mut self, held: bool) {
         let auto = self.config.tierzero.speculative_step.is_none();
@@ -634,6 +661,7 @@ impl Trainer {
             h2d_kept_bytes: device.h2d_kept_bytes,
             h2d_direct_bytes: device.h2d_direct_bytes,
             param_buffers_let_go: c1.kept_buffers_evicted - c0.kept_buffers_evicted,
+            param_buffers_kept: c1.kept_buffers - c0.kept_buffers,
             device_forwards_kept: device.forwards_kept,
             device_forwards_recomputed: device.forwards_recomputed,
             device_forwards_ahead: device.forwards_ahead,
