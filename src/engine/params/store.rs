@@ -1031,7 +1031,7 @@ mod tests {
         let page = s.pages[0].clone();
         s.apply(p, ParamEvent::Kept(page.pin(0..2).unwrap()))
             .unwrap();
-        assert_eq!((s.kept_buffers(), page.pins()), (1, 1));
+        assert_eq!((s.kept_now(), page.pins()), (1, 1));
         let e = s
             .apply(p, ParamEvent::Kept(page.pin(0..2).unwrap()))
             .unwrap_err();
@@ -1041,7 +1041,7 @@ mod tests {
         ));
         assert_eq!(page.pins(), 1, "the refused pin dropped");
         s.apply(p, ParamEvent::LetGo).unwrap();
-        assert_eq!((s.kept_buffers(), page.pins()), (0, 0));
+        assert_eq!((s.kept_now(), page.pins()), (0, 0));
         assert_eq!(s.resident_bytes(), s.device_bytes(p));
         s.release(p).unwrap();
         assert_eq!(s.state(p), ParamState::OnDisk);
@@ -1377,7 +1377,7 @@ mod tests {
             })
             .collect();
         assert_eq!(
-            (s.kept_buffers(), s.free_buffers()),
+            (s.kept_now(), s.free_buffers()),
             (0, 2),
             "released with its tensor"
         );
@@ -1386,13 +1386,13 @@ mod tests {
         // built from, shared with a copy.
         assert!(s.prefetch(ids[0]).unwrap());
         let t = s.fetch(ids[0]).unwrap();
-        assert_eq!((s.kept_buffers(), s.free_buffers()), (1, 1));
+        assert_eq!((s.kept_now(), s.free_buffers()), (1, 1));
         let pin = s.pin_home(ids[0]).unwrap().expect("a kept buffer's pin");
         assert_eq!(pin.bytes(), &want[0][..]);
         assert_eq!(tensor_bytes(&t).unwrap(), want[0]);
         // Let go by the store, it stays with the copy until that is done.
         s.let_go_kept(&[ids[0]]).unwrap();
-        assert_eq!(s.kept_buffers(), 0);
+        assert_eq!(s.kept_now(), 0);
         assert!(s.pin_home(ids[0]).unwrap().is_none(), "let go");
         assert_eq!(s.free_buffers(), 1, "the copy's pin holds it");
         drop(pin);
@@ -1408,7 +1408,7 @@ mod tests {
                 s.state(p) == ParamState::Resident
             });
         }
-        assert_eq!(s.kept_buffers(), 2);
+        assert_eq!(s.kept_now(), 2);
         assert_eq!(s.counters().kept_buffers_evicted, ids.len() as u64 - 2);
         // The two kept are the ones read last but one (each new read let the
         // newest go): the first param's and the last param's.
@@ -1424,21 +1424,21 @@ mod tests {
         let new: Vec<u8> = want.last().unwrap().iter().map(|b| b ^ 0x5a).collect();
         s.update(last, &new, true, None).unwrap();
         assert!(s.pin_home(last).unwrap().is_none(), "a stale kept buffer");
-        assert_eq!(s.kept_buffers(), 1, "the first param's is left");
+        assert_eq!(s.kept_now(), 1, "the first param's is left");
         // Once written, the write's buffer is kept for the param that
         // stayed resident from it: its new bytes, in place.
         s.flush_writes().unwrap();
         assert_eq!(s.pin_home(last).unwrap().unwrap().bytes(), &new[..]);
         assert_eq!(s.read_shard(last).unwrap(), new);
-        assert_eq!(s.kept_buffers(), 2);
+        assert_eq!(s.kept_now(), 2);
         // Not so for a param not resident after its update.
         let first = ids[0];
         s.release(first).unwrap();
-        assert_eq!(s.kept_buffers(), 1, "let go with its tensor");
+        assert_eq!(s.kept_now(), 1, "let go with its tensor");
         s.update(first, &want[0], false, None).unwrap();
         s.flush_writes().unwrap();
         assert_eq!(s.state(first), ParamState::OnDisk);
-        assert_eq!(s.kept_buffers(), 1);
+        assert_eq!(s.kept_now(), 1);
 
         // With every buffer lent to copies (kept buffers shared, then let
         // go), a read waits for a copy to end, not for this thread.
@@ -1452,7 +1452,7 @@ mod tests {
             pins.push(s.pin_home(p).unwrap().unwrap());
         }
         s.let_go_kept(&ids[..2]).unwrap();
-        assert_eq!((s.kept_buffers(), s.free_buffers()), (0, 0));
+        assert_eq!((s.kept_now(), s.free_buffers()), (0, 0));
         let copies = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(100));
             drop(pins);
@@ -1478,7 +1478,7 @@ mod tests {
             s.fetch(p.id).unwrap();
             assert!(s.pin_home(p.id).unwrap().is_none());
         }
-        assert_eq!((s.kept_buffers(), s.free_buffers()), (0, 2));
+        assert_eq!((s.kept_now(), s.free_buffers()), (0, 2));
         drop(s);
         std::fs::remove_dir_all(&dir).ok();
     }

@@ -85,8 +85,8 @@ impl ParamStore {
         }
     }
 
-    /// Swap buffers kept now (tests, the sizing check).
-    pub fn kept_buffers(&self) -> usize {
+    /// Swap buffers kept now, held by resident params.
+    pub fn kept_now(&self) -> usize {
         self.slots
             .iter()
             .filter(|e| matches!(e.slot, Slot::Resident(_, Some(_))))
