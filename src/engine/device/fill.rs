@@ -48,14 +48,15 @@ use crate::model::exec_units::{with_host_elems, DeviceQueue, DeviceSpan};
 use crate::model::ModelError;
 
 /// One param for [`Filler::send`]: its host tensor, the pin of the same
-/// bytes in a pinned page when it lives in one (the link may copy from
+/// bytes in pinned host memory when it is in some (the link may copy from
 /// there in place, [`DeviceLink::upload_pinned`]), and its slot.
 pub struct Fill<U> {
     /// Its name in the spans.
     pub what: String,
     /// The param's host tensor.
     pub host: Tensor,
-    /// Its bytes in a pinned page, if they are in one.
+    /// Its bytes in pinned host memory (a page, a kept swap buffer), if
+    /// they are in some.
     pub pin: Option<ReadPin>,
     /// Where its upload goes.
     pub slot: Slot<U>,

@@ -285,9 +285,10 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
         None
     }
     /// [`DeviceLink::upload`] of a param whose bytes are also `pin`, a
-    /// range of a pinned page nobody writes while the pin lives. When the
-    /// page is registered through [`DeviceLink::host_registrar`] (and its
-    /// bytes are `host`'s), the copy reads the page in place, with no
+    /// range of pinned host memory (a page, a kept swap buffer) nobody
+    /// writes while the pin lives. When that memory is registered through
+    /// [`DeviceLink::host_registrar`] (and its bytes are `host`'s), the
+    /// copy reads it in place, with no
     /// staging fill, and the pin travels with the copy until it is done:
     /// `(upload, true)`. Otherwise the pin is let go and `host` goes
     /// through staging: `(upload, false)`. This is the one place that

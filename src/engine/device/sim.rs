@@ -113,7 +113,7 @@ impl<T> Event<T> {
 enum Source {
     /// A staging buffer the upload filled, and its fingerprint then.
     Staged { slab: Vec<f32>, sum: u64 },
-    /// A registered page, in place: the pin is let go when the copy is
+    /// Registered host memory, in place: the pin is let go when the copy is
     /// done. bf16 elements with `bf16`, else fp32 (little-endian).
     Pinned { pin: ReadPin, bf16: bool },
 }
@@ -169,7 +169,7 @@ struct Shared {
     peak_in_flight: AtomicU64,
     copies: AtomicU64,
     uploads: AtomicU64,
-    /// Copies that read a registered page in place, and their bytes.
+    /// Copies that read a registered host memory in place, and their bytes.
     direct_copies: AtomicU64,
     direct_bytes: AtomicU64,
     /// Pins held by copies queued or running.
@@ -254,7 +254,8 @@ impl SimProbe {
         self.shared.uploads.load(Ordering::Relaxed)
     }
 
-    /// Copies that read a registered page in place (no staging fill).
+    /// Copies that read registered host memory in place (no staging
+    /// fill).
     pub fn direct_copies(&self) -> u64 {
         self.shared.direct_copies.load(Ordering::Relaxed)
     }
@@ -264,7 +265,8 @@ impl SimProbe {
         self.shared.direct_bytes.load(Ordering::Relaxed)
     }
 
-    /// Page pins held by copies queued or running now.
+    /// Pins (of pages or swap buffers) held by copies queued or running
+    /// now.
     pub fn pins_held(&self) -> u64 {
         self.shared.pins_held.load(Ordering::Relaxed)
     }

@@ -70,9 +70,10 @@ use super::{
     UnitKind, UnitOutput, Upstream,
 };
 
-/// Read pins of a unit's params in pinned pages (declared order, `None`
-/// where a param is not in one; empty: none at all), for uploads straight
-/// from there ([`UnitCompute::stage`]).
+/// Read pins of a unit's params in pinned host memory (a cpu-tier page,
+/// or the swap buffer an NVMe read landed in; declared order, `None`
+/// where a param has none; empty: none at all), for uploads straight from
+/// there ([`UnitCompute::stage`]).
 pub type HomePins = Vec<Option<tierzero_swap::ReadPin>>;
 
 /// Runs units: candle's (the model itself) or another executor's.
@@ -111,9 +112,10 @@ pub trait UnitCompute: Send + Sync + std::fmt::Debug {
     /// Starts moving `unit`'s params (host copies, declared order) to
     /// where it computes, ahead of its call. The call then gets the same
     /// `params`. `pins` (declared order too, or empty) are the params'
-    /// same bytes in pinned pages, where they live in one: a device whose
-    /// registrar ([`UnitCompute::host_registrar`]) mapped those pages
-    /// copies from them in place.
+    /// same bytes in pinned host memory (pages, kept swap buffers), where
+    /// they are in some: a device whose registrar
+    /// ([`UnitCompute::host_registrar`]) mapped that memory copies from it
+    /// in place.
     fn stage(
         &self,
         _model: &Model,
@@ -141,7 +143,8 @@ pub trait UnitCompute: Send + Sync + std::fmt::Debug {
     }
     /// What registers host memory with the device it computes on, so its
     /// copy engine reads that memory in place: the trainer maps the cpu
-    /// tier's pinned pages with it, and hands their pins to
+    /// tier's pinned pages and the param swap buffers with it, and hands
+    /// their pins to
     /// [`UnitCompute::stage`] and [`UnitCompute::load`]. None: it copies
     /// from nothing in place (the host, or a device without it).
     fn host_registrar(&self) -> Option<std::sync::Arc<dyn tierzero_swap::HostRegistrar>> {

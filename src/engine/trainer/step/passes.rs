@@ -354,14 +354,13 @@ impl Trainer {
             let pins = self.home_pins(uid)?;
             c.load(&self.model, uid, params, pins)?;
             if self.store.swap_buffers_registered() {
-                let units = self.model.units();
                 let own: Vec<ParamId> = self
                     .model
                     .unit(uid)?
                     .params
                     .iter()
                     .copied()
-                    .filter(|p| !units.iter().any(|u| u.id != uid && u.params.contains(p)))
+                    .filter(|&p| self.model.param(p).is_some_and(|s| s.units.len() == 1))
                     .collect();
                 self.store.let_go_kept(&own)?;
             }
