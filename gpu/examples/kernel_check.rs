@@ -73,8 +73,17 @@ where
 {
     let sfx = T::SUFFIX;
     let name = |k: &str| format!("{k}_{sfx}");
-    // Norms.
-    for (rows, cols) in [(3usize, 1usize), (5, 255), (4, 257), (7, 1000), (2, 4096)] {
+    // Norms and bias (over 128 rows, the column sums' chunks of ROW_CHUNK
+    // rows: 129 is one full chunk and one row, 300 two and a part).
+    for (rows, cols) in [
+        (3usize, 1usize),
+        (5, 255),
+        (4, 257),
+        (7, 1000),
+        (2, 4096),
+        (129, 7),
+        (300, 257),
+    ] {
         let size = format!("{rows}x{cols}");
         let n = rows * cols;
         let (x, w, b, dy) = (
@@ -501,6 +510,18 @@ where
         "7 groups",
         &dev.download(&gout)?,
         &r::sumsq_groups(&x, &offsets),
+        1e-5,
+    );
+    // The same over a whole buffer's chunks (Exec::sq_sum's groups).
+    let chunked = r::sumsq_chunk_offsets(x.len());
+    let gco = dev.upload("offsets", &chunked)?;
+    let mut gcout = poisoned::<f32>(dev, chunked.len() - 1)?;
+    ops::sumsq_groups(dev, &mut gcout, &gx, &gco, &chunked)?;
+    rep.compare(
+        &name("sumsq_groups"),
+        &format!("{} chunks", chunked.len() - 1),
+        &dev.download(&gcout)?,
+        &r::sumsq_groups(&x, &chunked),
         1e-5,
     );
     // Matmul (cuBLAS), every transpose.

@@ -5,10 +5,30 @@
 //! per dtype: `NAME_f32`, `NAME_bf16`, `NAME_f16` (compute is fp32
 //! whatever the storage). Launch contract: blocks of [`BLOCK_THREADS`]
 //! threads; row kernels (norms, softmax, cross-entropy, `sumsq_groups`)
-//! take one block per row or group, the others a grid-stride loop.
+//! take one block per row or group; column sums over rows (the bias and
+//! norm weight gradients) take one thread per column and chunk of
+//! [`ROW_CHUNK`] rows, then `col_sums_finish` adds the chunks in order;
+//! the others a grid-stride loop.
 
 /// Threads per block of every launch (the reductions' order depends on it).
 pub const BLOCK_THREADS: u32 = 256;
+
+/// Rows per chunk of a column sum (`bias_grad`, `layernorm_bwd_wb`,
+/// `rmsnorm_bwd_w`): each chunk's rows are added in order by one thread
+/// per column, then the chunks' sums in chunk order. A constant, so the
+/// order of every sum depends on the shape alone (the same bits on any
+/// GPU, and in the references). 128 rows: a step of 8 × 1024 tokens at
+/// width 1024 gives 64 chunks × 4 column tiles = 256 blocks of 128 adds
+/// each, where one thread per column adding all 8192 rows gave 4 blocks.
+pub const ROW_CHUNK: usize = 128;
+
+/// Elements per group of a whole buffer's sum of squares
+/// (`crate::unit::Exec::sq_sum`, the clipping norm of the params trained
+/// on the device): `sumsq_groups` over chunks of this many elements, one
+/// block each, then the chunks' f32 sums added in f64 in order on the
+/// host. One block per param gave a 50M-element embedding's gradient to
+/// one SM.
+pub const SUMSQ_CHUNK: usize = 1 << 16;
 
 /// The storage dtypes of the templated kernels, as entry-point suffixes.
 pub const DTYPE_SUFFIXES: [&str; 3] = ["f32", "bf16", "f16"];
@@ -79,7 +99,7 @@ pub const MODULES: &[Module] = &[
         ["gelu_tanh_fwd", "gelu_tanh_bwd", "swiglu_fwd", "swiglu_bwd"],
         []
     ),
-    module!("bias", ["bias_add", "bias_grad"], []),
+    module!("bias", ["bias_add", "bias_grad"], ["col_sums_finish"]),
     module!("cross_entropy", ["cross_entropy"], ["sum_f32"]),
     module!(
         "cast",

@@ -13,7 +13,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::{bf16, f16};
 
 use crate::device::{Device, DeviceBuffer};
-use crate::kernels::BLOCK_THREADS;
+use crate::kernels::{BLOCK_THREADS, ROW_CHUNK};
 use crate::reference::{AdamScalars, HeadsShape, KvShape, RopeShape, Storage};
 use crate::{GpuError, Result};
 
@@ -53,6 +53,59 @@ fn per_item(n: usize) -> LaunchConfig {
         block_dim: (BLOCK_THREADS, 1, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// Most blocks along a grid's y axis (CUDA's limit).
+const MAX_GRID_Y: u64 = 65_535;
+
+/// Pass 1 of a column sum: x over tiles of [`BLOCK_THREADS`] columns, y
+/// over chunks of [`ROW_CHUNK`] rows (the kernel strides past
+/// [`MAX_GRID_Y`]).
+fn per_col_chunk(cols: usize, chunks: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (
+            (cols as u64).div_ceil(BLOCK_THREADS as u64).max(1) as u32,
+            (chunks as u64).clamp(1, MAX_GRID_Y) as u32,
+            1,
+        ),
+        block_dim: (BLOCK_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// A column sum's chunks of [`ROW_CHUNK`] rows, and a buffer for their
+/// sums (`chunks × cols`, every element written by pass 1).
+fn chunk_sums(
+    dev: &Device,
+    what: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<(usize, DeviceBuffer<f32>)> {
+    let chunks = rows.div_ceil(ROW_CHUNK);
+    let part = dev.alloc_zeros::<f32>(what, product(what, chunks, cols)?)?;
+    Ok((chunks, part))
+}
+
+/// Pass 2 of a column sum: `acc[c] +=` the chunk sums of column `c` in
+/// chunk order (`col_sums_finish`).
+fn col_sums_finish(
+    dev: &Device,
+    acc: &mut DeviceBuffer<f32>,
+    part: &DeviceBuffer<f32>,
+    chunks: usize,
+) -> Result<()> {
+    let k = "col_sums_finish".to_string();
+    let cols = acc.len();
+    need(&k, "chunk sums", part.len(), product(&k, chunks, cols)?)?;
+    if chunks == 0 {
+        return Ok(());
+    }
+    let (n, c) = (chunks as i64, int(&k, "cols", cols)?);
+    let mut a = dev.compute.launch_builder(dev.function(&k)?);
+    a.arg(acc.slice_mut()).arg(part.slice()).arg(&n).arg(&c);
+    // SAFETY: part is chunks x cols, acc is cols (checked, chunks >= 1);
+    // arguments as col_sums_finish's.
+    unsafe { fire(&mut a, per_item(cols), k) }
 }
 
 fn shape_err(kernel: &str, detail: String) -> GpuError {
@@ -287,7 +340,8 @@ pub fn layernorm_bwd_dx<T: Elem>(
     unsafe { fire(&mut a, per_row(rows), k) }
 }
 
-/// `layernorm_bwd_wb`: `dw += Σ dy·xhat`, `db += Σ dy` (fp32, `[cols]`).
+/// `layernorm_bwd_wb`: `dw += Σ dy·xhat`, `db += Σ dy` (fp32, `[cols]`),
+/// column sums in two passes (the chunks' sums, then `col_sums_finish`).
 pub fn layernorm_bwd_wb<T: Elem>(
     dev: &Device,
     dw: &mut DeviceBuffer<f32>,
@@ -306,14 +360,23 @@ pub fn layernorm_bwd_wb<T: Elem>(
         .ok_or_else(|| shape_err(&k, "LayerNorm needs its mean".into()))?;
     need(&k, "mean", mean.len(), rows)?;
     need(&k, "rstd", stats.rstd.len(), rows)?;
-    let (r, c) = (int(&k, "rows", rows)?, int(&k, "cols", cols)?);
+    if let Some(db) = &db {
+        need(&k, "db", db.len(), cols)?;
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    let (r, c, chunk) = (rows as i64, int(&k, "cols", cols)?, ROW_CHUNK as i32);
+    let (chunks, mut part_w) = chunk_sums(dev, "layernorm weight gradient chunks", rows, cols)?;
+    let mut part_b = if db.is_some() {
+        Some(chunk_sums(dev, "layernorm bias gradient chunks", rows, cols)?.1)
+    } else {
+        None
+    };
     let mut a = dev.compute.launch_builder(dev.function(&k)?);
-    a.arg(dw.slice_mut());
-    match db {
-        Some(db) => {
-            need(&k, "db", db.len(), cols)?;
-            a.arg(db.slice_mut())
-        }
+    a.arg(part_w.slice_mut());
+    match part_b.as_mut() {
+        Some(p) => a.arg(p.slice_mut()),
         None => a.arg(&NULL),
     };
     a.arg(dy.slice())
@@ -321,9 +384,17 @@ pub fn layernorm_bwd_wb<T: Elem>(
         .arg(mean.slice())
         .arg(stats.rstd.slice())
         .arg(&r)
-        .arg(&c);
-    // SAFETY: lengths checked above; arguments as layernorm_bwd_wb's.
-    unsafe { fire(&mut a, per_item(cols), k) }
+        .arg(&c)
+        .arg(&chunk);
+    // SAFETY: lengths checked above (the chunk sums are chunks x cols, the
+    // kernel's `ceil(rows / chunk_rows) x cols`); arguments as
+    // layernorm_bwd_wb's.
+    unsafe { fire(&mut a, per_col_chunk(cols, chunks), k) }?;
+    col_sums_finish(dev, dw, &part_w, chunks)?;
+    match (db, &part_b) {
+        (Some(db), Some(p)) => col_sums_finish(dev, db, p, chunks),
+        _ => Ok(()),
+    }
 }
 
 /// `rmsnorm_fwd` (`out.mean` unused).
@@ -380,7 +451,7 @@ pub fn rmsnorm_bwd_dx<T: Elem>(
     unsafe { fire(&mut a, per_row(rows), k) }
 }
 
-/// `rmsnorm_bwd_w`: `dw += Σ dy·xhat`.
+/// `rmsnorm_bwd_w`: `dw += Σ dy·xhat`, a column sum in two passes.
 pub fn rmsnorm_bwd_w<T: Elem>(
     dev: &Device,
     dw: &mut DeviceBuffer<f32>,
@@ -394,16 +465,23 @@ pub fn rmsnorm_bwd_w<T: Elem>(
     need(&k, "dy", dy.len(), x.len())?;
     need(&k, "dw", dw.len(), cols)?;
     need(&k, "rstd", rstd.len(), rows)?;
-    let (r, c) = (int(&k, "rows", rows)?, int(&k, "cols", cols)?);
+    if rows == 0 {
+        return Ok(());
+    }
+    let (r, c, chunk) = (rows as i64, int(&k, "cols", cols)?, ROW_CHUNK as i32);
+    let (chunks, mut part) = chunk_sums(dev, "rmsnorm weight gradient chunks", rows, cols)?;
     let mut a = dev.compute.launch_builder(dev.function(&k)?);
-    a.arg(dw.slice_mut())
+    a.arg(part.slice_mut())
         .arg(dy.slice())
         .arg(x.slice())
         .arg(rstd.slice())
         .arg(&r)
-        .arg(&c);
-    // SAFETY: lengths checked above; arguments as rmsnorm_bwd_w's.
-    unsafe { fire(&mut a, per_item(cols), k) }
+        .arg(&c)
+        .arg(&chunk);
+    // SAFETY: lengths checked above (the chunk sums are chunks x cols);
+    // arguments as rmsnorm_bwd_w's.
+    unsafe { fire(&mut a, per_col_chunk(cols, chunks), k) }?;
+    col_sums_finish(dev, dw, &part, chunks)
 }
 
 /// `rope`: `y` = `x` rotated by `sign`·θ ([batch, seq, heads, head_dim];
@@ -577,7 +655,7 @@ pub fn bias_add<T: Elem>(dev: &Device, y: &mut DeviceBuffer<T>, b: &DeviceBuffer
     unsafe { fire(&mut a, cfg, k) }
 }
 
-/// `bias_grad`: `db[c] += Σ_rows dy[r, c]`.
+/// `bias_grad`: `db[c] += Σ_rows dy[r, c]`, a column sum in two passes.
 pub fn bias_grad<T: Elem>(
     dev: &Device,
     db: &mut DeviceBuffer<f32>,
@@ -586,11 +664,21 @@ pub fn bias_grad<T: Elem>(
     let k = format!("bias_grad_{}", T::SUFFIX);
     let cols = db.len();
     let rows = rows_of(&k, "dy", dy.len(), cols)?;
-    let (r, c) = (rows as i64, int(&k, "cols", cols)?);
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    let (r, c, chunk) = (rows as i64, int(&k, "cols", cols)?, ROW_CHUNK as i32);
+    let (chunks, mut part) = chunk_sums(dev, "bias gradient chunks", rows, cols)?;
     let mut a = dev.compute.launch_builder(dev.function(&k)?);
-    a.arg(db.slice_mut()).arg(dy.slice()).arg(&r).arg(&c);
-    // SAFETY: dy is rows x cols, db is cols (checked); arguments as bias_grad's.
-    unsafe { fire(&mut a, per_item(cols), k) }
+    a.arg(part.slice_mut())
+        .arg(dy.slice())
+        .arg(&r)
+        .arg(&c)
+        .arg(&chunk);
+    // SAFETY: dy is rows x cols, the chunk sums chunks x cols (checked);
+    // arguments as bias_grad's.
+    unsafe { fire(&mut a, per_col_chunk(cols, chunks), k) }?;
+    col_sums_finish(dev, db, &part, chunks)
 }
 
 /// `cross_entropy` over rows of `vocab` logits: per-row losses, and with
@@ -679,6 +767,11 @@ pub fn sumsq_groups<T: Elem>(
                 x.len()
             ),
         ));
+    }
+    if groups == 0 {
+        // One block would still be launched (a grid is never empty) and
+        // read offsets[0..2] and write out[0]: there is nothing to sum.
+        return Ok(());
     }
     let mut a = dev.compute.launch_builder(dev.function(&k)?);
     a.arg(out.slice_mut()).arg(x.slice()).arg(offsets.slice());

@@ -11,7 +11,7 @@
 
 use half::{bf16, f16};
 
-use crate::kernels::BLOCK_THREADS;
+use crate::kernels::{BLOCK_THREADS, ROW_CHUNK, SUMSQ_CHUNK};
 
 const BLOCK: usize = BLOCK_THREADS as usize;
 
@@ -94,6 +94,23 @@ pub fn strided_block_sum(n: usize, term: impl Fn(usize) -> f32) -> f32 {
 
 fn block_max(n: usize, term: impl Fn(usize) -> f32) -> f32 {
     (0..n).fold(f32::NEG_INFINITY, |m, i| m.max(term(i)))
+}
+
+/// The kernels' column sum (prelude.cu, "Column sums"): `acc[c] +=` the sum
+/// of `term(r, c)` over `rows`, each chunk of [`ROW_CHUNK`] rows added in
+/// order from 0.0, then the chunks' sums left to right from the first
+/// (`col_sums_finish`). No rows: `acc` is left as it is.
+pub fn col_sums_into(acc: &mut [f32], rows: usize, term: impl Fn(usize, usize) -> f32) {
+    for (c, a) in acc.iter_mut().enumerate() {
+        let mut total: Option<f32> = None;
+        for r0 in (0..rows).step_by(ROW_CHUNK) {
+            let chunk = (r0..(r0 + ROW_CHUNK).min(rows)).fold(0f32, |s, r| s + term(r, c));
+            total = Some(total.map_or(chunk, |t| t + chunk));
+        }
+        if let Some(t) = total {
+            *a += t;
+        }
+    }
 }
 
 /// `embedding_fwd`: the rows of `table` ([vocab, hidden]) at `ids`; a NaN
@@ -219,7 +236,8 @@ pub fn layernorm_bwd_dx<T: Storage>(
     dx
 }
 
-/// `layernorm_bwd_wb`: `dw += Σ_rows dy·xhat`, `db += Σ_rows dy`.
+/// `layernorm_bwd_wb` and its `col_sums_finish`: `dw += Σ_rows dy·xhat`,
+/// `db += Σ_rows dy` ([`col_sums_into`]).
 pub fn layernorm_bwd_wb<T: Storage>(
     dw: &mut [f32],
     db: Option<&mut [f32]>,
@@ -229,20 +247,13 @@ pub fn layernorm_bwd_wb<T: Storage>(
     rstd: &[f32],
     cols: usize,
 ) {
-    let mut sb = vec![0f32; cols];
-    for c in 0..cols {
-        let mut sw = 0f32;
-        for (r, (&mu, &rs)) in mean.iter().zip(rstd).enumerate() {
-            let g = dy[r * cols + c].load();
-            sw += g * ((x[r * cols + c].load() - mu) * rs);
-            sb[c] += g;
-        }
-        dw[c] += sw;
-    }
+    let rows = mean.len().min(rstd.len());
+    col_sums_into(dw, rows, |r, c| {
+        let g = dy[r * cols + c].load();
+        g * ((x[r * cols + c].load() - mean[r]) * rstd[r])
+    });
     if let Some(db) = db {
-        for (d, s) in db.iter_mut().zip(sb) {
-            *d += s;
-        }
+        col_sums_into(db, rows, |r, c| dy[r * cols + c].load());
     }
 }
 
@@ -281,15 +292,14 @@ pub fn rmsnorm_bwd_dx<T: Storage>(dy: &[T], x: &[T], w: &[T], rstd: &[f32], cols
     dx
 }
 
-/// `rmsnorm_bwd_w`: `dw += Σ_rows dy·xhat`.
+/// `rmsnorm_bwd_w` and its `col_sums_finish`: `dw += Σ_rows dy·xhat`
+/// ([`col_sums_into`]).
 pub fn rmsnorm_bwd_w<T: Storage>(dw: &mut [f32], dy: &[T], x: &[T], rstd: &[f32], cols: usize) {
-    for (c, d) in dw.iter_mut().enumerate().take(cols) {
-        let mut sw = 0f32;
-        for (r, &rs) in rstd.iter().enumerate() {
-            sw += dy[r * cols + c].load() * (x[r * cols + c].load() * rs);
-        }
-        *d += sw;
-    }
+    let n = cols.min(dw.len());
+    let dw = &mut dw[..n];
+    col_sums_into(dw, rstd.len(), |r, c| {
+        dy[r * cols + c].load() * (x[r * cols + c].load() * rstd[r])
+    });
 }
 
 /// The shape of a rotary embedding's input: [batch, seq, heads, head_dim].
@@ -419,16 +429,11 @@ pub fn bias_add<T: Storage>(y: &mut [T], b: &[T]) {
     }
 }
 
-/// `bias_grad`: `db += Σ_rows dy`.
+/// `bias_grad` and its `col_sums_finish`: `db += Σ_rows dy`
+/// ([`col_sums_into`]).
 pub fn bias_grad<T: Storage>(db: &mut [f32], dy: &[T]) {
     let cols = db.len();
-    for (c, d) in db.iter_mut().enumerate() {
-        let mut s = 0f32;
-        for r in 0..dy.len() / cols {
-            s += dy[r * cols + c].load();
-        }
-        *d += s;
-    }
+    col_sums_into(db, dy.len() / cols.max(1), |r, c| dy[r * cols + c].load());
 }
 
 /// `cross_entropy` over rows of `vocab` logits: the per-row losses, and
@@ -489,6 +494,20 @@ pub fn sumsq_groups<T: Storage>(x: &[T], offsets: &[i64]) -> Vec<f32> {
             })
         })
         .collect()
+}
+
+/// The groups of a whole buffer's sum of squares (`Exec::sq_sum`): `n`
+/// elements in chunks of [`SUMSQ_CHUNK`], the last shorter; no group when
+/// `n` is 0.
+pub fn sumsq_chunk_offsets(n: usize) -> Vec<i64> {
+    let mut offsets: Vec<i64> = (0..n).step_by(SUMSQ_CHUNK).map(|a| a as i64).collect();
+    offsets.push(n as i64);
+    offsets
+}
+
+/// The chunks' f32 sums of squares added in f64, in order.
+pub fn sum_chunks_f64(chunks: &[f32]) -> f64 {
+    chunks.iter().fold(0f64, |s, &c| s + f64::from(c))
 }
 
 /// The f32 constants of one AdamW step, as the CPU kernel derives them

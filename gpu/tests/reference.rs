@@ -337,6 +337,77 @@ fn embedding_forward_and_backward() {
     assert!(out.iter().all(|v| v.is_nan()));
 }
 
+/// The column sums (bias and norm weight gradients) over more rows than one
+/// chunk of `ROW_CHUNK`: their chunked order against candle's sums, and
+/// against the plain f64 column sum.
+#[test]
+fn column_sums_over_several_chunks_of_rows() {
+    use tierzero_gpu::kernels::ROW_CHUNK;
+    for rows in [ROW_CHUNK - 1, ROW_CHUNK, ROW_CHUNK + 1, 2 * ROW_CHUNK + 44] {
+        for cols in [1usize, 7, 257] {
+            let n = rows * cols;
+            let what = format!("{rows}x{cols}");
+            let (x, w, b, dy) = (data(n, 31), data(cols, 32), data(cols, 33), data(n, 34));
+            let want_db: Vec<f64> = (0..cols)
+                .map(|c| (0..rows).map(|r| dy[r * cols + c] as f64).sum())
+                .collect();
+            // Accumulates: starts from a gradient already there.
+            let start = data(cols, 35);
+            let mut db = start.clone();
+            r::bias_grad(&mut db, &dy);
+            let got: Vec<f32> = db.iter().zip(&start).map(|(d, s)| d - s).collect();
+            close(&format!("bias_grad {what}"), &got, &want_db, 1e-5);
+
+            let (_, mean, rstd) = r::layernorm_fwd(&x, &w, Some(&b), cols, 1e-5);
+            let (mut dw, mut db2) = (vec![0f32; cols], vec![0f32; cols]);
+            r::layernorm_bwd_wb(&mut dw, Some(&mut db2), &dy, &x, &mean, &rstd, cols);
+            let want_dw: Vec<f64> = (0..cols)
+                .map(|c| {
+                    (0..rows)
+                        .map(|r| {
+                            let xhat = (x[r * cols + c] as f64 - mean[r] as f64) * rstd[r] as f64;
+                            dy[r * cols + c] as f64 * xhat
+                        })
+                        .sum()
+                })
+                .collect();
+            close(&format!("layernorm dw {what}"), &dw, &want_dw, 1e-5);
+            close(&format!("layernorm db {what}"), &db2, &want_db, 1e-5);
+
+            let (_, rstd) = r::rmsnorm_fwd(&x, &w, cols, 1e-6);
+            let mut dw = vec![0f32; cols];
+            r::rmsnorm_bwd_w(&mut dw, &dy, &x, &rstd, cols);
+            let want_dw: Vec<f64> = (0..cols)
+                .map(|c| {
+                    (0..rows)
+                        .map(|r| {
+                            dy[r * cols + c] as f64 * (x[r * cols + c] as f64 * rstd[r] as f64)
+                        })
+                        .sum()
+                })
+                .collect();
+            close(&format!("rmsnorm dw {what}"), &dw, &want_dw, 1e-5);
+        }
+    }
+}
+
+/// The chunked order itself. Chunk 0 is 2^24 and then ones: in a running
+/// f32 sum each one rounds away (2^24 + 1 ties to 2^24), so chunk 0 sums to
+/// 2^24. Chunk 1 is `ROW_CHUNK` ones, which sum exactly, and 2^24 plus that
+/// is exact too. One running sum over every row (the kernels' order before
+/// the chunks) gives 2^24, so this fails unless each chunk is summed from
+/// zero and the chunks are then added.
+#[test]
+fn column_sums_add_each_chunk_from_zero_then_the_chunks_in_order() {
+    use tierzero_gpu::kernels::ROW_CHUNK;
+    let big = 16_777_216f32; // 2^24
+    let mut dy = vec![1f32; 2 * ROW_CHUNK];
+    dy[0] = big;
+    let mut db = vec![0f32];
+    r::bias_grad(&mut db, &dy);
+    assert_eq!(db[0], big + ROW_CHUNK as f32);
+}
+
 #[test]
 fn sum_of_squares_per_group() {
     let x = data(10_000, 21);
@@ -349,6 +420,34 @@ fn sum_of_squares_per_group() {
             (got[g] as f64 - want).abs() <= 1e-5 * want.max(1e-30),
             "group {g}: {} vs {want}",
             got[g]
+        );
+    }
+}
+
+/// A whole buffer's sum of squares (the device optimizer's clipping norm)
+/// is cut into chunks of `SUMSQ_CHUNK` elements, and the chunks' sums are
+/// added in f64.
+#[test]
+fn a_whole_buffers_sum_of_squares_goes_by_chunks() {
+    use tierzero_gpu::kernels::SUMSQ_CHUNK;
+    use tierzero_gpu::unit::{Exec, HostExec};
+    assert_eq!(r::sumsq_chunk_offsets(0), vec![0]);
+    assert_eq!(r::sumsq_chunk_offsets(1), vec![0, 1]);
+    let c = SUMSQ_CHUNK as i64;
+    assert_eq!(r::sumsq_chunk_offsets(SUMSQ_CHUNK), vec![0, c]);
+    assert_eq!(
+        r::sumsq_chunk_offsets(2 * SUMSQ_CHUNK + 3),
+        vec![0, c, 2 * c, 2 * c + 3]
+    );
+    let e = HostExec::F32;
+    assert_eq!(e.sq_sum(&Vec::new()).unwrap(), 0.0);
+    for n in [1usize, 1000, SUMSQ_CHUNK + 1, 3 * SUMSQ_CHUNK + 777] {
+        let x = data(n, 36);
+        let want: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+        let got = e.sq_sum(&x).unwrap();
+        assert!(
+            (got - want).abs() <= 1e-6 * want,
+            "{n} elements: {got} vs {want}"
         );
     }
 }

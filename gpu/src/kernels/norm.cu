@@ -2,8 +2,9 @@
 // per row (gridDim.x = rows), statistics in fp32 through tz_block_sum.
 // Thread j takes columns j, j + TZ_BLOCK, ... in order. Forward keeps each
 // row's mean and 1/std (fp32) for backward. The weight (and bias)
-// gradients are column sums over rows: one thread per column adds the rows
-// in order (`*_bwd_w*`), accumulating into fp32 gradients (+=).
+// gradients are column sums over rows in two passes (prelude.cu, "Column
+// sums"): `*_bwd_w*` write each chunk's sums, col_sums_finish (bias.cu)
+// adds them into the fp32 gradients (+=).
 
 template <typename T>
 __device__ void layernorm_fwd(T* y, float* mean, float* rstd, const T* x, const T* w,
@@ -55,19 +56,23 @@ __device__ void layernorm_bwd_dx(T* dx, const T* dy, const T* x, const T* w, con
     }
 }
 
-// dw[c] += sum_r dy * xhat, db[c] += sum_r dy (db may be null).
+// Chunk k's sums of dy * xhat into part_w[k * cols + c] and of dy into
+// part_b (part_b may be null).
 template <typename T>
-__device__ void layernorm_bwd_wb(float* dw, float* db, const T* dy, const T* x, const float* mean,
-                                 const float* rstd, int rows, int cols) {
-    TZ_FOR_EACH(c, cols) {
+__device__ void layernorm_bwd_wb(float* part_w, float* part_b, const T* dy, const T* x,
+                                 const float* mean, const float* rstd, long long rows, int cols,
+                                 int chunk_rows) {
+    const long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    TZ_FOR_EACH_CHUNK(k, r0, r1, rows, chunk_rows) {
         float sw = 0.0f, sb = 0.0f;
-        for (long long row = 0; row < rows; ++row) {
+        for (long long row = r0; row < r1; ++row) {
             const float g = tz_load(&dy[row * cols + c]);
             sw += g * ((tz_load(&x[row * cols + c]) - mean[row]) * rstd[row]);
             sb += g;
         }
-        dw[c] += sw;
-        if (db) db[c] += sb;
+        part_w[k * cols + c] = sw;
+        if (part_b) part_b[k * cols + c] = sb;
     }
 }
 
@@ -108,16 +113,18 @@ __device__ void rmsnorm_bwd_dx(T* dx, const T* dy, const T* x, const T* w, const
     }
 }
 
-// dw[c] += sum_r dy * xhat.
+// Chunk k's sums of dy * xhat into part_w[k * cols + c].
 template <typename T>
-__device__ void rmsnorm_bwd_w(float* dw, const T* dy, const T* x, const float* rstd, int rows,
-                              int cols) {
-    TZ_FOR_EACH(c, cols) {
+__device__ void rmsnorm_bwd_w(float* part_w, const T* dy, const T* x, const float* rstd,
+                              long long rows, int cols, int chunk_rows) {
+    const long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    TZ_FOR_EACH_CHUNK(k, r0, r1, rows, chunk_rows) {
         float sw = 0.0f;
-        for (long long row = 0; row < rows; ++row) {
+        for (long long row = r0; row < r1; ++row) {
             sw += tz_load(&dy[row * cols + c]) * (tz_load(&x[row * cols + c]) * rstd[row]);
         }
-        dw[c] += sw;
+        part_w[k * cols + c] = sw;
     }
 }
 
@@ -131,10 +138,11 @@ __device__ void rmsnorm_bwd_w(float* dw, const T* dy, const T* x, const float* r
                                                       int cols) {                                 \
         layernorm_bwd_dx<T>(dx, dy, x, w, mean, rstd, cols);                                      \
     }                                                                                            \
-    extern "C" __global__ void layernorm_bwd_wb_##SUF(float* dw, float* db, const T* dy,          \
+    extern "C" __global__ void layernorm_bwd_wb_##SUF(float* part_w, float* part_b, const T* dy,  \
                                                       const T* x, const float* mean,              \
-                                                      const float* rstd, int rows, int cols) {    \
-        layernorm_bwd_wb<T>(dw, db, dy, x, mean, rstd, rows, cols);                               \
+                                                      const float* rstd, long long rows, int cols, \
+                                                      int chunk_rows) {                           \
+        layernorm_bwd_wb<T>(part_w, part_b, dy, x, mean, rstd, rows, cols, chunk_rows);           \
     }                                                                                            \
     extern "C" __global__ void rmsnorm_fwd_##SUF(T* y, float* rstd, const T* x, const T* w,       \
                                                  int cols, float eps) {                           \
@@ -144,8 +152,9 @@ __device__ void rmsnorm_bwd_w(float* dw, const T* dy, const T* x, const float* r
                                                     const float* rstd, int cols) {                \
         rmsnorm_bwd_dx<T>(dx, dy, x, w, rstd, cols);                                              \
     }                                                                                            \
-    extern "C" __global__ void rmsnorm_bwd_w_##SUF(float* dw, const T* dy, const T* x,            \
-                                                   const float* rstd, int rows, int cols) {       \
-        rmsnorm_bwd_w<T>(dw, dy, x, rstd, rows, cols);                                            \
+    extern "C" __global__ void rmsnorm_bwd_w_##SUF(float* part_w, const T* dy, const T* x,        \
+                                                   const float* rstd, long long rows, int cols,   \
+                                                   int chunk_rows) {                              \
+        rmsnorm_bwd_w<T>(part_w, dy, x, rstd, rows, cols, chunk_rows);                            \
     }
 TZ_DTYPES(TZ_NORM)

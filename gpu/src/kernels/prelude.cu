@@ -76,6 +76,21 @@ __device__ __forceinline__ float tz_block_max(float v, float* shm) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (long long)(n); \
          i += (long long)gridDim.x * blockDim.x)
 
+// Column sums over rows (the bias and norm weight gradients), in parallel
+// and in one order, without atomics. The rows are cut into chunks of
+// `chunk_rows` (the host's ROW_CHUNK: a constant, so the order depends on
+// the shape alone, never on the GPU). Pass 1 gives each (chunk, column)
+// one thread (grid x over tiles of TZ_BLOCK columns, grid y over chunks,
+// striding by gridDim.y), which adds its chunk's rows in order from 0.0
+// into part[chunk * cols + column]. Pass 2 (col_sums_finish) adds a
+// column's chunk sums in chunk order into the accumulator.
+__device__ __forceinline__ long long tz_min_ll(long long a, long long b) { return a < b ? a : b; }
+#define TZ_FOR_EACH_CHUNK(k, r0, r1, rows, chunk_rows)                                          \
+    for (long long k = blockIdx.y, r0, r1;                                                      \
+         r0 = k * (long long)(chunk_rows),                                                      \
+         r1 = tz_min_ll(r0 + (long long)(chunk_rows), (long long)(rows)), r0 < (long long)(rows); \
+         k += gridDim.y)
+
 // extern "C" entry points of a kernel template, one per storage dtype:
 // MAKE(suffix, type) for f32, bf16 and f16 (NAME_f32, NAME_bf16, NAME_f16).
 #define TZ_DTYPES(MAKE) MAKE(f32, float) MAKE(bf16, tz_bf16) MAKE(f16, tz_f16)

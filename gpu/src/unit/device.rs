@@ -137,12 +137,16 @@ impl Exec for CudaExec<'_> {
         ops::adamw::<f32>(self.dev, AdamState { master, m, v }, grad, None, s)
     }
 
-    fn sq_sum(&self, x: &Self::Buf) -> Result<f32> {
-        let host_offsets = [0, x.len() as i64];
+    fn sq_sum(&self, x: &Self::Buf) -> Result<f64> {
+        let host_offsets = r::sumsq_chunk_offsets(x.len());
+        if host_offsets.len() < 2 {
+            return Ok(0.0);
+        }
         let offsets = self.dev.upload("sum of squares offsets", &host_offsets)?;
-        let mut out = self.dev.alloc_zeros::<f32>("sum of squares", 1)?;
+        let groups = host_offsets.len() - 1;
+        let mut out = self.dev.alloc_zeros::<f32>("sum of squares", groups)?;
         ops::sumsq_groups(self.dev, &mut out, x, &offsets, &host_offsets)?;
-        Ok(self.dev.download(&out)?.first().copied().unwrap_or(0.0))
+        Ok(r::sum_chunks_f64(&self.dev.download(&out)?))
     }
     fn round_bf16(&self, dst: &mut Self::Buf, src: &Self::Buf) -> Result<()> {
         let narrow = to_half::<half::bf16>(self.dev, src)?;

@@ -116,8 +116,9 @@ impl Exec for HostExec {
         Ok(())
     }
 
-    fn sq_sum(&self, x: &Vec<f32>) -> Result<f32> {
-        Ok(r::sumsq_groups(x, &[0, x.len() as i64])[0])
+    fn sq_sum(&self, x: &Vec<f32>) -> Result<f64> {
+        let offsets = r::sumsq_chunk_offsets(x.len());
+        Ok(r::sum_chunks_f64(&r::sumsq_groups(x, &offsets)))
     }
     fn round_bf16(&self, dst: &mut Vec<f32>, src: &Vec<f32>) -> Result<()> {
         if dst.len() != src.len() {

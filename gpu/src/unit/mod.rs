@@ -181,8 +181,11 @@ pub trait Exec {
     fn fill_zero(&self, b: &mut Self::Buf) -> Result<()>;
     /// [`crate::ops::adamw`] on `[master, m, v]`.
     fn adamw(&self, st: [&mut Self::Buf; 3], grad: &Self::Buf, s: AdamScalars) -> Result<()>;
-    /// [`crate::ops::sumsq_groups`] of the whole buffer as one group: Σ x².
-    fn sq_sum(&self, x: &Self::Buf) -> Result<f32>;
+    /// Σ x² of the whole buffer: [`crate::ops::sumsq_groups`] over
+    /// chunks of [`crate::kernels::SUMSQ_CHUNK`] elements
+    /// ([`crate::reference::sumsq_chunk_offsets`]), the chunks' f32 sums
+    /// added in f64 in order.
+    fn sq_sum(&self, x: &Self::Buf) -> Result<f64>;
     /// `dst = src` rounded to bf16 (to nearest even) and widened back, by
     /// the `cast_f32_bf16` and `cast_bf16_f32` kernels.
     fn round_bf16(&self, dst: &mut Self::Buf, src: &Self::Buf) -> Result<()>;

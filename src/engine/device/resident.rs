@@ -639,7 +639,7 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
         let mut total = 0f64;
         for p in st.params.values() {
             if let Grad::Summed(g) = &p.grad {
-                total += f64::from(e.sq_sum(g).map_err(exec_units::gpu_err)?);
+                total += e.sq_sum(g).map_err(exec_units::gpu_err)?;
             }
         }
         Ok(total)
