@@ -496,34 +496,23 @@ where
         &r::sum_kv(&rep_want, ks),
         tol,
     );
-    // Sums of squares per group.
+    // Sums of squares per group: awkward groups, and a whole buffer's
+    // chunks (Exec::sq_sum's groups).
     let x = typed::<T>(&data(100_000, 19));
-    let offsets = [0i64, 0, 1, 255, 257, 4096, 100_000];
-    let (gx, go) = (
-        up::<T>(dev, &r::cast::<T, f32>(&x))?,
-        dev.upload("offsets", &offsets)?,
-    );
-    let mut gout = poisoned::<f32>(dev, offsets.len() - 1)?;
-    ops::sumsq_groups(dev, &mut gout, &gx, &go, &offsets)?;
-    rep.compare(
-        &name("sumsq_groups"),
-        "7 groups",
-        &dev.download(&gout)?,
-        &r::sumsq_groups(&x, &offsets),
-        1e-5,
-    );
-    // The same over a whole buffer's chunks (Exec::sq_sum's groups).
-    let chunked = r::sumsq_chunk_offsets(x.len());
-    let gco = dev.upload("offsets", &chunked)?;
-    let mut gcout = poisoned::<f32>(dev, chunked.len() - 1)?;
-    ops::sumsq_groups(dev, &mut gcout, &gx, &gco, &chunked)?;
-    rep.compare(
-        &name("sumsq_groups"),
-        &format!("{} chunks", chunked.len() - 1),
-        &dev.download(&gcout)?,
-        &r::sumsq_groups(&x, &chunked),
-        1e-5,
-    );
+    let gx = up::<T>(dev, &r::cast::<T, f32>(&x))?;
+    let awkward = vec![0i64, 0, 1, 255, 257, 4096, 100_000];
+    for offsets in [awkward, r::sumsq_chunk_offsets(x.len())] {
+        let go = dev.upload("offsets", &offsets)?;
+        let mut gout = poisoned::<f32>(dev, offsets.len() - 1)?;
+        ops::sumsq_groups(dev, &mut gout, &gx, &go, &offsets)?;
+        rep.compare(
+            &name("sumsq_groups"),
+            &format!("{} groups", offsets.len() - 1),
+            &dev.download(&gout)?,
+            &r::sumsq_groups(&x, &offsets),
+            1e-5,
+        );
+    }
     // Matmul (cuBLAS), every transpose.
     for (m, n, k) in [(1usize, 1usize, 1usize), (33, 65, 17), (128, 256, 768)] {
         for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
