@@ -16,7 +16,10 @@
 //! an allocation past it is [`GpuError::OutOfBudget`] with the numbers.
 //! A buffer returns its bytes when dropped; cudarc frees it on its stream
 //! (stream-ordered), so memory a queued kernel still uses is not reused
-//! before that kernel has run.
+//! before that kernel has run. The driver's pool keeps up to the budget of
+//! freed memory mapped across synchronisations ([`keep_pool_reserved`]),
+//! as a caching allocator does. An output that a kernel writes in full is
+//! not zeroed first ([`Device::alloc_output`]).
 //!
 //! # Kernels and cuBLAS
 //!
@@ -119,6 +122,38 @@ pub fn cublas_available() -> Result<()> {
         fix: "install CUDA 13's cuBLAS (the nvidia-cublas wheel, or PyTorch's cu13 wheels: their nvidia/cu13/lib) \
               and add its directory to LD_LIBRARY_PATH",
     })
+}
+
+/// Lets the device's memory pool (the one `cuMemAllocAsync`, and so every
+/// [`DeviceBuffer`], allocates from) keep up to `bytes` of freed memory
+/// reserved across synchronisations. Its default threshold is 0: at each
+/// synchronisation (a loss read back, a download) the pool hands its free
+/// memory back to the driver, and the next step maps it again, allocation
+/// by allocation, as PyTorch's caching allocator never does. The budget
+/// still bounds what is allocated at once; this bounds what the pool
+/// holds besides. Nothing to do without stream-ordered allocation (cudarc
+/// then allocates with `cuMemAlloc`).
+fn keep_pool_reserved(ctx: &Arc<CudaContext>, bytes: u64) -> Result<()> {
+    use cudarc::driver::{result, sys};
+    if !ctx.has_async_alloc() {
+        return Ok(());
+    }
+    ctx.bind_to_thread()
+        .map_err(driver_err("cuCtxSetCurrent"))?;
+    // SAFETY: `cu_device()` is the device `ctx` was created on, so the
+    // pool is that device's current pool; `value` is a cuuint64_t, the
+    // type CU_MEMPOOL_ATTR_RELEASE_THRESHOLD takes, alive for the call.
+    unsafe {
+        let pool = result::device::get_mem_pool(ctx.cu_device())
+            .map_err(driver_err("cuDeviceGetMemPool"))?;
+        let mut value: u64 = bytes;
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut value as *mut u64).cast(),
+        )
+        .map_err(driver_err("cuMemPoolSetAttribute"))
+    }
 }
 
 /// The device's byte budget and what is allocated against it.
@@ -279,6 +314,7 @@ impl Device {
             Some(b) => b,
             None => free - free / 20,
         };
+        keep_pool_reserved(&ctx, budget_bytes)?;
         cublas_available()?;
         nvrtc::available()?;
         // The kernels, for this architecture.
@@ -413,6 +449,32 @@ impl Device {
         let bytes = (len * std::mem::size_of::<T>()) as u64;
         self.counted(what, bytes, "cuMemAlloc", || {
             self.compute.alloc_zeros::<T>(len)
+        })
+    }
+
+    /// `len` elements for `what` on the compute stream, **not zeroed**:
+    /// for a kernel's or a GEMM's output that the next operation on that
+    /// stream writes in full (every entry point writes every element of
+    /// its outputs, which `examples/kernel_check` checks on poisoned
+    /// buffers; cuBLAS does not read C when β is 0). Saves the memset pass
+    /// [`Self::alloc_zeros`] makes: for the attention's [batch · heads,
+    /// seq, seq] buffers, a write of hundreds of MB per block. Its values
+    /// before that write are whatever the pool held: any bits, all valid
+    /// for the [`crate::ops::Elem`] types.
+    pub fn alloc_output<T: crate::ops::Elem>(
+        &self,
+        what: &str,
+        len: usize,
+    ) -> Result<DeviceBuffer<T>> {
+        let bytes = (len * std::mem::size_of::<T>()) as u64;
+        self.counted(what, bytes, "cuMemAlloc", || {
+            // SAFETY: the memory is device memory, never read on the host
+            // as `T` before a download, and every bit pattern is a valid
+            // f32, bf16 or f16 (`Elem`'s types), so unset contents are
+            // only unspecified values, never undefined behaviour. It is
+            // allocated on the compute stream, so kernels there see it
+            // allocated, and cudarc orders its uses on other streams.
+            unsafe { self.compute.alloc::<T>(len) }
         })
     }
 

@@ -569,7 +569,7 @@ impl Uploads {
                 }
                 let mut wide = self
                     .dev
-                    .alloc_zeros::<f32>("widened upload", narrow.len())?;
+                    .alloc_output::<f32>("widened upload", narrow.len())?;
                 crate::ops::cast::<bf16, f32>(&self.dev, &mut wide, &narrow)?;
                 // `narrow` is freed on the h2d stream after the cast's
                 // read: cudarc orders a slice's free after its uses on
@@ -714,7 +714,7 @@ impl Downloads {
         let inner = if narrow {
             let mut half = self
                 .dev
-                .alloc_zeros::<bf16>("narrowed download", src.len())?;
+                .alloc_output::<bf16>("narrowed download", src.len())?;
             crate::ops::cast::<f32, bf16>(&self.dev, &mut half, &src)?;
             drop(src);
             let staging = self.queue(&self.free16, what, &half)?;

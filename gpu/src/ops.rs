@@ -17,8 +17,20 @@ use crate::kernels::{BLOCK_THREADS, ROW_CHUNK};
 use crate::reference::{AdamScalars, HeadsShape, KvShape, RopeShape, Storage};
 use crate::{GpuError, Result};
 
-/// A storage dtype the kernels take (its entry-point suffix).
-pub trait Elem: Storage + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits {
+mod sealed {
+    /// Only this crate's three storage dtypes are [`super::Elem`]s.
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
+}
+
+/// A storage dtype the kernels take (its entry-point suffix). Sealed:
+/// f32, bf16 and f16 only, whose every bit pattern is a valid value
+/// ([`Device::alloc_output`] relies on it).
+pub trait Elem:
+    Storage + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + sealed::Sealed
+{
     /// `f32`, `bf16` or `f16`.
     const SUFFIX: &'static str;
 }
@@ -82,7 +94,7 @@ fn chunk_sums(
     cols: usize,
 ) -> Result<(usize, DeviceBuffer<f32>)> {
     let chunks = rows.div_ceil(ROW_CHUNK);
-    let part = dev.alloc_zeros::<f32>(what, product(what, chunks, cols)?)?;
+    let part = dev.alloc_output::<f32>(what, product(what, chunks, cols)?)?;
     Ok((chunks, part))
 }
 
@@ -154,6 +166,22 @@ unsafe fn fire(a: &mut cudarc::driver::LaunchArgs<'_>, cfg: LaunchConfig, k: Str
     // SAFETY: the caller's contract.
     unsafe { a.launch(cfg) }.map_err(launch_err(k))?;
     Ok(())
+}
+
+/// [`fire`] with one block per row, and nothing for no rows: a grid is
+/// never empty, so a launch over 0 rows would still run block 0, which
+/// reads row 0 of its inputs and writes row 0 of its outputs (a
+/// cross-entropy over no targets would write `loss_rows[0]` of an empty
+/// buffer).
+///
+/// # Safety
+/// As [`fire`]'s.
+unsafe fn fire_rows(a: &mut cudarc::driver::LaunchArgs<'_>, rows: usize, k: String) -> Result<()> {
+    if rows == 0 {
+        return Ok(());
+    }
+    // SAFETY: the caller's contract.
+    unsafe { fire(a, per_row(rows), k) }
 }
 
 /// Rows of `cols` in `what` (`len` elements, a whole number of rows).
@@ -295,7 +323,7 @@ pub fn layernorm_fwd<T: Elem>(
     };
     a.arg(&c).arg(&eps);
     // SAFETY: lengths checked above; arguments as layernorm_fwd's.
-    unsafe { fire(&mut a, per_row(rows), k) }
+    unsafe { fire_rows(&mut a, rows, k) }
 }
 
 /// A norm's saved statistics, for backward.
@@ -337,7 +365,7 @@ pub fn layernorm_bwd_dx<T: Elem>(
         .arg(stats.rstd.slice())
         .arg(&c);
     // SAFETY: lengths checked above; arguments as layernorm_bwd_dx's.
-    unsafe { fire(&mut a, per_row(rows), k) }
+    unsafe { fire_rows(&mut a, rows, k) }
 }
 
 /// `layernorm_bwd_wb`: `dw += Σ dy·xhat`, `db += Σ dy` (fp32, `[cols]`),
@@ -420,7 +448,7 @@ pub fn rmsnorm_fwd<T: Elem>(
         .arg(&c)
         .arg(&eps);
     // SAFETY: lengths checked above; arguments as rmsnorm_fwd's.
-    unsafe { fire(&mut a, per_row(rows), k) }
+    unsafe { fire_rows(&mut a, rows, k) }
 }
 
 /// `rmsnorm_bwd_dx`.
@@ -448,7 +476,7 @@ pub fn rmsnorm_bwd_dx<T: Elem>(
         .arg(rstd.slice())
         .arg(&c);
     // SAFETY: lengths checked above; arguments as rmsnorm_bwd_dx's.
-    unsafe { fire(&mut a, per_row(rows), k) }
+    unsafe { fire_rows(&mut a, rows, k) }
 }
 
 /// `rmsnorm_bwd_w`: `dw += Σ dy·xhat`, a column sum in two passes.
@@ -543,7 +571,7 @@ pub fn softmax_causal_fwd<T: Elem>(
     let mut a = dev.compute.launch_builder(dev.function(&k)?);
     a.arg(p.slice_mut()).arg(s.slice()).arg(&t).arg(&scale);
     // SAFETY: lengths checked above; arguments as softmax_causal_fwd's.
-    unsafe { fire(&mut a, per_row(rows), k) }
+    unsafe { fire_rows(&mut a, rows, k) }
 }
 
 /// `softmax_bwd`.
@@ -567,7 +595,7 @@ pub fn softmax_bwd<T: Elem>(
         .arg(&t)
         .arg(&scale);
     // SAFETY: lengths checked above; arguments as softmax_bwd's.
-    unsafe { fire(&mut a, per_row(rows), k) }
+    unsafe { fire_rows(&mut a, rows, k) }
 }
 
 /// A pointwise kernel: `entry_T(out, ins..., n)` over equal-length buffers.
@@ -714,7 +742,7 @@ pub fn cross_entropy<T: Elem>(
         .arg(&ignore_index)
         .arg(&grad_scale);
     // SAFETY: lengths checked above; arguments as cross_entropy's.
-    unsafe { fire(&mut a, per_row(rows), k) }
+    unsafe { fire_rows(&mut a, rows, k) }
 }
 
 /// `sum_f32`: `out[0] = Σ x` (one block).
@@ -768,17 +796,12 @@ pub fn sumsq_groups<T: Elem>(
             ),
         ));
     }
-    if groups == 0 {
-        // One block would still be launched (a grid is never empty) and
-        // read offsets[0..2] and write out[0]: there is nothing to sum.
-        return Ok(());
-    }
     let mut a = dev.compute.launch_builder(dev.function(&k)?);
     a.arg(out.slice_mut()).arg(x.slice()).arg(offsets.slice());
     // SAFETY: the groups lie inside x and out has one slot per group
     // (checked on the host copy of the offsets, which `offsets` holds);
     // arguments as sumsq_groups's.
-    unsafe { fire(&mut a, per_row(groups), k) }
+    unsafe { fire_rows(&mut a, groups, k) }
 }
 
 /// The state `adamw` steps.

@@ -661,7 +661,7 @@ pub fn sum_kv<T: Storage>(x: &[T], s: KvShape) -> Vec<T> {
 }
 
 /// The product [`crate::ops::matmul`] asks cuBLAS for (row-major, per
-/// batch: `C = α·op(A)·op(B) + β·C`), summed in f64 (cuBLAS's order is its
+/// batch: `C = α·op(A)·op(B) + β·C`, C not read when β is 0), summed in f64 (cuBLAS's order is its
 /// own: compare within a tolerance).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul<T: Storage>(
@@ -688,7 +688,14 @@ pub fn matmul<T: Storage>(
                     s += x.load() as f64 * y.load() as f64;
                 }
                 let o = &mut c[p * m * n + i * n + j];
-                *o = T::store((alpha as f64 * s + beta as f64 * o.load() as f64) as f32);
+                // BLAS's rule, which cuBLAS follows: with β 0, C is not
+                // read (it may hold NaN or anything else).
+                let old = if beta == 0.0 {
+                    0.0
+                } else {
+                    beta as f64 * o.load() as f64
+                };
+                *o = T::store((alpha as f64 * s + old) as f32);
             }
         }
     }

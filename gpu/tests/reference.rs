@@ -484,3 +484,32 @@ fn sixteen_bit_storage_rounds_once_at_the_store() {
     let h: Vec<half::f16> = r::cast(&v);
     assert!(h[3].is_infinite(), "65520 rounds to +inf in fp16");
 }
+
+#[test]
+fn a_gemm_with_beta_0_never_reads_its_output_and_the_hosts_outputs_are_poisoned() {
+    use tierzero_gpu::ops::MatmulShape;
+    use tierzero_gpu::unit::{Exec, HostExec};
+    let (m, n, k) = (3, 5, 7);
+    let (a, b) = (data(m * k, 1), data(k * n, 2));
+    let mut want = vec![0f32; m * n];
+    r::matmul(&mut want, &a, &b, 1, (m, n, k), (false, false), 1.0, 0.0);
+    assert!(want.iter().all(|x| x.is_finite()));
+    // An output's first values are NaN on the host executor ...
+    let e = HostExec::F32;
+    let mut c = e.output("c", m * n).unwrap();
+    assert!(c.iter().all(|x| x.is_nan()));
+    let s = MatmulShape {
+        batch: 1,
+        m,
+        n,
+        k,
+        trans_a: false,
+        trans_b: false,
+    };
+    // ... which β = 1 would add in, and β = 0 never reads (BLAS's rule).
+    let mut c1 = c.clone();
+    e.matmul(&mut c1, &a, &b, s, 1.0).unwrap();
+    assert!(c1.iter().all(|x| x.is_nan()));
+    e.matmul(&mut c, &a, &b, s, 0.0).unwrap();
+    assert_eq!(c, want);
+}

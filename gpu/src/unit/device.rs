@@ -26,21 +26,23 @@ pub struct CudaExec<'a> {
     pub gemm: GemmDtype,
 }
 
-/// `x` cast to a 16-bit type (bf16 or fp16) in a scratch buffer.
+/// `x` cast to a 16-bit type (bf16 or fp16) in a scratch buffer (the
+/// cast writes every element).
 fn to_half<T: ops::Elem>(dev: &Device, x: &DeviceBuffer<f32>) -> Result<DeviceBuffer<T>> {
-    let mut out = dev.alloc_zeros("16-bit GEMM operand", x.len())?;
+    let mut out = dev.alloc_output("16-bit GEMM operand", x.len())?;
     ops::cast(dev, &mut out, x)?;
     Ok(out)
 }
 
-/// A new device buffer of `n` elements for `what`, written by `op`.
+/// A new device buffer of `n` elements for `what`, written in full by
+/// `op` (so not zeroed first: [`Device::alloc_output`]).
 fn fresh(
     dev: &Device,
     what: &str,
     n: usize,
     op: impl FnOnce(&mut DeviceBuffer<f32>) -> Result<()>,
 ) -> Result<DeviceBuffer<f32>> {
-    let mut b = dev.alloc_zeros(what, n)?;
+    let mut b = dev.alloc_output(what, n)?;
     op(&mut b)?;
     Ok(b)
 }
@@ -57,8 +59,8 @@ impl Exec for CudaExec<'_> {
         eps: f32,
     ) -> Result<[Self::Buf; 2]> {
         let rows = x.len() / cols.max(1);
-        let mut y = self.dev.alloc_zeros("rmsnorm output", x.len())?;
-        let mut rstd = self.dev.alloc_zeros("rmsnorm rstd", rows)?;
+        let mut y = self.dev.alloc_output("rmsnorm output", x.len())?;
+        let mut rstd = self.dev.alloc_output("rmsnorm rstd", rows)?;
         let out = NormOut {
             y: &mut y,
             mean: None,
@@ -104,8 +106,8 @@ impl Exec for CudaExec<'_> {
         gate: &Self::Buf,
         up: &Self::Buf,
     ) -> Result<[Self::Buf; 2]> {
-        let mut dg = self.dev.alloc_zeros("swiglu dgate", gate.len())?;
-        let mut du = self.dev.alloc_zeros("swiglu dup", up.len())?;
+        let mut dg = self.dev.alloc_output("swiglu dgate", gate.len())?;
+        let mut du = self.dev.alloc_output("swiglu dup", up.len())?;
         ops::swiglu_bwd(self.dev, &mut dg, &mut du, dy, gate, up)?;
         Ok([dg, du])
     }
@@ -144,7 +146,7 @@ impl Exec for CudaExec<'_> {
         }
         let offsets = self.dev.upload("sum of squares offsets", &host_offsets)?;
         let groups = host_offsets.len() - 1;
-        let mut out = self.dev.alloc_zeros::<f32>("sum of squares", groups)?;
+        let mut out = self.dev.alloc_output::<f32>("sum of squares", groups)?;
         ops::sumsq_groups(self.dev, &mut out, x, &offsets, &host_offsets)?;
         Ok(r::sum_chunks_f64(&self.dev.download(&out)?))
     }
@@ -154,6 +156,9 @@ impl Exec for CudaExec<'_> {
     }
     fn zeros(&self, what: &str, n: usize) -> Result<Self::Buf> {
         self.dev.alloc_zeros(what, n)
+    }
+    fn output(&self, what: &str, n: usize) -> Result<Self::Buf> {
+        self.dev.alloc_output(what, n)
     }
     fn len(&self, b: &Self::Buf) -> usize {
         b.len()
@@ -210,9 +215,9 @@ impl Exec for CudaExec<'_> {
         eps: f32,
     ) -> Result<[Self::Buf; 3]> {
         let rows = x.len() / cols.max(1);
-        let mut y = self.dev.alloc_zeros("layernorm output", x.len())?;
-        let mut mean = self.dev.alloc_zeros("layernorm mean", rows)?;
-        let mut rstd = self.dev.alloc_zeros("layernorm rstd", rows)?;
+        let mut y = self.dev.alloc_output("layernorm output", x.len())?;
+        let mut mean = self.dev.alloc_output("layernorm mean", rows)?;
+        let mut rstd = self.dev.alloc_output("layernorm rstd", rows)?;
         let out = NormOut {
             y: &mut y,
             mean: Some(&mut mean),
@@ -310,8 +315,8 @@ impl Exec for CudaExec<'_> {
         grad_scale: f32,
     ) -> Result<(f32, Self::Buf)> {
         let rows = targets.ids.len();
-        let mut loss_rows = self.dev.alloc_zeros("loss rows", rows)?;
-        let mut dlogits = self.dev.alloc_zeros("logit gradient", logits.len())?;
+        let mut loss_rows = self.dev.alloc_output("loss rows", rows)?;
+        let mut dlogits = self.dev.alloc_output("logit gradient", logits.len())?;
         ops::cross_entropy(
             self.dev,
             &mut loss_rows,
@@ -322,7 +327,7 @@ impl Exec for CudaExec<'_> {
             -100,
             grad_scale,
         )?;
-        let mut total = self.dev.alloc_zeros("loss", 1)?;
+        let mut total = self.dev.alloc_output("loss", 1)?;
         ops::sum_f32(self.dev, &mut total, &loss_rows)?;
         let t = self.dev.download(&total)?;
         Ok((t.first().copied().unwrap_or(f32::NAN), dlogits))

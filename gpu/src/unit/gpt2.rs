@@ -64,7 +64,7 @@ fn conv1d<E: Exec>(
     k: usize,
     n: usize,
 ) -> Result<E::Buf> {
-    let mut y = e.zeros("linear output", d.rows() * n)?;
+    let mut y = e.output("linear output", d.rows() * n)?;
     e.matmul(&mut y, x, w, d.conv(k, n), 0.0)?;
     e.bias_add(&mut y, b)?;
     Ok(y)
@@ -86,7 +86,7 @@ fn conv1d_bwd<E: Exec>(
     let rows = d.rows();
     e.matmul(grads.0, x, dy, mm(1, k, n, rows, true, false), 1.0)?;
     e.bias_grad(grads.1, dy)?;
-    let mut dx = e.zeros("linear dx", rows * k)?;
+    let mut dx = e.output("linear dx", rows * k)?;
     e.matmul(&mut dx, dy, w, mm(1, rows, k, n, false, true), 0.0)?;
     Ok(dx)
 }
@@ -160,13 +160,13 @@ fn block_forward_saving<E: Exec>(
         e.heads_from_rows(&qkv, hs, 1)?,
         e.heads_from_rows(&qkv, hs, 2)?,
     );
-    let mut s = e.zeros("attention scores", bh * d.seq * d.seq)?;
+    let mut s = e.output("attention scores", bh * d.seq * d.seq)?;
     e.matmul(&mut s, &q, &k, mm(bh, d.seq, d.seq, hd, false, true), 0.0)?;
     let scale = 1.0 / (hd as f32).sqrt();
     let pr = e.softmax_causal_fwd(&s, d.seq, scale)?;
-    let mut o = e.zeros("attention output", bh * d.seq * hd)?;
+    let mut o = e.output("attention output", bh * d.seq * hd)?;
     e.matmul(&mut o, &pr, &v, mm(bh, d.seq, hd, d.seq, false, false), 0.0)?;
-    let mut y = e.zeros("attention rows", d.rows() * h)?;
+    let mut y = e.output("attention rows", d.rows() * h)?;
     e.rows_from_heads(&mut y, &o, d.heads_shape(1), 0)?;
     let attn = conv1d(e, d, &y, &p[4], &p[5], h, h)?;
     let x1 = e.add(x, &attn)?;
@@ -296,7 +296,7 @@ fn block_backward_from<E: Exec>(
     // Attention.
     let dy = conv1d_bwd(e, d, &dx1, &s.y, &p[4], (g4, g5), h, h)?;
     let do_ = e.heads_from_rows(&dy, d.heads_shape(1), 0)?;
-    let mut dp = e.zeros("probability gradient", bh * d.seq * d.seq)?;
+    let mut dp = e.output("probability gradient", bh * d.seq * d.seq)?;
     e.matmul(
         &mut dp,
         &do_,
@@ -304,7 +304,7 @@ fn block_backward_from<E: Exec>(
         mm(bh, d.seq, d.seq, hd, false, true),
         0.0,
     )?;
-    let mut dv = e.zeros("v gradient", bh * d.seq * hd)?;
+    let mut dv = e.output("v gradient", bh * d.seq * hd)?;
     e.matmul(
         &mut dv,
         &s.p,
@@ -314,7 +314,7 @@ fn block_backward_from<E: Exec>(
     )?;
     let scale = 1.0 / (hd as f32).sqrt();
     let ds = e.softmax_bwd(&s.p, &dp, d.seq, scale)?;
-    let mut dq = e.zeros("q gradient", bh * d.seq * hd)?;
+    let mut dq = e.output("q gradient", bh * d.seq * hd)?;
     e.matmul(
         &mut dq,
         &ds,
@@ -322,7 +322,7 @@ fn block_backward_from<E: Exec>(
         mm(bh, d.seq, hd, d.seq, false, false),
         0.0,
     )?;
-    let mut dk = e.zeros("k gradient", bh * d.seq * hd)?;
+    let mut dk = e.output("k gradient", bh * d.seq * hd)?;
     e.matmul(
         &mut dk,
         &ds,
@@ -330,7 +330,7 @@ fn block_backward_from<E: Exec>(
         mm(bh, d.seq, hd, d.seq, true, false),
         0.0,
     )?;
-    let mut dqkv = e.zeros("qkv gradient", d.rows() * 3 * h)?;
+    let mut dqkv = e.output("qkv gradient", d.rows() * 3 * h)?;
     let hs = d.heads_shape(3);
     e.rows_from_heads(&mut dqkv, &dq, hs, 0)?;
     e.rows_from_heads(&mut dqkv, &dk, hs, 1)?;

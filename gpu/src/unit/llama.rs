@@ -167,7 +167,7 @@ fn linear<E: Exec>(
     out: usize,
     inp: usize,
 ) -> Result<E::Buf> {
-    let mut y = e.zeros("linear output", rows * out)?;
+    let mut y = e.output("linear output", rows * out)?;
     e.matmul(&mut y, x, w, mm(1, rows, out, inp, false, true), 0.0)?;
     if let Some(b) = b {
         e.bias_add(&mut y, b)?;
@@ -191,7 +191,7 @@ fn linear_bwd<E: Exec>(
     if let Some(db) = db {
         e.bias_grad(db, dy)?;
     }
-    let mut dx = e.zeros("linear dx", rows * inp)?;
+    let mut dx = e.output("linear dx", rows * inp)?;
     e.matmul(&mut dx, dy, w, mm(1, rows, inp, out, false, false), 0.0)?;
     Ok(dx)
 }
@@ -303,10 +303,10 @@ fn llama_forward_saving<E: Exec>(
     let ke = e.repeat_kv(&kh, d.kv_shape())?;
     let ve = e.repeat_kv(&vh, d.kv_shape())?;
     let bh = d.batch * d.heads;
-    let mut s = e.zeros("attention scores", bh * d.seq * d.seq)?;
+    let mut s = e.output("attention scores", bh * d.seq * d.seq)?;
     e.matmul(&mut s, &qh, &ke, mm(bh, d.seq, d.seq, hd, false, true), 0.0)?;
     let pr = e.softmax_causal_fwd(&s, d.seq, 1.0 / (hd as f32).sqrt())?;
-    let mut o = e.zeros("attention output", bh * d.seq * hd)?;
+    let mut o = e.output("attention output", bh * d.seq * hd)?;
     e.matmul(
         &mut o,
         &pr,
@@ -314,7 +314,7 @@ fn llama_forward_saving<E: Exec>(
         mm(bh, d.seq, hd, d.seq, false, false),
         0.0,
     )?;
-    let mut y = e.zeros("attention rows", rows * qd)?;
+    let mut y = e.output("attention rows", rows * qd)?;
     e.rows_from_heads(&mut y, &o, d.heads_shape(d.heads), 0)?;
     let attn = linear(e, rows, &y, &p[i.o.0], bias(i.o.1), h, qd)?;
     let x1 = e.add(x, &attn)?;
@@ -464,7 +464,7 @@ fn backward_from<E: Exec>(
     let dy = linear_bwd(e, rows, &dx1, &s.y, &p[i.o.0], gw, gb, (h, qd))?;
     let bh = d.batch * d.heads;
     let do_ = e.heads_from_rows(&dy, d.heads_shape(d.heads), 0)?;
-    let mut dp = e.zeros("probability gradient", bh * d.seq * d.seq)?;
+    let mut dp = e.output("probability gradient", bh * d.seq * d.seq)?;
     e.matmul(
         &mut dp,
         &do_,
@@ -472,7 +472,7 @@ fn backward_from<E: Exec>(
         mm(bh, d.seq, d.seq, hd, false, true),
         0.0,
     )?;
-    let mut dve = e.zeros("v gradient", bh * d.seq * hd)?;
+    let mut dve = e.output("v gradient", bh * d.seq * hd)?;
     e.matmul(
         &mut dve,
         &s.p,
@@ -481,7 +481,7 @@ fn backward_from<E: Exec>(
         0.0,
     )?;
     let ds = e.softmax_bwd(&s.p, &dp, d.seq, 1.0 / (hd as f32).sqrt())?;
-    let mut dq = e.zeros("q gradient", bh * d.seq * hd)?;
+    let mut dq = e.output("q gradient", bh * d.seq * hd)?;
     e.matmul(
         &mut dq,
         &ds,
@@ -489,7 +489,7 @@ fn backward_from<E: Exec>(
         mm(bh, d.seq, hd, d.seq, false, false),
         0.0,
     )?;
-    let mut dke = e.zeros("k gradient", bh * d.seq * hd)?;
+    let mut dke = e.output("k gradient", bh * d.seq * hd)?;
     e.matmul(
         &mut dke,
         &ds,
@@ -499,11 +499,11 @@ fn backward_from<E: Exec>(
     )?;
     let dkh = e.sum_kv(&dke, d.kv_shape())?;
     let dvh = e.sum_kv(&dve, d.kv_shape())?;
-    let mut dqr = e.zeros("q rows gradient", rows * qd)?;
+    let mut dqr = e.output("q rows gradient", rows * qd)?;
     e.rows_from_heads(&mut dqr, &dq, d.heads_shape(d.heads), 0)?;
-    let mut dkr = e.zeros("k rows gradient", rows * kvd)?;
+    let mut dkr = e.output("k rows gradient", rows * kvd)?;
     e.rows_from_heads(&mut dkr, &dkh, d.heads_shape(d.kv_heads), 0)?;
-    let mut dv = e.zeros("v rows gradient", rows * kvd)?;
+    let mut dv = e.output("v rows gradient", rows * kvd)?;
     e.rows_from_heads(&mut dv, &dvh, d.heads_shape(d.kv_heads), 0)?;
     let dqn = e.rope(&dqr, &rope.cos, &rope.sin, d.rope_shape(d.heads), -1.0)?;
     let dkn = e.rope(&dkr, &rope.cos, &rope.sin, d.rope_shape(d.kv_heads), -1.0)?;

@@ -54,6 +54,14 @@ pub trait Exec {
     type Buf;
     /// `n` zeros.
     fn zeros(&self, what: &str, n: usize) -> Result<Self::Buf>;
+    /// `n` elements for an output that the next operation writes in full
+    /// before anything reads it (a GEMM's `c` with β 0, every slot of a
+    /// [`Self::rows_from_heads`]): their values until then are
+    /// unspecified. The device leaves them as its pool gives them, saving
+    /// [`Self::zeros`]'s memset pass ([`crate::device::Device::alloc_output`]);
+    /// the host fills them with NaN, so a unit that reads one before
+    /// writing all of it fails its tests.
+    fn output(&self, what: &str, n: usize) -> Result<Self::Buf>;
     /// A buffer's elements.
     fn len(&self, b: &Self::Buf) -> usize;
     /// Token ids (or positions) and their [`crate::reference::EmbeddingRuns`] on this executor.
@@ -303,7 +311,7 @@ pub(crate) fn lm_head<E: Exec>(
     loss_scale: f32,
     gw: &mut E::Buf,
 ) -> Result<(f32, E::Buf)> {
-    let mut logits = e.zeros("logits", rows * vocab)?;
+    let mut logits = e.output("logits", rows * vocab)?;
     e.matmul(
         &mut logits,
         n,
@@ -319,7 +327,7 @@ pub(crate) fn lm_head<E: Exec>(
         mm(1, vocab, hidden, rows, true, false),
         1.0,
     )?;
-    let mut dn = e.zeros("head dx", rows * hidden)?;
+    let mut dn = e.output("head dx", rows * hidden)?;
     e.matmul(
         &mut dn,
         &dlogits,
