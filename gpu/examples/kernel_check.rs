@@ -16,6 +16,7 @@ use std::time::Instant;
 use half::{bf16, f16};
 use tierzero_gpu::cache::KernelCache;
 use tierzero_gpu::device::{Device, DeviceBuffer, DeviceOptions};
+use tierzero_gpu::kernels::SUMSQ_CHUNK;
 use tierzero_gpu::ops::{self, AdamState, DeviceRuns, Elem, MatmulShape, NormOut, NormStats};
 use tierzero_gpu::reference::{self as r, AdamScalars, HeadsShape, KvShape, RopeShape, Storage};
 use tierzero_gpu::Result;
@@ -513,6 +514,36 @@ where
             1e-5,
         );
     }
+    // Several buffers' chunks queued at once (Exec::sq_sums): one
+    // element, 257, the 100 000 above, and one chunk and one element.
+    let others = [1usize, 257, SUMSQ_CHUNK + 1].map(|n| typed::<T>(&data(n, 27 + n as u64)));
+    let gothers = others
+        .iter()
+        .map(|o| up::<T>(dev, &r::cast::<T, f32>(o)))
+        .collect::<Result<Vec<_>>>()?;
+    let (hosts, gxs) = (
+        [&others[0], &others[1], &x, &others[2]],
+        [&gothers[0], &gothers[1], &gx, &gothers[2]],
+    );
+    let lists: Vec<Vec<i64>> = hosts
+        .iter()
+        .map(|h| r::sumsq_chunk_offsets(h.len()))
+        .collect();
+    let want: Vec<f32> = hosts
+        .iter()
+        .zip(&lists)
+        .flat_map(|(h, o)| r::sumsq_groups(h, o))
+        .collect();
+    let go = dev.upload("offsets", &lists.concat())?;
+    let mut gout = poisoned::<f32>(dev, want.len())?;
+    ops::sumsq_groups_many(dev, &mut gout, &gxs, &go, &lists)?;
+    rep.compare(
+        &name("sumsq_groups"),
+        &format!("{} buffers, {} groups", gxs.len(), want.len()),
+        &dev.download(&gout)?,
+        &want,
+        1e-5,
+    );
     // Matmul (cuBLAS), every transpose.
     for (m, n, k) in [(1usize, 1usize, 1usize), (33, 65, 17), (128, 256, 768)] {
         for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
@@ -548,6 +579,26 @@ where
                 &name("matmul"),
                 &format!("{m}x{n}x{k} t{}{}", ta as u8, tb as u8),
                 &dev.download(&gc)?,
+                &c,
+                tol.max(1e-5),
+            );
+            // β 0 into a poisoned C (the units' outputs are not zeroed:
+            // Device::alloc_output): cuBLAS must not read it.
+            let mut gc0 = poisoned::<T>(dev, c.len())?;
+            r::matmul(&mut c, &a, &b, batch, (m, n, k), (ta, tb), 1.0, 0.0);
+            let s = MatmulShape {
+                batch,
+                m,
+                n,
+                k,
+                trans_a: ta,
+                trans_b: tb,
+            };
+            ops::matmul(dev, &mut gc0, &ga, &gb, s, 1.0, 0.0)?;
+            rep.compare(
+                &name("matmul"),
+                &format!("{m}x{n}x{k} t{}{} beta 0", ta as u8, tb as u8),
+                &dev.download(&gc0)?,
                 &c,
                 tol.max(1e-5),
             );

@@ -783,25 +783,82 @@ pub fn sumsq_groups<T: Elem>(
 ) -> Result<()> {
     let k = format!("sumsq_groups_{}", T::SUFFIX);
     need(&k, "offsets", offsets.len(), host_offsets.len())?;
-    let groups = host_offsets.len().saturating_sub(1);
+    let groups = sumsq_group_count(&k, x.len(), host_offsets)?;
     need(&k, "out", out.len(), groups)?;
-    let ok = host_offsets.windows(2).all(|w| 0 <= w[0] && w[0] <= w[1])
-        && host_offsets.last().is_none_or(|&l| l as usize <= x.len());
-    if !ok {
-        return Err(shape_err(
-            &k,
-            format!(
-                "offsets {host_offsets:?} are not ascending within {} elements",
-                x.len()
-            ),
-        ));
-    }
     let mut a = dev.compute.launch_builder(dev.function(&k)?);
     a.arg(out.slice_mut()).arg(x.slice()).arg(offsets.slice());
     // SAFETY: the groups lie inside x and out has one slot per group
     // (checked on the host copy of the offsets, which `offsets` holds);
     // arguments as sumsq_groups's.
     unsafe { fire_rows(&mut a, groups, k) }
+}
+
+/// The groups of `host_offsets` over `len` elements, once they are
+/// checked ascending from 0 or more and ending at most at `len`.
+fn sumsq_group_count(k: &str, len: usize, host_offsets: &[i64]) -> Result<usize> {
+    let ok = host_offsets.windows(2).all(|w| 0 <= w[0] && w[0] <= w[1])
+        && host_offsets.first().is_none_or(|&f| f >= 0)
+        && host_offsets.last().is_none_or(|&l| l as usize <= len);
+    if !ok {
+        return Err(shape_err(
+            k,
+            format!("offsets {host_offsets:?} are not ascending within {len} elements"),
+        ));
+    }
+    Ok(host_offsets.len().saturating_sub(1))
+}
+
+/// [`sumsq_groups`] of several buffers, queued one after the other with
+/// no wait between them: buffer `i`'s groups, `host_offsets[i]` (as
+/// [`sumsq_groups`] takes them), write their sums into `out` after the
+/// groups of the buffers before it. `offsets` holds every buffer's offsets
+/// one list after the other, so it is one upload, and `out` is one
+/// download: a clipping norm over hundreds of params then costs one
+/// synchronisation, not one each.
+pub fn sumsq_groups_many<T: Elem>(
+    dev: &Device,
+    out: &mut DeviceBuffer<f32>,
+    xs: &[&DeviceBuffer<T>],
+    offsets: &DeviceBuffer<i64>,
+    host_offsets: &[Vec<i64>],
+) -> Result<()> {
+    let k = format!("sumsq_groups_{}", T::SUFFIX);
+    if xs.len() != host_offsets.len() {
+        return Err(shape_err(
+            &k,
+            format!(
+                "{} buffers and {} lists of offsets",
+                xs.len(),
+                host_offsets.len()
+            ),
+        ));
+    }
+    let mut spans = Vec::with_capacity(xs.len());
+    let (mut at_offsets, mut at_groups) = (0usize, 0usize);
+    for (x, h) in xs.iter().zip(host_offsets) {
+        let groups = sumsq_group_count(&k, x.len(), h)?;
+        spans.push((at_offsets, at_groups, groups));
+        at_offsets += h.len();
+        at_groups += groups;
+    }
+    need(&k, "offsets", offsets.len(), at_offsets)?;
+    need(&k, "out", out.len(), at_groups)?;
+    let f = dev.function(&k)?;
+    for (x, (o0, g0, groups)) in xs.iter().zip(spans) {
+        if groups == 0 {
+            continue;
+        }
+        let mut out_i = out.slice_mut().slice_mut(g0..g0 + groups);
+        let offsets_i = offsets.slice().slice(o0..o0 + groups + 1);
+        let mut a = dev.compute.launch_builder(f);
+        a.arg(&mut out_i).arg(x.slice()).arg(&offsets_i);
+        // SAFETY: this buffer's groups lie inside it, `out_i` has one slot
+        // per group and `offsets_i` holds its offsets (all checked above
+        // on the host copies, which `offsets` holds in this order);
+        // arguments as sumsq_groups's.
+        unsafe { fire_rows(&mut a, groups, k.clone()) }?;
+    }
+    Ok(())
 }
 
 /// The state `adamw` steps.

@@ -150,6 +150,32 @@ impl Exec for CudaExec<'_> {
         ops::sumsq_groups(self.dev, &mut out, x, &offsets, &host_offsets)?;
         Ok(r::sum_chunks_f64(&self.dev.download(&out)?))
     }
+    fn sq_sums(&self, xs: &[&Self::Buf]) -> Result<Vec<f64>> {
+        let host_offsets: Vec<Vec<i64>> =
+            xs.iter().map(|x| r::sumsq_chunk_offsets(x.len())).collect();
+        let flat: Vec<i64> = host_offsets.concat();
+        let groups: Vec<usize> = host_offsets
+            .iter()
+            .map(|h| h.len().saturating_sub(1))
+            .collect();
+        let total: usize = groups.iter().sum();
+        if total == 0 {
+            return Ok(vec![0.0; xs.len()]);
+        }
+        let offsets = self.dev.upload("sum of squares offsets", &flat)?;
+        let mut out = self.dev.alloc_output::<f32>("sums of squares", total)?;
+        ops::sumsq_groups_many(self.dev, &mut out, xs, &offsets, &host_offsets)?;
+        let sums = self.dev.download(&out)?;
+        let mut at = 0;
+        Ok(groups
+            .iter()
+            .map(|&g| {
+                let s = r::sum_chunks_f64(&sums[at..at + g]);
+                at += g;
+                s
+            })
+            .collect())
+    }
     fn round_bf16(&self, dst: &mut Self::Buf, src: &Self::Buf) -> Result<()> {
         let narrow = to_half::<half::bf16>(self.dev, src)?;
         ops::cast(self.dev, dst, &narrow)

@@ -194,6 +194,12 @@ pub trait Exec {
     /// ([`crate::reference::sumsq_chunk_offsets`]), the chunks' f32 sums
     /// added in f64 in order.
     fn sq_sum(&self, x: &Self::Buf) -> Result<f64>;
+    /// [`Self::sq_sum`] of each buffer, the same bits, for one wait in
+    /// all (the device queues every buffer's chunks, then reads them back
+    /// once: [`crate::ops::sumsq_groups_many`]).
+    fn sq_sums(&self, xs: &[&Self::Buf]) -> Result<Vec<f64>> {
+        xs.iter().map(|x| self.sq_sum(x)).collect()
+    }
     /// `dst = src` rounded to bf16 (to nearest even) and widened back, by
     /// the `cast_f32_bf16` and `cast_bf16_f32` kernels.
     fn round_bf16(&self, dst: &mut Self::Buf, src: &Self::Buf) -> Result<()>;

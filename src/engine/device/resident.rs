@@ -38,7 +38,8 @@
 //! master rounded to bf16 (the kernels `cast_f32_bf16`, `cast_bf16_f32`),
 //! which is the host's bf16 copy. The gradient norm for clipping is each
 //! param's sum of squares on the device (one fixed-order reduction) added
-//! in param order on the host: the same bits every run, not the host's
+//! in param order on the host, every param's chunks read back in one wait
+//! (`Exec::sq_sums`): the same bits every run, not the host's
 //! norm's bits.
 //!
 //! # Memory
@@ -636,13 +637,17 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
         let mut st = self.lock();
         self.fold_all(&mut st)?;
         let e = self.link.exec();
-        let mut total = 0f64;
-        for p in st.params.values() {
-            if let Grad::Summed(g) = &p.grad {
-                total += e.sq_sum(g).map_err(exec_units::gpu_err)?;
-            }
-        }
-        Ok(total)
+        let grads: Vec<&L::Buf> = st
+            .params
+            .values()
+            .filter_map(|p| match &p.grad {
+                Grad::Summed(g) => Some(g),
+                _ => None,
+            })
+            .collect();
+        // One wait for every param's sum, added here in param order.
+        let sums = e.sq_sums(&grads).map_err(exec_units::gpu_err)?;
+        Ok(sums.iter().fold(0f64, |t, s| t + s))
     }
 
     fn step(&self, s: Option<AdamScalars>) -> Result<(), ModelError> {
