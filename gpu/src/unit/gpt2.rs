@@ -1,7 +1,7 @@
 //! GPT-2's units (embedding, block, head) over an [`Exec`], a whole-model
 //! trainer and a deterministic init.
 
-use super::{check_kept, check_params, lm_head, mm, AdamHyper, Exec, HostExec};
+use super::{check_kept, check_params, lm_head, mm, AdamHyper, AttnShape, Exec, HostExec};
 use crate::ops::MatmulShape;
 use crate::reference::HeadsShape;
 use crate::{GpuError, Result};
@@ -31,6 +31,13 @@ impl Gpt2Dims {
     }
     fn head_dim(&self) -> usize {
         self.hidden / self.heads
+    }
+    fn attn(&self) -> AttnShape {
+        AttnShape {
+            bh: self.batch * self.heads,
+            seq: self.seq,
+            head_dim: self.head_dim(),
+        }
     }
     fn heads_shape(&self, slots: usize) -> HeadsShape {
         HeadsShape {
@@ -150,8 +157,7 @@ fn block_forward_saving<E: Exec>(
     p: &[E::Buf],
     x: &E::Buf,
 ) -> Result<(BlockSaved<E::Buf>, E::Buf)> {
-    let (h, inner, hd) = (d.hidden, d.inner, d.head_dim());
-    let bh = d.batch * d.heads;
+    let (h, inner) = (d.hidden, d.inner);
     let ln1 = e.layernorm_fwd(x, &p[0], &p[1], h, d.eps)?;
     let qkv = conv1d(e, d, &ln1[0], &p[2], &p[3], h, 3 * h)?;
     let hs = d.heads_shape(3);
@@ -160,12 +166,7 @@ fn block_forward_saving<E: Exec>(
         e.heads_from_rows(&qkv, hs, 1)?,
         e.heads_from_rows(&qkv, hs, 2)?,
     );
-    let mut s = e.output("attention scores", bh * d.seq * d.seq)?;
-    e.matmul(&mut s, &q, &k, mm(bh, d.seq, d.seq, hd, false, true), 0.0)?;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let pr = e.softmax_causal_fwd(&s, d.seq, scale)?;
-    let mut o = e.output("attention output", bh * d.seq * hd)?;
-    e.matmul(&mut o, &pr, &v, mm(bh, d.seq, hd, d.seq, false, false), 0.0)?;
+    let [o, pr] = e.attention_fwd(&q, &k, &v, d.attn())?;
     let mut y = e.output("attention rows", d.rows() * h)?;
     e.rows_from_heads(&mut y, &o, d.heads_shape(1), 0)?;
     let attn = conv1d(e, d, &y, &p[4], &p[5], h, h)?;
@@ -279,8 +280,7 @@ fn block_backward_from<E: Exec>(
     dout: &E::Buf,
     grads: &mut [E::Buf],
 ) -> Result<E::Buf> {
-    let (h, inner, hd) = (d.hidden, d.inner, d.head_dim());
-    let bh = d.batch * d.heads;
+    let (h, inner) = (d.hidden, d.inner);
     let [g0, g1, g2, g3, g4, g5, g6, g7, g8, g9, g10, g11] = grads else {
         return Err(GpuError::Shape {
             kernel: "gpt2 block".into(),
@@ -296,40 +296,7 @@ fn block_backward_from<E: Exec>(
     // Attention.
     let dy = conv1d_bwd(e, d, &dx1, &s.y, &p[4], (g4, g5), h, h)?;
     let do_ = e.heads_from_rows(&dy, d.heads_shape(1), 0)?;
-    let mut dp = e.output("probability gradient", bh * d.seq * d.seq)?;
-    e.matmul(
-        &mut dp,
-        &do_,
-        &s.v,
-        mm(bh, d.seq, d.seq, hd, false, true),
-        0.0,
-    )?;
-    let mut dv = e.output("v gradient", bh * d.seq * hd)?;
-    e.matmul(
-        &mut dv,
-        &s.p,
-        &do_,
-        mm(bh, d.seq, hd, d.seq, true, false),
-        0.0,
-    )?;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let ds = e.softmax_bwd(&s.p, &dp, d.seq, scale)?;
-    let mut dq = e.output("q gradient", bh * d.seq * hd)?;
-    e.matmul(
-        &mut dq,
-        &ds,
-        &s.k,
-        mm(bh, d.seq, hd, d.seq, false, false),
-        0.0,
-    )?;
-    let mut dk = e.output("k gradient", bh * d.seq * hd)?;
-    e.matmul(
-        &mut dk,
-        &ds,
-        &s.q,
-        mm(bh, d.seq, hd, d.seq, true, false),
-        0.0,
-    )?;
+    let [dq, dk, dv] = e.attention_bwd(&s.p, [&s.q, &s.k, &s.v], &do_, d.attn())?;
     let mut dqkv = e.output("qkv gradient", d.rows() * 3 * h)?;
     let hs = d.heads_shape(3);
     e.rows_from_heads(&mut dqkv, &dq, hs, 0)?;

@@ -1,7 +1,7 @@
 //! The Llama family's units (Llama, Mistral without a sliding window,
 //! Qwen2, Qwen3) over an [`Exec`].
 
-use super::{check_kept, check_params, lm_head, mm, Exec};
+use super::{check_kept, check_params, lm_head, mm, AttnShape, Exec};
 use crate::reference::{HeadsShape, KvShape, RopeShape};
 use crate::{GpuError, Result};
 
@@ -126,6 +126,13 @@ impl LlamaDims {
             batch: self.batch,
             seq: self.seq,
             heads,
+            head_dim: self.head_dim,
+        }
+    }
+    fn attn(&self) -> AttnShape {
+        AttnShape {
+            bh: self.batch * self.heads,
+            seq: self.seq,
             head_dim: self.head_dim,
         }
     }
@@ -302,18 +309,7 @@ fn llama_forward_saving<E: Exec>(
     let vh = e.heads_from_rows(&v, d.heads_shape(d.kv_heads), 0)?;
     let ke = e.repeat_kv(&kh, d.kv_shape())?;
     let ve = e.repeat_kv(&vh, d.kv_shape())?;
-    let bh = d.batch * d.heads;
-    let mut s = e.output("attention scores", bh * d.seq * d.seq)?;
-    e.matmul(&mut s, &qh, &ke, mm(bh, d.seq, d.seq, hd, false, true), 0.0)?;
-    let pr = e.softmax_causal_fwd(&s, d.seq, 1.0 / (hd as f32).sqrt())?;
-    let mut o = e.output("attention output", bh * d.seq * hd)?;
-    e.matmul(
-        &mut o,
-        &pr,
-        &ve,
-        mm(bh, d.seq, hd, d.seq, false, false),
-        0.0,
-    )?;
+    let [o, pr] = e.attention_fwd(&qh, &ke, &ve, d.attn())?;
     let mut y = e.output("attention rows", rows * qd)?;
     e.rows_from_heads(&mut y, &o, d.heads_shape(d.heads), 0)?;
     let attn = linear(e, rows, &y, &p[i.o.0], bias(i.o.1), h, qd)?;
@@ -462,41 +458,8 @@ fn backward_from<E: Exec>(
     // Attention.
     let (gw, gb) = two(grads, i.o);
     let dy = linear_bwd(e, rows, &dx1, &s.y, &p[i.o.0], gw, gb, (h, qd))?;
-    let bh = d.batch * d.heads;
     let do_ = e.heads_from_rows(&dy, d.heads_shape(d.heads), 0)?;
-    let mut dp = e.output("probability gradient", bh * d.seq * d.seq)?;
-    e.matmul(
-        &mut dp,
-        &do_,
-        &s.ve,
-        mm(bh, d.seq, d.seq, hd, false, true),
-        0.0,
-    )?;
-    let mut dve = e.output("v gradient", bh * d.seq * hd)?;
-    e.matmul(
-        &mut dve,
-        &s.p,
-        &do_,
-        mm(bh, d.seq, hd, d.seq, true, false),
-        0.0,
-    )?;
-    let ds = e.softmax_bwd(&s.p, &dp, d.seq, 1.0 / (hd as f32).sqrt())?;
-    let mut dq = e.output("q gradient", bh * d.seq * hd)?;
-    e.matmul(
-        &mut dq,
-        &ds,
-        &s.ke,
-        mm(bh, d.seq, hd, d.seq, false, false),
-        0.0,
-    )?;
-    let mut dke = e.output("k gradient", bh * d.seq * hd)?;
-    e.matmul(
-        &mut dke,
-        &ds,
-        &s.qh,
-        mm(bh, d.seq, hd, d.seq, true, false),
-        0.0,
-    )?;
+    let [dq, dke, dve] = e.attention_bwd(&s.p, [&s.qh, &s.ke, &s.ve], &do_, d.attn())?;
     let dkh = e.sum_kv(&dke, d.kv_shape())?;
     let dvh = e.sum_kv(&dve, d.kv_shape())?;
     let mut dqr = e.output("q rows gradient", rows * qd)?;

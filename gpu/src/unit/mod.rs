@@ -48,9 +48,37 @@ pub enum GemmDtype {
     F16,
 }
 
+/// The shape of a causal attention over heads: `bh` (batch × heads)
+/// matrices of `seq` rows, `head_dim` columns for q, k, v and the output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnShape {
+    /// Batch × heads.
+    pub bh: usize,
+    /// Sequence length.
+    pub seq: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+}
+
+impl AttnShape {
+    /// Elements of q, k, v or the output.
+    pub fn heads_numel(&self) -> usize {
+        self.bh * self.seq * self.head_dim
+    }
+    /// Elements of the scores and of the probabilities.
+    pub fn scores_numel(&self) -> usize {
+        self.bh * self.seq * self.seq
+    }
+    /// `1 / sqrt(head_dim)`.
+    pub fn scale(&self) -> f32 {
+        1.0 / (self.head_dim as f32).sqrt()
+    }
+}
+
 /// What a unit needs of its buffers' executor.
 pub trait Exec {
-    /// An fp32 buffer.
+    /// A buffer: fp32, except what an executor keeps narrower on its own
+    /// (the attention's probabilities in bf16: [`Exec::attention_fwd`]).
     type Buf;
     /// `n` zeros.
     fn zeros(&self, what: &str, n: usize) -> Result<Self::Buf>;
@@ -64,6 +92,11 @@ pub trait Exec {
     fn output(&self, what: &str, n: usize) -> Result<Self::Buf>;
     /// A buffer's elements.
     fn len(&self, b: &Self::Buf) -> usize;
+    /// A buffer's bytes on the executor (4 per element, or 2 for one
+    /// kept in bf16).
+    fn bytes(&self, b: &Self::Buf) -> u64 {
+        self.len(b) as u64 * 4
+    }
     /// Token ids (or positions) and their [`crate::reference::EmbeddingRuns`] on this executor.
     type Ids;
     /// Uploads `ids` (checked below `vocab`).
@@ -203,6 +236,42 @@ pub trait Exec {
     /// `dst = src` rounded to bf16 (to nearest even) and widened back, by
     /// the `cast_f32_bf16` and `cast_bf16_f32` kernels.
     fn round_bf16(&self, dst: &mut Self::Buf, src: &Self::Buf) -> Result<()>;
+    /// Causal attention of the heads `q`, `k`, `v`: `[o, p]`, the output
+    /// (fp32) and the probabilities the backward reads. By default
+    /// [`attention_fwd_fp32`]; with bf16 GEMMs both executors keep the
+    /// scores and the probabilities in bf16, as autocast does (the
+    /// scores a bf16 GEMM's output, the softmax computed in fp32 from
+    /// them and stored in bf16, which the next GEMM takes as it is):
+    /// half the bytes of the `[bh, seq, seq]` buffers, and no cast of
+    /// them before a GEMM.
+    fn attention_fwd(
+        &self,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        a: AttnShape,
+    ) -> Result<[Self::Buf; 2]>
+    where
+        Self: Sized,
+    {
+        attention_fwd_fp32(self, q, k, v, a)
+    }
+    /// The backward of [`Exec::attention_fwd`]: `[dq, dk, dv]` (fp32),
+    /// from its probabilities `p`, the heads `[q, k, v]` and the
+    /// output's gradient. By default [`attention_bwd_fp32`]; with bf16
+    /// GEMMs the probabilities' and the scores' gradients are bf16.
+    fn attention_bwd(
+        &self,
+        p: &Self::Buf,
+        qkv: [&Self::Buf; 3],
+        dout: &Self::Buf,
+        a: AttnShape,
+    ) -> Result<[Self::Buf; 3]>
+    where
+        Self: Sized,
+    {
+        attention_bwd_fp32(self, p, qkv, dout, a)
+    }
     /// [`crate::ops::cross_entropy`] and the sum of its rows: `(total loss, dlogits)`
     /// with `dlogits` scaled by `grad_scale`.
     fn cross_entropy(
@@ -212,6 +281,51 @@ pub trait Exec {
         vocab: usize,
         grad_scale: f32,
     ) -> Result<(f32, Self::Buf)>;
+}
+
+/// Causal attention of heads `q`, `k`, `v` ([`AttnShape`]):
+/// `[o, p]`, `p = softmax(q kᵀ · scale)` over the columns up to each
+/// row's own and `o = p v`, with every buffer fp32 (the GEMMs' operands
+/// rounded to `gemm`'s dtype by the executor's `matmul`). The executors'
+/// [`Exec::attention_fwd`] unless they narrow the intermediates.
+pub fn attention_fwd_fp32<E: Exec>(
+    e: &E,
+    q: &E::Buf,
+    k: &E::Buf,
+    v: &E::Buf,
+    a: AttnShape,
+) -> Result<[E::Buf; 2]> {
+    let (bh, seq, hd) = (a.bh, a.seq, a.head_dim);
+    let mut s = e.output("attention scores", a.scores_numel())?;
+    e.matmul(&mut s, q, k, mm(bh, seq, seq, hd, false, true), 0.0)?;
+    let p = e.softmax_causal_fwd(&s, seq, a.scale())?;
+    drop(s);
+    let mut o = e.output("attention output", a.heads_numel())?;
+    e.matmul(&mut o, &p, v, mm(bh, seq, hd, seq, false, false), 0.0)?;
+    Ok([o, p])
+}
+
+/// The backward of [`attention_fwd_fp32`] from its probabilities `p`
+/// and the output's gradient `dout`: `[dq, dk, dv]`.
+pub fn attention_bwd_fp32<E: Exec>(
+    e: &E,
+    p: &E::Buf,
+    [q, k, v]: [&E::Buf; 3],
+    dout: &E::Buf,
+    a: AttnShape,
+) -> Result<[E::Buf; 3]> {
+    let (bh, seq, hd) = (a.bh, a.seq, a.head_dim);
+    let mut dp = e.output("probability gradient", a.scores_numel())?;
+    e.matmul(&mut dp, dout, v, mm(bh, seq, seq, hd, false, true), 0.0)?;
+    let mut dv = e.output("v gradient", a.heads_numel())?;
+    e.matmul(&mut dv, p, dout, mm(bh, seq, hd, seq, true, false), 0.0)?;
+    let ds = e.softmax_bwd(p, &dp, seq, a.scale())?;
+    drop(dp);
+    let mut dq = e.output("q gradient", a.heads_numel())?;
+    e.matmul(&mut dq, &ds, k, mm(bh, seq, hd, seq, false, false), 0.0)?;
+    let mut dk = e.output("k gradient", a.heads_numel())?;
+    e.matmul(&mut dk, &ds, q, mm(bh, seq, hd, seq, true, false), 0.0)?;
+    Ok([dq, dk, dv])
 }
 
 fn check_ids(ids: &[i32], vocab: usize) -> Result<()> {
