@@ -402,12 +402,7 @@ where
             &r::embedding_fwd(&table, &ids, hidden),
             0.0,
         );
-        let runs = r::embedding_runs(&ids);
-        let druns = DeviceRuns {
-            uniq: dev.upload("uniq", &runs.uniq)?,
-            starts: dev.upload("starts", &runs.starts)?,
-            order: dev.upload("order", &runs.order)?,
-        };
+        let druns = DeviceRuns::new(dev, &ids, vocab)?;
         let mut gt = data(vocab * hidden, 18);
         let mut ggt = dev.upload("grad_table", &gt)?;
         let gdy = up::<T>(dev, &r::cast::<T, f32>(&dy))?;
@@ -503,9 +498,8 @@ where
     let gx = up::<T>(dev, &r::cast::<T, f32>(&x))?;
     let awkward = vec![0i64, 0, 1, 255, 257, 4096, 100_000];
     for offsets in [awkward, r::sumsq_chunk_offsets(x.len())] {
-        let go = dev.upload("offsets", &offsets)?;
         let mut gout = poisoned::<f32>(dev, offsets.len() - 1)?;
-        ops::sumsq_groups(dev, &mut gout, &gx, &go, &offsets)?;
+        ops::sumsq_groups(dev, &mut gout, &gx, &offsets)?;
         rep.compare(
             &name("sumsq_groups"),
             &format!("{} groups", offsets.len() - 1),
@@ -534,9 +528,8 @@ where
         .zip(&lists)
         .flat_map(|(h, o)| r::sumsq_groups(h, o))
         .collect();
-    let go = dev.upload("offsets", &lists.concat())?;
     let mut gout = poisoned::<f32>(dev, want.len())?;
-    ops::sumsq_groups_many(dev, &mut gout, &gxs, &go, &lists)?;
+    ops::sumsq_groups_many(dev, &mut gout, &gxs, &lists)?;
     rep.compare(
         &name("sumsq_groups"),
         &format!("{} buffers, {} groups", gxs.len(), want.len()),

@@ -180,6 +180,9 @@ unsafe fn fire_rows(a: &mut cudarc::driver::LaunchArgs<'_>, rows: usize, k: Stri
     if rows == 0 {
         return Ok(());
     }
+    // A grid has at most 2^31 - 1 blocks along x; `as u32` would cut
+    // more rows to fewer blocks and leave the rest unwritten.
+    int(&k, "rows (one block each)", rows)?;
     // SAFETY: the caller's contract.
     unsafe { fire(a, per_row(rows), k) }
 }
@@ -229,12 +232,34 @@ pub fn embedding_fwd<T: Elem>(
 /// ([`crate::reference::embedding_runs`]).
 #[derive(Debug)]
 pub struct DeviceRuns {
-    /// Distinct ids.
-    pub uniq: DeviceBuffer<i32>,
-    /// Each id's run in `order` (`uniq.len() + 1` entries).
-    pub starts: DeviceBuffer<i32>,
-    /// Token positions sorted by (id, position).
-    pub order: DeviceBuffer<i32>,
+    uniq: DeviceBuffer<i32>,
+    starts: DeviceBuffer<i32>,
+    order: DeviceBuffer<i32>,
+    vocab: usize,
+}
+
+impl DeviceRuns {
+    /// The runs of `ids` ([`crate::reference::embedding_runs`]: the
+    /// distinct ids, each one's run of positions, the positions sorted by
+    /// (id, position)) on `dev`, after every id is checked below `vocab`.
+    /// Built here from the host's ids and nowhere else, so
+    /// [`embedding_bwd`] can trust their contents: every start within the
+    /// positions, every position a token's, every id a row of the table.
+    pub fn new(dev: &Device, ids: &[i32], vocab: usize) -> Result<Self> {
+        if let Some(bad) = ids.iter().find(|&&i| i < 0 || i as usize >= vocab) {
+            return Err(shape_err(
+                "embedding_bwd",
+                format!("token id {bad} is outside the vocabulary of {vocab}"),
+            ));
+        }
+        let runs = crate::reference::embedding_runs(ids);
+        Ok(DeviceRuns {
+            uniq: dev.upload("embedding runs", &runs.uniq)?,
+            starts: dev.upload("embedding runs", &runs.starts)?,
+            order: dev.upload("embedding runs", &runs.order)?,
+            vocab,
+        })
+    }
 }
 
 /// `embedding_bwd`: `grad_table[id] += Σ grad_out` over the id's tokens
@@ -248,6 +273,15 @@ pub fn embedding_bwd<T: Elem>(
     hidden: usize,
 ) -> Result<()> {
     let k = format!("embedding_bwd_{}", T::SUFFIX);
+    if runs.vocab != vocab {
+        return Err(shape_err(
+            &k,
+            format!(
+                "runs of ids below {} for a table of {vocab} rows",
+                runs.vocab
+            ),
+        ));
+    }
     let n_uniq = runs.uniq.len();
     need(&k, "starts", runs.starts.len(), n_uniq + 1)?;
     need(
@@ -271,9 +305,11 @@ pub fn embedding_bwd<T: Elem>(
         .arg(runs.order.slice())
         .arg(&u)
         .arg(&h);
-    // SAFETY: lengths checked above (the runs come from
-    // `reference::embedding_runs` of ids below `vocab`, checked by the
-    // caller's upload); arguments as embedding_bwd's signature.
+    // SAFETY: lengths checked above; the runs' contents are
+    // `reference::embedding_runs` of ids below `vocab` (DeviceRuns::new,
+    // their only constructor): starts within `order`, positions below
+    // its length (grad_out's rows), ids below `vocab` (grad_table's
+    // rows); arguments as embedding_bwd's signature.
     unsafe { fire(&mut a, per_item(n_uniq * hidden), k) }
 }
 
@@ -772,23 +808,25 @@ pub fn cast<S: Elem, D: Elem>(
 }
 
 /// `sumsq_groups`: `out[g] = Σ x²` over `offsets[g] .. offsets[g + 1]`
-/// (`offsets` ascending, the last at most `x.len()`, checked on the host
-/// copy `host_offsets`).
+/// (`offsets` ascending, the last at most `x.len()`: checked here, then
+/// uploaded, so the kernel reads offsets that were checked).
 pub fn sumsq_groups<T: Elem>(
     dev: &Device,
     out: &mut DeviceBuffer<f32>,
     x: &DeviceBuffer<T>,
-    offsets: &DeviceBuffer<i64>,
     host_offsets: &[i64],
 ) -> Result<()> {
     let k = format!("sumsq_groups_{}", T::SUFFIX);
-    need(&k, "offsets", offsets.len(), host_offsets.len())?;
     let groups = sumsq_group_count(&k, x.len(), host_offsets)?;
     need(&k, "out", out.len(), groups)?;
+    if groups == 0 {
+        return Ok(());
+    }
+    let offsets = dev.upload("sum of squares offsets", host_offsets)?;
     let mut a = dev.compute.launch_builder(dev.function(&k)?);
     a.arg(out.slice_mut()).arg(x.slice()).arg(offsets.slice());
     // SAFETY: the groups lie inside x and out has one slot per group
-    // (checked on the host copy of the offsets, which `offsets` holds);
+    // (checked on the host offsets, which `offsets` was uploaded from);
     // arguments as sumsq_groups's.
     unsafe { fire_rows(&mut a, groups, k) }
 }
@@ -811,15 +849,14 @@ fn sumsq_group_count(k: &str, len: usize, host_offsets: &[i64]) -> Result<usize>
 /// [`sumsq_groups`] of several buffers, queued one after the other with
 /// no wait between them: buffer `i`'s groups, `host_offsets[i]` (as
 /// [`sumsq_groups`] takes them), write their sums into `out` after the
-/// groups of the buffers before it. `offsets` holds every buffer's offsets
-/// one list after the other, so it is one upload, and `out` is one
+/// groups of the buffers before it. Every buffer's offsets, once checked,
+/// go up one list after the other in one upload, and `out` is one
 /// download: a clipping norm over hundreds of params then costs one
 /// synchronisation, not one each.
 pub fn sumsq_groups_many<T: Elem>(
     dev: &Device,
     out: &mut DeviceBuffer<f32>,
     xs: &[&DeviceBuffer<T>],
-    offsets: &DeviceBuffer<i64>,
     host_offsets: &[Vec<i64>],
 ) -> Result<()> {
     let k = format!("sumsq_groups_{}", T::SUFFIX);
@@ -841,8 +878,12 @@ pub fn sumsq_groups_many<T: Elem>(
         at_offsets += h.len();
         at_groups += groups;
     }
-    need(&k, "offsets", offsets.len(), at_offsets)?;
     need(&k, "out", out.len(), at_groups)?;
+    if at_groups == 0 {
+        return Ok(());
+    }
+    let offsets = dev.upload("sum of squares offsets", &host_offsets.concat())?;
+    debug_assert_eq!(offsets.len(), at_offsets);
     let f = dev.function(&k)?;
     for (x, (o0, g0, groups)) in xs.iter().zip(spans) {
         if groups == 0 {
@@ -853,9 +894,9 @@ pub fn sumsq_groups_many<T: Elem>(
         let mut a = dev.compute.launch_builder(f);
         a.arg(&mut out_i).arg(x.slice()).arg(&offsets_i);
         // SAFETY: this buffer's groups lie inside it, `out_i` has one slot
-        // per group and `offsets_i` holds its offsets (all checked above
-        // on the host copies, which `offsets` holds in this order);
-        // arguments as sumsq_groups's.
+        // per group and `offsets_i` holds its offsets (checked above on
+        // the host lists, which `offsets` was uploaded from, in this
+        // order); arguments as sumsq_groups's.
         unsafe { fire_rows(&mut a, groups, k.clone()) }?;
     }
     Ok(())
@@ -958,6 +999,16 @@ where
     need(&kname, "B", b.len(), product(&kname, s.batch, kn)?)?;
     need(&kname, "C", c.len(), product(&kname, s.batch, mn)?)?;
     let i = |what: &str, v: usize| int(&kname, what, v);
+    // cuBLAS takes α and β in T for T's own GEMM: refuse what T would
+    // round rather than compute with another value.
+    for (what, x) in [("alpha", alpha), ("beta", beta)] {
+        if T::store(x).load() != x {
+            return Err(shape_err(
+                &kname,
+                format!("{what} = {x} is not exact in {}", T::SUFFIX),
+            ));
+        }
+    }
     // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T.
     let cfg = StridedBatchedConfig {
         gemm: GemmConfig {
@@ -967,10 +1018,10 @@ where
             n: i("m", s.m)?,
             k: i("k", s.k)?,
             alpha: T::store(alpha),
-            lda: i("ldb", if s.trans_b { s.k } else { s.n })?,
-            ldb: i("lda", if s.trans_a { s.m } else { s.k })?,
+            lda: i("ldb", ld(if s.trans_b { s.k } else { s.n }))?,
+            ldb: i("lda", ld(if s.trans_a { s.m } else { s.k }))?,
             beta: T::store(beta),
-            ldc: i("n", s.n)?,
+            ldc: i("n", ld(s.n))?,
         },
         batch_size: i("batch", s.batch)?,
         stride_a: kn as i64,
@@ -988,6 +1039,12 @@ where
         call: "cublasGemmStridedBatched",
         detail: format!("{kname} {s:?}: {e}"),
     })
+}
+
+/// A leading dimension: cuBLAS wants at least 1 even for an empty
+/// matrix (a GEMM with k = 0 is C = βC, with m or n = 0 nothing).
+fn ld(rows: usize) -> usize {
+    rows.max(1)
 }
 
 fn heads_args(k: &str, s: HeadsShape, slot: usize) -> Result<[i32; 6]> {
@@ -1020,7 +1077,12 @@ fn heads_move<T: Elem>(
         "rows_from_heads"
     };
     let k = format!("{name}_{}", T::SUFFIX);
-    let n = s.heads_numel();
+    // Checked: a wrapped product would pass the length checks below.
+    let n = product(
+        &k,
+        product(&k, product(&k, s.batch, s.heads)?, s.seq)?,
+        s.head_dim,
+    )?;
     let (heads, rows) = if to_heads {
         (out.len(), x.len())
     } else {
@@ -1174,9 +1236,9 @@ pub fn matmul_16_f32<T: Half16>(
     need(kname, "C", c.len(), product(kname, s.batch, mn)?)?;
     let i = |what: &str, v: usize| int(kname, what, v);
     let (m, n, k) = (i("n", s.n)?, i("m", s.m)?, i("k", s.k)?);
-    let lda = i("ldb", if s.trans_b { s.k } else { s.n })?;
-    let ldb = i("lda", if s.trans_a { s.m } else { s.k })?;
-    let ldc = i("n", s.n)?;
+    let lda = i("ldb", ld(if s.trans_b { s.k } else { s.n }))?;
+    let ldb = i("lda", ld(if s.trans_a { s.m } else { s.k }))?;
+    let ldc = i("n", ld(s.n))?;
     let batch = i("batch", s.batch)?;
     let stream = &dev.compute;
     let (pa, _ga) = b.slice().device_ptr(stream);

@@ -513,3 +513,46 @@ fn a_gemm_with_beta_0_never_reads_its_output_and_the_hosts_outputs_are_poisoned(
     e.matmul(&mut c, &a, &b, s, 0.0).unwrap();
     assert_eq!(c, want);
 }
+
+#[test]
+fn bf16_attention_keeps_bf16_probabilities_and_follows_the_fp32_one() {
+    use tierzero_gpu::unit::{AttnShape, Exec, HostExec};
+    let a = AttnShape {
+        bh: 3,
+        seq: 17,
+        head_dim: 8,
+    };
+    let (q, k, v, dout) = (
+        data(a.heads_numel(), 40),
+        data(a.heads_numel(), 41),
+        data(a.heads_numel(), 42),
+        data(a.heads_numel(), 43),
+    );
+    let rel32 = |got: &[f32], want: &[f32]| {
+        let want: Vec<f64> = want.iter().map(|&x| x as f64).collect();
+        rel(got, &want)
+    };
+    let [o32, p32] = HostExec::F32.attention_fwd(&q, &k, &v, a).unwrap();
+    let [o16, p16] = HostExec::BF16.attention_fwd(&q, &k, &v, a).unwrap();
+    // The probabilities are bf16 values, 0 past each row's own column.
+    for (i, &x) in p16.iter().enumerate() {
+        assert_eq!(bf16::from_f32(x).to_f32(), x, "p[{i}] = {x} is not a bf16");
+        let (t, j) = ((i / a.seq) % a.seq, i % a.seq);
+        if j > t {
+            assert_eq!(x, 0.0, "p[{i}] past the diagonal");
+        }
+    }
+    assert!(rel32(&p16, &p32) < 1e-2, "{}", rel32(&p16, &p32));
+    assert!(rel32(&o16, &o32) < 2e-2, "{}", rel32(&o16, &o32));
+    let g32 = HostExec::F32
+        .attention_bwd(&p32, [&q, &k, &v], &dout, a)
+        .unwrap();
+    let g16 = HostExec::BF16
+        .attention_bwd(&p16, [&q, &k, &v], &dout, a)
+        .unwrap();
+    for (name, (x16, x32)) in ["dq", "dk", "dv"].iter().zip(g16.iter().zip(&g32)) {
+        let e = rel32(x16, x32);
+        // Within bf16's rounding, and not fp32's bits.
+        assert!(e < 3e-2 && e > 1e-5, "{name}: {e:e}");
+    }
+}

@@ -1,11 +1,90 @@
 //! The CUDA executor: [`Exec`] on a [`Device`], every operation a kernel
 //! of [`crate::ops`] or a cuBLAS GEMM on its compute stream.
+//!
+//! Its buffers ([`DevBuf`]) are fp32 but for one: with bf16 GEMMs, the
+//! attention keeps its `[batch · heads, seq, seq]` scores, probabilities
+//! and their gradients in bf16 ([`Exec::attention_fwd`]), the largest
+//! buffers of a block at long sequences. Every other operation takes and
+//! gives fp32 buffers and refuses a bf16 one.
 
-use super::{check_ids, Exec, GemmDtype};
+use half::bf16;
+
+use super::{check_ids, mm, AttnShape, Exec, GemmDtype};
 use crate::device::{Device, DeviceBuffer};
 use crate::ops::{self, AdamState, MatmulShape, NormOut, NormStats};
-use crate::reference::{self as r, AdamScalars, EmbeddingRuns, HeadsShape, KvShape, RopeShape};
-use crate::Result;
+use crate::reference::{self as r, AdamScalars, HeadsShape, KvShape, RopeShape};
+use crate::{GpuError, Result};
+
+/// A unit's buffer on the device: fp32, or bf16 for what the executor
+/// keeps narrower on its own (the attention's probabilities with bf16
+/// GEMMs).
+#[derive(Debug)]
+pub enum DevBuf {
+    /// fp32 elements.
+    F32(DeviceBuffer<f32>),
+    /// bf16 elements.
+    Bf16(DeviceBuffer<bf16>),
+}
+
+impl From<DeviceBuffer<f32>> for DevBuf {
+    fn from(b: DeviceBuffer<f32>) -> Self {
+        DevBuf::F32(b)
+    }
+}
+
+impl DevBuf {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            DevBuf::F32(b) => b.len(),
+            DevBuf::Bf16(b) => b.len(),
+        }
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes on the device.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            DevBuf::F32(b) => b.len() as u64 * 4,
+            DevBuf::Bf16(b) => b.len() as u64 * 2,
+        }
+    }
+
+    fn not_f32() -> GpuError {
+        GpuError::Shape {
+            kernel: "unit buffer".into(),
+            detail: "a bf16 buffer where an fp32 one is needed".into(),
+        }
+    }
+
+    /// The fp32 buffer (an error for a bf16 one).
+    pub fn f32(&self) -> Result<&DeviceBuffer<f32>> {
+        match self {
+            DevBuf::F32(b) => Ok(b),
+            DevBuf::Bf16(_) => Err(Self::not_f32()),
+        }
+    }
+
+    /// The fp32 buffer, mutably (an error for a bf16 one).
+    pub fn f32_mut(&mut self) -> Result<&mut DeviceBuffer<f32>> {
+        match self {
+            DevBuf::F32(b) => Ok(b),
+            DevBuf::Bf16(_) => Err(Self::not_f32()),
+        }
+    }
+
+    /// The fp32 buffer itself (an error for a bf16 one).
+    pub fn into_f32(self) -> Result<DeviceBuffer<f32>> {
+        match self {
+            DevBuf::F32(b) => Ok(b),
+            DevBuf::Bf16(_) => Err(Self::not_f32()),
+        }
+    }
+}
 
 /// Ids on a device, with their embedding runs.
 #[derive(Debug)]
@@ -41,23 +120,31 @@ fn fresh(
     what: &str,
     n: usize,
     op: impl FnOnce(&mut DeviceBuffer<f32>) -> Result<()>,
-) -> Result<DeviceBuffer<f32>> {
+) -> Result<DevBuf> {
+    let mut b = dev.alloc_output(what, n)?;
+    op(&mut b)?;
+    Ok(DevBuf::F32(b))
+}
+
+/// A new bf16 device buffer of `n` elements for `what`, written in full
+/// by `op`.
+fn fresh16(
+    dev: &Device,
+    what: &str,
+    n: usize,
+    op: impl FnOnce(&mut DeviceBuffer<bf16>) -> Result<()>,
+) -> Result<DeviceBuffer<bf16>> {
     let mut b = dev.alloc_output(what, n)?;
     op(&mut b)?;
     Ok(b)
 }
 
 impl Exec for CudaExec<'_> {
-    type Buf = DeviceBuffer<f32>;
+    type Buf = DevBuf;
     type Ids = DeviceIds;
 
-    fn rmsnorm_fwd(
-        &self,
-        x: &Self::Buf,
-        w: &Self::Buf,
-        cols: usize,
-        eps: f32,
-    ) -> Result<[Self::Buf; 2]> {
+    fn rmsnorm_fwd(&self, x: &DevBuf, w: &DevBuf, cols: usize, eps: f32) -> Result<[DevBuf; 2]> {
+        let x = x.f32()?;
         let rows = x.len() / cols.max(1);
         let mut y = self.dev.alloc_output("rmsnorm output", x.len())?;
         let mut rstd = self.dev.alloc_output("rmsnorm rstd", rows)?;
@@ -66,94 +153,101 @@ impl Exec for CudaExec<'_> {
             mean: None,
             rstd: &mut rstd,
         };
-        ops::rmsnorm_fwd(self.dev, out, x, w, cols, eps)?;
-        Ok([y, rstd])
+        ops::rmsnorm_fwd(self.dev, out, x, w.f32()?, cols, eps)?;
+        Ok([y.into(), rstd.into()])
     }
     fn rmsnorm_bwd(
         &self,
-        dy: &Self::Buf,
-        x: &Self::Buf,
-        w: &Self::Buf,
-        rstd: &Self::Buf,
-        dw: &mut Self::Buf,
+        dy: &DevBuf,
+        x: &DevBuf,
+        w: &DevBuf,
+        rstd: &DevBuf,
+        dw: &mut DevBuf,
         cols: usize,
-    ) -> Result<Self::Buf> {
-        ops::rmsnorm_bwd_w(self.dev, dw, dy, x, rstd, cols)?;
+    ) -> Result<DevBuf> {
+        let (dy, x, w, rstd) = (dy.f32()?, x.f32()?, w.f32()?, rstd.f32()?);
+        ops::rmsnorm_bwd_w(self.dev, dw.f32_mut()?, dy, x, rstd, cols)?;
         fresh(self.dev, "rmsnorm dx", x.len(), |o| {
             ops::rmsnorm_bwd_dx(self.dev, o, dy, x, w, rstd, cols)
         })
     }
     fn rope(
         &self,
-        x: &Self::Buf,
-        cos: &Self::Buf,
-        sin: &Self::Buf,
+        x: &DevBuf,
+        cos: &DevBuf,
+        sin: &DevBuf,
         s: RopeShape,
         sign: f32,
-    ) -> Result<Self::Buf> {
+    ) -> Result<DevBuf> {
+        let (x, cos, sin) = (x.f32()?, cos.f32()?, sin.f32()?);
         fresh(self.dev, "rotated", x.len(), |o| {
             ops::rope(self.dev, o, x, cos, sin, s, sign)
         })
     }
-    fn swiglu_fwd(&self, gate: &Self::Buf, up: &Self::Buf) -> Result<Self::Buf> {
+    fn swiglu_fwd(&self, gate: &DevBuf, up: &DevBuf) -> Result<DevBuf> {
+        let (gate, up) = (gate.f32()?, up.f32()?);
         fresh(self.dev, "swiglu output", gate.len(), |o| {
             ops::swiglu_fwd(self.dev, o, gate, up)
         })
     }
-    fn swiglu_bwd(
-        &self,
-        dy: &Self::Buf,
-        gate: &Self::Buf,
-        up: &Self::Buf,
-    ) -> Result<[Self::Buf; 2]> {
+    fn swiglu_bwd(&self, dy: &DevBuf, gate: &DevBuf, up: &DevBuf) -> Result<[DevBuf; 2]> {
+        let (dy, gate, up) = (dy.f32()?, gate.f32()?, up.f32()?);
         let mut dg = self.dev.alloc_output("swiglu dgate", gate.len())?;
         let mut du = self.dev.alloc_output("swiglu dup", up.len())?;
         ops::swiglu_bwd(self.dev, &mut dg, &mut du, dy, gate, up)?;
-        Ok([dg, du])
+        Ok([dg.into(), du.into()])
     }
-    fn repeat_kv(&self, x: &Self::Buf, s: KvShape) -> Result<Self::Buf> {
+    fn repeat_kv(&self, x: &DevBuf, s: KvShape) -> Result<DevBuf> {
+        let x = x.f32()?;
         fresh(self.dev, "repeated kv", x.len() * s.group, |o| {
             ops::repeat_kv(self.dev, o, x, s)
         })
     }
-    fn sum_kv(&self, x: &Self::Buf, s: KvShape) -> Result<Self::Buf> {
+    fn sum_kv(&self, x: &DevBuf, s: KvShape) -> Result<DevBuf> {
+        let x = x.f32()?;
         fresh(self.dev, "kv gradient", x.len() / s.group.max(1), |o| {
             ops::sum_kv(self.dev, o, x, s)
         })
     }
-    fn upload(&self, what: &str, v: &[f32]) -> Result<Self::Buf> {
-        self.dev.upload(what, v)
+    fn upload(&self, what: &str, v: &[f32]) -> Result<DevBuf> {
+        Ok(self.dev.upload(what, v)?.into())
     }
-    fn download(&self, b: &Self::Buf) -> Result<Vec<f32>> {
-        self.dev.download(b)
+    fn download(&self, b: &DevBuf) -> Result<Vec<f32>> {
+        match b {
+            DevBuf::F32(b) => self.dev.download(b),
+            DevBuf::Bf16(b) => Ok(self.dev.download(b)?.iter().map(|x| x.to_f32()).collect()),
+        }
     }
-    fn fill_zero(&self, b: &mut Self::Buf) -> Result<()> {
-        self.dev.zero(b)
+    fn fill_zero(&self, b: &mut DevBuf) -> Result<()> {
+        match b {
+            DevBuf::F32(b) => self.dev.zero(b),
+            DevBuf::Bf16(b) => self.dev.zero(b),
+        }
     }
-    fn adamw(
-        &self,
-        [master, m, v]: [&mut Self::Buf; 3],
-        grad: &Self::Buf,
-        s: AdamScalars,
-    ) -> Result<()> {
-        ops::adamw::<f32>(self.dev, AdamState { master, m, v }, grad, None, s)
+    fn adamw(&self, [master, m, v]: [&mut DevBuf; 3], grad: &DevBuf, s: AdamScalars) -> Result<()> {
+        let st = AdamState {
+            master: master.f32_mut()?,
+            m: m.f32_mut()?,
+            v: v.f32_mut()?,
+        };
+        ops::adamw::<f32>(self.dev, st, grad.f32()?, None, s)
     }
 
-    fn sq_sum(&self, x: &Self::Buf) -> Result<f64> {
+    fn sq_sum(&self, x: &DevBuf) -> Result<f64> {
+        let x = x.f32()?;
         let host_offsets = r::sumsq_chunk_offsets(x.len());
         if host_offsets.len() < 2 {
             return Ok(0.0);
         }
-        let offsets = self.dev.upload("sum of squares offsets", &host_offsets)?;
         let groups = host_offsets.len() - 1;
         let mut out = self.dev.alloc_output::<f32>("sum of squares", groups)?;
-        ops::sumsq_groups(self.dev, &mut out, x, &offsets, &host_offsets)?;
+        ops::sumsq_groups(self.dev, &mut out, x, &host_offsets)?;
         Ok(r::sum_chunks_f64(&self.dev.download(&out)?))
     }
-    fn sq_sums(&self, xs: &[&Self::Buf]) -> Result<Vec<f64>> {
+    fn sq_sums(&self, xs: &[&DevBuf]) -> Result<Vec<f64>> {
+        let xs = xs.iter().map(|x| x.f32()).collect::<Result<Vec<_>>>()?;
         let host_offsets: Vec<Vec<i64>> =
             xs.iter().map(|x| r::sumsq_chunk_offsets(x.len())).collect();
-        let flat: Vec<i64> = host_offsets.concat();
         let groups: Vec<usize> = host_offsets
             .iter()
             .map(|h| h.len().saturating_sub(1))
@@ -162,9 +256,8 @@ impl Exec for CudaExec<'_> {
         if total == 0 {
             return Ok(vec![0.0; xs.len()]);
         }
-        let offsets = self.dev.upload("sum of squares offsets", &flat)?;
         let mut out = self.dev.alloc_output::<f32>("sums of squares", total)?;
-        ops::sumsq_groups_many(self.dev, &mut out, xs, &offsets, &host_offsets)?;
+        ops::sumsq_groups_many(self.dev, &mut out, &xs, &host_offsets)?;
         let sums = self.dev.download(&out)?;
         let mut at = 0;
         Ok(groups
@@ -176,49 +269,44 @@ impl Exec for CudaExec<'_> {
             })
             .collect())
     }
-    fn round_bf16(&self, dst: &mut Self::Buf, src: &Self::Buf) -> Result<()> {
-        let narrow = to_half::<half::bf16>(self.dev, src)?;
-        ops::cast(self.dev, dst, &narrow)
+    fn round_bf16(&self, dst: &mut DevBuf, src: &DevBuf) -> Result<()> {
+        let narrow = to_half::<bf16>(self.dev, src.f32()?)?;
+        ops::cast(self.dev, dst.f32_mut()?, &narrow)
     }
-    fn zeros(&self, what: &str, n: usize) -> Result<Self::Buf> {
-        self.dev.alloc_zeros(what, n)
+    fn zeros(&self, what: &str, n: usize) -> Result<DevBuf> {
+        Ok(self.dev.alloc_zeros(what, n)?.into())
     }
-    fn output(&self, what: &str, n: usize) -> Result<Self::Buf> {
-        self.dev.alloc_output(what, n)
+    fn output(&self, what: &str, n: usize) -> Result<DevBuf> {
+        Ok(self.dev.alloc_output(what, n)?.into())
     }
-    fn len(&self, b: &Self::Buf) -> usize {
+    fn len(&self, b: &DevBuf) -> usize {
         b.len()
+    }
+    fn bytes(&self, b: &DevBuf) -> u64 {
+        b.bytes()
     }
     fn ids(&self, ids: &[i32], vocab: usize) -> Result<DeviceIds> {
         check_ids(ids, vocab)?;
-        let EmbeddingRuns {
-            uniq,
-            starts,
-            order,
-        } = r::embedding_runs(ids);
         Ok(DeviceIds {
             ids: self.dev.upload("token ids", ids)?,
-            runs: ops::DeviceRuns {
-                uniq: self.dev.upload("embedding runs", &uniq)?,
-                starts: self.dev.upload("embedding runs", &starts)?,
-                order: self.dev.upload("embedding runs", &order)?,
-            },
+            runs: ops::DeviceRuns::new(self.dev, ids, vocab)?,
             vocab,
         })
     }
     fn matmul(
         &self,
-        c: &mut Self::Buf,
-        a: &Self::Buf,
-        b: &Self::Buf,
+        c: &mut DevBuf,
+        a: &DevBuf,
+        b: &DevBuf,
         s: MatmulShape,
         beta: f32,
     ) -> Result<()> {
+        let (c, a, b) = (c.f32_mut()?, a.f32()?, b.f32()?);
         match self.gemm {
             GemmDtype::F32 => ops::matmul(self.dev, c, a, b, s, 1.0, beta),
             GemmDtype::Bf16 => {
                 let (a16, b16) = (to_half(self.dev, a)?, to_half(self.dev, b)?);
-                ops::matmul_16_f32::<half::bf16>(self.dev, c, &a16, &b16, s, 1.0, beta)
+                ops::matmul_16_f32::<bf16>(self.dev, c, &a16, &b16, s, 1.0, beta)
             }
             GemmDtype::F16 => {
                 let (a16, b16) = (to_half(self.dev, a)?, to_half(self.dev, b)?);
@@ -226,20 +314,21 @@ impl Exec for CudaExec<'_> {
             }
         }
     }
-    fn bias_add(&self, y: &mut Self::Buf, b: &Self::Buf) -> Result<()> {
-        ops::bias_add(self.dev, y, b)
+    fn bias_add(&self, y: &mut DevBuf, b: &DevBuf) -> Result<()> {
+        ops::bias_add(self.dev, y.f32_mut()?, b.f32()?)
     }
-    fn bias_grad(&self, db: &mut Self::Buf, dy: &Self::Buf) -> Result<()> {
-        ops::bias_grad(self.dev, db, dy)
+    fn bias_grad(&self, db: &mut DevBuf, dy: &DevBuf) -> Result<()> {
+        ops::bias_grad(self.dev, db.f32_mut()?, dy.f32()?)
     }
     fn layernorm_fwd(
         &self,
-        x: &Self::Buf,
-        w: &Self::Buf,
-        b: &Self::Buf,
+        x: &DevBuf,
+        w: &DevBuf,
+        b: &DevBuf,
         cols: usize,
         eps: f32,
-    ) -> Result<[Self::Buf; 3]> {
+    ) -> Result<[DevBuf; 3]> {
+        let x = x.f32()?;
         let rows = x.len() / cols.max(1);
         let mut y = self.dev.alloc_output("layernorm output", x.len())?;
         let mut mean = self.dev.alloc_output("layernorm mean", rows)?;
@@ -249,97 +338,190 @@ impl Exec for CudaExec<'_> {
             mean: Some(&mut mean),
             rstd: &mut rstd,
         };
-        ops::layernorm_fwd(self.dev, out, x, w, Some(b), cols, eps)?;
-        Ok([y, mean, rstd])
+        ops::layernorm_fwd(self.dev, out, x, w.f32()?, Some(b.f32()?), cols, eps)?;
+        Ok([y.into(), mean.into(), rstd.into()])
     }
     fn layernorm_bwd(
         &self,
-        dy: &Self::Buf,
-        x: &Self::Buf,
-        w: &Self::Buf,
-        [mean, rstd]: [&Self::Buf; 2],
-        dw: &mut Self::Buf,
-        db: &mut Self::Buf,
+        dy: &DevBuf,
+        x: &DevBuf,
+        w: &DevBuf,
+        [mean, rstd]: [&DevBuf; 2],
+        dw: &mut DevBuf,
+        db: &mut DevBuf,
         cols: usize,
-    ) -> Result<Self::Buf> {
+    ) -> Result<DevBuf> {
+        let (dy, x, w) = (dy.f32()?, x.f32()?, w.f32()?);
         let stats = NormStats {
-            mean: Some(mean),
-            rstd,
+            mean: Some(mean.f32()?),
+            rstd: rstd.f32()?,
         };
-        ops::layernorm_bwd_wb(self.dev, dw, Some(db), dy, x, stats, cols)?;
+        ops::layernorm_bwd_wb(
+            self.dev,
+            dw.f32_mut()?,
+            Some(db.f32_mut()?),
+            dy,
+            x,
+            stats,
+            cols,
+        )?;
         fresh(self.dev, "layernorm dx", x.len(), |o| {
             ops::layernorm_bwd_dx(self.dev, o, dy, x, w, stats, cols)
         })
     }
-    fn softmax_causal_fwd(&self, s: &Self::Buf, seq: usize, scale: f32) -> Result<Self::Buf> {
+    fn softmax_causal_fwd(&self, s: &DevBuf, seq: usize, scale: f32) -> Result<DevBuf> {
+        let s = s.f32()?;
         fresh(self.dev, "attention probabilities", s.len(), |o| {
             ops::softmax_causal_fwd(self.dev, o, s, seq, scale)
         })
     }
-    fn softmax_bwd(
-        &self,
-        p: &Self::Buf,
-        dp: &Self::Buf,
-        seq: usize,
-        scale: f32,
-    ) -> Result<Self::Buf> {
+    fn softmax_bwd(&self, p: &DevBuf, dp: &DevBuf, seq: usize, scale: f32) -> Result<DevBuf> {
+        let (p, dp) = (p.f32()?, dp.f32()?);
         fresh(self.dev, "score gradient", p.len(), |o| {
             ops::softmax_bwd(self.dev, o, p, dp, seq, scale)
         })
     }
-    fn gelu_fwd(&self, x: &Self::Buf) -> Result<Self::Buf> {
+    fn attention_fwd(
+        &self,
+        q: &DevBuf,
+        k: &DevBuf,
+        v: &DevBuf,
+        a: AttnShape,
+    ) -> Result<[DevBuf; 2]> {
+        if self.gemm != GemmDtype::Bf16 {
+            return super::attention_fwd_fp32(self, q, k, v, a);
+        }
+        let (bh, seq, hd) = (a.bh, a.seq, a.head_dim);
+        let dev = self.dev;
+        let (q16, k16) = (
+            to_half::<bf16>(dev, q.f32()?)?,
+            to_half::<bf16>(dev, k.f32()?)?,
+        );
+        let s16 = fresh16(dev, "attention scores", a.scores_numel(), |s| {
+            ops::matmul(
+                dev,
+                s,
+                &q16,
+                &k16,
+                mm(bh, seq, seq, hd, false, true),
+                1.0,
+                0.0,
+            )
+        })?;
+        drop((q16, k16));
+        let p16 = fresh16(dev, "attention probabilities", a.scores_numel(), |p| {
+            ops::softmax_causal_fwd(dev, p, &s16, seq, a.scale())
+        })?;
+        drop(s16);
+        let v16 = to_half::<bf16>(dev, v.f32()?)?;
+        let o = fresh(dev, "attention output", a.heads_numel(), |o| {
+            let s = mm(bh, seq, hd, seq, false, false);
+            ops::matmul_16_f32::<bf16>(dev, o, &p16, &v16, s, 1.0, 0.0)
+        })?;
+        Ok([o, DevBuf::Bf16(p16)])
+    }
+    fn attention_bwd(
+        &self,
+        p: &DevBuf,
+        [q, k, v]: [&DevBuf; 3],
+        dout: &DevBuf,
+        a: AttnShape,
+    ) -> Result<[DevBuf; 3]> {
+        let p16 = match (self.gemm, p) {
+            (GemmDtype::Bf16, DevBuf::Bf16(p16)) => p16,
+            _ => return super::attention_bwd_fp32(self, p, [q, k, v], dout, a),
+        };
+        let (bh, seq, hd) = (a.bh, a.seq, a.head_dim);
+        let dev = self.dev;
+        let half = |b: &DevBuf| to_half::<bf16>(dev, b.f32()?);
+        let (do16, v16) = (half(dout)?, half(v)?);
+        let dp16 = fresh16(dev, "probability gradient", a.scores_numel(), |dp| {
+            ops::matmul(
+                dev,
+                dp,
+                &do16,
+                &v16,
+                mm(bh, seq, seq, hd, false, true),
+                1.0,
+                0.0,
+            )
+        })?;
+        drop(v16);
+        let dv = fresh(dev, "v gradient", a.heads_numel(), |dv| {
+            let s = mm(bh, seq, hd, seq, true, false);
+            ops::matmul_16_f32::<bf16>(dev, dv, p16, &do16, s, 1.0, 0.0)
+        })?;
+        drop(do16);
+        let ds16 = fresh16(dev, "score gradient", a.scores_numel(), |ds| {
+            ops::softmax_bwd(dev, ds, p16, &dp16, seq, a.scale())
+        })?;
+        drop(dp16);
+        let (q16, k16) = (half(q)?, half(k)?);
+        let dq = fresh(dev, "q gradient", a.heads_numel(), |dq| {
+            let s = mm(bh, seq, hd, seq, false, false);
+            ops::matmul_16_f32::<bf16>(dev, dq, &ds16, &k16, s, 1.0, 0.0)
+        })?;
+        let dk = fresh(dev, "k gradient", a.heads_numel(), |dk| {
+            let s = mm(bh, seq, hd, seq, true, false);
+            ops::matmul_16_f32::<bf16>(dev, dk, &ds16, &q16, s, 1.0, 0.0)
+        })?;
+        Ok([dq, dk, dv])
+    }
+    fn gelu_fwd(&self, x: &DevBuf) -> Result<DevBuf> {
+        let x = x.f32()?;
         fresh(self.dev, "gelu output", x.len(), |o| {
             ops::gelu_tanh_fwd(self.dev, o, x)
         })
     }
-    fn gelu_bwd(&self, dy: &Self::Buf, x: &Self::Buf) -> Result<Self::Buf> {
+    fn gelu_bwd(&self, dy: &DevBuf, x: &DevBuf) -> Result<DevBuf> {
+        let (dy, x) = (dy.f32()?, x.f32()?);
         fresh(self.dev, "gelu dx", x.len(), |o| {
             ops::gelu_tanh_bwd(self.dev, o, dy, x)
         })
     }
-    fn add(&self, a: &Self::Buf, b: &Self::Buf) -> Result<Self::Buf> {
+    fn add(&self, a: &DevBuf, b: &DevBuf) -> Result<DevBuf> {
+        let (a, b) = (a.f32()?, b.f32()?);
         fresh(self.dev, "sum", a.len(), |o| ops::add(self.dev, o, a, b))
     }
-    fn heads_from_rows(&self, x: &Self::Buf, s: HeadsShape, slot: usize) -> Result<Self::Buf> {
+    fn heads_from_rows(&self, x: &DevBuf, s: HeadsShape, slot: usize) -> Result<DevBuf> {
+        let x = x.f32()?;
         fresh(self.dev, "heads", s.heads_numel(), |o| {
             ops::heads_from_rows(self.dev, o, x, s, slot)
         })
     }
     fn rows_from_heads(
         &self,
-        out: &mut Self::Buf,
-        x: &Self::Buf,
+        out: &mut DevBuf,
+        x: &DevBuf,
         s: HeadsShape,
         slot: usize,
     ) -> Result<()> {
-        ops::rows_from_heads(self.dev, out, x, s, slot)
+        ops::rows_from_heads(self.dev, out.f32_mut()?, x.f32()?, s, slot)
     }
-    fn embedding_fwd(
-        &self,
-        table: &Self::Buf,
-        ids: &DeviceIds,
-        hidden: usize,
-    ) -> Result<Self::Buf> {
+    fn embedding_fwd(&self, table: &DevBuf, ids: &DeviceIds, hidden: usize) -> Result<DevBuf> {
+        let table = table.f32()?;
         fresh(self.dev, "embedding output", ids.ids.len() * hidden, |o| {
             ops::embedding_fwd(self.dev, o, table, &ids.ids, hidden)
         })
     }
     fn embedding_bwd(
         &self,
-        grad_table: &mut Self::Buf,
-        dy: &Self::Buf,
+        grad_table: &mut DevBuf,
+        dy: &DevBuf,
         ids: &DeviceIds,
         hidden: usize,
     ) -> Result<()> {
-        ops::embedding_bwd(self.dev, grad_table, dy, &ids.runs, ids.vocab, hidden)
+        let g = grad_table.f32_mut()?;
+        ops::embedding_bwd(self.dev, g, dy.f32()?, &ids.runs, ids.vocab, hidden)
     }
     fn cross_entropy(
         &self,
-        logits: &Self::Buf,
+        logits: &DevBuf,
         targets: &DeviceIds,
         vocab: usize,
         grad_scale: f32,
-    ) -> Result<(f32, Self::Buf)> {
+    ) -> Result<(f32, DevBuf)> {
+        let logits = logits.f32()?;
         let rows = targets.ids.len();
         let mut loss_rows = self.dev.alloc_output("loss rows", rows)?;
         let mut dlogits = self.dev.alloc_output("logit gradient", logits.len())?;
@@ -356,6 +538,6 @@ impl Exec for CudaExec<'_> {
         let mut total = self.dev.alloc_output("loss", 1)?;
         ops::sum_f32(self.dev, &mut total, &loss_rows)?;
         let t = self.dev.download(&total)?;
-        Ok((t.first().copied().unwrap_or(f32::NAN), dlogits))
+        Ok((t.first().copied().unwrap_or(f32::NAN), dlogits.into()))
     }
 }

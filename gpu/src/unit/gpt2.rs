@@ -136,11 +136,20 @@ pub struct Gpt2Kept<B> {
 }
 
 impl<B> Gpt2Kept<B> {
-    /// Elements held (fp32 each), the input included.
+    /// Elements held, the input included.
     pub fn numel<E: Exec<Buf = B>>(&self, e: &E) -> usize {
         std::iter::once(&self.x)
             .chain(self.s.buffers())
             .map(|b| e.len(b))
+            .sum()
+    }
+
+    /// Bytes held on the executor ([`Exec::bytes`]: the probabilities
+    /// are bf16 on a device with bf16 GEMMs).
+    pub fn bytes<E: Exec<Buf = B>>(&self, e: &E) -> u64 {
+        std::iter::once(&self.x)
+            .chain(self.s.buffers())
+            .map(|b| e.bytes(b))
             .sum()
     }
 }

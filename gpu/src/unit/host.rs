@@ -1,6 +1,8 @@
 //! [`HostExec`]: every operation is its kernel's scalar reference.
 
-use super::{check_ids, Exec, GemmDtype};
+use half::bf16;
+
+use super::{attention_bwd_fp32, attention_fwd_fp32, check_ids, AttnShape, Exec, GemmDtype};
 use crate::ops::MatmulShape;
 use crate::reference::{self as r, AdamScalars, HeadsShape, KvShape, RopeShape};
 use crate::Result;
@@ -33,6 +35,11 @@ fn bf16_rounded(v: &[f32]) -> Vec<f32> {
     v.iter()
         .map(|&x| half::bf16::from_f32(x).to_f32())
         .collect()
+}
+
+/// bf16 values as f32 (exact).
+fn widen(v: &[bf16]) -> Vec<f32> {
+    v.iter().map(|x| x.to_f32()).collect()
 }
 
 /// `v` rounded to fp16 (to nearest even, overflow to ±inf, as the cast
@@ -217,6 +224,101 @@ impl Exec for HostExec {
     }
     fn softmax_bwd(&self, p: &Vec<f32>, dp: &Vec<f32>, seq: usize, scale: f32) -> Result<Vec<f32>> {
         Ok(r::softmax_bwd(p, dp, seq, scale))
+    }
+    fn attention_fwd(
+        &self,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        a: AttnShape,
+    ) -> Result<[Vec<f32>; 2]> {
+        if self.gemm != GemmDtype::Bf16 {
+            return attention_fwd_fp32(self, q, k, v, a);
+        }
+        // The device's order: the scores a bf16 GEMM's output (rounded
+        // once, at the store), the softmax from them in fp32 stored in
+        // bf16, then the bf16 x bf16 -> fp32 GEMM with v.
+        let (bh, seq, hd) = (a.bh, a.seq, a.head_dim);
+        let (q16, k16): (Vec<bf16>, Vec<bf16>) = (r::cast(q), r::cast(k));
+        let mut s16 = vec![bf16::ZERO; a.scores_numel()];
+        r::matmul(
+            &mut s16,
+            &q16,
+            &k16,
+            bh,
+            (seq, seq, hd),
+            (false, true),
+            1.0,
+            0.0,
+        );
+        let p = widen(&r::softmax_causal_fwd(&s16, seq, a.scale()));
+        let mut o = vec![0f32; a.heads_numel()];
+        let v = bf16_rounded(v);
+        r::matmul(&mut o, &p, &v, bh, (seq, hd, seq), (false, false), 1.0, 0.0);
+        Ok([o, p])
+    }
+    fn attention_bwd(
+        &self,
+        p: &Vec<f32>,
+        [q, k, v]: [&Vec<f32>; 3],
+        dout: &Vec<f32>,
+        a: AttnShape,
+    ) -> Result<[Vec<f32>; 3]> {
+        if self.gemm != GemmDtype::Bf16 {
+            return attention_bwd_fp32(self, p, [q, k, v], dout, a);
+        }
+        // `p` holds bf16 values (attention_fwd's), so it casts exactly.
+        let (bh, seq, hd) = (a.bh, a.seq, a.head_dim);
+        let p16: Vec<bf16> = r::cast(p);
+        let (do16, v16): (Vec<bf16>, Vec<bf16>) = (r::cast(dout), r::cast(v));
+        let mut dp16 = vec![bf16::ZERO; a.scores_numel()];
+        r::matmul(
+            &mut dp16,
+            &do16,
+            &v16,
+            bh,
+            (seq, seq, hd),
+            (false, true),
+            1.0,
+            0.0,
+        );
+        let mut dv = vec![0f32; a.heads_numel()];
+        let do_ = widen(&do16);
+        r::matmul(
+            &mut dv,
+            p,
+            &do_,
+            bh,
+            (seq, hd, seq),
+            (true, false),
+            1.0,
+            0.0,
+        );
+        let ds = widen(&r::softmax_bwd(&p16, &dp16, seq, a.scale()));
+        let (q, k) = (bf16_rounded(q), bf16_rounded(k));
+        let mut dq = vec![0f32; a.heads_numel()];
+        r::matmul(
+            &mut dq,
+            &ds,
+            &k,
+            bh,
+            (seq, hd, seq),
+            (false, false),
+            1.0,
+            0.0,
+        );
+        let mut dk = vec![0f32; a.heads_numel()];
+        r::matmul(
+            &mut dk,
+            &ds,
+            &q,
+            bh,
+            (seq, hd, seq),
+            (true, false),
+            1.0,
+            0.0,
+        );
+        Ok([dq, dk, dv])
     }
     fn gelu_fwd(&self, x: &Vec<f32>) -> Result<Vec<f32>> {
         Ok(r::gelu_tanh_fwd(x))

@@ -258,7 +258,7 @@ pub struct LlamaKept<B> {
 }
 
 impl<B> LlamaKept<B> {
-    /// Elements held (fp32 each), the input included.
+    /// Elements held, the input included.
     pub fn numel<E: Exec<Buf = B>>(&self, e: &E) -> usize {
         e.len(&self.x)
             + self
@@ -267,6 +267,18 @@ impl<B> LlamaKept<B> {
                 .into_iter()
                 .map(|b| e.len(b))
                 .sum::<usize>()
+    }
+
+    /// Bytes held on the executor ([`Exec::bytes`]: the probabilities
+    /// are bf16 on a device with bf16 GEMMs).
+    pub fn bytes<E: Exec<Buf = B>>(&self, e: &E) -> u64 {
+        e.bytes(&self.x)
+            + self
+                .s
+                .buffers()
+                .into_iter()
+                .map(|b| e.bytes(b))
+                .sum::<u64>()
     }
 }
 

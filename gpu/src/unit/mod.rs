@@ -15,15 +15,19 @@
 //! units do), keeping the intermediates it needs, then runs the chain rule
 //! by hand. Parameter gradients are accumulated (`+=`), so a tied
 //! embedding's two units add into one buffer, and so do micro-batches.
-//! Storage is fp32 here (bf16 and fp16 units are the next step: they need
-//! GEMMs with fp32 outputs for the gradients).
+//! Storage is fp32 but for the GEMMs' operands, rounded to the
+//! [`GemmDtype`], and, with bf16 GEMMs, the attention's scores,
+//! probabilities and their gradients, kept in bf16 as autocast keeps them
+//! ([`Exec::attention_fwd`]): at seq 1024 those `[batch · heads, seq,
+//! seq]` buffers are most of a block's bytes. Param gradients, norms'
+//! statistics and the residual stream stay fp32.
 
 mod device;
 pub mod gpt2;
 mod host;
 pub mod llama;
 
-pub use device::{CudaExec, DeviceIds};
+pub use device::{CudaExec, DevBuf, DeviceIds};
 pub use gpt2::*;
 pub use host::{HostExec, HostIds};
 pub use llama::*;

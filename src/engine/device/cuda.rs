@@ -21,12 +21,12 @@
 
 use std::sync::Arc;
 
-use tierzero_gpu::device::{Device, DeviceBuffer};
+use tierzero_gpu::device::Device;
 use tierzero_gpu::host_register::HostRegistration;
 use tierzero_gpu::link::{
     Downloaded, Downloads, EventClock, PendingDownload, PendingUpload, SpanLog, Uploads,
 };
-use tierzero_gpu::unit::{CudaExec, GemmDtype};
+use tierzero_gpu::unit::{CudaExec, DevBuf, GemmDtype};
 
 use tierzero_swap::{HostRegistrar, ReadPin};
 
@@ -77,7 +77,7 @@ impl CudaLink {
 }
 
 impl DeviceLink for CudaLink {
-    type Buf = DeviceBuffer<f32>;
+    type Buf = DevBuf;
     type Exec<'a> = CudaExec<'a>;
     type Upload = PendingUpload;
     type Download = PendingDownload;
@@ -146,20 +146,23 @@ impl DeviceLink for CudaLink {
         self.upload(what, host)
     }
 
-    fn finish(&self, upload: PendingUpload) -> Result<DeviceBuffer<f32>, ModelError> {
-        self.uploads.finish(upload).map_err(gpu_err)
+    fn finish(&self, upload: PendingUpload) -> Result<DevBuf, ModelError> {
+        Ok(self.uploads.finish(upload).map_err(gpu_err)?.into())
     }
 
-    fn free(&self, buf: DeviceBuffer<f32>) {
+    fn free(&self, buf: DevBuf) {
         drop(buf);
     }
 
     fn download(
         &self,
         what: &str,
-        buf: DeviceBuffer<f32>,
+        buf: DevBuf,
         narrow: bool,
     ) -> Result<PendingDownload, ModelError> {
+        // Units hand over fp32 outputs and gradients; only the attention
+        // keeps a bf16 buffer, and never hands it over.
+        let buf = buf.into_f32().map_err(gpu_err)?;
         self.downloads.start(what, buf, narrow).map_err(gpu_err)
     }
 

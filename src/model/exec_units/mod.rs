@@ -569,7 +569,7 @@ pub(crate) fn forward_on<E: Exec>(
                 return hidden_out(unit::gpt2_block_forward(e, &d, p, &x).map_err(gpu_err)?);
             }
             let (y, kept) = unit::gpt2_block_forward_kept(e, &d, p, x).map_err(gpu_err)?;
-            let bytes = kept.numel(e) as u64 * F32_BYTES;
+            let bytes = kept.bytes(e);
             feed.keep_forward(unit, host_x, KeptForward::Gpt2(kept), bytes);
             hidden_out(y)
         }
@@ -582,7 +582,7 @@ pub(crate) fn forward_on<E: Exec>(
                 }
                 let (y, kept) =
                     unit::llama_block_forward_kept(e, &d, p, x, rope).map_err(gpu_err)?;
-                let bytes = kept.numel(e) as u64 * F32_BYTES;
+                let bytes = kept.bytes(e);
                 feed.keep_forward(unit, host_x, KeptForward::Llama(kept), bytes);
                 Ok(y)
             })?;
