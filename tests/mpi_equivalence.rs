@@ -34,8 +34,12 @@ use engine_support::{corpus, ds_config, scratch, Knobs};
 use serde_json::{json, Value};
 use tierzero::config::{load_str, PathChecks, RunContext};
 use tierzero::engine::comm::mpi::MpiComm;
+use tierzero::engine::device::sim::{SimConfig, SimDevice};
+use tierzero::engine::device::{TierLimits, TieredUnits};
 use tierzero::engine::{Comm, SingleRank, Trainer, TrainerOptions};
+use tierzero::model::exec_units::ReferenceUnits;
 use tierzero::model::ModelDir;
+use tierzero_gpu::unit::GemmDtype;
 
 const SEQ: usize = 16;
 const SEED: u64 = 5;
@@ -62,12 +66,56 @@ struct Out {
     allocated_bytes: u64,
     /// Of `allocated_bytes`, the parked gradient sums' extents (GA > 1).
     park_bytes: u64,
+    /// Bytes the device tier copied to and from its device, every step.
+    h2d_bytes: u64,
+    d2h_bytes: u64,
     file_bytes: u64,
     opt_buffers_bytes: u64,
     shard_numel: u64,
 }
 
+/// Where a run computes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Compute {
+    /// The candle units on the CPU.
+    Cpu,
+    /// The device units' arithmetic (the CUDA kernels' references) in
+    /// host memory, no tier.
+    Reference,
+    /// The same units behind the device tier on a simulated device: a
+    /// budget, copies on a thread after a delay, events.
+    SimTier,
+}
+
+impl Compute {
+    fn name(self) -> &'static str {
+        match self {
+            Compute::Cpu => "cpu",
+            Compute::Reference => "reference",
+            Compute::SimTier => "sim",
+        }
+    }
+    fn parse(s: Option<&str>) -> Compute {
+        match s {
+            Some("reference") => Compute::Reference,
+            Some("sim") => Compute::SimTier,
+            _ => Compute::Cpu,
+        }
+    }
+}
+
 fn train(cfg: &Value, ranks: u64, model: &Path, steps: u64, comm: Arc<dyn Comm>) -> Out {
+    train_on(cfg, ranks, model, steps, comm, Compute::Cpu)
+}
+
+fn train_on(
+    cfg: &Value,
+    ranks: u64,
+    model: &Path,
+    steps: u64,
+    comm: Arc<dyn Comm>,
+    compute: Compute,
+) -> Out {
     let run = RunContext {
         ranks,
         path_checks: PathChecks::CreateMissing,
@@ -77,8 +125,42 @@ fn train(cfg: &Value, ranks: u64, model: &Path, steps: u64, comm: Arc<dyn Comm>)
     let md = ModelDir::open(model, SEED).unwrap();
     let mut opts = TrainerOptions::cpu(SEED, SEQ);
     opts.comm = comm;
+    match compute {
+        Compute::Cpu => {}
+        Compute::Reference => {
+            opts.compute = Some(Arc::new(ReferenceUnits {
+                gemm: GemmDtype::F32,
+            }))
+        }
+        Compute::SimTier => {
+            let dev = SimDevice::new(SimConfig {
+                budget_bytes: 64 << 20,
+                copy_delay: Duration::from_millis(1),
+                h2d_bytes_per_s: None,
+                staging_slots: 4,
+                gemm: GemmDtype::F32,
+                fail_upload: None,
+                compute_delay: Duration::ZERO,
+            })
+            .unwrap();
+            let limits = TierLimits {
+                prefetch_numel: u64::MAX,
+                max_live_numel: u64::MAX,
+                cache_bytes: 0,
+            };
+            opts.compute = Some(Arc::new(TieredUnits::new(dev, limits).unwrap()));
+        }
+    }
     let mut t = Trainer::new(&loaded.config, &md, corpus(), opts).unwrap();
-    let losses = (0..steps).map(|_| t.step().unwrap().metrics.loss).collect();
+    let (mut h2d_bytes, mut d2h_bytes) = (0, 0);
+    let losses = (0..steps)
+        .map(|_| {
+            let m = t.step().unwrap().metrics;
+            h2d_bytes += m.h2d_bytes;
+            d2h_bytes += m.d2h_bytes;
+            m.loss
+        })
+        .collect();
     let masters = t.full_masters().unwrap();
     let usage = t.swap_usage();
     let park = t.sizing().grad_park_nvme_bytes;
@@ -90,6 +172,8 @@ fn train(cfg: &Value, ranks: u64, model: &Path, steps: u64, comm: Arc<dyn Comm>)
         sha256,
         allocated_bytes: usage.allocated_bytes,
         park_bytes: park,
+        h2d_bytes,
+        d2h_bytes,
         file_bytes: usage.file_bytes,
         opt_buffers_bytes: usage.optimizer_buffers_bytes,
         shard_numel,
@@ -105,6 +189,8 @@ fn out_to_json(o: &Out) -> Value {
         "sha256": o.sha256,
         "allocated_bytes": o.allocated_bytes,
         "park_bytes": o.park_bytes,
+        "h2d_bytes": o.h2d_bytes,
+        "d2h_bytes": o.d2h_bytes,
         "file_bytes": o.file_bytes,
         "opt_buffers_bytes": o.opt_buffers_bytes,
         "shard_numel": o.shard_numel,
@@ -125,6 +211,8 @@ fn out_from_json(v: &Value) -> Out {
         sha256: v["sha256"].as_str().unwrap().to_owned(),
         allocated_bytes: v["allocated_bytes"].as_u64().unwrap(),
         park_bytes: v["park_bytes"].as_u64().unwrap(),
+        h2d_bytes: v["h2d_bytes"].as_u64().unwrap(),
+        d2h_bytes: v["d2h_bytes"].as_u64().unwrap(),
         file_bytes: v["file_bytes"].as_u64().unwrap(),
         opt_buffers_bytes: v["opt_buffers_bytes"].as_u64().unwrap(),
         shard_numel: v["shard_numel"].as_u64().unwrap(),
@@ -142,12 +230,13 @@ fn rank_main() {
     let spec: Value = serde_json::from_str(&std::fs::read_to_string(spec).unwrap()).unwrap();
     let comm = Arc::new(MpiComm::init(Duration::from_secs(120)).unwrap());
     let rank = comm.rank();
-    let out = train(
+    let out = train_on(
         &spec["config"],
         comm.world_size() as u64,
         Path::new(spec["model"].as_str().unwrap()),
         spec["steps"].as_u64().unwrap(),
         comm,
+        Compute::parse(spec["compute"].as_str()),
     );
     let path = Path::new(spec["out"].as_str().unwrap()).join(format!("rank{rank}.json"));
     std::fs::write(path, out_to_json(&out).to_string()).unwrap();
@@ -170,10 +259,15 @@ fn mpirun(n: usize) -> Command {
 
 /// Runs `n` ranks of `cfg` and returns each rank's output.
 fn run_ranks(n: usize, cfg: &Value, model: &Path, steps: u64) -> Vec<Out> {
+    run_ranks_on(n, cfg, model, steps, Compute::Cpu)
+}
+
+/// [`run_ranks`], each rank computing on `compute`.
+fn run_ranks_on(n: usize, cfg: &Value, model: &Path, steps: u64, compute: Compute) -> Vec<Out> {
     let dir = scratch("mpi-out");
     let spec = json!({
         "config": cfg, "model": model.to_str().unwrap(), "steps": steps,
-        "out": dir.to_str().unwrap()
+        "out": dir.to_str().unwrap(), "compute": compute.name()
     });
     let spec_path = dir.join("spec.json");
     std::fs::write(&spec_path, spec.to_string()).unwrap();
@@ -321,6 +415,46 @@ fn stage3_nvme_two_ranks_match_one_rank_bit_for_bit_and_hold_half_the_state() {
             "rank {r} optimizer buffers {buf_ratio}"
         );
     }
+}
+
+#[test]
+fn the_device_tier_on_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
+    // Several GPUs, checked by the simulation (the lent machines have one
+    // GPU): each rank's units run behind the device tier on a simulated
+    // device, with the params gathered across ranks, streamed to the
+    // device and the gradients streamed back and reduce-scattered in rank
+    // order; one rank computes the same units in memory, no tier.
+    let (tag, steps) = ("s3-sim-2", 6);
+    let knobs = Knobs::nvme();
+    let model = model_dir(tag, false);
+    let multi_cfg = ds_config(&knobs, &scratch("mpi-swap"), steps);
+    let one = Knobs {
+        gas: knobs.gas * 2,
+        ..knobs.clone()
+    };
+    let one_cfg = ds_config(&one, &scratch("mpi-swap1"), steps);
+    let reference = train_on(
+        &one_cfg,
+        1,
+        &model,
+        steps,
+        Arc::new(SingleRank),
+        Compute::Reference,
+    );
+    let ranks = run_ranks_on(2, &multi_cfg, &model, steps, Compute::SimTier);
+    for (r, o) in ranks.iter().enumerate() {
+        assert_eq!(o.losses, ranks[0].losses, "{tag}: rank {r} losses");
+        assert_eq!(o.sha256, ranks[0].sha256, "{tag}: rank {r} hash");
+        // The tier streamed: every param up, every gradient down.
+        assert!(
+            o.h2d_bytes > 0 && o.d2h_bytes > 0,
+            "{tag}: rank {r} copied nothing"
+        );
+    }
+    assert_eq!(reference.h2d_bytes, 0, "the reference has no tier");
+    let l = &reference.losses;
+    assert!(l[l.len() - 1] < l[0], "{tag}: loss did not fall: {l:?}");
+    assert_bit_identical("device tier (simulated), 2 ranks", &reference, &ranks);
 }
 
 #[test]
