@@ -131,8 +131,18 @@ pub fn cublas_available() -> Result<()> {
 /// memory back to the driver, and the next step maps it again, allocation
 /// by allocation, as PyTorch's caching allocator never does. The budget
 /// still bounds what is allocated at once; this bounds what the pool
-/// holds besides. Nothing to do without stream-ordered allocation (cudarc
-/// then allocates with `cuMemAlloc`).
+/// holds besides.
+///
+/// It also keeps the pool from adding dependencies between streams of its
+/// own (`CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES` off): memory
+/// freed on the compute stream and not yet free there is then not handed
+/// to an allocation on a copy stream by making that stream wait for
+/// compute, which would serialise the uploads behind the kernels they
+/// should overlap; the pool maps more instead. Memory whose free
+/// completed, or that an event already orders, is still reused.
+///
+/// Nothing to do without stream-ordered allocation (cudarc then allocates
+/// with `cuMemAlloc`).
 fn keep_pool_reserved(ctx: &Arc<CudaContext>, bytes: u64) -> Result<()> {
     use cudarc::driver::{result, sys};
     if !ctx.has_async_alloc() {
@@ -141,8 +151,9 @@ fn keep_pool_reserved(ctx: &Arc<CudaContext>, bytes: u64) -> Result<()> {
     ctx.bind_to_thread()
         .map_err(driver_err("cuCtxSetCurrent"))?;
     // SAFETY: `cu_device()` is the device `ctx` was created on, so the
-    // pool is that device's current pool; `value` is a cuuint64_t, the
-    // type CU_MEMPOOL_ATTR_RELEASE_THRESHOLD takes, alive for the call.
+    // pool is that device's current pool; each value has the type its
+    // attribute takes (a cuuint64_t for the release threshold, an int for
+    // the reuse flag) and lives through its call.
     unsafe {
         let pool = result::device::get_mem_pool(ctx.cu_device())
             .map_err(driver_err("cuDeviceGetMemPool"))?;
@@ -151,6 +162,14 @@ fn keep_pool_reserved(ctx: &Arc<CudaContext>, bytes: u64) -> Result<()> {
             pool,
             sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
             (&mut value as *mut u64).cast(),
+        )
+        .map_err(driver_err("cuMemPoolSetAttribute"))?;
+        // An int (0 or 1), as the attribute takes.
+        let mut allow: std::ffi::c_int = 0;
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+            (&mut allow as *mut std::ffi::c_int).cast(),
         )
         .map_err(driver_err("cuMemPoolSetAttribute"))
     }

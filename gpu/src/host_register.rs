@@ -37,9 +37,9 @@ impl HostRegistration {
 
 impl HostRegistrar for HostRegistration {
     fn register(&self, addr: usize, len_bytes: usize) -> std::io::Result<()> {
-        self.dev
-            .context()
-            .bind_to_thread()
+        let ctx = self.dev.context();
+        ctx.bind_to_thread()
+            .or_else(|_| ctx.bind_to_thread())
             .map_err(|e| std::io::Error::other(format!("cuCtxSetCurrent: {e}")))?;
         // SAFETY: [addr, addr + len_bytes) is the arena's live mapping (the
         // arena's contract: registered after mapping, unregistered before
@@ -61,7 +61,11 @@ impl HostRegistrar for HostRegistration {
     }
 
     fn unregister(&self, addr: usize, _len_bytes: usize) {
-        if let Err(e) = self.dev.context().bind_to_thread() {
+        // A first failure may be an error cudarc kept from an earlier
+        // drop (it hands it to the next bind and clears it): try again
+        // before leaving the range registered.
+        let ctx = self.dev.context();
+        if let Err(e) = ctx.bind_to_thread().or_else(|_| ctx.bind_to_thread()) {
             tracing::warn!(error = %e, "cuCtxSetCurrent before cuMemHostUnregister failed");
             return;
         }

@@ -72,8 +72,8 @@
 //! it.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUevent_flags;
@@ -93,7 +93,7 @@ pub enum PendingUpload {
         dst: DeviceBuffer<f32>,
         /// The staging buffer the copy reads (None: the copy reads the
         /// host's registered memory in place, [`Uploads::start_pinned`]).
-        staging: Option<PinnedHostSlice<f32>>,
+        staging: Option<Staging<f32>>,
         /// Recorded after the copy.
         event: CudaEvent,
     },
@@ -103,21 +103,52 @@ pub enum PendingUpload {
         /// The bf16 copy on the device.
         narrow: DeviceBuffer<bf16>,
         /// The staging buffer the copy reads (None: in place).
-        staging: Option<PinnedHostSlice<bf16>>,
+        staging: Option<Staging<bf16>>,
         /// Recorded after the copy.
         event: CudaEvent,
     },
+}
+
+/// A staging buffer of a pool: its bytes count in the pool's
+/// `pinned_bytes` from its allocation to its drop, wherever it is then
+/// (idle, with an upload in flight, retiring, or dropped on an error path
+/// or with an upload that was never finished).
+#[derive(Debug)]
+pub struct Staging<T> {
+    slice: PinnedHostSlice<T>,
+    pinned_bytes: Arc<AtomicU64>,
+}
+
+impl<T> Staging<T> {
+    fn len(&self) -> usize {
+        self.slice.len()
+    }
+}
+
+impl<T> Drop for Staging<T> {
+    fn drop(&mut self) {
+        // The slice itself is freed after this, by cudarc, once its copy
+        // is done (its drop synchronises its event).
+        self.pinned_bytes
+            .fetch_sub(self.slice.num_bytes() as u64, Ordering::Relaxed);
+    }
 }
 
 /// Staging buffers of one element type.
 #[derive(Debug)]
 struct Pool<T> {
     /// Idle staging buffers by length.
-    free: HashMap<usize, Vec<PinnedHostSlice<T>>>,
+    free: HashMap<usize, Vec<Staging<T>>>,
     /// Buffers whose copy may still run, oldest first.
-    retiring: VecDeque<(CudaEvent, PinnedHostSlice<T>)>,
-    /// Pinned bytes of every buffer the pool owns, wherever it is.
-    pinned_bytes: u64,
+    retiring: VecDeque<(CudaEvent, Staging<T>)>,
+    /// Pinned bytes of every buffer the pool made and that is not dropped.
+    pinned_bytes: Arc<AtomicU64>,
+}
+
+impl<T> Pool<T> {
+    fn pinned_bytes(&self) -> u64 {
+        self.pinned_bytes.load(Ordering::Relaxed)
+    }
 }
 
 impl<T> Default for Pool<T> {
@@ -125,9 +156,24 @@ impl<T> Default for Pool<T> {
         Pool {
             free: HashMap::new(),
             retiring: VecDeque::new(),
-            pinned_bytes: 0,
+            pinned_bytes: Arc::new(AtomicU64::new(0)),
         }
     }
+}
+
+/// Waits for `ev`. cudarc keeps an error that a drop could not return
+/// (a `CudaSlice`'s or an event's, on any thread) and hands it to the
+/// next call that binds the context, which then returns it without doing
+/// anything: so a first error may be someone else's, and this call would
+/// not have waited. One more wait tells: it fails again only if the
+/// context itself is broken.
+fn wait_for(ev: &CudaEvent) -> std::result::Result<(), cudarc::driver::DriverError> {
+    ev.synchronize().or_else(|_| ev.synchronize())
+}
+
+/// [`wait_for`] of a whole stream's queue.
+fn drain(s: &CudaStream) -> std::result::Result<(), cudarc::driver::DriverError> {
+    s.synchronize().or_else(|_| s.synchronize())
 }
 
 /// The host's clock for CUDA events: a base event recorded on the
@@ -269,7 +315,7 @@ fn spawn_reaper() -> Result<std::sync::mpsc::Sender<(CudaEvent, tierzero_swap::R
         .name("tierzero-pin-reaper".into())
         .spawn(move || {
             for (done, pin) in rx {
-                if let Err(e) = done.synchronize() {
+                if let Err(e) = wait_for(&done) {
                     // The context failed: no copy runs on it any more,
                     // and a pin that never went would hang a write-back.
                     tracing::warn!(error = %e, "cuEventSynchronize before letting a page pin go");
@@ -321,7 +367,7 @@ impl Uploads {
 
     /// Pinned bytes the pools own now.
     pub fn pinned_bytes(&self) -> u64 {
-        locked(&self.pool).pinned_bytes + locked(&self.pool16).pinned_bytes
+        locked(&self.pool).pinned_bytes() + locked(&self.pool16).pinned_bytes()
     }
 
     /// A staging buffer of `len` elements, from `pool` or new.
@@ -329,7 +375,7 @@ impl Uploads {
         &self,
         pool: &mut Pool<T>,
         len: usize,
-    ) -> Result<PinnedHostSlice<T>> {
+    ) -> Result<Staging<T>> {
         // Copies that completed give their buffers back.
         while let Some((ev, _)) = pool.retiring.front() {
             if !ev.try_is_complete().map_err(driver("cuEventQuery"))? {
@@ -345,32 +391,35 @@ impl Uploads {
         let bytes = (len * std::mem::size_of::<T>()) as u64;
         // Over the cap: free idle buffers of other lengths, then wait for
         // the oldest copies and free theirs.
-        while pool.pinned_bytes + bytes > self.cap_bytes {
+        while pool.pinned_bytes() + bytes > self.cap_bytes {
             let idle = pool.free.values_mut().find_map(Vec::pop);
             let victim = match idle {
                 Some(s) => s,
                 None => match pool.retiring.pop_front() {
                     Some((ev, s)) => {
-                        ev.synchronize().map_err(driver("cuEventSynchronize"))?;
+                        wait_for(&ev).map_err(driver("cuEventSynchronize"))?;
                         s
                     }
                     None => break,
                 },
             };
-            pool.pinned_bytes -= victim.num_bytes() as u64;
+            // Its drop gives its bytes back.
             drop(victim);
         }
         // SAFETY: the buffer is uninitialised: `start` writes all of its
         // `len` elements (the upload is exactly that long) before the copy
         // reads it, and nothing else reads it.
-        let s = unsafe {
+        let slice = unsafe {
             self.dev
                 .context()
                 .alloc_pinned::<T>(len)
                 .map_err(driver("cuMemHostAlloc"))?
         };
-        pool.pinned_bytes += bytes;
-        Ok(s)
+        pool.pinned_bytes.fetch_add(bytes, Ordering::Relaxed);
+        Ok(Staging {
+            slice,
+            pinned_bytes: pool.pinned_bytes.clone(),
+        })
     }
 
     /// Fills a staging buffer from `host` and queues its copy into a new
@@ -382,11 +431,14 @@ impl Uploads {
         pool: &Mutex<Pool<T>>,
         what: &str,
         host: &[T],
-    ) -> Result<(DeviceBuffer<T>, PinnedHostSlice<T>, CudaEvent)> {
+    ) -> Result<(DeviceBuffer<T>, Staging<T>, CudaEvent)> {
+        // On an error below the buffer is dropped: cudarc frees it once a
+        // copy that reads it is done, and its bytes leave the count.
         let mut staging = self.staging(&mut locked(pool), host.len())?;
         // A long fill is split over threads (see `host_copy`).
         crate::host_copy::copy(
             staging
+                .slice
                 .as_mut_slice()
                 .map_err(driver("cuEventSynchronize"))?,
             host,
@@ -395,7 +447,7 @@ impl Uploads {
         let began = EventClock::mark(&self.dev.h2d)?;
         self.dev
             .h2d
-            .memcpy_htod(&staging, dst.slice_mut())
+            .memcpy_htod(&staging.slice, dst.slice_mut())
             .map_err(driver("cuMemcpyHtoDAsync"))?;
         let span = EventClock::span(&self.dev.h2d, what.to_owned(), began)?;
         self.spans.push(span)?;
@@ -512,15 +564,20 @@ impl Uploads {
         if let Ok(span) = EventClock::span(&self.dev.h2d, what.to_owned(), began) {
             let _ = self.spans.push(span);
         }
-        // The reaper's event, then the caller's: both after the copy.
-        let done = self.dev.h2d.record_event(None);
+        // The reaper's event, then the caller's: both after the copy. The
+        // reaper's blocks its thread while it waits (cudarc's default
+        // events spin a core, and the reaper waits most of a step).
+        let done = self
+            .dev
+            .h2d
+            .record_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC));
         let event = self.dev.h2d.record_event(None);
         let (done, event) = match (done, event) {
             (Ok(d), Ok(e)) => (d, e),
             (Err(e), _) | (_, Err(e)) => {
                 // No event to hand the pin over with: it goes once the
                 // stream has run the copy.
-                let _ = self.dev.h2d.synchronize();
+                let _ = drain(&self.dev.h2d);
                 drop(pin);
                 return Err(driver("cuEventRecord")(e));
             }
@@ -528,7 +585,7 @@ impl Uploads {
         if let Err(std::sync::mpsc::SendError((done, pin))) = locked(&self.reaper).send((done, pin))
         {
             // The reaper is gone (it panicked): wait here instead.
-            let _ = done.synchronize();
+            let _ = wait_for(&done);
             drop(pin);
         }
         Ok(event)
