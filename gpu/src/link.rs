@@ -15,7 +15,8 @@
 //!    A bf16 upload ([`Uploads::start_bf16`]) crosses as its 2-byte
 //!    elements into a bf16 buffer; `finish` widens it to the fp32
 //!    destination on the compute stream (`cast_bf16_f32`, exact), and the
-//!    bf16 buffer is freed after that read.
+//!    bf16 buffer is freed once an event after that cast completed (freed
+//!    at once, its stream, h2d, would wait for the compute stream).
 //! 3. A later `start` moves retiring buffers whose event completed back to
 //!    the pool (one pool per element type). When the pool's pinned bytes would pass its cap, it waits
 //!    for the oldest event and frees that buffer.
@@ -300,6 +301,10 @@ pub struct Uploads {
     /// Where the pins of copies in place go, each with an event after its
     /// copy ([`Uploads::start_pinned`], [`spawn_reaper`]).
     reaper: Mutex<std::sync::mpsc::Sender<(CudaEvent, tierzero_swap::ReadPin)>>,
+    /// bf16 copies already widened, each with an event after its cast on
+    /// the compute stream, dropped once that event completed
+    /// ([`Uploads::finish`]).
+    widened: Mutex<VecDeque<(CudaEvent, DeviceBuffer<bf16>)>>,
 }
 
 /// The thread that lets the pins of copies in place go once they are
@@ -346,6 +351,7 @@ impl Uploads {
             pool: Mutex::new(Pool::default()),
             pool16: Mutex::new(Pool::default()),
             cap_bytes,
+            widened: Mutex::new(VecDeque::new()),
         })
     }
 
@@ -628,10 +634,25 @@ impl Uploads {
                     .dev
                     .alloc_output::<f32>("widened upload", narrow.len())?;
                 crate::ops::cast::<bf16, f32>(&self.dev, &mut wide, &narrow)?;
-                // `narrow` is freed on the h2d stream after the cast's
-                // read: cudarc orders a slice's free after its uses on
-                // other streams.
-                drop(narrow);
+                // `narrow` was allocated on the h2d stream, where cudarc
+                // frees it, first making that stream wait for its last
+                // use: dropped now, every later upload would queue behind
+                // the compute stream's work up to this cast. So it waits
+                // here with an event after the cast, and goes once that
+                // completed (its free then waits for nothing).
+                let done = self
+                    .dev
+                    .compute
+                    .record_event(None)
+                    .map_err(driver("cuEventRecord"))?;
+                let mut widened = locked(&self.widened);
+                while let Some((ev, _)) = widened.front() {
+                    if !ev.try_is_complete().map_err(driver("cuEventQuery"))? {
+                        break;
+                    }
+                    widened.pop_front();
+                }
+                widened.push_back((done, narrow));
                 Ok(wide)
             }
         }
