@@ -69,6 +69,8 @@ struct Out {
     /// Bytes the device tier copied to and from its device, every step.
     h2d_bytes: u64,
     d2h_bytes: u64,
+    /// Collectives that gathered params, every step.
+    param_gathers: u64,
     file_bytes: u64,
     opt_buffers_bytes: u64,
     shard_numel: u64,
@@ -152,12 +154,13 @@ fn train_on(
         }
     }
     let mut t = Trainer::new(&loaded.config, &md, corpus(), opts).unwrap();
-    let (mut h2d_bytes, mut d2h_bytes) = (0, 0);
+    let (mut h2d_bytes, mut d2h_bytes, mut param_gathers) = (0, 0, 0);
     let losses = (0..steps)
         .map(|_| {
             let m = t.step().unwrap().metrics;
             h2d_bytes += m.h2d_bytes;
             d2h_bytes += m.d2h_bytes;
+            param_gathers += m.param_gathers;
             m.loss
         })
         .collect();
@@ -174,6 +177,7 @@ fn train_on(
         park_bytes: park,
         h2d_bytes,
         d2h_bytes,
+        param_gathers,
         file_bytes: usage.file_bytes,
         opt_buffers_bytes: usage.optimizer_buffers_bytes,
         shard_numel,
@@ -191,6 +195,7 @@ fn out_to_json(o: &Out) -> Value {
         "park_bytes": o.park_bytes,
         "h2d_bytes": o.h2d_bytes,
         "d2h_bytes": o.d2h_bytes,
+        "param_gathers": o.param_gathers,
         "file_bytes": o.file_bytes,
         "opt_buffers_bytes": o.opt_buffers_bytes,
         "shard_numel": o.shard_numel,
@@ -213,6 +218,7 @@ fn out_from_json(v: &Value) -> Out {
         park_bytes: v["park_bytes"].as_u64().unwrap(),
         h2d_bytes: v["h2d_bytes"].as_u64().unwrap(),
         d2h_bytes: v["d2h_bytes"].as_u64().unwrap(),
+        param_gathers: v["param_gathers"].as_u64().unwrap(),
         file_bytes: v["file_bytes"].as_u64().unwrap(),
         opt_buffers_bytes: v["opt_buffers_bytes"].as_u64().unwrap(),
         shard_numel: v["shard_numel"].as_u64().unwrap(),
@@ -377,6 +383,20 @@ fn stage3_nvme_two_ranks_match_one_rank_bit_for_bit_and_hold_half_the_state() {
     };
     let (one, ranks) = case("s3-nvme-2", 2, &knobs, false, 10);
     assert_bit_identical("stage 3 nvme, 2 ranks", &one, &ranks);
+
+    // A unit's params are gathered in one collective: at most one per unit
+    // fetched (4 units, forward and backward), not one per param (29).
+    let units = 4u64;
+    assert_eq!(one.param_gathers, 0, "one rank gathers nothing");
+    for (r, o) in ranks.iter().enumerate() {
+        let per_step = o.param_gathers as f64 / 10.0;
+        eprintln!("rank {r}: {per_step} param gathers a step");
+        assert!(
+            o.param_gathers > 0 && o.param_gathers <= 10 * 2 * units,
+            "rank {r}: {} param gathers in 10 steps",
+            o.param_gathers
+        );
+    }
 
     // Memory per rank: each rank's optimizer elements are its shard, the
     // swap extents and the optimizer buffers about half of one rank's.

@@ -84,6 +84,9 @@ pub struct StepMetrics {
     /// Part of `io_wait_s` spent waiting for param write-backs to free a
     /// swap buffer.
     pub param_write_wait_s: f64,
+    /// Collectives this step gathered params in (several ranks: one per
+    /// unit whose params were not all resident; 0 with one rank).
+    pub param_gathers: u64,
     /// Speculative steps so far whose speculation held (committed as
     /// stepped; see "Speculative step" in the trainer docs).
     pub speculation_hits: u64,

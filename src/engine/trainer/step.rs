@@ -651,6 +651,7 @@ impl Trainer {
             grad_norm: out.grad_norm,
             sub_groups_stepped_during_backward: out.overlapped,
             param_write_wait_s: c1.write_wait.saturating_sub(c0.write_wait).as_secs_f64(),
+            param_gathers: c1.param_gathers.saturating_sub(c0.param_gathers),
             speculation_hits: self.speculation.hits,
             speculation_misses: self.speculation.misses,
             speculation_pool_waits: self.speculation.pool_waits,

@@ -42,7 +42,7 @@ impl Trainer {
                 self.lookahead_reads += 1;
             }
         }
-        ids.iter().map(|&p| self.store.fetch(p)).collect()
+        self.store.fetch_many(&ids)
     }
 
     /// Releases the params of `unit` that the prefetcher does not keep.
