@@ -71,6 +71,8 @@ struct Out {
     d2h_bytes: u64,
     /// Collectives that gathered params, every step.
     param_gathers: u64,
+    /// Reduce-scatters of gradients, every step.
+    grad_reduces: u64,
     file_bytes: u64,
     opt_buffers_bytes: u64,
     shard_numel: u64,
@@ -154,13 +156,14 @@ fn train_on(
         }
     }
     let mut t = Trainer::new(&loaded.config, &md, corpus(), opts).unwrap();
-    let (mut h2d_bytes, mut d2h_bytes, mut param_gathers) = (0, 0, 0);
+    let (mut h2d_bytes, mut d2h_bytes, mut param_gathers, mut grad_reduces) = (0, 0, 0, 0);
     let losses = (0..steps)
         .map(|_| {
             let m = t.step().unwrap().metrics;
             h2d_bytes += m.h2d_bytes;
             d2h_bytes += m.d2h_bytes;
             param_gathers += m.param_gathers;
+            grad_reduces += m.grad_reduces;
             m.loss
         })
         .collect();
@@ -178,6 +181,7 @@ fn train_on(
         h2d_bytes,
         d2h_bytes,
         param_gathers,
+        grad_reduces,
         file_bytes: usage.file_bytes,
         opt_buffers_bytes: usage.optimizer_buffers_bytes,
         shard_numel,
@@ -196,6 +200,7 @@ fn out_to_json(o: &Out) -> Value {
         "h2d_bytes": o.h2d_bytes,
         "d2h_bytes": o.d2h_bytes,
         "param_gathers": o.param_gathers,
+        "grad_reduces": o.grad_reduces,
         "file_bytes": o.file_bytes,
         "opt_buffers_bytes": o.opt_buffers_bytes,
         "shard_numel": o.shard_numel,
@@ -219,6 +224,7 @@ fn out_from_json(v: &Value) -> Out {
         h2d_bytes: v["h2d_bytes"].as_u64().unwrap(),
         d2h_bytes: v["d2h_bytes"].as_u64().unwrap(),
         param_gathers: v["param_gathers"].as_u64().unwrap(),
+        grad_reduces: v["grad_reduces"].as_u64().unwrap(),
         file_bytes: v["file_bytes"].as_u64().unwrap(),
         opt_buffers_bytes: v["opt_buffers_bytes"].as_u64().unwrap(),
         shard_numel: v["shard_numel"].as_u64().unwrap(),
@@ -384,17 +390,26 @@ fn stage3_nvme_two_ranks_match_one_rank_bit_for_bit_and_hold_half_the_state() {
     let (one, ranks) = case("s3-nvme-2", 2, &knobs, false, 10);
     assert_bit_identical("stage 3 nvme, 2 ranks", &one, &ranks);
 
-    // A unit's params are gathered in one collective: at most one per unit
-    // fetched (4 units, forward and backward), not one per param (29).
+    // A unit's params are gathered in one collective, and its gradients
+    // reduced in one: at most one per unit fetched (4 units, forward and
+    // backward) and one per unit and micro-batch, not one per param (29).
     let units = 4u64;
-    assert_eq!(one.param_gathers, 0, "one rank gathers nothing");
+    assert_eq!((one.param_gathers, one.grad_reduces), (0, 0), "one rank");
     for (r, o) in ranks.iter().enumerate() {
-        let per_step = o.param_gathers as f64 / 10.0;
-        eprintln!("rank {r}: {per_step} param gathers a step");
+        eprintln!(
+            "rank {r}: {} param gathers and {} gradient reduce-scatters a step",
+            o.param_gathers as f64 / 10.0,
+            o.grad_reduces as f64 / 10.0
+        );
         assert!(
             o.param_gathers > 0 && o.param_gathers <= 10 * 2 * units,
             "rank {r}: {} param gathers in 10 steps",
             o.param_gathers
+        );
+        assert!(
+            o.grad_reduces > 0 && o.grad_reduces <= 10 * knobs.gas * units,
+            "rank {r}: {} gradient reduce-scatters in 10 steps",
+            o.grad_reduces
         );
     }
 

@@ -87,6 +87,9 @@ pub struct StepMetrics {
     /// Collectives this step gathered params in (several ranks: one per
     /// unit whose params were not all resident; 0 with one rank).
     pub param_gathers: u64,
+    /// Reduce-scatters of gradients this step (several ranks: one per
+    /// unit and micro-batch that had any; 0 with one rank).
+    pub grad_reduces: u64,
     /// Speculative steps so far whose speculation held (committed as
     /// stepped; see "Speculative step" in the trainer docs).
     pub speculation_hits: u64,

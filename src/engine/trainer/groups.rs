@@ -64,12 +64,15 @@ pub(super) enum GroupEvent {
 #[derive(Debug)]
 pub(super) struct StepGroups {
     pub(super) groups: Vec<GroupStep>,
+    /// Reduce-scatters of gradients this step issued.
+    pub(super) grad_reduces: u64,
 }
 
 impl StepGroups {
     pub(super) fn new(n: usize) -> StepGroups {
         StepGroups {
             groups: (0..n).map(|_| GroupStep::Accumulating(None)).collect(),
+            grad_reduces: 0,
         }
     }
 

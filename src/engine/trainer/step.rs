@@ -83,6 +83,8 @@ struct StepOutcome {
     /// Sub-groups stepped while backward ran.
     overlapped: u64,
     opt_wait: Duration,
+    /// Reduce-scatters of gradients the step issued.
+    grad_reduces: u64,
 }
 
 use super::groups::{GroupEvent, GroupStep, StepGroups};
@@ -124,6 +126,7 @@ impl Trainer {
         }
         let loss = self.global_loss(&micro_losses)?;
         let overlapped = groups.sent_count() as u64;
+        let grad_reduces = groups.grad_reduces;
         let (decision, grad_norm) = self.decide(&plan, &mut groups, &mut times)?;
         let skipped = if self.device_compute().is_some() {
             // Adam on the device: nothing goes to the optimizer thread.
@@ -159,6 +162,7 @@ impl Trainer {
                 grad_norm,
                 overlapped,
                 opt_wait,
+                grad_reduces,
             },
         );
         if let Some(w) = &mut self.metrics {
@@ -652,6 +656,7 @@ impl Trainer {
             sub_groups_stepped_during_backward: out.overlapped,
             param_write_wait_s: c1.write_wait.saturating_sub(c0.write_wait).as_secs_f64(),
             param_gathers: c1.param_gathers.saturating_sub(c0.param_gathers),
+            grad_reduces: if plan.world > 1 { out.grad_reduces } else { 0 },
             speculation_hits: self.speculation.hits,
             speculation_misses: self.speculation.misses,
             speculation_pool_waits: self.speculation.pool_waits,
@@ -715,7 +720,8 @@ impl Trainer {
         }
     }
 
-    /// Adds one unit's gradient of `pid` into the sub-group accumulator.
+    /// Adds a unit's gradients into the sub-group accumulators, in the
+    /// order given.
     ///
     /// A param used by several units (a tied embedding: head, then
     /// embedding) gets several gradients per micro-batch; they are first
@@ -726,20 +732,127 @@ impl Trainer {
     /// rank's order over the same micro-batches bit for bit. The price is
     /// one full fp32 gradient of such a param held during backward (as
     /// PyTorch's autograd holds it before ZeRO's hook sees it).
-    fn accumulate(
+    ///
+    /// With several ranks the unit's gradients go through **one**
+    /// reduce-scatter: rank `r`'s chunk is every param's chunk `r`, one
+    /// after the other, and this rank's accumulator slices are added to
+    /// as one buffer, chunk by chunk in rank order: per element the same
+    /// additions in the same order as a reduce-scatter each, for one
+    /// collective's latency a unit instead of one a param.
+    pub(super) fn accumulate_unit(
         &mut self,
         groups: &mut StepGroups,
         tied: &mut BTreeMap<ParamId, Vec<f32>>,
         unit: UnitId,
-        pid: ParamId,
-        grad: &Tensor,
+        grads: &[(ParamId, Tensor)],
     ) -> Result<()> {
-        let slot = self
-            .layout
+        let mut ready = Vec::with_capacity(grads.len());
+        for (pid, grad) in grads {
+            if let Some(full) = self.local_grad(tied, unit, *pid, grad)? {
+                ready.push((*pid, full));
+            }
+        }
+        if self.layout.world == 1 {
+            for (pid, full) in &ready {
+                self.reduce_into(groups, *pid, full)?;
+            }
+            return Ok(());
+        }
+        let world = self.layout.world;
+        let mut slots = Vec::with_capacity(ready.len());
+        for (pid, _) in &ready {
+            let slot = self.param_slot(*pid)?;
+            // A sum parked after the last micro-batch comes back first.
+            for pc in &slot.pieces {
+                self.unpark(groups, pc.sub_group)?;
+            }
+            slots.push(slot);
+        }
+        let per_param: Vec<Vec<usize>> =
+            slots.iter().map(|s| shard_counts(s.numel, world)).collect();
+        let mut counts = vec![0usize; world];
+        let mut full = Vec::with_capacity(slots.iter().map(|s| s.numel).sum());
+        for (r, count) in counts.iter_mut().enumerate() {
+            for ((_, g), c) in ready.iter().zip(&per_param) {
+                let at: usize = c[..r].iter().sum();
+                full.extend_from_slice(
+                    g.get(at..at + c[r]).ok_or_else(|| {
+                        EngineError::internal("a gradient shorter than its param")
+                    })?,
+                );
+                *count += c[r];
+            }
+        }
+        let mut acc = Vec::with_capacity(counts[self.opts.comm.rank()]);
+        for slot in &slots {
+            let start = acc.len();
+            acc.resize(start + slot.shard_numel, 0.0);
+            self.copy_shard_acc(groups, slot, &mut acc[start..], false)?;
+        }
+        self.opts
+            .comm
+            .reduce_scatter_add_f32(&full, &counts, &mut acc)?;
+        groups.grad_reduces += 1;
+        let mut at = 0;
+        for slot in &slots {
+            let n = slot.shard_numel;
+            let mut part = acc
+                .get(at..at + n)
+                .ok_or_else(|| EngineError::internal("reduced gradients too short"))?
+                .to_vec();
+            self.copy_shard_acc(groups, slot, &mut part, true)?;
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// `pid`'s layout slot.
+    fn param_slot(&self, pid: ParamId) -> Result<crate::engine::layout::ParamSlot> {
+        self.layout
             .params
             .get(pid.0)
             .cloned()
-            .ok_or_else(|| EngineError::internal("grad of unknown param"))?;
+            .ok_or_else(|| EngineError::internal("grad of unknown param"))
+    }
+
+    /// Copies this rank's shard of `slot`'s accumulated gradient out of
+    /// its sub-groups' accumulators into `shard` (`back`: from `shard`
+    /// into them).
+    fn copy_shard_acc(
+        &mut self,
+        groups: &mut StepGroups,
+        slot: &crate::engine::layout::ParamSlot,
+        shard: &mut [f32],
+        back: bool,
+    ) -> Result<()> {
+        for pc in &slot.pieces {
+            let numel = self.sub_group_numel(pc.sub_group)?;
+            let acc = groups.accumulator(pc.sub_group, numel)?;
+            let a = acc
+                .get_mut(pc.group_range())
+                .ok_or_else(|| EngineError::internal("grad slot out of range"))?;
+            let s = shard
+                .get_mut(pc.shard_range())
+                .ok_or_else(|| EngineError::internal("grad shard out of range"))?;
+            if back {
+                a.copy_from_slice(s);
+            } else {
+                s.copy_from_slice(a);
+            }
+        }
+        Ok(())
+    }
+
+    /// `grad` of `pid` from `unit` as a flat fp32 vector, summed with the
+    /// earlier units' gradients of a tied param; `None` until its last
+    /// unit (the sum is held in `tied` meanwhile).
+    fn local_grad(
+        &mut self,
+        tied: &mut BTreeMap<ParamId, Vec<f32>>,
+        unit: UnitId,
+        pid: ParamId,
+        grad: &Tensor,
+    ) -> Result<Option<Vec<f32>>> {
         let full = grad
             .to_dtype(DType::F32)?
             .flatten_all()?
@@ -762,45 +875,38 @@ impl Trainer {
             .unwrap_or(unit);
         if unit != last_unit {
             tied.insert(pid, full);
-            return Ok(());
+            return Ok(None);
         }
+        Ok(Some(full))
+    }
+
+    /// Adds `full`, the whole gradient of `pid`, into its sub-groups'
+    /// accumulators: every rank's chunk of this rank's shard in rank
+    /// order (reduce-scatter), straight into the accumulator; a tiled
+    /// shard's pieces are copied out, added to and copied back (the same
+    /// additions in the same order).
+    fn reduce_into(&mut self, groups: &mut StepGroups, pid: ParamId, full: &[f32]) -> Result<()> {
+        let slot = self.param_slot(pid)?;
         // A sum parked after the last micro-batch comes back first.
         for pc in &slot.pieces {
             self.unpark(groups, pc.sub_group)?;
         }
-        // Every rank's chunk of this rank's shard is added in rank order
-        // (reduce-scatter), straight into the accumulator; a tiled shard's
-        // pieces are copied out, added to and copied back (the same
-        // additions in the same order).
         let counts = shard_counts(slot.numel, self.layout.world);
+        groups.grad_reduces += 1;
         if let [pc] = slot.pieces.as_slice() {
             let numel = self.sub_group_numel(pc.sub_group)?;
             let acc = groups.accumulator(pc.sub_group, numel)?;
             let dst = acc
                 .get_mut(pc.group_range())
                 .ok_or_else(|| EngineError::internal("grad slot out of range"))?;
-            return self.opts.comm.reduce_scatter_add_f32(&full, &counts, dst);
+            return self.opts.comm.reduce_scatter_add_f32(full, &counts, dst);
         }
         let mut shard = vec![0f32; slot.shard_numel];
-        for pc in &slot.pieces {
-            let numel = self.sub_group_numel(pc.sub_group)?;
-            let acc = groups.accumulator(pc.sub_group, numel)?;
-            let src = acc
-                .get(pc.group_range())
-                .ok_or_else(|| EngineError::internal("grad slot out of range"))?;
-            shard[pc.shard_range()].copy_from_slice(src);
-        }
+        self.copy_shard_acc(groups, &slot, &mut shard, false)?;
         self.opts
             .comm
-            .reduce_scatter_add_f32(&full, &counts, &mut shard)?;
-        for pc in &slot.pieces {
-            let numel = self.sub_group_numel(pc.sub_group)?;
-            let acc = groups.accumulator(pc.sub_group, numel)?;
-            acc.get_mut(pc.group_range())
-                .ok_or_else(|| EngineError::internal("grad slot out of range"))?
-                .copy_from_slice(&shard[pc.shard_range()]);
-        }
-        Ok(())
+            .reduce_scatter_add_f32(full, &counts, &mut shard)?;
+        self.copy_shard_acc(groups, &slot, &mut shard, true)
     }
 
     /// The step's loss: every rank's micro-batch losses, all-gathered and

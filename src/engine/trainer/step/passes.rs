@@ -277,9 +277,7 @@ impl Trainer {
             }
             _ => ready,
         };
-        for (pid, grad) in &grads {
-            self.accumulate(groups, tied, uid, *pid, grad)?;
-        }
+        self.accumulate_unit(groups, tied, uid, &grads)?;
         if !batch.last_micro {
             self.park_final_groups(uid, groups)?;
         }
