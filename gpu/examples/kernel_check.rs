@@ -30,18 +30,23 @@ fn typed<T: Storage>(v: &[f32]) -> Vec<T> {
 }
 
 struct Report {
-    results: Vec<String>,
+    results: Vec<serde_json::Value>,
     failed: usize,
 }
 
 impl Report {
+    /// `got` against `want` (NaN in `want`: not compared): the relative
+    /// error over the compared elements at most `tol`, every compared
+    /// output finite (the outputs start poisoned with NaN), and at least
+    /// one element compared.
     fn compare<T: Storage>(&mut self, kernel: &str, size: &str, got: &[T], want: &[T], tol: f64) {
-        let (mut d, mut n, mut unwritten) = (0f64, 0f64, 0usize);
+        let (mut d, mut n, mut unwritten, mut compared) = (0f64, 0f64, 0usize, 0usize);
         for (g, w) in got.iter().zip(want) {
             let (g, w) = (g.load() as f64, w.load() as f64);
             if w.is_nan() {
                 continue;
             }
+            compared += 1;
             if !g.is_finite() {
                 unwritten += 1;
                 continue;
@@ -50,13 +55,25 @@ impl Report {
             n += w * w;
         }
         let rel = if n == 0.0 { d.sqrt() } else { (d / n).sqrt() };
-        let ok = got.len() == want.len() && unwritten == 0 && rel <= tol;
+        let ok = got.len() == want.len() && compared > 0 && unwritten == 0 && rel <= tol;
         if !ok {
             self.failed += 1;
         }
-        self.results.push(format!(
-            "{{\"kernel\":\"{kernel}\",\"size\":\"{size}\",\"rel_err\":{rel:e},\"tol\":{tol:e},\"non_finite\":{unwritten},\"ok\":{ok}}}"
-        ));
+        // serde_json writes a non-finite number as null.
+        self.results.push(serde_json::json!({
+            "kernel": kernel, "size": size, "rel_err": rel, "tol": tol,
+            "compared": compared, "non_finite": unwritten, "ok": ok,
+        }));
+    }
+
+    /// A check that is not a tolerance: `ok` or not, and what was seen.
+    fn check(&mut self, kernel: &str, size: &str, ok: bool, seen: &str) {
+        if !ok {
+            self.failed += 1;
+        }
+        self.results.push(serde_json::json!({
+            "kernel": kernel, "size": size, "ok": ok, "seen": seen,
+        }));
     }
 }
 
@@ -293,6 +310,8 @@ where
             &r::gelu_tanh_fwd(&x),
             tol,
         );
+        // Poisoned again: `g` holds the forward's output.
+        let mut g = poisoned::<T>(dev, n)?;
         ops::gelu_tanh_bwd(dev, &mut g, &gdy, &gx)?;
         rep.compare(
             &name("gelu_tanh_bwd"),
@@ -627,7 +646,11 @@ fn check_gemm16<T: ops::Half16 + Storage>(dev: &Device, rep: &mut Report, seed: 
                 &format!("{m}x{n}x{k} t{}{}", ta as u8, tb as u8),
                 &dev.download(&gc)?,
                 &c,
-                1e-5,
+                // Exact 16-bit operands, so only the accumulation differs
+                // from the f64 reference; tensor cores add in fp32 but not
+                // in IEEE's order and rounding: 1e-4 at k = 768, still 200
+                // times under the bf16 bound.
+                1e-4,
             );
         }
     }
@@ -678,13 +701,25 @@ fn check_f32_only(dev: &Device, rep: &mut Report) -> Result<()> {
         )?;
     }
     let got = dev.download(&gp)?;
-    let same_bits = got.iter().zip(&p).all(|(a, b)| a.to_bits() == b.to_bits());
+    let differ = got
+        .iter()
+        .zip(&p)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
     rep.compare(
         "adamw_bf16.master",
-        &format!("{n} x3 steps, bits equal: {same_bits}"),
+        &format!("{n} x3 steps"),
         &got,
         &p,
         1e-5,
+    );
+    // The device optimizer's claim (src/engine/device/resident.rs): the
+    // CPU kernel's bits (--fmad=false, IEEE division and square root).
+    rep.check(
+        "adamw_bf16.master_bits",
+        &format!("{n} x3 steps"),
+        differ == 0 && got.len() == p.len(),
+        &format!("{differ} of {n} elements differ from the CPU kernel's bits"),
     );
     rep.compare(
         "adamw_bf16.out",
@@ -744,10 +779,10 @@ fn main() {
     let dev = match Device::open(0, &opts) {
         Ok(d) => d,
         Err(e) => {
-            emit(format!(
-                "{{\"ok\":false,\"step\":\"open\",\"error\":{:?}}}",
-                e.to_string()
-            ));
+            emit(
+                serde_json::json!({"ok": false, "step": "open", "error": e.to_string()})
+                    .to_string(),
+            );
             eprintln!("kernel_check: {e}");
             std::process::exit(2);
         }
@@ -761,21 +796,26 @@ fn main() {
         .and_then(|_| check_all::<bf16>(&dev, &mut rep, 2e-2))
         .and_then(|_| check_f32_only(&dev, &mut rep));
     let error = match run {
-        Ok(()) => "null".to_string(),
+        Ok(()) => None,
         Err(e) => {
             rep.failed += 1;
-            format!("{:?}", e.to_string())
+            Some(e.to_string())
         }
     };
     let ok = rep.failed == 0;
-    emit(format!(
-        "{{\"ok\":{ok},\"device\":{:?},\"arch\":{},\"open_s\":{open_s:.2},\"total_s\":{:.2},\"checks\":{},\"failed\":{},\"error\":{error},\"results\":[{}]}}",
-        dev.name(),
-        dev.arch(),
-        t0.elapsed().as_secs_f64(),
-        rep.results.len(),
-        rep.failed,
-        rep.results.join(",")
-    ));
+    emit(
+        serde_json::json!({
+            "ok": ok,
+            "device": dev.name(),
+            "arch": dev.arch(),
+            "open_s": open_s,
+            "total_s": t0.elapsed().as_secs_f64(),
+            "checks": rep.results.len(),
+            "failed": rep.failed,
+            "error": error,
+            "results": rep.results,
+        })
+        .to_string(),
+    );
     std::process::exit(if ok { 0 } else { 1 });
 }

@@ -53,10 +53,10 @@ fn main() {
     let dev = match Device::open(0, &DeviceOptions::default()) {
         Ok(dv) => dv,
         Err(e) => {
-            emit(format!(
-                "{{\"ok\":false,\"step\":\"open\",\"error\":{:?}}}",
-                e.to_string()
-            ));
+            emit(
+                serde_json::json!({"ok": false, "step": "open", "error": e.to_string()})
+                    .to_string(),
+            );
             eprintln!("throughput: {e}");
             std::process::exit(2);
         }
@@ -71,7 +71,7 @@ fn main() {
         weight_decay: 0.01,
     };
     let cuda = CudaExec { dev: &dev, gemm };
-    let result = (|| -> tierzero_gpu::Result<String> {
+    let result = (|| -> tierzero_gpu::Result<(bool, String)> {
         let mut t = Gpt2Trainer::new(&cuda, d, layers, &init, hyper)?;
         t.keep_activations(!recompute);
         drop(init);
@@ -103,24 +103,41 @@ fn main() {
         let timed = (steps - 1) as f64;
         let tok_s = timed * (d.batch * d.seq) as f64 / secs;
         let flops_per_token = 6.0 * params as f64 + 12.0 * (layers * d.hidden * d.seq) as f64;
-        Ok(format!(
-            "{{\"ok\":true,\"device\":{:?},\"gemm\":\"{gemm:?}\",\"params\":{params},\"layers\":{layers},\"batch\":{},\"seq\":{},\"steps_timed\":{},\"recompute\":{recompute},\"step_s\":{:.4},\"tokens_per_s\":{tok_s:.1},\"model_tflops\":{:.2},\"setup_s\":{setup_s:.2},\"first_loss\":{first},\"last_loss\":{last},\"device_bytes_used\":{}}}",
-            dev.name(),
-            d.batch,
-            d.seq,
-            steps - 1,
-            secs / timed,
-            tok_s * flops_per_token / 1e12,
-            dev.budget().used_bytes()
-        ))
+        // serde_json writes a non-finite loss as null; a diverged run is
+        // not a measurement.
+        let ok = first.is_finite() && last.is_finite();
+        let json = serde_json::json!({
+            "ok": ok,
+            "device": dev.name(),
+            "gemm": format!("{gemm:?}"),
+            "params": params,
+            "layers": layers,
+            "batch": d.batch,
+            "seq": d.seq,
+            "steps_timed": steps - 1,
+            "recompute": recompute,
+            "step_s": secs / timed,
+            "tokens_per_s": tok_s,
+            "model_tflops": tok_s * flops_per_token / 1e12,
+            "setup_s": setup_s,
+            "first_loss": first,
+            "last_loss": last,
+            "device_bytes_used": dev.budget().used_bytes(),
+        });
+        Ok((ok, json.to_string()))
     })();
     match result {
-        Ok(json) => emit(json),
+        Ok((ok, json)) => {
+            emit(json);
+            if !ok {
+                std::process::exit(1);
+            }
+        }
         Err(e) => {
-            emit(format!(
-                "{{\"ok\":false,\"step\":\"train\",\"error\":{:?}}}",
-                e.to_string()
-            ));
+            emit(
+                serde_json::json!({"ok": false, "step": "train", "error": e.to_string()})
+                    .to_string(),
+            );
             std::process::exit(1);
         }
     }

@@ -81,15 +81,15 @@ fn main() {
     let dev = match Device::open(0, &DeviceOptions::default()) {
         Ok(d) => d,
         Err(e) => {
-            emit(format!(
-                "{{\"ok\":false,\"step\":\"open\",\"error\":{:?}}}",
-                e.to_string()
-            ));
+            emit(
+                serde_json::json!({"ok": false, "step": "open", "error": e.to_string()})
+                    .to_string(),
+            );
             eprintln!("train_check: {e}");
             std::process::exit(2);
         }
     };
-    let run = || -> Result<String> {
+    let run = || -> Result<(bool, String)> {
         let mut parts = Vec::new();
         let mut all_ok = true;
         // fp32 GEMMs at the 1e-3; bf16 and fp16 GEMM operands
@@ -103,48 +103,51 @@ fn main() {
             let (gpu, gpu_params, gpu_s) = train(&cuda)?;
             let (gpu2, gpu2_params, _) = train(&cuda)?;
             let (host, _, host_s) = train(&HostExec { gemm })?;
+            // NaN anywhere makes `worst` NaN (f64::max would drop it), and
+            // NaN fails the bound.
             let worst = gpu
                 .iter()
                 .zip(&host)
                 .map(|(g, h)| ((g - h) / h).abs() as f64)
-                .fold(0.0, f64::max);
+                .fold(0.0, |w: f64, x| {
+                    if x.is_nan() || w.is_nan() {
+                        f64::NAN
+                    } else {
+                        w.max(x)
+                    }
+                });
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             let same = bits(&gpu) == bits(&gpu2)
                 && gpu_params
                     .iter()
                     .zip(&gpu2_params)
                     .all(|(a, b)| bits(a) == bits(b));
-            let ok = worst <= tol && same && gpu.iter().all(|l| l.is_finite());
+            let finite = |v: &[f32]| v.len() == STEPS && v.iter().all(|l| l.is_finite());
+            let ok = worst <= tol && same && finite(&gpu) && finite(&host);
             all_ok &= ok;
-            let list = |v: &[f32]| {
-                v.iter()
-                    .map(|x| format!("{x}"))
-                    .collect::<Vec<_>>()
-                    .join(",")
-            };
-            parts.push(format!(
-                "{{\"gemm\":\"{gemm:?}\",\"ok\":{ok},\"tol\":{tol:e},\"max_rel_loss_diff\":{worst:e},\"gpu_twice_same_bits\":{same},\"gpu_s\":{gpu_s:.3},\"host_s\":{host_s:.3},\"gpu_losses\":[{}],\"host_losses\":[{}]}}",
-                list(&gpu),
-                list(&host)
-            ));
+            // serde_json writes a non-finite loss as null.
+            parts.push(serde_json::json!({
+                "gemm": format!("{gemm:?}"), "ok": ok, "tol": tol,
+                "max_rel_loss_diff": worst, "gpu_twice_same_bits": same,
+                "gpu_s": gpu_s, "host_s": host_s,
+                "gpu_losses": gpu, "host_losses": host,
+            }));
         }
-        Ok(format!(
-            "{{\"ok\":{all_ok},\"device\":{:?},\"steps\":{STEPS},\"runs\":[{}]}}",
-            dev.name(),
-            parts.join(",")
-        ))
+        let json = serde_json::json!({
+            "ok": all_ok, "device": dev.name(), "steps": STEPS, "runs": parts,
+        });
+        Ok((all_ok, json.to_string()))
     };
     match run() {
-        Ok(json) => {
-            let ok = json.starts_with("{\"ok\":true");
+        Ok((ok, json)) => {
             emit(json);
             std::process::exit(if ok { 0 } else { 1 });
         }
         Err(e) => {
-            emit(format!(
-                "{{\"ok\":false,\"step\":\"train\",\"error\":{:?}}}",
-                e.to_string()
-            ));
+            emit(
+                serde_json::json!({"ok": false, "step": "train", "error": e.to_string()})
+                    .to_string(),
+            );
             std::process::exit(1);
         }
     }
