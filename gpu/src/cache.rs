@@ -8,7 +8,9 @@
 //! (a torn write, a disk error) is compiled again and replaced. Writes go
 //! to a temporary file in the same directory and are renamed into place,
 //! so a reader sees a whole file or none; they are not fsynced: losing a
-//! cache entry costs one compile, and the hash catches a torn one.
+//! cache entry costs one compile, and the hash catches a torn one. A
+//! cache that cannot be written is a warning, not an error: the run goes
+//! on with the images it compiled.
 //!
 //! The directory: `$TIERZERO_KERNEL_CACHE`, else
 //! `$XDG_CACHE_HOME/tierzero/kernels`, else `~/.cache/tierzero/kernels`.
@@ -96,7 +98,11 @@ impl KernelCache {
             return Ok((image, Lookup::Hit));
         }
         let image = compile()?;
-        self.store(&path, key, &image)?;
+        // A cache that cannot be written (a read-only home, a full disk)
+        // costs a compile at the next start, not this run.
+        if let Err(e) = self.store(&path, key, &image) {
+            tracing::warn!(error = %e, "the compiled kernels are not cached (set TIERZERO_KERNEL_CACHE to a writable directory)");
+        }
         Ok((image, Lookup::Compiled))
     }
 
@@ -191,6 +197,27 @@ mod tests {
         assert_eq!(get(), (vec![7u8; 1000], Lookup::Compiled));
         assert_eq!(get(), (vec![7u8; 1000], Lookup::Hit));
         assert_eq!(compiles, 2);
+    }
+
+    #[test]
+    fn a_cache_that_cannot_be_written_still_gives_the_compiled_image() {
+        let dir = tempfile::tempdir().unwrap();
+        // The cache's directory would be under a regular file.
+        let file = dir.path().join("not-a-dir");
+        std::fs::write(&file, b"x").unwrap();
+        let cache = KernelCache::new(file.join("k"));
+        let k = key("13.0", Target::Cubin(90), "src");
+        let mut compiles = 0;
+        for _ in 0..2 {
+            let got = cache
+                .get_or_insert_with("m", Target::Cubin(90), &k, || {
+                    compiles += 1;
+                    Ok(vec![3u8; 10])
+                })
+                .unwrap();
+            assert_eq!(got, (vec![3u8; 10], Lookup::Compiled));
+        }
+        assert_eq!(compiles, 2, "nothing was cached");
     }
 
     #[test]
