@@ -778,12 +778,7 @@ impl ParamStore {
                 self.apply(id, ParamEvent::Materialized(t))?;
             }
             ParamState::OnDisk => match &self.homes[id.0] {
-                Home::Device => {
-                    return Err(EngineError::internal(format!(
-                        "device-tier param `{}` is not resident",
-                        self.info[id.0].name
-                    )))
-                }
+                Home::Device => return Err(self.not_on_device(id)),
                 Home::Cpu { .. } => {
                     let (t, len) = self.with_cpu_home(id, |src| {
                         Ok((self.tensor_from_shard(id, src)?, src.len()))
@@ -800,6 +795,11 @@ impl ParamStore {
                 }
             },
         }
+        self.resident_tensor(id)
+    }
+
+    /// The tensor of `id`, which a fetch just made resident.
+    fn resident_tensor(&self, id: ParamId) -> Result<Tensor> {
         match &self.slots[id.0].slot {
             Slot::Resident(t, _) => Ok(t.clone()),
             other => Err(EngineError::internal(format!(
@@ -808,6 +808,14 @@ impl ParamStore {
                 other.name()
             ))),
         }
+    }
+
+    /// Not resident, but its home is the device.
+    fn not_on_device(&self, id: ParamId) -> EngineError {
+        EngineError::internal(format!(
+            "device-tier param `{}` is not resident",
+            self.info[id.0].name
+        ))
     }
 
     /// The tensors of `ids` (a unit's params), fetching what is not
@@ -836,12 +844,7 @@ impl ParamStore {
                 ParamState::Staged => {}
                 ParamState::InFlight => self.complete_read(id, false)?,
                 ParamState::OnDisk => match &self.homes[id.0] {
-                    Home::Device => {
-                        return Err(EngineError::internal(format!(
-                            "device-tier param `{}` is not resident",
-                            self.info[id.0].name
-                        )))
-                    }
+                    Home::Device => return Err(self.not_on_device(id)),
                     Home::Cpu { .. } => {
                         let shard = self.with_cpu_home(id, |src| Ok(src.to_vec()))?;
                         self.counters.cpu_read_bytes += shard.len() as u64;
@@ -861,16 +864,7 @@ impl ParamStore {
             }
         }
         self.gather_staged(&gather)?;
-        ids.iter()
-            .map(|&id| match &self.slots[id.0].slot {
-                Slot::Resident(t, _) => Ok(t.clone()),
-                other => Err(EngineError::internal(format!(
-                    "fetch left `{}` {}",
-                    self.info[id.0].name,
-                    other.name()
-                ))),
-            })
-            .collect()
+        ids.iter().map(|&id| self.resident_tensor(id)).collect()
     }
 
     /// One all-gather of the staged shards of `ids` (each staged), then
