@@ -6,13 +6,20 @@ is built with `transformers` from the same config.json tierzero trains
 `fully_shard` with `CPUOffloadPolicy(pin_memory=True)` (params, gradients
 and AdamW's state in pinned host memory, AdamW on the CPU) and
 `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`, the
-same batch and sequence length, random token ids. Prints one JSON line:
-tokens/s, model TFLOPS (6 * params + 12 * layers * hidden * seq FLOPs per
-token, the count gpu_check uses for tierzero), step seconds and the GPU's
-peak memory.
+same batch and sequence length, random token ids. As tierzero's default
+config (src/config/default.json: "gradient_clipping": 1.0), the gradients
+are clipped to a global L2 norm of 1.0 before each step (--clip; 0 turns
+it off). The optimizer is torch's AdamW with fused=True (its CPU kernel)
+where this torch accepts it for the offloaded (CPU, DTensor) params, else
+foreach=True; the JSON says which ran ("optimizer") and why it fell back.
+Prints one JSON line: tokens/s, model TFLOPS (6 * params + 12 * layers *
+hidden * seq FLOPs per token, the count gpu_check uses for tierzero), step
+seconds, the GPU's peak memory, the optimizer, the clipping and the
+attention implementation the model was built with
+(`model.config._attn_implementation`).
 
   python scripts/fsdp2_offload_throughput.py --config DIR/config.json \
-      [--micro 2] [--seq 1024] [--steps 5] [--attn eager] [--out OUT.json] \
+      [--micro 2] [--seq 1024] [--steps 5] [--attn eager] [--clip 1.0] [--out OUT.json] \
       [--device cuda|cpu]
 
 `--device cpu` is a smoke test, not a measurement: gloo instead of NCCL,
@@ -38,6 +45,9 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--attn", default="eager", help="eager (tierzero's algorithm) or sdpa")
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--clip", type=float, default=1.0,
+                    help="clip the gradients' global L2 norm to this before each step, as "
+                    "tierzero's default config does (gradient_clipping 1.0); 0: no clipping")
     ap.add_argument("--out")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cuda (the measurement) or cpu (a smoke test)")
@@ -71,25 +81,71 @@ def main():
         t_build = time.perf_counter()
         model = AutoModelForCausalLM.from_config(cfg, **fp32)
         model.train()
+        # What transformers made of the request (it may pick another).
+        attn_impl = getattr(model.config, "_attn_implementation", None)
         params = sum(p.numel() for p in model.parameters())
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         off = CPUOffloadPolicy(pin_memory=cuda)
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=mp, offload_policy=off)
         fully_shard(model, mp_policy=mp, offload_policy=off)
-        opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
+
+        def make_opt(kind):
+            kw = {"fused": True} if kind == "fused" else {"foreach": True}
+            return torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01, **kw)
+
+        # fused=True: torch's fused AdamW, which has a CPU kernel (the params
+        # are offloaded to the CPU); foreach=True where this torch refuses it.
+        opt_note = None
+        try:
+            opt, opt_kind = make_opt("fused"), "fused"
+        except (TypeError, RuntimeError) as e:
+            opt, opt_kind = make_opt("foreach"), "foreach"
+            opt_note = f"fused=True refused at construction: {type(e).__name__}: {e}"[:500]
         build_s = time.perf_counter() - t_build
         g = torch.Generator(device=a.device).manual_seed(1)
+        last_norm = [None]
+
+        def clip():
+            # The global L2 norm over every gradient, as tierzero clips on
+            # the host's sum of squares. One rank: each DTensor's local shard
+            # is the whole gradient, so the local tensors' norm is the global
+            # one, and no collective runs (the offloaded gradients are CPU
+            # tensors, which NCCL would not take).
+            if a.clip <= 0:
+                return
+            with torch.no_grad():
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                local = [x.to_local() if hasattr(x, "to_local") else x for x in grads]
+                if not local:
+                    return
+                norm = torch.linalg.vector_norm(
+                    torch.stack([n.float() for n in torch._foreach_norm(local, 2.0)]), 2.0)
+                coef = torch.clamp(a.clip / (norm + 1e-6), max=1.0)
+                torch._foreach_mul_(local, coef.to(local[0].dtype))
+                last_norm[0] = float(norm)
 
         def step():
             ids = torch.randint(0, cfg.vocab_size, (a.micro, a.seq), device=a.device, generator=g)
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
+            clip()
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
 
-        first = step().item()
+        # The first step is not timed; if the fused kernel is refused only
+        # when it runs (the params are DTensors), the step is taken again
+        # with foreach=True (a failed fused call has not touched the params).
+        try:
+            first = step().item()
+        except (RuntimeError, NotImplementedError, TypeError) as e:
+            if opt_kind != "fused":
+                raise
+            opt.zero_grad(set_to_none=True)
+            opt, opt_kind = make_opt("foreach"), "foreach"
+            opt_note = f"fused=True failed at the first step: {type(e).__name__}: {e}"[:500]
+            first = step().item()
         step()
         sync()
         t0 = time.perf_counter()
@@ -106,8 +162,13 @@ def main():
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "torch": torch.__version__,
             "policy": f"FSDP2 fully_shard per decoder layer + root, CPUOffloadPolicy(pin_memory={cuda}), "
-            "MixedPrecisionPolicy(bf16 params, fp32 reduce), torch.optim.AdamW on the CPU",
+            f"MixedPrecisionPolicy(bf16 params, fp32 reduce), torch.optim.AdamW({opt_kind}=True) on the CPU",
+            "optimizer": f"AdamW({opt_kind}=True)",
+            "optimizer_note": opt_note,
+            "grad_clip": a.clip if a.clip > 0 else None,
+            "last_grad_norm": last_norm[0],
             "attn": a.attn,
+            "attn_implementation": attn_impl,
             "params": params,
             "layers": layers,
             "micro": a.micro,

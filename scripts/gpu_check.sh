@@ -2,9 +2,38 @@
 # The one prepared GPU check (the developers' guide asks for one script): run it in one go on a machine
 # with an NVIDIA GPU. It never fails half-way: every step's outcome goes
 # into one JSON object on stdout (and $OUT/gpu_check.json when $OUT is set);
-# the exit status is 0 when every step that applies passed, 1 otherwise.
+# the exit status is 0 when every step that ran passed, 1 otherwise.
 #
-# Steps:
+# As each step finishes, its JSON fragment is also appended to
+# $OUT/gpu_check.partial.jsonl, one object a line: {"step":NAME,
+# "elapsed_s":N,"value":FRAGMENT} (NAME is the final JSON's key, or KEY.RUN
+# for one run of a step with several), or {"step":NAME,"elapsed_s":N,
+# "skipped":REASON}. A run killed from outside (the device tool's
+# timeout_s) keeps what the finished steps found there; the EXIT trap (on
+# a normal end, an error exit, SIGTERM, SIGINT or SIGHUP; not SIGKILL)
+# writes the final gpu_check.json from the same fragments, a step that never
+# ran as {"skipped":"not reached"}. Every value pasted from a program's
+# output is parsed first (python3, strict: no NaN); a line that does not
+# parse goes in as {"unparsed":"<the line>"}. The final JSON adds to the
+# step keys "finished" (false when interrupted), "failed_steps" and
+# "skipped" (a list of {"step","reason"}). A kill (SIGKILL) in the middle
+# of a write can leave the partial file's last line cut: read it line by
+# line and drop a line that does not parse.
+#
+# Budget: GPU_CHECK_BUDGET_S (default 480) seconds for the whole script,
+# GPU_CHECK_MARGIN_S (default 25) of them kept back for timeout's kill
+# grace (10 s) and for writing the JSON: no step is given more than what is
+# left of the budget less that margin. A step that does not fit what is
+# left is not started: it is recorded as {"skipped":"budget"} and listed in
+# "skipped", which is not a failure (a step's "ok" is then null, not
+# judged, unless something that ran failed). Every run is under `timeout -k 10`:
+# `tierzero train` stops at the next step boundary on SIGTERM, so a hung
+# run gets SIGKILL 10 s later. With the default, the device tool's
+# timeout_s 540 and the machine's start fit a 15-minute lease with room for
+# a shorter rerun (GPU_CHECK_BUDGET_S set to what is left).
+#
+# Steps, in the order they run (the correctness checks first, the
+# measurements last, each skipped when the budget is spent):
 #   1. the binary: $TIERZERO_BIN if set (a release build made elsewhere with
 #      `cargo build --release --features gpu`: it loads libcuda/libnccl at
 #      run time, so it runs on any x86_64 Linux with the driver), else
@@ -17,21 +46,21 @@
 #      127.0.0.1): on cuda:0 and cuda:1 when there are two GPUs; with one
 #      GPU both ranks on cuda:0, which NCCL is expected to refuse
 #      ("Duplicate GPU detected"): recorded as such, not counted as a failure;
+#   6c. every CUDA kernel against its CPU reference (gpu/examples/
+#      kernel_check, $KERNEL_CHECK_BIN), with PyTorch's cuBLAS and NVRTC
+#      (at most 180 s);
+#   6d. a small GPT-2 trained 20 steps on the GPU against the same units
+#      on the kernels' references, and twice on the GPU (gpu/examples/
+#      train_check, $TRAIN_CHECK_BIN; at most 180 s);
 #   6. `train --device cuda` (the units on the GPU) against `train
 #      --device cpu`, 20 fp32 steps of a GPT-2 and of a Llama: losses
 #      within 1e-3 relative at every step, and a second GPU run with the
-#      same bits;
-#   6b. the Python package's AdamW over CUDA params against CPU params, bit
-#      for bit (python/tests/test_adamw_cuda.py, with the machine's
-#      PyTorch; the wheel from $TIERZERO_WHEEL or target/wheels/);
-#   6c. every CUDA kernel against its CPU reference (gpu/examples/
-#      kernel_check, $KERNEL_CHECK_BIN), with PyTorch's cuBLAS and NVRTC;
-#   6d. a small GPT-2 trained 20 steps on the GPU against the same units
-#      on the kernels' references, and twice on the GPU (gpu/examples/
-#      train_check, $TRAIN_CHECK_BIN);
-#   6e. throughput of a ~350M GPT-2 in GPU memory, bf16 GEMMs, seq 1024,
-#      each block's forward kept for its backward, against PyTorch eager
-#      on the same shape (a measurement);
+#      same bits. Each 20-step `train` run (here, in 6f and in 6g) gets at
+#      most 60 s, and starts only when 60 s are left. When a model's first
+#      GPU run failed or timed out, its second GPU run and its runs in 6f
+#      and 6g are not started: {"skipped":"first GPU run failed (rc N)"}
+#      (or "... timed out"; "budget" when that run was itself skipped for
+#      the budget);
 #   6f. the device tier: `train --device cuda` with cpu offload and with
 #      a 1 GiB device cache, each bit-identical (losses, weight_sha256) to
 #      step 6's GPU run with NVMe offload, and at stage 0 with nothing
@@ -39,12 +68,29 @@
 #      (it clips on the device's Σg²); the runs' h2d/d2h bytes and waits;
 #   6g. bf16: the embedded GPT-2 20 steps in bf16 on the GPU against the
 #      CPU in bf16, losses within 1e-2 relative;
+#   6b. the Python package's AdamW over CUDA params against CPU params, bit
+#      for bit (python/tests/test_adamw_cuda.py, with the machine's
+#      PyTorch; the wheel from $TIERZERO_WHEEL or target/wheels/; at most
+#      120 s). Without a wheel it is {"skipped":"no wheel"} (listed in
+#      "skipped"; scripts/gpu_check_prepare.sh fails loudly when it cannot
+#      build one);
+#   6e. throughput of a ~350M GPT-2 in GPU memory, bf16 GEMMs, seq 1024,
+#      each block's forward kept for its backward, against PyTorch eager
+#      on the same shape (a measurement); both sides are given the same
+#      batch, steps and layers (BATCH/STEPS/LAYERS for the Rust example,
+#      --batch/--steps/--layers for scripts/torch_gpt2_throughput.py); the
+#      Rust side starts with 90 s left and gets at most 180 s, PyTorch's
+#      starts with 60 s left and gets at most 240 s;
 #   6h. throughput with offload (a measurement): a Llama layout of ~850M
 #      params in bf16, seq 1024, stage 3 with params and optimizer on the
 #      CPU and a 4 GiB device budget (so the tier streams the params),
 #      (the CPU Adam on half the cores, --threads), against PyTorch FSDP2
 #      with CPUOffloadPolicy on the same config,
-#      batch and precision (scripts/fsdp2_offload_throughput.py); the
+#      batch, steps and precision (scripts/fsdp2_offload_throughput.py:
+#      AdamW fused on the CPU where torch takes it, clipping at 1.0 as
+#      tierzero's default config); each side needs 120 s of budget and gets
+#      at most 180 s, and FSDP2 runs only when tierzero's side gave a
+#      tokens/s; the ratio only when both gave a number (else null); the
 #      issue's goal is a ratio of at least 1.5;
 #   6i. overlap on the GPU (a measurement): examples/device_overlap
 #      ($DEVICE_OVERLAP_BIN), the step of a GPT-2 (6 layers, hidden 1024,
@@ -83,51 +129,275 @@
 # TIERZERO_WHEEL, TIERZERO_PY,
 # OVERLAP_BIN, OVERLAP_DIR, GPU_CHECK_PORT
 # (default 29517), GPU_CHECK_BYTES (timed all-gather per rank, default
-# 256M), GPU_CHECK_BUDGET_S (default 300: the overlap measurement uses
-# what steps 1-6 leave of it, so the whole check fits a short device
-# lease), OUT (the JSON and every step's log, logs.txt, go there).
+# 256M), GPU_CHECK_BUDGET_S (default 480: the whole script's seconds; the
+# measurements use what the checks leave of it, so the whole check fits a
+# short device lease), GPU_CHECK_MARGIN_S (default 25, see Budget),
+# GPU_CHECK_TRAIN_CAP_S (default 60: each 20-step train run's cap), OUT
+# (the JSON, the partial JSON lines and every step's log, logs.txt, go
+# there; with the timelines at most 7 files, under the device tool's 8).
 #
 # Libraries: cudarc loads the unversioned libnccl.so, which only NCCL's
 # development files install; a machine with the runtime alone (the
 # libnccl2 package, or the nvidia-nccl wheel that PyTorch brings) has
 # libnccl.so.2. Step 3 first probes as the machine is (what a user sees:
 # with the fix `tierzero` prints for that case), then, if NCCL was not
-# loadable, finds a libnccl.so.N, links it as $WORK/lib/libnccl.so, puts
+# loadable, finds a libnccl.so.N (first PyTorch's, /opt/torch/.venv/lib/
+# python3*/site-packages/nvidia/nccl/lib, then ldconfig's, then a search
+# of /), links it as $WORK/lib/libnccl.so, puts
 # that first on LD_LIBRARY_PATH and probes again; the JSON records both.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 
 PORT="${GPU_CHECK_PORT:-29517}"
 BYTES="${GPU_CHECK_BYTES:-256M}"
-BUDGET_S="${GPU_CHECK_BUDGET_S:-300}"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-480}"
+[[ $BUDGET_S =~ ^[0-9]+$ ]] || BUDGET_S=480
+MARGIN_S="${GPU_CHECK_MARGIN_S:-25}"
+[[ $MARGIN_S =~ ^[0-9]+$ ]] || MARGIN_S=25
+# timeout's grace between SIGTERM and SIGKILL.
+KILL_S=10
+[ "$MARGIN_S" -ge $(( KILL_S + 5 )) ] || MARGIN_S=$(( KILL_S + 5 ))
+export PYTHONUNBUFFERED=1
 WORK="$(mktemp -d)"
 LOGS="${OUT:-$WORK}/logs.txt"
-# Every step's files go into logs.txt on the way out.
-trap 'for f in $(find "$WORK" -maxdepth 2 -type f \( -name "*.txt" -o -name "*.err" -o -name "*.json" -o -name "*.log" \) | sort); do printf "\n===== %s\n" "${f#$WORK/}"; tail -c 20000 "$f"; done >"$LOGS" 2>/dev/null; rm -rf "$WORK"' EXIT
+PARTIAL=""
+if [ -n "${OUT:-}" ]; then mkdir -p "$OUT"; PARTIAL="$OUT/gpu_check.partial.jsonl"; : >"$PARTIAL"; fi
+mkdir -p "$WORK/frag"; : >"$WORK/skipped.jsonl"; : >"$WORK/failed.txt"
 export TIERZERO_COMM_TIMEOUT_S="${TIERZERO_COMM_TIMEOUT_S:-60}"
 unset TIERZERO_NCCL_ADDR TIERZERO_RANK TIERZERO_WORLD_SIZE
-failed=0
-# Seconds left of the budget (never below 1).
-left() { local l=$(( BUDGET_S - SECONDS )); [ "$l" -ge 1 ] && echo "$l" || echo 1; }
+failed=0; finished=0; final_written=0
+# CUDA 13's cuBLAS, NVRTC (and NCCL) from the machine's PyTorch wheels.
+nv_libs=$(ls -d /opt/torch/.venv/lib/python3*/site-packages/nvidia/*/lib 2>/dev/null | paste -sd: -)
+PY="${TIERZERO_PY:-$(ls /opt/torch/.venv/bin/python 2>/dev/null || command -v python3)}"
+PYCFG=$(command -v python3 || echo /opt/torch/.venv/bin/python)
+# The python that checks JSON (json only: any python 3).
+PYJ=""
+for p in "$(command -v python3 2>/dev/null)" /opt/torch/.venv/bin/python; do
+  if [ -n "$p" ] && [ -x "$p" ] && "$p" -c 'import json' 2>/dev/null; then PYJ=$p; break; fi
+done
+cat >"$WORK/jsonv.py" <<'PY'
+# check: stdin is one JSON value (strict: no NaN/Infinity); prints it
+# compact, on one line, or exits 1. get FILE KEY: the number KEY of the
+# last line of FILE that starts with "{" and parses, else null.
+import json, sys
+
+
+def bad(c):
+    raise ValueError(c)
+
+
+def strict(s):
+    return json.loads(s, parse_constant=bad)
+
+
+if sys.argv[1] == "check":
+    try:
+        sys.stdout.write(json.dumps(strict(sys.stdin.read()), separators=(",", ":"), allow_nan=False))
+    except Exception:
+        sys.exit(1)
+else:
+    v = None
+    try:
+        lines = [l for l in open(sys.argv[2], errors="replace") if l.startswith("{")]
+        o = strict(lines[-1])
+        x = o.get(sys.argv[3]) if isinstance(o, dict) else None
+        if isinstance(x, (int, float)) and not isinstance(x, bool):
+            v = x
+    except Exception:
+        pass
+    print("null" if v is None else json.dumps(v))
+PY
+
+# Seconds the steps may still use: the budget less the margin (may be < 1).
+avail() { echo $(( BUDGET_S - MARGIN_S - SECONDS )); }
+# room N: true when a step of N seconds fits what is left.
+room() { [ "$(avail)" -ge "$1" ]; }
+# Seconds left for the steps (never below 1).
+left() { local l; l=$(avail); [ "$l" -ge 1 ] && echo "$l" || echo 1; }
 # A timeout no longer than `left`.
 cap() { local l; l=$(left); [ "$1" -lt "$l" ] && echo "$1" || echo "$l"; }
+# tmo N CMD...: CMD under a timeout of at most N seconds (`cap N`), then
+# SIGKILL KILL_S seconds after the SIGTERM (`tierzero train` finishes its
+# step on the first SIGTERM).
+tmo() { local t; t=$(cap "$1"); shift; timeout -k "$KILL_S" "$t" "$@"; }
 
-# A JSON string from a file's text (escapes \ " and tabs, drops terminal
-# colour codes and the other control characters; the last 4000 bytes).
-json_str() {
-  tail -c 4000 "$1" | sed -e 's/\x1b\[[0-9;]*[A-Za-z]//g' | tr -d '\000-\010\013-\037' \
-    | sed -e 's/\\/\\\\/g' -e 's/"/\\"/g' -e 's/\t/\\t/g' -e 's/\r//g' \
-    | awk 'BEGIN{ORS=""; print "\""} NR>1{print "\\n"} {print} END{print "\""}'
+# Valid UTF-8 on stdout from stdin (tail -c can cut a character).
+utf8() {
+  if command -v iconv >/dev/null 2>&1; then iconv -c -f utf-8 -t utf-8 2>/dev/null
+  else LC_ALL=C tr -cd '\11\12\15\40-\176'; fi
 }
-# A JSON value: the last line of a file if it is an object, else null.
+# A JSON string from a file's text ("-": stdin): its last 4000 bytes,
+# valid UTF-8, terminal colour codes and the other control characters
+# dropped, \ " and tabs escaped, newlines as \n.
+json_str() {
+  { if [ "$1" = - ]; then tail -c 4000; else tail -c 4000 "$1" 2>/dev/null; fi; } \
+    | LC_ALL=C sed -e 's/\x1b\[[0-9;?]*[A-Za-z]//g' | utf8 | LC_ALL=C tr -d '\000-\010\013-\037' \
+    | LC_ALL=C sed -e 's/\\/\\\\/g' -e 's/"/\\"/g' -e 's/\t/\\t/g' \
+    | LC_ALL=C awk 'BEGIN{ORS=""; print "\""} NR>1{print "\\n"} {print} END{print "\""}'
+}
+# A JSON string from a value.
+jstr() { printf '%s' "$1" | json_str -; }
+# json_check VALUE: VALUE compact on one line if it is valid JSON, else fails.
+json_check() { [ -n "$PYJ" ] && printf '%s' "$1" | "$PYJ" "$WORK/jsonv.py" check 2>/dev/null; }
+# A JSON value from a program's output line: the line if it parses, else
+# {"unparsed":"<the line>"} (also when there is no python to check it).
+json_val() {
+  local v
+  if v=$(json_check "$1"); then printf '%s' "$v"; else printf '{"unparsed":%s}' "$(jstr "$1")"; fi
+}
+# A JSON value: the last line of a file that starts with "{" (json_val), else null.
 json_obj() {
   local last
   last="$(grep -E '^\{' "$1" 2>/dev/null | tail -n 1)"
-  if [ -n "$last" ]; then printf '%s' "$last"; else printf 'null'; fi
+  if [ -n "$last" ]; then json_val "$last"; else printf 'null'; fi
 }
+# json_num FILE KEY: the number KEY of json_obj FILE, else null.
+json_num() {
+  if [ -n "$PYJ" ]; then "$PYJ" "$WORK/jsonv.py" get "$1" "$2" 2>/dev/null || echo null
+  else num "$(grep -E '^\{' "$1" 2>/dev/null | tail -n 1 | grep -o "\"$2\": *[0-9.eE+-]*" | head -n 1 | sed 's/.*: *//')"; fi
+}
+# A JSON number.
+is_num() { [[ ${1:-} =~ ^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?$ ]]; }
+# The value if it is a JSON number, else null.
+num() { if is_num "${1:-}"; then printf '%s' "$1"; else printf 'null'; fi; }
+# ratio A B: A / B to 3 places when both are numbers and B > 0, else null.
+ratio() {
+  if is_num "${1:-}" && is_num "${2:-}"; then
+    awk -v a="$1" -v b="$2" 'BEGIN { if (b + 0 > 0) printf "%.3f", a / b; else printf "null" }'
+  else printf 'null'; fi
+}
+# at_most V LIMIT: true when V is a number no larger than LIMIT.
+at_most() { is_num "${1:-}" && awk -v v="$1" -v t="$2" 'BEGIN { exit !(v + 0 <= t + 0) }'; }
+# worst_rel A B: the largest |b - a| / |a| over two files of losses, one a
+# line, when both have at least 20 numbers line by line (a non-number, a
+# zero reference or a missing line: null).
+worst_rel() {
+  paste "$1" "$2" 2>/dev/null | awk -F'\t' '
+    BEGIN { re = "^-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][-+]?[0-9]+)?$" }
+    { if (NF != 2 || $1 !~ re || $2 !~ re || $1 + 0 == 0) { bad++; next }
+      d = ($2 - $1) / $1; if (d < 0) d = -d; if (d > w) w = d; n++ }
+    END { if (n >= 20 && !bad) printf "%.3e", w; else print "null" }'
+}
+# worse A B: the worse of two verdicts (false, then null: not judged, then true).
+worse() { case "$1$2" in *false*) echo false ;; *null*) echo null ;; *) echo true ;; esac; }
+# skip STEP REASON: STEP was not run (listed in the final JSON's "skipped";
+# works from a subshell).
+skip() {
+  local line
+  line=$(printf '{"step":%s,"reason":%s}' "$(jstr "$1")" "$(jstr "$2")")
+  printf '%s\n' "$line" >>"$WORK/skipped.jsonl"
+  [ -z "$PARTIAL" ] || printf '{"step":%s,"elapsed_s":%s,"skipped":%s}\n' "$(jstr "$1")" "$SECONDS" "$(jstr "$2")" >>"$PARTIAL"
+}
+# fail STEP: STEP failed (the exit status 1, the final JSON's "failed_steps").
+fail() { failed=1; echo "$1" >>"$WORK/failed.txt"; }
+# ,"skipped":REASON when REASON is set, else nothing.
+skipkey() { [ -z "${1:-}" ] || printf ',"skipped":%s' "$(jstr "$1")"; }
+# emit NAME VALUE: NAME's fragment as the step finishes: kept for the final
+# JSON and appended to $OUT/gpu_check.partial.jsonl (checked first: a
+# fragment that does not parse, a bug here, goes in as {"unparsed":...}).
+emit() {
+  local v=$2
+  if [ -n "$PYJ" ] && ! v=$(json_check "$2"); then
+    echo "gpu_check: the JSON of $1 does not parse (a bug in gpu_check.sh)" >&2
+    v=$(printf '{"unparsed":%s}' "$(jstr "$2")")
+  fi
+  printf '%s\n' "$v" >"$WORK/frag/$1.json"
+  [ -z "$PARTIAL" ] || printf '{"step":%s,"elapsed_s":%s,"value":%s}\n' "$(jstr "$1")" "$SECONDS" "$v" >>"$PARTIAL"
+}
+# frag NAME DEFAULT: NAME's fragment, else DEFAULT.
+frag() { if [ -s "$WORK/frag/$1.json" ]; then tr -d '\n' <"$WORK/frag/$1.json"; else printf '%s' "$2"; fi; }
+
+# The step keys of the final JSON, in its order (after ok, build_s,
+# nvidia_smi, elapsed_s, budget_s, machine).
+KEYS="probe_as_installed nccl_linked_from probe nccl_one_rank nccl_two_ranks train device_tier bf16 kernels throughput offload_throughput device_overlap gpu_train python_cuda overlap"
+# Verdicts of the steps with several runs: true, false, or null (not
+# judged: a run skipped); null until the step ends.
+train_ok=null; tier_ok=null
+# train's and device_tier's JSON from the fragments of their runs.
+compose_train() {
+  local sep="" model run
+  printf '{"ok":%s,"cuda_libs":%s,"gpt2":%s,"llama":%s,"runs":{' "$1" "$(jstr "$nv_libs")" \
+    "$(frag train.gpt2 null)" "$(frag train.llama null)"
+  for model in gpt2 llama; do for run in cpu cuda cuda2; do
+    printf '%s"%s_%s":%s' "$sep" "$model" "$run" "$(frag "train.${model}_$run" '{"skipped":"not reached"}')"
+    sep=","
+  done; done
+  printf '}}'
+}
+compose_tier() {
+  local sep="" model variant
+  printf '{"ok":%s,"runs":{' "$1"
+  for model in gpt2 llama; do for variant in stage0 cpu cache; do
+    printf '%s"%s_%s":%s' "$sep" "$model" "$variant" "$(frag "device_tier.${model}_$variant" '{"skipped":"not reached"}')"
+    sep=","
+  done; done
+  printf '}}'
+}
+# A step key's value: its fragment; for train and device_tier interrupted
+# half-way, what their runs left; else {"skipped":"not reached"}.
+section() {
+  if [ -s "$WORK/frag/$1.json" ]; then frag "$1" null; return; fi
+  case $1 in
+    nccl_linked_from) printf 'null' ;;
+    train|device_tier)
+      if ls "$WORK/frag/$1."* >/dev/null 2>&1; then skip "$1" "interrupted"; else skip "$1" "not reached"; fi
+      if [ "$1" = train ]; then compose_train "$(worse null "$train_ok")"; else compose_tier "$(worse null "$tier_ok")"; fi ;;
+    *) skip "$1" "not reached"; printf '{"skipped":"not reached"}' ;;
+  esac
+}
+# The final JSON into $WORK/result.json and $OUT/gpu_check.json.
+assemble() {
+  local ok=false key body
+  [ "$failed" -eq 0 ] && [ "$finished" = 1 ] && ok=true
+  body=$(
+    printf '{"ok":%s,"build_s":%s,"nvidia_smi":%s,' "$ok" "$(frag build_s null)" "$(frag nvidia_smi '""')"
+    printf '"elapsed_s":%s,"budget_s":%s,"machine":%s' "$SECONDS" "$BUDGET_S" "$(frag machine '""')"
+    for key in $KEYS; do printf ',"%s":%s' "$key" "$(section "$key")"; done
+  )
+  {
+    printf '%s,"finished":%s,"failed_steps":[' "$body" "$([ "$finished" = 1 ] && echo true || echo false)"
+    sort -u "$WORK/failed.txt" | while read -r key; do jstr "$key"; echo; done | paste -sd, - | tr -d '\n'
+    printf '],"skipped":['
+    paste -sd, "$WORK/skipped.jsonl" | tr -d '\n'
+    printf '],"partial":"gpu_check.partial.jsonl"}\n'
+  } >"$WORK/result.json"
+  if [ -n "$PYJ" ] && ! json_check "$(cat "$WORK/result.json")" >/dev/null; then
+    # A bug here: still valid JSON, with what was assembled as a string.
+    cp "$WORK/result.json" "$WORK/result.invalid.txt"
+    printf '{"ok":false,"error":"gpu_check.sh assembled invalid JSON (a bug): gpu_check.partial.jsonl holds the steps, logs.txt the text","finished":%s,"text":%s}\n' \
+      "$([ "$finished" = 1 ] && echo true || echo false)" "$(json_str "$WORK/result.invalid.txt")" >"$WORK/result.json"
+  fi
+  # Whole or not at all (a rename), should a kill come now.
+  [ -z "${OUT:-}" ] || { cp "$WORK/result.json" "$OUT/gpu_check.json.tmp" && mv -f "$OUT/gpu_check.json.tmp" "$OUT/gpu_check.json"; }
+  final_written=1
+}
+# On the way out: the final JSON (unless written), every step's files into
+# logs.txt, the work directory removed; a second SIGTERM does not cut it.
+on_exit() {
+  local rc=$?
+  trap - EXIT
+  trap '' TERM INT HUP
+  if [ "$final_written" != 1 ]; then
+    echo "gpu_check: interrupted (exit $rc) after ${SECONDS}s: writing the JSON of the steps that finished" >&2
+    assemble
+    cat "$WORK/result.json"
+    [ "$rc" -ne 0 ] || rc=1
+  fi
+  for f in $(find "$WORK" -maxdepth 2 -path "$WORK/frag" -prune -o -type f \( -name "*.txt" -o -name "*.err" -o -name "*.json" -o -name "*.jsonl" -o -name "*.log" \) -print | sort); do
+    printf "\n===== %s\n" "${f#"$WORK"/}"; tail -c 20000 "$f"
+  done >"$LOGS" 2>/dev/null
+  rm -rf "$WORK"
+  exit "$rc"
+}
+trap on_exit EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
+trap 'exit 129' HUP
 
 # 0. The machine.
 { echo "nproc: $(nproc)"; uname -r; free -g; df -h .; ldconfig -p | grep -E 'libcuda\.so|libnccl' ; } >"$WORK/machine.txt" 2>&1
+[ -z "$PARTIAL" ] || printf '{"step":"start","budget_s":%s,"margin_s":%s}\n' "$BUDGET_S" "$MARGIN_S" >>"$PARTIAL"
+emit machine "$(json_str "$WORK/machine.txt")"
 
 # 1. Binary.
 build_s=null
@@ -149,9 +419,13 @@ else
   BIN=""
 fi
 if [ -z "$BIN" ]; then
-  printf '{"ok":false,"step":"build","log":%s}\n' "$(json_str "$build_log")" | tee "${OUT:-$WORK}/gpu_check.json"
+  build_fail=$(printf '{"ok":false,"step":"build","log":%s}' "$(json_str "$build_log")")
+  emit build "$build_fail"
+  printf '%s\n' "$build_fail" | tee "${OUT:-$WORK}/gpu_check.json"
+  final_written=1
   exit 1
 fi
+emit build_s "$(num "$build_s")"
 # Every binary by its absolute path: several steps run them from a run
 # directory of their own (cd "$d"), where a relative path such as the
 # documented TIERZERO_BIN=target/gpu-carry/tierzero is not found.
@@ -163,54 +437,120 @@ done
 
 # 2. nvidia-smi.
 smi="$WORK/smi.txt"
-if command -v nvidia-smi >/dev/null; then nvidia-smi -L >"$smi" 2>&1; else echo "nvidia-smi not found" >"$smi"; fi
+if command -v nvidia-smi >/dev/null; then timeout -k "$KILL_S" 30 nvidia-smi -L >"$smi" 2>&1; else echo "nvidia-smi not found" >"$smi"; fi
+emit nvidia_smi "$(json_str "$smi")"
 
 # 3. Probe: first as the machine is, then (if NCCL did not load) with a
-# libnccl.so link to the libnccl.so.N the machine has.
+# libnccl.so link to the libnccl.so.N the machine has: PyTorch's first,
+# then ldconfig's, then a search of / (at most 60 s).
 probe_plain="$WORK/probe_plain.json"
-timeout "$(cap 120)" "$BIN" gpu-info --json >"$probe_plain" 2>"$WORK/probe_plain.err"; probe_plain_rc=$?
+tmo 120 "$BIN" gpu-info --json >"$probe_plain" 2>"$WORK/probe_plain.err"; probe_plain_rc=$?
+emit probe_as_installed "$(printf '{"rc":%s,"result":%s,"stderr":%s}' \
+  "$probe_plain_rc" "$(json_obj "$probe_plain")" "$(json_str "$WORK/probe_plain.err")")"
 nccl_link=null
 if ! grep -q '"nccl":{"version"' "$probe_plain"; then
-  lib=$(ldconfig -p 2>/dev/null | grep -o '/[^ ]*/libnccl\.so\.[0-9][0-9.]*$' | head -n 1)
+  lib=""
+  for f in /opt/torch/.venv/lib/python3*/site-packages/nvidia/nccl/lib/libnccl.so.*; do
+    if [ -e "$f" ]; then lib=$f; break; fi
+  done
   if [ -z "$lib" ]; then
-    lib=$(timeout 60 find / -xdev \( -path /proc -o -path /sys \) -prune -o -name 'libnccl.so.[0-9]*' -print 2>/dev/null | sort | head -n 1)
+    lib=$(ldconfig -p 2>/dev/null | grep -o '/[^ ]*/libnccl\.so\.[0-9][0-9.]*$' | head -n 1)
+  fi
+  if [ -z "$lib" ]; then
+    lib=$(tmo 60 find / -xdev \( -path /proc -o -path /sys \) -prune -o -name 'libnccl.so.[0-9]*' -print 2>/dev/null | sort | head -n 1)
   fi
   if [ -n "$lib" ]; then
     mkdir -p "$WORK/lib" && ln -sf "$lib" "$WORK/lib/libnccl.so"
     export LD_LIBRARY_PATH="$WORK/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    nccl_link="\"$lib\""
+    nccl_link=$(jstr "$lib")
   fi
 fi
+emit nccl_linked_from "$nccl_link"
 probe_out="$WORK/probe.json"; probe_err="$WORK/probe.err"
 if [ "$nccl_link" = null ]; then
   # Nothing changed: the probe as installed is the probe.
   cp "$probe_plain" "$probe_out"; cp "$WORK/probe_plain.err" "$probe_err"; probe_rc=$probe_plain_rc
 else
-  timeout "$(cap 120)" "$BIN" gpu-info --json >"$probe_out" 2>"$probe_err"; probe_rc=$?
+  tmo 120 "$BIN" gpu-info --json >"$probe_out" 2>"$probe_err"; probe_rc=$?
 fi
-[ "$probe_rc" -eq 0 ] || failed=1
+[ "$probe_rc" -eq 0 ] || fail probe
 ngpu=$(grep -o '"ordinal":[0-9]*' "$probe_out" | wc -l)
+emit probe "$(printf '{"rc":%s,"result":%s,"stderr":%s}' "$probe_rc" "$(json_obj "$probe_out")" "$(json_str "$probe_err")")"
 
 # 4. One rank.
 one_out="$WORK/one.json"; one_err="$WORK/one.err"
-timeout "$(cap 120)" "$BIN" gpu-info --json --nccl-test --device cuda:0 --test-bytes "$BYTES" \
+tmo 120 "$BIN" gpu-info --json --nccl-test --device cuda:0 --test-bytes "$BYTES" \
   >"$one_out" 2>"$one_err"; one_rc=$?
-[ "$one_rc" -eq 0 ] || failed=1
+[ "$one_rc" -eq 0 ] || fail nccl_one_rank
+emit nccl_one_rank "$(printf '{"rc":%s,"result":%s,"stderr":%s}' "$one_rc" "$(json_obj "$one_out")" "$(json_str "$one_err")")"
 
 # 5. Two ranks over the TCP rendezvous (short timeouts: with one GPU NCCL
 # is expected to refuse at once, and a hang must not eat the lease).
 if [ "$ngpu" -ge 2 ]; then dev1=cuda:1; two_expect="pass"; else dev1=cuda:0; two_expect="refused (one GPU)"; fi
 two_t=$(cap 60)
+two_pid=()
 for r in 0 1; do
   dev=cuda:0; [ "$r" -eq 1 ] && dev="$dev1"
   TIERZERO_COMM_TIMEOUT_S=30 TIERZERO_NCCL_ADDR="127.0.0.1:$PORT" TIERZERO_RANK=$r TIERZERO_WORLD_SIZE=2 \
-    timeout "$two_t" "$BIN" gpu-info --json --nccl-test --device "$dev" --test-bytes "$BYTES" \
+    timeout -k "$KILL_S" "$two_t" "$BIN" gpu-info --json --nccl-test --device "$dev" --test-bytes "$BYTES" \
     >"$WORK/two$r.json" 2>"$WORK/two$r.err" &
-  eval "pid$r=\$!"
+  two_pid[r]=$!
 done
-wait "$pid0"; two_rc0=$?
-wait "$pid1"; two_rc1=$?
-if [ "$ngpu" -ge 2 ] && { [ "$two_rc0" -ne 0 ] || [ "$two_rc1" -ne 0 ]; }; then failed=1; fi
+wait "${two_pid[0]}"; two_rc0=$?
+wait "${two_pid[1]}"; two_rc1=$?
+if [ "$ngpu" -ge 2 ] && { [ "$two_rc0" -ne 0 ] || [ "$two_rc1" -ne 0 ]; }; then fail nccl_two_ranks; fi
+emit nccl_two_ranks "$(printf '{"gpus":%s,"expected":"%s","rank0":{"rc":%s,"result":%s,"stderr":%s},"rank1":{"rc":%s,"result":%s,"stderr":%s}}' \
+  "$ngpu" "$two_expect" "$two_rc0" "$(json_obj "$WORK/two0.json")" "$(json_str "$WORK/two0.err")" \
+  "$two_rc1" "$(json_obj "$WORK/two1.json")" "$(json_str "$WORK/two1.err")")"
+
+# run_example NAME BIN CAP [MIN]: runs tierzero-gpu's example NAME (BIN if
+# given, else target/release/examples/NAME, else built here) with PyTorch's
+# CUDA libraries, for at most CAP seconds, started only when MIN (default
+# CAP: a check's timeout is then a real one) seconds are left; sets ex_bin, ex_rc and ex_result (the JSON it wrote), ex_skipped
+# ("budget" when not started); the log is $WORK/NAME.err. Returns 0 when it
+# passed, 2 when skipped, 1 otherwise (no binary, a failure, a timeout).
+run_example() {
+  local name=$1 bin=$2 t=$3 min=${4:-$3} log="$WORK/$1.err"
+  : >"$log"
+  if [ -z "$bin" ] && [ -x "target/release/examples/$name" ]; then bin="target/release/examples/$name"; fi
+  if [ -z "$bin" ] && command -v cargo >/dev/null; then
+    cargo build --release -p tierzero-gpu --example "$name" >>"$log" 2>&1 && bin="target/release/examples/$name"
+  fi
+  ex_bin=$bin; ex_rc=null; ex_result=null; ex_skipped=""
+  if [ -z "$bin" ]; then
+    echo "no $name binary and no cargo" >>"$log"
+    return 1
+  fi
+  if ! room "$min"; then
+    ex_skipped=budget; skip "$name" budget
+    echo "skipped: $(left) s left, $min s needed" >>"$log"
+    return 2
+  fi
+  LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
+    tmo "$t" "$bin" "$WORK/$name.json" >/dev/null 2>>"$log"
+  ex_rc=$?
+  ex_result=$(json_obj "$WORK/$name.json")
+  [ "$ex_rc" = 0 ]
+}
+
+# 6c. Every CUDA kernel against its CPU reference (tierzero-gpu's
+# examples/kernel_check: fresh inputs, poisoned outputs, fp32 at 1e-5 and
+# bf16 at 2e-2 relative, cuBLAS GEMMs, AdamW bit for bit). CUDA 13's cuBLAS
+# and NVRTC come from the machine's PyTorch wheels: every nvidia/*/lib
+# under /opt/torch/.venv goes on LD_LIBRARY_PATH for this step (the JSON
+# lists them). The binary: $KERNEL_CHECK_BIN, else
+# target/release/examples/kernel_check, else built here. Run first after
+# the probes: it is short and says whether the rest can pass.
+run_example kernel_check "${KERNEL_CHECK_BIN:-}" 180; [ $? -eq 1 ] && fail kernels
+emit kernels "$(printf '{"bin":%s,"cuda_libs":%s,"rc":%s,"result":%s,"log":%s%s}' \
+  "$(jstr "$ex_bin")" "$(jstr "$nv_libs")" "$ex_rc" "$ex_result" "$(json_str "$WORK/kernel_check.err")" "$(skipkey "$ex_skipped")")"
+
+# 6d. Training on the GPU: a small fp32 GPT-2, 20 steps, the CUDA units
+# against the same units on the kernels' CPU references (losses within 1e-3
+# relative at every step), and twice on the GPU (the same bits).
+run_example train_check "${TRAIN_CHECK_BIN:-}" 180; [ $? -eq 1 ] && fail gpu_train
+emit gpu_train "$(printf '{"bin":%s,"rc":%s,"result":%s,"log":%s%s}' \
+  "$(jstr "$ex_bin")" "$ex_rc" "$ex_result" "$(json_str "$WORK/train_check.err")" "$(skipkey "$ex_skipped")")"
 
 # 6. Training with the units on the GPU (--device cuda: tierzero-gpu's CUDA
 # units, the engine and CPU Adam as on the CPU) against --device cpu, 20
@@ -219,43 +559,92 @@ if [ "$ngpu" -ge 2 ] && { [ "$two_rc0" -ne 0 ] || [ "$two_rc1" -ne 0 ]; }; then 
 # 1e-3 relative, and a second GPU run with the same bits (losses and the
 # weights' sha256). CUDA 13's cuBLAS and NVRTC come from the machine's
 # PyTorch wheels (every nvidia/*/lib under /opt/torch/.venv goes on
-# LD_LIBRARY_PATH; the JSON lists them).
-nv_libs=$(ls -d /opt/torch/.venv/lib/python3*/site-packages/nvidia/*/lib 2>/dev/null | paste -sd: -)
+# LD_LIBRARY_PATH; the JSON lists them). Each run at most TRAIN_CAP
+# seconds, started only when that much is left; the second GPU run only
+# after a first that passed.
+TRAIN_CAP="${GPU_CHECK_TRAIN_CAP_S:-60}"
+[[ $TRAIN_CAP =~ ^[0-9]+$ ]] || TRAIN_CAP=60
 mkdir -p "$WORK/llama"
 cat >"$WORK/llama/config.json" <<'JSON'
 {"model_type":"llama","vocab_size":256,"hidden_size":256,"intermediate_size":688,"num_hidden_layers":4,
  "num_attention_heads":8,"num_key_value_heads":4,"max_position_embeddings":256,"rope_theta":10000.0,
  "tie_word_embeddings":false}
 JSON
-train_same=true
+# dep_reason MODEL: why MODEL's runs after its first GPU run are not
+# started ("" when that run passed; "budget" when it was skipped for it).
+dep_reason() {
+  local d="$WORK/train-$1-cuda" rc
+  if [ -f "$d/skipped" ]; then
+    if [ "$(cat "$d/skipped")" = budget ]; then echo budget; else echo "first GPU run skipped ($(cat "$d/skipped"))"; fi
+    return
+  fi
+  rc=$(cat "$d/rc" 2>/dev/null)
+  case $rc in
+    0) echo "" ;;
+    "") echo "first GPU run did not run" ;;
+    124|137) echo "first GPU run timed out (rc $rc)" ;;
+    *) echo "first GPU run failed (rc $rc)" ;;
+  esac
+}
+# run_obj DIR: a train run's JSON.
+run_obj() {
+  printf '{"rc":%s,"secs":%s,"result":%s,"stderr":%s}' "$(num "$(cat "$1/rc" 2>/dev/null)")" \
+    "$(num "$(cat "$1/secs" 2>/dev/null)")" "$(json_obj "$1/out.json")" "$(json_str "$1/err.txt")"
+}
+# skip_run DIR STEP REASON: a run not started: recorded, its JSON emitted.
+skip_run() {
+  echo "$3" >"$1/skipped"
+  skip "$2" "$3"
+  emit "$2" "$(printf '{"skipped":%s}' "$(jstr "$3")")"
+}
+# verdict DIR...: false when a run that was started failed, else null when
+# one was skipped, else true.
+verdict() {
+  local d v=true
+  for d in "$@"; do
+    if [ -f "$d/skipped" ]; then v=$(worse "$v" null)
+    elif [ "$(cat "$d/rc" 2>/dev/null)" != 0 ]; then v=false; fi
+  done
+  echo "$v"
+}
+train_ok=true
 for model in gpt2 llama; do
   margs=(); [ "$model" = llama ] && margs=(--model "$WORK/llama")
   for run in cpu cuda cuda2; do
     dev=cpu; [ "$run" != cpu ] && dev=cuda:0
     d="$WORK/train-$model-$run"; mkdir -p "$d"
+    why=""
+    [ "$run" = cuda2 ] && why=$(dep_reason "$model")
+    [ -n "$why" ] || room "$TRAIN_CAP" || why=budget
+    if [ -n "$why" ]; then skip_run "$d" "train.${model}_$run" "$why"; continue; fi
     t0=$SECONDS
     (cd "$d" && LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
-      timeout "$(cap 150)" "$BIN" train --device "$dev" "${margs[@]}" --steps 20 --seq-len 128 \
+      tmo "$TRAIN_CAP" "$BIN" train --device "$dev" "${margs[@]}" --steps 20 --seq-len 128 \
       --metrics metrics.jsonl --json >out.json 2>err.txt); echo $? >"$d/rc"
     echo $(( SECONDS - t0 )) >"$d/secs"
+    # Per-step losses from the metrics lines.
+    grep -o '"loss":[0-9.eE+-]*' "$d/metrics.jsonl" 2>/dev/null | cut -d: -f2 >"$d/losses"
+    emit "train.${model}_$run" "$(run_obj "$d")"
   done
-  # Per-step losses from the metrics lines, then the comparisons.
-  for run in cpu cuda cuda2; do
-    grep -o '"loss":[0-9.eE+-]*' "$WORK/train-$model-$run/metrics.jsonl" 2>/dev/null | cut -d: -f2 >"$WORK/train-$model-$run/losses"
-  done
-  worst=$(paste "$WORK/train-$model-cpu/losses" "$WORK/train-$model-cuda/losses" | awk '
-    NF == 2 { d = ($2 - $1) / $1; if (d < 0) d = -d; if (d > w) w = d; n++ }
-    END { if (n >= 20) printf "%.3e", w; else print "null" }')
-  sha_a=$(grep -o '"weight_sha256":"[0-9a-f]*"' "$WORK/train-$model-cuda/out.json" 2>/dev/null || true)
-  sha_b=$(grep -o '"weight_sha256":"[0-9a-f]*"' "$WORK/train-$model-cuda2/out.json" 2>/dev/null || true)
-  twice=false
-  if [ -n "$sha_a" ] && [ "$sha_a" = "$sha_b" ] && cmp -s "$WORK/train-$model-cuda/losses" "$WORK/train-$model-cuda2/losses"; then twice=true; fi
-  ok=false
-  if [ "$worst" != null ] && awk -v w="$worst" 'BEGIN { exit !(w <= 1e-3) }' && [ "$twice" = true ]; then ok=true; fi
-  [ "$ok" = true ] || { train_same=false; failed=1; }
-  printf '{"model":"%s","ok":%s,"max_rel_loss_diff_cpu_vs_cuda":%s,"cuda_twice_same_bits":%s}\n' \
-    "$model" "$ok" "$worst" "$twice" >"$WORK/train-$model.summary.json"
+  # The comparisons.
+  worst=$(worst_rel "$WORK/train-$model-cpu/losses" "$WORK/train-$model-cuda/losses")
+  twice=null
+  if [ ! -f "$WORK/train-$model-cuda/skipped" ] && [ ! -f "$WORK/train-$model-cuda2/skipped" ]; then
+    sha_a=$(grep -o '"weight_sha256":"[0-9a-f]*"' "$WORK/train-$model-cuda/out.json" 2>/dev/null || true)
+    sha_b=$(grep -o '"weight_sha256":"[0-9a-f]*"' "$WORK/train-$model-cuda2/out.json" 2>/dev/null || true)
+    twice=false
+    if [ -n "$sha_a" ] && [ "$sha_a" = "$sha_b" ] && cmp -s "$WORK/train-$model-cuda/losses" "$WORK/train-$model-cuda2/losses"; then twice=true; fi
+  fi
+  ok=$(verdict "$WORK/train-$model-cpu" "$WORK/train-$model-cuda" "$WORK/train-$model-cuda2")
+  if [ "$ok" = true ]; then
+    { at_most "$worst" 1e-3 && [ "$twice" = true ]; } || ok=false
+  fi
+  train_ok=$(worse "$train_ok" "$ok")
+  [ "$ok" = false ] && fail "train.$model"
+  emit "train.$model" "$(printf '{"model":"%s","ok":%s,"max_rel_loss_diff_cpu_vs_cuda":%s,"cuda_twice_same_bits":%s}' \
+    "$model" "$ok" "$(num "$worst")" "$twice")"
 done
+emit train "$(compose_train "$train_ok")"
 
 # 6f. The device tier (issue 23's equivalence): the same 20 steps on the
 # GPU with everything in host memory at stage 0, with params and optimizer
@@ -273,9 +662,8 @@ done
 # the registered swap buffers their reads landed in (h2d_direct_bytes
 # of h2d_bytes; 0 means cuMemHostRegister was refused: see err.txt). The cpu-offload GPT-2
 # run also writes a timeline of one step with the device lanes
-# ($OUT/timeline-device-tier.json).
-PYCFG=$(command -v python3 || echo /opt/torch/.venv/bin/python)
-tier_same=true
+# ($OUT/timeline-device-tier.json). A model whose first GPU run (step 6)
+# failed or was skipped has its runs here skipped.
 for variant in stage0 cpu cache; do
   "$PYCFG" - "$variant" "$WORK/ds-$variant.json" <<'PY' 2>"$WORK/ds-$variant.err"
 import json, sys
@@ -296,15 +684,24 @@ PY
 done
 # The configs made from src/config/default.json keep its nvme_path
 # (./tierzero-swap, relative to the run directory), which must exist.
+tier_ok=true
 for model in gpt2 llama; do
   margs=(); [ "$model" = llama ] && margs=(--model "$WORK/llama")
   base="$WORK/train-$model-cuda"
+  dep=$(dep_reason "$model")
   for variant in stage0 cpu cache; do
     d="$WORK/tier-$model-$variant"; mkdir -p "$d/tierzero-swap"
+    why=$dep
+    [ -n "$why" ] || room "$TRAIN_CAP" || why=budget
+    if [ -n "$why" ]; then
+      skip_run "$d" "device_tier.${model}_$variant" "$why"
+      tier_ok=$(worse "$tier_ok" null)
+      continue
+    fi
     t0=$SECONDS
     targs=(); [ "$variant" = cpu ] && targs=(--timeline timeline.json --timeline-steps 1)
     (cd "$d" && LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
-      timeout "$(cap 150)" "$BIN" train --device cuda:0 --config "$WORK/ds-$variant.json" "${margs[@]}" \
+      tmo "$TRAIN_CAP" "$BIN" train --device cuda:0 --config "$WORK/ds-$variant.json" "${margs[@]}" \
       --steps 20 --seq-len 128 --metrics metrics.jsonl "${targs[@]}" --json >out.json 2>err.txt); echo $? >"$d/rc"
     echo $(( SECONDS - t0 )) >"$d/secs"
     grep -o '"loss":[0-9.eE+-]*' "$d/metrics.jsonl" 2>/dev/null | cut -d: -f2 >"$d/losses"
@@ -318,129 +715,129 @@ for model in gpt2 llama; do
     close=$same
     if [ "$variant" = stage0 ]; then
       close=$("$PYCFG" -c 'import sys; a=[float(x) for x in open(sys.argv[1])]; b=[float(x) for x in open(sys.argv[2])]; print(str(len(a)>=20 and len(a)==len(b) and all(abs(x-y)<=1e-4*abs(y) for x,y in zip(a,b))).lower())' "$d/losses" "$base/losses" 2>/dev/null || echo false)
+      [ "$close" = true ] || close=false
     fi
-    [ "$close" = true ] || { tier_same=false; failed=1; }
+    if [ "$close" != true ]; then tier_ok=false; fail "device_tier.${model}_$variant"; fi
+    # Totals over the steps after the first (%.0f: mawk clamps %d at 2^31).
     totals=$(awk -F'[:,}]' '/"step":/ && NR > 1 { for (i = 1; i < NF; i++) { if ($i ~ /"h2d_bytes"/) h += $(i+1); if ($i ~ /"d2h_bytes"/) d += $(i+1); if ($i ~ /"h2d_wait_s"/) w += $(i+1); if ($i ~ /"d2h_wait_s"/) x += $(i+1);
         if ($i ~ /"device_busy_s"/) c += $(i+1); if ($i ~ /"h2d_busy_s"/) u += $(i+1); if ($i ~ /"d2h_busy_s"/) o += $(i+1); if ($i ~ /"h2d_fill_busy_s"/) f += $(i+1); if ($i ~ /"wall_s"/) s += $(i+1);
         if ($i ~ /"device_forwards_ahead"/) fa += $(i+1); if ($i ~ /"device_backwards_ahead"/) ba += $(i+1); if ($i ~ /"h2d_direct_bytes"/) hd += $(i+1); if ($i ~ /"param_buffers_let_go"/) lg += $(i+1) } }
-      END { m = (c > u ? c : u); m = (o > m ? o : m); printf "{\"steps_after_first\":true,\"h2d_direct_bytes\":%d,\"param_buffers_let_go\":%d,\"h2d_bytes\":%d,\"d2h_bytes\":%d,\"h2d_wait_s\":%.4f,\"d2h_wait_s\":%.4f,\"device_busy_s\":%.4f,\"h2d_busy_s\":%.4f,\"d2h_busy_s\":%.4f,\"h2d_fill_busy_s\":%.4f,\"wall_s\":%.4f,\"wall_over_busiest_queue\":%s,\"forwards_ahead\":%d,\"backwards_ahead\":%d}", hd, lg, h, d, w, x, c, u, o, f, s, (m > 0 ? sprintf("%.3f", s / m) : "null"), fa, ba }' "$d/metrics.jsonl" 2>/dev/null || echo null)
+      END { m = (c > u ? c : u); m = (o > m ? o : m); printf "{\"steps_after_first\":true,\"h2d_direct_bytes\":%.0f,\"param_buffers_let_go\":%.0f,\"h2d_bytes\":%.0f,\"d2h_bytes\":%.0f,\"h2d_wait_s\":%.4f,\"d2h_wait_s\":%.4f,\"device_busy_s\":%.4f,\"h2d_busy_s\":%.4f,\"d2h_busy_s\":%.4f,\"h2d_fill_busy_s\":%.4f,\"wall_s\":%.4f,\"wall_over_busiest_queue\":%s,\"forwards_ahead\":%.0f,\"backwards_ahead\":%.0f}", hd, lg, h, d, w, x, c, u, o, f, s, (m > 0 ? sprintf("%.3f", s / m) : "null"), fa, ba }' "$d/metrics.jsonl" 2>/dev/null)
+    [ -n "$totals" ] || totals=null
     [ -n "${OUT:-}" ] && [ -f "$d/timeline.json" ] && [ "$model" = gpt2 ] && cp "$d/timeline.json" "$OUT/timeline-device-tier.json"
     printf '{"same_bits_as_nvme_stage3":%s,"within_1e-4_of_nvme_stage3":%s,"adam_on_device":%s,"traffic":%s}\n' \
-      "$same" "$close" "$([ "$variant" = stage0 ] && echo true || echo false)" "$totals" >"$d/summary.json"
+      "$same" "$close" "$([ "$variant" = stage0 ] && echo true || echo false)" "$(json_val "$totals")" >"$d/summary.json"
+    emit "device_tier.${model}_$variant" "$(printf '{"rc":%s,"secs":%s,"summary":%s,"result":%s,"stderr":%s}' \
+      "$(num "$(cat "$d/rc" 2>/dev/null)")" "$(num "$(cat "$d/secs" 2>/dev/null)")" "$(json_obj "$d/summary.json")" \
+      "$(json_obj "$d/out.json")" "$(json_str "$d/err.txt")")"
   done
 done
+emit device_tier "$(compose_tier "$tier_ok")"
 
 # 6g. bf16 (bf16.enabled in the default ZeRO-3 NVMe config): the embedded
 # GPT-2 20 steps with --device cuda (bf16 params, bf16 GEMM operands, fp32
 # elsewhere) against --device cpu in bf16: every step's loss within 1e-2
 # relative (the CPU units round linear outputs to bf16 too; on the
-# simulated device the two agree within 1e-3).
+# simulated device the two agree within 1e-3). Skipped when the GPT-2's
+# first GPU run (step 6) failed or was skipped.
 "$PYCFG" - "$WORK/ds-bf16.json" <<'PY' 2>"$WORK/ds-bf16.err"
 import json, sys
 c = json.load(open("src/config/default.json"))
 c["bf16"] = {"enabled": True}
 json.dump(c, open(sys.argv[1], "w"))
 PY
+bf16_why=$(dep_reason gpt2)
 for run in cpu cuda; do
   dev=cpu; [ "$run" = cuda ] && dev=cuda:0
   d="$WORK/bf16-$run"; mkdir -p "$d/tierzero-swap"
+  [ -n "$bf16_why" ] || room "$TRAIN_CAP" || bf16_why=budget
+  if [ -n "$bf16_why" ]; then echo "$bf16_why" >"$d/skipped"; skip "bf16.$run" "$bf16_why"; continue; fi
   t0=$SECONDS
   (cd "$d" && LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
-    timeout "$(cap 150)" "$BIN" train --device "$dev" --config "$WORK/ds-bf16.json" --steps 20 --seq-len 128 \
+    tmo "$TRAIN_CAP" "$BIN" train --device "$dev" --config "$WORK/ds-bf16.json" --steps 20 --seq-len 128 \
     --metrics metrics.jsonl --json >out.json 2>err.txt); echo $? >"$d/rc"
   echo $(( SECONDS - t0 )) >"$d/secs"
   grep -o '"loss":[0-9.eE+-]*' "$d/metrics.jsonl" 2>/dev/null | cut -d: -f2 >"$d/losses"
 done
-bf16_worst=$(paste "$WORK/bf16-cpu/losses" "$WORK/bf16-cuda/losses" | awk '
-  NF == 2 { d = ($2 - $1) / $1; if (d < 0) d = -d; if (d > w) w = d; n++ }
-  END { if (n >= 20) printf "%.3e", w; else print "null" }')
-bf16_ok=false
-if [ "$bf16_worst" != null ] && awk -v w="$bf16_worst" 'BEGIN { exit !(w <= 1e-2) }'; then bf16_ok=true; fi
-[ "$bf16_ok" = true ] || failed=1
+bf16_worst=$(worst_rel "$WORK/bf16-cpu/losses" "$WORK/bf16-cuda/losses")
+bf16_ok=$(verdict "$WORK/bf16-cpu" "$WORK/bf16-cuda")
+if [ "$bf16_ok" = true ]; then at_most "$bf16_worst" 1e-2 || bf16_ok=false; fi
+[ "$bf16_ok" = false ] && fail bf16
+# bf16_run DIR KEYS: a run's JSON ({"skipped":...} when not started).
+bf16_run() {
+  if [ -f "$1/skipped" ]; then printf '{"skipped":%s}' "$(jstr "$(cat "$1/skipped")")"; return; fi
+  if [ "$2" = full ]; then
+    printf '{"rc":%s,"secs":%s,"result":%s,"stderr":%s}' "$(num "$(cat "$1/rc" 2>/dev/null)")" \
+      "$(num "$(cat "$1/secs" 2>/dev/null)")" "$(json_obj "$1/out.json")" "$(json_str "$1/err.txt")"
+  else
+    printf '{"rc":%s,"result":%s}' "$(num "$(cat "$1/rc" 2>/dev/null)")" "$(json_obj "$1/out.json")"
+  fi
+}
+emit bf16 "$(printf '{"ok":%s,"max_rel_loss_diff_cpu_vs_cuda":%s,"cuda":%s,"cpu":%s%s}' \
+  "$bf16_ok" "$(num "$bf16_worst")" "$(bf16_run "$WORK/bf16-cuda" full)" "$(bf16_run "$WORK/bf16-cpu" short)" \
+  "$(skipkey "$(cat "$WORK/bf16-cuda/skipped" 2>/dev/null)")")"
 
 # 6b. The Python package over CUDA params (python/tests/test_adamw_cuda.py:
 # gradients down and new params up through pinned buffers on a side
 # stream, bit for bit against CPU params), with the machine's PyTorch. The
 # wheel: $TIERZERO_WHEEL, else target/wheels/tierzero-*.whl (carry it);
-# installed with --no-deps into a scratch directory.
+# installed with --no-deps into a scratch directory. Without a wheel (or a
+# python) it is recorded as skipped, not run.
 py_log="$WORK/python_cuda.txt"; : >"$py_log"
-PY="${TIERZERO_PY:-$(ls /opt/torch/.venv/bin/python 2>/dev/null || command -v python3)}"
 WHEEL="${TIERZERO_WHEEL:-$(ls target/wheels/tierzero-*.whl 2>/dev/null | head -n 1)}"
-py_rc=null; py_result=null
-if [ -n "$WHEEL" ] && [ -n "$PY" ]; then
-  if "$PY" -m pip install -q --no-deps --no-index --target "$WORK/py" "$WHEEL" >>"$py_log" 2>&1; then
-    PYTHONPATH="$WORK/py" timeout "$(cap 150)" "$PY" python/tests/test_adamw_cuda.py "$WORK/pyt" >"$WORK/python_cuda.json" 2>>"$py_log"
+py_rc=null; py_result=null; py_skipped=""
+PY_CAP=120
+if [ -z "$WHEEL" ] || [ ! -f "$WHEEL" ]; then
+  py_skipped="no wheel"
+  echo "no wheel (TIERZERO_WHEEL, target/wheels): scripts/gpu_check_prepare.sh builds one" >"$py_log"
+elif [ -z "$PY" ]; then
+  py_skipped="no python"
+  echo "no python (TIERZERO_PY, /opt/torch/.venv/bin/python, python3)" >"$py_log"
+elif ! room "$PY_CAP"; then
+  py_skipped=budget
+  echo "skipped: $(left) s left, $PY_CAP s needed" >"$py_log"
+else
+  if tmo 60 "$PY" -m pip install -q --no-deps --no-index --target "$WORK/py" "$WHEEL" >>"$py_log" 2>&1; then
+    PYTHONPATH="$WORK/py" tmo "$PY_CAP" "$PY" python/tests/test_adamw_cuda.py "$WORK/pyt" >"$WORK/python_cuda.json" 2>>"$py_log"
     py_rc=$?
     py_result=$(json_obj "$WORK/python_cuda.json")
     rm -rf "$WORK/pyt"
   else
     py_rc=\"install\"
   fi
-  [ "$py_rc" = 0 ] || failed=1
-else
-  echo "no wheel (TIERZERO_WHEEL, target/wheels) or no python" >"$py_log"
+  [ "$py_rc" = 0 ] || fail python_cuda
 fi
-
-# 6c. Every CUDA kernel against its CPU reference (tierzero-gpu's
-# examples/kernel_check: fresh inputs, poisoned outputs, fp32 at 1e-5 and
-# bf16 at 2e-2 relative, cuBLAS GEMMs, AdamW bit for bit). CUDA 13's cuBLAS
-# and NVRTC come from the machine's PyTorch wheels: every nvidia/*/lib
-# under /opt/torch/.venv goes on LD_LIBRARY_PATH for this step (the JSON
-# lists them). The binary: $KERNEL_CHECK_BIN, else
-# target/release/examples/kernel_check, else built here.
-# run_example NAME BIN: runs tierzero-gpu's example NAME (BIN if given,
-# else target/release/examples/NAME, else built here) with PyTorch's CUDA
-# libraries; sets ex_bin, ex_rc and ex_result (the JSON it wrote); the log
-# is $WORK/NAME.err.
-run_example() {
-  local name=$1 bin=$2 log="$WORK/$1.err"
-  : >"$log"
-  if [ -z "$bin" ] && [ -x "target/release/examples/$name" ]; then bin="target/release/examples/$name"; fi
-  if [ -z "$bin" ] && command -v cargo >/dev/null; then
-    cargo build --release -p tierzero-gpu --example "$name" >>"$log" 2>&1 && bin="target/release/examples/$name"
-  fi
-  ex_bin=$bin; ex_rc=null; ex_result=null
-  if [ -n "$bin" ]; then
-    LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
-      timeout "$(cap 180)" "$bin" "$WORK/$name.json" >/dev/null 2>>"$log"
-    ex_rc=$?
-    ex_result=$(json_obj "$WORK/$name.json")
-    [ "$ex_rc" = 0 ] || failed=1
-  else
-    echo "no $name binary and no cargo" >>"$log"
-    failed=1
-  fi
-}
-run_example kernel_check "${KERNEL_CHECK_BIN:-}"
-KC_BIN=$ex_bin; kc_rc=$ex_rc; kc_result=$ex_result; kc_log="$WORK/kernel_check.err"
-
-# 6d. Training on the GPU: a small fp32 GPT-2, 20 steps, the CUDA units
-# against the same units on the kernels' CPU references (losses within 1e-3
-# relative at every step), and twice on the GPU (the same bits).
-run_example train_check "${TRAIN_CHECK_BIN:-}"
-TC_BIN=$ex_bin; tc_rc=$ex_rc; tc_result=$ex_result; tc_log="$WORK/train_check.err"
+[ -z "$py_skipped" ] || skip python_cuda "$py_skipped"
+emit python_cuda "$(printf '{"wheel":%s,"python":%s,"rc":%s,"result":%s,"log":%s%s}' \
+  "$(jstr "$WHEEL")" "$(jstr "$PY")" "$py_rc" "$py_result" "$(json_str "$py_log")" "$(skipkey "$py_skipped")")"
 
 # 6e. Throughput in GPU memory (a measurement: never sets `failed`): a
 # GPT-2 of ~350M params, seq 1024, bf16 GEMMs, tierzero-gpu's
 # examples/throughput against PyTorch eager (scripts/torch_gpt2_throughput.py
 # with the machine's PyTorch, autocast bf16, eager attention, fused AdamW),
-# the same shape and batch; the issue's goal is a ratio of at least 0.8.
-# Each block's forward is kept for its backward, as eager's autograd keeps
-# its graph (RECOMPUTE=1 in the environment recomputes it instead).
-failed_before_tp=$failed
-run_example throughput "${THROUGHPUT_BIN:-}"
-tp_rc=$ex_rc; tp_result=$ex_result; tp_log="$WORK/throughput.err"
-failed=$failed_before_tp
-th_rc=null; th_result=null
-if [ -n "$PY" ] && [ "$(left)" -ge 60 ]; then
-  timeout "$(cap 240)" "$PY" scripts/torch_gpt2_throughput.py --out "$WORK/torch_throughput.json" \
-    >/dev/null 2>"$WORK/torch_throughput.err"
+# the same shape, batch and steps (given to both here); the issue's goal is
+# a ratio of at least 0.8. Each block's forward is kept for its backward,
+# as eager's autograd keeps its graph (RECOMPUTE=1 in the environment
+# recomputes it instead).
+TP_BATCH=4; TP_STEPS=6; TP_LAYERS=24
+BATCH=$TP_BATCH STEPS=$TP_STEPS LAYERS=$TP_LAYERS run_example throughput "${THROUGHPUT_BIN:-}" 180 90
+tp_rc=$ex_rc; tp_result=$ex_result; tp_skipped=$ex_skipped
+if [ -z "$ex_bin" ]; then tp_skipped="no binary"; skip throughput "$tp_skipped"; fi
+th_rc=null; th_result=null; th_skipped=""
+if [ -z "$PY" ]; then th_skipped="no python"
+elif ! room 60; then th_skipped=budget
+else
+  tmo 240 "$PY" scripts/torch_gpt2_throughput.py --batch "$TP_BATCH" --steps "$TP_STEPS" --layers "$TP_LAYERS" \
+    --out "$WORK/torch_throughput.json" >/dev/null 2>"$WORK/torch_throughput.err"
   th_rc=$?
   th_result=$(json_obj "$WORK/torch_throughput.json")
 fi
-tp_ratio=$(awk -v a="$(grep -o '"tokens_per_s":[0-9.]*' "$WORK/throughput.json" 2>/dev/null | cut -d: -f2)" \
-  -v b="$(grep -o '"tokens_per_s": *[0-9.]*' "$WORK/torch_throughput.json" 2>/dev/null | sed 's/.*: *//')" \
-  'BEGIN { if (a > 0 && b > 0) printf "%.3f", a / b; else printf "null" }')
+[ -z "$th_skipped" ] || skip throughput.torch_eager "$th_skipped"
+tp_ratio=$(ratio "$(json_num "$WORK/throughput.json" tokens_per_s)" "$(json_num "$WORK/torch_throughput.json" tokens_per_s)")
+emit throughput "$(printf '{"batch":%s,"steps":%s,"layers":%s,"tierzero":{"rc":%s,"result":%s,"log":%s%s},"torch_eager":{"rc":%s,"result":%s,"log":%s%s},"ratio":%s}' \
+  "$TP_BATCH" "$TP_STEPS" "$TP_LAYERS" \
+  "$tp_rc" "$tp_result" "$(json_str "$WORK/throughput.err")" "$(skipkey "$tp_skipped")" \
+  "$th_rc" "$th_result" "$(json_str "$WORK/torch_throughput.err")" "$(skipkey "$th_skipped")" "$tp_ratio")"
 
 # 6h. Throughput with offload (issue 23's third check; a measurement: never
 # sets `failed`): a Llama layout that does not fit the device budget it is
@@ -448,19 +845,22 @@ tp_ratio=$(awk -v a="$(grep -o '"tokens_per_s":[0-9.]*' "$WORK/throughput.json" 
 # MLP 5632, vocabulary 32000), bf16, micro-batch 2 at seq 1024, stage 3
 # with params and optimizer state in host memory (offload to cpu) and
 # tierzero.device_budget_bytes 4 GiB, 5 steps (the last 3 timed), against
-# FSDP2 with CPUOffloadPolicy on the same config.json, batch and
-# precision, with the machine's PyTorch.
+# FSDP2 with CPUOffloadPolicy on the same config.json, batch, steps and
+# precision, with the machine's PyTorch. Each side starts only with
+# OTP_MIN seconds left and gets at most OTP_CAP; FSDP2 only when tierzero's
+# side gave a tokens/s.
+OTP_MICRO=2; OTP_SEQ=1024; OTP_STEPS=5; OTP_MIN=120; OTP_CAP=180
 OFF_MODEL="$WORK/llama-offload"; mkdir -p "$OFF_MODEL"
 cat >"$OFF_MODEL/config.json" <<'JSON'
 {"model_type":"llama","vocab_size":32000,"hidden_size":2048,"intermediate_size":5632,"num_hidden_layers":16,
  "num_attention_heads":16,"num_key_value_heads":4,"max_position_embeddings":2048,"rope_theta":10000.0,
  "rms_norm_eps":1e-5,"tie_word_embeddings":false}
 JSON
-"$PYCFG" - "$WORK/ds-offload-tp.json" <<'PY' 2>"$WORK/ds-offload-tp.err"
+"$PYCFG" - "$WORK/ds-offload-tp.json" "$OTP_MICRO" <<'PY' 2>"$WORK/ds-offload-tp.err"
 import json, sys
 c = json.load(open("src/config/default.json"))
 c["bf16"] = {"enabled": True}
-c["train_micro_batch_size_per_gpu"] = 2
+c["train_micro_batch_size_per_gpu"] = int(sys.argv[2])
 c["gradient_accumulation_steps"] = 1
 c.pop("train_batch_size", None)
 z = c["zero_optimization"]
@@ -478,86 +878,112 @@ t["device_budget_bytes"] = 4 << 30
 t.pop("pinned_budget_bytes", None)
 json.dump(c, open(sys.argv[1], "w"))
 PY
-otp_rc=null; otp_result=null; otp_tokens=null; otp_tflops=null
+otp_rc=null; otp_result=null; otp_tokens=null; otp_tflops=null; otp_skipped=""
 # The CPU Adam over ~850M params on half the cores (what --threads auto
 # gives beside a device; said here so that the comparison does not move
 # with the default. PyTorch's CPU optimizer uses every core's intra-op
 # threads).
 adam_threads=$(( $(nproc) > 3 ? $(nproc) / 2 : 1 ))
-fsdp_rc=null; fsdp_result=null; otp_ratio=null
+fsdp_rc=null; fsdp_result=null; fsdp_skipped=""; otp_ratio=null
 d="$WORK/offload-tp"; mkdir -p "$d"
-if [ "$(left)" -ge 120 ]; then
+if room "$OTP_MIN"; then
   (cd "$d" && LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
-    timeout "$(cap 180)" "$BIN" train --device cuda:0 --config "$WORK/ds-offload-tp.json" --model "$OFF_MODEL" \
-    --steps 5 --seq-len 1024 --threads "$adam_threads" --metrics metrics.jsonl --timeline timeline.json --timeline-steps 1 \
+    tmo "$OTP_CAP" "$BIN" train --device cuda:0 --config "$WORK/ds-offload-tp.json" --model "$OFF_MODEL" \
+    --steps "$OTP_STEPS" --seq-len "$OTP_SEQ" --threads "$adam_threads" --metrics metrics.jsonl --timeline timeline.json --timeline-steps 1 \
     --json >out.json 2>err.txt)
   otp_rc=$?
   otp_result=$(json_obj "$d/out.json")
-  # Tokens/s over steps 3..5 (the first records the trace, the second
-  # is the first of a steady state); model TFLOPS by the count above.
-  read -r otp_tokens otp_tflops < <("$PYCFG" - "$d/metrics.jsonl" "$OFF_MODEL/config.json" <<'PY' 2>/dev/null || echo "null null"
+  # Tokens/s over the steps after the second (the first records the
+  # trace, the second is the first of a steady state); model TFLOPS by the
+  # count above.
+  read -r otp_tokens otp_tflops < <("$PYCFG" - "$d/metrics.jsonl" "$OFF_MODEL/config.json" "$OTP_MICRO" "$OTP_SEQ" "$OTP_STEPS" <<'PY' 2>/dev/null || echo "null null"
 import json, sys
 steps = [json.loads(l) for l in open(sys.argv[1]) if '"step"' in l]
 c = json.load(open(sys.argv[2]))
+micro, seq, n = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 h, i, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
 kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
 params = 2 * V * h + L * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + h
-timed = steps[2:5]
-if len(timed) < 3:
+timed = steps[2:n]
+wall = sum(s["wall_s"] for s in timed) if len(timed) == n - 2 and timed else 0
+if not wall > 0:
     print("null null")
 else:
-    tok = 3 * 2 * 1024 / sum(s["wall_s"] for s in timed)
-    print("%.1f %.2f" % (tok, tok * (6 * params + 12 * L * h * 1024) / 1e12))
+    tok = len(timed) * micro * seq / wall
+    print("%.1f %.2f" % (tok, tok * (6 * params + 12 * L * h * seq) / 1e12))
 PY
 )
+  otp_tokens=$(num "${otp_tokens:-}"); otp_tflops=$(num "${otp_tflops:-}")
   [ -n "${OUT:-}" ] && [ -f "$d/timeline.json" ] && cp "$d/timeline.json" "$OUT/timeline-offload-llama.json"
+else
+  otp_skipped=budget
 fi
-PY="${TIERZERO_PY:-$(ls /opt/torch/.venv/bin/python 2>/dev/null || command -v python3)}"
-if [ -n "$PY" ] && [ "$(left)" -ge 60 ]; then
-  timeout "$(cap 180)" "$PY" scripts/fsdp2_offload_throughput.py --config "$OFF_MODEL/config.json" \
-    --micro 2 --seq 1024 --steps 5 --out "$WORK/fsdp2.json" >/dev/null 2>"$WORK/fsdp2.err"
+[ -z "$otp_skipped" ] || skip offload_throughput.tierzero "$otp_skipped"
+if [ -n "$otp_skipped" ]; then fsdp_skipped="tierzero's side skipped ($otp_skipped)"
+elif ! is_num "$otp_tokens"; then fsdp_skipped="no tokens/s from tierzero's side"
+elif [ -z "$PY" ]; then fsdp_skipped="no python"
+elif ! room "$OTP_MIN"; then fsdp_skipped=budget
+else
+  tmo "$OTP_CAP" "$PY" scripts/fsdp2_offload_throughput.py --config "$OFF_MODEL/config.json" \
+    --micro "$OTP_MICRO" --seq "$OTP_SEQ" --steps "$OTP_STEPS" --out "$WORK/fsdp2.json" >/dev/null 2>"$WORK/fsdp2.err"
   fsdp_rc=$?
   fsdp_result=$(json_obj "$WORK/fsdp2.json")
 fi
-otp_ratio=$(awk -v a="$otp_tokens" -v b="$(grep -o '"tokens_per_s": *[0-9.]*' "$WORK/fsdp2.json" 2>/dev/null | sed 's/.*: *//')" \
-  'BEGIN { if (a > 0 && b > 0) printf "%.3f", a / b; else printf "null" }')
+[ -z "$fsdp_skipped" ] || skip offload_throughput.fsdp2_cpu_offload "$fsdp_skipped"
+otp_ratio=$(ratio "$otp_tokens" "$(json_num "$WORK/fsdp2.json" tokens_per_s)")
+emit offload_throughput "$(printf '{"micro":%s,"seq":%s,"steps":%s,"tierzero":{"rc":%s,"tokens_per_s":%s,"model_tflops":%s,"result":%s,"stderr":%s%s},"fsdp2_cpu_offload":{"rc":%s,"result":%s,"log":%s%s},"ratio":%s}' \
+  "$OTP_MICRO" "$OTP_SEQ" "$OTP_STEPS" \
+  "$otp_rc" "$otp_tokens" "$otp_tflops" "$otp_result" "$(json_str "$WORK/offload-tp/err.txt")" "$(skipkey "$otp_skipped")" \
+  "$fsdp_rc" "$fsdp_result" "$(json_str "$WORK/fsdp2.err")" "$(skipkey "$fsdp_skipped")" "$otp_ratio")"
 
-# A summary line's field.
-field() { grep -o "\"$2\":[0-9.eE+-]*" <<<"$1" | head -n 1 | cut -d: -f2; }
-# calibrate RUN GROWS FIXED MICRO...: runs `RUN m` (a summary line or
-# nothing) for each MICRO in turn. Field GROWS grows with MICRO and field
-# FIXED does not: stop once GROWS passes FIXED. Sets `best` (the MICRO
-# whose two fields are closest: |log(GROWS / FIXED)| least; empty if no
-# run gave a line) and `calib` (each run's line, JSON).
+# A summary line's field (a number, else empty).
+field() { local v; v=$(grep -o "\"$2\":[0-9.eE+-]*" <<<"$1" | head -n 1 | cut -d: -f2); is_num "$v" && printf '%s' "$v"; }
+# calibrate RUN GROWS FIXED MICRO...: runs `RUN m` (a summary line,
+# {"skipped":"budget"} or nothing) for each MICRO in turn. Field GROWS
+# grows with MICRO and field FIXED does not: stop once GROWS passes FIXED
+# (or a run gave nothing or was skipped). Sets `best` (the MICRO whose two
+# fields are closest: |log(GROWS / FIXED)| least; empty if no run gave
+# both) and `calib` (each run's line, JSON).
 calibrate() {
   local run=$1 grows=$2 fixed=$3 m line a b gap best_gap=""; shift 3
   best=""; calib=""
   for m in "$@"; do
     line=$($run "$m")
     [ -n "$line" ] || break
+    case $line in '{"skipped"'*) break ;; esac
     calib="$calib${calib:+,}{\"micro\":$m,\"result\":$line}"
     a=$(field "$line" "$grows"); b=$(field "$line" "$fixed")
+    is_num "$a" && is_num "$b" || break
     gap=$(awk -v a="$a" -v b="$b" 'BEGIN { if (a > 0 && b > 0) { g = log(a / b); print (g < 0 ? -g : g) } }')
-    if [ -n "$gap" ] && { [ -z "$best_gap" ] || awk -v g="$gap" -v b="$best_gap" 'BEGIN { exit !(g < b) }'; }; then
+    if is_num "$gap" && { [ -z "$best_gap" ] || awk -v g="$gap" -v b="$best_gap" 'BEGIN { exit !(g < b) }'; }; then
       best=$m; best_gap=$gap
     fi
-    awk -v a="$a" -v b="$b" 'BEGIN { exit !(a > b) }' && break
+    awk -v a="$a" -v b="$b" 'BEGIN { exit !(a + 0 > b + 0) }' && break
   done
 }
+# or_null VALUE: VALUE, else null.
+or_null() { if [ -n "${1:-}" ]; then printf '%s' "$1"; else printf 'null'; fi; }
 
 # 6i. Overlap on the GPU (issue 23's second check; a measurement: never
 # sets `failed`). One run: TIER=$1 MICRO=$2 STEPS=$3 ROUNDS=$4, skipped
-# when under $5 seconds are left; prints the summary line or nothing.
+# when under $5 seconds are left ({"skipped":"budget"}); prints the
+# summary line (checked) or nothing.
 dov_dir="${OVERLAP_DIR:-$PWD/overlap-check}-device"
 dov_log="$WORK/device_overlap.txt"; : >"$dov_log"
-dov_calib=""; dov_micro=null; dov_cpu=null; dov_nvme=null
+dov_calib=""; dov_micro=null; dov_cpu=null; dov_nvme=null; dov_skipped=""
 dov_run() {
-  [ "$(left)" -ge "$5" ] || { echo "skipped TIER=$1 MICRO=$2 ($(left) s left)" >>"$dov_log"; return; }
+  local line
+  if ! room "$5"; then
+    echo "skipped TIER=$1 MICRO=$2 ($(left) s left)" >>"$dov_log"
+    skip "device_overlap.TIER=$1.MICRO=$2" budget
+    printf '{"skipped":"budget"}'; return
+  fi
   rm -rf "$dov_dir"; mkdir -p "$dov_dir"
-  TIER=$1 MICRO=$2 SEQ_LEN=256 DEVICE=cuda:0 ADAM_THREADS=4 TIMELINE="$WORK/timeline-device-overlap-$1.json" \
+  line=$(TIER=$1 MICRO=$2 SEQ_LEN=256 DEVICE=cuda:0 ADAM_THREADS=4 TIMELINE="$WORK/timeline-device-overlap-$1.json" \
     LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
-    timeout "$(cap 90)" "$DEVICE_OVERLAP_BIN" 6 1024 "$3" "$4" "$dov_dir" 2>>"$dov_log" \
-    | tee -a "$dov_log" | grep '"summary"' | tail -n 1
+    tmo 90 "$DEVICE_OVERLAP_BIN" 6 1024 "$3" "$4" "$dov_dir" 2>>"$dov_log" \
+    | tee -a "$dov_log" | grep '"summary"' | tail -n 1)
+  [ -z "$line" ] || json_val "$line"
 }
 dov_calibration_run() { dov_run cpu "$1" 3 1 45; }
 if [ -n "${DEVICE_OVERLAP_BIN:-}" ] && [ -x "$DEVICE_OVERLAP_BIN" ]; then
@@ -566,8 +992,8 @@ if [ -n "${DEVICE_OVERLAP_BIN:-}" ] && [ -x "$DEVICE_OVERLAP_BIN" ]; then
   dov_calib=$calib
   if [ -n "$best" ]; then
     dov_micro=$best
-    dov_cpu=$(dov_run cpu "$best" 5 3 40); [ -n "$dov_cpu" ] || dov_cpu=null
-    dov_nvme=$(dov_run nvme "$best" 4 2 60); [ -n "$dov_nvme" ] || dov_nvme=null
+    dov_cpu=$(or_null "$(dov_run cpu "$best" 5 3 40)")
+    dov_nvme=$(or_null "$(dov_run nvme "$best" 4 2 60)")
   fi
   rm -rf "$dov_dir"
   for t in cpu nvme; do
@@ -575,21 +1001,31 @@ if [ -n "${DEVICE_OVERLAP_BIN:-}" ] && [ -x "$DEVICE_OVERLAP_BIN" ]; then
   done
 else
   echo "no device overlap binary (DEVICE_OVERLAP_BIN)" >"$dov_log"
+  dov_skipped="no binary"; skip device_overlap "$dov_skipped"
 fi
+emit device_overlap "$(printf '{"calibration":[%s],"micro":%s,"cpu_tier":%s,"nvme_tier":%s,"log":%s%s}' \
+  "$dov_calib" "$dov_micro" "$dov_cpu" "$dov_nvme" "$(json_str "$dov_log")" "$(skipkey "$dov_skipped")")"
 
 # 7. Overlap (a measurement: never sets `failed`), in what is left of the
 # budget.
 ov_dir="${OVERLAP_DIR:-$PWD/overlap-check}"
 ov_log="$WORK/overlap.txt"; : >"$ov_log"
 ov_calib=""; ov_micro=null; ov_balanced=null; ov_roomy=null; ov_default=null
-ov_balanced_unpinned=null; ov_default_unpinned=null
+ov_balanced_unpinned=null; ov_default_unpinned=null; ov_skipped=""
 # One run: MICRO=$1 STEPS=$2 ROUNDS=$3 (extra env before the call); prints
-# the summary line or nothing; skipped when under $4 seconds are left.
-# OV_LAYERS and OV_HIDDEN (default 6 and 256) set the model.
+# the summary line (checked) or nothing; skipped when under $4 seconds are
+# left ({"skipped":"budget"}). OV_LAYERS and OV_HIDDEN (default 6 and 256)
+# set the model.
 ov_run() {
-  [ "$(left)" -ge "$4" ] || { echo "skipped MICRO=$1 ($(left) s left)" >>"$ov_log"; return; }
-  MICRO=$1 SEQ_LEN=32 timeout "$(cap 150)" "$OVERLAP_BIN" "${OV_LAYERS:-6}" "${OV_HIDDEN:-256}" "$2" "$3" "$ov_dir" 2>>"$ov_log" \
-    | grep '"summary"' | tail -n 1
+  local line
+  if ! room "$4"; then
+    echo "skipped MICRO=$1 ($(left) s left)" >>"$ov_log"
+    skip "overlap.MICRO=$1${PIN:+.PIN=$PIN}${COMPUTE_THREADS:+.threads=$COMPUTE_THREADS}" budget
+    printf '{"skipped":"budget"}'; return
+  fi
+  line=$(MICRO=$1 SEQ_LEN=32 tmo 150 "$OVERLAP_BIN" "${OV_LAYERS:-6}" "${OV_HIDDEN:-256}" "$2" "$3" "$ov_dir" 2>>"$ov_log" \
+    | grep '"summary"' | tail -n 1)
+  [ -z "$line" ] || json_val "$line"
 }
 ov_calibration_run() { ov_run "$1" 4 1 40; }
 ov_threads=""; ov_threads_big=""; ov_t=null
@@ -603,15 +1039,17 @@ if [ -n "${OVERLAP_BIN:-}" ] && [ -x "$OVERLAP_BIN" ]; then
     for t in 1 2 4 8 "$auto"; do
       line=$(COMPUTE_THREADS=$t ov_run 2 4 1 40)
       [ -n "$line" ] || continue
+      case $line in '{"skipped"'*) continue ;; esac
       c=$(field "$line" compute_alone_s)
-      ov_threads="$ov_threads${ov_threads:+,}{\"threads\":$t,\"compute_alone_s\":$c,\"io_alone_s\":$(field "$line" io_alone_s)}"
-      if [ -z "$best_c" ] || awk -v c="$c" -v b="$best_c" 'BEGIN { exit !(c < b) }'; then best_c=$c; ov_t=$t; fi
+      ov_threads="$ov_threads${ov_threads:+,}{\"threads\":$t,\"compute_alone_s\":$(num "$c"),\"io_alone_s\":$(num "$(field "$line" io_alone_s)")}"
+      if is_num "$c" && { [ -z "$best_c" ] || awk -v c="$c" -v b="$best_c" 'BEGIN { exit !(c + 0 < b + 0) }'; }; then best_c=$c; ov_t=$t; fi
     done
     # The same on a model 4x as wide per layer (4 layers, hidden 512, MICRO=8).
     for t in 1 4 "$auto"; do
       line=$(OV_LAYERS=4 OV_HIDDEN=512 COMPUTE_THREADS=$t ov_run 8 4 1 60)
       [ -n "$line" ] || continue
-      ov_threads_big="$ov_threads_big${ov_threads_big:+,}{\"threads\":$t,\"compute_alone_s\":$(field "$line" compute_alone_s),\"io_alone_s\":$(field "$line" io_alone_s),\"step_s\":$(field "$line" step_s)}"
+      case $line in '{"skipped"'*) continue ;; esac
+      ov_threads_big="$ov_threads_big${ov_threads_big:+,}{\"threads\":$t,\"compute_alone_s\":$(num "$(field "$line" compute_alone_s)"),\"io_alone_s\":$(num "$(field "$line" io_alone_s)"),\"step_s\":$(num "$(field "$line" step_s)")}"
     done
     [ "$ov_t" = null ] || export COMPUTE_THREADS=$ov_t
   fi
@@ -620,72 +1058,23 @@ if [ -n "${OVERLAP_BIN:-}" ] && [ -x "$OVERLAP_BIN" ]; then
   ov_calib=$calib
   if [ -n "$best" ]; then
     ov_micro=$best
-    ov_balanced=$(ov_run "$best" 6 6 30); [ -n "$ov_balanced" ] || ov_balanced=null
-    ov_balanced_unpinned=$(PIN=off ov_run "$best" 6 6 30); [ -n "$ov_balanced_unpinned" ] || ov_balanced_unpinned=null
-    ov_roomy=$(LIVE_H2=72 REUSE_H2=24 ov_run "$best" 6 6 30); [ -n "$ov_roomy" ] || ov_roomy=null
+    ov_balanced=$(or_null "$(ov_run "$best" 6 6 30)")
+    ov_balanced_unpinned=$(or_null "$(PIN=off ov_run "$best" 6 6 30)")
+    ov_roomy=$(or_null "$(LIVE_H2=72 REUSE_H2=24 ov_run "$best" 6 6 30)")
   fi
   # MICRO=2 with the threads "auto" gives, as a user would run it.
   unset COMPUTE_THREADS
-  ov_default=$(ov_run 2 6 4 20)
-  [ -n "$ov_default" ] || ov_default=null
-  ov_default_unpinned=$(PIN=off ov_run 2 6 4 20)
-  [ -n "$ov_default_unpinned" ] || ov_default_unpinned=null
+  ov_default=$(or_null "$(ov_run 2 6 4 20)")
+  ov_default_unpinned=$(or_null "$(PIN=off ov_run 2 6 4 20)")
   rm -rf "$ov_dir"
 else
   echo "no overlap binary (OVERLAP_BIN)" >"$ov_log"
+  ov_skipped="no binary"; skip overlap "$ov_skipped"
 fi
+emit overlap "$(printf '{"cores":%s,"threads_scan_micro2":[%s],"threads_scan_h512_micro8":[%s],"compute_threads":%s,"calibration":[%s],"balanced_micro":%s,"balanced":%s,"balanced_unpinned":%s,"balanced_live72_reuse24":%s,"micro_2":%s,"micro_2_unpinned":%s,"log":%s%s}' \
+  "$(nproc)" "$ov_threads" "$ov_threads_big" "$ov_t" "$ov_calib" "$ov_micro" "$ov_balanced" "$ov_balanced_unpinned" "$ov_roomy" "$ov_default" "$ov_default_unpinned" "$(json_str "$ov_log")" "$(skipkey "$ov_skipped")")"
 
-{
-  printf '{"ok":%s,' "$([ "$failed" -eq 0 ] && echo true || echo false)"
-  printf '"build_s":%s,"nvidia_smi":%s,' "$build_s" "$(json_str "$smi")"
-  printf '"elapsed_s":%s,"budget_s":%s,"machine":%s,' "$SECONDS" "$BUDGET_S" "$(json_str "$WORK/machine.txt")"
-  printf '"probe_as_installed":{"rc":%s,"result":%s,"stderr":%s},"nccl_linked_from":%s,' \
-    "$probe_plain_rc" "$(json_obj "$probe_plain")" "$(json_str "$WORK/probe_plain.err")" "$nccl_link"
-  printf '"probe":{"rc":%s,"result":%s,"stderr":%s},' "$probe_rc" "$(json_obj "$probe_out")" "$(json_str "$probe_err")"
-  printf '"nccl_one_rank":{"rc":%s,"result":%s,"stderr":%s},' "$one_rc" "$(json_obj "$one_out")" "$(json_str "$one_err")"
-  printf '"nccl_two_ranks":{"gpus":%s,"expected":"%s","rank0":{"rc":%s,"result":%s,"stderr":%s},"rank1":{"rc":%s,"result":%s,"stderr":%s}},' \
-    "$ngpu" "$two_expect" "$two_rc0" "$(json_obj "$WORK/two0.json")" "$(json_str "$WORK/two0.err")" \
-    "$two_rc1" "$(json_obj "$WORK/two1.json")" "$(json_str "$WORK/two1.err")"
-  printf '"train":{"ok":%s,"cuda_libs":"%s","gpt2":%s,"llama":%s,"runs":{' "$train_same" "$nv_libs" \
-    "$(json_obj "$WORK/train-gpt2.summary.json")" "$(json_obj "$WORK/train-llama.summary.json")"
-  sep=""
-  for model in gpt2 llama; do for run in cpu cuda cuda2; do
-    d="$WORK/train-$model-$run"
-    printf '%s"%s_%s":{"rc":%s,"secs":%s,"result":%s,"stderr":%s}' "$sep" "$model" "$run" \
-      "$(cat "$d/rc" 2>/dev/null || echo null)" "$(cat "$d/secs" 2>/dev/null || echo null)" "$(json_obj "$d/out.json")" "$(json_str "$d/err.txt")"
-    sep=","
-  done; done
-  printf '}},'
-  printf '"device_tier":{"ok":%s,"runs":{' "$tier_same"
-  sep=""
-  for model in gpt2 llama; do for variant in stage0 cpu cache; do
-    d="$WORK/tier-$model-$variant"
-    printf '%s"%s_%s":{"rc":%s,"secs":%s,"summary":%s,"result":%s,"stderr":%s}' "$sep" "$model" "$variant" \
-      "$(cat "$d/rc" 2>/dev/null || echo null)" "$(cat "$d/secs" 2>/dev/null || echo null)" "$(json_obj "$d/summary.json")" \
-      "$(json_obj "$d/out.json")" "$(json_str "$d/err.txt")"
-    sep=","
-  done; done
-  printf '}},'
-  printf '"bf16":{"ok":%s,"max_rel_loss_diff_cpu_vs_cuda":%s,"cuda":{"rc":%s,"secs":%s,"result":%s,"stderr":%s},"cpu":{"rc":%s,"result":%s}},' \
-    "$bf16_ok" "$bf16_worst" "$(cat "$WORK/bf16-cuda/rc" 2>/dev/null || echo null)" "$(cat "$WORK/bf16-cuda/secs" 2>/dev/null || echo null)" \
-    "$(json_obj "$WORK/bf16-cuda/out.json")" "$(json_str "$WORK/bf16-cuda/err.txt")" \
-    "$(cat "$WORK/bf16-cpu/rc" 2>/dev/null || echo null)" "$(json_obj "$WORK/bf16-cpu/out.json")"
-  printf '"kernels":{"bin":"%s","cuda_libs":"%s","rc":%s,"result":%s,"log":%s},' \
-    "$KC_BIN" "$nv_libs" "$kc_rc" "$kc_result" "$(json_str "$kc_log")"
-  printf '"throughput":{"tierzero":{"rc":%s,"result":%s,"log":%s},"torch_eager":{"rc":%s,"result":%s,"log":%s},"ratio":%s},' \
-    "$tp_rc" "$tp_result" "$(json_str "$tp_log")" "$th_rc" "$th_result" "$(json_str "$WORK/torch_throughput.err")" "$tp_ratio"
-  printf '"offload_throughput":{"tierzero":{"rc":%s,"tokens_per_s":%s,"model_tflops":%s,"result":%s,"stderr":%s},"fsdp2_cpu_offload":{"rc":%s,"result":%s,"log":%s},"ratio":%s},' \
-    "$otp_rc" "$otp_tokens" "$otp_tflops" "$otp_result" "$(json_str "$WORK/offload-tp/err.txt")" \
-    "$fsdp_rc" "$fsdp_result" "$(json_str "$WORK/fsdp2.err")" "$otp_ratio"
-  printf '"device_overlap":{"calibration":[%s],"micro":%s,"cpu_tier":%s,"nvme_tier":%s,"log":%s},' \
-    "$dov_calib" "$dov_micro" "$dov_cpu" "$dov_nvme" "$(json_str "$dov_log")"
-  printf '"gpu_train":{"bin":"%s","rc":%s,"result":%s,"log":%s},' \
-    "$TC_BIN" "$tc_rc" "$tc_result" "$(json_str "$tc_log")"
-  printf '"python_cuda":{"wheel":"%s","python":"%s","rc":%s,"result":%s,"log":%s},' \
-    "$WHEEL" "$PY" "$py_rc" "$py_result" "$(json_str "$py_log")"
-  printf '"overlap":{"cores":%s,"threads_scan_micro2":[%s],"threads_scan_h512_micro8":[%s],"compute_threads":%s,"calibration":[%s],"balanced_micro":%s,"balanced":%s,"balanced_unpinned":%s,"balanced_live72_reuse24":%s,"micro_2":%s,"micro_2_unpinned":%s,"log":%s}}\n' \
-    "$(nproc)" "$ov_threads" "$ov_threads_big" "$ov_t" "$ov_calib" "$ov_micro" "$ov_balanced" "$ov_balanced_unpinned" "$ov_roomy" "$ov_default" "$ov_default_unpinned" "$(json_str "$ov_log")"
-} >"$WORK/result.json"
-[ -n "${OUT:-}" ] && cp "$WORK/result.json" "$OUT/gpu_check.json"
+finished=1
+assemble
 cat "$WORK/result.json"
 exit "$failed"

@@ -11,10 +11,19 @@
 #   DEVICE_OVERLAP_BIN=target/gpu-carry/device_overlap \
 #   KERNEL_CHECK_BIN=target/gpu-carry/kernel_check TRAIN_CHECK_BIN=target/gpu-carry/train_check \
 #   THROUGHPUT_BIN=target/gpu-carry/throughput TIERZERO_WHEEL=$(ls target/gpu-carry/*.whl) \
-#   GPU_CHECK_BUDGET_S=560 OUT=$OUT scripts/gpu_check.sh
-# with timeout_s 600 (one command may run 10 minutes; the budget leaves
-# the JSON time to be written).
+#   OUT=$OUT scripts/gpu_check.sh
+# with timeout_s 540: the check's own budget (GPU_CHECK_BUDGET_S, default
+# 480 s, the JSON written inside it) ends it first, and a 15-minute lease
+# (the machine's start included) keeps a few minutes for a shorter rerun
+# (GPU_CHECK_BUDGET_S set to what is left, less a minute). Each step's
+# result lands in $OUT/gpu_check.partial.jsonl as it finishes, so a run
+# killed at timeout_s still brings back what it did.
 # (the carry limit is 64 MiB: the binaries are stripped of debug info).
+#
+# Step 6b needs the wheel: when it cannot be built (no maturin in
+# $PYTHON, default .ci/venv/bin/python, or the build fails) this script
+# says so on stderr and exits 1 after building the rest, unless
+# ALLOW_NO_WHEEL=1 (then gpu_check.sh records 6b as {"skipped":"no wheel"}).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=target/gpu-carry
@@ -27,9 +36,26 @@ for b in tierzero examples/overlap examples/device_overlap examples/kernel_check
   strip "$out/$(basename "$b")" 2>/dev/null || true
 done
 PYBIN="${PYTHON:-.ci/venv/bin/python}"
-if "$PYBIN" -m maturin --version >/dev/null 2>&1; then
-  "$PYBIN" -m maturin build --release --quiet --out "$out"
-else
-  echo "no maturin in $PYBIN: the wheel for step 6b is not built" >&2
+wheel_err=""
+if ! "$PYBIN" -m maturin --version >/dev/null 2>&1; then
+  wheel_err="no maturin in $PYBIN (set PYTHON to a python with maturin)"
+elif ! "$PYBIN" -m maturin build --release --quiet --out "$out"; then
+  wheel_err="maturin build --release failed (its output is above)"
+elif ! ls "$out"/tierzero-*.whl >/dev/null 2>&1; then
+  wheel_err="maturin built no tierzero-*.whl into $out"
 fi
 du -sh "$out"/*
+if [ -n "$wheel_err" ]; then
+  {
+    echo
+    echo "*** gpu_check_prepare: THE PYTHON WHEEL WAS NOT BUILT: $wheel_err."
+    echo "*** Step 6b (python/tests/test_adamw_cuda.py, AdamW over CUDA params) will be"
+    echo "*** recorded as skipped (\"no wheel\") on the GPU machine, not run."
+  } >&2
+  if [ "${ALLOW_NO_WHEEL:-0}" = 1 ]; then
+    echo "*** ALLOW_NO_WHEEL=1: carrying on without it." >&2
+  else
+    echo "*** Exiting 1; set ALLOW_NO_WHEEL=1 to carry on without it." >&2
+    exit 1
+  fi
+fi

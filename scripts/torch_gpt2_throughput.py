@@ -4,7 +4,11 @@ gpu/examples/throughput.rs: a GPT-2 of about 350M params (24 layers, hidden
 1024, 16 heads, vocabulary 50257, tied embeddings), sequences of 1024,
 torch.autocast(bfloat16), eager attention, AdamW(fused=True). Prints one
 JSON line with tokens/s and model TFLOPS (6 * params + 12 * layers *
-hidden * seq FLOPs per token, the count the Rust example uses).
+hidden * seq FLOPs per token, the count the Rust example uses), and the
+attention implementation the model was built with
+(`model.config._attn_implementation`: transformers may not keep the
+"eager" asked for). scripts/gpu_check.sh passes --batch, --steps and
+--layers, the values it gives the Rust example (BATCH, STEPS, LAYERS).
 
   python scripts/torch_gpt2_throughput.py [--batch 4] [--steps 6] [--layers 24] [--out OUT.json] \
       [--hidden 1024 --heads 16 --seq 1024] [--device cuda|cpu]
@@ -45,6 +49,8 @@ def main():
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg).to(a.device).train()
+    # What transformers made of the request (it may pick another).
+    attn_impl = getattr(model.config, "_attn_implementation", None)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     g = torch.Generator(device=a.device).manual_seed(1)
@@ -71,7 +77,8 @@ def main():
     fpt = 6 * params + 12 * a.layers * a.hidden * a.seq
     out = {
         "ok": True, "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__, "params": params,
-        "layers": a.layers, "hidden": a.hidden, "batch": a.batch, "seq": a.seq, "steps_timed": timed, "step_s": secs / timed,
+        "layers": a.layers, "hidden": a.hidden, "batch": a.batch, "seq": a.seq, "steps": a.steps, "steps_timed": timed,
+        "step_s": secs / timed, "attn_implementation": attn_impl, "optimizer": "AdamW(fused=True)",
         "tokens_per_s": tok_s, "model_tflops": tok_s * fpt / 1e12, "first_loss": first, "last_loss": last.item(),
         "max_memory_allocated": torch.cuda.max_memory_allocated() if a.device == "cuda" else None,
     }
