@@ -16,9 +16,9 @@
 # output is parsed first (python3, strict: no NaN); a line that does not
 # parse goes in as {"unparsed":"<the line>"}. The final JSON adds to the
 # step keys "finished" (false when interrupted), "failed_steps" and
-# "skipped" (a list of {"step","reason"}). A kill (SIGKILL) in the middle
-# of a write can leave the partial file's last line cut: read it line by
-# line and drop a line that does not parse.
+# "skipped" (a list of {"step","reason"}) and "rerun_steps" (see Rerun).
+# A kill (SIGKILL) in the middle of a write can leave the partial file's
+# last line cut: read it line by line and drop a line that does not parse.
 #
 # Budget: GPU_CHECK_BUDGET_S (default 480) seconds for the whole script,
 # GPU_CHECK_MARGIN_S (default 25) of them kept back for timeout's kill
@@ -30,10 +30,52 @@
 # `tierzero train` stops at the next step boundary on SIGTERM, so a hung
 # run gets SIGKILL 10 s later. With the default, the device tool's
 # timeout_s 540 and the machine's start fit a 15-minute lease with room for
-# a shorter rerun (GPU_CHECK_BUDGET_S set to what is left).
+# a shorter rerun of what did not fit (see Rerun).
+#
+# Step selection: GPU_CHECK_STEPS (optional; unset or empty: every step),
+# a comma-separated list of the step ids below (1, 2, 3, 4, 5, 6c, 6d, 6,
+# 6f, 6g, 6b, 6e, 6h, 6i, 7), runs only those steps, in the usual order;
+# every other step is {"skipped":"not selected"} in its place in the final
+# JSON and listed in "skipped" with that reason, which is not a failure.
+# An unknown id exits 2 at once, before any work, with the valid ids on
+# stderr. Steps 1 and 3 give what others need, so they run even when not
+# selected, and their results are then recorded as usual: step 1 always
+# (it finds or builds the binaries; with TIERZERO_BIN it takes no time),
+# step 3 whenever a step from 3 to 6i is selected (it may link libnccl.so
+# onto LD_LIBRARY_PATH for the later steps, as in a full run, and step 5
+# needs its device count); else step 3 is {"skipped":"not selected"}
+# (nccl_linked_from null). Step 2 runs only when selected. The
+# dependencies: 6f compares with step 6's first GPU run of each model:
+# with 6f selected and 6 not, 6f makes those two runs itself, as step 6
+# does, each before that model's runs ("reference":"run here" and
+# "reference_runs" in its JSON; a reference run that fails fails 6f, one
+# skipped for the budget skips that model's runs for the budget). 6g
+# compares with nothing of step 6: its GPT-2 GPU run is only a gate (6g
+# is not started when it failed), so with 6g selected and 6 not, 6g takes
+# 6f's reference run as the gate when 6f made one, else runs ungated (its
+# "reference" says which).
+#
+# Rerun: at the end (also when interrupted), the final JSON's
+# "rerun_steps", also printed on stderr, is the comma-separated ids of the
+# selected steps that did not run whole: one of its runs skipped for the
+# budget (also a run not started because the run it depends on was
+# skipped for the budget), or not reached (interrupted); "" when there is
+# nothing to rerun (do not rerun then: an empty GPU_CHECK_STEPS means every
+# step). In the same lease, a second, shorter call runs exactly those, with
+# the same environment as the first call otherwise:
+#   GPU_CHECK_STEPS=<rerun_steps> GPU_CHECK_BUDGET_S=<what is left> \
+#     OUT=$OUT scripts/gpu_check.sh
+# where <what is left> is the device tool's budget_left_s (its `status`)
+# less a minute (the call's transfers, the JSON), and the tool's timeout_s
+# between that budget and budget_left_s (e.g. the budget + 30); make the
+# call at once, while the machine is still warm (a fresh start takes
+# minutes). Each step of the rerun starts over (a step with some runs done
+# reruns them all; 6f makes its reference runs again, see above); the
+# rerun's JSON lists the first call's steps as not selected: read the two
+# JSON files together.
 #
 # Steps, in the order they run (the correctness checks first, the
-# measurements last, each skipped when the budget is spent):
+# measurements last, each skipped when the budget is spent), by their ids:
 #   1. the binary: $TIERZERO_BIN if set (a release build made elsewhere with
 #      `cargo build --release --features gpu`: it loads libcuda/libnccl at
 #      run time, so it runs on any x86_64 Linux with the driver), else
@@ -126,7 +168,7 @@
 # each CPU side trains and each CUDA run exits 2 naming libcuda.
 #
 # Environment: TIERZERO_BIN, KERNEL_CHECK_BIN, TRAIN_CHECK_BIN, THROUGHPUT_BIN, DEVICE_OVERLAP_BIN,
-# TIERZERO_WHEEL, TIERZERO_PY,
+# TIERZERO_WHEEL, TIERZERO_PY, GPU_CHECK_STEPS (see Step selection),
 # OVERLAP_BIN, OVERLAP_DIR, GPU_CHECK_PORT
 # (default 29517), GPU_CHECK_BYTES (timed all-gather per rank, default
 # 256M), GPU_CHECK_BUDGET_S (default 480: the whole script's seconds; the
@@ -148,6 +190,35 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 
+# Step selection (GPU_CHECK_STEPS, see Step selection above), checked
+# before any work: STEPS is the selected ids in the steps' order, comma-
+# separated ("" when GPU_CHECK_STEPS is unset or empty: every step).
+STEP_IDS="1 2 3 4 5 6c 6d 6 6f 6g 6b 6e 6h 6i 7"
+STEPS=""
+if [ -n "${GPU_CHECK_STEPS:-}" ]; then
+  IFS=', ' read -r -a wanted <<<"$GPU_CHECK_STEPS"
+  for id in "${wanted[@]}"; do
+    [ -n "$id" ] || continue
+    if [[ " $STEP_IDS " != *" ${id,,} "* ]]; then
+      echo "gpu_check: unknown step id '$id' in GPU_CHECK_STEPS=$GPU_CHECK_STEPS; the valid ids: ${STEP_IDS// /,}" >&2
+      exit 2
+    fi
+  done
+  for id in $STEP_IDS; do
+    for w in "${wanted[@]}"; do
+      if [ "${w,,}" = "$id" ]; then STEPS="$STEPS${STEPS:+,}$id"; break; fi
+    done
+  done
+fi
+# sel ID: step ID was selected (every step when GPU_CHECK_STEPS is unset).
+sel() { [ -z "$STEPS" ] || [[ ",$STEPS," == *",$1,"* ]]; }
+# Step 3 runs for every selected step from 3 to 6i: it may link
+# libnccl.so onto LD_LIBRARY_PATH for them, and step 5 needs its devices.
+need3=0
+for id in 3 4 5 6c 6d 6 6f 6g 6b 6e 6h 6i; do sel "$id" && need3=1; done
+# runs ID: step ID runs (selected, or needed: step 1 always, step 3 above).
+runs() { sel "$1" || [ "$1" = 1 ] || { [ "$1" = 3 ] && [ "$need3" = 1 ]; }; }
+
 PORT="${GPU_CHECK_PORT:-29517}"
 BYTES="${GPU_CHECK_BYTES:-256M}"
 BUDGET_S="${GPU_CHECK_BUDGET_S:-480}"
@@ -162,7 +233,7 @@ WORK="$(mktemp -d)"
 LOGS="${OUT:-$WORK}/logs.txt"
 PARTIAL=""
 if [ -n "${OUT:-}" ]; then mkdir -p "$OUT"; PARTIAL="$OUT/gpu_check.partial.jsonl"; : >"$PARTIAL"; fi
-mkdir -p "$WORK/frag"; : >"$WORK/skipped.jsonl"; : >"$WORK/failed.txt"
+mkdir -p "$WORK/frag"; : >"$WORK/skipped.jsonl"; : >"$WORK/failed.txt"; : >"$WORK/rerun.txt"
 export TIERZERO_COMM_TIMEOUT_S="${TIERZERO_COMM_TIMEOUT_S:-60}"
 unset TIERZERO_NCCL_ADDR TIERZERO_RANK TIERZERO_WORLD_SIZE
 failed=0; finished=0; final_written=0
@@ -280,13 +351,36 @@ worst_rel() {
 }
 # worse A B: the worse of two verdicts (false, then null: not judged, then true).
 worse() { case "$1$2" in *false*) echo false ;; *null*) echo null ;; *) echo true ;; esac; }
+# step_id NAME: the step id (see Steps) of a final JSON key, or of the
+# name of one of its runs (KEY.RUN, run_example's NAME, reference.*).
+step_id() {
+  case $1 in
+    build|build_s) echo 1 ;;
+    nvidia_smi) echo 2 ;;
+    probe_as_installed|nccl_linked_from|probe) echo 3 ;;
+    nccl_one_rank) echo 4 ;;
+    nccl_two_ranks) echo 5 ;;
+    kernels|kernel_check) echo 6c ;;
+    gpu_train|train_check) echo 6d ;;
+    train|train.*) echo 6 ;;
+    device_tier|device_tier.*|reference.*) echo 6f ;;
+    bf16|bf16.*) echo 6g ;;
+    python_cuda) echo 6b ;;
+    throughput|throughput.*) echo 6e ;;
+    offload_throughput|offload_throughput.*) echo 6h ;;
+    device_overlap|device_overlap.*) echo 6i ;;
+    overlap|overlap.*) echo 7 ;;
+  esac
+}
 # skip STEP REASON: STEP was not run (listed in the final JSON's "skipped";
-# works from a subshell).
+# works from a subshell). Skipped for the budget, not reached or
+# interrupted: its step id goes into "rerun_steps".
 skip() {
   local line
   line=$(printf '{"step":%s,"reason":%s}' "$(jstr "$1")" "$(jstr "$2")")
   printf '%s\n' "$line" >>"$WORK/skipped.jsonl"
   [ -z "$PARTIAL" ] || printf '{"step":%s,"elapsed_s":%s,"skipped":%s}\n' "$(jstr "$1")" "$SECONDS" "$(jstr "$2")" >>"$PARTIAL"
+  case $2 in budget|"not reached"|interrupted) step_id "$1" >>"$WORK/rerun.txt" ;; esac
 }
 # fail STEP: STEP failed (the exit status 1, the final JSON's "failed_steps").
 fail() { failed=1; echo "$1" >>"$WORK/failed.txt"; }
@@ -304,6 +398,12 @@ emit() {
   printf '%s\n' "$v" >"$WORK/frag/$1.json"
   [ -z "$PARTIAL" ] || printf '{"step":%s,"elapsed_s":%s,"value":%s}\n' "$(jstr "$1")" "$SECONDS" "$v" >>"$PARTIAL"
 }
+# not_selected KEY...: each KEY's step was left out by GPU_CHECK_STEPS:
+# {"skipped":"not selected"} in its place, listed in "skipped".
+not_selected() {
+  local key
+  for key in "$@"; do skip "$key" "not selected"; emit "$key" '{"skipped":"not selected"}'; done
+}
 # frag NAME DEFAULT: NAME's fragment, else DEFAULT.
 frag() { if [ -s "$WORK/frag/$1.json" ]; then tr -d '\n' <"$WORK/frag/$1.json"; else printf '%s' "$2"; fi; }
 
@@ -311,8 +411,9 @@ frag() { if [ -s "$WORK/frag/$1.json" ]; then tr -d '\n' <"$WORK/frag/$1.json"; 
 # nvidia_smi, elapsed_s, budget_s, machine).
 KEYS="probe_as_installed nccl_linked_from probe nccl_one_rank nccl_two_ranks train device_tier bf16 kernels throughput offload_throughput device_overlap gpu_train python_cuda overlap"
 # Verdicts of the steps with several runs: true, false, or null (not
-# judged: a run skipped); null until the step ends.
-train_ok=null; tier_ok=null
+# judged: a run skipped); null until the step ends. tier_ref: 1 when
+# step 6f makes step 6's first GPU runs itself (step 6 not selected).
+train_ok=null; tier_ok=null; tier_ref=0
 # train's and device_tier's JSON from the fragments of their runs.
 compose_train() {
   local sep="" model run
@@ -331,12 +432,22 @@ compose_tier() {
     printf '%s"%s_%s":%s' "$sep" "$model" "$variant" "$(frag "device_tier.${model}_$variant" '{"skipped":"not reached"}')"
     sep=","
   done; done
-  printf '}}'
+  printf '}'
+  if [ "$tier_ref" = 1 ]; then
+    printf ',"reference":"run here","reference_runs":{"gpt2_cuda":%s,"llama_cuda":%s}' \
+      "$(frag reference.gpt2_cuda '{"skipped":"not reached"}')" "$(frag reference.llama_cuda '{"skipped":"not reached"}')"
+  fi
+  printf '}'
 }
 # A step key's value: its fragment; for train and device_tier interrupted
-# half-way, what their runs left; else {"skipped":"not reached"}.
+# half-way, what their runs left; else {"skipped":"not reached"} (or "not
+# selected" for a step that GPU_CHECK_STEPS left out).
 section() {
   if [ -s "$WORK/frag/$1.json" ]; then frag "$1" null; return; fi
+  if ! runs "$(step_id "$1")"; then
+    if [ "$1" = nccl_linked_from ]; then printf 'null'; return; fi
+    skip "$1" "not selected"; printf '{"skipped":"not selected"}'; return
+  fi
   case $1 in
     nccl_linked_from) printf 'null' ;;
     train|device_tier)
@@ -345,21 +456,40 @@ section() {
     *) skip "$1" "not reached"; printf '{"skipped":"not reached"}' ;;
   esac
 }
-# The final JSON into $WORK/result.json and $OUT/gpu_check.json.
+# rerun_steps: the selected step ids (in the steps' order, comma-
+# separated) with a run skipped for the budget or not reached, or (steps 1
+# and 2, which have no "skipped" entry of their own) without their result:
+# the value of GPU_CHECK_STEPS for a rerun; empty when none.
+rerun_steps() {
+  local id ids=""
+  for id in $STEP_IDS; do
+    sel "$id" || continue
+    if grep -qx -- "$id" "$WORK/rerun.txt" \
+      || { [ "$id" = 1 ] && [ ! -s "$WORK/frag/build_s.json" ]; } \
+      || { [ "$id" = 2 ] && [ ! -s "$WORK/frag/nvidia_smi.json" ]; }; then
+      ids="$ids${ids:+,}$id"
+    fi
+  done
+  printf '%s' "$ids"
+}
+# The final JSON into $WORK/result.json and $OUT/gpu_check.json; the
+# rerun_steps on stderr.
 assemble() {
-  local ok=false key body
+  local ok=false key body rerun
   [ "$failed" -eq 0 ] && [ "$finished" = 1 ] && ok=true
   body=$(
     printf '{"ok":%s,"build_s":%s,"nvidia_smi":%s,' "$ok" "$(frag build_s null)" "$(frag nvidia_smi '""')"
     printf '"elapsed_s":%s,"budget_s":%s,"machine":%s' "$SECONDS" "$BUDGET_S" "$(frag machine '""')"
     for key in $KEYS; do printf ',"%s":%s' "$key" "$(section "$key")"; done
   )
+  # After the sections: they list the steps not reached.
+  rerun=$(rerun_steps)
   {
     printf '%s,"finished":%s,"failed_steps":[' "$body" "$([ "$finished" = 1 ] && echo true || echo false)"
     sort -u "$WORK/failed.txt" | while read -r key; do jstr "$key"; echo; done | paste -sd, - | tr -d '\n'
     printf '],"skipped":['
     paste -sd, "$WORK/skipped.jsonl" | tr -d '\n'
-    printf '],"partial":"gpu_check.partial.jsonl"}\n'
+    printf '],"rerun_steps":%s,"partial":"gpu_check.partial.jsonl"}\n' "$(jstr "$rerun")"
   } >"$WORK/result.json"
   if [ -n "$PYJ" ] && ! json_check "$(cat "$WORK/result.json")" >/dev/null; then
     # A bug here: still valid JSON, with what was assembled as a string.
@@ -370,6 +500,11 @@ assemble() {
   # Whole or not at all (a rename), should a kill come now.
   [ -z "${OUT:-}" ] || { cp "$WORK/result.json" "$OUT/gpu_check.json.tmp" && mv -f "$OUT/gpu_check.json.tmp" "$OUT/gpu_check.json"; }
   final_written=1
+  if [ -n "$rerun" ]; then
+    echo "gpu_check: rerun_steps=$rerun (skipped for the budget or not reached); rerun them with GPU_CHECK_STEPS=$rerun GPU_CHECK_BUDGET_S=<seconds left of the lease, less a minute>" >&2
+  else
+    echo "gpu_check: rerun_steps= (every selected step ran within the budget: nothing to rerun)" >&2
+  fi
 }
 # On the way out: the final JSON (unless written), every step's files into
 # logs.txt, the work directory removed; a second SIGTERM does not cut it.
@@ -396,7 +531,7 @@ trap 'exit 129' HUP
 
 # 0. The machine.
 { echo "nproc: $(nproc)"; uname -r; free -g; df -h .; ldconfig -p | grep -E 'libcuda\.so|libnccl' ; } >"$WORK/machine.txt" 2>&1
-[ -z "$PARTIAL" ] || printf '{"step":"start","budget_s":%s,"margin_s":%s}\n' "$BUDGET_S" "$MARGIN_S" >>"$PARTIAL"
+[ -z "$PARTIAL" ] || printf '{"step":"start","budget_s":%s,"margin_s":%s,"steps":%s}\n' "$BUDGET_S" "$MARGIN_S" "$(jstr "${STEPS:-all}")" >>"$PARTIAL"
 emit machine "$(json_str "$WORK/machine.txt")"
 
 # 1. Binary.
@@ -419,7 +554,7 @@ else
   BIN=""
 fi
 if [ -z "$BIN" ]; then
-  build_fail=$(printf '{"ok":false,"step":"build","log":%s}' "$(json_str "$build_log")")
+  build_fail=$(printf '{"ok":false,"step":"build","log":%s,"rerun_steps":""}' "$(json_str "$build_log")")
   emit build "$build_fail"
   printf '%s\n' "$build_fail" | tee "${OUT:-$WORK}/gpu_check.json"
   final_written=1
@@ -436,72 +571,91 @@ for v in OVERLAP_BIN DEVICE_OVERLAP_BIN KERNEL_CHECK_BIN TRAIN_CHECK_BIN THROUGH
 done
 
 # 2. nvidia-smi.
-smi="$WORK/smi.txt"
-if command -v nvidia-smi >/dev/null; then timeout -k "$KILL_S" 30 nvidia-smi -L >"$smi" 2>&1; else echo "nvidia-smi not found" >"$smi"; fi
-emit nvidia_smi "$(json_str "$smi")"
+if sel 2; then
+  smi="$WORK/smi.txt"
+  if command -v nvidia-smi >/dev/null; then timeout -k "$KILL_S" 30 nvidia-smi -L >"$smi" 2>&1; else echo "nvidia-smi not found" >"$smi"; fi
+  emit nvidia_smi "$(json_str "$smi")"
+else
+  not_selected nvidia_smi
+fi
 
 # 3. Probe: first as the machine is, then (if NCCL did not load) with a
 # libnccl.so link to the libnccl.so.N the machine has: PyTorch's first,
 # then ldconfig's, then a search of / (at most 60 s).
-probe_plain="$WORK/probe_plain.json"
-tmo 120 "$BIN" gpu-info --json >"$probe_plain" 2>"$WORK/probe_plain.err"; probe_plain_rc=$?
-emit probe_as_installed "$(printf '{"rc":%s,"result":%s,"stderr":%s}' \
-  "$probe_plain_rc" "$(json_obj "$probe_plain")" "$(json_str "$WORK/probe_plain.err")")"
-nccl_link=null
-if ! grep -q '"nccl":{"version"' "$probe_plain"; then
-  lib=""
-  for f in /opt/torch/.venv/lib/python3*/site-packages/nvidia/nccl/lib/libnccl.so.*; do
-    if [ -e "$f" ]; then lib=$f; break; fi
-  done
-  if [ -z "$lib" ]; then
-    lib=$(ldconfig -p 2>/dev/null | grep -o '/[^ ]*/libnccl\.so\.[0-9][0-9.]*$' | head -n 1)
+if runs 3; then
+  probe_plain="$WORK/probe_plain.json"
+  tmo 120 "$BIN" gpu-info --json >"$probe_plain" 2>"$WORK/probe_plain.err"; probe_plain_rc=$?
+  emit probe_as_installed "$(printf '{"rc":%s,"result":%s,"stderr":%s}' \
+    "$probe_plain_rc" "$(json_obj "$probe_plain")" "$(json_str "$WORK/probe_plain.err")")"
+  nccl_link=null
+  if ! grep -q '"nccl":{"version"' "$probe_plain"; then
+    lib=""
+    for f in /opt/torch/.venv/lib/python3*/site-packages/nvidia/nccl/lib/libnccl.so.*; do
+      if [ -e "$f" ]; then lib=$f; break; fi
+    done
+    if [ -z "$lib" ]; then
+      lib=$(ldconfig -p 2>/dev/null | grep -o '/[^ ]*/libnccl\.so\.[0-9][0-9.]*$' | head -n 1)
+    fi
+    if [ -z "$lib" ]; then
+      lib=$(tmo 60 find / -xdev \( -path /proc -o -path /sys \) -prune -o -name 'libnccl.so.[0-9]*' -print 2>/dev/null | sort | head -n 1)
+    fi
+    if [ -n "$lib" ]; then
+      mkdir -p "$WORK/lib" && ln -sf "$lib" "$WORK/lib/libnccl.so"
+      export LD_LIBRARY_PATH="$WORK/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+      nccl_link=$(jstr "$lib")
+    fi
   fi
-  if [ -z "$lib" ]; then
-    lib=$(tmo 60 find / -xdev \( -path /proc -o -path /sys \) -prune -o -name 'libnccl.so.[0-9]*' -print 2>/dev/null | sort | head -n 1)
+  emit nccl_linked_from "$nccl_link"
+  probe_out="$WORK/probe.json"; probe_err="$WORK/probe.err"
+  if [ "$nccl_link" = null ]; then
+    # Nothing changed: the probe as installed is the probe.
+    cp "$probe_plain" "$probe_out"; cp "$WORK/probe_plain.err" "$probe_err"; probe_rc=$probe_plain_rc
+  else
+    tmo 120 "$BIN" gpu-info --json >"$probe_out" 2>"$probe_err"; probe_rc=$?
   fi
-  if [ -n "$lib" ]; then
-    mkdir -p "$WORK/lib" && ln -sf "$lib" "$WORK/lib/libnccl.so"
-    export LD_LIBRARY_PATH="$WORK/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    nccl_link=$(jstr "$lib")
-  fi
-fi
-emit nccl_linked_from "$nccl_link"
-probe_out="$WORK/probe.json"; probe_err="$WORK/probe.err"
-if [ "$nccl_link" = null ]; then
-  # Nothing changed: the probe as installed is the probe.
-  cp "$probe_plain" "$probe_out"; cp "$WORK/probe_plain.err" "$probe_err"; probe_rc=$probe_plain_rc
+  [ "$probe_rc" -eq 0 ] || fail probe
+  ngpu=$(grep -o '"ordinal":[0-9]*' "$probe_out" | wc -l)
+  emit probe "$(printf '{"rc":%s,"result":%s,"stderr":%s}' "$probe_rc" "$(json_obj "$probe_out")" "$(json_str "$probe_err")")"
 else
-  tmo 120 "$BIN" gpu-info --json >"$probe_out" 2>"$probe_err"; probe_rc=$?
+  not_selected probe_as_installed
+  emit nccl_linked_from null
+  not_selected probe
+  ngpu=0
 fi
-[ "$probe_rc" -eq 0 ] || fail probe
-ngpu=$(grep -o '"ordinal":[0-9]*' "$probe_out" | wc -l)
-emit probe "$(printf '{"rc":%s,"result":%s,"stderr":%s}' "$probe_rc" "$(json_obj "$probe_out")" "$(json_str "$probe_err")")"
 
 # 4. One rank.
-one_out="$WORK/one.json"; one_err="$WORK/one.err"
-tmo 120 "$BIN" gpu-info --json --nccl-test --device cuda:0 --test-bytes "$BYTES" \
-  >"$one_out" 2>"$one_err"; one_rc=$?
-[ "$one_rc" -eq 0 ] || fail nccl_one_rank
-emit nccl_one_rank "$(printf '{"rc":%s,"result":%s,"stderr":%s}' "$one_rc" "$(json_obj "$one_out")" "$(json_str "$one_err")")"
+if sel 4; then
+  one_out="$WORK/one.json"; one_err="$WORK/one.err"
+  tmo 120 "$BIN" gpu-info --json --nccl-test --device cuda:0 --test-bytes "$BYTES" \
+    >"$one_out" 2>"$one_err"; one_rc=$?
+  [ "$one_rc" -eq 0 ] || fail nccl_one_rank
+  emit nccl_one_rank "$(printf '{"rc":%s,"result":%s,"stderr":%s}' "$one_rc" "$(json_obj "$one_out")" "$(json_str "$one_err")")"
+else
+  not_selected nccl_one_rank
+fi
 
 # 5. Two ranks over the TCP rendezvous (short timeouts: with one GPU NCCL
 # is expected to refuse at once, and a hang must not eat the lease).
-if [ "$ngpu" -ge 2 ]; then dev1=cuda:1; two_expect="pass"; else dev1=cuda:0; two_expect="refused (one GPU)"; fi
-two_t=$(cap 60)
-two_pid=()
-for r in 0 1; do
-  dev=cuda:0; [ "$r" -eq 1 ] && dev="$dev1"
-  TIERZERO_COMM_TIMEOUT_S=30 TIERZERO_NCCL_ADDR="127.0.0.1:$PORT" TIERZERO_RANK=$r TIERZERO_WORLD_SIZE=2 \
-    timeout -k "$KILL_S" "$two_t" "$BIN" gpu-info --json --nccl-test --device "$dev" --test-bytes "$BYTES" \
-    >"$WORK/two$r.json" 2>"$WORK/two$r.err" &
-  two_pid[r]=$!
-done
-wait "${two_pid[0]}"; two_rc0=$?
-wait "${two_pid[1]}"; two_rc1=$?
-if [ "$ngpu" -ge 2 ] && { [ "$two_rc0" -ne 0 ] || [ "$two_rc1" -ne 0 ]; }; then fail nccl_two_ranks; fi
-emit nccl_two_ranks "$(printf '{"gpus":%s,"expected":"%s","rank0":{"rc":%s,"result":%s,"stderr":%s},"rank1":{"rc":%s,"result":%s,"stderr":%s}}' \
-  "$ngpu" "$two_expect" "$two_rc0" "$(json_obj "$WORK/two0.json")" "$(json_str "$WORK/two0.err")" \
-  "$two_rc1" "$(json_obj "$WORK/two1.json")" "$(json_str "$WORK/two1.err")")"
+if sel 5; then
+  if [ "$ngpu" -ge 2 ]; then dev1=cuda:1; two_expect="pass"; else dev1=cuda:0; two_expect="refused (one GPU)"; fi
+  two_t=$(cap 60)
+  two_pid=()
+  for r in 0 1; do
+    dev=cuda:0; [ "$r" -eq 1 ] && dev="$dev1"
+    TIERZERO_COMM_TIMEOUT_S=30 TIERZERO_NCCL_ADDR="127.0.0.1:$PORT" TIERZERO_RANK=$r TIERZERO_WORLD_SIZE=2 \
+      timeout -k "$KILL_S" "$two_t" "$BIN" gpu-info --json --nccl-test --device "$dev" --test-bytes "$BYTES" \
+      >"$WORK/two$r.json" 2>"$WORK/two$r.err" &
+    two_pid[r]=$!
+  done
+  wait "${two_pid[0]}"; two_rc0=$?
+  wait "${two_pid[1]}"; two_rc1=$?
+  if [ "$ngpu" -ge 2 ] && { [ "$two_rc0" -ne 0 ] || [ "$two_rc1" -ne 0 ]; }; then fail nccl_two_ranks; fi
+  emit nccl_two_ranks "$(printf '{"gpus":%s,"expected":"%s","rank0":{"rc":%s,"result":%s,"stderr":%s},"rank1":{"rc":%s,"result":%s,"stderr":%s}}' \
+    "$ngpu" "$two_expect" "$two_rc0" "$(json_obj "$WORK/two0.json")" "$(json_str "$WORK/two0.err")" \
+    "$two_rc1" "$(json_obj "$WORK/two1.json")" "$(json_str "$WORK/two1.err")")"
+else
+  not_selected nccl_two_ranks
+fi
 
 # run_example NAME BIN CAP [MIN]: runs tierzero-gpu's example NAME (BIN if
 # given, else target/release/examples/NAME, else built here) with PyTorch's
@@ -541,16 +695,24 @@ run_example() {
 # lists them). The binary: $KERNEL_CHECK_BIN, else
 # target/release/examples/kernel_check, else built here. Run first after
 # the probes: it is short and says whether the rest can pass.
-run_example kernel_check "${KERNEL_CHECK_BIN:-}" 180; [ $? -eq 1 ] && fail kernels
-emit kernels "$(printf '{"bin":%s,"cuda_libs":%s,"rc":%s,"result":%s,"log":%s%s}' \
-  "$(jstr "$ex_bin")" "$(jstr "$nv_libs")" "$ex_rc" "$ex_result" "$(json_str "$WORK/kernel_check.err")" "$(skipkey "$ex_skipped")")"
+if sel 6c; then
+  run_example kernel_check "${KERNEL_CHECK_BIN:-}" 180; [ $? -eq 1 ] && fail kernels
+  emit kernels "$(printf '{"bin":%s,"cuda_libs":%s,"rc":%s,"result":%s,"log":%s%s}' \
+    "$(jstr "$ex_bin")" "$(jstr "$nv_libs")" "$ex_rc" "$ex_result" "$(json_str "$WORK/kernel_check.err")" "$(skipkey "$ex_skipped")")"
+else
+  not_selected kernels
+fi
 
 # 6d. Training on the GPU: a small fp32 GPT-2, 20 steps, the CUDA units
 # against the same units on the kernels' CPU references (losses within 1e-3
 # relative at every step), and twice on the GPU (the same bits).
-run_example train_check "${TRAIN_CHECK_BIN:-}" 180; [ $? -eq 1 ] && fail gpu_train
-emit gpu_train "$(printf '{"bin":%s,"rc":%s,"result":%s,"log":%s%s}' \
-  "$(jstr "$ex_bin")" "$ex_rc" "$ex_result" "$(json_str "$WORK/train_check.err")" "$(skipkey "$ex_skipped")")"
+if sel 6d; then
+  run_example train_check "${TRAIN_CHECK_BIN:-}" 180; [ $? -eq 1 ] && fail gpu_train
+  emit gpu_train "$(printf '{"bin":%s,"rc":%s,"result":%s,"log":%s%s}' \
+    "$(jstr "$ex_bin")" "$ex_rc" "$ex_result" "$(json_str "$WORK/train_check.err")" "$(skipkey "$ex_skipped")")"
+else
+  not_selected gpu_train
+fi
 
 # 6. Training with the units on the GPU (--device cuda: tierzero-gpu's CUDA
 # units, the engine and CPU Adam as on the CPU) against --device cpu, 20
@@ -607,44 +769,55 @@ verdict() {
   done
   echo "$v"
 }
-train_ok=true
-for model in gpt2 llama; do
-  margs=(); [ "$model" = llama ] && margs=(--model "$WORK/llama")
-  for run in cpu cuda cuda2; do
-    dev=cpu; [ "$run" != cpu ] && dev=cuda:0
-    d="$WORK/train-$model-$run"; mkdir -p "$d"
-    why=""
-    [ "$run" = cuda2 ] && why=$(dep_reason "$model")
-    [ -n "$why" ] || room "$TRAIN_CAP" || why=budget
-    if [ -n "$why" ]; then skip_run "$d" "train.${model}_$run" "$why"; continue; fi
-    t0=$SECONDS
-    (cd "$d" && LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
-      tmo "$TRAIN_CAP" "$BIN" train --device "$dev" "${margs[@]}" --steps 20 --seq-len 128 \
-      --metrics metrics.jsonl --json >out.json 2>err.txt); echo $? >"$d/rc"
-    echo $(( SECONDS - t0 )) >"$d/secs"
-    # Per-step losses from the metrics lines.
-    grep -o '"loss":[0-9.eE+-]*' "$d/metrics.jsonl" 2>/dev/null | cut -d: -f2 >"$d/losses"
-    emit "train.${model}_$run" "$(run_obj "$d")"
+# train_run MODEL RUN [NAME]: one 20-step run of step 6 (RUN cpu, cuda or
+# cuda2) in $WORK/train-MODEL-RUN, its JSON emitted as NAME (default
+# train.MODEL_RUN; step 6f's reference runs, when step 6 is not selected,
+# as reference.MODEL_cuda); not started (skip_run) when under TRAIN_CAP
+# seconds are left or, for cuda2, when the first GPU run did not pass.
+train_run() {
+  local model=$1 run=$2 name=${3:-train.$1_$2} dev=cpu d why t0 margs=()
+  [ "$model" = llama ] && margs=(--model "$WORK/llama")
+  [ "$run" = cpu ] || dev=cuda:0
+  d="$WORK/train-$model-$run"; mkdir -p "$d"
+  why=""
+  [ "$run" = cuda2 ] && why=$(dep_reason "$model")
+  [ -n "$why" ] || room "$TRAIN_CAP" || why=budget
+  if [ -n "$why" ]; then skip_run "$d" "$name" "$why"; return; fi
+  t0=$SECONDS
+  (cd "$d" && LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
+    tmo "$TRAIN_CAP" "$BIN" train --device "$dev" "${margs[@]}" --steps 20 --seq-len 128 \
+    --metrics metrics.jsonl --json >out.json 2>err.txt); echo $? >"$d/rc"
+  echo $(( SECONDS - t0 )) >"$d/secs"
+  # Per-step losses from the metrics lines.
+  grep -o '"loss":[0-9.eE+-]*' "$d/metrics.jsonl" 2>/dev/null | cut -d: -f2 >"$d/losses"
+  emit "$name" "$(run_obj "$d")"
+}
+if sel 6; then
+  train_ok=true
+  for model in gpt2 llama; do
+    for run in cpu cuda cuda2; do train_run "$model" "$run"; done
+    # The comparisons.
+    worst=$(worst_rel "$WORK/train-$model-cpu/losses" "$WORK/train-$model-cuda/losses")
+    twice=null
+    if [ ! -f "$WORK/train-$model-cuda/skipped" ] && [ ! -f "$WORK/train-$model-cuda2/skipped" ]; then
+      sha_a=$(grep -o '"weight_sha256":"[0-9a-f]*"' "$WORK/train-$model-cuda/out.json" 2>/dev/null || true)
+      sha_b=$(grep -o '"weight_sha256":"[0-9a-f]*"' "$WORK/train-$model-cuda2/out.json" 2>/dev/null || true)
+      twice=false
+      if [ -n "$sha_a" ] && [ "$sha_a" = "$sha_b" ] && cmp -s "$WORK/train-$model-cuda/losses" "$WORK/train-$model-cuda2/losses"; then twice=true; fi
+    fi
+    ok=$(verdict "$WORK/train-$model-cpu" "$WORK/train-$model-cuda" "$WORK/train-$model-cuda2")
+    if [ "$ok" = true ]; then
+      { at_most "$worst" 1e-3 && [ "$twice" = true ]; } || ok=false
+    fi
+    train_ok=$(worse "$train_ok" "$ok")
+    [ "$ok" = false ] && fail "train.$model"
+    emit "train.$model" "$(printf '{"model":"%s","ok":%s,"max_rel_loss_diff_cpu_vs_cuda":%s,"cuda_twice_same_bits":%s}' \
+      "$model" "$ok" "$(num "$worst")" "$twice")"
   done
-  # The comparisons.
-  worst=$(worst_rel "$WORK/train-$model-cpu/losses" "$WORK/train-$model-cuda/losses")
-  twice=null
-  if [ ! -f "$WORK/train-$model-cuda/skipped" ] && [ ! -f "$WORK/train-$model-cuda2/skipped" ]; then
-    sha_a=$(grep -o '"weight_sha256":"[0-9a-f]*"' "$WORK/train-$model-cuda/out.json" 2>/dev/null || true)
-    sha_b=$(grep -o '"weight_sha256":"[0-9a-f]*"' "$WORK/train-$model-cuda2/out.json" 2>/dev/null || true)
-    twice=false
-    if [ -n "$sha_a" ] && [ "$sha_a" = "$sha_b" ] && cmp -s "$WORK/train-$model-cuda/losses" "$WORK/train-$model-cuda2/losses"; then twice=true; fi
-  fi
-  ok=$(verdict "$WORK/train-$model-cpu" "$WORK/train-$model-cuda" "$WORK/train-$model-cuda2")
-  if [ "$ok" = true ]; then
-    { at_most "$worst" 1e-3 && [ "$twice" = true ]; } || ok=false
-  fi
-  train_ok=$(worse "$train_ok" "$ok")
-  [ "$ok" = false ] && fail "train.$model"
-  emit "train.$model" "$(printf '{"model":"%s","ok":%s,"max_rel_loss_diff_cpu_vs_cuda":%s,"cuda_twice_same_bits":%s}' \
-    "$model" "$ok" "$(num "$worst")" "$twice")"
-done
-emit train "$(compose_train "$train_ok")"
+  emit train "$(compose_train "$train_ok")"
+else
+  not_selected train
+fi
 
 # 6f. The device tier (issue 23's equivalence): the same 20 steps on the
 # GPU with everything in host memory at stage 0, with params and optimizer
@@ -663,9 +836,13 @@ emit train "$(compose_train "$train_ok")"
 # of h2d_bytes; 0 means cuMemHostRegister was refused: see err.txt). The cpu-offload GPT-2
 # run also writes a timeline of one step with the device lanes
 # ($OUT/timeline-device-tier.json). A model whose first GPU run (step 6)
-# failed or was skipped has its runs here skipped.
-for variant in stage0 cpu cache; do
-  "$PYCFG" - "$variant" "$WORK/ds-$variant.json" <<'PY' 2>"$WORK/ds-$variant.err"
+# failed or was skipped has its runs here skipped. When step 6 is not
+# selected (GPU_CHECK_STEPS), each model's first GPU run is made here, as
+# step 6 makes it, before the model's runs ("reference":"run here", the
+# runs under "reference_runs"; one that fails is a failure of this step).
+if sel 6f; then
+  for variant in stage0 cpu cache; do
+    "$PYCFG" - "$variant" "$WORK/ds-$variant.json" <<'PY' 2>"$WORK/ds-$variant.err"
 import json, sys
 variant, out = sys.argv[1], sys.argv[2]
 c = json.load(open("src/config/default.json"))
@@ -681,101 +858,120 @@ else:
     c["tierzero"]["device_cache_bytes"] = 1 << 30
 json.dump(c, open(out, "w"))
 PY
-done
-# The configs made from src/config/default.json keep its nvme_path
-# (./tierzero-swap, relative to the run directory), which must exist.
-tier_ok=true
-for model in gpt2 llama; do
-  margs=(); [ "$model" = llama ] && margs=(--model "$WORK/llama")
-  base="$WORK/train-$model-cuda"
-  dep=$(dep_reason "$model")
-  for variant in stage0 cpu cache; do
-    d="$WORK/tier-$model-$variant"; mkdir -p "$d/tierzero-swap"
-    why=$dep
-    [ -n "$why" ] || room "$TRAIN_CAP" || why=budget
-    if [ -n "$why" ]; then
-      skip_run "$d" "device_tier.${model}_$variant" "$why"
-      tier_ok=$(worse "$tier_ok" null)
-      continue
-    fi
-    t0=$SECONDS
-    targs=(); [ "$variant" = cpu ] && targs=(--timeline timeline.json --timeline-steps 1)
-    (cd "$d" && LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
-      tmo "$TRAIN_CAP" "$BIN" train --device cuda:0 --config "$WORK/ds-$variant.json" "${margs[@]}" \
-      --steps 20 --seq-len 128 --metrics metrics.jsonl "${targs[@]}" --json >out.json 2>err.txt); echo $? >"$d/rc"
-    echo $(( SECONDS - t0 )) >"$d/secs"
-    grep -o '"loss":[0-9.eE+-]*' "$d/metrics.jsonl" 2>/dev/null | cut -d: -f2 >"$d/losses"
-    sha_v=$(grep -o '"weight_sha256":"[0-9a-f]*"' "$d/out.json" 2>/dev/null || true)
-    sha_b=$(grep -o '"weight_sha256":"[0-9a-f]*"' "$base/out.json" 2>/dev/null || true)
-    same=false
-    if [ -n "$sha_v" ] && [ "$sha_v" = "$sha_b" ] && [ "$(wc -l <"$d/losses")" -ge 20 ] && cmp -s "$d/losses" "$base/losses"; then same=true; fi
-    # stage0 has nothing offloaded: Adam runs on the device (ResidentUnits),
-    # and the default config clips, on the device's own Σg² (a fixed-order
-    # sum, not the host's): its losses within 1e-4 relative, not the bits.
-    close=$same
-    if [ "$variant" = stage0 ]; then
-      close=$("$PYCFG" -c 'import sys; a=[float(x) for x in open(sys.argv[1])]; b=[float(x) for x in open(sys.argv[2])]; print(str(len(a)>=20 and len(a)==len(b) and all(abs(x-y)<=1e-4*abs(y) for x,y in zip(a,b))).lower())' "$d/losses" "$base/losses" 2>/dev/null || echo false)
-      [ "$close" = true ] || close=false
-    fi
-    if [ "$close" != true ]; then tier_ok=false; fail "device_tier.${model}_$variant"; fi
-    # Totals over the steps after the first (%.0f: mawk clamps %d at 2^31).
-    totals=$(awk -F'[:,}]' '/"step":/ && NR > 1 { for (i = 1; i < NF; i++) { if ($i ~ /"h2d_bytes"/) h += $(i+1); if ($i ~ /"d2h_bytes"/) d += $(i+1); if ($i ~ /"h2d_wait_s"/) w += $(i+1); if ($i ~ /"d2h_wait_s"/) x += $(i+1);
-        if ($i ~ /"device_busy_s"/) c += $(i+1); if ($i ~ /"h2d_busy_s"/) u += $(i+1); if ($i ~ /"d2h_busy_s"/) o += $(i+1); if ($i ~ /"h2d_fill_busy_s"/) f += $(i+1); if ($i ~ /"wall_s"/) s += $(i+1);
-        if ($i ~ /"device_forwards_ahead"/) fa += $(i+1); if ($i ~ /"device_backwards_ahead"/) ba += $(i+1); if ($i ~ /"h2d_direct_bytes"/) hd += $(i+1); if ($i ~ /"param_buffers_let_go"/) lg += $(i+1) } }
-      END { m = (c > u ? c : u); m = (o > m ? o : m); printf "{\"steps_after_first\":true,\"h2d_direct_bytes\":%.0f,\"param_buffers_let_go\":%.0f,\"h2d_bytes\":%.0f,\"d2h_bytes\":%.0f,\"h2d_wait_s\":%.4f,\"d2h_wait_s\":%.4f,\"device_busy_s\":%.4f,\"h2d_busy_s\":%.4f,\"d2h_busy_s\":%.4f,\"h2d_fill_busy_s\":%.4f,\"wall_s\":%.4f,\"wall_over_busiest_queue\":%s,\"forwards_ahead\":%.0f,\"backwards_ahead\":%.0f}", hd, lg, h, d, w, x, c, u, o, f, s, (m > 0 ? sprintf("%.3f", s / m) : "null"), fa, ba }' "$d/metrics.jsonl" 2>/dev/null)
-    [ -n "$totals" ] || totals=null
-    [ -n "${OUT:-}" ] && [ -f "$d/timeline.json" ] && [ "$model" = gpt2 ] && cp "$d/timeline.json" "$OUT/timeline-device-tier.json"
-    printf '{"same_bits_as_nvme_stage3":%s,"within_1e-4_of_nvme_stage3":%s,"adam_on_device":%s,"traffic":%s}\n' \
-      "$same" "$close" "$([ "$variant" = stage0 ] && echo true || echo false)" "$(json_val "$totals")" >"$d/summary.json"
-    emit "device_tier.${model}_$variant" "$(printf '{"rc":%s,"secs":%s,"summary":%s,"result":%s,"stderr":%s}' \
-      "$(num "$(cat "$d/rc" 2>/dev/null)")" "$(num "$(cat "$d/secs" 2>/dev/null)")" "$(json_obj "$d/summary.json")" \
-      "$(json_obj "$d/out.json")" "$(json_str "$d/err.txt")")"
   done
-done
-emit device_tier "$(compose_tier "$tier_ok")"
+  # The configs made from src/config/default.json keep its nvme_path
+  # (./tierzero-swap, relative to the run directory), which must exist.
+  tier_ok=true
+  sel 6 || tier_ref=1
+  for model in gpt2 llama; do
+    margs=(); [ "$model" = llama ] && margs=(--model "$WORK/llama")
+    base="$WORK/train-$model-cuda"
+    if [ "$tier_ref" = 1 ]; then
+      train_run "$model" cuda "reference.${model}_cuda"
+      ref_rc=$(cat "$base/rc" 2>/dev/null)
+      if [ -n "$ref_rc" ] && [ "$ref_rc" != 0 ]; then tier_ok=false; fail "device_tier.reference.${model}_cuda"; fi
+    fi
+    dep=$(dep_reason "$model")
+    for variant in stage0 cpu cache; do
+      d="$WORK/tier-$model-$variant"; mkdir -p "$d/tierzero-swap"
+      why=$dep
+      [ -n "$why" ] || room "$TRAIN_CAP" || why=budget
+      if [ -n "$why" ]; then
+        skip_run "$d" "device_tier.${model}_$variant" "$why"
+        tier_ok=$(worse "$tier_ok" null)
+        continue
+      fi
+      t0=$SECONDS
+      targs=(); [ "$variant" = cpu ] && targs=(--timeline timeline.json --timeline-steps 1)
+      (cd "$d" && LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
+        tmo "$TRAIN_CAP" "$BIN" train --device cuda:0 --config "$WORK/ds-$variant.json" "${margs[@]}" \
+        --steps 20 --seq-len 128 --metrics metrics.jsonl "${targs[@]}" --json >out.json 2>err.txt); echo $? >"$d/rc"
+      echo $(( SECONDS - t0 )) >"$d/secs"
+      grep -o '"loss":[0-9.eE+-]*' "$d/metrics.jsonl" 2>/dev/null | cut -d: -f2 >"$d/losses"
+      sha_v=$(grep -o '"weight_sha256":"[0-9a-f]*"' "$d/out.json" 2>/dev/null || true)
+      sha_b=$(grep -o '"weight_sha256":"[0-9a-f]*"' "$base/out.json" 2>/dev/null || true)
+      same=false
+      if [ -n "$sha_v" ] && [ "$sha_v" = "$sha_b" ] && [ "$(wc -l <"$d/losses")" -ge 20 ] && cmp -s "$d/losses" "$base/losses"; then same=true; fi
+      # stage0 has nothing offloaded: Adam runs on the device (ResidentUnits),
+      # and the default config clips, on the device's own Σg² (a fixed-order
+      # sum, not the host's): its losses within 1e-4 relative, not the bits.
+      close=$same
+      if [ "$variant" = stage0 ]; then
+        close=$("$PYCFG" -c 'import sys; a=[float(x) for x in open(sys.argv[1])]; b=[float(x) for x in open(sys.argv[2])]; print(str(len(a)>=20 and len(a)==len(b) and all(abs(x-y)<=1e-4*abs(y) for x,y in zip(a,b))).lower())' "$d/losses" "$base/losses" 2>/dev/null || echo false)
+        [ "$close" = true ] || close=false
+      fi
+      if [ "$close" != true ]; then tier_ok=false; fail "device_tier.${model}_$variant"; fi
+      # Totals over the steps after the first (%.0f: mawk clamps %d at 2^31).
+      totals=$(awk -F'[:,}]' '/"step":/ && NR > 1 { for (i = 1; i < NF; i++) { if ($i ~ /"h2d_bytes"/) h += $(i+1); if ($i ~ /"d2h_bytes"/) d += $(i+1); if ($i ~ /"h2d_wait_s"/) w += $(i+1); if ($i ~ /"d2h_wait_s"/) x += $(i+1);
+          if ($i ~ /"device_busy_s"/) c += $(i+1); if ($i ~ /"h2d_busy_s"/) u += $(i+1); if ($i ~ /"d2h_busy_s"/) o += $(i+1); if ($i ~ /"h2d_fill_busy_s"/) f += $(i+1); if ($i ~ /"wall_s"/) s += $(i+1);
+          if ($i ~ /"device_forwards_ahead"/) fa += $(i+1); if ($i ~ /"device_backwards_ahead"/) ba += $(i+1); if ($i ~ /"h2d_direct_bytes"/) hd += $(i+1); if ($i ~ /"param_buffers_let_go"/) lg += $(i+1) } }
+        END { m = (c > u ? c : u); m = (o > m ? o : m); printf "{\"steps_after_first\":true,\"h2d_direct_bytes\":%.0f,\"param_buffers_let_go\":%.0f,\"h2d_bytes\":%.0f,\"d2h_bytes\":%.0f,\"h2d_wait_s\":%.4f,\"d2h_wait_s\":%.4f,\"device_busy_s\":%.4f,\"h2d_busy_s\":%.4f,\"d2h_busy_s\":%.4f,\"h2d_fill_busy_s\":%.4f,\"wall_s\":%.4f,\"wall_over_busiest_queue\":%s,\"forwards_ahead\":%.0f,\"backwards_ahead\":%.0f}", hd, lg, h, d, w, x, c, u, o, f, s, (m > 0 ? sprintf("%.3f", s / m) : "null"), fa, ba }' "$d/metrics.jsonl" 2>/dev/null)
+      [ -n "$totals" ] || totals=null
+      [ -n "${OUT:-}" ] && [ -f "$d/timeline.json" ] && [ "$model" = gpt2 ] && cp "$d/timeline.json" "$OUT/timeline-device-tier.json"
+      printf '{"same_bits_as_nvme_stage3":%s,"within_1e-4_of_nvme_stage3":%s,"adam_on_device":%s,"traffic":%s}\n' \
+        "$same" "$close" "$([ "$variant" = stage0 ] && echo true || echo false)" "$(json_val "$totals")" >"$d/summary.json"
+      emit "device_tier.${model}_$variant" "$(printf '{"rc":%s,"secs":%s,"summary":%s,"result":%s,"stderr":%s}' \
+        "$(num "$(cat "$d/rc" 2>/dev/null)")" "$(num "$(cat "$d/secs" 2>/dev/null)")" "$(json_obj "$d/summary.json")" \
+        "$(json_obj "$d/out.json")" "$(json_str "$d/err.txt")")"
+    done
+  done
+  emit device_tier "$(compose_tier "$tier_ok")"
+else
+  not_selected device_tier
+fi
 
 # 6g. bf16 (bf16.enabled in the default ZeRO-3 NVMe config): the embedded
 # GPT-2 20 steps with --device cuda (bf16 params, bf16 GEMM operands, fp32
 # elsewhere) against --device cpu in bf16: every step's loss within 1e-2
 # relative (the CPU units round linear outputs to bf16 too; on the
 # simulated device the two agree within 1e-3). Skipped when the GPT-2's
-# first GPU run (step 6) failed or was skipped.
-"$PYCFG" - "$WORK/ds-bf16.json" <<'PY' 2>"$WORK/ds-bf16.err"
+# first GPU run (step 6) failed or was skipped. That run is only a gate
+# here (nothing is compared to it): when step 6 is not selected, step 6f's
+# reference run of the GPT-2 is the gate when 6f made one, else 6g runs
+# ungated ("reference" in the JSON says which).
+if sel 6g; then
+  "$PYCFG" - "$WORK/ds-bf16.json" <<'PY' 2>"$WORK/ds-bf16.err"
 import json, sys
 c = json.load(open("src/config/default.json"))
 c["bf16"] = {"enabled": True}
 json.dump(c, open(sys.argv[1], "w"))
 PY
-bf16_why=$(dep_reason gpt2)
-for run in cpu cuda; do
-  dev=cpu; [ "$run" = cuda ] && dev=cuda:0
-  d="$WORK/bf16-$run"; mkdir -p "$d/tierzero-swap"
-  [ -n "$bf16_why" ] || room "$TRAIN_CAP" || bf16_why=budget
-  if [ -n "$bf16_why" ]; then echo "$bf16_why" >"$d/skipped"; skip "bf16.$run" "$bf16_why"; continue; fi
-  t0=$SECONDS
-  (cd "$d" && LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
-    tmo "$TRAIN_CAP" "$BIN" train --device "$dev" --config "$WORK/ds-bf16.json" --steps 20 --seq-len 128 \
-    --metrics metrics.jsonl --json >out.json 2>err.txt); echo $? >"$d/rc"
-  echo $(( SECONDS - t0 )) >"$d/secs"
-  grep -o '"loss":[0-9.eE+-]*' "$d/metrics.jsonl" 2>/dev/null | cut -d: -f2 >"$d/losses"
-done
-bf16_worst=$(worst_rel "$WORK/bf16-cpu/losses" "$WORK/bf16-cuda/losses")
-bf16_ok=$(verdict "$WORK/bf16-cpu" "$WORK/bf16-cuda")
-if [ "$bf16_ok" = true ]; then at_most "$bf16_worst" 1e-2 || bf16_ok=false; fi
-[ "$bf16_ok" = false ] && fail bf16
-# bf16_run DIR KEYS: a run's JSON ({"skipped":...} when not started).
-bf16_run() {
-  if [ -f "$1/skipped" ]; then printf '{"skipped":%s}' "$(jstr "$(cat "$1/skipped")")"; return; fi
-  if [ "$2" = full ]; then
-    printf '{"rc":%s,"secs":%s,"result":%s,"stderr":%s}' "$(num "$(cat "$1/rc" 2>/dev/null)")" \
-      "$(num "$(cat "$1/secs" 2>/dev/null)")" "$(json_obj "$1/out.json")" "$(json_str "$1/err.txt")"
-  else
-    printf '{"rc":%s,"result":%s}' "$(num "$(cat "$1/rc" 2>/dev/null)")" "$(json_obj "$1/out.json")"
-  fi
-}
-emit bf16 "$(printf '{"ok":%s,"max_rel_loss_diff_cpu_vs_cuda":%s,"cuda":%s,"cpu":%s%s}' \
-  "$bf16_ok" "$(num "$bf16_worst")" "$(bf16_run "$WORK/bf16-cuda" full)" "$(bf16_run "$WORK/bf16-cpu" short)" \
-  "$(skipkey "$(cat "$WORK/bf16-cuda/skipped" 2>/dev/null)")")"
+  bf16_ref=""
+  if sel 6; then bf16_why=$(dep_reason gpt2)
+  elif [ "$tier_ref" = 1 ]; then bf16_why=$(dep_reason gpt2); bf16_ref="step 6f's reference run (step 6 not selected)"
+  else bf16_why=""; bf16_ref="none: step 6 not selected, run without its gate"; fi
+  for run in cpu cuda; do
+    dev=cpu; [ "$run" = cuda ] && dev=cuda:0
+    d="$WORK/bf16-$run"; mkdir -p "$d/tierzero-swap"
+    [ -n "$bf16_why" ] || room "$TRAIN_CAP" || bf16_why=budget
+    if [ -n "$bf16_why" ]; then echo "$bf16_why" >"$d/skipped"; skip "bf16.$run" "$bf16_why"; continue; fi
+    t0=$SECONDS
+    (cd "$d" && LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
+      tmo "$TRAIN_CAP" "$BIN" train --device "$dev" --config "$WORK/ds-bf16.json" --steps 20 --seq-len 128 \
+      --metrics metrics.jsonl --json >out.json 2>err.txt); echo $? >"$d/rc"
+    echo $(( SECONDS - t0 )) >"$d/secs"
+    grep -o '"loss":[0-9.eE+-]*' "$d/metrics.jsonl" 2>/dev/null | cut -d: -f2 >"$d/losses"
+  done
+  bf16_worst=$(worst_rel "$WORK/bf16-cpu/losses" "$WORK/bf16-cuda/losses")
+  bf16_ok=$(verdict "$WORK/bf16-cpu" "$WORK/bf16-cuda")
+  if [ "$bf16_ok" = true ]; then at_most "$bf16_worst" 1e-2 || bf16_ok=false; fi
+  [ "$bf16_ok" = false ] && fail bf16
+  # bf16_run DIR KEYS: a run's JSON ({"skipped":...} when not started).
+  bf16_run() {
+    if [ -f "$1/skipped" ]; then printf '{"skipped":%s}' "$(jstr "$(cat "$1/skipped")")"; return; fi
+    if [ "$2" = full ]; then
+      printf '{"rc":%s,"secs":%s,"result":%s,"stderr":%s}' "$(num "$(cat "$1/rc" 2>/dev/null)")" \
+        "$(num "$(cat "$1/secs" 2>/dev/null)")" "$(json_obj "$1/out.json")" "$(json_str "$1/err.txt")"
+    else
+      printf '{"rc":%s,"result":%s}' "$(num "$(cat "$1/rc" 2>/dev/null)")" "$(json_obj "$1/out.json")"
+    fi
+  }
+  emit bf16 "$(printf '{"ok":%s,"max_rel_loss_diff_cpu_vs_cuda":%s,"cuda":%s,"cpu":%s%s%s}' \
+    "$bf16_ok" "$(num "$bf16_worst")" "$(bf16_run "$WORK/bf16-cuda" full)" "$(bf16_run "$WORK/bf16-cpu" short)" \
+    "$(skipkey "$(cat "$WORK/bf16-cuda/skipped" 2>/dev/null)")" "$([ -z "$bf16_ref" ] || printf ',"reference":%s' "$(jstr "$bf16_ref")")")"
+else
+  not_selected bf16
+fi
 
 # 6b. The Python package over CUDA params (python/tests/test_adamw_cuda.py:
 # gradients down and new params up through pinned buffers on a side
@@ -783,33 +979,37 @@ emit bf16 "$(printf '{"ok":%s,"max_rel_loss_diff_cpu_vs_cuda":%s,"cuda":%s,"cpu"
 # wheel: $TIERZERO_WHEEL, else target/wheels/tierzero-*.whl (carry it);
 # installed with --no-deps into a scratch directory. Without a wheel (or a
 # python) it is recorded as skipped, not run.
-py_log="$WORK/python_cuda.txt"; : >"$py_log"
-WHEEL="${TIERZERO_WHEEL:-$(ls target/wheels/tierzero-*.whl 2>/dev/null | head -n 1)}"
-py_rc=null; py_result=null; py_skipped=""
-PY_CAP=120
-if [ -z "$WHEEL" ] || [ ! -f "$WHEEL" ]; then
-  py_skipped="no wheel"
-  echo "no wheel (TIERZERO_WHEEL, target/wheels): scripts/gpu_check_prepare.sh builds one" >"$py_log"
-elif [ -z "$PY" ]; then
-  py_skipped="no python"
-  echo "no python (TIERZERO_PY, /opt/torch/.venv/bin/python, python3)" >"$py_log"
-elif ! room "$PY_CAP"; then
-  py_skipped=budget
-  echo "skipped: $(left) s left, $PY_CAP s needed" >"$py_log"
-else
-  if tmo 60 "$PY" -m pip install -q --no-deps --no-index --target "$WORK/py" "$WHEEL" >>"$py_log" 2>&1; then
-    PYTHONPATH="$WORK/py" tmo "$PY_CAP" "$PY" python/tests/test_adamw_cuda.py "$WORK/pyt" >"$WORK/python_cuda.json" 2>>"$py_log"
-    py_rc=$?
-    py_result=$(json_obj "$WORK/python_cuda.json")
-    rm -rf "$WORK/pyt"
+if sel 6b; then
+  py_log="$WORK/python_cuda.txt"; : >"$py_log"
+  WHEEL="${TIERZERO_WHEEL:-$(ls target/wheels/tierzero-*.whl 2>/dev/null | head -n 1)}"
+  py_rc=null; py_result=null; py_skipped=""
+  PY_CAP=120
+  if [ -z "$WHEEL" ] || [ ! -f "$WHEEL" ]; then
+    py_skipped="no wheel"
+    echo "no wheel (TIERZERO_WHEEL, target/wheels): scripts/gpu_check_prepare.sh builds one" >"$py_log"
+  elif [ -z "$PY" ]; then
+    py_skipped="no python"
+    echo "no python (TIERZERO_PY, /opt/torch/.venv/bin/python, python3)" >"$py_log"
+  elif ! room "$PY_CAP"; then
+    py_skipped=budget
+    echo "skipped: $(left) s left, $PY_CAP s needed" >"$py_log"
   else
-    py_rc=\"install\"
+    if tmo 60 "$PY" -m pip install -q --no-deps --no-index --target "$WORK/py" "$WHEEL" >>"$py_log" 2>&1; then
+      PYTHONPATH="$WORK/py" tmo "$PY_CAP" "$PY" python/tests/test_adamw_cuda.py "$WORK/pyt" >"$WORK/python_cuda.json" 2>>"$py_log"
+      py_rc=$?
+      py_result=$(json_obj "$WORK/python_cuda.json")
+      rm -rf "$WORK/pyt"
+    else
+      py_rc=\"install\"
+    fi
+    [ "$py_rc" = 0 ] || fail python_cuda
   fi
-  [ "$py_rc" = 0 ] || fail python_cuda
+  [ -z "$py_skipped" ] || skip python_cuda "$py_skipped"
+  emit python_cuda "$(printf '{"wheel":%s,"python":%s,"rc":%s,"result":%s,"log":%s%s}' \
+    "$(jstr "$WHEEL")" "$(jstr "$PY")" "$py_rc" "$py_result" "$(json_str "$py_log")" "$(skipkey "$py_skipped")")"
+else
+  not_selected python_cuda
 fi
-[ -z "$py_skipped" ] || skip python_cuda "$py_skipped"
-emit python_cuda "$(printf '{"wheel":%s,"python":%s,"rc":%s,"result":%s,"log":%s%s}' \
-  "$(jstr "$WHEEL")" "$(jstr "$PY")" "$py_rc" "$py_result" "$(json_str "$py_log")" "$(skipkey "$py_skipped")")"
 
 # 6e. Throughput in GPU memory (a measurement: never sets `failed`): a
 # GPT-2 of ~350M params, seq 1024, bf16 GEMMs, tierzero-gpu's
@@ -819,25 +1019,29 @@ emit python_cuda "$(printf '{"wheel":%s,"python":%s,"rc":%s,"result":%s,"log":%s
 # a ratio of at least 0.8. Each block's forward is kept for its backward,
 # as eager's autograd keeps its graph (RECOMPUTE=1 in the environment
 # recomputes it instead).
-TP_BATCH=4; TP_STEPS=6; TP_LAYERS=24
-BATCH=$TP_BATCH STEPS=$TP_STEPS LAYERS=$TP_LAYERS run_example throughput "${THROUGHPUT_BIN:-}" 180 90
-tp_rc=$ex_rc; tp_result=$ex_result; tp_skipped=$ex_skipped
-if [ -z "$ex_bin" ]; then tp_skipped="no binary"; skip throughput "$tp_skipped"; fi
-th_rc=null; th_result=null; th_skipped=""
-if [ -z "$PY" ]; then th_skipped="no python"
-elif ! room 60; then th_skipped=budget
+if sel 6e; then
+  TP_BATCH=4; TP_STEPS=6; TP_LAYERS=24
+  BATCH=$TP_BATCH STEPS=$TP_STEPS LAYERS=$TP_LAYERS run_example throughput "${THROUGHPUT_BIN:-}" 180 90
+  tp_rc=$ex_rc; tp_result=$ex_result; tp_skipped=$ex_skipped
+  if [ -z "$ex_bin" ]; then tp_skipped="no binary"; skip throughput "$tp_skipped"; fi
+  th_rc=null; th_result=null; th_skipped=""
+  if [ -z "$PY" ]; then th_skipped="no python"
+  elif ! room 60; then th_skipped=budget
+  else
+    tmo 240 "$PY" scripts/torch_gpt2_throughput.py --batch "$TP_BATCH" --steps "$TP_STEPS" --layers "$TP_LAYERS" \
+      --out "$WORK/torch_throughput.json" >/dev/null 2>"$WORK/torch_throughput.err"
+    th_rc=$?
+    th_result=$(json_obj "$WORK/torch_throughput.json")
+  fi
+  [ -z "$th_skipped" ] || skip throughput.torch_eager "$th_skipped"
+  tp_ratio=$(ratio "$(json_num "$WORK/throughput.json" tokens_per_s)" "$(json_num "$WORK/torch_throughput.json" tokens_per_s)")
+  emit throughput "$(printf '{"batch":%s,"steps":%s,"layers":%s,"tierzero":{"rc":%s,"result":%s,"log":%s%s},"torch_eager":{"rc":%s,"result":%s,"log":%s%s},"ratio":%s}' \
+    "$TP_BATCH" "$TP_STEPS" "$TP_LAYERS" \
+    "$tp_rc" "$tp_result" "$(json_str "$WORK/throughput.err")" "$(skipkey "$tp_skipped")" \
+    "$th_rc" "$th_result" "$(json_str "$WORK/torch_throughput.err")" "$(skipkey "$th_skipped")" "$tp_ratio")"
 else
-  tmo 240 "$PY" scripts/torch_gpt2_throughput.py --batch "$TP_BATCH" --steps "$TP_STEPS" --layers "$TP_LAYERS" \
-    --out "$WORK/torch_throughput.json" >/dev/null 2>"$WORK/torch_throughput.err"
-  th_rc=$?
-  th_result=$(json_obj "$WORK/torch_throughput.json")
+  not_selected throughput
 fi
-[ -z "$th_skipped" ] || skip throughput.torch_eager "$th_skipped"
-tp_ratio=$(ratio "$(json_num "$WORK/throughput.json" tokens_per_s)" "$(json_num "$WORK/torch_throughput.json" tokens_per_s)")
-emit throughput "$(printf '{"batch":%s,"steps":%s,"layers":%s,"tierzero":{"rc":%s,"result":%s,"log":%s%s},"torch_eager":{"rc":%s,"result":%s,"log":%s%s},"ratio":%s}' \
-  "$TP_BATCH" "$TP_STEPS" "$TP_LAYERS" \
-  "$tp_rc" "$tp_result" "$(json_str "$WORK/throughput.err")" "$(skipkey "$tp_skipped")" \
-  "$th_rc" "$th_result" "$(json_str "$WORK/torch_throughput.err")" "$(skipkey "$th_skipped")" "$tp_ratio")"
 
 # 6h. Throughput with offload (issue 23's third check; a measurement: never
 # sets `failed`): a Llama layout that does not fit the device budget it is
@@ -849,14 +1053,15 @@ emit throughput "$(printf '{"batch":%s,"steps":%s,"layers":%s,"tierzero":{"rc":%
 # precision, with the machine's PyTorch. Each side starts only with
 # OTP_MIN seconds left and gets at most OTP_CAP; FSDP2 only when tierzero's
 # side gave a tokens/s.
-OTP_MICRO=2; OTP_SEQ=1024; OTP_STEPS=5; OTP_MIN=120; OTP_CAP=180
-OFF_MODEL="$WORK/llama-offload"; mkdir -p "$OFF_MODEL"
-cat >"$OFF_MODEL/config.json" <<'JSON'
+if sel 6h; then
+  OTP_MICRO=2; OTP_SEQ=1024; OTP_STEPS=5; OTP_MIN=120; OTP_CAP=180
+  OFF_MODEL="$WORK/llama-offload"; mkdir -p "$OFF_MODEL"
+  cat >"$OFF_MODEL/config.json" <<'JSON'
 {"model_type":"llama","vocab_size":32000,"hidden_size":2048,"intermediate_size":5632,"num_hidden_layers":16,
  "num_attention_heads":16,"num_key_value_heads":4,"max_position_embeddings":2048,"rope_theta":10000.0,
  "rms_norm_eps":1e-5,"tie_word_embeddings":false}
 JSON
-"$PYCFG" - "$WORK/ds-offload-tp.json" "$OTP_MICRO" <<'PY' 2>"$WORK/ds-offload-tp.err"
+  "$PYCFG" - "$WORK/ds-offload-tp.json" "$OTP_MICRO" <<'PY' 2>"$WORK/ds-offload-tp.err"
 import json, sys
 c = json.load(open("src/config/default.json"))
 c["bf16"] = {"enabled": True}
@@ -878,25 +1083,25 @@ t["device_budget_bytes"] = 4 << 30
 t.pop("pinned_budget_bytes", None)
 json.dump(c, open(sys.argv[1], "w"))
 PY
-otp_rc=null; otp_result=null; otp_tokens=null; otp_tflops=null; otp_skipped=""
-# The CPU Adam over ~850M params on half the cores (what --threads auto
-# gives beside a device; said here so that the comparison does not move
-# with the default. PyTorch's CPU optimizer uses every core's intra-op
-# threads).
-adam_threads=$(( $(nproc) > 3 ? $(nproc) / 2 : 1 ))
-fsdp_rc=null; fsdp_result=null; fsdp_skipped=""; otp_ratio=null
-d="$WORK/offload-tp"; mkdir -p "$d"
-if room "$OTP_MIN"; then
-  (cd "$d" && LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
-    tmo "$OTP_CAP" "$BIN" train --device cuda:0 --config "$WORK/ds-offload-tp.json" --model "$OFF_MODEL" \
-    --steps "$OTP_STEPS" --seq-len "$OTP_SEQ" --threads "$adam_threads" --metrics metrics.jsonl --timeline timeline.json --timeline-steps 1 \
-    --json >out.json 2>err.txt)
-  otp_rc=$?
-  otp_result=$(json_obj "$d/out.json")
-  # Tokens/s over the steps after the second (the first records the
-  # trace, the second is the first of a steady state); model TFLOPS by the
-  # count above.
-  read -r otp_tokens otp_tflops < <("$PYCFG" - "$d/metrics.jsonl" "$OFF_MODEL/config.json" "$OTP_MICRO" "$OTP_SEQ" "$OTP_STEPS" <<'PY' 2>/dev/null || echo "null null"
+  otp_rc=null; otp_result=null; otp_tokens=null; otp_tflops=null; otp_skipped=""
+  # The CPU Adam over ~850M params on half the cores (what --threads auto
+  # gives beside a device; said here so that the comparison does not move
+  # with the default. PyTorch's CPU optimizer uses every core's intra-op
+  # threads).
+  adam_threads=$(( $(nproc) > 3 ? $(nproc) / 2 : 1 ))
+  fsdp_rc=null; fsdp_result=null; fsdp_skipped=""; otp_ratio=null
+  d="$WORK/offload-tp"; mkdir -p "$d"
+  if room "$OTP_MIN"; then
+    (cd "$d" && LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
+      tmo "$OTP_CAP" "$BIN" train --device cuda:0 --config "$WORK/ds-offload-tp.json" --model "$OFF_MODEL" \
+      --steps "$OTP_STEPS" --seq-len "$OTP_SEQ" --threads "$adam_threads" --metrics metrics.jsonl --timeline timeline.json --timeline-steps 1 \
+      --json >out.json 2>err.txt)
+    otp_rc=$?
+    otp_result=$(json_obj "$d/out.json")
+    # Tokens/s over the steps after the second (the first records the
+    # trace, the second is the first of a steady state); model TFLOPS by the
+    # count above.
+    read -r otp_tokens otp_tflops < <("$PYCFG" - "$d/metrics.jsonl" "$OFF_MODEL/config.json" "$OTP_MICRO" "$OTP_SEQ" "$OTP_STEPS" <<'PY' 2>/dev/null || echo "null null"
 import json, sys
 steps = [json.loads(l) for l in open(sys.argv[1]) if '"step"' in l]
 c = json.load(open(sys.argv[2]))
@@ -912,29 +1117,32 @@ else:
     tok = len(timed) * micro * seq / wall
     print("%.1f %.2f" % (tok, tok * (6 * params + 12 * L * h * seq) / 1e12))
 PY
-)
-  otp_tokens=$(num "${otp_tokens:-}"); otp_tflops=$(num "${otp_tflops:-}")
-  [ -n "${OUT:-}" ] && [ -f "$d/timeline.json" ] && cp "$d/timeline.json" "$OUT/timeline-offload-llama.json"
+  )
+    otp_tokens=$(num "${otp_tokens:-}"); otp_tflops=$(num "${otp_tflops:-}")
+    [ -n "${OUT:-}" ] && [ -f "$d/timeline.json" ] && cp "$d/timeline.json" "$OUT/timeline-offload-llama.json"
+  else
+    otp_skipped=budget
+  fi
+  [ -z "$otp_skipped" ] || skip offload_throughput.tierzero "$otp_skipped"
+  if [ -n "$otp_skipped" ]; then fsdp_skipped="tierzero's side skipped ($otp_skipped)"
+  elif ! is_num "$otp_tokens"; then fsdp_skipped="no tokens/s from tierzero's side"
+  elif [ -z "$PY" ]; then fsdp_skipped="no python"
+  elif ! room "$OTP_MIN"; then fsdp_skipped=budget
+  else
+    tmo "$OTP_CAP" "$PY" scripts/fsdp2_offload_throughput.py --config "$OFF_MODEL/config.json" \
+      --micro "$OTP_MICRO" --seq "$OTP_SEQ" --steps "$OTP_STEPS" --out "$WORK/fsdp2.json" >/dev/null 2>"$WORK/fsdp2.err"
+    fsdp_rc=$?
+    fsdp_result=$(json_obj "$WORK/fsdp2.json")
+  fi
+  [ -z "$fsdp_skipped" ] || skip offload_throughput.fsdp2_cpu_offload "$fsdp_skipped"
+  otp_ratio=$(ratio "$otp_tokens" "$(json_num "$WORK/fsdp2.json" tokens_per_s)")
+  emit offload_throughput "$(printf '{"micro":%s,"seq":%s,"steps":%s,"tierzero":{"rc":%s,"tokens_per_s":%s,"model_tflops":%s,"result":%s,"stderr":%s%s},"fsdp2_cpu_offload":{"rc":%s,"result":%s,"log":%s%s},"ratio":%s}' \
+    "$OTP_MICRO" "$OTP_SEQ" "$OTP_STEPS" \
+    "$otp_rc" "$otp_tokens" "$otp_tflops" "$otp_result" "$(json_str "$WORK/offload-tp/err.txt")" "$(skipkey "$otp_skipped")" \
+    "$fsdp_rc" "$fsdp_result" "$(json_str "$WORK/fsdp2.err")" "$(skipkey "$fsdp_skipped")" "$otp_ratio")"
 else
-  otp_skipped=budget
+  not_selected offload_throughput
 fi
-[ -z "$otp_skipped" ] || skip offload_throughput.tierzero "$otp_skipped"
-if [ -n "$otp_skipped" ]; then fsdp_skipped="tierzero's side skipped ($otp_skipped)"
-elif ! is_num "$otp_tokens"; then fsdp_skipped="no tokens/s from tierzero's side"
-elif [ -z "$PY" ]; then fsdp_skipped="no python"
-elif ! room "$OTP_MIN"; then fsdp_skipped=budget
-else
-  tmo "$OTP_CAP" "$PY" scripts/fsdp2_offload_throughput.py --config "$OFF_MODEL/config.json" \
-    --micro "$OTP_MICRO" --seq "$OTP_SEQ" --steps "$OTP_STEPS" --out "$WORK/fsdp2.json" >/dev/null 2>"$WORK/fsdp2.err"
-  fsdp_rc=$?
-  fsdp_result=$(json_obj "$WORK/fsdp2.json")
-fi
-[ -z "$fsdp_skipped" ] || skip offload_throughput.fsdp2_cpu_offload "$fsdp_skipped"
-otp_ratio=$(ratio "$otp_tokens" "$(json_num "$WORK/fsdp2.json" tokens_per_s)")
-emit offload_throughput "$(printf '{"micro":%s,"seq":%s,"steps":%s,"tierzero":{"rc":%s,"tokens_per_s":%s,"model_tflops":%s,"result":%s,"stderr":%s%s},"fsdp2_cpu_offload":{"rc":%s,"result":%s,"log":%s%s},"ratio":%s}' \
-  "$OTP_MICRO" "$OTP_SEQ" "$OTP_STEPS" \
-  "$otp_rc" "$otp_tokens" "$otp_tflops" "$otp_result" "$(json_str "$WORK/offload-tp/err.txt")" "$(skipkey "$otp_skipped")" \
-  "$fsdp_rc" "$fsdp_result" "$(json_str "$WORK/fsdp2.err")" "$(skipkey "$fsdp_skipped")" "$otp_ratio")"
 
 # A summary line's field (a number, else empty).
 field() { local v; v=$(grep -o "\"$2\":[0-9.eE+-]*" <<<"$1" | head -n 1 | cut -d: -f2); is_num "$v" && printf '%s' "$v"; }
@@ -968,111 +1176,119 @@ or_null() { if [ -n "${1:-}" ]; then printf '%s' "$1"; else printf 'null'; fi; }
 # sets `failed`). One run: TIER=$1 MICRO=$2 STEPS=$3 ROUNDS=$4, skipped
 # when under $5 seconds are left ({"skipped":"budget"}); prints the
 # summary line (checked) or nothing.
-dov_dir="${OVERLAP_DIR:-$PWD/overlap-check}-device"
-dov_log="$WORK/device_overlap.txt"; : >"$dov_log"
-dov_calib=""; dov_micro=null; dov_cpu=null; dov_nvme=null; dov_skipped=""
-dov_run() {
-  local line
-  if ! room "$5"; then
-    echo "skipped TIER=$1 MICRO=$2 ($(left) s left)" >>"$dov_log"
-    skip "device_overlap.TIER=$1.MICRO=$2" budget
-    printf '{"skipped":"budget"}'; return
+if sel 6i; then
+  dov_dir="${OVERLAP_DIR:-$PWD/overlap-check}-device"
+  dov_log="$WORK/device_overlap.txt"; : >"$dov_log"
+  dov_calib=""; dov_micro=null; dov_cpu=null; dov_nvme=null; dov_skipped=""
+  dov_run() {
+    local line
+    if ! room "$5"; then
+      echo "skipped TIER=$1 MICRO=$2 ($(left) s left)" >>"$dov_log"
+      skip "device_overlap.TIER=$1.MICRO=$2" budget
+      printf '{"skipped":"budget"}'; return
+    fi
+    rm -rf "$dov_dir"; mkdir -p "$dov_dir"
+    line=$(TIER=$1 MICRO=$2 SEQ_LEN=256 DEVICE=cuda:0 ADAM_THREADS=4 TIMELINE="$WORK/timeline-device-overlap-$1.json" \
+      LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
+      tmo 90 "$DEVICE_OVERLAP_BIN" 6 1024 "$3" "$4" "$dov_dir" 2>>"$dov_log" \
+      | tee -a "$dov_log" | grep '"summary"' | tail -n 1)
+    [ -z "$line" ] || json_val "$line"
+  }
+  dov_calibration_run() { dov_run cpu "$1" 3 1 45; }
+  if [ -n "${DEVICE_OVERLAP_BIN:-}" ] && [ -x "$DEVICE_OVERLAP_BIN" ]; then
+    # Compute grows with MICRO and the params' h2d does not.
+    calibrate dov_calibration_run compute_alone_s h2d_alone_s 1 2 4 8 16 32
+    dov_calib=$calib
+    if [ -n "$best" ]; then
+      dov_micro=$best
+      dov_cpu=$(or_null "$(dov_run cpu "$best" 5 3 40)")
+      dov_nvme=$(or_null "$(dov_run nvme "$best" 4 2 60)")
+    fi
+    rm -rf "$dov_dir"
+    for t in cpu nvme; do
+      [ -n "${OUT:-}" ] && [ -f "$WORK/timeline-device-overlap-$t.json" ] && cp "$WORK/timeline-device-overlap-$t.json" "$OUT/"
+    done
+  else
+    echo "no device overlap binary (DEVICE_OVERLAP_BIN)" >"$dov_log"
+    dov_skipped="no binary"; skip device_overlap "$dov_skipped"
   fi
-  rm -rf "$dov_dir"; mkdir -p "$dov_dir"
-  line=$(TIER=$1 MICRO=$2 SEQ_LEN=256 DEVICE=cuda:0 ADAM_THREADS=4 TIMELINE="$WORK/timeline-device-overlap-$1.json" \
-    LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
-    tmo 90 "$DEVICE_OVERLAP_BIN" 6 1024 "$3" "$4" "$dov_dir" 2>>"$dov_log" \
-    | tee -a "$dov_log" | grep '"summary"' | tail -n 1)
-  [ -z "$line" ] || json_val "$line"
-}
-dov_calibration_run() { dov_run cpu "$1" 3 1 45; }
-if [ -n "${DEVICE_OVERLAP_BIN:-}" ] && [ -x "$DEVICE_OVERLAP_BIN" ]; then
-  # Compute grows with MICRO and the params' h2d does not.
-  calibrate dov_calibration_run compute_alone_s h2d_alone_s 1 2 4 8 16 32
-  dov_calib=$calib
-  if [ -n "$best" ]; then
-    dov_micro=$best
-    dov_cpu=$(or_null "$(dov_run cpu "$best" 5 3 40)")
-    dov_nvme=$(or_null "$(dov_run nvme "$best" 4 2 60)")
-  fi
-  rm -rf "$dov_dir"
-  for t in cpu nvme; do
-    [ -n "${OUT:-}" ] && [ -f "$WORK/timeline-device-overlap-$t.json" ] && cp "$WORK/timeline-device-overlap-$t.json" "$OUT/"
-  done
+  emit device_overlap "$(printf '{"calibration":[%s],"micro":%s,"cpu_tier":%s,"nvme_tier":%s,"log":%s%s}' \
+    "$dov_calib" "$dov_micro" "$dov_cpu" "$dov_nvme" "$(json_str "$dov_log")" "$(skipkey "$dov_skipped")")"
 else
-  echo "no device overlap binary (DEVICE_OVERLAP_BIN)" >"$dov_log"
-  dov_skipped="no binary"; skip device_overlap "$dov_skipped"
+  not_selected device_overlap
 fi
-emit device_overlap "$(printf '{"calibration":[%s],"micro":%s,"cpu_tier":%s,"nvme_tier":%s,"log":%s%s}' \
-  "$dov_calib" "$dov_micro" "$dov_cpu" "$dov_nvme" "$(json_str "$dov_log")" "$(skipkey "$dov_skipped")")"
 
 # 7. Overlap (a measurement: never sets `failed`), in what is left of the
 # budget.
-ov_dir="${OVERLAP_DIR:-$PWD/overlap-check}"
-ov_log="$WORK/overlap.txt"; : >"$ov_log"
-ov_calib=""; ov_micro=null; ov_balanced=null; ov_roomy=null; ov_default=null
-ov_balanced_unpinned=null; ov_default_unpinned=null; ov_skipped=""
-# One run: MICRO=$1 STEPS=$2 ROUNDS=$3 (extra env before the call); prints
-# the summary line (checked) or nothing; skipped when under $4 seconds are
-# left ({"skipped":"budget"}). OV_LAYERS and OV_HIDDEN (default 6 and 256)
-# set the model.
-ov_run() {
-  local line
-  if ! room "$4"; then
-    echo "skipped MICRO=$1 ($(left) s left)" >>"$ov_log"
-    skip "overlap.MICRO=$1${PIN:+.PIN=$PIN}${COMPUTE_THREADS:+.threads=$COMPUTE_THREADS}" budget
-    printf '{"skipped":"budget"}'; return
+if sel 7; then
+  ov_dir="${OVERLAP_DIR:-$PWD/overlap-check}"
+  ov_log="$WORK/overlap.txt"; : >"$ov_log"
+  ov_calib=""; ov_micro=null; ov_balanced=null; ov_roomy=null; ov_default=null
+  ov_balanced_unpinned=null; ov_default_unpinned=null; ov_skipped=""
+  # One run: MICRO=$1 STEPS=$2 ROUNDS=$3 (extra env before the call); prints
+  # the summary line (checked) or nothing; skipped when under $4 seconds are
+  # left ({"skipped":"budget"}). OV_LAYERS and OV_HIDDEN (default 6 and 256)
+  # set the model.
+  ov_run() {
+    local line
+    if ! room "$4"; then
+      echo "skipped MICRO=$1 ($(left) s left)" >>"$ov_log"
+      skip "overlap.MICRO=$1${PIN:+.PIN=$PIN}${COMPUTE_THREADS:+.threads=$COMPUTE_THREADS}" budget
+      printf '{"skipped":"budget"}'; return
+    fi
+    line=$(MICRO=$1 SEQ_LEN=32 tmo 150 "$OVERLAP_BIN" "${OV_LAYERS:-6}" "${OV_HIDDEN:-256}" "$2" "$3" "$ov_dir" 2>>"$ov_log" \
+      | grep '"summary"' | tail -n 1)
+    [ -z "$line" ] || json_val "$line"
+  }
+  ov_calibration_run() { ov_run "$1" 4 1 40; }
+  ov_threads=""; ov_threads_big=""; ov_t=null
+  if [ -n "${OVERLAP_BIN:-}" ] && [ -x "$OVERLAP_BIN" ]; then
+    mkdir -p "$ov_dir"
+    # Compute threads: "auto" leaves one core to the helpers and gives the
+    # rest to candle. On a small model more threads can be slower; scan
+    # them (compute alone, MICRO=2) and calibrate with the fastest.
+    if [ "$(nproc)" -gt 2 ]; then
+      auto=$(( $(nproc) - 1 )); best_c=""
+      for t in 1 2 4 8 "$auto"; do
+        line=$(COMPUTE_THREADS=$t ov_run 2 4 1 40)
+        [ -n "$line" ] || continue
+        case $line in '{"skipped"'*) continue ;; esac
+        c=$(field "$line" compute_alone_s)
+        ov_threads="$ov_threads${ov_threads:+,}{\"threads\":$t,\"compute_alone_s\":$(num "$c"),\"io_alone_s\":$(num "$(field "$line" io_alone_s)")}"
+        if is_num "$c" && { [ -z "$best_c" ] || awk -v c="$c" -v b="$best_c" 'BEGIN { exit !(c + 0 < b + 0) }'; }; then best_c=$c; ov_t=$t; fi
+      done
+      # The same on a model 4x as wide per layer (4 layers, hidden 512, MICRO=8).
+      for t in 1 4 "$auto"; do
+        line=$(OV_LAYERS=4 OV_HIDDEN=512 COMPUTE_THREADS=$t ov_run 8 4 1 60)
+        [ -n "$line" ] || continue
+        case $line in '{"skipped"'*) continue ;; esac
+        ov_threads_big="$ov_threads_big${ov_threads_big:+,}{\"threads\":$t,\"compute_alone_s\":$(num "$(field "$line" compute_alone_s)"),\"io_alone_s\":$(num "$(field "$line" io_alone_s)"),\"step_s\":$(num "$(field "$line" step_s)")}"
+      done
+      [ "$ov_t" = null ] || export COMPUTE_THREADS=$ov_t
+    fi
+    # Compute grows with MICRO and I/O does not.
+    calibrate ov_calibration_run compute_alone_s io_alone_s 2 4 8 16 32 64 128
+    ov_calib=$calib
+    if [ -n "$best" ]; then
+      ov_micro=$best
+      ov_balanced=$(or_null "$(ov_run "$best" 6 6 30)")
+      ov_balanced_unpinned=$(or_null "$(PIN=off ov_run "$best" 6 6 30)")
+      ov_roomy=$(or_null "$(LIVE_H2=72 REUSE_H2=24 ov_run "$best" 6 6 30)")
+    fi
+    # MICRO=2 with the threads "auto" gives, as a user would run it.
+    unset COMPUTE_THREADS
+    ov_default=$(or_null "$(ov_run 2 6 4 20)")
+    ov_default_unpinned=$(or_null "$(PIN=off ov_run 2 6 4 20)")
+    rm -rf "$ov_dir"
+  else
+    echo "no overlap binary (OVERLAP_BIN)" >"$ov_log"
+    ov_skipped="no binary"; skip overlap "$ov_skipped"
   fi
-  line=$(MICRO=$1 SEQ_LEN=32 tmo 150 "$OVERLAP_BIN" "${OV_LAYERS:-6}" "${OV_HIDDEN:-256}" "$2" "$3" "$ov_dir" 2>>"$ov_log" \
-    | grep '"summary"' | tail -n 1)
-  [ -z "$line" ] || json_val "$line"
-}
-ov_calibration_run() { ov_run "$1" 4 1 40; }
-ov_threads=""; ov_threads_big=""; ov_t=null
-if [ -n "${OVERLAP_BIN:-}" ] && [ -x "$OVERLAP_BIN" ]; then
-  mkdir -p "$ov_dir"
-  # Compute threads: "auto" leaves one core to the helpers and gives the
-  # rest to candle. On a small model more threads can be slower; scan
-  # them (compute alone, MICRO=2) and calibrate with the fastest.
-  if [ "$(nproc)" -gt 2 ]; then
-    auto=$(( $(nproc) - 1 )); best_c=""
-    for t in 1 2 4 8 "$auto"; do
-      line=$(COMPUTE_THREADS=$t ov_run 2 4 1 40)
-      [ -n "$line" ] || continue
-      case $line in '{"skipped"'*) continue ;; esac
-      c=$(field "$line" compute_alone_s)
-      ov_threads="$ov_threads${ov_threads:+,}{\"threads\":$t,\"compute_alone_s\":$(num "$c"),\"io_alone_s\":$(num "$(field "$line" io_alone_s)")}"
-      if is_num "$c" && { [ -z "$best_c" ] || awk -v c="$c" -v b="$best_c" 'BEGIN { exit !(c + 0 < b + 0) }'; }; then best_c=$c; ov_t=$t; fi
-    done
-    # The same on a model 4x as wide per layer (4 layers, hidden 512, MICRO=8).
-    for t in 1 4 "$auto"; do
-      line=$(OV_LAYERS=4 OV_HIDDEN=512 COMPUTE_THREADS=$t ov_run 8 4 1 60)
-      [ -n "$line" ] || continue
-      case $line in '{"skipped"'*) continue ;; esac
-      ov_threads_big="$ov_threads_big${ov_threads_big:+,}{\"threads\":$t,\"compute_alone_s\":$(num "$(field "$line" compute_alone_s)"),\"io_alone_s\":$(num "$(field "$line" io_alone_s)"),\"step_s\":$(num "$(field "$line" step_s)")}"
-    done
-    [ "$ov_t" = null ] || export COMPUTE_THREADS=$ov_t
-  fi
-  # Compute grows with MICRO and I/O does not.
-  calibrate ov_calibration_run compute_alone_s io_alone_s 2 4 8 16 32 64 128
-  ov_calib=$calib
-  if [ -n "$best" ]; then
-    ov_micro=$best
-    ov_balanced=$(or_null "$(ov_run "$best" 6 6 30)")
-    ov_balanced_unpinned=$(or_null "$(PIN=off ov_run "$best" 6 6 30)")
-    ov_roomy=$(or_null "$(LIVE_H2=72 REUSE_H2=24 ov_run "$best" 6 6 30)")
-  fi
-  # MICRO=2 with the threads "auto" gives, as a user would run it.
-  unset COMPUTE_THREADS
-  ov_default=$(or_null "$(ov_run 2 6 4 20)")
-  ov_default_unpinned=$(or_null "$(PIN=off ov_run 2 6 4 20)")
-  rm -rf "$ov_dir"
+  emit overlap "$(printf '{"cores":%s,"threads_scan_micro2":[%s],"threads_scan_h512_micro8":[%s],"compute_threads":%s,"calibration":[%s],"balanced_micro":%s,"balanced":%s,"balanced_unpinned":%s,"balanced_live72_reuse24":%s,"micro_2":%s,"micro_2_unpinned":%s,"log":%s%s}' \
+    "$(nproc)" "$ov_threads" "$ov_threads_big" "$ov_t" "$ov_calib" "$ov_micro" "$ov_balanced" "$ov_balanced_unpinned" "$ov_roomy" "$ov_default" "$ov_default_unpinned" "$(json_str "$ov_log")" "$(skipkey "$ov_skipped")")"
 else
-  echo "no overlap binary (OVERLAP_BIN)" >"$ov_log"
-  ov_skipped="no binary"; skip overlap "$ov_skipped"
+  not_selected overlap
 fi
-emit overlap "$(printf '{"cores":%s,"threads_scan_micro2":[%s],"threads_scan_h512_micro8":[%s],"compute_threads":%s,"calibration":[%s],"balanced_micro":%s,"balanced":%s,"balanced_unpinned":%s,"balanced_live72_reuse24":%s,"micro_2":%s,"micro_2_unpinned":%s,"log":%s%s}' \
-  "$(nproc)" "$ov_threads" "$ov_threads_big" "$ov_t" "$ov_calib" "$ov_micro" "$ov_balanced" "$ov_balanced_unpinned" "$ov_roomy" "$ov_default" "$ov_default_unpinned" "$(json_str "$ov_log")" "$(skipkey "$ov_skipped")")"
 
 finished=1
 assemble

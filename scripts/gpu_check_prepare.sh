@@ -15,7 +15,12 @@
 # with timeout_s 540: the check's own budget (GPU_CHECK_BUDGET_S, default
 # 480 s, the JSON written inside it) ends it first, and a 15-minute lease
 # (the machine's start included) keeps a few minutes for a shorter rerun
-# (GPU_CHECK_BUDGET_S set to what is left, less a minute). Each step's
+# of the steps the first call skipped for the budget or did not reach: the
+# same command with GPU_CHECK_STEPS=<its JSON's "rerun_steps", also printed
+# on stderr at the end> GPU_CHECK_BUDGET_S=<the device tool's budget_left_s
+# less a minute>, timeout_s between that budget and budget_left_s, at once
+# while the machine is warm (nothing to rerun when rerun_steps is empty;
+# see gpu_check.sh's Step selection and Rerun). Each step's
 # result lands in $OUT/gpu_check.partial.jsonl as it finishes, so a run
 # killed at timeout_s still brings back what it did.
 # (the carry limit is 64 MiB: the binaries are stripped of debug info).
