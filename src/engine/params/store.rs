@@ -372,6 +372,7 @@ pub struct ParamStore {
 }
 
 mod assembly;
+mod gather;
 mod kept;
 mod pages;
 mod reads;
@@ -799,7 +800,7 @@ impl ParamStore {
     }
 
     /// The tensor of `id`, which a fetch just made resident.
-    fn resident_tensor(&self, id: ParamId) -> Result<Tensor> {
+    pub(super) fn resident_tensor(&self, id: ParamId) -> Result<Tensor> {
         match &self.slots[id.0].slot {
             Slot::Resident(t, _) => Ok(t.clone()),
             other => Err(EngineError::internal(format!(
@@ -811,119 +812,11 @@ impl ParamStore {
     }
 
     /// Not resident, but its home is the device.
-    fn not_on_device(&self, id: ParamId) -> EngineError {
+    pub(super) fn not_on_device(&self, id: ParamId) -> EngineError {
         EngineError::internal(format!(
             "device-tier param `{}` is not resident",
             self.info[id.0].name
         ))
-    }
-
-    /// The tensors of `ids` (a unit's params), fetching what is not
-    /// resident. With several ranks, every param that needs its gather
-    /// is gathered in **one** collective: each rank's shards of those
-    /// params, one after the other, then cut apart per param and rank
-    /// (pure data movement, so the same bytes as a gather each). A unit
-    /// of a dozen params then pays one collective's latency, not a dozen
-    /// (NCCL's staged path synchronises once per collective). Every rank
-    /// calls this with the same `ids` in unit order and holds the same
-    /// params resident (residency changes only by a gather, and releases
-    /// follow the trace), so the collectives match across ranks. With one
-    /// rank, [`Self::fetch`] of each.
-    pub fn fetch_many(&mut self, ids: &[ParamId]) -> Result<Vec<Tensor>> {
-        if !self.defer_gather() {
-            return ids.iter().map(|&id| self.fetch(id)).collect();
-        }
-        // Every param not resident gets its shard bytes staged here.
-        let mut gather = Vec::new();
-        for &id in ids {
-            match self.state(id) {
-                ParamState::Resident => {
-                    self.counters.hits += 1;
-                    continue;
-                }
-                ParamState::Staged => {}
-                ParamState::InFlight => self.complete_read(id, false)?,
-                ParamState::OnDisk => match &self.homes[id.0] {
-                    Home::Device => return Err(self.not_on_device(id)),
-                    Home::Cpu { .. } => {
-                        let shard = self.with_cpu_home(id, |src| Ok(src.to_vec()))?;
-                        self.counters.cpu_read_bytes += shard.len() as u64;
-                        self.apply(id, ParamEvent::Staged(shard))?;
-                    }
-                    Home::Nvme { .. } => {
-                        let ticket = self.read_home_now(id)?;
-                        self.counters.sync_reads += 1;
-                        let read = self.hand_over(id, ticket)?;
-                        self.apply(id, ParamEvent::ReadIssued(read))?;
-                        self.complete_read(id, false)?;
-                    }
-                },
-            }
-            if !gather.contains(&id) {
-                gather.push(id);
-            }
-        }
-        self.gather_staged(&gather)?;
-        ids.iter().map(|&id| self.resident_tensor(id)).collect()
-    }
-
-    /// One all-gather of the staged shards of `ids` (each staged), then
-    /// each param's tensor from its ranks' pieces, made resident.
-    fn gather_staged(&mut self, ids: &[ParamId]) -> Result<()> {
-        if ids.is_empty() {
-            return Ok(());
-        }
-        let world = self.comm.world_size();
-        let mut mine = Vec::new();
-        let mut counts_bytes = vec![0usize; world];
-        for &id in ids {
-            let info = &self.info[id.0];
-            if info.counts_bytes.len() != world {
-                return Err(EngineError::internal(format!(
-                    "param `{}` is cut for {} ranks, not {world}",
-                    info.name,
-                    info.counts_bytes.len()
-                )));
-            }
-            match &self.slots[id.0].slot {
-                Slot::Staged(b) => mine.extend_from_slice(b),
-                other => {
-                    return Err(EngineError::internal(format!(
-                        "gathering `{}` {}",
-                        info.name,
-                        other.name()
-                    )))
-                }
-            }
-            for (c, n) in counts_bytes.iter_mut().zip(&info.counts_bytes) {
-                *c += n;
-            }
-        }
-        let mut all = vec![0u8; counts_bytes.iter().sum()];
-        self.comm.all_gather_bytes(&mine, &counts_bytes, &mut all)?;
-        self.gathers
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        // Rank r's block starts at the sum of the blocks before it; in
-        // it, param i's piece follows the pieces of the params before i.
-        let mut at: Vec<usize> = counts_bytes
-            .iter()
-            .scan(0usize, |acc, &c| {
-                let start = *acc;
-                *acc += c;
-                Some(start)
-            })
-            .collect();
-        for &id in ids {
-            let info = &self.info[id.0];
-            let mut full = Vec::with_capacity(info.numel * self.elem_bytes);
-            for (r, n) in info.counts_bytes.iter().enumerate() {
-                full.extend_from_slice(&all[at[r]..at[r] + n]);
-                at[r] += n;
-            }
-            let t = cpu_tensor(&full, self.dtype, &info.shape)?.to_device(&self.device)?;
-            self.apply(id, ParamEvent::Materialized(t))?;
-        }
-        Ok(())
     }
 
     /// Drops the device copy of `id` (no-op for device-tier params and for
