@@ -234,15 +234,7 @@ impl Exec for CudaExec<'_> {
     }
 
     fn sq_sum(&self, x: &DevBuf) -> Result<f64> {
-        let x = x.f32()?;
-        let host_offsets = r::sumsq_chunk_offsets(x.len());
-        if host_offsets.len() < 2 {
-            return Ok(0.0);
-        }
-        let groups = host_offsets.len() - 1;
-        let mut out = self.dev.alloc_output::<f32>("sum of squares", groups)?;
-        ops::sumsq_groups(self.dev, &mut out, x, &host_offsets)?;
-        Ok(r::sum_chunks_f64(&self.dev.download(&out)?))
+        Ok(self.sq_sums(&[x])?.first().copied().unwrap_or(0.0))
     }
     fn sq_sums(&self, xs: &[&DevBuf]) -> Result<Vec<f64>> {
         let xs = xs.iter().map(|x| x.f32()).collect::<Result<Vec<_>>>()?;

@@ -37,11 +37,6 @@ fn bf16_rounded(v: &[f32]) -> Vec<f32> {
         .collect()
 }
 
-/// bf16 values as f32 (exact).
-fn widen(v: &[bf16]) -> Vec<f32> {
-    v.iter().map(|x| x.to_f32()).collect()
-}
-
 /// `v` rounded to fp16 (to nearest even, overflow to ±inf, as the cast
 /// kernel) and widened back.
 fn f16_rounded(v: &[f32]) -> Vec<f32> {
@@ -251,7 +246,7 @@ impl Exec for HostExec {
             1.0,
             0.0,
         );
-        let p = widen(&r::softmax_causal_fwd(&s16, seq, a.scale()));
+        let p = r::cast::<bf16, f32>(&r::softmax_causal_fwd(&s16, seq, a.scale()));
         let mut o = vec![0f32; a.heads_numel()];
         let v = bf16_rounded(v);
         r::matmul(&mut o, &p, &v, bh, (seq, hd, seq), (false, false), 1.0, 0.0);
@@ -283,7 +278,7 @@ impl Exec for HostExec {
             0.0,
         );
         let mut dv = vec![0f32; a.heads_numel()];
-        let do_ = widen(&do16);
+        let do_: Vec<f32> = r::cast(&do16);
         r::matmul(
             &mut dv,
             p,
@@ -294,7 +289,7 @@ impl Exec for HostExec {
             1.0,
             0.0,
         );
-        let ds = widen(&r::softmax_bwd(&p16, &dp16, seq, a.scale()));
+        let ds = r::cast::<bf16, f32>(&r::softmax_bwd(&p16, &dp16, seq, a.scale()));
         let (q, k) = (bf16_rounded(q), bf16_rounded(k));
         let mut dq = vec![0f32; a.heads_numel()];
         r::matmul(

@@ -762,10 +762,7 @@ impl Trainer {
         let mut slots = Vec::with_capacity(ready.len());
         for (pid, _) in &ready {
             let slot = self.param_slot(*pid)?;
-            // A sum parked after the last micro-batch comes back first.
-            for pc in &slot.pieces {
-                self.unpark(groups, pc.sub_group)?;
-            }
+            self.unpark_slot(groups, &slot)?;
             slots.push(slot);
         }
         let per_param: Vec<Vec<usize>> =
@@ -802,6 +799,19 @@ impl Trainer {
                 .to_vec();
             self.copy_shard_acc(groups, slot, &mut part, true)?;
             at += n;
+        }
+        Ok(())
+    }
+
+    /// Brings back the sums parked after the last micro-batch in the
+    /// sub-groups holding `slot`'s param: they are added to first.
+    fn unpark_slot(
+        &mut self,
+        groups: &mut StepGroups,
+        slot: &crate::engine::layout::ParamSlot,
+    ) -> Result<()> {
+        for pc in &slot.pieces {
+            self.unpark(groups, pc.sub_group)?;
         }
         Ok(())
     }
@@ -887,10 +897,7 @@ impl Trainer {
     /// additions in the same order).
     fn reduce_into(&mut self, groups: &mut StepGroups, pid: ParamId, full: &[f32]) -> Result<()> {
         let slot = self.param_slot(pid)?;
-        // A sum parked after the last micro-batch comes back first.
-        for pc in &slot.pieces {
-            self.unpark(groups, pc.sub_group)?;
-        }
+        self.unpark_slot(groups, &slot)?;
         let counts = shard_counts(slot.numel, self.layout.world);
         groups.grad_reduces += 1;
         if let [pc] = slot.pieces.as_slice() {
