@@ -147,10 +147,17 @@ fn bf16_storage_with_adam_on_the_device_is_bit_identical_too() {
         ..Knobs::default()
     };
     let want = host_optimizer(&model, &k, GemmDtype::Bf16, 3);
-    let (got, _) = on_device(&model, &k, GemmDtype::Bf16, 3);
+    let (got, probe) = on_device(&model, &k, GemmDtype::Bf16, 3);
     println!("bf16: h2d per step {:?} on the device", got.h2d_bytes);
     assert_eq!(got.loss_bits, want.loss_bits, "losses");
     assert_eq!(got.sha, want.sha, "weights");
+    // The device held bf16 weights (2 bytes an element) beside fp32
+    // masters and moments (12), and got every byte back: the weights
+    // rewritten each step stayed the buffers it counted.
+    let md = ModelDir::open(&model, 3).unwrap();
+    let numel: u64 = md.model().params().iter().map(|p| p.numel as u64).sum();
+    assert_eq!(probe.peak_bytes(), 14 * numel);
+    assert_eq!(probe.used_bytes(), 0);
 }
 
 #[test]
@@ -241,4 +248,19 @@ fn a_model_whose_state_does_not_fit_the_device_is_refused_with_the_numbers() {
     assert_eq!(row("params"), 4 * numel);
     assert_eq!(row("Adam moments"), 8 * numel);
     assert!(row("gradients") >= 4 * numel);
+
+    // In bf16 the weights are bf16 on the device, beside fp32 masters.
+    let dev = SimDevice::new(sim(64 << 20, GemmDtype::Bf16)).unwrap();
+    let units = ResidentUnits::new(dev, m, true).unwrap();
+    let plan = units.memory_plan(m).unwrap();
+    let row = |what: &str| {
+        plan.rows
+            .iter()
+            .find(|r| r.what.starts_with(what))
+            .unwrap_or_else(|| panic!("no {what} row in {plan:?}"))
+            .device_bytes
+    };
+    assert_eq!(row("params"), 2 * numel);
+    assert_eq!(row("fp32 master"), 4 * numel);
+    assert_eq!(row("Adam moments"), 8 * numel);
 }

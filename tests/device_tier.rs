@@ -711,8 +711,9 @@ fn nvme_tier_params_cross_from_the_swap_buffers_their_reads_landed_in() {
 }
 
 /// bf16 params through the tier: the same bits as the in-memory units
-/// with bf16 params (both widen them to fp32 at the unit, round the
-/// outputs back once), with and without the cache.
+/// with bf16 params (the device keeps them in bf16, the GEMMs read them
+/// as they are, other kernels widen them; the outputs are rounded back
+/// once), with and without the cache, in half the device bytes.
 #[test]
 fn bf16_params_through_the_device_tier_are_bit_identical_too() {
     let model = tiny_llama_dir("tier-bf16");
@@ -735,9 +736,10 @@ fn bf16_params_through_the_device_tier_are_bit_identical_too() {
             gemm: GemmDtype::Bf16,
             ..sim(64 << 20, 0, 4)
         };
-        let (got, _, probe) = tiered(&model, &k, cfg.clone(), limits, 3);
+        let (got, peaks, probe) = tiered(&model, &k, cfg.clone(), limits, 3);
         assert_eq!(got.loss_bits, want.loss_bits, "cache {cache_bytes}");
         assert_eq!(got.sha, want.sha, "cache {cache_bytes}");
+        // Every bf16 buffer's 2-byte count came back when it was freed.
         assert_all_back(&probe, "bf16");
         // bf16 params and activations cross as 2-byte elements (only the
         // rotary tables are fp32): about half an fp32 run's traffic (its
@@ -747,11 +749,25 @@ fn bf16_params_through_the_device_tier_are_bit_identical_too() {
             precision: "fp32",
             ..k.clone()
         };
-        let (wide, _, _) = tiered(&model, &fp32, cfg, limits, 3);
+        let (wide, wide_peaks, wide_probe) = tiered(&model, &fp32, cfg, limits, 3);
         println!(
             "cache {cache_bytes}: h2d {} B in bf16, {} B in fp32",
             got.h2d_bytes, wide.h2d_bytes
         );
+        // The params stay on the device as they crossed: the same
+        // schedule (the windows count elements) in half the bytes, on
+        // the tier's count and on the device's.
+        println!(
+            "cache {cache_bytes}: device peak {} B in bf16, {} B in fp32 (the device saw {} B, {} B)",
+            peaks.device_bytes,
+            wide_peaks.device_bytes,
+            probe.peak_bytes(),
+            wide_probe.peak_bytes()
+        );
+        assert_eq!(peaks.live_numel, wide_peaks.live_numel);
+        assert_eq!(2 * peaks.device_bytes, wide_peaks.device_bytes);
+        assert_eq!(2 * peaks.cached_bytes, wide_peaks.cached_bytes);
+        assert_eq!(2 * probe.peak_bytes(), wide_probe.peak_bytes());
         assert_eq!(got.h2d_kept_bytes, 0);
         let wide_in = wide.h2d_bytes + wide.h2d_kept_bytes;
         assert!(

@@ -19,6 +19,7 @@ use tierzero_gpu::device::{Device, DeviceBuffer, DeviceOptions};
 use tierzero_gpu::kernels::SUMSQ_CHUNK;
 use tierzero_gpu::ops::{self, AdamState, DeviceRuns, Elem, MatmulShape, NormOut, NormStats};
 use tierzero_gpu::reference::{self as r, AdamScalars, HeadsShape, KvShape, RopeShape, Storage};
+use tierzero_gpu::unit::{CudaExec, DevBuf, Exec, GemmDtype};
 use tierzero_gpu::Result;
 
 fn data(n: usize, seed: u64) -> Vec<f32> {
@@ -763,6 +764,127 @@ fn check_f32_only(dev: &Device, rep: &mut Report) -> Result<()> {
     Ok(())
 }
 
+/// Params kept in bf16 on the device (`DevBuf::Bf16`, as the engine's
+/// links keep a bf16 upload) give the units the same bits as the same
+/// values in fp32: the GEMMs read them as they are (or widened, in fp32
+/// and fp16 GEMMs), the other kernels through an exact widening, and the
+/// device optimizer's rounding writes them directly.
+fn check_bf16_params(dev: &Device, rep: &mut Report) -> Result<()> {
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let same = |rep: &mut Report, what: &str, size: &str, a: Vec<f32>, b: Vec<f32>| {
+        let differ = a
+            .iter()
+            .zip(&b)
+            .filter(|(x, y)| x.to_bits() != y.to_bits())
+            .count();
+        let ok = a.len() == b.len() && !a.is_empty() && bits(&a) == bits(&b);
+        rep.check(
+            &format!("bf16_param.{what}"),
+            size,
+            ok,
+            &format!(
+                "{differ} of {} elements differ from an fp32 param's",
+                a.len()
+            ),
+        );
+    };
+    let (rows, cols, out) = (37usize, 129usize, 65usize);
+    let w16: Vec<bf16> = r::cast(&data(cols * out, 70));
+    let w32: Vec<f32> = r::cast(&w16);
+    let x = data(rows * cols, 71);
+    let narrow = |v: &[f32]| -> Result<DevBuf> {
+        Ok(DevBuf::Bf16(
+            dev.upload("bf16 param", &r::cast::<f32, bf16>(v))?,
+        ))
+    };
+    let wide = |v: &[f32]| -> Result<DevBuf> { Ok(DevBuf::F32(dev.upload("fp32 param", v)?)) };
+    let size = format!("{rows}x{out}x{cols}");
+    for gemm in [GemmDtype::F32, GemmDtype::Bf16, GemmDtype::F16] {
+        let e = CudaExec { dev, gemm };
+        let gx = e.upload("x", &x)?;
+        let s = MatmulShape {
+            batch: 1,
+            m: rows,
+            n: out,
+            k: cols,
+            trans_a: false,
+            trans_b: false,
+        };
+        let mut got = Vec::new();
+        for w in [narrow(&w32)?, wide(&w32)?] {
+            let mut c = e.output("c", rows * out)?;
+            e.matmul(&mut c, &gx, &w, s, 0.0)?;
+            got.push(e.download(&c)?);
+        }
+        let b = got.pop().unwrap_or_default();
+        same(
+            rep,
+            &format!("matmul_{gemm:?}"),
+            &size,
+            got.pop().unwrap_or_default(),
+            b,
+        );
+    }
+    let e = CudaExec {
+        dev,
+        gemm: GemmDtype::Bf16,
+    };
+    let gx = e.upload("x", &x)?;
+    let (g16, b16): (Vec<bf16>, Vec<bf16>) = (r::cast(&data(cols, 72)), r::cast(&data(cols, 73)));
+    let (g, b): (Vec<f32>, Vec<f32>) = (r::cast(&g16), r::cast(&b16));
+    let size = format!("{rows}x{cols}");
+    let [y1, ..] = e.layernorm_fwd(&gx, &narrow(&g)?, &narrow(&b)?, cols, 1e-5)?;
+    let [y2, ..] = e.layernorm_fwd(&gx, &wide(&g)?, &wide(&b)?, cols, 1e-5)?;
+    same(
+        rep,
+        "layernorm_fwd",
+        &size,
+        e.download(&y1)?,
+        e.download(&y2)?,
+    );
+    let [y1, _] = e.rmsnorm_fwd(&gx, &narrow(&g)?, cols, 1e-6)?;
+    let [y2, _] = e.rmsnorm_fwd(&gx, &wide(&g)?, cols, 1e-6)?;
+    same(
+        rep,
+        "rmsnorm_fwd",
+        &size,
+        e.download(&y1)?,
+        e.download(&y2)?,
+    );
+    let (mut y1, mut y2) = (e.upload("y", &x)?, e.upload("y", &x)?);
+    e.bias_add(&mut y1, &narrow(&b)?)?;
+    e.bias_add(&mut y2, &wide(&b)?)?;
+    same(rep, "bias_add", &size, e.download(&y1)?, e.download(&y2)?);
+    let vocab = 101;
+    let table: Vec<f32> = r::cast(&r::cast::<f32, bf16>(&data(vocab * cols, 74)));
+    let ids: Vec<i32> = (0..rows).map(|i| ((i * 37) % vocab) as i32).collect();
+    let gids = e.ids(&ids, vocab)?;
+    let y1 = e.embedding_fwd(&narrow(&table)?, &gids, cols)?;
+    let y2 = e.embedding_fwd(&wide(&table)?, &gids, cols)?;
+    same(
+        rep,
+        "embedding_fwd",
+        &format!("{rows} of {vocab}x{cols}"),
+        e.download(&y1)?,
+        e.download(&y2)?,
+    );
+    // The device optimizer's new weights: the master rounded, written
+    // into a bf16 param, or into an fp32 one as its widened value.
+    let master = e.upload("master", &data(100_003, 75))?;
+    let mut w1 = narrow(&vec![0.0; 100_003])?;
+    let mut w2 = wide(&vec![0.0; 100_003])?;
+    e.round_bf16(&mut w1, &master)?;
+    e.round_bf16(&mut w2, &master)?;
+    same(
+        rep,
+        "round_bf16",
+        "100003",
+        e.download(&w1)?,
+        e.download(&w2)?,
+    );
+    Ok(())
+}
+
 fn main() {
     let out_path = std::env::args().nth(1);
     let t0 = Instant::now();
@@ -794,7 +916,8 @@ fn main() {
     };
     let run = check_all::<f32>(&dev, &mut rep, 1e-5)
         .and_then(|_| check_all::<bf16>(&dev, &mut rep, 2e-2))
-        .and_then(|_| check_f32_only(&dev, &mut rep));
+        .and_then(|_| check_f32_only(&dev, &mut rep))
+        .and_then(|_| check_bf16_params(&dev, &mut rep));
     let error = match run {
         Ok(()) => None,
         Err(e) => {

@@ -13,13 +13,27 @@
 //!    the host does not wait. It then hands back the destination. The
 //!    staging buffer goes on the retiring list with its event.
 //!    A bf16 upload ([`Uploads::start_bf16`]) crosses as its 2-byte
-//!    elements into a bf16 buffer; `finish` widens it to the fp32
-//!    destination on the compute stream (`cast_bf16_f32`, exact), and the
-//!    bf16 buffer is freed once an event after that cast completed (freed
-//!    at once, its stream, h2d, would wait for the compute stream).
+//!    elements into a bf16 buffer. A param's ([`Lands::AsBf16`]) stays
+//!    that buffer: the units read bf16 params as they are
+//!    ([`crate::unit::DevBuf::Bf16`]). An input's ([`Lands::AsF32`]) is
+//!    widened by `finish` into an fp32 destination on the compute stream
+//!    (`cast_bf16_f32`, exact), and the bf16 buffer is let go as below.
 //! 3. A later `start` moves retiring buffers whose event completed back to
 //!    the pool (one pool per element type). When the pool's pinned bytes would pass its cap, it waits
 //!    for the oldest event and frees that buffer.
+//!
+//! # Freeing a destination
+//!
+//! Destinations are allocated on the h2d stream, so cudarc frees them
+//! there, first making that stream wait for their last use on the
+//! compute stream: a param freed after its unit's kernels were queued
+//! would hold every later upload behind those kernels. So
+//! [`Uploads::free_after_compute`] records an event on the compute stream
+//! and keeps the buffer, with it, until the event completed; only then is
+//! it dropped, and its free waits for nothing. Its bytes stay in the
+//! device budget until then (the memory is in use until then anyway). An
+//! allocation here that would pass the budget first waits for the oldest
+//! of those events and drops their buffers.
 //!
 //! # What may be in flight
 //!
@@ -82,7 +96,8 @@ use cudarc::driver::{CudaEvent, CudaStream, PinnedHostSlice};
 use half::bf16;
 
 use crate::device::{driver_err as driver, Device, DeviceBuffer};
-use crate::Result;
+use crate::unit::DevBuf;
+use crate::{GpuError, Result};
 
 /// An upload in flight: its destination, its staging buffer and the event
 /// recorded after its copy.
@@ -99,7 +114,8 @@ pub enum PendingUpload {
         event: CudaEvent,
     },
     /// bf16 elements, copied as they are (half the bytes) into a bf16
-    /// buffer, widened to fp32 on the compute stream by `finish`.
+    /// buffer: kept so, or widened to fp32 on the compute stream by
+    /// `finish` ([`Lands`]).
     Bf16 {
         /// The bf16 copy on the device.
         narrow: DeviceBuffer<bf16>,
@@ -107,7 +123,20 @@ pub enum PendingUpload {
         staging: Option<Staging<bf16>>,
         /// Recorded after the copy.
         event: CudaEvent,
+        /// What `finish` hands over.
+        lands: Lands,
     },
+}
+
+/// What a bf16 upload becomes on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lands {
+    /// The bf16 buffer itself (a param: the units read bf16 params as
+    /// they are).
+    AsBf16,
+    /// An fp32 buffer, widened exactly (a unit's input: the units'
+    /// activations are fp32).
+    AsF32,
 }
 
 /// A staging buffer of a pool: its bytes count in the pool's
@@ -301,10 +330,10 @@ pub struct Uploads {
     /// Where the pins of copies in place go, each with an event after its
     /// copy ([`Uploads::start_pinned`], [`spawn_reaper`]).
     reaper: Mutex<std::sync::mpsc::Sender<(CudaEvent, tierzero_swap::ReadPin)>>,
-    /// bf16 copies already widened, each with an event after its cast on
-    /// the compute stream, dropped once that event completed
-    /// ([`Uploads::finish`]).
-    widened: Mutex<VecDeque<(CudaEvent, DeviceBuffer<bf16>)>>,
+    /// Destinations let go, each with an event after its last use on the
+    /// compute stream, dropped once that event completed (see "Freeing a
+    /// destination").
+    freeing: Mutex<VecDeque<(CudaEvent, DevBuf)>>,
 }
 
 /// The thread that lets the pins of copies in place go once they are
@@ -351,7 +380,7 @@ impl Uploads {
             pool: Mutex::new(Pool::default()),
             pool16: Mutex::new(Pool::default()),
             cap_bytes,
-            widened: Mutex::new(VecDeque::new()),
+            freeing: Mutex::new(VecDeque::new()),
         })
     }
 
@@ -449,7 +478,7 @@ impl Uploads {
                 .map_err(driver("cuEventSynchronize"))?,
             host,
         );
-        let mut dst = self.dev.alloc_uninit_on_h2d::<T>(what, host.len())?;
+        let mut dst = self.dst::<T>(what, host.len())?;
         let began = EventClock::mark(&self.dev.h2d)?;
         self.dev
             .h2d
@@ -476,14 +505,72 @@ impl Uploads {
     }
 
     /// Starts copying bf16 `host` (its 2-byte elements, half an fp32
-    /// upload's bytes) to the device; `finish` widens it to fp32.
-    pub fn start_bf16(&self, what: &str, host: &[bf16]) -> Result<PendingUpload> {
+    /// upload's bytes) to the device; `finish` hands it over as `lands`
+    /// says.
+    pub fn start_bf16(&self, what: &str, host: &[bf16], lands: Lands) -> Result<PendingUpload> {
         let (narrow, staging, event) = self.queue(&self.pool16, what, host)?;
         Ok(PendingUpload::Bf16 {
             narrow,
             staging: Some(staging),
             event,
+            lands,
         })
+    }
+
+    /// A destination of `len` elements on the h2d stream (not
+    /// initialised: the copy queued next writes all of it). Buffers let go
+    /// whose compute is done are dropped first; past the budget, it waits
+    /// for those still in use, oldest first, before it gives up.
+    fn dst<T: cudarc::driver::DeviceRepr>(
+        &self,
+        what: &str,
+        len: usize,
+    ) -> Result<DeviceBuffer<T>> {
+        self.reap_freed()?;
+        loop {
+            match self.dev.alloc_uninit_on_h2d::<T>(what, len) {
+                Err(e @ GpuError::OutOfBudget { .. }) => {
+                    let oldest = locked(&self.freeing).pop_front();
+                    let Some((ev, buf)) = oldest else {
+                        return Err(e);
+                    };
+                    wait_for(&ev).map_err(driver("cuEventSynchronize"))?;
+                    drop(buf);
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Drops the buffers let go whose event completed.
+    fn reap_freed(&self) -> Result<()> {
+        let mut freeing = locked(&self.freeing);
+        while let Some((ev, _)) = freeing.front() {
+            if !ev.try_is_complete().map_err(driver("cuEventQuery"))? {
+                break;
+            }
+            freeing.pop_front();
+        }
+        Ok(())
+    }
+
+    /// Lets `buf` go once the work queued on the compute stream so far
+    /// (its last use) is done, without making the h2d stream wait for it
+    /// (see "Freeing a destination"). A buffer allocated on the compute
+    /// stream may come here too: its free would not have waited anyway.
+    pub fn free_after_compute(&self, buf: DevBuf) -> Result<()> {
+        let done = match self.dev.compute.record_event(None) {
+            Ok(ev) => ev,
+            Err(e) => {
+                // No event to wait on: dropped now, cudarc orders its free
+                // after its uses (the h2d stream waits).
+                drop(buf);
+                return Err(driver("cuEventRecord")(e));
+            }
+        };
+        self.reap_freed()?;
+        locked(&self.freeing).push_back((done, buf));
+        Ok(())
     }
 
     /// Starts copying `pin`'s bytes, in host memory registered with this
@@ -514,15 +601,16 @@ impl Uploads {
         }
         let numel = len_bytes / elem_bytes;
         if bf16 {
-            let mut narrow = self.dev.alloc_uninit_on_h2d::<bf16>(what, numel)?;
+            let mut narrow = self.dst::<bf16>(what, numel)?;
             let event = self.copy_pinned(what, pin, narrow.slice_mut())?;
             Ok(PendingUpload::Bf16 {
                 narrow,
                 staging: None,
                 event,
+                lands: Lands::AsBf16,
             })
         } else {
-            let mut dst = self.dev.alloc_uninit_on_h2d::<f32>(what, numel)?;
+            let mut dst = self.dst::<f32>(what, numel)?;
             let event = self.copy_pinned(what, pin, dst.slice_mut())?;
             Ok(PendingUpload::F32 {
                 dst,
@@ -605,10 +693,11 @@ impl Uploads {
             .map_err(driver("cuStreamWaitEvent"))
     }
 
-    /// The destination (fp32), with the compute stream waiting on the
-    /// copy's event (the host does not wait); a bf16 upload is widened
-    /// there, exactly, by the `cast_bf16_f32` kernel.
-    pub fn finish(&self, u: PendingUpload) -> Result<DeviceBuffer<f32>> {
+    /// The destination, with the compute stream waiting on the copy's
+    /// event (the host does not wait): fp32, or a bf16 upload's bf16
+    /// buffer ([`Lands::AsBf16`]) or its widening, exact, by the
+    /// `cast_bf16_f32` kernel there ([`Lands::AsF32`]).
+    pub fn finish(&self, u: PendingUpload) -> Result<DevBuf> {
         match u {
             PendingUpload::F32 {
                 dst,
@@ -619,41 +708,29 @@ impl Uploads {
                 if let Some(staging) = staging {
                     locked(&self.pool).retiring.push_back((event, staging));
                 }
-                Ok(dst)
+                Ok(DevBuf::F32(dst))
             }
             PendingUpload::Bf16 {
                 narrow,
                 staging,
                 event,
+                lands,
             } => {
                 self.compute_waits(&event)?;
                 if let Some(staging) = staging {
                     locked(&self.pool16).retiring.push_back((event, staging));
                 }
+                if lands == Lands::AsBf16 {
+                    return Ok(DevBuf::Bf16(narrow));
+                }
                 let mut wide = self
                     .dev
                     .alloc_output::<f32>("widened upload", narrow.len())?;
                 crate::ops::cast::<bf16, f32>(&self.dev, &mut wide, &narrow)?;
-                // `narrow` was allocated on the h2d stream, where cudarc
-                // frees it, first making that stream wait for its last
-                // use: dropped now, every later upload would queue behind
-                // the compute stream's work up to this cast. So it waits
-                // here with an event after the cast, and goes once that
-                // completed (its free then waits for nothing).
-                let done = self
-                    .dev
-                    .compute
-                    .record_event(None)
-                    .map_err(driver("cuEventRecord"))?;
-                let mut widened = locked(&self.widened);
-                while let Some((ev, _)) = widened.front() {
-                    if !ev.try_is_complete().map_err(driver("cuEventQuery"))? {
-                        break;
-                    }
-                    widened.pop_front();
-                }
-                widened.push_back((done, narrow));
-                Ok(wide)
+                // `narrow` was allocated on the h2d stream: let go after
+                // the cast, not now.
+                self.free_after_compute(DevBuf::Bf16(narrow))?;
+                Ok(DevBuf::F32(wide))
             }
         }
     }

@@ -1,11 +1,23 @@
 //! The CUDA executor: [`Exec`] on a [`Device`], every operation a kernel
 //! of [`crate::ops`] or a cuBLAS GEMM on its compute stream.
 //!
-//! Its buffers ([`DevBuf`]) are fp32 but for one: with bf16 GEMMs, the
-//! attention keeps its `[batch · heads, seq, seq]` scores, probabilities
-//! and their gradients in bf16 ([`Exec::attention_fwd`]), the largest
-//! buffers of a block at long sequences. Every other operation takes and
-//! gives fp32 buffers and refuses a bf16 one.
+//! Its buffers ([`DevBuf`]) are fp32 but for two kinds:
+//!
+//! * with bf16 GEMMs, the attention keeps its `[batch · heads, seq, seq]`
+//!   scores, probabilities and their gradients in bf16
+//!   ([`Exec::attention_fwd`]), the largest buffers of a block at long
+//!   sequences;
+//! * params stored in bf16 stay bf16 on the device, as they crossed (the
+//!   engine's links keep a bf16 upload as it is: half the device bytes,
+//!   no widening pass). A GEMM with bf16 operands reads such a weight as
+//!   it is, where an fp32 one would be cast first (the same bits: the
+//!   cast of a widened bf16 value gives it back). A kernel that reads an
+//!   fp32 param (a norm's weight, a bias, the embedding table) reads it
+//!   widened, exactly, into a scratch buffer ([`Wide`]): small, but for
+//!   the embedding table, read once a forward.
+//!
+//! Every other operand must be fp32: an activation or gradient in bf16 is
+//! refused.
 
 use half::bf16;
 
@@ -15,9 +27,9 @@ use crate::ops::{self, AdamState, MatmulShape, NormOut, NormStats};
 use crate::reference::{self as r, AdamScalars, HeadsShape, KvShape, RopeShape};
 use crate::{GpuError, Result};
 
-/// A unit's buffer on the device: fp32, or bf16 for what the executor
-/// keeps narrower on its own (the attention's probabilities with bf16
-/// GEMMs).
+/// A unit's buffer on the device: fp32, or bf16 for a param stored in
+/// bf16 and for what the executor keeps narrower on its own (the
+/// attention's probabilities with bf16 GEMMs).
 #[derive(Debug)]
 pub enum DevBuf {
     /// fp32 elements.
@@ -113,6 +125,71 @@ fn to_half<T: ops::Elem>(dev: &Device, x: &DeviceBuffer<f32>) -> Result<DeviceBu
     Ok(out)
 }
 
+/// A buffer as fp32 for a kernel that reads fp32: itself, or a bf16 one
+/// (a param kept in its storage dtype) widened exactly into a scratch
+/// buffer, freed after the kernel (on the compute stream, in order).
+enum Wide<'b> {
+    /// An fp32 buffer, as it is.
+    Same(&'b DeviceBuffer<f32>),
+    /// A bf16 buffer's widened copy.
+    Widened(DeviceBuffer<f32>),
+}
+
+impl std::ops::Deref for Wide<'_> {
+    type Target = DeviceBuffer<f32>;
+    fn deref(&self) -> &DeviceBuffer<f32> {
+        match self {
+            Wide::Same(b) => b,
+            Wide::Widened(b) => b,
+        }
+    }
+}
+
+/// `b` as fp32 ([`Wide`]).
+fn wide<'b>(dev: &Device, b: &'b DevBuf) -> Result<Wide<'b>> {
+    match b {
+        DevBuf::F32(b) => Ok(Wide::Same(b)),
+        DevBuf::Bf16(n) => {
+            let mut w = dev.alloc_output("widened bf16 param", n.len())?;
+            ops::cast::<bf16, f32>(dev, &mut w, n)?;
+            Ok(Wide::Widened(w))
+        }
+    }
+}
+
+/// A GEMM operand in bf16: a bf16 buffer as it is, an fp32 one cast.
+enum Narrow<'b> {
+    /// A bf16 buffer, as it is.
+    Same(&'b DeviceBuffer<bf16>),
+    /// An fp32 buffer's rounded copy.
+    Cast(DeviceBuffer<bf16>),
+}
+
+impl std::ops::Deref for Narrow<'_> {
+    type Target = DeviceBuffer<bf16>;
+    fn deref(&self) -> &DeviceBuffer<bf16> {
+        match self {
+            Narrow::Same(b) => b,
+            Narrow::Cast(b) => b,
+        }
+    }
+}
+
+/// `b` as a bf16 GEMM operand ([`Narrow`]).
+fn narrow<'b>(dev: &Device, b: &'b DevBuf) -> Result<Narrow<'b>> {
+    match b {
+        DevBuf::Bf16(n) => Ok(Narrow::Same(n)),
+        DevBuf::F32(w) => Ok(Narrow::Cast(to_half(dev, w)?)),
+    }
+}
+
+/// `b` as an fp16 GEMM operand: cast from fp32, a bf16 buffer widened
+/// first (fp16 storage crosses as fp32, so only a caller's bf16 buffer
+/// takes that way).
+fn to_f16(dev: &Device, b: &DevBuf) -> Result<DeviceBuffer<half::f16>> {
+    to_half(dev, &*wide(dev, b)?)
+}
+
 /// A new device buffer of `n` elements for `what`, written in full by
 /// `op` (so not zeroed first: [`Device::alloc_output`]).
 fn fresh(
@@ -153,7 +230,7 @@ impl Exec for CudaExec<'_> {
             mean: None,
             rstd: &mut rstd,
         };
-        ops::rmsnorm_fwd(self.dev, out, x, w.f32()?, cols, eps)?;
+        ops::rmsnorm_fwd(self.dev, out, x, &*wide(self.dev, w)?, cols, eps)?;
         Ok([y.into(), rstd.into()])
     }
     fn rmsnorm_bwd(
@@ -165,7 +242,9 @@ impl Exec for CudaExec<'_> {
         dw: &mut DevBuf,
         cols: usize,
     ) -> Result<DevBuf> {
-        let (dy, x, w, rstd) = (dy.f32()?, x.f32()?, w.f32()?, rstd.f32()?);
+        let (dy, x, rstd) = (dy.f32()?, x.f32()?, rstd.f32()?);
+        let w = wide(self.dev, w)?;
+        let w: &DeviceBuffer<f32> = &w;
         ops::rmsnorm_bwd_w(self.dev, dw.f32_mut()?, dy, x, rstd, cols)?;
         fresh(self.dev, "rmsnorm dx", x.len(), |o| {
             ops::rmsnorm_bwd_dx(self.dev, o, dy, x, w, rstd, cols)
@@ -262,8 +341,15 @@ impl Exec for CudaExec<'_> {
             .collect())
     }
     fn round_bf16(&self, dst: &mut DevBuf, src: &DevBuf) -> Result<()> {
-        let narrow = to_half::<bf16>(self.dev, src.f32()?)?;
-        ops::cast(self.dev, dst.f32_mut()?, &narrow)
+        let src = src.f32()?;
+        match dst {
+            // A param kept in bf16: the rounding is its new bits.
+            DevBuf::Bf16(d) => ops::cast(self.dev, d, src),
+            DevBuf::F32(d) => {
+                let narrow = to_half::<bf16>(self.dev, src)?;
+                ops::cast(self.dev, d, &narrow)
+            }
+        }
     }
     fn zeros(&self, what: &str, n: usize) -> Result<DevBuf> {
         Ok(self.dev.alloc_zeros(what, n)?.into())
@@ -293,21 +379,21 @@ impl Exec for CudaExec<'_> {
         s: MatmulShape,
         beta: f32,
     ) -> Result<()> {
-        let (c, a, b) = (c.f32_mut()?, a.f32()?, b.f32()?);
+        let (dev, c) = (self.dev, c.f32_mut()?);
         match self.gemm {
-            GemmDtype::F32 => ops::matmul(self.dev, c, a, b, s, 1.0, beta),
+            GemmDtype::F32 => ops::matmul(dev, c, &*wide(dev, a)?, &*wide(dev, b)?, s, 1.0, beta),
             GemmDtype::Bf16 => {
-                let (a16, b16) = (to_half(self.dev, a)?, to_half(self.dev, b)?);
-                ops::matmul_16_f32::<bf16>(self.dev, c, &a16, &b16, s, 1.0, beta)
+                let (a16, b16) = (narrow(dev, a)?, narrow(dev, b)?);
+                ops::matmul_16_f32::<bf16>(dev, c, &a16, &b16, s, 1.0, beta)
             }
             GemmDtype::F16 => {
-                let (a16, b16) = (to_half(self.dev, a)?, to_half(self.dev, b)?);
-                ops::matmul_16_f32::<half::f16>(self.dev, c, &a16, &b16, s, 1.0, beta)
+                let (a16, b16) = (to_f16(dev, a)?, to_f16(dev, b)?);
+                ops::matmul_16_f32::<half::f16>(dev, c, &a16, &b16, s, 1.0, beta)
             }
         }
     }
     fn bias_add(&self, y: &mut DevBuf, b: &DevBuf) -> Result<()> {
-        ops::bias_add(self.dev, y.f32_mut()?, b.f32()?)
+        ops::bias_add(self.dev, y.f32_mut()?, &*wide(self.dev, b)?)
     }
     fn bias_grad(&self, db: &mut DevBuf, dy: &DevBuf) -> Result<()> {
         ops::bias_grad(self.dev, db.f32_mut()?, dy.f32()?)
@@ -330,7 +416,8 @@ impl Exec for CudaExec<'_> {
             mean: Some(&mut mean),
             rstd: &mut rstd,
         };
-        ops::layernorm_fwd(self.dev, out, x, w.f32()?, Some(b.f32()?), cols, eps)?;
+        let (w, b) = (wide(self.dev, w)?, wide(self.dev, b)?);
+        ops::layernorm_fwd(self.dev, out, x, &w, Some(&b), cols, eps)?;
         Ok([y.into(), mean.into(), rstd.into()])
     }
     fn layernorm_bwd(
@@ -343,7 +430,9 @@ impl Exec for CudaExec<'_> {
         db: &mut DevBuf,
         cols: usize,
     ) -> Result<DevBuf> {
-        let (dy, x, w) = (dy.f32()?, x.f32()?, w.f32()?);
+        let (dy, x) = (dy.f32()?, x.f32()?);
+        let w = wide(self.dev, w)?;
+        let w: &DeviceBuffer<f32> = &w;
         let stats = NormStats {
             mean: Some(mean.f32()?),
             rstd: rstd.f32()?,
@@ -491,9 +580,9 @@ impl Exec for CudaExec<'_> {
         ops::rows_from_heads(self.dev, out.f32_mut()?, x.f32()?, s, slot)
     }
     fn embedding_fwd(&self, table: &DevBuf, ids: &DeviceIds, hidden: usize) -> Result<DevBuf> {
-        let table = table.f32()?;
+        let table = wide(self.dev, table)?;
         fresh(self.dev, "embedding output", ids.ids.len() * hidden, |o| {
-            ops::embedding_fwd(self.dev, o, table, &ids.ids, hidden)
+            ops::embedding_fwd(self.dev, o, &table, &ids.ids, hidden)
         })
     }
     fn embedding_bwd(

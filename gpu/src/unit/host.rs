@@ -129,7 +129,11 @@ impl Exec for HostExec {
                 detail: format!("dst has {} elements, src {}", dst.len(), src.len()),
             });
         }
-        *dst = bf16_rounded(src);
+        // In place, as the device writes it (a param's buffer stays
+        // where it is).
+        for (d, &x) in dst.iter_mut().zip(src) {
+            *d = half::bf16::from_f32(x).to_f32();
+        }
         Ok(())
     }
     fn zeros(&self, _: &str, n: usize) -> Result<Vec<f32>> {

@@ -16,7 +16,9 @@
 //! by hand. Parameter gradients are accumulated (`+=`), so a tied
 //! embedding's two units add into one buffer, and so do micro-batches.
 //! Storage is fp32 but for the GEMMs' operands, rounded to the
-//! [`GemmDtype`], and, with bf16 GEMMs, the attention's scores,
+//! [`GemmDtype`], params stored in bf16 (a device executor keeps them as
+//! they crossed, [`DevBuf::Bf16`]; the host one holds their values in
+//! fp32, the same numbers), and, with bf16 GEMMs, the attention's scores,
 //! probabilities and their gradients, kept in bf16 as autocast keeps them
 //! ([`Exec::attention_fwd`]): at seq 1024 those `[batch · heads, seq,
 //! seq]` buffers are most of a block's bytes. Param gradients, norms'

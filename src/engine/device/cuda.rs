@@ -24,7 +24,7 @@ use std::sync::Arc;
 use tierzero_gpu::device::Device;
 use tierzero_gpu::host_register::HostRegistration;
 use tierzero_gpu::link::{
-    Downloaded, Downloads, EventClock, PendingDownload, PendingUpload, SpanLog, Uploads,
+    Downloaded, Downloads, EventClock, Lands, PendingDownload, PendingUpload, SpanLog, Uploads,
 };
 use tierzero_gpu::unit::{CudaExec, DevBuf, GemmDtype};
 
@@ -111,7 +111,8 @@ impl DeviceLink for CudaLink {
     fn upload(&self, what: &str, host: HostElems<'_>) -> Result<PendingUpload, ModelError> {
         match host {
             HostElems::F32(v) => self.uploads.start(what, v),
-            HostElems::Bf16(v) => self.uploads.start_bf16(what, v),
+            // A param: kept in bf16 on the device.
+            HostElems::Bf16(v) => self.uploads.start_bf16(what, v, Lands::AsBf16),
         }
         .map_err(gpu_err)
     }
@@ -142,16 +143,25 @@ impl DeviceLink for CudaLink {
     }
 
     fn upload_input(&self, what: &str, host: HostElems<'_>) -> Result<PendingUpload, ModelError> {
-        // The device budget counts it with the other temporaries.
-        self.upload(what, host)
+        // The device budget counts it with the other temporaries. The
+        // units' activations are fp32: a bf16 one is widened on arrival.
+        match host {
+            HostElems::F32(v) => self.uploads.start(what, v),
+            HostElems::Bf16(v) => self.uploads.start_bf16(what, v, Lands::AsF32),
+        }
+        .map_err(gpu_err)
     }
 
     fn finish(&self, upload: PendingUpload) -> Result<DevBuf, ModelError> {
-        Ok(self.uploads.finish(upload).map_err(gpu_err)?.into())
+        self.uploads.finish(upload).map_err(gpu_err)
     }
 
     fn free(&self, buf: DevBuf) {
-        drop(buf);
+        // Not before the compute queued so far (its last use) is done, so
+        // that the upload stream does not wait for it.
+        if let Err(e) = self.uploads.free_after_compute(buf) {
+            tracing::warn!(error = %e, "a device buffer was freed without its event");
+        }
     }
 
     fn download(

@@ -242,6 +242,16 @@ pub use tier::{Residency, TierEvent, TierLimits, TierPeaks, TieredUnits};
 /// Bytes of an fp32 element on the device.
 const ELEM_BYTES: u64 = 4;
 
+/// Device bytes of a param of `numel` elements stored as `dtype`: it stays
+/// on the device as it crossed ([`crate::model::exec_units::host_elems_bytes`]):
+/// bf16 as its 2-byte elements (the units read bf16 params as they are),
+/// fp32 as 4, and fp16 as 4 too (it crosses widened). Every count of a
+/// param's device bytes (the tier's budget, the resident state, the
+/// simulated device's) is this one.
+pub fn param_device_bytes(numel: u64, dtype: candle_core::DType) -> u64 {
+    numel.saturating_mul(crate::model::exec_units::elem_bytes_crossing(dtype))
+}
+
 use std::sync::Arc;
 
 use tierzero_swap::{HostRegistrar, ReadPin};
@@ -267,16 +277,19 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
     fn describe(&self) -> String;
     /// Device bytes the tier's params may hold.
     fn budget_bytes(&self) -> u64;
-    /// Starts copying `host` into a new device buffer of fp32 elements
-    /// (bf16 ones cross as they are, half the bytes, and are widened on
-    /// the device, exactly). The copy reads a
-    /// pinned staging buffer, which travels with it: this may wait for a
-    /// staging buffer to come back.
+    /// Starts copying `host`, a param's elements, into a new device
+    /// buffer: fp32 ones into fp32, bf16 ones as they are, half the bytes,
+    /// into a buffer that stays bf16 ([`param_device_bytes`]; the units
+    /// read bf16 params as they are). The copy reads a pinned staging
+    /// buffer, which travels with it: this may wait for a staging buffer
+    /// to come back.
     fn upload(&self, what: &str, host: HostElems<'_>) -> Result<Self::Upload, ModelError>;
     /// [`DeviceLink::upload`] of a unit's input (a hidden state, an
     /// upstream gradient, a rotary table): a temporary of the unit, in the
-    /// device's share for temporaries, not in the tier's budget. The
-    /// executor drops it with the unit's other temporaries.
+    /// device's share for temporaries, not in the tier's budget, and fp32
+    /// on the device (a bf16 one is widened there, exactly: the units'
+    /// activations are fp32). The executor drops it with the unit's other
+    /// temporaries.
     fn upload_input(&self, what: &str, host: HostElems<'_>) -> Result<Self::Upload, ModelError>;
     /// What registers host memory with the device, so that its copy
     /// engine reads it in place: the trainer maps the cpu tier's pinned

@@ -145,7 +145,8 @@ impl<B> Grad<B> {
 #[derive(Debug)]
 struct OnDevice<B> {
     /// What the units read: the master itself in fp32 storage, the master
-    /// rounded to bf16 in bf16 storage. None while its unit computes.
+    /// rounded to bf16 in bf16 storage (a bf16 buffer on the device:
+    /// [`super::param_device_bytes`]). None while its unit computes.
     weights: Option<B>,
     /// The fp32 master weights (bf16 storage only).
     master: Option<B>,
@@ -160,14 +161,16 @@ struct OnDevice<B> {
 }
 
 /// Device bytes of the resident state of params of `numels` elements:
-/// `[weights, master, moments, gradients]`. bf16 storage has a master
-/// beside the weights; the gradients are the step's sums plus, at most,
-/// the largest param's micro-batch sum and one unit's gradient beside it.
+/// `[weights, master, moments, gradients]`. bf16 storage has an fp32
+/// master beside the bf16 weights; the gradients (fp32) are the step's
+/// sums plus, at most, the largest param's micro-batch sum and one unit's
+/// gradient beside it.
 pub fn resident_state_bytes(numels: &[u64], bf16: bool) -> [u64; 4] {
     let total: u64 = numels.iter().sum();
     let largest = numels.iter().copied().max().unwrap_or(0);
+    let storage = if bf16 { DType::BF16 } else { DType::F32 };
     [
-        total * ELEM_BYTES,
+        super::param_device_bytes(total, storage),
         if bf16 { total * ELEM_BYTES } else { 0 },
         2 * total * ELEM_BYTES,
         (total + 2 * largest) * ELEM_BYTES,
@@ -609,7 +612,7 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
         let f32s = HostElems::F32;
         let (weights, master) = if self.bf16 {
             // The weights are the master rounded: they cross as bf16
-            // elements (2 bytes) and are widened on the device, exactly.
+            // elements (2 bytes) and stay so on the device.
             let rounded: Vec<half::bf16> =
                 master.iter().map(|&x| half::bf16::from_f32(x)).collect();
             let w = self.put(&mut st, &what("param"), HostElems::Bf16(&rounded))?;

@@ -5,6 +5,12 @@
 //!   counted, as a GPU's other share holds them). An upload that
 //!   would pass the budget is refused with the numbers, so a tier that
 //!   overshoots fails; [`SimProbe::peak_bytes`] says how close it came.
+//!   A param counts what a GPU holds of it ([`super::param_device_bytes`]:
+//!   2 bytes an element in bf16). Its buffer is a `Vec<f32>` all the same
+//!   (the scalar references compute on those), so the device remembers a
+//!   bf16 param's bytes by its buffer's address until it is freed. That
+//!   needs its buffers to stay where they are: the host executor writes a
+//!   param (the resident path's new weights) in place.
 //! * **Staging buffers**: `staging_slots` of them, like the pinned
 //!   buffers of a real copy path. An upload takes one (waiting while none
 //!   is free) and the copy thread gives it back after the copy. The copy
@@ -157,9 +163,25 @@ impl HostRegistrar for SimRegistrar {
     fn unregister(&self, _addr: usize, _len_bytes: usize) {}
 }
 
+/// The device bytes of a param upload of `host` ([`super::param_device_bytes`]).
+fn host_device_bytes(host: HostElems<'_>) -> u64 {
+    let dtype = match host {
+        HostElems::F32(_) => candle_core::DType::F32,
+        HostElems::Bf16(_) => candle_core::DType::BF16,
+    };
+    super::param_device_bytes(host.len() as u64, dtype)
+}
+
+/// A buffer's identity while it lives: its address and length.
+fn buf_key(buf: &[f32]) -> (usize, usize) {
+    (buf.as_ptr() as usize, buf.len())
+}
+
 /// What the copy thread and the callers share.
 #[derive(Debug, Default)]
 struct Shared {
+    /// The device bytes of the bf16 params held, by [`buf_key`].
+    narrow: Mutex<std::collections::HashMap<(usize, usize), u64>>,
     used_bytes: AtomicU64,
     peak_bytes: AtomicU64,
     free_slabs: Mutex<Vec<Vec<f32>>>,
@@ -183,6 +205,10 @@ struct Shared {
 }
 
 impl Shared {
+    fn narrow(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<(usize, usize), u64>> {
+        self.narrow.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn compute_until(&self) -> Option<Instant> {
         *self.compute_until.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -286,6 +312,9 @@ impl SimProbe {
 #[derive(Debug)]
 pub struct SimUpload {
     event: Arc<Event<Vec<f32>>>,
+    /// A param kept in bf16: its device bytes, remembered with its buffer
+    /// by `finish`.
+    narrow_bytes: Option<u64>,
 }
 
 /// A download on the simulated device.
@@ -492,7 +521,7 @@ impl SimDevice {
         host: HostElems<'_>,
         counted: bool,
     ) -> Result<SimUpload, ModelError> {
-        let bytes = if counted { host.len() as u64 * 4 } else { 0 };
+        let bytes = if counted { host_device_bytes(host) } else { 0 };
         self.admit(what, bytes)?;
         let mut slab = self.take_slab();
         slab.clear();
@@ -503,7 +532,9 @@ impl SimDevice {
             HostElems::Bf16(v) => slab.extend(v.iter().map(|x| x.to_f32())),
         }
         let sum = fingerprint(&slab);
-        self.queue(what, host.bytes(), bytes, Source::Staged { slab, sum })
+        let mut u = self.queue(what, host.bytes(), bytes, Source::Staged { slab, sum })?;
+        u.narrow_bytes = (counted && matches!(host, HostElems::Bf16(_))).then_some(bytes);
+        Ok(u)
     }
 
     /// Counts an upload and its `bytes` of device memory in the budget
@@ -556,7 +587,10 @@ impl SimDevice {
                 })
             });
         match sent {
-            Some(Ok(())) => Ok(SimUpload { event }),
+            Some(Ok(())) => Ok(SimUpload {
+                event,
+                narrow_bytes: None,
+            }),
             _ => {
                 self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
                 self.shared.used_bytes.fetch_sub(bytes, Ordering::Relaxed);
@@ -644,23 +678,34 @@ impl DeviceLink for SimDevice {
         if !same {
             self.shared.violations.fetch_add(1, Ordering::Relaxed);
         }
-        let bytes = host.len() as u64 * 4;
+        let bytes = host_device_bytes(host);
         self.admit(what, bytes)?;
         let bf16 = matches!(host, HostElems::Bf16(_));
         self.shared.pins_held.fetch_add(1, Ordering::Relaxed);
         let cross = pin.len_bytes() as u64;
-        self.queue(what, cross, bytes, Source::Pinned { pin, bf16 })
+        let mut u = self
+            .queue(what, cross, bytes, Source::Pinned { pin, bf16 })
             .inspect_err(|_| {
                 self.shared.pins_held.fetch_sub(1, Ordering::Relaxed);
-            })
+            })?;
+        u.narrow_bytes = bf16.then_some(bytes);
+        Ok(u)
     }
 
     fn finish(&self, upload: SimUpload) -> Result<Vec<f32>, ModelError> {
-        Ok(upload.event.wait())
+        let buf = upload.event.wait();
+        if let Some(bytes) = upload.narrow_bytes.filter(|_| !buf.is_empty()) {
+            self.shared.narrow().insert(buf_key(&buf), bytes);
+        }
+        Ok(buf)
     }
 
     fn free(&self, buf: Vec<f32>) {
-        let bytes = std::mem::size_of_val(buf.as_slice()) as u64;
+        let bytes = self
+            .shared
+            .narrow()
+            .remove(&buf_key(&buf))
+            .unwrap_or(std::mem::size_of_val(buf.as_slice()) as u64);
         self.shared.used_bytes.fetch_sub(bytes, Ordering::Relaxed);
     }
 

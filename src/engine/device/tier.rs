@@ -36,39 +36,67 @@ pub enum Residency<U, B> {
     Uploading {
         /// The upload.
         upload: U,
-        /// Its elements.
-        numel: u64,
+        /// Its size.
+        size: ParamSize,
     },
     /// Its upload is in flight, issued for its unit, which computes next
     /// (outside the prefetch window).
     Loading {
         /// The upload.
         upload: U,
-        /// Its elements.
-        numel: u64,
+        /// Its size.
+        size: ParamSize,
     },
     /// Its unit is computing on it.
     InUse {
-        /// Its elements.
-        numel: u64,
+        /// Its size.
+        size: ParamSize,
     },
     /// Kept on the device between uses (the device cache).
     Resident {
         /// The buffer.
         buf: B,
-        /// Its elements.
-        numel: u64,
+        /// Its size.
+        size: ParamSize,
     },
 }
 
-impl<U, B> Residency<U, B> {
-    fn numel(&self) -> u64 {
-        match self {
-            Residency::Uploading { numel, .. }
-            | Residency::Loading { numel, .. }
-            | Residency::InUse { numel }
-            | Residency::Resident { numel, .. } => *numel,
+/// A param's size on the device: its elements (what DeepSpeed's windows
+/// count) and its bytes there (what the budget counts:
+/// [`super::param_device_bytes`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParamSize {
+    /// Elements.
+    pub numel: u64,
+    /// Device bytes.
+    pub bytes: u64,
+}
+
+impl ParamSize {
+    /// The size of `host`, a param's host tensor, on the device.
+    fn of(host: &Tensor) -> Self {
+        let numel = numel_of(host);
+        ParamSize {
+            numel,
+            bytes: super::param_device_bytes(numel, host.dtype()),
         }
+    }
+}
+
+impl<U, B> Residency<U, B> {
+    fn size(&self) -> ParamSize {
+        match self {
+            Residency::Uploading { size, .. }
+            | Residency::Loading { size, .. }
+            | Residency::InUse { size }
+            | Residency::Resident { size, .. } => *size,
+        }
+    }
+    fn numel(&self) -> u64 {
+        self.size().numel
+    }
+    fn bytes(&self) -> u64 {
+        self.size().bytes
     }
     fn name(&self) -> &'static str {
         match self {
@@ -84,14 +112,14 @@ impl<U, B> Residency<U, B> {
 #[derive(Debug)]
 pub enum TierEvent<U, B> {
     /// Its upload was issued ahead of its unit.
-    Staged(U, u64),
+    Staged(U, ParamSize),
     /// Its upload was issued for its unit, which computes next.
-    Loading(U, u64),
+    Loading(U, ParamSize),
     /// Its unit computes next: an upload issued ahead is no longer ahead
     /// of use.
     Due,
     /// It was uploaded when its unit ran.
-    Loaded(u64),
+    Loaded(ParamSize),
     /// Its unit takes it (an upload is waited for).
     Taken,
     /// Its unit is done with it; `Some` keeps the buffer.
@@ -141,7 +169,7 @@ struct State<U, B> {
 
 impl<U, B> State<U, B> {
     fn device_bytes(&self) -> u64 {
-        self.params.values().map(Residency::numel).sum::<u64>() * ELEM_BYTES
+        self.params.values().map(Residency::bytes).sum()
     }
     fn ahead_numel(&self) -> u64 {
         self.params
@@ -161,9 +189,8 @@ impl<U, B> State<U, B> {
         self.params
             .values()
             .filter(|r| matches!(r, Residency::Resident { .. }))
-            .map(Residency::numel)
-            .sum::<u64>()
-            * ELEM_BYTES
+            .map(Residency::bytes)
+            .sum()
     }
 
     /// The one place a param's state changes. Returns what leaves the map
@@ -179,25 +206,25 @@ impl<U, B> State<U, B> {
             ),
         };
         let (next, left) = match (now, event) {
-            (None, TierEvent::Staged(upload, numel)) => {
-                (Some(Residency::Uploading { upload, numel }), Left::Nothing)
+            (None, TierEvent::Staged(upload, size)) => {
+                (Some(Residency::Uploading { upload, size }), Left::Nothing)
             }
-            (None, TierEvent::Loading(upload, numel)) => {
-                (Some(Residency::Loading { upload, numel }), Left::Nothing)
+            (None, TierEvent::Loading(upload, size)) => {
+                (Some(Residency::Loading { upload, size }), Left::Nothing)
             }
-            (Some(Residency::Uploading { upload, numel }), TierEvent::Due) => {
-                (Some(Residency::Loading { upload, numel }), Left::Nothing)
+            (Some(Residency::Uploading { upload, size }), TierEvent::Due) => {
+                (Some(Residency::Loading { upload, size }), Left::Nothing)
             }
-            (None, TierEvent::Loaded(numel)) => (Some(Residency::InUse { numel }), Left::Nothing),
+            (None, TierEvent::Loaded(size)) => (Some(Residency::InUse { size }), Left::Nothing),
             (
-                Some(Residency::Uploading { upload, numel } | Residency::Loading { upload, numel }),
+                Some(Residency::Uploading { upload, size } | Residency::Loading { upload, size }),
                 TierEvent::Taken,
-            ) => (Some(Residency::InUse { numel }), Left::Upload(upload)),
-            (Some(Residency::Resident { buf, numel }), TierEvent::Taken) => {
-                (Some(Residency::InUse { numel }), Left::Buf(buf))
+            ) => (Some(Residency::InUse { size }), Left::Upload(upload)),
+            (Some(Residency::Resident { buf, size }), TierEvent::Taken) => {
+                (Some(Residency::InUse { size }), Left::Buf(buf))
             }
-            (Some(Residency::InUse { numel }), TierEvent::Returned(Some(buf))) => {
-                (Some(Residency::Resident { buf, numel }), Left::Nothing)
+            (Some(Residency::InUse { size }), TierEvent::Returned(Some(buf))) => {
+                (Some(Residency::Resident { buf, size }), Left::Nothing)
             }
             (Some(Residency::InUse { .. }), TierEvent::Returned(None)) => (None, Left::Nothing),
             (
@@ -251,6 +278,8 @@ pub struct TieredUnits<L: DeviceLink> {
     inputs: Inputs<L::Buf>,
     /// The unit staged last, and the forward launched ahead.
     aheads: Aheads<L::Buf>,
+    /// The run's param storage dtype, for the plan's bound.
+    storage: DType,
     /// Issues the params' uploads off the engine's thread (last: dropped
     /// after the state, it waits for the uploads it still issues).
     fill: Filler<L>,
@@ -299,6 +328,7 @@ impl<L: DeviceLink + 'static> TieredUnits<L> {
             downloads: Mutex::new(VecDeque::new()),
             inputs: Inputs::new(),
             aheads: Aheads::new(),
+            storage: DType::F32,
         })
     }
 }
@@ -315,6 +345,14 @@ impl<L: DeviceLink> TieredUnits<L> {
         let room = self.link.memory().temporaries_bytes;
         self.inputs.keep_forwards(budget, room)?;
         Ok(self)
+    }
+
+    /// The dtype the run stores its params in (fp32 until told), for the
+    /// plan's bound ([`TieredUnits::params_bound_bytes`]); what the tier
+    /// holds is counted from each param's own host dtype as it crosses.
+    pub fn params_stored_as(mut self, storage: DType) -> Self {
+        self.storage = storage;
+        self
     }
 
     /// Whether a unit is launched ahead as the one before it in its pass
@@ -369,8 +407,9 @@ impl<L: DeviceLink> TieredUnits<L> {
     /// largest unit's params in use, plus what may upload ahead (the
     /// window, or the one larger param it always lets through), plus the
     /// cache, and never more than the whole model or the link's budget
-    /// for them. The plan
-    /// prints it; `tests/device_tier.rs` checks the peaks against it.
+    /// for them, at the storage dtype's device bytes
+    /// ([`TieredUnits::params_stored_as`]). The plan prints it;
+    /// `tests/device_tier.rs` checks the peaks against it.
     pub fn params_bound_bytes(&self, model: &Model) -> u64 {
         let numel = |ids: &[ParamId]| -> u64 {
             ids.iter()
@@ -387,11 +426,14 @@ impl<L: DeviceLink> TieredUnits<L> {
         let largest_param = largest_param_numel(model);
         let ahead = self.limits.prefetch_numel.max(largest_param);
         let all: u64 = model.params().iter().map(|p| p.numel as u64).sum();
+        let elem_bytes = super::param_device_bytes(1, self.storage);
         let bound = largest_unit
             .saturating_add(ahead)
-            .saturating_mul(ELEM_BYTES)
+            .saturating_mul(elem_bytes)
             .saturating_add(self.limits.cache_bytes);
-        bound.min(all * ELEM_BYTES).min(self.link.budget_bytes())
+        bound
+            .min(all.saturating_mul(elem_bytes))
+            .min(self.link.budget_bytes())
     }
 
     /// Params on the device now, by state name.
@@ -514,8 +556,8 @@ impl<L: DeviceLink> TieredUnits<L> {
             };
         }
         let t = Instant::now();
-        let (u, numel) = self.upload_now(st, unit, id, host)?;
-        st.apply(id, TierEvent::Loaded(numel))?;
+        let (u, size) = self.upload_now(st, unit, id, host)?;
+        st.apply(id, TierEvent::Loaded(size))?;
         let b = self.link.finish(u);
         st.traffic.h2d_wait_s += t.elapsed().as_secs_f64();
         b.inspect_err(|_| {
@@ -525,35 +567,35 @@ impl<L: DeviceLink> TieredUnits<L> {
 
     /// Issues the upload of `unit`'s param `id`, absent from the device,
     /// for use now, on this thread ([`TieredUnits::admit`] first). Its
-    /// elements come back with the upload.
+    /// size comes back with the upload.
     fn upload_now(
         &self,
         st: &mut State<Queued<L::Upload>, L::Buf>,
         unit: UnitId,
         id: ParamId,
         host: &Tensor,
-    ) -> Result<(L::Upload, u64), ModelError> {
-        let numel = self.admit(st, unit, id, host)?;
+    ) -> Result<(L::Upload, ParamSize), ModelError> {
+        let size = self.admit(st, unit, id, host)?;
         let (u, up_bytes) = exec_units::with_host_elems(host, |v| {
             Ok((self.link.upload(&format!("param {}", id.0), v)?, v.bytes()))
         })?;
         st.traffic.h2d_bytes += up_bytes;
-        Ok((u, numel))
+        Ok((u, size))
     }
 
     /// Makes room for `unit`'s param `id`, absent from the device, to be
     /// uploaded for use now: kept params are evicted, and a param that
     /// still does not fit the budget is an error with the numbers. Its
-    /// elements.
+    /// size.
     fn admit(
         &self,
         st: &mut State<Queued<L::Upload>, L::Buf>,
         unit: UnitId,
         id: ParamId,
         host: &Tensor,
-    ) -> Result<u64, ModelError> {
-        let numel = numel_of(host);
-        let bytes = numel * ELEM_BYTES;
+    ) -> Result<ParamSize, ModelError> {
+        let size = ParamSize::of(host);
+        let bytes = size.bytes;
         self.make_room(st, bytes)?;
         let budget = self.link.budget_bytes();
         let held = st.device_bytes();
@@ -567,7 +609,7 @@ impl<L: DeviceLink> TieredUnits<L> {
                 ),
             });
         }
-        Ok(numel)
+        Ok(size)
     }
 
     /// The unit is done with its params: kept while the cache has room,
@@ -577,7 +619,7 @@ impl<L: DeviceLink> TieredUnits<L> {
         let mut result = Ok(());
         for (&id, b) in ids.iter().zip(bufs) {
             let bytes = match st.params.get(&id) {
-                Some(r) => r.numel() * ELEM_BYTES,
+                Some(r) => r.bytes(),
                 None => 0,
             };
             let keep = st.cached_bytes() + bytes <= self.limits.cache_bytes;
@@ -730,17 +772,18 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
             if st.params.contains_key(&id) {
                 continue;
             }
-            let numel = numel_of(host);
+            let size = ParamSize::of(host);
+            let numel = size.numel;
             let ahead = st.ahead_numel();
             let window = ahead == 0 || ahead + numel <= self.limits.prefetch_numel;
             let live = st.live_numel() + numel <= self.limits.max_live_numel;
-            let fits = st.device_bytes() + numel * ELEM_BYTES <= budget;
+            let fits = st.device_bytes() + size.bytes <= budget;
             if !(window && live && fits) {
                 // The rest uploads when its unit runs.
                 break;
             }
             let (slot, q) = self.fill.slot();
-            st.apply(id, TierEvent::Staged(q, numel))?;
+            st.apply(id, TierEvent::Staged(q, size))?;
             st.peaks.live_numel_at_stage = st.peaks.live_numel_at_stage.max(st.live_numel());
             st.traffic.h2d_bytes += exec_units::host_elems_bytes(host);
             items.push(Fill {
@@ -778,7 +821,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
                 Some(_) => continue,
                 None => {}
             }
-            let numel = match self.admit(&mut st, unit, id, host) {
+            let size = match self.admit(&mut st, unit, id, host) {
                 Ok(n) => n,
                 Err(e) => {
                     admitted = Err(e);
@@ -786,7 +829,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
                 }
             };
             let (slot, q) = self.fill.slot();
-            st.apply(id, TierEvent::Loading(q, numel))?;
+            st.apply(id, TierEvent::Loading(q, size))?;
             st.traffic.h2d_bytes += exec_units::host_elems_bytes(host);
             items.push(Fill {
                 what: format!("param {}", id.0),

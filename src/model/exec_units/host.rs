@@ -113,12 +113,17 @@ impl HostVec {
 /// Bytes an upload of `t` moves: bf16 crosses as it is, every other dtype
 /// as fp32 (what [`with_host_elems`] hands the link).
 pub(crate) fn host_elems_bytes(t: &Tensor) -> u64 {
-    let elem_bytes = if t.dtype() == DType::BF16 {
+    t.elem_count() as u64 * elem_bytes_crossing(t.dtype())
+}
+
+/// Bytes of an element of a host tensor of `dtype` as it crosses to a
+/// device ([`with_host_elems`]): bf16 as it is, anything else as fp32.
+pub(crate) fn elem_bytes_crossing(dtype: DType) -> u64 {
+    if dtype == DType::BF16 {
         2
     } else {
         F32_BYTES
-    };
-    t.elem_count() as u64 * elem_bytes
+    }
 }
 
 /// Runs `f` on a host tensor's elements as they are stored (fp32 or bf16,

@@ -59,7 +59,7 @@ pub use crossing::KeptForward;
 use crossing::{with_rope, Direct};
 pub(crate) use crossing::{Crossing, Feed};
 use host::host_f32;
-pub(crate) use host::{host_elems_bytes, with_host_elems};
+pub(crate) use host::{elem_bytes_crossing, host_elems_bytes, with_host_elems};
 pub use host::{HostElems, HostVec};
 pub use report::{
     busy_s, DeviceMemoryPlan, DeviceMemoryRow, DeviceQueue, DeviceSpan, DeviceTraffic,
