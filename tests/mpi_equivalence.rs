@@ -36,12 +36,19 @@ use tierzero::config::{load_str, PathChecks, RunContext};
 use tierzero::engine::comm::mpi::MpiComm;
 use tierzero::engine::device::sim::{SimConfig, SimDevice};
 use tierzero::engine::device::{TierLimits, TieredUnits};
-use tierzero::engine::{Comm, SingleRank, Trainer, TrainerOptions};
+use tierzero::engine::{Comm, SingleRank, Timeline, Trainer, TrainerOptions};
 use tierzero::model::exec_units::ReferenceUnits;
 use tierzero::model::ModelDir;
 use tierzero_gpu::unit::GemmDtype;
 
 const SEQ: usize = 16;
+/// A unit's compute on the simulated device's clock. The simulation
+/// computes on the calling thread (the kernels' references, unoptimised
+/// in tests: up to about 60 ms a block's backward on 2 cores) and
+/// models the device's time by this delay, so it must be longer than
+/// that for the host to be free while a launched unit computes, as a
+/// GPU's launches leave it.
+const SIM_UNIT_COMPUTE: Duration = Duration::from_millis(150);
 const SEED: u64 = 5;
 
 /// A GPT-2 with byte vocabulary, 2 layers of width 64.
@@ -73,6 +80,10 @@ struct Out {
     param_gathers: u64,
     /// Reduce-scatters of gradients, every step.
     grad_reduces: u64,
+    /// On the simulated tier, the timeline's steps 2 and 3: each unit's
+    /// params fetched (with several ranks, gathered), and the device
+    /// compute span of another unit it ran under, if any.
+    fetches: Vec<(String, Option<String>)>,
     file_bytes: u64,
     opt_buffers_bytes: u64,
     shard_numel: u64,
@@ -87,7 +98,9 @@ enum Compute {
     /// host memory, no tier.
     Reference,
     /// The same units behind the device tier on a simulated device: a
-    /// budget, copies on a thread after a delay, events.
+    /// budget, copies on a thread after a delay, events, and each unit's
+    /// compute taking [`SIM_UNIT_COMPUTE`] on the device's clock while the
+    /// host goes on.
     SimTier,
 }
 
@@ -144,7 +157,7 @@ fn train_on(
                 staging_slots: 4,
                 gemm: GemmDtype::F32,
                 fail_upload: None,
-                compute_delay: Duration::ZERO,
+                compute_delay: SIM_UNIT_COMPUTE,
             })
             .unwrap();
             let limits = TierLimits {
@@ -153,8 +166,10 @@ fn train_on(
                 cache_bytes: 0,
             };
             opts.compute = Some(Arc::new(TieredUnits::new(dev, limits).unwrap()));
+            opts.timeline = Some(Timeline::new(2, 3));
         }
     }
+    let timeline = opts.timeline.clone();
     let mut t = Trainer::new(&loaded.config, &md, corpus(), opts).unwrap();
     let (mut h2d_bytes, mut d2h_bytes, mut param_gathers, mut grad_reduces) = (0, 0, 0, 0);
     let losses = (0..steps)
@@ -172,7 +187,9 @@ fn train_on(
     let park = t.sizing().grad_park_nvme_bytes;
     let shard_numel = t.layout().shard_numel() as u64;
     let sha256 = t.finish().unwrap().weight_sha256;
+    let fetches = timeline.map_or_else(Vec::new, |tl| fetches_under_compute(&tl.to_json()));
     Out {
+        fetches,
         losses,
         masters,
         sha256,
@@ -188,8 +205,56 @@ fn train_on(
     }
 }
 
+/// From a timeline's trace: each `params` span (a unit's params
+/// fetched; with several ranks, their gather) and the `device: compute`
+/// span of another unit it overlapped, if any.
+fn fetches_under_compute(trace: &Value) -> Vec<(String, Option<String>)> {
+    let events = trace["traceEvents"].as_array().unwrap();
+    let tid = |lane: &str| {
+        events
+            .iter()
+            .find(|e| e["ph"] == "M" && e["args"]["name"] == lane)
+            .map(|e| e["tid"].clone())
+            .unwrap()
+    };
+    let (params, compute) = (tid("params"), tid("device: compute"));
+    let spans = |t: &Value| -> Vec<(String, f64, f64)> {
+        events
+            .iter()
+            .filter(|e| e["ph"] == "X" && &e["tid"] == t)
+            .map(|e| {
+                let ts = e["ts"].as_f64().unwrap();
+                (
+                    e["name"].as_str().unwrap().to_owned(),
+                    ts,
+                    ts + e["dur"].as_f64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let on_device = spans(&compute);
+    spans(&params)
+        .into_iter()
+        .map(|(name, a, b)| {
+            // "u3 fwd" is unit 3's; a device span of unit 3 does not count.
+            let unit = name
+                .split_whitespace()
+                .next()
+                .unwrap_or("")
+                .trim_start_matches('u');
+            let own = format!("unit {unit}");
+            let under = on_device
+                .iter()
+                .find(|(n, c, d)| !n.ends_with(&own) && *c < b && a < *d)
+                .map(|(n, ..)| n.clone());
+            (name, under)
+        })
+        .collect()
+}
+
 fn out_to_json(o: &Out) -> Value {
     json!({
+        "fetches": o.fetches,
         "losses": o.losses.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
         "masters": o.masters.iter()
             .map(|m| m.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
@@ -228,6 +293,7 @@ fn out_from_json(v: &Value) -> Out {
         file_bytes: v["file_bytes"].as_u64().unwrap(),
         opt_buffers_bytes: v["opt_buffers_bytes"].as_u64().unwrap(),
         shard_numel: v["shard_numel"].as_u64().unwrap(),
+        fetches: serde_json::from_value(v["fetches"].clone()).unwrap(),
     }
 }
 
@@ -490,6 +556,36 @@ fn the_device_tier_on_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
     let l = &reference.losses;
     assert!(l[l.len() - 1] < l[0], "{tag}: loss did not fall: {l:?}");
     assert_bit_identical("device tier (simulated), 2 ranks", &reference, &ranks);
+    // A unit's gather overlaps the compute of the unit before it in its
+    // pass where that unit was launched ahead on the device: the engine
+    // fetches (gathers) the next unit's params while it computes. Units
+    // 0 (embedding), 1 and 2 (blocks), 3 (head, forward and backward at
+    // the start of backward): unit 2's forward gather runs under unit 1's
+    // forward; units 1's and 0's backward gathers under units 2's and 1's
+    // backward. The others start a pass (units 0 and 1 in forward, 3 and
+    // 2 in backward: nothing is computing yet) or follow the embedding's
+    // forward, which is not launched ahead.
+    for (r, o) in ranks.iter().enumerate() {
+        for (name, under) in &o.fetches {
+            println!("rank {r}: params {name}: under {under:?}");
+        }
+        for (fetch, compute) in [
+            ("u2 fwd", "forward unit 1"),
+            ("u1 bwd", "backward unit 2"),
+            ("u0 bwd", "backward unit 1"),
+        ] {
+            let seen: Vec<_> = o.fetches.iter().filter(|(n, _)| n == fetch).collect();
+            assert_eq!(
+                seen.len(),
+                2,
+                "rank {r}: {fetch} in steps 2 and 3: {:?}",
+                o.fetches
+            );
+            for (_, under) in seen {
+                assert_eq!(under.as_deref(), Some(compute), "rank {r}: {fetch}");
+            }
+        }
+    }
 }
 
 #[test]
