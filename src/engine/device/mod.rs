@@ -261,7 +261,8 @@ use crate::model::ModelError;
 
 /// What the device tier needs of a device.
 pub trait DeviceLink: Send + Sync + std::fmt::Debug {
-    /// A buffer in device memory (fp32 elements).
+    /// A buffer in device memory: fp32 elements, or a bf16 param's as it
+    /// crossed ([`DeviceLink::upload`]).
     type Buf: Send;
     /// The executor that computes on [`DeviceLink::Buf`]s.
     type Exec<'a>: tierzero_gpu::unit::Exec<Buf = Self::Buf>
