@@ -259,6 +259,14 @@ impl<T> DeviceBuffer<T> {
     pub fn is_empty(&self) -> bool {
         self.slice.is_empty()
     }
+
+    /// Gives its bytes back to the budget now, before it is dropped: for
+    /// a buffer let go that only waits for its last use on a stream to end
+    /// ([`crate::link::Uploads::free_after_compute`]). Its memory is then
+    /// counted as a freed buffer's is: free once that use ends.
+    pub(crate) fn uncount(&mut self) {
+        self.budget.give(std::mem::take(&mut self.bytes));
+    }
 }
 
 impl<T> Drop for DeviceBuffer<T> {

@@ -30,10 +30,10 @@
 //! would hold every later upload behind those kernels. So
 //! [`Uploads::free_after_compute`] records an event on the compute stream
 //! and keeps the buffer, with it, until the event completed; only then is
-//! it dropped, and its free waits for nothing. Its bytes stay in the
-//! device budget until then (the memory is in use until then anyway). An
-//! allocation here that would pass the budget first waits for the oldest
-//! of those events and drops their buffers.
+//! it dropped, and its free waits for nothing. Its bytes leave the device
+//! budget at once, as a dropped buffer's do (cudarc's free of a dropped
+//! one is stream-ordered after its last use too), so letting go later
+//! makes no allocation fail that would not have failed before.
 //!
 //! # What may be in flight
 //!
@@ -97,7 +97,7 @@ use half::bf16;
 
 use crate::device::{driver_err as driver, Device, DeviceBuffer};
 use crate::unit::DevBuf;
-use crate::{GpuError, Result};
+use crate::Result;
 
 /// An upload in flight: its destination, its staging buffer and the event
 /// recorded after its copy.
@@ -518,28 +518,15 @@ impl Uploads {
     }
 
     /// A destination of `len` elements on the h2d stream (not
-    /// initialised: the copy queued next writes all of it). Buffers let go
-    /// whose compute is done are dropped first; past the budget, it waits
-    /// for those still in use, oldest first, before it gives up.
+    /// initialised: the copy queued next writes all of it), buffers let go
+    /// whose compute is done dropped first.
     fn dst<T: cudarc::driver::DeviceRepr>(
         &self,
         what: &str,
         len: usize,
     ) -> Result<DeviceBuffer<T>> {
         self.reap_freed()?;
-        loop {
-            match self.dev.alloc_uninit_on_h2d::<T>(what, len) {
-                Err(e @ GpuError::OutOfBudget { .. }) => {
-                    let oldest = locked(&self.freeing).pop_front();
-                    let Some((ev, buf)) = oldest else {
-                        return Err(e);
-                    };
-                    wait_for(&ev).map_err(driver("cuEventSynchronize"))?;
-                    drop(buf);
-                }
-                other => return other,
-            }
-        }
+        self.dev.alloc_uninit_on_h2d::<T>(what, len)
     }
 
     /// Drops the buffers let go whose event completed.
@@ -558,7 +545,8 @@ impl Uploads {
     /// (its last use) is done, without making the h2d stream wait for it
     /// (see "Freeing a destination"). A buffer allocated on the compute
     /// stream may come here too: its free would not have waited anyway.
-    pub fn free_after_compute(&self, buf: DevBuf) -> Result<()> {
+    pub fn free_after_compute(&self, mut buf: DevBuf) -> Result<()> {
+        buf.uncount();
         let done = match self.dev.compute.record_event(None) {
             Ok(ev) => ev,
             Err(e) => {

@@ -66,6 +66,14 @@ impl DevBuf {
         }
     }
 
+    /// [`DeviceBuffer::uncount`].
+    pub(crate) fn uncount(&mut self) {
+        match self {
+            DevBuf::F32(b) => b.uncount(),
+            DevBuf::Bf16(b) => b.uncount(),
+        }
+    }
+
     fn not_f32() -> GpuError {
         GpuError::Shape {
             kernel: "unit buffer".into(),
