@@ -833,7 +833,7 @@ fn check_bf16_params(dev: &Device, rep: &mut Report) -> Result<()> {
     let (g16, b16): (Vec<bf16>, Vec<bf16>) = (r::cast(&data(cols, 72)), r::cast(&data(cols, 73)));
     let (g, b): (Vec<f32>, Vec<f32>) = (r::cast(&g16), r::cast(&b16));
     let size = format!("{rows}x{cols}");
-    let [y1, ..] = e.layernorm_fwd(&gx, &narrow(&g)?, &narrow(&b)?, cols, 1e-5)?;
+    let [y1, mean, rstd] = e.layernorm_fwd(&gx, &narrow(&g)?, &narrow(&b)?, cols, 1e-5)?;
     let [y2, ..] = e.layernorm_fwd(&gx, &wide(&g)?, &wide(&b)?, cols, 1e-5)?;
     same(
         rep,
@@ -842,7 +842,18 @@ fn check_bf16_params(dev: &Device, rep: &mut Report) -> Result<()> {
         e.download(&y1)?,
         e.download(&y2)?,
     );
-    let [y1, _] = e.rmsnorm_fwd(&gx, &narrow(&g)?, cols, 1e-6)?;
+    let dy = e.upload("dy", &data(rows * cols, 76))?;
+    let mut back = Vec::new();
+    for w in [narrow(&g)?, wide(&g)?] {
+        let (mut dw, mut db) = (e.zeros("dw", cols)?, e.zeros("db", cols)?);
+        let dx = e.layernorm_bwd(&dy, &gx, &w, [&mean, &rstd], &mut dw, &mut db, cols)?;
+        back.push((e.download(&dx)?, e.download(&dw)?));
+    }
+    let (dx2, dw2) = back.pop().unwrap_or_default();
+    let (dx1, dw1) = back.pop().unwrap_or_default();
+    same(rep, "layernorm_bwd.dx", &size, dx1, dx2);
+    same(rep, "layernorm_bwd.dw", &size, dw1, dw2);
+    let [y1, rstd] = e.rmsnorm_fwd(&gx, &narrow(&g)?, cols, 1e-6)?;
     let [y2, _] = e.rmsnorm_fwd(&gx, &wide(&g)?, cols, 1e-6)?;
     same(
         rep,
@@ -850,6 +861,20 @@ fn check_bf16_params(dev: &Device, rep: &mut Report) -> Result<()> {
         &size,
         e.download(&y1)?,
         e.download(&y2)?,
+    );
+    let mut back = Vec::new();
+    for w in [narrow(&g)?, wide(&g)?] {
+        let mut dw = e.zeros("dw", cols)?;
+        let dx = e.rmsnorm_bwd(&dy, &gx, &w, &rstd, &mut dw, cols)?;
+        back.push(e.download(&dx)?);
+    }
+    let dx2 = back.pop().unwrap_or_default();
+    same(
+        rep,
+        "rmsnorm_bwd.dx",
+        &size,
+        back.pop().unwrap_or_default(),
+        dx2,
     );
     let (mut y1, mut y2) = (e.upload("y", &x)?, e.upload("y", &x)?);
     e.bias_add(&mut y1, &narrow(&b)?)?;

@@ -73,7 +73,7 @@
 //!
 //! 1. [`Downloads::start`] takes the device buffer (a unit's gradient,
 //!    just computed on the compute stream; with `narrow`, first rounded to
-//!    a bf16 buffer there) and a pinned staging buffer of its length (plain page-locked memory, not write-combined: the CPU
+//!    a bf16 buffer there, unless it is one: a bf16 param comes as it is) and a pinned staging buffer of its length (plain page-locked memory, not write-combined: the CPU
 //!    reads it). The `d2h` stream waits on an event recorded on the
 //!    compute stream after the kernels that wrote the buffer, then copies
 //!    it out. The host does not wait.
@@ -564,8 +564,8 @@ impl Uploads {
     /// Starts copying `pin`'s bytes, in host memory registered with this
     /// device ([`crate::host_register::HostRegistration`]), straight into
     /// a new device buffer for `what`: one DMA, no staging copy. The bytes
-    /// are fp32 elements, or bf16 ones with `bf16` (widened by `finish`,
-    /// as [`Uploads::start_bf16`]'s are). The pin travels with the copy:
+    /// are a param's fp32 elements, or bf16 ones with `bf16` (kept in
+    /// bf16: [`Lands::AsBf16`]). The pin travels with the copy:
     /// the reaper thread lets it go once an event after the copy completed
     /// (`spawn_reaper`), so a write-back into those bytes waits for the
     /// copy and for nothing else. The caller checks the registration
@@ -696,6 +696,7 @@ impl Uploads {
                 if let Some(staging) = staging {
                     locked(&self.pool).retiring.push_back((event, staging));
                 }
+                self.reap_freed()?;
                 Ok(DevBuf::F32(dst))
             }
             PendingUpload::Bf16 {
@@ -708,6 +709,7 @@ impl Uploads {
                 if let Some(staging) = staging {
                     locked(&self.pool16).retiring.push_back((event, staging));
                 }
+                self.reap_freed()?;
                 if lands == Lands::AsBf16 {
                     return Ok(DevBuf::Bf16(narrow));
                 }
@@ -848,23 +850,35 @@ impl Downloads {
     /// Starts copying `src` to the host, after the compute stream's work
     /// queued so far; with `narrow`, rounded to bf16 on the compute stream
     /// first (`cast_f32_bf16`), so half the bytes cross.
-    pub fn start(
-        &self,
-        what: &str,
-        src: DeviceBuffer<f32>,
-        narrow: bool,
-    ) -> Result<PendingDownload> {
-        let inner = if narrow {
-            let mut half = self
-                .dev
-                .alloc_output::<bf16>("narrowed download", src.len())?;
-            crate::ops::cast::<f32, bf16>(&self.dev, &mut half, &src)?;
-            drop(src);
-            let staging = self.queue(&self.free16, what, &half)?;
-            Down::Bf16(half, staging)
-        } else {
-            let staging = self.queue(&self.free, what, &src)?;
-            Down::F32(src, staging)
+    pub fn start(&self, what: &str, src: DevBuf, narrow: bool) -> Result<PendingDownload> {
+        let inner = match (src, narrow) {
+            (DevBuf::F32(src), true) => {
+                let mut half = self
+                    .dev
+                    .alloc_output::<bf16>("narrowed download", src.len())?;
+                crate::ops::cast::<f32, bf16>(&self.dev, &mut half, &src)?;
+                drop(src);
+                let staging = self.queue(&self.free16, what, &half)?;
+                Down::Bf16(half, staging)
+            }
+            // A bf16 buffer (a param kept in bf16) comes down as it is.
+            (DevBuf::Bf16(half), true) => {
+                let staging = self.queue(&self.free16, what, &half)?;
+                Down::Bf16(half, staging)
+            }
+            (DevBuf::Bf16(half), false) => {
+                let mut src = self
+                    .dev
+                    .alloc_output::<f32>("widened download", half.len())?;
+                crate::ops::cast::<bf16, f32>(&self.dev, &mut src, &half)?;
+                drop(half);
+                let staging = self.queue(&self.free, what, &src)?;
+                Down::F32(src, staging)
+            }
+            (DevBuf::F32(src), false) => {
+                let staging = self.queue(&self.free, what, &src)?;
+                Down::F32(src, staging)
+            }
         };
         Ok(PendingDownload { inner: Some(inner) })
     }

@@ -12,9 +12,9 @@
 //!   no widening pass). A GEMM with bf16 operands reads such a weight as
 //!   it is, where an fp32 one would be cast first (the same bits: the
 //!   cast of a widened bf16 value gives it back). A kernel that reads an
-//!   fp32 param (a norm's weight, a bias, the embedding table) reads it
-//!   widened, exactly, into a scratch buffer ([`Wide`]): small, but for
-//!   the embedding table, read once a forward.
+//!   fp32 param (a norm's weight, a bias) reads it widened, exactly, into
+//!   a small scratch buffer ([`Wide`]); the embedding gathers a bf16
+//!   table's rows as they are and widens those.
 //!
 //! Every other operand must be fp32: an activation or gradient in bf16 is
 //! refused.
@@ -588,10 +588,22 @@ impl Exec for CudaExec<'_> {
         ops::rows_from_heads(self.dev, out.f32_mut()?, x.f32()?, s, slot)
     }
     fn embedding_fwd(&self, table: &DevBuf, ids: &DeviceIds, hidden: usize) -> Result<DevBuf> {
-        let table = wide(self.dev, table)?;
-        fresh(self.dev, "embedding output", ids.ids.len() * hidden, |o| {
-            ops::embedding_fwd(self.dev, o, &table, &ids.ids, hidden)
-        })
+        let n = ids.ids.len() * hidden;
+        match table {
+            DevBuf::F32(table) => fresh(self.dev, "embedding output", n, |o| {
+                ops::embedding_fwd(self.dev, o, table, &ids.ids, hidden)
+            }),
+            // A bf16 table: its rows gathered as they are, then widened
+            // (exact), not the whole table widened first.
+            DevBuf::Bf16(table) => {
+                let rows = fresh16(self.dev, "embedding rows", n, |o| {
+                    ops::embedding_fwd(self.dev, o, table, &ids.ids, hidden)
+                })?;
+                fresh(self.dev, "embedding output", n, |o| {
+                    ops::cast(self.dev, o, &rows)
+                })
+            }
+        }
     }
     fn embedding_bwd(
         &self,

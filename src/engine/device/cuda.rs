@@ -170,9 +170,6 @@ impl DeviceLink for CudaLink {
         buf: DevBuf,
         narrow: bool,
     ) -> Result<PendingDownload, ModelError> {
-        // Units hand over fp32 outputs and gradients; only the attention
-        // keeps a bf16 buffer, and never hands it over.
-        let buf = buf.into_f32().map_err(gpu_err)?;
         self.downloads.start(what, buf, narrow).map_err(gpu_err)
     }
 

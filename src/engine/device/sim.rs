@@ -710,6 +710,8 @@ impl DeviceLink for SimDevice {
     }
 
     fn download(&self, what: &str, buf: Vec<f32>, narrow: bool) -> Result<SimDownload, ModelError> {
+        // A buffer downloaded is gone from the device (as `free`).
+        self.shared.narrow().remove(&buf_key(&buf));
         let event = Arc::new(Event::default());
         self.shared
             .downloads_in_flight
