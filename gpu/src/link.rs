@@ -13,11 +13,15 @@
 //!    the host does not wait. It then hands back the destination. The
 //!    staging buffer goes on the retiring list with its event.
 //!    A bf16 upload ([`Uploads::start_bf16`]) crosses as its 2-byte
-//!    elements into a bf16 buffer. A param's ([`Lands::AsBf16`]) stays
-//!    that buffer: the units read bf16 params as they are
-//!    ([`crate::unit::DevBuf::Bf16`]). An input's ([`Lands::AsF32`]) is
-//!    widened by `finish` into an fp32 destination on the compute stream
-//!    (`cast_bf16_f32`, exact), and the bf16 buffer is let go as below.
+//!    elements into a bf16 buffer. A param's ([`Role::Param`]) stays the
+//!    buffer it crossed into, bf16 or fp32: the units read bf16 params as
+//!    they are ([`crate::unit::DevBuf::Bf16`]), and its owner lets it go
+//!    through [`Uploads::free_after_compute`]. A unit's input
+//!    ([`Role::Input`]) is dropped with the unit's temporaries, so `finish`
+//!    moves it into an fp32 buffer of the compute stream's (a bf16 one
+//!    widened by `cast_bf16_f32`, exact; an fp32 one copied) and lets the
+//!    one it crossed into go as below: dropped as it is, its free would
+//!    make the h2d stream wait for the unit's compute.
 //! 3. A later `start` moves retiring buffers whose event completed back to
 //!    the pool (one pool per element type). When the pool's pinned bytes would pass its cap, it waits
 //!    for the oldest event and frees that buffer.
@@ -112,10 +116,12 @@ pub enum PendingUpload {
         staging: Option<Staging<f32>>,
         /// Recorded after the copy.
         event: CudaEvent,
+        /// What `finish` hands over.
+        role: Role,
     },
     /// bf16 elements, copied as they are (half the bytes) into a bf16
     /// buffer: kept so, or widened to fp32 on the compute stream by
-    /// `finish` ([`Lands`]).
+    /// `finish` ([`Role`]).
     Bf16 {
         /// The bf16 copy on the device.
         narrow: DeviceBuffer<bf16>,
@@ -124,19 +130,20 @@ pub enum PendingUpload {
         /// Recorded after the copy.
         event: CudaEvent,
         /// What `finish` hands over.
-        lands: Lands,
+        role: Role,
     },
 }
 
-/// What a bf16 upload becomes on the device.
+/// What an upload is for, which decides what [`Uploads::finish`] hands
+/// over (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Lands {
-    /// The bf16 buffer itself (a param: the units read bf16 params as
-    /// they are).
-    AsBf16,
-    /// An fp32 buffer, widened exactly (a unit's input: the units'
-    /// activations are fp32).
-    AsF32,
+pub enum Role {
+    /// A param: the buffer it crossed into, fp32 or bf16, let go by its
+    /// owner through [`Uploads::free_after_compute`].
+    Param,
+    /// A unit's input, dropped with the unit's temporaries: an fp32
+    /// buffer of the compute stream's (the units' activations are fp32).
+    Input,
 }
 
 /// A staging buffer of a pool: its bytes count in the pool's
@@ -494,26 +501,27 @@ impl Uploads {
         Ok((dst, staging, event))
     }
 
-    /// Starts copying `host` into a new device buffer for `what`.
-    pub fn start(&self, what: &str, host: &[f32]) -> Result<PendingUpload> {
+    /// Starts copying `host` into a new device buffer for `what`, a
+    /// `role`.
+    pub fn start(&self, what: &str, host: &[f32], role: Role) -> Result<PendingUpload> {
         let (dst, staging, event) = self.queue(&self.pool, what, host)?;
         Ok(PendingUpload::F32 {
             dst,
             staging: Some(staging),
             event,
+            role,
         })
     }
 
     /// Starts copying bf16 `host` (its 2-byte elements, half an fp32
-    /// upload's bytes) to the device; `finish` hands it over as `lands`
-    /// says.
-    pub fn start_bf16(&self, what: &str, host: &[bf16], lands: Lands) -> Result<PendingUpload> {
+    /// upload's bytes) to the device, a `role`.
+    pub fn start_bf16(&self, what: &str, host: &[bf16], role: Role) -> Result<PendingUpload> {
         let (narrow, staging, event) = self.queue(&self.pool16, what, host)?;
         Ok(PendingUpload::Bf16 {
             narrow,
             staging: Some(staging),
             event,
-            lands,
+            role,
         })
     }
 
@@ -565,7 +573,7 @@ impl Uploads {
     /// device ([`crate::host_register::HostRegistration`]), straight into
     /// a new device buffer for `what`: one DMA, no staging copy. The bytes
     /// are a param's fp32 elements, or bf16 ones with `bf16` (kept in
-    /// bf16: [`Lands::AsBf16`]). The pin travels with the copy:
+    /// bf16: a [`Role::Param`]). The pin travels with the copy:
     /// the reaper thread lets it go once an event after the copy completed
     /// (`spawn_reaper`), so a write-back into those bytes waits for the
     /// copy and for nothing else. The caller checks the registration
@@ -595,7 +603,7 @@ impl Uploads {
                 narrow,
                 staging: None,
                 event,
-                lands: Lands::AsBf16,
+                role: Role::Param,
             })
         } else {
             let mut dst = self.dst::<f32>(what, numel)?;
@@ -604,6 +612,7 @@ impl Uploads {
                 dst,
                 staging: None,
                 event,
+                role: Role::Param,
             })
         }
     }
@@ -682,47 +691,55 @@ impl Uploads {
     }
 
     /// The destination, with the compute stream waiting on the copy's
-    /// event (the host does not wait): fp32, or a bf16 upload's bf16
-    /// buffer ([`Lands::AsBf16`]) or its widening, exact, by the
-    /// `cast_bf16_f32` kernel there ([`Lands::AsF32`]).
+    /// event (the host does not wait): a param's as it crossed
+    /// ([`Role::Param`]); an input's in an fp32 buffer of the compute
+    /// stream's, widened exactly by the `cast_bf16_f32` kernel or copied
+    /// there, the buffer it crossed into let go after that
+    /// ([`Role::Input`]).
     pub fn finish(&self, u: PendingUpload) -> Result<DevBuf> {
-        match u {
+        let (crossed, role) = match u {
             PendingUpload::F32 {
                 dst,
                 staging,
                 event,
+                role,
             } => {
                 self.compute_waits(&event)?;
                 if let Some(staging) = staging {
                     locked(&self.pool).retiring.push_back((event, staging));
                 }
-                self.reap_freed()?;
-                Ok(DevBuf::F32(dst))
+                (DevBuf::F32(dst), role)
             }
             PendingUpload::Bf16 {
                 narrow,
                 staging,
                 event,
-                lands,
+                role,
             } => {
                 self.compute_waits(&event)?;
                 if let Some(staging) = staging {
                     locked(&self.pool16).retiring.push_back((event, staging));
                 }
-                self.reap_freed()?;
-                if lands == Lands::AsBf16 {
-                    return Ok(DevBuf::Bf16(narrow));
-                }
-                let mut wide = self
-                    .dev
-                    .alloc_output::<f32>("widened upload", narrow.len())?;
-                crate::ops::cast::<bf16, f32>(&self.dev, &mut wide, &narrow)?;
-                // `narrow` was allocated on the h2d stream: let go after
-                // the cast, not now.
-                self.free_after_compute(DevBuf::Bf16(narrow))?;
-                Ok(DevBuf::F32(wide))
+                (DevBuf::Bf16(narrow), role)
             }
+        };
+        self.reap_freed()?;
+        if role == Role::Param {
+            return Ok(crossed);
         }
+        let mut out = self.dev.alloc_output::<f32>("unit input", crossed.len())?;
+        match &crossed {
+            DevBuf::Bf16(narrow) => crate::ops::cast::<bf16, f32>(&self.dev, &mut out, narrow)?,
+            DevBuf::F32(dst) => self
+                .dev
+                .compute
+                .memcpy_dtod(dst.slice(), out.slice_mut())
+                .map_err(driver("cuMemcpyDtoDAsync"))?,
+        }
+        // The buffer it crossed into was allocated on the h2d stream: let
+        // go after this, not dropped now.
+        self.free_after_compute(crossed)?;
+        Ok(DevBuf::F32(out))
     }
 }
 

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use tierzero_gpu::device::Device;
 use tierzero_gpu::host_register::HostRegistration;
 use tierzero_gpu::link::{
-    Downloaded, Downloads, EventClock, Lands, PendingDownload, PendingUpload, SpanLog, Uploads,
+    Downloaded, Downloads, EventClock, PendingDownload, PendingUpload, Role, SpanLog, Uploads,
 };
 use tierzero_gpu::unit::{CudaExec, DevBuf, GemmDtype};
 
@@ -110,9 +110,9 @@ impl DeviceLink for CudaLink {
 
     fn upload(&self, what: &str, host: HostElems<'_>) -> Result<PendingUpload, ModelError> {
         match host {
-            HostElems::F32(v) => self.uploads.start(what, v),
+            HostElems::F32(v) => self.uploads.start(what, v, Role::Param),
             // A param: kept in bf16 on the device.
-            HostElems::Bf16(v) => self.uploads.start_bf16(what, v, Lands::AsBf16),
+            HostElems::Bf16(v) => self.uploads.start_bf16(what, v, Role::Param),
         }
         .map_err(gpu_err)
     }
@@ -146,8 +146,8 @@ impl DeviceLink for CudaLink {
         // The device budget counts it with the other temporaries. The
         // units' activations are fp32: a bf16 one is widened on arrival.
         match host {
-            HostElems::F32(v) => self.uploads.start(what, v),
-            HostElems::Bf16(v) => self.uploads.start_bf16(what, v, Lands::AsF32),
+            HostElems::F32(v) => self.uploads.start(what, v, Role::Input),
+            HostElems::Bf16(v) => self.uploads.start_bf16(what, v, Role::Input),
         }
         .map_err(gpu_err)
     }
