@@ -556,21 +556,25 @@ fn the_device_tier_on_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
     let l = &reference.losses;
     assert!(l[l.len() - 1] < l[0], "{tag}: loss did not fall: {l:?}");
     assert_bit_identical("device tier (simulated), 2 ranks", &reference, &ranks);
-    // A unit's gather overlaps the compute of the unit before it in its
-    // pass where that unit was launched ahead on the device: the engine
-    // fetches (gathers) the next unit's params while it computes. Units
-    // 0 (embedding), 1 and 2 (blocks), 3 (head, forward and backward at
-    // the start of backward): unit 2's forward gather runs under unit 1's
-    // forward; units 1's and 0's backward gathers under units 2's and 1's
-    // backward. The others start a pass (units 0 and 1 in forward, 3 and
-    // 2 in backward: nothing is computing yet) or follow the embedding's
-    // forward, which is not launched ahead.
+    // A unit's gather overlaps the compute of the unit before it where
+    // that unit was launched ahead on the device: the engine fetches
+    // (gathers) the next unit's params while it computes. Units 0
+    // (embedding), 1 and 2 (blocks), 3 (head, forward and backward at the
+    // start of backward, its params staged under the last block's
+    // forward): unit 2's forward gather runs under unit 1's forward, the
+    // head's under unit 2's forward, units 1's and 0's backward gathers
+    // under units 2's and 1's backward. The others cannot: units 0 and 1
+    // in forward start the step (nothing is computing yet; unit 1's
+    // gather comes before the embedding computes), and unit 2's backward
+    // gather comes before the head computes, which is not launched
+    // ahead.
     for (r, o) in ranks.iter().enumerate() {
         for (name, under) in &o.fetches {
             println!("rank {r}: params {name}: under {under:?}");
         }
         for (fetch, compute) in [
             ("u2 fwd", "forward unit 1"),
+            ("u3 bwd", "forward unit 2"),
             ("u1 bwd", "backward unit 2"),
             ("u0 bwd", "backward unit 1"),
         ] {

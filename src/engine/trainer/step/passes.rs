@@ -18,6 +18,10 @@ struct Batch<'a> {
     last_micro: bool,
 }
 
+/// A unit's params fetched, and handed to the compute, before its turn
+/// ([`Trainer::stage_unit`]).
+type Staged = Option<(UnitId, Vec<Tensor>)>;
+
 impl Trainer {
     /// One micro-batch: forward over everything but the head, then
     /// backward by recompute from the head. Returns its loss.
@@ -40,8 +44,8 @@ impl Trainer {
             shape: [plan.micro_batch, plan.seq_len],
             last_micro: micro + 1 == plan.gas,
         };
-        let mut saved = self.forward(plan, &batch, times)?;
-        let loss = self.backward(plan, &batch, &mut saved, groups, tied, times)?;
+        let (mut saved, head) = self.forward(plan, &batch, times)?;
+        let loss = self.backward(plan, &batch, &mut saved, head, groups, tied, times)?;
         if batch.last_micro {
             // Every sum is back in memory for the step (a group no unit
             // added to in this micro-batch would otherwise stay parked).
@@ -55,12 +59,17 @@ impl Trainer {
     /// Forward over every unit but the head; returns what each unit's
     /// backward needs (the head's input too): its input, or, for a block
     /// the activation policy keeps, its forward graph (`activations.rs`).
+    /// With a compute that stages, also the head's params: the head
+    /// computes first in backward, so they are fetched and staged under
+    /// the last block's forward (with several ranks their gather, and
+    /// their upload, overlap that block's compute), in backward's order of
+    /// visits.
     fn forward(
         &mut self,
         plan: &StepPlan,
         batch: &Batch<'_>,
         times: &mut StepTimes,
-    ) -> Result<Vec<Option<Saved>>> {
+    ) -> Result<(Vec<Option<Saved>>, Staged)> {
         let units: Vec<(UnitId, UnitKind)> =
             self.model.units().iter().map(|u| (u.id, u.kind)).collect();
         let mut saved: Vec<Option<Saved>> = (0..units.len()).map(|_| None).collect();
@@ -88,6 +97,9 @@ impl Trainer {
             match units.get(idx + 1) {
                 Some(&(next, k)) if stages && k != UnitKind::Head => {
                     ahead = Some(self.stage_unit(plan, next, Pass::Forward, batch.shape)?);
+                }
+                Some(&(next, UnitKind::Head)) if stages => {
+                    ahead = Some(self.stage_unit(plan, next, Pass::Backward, batch.shape)?);
                 }
                 _ => {}
             }
@@ -171,17 +183,22 @@ impl Trainer {
             );
             self.activations.decide(decision);
         }
-        Ok(saved)
+        Ok((saved, ahead))
     }
 
     /// Backward over every unit in reverse, by recompute from the inputs
     /// `saved` or from a kept graph; gradients go into the sub-groups'
     /// accumulators. Returns the micro-batch's loss (the head's).
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the step's plan, batch and accumulators, and what forward left"
+    )]
     fn backward(
         &mut self,
         plan: &StepPlan,
         batch: &Batch<'_>,
         saved: &mut [Option<Saved>],
+        head: Staged,
         groups: &mut StepGroups,
         tied: &mut BTreeMap<ParamId, Vec<f32>>,
         times: &mut StepTimes,
@@ -196,7 +213,8 @@ impl Trainer {
         // are still downloading, finished after the next unit's backward
         // has started (so the download overlaps that compute).
         let mut downloading: Option<(UnitId, Vec<(ParamId, Tensor)>)> = None;
-        let mut ahead = None;
+        // The head's, staged under the last block's forward.
+        let mut ahead = head;
         for (idx, &(uid, kind)) in units.iter().enumerate().rev() {
             let this = saved.get_mut(uid.0).and_then(Option::take);
             // A kept block needs no params: its graph holds their copies.
@@ -318,7 +336,7 @@ impl Trainer {
         uid: UnitId,
         pass: Pass,
         shape: [usize; 2],
-        ahead: &mut Option<(UnitId, Vec<Tensor>)>,
+        ahead: &mut Staged,
     ) -> Result<Vec<Tensor>> {
         match ahead.take() {
             Some((u, params)) if u == uid => return Ok(params),
