@@ -65,7 +65,10 @@
 //!   unit's to fill. Without it
 //!   the first unit of each pass (the embedding forward, the tied head
 //!   backward: the largest params) queued behind the next block's
-//!   prefetch, and its compute waited for both.
+//!   prefetch, and its compute waited for both. The head, which computes
+//!   first in backward, is staged under the last block's forward, so its
+//!   upload (and with several ranks its gather) is not a stall at
+//!   backward's start.
 //! * **Live params** (`stage3_max_live_parameters`): elements uploading or
 //!   in use, the kept ones not counted.
 //! * **The device cache** (`tierzero.device_cache_bytes`): after its unit,
@@ -93,6 +96,17 @@
 //! refilled while the copy engine may still read it. An upload dropped
 //! before it is taken (the tier dropped mid-step, a trace that was wrong)
 //! is first completed, then its destination is freed.
+//!
+//! # Params in their storage dtype
+//!
+//! A param stays on the device as it crossed: bf16 params as bf16 (2
+//! bytes an element, [`param_device_bytes`]), which the units' GEMMs read
+//! as they are; fp32 (and fp16, which crosses widened) as fp32. The
+//! tier's budget, the resident state and the simulated device all count
+//! that. A unit's inputs land as fp32 (the units' activations are fp32).
+//! A param's buffer is let go ([`DeviceLink::free`]) after the compute
+//! queued on it: the CUDA link holds it with an event until that compute
+//! is done, so its free does not make the upload stream wait.
 //!
 //! # Params straight from their pages and swap buffers
 //!
@@ -243,7 +257,7 @@ pub use tier::{Residency, TierEvent, TierLimits, TierPeaks, TieredUnits};
 const ELEM_BYTES: u64 = 4;
 
 /// Device bytes of a param of `numel` elements stored as `dtype`: it stays
-/// on the device as it crossed ([`crate::model::exec_units::host_elems_bytes`]):
+/// on the device as it crossed (as `exec_units::host_elems_bytes` counts its crossing):
 /// bf16 as its 2-byte elements (the units read bf16 params as they are),
 /// fp32 as 4, and fp16 as 4 too (it crosses widened). Every count of a
 /// param's device bytes (the tier's budget, the resident state, the
