@@ -42,7 +42,7 @@
 //!   caller in rank order.
 //! * **Bootstrap.** Rank 0 makes the `ncclUniqueId`; it reaches the others
 //!   through an existing communicator (MPI under `mpirun`) or a TCP
-//!   rendezvous (`TIERZERO_NCCL_ADDR`), see [`crate::engine::comm::rendezvous`]. Every
+//!   rendezvous (`TIERZERO_NCCL_ADDR`), see `rendezvous.rs`. Every
 //!   rank first tries CUDA and NCCL locally and reports whether it could,
 //!   so a rank without a driver makes *every* rank fail at once with a
 //!   clear error instead of leaving them in `ncclCommInitRank`.
