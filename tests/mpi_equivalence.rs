@@ -44,11 +44,11 @@ use tierzero_gpu::unit::GemmDtype;
 const SEQ: usize = 16;
 /// A unit's compute on the simulated device's clock. The simulation
 /// computes on the calling thread (the kernels' references, unoptimised
-/// in tests: up to about 60 ms a block's backward on 2 cores) and
-/// models the device's time by this delay, so it must be longer than
-/// that for the host to be free while a launched unit computes, as a
-/// GPU's launches leave it.
-const SIM_UNIT_COMPUTE: Duration = Duration::from_millis(150);
+/// in tests: up to about 60 ms a block's backward on 2 cores, the other
+/// rank spinning in MPI) and models the device's time by this delay, so
+/// it must be well past that for the host to be free while a launched
+/// unit computes, as a GPU's launches leave it.
+const SIM_UNIT_COMPUTE: Duration = Duration::from_millis(250);
 const SEED: u64 = 5;
 
 /// A GPT-2 with byte vocabulary, 2 layers of width 64.
