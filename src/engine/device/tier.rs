@@ -912,7 +912,9 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
             DeviceMemoryRow {
                 what: "upload staging buffers".into(),
                 device_bytes: 0,
-                pinned_bytes: mem.staging.bound_bytes(largest_param * ELEM_BYTES),
+                pinned_bytes: mem
+                    .staging
+                    .bound_bytes(super::param_device_bytes(largest_param, self.storage)),
             },
         ];
         if let Some(t) = mem.temporaries_bytes {
