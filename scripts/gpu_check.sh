@@ -108,7 +108,8 @@
 #      step 6's GPU run with NVMe offload, and at stage 0 with nothing
 #      offloaded (training in GPU memory, Adam on the GPU) within 1e-4
 #      (it clips on the device's Σg²); the runs' h2d/d2h bytes and waits;
-#   6g. bf16: the embedded GPT-2 20 steps in bf16 on the GPU against the
+#   6g. bf16: the embedded GPT-2 20 steps in bf16 on the GPU (through the
+#      device tier, and in GPU memory with Adam on the GPU) against the
 #      CPU in bf16, losses within 1e-2 relative;
 #   6b. the Python package's AdamW over CUDA params against CPU params, bit
 #      for bit (python/tests/test_adamw_cuda.py, with the machine's
@@ -921,10 +922,13 @@ else
 fi
 
 # 6g. bf16 (bf16.enabled in the default ZeRO-3 NVMe config): the embedded
-# GPT-2 20 steps with --device cuda (bf16 params, bf16 GEMM operands, fp32
-# elsewhere) against --device cpu in bf16: every step's loss within 1e-2
-# relative (the CPU units round linear outputs to bf16 too; on the
-# simulated device the two agree within 1e-3). Skipped when the GPT-2's
+# GPT-2 20 steps with --device cuda (bf16 params, kept in bf16 on the GPU,
+# bf16 GEMM operands, fp32 elsewhere) against --device cpu in bf16: every
+# step's loss within 1e-2 relative (the CPU units round linear outputs to
+# bf16 too; on the simulated device the two agree within 1e-3). A third
+# run trains in GPU memory (stage 0, nothing offloaded: bf16 weights
+# beside fp32 masters, Adam on the GPU) against the same CPU run, within
+# 1e-2 too ("resident"). Skipped when the GPT-2's
 # first GPU run (step 6) failed or was skipped. That run is only a gate
 # here (nothing is compared to it): when step 6 is not selected, step 6f's
 # reference run of the GPT-2 is the gate when 6f made one, else 6g runs
@@ -935,19 +939,25 @@ import json, sys
 c = json.load(open("src/config/default.json"))
 c["bf16"] = {"enabled": True}
 json.dump(c, open(sys.argv[1], "w"))
+z = c["zero_optimization"]
+z["stage"] = 0
+z.pop("offload_param", None)
+z.pop("offload_optimizer", None)
+json.dump(c, open(sys.argv[1].replace(".json", "-resident.json"), "w"))
 PY
   bf16_ref=""
   if sel 6; then bf16_why=$(dep_reason gpt2)
   elif [ "$tier_ref" = 1 ]; then bf16_why=$(dep_reason gpt2); bf16_ref="step 6f's reference run (step 6 not selected)"
   else bf16_why=""; bf16_ref="none: step 6 not selected, run without its gate"; fi
-  for run in cpu cuda; do
-    dev=cpu; [ "$run" = cuda ] && dev=cuda:0
+  for run in cpu cuda resident; do
+    dev=cpu; [ "$run" = cpu ] || dev=cuda:0
+    cfg="$WORK/ds-bf16.json"; [ "$run" = resident ] && cfg="$WORK/ds-bf16-resident.json"
     d="$WORK/bf16-$run"; mkdir -p "$d/tierzero-swap"
     [ -n "$bf16_why" ] || room "$TRAIN_CAP" || bf16_why=budget
     if [ -n "$bf16_why" ]; then echo "$bf16_why" >"$d/skipped"; skip "bf16.$run" "$bf16_why"; continue; fi
     t0=$SECONDS
     (cd "$d" && LD_LIBRARY_PATH="${nv_libs}${nv_libs:+:}${LD_LIBRARY_PATH:-}" TIERZERO_KERNEL_CACHE="$WORK/kcache" \
-      tmo "$TRAIN_CAP" "$BIN" train --device "$dev" --config "$WORK/ds-bf16.json" --steps 20 --seq-len 128 \
+      tmo "$TRAIN_CAP" "$BIN" train --device "$dev" --config "$cfg" --steps 20 --seq-len 128 \
       --metrics metrics.jsonl --json >out.json 2>err.txt); echo $? >"$d/rc"
     echo $(( SECONDS - t0 )) >"$d/secs"
     grep -o '"loss":[0-9.eE+-]*' "$d/metrics.jsonl" 2>/dev/null | cut -d: -f2 >"$d/losses"
@@ -955,6 +965,10 @@ PY
   bf16_worst=$(worst_rel "$WORK/bf16-cpu/losses" "$WORK/bf16-cuda/losses")
   bf16_ok=$(verdict "$WORK/bf16-cpu" "$WORK/bf16-cuda")
   if [ "$bf16_ok" = true ]; then at_most "$bf16_worst" 1e-2 || bf16_ok=false; fi
+  bf16_res_worst=$(worst_rel "$WORK/bf16-cpu/losses" "$WORK/bf16-resident/losses")
+  bf16_res_ok=$(verdict "$WORK/bf16-cpu" "$WORK/bf16-resident")
+  if [ "$bf16_res_ok" = true ]; then at_most "$bf16_res_worst" 1e-2 || bf16_res_ok=false; fi
+  bf16_ok=$(worse "$bf16_ok" "$bf16_res_ok")
   [ "$bf16_ok" = false ] && fail bf16
   # bf16_run DIR KEYS: a run's JSON ({"skipped":...} when not started).
   bf16_run() {
@@ -966,8 +980,9 @@ PY
       printf '{"rc":%s,"result":%s}' "$(num "$(cat "$1/rc" 2>/dev/null)")" "$(json_obj "$1/out.json")"
     fi
   }
-  emit bf16 "$(printf '{"ok":%s,"max_rel_loss_diff_cpu_vs_cuda":%s,"cuda":%s,"cpu":%s%s%s}' \
-    "$bf16_ok" "$(num "$bf16_worst")" "$(bf16_run "$WORK/bf16-cuda" full)" "$(bf16_run "$WORK/bf16-cpu" short)" \
+  emit bf16 "$(printf '{"ok":%s,"max_rel_loss_diff_cpu_vs_cuda":%s,"max_rel_loss_diff_cpu_vs_resident":%s,"resident_ok":%s,"cuda":%s,"resident":%s,"cpu":%s%s%s}' \
+    "$bf16_ok" "$(num "$bf16_worst")" "$(num "$bf16_res_worst")" "$bf16_res_ok" "$(bf16_run "$WORK/bf16-cuda" full)" \
+    "$(bf16_run "$WORK/bf16-resident" full)" "$(bf16_run "$WORK/bf16-cpu" short)" \
     "$(skipkey "$(cat "$WORK/bf16-cuda/skipped" 2>/dev/null)")" "$([ -z "$bf16_ref" ] || printf ',"reference":%s' "$(jstr "$bf16_ref")")")"
 else
   not_selected bf16
