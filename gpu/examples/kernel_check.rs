@@ -893,6 +893,63 @@ fn check_bf16_params(dev: &Device, rep: &mut Report) -> Result<()> {
         e.download(&y1)?,
         e.download(&y2)?,
     );
+    // fp16 params (fp16 storage) the same way: kept in fp16, read as they
+    // are by fp16 GEMMs, widened by the rest.
+    let h16: Vec<f16> = r::cast(&data(cols * out, 77));
+    let h32: Vec<f32> = r::cast(&h16);
+    let half16 = |v: &[f32]| -> Result<DevBuf> {
+        Ok(DevBuf::F16(
+            dev.upload("fp16 param", &r::cast::<f32, f16>(v))?,
+        ))
+    };
+    let size = format!("{rows}x{out}x{cols}");
+    for gemm in [GemmDtype::F32, GemmDtype::F16] {
+        let e = CudaExec { dev, gemm };
+        let gx = e.upload("x", &x)?;
+        let s = MatmulShape {
+            batch: 1,
+            m: rows,
+            n: out,
+            k: cols,
+            trans_a: false,
+            trans_b: false,
+        };
+        let mut got = Vec::new();
+        for w in [half16(&h32)?, wide(&h32)?] {
+            let mut c = e.output("c", rows * out)?;
+            e.matmul(&mut c, &gx, &w, s, 0.0)?;
+            got.push(e.download(&c)?);
+        }
+        let b = got.pop().unwrap_or_default();
+        same(
+            rep,
+            &format!("f16.matmul_{gemm:?}"),
+            &size,
+            got.pop().unwrap_or_default(),
+            b,
+        );
+    }
+    let g16: Vec<f32> = r::cast(&r::cast::<f32, f16>(&g));
+    let b16: Vec<f32> = r::cast(&r::cast::<f32, f16>(&b));
+    let [y1, ..] = e.layernorm_fwd(&gx, &half16(&g16)?, &half16(&b16)?, cols, 1e-5)?;
+    let [y2, ..] = e.layernorm_fwd(&gx, &wide(&g16)?, &wide(&b16)?, cols, 1e-5)?;
+    same(
+        rep,
+        "f16.layernorm_fwd",
+        &format!("{rows}x{cols}"),
+        e.download(&y1)?,
+        e.download(&y2)?,
+    );
+    let table16: Vec<f32> = r::cast(&r::cast::<f32, f16>(&data(vocab * cols, 78)));
+    let y1 = e.embedding_fwd(&half16(&table16)?, &gids, cols)?;
+    let y2 = e.embedding_fwd(&wide(&table16)?, &gids, cols)?;
+    same(
+        rep,
+        "f16.embedding_fwd",
+        &format!("{rows} of {vocab}x{cols}"),
+        e.download(&y1)?,
+        e.download(&y2)?,
+    );
     // The device optimizer's new weights: the master rounded, written
     // into a bf16 param, or into an fp32 one as its widened value.
     let master = e.upload("master", &data(100_003, 75))?;

@@ -17,7 +17,7 @@
 //! A buffer returns its bytes when dropped; cudarc frees it on its stream
 //! (stream-ordered), so memory a queued kernel still uses is not reused
 //! before that kernel has run. The driver's pool keeps up to the budget of
-//! freed memory mapped across synchronisations ([`keep_pool_reserved`]),
+//! freed memory mapped across synchronisations (`keep_pool_reserved`),
 //! as a caching allocator does. An output that a kernel writes in full is
 //! not zeroed first ([`Device::alloc_output`]).
 //!

@@ -12,14 +12,15 @@
 //! 2. [`Uploads::finish`] makes the compute stream wait on the event, so
 //!    the host does not wait. It then hands back the destination. The
 //!    staging buffer goes on the retiring list with its event.
-//!    A bf16 upload ([`Uploads::start_bf16`]) crosses as its 2-byte
-//!    elements into a bf16 buffer. A param's ([`Role::Param`]) stays the
-//!    buffer it crossed into, bf16 or fp32: the units read bf16 params as
-//!    they are ([`crate::unit::DevBuf::Bf16`]), and its owner lets it go
+//!    A bf16 or fp16 upload ([`Uploads::start_bf16`],
+//!    [`Uploads::start_f16`]) crosses as its 2-byte elements into a buffer
+//!    of that type. A param's ([`Role::Param`]) stays the buffer it
+//!    crossed into, 16-bit or fp32: the units read 16-bit params as they
+//!    are ([`crate::unit::DevBuf`]), and its owner lets it go
 //!    through [`Uploads::free_after_compute`]. A unit's input
 //!    ([`Role::Input`]) is dropped with the unit's temporaries, so `finish`
-//!    moves it into an fp32 buffer of the compute stream's (a bf16 one
-//!    widened by `cast_bf16_f32`, exact; an fp32 one copied) and lets the
+//!    moves it into an fp32 buffer of the compute stream's (a 16-bit one
+//!    widened by its cast kernel, exact; an fp32 one copied) and lets the
 //!    one it crossed into go as below: dropped as it is, its free would
 //!    make the h2d stream wait for the unit's compute.
 //! 3. A later `start` moves retiring buffers whose event completed back to
@@ -97,7 +98,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaStream, PinnedHostSlice};
-use half::bf16;
+use half::{bf16, f16};
 
 use crate::device::{driver_err as driver, Device, DeviceBuffer};
 use crate::unit::DevBuf;
@@ -132,6 +133,28 @@ pub enum PendingUpload {
         /// What `finish` hands over.
         role: Role,
     },
+    /// fp16 elements, as [`PendingUpload::Bf16`]'s.
+    F16 {
+        /// The fp16 copy on the device.
+        narrow: DeviceBuffer<f16>,
+        /// The staging buffer the copy reads (None: in place).
+        staging: Option<Staging<f16>>,
+        /// Recorded after the copy.
+        event: CudaEvent,
+        /// What `finish` hands over.
+        role: Role,
+    },
+}
+
+/// The element type of a copy in place ([`Uploads::start_pinned`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wire {
+    /// fp32 elements.
+    F32,
+    /// bf16 elements.
+    Bf16,
+    /// fp16 elements.
+    F16,
 }
 
 /// What an upload is for, which decides what [`Uploads::finish`] hands
@@ -332,6 +355,7 @@ pub struct Uploads {
     dev: Arc<Device>,
     pool: Mutex<Pool<f32>>,
     pool16: Mutex<Pool<bf16>>,
+    poolh: Mutex<Pool<f16>>,
     cap_bytes: u64,
     spans: SpanLog,
     /// Where the pins of copies in place go, each with an event after its
@@ -386,6 +410,7 @@ impl Uploads {
             dev,
             pool: Mutex::new(Pool::default()),
             pool16: Mutex::new(Pool::default()),
+            poolh: Mutex::new(Pool::default()),
             cap_bytes,
             freeing: Mutex::new(VecDeque::new()),
         })
@@ -409,7 +434,9 @@ impl Uploads {
 
     /// Pinned bytes the pools own now.
     pub fn pinned_bytes(&self) -> u64 {
-        locked(&self.pool).pinned_bytes() + locked(&self.pool16).pinned_bytes()
+        locked(&self.pool).pinned_bytes()
+            + locked(&self.pool16).pinned_bytes()
+            + locked(&self.poolh).pinned_bytes()
     }
 
     /// A staging buffer of `len` elements, from `pool` or new.
@@ -525,6 +552,18 @@ impl Uploads {
         })
     }
 
+    /// Starts copying fp16 `host` to the device, as
+    /// [`Uploads::start_bf16`] does bf16.
+    pub fn start_f16(&self, what: &str, host: &[f16], role: Role) -> Result<PendingUpload> {
+        let (narrow, staging, event) = self.queue(&self.poolh, what, host)?;
+        Ok(PendingUpload::F16 {
+            narrow,
+            staging: Some(staging),
+            event,
+            role,
+        })
+    }
+
     /// A destination of `len` elements on the h2d stream (not
     /// initialised: the copy queued next writes all of it), buffers let go
     /// whose compute is done dropped first.
@@ -572,8 +611,8 @@ impl Uploads {
     /// Starts copying `pin`'s bytes, in host memory registered with this
     /// device ([`crate::host_register::HostRegistration`]), straight into
     /// a new device buffer for `what`: one DMA, no staging copy. The bytes
-    /// are a param's fp32 elements, or bf16 ones with `bf16` (kept in
-    /// bf16: a [`Role::Param`]). The pin travels with the copy:
+    /// are a param's elements of `wire` (kept so: a [`Role::Param`]). The
+    /// pin travels with the copy:
     /// the reaper thread lets it go once an event after the copy completed
     /// (`spawn_reaper`), so a write-back into those bytes waits for the
     /// copy and for nothing else. The caller checks the registration
@@ -583,9 +622,9 @@ impl Uploads {
         &self,
         what: &str,
         pin: tierzero_swap::ReadPin,
-        bf16: bool,
+        wire: Wire,
     ) -> Result<PendingUpload> {
-        let elem_bytes = if bf16 { 2 } else { 4 };
+        let elem_bytes = if wire == Wire::F32 { 4 } else { 2 };
         let len_bytes = pin.len_bytes();
         if !len_bytes.is_multiple_of(elem_bytes) {
             return Err(crate::GpuError::Driver {
@@ -596,25 +635,39 @@ impl Uploads {
             });
         }
         let numel = len_bytes / elem_bytes;
-        if bf16 {
-            let mut narrow = self.dst::<bf16>(what, numel)?;
-            let event = self.copy_pinned(what, pin, narrow.slice_mut())?;
-            Ok(PendingUpload::Bf16 {
-                narrow,
-                staging: None,
-                event,
-                role: Role::Param,
-            })
-        } else {
-            let mut dst = self.dst::<f32>(what, numel)?;
-            let event = self.copy_pinned(what, pin, dst.slice_mut())?;
-            Ok(PendingUpload::F32 {
-                dst,
-                staging: None,
-                event,
-                role: Role::Param,
-            })
-        }
+        let role = Role::Param;
+        Ok(match wire {
+            Wire::Bf16 => {
+                let mut narrow = self.dst::<bf16>(what, numel)?;
+                let event = self.copy_pinned(what, pin, narrow.slice_mut())?;
+                PendingUpload::Bf16 {
+                    narrow,
+                    staging: None,
+                    event,
+                    role,
+                }
+            }
+            Wire::F16 => {
+                let mut narrow = self.dst::<f16>(what, numel)?;
+                let event = self.copy_pinned(what, pin, narrow.slice_mut())?;
+                PendingUpload::F16 {
+                    narrow,
+                    staging: None,
+                    event,
+                    role,
+                }
+            }
+            Wire::F32 => {
+                let mut dst = self.dst::<f32>(what, numel)?;
+                let event = self.copy_pinned(what, pin, dst.slice_mut())?;
+                PendingUpload::F32 {
+                    dst,
+                    staging: None,
+                    event,
+                    role,
+                }
+            }
+        })
     }
 
     /// Queues the copy of `pin` into `dst` on the h2d stream and records
@@ -693,7 +746,7 @@ impl Uploads {
     /// The destination, with the compute stream waiting on the copy's
     /// event (the host does not wait): a param's as it crossed
     /// ([`Role::Param`]); an input's in an fp32 buffer of the compute
-    /// stream's, widened exactly by the `cast_bf16_f32` kernel or copied
+    /// stream's, widened exactly by its cast kernel or copied
     /// there, the buffer it crossed into let go after that
     /// ([`Role::Input`]).
     pub fn finish(&self, u: PendingUpload) -> Result<DevBuf> {
@@ -722,6 +775,18 @@ impl Uploads {
                 }
                 (DevBuf::Bf16(narrow), role)
             }
+            PendingUpload::F16 {
+                narrow,
+                staging,
+                event,
+                role,
+            } => {
+                self.compute_waits(&event)?;
+                if let Some(staging) = staging {
+                    locked(&self.poolh).retiring.push_back((event, staging));
+                }
+                (DevBuf::F16(narrow), role)
+            }
         };
         self.reap_freed()?;
         if role == Role::Param {
@@ -730,6 +795,7 @@ impl Uploads {
         let mut out = self.dev.alloc_output::<f32>("unit input", crossed.len())?;
         match &crossed {
             DevBuf::Bf16(narrow) => crate::ops::cast::<bf16, f32>(&self.dev, &mut out, narrow)?,
+            DevBuf::F16(narrow) => crate::ops::cast::<f16, f32>(&self.dev, &mut out, narrow)?,
             DevBuf::F32(dst) => self
                 .dev
                 .compute
@@ -869,6 +935,13 @@ impl Downloads {
     /// first (`cast_f32_bf16`), so half the bytes cross.
     pub fn start(&self, what: &str, src: DevBuf, narrow: bool) -> Result<PendingDownload> {
         let inner = match (src, narrow) {
+            // An fp16 buffer (a param kept in fp16) comes down widened.
+            (DevBuf::F16(h), _) => {
+                let mut w = self.dev.alloc_output::<f32>("widened download", h.len())?;
+                crate::ops::cast::<f16, f32>(&self.dev, &mut w, &h)?;
+                drop(h);
+                return self.start(what, DevBuf::F32(w), narrow);
+            }
             (DevBuf::F32(src), true) => {
                 let mut half = self
                     .dev

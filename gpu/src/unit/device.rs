@@ -7,19 +7,20 @@
 //!   scores, probabilities and their gradients in bf16
 //!   ([`Exec::attention_fwd`]), the largest buffers of a block at long
 //!   sequences;
-//! * params stored in bf16 stay bf16 on the device, as they crossed (the
-//!   engine's links keep a bf16 upload as it is: half the device bytes,
-//!   no widening pass). A GEMM with bf16 operands reads such a weight as
-//!   it is, where an fp32 one would be cast first (the same bits: the
-//!   cast of a widened bf16 value gives it back). A kernel that reads an
-//!   fp32 param (a norm's weight, a bias) reads it widened, exactly, into
-//!   a small scratch buffer ([`Wide`]); the embedding gathers a bf16
-//!   table's rows as they are and widens those.
+//! * params stored in bf16 or fp16 stay so on the device, as they
+//!   crossed (the engine's links keep a 16-bit upload as it is: half the
+//!   device bytes, no widening pass). A GEMM with operands of that dtype
+//!   reads such a weight as it is, where an fp32 one would be cast first
+//!   (the same bits: the cast of a widened 16-bit value gives it back). A
+//!   kernel that reads an fp32 param (a norm's weight, a bias) reads it
+//!   widened, exactly, into a small scratch buffer (`As::Cast`); the
+//!   embedding gathers a 16-bit table's rows as they are and widens
+//!   those.
 //!
-//! Every other operand must be fp32: an activation or gradient in bf16 is
-//! refused.
+//! Every other operand must be fp32: an activation or gradient in 16 bits
+//! is refused.
 
-use half::bf16;
+use half::{bf16, f16};
 
 use super::{check_ids, mm, AttnShape, Exec, GemmDtype};
 use crate::device::{Device, DeviceBuffer};
@@ -27,15 +28,17 @@ use crate::ops::{self, AdamState, MatmulShape, NormOut, NormStats};
 use crate::reference::{self as r, AdamScalars, HeadsShape, KvShape, RopeShape};
 use crate::{GpuError, Result};
 
-/// A unit's buffer on the device: fp32, or bf16 for a param stored in
-/// bf16 and for what the executor keeps narrower on its own (the
-/// attention's probabilities with bf16 GEMMs).
+/// A unit's buffer on the device: fp32, or bf16 or fp16 for a param
+/// stored so, and bf16 for what the executor keeps narrower on its own
+/// (the attention's probabilities with bf16 GEMMs).
 #[derive(Debug)]
 pub enum DevBuf {
     /// fp32 elements.
     F32(DeviceBuffer<f32>),
     /// bf16 elements.
     Bf16(DeviceBuffer<bf16>),
+    /// fp16 elements.
+    F16(DeviceBuffer<f16>),
 }
 
 impl From<DeviceBuffer<f32>> for DevBuf {
@@ -50,6 +53,7 @@ impl DevBuf {
         match self {
             DevBuf::F32(b) => b.len(),
             DevBuf::Bf16(b) => b.len(),
+            DevBuf::F16(b) => b.len(),
         }
     }
 
@@ -63,6 +67,7 @@ impl DevBuf {
         match self {
             DevBuf::F32(b) => b.len() as u64 * 4,
             DevBuf::Bf16(b) => b.len() as u64 * 2,
+            DevBuf::F16(b) => b.len() as u64 * 2,
         }
     }
 
@@ -71,37 +76,38 @@ impl DevBuf {
         match self {
             DevBuf::F32(b) => b.uncount(),
             DevBuf::Bf16(b) => b.uncount(),
+            DevBuf::F16(b) => b.uncount(),
         }
     }
 
     fn not_f32() -> GpuError {
         GpuError::Shape {
             kernel: "unit buffer".into(),
-            detail: "a bf16 buffer where an fp32 one is needed".into(),
+            detail: "a 16-bit buffer where an fp32 one is needed".into(),
         }
     }
 
-    /// The fp32 buffer (an error for a bf16 one).
+    /// The fp32 buffer (an error for a 16-bit one).
     pub fn f32(&self) -> Result<&DeviceBuffer<f32>> {
         match self {
             DevBuf::F32(b) => Ok(b),
-            DevBuf::Bf16(_) => Err(Self::not_f32()),
+            DevBuf::Bf16(_) | DevBuf::F16(_) => Err(Self::not_f32()),
         }
     }
 
-    /// The fp32 buffer, mutably (an error for a bf16 one).
+    /// The fp32 buffer, mutably (an error for a 16-bit one).
     pub fn f32_mut(&mut self) -> Result<&mut DeviceBuffer<f32>> {
         match self {
             DevBuf::F32(b) => Ok(b),
-            DevBuf::Bf16(_) => Err(Self::not_f32()),
+            DevBuf::Bf16(_) | DevBuf::F16(_) => Err(Self::not_f32()),
         }
     }
 
-    /// The fp32 buffer itself (an error for a bf16 one).
+    /// The fp32 buffer itself (an error for a 16-bit one).
     pub fn into_f32(self) -> Result<DeviceBuffer<f32>> {
         match self {
             DevBuf::F32(b) => Ok(b),
-            DevBuf::Bf16(_) => Err(Self::not_f32()),
+            DevBuf::Bf16(_) | DevBuf::F16(_) => Err(Self::not_f32()),
         }
     }
 }
@@ -133,69 +139,65 @@ fn to_half<T: ops::Elem>(dev: &Device, x: &DeviceBuffer<f32>) -> Result<DeviceBu
     Ok(out)
 }
 
-/// A buffer as fp32 for a kernel that reads fp32: itself, or a bf16 one
-/// (a param kept in its storage dtype) widened exactly into a scratch
-/// buffer, freed after the kernel (on the compute stream, in order).
-enum Wide<'b> {
-    /// An fp32 buffer, as it is.
-    Same(&'b DeviceBuffer<f32>),
-    /// A bf16 buffer's widened copy.
-    Widened(DeviceBuffer<f32>),
+/// A buffer as `T` for a kernel or a GEMM that reads `T`: itself, or a
+/// copy cast into a scratch buffer (freed after its reader, on the
+/// compute stream, in order).
+enum As<'b, T> {
+    /// A buffer of `T`, as it is.
+    Same(&'b DeviceBuffer<T>),
+    /// Another buffer's cast copy.
+    Cast(DeviceBuffer<T>),
 }
 
-impl std::ops::Deref for Wide<'_> {
-    type Target = DeviceBuffer<f32>;
-    fn deref(&self) -> &DeviceBuffer<f32> {
+impl<T> std::ops::Deref for As<'_, T> {
+    type Target = DeviceBuffer<T>;
+    fn deref(&self) -> &DeviceBuffer<T> {
         match self {
-            Wide::Same(b) => b,
-            Wide::Widened(b) => b,
+            As::Same(b) => b,
+            As::Cast(b) => b,
         }
     }
 }
 
-/// `b` as fp32 ([`Wide`]).
-fn wide<'b>(dev: &Device, b: &'b DevBuf) -> Result<Wide<'b>> {
+/// `b` cast to `T`, in a scratch buffer.
+fn cast_to<T: ops::Elem, S: ops::Elem>(
+    dev: &Device,
+    b: &DeviceBuffer<S>,
+) -> Result<As<'static, T>> {
+    let mut out = dev.alloc_output("cast operand", b.len())?;
+    ops::cast::<S, T>(dev, &mut out, b)?;
+    Ok(As::Cast(out))
+}
+
+/// `b` as fp32: an fp32 buffer as it is, a 16-bit one (a param kept in
+/// its storage dtype) widened exactly.
+fn wide<'b>(dev: &Device, b: &'b DevBuf) -> Result<As<'b, f32>> {
     match b {
-        DevBuf::F32(b) => Ok(Wide::Same(b)),
-        DevBuf::Bf16(n) => {
-            let mut w = dev.alloc_output("widened bf16 param", n.len())?;
-            ops::cast::<bf16, f32>(dev, &mut w, n)?;
-            Ok(Wide::Widened(w))
-        }
+        DevBuf::F32(b) => Ok(As::Same(b)),
+        DevBuf::Bf16(n) => cast_to(dev, n),
+        DevBuf::F16(n) => cast_to(dev, n),
     }
 }
 
-/// A GEMM operand in bf16: a bf16 buffer as it is, an fp32 one cast.
-enum Narrow<'b> {
-    /// A bf16 buffer, as it is.
-    Same(&'b DeviceBuffer<bf16>),
-    /// An fp32 buffer's rounded copy.
-    Cast(DeviceBuffer<bf16>),
-}
-
-impl std::ops::Deref for Narrow<'_> {
-    type Target = DeviceBuffer<bf16>;
-    fn deref(&self) -> &DeviceBuffer<bf16> {
-        match self {
-            Narrow::Same(b) => b,
-            Narrow::Cast(b) => b,
-        }
-    }
-}
-
-/// `b` as a bf16 GEMM operand ([`Narrow`]).
-fn narrow<'b>(dev: &Device, b: &'b DevBuf) -> Result<Narrow<'b>> {
+/// `b` as a bf16 GEMM operand: a bf16 buffer as it is, an fp32 one
+/// rounded, an fp16 one widened first (never in a run: fp16 storage
+/// computes with fp16 GEMMs).
+fn narrow<'b>(dev: &Device, b: &'b DevBuf) -> Result<As<'b, bf16>> {
     match b {
-        DevBuf::Bf16(n) => Ok(Narrow::Same(n)),
-        DevBuf::F32(w) => Ok(Narrow::Cast(to_half(dev, w)?)),
+        DevBuf::Bf16(n) => Ok(As::Same(n)),
+        DevBuf::F32(w) => cast_to(dev, w),
+        DevBuf::F16(_) => cast_to(dev, &*wide(dev, b)?),
     }
 }
 
-/// `b` as an fp16 GEMM operand: cast from fp32, a bf16 buffer widened
-/// first (fp16 storage crosses as fp32, so only a caller's bf16 buffer
-/// takes that way).
-fn to_f16(dev: &Device, b: &DevBuf) -> Result<DeviceBuffer<half::f16>> {
-    to_half(dev, &*wide(dev, b)?)
+/// `b` as an fp16 GEMM operand: an fp16 buffer as it is, an fp32 one
+/// rounded, a bf16 one widened first (never in a run).
+fn to_f16<'b>(dev: &Device, b: &'b DevBuf) -> Result<As<'b, f16>> {
+    match b {
+        DevBuf::F16(n) => Ok(As::Same(n)),
+        DevBuf::F32(w) => cast_to(dev, w),
+        DevBuf::Bf16(_) => cast_to(dev, &*wide(dev, b)?),
+    }
 }
 
 /// A new device buffer of `n` elements for `what`, written in full by
@@ -222,6 +224,23 @@ fn fresh16(
     let mut b = dev.alloc_output(what, n)?;
     op(&mut b)?;
     Ok(b)
+}
+
+impl CudaExec<'_> {
+    /// The rows of a 16-bit embedding `table` for `ids`, widened to fp32.
+    fn gather_widened<T: ops::Elem>(
+        &self,
+        table: &DeviceBuffer<T>,
+        ids: &DeviceIds,
+        hidden: usize,
+    ) -> Result<DevBuf> {
+        let n = ids.ids.len() * hidden;
+        let mut rows = self.dev.alloc_output::<T>("embedding rows", n)?;
+        ops::embedding_fwd(self.dev, &mut rows, table, &ids.ids, hidden)?;
+        fresh(self.dev, "embedding output", n, |o| {
+            ops::cast(self.dev, o, &rows)
+        })
+    }
 }
 
 impl Exec for CudaExec<'_> {
@@ -303,12 +322,14 @@ impl Exec for CudaExec<'_> {
         match b {
             DevBuf::F32(b) => self.dev.download(b),
             DevBuf::Bf16(b) => Ok(self.dev.download(b)?.iter().map(|x| x.to_f32()).collect()),
+            DevBuf::F16(b) => Ok(self.dev.download(b)?.iter().map(|x| x.to_f32()).collect()),
         }
     }
     fn fill_zero(&self, b: &mut DevBuf) -> Result<()> {
         match b {
             DevBuf::F32(b) => self.dev.zero(b),
             DevBuf::Bf16(b) => self.dev.zero(b),
+            DevBuf::F16(b) => self.dev.zero(b),
         }
     }
     fn adamw(&self, [master, m, v]: [&mut DevBuf; 3], grad: &DevBuf, s: AdamScalars) -> Result<()> {
@@ -357,6 +378,11 @@ impl Exec for CudaExec<'_> {
                 let narrow = to_half::<bf16>(self.dev, src)?;
                 ops::cast(self.dev, d, &narrow)
             }
+            DevBuf::F16(_) => Err(GpuError::Shape {
+                kernel: "round_bf16".into(),
+                detail: "into an fp16 buffer (the device optimizer keeps fp32 or bf16 params)"
+                    .into(),
+            }),
         }
     }
     fn zeros(&self, what: &str, n: usize) -> Result<DevBuf> {
@@ -593,16 +619,10 @@ impl Exec for CudaExec<'_> {
             DevBuf::F32(table) => fresh(self.dev, "embedding output", n, |o| {
                 ops::embedding_fwd(self.dev, o, table, &ids.ids, hidden)
             }),
-            // A bf16 table: its rows gathered as they are, then widened
+            // A 16-bit table: its rows gathered as they are, then widened
             // (exact), not the whole table widened first.
-            DevBuf::Bf16(table) => {
-                let rows = fresh16(self.dev, "embedding rows", n, |o| {
-                    ops::embedding_fwd(self.dev, o, table, &ids.ids, hidden)
-                })?;
-                fresh(self.dev, "embedding output", n, |o| {
-                    ops::cast(self.dev, o, &rows)
-                })
-            }
+            DevBuf::Bf16(table) => self.gather_widened(table, ids, hidden),
+            DevBuf::F16(table) => self.gather_widened(table, ids, hidden),
         }
     }
     fn embedding_bwd(

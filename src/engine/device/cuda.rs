@@ -24,7 +24,7 @@ use std::sync::Arc;
 use tierzero_gpu::device::Device;
 use tierzero_gpu::host_register::HostRegistration;
 use tierzero_gpu::link::{
-    Downloaded, Downloads, EventClock, PendingDownload, PendingUpload, Role, SpanLog, Uploads,
+    Downloaded, Downloads, EventClock, PendingDownload, PendingUpload, Role, SpanLog, Uploads, Wire,
 };
 use tierzero_gpu::unit::{CudaExec, DevBuf, GemmDtype};
 
@@ -74,6 +74,21 @@ impl CudaLink {
     pub fn device(&self) -> &Arc<Device> {
         self.uploads.device()
     }
+
+    /// Starts the upload of `host` for `role`, in the dtype it crosses in.
+    fn start(
+        &self,
+        what: &str,
+        host: HostElems<'_>,
+        role: Role,
+    ) -> Result<PendingUpload, ModelError> {
+        match host {
+            HostElems::F32(v) => self.uploads.start(what, v, role),
+            HostElems::Bf16(v) => self.uploads.start_bf16(what, v, role),
+            HostElems::F16(v) => self.uploads.start_f16(what, v, role),
+        }
+        .map_err(gpu_err)
+    }
 }
 
 impl DeviceLink for CudaLink {
@@ -109,12 +124,7 @@ impl DeviceLink for CudaLink {
     }
 
     fn upload(&self, what: &str, host: HostElems<'_>) -> Result<PendingUpload, ModelError> {
-        match host {
-            HostElems::F32(v) => self.uploads.start(what, v, Role::Param),
-            // A param: kept in bf16 on the device.
-            HostElems::Bf16(v) => self.uploads.start_bf16(what, v, Role::Param),
-        }
-        .map_err(gpu_err)
+        self.start(what, host, Role::Param)
     }
 
     fn host_registrar(&self) -> Option<Arc<dyn HostRegistrar>> {
@@ -127,8 +137,12 @@ impl DeviceLink for CudaLink {
         pin: ReadPin,
         host: HostElems<'_>,
     ) -> Result<PendingUpload, ModelError> {
-        let bf16 = matches!(host, HostElems::Bf16(_));
-        self.uploads.start_pinned(what, pin, bf16).map_err(gpu_err)
+        let wire = match host {
+            HostElems::F32(_) => Wire::F32,
+            HostElems::Bf16(_) => Wire::Bf16,
+            HostElems::F16(_) => Wire::F16,
+        };
+        self.uploads.start_pinned(what, pin, wire).map_err(gpu_err)
     }
 
     fn bind_upload_thread(&self) -> Result<(), ModelError> {
@@ -144,12 +158,8 @@ impl DeviceLink for CudaLink {
 
     fn upload_input(&self, what: &str, host: HostElems<'_>) -> Result<PendingUpload, ModelError> {
         // The device budget counts it with the other temporaries. The
-        // units' activations are fp32: a bf16 one is widened on arrival.
-        match host {
-            HostElems::F32(v) => self.uploads.start(what, v, Role::Input),
-            HostElems::Bf16(v) => self.uploads.start_bf16(what, v, Role::Input),
-        }
-        .map_err(gpu_err)
+        // units' activations are fp32: a 16-bit one is widened on arrival.
+        self.start(what, host, Role::Input)
     }
 
     fn finish(&self, upload: PendingUpload) -> Result<DevBuf, ModelError> {
@@ -190,10 +200,10 @@ impl DeviceLink for CudaLink {
                     .saturating_sub(self.startup_bytes)
                     .saturating_sub(self.budget_bytes),
             ),
-            // Four pools under the cap each: uploads' and downloads', of
-            // fp32 and of bf16 elements (a run fills at most two of them
-            // much: its storage dtype's).
-            staging: Staging::CapBytes(4 * self.uploads.cap_bytes()),
+            // Five pools under the cap each: uploads' of fp32, bf16 and
+            // fp16 elements, downloads' of fp32 and bf16 (a run fills at
+            // most two or three of them much: its storage dtype's, fp32).
+            staging: Staging::CapBytes(5 * self.uploads.cap_bytes()),
         }
     }
 

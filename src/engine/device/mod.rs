@@ -99,9 +99,9 @@
 //!
 //! # Params in their storage dtype
 //!
-//! A param stays on the device as it crossed: bf16 params as bf16 (2
-//! bytes an element, [`param_device_bytes`]), which the units' GEMMs read
-//! as they are; fp32 (and fp16, which crosses widened) as fp32. The
+//! A param stays on the device as it crossed: bf16 and fp16 params as
+//! such (2 bytes an element, [`param_device_bytes`]), which the units'
+//! GEMMs of that dtype read as they are; fp32 as fp32. The
 //! tier's budget, the resident state and the simulated device all count
 //! that. A unit's inputs land as fp32 (the units' activations are fp32).
 //! A param's buffer is let go ([`DeviceLink::free`]) after the compute
@@ -258,8 +258,8 @@ const ELEM_BYTES: u64 = 4;
 
 /// Device bytes of a param of `numel` elements stored as `dtype`: it stays
 /// on the device as it crossed (as `exec_units::host_elems_bytes` counts its crossing):
-/// bf16 as its 2-byte elements (the units read bf16 params as they are),
-/// fp32 as 4, and fp16 as 4 too (it crosses widened). Every count of a
+/// bf16 and fp16 as their 2-byte elements (the units read such params as
+/// they are), fp32 as 4. Every count of a
 /// param's device bytes (the tier's budget, the resident state, the
 /// simulated device's) is this one.
 pub fn param_device_bytes(numel: u64, dtype: candle_core::DType) -> u64 {

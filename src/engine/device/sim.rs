@@ -6,9 +6,10 @@
 //!   would pass the budget is refused with the numbers, so a tier that
 //!   overshoots fails; [`SimProbe::peak_bytes`] says how close it came.
 //!   A param counts what a GPU holds of it ([`super::param_device_bytes`]:
-//!   2 bytes an element in bf16). Its buffer is a `Vec<f32>` all the same
-//!   (the scalar references compute on those), so the device remembers a
-//!   bf16 param's bytes by its buffer's address until it is freed. That
+//!   2 bytes an element in bf16 or fp16). Its buffer is a `Vec<f32>` all
+//!   the same (the scalar references compute on those), so the device
+//!   remembers a 16-bit param's bytes by its buffer's address until it is
+//!   freed. That
 //!   needs its buffers to stay where they are: the host executor writes a
 //!   param (the resident path's new weights) in place.
 //! * **Staging buffers**: `staging_slots` of them, like the pinned
@@ -48,6 +49,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use candle_core::DType;
 use crossbeam_channel::{Receiver, Sender};
 use tierzero_gpu::unit::{GemmDtype, HostExec};
 
@@ -120,32 +122,44 @@ enum Source {
     /// A staging buffer the upload filled, and its fingerprint then.
     Staged { slab: Vec<f32>, sum: u64 },
     /// Registered host memory, in place: the pin is let go when the copy is
-    /// done. bf16 elements with `bf16`, else fp32 (little-endian).
-    Pinned { pin: ReadPin, bf16: bool },
+    /// done. Elements of `dtype` (fp32, bf16 or fp16, little-endian).
+    Pinned { pin: ReadPin, dtype: DType },
 }
 
 /// One copy for the copy thread.
 struct Job {
     what: String,
-    /// Bytes that cross (2 per bf16 element).
+    /// Bytes that cross (2 per 16-bit element).
     bytes: u64,
     src: Source,
     event: Arc<Event<Vec<f32>>>,
 }
 
-/// The fp32 elements of little-endian `bytes`: bf16 ones widened
-/// (exactly), or fp32 ones.
-fn widen(bytes: &[u8], bf16: bool) -> Vec<f32> {
-    if bf16 {
-        bytes
+/// The fp32 elements of little-endian `bytes` of `dtype`: 16-bit ones
+/// widened (exactly), or fp32 ones.
+fn widen(bytes: &[u8], dtype: DType) -> Vec<f32> {
+    match dtype {
+        DType::BF16 => bytes
             .chunks_exact(2)
             .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect()
-    } else {
-        bytes
+            .collect(),
+        DType::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        _ => bytes
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect()
+            .collect(),
+    }
+}
+
+/// The dtype `host`'s elements cross in.
+fn dtype_of(host: HostElems<'_>) -> DType {
+    match host {
+        HostElems::F32(_) => DType::F32,
+        HostElems::Bf16(_) => DType::BF16,
+        HostElems::F16(_) => DType::F16,
     }
 }
 
@@ -165,11 +179,7 @@ impl HostRegistrar for SimRegistrar {
 
 /// The device bytes of a param upload of `host` ([`super::param_device_bytes`]).
 fn host_device_bytes(host: HostElems<'_>) -> u64 {
-    let dtype = match host {
-        HostElems::F32(_) => candle_core::DType::F32,
-        HostElems::Bf16(_) => candle_core::DType::BF16,
-    };
-    super::param_device_bytes(host.len() as u64, dtype)
+    super::param_device_bytes(host.len() as u64, dtype_of(host))
 }
 
 /// A buffer's identity while it lives: its address and length.
@@ -180,7 +190,7 @@ fn buf_key(buf: &[f32]) -> (usize, usize) {
 /// What the copy thread and the callers share.
 #[derive(Debug, Default)]
 struct Shared {
-    /// The device bytes of the bf16 params held, by [`buf_key`].
+    /// The device bytes of the 16-bit params held, by [`buf_key`].
     narrow: Mutex<std::collections::HashMap<(usize, usize), u64>>,
     used_bytes: AtomicU64,
     peak_bytes: AtomicU64,
@@ -312,7 +322,7 @@ impl SimProbe {
 #[derive(Debug)]
 pub struct SimUpload {
     event: Arc<Event<Vec<f32>>>,
-    /// A param kept in bf16: its device bytes, remembered with its buffer
+    /// A param kept in 16 bits: its device bytes, remembered with its buffer
     /// by `finish`.
     narrow_bytes: Option<u64>,
 }
@@ -379,8 +389,8 @@ fn copy_thread(rx: Receiver<Job>, shared: Arc<Shared>, cfg: SimConfig) {
                 }
                 (slab.clone(), Some(slab))
             }
-            Source::Pinned { pin, bf16 } => {
-                let dst = widen(pin.bytes(), bf16);
+            Source::Pinned { pin, dtype } => {
+                let dst = widen(pin.bytes(), dtype);
                 shared.direct_copies.fetch_add(1, Ordering::Relaxed);
                 shared
                     .direct_bytes
@@ -525,15 +535,17 @@ impl SimDevice {
         self.admit(what, bytes)?;
         let mut slab = self.take_slab();
         slab.clear();
-        // bf16 is widened here rather than after the copy (the same exact
-        // values); the copy takes the time of the bytes that crossed.
+        // 16-bit elements are widened here rather than after the copy (the
+        // same exact values); the copy takes the time of the bytes that
+        // crossed.
         match host {
             HostElems::F32(v) => slab.extend_from_slice(v),
             HostElems::Bf16(v) => slab.extend(v.iter().map(|x| x.to_f32())),
+            HostElems::F16(v) => slab.extend(v.iter().map(|x| x.to_f32())),
         }
         let sum = fingerprint(&slab);
         let mut u = self.queue(what, host.bytes(), bytes, Source::Staged { slab, sum })?;
-        u.narrow_bytes = (counted && matches!(host, HostElems::Bf16(_))).then_some(bytes);
+        u.narrow_bytes = (counted && dtype_of(host) != DType::F32).then_some(bytes);
         Ok(u)
     }
 
@@ -674,21 +686,26 @@ impl DeviceLink for SimDevice {
                 .chunks_exact(2)
                 .zip(v)
                 .all(|(c, x)| c == x.to_le_bytes()),
+            HostElems::F16(v) => pin
+                .bytes()
+                .chunks_exact(2)
+                .zip(v)
+                .all(|(c, x)| c == x.to_le_bytes()),
         };
         if !same {
             self.shared.violations.fetch_add(1, Ordering::Relaxed);
         }
         let bytes = host_device_bytes(host);
         self.admit(what, bytes)?;
-        let bf16 = matches!(host, HostElems::Bf16(_));
+        let dtype = dtype_of(host);
         self.shared.pins_held.fetch_add(1, Ordering::Relaxed);
         let cross = pin.len_bytes() as u64;
         let mut u = self
-            .queue(what, cross, bytes, Source::Pinned { pin, bf16 })
+            .queue(what, cross, bytes, Source::Pinned { pin, dtype })
             .inspect_err(|_| {
                 self.shared.pins_held.fetch_sub(1, Ordering::Relaxed);
             })?;
-        u.narrow_bytes = bf16.then_some(bytes);
+        u.narrow_bytes = (dtype != DType::F32).then_some(bytes);
         Ok(u)
     }
 

@@ -34,13 +34,16 @@ pub(super) fn with_host_f32<R>(
 }
 
 /// A host tensor's elements as a device tier uploads them: fp32, or bf16
-/// as they are (2 bytes each; the device widens them).
+/// or fp16 as they are (2 bytes each: a param stays so on the device, an
+/// input is widened there).
 #[derive(Debug, Clone, Copy)]
 pub enum HostElems<'a> {
     /// fp32 elements.
     F32(&'a [f32]),
     /// bf16 elements.
     Bf16(&'a [half::bf16]),
+    /// fp16 elements.
+    F16(&'a [half::f16]),
 }
 
 impl HostElems<'_> {
@@ -49,6 +52,7 @@ impl HostElems<'_> {
         match self {
             HostElems::F32(v) => v.len(),
             HostElems::Bf16(v) => v.len(),
+            HostElems::F16(v) => v.len(),
         }
     }
 
@@ -62,6 +66,7 @@ impl HostElems<'_> {
         match self {
             HostElems::F32(v) => std::mem::size_of_val(*v) as u64,
             HostElems::Bf16(v) => std::mem::size_of_val(*v) as u64,
+            HostElems::F16(v) => std::mem::size_of_val(*v) as u64,
         }
     }
 }
@@ -117,24 +122,25 @@ pub(crate) fn host_elems_bytes(t: &Tensor) -> u64 {
 }
 
 /// Bytes of an element of a host tensor of `dtype` as it crosses to a
-/// device ([`with_host_elems`]): bf16 as it is, anything else as fp32.
+/// device ([`with_host_elems`]): bf16 and fp16 as they are, anything else
+/// as fp32.
 pub(crate) fn elem_bytes_crossing(dtype: DType) -> u64 {
-    if dtype == DType::BF16 {
-        2
-    } else {
-        F32_BYTES
+    match dtype {
+        DType::BF16 | DType::F16 => 2,
+        _ => F32_BYTES,
     }
 }
 
-/// Runs `f` on a host tensor's elements as they are stored (fp32 or bf16,
-/// a contiguous one not copied), for an upload that crosses in that type
-/// ([`host_elems_bytes`] of them).
+/// Runs `f` on a host tensor's elements as they are stored (fp32, bf16 or
+/// fp16, a contiguous one not copied), for an upload that crosses in that
+/// type ([`host_elems_bytes`] of them).
 pub(crate) fn with_host_elems<R>(
     t: &Tensor,
     f: impl FnOnce(HostElems<'_>) -> Result<R, ModelError>,
 ) -> Result<R, ModelError> {
     match t.dtype() {
         DType::BF16 => crate::model::fused::with_bf16(t, |v| Ok(f(HostElems::Bf16(v))))?,
+        DType::F16 => crate::model::fused::with_f16(t, |v| Ok(f(HostElems::F16(v))))?,
         _ => with_host_f32(t, |v| f(HostElems::F32(v))),
     }
 }
@@ -161,12 +167,25 @@ mod tests {
         with_host_elems(&b, |h| {
             match h {
                 HostElems::Bf16(x) => assert_eq!(x, want.as_slice()),
-                HostElems::F32(_) => panic!("bf16 crossed as fp32"),
+                other => panic!("bf16 crossed as {other:?}"),
             }
             assert_eq!(h.bytes(), 37 * 2);
             Ok(())
         })
         .unwrap();
+        // An fp16 one as its 2-byte bits too.
+        let h16 = t.to_dtype(DType::F16).unwrap();
+        let want16: Vec<half::f16> = h16.to_vec1().unwrap();
+        with_host_elems(&h16, |h| {
+            match h {
+                HostElems::F16(x) => assert_eq!(x, want16.as_slice()),
+                other => panic!("fp16 crossed as {other:?}"),
+            }
+            assert_eq!(h.bytes(), 37 * 2);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(host_elems_bytes(&h16), 37 * 2);
         // Rounded on the device (from_f32) is what to_dtype gives.
         let narrowed = HostVec::Bf16(v.iter().map(|&x| half::bf16::from_f32(x)).collect());
         assert_eq!(narrowed.bytes(), 37 * 2);

@@ -42,9 +42,10 @@
 //! back. The head's gradient starts at the loss scale, as on the CPU, so
 //! a gradient that overflows fp16 comes back `inf` from that rounding and
 //! the engine skips the step and lowers the scale exactly as it does for
-//! the candle units. The device tier moves fp16 as fp32 (4 bytes an
-//! element both ways; bf16 crosses as 2), so its params never cross in
-//! place from a page or a swap buffer.
+//! the candle units. The device tier moves fp16 up as it is (2 bytes an
+//! element, as bf16; a param stays fp16 on the device, an input is
+//! widened there), so its params cross in place from a page or a swap
+//! buffer too; gradients come down as fp32 and are rounded on the host.
 //!
 //! [`supports`] says why a model is not supported, for the start-up check.
 

@@ -208,26 +208,53 @@ pub(crate) fn with_f32<R>(
     with_elems::<f32, _>(t, f)
 }
 
-/// A bf16 tensor's contiguous elements (copied contiguous first if need
-/// be), for the device tier's 2-byte uploads.
+/// A 16-bit tensor's contiguous elements (copied contiguous first if
+/// need be), for the device tier's 2-byte uploads: `pick` takes them out
+/// of the CPU storage of the right dtype.
+fn with_16<T, R>(
+    t: &Tensor,
+    what: &str,
+    pick: fn(&CpuStorage) -> Option<&[T]>,
+    f: impl FnOnce(&[T]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let all = match &*storage {
+        Storage::Cpu(s) => pick(s),
+        _ => None,
+    }
+    .ok_or_else(|| candle_core::Error::Msg(format!("{what} elements: not a {what} CPU tensor")))?;
+    let (a, b) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("{what} elements: non-contiguous")))?;
+    let v = all.get(a..b).ok_or_else(|| {
+        candle_core::Error::Msg(format!("{what} elements: layout out of storage"))
+    })?;
+    f(v)
+}
+
+/// A bf16 tensor's contiguous elements ([`with_16`]).
 pub(crate) fn with_bf16<R>(
     t: &Tensor,
     f: impl FnOnce(&[half::bf16]) -> candle_core::Result<R>,
 ) -> candle_core::Result<R> {
-    let t = t.contiguous()?;
-    let (storage, layout) = t.storage_and_layout();
-    let Storage::Cpu(CpuStorage::BF16(all)) = &*storage else {
-        return Err(candle_core::Error::Msg(
-            "bf16 elements: not a bf16 CPU tensor".into(),
-        ));
+    let pick: fn(&CpuStorage) -> Option<&[half::bf16]> = |s| match s {
+        CpuStorage::BF16(v) => Some(v.as_slice()),
+        _ => None,
     };
-    let (a, b) = layout
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("bf16 elements: non-contiguous".into()))?;
-    let v = all
-        .get(a..b)
-        .ok_or_else(|| candle_core::Error::Msg("bf16 elements: layout out of storage".into()))?;
-    f(v)
+    with_16(t, "bf16", pick, f)
+}
+
+/// An fp16 tensor's contiguous elements ([`with_16`]).
+pub(crate) fn with_f16<R>(
+    t: &Tensor,
+    f: impl FnOnce(&[half::f16]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let pick: fn(&CpuStorage) -> Option<&[half::f16]> = |s| match s {
+        CpuStorage::F16(v) => Some(v.as_slice()),
+        _ => None,
+    };
+    with_16(t, "fp16", pick, f)
 }
 
 /// [`with_elems`] of three tensors at once.
