@@ -72,7 +72,7 @@ use std::time::Instant;
 
 use serde_json::json;
 use tierzero::engine::device::sim::{SimConfig, SimDevice};
-use tierzero::engine::device::DeviceLink;
+use tierzero::engine::device::{DeviceLink, Wire};
 use tierzero::engine::{StepMetrics, Timeline, Trainer, TrainerOptions};
 use tierzero::model::exec_units::{HostElems, HostVec};
 use tierzero_gpu::unit::GemmDtype;
@@ -164,8 +164,9 @@ struct Copies<L: DeviceLink> {
     link: L,
     /// The params' elements as the step stores them, in model order.
     params: Vec<(String, HostVec)>,
-    /// Whether gradients come down rounded to bf16.
-    narrow: bool,
+    /// The gradients' elements as they come down (16-bit ones rounded on
+    /// the device, as the step's are).
+    wire: Wire,
     /// Seconds of the current block's kept repetitions.
     h2d_s: Vec<f64>,
     d2h_s: Vec<f64>,
@@ -174,17 +175,22 @@ struct Copies<L: DeviceLink> {
 impl<L: DeviceLink> Copies<L> {
     fn new(link: L, setup: &Setup) -> Res<Self> {
         let (config, md, _) = setup.build()?;
-        let bf16 = config.precision == tierzero::config::Precision::Bf16;
+        use tierzero::config::Precision;
+        let wire = match config.precision {
+            Precision::Bf16 => Wire::Bf16,
+            Precision::Fp16 { .. } => Wire::F16,
+            Precision::Fp32 => Wire::F32,
+        };
         let params = md
             .model()
             .params()
             .iter()
             .map(|p| {
                 let v: Vec<f32> = (0..p.numel).map(|i| (i % 251) as f32 * 1e-3).collect();
-                let host = if bf16 {
-                    HostVec::Bf16(v.into_iter().map(half::bf16::from_f32).collect())
-                } else {
-                    HostVec::F32(v)
+                let host = match wire {
+                    Wire::Bf16 => HostVec::Bf16(v.into_iter().map(half::bf16::from_f32).collect()),
+                    Wire::F16 => HostVec::F16(v.into_iter().map(half::f16::from_f32).collect()),
+                    Wire::F32 => HostVec::F32(v),
                 };
                 (p.name.clone(), host)
             })
@@ -192,7 +198,7 @@ impl<L: DeviceLink> Copies<L> {
         Ok(Copies {
             link,
             params,
-            narrow: bf16,
+            wire,
             h2d_s: Vec::new(),
             d2h_s: Vec::new(),
         })
@@ -221,7 +227,7 @@ impl<L: DeviceLink> Copies<L> {
             .link
             .finish(self.link.upload("fence", HostElems::F32(&[0.0]))?)?;
         self.link
-            .finish_download(self.link.download("fence", fence, false)?)?;
+            .finish_download(self.link.download("fence", fence, Wire::F32)?)?;
         let h2d = t0.elapsed().as_secs_f64();
 
         let t1 = Instant::now();
@@ -233,9 +239,9 @@ impl<L: DeviceLink> Copies<L> {
                 rest.push(b);
                 continue;
             }
-            // bf16 params come down narrowed: the same bytes as they went up.
+            // 16-bit params come down as they are: the bytes that went up.
             got += host.bytes();
-            downs.push(self.link.download(name, b, self.narrow)?);
+            downs.push(self.link.download(name, b, self.wire)?);
         }
         for d in downs {
             self.link.finish_download(d)?;

@@ -77,8 +77,9 @@
 //! # How a download travels ([`Downloads`])
 //!
 //! 1. [`Downloads::start`] takes the device buffer (a unit's gradient,
-//!    just computed on the compute stream; with `narrow`, first rounded to
-//!    a bf16 buffer there, unless it is one: a bf16 param comes as it is) and a pinned staging buffer of its length (plain page-locked memory, not write-combined: the CPU
+//!    just computed on the compute stream; for 16-bit elements on the wire,
+//!    first rounded to a buffer of them there, unless it is one: a 16-bit
+//!    param comes as it is) and a pinned staging buffer of its length (plain page-locked memory, not write-combined: the CPU
 //!    reads it). The `d2h` stream waits on an event recorded on the
 //!    compute stream after the kernels that wrote the buffer, then copies
 //!    it out. The host does not wait.
@@ -820,6 +821,7 @@ pub struct PendingDownload {
 enum Down {
     F32(DeviceBuffer<f32>, PinnedHostSlice<f32>),
     Bf16(DeviceBuffer<bf16>, PinnedHostSlice<bf16>),
+    F16(DeviceBuffer<f16>, PinnedHostSlice<f16>),
 }
 
 impl Drop for PendingDownload {
@@ -828,6 +830,7 @@ impl Drop for PendingDownload {
         match &self.inner {
             Some(Down::F32(_, s)) => drop(s.as_slice()),
             Some(Down::Bf16(_, s)) => drop(s.as_slice()),
+            Some(Down::F16(_, s)) => drop(s.as_slice()),
             None => {}
         }
     }
@@ -840,6 +843,9 @@ pub enum Downloaded {
     F32(Vec<f32>),
     /// bf16 elements, rounded on the device (to nearest even).
     Bf16(Vec<bf16>),
+    /// fp16 elements, rounded on the device (to nearest even, overflow
+    /// to infinity).
+    F16(Vec<f16>),
 }
 
 /// Idle pinned buffers of one element type by length, and their bytes.
@@ -865,6 +871,7 @@ pub struct Downloads {
     dev: Arc<Device>,
     free: Mutex<IdlePinned<f32>>,
     free16: Mutex<IdlePinned<bf16>>,
+    freeh: Mutex<IdlePinned<f16>>,
     cap_bytes: u64,
     spans: SpanLog,
 }
@@ -878,6 +885,7 @@ impl Downloads {
             dev,
             free: Mutex::new(IdlePinned::default()),
             free16: Mutex::new(IdlePinned::default()),
+            freeh: Mutex::new(IdlePinned::default()),
             cap_bytes,
         })
     }
@@ -930,47 +938,61 @@ impl Downloads {
         Ok(staging)
     }
 
-    /// Starts copying `src` to the host, after the compute stream's work
-    /// queued so far; with `narrow`, rounded to bf16 on the compute stream
-    /// first (`cast_f32_bf16`), so half the bytes cross.
-    pub fn start(&self, what: &str, src: DevBuf, narrow: bool) -> Result<PendingDownload> {
-        let inner = match (src, narrow) {
-            // An fp16 buffer (a param kept in fp16) comes down widened.
-            (DevBuf::F16(h), _) => {
-                let mut w = self.dev.alloc_output::<f32>("widened download", h.len())?;
-                crate::ops::cast::<f16, f32>(&self.dev, &mut w, &h)?;
-                drop(h);
-                return self.start(what, DevBuf::F32(w), narrow);
+    /// Starts copying `src` to the host as `wire` elements, after the
+    /// compute stream's work queued so far: a 16-bit `wire` rounds it on
+    /// the compute stream first (its cast kernel), so half the bytes
+    /// cross.
+    pub fn start(&self, what: &str, src: DevBuf, wire: Wire) -> Result<PendingDownload> {
+        let inner = match (src, wire) {
+            (DevBuf::F32(src), Wire::F32) => {
+                let staging = self.queue(&self.free, what, &src)?;
+                Down::F32(src, staging)
             }
-            (DevBuf::F32(src), true) => {
-                let mut half = self
-                    .dev
-                    .alloc_output::<bf16>("narrowed download", src.len())?;
-                crate::ops::cast::<f32, bf16>(&self.dev, &mut half, &src)?;
+            // Rounded on the device first: half the bytes cross.
+            (DevBuf::F32(src), Wire::Bf16) => {
+                let half = self.rounded::<bf16>(&src)?;
                 drop(src);
                 let staging = self.queue(&self.free16, what, &half)?;
                 Down::Bf16(half, staging)
             }
-            // A bf16 buffer (a param kept in bf16) comes down as it is.
-            (DevBuf::Bf16(half), true) => {
+            (DevBuf::F32(src), Wire::F16) => {
+                let half = self.rounded::<f16>(&src)?;
+                drop(src);
+                let staging = self.queue(&self.freeh, what, &half)?;
+                Down::F16(half, staging)
+            }
+            // A 16-bit buffer (a param kept so) comes down as it is.
+            (DevBuf::Bf16(half), Wire::Bf16) => {
                 let staging = self.queue(&self.free16, what, &half)?;
                 Down::Bf16(half, staging)
             }
-            (DevBuf::Bf16(half), false) => {
-                let mut src = self
-                    .dev
-                    .alloc_output::<f32>("widened download", half.len())?;
-                crate::ops::cast::<bf16, f32>(&self.dev, &mut src, &half)?;
-                drop(half);
-                let staging = self.queue(&self.free, what, &src)?;
-                Down::F32(src, staging)
+            (DevBuf::F16(half), Wire::F16) => {
+                let staging = self.queue(&self.freeh, what, &half)?;
+                Down::F16(half, staging)
             }
-            (DevBuf::F32(src), false) => {
-                let staging = self.queue(&self.free, what, &src)?;
-                Down::F32(src, staging)
+            // Or widened, exactly, then as an fp32 one.
+            (DevBuf::Bf16(half), wire) => {
+                let wide = self.rounded::<f32>(&half)?;
+                drop(half);
+                return self.start(what, DevBuf::F32(wide), wire);
+            }
+            (DevBuf::F16(half), wire) => {
+                let wide = self.rounded::<f32>(&half)?;
+                drop(half);
+                return self.start(what, DevBuf::F32(wide), wire);
             }
         };
         Ok(PendingDownload { inner: Some(inner) })
+    }
+
+    /// `src` cast to `T` on the compute stream, in a new buffer.
+    fn rounded<T: crate::ops::Elem>(
+        &self,
+        src: &DeviceBuffer<impl crate::ops::Elem>,
+    ) -> Result<DeviceBuffer<T>> {
+        let mut out = self.dev.alloc_output::<T>("cast download", src.len())?;
+        crate::ops::cast(&self.dev, &mut out, src)?;
+        Ok(out)
     }
 
     /// The downloaded elements (waits for the copy).
@@ -999,6 +1021,7 @@ impl Downloads {
             Some(Down::Bf16(src, s)) => {
                 Downloaded::Bf16(back(&self.free16, self.cap_bytes, src, s)?)
             }
+            Some(Down::F16(src, s)) => Downloaded::F16(back(&self.freeh, self.cap_bytes, src, s)?),
             None => Downloaded::F32(Vec::new()),
         })
     }

@@ -174,19 +174,15 @@ impl DeviceLink for CudaLink {
         }
     }
 
-    fn download(
-        &self,
-        what: &str,
-        buf: DevBuf,
-        narrow: bool,
-    ) -> Result<PendingDownload, ModelError> {
-        self.downloads.start(what, buf, narrow).map_err(gpu_err)
+    fn download(&self, what: &str, buf: DevBuf, wire: Wire) -> Result<PendingDownload, ModelError> {
+        self.downloads.start(what, buf, wire).map_err(gpu_err)
     }
 
     fn finish_download(&self, d: PendingDownload) -> Result<HostVec, ModelError> {
         Ok(match self.downloads.finish(d).map_err(gpu_err)? {
             Downloaded::F32(v) => HostVec::F32(v),
             Downloaded::Bf16(v) => HostVec::Bf16(v),
+            Downloaded::F16(v) => HostVec::F16(v),
         })
     }
 

@@ -268,6 +268,7 @@ pub fn param_device_bytes(numel: u64, dtype: candle_core::DType) -> u64 {
 
 use std::sync::Arc;
 
+pub use tierzero_gpu::link::Wire;
 use tierzero_swap::{HostRegistrar, ReadPin};
 
 use crate::model::exec_units::{DeviceSpan, HostElems, HostVec};
@@ -360,13 +361,15 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
     fn free(&self, buf: Self::Buf);
     /// Starts copying `buf` (a unit's gradient) to the host, on the copy
     /// queue out, after the compute that wrote it; the host does not
-    /// wait. With `narrow`, it is rounded to bf16 on the device first
-    /// (half the bytes cross). The download owns `buf` until it completes.
+    /// wait. Its elements cross as `wire`'s: to bf16 or fp16, rounded on
+    /// the device first (to nearest even, as the host's rounding of the
+    /// fp32 values; half the bytes cross). The download owns `buf` until
+    /// it completes.
     fn download(
         &self,
         what: &str,
         buf: Self::Buf,
-        narrow: bool,
+        wire: Wire,
     ) -> Result<Self::Download, ModelError>;
     /// The downloaded elements: waits for the copy, then frees its source.
     fn finish_download(&self, d: Self::Download) -> Result<HostVec, ModelError>;

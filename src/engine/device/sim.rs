@@ -55,7 +55,7 @@ use tierzero_gpu::unit::{GemmDtype, HostExec};
 
 use tierzero_swap::{HostRegistrar, ReadPin};
 
-use super::{DeviceLink, LinkMemory, Staging};
+use super::{DeviceLink, LinkMemory, Staging, Wire};
 use crate::model::exec_units::{DeviceQueue, DeviceSpan, HostElems, HostVec};
 use crate::model::ModelError;
 
@@ -337,7 +337,7 @@ pub struct SimDownload {
 struct Down {
     what: String,
     data: Vec<f32>,
-    narrow: bool,
+    wire: Wire,
     event: Arc<Event<HostVec>>,
     /// It starts once the compute queued before it is done.
     after: Option<Instant>,
@@ -432,11 +432,11 @@ fn download_thread(rx: Receiver<Down>, shared: Arc<Shared>, cfg: SimConfig) {
             std::thread::sleep(rest);
         }
         let start = Instant::now();
-        // With `narrow`, rounded to bf16 on the device: half the bytes.
-        let out = if d.narrow {
-            HostVec::Bf16(d.data.iter().map(|&x| half::bf16::from_f32(x)).collect())
-        } else {
-            HostVec::F32(d.data)
+        // To 16 bits, rounded on the device: half the bytes.
+        let out = match d.wire {
+            Wire::Bf16 => HostVec::Bf16(d.data.iter().map(|&x| half::bf16::from_f32(x)).collect()),
+            Wire::F16 => HostVec::F16(d.data.iter().map(|&x| half::f16::from_f32(x)).collect()),
+            Wire::F32 => HostVec::F32(d.data),
         };
         std::thread::sleep(copy_time(&cfg, out.bytes()));
         shared.push_span(DeviceSpan {
@@ -726,7 +726,7 @@ impl DeviceLink for SimDevice {
         self.shared.used_bytes.fetch_sub(bytes, Ordering::Relaxed);
     }
 
-    fn download(&self, what: &str, buf: Vec<f32>, narrow: bool) -> Result<SimDownload, ModelError> {
+    fn download(&self, what: &str, buf: Vec<f32>, wire: Wire) -> Result<SimDownload, ModelError> {
         // A buffer downloaded is gone from the device (as `free`).
         self.shared.narrow().remove(&buf_key(&buf));
         let event = Arc::new(Event::default());
@@ -742,7 +742,7 @@ impl DeviceLink for SimDevice {
                 tx.send(Down {
                     what: what.to_owned(),
                     data: buf,
-                    narrow,
+                    wire,
                     event: event.clone(),
                     after: self.shared.compute_until(),
                 })

@@ -10,7 +10,7 @@ use candle_core::{DType, Tensor};
 use super::ahead::{Aheads, Holder};
 use super::fill::{Fill, Filler, Queued};
 use super::inputs::{numel_of, output_numel, Inputs};
-use super::{DeviceLink, ELEM_BYTES};
+use super::{DeviceLink, Wire, ELEM_BYTES};
 use crate::model::exec_units::{
     self, DeviceMemoryPlan, DeviceMemoryRow, DeviceSpan, DeviceTraffic, HomePins, UnitCompute,
 };
@@ -714,14 +714,18 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
             .backward(self, model, unit, params, input, upstream)?;
         // The param gradients go out on the copy queue while the engine
         // starts the next unit; it collects them with `take_grads`.
-        // bf16 gradients are rounded on the device: half the bytes cross.
-        let narrow = out.dtype == DType::BF16;
-        let grad_bytes = if narrow { 2 } else { ELEM_BYTES };
+        // 16-bit gradients are rounded on the device: half the bytes cross.
+        let wire = match out.dtype {
+            DType::BF16 => Wire::Bf16,
+            DType::F16 => Wire::F16,
+            _ => Wire::F32,
+        };
+        let grad_bytes = if wire == Wire::F32 { ELEM_BYTES } else { 2 };
         let mut down = out.input.as_ref().map_or(0, numel_of) * ELEM_BYTES;
         let mut grads = Vec::with_capacity(out.grads.len());
         for (id, g, dims) in out.grads {
             down += dims.iter().product::<usize>() as u64 * grad_bytes;
-            let d = self.link.download(&format!("grad {}", id.0), g, narrow)?;
+            let d = self.link.download(&format!("grad {}", id.0), g, wire)?;
             grads.push((id, d, dims));
         }
         self.downloads

@@ -71,14 +71,17 @@ impl HostElems<'_> {
     }
 }
 
-/// Elements a device tier downloaded: fp32, or bf16 rounded on the
-/// device (to nearest even, as candle's `to_dtype` rounds on the host).
+/// Elements a device tier downloaded: fp32, or bf16 or fp16 rounded on
+/// the device (to nearest even, fp16 overflowing to infinity, as candle's
+/// `to_dtype` rounds on the host).
 #[derive(Debug, Clone, PartialEq)]
 pub enum HostVec {
     /// fp32 elements.
     F32(Vec<f32>),
     /// bf16 elements.
     Bf16(Vec<half::bf16>),
+    /// fp16 elements.
+    F16(Vec<half::f16>),
 }
 
 impl HostVec {
@@ -87,6 +90,7 @@ impl HostVec {
         match self {
             HostVec::F32(v) => HostElems::F32(v),
             HostVec::Bf16(v) => HostElems::Bf16(v),
+            HostVec::F16(v) => HostElems::F16(v),
         }
     }
 
@@ -95,23 +99,23 @@ impl HostVec {
         match self {
             HostVec::F32(v) => std::mem::size_of_val(v.as_slice()) as u64,
             HostVec::Bf16(v) => std::mem::size_of_val(v.as_slice()) as u64,
+            HostVec::F16(v) => std::mem::size_of_val(v.as_slice()) as u64,
         }
     }
 
     /// A host tensor of `dims` in `dtype` (fp32 elements rounded once if
-    /// `dtype` is narrower; bf16 ones taken as they are).
+    /// `dtype` is narrower; 16-bit ones taken as they are, or converted).
     pub fn into_tensor(self, dims: &[usize], dtype: DType) -> Result<Tensor, ModelError> {
-        match self {
-            HostVec::F32(v) => tensor_as(v, dims, dtype),
-            HostVec::Bf16(v) => {
-                let t = Tensor::from_vec(v, dims, &Device::Cpu)?;
-                Ok(if dtype == DType::BF16 {
-                    t
-                } else {
-                    t.to_dtype(dtype)?
-                })
-            }
-        }
+        let t = match self {
+            HostVec::F32(v) => return tensor_as(v, dims, dtype),
+            HostVec::Bf16(v) => Tensor::from_vec(v, dims, &Device::Cpu)?,
+            HostVec::F16(v) => Tensor::from_vec(v, dims, &Device::Cpu)?,
+        };
+        Ok(if t.dtype() == dtype {
+            t
+        } else {
+            t.to_dtype(dtype)?
+        })
     }
 }
 

@@ -45,7 +45,8 @@
 //! the candle units. The device tier moves fp16 up as it is (2 bytes an
 //! element, as bf16; a param stays fp16 on the device, an input is
 //! widened there), so its params cross in place from a page or a swap
-//! buffer too; gradients come down as fp32 and are rounded on the host.
+//! buffer too; gradients are rounded to fp16 on the device and come down
+//! as 2 bytes an element, the bits the host's rounding gives.
 //!
 //! [`supports`] says why a model is not supported, for the start-up check.
 
