@@ -764,12 +764,13 @@ fn check_f32_only(dev: &Device, rep: &mut Report) -> Result<()> {
     Ok(())
 }
 
-/// Params kept in bf16 on the device (`DevBuf::Bf16`, as the engine's
-/// links keep a bf16 upload) give the units the same bits as the same
-/// values in fp32: the GEMMs read them as they are (or widened, in fp32
-/// and fp16 GEMMs), the other kernels through an exact widening, and the
-/// device optimizer's rounding writes them directly.
-fn check_bf16_params(dev: &Device, rep: &mut Report) -> Result<()> {
+/// Params kept in bf16 or fp16 on the device (`DevBuf::Bf16`,
+/// `DevBuf::F16`, as the engine's links keep a 16-bit upload) give the
+/// units the same bits as the same values in fp32: the GEMMs of their
+/// dtype read them as they are (others widened), the other kernels
+/// through an exact widening, and the device optimizer's rounding writes
+/// bf16 ones directly. Reported as `param16.*`.
+fn check_params16(dev: &Device, rep: &mut Report) -> Result<()> {
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     let same = |rep: &mut Report, what: &str, size: &str, a: Vec<f32>, b: Vec<f32>| {
         let differ = a
@@ -779,7 +780,7 @@ fn check_bf16_params(dev: &Device, rep: &mut Report) -> Result<()> {
             .count();
         let ok = a.len() == b.len() && !a.is_empty() && bits(&a) == bits(&b);
         rep.check(
-            &format!("bf16_param.{what}"),
+            &format!("param16.{what}"),
             size,
             ok,
             &format!(
@@ -999,7 +1000,7 @@ fn main() {
     let run = check_all::<f32>(&dev, &mut rep, 1e-5)
         .and_then(|_| check_all::<bf16>(&dev, &mut rep, 2e-2))
         .and_then(|_| check_f32_only(&dev, &mut rep))
-        .and_then(|_| check_bf16_params(&dev, &mut rep));
+        .and_then(|_| check_params16(&dev, &mut rep));
     let error = match run {
         Ok(()) => None,
         Err(e) => {

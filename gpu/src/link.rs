@@ -793,6 +793,11 @@ impl Uploads {
         if role == Role::Param {
             return Ok(crossed);
         }
+        // The buffer it crossed into is let go below, after this copy: its
+        // bytes leave the budget now, so that an input does not count
+        // twice in the temporaries' share while it moves.
+        let mut crossed = crossed;
+        crossed.uncount();
         let mut out = self.dev.alloc_output::<f32>("unit input", crossed.len())?;
         match &crossed {
             DevBuf::Bf16(narrow) => crate::ops::cast::<bf16, f32>(&self.dev, &mut out, narrow)?,
