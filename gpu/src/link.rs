@@ -820,6 +820,10 @@ impl Uploads {
 #[derive(Debug)]
 pub struct PendingDownload {
     inner: Option<Down>,
+    /// 16-bit buffers widened into the one copied (params, allocated on
+    /// the h2d stream), kept until the copy is done, so after their cast:
+    /// dropped earlier, that stream would wait for the cast.
+    sources: Vec<DevBuf>,
 }
 
 #[derive(Debug)]
@@ -956,6 +960,7 @@ impl Downloads {
             // Rounded on the device first: half the bytes cross.
             (DevBuf::F32(src), Wire::Bf16) => {
                 let half = self.rounded::<bf16>(&src)?;
+                // A gradient, of the compute stream's: freed in order.
                 drop(src);
                 let staging = self.queue(&self.free16, what, &half)?;
                 Down::Bf16(half, staging)
@@ -978,16 +983,21 @@ impl Downloads {
             // Or widened, exactly, then as an fp32 one.
             (DevBuf::Bf16(half), wire) => {
                 let wide = self.rounded::<f32>(&half)?;
-                drop(half);
-                return self.start(what, DevBuf::F32(wide), wire);
+                let mut d = self.start(what, DevBuf::F32(wide), wire)?;
+                d.sources.push(DevBuf::Bf16(half));
+                return Ok(d);
             }
             (DevBuf::F16(half), wire) => {
                 let wide = self.rounded::<f32>(&half)?;
-                drop(half);
-                return self.start(what, DevBuf::F32(wide), wire);
+                let mut d = self.start(what, DevBuf::F32(wide), wire)?;
+                d.sources.push(DevBuf::F16(half));
+                return Ok(d);
             }
         };
-        Ok(PendingDownload { inner: Some(inner) })
+        Ok(PendingDownload {
+            inner: Some(inner),
+            sources: Vec::new(),
+        })
     }
 
     /// `src` cast to `T` on the compute stream, in a new buffer.
