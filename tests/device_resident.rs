@@ -127,12 +127,13 @@ fn adam_on_the_device_trains_bit_identical_to_the_host_optimizer() {
             assert!(got.h2d_bytes[0] > got.h2d_bytes[1], "{case}: {got:?}");
             assert_eq!(got.h2d_bytes[1], got.h2d_bytes[2], "{case}: {got:?}");
             // Every block's forward is launched as the unit before it
-            // comes down, every block's and the embedding's backward as
-            // the unit after it comes down, and each is taken by its
-            // call: all the params are on the device.
+            // comes down, the head's (forward and backward) as the last
+            // block's output comes down, every block's and the embedding's
+            // backward as the unit after it comes down, and each is taken
+            // by its call: all the params are on the device.
             let blocks = blocks_in(model);
             assert_eq!(got.forwards_ahead, vec![blocks * k.gas; 3], "{case}");
-            assert_eq!(got.backwards_ahead, vec![(blocks + 1) * k.gas; 3], "{case}");
+            assert_eq!(got.backwards_ahead, vec![(blocks + 2) * k.gas; 3], "{case}");
             // Every device byte went back when the units were dropped.
             assert_eq!(probe.used_bytes(), 0, "{case}: device bytes left");
         }

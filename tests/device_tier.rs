@@ -253,8 +253,9 @@ fn units_launched_ahead_train_bit_identical_to_the_in_memory_units() {
             let (got, _, probe) = tiered(model, &k, cfg, wide_open(), 3);
             let blocks = blocks_in(model);
             // Per micro-batch: every block after the embedding in forward;
-            // every block and the embedding in backward.
-            let (fwd, bwd) = (3 * k.gas * blocks, 3 * k.gas * (blocks + 1));
+            // the head (forward and backward, as the last block's output
+            // comes down), every block and the embedding in backward.
+            let (fwd, bwd) = (3 * k.gas * blocks, 3 * k.gas * (blocks + 2));
             println!(
                 "{case}: forwards launched ahead and taken {} of {fwd}, backwards {} of {bwd}",
                 got.forwards_ahead, got.backwards_ahead

@@ -559,15 +559,14 @@ fn the_device_tier_on_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
     // A unit's gather overlaps the compute of the unit before it where
     // that unit was launched ahead on the device: the engine fetches
     // (gathers) the next unit's params while it computes. Units 0
-    // (embedding), 1 and 2 (blocks), 3 (head, forward and backward at the
-    // start of backward, its params staged under the last block's
-    // forward): unit 2's forward gather runs under unit 1's forward, the
-    // head's under unit 2's forward, units 1's and 0's backward gathers
-    // under units 2's and 1's backward. The others cannot: units 0 and 1
-    // in forward start the step (nothing is computing yet; unit 1's
-    // gather comes before the embedding computes), and unit 2's backward
-    // gather comes before the head computes, which is not launched
-    // ahead.
+    // (embedding), 1 and 2 (blocks), 3 (head: forward and backward, its
+    // params staged under the last block's forward and launched as that
+    // block's output comes down): unit 2's forward gather runs under
+    // unit 1's forward, the head's under unit 2's forward, and units 2's,
+    // 1's and 0's backward gathers under units 3's, 2's and 1's backward.
+    // Only units 0 and 1 in forward cannot: they start the step (nothing
+    // is computing yet; unit 1's gather comes before the embedding
+    // computes).
     for (r, o) in ranks.iter().enumerate() {
         for (name, under) in &o.fetches {
             println!("rank {r}: params {name}: under {under:?}");
@@ -575,6 +574,7 @@ fn the_device_tier_on_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
         for (fetch, compute) in [
             ("u2 fwd", "forward unit 1"),
             ("u3 bwd", "forward unit 2"),
+            ("u2 bwd", "backward unit 3"),
             ("u1 bwd", "backward unit 2"),
             ("u0 bwd", "backward unit 1"),
         ] {

@@ -18,7 +18,11 @@
 //! # When one is launched
 //!
 //! In forward, after a unit's hidden output came down, the next unit in
-//! the model's order if it is a block; in backward, after a unit's input
+//! the model's order if it is a block, or, if it is the head, the head's
+//! forward and backward (its loss and gradients: it computes first in
+//! backward) on the micro-batch's targets and loss scale, which the
+//! engine gives before the forward ([`Aheads::head_batch`]); in backward,
+//! after a unit's input
 //! gradient came down, the unit before it (a block or the embedding),
 //! on its host input in the last forward ([`Aheads::forward`] keeps each
 //! unit's, until its backward). Only if the engine handed that unit's
@@ -68,14 +72,23 @@ enum Launched<B> {
     Backward(BackwardDev<B>),
 }
 
+/// What a backward was launched on above the unit: the unit after's
+/// input gradient, or (the head's) the loss scale's bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Up {
+    Grad(TensorId),
+    Scale(u64),
+}
+
 /// A unit launched ahead of the engine's call.
 struct Ahead<B> {
     unit: UnitId,
     /// The host input it was launched on.
     input: TensorId,
-    /// In backward, the upstream gradient it was launched on (the unit
-    /// after's input gradient).
-    upstream: Option<TensorId>,
+    /// The head's: the targets it was launched on.
+    targets: Option<TensorId>,
+    /// In backward, what it was launched on above it.
+    upstream: Option<Up>,
     /// The host params it was launched with (the staged ones).
     host_params: Vec<TensorId>,
     ids: Vec<ParamId>,
@@ -87,8 +100,12 @@ impl<B> Ahead<B> {
     /// Whether it is this call's: the same unit, pass and host tensors.
     fn is_for(&self, call: &Call<'_, '_>) -> bool {
         let same_input = match call.input {
-            UnitInput::Hidden(t) | UnitInput::Tokens(t) => t.id() == self.input,
-            UnitInput::HiddenWithTargets { .. } => false,
+            UnitInput::Hidden(t) | UnitInput::Tokens(t) => {
+                t.id() == self.input && self.targets.is_none()
+            }
+            UnitInput::HiddenWithTargets { hidden, targets } => {
+                hidden.id() == self.input && self.targets == Some(targets.id())
+            }
         };
         let same_params = self.host_params.len() == call.params.len()
             && self
@@ -113,9 +130,8 @@ struct Call<'c, 'i> {
     params: &'c [Tensor],
     input: &'c UnitInput<'i>,
     backward: bool,
-    /// A backward's upstream gradient (None: a forward, or the head's
-    /// backward, which is never launched ahead).
-    upstream: Option<TensorId>,
+    /// A backward's upstream (None: a forward).
+    upstream: Option<Up>,
 }
 
 /// The unit the engine staged last, the unit launched ahead, and each
@@ -130,6 +146,10 @@ pub(super) struct Aheads<B> {
     /// forward, until its backward: what a backward launched ahead
     /// computes on.
     seen: Mutex<HashMap<UnitId, Tensor>>,
+    /// This micro-batch's targets and the head's loss scale
+    /// ([`Aheads::head_batch`]): what the head, launched ahead as the
+    /// last block's output comes down, computes on.
+    head: Mutex<Option<(Tensor, f64)>>,
 }
 
 /// The unit after `unit` in the model's order, if it is a block: the one
@@ -139,6 +159,14 @@ fn next_block(model: &Model, unit: UnitId) -> Option<UnitId> {
     let at = units.iter().position(|u| u.id == unit)?;
     let next = units.get(at + 1)?;
     matches!(next.kind, UnitKind::Block { .. }).then_some(next.id)
+}
+
+/// The unit after `unit` in the model's order, if it is the head.
+fn next_head(model: &Model, unit: UnitId) -> Option<UnitId> {
+    let units = model.units();
+    let at = units.iter().position(|u| u.id == unit)?;
+    let next = units.get(at + 1)?;
+    (next.kind == UnitKind::Head).then_some(next.id)
 }
 
 /// The unit before `unit` in the model's order, unless it is the head:
@@ -162,7 +190,14 @@ impl<B> Aheads<B> {
             staged: Mutex::new(None),
             ahead: Mutex::new(None),
             seen: Mutex::new(HashMap::new()),
+            head: Mutex::new(None),
         }
+    }
+
+    /// This micro-batch's targets and the head's loss scale, for the head
+    /// launched ahead ([`crate::model::exec_units::UnitCompute::head_batch`]).
+    pub(super) fn head_batch(&self, targets: &Tensor, loss_scale: f64) {
+        *locked(&self.head) = Some((targets.clone(), loss_scale));
     }
 
     /// Launches units ahead, or (`false`: to measure what it gains) none.
@@ -183,6 +218,7 @@ impl<B> Aheads<B> {
     ) -> Result<(), ModelError> {
         *locked(&self.staged) = None;
         locked(&self.seen).clear();
+        *locked(&self.head) = None;
         let a = locked(&self.ahead).take();
         a.map_or(Ok(()), |a| give_back(holder, a))
     }
@@ -257,10 +293,10 @@ impl<B> Aheads<B> {
             params,
             input: &input,
             backward: true,
-            upstream: match upstream {
-                Upstream::Grad(t) => Some(t.id()),
-                Upstream::LossScale(_) => None,
-            },
+            upstream: Some(match upstream {
+                Upstream::Grad(t) => Up::Grad(t.id()),
+                Upstream::LossScale(s) => Up::Scale(s.to_bits()),
+            }),
         };
         let (ids, bufs, dev) = self.taken_or(
             holder,
@@ -364,7 +400,7 @@ impl<B> Aheads<B> {
         host: &Tensor,
     ) -> Result<(), ModelError> {
         let Some(next) = next_block(model, unit) else {
-            return Ok(());
+            return self.launch_head(holder, model, unit, host);
         };
         let Some(params) = self.staged_ready(holder, model, next)? else {
             return Ok(());
@@ -380,10 +416,53 @@ impl<B> Aheads<B> {
         self.hold(
             holder,
             next,
-            (host, None),
+            (host, None, None),
             params,
             (ids, bufs),
             out.map(Launched::Forward),
+        )
+    }
+
+    /// Launches the head's forward and backward (its loss and gradients)
+    /// on `host`, the last block's output, with the micro-batch's targets
+    /// and loss scale, if the engine staged the head and its params are
+    /// ready: the engine then fetches the last block's params for its
+    /// backward while the head computes.
+    fn launch_head<L: DeviceLink<Buf = B>>(
+        &self,
+        holder: &impl Holder<L>,
+        model: &Model,
+        unit: UnitId,
+        host: &Tensor,
+    ) -> Result<(), ModelError> {
+        let Some(head) = next_head(model, unit) else {
+            return Ok(());
+        };
+        let Some((targets, scale)) = locked(&self.head).clone() else {
+            return Ok(());
+        };
+        let Some(params) = self.staged_ready(holder, model, head)? else {
+            return Ok(());
+        };
+        let (ids, bufs) = holder.take_params(model, head, &params)?;
+        let dev = holder.inputs().backward_dev(
+            holder.link(),
+            model,
+            head,
+            (&params, &bufs),
+            UnitInput::HiddenWithTargets {
+                hidden: host,
+                targets: &targets,
+            },
+            Upstream::LossScale(scale),
+        );
+        self.hold(
+            holder,
+            head,
+            (host, Some(&targets), Some(Up::Scale(scale.to_bits()))),
+            params,
+            (ids, bufs),
+            dev.map(Launched::Backward),
         )
     }
 
@@ -422,20 +501,21 @@ impl<B> Aheads<B> {
         self.hold(
             holder,
             prev,
-            (&x, Some(dx)),
+            (&x, None, Some(Up::Grad(dx.id()))),
             params,
             (ids, bufs),
             dev.map(Launched::Backward),
         )
     }
 
-    /// Keeps what a unit launched on (`(input, upstream)`), until its
-    /// call; a launch that failed gives its params back and fails.
+    /// Keeps what a unit launched on (`(input, targets, upstream)`),
+    /// until its call; a launch that failed gives its params back and
+    /// fails.
     fn hold<L: DeviceLink<Buf = B>>(
         &self,
         holder: &impl Holder<L>,
         unit: UnitId,
-        (input, upstream): (&Tensor, Option<&Tensor>),
+        (input, targets, upstream): (&Tensor, Option<&Tensor>, Option<Up>),
         params: Vec<Tensor>,
         (ids, bufs): (Vec<ParamId>, Vec<B>),
         out: Result<Launched<B>, ModelError>,
@@ -450,7 +530,8 @@ impl<B> Aheads<B> {
         *locked(&self.ahead) = Some(Ahead {
             unit,
             input: input.id(),
-            upstream: upstream.map(Tensor::id),
+            targets: targets.map(Tensor::id),
+            upstream,
             host_params: params.iter().map(Tensor::id).collect(),
             ids,
             bufs,

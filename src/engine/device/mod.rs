@@ -66,9 +66,10 @@
 //!   the first unit of each pass (the embedding forward, the tied head
 //!   backward: the largest params) queued behind the next block's
 //!   prefetch, and its compute waited for both. The head, which computes
-//!   first in backward, is staged under the last block's forward, so its
-//!   upload (and with several ranks its gather) is not a stall at
-//!   backward's start.
+//!   first in backward, is staged under the last block's forward and
+//!   launched as that block's output comes down, so neither its upload
+//!   (with several ranks, its gather) nor the last block's for its
+//!   backward is a stall at backward's start.
 //! * **Live params** (`stage3_max_live_parameters`): elements uploading or
 //!   in use, the kept ones not counted.
 //! * **The device cache** (`tierzero.device_cache_bytes`): after its unit,

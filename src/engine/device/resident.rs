@@ -500,6 +500,10 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
         })
     }
 
+    fn head_batch(&self, targets: &Tensor, loss_scale: f64) {
+        self.aheads.head_batch(targets, loss_scale);
+    }
+
     fn begin_step(&self) -> Result<(), ModelError> {
         let ahead = self.aheads.clear(self);
         self.inputs.clear();

@@ -157,6 +157,11 @@ pub trait UnitCompute: Send + Sync + std::fmt::Debug {
     fn begin_step(&self) -> Result<(), ModelError> {
         Ok(())
     }
+    /// A micro-batch's forward begins: its `targets` and the head's
+    /// `loss_scale` (what its backward call will pass as
+    /// [`crate::model::Upstream::LossScale`]), so that a compute that
+    /// stages may launch the head as the last block's output comes down.
+    fn head_batch(&self, _targets: &Tensor, _loss_scale: f64) {}
     /// What moved to and from the device since the last call (None: it
     /// does not count).
     fn take_traffic(&self) -> Option<DeviceTraffic> {

@@ -84,6 +84,11 @@ impl Trainer {
         let mut used_bytes = 0u64;
         let mut full = false;
         let stages = self.stages();
+        if stages {
+            if let Some(c) = &self.opts.compute {
+                c.head_batch(batch.targets, plan.head_scale);
+            }
+        }
         let mut ahead = None;
         for (idx, &(uid, kind)) in units.iter().enumerate() {
             if kind == UnitKind::Head {
