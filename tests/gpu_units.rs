@@ -124,7 +124,7 @@ fn worst_with(tied: bool, e: HostExec, dtype: DType, seeds: (u64, usize), tol: f
                 let (l, dx) =
                     unit::gpt2_head(&e, &d, p3, &saved[u.id.0], &targets, 1.0, [g0, g1, g2])
                         .unwrap();
-                loss = l;
+                loss = l.mean(&e).unwrap();
                 up = dx;
             }
             UnitKind::Block { .. } => {
@@ -274,7 +274,7 @@ fn check_llama(cfg: ModelConfig, label: &str) {
                     [g0, g1],
                 )
                 .unwrap();
-                loss = l;
+                loss = l.mean(&e).unwrap();
                 up = dx;
             }
             UnitKind::Block { .. } => {

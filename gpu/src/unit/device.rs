@@ -641,7 +641,7 @@ impl Exec for CudaExec<'_> {
         targets: &DeviceIds,
         vocab: usize,
         grad_scale: f32,
-    ) -> Result<(f32, DevBuf)> {
+    ) -> Result<(DevBuf, DevBuf)> {
         let logits = logits.f32()?;
         let rows = targets.ids.len();
         let mut loss_rows = self.dev.alloc_output("loss rows", rows)?;
@@ -658,7 +658,7 @@ impl Exec for CudaExec<'_> {
         )?;
         let mut total = self.dev.alloc_output("loss", 1)?;
         ops::sum_f32(self.dev, &mut total, &loss_rows)?;
-        let t = self.dev.download(&total)?;
-        Ok((t.first().copied().unwrap_or(f32::NAN), dlogits.into()))
+        // Not read back here: the caller reads it when it needs it.
+        Ok((total.into(), dlogits.into()))
     }
 }

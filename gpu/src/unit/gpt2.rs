@@ -1,7 +1,9 @@
 //! GPT-2's units (embedding, block, head) over an [`Exec`], a whole-model
 //! trainer and a deterministic init.
 
-use super::{check_kept, check_params, lm_head, mm, AdamHyper, AttnShape, Exec, HostExec};
+use super::{
+    check_kept, check_params, lm_head, mm, AdamHyper, AttnShape, Exec, HeadLoss, HostExec,
+};
 use crate::ops::MatmulShape;
 use crate::reference::HeadsShape;
 use crate::{GpuError, Result};
@@ -368,7 +370,7 @@ pub fn gpt2_head<E: Exec>(
     targets: &E::Ids,
     loss_scale: f32,
     grads: [&mut E::Buf; 3],
-) -> Result<(f32, E::Buf)> {
+) -> Result<(HeadLoss<E::Buf>, E::Buf)> {
     let (h, v, rows) = (d.hidden, d.vocab, d.rows());
     for (i, (b, n)) in p.iter().zip([h, h, v * h]).enumerate() {
         if e.len(b) != n || e.len(&*grads[i]) != n {
@@ -531,7 +533,8 @@ impl<'e, E: Exec> Gpt2Trainer<'e, E> {
         {
             e.adamw([p, m, v], g, s)?;
         }
-        Ok(loss)
+        // Read back once the whole step is queued, not at the head.
+        loss.mean(e)
     }
 
     /// The params' values on the host, in order.

@@ -360,8 +360,8 @@ impl Exec for HostExec {
         targets: &HostIds,
         vocab: usize,
         grad_scale: f32,
-    ) -> Result<(f32, Vec<f32>)> {
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
         let (rows, grad) = r::cross_entropy(logits, &targets.ids, vocab, -100, Some(grad_scale));
-        Ok((r::sum_f32(&rows), grad.unwrap_or_default()))
+        Ok((vec![r::sum_f32(&rows)], grad.unwrap_or_default()))
     }
 }

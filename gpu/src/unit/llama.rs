@@ -1,7 +1,7 @@
 //! The Llama family's units (Llama, Mistral without a sliding window,
 //! Qwen2, Qwen3) over an [`Exec`].
 
-use super::{check_kept, check_params, lm_head, mm, AttnShape, Exec};
+use super::{check_kept, check_params, lm_head, mm, AttnShape, Exec, HeadLoss};
 use crate::reference::{HeadsShape, KvShape, RopeShape};
 use crate::{GpuError, Result};
 
@@ -531,7 +531,7 @@ pub fn llama_head<E: Exec>(
     targets: &E::Ids,
     loss_scale: f32,
     grads: [&mut E::Buf; 2],
-) -> Result<(f32, E::Buf)> {
+) -> Result<(HeadLoss<E::Buf>, E::Buf)> {
     let (h, v, rows) = (d.hidden, d.vocab, d.rows());
     let ln = e.rmsnorm_fwd(x, p[0], h, d.eps)?;
     let [g0, g1] = grads;

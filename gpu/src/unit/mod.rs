@@ -278,15 +278,35 @@ pub trait Exec {
     {
         attention_bwd_fp32(self, p, qkv, dout, a)
     }
-    /// [`crate::ops::cross_entropy`] and the sum of its rows: `(total loss, dlogits)`
-    /// with `dlogits` scaled by `grad_scale`.
+    /// [`crate::ops::cross_entropy`] and the sum of its rows: `(total
+    /// loss, dlogits)`, the total a one-element buffer (read back only when
+    /// wanted: [`HeadLoss::mean`]), `dlogits` scaled by `grad_scale`.
     fn cross_entropy(
         &self,
         logits: &Self::Buf,
         targets: &Self::Ids,
         vocab: usize,
         grad_scale: f32,
-    ) -> Result<(f32, Self::Buf)>;
+    ) -> Result<(Self::Buf, Self::Buf)>;
+}
+
+/// A head's loss still on its executor: the sum over its `rows` of the
+/// rows' cross-entropy, a one-element buffer. Reading it back waits for
+/// the head's compute, so a head's caller reads it when it needs it, not
+/// the head (a head launched ahead then leaves the host free).
+#[derive(Debug)]
+pub struct HeadLoss<B> {
+    total: B,
+    rows: usize,
+}
+
+impl<B> HeadLoss<B> {
+    /// The mean loss over the rows (NaN for an empty total): read back,
+    /// then divided on the host, in f32.
+    pub fn mean<E: Exec<Buf = B>>(&self, e: &E) -> Result<f32> {
+        let total = e.download(&self.total)?;
+        Ok(total.first().copied().unwrap_or(f32::NAN) / self.rows as f32)
+    }
 }
 
 /// Causal attention of heads `q`, `k`, `v` ([`AttnShape`]):
@@ -426,7 +446,7 @@ impl AdamHyper {
 /// The LM head on normalized rows `n` [rows, hidden] with the output
 /// matrix `w` [vocab, hidden]: the mean cross-entropy of `targets` and,
 /// with `loss_scale`, its backward: `gw += dlogitsᵀ n`; returns
-/// `(mean loss, dn)`.
+/// `(loss, dn)`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn lm_head<E: Exec>(
     e: &E,
@@ -436,7 +456,7 @@ pub(crate) fn lm_head<E: Exec>(
     targets: &E::Ids,
     loss_scale: f32,
     gw: &mut E::Buf,
-) -> Result<(f32, E::Buf)> {
+) -> Result<(HeadLoss<E::Buf>, E::Buf)> {
     let mut logits = e.output("logits", rows * vocab)?;
     e.matmul(
         &mut logits,
@@ -461,5 +481,5 @@ pub(crate) fn lm_head<E: Exec>(
         mm(1, rows, hidden, vocab, false, false),
         0.0,
     )?;
-    Ok((total / rows as f32, dn))
+    Ok((HeadLoss { total, rows }, dn))
 }

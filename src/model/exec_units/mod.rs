@@ -599,7 +599,8 @@ pub(crate) fn forward_on<E: Exec>(
             // The loss alone: the head's backward at scale 0 computes it
             // and its gradients are dropped.
             let out = head(e, feed, model, p, hidden, targets, 0.0, bt)?;
-            Ok(ForwardOut::Loss(Tensor::new(out.loss, &Device::Cpu)?))
+            let loss = out.loss.mean(e).map_err(gpu_err)?;
+            Ok(ForwardOut::Loss(Tensor::new(loss, &Device::Cpu)?))
         }
         (kind, _, _) => Err(ModelError::BadInput {
             unit,
@@ -611,7 +612,7 @@ pub(crate) fn forward_on<E: Exec>(
 /// What the head leaves: its mean loss, its params' gradients and its
 /// input's gradient.
 struct HeadOut<B> {
-    loss: f32,
+    loss: unit::HeadLoss<B>,
     grads: Vec<B>,
     dx: B,
 }
@@ -715,8 +716,8 @@ pub(crate) struct BackwardDev<B> {
     /// The input gradient and its `[batch, seq, hidden]` shape (none for
     /// the embedding).
     input_grad: Option<(B, [usize; 3])>,
-    /// The loss (the head's).
-    loss: Option<Tensor>,
+    /// The loss (the head's), still on the executor.
+    loss: Option<unit::HeadLoss<B>>,
     /// The dtype the gradients leave in ([`storage_dtype`]).
     dtype: DType,
 }
@@ -738,10 +739,14 @@ impl<B> BackwardDev<B> {
             }
             None => None,
         };
+        let loss = match &self.loss {
+            Some(l) => Some(Tensor::new(l.mean(e).map_err(gpu_err)?, &Device::Cpu)?),
+            None => None,
+        };
         Ok(BackwardOut {
             grads: self.grads,
             input,
-            loss: self.loss,
+            loss,
             dtype: self.dtype,
         })
     }
@@ -852,10 +857,7 @@ pub(crate) fn backward_dev<E: Exec>(
     Ok(BackwardDev {
         grads,
         input_grad: input_grad.map(|dx| (dx, [bt.0, bt.1, h])),
-        loss: match loss {
-            Some(l) => Some(Tensor::new(l, &Device::Cpu)?),
-            None => None,
-        },
+        loss,
         dtype,
     })
 }
