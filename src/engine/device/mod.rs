@@ -168,9 +168,8 @@
 //! on it at once (`ahead.rs`): in forward the next block, on that output
 //! (after the last block, the head's forward and backward, on the
 //! micro-batch's targets and loss scale: the head computes first in
-//! backward; on a GPU the host waits for its loss, read back in its
-//! cross-entropy, so only the head's backward GEMMs run under the engine's
-//! work); in backward the unit before (a block or the embedding), on that
+//! backward; its loss stays on the device until the head's call reads
+//! it); in backward the unit before (a block or the embedding), on that
 //! gradient and on the unit's input in the last forward. Only when the
 //! engine staged that unit and each of its params is on the device with
 //! no fill left to wait for (kept, or its upload issued); otherwise
