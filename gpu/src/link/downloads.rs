@@ -1,0 +1,247 @@
+//! The download path ([`Downloads`]): see "How a download travels" in
+//! [`super`].
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use cudarc::driver::PinnedHostSlice;
+use half::{bf16, f16};
+
+use super::{driver, locked, EventClock, SpanLog, Wire};
+use crate::device::{Device, DeviceBuffer};
+use crate::unit::DevBuf;
+use crate::Result;
+
+/// A download in flight: the device buffer being read and the pinned
+/// buffer being written (see [`super`]'s docs).
+#[derive(Debug)]
+pub struct PendingDownload {
+    inner: Option<Down>,
+    /// 16-bit buffers widened into the one copied (params, allocated on
+    /// the h2d stream), kept until the copy is done, so after their cast:
+    /// dropped earlier, that stream would wait for the cast.
+    sources: Vec<DevBuf>,
+}
+
+#[derive(Debug)]
+enum Down {
+    F32(DeviceBuffer<f32>, PinnedHostSlice<f32>),
+    Bf16(DeviceBuffer<bf16>, PinnedHostSlice<bf16>),
+    F16(DeviceBuffer<f16>, PinnedHostSlice<f16>),
+}
+
+impl Drop for PendingDownload {
+    fn drop(&mut self) {
+        // Unfinished: wait for the copy before either buffer is freed.
+        match &self.inner {
+            Some(Down::F32(_, s)) => drop(s.as_slice()),
+            Some(Down::Bf16(_, s)) => drop(s.as_slice()),
+            Some(Down::F16(_, s)) => drop(s.as_slice()),
+            None => {}
+        }
+    }
+}
+
+/// What a download brought back.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Downloaded {
+    /// fp32 elements.
+    F32(Vec<f32>),
+    /// bf16 elements, rounded on the device (to nearest even).
+    Bf16(Vec<bf16>),
+    /// fp16 elements, rounded on the device (to nearest even, overflow
+    /// to infinity).
+    F16(Vec<f16>),
+}
+
+/// Idle pinned buffers of one element type by length, and their bytes.
+#[derive(Debug)]
+struct IdlePinned<T> {
+    by_len: HashMap<usize, Vec<PinnedHostSlice<T>>>,
+    bytes: u64,
+}
+
+impl<T> Default for IdlePinned<T> {
+    fn default() -> Self {
+        IdlePinned {
+            by_len: HashMap::new(),
+            bytes: 0,
+        }
+    }
+}
+
+/// The download path of one device: copies out on the `d2h` stream
+/// through pooled pinned buffers.
+#[derive(Debug)]
+pub struct Downloads {
+    dev: Arc<Device>,
+    free: Mutex<IdlePinned<f32>>,
+    free16: Mutex<IdlePinned<bf16>>,
+    freeh: Mutex<IdlePinned<f16>>,
+    cap_bytes: u64,
+    spans: SpanLog,
+}
+
+impl Downloads {
+    /// Downloads from `dev`, keeping at most `cap_bytes` of idle pinned
+    /// buffers of each element type.
+    pub fn new(dev: Arc<Device>, cap_bytes: u64) -> Result<Self> {
+        Ok(Downloads {
+            spans: SpanLog::new(&dev)?,
+            dev,
+            free: Mutex::new(IdlePinned::default()),
+            free16: Mutex::new(IdlePinned::default()),
+            freeh: Mutex::new(IdlePinned::default()),
+            cap_bytes,
+        })
+    }
+
+    /// Queues the copy of `src` into a pinned buffer of its length on the
+    /// d2h stream, after the compute stream's work queued so far.
+    fn queue<T: cudarc::driver::DeviceRepr>(
+        &self,
+        pool: &Mutex<IdlePinned<T>>,
+        what: &str,
+        src: &DeviceBuffer<T>,
+    ) -> Result<PinnedHostSlice<T>> {
+        let len = src.len();
+        let pooled = {
+            let mut free = locked(pool);
+            let got = free.by_len.get_mut(&len).and_then(Vec::pop);
+            if got.is_some() {
+                free.bytes -= (len * std::mem::size_of::<T>()) as u64;
+            }
+            got
+        };
+        let mut staging = match pooled {
+            Some(s) => s,
+            // SAFETY: the buffer is uninitialised: the copy below writes
+            // all of its `len` elements (the source is exactly that long)
+            // before `finish` reads it, which waits for the copy first.
+            None => unsafe {
+                self.dev
+                    .context()
+                    .alloc_pinned_with_flags::<T>(len, 0)
+                    .map_err(driver("cuMemHostAlloc"))?
+            },
+        };
+        let written = self
+            .dev
+            .compute
+            .record_event(None)
+            .map_err(driver("cuEventRecord"))?;
+        self.dev
+            .d2h
+            .wait(&written)
+            .map_err(driver("cuStreamWaitEvent"))?;
+        let began = EventClock::mark(&self.dev.d2h)?;
+        self.dev
+            .d2h
+            .memcpy_dtoh(src.slice(), &mut staging)
+            .map_err(driver("cuMemcpyDtoHAsync"))?;
+        let span = EventClock::span(&self.dev.d2h, what.to_owned(), began)?;
+        self.spans.push(span)?;
+        Ok(staging)
+    }
+
+    /// Starts copying `src` to the host as `wire` elements, after the
+    /// compute stream's work queued so far: a 16-bit `wire` rounds it on
+    /// the compute stream first (its cast kernel), so half the bytes
+    /// cross.
+    pub fn start(&self, what: &str, src: DevBuf, wire: Wire) -> Result<PendingDownload> {
+        let inner = match (src, wire) {
+            (DevBuf::F32(src), Wire::F32) => {
+                let staging = self.queue(&self.free, what, &src)?;
+                Down::F32(src, staging)
+            }
+            // Rounded on the device first: half the bytes cross.
+            (DevBuf::F32(src), Wire::Bf16) => {
+                let half = self.rounded::<bf16>(&src)?;
+                // A gradient, of the compute stream's: freed in order.
+                drop(src);
+                let staging = self.queue(&self.free16, what, &half)?;
+                Down::Bf16(half, staging)
+            }
+            (DevBuf::F32(src), Wire::F16) => {
+                let half = self.rounded::<f16>(&src)?;
+                drop(src);
+                let staging = self.queue(&self.freeh, what, &half)?;
+                Down::F16(half, staging)
+            }
+            // A 16-bit buffer (a param kept so) comes down as it is.
+            (DevBuf::Bf16(half), Wire::Bf16) => {
+                let staging = self.queue(&self.free16, what, &half)?;
+                Down::Bf16(half, staging)
+            }
+            (DevBuf::F16(half), Wire::F16) => {
+                let staging = self.queue(&self.freeh, what, &half)?;
+                Down::F16(half, staging)
+            }
+            // Or widened, exactly, then as an fp32 one.
+            (DevBuf::Bf16(half), wire) => {
+                let wide = self.rounded::<f32>(&half)?;
+                let mut d = self.start(what, DevBuf::F32(wide), wire)?;
+                d.sources.push(DevBuf::Bf16(half));
+                return Ok(d);
+            }
+            (DevBuf::F16(half), wire) => {
+                let wide = self.rounded::<f32>(&half)?;
+                let mut d = self.start(what, DevBuf::F32(wide), wire)?;
+                d.sources.push(DevBuf::F16(half));
+                return Ok(d);
+            }
+        };
+        Ok(PendingDownload {
+            inner: Some(inner),
+            sources: Vec::new(),
+        })
+    }
+
+    /// `src` cast to `T` on the compute stream, in a new buffer.
+    fn rounded<T: crate::ops::Elem>(
+        &self,
+        src: &DeviceBuffer<impl crate::ops::Elem>,
+    ) -> Result<DeviceBuffer<T>> {
+        let mut out = self.dev.alloc_output::<T>("cast download", src.len())?;
+        crate::ops::cast(&self.dev, &mut out, src)?;
+        Ok(out)
+    }
+
+    /// The downloaded elements (waits for the copy).
+    pub fn finish(&self, mut d: PendingDownload) -> Result<Downloaded> {
+        fn back<
+            T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Send + Sync,
+        >(
+            pool: &Mutex<IdlePinned<T>>,
+            cap: u64,
+            src: DeviceBuffer<T>,
+            staging: PinnedHostSlice<T>,
+        ) -> Result<Vec<T>> {
+            let out =
+                crate::host_copy::to_vec(staging.as_slice().map_err(driver("cuEventSynchronize"))?);
+            drop(src);
+            let bytes = staging.num_bytes() as u64;
+            let mut free = locked(pool);
+            if free.bytes + bytes <= cap {
+                free.bytes += bytes;
+                free.by_len.entry(staging.len()).or_default().push(staging);
+            }
+            Ok(out)
+        }
+        Ok(match d.inner.take() {
+            Some(Down::F32(src, s)) => Downloaded::F32(back(&self.free, self.cap_bytes, src, s)?),
+            Some(Down::Bf16(src, s)) => {
+                Downloaded::Bf16(back(&self.free16, self.cap_bytes, src, s)?)
+            }
+            Some(Down::F16(src, s)) => Downloaded::F16(back(&self.freeh, self.cap_bytes, src, s)?),
+            None => Downloaded::F32(Vec::new()),
+        })
+    }
+
+    /// The copies that completed since the last call, on the host's
+    /// clock.
+    pub fn take_spans(&self) -> Result<Vec<(String, Instant, Instant)>> {
+        self.spans.take()
+    }
+}
