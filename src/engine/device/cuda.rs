@@ -196,10 +196,11 @@ impl DeviceLink for CudaLink {
                     .saturating_sub(self.startup_bytes)
                     .saturating_sub(self.budget_bytes),
             ),
-            // Five pools under the cap each: uploads' of fp32, bf16 and
-            // fp16 elements, downloads' of fp32 and bf16 (a run fills at
-            // most two or three of them much: its storage dtype's, fp32).
-            staging: Staging::CapBytes(5 * self.uploads.cap_bytes()),
+            // Six pools under the cap each: uploads' and downloads', of
+            // fp32, bf16 and fp16 elements (a run fills at most four of
+            // them much: its storage dtype's, and fp32's for its inputs
+            // and, in fp32, everything).
+            staging: Staging::CapBytes(6 * self.uploads.cap_bytes()),
         }
     }
 
