@@ -235,32 +235,29 @@ fn a_model_whose_state_does_not_fit_the_device_is_refused_with_the_numbers() {
     assert!(err.contains("is left after start-up"), "{err}");
 
     // The plan's rows are the state the check counted.
-    let dev = SimDevice::new(sim(64 << 20, GemmDtype::F32)).unwrap();
-    let units = ResidentUnits::new(dev, m, false).unwrap();
-    let plan = units.memory_plan(m).unwrap();
     let numel: u64 = m.params().iter().map(|p| p.numel as u64).sum();
-    let row = |what: &str| {
-        plan.rows
-            .iter()
-            .find(|r| r.what.starts_with(what))
-            .unwrap_or_else(|| panic!("no {what} row in {plan:?}"))
-            .device_bytes
+    // A row's device bytes in the plan of the units in `bf16` or not.
+    let rows = |gemm, bf16| {
+        let dev = SimDevice::new(sim(64 << 20, gemm)).unwrap();
+        let plan = ResidentUnits::new(dev, m, bf16)
+            .unwrap()
+            .memory_plan(m)
+            .unwrap();
+        move |what: &str| {
+            plan.rows
+                .iter()
+                .find(|r| r.what.starts_with(what))
+                .unwrap_or_else(|| panic!("no {what} row in {plan:?}"))
+                .device_bytes
+        }
     };
+    let row = rows(GemmDtype::F32, false);
     assert_eq!(row("params"), 4 * numel);
     assert_eq!(row("Adam moments"), 8 * numel);
     assert!(row("gradients") >= 4 * numel);
 
     // In bf16 the weights are bf16 on the device, beside fp32 masters.
-    let dev = SimDevice::new(sim(64 << 20, GemmDtype::Bf16)).unwrap();
-    let units = ResidentUnits::new(dev, m, true).unwrap();
-    let plan = units.memory_plan(m).unwrap();
-    let row = |what: &str| {
-        plan.rows
-            .iter()
-            .find(|r| r.what.starts_with(what))
-            .unwrap_or_else(|| panic!("no {what} row in {plan:?}"))
-            .device_bytes
-    };
+    let row = rows(GemmDtype::Bf16, true);
     assert_eq!(row("params"), 2 * numel);
     assert_eq!(row("fp32 master"), 4 * numel);
     assert_eq!(row("Adam moments"), 8 * numel);

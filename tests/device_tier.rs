@@ -742,19 +742,12 @@ fn bf16_params_through_the_device_tier_are_bit_identical_too() {
         assert_eq!(got.sha, want.sha, "cache {cache_bytes}");
         // Every bf16 buffer's 2-byte count came back when it was freed.
         assert_all_back(&probe, "bf16");
-        // bf16 params and activations cross as 2-byte elements (only the
-        // rotary tables are fp32): about half an fp32 run's traffic (its
-        // uploads and the outputs it kept on the device; bf16 outputs are
-        // not kept, their host copies are rounded).
+        // Against the same run in fp32 (`assert_half_traffic`).
         let fp32 = Knobs {
             precision: "fp32",
             ..k.clone()
         };
         let (wide, wide_peaks, wide_probe) = tiered(&model, &fp32, cfg, limits, 3);
-        println!(
-            "cache {cache_bytes}: h2d {} B in bf16, {} B in fp32",
-            got.h2d_bytes, wide.h2d_bytes
-        );
         // The params stay on the device as they crossed: the same
         // schedule (the windows count elements) in half the bytes, on
         // the tier's count and on the device's.
@@ -770,25 +763,33 @@ fn bf16_params_through_the_device_tier_are_bit_identical_too() {
         assert_eq!(2 * peaks.cached_bytes, wide_peaks.cached_bytes);
         assert_eq!(2 * probe.peak_bytes(), wide_probe.peak_bytes());
         assert_eq!(got.h2d_kept_bytes, 0);
-        let wide_in = wide.h2d_bytes + wide.h2d_kept_bytes;
-        assert!(
-            got.h2d_bytes * 100 <= wide_in * 55,
-            "bf16 {} B vs fp32 {wide_in} B",
-            got.h2d_bytes,
-        );
-        // Param gradients come back rounded on the device, 2 bytes each
-        // (the input gradients and the outputs stay fp32 on the way).
-        println!(
-            "cache {cache_bytes}: d2h {} B in bf16, {} B in fp32",
-            got.d2h_bytes, wide.d2h_bytes
-        );
-        assert!(
-            got.d2h_bytes * 100 <= wide.d2h_bytes * 75,
-            "bf16 {} B vs fp32 {} B",
-            got.d2h_bytes,
-            wide.d2h_bytes
-        );
+        assert_half_traffic(&format!("cache {cache_bytes}, bf16"), &got, &wide);
     }
+}
+
+/// A 16-bit run's traffic against the same run in fp32 (`wide`): its
+/// params and activations cross as 2-byte elements (the rotary tables
+/// stay fp32), about half the fp32 run's uploads (and the outputs it kept
+/// on the device; 16-bit outputs are not kept, their host copies are
+/// rounded); its param gradients come back rounded on the device, 2
+/// bytes each (the input gradients and the outputs stay fp32 on the way).
+fn assert_half_traffic(case: &str, got: &Out, wide: &Out) {
+    let wide_in = wide.h2d_bytes + wide.h2d_kept_bytes;
+    println!(
+        "{case}: h2d {} B against {wide_in} B in fp32, d2h {} B against {} B",
+        got.h2d_bytes, got.d2h_bytes, wide.d2h_bytes
+    );
+    assert!(
+        got.h2d_bytes * 100 <= wide_in * 55,
+        "{case}: h2d {} B vs fp32 {wide_in} B",
+        got.h2d_bytes,
+    );
+    assert!(
+        got.d2h_bytes * 100 <= wide.d2h_bytes * 75,
+        "{case}: d2h {} B vs fp32 {} B",
+        got.d2h_bytes,
+        wide.d2h_bytes
+    );
 }
 
 /// fp16 params through the tier: the same bits as the in-memory units
@@ -848,29 +849,14 @@ fn fp16_params_through_the_device_tier_are_bit_identical_and_skip_the_same_steps
                 ..k.clone()
             };
             let (wide, wide_peaks, _) = tiered(&model, &fp32, cfg, limits, 4);
-            let wide_in = wide.h2d_bytes + wide.h2d_kept_bytes;
             println!(
-                "{case}: h2d {} B in fp16, {wide_in} B in fp32; device peak {} B, {} B",
-                got.h2d_bytes, peaks.device_bytes, wide_peaks.device_bytes
-            );
-            assert!(
-                got.h2d_bytes * 100 <= wide_in * 55,
-                "{case}: fp16 {} B vs fp32 {wide_in} B",
-                got.h2d_bytes
+                "{case}: device peak {} B in fp16, {} B in fp32",
+                peaks.device_bytes, wide_peaks.device_bytes
             );
             assert_eq!(2 * peaks.device_bytes, wide_peaks.device_bytes, "{case}");
-            // Param gradients come back rounded to fp16 on the device, 2
-            // bytes each (as the host rounds them: the same bits above).
-            println!(
-                "{case}: d2h {} B in fp16, {} B in fp32",
-                got.d2h_bytes, wide.d2h_bytes
-            );
-            assert!(
-                got.d2h_bytes * 100 <= wide.d2h_bytes * 75,
-                "{case}: fp16 {} B vs fp32 {} B",
-                got.d2h_bytes,
-                wide.d2h_bytes
-            );
+            // Gradients rounded to fp16 on the device: the same bits as
+            // the host's rounding (above), 2 bytes each.
+            assert_half_traffic(&format!("{case}, fp16"), &got, &wide);
         }
     }
 }

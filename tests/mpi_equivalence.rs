@@ -84,6 +84,9 @@ struct Out {
     /// params fetched (with several ranks, gathered), and the device
     /// compute span of another unit it ran under, if any.
     fetches: Vec<(String, Option<String>)>,
+    /// The same steps' wall milliseconds and the device's compute in
+    /// them.
+    steps_busy_ms: Vec<(f64, f64)>,
     file_bytes: u64,
     opt_buffers_bytes: u64,
     shard_numel: u64,
@@ -187,9 +190,12 @@ fn train_on(
     let park = t.sizing().grad_park_nvme_bytes;
     let shard_numel = t.layout().shard_numel() as u64;
     let sha256 = t.finish().unwrap().weight_sha256;
-    let fetches = timeline.map_or_else(Vec::new, |tl| fetches_under_compute(&tl.to_json()));
+    let lanes = timeline.map(|tl| Lanes(tl.to_json()));
     Out {
-        fetches,
+        fetches: lanes
+            .as_ref()
+            .map_or_else(Vec::new, Lanes::fetches_under_compute),
+        steps_busy_ms: lanes.as_ref().map_or_else(Vec::new, Lanes::steps_busy_ms),
         losses,
         masters,
         sha256,
@@ -205,23 +211,21 @@ fn train_on(
     }
 }
 
-/// From a timeline's trace: each `params` span (a unit's params
-/// fetched; with several ranks, their gather) and the `device: compute`
-/// span of another unit it overlapped, if any.
-fn fetches_under_compute(trace: &Value) -> Vec<(String, Option<String>)> {
-    let events = trace["traceEvents"].as_array().unwrap();
-    let tid = |lane: &str| {
-        events
+/// A timeline's trace (`Timeline::to_json`), read by lane.
+struct Lanes(Value);
+
+impl Lanes {
+    /// The spans of `lane`: name, start and end (µs).
+    fn spans(&self, lane: &str) -> Vec<(String, f64, f64)> {
+        let events = self.0["traceEvents"].as_array().unwrap();
+        let tid = events
             .iter()
             .find(|e| e["ph"] == "M" && e["args"]["name"] == lane)
             .map(|e| e["tid"].clone())
-            .unwrap()
-    };
-    let (params, compute) = (tid("params"), tid("device: compute"));
-    let spans = |t: &Value| -> Vec<(String, f64, f64)> {
+            .unwrap();
         events
             .iter()
-            .filter(|e| e["ph"] == "X" && &e["tid"] == t)
+            .filter(|e| e["ph"] == "X" && e["tid"] == tid)
             .map(|e| {
                 let ts = e["ts"].as_f64().unwrap();
                 (
@@ -231,30 +235,52 @@ fn fetches_under_compute(trace: &Value) -> Vec<(String, Option<String>)> {
                 )
             })
             .collect()
-    };
-    let on_device = spans(&compute);
-    spans(&params)
-        .into_iter()
-        .map(|(name, a, b)| {
-            // "u3 fwd" is unit 3's; a device span of unit 3 does not count.
-            let unit = name
-                .split_whitespace()
-                .next()
-                .unwrap_or("")
-                .trim_start_matches('u');
-            let own = format!("unit {unit}");
-            let under = on_device
-                .iter()
-                .find(|(n, c, d)| !n.ends_with(&own) && *c < b && a < *d)
-                .map(|(n, ..)| n.clone());
-            (name, under)
-        })
-        .collect()
+    }
+
+    /// Each `params` span (a unit's params fetched; with several ranks,
+    /// their gather) and the `device: compute` span of another unit it
+    /// overlapped, if any.
+    fn fetches_under_compute(&self) -> Vec<(String, Option<String>)> {
+        let on_device = self.spans("device: compute");
+        self.spans("params")
+            .into_iter()
+            .map(|(name, a, b)| {
+                // "u3 fwd" is unit 3's; a device span of unit 3 does not count.
+                let unit = name
+                    .split_whitespace()
+                    .next()
+                    .unwrap_or("")
+                    .trim_start_matches('u');
+                let own = format!("unit {unit}");
+                let under = on_device
+                    .iter()
+                    .find(|(n, c, d)| !n.ends_with(&own) && *c < b && a < *d)
+                    .map(|(n, ..)| n.clone());
+                (name, under)
+            })
+            .collect()
+    }
+
+    /// Each `step` span's milliseconds and the device's compute in it.
+    fn steps_busy_ms(&self) -> Vec<(f64, f64)> {
+        let on_device = self.spans("device: compute");
+        self.spans("step")
+            .into_iter()
+            .map(|(_, a, b)| {
+                let busy: f64 = on_device
+                    .iter()
+                    .map(|(_, c, d)| (d.min(b) - c.max(a)).max(0.0))
+                    .sum();
+                ((b - a) / 1e3, busy / 1e3)
+            })
+            .collect()
+    }
 }
 
 fn out_to_json(o: &Out) -> Value {
     json!({
         "fetches": o.fetches,
+        "steps_busy_ms": o.steps_busy_ms,
         "losses": o.losses.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
         "masters": o.masters.iter()
             .map(|m| m.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
@@ -294,6 +320,7 @@ fn out_from_json(v: &Value) -> Out {
         opt_buffers_bytes: v["opt_buffers_bytes"].as_u64().unwrap(),
         shard_numel: v["shard_numel"].as_u64().unwrap(),
         fetches: serde_json::from_value(v["fetches"].clone()).unwrap(),
+        steps_busy_ms: serde_json::from_value(v["steps_busy_ms"].clone()).unwrap(),
     }
 }
 
@@ -570,6 +597,12 @@ fn the_device_tier_on_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
     for (r, o) in ranks.iter().enumerate() {
         for (name, under) in &o.fetches {
             println!("rank {r}: params {name}: under {under:?}");
+        }
+        for (step_ms, busy_ms) in &o.steps_busy_ms {
+            println!(
+                "rank {r}: a step of {step_ms:.1} ms, the device computing {busy_ms:.1} ms ({:.1} %)",
+                100.0 * busy_ms / step_ms
+            );
         }
         for (fetch, compute) in [
             ("u2 fwd", "forward unit 1"),

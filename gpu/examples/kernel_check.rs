@@ -570,23 +570,16 @@ where
                 up::<T>(dev, &r::cast::<T, f32>(&b))?,
             );
             let mut gc = up::<T>(dev, &r::cast::<T, f32>(&c))?;
+            let s = MatmulShape {
+                batch,
+                m,
+                n,
+                k,
+                trans_a: ta,
+                trans_b: tb,
+            };
             r::matmul(&mut c, &a, &b, batch, (m, n, k), (ta, tb), 0.5, 1.0);
-            ops::matmul(
-                dev,
-                &mut gc,
-                &ga,
-                &gb,
-                MatmulShape {
-                    batch,
-                    m,
-                    n,
-                    k,
-                    trans_a: ta,
-                    trans_b: tb,
-                },
-                0.5,
-                1.0,
-            )?;
+            ops::matmul(dev, &mut gc, &ga, &gb, s, 0.5, 1.0)?;
             rep.compare(
                 &name("matmul"),
                 &format!("{m}x{n}x{k} t{}{}", ta as u8, tb as u8),
@@ -598,14 +591,6 @@ where
             // Device::alloc_output): cuBLAS must not read it.
             let mut gc0 = poisoned::<T>(dev, c.len())?;
             r::matmul(&mut c, &a, &b, batch, (m, n, k), (ta, tb), 1.0, 0.0);
-            let s = MatmulShape {
-                batch,
-                m,
-                n,
-                k,
-                trans_a: ta,
-                trans_b: tb,
-            };
             ops::matmul(dev, &mut gc0, &ga, &gb, s, 1.0, 0.0)?;
             rep.compare(
                 &name("matmul"),

@@ -444,15 +444,17 @@ impl Device {
         })
     }
 
-    /// `bytes` of the budget for `what`, kept by the buffer `alloc` makes
-    /// (given back if it fails with the driver error of `call`).
+    /// The bytes of `len` elements of `T` from the budget for `what`, kept
+    /// by the buffer `alloc` makes (given back if it fails with the driver
+    /// error of `call`).
     fn counted<T>(
         &self,
         what: &str,
-        bytes: u64,
+        len: usize,
         call: &'static str,
         alloc: impl FnOnce() -> std::result::Result<CudaSlice<T>, cudarc::driver::DriverError>,
     ) -> Result<DeviceBuffer<T>> {
+        let bytes = (len as u64).saturating_mul(std::mem::size_of::<T>() as u64);
         self.budget.take(what, bytes)?;
         match alloc() {
             Ok(slice) => Ok(DeviceBuffer {
@@ -473,8 +475,7 @@ impl Device {
         what: &str,
         len: usize,
     ) -> Result<DeviceBuffer<T>> {
-        let bytes = (len * std::mem::size_of::<T>()) as u64;
-        self.counted(what, bytes, "cuMemAlloc", || {
+        self.counted(what, len, "cuMemAlloc", || {
             self.compute.alloc_zeros::<T>(len)
         })
     }
@@ -493,8 +494,7 @@ impl Device {
         what: &str,
         len: usize,
     ) -> Result<DeviceBuffer<T>> {
-        let bytes = (len * std::mem::size_of::<T>()) as u64;
-        self.counted(what, bytes, "cuMemAlloc", || {
+        self.counted(what, len, "cuMemAlloc", || {
             // SAFETY: the memory is device memory, never read on the host
             // as `T` before a download, and every bit pattern is a valid
             // f32, bf16 or f16 (`Elem`'s types), so unset contents are
@@ -513,8 +513,7 @@ impl Device {
         what: &str,
         len: usize,
     ) -> Result<DeviceBuffer<T>> {
-        let bytes = (len * std::mem::size_of::<T>()) as u64;
-        self.counted(what, bytes, "cuMemAlloc", || {
+        self.counted(what, len, "cuMemAlloc", || {
             // SAFETY: the memory is uninitialised; the caller's copy on
             // the same stream writes every element before any kernel
             // reads it (the compute stream waits on that copy's event),
@@ -527,8 +526,7 @@ impl Device {
     /// A copy of `host` on the device, for `what` (queued on the compute
     /// stream: later kernels there see it).
     pub fn upload<T: DeviceRepr>(&self, what: &str, host: &[T]) -> Result<DeviceBuffer<T>> {
-        let bytes = std::mem::size_of_val(host) as u64;
-        self.counted(what, bytes, "cuMemcpyHtoD", || {
+        self.counted(what, host.len(), "cuMemcpyHtoD", || {
             self.compute.clone_htod(host)
         })
     }

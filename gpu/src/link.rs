@@ -105,46 +105,28 @@ use crate::device::{driver_err as driver, Device, DeviceBuffer};
 use crate::unit::DevBuf;
 use crate::Result;
 
-/// An upload in flight: its destination, its staging buffer and the event
-/// recorded after its copy.
+/// An upload in flight: the buffer its copy writes, its staging buffer
+/// and the event recorded after its copy.
 #[derive(Debug)]
-pub enum PendingUpload {
-    /// fp32 elements, copied into the destination itself.
-    F32 {
-        /// The destination.
-        dst: DeviceBuffer<f32>,
-        /// The staging buffer the copy reads (None: the copy reads the
-        /// host's registered memory in place, [`Uploads::start_pinned`]).
-        staging: Option<Staging<f32>>,
-        /// Recorded after the copy.
-        event: CudaEvent,
-        /// What `finish` hands over.
-        role: Role,
-    },
-    /// bf16 elements, copied as they are (half the bytes) into a bf16
-    /// buffer: kept so, or widened to fp32 on the compute stream by
-    /// `finish` ([`Role`]).
-    Bf16 {
-        /// The bf16 copy on the device.
-        narrow: DeviceBuffer<bf16>,
-        /// The staging buffer the copy reads (None: in place).
-        staging: Option<Staging<bf16>>,
-        /// Recorded after the copy.
-        event: CudaEvent,
-        /// What `finish` hands over.
-        role: Role,
-    },
-    /// fp16 elements, as [`PendingUpload::Bf16`]'s.
-    F16 {
-        /// The fp16 copy on the device.
-        narrow: DeviceBuffer<f16>,
-        /// The staging buffer the copy reads (None: in place).
-        staging: Option<Staging<f16>>,
-        /// Recorded after the copy.
-        event: CudaEvent,
-        /// What `finish` hands over.
-        role: Role,
-    },
+pub struct PendingUpload {
+    /// The buffer the copy writes, of the elements that cross: fp32, or
+    /// bf16 or fp16 as they are (half the bytes).
+    crossed: DevBuf,
+    /// The staging buffer the copy reads (None: the copy reads the
+    /// host's registered memory in place, [`Uploads::start_pinned`]).
+    staging: Option<AnyStaging>,
+    /// Recorded after the copy.
+    event: CudaEvent,
+    /// What `finish` hands over.
+    role: Role,
+}
+
+/// A staging buffer of one of the element types.
+#[derive(Debug)]
+enum AnyStaging {
+    F32(Staging<f32>),
+    Bf16(Staging<bf16>),
+    F16(Staging<f16>),
 }
 
 /// The element type of a copy in place ([`Uploads::start_pinned`]).
@@ -533,9 +515,9 @@ impl Uploads {
     /// `role`.
     pub fn start(&self, what: &str, host: &[f32], role: Role) -> Result<PendingUpload> {
         let (dst, staging, event) = self.queue(&self.pool, what, host)?;
-        Ok(PendingUpload::F32 {
-            dst,
-            staging: Some(staging),
+        Ok(PendingUpload {
+            crossed: DevBuf::F32(dst),
+            staging: Some(AnyStaging::F32(staging)),
             event,
             role,
         })
@@ -545,9 +527,9 @@ impl Uploads {
     /// upload's bytes) to the device, a `role`.
     pub fn start_bf16(&self, what: &str, host: &[bf16], role: Role) -> Result<PendingUpload> {
         let (narrow, staging, event) = self.queue(&self.pool16, what, host)?;
-        Ok(PendingUpload::Bf16 {
-            narrow,
-            staging: Some(staging),
+        Ok(PendingUpload {
+            crossed: DevBuf::Bf16(narrow),
+            staging: Some(AnyStaging::Bf16(staging)),
             event,
             role,
         })
@@ -557,9 +539,9 @@ impl Uploads {
     /// [`Uploads::start_bf16`] does bf16.
     pub fn start_f16(&self, what: &str, host: &[f16], role: Role) -> Result<PendingUpload> {
         let (narrow, staging, event) = self.queue(&self.poolh, what, host)?;
-        Ok(PendingUpload::F16 {
-            narrow,
-            staging: Some(staging),
+        Ok(PendingUpload {
+            crossed: DevBuf::F16(narrow),
+            staging: Some(AnyStaging::F16(staging)),
             event,
             role,
         })
@@ -636,39 +618,39 @@ impl Uploads {
             });
         }
         let numel = len_bytes / elem_bytes;
-        let role = Role::Param;
-        Ok(match wire {
+        let (crossed, event) = match wire {
+            Wire::F32 => {
+                let (d, ev) = self.copy_pinned_new::<f32>(what, pin, numel)?;
+                (DevBuf::F32(d), ev)
+            }
             Wire::Bf16 => {
-                let mut narrow = self.dst::<bf16>(what, numel)?;
-                let event = self.copy_pinned(what, pin, narrow.slice_mut())?;
-                PendingUpload::Bf16 {
-                    narrow,
-                    staging: None,
-                    event,
-                    role,
-                }
+                let (d, ev) = self.copy_pinned_new::<bf16>(what, pin, numel)?;
+                (DevBuf::Bf16(d), ev)
             }
             Wire::F16 => {
-                let mut narrow = self.dst::<f16>(what, numel)?;
-                let event = self.copy_pinned(what, pin, narrow.slice_mut())?;
-                PendingUpload::F16 {
-                    narrow,
-                    staging: None,
-                    event,
-                    role,
-                }
+                let (d, ev) = self.copy_pinned_new::<f16>(what, pin, numel)?;
+                (DevBuf::F16(d), ev)
             }
-            Wire::F32 => {
-                let mut dst = self.dst::<f32>(what, numel)?;
-                let event = self.copy_pinned(what, pin, dst.slice_mut())?;
-                PendingUpload::F32 {
-                    dst,
-                    staging: None,
-                    event,
-                    role,
-                }
-            }
+        };
+        Ok(PendingUpload {
+            crossed,
+            staging: None,
+            event,
+            role: Role::Param,
         })
+    }
+
+    /// A new destination of `numel` elements and [`Uploads::copy_pinned`]
+    /// of `pin` into it.
+    fn copy_pinned_new<T: cudarc::driver::DeviceRepr>(
+        &self,
+        what: &str,
+        pin: tierzero_swap::ReadPin,
+        numel: usize,
+    ) -> Result<(DeviceBuffer<T>, CudaEvent)> {
+        let mut dst = self.dst::<T>(what, numel)?;
+        let event = self.copy_pinned(what, pin, dst.slice_mut())?;
+        Ok((dst, event))
     }
 
     /// Queues the copy of `pin` into `dst` on the h2d stream and records
@@ -751,44 +733,19 @@ impl Uploads {
     /// there, the buffer it crossed into let go after that
     /// ([`Role::Input`]).
     pub fn finish(&self, u: PendingUpload) -> Result<DevBuf> {
-        let (crossed, role) = match u {
-            PendingUpload::F32 {
-                dst,
-                staging,
-                event,
-                role,
-            } => {
-                self.compute_waits(&event)?;
-                if let Some(staging) = staging {
-                    locked(&self.pool).retiring.push_back((event, staging));
-                }
-                (DevBuf::F32(dst), role)
-            }
-            PendingUpload::Bf16 {
-                narrow,
-                staging,
-                event,
-                role,
-            } => {
-                self.compute_waits(&event)?;
-                if let Some(staging) = staging {
-                    locked(&self.pool16).retiring.push_back((event, staging));
-                }
-                (DevBuf::Bf16(narrow), role)
-            }
-            PendingUpload::F16 {
-                narrow,
-                staging,
-                event,
-                role,
-            } => {
-                self.compute_waits(&event)?;
-                if let Some(staging) = staging {
-                    locked(&self.poolh).retiring.push_back((event, staging));
-                }
-                (DevBuf::F16(narrow), role)
-            }
-        };
+        let PendingUpload {
+            crossed,
+            staging,
+            event,
+            role,
+        } = u;
+        self.compute_waits(&event)?;
+        match staging {
+            Some(AnyStaging::F32(s)) => locked(&self.pool).retiring.push_back((event, s)),
+            Some(AnyStaging::Bf16(s)) => locked(&self.pool16).retiring.push_back((event, s)),
+            Some(AnyStaging::F16(s)) => locked(&self.poolh).retiring.push_back((event, s)),
+            None => {}
+        }
         self.reap_freed()?;
         if role == Role::Param {
             return Ok(crossed);

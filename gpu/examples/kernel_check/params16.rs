@@ -17,14 +17,13 @@ use super::{data, Report};
 /// through an exact widening, and the device optimizer's rounding writes
 /// bf16 ones directly. Reported as `param16.*`.
 pub(super) fn check_params16(dev: &Device, rep: &mut Report) -> Result<()> {
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     let same = |rep: &mut Report, what: &str, size: &str, a: Vec<f32>, b: Vec<f32>| {
         let differ = a
             .iter()
             .zip(&b)
             .filter(|(x, y)| x.to_bits() != y.to_bits())
             .count();
-        let ok = a.len() == b.len() && !a.is_empty() && bits(&a) == bits(&b);
+        let ok = a.len() == b.len() && !a.is_empty() && differ == 0;
         rep.check(
             &format!("param16.{what}"),
             size,
@@ -47,30 +46,9 @@ pub(super) fn check_params16(dev: &Device, rep: &mut Report) -> Result<()> {
     let wide = |v: &[f32]| -> Result<DevBuf> { Ok(DevBuf::F32(dev.upload("fp32 param", v)?)) };
     let size = format!("{rows}x{out}x{cols}");
     for gemm in [GemmDtype::F32, GemmDtype::Bf16, GemmDtype::F16] {
-        let e = CudaExec { dev, gemm };
-        let gx = e.upload("x", &x)?;
-        let s = MatmulShape {
-            batch: 1,
-            m: rows,
-            n: out,
-            k: cols,
-            trans_a: false,
-            trans_b: false,
-        };
-        let mut got = Vec::new();
-        for w in [narrow(&w32)?, wide(&w32)?] {
-            let mut c = e.output("c", rows * out)?;
-            e.matmul(&mut c, &gx, &w, s, 0.0)?;
-            got.push(e.download(&c)?);
-        }
-        let b = got.pop().unwrap_or_default();
-        same(
-            rep,
-            &format!("matmul_{gemm:?}"),
-            &size,
-            got.pop().unwrap_or_default(),
-            b,
-        );
+        let got = gemm_out(dev, gemm, &x, narrow(&w32)?, (rows, out, cols))?;
+        let want = gemm_out(dev, gemm, &x, wide(&w32)?, (rows, out, cols))?;
+        same(rep, &format!("matmul_{gemm:?}"), &size, got, want);
     }
     let e = CudaExec {
         dev,
@@ -151,30 +129,9 @@ pub(super) fn check_params16(dev: &Device, rep: &mut Report) -> Result<()> {
     };
     let size = format!("{rows}x{out}x{cols}");
     for gemm in [GemmDtype::F32, GemmDtype::F16] {
-        let e = CudaExec { dev, gemm };
-        let gx = e.upload("x", &x)?;
-        let s = MatmulShape {
-            batch: 1,
-            m: rows,
-            n: out,
-            k: cols,
-            trans_a: false,
-            trans_b: false,
-        };
-        let mut got = Vec::new();
-        for w in [half16(&h32)?, wide(&h32)?] {
-            let mut c = e.output("c", rows * out)?;
-            e.matmul(&mut c, &gx, &w, s, 0.0)?;
-            got.push(e.download(&c)?);
-        }
-        let b = got.pop().unwrap_or_default();
-        same(
-            rep,
-            &format!("f16.matmul_{gemm:?}"),
-            &size,
-            got.pop().unwrap_or_default(),
-            b,
-        );
+        let got = gemm_out(dev, gemm, &x, half16(&h32)?, (rows, out, cols))?;
+        let want = gemm_out(dev, gemm, &x, wide(&h32)?, (rows, out, cols))?;
+        same(rep, &format!("f16.matmul_{gemm:?}"), &size, got, want);
     }
     let g16: Vec<f32> = r::cast(&r::cast::<f32, f16>(&g));
     let b16: Vec<f32> = r::cast(&r::cast::<f32, f16>(&b));
@@ -212,4 +169,28 @@ pub(super) fn check_params16(dev: &Device, rep: &mut Report) -> Result<()> {
         e.download(&w2)?,
     );
     Ok(())
+}
+
+/// `x` [rows, k] times the param `w` [k, n] on an executor with `gemm`
+/// operands, downloaded.
+fn gemm_out(
+    dev: &Device,
+    gemm: GemmDtype,
+    x: &[f32],
+    w: DevBuf,
+    (rows, n, k): (usize, usize, usize),
+) -> Result<Vec<f32>> {
+    let e = CudaExec { dev, gemm };
+    let gx = e.upload("x", x)?;
+    let s = MatmulShape {
+        batch: 1,
+        m: rows,
+        n,
+        k,
+        trans_a: false,
+        trans_b: false,
+    };
+    let mut c = e.output("c", rows * n)?;
+    e.matmul(&mut c, &gx, &w, s, 0.0)?;
+    e.download(&c)
 }

@@ -131,11 +131,13 @@ pub struct CudaExec<'a> {
     pub gemm: GemmDtype,
 }
 
-/// `x` cast to a 16-bit type (bf16 or fp16) in a scratch buffer (the
-/// cast writes every element).
-fn to_half<T: ops::Elem>(dev: &Device, x: &DeviceBuffer<f32>) -> Result<DeviceBuffer<T>> {
-    let mut out = dev.alloc_output("16-bit GEMM operand", x.len())?;
-    ops::cast(dev, &mut out, x)?;
+/// `x` cast to `T` in a scratch buffer (the cast writes every element).
+fn cast_copy<T: ops::Elem, S: ops::Elem>(
+    dev: &Device,
+    x: &DeviceBuffer<S>,
+) -> Result<DeviceBuffer<T>> {
+    let mut out = dev.alloc_output("cast operand", x.len())?;
+    ops::cast::<S, T>(dev, &mut out, x)?;
     Ok(out)
 }
 
@@ -159,14 +161,12 @@ impl<T> std::ops::Deref for As<'_, T> {
     }
 }
 
-/// `b` cast to `T`, in a scratch buffer.
+/// `b` cast to `T` ([`cast_copy`]), as an [`As`].
 fn cast_to<T: ops::Elem, S: ops::Elem>(
     dev: &Device,
     b: &DeviceBuffer<S>,
 ) -> Result<As<'static, T>> {
-    let mut out = dev.alloc_output("cast operand", b.len())?;
-    ops::cast::<S, T>(dev, &mut out, b)?;
-    Ok(As::Cast(out))
+    Ok(As::Cast(cast_copy(dev, b)?))
 }
 
 /// `b` as fp32: an fp32 buffer as it is, a 16-bit one (a param kept in
@@ -375,7 +375,7 @@ impl Exec for CudaExec<'_> {
             // A param kept in bf16: the rounding is its new bits.
             DevBuf::Bf16(d) => ops::cast(self.dev, d, src),
             DevBuf::F32(d) => {
-                let narrow = to_half::<bf16>(self.dev, src)?;
+                let narrow = cast_copy::<bf16, f32>(self.dev, src)?;
                 ops::cast(self.dev, d, &narrow)
             }
             DevBuf::F16(_) => Err(GpuError::Shape {
@@ -509,8 +509,8 @@ impl Exec for CudaExec<'_> {
         let (bh, seq, hd) = (a.bh, a.seq, a.head_dim);
         let dev = self.dev;
         let (q16, k16) = (
-            to_half::<bf16>(dev, q.f32()?)?,
-            to_half::<bf16>(dev, k.f32()?)?,
+            cast_copy::<bf16, f32>(dev, q.f32()?)?,
+            cast_copy::<bf16, f32>(dev, k.f32()?)?,
         );
         let s16 = fresh16(dev, "attention scores", a.scores_numel(), |s| {
             ops::matmul(
@@ -528,7 +528,7 @@ impl Exec for CudaExec<'_> {
             ops::softmax_causal_fwd(dev, p, &s16, seq, a.scale())
         })?;
         drop(s16);
-        let v16 = to_half::<bf16>(dev, v.f32()?)?;
+        let v16 = cast_copy::<bf16, f32>(dev, v.f32()?)?;
         let o = fresh(dev, "attention output", a.heads_numel(), |o| {
             let s = mm(bh, seq, hd, seq, false, false);
             ops::matmul_16_f32::<bf16>(dev, o, &p16, &v16, s, 1.0, 0.0)
@@ -548,7 +548,7 @@ impl Exec for CudaExec<'_> {
         };
         let (bh, seq, hd) = (a.bh, a.seq, a.head_dim);
         let dev = self.dev;
-        let half = |b: &DevBuf| to_half::<bf16>(dev, b.f32()?);
+        let half = |b: &DevBuf| cast_copy::<bf16, f32>(dev, b.f32()?);
         let (do16, v16) = (half(dout)?, half(v)?);
         let dp16 = fresh16(dev, "probability gradient", a.scores_numel(), |dp| {
             ops::matmul(

@@ -152,30 +152,19 @@ pub(super) struct Aheads<B> {
     head: Mutex<Option<(Tensor, f64)>>,
 }
 
-/// The unit after `unit` in the model's order, if it is a block: the one
-/// whose forward takes `unit`'s output.
-fn next_block(model: &Model, unit: UnitId) -> Option<UnitId> {
+/// The unit after `unit` in the model's order (`after`), or the one
+/// before it, and its kind.
+fn neighbour(model: &Model, unit: UnitId, after: bool) -> Option<(UnitId, UnitKind)> {
     let units = model.units();
     let at = units.iter().position(|u| u.id == unit)?;
-    let next = units.get(at + 1)?;
-    matches!(next.kind, UnitKind::Block { .. }).then_some(next.id)
-}
-
-/// The unit after `unit` in the model's order, if it is the head.
-fn next_head(model: &Model, unit: UnitId) -> Option<UnitId> {
-    let units = model.units();
-    let at = units.iter().position(|u| u.id == unit)?;
-    let next = units.get(at + 1)?;
-    (next.kind == UnitKind::Head).then_some(next.id)
+    let n = units.get(if after { at + 1 } else { at.checked_sub(1)? })?;
+    Some((n.id, n.kind))
 }
 
 /// The unit before `unit` in the model's order, unless it is the head:
 /// the one whose backward takes `unit`'s input gradient.
 fn prev_unit(model: &Model, unit: UnitId) -> Option<UnitId> {
-    let units = model.units();
-    let at = units.iter().position(|u| u.id == unit)?;
-    let prev = units.get(at.checked_sub(1)?)?;
-    (prev.kind != UnitKind::Head).then_some(prev.id)
+    neighbour(model, unit, false).and_then(|(id, kind)| (kind != UnitKind::Head).then_some(id))
 }
 
 fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -390,8 +379,11 @@ impl<B> Aheads<B> {
         Ok((ids.len() == params.len() && holder.ready(ids)).then_some(params))
     }
 
-    /// Launches the forward of the block after `unit` on `host`, `unit`'s
-    /// output, if the engine staged it and its params are ready.
+    /// Launches, on `host`, `unit`'s output, the unit after it if the
+    /// engine staged it and its params are ready: a block's forward, or
+    /// the head's forward and backward (its loss and gradients) with the
+    /// micro-batch's targets and loss scale (the engine then fetches the
+    /// last block's params for its backward while the head computes).
     fn launch_forward<L: DeviceLink<Buf = B>>(
         &self,
         holder: &impl Holder<L>,
@@ -399,71 +391,47 @@ impl<B> Aheads<B> {
         unit: UnitId,
         host: &Tensor,
     ) -> Result<(), ModelError> {
-        let Some(next) = next_block(model, unit) else {
-            return self.launch_head(holder, model, unit, host);
+        let Some((next, kind)) = neighbour(model, unit, true) else {
+            return Ok(());
+        };
+        let head = match kind {
+            UnitKind::Block { .. } => None,
+            UnitKind::Head => match locked(&self.head).clone() {
+                Some(h) => Some(h),
+                None => return Ok(()),
+            },
+            UnitKind::Embedding => return Ok(()),
         };
         let Some(params) = self.staged_ready(holder, model, next)? else {
             return Ok(());
         };
-        let (ids, bufs) = holder.take_params(model, next, &params)?;
-        let out = holder.inputs().forward_on(
-            holder.link(),
-            model,
-            next,
-            (&params, &bufs),
-            UnitInput::Hidden(host),
-        );
-        self.hold(
-            holder,
-            next,
-            (host, None, None),
-            params,
-            (ids, bufs),
-            out.map(Launched::Forward),
-        )
-    }
-
-    /// Launches the head's forward and backward (its loss and gradients)
-    /// on `host`, the last block's output, with the micro-batch's targets
-    /// and loss scale, if the engine staged the head and its params are
-    /// ready: the engine then fetches the last block's params for its
-    /// backward while the head computes.
-    fn launch_head<L: DeviceLink<Buf = B>>(
-        &self,
-        holder: &impl Holder<L>,
-        model: &Model,
-        unit: UnitId,
-        host: &Tensor,
-    ) -> Result<(), ModelError> {
-        let Some(head) = next_head(model, unit) else {
-            return Ok(());
-        };
-        let Some((targets, scale)) = locked(&self.head).clone() else {
-            return Ok(());
-        };
-        let Some(params) = self.staged_ready(holder, model, head)? else {
-            return Ok(());
-        };
-        let (ids, bufs) = holder.take_params(model, head, &params)?;
-        let dev = holder.inputs().backward_dev(
-            holder.link(),
-            model,
-            head,
-            (&params, &bufs),
-            UnitInput::HiddenWithTargets {
-                hidden: host,
-                targets: &targets,
-            },
-            Upstream::LossScale(scale),
-        );
-        self.hold(
-            holder,
-            head,
-            (host, Some(&targets), Some(Up::Scale(scale.to_bits()))),
-            params,
-            (ids, bufs),
-            dev.map(Launched::Backward),
-        )
+        let (link, inputs) = (holder.link(), holder.inputs());
+        match &head {
+            None => self.launch(holder, model, next, params, (host, None, None), |p, b| {
+                inputs
+                    .forward_on(link, model, next, (p, b), UnitInput::Hidden(host))
+                    .map(Launched::Forward)
+            }),
+            Some((targets, scale)) => {
+                let key = (host, Some(targets), Some(Up::Scale(scale.to_bits())));
+                self.launch(holder, model, next, params, key, |p, b| {
+                    let input = UnitInput::HiddenWithTargets {
+                        hidden: host,
+                        targets,
+                    };
+                    inputs
+                        .backward_dev(
+                            link,
+                            model,
+                            next,
+                            (p, b),
+                            input,
+                            Upstream::LossScale(*scale),
+                        )
+                        .map(Launched::Backward)
+                })
+            }
+        }
     }
 
     /// Launches the backward of the unit before `unit` on `dx`, `unit`'s
@@ -489,38 +457,30 @@ impl<B> Aheads<B> {
             UnitKind::Embedding => UnitInput::Tokens(&x),
             _ => UnitInput::Hidden(&x),
         };
-        let (ids, bufs) = holder.take_params(model, prev, &params)?;
-        let dev = holder.inputs().backward_dev(
-            holder.link(),
-            model,
-            prev,
-            (&params, &bufs),
-            input,
-            Upstream::Grad(dx),
-        );
-        self.hold(
-            holder,
-            prev,
-            (&x, None, Some(Up::Grad(dx.id()))),
-            params,
-            (ids, bufs),
-            dev.map(Launched::Backward),
-        )
+        let (link, inputs) = (holder.link(), holder.inputs());
+        let key = (&x, None, Some(Up::Grad(dx.id())));
+        self.launch(holder, model, prev, params, key, |p, b| {
+            inputs
+                .backward_dev(link, model, prev, (p, b), input, Upstream::Grad(dx))
+                .map(Launched::Backward)
+        })
     }
 
-    /// Keeps what a unit launched on (`(input, targets, upstream)`),
-    /// until its call; a launch that failed gives its params back and
-    /// fails.
-    fn hold<L: DeviceLink<Buf = B>>(
+    /// Launches `unit` on its staged host `params`, taken from the holder
+    /// (`run`), and keeps what it launched on (`(input, targets,
+    /// upstream)`) with its results until its call; a launch that failed
+    /// gives its params back and fails.
+    fn launch<L: DeviceLink<Buf = B>>(
         &self,
         holder: &impl Holder<L>,
+        model: &Model,
         unit: UnitId,
-        (input, targets, upstream): (&Tensor, Option<&Tensor>, Option<Up>),
         params: Vec<Tensor>,
-        (ids, bufs): (Vec<ParamId>, Vec<B>),
-        out: Result<Launched<B>, ModelError>,
+        (input, targets, upstream): (&Tensor, Option<&Tensor>, Option<Up>),
+        run: impl FnOnce(&[Tensor], &[B]) -> Result<Launched<B>, ModelError>,
     ) -> Result<(), ModelError> {
-        let out = match out {
+        let (ids, bufs) = holder.take_params(model, unit, &params)?;
+        let out = match run(&params, &bufs) {
             Ok(o) => o,
             Err(e) => {
                 holder.give_params(&ids, bufs)?;
