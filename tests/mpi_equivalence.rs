@@ -34,7 +34,7 @@ use engine_support::{corpus, ds_config, scratch, Knobs};
 use serde_json::{json, Value};
 use tierzero::config::{load_str, PathChecks, RunContext};
 use tierzero::engine::comm::mpi::MpiComm;
-use tierzero::engine::device::sim::{SimConfig, SimDevice};
+use tierzero::engine::device::sim::{SimConfig, SimDevice, SimProbe};
 use tierzero::engine::device::{TierLimits, TieredUnits};
 use tierzero::engine::{Comm, SingleRank, Timeline, Trainer, TrainerOptions};
 use tierzero::model::exec_units::ReferenceUnits;
@@ -80,6 +80,9 @@ struct Out {
     param_gathers: u64,
     /// Reduce-scatters of gradients, every step.
     grad_reduces: u64,
+    /// Of those, units' gradients reduce-scattered on the (simulated)
+    /// device.
+    device_reduces: u64,
     /// On the simulated tier, the timeline's steps 2 and 3: each unit's
     /// params fetched (with several ranks, gathered), and the device
     /// compute span of another unit it ran under, if any.
@@ -105,6 +108,13 @@ enum Compute {
     /// compute taking [`SIM_UNIT_COMPUTE`] on the device's clock while the
     /// host goes on.
     SimTier,
+    /// [`Compute::SimTier`], its device with collectives of its own (as
+    /// NCCL gives a GPU): gradients reduce-scattered on the device, only
+    /// this rank's sums brought down. No compute delay.
+    SimReduce,
+    /// [`Compute::SimTier`] with no compute delay: the gradients
+    /// reduce-scattered on the host.
+    SimHost,
 }
 
 impl Compute {
@@ -113,15 +123,48 @@ impl Compute {
             Compute::Cpu => "cpu",
             Compute::Reference => "reference",
             Compute::SimTier => "sim",
+            Compute::SimReduce => "sim-reduce",
+            Compute::SimHost => "sim-host",
         }
     }
     fn parse(s: Option<&str>) -> Compute {
         match s {
             Some("reference") => Compute::Reference,
             Some("sim") => Compute::SimTier,
+            Some("sim-reduce") => Compute::SimReduce,
+            Some("sim-host") => Compute::SimHost,
             _ => Compute::Cpu,
         }
     }
+}
+
+/// The units behind the device tier on a simulated device whose units
+/// compute `compute_delay` on its clock, with collectives of its own over
+/// `comm` if given; and the device's counters.
+fn sim_tier(
+    compute_delay: Duration,
+    comm: Option<Arc<dyn Comm>>,
+) -> (Arc<dyn tierzero::model::exec_units::UnitCompute>, SimProbe) {
+    let mut dev = SimDevice::new(SimConfig {
+        budget_bytes: 64 << 20,
+        copy_delay: Duration::from_millis(1),
+        h2d_bytes_per_s: None,
+        staging_slots: 4,
+        gemm: GemmDtype::F32,
+        fail_upload: None,
+        compute_delay,
+    })
+    .unwrap();
+    if let Some(c) = comm {
+        dev = dev.with_collectives(c);
+    }
+    let probe = dev.probe();
+    let limits = TierLimits {
+        prefetch_numel: u64::MAX,
+        max_live_numel: u64::MAX,
+        cache_bytes: 0,
+    };
+    (Arc::new(TieredUnits::new(dev, limits).unwrap()), probe)
 }
 
 fn train(cfg: &Value, ranks: u64, model: &Path, steps: u64, comm: Arc<dyn Comm>) -> Out {
@@ -144,7 +187,8 @@ fn train_on(
     let loaded = load_str(&cfg.to_string(), &run).unwrap();
     let md = ModelDir::open(model, SEED).unwrap();
     let mut opts = TrainerOptions::cpu(SEED, SEQ);
-    opts.comm = comm;
+    opts.comm = comm.clone();
+    let mut probe = None;
     match compute {
         Compute::Cpu => {}
         Compute::Reference => {
@@ -153,23 +197,14 @@ fn train_on(
             }))
         }
         Compute::SimTier => {
-            let dev = SimDevice::new(SimConfig {
-                budget_bytes: 64 << 20,
-                copy_delay: Duration::from_millis(1),
-                h2d_bytes_per_s: None,
-                staging_slots: 4,
-                gemm: GemmDtype::F32,
-                fail_upload: None,
-                compute_delay: SIM_UNIT_COMPUTE,
-            })
-            .unwrap();
-            let limits = TierLimits {
-                prefetch_numel: u64::MAX,
-                max_live_numel: u64::MAX,
-                cache_bytes: 0,
-            };
-            opts.compute = Some(Arc::new(TieredUnits::new(dev, limits).unwrap()));
+            opts.compute = Some(sim_tier(SIM_UNIT_COMPUTE, None).0);
             opts.timeline = Some(Timeline::new(2, 3));
+        }
+        Compute::SimHost => opts.compute = Some(sim_tier(Duration::ZERO, None).0),
+        Compute::SimReduce => {
+            let (units, p) = sim_tier(Duration::ZERO, Some(comm));
+            opts.compute = Some(units);
+            probe = Some(p);
         }
     }
     let timeline = opts.timeline.clone();
@@ -205,6 +240,7 @@ fn train_on(
         d2h_bytes,
         param_gathers,
         grad_reduces,
+        device_reduces: probe.map_or(0, |p| p.reduces()),
         file_bytes: usage.file_bytes,
         opt_buffers_bytes: usage.optimizer_buffers_bytes,
         shard_numel,
@@ -292,6 +328,7 @@ fn out_to_json(o: &Out) -> Value {
         "d2h_bytes": o.d2h_bytes,
         "param_gathers": o.param_gathers,
         "grad_reduces": o.grad_reduces,
+        "device_reduces": o.device_reduces,
         "file_bytes": o.file_bytes,
         "opt_buffers_bytes": o.opt_buffers_bytes,
         "shard_numel": o.shard_numel,
@@ -316,6 +353,7 @@ fn out_from_json(v: &Value) -> Out {
         d2h_bytes: v["d2h_bytes"].as_u64().unwrap(),
         param_gathers: v["param_gathers"].as_u64().unwrap(),
         grad_reduces: v["grad_reduces"].as_u64().unwrap(),
+        device_reduces: v["device_reduces"].as_u64().unwrap(),
         file_bytes: v["file_bytes"].as_u64().unwrap(),
         opt_buffers_bytes: v["opt_buffers_bytes"].as_u64().unwrap(),
         shard_numel: v["shard_numel"].as_u64().unwrap(),
@@ -622,6 +660,90 @@ fn the_device_tier_on_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
                 assert_eq!(under.as_deref(), Some(compute), "rank {r}: {fetch}");
             }
         }
+    }
+}
+
+#[test]
+fn gradients_reduce_scattered_on_the_device_match_one_rank_in_memory_bit_for_bit() {
+    // Issue 23 item 4, by the simulation: each rank's device has
+    // collectives of its own (NCCL on a GPU; here the ranks' MPI
+    // all-to-all on its host-memory buffers), so a block's gradients stay
+    // on the device at its backward's end, are reduce-scattered there
+    // (this rank's chunks added onto its running sums in rank order) and
+    // only this rank's sums come down. Tied embeddings: the head's and
+    // the embedding's units still come down whole (their sum spans two
+    // units). Two micro-batches a step: the second one's running sums go
+    // up first.
+    let (tag, steps, gas) = ("s3-sim-reduce", 4u64, 2u64);
+    let knobs = Knobs {
+        gas,
+        ..Knobs::nvme()
+    };
+    let model = model_dir(tag, true);
+    let multi_cfg = ds_config(&knobs, &scratch("mpi-swap"), steps);
+    let one = Knobs {
+        gas: gas * 2,
+        ..knobs.clone()
+    };
+    let one_cfg = ds_config(&one, &scratch("mpi-swap1"), steps);
+    let reference = train_on(
+        &one_cfg,
+        1,
+        &model,
+        steps,
+        Arc::new(SingleRank),
+        Compute::Reference,
+    );
+    let host = run_ranks_on(2, &multi_cfg, &model, steps, Compute::SimHost);
+    let device = run_ranks_on(2, &multi_cfg, &model, steps, Compute::SimReduce);
+    assert_bit_identical(
+        "device tier, gradients reduced on the host",
+        &reference,
+        &host,
+    );
+    assert_bit_identical(
+        "device tier, gradients reduced on the device",
+        &reference,
+        &device,
+    );
+    // The two blocks (units 1 and 2) of every micro-batch, on each rank.
+    let block_reduces = 2 * gas * steps;
+    // A block's params (width 64, inner 128): two layer norms, the
+    // attention's qkv and projection, the MLP's two linears, with biases.
+    let (h, inner) = (64u64, 128u64);
+    let block_numel =
+        4 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * inner + inner) + (inner * h + h);
+    for (r, (d, o)) in device.iter().zip(&host).enumerate() {
+        println!(
+            "rank {r}: gradients reduced on the device: d2h {} B, h2d {} B; on the host: d2h {} B, \
+             h2d {} B; {} units reduced on the device",
+            d.d2h_bytes, d.h2d_bytes, o.d2h_bytes, o.h2d_bytes, d.device_reduces
+        );
+        assert_eq!(
+            d.device_reduces, block_reduces,
+            "rank {r}: reduces on the device"
+        );
+        assert_eq!(
+            o.device_reduces, 0,
+            "rank {r}: the host run's device has no collectives"
+        );
+        assert_eq!(
+            d.grad_reduces, o.grad_reduces,
+            "rank {r}: one reduce a unit either way"
+        );
+        // Half of each block's fp32 gradients come down (every count is
+        // even: the two ranks' shards are alike) ...
+        assert_eq!(
+            o.d2h_bytes - d.d2h_bytes,
+            block_reduces * block_numel * 4 / 2,
+            "rank {r}: d2h saved"
+        );
+        // ... and the second micro-batch's running sums go up.
+        assert_eq!(
+            d.h2d_bytes - o.h2d_bytes,
+            2 * steps * block_numel * 4 / 2,
+            "rank {r}: h2d of the running sums"
+        );
     }
 }
 

@@ -142,6 +142,42 @@ pub fn add_chunks_in_rank_order(acc: &mut [f32], chunks: &[f32]) {
     }
 }
 
+/// Several tensors' reduce-scatter as one: `parts[p]` cut into per-rank
+/// chunks of `counts[p][r]` elements; returns every rank's chunks in rank
+/// order, each rank's block holding its chunk of every part in order (the
+/// `full` of [`Comm::reduce_scatter_add_f32`]), and each rank's block
+/// length (its `counts_numel`). The one place that layout is decided: the
+/// trainer's reduce-scatter of a unit's gradients and the device's use it.
+pub fn rank_chunks(parts: &[&[f32]], counts: &[Vec<usize>]) -> Result<(Vec<f32>, Vec<usize>)> {
+    let world = counts.first().map_or(0, Vec::len);
+    if parts.len() != counts.len() {
+        return Err(EngineError::internal(format!(
+            "rank_chunks: {} parts but {} counts",
+            parts.len(),
+            counts.len()
+        )));
+    }
+    for (part, c) in parts.iter().zip(counts) {
+        if c.len() != world || c.iter().sum::<usize>() != part.len() {
+            return Err(EngineError::internal(format!(
+                "rank_chunks: a part of {} elements cut as {c:?} for {world} ranks",
+                part.len()
+            )));
+        }
+    }
+    let mut full = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
+    let mut blocks = vec![0usize; world];
+    let mut at = vec![0usize; parts.len()];
+    for (r, block) in blocks.iter_mut().enumerate() {
+        for ((part, c), at) in parts.iter().zip(counts).zip(at.iter_mut()) {
+            full.extend_from_slice(&part[*at..*at + c[r]]);
+            *at += c[r];
+            *block += c[r];
+        }
+    }
+    Ok((full, blocks))
+}
+
 /// Checks the shapes of a variable-count collective; returns this rank's
 /// offset (elements before its chunk).
 pub fn check_counts(
@@ -228,6 +264,16 @@ mod tests {
         assert!(c.reduce_scatter_add_f32(&[0.5], &[2], &mut acc).is_err());
         assert_eq!(c.all_reduce_sum_f64(2.5).unwrap(), 2.5);
         c.barrier().unwrap();
+    }
+
+    #[test]
+    fn rank_chunks_puts_each_rank_s_chunk_of_every_part_in_its_block() {
+        let (a, b) = ([1f32, 2.0, 3.0], [10f32, 20.0, 30.0, 40.0, 50.0]);
+        let (full, blocks) = rank_chunks(&[&a, &b], &[vec![2, 1], vec![3, 2]]).unwrap();
+        assert_eq!(full, [1.0, 2.0, 10.0, 20.0, 30.0, 3.0, 40.0, 50.0]);
+        assert_eq!(blocks, [5, 3]);
+        assert!(rank_chunks(&[&a], &[vec![2, 2]]).is_err());
+        assert!(rank_chunks(&[&a, &b], &[vec![2, 1]]).is_err());
     }
 
     #[test]

@@ -248,6 +248,7 @@ mod ahead;
 mod choose;
 pub mod cuda;
 mod fill;
+mod grads_out;
 mod inputs;
 mod resident;
 pub mod sim;
@@ -377,6 +378,41 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
     ) -> Result<Self::Download, ModelError>;
     /// The downloaded elements: waits for the copy, then frees its source.
     fn finish_download(&self, d: Self::Download) -> Result<HostVec, ModelError>;
+    /// Whether it reduce-scatters gradients among the ranks on the device
+    /// ([`DeviceLink::reduce_grads`]): it has a collective of its own
+    /// (NCCL on the GPU's buffers; the simulated device's, over the
+    /// host's collectives), and there is more than one rank.
+    fn reduces_grads(&self) -> bool {
+        false
+    }
+    /// Several ranks: one unit's gradients `grads` (fp32 as computed, in
+    /// declared order) reduce-scattered on the device, then this rank's
+    /// sums downloaded. Each is rounded to `wire`'s dtype first (the
+    /// values [`DeviceLink::download`] would have brought), and cut into
+    /// per-rank chunks of `counts[p][r]` elements. Chunk `r` of every
+    /// gradient, in order, goes to rank `r`; this rank's chunks from the
+    /// ranks are added onto `acc` (this rank's accumulated shards,
+    /// concatenated in the same order; None: +0.0) one rank after the
+    /// other, in rank order, as [`crate::engine::comm::Comm::reduce_scatter_add_f32`]
+    /// adds them on the host: the same bits. The sums come down as fp32.
+    /// Every rank calls it for the same units in the same order (it is a
+    /// collective). The download owns `grads` until it completes.
+    fn reduce_grads(
+        &self,
+        what: &str,
+        grads: Vec<Self::Buf>,
+        wire: Wire,
+        counts: &[Vec<usize>],
+        acc: Option<&[f32]>,
+    ) -> Result<Self::Download, ModelError> {
+        let _ = (wire, counts, acc);
+        for g in grads {
+            self.free(g);
+        }
+        Err(ModelError::Gpu {
+            what: format!("{what}: this device has no collectives of its own"),
+        })
+    }
     /// The device's memory, for the plan.
     fn memory(&self) -> LinkMemory;
     /// Runs `f`, a unit's compute, as a span of the compute queue: on a

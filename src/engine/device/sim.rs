@@ -56,6 +56,7 @@ use tierzero_gpu::unit::{GemmDtype, HostExec};
 use tierzero_swap::{HostRegistrar, ReadPin};
 
 use super::{DeviceLink, LinkMemory, Staging, Wire};
+use crate::engine::comm::Comm;
 use crate::model::exec_units::{DeviceQueue, DeviceSpan, HostElems, HostVec};
 use crate::model::ModelError;
 
@@ -208,6 +209,8 @@ struct Shared {
     pins_held: AtomicU64,
     downloads_in_flight: AtomicU64,
     downloads: AtomicU64,
+    /// Reduce-scatters of gradients on the device.
+    reduces: AtomicU64,
     spans: Mutex<Vec<DeviceSpan>>,
     /// With a `compute_delay`: when the units launched so far are done
     /// computing, on the device's own clock.
@@ -316,6 +319,11 @@ impl SimProbe {
     pub fn downloads(&self) -> u64 {
         self.shared.downloads.load(Ordering::Relaxed)
     }
+
+    /// Units' gradients reduce-scattered on the device.
+    pub fn reduces(&self) -> u64 {
+        self.shared.reduces.load(Ordering::Relaxed)
+    }
 }
 
 /// An upload on the simulated device.
@@ -355,6 +363,8 @@ pub struct SimDevice {
     /// Registers pages for copies in place (None: it registers nothing,
     /// and every upload goes through staging).
     registrar: Option<Arc<dyn HostRegistrar>>,
+    /// The ranks' collectives its own stand on ([`SimDevice::with_collectives`]).
+    comm: Option<Arc<dyn Comm>>,
 }
 
 /// An order-sensitive hash of a buffer's bits.
@@ -487,7 +497,19 @@ impl SimDevice {
             downs: Mutex::new(Some(dtx)),
             down_thread: Mutex::new(Some(down_thread)),
             registrar: Some(Arc::new(SimRegistrar)),
+            comm: None,
         })
+    }
+
+    /// The device with collectives of its own among `comm`'s ranks, as
+    /// NCCL gives a GPU: with more than one rank it reduce-scatters the
+    /// gradients on the device ([`DeviceLink::reduce_grads`]). Its memory
+    /// is host memory, so its all-to-all is `comm`'s own
+    /// ([`Comm::reduce_scatter_add_f32`], the same additions in the same
+    /// order as on a GPU); only this rank's sums cross its copy queue out.
+    pub fn with_collectives(mut self, comm: Arc<dyn Comm>) -> Self {
+        self.comm = Some(comm);
+        self
     }
 
     /// The device registering no host memory: every upload goes through
@@ -495,6 +517,40 @@ impl SimDevice {
     pub fn without_registration(mut self) -> Self {
         self.registrar = None;
         self
+    }
+
+    /// Hands `data` to the download thread, to cross as `wire`'s after the
+    /// compute queued before it.
+    fn send_down(&self, what: &str, data: Vec<f32>, wire: Wire) -> Result<SimDownload, ModelError> {
+        let event = Arc::new(Event::default());
+        self.shared
+            .downloads_in_flight
+            .fetch_add(1, Ordering::Relaxed);
+        let sent = self
+            .downs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|tx| {
+                tx.send(Down {
+                    what: what.to_owned(),
+                    data,
+                    wire,
+                    event: event.clone(),
+                    after: self.shared.compute_until(),
+                })
+            });
+        match sent {
+            Some(Ok(())) => Ok(SimDownload { event }),
+            _ => {
+                self.shared
+                    .downloads_in_flight
+                    .fetch_sub(1, Ordering::Relaxed);
+                Err(ModelError::Gpu {
+                    what: "simulated device: the download thread has stopped".into(),
+                })
+            }
+        }
     }
 
     /// A handle on the device's counters, valid after the device is gone.
@@ -641,9 +697,14 @@ impl DeviceLink for SimDevice {
                 self.cfg.compute_delay
             )
         };
+        let reduce = if self.reduces_grads() {
+            "; gradients reduce-scattered on the device"
+        } else {
+            ""
+        };
         format!(
             "simulated device ({} budget, {copies}, {} staging buffers; the kernels' scalar \
-             references{compute}), {:?} GEMMs",
+             references{compute}), {:?} GEMMs{reduce}",
             crate::units::format_bytes(self.cfg.budget_bytes),
             self.cfg.staging_slots,
             self.cfg.gemm
@@ -729,35 +790,54 @@ impl DeviceLink for SimDevice {
     fn download(&self, what: &str, buf: Vec<f32>, wire: Wire) -> Result<SimDownload, ModelError> {
         // A buffer downloaded is gone from the device (as `free`).
         self.shared.narrow().remove(&buf_key(&buf));
-        let event = Arc::new(Event::default());
-        self.shared
-            .downloads_in_flight
-            .fetch_add(1, Ordering::Relaxed);
-        let sent = self
-            .downs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .map(|tx| {
-                tx.send(Down {
-                    what: what.to_owned(),
-                    data: buf,
-                    wire,
-                    event: event.clone(),
-                    after: self.shared.compute_until(),
-                })
-            });
-        match sent {
-            Some(Ok(())) => Ok(SimDownload { event }),
-            _ => {
-                self.shared
-                    .downloads_in_flight
-                    .fetch_sub(1, Ordering::Relaxed);
-                Err(ModelError::Gpu {
-                    what: "simulated device: the download thread has stopped".into(),
-                })
-            }
-        }
+        self.send_down(what, buf, wire)
+    }
+
+    fn reduces_grads(&self) -> bool {
+        self.comm.as_ref().is_some_and(|c| c.world_size() > 1)
+    }
+
+    fn reduce_grads(
+        &self,
+        what: &str,
+        grads: Vec<Vec<f32>>,
+        wire: Wire,
+        counts: &[Vec<usize>],
+        acc: Option<&[f32]>,
+    ) -> Result<SimDownload, ModelError> {
+        let comm = self.comm.clone().ok_or_else(|| ModelError::Gpu {
+            what: format!("{what}: the simulated device has no collectives"),
+        })?;
+        let sim_err = |e: crate::engine::EngineError| ModelError::Gpu {
+            what: format!("{what}: {e}"),
+        };
+        // The values a download would have brought: 16-bit gradients
+        // rounded on the device.
+        let rounded: Vec<Vec<f32>> = grads
+            .into_iter()
+            .map(|g| {
+                self.shared.narrow().remove(&buf_key(&g));
+                match wire {
+                    Wire::Bf16 => g
+                        .iter()
+                        .map(|&x| half::bf16::from_f32(x).to_f32())
+                        .collect(),
+                    Wire::F16 => g.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect(),
+                    Wire::F32 => g,
+                }
+            })
+            .collect();
+        let parts: Vec<&[f32]> = rounded.iter().map(Vec::as_slice).collect();
+        let (full, blocks) = crate::engine::comm::rank_chunks(&parts, counts).map_err(sim_err)?;
+        let mine = blocks.get(comm.rank()).copied().unwrap_or(0);
+        let mut sums = match acc {
+            Some(a) => a.to_vec(),
+            None => vec![0f32; mine],
+        };
+        comm.reduce_scatter_add_f32(&full, &blocks, &mut sums)
+            .map_err(sim_err)?;
+        self.shared.reduces.fetch_add(1, Ordering::Relaxed);
+        self.send_down(what, sums, Wire::F32)
     }
 
     fn finish_download(&self, d: SimDownload) -> Result<HostVec, ModelError> {

@@ -1,7 +1,7 @@
 //! [`TieredUnits`]: the device tier's state map and its rules (see the
 //! module docs of [`super`]).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -9,8 +9,9 @@ use candle_core::{DType, Tensor};
 
 use super::ahead::{Aheads, Holder};
 use super::fill::{Fill, Filler, Queued};
+use super::grads_out::GradsOut;
 use super::inputs::{numel_of, output_numel, Inputs};
-use super::{DeviceLink, Wire, ELEM_BYTES};
+use super::{DeviceLink, ELEM_BYTES};
 use crate::model::exec_units::{
     self, DeviceMemoryPlan, DeviceMemoryRow, DeviceSpan, DeviceTraffic, HomePins, UnitCompute,
 };
@@ -272,8 +273,9 @@ pub struct TieredUnits<L: DeviceLink> {
     link: Arc<L>,
     limits: TierLimits,
     state: Mutex<State<Queued<L::Upload>, L::Buf>>,
-    /// Units' param gradients on their way to the host, oldest first.
-    downloads: Mutex<VecDeque<PendingGrads<L::Download>>>,
+    /// Units' param gradients on their way to the host, or kept on the
+    /// device for their reduce-scatter there, oldest first.
+    grads_out: GradsOut<L>,
     /// A unit's inputs, and the output it left on the device.
     inputs: Inputs<L::Buf>,
     /// The unit staged last, and the forward launched ahead.
@@ -283,14 +285,6 @@ pub struct TieredUnits<L: DeviceLink> {
     /// Issues the params' uploads off the engine's thread (last: dropped
     /// after the state, it waits for the uploads it still issues).
     fill: Filler<L>,
-}
-
-/// One unit's param gradients downloading (see [`UnitCompute::take_grads`]).
-struct PendingGrads<D> {
-    unit: UnitId,
-    /// Each param's download, with its host shape, in declared order.
-    grads: Vec<(ParamId, D, Vec<usize>)>,
-    dtype: DType,
 }
 
 impl<L: DeviceLink> std::fmt::Debug for TieredUnits<L> {
@@ -325,7 +319,7 @@ impl<L: DeviceLink + 'static> TieredUnits<L> {
                 traffic: DeviceTraffic::default(),
                 peaks: TierPeaks::default(),
             }),
-            downloads: Mutex::new(VecDeque::new()),
+            grads_out: GradsOut::new(),
             inputs: Inputs::new(),
             aheads: Aheads::new(),
             storage: DType::F32,
@@ -371,21 +365,7 @@ impl<L: DeviceLink> TieredUnits<L> {
     /// Waits for every gradient download still in flight and drops them
     /// (a new step, or the tier dropped): the first error, if any.
     fn drain_downloads(&self) -> Result<(), ModelError> {
-        let pending: Vec<_> = self
-            .downloads
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
-            .collect();
-        let mut result = Ok(());
-        for p in pending {
-            for (_, d, _) in p.grads {
-                if let Err(e) = self.link.finish_download(d) {
-                    result = result.and(Err(e));
-                }
-            }
-        }
-        result
+        self.grads_out.drain(&self.link)
     }
 
     /// The link.
@@ -713,29 +693,12 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
             .aheads
             .backward(self, model, unit, params, input, upstream)?;
         // The param gradients go out on the copy queue while the engine
-        // starts the next unit; it collects them with `take_grads`.
-        // 16-bit gradients are rounded on the device: half the bytes cross.
-        let wire = match out.dtype {
-            DType::BF16 => Wire::Bf16,
-            DType::F16 => Wire::F16,
-            _ => Wire::F32,
-        };
-        let grad_bytes = if wire == Wire::F32 { ELEM_BYTES } else { 2 };
-        let mut down = out.input.as_ref().map_or(0, numel_of) * ELEM_BYTES;
-        let mut grads = Vec::with_capacity(out.grads.len());
-        for (id, g, dims) in out.grads {
-            down += dims.iter().product::<usize>() as u64 * grad_bytes;
-            let d = self.link.download(&format!("grad {}", id.0), g, wire)?;
-            grads.push((id, d, dims));
-        }
-        self.downloads
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push_back(PendingGrads {
-                unit,
-                grads,
-                dtype: out.dtype,
-            });
+        // starts the next unit (it collects them with `take_grads`), or
+        // stay for their reduce-scatter on the device (`reduce_grads`).
+        let down = out.input.as_ref().map_or(0, numel_of) * ELEM_BYTES
+            + self
+                .grads_out
+                .put(&self.link, model, unit, out.grads, out.dtype)?;
         self.lock().traffic.d2h_bytes += down;
         // Its gradients are queued to come down: the unit before it may
         // compute now.
@@ -865,30 +828,34 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
     }
 
     fn take_grads(&self, unit: UnitId) -> Result<Option<Vec<(ParamId, Tensor)>>, ModelError> {
-        let pending = {
-            let mut q = self.downloads.lock().unwrap_or_else(|p| p.into_inner());
-            match q.iter().position(|p| p.unit == unit) {
-                Some(i) => q.remove(i),
-                None => None,
-            }
-        };
-        let Some(p) = pending else { return Ok(None) };
         let t = Instant::now();
-        let mut out = Vec::with_capacity(p.grads.len());
-        let mut result = Ok(());
-        for (id, d, dims) in p.grads {
-            // After an error the rest are still waited for (their
-            // buffers come back), not used.
-            match self.link.finish_download(d) {
-                Ok(v) if result.is_ok() => {
-                    out.push((id, v.into_tensor(&dims, p.dtype)?));
-                }
-                Ok(_) => {}
-                Err(e) => result = result.and(Err(e)),
-            }
-        }
-        self.lock().traffic.d2h_wait_s += t.elapsed().as_secs_f64();
-        result.map(|()| Some(out))
+        let got = self.grads_out.take(&self.link, unit);
+        let mut st = self.lock();
+        st.traffic.d2h_wait_s += t.elapsed().as_secs_f64();
+        Ok(got?.map(|(grads, moved)| {
+            st.traffic.d2h_bytes += moved.d2h_bytes;
+            grads
+        }))
+    }
+
+    fn grads_on_device(&self, unit: UnitId) -> Option<Vec<ParamId>> {
+        self.grads_out.on_device(unit)
+    }
+
+    fn reduce_grads(
+        &self,
+        unit: UnitId,
+        counts: &[Vec<usize>],
+        acc: Option<&[f32]>,
+    ) -> Result<Vec<f32>, ModelError> {
+        let t = Instant::now();
+        let got = self.grads_out.reduce(&self.link, unit, counts, acc);
+        let mut st = self.lock();
+        st.traffic.d2h_wait_s += t.elapsed().as_secs_f64();
+        let (sums, moved) = got?;
+        st.traffic.d2h_bytes += moved.d2h_bytes;
+        st.traffic.h2d_bytes += moved.h2d_bytes;
+        Ok(sums)
     }
 
     fn take_traffic(&self) -> Option<DeviceTraffic> {

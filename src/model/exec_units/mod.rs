@@ -180,6 +180,31 @@ pub trait UnitCompute: Send + Sync + std::fmt::Debug {
     fn take_grads(&self, _unit: UnitId) -> Result<Option<Vec<(ParamId, Tensor)>>, ModelError> {
         Ok(None)
     }
+    /// Several ranks: the params whose gradients the last
+    /// `backward_unit` of `unit` kept on the device, in declared order, to
+    /// be reduce-scattered there ([`UnitCompute::reduce_grads`]). None: it
+    /// kept none of `unit`'s ([`UnitCompute::take_grads`] gives them).
+    fn grads_on_device(&self, _unit: UnitId) -> Option<Vec<ParamId>> {
+        None
+    }
+    /// The gradients of `unit` kept on the device, reduce-scattered among
+    /// the ranks there: every rank's chunk (`counts[p][r]` elements of
+    /// param `p` for rank `r`, rank `r`'s chunks of every param in order)
+    /// added onto `acc` (this rank's accumulated shards, concatenated in
+    /// the same order; None: +0.0) in rank order, as
+    /// [`crate::engine::comm::Comm::reduce_scatter_add_f32`] adds them:
+    /// the same bits. Returns those sums. A collective: every rank calls
+    /// it for the same units in the same order.
+    fn reduce_grads(
+        &self,
+        unit: UnitId,
+        _counts: &[Vec<usize>],
+        _acc: Option<&[f32]>,
+    ) -> Result<Vec<f32>, ModelError> {
+        Err(ModelError::Gpu {
+            what: format!("unit {}: no gradients kept on a device", unit.0),
+        })
+    }
     /// The device's spans that completed since the last call: its
     /// compute stream's units and its copies, for the timeline and the
     /// step's busy time. Empty when it keeps none.

@@ -294,13 +294,23 @@ impl Trainer {
         groups: &mut StepGroups,
         tied: &mut BTreeMap<ParamId, Vec<f32>>,
     ) -> Result<()> {
-        let grads = match &self.opts.compute {
+        let on_device = match &self.opts.compute {
             Some(c) if ready.is_empty() && self.defers_grads() => {
-                c.take_grads(uid)?.unwrap_or_default()
+                c.grads_on_device(uid).map(|ids| (c.clone(), ids))
             }
-            _ => ready,
+            _ => None,
         };
-        self.accumulate_unit(groups, tied, uid, &grads)?;
+        if let Some((c, ids)) = on_device {
+            self.accumulate_on_device(groups, &*c, uid, &ids)?;
+        } else {
+            let grads = match &self.opts.compute {
+                Some(c) if ready.is_empty() && self.defers_grads() => {
+                    c.take_grads(uid)?.unwrap_or_default()
+                }
+                _ => ready,
+            };
+            self.accumulate_unit(groups, tied, uid, &grads)?;
+        }
         if !batch.last_micro {
             self.park_final_groups(uid, groups)?;
         }

@@ -1,0 +1,267 @@
+//! A unit's gradients into this rank's sub-group accumulators: a tied
+//! param's summed over its units first, then each param's reduce-scatter
+//! in rank order, on the host ([`Trainer::accumulate_unit`]) or on the
+//! device that kept them ([`Trainer::accumulate_on_device`]).
+
+use super::*;
+
+/// A unit's params' slots, each cut into per-rank counts, and this rank's
+/// accumulated shards of them, concatenated in order.
+struct ShardAccs {
+    slots: Vec<crate::engine::layout::ParamSlot>,
+    counts: Vec<Vec<usize>>,
+    acc: Vec<f32>,
+}
+
+impl Trainer {
+    /// Adds a unit's gradients into the sub-group accumulators, in the
+    /// order given.
+    ///
+    /// A param used by several units (a tied embedding: head, then
+    /// embedding) gets several gradients per micro-batch; they are first
+    /// summed locally in backward order (`h + e`) and reduced once, after
+    /// its last unit (the smallest, reached last in backward). Every
+    /// micro-batch thus adds exactly one gradient per param into the
+    /// accumulator, and N ranks adding theirs in rank order reproduce one
+    /// rank's order over the same micro-batches bit for bit. The price is
+    /// one full fp32 gradient of such a param held during backward (as
+    /// PyTorch's autograd holds it before ZeRO's hook sees it).
+    ///
+    /// With several ranks the unit's gradients go through **one**
+    /// reduce-scatter: rank `r`'s chunk is every param's chunk `r`, one
+    /// after the other, and this rank's accumulator slices are added to
+    /// as one buffer, chunk by chunk in rank order: per element the same
+    /// additions in the same order as a reduce-scatter each, for one
+    /// collective's latency a unit instead of one a param.
+    pub(super) fn accumulate_unit(
+        &mut self,
+        groups: &mut StepGroups,
+        tied: &mut BTreeMap<ParamId, Vec<f32>>,
+        unit: UnitId,
+        grads: &[(ParamId, Tensor)],
+    ) -> Result<()> {
+        let mut ready = Vec::with_capacity(grads.len());
+        for (pid, grad) in grads {
+            if let Some(full) = self.local_grad(tied, unit, *pid, grad)? {
+                ready.push((*pid, full));
+            }
+        }
+        if self.layout.world == 1 {
+            for (pid, full) in &ready {
+                self.reduce_into(groups, *pid, full)?;
+            }
+            return Ok(());
+        }
+        let ids: Vec<ParamId> = ready.iter().map(|(pid, _)| *pid).collect();
+        let ShardAccs {
+            slots,
+            counts,
+            mut acc,
+        } = self.shard_accs(groups, &ids)?;
+        let parts: Vec<&[f32]> = ready.iter().map(|(_, g)| g.as_slice()).collect();
+        let (full, blocks) = crate::engine::comm::rank_chunks(&parts, &counts)?;
+        self.opts
+            .comm
+            .reduce_scatter_add_f32(&full, &blocks, &mut acc)?;
+        groups.grad_reduces += 1;
+        self.store_shard_accs(groups, &slots, &acc)
+    }
+
+    /// Several ranks: a unit's gradients kept on its device
+    /// ([`crate::model::exec_units::UnitCompute::grads_on_device`]: `ids`, in
+    /// declared order) reduce-scattered there
+    /// ([`crate::model::exec_units::UnitCompute::reduce_grads`]): the
+    /// device adds every rank's chunk onto this rank's accumulated shards
+    /// in rank order, as [`Self::accumulate_unit`]'s collective does on
+    /// the host, and only those shards come down. None of them is tied
+    /// (the device keeps no unit's that is: its sum spans two units).
+    pub(super) fn accumulate_on_device(
+        &mut self,
+        groups: &mut StepGroups,
+        compute: &dyn crate::model::exec_units::UnitCompute,
+        unit: UnitId,
+        ids: &[ParamId],
+    ) -> Result<()> {
+        if let Some(pid) = ids.iter().find(|p| {
+            self.model
+                .params()
+                .get(p.0)
+                .is_none_or(|info| info.units.len() != 1)
+        }) {
+            return Err(EngineError::internal(format!(
+                "param {} of unit {} is tied, but its gradient was kept on the device",
+                pid.0, unit.0
+            )));
+        }
+        let ShardAccs { slots, counts, acc } = self.shard_accs(groups, ids)?;
+        // Sums not yet begun are +0.0 on the device too: the same bits,
+        // and nothing to upload.
+        let zero = acc.iter().all(|v| v.to_bits() == 0);
+        let reduced = compute.reduce_grads(unit, &counts, (!zero).then_some(&acc[..]))?;
+        if reduced.len() != acc.len() {
+            return Err(EngineError::internal(format!(
+                "the device reduced {} gradient elements for unit {}, not {}",
+                reduced.len(),
+                unit.0,
+                acc.len()
+            )));
+        }
+        groups.grad_reduces += 1;
+        self.store_shard_accs(groups, &slots, &reduced)
+    }
+
+    /// The layout slots of `ids`, each cut into per-rank counts, and this
+    /// rank's accumulated shards of them, concatenated in order (their
+    /// parked sums brought back first).
+    fn shard_accs(&mut self, groups: &mut StepGroups, ids: &[ParamId]) -> Result<ShardAccs> {
+        let world = self.layout.world;
+        let mut slots = Vec::with_capacity(ids.len());
+        for pid in ids {
+            let slot = self.param_slot(*pid)?;
+            self.unpark_slot(groups, &slot)?;
+            slots.push(slot);
+        }
+        let counts: Vec<Vec<usize>> = slots.iter().map(|s| shard_counts(s.numel, world)).collect();
+        let mut acc = Vec::with_capacity(slots.iter().map(|s| s.shard_numel).sum());
+        for slot in &slots {
+            let start = acc.len();
+            acc.resize(start + slot.shard_numel, 0.0);
+            self.copy_shard_acc(groups, slot, &mut acc[start..], false)?;
+        }
+        Ok(ShardAccs { slots, counts, acc })
+    }
+
+    /// [`Self::shard_accs`]'s shards, summed into, back into the
+    /// sub-groups' accumulators.
+    fn store_shard_accs(
+        &mut self,
+        groups: &mut StepGroups,
+        slots: &[crate::engine::layout::ParamSlot],
+        acc: &[f32],
+    ) -> Result<()> {
+        let mut at = 0;
+        for slot in slots {
+            let n = slot.shard_numel;
+            let mut part = acc
+                .get(at..at + n)
+                .ok_or_else(|| EngineError::internal("reduced gradients too short"))?
+                .to_vec();
+            self.copy_shard_acc(groups, slot, &mut part, true)?;
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// Brings back the sums parked after the last micro-batch in the
+    /// sub-groups holding `slot`'s param: they are added to first.
+    fn unpark_slot(
+        &mut self,
+        groups: &mut StepGroups,
+        slot: &crate::engine::layout::ParamSlot,
+    ) -> Result<()> {
+        for pc in &slot.pieces {
+            self.unpark(groups, pc.sub_group)?;
+        }
+        Ok(())
+    }
+
+    /// `pid`'s layout slot.
+    fn param_slot(&self, pid: ParamId) -> Result<crate::engine::layout::ParamSlot> {
+        self.layout
+            .params
+            .get(pid.0)
+            .cloned()
+            .ok_or_else(|| EngineError::internal("grad of unknown param"))
+    }
+
+    /// Copies this rank's shard of `slot`'s accumulated gradient out of
+    /// its sub-groups' accumulators into `shard` (`back`: from `shard`
+    /// into them).
+    fn copy_shard_acc(
+        &mut self,
+        groups: &mut StepGroups,
+        slot: &crate::engine::layout::ParamSlot,
+        shard: &mut [f32],
+        back: bool,
+    ) -> Result<()> {
+        for pc in &slot.pieces {
+            let numel = self.sub_group_numel(pc.sub_group)?;
+            let acc = groups.accumulator(pc.sub_group, numel)?;
+            let a = acc
+                .get_mut(pc.group_range())
+                .ok_or_else(|| EngineError::internal("grad slot out of range"))?;
+            let s = shard
+                .get_mut(pc.shard_range())
+                .ok_or_else(|| EngineError::internal("grad shard out of range"))?;
+            if back {
+                a.copy_from_slice(s);
+            } else {
+                s.copy_from_slice(a);
+            }
+        }
+        Ok(())
+    }
+
+    /// `grad` of `pid` from `unit` as a flat fp32 vector, summed with the
+    /// earlier units' gradients of a tied param; `None` until its last
+    /// unit (the sum is held in `tied` meanwhile).
+    fn local_grad(
+        &mut self,
+        tied: &mut BTreeMap<ParamId, Vec<f32>>,
+        unit: UnitId,
+        pid: ParamId,
+        grad: &Tensor,
+    ) -> Result<Option<Vec<f32>>> {
+        let full = grad
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_device(&Device::Cpu)?
+            .to_vec1::<f32>()?;
+        let full = match tied.remove(&pid) {
+            Some(mut sum) => {
+                for (a, b) in sum.iter_mut().zip(&full) {
+                    *a += *b;
+                }
+                sum
+            }
+            None => full,
+        };
+        let last_unit = self
+            .model
+            .params()
+            .get(pid.0)
+            .and_then(|p| p.units.iter().copied().min())
+            .unwrap_or(unit);
+        if unit != last_unit {
+            tied.insert(pid, full);
+            return Ok(None);
+        }
+        Ok(Some(full))
+    }
+
+    /// Adds `full`, the whole gradient of `pid`, into its sub-groups'
+    /// accumulators: every rank's chunk of this rank's shard in rank
+    /// order (reduce-scatter), straight into the accumulator; a tiled
+    /// shard's pieces are copied out, added to and copied back (the same
+    /// additions in the same order).
+    fn reduce_into(&mut self, groups: &mut StepGroups, pid: ParamId, full: &[f32]) -> Result<()> {
+        let slot = self.param_slot(pid)?;
+        self.unpark_slot(groups, &slot)?;
+        let counts = shard_counts(slot.numel, self.layout.world);
+        groups.grad_reduces += 1;
+        if let [pc] = slot.pieces.as_slice() {
+            let numel = self.sub_group_numel(pc.sub_group)?;
+            let acc = groups.accumulator(pc.sub_group, numel)?;
+            let dst = acc
+                .get_mut(pc.group_range())
+                .ok_or_else(|| EngineError::internal("grad slot out of range"))?;
+            return self.opts.comm.reduce_scatter_add_f32(full, &counts, dst);
+        }
+        let mut shard = vec![0f32; slot.shard_numel];
+        self.copy_shard_acc(groups, &slot, &mut shard, false)?;
+        self.opts
+            .comm
+            .reduce_scatter_add_f32(full, &counts, &mut shard)?;
+        self.copy_shard_acc(groups, &slot, &mut shard, true)
+    }
+}
