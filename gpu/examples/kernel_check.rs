@@ -5,6 +5,10 @@
 //! written) and the relative error ‖got − ref‖ / ‖ref‖ is at most 1e-5 in
 //! fp32, 2e-2 in bf16. Prints one JSON object; exit 0 when all pass, 1
 //! when one fails, 2 when the device cannot be opened (the error says why).
+//! Checks that are not a tolerance are exact: the 16-bit params'
+//! (`kernel_check/params16.rs`) and the gradients' reduce-scatter on the
+//! device (`kernel_check/collective.rs`: `add_chunks` bit for bit, and
+//! one rank's NCCL communicator through pack, reduce and download).
 //!
 //! `cargo run --release -p tierzero-gpu --example kernel_check [OUT.json]`
 //! (`scripts/gpu_check.sh` runs it with PyTorch's CUDA libraries on
@@ -751,6 +755,9 @@ fn check_f32_only(dev: &Device, rep: &mut Report) -> Result<()> {
 #[path = "kernel_check/params16.rs"]
 mod params16;
 
+#[path = "kernel_check/collective.rs"]
+mod collective;
+
 fn main() {
     let out_path = std::env::args().nth(1);
     let t0 = Instant::now();
@@ -765,7 +772,7 @@ fn main() {
         }
     };
     let dev = match Device::open(0, &opts) {
-        Ok(d) => d,
+        Ok(d) => std::sync::Arc::new(d),
         Err(e) => {
             emit(
                 serde_json::json!({"ok": false, "step": "open", "error": e.to_string()})
@@ -783,7 +790,8 @@ fn main() {
     let run = check_all::<f32>(&dev, &mut rep, 1e-5)
         .and_then(|_| check_all::<bf16>(&dev, &mut rep, 2e-2))
         .and_then(|_| check_f32_only(&dev, &mut rep))
-        .and_then(|_| params16::check_params16(&dev, &mut rep));
+        .and_then(|_| params16::check_params16(&dev, &mut rep))
+        .and_then(|_| collective::check_collective(&dev, &mut rep));
     let error = match run {
         Ok(()) => None,
         Err(e) => {

@@ -505,6 +505,22 @@ impl Device {
         })
     }
 
+    /// [`Self::alloc_output`] on `stream` (a collective's own stream):
+    /// for an output the next operation on that stream writes in full.
+    pub(crate) fn alloc_output_on<T: crate::ops::Elem>(
+        &self,
+        stream: &Arc<CudaStream>,
+        what: &str,
+        len: usize,
+    ) -> Result<DeviceBuffer<T>> {
+        self.counted(what, len, "cuMemAlloc", || {
+            // SAFETY: as in `alloc_output`: device memory whose every bit
+            // pattern is a valid `T`, written in full on `stream` before
+            // it is read, and cudarc orders its uses on other streams.
+            unsafe { stream.alloc::<T>(len) }
+        })
+    }
+
     /// `len` elements for `what` allocated on the host-to-device stream,
     /// not initialised: only for a copy that overwrites all of them on
     /// that stream next ([`crate::link::Uploads::start`]).

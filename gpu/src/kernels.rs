@@ -120,6 +120,7 @@ pub const MODULES: &[Module] = &[
             "heads_from_rows",
             "rows_from_heads",
             "add",
+            "add_chunks",
             "repeat_kv",
             "sum_kv"
         ],

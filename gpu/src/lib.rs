@@ -40,6 +40,7 @@
 //! threads) is part of that order.
 
 pub mod cache;
+pub mod collective;
 pub mod device;
 mod error;
 pub mod host_copy;

@@ -58,7 +58,7 @@ fn per_row(rows: usize) -> LaunchConfig {
 }
 
 /// A grid-stride launch over `n` items.
-fn per_item(n: usize) -> LaunchConfig {
+pub(crate) fn per_item(n: usize) -> LaunchConfig {
     let blocks = (n as u64).div_ceil(BLOCK_THREADS as u64).clamp(1, MAX_GRID);
     LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),

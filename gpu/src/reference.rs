@@ -617,6 +617,23 @@ pub fn add<T: Storage>(a: &[T], b: &[T]) -> Vec<T> {
         .collect()
 }
 
+/// `add_chunks`: `world` chunks of `n` elements (`chunks`, rank r's at
+/// `r · n`) each rounded to `T` and widened back, added one after the
+/// other in rank order onto `acc` (+0.0 when None): a reduce-scatter's
+/// sums, in the order the host's collective adds them.
+pub fn add_chunks<T: Storage>(acc: Option<&[f32]>, chunks: &[f32], n: usize) -> Vec<f32> {
+    let mut out = acc.map_or_else(|| vec![0f32; n], <[f32]>::to_vec);
+    if n == 0 {
+        return out;
+    }
+    for chunk in chunks.chunks_exact(n) {
+        for (s, &c) in out.iter_mut().zip(chunk) {
+            *s += T::store(c).load();
+        }
+    }
+    out
+}
+
 /// The shape `repeat_kv` / `sum_kv` move between: [batch, kv_heads, n]
 /// and [batch, kv_heads · group, n] (n = seq · head_dim).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -725,6 +742,27 @@ pub fn uniform(seed: u64) -> impl FnMut() -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn add_chunks_adds_in_rank_order_onto_the_running_sum_each_chunk_rounded() {
+        // acc + c0 + c1 + c2 left to right: 1 + 1e8 rounds to 1e8, + 1
+        // rounds back to 1e8, then 0; the chunks summed first, then added
+        // to the running sum, would give 1.
+        let got = add_chunks::<f32>(Some(&[1.0]), &[1e8, 1.0, -1e8], 1);
+        assert_eq!(got, [0.0]);
+        let chunks_first = 1f32 + (1e8f32 + 1.0 - 1e8);
+        assert_eq!(chunks_first, 1.0);
+        // Each chunk element rounded to bf16 first: 1 + 2^-8 is halfway
+        // between 1 and 1 + 2^-7, and ties to even (1).
+        let tie = 1.0 + 1.0 / 256.0;
+        assert_eq!(add_chunks::<half::bf16>(None, &[tie, 0.5], 1), [1.5]);
+        assert_eq!(add_chunks::<f32>(None, &[tie, 0.5], 1), [tie + 0.5]);
+        // Two elements a chunk, three ranks; +0.0 for no running sum.
+        let got = add_chunks::<f32>(None, &[1.0, 2.0, 10.0, 20.0, 100.0, 200.0], 2);
+        assert_eq!(got, [111.0, 222.0]);
+        assert_eq!(add_chunks::<f32>(None, &[-0.0], 1)[0].to_bits(), 0);
+        assert!(add_chunks::<f32>(None, &[], 0).is_empty());
+    }
 
     #[test]
     fn block_sum_is_the_butterfly_tree() {

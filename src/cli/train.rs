@@ -793,10 +793,10 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
             args.sim_compute_ms.as_deref(),
             cfg,
             &model,
-            comm.world_size(),
+            comm.clone(),
         )?),
         None => None,
-        Some(d) => Some(cuda_units(d, cfg, &model, comm.world_size())?),
+        Some(d) => Some(cuda_units(d, cfg, &model, &*comm)?),
     };
     let opts = TrainerOptions {
         compute: compute.clone(),

@@ -98,12 +98,14 @@ impl Downloads {
     }
 
     /// Queues the copy of `src` into a pinned buffer of its length on the
-    /// d2h stream, after the compute stream's work queued so far.
+    /// d2h stream, after `after` (None: the compute stream's work queued so
+    /// far).
     fn queue<T: cudarc::driver::DeviceRepr>(
         &self,
         pool: &Mutex<IdlePinned<T>>,
         what: &str,
         src: &DeviceBuffer<T>,
+        after: Option<&cudarc::driver::CudaEvent>,
     ) -> Result<PinnedHostSlice<T>> {
         let len = src.len();
         let pooled = {
@@ -126,14 +128,21 @@ impl Downloads {
                     .map_err(driver("cuMemHostAlloc"))?
             },
         };
-        let written = self
-            .dev
-            .compute
-            .record_event(None)
-            .map_err(driver("cuEventRecord"))?;
+        let recorded;
+        let written = match after {
+            Some(ev) => ev,
+            None => {
+                recorded = self
+                    .dev
+                    .compute
+                    .record_event(None)
+                    .map_err(driver("cuEventRecord"))?;
+                &recorded
+            }
+        };
         self.dev
             .d2h
-            .wait(&written)
+            .wait(written)
             .map_err(driver("cuStreamWaitEvent"))?;
         let began = EventClock::mark(&self.dev.d2h)?;
         self.dev
@@ -152,7 +161,7 @@ impl Downloads {
     pub fn start(&self, what: &str, src: DevBuf, wire: Wire) -> Result<PendingDownload> {
         let inner = match (src, wire) {
             (DevBuf::F32(src), Wire::F32) => {
-                let staging = self.queue(&self.free, what, &src)?;
+                let staging = self.queue(&self.free, what, &src, None)?;
                 Down::F32(src, staging)
             }
             // Rounded on the device first: half the bytes cross.
@@ -160,22 +169,22 @@ impl Downloads {
                 let half = self.rounded::<bf16>(&src)?;
                 // A gradient, of the compute stream's: freed in order.
                 drop(src);
-                let staging = self.queue(&self.free16, what, &half)?;
+                let staging = self.queue(&self.free16, what, &half, None)?;
                 Down::Bf16(half, staging)
             }
             (DevBuf::F32(src), Wire::F16) => {
                 let half = self.rounded::<f16>(&src)?;
                 drop(src);
-                let staging = self.queue(&self.freeh, what, &half)?;
+                let staging = self.queue(&self.freeh, what, &half, None)?;
                 Down::F16(half, staging)
             }
             // A 16-bit buffer (a param kept so) comes down as it is.
             (DevBuf::Bf16(half), Wire::Bf16) => {
-                let staging = self.queue(&self.free16, what, &half)?;
+                let staging = self.queue(&self.free16, what, &half, None)?;
                 Down::Bf16(half, staging)
             }
             (DevBuf::F16(half), Wire::F16) => {
-                let staging = self.queue(&self.freeh, what, &half)?;
+                let staging = self.queue(&self.freeh, what, &half, None)?;
                 Down::F16(half, staging)
             }
             // Or widened, exactly, then as an fp32 one.
@@ -206,6 +215,22 @@ impl Downloads {
         let mut out = self.dev.alloc_output::<T>("cast download", src.len())?;
         crate::ops::cast(&self.dev, &mut out, src)?;
         Ok(out)
+    }
+
+    /// Starts copying a reduce-scatter's sums (fp32) to the host, after
+    /// its own event only (not the compute stream's work: the next unit
+    /// computes meanwhile); the buffers it read stay with the download
+    /// until the copy is done.
+    pub fn start_reduced(
+        &self,
+        what: &str,
+        r: crate::collective::Reduced,
+    ) -> Result<PendingDownload> {
+        let staging = self.queue(&self.free, what, &r.sums, Some(&r.done))?;
+        Ok(PendingDownload {
+            inner: Some(Down::F32(r.sums, staging)),
+            sources: r.keep.into_iter().map(DevBuf::F32).collect(),
+        })
     }
 
     /// The downloaded elements (waits for the copy).

@@ -15,9 +15,10 @@ pub(super) fn cuda_units(
     d: tierzero::gpu::DeviceChoice,
     cfg: &tierzero::config::Config,
     model: &tierzero::model::Model,
-    world: usize,
+    comm: &dyn tierzero::engine::Comm,
 ) -> Result<std::sync::Arc<dyn tierzero::model::exec_units::UnitCompute>, Failure> {
     use tierzero_gpu::GpuError as G;
+    let world = comm.world_size();
     let gemm = unit_checks(&format!("--device {d}"), cfg, model)?;
     let count = tierzero::gpu::probe()
         .map_err(|e| bad(format!("--device {d}: {e}")))?
@@ -47,8 +48,15 @@ pub(super) fn cuda_units(
     })?;
     // The device tier: params staged a unit ahead on the copy stream,
     // kept between uses within `tierzero.device_cache_bytes`.
-    let link = tierzero::engine::device::cuda::CudaLink::new(std::sync::Arc::new(dev), gemm)
+    // With several ranks, the gradients are reduce-scattered on the GPUs
+    // (NCCL on their buffers), each rank's sums alone coming down.
+    let collectives = tierzero::engine::device::cuda::device_collectives(&dev, comm)
         .map_err(|e| Failure::Internal(anyhow!("--device {d}: {e}")))?;
+    let mut link = tierzero::engine::device::cuda::CudaLink::new(std::sync::Arc::new(dev), gemm)
+        .map_err(|e| Failure::Internal(anyhow!("--device {d}: {e}")))?;
+    if let Some(c) = collectives {
+        link = link.with_collectives(c);
+    }
     on_link(&format!("--device {d}"), link, cfg, model, world)
 }
 
@@ -110,9 +118,10 @@ pub(super) fn sim_units(
     sim_compute_ms: Option<&str>,
     cfg: &tierzero::config::Config,
     model: &tierzero::model::Model,
-    world: usize,
+    comm: std::sync::Arc<dyn tierzero::engine::Comm>,
 ) -> Result<std::sync::Arc<dyn tierzero::model::exec_units::UnitCompute>, Failure> {
     use tierzero::engine::device::sim::{SimConfig, SimDevice};
+    let world = comm.world_size();
     let gemm = unit_checks("--device sim", cfg, model)?;
     let text = sim_h2d_gbps.unwrap_or("25");
     let gbps: f64 = text
@@ -150,6 +159,9 @@ pub(super) fn sim_units(
         fail_upload: None,
         compute_delay: std::time::Duration::from_secs_f64(compute_ms / 1e3),
     })
-    .map_err(|e| Failure::Internal(anyhow!("--device sim: {e}")))?;
+    .map_err(|e| Failure::Internal(anyhow!("--device sim: {e}")))?
+    // Collectives of its own over the ranks', as NCCL gives a GPU: with
+    // several ranks the gradients are reduce-scattered on the device.
+    .with_collectives(comm);
     on_link("--device sim", dev, cfg, model, world)
 }

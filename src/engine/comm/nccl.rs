@@ -13,9 +13,12 @@
 //! PCIe copies per collective (measured 0.555 GB/s for an all-gather on
 //! one H200, pageable copies and allocations per call). The engine calls
 //! it once per unit (its params' gather, its gradients' reduce-scatter),
-//! not once per param. Not built: collectives on the device tier's own
-//! buffers (a param's shard uploaded, gathered on the device), which
-//! would skip both copies.
+//! not once per param. With the device tier on the GPUs, a unit's
+//! gradients do not come through here: they are reduce-scattered on the
+//! GPUs' buffers (`tierzero_gpu::collective::DeviceComm`, see
+//! `engine::device::cuda::device_collectives`). Not built: the params'
+//! gather on the GPUs' buffers (a param's shard uploaded, gathered on the
+//! device), which would skip both copies for them.
 //!
 //! # Design
 //!

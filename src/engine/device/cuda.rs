@@ -21,6 +21,7 @@
 
 use std::sync::Arc;
 
+use tierzero_gpu::collective::{DeviceComm, Packed};
 use tierzero_gpu::device::Device;
 use tierzero_gpu::host_register::HostRegistration;
 use tierzero_gpu::link::{
@@ -50,6 +51,10 @@ pub struct CudaLink {
     compute_spans: SpanLog,
     /// Registers the cpu tier's pinned pages with the device.
     registrar: Arc<dyn HostRegistrar>,
+    /// The ranks' collectives on this GPU's buffers: with several ranks,
+    /// the gradients are reduce-scattered here
+    /// ([`CudaLink::with_collectives`]).
+    collective: Option<DeviceComm>,
 }
 
 impl CudaLink {
@@ -67,6 +72,22 @@ impl CudaLink {
             gemm,
             budget_bytes,
             startup_bytes,
+            collective: None,
+        })
+    }
+
+    /// The link with the ranks' collectives on this GPU's buffers
+    /// (`comm`, built on its device): with more than one rank, a unit's
+    /// gradients are reduce-scattered on the GPU and only this rank's
+    /// sums come down ([`DeviceLink::reduce_grads`]).
+    pub fn with_collectives(mut self, comm: DeviceComm) -> Self {
+        self.collective = Some(comm);
+        self
+    }
+
+    fn collective(&self, what: &str) -> Result<&DeviceComm, ModelError> {
+        self.collective.as_ref().ok_or_else(|| ModelError::Gpu {
+            what: format!("{what}: no collectives on this GPU's buffers"),
         })
     }
 
@@ -91,11 +112,49 @@ impl CudaLink {
     }
 }
 
+/// The ranks' collectives on `dev`'s buffers, among `comm`'s ranks (None
+/// with one rank), for [`CudaLink::with_collectives`]. Every rank calls it
+/// at the same point. Rank 0 makes NCCL's id; every rank first reports
+/// whether it could load NCCL, so a rank without it makes every rank fail
+/// here at once instead of leaving the others in `ncclCommInitRank`; the
+/// id reaches the ranks through `comm`; then each builds its
+/// communicator (which returns once every rank joined).
+pub fn device_collectives(
+    dev: &Device,
+    comm: &dyn crate::engine::comm::Comm,
+) -> Result<Option<DeviceComm>, crate::engine::EngineError> {
+    use crate::engine::comm::{agree, all_gather_var};
+    let (rank, world) = (comm.rank(), comm.world_size());
+    if world == 1 {
+        return Ok(None);
+    }
+    let local = if rank == 0 {
+        DeviceComm::unique_id().map(|id| id.to_vec())
+    } else {
+        tierzero_gpu::collective::nccl_available().map(|()| Vec::new())
+    };
+    let mine = agree(
+        comm,
+        "NCCL on the GPUs' buffers",
+        local.map_err(gpu_err).map_err(Into::into),
+    )?;
+    let ids = all_gather_var(comm, &mine)?;
+    let id: [u8; tierzero_gpu::collective::ID_BYTES] = ids
+        .first()
+        .and_then(|b| b.as_slice().try_into().ok())
+        .ok_or_else(|| {
+            crate::engine::EngineError::internal("rank 0 handed out no NCCL id".to_string())
+        })?;
+    let built = DeviceComm::new(dev, &id, rank, world);
+    Ok(Some(built.map_err(gpu_err)?))
+}
+
 impl DeviceLink for CudaLink {
     type Buf = DevBuf;
     type Exec<'a> = CudaExec<'a>;
     type Upload = PendingUpload;
     type Download = PendingDownload;
+    type Packed = Packed;
 
     fn exec(&self) -> CudaExec<'_> {
         CudaExec {
@@ -107,9 +166,16 @@ impl DeviceLink for CudaLink {
     fn describe(&self) -> String {
         let d = self.uploads.device();
         let b = d.budget();
+        let reduce = match &self.collective {
+            Some(c) if c.world() > 1 => format!(
+                "; gradients reduce-scattered on the GPU among {} ranks (NCCL)",
+                c.world()
+            ),
+            _ => String::new(),
+        };
         format!(
             "cuda:{} {} (sm_{}), {:?} GEMMs; device budget {} ({} for the params on the \
-             device tier, the rest for activations, temporaries and cuBLAS)",
+             device tier, the rest for activations, temporaries and cuBLAS){reduce}",
             d.ordinal(),
             d.name(),
             d.arch(),
@@ -176,6 +242,51 @@ impl DeviceLink for CudaLink {
 
     fn download(&self, what: &str, buf: DevBuf, wire: Wire) -> Result<PendingDownload, ModelError> {
         self.downloads.start(what, buf, wire).map_err(gpu_err)
+    }
+
+    fn reduce_ranks(&self) -> usize {
+        self.collective.as_ref().map_or(1, DeviceComm::world)
+    }
+
+    fn pack_grads(
+        &self,
+        what: &str,
+        grads: Vec<DevBuf>,
+        counts: &[Vec<usize>],
+    ) -> Result<Packed, ModelError> {
+        let comm = self.collective(what)?;
+        let mut wide = Vec::with_capacity(grads.len());
+        for g in &grads {
+            match g {
+                DevBuf::F32(b) => wide.push(b),
+                _ => {
+                    return Err(ModelError::Gpu {
+                        what: format!("{what}: a 16-bit gradient buffer (they are fp32)"),
+                    })
+                }
+            }
+        }
+        // The gradients are the compute stream's: freed there, after the
+        // copies that read them.
+        comm.pack(self.device(), &wide, counts).map_err(gpu_err)
+    }
+
+    fn reduce_grads(
+        &self,
+        what: &str,
+        packed: Packed,
+        wire: Wire,
+        acc: Option<&[f32]>,
+    ) -> Result<PendingDownload, ModelError> {
+        let comm = self.collective(what)?;
+        let dev = self.device();
+        let reduced = match wire {
+            Wire::F32 => comm.reduce::<f32>(dev, packed, acc),
+            Wire::Bf16 => comm.reduce::<half::bf16>(dev, packed, acc),
+            Wire::F16 => comm.reduce::<half::f16>(dev, packed, acc),
+        }
+        .map_err(gpu_err)?;
+        self.downloads.start_reduced(what, reduced).map_err(gpu_err)
     }
 
     fn finish_download(&self, d: PendingDownload) -> Result<HostVec, ModelError> {

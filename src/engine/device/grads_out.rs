@@ -3,14 +3,16 @@
 //! As a unit's backward ends, its gradients either start down on the
 //! link's copy queue out, whole (one rank; a unit with a tied param,
 //! whose sum spans two units and is made on the host), or stay on the
-//! device (several ranks, on a link that reduce-scatters there:
-//! [`DeviceLink::reduces_grads`]). The engine collects them after it
-//! started the next unit's backward, in backward order on every rank:
-//! the downloads with `take`, the kept ones with `reduce`, which
-//! reduce-scatters them on the device ([`DeviceLink::reduce_grads`]: a
-//! collective, so issued there, in an order the same on every rank, and
-//! never from the tier's own threads) and brings down this rank's sums
-//! only. Each rank then moves `1 / ranks` of a unit's gradients over its
+//! device, laid out per rank for their reduce-scatter there (several
+//! ranks, on a link that reduce-scatters among them:
+//! [`DeviceLink::reduce_ranks`], [`DeviceLink::pack_grads`]; the layout
+//! is queued right after the unit's compute, so what follows never waits
+//! for later compute). The engine collects them after it started the
+//! next unit's backward, in backward order on every rank: the downloads
+//! with `take`, the kept ones with `reduce`, which reduce-scatters them on
+//! the device ([`DeviceLink::reduce_grads`]: a collective, so issued
+//! there, in an order the same on every rank, and never from the tier's
+//! own threads) and brings down this rank's sums only. Each rank then moves `1 / ranks` of a unit's gradients over its
 //! host link instead of all of them, plus its running sums' upload when
 //! a micro-batch before this one began them.
 //!
@@ -24,6 +26,7 @@ use std::sync::Mutex;
 use candle_core::{DType, Tensor};
 
 use super::{DeviceLink, Wire, ELEM_BYTES};
+use crate::engine::layout::shard_counts;
 use crate::model::exec_units::HostVec;
 use crate::model::{Model, ModelError, ParamId, UnitId};
 
@@ -37,8 +40,13 @@ type HostGrads = Vec<(ParamId, Tensor)>;
 enum Where<L: DeviceLink> {
     /// On their way to the host.
     Downloading(Vec<Held<L::Download>>),
-    /// Kept on the device for the reduce-scatter there.
-    OnDevice(Vec<Held<L::Buf>>),
+    /// Laid out on the device for the reduce-scatter there: the params
+    /// in order, each one's per-rank counts.
+    Packed {
+        ids: Vec<ParamId>,
+        counts: Vec<Vec<usize>>,
+        packed: L::Packed,
+    },
 }
 
 /// One unit's param gradients.
@@ -93,10 +101,10 @@ impl<L: DeviceLink> GradsOut<L> {
         self.queue.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A unit's gradients, its backward just ended: kept on the device
-    /// when `link` reduce-scatters there and none of them is tied (a
-    /// param of more than one unit), else started down. Returns the
-    /// bytes that started down.
+    /// A unit's gradients, its backward just ended: laid out on the
+    /// device for their reduce-scatter when `link` reduce-scatters among
+    /// several ranks and none of them is tied (a param of more than one
+    /// unit), else started down. Returns the bytes that started down.
     pub(super) fn put(
         &self,
         link: &L,
@@ -108,8 +116,21 @@ impl<L: DeviceLink> GradsOut<L> {
         let untied = grads
             .iter()
             .all(|(id, _, _)| model.params().get(id.0).is_some_and(|p| p.units.len() == 1));
-        let (at, down) = if link.reduces_grads() && untied && !grads.is_empty() {
-            (Where::OnDevice(grads), 0)
+        let ranks = link.reduce_ranks();
+        let (at, down) = if ranks > 1 && untied && !grads.is_empty() {
+            let ids: Vec<ParamId> = grads.iter().map(|(id, _, _)| *id).collect();
+            let counts: Vec<Vec<usize>> = grads
+                .iter()
+                .map(|(_, _, dims)| shard_counts(dims.iter().product(), ranks))
+                .collect();
+            let bufs = grads.into_iter().map(|(_, b, _)| b).collect();
+            let packed = link.pack_grads(&format!("unit {} gradients", unit.0), bufs, &counts)?;
+            let at = Where::Packed {
+                ids,
+                counts,
+                packed,
+            };
+            (at, 0)
         } else {
             let wire = wire_of(dtype);
             let mut down = 0u64;
@@ -130,69 +151,57 @@ impl<L: DeviceLink> GradsOut<L> {
         q.remove(i)
     }
 
-    /// The params of `unit` whose gradients are kept on the device.
+    /// The params of `unit` whose gradients are laid out on the device
+    /// for their reduce-scatter.
     pub(super) fn on_device(&self, unit: UnitId) -> Option<Vec<ParamId>> {
         self.queue()
             .iter()
             .find(|p| p.unit == unit)
             .and_then(|p| match &p.at {
-                Where::OnDevice(g) => Some(g.iter().map(|(id, _, _)| *id).collect()),
+                Where::Packed { ids, .. } => Some(ids.clone()),
                 Where::Downloading(_) => None,
             })
     }
 
-    /// `unit`'s gradients on the host, whole, in declared order (kept
-    /// ones downloaded now), once their copies completed. None: none of
-    /// `unit`'s.
-    pub(super) fn take(
-        &self,
-        link: &L,
-        unit: UnitId,
-    ) -> Result<Option<(HostGrads, Moved)>, ModelError> {
-        let Some(p) = self.remove(unit) else {
-            return Ok(None);
-        };
-        let mut moved = Moved::default();
-        let wire = wire_of(p.dtype);
-        let downloads = match p.at {
-            Where::Downloading(d) => d,
-            Where::OnDevice(bufs) => {
-                let mut out = Vec::with_capacity(bufs.len());
-                let mut failed = Ok(());
-                for (id, g, dims) in bufs {
-                    if failed.is_err() {
-                        link.free(g);
-                        continue;
-                    }
-                    moved.d2h_bytes += dims.iter().product::<usize>() as u64 * wire_bytes(wire);
-                    match link.download(&format!("grad {}", id.0), g, wire) {
-                        Ok(d) => out.push((id, d, dims)),
-                        Err(e) => failed = Err(e),
-                    }
-                }
-                if let Err(e) = failed {
-                    let _ = Self::finish_all(link, out);
-                    return Err(e);
-                }
-                out
+    /// `unit`'s gradients on the host, whole, in declared order, once
+    /// their copies completed. None: none of `unit`'s are downloading.
+    pub(super) fn take(&self, link: &L, unit: UnitId) -> Result<Option<HostGrads>, ModelError> {
+        let p = match self.remove(unit) {
+            None => return Ok(None),
+            Some(Pending {
+                at: Where::Downloading(d),
+                dtype,
+                ..
+            }) => (d, dtype),
+            Some(p) => {
+                self.queue().push_front(p);
+                return Err(ModelError::Gpu {
+                    what: format!(
+                        "unit {}: its gradients are on the device for their reduce-scatter \
+                         there, not downloading",
+                        unit.0
+                    ),
+                });
             }
         };
+        let (downloads, dtype) = p;
         let mut out = Vec::with_capacity(downloads.len());
         let mut result = Ok(());
         for (id, d, dims) in downloads {
             // After an error the rest are still waited for (their
             // buffers come back), not used.
             match link.finish_download(d) {
-                Ok(v) if result.is_ok() => out.push((id, v.into_tensor(&dims, p.dtype)?)),
+                Ok(v) if result.is_ok() => out.push((id, v.into_tensor(&dims, dtype)?)),
                 Ok(_) => {}
                 Err(e) => result = result.and(Err(e)),
             }
         }
-        result.map(|()| Some((out, moved)))
+        result.map(|()| Some(out))
     }
 
-    /// `unit`'s kept gradients reduce-scattered on the device
-    /// ([`DeviceLink::reduce_grads`]), this rank's sums on the host.
+    /// `unit`'s gradients reduce-scattered on the device
+    /// ([`DeviceLink::reduce_grads`]), this rank's sums on the host. The
+    /// engine's `counts` must be those they were laid out by.
     pub(super) fn reduce(
         &self,
         link: &L,
@@ -200,45 +209,40 @@ impl<L: DeviceLink> GradsOut<L> {
         counts: &[Vec<usize>],
         acc: Option<&[f32]>,
     ) -> Result<(Vec<f32>, Moved), ModelError> {
-        let refused = |why: &str| ModelError::Gpu {
-            what: format!(
-                "unit {}: no gradients kept on the device to reduce ({why})",
-                unit.0
-            ),
+        let refused = |why: String| ModelError::Gpu {
+            what: format!("unit {}: no reduce-scatter on the device ({why})", unit.0),
         };
-        let (bufs, dtype) = match self.remove(unit) {
+        let (laid_out, packed, dtype) = match self.remove(unit) {
             Some(Pending {
-                at: Where::OnDevice(bufs),
+                at: Where::Packed { counts, packed, .. },
                 dtype,
                 ..
-            }) => (bufs, dtype),
+            }) => (counts, packed, dtype),
             Some(p) => {
                 // Not kept: back in the queue for `take`.
                 self.queue().push_front(p);
-                return Err(refused("they are downloading"));
+                return Err(refused("its gradients are downloading".into()));
             }
-            None => return Err(refused("none")),
+            None => return Err(refused("it left no gradients".into())),
         };
-        let wire = wire_of(dtype);
-        let bufs: Vec<L::Buf> = bufs.into_iter().map(|(_, b, _)| b).collect();
+        if laid_out != counts {
+            return Err(refused(format!(
+                "laid out in chunks of {laid_out:?} elements, asked for {counts:?}"
+            )));
+        }
         let d = link.reduce_grads(
             &format!("unit {} gradients", unit.0),
-            bufs,
-            wire,
-            counts,
+            packed,
+            wire_of(dtype),
             acc,
         )?;
         let sums = match link.finish_download(d)? {
             HostVec::F32(v) => v,
             other => {
-                return Err(ModelError::Gpu {
-                    what: format!(
-                        "unit {}: the reduced gradients came down as {} bytes of 16-bit \
-                         elements, not fp32",
-                        unit.0,
-                        other.bytes()
-                    ),
-                })
+                return Err(refused(format!(
+                    "the sums came down as {} bytes of 16-bit elements, not fp32",
+                    other.bytes()
+                )))
             }
         };
         let moved = Moved {
@@ -248,27 +252,16 @@ impl<L: DeviceLink> GradsOut<L> {
         Ok((sums, moved))
     }
 
-    fn finish_all(link: &L, downloads: Vec<Held<L::Download>>) -> Result<(), ModelError> {
-        let mut result = Ok(());
-        for (_, d, _) in downloads {
-            if let Err(e) = link.finish_download(d) {
-                result = result.and(Err(e));
-            }
-        }
-        result
-    }
-
-    /// Waits for every download still in flight and frees every kept
-    /// buffer (a new step, the tier dropped).
+    /// Waits for every download still in flight and lets every laid-out
+    /// unit go (a new step, the tier dropped).
     pub(super) fn drain(&self, link: &L) -> Result<(), ModelError> {
         let pending: Vec<_> = self.queue().drain(..).collect();
         let mut result = Ok(());
         for p in pending {
-            match p.at {
-                Where::Downloading(d) => result = result.and(Self::finish_all(link, d)),
-                Where::OnDevice(bufs) => {
-                    for (_, b, _) in bufs {
-                        link.free(b);
+            if let Where::Downloading(d) = p.at {
+                for (_, d, _) in d {
+                    if let Err(e) = link.finish_download(d) {
+                        result = result.and(Err(e));
                     }
                 }
             }

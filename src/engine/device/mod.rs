@@ -195,6 +195,17 @@
 //! at once: it is the next unit's upstream. A new step, or the tier
 //! dropped, first waits for every download still in flight.
 //!
+//! With several ranks, on a link with collectives of its own
+//! ([`DeviceLink::reduce_ranks`]: NCCL on the GPUs' buffers, or the
+//! simulated device's over the ranks' collectives), a unit's gradients
+//! do not come down whole: they are laid out per rank on the device as
+//! its backward ends ([`DeviceLink::pack_grads`]) and reduce-scattered
+//! there when the engine collects them
+//! ([`crate::model::exec_units::UnitCompute::reduce_grads`]: this rank's
+//! chunks added onto its running sums in rank order, the host's order),
+//! so only this rank's sums cross (`grads_out.rs`). A unit with a tied
+//! param still comes down whole: that param's sum spans two units.
+//!
 //! # A unit's inputs
 //!
 //! A unit's hidden input, upstream gradient and rotary tables go through
@@ -292,6 +303,9 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
     type Upload: Send;
     /// A download in flight: its source and its host buffer.
     type Download: Send;
+    /// A unit's gradients laid out on the device for their reduce-scatter
+    /// ([`DeviceLink::pack_grads`]).
+    type Packed: Send;
     /// The executor.
     fn exec(&self) -> Self::Exec<'_>;
     /// What computes, for the plan.
@@ -378,37 +392,53 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
     ) -> Result<Self::Download, ModelError>;
     /// The downloaded elements: waits for the copy, then frees its source.
     fn finish_download(&self, d: Self::Download) -> Result<HostVec, ModelError>;
-    /// Whether it reduce-scatters gradients among the ranks on the device
-    /// ([`DeviceLink::reduce_grads`]): it has a collective of its own
-    /// (NCCL on the GPU's buffers; the simulated device's, over the
-    /// host's collectives), and there is more than one rank.
-    fn reduces_grads(&self) -> bool {
-        false
+    /// The ranks it reduce-scatters gradients among on the device
+    /// ([`DeviceLink::pack_grads`], [`DeviceLink::reduce_grads`]): those
+    /// of its own collective (NCCL on the GPU's buffers; the simulated
+    /// device's, over the host's collectives). 1: it does not.
+    fn reduce_ranks(&self) -> usize {
+        1
     }
-    /// Several ranks: one unit's gradients `grads` (fp32 as computed, in
-    /// declared order) reduce-scattered on the device, then this rank's
-    /// sums downloaded. Each is rounded to `wire`'s dtype first (the
-    /// values [`DeviceLink::download`] would have brought), and cut into
-    /// per-rank chunks of `counts[p][r]` elements. Chunk `r` of every
-    /// gradient, in order, goes to rank `r`; this rank's chunks from the
-    /// ranks are added onto `acc` (this rank's accumulated shards,
-    /// concatenated in the same order; None: +0.0) one rank after the
-    /// other, in rank order, as [`crate::engine::comm::Comm::reduce_scatter_add_f32`]
-    /// adds them on the host: the same bits. The sums come down as fp32.
-    /// Every rank calls it for the same units in the same order (it is a
-    /// collective). The download owns `grads` until it completes.
-    fn reduce_grads(
+    /// Several ranks, as a unit's backward ends: its gradients `grads`
+    /// (fp32 as computed, in declared order) laid out on the device for
+    /// their reduce-scatter, ordered after the compute that wrote them:
+    /// gradient `p` cut into per-rank chunks of `counts[p][r]` elements,
+    /// rank `r`'s chunks of every gradient one after the other, the
+    /// ranks' blocks in rank order (the layout of
+    /// [`crate::engine::comm::rank_chunks`]). The gradients are freed.
+    fn pack_grads(
         &self,
         what: &str,
         grads: Vec<Self::Buf>,
-        wire: Wire,
         counts: &[Vec<usize>],
-        acc: Option<&[f32]>,
-    ) -> Result<Self::Download, ModelError> {
-        let _ = (wire, counts, acc);
+    ) -> Result<Self::Packed, ModelError> {
+        let _ = counts;
         for g in grads {
             self.free(g);
         }
+        Err(ModelError::Gpu {
+            what: format!("{what}: this device has no collectives of its own"),
+        })
+    }
+    /// The reduce-scatter of a [`DeviceLink::pack_grads`]: each element
+    /// rounded to `wire`'s dtype (the values [`DeviceLink::download`]
+    /// would have brought; fp32 as it is), this rank's chunks from the
+    /// ranks added onto `acc` (this rank's accumulated shards,
+    /// concatenated in the same order; None: +0.0) one rank after the
+    /// other, in rank order, as
+    /// [`crate::engine::comm::Comm::reduce_scatter_add_f32`] adds them on
+    /// the host: the same bits. The sums come down as fp32. Every rank
+    /// calls it for the same units in the same order (it is a
+    /// collective); it is ordered after its pack only, not after the
+    /// compute queued since.
+    fn reduce_grads(
+        &self,
+        what: &str,
+        packed: Self::Packed,
+        wire: Wire,
+        acc: Option<&[f32]>,
+    ) -> Result<Self::Download, ModelError> {
+        let _ = (packed, wire, acc);
         Err(ModelError::Gpu {
             what: format!("{what}: this device has no collectives of its own"),
         })

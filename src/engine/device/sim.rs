@@ -335,6 +335,14 @@ pub struct SimUpload {
     narrow_bytes: Option<u64>,
 }
 
+/// A unit's gradients laid out for their reduce-scatter on the simulated
+/// device: every rank's block, and their lengths.
+#[derive(Debug)]
+pub struct SimPacked {
+    full: Vec<f32>,
+    blocks: Vec<usize>,
+}
+
 /// A download on the simulated device.
 #[derive(Debug)]
 pub struct SimDownload {
@@ -675,6 +683,7 @@ impl DeviceLink for SimDevice {
     type Exec<'a> = HostExec;
     type Upload = SimUpload;
     type Download = SimDownload;
+    type Packed = SimPacked;
 
     fn exec(&self) -> HostExec {
         HostExec {
@@ -697,7 +706,7 @@ impl DeviceLink for SimDevice {
                 self.cfg.compute_delay
             )
         };
-        let reduce = if self.reduces_grads() {
+        let reduce = if self.reduce_ranks() > 1 {
             "; gradients reduce-scattered on the device"
         } else {
             ""
@@ -793,49 +802,59 @@ impl DeviceLink for SimDevice {
         self.send_down(what, buf, wire)
     }
 
-    fn reduces_grads(&self) -> bool {
-        self.comm.as_ref().is_some_and(|c| c.world_size() > 1)
+    fn reduce_ranks(&self) -> usize {
+        self.comm.as_ref().map_or(1, |c| c.world_size())
+    }
+
+    fn pack_grads(
+        &self,
+        what: &str,
+        grads: Vec<Vec<f32>>,
+        counts: &[Vec<usize>],
+    ) -> Result<SimPacked, ModelError> {
+        for g in &grads {
+            self.shared.narrow().remove(&buf_key(g));
+        }
+        let parts: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
+        let (full, blocks) =
+            crate::engine::comm::rank_chunks(&parts, counts).map_err(|e| ModelError::Gpu {
+                what: format!("{what}: {e}"),
+            })?;
+        Ok(SimPacked { full, blocks })
     }
 
     fn reduce_grads(
         &self,
         what: &str,
-        grads: Vec<Vec<f32>>,
+        packed: SimPacked,
         wire: Wire,
-        counts: &[Vec<usize>],
         acc: Option<&[f32]>,
     ) -> Result<SimDownload, ModelError> {
         let comm = self.comm.clone().ok_or_else(|| ModelError::Gpu {
             what: format!("{what}: the simulated device has no collectives"),
         })?;
-        let sim_err = |e: crate::engine::EngineError| ModelError::Gpu {
-            what: format!("{what}: {e}"),
-        };
+        let SimPacked { mut full, blocks } = packed;
         // The values a download would have brought: 16-bit gradients
-        // rounded on the device.
-        let rounded: Vec<Vec<f32>> = grads
-            .into_iter()
-            .map(|g| {
-                self.shared.narrow().remove(&buf_key(&g));
-                match wire {
-                    Wire::Bf16 => g
-                        .iter()
-                        .map(|&x| half::bf16::from_f32(x).to_f32())
-                        .collect(),
-                    Wire::F16 => g.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect(),
-                    Wire::F32 => g,
-                }
-            })
-            .collect();
-        let parts: Vec<&[f32]> = rounded.iter().map(Vec::as_slice).collect();
-        let (full, blocks) = crate::engine::comm::rank_chunks(&parts, counts).map_err(sim_err)?;
+        // rounded on the device (elementwise, so before the all-to-all or
+        // after it, as the GPU's receiver does, is the same).
+        match wire {
+            Wire::Bf16 => full
+                .iter_mut()
+                .for_each(|x| *x = half::bf16::from_f32(*x).to_f32()),
+            Wire::F16 => full
+                .iter_mut()
+                .for_each(|x| *x = half::f16::from_f32(*x).to_f32()),
+            Wire::F32 => {}
+        }
         let mine = blocks.get(comm.rank()).copied().unwrap_or(0);
         let mut sums = match acc {
             Some(a) => a.to_vec(),
             None => vec![0f32; mine],
         };
         comm.reduce_scatter_add_f32(&full, &blocks, &mut sums)
-            .map_err(sim_err)?;
+            .map_err(|e| ModelError::Gpu {
+                what: format!("{what}: {e}"),
+            })?;
         self.shared.reduces.fetch_add(1, Ordering::Relaxed);
         self.send_down(what, sums, Wire::F32)
     }

@@ -830,12 +830,8 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
     fn take_grads(&self, unit: UnitId) -> Result<Option<Vec<(ParamId, Tensor)>>, ModelError> {
         let t = Instant::now();
         let got = self.grads_out.take(&self.link, unit);
-        let mut st = self.lock();
-        st.traffic.d2h_wait_s += t.elapsed().as_secs_f64();
-        Ok(got?.map(|(grads, moved)| {
-            st.traffic.d2h_bytes += moved.d2h_bytes;
-            grads
-        }))
+        self.lock().traffic.d2h_wait_s += t.elapsed().as_secs_f64();
+        got
     }
 
     fn grads_on_device(&self, unit: UnitId) -> Option<Vec<ParamId>> {

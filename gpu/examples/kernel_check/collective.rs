@@ -1,0 +1,139 @@
+//! The device check of the gradients' reduce-scatter on the device
+//! ([`check_collective`]), a part of `kernel_check`: the `add_chunks`
+//! kernel against its reference bit for bit, and one rank's
+//! [`DeviceComm`] (NCCL with one rank: the lent machines have one GPU)
+//! through pack, reduce and the sums' download.
+
+use std::sync::Arc;
+
+use half::{bf16, f16};
+use tierzero_gpu::collective::{add_chunks_on, DeviceComm};
+use tierzero_gpu::device::Device;
+use tierzero_gpu::link::{Downloaded, Downloads};
+use tierzero_gpu::ops::Elem;
+use tierzero_gpu::reference as r;
+use tierzero_gpu::Result;
+
+use super::{data, poisoned, Report};
+
+/// `got` and `want` the same bits, reported as `kernel`.
+fn same_bits(rep: &mut Report, kernel: &str, size: &str, got: &[f32], want: &[f32]) {
+    let differ = got
+        .iter()
+        .zip(want)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    let ok = got.len() == want.len() && !want.is_empty() && differ == 0;
+    rep.check(
+        kernel,
+        size,
+        ok,
+        &format!(
+            "{differ} of {} elements differ from the reference",
+            want.len()
+        ),
+    );
+}
+
+fn add_chunks_case<T: Elem>(
+    dev: &Device,
+    rep: &mut Report,
+    n: usize,
+    world: usize,
+    with_acc: bool,
+) -> Result<()> {
+    let chunks = data(n * world, 90 + world as u64);
+    let acc = with_acc.then(|| data(n, 91));
+    let d_chunks = dev.upload("chunks", &chunks)?;
+    let d_acc = acc
+        .as_ref()
+        .map(|a| dev.upload("running sums", a))
+        .transpose()?;
+    let mut out = poisoned::<f32>(dev, n)?;
+    add_chunks_on::<T>(
+        dev,
+        &dev.compute,
+        &mut out,
+        d_acc.as_ref(),
+        &d_chunks,
+        world,
+    )?;
+    let want = r::add_chunks::<T>(acc.as_deref(), &chunks, n);
+    same_bits(
+        rep,
+        &format!("add_chunks_{}", T::SUFFIX),
+        &format!("{world}x{n}{}", if with_acc { "+acc" } else { "" }),
+        &dev.download(&out)?,
+        &want,
+    );
+    Ok(())
+}
+
+/// One rank's reduce-scatter of three gradients of awkward sizes, the
+/// chunks rounded to `T`: pack on the compute stream, reduce on the
+/// collective's stream, the sums' download after its event only.
+fn one_rank<T: Elem>(
+    dev: &Arc<Device>,
+    comm: &DeviceComm,
+    downloads: &Downloads,
+    rep: &mut Report,
+    with_acc: bool,
+) -> Result<()> {
+    let sizes = [257usize, 1, 4099];
+    let grads: Vec<Vec<f32>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| data(n, 95 + i as u64))
+        .collect();
+    let bufs = grads
+        .iter()
+        .map(|g| dev.upload("gradient", g))
+        .collect::<Result<Vec<_>>>()?;
+    let counts: Vec<Vec<usize>> = sizes.iter().map(|&n| vec![n]).collect();
+    let packed = comm.pack(dev, &bufs.iter().collect::<Vec<_>>(), &counts)?;
+    drop(bufs);
+    let total: usize = sizes.iter().sum();
+    let acc = with_acc.then(|| data(total, 99));
+    let reduced = comm.reduce::<T>(dev, packed, acc.as_deref())?;
+    let d = downloads.start_reduced("sums", reduced)?;
+    let got = match downloads.finish(d)? {
+        Downloaded::F32(v) => v,
+        other => panic!("the sums came down as {other:?}"),
+    };
+    let flat: Vec<f32> = grads.concat();
+    same_bits(
+        rep,
+        &format!("reduce_scatter.one_rank_{}", T::SUFFIX),
+        &format!("{total}{}", if with_acc { "+acc" } else { "" }),
+        &got,
+        &r::add_chunks::<T>(acc.as_deref(), &flat, total),
+    );
+    Ok(())
+}
+
+/// `add_chunks` in each dtype at awkward sizes, with and without running
+/// sums; then one rank's [`DeviceComm`] (NCCL must load: the script links
+/// `libnccl.so` before this step).
+pub(super) fn check_collective(dev: &Arc<Device>, rep: &mut Report) -> Result<()> {
+    for (n, world) in [(1usize, 1usize), (257, 2), (1000, 3), (4097, 8)] {
+        for with_acc in [false, true] {
+            add_chunks_case::<f32>(dev, rep, n, world, with_acc)?;
+            add_chunks_case::<bf16>(dev, rep, n, world, with_acc)?;
+            add_chunks_case::<f16>(dev, rep, n, world, with_acc)?;
+        }
+    }
+    let comm = match DeviceComm::unique_id().and_then(|id| DeviceComm::new(dev, &id, 0, 1)) {
+        Ok(c) => c,
+        Err(e) => {
+            rep.check("reduce_scatter.nccl_init", "1 rank", false, &e.to_string());
+            return Ok(());
+        }
+    };
+    let downloads = Downloads::new(dev.clone(), 64 << 20)?;
+    for with_acc in [false, true] {
+        one_rank::<f32>(dev, &comm, &downloads, rep, with_acc)?;
+        one_rank::<bf16>(dev, &comm, &downloads, rep, with_acc)?;
+    }
+    one_rank::<f16>(dev, &comm, &downloads, rep, true)?;
+    Ok(())
+}

@@ -1,0 +1,409 @@
+//! [`DeviceComm`]: the ranks' collectives on device buffers (NCCL), for
+//! the reduce-scatter of a unit's gradients where they were computed.
+//!
+//! # What it does
+//!
+//! With several ranks, each computes the whole of a unit's gradients for
+//! its micro-batches, and keeps only its shard of their sums. Through the
+//! host, every rank downloads all of them and the host's collective moves
+//! them again. Here they never leave the device but for this rank's sums:
+//!
+//! 1. **Pack** ([`DeviceComm::pack`]), as the unit's backward ends, on
+//!    the compute stream: the gradients (fp32) laid out as one buffer,
+//!    rank `r`'s chunk of every gradient one after the other, the ranks'
+//!    blocks in rank order; an event marks the layout done. Queued right
+//!    after the unit's compute, so nothing below waits for the compute
+//!    queued later (the next unit's).
+//! 2. **Reduce** ([`DeviceComm::reduce`]), when the engine collects the
+//!    unit (in backward order on every rank: it is a collective), on this
+//!    communicator's own stream, which waits for the pack's event only:
+//!    * an all-to-all of the blocks (`ncclSend` / `ncclRecv` to every
+//!      peer in one group; this rank's own block a device copy), so this
+//!      rank holds every rank's chunk of its shard, in rank order;
+//!    * the running sums uploaded (when a micro-batch before began them);
+//!    * `add_chunks` (one thread per element): the running sum, then
+//!      each rank's chunk element rounded to the gradients' wire dtype and
+//!      widened back, added one after the other in rank order.
+//!
+//!    An event marks the sums done; their download waits for it, not for
+//!    the compute stream.
+//!
+//! # Deterministic
+//!
+//! NCCL only moves bytes here: no `ncclReduceScatter` (its summation
+//! order is NCCL's, by topology). The sums are `add_chunks`'s, in rank
+//! order, the order the host's collective adds them in
+//! (`reference::add_chunks`), so a run whose gradients are reduced on the
+//! device has the same bits as one reduced on the host.
+//!
+//! # Buffers in flight
+//!
+//! The packed buffer is allocated on the compute stream and read by the
+//! collective stream; it is kept in [`Reduced`] until the sums' download
+//! completed, so its free (on the compute stream) never waits for the
+//! collective. The receive buffer and the uploaded running sums are the
+//! collective stream's own, kept there too. The gradients packed are
+//! freed on the compute stream, after the copies that read them there.
+//!
+//! # The communicator
+//!
+//! `ncclComm_t` is used from one thread at a time (a mutex), with the
+//! device's context bound first. It is built with
+//! [`DeviceComm::new`] on every rank from one [`DeviceComm::unique_id`]
+//! (rank 0's, handed out by the caller's own bootstrap: the host's
+//! collectives), and `ncclCommInitRank` blocks until every rank joined.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaEvent, CudaStream, PushKernelArg};
+use cudarc::nccl::result::{group_end, group_start};
+
+use crate::device::{driver_err, guarded, Device, DeviceBuffer};
+use crate::ops::Elem;
+use crate::{GpuError, Result};
+
+/// Bytes of an `ncclUniqueId`.
+pub const ID_BYTES: usize = 128;
+
+/// The NCCL library's name, for errors.
+const NCCL: &str = "libnccl.so";
+
+/// An `ncclComm_t` and the stream it queues on.
+struct Handle {
+    comm: cudarc::nccl::Comm,
+}
+
+// SAFETY: an `ncclComm_t` may be used from any thread, but not from two at
+// once; `DeviceComm` reaches it only under its mutex, with the device's
+// context bound to the calling thread first.
+unsafe impl Send for Handle {}
+
+/// The ranks' collectives on one GPU's buffers (see the module docs).
+pub struct DeviceComm {
+    handle: Mutex<Handle>,
+    /// The collectives' stream (NCCL's, the all-to-all's copies and the
+    /// sums' kernel).
+    stream: Arc<CudaStream>,
+    rank: usize,
+    world: usize,
+}
+
+impl std::fmt::Debug for DeviceComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceComm")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A unit's gradients laid out for their reduce-scatter
+/// ([`DeviceComm::pack`]).
+#[derive(Debug)]
+pub struct Packed {
+    send: DeviceBuffer<f32>,
+    /// Each rank's block length (elements).
+    blocks: Vec<usize>,
+    /// Recorded on the compute stream after the layout.
+    ready: CudaEvent,
+}
+
+impl Packed {
+    /// Each rank's block length (elements).
+    pub fn blocks(&self) -> &[usize] {
+        &self.blocks
+    }
+}
+
+/// A reduce-scatter's sums on the device ([`DeviceComm::reduce`]).
+#[derive(Debug)]
+pub struct Reduced {
+    /// This rank's sums (fp32).
+    pub sums: DeviceBuffer<f32>,
+    /// Recorded on the collective stream after them: their download waits
+    /// for it.
+    pub done: CudaEvent,
+    /// The buffers the collective read, kept until the sums' download
+    /// completed (see "Buffers in flight").
+    pub keep: Vec<DeviceBuffer<f32>>,
+}
+
+/// Whether `libnccl.so` loads.
+pub fn nccl_available() -> Result<()> {
+    // SAFETY: only `dlopen`s the candidate names and closes them.
+    let present = unsafe { cudarc::nccl::sys::is_culib_present() };
+    if present {
+        return Ok(());
+    }
+    Err(GpuError::LibraryMissing {
+        library: NCCL,
+        tried: crate::tried_names("nccl"),
+        fix: "install NCCL (libnccl-dev provides libnccl.so; with only libnccl.so.2, from \
+              libnccl2 or the nvidia-nccl wheel, link it as libnccl.so in a directory on \
+              LD_LIBRARY_PATH)",
+    })
+}
+
+fn nccl_err(call: &'static str) -> impl Fn(cudarc::nccl::result::NcclError) -> GpuError {
+    move |e| GpuError::Driver {
+        call,
+        detail: format!("{e:?}"),
+    }
+}
+
+/// Offsets of consecutive blocks.
+fn offsets(blocks: &[usize]) -> Vec<usize> {
+    blocks
+        .iter()
+        .scan(0usize, |at, &b| {
+            let o = *at;
+            *at += b;
+            Some(o)
+        })
+        .collect()
+}
+
+fn shape(detail: String) -> GpuError {
+    GpuError::Shape {
+        kernel: "reduce-scatter".into(),
+        detail,
+    }
+}
+
+impl DeviceComm {
+    /// A new `ncclUniqueId` (rank 0 makes it; every rank builds its
+    /// communicator from it).
+    pub fn unique_id() -> Result<[u8; ID_BYTES]> {
+        nccl_available()?;
+        guarded(NCCL, || {
+            let id = cudarc::nccl::Id::new().map_err(nccl_err("ncclGetUniqueId"))?;
+            Ok(id.internal().map(|c| c as u8))
+        })
+    }
+
+    /// This rank's communicator on `dev`, among `world` ranks, from rank
+    /// 0's `id`: blocks until every rank joined.
+    pub fn new(dev: &Device, id: &[u8; ID_BYTES], rank: usize, world: usize) -> Result<Self> {
+        nccl_available()?;
+        if rank >= world {
+            return Err(shape(format!("rank {rank} of {world}")));
+        }
+        guarded(NCCL, || {
+            let ctx = dev.context();
+            ctx.bind_to_thread()
+                .map_err(driver_err("cuCtxSetCurrent"))?;
+            let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
+            let id = cudarc::nccl::Id::uninit(id.map(|b| b as core::ffi::c_char));
+            let comm = cudarc::nccl::Comm::from_rank(stream.clone(), rank, world, id)
+                .map_err(nccl_err("ncclCommInitRank"))?;
+            Ok(DeviceComm {
+                handle: Mutex::new(Handle { comm }),
+                stream,
+                rank,
+                world,
+            })
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The ranks.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// `grads` (fp32) laid out for their reduce-scatter, on the compute
+    /// stream: gradient `p` cut into chunks of `counts[p][r]` elements,
+    /// rank `r`'s chunks of every gradient one after the other, the
+    /// blocks in rank order.
+    pub fn pack(
+        &self,
+        dev: &Device,
+        grads: &[&DeviceBuffer<f32>],
+        counts: &[Vec<usize>],
+    ) -> Result<Packed> {
+        if grads.len() != counts.len() {
+            return Err(shape(format!(
+                "{} gradients but {} counts",
+                grads.len(),
+                counts.len()
+            )));
+        }
+        for (g, c) in grads.iter().zip(counts) {
+            if c.len() != self.world || c.iter().sum::<usize>() != g.len() {
+                return Err(shape(format!(
+                    "a gradient of {} elements cut as {c:?} for {} ranks",
+                    g.len(),
+                    self.world
+                )));
+            }
+        }
+        let total: usize = grads.iter().map(|g| g.len()).sum();
+        let mut send = dev.alloc_output::<f32>("gradients laid out by rank", total)?;
+        let mut blocks = vec![0usize; self.world];
+        let mut at = 0usize;
+        for (r, block) in blocks.iter_mut().enumerate() {
+            for (g, c) in grads.iter().zip(counts) {
+                let from: usize = c[..r].iter().sum();
+                let n = c[r];
+                if n > 0 {
+                    let src = g.slice().slice(from..from + n);
+                    let mut dst = send.slice_mut().slice_mut(at..at + n);
+                    dev.compute
+                        .memcpy_dtod(&src, &mut dst)
+                        .map_err(driver_err("cuMemcpyDtoDAsync"))?;
+                }
+                at += n;
+                *block += n;
+            }
+        }
+        let ready = dev
+            .compute
+            .record_event(None)
+            .map_err(driver_err("cuEventRecord"))?;
+        Ok(Packed {
+            send,
+            blocks,
+            ready,
+        })
+    }
+
+    /// The reduce-scatter of `packed` on the collective stream (see the
+    /// module docs): this rank's chunks from every rank, each rounded to
+    /// `T` and widened, added onto `acc` (this rank's running sums; None:
+    /// +0.0) in rank order. Every rank calls it for the same packs in the
+    /// same order.
+    pub fn reduce<T: Elem>(
+        &self,
+        dev: &Device,
+        packed: Packed,
+        acc: Option<&[f32]>,
+    ) -> Result<Reduced> {
+        let Packed {
+            send,
+            blocks,
+            ready,
+        } = packed;
+        let (me, world) = (self.rank, self.world);
+        if blocks.len() != world {
+            return Err(shape(format!("{} blocks for {world} ranks", blocks.len())));
+        }
+        let mine = blocks[me];
+        if let Some(a) = acc {
+            if a.len() != mine {
+                return Err(shape(format!(
+                    "{} running sums for a shard of {mine} elements",
+                    a.len()
+                )));
+            }
+        }
+        let s = &self.stream;
+        dev.context()
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
+        s.wait(&ready).map_err(driver_err("cuStreamWaitEvent"))?;
+        let from = offsets(&blocks);
+        let mut recv = dev.alloc_output_on::<f32>(s, "gradient chunks received", mine * world)?;
+        if mine > 0 {
+            let own = send.slice().slice(from[me]..from[me] + mine);
+            let mut dst = recv.slice_mut().slice_mut(me * mine..(me + 1) * mine);
+            s.memcpy_dtod(&own, &mut dst)
+                .map_err(driver_err("cuMemcpyDtoDAsync"))?;
+        }
+        {
+            let h = self.handle.lock().unwrap_or_else(|p| p.into_inner());
+            // Counts are the same on every rank, so a zero-length send
+            // here is a zero-length receive there: both are skipped.
+            group_start().map_err(nccl_err("ncclGroupStart"))?;
+            let mut first_error = None;
+            for p in (0..world).filter(|&p| p != me) {
+                if blocks[p] > 0 {
+                    let view = send.slice().slice(from[p]..from[p] + blocks[p]);
+                    if let Err(e) = h.comm.send(&view, p as i32) {
+                        first_error.get_or_insert(nccl_err("ncclSend")(e));
+                    }
+                }
+                if mine > 0 {
+                    let mut view = recv.slice_mut().slice_mut(p * mine..(p + 1) * mine);
+                    if let Err(e) = h.comm.recv(&mut view, p as i32) {
+                        first_error.get_or_insert(nccl_err("ncclRecv")(e));
+                    }
+                }
+            }
+            let ended = group_end().map_err(nccl_err("ncclGroupEnd"));
+            if let Some(e) = first_error {
+                return Err(e);
+            }
+            ended?;
+        }
+        let acc = match acc {
+            Some(a) => {
+                let mut b = dev.alloc_output_on::<f32>(s, "running gradient sums", a.len())?;
+                s.memcpy_htod(a, b.slice_mut())
+                    .map_err(driver_err("cuMemcpyHtoDAsync"))?;
+                Some(b)
+            }
+            None => None,
+        };
+        let mut sums = dev.alloc_output_on::<f32>(s, "reduced gradient sums", mine)?;
+        add_chunks_on::<T>(dev, s, &mut sums, acc.as_ref(), &recv, world)?;
+        let done = s.record_event(None).map_err(driver_err("cuEventRecord"))?;
+        let mut keep = vec![send, recv];
+        keep.extend(acc);
+        Ok(Reduced { sums, done, keep })
+    }
+}
+
+/// `add_chunks_T` on `stream`: `out = acc (or +0.0) + T(chunk 0) + T(chunk
+/// 1) + ...`, `chunks` holding `world` chunks of `out.len()` elements.
+pub fn add_chunks_on<T: Elem>(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+    out: &mut DeviceBuffer<f32>,
+    acc: Option<&DeviceBuffer<f32>>,
+    chunks: &DeviceBuffer<f32>,
+    world: usize,
+) -> Result<()> {
+    let k = format!("add_chunks_{}", T::SUFFIX);
+    let n = out.len();
+    if chunks.len() != n * world || acc.is_some_and(|a| a.len() != n) {
+        return Err(GpuError::Shape {
+            kernel: k,
+            detail: format!(
+                "{} chunk elements for {world} chunks of {n}, running sums of {:?}",
+                chunks.len(),
+                acc.map(DeviceBuffer::len)
+            ),
+        });
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let world_i32 = i32::try_from(world).map_err(|_| GpuError::Shape {
+        kernel: k.clone(),
+        detail: format!("{world} ranks"),
+    })?;
+    let n64 = n as i64;
+    let null = 0u64;
+    let mut a = stream.launch_builder(dev.function(&k)?);
+    a.arg(out.slice_mut());
+    match acc {
+        Some(b) => a.arg(b.slice()),
+        None => a.arg(&null),
+    };
+    a.arg(chunks.slice());
+    a.arg(&n64);
+    a.arg(&world_i32);
+    let cfg = crate::ops::per_item(n);
+    // SAFETY: the arguments are add_chunks_T's (layout.cu): the fp32
+    // output of n elements, the running sums of n (or null), the chunks of
+    // world · n (all checked above), then n as long long and world as int.
+    unsafe { a.launch(cfg) }.map_err(|e| GpuError::Driver {
+        call: "cuLaunchKernel",
+        detail: format!("{k}: {e}"),
+    })?;
+    Ok(())
+}
