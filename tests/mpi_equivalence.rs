@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use engine_support::{corpus, ds_config, scratch, Knobs};
 use serde_json::{json, Value};
-use tierzero::config::{load_str, PathChecks, RunContext};
+use tierzero::config::{load_str, PathChecks, Precision, RunContext};
 use tierzero::engine::comm::mpi::MpiComm;
 use tierzero::engine::device::sim::{SimConfig, SimDevice, SimProbe};
 use tierzero::engine::device::{TierLimits, TieredUnits};
@@ -144,13 +144,14 @@ impl Compute {
 fn sim_tier(
     compute_delay: Duration,
     comm: Option<Arc<dyn Comm>>,
+    gemm: GemmDtype,
 ) -> (Arc<dyn tierzero::model::exec_units::UnitCompute>, SimProbe) {
     let mut dev = SimDevice::new(SimConfig {
         budget_bytes: 64 << 20,
         copy_delay: Duration::from_millis(1),
         h2d_bytes_per_s: None,
         staging_slots: 4,
-        gemm: GemmDtype::F32,
+        gemm,
         fail_upload: None,
         compute_delay,
     })
@@ -164,7 +165,15 @@ fn sim_tier(
         max_live_numel: u64::MAX,
         cache_bytes: 0,
     };
-    (Arc::new(TieredUnits::new(dev, limits).unwrap()), probe)
+    let storage = match gemm {
+        GemmDtype::Bf16 => candle_core::DType::BF16,
+        GemmDtype::F16 => candle_core::DType::F16,
+        GemmDtype::F32 => candle_core::DType::F32,
+    };
+    let units = TieredUnits::new(dev, limits)
+        .unwrap()
+        .params_stored_as(storage);
+    (Arc::new(units), probe)
 }
 
 fn train(cfg: &Value, ranks: u64, model: &Path, steps: u64, comm: Arc<dyn Comm>) -> Out {
@@ -187,22 +196,24 @@ fn train_on(
     let loaded = load_str(&cfg.to_string(), &run).unwrap();
     let md = ModelDir::open(model, SEED).unwrap();
     let mut opts = TrainerOptions::cpu(SEED, SEQ);
+    // The device units compute in the run's precision.
+    let gemm = match loaded.config.precision {
+        Precision::Bf16 => GemmDtype::Bf16,
+        Precision::Fp16 { .. } => GemmDtype::F16,
+        Precision::Fp32 => GemmDtype::F32,
+    };
     opts.comm = comm.clone();
     let mut probe = None;
     match compute {
         Compute::Cpu => {}
-        Compute::Reference => {
-            opts.compute = Some(Arc::new(ReferenceUnits {
-                gemm: GemmDtype::F32,
-            }))
-        }
+        Compute::Reference => opts.compute = Some(Arc::new(ReferenceUnits { gemm })),
         Compute::SimTier => {
-            opts.compute = Some(sim_tier(SIM_UNIT_COMPUTE, None).0);
+            opts.compute = Some(sim_tier(SIM_UNIT_COMPUTE, None, gemm).0);
             opts.timeline = Some(Timeline::new(2, 3));
         }
-        Compute::SimHost => opts.compute = Some(sim_tier(Duration::ZERO, None).0),
+        Compute::SimHost => opts.compute = Some(sim_tier(Duration::ZERO, None, gemm).0),
         Compute::SimReduce => {
-            let (units, p) = sim_tier(Duration::ZERO, Some(comm));
+            let (units, p) = sim_tier(Duration::ZERO, Some(comm), gemm);
             opts.compute = Some(units);
             probe = Some(p);
         }
@@ -383,6 +394,77 @@ fn rank_main() {
     );
     let path = Path::new(spec["out"].as_str().unwrap()).join(format!("rank{rank}.json"));
     std::fs::write(path, out_to_json(&out).to_string()).unwrap();
+}
+
+/// One rank of [`every_rank_gets_rank_0_s_nccl_id_or_every_rank_fails`]
+/// (does nothing outside it).
+#[test]
+#[ignore = "a rank of the NCCL id test; it runs it under mpirun"]
+fn rank_nccl_id() {
+    let Ok(dir) = std::env::var("TZ_NCCL_ID_OUT") else {
+        return;
+    };
+    let comm = MpiComm::init(Duration::from_secs(60)).unwrap();
+    let got = tierzero::engine::device::cuda::nccl_id(&comm);
+    let out = match got {
+        Ok(id) => json!({"id": id.to_vec()}),
+        Err(e) => json!({"error": e.to_string()}),
+    };
+    std::fs::write(
+        Path::new(&dir).join(format!("rank{}.json", comm.rank())),
+        out.to_string(),
+    )
+    .unwrap();
+}
+
+#[test]
+fn every_rank_gets_rank_0_s_nccl_id_or_every_rank_fails() {
+    // The GPUs' communicator is built from rank 0's id, handed out
+    // through the ranks' own collectives; a rank that cannot load NCCL
+    // must make every rank fail at once (not leave them waiting in
+    // ncclCommInitRank). Without NCCL (as here), both fail, naming the
+    // library (rank 1 its own, or rank 0's); with it, both hold the same
+    // id.
+    let dir = scratch("mpi-nccl-id");
+    let out = mpirun(2)
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "rank_nccl_id",
+            "--ignored",
+            "--test-threads",
+            "1",
+        ])
+        .env("TZ_NCCL_ID_OUT", &dir)
+        .output()
+        .expect("run mpirun (install openmpi-bin)");
+    assert!(
+        out.status.success(),
+        "mpirun -np 2 failed: {}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ranks: Vec<Value> = (0..2)
+        .map(|r| {
+            let text = std::fs::read_to_string(dir.join(format!("rank{r}.json"))).unwrap();
+            serde_json::from_str(&text).unwrap()
+        })
+        .collect();
+    println!("{ranks:?}");
+    match (ranks[0]["id"].as_array(), ranks[1]["id"].as_array()) {
+        (Some(a), Some(b)) => {
+            assert_eq!(a.len(), tierzero_gpu::collective::ID_BYTES);
+            assert_eq!(a, b, "both ranks hold rank 0's id");
+        }
+        (None, None) => {
+            let e0 = ranks[0]["error"].as_str().unwrap();
+            let e1 = ranks[1]["error"].as_str().unwrap();
+            // Rank 1 fails on its own missing library, or on rank 0's.
+            assert!(e0.contains("libnccl.so"), "rank 0: {e0}");
+            assert!(e1.contains("libnccl.so"), "rank 1: {e1}");
+        }
+        _ => panic!("one rank got an id and the other did not: {ranks:?}"),
+    }
 }
 
 /// `mpirun` with what a 2-core container and a root user need.
@@ -674,12 +756,21 @@ fn gradients_reduce_scattered_on_the_device_match_one_rank_in_memory_bit_for_bit
     // the embedding's units still come down whole (their sum spans two
     // units). Two micro-batches a step: the second one's running sums go
     // up first.
-    let (tag, steps, gas) = ("s3-sim-reduce", 4u64, 2u64);
+    for (precision, grad_bytes) in [("fp32", 4u64), ("bf16", 2)] {
+        reduce_on_the_device_case(precision, grad_bytes);
+    }
+}
+
+/// [`gradients_reduce_scattered_on_the_device_match_one_rank_in_memory_bit_for_bit`]
+/// in `precision`, whose gradients cross as `grad_bytes` an element.
+fn reduce_on_the_device_case(precision: &'static str, grad_bytes: u64) {
+    let (tag, steps, gas) = (format!("s3-sim-reduce-{precision}"), 4u64, 2u64);
     let knobs = Knobs {
         gas,
+        precision,
         ..Knobs::nvme()
     };
-    let model = model_dir(tag, true);
+    let model = model_dir(&tag, true);
     let multi_cfg = ds_config(&knobs, &scratch("mpi-swap"), steps);
     let one = Knobs {
         gas: gas * 2,
@@ -697,12 +788,12 @@ fn gradients_reduce_scattered_on_the_device_match_one_rank_in_memory_bit_for_bit
     let host = run_ranks_on(2, &multi_cfg, &model, steps, Compute::SimHost);
     let device = run_ranks_on(2, &multi_cfg, &model, steps, Compute::SimReduce);
     assert_bit_identical(
-        "device tier, gradients reduced on the host",
+        &format!("{precision}: device tier, gradients reduced on the host"),
         &reference,
         &host,
     );
     assert_bit_identical(
-        "device tier, gradients reduced on the device",
+        &format!("{precision}: device tier, gradients reduced on the device"),
         &reference,
         &device,
     );
@@ -715,8 +806,8 @@ fn gradients_reduce_scattered_on_the_device_match_one_rank_in_memory_bit_for_bit
         4 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * inner + inner) + (inner * h + h);
     for (r, (d, o)) in device.iter().zip(&host).enumerate() {
         println!(
-            "rank {r}: gradients reduced on the device: d2h {} B, h2d {} B; on the host: d2h {} B, \
-             h2d {} B; {} units reduced on the device",
+            "{precision}, rank {r}: gradients reduced on the device: d2h {} B, h2d {} B; on the \
+             host: d2h {} B, h2d {} B; {} units reduced on the device",
             d.d2h_bytes, d.h2d_bytes, o.d2h_bytes, o.h2d_bytes, d.device_reduces
         );
         assert_eq!(
@@ -731,11 +822,12 @@ fn gradients_reduce_scattered_on_the_device_match_one_rank_in_memory_bit_for_bit
             d.grad_reduces, o.grad_reduces,
             "rank {r}: one reduce a unit either way"
         );
-        // Half of each block's fp32 gradients come down (every count is
-        // even: the two ranks' shards are alike) ...
+        // Each block's gradients came down whole at `grad_bytes` an
+        // element; now this rank's half of their sums, fp32 (every count
+        // is even: the two ranks' shards are alike) ...
         assert_eq!(
             o.d2h_bytes - d.d2h_bytes,
-            block_reduces * block_numel * 4 / 2,
+            block_reduces * block_numel * (grad_bytes - 4 / 2),
             "rank {r}: d2h saved"
         );
         // ... and the second micro-batch's running sums go up.

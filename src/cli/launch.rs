@@ -78,13 +78,12 @@ pub struct LaunchArgs {
 /// and the same for NCCL.
 #[cfg(feature = "mpi")]
 const DEFAULT_COMM_TIMEOUT: std::time::Duration = tierzero::engine::comm::mpi::DEFAULT_TIMEOUT;
-#[cfg(all(feature = "gpu", not(feature = "mpi")))]
+#[cfg(not(feature = "mpi"))]
 const DEFAULT_COMM_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// Seconds a collective waits for the other ranks, from
 /// `TIERZERO_COMM_TIMEOUT_S` (default 600).
-#[cfg(any(feature = "mpi", feature = "gpu"))]
-fn comm_timeout() -> Result<std::time::Duration, Failure> {
+pub(crate) fn comm_timeout() -> Result<std::time::Duration, Failure> {
     match std::env::var("TIERZERO_COMM_TIMEOUT_S") {
         Err(_) => Ok(DEFAULT_COMM_TIMEOUT),
         Ok(v) => match v.trim().parse::<f64>() {

@@ -6,6 +6,7 @@
 use anyhow::anyhow;
 
 use super::{bad, Failure};
+use crate::cli::launch::comm_timeout;
 
 /// The CUDA units on the GPU `--device` names (this rank's, for `cuda`),
 /// after the checks a user can act on: the precision and the model
@@ -48,11 +49,16 @@ pub(super) fn cuda_units(
     })?;
     // The device tier: params staged a unit ahead on the copy stream,
     // kept between uses within `tierzero.device_cache_bytes`.
+    let dev = std::sync::Arc::new(dev);
     // With several ranks, the gradients are reduce-scattered on the GPUs
     // (NCCL on their buffers), each rank's sums alone coming down.
-    let collectives = tierzero::engine::device::cuda::device_collectives(&dev, comm)
-        .map_err(|e| Failure::Internal(anyhow!("--device {d}: {e}")))?;
-    let mut link = tierzero::engine::device::cuda::CudaLink::new(std::sync::Arc::new(dev), gemm)
+    let collectives = if world > 1 {
+        tierzero::engine::device::cuda::device_collectives(&dev, comm, comm_timeout()?)
+            .map_err(|e| Failure::Internal(anyhow!("--device {d}: {e}")))?
+    } else {
+        None
+    };
+    let mut link = tierzero::engine::device::cuda::CudaLink::new(dev, gemm)
         .map_err(|e| Failure::Internal(anyhow!("--device {d}: {e}")))?;
     if let Some(c) = collectives {
         link = link.with_collectives(c);

@@ -112,22 +112,26 @@ impl CudaLink {
     }
 }
 
-/// The ranks' collectives on `dev`'s buffers, among `comm`'s ranks (None
-/// with one rank), for [`CudaLink::with_collectives`]. Every rank calls it
-/// at the same point. Rank 0 makes NCCL's id; every rank first reports
-/// whether it could load NCCL, so a rank without it makes every rank fail
-/// here at once instead of leaving the others in `ncclCommInitRank`; the
-/// id reaches the ranks through `comm`; then each builds its
-/// communicator (which returns once every rank joined).
-pub fn device_collectives(
-    dev: &Device,
+/// The failure of building the GPUs' communicator on `rank` of `world`.
+fn init_failed(rank: usize, world: usize, reason: String) -> crate::engine::EngineError {
+    crate::engine::EngineError::Comm {
+        rank,
+        world,
+        op: "ncclCommInitRank (the GPUs' buffers)",
+        reason,
+    }
+}
+
+/// Rank 0's NCCL id, on every rank of `comm` (a collective: every rank
+/// calls it at the same point). Every rank first reports whether NCCL
+/// loads (rank 0: whether it made the id), and if one cannot, every rank
+/// fails here at once, the others naming it, instead of leaving them in
+/// `ncclCommInitRank`.
+pub fn nccl_id(
     comm: &dyn crate::engine::comm::Comm,
-) -> Result<Option<DeviceComm>, crate::engine::EngineError> {
+) -> Result<[u8; tierzero_gpu::collective::ID_BYTES], crate::engine::EngineError> {
     use crate::engine::comm::{agree, all_gather_var};
     let (rank, world) = (comm.rank(), comm.world_size());
-    if world == 1 {
-        return Ok(None);
-    }
     let local = if rank == 0 {
         DeviceComm::unique_id().map(|id| id.to_vec())
     } else {
@@ -136,17 +140,49 @@ pub fn device_collectives(
     let mine = agree(
         comm,
         "NCCL on the GPUs' buffers",
-        local.map_err(gpu_err).map_err(Into::into),
+        local.map_err(|e| init_failed(rank, world, e.to_string())),
     )?;
     let ids = all_gather_var(comm, &mine)?;
-    let id: [u8; tierzero_gpu::collective::ID_BYTES] = ids
-        .first()
+    ids.first()
         .and_then(|b| b.as_slice().try_into().ok())
-        .ok_or_else(|| {
-            crate::engine::EngineError::internal("rank 0 handed out no NCCL id".to_string())
-        })?;
-    let built = DeviceComm::new(dev, &id, rank, world);
-    Ok(Some(built.map_err(gpu_err)?))
+        .ok_or_else(|| init_failed(rank, world, "rank 0 handed out no NCCL id".into()))
+}
+
+/// The ranks' collectives on `dev`'s buffers, among `comm`'s ranks (None
+/// with one rank), for [`CudaLink::with_collectives`]. Every rank calls it
+/// at the same point: rank 0's id reaches every rank ([`nccl_id`]), then
+/// each builds its communicator, on a guarded thread, waiting at most
+/// `timeout` for every rank to join (a rank that failed between the two
+/// leaves the others there; that thread is then left behind, stuck in
+/// NCCL, as the host's NCCL communicator leaves its own).
+pub fn device_collectives(
+    dev: &Arc<Device>,
+    comm: &dyn crate::engine::comm::Comm,
+    timeout: std::time::Duration,
+) -> Result<Option<DeviceComm>, crate::engine::EngineError> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    if world == 1 {
+        return Ok(None);
+    }
+    let failed = |reason: String| init_failed(rank, world, reason);
+    let id = nccl_id(comm)?;
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let device = dev.clone();
+    crate::gpu::spawn_guarded("nccl-init", move || {
+        let _ = tx.send(DeviceComm::new(&device, &id, rank, world));
+    })
+    .map_err(|e| failed(e.to_string()))?;
+    match rx.recv_timeout(timeout) {
+        Ok(built) => Ok(Some(built.map_err(|e| failed(e.to_string()))?)),
+        Err(crossbeam_channel::RecvTimeoutError::Timeout) => Err(failed(format!(
+            "not every rank joined within {:.0} s: a rank has died or hangs; stopping (set \
+             TIERZERO_COMM_TIMEOUT_S to wait longer)",
+            timeout.as_secs_f64()
+        ))),
+        Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(failed(
+            "the thread building the communicator ended without an answer".into(),
+        )),
+    }
 }
 
 impl DeviceLink for CudaLink {
