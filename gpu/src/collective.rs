@@ -44,6 +44,23 @@
 //! collective. The receive buffer and the uploaded running sums are the
 //! collective stream's own, kept there too. The gradients packed are
 //! freed on the compute stream, after the copies that read them there.
+//! cudarc records a buffer's last use as each NCCL call is made, before
+//! NCCL queues its work at the group's end; so those records are not
+//! relied on: every buffer is allocated before the group (a budget
+//! refusal fails before any peer waits on this rank), and an error after
+//! the group first waits for the collective stream. A shard of no
+//! elements allocates nothing (the driver refuses empty allocations).
+//!
+//! # Never waiting for ever
+//!
+//! A peer that died leaves this rank's all-to-all unfinished.
+//! [`DeviceComm::wait`] polls the sums' event up to a deadline (the
+//! engine's `TIERZERO_COMM_TIMEOUT_S`), then fails, leaking that
+//! reduce's buffers on purpose (NCCL may still write into them).
+//! [`DeviceComm::warm_up`], right after the communicator is built, runs
+//! one all-to-all of one element and checks its sum: NCCL connects to the
+//! peers, and takes those connections' memory, then, not in the first
+//! step; and a communicator that cannot move bytes fails at start-up.
 //!
 //! # The communicator
 //!
@@ -54,6 +71,7 @@
 //! collectives), and `ncclCommInitRank` blocks until every rank joined.
 
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaEvent, CudaStream, PushKernelArg};
 use cudarc::nccl::result::{group_end, group_start};
@@ -118,8 +136,8 @@ impl Packed {
 /// A reduce-scatter's sums on the device ([`DeviceComm::reduce`]).
 #[derive(Debug)]
 pub struct Reduced {
-    /// This rank's sums (fp32).
-    pub sums: DeviceBuffer<f32>,
+    /// This rank's sums (fp32; None for a shard of no elements).
+    pub sums: Option<DeviceBuffer<f32>>,
     /// Recorded on the collective stream after them: their download waits
     /// for it.
     pub done: CudaEvent,
@@ -275,7 +293,10 @@ impl DeviceComm {
     /// module docs): this rank's chunks from every rank, each rounded to
     /// `T` and widened, added onto `acc` (this rank's running sums; None:
     /// +0.0) in rank order. Every rank calls it for the same packs in the
-    /// same order.
+    /// same order. The buffers it needs are allocated before any NCCL call
+    /// (a budget refusal fails here, before the peers wait on this rank);
+    /// after one, an error first waits for the collective stream, so that
+    /// no buffer it may still touch is freed.
     pub fn reduce<T: Elem>(
         &self,
         dev: &Device,
@@ -304,56 +325,135 @@ impl DeviceComm {
         dev.context()
             .bind_to_thread()
             .map_err(driver_err("cuCtxSetCurrent"))?;
+        // Nothing of a zero-element shard is allocated (the driver refuses
+        // empty allocations); the rank still sends its blocks.
+        let (mut recv, acc, mut sums) = if mine == 0 {
+            (None, None, None)
+        } else {
+            let recv = dev.alloc_output_on::<f32>(s, "gradient chunks received", mine * world)?;
+            let acc = match acc {
+                Some(a) => {
+                    let mut b = dev.alloc_output_on::<f32>(s, "running gradient sums", a.len())?;
+                    s.memcpy_htod(a, b.slice_mut())
+                        .map_err(driver_err("cuMemcpyHtoDAsync"))?;
+                    Some(b)
+                }
+                None => None,
+            };
+            let sums = dev.alloc_output_on::<f32>(s, "reduced gradient sums", mine)?;
+            (Some(recv), acc, Some(sums))
+        };
         s.wait(&ready).map_err(driver_err("cuStreamWaitEvent"))?;
         let from = offsets(&blocks);
-        let mut recv = dev.alloc_output_on::<f32>(s, "gradient chunks received", mine * world)?;
-        if mine > 0 {
-            let own = send.slice().slice(from[me]..from[me] + mine);
-            let mut dst = recv.slice_mut().slice_mut(me * mine..(me + 1) * mine);
-            s.memcpy_dtod(&own, &mut dst)
-                .map_err(driver_err("cuMemcpyDtoDAsync"))?;
-        }
-        {
-            let h = self.handle.lock().unwrap_or_else(|p| p.into_inner());
-            // Counts are the same on every rank, so a zero-length send
-            // here is a zero-length receive there: both are skipped.
-            group_start().map_err(nccl_err("ncclGroupStart"))?;
-            let mut first_error = None;
-            for p in (0..world).filter(|&p| p != me) {
-                if blocks[p] > 0 {
-                    let view = send.slice().slice(from[p]..from[p] + blocks[p]);
-                    if let Err(e) = h.comm.send(&view, p as i32) {
-                        first_error.get_or_insert(nccl_err("ncclSend")(e));
-                    }
-                }
-                if mine > 0 {
-                    let mut view = recv.slice_mut().slice_mut(p * mine..(p + 1) * mine);
-                    if let Err(e) = h.comm.recv(&mut view, p as i32) {
-                        first_error.get_or_insert(nccl_err("ncclRecv")(e));
-                    }
-                }
+        let queued = (|| -> Result<CudaEvent> {
+            if let Some(recv) = recv.as_mut() {
+                let own = send.slice().slice(from[me]..from[me] + mine);
+                let mut dst = recv.slice_mut().slice_mut(me * mine..(me + 1) * mine);
+                s.memcpy_dtod(&own, &mut dst)
+                    .map_err(driver_err("cuMemcpyDtoDAsync"))?;
             }
-            let ended = group_end().map_err(nccl_err("ncclGroupEnd"));
-            if let Some(e) = first_error {
+            {
+                let h = self.handle.lock().unwrap_or_else(|p| p.into_inner());
+                // Counts are the same on every rank, so a zero-length send
+                // here is a zero-length receive there: both are skipped.
+                group_start().map_err(nccl_err("ncclGroupStart"))?;
+                let mut first_error = None;
+                for p in (0..world).filter(|&p| p != me) {
+                    if blocks[p] > 0 {
+                        let view = send.slice().slice(from[p]..from[p] + blocks[p]);
+                        if let Err(e) = h.comm.send(&view, p as i32) {
+                            first_error.get_or_insert(nccl_err("ncclSend")(e));
+                        }
+                    }
+                    if let Some(recv) = recv.as_mut() {
+                        let mut view = recv.slice_mut().slice_mut(p * mine..(p + 1) * mine);
+                        if let Err(e) = h.comm.recv(&mut view, p as i32) {
+                            first_error.get_or_insert(nccl_err("ncclRecv")(e));
+                        }
+                    }
+                }
+                let ended = group_end().map_err(nccl_err("ncclGroupEnd"));
+                if let Some(e) = first_error {
+                    return Err(e);
+                }
+                ended?;
+            }
+            if let (Some(sums), Some(recv)) = (sums.as_mut(), recv.as_ref()) {
+                add_chunks_on::<T>(dev, s, sums, acc.as_ref(), recv, world)?;
+            }
+            s.record_event(None).map_err(driver_err("cuEventRecord"))
+        })();
+        let done = match queued {
+            Ok(done) => done,
+            Err(e) => {
+                // cudarc recorded the buffers' last uses as the calls were
+                // made, before NCCL queued its work at the group's end:
+                // wait for the stream itself before they are freed.
+                let _ = s.synchronize();
                 return Err(e);
             }
-            ended?;
-        }
-        let acc = match acc {
-            Some(a) => {
-                let mut b = dev.alloc_output_on::<f32>(s, "running gradient sums", a.len())?;
-                s.memcpy_htod(a, b.slice_mut())
-                    .map_err(driver_err("cuMemcpyHtoDAsync"))?;
-                Some(b)
-            }
-            None => None,
         };
-        let mut sums = dev.alloc_output_on::<f32>(s, "reduced gradient sums", mine)?;
-        add_chunks_on::<T>(dev, s, &mut sums, acc.as_ref(), &recv, world)?;
-        let done = s.record_event(None).map_err(driver_err("cuEventRecord"))?;
-        let mut keep = vec![send, recv];
+        let mut keep = vec![send];
+        keep.extend(recv);
         keep.extend(acc);
         Ok(Reduced { sums, done, keep })
+    }
+
+    /// One all-to-all of one element for each rank, waited for at most
+    /// `timeout`, and its sum checked (every rank sends 1.0 to each: the
+    /// sum is the rank count). NCCL connects a communicator to its peers,
+    /// and takes those connections' buffers, at its first send and
+    /// receive: so that happens at start-up, not in the first step's
+    /// backward, and a communicator that cannot move bytes fails here.
+    pub fn warm_up(&self, dev: &Device, timeout: Duration) -> Result<()> {
+        let ones = dev.upload("warm-up all-to-all", &vec![1f32; self.world])?;
+        let packed = self.pack(dev, &[&ones], &[vec![1; self.world]])?;
+        let r = self.wait(self.reduce::<f32>(dev, packed, None)?, timeout)?;
+        let got = match &r.sums {
+            Some(sums) => dev.download(sums)?,
+            None => Vec::new(),
+        };
+        if got != [self.world as f32] {
+            return Err(shape(format!(
+                "the warm-up all-to-all of {} ranks summed to {got:?}, not [{}]",
+                self.world, self.world
+            )));
+        }
+        Ok(())
+    }
+
+    /// Waits for `r`'s sums, at most `timeout`: past it, a peer has died
+    /// or hangs (its half of the all-to-all never came), and waiting on
+    /// would block for ever. Then `r` is leaked on purpose (NCCL may still
+    /// write into its buffers) and the caller fails.
+    pub fn wait(&self, r: Reduced, timeout: Duration) -> Result<Reduced> {
+        let deadline = Instant::now() + timeout;
+        let mut pause = Duration::from_micros(20);
+        loop {
+            match r.done.try_is_complete() {
+                Ok(true) => return Ok(r),
+                Ok(false) => {}
+                Err(e) => {
+                    std::mem::forget(r);
+                    return Err(driver_err("cuEventQuery")(e));
+                }
+            }
+            if Instant::now() >= deadline {
+                std::mem::forget(r);
+                return Err(GpuError::Driver {
+                    call: "ncclSend/ncclRecv (the gradients' all-to-all)",
+                    detail: format!(
+                        "rank {} of {}: not done within {:.0} s: a rank has died or hangs; \
+                         stopping (set TIERZERO_COMM_TIMEOUT_S to wait longer)",
+                        self.rank,
+                        self.world,
+                        timeout.as_secs_f64()
+                    ),
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
     }
 }
 

@@ -94,7 +94,10 @@ fn one_rank<T: Elem>(
     drop(bufs);
     let total: usize = sizes.iter().sum();
     let acc = with_acc.then(|| data(total, 99));
-    let reduced = comm.reduce::<T>(dev, packed, acc.as_deref())?;
+    let reduced = comm.wait(
+        comm.reduce::<T>(dev, packed, acc.as_deref())?,
+        std::time::Duration::from_secs(60),
+    )?;
     let d = downloads.start_reduced("sums", reduced)?;
     let got = match downloads.finish(d)? {
         Downloaded::F32(v) => v,
@@ -122,7 +125,12 @@ pub(super) fn check_collective(dev: &Arc<Device>, rep: &mut Report) -> Result<()
             add_chunks_case::<f16>(dev, rep, n, world, with_acc)?;
         }
     }
-    let comm = match DeviceComm::unique_id().and_then(|id| DeviceComm::new(dev, &id, 0, 1)) {
+    let comm = match DeviceComm::unique_id()
+        .and_then(|id| DeviceComm::new(dev, &id, 0, 1))
+        .and_then(|c| {
+            c.warm_up(dev, std::time::Duration::from_secs(60))
+                .map(|()| c)
+        }) {
         Ok(c) => c,
         Err(e) => {
             rep.check("reduce_scatter.nccl_init", "1 rank", false, &e.to_string());

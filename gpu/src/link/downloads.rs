@@ -18,9 +18,11 @@ use crate::Result;
 #[derive(Debug)]
 pub struct PendingDownload {
     inner: Option<Down>,
-    /// 16-bit buffers widened into the one copied (params, allocated on
-    /// the h2d stream), kept until the copy is done, so after their cast:
-    /// dropped earlier, that stream would wait for the cast.
+    /// Buffers kept until the copy is done: 16-bit buffers widened into
+    /// the one copied (params, allocated on the h2d stream; dropped
+    /// earlier, that stream would wait for the cast), or the buffers a
+    /// reduce-scatter read and wrote (`start_reduced`: freed only once its
+    /// sums, after them on its stream, came down).
     sources: Vec<DevBuf>,
 }
 
@@ -226,10 +228,20 @@ impl Downloads {
         what: &str,
         r: crate::collective::Reduced,
     ) -> Result<PendingDownload> {
-        let staging = self.queue(&self.free, what, &r.sums, Some(&r.done))?;
+        let sources = r.keep.into_iter().map(DevBuf::F32).collect();
+        let Some(sums) = r.sums else {
+            // A shard of no elements: nothing to copy; its sends are done
+            // before the buffers they read are let go.
+            r.done.synchronize().map_err(driver("cuEventSynchronize"))?;
+            return Ok(PendingDownload {
+                inner: None,
+                sources,
+            });
+        };
+        let staging = self.queue(&self.free, what, &sums, Some(&r.done))?;
         Ok(PendingDownload {
-            inner: Some(Down::F32(r.sums, staging)),
-            sources: r.keep.into_iter().map(DevBuf::F32).collect(),
+            inner: Some(Down::F32(sums, staging)),
+            sources,
         })
     }
 

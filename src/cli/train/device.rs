@@ -52,8 +52,9 @@ pub(super) fn cuda_units(
     let dev = std::sync::Arc::new(dev);
     // With several ranks, the gradients are reduce-scattered on the GPUs
     // (NCCL on their buffers), each rank's sums alone coming down.
+    let timeout = comm_timeout()?;
     let collectives = if world > 1 {
-        tierzero::engine::device::cuda::device_collectives(&dev, comm, comm_timeout()?)
+        tierzero::engine::device::cuda::device_collectives(&dev, comm, timeout)
             .map_err(|e| Failure::Internal(anyhow!("--device {d}: {e}")))?
     } else {
         None
@@ -61,7 +62,7 @@ pub(super) fn cuda_units(
     let mut link = tierzero::engine::device::cuda::CudaLink::new(dev, gemm)
         .map_err(|e| Failure::Internal(anyhow!("--device {d}: {e}")))?;
     if let Some(c) = collectives {
-        link = link.with_collectives(c);
+        link = link.with_collectives(c, timeout);
     }
     on_link(&format!("--device {d}"), link, cfg, model, world)
 }

@@ -53,8 +53,9 @@ pub struct CudaLink {
     registrar: Arc<dyn HostRegistrar>,
     /// The ranks' collectives on this GPU's buffers: with several ranks,
     /// the gradients are reduce-scattered here
-    /// ([`CudaLink::with_collectives`]).
-    collective: Option<DeviceComm>,
+    /// ([`CudaLink::with_collectives`]), and the longest wait for a
+    /// reduce-scatter's sums.
+    collective: Option<(DeviceComm, std::time::Duration)>,
 }
 
 impl CudaLink {
@@ -79,13 +80,14 @@ impl CudaLink {
     /// The link with the ranks' collectives on this GPU's buffers
     /// (`comm`, built on its device): with more than one rank, a unit's
     /// gradients are reduce-scattered on the GPU and only this rank's
-    /// sums come down ([`DeviceLink::reduce_grads`]).
-    pub fn with_collectives(mut self, comm: DeviceComm) -> Self {
-        self.collective = Some(comm);
+    /// sums come down ([`DeviceLink::reduce_grads`]), each waited for at
+    /// most `timeout` (past it a rank has died or hangs).
+    pub fn with_collectives(mut self, comm: DeviceComm, timeout: std::time::Duration) -> Self {
+        self.collective = Some((comm, timeout));
         self
     }
 
-    fn collective(&self, what: &str) -> Result<&DeviceComm, ModelError> {
+    fn collective(&self, what: &str) -> Result<&(DeviceComm, std::time::Duration), ModelError> {
         self.collective.as_ref().ok_or_else(|| ModelError::Gpu {
             what: format!("{what}: no collectives on this GPU's buffers"),
         })
@@ -151,10 +153,12 @@ pub fn nccl_id(
 /// The ranks' collectives on `dev`'s buffers, among `comm`'s ranks (None
 /// with one rank), for [`CudaLink::with_collectives`]. Every rank calls it
 /// at the same point: rank 0's id reaches every rank ([`nccl_id`]), then
-/// each builds its communicator, on a guarded thread, waiting at most
-/// `timeout` for every rank to join (a rank that failed between the two
-/// leaves the others there; that thread is then left behind, stuck in
-/// NCCL, as the host's NCCL communicator leaves its own).
+/// each builds its communicator, on a guarded thread, and warms it up
+/// (one all-to-all of one element: NCCL connects to the peers then, not
+/// mid-step; [`DeviceComm::warm_up`]), waiting at most `timeout` for every
+/// rank to join (a rank that failed between the two leaves the others
+/// there; that thread is then left behind, stuck in NCCL, as the host's
+/// NCCL communicator leaves its own).
 pub fn device_collectives(
     dev: &Arc<Device>,
     comm: &dyn crate::engine::comm::Comm,
@@ -169,7 +173,9 @@ pub fn device_collectives(
     let (tx, rx) = crossbeam_channel::bounded(1);
     let device = dev.clone();
     crate::gpu::spawn_guarded("nccl-init", move || {
-        let _ = tx.send(DeviceComm::new(&device, &id, rank, world));
+        let built = DeviceComm::new(&device, &id, rank, world)
+            .and_then(|c| c.warm_up(&device, timeout).map(|()| c));
+        let _ = tx.send(built);
     })
     .map_err(|e| failed(e.to_string()))?;
     match rx.recv_timeout(timeout) {
@@ -203,7 +209,7 @@ impl DeviceLink for CudaLink {
         let d = self.uploads.device();
         let b = d.budget();
         let reduce = match &self.collective {
-            Some(c) if c.world() > 1 => format!(
+            Some((c, _)) if c.world() > 1 => format!(
                 "; gradients reduce-scattered on the GPU among {} ranks (NCCL)",
                 c.world()
             ),
@@ -281,7 +287,7 @@ impl DeviceLink for CudaLink {
     }
 
     fn reduce_ranks(&self) -> usize {
-        self.collective.as_ref().map_or(1, DeviceComm::world)
+        self.collective.as_ref().map_or(1, |(c, _)| c.world())
     }
 
     fn pack_grads(
@@ -290,7 +296,7 @@ impl DeviceLink for CudaLink {
         grads: Vec<DevBuf>,
         counts: &[Vec<usize>],
     ) -> Result<Packed, ModelError> {
-        let comm = self.collective(what)?;
+        let (comm, _) = self.collective(what)?;
         let mut wide = Vec::with_capacity(grads.len());
         for g in &grads {
             match g {
@@ -314,13 +320,14 @@ impl DeviceLink for CudaLink {
         wire: Wire,
         acc: Option<&[f32]>,
     ) -> Result<PendingDownload, ModelError> {
-        let comm = self.collective(what)?;
+        let (comm, timeout) = self.collective(what)?;
         let dev = self.device();
         let reduced = match wire {
             Wire::F32 => comm.reduce::<f32>(dev, packed, acc),
             Wire::Bf16 => comm.reduce::<half::bf16>(dev, packed, acc),
             Wire::F16 => comm.reduce::<half::f16>(dev, packed, acc),
         }
+        .and_then(|r| comm.wait(r, *timeout))
         .map_err(gpu_err)?;
         self.downloads.start_reduced(what, reduced).map_err(gpu_err)
     }

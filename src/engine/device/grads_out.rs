@@ -12,13 +12,14 @@
 //! with `take`, the kept ones with `reduce`, which reduce-scatters them on
 //! the device ([`DeviceLink::reduce_grads`]: a collective, so issued
 //! there, in an order the same on every rank, and never from the tier's
-//! own threads) and brings down this rank's sums only. Each rank then moves `1 / ranks` of a unit's gradients over its
-//! host link instead of all of them, plus its running sums' upload when
-//! a micro-batch before this one began them.
+//! own threads) and brings down this rank's sums only: `1 / ranks` of
+//! the unit's gradients, in fp32 (so, for 16-bit gradients, `2 / ranks`
+//! of their bytes), plus its running sums' upload when a micro-batch
+//! before this one began them.
 //!
 //! Every buffer is owned by its entry here until its download completed
-//! (or, kept, until the reduce's download did); a new step or the tier
-//! dropped waits for the downloads and frees the kept buffers.
+//! (or, packed, until the reduce's download did); a new step or the tier
+//! dropped waits for the downloads and lets the packed ones go.
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
@@ -88,6 +89,32 @@ fn wire_bytes(wire: Wire) -> u64 {
     } else {
         2
     }
+}
+
+/// The most device bytes one unit's reduce-scatter holds among `ranks`
+/// (a unit with no tied param): its gradients packed and the chunks
+/// received (each the unit's fp32 gradients), this rank's running sums
+/// and its sums (each at most the largest rank's share). For the plan.
+pub(super) fn reduce_bytes_bound(model: &Model, ranks: usize) -> u64 {
+    if ranks < 2 {
+        return 0;
+    }
+    let untied = |id: &ParamId| model.params().get(id.0).is_some_and(|p| p.units.len() == 1);
+    model
+        .units()
+        .iter()
+        .filter(|u| !u.params.is_empty() && u.params.iter().all(untied))
+        .map(|u| {
+            let (mut whole, mut share) = (0u64, 0u64);
+            for id in &u.params {
+                let numel = model.params().get(id.0).map_or(0, |p| p.numel);
+                whole += numel as u64;
+                share += shard_counts(numel, ranks).into_iter().max().unwrap_or(0) as u64;
+            }
+            (2 * whole + 2 * share) * ELEM_BYTES
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 impl<L: DeviceLink> GradsOut<L> {
@@ -267,5 +294,46 @@ impl<L: DeviceLink> GradsOut<L> {
             }
         }
         result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::model::ModelConfig;
+
+    fn gpt2(vocab: usize, tied: bool) -> Model {
+        let text = format!(
+            r#"{{"model_type": "gpt2", "vocab_size": {vocab}, "n_positions": 32, "n_embd": 64,
+                "n_layer": 2, "n_head": 2, "n_inner": 128, "tie_word_embeddings": {tied}}}"#
+        );
+        Model::new(ModelConfig::from_hf_json(&text).unwrap().0).unwrap()
+    }
+
+    #[test]
+    fn the_reduce_bound_is_the_largest_untied_unit_s_packed_and_received_gradients_and_two_shares()
+    {
+        // A block: two layer norms, qkv and projection, the MLP's two
+        // linears, with biases; every param even, so each rank's share is
+        // half.
+        let block = 4 * 64 + (64 * 192 + 192) + (64 * 64 + 64) + (64 * 128 + 128) + (128 * 64 + 64);
+        let bound = |numel: usize| (2 * numel + 2 * numel / 2) * 4;
+        // Tied, the head and the embedding come down whole: the largest
+        // unit reduced on the device is a block, whatever the vocabulary.
+        assert_eq!(
+            reduce_bytes_bound(&gpt2(1024, true), 2),
+            bound(block) as u64
+        );
+        // Untied, the embedding (token and position tables) is reduced on
+        // the device too, and larger than a block and than the head.
+        let embedding = 1024 * 64 + 32 * 64;
+        let head = 1024 * 64 + 2 * 64;
+        assert!(embedding > head && head > block);
+        assert_eq!(
+            reduce_bytes_bound(&gpt2(1024, false), 2),
+            bound(embedding) as u64
+        );
+        assert_eq!(reduce_bytes_bound(&gpt2(1024, true), 1), 0);
     }
 }

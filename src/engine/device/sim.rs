@@ -528,8 +528,15 @@ impl SimDevice {
     }
 
     /// Hands `data` to the download thread, to cross as `wire`'s after the
-    /// compute queued before it.
-    fn send_down(&self, what: &str, data: Vec<f32>, wire: Wire) -> Result<SimDownload, ModelError> {
+    /// compute queued before it (`after_compute`; else at once: a
+    /// reduce-scatter's sums wait for their collective only).
+    fn send_down(
+        &self,
+        what: &str,
+        data: Vec<f32>,
+        wire: Wire,
+        after_compute: bool,
+    ) -> Result<SimDownload, ModelError> {
         let event = Arc::new(Event::default());
         self.shared
             .downloads_in_flight
@@ -545,7 +552,7 @@ impl SimDevice {
                     data,
                     wire,
                     event: event.clone(),
-                    after: self.shared.compute_until(),
+                    after: self.shared.compute_until().filter(|_| after_compute),
                 })
             });
         match sent {
@@ -799,7 +806,7 @@ impl DeviceLink for SimDevice {
     fn download(&self, what: &str, buf: Vec<f32>, wire: Wire) -> Result<SimDownload, ModelError> {
         // A buffer downloaded is gone from the device (as `free`).
         self.shared.narrow().remove(&buf_key(&buf));
-        self.send_down(what, buf, wire)
+        self.send_down(what, buf, wire, true)
     }
 
     fn reduce_ranks(&self) -> usize {
@@ -856,7 +863,7 @@ impl DeviceLink for SimDevice {
                 what: format!("{what}: {e}"),
             })?;
         self.shared.reduces.fetch_add(1, Ordering::Relaxed);
-        self.send_down(what, sums, Wire::F32)
+        self.send_down(what, sums, Wire::F32, false)
     }
 
     fn finish_download(&self, d: SimDownload) -> Result<HostVec, ModelError> {

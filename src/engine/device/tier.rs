@@ -897,9 +897,20 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
                     pinned_bytes: 0,
                 });
             }
+            // With several ranks, a unit's gradients' reduce-scatter on
+            // the device takes its buffers from the same share.
+            let reduce =
+                super::grads_out::reduce_bytes_bound(model, self.link.reduce_ranks()).min(t - kept);
+            if reduce > 0 {
+                rows.push(DeviceMemoryRow {
+                    what: "gradients' reduce-scatter (at most)".into(),
+                    device_bytes: reduce,
+                    pinned_bytes: 0,
+                });
+            }
             rows.push(DeviceMemoryRow {
                 what: "activations, grads, temporaries".into(),
-                device_bytes: t - kept,
+                device_bytes: t - kept - reduce,
                 pinned_bytes: 0,
             });
         }
