@@ -83,6 +83,8 @@ struct Out {
     /// Of those, units' gradients reduce-scattered on the (simulated)
     /// device.
     device_reduces: u64,
+    /// Seconds the device's collectives were busy, every step.
+    collective_busy_s: f64,
     /// On the simulated tier, the timeline's steps 2 and 3: each unit's
     /// params fetched (with several ranks, gathered), and the device
     /// compute span of another unit it ran under, if any.
@@ -221,6 +223,7 @@ fn train_on(
     let timeline = opts.timeline.clone();
     let mut t = Trainer::new(&loaded.config, &md, corpus(), opts).unwrap();
     let (mut h2d_bytes, mut d2h_bytes, mut param_gathers, mut grad_reduces) = (0, 0, 0, 0);
+    let mut collective_busy_s = 0f64;
     let losses = (0..steps)
         .map(|_| {
             let m = t.step().unwrap().metrics;
@@ -228,6 +231,7 @@ fn train_on(
             d2h_bytes += m.d2h_bytes;
             param_gathers += m.param_gathers;
             grad_reduces += m.grad_reduces;
+            collective_busy_s += m.collective_busy_s;
             m.loss
         })
         .collect();
@@ -252,6 +256,7 @@ fn train_on(
         param_gathers,
         grad_reduces,
         device_reduces: probe.map_or(0, |p| p.reduces()),
+        collective_busy_s,
         file_bytes: usage.file_bytes,
         opt_buffers_bytes: usage.optimizer_buffers_bytes,
         shard_numel,
@@ -340,6 +345,7 @@ fn out_to_json(o: &Out) -> Value {
         "param_gathers": o.param_gathers,
         "grad_reduces": o.grad_reduces,
         "device_reduces": o.device_reduces,
+        "collective_busy_s": o.collective_busy_s,
         "file_bytes": o.file_bytes,
         "opt_buffers_bytes": o.opt_buffers_bytes,
         "shard_numel": o.shard_numel,
@@ -365,6 +371,7 @@ fn out_from_json(v: &Value) -> Out {
         param_gathers: v["param_gathers"].as_u64().unwrap(),
         grad_reduces: v["grad_reduces"].as_u64().unwrap(),
         device_reduces: v["device_reduces"].as_u64().unwrap(),
+        collective_busy_s: v["collective_busy_s"].as_f64().unwrap(),
         file_bytes: v["file_bytes"].as_u64().unwrap(),
         opt_buffers_bytes: v["opt_buffers_bytes"].as_u64().unwrap(),
         shard_numel: v["shard_numel"].as_u64().unwrap(),
@@ -807,8 +814,14 @@ fn reduce_on_the_device_case(precision: &'static str, grad_bytes: u64) {
     for (r, (d, o)) in device.iter().zip(&host).enumerate() {
         println!(
             "{precision}, rank {r}: gradients reduced on the device: d2h {} B, h2d {} B; on the \
-             host: d2h {} B, h2d {} B; {} units reduced on the device",
-            d.d2h_bytes, d.h2d_bytes, o.d2h_bytes, o.h2d_bytes, d.device_reduces
+             host: d2h {} B, h2d {} B; {} units reduced on the device, its collectives busy \
+             {:.3} s",
+            d.d2h_bytes,
+            d.h2d_bytes,
+            o.d2h_bytes,
+            o.h2d_bytes,
+            d.device_reduces,
+            d.collective_busy_s
         );
         assert_eq!(
             d.device_reduces, block_reduces,
@@ -817,6 +830,13 @@ fn reduce_on_the_device_case(precision: &'static str, grad_bytes: u64) {
         assert_eq!(
             o.device_reduces, 0,
             "rank {r}: the host run's device has no collectives"
+        );
+        // The step's metrics show the device's collectives busy (the
+        // timeline's `device: collective` lane), and only where they ran.
+        assert!(d.collective_busy_s > 0.0, "rank {r}: no collective span");
+        assert_eq!(
+            o.collective_busy_s, 0.0,
+            "rank {r}: a collective span on the host path"
         );
         assert_eq!(
             d.grad_reduces, o.grad_reduces,

@@ -144,6 +144,11 @@ pub struct Reduced {
     /// The buffers the collective read, kept until the sums' download
     /// completed (see "Buffers in flight").
     pub keep: Vec<DeviceBuffer<f32>>,
+    /// A timing event on the collective stream as its work for this
+    /// reduce begins (after the pack's event), for the timeline's span:
+    /// taken by whoever records the span's end
+    /// ([`crate::link::EventClock::span`] on [`DeviceComm::stream`]).
+    pub began: Option<CudaEvent>,
 }
 
 /// Whether `libnccl.so` loads.
@@ -221,6 +226,11 @@ impl DeviceComm {
                 world,
             })
         })
+    }
+
+    /// The collectives' stream.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
     }
 
     /// This rank.
@@ -344,6 +354,8 @@ impl DeviceComm {
             (Some(recv), acc, Some(sums))
         };
         s.wait(&ready).map_err(driver_err("cuStreamWaitEvent"))?;
+        // Timing only: a failed record loses the span, not the reduce.
+        let began = crate::link::EventClock::mark(s).ok();
         let from = offsets(&blocks);
         let queued = (|| -> Result<CudaEvent> {
             if let Some(recv) = recv.as_mut() {
@@ -396,7 +408,12 @@ impl DeviceComm {
         let mut keep = vec![send];
         keep.extend(recv);
         keep.extend(acc);
-        Ok(Reduced { sums, done, keep })
+        Ok(Reduced {
+            sums,
+            done,
+            keep,
+            began,
+        })
     }
 
     /// One all-to-all of one element for each rank, waited for at most

@@ -49,6 +49,8 @@ pub struct CudaLink {
     startup_bytes: u64,
     /// Units' compute between two events on the compute stream.
     compute_spans: SpanLog,
+    /// Reduce-scatters between two events on the collectives' stream.
+    collective_spans: SpanLog,
     /// Registers the cpu tier's pinned pages with the device.
     registrar: Arc<dyn HostRegistrar>,
     /// The ranks' collectives on this GPU's buffers: with several ranks,
@@ -68,6 +70,7 @@ impl CudaLink {
         Ok(CudaLink {
             downloads: Downloads::new(dev.clone(), STAGING_CAP_BYTES).map_err(gpu_err)?,
             compute_spans: SpanLog::new(&dev).map_err(gpu_err)?,
+            collective_spans: SpanLog::new(&dev).map_err(gpu_err)?,
             registrar: Arc::new(HostRegistration::new(dev.clone())),
             uploads: Uploads::new(dev, STAGING_CAP_BYTES).map_err(gpu_err)?,
             gemm,
@@ -322,13 +325,19 @@ impl DeviceLink for CudaLink {
     ) -> Result<PendingDownload, ModelError> {
         let (comm, timeout) = self.collective(what)?;
         let dev = self.device();
-        let reduced = match wire {
+        let mut reduced = match wire {
             Wire::F32 => comm.reduce::<f32>(dev, packed, acc),
             Wire::Bf16 => comm.reduce::<half::bf16>(dev, packed, acc),
             Wire::F16 => comm.reduce::<half::f16>(dev, packed, acc),
         }
-        .and_then(|r| comm.wait(r, *timeout))
         .map_err(gpu_err)?;
+        // The timeline's span: its end recorded after the sums' kernel.
+        if let Some(b) = reduced.began.take() {
+            if let Ok(span) = EventClock::span(comm.stream(), what.to_owned(), b) {
+                let _ = self.collective_spans.push(span);
+            }
+        }
+        let reduced = comm.wait(reduced, *timeout).map_err(gpu_err)?;
         self.downloads.start_reduced(what, reduced).map_err(gpu_err)
     }
 
@@ -373,11 +382,13 @@ impl DeviceLink for CudaLink {
         let compute = self.compute_spans.take();
         let copies = self.uploads.take_spans();
         let down = self.downloads.take_spans();
+        let collective = self.collective_spans.take();
         let mut out = Vec::new();
         for (queue, got) in [
             (DeviceQueue::Compute, compute),
             (DeviceQueue::H2d, copies),
             (DeviceQueue::D2h, down),
+            (DeviceQueue::Collective, collective),
         ] {
             match got {
                 Ok(spans) => out.extend(spans.into_iter().map(|(name, start, end)| DeviceSpan {

@@ -153,7 +153,10 @@
 //!   thread's issues (each staging fill, and any wait for a staging
 //!   buffer) are spans too, on the host's clock: `h2d_fill_busy_s` and
 //!   the `device: staging fill (host)` lane, which show whether the
-//!   fills keep ahead of the compute.
+//!   fills keep ahead of the compute. With several ranks, each unit's
+//!   reduce-scatter on the device is a span of its collectives' stream
+//!   (the simulated device: its collective on the host's clock):
+//!   `collective_busy_s` and the `device: collective` lane.
 //!
 //! # Units launched ahead
 //!

@@ -858,10 +858,17 @@ impl DeviceLink for SimDevice {
             Some(a) => a.to_vec(),
             None => vec![0f32; mine],
         };
+        let start = Instant::now();
         comm.reduce_scatter_add_f32(&full, &blocks, &mut sums)
             .map_err(|e| ModelError::Gpu {
                 what: format!("{what}: {e}"),
             })?;
+        self.shared.push_span(DeviceSpan {
+            queue: DeviceQueue::Collective,
+            name: what.to_owned(),
+            start,
+            end: Instant::now(),
+        });
         self.shared.reduces.fetch_add(1, Ordering::Relaxed);
         self.send_down(what, sums, Wire::F32, false)
     }

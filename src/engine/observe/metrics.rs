@@ -152,6 +152,9 @@ pub struct StepMetrics {
     /// uploads (filling their staging buffers, waiting for one), beside
     /// the compute.
     pub h2d_fill_busy_s: f64,
+    /// Seconds the device's collectives were busy (several ranks: the
+    /// gradients' reduce-scatter on the device), beside the compute.
+    pub collective_busy_s: f64,
 }
 
 /// The last line of a metrics file.

@@ -70,10 +70,12 @@ pub enum Lane {
     DeviceD2h,
     /// The host's fills of the device's upload staging buffers.
     DeviceFill,
+    /// The device's collectives (gradients' reduce-scatter).
+    DeviceCollective,
 }
 
 impl Lane {
-    const ALL: [Lane; 13] = [
+    const ALL: [Lane; 14] = [
         Lane::Step,
         Lane::Compute,
         Lane::Params,
@@ -87,6 +89,7 @@ impl Lane {
         Lane::DeviceH2d,
         Lane::DeviceD2h,
         Lane::DeviceFill,
+        Lane::DeviceCollective,
     ];
 
     fn name(self) -> &'static str {
@@ -104,6 +107,7 @@ impl Lane {
             Lane::DeviceH2d => "device: h2d",
             Lane::DeviceD2h => "device: d2h",
             Lane::DeviceFill => "device: staging fill (host)",
+            Lane::DeviceCollective => "device: collective",
         }
     }
 
@@ -122,6 +126,7 @@ impl Lane {
             Lane::DeviceH2d => 11,
             Lane::DeviceD2h => 12,
             Lane::DeviceFill => 13,
+            Lane::DeviceCollective => 14,
         }
     }
 }
@@ -234,6 +239,7 @@ impl Timeline {
                 DeviceQueue::H2d => Lane::DeviceH2d,
                 DeviceQueue::D2h => Lane::DeviceD2h,
                 DeviceQueue::Fill => Lane::DeviceFill,
+                DeviceQueue::Collective => Lane::DeviceCollective,
             },
             name: s.name.clone(),
             start: s.start,
@@ -337,7 +343,8 @@ mod tests {
                 "device: compute",
                 "device: h2d",
                 "device: d2h",
-                "device: staging fill (host)"
+                "device: staging fill (host)",
+                "device: collective"
             ]
         );
         let xs: Vec<&serde_json::Value> = ev.iter().filter(|e| e["ph"] == "X").collect();

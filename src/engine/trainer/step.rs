@@ -677,6 +677,7 @@ impl Trainer {
             h2d_busy_s: busy_s(&spans, DeviceQueue::H2d),
             d2h_busy_s: busy_s(&spans, DeviceQueue::D2h),
             h2d_fill_busy_s: busy_s(&spans, DeviceQueue::Fill),
+            collective_busy_s: busy_s(&spans, DeviceQueue::Collective),
         }
     }
 

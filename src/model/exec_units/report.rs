@@ -15,6 +15,9 @@ pub enum DeviceQueue {
     /// The host's fills of upload staging buffers (the device tier's
     /// upload thread), before their copies are queued.
     Fill,
+    /// The device's collectives (a unit's gradients' reduce-scatter
+    /// among the ranks, on its own stream).
+    Collective,
 }
 
 /// A period a device's queue was busy, on the host's clock.
