@@ -672,17 +672,13 @@ fn stage3_nvme_two_ranks_match_one_rank_bit_for_bit_and_hold_half_the_state() {
     }
 }
 
-#[test]
-fn the_device_tier_on_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
-    // Several GPUs, checked by the simulation (the lent machines have one
-    // GPU): each rank's units run behind the device tier on a simulated
-    // device, with the params gathered across ranks, streamed to the
-    // device and the gradients streamed back and reduce-scattered in rank
-    // order; one rank computes the same units in memory, no tier.
-    let (tag, steps) = ("s3-sim-2", 6);
-    let knobs = Knobs::nvme();
-    let model = model_dir(tag, false);
-    let multi_cfg = ds_config(&knobs, &scratch("mpi-swap"), steps);
+/// A two-rank case of the device units: the model (`tied` embeddings or
+/// not), the ranks' config of `knobs`, and one rank computing the same
+/// units in memory (no tier) over twice the micro-batches, the run the
+/// ranks must match bit for bit.
+fn two_rank_case(tag: &str, knobs: &Knobs, tied: bool, steps: u64) -> (PathBuf, Value, Out) {
+    let model = model_dir(tag, tied);
+    let multi_cfg = ds_config(knobs, &scratch("mpi-swap"), steps);
     let one = Knobs {
         gas: knobs.gas * 2,
         ..knobs.clone()
@@ -696,6 +692,18 @@ fn the_device_tier_on_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
         Arc::new(SingleRank),
         Compute::Reference,
     );
+    (model, multi_cfg, reference)
+}
+
+#[test]
+fn the_device_tier_on_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
+    // Several GPUs, checked by the simulation (the lent machines have one
+    // GPU): each rank's units run behind the device tier on a simulated
+    // device, with the params gathered across ranks, streamed to the
+    // device and the gradients streamed back and reduce-scattered in rank
+    // order; one rank computes the same units in memory, no tier.
+    let (tag, steps) = ("s3-sim-2", 6);
+    let (model, multi_cfg, reference) = two_rank_case(tag, &Knobs::nvme(), false, steps);
     let ranks = run_ranks_on(2, &multi_cfg, &model, steps, Compute::SimTier);
     for (r, o) in ranks.iter().enumerate() {
         assert_eq!(o.losses, ranks[0].losses, "{tag}: rank {r} losses");
@@ -777,21 +785,7 @@ fn reduce_on_the_device_case(precision: &'static str, grad_bytes: u64) {
         precision,
         ..Knobs::nvme()
     };
-    let model = model_dir(&tag, true);
-    let multi_cfg = ds_config(&knobs, &scratch("mpi-swap"), steps);
-    let one = Knobs {
-        gas: gas * 2,
-        ..knobs.clone()
-    };
-    let one_cfg = ds_config(&one, &scratch("mpi-swap1"), steps);
-    let reference = train_on(
-        &one_cfg,
-        1,
-        &model,
-        steps,
-        Arc::new(SingleRank),
-        Compute::Reference,
-    );
+    let (model, multi_cfg, reference) = two_rank_case(&tag, &knobs, true, steps);
     let host = run_ranks_on(2, &multi_cfg, &model, steps, Compute::SimHost);
     let device = run_ranks_on(2, &multi_cfg, &model, steps, Compute::SimReduce);
     assert_bit_identical(
