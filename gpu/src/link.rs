@@ -774,3 +774,21 @@ impl Uploads {
 
 mod downloads;
 pub use downloads::{Downloaded, Downloads, PendingDownload};
+
+/// `len` bytes of pinned (page-locked, not write-combined) host memory on
+/// `ctx`, zeroed: staging that the host writes and reads back and the
+/// copy engine reads and writes (the host's NCCL collectives stage
+/// through it: `tierzero::engine::comm::nccl`).
+pub fn pinned_bytes(
+    ctx: &Arc<cudarc::driver::CudaContext>,
+    len: usize,
+) -> Result<PinnedHostSlice<u8>> {
+    // SAFETY: the memory is uninitialised, and every bit pattern is a
+    // valid u8; it is zeroed below before anyone reads it.
+    let mut p =
+        unsafe { ctx.alloc_pinned_with_flags::<u8>(len, 0) }.map_err(driver("cuMemHostAlloc"))?;
+    p.as_mut_slice()
+        .map_err(driver("cuEventSynchronize"))?
+        .fill(0);
+    Ok(p)
+}

@@ -45,6 +45,42 @@ fn grad_value(r: usize, j: usize) -> f32 {
     (x - 5003.0) * 1.0e-3 + 1.0 / ((r + 1) as f32 * 3.0)
 }
 
+/// A reduce-scatter of chunks of `base + 5 r` elements for rank r,
+/// checked bit for bit against adding every rank's chunk in rank order.
+fn reduce_scatter_check(comm: &dyn Comm, base: usize) -> Result<()> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let numel: Vec<usize> = (0..world).map(|r| base + 5 * r).collect();
+    let total: usize = numel.iter().sum();
+    let offset: usize = numel[..rank].iter().sum();
+    let full: Vec<f32> = (0..total).map(|j| grad_value(rank, j)).collect();
+    let mut acc: Vec<f32> = (0..numel[rank]).map(|k| 0.5 + k as f32 * 1e-4).collect();
+    let mut want = acc.clone();
+    comm.reduce_scatter_add_f32(&full, &numel, &mut acc)?;
+    for p in 0..world {
+        for (k, w) in want.iter_mut().enumerate() {
+            *w += grad_value(p, offset + k);
+        }
+    }
+    match acc
+        .iter()
+        .zip(&want)
+        .position(|(a, b)| a.to_bits() != b.to_bits())
+    {
+        None => Ok(()),
+        Some(k) => Err(fail(
+            rank,
+            world,
+            "reduce_scatter_add_f32",
+            format!(
+                "element {k} of {} is {} but adding in rank order gives {}",
+                acc.len(),
+                acc[k],
+                want[k]
+            ),
+        )),
+    }
+}
+
 fn fail(rank: usize, world: usize, check: &str, what: String) -> EngineError {
     EngineError::Comm {
         rank,
@@ -88,35 +124,22 @@ pub fn self_test(comm: &dyn Comm, shard_bytes: usize, iters: usize) -> Result<Ch
     }
     passed.push("all_gather_bytes (variable counts)");
 
-    // 2. Reduce-scatter: bit-identical to adding in rank order.
-    let numel: Vec<usize> = (0..world).map(|r| 4097 + 5 * r).collect();
-    let total: usize = numel.iter().sum();
-    let offset: usize = numel[..rank].iter().sum();
-    let full: Vec<f32> = (0..total).map(|j| grad_value(rank, j)).collect();
-    let mut acc: Vec<f32> = (0..numel[rank]).map(|k| 0.5 + k as f32 * 1e-4).collect();
-    let mut want = acc.clone();
-    comm.reduce_scatter_add_f32(&full, &numel, &mut acc)?;
-    for p in 0..world {
-        for (k, w) in want.iter_mut().enumerate() {
-            *w += grad_value(p, offset + k);
-        }
+    // 2. Reduce-scatter: bit-identical to adding in rank order; small
+    // chunks, then chunks of just over 16 MiB, which a staged backend
+    // (NCCL's) moves in more than one round.
+    for (base, name) in [
+        (
+            4097usize,
+            "reduce_scatter_add_f32 (rank order, bit-identical)",
+        ),
+        (
+            (16 << 20) / 4 + 3,
+            "reduce_scatter_add_f32 (chunks over 16 MiB, bit-identical)",
+        ),
+    ] {
+        reduce_scatter_check(comm, base)?;
+        passed.push(name);
     }
-    if let Some(k) = acc
-        .iter()
-        .zip(&want)
-        .position(|(a, b)| a.to_bits() != b.to_bits())
-    {
-        return Err(fail(
-            rank,
-            world,
-            "reduce_scatter_add_f32",
-            format!(
-                "element {k} is {} but adding in rank order gives {}",
-                acc[k], want[k]
-            ),
-        ));
-    }
-    passed.push("reduce_scatter_add_f32 (rank order, bit-identical)");
 
     // 3. Scalars.
     let local = [rank as f64 + 0.25, -(rank as f64) * 1e-17];
@@ -188,7 +211,7 @@ mod tests {
     #[test]
     fn single_rank_passes_every_check() {
         let r = self_test(&SingleRank, 4096, 3).unwrap();
-        assert_eq!(r.passed.len(), 4);
+        assert_eq!(r.passed.len(), 5);
         assert_eq!((r.rank, r.world, r.gather_iters), (0, 1, 3));
     }
 

@@ -178,6 +178,70 @@ pub fn rank_chunks(parts: &[&[f32]], counts: &[Vec<usize>]) -> Result<(Vec<f32>,
     Ok((full, blocks))
 }
 
+/// One round of an all-to-all moved in rounds (elements `[from, from +
+/// round)` of every rank's chunk, so that its staging stays bounded
+/// whatever the collective's size): each peer's piece (`sent[p]`
+/// elements, possibly none) and where it starts (`put[p]`) in this rank's
+/// pieces laid one after the other in rank order. Counts are the same on
+/// every rank, so every rank takes the same rounds, and a piece of none
+/// here is a piece of none there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoundPieces {
+    /// Elements sent to each rank this round.
+    pub sent: Vec<usize>,
+    /// Where each rank's piece starts among this round's pieces.
+    pub put: Vec<usize>,
+}
+
+impl RoundPieces {
+    /// The round of `round` elements from element `from` of every chunk
+    /// of `counts`.
+    pub fn of(counts: &[usize], from: usize, round: usize) -> Self {
+        let sent: Vec<usize> = counts
+            .iter()
+            .map(|&c| c.saturating_sub(from).min(round))
+            .collect();
+        let put = sent
+            .iter()
+            .scan(0usize, |acc, &c| {
+                let o = *acc;
+                *acc += c;
+                Some(o)
+            })
+            .collect();
+        RoundPieces { sent, put }
+    }
+
+    /// Elements of this round's pieces.
+    pub fn total(&self) -> usize {
+        self.sent.iter().sum()
+    }
+
+    /// This round's pieces of `full` (every rank's chunk, of `counts`, one
+    /// after the other) into `dst` (at least [`Self::total`] long), one
+    /// after the other in rank order.
+    pub fn pack(&self, full: &[f32], counts: &[usize], from: usize, dst: &mut [f32]) {
+        let mut start = 0usize;
+        for ((&c, &n), &at) in counts.iter().zip(&self.sent).zip(&self.put) {
+            let begin = start + from.min(c);
+            dst[at..at + n].copy_from_slice(&full[begin..begin + n]);
+            start += c;
+        }
+    }
+
+    /// The pieces received this round (`world` of `got` elements each, rank
+    /// order: this rank's `got = sent[me]`) into `out` (every rank's chunk
+    /// for this rank, `mine` each, rank order).
+    pub fn unpack(got_pieces: &[f32], got: usize, mine: usize, from: usize, out: &mut [f32]) {
+        if got == 0 {
+            return;
+        }
+        for (p, piece) in got_pieces.chunks_exact(got).enumerate() {
+            out[p * mine + from..p * mine + from + got].copy_from_slice(piece);
+        }
+    }
+}
+
 /// Checks the shapes of a variable-count collective; returns this rank's
 /// offset (elements before its chunk).
 pub fn check_counts(
@@ -274,6 +338,63 @@ mod tests {
         assert_eq!(blocks, [5, 3]);
         assert!(rank_chunks(&[&a], &[vec![2, 2]]).is_err());
         assert!(rank_chunks(&[&a, &b], &[vec![2, 1]]).is_err());
+    }
+
+    #[test]
+    fn an_all_to_all_in_rounds_gives_every_rank_its_chunks_in_rank_order() {
+        // Three ranks with uneven chunks (one empty), moved 2 elements of
+        // each chunk a round: the rounds' pieces, exchanged as NCCL's
+        // sends and receives would, give each rank exactly what one
+        // all-to-all gives.
+        let counts = [5usize, 3, 0];
+        let world = counts.len();
+        let total: usize = counts.iter().sum();
+        // Rank s's contribution: element i of its chunk for rank d is
+        // 1000 s + 100 d + i.
+        let full: Vec<Vec<f32>> = (0..world)
+            .map(|s| {
+                (0..world)
+                    .flat_map(|d| (0..counts[d]).map(move |i| (1000 * s + 100 * d + i) as f32))
+                    .collect()
+            })
+            .collect();
+        let mut out: Vec<Vec<f32>> = counts.iter().map(|&m| vec![f32::NAN; m * world]).collect();
+        let round = 2;
+        let rounds = (0..*counts.iter().max().unwrap()).step_by(round);
+        for from in rounds {
+            let pieces = RoundPieces::of(&counts, from, round);
+            let packed: Vec<Vec<f32>> = full
+                .iter()
+                .map(|f| {
+                    let mut dst = vec![f32::NAN; pieces.total()];
+                    pieces.pack(f, &counts, from, &mut dst);
+                    dst
+                })
+                .collect();
+            for (me, out) in out.iter_mut().enumerate() {
+                let got = pieces.sent[me];
+                // From each rank p, its piece for `me`.
+                let received: Vec<f32> = packed
+                    .iter()
+                    .flat_map(|p| p[pieces.put[me]..pieces.put[me] + got].to_vec())
+                    .collect();
+                RoundPieces::unpack(&received, got, counts[me], from, out);
+            }
+        }
+        for (me, out) in out.iter().enumerate() {
+            let want: Vec<f32> = (0..world)
+                .flat_map(|s| (0..counts[me]).map(move |i| (1000 * s + 100 * me + i) as f32))
+                .collect();
+            assert_eq!(out, &want, "rank {me}");
+        }
+        assert_eq!(total, 8);
+        assert_eq!(
+            RoundPieces::of(&counts, 4, 2),
+            RoundPieces {
+                sent: vec![1, 0, 0],
+                put: vec![0, 1, 1]
+            }
+        );
     }
 
     #[test]

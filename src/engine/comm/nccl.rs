@@ -10,8 +10,15 @@
 //! through the device**: host → device copy, the NCCL call on the rank's
 //! stream, device → host copy, synchronise. That is correct and exercises
 //! NCCL (NVLink, InfiniBand, the GPUDirect paths NCCL picks) but pays two
-//! PCIe copies per collective (measured 0.555 GB/s for an all-gather on
-//! one H200, pageable copies and allocations per call). The engine calls
+//! PCIe copies per collective. The copies go through one pinned host
+//! buffer and NCCL sends from and receives into device buffers, all kept
+//! between calls (`Staging`), in rounds of at most
+//! [`STAGING_ROUND_BYTES`] of each rank's data, so the staging is
+//! bounded (`ranks ×` that, pinned and on the device) whatever a
+//! collective's size. Before, each call allocated its device buffers (one
+//! zeroed) and copied from and to pageable memory: an all-gather measured
+//! 0.555 GB/s on one H200; the pinned path has not run on a GPU yet. The
+//! engine calls
 //! it once per unit (its params' gather, its gradients' reduce-scatter),
 //! not once per param. With the device tier on the GPUs, a unit's
 //! gradients do not come through here: they are reduce-scattered on the
@@ -67,12 +74,12 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError, PinnedHostSlice};
 use cudarc::nccl::result::{group_end, group_start};
 
 use crate::engine::comm::owner::{CallFailure, OwnerThread};
 use crate::engine::comm::rendezvous::{self, ID_BYTES};
-use crate::engine::comm::{add_chunks_in_rank_order, check_counts, Comm};
+use crate::engine::comm::{add_chunks_in_rank_order, check_counts, Comm, RoundPieces};
 use crate::engine::{EngineError, Result};
 use crate::gpu::imp::{device_count, driver_error, nccl_error, nccl_version};
 use crate::gpu::{
@@ -173,91 +180,223 @@ struct Gpu {
     comm: cudarc::nccl::Comm,
     rank: usize,
     world: usize,
+    /// The staging every collective crosses through (this thread's own).
+    staging: std::cell::RefCell<Staging>,
+}
+
+/// Bytes of each rank's data a collective moves per round (an all-gather's
+/// slice, an all-to-all's chunk for each peer): the staging holds at most
+/// `ranks ×` this, pinned and on the device, whatever the collective's
+/// size.
+const STAGING_ROUND_BYTES: usize = 16 << 20;
+
+/// What the collectives stage through, kept between calls and grown to
+/// the largest round (never shrunk; at most [`STAGING_ROUND_BYTES`] ×
+/// ranks each): a pinned host buffer (so both copies are the copy
+/// engine's DMA, not the driver's pageable path) and the device buffers
+/// NCCL sends from and receives into (so no call allocates device memory,
+/// nor zeroes it). One round at a time, each ending with the stream
+/// synchronised, so nothing is in flight between rounds.
+#[derive(Default)]
+struct Staging {
+    host: Option<PinnedHostSlice<u8>>,
+    send: Option<CudaSlice<u8>>,
+    recv: Option<CudaSlice<u8>>,
+}
+
+/// `bytes` (a whole number of `T`s, any alignment) as `T`s.
+fn values_of<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {
+    let mut v = vec![T::zeroed(); bytes.len() / std::mem::size_of::<T>()];
+    bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(bytes);
+    v
+}
+
+/// Bytes of pinned staging (page-aligned, a whole number of f32s) as
+/// f32s.
+fn as_f32(bytes: &mut [u8]) -> std::result::Result<&mut [f32], GpuError> {
+    let len = bytes.len();
+    bytemuck::try_cast_slice_mut(bytes).map_err(|e| GpuError::Driver {
+        op: "pinned staging",
+        reason: format!("{len} bytes as f32s: {e:?}"),
+    })
+}
+
+/// The pinned buffer's bytes, to write (nothing is in flight between
+/// calls, and within one the stream orders its copies).
+fn pinned(p: &mut PinnedHostSlice<u8>) -> std::result::Result<&mut [u8], GpuError> {
+    p.as_mut_slice().map_err(drv("pinned staging"))
+}
+
+/// The pinned buffer's bytes, to read or to copy from.
+fn pinned_ref(p: &PinnedHostSlice<u8>) -> std::result::Result<&[u8], GpuError> {
+    p.as_slice().map_err(drv("pinned staging"))
+}
+
+/// `slot`'s device buffer, grown to at least `len` bytes (at least one).
+fn grown<'a>(
+    slot: &'a mut Option<CudaSlice<u8>>,
+    s: &Arc<CudaStream>,
+    len: usize,
+) -> std::result::Result<&'a mut CudaSlice<u8>, GpuError> {
+    if slot.as_ref().is_none_or(|b| b.len() < len) {
+        *slot = None;
+        *slot = Some(
+            s.alloc_zeros::<u8>(len.max(1))
+                .map_err(drv("device allocation"))?,
+        );
+    }
+    slot.as_mut().ok_or_else(|| GpuError::Driver {
+        op: "staging",
+        reason: "a device buffer just allocated is gone".into(),
+    })
+}
+
+/// `slot`'s pinned host buffer, grown to at least `len` bytes.
+fn grown_host<'a>(
+    slot: &'a mut Option<PinnedHostSlice<u8>>,
+    s: &Arc<CudaStream>,
+    len: usize,
+) -> std::result::Result<&'a mut PinnedHostSlice<u8>, GpuError> {
+    if slot.as_ref().is_none_or(|b| b.len() < len) {
+        *slot = None;
+        let p = tierzero_gpu::link::pinned_bytes(s.context(), len.max(1)).map_err(|e| {
+            GpuError::Driver {
+                op: "pinned staging",
+                reason: e.to_string(),
+            }
+        })?;
+        *slot = Some(p);
+    }
+    slot.as_mut().ok_or_else(|| GpuError::Driver {
+        op: "staging",
+        reason: "a pinned buffer just allocated is gone".into(),
+    })
 }
 
 impl Gpu {
-    /// `ncclAllGather` of equal-length host slices (staged through the
-    /// device): rank r's slice at `r · local.len()`.
-    fn gather<T>(&self, local: &[T]) -> std::result::Result<Vec<T>, GpuError>
-    where
-        T: cudarc::nccl::NcclType + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits,
-    {
-        let s = &self.stream;
-        let send = s.clone_htod(local).map_err(drv("copy to device"))?;
-        let mut recv = s
-            .alloc_zeros::<T>(local.len() * self.world)
-            .map_err(drv("device allocation"))?;
-        self.comm
-            .all_gather(&send, &mut recv)
-            .map_err(nccl("ncclAllGather"))?;
-        let out = s.clone_dtoh(&recv).map_err(drv("copy to host"))?;
-        s.synchronize().map_err(drv("stream synchronize"))?;
+    /// Runs `f` (a collective's copies and NCCL calls on the stream, then
+    /// its synchronisation); on an error, first waits for the stream, so
+    /// the next call never writes staging a copy may still read.
+    fn staged<T>(
+        &self,
+        f: impl FnOnce(&mut Staging) -> std::result::Result<T, GpuError>,
+    ) -> std::result::Result<T, GpuError> {
+        let mut st = self.staging.borrow_mut();
+        let r = f(&mut st);
+        if r.is_err() {
+            let _ = self.stream.synchronize();
+        }
+        r
+    }
+
+    /// `ncclAllGather` of equal-length host byte slices (staged through
+    /// pinned memory and the device, [`STAGING_ROUND_BYTES`] of each rank's
+    /// at a time): rank r's slice at `r · local.len()`.
+    fn gather(&self, local: &[u8]) -> std::result::Result<Vec<u8>, GpuError> {
+        let (n, world, s) = (local.len(), self.world, &self.stream);
+        let mut out = vec![0u8; n * world];
+        // The same rounds on every rank: `n` is.
+        for from in (0..n).step_by(STAGING_ROUND_BYTES) {
+            let len = (n - from).min(STAGING_ROUND_BYTES);
+            let got = self.staged(|st| {
+                let host = grown_host(&mut st.host, s, len * world)?;
+                let send = grown(&mut st.send, s, len)?;
+                let recv = grown(&mut st.recv, s, len * world)?;
+                pinned(host)?[..len].copy_from_slice(&local[from..from + len]);
+                s.memcpy_htod(&pinned_ref(host)?[..len], &mut send.slice_mut(..len))
+                    .map_err(drv("copy to device"))?;
+                self.comm
+                    .all_gather(&send.slice(..len), &mut recv.slice_mut(..len * world))
+                    .map_err(nccl("ncclAllGather"))?;
+                s.memcpy_dtoh(
+                    &recv.slice(..len * world),
+                    &mut pinned(host)?[..len * world],
+                )
+                .map_err(drv("copy to host"))?;
+                s.synchronize().map_err(drv("stream synchronize"))?;
+                for r in 0..world {
+                    out[r * n + from..r * n + from + len]
+                        .copy_from_slice(&pinned_ref(host)?[r * len..(r + 1) * len]);
+                }
+                Ok(())
+            });
+            got?;
+        }
         Ok(out)
     }
 
-    /// Every rank's chunk for this rank, in rank order (`world × mine`).
+    /// Every rank's chunk for this rank, in rank order (`world × mine`),
+    /// [`STAGING_ROUND_BYTES`] of each peer's chunk at a time
+    /// ([`RoundPieces`]: the same rounds on every rank, and in each a
+    /// piece of none here is a piece of none there, both skipped).
     fn all_to_all(
         &self,
         full: &[f32],
         counts: &[usize],
     ) -> std::result::Result<Vec<f32>, GpuError> {
+        const F32: usize = std::mem::size_of::<f32>();
+        const ROUND: usize = STAGING_ROUND_BYTES / F32;
         let (me, world, s) = (self.rank, self.world, &self.stream);
         let mine = counts[me];
-        let offsets: Vec<usize> = counts
-            .iter()
-            .scan(0usize, |acc, &c| {
-                let o = *acc;
-                *acc += c;
-                Some(o)
-            })
-            .collect();
-        let send = if full.is_empty() {
-            None
-        } else {
-            Some(s.clone_htod(full).map_err(drv("copy to device"))?)
-        };
-        let mut recv: Vec<Option<CudaSlice<f32>>> = Vec::with_capacity(world);
-        for p in 0..world {
-            recv.push(if p != me && mine > 0 {
-                Some(
-                    s.alloc_zeros::<f32>(mine)
-                        .map_err(drv("device allocation"))?,
-                )
-            } else {
-                None
+        let most = counts.iter().copied().max().unwrap_or(0);
+        let mut out = vec![0f32; mine * world];
+        for from in (0..most).step_by(ROUND) {
+            let pieces = RoundPieces::of(counts, from, ROUND);
+            let (n, got) = (pieces.total(), pieces.sent[me]);
+            let (n_bytes, got_bytes) = (n * F32, got * F32);
+            let round = self.staged(|st| {
+                let host = grown_host(&mut st.host, s, n_bytes.max(got_bytes * world))?;
+                let send = grown(&mut st.send, s, n_bytes)?;
+                let recv = grown(&mut st.recv, s, got_bytes * world)?;
+                // Pinned memory is page-aligned: its bytes are f32s.
+                pieces.pack(full, counts, from, as_f32(&mut pinned(host)?[..n_bytes])?);
+                if n > 0 {
+                    s.memcpy_htod(
+                        &pinned_ref(host)?[..n_bytes],
+                        &mut send.slice_mut(..n_bytes),
+                    )
+                    .map_err(drv("copy to device"))?;
+                }
+                if got > 0 {
+                    let at = pieces.put[me] * F32;
+                    let own = send.slice(at..at + got_bytes);
+                    let mut dst = recv.slice_mut(me * got_bytes..(me + 1) * got_bytes);
+                    s.memcpy_dtod(&own, &mut dst).map_err(drv("device copy"))?;
+                }
+                group_start().map_err(nccl("ncclGroupStart"))?;
+                let mut first_error = None;
+                for p in (0..world).filter(|&p| p != me) {
+                    if pieces.sent[p] > 0 {
+                        let at = pieces.put[p] * F32;
+                        let view = send.slice(at..at + pieces.sent[p] * F32);
+                        if let Err(e) = self.comm.send(&view, p as i32) {
+                            first_error.get_or_insert(nccl_error("ncclSend", &e));
+                        }
+                    }
+                    if got > 0 {
+                        let mut view = recv.slice_mut(p * got_bytes..(p + 1) * got_bytes);
+                        if let Err(e) = self.comm.recv(&mut view, p as i32) {
+                            first_error.get_or_insert(nccl_error("ncclRecv", &e));
+                        }
+                    }
+                }
+                let ended = group_end().map_err(nccl("ncclGroupEnd"));
+                if let Some(e) = first_error {
+                    return Err(e);
+                }
+                ended?;
+                let all = got_bytes * world;
+                if got > 0 {
+                    s.memcpy_dtoh(&recv.slice(..all), &mut pinned(host)?[..all])
+                        .map_err(drv("copy to host"))?;
+                }
+                s.synchronize().map_err(drv("stream synchronize"))?;
+                let received = as_f32(&mut pinned(host)?[..all])?;
+                RoundPieces::unpack(received, got, mine, from, &mut out);
+                Ok(())
             });
+            round?;
         }
-        // Counts are the same on every rank, so a zero-length send here is
-        // a zero-length receive there: both are skipped.
-        group_start().map_err(nccl("ncclGroupStart"))?;
-        let mut first_error = None;
-        for p in (0..world).filter(|&p| p != me) {
-            if let (Some(send), true) = (&send, counts[p] > 0) {
-                let view = send.slice(offsets[p]..offsets[p] + counts[p]);
-                if let Err(e) = self.comm.send(&view, p as i32) {
-                    first_error.get_or_insert(nccl_error("ncclSend", &e));
-                }
-            }
-            if let Some(r) = recv[p].as_mut() {
-                if let Err(e) = self.comm.recv(r, p as i32) {
-                    first_error.get_or_insert(nccl_error("ncclRecv", &e));
-                }
-            }
-        }
-        let ended = group_end().map_err(nccl("ncclGroupEnd"));
-        if let Some(e) = first_error {
-            return Err(e);
-        }
-        ended?;
-        let mut out = Vec::with_capacity(mine * world);
-        for (p, r) in recv.iter().enumerate() {
-            if p == me {
-                out.extend_from_slice(&full[offsets[me]..offsets[me] + mine]);
-            } else if let Some(r) = r {
-                out.extend(s.clone_dtoh(r).map_err(drv("copy to host"))?);
-            }
-        }
-        s.synchronize().map_err(drv("stream synchronize"))?;
         Ok(out)
     }
 
@@ -269,7 +408,9 @@ impl Gpu {
             }),
             Op::GatherBytes(padded) => self.gather(&padded).map(Reply::Bytes),
             Op::AllToAllF32 { full, counts } => self.all_to_all(&full, &counts).map(Reply::F32),
-            Op::GatherF64(v) => self.gather(&v).map(Reply::F64),
+            Op::GatherF64(v) => self
+                .gather(bytemuck::cast_slice(&v))
+                .map(|b| Reply::F64(values_of(&b))),
             Op::Barrier => self.gather(&[1u8]).map(|_| Reply::Done),
         };
         r.unwrap_or_else(Reply::Failed)
@@ -332,6 +473,7 @@ fn cuda_thread(
             comm,
             rank,
             world,
+            staging: std::cell::RefCell::new(Staging::default()),
         },
         Err(e) => {
             let _ = replies.send(Reply::Failed(init_error(ordinal, &e)));
