@@ -45,6 +45,27 @@ fn grad_value(r: usize, j: usize) -> f32 {
     (x - 5003.0) * 1.0e-3 + 1.0 / ((r + 1) as f32 * 3.0)
 }
 
+/// An all-gather of `counts[r]` bytes from rank r (each byte a function
+/// of its rank and position), checked byte for byte.
+fn gather_check(comm: &dyn Comm, counts: &[usize]) -> Result<()> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let shard: Vec<u8> = (0..counts[rank]).map(|i| shard_byte(rank, i)).collect();
+    let mut out = vec![0u8; counts.iter().sum()];
+    comm.all_gather_bytes(&shard, counts, &mut out)?;
+    let want: Vec<u8> = (0..world)
+        .flat_map(|r| (0..counts[r]).map(move |i| shard_byte(r, i)))
+        .collect();
+    match out.iter().zip(&want).position(|(a, b)| a != b) {
+        None => Ok(()),
+        Some(at) => Err(fail(
+            rank,
+            world,
+            "all_gather_bytes",
+            format!("wrong bytes from offset {at} of {}", out.len()),
+        )),
+    }
+}
+
 /// A reduce-scatter of chunks of `base + 5 r` elements for rank r,
 /// checked bit for bit against adding every rank's chunk in rank order.
 fn reduce_scatter_check(comm: &dyn Comm, base: usize) -> Result<()> {
@@ -107,22 +128,14 @@ pub fn self_test(comm: &dyn Comm, shard_bytes: usize, iters: usize) -> Result<Ch
             }
         })
         .collect();
-    let shard: Vec<u8> = (0..counts[rank]).map(|i| shard_byte(rank, i)).collect();
-    let mut out = vec![0u8; counts.iter().sum()];
-    comm.all_gather_bytes(&shard, &counts, &mut out)?;
-    let want: Vec<u8> = (0..world)
-        .flat_map(|r| (0..counts[r]).map(move |i| shard_byte(r, i)))
-        .collect();
-    if out != want {
-        let at = out.iter().zip(&want).position(|(a, b)| a != b);
-        return Err(fail(
-            rank,
-            world,
-            "all_gather_bytes",
-            format!("wrong bytes from offset {at:?}"),
-        ));
-    }
+    gather_check(comm, &counts)?;
     passed.push("all_gather_bytes (variable counts)");
+    // The same, each rank's shard just over 16 MiB: a staged backend
+    // (NCCL's) moves it in more than one round; every byte depends on its
+    // rank and position, so a piece placed wrong shows.
+    let counts: Vec<usize> = (0..world).map(|r| (16 << 20) + 1000 + 333 * r).collect();
+    gather_check(comm, &counts)?;
+    passed.push("all_gather_bytes (over 16 MiB a rank)");
 
     // 2. Reduce-scatter: bit-identical to adding in rank order; small
     // chunks, then chunks of just over 16 MiB, which a staged backend
@@ -211,7 +224,7 @@ mod tests {
     #[test]
     fn single_rank_passes_every_check() {
         let r = self_test(&SingleRank, 4096, 3).unwrap();
-        assert_eq!(r.passed.len(), 5);
+        assert_eq!(r.passed.len(), 6);
         assert_eq!((r.rank, r.world, r.gather_iters), (0, 1, 3));
     }
 

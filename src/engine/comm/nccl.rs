@@ -12,10 +12,10 @@
 //! NCCL (NVLink, InfiniBand, the GPUDirect paths NCCL picks) but pays two
 //! PCIe copies per collective. The copies go through one pinned host
 //! buffer and NCCL sends from and receives into device buffers, all kept
-//! between calls (`Staging`), in rounds of at most
-//! [`STAGING_ROUND_BYTES`] of each rank's data, so the staging is
-//! bounded (`ranks ×` that, pinned and on the device) whatever a
-//! collective's size. Before, each call allocated its device buffers (one
+//! between calls (`Staging`), in rounds of at most [`STAGING_BYTES`] of
+//! all ranks' data ([`round_bytes`] each), so the staging is bounded
+//! (that much pinned, up to twice on the device) whatever a collective's
+//! size or the rank count; a failed round poisons it. Before, each call allocated its device buffers (one
 //! zeroed) and copied from and to pageable memory: an all-gather measured
 //! 0.555 GB/s on one H200; the pinned path has not run on a GPU yet. The
 //! engine calls
@@ -184,24 +184,35 @@ struct Gpu {
     staging: std::cell::RefCell<Staging>,
 }
 
-/// Bytes of each rank's data a collective moves per round (an all-gather's
-/// slice, an all-to-all's chunk for each peer): the staging holds at most
-/// `ranks ×` this, pinned and on the device, whatever the collective's
-/// size.
-const STAGING_ROUND_BYTES: usize = 16 << 20;
+/// Bytes of all ranks' data a collective moves per round, at most: the
+/// staging holds this much pinned and up to twice on the device,
+/// whatever the collective's size or the rank count ([`round_bytes`]).
+const STAGING_BYTES: usize = 64 << 20;
+
+/// Bytes of each rank's data moved per round (an all-gather's slice, an
+/// all-to-all's chunk for each peer): [`STAGING_BYTES`] shared among the
+/// ranks, from 1 MiB (many ranks) to 16 MiB (up to four).
+fn round_bytes(world: usize) -> usize {
+    (STAGING_BYTES / world.max(1)).clamp(1 << 20, 16 << 20)
+}
 
 /// What the collectives stage through, kept between calls and grown to
-/// the largest round (never shrunk; at most [`STAGING_ROUND_BYTES`] ×
-/// ranks each): a pinned host buffer (so both copies are the copy
+/// the largest round (never shrunk; at most [`round_bytes`] × ranks
+/// each): a pinned host buffer (so both copies are the copy
 /// engine's DMA, not the driver's pageable path) and the device buffers
 /// NCCL sends from and receives into (so no call allocates device memory,
 /// nor zeroes it). One round at a time, each ending with the stream
 /// synchronised, so nothing is in flight between rounds.
+/// After a failed round the staging is poisoned: a copy or an NCCL
+/// kernel may still be in flight on it (waiting for a peer, for ever), so
+/// it is neither waited for, nor freed, nor used again, and every later
+/// collective fails at once.
 #[derive(Default)]
 struct Staging {
     host: Option<PinnedHostSlice<u8>>,
     send: Option<CudaSlice<u8>>,
     recv: Option<CudaSlice<u8>>,
+    poisoned: bool,
 }
 
 /// `bytes` (a whole number of `T`s, any alignment) as `T`s.
@@ -274,30 +285,41 @@ fn grown_host<'a>(
 }
 
 impl Gpu {
-    /// Runs `f` (a collective's copies and NCCL calls on the stream, then
-    /// its synchronisation); on an error, first waits for the stream, so
-    /// the next call never writes staging a copy may still read.
+    /// Runs `f` (one round's copies and NCCL calls on the stream, then
+    /// its synchronisation). On an error the staging is poisoned (see
+    /// [`Staging`]): not waited for (an NCCL kernel whose peer is gone
+    /// never ends), its buffers leaked rather than freed under a copy.
     fn staged<T>(
         &self,
         f: impl FnOnce(&mut Staging) -> std::result::Result<T, GpuError>,
     ) -> std::result::Result<T, GpuError> {
         let mut st = self.staging.borrow_mut();
+        if st.poisoned {
+            return Err(GpuError::Nccl {
+                op: "staging",
+                reason: "an earlier collective failed on this rank; its copies may still be in \
+                         flight, so no other runs"
+                    .into(),
+            });
+        }
         let r = f(&mut st);
         if r.is_err() {
-            let _ = self.stream.synchronize();
+            std::mem::forget(std::mem::take(&mut *st));
+            st.poisoned = true;
         }
         r
     }
 
     /// `ncclAllGather` of equal-length host byte slices (staged through
-    /// pinned memory and the device, [`STAGING_ROUND_BYTES`] of each rank's
-    /// at a time): rank r's slice at `r · local.len()`.
+    /// pinned memory and the device, [`round_bytes`] of each rank's at a
+    /// time): rank r's slice at `r · local.len()`.
     fn gather(&self, local: &[u8]) -> std::result::Result<Vec<u8>, GpuError> {
         let (n, world, s) = (local.len(), self.world, &self.stream);
+        let round = round_bytes(world);
         let mut out = vec![0u8; n * world];
-        // The same rounds on every rank: `n` is.
-        for from in (0..n).step_by(STAGING_ROUND_BYTES) {
-            let len = (n - from).min(STAGING_ROUND_BYTES);
+        // The same rounds on every rank: `n` and `world` are.
+        for from in (0..n).step_by(round) {
+            let len = (n - from).min(round);
             let got = self.staged(|st| {
                 let host = grown_host(&mut st.host, s, len * world)?;
                 let send = grown(&mut st.send, s, len)?;
@@ -326,7 +348,7 @@ impl Gpu {
     }
 
     /// Every rank's chunk for this rank, in rank order (`world × mine`),
-    /// [`STAGING_ROUND_BYTES`] of each peer's chunk at a time
+    /// [`round_bytes`] of each peer's chunk at a time
     /// ([`RoundPieces`]: the same rounds on every rank, and in each a
     /// piece of none here is a piece of none there, both skipped).
     fn all_to_all(
@@ -335,16 +357,16 @@ impl Gpu {
         counts: &[usize],
     ) -> std::result::Result<Vec<f32>, GpuError> {
         const F32: usize = std::mem::size_of::<f32>();
-        const ROUND: usize = STAGING_ROUND_BYTES / F32;
         let (me, world, s) = (self.rank, self.world, &self.stream);
+        let round = round_bytes(world) / F32;
         let mine = counts[me];
         let most = counts.iter().copied().max().unwrap_or(0);
         let mut out = vec![0f32; mine * world];
-        for from in (0..most).step_by(ROUND) {
-            let pieces = RoundPieces::of(counts, from, ROUND);
+        for from in (0..most).step_by(round) {
+            let pieces = RoundPieces::of(counts, from, round);
             let (n, got) = (pieces.total(), pieces.sent[me]);
             let (n_bytes, got_bytes) = (n * F32, got * F32);
-            let round = self.staged(|st| {
+            let done = self.staged(|st| {
                 let host = grown_host(&mut st.host, s, n_bytes.max(got_bytes * world))?;
                 let send = grown(&mut st.send, s, n_bytes)?;
                 let recv = grown(&mut st.recv, s, got_bytes * world)?;
@@ -395,7 +417,7 @@ impl Gpu {
                 RoundPieces::unpack(received, got, mine, from, &mut out);
                 Ok(())
             });
-            round?;
+            done?;
         }
         Ok(out)
     }
