@@ -243,22 +243,32 @@ fn pinned_ref(p: &PinnedHostSlice<u8>) -> std::result::Result<&[u8], GpuError> {
     p.as_slice().map_err(drv("pinned staging"))
 }
 
+/// `slot`'s buffer, replaced by `make(len)` when it holds fewer than
+/// `len` bytes (`len_of`), the old one dropped first.
+fn grown_with<B>(
+    slot: &mut Option<B>,
+    len: usize,
+    len_of: impl Fn(&B) -> usize,
+    make: impl FnOnce(usize) -> std::result::Result<B, GpuError>,
+) -> std::result::Result<&mut B, GpuError> {
+    if slot.as_ref().is_none_or(|b| len_of(b) < len) {
+        *slot = None;
+        *slot = Some(make(len.max(1))?);
+    }
+    slot.as_mut().ok_or_else(|| GpuError::Driver {
+        op: "staging",
+        reason: "a buffer just allocated is gone".into(),
+    })
+}
+
 /// `slot`'s device buffer, grown to at least `len` bytes (at least one).
 fn grown<'a>(
     slot: &'a mut Option<CudaSlice<u8>>,
     s: &Arc<CudaStream>,
     len: usize,
 ) -> std::result::Result<&'a mut CudaSlice<u8>, GpuError> {
-    if slot.as_ref().is_none_or(|b| b.len() < len) {
-        *slot = None;
-        *slot = Some(
-            s.alloc_zeros::<u8>(len.max(1))
-                .map_err(drv("device allocation"))?,
-        );
-    }
-    slot.as_mut().ok_or_else(|| GpuError::Driver {
-        op: "staging",
-        reason: "a device buffer just allocated is gone".into(),
+    grown_with(slot, len, CudaSlice::len, |n| {
+        s.alloc_zeros::<u8>(n).map_err(drv("device allocation"))
     })
 }
 
@@ -268,19 +278,11 @@ fn grown_host<'a>(
     s: &Arc<CudaStream>,
     len: usize,
 ) -> std::result::Result<&'a mut PinnedHostSlice<u8>, GpuError> {
-    if slot.as_ref().is_none_or(|b| b.len() < len) {
-        *slot = None;
-        let p = tierzero_gpu::link::pinned_bytes(s.context(), len.max(1)).map_err(|e| {
-            GpuError::Driver {
-                op: "pinned staging",
-                reason: e.to_string(),
-            }
-        })?;
-        *slot = Some(p);
-    }
-    slot.as_mut().ok_or_else(|| GpuError::Driver {
-        op: "staging",
-        reason: "a pinned buffer just allocated is gone".into(),
+    grown_with(slot, len, PinnedHostSlice::len, |n| {
+        tierzero_gpu::link::pinned_bytes(s.context(), n).map_err(|e| GpuError::Driver {
+            op: "pinned staging",
+            reason: e.to_string(),
+        })
     })
 }
 
