@@ -436,3 +436,24 @@ fn the_auto_pool_takes_at_most_half_the_free_space() {
         5
     );
 }
+
+#[test]
+fn the_plan_shows_what_the_collectives_stage_through_when_they_do() {
+    let d = scratch("comm-staging");
+    let mut plan = plan_of(&d, &ds(&d, false, None));
+    assert!(
+        !plan.to_string().contains("collectives' staging"),
+        "one rank, MPI: no staging of their own"
+    );
+    plan.comm_staging = Some(tierzero::engine::comm::CommStaging {
+        pinned_bytes: 64 << 20,
+        device_bytes: 128 << 20,
+    });
+    let text = plan.to_string();
+    assert!(
+        text.contains(
+            "collectives' staging (NCCL through the host, at most): 64 MiB pinned, 128 MiB on the device"
+        ),
+        "{text}"
+    );
+}

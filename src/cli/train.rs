@@ -892,6 +892,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     plan.activations = Some(trainer.activations_line());
     plan.pages_registered = trainer.pages_registered();
     plan.swap_buffers_registered = trainer.swap_buffers_registered();
+    plan.comm_staging = comm.staging_bytes();
     plan.device_memory = compute
         .as_ref()
         .and_then(|c| c.memory_plan(trainer.model()));

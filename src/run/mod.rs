@@ -168,6 +168,10 @@ pub struct Plan {
     /// buffer their read landed in
     /// ([`crate::engine::Trainer::swap_buffers_registered`]).
     pub swap_buffers_registered: Option<bool>,
+    /// What the ranks' collectives stage through beyond the engine's own
+    /// memory ([`crate::engine::comm::Comm::staging_bytes`]: NCCL's host
+    /// collectives), when they do.
+    pub comm_staging: Option<crate::engine::comm::CommStaging>,
 }
 
 impl Plan {
@@ -313,6 +317,7 @@ impl Plan {
             device_memory: None,
             pages_registered: None,
             swap_buffers_registered: None,
+            comm_staging: None,
         }
     }
 
@@ -505,6 +510,15 @@ impl fmt::Display for Plan {
                 }
                 None => {}
             }
+        }
+        if let Some(c) = self.comm_staging {
+            let _ = writeln!(
+                s,
+                "  collectives' staging (NCCL through the host, at most): {} pinned, {} on the \
+                 device, beside the totals",
+                format_bytes(c.pinned_bytes),
+                format_bytes(c.device_bytes)
+            );
         }
         if self.nvme_step != (0, 0) {
             let _ = writeln!(

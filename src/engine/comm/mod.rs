@@ -68,6 +68,12 @@ pub trait Comm: Send + Sync + std::fmt::Debug {
     fn abort(&self, code: i32) {
         let _ = code;
     }
+    /// The most memory its collectives stage through, beyond the
+    /// engine's own (NCCL's host collectives: a pinned buffer and device
+    /// buffers), for the start-up plan. None: none (MPI, one rank).
+    fn staging_bytes(&self) -> Option<CommStaging> {
+        None
+    }
     /// Sums a scalar over ranks: all-gathered, then added from 0.0 in rank
     /// order, so every rank gets the same bits.
     fn all_reduce_sum_f64(&self, x: f64) -> Result<f64> {
@@ -75,6 +81,15 @@ pub trait Comm: Send + Sync + std::fmt::Debug {
         self.all_gather_f64(&[x], &mut all)?;
         Ok(all.iter().fold(0f64, |s, v| s + v))
     }
+}
+
+/// What a [`Comm`]'s collectives stage through, at most.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CommStaging {
+    /// Pinned host bytes.
+    pub pinned_bytes: u64,
+    /// Device bytes.
+    pub device_bytes: u64,
 }
 
 /// Every rank's bytes (`mine` on this rank; lengths may differ), in rank

@@ -784,6 +784,16 @@ impl Comm for NcclComm {
         }
     }
 
+    fn staging_bytes(&self) -> Option<crate::engine::comm::CommStaging> {
+        // A round's pieces: `ranks ×` the round pinned (what comes back),
+        // as much received on the device plus at most as much sent.
+        let most = (round_bytes(self.world) * self.world) as u64;
+        Some(crate::engine::comm::CommStaging {
+            pinned_bytes: most,
+            device_bytes: 2 * most,
+        })
+    }
+
     fn barrier(&self) -> Result<()> {
         match self.collective(Op::Barrier)? {
             Reply::Done => Ok(()),
