@@ -301,7 +301,156 @@ impl<L: DeviceLink> GradsOut<L> {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use crate::engine::comm::Comm;
+    use crate::engine::device::sim::{SimConfig, SimDevice};
+    use crate::engine::EngineError;
     use crate::model::ModelConfig;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    /// Rank 0 of two, the other rank's chunks all +0.0: its reduce-scatter
+    /// adds this rank's own chunk onto the running sums, then zeros.
+    #[derive(Debug)]
+    struct RankZeroOfTwo;
+
+    impl Comm for RankZeroOfTwo {
+        fn rank(&self) -> usize {
+            0
+        }
+        fn world_size(&self) -> usize {
+            2
+        }
+        fn all_gather_bytes(
+            &self,
+            _: &[u8],
+            _: &[usize],
+            _: &mut [u8],
+        ) -> crate::engine::Result<()> {
+            Err(EngineError::internal("not in this test"))
+        }
+        fn reduce_scatter_add_f32(
+            &self,
+            full: &[f32],
+            counts: &[usize],
+            acc: &mut [f32],
+        ) -> crate::engine::Result<()> {
+            crate::engine::comm::check_counts("reduce_scatter", 0, counts, acc.len(), full.len())?;
+            for (a, c) in acc.iter_mut().zip(&full[..counts[0]]) {
+                *a += *c;
+                *a += 0.0;
+            }
+            Ok(())
+        }
+        fn all_gather_f64(&self, _: &[f64], _: &mut [f64]) -> crate::engine::Result<()> {
+            Err(EngineError::internal("not in this test"))
+        }
+        fn barrier(&self) -> crate::engine::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn device() -> SimDevice {
+        SimDevice::new(SimConfig {
+            budget_bytes: 1 << 30,
+            copy_delay: Duration::ZERO,
+            h2d_bytes_per_s: None,
+            staging_slots: 2,
+            gemm: tierzero_gpu::unit::GemmDtype::F32,
+            fail_upload: None,
+            compute_delay: Duration::ZERO,
+        })
+        .unwrap()
+        .with_collectives(Arc::new(RankZeroOfTwo))
+    }
+
+    /// Unit `unit`'s gradients of `model`, each element a function of its
+    /// param and position.
+    fn grads_of(model: &Model, unit: usize) -> Vec<Held<Vec<f32>>> {
+        model.units()[unit]
+            .params
+            .iter()
+            .map(|&id| {
+                let numel = model.params()[id.0].numel;
+                let g = (0..numel).map(|i| (id.0 * 1000 + i) as f32 * 0.5).collect();
+                (id, g, vec![numel])
+            })
+            .collect()
+    }
+
+    fn counts_of(model: &Model, unit: usize) -> Vec<Vec<usize>> {
+        model.units()[unit]
+            .params
+            .iter()
+            .map(|id| shard_counts(model.params()[id.0].numel, 2))
+            .collect()
+    }
+
+    #[test]
+    fn packed_units_reduce_once_in_rank_order_and_every_wrong_call_is_an_error_that_loses_nothing()
+    {
+        let (link, model) = (device(), gpt2(256, true));
+        let out = GradsOut::<SimDevice>::new();
+        let ids = |u: usize| model.units()[u].params.clone();
+        // A block (unit 1) is packed: nothing starts down.
+        let down = out
+            .put(&link, &model, UnitId(1), grads_of(&model, 1), DType::F32)
+            .unwrap();
+        assert_eq!(down, 0);
+        assert_eq!(out.on_device(UnitId(1)), Some(ids(1)));
+        // The head (unit 3) holds the tied embedding: it comes down whole.
+        let down = out
+            .put(&link, &model, UnitId(3), grads_of(&model, 3), DType::F32)
+            .unwrap();
+        assert!(down > 0);
+        assert_eq!(out.on_device(UnitId(3)), None);
+        // Taking a packed unit, or reducing a downloading one, is refused
+        // and leaves it where it was.
+        assert!(out.take(&link, UnitId(1)).is_err());
+        assert_eq!(out.on_device(UnitId(1)), Some(ids(1)));
+        assert!(out
+            .reduce(&link, UnitId(3), &counts_of(&model, 3), None)
+            .is_err());
+        let head = out.take(&link, UnitId(3)).unwrap().unwrap();
+        assert_eq!(head.len(), ids(3).len());
+        // The reduce: rank 0's chunk of each param, added onto the running
+        // sums, then the other rank's zeros; only rank 0's half comes down.
+        let counts = counts_of(&model, 1);
+        let acc: Vec<f32> = (0..counts.iter().map(|c| c[0]).sum::<usize>())
+            .map(|i| i as f32 * 0.25)
+            .collect();
+        let (sums, moved) = out.reduce(&link, UnitId(1), &counts, Some(&acc)).unwrap();
+        let mut want = acc.clone();
+        let mut at = 0;
+        for (_, g, _) in grads_of(&model, 1) {
+            let half = g.len() / 2;
+            for (w, x) in want[at..at + half].iter_mut().zip(&g[..half]) {
+                *w += *x;
+            }
+            at += half;
+        }
+        assert_eq!(sums, want);
+        assert_eq!(moved.d2h_bytes, acc.len() as u64 * 4);
+        assert_eq!(moved.h2d_bytes, acc.len() as u64 * 4);
+        assert_eq!(out.on_device(UnitId(1)), None, "reduced once");
+        assert!(out.reduce(&link, UnitId(1), &counts, None).is_err());
+        // Counts other than those it was packed by are refused.
+        out.put(&link, &model, UnitId(2), grads_of(&model, 2), DType::F32)
+            .unwrap();
+        let mut wrong = counts_of(&model, 2);
+        wrong[0].swap(0, 1);
+        wrong[0][0] += 1;
+        wrong[0][1] -= 1;
+        let e = out
+            .reduce(&link, UnitId(2), &wrong, None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("laid out in chunks"), "{e}");
+        // A new step lets every packed unit go.
+        out.put(&link, &model, UnitId(2), grads_of(&model, 2), DType::F32)
+            .unwrap();
+        out.drain(&link).unwrap();
+        assert_eq!(out.on_device(UnitId(2)), None);
+    }
 
     fn gpt2(vocab: usize, tied: bool) -> Model {
         let text = format!(
