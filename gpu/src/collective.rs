@@ -9,9 +9,12 @@
 //! them again. Here they never leave the device but for this rank's sums:
 //!
 //! 1. **Pack** ([`DeviceComm::pack`]), as the unit's backward ends, on
-//!    the compute stream: the gradients (fp32) laid out as one buffer,
-//!    rank `r`'s chunk of every gradient one after the other, the ranks'
-//!    blocks in rank order; an event marks the layout done. Queued right
+//!    the compute stream: the gradients laid out as one buffer in the
+//!    dtype they cross in (fp32 as computed; bf16 or fp16 rounded to
+//!    nearest even, what their download would have brought, so half the
+//!    bytes go between the ranks), rank `r`'s chunk of every gradient one
+//!    after the other, the ranks' blocks in rank order; an event marks
+//!    the layout done. Queued right
 //!    after the unit's compute, so nothing below waits for the compute
 //!    queued later (the next unit's).
 //! 2. **Reduce** ([`DeviceComm::reduce`]), when the engine collects the
@@ -22,8 +25,8 @@
 //!      rank holds every rank's chunk of its shard, in rank order;
 //!    * the running sums uploaded (when a micro-batch before began them);
 //!    * `add_chunks` (one thread per element): the running sum, then
-//!      each rank's chunk element rounded to the gradients' wire dtype and
-//!      widened back, added one after the other in rank order.
+//!      each rank's chunk element widened exactly to fp32, added one
+//!      after the other in rank order.
 //!
 //!    An event marks the sums done; their download waits for it, not for
 //!    the compute stream.
@@ -77,7 +80,9 @@ use cudarc::driver::{CudaEvent, CudaStream, PushKernelArg};
 use cudarc::nccl::result::{group_end, group_start};
 
 use crate::device::{driver_err, guarded, Device, DeviceBuffer};
+use crate::link::Wire;
 use crate::ops::Elem;
+use crate::unit::DevBuf;
 use crate::{GpuError, Result};
 
 /// Bytes of an `ncclUniqueId`.
@@ -116,10 +121,10 @@ impl std::fmt::Debug for DeviceComm {
 }
 
 /// A unit's gradients laid out for their reduce-scatter
-/// ([`DeviceComm::pack`]).
+/// ([`DeviceComm::pack`]), in the dtype they cross in.
 #[derive(Debug)]
 pub struct Packed {
-    send: DeviceBuffer<f32>,
+    send: DevBuf,
     /// Each rank's block length (elements).
     blocks: Vec<usize>,
     /// Recorded on the compute stream after the layout.
@@ -143,7 +148,7 @@ pub struct Reduced {
     pub done: CudaEvent,
     /// The buffers the collective read, kept until the sums' download
     /// completed (see "Buffers in flight").
-    pub keep: Vec<DeviceBuffer<f32>>,
+    pub keep: Vec<DevBuf>,
     /// A timing event on the collective stream as its work for this
     /// reduce begins (after the pack's event), for the timeline's span:
     /// taken by whoever records the span's end
@@ -244,14 +249,17 @@ impl DeviceComm {
     }
 
     /// `grads` (fp32) laid out for their reduce-scatter, on the compute
-    /// stream: gradient `p` cut into chunks of `counts[p][r]` elements,
-    /// rank `r`'s chunks of every gradient one after the other, the
-    /// blocks in rank order.
+    /// stream, in `wire`'s dtype (16-bit gradients rounded there, to
+    /// nearest even, as their download would round them: half the bytes
+    /// cross between the ranks): gradient `p` cut into chunks of
+    /// `counts[p][r]` elements, rank `r`'s chunks of every gradient one
+    /// after the other, the blocks in rank order.
     pub fn pack(
         &self,
         dev: &Device,
         grads: &[&DeviceBuffer<f32>],
         counts: &[Vec<usize>],
+        wire: Wire,
     ) -> Result<Packed> {
         if grads.len() != counts.len() {
             return Err(shape(format!(
@@ -269,12 +277,62 @@ impl DeviceComm {
                 )));
             }
         }
-        let total: usize = grads.iter().map(|g| g.len()).sum();
-        let mut send = dev.alloc_output::<f32>("gradients laid out by rank", total)?;
+        // The rounded copies are the compute stream's, freed there after
+        // the layout's copies read them.
+        fn rounded<T: Elem>(
+            dev: &Device,
+            grads: &[&DeviceBuffer<f32>],
+        ) -> Result<Vec<DeviceBuffer<T>>> {
+            grads
+                .iter()
+                .map(|g| {
+                    let mut out = dev.alloc_output::<T>("gradient rounded to cross", g.len())?;
+                    crate::ops::cast::<f32, T>(dev, &mut out, g)?;
+                    Ok(out)
+                })
+                .collect()
+        }
+        let (send, blocks) = match wire {
+            Wire::F32 => {
+                let (send, blocks) = self.lay_out(dev, grads, counts)?;
+                (DevBuf::F32(send), blocks)
+            }
+            Wire::Bf16 => {
+                let r = rounded::<half::bf16>(dev, grads)?;
+                let (send, blocks) = self.lay_out(dev, &r.iter().collect::<Vec<_>>(), counts)?;
+                (DevBuf::Bf16(send), blocks)
+            }
+            Wire::F16 => {
+                let r = rounded::<half::f16>(dev, grads)?;
+                let (send, blocks) = self.lay_out(dev, &r.iter().collect::<Vec<_>>(), counts)?;
+                (DevBuf::F16(send), blocks)
+            }
+        };
+        let ready = dev
+            .compute
+            .record_event(None)
+            .map_err(driver_err("cuEventRecord"))?;
+        Ok(Packed {
+            send,
+            blocks,
+            ready,
+        })
+    }
+
+    /// `parts` laid out by rank in one new buffer (copies on the compute
+    /// stream), and each rank's block length.
+    fn lay_out<T: Elem>(
+        &self,
+        dev: &Device,
+        parts: &[&DeviceBuffer<T>],
+        counts: &[Vec<usize>],
+    ) -> Result<(DeviceBuffer<T>, Vec<usize>)> {
+        let total: usize = parts.iter().map(|g| g.len()).sum();
+        let mut send = dev.alloc_output::<T>("gradients laid out by rank", total)?;
         let mut blocks = vec![0usize; self.world];
         let mut at = 0usize;
         for (r, block) in blocks.iter_mut().enumerate() {
-            for (g, c) in grads.iter().zip(counts) {
+            for (g, c) in parts.iter().zip(counts) {
                 let from: usize = c[..r].iter().sum();
                 let n = c[r];
                 if n > 0 {
@@ -288,36 +346,42 @@ impl DeviceComm {
                 *block += n;
             }
         }
-        let ready = dev
-            .compute
-            .record_event(None)
-            .map_err(driver_err("cuEventRecord"))?;
-        Ok(Packed {
-            send,
-            blocks,
-            ready,
-        })
+        Ok((send, blocks))
     }
 
     /// The reduce-scatter of `packed` on the collective stream (see the
-    /// module docs): this rank's chunks from every rank, each rounded to
-    /// `T` and widened, added onto `acc` (this rank's running sums; None:
-    /// +0.0) in rank order. Every rank calls it for the same packs in the
+    /// module docs): this rank's chunks from every rank, in the dtype they
+    /// were packed in, widened exactly and added onto `acc` (this rank's
+    /// running sums; None: +0.0) in rank order. Every rank calls it for the same packs in the
     /// same order. The buffers it needs are allocated before any NCCL call
     /// (a budget refusal fails here, before the peers wait on this rank);
     /// after one, an error first waits for the collective stream, so that
     /// no buffer it may still touch is freed.
-    pub fn reduce<T: Elem>(
-        &self,
-        dev: &Device,
-        packed: Packed,
-        acc: Option<&[f32]>,
-    ) -> Result<Reduced> {
+    pub fn reduce(&self, dev: &Device, packed: Packed, acc: Option<&[f32]>) -> Result<Reduced> {
         let Packed {
             send,
             blocks,
             ready,
         } = packed;
+        match send {
+            DevBuf::F32(send) => self.reduce_typed(dev, send, blocks, ready, acc),
+            DevBuf::Bf16(send) => self.reduce_typed(dev, send, blocks, ready, acc),
+            DevBuf::F16(send) => self.reduce_typed(dev, send, blocks, ready, acc),
+        }
+    }
+
+    /// [`Self::reduce`] of chunks of `T`.
+    fn reduce_typed<T: Elem + cudarc::nccl::NcclType>(
+        &self,
+        dev: &Device,
+        send: DeviceBuffer<T>,
+        blocks: Vec<usize>,
+        ready: CudaEvent,
+        acc: Option<&[f32]>,
+    ) -> Result<Reduced>
+    where
+        DevBuf: From<DeviceBuffer<T>>,
+    {
         let (me, world) = (self.rank, self.world);
         if blocks.len() != world {
             return Err(shape(format!("{} blocks for {world} ranks", blocks.len())));
@@ -340,7 +404,7 @@ impl DeviceComm {
         let (mut recv, acc, mut sums) = if mine == 0 {
             (None, None, None)
         } else {
-            let recv = dev.alloc_output_on::<f32>(s, "gradient chunks received", mine * world)?;
+            let recv = dev.alloc_output_on::<T>(s, "gradient chunks received", mine * world)?;
             let acc = match acc {
                 Some(a) => {
                     let mut b = dev.alloc_output_on::<f32>(s, "running gradient sums", a.len())?;
@@ -405,9 +469,9 @@ impl DeviceComm {
                 return Err(e);
             }
         };
-        let mut keep = vec![send];
-        keep.extend(recv);
-        keep.extend(acc);
+        let mut keep = vec![DevBuf::from(send)];
+        keep.extend(recv.map(DevBuf::from));
+        keep.extend(acc.map(DevBuf::F32));
         Ok(Reduced {
             sums,
             done,
@@ -424,8 +488,8 @@ impl DeviceComm {
     /// backward, and a communicator that cannot move bytes fails here.
     pub fn warm_up(&self, dev: &Device, timeout: Duration) -> Result<()> {
         let ones = dev.upload("warm-up all-to-all", &vec![1f32; self.world])?;
-        let packed = self.pack(dev, &[&ones], &[vec![1; self.world]])?;
-        let r = self.wait(self.reduce::<f32>(dev, packed, None)?, timeout)?;
+        let packed = self.pack(dev, &[&ones], &[vec![1; self.world]], Wire::F32)?;
+        let r = self.wait(self.reduce(dev, packed, None)?, timeout)?;
         let got = match &r.sums {
             Some(sums) => dev.download(sums)?,
             None => Vec::new(),
@@ -474,14 +538,15 @@ impl DeviceComm {
     }
 }
 
-/// `add_chunks_T` on `stream`: `out = acc (or +0.0) + T(chunk 0) + T(chunk
-/// 1) + ...`, `chunks` holding `world` chunks of `out.len()` elements.
+/// `add_chunks_T` on `stream`: `out = acc (or +0.0) + chunk 0 + chunk 1 +
+/// ...`, each chunk element widened exactly from `T`, `chunks` holding
+/// `world` chunks of `out.len()` elements.
 pub fn add_chunks_on<T: Elem>(
     dev: &Device,
     stream: &Arc<CudaStream>,
     out: &mut DeviceBuffer<f32>,
     acc: Option<&DeviceBuffer<f32>>,
-    chunks: &DeviceBuffer<f32>,
+    chunks: &DeviceBuffer<T>,
     world: usize,
 ) -> Result<()> {
     let k = format!("add_chunks_{}", T::SUFFIX);
@@ -517,7 +582,8 @@ pub fn add_chunks_on<T: Elem>(
     let cfg = crate::ops::per_item(n);
     // SAFETY: the arguments are add_chunks_T's (layout.cu): the fp32
     // output of n elements, the running sums of n (or null), the chunks of
-    // world · n (all checked above), then n as long long and world as int.
+    // world · n elements of T (all checked above), then n as long long and
+    // world as int.
     unsafe { a.launch(cfg) }.map_err(|e| GpuError::Driver {
         call: "cuLaunchKernel",
         detail: format!("{k}: {e}"),

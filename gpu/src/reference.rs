@@ -617,18 +617,18 @@ pub fn add<T: Storage>(a: &[T], b: &[T]) -> Vec<T> {
         .collect()
 }
 
-/// `add_chunks`: `world` chunks of `n` elements (`chunks`, rank r's at
-/// `r · n`) each rounded to `T` and widened back, added one after the
-/// other in rank order onto `acc` (+0.0 when None): a reduce-scatter's
-/// sums, in the order the host's collective adds them.
-pub fn add_chunks<T: Storage>(acc: Option<&[f32]>, chunks: &[f32], n: usize) -> Vec<f32> {
+/// `add_chunks`: `world` chunks of `n` elements of `T` (`chunks`, rank
+/// r's at `r · n`), each widened exactly, added one after the other in
+/// rank order onto `acc` (+0.0 when None): a reduce-scatter's sums, in
+/// the order the host's collective adds them.
+pub fn add_chunks<T: Storage>(acc: Option<&[f32]>, chunks: &[T], n: usize) -> Vec<f32> {
     let mut out = acc.map_or_else(|| vec![0f32; n], <[f32]>::to_vec);
     if n == 0 {
         return out;
     }
     for chunk in chunks.chunks_exact(n) {
         for (s, &c) in out.iter_mut().zip(chunk) {
-            *s += T::store(c).load();
+            *s += c.load();
         }
     }
     out
@@ -752,11 +752,12 @@ mod tests {
         assert_eq!(got, [0.0]);
         let chunks_first = 1f32 + (1e8f32 + 1.0 - 1e8);
         assert_eq!(chunks_first, 1.0);
-        // Each chunk element rounded to bf16 first: 1 + 2^-8 is halfway
-        // between 1 and 1 + 2^-7, and ties to even (1).
-        let tie = 1.0 + 1.0 / 256.0;
-        assert_eq!(add_chunks::<half::bf16>(None, &[tie, 0.5], 1), [1.5]);
-        assert_eq!(add_chunks::<f32>(None, &[tie, 0.5], 1), [tie + 0.5]);
+        // bf16 chunks widened exactly: 1 + 2^-7 and 0.5.
+        let chunks = [
+            half::bf16::from_f32(1.0 + 1.0 / 128.0),
+            half::bf16::from_f32(0.5),
+        ];
+        assert_eq!(add_chunks(None, &chunks, 1), [1.5 + 1.0 / 128.0]);
         // Two elements a chunk, three ranks; +0.0 for no running sum.
         let got = add_chunks::<f32>(None, &[1.0, 2.0, 10.0, 20.0, 100.0, 200.0], 2);
         assert_eq!(got, [111.0, 222.0]);

@@ -9,12 +9,12 @@ use std::sync::Arc;
 use half::{bf16, f16};
 use tierzero_gpu::collective::{add_chunks_on, DeviceComm};
 use tierzero_gpu::device::Device;
-use tierzero_gpu::link::{Downloaded, Downloads};
+use tierzero_gpu::link::{Downloaded, Downloads, Wire};
 use tierzero_gpu::ops::Elem;
 use tierzero_gpu::reference as r;
 use tierzero_gpu::Result;
 
-use super::{data, poisoned, Report};
+use super::{data, poisoned, typed, Report};
 
 /// `got` and `want` the same bits, reported as `kernel`.
 fn same_bits(rep: &mut Report, kernel: &str, size: &str, got: &[f32], want: &[f32]) {
@@ -42,7 +42,7 @@ fn add_chunks_case<T: Elem>(
     world: usize,
     with_acc: bool,
 ) -> Result<()> {
-    let chunks = data(n * world, 90 + world as u64);
+    let chunks: Vec<T> = typed(&data(n * world, 90 + world as u64));
     let acc = with_acc.then(|| data(n, 91));
     let d_chunks = dev.upload("chunks", &chunks)?;
     let d_acc = acc
@@ -69,14 +69,15 @@ fn add_chunks_case<T: Elem>(
     Ok(())
 }
 
-/// One rank's reduce-scatter of three gradients of awkward sizes, the
-/// chunks rounded to `T`: pack on the compute stream, reduce on the
+/// One rank's reduce-scatter of three gradients of awkward sizes, packed
+/// as `T` (`wire`): pack on the compute stream, reduce on the
 /// collective's stream, the sums' download after its event only.
 fn one_rank<T: Elem>(
     dev: &Arc<Device>,
     comm: &DeviceComm,
     downloads: &Downloads,
     rep: &mut Report,
+    wire: Wire,
     with_acc: bool,
 ) -> Result<()> {
     let sizes = [257usize, 1, 4099];
@@ -90,12 +91,12 @@ fn one_rank<T: Elem>(
         .map(|g| dev.upload("gradient", g))
         .collect::<Result<Vec<_>>>()?;
     let counts: Vec<Vec<usize>> = sizes.iter().map(|&n| vec![n]).collect();
-    let packed = comm.pack(dev, &bufs.iter().collect::<Vec<_>>(), &counts)?;
+    let packed = comm.pack(dev, &bufs.iter().collect::<Vec<_>>(), &counts, wire)?;
     drop(bufs);
     let total: usize = sizes.iter().sum();
     let acc = with_acc.then(|| data(total, 99));
     let reduced = comm.wait(
-        comm.reduce::<T>(dev, packed, acc.as_deref())?,
+        comm.reduce(dev, packed, acc.as_deref())?,
         std::time::Duration::from_secs(60),
     )?;
     let d = downloads.start_reduced("sums", reduced)?;
@@ -109,7 +110,7 @@ fn one_rank<T: Elem>(
         &format!("reduce_scatter.one_rank_{}", T::SUFFIX),
         &format!("{total}{}", if with_acc { "+acc" } else { "" }),
         &got,
-        &r::add_chunks::<T>(acc.as_deref(), &flat, total),
+        &r::add_chunks::<T>(acc.as_deref(), &typed::<T>(&flat), total),
     );
     Ok(())
 }
@@ -139,9 +140,9 @@ pub(super) fn check_collective(dev: &Arc<Device>, rep: &mut Report) -> Result<()
     };
     let downloads = Downloads::new(dev.clone(), 64 << 20)?;
     for with_acc in [false, true] {
-        one_rank::<f32>(dev, &comm, &downloads, rep, with_acc)?;
-        one_rank::<bf16>(dev, &comm, &downloads, rep, with_acc)?;
+        one_rank::<f32>(dev, &comm, &downloads, rep, Wire::F32, with_acc)?;
+        one_rank::<bf16>(dev, &comm, &downloads, rep, Wire::Bf16, with_acc)?;
     }
-    one_rank::<f16>(dev, &comm, &downloads, rep, true)?;
+    one_rank::<f16>(dev, &comm, &downloads, rep, Wire::F16, true)?;
     Ok(())
 }

@@ -38,21 +38,16 @@ __device__ void add(T* y, const T* a, const T* b, long long n) {
 }
 
 // add_chunks: a reduce-scatter's sums, in rank order. `chunks` holds
-// `world` chunks of n fp32 elements one after the other (rank r's at r ·
-// n); out[i] = acc[i] (+0.0 when acc is null) + T(chunk 0)[i] +
-// T(chunk 1)[i] + ..., each chunk element first rounded to T (to nearest
-// even; f32: as it is) and widened back exactly, added one after the
+// `world` chunks of n elements of T one after the other (rank r's at r ·
+// n); out[i] = acc[i] (+0.0 when acc is null) + chunk 0[i] + chunk 1[i] +
+// ..., each chunk element widened exactly to fp32, added one after the
 // other in chunk order, as the host's collective adds them.
 template <typename T>
-__device__ void add_chunks(float* out, const float* acc, const float* chunks, long long n,
+__device__ void add_chunks(float* out, const float* acc, const T* chunks, long long n,
                            int world) {
     TZ_FOR_EACH(i, n) {
         float s = acc ? acc[i] : 0.0f;
-        for (int r = 0; r < world; ++r) {
-            T v;
-            tz_store(&v, chunks[(long long)r * n + i]);
-            s = s + tz_load(&v);
-        }
+        for (int r = 0; r < world; ++r) s = s + tz_load(&chunks[(long long)r * n + i]);
         out[i] = s;
     }
 }
@@ -71,8 +66,8 @@ __device__ void add_chunks(float* out, const float* acc, const float* chunks, lo
     extern "C" __global__ void add_##SUF(T* y, const T* a, const T* b, long long n) {            \
         add<T>(y, a, b, n);                                                                      \
     }                                                                                            \
-    extern "C" __global__ void add_chunks_##SUF(float* out, const float* acc,                    \
-                                                const float* chunks, long long n, int world) {   \
+    extern "C" __global__ void add_chunks_##SUF(float* out, const float* acc, const T* chunks, \
+                                                long long n, int world) {                        \
         add_chunks<T>(out, acc, chunks, n, world);                                               \
     }
 TZ_DTYPES(TZ_LAYOUT)

@@ -228,7 +228,7 @@ impl Downloads {
         what: &str,
         r: crate::collective::Reduced,
     ) -> Result<PendingDownload> {
-        let sources = r.keep.into_iter().map(DevBuf::F32).collect();
+        let sources = r.keep;
         let Some(sums) = r.sums else {
             // A shard of no elements: nothing to copy; its sends are done
             // before the buffers they read are let go.

@@ -47,6 +47,18 @@ impl From<DeviceBuffer<f32>> for DevBuf {
     }
 }
 
+impl From<DeviceBuffer<bf16>> for DevBuf {
+    fn from(b: DeviceBuffer<bf16>) -> Self {
+        DevBuf::Bf16(b)
+    }
+}
+
+impl From<DeviceBuffer<f16>> for DevBuf {
+    fn from(b: DeviceBuffer<f16>) -> Self {
+        DevBuf::F16(b)
+    }
+}
+
 impl DevBuf {
     /// Elements.
     pub fn len(&self) -> usize {
@@ -386,10 +398,10 @@ impl Exec for CudaExec<'_> {
         }
     }
     fn zeros(&self, what: &str, n: usize) -> Result<DevBuf> {
-        Ok(self.dev.alloc_zeros(what, n)?.into())
+        Ok(self.dev.alloc_zeros::<f32>(what, n)?.into())
     }
     fn output(&self, what: &str, n: usize) -> Result<DevBuf> {
-        Ok(self.dev.alloc_output(what, n)?.into())
+        Ok(self.dev.alloc_output::<f32>(what, n)?.into())
     }
     fn len(&self, b: &DevBuf) -> usize {
         b.len()

@@ -297,6 +297,7 @@ impl DeviceLink for CudaLink {
         &self,
         what: &str,
         grads: Vec<DevBuf>,
+        wire: Wire,
         counts: &[Vec<usize>],
     ) -> Result<Packed, ModelError> {
         let (comm, _) = self.collective(what)?;
@@ -313,24 +314,18 @@ impl DeviceLink for CudaLink {
         }
         // The gradients are the compute stream's: freed there, after the
         // copies that read them.
-        comm.pack(self.device(), &wide, counts).map_err(gpu_err)
+        comm.pack(self.device(), &wide, counts, wire)
+            .map_err(gpu_err)
     }
 
     fn reduce_grads(
         &self,
         what: &str,
         packed: Packed,
-        wire: Wire,
         acc: Option<&[f32]>,
     ) -> Result<PendingDownload, ModelError> {
         let (comm, timeout) = self.collective(what)?;
-        let dev = self.device();
-        let mut reduced = match wire {
-            Wire::F32 => comm.reduce::<f32>(dev, packed, acc),
-            Wire::Bf16 => comm.reduce::<half::bf16>(dev, packed, acc),
-            Wire::F16 => comm.reduce::<half::f16>(dev, packed, acc),
-        }
-        .map_err(gpu_err)?;
+        let mut reduced = comm.reduce(self.device(), packed, acc).map_err(gpu_err)?;
         // The timeline's span: its end recorded after the sums' kernel.
         if let Some(b) = reduced.began.take() {
             if let Ok(span) = EventClock::span(comm.stream(), what.to_owned(), b) {

@@ -92,10 +92,12 @@ fn wire_bytes(wire: Wire) -> u64 {
 }
 
 /// The most device bytes one unit's reduce-scatter holds among `ranks`
-/// (a unit with no tied param): its gradients packed and the chunks
-/// received (each the unit's fp32 gradients), this rank's running sums
-/// and its sums (each at most the largest rank's share). For the plan.
-pub(super) fn reduce_bytes_bound(model: &Model, ranks: usize) -> u64 {
+/// (a unit with no tied param) for gradients of `dtype`: its gradients
+/// packed and the chunks received (each the unit's gradients as they
+/// cross, [`wire_of`]), this rank's running sums and its sums (each at
+/// most the largest rank's share, fp32). For the plan.
+pub(super) fn reduce_bytes_bound(model: &Model, ranks: usize, dtype: DType) -> u64 {
+    let crossing = wire_bytes(wire_of(dtype));
     if ranks < 2 {
         return 0;
     }
@@ -111,7 +113,7 @@ pub(super) fn reduce_bytes_bound(model: &Model, ranks: usize) -> u64 {
                 whole += numel as u64;
                 share += shard_counts(numel, ranks).into_iter().max().unwrap_or(0) as u64;
             }
-            (2 * whole + 2 * share) * ELEM_BYTES
+            2 * whole * crossing + 2 * share * ELEM_BYTES
         })
         .max()
         .unwrap_or(0)
@@ -151,7 +153,12 @@ impl<L: DeviceLink> GradsOut<L> {
                 .map(|(_, _, dims)| shard_counts(dims.iter().product(), ranks))
                 .collect();
             let bufs = grads.into_iter().map(|(_, b, _)| b).collect();
-            let packed = link.pack_grads(&format!("unit {} gradients", unit.0), bufs, &counts)?;
+            let packed = link.pack_grads(
+                &format!("unit {} gradients", unit.0),
+                bufs,
+                wire_of(dtype),
+                &counts,
+            )?;
             let at = Where::Packed {
                 ids,
                 counts,
@@ -239,12 +246,11 @@ impl<L: DeviceLink> GradsOut<L> {
         let refused = |why: String| ModelError::Gpu {
             what: format!("unit {}: no reduce-scatter on the device ({why})", unit.0),
         };
-        let (laid_out, packed, dtype) = match self.remove(unit) {
+        let (laid_out, packed) = match self.remove(unit) {
             Some(Pending {
                 at: Where::Packed { counts, packed, .. },
-                dtype,
                 ..
-            }) => (counts, packed, dtype),
+            }) => (counts, packed),
             Some(p) => {
                 // Not kept: back in the queue for `take`.
                 self.queue().push_front(p);
@@ -257,12 +263,7 @@ impl<L: DeviceLink> GradsOut<L> {
                 "laid out in chunks of {laid_out:?} elements, asked for {counts:?}"
             )));
         }
-        let d = link.reduce_grads(
-            &format!("unit {} gradients", unit.0),
-            packed,
-            wire_of(dtype),
-            acc,
-        )?;
+        let d = link.reduce_grads(&format!("unit {} gradients", unit.0), packed, acc)?;
         let sums = match link.finish_download(d)? {
             HostVec::F32(v) => v,
             other => {
@@ -470,9 +471,15 @@ mod tests {
         let bound = |numel: usize| (2 * numel + 2 * numel / 2) * 4;
         // Tied, the head and the embedding come down whole: the largest
         // unit reduced on the device is a block, whatever the vocabulary.
+        let f32 = DType::F32;
         assert_eq!(
-            reduce_bytes_bound(&gpt2(1024, true), 2),
+            reduce_bytes_bound(&gpt2(1024, true), 2, f32),
             bound(block) as u64
+        );
+        // bf16 gradients are packed and received as bf16; the sums are fp32.
+        assert_eq!(
+            reduce_bytes_bound(&gpt2(1024, true), 2, DType::BF16),
+            (2 * block * 2 + 2 * (block / 2) * 4) as u64
         );
         // Untied, the embedding (token and position tables) is reduced on
         // the device too, and larger than a block and than the head.
@@ -480,9 +487,9 @@ mod tests {
         let head = 1024 * 64 + 2 * 64;
         assert!(embedding > head && head > block);
         assert_eq!(
-            reduce_bytes_bound(&gpt2(1024, false), 2),
+            reduce_bytes_bound(&gpt2(1024, false), 2, f32),
             bound(embedding) as u64
         );
-        assert_eq!(reduce_bytes_bound(&gpt2(1024, true), 1), 0);
+        assert_eq!(reduce_bytes_bound(&gpt2(1024, true), 1, f32), 0);
     }
 }

@@ -404,18 +404,21 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
     }
     /// Several ranks, as a unit's backward ends: its gradients `grads`
     /// (fp32 as computed, in declared order) laid out on the device for
-    /// their reduce-scatter, ordered after the compute that wrote them:
-    /// gradient `p` cut into per-rank chunks of `counts[p][r]` elements,
-    /// rank `r`'s chunks of every gradient one after the other, the
-    /// ranks' blocks in rank order (the layout of
+    /// their reduce-scatter, ordered after the compute that wrote them, in
+    /// `wire`'s dtype (bf16 or fp16 ones rounded to nearest even, the
+    /// values [`DeviceLink::download`] would have brought; half the bytes
+    /// cross between the ranks): gradient `p` cut into per-rank chunks of
+    /// `counts[p][r]` elements, rank `r`'s chunks of every gradient one
+    /// after the other, the ranks' blocks in rank order (the layout of
     /// [`crate::engine::comm::rank_chunks`]). The gradients are freed.
     fn pack_grads(
         &self,
         what: &str,
         grads: Vec<Self::Buf>,
+        wire: Wire,
         counts: &[Vec<usize>],
     ) -> Result<Self::Packed, ModelError> {
-        let _ = counts;
+        let _ = (wire, counts);
         for g in grads {
             self.free(g);
         }
@@ -423,10 +426,8 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
             what: format!("{what}: this device has no collectives of its own"),
         })
     }
-    /// The reduce-scatter of a [`DeviceLink::pack_grads`]: each element
-    /// rounded to `wire`'s dtype (the values [`DeviceLink::download`]
-    /// would have brought; fp32 as it is), this rank's chunks from the
-    /// ranks added onto `acc` (this rank's accumulated shards,
+    /// The reduce-scatter of a [`DeviceLink::pack_grads`]: this rank's
+    /// chunks from the ranks, widened exactly, added onto `acc` (this rank's accumulated shards,
     /// concatenated in the same order; None: +0.0) one rank after the
     /// other, in rank order, as
     /// [`crate::engine::comm::Comm::reduce_scatter_add_f32`] adds them on
@@ -438,10 +439,9 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
         &self,
         what: &str,
         packed: Self::Packed,
-        wire: Wire,
         acc: Option<&[f32]>,
     ) -> Result<Self::Download, ModelError> {
-        let _ = (packed, wire, acc);
+        let _ = (packed, acc);
         Err(ModelError::Gpu {
             what: format!("{what}: this device has no collectives of its own"),
         })

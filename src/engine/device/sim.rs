@@ -816,11 +816,23 @@ impl DeviceLink for SimDevice {
     fn pack_grads(
         &self,
         what: &str,
-        grads: Vec<Vec<f32>>,
+        mut grads: Vec<Vec<f32>>,
+        wire: Wire,
         counts: &[Vec<usize>],
     ) -> Result<SimPacked, ModelError> {
-        for g in &grads {
+        for g in &mut grads {
             self.shared.narrow().remove(&buf_key(g));
+            // The values a download would have brought: 16-bit gradients
+            // rounded on the device (its buffers hold their widened values).
+            match wire {
+                Wire::Bf16 => g
+                    .iter_mut()
+                    .for_each(|x| *x = half::bf16::from_f32(*x).to_f32()),
+                Wire::F16 => g
+                    .iter_mut()
+                    .for_each(|x| *x = half::f16::from_f32(*x).to_f32()),
+                Wire::F32 => {}
+            }
         }
         let parts: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
         let (full, blocks) =
@@ -834,25 +846,12 @@ impl DeviceLink for SimDevice {
         &self,
         what: &str,
         packed: SimPacked,
-        wire: Wire,
         acc: Option<&[f32]>,
     ) -> Result<SimDownload, ModelError> {
         let comm = self.comm.clone().ok_or_else(|| ModelError::Gpu {
             what: format!("{what}: the simulated device has no collectives"),
         })?;
-        let SimPacked { mut full, blocks } = packed;
-        // The values a download would have brought: 16-bit gradients
-        // rounded on the device (elementwise, so before the all-to-all or
-        // after it, as the GPU's receiver does, is the same).
-        match wire {
-            Wire::Bf16 => full
-                .iter_mut()
-                .for_each(|x| *x = half::bf16::from_f32(*x).to_f32()),
-            Wire::F16 => full
-                .iter_mut()
-                .for_each(|x| *x = half::f16::from_f32(*x).to_f32()),
-            Wire::F32 => {}
-        }
+        let SimPacked { full, blocks } = packed;
         let mine = blocks.get(comm.rank()).copied().unwrap_or(0);
         let mut sums = match acc {
             Some(a) => a.to_vec(),

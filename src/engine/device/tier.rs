@@ -900,7 +900,8 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
             // With several ranks, a unit's gradients' reduce-scatter on
             // the device takes its buffers from the same share.
             let reduce =
-                super::grads_out::reduce_bytes_bound(model, self.link.reduce_ranks()).min(t - kept);
+                super::grads_out::reduce_bytes_bound(model, self.link.reduce_ranks(), self.storage)
+                    .min(t - kept);
             if reduce > 0 {
                 rows.push(DeviceMemoryRow {
                     what: "gradients' reduce-scatter (at most)".into(),
