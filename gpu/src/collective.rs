@@ -53,6 +53,9 @@
 //! refusal fails before any peer waits on this rank), and an error after
 //! the group first waits for the collective stream. A shard of no
 //! elements allocates nothing (the driver refuses empty allocations).
+//! The running sums cross from pinned staging the communicator keeps,
+//! rewritten only after an event says the copy that last read it is
+//! done (and leaked, not freed, if that copy never ends).
 //!
 //! # Never waiting for ever
 //!
@@ -76,7 +79,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaEvent, CudaStream, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaStream, PinnedHostSlice, PushKernelArg};
 use cudarc::nccl::result::{group_end, group_start};
 
 use crate::device::{driver_err, guarded, Device, DeviceBuffer};
@@ -109,6 +112,37 @@ pub struct DeviceComm {
     stream: Arc<CudaStream>,
     rank: usize,
     world: usize,
+    /// The running sums' pinned staging (see [`AccStaging`]).
+    acc_staging: Mutex<AccStaging>,
+}
+
+/// Pinned host memory the running sums cross from (so their upload is
+/// the copy engine's DMA, asynchronous, not the driver's pageable path),
+/// grown to the largest shard and reused, and an event after the copy
+/// that last read it: the next reduce waits for it before writing.
+#[derive(Default)]
+struct AccStaging {
+    host: Option<PinnedHostSlice<f32>>,
+    read: Option<CudaEvent>,
+}
+
+impl Drop for DeviceComm {
+    fn drop(&mut self) {
+        // A copy still reading the staging (its stream stuck behind an
+        // all-to-all whose peer is gone): leak the buffer, never free it
+        // under the copy.
+        let st = self
+            .acc_staging
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner());
+        if st
+            .read
+            .as_ref()
+            .is_some_and(|ev| !matches!(ev.try_is_complete(), Ok(true)))
+        {
+            std::mem::forget(st.host.take());
+        }
+    }
 }
 
 impl std::fmt::Debug for DeviceComm {
@@ -229,6 +263,7 @@ impl DeviceComm {
                 stream,
                 rank,
                 world,
+                acc_staging: Mutex::new(AccStaging::default()),
             })
         })
     }
@@ -408,8 +443,7 @@ impl DeviceComm {
             let acc = match acc {
                 Some(a) => {
                     let mut b = dev.alloc_output_on::<f32>(s, "running gradient sums", a.len())?;
-                    s.memcpy_htod(a, b.slice_mut())
-                        .map_err(driver_err("cuMemcpyHtoDAsync"))?;
+                    self.upload_acc(dev, a, &mut b)?;
                     Some(b)
                 }
                 None => None,
@@ -478,6 +512,43 @@ impl DeviceComm {
             keep,
             began,
         })
+    }
+
+    /// `a` into `dst` on the collective stream, through the pinned
+    /// staging (see [`AccStaging`]).
+    fn upload_acc(&self, dev: &Device, a: &[f32], dst: &mut DeviceBuffer<f32>) -> Result<()> {
+        let mut st = self.acc_staging.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(ev) = st.read.take() {
+            ev.synchronize().map_err(driver_err("cuEventSynchronize"))?;
+        }
+        if st.host.as_ref().is_none_or(|h| h.len() < a.len()) {
+            st.host = None;
+            // SAFETY: uninitialised pinned memory, every bit pattern a
+            // valid f32; only its first `a.len()` elements are read by the
+            // copy below, after the host wrote them.
+            let p = unsafe { dev.context().alloc_pinned_with_flags::<f32>(a.len(), 0) }
+                .map_err(driver_err("cuMemHostAlloc"))?;
+            st.host = Some(p);
+        }
+        let host = st
+            .host
+            .as_mut()
+            .ok_or_else(|| shape("no pinned staging".into()))?;
+        host.as_mut_slice()
+            .map_err(driver_err("cuEventSynchronize"))?[..a.len()]
+            .copy_from_slice(a);
+        self.stream
+            .memcpy_htod(
+                &host.as_slice().map_err(driver_err("cuEventSynchronize"))?[..a.len()],
+                dst.slice_mut(),
+            )
+            .map_err(driver_err("cuMemcpyHtoDAsync"))?;
+        st.read = Some(
+            self.stream
+                .record_event(None)
+                .map_err(driver_err("cuEventRecord"))?,
+        );
+        Ok(())
     }
 
     /// One all-to-all of one element for each rank, waited for at most
