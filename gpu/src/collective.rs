@@ -50,8 +50,9 @@
 //! cudarc records a buffer's last use as each NCCL call is made, before
 //! NCCL queues its work at the group's end; so those records are not
 //! relied on: every buffer is allocated before the group (a budget
-//! refusal fails before any peer waits on this rank), and an error after
-//! the group first waits for the collective stream. A shard of no
+//! refusal fails before any peer waits on this rank), and on an error
+//! after the group they are leaked: NCCL's work may wait for a peer for
+//! ever, so they are neither waited for nor freed under it. A shard of no
 //! elements allocates nothing (the driver refuses empty allocations).
 //! The running sums cross from pinned staging the communicator keeps,
 //! rewritten only after an event says the copy that last read it is
@@ -497,9 +498,10 @@ impl DeviceComm {
             Ok(done) => done,
             Err(e) => {
                 // cudarc recorded the buffers' last uses as the calls were
-                // made, before NCCL queued its work at the group's end:
-                // wait for the stream itself before they are freed.
-                let _ = s.synchronize();
+                // made, before NCCL queued its work at the group's end, and
+                // that work may wait for a peer for ever: the buffers are
+                // leaked, neither waited for nor freed under it.
+                std::mem::forget((send, recv, acc, sums));
                 return Err(e);
             }
         };

@@ -744,7 +744,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn add_chunks_adds_in_rank_order_onto_the_running_sum_each_chunk_rounded() {
+    fn add_chunks_adds_in_rank_order_onto_the_running_sum_each_chunk_widened() {
         // acc + c0 + c1 + c2 left to right: 1 + 1e8 rounds to 1e8, + 1
         // rounds back to 1e8, then 0; the chunks summed first, then added
         // to the running sum, would give 1.

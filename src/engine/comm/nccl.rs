@@ -13,16 +13,17 @@
 //! PCIe copies per collective. The copies go through one pinned host
 //! buffer and NCCL sends from and receives into device buffers, all kept
 //! between calls (`Staging`), in rounds of at most [`STAGING_BYTES`] of
-//! all ranks' data ([`round_bytes`] each), so the staging is bounded
-//! (that much pinned, up to twice on the device) whatever a collective's
-//! size or the rank count; a failed round poisons it. Before, each call allocated its device buffers (one
+//! all ranks' data ([`round_bytes`] each; beyond 64 ranks, 1 MiB each),
+//! so the staging is bounded (that much pinned, up to twice on the
+//! device) whatever a collective's size; a failed round poisons it. Before, each call allocated its device buffers (one
 //! zeroed) and copied from and to pageable memory: an all-gather measured
 //! 0.555 GB/s on one H200; the pinned path has not run on a GPU yet. The
 //! engine calls
 //! it once per unit (its params' gather, its gradients' reduce-scatter),
 //! not once per param. With the device tier on the GPUs, a unit's
-//! gradients do not come through here: they are reduce-scattered on the
-//! GPUs' buffers (`tierzero_gpu::collective::DeviceComm`, see
+//! gradients do not come through here (but for a unit with a tied param,
+//! whose sum spans two units): they are reduce-scattered on the GPUs'
+//! buffers (`tierzero_gpu::collective::DeviceComm`, see
 //! `engine::device::cuda::device_collectives`). Not built: the params'
 //! gather on the GPUs' buffers (a param's shard uploaded, gathered on the
 //! device), which would skip both copies for them.
@@ -43,13 +44,13 @@
 //!   padding on the host. [`Comm::reduce_scatter_add_f32`] is an
 //!   all-to-all of variable chunks (`ncclSend`/`ncclRecv` to every peer in
 //!   one `ncclGroupStart`/`End`, the standard NCCL all-to-all; this rank's
-//!   own chunk is a host copy), then the host adds the chunks into the
+//!   own chunk a device copy in the staging), then the host adds the chunks into the
 //!   accumulator in rank order 0..N, exactly like `MpiComm`. So NCCL and MPI
 //!   runs give the same bits as one rank (invariant 15 in ARCHITECTURE.md).
 //!   `ncclReduceScatter`/`ncclAllReduce` would sum in an order of NCCL's
 //!   choosing (ring/tree, by topology), so they are not used for gradients.
-//!   Scalars are all-gathered (`ncclAllGather` of f64) and summed by the
-//!   caller in rank order.
+//!   Scalars are all-gathered (their bytes, `ncclAllGather`) and summed by
+//!   the caller in rank order.
 //! * **Bootstrap.** Rank 0 makes the `ncclUniqueId`; it reaches the others
 //!   through an existing communicator (MPI under `mpirun`) or a TCP
 //!   rendezvous (`TIERZERO_NCCL_ADDR`), see `rendezvous.rs`. Every
@@ -184,9 +185,10 @@ struct Gpu {
     staging: std::cell::RefCell<Staging>,
 }
 
-/// Bytes of all ranks' data a collective moves per round, at most: the
-/// staging holds this much pinned and up to twice on the device,
-/// whatever the collective's size or the rank count ([`round_bytes`]).
+/// Bytes of all ranks' data a collective moves per round, at most (up to
+/// 64 ranks; beyond, 1 MiB a rank): the staging holds this much pinned
+/// and up to twice on the device, whatever the collective's size
+/// ([`round_bytes`]).
 const STAGING_BYTES: usize = 64 << 20;
 
 /// Bytes of each rank's data moved per round (an all-gather's slice, an

@@ -33,7 +33,8 @@
 //!   are: each unit takes at least that long on the device's own clock,
 //!   after the units queued before it, while the host goes on; the host
 //!   waits for it where a GPU's would ([`DeviceLink::wait_compute`]: a
-//!   unit's output coming down), and a download starts after it.
+//!   unit's output coming down), and a download starts after it (but a
+//!   reduce-scatter's sums, which wait for their collective only).
 //! * **Downloads** (a unit's gradients) run on a second thread, the copy
 //!   queue out, each taking its bytes' time as a copy in does, and each is
 //!   a span of the `D2h` queue; waiting for one waits for its event.
