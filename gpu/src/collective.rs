@@ -166,13 +166,6 @@ pub struct Packed {
     ready: CudaEvent,
 }
 
-impl Packed {
-    /// Each rank's block length (elements).
-    pub fn blocks(&self) -> &[usize] {
-        &self.blocks
-    }
-}
-
 /// A reduce-scatter's sums on the device ([`DeviceComm::reduce`]).
 #[derive(Debug)]
 pub struct Reduced {
@@ -272,11 +265,6 @@ impl DeviceComm {
     /// The collectives' stream.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
-    }
-
-    /// This rank.
-    pub fn rank(&self) -> usize {
-        self.rank
     }
 
     /// The ranks.

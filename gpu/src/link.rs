@@ -129,6 +129,42 @@ enum AnyStaging {
     F16(Staging<f16>),
 }
 
+/// An element type an upload crosses as: its staging pool, and the
+/// variants that carry its destination and staging.
+trait Crossing:
+    cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Send + Sync + Sized
+{
+    fn pool(u: &Uploads) -> &Mutex<Pool<Self>>;
+    fn carried(dst: DeviceBuffer<Self>, staging: Staging<Self>) -> (DevBuf, AnyStaging);
+}
+
+impl Crossing for f32 {
+    fn pool(u: &Uploads) -> &Mutex<Pool<Self>> {
+        &u.pool
+    }
+    fn carried(dst: DeviceBuffer<Self>, staging: Staging<Self>) -> (DevBuf, AnyStaging) {
+        (DevBuf::F32(dst), AnyStaging::F32(staging))
+    }
+}
+
+impl Crossing for bf16 {
+    fn pool(u: &Uploads) -> &Mutex<Pool<Self>> {
+        &u.pool16
+    }
+    fn carried(dst: DeviceBuffer<Self>, staging: Staging<Self>) -> (DevBuf, AnyStaging) {
+        (DevBuf::Bf16(dst), AnyStaging::Bf16(staging))
+    }
+}
+
+impl Crossing for f16 {
+    fn pool(u: &Uploads) -> &Mutex<Pool<Self>> {
+        &u.poolh
+    }
+    fn carried(dst: DeviceBuffer<Self>, staging: Staging<Self>) -> (DevBuf, AnyStaging) {
+        (DevBuf::F16(dst), AnyStaging::F16(staging))
+    }
+}
+
 /// The element type of a copy in place ([`Uploads::start_pinned`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Wire {
@@ -514,34 +550,28 @@ impl Uploads {
     /// Starts copying `host` into a new device buffer for `what`, a
     /// `role`.
     pub fn start(&self, what: &str, host: &[f32], role: Role) -> Result<PendingUpload> {
-        let (dst, staging, event) = self.queue(&self.pool, what, host)?;
-        Ok(PendingUpload {
-            crossed: DevBuf::F32(dst),
-            staging: Some(AnyStaging::F32(staging)),
-            event,
-            role,
-        })
+        self.start_as(what, host, role)
     }
 
     /// Starts copying bf16 `host` (its 2-byte elements, half an fp32
     /// upload's bytes) to the device, a `role`.
     pub fn start_bf16(&self, what: &str, host: &[bf16], role: Role) -> Result<PendingUpload> {
-        let (narrow, staging, event) = self.queue(&self.pool16, what, host)?;
-        Ok(PendingUpload {
-            crossed: DevBuf::Bf16(narrow),
-            staging: Some(AnyStaging::Bf16(staging)),
-            event,
-            role,
-        })
+        self.start_as(what, host, role)
     }
 
     /// Starts copying fp16 `host` to the device, as
     /// [`Uploads::start_bf16`] does bf16.
     pub fn start_f16(&self, what: &str, host: &[f16], role: Role) -> Result<PendingUpload> {
-        let (narrow, staging, event) = self.queue(&self.poolh, what, host)?;
+        self.start_as(what, host, role)
+    }
+
+    /// The three above: `host` through its element type's pool.
+    fn start_as<T: Crossing>(&self, what: &str, host: &[T], role: Role) -> Result<PendingUpload> {
+        let (dst, staging, event) = self.queue(T::pool(self), what, host)?;
+        let (crossed, staging) = T::carried(dst, staging);
         Ok(PendingUpload {
-            crossed: DevBuf::F16(narrow),
-            staging: Some(AnyStaging::F16(staging)),
+            crossed,
+            staging: Some(staging),
             event,
             role,
         })

@@ -677,6 +677,12 @@ impl Model {
         self.params.get(id.0)
     }
 
+    /// Whether `id` belongs to one unit alone (not tied: a tied
+    /// embedding's gradient spans two units). False for an unknown id.
+    pub fn in_one_unit(&self, id: ParamId) -> bool {
+        self.param(id).is_some_and(|p| p.units.len() == 1)
+    }
+
     /// Looks a parameter up by its canonical (HF) name.
     pub fn param_by_name(&self, name: &str) -> Option<&ParamSpec> {
         self.by_name.get(name).and_then(|id| self.params.get(id.0))

@@ -101,7 +101,7 @@ pub(super) fn reduce_bytes_bound(model: &Model, ranks: usize, dtype: DType) -> u
     if ranks < 2 {
         return 0;
     }
-    let untied = |id: &ParamId| model.params().get(id.0).is_some_and(|p| p.units.len() == 1);
+    let untied = |id: &ParamId| model.in_one_unit(*id);
     model
         .units()
         .iter()
@@ -142,9 +142,7 @@ impl<L: DeviceLink> GradsOut<L> {
         grads: Vec<Held<L::Buf>>,
         dtype: DType,
     ) -> Result<u64, ModelError> {
-        let untied = grads
-            .iter()
-            .all(|(id, _, _)| model.params().get(id.0).is_some_and(|p| p.units.len() == 1));
+        let untied = grads.iter().all(|(id, _, _)| model.in_one_unit(*id));
         let ranks = link.reduce_ranks();
         let (at, down) = if ranks > 1 && untied && !grads.is_empty() {
             let ids: Vec<ParamId> = grads.iter().map(|(id, _, _)| *id).collect();

@@ -391,7 +391,7 @@ impl Trainer {
                     .params
                     .iter()
                     .copied()
-                    .filter(|&p| self.model.param(p).is_some_and(|s| s.units.len() == 1))
+                    .filter(|&p| self.model.in_one_unit(p))
                     .collect();
                 self.store.let_go_kept(&own)?;
             }

@@ -82,12 +82,7 @@ impl Trainer {
         unit: UnitId,
         ids: &[ParamId],
     ) -> Result<()> {
-        if let Some(pid) = ids.iter().find(|p| {
-            self.model
-                .params()
-                .get(p.0)
-                .is_none_or(|info| info.units.len() != 1)
-        }) {
+        if let Some(pid) = ids.iter().find(|&&p| !self.model.in_one_unit(p)) {
             return Err(EngineError::internal(format!(
                 "param {} of unit {} is tied, but its gradient was kept on the device",
                 pid.0, unit.0
