@@ -1,7 +1,25 @@
-//! [`DeviceComm`]: the ranks' collectives on device buffers (NCCL), for
-//! the reduce-scatter of a unit's gradients where they were computed.
+//! [`DeviceComm`]: the ranks' collectives on device buffers (NCCL): the
+//! params' gather where they are computed on, and the reduce-scatter of a
+//! unit's gradients where they were computed.
 //!
-//! # What it does
+//! # A param's gather
+//!
+//! With several ranks each holds only its shard of every param. Through
+//! the host, every rank gathers the whole param there (the host's
+//! collective) and uploads all of it. Here each rank uploads only its
+//! shard, into its range of the param's device buffer
+//! ([`crate::link::Uploads::start_shard`]), and [`DeviceComm::gather`]
+//! fills the other ranges on this communicator's stream, after the
+//! shard's copy: this rank's range sent to every peer, each peer's
+//! received into its range (`ncclSend`/`ncclRecv` in one group). The
+//! upload's event becomes the exchange's, so the compute stream waits for
+//! the whole param and the host waits for nothing; 1/N of the param
+//! crosses the host's link. NCCL only moves bytes: the same bits as a
+//! gather on the host. The caller waits for that event with a deadline
+//! before the compute is ordered after it ([`DeviceComm::wait_gathered`]),
+//! since a dead peer would leave it incomplete for ever.
+//!
+//! # A unit's gradients
 //!
 //! With several ranks, each computes the whole of a unit's gradients for
 //! its micro-batches, and keeps only its shard of their sums. Through the
@@ -84,7 +102,7 @@ use cudarc::driver::{CudaEvent, CudaStream, PinnedHostSlice, PushKernelArg};
 use cudarc::nccl::result::{group_end, group_start};
 
 use crate::device::{driver_err, guarded, Device, DeviceBuffer};
-use crate::link::Wire;
+use crate::link::{PendingUpload, Wire};
 use crate::ops::Elem;
 use crate::unit::DevBuf;
 use crate::{GpuError, Result};
@@ -569,21 +587,44 @@ impl DeviceComm {
     /// would block for ever. Then `r` is leaked on purpose (NCCL may still
     /// write into its buffers) and the caller fails.
     pub fn wait(&self, r: Reduced, timeout: Duration) -> Result<Reduced> {
+        match self.poll(
+            &r.done,
+            timeout,
+            "ncclSend/ncclRecv (the gradients' all-to-all)",
+        ) {
+            Ok(()) => Ok(r),
+            Err(e) => {
+                std::mem::forget(r);
+                Err(e)
+            }
+        }
+    }
+
+    /// Waits for a gathered param's exchange ([`DeviceComm::gather`]), at
+    /// most `timeout`, as [`DeviceComm::wait`] waits for a reduce. On an
+    /// error `up` is leaked on purpose: NCCL may still write into it.
+    pub fn wait_gathered(&self, up: PendingUpload, timeout: Duration) -> Result<PendingUpload> {
+        match self.poll(&up.event, timeout, "ncclSend/ncclRecv (a param's gather)") {
+            Ok(()) => Ok(up),
+            Err(e) => {
+                std::mem::forget(up);
+                Err(e)
+            }
+        }
+    }
+
+    /// Polls `ev` until it completed or `timeout` passed (an error naming
+    /// `call`: a rank has died or hangs).
+    fn poll(&self, ev: &CudaEvent, timeout: Duration, call: &'static str) -> Result<()> {
         let deadline = Instant::now() + timeout;
         let mut pause = Duration::from_micros(20);
         loop {
-            match r.done.try_is_complete() {
-                Ok(true) => return Ok(r),
-                Ok(false) => {}
-                Err(e) => {
-                    std::mem::forget(r);
-                    return Err(driver_err("cuEventQuery")(e));
-                }
+            if ev.try_is_complete().map_err(driver_err("cuEventQuery"))? {
+                return Ok(());
             }
             if Instant::now() >= deadline {
-                std::mem::forget(r);
                 return Err(GpuError::Driver {
-                    call: "ncclSend/ncclRecv (the gradients' all-to-all)",
+                    call,
                     detail: format!(
                         "rank {} of {}: not done within {:.0} s: a rank has died or hangs; \
                          stopping (set TIERZERO_COMM_TIMEOUT_S to wait longer)",
@@ -597,6 +638,100 @@ impl DeviceComm {
             pause = (pause * 2).min(Duration::from_millis(1));
         }
     }
+
+    /// A param gathered on the device: `up` is the upload of this rank's
+    /// shard into its range of the param's buffer
+    /// ([`crate::link::Uploads::start_shard`]; `counts[r]` elements of
+    /// rank `r`, the ranges in rank order). On this communicator's stream,
+    /// after the shard's copy: this rank's range sent to every peer and
+    /// each peer's received into its range (`ncclSend`/`ncclRecv` in one
+    /// group; NCCL only moves bytes, so the param has the bits a gather
+    /// on the host gives). The upload comes back with the exchange's
+    /// event in place of the copy's ([`PendingUpload::is_gathered`]), and
+    /// a timing event for the span of the collective stream's work. Every
+    /// rank calls it for the same params in the same order. On an error
+    /// after the group `up` is leaked (see "Buffers in flight").
+    pub fn gather(
+        &self,
+        dev: &Device,
+        up: PendingUpload,
+        counts: &[usize],
+    ) -> Result<(PendingUpload, Option<CudaEvent>)> {
+        let (me, world) = (self.rank, self.world);
+        if counts.len() != world || counts.iter().sum::<usize>() != up.crossed.len() {
+            return Err(GpuError::Shape {
+                kernel: "gather".into(),
+                detail: format!(
+                    "a param of {} elements cut as {counts:?} for {world} ranks",
+                    up.crossed.len()
+                ),
+            });
+        }
+        dev.context()
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
+        let s = &self.stream;
+        s.wait(&up.event).map_err(driver_err("cuStreamWaitEvent"))?;
+        let began = crate::link::EventClock::mark(s).ok();
+        let mut up = up;
+        let exchanged = {
+            let h = self.handle.lock().unwrap_or_else(|p| p.into_inner());
+            match &mut up.crossed {
+                DevBuf::F32(b) => exchange(&h.comm, b, counts, me),
+                DevBuf::Bf16(b) => exchange(&h.comm, b, counts, me),
+                DevBuf::F16(b) => exchange(&h.comm, b, counts, me),
+            }
+        }
+        .and_then(|()| s.record_event(None).map_err(driver_err("cuEventRecord")));
+        match exchanged {
+            Ok(done) => {
+                up.event = done;
+                up.gathered = true;
+                Ok((up, began))
+            }
+            Err(e) => {
+                // NCCL's work may wait for a peer for ever: the buffers
+                // are neither waited for nor freed under it.
+                std::mem::forget(up);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// One group of `ncclSend`s of this rank's range of `buf` to every peer
+/// and `ncclRecv`s of each peer's range from it (`counts[r]` elements of
+/// rank `r`, the ranges in rank order). Ranges of no elements are
+/// skipped: the counts are the same on every rank, so the matching
+/// receive or send is skipped there too.
+fn exchange<T: Elem + cudarc::nccl::NcclType>(
+    comm: &cudarc::nccl::Comm,
+    buf: &mut DeviceBuffer<T>,
+    counts: &[usize],
+    me: usize,
+) -> Result<()> {
+    let from = offsets(counts);
+    group_start().map_err(nccl_err("ncclGroupStart"))?;
+    let mut first_error = None;
+    for p in (0..counts.len()).filter(|&p| p != me) {
+        if counts[me] > 0 {
+            let view = buf.slice().slice(from[me]..from[me] + counts[me]);
+            if let Err(e) = comm.send(&view, p as i32) {
+                first_error.get_or_insert(nccl_err("ncclSend")(e));
+            }
+        }
+        if counts[p] > 0 {
+            let mut view = buf.slice_mut().slice_mut(from[p]..from[p] + counts[p]);
+            if let Err(e) = comm.recv(&mut view, p as i32) {
+                first_error.get_or_insert(nccl_err("ncclRecv")(e));
+            }
+        }
+    }
+    let ended = group_end().map_err(nccl_err("ncclGroupEnd"));
+    if let Some(e) = first_error {
+        return Err(e);
+    }
+    ended.map(|_| ())
 }
 
 /// `add_chunks_T` on `stream`: `out = acc (or +0.0) + chunk 0 + chunk 1 +

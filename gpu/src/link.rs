@@ -111,14 +111,31 @@ use crate::Result;
 pub struct PendingUpload {
     /// The buffer the copy writes, of the elements that cross: fp32, or
     /// bf16 or fp16 as they are (half the bytes).
-    crossed: DevBuf,
+    pub(crate) crossed: DevBuf,
     /// The staging buffer the copy reads (None: the copy reads the
-    /// host's registered memory in place, [`Uploads::start_pinned`]).
+    /// host's registered memory in place, [`Uploads::start_pinned`], or
+    /// a shard of no elements crossed).
     staging: Option<AnyStaging>,
-    /// Recorded after the copy.
-    event: CudaEvent,
+    /// Recorded after the copy (after a gather's exchange, for a shard
+    /// gathered on the device: [`crate::collective::DeviceComm::gather`]).
+    pub(crate) event: CudaEvent,
     /// What `finish` hands over.
     role: Role,
+    /// Whether a collective writes the rest of `crossed` after the copy
+    /// (`event` is then the collective's, which a dead peer may never
+    /// complete: see [`PendingUpload::is_gathered`]).
+    pub(crate) gathered: bool,
+}
+
+impl PendingUpload {
+    /// Whether its event is a gather's on the ranks' collective stream
+    /// ([`crate::collective::DeviceComm::gather`]): a peer that died
+    /// leaves it incomplete for ever, so the caller waits for it with a
+    /// deadline ([`crate::collective::DeviceComm::wait_gathered`]) before
+    /// [`Uploads::finish`] orders the compute after it.
+    pub fn is_gathered(&self) -> bool {
+        self.gathered
+    }
 }
 
 /// A staging buffer of one of the element types.
@@ -136,6 +153,7 @@ trait Crossing:
 {
     fn pool(u: &Uploads) -> &Mutex<Pool<Self>>;
     fn carried(dst: DeviceBuffer<Self>, staging: Staging<Self>) -> (DevBuf, AnyStaging);
+    fn dev_buf(dst: DeviceBuffer<Self>) -> DevBuf;
 }
 
 impl Crossing for f32 {
@@ -144,6 +162,9 @@ impl Crossing for f32 {
     }
     fn carried(dst: DeviceBuffer<Self>, staging: Staging<Self>) -> (DevBuf, AnyStaging) {
         (DevBuf::F32(dst), AnyStaging::F32(staging))
+    }
+    fn dev_buf(dst: DeviceBuffer<Self>) -> DevBuf {
+        DevBuf::F32(dst)
     }
 }
 
@@ -154,6 +175,9 @@ impl Crossing for bf16 {
     fn carried(dst: DeviceBuffer<Self>, staging: Staging<Self>) -> (DevBuf, AnyStaging) {
         (DevBuf::Bf16(dst), AnyStaging::Bf16(staging))
     }
+    fn dev_buf(dst: DeviceBuffer<Self>) -> DevBuf {
+        DevBuf::Bf16(dst)
+    }
 }
 
 impl Crossing for f16 {
@@ -162,6 +186,9 @@ impl Crossing for f16 {
     }
     fn carried(dst: DeviceBuffer<Self>, staging: Staging<Self>) -> (DevBuf, AnyStaging) {
         (DevBuf::F16(dst), AnyStaging::F16(staging))
+    }
+    fn dev_buf(dst: DeviceBuffer<Self>) -> DevBuf {
+        DevBuf::F16(dst)
     }
 }
 
@@ -520,8 +547,27 @@ impl Uploads {
         what: &str,
         host: &[T],
     ) -> Result<(DeviceBuffer<T>, Staging<T>, CudaEvent)> {
-        // On an error below the buffer is dropped: cudarc frees it once a
-        // copy that reads it is done, and its bytes leave the count.
+        let mut dst = self.dst::<T>(what, host.len())?;
+        let (staging, event) = self.fill_and_copy(pool, what, host, dst.slice_mut())?;
+        Ok((dst, staging, event))
+    }
+
+    /// Fills a staging buffer from `host` and queues its copy into `dst`
+    /// (as long) on the h2d stream: the staging buffer and the event
+    /// after the copy.
+    fn fill_and_copy<
+        T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Send + Sync,
+        D: cudarc::driver::DevicePtrMut<T>,
+    >(
+        &self,
+        pool: &Mutex<Pool<T>>,
+        what: &str,
+        host: &[T],
+        dst: &mut D,
+    ) -> Result<(Staging<T>, CudaEvent)> {
+        // On an error below the buffers are dropped: cudarc frees them
+        // once a copy that reads them is done, and their bytes leave the
+        // count.
         let mut staging = self.staging(&mut locked(pool), host.len())?;
         // A long fill is split over threads (see `host_copy`).
         crate::host_copy::copy(
@@ -531,11 +577,10 @@ impl Uploads {
                 .map_err(driver("cuEventSynchronize"))?,
             host,
         );
-        let mut dst = self.dst::<T>(what, host.len())?;
         let began = EventClock::mark(&self.dev.h2d)?;
         self.dev
             .h2d
-            .memcpy_htod(&staging.slice, dst.slice_mut())
+            .memcpy_htod(&staging.slice, dst)
             .map_err(driver("cuMemcpyHtoDAsync"))?;
         let span = EventClock::span(&self.dev.h2d, what.to_owned(), began)?;
         self.spans.push(span)?;
@@ -544,7 +589,7 @@ impl Uploads {
             .h2d
             .record_event(None)
             .map_err(driver("cuEventRecord"))?;
-        Ok((dst, staging, event))
+        Ok((staging, event))
     }
 
     /// Starts copying `host` into a new device buffer for `what`, a
@@ -574,6 +619,100 @@ impl Uploads {
             staging: Some(staging),
             event,
             role,
+            gathered: false,
+        })
+    }
+
+    /// Starts copying `shard`, elements `offset..offset + shard.len()` of
+    /// a param of `numel` fp32 elements (this rank's), into that range of
+    /// a new device buffer of `numel`: the rest is for
+    /// [`crate::collective::DeviceComm::gather`] to write, which must
+    /// follow before [`Uploads::finish`]. A [`Role::Param`].
+    pub fn start_shard(
+        &self,
+        what: &str,
+        shard: &[f32],
+        offset: usize,
+        numel: usize,
+    ) -> Result<PendingUpload> {
+        self.start_shard_as(what, shard, offset, numel)
+    }
+
+    /// [`Uploads::start_shard`] of bf16 elements, into a bf16 buffer.
+    pub fn start_shard_bf16(
+        &self,
+        what: &str,
+        shard: &[bf16],
+        offset: usize,
+        numel: usize,
+    ) -> Result<PendingUpload> {
+        self.start_shard_as(what, shard, offset, numel)
+    }
+
+    /// [`Uploads::start_shard`] of fp16 elements, into an fp16 buffer.
+    pub fn start_shard_f16(
+        &self,
+        what: &str,
+        shard: &[f16],
+        offset: usize,
+        numel: usize,
+    ) -> Result<PendingUpload> {
+        self.start_shard_as(what, shard, offset, numel)
+    }
+
+    /// The three above. A shard of no elements takes no staging buffer
+    /// and queues no copy: its event is recorded after the
+    /// destination's allocation.
+    fn start_shard_as<T: Crossing>(
+        &self,
+        what: &str,
+        shard: &[T],
+        offset: usize,
+        numel: usize,
+    ) -> Result<PendingUpload> {
+        if numel == 0
+            || offset
+                .checked_add(shard.len())
+                .is_none_or(|end| end > numel)
+        {
+            return Err(crate::GpuError::Shape {
+                kernel: "shard upload".into(),
+                detail: format!(
+                    "{what}: a shard of {} elements at {offset} of a param of {numel}",
+                    shard.len()
+                ),
+            });
+        }
+        let mut dst = self.dst::<T>(what, numel)?;
+        let (staging, event) = if shard.is_empty() {
+            let event = self
+                .dev
+                .h2d
+                .record_event(None)
+                .map_err(driver("cuEventRecord"))?;
+            (None, event)
+        } else {
+            let (staging, event) = self.fill_and_copy(
+                T::pool(self),
+                what,
+                shard,
+                &mut dst.slice_mut().slice_mut(offset..offset + shard.len()),
+            )?;
+            (Some(staging), event)
+        };
+        let (crossed, staging) = match staging {
+            Some(s) => {
+                let (c, s) = T::carried(dst, s);
+                (c, Some(s))
+            }
+            None => (T::dev_buf(dst), None),
+        };
+        Ok(PendingUpload {
+            crossed,
+            staging,
+            event,
+            role: Role::Param,
+            gathered: false,
         })
     }
 
@@ -667,6 +806,7 @@ impl Uploads {
             staging: None,
             event,
             role: Role::Param,
+            gathered: false,
         })
     }
 
@@ -768,6 +908,7 @@ impl Uploads {
             staging,
             event,
             role,
+            gathered: _,
         } = u;
         self.compute_waits(&event)?;
         match staging {

@@ -2,16 +2,19 @@
 //! ([`check_collective`]), a part of `kernel_check`: the `add_chunks`
 //! kernel against its reference bit for bit, and one rank's
 //! [`DeviceComm`] (NCCL with one rank: the lent machines have one GPU)
-//! through pack, reduce and the sums' download.
+//! through pack, reduce and the sums' download, and through a param's
+//! gather (its shard's upload, the exchange's event, the compute
+//! ordered after it).
 
 use std::sync::Arc;
 
 use half::{bf16, f16};
 use tierzero_gpu::collective::{add_chunks_on, DeviceComm};
 use tierzero_gpu::device::Device;
-use tierzero_gpu::link::{Downloaded, Downloads, Wire};
+use tierzero_gpu::link::{Downloaded, Downloads, Uploads, Wire};
 use tierzero_gpu::ops::Elem;
 use tierzero_gpu::reference as r;
+use tierzero_gpu::unit::DevBuf;
 use tierzero_gpu::Result;
 
 use super::{data, poisoned, typed, Report};
@@ -144,5 +147,48 @@ pub(super) fn check_collective(dev: &Arc<Device>, rep: &mut Report) -> Result<()
         one_rank::<bf16>(dev, &comm, &downloads, rep, Wire::Bf16, with_acc)?;
     }
     one_rank::<f16>(dev, &comm, &downloads, rep, Wire::F16, true)?;
+    let uploads = Uploads::new(dev.clone(), 64 << 20)?;
+    for n in [1usize, 4099] {
+        gather_one_rank(dev, &comm, &uploads, rep, n)?;
+    }
+    Ok(())
+}
+
+/// One rank's gather of a param of `n` elements, fp32 and bf16: the shard
+/// (the whole, with one rank) uploaded into its range, the exchange's
+/// event waited for with a deadline, the buffer the compute gets has the
+/// shard's bits.
+fn gather_one_rank(
+    dev: &Arc<Device>,
+    comm: &DeviceComm,
+    uploads: &Uploads,
+    rep: &mut Report,
+    n: usize,
+) -> Result<()> {
+    let v = data(n, 131);
+    let deadline = std::time::Duration::from_secs(60);
+    let up = uploads.start_shard("param shard", &v, 0, n)?;
+    let (up, _) = comm.gather(dev, up, &[n])?;
+    let ok_flag = up.is_gathered();
+    let got = match uploads.finish(comm.wait_gathered(up, deadline)?)? {
+        DevBuf::F32(b) => dev.download(&b)?,
+        _ => Vec::new(),
+    };
+    same_bits(rep, "gather.one_rank_f32", &n.to_string(), &got, &v);
+    let h: Vec<bf16> = typed(&v);
+    let up = uploads.start_shard_bf16("param shard", &h, 0, n)?;
+    let (up, _) = comm.gather(dev, up, &[n])?;
+    let got: Vec<f32> = match uploads.finish(comm.wait_gathered(up, deadline)?)? {
+        DevBuf::Bf16(b) => dev.download(&b)?.iter().map(|x| x.to_f32()).collect(),
+        _ => Vec::new(),
+    };
+    let want: Vec<f32> = h.iter().map(|x| x.to_f32()).collect();
+    same_bits(rep, "gather.one_rank_bf16", &n.to_string(), &got, &want);
+    rep.check(
+        "gather.event",
+        &n.to_string(),
+        ok_flag,
+        "the upload carries the exchange's event",
+    );
     Ok(())
 }
