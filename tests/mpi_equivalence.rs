@@ -83,6 +83,8 @@ struct Out {
     /// Of those, units' gradients reduce-scattered on the (simulated)
     /// device.
     device_reduces: u64,
+    /// Params gathered on the (simulated) device.
+    device_gathers: u64,
     /// Seconds the device's collectives were busy, every step.
     collective_busy_s: f64,
     /// On the simulated tier, the timeline's steps 2 and 3: each unit's
@@ -111,11 +113,12 @@ enum Compute {
     /// host goes on.
     SimTier,
     /// [`Compute::SimTier`], its device with collectives of its own (as
-    /// NCCL gives a GPU): gradients reduce-scattered on the device, only
-    /// this rank's sums brought down. No compute delay.
+    /// NCCL gives a GPU): params gathered on the device from this rank's
+    /// shards, gradients reduce-scattered there, only this rank's sums
+    /// brought down. No compute delay.
     SimReduce,
-    /// [`Compute::SimTier`] with no compute delay: the gradients
-    /// reduce-scattered on the host.
+    /// [`Compute::SimTier`] with no compute delay: the params gathered
+    /// and the gradients reduce-scattered on the host.
     SimHost,
 }
 
@@ -255,7 +258,8 @@ fn train_on(
         d2h_bytes,
         param_gathers,
         grad_reduces,
-        device_reduces: probe.map_or(0, |p| p.reduces()),
+        device_reduces: probe.as_ref().map_or(0, |p| p.reduces()),
+        device_gathers: probe.as_ref().map_or(0, |p| p.gathers()),
         collective_busy_s,
         file_bytes: usage.file_bytes,
         opt_buffers_bytes: usage.optimizer_buffers_bytes,
@@ -345,6 +349,7 @@ fn out_to_json(o: &Out) -> Value {
         "param_gathers": o.param_gathers,
         "grad_reduces": o.grad_reduces,
         "device_reduces": o.device_reduces,
+        "device_gathers": o.device_gathers,
         "collective_busy_s": o.collective_busy_s,
         "file_bytes": o.file_bytes,
         "opt_buffers_bytes": o.opt_buffers_bytes,
@@ -371,6 +376,7 @@ fn out_from_json(v: &Value) -> Out {
         param_gathers: v["param_gathers"].as_u64().unwrap(),
         grad_reduces: v["grad_reduces"].as_u64().unwrap(),
         device_reduces: v["device_reduces"].as_u64().unwrap(),
+        device_gathers: v["device_gathers"].as_u64().unwrap(),
         collective_busy_s: v["collective_busy_s"].as_f64().unwrap(),
         file_bytes: v["file_bytes"].as_u64().unwrap(),
         opt_buffers_bytes: v["opt_buffers_bytes"].as_u64().unwrap(),
@@ -761,10 +767,11 @@ fn the_device_tier_on_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
 }
 
 #[test]
-fn gradients_reduce_scattered_on_the_device_match_one_rank_in_memory_bit_for_bit() {
+fn collectives_on_the_device_match_one_rank_in_memory_bit_for_bit() {
     // Issue 23 item 4, by the simulation: each rank's device has
     // collectives of its own (NCCL on a GPU; here the ranks' MPI
-    // all-to-all on its host-memory buffers), so a block's gradients stay
+    // collectives on its host-memory buffers). Each param crosses as this
+    // rank's shard and is gathered on the device. A block's gradients stay
     // on the device at its backward's end, are reduce-scattered there
     // (this rank's chunks added onto its running sums in rank order) and
     // only this rank's sums come down. Tied embeddings: the head's and
@@ -776,7 +783,7 @@ fn gradients_reduce_scattered_on_the_device_match_one_rank_in_memory_bit_for_bit
     }
 }
 
-/// [`gradients_reduce_scattered_on_the_device_match_one_rank_in_memory_bit_for_bit`]
+/// [`collectives_on_the_device_match_one_rank_in_memory_bit_for_bit`]
 /// in `precision`, whose gradients cross as `grad_bytes` an element.
 fn reduce_on_the_device_case(precision: &'static str, grad_bytes: u64) {
     let (tag, steps, gas) = (format!("s3-sim-reduce-{precision}"), 4u64, 2u64);
@@ -807,14 +814,17 @@ fn reduce_on_the_device_case(precision: &'static str, grad_bytes: u64) {
         4 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * inner + inner) + (inner * h + h);
     for (r, (d, o)) in device.iter().zip(&host).enumerate() {
         println!(
-            "{precision}, rank {r}: gradients reduced on the device: d2h {} B, h2d {} B; on the \
-             host: d2h {} B, h2d {} B; {} units reduced on the device, its collectives busy \
-             {:.3} s",
+            "{precision}, rank {r}: collectives on the device: d2h {} B, h2d {} B; on the \
+             host: d2h {} B, h2d {} B; {} units reduced and {} params gathered on the device \
+             ({} host gathers; on the host path {}), its collectives busy {:.3} s",
             d.d2h_bytes,
             d.h2d_bytes,
             o.d2h_bytes,
             o.h2d_bytes,
             d.device_reduces,
+            d.device_gathers,
+            d.param_gathers,
+            o.param_gathers,
             d.collective_busy_s
         );
         assert_eq!(
@@ -844,11 +854,38 @@ fn reduce_on_the_device_case(precision: &'static str, grad_bytes: u64) {
             block_reduces * block_numel * (grad_bytes - 4 / 2),
             "rank {r}: d2h saved"
         );
-        // ... and the second micro-batch's running sums go up.
+        // Up: the params gathered on the device, this rank's half of
+        // each crossing (every count even), less the second micro-batch's
+        // running sums, which go up (fp32, this rank's half of a block's).
+        // With no cache, a micro-batch's params cross once a pass: the
+        // embedding's (wte, wpe) and the blocks' in forward and in
+        // backward, the tied head's (ln_f, wte) once (its forward and
+        // backward run together).
+        let (vocab, positions) = (256u64, 32u64);
+        let embedding = (vocab + positions) * h;
+        let head = 2 * h + vocab * h;
+        let params_numel = gas * steps * (2 * (embedding + 2 * block_numel) + head);
+        let sums_bytes = 2 * steps * block_numel * 4 / 2;
         assert_eq!(
-            d.h2d_bytes - o.h2d_bytes,
-            2 * steps * block_numel * 4 / 2,
-            "rank {r}: h2d of the running sums"
+            o.h2d_bytes - d.h2d_bytes,
+            params_numel * grad_bytes / 2 - sums_bytes,
+            "rank {r}: h2d saved"
+        );
+        // Every param uploaded was gathered on the device, none on the
+        // host: 2 + 2 x 12 params in each pass, the head's 3 once.
+        assert_eq!(
+            d.device_gathers,
+            gas * steps * (2 * (2 + 2 * 12) + 3),
+            "rank {r}: params gathered on the device"
+        );
+        assert_eq!(d.param_gathers, 0, "rank {r}: a gather on the host");
+        assert!(
+            o.param_gathers > 0,
+            "rank {r}: the host path gathered nothing"
+        );
+        assert_eq!(
+            o.device_gathers, 0,
+            "rank {r}: the host path gathered on the device"
         );
     }
 }

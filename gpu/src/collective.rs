@@ -285,6 +285,11 @@ impl DeviceComm {
         &self.stream
     }
 
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
     /// The ranks.
     pub fn world(&self) -> usize {
         self.world

@@ -50,8 +50,9 @@ pub(super) fn cuda_units(
     // The device tier: params staged a unit ahead on the copy stream,
     // kept between uses within `tierzero.device_cache_bytes`.
     let dev = std::sync::Arc::new(dev);
-    // With several ranks, the gradients are reduce-scattered on the GPUs
-    // (NCCL on their buffers), each rank's sums alone coming down.
+    // With several ranks, the params are gathered and the gradients
+    // reduce-scattered on the GPUs (NCCL on their buffers): each rank's
+    // shards alone go up, its sums alone come down.
     let timeout = comm_timeout()?;
     let collectives = if world > 1 {
         tierzero::engine::device::cuda::device_collectives(&dev, comm, timeout)
@@ -168,7 +169,8 @@ pub(super) fn sim_units(
     })
     .map_err(|e| Failure::Internal(anyhow!("--device sim: {e}")))?
     // Collectives of its own over the ranks', as NCCL gives a GPU: with
-    // several ranks the gradients are reduce-scattered on the device.
+    // several ranks the params are gathered and the gradients
+    // reduce-scattered on the device.
     .with_collectives(comm);
     on_link("--device sim", dev, cfg, model, world)
 }

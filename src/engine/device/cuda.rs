@@ -81,10 +81,12 @@ impl CudaLink {
     }
 
     /// The link with the ranks' collectives on this GPU's buffers
-    /// (`comm`, built on its device): with more than one rank, a unit's
-    /// gradients are reduce-scattered on the GPU and only this rank's
-    /// sums come down ([`DeviceLink::reduce_grads`]), each waited for at
-    /// most `timeout` (past it a rank has died or hangs).
+    /// (`comm`, built on its device): with more than one rank, each param
+    /// crosses as this rank's shard and is gathered on the GPU
+    /// ([`DeviceLink::gather_param`]), and a unit's gradients are
+    /// reduce-scattered on the GPU and only this rank's sums come down
+    /// ([`DeviceLink::reduce_grads`]); each waited for at most `timeout`
+    /// (past it a rank has died or hangs).
     pub fn with_collectives(mut self, comm: DeviceComm, timeout: std::time::Duration) -> Self {
         self.collective = Some((comm, timeout));
         self
@@ -213,7 +215,8 @@ impl DeviceLink for CudaLink {
         let b = d.budget();
         let reduce = match &self.collective {
             Some((c, _)) if c.world() > 1 => format!(
-                "; gradients reduce-scattered on the GPU among {} ranks (NCCL)",
+                "; params gathered and gradients reduce-scattered on the GPU among {} ranks \
+                 (NCCL)",
                 c.world()
             ),
             _ => String::new(),
@@ -274,6 +277,15 @@ impl DeviceLink for CudaLink {
     }
 
     fn finish(&self, upload: PendingUpload) -> Result<DevBuf, ModelError> {
+        // A gathered param's event is NCCL's: waited for with a deadline
+        // (a dead peer never completes it), then the compute ordered
+        // after it.
+        let upload = if upload.is_gathered() {
+            let (comm, timeout) = self.collective("a param's gather")?;
+            comm.wait_gathered(upload, *timeout).map_err(gpu_err)?
+        } else {
+            upload
+        };
         self.uploads.finish(upload).map_err(gpu_err)
     }
 
@@ -334,6 +346,39 @@ impl DeviceLink for CudaLink {
         }
         let reduced = comm.wait(reduced, *timeout).map_err(gpu_err)?;
         self.downloads.start_reduced(what, reduced).map_err(gpu_err)
+    }
+
+    fn gather_param(
+        &self,
+        what: &str,
+        shard: HostElems<'_>,
+        counts: &[usize],
+    ) -> Result<PendingUpload, ModelError> {
+        let (comm, _) = self.collective(what)?;
+        let rank = comm.rank();
+        let offset: usize = counts.iter().take(rank).sum();
+        let numel: usize = counts.iter().sum();
+        if counts.len() != comm.world() || counts[rank] != shard.len() {
+            return Err(ModelError::Gpu {
+                what: format!(
+                    "{what}: a shard of {} elements on rank {rank} cut as {counts:?}",
+                    shard.len()
+                ),
+            });
+        }
+        let up = match shard {
+            HostElems::F32(v) => self.uploads.start_shard(what, v, offset, numel),
+            HostElems::Bf16(v) => self.uploads.start_shard_bf16(what, v, offset, numel),
+            HostElems::F16(v) => self.uploads.start_shard_f16(what, v, offset, numel),
+        }
+        .map_err(gpu_err)?;
+        let (up, began) = comm.gather(self.device(), up, counts).map_err(gpu_err)?;
+        if let Some(b) = began {
+            if let Ok(span) = EventClock::span(comm.stream(), what.to_owned(), b) {
+                let _ = self.collective_spans.push(span);
+            }
+        }
+        Ok(up)
     }
 
     fn finish_download(&self, d: PendingDownload) -> Result<HostVec, ModelError> {

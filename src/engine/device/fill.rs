@@ -75,6 +75,15 @@ pub struct Queued<U> {
 }
 
 impl<U> Queued<U> {
+    /// An upload issued already, on another thread (a param gathered on
+    /// the device is issued on the engine's).
+    pub fn issued(u: U) -> Self {
+        let (reply, rx) = crossbeam_channel::bounded(1);
+        // The receiver is alive and the channel empty: this cannot fail.
+        let _ = reply.send(Ok(u));
+        Queued { rx }
+    }
+
     /// Whether the filler has answered: [`Queued::wait`] would not block.
     pub fn is_ready(&self) -> bool {
         !self.rx.is_empty()

@@ -87,7 +87,8 @@
 //! next unit's fill. One thread, one queue, so the copies keep the order
 //! the tier asked for; the engine waits for a fill only when it takes
 //! the param. A unit's inputs and a param uploaded as its unit is taken
-//! are issued on the engine's thread: they are for use at once.
+//! are issued on the engine's thread: they are for use at once. So are
+//! the params gathered on the device (below): they are collectives.
 //!
 //! # Buffers in flight
 //!
@@ -208,6 +209,36 @@
 //! chunks added onto its running sums in rank order, the host's order),
 //! so only this rank's sums cross (`grads_out.rs`). A unit with a tied
 //! param still comes down whole: that param's sum spans two units.
+//!
+//! # Params gathered on the device
+//!
+//! With several ranks on such a link, the params are gathered there too.
+//! The param store hands out each param as this rank's shard
+//! ([`crate::engine::params::store::ParamStore::hand_out_shards`], once
+//! the compute says it gathers:
+//! [`crate::model::exec_units::UnitCompute::gathers_params`]), so the
+//! host gathers nothing. Where the tier would upload a param, it issues
+//! [`DeviceLink::gather_param`] instead: the shard crosses into its
+//! range of a new device buffer of the whole param, and the device's
+//! collective fills the other ranks' ranges (NCCL's send and receive on
+//! a GPU, after the shard's copy, on the collectives' stream; the
+//! compute stream waits for it, and the host for nothing). 1/N of each
+//! param crosses the host's link; no host collective stages it. Its size
+//! on the device, in the budget and the windows, is the whole param's
+//! (the model's count, in the shard's dtype).
+//!
+//! A gather is a collective, so every rank must issue them in the same
+//! order, and in the same order relative to the gradients' reduces. So
+//! they are issued on the engine's thread, where the tier decides them
+//! (a stage, a load, a param taken that was not staged), never on the
+//! upload thread, whose queue would interleave them with the reduces by
+//! timing. The tier's decisions are its own counts' (the budget, the
+//! windows, the cache), the same on every rank. A unit launched ahead
+//! takes only params already on the device, so it issues none. The
+//! fill of a shard's staging buffer is then the engine thread's, 1/N of
+//! the param's. On a GPU, taking a gathered param waits, with the
+//! communicator's deadline, for the exchange to be done (a dead peer
+//! would never complete it), then orders the compute after it.
 //!
 //! # A unit's inputs
 //!
@@ -442,6 +473,28 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
         acc: Option<&[f32]>,
     ) -> Result<Self::Download, ModelError> {
         let _ = (packed, acc);
+        Err(ModelError::Gpu {
+            what: format!("{what}: this device has no collectives of its own"),
+        })
+    }
+    /// Several ranks ([`DeviceLink::reduce_ranks`] > 1): starts a param's
+    /// upload from `shard`, this rank's `counts[rank]` elements of it
+    /// (`counts[r]` for rank `r`, the ranges in rank order, as
+    /// `crate::engine::layout::shard_counts` cuts it), into its range of
+    /// a new device buffer of the whole param, then gathers every other
+    /// rank's range from that rank there, on the device: 1/N of the param
+    /// crosses the host's link, and NCCL moves the rest between the
+    /// devices. The same bytes as a gather on the host. Its
+    /// [`DeviceLink::finish`] orders the compute after the gather. A
+    /// collective: every rank calls it for the same params in the same
+    /// order, from one thread.
+    fn gather_param(
+        &self,
+        what: &str,
+        shard: HostElems<'_>,
+        counts: &[usize],
+    ) -> Result<Self::Upload, ModelError> {
+        let _ = (shard, counts);
         Err(ModelError::Gpu {
             what: format!("{what}: this device has no collectives of its own"),
         })

@@ -61,6 +61,8 @@ use crate::engine::comm::Comm;
 use crate::model::exec_units::{DeviceQueue, DeviceSpan, HostElems, HostVec};
 use crate::model::ModelError;
 
+mod gather;
+
 /// How the simulated device behaves.
 #[derive(Debug, Clone)]
 pub struct SimConfig {
@@ -212,6 +214,8 @@ struct Shared {
     downloads: AtomicU64,
     /// Reduce-scatters of gradients on the device.
     reduces: AtomicU64,
+    /// Params gathered on the device.
+    gathers: AtomicU64,
     spans: Mutex<Vec<DeviceSpan>>,
     /// With a `compute_delay`: when the units launched so far are done
     /// computing, on the device's own clock.
@@ -324,6 +328,11 @@ impl SimProbe {
     /// Units' gradients reduce-scattered on the device.
     pub fn reduces(&self) -> u64 {
         self.shared.reduces.load(Ordering::Relaxed)
+    }
+
+    /// Params gathered on the device.
+    pub fn gathers(&self) -> u64 {
+        self.shared.gathers.load(Ordering::Relaxed)
     }
 }
 
@@ -512,10 +521,14 @@ impl SimDevice {
 
     /// The device with collectives of its own among `comm`'s ranks, as
     /// NCCL gives a GPU: with more than one rank it reduce-scatters the
-    /// gradients on the device ([`DeviceLink::reduce_grads`]). Its memory
-    /// is host memory, so its all-to-all is `comm`'s own
+    /// gradients on the device ([`DeviceLink::reduce_grads`]) and
+    /// gathers the params there ([`DeviceLink::gather_param`]). Its
+    /// memory is host memory, so its all-to-all is `comm`'s own
     /// ([`Comm::reduce_scatter_add_f32`], the same additions in the same
     /// order as on a GPU); only this rank's sums cross its copy queue out.
+    /// Its gather is `comm`'s all-gather of the shards' bytes, the whole
+    /// param then crossing its copy queue (the tier counts the shard's
+    /// bytes, what crosses a GPU's link).
     pub fn with_collectives(mut self, comm: Arc<dyn Comm>) -> Self {
         self.comm = Some(comm);
         self
@@ -715,7 +728,7 @@ impl DeviceLink for SimDevice {
             )
         };
         let reduce = if self.reduce_ranks() > 1 {
-            "; gradients reduce-scattered on the device"
+            "; params gathered and gradients reduce-scattered on the device"
         } else {
             ""
         };
@@ -871,6 +884,32 @@ impl DeviceLink for SimDevice {
         });
         self.shared.reduces.fetch_add(1, Ordering::Relaxed);
         self.send_down(what, sums, Wire::F32, false)
+    }
+
+    fn gather_param(
+        &self,
+        what: &str,
+        shard: HostElems<'_>,
+        counts: &[usize],
+    ) -> Result<SimUpload, ModelError> {
+        let comm = self.comm.clone().ok_or_else(|| ModelError::Gpu {
+            what: format!("{what}: the simulated device has no collectives"),
+        })?;
+        // Its memory is host memory: the ranks' shards meet through
+        // `comm` (bytes only, as NCCL's exchange), then the whole param
+        // crosses its copy queue as one upload.
+        let start = Instant::now();
+        let whole = gather::shards(&*comm, shard, counts).map_err(|e| ModelError::Gpu {
+            what: format!("{what}: {e}"),
+        })?;
+        self.shared.push_span(DeviceSpan {
+            queue: DeviceQueue::Collective,
+            name: what.to_owned(),
+            start,
+            end: Instant::now(),
+        });
+        self.shared.gathers.fetch_add(1, Ordering::Relaxed);
+        self.upload(what, whole.elems())
     }
 
     fn finish_download(&self, d: SimDownload) -> Result<HostVec, ModelError> {

@@ -12,6 +12,8 @@ use super::fill::{Fill, Filler, Queued};
 use super::grads_out::GradsOut;
 use super::inputs::{numel_of, output_numel, Inputs};
 use super::{DeviceLink, ELEM_BYTES};
+
+mod gather;
 use crate::model::exec_units::{
     self, DeviceMemoryPlan, DeviceMemoryRow, DeviceSpan, DeviceTraffic, HomePins, UnitCompute,
 };
@@ -495,7 +497,7 @@ impl<L: DeviceLink> TieredUnits<L> {
         let mut st = self.lock();
         let mut bufs = Vec::with_capacity(ids.len());
         for (k, (&id, host)) in ids.iter().zip(params).enumerate() {
-            match self.take_one(&mut st, unit, id, host) {
+            match self.take_one(&mut st, model, unit, id, host) {
                 Ok(b) => bufs.push(b),
                 Err(e) => {
                     // Give back what was taken: nothing is left in use.
@@ -513,6 +515,7 @@ impl<L: DeviceLink> TieredUnits<L> {
     fn take_one(
         &self,
         st: &mut State<Queued<L::Upload>, L::Buf>,
+        model: &Model,
         unit: UnitId,
         id: ParamId,
         host: &Tensor,
@@ -536,7 +539,7 @@ impl<L: DeviceLink> TieredUnits<L> {
             };
         }
         let t = Instant::now();
-        let (u, size) = self.upload_now(st, unit, id, host)?;
+        let (u, size) = self.upload_now(st, model, unit, id, host)?;
         st.apply(id, TierEvent::Loaded(size))?;
         let b = self.link.finish(u);
         st.traffic.h2d_wait_s += t.elapsed().as_secs_f64();
@@ -551,11 +554,15 @@ impl<L: DeviceLink> TieredUnits<L> {
     fn upload_now(
         &self,
         st: &mut State<Queued<L::Upload>, L::Buf>,
+        model: &Model,
         unit: UnitId,
         id: ParamId,
         host: &Tensor,
     ) -> Result<(L::Upload, ParamSize), ModelError> {
-        let size = self.admit(st, unit, id, host)?;
+        let size = self.admit(st, unit, id, self.size_of(model, id, host)?)?;
+        if self.gathers() {
+            return Ok((self.gather_now(st, id, host, size)?, size));
+        }
         let (u, up_bytes) = exec_units::with_host_elems(host, |v| {
             Ok((self.link.upload(&format!("param {}", id.0), v)?, v.bytes()))
         })?;
@@ -572,9 +579,8 @@ impl<L: DeviceLink> TieredUnits<L> {
         st: &mut State<Queued<L::Upload>, L::Buf>,
         unit: UnitId,
         id: ParamId,
-        host: &Tensor,
+        size: ParamSize,
     ) -> Result<ParamSize, ModelError> {
-        let size = ParamSize::of(host);
         let bytes = size.bytes;
         self.make_room(st, bytes)?;
         let budget = self.link.budget_bytes();
@@ -716,6 +722,10 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
         true
     }
 
+    fn gathers_params(&self) -> bool {
+        self.gathers()
+    }
+
     fn host_registrar(&self) -> Option<Arc<dyn tierzero_swap::HostRegistrar>> {
         self.link.host_registrar()
     }
@@ -739,7 +749,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
             if st.params.contains_key(&id) {
                 continue;
             }
-            let size = ParamSize::of(host);
+            let size = self.size_of(model, id, host)?;
             let numel = size.numel;
             let ahead = st.ahead_numel();
             let window = ahead == 0 || ahead + numel <= self.limits.prefetch_numel;
@@ -748,6 +758,12 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
             if !(window && live && fits) {
                 // The rest uploads when its unit runs.
                 break;
+            }
+            if self.gathers() {
+                let u = self.gather_now(&mut st, id, host, size)?;
+                st.apply(id, TierEvent::Staged(Queued::issued(u), size))?;
+                st.peaks.live_numel_at_stage = st.peaks.live_numel_at_stage.max(st.live_numel());
+                continue;
             }
             let (slot, q) = self.fill.slot();
             st.apply(id, TierEvent::Staged(q, size))?;
@@ -788,13 +804,28 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
                 Some(_) => continue,
                 None => {}
             }
-            let size = match self.admit(&mut st, unit, id, host) {
+            let size = match self
+                .size_of(model, id, host)
+                .and_then(|size| self.admit(&mut st, unit, id, size))
+            {
                 Ok(n) => n,
                 Err(e) => {
                     admitted = Err(e);
                     break;
                 }
             };
+            if self.gathers() {
+                match self.gather_now(&mut st, id, host, size) {
+                    Ok(u) => {
+                        st.apply(id, TierEvent::Loading(Queued::issued(u), size))?;
+                    }
+                    Err(e) => {
+                        admitted = Err(e);
+                        break;
+                    }
+                }
+                continue;
+            }
             let (slot, q) = self.fill.slot();
             st.apply(id, TierEvent::Loading(q, size))?;
             st.traffic.h2d_bytes += exec_units::host_elems_bytes(host);

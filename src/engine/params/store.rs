@@ -106,6 +106,14 @@
 //! of the unit's in one collective. With one rank the gather is a copy
 //! and tensors are built at once, as before.
 //!
+//! A compute that gathers the params on its device (NCCL between the
+//! GPUs) wants the shards, not the whole: after
+//! [`ParamStore::hand_out_shards`], `fetch_many` builds each staged
+//! param's tensor from this rank's shard alone, 1-D, with no collective,
+//! and the compute's own gather (issued in unit order from the engine's
+//! thread) makes the whole on the device. Residency and its counts are
+//! unchanged: a resident shard stands for its param.
+//!
 //! # Write-after-read and read-after-write
 //!
 //! After the optimizer step, new bytes are written to the param's home.
@@ -367,6 +375,10 @@ pub struct ParamStore {
     /// [`StoreCounters::param_gathers`], counted where the store gathers
     /// through `&self`.
     gathers: std::sync::atomic::AtomicU64,
+    /// Several ranks, computed on a device that gathers the params itself
+    /// ([`ParamStore::hand_out_shards`]): a fetch builds each param's
+    /// tensor from this rank's shard alone.
+    shards_out: bool,
     /// Reads landed into a kept swap buffer so far (orders [`Kept`]).
     landed_seq: u64,
 }
@@ -502,6 +514,7 @@ impl ParamStore {
             resident_bytes: 0,
             counters: StoreCounters::default(),
             gathers: std::sync::atomic::AtomicU64::new(0),
+            shards_out: false,
             landed_seq: 0,
         })
     }
@@ -614,6 +627,20 @@ impl ParamStore {
         self.nvme
             .as_ref()
             .map_or(0.0, |n| n.engine.stats().busy_s.iter().sum())
+    }
+
+    /// Several ranks, for a compute that gathers the params where it
+    /// computes (`crate::model::exec_units::UnitCompute::gathers_params`):
+    /// from now on [`ParamStore::fetch_many`] gathers nothing and gives
+    /// each param as this rank's shard, a 1-D tensor of its elements (see
+    /// "Several ranks" in the module docs). One rank: nothing changes.
+    pub fn hand_out_shards(&mut self) {
+        self.shards_out = self.defer_gather();
+    }
+
+    /// Whether [`ParamStore::fetch_many`] gives shards.
+    pub fn hands_out_shards(&self) -> bool {
+        self.shards_out
     }
 
     /// The storage dtype.

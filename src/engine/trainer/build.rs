@@ -713,6 +713,10 @@ impl Trainer {
             arenas: Vec::new(),
         };
         let mut store = tiers.store(&model, &layout, param_dtype)?;
+        // A compute that gathers the params on its device wants shards.
+        if !opts.skip_compute && opts.compute.as_ref().is_some_and(|c| c.gathers_params()) {
+            store.hand_out_shards();
+        }
         let mut opt = tiers.optimizer(&layout)?;
         let park = tiers.park(&layout)?;
         let (swap_spaces, arenas) = (tiers.swap_spaces, tiers.arenas);

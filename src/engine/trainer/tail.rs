@@ -3,7 +3,10 @@ use crate::engine::Tier;
 
 impl Trainer {
     /// Fetches the params of `unit` (declared order), after issuing the
-    /// prefetcher's prefetches.
+    /// prefetcher's prefetches. With several ranks and a compute that
+    /// gathers the params on its device
+    /// ([`crate::model::exec_units::UnitCompute::gathers_params`]), each
+    /// is this rank's shard (1-D), for that compute to gather.
     pub fn fetch_unit(&mut self, unit: UnitId) -> Result<Vec<Tensor>> {
         self.check_usable()?;
         let r = self.fetch_unit_inner(unit);

@@ -111,6 +111,16 @@ pub trait UnitCompute: Send + Sync + std::fmt::Debug {
     fn stages(&self) -> bool {
         false
     }
+    /// Several ranks: whether it gathers the params where it computes (a
+    /// device's collectives): the engine then hands it, in
+    /// [`UnitCompute::stage`], [`UnitCompute::load`] and the calls, each
+    /// param as this rank's shard (a 1-D tensor of its elements,
+    /// `crate::engine::layout::shard_counts`'s cut) instead of the whole,
+    /// and it gathers them in the order it is handed them (the same on
+    /// every rank).
+    fn gathers_params(&self) -> bool {
+        false
+    }
     /// Starts moving `unit`'s params (host copies, declared order) to
     /// where it computes, ahead of its call. The call then gets the same
     /// `params`. `pins` (declared order too, or empty) are the params'
@@ -463,8 +473,9 @@ pub fn llama_dims(c: &ModelConfig, (batch, seq): (usize, usize)) -> LlamaDims {
 }
 
 /// The model is one the units implement, and `p` (on the executor) and
-/// `params` (their host copies) are the unit's params: as many as it
-/// declares, each of its host copy's length.
+/// `params` (their host copies, or this rank's shards of them) are the
+/// unit's params: as many as it declares, each on the executor of the
+/// model's length.
 fn check<E: Exec>(
     e: &E,
     model: &Model,
@@ -485,13 +496,16 @@ fn check<E: Exec>(
             });
         }
     }
-    for (i, (host, dev)) in params.iter().zip(p).enumerate() {
-        if host.elem_count() != e.len(dev) {
+    // Against the model's own count: with several ranks a compute that
+    // gathers on its device is handed this rank's shards
+    // (`UnitCompute::gathers_params`), and the executor holds the whole.
+    for (i, (&id, dev)) in spec.params.iter().zip(p).enumerate() {
+        let numel = model.params().get(id.0).map_or(0, |d| d.numel);
+        if numel != e.len(dev) {
             return Err(ModelError::BadInput {
                 unit,
                 reason: format!(
-                    "param {i} has {} elements on the host and {} on the executor",
-                    host.elem_count(),
+                    "param {i} has {numel} elements in the model and {} on the executor",
                     e.len(dev)
                 ),
             });
@@ -875,9 +889,16 @@ pub(crate) fn backward_dev<E: Exec>(
     let grads = spec
         .params
         .iter()
-        .zip(params)
         .zip(grads)
-        .map(|((id, p), g)| (*id, g, p.dims().to_vec()))
+        .map(|(id, g)| {
+            // The model's shape: the host tensor may be a shard
+            // (`UnitCompute::gathers_params`).
+            let shape = model
+                .params()
+                .get(id.0)
+                .map_or_else(Vec::new, |d| d.shape.clone());
+            (*id, g, shape)
+        })
         .collect();
     Ok(BackwardDev {
         grads,

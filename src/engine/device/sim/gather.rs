@@ -1,0 +1,140 @@
+//! The simulated device's gather of a param ([`super::SimDevice`]'s
+//! `DeviceLink::gather_param`): its memory is host memory, so the ranks'
+//! shards meet through the ranks' own collective, bytes only, as NCCL's
+//! exchange moves them.
+
+use crate::engine::comm::Comm;
+use crate::model::exec_units::{HostElems, HostVec};
+
+/// Every rank's shard of a param, in rank order: `shard` is this rank's
+/// `counts[rank]` elements (`counts[r]` of rank `r`), all-gathered as
+/// little-endian bytes through `comm` and read back in `shard`'s dtype.
+/// The same bits as a gather on the host.
+pub(super) fn shards(
+    comm: &dyn Comm,
+    shard: HostElems<'_>,
+    counts: &[usize],
+) -> Result<HostVec, String> {
+    let (elem_bytes, mine): (usize, Vec<u8>) = match shard {
+        HostElems::F32(v) => (4, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        HostElems::Bf16(v) => (2, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        HostElems::F16(v) => (2, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+    };
+    let counts_bytes: Vec<usize> = counts.iter().map(|c| c * elem_bytes).collect();
+    if counts.len() != comm.world_size() || counts_bytes.get(comm.rank()) != Some(&mine.len()) {
+        return Err(format!(
+            "a shard of {} elements on rank {} of {}, cut as {counts:?}",
+            shard.len(),
+            comm.rank(),
+            comm.world_size()
+        ));
+    }
+    let mut all = vec![0u8; counts_bytes.iter().sum()];
+    comm.all_gather_bytes(&mine, &counts_bytes, &mut all)
+        .map_err(|e| e.to_string())?;
+    Ok(match shard {
+        HostElems::F32(_) => HostVec::F32(
+            all.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        ),
+        HostElems::Bf16(_) => HostVec::Bf16(
+            all.chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]))
+                .collect(),
+        ),
+        HostElems::F16(_) => HostVec::F16(
+            all.chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]))
+                .collect(),
+        ),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::engine::EngineError;
+
+    /// Rank 1 of three whose peers' shards are bytes of their rank
+    /// (0x00 from rank 0, 0x02 from rank 2): the gather must put each in
+    /// its range, this rank's own between.
+    #[derive(Debug)]
+    struct RankOneOfThree;
+
+    impl Comm for RankOneOfThree {
+        fn rank(&self) -> usize {
+            1
+        }
+        fn world_size(&self) -> usize {
+            3
+        }
+        fn all_gather_bytes(
+            &self,
+            shard: &[u8],
+            counts: &[usize],
+            out: &mut [u8],
+        ) -> crate::engine::Result<()> {
+            crate::engine::comm::check_counts("all_gather", 1, counts, shard.len(), out.len())?;
+            let (a, b) = (counts[0], counts[0] + counts[1]);
+            out[..a].fill(0x00);
+            out[a..b].copy_from_slice(shard);
+            out[b..].fill(0x02);
+            Ok(())
+        }
+        fn reduce_scatter_add_f32(
+            &self,
+            _: &[f32],
+            _: &[usize],
+            _: &mut [f32],
+        ) -> crate::engine::Result<()> {
+            Err(EngineError::internal("not in this test"))
+        }
+        fn all_gather_f64(&self, _: &[f64], _: &mut [f64]) -> crate::engine::Result<()> {
+            Err(EngineError::internal("not in this test"))
+        }
+        fn barrier(&self) -> crate::engine::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn each_rank_s_shard_lands_in_its_range_in_its_dtype() {
+        // Uneven counts, as `shard_counts` cuts 7 elements for 3 ranks.
+        let counts = [3usize, 2, 2];
+        let mine = [1.5f32, -2.25];
+        let HostVec::F32(got) = shards(&RankOneOfThree, HostElems::F32(&mine), &counts).unwrap()
+        else {
+            panic!("not fp32")
+        };
+        let two = f32::from_le_bytes([2; 4]);
+        assert_eq!(
+            got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            [0.0, 0.0, 0.0, 1.5, -2.25, two, two]
+                .iter()
+                .map(|x| x.to_bits())
+                .collect::<Vec<_>>()
+        );
+        let mine16 = [half::bf16::from_f32(3.0), half::bf16::from_f32(-0.5)];
+        let HostVec::Bf16(got) =
+            shards(&RankOneOfThree, HostElems::Bf16(&mine16), &counts).unwrap()
+        else {
+            panic!("not bf16")
+        };
+        assert_eq!(got.len(), 7);
+        assert_eq!(&got[3..5], &mine16);
+        assert_eq!(got[5].to_bits(), 0x0202);
+    }
+
+    #[test]
+    fn a_shard_of_the_wrong_length_is_refused_with_the_counts() {
+        let e = shards(&RankOneOfThree, HostElems::F32(&[1.0; 3]), &[3, 2, 2]).unwrap_err();
+        assert!(
+            e.contains("3 elements on rank 1 of 3") && e.contains("[3, 2, 2]"),
+            "{e}"
+        );
+        let e = shards(&RankOneOfThree, HostElems::F32(&[1.0; 2]), &[3, 4]).unwrap_err();
+        assert!(e.contains("[3, 4]"), "{e}");
+    }
+}
