@@ -85,6 +85,12 @@ struct Out {
     device_reduces: u64,
     /// Params gathered on the (simulated) device.
     device_gathers: u64,
+    /// Of `h2d_bytes`, those that crossed from pinned host memory in
+    /// place, every step.
+    h2d_direct_bytes: u64,
+    /// The simulated device's violations (a buffer reused under a copy,
+    /// a pin of other bytes than the tier asked for).
+    device_violations: u64,
     /// Seconds the device's collectives were busy, every step.
     collective_busy_s: f64,
     /// On the simulated tier, the timeline's steps 2 and 3: each unit's
@@ -226,11 +232,13 @@ fn train_on(
     let timeline = opts.timeline.clone();
     let mut t = Trainer::new(&loaded.config, &md, corpus(), opts).unwrap();
     let (mut h2d_bytes, mut d2h_bytes, mut param_gathers, mut grad_reduces) = (0, 0, 0, 0);
+    let mut h2d_direct_bytes = 0;
     let mut collective_busy_s = 0f64;
     let losses = (0..steps)
         .map(|_| {
             let m = t.step().unwrap().metrics;
             h2d_bytes += m.h2d_bytes;
+            h2d_direct_bytes += m.h2d_direct_bytes;
             d2h_bytes += m.d2h_bytes;
             param_gathers += m.param_gathers;
             grad_reduces += m.grad_reduces;
@@ -260,6 +268,8 @@ fn train_on(
         grad_reduces,
         device_reduces: probe.as_ref().map_or(0, |p| p.reduces()),
         device_gathers: probe.as_ref().map_or(0, |p| p.gathers()),
+        device_violations: probe.as_ref().map_or(0, |p| p.violations()),
+        h2d_direct_bytes,
         collective_busy_s,
         file_bytes: usage.file_bytes,
         opt_buffers_bytes: usage.optimizer_buffers_bytes,
@@ -350,6 +360,8 @@ fn out_to_json(o: &Out) -> Value {
         "grad_reduces": o.grad_reduces,
         "device_reduces": o.device_reduces,
         "device_gathers": o.device_gathers,
+        "device_violations": o.device_violations,
+        "h2d_direct_bytes": o.h2d_direct_bytes,
         "collective_busy_s": o.collective_busy_s,
         "file_bytes": o.file_bytes,
         "opt_buffers_bytes": o.opt_buffers_bytes,
@@ -377,6 +389,8 @@ fn out_from_json(v: &Value) -> Out {
         grad_reduces: v["grad_reduces"].as_u64().unwrap(),
         device_reduces: v["device_reduces"].as_u64().unwrap(),
         device_gathers: v["device_gathers"].as_u64().unwrap(),
+        device_violations: v["device_violations"].as_u64().unwrap(),
+        h2d_direct_bytes: v["h2d_direct_bytes"].as_u64().unwrap(),
         collective_busy_s: v["collective_busy_s"].as_f64().unwrap(),
         file_bytes: v["file_bytes"].as_u64().unwrap(),
         opt_buffers_bytes: v["opt_buffers_bytes"].as_u64().unwrap(),
@@ -887,6 +901,49 @@ fn reduce_on_the_device_case(precision: &'static str, grad_bytes: u64) {
             o.device_gathers, 0,
             "rank {r}: the host path gathered on the device"
         );
+    }
+}
+
+#[test]
+fn shards_gathered_on_the_device_cross_from_their_pages_in_place() {
+    // Params on the cpu tier, two ranks, collectives on the (simulated)
+    // device: each rank's pages hold its shards, registered with the
+    // device, so a shard crosses from its page's range in place (the
+    // simulation gathers from the pin's own bytes and counts a pin of
+    // other bytes than the tier asked for) and is gathered there.
+    let (tag, steps) = ("s3-sim-pages-bf16", 4u64);
+    let knobs = Knobs {
+        stage: 3,
+        param: "cpu",
+        optim: "cpu",
+        precision: "bf16",
+        ..Knobs::default()
+    };
+    let (model, multi_cfg, reference) = two_rank_case(tag, &knobs, true, steps);
+    let device = run_ranks_on(2, &multi_cfg, &model, steps, Compute::SimReduce);
+    assert_bit_identical(
+        "bf16, cpu tier: shards gathered on the device from their pages",
+        &reference,
+        &device,
+    );
+    for (r, d) in device.iter().enumerate() {
+        println!(
+            "rank {r}: h2d {} B, {} B of it from the pages in place; {} params gathered on the \
+             device",
+            d.h2d_bytes, d.h2d_direct_bytes, d.device_gathers
+        );
+        assert!(
+            d.device_gathers > 0,
+            "rank {r}: nothing gathered on the device"
+        );
+        assert_eq!(d.param_gathers, 0, "rank {r}: a gather on the host");
+        assert!(
+            d.h2d_direct_bytes > 0 && d.h2d_direct_bytes < d.h2d_bytes,
+            "rank {r}: {} of {} B in place",
+            d.h2d_direct_bytes,
+            d.h2d_bytes
+        );
+        assert_eq!(d.device_violations, 0, "rank {r}: a pin of other bytes");
     }
 }
 

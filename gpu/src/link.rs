@@ -810,6 +810,88 @@ impl Uploads {
         })
     }
 
+    /// Starts copying `pin`'s bytes, this rank's shard of a param of
+    /// `numel` elements of `wire` at element `offset`, in host memory
+    /// registered with this device, straight into that range of a new
+    /// device buffer of `numel`: [`Uploads::start_pinned`]'s copy in
+    /// place (the pin travels with the copy) for
+    /// [`crate::collective::DeviceComm::gather`] to complete, as
+    /// [`Uploads::start_shard`] does through staging. A pin of no bytes
+    /// queues no copy.
+    pub fn start_shard_pinned(
+        &self,
+        what: &str,
+        pin: tierzero_swap::ReadPin,
+        wire: Wire,
+        offset: usize,
+        numel: usize,
+    ) -> Result<PendingUpload> {
+        let elem_bytes = if wire == Wire::F32 { 4 } else { 2 };
+        let len_bytes = pin.len_bytes();
+        let n = len_bytes / elem_bytes;
+        if !len_bytes.is_multiple_of(elem_bytes)
+            || numel == 0
+            || offset.checked_add(n).is_none_or(|end| end > numel)
+        {
+            return Err(crate::GpuError::Shape {
+                kernel: "shard upload".into(),
+                detail: format!(
+                    "{what}: {len_bytes} pinned bytes of {elem_bytes}-byte elements at {offset} \
+                     of a param of {numel}"
+                ),
+            });
+        }
+        let (crossed, event) = match wire {
+            Wire::F32 => {
+                let (d, ev) = self.shard_pinned_new::<f32>(what, pin, offset, numel)?;
+                (DevBuf::F32(d), ev)
+            }
+            Wire::Bf16 => {
+                let (d, ev) = self.shard_pinned_new::<bf16>(what, pin, offset, numel)?;
+                (DevBuf::Bf16(d), ev)
+            }
+            Wire::F16 => {
+                let (d, ev) = self.shard_pinned_new::<f16>(what, pin, offset, numel)?;
+                (DevBuf::F16(d), ev)
+            }
+        };
+        Ok(PendingUpload {
+            crossed,
+            staging: None,
+            event,
+            role: Role::Param,
+            gathered: false,
+        })
+    }
+
+    /// A new destination of `numel` elements and [`Uploads::copy_pinned`]
+    /// of `pin` into its range from `offset` (none for a pin of no
+    /// bytes: the event is recorded after the allocation).
+    fn shard_pinned_new<T: cudarc::driver::DeviceRepr>(
+        &self,
+        what: &str,
+        pin: tierzero_swap::ReadPin,
+        offset: usize,
+        numel: usize,
+    ) -> Result<(DeviceBuffer<T>, CudaEvent)> {
+        let mut dst = self.dst::<T>(what, numel)?;
+        let n = pin.len_bytes() / std::mem::size_of::<T>();
+        let event = if n == 0 {
+            drop(pin);
+            self.dev
+                .h2d
+                .record_event(None)
+                .map_err(driver("cuEventRecord"))?
+        } else {
+            self.copy_pinned(
+                what,
+                pin,
+                &mut dst.slice_mut().slice_mut(offset..offset + n),
+            )?
+        };
+        Ok((dst, event))
+    }
+
     /// A new destination of `numel` elements and [`Uploads::copy_pinned`]
     /// of `pin` into it.
     fn copy_pinned_new<T: cudarc::driver::DeviceRepr>(
@@ -826,13 +908,22 @@ impl Uploads {
     /// Queues the copy of `pin` into `dst` on the h2d stream and records
     /// two events after it: one goes to the reaper thread with the pin
     /// ([`spawn_reaper`]), the other is the caller's.
-    fn copy_pinned<T>(
+    fn copy_pinned<T, D: cudarc::driver::DevicePtrMut<T> + cudarc::driver::DeviceSlice<T>>(
         &self,
         what: &str,
         pin: tierzero_swap::ReadPin,
-        dst: &mut cudarc::driver::CudaSlice<T>,
+        dst: &mut D,
     ) -> Result<CudaEvent> {
-        use cudarc::driver::DevicePtrMut;
+        if dst.num_bytes() < pin.len_bytes() {
+            return Err(crate::GpuError::Driver {
+                call: "cuMemcpyHtoDAsync",
+                detail: format!(
+                    "{what}: {} bytes pinned into {} bytes on the device",
+                    pin.len_bytes(),
+                    dst.num_bytes()
+                ),
+            });
+        }
         self.dev
             .context()
             .bind_to_thread()
@@ -840,8 +931,9 @@ impl Uploads {
         let began = EventClock::mark(&self.dev.h2d)?;
         {
             let (dst_ptr, _written) = dst.device_ptr_mut(&self.dev.h2d);
-            // SAFETY: `dst` is a live allocation on this context of at
-            // least `pin.len_bytes()` bytes (`start_pinned` sized it); the
+            // SAFETY: `dst` is a live allocation on this context (or a
+            // range of one) of at least `pin.len_bytes()` bytes (checked
+            // above); the
             // source is registered host memory that nobody writes while
             // `pin` lives, and `pin` lives until an event recorded after
             // this copy on the same stream has completed (the reaper

@@ -190,5 +190,49 @@ fn gather_one_rank(
         ok_flag,
         "the upload carries the exchange's event",
     );
+    gather_pinned_one_rank(dev, comm, uploads, rep, &v)
+}
+
+/// One rank's gather of `v` with its shard copied in place from a page of
+/// a registered arena ([`Uploads::start_shard_pinned`]), the page written
+/// only after the pin (with the copy) is gone.
+fn gather_pinned_one_rank(
+    dev: &Arc<Device>,
+    comm: &DeviceComm,
+    uploads: &Uploads,
+    rep: &mut Report,
+    v: &[f32],
+) -> Result<()> {
+    use tierzero_swap::{ArenaConfig, PinnedArena, SharedBuffer};
+    let n = v.len();
+    let page_bytes = (n * 4).div_ceil(4096) * 4096;
+    let mut ac = ArenaConfig::new(page_bytes as u64, page_bytes as u64);
+    ac.registrar = Some(Arc::new(
+        tierzero_gpu::host_register::HostRegistration::new(dev.clone()),
+    ));
+    let mut page = match PinnedArena::new(ac).and_then(|a| a.try_acquire()) {
+        Ok(b) => b,
+        Err(e) => {
+            rep.check("gather.pinned", &n.to_string(), false, &e.to_string());
+            return Ok(());
+        }
+    };
+    for (dst, x) in page.as_mut_slice().chunks_exact_mut(4).zip(v) {
+        dst.copy_from_slice(&x.to_le_bytes());
+    }
+    let page = SharedBuffer::new(page);
+    let pin = page
+        .pin(0..n * 4)
+        .map_err(|e| tierzero_gpu::GpuError::Driver {
+            call: "pin",
+            detail: e.to_string(),
+        })?;
+    let up = uploads.start_shard_pinned("param shard in place", pin, Wire::F32, 0, n)?;
+    let (up, _) = comm.gather(dev, up, &[n])?;
+    let got = match uploads.finish(comm.wait_gathered(up, std::time::Duration::from_secs(60))?)? {
+        DevBuf::F32(b) => dev.download(&b)?,
+        _ => Vec::new(),
+    };
+    same_bits(rep, "gather.pinned_f32", &n.to_string(), &got, v);
     Ok(())
 }

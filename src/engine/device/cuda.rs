@@ -98,6 +98,37 @@ impl CudaLink {
         })
     }
 
+    /// A param gathered on the GPUs: this rank's shard of `shard_len`
+    /// elements (`counts[r]` of rank `r`) started into its range of the
+    /// whole by `start(offset, numel)`, then the exchange
+    /// ([`DeviceComm::gather`]), a span of the collectives' stream.
+    fn gathered(
+        &self,
+        what: &str,
+        shard_len: usize,
+        counts: &[usize],
+        start: impl FnOnce(usize, usize) -> tierzero_gpu::Result<PendingUpload>,
+    ) -> Result<PendingUpload, ModelError> {
+        let (comm, _) = self.collective(what)?;
+        let rank = comm.rank();
+        if counts.len() != comm.world() || counts[rank] != shard_len {
+            return Err(ModelError::Gpu {
+                what: format!(
+                    "{what}: a shard of {shard_len} elements on rank {rank} cut as {counts:?}"
+                ),
+            });
+        }
+        let offset: usize = counts[..rank].iter().sum();
+        let up = start(offset, counts.iter().sum()).map_err(gpu_err)?;
+        let (up, began) = comm.gather(self.device(), up, counts).map_err(gpu_err)?;
+        if let Some(b) = began {
+            if let Ok(span) = EventClock::span(comm.stream(), what.to_owned(), b) {
+                let _ = self.collective_spans.push(span);
+            }
+        }
+        Ok(up)
+    }
+
     /// The device.
     pub fn device(&self) -> &Arc<Device> {
         self.uploads.device()
@@ -116,6 +147,15 @@ impl CudaLink {
             HostElems::F16(v) => self.uploads.start_f16(what, v, role),
         }
         .map_err(gpu_err)
+    }
+}
+
+/// The element type `host`'s elements cross as.
+fn wire_of(host: HostElems<'_>) -> Wire {
+    match host {
+        HostElems::F32(_) => Wire::F32,
+        HostElems::Bf16(_) => Wire::Bf16,
+        HostElems::F16(_) => Wire::F16,
     }
 }
 
@@ -251,12 +291,9 @@ impl DeviceLink for CudaLink {
         pin: ReadPin,
         host: HostElems<'_>,
     ) -> Result<PendingUpload, ModelError> {
-        let wire = match host {
-            HostElems::F32(_) => Wire::F32,
-            HostElems::Bf16(_) => Wire::Bf16,
-            HostElems::F16(_) => Wire::F16,
-        };
-        self.uploads.start_pinned(what, pin, wire).map_err(gpu_err)
+        self.uploads
+            .start_pinned(what, pin, wire_of(host))
+            .map_err(gpu_err)
     }
 
     fn bind_upload_thread(&self) -> Result<(), ModelError> {
@@ -354,31 +391,25 @@ impl DeviceLink for CudaLink {
         shard: HostElems<'_>,
         counts: &[usize],
     ) -> Result<PendingUpload, ModelError> {
-        let (comm, _) = self.collective(what)?;
-        let rank = comm.rank();
-        let offset: usize = counts.iter().take(rank).sum();
-        let numel: usize = counts.iter().sum();
-        if counts.len() != comm.world() || counts[rank] != shard.len() {
-            return Err(ModelError::Gpu {
-                what: format!(
-                    "{what}: a shard of {} elements on rank {rank} cut as {counts:?}",
-                    shard.len()
-                ),
-            });
-        }
-        let up = match shard {
+        self.gathered(what, shard.len(), counts, |offset, numel| match shard {
             HostElems::F32(v) => self.uploads.start_shard(what, v, offset, numel),
             HostElems::Bf16(v) => self.uploads.start_shard_bf16(what, v, offset, numel),
             HostElems::F16(v) => self.uploads.start_shard_f16(what, v, offset, numel),
-        }
-        .map_err(gpu_err)?;
-        let (up, began) = comm.gather(self.device(), up, counts).map_err(gpu_err)?;
-        if let Some(b) = began {
-            if let Ok(span) = EventClock::span(comm.stream(), what.to_owned(), b) {
-                let _ = self.collective_spans.push(span);
-            }
-        }
-        Ok(up)
+        })
+    }
+
+    fn gather_in_place(
+        &self,
+        what: &str,
+        pin: ReadPin,
+        shard: HostElems<'_>,
+        counts: &[usize],
+    ) -> Result<PendingUpload, ModelError> {
+        let wire = wire_of(shard);
+        self.gathered(what, shard.len(), counts, |offset, numel| {
+            self.uploads
+                .start_shard_pinned(what, pin, wire, offset, numel)
+        })
     }
 
     fn finish_download(&self, d: PendingDownload) -> Result<HostVec, ModelError> {

@@ -223,7 +223,10 @@
 //! collective fills the other ranks' ranges (NCCL's send and receive on
 //! a GPU, after the shard's copy, on the collectives' stream; the
 //! compute stream waits for it, and the host for nothing). 1/N of each
-//! param crosses the host's link; no host collective stages it. Its size
+//! param crosses the host's link; no host collective stages it. A shard
+//! on the cpu tier crosses from its page in place
+//! ([`DeviceLink::gather_pinned`]): the pages hold this rank's shards,
+//! and the trainer registers them when the compute gathers. Its size
 //! on the device, in the budget and the windows, is the whole param's
 //! (the model's count, in the shard's dtype).
 //!
@@ -498,6 +501,44 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
         Err(ModelError::Gpu {
             what: format!("{what}: this device has no collectives of its own"),
         })
+    }
+    /// [`DeviceLink::gather_param`] of a param whose shard's bytes are
+    /// also `pin`, a range of pinned host memory nobody writes while the
+    /// pin lives (its cpu-tier page's range), as
+    /// [`DeviceLink::upload_pinned`] is of an upload: when that memory is
+    /// registered through [`DeviceLink::host_registrar`] and holds
+    /// exactly the shard's bytes, the shard crosses from it in place, the
+    /// pin travelling with the copy: `(upload, true)`; otherwise through
+    /// staging: `(upload, false)`. The one place that decides.
+    fn gather_pinned(
+        &self,
+        what: &str,
+        pin: ReadPin,
+        shard: HostElems<'_>,
+        counts: &[usize],
+    ) -> Result<(Self::Upload, bool), ModelError> {
+        let registered = self
+            .host_registrar()
+            .is_some_and(|r| pin.registered_with(&r));
+        if registered && pin.len_bytes() as u64 == shard.bytes() {
+            return Ok((self.gather_in_place(what, pin, shard, counts)?, true));
+        }
+        drop(pin);
+        Ok((self.gather_param(what, shard, counts)?, false))
+    }
+    /// The gather of [`DeviceLink::gather_pinned`] with the shard copied
+    /// from `pin` in place (registered, exactly `shard`'s bytes). Reached
+    /// only through `gather_pinned`. By default the pin is let go and the
+    /// shard crosses through staging.
+    fn gather_in_place(
+        &self,
+        what: &str,
+        pin: ReadPin,
+        shard: HostElems<'_>,
+        counts: &[usize],
+    ) -> Result<Self::Upload, ModelError> {
+        drop(pin);
+        self.gather_param(what, shard, counts)
     }
     /// The device's memory, for the plan.
     fn memory(&self) -> LinkMemory;

@@ -582,6 +582,56 @@ impl SimDevice {
         }
     }
 
+    /// Counts a violation unless `pin` holds exactly `host`'s elements
+    /// (a copy in place from a stale page or a wrong range).
+    fn check_pin(&self, pin: &ReadPin, host: HostElems<'_>) {
+        let b = pin.bytes();
+        let same = match host {
+            HostElems::F32(v) => {
+                b.len() == v.len() * 4
+                    && b.chunks_exact(4).zip(v).all(|(c, x)| c == x.to_le_bytes())
+            }
+            HostElems::Bf16(v) => {
+                b.len() == v.len() * 2
+                    && b.chunks_exact(2).zip(v).all(|(c, x)| c == x.to_le_bytes())
+            }
+            HostElems::F16(v) => {
+                b.len() == v.len() * 2
+                    && b.chunks_exact(2).zip(v).all(|(c, x)| c == x.to_le_bytes())
+            }
+        };
+        if !same {
+            self.shared.violations.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A param gathered through the ranks' collective (`gather`: this
+    /// rank's shard met with the others'), then the whole crossing the
+    /// copy queue as one upload; the gather a span of its collectives.
+    fn gather_with(
+        &self,
+        what: &str,
+        gather: impl FnOnce(&dyn Comm) -> Result<HostVec, String>,
+    ) -> Result<SimUpload, ModelError> {
+        let comm = self.comm.clone().ok_or_else(|| ModelError::Gpu {
+            what: format!("{what}: the simulated device has no collectives"),
+        })?;
+        // Its memory is host memory: the ranks' shards meet through
+        // `comm` (bytes only, as NCCL's exchange).
+        let start = Instant::now();
+        let whole = gather(&*comm).map_err(|e| ModelError::Gpu {
+            what: format!("{what}: {e}"),
+        })?;
+        self.shared.push_span(DeviceSpan {
+            queue: DeviceQueue::Collective,
+            name: what.to_owned(),
+            start,
+            end: Instant::now(),
+        });
+        self.shared.gathers.fetch_add(1, Ordering::Relaxed);
+        self.upload(what, whole.elems())
+    }
+
     /// A handle on the device's counters, valid after the device is gone.
     pub fn probe(&self) -> SimProbe {
         SimProbe {
@@ -766,26 +816,7 @@ impl DeviceLink for SimDevice {
         // The pin must hold the elements the tier asked for: a pin of other
         // bytes (a stale page, a wrong range) is counted, as a staging
         // buffer changed mid-copy is.
-        let same = match host {
-            HostElems::F32(v) => pin
-                .bytes()
-                .chunks_exact(4)
-                .zip(v)
-                .all(|(c, x)| c == x.to_le_bytes()),
-            HostElems::Bf16(v) => pin
-                .bytes()
-                .chunks_exact(2)
-                .zip(v)
-                .all(|(c, x)| c == x.to_le_bytes()),
-            HostElems::F16(v) => pin
-                .bytes()
-                .chunks_exact(2)
-                .zip(v)
-                .all(|(c, x)| c == x.to_le_bytes()),
-        };
-        if !same {
-            self.shared.violations.fetch_add(1, Ordering::Relaxed);
-        }
+        self.check_pin(&pin, host);
         let bytes = host_device_bytes(host);
         self.admit(what, bytes)?;
         let dtype = dtype_of(host);
@@ -892,24 +923,34 @@ impl DeviceLink for SimDevice {
         shard: HostElems<'_>,
         counts: &[usize],
     ) -> Result<SimUpload, ModelError> {
-        let comm = self.comm.clone().ok_or_else(|| ModelError::Gpu {
-            what: format!("{what}: the simulated device has no collectives"),
+        self.gather_with(what, |comm| gather::shards(comm, shard, counts))
+    }
+
+    fn gather_in_place(
+        &self,
+        what: &str,
+        pin: ReadPin,
+        shard: HostElems<'_>,
+        counts: &[usize],
+    ) -> Result<SimUpload, ModelError> {
+        // The shard is read from the pin itself (the page's range), checked
+        // against the elements the tier asked for; the pin goes once the
+        // ranks' bytes met, which copied them.
+        self.check_pin(&pin, shard);
+        let wire = match shard {
+            HostElems::F32(_) => Wire::F32,
+            HostElems::Bf16(_) => Wire::Bf16,
+            HostElems::F16(_) => Wire::F16,
+        };
+        let up = self.gather_with(what, |comm| {
+            gather::shards_of_bytes(comm, wire, pin.bytes(), counts)
         })?;
-        // Its memory is host memory: the ranks' shards meet through
-        // `comm` (bytes only, as NCCL's exchange), then the whole param
-        // crosses its copy queue as one upload.
-        let start = Instant::now();
-        let whole = gather::shards(&*comm, shard, counts).map_err(|e| ModelError::Gpu {
-            what: format!("{what}: {e}"),
-        })?;
-        self.shared.push_span(DeviceSpan {
-            queue: DeviceQueue::Collective,
-            name: what.to_owned(),
-            start,
-            end: Instant::now(),
-        });
-        self.shared.gathers.fetch_add(1, Ordering::Relaxed);
-        self.upload(what, whole.elems())
+        self.shared.direct_copies.fetch_add(1, Ordering::Relaxed);
+        self.shared
+            .direct_bytes
+            .fetch_add(pin.len_bytes() as u64, Ordering::Relaxed);
+        drop(pin);
+        Ok(up)
     }
 
     fn finish_download(&self, d: SimDownload) -> Result<HostVec, ModelError> {

@@ -561,7 +561,7 @@ impl<L: DeviceLink> TieredUnits<L> {
     ) -> Result<(L::Upload, ParamSize), ModelError> {
         let size = self.admit(st, unit, id, self.size_of(model, id, host)?)?;
         if self.gathers() {
-            return Ok((self.gather_now(st, id, host, size)?, size));
+            return Ok((self.gather_now(st, id, host, None, size)?, size));
         }
         let (u, up_bytes) = exec_units::with_host_elems(host, |v| {
             Ok((self.link.upload(&format!("param {}", id.0), v)?, v.bytes()))
@@ -760,7 +760,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
                 break;
             }
             if self.gathers() {
-                let u = self.gather_now(&mut st, id, host, size)?;
+                let u = self.gather_now(&mut st, id, host, pin, size)?;
                 st.apply(id, TierEvent::Staged(Queued::issued(u), size))?;
                 st.peaks.live_numel_at_stage = st.peaks.live_numel_at_stage.max(st.live_numel());
                 continue;
@@ -815,7 +815,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
                 }
             };
             if self.gathers() {
-                match self.gather_now(&mut st, id, host, size) {
+                match self.gather_now(&mut st, id, host, pin, size) {
                     Ok(u) => {
                         st.apply(id, TierEvent::Loading(Queued::issued(u), size))?;
                     }

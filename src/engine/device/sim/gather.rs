@@ -4,6 +4,7 @@
 //! exchange moves them.
 
 use crate::engine::comm::Comm;
+use crate::engine::device::Wire;
 use crate::model::exec_units::{HostElems, HostVec};
 
 /// Every rank's shard of a param, in rank order: `shard` is this rank's
@@ -15,35 +16,47 @@ pub(super) fn shards(
     shard: HostElems<'_>,
     counts: &[usize],
 ) -> Result<HostVec, String> {
-    let (elem_bytes, mine): (usize, Vec<u8>) = match shard {
-        HostElems::F32(v) => (4, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-        HostElems::Bf16(v) => (2, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-        HostElems::F16(v) => (2, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+    let (wire, mine): (Wire, Vec<u8>) = match shard {
+        HostElems::F32(v) => (Wire::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        HostElems::Bf16(v) => (Wire::Bf16, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        HostElems::F16(v) => (Wire::F16, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
     };
+    shards_of_bytes(comm, wire, &mine, counts)
+}
+
+/// [`shards`] of this rank's shard as its little-endian bytes `mine`,
+/// elements of `wire`'s dtype (a page's range, read in place).
+pub(super) fn shards_of_bytes(
+    comm: &dyn Comm,
+    wire: Wire,
+    mine: &[u8],
+    counts: &[usize],
+) -> Result<HostVec, String> {
+    let elem_bytes = if wire == Wire::F32 { 4 } else { 2 };
     let counts_bytes: Vec<usize> = counts.iter().map(|c| c * elem_bytes).collect();
     if counts.len() != comm.world_size() || counts_bytes.get(comm.rank()) != Some(&mine.len()) {
         return Err(format!(
             "a shard of {} elements on rank {} of {}, cut as {counts:?}",
-            shard.len(),
+            mine.len() / elem_bytes,
             comm.rank(),
             comm.world_size()
         ));
     }
     let mut all = vec![0u8; counts_bytes.iter().sum()];
-    comm.all_gather_bytes(&mine, &counts_bytes, &mut all)
+    comm.all_gather_bytes(mine, &counts_bytes, &mut all)
         .map_err(|e| e.to_string())?;
-    Ok(match shard {
-        HostElems::F32(_) => HostVec::F32(
+    Ok(match wire {
+        Wire::F32 => HostVec::F32(
             all.chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect(),
         ),
-        HostElems::Bf16(_) => HostVec::Bf16(
+        Wire::Bf16 => HostVec::Bf16(
             all.chunks_exact(2)
                 .map(|c| half::bf16::from_le_bytes([c[0], c[1]]))
                 .collect(),
         ),
-        HostElems::F16(_) => HostVec::F16(
+        Wire::F16 => HostVec::F16(
             all.chunks_exact(2)
                 .map(|c| half::f16::from_le_bytes([c[0], c[1]]))
                 .collect(),

@@ -3,6 +3,8 @@
 //! as this rank's shard, its size the whole param's, its gather issued on
 //! the engine's thread.
 
+use tierzero_swap::ReadPin;
+
 use super::*;
 
 impl<L: DeviceLink> TieredUnits<L> {
@@ -60,15 +62,22 @@ impl<L: DeviceLink> TieredUnits<L> {
         st: &mut State<Queued<L::Upload>, L::Buf>,
         id: ParamId,
         host: &Tensor,
+        pin: Option<ReadPin>,
         size: ParamSize,
     ) -> Result<L::Upload, ModelError> {
         let counts =
             crate::engine::layout::shard_counts(size.numel as usize, self.link.reduce_ranks());
-        let u = exec_units::with_host_elems(host, |v| {
-            self.link
-                .gather_param(&format!("param {}", id.0), v, &counts)
+        let what = format!("param {}", id.0);
+        let (u, direct) = exec_units::with_host_elems(host, |v| match pin {
+            // Its page's range, registered: the shard crosses in place.
+            Some(pin) => self.link.gather_pinned(&what, pin, v, &counts),
+            None => Ok((self.link.gather_param(&what, v, &counts)?, false)),
         })?;
-        st.traffic.h2d_bytes += exec_units::host_elems_bytes(host);
+        let bytes = exec_units::host_elems_bytes(host);
+        st.traffic.h2d_bytes += bytes;
+        if direct {
+            st.traffic.h2d_direct_bytes += bytes;
+        }
         Ok(u)
     }
 }

@@ -37,7 +37,8 @@ impl ParamStore {
     /// in place: its range in its page (cpu tier), or the swap buffer its
     /// read landed in, kept (NVMe tier, shared: the store keeps its own
     /// pin until [`ParamStore::let_go_kept`]). `None` unless the param is
-    /// whole here (one rank) with no new bytes coming, and (NVMe) its
+    /// whole here (one rank; or, handing out shards, a page's range: this
+    /// rank's shard) with no new bytes coming, and (NVMe) its
     /// buffer was kept and not let go.
     ///
     /// The bytes are the ones the param's tensor was built from: pages are
@@ -50,7 +51,9 @@ impl ParamStore {
             .info
             .get(id.0)
             .is_some_and(|i| i.counts_bytes.len() == 1);
-        if !whole || self.freshness(id) != Freshness::Current {
+        // Handing out shards, a page's range is the shard the device
+        // gathers from ([`ParamStore::hand_out_shards`]).
+        if !(whole || self.shards_out) || self.freshness(id) != Freshness::Current {
             return Ok(None);
         }
         match &self.homes[id.0] {

@@ -403,7 +403,9 @@ impl Trainer {
     /// or the swap buffers their reads landed in; registered only ever
     /// with the compute's own registrar, at build): its device copies from
     /// them in place (see
-    /// [`crate::engine::device::DeviceLink::upload_pinned`]). Empty
+    /// [`crate::engine::device::DeviceLink::upload_pinned`]; with several
+    /// ranks, a page's range is this rank's shard, for
+    /// [`crate::engine::device::DeviceLink::gather_pinned`]). Empty
     /// otherwise.
     ///
     /// Finished write-backs are retired first: a param kept resident from
