@@ -13,11 +13,18 @@
 //! shard's copy: this rank's range sent to every peer, each peer's
 //! received into its range (`ncclSend`/`ncclRecv` in one group). The
 //! upload's event becomes the exchange's, so the compute stream waits for
-//! the whole param and the host waits for nothing; 1/N of the param
-//! crosses the host's link. NCCL only moves bytes: the same bits as a
-//! gather on the host. The caller waits for that event with a deadline
-//! before the compute is ordered after it ([`DeviceComm::wait_gathered`]),
-//! since a dead peer would leave it incomplete for ever.
+//! the whole param; issuing it, the host waits for nothing. 1/N of the
+//! param crosses the host's link. NCCL only moves bytes: the same bits
+//! as a gather on the host. When the param's unit takes it, the host
+//! waits for that event with a deadline before the compute is ordered
+//! after it ([`DeviceComm::wait_gathered`]), since a dead peer would leave
+//! it incomplete for ever; issued a unit ahead, it is usually done by
+//! then, though on this stream it queues behind the reduces issued
+//! before it, which wait for their units' compute. A failed or late
+//! collective makes the communicator unusable: every later one fails at
+//! once instead of waiting out its own deadline. A gathered upload
+//! dropped before its exchange is seen done leaks its buffer rather than
+//! free it under NCCL.
 //!
 //! # A unit's gradients
 //!
@@ -133,6 +140,10 @@ pub struct DeviceComm {
     world: usize,
     /// The running sums' pinned staging (see [`AccStaging`]).
     acc_staging: Mutex<AccStaging>,
+    /// Set when a collective failed after its group or was not done in
+    /// time: a peer is gone, so every later one fails at once (no NCCL
+    /// call, no wait) instead of each waiting out its own deadline.
+    broken: std::sync::atomic::AtomicBool,
 }
 
 /// Pinned host memory the running sums cross from (so their upload is
@@ -276,6 +287,7 @@ impl DeviceComm {
                 rank,
                 world,
                 acc_staging: Mutex::new(AccStaging::default()),
+                broken: std::sync::atomic::AtomicBool::new(false),
             })
         })
     }
@@ -405,6 +417,7 @@ impl DeviceComm {
     /// after one, an error first waits for the collective stream, so that
     /// no buffer it may still touch is freed.
     pub fn reduce(&self, dev: &Device, packed: Packed, acc: Option<&[f32]>) -> Result<Reduced> {
+        self.check_usable("ncclSend/ncclRecv (the gradients' all-to-all)")?;
         let Packed {
             send,
             blocks,
@@ -513,6 +526,7 @@ impl DeviceComm {
                 // that work may wait for a peer for ever: the buffers are
                 // leaked, neither waited for nor freed under it.
                 std::mem::forget((send, recv, acc, sums));
+                self.set_broken();
                 return Err(e);
             }
         };
@@ -609,7 +623,10 @@ impl DeviceComm {
     /// most `timeout`, as [`DeviceComm::wait`] waits for a reduce. On an
     /// error `up` is leaked on purpose: NCCL may still write into it.
     pub fn wait_gathered(&self, up: PendingUpload, timeout: Duration) -> Result<PendingUpload> {
-        match self.poll(&up.event, timeout, "ncclSend/ncclRecv (a param's gather)") {
+        let Some(ev) = up.event.as_ref() else {
+            return Err(shape("a gathered upload without its event".into()));
+        };
+        match self.poll(ev, timeout, "ncclSend/ncclRecv (a param's gather)") {
             Ok(()) => Ok(up),
             Err(e) => {
                 std::mem::forget(up);
@@ -621,6 +638,7 @@ impl DeviceComm {
     /// Polls `ev` until it completed or `timeout` passed (an error naming
     /// `call`: a rank has died or hangs).
     fn poll(&self, ev: &CudaEvent, timeout: Duration, call: &'static str) -> Result<()> {
+        self.check_usable(call)?;
         let deadline = Instant::now() + timeout;
         let mut pause = Duration::from_micros(20);
         loop {
@@ -628,6 +646,7 @@ impl DeviceComm {
                 return Ok(());
             }
             if Instant::now() >= deadline {
+                self.set_broken();
                 return Err(GpuError::Driver {
                     call,
                     detail: format!(
@@ -642,6 +661,28 @@ impl DeviceComm {
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(1));
         }
+    }
+
+    /// Marks the communicator unusable (see `broken`).
+    fn set_broken(&self) {
+        self.broken
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// An error naming `call` once the communicator is unusable: a
+    /// collective before failed or was not done in time.
+    fn check_usable(&self, call: &'static str) -> Result<()> {
+        if self.broken.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(GpuError::Driver {
+                call,
+                detail: format!(
+                    "rank {} of {}: an earlier collective on the GPUs' buffers failed or was not \
+                     done in time; the communicator is unusable",
+                    self.rank, self.world
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// A param gathered on the device: `up` is the upload of this rank's
@@ -662,35 +703,38 @@ impl DeviceComm {
         up: PendingUpload,
         counts: &[usize],
     ) -> Result<(PendingUpload, Option<CudaEvent>)> {
+        self.check_usable("ncclSend/ncclRecv (a param's gather)")?;
         let (me, world) = (self.rank, self.world);
-        if counts.len() != world || counts.iter().sum::<usize>() != up.crossed.len() {
+        let numel = up.crossed.as_ref().map_or(0, DevBuf::len);
+        if counts.len() != world || counts.iter().sum::<usize>() != numel {
             return Err(GpuError::Shape {
                 kernel: "gather".into(),
-                detail: format!(
-                    "a param of {} elements cut as {counts:?} for {world} ranks",
-                    up.crossed.len()
-                ),
+                detail: format!("a param of {numel} elements cut as {counts:?} for {world} ranks"),
             });
         }
+        let Some(copied) = up.event.as_ref() else {
+            return Err(shape("an upload without its event".into()));
+        };
         dev.context()
             .bind_to_thread()
             .map_err(driver_err("cuCtxSetCurrent"))?;
         let s = &self.stream;
-        s.wait(&up.event).map_err(driver_err("cuStreamWaitEvent"))?;
+        s.wait(copied).map_err(driver_err("cuStreamWaitEvent"))?;
         let began = crate::link::EventClock::mark(s).ok();
         let mut up = up;
         let exchanged = {
             let h = self.handle.lock().unwrap_or_else(|p| p.into_inner());
             match &mut up.crossed {
-                DevBuf::F32(b) => exchange(&h.comm, b, counts, me),
-                DevBuf::Bf16(b) => exchange(&h.comm, b, counts, me),
-                DevBuf::F16(b) => exchange(&h.comm, b, counts, me),
+                Some(DevBuf::F32(b)) => exchange(&h.comm, b, counts, me),
+                Some(DevBuf::Bf16(b)) => exchange(&h.comm, b, counts, me),
+                Some(DevBuf::F16(b)) => exchange(&h.comm, b, counts, me),
+                None => Err(shape("an upload without its buffer".into())),
             }
         }
         .and_then(|()| s.record_event(None).map_err(driver_err("cuEventRecord")));
         match exchanged {
             Ok(done) => {
-                up.event = done;
+                up.event = Some(done);
                 up.gathered = true;
                 Ok((up, began))
             }
@@ -698,6 +742,7 @@ impl DeviceComm {
                 // NCCL's work may wait for a peer for ever: the buffers
                 // are neither waited for nor freed under it.
                 std::mem::forget(up);
+                self.set_broken();
                 Err(e)
             }
         }

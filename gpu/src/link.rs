@@ -111,14 +111,14 @@ use crate::Result;
 pub struct PendingUpload {
     /// The buffer the copy writes, of the elements that cross: fp32, or
     /// bf16 or fp16 as they are (half the bytes).
-    pub(crate) crossed: DevBuf,
+    pub(crate) crossed: Option<DevBuf>,
     /// The staging buffer the copy reads (None: the copy reads the
     /// host's registered memory in place, [`Uploads::start_pinned`], or
     /// a shard of no elements crossed).
     staging: Option<AnyStaging>,
     /// Recorded after the copy (after a gather's exchange, for a shard
     /// gathered on the device: [`crate::collective::DeviceComm::gather`]).
-    pub(crate) event: CudaEvent,
+    pub(crate) event: Option<CudaEvent>,
     /// What `finish` hands over.
     role: Role,
     /// Whether a collective writes the rest of `crossed` after the copy
@@ -127,7 +127,37 @@ pub struct PendingUpload {
     pub(crate) gathered: bool,
 }
 
+impl Drop for PendingUpload {
+    /// A gathered param's buffer (and its staging) dropped before its
+    /// exchange is seen done is leaked, never freed: cudarc recorded its
+    /// last use when each NCCL call was made, before NCCL queued the
+    /// work at its group's end, so a stream-ordered free could run ahead
+    /// of NCCL's writes. `Uploads::finish` takes both out first.
+    fn drop(&mut self) {
+        let done = self
+            .event
+            .as_ref()
+            .is_some_and(|ev| matches!(ev.try_is_complete(), Ok(true)));
+        if self.gathered && !done {
+            std::mem::forget(self.crossed.take());
+            std::mem::forget(self.staging.take());
+        }
+    }
+}
+
 impl PendingUpload {
+    /// An upload of `crossed` from `staging` (None: in place), its copy
+    /// before `event`, not gathered.
+    fn new(crossed: DevBuf, staging: Option<AnyStaging>, event: CudaEvent, role: Role) -> Self {
+        PendingUpload {
+            crossed: Some(crossed),
+            staging,
+            event: Some(event),
+            role,
+            gathered: false,
+        }
+    }
+
     /// Whether its event is a gather's on the ranks' collective stream
     /// ([`crate::collective::DeviceComm::gather`]): a peer that died
     /// leaves it incomplete for ever, so the caller waits for it with a
@@ -614,13 +644,7 @@ impl Uploads {
     fn start_as<T: Crossing>(&self, what: &str, host: &[T], role: Role) -> Result<PendingUpload> {
         let (dst, staging, event) = self.queue(T::pool(self), what, host)?;
         let (crossed, staging) = T::carried(dst, staging);
-        Ok(PendingUpload {
-            crossed,
-            staging: Some(staging),
-            event,
-            role,
-            gathered: false,
-        })
+        Ok(PendingUpload::new(crossed, Some(staging), event, role))
     }
 
     /// Starts copying `shard`, elements `offset..offset + shard.len()` of
@@ -707,13 +731,7 @@ impl Uploads {
             }
             None => (T::dev_buf(dst), None),
         };
-        Ok(PendingUpload {
-            crossed,
-            staging,
-            event,
-            role: Role::Param,
-            gathered: false,
-        })
+        Ok(PendingUpload::new(crossed, staging, event, Role::Param))
     }
 
     /// A destination of `len` elements on the h2d stream (not
@@ -801,13 +819,7 @@ impl Uploads {
                 (DevBuf::F16(d), ev)
             }
         };
-        Ok(PendingUpload {
-            crossed,
-            staging: None,
-            event,
-            role: Role::Param,
-            gathered: false,
-        })
+        Ok(PendingUpload::new(crossed, None, event, Role::Param))
     }
 
     /// Starts copying `pin`'s bytes, this rank's shard of a param of
@@ -855,13 +867,7 @@ impl Uploads {
                 (DevBuf::F16(d), ev)
             }
         };
-        Ok(PendingUpload {
-            crossed,
-            staging: None,
-            event,
-            role: Role::Param,
-            gathered: false,
-        })
+        Ok(PendingUpload::new(crossed, None, event, Role::Param))
     }
 
     /// A new destination of `numel` elements and [`Uploads::copy_pinned`]
@@ -995,13 +1001,16 @@ impl Uploads {
     /// there, the buffer it crossed into let go after that
     /// ([`Role::Input`]).
     pub fn finish(&self, u: PendingUpload) -> Result<DevBuf> {
-        let PendingUpload {
-            crossed,
-            staging,
-            event,
-            role,
-            gathered: _,
-        } = u;
+        let mut u = u;
+        let role = u.role;
+        let staging = u.staging.take();
+        let (Some(crossed), Some(event)) = (u.crossed.take(), u.event.take()) else {
+            return Err(crate::GpuError::Driver {
+                call: "cuStreamWaitEvent",
+                detail: "an upload finished twice".into(),
+            });
+        };
+        drop(u);
         self.compute_waits(&event)?;
         match staging {
             Some(AnyStaging::F32(s)) => locked(&self.pool).retiring.push_back((event, s)),

@@ -60,10 +60,19 @@ pub(super) fn cuda_units(
     } else {
         None
     };
-    let mut link = tierzero::engine::device::cuda::CudaLink::new(dev, gemm)
-        .map_err(|e| Failure::Internal(anyhow!("--device {d}: {e}")))?;
+    let mut link = tierzero::engine::comm::agree(
+        comm,
+        "the GPU's device tier",
+        tierzero::engine::device::cuda::CudaLink::new(dev, gemm).map_err(Into::into),
+    )
+    .map_err(|e| Failure::Internal(anyhow!("--device {d}: {e}")))?;
     if let Some(c) = collectives {
-        link = link.with_collectives(c, timeout);
+        // Every rank's tier takes the same decisions, so issues the same
+        // gathers: one budget, the smallest GPU's.
+        link = link
+            .with_collectives(c, timeout)
+            .with_budget_agreed(comm)
+            .map_err(|e| Failure::Internal(anyhow!("--device {d}: {e}")))?;
     }
     on_link(&format!("--device {d}"), link, cfg, model, world)
 }

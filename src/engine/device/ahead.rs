@@ -30,7 +30,10 @@
 //! owner says every one of them is on the device with nothing for the
 //! host to wait for ([`Holder::ready`]). It never waits for an upload's
 //! fill: the engine's call would wait for it anyway, and the upload
-//! thread must get the next unit's fills meanwhile.
+//! thread must get the next unit's fills meanwhile. (A param gathered on
+//! the device is issued on the engine's thread, so it is ready at once;
+//! taking it waits on the host for its exchange on a GPU, which the
+//! engine's call would wait for too.)
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
@@ -60,7 +63,8 @@ pub(super) trait Holder<L: DeviceLink> {
     /// Gives back what [`Holder::take_params`] lent.
     fn give_params(&self, ids: &[ParamId], bufs: Vec<L::Buf>) -> Result<(), ModelError>;
     /// Whether [`Holder::take_params`] of these params would not make the
-    /// host wait (each one is on the device, or its upload is issued).
+    /// host wait for a fill (each one is on the device, or its upload is
+    /// issued; a gathered one's exchange may still be waited for).
     fn ready(&self, ids: &[ParamId]) -> bool;
 }
 

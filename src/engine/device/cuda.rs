@@ -98,6 +98,29 @@ impl CudaLink {
         })
     }
 
+    /// The link with the tier's budget agreed among `comm`'s ranks: the
+    /// smallest rank's (a collective: every rank calls it at the same
+    /// point). Each GPU's budget is its own free memory unless
+    /// `tierzero.device_budget_bytes` sets it, and the tier's decisions
+    /// (what to stage, evict, refuse) follow the budget; with params
+    /// gathered on the GPUs each decision issues or skips a collective,
+    /// so every rank must take the same ones. One rank: as it is.
+    pub fn with_budget_agreed(
+        mut self,
+        comm: &dyn crate::engine::comm::Comm,
+    ) -> Result<Self, crate::engine::EngineError> {
+        let least = least_among_ranks(comm, self.budget_bytes)?;
+        if least < self.budget_bytes {
+            tracing::info!(
+                own_bytes = self.budget_bytes,
+                agreed_bytes = least,
+                "the device tier's budget is the smallest rank's"
+            );
+            self.budget_bytes = least;
+        }
+        Ok(self)
+    }
+
     /// A param gathered on the GPUs: this rank's shard of `shard_len`
     /// elements (`counts[r]` of rank `r`) started into its range of the
     /// whole by `start(offset, numel)`, then the exchange
@@ -148,6 +171,20 @@ impl CudaLink {
         }
         .map_err(gpu_err)
     }
+}
+
+/// The smallest of every rank's `own` (a collective; one rank: `own`).
+fn least_among_ranks(
+    comm: &dyn crate::engine::comm::Comm,
+    own: u64,
+) -> Result<u64, crate::engine::EngineError> {
+    if comm.world_size() == 1 {
+        return Ok(own);
+    }
+    let mut all = vec![0f64; comm.world_size()];
+    // Exact: byte counts here are far below 2^53.
+    comm.all_gather_f64(&[own as f64], &mut all)?;
+    Ok(all.iter().map(|&b| b as u64).min().unwrap_or(own))
 }
 
 /// The element type `host`'s elements cross as.
@@ -472,5 +509,68 @@ impl DeviceLink for CudaLink {
             }
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::engine::comm::Comm;
+    use crate::engine::EngineError;
+
+    /// Rank 1 of three whose peers report 3 GiB and 2 GiB.
+    #[derive(Debug)]
+    struct Peers;
+
+    impl Comm for Peers {
+        fn rank(&self) -> usize {
+            1
+        }
+        fn world_size(&self) -> usize {
+            3
+        }
+        fn all_gather_bytes(
+            &self,
+            _: &[u8],
+            _: &[usize],
+            _: &mut [u8],
+        ) -> crate::engine::Result<()> {
+            Err(EngineError::internal("not in this test"))
+        }
+        fn reduce_scatter_add_f32(
+            &self,
+            _: &[f32],
+            _: &[usize],
+            _: &mut [f32],
+        ) -> crate::engine::Result<()> {
+            Err(EngineError::internal("not in this test"))
+        }
+        fn all_gather_f64(&self, local: &[f64], out: &mut [f64]) -> crate::engine::Result<()> {
+            out.copy_from_slice(&[
+                3.0 * (1u64 << 30) as f64,
+                local[0],
+                2.0 * (1u64 << 30) as f64,
+            ]);
+            Ok(())
+        }
+        fn barrier(&self) -> crate::engine::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn every_rank_takes_the_smallest_budget() {
+        let gib = 1u64 << 30;
+        assert_eq!(least_among_ranks(&Peers, 5 * gib).unwrap(), 2 * gib);
+        // Its own when it is the smallest, to the byte.
+        assert_eq!(
+            least_among_ranks(&Peers, gib + 12_345).unwrap(),
+            gib + 12_345
+        );
+        assert_eq!(
+            least_among_ranks(&crate::engine::comm::SingleRank, 7).unwrap(),
+            7
+        );
     }
 }

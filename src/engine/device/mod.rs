@@ -177,7 +177,10 @@
 //! gradient and on the unit's input in the last forward. Only when the
 //! engine staged that unit and each of its params is on the device with
 //! no fill left to wait for (kept, or its upload issued); otherwise
-//! nothing is launched, and the tier never waits for a fill there. The
+//! nothing is launched, and the tier never waits for a fill there (a
+//! param gathered on the device is issued on the engine's thread, so it
+//! is ready at once; taking it waits for its exchange, see "Params
+//! gathered on the device"). The
 //! launched unit holds its params in use and its results on the device
 //! until the engine's call for it, which takes them if it is the same
 //! unit and pass on the same host tensors (input, upstream gradient,
@@ -222,7 +225,7 @@
 //! range of a new device buffer of the whole param, and the device's
 //! collective fills the other ranks' ranges (NCCL's send and receive on
 //! a GPU, after the shard's copy, on the collectives' stream; the
-//! compute stream waits for it, and the host for nothing). 1/N of each
+//! compute stream waits for it, and the host, issuing it, for nothing). 1/N of each
 //! param crosses the host's link; no host collective stages it. A shard
 //! on the cpu tier crosses from its page in place
 //! ([`DeviceLink::gather_pinned`]): the pages hold this rank's shards,
@@ -235,13 +238,17 @@
 //! they are issued on the engine's thread, where the tier decides them
 //! (a stage, a load, a param taken that was not staged), never on the
 //! upload thread, whose queue would interleave them with the reduces by
-//! timing. The tier's decisions are its own counts' (the budget, the
-//! windows, the cache), the same on every rank. A unit launched ahead
-//! takes only params already on the device, so it issues none. The
-//! fill of a shard's staging buffer is then the engine thread's, 1/N of
-//! the param's. On a GPU, taking a gathered param waits, with the
-//! communicator's deadline, for the exchange to be done (a dead peer
-//! would never complete it), then orders the compute after it.
+//! timing. The tier's decisions are its own counts' (the windows, the
+//! cache: the config's; the budget: on a GPU each rank's free memory
+//! unless `tierzero.device_budget_bytes` sets it, so the ranks agree on
+//! the smallest at start-up, `cuda::CudaLink::with_budget_agreed`), the
+//! same on every rank. A unit launched ahead takes only params already
+//! on the device, so it issues none. The fill of a shard's staging
+//! buffer is then the engine thread's, 1/N of the param's. On a GPU,
+//! taking a gathered param (its unit's call, or the unit launched ahead)
+//! waits on the host, with the communicator's deadline, for the exchange
+//! to be done (a dead peer would never complete it), then orders the
+//! compute after it.
 //!
 //! # A unit's inputs
 //!

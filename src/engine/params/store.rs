@@ -792,8 +792,17 @@ impl ParamStore {
             || self.tier(id) == Tier::Device
     }
 
-    /// The device tensor of `id`, fetching it if needed.
+    /// The device tensor of `id`, fetching it if needed. Handing out
+    /// shards ([`ParamStore::hand_out_shards`]), a whole tensor is not to
+    /// be had here: refused (use [`ParamStore::fetch_many`]).
     pub fn fetch(&mut self, id: ParamId) -> Result<Tensor> {
+        if self.shards_out {
+            return Err(EngineError::internal(format!(
+                "fetch of `{}`: the store hands out shards for the device to gather; \
+                 fetch_many gives them",
+                self.info[id.0].name
+            )));
+        }
         match self.state(id) {
             ParamState::Resident => self.counters.hits += 1,
             ParamState::InFlight => self.complete_read(id, true)?,
