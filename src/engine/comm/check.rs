@@ -230,35 +230,23 @@ mod tests {
 
     /// A communicator whose reduce-scatter is off in the last bits (as a
     /// reduction in another order would be): the check must catch it.
-    #[derive(Debug)]
-    struct Backwards;
-    impl Comm for Backwards {
-        fn rank(&self) -> usize {
-            0
-        }
-        fn world_size(&self) -> usize {
-            1
-        }
-        fn all_gather_bytes(&self, s: &[u8], c: &[usize], o: &mut [u8]) -> Result<()> {
-            SingleRank.all_gather_bytes(s, c, o)
-        }
-        fn reduce_scatter_add_f32(&self, full: &[f32], _: &[usize], acc: &mut [f32]) -> Result<()> {
-            for (a, b) in acc.iter_mut().zip(full) {
-                *a = (0.0 + *b) + *a * (1.0 + f32::EPSILON);
-            }
-            Ok(())
-        }
-        fn all_gather_f64(&self, l: &[f64], o: &mut [f64]) -> Result<()> {
-            SingleRank.all_gather_f64(l, o)
-        }
-        fn barrier(&self) -> Result<()> {
-            Ok(())
+    fn backwards() -> crate::engine::comm::scripted::Scripted {
+        crate::engine::comm::scripted::Scripted {
+            gather_bytes: Some(|s, c, o| SingleRank.all_gather_bytes(s, c, o)),
+            reduce_scatter: Some(|full, _, acc| {
+                for (a, b) in acc.iter_mut().zip(full) {
+                    *a = (0.0 + *b) + *a * (1.0 + f32::EPSILON);
+                }
+                Ok(())
+            }),
+            gather_f64: Some(|l, o| SingleRank.all_gather_f64(l, o)),
+            ..crate::engine::comm::scripted::Scripted::rank_of(0, 1)
         }
     }
 
     #[test]
     fn a_reduction_in_another_order_fails_the_check() {
-        let e = self_test(&Backwards, 16, 1).unwrap_err().to_string();
+        let e = self_test(&backwards(), 16, 1).unwrap_err().to_string();
         assert!(e.contains("reduce_scatter_add_f32"), "{e}");
     }
 }

@@ -429,3 +429,5 @@ pub mod nccl;
 mod owner;
 #[cfg(any(feature = "gpu", test))]
 pub(crate) mod rendezvous;
+#[cfg(test)]
+pub(crate) mod scripted;

@@ -187,15 +187,6 @@ fn least_among_ranks(
     Ok(all.iter().map(|&b| b as u64).min().unwrap_or(own))
 }
 
-/// The element type `host`'s elements cross as.
-fn wire_of(host: HostElems<'_>) -> Wire {
-    match host {
-        HostElems::F32(_) => Wire::F32,
-        HostElems::Bf16(_) => Wire::Bf16,
-        HostElems::F16(_) => Wire::F16,
-    }
-}
-
 /// The failure of building the GPUs' communicator on `rank` of `world`.
 fn init_failed(rank: usize, world: usize, reason: String) -> crate::engine::EngineError {
     crate::engine::EngineError::Comm {
@@ -329,7 +320,7 @@ impl DeviceLink for CudaLink {
         host: HostElems<'_>,
     ) -> Result<PendingUpload, ModelError> {
         self.uploads
-            .start_pinned(what, pin, wire_of(host))
+            .start_pinned(what, pin, host.wire())
             .map_err(gpu_err)
     }
 
@@ -442,7 +433,7 @@ impl DeviceLink for CudaLink {
         shard: HostElems<'_>,
         counts: &[usize],
     ) -> Result<PendingUpload, ModelError> {
-        let wire = wire_of(shard);
+        let wire = shard.wire();
         self.gathered(what, shard.len(), counts, |offset, numel| {
             self.uploads
                 .start_shard_pinned(what, pin, wire, offset, numel)
@@ -516,56 +507,26 @@ impl DeviceLink for CudaLink {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::engine::comm::Comm;
-    use crate::engine::EngineError;
 
     /// Rank 1 of three whose peers report 3 GiB and 2 GiB.
-    #[derive(Debug)]
-    struct Peers;
-
-    impl Comm for Peers {
-        fn rank(&self) -> usize {
-            1
-        }
-        fn world_size(&self) -> usize {
-            3
-        }
-        fn all_gather_bytes(
-            &self,
-            _: &[u8],
-            _: &[usize],
-            _: &mut [u8],
-        ) -> crate::engine::Result<()> {
-            Err(EngineError::internal("not in this test"))
-        }
-        fn reduce_scatter_add_f32(
-            &self,
-            _: &[f32],
-            _: &[usize],
-            _: &mut [f32],
-        ) -> crate::engine::Result<()> {
-            Err(EngineError::internal("not in this test"))
-        }
-        fn all_gather_f64(&self, local: &[f64], out: &mut [f64]) -> crate::engine::Result<()> {
-            out.copy_from_slice(&[
-                3.0 * (1u64 << 30) as f64,
-                local[0],
-                2.0 * (1u64 << 30) as f64,
-            ]);
-            Ok(())
-        }
-        fn barrier(&self) -> crate::engine::Result<()> {
-            Ok(())
+    fn peers() -> crate::engine::comm::scripted::Scripted {
+        crate::engine::comm::scripted::Scripted {
+            gather_f64: Some(|local, out| {
+                let gib = (1u64 << 30) as f64;
+                out.copy_from_slice(&[3.0 * gib, local[0], 2.0 * gib]);
+                Ok(())
+            }),
+            ..crate::engine::comm::scripted::Scripted::rank_of(1, 3)
         }
     }
 
     #[test]
     fn every_rank_takes_the_smallest_budget() {
         let gib = 1u64 << 30;
-        assert_eq!(least_among_ranks(&Peers, 5 * gib).unwrap(), 2 * gib);
+        assert_eq!(least_among_ranks(&peers(), 5 * gib).unwrap(), 2 * gib);
         // Its own when it is the smallest, to the byte.
         assert_eq!(
-            least_among_ranks(&Peers, gib + 12_345).unwrap(),
+            least_among_ranks(&peers(), gib + 12_345).unwrap(),
             gib + 12_345
         );
         assert_eq!(

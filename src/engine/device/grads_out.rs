@@ -300,51 +300,30 @@ impl<L: DeviceLink> GradsOut<L> {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::engine::comm::Comm;
     use crate::engine::device::sim::{SimConfig, SimDevice};
-    use crate::engine::EngineError;
     use crate::model::ModelConfig;
     use std::sync::Arc;
     use std::time::Duration;
 
     /// Rank 0 of two, the other rank's chunks all +0.0: its reduce-scatter
     /// adds this rank's own chunk onto the running sums, then zeros.
-    #[derive(Debug)]
-    struct RankZeroOfTwo;
-
-    impl Comm for RankZeroOfTwo {
-        fn rank(&self) -> usize {
-            0
-        }
-        fn world_size(&self) -> usize {
-            2
-        }
-        fn all_gather_bytes(
-            &self,
-            _: &[u8],
-            _: &[usize],
-            _: &mut [u8],
-        ) -> crate::engine::Result<()> {
-            Err(EngineError::internal("not in this test"))
-        }
-        fn reduce_scatter_add_f32(
-            &self,
-            full: &[f32],
-            counts: &[usize],
-            acc: &mut [f32],
-        ) -> crate::engine::Result<()> {
-            crate::engine::comm::check_counts("reduce_scatter", 0, counts, acc.len(), full.len())?;
-            for (a, c) in acc.iter_mut().zip(&full[..counts[0]]) {
-                *a += *c;
-                *a += 0.0;
-            }
-            Ok(())
-        }
-        fn all_gather_f64(&self, _: &[f64], _: &mut [f64]) -> crate::engine::Result<()> {
-            Err(EngineError::internal("not in this test"))
-        }
-        fn barrier(&self) -> crate::engine::Result<()> {
-            Ok(())
+    fn rank_zero_of_two() -> crate::engine::comm::scripted::Scripted {
+        crate::engine::comm::scripted::Scripted {
+            reduce_scatter: Some(|full, counts, acc| {
+                crate::engine::comm::check_counts(
+                    "reduce_scatter",
+                    0,
+                    counts,
+                    acc.len(),
+                    full.len(),
+                )?;
+                for (a, c) in acc.iter_mut().zip(&full[..counts[0]]) {
+                    *a += *c;
+                    *a += 0.0;
+                }
+                Ok(())
+            }),
+            ..crate::engine::comm::scripted::Scripted::rank_of(0, 2)
         }
     }
 
@@ -359,7 +338,7 @@ mod tests {
             compute_delay: Duration::ZERO,
         })
         .unwrap()
-        .with_collectives(Arc::new(RankZeroOfTwo))
+        .with_collectives(Arc::new(rank_zero_of_two()))
     }
 
     /// Unit `unit`'s gradients of `model`, each element a function of its

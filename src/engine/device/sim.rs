@@ -606,20 +606,31 @@ impl SimDevice {
     }
 
     /// A param gathered through the ranks' collective (`gather`: this
-    /// rank's shard met with the others'), then the whole crossing the
-    /// copy queue as one upload; the gather a span of its collectives.
+    /// rank's shard met with the others'; its memory is host memory),
+    /// then the whole crossing the copy queue as one upload.
     fn gather_with(
         &self,
         what: &str,
         gather: impl FnOnce(&dyn Comm) -> Result<HostVec, String>,
     ) -> Result<SimUpload, ModelError> {
+        let whole = self.on_collectives(what, &self.shared.gathers, gather)?;
+        self.upload(what, whole.elems())
+    }
+
+    /// `f` on the ranks' collectives, its own (the device's collectives
+    /// are the ranks'), timed as a span of its collectives and counted in
+    /// `count`.
+    fn on_collectives<T>(
+        &self,
+        what: &str,
+        count: &AtomicU64,
+        f: impl FnOnce(&dyn Comm) -> Result<T, String>,
+    ) -> Result<T, ModelError> {
         let comm = self.comm.clone().ok_or_else(|| ModelError::Gpu {
             what: format!("{what}: the simulated device has no collectives"),
         })?;
-        // Its memory is host memory: the ranks' shards meet through
-        // `comm` (bytes only, as NCCL's exchange).
         let start = Instant::now();
-        let whole = gather(&*comm).map_err(|e| ModelError::Gpu {
+        let out = f(&*comm).map_err(|e| ModelError::Gpu {
             what: format!("{what}: {e}"),
         })?;
         self.shared.push_span(DeviceSpan {
@@ -628,8 +639,8 @@ impl SimDevice {
             start,
             end: Instant::now(),
         });
-        self.shared.gathers.fetch_add(1, Ordering::Relaxed);
-        self.upload(what, whole.elems())
+        count.fetch_add(1, Ordering::Relaxed);
+        Ok(out)
     }
 
     /// A handle on the device's counters, valid after the device is gone.
@@ -893,27 +904,17 @@ impl DeviceLink for SimDevice {
         packed: SimPacked,
         acc: Option<&[f32]>,
     ) -> Result<SimDownload, ModelError> {
-        let comm = self.comm.clone().ok_or_else(|| ModelError::Gpu {
-            what: format!("{what}: the simulated device has no collectives"),
-        })?;
         let SimPacked { full, blocks } = packed;
-        let mine = blocks.get(comm.rank()).copied().unwrap_or(0);
-        let mut sums = match acc {
-            Some(a) => a.to_vec(),
-            None => vec![0f32; mine],
-        };
-        let start = Instant::now();
-        comm.reduce_scatter_add_f32(&full, &blocks, &mut sums)
-            .map_err(|e| ModelError::Gpu {
-                what: format!("{what}: {e}"),
-            })?;
-        self.shared.push_span(DeviceSpan {
-            queue: DeviceQueue::Collective,
-            name: what.to_owned(),
-            start,
-            end: Instant::now(),
-        });
-        self.shared.reduces.fetch_add(1, Ordering::Relaxed);
+        let sums = self.on_collectives(what, &self.shared.reduces, |comm| {
+            let mine = blocks.get(comm.rank()).copied().unwrap_or(0);
+            let mut sums = match acc {
+                Some(a) => a.to_vec(),
+                None => vec![0f32; mine],
+            };
+            comm.reduce_scatter_add_f32(&full, &blocks, &mut sums)
+                .map_err(|e| e.to_string())?;
+            Ok(sums)
+        })?;
         self.send_down(what, sums, Wire::F32, false)
     }
 
@@ -937,11 +938,7 @@ impl DeviceLink for SimDevice {
         // against the elements the tier asked for; the pin goes once the
         // ranks' bytes met, which copied them.
         self.check_pin(&pin, shard);
-        let wire = match shard {
-            HostElems::F32(_) => Wire::F32,
-            HostElems::Bf16(_) => Wire::Bf16,
-            HostElems::F16(_) => Wire::F16,
-        };
+        let wire = shard.wire();
         let up = self.gather_with(what, |comm| {
             gather::shards_of_bytes(comm, wire, pin.bytes(), counts)
         })?;

@@ -61,6 +61,16 @@ impl HostElems<'_> {
         self.len() == 0
     }
 
+    /// The element type they cross as.
+    pub fn wire(&self) -> tierzero_gpu::link::Wire {
+        use tierzero_gpu::link::Wire;
+        match self {
+            HostElems::F32(_) => Wire::F32,
+            HostElems::Bf16(_) => Wire::Bf16,
+            HostElems::F16(_) => Wire::F16,
+        }
+    }
+
     /// Bytes on the host (what the copy moves).
     pub fn bytes(&self) -> u64 {
         match self {

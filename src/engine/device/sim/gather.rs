@@ -68,47 +68,22 @@ pub(super) fn shards_of_bytes(
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::engine::EngineError;
+    use crate::engine::comm::scripted::Scripted;
 
     /// Rank 1 of three whose peers' shards are bytes of their rank
     /// (0x00 from rank 0, 0x02 from rank 2): the gather must put each in
     /// its range, this rank's own between.
-    #[derive(Debug)]
-    struct RankOneOfThree;
-
-    impl Comm for RankOneOfThree {
-        fn rank(&self) -> usize {
-            1
-        }
-        fn world_size(&self) -> usize {
-            3
-        }
-        fn all_gather_bytes(
-            &self,
-            shard: &[u8],
-            counts: &[usize],
-            out: &mut [u8],
-        ) -> crate::engine::Result<()> {
-            crate::engine::comm::check_counts("all_gather", 1, counts, shard.len(), out.len())?;
-            let (a, b) = (counts[0], counts[0] + counts[1]);
-            out[..a].fill(0x00);
-            out[a..b].copy_from_slice(shard);
-            out[b..].fill(0x02);
-            Ok(())
-        }
-        fn reduce_scatter_add_f32(
-            &self,
-            _: &[f32],
-            _: &[usize],
-            _: &mut [f32],
-        ) -> crate::engine::Result<()> {
-            Err(EngineError::internal("not in this test"))
-        }
-        fn all_gather_f64(&self, _: &[f64], _: &mut [f64]) -> crate::engine::Result<()> {
-            Err(EngineError::internal("not in this test"))
-        }
-        fn barrier(&self) -> crate::engine::Result<()> {
-            Ok(())
+    fn rank_one_of_three() -> Scripted {
+        Scripted {
+            gather_bytes: Some(|shard, counts, out| {
+                crate::engine::comm::check_counts("all_gather", 1, counts, shard.len(), out.len())?;
+                let (a, b) = (counts[0], counts[0] + counts[1]);
+                out[..a].fill(0x00);
+                out[a..b].copy_from_slice(shard);
+                out[b..].fill(0x02);
+                Ok(())
+            }),
+            ..Scripted::rank_of(1, 3)
         }
     }
 
@@ -117,7 +92,8 @@ mod tests {
         // Uneven counts, as `shard_counts` cuts 7 elements for 3 ranks.
         let counts = [3usize, 2, 2];
         let mine = [1.5f32, -2.25];
-        let HostVec::F32(got) = shards(&RankOneOfThree, HostElems::F32(&mine), &counts).unwrap()
+        let HostVec::F32(got) =
+            shards(&rank_one_of_three(), HostElems::F32(&mine), &counts).unwrap()
         else {
             panic!("not fp32")
         };
@@ -131,7 +107,7 @@ mod tests {
         );
         let mine16 = [half::bf16::from_f32(3.0), half::bf16::from_f32(-0.5)];
         let HostVec::Bf16(got) =
-            shards(&RankOneOfThree, HostElems::Bf16(&mine16), &counts).unwrap()
+            shards(&rank_one_of_three(), HostElems::Bf16(&mine16), &counts).unwrap()
         else {
             panic!("not bf16")
         };
@@ -142,12 +118,12 @@ mod tests {
 
     #[test]
     fn a_shard_of_the_wrong_length_is_refused_with_the_counts() {
-        let e = shards(&RankOneOfThree, HostElems::F32(&[1.0; 3]), &[3, 2, 2]).unwrap_err();
+        let e = shards(&rank_one_of_three(), HostElems::F32(&[1.0; 3]), &[3, 2, 2]).unwrap_err();
         assert!(
             e.contains("3 elements on rank 1 of 3") && e.contains("[3, 2, 2]"),
             "{e}"
         );
-        let e = shards(&RankOneOfThree, HostElems::F32(&[1.0; 2]), &[3, 4]).unwrap_err();
+        let e = shards(&rank_one_of_three(), HostElems::F32(&[1.0; 2]), &[3, 4]).unwrap_err();
         assert!(e.contains("[3, 4]"), "{e}");
     }
 }
