@@ -830,7 +830,8 @@ fn reduce_on_the_device_case(precision: &'static str, grad_bytes: u64) {
         println!(
             "{precision}, rank {r}: collectives on the device: d2h {} B, h2d {} B; on the \
              host: d2h {} B, h2d {} B; {} units reduced and {} params gathered on the device \
-             ({} host gathers; on the host path {}), its collectives busy {:.3} s",
+             ({} host gathers; on the host path {}), its collectives busy {:.3} s; {} B up in \
+             place",
             d.d2h_bytes,
             d.h2d_bytes,
             o.d2h_bytes,
@@ -839,7 +840,8 @@ fn reduce_on_the_device_case(precision: &'static str, grad_bytes: u64) {
             d.device_gathers,
             d.param_gathers,
             o.param_gathers,
-            d.collective_busy_s
+            d.collective_busy_s,
+            d.h2d_direct_bytes
         );
         assert_eq!(
             d.device_reduces, block_reduces,
@@ -897,6 +899,17 @@ fn reduce_on_the_device_case(precision: &'static str, grad_bytes: u64) {
             o.param_gathers > 0,
             "rank {r}: the host path gathered nothing"
         );
+        // The shards' reads landed in swap buffers registered with the
+        // device, kept for it: those cross in place (the host path's
+        // gathered wholes never do), each pin holding what the tier
+        // asked for.
+        assert!(
+            d.h2d_direct_bytes > 0 && o.h2d_direct_bytes == 0,
+            "rank {r}: in place {} B gathering on the device, {} B on the host",
+            d.h2d_direct_bytes,
+            o.h2d_direct_bytes
+        );
+        assert_eq!(d.device_violations, 0, "rank {r}: a pin of other bytes");
         assert_eq!(
             o.device_gathers, 0,
             "rank {r}: the host path gathered on the device"

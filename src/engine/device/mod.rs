@@ -227,9 +227,12 @@
 //! a GPU, after the shard's copy, on the collectives' stream; the
 //! compute stream waits for it, and the host, issuing it, for nothing). 1/N of each
 //! param crosses the host's link; no host collective stages it. A shard
-//! on the cpu tier crosses from its page in place
-//! ([`DeviceLink::gather_pinned`]): the pages hold this rank's shards,
-//! and the trainer registers them when the compute gathers. Its size
+//! crosses from where it is in place ([`DeviceLink::gather_pinned`]), as
+//! a whole param does with one rank: its page's range, or the swap
+//! buffer its read landed in (the store works as with one rank when it
+//! hands out shards, and the trainer registers both with the device).
+//! Whether a shard crosses in place may depend on timing (a kept buffer
+//! let go for a read); the gather is issued either way. Its size
 //! on the device, in the budget and the windows, is the whole param's
 //! (the model's count, in the shard's dtype).
 //!

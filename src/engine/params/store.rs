@@ -33,7 +33,9 @@
 //!
 //! With units computed on a device that copies from registered host
 //! memory in place, the trainer maps the swap buffers with its registrar
-//! (one rank). A landed read's buffer is then **kept**: the copy thread
+//! (one rank, or several when the store hands out shards: the buffer then
+//! holds this rank's shard, what the device gathers from). A landed
+//! read's buffer is then **kept**: the copy thread
 //! still builds the tensor, and hands the buffer back in the result as a
 //! [`ReadPin`] of the param's bytes, which the `Resident` slot holds next
 //! to the tensor built from them ([`ParamEvent::Landed`]). When the engine
@@ -108,11 +110,13 @@
 //!
 //! A compute that gathers the params on its device (NCCL between the
 //! GPUs) wants the shards, not the whole: after
-//! [`ParamStore::hand_out_shards`], `fetch_many` builds each staged
-//! param's tensor from this rank's shard alone, 1-D, with no collective,
-//! and the compute's own gather (issued in unit order from the engine's
-//! thread) makes the whole on the device. Residency and its counts are
-//! unchanged: a resident shard stands for its param.
+//! [`ParamStore::hand_out_shards`], a param's tensor is this rank's
+//! shard, 1-D, built with no collective, so nothing is deferred: the
+//! store works as with one rank (reads build the tensor on the copy
+//! thread, a read's swap buffer may be kept for the device, a page's
+//! range is pinned), and the compute's own gather (issued in unit order
+//! from the engine's thread) makes the whole on the device. Residency
+//! and its counts are unchanged: a resident shard stands for its param.
 //!
 //! # Write-after-read and read-after-write
 //!
@@ -635,12 +639,7 @@ impl ParamStore {
     /// each param as this rank's shard, a 1-D tensor of its elements (see
     /// "Several ranks" in the module docs). One rank: nothing changes.
     pub fn hand_out_shards(&mut self) {
-        self.shards_out = self.defer_gather();
-    }
-
-    /// Whether [`ParamStore::fetch_many`] gives shards.
-    pub fn hands_out_shards(&self) -> bool {
-        self.shards_out
+        self.shards_out = self.comm.world_size() > 1;
     }
 
     /// The storage dtype.
@@ -713,18 +712,32 @@ impl ParamStore {
         Ok(())
     }
 
+    /// The shape of `id`'s tensor built from this rank's bytes alone
+    /// ([`ParamStore::builds_locally`]): the param's, or (handing out
+    /// shards) its shard's, 1-D.
+    pub(super) fn local_shape(&self, id: ParamId) -> Vec<usize> {
+        let info = &self.info[id.0];
+        if info.counts_bytes.len() == 1 {
+            info.shape.clone()
+        } else {
+            vec![info.shard_numel]
+        }
+    }
+
     fn tensor_from_shard(&self, id: ParamId, shard: &[u8]) -> Result<Tensor> {
         let info = &self.info[id.0];
-        // One rank holds the whole param: no gather (and no zeroed copy).
-        let t = if info.counts_bytes.len() == 1 {
-            let whole = info.numel * self.elem_bytes;
-            if shard.len() != whole {
+        // One rank holds the whole param, or the shard is what is handed
+        // out: no gather (and no zeroed copy).
+        let t = if self.builds_locally(id) {
+            let shape = self.local_shape(id);
+            let want = shape.iter().product::<usize>() * self.elem_bytes;
+            if shard.len() != want {
                 return Err(EngineError::internal(format!(
-                    "param {id:?}: a shard of {} bytes for {whole} bytes",
+                    "param {id:?}: a shard of {} bytes for {want} bytes",
                     shard.len()
                 )));
             }
-            cpu_tensor(shard, self.dtype, &info.shape)?
+            cpu_tensor(shard, self.dtype, &shape)?
         } else {
             let mut full = vec![0u8; info.numel * self.elem_bytes];
             self.comm
@@ -792,17 +805,9 @@ impl ParamStore {
             || self.tier(id) == Tier::Device
     }
 
-    /// The device tensor of `id`, fetching it if needed. Handing out
-    /// shards ([`ParamStore::hand_out_shards`]), a whole tensor is not to
-    /// be had here: refused (use [`ParamStore::fetch_many`]).
+    /// The device tensor of `id`, fetching it if needed (handing out
+    /// shards, [`ParamStore::hand_out_shards`]: this rank's shard).
     pub fn fetch(&mut self, id: ParamId) -> Result<Tensor> {
-        if self.shards_out {
-            return Err(EngineError::internal(format!(
-                "fetch of `{}`: the store hands out shards for the device to gather; \
-                 fetch_many gives them",
-                self.info[id.0].name
-            )));
-        }
         match self.state(id) {
             ParamState::Resident => self.counters.hits += 1,
             ParamState::InFlight => self.complete_read(id, true)?,

@@ -280,20 +280,18 @@ impl TierBuild<'_> {
     /// An arena params cross to the device from: registered with the
     /// compute's registrar when its device copies from registered host
     /// memory in place and this is the only rank (pins are of whole
-    /// params), or, for `shards` (the cpu tier's pages, which hold this
-    /// rank's shards), when the compute gathers the params on its device
-    /// (a shard crosses from its page in place). `what` names it in a
-    /// refusal's warning.
+    /// params), or when the compute gathers the params on its device
+    /// (pins are of this rank's shards, which the store then hands out).
+    /// `what` names it in a refusal's warning.
     fn device_arena(
         &mut self,
         buffers: Buffers,
         pin: bool,
         what: &str,
-        shards: bool,
     ) -> Result<Arc<PinnedArena>> {
         let one_rank = self.opts.comm.world_size() == 1;
         let registrar = match &self.opts.compute {
-            Some(c) if one_rank || (shards && c.gathers_params()) => c.host_registrar(),
+            Some(c) if one_rank || c.gathers_params() => c.host_registrar(),
             _ => None,
         };
         self.arena_registered(buffers, pin, registrar, what)
@@ -373,12 +371,8 @@ impl TierBuild<'_> {
         let zero = &self.config.zero;
         let pin = zero.offload_param.pin_memory;
         let cpu_pages = if self.sizing.cpu_pages.count > 0 {
-            let arena = self.device_arena(
-                self.sizing.cpu_pages,
-                pin,
-                "the cpu tier's pinned pages",
-                true,
-            )?;
+            let arena =
+                self.device_arena(self.sizing.cpu_pages, pin, "the cpu tier's pinned pages")?;
             arena.try_acquire_n(self.sizing.cpu_pages.count as usize)?
         } else {
             Vec::new()
@@ -392,12 +386,8 @@ impl TierBuild<'_> {
             let space = self.space(path, self.sizing.param_nvme_bytes)?;
             // Params cross from where their reads landed (the store keeps
             // the buffers for it).
-            let arena = self.device_arena(
-                self.sizing.param_buffers,
-                pin,
-                "the param swap buffers",
-                false,
-            )?;
+            let arena =
+                self.device_arena(self.sizing.param_buffers, pin, "the param swap buffers")?;
             let faults = self.opts.faults.params.clone();
             let engine = self.engine(space, arena.clone(), 0, faults)?;
             Some(NvmeParams {

@@ -1,6 +1,7 @@
 //! Several ranks: a unit's params gathered in one collective
 //! ([`ParamStore::fetch_many`]), each rank's shards of the params not
-//! resident one after the other, cut apart per param and rank.
+//! resident one after the other, cut apart per param and rank (unless
+//! the store hands out shards: then nothing is gathered here).
 
 use super::*;
 
@@ -60,9 +61,6 @@ impl ParamStore {
         if ids.is_empty() {
             return Ok(());
         }
-        if self.shards_out {
-            return self.shards_staged(ids);
-        }
         let world = self.comm.world_size();
         let mut mine = Vec::new();
         let mut counts_bytes = vec![0usize; world];
@@ -112,31 +110,6 @@ impl ParamStore {
             }
             let t = cpu_tensor(&full, self.dtype, &info.shape)?.to_device(&self.device)?;
             self.apply(id, ParamEvent::Materialized(t))?;
-        }
-        Ok(())
-    }
-
-    /// [`ParamStore::hand_out_shards`]: each staged param of `ids` made
-    /// resident as this rank's shard, a 1-D tensor of its elements; no
-    /// collective.
-    fn shards_staged(&mut self, ids: &[ParamId]) -> Result<()> {
-        let rank = self.comm.rank();
-        for &id in ids {
-            let info = &self.info[id.0];
-            let want = info.counts_bytes.get(rank).copied().unwrap_or(0);
-            let t = match &self.slots[id.0].slot {
-                Slot::Staged(b) if b.len() == want => {
-                    cpu_tensor(b, self.dtype, &[want / self.elem_bytes])?
-                }
-                other => {
-                    return Err(EngineError::internal(format!(
-                        "handing out `{}`'s shard ({want} bytes): {}",
-                        info.name,
-                        other.name()
-                    )))
-                }
-            };
-            self.apply(id, ParamEvent::Materialized(t.to_device(&self.device)?))?;
         }
         Ok(())
     }

@@ -47,13 +47,9 @@ impl ParamStore {
     /// pin, [`SharedBuffer::write`]); a kept buffer goes with the tensor
     /// built from it, and an update drops both.
     pub fn pin_home(&self, id: ParamId) -> Result<Option<ReadPin>> {
-        let whole = self
-            .info
-            .get(id.0)
-            .is_some_and(|i| i.counts_bytes.len() == 1);
-        // Handing out shards, a page's range is the shard the device
-        // gathers from ([`ParamStore::hand_out_shards`]).
-        if !(whole || self.shards_out) || self.freshness(id) != Freshness::Current {
+        // Handing out shards, a page's range (a kept buffer) is the shard
+        // the device gathers from ([`ParamStore::hand_out_shards`]).
+        if !self.builds_locally(id) || self.freshness(id) != Freshness::Current {
             return Ok(None);
         }
         match &self.homes[id.0] {

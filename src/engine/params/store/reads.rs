@@ -174,13 +174,14 @@ impl ParamStore {
     }
 
     /// What the copy thread makes of `id`'s shard bytes: the tensor (one
-    /// rank), or the bytes to stage for the gather (several).
+    /// rank; or this rank's shard, 1-D, when the store hands out shards),
+    /// or the bytes to stage for the gather (several).
     pub(super) fn unpack(&self, id: ParamId) -> Unpack {
         let info = &self.info[id.0];
-        if info.counts_bytes.len() == 1 {
+        if self.builds_locally(id) {
             Unpack::Tensor {
                 dtype: self.dtype,
-                shape: info.shape.clone(),
+                shape: self.local_shape(id),
                 keep_buffer: matches!(self.homes[id.0], Home::Nvme { .. })
                     && self.swap_buffers_registered(),
             }

@@ -92,9 +92,23 @@ impl ParamStore {
     }
 
     /// Whether building a tensor is a collective that must wait for a
-    /// fetch (see the module docs).
+    /// fetch (see the module docs): several ranks, unless the store hands
+    /// out shards.
     pub(super) fn defer_gather(&self) -> bool {
-        self.comm.world_size() > 1
+        self.comm.world_size() > 1 && !self.shards_out
+    }
+
+    /// Whether `id`'s tensor is built from this rank's bytes alone: the
+    /// whole param (one rank), or this rank's shard of it when the store
+    /// hands out shards. Such a tensor is built where the bytes land (a
+    /// read's swap buffer may be kept for the device, a page's range
+    /// pinned), as with one rank.
+    pub(super) fn builds_locally(&self, id: ParamId) -> bool {
+        self.shards_out
+            || self
+                .info
+                .get(id.0)
+                .is_some_and(|i| i.counts_bytes.len() == 1)
     }
 
     /// Waits for every queued write.
