@@ -370,6 +370,10 @@ impl DeviceLink for CudaLink {
         self.collective.as_ref().map_or(1, |(c, _)| c.world())
     }
 
+    fn collective_rank(&self) -> usize {
+        self.collective.as_ref().map_or(0, |(c, _)| c.rank())
+    }
+
     fn pack_grads(
         &self,
         what: &str,

@@ -446,6 +446,10 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
     fn reduce_ranks(&self) -> usize {
         1
     }
+    /// This rank among [`DeviceLink::reduce_ranks`] (0 with one).
+    fn collective_rank(&self) -> usize {
+        0
+    }
     /// Several ranks, as a unit's backward ends: its gradients `grads`
     /// (fp32 as computed, in declared order) laid out on the device for
     /// their reduce-scatter, ordered after the compute that wrote them, in

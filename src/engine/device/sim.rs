@@ -869,6 +869,10 @@ impl DeviceLink for SimDevice {
         self.comm.as_ref().map_or(1, |c| c.world_size())
     }
 
+    fn collective_rank(&self) -> usize {
+        self.comm.as_ref().map_or(0, |c| c.rank())
+    }
+
     fn pack_grads(
         &self,
         what: &str,
