@@ -1052,6 +1052,55 @@ mod tests {
     }
 
     #[test]
+    fn handing_out_shards_builds_and_assembles_this_rank_s_shard_with_no_collective() {
+        // Rank 1 of two, no collective scripted (one would fail), params
+        // resident (the device tier's home).
+        let model = tiny();
+        let layout = Layout::new(&model, 1, 2, 1000);
+        let tiers = vec![Tier::Device; model.params().len()];
+        let comm = crate::engine::comm::scripted::Scripted::rank_of(1, 2);
+        let mut s = ParamStore::new(
+            &model,
+            &layout,
+            &tiers,
+            DType::BF16,
+            Device::Cpu,
+            Arc::new(comm),
+            Vec::new(),
+            None,
+            None,
+        )
+        .unwrap();
+        s.hand_out_shards();
+        let p = ParamId(0);
+        for q in model.params() {
+            let len = s.shard_bytes(q.id).unwrap();
+            let bytes: Vec<u8> = (0..len).map(|i| (i % 7) as u8).collect();
+            s.store_initial(q.id, &bytes).unwrap();
+        }
+        let len = s.shard_bytes(p).unwrap();
+        let numel = model.params()[0].numel;
+        assert_eq!(len, crate::engine::layout::shard_counts(numel, 2)[1] * 2);
+        // The tensor is this rank's shard, 1-D.
+        let t = s.fetch_many(&[p]).unwrap().remove(0);
+        assert_eq!(t.dims(), [len / 2]);
+        // Two pieces expected, one comes, the other is dropped: the shard is
+        // assembled from the piece and the resident shard's own bytes (not
+        // a range of a whole param at this rank's offset).
+        s.expect_update(p).unwrap();
+        s.expect_update(p).unwrap();
+        let half = len / 2 / 2 * 2;
+        s.update_piece(p, 0, &vec![0xAB; half], true, None).unwrap();
+        s.update_dropped(p).unwrap();
+        let got = tensor_bytes(&s.fetch_many(&[p]).unwrap().remove(0)).unwrap();
+        let want: Vec<u8> = (0..len)
+            .map(|i| if i < half { 0xAB } else { (i % 7) as u8 })
+            .collect();
+        assert_eq!(got, want);
+        assert_eq!(s.counters().param_gathers, 0);
+    }
+
+    #[test]
     fn state_map_allows_only_the_table() {
         let model = tiny();
         let mut s = cpu_store(&model);

@@ -110,6 +110,14 @@ fn check_run(
     Ok(())
 }
 
+/// Whether the run's compute gathers the params on its device (several
+/// ranks, a device with collectives of its own, and compute on): the
+/// store then hands out shards, and the homes they cross from are
+/// registered with the device.
+fn gathers_on_device(opts: &TrainerOptions) -> bool {
+    !opts.skip_compute && opts.compute.as_ref().is_some_and(|c| c.gathers_params())
+}
+
 /// The compute threads, where threads run, and the malloc settings:
 /// decided before any of our threads start (see `host::threads`).
 struct HostSetup {
@@ -291,7 +299,7 @@ impl TierBuild<'_> {
     ) -> Result<Arc<PinnedArena>> {
         let one_rank = self.opts.comm.world_size() == 1;
         let registrar = match &self.opts.compute {
-            Some(c) if one_rank || c.gathers_params() => c.host_registrar(),
+            Some(c) if one_rank || gathers_on_device(self.opts) => c.host_registrar(),
             _ => None,
         };
         self.arena_registered(buffers, pin, registrar, what)
@@ -716,8 +724,7 @@ impl Trainer {
             arenas: Vec::new(),
         };
         let mut store = tiers.store(&model, &layout, param_dtype)?;
-        // A compute that gathers the params on its device wants shards.
-        if !opts.skip_compute && opts.compute.as_ref().is_some_and(|c| c.gathers_params()) {
+        if gathers_on_device(&opts) {
             store.hand_out_shards();
         }
         let mut opt = tiers.optimizer(&layout)?;

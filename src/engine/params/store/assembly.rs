@@ -108,8 +108,14 @@ impl ParamStore {
             Slot::Staged(b) => return Ok(b.clone()),
             Slot::Resident(t, _) => {
                 let all = tensor_bytes(t)?;
-                let rank = self.comm.rank();
-                let start: usize = self.info[id.0].counts_bytes.iter().take(rank).sum();
+                // The whole param's, this rank's range of it; or, handing
+                // out shards, the shard itself.
+                let start: usize = if self.builds_locally(id) {
+                    0
+                } else {
+                    let rank = self.comm.rank();
+                    self.info[id.0].counts_bytes.iter().take(rank).sum()
+                };
                 return all
                     .get(start..start + len)
                     .map(<[u8]>::to_vec)
