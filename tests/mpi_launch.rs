@@ -15,33 +15,37 @@ use std::process::Command;
 use engine_support::{ds_config, scratch, Knobs};
 use serde_json::{json, Value};
 
-#[test]
-fn launch_runs_two_ranks_and_rank_0_writes_the_metrics() {
-    let dir = scratch("launch");
+/// `tierzero launch --nproc 2 -- train` of a 2-layer GPT-2 of width 32
+/// (`tied` embeddings or not) for `steps` steps, stage 3 on NVMe, with
+/// `extra` arguments: its output, the metrics' path and the swap folder.
+fn launch(
+    tag: &str,
+    tied: bool,
+    steps: u64,
+    extra: &[&str],
+) -> (std::process::Output, std::path::PathBuf, std::path::PathBuf) {
+    let dir = scratch(tag);
     let model = dir.join("model");
     std::fs::create_dir_all(&model).unwrap();
     let cfg = json!({
         "model_type": "gpt2", "vocab_size": 256, "n_positions": 32, "n_embd": 32,
-        "n_layer": 2, "n_head": 2, "n_inner": 64
+        "n_layer": 2, "n_head": 2, "n_inner": 64, "tie_word_embeddings": tied
     });
     std::fs::write(model.join("config.json"), cfg.to_string()).unwrap();
     let swap = dir.join("swap");
     std::fs::create_dir_all(&swap).unwrap();
     let ds_path = dir.join("ds_config.json");
-    std::fs::write(&ds_path, ds_config(&Knobs::nvme(), &swap, 3).to_string()).unwrap();
+    std::fs::write(
+        &ds_path,
+        ds_config(&Knobs::nvme(), &swap, steps).to_string(),
+    )
+    .unwrap();
     let metrics = dir.join("metrics.jsonl");
+    let steps = steps.to_string();
     let out = Command::new(env!("CARGO_BIN_EXE_tierzero"))
-        .args([
-            "launch",
-            "--nproc",
-            "2",
-            "--",
-            "train",
-            "--steps",
-            "3",
-            "--seq-len",
-            "16",
-        ])
+        .args(["launch", "--nproc", "2", "--", "train", "--steps", &steps])
+        .args(["--seq-len", "16"])
+        .args(extra)
         .arg("--model")
         .arg(&model)
         .arg("--config")
@@ -50,6 +54,12 @@ fn launch_runs_two_ranks_and_rank_0_writes_the_metrics() {
         .arg(&metrics)
         .output()
         .expect("run tierzero launch");
+    (out, metrics, swap)
+}
+
+#[test]
+fn launch_runs_two_ranks_and_rank_0_writes_the_metrics() {
+    let (out, metrics, swap) = launch("launch", true, 3, &[]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
@@ -77,41 +87,7 @@ fn launch_with_the_simulated_device_gathers_and_reduces_on_it() {
     // shards and are gathered there and the gradients are reduce-scattered
     // there. The plan says so, and the metrics show its collectives busy
     // and params copied in place from the registered swap buffers.
-    let dir = scratch("launch-sim");
-    let model = dir.join("model");
-    std::fs::create_dir_all(&model).unwrap();
-    let cfg = json!({
-        "model_type": "gpt2", "vocab_size": 256, "n_positions": 32, "n_embd": 32,
-        "n_layer": 2, "n_head": 2, "n_inner": 64, "tie_word_embeddings": false
-    });
-    std::fs::write(model.join("config.json"), cfg.to_string()).unwrap();
-    let swap = dir.join("swap");
-    std::fs::create_dir_all(&swap).unwrap();
-    let ds_path = dir.join("ds_config.json");
-    std::fs::write(&ds_path, ds_config(&Knobs::nvme(), &swap, 2).to_string()).unwrap();
-    let metrics = dir.join("metrics.jsonl");
-    let out = Command::new(env!("CARGO_BIN_EXE_tierzero"))
-        .args([
-            "launch",
-            "--nproc",
-            "2",
-            "--",
-            "train",
-            "--steps",
-            "2",
-            "--seq-len",
-            "16",
-            "--device",
-            "sim",
-        ])
-        .arg("--model")
-        .arg(&model)
-        .arg("--config")
-        .arg(&ds_path)
-        .arg("--metrics")
-        .arg(&metrics)
-        .output()
-        .expect("run tierzero launch");
+    let (out, metrics, _) = launch("launch-sim", false, 2, &["--device", "sim"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");

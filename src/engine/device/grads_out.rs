@@ -303,7 +303,6 @@ mod tests {
     use crate::engine::device::sim::{SimConfig, SimDevice};
     use crate::model::ModelConfig;
     use std::sync::Arc;
-    use std::time::Duration;
 
     /// Rank 0 of two, the other rank's chunks all +0.0: its reduce-scatter
     /// adds this rank's own chunk onto the running sums, then zeros.
@@ -328,17 +327,9 @@ mod tests {
     }
 
     fn device() -> SimDevice {
-        SimDevice::new(SimConfig {
-            budget_bytes: 1 << 30,
-            copy_delay: Duration::ZERO,
-            h2d_bytes_per_s: None,
-            staging_slots: 2,
-            gemm: tierzero_gpu::unit::GemmDtype::F32,
-            fail_upload: None,
-            compute_delay: Duration::ZERO,
-        })
-        .unwrap()
-        .with_collectives(Arc::new(rank_zero_of_two()))
+        SimDevice::new(SimConfig::instant(1 << 30, 2))
+            .unwrap()
+            .with_collectives(Arc::new(rank_zero_of_two()))
     }
 
     /// Unit `unit`'s gradients of `model`, each element a function of its

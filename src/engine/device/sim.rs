@@ -85,6 +85,23 @@ pub struct SimConfig {
     pub compute_delay: Duration,
 }
 
+impl SimConfig {
+    /// A device of `budget_bytes` whose copies and compute take no time
+    /// of their own, with `staging_slots` staging buffers, fp32 GEMMs and
+    /// no fault.
+    pub fn instant(budget_bytes: u64, staging_slots: usize) -> Self {
+        SimConfig {
+            budget_bytes,
+            copy_delay: Duration::ZERO,
+            h2d_bytes_per_s: None,
+            staging_slots,
+            gemm: GemmDtype::F32,
+            fail_upload: None,
+            compute_delay: Duration::ZERO,
+        }
+    }
+}
+
 /// A completion flag with its result: a copy's elements in
 /// ([`Vec<f32>`]) or out ([`HostVec`]).
 #[derive(Debug)]

@@ -85,7 +85,6 @@ impl<L: DeviceLink> TieredUnits<L> {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
-    use std::time::Duration;
 
     use candle_core::Device;
 
@@ -116,17 +115,9 @@ mod tests {
     }
 
     fn tier() -> (TieredUnits<SimDevice>, crate::engine::device::sim::SimProbe) {
-        let dev = SimDevice::new(SimConfig {
-            budget_bytes: 1 << 30,
-            copy_delay: Duration::ZERO,
-            h2d_bytes_per_s: None,
-            staging_slots: 2,
-            gemm: tierzero_gpu::unit::GemmDtype::F32,
-            fail_upload: None,
-            compute_delay: Duration::ZERO,
-        })
-        .unwrap()
-        .with_collectives(Arc::new(second_of_two()));
+        let dev = SimDevice::new(SimConfig::instant(1 << 30, 2))
+            .unwrap()
+            .with_collectives(Arc::new(second_of_two()));
         let probe = dev.probe();
         let limits = TierLimits {
             prefetch_numel: u64::MAX,
