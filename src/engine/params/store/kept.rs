@@ -36,10 +36,11 @@ impl ParamStore {
     /// A read pin of `id`'s bytes in pinned memory a device may copy from
     /// in place: its range in its page (cpu tier), or the swap buffer its
     /// read landed in, kept (NVMe tier, shared: the store keeps its own
-    /// pin until [`ParamStore::let_go_kept`]). `None` unless the param is
-    /// whole here (one rank; or, handing out shards, a page's range: this
-    /// rank's shard) with no new bytes coming, and (NVMe) its
-    /// buffer was kept and not let go.
+    /// pin until [`ParamStore::let_go_kept`]). `None` unless the param's
+    /// tensor is built from these bytes alone (one rank, the whole param;
+    /// or, handing out shards, this rank's shard:
+    /// `ParamStore::builds_locally`) with no new bytes coming, and
+    /// (NVMe) its buffer was kept and not let go.
     ///
     /// The bytes are the ones the param's tensor was built from: pages are
     /// written on this thread only and an update keeps a resident tensor

@@ -123,7 +123,8 @@ impl ParamStore {
     }
 
     /// Completes the read of `id`; builds the tensor when `gather` (called
-    /// from a fetch) or with one rank, else stages the shard bytes.
+    /// from a fetch), with one rank or when handing out shards, else
+    /// stages the shard bytes.
     pub(super) fn complete_read(&mut self, id: ParamId, gather: bool) -> Result<()> {
         let slot = std::mem::replace(&mut self.slots[id.0].slot, Slot::OnDisk);
         let Slot::InFlight(read) = slot else {
@@ -164,8 +165,9 @@ impl ParamStore {
     }
 
     /// Hands a submitted read of `id` to the copy thread, saying what to
-    /// make of it: the tensor itself when one rank holds the whole param,
-    /// else the shard's bytes (the gather belongs to the compute thread).
+    /// make of it: the tensor itself when it is built from this rank's
+    /// bytes alone ([`ParamStore::builds_locally`]), else the shard's bytes
+    /// (the gather belongs to the compute thread).
     pub(super) fn hand_over(&self, id: ParamId, ticket: Ticket) -> Result<PendingRead> {
         self.copier
             .as_ref()
