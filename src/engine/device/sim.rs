@@ -544,8 +544,8 @@ impl SimDevice {
     /// ([`Comm::reduce_scatter_add_f32`], the same additions in the same
     /// order as on a GPU); only this rank's sums cross its copy queue out.
     /// Its gather is `comm`'s all-gather of the shards' bytes, the whole
-    /// param then crossing its copy queue (the tier counts the shard's
-    /// bytes, what crosses a GPU's link).
+    /// param then put on the device by its copy queue in the time of the
+    /// shard's bytes (what crosses a GPU's link; the tier counts them).
     pub fn with_collectives(mut self, comm: Arc<dyn Comm>) -> Self {
         self.comm = Some(comm);
         self
@@ -624,14 +624,17 @@ impl SimDevice {
 
     /// A param gathered through the ranks' collective (`gather`: this
     /// rank's shard met with the others'; its memory is host memory),
-    /// then the whole crossing the copy queue as one upload.
+    /// then the whole put on the device by one upload of the copy queue
+    /// that takes the time of the shard's `shard_bytes`.
     fn gather_with(
         &self,
         what: &str,
+        shard_bytes: u64,
         gather: impl FnOnce(&dyn Comm) -> Result<HostVec, String>,
     ) -> Result<SimUpload, ModelError> {
         let whole = self.on_collectives(what, &self.shared.gathers, gather)?;
-        self.upload(what, whole.elems())
+        // The copy takes the shard's time: only it crosses a GPU's link.
+        self.send_crossing(what, whole.elems(), true, shard_bytes)
     }
 
     /// `f` on the ranks' collectives, its own (the device's collectives
@@ -694,6 +697,19 @@ impl SimDevice {
         host: HostElems<'_>,
         counted: bool,
     ) -> Result<SimUpload, ModelError> {
+        self.send_crossing(what, host, counted, host.bytes())
+    }
+
+    /// [`SimDevice::send`] whose copy takes the time of `cross_bytes`
+    /// crossing (a gathered param: its shard's; the rest met on the
+    /// device).
+    fn send_crossing(
+        &self,
+        what: &str,
+        host: HostElems<'_>,
+        counted: bool,
+        cross_bytes: u64,
+    ) -> Result<SimUpload, ModelError> {
         let bytes = if counted { host_device_bytes(host) } else { 0 };
         self.admit(what, bytes)?;
         let mut slab = self.take_slab();
@@ -707,7 +723,7 @@ impl SimDevice {
             HostElems::F16(v) => slab.extend(v.iter().map(|x| x.to_f32())),
         }
         let sum = fingerprint(&slab);
-        let mut u = self.queue(what, host.bytes(), bytes, Source::Staged { slab, sum })?;
+        let mut u = self.queue(what, cross_bytes, bytes, Source::Staged { slab, sum })?;
         u.narrow_bytes = (counted && dtype_of(host) != DType::F32).then_some(bytes);
         Ok(u)
     }
@@ -945,7 +961,9 @@ impl DeviceLink for SimDevice {
         shard: HostElems<'_>,
         counts: &[usize],
     ) -> Result<SimUpload, ModelError> {
-        self.gather_with(what, |comm| gather::shards(comm, shard, counts))
+        self.gather_with(what, shard.bytes(), |comm| {
+            gather::shards(comm, shard, counts)
+        })
     }
 
     fn gather_in_place(
@@ -960,7 +978,7 @@ impl DeviceLink for SimDevice {
         // ranks' bytes met, which copied them.
         self.check_pin(&pin, shard);
         let wire = shard.wire();
-        let up = self.gather_with(what, |comm| {
+        let up = self.gather_with(what, pin.len_bytes() as u64, |comm| {
             gather::shards_of_bytes(comm, wire, pin.bytes(), counts)
         })?;
         self.shared.direct_copies.fetch_add(1, Ordering::Relaxed);
