@@ -51,7 +51,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use candle_core::DType;
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::Sender;
 use tierzero_gpu::unit::{GemmDtype, HostExec};
 
 use tierzero_swap::{HostRegistrar, ReadPin};
@@ -62,6 +62,11 @@ use crate::model::exec_units::{DeviceQueue, DeviceSpan, HostElems, HostVec};
 use crate::model::ModelError;
 
 mod gather;
+mod probe;
+mod threads;
+
+pub use probe::SimProbe;
+use threads::{copy_thread, download_thread, fingerprint};
 
 /// How the simulated device behaves.
 #[derive(Debug, Clone)]
@@ -256,103 +261,6 @@ impl Shared {
     }
 }
 
-/// The simulated device's counters (see [`SimDevice::probe`]).
-#[derive(Debug, Clone)]
-pub struct SimProbe {
-    shared: Arc<Shared>,
-    slots: usize,
-}
-
-impl SimProbe {
-    /// Device bytes held now.
-    pub fn used_bytes(&self) -> u64 {
-        self.shared.used_bytes.load(Ordering::Relaxed)
-    }
-
-    /// The most device bytes held at once.
-    pub fn peak_bytes(&self) -> u64 {
-        self.shared.peak_bytes.load(Ordering::Relaxed)
-    }
-
-    /// Staging buffers not lent to a copy.
-    pub fn free_staging(&self) -> usize {
-        self.shared
-            .free_slabs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .len()
-    }
-
-    /// Staging buffers in all.
-    pub fn staging_slots(&self) -> usize {
-        self.slots
-    }
-
-    /// Copies that found their staging buffer changed since the upload,
-    /// and copies in place whose pinned bytes were not the upload's
-    /// elements.
-    pub fn violations(&self) -> u64 {
-        self.shared.violations.load(Ordering::Relaxed)
-    }
-
-    /// Copies queued or running now.
-    pub fn in_flight(&self) -> u64 {
-        self.shared.in_flight.load(Ordering::Relaxed)
-    }
-
-    /// The most copies queued or running at once.
-    pub fn peak_in_flight(&self) -> u64 {
-        self.shared.peak_in_flight.load(Ordering::Relaxed)
-    }
-
-    /// Copies completed.
-    pub fn copies(&self) -> u64 {
-        self.shared.copies.load(Ordering::Relaxed)
-    }
-
-    /// Uploads asked for (refused ones included).
-    pub fn uploads(&self) -> u64 {
-        self.shared.uploads.load(Ordering::Relaxed)
-    }
-
-    /// Copies that read registered host memory in place (no staging
-    /// fill).
-    pub fn direct_copies(&self) -> u64 {
-        self.shared.direct_copies.load(Ordering::Relaxed)
-    }
-
-    /// Bytes those copies moved.
-    pub fn direct_bytes(&self) -> u64 {
-        self.shared.direct_bytes.load(Ordering::Relaxed)
-    }
-
-    /// Pins (of pages or swap buffers) held by copies queued or running
-    /// now.
-    pub fn pins_held(&self) -> u64 {
-        self.shared.pins_held.load(Ordering::Relaxed)
-    }
-
-    /// Downloads queued or running now.
-    pub fn downloads_in_flight(&self) -> u64 {
-        self.shared.downloads_in_flight.load(Ordering::Relaxed)
-    }
-
-    /// Downloads completed.
-    pub fn downloads(&self) -> u64 {
-        self.shared.downloads.load(Ordering::Relaxed)
-    }
-
-    /// Units' gradients reduce-scattered on the device.
-    pub fn reduces(&self) -> u64 {
-        self.shared.reduces.load(Ordering::Relaxed)
-    }
-
-    /// Params gathered on the device.
-    pub fn gathers(&self) -> u64 {
-        self.shared.gathers.load(Ordering::Relaxed)
-    }
-}
-
 /// An upload on the simulated device.
 #[derive(Debug)]
 pub struct SimUpload {
@@ -400,100 +308,6 @@ pub struct SimDevice {
     registrar: Option<Arc<dyn HostRegistrar>>,
     /// The ranks' collectives its own stand on ([`SimDevice::with_collectives`]).
     comm: Option<Arc<dyn Comm>>,
-}
-
-/// An order-sensitive hash of a buffer's bits.
-fn fingerprint(v: &[f32]) -> u64 {
-    v.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
-        (h ^ u64::from(x.to_bits())).wrapping_mul(0x0000_0100_0000_01b3)
-    })
-}
-
-/// How long the copy of `bytes` takes.
-fn copy_time(cfg: &SimConfig, bytes: u64) -> Duration {
-    let rate = cfg
-        .h2d_bytes_per_s
-        .filter(|r| r.is_finite() && *r > 0.0)
-        .map_or(Duration::ZERO, |r| {
-            Duration::from_secs_f64(bytes as f64 / r)
-        });
-    cfg.copy_delay + rate
-}
-
-fn copy_thread(rx: Receiver<Job>, shared: Arc<Shared>, cfg: SimConfig) {
-    for job in rx {
-        let start = Instant::now();
-        std::thread::sleep(copy_time(&cfg, job.bytes));
-        // The bytes are read at the end of the copy's time: one that
-        // changed under it (a staging buffer refilled, a page written
-        // without waiting for the pin) is seen.
-        let (dst, slab) = match job.src {
-            Source::Staged { slab, sum } => {
-                if fingerprint(&slab) != sum {
-                    shared.violations.fetch_add(1, Ordering::Relaxed);
-                }
-                (slab.clone(), Some(slab))
-            }
-            Source::Pinned { pin, dtype } => {
-                let dst = widen(pin.bytes(), dtype);
-                shared.direct_copies.fetch_add(1, Ordering::Relaxed);
-                shared
-                    .direct_bytes
-                    .fetch_add(pin.len_bytes() as u64, Ordering::Relaxed);
-                // The copy is done: its pin goes.
-                drop(pin);
-                shared.pins_held.fetch_sub(1, Ordering::Relaxed);
-                (dst, None)
-            }
-        };
-        shared.push_span(DeviceSpan {
-            queue: DeviceQueue::H2d,
-            name: job.what,
-            start,
-            end: Instant::now(),
-        });
-        // The counters and the staging buffer first, then the event: who
-        // waited on it sees the device with this copy done.
-        shared.in_flight.fetch_sub(1, Ordering::Relaxed);
-        shared.copies.fetch_add(1, Ordering::Relaxed);
-        if let Some(slab) = slab {
-            shared
-                .free_slabs
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(slab);
-            shared.slab_back.notify_all();
-        }
-        job.event.complete(dst);
-    }
-}
-
-fn download_thread(rx: Receiver<Down>, shared: Arc<Shared>, cfg: SimConfig) {
-    for d in rx {
-        if let Some(rest) = d
-            .after
-            .and_then(|t| t.checked_duration_since(Instant::now()))
-        {
-            std::thread::sleep(rest);
-        }
-        let start = Instant::now();
-        // To 16 bits, rounded on the device: half the bytes.
-        let out = match d.wire {
-            Wire::Bf16 => HostVec::Bf16(d.data.iter().map(|&x| half::bf16::from_f32(x)).collect()),
-            Wire::F16 => HostVec::F16(d.data.iter().map(|&x| half::f16::from_f32(x)).collect()),
-            Wire::F32 => HostVec::F32(d.data),
-        };
-        std::thread::sleep(copy_time(&cfg, out.bytes()));
-        shared.push_span(DeviceSpan {
-            queue: DeviceQueue::D2h,
-            name: d.what,
-            start,
-            end: Instant::now(),
-        });
-        d.event.complete(out);
-        shared.downloads_in_flight.fetch_sub(1, Ordering::Relaxed);
-        shared.downloads.fetch_add(1, Ordering::Relaxed);
-    }
 }
 
 impl SimDevice {
