@@ -943,6 +943,7 @@ fn fp16_collectives_on_the_device_match_the_host_s_bit_for_bit() {
     assert_bit_identical("fp16: rank 1, device vs host", &host[1], &device[1..]);
     for d in &device {
         assert!(d.device_gathers > 0 && d.param_gathers == 0);
+        assert!(d.device_reduces > 0, "fp16: no reduce on the device");
     }
 }
 

@@ -233,6 +233,16 @@ pub enum Wire {
     F16,
 }
 
+impl Wire {
+    /// Bytes of one element.
+    pub fn elem_bytes(self) -> usize {
+        match self {
+            Wire::F32 => 4,
+            Wire::Bf16 | Wire::F16 => 2,
+        }
+    }
+}
+
 /// What an upload is for, which decides what [`Uploads::finish`] hands
 /// over (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -794,7 +804,7 @@ impl Uploads {
         pin: tierzero_swap::ReadPin,
         wire: Wire,
     ) -> Result<PendingUpload> {
-        let elem_bytes = if wire == Wire::F32 { 4 } else { 2 };
+        let elem_bytes = wire.elem_bytes();
         let len_bytes = pin.len_bytes();
         if !len_bytes.is_multiple_of(elem_bytes) {
             return Err(crate::GpuError::Driver {
@@ -838,7 +848,7 @@ impl Uploads {
         offset: usize,
         numel: usize,
     ) -> Result<PendingUpload> {
-        let elem_bytes = if wire == Wire::F32 { 4 } else { 2 };
+        let elem_bytes = wire.elem_bytes();
         let len_bytes = pin.len_bytes();
         let n = len_bytes / elem_bytes;
         if !len_bytes.is_multiple_of(elem_bytes)

@@ -156,8 +156,8 @@ pub(super) fn check_collective(dev: &Arc<Device>, rep: &mut Report) -> Result<()
 
 /// One rank's gather of a param of `n` elements, fp32 and bf16: the shard
 /// (the whole, with one rank) uploaded into its range, the exchange's
-/// event waited for with a deadline, the buffer the compute gets has the
-/// shard's bits.
+/// event waited for with a deadline (`wait_gathered` refuses an upload
+/// without it), the buffer the compute gets has the shard's bits.
 fn gather_one_rank(
     dev: &Arc<Device>,
     comm: &DeviceComm,
@@ -169,7 +169,6 @@ fn gather_one_rank(
     let deadline = std::time::Duration::from_secs(60);
     let up = uploads.start_shard("param shard", &v, 0, n)?;
     let (up, _) = comm.gather(dev, up, &[n])?;
-    let ok_flag = up.is_gathered();
     let got = match uploads.finish(comm.wait_gathered(up, deadline)?)? {
         DevBuf::F32(b) => dev.download(&b)?,
         _ => Vec::new(),
@@ -184,12 +183,6 @@ fn gather_one_rank(
     };
     let want: Vec<f32> = h.iter().map(|x| x.to_f32()).collect();
     same_bits(rep, "gather.one_rank_bf16", &n.to_string(), &got, &want);
-    rep.check(
-        "gather.event",
-        &n.to_string(),
-        ok_flag,
-        "the upload carries the exchange's event",
-    );
     gather_pinned_one_rank(dev, comm, uploads, rep, &v)
 }
 

@@ -133,16 +133,17 @@ impl CudaLink {
         start: impl FnOnce(usize, usize) -> tierzero_gpu::Result<PendingUpload>,
     ) -> Result<PendingUpload, ModelError> {
         let (comm, _) = self.collective(what)?;
-        let rank = comm.rank();
-        if counts.len() != comm.world() || counts[rank] != shard_len {
+        let numel: usize = counts.iter().sum();
+        if counts.len() != comm.world() {
             return Err(ModelError::Gpu {
-                what: format!(
-                    "{what}: a shard of {shard_len} elements on rank {rank} cut as {counts:?}"
-                ),
+                what: format!("{what}: cut as {counts:?} for {} ranks", comm.world()),
             });
         }
-        let offset: usize = counts[..rank].iter().sum();
-        let up = start(offset, counts.iter().sum()).map_err(gpu_err)?;
+        let offset = crate::engine::comm::check_counts(what, comm.rank(), counts, shard_len, numel)
+            .map_err(|e| ModelError::Gpu {
+                what: e.to_string(),
+            })?;
+        let up = start(offset, numel).map_err(gpu_err)?;
         let (up, began) = comm.gather(self.device(), up, counts).map_err(gpu_err)?;
         if let Some(b) = began {
             if let Ok(span) = EventClock::span(comm.stream(), what.to_owned(), b) {

@@ -84,11 +84,7 @@ pub(super) fn wire_of(dtype: DType) -> Wire {
 
 /// Bytes of one element on `wire`.
 fn wire_bytes(wire: Wire) -> u64 {
-    if wire == Wire::F32 {
-        ELEM_BYTES
-    } else {
-        2
-    }
+    wire.elem_bytes() as u64
 }
 
 /// The most device bytes one unit's reduce-scatter holds among `ranks`
@@ -244,23 +240,28 @@ impl<L: DeviceLink> GradsOut<L> {
         let refused = |why: String| ModelError::Gpu {
             what: format!("unit {}: no reduce-scatter on the device ({why})", unit.0),
         };
-        let (laid_out, packed) = match self.remove(unit) {
-            Some(Pending {
-                at: Where::Packed { counts, packed, .. },
-                ..
-            }) => (counts, packed),
-            Some(p) => {
-                // Not kept: back in the queue for `take`.
-                self.queue().push_front(p);
-                return Err(refused("its gradients are downloading".into()));
-            }
-            None => return Err(refused("it left no gradients".into())),
+        let Some(p) = self.remove(unit) else {
+            return Err(refused("it left no gradients".into()));
         };
-        if laid_out != counts {
-            return Err(refused(format!(
+        let why = match &p.at {
+            Where::Packed {
+                counts: laid_out, ..
+            } if laid_out == counts => None,
+            Where::Packed {
+                counts: laid_out, ..
+            } => Some(format!(
                 "laid out in chunks of {laid_out:?} elements, asked for {counts:?}"
-            )));
+            )),
+            _ => Some("its gradients are downloading".into()),
+        };
+        if let Some(why) = why {
+            // Refused: back in the queue as it was, nothing lost.
+            self.queue().push_front(p);
+            return Err(refused(why));
         }
+        let Where::Packed { packed, .. } = p.at else {
+            return Err(refused("not packed".into()));
+        };
         let d = link.reduce_grads(&format!("unit {} gradients", unit.0), packed, acc)?;
         let sums = match link.finish_download(d)? {
             HostVec::F32(v) => v,
@@ -414,9 +415,9 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("laid out in chunks"), "{e}");
+        // ... and the unit stays packed for a reduce with the right counts.
+        assert_eq!(out.on_device(UnitId(2)), Some(ids(2)));
         // A new step lets every packed unit go.
-        out.put(&link, &model, UnitId(2), grads_of(&model, 2), DType::F32)
-            .unwrap();
         out.drain(&link).unwrap();
         assert_eq!(out.on_device(UnitId(2)), None);
     }

@@ -394,14 +394,20 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
         pin: ReadPin,
         host: HostElems<'_>,
     ) -> Result<(Self::Upload, bool), ModelError> {
-        let registered = self
-            .host_registrar()
-            .is_some_and(|r| pin.registered_with(&r));
-        if registered && pin.len_bytes() as u64 == host.bytes() {
+        if self.crosses_in_place(&pin, host) {
             return Ok((self.copy_in_place(what, pin, host)?, true));
         }
         drop(pin);
         Ok((self.upload(what, host)?, false))
+    }
+    /// Whether `pin` may be copied from in place for `host`: memory this
+    /// link registered ([`DeviceLink::host_registrar`]) holding exactly
+    /// `host`'s bytes. The one rule of [`DeviceLink::upload_pinned`] and
+    /// [`DeviceLink::gather_pinned`].
+    fn crosses_in_place(&self, pin: &ReadPin, host: HostElems<'_>) -> bool {
+        self.host_registrar()
+            .is_some_and(|r| pin.registered_with(&r))
+            && pin.len_bytes() as u64 == host.bytes()
     }
     /// The copy of [`DeviceLink::upload_pinned`] in place: `pin`'s bytes,
     /// in memory this link registered and exactly `host`'s elements, read
@@ -531,10 +537,7 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
         shard: HostElems<'_>,
         counts: &[usize],
     ) -> Result<(Self::Upload, bool), ModelError> {
-        let registered = self
-            .host_registrar()
-            .is_some_and(|r| pin.registered_with(&r));
-        if registered && pin.len_bytes() as u64 == shard.bytes() {
+        if self.crosses_in_place(&pin, shard) {
             return Ok((self.gather_in_place(what, pin, shard, counts)?, true));
         }
         drop(pin);

@@ -724,6 +724,19 @@ impl ParamStore {
         }
     }
 
+    /// Where this rank's shard starts in `id`'s resident tensor's bytes:
+    /// its rank's offset in the whole param, or 0 when the tensor is built
+    /// from this rank's bytes alone (one rank; or the shard itself, when
+    /// handing out shards).
+    pub(super) fn resident_offset_bytes(&self, id: ParamId) -> usize {
+        if self.builds_locally(id) {
+            0
+        } else {
+            let rank = self.comm.rank();
+            self.info[id.0].counts_bytes.iter().take(rank).sum()
+        }
+    }
+
     fn tensor_from_shard(&self, id: ParamId, shard: &[u8]) -> Result<Tensor> {
         let info = &self.info[id.0];
         // One rank holds the whole param, or the shard is what is handed

@@ -32,7 +32,7 @@ pub(super) fn shards_of_bytes(
     mine: &[u8],
     counts: &[usize],
 ) -> Result<HostVec, String> {
-    let elem_bytes = if wire == Wire::F32 { 4 } else { 2 };
+    let elem_bytes = wire.elem_bytes();
     let counts_bytes: Vec<usize> = counts.iter().map(|c| c * elem_bytes).collect();
     if counts.len() != comm.world_size() || counts_bytes.get(comm.rank()) != Some(&mine.len()) {
         return Err(format!(

@@ -108,14 +108,10 @@ impl ParamStore {
             Slot::Staged(b) => return Ok(b.clone()),
             Slot::Resident(t, _) => {
                 let all = tensor_bytes(t)?;
-                // The whole param's, this rank's range of it; or, handing
-                // out shards, the shard itself.
-                let start: usize = if self.builds_locally(id) {
-                    0
-                } else {
-                    let rank = self.comm.rank();
-                    self.info[id.0].counts_bytes.iter().take(rank).sum()
-                };
+                let start = self.resident_offset_bytes(id);
+                if start == 0 && all.len() == len {
+                    return Ok(all);
+                }
                 return all
                     .get(start..start + len)
                     .map(<[u8]>::to_vec)
