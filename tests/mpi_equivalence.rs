@@ -85,6 +85,9 @@ struct Out {
     device_reduces: u64,
     /// Params gathered on the (simulated) device.
     device_gathers: u64,
+    /// Gathers of the weights kept on the (simulated) device, after each
+    /// step.
+    device_kept_gathers: u64,
     /// Of `h2d_bytes`, those that crossed from pinned host memory in
     /// place, every step.
     h2d_direct_bytes: u64,
@@ -126,6 +129,11 @@ enum Compute {
     /// [`Compute::SimTier`] with no compute delay: the params gathered
     /// and the gradients reduce-scattered on the host.
     SimHost,
+    /// Nothing offloaded, each rank's simulated device with collectives
+    /// of its own: the units the CLI picks (`units_on`), Adam on the
+    /// devices, its state sharded, the gradients reduce-scattered and the
+    /// weights gathered there.
+    SimResident,
 }
 
 impl Compute {
@@ -136,6 +144,7 @@ impl Compute {
             Compute::SimTier => "sim",
             Compute::SimReduce => "sim-reduce",
             Compute::SimHost => "sim-host",
+            Compute::SimResident => "sim-resident",
         }
     }
     fn parse(s: Option<&str>) -> Compute {
@@ -144,6 +153,7 @@ impl Compute {
             Some("sim") => Compute::SimTier,
             Some("sim-reduce") => Compute::SimReduce,
             Some("sim-host") => Compute::SimHost,
+            Some("sim-resident") => Compute::SimResident,
             _ => Compute::Cpu,
         }
     }
@@ -228,6 +238,24 @@ fn train_on(
             opts.compute = Some(units);
             probe = Some(p);
         }
+        Compute::SimResident => {
+            let dev = SimDevice::new(SimConfig {
+                gemm,
+                ..SimConfig::instant(64 << 20, 4)
+            })
+            .unwrap()
+            .with_collectives(comm);
+            probe = Some(dev.probe());
+            let units =
+                tierzero::engine::device::units_on(dev, &loaded.config, md.model(), ranks as usize)
+                    .unwrap();
+            assert!(
+                units.device_optimizer().is_some(),
+                "not resident: {}",
+                units.describe()
+            );
+            opts.compute = Some(units);
+        }
     }
     let timeline = opts.timeline.clone();
     let mut t = Trainer::new(&loaded.config, &md, corpus(), opts).unwrap();
@@ -268,6 +296,7 @@ fn train_on(
         grad_reduces,
         device_reduces: probe.as_ref().map_or(0, |p| p.reduces()),
         device_gathers: probe.as_ref().map_or(0, |p| p.gathers()),
+        device_kept_gathers: probe.as_ref().map_or(0, |p| p.kept_gathers()),
         device_violations: probe.as_ref().map_or(0, |p| p.violations()),
         h2d_direct_bytes,
         collective_busy_s,
@@ -360,6 +389,7 @@ fn out_to_json(o: &Out) -> Value {
         "grad_reduces": o.grad_reduces,
         "device_reduces": o.device_reduces,
         "device_gathers": o.device_gathers,
+        "device_kept_gathers": o.device_kept_gathers,
         "device_violations": o.device_violations,
         "h2d_direct_bytes": o.h2d_direct_bytes,
         "collective_busy_s": o.collective_busy_s,
@@ -389,6 +419,7 @@ fn out_from_json(v: &Value) -> Out {
         grad_reduces: v["grad_reduces"].as_u64().unwrap(),
         device_reduces: v["device_reduces"].as_u64().unwrap(),
         device_gathers: v["device_gathers"].as_u64().unwrap(),
+        device_kept_gathers: v["device_kept_gathers"].as_u64().unwrap(),
         device_violations: v["device_violations"].as_u64().unwrap(),
         h2d_direct_bytes: v["h2d_direct_bytes"].as_u64().unwrap(),
         collective_busy_s: v["collective_busy_s"].as_f64().unwrap(),
@@ -1061,4 +1092,63 @@ fn stage3_with_clipping_matches_within_1e6() {
     );
     assert!(loss_rel <= 1e-6, "losses differ by {loss_rel}");
     assert!(w_norm <= 1e-6, "weights differ by {w_norm}");
+}
+
+#[test]
+fn adam_on_the_devices_of_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
+    // Issue 23 item 3 with several ranks, by the simulation: nothing
+    // offloaded, so each rank's device holds the params whole and Adam's
+    // state for its shard (`ResidentUnits` with the ranks' collectives).
+    // A param's micro-batch sum is reduce-scattered on the devices onto
+    // this rank's shard of the step's sum, Adam steps the shard there, and
+    // the ranks gather the new weights on the devices: no param,
+    // gradient or state crosses to the host in a step. Tied embeddings,
+    // two micro-batches a step.
+    for precision in ["fp32", "bf16"] {
+        let (tag, steps, gas) = (format!("s3-sim-resident-{precision}"), 4u64, 2u64);
+        let knobs = Knobs {
+            stage: 3,
+            gas,
+            precision,
+            ..Knobs::default()
+        };
+        let (model, multi_cfg, reference) = two_rank_case(&tag, &knobs, true, steps);
+        let ranks = run_ranks_on(2, &multi_cfg, &model, steps, Compute::SimResident);
+        for (r, o) in ranks.iter().enumerate() {
+            assert_eq!(o.losses, ranks[0].losses, "{tag}: rank {r} losses");
+            assert_eq!(o.sha256, ranks[0].sha256, "{tag}: rank {r} hash");
+        }
+        assert_bit_identical(
+            &format!("{precision}: Adam on the devices of 2 ranks"),
+            &reference,
+            &ranks,
+        );
+        let l = &reference.losses;
+        assert!(l[l.len() - 1] < l[0], "{tag}: loss did not fall: {l:?}");
+        // GPT-2, tied: wte, wpe; 12 a block, two blocks; ln_f's two.
+        let params = 2 + 2 * 12 + 2;
+        for (r, o) in ranks.iter().enumerate() {
+            println!(
+                "{precision}, rank {r}: {} params reduced and {} gathers of the weights on the \
+                 device; h2d {} B, d2h {} B; {} host gathers, {} host reduces",
+                o.device_reduces,
+                o.device_kept_gathers,
+                o.h2d_bytes,
+                o.d2h_bytes,
+                o.param_gathers,
+                o.grad_reduces
+            );
+            // Every param's sum reduced once a micro-batch (the tied
+            // embedding's after its last unit), on the device.
+            assert_eq!(o.device_reduces, gas * steps * params, "rank {r}");
+            // One gather of every param's new weights a step, and one of
+            // each param at load (this rank's shard of the weights up).
+            assert_eq!(o.device_kept_gathers, steps, "rank {r}");
+            assert_eq!(o.device_gathers, params, "rank {r}: loads");
+            // Nothing on the host's collectives but the loss's and the
+            // checkpoint's.
+            assert_eq!(o.param_gathers, 0, "rank {r}: a host gather");
+            assert_eq!(o.grad_reduces, 0, "rank {r}: a host reduce");
+        }
+    }
 }

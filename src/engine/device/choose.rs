@@ -1,5 +1,6 @@
 //! Which units a run computes on a device link: everything resident with
-//! Adam on the device when nothing is offloaded and one rank trains
+//! Adam on the device when nothing is offloaded and one rank trains, or
+//! several whose devices have collectives of their own
 //! ([`ResidentUnits`]), else the device tier with the optimizer on the
 //! host ([`TieredUnits`]). `tierzero train --device` and the device
 //! measurements (`examples/device_overlap.rs`) both call [`units_on`], so
@@ -20,7 +21,7 @@ pub fn units_on<L: DeviceLink + 'static>(
     model: &Model,
     world: usize,
 ) -> Result<Arc<dyn UnitCompute>, ModelError> {
-    match trains_resident(cfg, world) {
+    match trains_resident(cfg, world, link.reduce_ranks()) {
         Ok(()) => {
             let bf16 = cfg.precision == Precision::Bf16;
             let units =
@@ -42,9 +43,11 @@ pub fn units_on<L: DeviceLink + 'static>(
     }
 }
 
-/// Whether the run trains in device memory (Adam on the device: what
-/// DeepSpeed does with nothing offloaded), or why not.
-pub fn trains_resident(cfg: &Config, world: usize) -> Result<(), String> {
+/// Whether the run on `world` ranks trains in device memory (Adam on the
+/// device: what DeepSpeed does with nothing offloaded), or why not.
+/// `device_ranks`: the ranks the link's own collectives span
+/// ([`DeviceLink::reduce_ranks`]); several ranks need them all (NCCL).
+pub fn trains_resident(cfg: &Config, world: usize, device_ranks: usize) -> Result<(), String> {
     let z = &cfg.zero;
     if z.offload_optimizer.device != OffloadDevice::None {
         return Err(format!(
@@ -58,9 +61,10 @@ pub fn trains_resident(cfg: &Config, world: usize) -> Result<(), String> {
             z.offload_param.device
         ));
     }
-    if world > 1 {
+    if world > 1 && device_ranks != world {
         return Err(format!(
-            "{world} ranks (the device optimizer holds whole params, one rank)"
+            "{world} ranks and no collectives among their devices (NCCL): the device \
+             optimizer's gradients and weights move between the devices"
         ));
     }
     if !cfg.optimizer.decoupled_weight_decay {
@@ -99,19 +103,24 @@ mod tests {
     }
 
     #[test]
-    fn nothing_offloaded_trains_resident_unless_fp16_or_l2_adam_or_several_ranks() {
+    fn nothing_offloaded_trains_resident_unless_fp16_or_l2_adam_or_ranks_without_nccl() {
         let plain = config(r#""zero_optimization": {"stage": 0}"#);
-        assert_eq!(trains_resident(&plain, 1), Ok(()));
-        assert!(trains_resident(&plain, 2).unwrap_err().contains("2 ranks"));
+        assert_eq!(trains_resident(&plain, 1, 1), Ok(()));
+        assert!(trains_resident(&plain, 2, 1)
+            .unwrap_err()
+            .contains("2 ranks and no collectives"));
+        assert_eq!(trains_resident(&plain, 2, 2), Ok(()));
         let bf16 = config(r#""bf16": {"enabled": true}"#);
-        assert_eq!(trains_resident(&bf16, 1), Ok(()));
+        assert_eq!(trains_resident(&bf16, 1, 1), Ok(()));
         let fp16 = config(r#""fp16": {"enabled": true}"#);
-        assert!(trains_resident(&fp16, 1)
+        assert!(trains_resident(&fp16, 1, 1)
             .unwrap_err()
             .contains("fp16.enabled"));
         let l2 = config(
             r#""optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": false}}"#,
         );
-        assert!(trains_resident(&l2, 1).unwrap_err().contains("adam_w_mode"));
+        assert!(trains_resident(&l2, 1, 1)
+            .unwrap_err()
+            .contains("adam_w_mode"));
     }
 }

@@ -522,6 +522,55 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
             what: format!("{what}: this device has no collectives of its own"),
         })
     }
+    /// Several ranks, the optimizer on the device
+    /// ([`ResidentUnits`]): [`DeviceLink::reduce_grads`] whose sums stay
+    /// on the device. This rank's chunks of `packed` from every rank,
+    /// widened exactly, added onto `acc` (this rank's running sums, a
+    /// buffer of this link's, consumed; None: +0.0) in rank order: the
+    /// same additions as on the host. Returns the sums in flight as an
+    /// upload: its [`DeviceLink::finish`] waits for the collective (with
+    /// the communicator's deadline: a dead peer never completes it) and
+    /// orders the compute after it. None: this rank's shard has no
+    /// elements (it still sent its chunks). A collective.
+    fn reduce_kept(
+        &self,
+        what: &str,
+        packed: Self::Packed,
+        acc: Option<Self::Buf>,
+    ) -> Result<Option<Self::Upload>, ModelError> {
+        let _ = packed;
+        if let Some(a) = acc {
+            self.free(a);
+        }
+        Err(ModelError::Gpu {
+            what: format!("{what}: this device has no collectives of its own"),
+        })
+    }
+    /// Several ranks, the optimizer on the device: each of `wholes` (a
+    /// param's weights, whole, fp32 or bf16 as they crossed) gets its
+    /// range of this rank, `counts[p][rank]` elements, from `shards[p]`
+    /// (this rank's fp32 master shard; rounded to nearest even into a
+    /// bf16 whole, as the host rounds its bf16 copy; None for a shard of
+    /// no elements), after the compute queued so far; then every other
+    /// rank's range from that rank, every param's exchange in one group.
+    /// NCCL only moves bytes: the bits a gather on the host gives. Waits
+    /// for the exchanges with the communicator's deadline and orders the
+    /// compute after them. Returns the wholes. A collective.
+    fn gather_kept(
+        &self,
+        what: &str,
+        wholes: Vec<Self::Buf>,
+        shards: &[Option<&Self::Buf>],
+        counts: &[Vec<usize>],
+    ) -> Result<Vec<Self::Buf>, ModelError> {
+        let _ = (shards, counts);
+        for w in wholes {
+            self.free(w);
+        }
+        Err(ModelError::Gpu {
+            what: format!("{what}: this device has no collectives of its own"),
+        })
+    }
     /// [`DeviceLink::gather_param`] of a param whose shard's bytes are
     /// also `pin`, a range of pinned host memory nobody writes while the
     /// pin lives (its cpu-tier page's range), as

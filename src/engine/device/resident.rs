@@ -1,9 +1,11 @@
 //! [`ResidentUnits`]: training in device memory. With nothing offloaded
-//! (`offload_optimizer` and `offload_param` both `none`, one rank), every
-//! param's weights, its gradient sum and Adam's state (fp32 master and
-//! moments) live on the device, the units compute on them, and the
-//! optimizer step runs there ([`DeviceOptimizer`]): no param or gradient
-//! crosses per step, only a unit's inputs and outputs.
+//! (`offload_optimizer` and `offload_param` both `none`), every param's
+//! weights, its gradient sum and Adam's state (fp32 master and moments)
+//! live on the device, the units compute on them, and the optimizer step
+//! runs there ([`DeviceOptimizer`]): no param or gradient crosses per
+//! step, only a unit's inputs and outputs. With several ranks whose
+//! devices have collectives of their own, each device holds its rank's
+//! shard of the state (see "Several ranks").
 //!
 //! # One state per param
 //!
@@ -42,6 +44,39 @@
 //! (`Exec::sq_sums`): the same bits every run, not the host's
 //! norm's bits.
 //!
+//! # Several ranks
+//!
+//! With the link's collectives among several ranks (NCCL between GPUs;
+//! [`DeviceLink::reduce_ranks`]), as ZeRO-2 keeps them: every device
+//! holds each param's weights whole, for its units; Adam's state (fp32
+//! master, moments) and the step's gradient sums are this rank's shard
+//! of each param (`crate::engine::layout::shard_counts`'s cut, the
+//! host's). The micro-batch sums stay in [`Grad`] (never `Summed`); a
+//! param's shard of the step's sum over the ranks is a [`Reduced`]
+//! (`ranks.rs`):
+//!
+//! | state | event | next |
+//! |---|---|---|
+//! | `None` | the param's last unit of a micro-batch | `InFlight` (its micro-batch sum reduce-scattered onto +0.0) |
+//! | `InFlight(u)`, `Ready(s)` | the same | `InFlight` (onto `s`, or `u`'s sums once done) |
+//! | `InFlight(u)` | the norm or the step | `Ready` (waited for, with the communicator's deadline) |
+//! | `Ready(s)` | the step | `None` (Adam stepped the shard on `s`; `s` freed) |
+//!
+//! Each reduce ([`DeviceLink::reduce_kept`]) adds every rank's chunk onto
+//! the running sum in rank order, as the host's collective does, so N
+//! ranks give one rank's bits over the same micro-batches. An untied
+//! param's sum crosses as bf16 in bf16 storage (it is one unit's
+//! gradient, already rounded: exact), a tied one's as fp32. After the
+//! step each rank's new master shard is rounded into its range of the
+//! weights and the ranks gather the rest, every param in one
+//! [`DeviceLink::gather_kept`]; at load, this rank's shard of the weights
+//! crosses and is gathered there ([`DeviceLink::gather_param`]). Each of
+//! these is a collective, made on the engine's thread in param order (at
+//! a unit, in its declared order), the same on every rank. The norm for
+//! clipping is this rank's shards' Σg², which the trainer adds over the
+//! ranks. The param store hands out shards ([`UnitCompute::gathers_params`]):
+//! the host gathers nothing.
+//!
 //! # Memory
 //!
 //! [`resident_state_bytes`] decides what the state needs; the plan
@@ -56,6 +91,8 @@
 //! in its budget) and freed through it. Gradients are the executor's
 //! buffers, dropped when cleared. A unit takes its weights out of the map
 //! while it computes and puts them back after, error or not.
+
+mod ranks;
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -143,38 +180,108 @@ impl<B> Grad<B> {
 
 /// One param on the device.
 #[derive(Debug)]
-struct OnDevice<B> {
-    /// What the units read: the master itself in fp32 storage, the master
-    /// rounded to bf16 in bf16 storage (a bf16 buffer on the device:
+struct OnDevice<B, U> {
+    /// What the units read, whole on every rank: the master itself in
+    /// fp32 storage with one rank, the master rounded to bf16 in bf16
+    /// storage (a bf16 buffer on the device:
     /// [`super::param_device_bytes`]). None while its unit computes.
     weights: Option<B>,
-    /// The fp32 master weights (bf16 storage only).
+    /// Adam's state of this rank's shard (the whole param with one rank;
+    /// None: this rank's shard has no elements).
+    adam: Option<AdamState<B>>,
+    /// Its gradient: the units' sums of this micro-batch (and, with one
+    /// rank, the step's).
+    grad: Grad<B>,
+    /// Several ranks: this rank's shard of the step's sum over the ranks
+    /// (see "Several ranks").
+    reduced: Reduced<B, U>,
+}
+
+/// Adam's state of a param's shard on the device.
+#[derive(Debug)]
+struct AdamState<B> {
+    /// The fp32 master weights: with one rank in bf16 storage only (fp32
+    /// storage steps the weights themselves); with several, always (the
+    /// weights are whole, the master this rank's shard).
     master: Option<B>,
     /// First moments.
     m: B,
     /// Second moments.
     v: B,
-    /// Its gradient.
-    grad: Grad<B>,
-    /// Its elements.
-    numel: usize,
 }
 
-/// Device bytes of the resident state of params of `numels` elements:
-/// `[weights, master, moments, gradients]`. bf16 storage has an fp32
-/// master beside the bf16 weights; the gradients (fp32) are the step's
-/// sums plus, at most, the largest param's micro-batch sum and one unit's
-/// gradient beside it.
-pub fn resident_state_bytes(numels: &[u64], bf16: bool) -> [u64; 4] {
+/// Several ranks: this rank's shard of a param's step sum over the ranks
+/// (the table in "Several ranks").
+#[derive(Debug, Default)]
+enum Reduced<B, U> {
+    /// None this step (or one rank).
+    #[default]
+    None,
+    /// A reduce-scatter's sums in flight ([`DeviceLink::reduce_kept`]).
+    InFlight(U),
+    /// The sums, on the device.
+    Ready(B),
+}
+
+/// Device bytes of the resident state of params of `numels` elements on
+/// rank `rank` of `world`: `[weights, master, moments, gradients]`.
+///
+/// With one rank, bf16 storage has an fp32 master beside the bf16
+/// weights; the gradients (fp32) are the step's sums plus, at most, the
+/// largest param's micro-batch sum and one unit's gradient beside it.
+///
+/// With several, the weights are whole on every rank and the master and
+/// moments are this rank's shards (`crate::engine::layout::shard_counts`);
+/// the gradients are the shards of the step's sums plus, at most, the
+/// largest param's micro-batch sum, one unit's gradient and the sum's
+/// copy laid out to cross, and the chunks every rank sent this rank.
+pub fn resident_state_bytes(numels: &[u64], bf16: bool, rank: usize, world: usize) -> [u64; 4] {
     let total: u64 = numels.iter().sum();
     let largest = numels.iter().copied().max().unwrap_or(0);
     let storage = if bf16 { DType::BF16 } else { DType::F32 };
+    let weights = super::param_device_bytes(total, storage);
+    if world <= 1 {
+        return [
+            weights,
+            if bf16 { total * ELEM_BYTES } else { 0 },
+            2 * total * ELEM_BYTES,
+            (total + 2 * largest) * ELEM_BYTES,
+        ];
+    }
+    let shard = |n: u64| {
+        crate::engine::layout::shard_counts(n as usize, world)
+            .get(rank)
+            .map_or(0, |&c| c as u64)
+    };
+    let shards: u64 = numels.iter().map(|&n| shard(n)).sum();
+    let largest_shard = numels.iter().map(|&n| shard(n)).max().unwrap_or(0);
     [
-        super::param_device_bytes(total, storage),
-        if bf16 { total * ELEM_BYTES } else { 0 },
-        2 * total * ELEM_BYTES,
-        (total + 2 * largest) * ELEM_BYTES,
+        weights,
+        shards * ELEM_BYTES,
+        2 * shards * ELEM_BYTES,
+        (shards + 3 * largest + world as u64 * largest_shard) * ELEM_BYTES,
     ]
+}
+
+/// Several ranks: this rank among them, and how each param is cut.
+#[derive(Debug)]
+struct Ranks {
+    rank: usize,
+    world: usize,
+    /// `counts[p][r]`: elements of param `p` in rank `r`'s shard
+    /// (`crate::engine::layout::shard_counts`).
+    counts: Vec<Vec<usize>>,
+}
+
+impl Ranks {
+    /// Elements of param `id`'s shard on this rank.
+    fn shard_numel(&self, id: ParamId) -> usize {
+        self.counts
+            .get(id.0)
+            .and_then(|c| c.get(self.rank))
+            .copied()
+            .unwrap_or(0)
+    }
 }
 
 /// The units computed on a [`DeviceLink`] with everything resident (see
@@ -187,15 +294,19 @@ pub struct ResidentUnits<L: DeviceLink> {
     numels: Vec<u64>,
     /// Each param's last unit in backward (the smallest that uses it).
     last_unit: Vec<UnitId>,
-    state: Mutex<Resident<L::Buf>>,
+    /// Each param's units: whether it is in one only (untied).
+    single_unit: Vec<bool>,
+    /// Several ranks (None: one).
+    ranks: Option<Ranks>,
+    state: Mutex<Resident<L::Buf, L::Upload>>,
     inputs: Inputs<L::Buf>,
     /// The unit staged last, and the forward launched ahead.
     aheads: Aheads<L::Buf>,
 }
 
 #[derive(Debug)]
-struct Resident<B> {
-    params: BTreeMap<ParamId, OnDevice<B>>,
+struct Resident<B, U> {
+    params: BTreeMap<ParamId, OnDevice<B, U>>,
     traffic: DeviceTraffic,
 }
 
@@ -209,7 +320,9 @@ impl<L: DeviceLink> std::fmt::Debug for ResidentUnits<L> {
 }
 
 impl<L: DeviceLink> ResidentUnits<L> {
-    /// `model` on `link`, its state in `bf16` storage or fp32. Refuses a
+    /// `model` on `link`, its state in `bf16` storage or fp32; with
+    /// several ranks when the link has collectives of its own
+    /// ([`DeviceLink::reduce_ranks`]; see "Several ranks"). Refuses a
     /// model whose state does not fit the device.
     pub fn new(link: L, model: &Model, bf16: bool) -> Result<Self, ModelError> {
         let numels: Vec<u64> = model.params().iter().map(|p| p.numel as u64).collect();
@@ -218,7 +331,19 @@ impl<L: DeviceLink> ResidentUnits<L> {
             .iter()
             .map(|p| p.units.iter().copied().min().unwrap_or(UnitId(0)))
             .collect();
-        let need: u64 = resident_state_bytes(&numels, bf16).iter().sum();
+        let single_unit = model.params().iter().map(|p| p.units.len() == 1).collect();
+        let world = link.reduce_ranks();
+        let ranks = (world > 1).then(|| Ranks {
+            rank: link.collective_rank(),
+            world,
+            counts: numels
+                .iter()
+                .map(|&n| crate::engine::layout::shard_counts(n as usize, world))
+                .collect(),
+        });
+        let need: u64 = resident_state_bytes(&numels, bf16, link.collective_rank(), world)
+            .iter()
+            .sum();
         let room = Self::room_bytes(&link);
         if need > room {
             return Err(ModelError::Gpu {
@@ -240,6 +365,8 @@ impl<L: DeviceLink> ResidentUnits<L> {
             bf16,
             numels,
             last_unit,
+            single_unit,
+            ranks,
             state: Mutex::new(Resident {
                 params: BTreeMap::new(),
                 traffic: DeviceTraffic::default(),
@@ -258,7 +385,7 @@ impl<L: DeviceLink> ResidentUnits<L> {
         budget: crate::config::ActivationBudget,
     ) -> Result<Self, ModelError> {
         let room = self.link.memory().temporaries_bytes.map(|_| {
-            let state: u64 = resident_state_bytes(&self.numels, self.bf16).iter().sum();
+            let state: u64 = self.state_bytes().iter().sum();
             Self::room_bytes(&self.link).saturating_sub(state)
         });
         self.inputs.keep_forwards(budget, room)?;
@@ -278,6 +405,12 @@ impl<L: DeviceLink> ResidentUnits<L> {
         self.inputs.forward_peak_bytes()
     }
 
+    /// [`resident_state_bytes`] of this model on this rank.
+    fn state_bytes(&self) -> [u64; 4] {
+        let world = self.link.reduce_ranks();
+        resident_state_bytes(&self.numels, self.bf16, self.link.collective_rank(), world)
+    }
+
     /// The device bytes the state may take: the whole budget less
     /// start-up (the tier's share and the temporaries' together).
     fn room_bytes(link: &L) -> u64 {
@@ -290,14 +423,14 @@ impl<L: DeviceLink> ResidentUnits<L> {
         &self.link
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Resident<L::Buf>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Resident<L::Buf, L::Upload>> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// A host vector on the device, through the link (counted).
     fn put(
         &self,
-        st: &mut Resident<L::Buf>,
+        st: &mut Resident<L::Buf, L::Upload>,
         what: &str,
         v: HostElems<'_>,
     ) -> Result<L::Buf, ModelError> {
@@ -361,7 +494,7 @@ impl<L: DeviceLink> ResidentUnits<L> {
     /// Moves param `id`'s gradient by `event`.
     fn grad_event(
         &self,
-        st: &mut Resident<L::Buf>,
+        st: &mut Resident<L::Buf, L::Upload>,
         id: ParamId,
         event: GradEvent<L::Buf>,
     ) -> Result<(), ModelError> {
@@ -377,18 +510,43 @@ impl<L: DeviceLink> ResidentUnits<L> {
     }
 
     /// Frees a param's link buffers.
-    fn free(&self, p: OnDevice<L::Buf>) {
-        for b in [p.weights, p.master].into_iter().flatten() {
-            self.link.free(b);
+    fn free(&self, p: OnDevice<L::Buf, L::Upload>) {
+        if let Some(w) = p.weights {
+            self.link.free(w);
         }
-        self.link.free(p.m);
-        self.link.free(p.v);
+        if let Some(a) = p.adam {
+            self.free_adam(a);
+        }
+        match p.reduced {
+            Reduced::None => {}
+            Reduced::Ready(b) => self.link.free(b),
+            // In flight: the link's upload leaks what a collective may
+            // still write, or frees it once done.
+            Reduced::InFlight(u) => drop(u),
+        }
+    }
+
+    /// Frees Adam's state of a shard.
+    fn free_adam(&self, a: AdamState<L::Buf>) {
+        if let Some(master) = a.master {
+            self.link.free(master);
+        }
+        self.link.free(a.m);
+        self.link.free(a.v);
     }
 
     /// Every micro-batch sum still open joins the step's (a param whose
-    /// last unit did not run).
-    fn fold_all(&self, st: &mut Resident<L::Buf>) -> Result<(), ModelError> {
+    /// last unit did not run): with several ranks, each is reduced, in
+    /// param order (the same on every rank), and every sum in flight is
+    /// waited for.
+    fn fold_all(&self, st: &mut Resident<L::Buf, L::Upload>) -> Result<(), ModelError> {
         let ids: Vec<ParamId> = st.params.keys().copied().collect();
+        if self.ranks.is_some() {
+            for &id in &ids {
+                self.reduce_param(st, id)?;
+            }
+            return self.settle(st);
+        }
         for id in ids {
             self.grad_event(st, id, GradEvent::Fold)?;
         }
@@ -440,10 +598,25 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
     }
 
     fn describe(&self) -> String {
-        format!(
-            "{}; params, gradients and AdamW resident on the device",
-            self.link.describe()
-        )
+        match &self.ranks {
+            None => format!(
+                "{}; params, gradients and AdamW resident on the device",
+                self.link.describe()
+            ),
+            Some(r) => format!(
+                "{}; params whole on each of {} ranks' devices, AdamW's state and the \
+                 gradients' sums sharded there, reduce-scattered and gathered on the devices",
+                self.link.describe(),
+                r.world
+            ),
+        }
+    }
+
+    /// Several ranks: the host's params are only counted (the units read
+    /// the device's), so the param store hands out this rank's shards and
+    /// gathers nothing on the host.
+    fn gathers_params(&self) -> bool {
+        self.ranks.is_some()
     }
 
     fn forward_unit(
@@ -485,7 +658,11 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
             };
             self.grad_event(&mut st, id, GradEvent::Unit(g))?;
             if self.last_unit.get(id.0) == Some(&unit) {
-                self.grad_event(&mut st, id, GradEvent::Fold)?;
+                if self.ranks.is_some() {
+                    self.reduce_param(&mut st, id)?;
+                } else {
+                    self.grad_event(&mut st, id, GradEvent::Fold)?;
+                }
             }
         }
         drop(st);
@@ -540,7 +717,7 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
 
     fn memory_plan(&self, _model: &Model) -> Option<DeviceMemoryPlan> {
         let mem = self.link.memory();
-        let [weights, master, moments, grads] = resident_state_bytes(&self.numels, self.bf16);
+        let [weights, master, moments, grads] = self.state_bytes();
         let largest = self.numels.iter().copied().max().unwrap_or(0);
         let row = |what: &str, device_bytes: u64| DeviceMemoryRow {
             what: what.into(),
@@ -597,10 +774,12 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
             .get(id.0)
             .copied()
             .ok_or_else(|| param_err(id, "is not in the model"))? as usize;
-        if [master.len(), m.len(), v.len()] != [numel; 3] {
+        let shard = self.ranks.as_ref().map_or(numel, |r| r.shard_numel(id));
+        if [master.len(), m.len(), v.len()] != [shard; 3] {
             return Err(ModelError::Gpu {
                 what: format!(
-                    "device optimizer: param {} has {numel} elements; its state has {}, {} and {}",
+                    "device optimizer: param {} has {shard} elements on this rank; its state \
+                     has {}, {} and {}",
                     id.0,
                     master.len(),
                     m.len(),
@@ -614,27 +793,57 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
         }
         let what = |k: &str| format!("{k} {}", id.0);
         let f32s = HostElems::F32;
-        let (weights, master) = if self.bf16 {
-            // The weights are the master rounded: they cross as bf16
-            // elements (2 bytes) and stay so on the device.
-            let rounded: Vec<half::bf16> =
-                master.iter().map(|&x| half::bf16::from_f32(x)).collect();
-            let w = self.put(&mut st, &what("param"), HostElems::Bf16(&rounded))?;
-            (w, Some(self.put(&mut st, &what("master"), f32s(master))?))
+        // The weights are the master, rounded to bf16 in bf16 storage:
+        // those cross as bf16 elements (2 bytes) and stay so on the device.
+        let rounded: Vec<half::bf16> = if self.bf16 {
+            master.iter().map(|&x| half::bf16::from_f32(x)).collect()
         } else {
-            (self.put(&mut st, &what("param"), f32s(master))?, None)
+            Vec::new()
         };
-        let m = self.put(&mut st, &what("exp_avg"), f32s(m))?;
-        let v = self.put(&mut st, &what("exp_avg_sq"), f32s(v))?;
+        let weights_host = if self.bf16 {
+            HostElems::Bf16(&rounded)
+        } else {
+            f32s(master)
+        };
+        let (weights, adam_master) = match &self.ranks {
+            // This rank's shard of the weights crosses; the ranks gather
+            // the whole on the devices.
+            Some(r) => {
+                let counts = r.counts.get(id.0).map_or(&[][..], Vec::as_slice);
+                let up = self
+                    .link
+                    .gather_param(&what("param"), weights_host, counts)?;
+                st.traffic.h2d_bytes += weights_host.bytes();
+                let w = self.link.finish(up)?;
+                let master = if shard == 0 {
+                    None
+                } else {
+                    Some(self.put(&mut st, &what("master"), f32s(master))?)
+                };
+                (w, master)
+            }
+            None if self.bf16 => (
+                self.put(&mut st, &what("param"), weights_host)?,
+                Some(self.put(&mut st, &what("master"), f32s(master))?),
+            ),
+            None => (self.put(&mut st, &what("param"), weights_host)?, None),
+        };
+        let adam = if shard == 0 {
+            None
+        } else {
+            Some(AdamState {
+                master: adam_master,
+                m: self.put(&mut st, &what("exp_avg"), f32s(m))?,
+                v: self.put(&mut st, &what("exp_avg_sq"), f32s(v))?,
+            })
+        };
         st.params.insert(
             id,
             OnDevice {
                 weights: Some(weights),
-                master,
-                m,
-                v,
+                adam,
                 grad: Grad::Zero,
-                numel,
+                reduced: Reduced::None,
             },
         );
         Ok(())
@@ -644,11 +853,13 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
         let mut st = self.lock();
         self.fold_all(&mut st)?;
         let e = self.link.exec();
+        // This rank's sums: the whole step's with one rank, its shards'
+        // with several (the trainer adds the ranks').
         let grads: Vec<&L::Buf> = st
             .params
             .values()
-            .filter_map(|p| match &p.grad {
-                Grad::Summed(g) => Some(g),
+            .filter_map(|p| match (&p.grad, &p.reduced) {
+                (Grad::Summed(g), _) | (_, Reduced::Ready(g)) => Some(g),
                 _ => None,
             })
             .collect();
@@ -667,27 +878,55 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
             || {
                 for (id, p) in st.params.iter_mut() {
                     let grad = std::mem::take(&mut p.grad);
-                    let Some(s) = s else { continue };
-                    let g = match grad {
-                        Grad::Summed(g) => g,
-                        // No unit gave it a gradient: it steps on zeros.
-                        _ => e.zeros("zero gradient", p.numel).map_err(gpu)?,
-                    };
-                    let weights = p
-                        .weights
-                        .as_mut()
-                        .ok_or_else(|| param_err(*id, "is in use in the step"))?;
-                    match p.master.as_mut() {
-                        Some(master) => {
-                            e.adamw([master, &mut p.m, &mut p.v], &g, s).map_err(gpu)?;
-                            e.round_bf16(weights, master).map_err(gpu)?;
+                    let reduced = std::mem::take(&mut p.reduced);
+                    let (Some(s), Some(adam)) = (s, p.adam.as_mut()) else {
+                        if let Reduced::Ready(g) = reduced {
+                            self.link.free(g);
                         }
-                        None => e.adamw([weights, &mut p.m, &mut p.v], &g, s).map_err(gpu)?,
+                        continue;
+                    };
+                    // The step's sum: this rank's shard of it with several
+                    // ranks (the link's buffer), the whole with one.
+                    let (g, linked) = match (grad, reduced) {
+                        (_, Reduced::Ready(g)) => (g, true),
+                        (Grad::Summed(g), _) => (g, false),
+                        // No unit gave it a gradient: it steps on zeros.
+                        _ => {
+                            let n = e.len(&adam.m);
+                            (e.zeros("zero gradient", n).map_err(gpu)?, false)
+                        }
+                    };
+                    let stepped = match (adam.master.as_mut(), p.weights.as_mut()) {
+                        (Some(master), weights) => {
+                            e.adamw([master, &mut adam.m, &mut adam.v], &g, s)
+                                .map_err(gpu)?;
+                            // One rank: the bf16 weights are the master
+                            // rounded. Several: gathered below.
+                            match weights {
+                                Some(w) if self.ranks.is_none() => {
+                                    e.round_bf16(w, master).map_err(gpu)
+                                }
+                                Some(_) => Ok(()),
+                                None => Err(param_err(*id, "is in use in the step")),
+                            }
+                        }
+                        (None, Some(weights)) => e
+                            .adamw([weights, &mut adam.m, &mut adam.v], &g, s)
+                            .map_err(gpu),
+                        (None, None) => Err(param_err(*id, "is in use in the step")),
+                    };
+                    if linked {
+                        self.link.free(g);
                     }
+                    stepped?;
                 }
-                Ok(())
+                Ok::<(), ModelError>(())
             },
-        )
+        )?;
+        if s.is_some() && self.ranks.is_some() {
+            self.gather_weights(&mut st)?;
+        }
+        Ok(())
     }
 
     fn state(&self, id: ParamId) -> Result<[Vec<f32>; 3], ModelError> {
@@ -697,7 +936,11 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
             .params
             .get(&id)
             .ok_or_else(|| param_err(id, "has no state on the device"))?;
-        let master = p
+        let Some(adam) = p.adam.as_ref() else {
+            // This rank's shard has no elements.
+            return Ok([Vec::new(), Vec::new(), Vec::new()]);
+        };
+        let master = adam
             .master
             .as_ref()
             .or(p.weights.as_ref())
@@ -705,10 +948,10 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
         let gpu = exec_units::gpu_err;
         let out = [
             e.download(master).map_err(gpu)?,
-            e.download(&p.m).map_err(gpu)?,
-            e.download(&p.v).map_err(gpu)?,
+            e.download(&adam.m).map_err(gpu)?,
+            e.download(&adam.v).map_err(gpu)?,
         ];
-        st.traffic.d2h_bytes += 3 * p.numel as u64 * ELEM_BYTES;
+        st.traffic.d2h_bytes += 3 * out[1].len() as u64 * ELEM_BYTES;
         Ok(out)
     }
 }

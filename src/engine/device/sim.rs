@@ -234,10 +234,14 @@ struct Shared {
     pins_held: AtomicU64,
     downloads_in_flight: AtomicU64,
     downloads: AtomicU64,
-    /// Reduce-scatters of gradients on the device.
+    /// Reduce-scatters of gradients on the device (a unit's, or a
+    /// param's kept there: [`DeviceLink::reduce_kept`]).
     reduces: AtomicU64,
     /// Params gathered on the device.
     gathers: AtomicU64,
+    /// Gathers of the weights kept on the device after a step
+    /// ([`DeviceLink::gather_kept`]: every param's in one).
+    kept_gathers: AtomicU64,
     spans: Mutex<Vec<DeviceSpan>>,
     /// With a `compute_delay`: when the units launched so far are done
     /// computing, on the device's own clock.
@@ -801,6 +805,80 @@ impl DeviceLink for SimDevice {
             .fetch_add(pin.len_bytes() as u64, Ordering::Relaxed);
         drop(pin);
         Ok(up)
+    }
+
+    fn reduce_kept(
+        &self,
+        what: &str,
+        packed: SimPacked,
+        acc: Option<Vec<f32>>,
+    ) -> Result<Option<SimUpload>, ModelError> {
+        let SimPacked { full, blocks } = packed;
+        let sums = self.on_collectives(what, &self.shared.reduces, |comm| {
+            let mine = blocks.get(comm.rank()).copied().unwrap_or(0);
+            let mut sums = acc.unwrap_or_else(|| vec![0f32; mine]);
+            comm.reduce_scatter_add_f32(&full, &blocks, &mut sums)
+                .map_err(|e| e.to_string())?;
+            Ok(sums)
+        })?;
+        if sums.is_empty() {
+            return Ok(None);
+        }
+        // Its memory is host memory: the sums are where the compute reads
+        // them, at once.
+        let event = Arc::new(Event::default());
+        event.complete(sums);
+        Ok(Some(SimUpload {
+            event,
+            narrow_bytes: None,
+        }))
+    }
+
+    fn gather_kept(
+        &self,
+        what: &str,
+        mut wholes: Vec<Vec<f32>>,
+        shards: &[Option<&Vec<f32>>],
+        counts: &[Vec<usize>],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let rank = self.collective_rank();
+        let bad = |detail: String| ModelError::Gpu {
+            what: format!("{what}: {detail}"),
+        };
+        if shards.len() != wholes.len() || counts.len() != wholes.len() {
+            return Err(bad(format!(
+                "{} params, {} shards, {} counts",
+                wholes.len(),
+                shards.len(),
+                counts.len()
+            )));
+        }
+        for ((w, shard), c) in wholes.iter_mut().zip(shards).zip(counts) {
+            let n = c.get(rank).copied().unwrap_or(0);
+            let from: usize = c.iter().take(rank).sum();
+            let src: &[f32] = shard.map_or(&[], |v| v.as_slice());
+            if src.len() != n || from + n > w.len() {
+                return Err(bad(format!(
+                    "a shard of {} elements for rank {rank}'s {n} of a param of {} cut as {c:?}",
+                    src.len(),
+                    w.len()
+                )));
+            }
+            // A whole kept in bf16 gets the master rounded, as the host's
+            // bf16 copy is (its buffer holds the values widened).
+            let narrow = self.shared.narrow().contains_key(&buf_key(w));
+            for (d, &x) in w[from..from + n].iter_mut().zip(src) {
+                *d = if narrow {
+                    half::bf16::from_f32(x).to_f32()
+                } else {
+                    x
+                };
+            }
+        }
+        self.on_collectives(what, &self.shared.kept_gathers, |comm| {
+            gather::into_wholes(comm, &mut wholes, counts)
+        })?;
+        Ok(wholes)
     }
 
     fn finish_download(&self, d: SimDownload) -> Result<HostVec, ModelError> {

@@ -64,6 +64,65 @@ pub(super) fn shards_of_bytes(
     })
 }
 
+/// Every rank's range of each of `wholes` gathered into it, this rank's
+/// own already in place (`counts[p][r]` elements of whole `p` for rank
+/// `r`, the ranges in rank order): one all-gather of the ranks' ranges
+/// of every whole, concatenated, as little-endian fp32 bytes (the
+/// simulated device holds 16-bit values widened, exactly), each put back
+/// in its range. The same bits as a gather on the host.
+pub(super) fn into_wholes(
+    comm: &dyn Comm,
+    wholes: &mut [Vec<f32>],
+    counts: &[Vec<usize>],
+) -> Result<(), String> {
+    let (me, world) = (comm.rank(), comm.world_size());
+    if wholes.len() != counts.len() {
+        return Err(format!(
+            "{} params but {} counts",
+            wholes.len(),
+            counts.len()
+        ));
+    }
+    for (w, c) in wholes.iter().zip(counts) {
+        if c.len() != world || c.iter().sum::<usize>() != w.len() {
+            return Err(format!(
+                "a param of {} elements cut as {c:?} for {world} ranks",
+                w.len()
+            ));
+        }
+    }
+    // Where rank `r`'s range of each whole starts.
+    let start = |c: &[usize], r: usize| c[..r].iter().sum::<usize>();
+    let mine: Vec<u8> = wholes
+        .iter()
+        .zip(counts)
+        .flat_map(|(w, c)| {
+            let from = start(c, me);
+            w[from..from + c[me]].iter().flat_map(|x| x.to_le_bytes())
+        })
+        .collect();
+    let counts_bytes: Vec<usize> = (0..world)
+        .map(|r| counts.iter().map(|c| c[r] * 4).sum())
+        .collect();
+    let mut all = vec![0u8; counts_bytes.iter().sum()];
+    comm.all_gather_bytes(&mine, &counts_bytes, &mut all)
+        .map_err(|e| e.to_string())?;
+    let mut at = 0usize;
+    for r in 0..world {
+        for (w, c) in wholes.iter_mut().zip(counts) {
+            let from = start(c, r);
+            for (dst, b) in w[from..from + c[r]]
+                .iter_mut()
+                .zip(all[at..at + 4 * c[r]].chunks_exact(4))
+            {
+                *dst = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+            at += 4 * c[r];
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -125,5 +184,25 @@ mod tests {
         );
         let e = shards(&rank_one_of_three(), HostElems::F32(&[1.0; 2]), &[3, 4]).unwrap_err();
         assert!(e.contains("[3, 4]"), "{e}");
+    }
+
+    #[test]
+    fn kept_wholes_get_every_rank_s_range_of_each_param_in_one_gather() {
+        // Two params cut for three ranks; rank 1's ranges are in place,
+        // the scripted peers' are bytes of their rank.
+        let counts = vec![vec![3usize, 2, 2], vec![1, 1, 0]];
+        let mut wholes = vec![vec![9f32; 7], vec![9f32; 2]];
+        wholes[0][3..5].copy_from_slice(&[1.5, -2.25]);
+        wholes[1][1] = 4.0;
+        into_wholes(&rank_one_of_three(), &mut wholes, &counts).unwrap();
+        let two = f32::from_le_bytes([2; 4]);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&wholes[0]),
+            bits(&[0.0, 0.0, 0.0, 1.5, -2.25, two, two])
+        );
+        assert_eq!(bits(&wholes[1]), bits(&[0.0, 4.0]));
+        let e = into_wholes(&rank_one_of_three(), &mut wholes, &[vec![3, 2, 2]]).unwrap_err();
+        assert!(e.contains("2 params but 1 counts"), "{e}");
     }
 }

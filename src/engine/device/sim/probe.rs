@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::Shared;
 
-/// The simulated device's counters (see [`SimDevice::probe`]).
+/// The simulated device's counters (see [`super::SimDevice::probe`]).
 #[derive(Debug, Clone)]
 pub struct SimProbe {
     pub(super) shared: Arc<Shared>,
@@ -92,7 +92,8 @@ impl SimProbe {
         self.shared.downloads.load(Ordering::Relaxed)
     }
 
-    /// Units' gradients reduce-scattered on the device.
+    /// Gradients reduce-scattered on the device: a unit's, or a param's
+    /// kept there.
     pub fn reduces(&self) -> u64 {
         self.shared.reduces.load(Ordering::Relaxed)
     }
@@ -100,5 +101,11 @@ impl SimProbe {
     /// Params gathered on the device.
     pub fn gathers(&self) -> u64 {
         self.shared.gathers.load(Ordering::Relaxed)
+    }
+
+    /// Gathers of the weights kept on the device after a step, every
+    /// param's in one.
+    pub fn kept_gathers(&self) -> u64 {
+        self.shared.kept_gathers.load(Ordering::Relaxed)
     }
 }

@@ -302,6 +302,10 @@ impl Trainer {
         };
         if let Some((c, ids)) = on_device {
             self.accumulate_on_device(groups, &*c, uid, &ids)?;
+        } else if ready.is_empty() && self.device_compute().is_some() {
+            // The device optimizer summed them where they were computed
+            // (with several ranks, reduced there): nothing to add here,
+            // and no host collective of nothing.
         } else {
             let grads = match &self.opts.compute {
                 Some(c) if ready.is_empty() && self.defers_grads() => {

@@ -1,0 +1,125 @@
+//! [`ResidentUnits`] with several ranks: each param's gradient sum of a
+//! micro-batch reduce-scattered on the devices onto this rank's shard of
+//! the step's sum, and the weights gathered on them after the step (see
+//! "Several ranks" in [`super`]). Every call here is a collective of the
+//! link's ranks: each rank makes them for the same params in the same
+//! order, from the engine's thread.
+
+use super::{exec_units, DeviceLink, Grad, ModelError, ParamId, Reduced, Resident, ResidentUnits};
+use crate::engine::device::Wire;
+
+impl<L: DeviceLink> ResidentUnits<L> {
+    /// Param `id`'s micro-batch sum, open since its first unit's
+    /// gradient, reduce-scattered among the ranks onto this rank's shard
+    /// of the step's sum (left in flight; [`Self::settle`] waits for it).
+    /// Nothing when no unit gave it a gradient since the last.
+    pub(super) fn reduce_param(
+        &self,
+        st: &mut Resident<L::Buf, L::Upload>,
+        id: ParamId,
+    ) -> Result<(), ModelError> {
+        let Some(ranks) = self.ranks.as_ref() else {
+            return Err(super::param_err(id, "reduced with one rank"));
+        };
+        let p = st
+            .params
+            .get_mut(&id)
+            .ok_or_else(|| super::param_err(id, "has a gradient but no state"))?;
+        let micro = match std::mem::take(&mut p.grad) {
+            Grad::Zero => return Ok(()),
+            Grad::Micro { sum: None, micro } => micro,
+            // The step's sum lives in `reduced` with several ranks.
+            Grad::Micro { sum: Some(_), .. } | Grad::Summed(_) => {
+                return Err(super::param_err(
+                    id,
+                    "has a whole step's sum with several ranks",
+                ))
+            }
+        };
+        // The running sum: the micro-batches' before, this rank's shard.
+        let acc = match std::mem::take(&mut p.reduced) {
+            Reduced::None => None,
+            Reduced::Ready(b) => Some(b),
+            Reduced::InFlight(u) => Some(self.link.finish(u)?),
+        };
+        let counts = ranks
+            .counts
+            .get(id.0)
+            .cloned()
+            .ok_or_else(|| super::param_err(id, "is not in the model"))?;
+        // An untied param's micro-batch sum is its one unit's gradient,
+        // already rounded to bf16 in bf16 storage: it crosses as bf16,
+        // exactly, half the bytes. A tied one's sum of two is fp32.
+        let wire = if self.bf16 && self.single_unit.get(id.0) == Some(&true) {
+            Wire::Bf16
+        } else {
+            Wire::F32
+        };
+        let what = format!("param {} gradient", id.0);
+        let packed =
+            self.link
+                .pack_grads(&what, vec![micro], wire, std::slice::from_ref(&counts))?;
+        p.reduced = match self.link.reduce_kept(&what, packed, acc)? {
+            Some(u) => Reduced::InFlight(u),
+            None => Reduced::None,
+        };
+        Ok(())
+    }
+
+    /// Waits for every reduce in flight, in param order.
+    pub(super) fn settle(&self, st: &mut Resident<L::Buf, L::Upload>) -> Result<(), ModelError> {
+        for p in st.params.values_mut() {
+            if let Reduced::InFlight(u) = std::mem::take(&mut p.reduced) {
+                p.reduced = Reduced::Ready(self.link.finish(u)?);
+            }
+        }
+        Ok(())
+    }
+
+    /// After a step: every param's weights get this rank's range from its
+    /// new master shard, and the others' from their ranks, in one
+    /// gather ([`DeviceLink::gather_kept`]).
+    pub(super) fn gather_weights(
+        &self,
+        st: &mut Resident<L::Buf, L::Upload>,
+    ) -> Result<(), ModelError> {
+        let Some(ranks) = self.ranks.as_ref() else {
+            return Ok(());
+        };
+        if let Some((&id, _)) = st.params.iter().find(|(_, p)| p.weights.is_none()) {
+            return Err(super::param_err(id, "is in use in the step"));
+        }
+        let mut ids = Vec::with_capacity(st.params.len());
+        let mut wholes = Vec::with_capacity(st.params.len());
+        let mut counts = Vec::with_capacity(st.params.len());
+        for (&id, p) in st.params.iter_mut() {
+            let w = p
+                .weights
+                .take()
+                .ok_or_else(|| super::param_err(id, "is in use in the step"))?;
+            ids.push(id);
+            wholes.push(w);
+            counts.push(ranks.counts.get(id.0).cloned().unwrap_or_default());
+        }
+        let shards: Vec<Option<&L::Buf>> = st
+            .params
+            .values()
+            .map(|p| p.adam.as_ref().and_then(|a| a.master.as_ref()))
+            .collect();
+        let wholes = self
+            .link
+            .gather_kept("the stepped weights", wholes, &shards, &counts)?;
+        if wholes.len() != ids.len() {
+            return Err(exec_units::gpu_err(tierzero_gpu::GpuError::Shape {
+                kernel: "gather_kept".into(),
+                detail: format!("{} params gathered of {}", wholes.len(), ids.len()),
+            }));
+        }
+        for (id, w) in ids.into_iter().zip(wholes) {
+            if let Some(p) = st.params.get_mut(&id) {
+                p.weights = Some(w);
+            }
+        }
+        Ok(())
+    }
+}
