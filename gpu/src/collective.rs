@@ -213,6 +213,22 @@ pub struct Reduced {
     pub began: Option<CudaEvent>,
 }
 
+/// Running sums a reduce adds onto: from the host (uploaded on the
+/// collective stream) or already on the device.
+enum Acc<'a> {
+    Host(&'a [f32]),
+    Device(DeviceBuffer<f32>),
+}
+
+impl Acc<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Acc::Host(a) => a.len(),
+            Acc::Device(b) => b.len(),
+        }
+    }
+}
+
 /// Whether `libnccl.so` loads.
 pub fn nccl_available() -> Result<()> {
     // SAFETY: only `dlopen`s the candidate names and closes them.
@@ -417,6 +433,24 @@ impl DeviceComm {
     /// after one, an error first waits for the collective stream, so that
     /// no buffer it may still touch is freed.
     pub fn reduce(&self, dev: &Device, packed: Packed, acc: Option<&[f32]>) -> Result<Reduced> {
+        self.reduce_from(dev, packed, acc.map(Acc::Host))
+    }
+
+    /// [`Self::reduce`] onto running sums already on the device (`acc`,
+    /// fp32, this rank's; a former [`Reduced::sums`]), which travel with
+    /// the result in [`Reduced::keep`] until its event: the sums of the
+    /// optimizer on the device, which never leave it.
+    pub fn reduce_onto(
+        &self,
+        dev: &Device,
+        packed: Packed,
+        acc: Option<DeviceBuffer<f32>>,
+    ) -> Result<Reduced> {
+        self.reduce_from(dev, packed, acc.map(Acc::Device))
+    }
+
+    /// [`Self::reduce`] onto `acc`, wherever it is.
+    fn reduce_from(&self, dev: &Device, packed: Packed, acc: Option<Acc<'_>>) -> Result<Reduced> {
         self.check_usable("ncclSend/ncclRecv (the gradients' all-to-all)")?;
         let Packed {
             send,
@@ -437,7 +471,7 @@ impl DeviceComm {
         send: DeviceBuffer<T>,
         blocks: Vec<usize>,
         ready: CudaEvent,
-        acc: Option<&[f32]>,
+        acc: Option<Acc<'_>>,
     ) -> Result<Reduced>
     where
         DevBuf: From<DeviceBuffer<T>>,
@@ -447,13 +481,10 @@ impl DeviceComm {
             return Err(shape(format!("{} blocks for {world} ranks", blocks.len())));
         }
         let mine = blocks[me];
-        if let Some(a) = acc {
-            if a.len() != mine {
-                return Err(shape(format!(
-                    "{} running sums for a shard of {mine} elements",
-                    a.len()
-                )));
-            }
+        if let Some(n) = acc.as_ref().map(Acc::len).filter(|&n| n != mine) {
+            return Err(shape(format!(
+                "{n} running sums for a shard of {mine} elements"
+            )));
         }
         let s = &self.stream;
         dev.context()
@@ -466,11 +497,12 @@ impl DeviceComm {
         } else {
             let recv = dev.alloc_output_on::<T>(s, "gradient chunks received", mine * world)?;
             let acc = match acc {
-                Some(a) => {
+                Some(Acc::Host(a)) => {
                     let mut b = dev.alloc_output_on::<f32>(s, "running gradient sums", a.len())?;
                     self.upload_acc(dev, a, &mut b)?;
                     Some(b)
                 }
+                Some(Acc::Device(b)) => Some(b),
                 None => None,
             };
             let sums = dev.alloc_output_on::<f32>(s, "reduced gradient sums", mine)?;
@@ -749,6 +781,132 @@ impl DeviceComm {
     }
 }
 
+impl DeviceComm {
+    /// The weights of the optimizer on the device after its step, with
+    /// several ranks: each of `wholes` gets this rank's range (`counts[p]`
+    /// cut, in rank order) from `shards[p]`, its fp32 master shard (copied
+    /// into an fp32 whole; rounded to nearest even into a bf16 one, by
+    /// `cast_f32_bf16`; None for a shard of no elements), on the compute
+    /// stream after the work queued there; then, on this communicator's
+    /// stream after that, every param's range sent to every peer and each
+    /// peer's received into place, in one group. Returns the wholes and the
+    /// event after the exchanges: the caller waits for it with a deadline
+    /// ([`Self::wait_event`]) before ordering the compute after it. On an
+    /// error after the group the wholes are leaked (see "Buffers in
+    /// flight").
+    pub fn gather_kept(
+        &self,
+        dev: &Device,
+        wholes: Vec<DevBuf>,
+        shards: &[Option<&DevBuf>],
+        counts: &[Vec<usize>],
+    ) -> Result<(Vec<DevBuf>, CudaEvent)> {
+        self.check_usable("ncclSend/ncclRecv (the weights' gather)")?;
+        let (me, world) = (self.rank, self.world);
+        if shards.len() != wholes.len() || counts.len() != wholes.len() {
+            return Err(shape(format!(
+                "{} params, {} shards, {} counts",
+                wholes.len(),
+                shards.len(),
+                counts.len()
+            )));
+        }
+        for ((w, sh), c) in wholes.iter().zip(shards).zip(counts) {
+            let n = sh.map_or(0, |b| b.len());
+            if c.len() != world || c.iter().sum::<usize>() != w.len() || c[me] != n {
+                return Err(GpuError::Shape {
+                    kernel: "gather_kept".into(),
+                    detail: format!(
+                        "a param of {} elements cut as {c:?} for {world} ranks, a shard of {n} \
+                         on rank {me}",
+                        w.len()
+                    ),
+                });
+            }
+        }
+        dev.context()
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
+        let mut wholes = wholes;
+        // This rank's ranges, on the compute stream.
+        for ((w, sh), c) in wholes.iter_mut().zip(shards).zip(counts) {
+            let Some(sh) = sh else { continue };
+            let src = sh.f32()?;
+            let from = offsets(c)[me];
+            let range = from..from + c[me];
+            match w {
+                DevBuf::F32(w) => {
+                    let mut dst = w.slice_mut().slice_mut(range);
+                    dev.compute
+                        .memcpy_dtod(src.slice(), &mut dst)
+                        .map_err(driver_err("cuMemcpyDtoDAsync"))?;
+                }
+                DevBuf::Bf16(w) => {
+                    // Rounded into a buffer of the compute stream's, freed
+                    // there after the copy that reads it.
+                    let mut narrow = dev.alloc_output::<half::bf16>("master rounded", c[me])?;
+                    crate::ops::cast::<f32, half::bf16>(dev, &mut narrow, src)?;
+                    let mut dst = w.slice_mut().slice_mut(range);
+                    dev.compute
+                        .memcpy_dtod(narrow.slice(), &mut dst)
+                        .map_err(driver_err("cuMemcpyDtoDAsync"))?;
+                }
+                DevBuf::F16(_) => {
+                    return Err(shape(
+                        "an fp16 whole (the device optimizer keeps fp32 or bf16 params)".into(),
+                    ))
+                }
+            }
+        }
+        let written = dev
+            .compute
+            .record_event(None)
+            .map_err(driver_err("cuEventRecord"))?;
+        let s = &self.stream;
+        s.wait(&written).map_err(driver_err("cuStreamWaitEvent"))?;
+        let exchanged = {
+            let h = self.handle.lock().unwrap_or_else(|p| p.into_inner());
+            (|| -> Result<()> {
+                group_start().map_err(nccl_err("ncclGroupStart"))?;
+                let mut first_error = None;
+                for (w, c) in wholes.iter_mut().zip(counts) {
+                    let sent = match w {
+                        DevBuf::F32(b) => exchange_calls(&h.comm, b, c, me),
+                        DevBuf::Bf16(b) => exchange_calls(&h.comm, b, c, me),
+                        DevBuf::F16(b) => exchange_calls(&h.comm, b, c, me),
+                    };
+                    if let Err(e) = sent {
+                        first_error.get_or_insert(e);
+                    }
+                }
+                let ended = group_end().map_err(nccl_err("ncclGroupEnd"));
+                if let Some(e) = first_error {
+                    return Err(e);
+                }
+                ended.map(|_| ())
+            })()
+        }
+        .and_then(|()| s.record_event(None).map_err(driver_err("cuEventRecord")));
+        match exchanged {
+            Ok(done) => Ok((wholes, done)),
+            Err(e) => {
+                // NCCL's work may wait for a peer for ever: the wholes are
+                // neither waited for nor freed under it.
+                std::mem::forget(wholes);
+                self.set_broken();
+                Err(e)
+            }
+        }
+    }
+
+    /// Waits for `ev`, a collective's event, at most `timeout`, as
+    /// [`Self::wait`] waits for a reduce (an error naming `call` past it:
+    /// a rank has died or hangs; the communicator is then unusable).
+    pub fn wait_event(&self, ev: &CudaEvent, timeout: Duration, call: &'static str) -> Result<()> {
+        self.poll(ev, timeout, call)
+    }
+}
+
 /// One group of `ncclSend`s of this rank's range of `buf` to every peer
 /// and `ncclRecv`s of each peer's range from it (`counts[r]` elements of
 /// rank `r`, the ranges in rank order). Ranges of no elements are
@@ -760,8 +918,22 @@ fn exchange<T: Elem + cudarc::nccl::NcclType>(
     counts: &[usize],
     me: usize,
 ) -> Result<()> {
-    let from = offsets(counts);
     group_start().map_err(nccl_err("ncclGroupStart"))?;
+    let sent = exchange_calls(comm, buf, counts, me);
+    let ended = group_end().map_err(nccl_err("ncclGroupEnd"));
+    sent?;
+    ended.map(|_| ())
+}
+
+/// [`exchange`]'s sends and receives, inside a group its caller opened:
+/// all are made, and the first error returned.
+fn exchange_calls<T: Elem + cudarc::nccl::NcclType>(
+    comm: &cudarc::nccl::Comm,
+    buf: &mut DeviceBuffer<T>,
+    counts: &[usize],
+    me: usize,
+) -> Result<()> {
+    let from = offsets(counts);
     let mut first_error = None;
     for p in (0..counts.len()).filter(|&p| p != me) {
         if counts[me] > 0 {
@@ -777,11 +949,7 @@ fn exchange<T: Elem + cudarc::nccl::NcclType>(
             }
         }
     }
-    let ended = group_end().map_err(nccl_err("ncclGroupEnd"));
-    if let Some(e) = first_error {
-        return Err(e);
-    }
-    ended.map(|_| ())
+    first_error.map_or(Ok(()), Err)
 }
 
 /// `add_chunks_T` on `stream`: `out = acc (or +0.0) + chunk 0 + chunk 1 +

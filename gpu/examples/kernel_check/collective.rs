@@ -151,6 +151,77 @@ pub(super) fn check_collective(dev: &Arc<Device>, rep: &mut Report) -> Result<()
     for n in [1usize, 4099] {
         gather_one_rank(dev, &comm, &uploads, rep, n)?;
     }
+    kept_one_rank(dev, &comm, &uploads, rep)?;
+    Ok(())
+}
+
+/// One rank's sums kept on the device (the optimizer's there): two
+/// reduces of a gradient, the second onto the first's sums, through
+/// [`PendingUpload::reduced`] and `finish`, against `add_chunks`'s
+/// reference; then `gather_kept` of two wholes, fp32 and bf16, each its
+/// shard's bits (copied; rounded to nearest even).
+fn kept_one_rank(
+    dev: &Arc<Device>,
+    comm: &DeviceComm,
+    uploads: &Uploads,
+    rep: &mut Report,
+) -> Result<()> {
+    use tierzero_gpu::link::PendingUpload;
+    let deadline = std::time::Duration::from_secs(60);
+    let n = 4099usize;
+    let (a, b) = (data(n, 141), data(n, 142));
+    let mut acc: Option<tierzero_gpu::device::DeviceBuffer<f32>> = None;
+    for g in [&a, &b] {
+        let buf = dev.upload("gradient", g)?;
+        let packed = comm.pack(dev, &[&buf], &[vec![n]], Wire::F32)?;
+        let r = comm.reduce_onto(dev, packed, acc.take())?;
+        let Ok(up) = PendingUpload::reduced(r) else {
+            rep.check("reduce_kept.one_rank", &n.to_string(), false, "no sums");
+            return Ok(());
+        };
+        acc = Some(
+            uploads
+                .finish(comm.wait_gathered(up, deadline)?)?
+                .into_f32()?,
+        );
+    }
+    let got = match &acc {
+        Some(s) => dev.download(s)?,
+        None => Vec::new(),
+    };
+    let first = r::add_chunks::<f32>(None, &a, n);
+    same_bits(
+        rep,
+        "reduce_kept.one_rank_f32",
+        &format!("{n}x2"),
+        &got,
+        &r::add_chunks::<f32>(Some(&first), &b, n),
+    );
+    let master = data(n, 143);
+    let shard = DevBuf::F32(dev.upload("master shard", &master)?);
+    let wholes = vec![
+        DevBuf::F32(dev.upload("weights", &vec![0f32; n])?),
+        DevBuf::Bf16(dev.upload("weights", &vec![bf16::ZERO; n])?),
+    ];
+    let (wholes, done) = comm.gather_kept(
+        dev,
+        wholes,
+        &[Some(&shard), Some(&shard)],
+        &[vec![n], vec![n]],
+    )?;
+    comm.wait_event(&done, deadline, "gather_kept")?;
+    for w in &wholes {
+        let (kernel, got, want): (&str, Vec<f32>, Vec<f32>) = match w {
+            DevBuf::F32(b) => ("gather_kept.one_rank_f32", dev.download(b)?, master.clone()),
+            DevBuf::Bf16(b) => (
+                "gather_kept.one_rank_bf16",
+                dev.download(b)?.iter().map(|x| x.to_f32()).collect(),
+                master.iter().map(|&x| bf16::from_f32(x).to_f32()).collect(),
+            ),
+            DevBuf::F16(_) => continue,
+        };
+        same_bits(rep, kernel, &n.to_string(), &got, &want);
+    }
     Ok(())
 }
 

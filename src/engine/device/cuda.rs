@@ -418,6 +418,61 @@ impl DeviceLink for CudaLink {
         self.downloads.start_reduced(what, reduced).map_err(gpu_err)
     }
 
+    fn reduce_kept(
+        &self,
+        what: &str,
+        packed: Packed,
+        acc: Option<DevBuf>,
+    ) -> Result<Option<PendingUpload>, ModelError> {
+        let (comm, timeout) = self.collective(what)?;
+        let acc = acc.map(DevBuf::into_f32).transpose().map_err(gpu_err)?;
+        let mut reduced = comm
+            .reduce_onto(self.device(), packed, acc)
+            .map_err(gpu_err)?;
+        if let Some(b) = reduced.began.take() {
+            if let Ok(span) = EventClock::span(comm.stream(), what.to_owned(), b) {
+                let _ = self.collective_spans.push(span);
+            }
+        }
+        match PendingUpload::reduced(reduced) {
+            // Its `finish` waits for the collective with the deadline.
+            Ok(u) => Ok(Some(u)),
+            // A shard of no elements: the chunks it sent are waited for
+            // here, before their buffer goes.
+            Err(r) => {
+                drop(comm.wait(*r, *timeout).map_err(gpu_err)?);
+                Ok(None)
+            }
+        }
+    }
+
+    fn gather_kept(
+        &self,
+        what: &str,
+        wholes: Vec<DevBuf>,
+        shards: &[Option<&DevBuf>],
+        counts: &[Vec<usize>],
+    ) -> Result<Vec<DevBuf>, ModelError> {
+        let (comm, timeout) = self.collective(what)?;
+        let (wholes, done) = comm
+            .gather_kept(self.device(), wholes, shards, counts)
+            .map_err(gpu_err)?;
+        // A dead peer never completes it: waited for with the deadline
+        // (the wholes leaked past it), then the compute ordered after it.
+        if let Err(e) = comm.wait_event(&done, *timeout, "ncclSend/ncclRecv (the weights' gather)")
+        {
+            std::mem::forget(wholes);
+            return Err(gpu_err(e));
+        }
+        self.device()
+            .compute
+            .wait(&done)
+            .map_err(|e| ModelError::Gpu {
+                what: format!("{what}: cuStreamWaitEvent: {e:?}"),
+            })?;
+        Ok(wholes)
+    }
+
     fn gather_param(
         &self,
         what: &str,

@@ -982,6 +982,22 @@ mod tests {
     }
 
     #[test]
+    fn several_ranks_hold_whole_weights_and_their_shard_of_the_state() {
+        // Params of 10 and 3 elements: rank 1 of 2 holds 5 and 1 of them
+        // (`shard_counts` cuts 3 as [2, 1]).
+        let numels = [10u64, 3];
+        let one = super::resident_state_bytes(&numels, true, 0, 1);
+        assert_eq!(one, [26, 52, 104, (13 + 20) * 4]);
+        let two = super::resident_state_bytes(&numels, true, 1, 2);
+        // bf16 weights whole; the fp32 master and moments of 6 elements;
+        // the sums' shards, a micro-batch sum, a unit's gradient and its
+        // copy laid out (10 each), and two ranks' chunks of 5.
+        assert_eq!(two, [26, 24, 48, (6 + 30 + 10) * 4]);
+        let fp32 = super::resident_state_bytes(&numels, false, 0, 2);
+        assert_eq!(fp32[..3], [52, 28, 56]);
+    }
+
+    #[test]
     fn gradients_add_a_micro_batch_s_units_first_then_into_the_step_s_sum() {
         let e = HostExec::F32;
         // Values where the order of the additions shows in f32.
