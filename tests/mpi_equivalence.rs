@@ -88,6 +88,9 @@ struct Out {
     /// Gathers of the weights kept on the (simulated) device, after each
     /// step.
     device_kept_gathers: u64,
+    /// The (simulated) device's bytes still held once the trainer is
+    /// gone.
+    device_left_bytes: u64,
     /// Of `h2d_bytes`, those that crossed from pinned host memory in
     /// place, every step.
     h2d_direct_bytes: u64,
@@ -297,6 +300,7 @@ fn train_on(
         device_reduces: probe.as_ref().map_or(0, |p| p.reduces()),
         device_gathers: probe.as_ref().map_or(0, |p| p.gathers()),
         device_kept_gathers: probe.as_ref().map_or(0, |p| p.kept_gathers()),
+        device_left_bytes: probe.as_ref().map_or(0, |p| p.used_bytes()),
         device_violations: probe.as_ref().map_or(0, |p| p.violations()),
         h2d_direct_bytes,
         collective_busy_s,
@@ -390,6 +394,7 @@ fn out_to_json(o: &Out) -> Value {
         "device_reduces": o.device_reduces,
         "device_gathers": o.device_gathers,
         "device_kept_gathers": o.device_kept_gathers,
+        "device_left_bytes": o.device_left_bytes,
         "device_violations": o.device_violations,
         "h2d_direct_bytes": o.h2d_direct_bytes,
         "collective_busy_s": o.collective_busy_s,
@@ -420,6 +425,7 @@ fn out_from_json(v: &Value) -> Out {
         device_reduces: v["device_reduces"].as_u64().unwrap(),
         device_gathers: v["device_gathers"].as_u64().unwrap(),
         device_kept_gathers: v["device_kept_gathers"].as_u64().unwrap(),
+        device_left_bytes: v["device_left_bytes"].as_u64().unwrap(),
         device_violations: v["device_violations"].as_u64().unwrap(),
         h2d_direct_bytes: v["h2d_direct_bytes"].as_u64().unwrap(),
         collective_busy_s: v["collective_busy_s"].as_f64().unwrap(),
@@ -1149,6 +1155,9 @@ fn adam_on_the_devices_of_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
             // checkpoint's.
             assert_eq!(o.param_gathers, 0, "rank {r}: a host gather");
             assert_eq!(o.grad_reduces, 0, "rank {r}: a host reduce");
+            // Every device byte taken (weights, shards, the reduces'
+            // sums) was given back.
+            assert_eq!(o.device_left_bytes, 0, "rank {r}: device bytes held");
         }
     }
 }

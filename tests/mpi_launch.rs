@@ -108,3 +108,81 @@ fn launch_with_the_simulated_device_gathers_and_reduces_on_it() {
         assert_eq!(s["param_gathers"].as_u64().unwrap(), 0, "{s}");
     }
 }
+
+/// `tierzero` with `args`, run as root under OpenMPI if need be; its
+/// stdout, after asserting it succeeded.
+fn tierzero(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .args(args)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .output()
+        .expect("run tierzero");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "tierzero {args:?}: {}\nstdout:\n{stdout}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+#[test]
+fn nothing_offloaded_on_two_simulated_devices_trains_adam_there_and_resumes() {
+    // `tierzero launch --nproc 2 -- train --device sim` with nothing
+    // offloaded: each rank's device holds the params whole and Adam's
+    // state for its shard (the plan says so). Three steps with a
+    // checkpoint (the devices' state written back), then three more
+    // resumed from it on two ranks (loaded into the devices again): the
+    // weights of one rank's uninterrupted six steps on its simulated
+    // device, with the same global batch.
+    let dir = scratch("launch-resident");
+    let model = dir.join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    let cfg = json!({
+        "model_type": "gpt2", "vocab_size": 256, "n_positions": 32, "n_embd": 32,
+        "n_layer": 2, "n_head": 2, "n_inner": 64, "tie_word_embeddings": true
+    });
+    std::fs::write(model.join("config.json"), cfg.to_string()).unwrap();
+    let write_cfg = |name: &str, gas: u64| {
+        let k = Knobs {
+            stage: 3,
+            gas,
+            precision: "bf16",
+            ..Knobs::default()
+        };
+        let p = dir.join(name);
+        std::fs::write(&p, ds_config(&k, &dir.join("swap"), 6).to_string()).unwrap();
+        p.to_str().unwrap().to_owned()
+    };
+    let (cfg2, cfg1) = (write_cfg("ds2.json", 1), write_cfg("ds1.json", 2));
+    let save = dir.join("ckpt");
+    let (model, save) = (model.to_str().unwrap(), save.to_str().unwrap());
+    let common = ["--seq-len", "16", "--device", "sim", "--model", model];
+    let mut first = vec!["launch", "--nproc", "2", "--", "train", "--steps", "3"];
+    first.extend(common);
+    first.extend(["--config", &cfg2, "--save-dir", save]);
+    let planned = tierzero(&first);
+    assert!(
+        planned.contains("AdamW's state and the gradients' sums sharded there"),
+        "{planned}"
+    );
+    assert!(planned.contains("this rank's shard"), "{planned}");
+    let sha = |stdout: &str| -> String {
+        let v: Value = serde_json::from_str(stdout.trim()).unwrap();
+        v["weight_sha256"].as_str().unwrap().to_owned()
+    };
+    let mut resumed = vec!["launch", "--nproc", "2", "--", "train", "--steps", "6"];
+    resumed.extend(common);
+    resumed.extend(["--config", &cfg2, "--resume", save, "--json"]);
+    let resumed = tierzero(&resumed);
+    let mut whole = vec!["train", "--steps", "6", "--config", &cfg1, "--json"];
+    whole.extend(common);
+    let whole = tierzero(&whole);
+    assert_eq!(
+        sha(&resumed),
+        sha(&whole),
+        "2 ranks with a checkpoint between -> 1 rank uninterrupted"
+    );
+}

@@ -21,12 +21,16 @@
 //!   and hands it the next unit's params before it computes this one
 //!   ([`crate::model::exec_units::UnitCompute::stage`]).
 //! * [`ResidentUnits`]: training in device memory, when nothing is
-//!   offloaded (one rank). Every param's weights, gradient sum, fp32
-//!   master and moments stay on the device and AdamW steps there
-//!   ([`crate::model::exec_units::DeviceOptimizer`]); the host's optimizer
-//!   state is loaded into it before the first step and written back when
-//!   the trainer settles (a checkpoint, the final weights). Its own
-//!   module docs give its state table and what the plan shows.
+//!   offloaded. Every param's weights, gradient sum, fp32 master and
+//!   moments stay on the device and AdamW steps there
+//!   ([`crate::model::exec_units::DeviceOptimizer`]); with several ranks
+//!   (the link's collectives spanning them) the master, moments and step
+//!   sums are this rank's shard, reduce-scattered and gathered on the
+//!   devices ([`DeviceLink::reduce_kept`], [`DeviceLink::gather_kept`]).
+//!   The host's optimizer state is loaded into it before the first step
+//!   and written back when the trainer settles (a checkpoint, the final
+//!   weights). Its own module docs give its state tables and what the
+//!   plan shows.
 //!
 //! # One state per param on the device
 //!

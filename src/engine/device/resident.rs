@@ -724,12 +724,31 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
             device_bytes,
             pinned_bytes: 0,
         };
-        let mut rows = vec![row("params, resident", weights)];
-        if self.bf16 {
-            rows.push(row("fp32 master weights", master));
+        let shard = if self.ranks.is_some() {
+            ", this rank's shard"
+        } else {
+            ""
+        };
+        let mut rows = vec![row(
+            if self.ranks.is_some() {
+                "params, resident (whole on every rank)"
+            } else {
+                "params, resident"
+            },
+            weights,
+        )];
+        if master > 0 {
+            rows.push(row(&format!("fp32 master weights{shard}"), master));
         }
-        rows.push(row("Adam moments (m, v), fp32", moments));
-        rows.push(row("gradients (the step's sums)", grads));
+        rows.push(row(&format!("Adam moments (m, v), fp32{shard}"), moments));
+        rows.push(row(
+            if self.ranks.is_some() {
+                "gradients (this rank's shard of the step's sums, a param's whole)"
+            } else {
+                "gradients (the step's sums)"
+            },
+            grads,
+        ));
         rows.push(DeviceMemoryRow {
             what: "upload staging buffers".into(),
             device_bytes: 0,

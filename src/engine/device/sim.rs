@@ -555,6 +555,12 @@ impl SimDevice {
                 what: format!("simulated device: upload {nth} ({what}) failed (injected)"),
             });
         }
+        self.reserve(what, bytes)
+    }
+
+    /// Counts `bytes` of device memory in the budget (or refuses them,
+    /// with the numbers).
+    fn reserve(&self, what: &str, bytes: u64) -> Result<(), ModelError> {
         let used = self.shared.used_bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
         if used > self.cfg.budget_bytes {
             self.shared.used_bytes.fetch_sub(bytes, Ordering::Relaxed);
@@ -814,13 +820,27 @@ impl DeviceLink for SimDevice {
         acc: Option<Vec<f32>>,
     ) -> Result<Option<SimUpload>, ModelError> {
         let SimPacked { full, blocks } = packed;
-        let sums = self.on_collectives(what, &self.shared.reduces, |comm| {
-            let mine = blocks.get(comm.rank()).copied().unwrap_or(0);
-            let mut sums = acc.unwrap_or_else(|| vec![0f32; mine]);
-            comm.reduce_scatter_add_f32(&full, &blocks, &mut sums)
-                .map_err(|e| e.to_string())?;
-            Ok(sums)
-        })?;
+        let mine = blocks.get(self.collective_rank()).copied().unwrap_or(0);
+        // New sums take device memory, freed by their owner
+        // (`DeviceLink::free`); running sums added onto keep theirs.
+        if acc.is_none() {
+            self.reserve(what, mine as u64 * 4)?;
+        }
+        let fresh = acc.is_none();
+        let sums = self
+            .on_collectives(what, &self.shared.reduces, |comm| {
+                let mut sums = acc.unwrap_or_else(|| vec![0f32; mine]);
+                comm.reduce_scatter_add_f32(&full, &blocks, &mut sums)
+                    .map_err(|e| e.to_string())?;
+                Ok(sums)
+            })
+            .inspect_err(|_| {
+                if fresh {
+                    self.shared
+                        .used_bytes
+                        .fetch_sub(mine as u64 * 4, Ordering::Relaxed);
+                }
+            })?;
         if sums.is_empty() {
             return Ok(None);
         }
