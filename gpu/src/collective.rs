@@ -144,6 +144,12 @@ pub struct DeviceComm {
     /// time: a peer is gone, so every later one fails at once (no NCCL
     /// call, no wait) instead of each waiting out its own deadline.
     broken: std::sync::atomic::AtomicBool,
+    /// Buffers a reduce kept on the device ([`DeviceComm::reduce_onto`])
+    /// read or wrote, each batch with an event recorded after that work on
+    /// this communicator's stream: freed once it completed, oldest first
+    /// (the stream is in order), so they live for their collective and
+    /// no longer; leaked at the drop if it never completed.
+    retiring: Mutex<std::collections::VecDeque<(CudaEvent, Vec<DevBuf>)>>,
 }
 
 /// Pinned host memory the running sums cross from (so their upload is
@@ -171,6 +177,12 @@ impl Drop for DeviceComm {
             .is_some_and(|ev| !matches!(ev.try_is_complete(), Ok(true)))
         {
             std::mem::forget(st.host.take());
+        }
+        let retiring = self.retiring.get_mut().unwrap_or_else(|p| p.into_inner());
+        for (ev, keep) in retiring.drain(..) {
+            if !matches!(ev.try_is_complete(), Ok(true)) {
+                std::mem::forget(keep);
+            }
         }
     }
 }
@@ -227,6 +239,11 @@ impl Acc<'_> {
             Acc::Device(b) => b.len(),
         }
     }
+}
+
+/// `m` locked, whoever panicked holding it.
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Whether `libnccl.so` loads.
@@ -304,6 +321,7 @@ impl DeviceComm {
                 world,
                 acc_staging: Mutex::new(AccStaging::default()),
                 broken: std::sync::atomic::AtomicBool::new(false),
+                retiring: Mutex::new(std::collections::VecDeque::new()),
             })
         })
     }
@@ -440,13 +458,42 @@ impl DeviceComm {
     /// fp32, this rank's; a former [`Reduced::sums`]), which travel with
     /// the result in [`Reduced::keep`] until its event: the sums of the
     /// optimizer on the device, which never leave it.
+    ///
+    /// The buffers the collective used are not in the result's `keep`
+    /// (empty): the communicator frees them once its event says the
+    /// collective is done, so a reduce's send and receive buffers do not
+    /// live until its sums are next needed.
     pub fn reduce_onto(
         &self,
         dev: &Device,
         packed: Packed,
         acc: Option<DeviceBuffer<f32>>,
     ) -> Result<Reduced> {
-        self.reduce_from(dev, packed, acc.map(Acc::Device))
+        let mut r = self.reduce_from(dev, packed, acc.map(Acc::Device))?;
+        self.reap()?;
+        let keep = std::mem::take(&mut r.keep);
+        match self.stream.record_event(None) {
+            Ok(ev) => locked(&self.retiring).push_back((ev, keep)),
+            Err(e) => {
+                // Not knowing when the collective ends, its buffers are
+                // leaked, never freed under it.
+                std::mem::forget(keep);
+                return Err(driver_err("cuEventRecord")(e));
+            }
+        }
+        Ok(r)
+    }
+
+    /// Frees the retiring buffers whose collective is done, oldest first.
+    fn reap(&self) -> Result<()> {
+        let mut retiring = locked(&self.retiring);
+        while let Some((ev, _)) = retiring.front() {
+            if !ev.try_is_complete().map_err(driver_err("cuEventQuery"))? {
+                break;
+            }
+            retiring.pop_front();
+        }
+        Ok(())
     }
 
     /// [`Self::reduce`] onto `acc`, wherever it is.

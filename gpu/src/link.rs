@@ -125,9 +125,6 @@ pub struct PendingUpload {
     /// (`event` is then the collective's, which a dead peer may never
     /// complete: see [`PendingUpload::is_gathered`]).
     pub(crate) gathered: bool,
-    /// Buffers a collective read or wrote for it, kept until its event
-    /// (a reduce's: [`PendingUpload::reduced`]).
-    keep: Vec<DevBuf>,
 }
 
 impl Drop for PendingUpload {
@@ -144,7 +141,6 @@ impl Drop for PendingUpload {
         if self.gathered && !done {
             std::mem::forget(self.crossed.take());
             std::mem::forget(self.staging.take());
-            std::mem::forget(std::mem::take(&mut self.keep));
         }
     }
 }
@@ -159,41 +155,22 @@ impl PendingUpload {
             event: Some(event),
             role,
             gathered: false,
-            keep: Vec::new(),
         }
     }
 
-    /// A reduce-scatter's sums kept on the device
-    /// ([`crate::collective::DeviceComm::reduce_onto`]), as an upload in
-    /// flight: a collective's (waited for with a deadline before
-    /// [`Uploads::finish`]), finished as a param's buffer, the buffers the
-    /// collective used (`r.keep`) held until then. A shard of no elements
-    /// has no sums: `r` comes back, for its caller to wait for.
-    pub fn reduced(
-        r: crate::collective::Reduced,
-    ) -> std::result::Result<Self, Box<crate::collective::Reduced>> {
-        let crate::collective::Reduced {
-            sums,
-            done,
-            keep,
-            began,
-        } = r;
-        let Some(sums) = sums else {
-            return Err(Box::new(crate::collective::Reduced {
-                sums: None,
-                done,
-                keep,
-                began,
-            }));
-        };
-        Ok(PendingUpload {
+    /// A reduce-scatter's sums kept on the device (`sums`, this rank's,
+    /// from [`crate::collective::DeviceComm::reduce_onto`], which frees
+    /// the buffers its collective used), written before `done`, as an
+    /// upload in flight: a collective's, so waited for with a deadline
+    /// before [`Uploads::finish`] hands it over as a param's buffer.
+    pub fn reduced(sums: DeviceBuffer<f32>, done: CudaEvent) -> Self {
+        PendingUpload {
             crossed: Some(DevBuf::F32(sums)),
             staging: None,
             event: Some(done),
             role: Role::Param,
             gathered: true,
-            keep,
-        })
+        }
     }
 
     /// Whether its event is a gather's on the ranks' collective stream
@@ -1052,9 +1029,6 @@ impl Uploads {
         let mut u = u;
         let role = u.role;
         let staging = u.staging.take();
-        // A reduce's buffers: its caller waited for its event (a
-        // collective's), so they go once the compute waits for it too.
-        let keep = std::mem::take(&mut u.keep);
         let (Some(crossed), Some(event)) = (u.crossed.take(), u.event.take()) else {
             return Err(crate::GpuError::Driver {
                 call: "cuStreamWaitEvent",
@@ -1063,7 +1037,6 @@ impl Uploads {
         };
         drop(u);
         self.compute_waits(&event)?;
-        drop(keep);
         match staging {
             Some(AnyStaging::F32(s)) => locked(&self.pool).retiring.push_back((event, s)),
             Some(AnyStaging::Bf16(s)) => locked(&self.pool16).retiring.push_back((event, s)),

@@ -175,10 +175,19 @@ fn kept_one_rank(
         let buf = dev.upload("gradient", g)?;
         let packed = comm.pack(dev, &[&buf], &[vec![n]], Wire::F32)?;
         let r = comm.reduce_onto(dev, packed, acc.take())?;
-        let Ok(up) = PendingUpload::reduced(r) else {
+        if !r.keep.is_empty() {
+            rep.check(
+                "reduce_kept.one_rank",
+                &n.to_string(),
+                false,
+                "its buffers are the caller's to keep",
+            );
+        }
+        let Some(sums) = r.sums else {
             rep.check("reduce_kept.one_rank", &n.to_string(), false, "no sums");
             return Ok(());
         };
+        let up = PendingUpload::reduced(sums, r.done);
         acc = Some(
             uploads
                 .finish(comm.wait_gathered(up, deadline)?)?

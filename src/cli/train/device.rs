@@ -74,19 +74,23 @@ pub(super) fn cuda_units(
             .with_budget_agreed(comm)
             .map_err(|e| Failure::Internal(anyhow!("--device {d}: {e}")))?;
     }
-    on_link(&format!("--device {d}"), link, cfg, model, world)
+    on_link(&format!("--device {d}"), link, cfg, model, comm)
 }
 
 /// The units on `link` ([`tierzero::engine::device::units_on`]), its
-/// refusals given as `flag`'s.
+/// refusals given as `flag`'s. Agreed among `comm`'s ranks: a rank whose
+/// device refuses (the state does not fit what its GPU has left) fails
+/// every rank at once, rather than leave them in the first collective.
 fn on_link<L: tierzero::engine::device::DeviceLink + 'static>(
     flag: &str,
     link: L,
     cfg: &tierzero::config::Config,
     model: &tierzero::model::Model,
-    world: usize,
+    comm: &dyn tierzero::engine::Comm,
 ) -> Result<std::sync::Arc<dyn tierzero::model::exec_units::UnitCompute>, Failure> {
-    tierzero::engine::device::units_on(link, cfg, model, world)
+    let local =
+        tierzero::engine::device::units_on(link, cfg, model, comm.world_size()).map_err(Into::into);
+    tierzero::engine::comm::agree(comm, "the device's units", local)
         .map_err(|e| bad(format!("{flag}: {e}")))
 }
 
@@ -138,7 +142,6 @@ pub(super) fn sim_units(
     comm: std::sync::Arc<dyn tierzero::engine::Comm>,
 ) -> Result<std::sync::Arc<dyn tierzero::model::exec_units::UnitCompute>, Failure> {
     use tierzero::engine::device::sim::{SimConfig, SimDevice};
-    let world = comm.world_size();
     let gemm = unit_checks("--device sim", cfg, model)?;
     let text = sim_h2d_gbps.unwrap_or("25");
     let gbps: f64 = text
@@ -180,6 +183,6 @@ pub(super) fn sim_units(
     // Collectives of its own over the ranks', as NCCL gives a GPU: with
     // several ranks the params are gathered and the gradients
     // reduce-scattered on the device.
-    .with_collectives(comm);
-    on_link("--device sim", dev, cfg, model, world)
+    .with_collectives(comm.clone());
+    on_link("--device sim", dev, cfg, model, &*comm)
 }

@@ -110,6 +110,10 @@ mod tests {
             .unwrap_err()
             .contains("2 ranks and no collectives"));
         assert_eq!(trains_resident(&plain, 2, 2), Ok(()));
+        // Collectives among some of the ranks' devices only.
+        assert!(trains_resident(&plain, 3, 2)
+            .unwrap_err()
+            .contains("3 ranks and no collectives"));
         let bf16 = config(r#""bf16": {"enabled": true}"#);
         assert_eq!(trains_resident(&bf16, 1, 1), Ok(()));
         let fp16 = config(r#""fp16": {"enabled": true}"#);

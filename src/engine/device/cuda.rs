@@ -424,7 +424,7 @@ impl DeviceLink for CudaLink {
         packed: Packed,
         acc: Option<DevBuf>,
     ) -> Result<Option<PendingUpload>, ModelError> {
-        let (comm, timeout) = self.collective(what)?;
+        let (comm, _) = self.collective(what)?;
         let acc = acc.map(DevBuf::into_f32).transpose().map_err(gpu_err)?;
         let mut reduced = comm
             .reduce_onto(self.device(), packed, acc)
@@ -434,16 +434,11 @@ impl DeviceLink for CudaLink {
                 let _ = self.collective_spans.push(span);
             }
         }
-        match PendingUpload::reduced(reduced) {
-            // Its `finish` waits for the collective with the deadline.
-            Ok(u) => Ok(Some(u)),
-            // A shard of no elements: the chunks it sent are waited for
-            // here, before their buffer goes.
-            Err(r) => {
-                drop(comm.wait(*r, *timeout).map_err(gpu_err)?);
-                Ok(None)
-            }
-        }
+        // The buffers its collective used are the communicator's to free;
+        // a shard of no elements has no sums.
+        Ok(reduced
+            .sums
+            .map(|sums| PendingUpload::reduced(sums, reduced.done)))
     }
 
     fn gather_kept(

@@ -38,7 +38,9 @@
 //! kernel's bits; a param no unit gave a gradient steps with zeros, as the
 //! host's zeroed accumulator does. In bf16 storage the weights are then the
 //! master rounded to bf16 (the kernels `cast_f32_bf16`, `cast_bf16_f32`),
-//! which is the host's bf16 copy. The gradient norm for clipping is each
+//! which is the host's bf16 copy (with several ranks, each rank's range
+//! rounded and the rest gathered: "Several ranks"). The gradient norm for
+//! clipping is each
 //! param's sum of squares on the device (one fixed-order reduction) added
 //! in param order on the host, every param's chunks read back in one wait
 //! (`Exec::sq_sums`): the same bits every run, not the host's
@@ -87,10 +89,15 @@
 //!
 //! # Buffers
 //!
-//! The weights, master and moments are uploaded through the link (counted
-//! in its budget) and freed through it. Gradients are the executor's
-//! buffers, dropped when cleared. A unit takes its weights out of the map
-//! while it computes and puts them back after, error or not.
+//! The weights, master and moments are uploaded through the link (with
+//! several ranks the weights are gathered through it), counted in its
+//! budget and freed through it. The units' gradients and the micro-batch
+//! sums are the executor's buffers, dropped when cleared; with several
+//! ranks the shards of the step's sums are the link's
+//! ([`DeviceLink::reduce_kept`]), freed through it once stepped, and the
+//! buffers a reduce sent and received are the link's until its
+//! collective is done. A unit takes its weights out of the map while it
+//! computes and puts them back after, error or not.
 
 mod ranks;
 
@@ -103,7 +110,7 @@ use tierzero_gpu::unit::Exec;
 
 use super::ahead::{Aheads, Holder};
 use super::inputs::{numel_of, output_numel, Inputs};
-use super::{DeviceLink, ELEM_BYTES};
+use super::{DeviceLink, Wire, ELEM_BYTES};
 use crate::model::exec_units::{
     self, DeviceMemoryPlan, DeviceMemoryRow, DeviceOptimizer, DeviceSpan, DeviceTraffic, HomePins,
     HostElems, UnitCompute,
@@ -234,7 +241,8 @@ enum Reduced<B, U> {
 /// moments are this rank's shards (`crate::engine::layout::shard_counts`);
 /// the gradients are the shards of the step's sums plus, at most, the
 /// largest param's micro-batch sum, one unit's gradient and the sum's
-/// copy laid out to cross, and the chunks every rank sent this rank.
+/// copy laid out to cross, the chunks every rank sent this rank and the
+/// new sums beside the old.
 pub fn resident_state_bytes(numels: &[u64], bf16: bool, rank: usize, world: usize) -> [u64; 4] {
     let total: u64 = numels.iter().sum();
     let largest = numels.iter().copied().max().unwrap_or(0);
@@ -259,7 +267,7 @@ pub fn resident_state_bytes(numels: &[u64], bf16: bool, rank: usize, world: usiz
         weights,
         shards * ELEM_BYTES,
         2 * shards * ELEM_BYTES,
-        (shards + 3 * largest + world as u64 * largest_shard) * ELEM_BYTES,
+        (shards + 3 * largest + (world as u64 + 1) * largest_shard) * ELEM_BYTES,
     ]
 }
 
@@ -341,9 +349,10 @@ impl<L: DeviceLink> ResidentUnits<L> {
                 .map(|&n| crate::engine::layout::shard_counts(n as usize, world))
                 .collect(),
         });
-        let need: u64 = resident_state_bytes(&numels, bf16, link.collective_rank(), world)
-            .iter()
-            .sum();
+        // Every rank decides on rank 0's shards, the largest
+        // (`shard_counts` gives the first ranks the remainder), so all
+        // refuse or none does.
+        let need: u64 = resident_state_bytes(&numels, bf16, 0, world).iter().sum();
         let room = Self::room_bytes(&link);
         if need > room {
             return Err(ModelError::Gpu {
@@ -542,8 +551,9 @@ impl<L: DeviceLink> ResidentUnits<L> {
     fn fold_all(&self, st: &mut Resident<L::Buf, L::Upload>) -> Result<(), ModelError> {
         let ids: Vec<ParamId> = st.params.keys().copied().collect();
         if self.ranks.is_some() {
+            // Whatever these sums' units were, fp32 crosses them exactly.
             for &id in &ids {
-                self.reduce_param(st, id)?;
+                self.reduce_param(st, id, Wire::F32)?;
             }
             return self.settle(st);
         }
@@ -659,7 +669,8 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
             self.grad_event(&mut st, id, GradEvent::Unit(g))?;
             if self.last_unit.get(id.0) == Some(&unit) {
                 if self.ranks.is_some() {
-                    self.reduce_param(&mut st, id)?;
+                    let wire = self.wire_of(id, out.dtype);
+                    self.reduce_param(&mut st, id, wire)?;
                 } else {
                     self.grad_event(&mut st, id, GradEvent::Fold)?;
                 }
@@ -847,7 +858,7 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
             ),
             None => (self.put(&mut st, &what("param"), weights_host)?, None),
         };
-        let adam = if shard == 0 {
+        let adam = if self.ranks.is_some() && shard == 0 {
             None
         } else {
             Some(AdamState {
@@ -915,24 +926,24 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
                             (e.zeros("zero gradient", n).map_err(gpu)?, false)
                         }
                     };
+                    // The weights are checked first: a param a unit still
+                    // holds fails the step before anything changed.
                     let stepped = match (adam.master.as_mut(), p.weights.as_mut()) {
-                        (Some(master), weights) => {
-                            e.adamw([master, &mut adam.m, &mut adam.v], &g, s)
-                                .map_err(gpu)?;
-                            // One rank: the bf16 weights are the master
-                            // rounded. Several: gathered below.
-                            match weights {
-                                Some(w) if self.ranks.is_none() => {
-                                    e.round_bf16(w, master).map_err(gpu)
+                        (_, None) => Err(param_err(*id, "is in use in the step")),
+                        (Some(master), Some(weights)) => e
+                            .adamw([master, &mut adam.m, &mut adam.v], &g, s)
+                            .and_then(|()| {
+                                // One rank: the bf16 weights are the
+                                // master rounded. Several: gathered below.
+                                match self.ranks {
+                                    None => e.round_bf16(weights, master),
+                                    Some(_) => Ok(()),
                                 }
-                                Some(_) => Ok(()),
-                                None => Err(param_err(*id, "is in use in the step")),
-                            }
-                        }
+                            })
+                            .map_err(gpu),
                         (None, Some(weights)) => e
                             .adamw([weights, &mut adam.m, &mut adam.v], &g, s)
                             .map_err(gpu),
-                        (None, None) => Err(param_err(*id, "is in use in the step")),
                     };
                     if linked {
                         self.link.free(g);
@@ -1010,8 +1021,8 @@ mod tests {
         let two = super::resident_state_bytes(&numels, true, 1, 2);
         // bf16 weights whole; the fp32 master and moments of 6 elements;
         // the sums' shards, a micro-batch sum, a unit's gradient and its
-        // copy laid out (10 each), and two ranks' chunks of 5.
-        assert_eq!(two, [26, 24, 48, (6 + 30 + 10) * 4]);
+        // copy laid out (10 each), two ranks' chunks of 5 and new sums.
+        assert_eq!(two, [26, 24, 48, (6 + 30 + 15) * 4]);
         let fp32 = super::resident_state_bytes(&numels, false, 0, 2);
         assert_eq!(fp32[..3], [52, 28, 56]);
     }

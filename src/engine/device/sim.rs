@@ -820,27 +820,21 @@ impl DeviceLink for SimDevice {
         acc: Option<Vec<f32>>,
     ) -> Result<Option<SimUpload>, ModelError> {
         let SimPacked { full, blocks } = packed;
-        let mine = blocks.get(self.collective_rank()).copied().unwrap_or(0);
+        let fresh = acc.is_none();
+        let sums = self.on_collectives(what, &self.shared.reduces, |comm| {
+            let mine = blocks.get(comm.rank()).copied().unwrap_or(0);
+            let mut sums = acc.unwrap_or_else(|| vec![0f32; mine]);
+            comm.reduce_scatter_add_f32(&full, &blocks, &mut sums)
+                .map_err(|e| e.to_string())?;
+            Ok(sums)
+        })?;
         // New sums take device memory, freed by their owner
         // (`DeviceLink::free`); running sums added onto keep theirs.
-        if acc.is_none() {
-            self.reserve(what, mine as u64 * 4)?;
+        // Counted after the collective, as a gather's whole is, so that a
+        // refusal here leaves no peer waiting in it.
+        if fresh {
+            self.reserve(what, sums.len() as u64 * 4)?;
         }
-        let fresh = acc.is_none();
-        let sums = self
-            .on_collectives(what, &self.shared.reduces, |comm| {
-                let mut sums = acc.unwrap_or_else(|| vec![0f32; mine]);
-                comm.reduce_scatter_add_f32(&full, &blocks, &mut sums)
-                    .map_err(|e| e.to_string())?;
-                Ok(sums)
-            })
-            .inspect_err(|_| {
-                if fresh {
-                    self.shared
-                        .used_bytes
-                        .fetch_sub(mine as u64 * 4, Ordering::Relaxed);
-                }
-            })?;
         if sums.is_empty() {
             return Ok(None);
         }

@@ -18,7 +18,7 @@
 //! write-back; the units read the device's.
 
 use super::*;
-use crate::model::exec_units::{DeviceOptimizer, UnitCompute};
+use crate::model::exec_units::UnitCompute;
 
 impl Trainer {
     /// The units' compute, when it holds the optimizer.
@@ -46,30 +46,21 @@ impl Trainer {
         let groups = self.layout.sub_groups.clone();
         let slots = self.layout.params.clone();
         // Params are loaded in param order on every rank (with several,
-        // each load is a collective): a param whose shard here has no
-        // elements, so no piece, is loaded empty in its turn.
+        // each load is a collective). The layout gives every param a
+        // piece in order, an empty one for a shard of no elements here,
+        // which loads empty in its turn.
         let mut next = 0usize;
-        let load_empty_before = |dev: &dyn DeviceOptimizer, next: &mut usize, upto: usize| {
-            while *next < upto {
-                if slots.get(*next).is_some_and(|s| s.shard_numel == 0) {
-                    dev.load(ParamId(*next), [&[], &[], &[]])?;
-                }
-                *next += 1;
-            }
-            Ok::<(), EngineError>(())
-        };
         // A param tiled over several groups is assembled across them.
         let mut open: BTreeMap<ParamId, [Vec<f32>; 3]> = BTreeMap::new();
         for g in groups {
             let sg = g.id;
             let states = self.exclusive(move |st| st.group_states(sg))?;
             for pc in &g.pieces {
-                if pc.param.0 < next && !open.contains_key(&pc.param) {
+                if pc.param.0 != next {
                     return Err(EngineError::internal(
                         "the sub-groups' pieces are not in param order",
                     ));
                 }
-                load_empty_before(dev, &mut next, pc.param.0)?;
                 let slot = slots
                     .get(pc.param.0)
                     .ok_or_else(|| EngineError::internal("a piece of an unknown param"))?;
@@ -92,7 +83,6 @@ impl Trainer {
                 }
             }
         }
-        load_empty_before(dev, &mut next, slots.len())?;
         if !open.is_empty() || !dev.is_loaded() {
             return Err(EngineError::internal(
                 "the device optimizer was not given every param",

@@ -12,11 +12,14 @@ impl<L: DeviceLink> ResidentUnits<L> {
     /// Param `id`'s micro-batch sum, open since its first unit's
     /// gradient, reduce-scattered among the ranks onto this rank's shard
     /// of the step's sum (left in flight; [`Self::settle`] waits for it).
-    /// Nothing when no unit gave it a gradient since the last.
+    /// Nothing when no unit gave it a gradient since the last. The sum
+    /// crosses between the ranks as `wire`'s elements (see
+    /// [`Self::wire_of`]).
     pub(super) fn reduce_param(
         &self,
         st: &mut Resident<L::Buf, L::Upload>,
         id: ParamId,
+        wire: Wire,
     ) -> Result<(), ModelError> {
         let Some(ranks) = self.ranks.as_ref() else {
             return Err(super::param_err(id, "reduced with one rank"));
@@ -47,14 +50,6 @@ impl<L: DeviceLink> ResidentUnits<L> {
             .get(id.0)
             .cloned()
             .ok_or_else(|| super::param_err(id, "is not in the model"))?;
-        // An untied param's micro-batch sum is its one unit's gradient,
-        // already rounded to bf16 in bf16 storage: it crosses as bf16,
-        // exactly, half the bytes. A tied one's sum of two is fp32.
-        let wire = if self.bf16 && self.single_unit.get(id.0) == Some(&true) {
-            Wire::Bf16
-        } else {
-            Wire::F32
-        };
         let what = format!("param {} gradient", id.0);
         let packed =
             self.link
@@ -66,12 +61,26 @@ impl<L: DeviceLink> ResidentUnits<L> {
         Ok(())
     }
 
+    /// How param `id`'s micro-batch sum crosses when its last unit, whose
+    /// gradients came as `unit_dtype`, folds it: an untied param's sum is
+    /// that unit's gradient, rounded to bf16 when the unit's were (the
+    /// host's copy would be): it crosses as bf16, exactly, half the
+    /// bytes. A tied one's (a sum of two) and anything else as fp32.
+    pub(super) fn wire_of(&self, id: ParamId, unit_dtype: candle_core::DType) -> Wire {
+        if unit_dtype == candle_core::DType::BF16 && self.single_unit.get(id.0) == Some(&true) {
+            Wire::Bf16
+        } else {
+            Wire::F32
+        }
+    }
+
     /// Waits for every reduce in flight, in param order.
     pub(super) fn settle(&self, st: &mut Resident<L::Buf, L::Upload>) -> Result<(), ModelError> {
         for p in st.params.values_mut() {
-            if let Reduced::InFlight(u) = std::mem::take(&mut p.reduced) {
-                p.reduced = Reduced::Ready(self.link.finish(u)?);
-            }
+            p.reduced = match std::mem::take(&mut p.reduced) {
+                Reduced::InFlight(u) => Reduced::Ready(self.link.finish(u)?),
+                other => other,
+            };
         }
         Ok(())
     }
