@@ -1165,7 +1165,7 @@ fn adam_on_the_devices_of_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
 #[test]
 fn adam_on_the_devices_of_three_ranks_with_clipping_matches_within_1e6() {
     // The device optimizer on three ranks: uneven shards (a param of 64
-    // elements is cut 22, 21, 21), and clipping, whose norm is each
+    // elements is cut 22, 22, 20), and clipping, whose norm is each
     // rank's shards' Σg² on its device, added over the ranks. The sums
     // differ from one rank's in their order, so the clip factor may in
     // its last bits: 1e-6, as for the host's optimizer
@@ -1213,4 +1213,54 @@ fn adam_on_the_devices_of_three_ranks_with_clipping_matches_within_1e6() {
     assert!(l[l.len() - 1] < l[0], "{tag}: loss did not fall: {l:?}");
     assert!(loss_rel <= 1e-6, "losses differ by {loss_rel}");
     assert!(w_norm <= 1e-6, "weights differ by {w_norm}");
+}
+
+#[test]
+fn adam_on_the_devices_with_shards_of_no_elements_matches_one_rank_bit_for_bit() {
+    // A GPT-2 of width 2 on three ranks: its layer norms' weights and
+    // biases and the attention projection's bias have 2 elements, cut
+    // [1, 1, 0], so rank 2 holds no element of them. It still loads them
+    // (empty), sends its chunks of their gradients and takes part in
+    // their gathers, with no state of them on its device.
+    let (tag, steps) = ("s3-sim-resident-empty", 4u64);
+    let model = scratch(&format!("mpi-model-{tag}"));
+    let cfg = json!({
+        "model_type": "gpt2", "vocab_size": 256, "n_positions": 32, "n_embd": 2,
+        "n_layer": 1, "n_head": 1, "n_inner": 4, "tie_word_embeddings": true
+    });
+    std::fs::write(model.join("config.json"), cfg.to_string()).unwrap();
+    let knobs = Knobs {
+        stage: 3,
+        ..Knobs::default()
+    };
+    let multi_cfg = ds_config(&knobs, &scratch("mpi-swap"), steps);
+    let one = Knobs {
+        gas: 3,
+        ..knobs.clone()
+    };
+    let one_cfg = ds_config(&one, &scratch("mpi-swap1"), steps);
+    let reference = train_on(
+        &one_cfg,
+        1,
+        &model,
+        steps,
+        Arc::new(SingleRank),
+        Compute::Reference,
+    );
+    let ranks = run_ranks_on(3, &multi_cfg, &model, steps, Compute::SimResident);
+    for (r, o) in ranks.iter().enumerate() {
+        assert_eq!(o.losses, ranks[0].losses, "{tag}: rank {r} losses");
+        assert_eq!(o.device_left_bytes, 0, "rank {r}: device bytes held");
+    }
+    // Rank 2's shard is empty for the 2-element params: fewer elements.
+    assert!(
+        ranks[2].shard_numel < ranks[0].shard_numel,
+        "shards {:?}",
+        ranks.iter().map(|o| o.shard_numel).collect::<Vec<_>>()
+    );
+    assert_bit_identical(
+        "Adam on the devices, shards of no elements",
+        &reference,
+        &ranks,
+    );
 }

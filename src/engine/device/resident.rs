@@ -350,7 +350,7 @@ impl<L: DeviceLink> ResidentUnits<L> {
                 .collect(),
         });
         // Every rank decides on rank 0's shards, the largest
-        // (`shard_counts` gives the first ranks the remainder), so all
+        // (`shard_counts` cuts chunks of the ceiling), so all
         // refuse or none does.
         let need: u64 = resident_state_bytes(&numels, bf16, 0, world).iter().sum();
         let room = Self::room_bytes(&link);
