@@ -225,6 +225,10 @@ pub struct Reduced {
     pub began: Option<CudaEvent>,
 }
 
+/// A param's sums of [`DeviceComm::reduce_onto`], this rank's, and the
+/// event after them on the communicator's stream.
+pub type KeptSums = (DeviceBuffer<f32>, CudaEvent);
+
 /// Running sums a reduce adds onto: from the host (uploaded on the
 /// collective stream) or already on the device.
 enum Acc<'a> {
@@ -454,34 +458,115 @@ impl DeviceComm {
         self.reduce_from(dev, packed, acc.map(Acc::Host))
     }
 
-    /// [`Self::reduce`] onto running sums already on the device (`acc`,
-    /// fp32, this rank's; a former [`Reduced::sums`]), which travel with
-    /// the result in [`Reduced::keep`] until its event: the sums of the
-    /// optimizer on the device, which never leave it.
+    /// [`Self::reduce`] of a pack of several params' gradients (`counts[p]`
+    /// the cut of param `p`, as packed) onto each param's running sums
+    /// already on the device (`accs[p]`: fp32, this rank's `counts[p][rank]`
+    /// elements, a former result of this; None: +0.0), every param's in
+    /// one all-to-all: the sums of the optimizer on the device, which
+    /// never leave it. Returns each param's new sums (None for a shard of
+    /// no elements) with an event after them on this communicator's
+    /// stream, which the caller waits for with a deadline
+    /// ([`Self::wait_event`]) before the compute reads them.
     ///
-    /// The buffers the collective used are not in the result's `keep`
-    /// (empty): the communicator frees them once its event says the
-    /// collective is done, so a reduce's send and receive buffers do not
-    /// live until its sums are next needed.
+    /// The running sums are copied into one buffer, in pack order, the
+    /// chunks added onto it in rank order (`add_chunks`, the same
+    /// additions per element as one param at a time: +0.0 for a param
+    /// without its own), and each param's range copied out to a buffer of
+    /// its own. Every buffer the collective used, the running sums given
+    /// included, is the communicator's to free once its event says the
+    /// work is done (see `retiring`), so a reduce's send and receive
+    /// buffers do not live until the sums are next needed.
     pub fn reduce_onto(
         &self,
         dev: &Device,
         packed: Packed,
-        acc: Option<DeviceBuffer<f32>>,
-    ) -> Result<Reduced> {
+        accs: Vec<Option<DeviceBuffer<f32>>>,
+        counts: &[Vec<usize>],
+    ) -> Result<Vec<Option<KeptSums>>> {
+        let me = self.rank;
+        if accs.len() != counts.len() || counts.iter().any(|c| c.len() != self.world) {
+            return Err(shape(format!(
+                "{} running sums for {} params cut as {counts:?} for {} ranks",
+                accs.len(),
+                counts.len(),
+                self.world
+            )));
+        }
+        let mine: Vec<usize> = counts.iter().map(|c| c[me]).collect();
+        for (a, &n) in accs.iter().zip(&mine) {
+            if let Some(a) = a.as_ref().filter(|a| a.len() != n) {
+                return Err(shape(format!(
+                    "{} running sums for a shard of {n} elements",
+                    a.len()
+                )));
+            }
+        }
+        let total: usize = mine.iter().sum();
+        let s = &self.stream;
+        dev.context()
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
+        // The running sums in one buffer, in pack order (on this stream,
+        // where they were written).
+        let acc = if accs.iter().any(Option::is_some) && total > 0 {
+            let mut acc = dev.alloc_output_on::<f32>(s, "running gradient sums", total)?;
+            let mut at = 0usize;
+            for (a, &n) in accs.iter().zip(&mine) {
+                if n > 0 {
+                    let mut dst = acc.slice_mut().slice_mut(at..at + n);
+                    match a {
+                        Some(a) => s.memcpy_dtod(a.slice(), &mut dst),
+                        None => s.memset_zeros(&mut dst),
+                    }
+                    .map_err(driver_err("cuMemcpyDtoDAsync"))?;
+                }
+                at += n;
+            }
+            Some(acc)
+        } else {
+            None
+        };
         let mut r = self.reduce_from(dev, packed, acc.map(Acc::Device))?;
-        self.reap()?;
-        let keep = std::mem::take(&mut r.keep);
-        match self.stream.record_event(None) {
-            Ok(ev) => locked(&self.retiring).push_back((ev, keep)),
+        let mut keep = std::mem::take(&mut r.keep);
+        keep.extend(accs.into_iter().flatten().map(DevBuf::F32));
+        // Each param's range of the sums in a buffer of its own.
+        let split = (|| -> Result<Vec<Option<KeptSums>>> {
+            let mut out = Vec::with_capacity(mine.len());
+            let mut at = 0usize;
+            for &n in &mine {
+                match r.sums.as_ref().filter(|_| n > 0) {
+                    Some(sums) => {
+                        let mut own = dev.alloc_output_on::<f32>(s, "gradient sums", n)?;
+                        s.memcpy_dtod(&sums.slice().slice(at..at + n), own.slice_mut())
+                            .map_err(driver_err("cuMemcpyDtoDAsync"))?;
+                        let ev = s.record_event(None).map_err(driver_err("cuEventRecord"))?;
+                        out.push(Some((own, ev)));
+                    }
+                    None => out.push(None),
+                }
+                at += n;
+            }
+            Ok(out)
+        })();
+        keep.extend(r.sums.take().map(DevBuf::F32));
+        let retired = split.and_then(|out| {
+            let ev = s.record_event(None).map_err(driver_err("cuEventRecord"))?;
+            Ok((out, ev))
+        });
+        match retired {
+            Ok((out, ev)) => {
+                locked(&self.retiring).push_back((ev, keep));
+                self.reap()?;
+                Ok(out)
+            }
             Err(e) => {
                 // Not knowing when the collective ends, its buffers are
                 // leaked, never freed under it.
                 std::mem::forget(keep);
-                return Err(driver_err("cuEventRecord")(e));
+                self.set_broken();
+                Err(e)
             }
         }
-        Ok(r)
     }
 
     /// Frees the retiring buffers whose collective is done, oldest first.

@@ -172,22 +172,27 @@ fn kept_one_rank(
     let (a, b) = (data(n, 141), data(n, 142));
     let mut acc: Option<tierzero_gpu::device::DeviceBuffer<f32>> = None;
     for g in [&a, &b] {
-        let buf = dev.upload("gradient", g)?;
-        let packed = comm.pack(dev, &[&buf], &[vec![n]], Wire::F32)?;
-        let r = comm.reduce_onto(dev, packed, acc.take())?;
-        if !r.keep.is_empty() {
-            rep.check(
-                "reduce_kept.one_rank",
-                &n.to_string(),
-                false,
-                "its buffers are the caller's to keep",
-            );
-        }
-        let Some(sums) = r.sums else {
+        // With a param of 5 elements, none with running sums, beside it.
+        let (buf, other) = (dev.upload("gradient", g)?, dev.upload("other", &[1f32; 5])?);
+        let counts = [vec![n], vec![5]];
+        let packed = comm.pack(dev, &[&buf, &other], &counts, Wire::F32)?;
+        let mut sums = comm.reduce_onto(dev, packed, vec![acc.take(), None], &counts)?;
+        let (Some(Some((own, done))), Some(Some((five, _)))) = (
+            sums.first_mut().map(Option::take),
+            sums.get_mut(1).map(Option::take),
+        ) else {
             rep.check("reduce_kept.one_rank", &n.to_string(), false, "no sums");
             return Ok(());
         };
-        let up = PendingUpload::reduced(sums, r.done);
+        comm.wait_event(&done, deadline, "reduce_onto")?;
+        let ones = dev.download(&five)?;
+        rep.check(
+            "reduce_kept.one_rank_beside",
+            "5",
+            ones == [1f32; 5],
+            &format!("{ones:?}"),
+        );
+        let up = PendingUpload::reduced(own, done);
         acc = Some(
             uploads
                 .finish(comm.wait_gathered(up, deadline)?)?

@@ -422,23 +422,25 @@ impl DeviceLink for CudaLink {
         &self,
         what: &str,
         packed: Packed,
-        acc: Option<DevBuf>,
-    ) -> Result<Option<PendingUpload>, ModelError> {
+        accs: Vec<Option<DevBuf>>,
+        counts: &[Vec<usize>],
+    ) -> Result<Vec<Option<PendingUpload>>, ModelError> {
         let (comm, _) = self.collective(what)?;
-        let acc = acc.map(DevBuf::into_f32).transpose().map_err(gpu_err)?;
-        let mut reduced = comm
-            .reduce_onto(self.device(), packed, acc)
+        let accs = accs
+            .into_iter()
+            .map(|a| a.map(DevBuf::into_f32).transpose())
+            .collect::<Result<Vec<_>, _>>()
             .map_err(gpu_err)?;
-        if let Some(b) = reduced.began.take() {
-            if let Ok(span) = EventClock::span(comm.stream(), what.to_owned(), b) {
-                let _ = self.collective_spans.push(span);
-            }
-        }
-        // The buffers its collective used are the communicator's to free;
-        // a shard of no elements has no sums.
-        Ok(reduced
-            .sums
-            .map(|sums| PendingUpload::reduced(sums, reduced.done)))
+        let sums = comm
+            .reduce_onto(self.device(), packed, accs, counts)
+            .map_err(gpu_err)?;
+        // Each param's sums in flight: its `finish` waits for them with
+        // the deadline. The buffers the collective used are the
+        // communicator's to free.
+        Ok(sums
+            .into_iter()
+            .map(|s| s.map(|(sums, done)| PendingUpload::reduced(sums, done)))
+            .collect())
     }
 
     fn gather_kept(

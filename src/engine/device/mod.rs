@@ -528,22 +528,25 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
     }
     /// Several ranks, the optimizer on the device
     /// ([`ResidentUnits`]): [`DeviceLink::reduce_grads`] whose sums stay
-    /// on the device. This rank's chunks of `packed` from every rank,
-    /// widened exactly, added onto `acc` (this rank's running sums, a
-    /// buffer of this link's, consumed; None: +0.0) in rank order: the
-    /// same additions as on the host. Returns the sums in flight as an
-    /// upload: its [`DeviceLink::finish`] waits for the collective (with
-    /// the communicator's deadline: a dead peer never completes it) and
-    /// orders the compute after it. None: this rank's shard has no
+    /// on the device, of a pack of several params (`counts[p]`, the cut
+    /// of param `p` as packed), in one collective. For each param, this
+    /// rank's chunks of it from every rank, widened exactly, added onto
+    /// `accs[p]` (its running sums, a buffer of this link's, consumed;
+    /// None: +0.0) in rank order: the same additions as on the host.
+    /// Returns each param's sums in flight as an upload: its
+    /// [`DeviceLink::finish`] waits for the collective (with the
+    /// communicator's deadline: a dead peer never completes it) and orders
+    /// the compute after it. None: this rank's shard of that param has no
     /// elements (it still sent its chunks). A collective.
     fn reduce_kept(
         &self,
         what: &str,
         packed: Self::Packed,
-        acc: Option<Self::Buf>,
-    ) -> Result<Option<Self::Upload>, ModelError> {
-        let _ = packed;
-        if let Some(a) = acc {
+        accs: Vec<Option<Self::Buf>>,
+        counts: &[Vec<usize>],
+    ) -> Result<Vec<Option<Self::Upload>>, ModelError> {
+        let _ = (packed, counts);
+        for a in accs.into_iter().flatten() {
             self.free(a);
         }
         Err(ModelError::Gpu {

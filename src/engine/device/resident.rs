@@ -64,11 +64,13 @@
 //! | `InFlight(u)` | the norm or the step | `Ready` (waited for, with the communicator's deadline) |
 //! | `Ready(s)` | the step | `None` (Adam stepped the shard on `s`; `s` freed) |
 //!
-//! Each reduce ([`DeviceLink::reduce_kept`]) adds every rank's chunk onto
-//! the running sum in rank order, as the host's collective does, so N
-//! ranks give one rank's bits over the same micro-batches. An untied
-//! param's sum crosses as bf16 in bf16 storage (it is one unit's
-//! gradient, already rounded: exact), a tied one's as fp32. After the
+//! The params whose sums a unit's backward completes are reduced
+//! together, one collective ([`DeviceLink::reduce_kept`]) for each dtype
+//! they cross in: an untied param's sum as bf16 when its unit's
+//! gradients were rounded to bf16 (it is that gradient: exact), a tied
+//! one's as fp32. Each adds every rank's chunk onto the param's running
+//! sum in rank order, as the host's collective does, so N ranks give one
+//! rank's bits over the same micro-batches. After the
 //! step each rank's new master shard is rounded into its range of the
 //! weights and the ranks gather the rest, every param in one
 //! [`DeviceLink::gather_kept`]; at load, this rank's shard of the weights
@@ -240,10 +242,17 @@ enum Reduced<B, U> {
 /// With several, the weights are whole on every rank and the master and
 /// moments are this rank's shards (`crate::engine::layout::shard_counts`);
 /// the gradients are the shards of the step's sums plus, at most, the
-/// largest param's micro-batch sum, one unit's gradient and the sum's
-/// copy laid out to cross, the chunks every rank sent this rank and the
-/// new sums beside the old.
-pub fn resident_state_bytes(numels: &[u64], bf16: bool, rank: usize, world: usize) -> [u64; 4] {
+/// largest param's micro-batch sum and one unit's gradient, and a unit's
+/// reduce: its sums laid out to cross (`unit_numels`: the params of the
+/// unit with the most elements), the chunks every rank sent this rank,
+/// and its running and new sums, together and split.
+pub fn resident_state_bytes(
+    numels: &[u64],
+    bf16: bool,
+    rank: usize,
+    world: usize,
+    unit_numels: &[u64],
+) -> [u64; 4] {
     let total: u64 = numels.iter().sum();
     let largest = numels.iter().copied().max().unwrap_or(0);
     let storage = if bf16 { DType::BF16 } else { DType::F32 };
@@ -262,13 +271,30 @@ pub fn resident_state_bytes(numels: &[u64], bf16: bool, rank: usize, world: usiz
             .map_or(0, |&c| c as u64)
     };
     let shards: u64 = numels.iter().map(|&n| shard(n)).sum();
-    let largest_shard = numels.iter().map(|&n| shard(n)).max().unwrap_or(0);
+    let unit: u64 = unit_numels.iter().sum();
+    let unit_shard: u64 = unit_numels.iter().map(|&n| shard(n)).sum();
     [
         weights,
         shards * ELEM_BYTES,
         2 * shards * ELEM_BYTES,
-        (shards + 3 * largest + (world as u64 + 1) * largest_shard) * ELEM_BYTES,
+        (shards + 2 * largest + unit + (world as u64 + 3) * unit_shard) * ELEM_BYTES,
     ]
+}
+
+/// The numels of the params of `model`'s unit with the most elements.
+fn largest_unit_numels(model: &Model) -> Vec<u64> {
+    let numel = |ids: &[ParamId]| -> Vec<u64> {
+        ids.iter()
+            .filter_map(|id| model.params().get(id.0))
+            .map(|p| p.numel as u64)
+            .collect()
+    };
+    model
+        .units()
+        .iter()
+        .map(|u| numel(&u.params))
+        .max_by_key(|n| n.iter().sum::<u64>())
+        .unwrap_or_default()
 }
 
 /// Several ranks: this rank among them, and how each param is cut.
@@ -304,6 +330,8 @@ pub struct ResidentUnits<L: DeviceLink> {
     last_unit: Vec<UnitId>,
     /// Each param's units: whether it is in one only (untied).
     single_unit: Vec<bool>,
+    /// The numels of the params of the unit with the most elements.
+    unit_numels: Vec<u64>,
     /// Several ranks (None: one).
     ranks: Option<Ranks>,
     state: Mutex<Resident<L::Buf, L::Upload>>,
@@ -352,7 +380,10 @@ impl<L: DeviceLink> ResidentUnits<L> {
         // Every rank decides on rank 0's shards, the largest
         // (`shard_counts` cuts chunks of the ceiling), so all
         // refuse or none does.
-        let need: u64 = resident_state_bytes(&numels, bf16, 0, world).iter().sum();
+        let unit_numels = largest_unit_numels(model);
+        let need: u64 = resident_state_bytes(&numels, bf16, 0, world, &unit_numels)
+            .iter()
+            .sum();
         let room = Self::room_bytes(&link);
         if need > room {
             return Err(ModelError::Gpu {
@@ -375,6 +406,7 @@ impl<L: DeviceLink> ResidentUnits<L> {
             numels,
             last_unit,
             single_unit,
+            unit_numels,
             ranks,
             state: Mutex::new(Resident {
                 params: BTreeMap::new(),
@@ -417,7 +449,13 @@ impl<L: DeviceLink> ResidentUnits<L> {
     /// [`resident_state_bytes`] of this model on this rank.
     fn state_bytes(&self) -> [u64; 4] {
         let world = self.link.reduce_ranks();
-        resident_state_bytes(&self.numels, self.bf16, self.link.collective_rank(), world)
+        resident_state_bytes(
+            &self.numels,
+            self.bf16,
+            self.link.collective_rank(),
+            world,
+            &self.unit_numels,
+        )
     }
 
     /// The device bytes the state may take: the whole budget less
@@ -552,9 +590,7 @@ impl<L: DeviceLink> ResidentUnits<L> {
         let ids: Vec<ParamId> = st.params.keys().copied().collect();
         if self.ranks.is_some() {
             // Whatever these sums' units were, fp32 crosses them exactly.
-            for &id in &ids {
-                self.reduce_param(st, id, Wire::F32)?;
-            }
+            self.reduce_params(st, &ids, Wire::F32)?;
             return self.settle(st);
         }
         for id in ids {
@@ -655,6 +691,11 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
         let e = self.link.exec();
         let mut st = self.lock();
         st.traffic.d2h_bytes += out.input.as_ref().map_or(0, numel_of) * ELEM_BYTES;
+        // Several ranks: the params whose sums this unit completes, by the
+        // dtype they cross in, reduced together after (one collective for
+        // each dtype, fp32's first, in declared order: the same on every
+        // rank).
+        let mut folds: [Vec<ParamId>; 2] = [Vec::new(), Vec::new()];
         for (id, g, _dims) in out.grads {
             // A bf16 gradient is what the host would have received.
             let g = if out.dtype == DType::BF16 {
@@ -669,11 +710,16 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
             self.grad_event(&mut st, id, GradEvent::Unit(g))?;
             if self.last_unit.get(id.0) == Some(&unit) {
                 if self.ranks.is_some() {
-                    let wire = self.wire_of(id, out.dtype);
-                    self.reduce_param(&mut st, id, wire)?;
+                    let narrow = self.wire_of(id, out.dtype) == Wire::Bf16;
+                    folds[usize::from(narrow)].push(id);
                 } else {
                     self.grad_event(&mut st, id, GradEvent::Fold)?;
                 }
+            }
+        }
+        for (ids, wire) in folds.iter().zip([Wire::F32, Wire::Bf16]) {
+            if !ids.is_empty() {
+                self.reduce_params(&mut st, ids, wire)?;
             }
         }
         drop(st);
@@ -1016,14 +1062,17 @@ mod tests {
         // Params of 10 and 3 elements: rank 1 of 2 holds 5 and 1 of them
         // (`shard_counts` cuts 3 as [2, 1]).
         let numels = [10u64, 3];
-        let one = super::resident_state_bytes(&numels, true, 0, 1);
+        // One unit holds both.
+        let one = super::resident_state_bytes(&numels, true, 0, 1, &numels);
         assert_eq!(one, [26, 52, 104, (13 + 20) * 4]);
-        let two = super::resident_state_bytes(&numels, true, 1, 2);
+        let two = super::resident_state_bytes(&numels, true, 1, 2, &numels);
         // bf16 weights whole; the fp32 master and moments of 6 elements;
-        // the sums' shards, a micro-batch sum, a unit's gradient and its
-        // copy laid out (10 each), two ranks' chunks of 5 and new sums.
-        assert_eq!(two, [26, 24, 48, (6 + 30 + 15) * 4]);
-        let fp32 = super::resident_state_bytes(&numels, false, 0, 2);
+        // the sums' shards (6), a micro-batch sum and a unit's gradient
+        // (10 each), the unit's sums laid out (13), and 2 + 3 times its
+        // shard (6): the chunks received, the running and new sums
+        // together, the new split.
+        assert_eq!(two, [26, 24, 48, (6 + 20 + 13 + 5 * 6) * 4]);
+        let fp32 = super::resident_state_bytes(&numels, false, 0, 2, &numels);
         assert_eq!(fp32[..3], [52, 28, 56]);
     }
 

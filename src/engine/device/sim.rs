@@ -817,35 +817,69 @@ impl DeviceLink for SimDevice {
         &self,
         what: &str,
         packed: SimPacked,
-        acc: Option<Vec<f32>>,
-    ) -> Result<Option<SimUpload>, ModelError> {
+        accs: Vec<Option<Vec<f32>>>,
+        counts: &[Vec<usize>],
+    ) -> Result<Vec<Option<SimUpload>>, ModelError> {
         let SimPacked { full, blocks } = packed;
-        let fresh = acc.is_none();
+        let rank = self.collective_rank();
+        let mine: Vec<usize> = counts
+            .iter()
+            .map(|c| c.get(rank).copied().unwrap_or(0))
+            .collect();
+        if accs.len() != mine.len()
+            || accs
+                .iter()
+                .zip(&mine)
+                .any(|(a, &n)| a.as_ref().is_some_and(|a| a.len() != n))
+        {
+            return Err(ModelError::Gpu {
+                what: format!(
+                    "{what}: running sums of {:?} for shards of {mine:?}",
+                    accs.iter()
+                        .map(|a| a.as_ref().map(Vec::len))
+                        .collect::<Vec<_>>()
+                ),
+            });
+        }
+        // The running sums in one buffer, in pack order, +0.0 for a param
+        // without its own; theirs leave the device's count, and each
+        // param's new sums join it after the collective (as a gather's
+        // whole does, so that a refusal leaves no peer waiting in it).
+        let mut sums: Vec<f32> = Vec::with_capacity(mine.iter().sum());
+        for (a, &n) in accs.into_iter().zip(&mine) {
+            match a {
+                Some(a) => {
+                    sums.extend_from_slice(&a);
+                    self.free(a);
+                }
+                None => sums.resize(sums.len() + n, 0.0),
+            }
+        }
         let sums = self.on_collectives(what, &self.shared.reduces, |comm| {
-            let mine = blocks.get(comm.rank()).copied().unwrap_or(0);
-            let mut sums = acc.unwrap_or_else(|| vec![0f32; mine]);
+            let mut sums = sums;
             comm.reduce_scatter_add_f32(&full, &blocks, &mut sums)
                 .map_err(|e| e.to_string())?;
             Ok(sums)
         })?;
-        // New sums take device memory, freed by their owner
-        // (`DeviceLink::free`); running sums added onto keep theirs.
-        // Counted after the collective, as a gather's whole is, so that a
-        // refusal here leaves no peer waiting in it.
-        if fresh {
-            self.reserve(what, sums.len() as u64 * 4)?;
+        let mut out = Vec::with_capacity(mine.len());
+        let mut at = 0usize;
+        for &n in &mine {
+            if n == 0 {
+                out.push(None);
+                continue;
+            }
+            self.reserve(what, n as u64 * 4)?;
+            // Its memory is host memory: the sums are where the compute
+            // reads them, at once.
+            let event = Arc::new(Event::default());
+            event.complete(sums[at..at + n].to_vec());
+            out.push(Some(SimUpload {
+                event,
+                narrow_bytes: None,
+            }));
+            at += n;
         }
-        if sums.is_empty() {
-            return Ok(None);
-        }
-        // Its memory is host memory: the sums are where the compute reads
-        // them, at once.
-        let event = Arc::new(Event::default());
-        event.complete(sums);
-        Ok(Some(SimUpload {
-            event,
-            narrow_bytes: None,
-        }))
+        Ok(out)
     }
 
     fn gather_kept(

@@ -9,55 +9,91 @@ use super::{exec_units, DeviceLink, Grad, ModelError, ParamId, Reduced, Resident
 use crate::engine::device::Wire;
 
 impl<L: DeviceLink> ResidentUnits<L> {
-    /// Param `id`'s micro-batch sum, open since its first unit's
-    /// gradient, reduce-scattered among the ranks onto this rank's shard
-    /// of the step's sum (left in flight; [`Self::settle`] waits for it).
-    /// Nothing when no unit gave it a gradient since the last. The sum
-    /// crosses between the ranks as `wire`'s elements (see
-    /// [`Self::wire_of`]).
-    pub(super) fn reduce_param(
+    /// The micro-batch sums of `ids` (in this order: the same on every
+    /// rank), each open since its param's first unit's gradient,
+    /// reduce-scattered among the ranks in one collective, each onto this
+    /// rank's shard of its param's step sum (left in flight;
+    /// [`Self::settle`] waits for them). A param no unit gave a gradient
+    /// since the last is left out. The sums cross between the ranks as
+    /// `wire`'s elements (see [`Self::wire_of`]).
+    pub(super) fn reduce_params(
         &self,
         st: &mut Resident<L::Buf, L::Upload>,
-        id: ParamId,
+        ids: &[ParamId],
         wire: Wire,
     ) -> Result<(), ModelError> {
         let Some(ranks) = self.ranks.as_ref() else {
-            return Err(super::param_err(id, "reduced with one rank"));
+            return Err(super::param_err(
+                ids.first().copied().unwrap_or(ParamId(0)),
+                "reduced with one rank",
+            ));
         };
-        let p = st
-            .params
-            .get_mut(&id)
-            .ok_or_else(|| super::param_err(id, "has a gradient but no state"))?;
-        let micro = match std::mem::take(&mut p.grad) {
-            Grad::Zero => return Ok(()),
-            Grad::Micro { sum: None, micro } => micro,
-            // The step's sum lives in `reduced` with several ranks.
-            Grad::Micro { sum: Some(_), .. } | Grad::Summed(_) => {
-                return Err(super::param_err(
-                    id,
-                    "has a whole step's sum with several ranks",
-                ))
+        let mut taken = Vec::with_capacity(ids.len());
+        let mut micros = Vec::with_capacity(ids.len());
+        let mut accs = Vec::with_capacity(ids.len());
+        let mut counts = Vec::with_capacity(ids.len());
+        for &id in ids {
+            let p = st
+                .params
+                .get_mut(&id)
+                .ok_or_else(|| super::param_err(id, "has a gradient but no state"))?;
+            let micro = match std::mem::take(&mut p.grad) {
+                Grad::Zero => continue,
+                Grad::Micro { sum: None, micro } => micro,
+                // The step's sum lives in `reduced` with several ranks.
+                Grad::Micro { sum: Some(_), .. } | Grad::Summed(_) => {
+                    return Err(super::param_err(
+                        id,
+                        "has a whole step's sum with several ranks",
+                    ))
+                }
+            };
+            // The running sum: the micro-batches' before, this rank's
+            // shard.
+            let acc = match std::mem::take(&mut p.reduced) {
+                Reduced::None => None,
+                Reduced::Ready(b) => Some(b),
+                Reduced::InFlight(u) => Some(self.link.finish(u)?),
+            };
+            taken.push(id);
+            micros.push(micro);
+            accs.push(acc);
+            counts.push(
+                ranks
+                    .counts
+                    .get(id.0)
+                    .cloned()
+                    .ok_or_else(|| super::param_err(id, "is not in the model"))?,
+            );
+        }
+        if taken.is_empty() {
+            return Ok(());
+        }
+        let what = format!(
+            "params {}..={} gradients",
+            taken.first().map_or(0, |p| p.0),
+            taken.last().map_or(0, |p| p.0)
+        );
+        let packed = self.link.pack_grads(&what, micros, wire, &counts)?;
+        let sums = self.link.reduce_kept(&what, packed, accs, &counts)?;
+        if sums.len() != taken.len() {
+            return Err(super::param_err(
+                taken[0],
+                &format!(
+                    "reduced with {} sums for {} params",
+                    sums.len(),
+                    taken.len()
+                ),
+            ));
+        }
+        for (id, s) in taken.into_iter().zip(sums) {
+            if let Some(p) = st.params.get_mut(&id) {
+                p.reduced = match s {
+                    Some(u) => Reduced::InFlight(u),
+                    None => Reduced::None,
+                };
             }
-        };
-        // The running sum: the micro-batches' before, this rank's shard.
-        let acc = match std::mem::take(&mut p.reduced) {
-            Reduced::None => None,
-            Reduced::Ready(b) => Some(b),
-            Reduced::InFlight(u) => Some(self.link.finish(u)?),
-        };
-        let counts = ranks
-            .counts
-            .get(id.0)
-            .cloned()
-            .ok_or_else(|| super::param_err(id, "is not in the model"))?;
-        let what = format!("param {} gradient", id.0);
-        let packed =
-            self.link
-                .pack_grads(&what, vec![micro], wire, std::slice::from_ref(&counts))?;
-        p.reduced = match self.link.reduce_kept(&what, packed, acc)? {
-            Some(u) => Reduced::InFlight(u),
-            None => Reduced::None,
-        };
+        }
         Ok(())
     }
 
