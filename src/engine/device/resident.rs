@@ -800,7 +800,7 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
         rows.push(row(&format!("Adam moments (m, v), fp32{shard}"), moments));
         rows.push(row(
             if self.ranks.is_some() {
-                "gradients (this rank's shard of the step's sums, a param's whole)"
+                "gradients (this rank's shard of the step's sums, a unit's reduce)"
             } else {
                 "gradients (the step's sums)"
             },
