@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::DType;
-use engine_support::{corpus, ds_config, scratch, Knobs};
+use engine_support::{corpus, ds_config, scratch, tierzero, Knobs};
 use serde_json::{json, Value};
 use tierzero::checkpoint::{export_safetensors, Checkpoint};
 use tierzero::config::{load_str, PathChecks, RunContext};
@@ -439,23 +439,6 @@ fn a_rank_that_cannot_write_fails_the_save_on_every_rank_and_leaves_nothing() {
 }
 
 /// `tierzero` with `args`; must succeed; returns stdout.
-fn tierzero(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_tierzero"))
-        .args(args)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .output()
-        .expect("run tierzero");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "tierzero {args:?}: {}\nstdout:\n{stdout}\nstderr:\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
-}
-
 #[test]
 fn cli_saves_with_two_ranks_then_resumes_and_exports_with_one() {
     // `tierzero launch --nproc 2 -- train --save-dir` (no longer refused),

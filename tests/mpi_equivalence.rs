@@ -1100,6 +1100,37 @@ fn stage3_with_clipping_matches_within_1e6() {
     assert!(w_norm <= 1e-6, "weights differ by {w_norm}");
 }
 
+/// `knobs` on `n` ranks whose simulated devices train with Adam on them
+/// ([`Compute::SimResident`]), and one rank in memory with the same
+/// global batch (accumulation `gas · n`), for `steps` steps: (one rank,
+/// the ranks). The ranks agree on every loss and the hash, and each gave
+/// back every device byte.
+fn resident_ranks(model: &Path, knobs: &Knobs, n: usize, steps: u64) -> (Out, Vec<Out>) {
+    let multi_cfg = ds_config(knobs, &scratch("mpi-swap"), steps);
+    let one = Knobs {
+        gas: knobs.gas * n as u64,
+        ..knobs.clone()
+    };
+    let one_cfg = ds_config(&one, &scratch("mpi-swap1"), steps);
+    let reference = train_on(
+        &one_cfg,
+        1,
+        model,
+        steps,
+        Arc::new(SingleRank),
+        Compute::Reference,
+    );
+    let ranks = run_ranks_on(n, &multi_cfg, model, steps, Compute::SimResident);
+    for (r, o) in ranks.iter().enumerate() {
+        assert_eq!(o.losses, ranks[0].losses, "rank {r} losses");
+        assert_eq!(o.sha256, ranks[0].sha256, "rank {r} hash");
+        // Every device byte taken (weights, shards, the reduces' sums)
+        // was given back.
+        assert_eq!(o.device_left_bytes, 0, "rank {r}: device bytes held");
+    }
+    (reference, ranks)
+}
+
 #[test]
 fn adam_on_the_devices_of_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
     // Issue 23 item 3 with several ranks, by the simulation: nothing
@@ -1118,12 +1149,7 @@ fn adam_on_the_devices_of_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
             precision,
             ..Knobs::default()
         };
-        let (model, multi_cfg, reference) = two_rank_case(&tag, &knobs, true, steps);
-        let ranks = run_ranks_on(2, &multi_cfg, &model, steps, Compute::SimResident);
-        for (r, o) in ranks.iter().enumerate() {
-            assert_eq!(o.losses, ranks[0].losses, "{tag}: rank {r} losses");
-            assert_eq!(o.sha256, ranks[0].sha256, "{tag}: rank {r} hash");
-        }
+        let (reference, ranks) = resident_ranks(&model_dir(&tag, true), &knobs, 2, steps);
         assert_bit_identical(
             &format!("{precision}: Adam on the devices of 2 ranks"),
             &reference,
@@ -1159,9 +1185,6 @@ fn adam_on_the_devices_of_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
             // checkpoint's.
             assert_eq!(o.param_gathers, 0, "rank {r}: a host gather");
             assert_eq!(o.grad_reduces, 0, "rank {r}: a host reduce");
-            // Every device byte taken (weights, shards, the reduces'
-            // sums) was given back.
-            assert_eq!(o.device_left_bytes, 0, "rank {r}: device bytes held");
         }
     }
 }
@@ -1180,27 +1203,9 @@ fn adam_on_the_devices_of_three_ranks_with_clipping_matches_within_1e6() {
         clip: 0.5,
         ..Knobs::default()
     };
-    let model = model_dir(tag, false);
-    let multi_cfg = ds_config(&knobs, &scratch("mpi-swap"), steps);
-    let one = Knobs {
-        gas: 3,
-        ..knobs.clone()
-    };
-    let one_cfg = ds_config(&one, &scratch("mpi-swap1"), steps);
-    let reference = train_on(
-        &one_cfg,
-        1,
-        &model,
-        steps,
-        Arc::new(SingleRank),
-        Compute::Reference,
-    );
-    let ranks = run_ranks_on(3, &multi_cfg, &model, steps, Compute::SimResident);
+    let (reference, ranks) = resident_ranks(&model_dir(tag, false), &knobs, 3, steps);
     for (r, o) in ranks.iter().enumerate() {
-        assert_eq!(o.losses, ranks[0].losses, "{tag}: rank {r} losses");
-        assert_eq!(o.sha256, ranks[0].sha256, "{tag}: rank {r} hash");
         assert_eq!(o.device_kept_gathers, steps, "rank {r}");
-        assert_eq!(o.device_left_bytes, 0, "rank {r}: device bytes held");
     }
     let multi = &ranks[0];
     let loss_rel = max_rel(&reference.losses, &multi.losses);
@@ -1237,25 +1242,7 @@ fn adam_on_the_devices_with_shards_of_no_elements_matches_one_rank_bit_for_bit()
         stage: 3,
         ..Knobs::default()
     };
-    let multi_cfg = ds_config(&knobs, &scratch("mpi-swap"), steps);
-    let one = Knobs {
-        gas: 3,
-        ..knobs.clone()
-    };
-    let one_cfg = ds_config(&one, &scratch("mpi-swap1"), steps);
-    let reference = train_on(
-        &one_cfg,
-        1,
-        &model,
-        steps,
-        Arc::new(SingleRank),
-        Compute::Reference,
-    );
-    let ranks = run_ranks_on(3, &multi_cfg, &model, steps, Compute::SimResident);
-    for (r, o) in ranks.iter().enumerate() {
-        assert_eq!(o.losses, ranks[0].losses, "{tag}: rank {r} losses");
-        assert_eq!(o.device_left_bytes, 0, "rank {r}: device bytes held");
-    }
+    let (reference, ranks) = resident_ranks(&model, &knobs, 3, steps);
     // Rank 2's shard is empty for the 2-element params: fewer elements.
     assert!(
         ranks[2].shard_numel < ranks[0].shard_numel,

@@ -12,8 +12,20 @@ mod engine_support;
 
 use std::process::Command;
 
-use engine_support::{ds_config, scratch, Knobs};
+use engine_support::{ds_config, scratch, tierzero, Knobs};
 use serde_json::{json, Value};
+
+/// A 2-layer GPT-2 of width 32 (`tied` embeddings or not) in `dir/model`.
+fn model_in(dir: &std::path::Path, tied: bool) -> std::path::PathBuf {
+    let model = dir.join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    let cfg = json!({
+        "model_type": "gpt2", "vocab_size": 256, "n_positions": 32, "n_embd": 32,
+        "n_layer": 2, "n_head": 2, "n_inner": 64, "tie_word_embeddings": tied
+    });
+    std::fs::write(model.join("config.json"), cfg.to_string()).unwrap();
+    model
+}
 
 /// `tierzero launch --nproc 2 -- train` of a 2-layer GPT-2 of width 32
 /// (`tied` embeddings or not) for `steps` steps, stage 3 on NVMe, with
@@ -25,13 +37,7 @@ fn launch(
     extra: &[&str],
 ) -> (std::process::Output, std::path::PathBuf, std::path::PathBuf) {
     let dir = scratch(tag);
-    let model = dir.join("model");
-    std::fs::create_dir_all(&model).unwrap();
-    let cfg = json!({
-        "model_type": "gpt2", "vocab_size": 256, "n_positions": 32, "n_embd": 32,
-        "n_layer": 2, "n_head": 2, "n_inner": 64, "tie_word_embeddings": tied
-    });
-    std::fs::write(model.join("config.json"), cfg.to_string()).unwrap();
+    let model = model_in(&dir, tied);
     let swap = dir.join("swap");
     std::fs::create_dir_all(&swap).unwrap();
     let ds_path = dir.join("ds_config.json");
@@ -109,25 +115,6 @@ fn launch_with_the_simulated_device_gathers_and_reduces_on_it() {
     }
 }
 
-/// `tierzero` with `args`, run as root under OpenMPI if need be; its
-/// stdout, after asserting it succeeded.
-fn tierzero(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_tierzero"))
-        .args(args)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .output()
-        .expect("run tierzero");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "tierzero {args:?}: {}\nstdout:\n{stdout}\nstderr:\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
-}
-
 #[test]
 fn nothing_offloaded_on_two_simulated_devices_trains_adam_there_and_resumes() {
     // `tierzero launch --nproc 2 -- train --device sim` with nothing
@@ -138,13 +125,7 @@ fn nothing_offloaded_on_two_simulated_devices_trains_adam_there_and_resumes() {
     // weights of one rank's uninterrupted six steps on its simulated
     // device, with the same global batch.
     let dir = scratch("launch-resident");
-    let model = dir.join("model");
-    std::fs::create_dir_all(&model).unwrap();
-    let cfg = json!({
-        "model_type": "gpt2", "vocab_size": 256, "n_positions": 32, "n_embd": 32,
-        "n_layer": 2, "n_head": 2, "n_inner": 64, "tie_word_embeddings": true
-    });
-    std::fs::write(model.join("config.json"), cfg.to_string()).unwrap();
+    let model = model_in(&dir, true);
     let write_cfg = |name: &str, gas: u64| {
         let k = Knobs {
             stage: 3,

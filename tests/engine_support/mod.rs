@@ -367,3 +367,22 @@ pub fn assert_identical(a: &Run, b: &Run, what: &str) {
     assert_eq!(la.len(), lb.len(), "{what}: step counts");
     assert_eq!(a.sha256, b.sha256, "{what}: final weight sha256");
 }
+
+/// `tierzero` with `args` (as root under OpenMPI if need be): its stdout,
+/// after asserting it succeeded.
+pub fn tierzero(args: &[&str]) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .args(args)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .output()
+        .expect("run tierzero");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "tierzero {args:?}: {}\nstdout:\n{stdout}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
