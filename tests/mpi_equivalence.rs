@@ -66,6 +66,8 @@ fn model_dir(tag: &str, tied: bool) -> PathBuf {
 #[derive(Debug, Clone)]
 struct Out {
     losses: Vec<f32>,
+    /// Each step's global gradient norm (0 when none was taken).
+    grad_norms: Vec<f64>,
     masters: Vec<Vec<f32>>,
     sha256: String,
     /// Bytes held by this rank's swap extents, its swap files, its pinned
@@ -265,9 +267,11 @@ fn train_on(
     let (mut h2d_bytes, mut d2h_bytes, mut param_gathers, mut grad_reduces) = (0, 0, 0, 0);
     let mut h2d_direct_bytes = 0;
     let mut collective_busy_s = 0f64;
+    let mut grad_norms = Vec::new();
     let losses = (0..steps)
         .map(|_| {
             let m = t.step().unwrap().metrics;
+            grad_norms.push(m.grad_norm.unwrap_or(0.0));
             h2d_bytes += m.h2d_bytes;
             h2d_direct_bytes += m.h2d_direct_bytes;
             d2h_bytes += m.d2h_bytes;
@@ -289,6 +293,7 @@ fn train_on(
             .map_or_else(Vec::new, Lanes::fetches_under_compute),
         steps_busy_ms: lanes.as_ref().map_or_else(Vec::new, Lanes::steps_busy_ms),
         losses,
+        grad_norms,
         masters,
         sha256,
         allocated_bytes: usage.allocated_bytes,
@@ -381,6 +386,7 @@ fn out_to_json(o: &Out) -> Value {
         "fetches": o.fetches,
         "steps_busy_ms": o.steps_busy_ms,
         "losses": o.losses.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
+        "grad_norms": o.grad_norms.iter().map(|g| g.to_bits()).collect::<Vec<_>>(),
         "masters": o.masters.iter()
             .map(|m| m.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
             .collect::<Vec<_>>(),
@@ -414,6 +420,12 @@ fn out_from_json(v: &Value) -> Out {
     };
     Out {
         losses: bits(&v["losses"]),
+        grad_norms: v["grad_norms"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| f64::from_bits(b.as_u64().unwrap()))
+            .collect(),
         masters: v["masters"].as_array().unwrap().iter().map(bits).collect(),
         sha256: v["sha256"].as_str().unwrap().to_owned(),
         allocated_bytes: v["allocated_bytes"].as_u64().unwrap(),
@@ -1213,6 +1225,29 @@ fn adam_on_the_devices_of_three_ranks_with_clipping_matches_within_1e6() {
     for (a, b) in reference.masters.iter().zip(&multi.masters) {
         w_norm = w_norm.max(norm_rel(a, b));
     }
+    // The norm is the ranks' shards' on their devices, taken every step,
+    // the one rank's within 1e-6, and above the clip: it clipped.
+    println!(
+        "gradient norms: 3 ranks {:?}, 1 rank {:?}",
+        multi.grad_norms, reference.grad_norms
+    );
+    for (s, (a, b)) in multi
+        .grad_norms
+        .iter()
+        .zip(&reference.grad_norms)
+        .enumerate()
+    {
+        assert!(
+            *a > 0.0 && (a - b).abs() <= 1e-6 * b.abs(),
+            "step {}: gradient norm {a} on 3 ranks, {b} on 1",
+            s + 1
+        );
+    }
+    assert!(
+        multi.grad_norms.iter().any(|&g| g > 0.5),
+        "never clipped: {:?}",
+        multi.grad_norms
+    );
     println!(
         "Adam on the devices of 3 ranks, clipping 0.5, against 1 rank in memory: losses max rel \
          diff {loss_rel:.3e}, weights max per-tensor norm rel diff {w_norm:.3e}, identical: {}",
@@ -1243,11 +1278,26 @@ fn adam_on_the_devices_with_shards_of_no_elements_matches_one_rank_bit_for_bit()
         ..Knobs::default()
     };
     let (reference, ranks) = resident_ranks(&model, &knobs, 3, steps);
-    // Rank 2's shard is empty for the 2-element params: fewer elements.
-    assert!(
-        ranks[2].shard_numel < ranks[0].shard_numel,
-        "shards {:?}",
-        ranks.iter().map(|o| o.shard_numel).collect::<Vec<_>>()
+    // Rank 2 holds no element of some params, and its shards are what
+    // the layout cuts (the test would not reach an empty shard else).
+    let md = ModelDir::open(&model, SEED).unwrap();
+    let cuts: Vec<Vec<usize>> = md
+        .model()
+        .params()
+        .iter()
+        .map(|p| {
+            // The layout's cut: chunks of the ceiling, in rank order.
+            let chunk = p.numel.div_ceil(3);
+            (0..3)
+                .map(|r| p.numel.saturating_sub(r * chunk).min(chunk))
+                .collect()
+        })
+        .collect();
+    assert!(cuts.iter().any(|c| c[2] == 0), "no empty shard: {cuts:?}");
+    assert_eq!(
+        ranks[2].shard_numel,
+        cuts.iter().map(|c| c[2] as u64).sum::<u64>(),
+        "rank 2's shards"
     );
     assert_bit_identical(
         "Adam on the devices, shards of no elements",

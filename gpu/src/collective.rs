@@ -94,6 +94,28 @@
 //! peers, and takes those connections' memory, then, not in the first
 //! step; and a communicator that cannot move bytes fails at start-up.
 //!
+//! # The optimizer on the device
+//!
+//! With nothing offloaded each GPU holds the params whole and Adam's
+//! state for its rank's shard (`ResidentUnits` in the engine):
+//!
+//! * [`DeviceComm::reduce_onto`]: a unit's params' micro-batch sums,
+//!   packed as above, reduce-scattered onto each param's running sums,
+//!   which are already on the device (a former result of it): they are
+//!   copied into one buffer, the chunks added onto it in rank order, and
+//!   each param's range copied out to a buffer of its own, with an event
+//!   after it. Every buffer is taken before the group. What the
+//!   collective used (the pack, the chunks received, the running sums
+//!   given, the combined sums) goes on a retiring queue with an event
+//!   after that work, and is freed by the next reduce or gather that
+//!   finds the event done ([`DeviceComm::reap`]): at most the last
+//!   reduce's buffers are held beside the next one's.
+//! * [`DeviceComm::gather_kept`]: after Adam, each rank's master shard is
+//!   copied, or rounded to bf16, into its range of the weights on the
+//!   compute stream, then every param's other ranges are exchanged in one
+//!   group on this stream; the caller waits for its event with the
+//!   deadline ([`DeviceComm::wait_event`]) before the compute reads them.
+//!
 //! # The communicator
 //!
 //! `ncclComm_t` is used from one thread at a time (a mutex), with the
@@ -105,7 +127,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaEvent, CudaStream, PinnedHostSlice, PushKernelArg};
+pub use cudarc::driver::CudaEvent;
+use cudarc::driver::{CudaStream, PinnedHostSlice, PushKernelArg};
 use cudarc::nccl::result::{group_end, group_start};
 
 use crate::device::{driver_err, guarded, Device, DeviceBuffer};
@@ -222,6 +245,19 @@ pub struct Reduced {
     /// reduce begins (after the pack's event), for the timeline's span:
     /// taken by whoever records the span's end
     /// ([`crate::link::EventClock::span`] on [`DeviceComm::stream`]).
+    pub began: Option<CudaEvent>,
+}
+
+/// The weights of [`DeviceComm::gather_kept`].
+#[derive(Debug)]
+pub struct Gathered {
+    /// The wholes, in the order given.
+    pub wholes: Vec<DevBuf>,
+    /// Recorded on the collective stream after the exchanges: waited for
+    /// with a deadline before the compute is ordered after it.
+    pub done: CudaEvent,
+    /// A timing event as the collective stream's work for it begins, for
+    /// the timeline's span (as [`Reduced::began`]).
     pub began: Option<CudaEvent>,
 }
 
@@ -482,7 +518,7 @@ impl DeviceComm {
         packed: Packed,
         accs: Vec<Option<DeviceBuffer<f32>>>,
         counts: &[Vec<usize>],
-    ) -> Result<Vec<Option<KeptSums>>> {
+    ) -> Result<(Vec<Option<KeptSums>>, Option<CudaEvent>)> {
         let me = self.rank;
         if accs.len() != counts.len() || counts.iter().any(|c| c.len() != self.world) {
             return Err(shape(format!(
@@ -502,12 +538,23 @@ impl DeviceComm {
             }
         }
         let total: usize = mine.iter().sum();
+        if packed.blocks.len() != self.world || packed.blocks[me] != total {
+            return Err(shape(format!(
+                "a pack of blocks {:?} for shards of {mine:?} on rank {me}",
+                packed.blocks
+            )));
+        }
+        // What earlier reduces used and is done with goes first, so that
+        // at most the last one's buffers are held beside this one's.
+        self.reap()?;
         let s = &self.stream;
         dev.context()
             .bind_to_thread()
             .map_err(driver_err("cuCtxSetCurrent"))?;
-        // The running sums in one buffer, in pack order (on this stream,
-        // where they were written).
+        // Every buffer before the group (a budget refusal fails here,
+        // before any peer waits on this rank): the running sums in one,
+        // in pack order (on this stream, where they were written), and
+        // each param's own for its range of the new sums.
         let acc = if accs.iter().any(Option::is_some) && total > 0 {
             let mut acc = dev.alloc_output_on::<f32>(s, "running gradient sums", total)?;
             let mut at = 0usize;
@@ -526,23 +573,40 @@ impl DeviceComm {
         } else {
             None
         };
-        let mut r = self.reduce_from(dev, packed, acc.map(Acc::Device))?;
+        let mut owns = mine
+            .iter()
+            .map(|&n| {
+                (n > 0)
+                    .then(|| dev.alloc_output_on::<f32>(s, "gradient sums", n))
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // The running sums given travel with the collective: after an
+        // error past the group they are leaked with its buffers.
+        let accs: Vec<DevBuf> = accs.into_iter().flatten().map(DevBuf::F32).collect();
+        let mut r = match self.reduce_from(dev, packed, acc.map(Acc::Device)) {
+            Ok(r) => r,
+            Err(e) => {
+                std::mem::forget((accs, owns));
+                return Err(e);
+            }
+        };
+        let began = r.began.take();
         let mut keep = std::mem::take(&mut r.keep);
-        keep.extend(accs.into_iter().flatten().map(DevBuf::F32));
-        // Each param's range of the sums in a buffer of its own.
+        keep.extend(accs);
+        // Each param's range of the sums copied to its own buffer.
         let split = (|| -> Result<Vec<Option<KeptSums>>> {
             let mut out = Vec::with_capacity(mine.len());
             let mut at = 0usize;
-            for &n in &mine {
-                match r.sums.as_ref().filter(|_| n > 0) {
-                    Some(sums) => {
-                        let mut own = dev.alloc_output_on::<f32>(s, "gradient sums", n)?;
+            for (own, &n) in owns.iter_mut().zip(&mine) {
+                match (own.take(), r.sums.as_ref()) {
+                    (Some(mut own), Some(sums)) => {
                         s.memcpy_dtod(&sums.slice().slice(at..at + n), own.slice_mut())
                             .map_err(driver_err("cuMemcpyDtoDAsync"))?;
                         let ev = s.record_event(None).map_err(driver_err("cuEventRecord"))?;
                         out.push(Some((own, ev)));
                     }
-                    None => out.push(None),
+                    _ => out.push(None),
                 }
                 at += n;
             }
@@ -556,21 +620,22 @@ impl DeviceComm {
         match retired {
             Ok((out, ev)) => {
                 locked(&self.retiring).push_back((ev, keep));
-                self.reap()?;
-                Ok(out)
+                Ok((out, began))
             }
             Err(e) => {
                 // Not knowing when the collective ends, its buffers are
                 // leaked, never freed under it.
-                std::mem::forget(keep);
+                std::mem::forget((keep, owns));
                 self.set_broken();
                 Err(e)
             }
         }
     }
 
-    /// Frees the retiring buffers whose collective is done, oldest first.
-    fn reap(&self) -> Result<()> {
+    /// Frees the retiring buffers whose collective is done, oldest first
+    /// (a reduce kept on the device calls it first; so does the weights'
+    /// gather, after which every reduce of the step is done).
+    pub fn reap(&self) -> Result<()> {
         let mut retiring = locked(&self.retiring);
         while let Some((ev, _)) = retiring.front() {
             if !ev.try_is_complete().map_err(driver_err("cuEventQuery"))? {
@@ -932,8 +997,11 @@ impl DeviceComm {
         wholes: Vec<DevBuf>,
         shards: &[Option<&DevBuf>],
         counts: &[Vec<usize>],
-    ) -> Result<(Vec<DevBuf>, CudaEvent)> {
+    ) -> Result<Gathered> {
         self.check_usable("ncclSend/ncclRecv (the weights' gather)")?;
+        // The step's reduces are done (their sums were waited for): their
+        // buffers go before the gather's.
+        self.reap()?;
         let (me, world) = (self.rank, self.world);
         if shards.len() != wholes.len() || counts.len() != wholes.len() {
             return Err(shape(format!(
@@ -996,6 +1064,8 @@ impl DeviceComm {
             .map_err(driver_err("cuEventRecord"))?;
         let s = &self.stream;
         s.wait(&written).map_err(driver_err("cuStreamWaitEvent"))?;
+        // Timing only: a failed record loses the span, not the gather.
+        let began = crate::link::EventClock::mark(s).ok();
         let exchanged = {
             let h = self.handle.lock().unwrap_or_else(|p| p.into_inner());
             (|| -> Result<()> {
@@ -1020,7 +1090,11 @@ impl DeviceComm {
         }
         .and_then(|()| s.record_event(None).map_err(driver_err("cuEventRecord")));
         match exchanged {
-            Ok(done) => Ok((wholes, done)),
+            Ok(done) => Ok(Gathered {
+                wholes,
+                done,
+                began,
+            }),
             Err(e) => {
                 // NCCL's work may wait for a peer for ever: the wholes are
                 // neither waited for nor freed under it.

@@ -176,7 +176,7 @@ fn kept_one_rank(
         let (buf, other) = (dev.upload("gradient", g)?, dev.upload("other", &[1f32; 5])?);
         let counts = [vec![n], vec![5]];
         let packed = comm.pack(dev, &[&buf, &other], &counts, Wire::F32)?;
-        let mut sums = comm.reduce_onto(dev, packed, vec![acc.take(), None], &counts)?;
+        let (mut sums, _) = comm.reduce_onto(dev, packed, vec![acc.take(), None], &counts)?;
         let (Some(Some((own, done))), Some(Some((five, _)))) = (
             sums.first_mut().map(Option::take),
             sums.get_mut(1).map(Option::take),
@@ -217,7 +217,7 @@ fn kept_one_rank(
         DevBuf::F32(dev.upload("weights", &vec![0f32; n])?),
         DevBuf::Bf16(dev.upload("weights", &vec![bf16::ZERO; n])?),
     ];
-    let (wholes, done) = comm.gather_kept(
+    let tierzero_gpu::collective::Gathered { wholes, done, .. } = comm.gather_kept(
         dev,
         wholes,
         &[Some(&shard), Some(&shard)],

@@ -21,7 +21,7 @@
 
 use std::sync::Arc;
 
-use tierzero_gpu::collective::{DeviceComm, Packed};
+use tierzero_gpu::collective::{CudaEvent, DeviceComm, Packed};
 use tierzero_gpu::device::Device;
 use tierzero_gpu::host_register::HostRegistration;
 use tierzero_gpu::link::{
@@ -90,6 +90,16 @@ impl CudaLink {
     pub fn with_collectives(mut self, comm: DeviceComm, timeout: std::time::Duration) -> Self {
         self.collective = Some((comm, timeout));
         self
+    }
+
+    /// The timeline's span of a collective that began at `began` (a
+    /// timing event on its stream), its end recorded now, after its work.
+    fn collective_span(&self, comm: &DeviceComm, what: &str, began: Option<CudaEvent>) {
+        if let Some(b) = began {
+            if let Ok(span) = EventClock::span(comm.stream(), what.to_owned(), b) {
+                let _ = self.collective_spans.push(span);
+            }
+        }
     }
 
     fn collective(&self, what: &str) -> Result<&(DeviceComm, std::time::Duration), ModelError> {
@@ -408,12 +418,7 @@ impl DeviceLink for CudaLink {
     ) -> Result<PendingDownload, ModelError> {
         let (comm, timeout) = self.collective(what)?;
         let mut reduced = comm.reduce(self.device(), packed, acc).map_err(gpu_err)?;
-        // The timeline's span: its end recorded after the sums' kernel.
-        if let Some(b) = reduced.began.take() {
-            if let Ok(span) = EventClock::span(comm.stream(), what.to_owned(), b) {
-                let _ = self.collective_spans.push(span);
-            }
-        }
+        self.collective_span(comm, what, reduced.began.take());
         let reduced = comm.wait(reduced, *timeout).map_err(gpu_err)?;
         self.downloads.start_reduced(what, reduced).map_err(gpu_err)
     }
@@ -431,9 +436,10 @@ impl DeviceLink for CudaLink {
             .map(|a| a.map(DevBuf::into_f32).transpose())
             .collect::<Result<Vec<_>, _>>()
             .map_err(gpu_err)?;
-        let sums = comm
+        let (sums, began) = comm
             .reduce_onto(self.device(), packed, accs, counts)
             .map_err(gpu_err)?;
+        self.collective_span(comm, what, began);
         // Each param's sums in flight: its `finish` waits for them with
         // the deadline. The buffers the collective used are the
         // communicator's to free.
@@ -451,9 +457,14 @@ impl DeviceLink for CudaLink {
         counts: &[Vec<usize>],
     ) -> Result<Vec<DevBuf>, ModelError> {
         let (comm, timeout) = self.collective(what)?;
-        let (wholes, done) = comm
+        let tierzero_gpu::collective::Gathered {
+            wholes,
+            done,
+            began,
+        } = comm
             .gather_kept(self.device(), wholes, shards, counts)
             .map_err(gpu_err)?;
+        self.collective_span(comm, what, began);
         // A dead peer never completes it: waited for with the deadline
         // (the wholes leaked past it), then the compute ordered after it.
         if let Err(e) = comm.wait_event(&done, *timeout, "ncclSend/ncclRecv (the weights' gather)")

@@ -75,8 +75,10 @@
 //! weights and the ranks gather the rest, every param in one
 //! [`DeviceLink::gather_kept`]; at load, this rank's shard of the weights
 //! crosses and is gathered there ([`DeviceLink::gather_param`]). Each of
-//! these is a collective, made on the engine's thread in param order (at
-//! a unit, in its declared order), the same on every rank. The norm for
+//! these is a collective, made on the engine's thread in one order on
+//! every rank: the reduces in backward order (a unit's fp32 ones, then
+//! its bf16 ones, each in declared order), those of the step's end in
+//! param order, the loads in param order. The norm for
 //! clipping is this rank's shards' Σg², which the trainer adds over the
 //! ranks. The param store hands out shards ([`UnitCompute::gathers_params`]):
 //! the host gathers nothing.
@@ -241,11 +243,13 @@ enum Reduced<B, U> {
 ///
 /// With several, the weights are whole on every rank and the master and
 /// moments are this rank's shards (`crate::engine::layout::shard_counts`);
-/// the gradients are the shards of the step's sums plus, at most, the
-/// largest param's micro-batch sum and one unit's gradient, and a unit's
-/// reduce: its sums laid out to cross (`unit_numels`: the params of the
-/// unit with the most elements), the chunks every rank sent this rank,
-/// and its running and new sums, together and split.
+/// the gradients are the shards of the step's sums plus, at most, a
+/// unit's micro-batch sums (`unit_numels`: the params of the unit with
+/// the most elements) and the largest param's gradient beside them (its
+/// bf16 rounding), and two units' reduces (the last one's buffers may
+/// still be in flight as the next one's are taken): the sums laid out to
+/// cross, the chunks every rank sent this rank, and the running and new
+/// sums, together and split.
 pub fn resident_state_bytes(
     numels: &[u64],
     bf16: bool,
@@ -277,7 +281,7 @@ pub fn resident_state_bytes(
         weights,
         shards * ELEM_BYTES,
         2 * shards * ELEM_BYTES,
-        (shards + 2 * largest + unit + (world as u64 + 3) * unit_shard) * ELEM_BYTES,
+        (shards + largest + 3 * unit + 2 * (world as u64 + 3) * unit_shard) * ELEM_BYTES,
     ]
 }
 
@@ -567,9 +571,13 @@ impl<L: DeviceLink> ResidentUnits<L> {
         match p.reduced {
             Reduced::None => {}
             Reduced::Ready(b) => self.link.free(b),
-            // In flight: the link's upload leaks what a collective may
-            // still write, or frees it once done.
-            Reduced::InFlight(u) => drop(u),
+            // In flight: waited for (at once on a communicator a failed
+            // collective made unusable, which leaks it), then freed.
+            Reduced::InFlight(u) => {
+                if let Ok(b) = self.link.finish(u) {
+                    self.link.free(b);
+                }
+            }
         }
     }
 
@@ -973,7 +981,7 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
                         }
                     };
                     // The weights are checked first: a param a unit still
-                    // holds fails the step before anything changed.
+                    // holds fails the step before its state changed.
                     let stepped = match (adam.master.as_mut(), p.weights.as_mut()) {
                         (_, None) => Err(param_err(*id, "is in use in the step")),
                         (Some(master), Some(weights)) => e
@@ -1067,11 +1075,11 @@ mod tests {
         assert_eq!(one, [26, 52, 104, (13 + 20) * 4]);
         let two = super::resident_state_bytes(&numels, true, 1, 2, &numels);
         // bf16 weights whole; the fp32 master and moments of 6 elements;
-        // the sums' shards (6), a micro-batch sum and a unit's gradient
-        // (10 each), the unit's sums laid out (13), and 2 + 3 times its
-        // shard (6): the chunks received, the running and new sums
-        // together, the new split.
-        assert_eq!(two, [26, 24, 48, (6 + 20 + 13 + 5 * 6) * 4]);
+        // the sums' shards (6), the largest gradient (10), the unit's
+        // micro-batch sums (13), and two reduces of the unit: its sums
+        // laid out (13) and 2 + 3 times its shard (6: the chunks
+        // received, the running and new sums together, the new split).
+        assert_eq!(two, [26, 24, 48, (6 + 10 + 13 + 2 * (13 + 5 * 6)) * 4]);
         let fp32 = super::resident_state_bytes(&numels, false, 0, 2, &numels);
         assert_eq!(fp32[..3], [52, 28, 56]);
     }

@@ -832,13 +832,12 @@ impl DeviceLink for SimDevice {
                 .zip(&mine)
                 .any(|(a, &n)| a.as_ref().is_some_and(|a| a.len() != n))
         {
+            let lens: Vec<_> = accs.iter().map(|a| a.as_ref().map(Vec::len)).collect();
+            for a in accs.into_iter().flatten() {
+                self.free(a);
+            }
             return Err(ModelError::Gpu {
-                what: format!(
-                    "{what}: running sums of {:?} for shards of {mine:?}",
-                    accs.iter()
-                        .map(|a| a.as_ref().map(Vec::len))
-                        .collect::<Vec<_>>()
-                ),
+                what: format!("{what}: running sums of {lens:?} for shards of {mine:?}"),
             });
         }
         // The running sums in one buffer, in pack order, +0.0 for a param
@@ -861,6 +860,7 @@ impl DeviceLink for SimDevice {
                 .map_err(|e| e.to_string())?;
             Ok(sums)
         })?;
+        self.reserve(what, sums.len() as u64 * 4)?;
         let mut out = Vec::with_capacity(mine.len());
         let mut at = 0usize;
         for &n in &mine {
@@ -868,7 +868,6 @@ impl DeviceLink for SimDevice {
                 out.push(None);
                 continue;
             }
-            self.reserve(what, n as u64 * 4)?;
             // Its memory is host memory: the sums are where the compute
             // reads them, at once.
             let event = Arc::new(Event::default());

@@ -245,22 +245,30 @@ pub trait UnitCompute: Send + Sync + std::fmt::Debug {
 /// the step runs there (`engine::device::ResidentUnits`). The host's
 /// optimizer state is its copy for checkpoints and the final weights:
 /// loaded into the device before the first step, and written back when
-/// the engine settles.
+/// the engine settles. With several ranks (the device's own collectives
+/// among them) its state is this rank's shard of each param (the
+/// layout's), and [`DeviceOptimizer::load`] and [`DeviceOptimizer::step`]
+/// are collectives: every rank calls them for the same params in the
+/// same order.
 pub trait DeviceOptimizer: Send + Sync {
     /// Whether every param's state has been loaded ([`DeviceOptimizer::load`]).
     fn is_loaded(&self) -> bool;
     /// Param `id`'s state from the host: `[master, m, v]`, fp32, its
-    /// elements in order. The weights the units read are made from the
-    /// master (in bf16 storage, rounded to bf16).
+    /// elements in order (with several ranks, this rank's shard's). The
+    /// weights the units read are made from the master (in bf16 storage,
+    /// rounded to bf16; with several ranks, gathered from the ranks'
+    /// shards).
     fn load(&self, id: ParamId, state: [&[f32]; 3]) -> Result<(), ModelError>;
-    /// Σ g² over the step's gradients: each param's sum of squares on the
-    /// device (one fixed-order reduction, in f32), added on the host in
-    /// param order (in f64).
+    /// Σ g² over the step's gradients (with several ranks, this rank's
+    /// shards of them; the caller adds the ranks'): each param's sum of
+    /// squares on the device (one fixed-order reduction, in f32), added on
+    /// the host in param order (in f64).
     fn grad_sq_sum(&self) -> Result<f64, ModelError>;
     /// One AdamW step of every param with `s` (None: the step is
     /// skipped), in param order; the gradients are dropped either way.
     fn step(&self, s: Option<tierzero_gpu::reference::AdamScalars>) -> Result<(), ModelError>;
-    /// Param `id`'s `[master, m, v]` on the host.
+    /// Param `id`'s `[master, m, v]` on the host (with several ranks,
+    /// this rank's shard's).
     fn state(&self, id: ParamId) -> Result<[Vec<f32>; 3], ModelError>;
 }
 
