@@ -62,6 +62,7 @@ use crate::model::exec_units::{DeviceQueue, DeviceSpan, HostElems, HostVec};
 use crate::model::ModelError;
 
 mod gather;
+mod kept;
 mod probe;
 mod threads;
 
@@ -820,112 +821,17 @@ impl DeviceLink for SimDevice {
         accs: Vec<Option<Vec<f32>>>,
         counts: &[Vec<usize>],
     ) -> Result<Vec<Option<SimUpload>>, ModelError> {
-        let SimPacked { full, blocks } = packed;
-        let rank = self.collective_rank();
-        let mine: Vec<usize> = counts
-            .iter()
-            .map(|c| c.get(rank).copied().unwrap_or(0))
-            .collect();
-        if accs.len() != mine.len()
-            || accs
-                .iter()
-                .zip(&mine)
-                .any(|(a, &n)| a.as_ref().is_some_and(|a| a.len() != n))
-        {
-            let lens: Vec<_> = accs.iter().map(|a| a.as_ref().map(Vec::len)).collect();
-            for a in accs.into_iter().flatten() {
-                self.free(a);
-            }
-            return Err(ModelError::Gpu {
-                what: format!("{what}: running sums of {lens:?} for shards of {mine:?}"),
-            });
-        }
-        // The running sums in one buffer, in pack order, +0.0 for a param
-        // without its own; theirs leave the device's count, and each
-        // param's new sums join it after the collective (as a gather's
-        // whole does, so that a refusal leaves no peer waiting in it).
-        let mut sums: Vec<f32> = Vec::with_capacity(mine.iter().sum());
-        for (a, &n) in accs.into_iter().zip(&mine) {
-            match a {
-                Some(a) => {
-                    sums.extend_from_slice(&a);
-                    self.free(a);
-                }
-                None => sums.resize(sums.len() + n, 0.0),
-            }
-        }
-        let sums = self.on_collectives(what, &self.shared.reduces, |comm| {
-            let mut sums = sums;
-            comm.reduce_scatter_add_f32(&full, &blocks, &mut sums)
-                .map_err(|e| e.to_string())?;
-            Ok(sums)
-        })?;
-        self.reserve(what, sums.len() as u64 * 4)?;
-        let mut out = Vec::with_capacity(mine.len());
-        let mut at = 0usize;
-        for &n in &mine {
-            if n == 0 {
-                out.push(None);
-                continue;
-            }
-            // Its memory is host memory: the sums are where the compute
-            // reads them, at once.
-            let event = Arc::new(Event::default());
-            event.complete(sums[at..at + n].to_vec());
-            out.push(Some(SimUpload {
-                event,
-                narrow_bytes: None,
-            }));
-            at += n;
-        }
-        Ok(out)
+        self.reduce_kept_here(what, packed, accs, counts)
     }
 
     fn gather_kept(
         &self,
         what: &str,
-        mut wholes: Vec<Vec<f32>>,
+        wholes: Vec<Vec<f32>>,
         shards: &[Option<&Vec<f32>>],
         counts: &[Vec<usize>],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
-        let rank = self.collective_rank();
-        let bad = |detail: String| ModelError::Gpu {
-            what: format!("{what}: {detail}"),
-        };
-        if shards.len() != wholes.len() || counts.len() != wholes.len() {
-            return Err(bad(format!(
-                "{} params, {} shards, {} counts",
-                wholes.len(),
-                shards.len(),
-                counts.len()
-            )));
-        }
-        for ((w, shard), c) in wholes.iter_mut().zip(shards).zip(counts) {
-            let n = c.get(rank).copied().unwrap_or(0);
-            let from: usize = c.iter().take(rank).sum();
-            let src: &[f32] = shard.map_or(&[], |v| v.as_slice());
-            if src.len() != n || from + n > w.len() {
-                return Err(bad(format!(
-                    "a shard of {} elements for rank {rank}'s {n} of a param of {} cut as {c:?}",
-                    src.len(),
-                    w.len()
-                )));
-            }
-            // A whole kept in bf16 gets the master rounded, as the host's
-            // bf16 copy is (its buffer holds the values widened).
-            let narrow = self.shared.narrow().contains_key(&buf_key(w));
-            for (d, &x) in w[from..from + n].iter_mut().zip(src) {
-                *d = if narrow {
-                    half::bf16::from_f32(x).to_f32()
-                } else {
-                    x
-                };
-            }
-        }
-        self.on_collectives(what, &self.shared.kept_gathers, |comm| {
-            gather::into_wholes(comm, &mut wholes, counts)
-        })?;
-        Ok(wholes)
+        self.gather_kept_here(what, wholes, shards, counts)
     }
 
     fn finish_download(&self, d: SimDownload) -> Result<HostVec, ModelError> {
