@@ -118,8 +118,9 @@ fn launch_with_the_simulated_device_gathers_and_reduces_on_it() {
 #[test]
 fn nothing_offloaded_on_two_simulated_devices_trains_adam_there_and_resumes() {
     // `tierzero launch --nproc 2 -- train --device sim` with nothing
-    // offloaded: each rank's device holds the params whole and Adam's
-    // state for its shard (the plan says so). Three steps with a
+    // offloaded, stage 3: each rank's device holds its shard of the
+    // params and of Adam's state, each unit's params gathered there for
+    // it (the plan says so). Three steps with a
     // checkpoint (the devices' state written back), then three more
     // resumed from it on two ranks (loaded into the devices again): the
     // weights of one rank's uninterrupted six steps on its simulated
@@ -146,7 +147,7 @@ fn nothing_offloaded_on_two_simulated_devices_trains_adam_there_and_resumes() {
     first.extend(["--config", &cfg2, "--save-dir", save]);
     let planned = tierzero(&first);
     assert!(
-        planned.contains("AdamW's state and the gradients' sums sharded there"),
+        planned.contains("AdamW's state and the gradients' sums sharded on 2 ranks' devices"),
         "{planned}"
     );
     assert!(planned.contains("this rank's shard"), "{planned}");
@@ -160,7 +161,7 @@ fn nothing_offloaded_on_two_simulated_devices_trains_adam_there_and_resumes() {
     let resumed = tierzero(&resumed);
     // The checkpoint's state went into the devices again, sharded.
     assert!(
-        resumed.contains("AdamW's state and the gradients' sums sharded there"),
+        resumed.contains("AdamW's state and the gradients' sums sharded on 2 ranks' devices"),
         "{resumed}"
     );
     let resumed_sha = resumed

@@ -24,8 +24,10 @@ pub fn units_on<L: DeviceLink + 'static>(
     match trains_resident(cfg, world, link.reduce_ranks()) {
         Ok(()) => {
             let bf16 = cfg.precision == Precision::Bf16;
-            let units =
-                ResidentUnits::new(link, model, bf16)?.keep_forwards(cfg.tierzero.activations)?;
+            // Stage 3 partitions the params on the devices too.
+            let partition = cfg.zero.stage == crate::config::Stage::Parameters;
+            let units = ResidentUnits::with_partition(link, model, bf16, partition)?
+                .keep_forwards(cfg.tierzero.activations)?;
             Ok(Arc::new(units))
         }
         Err(why) => {

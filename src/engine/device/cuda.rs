@@ -449,6 +449,23 @@ impl DeviceLink for CudaLink {
             .collect())
     }
 
+    fn alloc_param(
+        &self,
+        what: &str,
+        numel: usize,
+        dtype: candle_core::DType,
+    ) -> Result<DevBuf, ModelError> {
+        let dev = self.device();
+        let buf = match dtype {
+            candle_core::DType::BF16 => dev
+                .alloc_output::<half::bf16>(what, numel)
+                .map(DevBuf::Bf16),
+            candle_core::DType::F16 => dev.alloc_output::<half::f16>(what, numel).map(DevBuf::F16),
+            _ => dev.alloc_output::<f32>(what, numel).map(DevBuf::F32),
+        };
+        buf.map_err(gpu_err)
+    }
+
     fn gather_kept(
         &self,
         what: &str,

@@ -553,6 +553,22 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
             what: format!("{what}: this device has no collectives of its own"),
         })
     }
+    /// A new buffer of `numel` elements of `dtype` (a param's storage:
+    /// fp32, or bf16 or fp16 as they stay on the device), counted in the
+    /// device's memory, its values unset: for [`DeviceLink::gather_kept`]
+    /// to write in full (a param gathered for its unit from the ranks'
+    /// master shards). Freed with [`DeviceLink::free`].
+    fn alloc_param(
+        &self,
+        what: &str,
+        numel: usize,
+        dtype: candle_core::DType,
+    ) -> Result<Self::Buf, ModelError> {
+        let _ = (numel, dtype);
+        Err(ModelError::Gpu {
+            what: format!("{what}: this device allocates no params of its own"),
+        })
+    }
     /// Several ranks, the optimizer on the device: each of `wholes` (a
     /// param's weights, whole, fp32 or bf16 as they crossed) gets its
     /// range of this rank, `counts[p][rank]` elements, from `shards[p]`

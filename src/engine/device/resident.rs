@@ -249,13 +249,17 @@ enum Reduced<B, U> {
 /// bf16 rounding), and two units' reduces (the last one's buffers may
 /// still be in flight as the next one's are taken): the sums laid out to
 /// cross, the chunks every rank sent this rank, and the running and new
-/// sums, together and split.
+/// sums, together and split. With the params partitioned (stage 3), the
+/// weights are not resident: a unit's are gathered whole for it, and
+/// freed after; room for two units' (a tied param's other unit, or the
+/// next unit's gathered while the last one's go).
 pub fn resident_state_bytes(
     numels: &[u64],
     bf16: bool,
     rank: usize,
     world: usize,
     unit_numels: &[u64],
+    partition: bool,
 ) -> [u64; 4] {
     let total: u64 = numels.iter().sum();
     let largest = numels.iter().copied().max().unwrap_or(0);
@@ -277,6 +281,11 @@ pub fn resident_state_bytes(
     let shards: u64 = numels.iter().map(|&n| shard(n)).sum();
     let unit: u64 = unit_numels.iter().sum();
     let unit_shard: u64 = unit_numels.iter().map(|&n| shard(n)).sum();
+    let weights = if partition {
+        2 * super::param_device_bytes(unit, storage)
+    } else {
+        weights
+    };
     [
         weights,
         shards * ELEM_BYTES,
@@ -306,6 +315,9 @@ fn largest_unit_numels(model: &Model) -> Vec<u64> {
 struct Ranks {
     rank: usize,
     world: usize,
+    /// Stage 3: no weights resident; each unit's gathered for it from the
+    /// ranks' master shards ("Params partitioned").
+    partition: bool,
     /// `counts[p][r]`: elements of param `p` in rank `r`'s shard
     /// (`crate::engine::layout::shard_counts`).
     counts: Vec<Vec<usize>>,
@@ -365,6 +377,19 @@ impl<L: DeviceLink> ResidentUnits<L> {
     /// ([`DeviceLink::reduce_ranks`]; see "Several ranks"). Refuses a
     /// model whose state does not fit the device.
     pub fn new(link: L, model: &Model, bf16: bool) -> Result<Self, ModelError> {
+        Self::with_partition(link, model, bf16, false)
+    }
+
+    /// [`Self::new`]; with several ranks and `partition` (ZeRO stage 3),
+    /// the params partitioned as their state is: no weights resident, a
+    /// unit's gathered whole for it from the ranks' master shards and
+    /// freed after (see "Params partitioned").
+    pub fn with_partition(
+        link: L,
+        model: &Model,
+        bf16: bool,
+        partition: bool,
+    ) -> Result<Self, ModelError> {
         let numels: Vec<u64> = model.params().iter().map(|p| p.numel as u64).collect();
         let last_unit = model
             .params()
@@ -376,6 +401,7 @@ impl<L: DeviceLink> ResidentUnits<L> {
         let ranks = (world > 1).then(|| Ranks {
             rank: link.collective_rank(),
             world,
+            partition,
             counts: numels
                 .iter()
                 .map(|&n| crate::engine::layout::shard_counts(n as usize, world))
@@ -385,7 +411,8 @@ impl<L: DeviceLink> ResidentUnits<L> {
         // (`shard_counts` cuts chunks of the ceiling), so all
         // refuse or none does.
         let unit_numels = largest_unit_numels(model);
-        let need: u64 = resident_state_bytes(&numels, bf16, 0, world, &unit_numels)
+        let partition = partition && world > 1;
+        let need: u64 = resident_state_bytes(&numels, bf16, 0, world, &unit_numels, partition)
             .iter()
             .sum();
         let room = Self::room_bytes(&link);
@@ -459,7 +486,13 @@ impl<L: DeviceLink> ResidentUnits<L> {
             self.link.collective_rank(),
             world,
             &self.unit_numels,
+            self.partitioned(),
         )
+    }
+
+    /// Whether the params are partitioned (see "Params partitioned").
+    fn partitioned(&self) -> bool {
+        self.ranks.as_ref().is_some_and(|r| r.partition)
     }
 
     /// The device bytes the state may take: the whole budget less
@@ -507,6 +540,10 @@ impl<L: DeviceLink> ResidentUnits<L> {
             });
         }
         let mut st = self.lock();
+        if self.partitioned() {
+            let bufs = self.gather_unit(&mut st, unit, &ids)?;
+            return Ok((ids, bufs));
+        }
         let mut bufs = Vec::with_capacity(ids.len());
         for &id in &ids {
             match st.params.get_mut(&id).and_then(|p| p.weights.take()) {
@@ -531,8 +568,15 @@ impl<L: DeviceLink> ResidentUnits<L> {
         Ok((ids, bufs))
     }
 
-    /// Puts a unit's weights back.
+    /// Puts a unit's weights back (partitioned: frees the unit's
+    /// gathered ones).
     fn put_back(&self, ids: &[ParamId], bufs: Vec<L::Buf>) {
+        if self.partitioned() {
+            for b in bufs {
+                self.link.free(b);
+            }
+            return;
+        }
         let mut st = self.lock();
         for (id, b) in ids.iter().zip(bufs) {
             match st.params.get_mut(id) {
@@ -639,6 +683,8 @@ impl<L: DeviceLink> Holder<L> for ResidentUnits<L> {
     }
 
     /// Every param's weights are on the device, unless a unit has them.
+    /// Partitioned, none is: a unit's are gathered when it is called (a
+    /// collective, made in the engine's order), never launched ahead.
     fn ready(&self, ids: &[ParamId]) -> bool {
         let st = self.lock();
         ids.iter()
@@ -656,6 +702,13 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
             None => format!(
                 "{}; params, gradients and AdamW resident on the device",
                 self.link.describe()
+            ),
+            Some(r) if r.partition => format!(
+                "{}; params, AdamW's state and the gradients' sums sharded on {} ranks' \
+                 devices (stage 3), each unit's params gathered on them for it, the gradients \
+                 reduce-scattered there",
+                self.link.describe(),
+                r.world
             ),
             Some(r) => format!(
                 "{}; params whole on each of {} ranks' devices, AdamW's state and the \
@@ -795,10 +848,10 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
             ""
         };
         let mut rows = vec![row(
-            if self.ranks.is_some() {
-                "params, resident (whole on every rank)"
-            } else {
-                "params, resident"
+            match &self.ranks {
+                Some(r) if r.partition => "params, two units' gathered whole (at most)",
+                Some(_) => "params, resident (whole on every rank)",
+                None => "params, resident",
             },
             weights,
         )];
@@ -878,17 +931,21 @@ mod tests {
         // (`shard_counts` cuts 3 as [2, 1]).
         let numels = [10u64, 3];
         // One unit holds both.
-        let one = super::resident_state_bytes(&numels, true, 0, 1, &numels);
+        let one = super::resident_state_bytes(&numels, true, 0, 1, &numels, false);
         assert_eq!(one, [26, 52, 104, (13 + 20) * 4]);
-        let two = super::resident_state_bytes(&numels, true, 1, 2, &numels);
+        let two = super::resident_state_bytes(&numels, true, 1, 2, &numels, false);
         // bf16 weights whole; the fp32 master and moments of 6 elements;
         // the sums' shards (6), the largest gradient (10), the unit's
         // micro-batch sums (13), and two reduces of the unit: its sums
         // laid out (13) and 2 + 3 times its shard (6: the chunks
         // received, the running and new sums together, the new split).
         assert_eq!(two, [26, 24, 48, (6 + 10 + 13 + 2 * (13 + 5 * 6)) * 4]);
-        let fp32 = super::resident_state_bytes(&numels, false, 0, 2, &numels);
+        let fp32 = super::resident_state_bytes(&numels, false, 0, 2, &numels, false);
         assert_eq!(fp32[..3], [52, 28, 56]);
+        // Partitioned (stage 3): no weights resident but two units'
+        // gathered, bf16; the rest as with whole weights.
+        let part = super::resident_state_bytes(&numels, true, 1, 2, &numels, true);
+        assert_eq!(part, [2 * 26, two[1], two[2], two[3]]);
     }
 
     #[test]

@@ -824,6 +824,17 @@ impl DeviceLink for SimDevice {
         self.reduce_kept_here(what, packed, accs, counts)
     }
 
+    fn alloc_param(&self, what: &str, numel: usize, dtype: DType) -> Result<Vec<f32>, ModelError> {
+        let bytes = super::param_device_bytes(numel as u64, dtype);
+        self.reserve(what, bytes)?;
+        // Unset on a GPU: NaN here, so a range left unwritten shows.
+        let buf = vec![f32::NAN; numel];
+        if dtype != DType::F32 && !buf.is_empty() {
+            self.shared.narrow().insert(buf_key(&buf), bytes);
+        }
+        Ok(buf)
+    }
+
     fn gather_kept(
         &self,
         what: &str,

@@ -56,14 +56,19 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
         };
         let (weights, adam_master) = match &self.ranks {
             // This rank's shard of the weights crosses; the ranks gather
-            // the whole on the devices.
+            // the whole on the devices (partitioned: for each unit, from
+            // the master shards, when it runs).
             Some(r) => {
-                let counts = r.counts.get(id.0).map_or(&[][..], Vec::as_slice);
-                let up = self
-                    .link
-                    .gather_param(&what("param"), weights_host, counts)?;
-                st.traffic.h2d_bytes += weights_host.bytes();
-                let w = self.link.finish(up)?;
+                let w = if r.partition {
+                    None
+                } else {
+                    let counts = r.counts.get(id.0).map_or(&[][..], Vec::as_slice);
+                    let up = self
+                        .link
+                        .gather_param(&what("param"), weights_host, counts)?;
+                    st.traffic.h2d_bytes += weights_host.bytes();
+                    Some(self.link.finish(up)?)
+                };
                 let master = if shard == 0 {
                     None
                 } else {
@@ -72,10 +77,10 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
                 (w, master)
             }
             None if self.bf16 => (
-                self.put(&mut st, &what("param"), weights_host)?,
+                Some(self.put(&mut st, &what("param"), weights_host)?),
                 Some(self.put(&mut st, &what("master"), f32s(master))?),
             ),
-            None => (self.put(&mut st, &what("param"), weights_host)?, None),
+            None => (Some(self.put(&mut st, &what("param"), weights_host)?), None),
         };
         let adam = if self.ranks.is_some() && shard == 0 {
             None
@@ -89,7 +94,7 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
         st.params.insert(
             id,
             OnDevice {
-                weights: Some(weights),
+                weights,
                 adam,
                 grad: Grad::Zero,
                 reduced: Reduced::None,
@@ -122,6 +127,7 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
         self.fold_all(&mut st)?;
         let e = self.link.exec();
         let gpu = exec_units::gpu_err;
+        let partitioned = self.partitioned();
         self.link.timed(
             || "optimizer step".to_string(),
             || {
@@ -148,6 +154,10 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
                     // The weights are checked first: a param a unit still
                     // holds fails the step before its state changed.
                     let stepped = match (adam.master.as_mut(), p.weights.as_mut()) {
+                        // Partitioned: the master shard is all there is.
+                        (Some(master), None) if partitioned => e
+                            .adamw([master, &mut adam.m, &mut adam.v], &g, s)
+                            .map_err(gpu),
                         (_, None) => Err(param_err(*id, "is in use in the step")),
                         (Some(master), Some(weights)) => e
                             .adamw([master, &mut adam.m, &mut adam.v], &g, s)
@@ -172,7 +182,7 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
                 Ok::<(), ModelError>(())
             },
         )?;
-        if s.is_some() && self.ranks.is_some() {
+        if s.is_some() && self.ranks.is_some() && !partitioned {
             self.gather_weights(&mut st)?;
         }
         Ok(())

@@ -5,7 +5,11 @@
 //! link's ranks: each rank makes them for the same params in the same
 //! order, from the engine's thread.
 
-use super::{exec_units, DeviceLink, Grad, ModelError, ParamId, Reduced, Resident, ResidentUnits};
+use candle_core::DType;
+
+use super::{
+    exec_units, DeviceLink, Grad, ModelError, ParamId, Reduced, Resident, ResidentUnits, UnitId,
+};
 use crate::engine::device::Wire;
 
 impl<L: DeviceLink> ResidentUnits<L> {
@@ -166,5 +170,60 @@ impl<L: DeviceLink> ResidentUnits<L> {
             }
         }
         Ok(())
+    }
+
+    /// Params partitioned: `unit`'s params (`ids`, in declared order)
+    /// gathered whole for it, in the storage dtype, from the ranks'
+    /// master shards (each rank's rounded to bf16 in bf16 storage, as the
+    /// host's copy is), in one collective ([`DeviceLink::alloc_param`],
+    /// [`DeviceLink::gather_kept`]). The caller frees them after the unit.
+    pub(super) fn gather_unit(
+        &self,
+        st: &mut Resident<L::Buf, L::Upload>,
+        unit: UnitId,
+        ids: &[ParamId],
+    ) -> Result<Vec<L::Buf>, ModelError> {
+        let Some(ranks) = self.ranks.as_ref() else {
+            return Err(super::param_err(
+                ids.first().copied().unwrap_or(ParamId(0)),
+                "gathered with one rank",
+            ));
+        };
+        let storage = if self.bf16 { DType::BF16 } else { DType::F32 };
+        let mut wholes = Vec::with_capacity(ids.len());
+        let mut counts = Vec::with_capacity(ids.len());
+        for &id in ids {
+            let made = match (st.params.contains_key(&id), self.numels.get(id.0)) {
+                (true, Some(&n)) => {
+                    self.link
+                        .alloc_param(&format!("param {} gathered", id.0), n as usize, storage)
+                }
+                _ => Err(super::param_err(
+                    id,
+                    "has no state on the device (it is loaded before the first step)",
+                )),
+            };
+            match made {
+                Ok(w) => wholes.push(w),
+                Err(e) => {
+                    for w in wholes {
+                        self.link.free(w);
+                    }
+                    return Err(e);
+                }
+            }
+            counts.push(ranks.counts.get(id.0).cloned().unwrap_or_default());
+        }
+        let shards: Vec<Option<&L::Buf>> = ids
+            .iter()
+            .map(|id| {
+                st.params
+                    .get(id)
+                    .and_then(|p| p.adam.as_ref())
+                    .and_then(|a| a.master.as_ref())
+            })
+            .collect();
+        self.link
+            .gather_kept(&format!("unit {} params", unit.0), wholes, &shards, &counts)
     }
 }
