@@ -802,18 +802,6 @@ pub fn estimate(inp: &Inputs, machine: &Machine) -> Result<Report, EstimateError
             "device memory unknown (no GPU driver is queried): assuming the CPU is the compute device, so device bytes come out of RAM; pass --device-memory (e.g. 80GiB) for a GPU"
                 .to_owned(),
         );
-    } else if inp.ranks > 1 {
-        // `ResidentUnits` with several ranks: ZeRO-2's layout on the GPUs.
-        let whole = inp.total_numel.saturating_mul(inp.param_elem_bytes);
-        let shard = inp
-            .total_numel
-            .div_ceil(inp.ranks)
-            .saturating_mul(inp.param_elem_bytes);
-        notes.push(format!(
-            "with nothing offloaded, `train --device cuda` on {} ranks keeps every param whole on each GPU beside its shard of Adam's state (ZeRO-2's layout): stage 3's row without offload counts this rank's shard of the params; add {} bytes per GPU to it, or offload the optimizer (the params then stream and are gathered on the GPUs)",
-            inp.ranks,
-            whole - shard.min(whole)
-        ));
     }
     if let Some(rec) = recommended {
         if let Some(e) = estimates.iter().find(|e| e.choice == rec) {
@@ -1297,20 +1285,6 @@ mod tests {
         let rec = r.recommended.unwrap();
         assert_eq!((rec.optimizer, rec.params), (Offload::Cpu, Offload::None));
         assert!(r.notes.iter().all(|n| !n.contains("device memory unknown")));
-        assert!(r.notes.iter().all(|n| !n.contains("ZeRO-2's layout")));
-        // Several ranks on GPUs: the device optimizer's whole params are
-        // named, with what they add to stage 3's row (N·p - S·p).
-        let r = estimate(
-            &inputs(n, 50_000_000, 4, settings("{}")),
-            &machine(256 * GIB, 1 << 40, Some(80 * GIB)),
-        )
-        .unwrap();
-        let note = r.notes.iter().find(|n| n.contains("ZeRO-2's layout"));
-        assert!(
-            note.is_some_and(|t| t.contains(&format!("add {} bytes", 2 * n - 2 * (n / 4)))),
-            "{:?}",
-            r.notes
-        );
     }
 
     #[test]
