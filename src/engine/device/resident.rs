@@ -83,6 +83,23 @@
 //! ranks. The param store hands out shards ([`UnitCompute::gathers_params`]):
 //! the host gathers nothing.
 //!
+//! # Params partitioned
+//!
+//! At ZeRO stage 3 ([`ResidentUnits::with_partition`]) the params are
+//! partitioned on the devices as their state is: no weights are
+//! resident. When a unit is called, its params are gathered whole for it
+//! (`ranks.rs`, `gather_unit`): each rank's master shard copied, or
+//! rounded to bf16 in bf16 storage, into its range of a new buffer
+//! ([`DeviceLink::alloc_param`]), the others' exchanged, every param of
+//! the unit in one [`DeviceLink::gather_kept`]; the same bits as the
+//! whole weights of stages 1-2. They are freed when the unit gives them
+//! back, and gathered again for its backward. Nothing is gathered at
+//! load or after the step. A unit is never launched ahead
+//! ([`Holder::ready`] is false): its gather is a collective, made only
+//! in the engine's calls, whose order is every rank's. Its cost: the host
+//! waits for each unit's gather, and the device does not compute through
+//! the engine's work between units.
+//!
 //! # Memory
 //!
 //! [`resident_state_bytes`] decides what the state needs; the plan
