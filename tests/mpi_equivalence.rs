@@ -93,6 +93,11 @@ struct Out {
     /// The (simulated) device's bytes still held once the trainer is
     /// gone.
     device_left_bytes: u64,
+    /// Units launched ahead on the device (forwards and backwards), every
+    /// step.
+    device_aheads: u64,
+    /// The most bytes the (simulated) device held at once.
+    device_peak_bytes: u64,
     /// Of `h2d_bytes`, those that crossed from pinned host memory in
     /// place, every step.
     h2d_direct_bytes: u64,
@@ -268,10 +273,12 @@ fn train_on(
     let mut h2d_direct_bytes = 0;
     let mut collective_busy_s = 0f64;
     let mut grad_norms = Vec::new();
+    let mut device_aheads = 0;
     let losses = (0..steps)
         .map(|_| {
             let m = t.step().unwrap().metrics;
             grad_norms.push(m.grad_norm.unwrap_or(0.0));
+            device_aheads += m.device_forwards_ahead + m.device_backwards_ahead;
             h2d_bytes += m.h2d_bytes;
             h2d_direct_bytes += m.h2d_direct_bytes;
             d2h_bytes += m.d2h_bytes;
@@ -306,6 +313,8 @@ fn train_on(
         device_gathers: probe.as_ref().map_or(0, |p| p.gathers()),
         device_kept_gathers: probe.as_ref().map_or(0, |p| p.kept_gathers()),
         device_left_bytes: probe.as_ref().map_or(0, |p| p.used_bytes()),
+        device_aheads,
+        device_peak_bytes: probe.as_ref().map_or(0, |p| p.peak_bytes()),
         device_violations: probe.as_ref().map_or(0, |p| p.violations()),
         h2d_direct_bytes,
         collective_busy_s,
@@ -401,6 +410,8 @@ fn out_to_json(o: &Out) -> Value {
         "device_gathers": o.device_gathers,
         "device_kept_gathers": o.device_kept_gathers,
         "device_left_bytes": o.device_left_bytes,
+        "device_aheads": o.device_aheads,
+        "device_peak_bytes": o.device_peak_bytes,
         "device_violations": o.device_violations,
         "h2d_direct_bytes": o.h2d_direct_bytes,
         "collective_busy_s": o.collective_busy_s,
@@ -438,6 +449,8 @@ fn out_from_json(v: &Value) -> Out {
         device_gathers: v["device_gathers"].as_u64().unwrap(),
         device_kept_gathers: v["device_kept_gathers"].as_u64().unwrap(),
         device_left_bytes: v["device_left_bytes"].as_u64().unwrap(),
+        device_aheads: v["device_aheads"].as_u64().unwrap(),
+        device_peak_bytes: v["device_peak_bytes"].as_u64().unwrap(),
         device_violations: v["device_violations"].as_u64().unwrap(),
         h2d_direct_bytes: v["h2d_direct_bytes"].as_u64().unwrap(),
         collective_busy_s: v["collective_busy_s"].as_f64().unwrap(),
@@ -1155,17 +1168,38 @@ fn adam_on_the_devices_of_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
     // each unit's gathered for it from the ranks' master shards. No
     // param, gradient or state crosses to the host in a step. Tied
     // embeddings, two micro-batches a step.
-    for (stage, precision) in [(3u8, "fp32"), (3, "bf16"), (2, "fp32"), (2, "bf16")] {
-        let (tag, steps, gas) = (format!("s{stage}-sim-resident-{precision}"), 4u64, 2u64);
+    // Stage 1 as 2; with no activation budget every block's forward is
+    // recomputed in its backward, from the params gathered for it.
+    let mut peaks = std::collections::BTreeMap::new();
+    for (stage, precision, activation_budget) in [
+        (3u8, "fp32", None),
+        (3, "bf16", None),
+        (2, "fp32", None),
+        (2, "bf16", None),
+        (1, "fp32", None),
+        (3, "fp32", Some(0)),
+    ] {
+        let recompute = if activation_budget.is_some() {
+            "-recompute"
+        } else {
+            ""
+        };
+        let (tag, steps, gas) = (
+            format!("s{stage}-sim-resident-{precision}{recompute}"),
+            4u64,
+            2u64,
+        );
         let knobs = Knobs {
             stage,
             gas,
             precision,
+            activation_budget,
             ..Knobs::default()
         };
         let (reference, ranks) = resident_ranks(&model_dir(&tag, true), &knobs, 2, steps);
+        peaks.insert((stage, precision, recompute), ranks[0].device_peak_bytes);
         assert_bit_identical(
-            &format!("stage {stage}, {precision}: Adam on the devices of 2 ranks"),
+            &format!("stage {stage}, {precision}{recompute}: Adam on the devices of 2 ranks"),
             &reference,
             &ranks,
         );
@@ -1198,6 +1232,8 @@ fn adam_on_the_devices_of_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
                 // backward; none at load.
                 assert_eq!(o.device_kept_gathers, gas * steps * 7, "rank {r}");
                 assert_eq!(o.device_gathers, 0, "rank {r}: loads");
+                // A launch ahead would gather outside the engine's calls.
+                assert_eq!(o.device_aheads, 0, "rank {r}: units launched ahead");
             } else {
                 // One gather of every param's new weights a step, and one
                 // of each param at load (this rank's shard up).
@@ -1210,27 +1246,45 @@ fn adam_on_the_devices_of_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
             assert_eq!(o.grad_reduces, 0, "rank {r}: a host reduce");
         }
     }
+    // Partitioned, the device holds a unit's params at a time, not all.
+    println!("the device's peak bytes, rank 0: {peaks:?}");
+    for precision in ["fp32", "bf16"] {
+        let (whole, part) = (peaks[&(2, precision, "")], peaks[&(3, precision, "")]);
+        assert!(
+            part < whole,
+            "{precision}: {part} B at stage 3, {whole} B at stage 2"
+        );
+    }
 }
 
 #[test]
 fn adam_on_the_devices_of_three_ranks_with_clipping_matches_within_1e6() {
+    for stage in [2u8, 3] {
+        clipping_case(stage);
+    }
+}
+
+/// [`adam_on_the_devices_of_three_ranks_with_clipping_matches_within_1e6`]
+/// at `stage` (2: whole weights; 3: partitioned).
+fn clipping_case(stage: u8) {
     // The device optimizer on three ranks: uneven shards (a param of 64
     // elements is cut 22, 22, 20), and clipping, whose norm is each
     // rank's shards' Σg² on its device, added over the ranks. The sums
     // differ from one rank's in their order, so the clip factor may in
     // its last bits: 1e-6, as for the host's optimizer
     // (`stage3_with_clipping_matches_within_1e6`).
-    let (tag, steps) = ("s3-sim-resident-clip", 6u64);
+    let (tag, steps) = (format!("s{stage}-sim-resident-clip"), 6u64);
     let knobs = Knobs {
-        stage: 3,
+        stage,
         clip: 0.5,
         ..Knobs::default()
     };
-    let (reference, ranks) = resident_ranks(&model_dir(tag, false), &knobs, 3, steps);
+    let (reference, ranks) = resident_ranks(&model_dir(&tag, false), &knobs, 3, steps);
     for (r, o) in ranks.iter().enumerate() {
         // Stage 3: each unit's params gathered as it is called, 7 calls a
-        // micro-batch (see the two-rank test).
-        assert_eq!(o.device_kept_gathers, 7 * steps, "rank {r}");
+        // micro-batch (see the two-rank test); stage 2: once a step.
+        let gathers = if stage == 3 { 7 * steps } else { steps };
+        assert_eq!(o.device_kept_gathers, gathers, "rank {r}");
     }
     let multi = &ranks[0];
     let loss_rel = max_rel(&reference.losses, &multi.losses);
@@ -1262,7 +1316,7 @@ fn adam_on_the_devices_of_three_ranks_with_clipping_matches_within_1e6() {
         multi.grad_norms
     );
     println!(
-        "Adam on the devices of 3 ranks, clipping 0.5, against 1 rank in memory: losses max rel \
+        "stage {stage}: Adam on the devices of 3 ranks, clipping 0.5, against 1 rank in memory: losses max rel \
          diff {loss_rel:.3e}, weights max per-tensor norm rel diff {w_norm:.3e}, identical: {}",
         reference.sha256 == multi.sha256
     );
@@ -1274,12 +1328,20 @@ fn adam_on_the_devices_of_three_ranks_with_clipping_matches_within_1e6() {
 
 #[test]
 fn adam_on_the_devices_with_shards_of_no_elements_matches_one_rank_bit_for_bit() {
+    for stage in [2u8, 3] {
+        empty_shards_case(stage);
+    }
+}
+
+/// [`adam_on_the_devices_with_shards_of_no_elements_matches_one_rank_bit_for_bit`]
+/// at `stage` (2: whole weights; 3: partitioned).
+fn empty_shards_case(stage: u8) {
     // A GPT-2 of width 2 on three ranks: its layer norms' weights and
     // biases and the attention projection's bias have 2 elements, cut
     // [1, 1, 0], so rank 2 holds no element of them. It still loads them
     // (empty), sends its chunks of their gradients and takes part in
     // their gathers, with no state of them on its device.
-    let (tag, steps) = ("s3-sim-resident-empty", 4u64);
+    let (tag, steps) = (format!("s{stage}-sim-resident-empty"), 4u64);
     let model = scratch(&format!("mpi-model-{tag}"));
     let cfg = json!({
         "model_type": "gpt2", "vocab_size": 256, "n_positions": 32, "n_embd": 2,
@@ -1287,7 +1349,7 @@ fn adam_on_the_devices_with_shards_of_no_elements_matches_one_rank_bit_for_bit()
     });
     std::fs::write(model.join("config.json"), cfg.to_string()).unwrap();
     let knobs = Knobs {
-        stage: 3,
+        stage,
         ..Knobs::default()
     };
     let (reference, ranks) = resident_ranks(&model, &knobs, 3, steps);
@@ -1313,7 +1375,7 @@ fn adam_on_the_devices_with_shards_of_no_elements_matches_one_rank_bit_for_bit()
         "rank 2's shards"
     );
     assert_bit_identical(
-        "Adam on the devices, shards of no elements",
+        &format!("stage {stage}: Adam on the devices, shards of no elements"),
         &reference,
         &ranks,
     );

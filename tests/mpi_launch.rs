@@ -117,19 +117,33 @@ fn launch_with_the_simulated_device_gathers_and_reduces_on_it() {
 
 #[test]
 fn nothing_offloaded_on_two_simulated_devices_trains_adam_there_and_resumes() {
+    for (stage, says) in [
+        (
+            3u8,
+            "params, AdamW's state and the gradients' sums sharded on 2 ranks' devices",
+        ),
+        (2, "params whole on each of 2 ranks' devices, AdamW's state"),
+    ] {
+        resident_launch_case(stage, says);
+    }
+}
+
+/// [`nothing_offloaded_on_two_simulated_devices_trains_adam_there_and_resumes`]
+/// at `stage`, whose plan `says` so.
+fn resident_launch_case(stage: u8, says: &str) {
     // `tierzero launch --nproc 2 -- train --device sim` with nothing
-    // offloaded, stage 3: each rank's device holds its shard of the
-    // params and of Adam's state, each unit's params gathered there for
-    // it (the plan says so). Three steps with a
+    // offloaded: each rank's device holds its shard of Adam's state, and
+    // at stage 3 of the params too, each unit's gathered there for it
+    // (the plan says which). Three steps with a
     // checkpoint (the devices' state written back), then three more
     // resumed from it on two ranks (loaded into the devices again): the
     // weights of one rank's uninterrupted six steps on its simulated
     // device, with the same global batch.
-    let dir = scratch("launch-resident");
+    let dir = scratch(&format!("launch-resident-s{stage}"));
     let model = model_in(&dir, true);
     let write_cfg = |name: &str, gas: u64| {
         let k = Knobs {
-            stage: 3,
+            stage,
             gas,
             precision: "bf16",
             ..Knobs::default()
@@ -146,10 +160,7 @@ fn nothing_offloaded_on_two_simulated_devices_trains_adam_there_and_resumes() {
     first.extend(common);
     first.extend(["--config", &cfg2, "--save-dir", save]);
     let planned = tierzero(&first);
-    assert!(
-        planned.contains("AdamW's state and the gradients' sums sharded on 2 ranks' devices"),
-        "{planned}"
-    );
+    assert!(planned.contains(says), "{planned}");
     assert!(planned.contains("this rank's shard"), "{planned}");
     let sha = |stdout: &str| -> String {
         let v: Value = serde_json::from_str(stdout.trim()).unwrap();
@@ -160,10 +171,7 @@ fn nothing_offloaded_on_two_simulated_devices_trains_adam_there_and_resumes() {
     resumed.extend(["--config", &cfg2, "--resume", save]);
     let resumed = tierzero(&resumed);
     // The checkpoint's state went into the devices again, sharded.
-    assert!(
-        resumed.contains("AdamW's state and the gradients' sums sharded on 2 ranks' devices"),
-        "{resumed}"
-    );
+    assert!(resumed.contains(says), "{resumed}");
     let resumed_sha = resumed
         .lines()
         .find_map(|l| l.strip_prefix("weight_sha256: "))
@@ -176,6 +184,6 @@ fn nothing_offloaded_on_two_simulated_devices_trains_adam_there_and_resumes() {
     assert_eq!(
         resumed_sha,
         sha(&whole),
-        "2 ranks with a checkpoint between -> 1 rank uninterrupted"
+        "stage {stage}: 2 ranks with a checkpoint between -> 1 rank uninterrupted"
     );
 }

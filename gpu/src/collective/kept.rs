@@ -2,8 +2,9 @@
 //! "The optimizer on the device" in [`super`]): a unit's gradient sums
 //! reduce-scattered onto running sums kept on the device
 //! ([`DeviceComm::reduce_onto`]), the buffers they used retired after
-//! their event ([`DeviceComm::reap`]), and the weights gathered after the
-//! step ([`DeviceComm::gather_kept`]).
+//! their event ([`DeviceComm::reap`]), and the weights gathered from the
+//! master shards ([`DeviceComm::gather_kept`]: after the step, or at
+//! stage 3 for each unit).
 
 use std::time::Duration;
 
@@ -185,8 +186,9 @@ impl DeviceComm {
         Ok(())
     }
 
-    /// The weights of the optimizer on the device after its step, with
-    /// several ranks: each of `wholes` gets this rank's range (`counts[p]`
+    /// The weights of the optimizer on the device, with several ranks
+    /// (after its step, or at stage 3 a unit's before it runs): each of
+    /// `wholes` gets this rank's range (`counts[p]`
     /// cut, in rank order) from `shards[p]`, its fp32 master shard (copied
     /// into an fp32 whole; rounded to nearest even into a bf16 one, by
     /// `cast_f32_bf16`; None for a shard of no elements), on the compute
@@ -205,8 +207,8 @@ impl DeviceComm {
         counts: &[Vec<usize>],
     ) -> Result<Gathered> {
         self.check_usable("ncclSend/ncclRecv (the weights' gather)")?;
-        // The step's reduces are done (their sums were waited for): their
-        // buffers go before the gather's.
+        // What the reduces done by now used goes before the gather's
+        // buffers are taken (after the step, every one of them).
         self.reap()?;
         let (me, world) = (self.rank, self.world);
         if shards.len() != wholes.len() || counts.len() != wholes.len() {

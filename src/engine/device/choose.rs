@@ -1,8 +1,8 @@
-//! Which units a run computes on a device link: everything resident with
+//! Which units a run computes on a device link: in device memory with
 //! Adam on the device when nothing is offloaded and one rank trains, or
 //! several whose devices have collectives of their own
-//! ([`ResidentUnits`]), else the device tier with the optimizer on the
-//! host ([`TieredUnits`]). `tierzero train --device` and the device
+//! ([`ResidentUnits`]; at stage 3 their params partitioned too), else
+//! the device tier with the optimizer on the host ([`TieredUnits`]). `tierzero train --device` and the device
 //! measurements (`examples/device_overlap.rs`) both call [`units_on`], so
 //! a measurement computes what a run does.
 

@@ -26,7 +26,8 @@
 //!   ([`crate::model::exec_units::DeviceOptimizer`]); with several ranks
 //!   (the link's collectives spanning them) the master, moments and step
 //!   sums are this rank's shard, reduce-scattered and gathered on the
-//!   devices ([`DeviceLink::reduce_kept`], [`DeviceLink::gather_kept`]).
+//!   devices ([`DeviceLink::reduce_kept`], [`DeviceLink::gather_kept`]),
+//!   and at stage 3 the weights are too, each unit's gathered for it.
 //!   The host's optimizer state is loaded into it before the first step
 //!   and written back when the trainer settles (a checkpoint, the final
 //!   weights). Its own module docs give its state tables and what the
@@ -180,7 +181,9 @@
 //! it); in backward the unit before (a block or the embedding), on that
 //! gradient and on the unit's input in the last forward. Only when the
 //! engine staged that unit and each of its params is on the device with
-//! no fill left to wait for (kept, or its upload issued); otherwise
+//! no fill left to wait for (kept, or its upload issued; never with
+//! [`ResidentUnits`]' params partitioned, whose gather is a collective);
+//! otherwise
 //! nothing is launched, and the tier never waits for a fill there (a
 //! param gathered on the device is issued on the engine's thread, so it
 //! is ready at once; taking it waits for its exchange, see "Params

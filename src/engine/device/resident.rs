@@ -49,11 +49,11 @@
 //! # Several ranks
 //!
 //! With the link's collectives among several ranks (NCCL between GPUs;
-//! [`DeviceLink::reduce_ranks`]), as ZeRO-2 keeps them: every device
-//! holds each param's weights whole, for its units; Adam's state (fp32
-//! master, moments) and the step's gradient sums are this rank's shard
-//! of each param (`crate::engine::layout::shard_counts`'s cut, the
-//! host's). The micro-batch sums stay in [`Grad`] (never `Summed`); a
+//! [`DeviceLink::reduce_ranks`]), Adam's state (fp32 master, moments)
+//! and the step's gradient sums are this rank's shard of each param
+//! (`crate::engine::layout::shard_counts`'s cut, the host's). At stages
+//! 0-2 every device holds each param's weights whole, for its units, as
+//! ZeRO-2 keeps them; at stage 3 none ("Params partitioned"). The micro-batch sums stay in [`Grad`] (never `Summed`); a
 //! param's shard of the step's sum over the ranks is a [`Reduced`]
 //! (`ranks.rs`):
 //!
@@ -70,7 +70,7 @@
 //! gradients were rounded to bf16 (it is that gradient: exact), a tied
 //! one's as fp32. Each adds every rank's chunk onto the param's running
 //! sum in rank order, as the host's collective does, so N ranks give one
-//! rank's bits over the same micro-batches. After the
+//! rank's bits over the same micro-batches. With whole weights, after the
 //! step each rank's new master shard is rounded into its range of the
 //! weights and the ranks gather the rest, every param in one
 //! [`DeviceLink::gather_kept`]; at load, this rank's shard of the weights
@@ -78,7 +78,8 @@
 //! these is a collective, made on the engine's thread in one order on
 //! every rank: the reduces in backward order (a unit's fp32 ones, then
 //! its bf16 ones, each in declared order), those of the step's end in
-//! param order, the loads in param order. The norm for
+//! param order, the loads in param order (at stage 3, also each unit's
+//! gather, in the engine's calls). The norm for
 //! clipping is this rank's shards' Σg², which the trainer adds over the
 //! ranks. The param store hands out shards ([`UnitCompute::gathers_params`]):
 //! the host gathers nothing.
@@ -118,7 +119,8 @@
 //! ([`DeviceLink::reduce_kept`]), freed through it once stepped, and the
 //! buffers a reduce sent and received are the link's until its
 //! collective is done. A unit takes its weights out of the map while it
-//! computes and puts them back after, error or not.
+//! computes and puts them back after, error or not (at stage 3 it is
+//! given them gathered, and they are freed after).
 
 mod optimizer;
 mod ranks;
@@ -212,7 +214,8 @@ struct OnDevice<B, U> {
     /// What the units read, whole on every rank: the master itself in
     /// fp32 storage with one rank, the master rounded to bf16 in bf16
     /// storage (a bf16 buffer on the device:
-    /// [`super::param_device_bytes`]). None while its unit computes.
+    /// [`super::param_device_bytes`]). None while its unit computes, and
+    /// always with the params partitioned (stage 3: gathered per unit).
     weights: Option<B>,
     /// Adam's state of this rank's shard (the whole param with one rank;
     /// None: this rank's shard has no elements).
@@ -230,7 +233,7 @@ struct OnDevice<B, U> {
 struct AdamState<B> {
     /// The fp32 master weights: with one rank in bf16 storage only (fp32
     /// storage steps the weights themselves); with several, always (the
-    /// weights are whole, the master this rank's shard).
+    /// master is this rank's shard, the weights whole or gathered).
     master: Option<B>,
     /// First moments.
     m: B,
@@ -268,8 +271,8 @@ enum Reduced<B, U> {
 /// cross, the chunks every rank sent this rank, and the running and new
 /// sums, together and split. With the params partitioned (stage 3), the
 /// weights are not resident: a unit's are gathered whole for it, and
-/// freed after; room for two units' (a tied param's other unit, or the
-/// next unit's gathered while the last one's go).
+/// freed after; room for two units' (one unit's at a time is held, the
+/// other is slack for the pool's reuse of what was just freed).
 pub fn resident_state_bytes(
     numels: &[u64],
     bf16: bool,
@@ -703,6 +706,9 @@ impl<L: DeviceLink> Holder<L> for ResidentUnits<L> {
     /// Partitioned, none is: a unit's are gathered when it is called (a
     /// collective, made in the engine's order), never launched ahead.
     fn ready(&self, ids: &[ParamId]) -> bool {
+        if self.partitioned() {
+            return false;
+        }
         let st = self.lock();
         ids.iter()
             .all(|id| st.params.get(id).is_some_and(|p| p.weights.is_some()))
@@ -824,7 +830,8 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
 
     /// The engine hands over the next unit's params, for its forward to
     /// be launched ahead (see "Forwards launched ahead" in [`super`]):
-    /// they are on the device already.
+    /// they are on the device already (partitioned, none is launched
+    /// ahead).
     fn stages(&self) -> bool {
         true
     }

@@ -249,7 +249,8 @@ pub trait UnitCompute: Send + Sync + std::fmt::Debug {
 /// among them) its state is this rank's shard of each param (the
 /// layout's), and [`DeviceOptimizer::load`] and [`DeviceOptimizer::step`]
 /// are collectives: every rank calls them for the same params in the
-/// same order.
+/// same order (at stage 3 the weights are partitioned too, gathered in
+/// each unit's call, which is then a collective as well).
 pub trait DeviceOptimizer: Send + Sync {
     /// Whether every param's state has been loaded ([`DeviceOptimizer::load`]).
     fn is_loaded(&self) -> bool;

@@ -1,8 +1,8 @@
 //! [`ResidentUnits`] as the optimizer on its device
 //! ([`DeviceOptimizer`]): a param's state loaded from the host (with
 //! several ranks, this rank's shard, the weights gathered on the
-//! devices), the gradient norm, the step (see "The step" in [`super`])
-//! and the state written back.
+//! devices, or at stage 3 none), the gradient norm, the step (see "The
+//! step" in [`super`]) and the state written back.
 
 use tierzero_gpu::reference::AdamScalars;
 use tierzero_gpu::unit::Exec;
@@ -43,8 +43,9 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
         let what = |k: &str| format!("{k} {}", id.0);
         let f32s = HostElems::F32;
         // The weights are the master, rounded to bf16 in bf16 storage:
-        // those cross as bf16 elements (2 bytes) and stay so on the device.
-        let rounded: Vec<half::bf16> = if self.bf16 {
+        // those cross as bf16 elements (2 bytes) and stay so on the device
+        // (partitioned: gathered per unit from the master, none here).
+        let rounded: Vec<half::bf16> = if self.bf16 && !self.partitioned() {
             master.iter().map(|&x| half::bf16::from_f32(x)).collect()
         } else {
             Vec::new()

@@ -1,7 +1,8 @@
 //! [`ResidentUnits`] with several ranks: each param's gradient sum of a
 //! micro-batch reduce-scattered on the devices onto this rank's shard of
-//! the step's sum, and the weights gathered on them after the step (see
-//! "Several ranks" in [`super`]). Every call here is a collective of the
+//! the step's sum, and the weights gathered on them after the step, or
+//! at stage 3 for each unit (see "Several ranks" and "Params
+//! partitioned" in [`super`]). Every call here is a collective of the
 //! link's ranks: each rank makes them for the same params in the same
 //! order, from the engine's thread.
 

@@ -83,10 +83,33 @@ impl SimDevice {
     pub(super) fn gather_kept_here(
         &self,
         what: &str,
-        mut wholes: Vec<Vec<f32>>,
+        wholes: Vec<Vec<f32>>,
         shards: &[Option<&Vec<f32>>],
         counts: &[Vec<usize>],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let mut wholes = wholes;
+        let gathered = self.fill_and_gather(what, &mut wholes, shards, counts);
+        match gathered {
+            Ok(()) => Ok(wholes),
+            Err(e) => {
+                // The wholes leave the device's count with the error.
+                for w in wholes {
+                    self.free(w);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// [`Self::gather_kept_here`]'s work on `wholes`: this rank's ranges
+    /// from the shards, then the others' through the ranks' collective.
+    fn fill_and_gather(
+        &self,
+        what: &str,
+        wholes: &mut [Vec<f32>],
+        shards: &[Option<&Vec<f32>>],
+        counts: &[Vec<usize>],
+    ) -> Result<(), ModelError> {
         let rank = self.collective_rank();
         let bad = |detail: String| ModelError::Gpu {
             what: format!("{what}: {detail}"),
@@ -122,8 +145,7 @@ impl SimDevice {
             }
         }
         self.on_collectives(what, &self.shared.kept_gathers, |comm| {
-            super::gather::into_wholes(comm, &mut wholes, counts)
-        })?;
-        Ok(wholes)
+            super::gather::into_wholes(comm, wholes, counts)
+        })
     }
 }
