@@ -164,8 +164,17 @@ impl PendingUpload {
     /// upload in flight: a collective's, so waited for with a deadline
     /// before [`Uploads::finish`] hands it over as a param's buffer.
     pub fn reduced(sums: DeviceBuffer<f32>, done: CudaEvent) -> Self {
+        Self::collected(DevBuf::F32(sums), done)
+    }
+
+    /// A buffer a collective writes, before `done` on its stream (a
+    /// param's whole gathered ahead from the ranks' master shards:
+    /// [`crate::collective::DeviceComm::gather_kept`]), as an upload in
+    /// flight: waited for with a deadline before [`Uploads::finish`]
+    /// hands it over as a param's buffer.
+    pub fn collected(buf: DevBuf, done: CudaEvent) -> Self {
         PendingUpload {
-            crossed: Some(DevBuf::F32(sums)),
+            crossed: Some(buf),
             staging: None,
             event: Some(done),
             role: Role::Param,

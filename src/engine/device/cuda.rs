@@ -449,6 +449,47 @@ impl DeviceLink for CudaLink {
             .collect())
     }
 
+    fn gather_kept_ahead(
+        &self,
+        what: &str,
+        wholes: Vec<DevBuf>,
+        shards: &[Option<&DevBuf>],
+        counts: &[Vec<usize>],
+    ) -> Result<Vec<PendingUpload>, ModelError> {
+        let (comm, _) = self.collective(what)?;
+        let tierzero_gpu::collective::Gathered {
+            wholes,
+            done,
+            began,
+        } = comm
+            .gather_kept(self.device(), wholes, shards, counts)
+            .map_err(gpu_err)?;
+        self.collective_span(comm, what, began);
+        // One event for each whole, all after the exchanges: its `finish`
+        // waits for it with the deadline, then orders the compute after.
+        let mut done = Some(done);
+        let mut ups = Vec::with_capacity(wholes.len());
+        let mut wholes = wholes.into_iter();
+        for w in wholes.by_ref() {
+            let ev = match done.take() {
+                Some(ev) => ev,
+                None => match comm.stream().record_event(None) {
+                    Ok(ev) => ev,
+                    Err(e) => {
+                        // The rest are leaked with the gather's work in
+                        // flight; those made so far leak on their own.
+                        std::mem::forget((w, wholes.collect::<Vec<_>>()));
+                        return Err(ModelError::Gpu {
+                            what: format!("{what}: cuEventRecord: {e:?}"),
+                        });
+                    }
+                },
+            };
+            ups.push(PendingUpload::collected(w, ev));
+        }
+        Ok(ups)
+    }
+
     fn alloc_param(
         &self,
         what: &str,

@@ -181,8 +181,9 @@
 //! it); in backward the unit before (a block or the embedding), on that
 //! gradient and on the unit's input in the last forward. Only when the
 //! engine staged that unit and each of its params is on the device with
-//! no fill left to wait for (kept, or its upload issued; never with
-//! [`ResidentUnits`]' params partitioned, whose gather is a collective);
+//! no fill left to wait for (kept, or its upload issued; with
+//! [`ResidentUnits`]' params partitioned, gathered as the engine staged
+//! it);
 //! otherwise
 //! nothing is launched, and the tier never waits for a fill there (a
 //! param gathered on the device is issued on the engine's thread, so it
@@ -551,6 +552,26 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
         let _ = (packed, counts);
         for a in accs.into_iter().flatten() {
             self.free(a);
+        }
+        Err(ModelError::Gpu {
+            what: format!("{what}: this device has no collectives of its own"),
+        })
+    }
+    /// [`DeviceLink::gather_kept`] left in flight: the host does not wait
+    /// for it here. Each whole comes back as an upload, which
+    /// [`DeviceLink::finish`] hands over once the gather is done (waited
+    /// for with the communicator's deadline), the compute ordered after
+    /// it: a unit's params gathered ahead of its call. A collective.
+    fn gather_kept_ahead(
+        &self,
+        what: &str,
+        wholes: Vec<Self::Buf>,
+        shards: &[Option<&Self::Buf>],
+        counts: &[Vec<usize>],
+    ) -> Result<Vec<Self::Upload>, ModelError> {
+        let _ = (shards, counts);
+        for w in wholes {
+            self.free(w);
         }
         Err(ModelError::Gpu {
             what: format!("{what}: this device has no collectives of its own"),

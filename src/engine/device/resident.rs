@@ -88,18 +88,20 @@
 //!
 //! At ZeRO stage 3 ([`ResidentUnits::with_partition`]) the params are
 //! partitioned on the devices as their state is: no weights are
-//! resident. When a unit is called, its params are gathered whole for it
-//! (`ranks.rs`, `gather_unit`): each rank's master shard copied, or
-//! rounded to bf16 in bf16 storage, into its range of a new buffer
+//! resident. A unit's params are gathered whole for it (`ranks.rs`,
+//! `gather_unit`): each rank's master shard copied, or rounded to bf16
+//! in bf16 storage, into its range of a new buffer
 //! ([`DeviceLink::alloc_param`]), the others' exchanged, every param of
 //! the unit in one [`DeviceLink::gather_kept`]; the same bits as the
-//! whole weights of stages 1-2. They are freed when the unit gives them
-//! back, and gathered again for its backward. Nothing is gathered at
-//! load or after the step. A unit is never launched ahead
-//! ([`Holder::ready`] is false): its gather is a collective, made only
-//! in the engine's calls, whose order is every rank's. Its cost: the host
-//! waits for each unit's gather, and the device does not compute through
-//! the engine's work between units.
+//! whole weights of stages 0-2. The gather is issued when the engine
+//! stages the unit (`stage`, a unit ahead: [`DeviceLink::gather_kept_ahead`],
+//! the host not waiting), else when it is called; either is a point in
+//! the engine's order, every rank's. Its call finishes the gather (with
+//! the communicator's deadline) and frees the wholes when it gives them
+//! back; they are gathered again for its backward. A unit is launched
+//! ahead ([`Holder::ready`]) only on params gathered so, never gathering
+//! there. Nothing is gathered at load or after the step; what was staged
+//! and not called is freed as the next step begins.
 //!
 //! # Memory
 //!
@@ -226,6 +228,14 @@ struct OnDevice<B, U> {
     /// Several ranks: this rank's shard of the step's sum over the ranks
     /// (see "Several ranks").
     reduced: Reduced<B, U>,
+}
+
+/// A staged unit's params gathered ahead (see "Params partitioned").
+struct Prefetched<U> {
+    /// Its params, in declared order.
+    ids: Vec<ParamId>,
+    /// Their wholes in flight.
+    wholes: Vec<U>,
 }
 
 /// Adam's state of a param's shard on the device.
@@ -371,6 +381,10 @@ pub struct ResidentUnits<L: DeviceLink> {
     /// Several ranks (None: one).
     ranks: Option<Ranks>,
     state: Mutex<Resident<L::Buf, L::Upload>>,
+    /// Params partitioned: the units the engine staged, their params
+    /// gathered ahead (in declared order, in flight), until their call
+    /// takes them. Locked after `state` when both are.
+    prefetched: Mutex<BTreeMap<UnitId, Prefetched<L::Upload>>>,
     inputs: Inputs<L::Buf>,
     /// The unit staged last, and the forward launched ahead.
     aheads: Aheads<L::Buf>,
@@ -463,6 +477,7 @@ impl<L: DeviceLink> ResidentUnits<L> {
                 params: BTreeMap::new(),
                 traffic: DeviceTraffic::default(),
             }),
+            prefetched: Mutex::new(BTreeMap::new()),
             inputs: Inputs::new(),
             aheads: Aheads::new(),
         })
@@ -561,7 +576,11 @@ impl<L: DeviceLink> ResidentUnits<L> {
         }
         let mut st = self.lock();
         if self.partitioned() {
-            let bufs = self.gather_unit(&mut st, unit, &ids)?;
+            let ahead = self.prefetches().remove(&unit);
+            let bufs = match ahead {
+                Some(p) => self.finish_all(p.wholes)?,
+                None => self.gather_unit(&mut st, unit, &ids)?,
+            };
             return Ok((ids, bufs));
         }
         let mut bufs = Vec::with_capacity(ids.len());
@@ -586,6 +605,42 @@ impl<L: DeviceLink> ResidentUnits<L> {
             }
         }
         Ok((ids, bufs))
+    }
+
+    /// The staged units' gathers.
+    fn prefetches(&self) -> std::sync::MutexGuard<'_, BTreeMap<UnitId, Prefetched<L::Upload>>> {
+        self.prefetched.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `ups` finished, in order; on an error the ones finished are freed
+    /// (the rest go with their uploads, which leak what a collective may
+    /// still write).
+    fn finish_all(&self, ups: Vec<L::Upload>) -> Result<Vec<L::Buf>, ModelError> {
+        let mut bufs = Vec::with_capacity(ups.len());
+        for u in ups {
+            match self.link.finish(u) {
+                Ok(b) => bufs.push(b),
+                Err(e) => {
+                    for b in bufs {
+                        self.link.free(b);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(bufs)
+    }
+
+    /// Every staged unit's gathered params, not taken, freed.
+    fn drop_prefetched(&self) {
+        let ahead = std::mem::take(&mut *self.prefetches());
+        for p in ahead.into_values() {
+            if let Ok(bufs) = self.finish_all(p.wholes) {
+                for b in bufs {
+                    self.link.free(b);
+                }
+            }
+        }
     }
 
     /// Puts a unit's weights back (partitioned: frees the unit's
@@ -703,11 +758,12 @@ impl<L: DeviceLink> Holder<L> for ResidentUnits<L> {
     }
 
     /// Every param's weights are on the device, unless a unit has them.
-    /// Partitioned, none is: a unit's are gathered when it is called (a
-    /// collective, made in the engine's order), never launched ahead.
+    /// Partitioned, none is: a unit's are gathered when it is staged or
+    /// called (a collective, made in the engine's order), so it is ready
+    /// only once staged.
     fn ready(&self, ids: &[ParamId]) -> bool {
         if self.partitioned() {
-            return false;
+            return !ids.is_empty() && self.prefetches().values().any(|p| p.ids == ids);
         }
         let st = self.lock();
         ids.iter()
@@ -825,6 +881,7 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
     fn begin_step(&self) -> Result<(), ModelError> {
         let ahead = self.aheads.clear(self);
         self.inputs.clear();
+        self.drop_prefetched();
         ahead
     }
 
@@ -838,11 +895,22 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
 
     fn stage(
         &self,
-        _model: &Model,
+        model: &Model,
         unit: UnitId,
         params: &[Tensor],
         _pins: HomePins,
     ) -> Result<(), ModelError> {
+        if self.partitioned() {
+            // Its params gathered now, in the engine's order (every
+            // rank's), in flight until its call, which may be launched
+            // ahead on them.
+            let ids = model.unit(unit)?.params.clone();
+            let mut st = self.lock();
+            if !self.prefetches().contains_key(&unit) {
+                let wholes = self.gather_unit_ahead(&mut st, unit, &ids)?;
+                self.prefetches().insert(unit, Prefetched { ids, wholes });
+            }
+        }
         self.aheads.staged(unit, params);
         Ok(())
     }
@@ -928,6 +996,7 @@ impl<L: DeviceLink> Drop for ResidentUnits<L> {
     fn drop(&mut self) {
         let _ = self.aheads.clear(&*self);
         self.inputs.clear();
+        self.drop_prefetched();
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
         let params = std::mem::take(&mut st.params);
         for p in params.into_values() {

@@ -824,6 +824,29 @@ impl DeviceLink for SimDevice {
         self.reduce_kept_here(what, packed, accs, counts)
     }
 
+    fn gather_kept_ahead(
+        &self,
+        what: &str,
+        wholes: Vec<Vec<f32>>,
+        shards: &[Option<&Vec<f32>>],
+        counts: &[Vec<usize>],
+    ) -> Result<Vec<SimUpload>, ModelError> {
+        // Its memory is host memory: gathered at once, each whole where the
+        // compute reads it (its buffer, and so its 16-bit count, kept).
+        let wholes = self.gather_kept_here(what, wholes, shards, counts)?;
+        Ok(wholes
+            .into_iter()
+            .map(|w| {
+                let event = Arc::new(Event::default());
+                event.complete(w);
+                SimUpload {
+                    event,
+                    narrow_bytes: None,
+                }
+            })
+            .collect())
+    }
+
     fn alloc_param(&self, what: &str, numel: usize, dtype: DType) -> Result<Vec<f32>, ModelError> {
         let bytes = super::param_device_bytes(numel as u64, dtype);
         self.reserve(what, bytes)?;

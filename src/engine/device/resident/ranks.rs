@@ -184,6 +184,37 @@ impl<L: DeviceLink> ResidentUnits<L> {
         unit: UnitId,
         ids: &[ParamId],
     ) -> Result<Vec<L::Buf>, ModelError> {
+        self.gather_unit_with(st, unit, ids, |what, wholes, shards, counts| {
+            self.link.gather_kept(what, wholes, shards, counts)
+        })
+    }
+
+    /// [`Self::gather_unit`] left in flight, for a unit the engine staged
+    /// ([`DeviceLink::gather_kept_ahead`]): its call finishes them.
+    pub(super) fn gather_unit_ahead(
+        &self,
+        st: &mut Resident<L::Buf, L::Upload>,
+        unit: UnitId,
+        ids: &[ParamId],
+    ) -> Result<Vec<L::Upload>, ModelError> {
+        self.gather_unit_with(st, unit, ids, |what, wholes, shards, counts| {
+            self.link.gather_kept_ahead(what, wholes, shards, counts)
+        })
+    }
+
+    /// `unit`'s params' new wholes and master shards handed to `gather`.
+    fn gather_unit_with<T>(
+        &self,
+        st: &mut Resident<L::Buf, L::Upload>,
+        unit: UnitId,
+        ids: &[ParamId],
+        gather: impl FnOnce(
+            &str,
+            Vec<L::Buf>,
+            &[Option<&L::Buf>],
+            &[Vec<usize>],
+        ) -> Result<T, ModelError>,
+    ) -> Result<T, ModelError> {
         let Some(ranks) = self.ranks.as_ref() else {
             return Err(super::param_err(
                 ids.first().copied().unwrap_or(ParamId(0)),
@@ -224,7 +255,6 @@ impl<L: DeviceLink> ResidentUnits<L> {
                     .and_then(|a| a.master.as_ref())
             })
             .collect();
-        self.link
-            .gather_kept(&format!("unit {} params", unit.0), wholes, &shards, &counts)
+        gather(&format!("unit {} params", unit.0), wholes, &shards, &counts)
     }
 }
