@@ -92,6 +92,27 @@ impl CudaLink {
         self
     }
 
+    /// [`DeviceComm::gather_kept`] on this GPU, its span recorded: the
+    /// communicator, the wholes and the event after the exchanges.
+    fn kept_gathered(
+        &self,
+        what: &str,
+        wholes: Vec<DevBuf>,
+        shards: &[Option<&DevBuf>],
+        counts: &[Vec<usize>],
+    ) -> Result<(&DeviceComm, Vec<DevBuf>, CudaEvent), ModelError> {
+        let (comm, _) = self.collective(what)?;
+        let tierzero_gpu::collective::Gathered {
+            wholes,
+            done,
+            began,
+        } = comm
+            .gather_kept(self.device(), wholes, shards, counts)
+            .map_err(gpu_err)?;
+        self.collective_span(comm, what, began);
+        Ok((comm, wholes, done))
+    }
+
     /// The timeline's span of a collective that began at `began` (a
     /// timing event on its stream), its end recorded now, after its work.
     fn collective_span(&self, comm: &DeviceComm, what: &str, began: Option<CudaEvent>) {
@@ -456,15 +477,7 @@ impl DeviceLink for CudaLink {
         shards: &[Option<&DevBuf>],
         counts: &[Vec<usize>],
     ) -> Result<Vec<PendingUpload>, ModelError> {
-        let (comm, _) = self.collective(what)?;
-        let tierzero_gpu::collective::Gathered {
-            wholes,
-            done,
-            began,
-        } = comm
-            .gather_kept(self.device(), wholes, shards, counts)
-            .map_err(gpu_err)?;
-        self.collective_span(comm, what, began);
+        let (comm, wholes, done) = self.kept_gathered(what, wholes, shards, counts)?;
         // One event for each whole, all after the exchanges: its `finish`
         // waits for it with the deadline, then orders the compute after.
         let mut done = Some(done);
@@ -514,15 +527,8 @@ impl DeviceLink for CudaLink {
         shards: &[Option<&DevBuf>],
         counts: &[Vec<usize>],
     ) -> Result<Vec<DevBuf>, ModelError> {
-        let (comm, timeout) = self.collective(what)?;
-        let tierzero_gpu::collective::Gathered {
-            wholes,
-            done,
-            began,
-        } = comm
-            .gather_kept(self.device(), wholes, shards, counts)
-            .map_err(gpu_err)?;
-        self.collective_span(comm, what, began);
+        let (comm, wholes, done) = self.kept_gathered(what, wholes, shards, counts)?;
+        let timeout = &self.collective(what)?.1;
         // A dead peer never completes it: waited for with the deadline
         // (the wholes leaked past it), then the compute ordered after it.
         if let Err(e) = comm.wait_event(&done, *timeout, "ncclSend/ncclRecv (the weights' gather)")
