@@ -520,31 +520,6 @@ impl DeviceLink for CudaLink {
         buf.map_err(gpu_err)
     }
 
-    fn gather_kept(
-        &self,
-        what: &str,
-        wholes: Vec<DevBuf>,
-        shards: &[Option<&DevBuf>],
-        counts: &[Vec<usize>],
-    ) -> Result<Vec<DevBuf>, ModelError> {
-        let (comm, wholes, done) = self.kept_gathered(what, wholes, shards, counts)?;
-        let timeout = &self.collective(what)?.1;
-        // A dead peer never completes it: waited for with the deadline
-        // (the wholes leaked past it), then the compute ordered after it.
-        if let Err(e) = comm.wait_event(&done, *timeout, "ncclSend/ncclRecv (the weights' gather)")
-        {
-            std::mem::forget(wholes);
-            return Err(gpu_err(e));
-        }
-        self.device()
-            .compute
-            .wait(&done)
-            .map_err(|e| ModelError::Gpu {
-                what: format!("{what}: cuStreamWaitEvent: {e:?}"),
-            })?;
-        Ok(wholes)
-    }
-
     fn gather_param(
         &self,
         what: &str,

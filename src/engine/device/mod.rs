@@ -610,13 +610,28 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
         shards: &[Option<&Self::Buf>],
         counts: &[Vec<usize>],
     ) -> Result<Vec<Self::Buf>, ModelError> {
-        let _ = (shards, counts);
-        for w in wholes {
-            self.free(w);
+        // [`DeviceLink::gather_kept_ahead`], each whole finished at once:
+        // one rule for both.
+        let ups = self.gather_kept_ahead(what, wholes, shards, counts)?;
+        self.finish_all(ups)
+    }
+    /// Every upload of `ups` [`DeviceLink::finish`]ed, in order. On an
+    /// error the ones finished are freed, and the rest go with their
+    /// uploads (which leak what a collective may still write).
+    fn finish_all(&self, ups: Vec<Self::Upload>) -> Result<Vec<Self::Buf>, ModelError> {
+        let mut bufs = Vec::with_capacity(ups.len());
+        for u in ups {
+            match self.finish(u) {
+                Ok(b) => bufs.push(b),
+                Err(e) => {
+                    for b in bufs {
+                        self.free(b);
+                    }
+                    return Err(e);
+                }
+            }
         }
-        Err(ModelError::Gpu {
-            what: format!("{what}: this device has no collectives of its own"),
-        })
+        Ok(bufs)
     }
     /// [`DeviceLink::gather_param`] of a param whose shard's bytes are
     /// also `pin`, a range of pinned host memory nobody writes while the

@@ -89,7 +89,7 @@
 //! At ZeRO stage 3 ([`ResidentUnits::with_partition`]) the params are
 //! partitioned on the devices as their state is: no weights are
 //! resident. A unit's params are gathered whole for it (`ranks.rs`,
-//! `gather_unit`): each rank's master shard copied, or rounded to bf16
+//! `gather_unit_ahead`): each rank's master shard copied, or rounded to bf16
 //! in bf16 storage, into its range of a new buffer
 //! ([`DeviceLink::alloc_param`]), the others' exchanged, every param of
 //! the unit in one [`DeviceLink::gather_kept`]; the same bits as the
@@ -485,10 +485,11 @@ impl<L: DeviceLink> ResidentUnits<L> {
         let mut st = self.lock();
         if self.partitioned() {
             let ahead = self.prefetches().remove(&unit);
-            let bufs = match ahead {
-                Some(p) => self.finish_all(p.wholes)?,
-                None => self.gather_unit(&mut st, unit, &ids)?,
+            let wholes = match ahead {
+                Some(p) => p.wholes,
+                None => self.gather_unit_ahead(&mut st, unit, &ids)?,
             };
+            let bufs = self.link.finish_all(wholes)?;
             return Ok((ids, bufs));
         }
         let mut bufs = Vec::with_capacity(ids.len());
@@ -520,30 +521,11 @@ impl<L: DeviceLink> ResidentUnits<L> {
         self.prefetched.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// `ups` finished, in order; on an error the ones finished are freed
-    /// (the rest go with their uploads, which leak what a collective may
-    /// still write).
-    fn finish_all(&self, ups: Vec<L::Upload>) -> Result<Vec<L::Buf>, ModelError> {
-        let mut bufs = Vec::with_capacity(ups.len());
-        for u in ups {
-            match self.link.finish(u) {
-                Ok(b) => bufs.push(b),
-                Err(e) => {
-                    for b in bufs {
-                        self.link.free(b);
-                    }
-                    return Err(e);
-                }
-            }
-        }
-        Ok(bufs)
-    }
-
     /// Every staged unit's gathered params, not taken, freed.
     fn drop_prefetched(&self) {
         let ahead = std::mem::take(&mut *self.prefetches());
         for p in ahead.into_values() {
-            if let Ok(bufs) = self.finish_all(p.wholes) {
+            if let Ok(bufs) = self.link.finish_all(p.wholes) {
                 for b in bufs {
                     self.link.free(b);
                 }

@@ -858,16 +858,6 @@ impl DeviceLink for SimDevice {
         Ok(buf)
     }
 
-    fn gather_kept(
-        &self,
-        what: &str,
-        wholes: Vec<Vec<f32>>,
-        shards: &[Option<&Vec<f32>>],
-        counts: &[Vec<usize>],
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
-        self.gather_kept_here(what, wholes, shards, counts)
-    }
-
     fn finish_download(&self, d: SimDownload) -> Result<HostVec, ModelError> {
         Ok(d.event.wait())
     }

@@ -177,44 +177,15 @@ impl<L: DeviceLink> ResidentUnits<L> {
     /// gathered whole for it, in the storage dtype, from the ranks'
     /// master shards (each rank's rounded to bf16 in bf16 storage, as the
     /// host's copy is), in one collective ([`DeviceLink::alloc_param`],
-    /// [`DeviceLink::gather_kept`]). The caller frees them after the unit.
-    pub(super) fn gather_unit(
-        &self,
-        st: &mut Resident<L::Buf, L::Upload>,
-        unit: UnitId,
-        ids: &[ParamId],
-    ) -> Result<Vec<L::Buf>, ModelError> {
-        self.gather_unit_with(st, unit, ids, |what, wholes, shards, counts| {
-            self.link.gather_kept(what, wholes, shards, counts)
-        })
-    }
-
-    /// [`Self::gather_unit`] left in flight, for a unit the engine staged
-    /// ([`DeviceLink::gather_kept_ahead`]): its call finishes them.
+    /// [`DeviceLink::gather_kept_ahead`]), left in flight: the unit's
+    /// call finishes them ([`DeviceLink::finish_all`]) and frees them
+    /// after. Issued when the engine stages the unit, else at its call.
     pub(super) fn gather_unit_ahead(
         &self,
         st: &mut Resident<L::Buf, L::Upload>,
         unit: UnitId,
         ids: &[ParamId],
     ) -> Result<Vec<L::Upload>, ModelError> {
-        self.gather_unit_with(st, unit, ids, |what, wholes, shards, counts| {
-            self.link.gather_kept_ahead(what, wholes, shards, counts)
-        })
-    }
-
-    /// `unit`'s params' new wholes and master shards handed to `gather`.
-    fn gather_unit_with<T>(
-        &self,
-        st: &mut Resident<L::Buf, L::Upload>,
-        unit: UnitId,
-        ids: &[ParamId],
-        gather: impl FnOnce(
-            &str,
-            Vec<L::Buf>,
-            &[Option<&L::Buf>],
-            &[Vec<usize>],
-        ) -> Result<T, ModelError>,
-    ) -> Result<T, ModelError> {
         let Some(ranks) = self.ranks.as_ref() else {
             return Err(super::param_err(
                 ids.first().copied().unwrap_or(ParamId(0)),
@@ -255,6 +226,7 @@ impl<L: DeviceLink> ResidentUnits<L> {
                     .and_then(|a| a.master.as_ref())
             })
             .collect();
-        gather(&format!("unit {} params", unit.0), wholes, &shards, &counts)
+        self.link
+            .gather_kept_ahead(&format!("unit {} params", unit.0), wholes, &shards, &counts)
     }
 }
