@@ -190,6 +190,24 @@ impl PendingUpload {
     pub fn is_gathered(&self) -> bool {
         self.gathered
     }
+
+    /// Whether it is a collective's result ([`PendingUpload::collected`]):
+    /// [`PendingUpload::into_collected`] then gives its buffer.
+    pub fn is_collected(&self) -> bool {
+        self.gathered && self.staging.is_none() && self.crossed.is_some()
+    }
+
+    /// The buffer of a collective's result, for the next work on that
+    /// collective's own stream, which is ordered after it: no host wait,
+    /// no event kept. None (and the upload dropped) for any other upload,
+    /// which must be finished instead: check [`PendingUpload::is_collected`].
+    pub fn into_collected(mut self) -> Option<DevBuf> {
+        if self.is_collected() {
+            self.crossed.take()
+        } else {
+            None
+        }
+    }
 }
 
 /// A staging buffer of one of the element types.

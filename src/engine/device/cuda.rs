@@ -470,6 +470,17 @@ impl DeviceLink for CudaLink {
             .collect())
     }
 
+    fn kept_running_sums(&self, u: PendingUpload) -> Result<DevBuf, ModelError> {
+        // Written on the collectives' stream, which the next reduce runs
+        // on: no wait. Anything else is finished as usual.
+        if !u.is_collected() {
+            return self.finish(u);
+        }
+        u.into_collected().ok_or_else(|| ModelError::Gpu {
+            what: "running gradient sums without their buffer".into(),
+        })
+    }
+
     fn gather_kept_ahead(
         &self,
         what: &str,

@@ -557,6 +557,13 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
             what: format!("{what}: this device has no collectives of its own"),
         })
     }
+    /// The running sums of a [`DeviceLink::reduce_kept`] in flight, to be
+    /// added onto by the next one: that one runs on the same collectives'
+    /// stream, after it, so the host need not wait. By default it is
+    /// finished ([`DeviceLink::finish`]).
+    fn kept_running_sums(&self, u: Self::Upload) -> Result<Self::Buf, ModelError> {
+        self.finish(u)
+    }
     /// [`DeviceLink::gather_kept`] left in flight: the host does not wait
     /// for it here. Each whole comes back as an upload, which
     /// [`DeviceLink::finish`] hands over once the gather is done (waited

@@ -302,8 +302,6 @@ pub struct ResidentUnits<L: DeviceLink> {
     numels: Vec<u64>,
     /// Each param's last unit in backward (the smallest that uses it).
     last_unit: Vec<UnitId>,
-    /// Each param's units: whether it is in one only (untied).
-    single_unit: Vec<bool>,
     /// The numels of the params of the unit with the most elements.
     unit_numels: Vec<u64>,
     /// Several ranks (None: one).
@@ -358,7 +356,6 @@ impl<L: DeviceLink> ResidentUnits<L> {
             .iter()
             .map(|p| p.units.iter().copied().min().unwrap_or(UnitId(0)))
             .collect();
-        let single_unit = model.params().iter().map(|p| p.units.len() == 1).collect();
         let world = link.reduce_ranks();
         let ranks = (world > 1).then(|| Ranks {
             rank: link.collective_rank(),
@@ -398,7 +395,6 @@ impl<L: DeviceLink> ResidentUnits<L> {
             bf16,
             numels,
             last_unit,
-            single_unit,
             unit_numels,
             ranks,
             state: Mutex::new(Resident {
@@ -740,14 +736,19 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
             self.grad_event(&mut st, id, GradEvent::Unit(g))?;
             if self.last_unit.get(id.0) == Some(&unit) {
                 if self.ranks.is_some() {
-                    let narrow = self.wire_of(id, out.dtype) == Wire::Bf16;
+                    // An untied param's sum is this unit's gradient, rounded
+                    // as the unit's were: it crosses so, exactly (the
+                    // tier's rule); a tied one's, a sum of two, as fp32.
+                    let narrow =
+                        model.in_one_unit(id) && super::grads_out::wire_of(out.dtype) != Wire::F32;
                     folds[usize::from(narrow)].push(id);
                 } else {
                     self.grad_event(&mut st, id, GradEvent::Fold)?;
                 }
             }
         }
-        for (ids, wire) in folds.iter().zip([Wire::F32, Wire::Bf16]) {
+        let narrow = super::grads_out::wire_of(out.dtype);
+        for (ids, wire) in folds.iter().zip([Wire::F32, narrow]) {
             if !ids.is_empty() {
                 self.reduce_params(&mut st, ids, wire)?;
             }

@@ -25,8 +25,8 @@ use crate::model::{Model, ParamId};
 /// cross, the chunks every rank sent this rank, and the running and new
 /// sums, together and split. With the params partitioned (stage 3), the
 /// weights are not resident: a unit's are gathered whole for it, and
-/// freed after; room for two units' (one unit's at a time is held, the
-/// other is slack for the pool's reuse of what was just freed).
+/// freed after; room for two units' (the one computing and the next,
+/// gathered ahead as the engine stages it).
 pub fn resident_state_bytes(
     numels: &[u64],
     bf16: bool,

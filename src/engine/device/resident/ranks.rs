@@ -20,7 +20,9 @@ impl<L: DeviceLink> ResidentUnits<L> {
     /// rank's shard of its param's step sum (left in flight;
     /// [`Self::settle`] waits for them). A param no unit gave a gradient
     /// since the last is left out. The sums cross between the ranks as
-    /// `wire`'s elements (see [`Self::wire_of`]).
+    /// `wire`'s elements (an untied param's sum is its one unit's gradient,
+    /// rounded as the unit's were: it crosses so, exactly; a tied one's, a
+    /// sum of two, as fp32).
     pub(super) fn reduce_params(
         &self,
         st: &mut Resident<L::Buf, L::Upload>,
@@ -58,7 +60,8 @@ impl<L: DeviceLink> ResidentUnits<L> {
             let acc = match std::mem::take(&mut p.reduced) {
                 Reduced::None => None,
                 Reduced::Ready(b) => Some(b),
-                Reduced::InFlight(u) => Some(self.link.finish(u)?),
+                // Added onto on the collectives' stream that wrote it.
+                Reduced::InFlight(u) => Some(self.link.kept_running_sums(u)?),
             };
             taken.push(id);
             micros.push(micro);
@@ -100,19 +103,6 @@ impl<L: DeviceLink> ResidentUnits<L> {
             }
         }
         Ok(())
-    }
-
-    /// How param `id`'s micro-batch sum crosses when its last unit, whose
-    /// gradients came as `unit_dtype`, folds it: an untied param's sum is
-    /// that unit's gradient, rounded to bf16 when the unit's were (the
-    /// host's copy would be): it crosses as bf16, exactly, half the
-    /// bytes. A tied one's (a sum of two) and anything else as fp32.
-    pub(super) fn wire_of(&self, id: ParamId, unit_dtype: candle_core::DType) -> Wire {
-        if unit_dtype == candle_core::DType::BF16 && self.single_unit.get(id.0) == Some(&true) {
-            Wire::Bf16
-        } else {
-            Wire::F32
-        }
     }
 
     /// Waits for every reduce in flight, in param order.
