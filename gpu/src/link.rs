@@ -158,17 +158,10 @@ impl PendingUpload {
         }
     }
 
-    /// A reduce-scatter's sums kept on the device (`sums`, this rank's,
-    /// from [`crate::collective::DeviceComm::reduce_onto`], which frees
-    /// the buffers its collective used), written before `done`, as an
-    /// upload in flight: a collective's, so waited for with a deadline
-    /// before [`Uploads::finish`] hands it over as a param's buffer.
-    pub fn reduced(sums: DeviceBuffer<f32>, done: CudaEvent) -> Self {
-        Self::collected(DevBuf::F32(sums), done)
-    }
-
     /// A buffer a collective writes, before `done` on its stream (a
-    /// param's whole gathered ahead from the ranks' master shards:
+    /// reduce-scatter's sums kept on the device,
+    /// [`crate::collective::DeviceComm::reduce_onto`]; a param's whole
+    /// gathered ahead from the ranks' master shards,
     /// [`crate::collective::DeviceComm::gather_kept`]), as an upload in
     /// flight: waited for with a deadline before [`Uploads::finish`]
     /// hands it over as a param's buffer.

@@ -157,7 +157,7 @@ pub(super) fn check_collective(dev: &Arc<Device>, rep: &mut Report) -> Result<()
 
 /// One rank's sums kept on the device (the optimizer's there): two
 /// reduces of a gradient, the second onto the first's sums, through
-/// [`PendingUpload::reduced`] and `finish`, against `add_chunks`'s
+/// [`PendingUpload::collected`] and `finish`, against `add_chunks`'s
 /// reference; then `gather_kept` of two wholes, fp32 and bf16, each its
 /// shard's bits (copied; rounded to nearest even).
 fn kept_one_rank(
@@ -192,7 +192,7 @@ fn kept_one_rank(
             ones == [1f32; 5],
             &format!("{ones:?}"),
         );
-        let up = PendingUpload::reduced(own, done);
+        let up = PendingUpload::collected(DevBuf::F32(own), done);
         acc = Some(
             uploads
                 .finish(comm.wait_gathered(up, deadline)?)?

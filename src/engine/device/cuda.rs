@@ -92,27 +92,6 @@ impl CudaLink {
         self
     }
 
-    /// [`DeviceComm::gather_kept`] on this GPU, its span recorded: the
-    /// communicator, the wholes and the event after the exchanges.
-    fn kept_gathered(
-        &self,
-        what: &str,
-        wholes: Vec<DevBuf>,
-        shards: &[Option<&DevBuf>],
-        counts: &[Vec<usize>],
-    ) -> Result<(&DeviceComm, Vec<DevBuf>, CudaEvent), ModelError> {
-        let (comm, _) = self.collective(what)?;
-        let tierzero_gpu::collective::Gathered {
-            wholes,
-            done,
-            began,
-        } = comm
-            .gather_kept(self.device(), wholes, shards, counts)
-            .map_err(gpu_err)?;
-        self.collective_span(comm, what, began);
-        Ok((comm, wholes, done))
-    }
-
     /// The timeline's span of a collective that began at `began` (a
     /// timing event on its stream), its end recorded now, after its work.
     fn collective_span(&self, comm: &DeviceComm, what: &str, began: Option<CudaEvent>) {
@@ -466,7 +445,7 @@ impl DeviceLink for CudaLink {
         // communicator's to free.
         Ok(sums
             .into_iter()
-            .map(|s| s.map(|(sums, done)| PendingUpload::reduced(sums, done)))
+            .map(|s| s.map(|(sums, done)| PendingUpload::collected(DevBuf::F32(sums), done)))
             .collect())
     }
 
@@ -488,7 +467,15 @@ impl DeviceLink for CudaLink {
         shards: &[Option<&DevBuf>],
         counts: &[Vec<usize>],
     ) -> Result<Vec<PendingUpload>, ModelError> {
-        let (comm, wholes, done) = self.kept_gathered(what, wholes, shards, counts)?;
+        let (comm, _) = self.collective(what)?;
+        let tierzero_gpu::collective::Gathered {
+            wholes,
+            done,
+            began,
+        } = comm
+            .gather_kept(self.device(), wholes, shards, counts)
+            .map_err(gpu_err)?;
+        self.collective_span(comm, what, began);
         // One event for each whole, all after the exchanges: its `finish`
         // waits for it with the deadline, then orders the compute after.
         let mut done = Some(done);

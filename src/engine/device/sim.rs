@@ -275,6 +275,19 @@ pub struct SimUpload {
     narrow_bytes: Option<u64>,
 }
 
+impl SimUpload {
+    /// An upload already done: `buf` is on the device (its memory is host
+    /// memory: a collective's result is where the compute reads it).
+    fn ready(buf: Vec<f32>) -> Self {
+        let event = Arc::new(Event::default());
+        event.complete(buf);
+        SimUpload {
+            event,
+            narrow_bytes: None,
+        }
+    }
+}
+
 /// A unit's gradients laid out for their reduce-scatter on the simulated
 /// device: every rank's block, and their lengths.
 #[derive(Debug)]
@@ -834,17 +847,7 @@ impl DeviceLink for SimDevice {
         // Its memory is host memory: gathered at once, each whole where the
         // compute reads it (its buffer, and so its 16-bit count, kept).
         let wholes = self.gather_kept_here(what, wholes, shards, counts)?;
-        Ok(wholes
-            .into_iter()
-            .map(|w| {
-                let event = Arc::new(Event::default());
-                event.complete(w);
-                SimUpload {
-                    event,
-                    narrow_bytes: None,
-                }
-            })
-            .collect())
+        Ok(wholes.into_iter().map(SimUpload::ready).collect())
     }
 
     fn alloc_param(&self, what: &str, numel: usize, dtype: DType) -> Result<Vec<f32>, ModelError> {

@@ -3,9 +3,7 @@
 //! is host memory, so they are the ranks' own collectives on it, and
 //! their buffers are counted in its budget as a GPU's would be.
 
-use std::sync::Arc;
-
-use super::{buf_key, Event, SimDevice, SimPacked, SimUpload};
+use super::{buf_key, SimDevice, SimPacked, SimUpload};
 use crate::engine::device::DeviceLink;
 use crate::model::ModelError;
 
@@ -68,12 +66,7 @@ impl SimDevice {
             }
             // Its memory is host memory: the sums are where the compute
             // reads them, at once.
-            let event = Arc::new(Event::default());
-            event.complete(sums[at..at + n].to_vec());
-            out.push(Some(SimUpload {
-                event,
-                narrow_bytes: None,
-            }));
+            out.push(Some(SimUpload::ready(sums[at..at + n].to_vec())));
             at += n;
         }
         Ok(out)
