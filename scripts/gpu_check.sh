@@ -164,9 +164,13 @@
 # Run on one H200 machine (16 cores) on 2026-11-30, in its version of
 # that day (steps 1-5, a 3-step train --device cuda that carried only the
 # collectives, and 7): every step passed; two ranks on its one GPU were
-# refused (ncclInvalidUsage, now an exit-2 hint). Steps 6-6i have not run
-# on a GPU; run here without one (2026-12-03), with the carried binaries,
-# each CPU side trains and each CUDA run exits 2 naming libcuda.
+# refused (ncclInvalidUsage, now an exit-2 hint). Run whole on one H200 on
+# 2026-12-04 (at e847a62, the binaries from gpu_check_prepare.sh): every
+# step passed in 436 s, 6i and 7 finished in a second call
+# (GPU_CHECK_STEPS=6i,7); the JSON and what it found are in
+# docs/gpu-runs/2026-12-04-h200/. Without a GPU (2026-12-03, and before
+# that run), with the carried binaries, each CPU side trains and each CUDA
+# run exits 2 naming libcuda.
 #
 # Environment: TIERZERO_BIN, KERNEL_CHECK_BIN, TRAIN_CHECK_BIN, THROUGHPUT_BIN, DEVICE_OVERLAP_BIN,
 # TIERZERO_WHEEL, TIERZERO_PY, GPU_CHECK_STEPS (see Step selection),
