@@ -86,7 +86,9 @@ impl StepGroups {
     /// while its gradients are not final.
     pub(super) fn accumulator(&mut self, sg: SubGroupId, numel: usize) -> Result<&mut Vec<f32>> {
         match self.get_mut(sg)? {
-            GroupStep::Accumulating(acc) => Ok(acc.get_or_insert_with(|| vec![0f32; numel])),
+            GroupStep::Accumulating(acc) => {
+                Ok(acc.get_or_insert_with(|| crate::model::fused::zeros_f32(numel)))
+            }
             other => Err(EngineError::internal(format!(
                 "a gradient for sub-group {} after it became final ({})",
                 sg.0,

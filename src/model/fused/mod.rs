@@ -468,6 +468,7 @@ fn par_rows_summing<T: Real>(
         .collect()
 }
 
+mod accumulate;
 mod attention;
 mod linear;
 mod matmul;
@@ -476,6 +477,7 @@ mod pointwise;
 mod rope;
 mod sdpa;
 
+pub use accumulate::{add_grad_into, zeros_f32};
 pub use attention::{causal_softmax, repeat_kv};
 pub use linear::{count_hidden, linear, linear_gelu_tanh, WeightLayout};
 pub use norm::{layer_norm, rms_norm};

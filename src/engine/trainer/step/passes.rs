@@ -259,22 +259,41 @@ impl Trainer {
                 // This unit's backward has started on the device: the
                 // previous unit's gradients were downloading meanwhile.
                 if let Some((prev, grads)) = downloading.replace((uid, grads)) {
-                    let t = Instant::now();
-                    self.add_unit_grads(batch, prev, grads, groups, tied)?;
-                    times.compute += t.elapsed();
-                    self.unit_grads_added(plan, batch, prev, groups, times)?;
+                    self.add_downloaded(plan, batch, prev, grads, groups, tied, times)?;
                 }
             } else {
                 self.unit_grads_added(plan, batch, uid, groups, times)?;
             }
         }
         if let Some((prev, grads)) = downloading {
-            let t = Instant::now();
-            self.add_unit_grads(batch, prev, grads, groups, tied)?;
-            times.compute += t.elapsed();
-            self.unit_grads_added(plan, batch, prev, groups, times)?;
+            self.add_downloaded(plan, batch, prev, grads, groups, tied, times)?;
         }
         Ok(loss)
+    }
+
+    /// A unit's gradients its device left downloading, added once the next
+    /// unit's backward started (its own span on the compute lane: host
+    /// time the device does not wait for only while the next unit's
+    /// compute lasts).
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the step's plan, batch and accumulators, and the unit's gradients"
+    )]
+    fn add_downloaded(
+        &mut self,
+        plan: &StepPlan,
+        batch: &Batch<'_>,
+        uid: UnitId,
+        grads: Vec<(ParamId, Tensor)>,
+        groups: &mut StepGroups,
+        tied: &mut BTreeMap<ParamId, Vec<f32>>,
+        times: &mut StepTimes,
+    ) -> Result<()> {
+        let t = Instant::now();
+        self.add_unit_grads(batch, uid, grads, groups, tied)?;
+        times.compute += t.elapsed();
+        self.span(plan.step, Lane::Compute, || format!("grads u{}", uid.0), t);
+        self.unit_grads_added(plan, batch, uid, groups, times)
     }
 
     /// Whether the units' compute leaves param gradients downloading

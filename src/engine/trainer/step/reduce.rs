@@ -40,17 +40,21 @@ impl Trainer {
         unit: UnitId,
         grads: &[(ParamId, Tensor)],
     ) -> Result<()> {
+        if self.layout.world == 1 {
+            for (pid, grad) in grads {
+                if self.model.in_one_unit(*pid) {
+                    self.add_into(groups, *pid, grad)?;
+                } else if let Some(full) = self.local_grad(tied, unit, *pid, grad)? {
+                    self.reduce_into(groups, *pid, &full)?;
+                }
+            }
+            return Ok(());
+        }
         let mut ready = Vec::with_capacity(grads.len());
         for (pid, grad) in grads {
             if let Some(full) = self.local_grad(tied, unit, *pid, grad)? {
                 ready.push((*pid, full));
             }
-        }
-        if self.layout.world == 1 {
-            for (pid, full) in &ready {
-                self.reduce_into(groups, *pid, full)?;
-            }
-            return Ok(());
         }
         let ids: Vec<ParamId> = ready.iter().map(|(pid, _)| *pid).collect();
         let ShardAccs {
@@ -232,6 +236,33 @@ impl Trainer {
             return Ok(None);
         }
         Ok(Some(full))
+    }
+
+    /// One rank: adds `grad`, the gradient of `pid` (used by one unit),
+    /// into its sub-groups' accumulators as it is stored, in parallel
+    /// ([`crate::model::fused::add_grad_into`]): the same additions as
+    /// [`Self::reduce_into`] of its fp32 copy, without the copies.
+    fn add_into(&mut self, groups: &mut StepGroups, pid: ParamId, grad: &Tensor) -> Result<()> {
+        let slot = self.param_slot(pid)?;
+        if grad.elem_count() != slot.numel {
+            return Err(EngineError::internal(format!(
+                "a gradient of {} elements for param {} of {}",
+                grad.elem_count(),
+                pid.0,
+                slot.numel
+            )));
+        }
+        self.unpark_slot(groups, &slot)?;
+        groups.grad_reduces += 1;
+        for pc in &slot.pieces {
+            let numel = self.sub_group_numel(pc.sub_group)?;
+            let acc = groups.accumulator(pc.sub_group, numel)?;
+            let dst = acc
+                .get_mut(pc.group_range())
+                .ok_or_else(|| EngineError::internal("grad slot out of range"))?;
+            crate::model::fused::add_grad_into(dst, grad, pc.shard_range().start)?;
+        }
+        Ok(())
     }
 
     /// Adds `full`, the whole gradient of `pid`, into its sub-groups'

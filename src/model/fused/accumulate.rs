@@ -1,0 +1,173 @@
+//! A param's gradient added into the optimizer's fp32 accumulator, on the
+//! current rayon pool ([`add_grad_into`]), and those accumulators made
+//! ([`zeros_f32`]).
+//!
+//! # Why
+//!
+//! The trainer adds each unit's gradients into its sub-groups' fp32 sums
+//! as backward goes. Until session 49 that was, per param, on the
+//! trainer's one thread: the gradient widened to a new fp32 tensor
+//! (candle's `to_dtype`), copied out to a new `Vec` (`to_vec1`), then
+//! added (the one-rank reduce-scatter); and every sub-group's sum was a
+//! new `vec![0.0; n]`, which the heap zeroes on one thread too. With the
+//! compute on a GPU that host work was the step: the 850M-param Llama of
+//! `scripts/gpu_check.sh`'s step 6h (H200, bf16, params and optimizer on
+//! the CPU) spent 250-390 ms of host time per 51M-param block between
+//! one block's backward and the next, 5.5 s of its 8 s step, the GPU busy
+//! 0.12 s of it.
+//!
+//! Here each task reads the gradient's own elements (fp32, bf16 or fp16,
+//! as it came down) and adds them widened, in chunks of
+//! [`TASK_ELEMS`] on the pool's threads: one pass over the gradient and
+//! the sum, nothing allocated.
+//!
+//! # The same bits
+//!
+//! Each element is `acc += f32::from(g)`, the widening exact, as the old
+//! path's `to_dtype` then `+=` was: which thread adds a chunk changes
+//! nothing. A zeroed accumulator is `+0.0` everywhere, as `vec!` gave.
+
+use super::*;
+
+/// Adds `grad`'s elements `offset..offset + acc.len()` (of its contiguous
+/// layout, row-major), widened to fp32, into `acc`, in parallel.
+/// fp32, bf16 and fp16 gradients are read as they are stored; another
+/// dtype is converted to fp32 first.
+pub fn add_grad_into(acc: &mut [f32], grad: &Tensor, offset: usize) -> candle_core::Result<()> {
+    let end = offset
+        .checked_add(acc.len())
+        .filter(|&e| e <= grad.elem_count())
+        .ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "gradient elements {offset}..{} of a gradient of {}",
+                offset.saturating_add(acc.len()),
+                grad.elem_count()
+            ))
+        })?;
+    match grad.dtype() {
+        DType::BF16 => with_bf16(grad, |g| {
+            add_widened(acc, &g[offset..end], half::bf16::to_f32);
+            Ok(())
+        }),
+        DType::F16 => with_f16(grad, |g| {
+            add_widened(acc, &g[offset..end], half::f16::to_f32);
+            Ok(())
+        }),
+        DType::F32 => with_f32(grad, |g| {
+            add_widened(acc, &g[offset..end], |x| x);
+            Ok(())
+        }),
+        _ => with_f32(&grad.to_dtype(DType::F32)?, |g| {
+            add_widened(acc, &g[offset..end], |x| x);
+            Ok(())
+        }),
+    }
+}
+
+/// `acc[i] += widen(g[i])`, in parallel chunks.
+fn add_widened<T: Copy + Sync>(acc: &mut [f32], g: &[T], widen: impl Fn(T) -> f32 + Sync) {
+    par_elems(
+        acc,
+        #[inline(always)]
+        |at, chunk| {
+            for (a, &x) in chunk.iter_mut().zip(&g[at..]) {
+                *a += widen(x);
+            }
+        },
+    );
+}
+
+/// `numel` fp32 zeros (`+0.0`), written in parallel: a reused heap block
+/// is not zeroed on one thread first.
+pub fn zeros_f32(numel: usize) -> Vec<f32> {
+    let mut v = Vec::new();
+    rayon::iter::repeat_n(0f32, numel).collect_into_vec(&mut v);
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failure is a panic
+
+    use super::*;
+    use candle_core::Device;
+
+    /// Values with every case an add meets: signed zeros, subnormals,
+    /// infinities, NaN, and ordinary numbers of both signs.
+    fn values(n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| match i % 11 {
+                0 => -0.0,
+                1 => 0.0,
+                2 => f32::MIN_POSITIVE / 3.0,
+                3 if i % 97 == 3 => f32::INFINITY,
+                4 if i % 89 == 4 => f32::NAN,
+                _ => ((i as f32) * 0.618_034).sin() * 3.7,
+            })
+            .collect()
+    }
+
+    /// The reference: widened one by one, added one by one.
+    fn reference(acc: &[f32], g: &[f32]) -> Vec<f32> {
+        acc.iter().zip(g).map(|(a, b)| *a + *b).collect()
+    }
+
+    #[test]
+    fn adds_every_dtype_as_the_scalar_loop_does_at_awkward_sizes_and_offsets() {
+        for (numel, offset, len) in [
+            (1, 0, 1),
+            (7, 3, 4),
+            (TASK_ELEMS + 1, 0, TASK_ELEMS + 1),
+            (3 * TASK_ELEMS + 17, 5, 2 * TASK_ELEMS + 3),
+            (100_003, 99_000, 1003),
+        ] {
+            let g32 = values(numel);
+            let acc0: Vec<f32> = values(len + 5)[5..].iter().map(|v| v * 0.5).collect();
+            for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
+                let t = Tensor::from_vec(g32.clone(), numel, &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                let widened: Vec<f32> = t.to_dtype(DType::F32).unwrap().to_vec1().unwrap();
+                let want = reference(&acc0, &widened[offset..offset + len]);
+                let mut got = acc0.clone();
+                add_grad_into(&mut got, &t, offset).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{dtype:?} {numel} {offset} {len}");
+            }
+        }
+    }
+
+    #[test]
+    fn reads_a_gradient_in_its_row_major_order_when_it_is_not_contiguous() {
+        let t = Tensor::arange(0f32, 12.0, &Device::Cpu)
+            .unwrap()
+            .reshape((3, 4))
+            .unwrap()
+            .t()
+            .unwrap();
+        let mut acc = vec![1f32; 12];
+        add_grad_into(&mut acc, &t, 0).unwrap();
+        let want: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        let want: Vec<f32> = want.iter().map(|v| v + 1.0).collect();
+        assert_eq!(acc, want);
+    }
+
+    #[test]
+    fn a_range_past_the_gradient_is_an_error_not_a_panic() {
+        let t = Tensor::zeros(10, DType::BF16, &Device::Cpu).unwrap();
+        let mut acc = vec![0f32; 4];
+        let e = add_grad_into(&mut acc, &t, 7).unwrap_err().to_string();
+        assert!(e.contains("7..11 of a gradient of 10"), "{e}");
+        assert!(add_grad_into(&mut acc, &t, usize::MAX).is_err());
+    }
+
+    #[test]
+    fn zeros_are_positive_zeros_of_the_length_asked() {
+        for n in [0, 1, TASK_ELEMS + 3] {
+            let z = zeros_f32(n);
+            assert_eq!(z.len(), n);
+            assert!(z.iter().all(|v| v.to_bits() == 0));
+        }
+    }
+}
