@@ -48,7 +48,9 @@ impl ParamStore {
                 // And for a device's copy straight out of the page (a
                 // `ReadPin` held until its copy completed).
                 let (mut g, waited) = dst.write();
-                g.as_mut_slice()[off..off + len].copy_from_slice(shard);
+                // Split over threads when long (`host_copy`): one core's
+                // copy of a sub-group's new params held the forward up.
+                tierzero_gpu::host_copy::copy(&mut g.as_mut_slice()[off..off + len], shard);
                 drop(g);
                 self.counters.io_wait += waited;
                 self.counters.cpu_written_bytes += len as u64;
@@ -63,7 +65,7 @@ impl ParamStore {
                 // got the core (the optimizer shares it), and the next
                 // acquire waited for it (measured: steps 7-9% longer).
                 let mut buf = self.acquire_buffer()?;
-                buf.as_mut_slice()[..len].copy_from_slice(shard);
+                tierzero_gpu::host_copy::copy(&mut buf.as_mut_slice()[..len], shard);
                 let nv = self
                     .nvme
                     .as_ref()
