@@ -33,7 +33,7 @@
 # a shorter rerun of what did not fit (see Rerun).
 #
 # Step selection: GPU_CHECK_STEPS (optional; unset or empty: every step),
-# a comma-separated list of the step ids below (1, 2, 3, 4, 5, 6c, 6d, 6,
+# a comma-separated list of the step ids below (1, 2, 3, 4, 5, 6c, 6u, 6d, 6,
 # 6f, 6g, 6b, 6e, 6h, 6i, 7), runs only those steps, in the usual order;
 # every other step is {"skipped":"not selected"} in its place in the final
 # JSON and listed in "skipped" with that reason, which is not a failure.
@@ -91,6 +91,13 @@
 #   6c. every CUDA kernel against its CPU reference (gpu/examples/
 #      kernel_check, $KERNEL_CHECK_BIN), with PyTorch's cuBLAS and NVRTC
 #      (at most 180 s);
+#   6u. the units on the GPU against the candle units the CPU trains
+#      with: one micro-batch's chain, embedding to head, of GPT-2 (tied,
+#      untied; fp32 GEMMs at 1e-4, fp16 at 3e-2, bf16 over 4 seeds: mean
+#      of the worst gradient at most 3e-2, none past 6e-2) and the Llama
+#      family (Llama, Qwen2, Qwen3; fp32 at 1e-4): the loss and every
+#      param's gradient (examples/unit_check, $UNIT_CHECK_BIN; at most
+#      120 s);
 #   6d. a small GPT-2 trained 20 steps on the GPU against the same units
 #      on the kernels' references, and twice on the GPU (gpu/examples/
 #      train_check, $TRAIN_CHECK_BIN; at most 180 s);
@@ -172,7 +179,7 @@
 # that run), with the carried binaries, each CPU side trains and each CUDA
 # run exits 2 naming libcuda.
 #
-# Environment: TIERZERO_BIN, KERNEL_CHECK_BIN, TRAIN_CHECK_BIN, THROUGHPUT_BIN, DEVICE_OVERLAP_BIN,
+# Environment: TIERZERO_BIN, KERNEL_CHECK_BIN, UNIT_CHECK_BIN, TRAIN_CHECK_BIN, THROUGHPUT_BIN, DEVICE_OVERLAP_BIN,
 # TIERZERO_WHEEL, TIERZERO_PY, GPU_CHECK_STEPS (see Step selection),
 # OVERLAP_BIN, OVERLAP_DIR, GPU_CHECK_PORT
 # (default 29517), GPU_CHECK_BYTES (timed all-gather per rank, default
@@ -198,7 +205,7 @@ cd "$(dirname "$0")/.." || exit 1
 # Step selection (GPU_CHECK_STEPS, see Step selection above), checked
 # before any work: STEPS is the selected ids in the steps' order, comma-
 # separated ("" when GPU_CHECK_STEPS is unset or empty: every step).
-STEP_IDS="1 2 3 4 5 6c 6d 6 6f 6g 6b 6e 6h 6i 7"
+STEP_IDS="1 2 3 4 5 6c 6u 6d 6 6f 6g 6b 6e 6h 6i 7"
 STEPS=""
 if [ -n "${GPU_CHECK_STEPS:-}" ]; then
   IFS=', ' read -r -a wanted <<<"$GPU_CHECK_STEPS"
@@ -220,7 +227,7 @@ sel() { [ -z "$STEPS" ] || [[ ",$STEPS," == *",$1,"* ]]; }
 # Step 3 runs for every selected step from 3 to 6i: it may link
 # libnccl.so onto LD_LIBRARY_PATH for them, and step 5 needs its devices.
 need3=0
-for id in 3 4 5 6c 6d 6 6f 6g 6b 6e 6h 6i; do sel "$id" && need3=1; done
+for id in 3 4 5 6c 6u 6d 6 6f 6g 6b 6e 6h 6i; do sel "$id" && need3=1; done
 # runs ID: step ID runs (selected, or needed: step 1 always, step 3 above).
 runs() { sel "$1" || [ "$1" = 1 ] || { [ "$1" = 3 ] && [ "$need3" = 1 ]; }; }
 
@@ -366,6 +373,7 @@ step_id() {
     nccl_one_rank) echo 4 ;;
     nccl_two_ranks) echo 5 ;;
     kernels|kernel_check) echo 6c ;;
+    units|unit_check) echo 6u ;;
     gpu_train|train_check) echo 6d ;;
     train|train.*) echo 6 ;;
     device_tier|device_tier.*|reference.*) echo 6f ;;
@@ -414,7 +422,7 @@ frag() { if [ -s "$WORK/frag/$1.json" ]; then tr -d '\n' <"$WORK/frag/$1.json"; 
 
 # The step keys of the final JSON, in its order (after ok, build_s,
 # nvidia_smi, elapsed_s, budget_s, machine).
-KEYS="probe_as_installed nccl_linked_from probe nccl_one_rank nccl_two_ranks train device_tier bf16 kernels throughput offload_throughput device_overlap gpu_train python_cuda overlap"
+KEYS="probe_as_installed nccl_linked_from probe nccl_one_rank nccl_two_ranks train device_tier bf16 kernels units throughput offload_throughput device_overlap gpu_train python_cuda overlap"
 # Verdicts of the steps with several runs: true, false, or null (not
 # judged: a run skipped); null until the step ends. tier_ref: 1 when
 # step 6f makes step 6's first GPU runs itself (step 6 not selected).
@@ -571,7 +579,7 @@ emit build_s "$(num "$build_s")"
 # documented TIERZERO_BIN=target/gpu-carry/tierzero is not found.
 abs() { if [ -n "$1" ] && [ -e "$1" ]; then echo "$(cd "$(dirname "$1")" && pwd)/$(basename "$1")"; else echo "$1"; fi; }
 BIN=$(abs "$BIN")
-for v in OVERLAP_BIN DEVICE_OVERLAP_BIN KERNEL_CHECK_BIN TRAIN_CHECK_BIN THROUGHPUT_BIN TIERZERO_WHEEL; do
+for v in OVERLAP_BIN DEVICE_OVERLAP_BIN KERNEL_CHECK_BIN UNIT_CHECK_BIN TRAIN_CHECK_BIN THROUGHPUT_BIN TIERZERO_WHEEL; do
   if [ -n "${!v:-}" ]; then printf -v "$v" '%s' "$(abs "${!v}")"; fi
 done
 
@@ -669,11 +677,11 @@ fi
 # ("budget" when not started); the log is $WORK/NAME.err. Returns 0 when it
 # passed, 2 when skipped, 1 otherwise (no binary, a failure, a timeout).
 run_example() {
-  local name=$1 bin=$2 t=$3 min=${4:-$3} log="$WORK/$1.err"
+  local name=$1 bin=$2 t=$3 min=${4:-$3} pkg=${5:-tierzero-gpu} log="$WORK/$1.err"
   : >"$log"
   if [ -z "$bin" ] && [ -x "target/release/examples/$name" ]; then bin="target/release/examples/$name"; fi
   if [ -z "$bin" ] && command -v cargo >/dev/null; then
-    cargo build --release -p tierzero-gpu --example "$name" >>"$log" 2>&1 && bin="target/release/examples/$name"
+    cargo build --release -p "$pkg" --example "$name" >>"$log" 2>&1 && bin="target/release/examples/$name"
   fi
   ex_bin=$bin; ex_rc=null; ex_result=null; ex_skipped=""
   if [ -z "$bin" ]; then
@@ -706,6 +714,19 @@ if sel 6c; then
     "$(jstr "$ex_bin")" "$(jstr "$nv_libs")" "$ex_rc" "$ex_result" "$(json_str "$WORK/kernel_check.err")" "$(skipkey "$ex_skipped")")"
 else
   not_selected kernels
+fi
+
+# 6u. The units on the GPU against the candle units (examples/unit_check,
+# the main crate's: $UNIT_CHECK_BIN, else target/release/examples/
+# unit_check, else built here): the issue's per-unit check, the loss and
+# every param's gradient of one micro-batch's chain, beside the same chain
+# on the host executor.
+if sel 6u; then
+  run_example unit_check "${UNIT_CHECK_BIN:-}" 120 120 tierzero; [ $? -eq 1 ] && fail units
+  emit units "$(printf '{"bin":%s,"rc":%s,"result":%s,"log":%s%s}' \
+    "$(jstr "$ex_bin")" "$ex_rc" "$ex_result" "$(json_str "$WORK/unit_check.err")" "$(skipkey "$ex_skipped")")"
+else
+  not_selected units
 fi
 
 # 6d. Training on the GPU: a small fp32 GPT-2, 20 steps, the CUDA units

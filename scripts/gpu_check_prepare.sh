@@ -3,6 +3,7 @@
 # (which has no network and little time), into target/gpu-carry/:
 #   tierzero          release, --features gpu
 #   overlap           the overlap harness (examples/overlap)
+#   unit_check        the units on the GPU against candle's (examples/unit_check)
 #   device_overlap    the overlap harness on the GPU (examples/device_overlap)
 #   kernel_check, train_check, throughput   tierzero-gpu's examples
 #   tierzero-*.whl    the Python wheel (release), for step 6b
@@ -10,6 +11,7 @@
 #   TIERZERO_BIN=target/gpu-carry/tierzero OVERLAP_BIN=target/gpu-carry/overlap \
 #   DEVICE_OVERLAP_BIN=target/gpu-carry/device_overlap \
 #   KERNEL_CHECK_BIN=target/gpu-carry/kernel_check TRAIN_CHECK_BIN=target/gpu-carry/train_check \
+#   UNIT_CHECK_BIN=target/gpu-carry/unit_check \
 #   THROUGHPUT_BIN=target/gpu-carry/throughput TIERZERO_WHEEL=$(ls target/gpu-carry/*.whl) \
 #   OUT=$OUT scripts/gpu_check.sh
 # with timeout_s 540: the check's own budget (GPU_CHECK_BUDGET_S, default
@@ -34,9 +36,9 @@ cd "$(dirname "$0")/.."
 out=target/gpu-carry
 rm -rf "$out" && mkdir -p "$out"
 export CARGO_PROFILE_RELEASE_DEBUG=0
-cargo build --release --features gpu --bin tierzero --example overlap --example device_overlap
+cargo build --release --features gpu --bin tierzero --example overlap --example device_overlap --example unit_check
 cargo build --release -p tierzero-gpu --example kernel_check --example train_check --example throughput
-for b in tierzero examples/overlap examples/device_overlap examples/kernel_check examples/train_check examples/throughput; do
+for b in tierzero examples/overlap examples/device_overlap examples/unit_check examples/kernel_check examples/train_check examples/throughput; do
   cp "target/release/$b" "$out/"
   strip "$out/$(basename "$b")" 2>/dev/null || true
 done
