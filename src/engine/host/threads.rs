@@ -444,6 +444,22 @@ impl ComputePool {
         Ok(Some(ComputePool { pool }))
     }
 
+    /// The pool for the host's own parallel work when compute is not on
+    /// the CPU (a device computes): adding the gradients that came down
+    /// into the optimizer's sums, the seeded init. One unpinned thread a
+    /// core this process may use: that work runs while CPU Adam waits for
+    /// the step's norm, or beside the forward's few staging copies. It
+    /// keeps rayon's global pool unmade, as on the CPU (an embedding
+    /// program's own `build_global` still works).
+    pub fn for_host_work() -> Result<ComputePool, rayon::ThreadPoolBuildError> {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("tierzero-host-{i}"))
+            .build()?;
+        Ok(ComputePool { pool })
+    }
+
     /// Runs `f` on one of the pool's threads, the caller waiting; rayon
     /// splits inside `f` (gemm's, the fused ops') stay on the pool.
     pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {

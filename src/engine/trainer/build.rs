@@ -125,6 +125,9 @@ struct HostSetup {
     adam_threads: threads::AdamThreads,
     placement: threads::Placement,
     compute_pool: Option<std::sync::Arc<threads::ComputePool>>,
+    /// Where the host's parallel work outside a step's compute runs: the
+    /// compute pool, else [`threads::ComputePool::for_host_work`].
+    host_pool: std::sync::Arc<threads::ComputePool>,
     malloc: Option<tierzero_swap::MallocTuning>,
 }
 
@@ -171,11 +174,21 @@ impl HostSetup {
                 reason: e.to_string(),
             })?
             .map(std::sync::Arc::new);
+        let host_pool = match &compute_pool {
+            Some(p) => p.clone(),
+            None => std::sync::Arc::new(threads::ComputePool::for_host_work().map_err(|e| {
+                EngineError::ComputeThreads {
+                    threads: 0,
+                    reason: format!("the host's helper pool: {e}"),
+                }
+            })?),
+        };
         Ok(HostSetup {
             compute_threads,
             adam_threads,
             placement,
             compute_pool,
+            host_pool,
             malloc,
         })
     }
@@ -730,7 +743,9 @@ impl Trainer {
         let mut opt = tiers.optimizer(&layout)?;
         let park = tiers.park(&layout)?;
         let (swap_spaces, arenas) = (tiers.swap_spaces, tiers.arenas);
-        load_initial(&layout, source, param_dtype, &mut store, &mut opt)?;
+        // The seeded init splits over threads: on the host pool.
+        host.host_pool
+            .run(|| load_initial(&layout, source, param_dtype, &mut store, &mut opt))?;
 
         let adam = CpuAdam::new(adam_hyper(&config.optimizer), host.adam_threads.threads)?;
         if opts.timeline.is_some() {
@@ -762,6 +777,7 @@ impl Trainer {
             adam_threads: host.adam_threads,
             placement: host.placement,
             compute_pool: host.compute_pool,
+            host_pool: host.host_pool,
             malloc: host.malloc,
             config: config.clone(),
             model,

@@ -347,6 +347,10 @@ pub struct Trainer {
     placement: threads::Placement,
     /// Where a step's CPU compute runs (`None`: compute is not on the CPU).
     compute_pool: Option<Arc<threads::ComputePool>>,
+    /// Where the host's own parallel work runs (the gradients' adds into
+    /// the sums): the compute pool, or a pool of its own when a device
+    /// computes.
+    host_pool: Arc<threads::ComputePool>,
     /// What [`crate::engine::host::heap::keep_heap_mapped`] did (`None`: option off).
     malloc: Option<tierzero_swap::MallocTuning>,
     model: Model,

@@ -12,9 +12,13 @@
 //! new `vec![0.0; n]`, which the heap zeroes on one thread too. With the
 //! compute on a GPU that host work was the step: the 850M-param Llama of
 //! `scripts/gpu_check.sh`'s step 6h (H200, bf16, params and optimizer on
-//! the CPU) spent 250-390 ms of host time per 51M-param block between
+//! the CPU) spent 234-386 ms of host time per 45M-param block between
 //! one block's backward and the next, 5.5 s of its 8 s step, the GPU busy
-//! 0.12 s of it.
+//! 0.12 s of it (`docs/gpu-runs/2026-12-04-h200`).
+//!
+//! The pool is the caller's: the trainer runs these on its host pool
+//! (the compute pool, or a pool of its own when a device computes:
+//! `crate::engine::host::threads::ComputePool::for_host_work`).
 //!
 //! Here each task reads the gradient's own elements (fp32, bf16 or fp16,
 //! as it came down) and adds them widened, in chunks of
@@ -80,6 +84,9 @@ fn add_widened<T: Copy + Sync>(acc: &mut [f32], g: &[T], widen: impl Fn(T) -> f3
 /// `numel` fp32 zeros (`+0.0`), written in parallel: a reused heap block
 /// is not zeroed on one thread first.
 pub fn zeros_f32(numel: usize) -> Vec<f32> {
+    if numel <= TASK_ELEMS {
+        return vec![0f32; numel];
+    }
     let mut v = Vec::new();
     rayon::iter::repeat_n(0f32, numel).collect_into_vec(&mut v);
     v

@@ -97,6 +97,10 @@
 //!   `TIERZERO_PRIMITIVE_OPS=1` in the environment, takes the primitive
 //!   composition (the reference, and the A/B switch).
 //! * Inputs are made contiguous first (a no-op for the blocks' tensors).
+//! * Not an op of the model: [`add_grad_into`] (`accumulate`), the
+//!   trainer's add of a gradient into the optimizer's fp32 sums, lives
+//!   here for the pool helpers; it reads fp32, bf16 and fp16 as stored and
+//!   has no primitive composition (it is one `+=` an element).
 //! * The backward returns plain tensors: no second-order gradients.
 
 use std::sync::OnceLock;

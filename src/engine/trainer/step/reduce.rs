@@ -27,6 +27,10 @@ impl Trainer {
     /// one full fp32 gradient of such a param held during backward (as
     /// PyTorch's autograd holds it before ZeRO's hook sees it).
     ///
+    /// With one rank a param used by one unit is added into its sums as it
+    /// is stored, in parallel on the host pool, with no fp32 copy
+    /// ([`Self::add_into`]).
+    ///
     /// With several ranks the unit's gradients go through **one**
     /// reduce-scatter: rank `r`'s chunk is every param's chunk `r`, one
     /// after the other, and this rank's accumulator slices are added to
@@ -41,14 +45,19 @@ impl Trainer {
         grads: &[(ParamId, Tensor)],
     ) -> Result<()> {
         if self.layout.world == 1 {
-            for (pid, grad) in grads {
-                if self.model.in_one_unit(*pid) {
-                    self.add_into(groups, *pid, grad)?;
-                } else if let Some(full) = self.local_grad(tied, unit, *pid, grad)? {
-                    self.reduce_into(groups, *pid, &full)?;
+            // No collective: the adds split over the host pool's threads
+            // (the step runs on it already when the compute is on the CPU).
+            let pool = self.host_pool.clone();
+            return pool.run(|| {
+                for (pid, grad) in grads {
+                    if self.model.in_one_unit(*pid) {
+                        self.add_into(groups, *pid, grad)?;
+                    } else if let Some(full) = self.local_grad(tied, unit, *pid, grad)? {
+                        self.reduce_into(groups, *pid, &full)?;
+                    }
                 }
-            }
-            return Ok(());
+                Ok(())
+            });
         }
         let mut ready = Vec::with_capacity(grads.len());
         for (pid, grad) in grads {
@@ -184,11 +193,7 @@ impl Trainer {
         back: bool,
     ) -> Result<()> {
         for pc in &slot.pieces {
-            let numel = self.sub_group_numel(pc.sub_group)?;
-            let acc = groups.accumulator(pc.sub_group, numel)?;
-            let a = acc
-                .get_mut(pc.group_range())
-                .ok_or_else(|| EngineError::internal("grad slot out of range"))?;
+            let a = self.piece_acc(groups, pc)?;
             let s = shard
                 .get_mut(pc.shard_range())
                 .ok_or_else(|| EngineError::internal("grad shard out of range"))?;
@@ -199,6 +204,20 @@ impl Trainer {
             }
         }
         Ok(())
+    }
+
+    /// The accumulator range of one piece of a param's shard (its
+    /// sub-group's sum made zeroed if it is the first).
+    fn piece_acc<'g>(
+        &self,
+        groups: &'g mut StepGroups,
+        pc: &crate::engine::layout::Piece,
+    ) -> Result<&'g mut [f32]> {
+        let numel = self.sub_group_numel(pc.sub_group)?;
+        groups
+            .accumulator(pc.sub_group, numel)?
+            .get_mut(pc.group_range())
+            .ok_or_else(|| EngineError::internal("grad slot out of range"))
     }
 
     /// `grad` of `pid` from `unit` as a flat fp32 vector, summed with the
@@ -255,11 +274,7 @@ impl Trainer {
         self.unpark_slot(groups, &slot)?;
         groups.grad_reduces += 1;
         for pc in &slot.pieces {
-            let numel = self.sub_group_numel(pc.sub_group)?;
-            let acc = groups.accumulator(pc.sub_group, numel)?;
-            let dst = acc
-                .get_mut(pc.group_range())
-                .ok_or_else(|| EngineError::internal("grad slot out of range"))?;
+            let dst = self.piece_acc(groups, pc)?;
             crate::model::fused::add_grad_into(dst, grad, pc.shard_range().start)?;
         }
         Ok(())
@@ -276,11 +291,7 @@ impl Trainer {
         let counts = shard_counts(slot.numel, self.layout.world);
         groups.grad_reduces += 1;
         if let [pc] = slot.pieces.as_slice() {
-            let numel = self.sub_group_numel(pc.sub_group)?;
-            let acc = groups.accumulator(pc.sub_group, numel)?;
-            let dst = acc
-                .get_mut(pc.group_range())
-                .ok_or_else(|| EngineError::internal("grad slot out of range"))?;
+            let dst = self.piece_acc(groups, pc)?;
             return self.opts.comm.reduce_scatter_add_f32(full, &counts, dst);
         }
         let mut shard = vec![0f32; slot.shard_numel];
