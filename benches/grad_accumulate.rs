@@ -1,14 +1,15 @@
 //! Criterion benchmark of a unit's gradient into the optimizer's fp32
-//! accumulator (`cargo bench --bench grad_accumulate`): one Llama block
-//! of hidden 2048 and intermediate 5632 (51.4M elements, as in
-//! `scripts/gpu_check.sh`'s step 6h), its gradient in bf16 as a bf16
+//! accumulator (`cargo bench --bench grad_accumulate`): one block of
+//! `scripts/gpu_check.sh`'s step 6h Llama (hidden 2048, 16 heads over 4
+//! KV heads, intermediate 5632: 45.1M elements), its gradient in bf16 as a bf16
 //! run's device brings it down, into a new zeroed sub-group sum, as the
 //! first micro-batch of a step does.
 //!
 //! * `widen_copy_add`: the path before session 49, on the caller's
 //!   thread: `vec![0.0; n]`, `to_dtype(F32)`, `to_vec1`, then `+=`.
 //! * `in_place`: `tierzero::model::fused::zeros_f32` and `add_grad_into`
-//!   on rayon's pool, reading the bf16 elements where they are.
+//!   on rayon's pool (here the global one; the trainer's host pool in
+//!   training), reading the bf16 elements where they are.
 //!
 //! Both give the same bits (the unit tests check it). Throughput in
 //! gradient elements per second.
@@ -20,14 +21,15 @@ use std::hint::black_box;
 use std::time::Duration;
 use tierzero::model::fused::{add_grad_into, zeros_f32};
 
-const NUMEL: usize = 4 * 2048 * 2048 + 3 * 2048 * 5632 + 2 * 2048;
+/// q and o 2048², k and v 2048 × 512, the MLP's three 2048 × 5632, two norms.
+const NUMEL: usize = 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 5632 + 2 * 2048;
 
 fn bench_grad_accumulate(c: &mut Criterion) {
     let g: Vec<half::bf16> = (0..NUMEL)
         .map(|i| half::bf16::from_f32(((i % 1009) as f32 - 504.0) * 1e-3))
         .collect();
     let grad = Tensor::from_vec(g, NUMEL, &Device::Cpu).unwrap();
-    let mut group = c.benchmark_group("grad_accumulate_51M_bf16");
+    let mut group = c.benchmark_group("grad_accumulate_45M_bf16");
     group.throughput(Throughput::Elements(NUMEL as u64));
     group.sample_size(10);
     group.measurement_time(Duration::from_secs(5));

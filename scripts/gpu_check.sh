@@ -173,7 +173,8 @@
 # collectives, and 7): every step passed; two ranks on its one GPU were
 # refused (ncclInvalidUsage, now an exit-2 hint). Run whole on one H200 on
 # 2026-12-04 (at e847a62, the binaries from gpu_check_prepare.sh): every
-# step passed in 436 s, 6i and 7 finished in a second call
+# step that ran passed in 436 s (6i's tier runs and step 7 skipped for
+# the budget), 6i and most of 7 ran in a second call
 # (GPU_CHECK_STEPS=6i,7); the JSON and what it found are in
 # docs/gpu-runs/2026-12-04-h200/. Without a GPU (2026-12-03, and before
 # that run), with the carried binaries, each CPU side trains and each CUDA
@@ -670,8 +671,9 @@ else
   not_selected nccl_two_ranks
 fi
 
-# run_example NAME BIN CAP [MIN]: runs tierzero-gpu's example NAME (BIN if
-# given, else target/release/examples/NAME, else built here) with PyTorch's
+# run_example NAME BIN CAP [MIN [PKG]]: runs package PKG's (default
+# tierzero-gpu) example NAME (BIN if given, else
+# target/release/examples/NAME, else built here) with PyTorch's
 # CUDA libraries, for at most CAP seconds, started only when MIN (default
 # CAP: a check's timeout is then a real one) seconds are left; sets ex_bin, ex_rc and ex_result (the JSON it wrote), ex_skipped
 # ("budget" when not started); the log is $WORK/NAME.err. Returns 0 when it

@@ -60,18 +60,26 @@ fn gpt2_units_on_the_kernel_references_train_as_the_candle_units() {
 }
 
 #[test]
-fn a_chain_with_a_wrong_gradient_is_reported_not_passed() {
-    // The comparison can fail: the same chain against candle units with
-    // other params (seed 8 for the candle side is not what ran) differs.
+fn a_chain_with_a_wrong_loss_or_gradient_is_reported_not_passed() {
+    use unit_chain::rel;
     let r = gpt2_chain(&HostExec::F32, gpt2_config(false), DType::F32, (7, 2)).unwrap();
-    let other = gpt2_chain(&HostExec::F32, gpt2_config(false), DType::F32, (8, 2)).unwrap();
-    let mixed = ChainReport {
-        loss: r.loss,
-        want_loss: other.want_loss,
-        grads: r.grads.clone(),
-    };
-    assert!(!mixed.within(1e-5), "{mixed:?}");
     assert!(r.within(1e-5));
+    // Another seed's candle loss against this chain's.
+    let other = gpt2_chain(&HostExec::F32, gpt2_config(false), DType::F32, (8, 2)).unwrap();
+    let wrong_loss = ChainReport {
+        want_loss: other.want_loss,
+        ..r.clone()
+    };
+    assert!(!wrong_loss.within(1e-5), "{wrong_loss:?}");
+    // One gradient off by 1e-3 in one element of two.
+    let off = rel(&[1.0, 2.0], &[1.0, 2.002]);
+    assert!(off > 1e-4 && off < 1e-3, "{off}");
+    let mut grads = r.grads.clone();
+    grads[3].1 = off;
+    let wrong_grad = ChainReport { grads, ..r.clone() };
+    assert!(!wrong_grad.within(1e-5) && wrong_grad.worst() == off);
+    // Lengths that differ and NaN never pass.
+    assert!(rel(&[1.0], &[1.0, 2.0]).is_nan());
     let nan = ChainReport {
         grads: vec![("x".into(), f64::NAN)],
         ..r

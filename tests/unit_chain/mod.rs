@@ -7,8 +7,9 @@
 //!
 //! Two users: `tests/gpu_units.rs` on the host executor (every kernel's
 //! scalar reference), and `examples/unit_check.rs` on the CUDA executor,
-//! the device check's units step. Errors come back as text, never as a
-//! panic, so the device check can report them.
+//! the device check's units step. The executor's errors come back as
+//! text, so the device check can report them (the candle side's helpers,
+//! `model_support`, unwrap: they run the CPU units, tested elsewhere).
 #![allow(dead_code, reason = "each user takes a subset")]
 
 use candle_core::{DType, Tensor};

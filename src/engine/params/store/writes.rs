@@ -60,8 +60,8 @@ impl ParamStore {
                 // Two writes of one extent in flight could land in either
                 // order: the older one's must finish first.
                 self.wait_write_of(id)?;
-                // The copy stays on this thread: handed to the copy
-                // thread, a write-back held its buffer until that thread
+                // The copy is made here (split over threads when long),
+                // not handed to the copy thread: handed to it, a write-back held its buffer until that thread
                 // got the core (the optimizer shares it), and the next
                 // acquire waited for it (measured: steps 7-9% longer).
                 let mut buf = self.acquire_buffer()?;
