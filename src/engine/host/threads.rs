@@ -34,6 +34,10 @@
 //! Only CPU compute is affected: on a device (the CUDA units, the device
 //! tier, the simulated device: [`crate::model::exec_units::UnitCompute::on_device`])
 //! the setting is ignored, no compute pool is made and nothing is pinned.
+//! The host's own parallel work there (the gradients' adds into the
+//! optimizer's sums, the seeded init) runs on an unpinned pool of a
+//! thread a core instead ([`ComputePool::for_host_work`]), never on
+//! rayon's global pool.
 //!
 //! # CPU Adam's threads (`--threads`)
 //!
