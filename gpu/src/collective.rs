@@ -175,7 +175,7 @@ pub struct DeviceComm {
     /// this communicator's stream: freed once it completed, oldest first
     /// (the stream is in order), so they live for their collective and
     /// no longer; leaked at the drop if it never completed.
-    retiring: Mutex<std::collections::VecDeque<(CudaEvent, Vec<DevBuf>)>>,
+    retiring: Mutex<crate::event_queue::EventQueue<Vec<DevBuf>>>,
 }
 
 /// Pinned host memory the running sums cross from (so their upload is
@@ -204,12 +204,10 @@ impl Drop for DeviceComm {
         {
             std::mem::forget(st.host.take());
         }
-        let retiring = self.retiring.get_mut().unwrap_or_else(|p| p.into_inner());
-        for (ev, keep) in retiring.drain(..) {
-            if !matches!(ev.try_is_complete(), Ok(true)) {
-                std::mem::forget(keep);
-            }
-        }
+        self.retiring
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .leak_unfinished();
     }
 }
 
@@ -347,7 +345,7 @@ impl DeviceComm {
                 world,
                 acc_staging: Mutex::new(AccStaging::default()),
                 broken: std::sync::atomic::AtomicBool::new(false),
-                retiring: Mutex::new(std::collections::VecDeque::new()),
+                retiring: Mutex::new(crate::event_queue::EventQueue::default()),
             })
         })
     }

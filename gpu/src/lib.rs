@@ -43,6 +43,7 @@ pub mod cache;
 pub mod collective;
 pub mod device;
 mod error;
+mod event_queue;
 pub mod host_copy;
 pub mod host_register;
 pub mod kernels;

@@ -92,7 +92,7 @@
 //! unfinished, it first waits for the copy, so neither is freed under
 //! it.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -102,6 +102,7 @@ use cudarc::driver::{CudaEvent, CudaStream, PinnedHostSlice};
 use half::{bf16, f16};
 
 use crate::device::{driver_err as driver, Device, DeviceBuffer};
+use crate::event_queue::EventQueue;
 use crate::unit::DevBuf;
 use crate::Result;
 
@@ -203,7 +204,7 @@ struct Pool<T> {
     /// Idle staging buffers by length.
     free: HashMap<usize, Vec<Staging<T>>>,
     /// Buffers whose copy may still run, oldest first.
-    retiring: VecDeque<(CudaEvent, Staging<T>)>,
+    retiring: EventQueue<Staging<T>>,
     /// Pinned bytes of every buffer the pool made and that is not dropped.
     pinned_bytes: Arc<AtomicU64>,
 }
@@ -218,7 +219,7 @@ impl<T> Default for Pool<T> {
     fn default() -> Self {
         Pool {
             free: HashMap::new(),
-            retiring: VecDeque::new(),
+            retiring: EventQueue::default(),
             pinned_bytes: Arc::new(AtomicU64::new(0)),
         }
     }
@@ -367,7 +368,7 @@ pub struct Uploads {
     /// Destinations let go, each with an event after its last use on the
     /// compute stream, dropped once that event completed (see "Freeing a
     /// destination").
-    freeing: Mutex<VecDeque<(CudaEvent, DevBuf)>>,
+    freeing: Mutex<EventQueue<DevBuf>>,
 }
 
 /// The thread that lets the pins of copies in place go once they are
@@ -415,7 +416,7 @@ impl Uploads {
             pool16: Mutex::new(Pool::default()),
             poolh: Mutex::new(Pool::default()),
             cap_bytes,
-            freeing: Mutex::new(VecDeque::new()),
+            freeing: Mutex::new(EventQueue::default()),
         })
     }
 
@@ -449,13 +450,8 @@ impl Uploads {
         len: usize,
     ) -> Result<Staging<T>> {
         // Copies that completed give their buffers back.
-        while let Some((ev, _)) = pool.retiring.front() {
-            if !ev.try_is_complete().map_err(driver("cuEventQuery"))? {
-                break;
-            }
-            if let Some((_, s)) = pool.retiring.pop_front() {
-                pool.free.entry(s.len()).or_default().push(s);
-            }
+        while let Some(s) = pool.retiring.pop_done().map_err(driver("cuEventQuery"))? {
+            pool.free.entry(s.len()).or_default().push(s);
         }
         if let Some(s) = pool.free.get_mut(&len).and_then(Vec::pop) {
             return Ok(s);
@@ -467,7 +463,7 @@ impl Uploads {
             let idle = pool.free.values_mut().find_map(Vec::pop);
             let victim = match idle {
                 Some(s) => s,
-                None => match pool.retiring.pop_front() {
+                None => match pool.retiring.pop_oldest() {
                     Some((ev, s)) => {
                         wait_for(&ev).map_err(driver("cuEventSynchronize"))?;
                         s
@@ -675,14 +671,9 @@ impl Uploads {
 
     /// Drops the buffers let go whose event completed.
     fn reap_freed(&self) -> Result<()> {
-        let mut freeing = locked(&self.freeing);
-        while let Some((ev, _)) = freeing.front() {
-            if !ev.try_is_complete().map_err(driver("cuEventQuery"))? {
-                break;
-            }
-            freeing.pop_front();
-        }
-        Ok(())
+        locked(&self.freeing)
+            .drop_done()
+            .map_err(driver("cuEventQuery"))
     }
 
     /// Lets `buf` go once the work queued on the compute stream so far
@@ -701,7 +692,7 @@ impl Uploads {
             }
         };
         self.reap_freed()?;
-        locked(&self.freeing).push_back((done, buf));
+        locked(&self.freeing).push(done, buf);
         Ok(())
     }
 
@@ -940,9 +931,9 @@ impl Uploads {
         drop(u);
         self.compute_waits(&event)?;
         match staging {
-            Some(AnyStaging::F32(s)) => locked(&self.pool).retiring.push_back((event, s)),
-            Some(AnyStaging::Bf16(s)) => locked(&self.pool16).retiring.push_back((event, s)),
-            Some(AnyStaging::F16(s)) => locked(&self.poolh).retiring.push_back((event, s)),
+            Some(AnyStaging::F32(s)) => locked(&self.pool).retiring.push(event, s),
+            Some(AnyStaging::Bf16(s)) => locked(&self.pool16).retiring.push(event, s),
+            Some(AnyStaging::F16(s)) => locked(&self.poolh).retiring.push(event, s),
             None => {}
         }
         self.reap_freed()?;

@@ -96,6 +96,32 @@ fn input<B>(h: &Option<B>) -> Result<&B, String> {
         .ok_or_else(|| "a unit before the embedding".to_string())
 }
 
+/// What a unit's backward takes besides its params and grads: its saved
+/// input (None for the embedding) and the gradient from the unit after it
+/// (None for the head).
+struct Stage<'a, B> {
+    x: Option<&'a B>,
+    up: Option<&'a B>,
+}
+
+impl<'a, B> Stage<'a, B> {
+    fn x(&self) -> Result<&'a B, String> {
+        self.x
+            .ok_or_else(|| "a unit without its saved input".to_string())
+    }
+    fn up(&self) -> Result<&'a B, String> {
+        self.up
+            .ok_or_else(|| "a unit's backward before the head's".to_string())
+    }
+}
+
+/// What a unit's backward gives: its loss (the head's) and its input's
+/// gradient (None for the embedding).
+struct Back<B> {
+    loss: Option<f32>,
+    dx: Option<B>,
+}
+
 fn unit_ids(u: &UnitSpec) -> Vec<usize> {
     u.params.iter().map(|id| id.0).collect()
 }
@@ -138,6 +164,65 @@ impl<'a, E: Exec> Chain<'a, E> {
         for (&i, b) in ids.iter().zip(bufs) {
             self.grads[i] = Some(b);
         }
+    }
+
+    /// One micro-batch through `model`'s units: forward unit by unit,
+    /// each block's and the head's input saved on the host, then backward
+    /// head first by recompute, as the engine runs them.
+    /// `forward(unit, params, input)` gives a unit's output (the
+    /// embedding's input is None; the head's forward is its input saved);
+    /// `backward(unit, params, saved input, upstream gradient, grads)`
+    /// adds into the unit's grads and gives its loss (the head's) and its
+    /// input's gradient. Returns the loss.
+    fn run(
+        &mut self,
+        model: &Model,
+        mut forward: impl FnMut(&UnitSpec, &[E::Buf], Option<&E::Buf>) -> Result<E::Buf, String>,
+        mut backward: impl FnMut(
+            &UnitSpec,
+            &[E::Buf],
+            Stage<'_, E::Buf>,
+            &mut [E::Buf],
+        ) -> Result<Back<E::Buf>, String>,
+    ) -> Result<f32, String> {
+        let e = self.e;
+        let units = model.units();
+        let mut h: Option<E::Buf> = None;
+        let mut saved: Vec<Vec<f32>> = vec![Vec::new(); units.len()];
+        for u in units {
+            if matches!(u.kind, UnitKind::Embedding) {
+                h = Some(forward(u, &self.upload(&unit_ids(u))?, None)?);
+                continue;
+            }
+            let x = input(&h)?;
+            saved[u.id.0] = e.download(x).map_err(err)?;
+            if matches!(u.kind, UnitKind::Block { .. }) {
+                let out = forward(u, &self.upload(&unit_ids(u))?, Some(x))?;
+                h = Some(out);
+            }
+        }
+        let mut up: Option<E::Buf> = None;
+        let mut loss = f32::NAN;
+        for u in units.iter().rev() {
+            let uid = unit_ids(u);
+            let pu = self.upload(&uid)?;
+            let mut g = self.take(&uid)?;
+            let x = match u.kind {
+                UnitKind::Embedding => None,
+                _ => Some(e.upload("saved", &saved[u.id.0]).map_err(err)?),
+            };
+            let stage = Stage {
+                x: x.as_ref(),
+                up: up.as_ref(),
+            };
+            let back = backward(u, &pu, stage, &mut g)?;
+            if let Some(l) = back.loss {
+                loss = l;
+            }
+            up = back.dx;
+            self.put_back(&uid, g);
+        }
+        Ok(loss)
     }
 
     /// Each param's gradient against `want`, by name.
@@ -191,53 +276,42 @@ pub fn gpt2_chain<E: Exec>(
     let pos: Vec<i32> = (0..b * t).map(|i| (i % t) as i32).collect();
     let positions = e.ids(&pos, c.max_seq_len).map_err(err)?;
 
-    // Forward, saving each block's (and the head's) input on the host.
-    let units = model.units();
-    let mut h: Option<E::Buf> = None;
-    let mut saved: Vec<Vec<f32>> = vec![Vec::new(); units.len()];
-    for u in units {
-        let pu = ch.upload(&unit_ids(u))?;
-        match u.kind {
-            UnitKind::Embedding => {
-                h = Some(unit::gpt2_embedding_forward(e, &d, &pu, &ids, &positions).map_err(err)?)
+    let loss = ch.run(
+        &model,
+        |u, p, x| match (&u.kind, x) {
+            (UnitKind::Embedding, _) => {
+                unit::gpt2_embedding_forward(e, &d, p, &ids, &positions).map_err(err)
             }
-            UnitKind::Block { .. } => {
-                let x = input(&h)?;
-                saved[u.id.0] = e.download(x).map_err(err)?;
-                h = Some(unit::gpt2_block_forward(e, &d, &pu, x).map_err(err)?);
-            }
-            UnitKind::Head => saved[u.id.0] = e.download(input(&h)?).map_err(err)?,
-        }
-    }
-    // Backward, head first.
-    let mut up: Option<E::Buf> = None;
-    let mut loss = f32::NAN;
-    for u in units.iter().rev() {
-        let uid = unit_ids(u);
-        let pu = ch.upload(&uid)?;
-        let mut g = ch.take(&uid)?;
-        let x = e.upload("saved", &saved[u.id.0]).map_err(err)?;
-        match u.kind {
+            (_, Some(x)) => unit::gpt2_block_forward(e, &d, p, x).map_err(err),
+            (_, None) => Err("a block without its input".into()),
+        },
+        |u, p, st, g| match u.kind {
             UnitKind::Head => {
-                let ([p0, p1, p2], [g0, g1, g2]) = (&pu[..], &mut g[..]) else {
-                    return Err(format!("the head has {} params, not 3", pu.len()));
+                let ([p0, p1, p2], [g0, g1, g2]) = (p, g) else {
+                    return Err(format!("the head has {} params, not 3", p.len()));
                 };
-                let (l, dx) = unit::gpt2_head(e, &d, [p0, p1, p2], &x, &targets, 1.0, [g0, g1, g2])
-                    .map_err(err)?;
-                loss = l.mean(e).map_err(err)?;
-                up = Some(dx);
+                let (l, dx) =
+                    unit::gpt2_head(e, &d, [p0, p1, p2], st.x()?, &targets, 1.0, [g0, g1, g2])
+                        .map_err(err)?;
+                let loss = Some(l.mean(e).map_err(err)?);
+                Ok(Back { loss, dx: Some(dx) })
             }
             UnitKind::Block { .. } => {
-                let dy = up.as_ref().ok_or("a block before the head")?;
-                up = Some(unit::gpt2_block_backward(e, &d, &pu, &x, dy, &mut g).map_err(err)?);
+                let dx = unit::gpt2_block_backward(e, &d, p, st.x()?, st.up()?, g).map_err(err)?;
+                Ok(Back {
+                    loss: None,
+                    dx: Some(dx),
+                })
             }
             UnitKind::Embedding => {
-                let dy = up.as_ref().ok_or("the embedding before the head")?;
-                unit::gpt2_embedding_backward(e, &d, dy, &ids, &positions, &mut g).map_err(err)?
+                unit::gpt2_embedding_backward(e, &d, st.up()?, &ids, &positions, g).map_err(err)?;
+                Ok(Back {
+                    loss: None,
+                    dx: None,
+                })
             }
-        }
-        ch.put_back(&uid, g);
-    }
+        },
+    )?;
     ch.report(&model, loss, &want_loss, &want_grads)
 }
 
@@ -271,55 +345,44 @@ pub fn llama_chain<E: Exec>(e: &E, cfg: ModelConfig) -> Result<ChainReport, Stri
     let mut ch = Chain::new(e, &params)?;
     let ids = e.ids(&ids_of(&ids_t)?, c.vocab_size).map_err(err)?;
     let targets = e.ids(&ids_of(&targets_t)?, c.vocab_size).map_err(err)?;
-    let units = model.units();
-    let mut h: Option<E::Buf> = None;
-    let mut saved: Vec<Vec<f32>> = vec![Vec::new(); units.len()];
-    for u in units {
-        let pu = ch.upload(&unit_ids(u))?;
-        match u.kind {
-            UnitKind::Embedding => {
-                let table = pu.first().ok_or("the embedding has no params")?;
-                h = Some(unit::llama_embedding_forward(e, &d, table, &ids).map_err(err)?)
+    let loss = ch.run(
+        &model,
+        |u, p, x| match (&u.kind, x) {
+            (UnitKind::Embedding, _) => {
+                let table = p.first().ok_or("the embedding has no params")?;
+                unit::llama_embedding_forward(e, &d, table, &ids).map_err(err)
             }
-            UnitKind::Block { .. } => {
-                let x = input(&h)?;
-                saved[u.id.0] = e.download(x).map_err(err)?;
-                h = Some(unit::llama_block_forward(e, &d, &pu, x, &rope).map_err(err)?);
-            }
-            UnitKind::Head => saved[u.id.0] = e.download(input(&h)?).map_err(err)?,
-        }
-    }
-    let mut up: Option<E::Buf> = None;
-    let mut loss = f32::NAN;
-    for u in units.iter().rev() {
-        let uid = unit_ids(u);
-        let pu = ch.upload(&uid)?;
-        let mut g = ch.take(&uid)?;
-        let x = e.upload("saved", &saved[u.id.0]).map_err(err)?;
-        match u.kind {
+            (_, Some(x)) => unit::llama_block_forward(e, &d, p, x, &rope).map_err(err),
+            (_, None) => Err("a block without its input".into()),
+        },
+        |u, p, st, g| match u.kind {
             UnitKind::Head => {
-                let ([p0, p1], [g0, g1]) = (&pu[..], &mut g[..]) else {
-                    return Err(format!("the head has {} params, not 2", pu.len()));
+                let ([p0, p1], [g0, g1]) = (p, g) else {
+                    return Err(format!("the head has {} params, not 2", p.len()));
                 };
-                let (l, dx) =
-                    unit::llama_head(e, &d, [p0, p1], &x, &targets, 1.0, [g0, g1]).map_err(err)?;
-                loss = l.mean(e).map_err(err)?;
-                up = Some(dx);
+                let (l, dx) = unit::llama_head(e, &d, [p0, p1], st.x()?, &targets, 1.0, [g0, g1])
+                    .map_err(err)?;
+                let loss = Some(l.mean(e).map_err(err)?);
+                Ok(Back { loss, dx: Some(dx) })
             }
             UnitKind::Block { .. } => {
-                let dy = up.as_ref().ok_or("a block before the head")?;
-                up = Some(
-                    unit::llama_block_backward(e, &d, &pu, &x, dy, &mut g, &rope).map_err(err)?,
-                );
+                let dx = unit::llama_block_backward(e, &d, p, st.x()?, st.up()?, g, &rope)
+                    .map_err(err)?;
+                Ok(Back {
+                    loss: None,
+                    dx: Some(dx),
+                })
             }
             UnitKind::Embedding => {
-                let dy = up.as_ref().ok_or("the embedding before the head")?;
                 let g0 = g.first_mut().ok_or("the embedding has no params")?;
-                unit::llama_embedding_backward(e, &d, dy, &ids, g0).map_err(err)?
+                unit::llama_embedding_backward(e, &d, st.up()?, &ids, g0).map_err(err)?;
+                Ok(Back {
+                    loss: None,
+                    dx: None,
+                })
             }
-        }
-        ch.put_back(&uid, g);
-    }
+        },
+    )?;
     ch.report(&model, loss, &want_loss, &want_grads)
 }
 

@@ -159,7 +159,7 @@ impl DeviceComm {
         });
         match retired {
             Ok((out, ev)) => {
-                locked(&self.retiring).push_back((ev, keep));
+                locked(&self.retiring).push(ev, keep);
                 Ok((out, began))
             }
             Err(e) => {
@@ -176,14 +176,9 @@ impl DeviceComm {
     /// (a reduce kept on the device calls it first; so does the weights'
     /// gather, after which every reduce of the step is done).
     pub fn reap(&self) -> Result<()> {
-        let mut retiring = locked(&self.retiring);
-        while let Some((ev, _)) = retiring.front() {
-            if !ev.try_is_complete().map_err(driver_err("cuEventQuery"))? {
-                break;
-            }
-            retiring.pop_front();
-        }
-        Ok(())
+        locked(&self.retiring)
+            .drop_done()
+            .map_err(driver_err("cuEventQuery"))
     }
 
     /// The weights of the optimizer on the device, with several ranks

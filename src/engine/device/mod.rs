@@ -345,6 +345,14 @@ use tierzero_swap::{HostRegistrar, ReadPin};
 use crate::model::exec_units::{DeviceSpan, HostElems, HostVec};
 use crate::model::ModelError;
 
+/// What a [`DeviceLink`] without collectives of its own says when one is
+/// asked of it (the trait's default collectives).
+fn no_collectives(what: &str) -> ModelError {
+    ModelError::Gpu {
+        what: format!("{what}: this device has no collectives of its own"),
+    }
+}
+
 /// What the device tier needs of a device.
 pub trait DeviceLink: Send + Sync + std::fmt::Debug {
     /// A buffer in device memory: fp32 elements, or a bf16 param's as it
@@ -484,9 +492,7 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
         for g in grads {
             self.free(g);
         }
-        Err(ModelError::Gpu {
-            what: format!("{what}: this device has no collectives of its own"),
-        })
+        Err(no_collectives(what))
     }
     /// The reduce-scatter of a [`DeviceLink::pack_grads`]: this rank's
     /// chunks from the ranks, widened exactly, added onto `acc` (this rank's accumulated shards,
@@ -504,9 +510,7 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
         acc: Option<&[f32]>,
     ) -> Result<Self::Download, ModelError> {
         let _ = (packed, acc);
-        Err(ModelError::Gpu {
-            what: format!("{what}: this device has no collectives of its own"),
-        })
+        Err(no_collectives(what))
     }
     /// Several ranks ([`DeviceLink::reduce_ranks`] > 1): starts a param's
     /// upload from `shard`, this rank's `counts[rank]` elements of it
@@ -526,9 +530,7 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
         counts: &[usize],
     ) -> Result<Self::Upload, ModelError> {
         let _ = (shard, counts);
-        Err(ModelError::Gpu {
-            what: format!("{what}: this device has no collectives of its own"),
-        })
+        Err(no_collectives(what))
     }
     /// Several ranks, the optimizer on the device
     /// ([`ResidentUnits`]): [`DeviceLink::reduce_grads`] whose sums stay
@@ -553,9 +555,7 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
         for a in accs.into_iter().flatten() {
             self.free(a);
         }
-        Err(ModelError::Gpu {
-            what: format!("{what}: this device has no collectives of its own"),
-        })
+        Err(no_collectives(what))
     }
     /// The running sums of a [`DeviceLink::reduce_kept`] in flight, to be
     /// added onto by the next one: that one runs on the same collectives'
@@ -580,9 +580,7 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
         for w in wholes {
             self.free(w);
         }
-        Err(ModelError::Gpu {
-            what: format!("{what}: this device has no collectives of its own"),
-        })
+        Err(no_collectives(what))
     }
     /// A new buffer of `numel` elements of `dtype` (a param's storage:
     /// fp32, or bf16 or fp16 as they stay on the device), counted in the
