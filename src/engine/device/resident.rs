@@ -271,8 +271,9 @@ enum Reduced<B, U> {
 /// Several ranks: this rank among them, and how each param is cut.
 #[derive(Debug)]
 struct Ranks {
+    /// This rank ([`DeviceLink::collective_rank`]); the ranks are
+    /// [`DeviceLink::reduce_ranks`].
     rank: usize,
-    world: usize,
     /// Stage 3: no weights resident; each unit's gathered for it from the
     /// ranks' master shards ("Params partitioned").
     partition: bool,
@@ -359,7 +360,6 @@ impl<L: DeviceLink> ResidentUnits<L> {
         let world = link.reduce_ranks();
         let ranks = (world > 1).then(|| Ranks {
             rank: link.collective_rank(),
-            world,
             partition,
             counts: numels
                 .iter()
@@ -673,13 +673,13 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
                  devices (stage 3), each unit's params gathered on them for it, the gradients \
                  reduce-scattered there",
                 self.link.describe(),
-                r.world
+                self.link.reduce_ranks()
             ),
-            Some(r) => format!(
+            Some(_) => format!(
                 "{}; params whole on each of {} ranks' devices, AdamW's state and the \
                  gradients' sums sharded there, reduce-scattered and gathered on the devices",
                 self.link.describe(),
-                r.world
+                self.link.reduce_ranks()
             ),
         }
     }
