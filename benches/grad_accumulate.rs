@@ -11,6 +11,10 @@
 //!   on rayon's pool (here the global one; the trainer's host pool in
 //!   training), reading the bf16 elements where they are.
 //!
+//! * `copy_to_dtype_to_vec1` and `copy_grad_to_f32`: the widened fp32
+//!   copy alone (several ranks' path, a tied param's first unit), before
+//!   and after.
+//!
 //! Both give the same bits (the unit tests check it). Throughput in
 //! gradient elements per second.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // reason: benchmark harness
@@ -19,7 +23,7 @@ use candle_core::{DType, Device, Tensor};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use std::hint::black_box;
 use std::time::Duration;
-use tierzero::model::fused::{add_grad_into, zeros_f32};
+use tierzero::model::fused::{add_grad_into, grad_to_f32, zeros_f32};
 
 /// q and o 2048², k and v 2048 × 512, the MLP's three 2048 × 5632, two norms.
 const NUMEL: usize = 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 5632 + 2 * 2048;
@@ -56,6 +60,24 @@ fn bench_grad_accumulate(c: &mut Criterion) {
             add_grad_into(&mut acc, black_box(&grad), 0).unwrap();
             black_box(acc)
         })
+    });
+    // The fp32 copy several ranks' host collective (or a tied param's sum)
+    // starts from: before, `to_dtype` then `to_vec1`; after, one parallel
+    // pass.
+    group.bench_function("copy_to_dtype_to_vec1", |b| {
+        b.iter(|| {
+            let full: Vec<f32> = grad
+                .to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            black_box(full)
+        })
+    });
+    group.bench_function("copy_grad_to_f32", |b| {
+        b.iter(|| black_box(grad_to_f32(black_box(&grad)).unwrap()))
     });
     group.finish();
 }

@@ -68,6 +68,33 @@ pub fn add_grad_into(acc: &mut [f32], grad: &Tensor, offset: usize) -> candle_co
     }
 }
 
+/// `grad`'s elements widened to fp32, in its contiguous (row-major)
+/// order, in parallel: what `to_dtype(F32)` then `to_vec1` gave, in one
+/// pass (the fp32 a collective on the host, or a tied param's sum over
+/// its units, starts from).
+pub fn grad_to_f32(grad: &Tensor) -> candle_core::Result<Vec<f32>> {
+    let mut out = Vec::new();
+    match grad.dtype() {
+        DType::BF16 => with_bf16(grad, |g| {
+            g.par_iter().map(|x| x.to_f32()).collect_into_vec(&mut out);
+            Ok(())
+        })?,
+        DType::F16 => with_f16(grad, |g| {
+            g.par_iter().map(|x| x.to_f32()).collect_into_vec(&mut out);
+            Ok(())
+        })?,
+        DType::F32 => with_f32(grad, |g| {
+            g.par_iter().copied().collect_into_vec(&mut out);
+            Ok(())
+        })?,
+        _ => with_f32(&grad.to_dtype(DType::F32)?, |g| {
+            out = g.to_vec();
+            Ok(())
+        })?,
+    }
+    Ok(out)
+}
+
 /// `acc[i] += widen(g[i])`, in parallel chunks.
 fn add_widened<T: Copy + Sync>(acc: &mut [f32], g: &[T], widen: impl Fn(T) -> f32 + Sync) {
     par_elems(
@@ -141,6 +168,8 @@ mod tests {
                 add_grad_into(&mut got, &t, offset).unwrap();
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&got), bits(&want), "{dtype:?} {numel} {offset} {len}");
+                let copied = grad_to_f32(&t).unwrap();
+                assert_eq!(bits(&copied), bits(&widened), "{dtype:?} {numel}: the copy");
             }
         }
     }
@@ -156,6 +185,7 @@ mod tests {
         let mut acc = vec![1f32; 12];
         add_grad_into(&mut acc, &t, 0).unwrap();
         let want: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(grad_to_f32(&t).unwrap(), want);
         let want: Vec<f32> = want.iter().map(|v| v + 1.0).collect();
         assert_eq!(acc, want);
     }

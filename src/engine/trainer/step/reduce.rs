@@ -230,19 +230,15 @@ impl Trainer {
         pid: ParamId,
         grad: &Tensor,
     ) -> Result<Option<Vec<f32>>> {
-        let full = grad
-            .to_dtype(DType::F32)?
-            .flatten_all()?
-            .to_device(&Device::Cpu)?
-            .to_vec1::<f32>()?;
+        // Widened in parallel on the host pool: added straight onto an
+        // earlier unit's sum, else copied once.
+        let pool = self.host_pool.clone();
         let full = match tied.remove(&pid) {
             Some(mut sum) => {
-                for (a, b) in sum.iter_mut().zip(&full) {
-                    *a += *b;
-                }
+                pool.run(|| crate::model::fused::add_grad_into(&mut sum, grad, 0))?;
                 sum
             }
-            None => full,
+            None => pool.run(|| crate::model::fused::grad_to_f32(grad))?,
         };
         let last_unit = self
             .model
