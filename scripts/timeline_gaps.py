@@ -6,7 +6,9 @@ Usage: scripts/timeline_gaps.py TIMELINE.json [--top N] [--against ALONE.json]
 For each step span: its wall time, the time the disk was busy inside it
 (and each engine's share: params, state reads, state writes), the time the
 compute thread spent waiting for params, and the N longest disk-idle gaps,
-each with the compute span (or params wait) it fell in.
+each with the compute span (or params wait) it fell in. With a device's
+lanes, also its busy time and its N longest idle gaps between compute
+spans (where it waited for the host), with the host's spans then.
 
 With --against ALONE.json (a timeline of the same model computing alone,
 e.g. `examples/overlap`'s TIMELINE_STAGE0), also each unit's compute time:
@@ -104,6 +106,19 @@ def main():
                 f"h2d busy {h2d:.1f} ms ({h2d_under:.1f} under compute); "
                 f"d2h busy {d2h:.1f} ms ({d2h_under:.1f} under compute)"
             )
+            # Where the device waited for the host: its idle gaps between
+            # compute spans, longest first, with the host's spans then.
+            idle = sorted(
+                ((b[0] - a[1], a[1], b[0], a[2], b[2]) for a, b in zip(dev, dev[1:]) if b[0] > a[1]),
+                reverse=True,
+            )
+            for d, a, b, before, after in idle[:top]:
+                host = [n for s, e, n in clip(spans.get("compute", []) + spans.get("params", []), a, b)]
+                host += [f"store {n}" for s, e, n in clip(spans.get("store", []), a, b)]
+                print(
+                    f"  device idle {d:.1f} ms at +{a - s0:.1f} ms, after {before}, before {after}; "
+                    f"host: {', '.join(sorted(set(host))) or 'nothing on its lanes'}"
+                )
         for d, a, b in gaps[:top]:
             during = [n for s, e, n in clip(spans.get("compute", []) + spans.get("params", []), a, b)]
             during += [f"store {n}" for s, e, n in clip(spans.get("store", []), a, b)]

@@ -12,9 +12,10 @@
 //! new `vec![0.0; n]`, which the heap zeroes on one thread too. With the
 //! compute on a GPU that host work was the step: the 850M-param Llama of
 //! `scripts/gpu_check.sh`'s step 6h (H200, bf16, params and optimizer on
-//! the CPU) spent 234-386 ms of host time per 45M-param block between
-//! one block's backward and the next, 5.5 s of its 8 s step, the GPU busy
-//! 0.12 s of it (`docs/gpu-runs/2026-12-04-h200`).
+//! the CPU) left the GPU idle 241-392 ms between one 45M-param block's
+//! backward and the next (793 ms at the first), 5.3 s of its 8 s step,
+//! the GPU busy 0.12 s of it (`scripts/timeline_gaps.py --top 20` on
+//! `docs/gpu-runs/2026-12-04-h200/timeline-offload-llama.json`).
 //!
 //! The pool is the caller's: the trainer runs these on its host pool
 //! (the compute pool, or a pool of its own when a device computes:
