@@ -28,6 +28,16 @@ use tierzero::model::fused::{add_grad_into, grad_to_f32, zeros_f32};
 /// q and o 2048², k and v 2048 × 512, the MLP's three 2048 × 5632, two norms.
 const NUMEL: usize = 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 5632 + 2 * 2048;
 
+/// The fp32 copy as it was made before: candle's `to_dtype`, then `to_vec1`.
+fn widened_by_candle(grad: &Tensor) -> Vec<f32> {
+    grad.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
 fn bench_grad_accumulate(c: &mut Criterion) {
     let g: Vec<half::bf16> = (0..NUMEL)
         .map(|i| half::bf16::from_f32(((i % 1009) as f32 - 504.0) * 1e-3))
@@ -41,13 +51,7 @@ fn bench_grad_accumulate(c: &mut Criterion) {
     group.bench_function("widen_copy_add", |b| {
         b.iter(|| {
             let mut acc = vec![0f32; NUMEL];
-            let full: Vec<f32> = grad
-                .to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let full = widened_by_candle(&grad);
             for (a, x) in acc.iter_mut().zip(&full) {
                 *a += *x;
             }
@@ -65,16 +69,7 @@ fn bench_grad_accumulate(c: &mut Criterion) {
     // starts from: before, `to_dtype` then `to_vec1`; after, one parallel
     // pass.
     group.bench_function("copy_to_dtype_to_vec1", |b| {
-        b.iter(|| {
-            let full: Vec<f32> = grad
-                .to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            black_box(full)
-        })
+        b.iter(|| black_box(widened_by_candle(&grad)))
     });
     group.bench_function("copy_grad_to_f32", |b| {
         b.iter(|| black_box(grad_to_f32(black_box(&grad)).unwrap()))

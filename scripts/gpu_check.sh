@@ -1097,34 +1097,10 @@ fi
 # side gave a tokens/s.
 if sel 6h; then
   OTP_MICRO=2; OTP_SEQ=1024; OTP_STEPS=5; OTP_MIN=120; OTP_CAP=180
-  OFF_MODEL="$WORK/llama-offload"; mkdir -p "$OFF_MODEL"
-  cat >"$OFF_MODEL/config.json" <<'JSON'
-{"model_type":"llama","vocab_size":32000,"hidden_size":2048,"intermediate_size":5632,"num_hidden_layers":16,
- "num_attention_heads":16,"num_key_value_heads":4,"max_position_embeddings":2048,"rope_theta":10000.0,
- "rms_norm_eps":1e-5,"tie_word_embeddings":false}
-JSON
-  "$PYCFG" - "$WORK/ds-offload-tp.json" "$OTP_MICRO" <<'PY' 2>"$WORK/ds-offload-tp.err"
-import json, sys
-c = json.load(open("src/config/default.json"))
-c["bf16"] = {"enabled": True}
-c["train_micro_batch_size_per_gpu"] = int(sys.argv[2])
-c["gradient_accumulation_steps"] = 1
-c.pop("train_batch_size", None)
-z = c["zero_optimization"]
-z["stage"] = 3
-z["offload_param"] = {"device": "cpu", "pin_memory": True}
-z["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-# Sub-groups of 50M elements; uploads up to two blocks ahead (a block is
-# ~45M elements), at most ~1.2 GB of fp32 params live on the device.
-z["sub_group_size"] = 5e7
-z["stage3_prefetch_bucket_size"] = 1e8
-z["stage3_max_live_parameters"] = 3e8
-t = c.setdefault("tierzero", {})
-t["device_budget_bytes"] = 4 << 30
-# The cpu tier pins every param's pages: no cap below what they need.
-t.pop("pinned_budget_bytes", None)
-json.dump(c, open(sys.argv[1], "w"))
-PY
+  OFF_MODEL="$WORK/llama-offload"
+  # The model (16 layers, 852.6M params) and config: scripts/offload_llama_6h.py.
+  "$PYCFG" scripts/offload_llama_6h.py "$OFF_MODEL" "$WORK/ds-offload-tp.json" "$OTP_MICRO" 16 \
+    2>"$WORK/ds-offload-tp.err"
   otp_rc=null; otp_result=null; otp_tokens=null; otp_tflops=null; otp_skipped=""
   # The CPU Adam over ~850M params on half the cores (what --threads auto
   # gives beside a device; said here so that the comparison does not move

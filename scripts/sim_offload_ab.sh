@@ -9,6 +9,8 @@
 #
 #   scripts/sim_offload_ab.sh OLD_BIN NEW_BIN [ROUNDS]   (default 2 rounds)
 #
+# The binaries take turns going first (old first in odd rounds).
+#
 # Per run, one line: the binary, start-up seconds (total_s - train_s of
 # --json), the second step's wall seconds and its tail (from the end of the
 # last unit's backward on the compute lane to the step's end, from
@@ -22,33 +24,13 @@ rounds=${3:-2}
 cd "$(dirname "$0")/.."
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-mkdir -p "$work/llama"
-cat >"$work/llama/config.json" <<'JSON'
-{"model_type":"llama","vocab_size":32000,"hidden_size":2048,"intermediate_size":5632,"num_hidden_layers":4,
- "num_attention_heads":16,"num_key_value_heads":4,"max_position_embeddings":2048,"rope_theta":10000.0,
- "rms_norm_eps":1e-5,"tie_word_embeddings":false}
-JSON
-python3 - "$work/ds.json" <<'PY'
-import json, sys
-c = json.load(open("src/config/default.json"))
-c["bf16"] = {"enabled": True}
-c["train_micro_batch_size_per_gpu"] = 1
-c["gradient_accumulation_steps"] = 1
-c.pop("train_batch_size", None)
-z = c["zero_optimization"]
-z["stage"] = 3
-z["offload_param"] = {"device": "cpu", "pin_memory": True}
-z["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-z["sub_group_size"] = 5e7
-z["stage3_prefetch_bucket_size"] = 1e8
-z["stage3_max_live_parameters"] = 3e8
-t = c.setdefault("tierzero", {})
-t["device_budget_bytes"] = 4 << 30
-t.pop("pinned_budget_bytes", None)
-json.dump(c, open(sys.argv[1], "w"))
-PY
+python3 scripts/offload_llama_6h.py "$work/llama" "$work/ds.json" 1 4
+# ABBA: the first run of a round is slower whichever binary it is (the
+# same binary twice gave tails of 1017 and 134 ms), so the order turns.
 for r in $(seq 1 "$rounds"); do
-  for b in "$old" "$new"; do
+  order=("$old" "$new")
+  if [ $((r % 2)) = 0 ]; then order=("$new" "$old"); fi
+  for b in "${order[@]}"; do
     (cd "$work" && "$b" train --model llama --config ds.json --device sim --seq-len 2 --steps 2 \
       --threads 2 --json --timeline tl.json --timeline-steps 1 >out.json 2>err.txt) \
       || { echo "$b failed:"; tail -5 "$work/err.txt"; exit 1; }
