@@ -111,10 +111,11 @@
 #      (or "... timed out"; "budget" when that run was itself skipped for
 #      the budget);
 #   6f. the device tier: `train --device cuda` with cpu offload and with
-#      a 1 GiB device cache, each bit-identical (losses, weight_sha256) to
-#      step 6's GPU run with NVMe offload, and at stage 0 with nothing
-#      offloaded (training in GPU memory, Adam on the GPU) within 1e-4
-#      (it clips on the device's Σg²); the runs' h2d/d2h bytes and waits;
+#      a 1 GiB device cache, and at stage 0 with nothing offloaded
+#      (training in GPU memory, Adam on the GPU, clipping on the device's
+#      Σg² taken in the host's order), each bit-identical (losses,
+#      weight_sha256) to step 6's GPU run with NVMe offload; the runs'
+#      h2d/d2h bytes and waits;
 #   6g. bf16: the embedded GPT-2 20 steps in bf16 on the GPU (through the
 #      device tier, and in GPU memory with Adam on the GPU) against the
 #      CPU in bf16, losses within 1e-2 relative;
@@ -920,15 +921,14 @@ PY
       sha_b=$(grep -o '"weight_sha256":"[0-9a-f]*"' "$base/out.json" 2>/dev/null || true)
       same=false
       if [ -n "$sha_v" ] && [ "$sha_v" = "$sha_b" ] && [ "$(wc -l <"$d/losses")" -ge 20 ] && cmp -s "$d/losses" "$base/losses"; then same=true; fi
-      # stage0 has nothing offloaded: Adam runs on the device (ResidentUnits),
-      # and the default config clips, on the device's own Σg² (a fixed-order
-      # sum, not the host's): its losses within 1e-4 relative, not the bits.
-      close=$same
-      if [ "$variant" = stage0 ]; then
-        close=$("$PYCFG" -c 'import sys; a=[float(x) for x in open(sys.argv[1])]; b=[float(x) for x in open(sys.argv[2])]; print(str(len(a)>=20 and len(a)==len(b) and all(abs(x-y)<=1e-4*abs(y) for x,y in zip(a,b))).lower())' "$d/losses" "$base/losses" 2>/dev/null || echo false)
-        [ "$close" = true ] || close=false
-      fi
-      if [ "$close" != true ]; then tier_ok=false; fail "device_tier.${model}_$variant"; fi
+      # stage0 has nothing offloaded: Adam runs on the device (ResidentUnits)
+      # and the default config clips, on the device's Σg² in the host's
+      # order (the sumsq_parts kernel): the same bits are asked of it too.
+      # How close it came is kept beside (within_1e-4), for a run that
+      # fails.
+      close=$("$PYCFG" -c 'import sys; a=[float(x) for x in open(sys.argv[1])]; b=[float(x) for x in open(sys.argv[2])]; print(str(len(a)>=20 and len(a)==len(b) and all(abs(x-y)<=1e-4*abs(y) for x,y in zip(a,b))).lower())' "$d/losses" "$base/losses" 2>/dev/null || echo false)
+      [ "$close" = true ] || close=false
+      if [ "$same" != true ]; then tier_ok=false; fail "device_tier.${model}_$variant"; fi
       # Totals over the steps after the first (%.0f: mawk clamps %d at 2^31).
       totals=$(awk -F'[:,}]' '/"step":/ && NR > 1 { for (i = 1; i < NF; i++) { if ($i ~ /"h2d_bytes"/) h += $(i+1); if ($i ~ /"d2h_bytes"/) d += $(i+1); if ($i ~ /"h2d_wait_s"/) w += $(i+1); if ($i ~ /"d2h_wait_s"/) x += $(i+1);
           if ($i ~ /"device_busy_s"/) c += $(i+1); if ($i ~ /"h2d_busy_s"/) u += $(i+1); if ($i ~ /"d2h_busy_s"/) o += $(i+1); if ($i ~ /"h2d_fill_busy_s"/) f += $(i+1); if ($i ~ /"wall_s"/) s += $(i+1);

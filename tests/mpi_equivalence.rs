@@ -1284,17 +1284,27 @@ fn adam_on_the_devices_of_three_ranks_with_clipping_matches_within_1e6() {
 fn clipping_case(stage: u8) {
     // The device optimizer on three ranks: uneven shards (a param of 64
     // elements is cut 22, 22, 20), and clipping, whose norm is each
-    // rank's shards' Σg² on its device, added over the ranks. The sums
-    // differ from one rank's in their order, so the clip factor may in
-    // its last bits: 1e-6, as for the host's optimizer
-    // (`stage3_with_clipping_matches_within_1e6`).
+    // rank's shards' Σg² on its device, added over the ranks: the host
+    // optimizer's bits on three ranks. The sums differ from one rank's in
+    // their order, so the clip factor may in its last bits: 1e-6, as for
+    // the host's optimizer (`stage3_with_clipping_matches_within_1e6`).
     let (tag, steps) = (format!("s{stage}-sim-resident-clip"), 6u64);
     let knobs = Knobs {
         stage,
         clip: 0.5,
         ..Knobs::default()
     };
-    let (reference, ranks) = resident_ranks(&model_dir(&tag, false), &knobs, 3, steps);
+    let model = model_dir(&tag, false);
+    let (reference, ranks) = resident_ranks(&model, &knobs, 3, steps);
+    // The host's optimizer on the same three ranks: each rank's norm is
+    // its shards' sub-groups in the host's order on both, so the runs are
+    // the same bits, the norms too.
+    let cfg = ds_config(&knobs, &scratch("mpi-swap-host"), steps);
+    let host = run_ranks_on(3, &cfg, &model, steps, Compute::Reference);
+    let bits = |o: &Out| o.grad_norms.iter().map(|g| g.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&ranks[0]), bits(&host[0]), "stage {stage}: norms");
+    assert_eq!(ranks[0].losses, host[0].losses, "stage {stage}: losses");
+    assert_eq!(ranks[0].sha256, host[0].sha256, "stage {stage}: weights");
     for (r, o) in ranks.iter().enumerate() {
         // Stage 3: each unit's params gathered as it is called, 7 calls a
         // micro-batch (see the two-rank test); stage 2: once a step.

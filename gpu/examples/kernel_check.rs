@@ -20,7 +20,6 @@ use std::time::Instant;
 use half::{bf16, f16};
 use tierzero_gpu::cache::KernelCache;
 use tierzero_gpu::device::{Device, DeviceBuffer, DeviceOptions};
-use tierzero_gpu::kernels::SUMSQ_CHUNK;
 use tierzero_gpu::ops::{self, AdamState, DeviceRuns, Elem, MatmulShape, NormOut, NormStats};
 use tierzero_gpu::reference::{self as r, AdamScalars, HeadsShape, KvShape, RopeShape, Storage};
 use tierzero_gpu::Result;
@@ -515,51 +514,6 @@ where
         &r::sum_kv(&rep_want, ks),
         tol,
     );
-    // Sums of squares per group: awkward groups, and a whole buffer's
-    // chunks (Exec::sq_sum's groups).
-    let x = typed::<T>(&data(100_000, 19));
-    let gx = up::<T>(dev, &r::cast::<T, f32>(&x))?;
-    let awkward = vec![0i64, 0, 1, 255, 257, 4096, 100_000];
-    for offsets in [awkward, r::sumsq_chunk_offsets(x.len())] {
-        let mut gout = poisoned::<f32>(dev, offsets.len() - 1)?;
-        ops::sumsq_groups(dev, &mut gout, &gx, &offsets)?;
-        rep.compare(
-            &name("sumsq_groups"),
-            &format!("{} groups", offsets.len() - 1),
-            &dev.download(&gout)?,
-            &r::sumsq_groups(&x, &offsets),
-            1e-5,
-        );
-    }
-    // Several buffers' chunks queued at once (Exec::sq_sums): one
-    // element, 257, the 100 000 above, and one chunk and one element.
-    let others = [1usize, 257, SUMSQ_CHUNK + 1].map(|n| typed::<T>(&data(n, 27 + n as u64)));
-    let gothers = others
-        .iter()
-        .map(|o| up::<T>(dev, &r::cast::<T, f32>(o)))
-        .collect::<Result<Vec<_>>>()?;
-    let (hosts, gxs) = (
-        [&others[0], &others[1], &x, &others[2]],
-        [&gothers[0], &gothers[1], &gx, &gothers[2]],
-    );
-    let lists: Vec<Vec<i64>> = hosts
-        .iter()
-        .map(|h| r::sumsq_chunk_offsets(h.len()))
-        .collect();
-    let want: Vec<f32> = hosts
-        .iter()
-        .zip(&lists)
-        .flat_map(|(h, o)| r::sumsq_groups(h, o))
-        .collect();
-    let mut gout = poisoned::<f32>(dev, want.len())?;
-    ops::sumsq_groups_many(dev, &mut gout, &gxs, &lists)?;
-    rep.compare(
-        &name("sumsq_groups"),
-        &format!("{} buffers, {} groups", gxs.len(), want.len()),
-        &dev.download(&gout)?,
-        &want,
-        1e-5,
-    );
     // Matmul (cuBLAS), every transpose.
     for (m, n, k) in [(1usize, 1usize, 1usize), (33, 65, 17), (128, 256, 768)] {
         for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
@@ -717,6 +671,7 @@ fn check_f32_only(dev: &Device, rep: &mut Report) -> Result<()> {
         &out,
         2e-2,
     );
+    check_norm(dev, rep)?;
     // Casts.
     let x = data(100_001, 50);
     let gx = dev.upload("x", &x)?;
@@ -749,6 +704,82 @@ fn check_f32_only(dev: &Device, rep: &mut Report) -> Result<()> {
         &r::cast::<half::f16, f32>(&hx),
         0.0,
     );
+    Ok(())
+}
+
+/// The clipping norm's parts (`sumsq_parts`) bit for bit against the
+/// reference: the host optimizer's order, so the device optimizer clips
+/// on the host's bits. Segments of several buffers with a gap, runs
+/// across part bounds, an empty group and one of zeros, and one group of
+/// 3 million elements in parts of 8192 (the optimizer's).
+fn check_norm(dev: &Device, rep: &mut Report) -> Result<()> {
+    use tierzero_gpu::norm::{NormGroup, NormSegment};
+    let host: Vec<Vec<f32>> = [1usize, 300, 5000, 40_000, 3_000_017]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| data(n, 80 + i as u64))
+        .collect();
+    let gpu = host
+        .iter()
+        .map(|h| dev.upload("norm input", h))
+        .collect::<Result<Vec<_>>>()?;
+    fn groups<'a, B>(b: &'a [B], part_numel: usize, big: usize) -> Vec<NormGroup<'a, B>> {
+        let seg = |buf, offset, numel, flat_start| NormSegment {
+            buf,
+            offset,
+            numel,
+            flat_start,
+        };
+        vec![
+            NormGroup {
+                numel: 0,
+                part_numel,
+                segments: vec![],
+            },
+            NormGroup {
+                numel: 77,
+                part_numel,
+                segments: vec![],
+            },
+            NormGroup {
+                numel: 46_000,
+                part_numel,
+                segments: vec![
+                    seg(&b[1], 7, 293, 0),
+                    seg(&b[0], 0, 1, 293),
+                    seg(&b[3], 5, 39_995, 300),
+                    seg(&b[2], 0, 5000, 40_995),
+                ],
+            },
+            NormGroup {
+                numel: big + 100,
+                part_numel: 8192,
+                segments: vec![seg(&b[4], 17, big, 100)],
+            },
+        ]
+    }
+    let big = 3_000_000;
+    for part_numel in [100usize, 8192] {
+        let want = r::sumsq_parts(&groups(&host, part_numel, big))?;
+        let g = groups(&gpu, part_numel, big);
+        let mut out = dev.upload("norm parts", &vec![f64::NAN; want.len()])?;
+        ops::sumsq_parts(dev, &mut out, &g)?;
+        let got = dev.download(&out)?;
+        let differ = got
+            .iter()
+            .zip(&want)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        rep.check(
+            "sumsq_parts",
+            &format!("{} parts (of {part_numel} and 8192)", want.len()),
+            differ == 0 && got.len() == want.len() && !want.is_empty(),
+            &format!(
+                "{differ} of {} parts differ from the reference's bits",
+                want.len()
+            ),
+        );
+    }
     Ok(())
 }
 

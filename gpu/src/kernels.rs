@@ -4,8 +4,9 @@
 //! Most kernels are templates over the storage dtype with one entry point
 //! per dtype: `NAME_f32`, `NAME_bf16`, `NAME_f16` (compute is fp32
 //! whatever the storage). Launch contract: blocks of [`BLOCK_THREADS`]
-//! threads; row kernels (norms, softmax, cross-entropy, `sumsq_groups`)
-//! take one block per row or group; column sums over rows (the bias and
+//! threads; row kernels (norms, softmax, cross-entropy) take one block
+//! per row; `sumsq_parts` 8 threads per part (the order is the part's and
+//! its lanes', see [`crate::norm`]); column sums over rows (the bias and
 //! norm weight gradients) take one thread per column and chunk of
 //! [`ROW_CHUNK`] rows, then `col_sums_finish` adds the chunks in order;
 //! the others a grid-stride loop.
@@ -21,14 +22,6 @@ pub const BLOCK_THREADS: u32 = 256;
 /// width 1024 gives 64 chunks × 4 column tiles = 256 blocks of 128 adds
 /// each, where one thread per column adding all 8192 rows gave 4 blocks.
 pub const ROW_CHUNK: usize = 128;
-
-/// Elements per group of a whole buffer's sum of squares
-/// (`crate::unit::Exec::sq_sum`, the clipping norm of the params trained
-/// on the device): `sumsq_groups` over chunks of this many elements, one
-/// block each, then the chunks' f32 sums added in f64 in order on the
-/// host. One block per param gave a 50M-element embedding's gradient to
-/// one SM.
-pub const SUMSQ_CHUNK: usize = 1 << 16;
 
 /// The storage dtypes of the templated kernels, as entry-point suffixes.
 pub const DTYPE_SUFFIXES: [&str; 3] = ["f32", "bf16", "f16"];
@@ -113,7 +106,7 @@ pub const MODULES: &[Module] = &[
             "cast_f16_bf16"
         ]
     ),
-    module!("optim", ["sumsq_groups", "adamw"], []),
+    module!("optim", ["adamw"], ["sumsq_parts"]),
     module!(
         "layout",
         [

@@ -48,6 +48,7 @@ pub mod host_copy;
 pub mod host_register;
 pub mod kernels;
 pub mod link;
+pub mod norm;
 pub mod nvrtc;
 pub mod ops;
 pub mod reference;

@@ -14,6 +14,7 @@ use half::{bf16, f16};
 
 use crate::device::{Device, DeviceBuffer};
 use crate::kernels::{BLOCK_THREADS, ROW_CHUNK};
+use crate::norm::{NormGroup, NormPlan, NORM_LANES};
 use crate::reference::{AdamScalars, HeadsShape, KvShape, RopeShape, Storage};
 use crate::{GpuError, Result};
 
@@ -807,99 +808,57 @@ pub fn cast<S: Elem, D: Elem>(
     unsafe { fire(&mut a, per_item(src.len()), k) }
 }
 
-/// `sumsq_groups`: `out[g] = Σ x²` over `offsets[g] .. offsets[g + 1]`
-/// (`offsets` ascending, the last at most `x.len()`: checked here, then
-/// uploaded, so the kernel reads offsets that were checked).
-pub fn sumsq_groups<T: Elem>(
+/// `sumsq_parts`: every part's Σ x² of `groups`, in plan order, into
+/// `out` (one f64 per part: [`NormPlan::total_parts`]), in the host
+/// optimizer's order ([`crate::norm`]). The plan is checked on the host
+/// (every segment inside its group and its buffer) and goes up as two
+/// tables: the parts, and each segment's address, length and flat start;
+/// the caller adds the parts ([`crate::norm::fold_groups`]).
+pub fn sumsq_parts(
     dev: &Device,
-    out: &mut DeviceBuffer<f32>,
-    x: &DeviceBuffer<T>,
-    host_offsets: &[i64],
-) -> Result<()> {
-    let k = format!("sumsq_groups_{}", T::SUFFIX);
-    let groups = sumsq_group_count(&k, x.len(), host_offsets)?;
-    need(&k, "out", out.len(), groups)?;
-    if groups == 0 {
-        return Ok(());
+    out: &mut DeviceBuffer<f64>,
+    groups: &[NormGroup<'_, DeviceBuffer<f32>>],
+) -> Result<NormPlan> {
+    use cudarc::driver::DevicePtr;
+    let k = "sumsq_parts".to_string();
+    let plan = NormPlan::new(groups, DeviceBuffer::len)?;
+    let n_parts = plan.total_parts();
+    need(&k, "out", out.len(), n_parts)?;
+    if n_parts == 0 {
+        return Ok(plan);
     }
-    let offsets = dev.upload("sum of squares offsets", host_offsets)?;
-    let mut a = dev.compute.launch_builder(dev.function(&k)?);
-    a.arg(out.slice_mut()).arg(x.slice()).arg(offsets.slice());
-    // SAFETY: the groups lie inside x and out has one slot per group
-    // (checked on the host offsets, which `offsets` was uploaded from);
-    // arguments as sumsq_groups's.
-    unsafe { fire_rows(&mut a, groups, k) }
-}
-
-/// The groups of `host_offsets` over `len` elements, once they are
-/// checked ascending from 0 or more and ending at most at `len`.
-fn sumsq_group_count(k: &str, len: usize, host_offsets: &[i64]) -> Result<usize> {
-    let ok = host_offsets.windows(2).all(|w| 0 <= w[0] && w[0] <= w[1])
-        && host_offsets.first().is_none_or(|&f| f >= 0)
-        && host_offsets.last().is_none_or(|&l| l as usize <= len);
-    if !ok {
-        return Err(shape_err(
-            k,
-            format!("offsets {host_offsets:?} are not ascending within {len} elements"),
-        ));
+    let stream = &dev.compute;
+    // Each segment's address; its guard records the kernel's read on the
+    // compute stream when it drops, after the launch.
+    let mut guards = Vec::with_capacity(plan.segments.len());
+    let mut segs = Vec::with_capacity(3 * plan.segments.len());
+    for &(gi, si) in &plan.segments {
+        let s = &groups[gi].segments[si];
+        let (ptr, guard) = s.buf.slice().device_ptr(stream);
+        guards.push(guard);
+        let addr = ptr + (s.offset * std::mem::size_of::<f32>()) as u64;
+        segs.extend([addr as i64, s.numel as i64, s.flat_start as i64]);
     }
-    Ok(host_offsets.len().saturating_sub(1))
-}
-
-/// [`sumsq_groups`] of several buffers, queued one after the other with
-/// no wait between them: buffer `i`'s groups, `host_offsets[i]` (as
-/// [`sumsq_groups`] takes them), write their sums into `out` after the
-/// groups of the buffers before it. Every buffer's offsets, once checked,
-/// go up one list after the other in one upload, and `out` is one
-/// download: a clipping norm over hundreds of params then costs one
-/// synchronisation, not one each.
-pub fn sumsq_groups_many<T: Elem>(
-    dev: &Device,
-    out: &mut DeviceBuffer<f32>,
-    xs: &[&DeviceBuffer<T>],
-    host_offsets: &[Vec<i64>],
-) -> Result<()> {
-    let k = format!("sumsq_groups_{}", T::SUFFIX);
-    if xs.len() != host_offsets.len() {
-        return Err(shape_err(
-            &k,
-            format!(
-                "{} buffers and {} lists of offsets",
-                xs.len(),
-                host_offsets.len()
-            ),
-        ));
-    }
-    let mut spans = Vec::with_capacity(xs.len());
-    let (mut at_offsets, mut at_groups) = (0usize, 0usize);
-    for (x, h) in xs.iter().zip(host_offsets) {
-        let groups = sumsq_group_count(&k, x.len(), h)?;
-        spans.push((at_offsets, at_groups, groups));
-        at_offsets += h.len();
-        at_groups += groups;
-    }
-    need(&k, "out", out.len(), at_groups)?;
-    if at_groups == 0 {
-        return Ok(());
-    }
-    let offsets = dev.upload("sum of squares offsets", &host_offsets.concat())?;
-    debug_assert_eq!(offsets.len(), at_offsets);
-    let f = dev.function(&k)?;
-    for (x, (o0, g0, groups)) in xs.iter().zip(spans) {
-        if groups == 0 {
-            continue;
-        }
-        let mut out_i = out.slice_mut().slice_mut(g0..g0 + groups);
-        let offsets_i = offsets.slice().slice(o0..o0 + groups + 1);
-        let mut a = dev.compute.launch_builder(f);
-        a.arg(&mut out_i).arg(x.slice()).arg(&offsets_i);
-        // SAFETY: this buffer's groups lie inside it, `out_i` has one slot
-        // per group and `offsets_i` holds its offsets (checked above on
-        // the host lists, which `offsets` was uploaded from, in this
-        // order); arguments as sumsq_groups's.
-        unsafe { fire_rows(&mut a, groups, k.clone()) }?;
-    }
-    Ok(())
+    let parts = dev.upload("sum of squares parts", &plan.parts)?;
+    let segs = dev.upload("sum of squares segments", &segs)?;
+    let n = n_parts as i64;
+    let mut a = stream.launch_builder(dev.function(&k)?);
+    a.arg(out.slice_mut())
+        .arg(parts.slice())
+        .arg(&n)
+        .arg(segs.slice());
+    // SAFETY: out has one f64 per part (checked); `parts` and `segs` are
+    // the plan's tables, whose every segment lies inside its buffer (each
+    // address is its buffer's plus an offset with `numel` elements after
+    // it: NormPlan::new checked both) and whose parts name only their
+    // group's segments; the buffers are borrowed for this call and their
+    // guards, held until after the launch, order it with their other uses
+    // (cudarc's events). The kernel reads no element past a segment.
+    // Arguments as sumsq_parts's (double*, const long long*, long long,
+    // const long long*).
+    unsafe { fire(&mut a, per_item(n_parts.saturating_mul(NORM_LANES)), k) }?;
+    drop(guards);
+    Ok(plan)
 }
 
 /// The state `adamw` steps.

@@ -11,7 +11,9 @@
 
 use half::{bf16, f16};
 
-use crate::kernels::{BLOCK_THREADS, ROW_CHUNK, SUMSQ_CHUNK};
+use crate::kernels::{BLOCK_THREADS, ROW_CHUNK};
+use crate::norm::{combine_lanes, fold_groups, NormGroup, NormPlan, NORM_LANES};
+use crate::Result;
 
 const BLOCK: usize = BLOCK_THREADS as usize;
 
@@ -482,32 +484,33 @@ pub fn cast<S: Storage, D: Storage>(src: &[S]) -> Vec<D> {
     src.iter().map(|s| D::store(s.load())).collect()
 }
 
-/// `sumsq_groups`: Σ x² over `offsets[g] .. offsets[g + 1]` per group.
-pub fn sumsq_groups<T: Storage>(x: &[T], offsets: &[i64]) -> Vec<f32> {
-    offsets
-        .windows(2)
-        .map(|w| {
-            let (a, b) = (w[0] as usize, w[1] as usize);
-            strided_block_sum(b - a, |i| {
-                let v = x[a + i].load();
-                v * v
-            })
-        })
-        .collect()
+/// `sumsq_parts`: every part's Σ x² of the groups (in plan order), in
+/// the order of [`crate::norm`]: each segment's elements in flat order,
+/// each onto its lane's f64 sum, the lanes combined by halving.
+pub fn sumsq_parts(groups: &[NormGroup<'_, Vec<f32>>]) -> Result<Vec<f64>> {
+    let plan = NormPlan::new(groups, Vec::len)?;
+    let mut out = Vec::with_capacity(plan.total_parts());
+    for part in plan.parts.chunks_exact(4) {
+        let [a, b, s0, s1] = [part[0], part[1], part[2], part[3]].map(|v| v as usize);
+        let mut acc = [0f64; NORM_LANES];
+        for &(gi, si) in &plan.segments[s0..s1] {
+            let s = &groups[gi].segments[si];
+            let (lo, hi) = (a.max(s.flat_start), b.min(s.flat_start + s.numel));
+            for f in lo..hi {
+                let g = f64::from(s.buf[s.offset + f - s.flat_start]);
+                let lane = &mut acc[(f - a) % NORM_LANES];
+                *lane = g.mul_add(g, *lane);
+            }
+        }
+        out.push(combine_lanes(acc));
+    }
+    Ok(out)
 }
 
-/// The groups of a whole buffer's sum of squares (`Exec::sq_sum`): `n`
-/// elements in chunks of [`SUMSQ_CHUNK`], the last shorter; no group when
-/// `n` is 0.
-pub fn sumsq_chunk_offsets(n: usize) -> Vec<i64> {
-    let mut offsets: Vec<i64> = (0..n).step_by(SUMSQ_CHUNK).map(|a| a as i64).collect();
-    offsets.push(n as i64);
-    offsets
-}
-
-/// The chunks' f32 sums of squares added in f64, in order.
-pub fn sum_chunks_f64(chunks: &[f32]) -> f64 {
-    chunks.iter().fold(0f64, |s, &c| s + f64::from(c))
+/// Each group's Σ x² ([`sumsq_parts`], the parts added in order).
+pub fn norm_sq_sums(groups: &[NormGroup<'_, Vec<f32>>]) -> Result<Vec<f64>> {
+    let plan = NormPlan::new(groups, Vec::len)?;
+    Ok(fold_groups(&plan, &sumsq_parts(groups)?))
 }
 
 /// The f32 constants of one AdamW step, as the CPU kernel derives them

@@ -6,6 +6,7 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use half::bf16;
+use tierzero_gpu::norm::{NormGroup, NormPlan, NormSegment};
 use tierzero_gpu::reference as r;
 
 /// Columns that cross warp and block boundaries.
@@ -408,47 +409,169 @@ fn column_sums_add_each_chunk_from_zero_then_the_chunks_in_order() {
     assert_eq!(db[0], big + ROW_CHUNK as f32);
 }
 
-#[test]
-fn sum_of_squares_per_group() {
-    let x = data(10_000, 21);
-    let offsets = [0i64, 0, 1, 255, 257, 4096, 10_000];
-    let got = r::sumsq_groups(&x, &offsets);
-    for (g, w) in offsets.windows(2).enumerate() {
-        let part = &x[w[0] as usize..w[1] as usize];
-        let want: f64 = part.iter().map(|&v| (v as f64).powi(2)).sum();
-        assert!(
-            (got[g] as f64 - want).abs() <= 1e-5 * want.max(1e-30),
-            "group {g}: {} vs {want}",
-            got[g]
-        );
+/// The flat elements of a group: its segments' values where they are,
+/// zeros elsewhere.
+fn flat_of(g: &NormGroup<'_, Vec<f32>>) -> Vec<f32> {
+    let mut flat = vec![0f32; g.numel];
+    for s in &g.segments {
+        flat[s.flat_start..s.flat_start + s.numel]
+            .copy_from_slice(&s.buf[s.offset..s.offset + s.numel]);
     }
+    flat
 }
 
-/// A whole buffer's sum of squares (the device optimizer's clipping norm)
-/// is cut into chunks of `SUMSQ_CHUNK` elements, and the chunks' sums are
-/// added in f64.
+/// The order of `tierzero_gpu::norm`, written over the flat elements:
+/// each part's 8 lanes in index order, combined pairwise, the parts added
+/// in order.
+fn norm_by_definition(flat: &[f32], part_numel: usize) -> f64 {
+    flat.chunks(part_numel).fold(0f64, |total, part| {
+        let mut acc = [0f64; 8];
+        for (i, &v) in part.iter().enumerate() {
+            let g = f64::from(v);
+            acc[i % 8] = g.mul_add(g, acc[i % 8]);
+        }
+        // Neighbours first: lane i + lane i + w, w = 1, 2, 4.
+        for w in [1, 2, 4] {
+            for i in (0..8).step_by(2 * w) {
+                acc[i] += acc[i + w];
+            }
+        }
+        total + acc[0]
+    })
+}
+
+/// Pieces of several buffers, with gaps (zeros) and runs crossing part
+/// bounds, give the bits of the same elements laid out flat; the sum is
+/// Σ x² within f64 rounding.
 #[test]
-fn a_whole_buffers_sum_of_squares_goes_by_chunks() {
-    use tierzero_gpu::kernels::SUMSQ_CHUNK;
-    use tierzero_gpu::unit::{Exec, HostExec};
-    assert_eq!(r::sumsq_chunk_offsets(0), vec![0]);
-    assert_eq!(r::sumsq_chunk_offsets(1), vec![0, 1]);
-    let c = SUMSQ_CHUNK as i64;
-    assert_eq!(r::sumsq_chunk_offsets(SUMSQ_CHUNK), vec![0, c]);
-    assert_eq!(
-        r::sumsq_chunk_offsets(2 * SUMSQ_CHUNK + 3),
-        vec![0, c, 2 * c, 2 * c + 3]
-    );
-    let e = HostExec::F32;
-    assert_eq!(e.sq_sum(&Vec::new()).unwrap(), 0.0);
-    for n in [1usize, 1000, SUMSQ_CHUNK + 1, 3 * SUMSQ_CHUNK + 777] {
-        let x = data(n, 36);
-        let want: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
-        let got = e.sq_sum(&x).unwrap();
-        assert!(
-            (got - want).abs() <= 1e-6 * want,
-            "{n} elements: {got} vs {want}"
-        );
+fn a_norm_over_segments_is_its_flat_elements_in_the_lane_order() {
+    let bufs: Vec<Vec<f32>> = [1usize, 300, 5000, 40_000]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| data(n, 60 + i as u64))
+        .collect();
+    for part_numel in [32usize, 100, 4096, 8192] {
+        let groups = vec![
+            // Nothing: no parts.
+            NormGroup {
+                numel: 0,
+                part_numel,
+                segments: vec![],
+            },
+            // No segment: zeros.
+            NormGroup {
+                numel: 77,
+                part_numel,
+                segments: vec![],
+            },
+            NormGroup {
+                numel: 46_000,
+                part_numel,
+                segments: vec![
+                    NormSegment {
+                        buf: &bufs[1],
+                        offset: 7,
+                        numel: 293,
+                        flat_start: 0,
+                    },
+                    NormSegment {
+                        buf: &bufs[0],
+                        offset: 0,
+                        numel: 1,
+                        flat_start: 293,
+                    },
+                    NormSegment {
+                        buf: &bufs[1],
+                        offset: 0,
+                        numel: 0,
+                        flat_start: 294,
+                    },
+                    // A gap of 6, then a long run across parts.
+                    NormSegment {
+                        buf: &bufs[3],
+                        offset: 5,
+                        numel: 39_995,
+                        flat_start: 300,
+                    },
+                    NormSegment {
+                        buf: &bufs[2],
+                        offset: 0,
+                        numel: 5000,
+                        flat_start: 40_995,
+                    },
+                ],
+            },
+        ];
+        let parts = r::sumsq_parts(&groups).unwrap();
+        let plan = NormPlan::new(&groups, Vec::len).unwrap();
+        assert_eq!(parts.len(), plan.total_parts());
+        let sums = r::norm_sq_sums(&groups).unwrap();
+        assert_eq!(sums.len(), 3);
+        assert_eq!(sums[0].to_bits(), 0f64.to_bits());
+        assert_eq!(sums[1].to_bits(), 0f64.to_bits());
+        for (g, &got) in groups.iter().zip(&sums) {
+            let flat = flat_of(g);
+            let want = norm_by_definition(&flat, part_numel);
+            assert_eq!(got.to_bits(), want.to_bits(), "part length {part_numel}");
+            // candle's Σ x² in f64 (its own order): within f64 rounding.
+            let plain = Tensor::new(flat.as_slice(), &Device::Cpu)
+                .and_then(|t| t.to_dtype(DType::F64))
+                .and_then(|t| t.sqr())
+                .and_then(|t| t.sum_all())
+                .and_then(|t| t.to_scalar::<f64>())
+                .unwrap();
+            assert!((got - plain).abs() <= 1e-12 * plain.max(1e-300));
+        }
+    }
+    // A square of f32::MAX is finite in f64; an inf or a NaN is not.
+    let mut x = vec![f32::MAX; 100];
+    let one = |x: &Vec<f32>| {
+        r::norm_sq_sums(&[NormGroup {
+            numel: x.len(),
+            part_numel: 64,
+            segments: vec![NormSegment {
+                buf: x,
+                offset: 0,
+                numel: x.len(),
+                flat_start: 0,
+            }],
+        }])
+        .unwrap()[0]
+    };
+    assert!(one(&x).is_finite());
+    x[99] = f32::NAN;
+    assert!(one(&x).is_nan());
+    x[99] = f32::NEG_INFINITY;
+    assert_eq!(one(&x), f64::INFINITY);
+}
+
+/// A plan whose segments overlap, leave their group or their buffer, or
+/// whose parts are empty, is an error that says which, never a panic or
+/// a read outside a buffer.
+#[test]
+fn a_bad_norm_plan_is_refused_with_the_segment() {
+    let buf = data(100, 70);
+    let seg = |offset, numel, flat_start| NormSegment {
+        buf: &buf,
+        offset,
+        numel,
+        flat_start,
+    };
+    let cases = [
+        (vec![seg(0, 10, 0), seg(0, 10, 5)], 50, 8, "overlaps"),
+        (vec![seg(0, 10, 45)], 50, 8, "leaves the group"),
+        (vec![seg(95, 10, 0)], 50, 8, "a buffer of 100"),
+        (vec![seg(0, usize::MAX, 1)], 50, 8, "leaves the group"),
+        (vec![seg(0, 10, 0)], 50, 0, "parts of 0 elements"),
+    ];
+    for (segments, numel, part_numel, says) in cases {
+        let g = [NormGroup {
+            numel,
+            part_numel,
+            segments,
+        }];
+        let e = r::norm_sq_sums(&g).unwrap_err().to_string();
+        assert!(e.contains(says) && e.contains("sumsq_parts"), "{e}");
     }
 }
 

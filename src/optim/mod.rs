@@ -102,7 +102,7 @@ pub mod schedule;
 mod tests;
 
 pub use kernels::{convert_f32_to_bf16, rmw_probe, Isa, ProbeOrder};
-pub use norm::{GradNorm, GradStep};
+pub use norm::{GradNorm, GradStep, NORM_PART_NUMEL};
 pub use par::WORK_CHUNK_NUMEL;
 pub use scalar::{f32_to_bf16_bits, f32_to_bf16_moment_bits, f32_to_f16_bits};
 

@@ -7,21 +7,34 @@
 //!   number of elements stays finite; it is inf or NaN exactly when some
 //!   gradient is. One pass therefore gives both the clip norm and the fp16
 //!   overflow check (DeepSpeed does these as separate reductions).
-//! * Deterministic: the slice is cut into [`NORM_PARTS`] parts whose bounds
-//!   depend only on its length; each part is summed with 8 fixed lanes and
-//!   the part sums are added in order. Threads only decide who computes which
-//!   part, so the result is the same bits at any thread count. The partials
-//!   live in a stack array: no allocation.
+//! * Deterministic, in one order that a GPU computes as fast
+//!   (`tierzero_gpu::norm`, whose kernel and scalar reference give these
+//!   bits): the slice is cut into parts of [`NORM_PART_NUMEL`] elements;
+//!   in a part, lane `j` of 8 adds the squares of elements `j, j + 8, …`
+//!   in order; the lanes are added pairwise, `((0 + 1) + (2 + 3)) + ((4 +
+//!   5) + (6 + 7))`; the parts' sums are added in order from 0. Threads
+//!   only decide who computes which part, so the result is the same bits
+//!   at any thread count, and the device optimizer's norm (training in
+//!   GPU memory) is the same bits as this one. (The parts were 1/256 of
+//!   the slice each, which gave a GPU 2048 threads for a whole model's
+//!   sub-group; fixed parts give it one per 1024 elements, at the same
+//!   speed here.)
 //! * The code is safe scalar Rust written lane-parallel so LLVM vectorises it
 //!   without reassociation; the pass reads 4 B/element and is bandwidth
 //!   bound, so hand-written SIMD would not pay.
 
-use super::{GradScale, OptimError, SPLIT_ALIGN_NUMEL};
+use tierzero_gpu::norm::{combine_lanes, fold_parts, NORM_LANES};
 
-/// Number of fixed parts of a norm reduction.
-pub const NORM_PARTS: usize = 256;
+use super::{GradScale, OptimError};
 
-const LANES: usize = 8;
+/// Elements of one part of a norm reduction (a multiple of the lanes and
+/// of [`super::SPLIT_ALIGN_NUMEL`]). 8192: 1024 loads per GPU thread, and
+/// a partial of 8 bytes per 32 KiB read here.
+pub const NORM_PART_NUMEL: usize = 8192;
+const _: () = assert!(
+    NORM_PART_NUMEL.is_multiple_of(NORM_LANES)
+        && NORM_PART_NUMEL.is_multiple_of(super::SPLIT_ALIGN_NUMEL)
+);
 
 /// Σ x² of one part (the loop built with FMA where the CPU has it, see
 /// `crate::wide`: the same bits either way).
@@ -34,12 +47,12 @@ fn part_sq_sum(x: &[f32]) -> f64 {
 
 #[inline(always)]
 fn part_sq_sum_lanes(x: &[f32]) -> f64 {
-    let mut acc = [0.0f64; LANES];
+    let mut acc = [0.0f64; NORM_LANES];
     // Fixed-size windows: indexing `chunks_exact`'s slices kept their
     // bounds checks, and the loop compiled to scalar FMAs.
-    let (chunks, rest) = x.as_chunks::<LANES>();
+    let (chunks, rest) = x.as_chunks::<NORM_LANES>();
     for c in chunks {
-        for j in 0..LANES {
+        for j in 0..NORM_LANES {
             let g = c[j] as f64;
             acc[j] = g.mul_add(g, acc[j]);
         }
@@ -48,38 +61,34 @@ fn part_sq_sum_lanes(x: &[f32]) -> f64 {
         let g = r as f64;
         acc[j] = g.mul_add(g, acc[j]);
     }
-    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
+    combine_lanes(acc)
 }
 
 /// Σ x² in f64, bitwise independent of `threads`.
 pub(crate) fn sq_norm_f64(x: &[f32], threads: usize) -> f64 {
     let n = x.len();
-    if n == 0 {
-        return 0.0;
-    }
-    let part_len = n.div_ceil(NORM_PARTS).div_ceil(SPLIT_ALIGN_NUMEL).max(1) * SPLIT_ALIGN_NUMEL;
-    let parts = n.div_ceil(part_len);
-    let mut partial = [0.0f64; NORM_PARTS];
-    let threads = threads.clamp(1, parts);
-    let parts_per_thread = parts.div_ceil(threads);
+    let parts = n.div_ceil(NORM_PART_NUMEL);
+    let threads = threads.clamp(1, parts.max(1));
     if threads == 1 {
-        for (k, p) in partial.iter_mut().enumerate().take(parts) {
-            let start = k * part_len;
-            *p = part_sq_sum(&x[start..(start + part_len).min(n)]);
-        }
-    } else {
-        std::thread::scope(|s| {
-            for (t, slots) in partial[..parts].chunks_mut(parts_per_thread).enumerate() {
-                s.spawn(move || {
-                    for (j, p) in slots.iter_mut().enumerate() {
-                        let start = (t * parts_per_thread + j) * part_len;
-                        *p = part_sq_sum(&x[start..(start + part_len).min(n)]);
-                    }
-                });
-            }
-        });
+        return x
+            .chunks(NORM_PART_NUMEL)
+            .fold(0.0, |s, part| s + part_sq_sum(part));
     }
-    partial[..parts].iter().sum()
+    let mut partial = vec![0.0f64; parts];
+    let parts_per_thread = parts.div_ceil(threads);
+    std::thread::scope(|s| {
+        for (slots, xs) in partial
+            .chunks_mut(parts_per_thread)
+            .zip(x.chunks(parts_per_thread * NORM_PART_NUMEL))
+        {
+            s.spawn(move || {
+                for (p, part) in slots.iter_mut().zip(xs.chunks(NORM_PART_NUMEL)) {
+                    *p = part_sq_sum(part);
+                }
+            });
+        }
+    });
+    fold_parts(&partial)
 }
 
 /// What the caller does with this step.

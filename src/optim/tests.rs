@@ -869,6 +869,49 @@ fn norm_is_deterministic_and_accurate() {
     assert!(opt1.grad_sq_norm(&big).is_finite());
 }
 
+/// The host's norm is the device optimizer's: `tierzero_gpu`'s scalar
+/// reference of the `sumsq_parts` kernel, over the same elements in parts
+/// of [`NORM_PART_NUMEL`], gives the same bits at awkward sizes (a part
+/// and one element, lanes left over), at any thread count and with every
+/// instruction set's build of the loop.
+#[test]
+fn the_host_norm_is_the_device_kernels_bits() {
+    use tierzero_gpu::norm::{NormGroup, NormSegment};
+    let p = NORM_PART_NUMEL;
+    let s = make_state(5 * p + 33, 11);
+    let isas: Vec<usize> = (0..crate::wide::ALL.len())
+        .filter(|&k| crate::wide::ALL[k].supported())
+        .collect();
+    for n in [0usize, 1, 31, 33, p - 1, p, p + 1, 2 * p + 17, 5 * p + 33] {
+        let g = &s.g[..n];
+        let group = NormGroup {
+            numel: n,
+            part_numel: p,
+            segments: vec![NormSegment {
+                buf: &s.g,
+                offset: 0,
+                numel: n,
+                flat_start: 0,
+            }],
+        };
+        let want = tierzero_gpu::reference::norm_sq_sums(&[group]).unwrap()[0];
+        for &isa in &isas {
+            crate::wide::TEST_CHOICE.store(isa + 1, std::sync::atomic::Ordering::Relaxed);
+            for t in [1, 2, 3, 7] {
+                let got = CpuAdam::new(AdamHyper::default(), nz(t))
+                    .unwrap()
+                    .grad_sq_norm(g);
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "{n} elements, {t} threads, isa {isa}"
+                );
+            }
+            crate::wide::TEST_CHOICE.store(0, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
 #[test]
 fn overflow_check_skips_and_scale_combines_unscale_and_clip() {
     let opt = CpuAdam::new(AdamHyper::default(), nz(2)).unwrap();

@@ -1,8 +1,14 @@
 // The optimizer's kernels.
 //
-// sumsq_groups: per sub-group g, out[g] = the sum of x^2 over elements
-// offsets[g] .. offsets[g + 1] (one block per group, tz_block_sum), for the
-// clipping norm: the host adds the groups' sums in order.
+// sumsq_parts: the clipping norm's parts in the host optimizer's order
+// (src/norm.rs): 8 lanes per part, 4 parts per warp; lane j adds in f64
+// with fma the squares of its part's elements j, j + 8, ... in order,
+// then the part's lanes are added by an xor butterfly over them, 1, 2,
+// then 4: ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)). Part p is flat
+// elements parts[4p] .. parts[4p + 1] of its group, held by the segments
+// parts[4p + 2] .. parts[4p + 3]; segment s is segs[3s + 1] f32 elements
+// at address segs[3s], flat elements segs[3s + 2] .. of the group. An
+// element no segment holds is a zero, which adds nothing.
 //
 // adamw: one element per thread, the arithmetic of the CPU kernel
 // (src/optim/scalar.rs `update`) with the same fused multiply-adds and no
@@ -10,17 +16,43 @@
 // so it gives the CPU's bits. `out` (nullable) gets the new param rounded
 // to T.
 
-template <typename T>
-__device__ void sumsq_groups(float* out, const T* x, const long long* offsets) {
-    __shared__ float shm[32];
-    const int g = blockIdx.x;
-    float s = 0.0f;
-    for (long long i = offsets[g] + threadIdx.x; i < offsets[g + 1]; i += blockDim.x) {
-        const float v = tz_load(&x[i]);
-        s += v * v;
+extern "C" __global__ void sumsq_parts(double* out, const long long* parts, long long n_parts,
+                                       const long long* segs) {
+    const long long thread = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = ((long long)gridDim.x * blockDim.x) >> 3;
+    const int lane = threadIdx.x & 7;
+    // Every thread of a warp takes as many turns (the butterfly needs all
+    // 32): a part index past the end adds nothing.
+    for (long long base = (thread >> 5) << 2; base < n_parts; base += stride) {
+        const long long p = base + ((threadIdx.x & 31) >> 3);
+        double acc = 0.0;
+        if (p < n_parts) {
+            const long long end = parts[4 * p + 1];
+            long long s = parts[4 * p + 2];
+            const long long s_end = parts[4 * p + 3];
+            const float* x = nullptr;
+            long long lo = 0, hi = 0;
+            if (s < s_end) {
+                x = (const float*)(unsigned long long)segs[3 * s];
+                lo = segs[3 * s + 2];
+                hi = lo + segs[3 * s + 1];
+            }
+            for (long long f = parts[4 * p] + lane; f < end && s < s_end; f += 8) {
+                while (f >= hi) {
+                    if (++s == s_end) break;
+                    x = (const float*)(unsigned long long)segs[3 * s];
+                    lo = segs[3 * s + 2];
+                    hi = lo + segs[3 * s + 1];
+                }
+                if (s < s_end && f >= lo) {
+                    const double v = (double)x[f - lo];
+                    acc = fma(v, v, acc);
+                }
+            }
+        }
+        for (int o = 1; o < 8; o <<= 1) acc += __shfl_xor_sync(TZ_FULL_MASK, acc, o);
+        if (p < n_parts && lane == 0) out[p] = acc;
     }
-    s = tz_block_sum(s, shm);
-    if (threadIdx.x == 0) out[g] = s;
 }
 
 template <typename T>
@@ -44,10 +76,6 @@ __device__ void adamw(float* master, float* m, float* v, const float* grad, T* o
 }
 
 #define TZ_OPTIM(SUF, T)                                                                         \
-    extern "C" __global__ void sumsq_groups_##SUF(float* out, const T* x,                        \
-                                                  const long long* offsets) {                    \
-        sumsq_groups<T>(out, x, offsets);                                                        \
-    }                                                                                            \
     extern "C" __global__ void adamw_##SUF(float* master, float* m, float* v, const float* grad, \
                                            T* out, long long n, float grad_scale, float beta1,   \
                                            float one_minus_beta1, float beta2,                   \

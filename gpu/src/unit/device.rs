@@ -24,8 +24,9 @@ use half::{bf16, f16};
 
 use super::{check_ids, mm, AttnShape, Exec, GemmDtype};
 use crate::device::{Device, DeviceBuffer};
+use crate::norm::{self, NormGroup, NormSegment};
 use crate::ops::{self, AdamState, MatmulShape, NormOut, NormStats};
-use crate::reference::{self as r, AdamScalars, HeadsShape, KvShape, RopeShape};
+use crate::reference::{AdamScalars, HeadsShape, KvShape, RopeShape};
 use crate::{GpuError, Result};
 
 /// A unit's buffer on the device: fp32, or bf16 or fp16 for a param
@@ -353,33 +354,36 @@ impl Exec for CudaExec<'_> {
         ops::adamw::<f32>(self.dev, st, grad.f32()?, None, s)
     }
 
-    fn sq_sum(&self, x: &DevBuf) -> Result<f64> {
-        Ok(self.sq_sums(&[x])?.first().copied().unwrap_or(0.0))
-    }
-    fn sq_sums(&self, xs: &[&DevBuf]) -> Result<Vec<f64>> {
-        let xs = xs.iter().map(|x| x.f32()).collect::<Result<Vec<_>>>()?;
-        let host_offsets: Vec<Vec<i64>> =
-            xs.iter().map(|x| r::sumsq_chunk_offsets(x.len())).collect();
-        let groups: Vec<usize> = host_offsets
+    fn norm_sq_sums(&self, groups: &[NormGroup<'_, DevBuf>]) -> Result<Vec<f64>> {
+        let groups = groups
             .iter()
-            .map(|h| h.len().saturating_sub(1))
-            .collect();
-        let total: usize = groups.iter().sum();
-        if total == 0 {
-            return Ok(vec![0.0; xs.len()]);
-        }
-        let mut out = self.dev.alloc_output::<f32>("sums of squares", total)?;
-        ops::sumsq_groups_many(self.dev, &mut out, &xs, &host_offsets)?;
-        let sums = self.dev.download(&out)?;
-        let mut at = 0;
-        Ok(groups
-            .iter()
-            .map(|&g| {
-                let s = r::sum_chunks_f64(&sums[at..at + g]);
-                at += g;
-                s
+            .map(|g| {
+                let segments = g
+                    .segments
+                    .iter()
+                    .map(|s| {
+                        Ok(NormSegment {
+                            buf: s.buf.f32()?,
+                            offset: s.offset,
+                            numel: s.numel,
+                            flat_start: s.flat_start,
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(NormGroup {
+                    numel: g.numel,
+                    part_numel: g.part_numel,
+                    segments,
+                })
             })
-            .collect())
+            .collect::<Result<Vec<_>>>()?;
+        let parts: usize = groups.iter().map(NormGroup::parts).sum();
+        if parts == 0 {
+            return Ok(vec![0.0; groups.len()]);
+        }
+        let mut out = self.dev.alloc_zeros::<f64>("sums of squares", parts)?;
+        let plan = ops::sumsq_parts(self.dev, &mut out, &groups)?;
+        Ok(norm::fold_groups(&plan, &self.dev.download(&out)?))
     }
     fn round_bf16(&self, dst: &mut DevBuf, src: &DevBuf) -> Result<()> {
         let src = src.f32()?;

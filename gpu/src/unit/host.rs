@@ -3,6 +3,7 @@
 use half::bf16;
 
 use super::{attention_bwd_fp32, attention_fwd_fp32, check_ids, AttnShape, Exec, GemmDtype};
+use crate::norm::NormGroup;
 use crate::ops::MatmulShape;
 use crate::reference::{self as r, AdamScalars, HeadsShape, KvShape, RopeShape};
 use crate::Result;
@@ -118,9 +119,8 @@ impl Exec for HostExec {
         Ok(())
     }
 
-    fn sq_sum(&self, x: &Vec<f32>) -> Result<f64> {
-        let offsets = r::sumsq_chunk_offsets(x.len());
-        Ok(r::sum_chunks_f64(&r::sumsq_groups(x, &offsets)))
+    fn norm_sq_sums(&self, groups: &[NormGroup<'_, Vec<f32>>]) -> Result<Vec<f64>> {
+        r::norm_sq_sums(groups)
     }
     fn round_bf16(&self, dst: &mut Vec<f32>, src: &Vec<f32>) -> Result<()> {
         if dst.len() != src.len() {

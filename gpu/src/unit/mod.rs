@@ -34,6 +34,7 @@ pub use gpt2::*;
 pub use host::{HostExec, HostIds};
 pub use llama::*;
 
+use crate::norm::NormGroup;
 use crate::ops::MatmulShape;
 use crate::reference::{AdamScalars, HeadsShape, KvShape, RopeShape};
 use crate::{GpuError, Result};
@@ -228,17 +229,11 @@ pub trait Exec {
     fn fill_zero(&self, b: &mut Self::Buf) -> Result<()>;
     /// [`crate::ops::adamw`] on `[master, m, v]`.
     fn adamw(&self, st: [&mut Self::Buf; 3], grad: &Self::Buf, s: AdamScalars) -> Result<()>;
-    /// Σ x² of the whole buffer: [`crate::ops::sumsq_groups`] over
-    /// chunks of [`crate::kernels::SUMSQ_CHUNK`] elements
-    /// ([`crate::reference::sumsq_chunk_offsets`]), the chunks' f32 sums
-    /// added in f64 in order.
-    fn sq_sum(&self, x: &Self::Buf) -> Result<f64>;
-    /// [`Self::sq_sum`] of each buffer, the same bits, for one wait in
-    /// all (the device queues every buffer's chunks, then reads them back
-    /// once: [`crate::ops::sumsq_groups_many`]).
-    fn sq_sums(&self, xs: &[&Self::Buf]) -> Result<Vec<f64>> {
-        xs.iter().map(|x| self.sq_sum(x)).collect()
-    }
+    /// Each group's Σ x² in the host optimizer's order
+    /// ([`crate::norm`]): on the device [`crate::ops::sumsq_parts`] (one
+    /// launch for every group, one wait), the parts added on the host;
+    /// the buffers must be fp32.
+    fn norm_sq_sums(&self, groups: &[NormGroup<'_, Self::Buf>]) -> Result<Vec<f64>>;
     /// `dst = src` rounded to bf16 (to nearest even) and widened back, by
     /// the `cast_f32_bf16` and `cast_bf16_f32` kernels.
     fn round_bf16(&self, dst: &mut Self::Buf, src: &Self::Buf) -> Result<()>;

@@ -40,11 +40,12 @@
 //! master rounded to bf16 (the kernels `cast_f32_bf16`, `cast_bf16_f32`),
 //! which is the host's bf16 copy (with several ranks, each rank's range
 //! rounded and the rest gathered: "Several ranks"). The gradient norm for
-//! clipping is each
-//! param's sum of squares on the device (one fixed-order reduction) added
-//! in param order on the host, every param's chunks read back in one wait
-//! (`Exec::sq_sums`): the same bits every run, not the host's
-//! norm's bits.
+//! clipping is taken on the device over the optimizer's sub-groups in the
+//! host optimizer's order (`Exec::norm_sq_sums`, the `sumsq_parts` kernel:
+//! each sub-group's pieces of the params' sums as segments, every
+//! sub-group in one launch and one wait; `tierzero_gpu::norm`), and the
+//! trainer adds the sub-groups' sums in order: the host's norm's bits, so
+//! a run that clips is the host's bits too.
 //!
 //! # Several ranks
 //!

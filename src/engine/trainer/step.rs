@@ -469,7 +469,9 @@ impl Trainer {
         match self.device_compute() {
             Some(c) => {
                 if let Some(dev) = c.device_optimizer() {
-                    total = dev.grad_sq_sum()?;
+                    for s in dev.grad_sq_sums(&self.layout.sub_groups)? {
+                        total += s;
+                    }
                 }
             }
             None => {

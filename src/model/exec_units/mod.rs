@@ -260,11 +260,16 @@ pub trait DeviceOptimizer: Send + Sync {
     /// rounded to bf16; with several ranks, gathered from the ranks'
     /// shards).
     fn load(&self, id: ParamId, state: [&[f32]; 3]) -> Result<(), ModelError>;
-    /// Σ g² over the step's gradients (with several ranks, this rank's
-    /// shards of them; the caller adds the ranks'): each param's sum of
-    /// squares on the device (one fixed-order reduction, in f32), added on
-    /// the host in param order (in f64).
-    fn grad_sq_sum(&self) -> Result<f64, ModelError>;
+    /// Each sub-group's Σ g² over the step's gradients (with several
+    /// ranks, this rank's shards of them; the caller adds the ranks'), in
+    /// the host optimizer's order (`crate::optim::NORM_PART_NUMEL`, see
+    /// `tierzero_gpu::norm`): the bits the host's norm of the same
+    /// gradients gives, which the caller adds in sub-group order as the
+    /// host's.
+    fn grad_sq_sums(
+        &self,
+        groups: &[crate::engine::layout::SubGroup],
+    ) -> Result<Vec<f64>, ModelError>;
     /// One AdamW step of every param with `s` (None: the step is
     /// skipped), in param order; the gradients are dropped either way.
     fn step(&self, s: Option<tierzero_gpu::reference::AdamScalars>) -> Result<(), ModelError>;

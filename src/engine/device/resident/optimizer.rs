@@ -4,8 +4,12 @@
 //! devices, or at stage 3 none), the gradient norm, the step (see "The
 //! step" in [`super`]) and the state written back.
 
+use tierzero_gpu::norm::{NormGroup, NormSegment};
 use tierzero_gpu::reference::AdamScalars;
 use tierzero_gpu::unit::Exec;
+
+use crate::engine::layout::SubGroup;
+use crate::optim::NORM_PART_NUMEL;
 
 use super::{
     exec_units, param_err, AdamState, DeviceLink, DeviceOptimizer, Grad, HostElems, ModelError,
@@ -104,23 +108,39 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
         Ok(())
     }
 
-    fn grad_sq_sum(&self) -> Result<f64, ModelError> {
+    fn grad_sq_sums(&self, groups: &[SubGroup]) -> Result<Vec<f64>, ModelError> {
         let mut st = self.lock();
         self.fold_all(&mut st)?;
         let e = self.link.exec();
         // This rank's sums: the whole step's with one rank, its shards'
-        // with several (the trainer adds the ranks').
-        let grads: Vec<&L::Buf> = st
-            .params
-            .values()
-            .filter_map(|p| match (&p.grad, &p.reduced) {
-                (Grad::Summed(g), _) | (_, Reduced::Ready(g)) => Some(g),
-                _ => None,
+        // with several (the trainer adds the ranks'), each piece of a
+        // sub-group a segment of its param's sum; a param with none is
+        // zeros, which add nothing.
+        let norm_groups: Vec<NormGroup<'_, L::Buf>> = groups
+            .iter()
+            .map(|g| NormGroup {
+                numel: g.numel,
+                part_numel: NORM_PART_NUMEL,
+                segments: g
+                    .pieces
+                    .iter()
+                    .filter_map(|pc| {
+                        let sum = match st.params.get(&pc.param).map(|p| (&p.grad, &p.reduced)) {
+                            Some((Grad::Summed(s), _) | (_, Reduced::Ready(s))) => s,
+                            _ => return None,
+                        };
+                        Some(NormSegment {
+                            buf: sum,
+                            offset: pc.offset_in_shard,
+                            numel: pc.numel,
+                            flat_start: pc.offset_in_group,
+                        })
+                    })
+                    .collect(),
             })
             .collect();
-        // One wait for every param's sum, added here in param order.
-        let sums = e.sq_sums(&grads).map_err(exec_units::gpu_err)?;
-        Ok(sums.iter().fold(0f64, |t, s| t + s))
+        // One launch and one wait for every sub-group.
+        e.norm_sq_sums(&norm_groups).map_err(exec_units::gpu_err)
     }
 
     fn step(&self, s: Option<AdamScalars>) -> Result<(), ModelError> {
