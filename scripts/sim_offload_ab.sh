@@ -8,13 +8,19 @@
 # so that the simulator's reference GEMMs stay short.
 #
 #   scripts/sim_offload_ab.sh OLD_BIN NEW_BIN [ROUNDS]   (default 2 rounds)
+#   SUB_GROUP_SIZE=1e9 scripts/sim_offload_ab.sh ...       (DeepSpeed's default:
+#                                                          one sub-group)
 #
 # The binaries take turns going first (old first in odd rounds).
 #
 # Per run, one line: the binary, start-up seconds (total_s - train_s of
 # --json), the second step's wall seconds and its tail (from the end of the
 # last unit's backward on the compute lane to the step's end, from
-# --timeline), and weight_sha256 (the two binaries must agree). The step
+# --timeline), the spans of the gradients' adds into the sums (`grads uN`
+# on the compute lane), of the optimizer and of the store (each
+# sub-group's step on the optimizer thread, and its new values stored):
+# their sum, count and median; and weight_sha256 (the two binaries must
+# agree). The step
 # is mostly the simulator's reference GEMMs; the tail and the start-up
 # are host work: the gradients' adds and the seeded init.
 set -euo pipefail
@@ -25,6 +31,15 @@ cd "$(dirname "$0")/.."
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 python3 scripts/offload_llama_6h.py "$work/llama" "$work/ds.json" 1 4
+# SUB_GROUP_SIZE=N: sub-groups of N elements instead of the script's.
+if [ -n "${SUB_GROUP_SIZE:-}" ]; then
+  python3 - "$work/ds.json" "$SUB_GROUP_SIZE" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["zero_optimization"]["sub_group_size"] = int(float(sys.argv[2]))
+json.dump(c, open(sys.argv[1], "w"))
+PY
+fi
 # ABBA: the first run of a round is slower whichever binary it is (the
 # same binary twice gave tails of 1017 and 134 ms), so the order turns.
 for r in $(seq 1 "$rounds"); do
@@ -45,8 +60,13 @@ step = next(e for e in spans if e["name"].startswith("step"))
 end = step["ts"] + step["dur"]
 last_bwd = max(e["ts"] + e["dur"] for e in spans
                if lanes[e["tid"]] == "compute" and e["name"].startswith("bwd u") and e["ts"] < end)
+def lane_ms(name, prefix=""):
+    d = sorted(e["dur"] / 1e3 for e in spans if lanes[e["tid"]] == name and e["name"].startswith(prefix))
+    return f"{sum(d):.0f} ms in {len(d)} (median {d[len(d) // 2]:.1f})" if d else "none"
 print(f"round {r} {b}: start-up {o['total_s'] - o['train_s']:.1f} s, step {step['dur'] / 1e6:.2f} s, "
-      f"tail {(end - last_bwd) / 1e3:.0f} ms, weight_sha256 {o['weight_sha256'][:16]}")
+      f"tail {(end - last_bwd) / 1e3:.0f} ms, grads {lane_ms('compute', 'grads')}, optimizer {lane_ms('optimizer')}, "
+      f"store {lane_ms('store')}, "
+      f"weight_sha256 {o['weight_sha256'][:16]}")
 PY
   done
 done

@@ -410,6 +410,52 @@ pub fn host_grad_bound_bytes(
     )
 }
 
+/// The sub-groups the largest unit's params touch: the sums backward
+/// adds into at once (`unit_groups` of [`host_grad_bound_bytes`]).
+pub fn largest_unit_groups(
+    model: &crate::model::Model,
+    layout: &crate::engine::layout::Layout,
+) -> u64 {
+    model
+        .units()
+        .iter()
+        .map(|u| {
+            let mut gs: Vec<usize> = u
+                .params
+                .iter()
+                .filter_map(|p| layout.params.get(p.0))
+                .flat_map(|s| s.pieces.iter().map(|pc| pc.sub_group.0))
+                .collect();
+            gs.sort_unstable();
+            gs.dedup();
+            gs.len() as u64
+        })
+        .max()
+        .unwrap_or(1)
+}
+
+/// How many fp32 gradient sums the trainer keeps from one step for the
+/// next (spares: a sum made in one is written in place, where a new one
+/// is page-faulted in as it is zeroed): as many sub-groups as the
+/// gradient bound ([`host_grad_bound_bytes`], `bound_bytes`) counts,
+/// every one of the `groups` with the state in host memory, so spares and
+/// the sums in use together never exceed the gradient bytes the plan
+/// prints (a spare is a sum that was in use).
+pub fn spare_grad_sums(
+    bound_bytes: u64,
+    opt_nvme: bool,
+    groups: usize,
+    max_group_numel: u64,
+) -> usize {
+    if !opt_nvme {
+        return groups;
+    }
+    let per_group = max_group_numel.saturating_mul(4).max(1);
+    usize::try_from(bound_bytes / per_group)
+        .unwrap_or(usize::MAX)
+        .min(groups)
+}
+
 /// [`host_grad_bound_bytes`] with the optimizer state on NVMe, from its
 /// parts: `groups` sub-groups' sums being added into, held or speculated,
 /// and the [`grads_in_flight`] steps handed over, at most `sub_groups`
@@ -968,6 +1014,19 @@ mod tests {
         assert_eq!(slots(0, Some(3000), None), 0);
         // Kept gradients: the pipeline's depth, at most the slots.
         assert_eq!(speculation_kept_grads(1, 1, 10), 3);
+    }
+
+    #[test]
+    fn spare_gradient_sums_are_what_the_gradient_bound_counts() {
+        // State in host memory: every sub-group's sum is held anyway.
+        assert_eq!(spare_grad_sums(0, false, 7, 100), 7);
+        // On NVMe: the bound's whole groups of the largest, at most all.
+        let bound = nvme_state_grad_bound_bytes(2, 1, 1, 20, 100);
+        assert_eq!(bound, 6 * 100 * 4);
+        assert_eq!(spare_grad_sums(bound, true, 20, 100), 6);
+        assert_eq!(spare_grad_sums(bound, true, 4, 100), 4);
+        assert_eq!(spare_grad_sums(399, true, 4, 100), 0);
+        assert_eq!(spare_grad_sums(u64::MAX, true, 3, 0), 3);
         assert_eq!(speculation_kept_grads(1, 1, 2), 2);
         assert_eq!(speculation_kept_grads(0, 0, 0), 0);
     }

@@ -205,24 +205,7 @@ impl Plan {
 
         let shard_numel = layout.shard_numel() as u64;
         let opt_nvme = zero.offload_optimizer.device.nvme_path();
-        // The sub-groups the largest unit's params touch: the sums
-        // backward adds into at once.
-        let unit_groups = model
-            .units()
-            .iter()
-            .map(|u| {
-                let mut gs: Vec<usize> = u
-                    .params
-                    .iter()
-                    .filter_map(|p| layout.params.get(p.0))
-                    .flat_map(|s| s.pieces.iter().map(|pc| pc.sub_group.0))
-                    .collect();
-                gs.sort_unstable();
-                gs.dedup();
-                gs.len() as u64
-            })
-            .max()
-            .unwrap_or(1);
+        let unit_groups = crate::engine::sizing::largest_unit_groups(model, layout);
         let shape = crate::engine::sizing::Shape::of(config, model, layout);
         let grads = TierBytes {
             host_bytes: crate::engine::sizing::host_grad_bound_bytes(

@@ -34,7 +34,8 @@
 //! first block of backward. A step's [`Done::Stepped`] goes out before
 //! the worker waits for older state writes to retire, so the compute
 //! thread never waits on a write it does not need. The updated 16-bit (or
-//! fp32) parameter bytes go back as [`Done::Stepped`]; the compute thread
+//! fp32) parameter values go back as [`Done::Stepped`] ([`StepValues`],
+//! the kernel's output itself, moved); the compute thread
 //! stores them at unit boundaries, and before the next step uses those
 //! params (the [`crate::engine::ParamStore`] has a single owner, the compute
 //! thread, so it needs no lock). A stepped sub-group's params are never
@@ -157,17 +158,76 @@ impl std::fmt::Debug for ExclusiveJob {
     }
 }
 
+/// A stepped sub-group's new param values in the storage dtype, as the
+/// AdamW kernel wrote them (its low-precision output, or the fp32
+/// master copied in parallel): moved to the trainer, which reads them as
+/// bytes ([`StepValues::as_bytes`]). They used to be re-encoded into a
+/// new `Vec<u8>` element by element on this thread, a fresh 90 MB a
+/// 45M-element sub-group in bf16 (about 50 ms on one core here, most of it
+/// page faults), on the optimizer tail that paces the next forward.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StepValues {
+    /// fp32 storage.
+    F32(Vec<f32>),
+    /// bf16 storage.
+    Bf16(Vec<bf16>),
+    /// fp16 storage.
+    F16(Vec<f16>),
+}
+
+// The stored bytes are little-endian (`to_le_bytes` wrote them before;
+// `params::store::cpu_tensor` reads them back by a native cast).
+const _: () = assert!(
+    cfg!(target_endian = "little"),
+    "the param store's bytes are little-endian"
+);
+
+impl StepValues {
+    /// Their bytes (little-endian, as the store keeps them).
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            StepValues::F32(v) => bytemuck::cast_slice(v),
+            StepValues::Bf16(v) => bytemuck::cast_slice(v),
+            StepValues::F16(v) => bytemuck::cast_slice(v),
+        }
+    }
+
+    /// `master` in the storage `dtype` (rounded to nearest even, as the
+    /// kernel's low-precision output; fp32 copied in parallel).
+    pub fn from_master(master: &[f32], dtype: DType) -> StepValues {
+        match dtype {
+            DType::BF16 => StepValues::Bf16(
+                master
+                    .iter()
+                    .map(|&x| bf16::from_bits(crate::optim::f32_to_bf16_bits(x)))
+                    .collect(),
+            ),
+            DType::F16 => StepValues::F16(
+                master
+                    .iter()
+                    .map(|&x| f16::from_bits(crate::optim::f32_to_f16_bits(x)))
+                    .collect(),
+            ),
+            _ => StepValues::F32(tierzero_gpu::host_copy::to_vec(master)),
+        }
+    }
+}
+
 /// Replies from the optimizer thread.
 #[derive(Debug)]
 pub enum Done {
-    /// New parameter bytes of a stepped sub-group (storage dtype).
+    /// New parameter values of a stepped sub-group (storage dtype).
     Stepped {
         /// Which.
         sg: SubGroupId,
-        /// Bytes of the whole sub-group, in its param order.
-        bytes: Vec<u8>,
+        /// The whole sub-group's, in its param order.
+        values: StepValues,
         /// The tensors the `Step` job asked for ([`TensorWant`]).
         tensors: Vec<(ParamId, Tensor)>,
+        /// The gradient it stepped with, handed back for a later step's
+        /// sums (`None`: none came with the job, or it is kept for a
+        /// re-step).
+        spent: Option<Vec<f32>>,
     },
     /// All queued work finished.
     Flushed,
@@ -340,11 +400,11 @@ impl State {
             }
             _ => None,
         };
-        let mut bytes: Vec<u8> = Vec::new();
+        let mut master_copy: Option<Vec<f32>> = None;
         let fp32 = self.dtype == DType::F32;
         let mut after = |master: &[f32]| -> Result<()> {
             if fp32 {
-                bytes = master.iter().flat_map(|x| x.to_le_bytes()).collect();
+                master_copy = Some(tierzero_gpu::host_copy::to_vec(master));
             }
             Ok(())
         };
@@ -358,6 +418,7 @@ impl State {
             &mut after,
             speculative,
         )?;
+        let mut spent = None;
         if speculative {
             // Kept for a re-step from the old state, should the
             // speculation miss: in host memory, up to the pipeline's depth
@@ -368,24 +429,18 @@ impl State {
                     self.kept.insert(sg, g);
                 } else {
                     self.opt.spill_grad(sg, &g)?;
+                    spent = Some(g);
                 }
             }
+        } else {
+            spent = grad;
         }
-        match self.dtype {
-            DType::BF16 => {
-                bytes = lp_bf16
-                    .iter()
-                    .flat_map(|x| x.to_bits().to_le_bytes())
-                    .collect();
-            }
-            DType::F16 => {
-                bytes = lp_f16
-                    .iter()
-                    .flat_map(|x| x.to_bits().to_le_bytes())
-                    .collect();
-            }
-            _ => {}
-        }
+        let values = match self.dtype {
+            DType::BF16 => StepValues::Bf16(lp_bf16),
+            DType::F16 => StepValues::F16(lp_f16),
+            _ => StepValues::F32(master_copy.unwrap_or_default()),
+        };
+        let bytes = values.as_bytes();
         let eb = self.dtype.size_in_bytes();
         let tensors = wants
             .into_iter()
@@ -406,7 +461,12 @@ impl State {
                 std::time::Instant::now(),
             );
         }
-        Ok(Some(Done::Stepped { sg, bytes, tensors }))
+        Ok(Some(Done::Stepped {
+            sg,
+            values,
+            tensors,
+            spent,
+        }))
     }
 
     /// After a step: sends its reply, issues the next read (the stepped
@@ -482,21 +542,12 @@ impl State {
             }
             Job::Restore(sg) => {
                 let master = self.opt.master(sg)?;
-                let bytes = match self.dtype {
-                    DType::BF16 => master
-                        .iter()
-                        .flat_map(|&x| crate::optim::f32_to_bf16_bits(x).to_le_bytes())
-                        .collect(),
-                    DType::F16 => master
-                        .iter()
-                        .flat_map(|&x| crate::optim::f32_to_f16_bits(x).to_le_bytes())
-                        .collect(),
-                    _ => master.iter().flat_map(|x| x.to_le_bytes()).collect(),
-                };
+                let values = StepValues::from_master(&master, self.dtype);
                 let _ = out.send(Done::Stepped {
                     sg,
-                    bytes,
+                    values,
                     tensors: Vec::new(),
+                    spent: None,
                 });
             }
             Job::Expect(order) => {
@@ -1008,7 +1059,13 @@ mod tests {
         let mut stepped = Vec::new();
         loop {
             match w.recv().unwrap() {
-                Done::Stepped { sg, bytes, tensors } => {
+                Done::Stepped {
+                    sg,
+                    values,
+                    tensors,
+                    ..
+                } => {
+                    let bytes = values.as_bytes();
                     assert_eq!(bytes.len(), 1024 * 4);
                     let got: Vec<(ParamId, Vec<usize>, Vec<u8>)> = tensors
                         .iter()
@@ -1105,8 +1162,8 @@ mod tests {
         let mut stepped = Vec::new();
         loop {
             match w.recv().unwrap() {
-                Done::Stepped { sg, bytes, .. } => {
-                    assert_eq!(bytes, want[sg.0], "sub-group {}", sg.0);
+                Done::Stepped { sg, values, .. } => {
+                    assert_eq!(values.as_bytes(), want[sg.0], "sub-group {}", sg.0);
                     stepped.push(sg);
                 }
                 Done::Flushed => break,
@@ -1131,8 +1188,8 @@ mod tests {
         let mut superseded = Vec::new();
         for _ in 0..n {
             match w.recv().unwrap() {
-                Done::Stepped { sg, bytes, .. } => {
-                    stepped.insert(sg.0, bytes);
+                Done::Stepped { sg, values, .. } => {
+                    stepped.insert(sg.0, values.as_bytes().to_vec());
                 }
                 Done::Superseded(sg) => superseded.push(sg.0),
                 other => panic!("unexpected {other:?}"),

@@ -772,12 +772,29 @@ impl Trainer {
             crate::engine::sizing::mem_available_bytes(),
             opts.comm.world_size(),
         );
+        // Spare gradient sums: as many as the plan's gradient bound counts.
+        let shape = crate::engine::sizing::Shape::of(config, &model, &layout);
+        let opt_nvme = config.zero.offload_optimizer.device.nvme_path().is_some();
+        let spare_sums = std::sync::Mutex::new(super::groups::SpareSums::new(
+            crate::engine::sizing::spare_grad_sums(
+                crate::engine::sizing::host_grad_bound_bytes(
+                    &sizing,
+                    &shape,
+                    opt_nvme,
+                    crate::engine::sizing::largest_unit_groups(&model, &layout),
+                ),
+                opt_nvme,
+                layout.sub_groups.len(),
+                shape.max_sub_group_numel(),
+            ),
+        ));
         Ok(Trainer {
             compute_threads: host.compute_threads,
             adam_threads: host.adam_threads,
             placement: host.placement,
             compute_pool: host.compute_pool,
             host_pool: host.host_pool,
+            spare_sums,
             malloc: host.malloc,
             config: config.clone(),
             model,

@@ -60,6 +60,91 @@ pub(super) enum GroupEvent {
     Speculate,
 }
 
+/// fp32 gradient sums kept from one step for the next, those of
+/// [`SPARE_MIN_BYTES`] or more: a sub-group's sum made from a spare is
+/// zeroed in place, in parallel, where a new block that size is a fresh
+/// `mmap` whose pages fault in as it is zeroed (and are unmapped again
+/// when it is freed). Smaller sums come from the heap, which keeps freed
+/// blocks mapped (`crate::engine::host::heap`) and reuses them for other
+/// buffers too: spares of those held 8 sub-groups of 200 MB through the
+/// step on `scripts/sim_offload_ab.sh` and the optimizer's spans doubled
+/// (its other buffers grew the heap instead), where with one sub-group of
+/// 1.35 GB (`SUB_GROUP_SIZE=1e9`, DeepSpeed's default size) they are what
+/// keeps the sum's pages. One 45M-element block's bf16 gradient into a new
+/// (faulting) sum took 65 ms on 2 cores, into one whose pages were in
+/// place 14 ms (`cargo bench --bench grad_accumulate`). A spare comes back
+/// with the optimizer thread's reply
+/// ([`crate::engine::optimizer::Done::Stepped`]'s `spent`), and at most
+/// `max` are kept ([`crate::engine::sizing::spare_grad_sums`]: spares and
+/// sums in use never exceed the gradient bytes the plan prints).
+/// The least sum kept as a spare: the size from which the heap maps a
+/// block of its own (`crate::engine::host::heap::MMAP_THRESHOLD_BYTES`).
+pub(in crate::engine) const SPARE_MIN_BYTES: usize =
+    crate::engine::host::heap::MMAP_THRESHOLD_BYTES;
+
+#[derive(Debug, Default)]
+pub(in crate::engine) struct SpareSums {
+    spares: Vec<Vec<f32>>,
+    max: usize,
+    min_bytes: usize,
+}
+
+impl SpareSums {
+    /// Keeps at most `max` spares.
+    pub(in crate::engine) fn new(max: usize) -> SpareSums {
+        SpareSums {
+            spares: Vec::new(),
+            max,
+            min_bytes: SPARE_MIN_BYTES,
+        }
+    }
+
+    /// Keeps at most `max` spares of `min_bytes` or more.
+    #[cfg(test)]
+    fn with_min(max: usize, min_bytes: usize) -> SpareSums {
+        SpareSums {
+            spares: Vec::new(),
+            max,
+            min_bytes,
+        }
+    }
+
+    /// `numel` `+0.0`s: the smallest spare that holds them, zeroed in
+    /// parallel on the current pool, else a new sum.
+    pub(in crate::engine) fn zeros(&mut self, numel: usize) -> Vec<f32> {
+        let fit = self
+            .spares
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| v.capacity() >= numel)
+            .min_by_key(|(_, v)| v.capacity())
+            .map(|(i, _)| i);
+        let Some(i) = fit else {
+            return crate::model::fused::zeros_f32(numel);
+        };
+        let mut v = self.spares.swap_remove(i);
+        // Within its capacity: no new pages (a longer one's, touched).
+        v.resize(numel, 0.0);
+        crate::model::fused::fill_zeros(&mut v);
+        v
+    }
+
+    /// Keeps `v` for a later sum if it is [`SPARE_MIN_BYTES`] or more (in
+    /// tests, what [`SpareSums::with_min`] says) and fewer than `max` are
+    /// kept; else frees it.
+    pub(in crate::engine) fn give(&mut self, v: Vec<f32>) {
+        if self.spares.len() < self.max && v.capacity() > 0 && v.capacity() * 4 >= self.min_bytes {
+            self.spares.push(v);
+        }
+    }
+
+    /// Spares kept.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.spares.len()
+    }
+}
+
 /// The step state of every sub-group, in index order.
 #[derive(Debug)]
 pub(super) struct StepGroups {
@@ -82,13 +167,24 @@ impl StepGroups {
             .ok_or_else(|| EngineError::internal(format!("no sub-group {}", sg.0)))
     }
 
-    /// The accumulator of `sg` (created zeroed, `numel` elements): only
-    /// while its gradients are not final.
-    pub(super) fn accumulator(&mut self, sg: SubGroupId, numel: usize) -> Result<&mut Vec<f32>> {
+    /// The accumulator of `sg` (`numel` zeros from `spares` when it is the
+    /// first gradient): only while its gradients are not final.
+    pub(super) fn accumulator(
+        &mut self,
+        sg: SubGroupId,
+        numel: usize,
+        spares: &std::sync::Mutex<SpareSums>,
+    ) -> Result<&mut Vec<f32>> {
         match self.get_mut(sg)? {
-            GroupStep::Accumulating(acc) => {
-                Ok(acc.get_or_insert_with(|| crate::model::fused::zeros_f32(numel)))
-            }
+            GroupStep::Accumulating(acc) => Ok(match acc {
+                Some(a) => a,
+                None => acc.insert(
+                    spares
+                        .lock()
+                        .map_err(|_| EngineError::internal("the spare gradient sums' lock"))?
+                        .zeros(numel),
+                ),
+            }),
             other => Err(EngineError::internal(format!(
                 "a gradient for sub-group {} after it became final ({})",
                 sg.0,
@@ -259,5 +355,54 @@ impl Trainer {
         let sum = park.take(sg)?;
         groups.apply(sg, GroupEvent::Unpark(sum), 0)?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failure is a panic
+
+    use super::SpareSums;
+
+    /// A sum made from a spare is the spare's memory (no new block),
+    /// every element `+0.0` whatever it held; the smallest spare that
+    /// holds the sum is taken; a longer or shorter one is cut or grown;
+    /// no more than `max` are kept, and (in training) none the heap
+    /// keeps mapped itself.
+    #[test]
+    fn spare_sums_are_reused_zeroed_and_bounded() {
+        let mut heap = SpareSums::new(4);
+        heap.give(vec![1.0; 1 << 20]);
+        assert_eq!(heap.len(), 0, "4 MiB: the heap's to keep");
+        let mut s = SpareSums::with_min(2, 0);
+        let big = vec![-1.5f32; 300_001];
+        let small = vec![f32::NAN; 1000];
+        let (big_at, small_at) = (big.as_ptr(), small.as_ptr());
+        s.give(big);
+        s.give(small);
+        s.give(vec![7.0; 10]);
+        assert_eq!(s.len(), 2, "a third spare is freed");
+        let a = s.zeros(999);
+        assert_eq!(a.as_ptr(), small_at, "the smallest that holds 999");
+        assert_eq!(a.len(), 999);
+        assert!(a.iter().all(|v| v.to_bits() == 0));
+        let b = s.zeros(300_000);
+        assert_eq!(b.as_ptr(), big_at);
+        assert!(b.len() == 300_000 && b.iter().all(|v| v.to_bits() == 0));
+        assert_eq!(s.len(), 0);
+        // None left: a new sum. A spare grown within its capacity.
+        let c = s.zeros(5);
+        assert!(c.len() == 5 && c.iter().all(|v| v.to_bits() == 0));
+        let mut d = Vec::with_capacity(64);
+        d.extend([3.0f32; 8]);
+        let d_at = d.as_ptr();
+        s.give(d);
+        let e = s.zeros(64);
+        assert_eq!(e.as_ptr(), d_at);
+        assert!(e.len() == 64 && e.iter().all(|v| v.to_bits() == 0));
+        // Nothing kept with max 0.
+        let mut none = SpareSums::with_min(0, 0);
+        none.give(vec![1.0; 4]);
+        assert_eq!(none.len(), 0);
     }
 }

@@ -351,6 +351,9 @@ pub struct Trainer {
     /// the sums): the compute pool, or a pool of its own when a device
     /// computes.
     host_pool: Arc<threads::ComputePool>,
+    /// fp32 gradient sums kept from one step for the next
+    /// ([`groups::SpareSums`]).
+    spare_sums: std::sync::Mutex<groups::SpareSums>,
     /// What [`crate::engine::host::heap::keep_heap_mapped`] did (`None`: option off).
     malloc: Option<tierzero_swap::MallocTuning>,
     model: Model,

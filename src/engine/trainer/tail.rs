@@ -179,7 +179,19 @@ impl Trainer {
     /// Stores the new param bytes of a stepped sub-group.
     pub(super) fn on_done(&mut self, done: Done) -> Result<()> {
         match done {
-            Done::Stepped { sg, bytes, tensors } => {
+            Done::Stepped {
+                sg,
+                values,
+                tensors,
+                spent,
+            } => {
+                if let Some(g) = spent {
+                    self.spare_sums
+                        .lock()
+                        .map_err(|_| EngineError::internal("the spare gradient sums' lock"))?
+                        .give(g);
+                }
+                let bytes = values.as_bytes();
                 self.grads_out.remove(&sg);
                 let t0 = Instant::now();
                 let g = self

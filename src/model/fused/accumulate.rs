@@ -1,6 +1,6 @@
 //! A param's gradient added into the optimizer's fp32 accumulator, on the
 //! current rayon pool ([`add_grad_into`]), and those accumulators made
-//! ([`zeros_f32`]).
+//! ([`zeros_f32`], or [`fill_zeros`] of a spare the trainer kept).
 //!
 //! # Why
 //!
@@ -109,6 +109,17 @@ fn add_widened<T: Copy + Sync>(acc: &mut [f32], g: &[T], widen: impl Fn(T) -> f3
     );
 }
 
+/// `v` set to `+0.0`, in parallel chunks (a spare sum made new: its pages
+/// are in place, so this is a write at memory speed, not the page faults
+/// of a new block).
+pub fn fill_zeros(v: &mut [f32]) {
+    par_elems(
+        v,
+        #[inline(always)]
+        |_, chunk| chunk.fill(0.0),
+    );
+}
+
 /// `numel` fp32 zeros (`+0.0`), written in parallel: a reused heap block
 /// is not zeroed on one thread first.
 pub fn zeros_f32(numel: usize) -> Vec<f32> {
@@ -206,6 +217,9 @@ mod tests {
             let z = zeros_f32(n);
             assert_eq!(z.len(), n);
             assert!(z.iter().all(|v| v.to_bits() == 0));
+            let mut v = values(n);
+            fill_zeros(&mut v);
+            assert!(v.iter().all(|v| v.to_bits() == 0), "{n}");
         }
     }
 }

@@ -207,7 +207,8 @@ impl Trainer {
     }
 
     /// The accumulator range of one piece of a param's shard (its
-    /// sub-group's sum made zeroed if it is the first).
+    /// sub-group's sum made zeroed, from a spare if one is kept, if it is
+    /// the first).
     fn piece_acc<'g>(
         &self,
         groups: &'g mut StepGroups,
@@ -215,7 +216,7 @@ impl Trainer {
     ) -> Result<&'g mut [f32]> {
         let numel = self.sub_group_numel(pc.sub_group)?;
         groups
-            .accumulator(pc.sub_group, numel)?
+            .accumulator(pc.sub_group, numel, &self.spare_sums)?
             .get_mut(pc.group_range())
             .ok_or_else(|| EngineError::internal("grad slot out of range"))
     }
