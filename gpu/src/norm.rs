@@ -28,7 +28,10 @@
 //!
 //! Everything here is f64, so nothing is lost to an f32 accumulator; the
 //! sum is inf or NaN exactly when some element is, which is also the fp16
-//! overflow check. The part length is the caller's (the host optimizer's
+//! overflow check. A finite sum is the same bits on the host and the
+//! device; a NaN is a NaN on both, its payload perhaps not (a GPU's
+//! arithmetic gives the canonical NaN, x86 passes an operand's on), which
+//! changes nothing: the step is skipped either way. The part length is the caller's (the host optimizer's
 //! constant). Eight lanes are two AVX2 vectors of f64 on the host (32
 //! lanes ran 1.3 times slower there); on the GPU a warp takes four parts,
 //! each load of a part's 8 lanes one 32-byte sector.

@@ -486,7 +486,8 @@ pub fn cast<S: Storage, D: Storage>(src: &[S]) -> Vec<D> {
 
 /// `sumsq_parts`: every part's Σ x² of the groups (in plan order), in
 /// the order of [`crate::norm`]: each segment's elements in flat order,
-/// each onto its lane's f64 sum, the lanes combined by halving.
+/// each onto its lane's f64 sum, the lanes added pairwise, neighbours
+/// first ([`combine_lanes`]).
 pub fn sumsq_parts(groups: &[NormGroup<'_, Vec<f32>>]) -> Result<Vec<f64>> {
     let plan = NormPlan::new(groups, Vec::len)?;
     let mut out = Vec::with_capacity(plan.total_parts());

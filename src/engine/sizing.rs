@@ -438,9 +438,9 @@ pub fn largest_unit_groups(
 /// next (spares: a sum made in one is written in place, where a new one
 /// is page-faulted in as it is zeroed): as many sub-groups as the
 /// gradient bound ([`host_grad_bound_bytes`], `bound_bytes`) counts,
-/// every one of the `groups` with the state in host memory, so spares and
-/// the sums in use together never exceed the gradient bytes the plan
-/// prints (a spare is a sum that was in use).
+/// every one of the `groups` with the state in host memory: spares are
+/// sums that were in use, and the trainer never holds more buffers than
+/// it had in use at once (`SpareSums`), so they stay within that bound.
 pub fn spare_grad_sums(
     bound_bytes: u64,
     opt_nvme: bool,
@@ -1014,6 +1014,8 @@ mod tests {
         assert_eq!(slots(0, Some(3000), None), 0);
         // Kept gradients: the pipeline's depth, at most the slots.
         assert_eq!(speculation_kept_grads(1, 1, 10), 3);
+        assert_eq!(speculation_kept_grads(1, 1, 2), 2);
+        assert_eq!(speculation_kept_grads(0, 0, 0), 0);
     }
 
     #[test]
@@ -1027,8 +1029,6 @@ mod tests {
         assert_eq!(spare_grad_sums(bound, true, 4, 100), 4);
         assert_eq!(spare_grad_sums(399, true, 4, 100), 0);
         assert_eq!(spare_grad_sums(u64::MAX, true, 3, 0), 3);
-        assert_eq!(speculation_kept_grads(1, 1, 2), 2);
-        assert_eq!(speculation_kept_grads(0, 0, 0), 0);
     }
 
     #[test]

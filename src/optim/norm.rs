@@ -15,7 +15,8 @@
 //!   5) + (6 + 7))`; the parts' sums are added in order from 0. Threads
 //!   only decide who computes which part, so the result is the same bits
 //!   at any thread count, and the device optimizer's norm (training in
-//!   GPU memory) is the same bits as this one. (The parts were 1/256 of
+//!   GPU memory) is the same bits as this one (a finite one: a NaN's
+//!   payload may differ, and the step is skipped either way). (The parts were 1/256 of
 //!   the slice each, which gave a GPU 2048 threads for a whole model's
 //!   sub-group; fixed parts give it one per 1024 elements, at the same
 //!   speed here.)

@@ -377,7 +377,9 @@ impl Exec for CudaExec<'_> {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let parts: usize = groups.iter().map(NormGroup::parts).sum();
+        // Checked here too, so that no parts is an answer only for a plan
+        // that is sound.
+        let parts = norm::NormPlan::new(&groups, DeviceBuffer::len)?.total_parts();
         if parts == 0 {
             return Ok(vec![0.0; groups.len()]);
         }

@@ -60,6 +60,11 @@ pub(super) enum GroupEvent {
     Speculate,
 }
 
+/// The least sum kept as a spare: the size from which the heap maps a
+/// block of its own (`crate::engine::host::heap::MMAP_THRESHOLD_BYTES`).
+pub(in crate::engine) const SPARE_MIN_BYTES: usize =
+    crate::engine::host::heap::MMAP_THRESHOLD_BYTES;
+
 /// fp32 gradient sums kept from one step for the next, those of
 /// [`SPARE_MIN_BYTES`] or more: a sub-group's sum made from a spare is
 /// zeroed in place, in parallel, where a new block that size is a fresh
@@ -75,13 +80,11 @@ pub(super) enum GroupEvent {
 /// place 14 ms (`cargo bench --bench grad_accumulate`). A spare comes back
 /// with the optimizer thread's reply
 /// ([`crate::engine::optimizer::Done::Stepped`]'s `spent`), and at most
-/// `max` are kept ([`crate::engine::sizing::spare_grad_sums`]: spares and
-/// sums in use never exceed the gradient bytes the plan prints).
-/// The least sum kept as a spare: the size from which the heap maps a
-/// block of its own (`crate::engine::host::heap::MMAP_THRESHOLD_BYTES`).
-pub(in crate::engine) const SPARE_MIN_BYTES: usize =
-    crate::engine::host::heap::MMAP_THRESHOLD_BYTES;
-
+/// `max` are kept ([`crate::engine::sizing::spare_grad_sums`], as many as
+/// the plan's gradient bound counts). A new sum is made only when no spare
+/// holds it, and then one spare is freed first, so spares and sums in use
+/// are never more buffers than were in use at once, each at most the
+/// largest sub-group.
 #[derive(Debug, Default)]
 pub(in crate::engine) struct SpareSums {
     spares: Vec<Vec<f32>>,
@@ -110,7 +113,7 @@ impl SpareSums {
     }
 
     /// `numel` `+0.0`s: the smallest spare that holds them, zeroed in
-    /// parallel on the current pool, else a new sum.
+    /// parallel on the current pool, else a new sum (one spare freed).
     pub(in crate::engine) fn zeros(&mut self, numel: usize) -> Vec<f32> {
         let fit = self
             .spares
@@ -120,6 +123,9 @@ impl SpareSums {
             .min_by_key(|(_, v)| v.capacity())
             .map(|(i, _)| i);
         let Some(i) = fit else {
+            // None holds it (a smaller one is left): one spare goes, so
+            // the buffers do not outgrow those in use at once.
+            self.spares.pop();
             return crate::model::fused::zeros_f32(numel);
         };
         let mut v = self.spares.swap_remove(i);
@@ -393,6 +399,12 @@ mod tests {
         // None left: a new sum. A spare grown within its capacity.
         let c = s.zeros(5);
         assert!(c.len() == 5 && c.iter().all(|v| v.to_bits() == 0));
+        // One that no spare holds frees one: no more buffers than in use.
+        s.give(vec![0.0; 8]);
+        s.give(vec![0.0; 9]);
+        assert_eq!(s.len(), 2);
+        let big2 = s.zeros(100);
+        assert!(big2.len() == 100 && s.len() == 1);
         let mut d = Vec::with_capacity(64);
         d.extend([3.0f32; 8]);
         let d_at = d.as_ptr();

@@ -114,31 +114,40 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
         let e = self.link.exec();
         // This rank's sums: the whole step's with one rank, its shards'
         // with several (the trainer adds the ranks'), each piece of a
-        // sub-group a segment of its param's sum; a param with none is
-        // zeros, which add nothing.
-        let norm_groups: Vec<NormGroup<'_, L::Buf>> = groups
-            .iter()
-            .map(|g| NormGroup {
+        // sub-group a segment of its param's sum; a param no unit gave a
+        // gradient is zeros, which add nothing. After `fold_all` a sum is
+        // one of those: any other state is an error, not a zero.
+        let mut norm_groups: Vec<NormGroup<'_, L::Buf>> = Vec::with_capacity(groups.len());
+        for g in groups {
+            let mut segments = Vec::with_capacity(g.pieces.len());
+            for pc in &g.pieces {
+                let p = st
+                    .params
+                    .get(&pc.param)
+                    .ok_or_else(|| param_err(pc.param, "has no state for the norm"))?;
+                let sum = match (&p.grad, &p.reduced) {
+                    (Grad::Summed(s), Reduced::None) | (Grad::Zero, Reduced::Ready(s)) => s,
+                    (Grad::Zero, Reduced::None) => continue,
+                    _ => {
+                        return Err(param_err(
+                            pc.param,
+                            "has a gradient sum that was not folded before the norm",
+                        ))
+                    }
+                };
+                segments.push(NormSegment {
+                    buf: sum,
+                    offset: pc.offset_in_shard,
+                    numel: pc.numel,
+                    flat_start: pc.offset_in_group,
+                });
+            }
+            norm_groups.push(NormGroup {
                 numel: g.numel,
                 part_numel: NORM_PART_NUMEL,
-                segments: g
-                    .pieces
-                    .iter()
-                    .filter_map(|pc| {
-                        let sum = match st.params.get(&pc.param).map(|p| (&p.grad, &p.reduced)) {
-                            Some((Grad::Summed(s), _) | (_, Reduced::Ready(s))) => s,
-                            _ => return None,
-                        };
-                        Some(NormSegment {
-                            buf: sum,
-                            offset: pc.offset_in_shard,
-                            numel: pc.numel,
-                            flat_start: pc.offset_in_group,
-                        })
-                    })
-                    .collect(),
-            })
-            .collect();
+                segments,
+            });
+        }
         // One launch and one wait for every sub-group.
         e.norm_sq_sums(&norm_groups).map_err(exec_units::gpu_err)
     }
