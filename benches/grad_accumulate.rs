@@ -19,6 +19,10 @@
 //!   (`tierzero::engine::host::heap`), so that cost is a sum of a
 //!   sub-group larger than that (DeepSpeed's default `sub_group_size` of
 //!   1e9 makes one of the whole model), every step, without spares.
+//! * `zero_add_reused` and `set_into_reused`: a step's first gradient
+//!   into a spare, zeroed then added (before) or set into its stale
+//!   values (`set_grad_into`, the trainer's `GradSum`): a write where
+//!   there were a write, a read and a write.
 //! * `copy_to_dtype_to_vec1` and `copy_grad_to_f32`: the widened fp32
 //!   copy alone (several ranks' path, a tied param's first unit), before
 //!   and after.
@@ -31,7 +35,7 @@ use candle_core::{DType, Device, Tensor};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use std::hint::black_box;
 use std::time::Duration;
-use tierzero::model::fused::{add_grad_into, grad_to_f32, zeros_f32};
+use tierzero::model::fused::{add_grad_into, fill_zeros, grad_to_f32, set_grad_into, zeros_f32};
 
 /// q and o 2048², k and v 2048 × 512, the MLP's three 2048 × 5632, two norms.
 const NUMEL: usize = 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 5632 + 2 * 2048;
@@ -78,6 +82,19 @@ fn bench_grad_accumulate(c: &mut Criterion) {
     group.bench_function("add_into_reused", |b| {
         b.iter(|| {
             add_grad_into(&mut reused, black_box(&grad), 0).unwrap();
+        })
+    });
+    // A spare as the first gradient of a step found it: zeroed, then
+    // added (before), or the gradient set into its stale values (after).
+    group.bench_function("zero_add_reused", |b| {
+        b.iter(|| {
+            fill_zeros(&mut reused);
+            add_grad_into(&mut reused, black_box(&grad), 0).unwrap();
+        })
+    });
+    group.bench_function("set_into_reused", |b| {
+        b.iter(|| {
+            set_grad_into(&mut reused, black_box(&grad), 0).unwrap();
         })
     });
     // The fp32 copy several ranks' host collective (or a tied param's sum)

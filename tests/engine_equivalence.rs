@@ -288,3 +288,51 @@ fn tiling_a_param_larger_than_a_sub_group_changes_no_bit() {
         assert_identical(&a, &b, &format!("tiling {precision}"));
     }
 }
+
+/// Gradient sums made from the last step's spares at every size (each
+/// piece's first gradient set into the spare's stale values, what no piece
+/// wrote zeroed when the sum is read) train the same bits as new zeroed
+/// sums: params and optimizer in host memory with clipping, at gas 1 and
+/// 2 (the sums stay in memory between micro-batches); on NVMe at gas 2
+/// (sums parked between micro-batches) in bf16 with speculation. The
+/// GPT-2's wte, tied to the head, comes through the reduce path and is
+/// tiled over three sub-groups.
+#[test]
+fn spare_gradient_sums_at_every_size_change_no_bit() {
+    use engine_support::train_with;
+    use tierzero::engine::TrainerOptions;
+    let dir = tiny_gpt2_dir("spare-sums", 2, 32);
+    let cases = [
+        (
+            "cpu clip gas1",
+            Knobs {
+                clip: 0.5,
+                ..Knobs::cpu()
+            },
+        ),
+        (
+            "cpu clip gas2",
+            Knobs {
+                clip: 0.5,
+                gas: 2,
+                ..Knobs::cpu()
+            },
+        ),
+        (
+            "nvme bf16 clip gas2",
+            Knobs {
+                clip: 0.5,
+                gas: 2,
+                precision: "bf16",
+                ..Knobs::nvme()
+            },
+        ),
+    ];
+    for (tag, k) in cases {
+        let fresh = train(&dir, &k, 9, 6, |_| SEQ);
+        let mut opts = TrainerOptions::cpu(9, SEQ);
+        opts.spare_sum_min_bytes = Some(0);
+        let spared = train_with(&dir, &k, opts, 6, |_| SEQ);
+        assert_identical(&fresh, &spared, tag);
+    }
+}

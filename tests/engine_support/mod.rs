@@ -331,7 +331,26 @@ pub fn train(
     steps: u64,
     seq_at: impl Fn(u64) -> usize,
 ) -> Run {
-    let mut t = build(model_dir, k, seed, seq_at(0), steps);
+    train_with(
+        model_dir,
+        k,
+        TrainerOptions::cpu(seed, seq_at(0)),
+        steps,
+        seq_at,
+    )
+}
+
+/// [`train`] with explicit trainer options (`opts.seq_len` is replaced by
+/// `seq_at(0)`).
+pub fn train_with(
+    model_dir: &Path,
+    k: &Knobs,
+    mut opts: TrainerOptions,
+    steps: u64,
+    seq_at: impl Fn(u64) -> usize,
+) -> Run {
+    opts.seq_len = seq_at(0);
+    let mut t = build_with(model_dir, k, opts, steps);
     let mut out = Vec::new();
     for s in 0..steps {
         t.set_seq_len(seq_at(s)).unwrap();

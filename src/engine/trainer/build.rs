@@ -775,7 +775,7 @@ impl Trainer {
         // Spare gradient sums: as many as the plan's gradient bound counts.
         let shape = crate::engine::sizing::Shape::of(config, &model, &layout);
         let opt_nvme = config.zero.offload_optimizer.device.nvme_path().is_some();
-        let spare_sums = std::sync::Mutex::new(super::groups::SpareSums::new(
+        let spare_sums = std::sync::Mutex::new(super::groups::SpareSums::with_min(
             crate::engine::sizing::spare_grad_sums(
                 crate::engine::sizing::host_grad_bound_bytes(
                     &sizing,
@@ -787,6 +787,8 @@ impl Trainer {
                 layout.sub_groups.len(),
                 shape.max_sub_group_numel(),
             ),
+            opts.spare_sum_min_bytes
+                .unwrap_or(super::groups::SPARE_MIN_BYTES),
         ));
         Ok(Trainer {
             compute_threads: host.compute_threads,

@@ -2,6 +2,8 @@
 //! only by [`GroupEvent`]s through [`StepGroups::apply`] (see "A step" in
 //! the trainer's module docs).
 
+use std::ops::Range;
+
 use super::*;
 
 /// Where one sub-group stands within a step. A step keeps exactly one of
@@ -23,7 +25,7 @@ use super::*;
 pub(super) enum GroupStep {
     /// Backward adds gradients into its fp32 accumulator (`None` until the
     /// first one).
-    Accumulating(Option<Vec<f32>>),
+    Accumulating(Option<GradSum>),
     /// Between micro-batches: its partial sum is in the gradient park.
     Parked,
     /// Its gradients are final and its Σg² taken; the gradient waits in
@@ -66,14 +68,17 @@ pub(in crate::engine) const SPARE_MIN_BYTES: usize =
     crate::engine::host::heap::MMAP_THRESHOLD_BYTES;
 
 /// fp32 gradient sums kept from one step for the next, those of
-/// [`SPARE_MIN_BYTES`] or more: a sub-group's sum made from a spare is
-/// zeroed in place, in parallel, where a new block that size is a fresh
-/// `mmap` whose pages fault in as it is zeroed (and are unmapped again
-/// when it is freed). Smaller sums come from the heap, which keeps freed
-/// blocks mapped (`crate::engine::host::heap`) and reuses them for other
-/// buffers too: spares of those held 8 sub-groups of 200 MB through the
-/// step on `scripts/sim_offload_ab.sh` and the optimizer's spans doubled
-/// (its other buffers grew the heap instead), where with one sub-group of
+/// [`SPARE_MIN_BYTES`] or more: a sub-group's sum made from a spare keeps
+/// its pages, and its first gradients are set into it ([`GradSum`]), where
+/// a new block that size is a fresh `mmap` whose pages fault in as it is
+/// zeroed (and are unmapped again when it is freed). Smaller sums come
+/// from the heap, which keeps freed blocks mapped
+/// (`crate::engine::host::heap`) and reuses them for other buffers too:
+/// spares of those held 8 sub-groups of 200 MB through the step on
+/// `scripts/sim_offload_ab.sh` and the optimizer's spans doubled (its
+/// other buffers grew the heap instead; measured again with the set
+/// first gradients and the optimizer's output buffers given back, the
+/// gradients' adds took 0.6x as long and the step 1.2-1.4x), where with one sub-group of
 /// 1.35 GB (`SUB_GROUP_SIZE=1e9`, DeepSpeed's default size) they are what
 /// keeps the sum's pages. One 45M-element block's bf16 gradient into a new
 /// (faulting) sum took 65 ms on 2 cores, into one whose pages were in
@@ -93,18 +98,14 @@ pub(in crate::engine) struct SpareSums {
 }
 
 impl SpareSums {
-    /// Keeps at most `max` spares.
-    pub(in crate::engine) fn new(max: usize) -> SpareSums {
-        SpareSums {
-            spares: Vec::new(),
-            max,
-            min_bytes: SPARE_MIN_BYTES,
-        }
+    /// Keeps at most `max` spares of [`SPARE_MIN_BYTES`] or more.
+    #[cfg(test)]
+    fn new(max: usize) -> SpareSums {
+        SpareSums::with_min(max, SPARE_MIN_BYTES)
     }
 
     /// Keeps at most `max` spares of `min_bytes` or more.
-    #[cfg(test)]
-    fn with_min(max: usize, min_bytes: usize) -> SpareSums {
+    pub(in crate::engine) fn with_min(max: usize, min_bytes: usize) -> SpareSums {
         SpareSums {
             spares: Vec::new(),
             max,
@@ -112,9 +113,10 @@ impl SpareSums {
         }
     }
 
-    /// `numel` `+0.0`s: the smallest spare that holds them, zeroed in
-    /// parallel on the current pool, else a new sum (one spare freed).
-    pub(in crate::engine) fn zeros(&mut self, numel: usize) -> Vec<f32> {
+    /// A sum of `numel` elements: the smallest spare that holds them, its
+    /// old values left in place ([`GradSum`] knows them stale), else a new
+    /// one of `+0.0`s (one spare freed).
+    pub(in crate::engine) fn take(&mut self, numel: usize) -> GradSum {
         let fit = self
             .spares
             .iter()
@@ -126,18 +128,18 @@ impl SpareSums {
             // None holds it (a smaller one is left): one spare goes, so
             // the buffers do not outgrow those in use at once.
             self.spares.pop();
-            return crate::model::fused::zeros_f32(numel);
+            return GradSum::whole(crate::model::fused::zeros_f32(numel));
         };
         let mut v = self.spares.swap_remove(i);
         // Within its capacity: no new pages (a longer one's, touched).
         v.resize(numel, 0.0);
-        crate::model::fused::fill_zeros(&mut v);
-        v
+        GradSum::stale(v)
     }
 
-    /// Keeps `v` for a later sum if it is [`SPARE_MIN_BYTES`] or more (in
-    /// tests, what [`SpareSums::with_min`] says) and fewer than `max` are
-    /// kept; else frees it.
+    /// Keeps `v` for a later sum if it is `min_bytes` or more
+    /// ([`SPARE_MIN_BYTES`] in training unless
+    /// `TrainerOptions::spare_sum_min_bytes` says otherwise) and fewer
+    /// than `max` are kept; else frees it.
     pub(in crate::engine) fn give(&mut self, v: Vec<f32>) {
         if self.spares.len() < self.max && v.capacity() > 0 && v.capacity() * 4 >= self.min_bytes {
             self.spares.push(v);
@@ -148,6 +150,111 @@ impl SpareSums {
     #[cfg(test)]
     fn len(&self) -> usize {
         self.spares.len()
+    }
+}
+
+/// A sub-group's fp32 gradient sum while backward adds into it. One made
+/// from a spare ([`SpareSums::take`]) still holds the spare's old values:
+/// each piece's first gradient is *set* into it
+/// ([`crate::model::fused::set_grad_into`], the bits of an add onto
+/// `+0.0`) instead of added, and the elements no piece wrote (padding, a
+/// param that got no gradient) are zeroed when the sum is read
+/// ([`GradSum::settled`], [`GradSum::into_settled`]). A spare's sum is so
+/// one write per element where a zero fill then an add was a write, a
+/// read and a write: 8 bytes an element less for the first micro-batch.
+#[derive(Debug)]
+pub(in crate::engine) struct GradSum {
+    values: Vec<f32>,
+    /// `None`: every element is a sum (or `+0.0`). `Some`: the ranges
+    /// written since the sum was taken (start → end, disjoint); the rest
+    /// holds stale values.
+    written: Option<BTreeMap<usize, usize>>,
+}
+
+impl GradSum {
+    /// `values`, every one a sum (or `+0.0`).
+    pub(in crate::engine) fn whole(values: Vec<f32>) -> GradSum {
+        GradSum {
+            values,
+            written: None,
+        }
+    }
+
+    /// `values` whose old contents are stale: nothing written yet.
+    fn stale(values: Vec<f32>) -> GradSum {
+        GradSum {
+            values,
+            written: Some(BTreeMap::new()),
+        }
+    }
+
+    /// The elements `range` (a piece's), and whether they are stale: then
+    /// the caller writes every one before any is read (sets its first
+    /// gradient). From now on they count as written. A range that
+    /// overlaps another written one without being it is an error: pieces
+    /// are disjoint.
+    pub(in crate::engine) fn piece(&mut self, range: Range<usize>) -> Result<(&mut [f32], bool)> {
+        let len = self.values.len();
+        let bad = || {
+            EngineError::internal(format!(
+                "gradient elements {}..{} of a sum of {len}",
+                range.start, range.end
+            ))
+        };
+        if range.start > range.end || range.end > len {
+            return Err(bad());
+        }
+        let stale = match &mut self.written {
+            Some(w) if !range.is_empty() && w.get(&range.start) != Some(&range.end) => {
+                let before = w.range(..range.start).next_back();
+                let after = w.range(range.start..).next();
+                if before.is_some_and(|(_, &end)| end > range.start)
+                    || after.is_some_and(|(&start, _)| start < range.end)
+                {
+                    return Err(EngineError::internal(format!(
+                        "gradient elements {}..{} overlap a piece written before",
+                        range.start, range.end
+                    )));
+                }
+                w.insert(range.start, range.end);
+                true
+            }
+            _ => false,
+        };
+        let slice = self.values.get_mut(range.clone()).ok_or_else(bad)?;
+        Ok((slice, stale))
+    }
+
+    /// [`GradSum::piece`] with its stale values zeroed: for adding into.
+    pub(in crate::engine) fn piece_zeroed(&mut self, range: Range<usize>) -> Result<&mut [f32]> {
+        let (slice, stale) = self.piece(range)?;
+        if stale {
+            crate::model::fused::fill_zeros(slice);
+        }
+        Ok(slice)
+    }
+
+    /// Every element a sum: the ones no piece wrote are zeroed.
+    pub(in crate::engine) fn settled(&mut self) -> &[f32] {
+        if let Some(w) = self.written.take() {
+            let mut at = 0;
+            for (start, end) in w
+                .into_iter()
+                .chain([(self.values.len(), self.values.len())])
+            {
+                if let Some(gap) = self.values.get_mut(at..start) {
+                    crate::model::fused::fill_zeros(gap);
+                }
+                at = at.max(end);
+            }
+        }
+        &self.values
+    }
+
+    /// [`GradSum::settled`]'s values.
+    pub(in crate::engine) fn into_settled(mut self) -> Vec<f32> {
+        self.settled();
+        self.values
     }
 }
 
@@ -173,14 +280,14 @@ impl StepGroups {
             .ok_or_else(|| EngineError::internal(format!("no sub-group {}", sg.0)))
     }
 
-    /// The accumulator of `sg` (`numel` zeros from `spares` when it is the
-    /// first gradient): only while its gradients are not final.
+    /// The accumulator of `sg` (a sum of `numel` from `spares` when it is
+    /// the first gradient): only while its gradients are not final.
     pub(super) fn accumulator(
         &mut self,
         sg: SubGroupId,
         numel: usize,
         spares: &std::sync::Mutex<SpareSums>,
-    ) -> Result<&mut Vec<f32>> {
+    ) -> Result<&mut GradSum> {
         match self.get_mut(sg)? {
             GroupStep::Accumulating(acc) => Ok(match acc {
                 Some(a) => a,
@@ -188,7 +295,7 @@ impl StepGroups {
                     spares
                         .lock()
                         .map_err(|_| EngineError::internal("the spare gradient sums' lock"))?
-                        .zeros(numel),
+                        .take(numel),
                 ),
             }),
             other => Err(EngineError::internal(format!(
@@ -205,7 +312,9 @@ impl StepGroups {
             GroupStep::Normed { sq, .. }
             | GroupStep::Spilled { sq }
             | GroupStep::Speculated { sq } => return Ok(*sq),
-            GroupStep::Accumulating(acc) => acc.as_ref().map_or(0.0, |g| adam.grad_sq_norm(g)),
+            GroupStep::Accumulating(acc) => {
+                acc.as_mut().map_or(0.0, |g| adam.grad_sq_norm(g.settled()))
+            }
             GroupStep::Parked => {
                 return Err(EngineError::internal(format!(
                     "the norm of sub-group {} while its sum is parked",
@@ -237,18 +346,26 @@ impl StepGroups {
         let zeros_if_none = |g: Option<Vec<f32>>| Some(g.unwrap_or_else(|| vec![0f32; numel]));
         let (new, out) = match (old, event) {
             (GroupStep::Accumulating(Some(sum)), GroupEvent::Park) => {
-                (GroupStep::Parked, Some(sum))
+                (GroupStep::Parked, Some(sum.into_settled()))
             }
             (GroupStep::Parked, GroupEvent::Unpark(sum)) => {
-                (GroupStep::Accumulating(Some(sum)), None)
+                (GroupStep::Accumulating(Some(GradSum::whole(sum))), None)
             }
-            (GroupStep::Accumulating(grad), GroupEvent::Norm(sq)) => {
-                (GroupStep::Normed { grad, sq }, None)
-            }
+            (GroupStep::Accumulating(grad), GroupEvent::Norm(sq)) => (
+                GroupStep::Normed {
+                    grad: grad.map(GradSum::into_settled),
+                    sq,
+                },
+                None,
+            ),
             (GroupStep::Normed { grad, sq }, GroupEvent::Spill) => {
                 (GroupStep::Spilled { sq }, zeros_if_none(grad))
             }
-            (GroupStep::Accumulating(grad) | GroupStep::Normed { grad, .. }, GroupEvent::Send) => {
+            (GroupStep::Accumulating(grad), GroupEvent::Send) => (
+                GroupStep::Sent,
+                zeros_if_none(grad.map(GradSum::into_settled)),
+            ),
+            (GroupStep::Normed { grad, .. }, GroupEvent::Send) => {
                 (GroupStep::Sent, zeros_if_none(grad))
             }
             (GroupStep::Normed { grad, sq }, GroupEvent::Speculate) => {
@@ -368,13 +485,17 @@ impl Trainer {
 mod tests {
     #![allow(clippy::unwrap_used)] // tests: a failure is a panic
 
-    use super::SpareSums;
+    use super::{GradSum, SpareSums};
 
-    /// A sum made from a spare is the spare's memory (no new block),
-    /// every element `+0.0` whatever it held; the smallest spare that
-    /// holds the sum is taken; a longer or shorter one is cut or grown;
-    /// no more than `max` are kept, and (in training) none the heap
-    /// keeps mapped itself.
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// A sum made from a spare is the spare's memory (no new block); read
+    /// with nothing written, every element is `+0.0` whatever it held; the
+    /// smallest spare that holds the sum is taken; a longer or shorter one
+    /// is cut or grown; no more than `max` are kept, and (in training) none
+    /// the heap keeps mapped itself.
     #[test]
     fn spare_sums_are_reused_zeroed_and_bounded() {
         let mut heap = SpareSums::new(4);
@@ -388,33 +509,80 @@ mod tests {
         s.give(small);
         s.give(vec![7.0; 10]);
         assert_eq!(s.len(), 2, "a third spare is freed");
-        let a = s.zeros(999);
+        let a = s.take(999).into_settled();
         assert_eq!(a.as_ptr(), small_at, "the smallest that holds 999");
         assert_eq!(a.len(), 999);
         assert!(a.iter().all(|v| v.to_bits() == 0));
-        let b = s.zeros(300_000);
+        let b = s.take(300_000).into_settled();
         assert_eq!(b.as_ptr(), big_at);
         assert!(b.len() == 300_000 && b.iter().all(|v| v.to_bits() == 0));
         assert_eq!(s.len(), 0);
-        // None left: a new sum. A spare grown within its capacity.
-        let c = s.zeros(5);
-        assert!(c.len() == 5 && c.iter().all(|v| v.to_bits() == 0));
+        // None left: a new sum, of zeros already. A spare grown within its
+        // capacity.
+        let mut c = s.take(5);
+        assert!(!c.piece(0..5).unwrap().1, "a new sum is not stale");
+        assert!(c.into_settled().iter().all(|v| v.to_bits() == 0));
         // One that no spare holds frees one: no more buffers than in use.
         s.give(vec![0.0; 8]);
         s.give(vec![0.0; 9]);
         assert_eq!(s.len(), 2);
-        let big2 = s.zeros(100);
+        let big2 = s.take(100).into_settled();
         assert!(big2.len() == 100 && s.len() == 1);
         let mut d = Vec::with_capacity(64);
         d.extend([3.0f32; 8]);
         let d_at = d.as_ptr();
         s.give(d);
-        let e = s.zeros(64);
+        let e = s.take(64).into_settled();
         assert_eq!(e.as_ptr(), d_at);
         assert!(e.len() == 64 && e.iter().all(|v| v.to_bits() == 0));
         // Nothing kept with max 0.
         let mut none = SpareSums::with_min(0, 0);
         none.give(vec![1.0; 4]);
         assert_eq!(none.len(), 0);
+    }
+
+    /// A spare's sum: a piece is stale the first time only; what pieces
+    /// wrote stays, and only what none wrote (between, before, after them)
+    /// is zeroed when it is read; zeroed pieces are zeros; a piece over a
+    /// written one, or out of the sum, is an error; an empty one is never
+    /// stale. A whole sum is never stale.
+    #[test]
+    fn a_spare_sum_keeps_what_pieces_wrote_and_zeroes_the_rest() {
+        let mut g = GradSum::stale(vec![f32::NAN; 20]);
+        let (p, stale) = g.piece(3..6).unwrap();
+        assert!(stale);
+        p.fill(-0.5);
+        let (p, stale) = g.piece(3..6).unwrap();
+        assert!(!stale, "written: added into now");
+        p.iter_mut().for_each(|x| *x += 1.0);
+        let (_, stale) = g.piece(9..9).unwrap();
+        assert!(!stale, "empty");
+        assert!(g.piece(9..9).is_ok());
+        let z = g.piece_zeroed(10..12).unwrap();
+        assert_eq!(bits(z), vec![0, 0]);
+        z[1] = 2.0;
+        let (p, stale) = g.piece(12..19).unwrap();
+        assert!(stale);
+        p.fill(7.0);
+        for bad in [4..8, 2..4, 11..13, 0..21] {
+            let e = g.piece(bad.clone()).unwrap_err().to_string();
+            assert!(
+                e.contains("overlap") || e.contains("of a sum of 20"),
+                "{bad:?}: {e}"
+            );
+        }
+        #[allow(clippy::reversed_empty_ranges)]
+        let backwards = 6..5;
+        assert!(g.piece(backwards).is_err());
+        let mut want = vec![0f32; 20];
+        want[3..6].fill(0.5);
+        want[11] = 2.0;
+        want[12..19].fill(7.0);
+        assert_eq!(bits(g.settled()), bits(&want));
+        assert!(!g.piece(0..3).unwrap().1, "settled: nothing stale");
+        assert_eq!(bits(&g.into_settled()), bits(&want));
+        let mut w = GradSum::whole(vec![1.0; 4]);
+        assert!(!w.piece(0..4).unwrap().1);
+        assert_eq!(w.into_settled(), vec![1.0; 4]);
     }
 }

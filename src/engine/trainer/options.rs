@@ -45,6 +45,13 @@ pub struct TrainerOptions {
     /// compute keeps its blocks' forwards itself, within
     /// `tierzero.activation_budget_bytes`, or recomputes them.
     pub compute: Option<Arc<dyn crate::model::exec_units::UnitCompute>>,
+    /// The least gradient sum kept from one step for the next (as many as
+    /// the plan's gradient bound counts); `None` (the default) is the
+    /// heap's mmap threshold, below which the heap keeps freed blocks
+    /// itself (see `SpareSums` in `trainer/groups.rs`). Tests set 0 to take
+    /// the spare path, whose first gradients are set into stale values,
+    /// at any size.
+    pub spare_sum_min_bytes: Option<usize>,
 }
 
 /// Fault injectors for the trainer's swap engines: the parameter engine,
@@ -78,6 +85,7 @@ impl TrainerOptions {
             stop: StopHandle::new(),
             stop_grace: None,
             compute: None,
+            spare_sum_min_bytes: None,
         }
     }
 }

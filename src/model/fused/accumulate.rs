@@ -39,6 +39,29 @@ use super::*;
 /// fp32, bf16 and fp16 gradients are read as they are stored; another
 /// dtype is converted to fp32 first.
 pub fn add_grad_into(acc: &mut [f32], grad: &Tensor, offset: usize) -> candle_core::Result<()> {
+    put_grad(acc, grad, offset, Put::Add)
+}
+
+/// [`add_grad_into`] onto zeros without reading `acc`: each element becomes
+/// `+0.0 + widen(g)`, the bits [`add_grad_into`] gives on an `acc` of
+/// `+0.0`s (a `-0.0` gradient element becomes `+0.0`, as it did), so what
+/// `acc` held is never read. A sum's first gradient, into a spare whose
+/// old values are stale: one write of the sum instead of a zero fill, then
+/// a read and a write.
+pub fn set_grad_into(acc: &mut [f32], grad: &Tensor, offset: usize) -> candle_core::Result<()> {
+    put_grad(acc, grad, offset, Put::Set)
+}
+
+/// How [`put_grad`] combines a gradient element with the sum's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Put {
+    /// `acc += g`.
+    Add,
+    /// `acc = +0.0 + g`.
+    Set,
+}
+
+fn put_grad(acc: &mut [f32], grad: &Tensor, offset: usize, put: Put) -> candle_core::Result<()> {
     let end = offset
         .checked_add(acc.len())
         .filter(|&e| e <= grad.elem_count())
@@ -51,19 +74,19 @@ pub fn add_grad_into(acc: &mut [f32], grad: &Tensor, offset: usize) -> candle_co
         })?;
     match grad.dtype() {
         DType::BF16 => with_bf16(grad, |g| {
-            add_widened(acc, &g[offset..end], half::bf16::to_f32);
+            put_widened(acc, &g[offset..end], half::bf16::to_f32, put);
             Ok(())
         }),
         DType::F16 => with_f16(grad, |g| {
-            add_widened(acc, &g[offset..end], half::f16::to_f32);
+            put_widened(acc, &g[offset..end], half::f16::to_f32, put);
             Ok(())
         }),
         DType::F32 => with_f32(grad, |g| {
-            add_widened(acc, &g[offset..end], |x| x);
+            put_widened(acc, &g[offset..end], |x| x, put);
             Ok(())
         }),
         _ => with_f32(&grad.to_dtype(DType::F32)?, |g| {
-            add_widened(acc, &g[offset..end], |x| x);
+            put_widened(acc, &g[offset..end], |x| x, put);
             Ok(())
         }),
     }
@@ -96,17 +119,36 @@ pub fn grad_to_f32(grad: &Tensor) -> candle_core::Result<Vec<f32>> {
     Ok(out)
 }
 
-/// `acc[i] += widen(g[i])`, in parallel chunks.
-fn add_widened<T: Copy + Sync>(acc: &mut [f32], g: &[T], widen: impl Fn(T) -> f32 + Sync) {
-    par_elems(
-        acc,
-        #[inline(always)]
-        |at, chunk| {
-            for (a, &x) in chunk.iter_mut().zip(&g[at..]) {
-                *a += widen(x);
-            }
-        },
-    );
+/// `acc[i] += widen(g[i])` ([`Put::Add`]) or `acc[i] = +0.0 + widen(g[i])`
+/// ([`Put::Set`]), in parallel chunks.
+fn put_widened<T: Copy + Sync>(
+    acc: &mut [f32],
+    g: &[T],
+    widen: impl Fn(T) -> f32 + Sync,
+    put: Put,
+) {
+    match put {
+        Put::Add => par_elems(
+            acc,
+            #[inline(always)]
+            |at, chunk| {
+                for (a, &x) in chunk.iter_mut().zip(&g[at..]) {
+                    *a += widen(x);
+                }
+            },
+        ),
+        // `0.0 + x` is not folded to `x` (it differs at `-0.0`), so this
+        // is the addition `Put::Add` does onto a zero, without its read.
+        Put::Set => par_elems(
+            acc,
+            #[inline(always)]
+            |at, chunk| {
+                for (a, &x) in chunk.iter_mut().zip(&g[at..]) {
+                    *a = 0.0 + widen(x);
+                }
+            },
+        ),
+    }
 }
 
 /// `v` set to `+0.0`, in parallel chunks (a spare sum made new: its pages
@@ -182,6 +224,13 @@ mod tests {
                 assert_eq!(bits(&got), bits(&want), "{dtype:?} {numel} {offset} {len}");
                 let copied = grad_to_f32(&t).unwrap();
                 assert_eq!(bits(&copied), bits(&widened), "{dtype:?} {numel}: the copy");
+                // Set: the add onto +0.0s, whatever `acc` held (NaN too),
+                // -0.0 in the gradient becoming +0.0 as the add makes it.
+                let want = reference(&vec![0.0; len], &widened[offset..offset + len]);
+                let mut set = vec![f32::NAN; len];
+                set_grad_into(&mut set, &t, offset).unwrap();
+                assert_eq!(bits(&set), bits(&want), "{dtype:?} {numel} {offset}: set");
+                assert!(set.iter().all(|v| v.to_bits() != (-0f32).to_bits()));
             }
         }
     }
@@ -209,6 +258,7 @@ mod tests {
         let e = add_grad_into(&mut acc, &t, 7).unwrap_err().to_string();
         assert!(e.contains("7..11 of a gradient of 10"), "{e}");
         assert!(add_grad_into(&mut acc, &t, usize::MAX).is_err());
+        assert!(set_grad_into(&mut acc, &t, 7).is_err());
     }
 
     #[test]

@@ -193,7 +193,7 @@ impl Trainer {
         back: bool,
     ) -> Result<()> {
         for pc in &slot.pieces {
-            let a = self.piece_acc(groups, pc)?;
+            let a = self.piece_acc_zeroed(groups, pc)?;
             let s = shard
                 .get_mut(pc.shard_range())
                 .ok_or_else(|| EngineError::internal("grad shard out of range"))?;
@@ -207,9 +207,22 @@ impl Trainer {
     }
 
     /// The accumulator range of one piece of a param's shard (its
-    /// sub-group's sum made zeroed, from a spare if one is kept, if it is
-    /// the first).
+    /// sub-group's sum taken, from a spare if one is kept, if it is the
+    /// first), and whether its values are stale: the piece's first
+    /// gradient is then set, not added ([`super::super::groups::GradSum`]).
     fn piece_acc<'g>(
+        &self,
+        groups: &'g mut StepGroups,
+        pc: &crate::engine::layout::Piece,
+    ) -> Result<(&'g mut [f32], bool)> {
+        let numel = self.sub_group_numel(pc.sub_group)?;
+        groups
+            .accumulator(pc.sub_group, numel, &self.spare_sums)?
+            .piece(pc.group_range())
+    }
+
+    /// [`Self::piece_acc`], its stale values zeroed: to add into.
+    fn piece_acc_zeroed<'g>(
         &self,
         groups: &'g mut StepGroups,
         pc: &crate::engine::layout::Piece,
@@ -217,8 +230,7 @@ impl Trainer {
         let numel = self.sub_group_numel(pc.sub_group)?;
         groups
             .accumulator(pc.sub_group, numel, &self.spare_sums)?
-            .get_mut(pc.group_range())
-            .ok_or_else(|| EngineError::internal("grad slot out of range"))
+            .piece_zeroed(pc.group_range())
     }
 
     /// `grad` of `pid` from `unit` as a flat fp32 vector, summed with the
@@ -271,8 +283,12 @@ impl Trainer {
         self.unpark_slot(groups, &slot)?;
         groups.grad_reduces += 1;
         for pc in &slot.pieces {
-            let dst = self.piece_acc(groups, pc)?;
-            crate::model::fused::add_grad_into(dst, grad, pc.shard_range().start)?;
+            let (dst, stale) = self.piece_acc(groups, pc)?;
+            if stale {
+                crate::model::fused::set_grad_into(dst, grad, pc.shard_range().start)?;
+            } else {
+                crate::model::fused::add_grad_into(dst, grad, pc.shard_range().start)?;
+            }
         }
         Ok(())
     }
@@ -288,7 +304,7 @@ impl Trainer {
         let counts = shard_counts(slot.numel, self.layout.world);
         groups.grad_reduces += 1;
         if let [pc] = slot.pieces.as_slice() {
-            let dst = self.piece_acc(groups, pc)?;
+            let dst = self.piece_acc_zeroed(groups, pc)?;
             return self.opts.comm.reduce_scatter_add_f32(full, &counts, dst);
         }
         let mut shard = vec![0f32; slot.shard_numel];
