@@ -192,6 +192,29 @@ impl StepValues {
         }
     }
 
+    /// Their storage dtype.
+    fn dtype(&self) -> DType {
+        match self {
+            StepValues::F32(_) => DType::F32,
+            StepValues::Bf16(_) => DType::BF16,
+            StepValues::F16(_) => DType::F16,
+        }
+    }
+
+    /// Elements their buffer holds without growing.
+    fn capacity_elems(&self) -> usize {
+        match self {
+            StepValues::F32(v) => v.capacity(),
+            StepValues::Bf16(v) => v.capacity(),
+            StepValues::F16(v) => v.capacity(),
+        }
+    }
+
+    /// Bytes of their buffer.
+    fn capacity_bytes(&self) -> usize {
+        self.capacity_elems() * self.dtype().size_in_bytes()
+    }
+
     /// `master` in the storage `dtype` (rounded to nearest even, as the
     /// kernel's low-precision output; fp32 copied in parallel).
     pub fn from_master(master: &[f32], dtype: DType) -> StepValues {
@@ -209,6 +232,66 @@ impl StepValues {
                     .collect(),
             ),
             _ => StepValues::F32(tierzero_gpu::host_copy::to_vec(master)),
+        }
+    }
+}
+
+/// The last [`StepValues`] the trainer stored, handed back
+/// ([`OptimizerWorker::give_values`]) for a later step's kernel output:
+/// the kernel writes every element, so a spare needs no fill, where a new
+/// buffer was filled on the optimizer thread first (`vec![bf16::ZERO; n]`,
+/// 90 MB for a 45M-element sub-group in bf16, on the tail that paces the
+/// next forward) or, from 256 MiB up (`crate::engine::host::heap`), was a
+/// fresh mapping whose pages faulted in under the kernel (2 GB for
+/// DeepSpeed's default sub-group of 1e9 elements). One is kept, the
+/// largest given: a buffer that was in use, so buffers in use and kept
+/// never outnumber those in use at once before.
+#[derive(Debug, Clone, Default)]
+struct SpareValues(std::sync::Arc<std::sync::Mutex<Option<StepValues>>>);
+
+impl SpareValues {
+    /// Keeps `v` unless a spare that large or larger is kept.
+    fn give(&self, v: StepValues) {
+        if let Ok(mut slot) = self.0.lock() {
+            if slot
+                .as_ref()
+                .is_none_or(|s| s.capacity_bytes() < v.capacity_bytes())
+            {
+                *slot = Some(v);
+            }
+        }
+    }
+
+    /// `n` elements of `dtype`'s values: the spare if it is of that dtype
+    /// and holds them (its old values left for the kernel to overwrite),
+    /// else new ones.
+    fn take(&self, dtype: DType, n: usize) -> StepValues {
+        let spare = self.0.lock().ok().and_then(|mut s| match s.take() {
+            Some(v) if v.dtype() == dtype && v.capacity_elems() >= n => Some(v),
+            other => {
+                *s = other;
+                None
+            }
+        });
+        match spare {
+            // Within its capacity: no new pages.
+            Some(StepValues::F32(mut v)) => {
+                v.resize(n, 0.0);
+                StepValues::F32(v)
+            }
+            Some(StepValues::Bf16(mut v)) => {
+                v.resize(n, bf16::ZERO);
+                StepValues::Bf16(v)
+            }
+            Some(StepValues::F16(mut v)) => {
+                v.resize(n, f16::ZERO);
+                StepValues::F16(v)
+            }
+            None => match dtype {
+                DType::BF16 => StepValues::Bf16(vec![bf16::ZERO; n]),
+                DType::F16 => StepValues::F16(vec![f16::ZERO; n]),
+                _ => StepValues::F32(vec![0.0; n]),
+            },
         }
     }
 }
@@ -282,6 +365,7 @@ pub struct OptimizerWorker {
     rx: Receiver<Done>,
     handle: Option<JoinHandle<()>>,
     live: std::sync::Arc<std::sync::Mutex<OptCounters>>,
+    spare: SpareValues,
 }
 
 /// A step job waiting for its turn: gradient (None: spilled), multiplier,
@@ -308,6 +392,8 @@ struct State {
     timeline: Option<std::sync::Arc<crate::engine::Timeline>>,
     /// The param store's reads on the disk (`None`: params not on NVMe).
     gate: Option<std::sync::Arc<crate::engine::params::copier::ParamReadGate>>,
+    /// The next step's output buffer, given back by the trainer.
+    spare: SpareValues,
 }
 
 /// Why [`State::pump`] stopped issuing reads.
@@ -387,24 +473,24 @@ impl State {
         let t0 = std::time::Instant::now();
         self.adam.set_hyper(hyper)?;
         let n = self.opt.numel_of(sg)?;
-        let mut lp_bf16: Vec<bf16> = Vec::new();
-        let mut lp_f16: Vec<f16> = Vec::new();
-        let out = match self.dtype {
-            DType::BF16 => {
-                lp_bf16 = vec![bf16::ZERO; n];
-                Some(LowPrecisionOut::Bf16(&mut lp_bf16))
-            }
-            DType::F16 => {
-                lp_f16 = vec![f16::ZERO; n];
-                Some(LowPrecisionOut::F16(&mut lp_f16))
-            }
-            _ => None,
+        // Every element is written: by the kernel's low-precision output,
+        // or (fp32) by the master's copy.
+        let mut values = self.spare.take(self.dtype, n);
+        let (out, mut master_copy) = match &mut values {
+            StepValues::Bf16(v) => (Some(LowPrecisionOut::Bf16(v)), None),
+            StepValues::F16(v) => (Some(LowPrecisionOut::F16(v)), None),
+            StepValues::F32(v) => (None, Some(v)),
         };
-        let mut master_copy: Option<Vec<f32>> = None;
-        let fp32 = self.dtype == DType::F32;
         let mut after = |master: &[f32]| -> Result<()> {
-            if fp32 {
-                master_copy = Some(tierzero_gpu::host_copy::to_vec(master));
+            if let Some(dst) = master_copy.as_deref_mut() {
+                if dst.len() != master.len() {
+                    return Err(EngineError::internal(format!(
+                        "a master of {} elements for a sub-group of {}",
+                        master.len(),
+                        dst.len()
+                    )));
+                }
+                tierzero_gpu::host_copy::copy(dst, master);
             }
             Ok(())
         };
@@ -435,11 +521,6 @@ impl State {
         } else {
             spent = grad;
         }
-        let values = match self.dtype {
-            DType::BF16 => StepValues::Bf16(lp_bf16),
-            DType::F16 => StepValues::F16(lp_f16),
-            _ => StepValues::F32(master_copy.unwrap_or_default()),
-        };
         let bytes = values.as_bytes();
         let eb = self.dtype.size_in_bytes();
         let tensors = wants
@@ -643,6 +724,7 @@ impl OptimizerWorker {
         let (tx, jobs) = crossbeam_channel::unbounded::<Job>();
         let (done_tx, rx) = crossbeam_channel::unbounded::<Done>();
         let live = std::sync::Arc::new(std::sync::Mutex::new(opt.counters()));
+        let spare = SpareValues::default();
         let mut st = State {
             opt,
             adam,
@@ -653,6 +735,7 @@ impl OptimizerWorker {
             live: live.clone(),
             timeline,
             gate,
+            spare: spare.clone(),
         };
         let handle = std::thread::Builder::new()
             .name("tierzero-optim".into())
@@ -748,7 +831,14 @@ impl OptimizerWorker {
             rx,
             handle: Some(handle),
             live,
+            spare,
         })
+    }
+
+    /// Gives back a [`Done::Stepped`]'s values once they are stored: a
+    /// later step writes its output into them (see `SpareValues`).
+    pub fn give_values(&self, values: StepValues) {
+        self.spare.give(values);
     }
 
     /// Sends a job. If the thread has stopped on an error, returns that
@@ -928,6 +1018,68 @@ mod tests {
             tensors: Vec::new(),
             speculative: false,
         }
+    }
+
+    /// A step writes its values into the buffer the trainer gave back
+    /// (the same memory, no new one), poisoned or not: every element is
+    /// the kernel's, bit for bit what a new buffer gets, in each storage
+    /// dtype.
+    #[test]
+    fn a_given_back_buffer_takes_the_next_steps_values() {
+        let stepped = |w: &OptimizerWorker| match w.recv().unwrap() {
+            Done::Stepped { values, .. } => values,
+            other => panic!("unexpected {other:?}"),
+        };
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
+            let a =
+                OptimizerWorker::spawn(mem_state(), adam.clone(), dtype, None, None, None).unwrap();
+            let b = OptimizerWorker::spawn(mem_state(), adam, dtype, None, None, None).unwrap();
+            for w in [&a, &b] {
+                w.send(step_job(0)).unwrap();
+            }
+            let (va, vb) = (stepped(&a), stepped(&b));
+            assert_eq!(va, vb);
+            // Poisoned: NaN bits everywhere, as a stale buffer may hold.
+            let poisoned = match va {
+                StepValues::F32(v) => StepValues::F32(vec![f32::NAN; v.len()]),
+                StepValues::Bf16(v) => StepValues::Bf16(vec![bf16::NAN; v.len()]),
+                StepValues::F16(v) => StepValues::F16(vec![f16::NAN; v.len()]),
+            };
+            let at = poisoned.as_bytes().as_ptr();
+            a.give_values(poisoned);
+            for w in [&a, &b] {
+                let mut job = step_job(1);
+                if let Job::Step { grad, .. } = &mut job {
+                    *grad = Some((0..1024).map(|i| (i as f32 - 500.0) * 1e-3).collect());
+                }
+                w.send(job).unwrap();
+            }
+            let (va, vb) = (stepped(&a), stepped(&b));
+            assert_eq!(
+                va.as_bytes().as_ptr(),
+                at,
+                "{dtype:?}: the buffer given back"
+            );
+            assert_eq!(va.as_bytes(), vb.as_bytes(), "{dtype:?}");
+            assert_eq!(va.as_bytes().len(), 1024 * dtype.size_in_bytes());
+        }
+    }
+
+    /// A spare is taken only by a step of its dtype that it holds; the
+    /// largest given is kept.
+    #[test]
+    fn a_spare_is_taken_only_when_it_fits() {
+        let s = SpareValues::default();
+        s.give(StepValues::Bf16(vec![bf16::ONE; 10]));
+        assert!(matches!(s.take(DType::F16, 4), StepValues::F16(v) if v.len() == 4));
+        assert!(matches!(s.take(DType::BF16, 11), StepValues::Bf16(v) if v.len() == 11));
+        s.give(StepValues::F32(vec![1.0; 3]));
+        assert!(
+            matches!(s.take(DType::BF16, 10), StepValues::Bf16(v) if v.len() == 10 && v[0] == bf16::ONE),
+            "the larger one kept, and taken"
+        );
+        assert!(matches!(s.take(DType::BF16, 1), StepValues::Bf16(v) if v[0] == bf16::ZERO));
     }
 
     /// State reads are paced (one sub-group in flight at a time), yet the

@@ -216,6 +216,7 @@ impl Trainer {
                         built.remove(&pc.param),
                     )?;
                 }
+                self.opt.give_values(values);
                 // In the step being run (`steps_done + 1`), the one whose
                 // forward overlaps this tail.
                 self.span(
