@@ -60,7 +60,7 @@ pub enum MallocTuning {
     Applied {
         /// `M_MMAP_THRESHOLD`.
         mmap_threshold_bytes: usize,
-        /// `M_TRIM_THRESHOLD`.
+        /// `M_TRIM_THRESHOLD`; `usize::MAX`: never trimmed.
         trim_threshold_bytes: usize,
         /// `M_ARENA_MAX`.
         arena_max: usize,
@@ -83,10 +83,14 @@ impl std::fmt::Display for MallocTuning {
                 arena_max,
             } => write!(
                 f,
-                "glibc heap kept mapped (M_MMAP_THRESHOLD {} MiB, M_TRIM_THRESHOLD {} MiB, \
+                "glibc heap kept mapped (M_MMAP_THRESHOLD {} MiB, M_TRIM_THRESHOLD {}, \
                  M_ARENA_MAX {arena_max})",
                 mmap_threshold_bytes >> 20,
-                trim_threshold_bytes >> 20
+                if *trim_threshold_bytes == usize::MAX {
+                    "off: the heap's top is never returned".to_owned()
+                } else {
+                    format!("{} MiB", trim_threshold_bytes >> 20)
+                }
             ),
             MallocTuning::UserTunables => f.write_str("glibc malloc as GLIBC_TUNABLES sets it"),
             MallocTuning::NotGlibc => f.write_str("not glibc: malloc left as it is"),
@@ -105,7 +109,8 @@ fn sets_malloc(tunables: &str) -> bool {
 /// Raises glibc's `M_MMAP_THRESHOLD` and `M_TRIM_THRESHOLD` and caps
 /// `M_ARENA_MAX` (see the module docs), unless `GLIBC_TUNABLES` sets
 /// malloc tunables. Values above `i32::MAX` are clamped to it (`mallopt`
-/// takes an `int`). Arenas threads already have are kept; the cap stops
+/// takes an `int`), but for the trim threshold, where they turn trimming
+/// off (`mallopt`'s -1: the heap's free top is never returned). Arenas threads already have are kept; the cap stops
 /// new ones, so call it before starting threads.
 pub fn keep_heap_mapped(
     mmap_threshold_bytes: usize,
@@ -125,7 +130,9 @@ fn set_thresholds(
     arena_max: usize,
 ) -> MallocTuning {
     let clamp = |b: usize| libc::c_int::try_from(b).unwrap_or(libc::c_int::MAX);
-    let (mmap, trim) = (clamp(mmap_threshold_bytes), clamp(trim_threshold_bytes));
+    let mmap = clamp(mmap_threshold_bytes);
+    // -1: never trim (mallopt(3)); an `int` cannot say more than 2 GiB.
+    let trim = libc::c_int::try_from(trim_threshold_bytes).unwrap_or(-1);
     let arenas = clamp(arena_max.max(1));
     // SAFETY: `mallopt` only changes glibc's allocator parameters under its
     // own arena lock; it takes two plain integers and touches no memory of
@@ -190,6 +197,19 @@ mod tests {
             MallocTuning::Refused => {} // glibc may refuse so high a threshold
             other => panic!("{other:?}"),
         }
+        // A trim threshold above i32::MAX: trimming off (-1), said so.
+        let off = set_thresholds(256 << 20, usize::MAX, 1);
+        assert_eq!(
+            off,
+            MallocTuning::Applied {
+                mmap_threshold_bytes: 256 << 20,
+                trim_threshold_bytes: usize::MAX,
+                arena_max: 1,
+            }
+        );
+        let said = off.to_string();
+        assert!(said.contains("M_TRIM_THRESHOLD off"), "{said}");
+        assert!(want.to_string().contains("M_TRIM_THRESHOLD 1024 MiB"));
         assert_eq!(set_thresholds(256 << 20, 1 << 30, 1), want);
     }
 }

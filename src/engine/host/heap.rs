@@ -1,6 +1,6 @@
 //! The process's malloc settings while a trainer runs.
 //!
-//! A trainer raises glibc's mmap and trim thresholds, and shares one
+//! A trainer raises glibc's mmap threshold, turns trimming off, and shares one
 //! arena among all threads, once per process
 //! ([`tierzero_swap::keep_heap_mapped`], whose docs give the mechanism):
 //! without it, the compute of an offloaded step on the 2-core development
@@ -31,8 +31,16 @@ use tierzero_swap::MallocTuning;
 
 /// `M_MMAP_THRESHOLD`: blocks below this come from the heap.
 pub const MMAP_THRESHOLD_BYTES: usize = 256 << 20;
-/// `M_TRIM_THRESHOLD`: free heap top kept before returning it.
-pub const TRIM_THRESHOLD_BYTES: usize = 1 << 30;
+/// `M_TRIM_THRESHOLD`: free heap top kept before returning it; `usize::MAX`
+/// is never (`mallopt`'s -1). It was 1 GiB: a step that frees more than
+/// that at the heap's top (the fp32 gradient sums of a model of more than
+/// 268M params with the optimizer state in host memory, 4 bytes a param)
+/// gave it back to the kernel, and the next step's sums faulted every
+/// page in again. `scripts/sim_offload_ab.sh`'s 337M Llama (1.35 GB of
+/// sums), 4 steps: 1.92M and 2.75M minor faults with 1 GiB, 1.68M and
+/// 1.71M with 8 GiB (through `GLIBC_TUNABLES`); the peak is the same, as
+/// every step returns to it.
+pub const TRIM_THRESHOLD_BYTES: usize = usize::MAX;
 /// `M_ARENA_MAX`: one arena for every thread, so the memory the heap keeps
 /// is one high-water mark, not one per thread that happened to allocate
 /// (`tierzero_swap::keep_heap_mapped`'s docs give the figures).
