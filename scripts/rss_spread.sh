@@ -6,8 +6,9 @@
 #
 #   scripts/rss_spread.sh ROUNDS [BINARY]      (default target/debug/tierzero)
 #
-# Set GLIBC_TUNABLES to compare malloc settings, e.g. per-thread arenas:
-#   GLIBC_TUNABLES=glibc.malloc.mmap_threshold=268435456:glibc.malloc.trim_threshold=1073741824 \
+# Set GLIBC_TUNABLES to compare malloc settings, e.g. per-thread arenas
+# (tierzero's thresholds otherwise: mmap 256 MiB, trimming off):
+#   GLIBC_TUNABLES=glibc.malloc.mmap_threshold=268435456:glibc.malloc.trim_threshold=18446744073709551615 \
 #     scripts/rss_spread.sh 8
 set -euo pipefail
 rounds=${1:?usage: scripts/rss_spread.sh ROUNDS [BINARY]}

@@ -45,7 +45,10 @@
 //! by the next step's allocations of the same sizes), so resident memory
 //! stays near its peak instead of falling between steps. The peak itself
 //! does not grow: the same blocks are live at the same time, from the
-//! one arena.
+//! one arena. The settings are never undone: with trimming off (tierzero
+//! turns it off, see its `docs/decisions/host-heap.md`), the heap keeps
+//! its peak for the rest of the process, after the work that made it is
+//! over too.
 //!
 //! # Who decides
 //!

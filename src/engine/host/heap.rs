@@ -37,9 +37,9 @@ pub const MMAP_THRESHOLD_BYTES: usize = 256 << 20;
 /// 268M params with the optimizer state in host memory, 4 bytes a param)
 /// gave it back to the kernel, and the next step's sums faulted every
 /// page in again. `scripts/sim_offload_ab.sh`'s 337M Llama (1.35 GB of
-/// sums), 4 steps: 1.92M and 2.75M minor faults with 1 GiB, 1.68M and
-/// 1.71M with 8 GiB (through `GLIBC_TUNABLES`); the peak is the same, as
-/// every step returns to it.
+/// sums), 4 steps: 1.64M-2.97M minor faults with 1 GiB, 1.63M-1.66M
+/// with trimming off, the same peak (every step returns to it); the
+/// figures are in `docs/decisions/host-heap.md`.
 pub const TRIM_THRESHOLD_BYTES: usize = usize::MAX;
 /// `M_ARENA_MAX`: one arena for every thread, so the memory the heap keeps
 /// is one high-water mark, not one per thread that happened to allocate

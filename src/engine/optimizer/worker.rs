@@ -244,8 +244,11 @@ impl StepValues {
 /// next forward) or, from 256 MiB up (`crate::engine::host::heap`), was a
 /// fresh mapping whose pages faulted in under the kernel (2 GB for
 /// DeepSpeed's default sub-group of 1e9 elements). One is kept, the
-/// largest given: a buffer that was in use, so buffers in use and kept
-/// never outnumber those in use at once before.
+/// largest given, and only within a run of steps: the trainer drops it
+/// when a backward starts ([`OptimizerWorker::drop_spare_values`]), so
+/// with clipping or fp16, whose steps all wait for the norm, no values
+/// buffer lives through the backward where the gradient sums peak (a new
+/// one is made for the first step a backward runs, as before).
 #[derive(Debug, Clone, Default)]
 struct SpareValues(std::sync::Arc<std::sync::Mutex<Option<StepValues>>>);
 
@@ -259,6 +262,13 @@ impl SpareValues {
             {
                 *slot = Some(v);
             }
+        }
+    }
+
+    /// Frees the spare, if one is kept.
+    fn clear(&self) {
+        if let Ok(mut slot) = self.0.lock() {
+            *slot = None;
         }
     }
 
@@ -841,6 +851,12 @@ impl OptimizerWorker {
         self.spare.give(values);
     }
 
+    /// Frees the values buffer kept for the next step (the trainer, as a
+    /// backward starts: see `SpareValues`).
+    pub fn drop_spare_values(&self) {
+        self.spare.clear();
+    }
+
     /// Sends a job. If the thread has stopped on an error, returns that
     /// error (not just "stopped"), so the cause reaches the caller.
     pub fn send(&self, job: Job) -> Result<()> {
@@ -1067,7 +1083,7 @@ mod tests {
     }
 
     /// A spare is taken only by a step of its dtype that it holds; the
-    /// largest given is kept.
+    /// largest given is kept; a cleared one is gone.
     #[test]
     fn a_spare_is_taken_only_when_it_fits() {
         let s = SpareValues::default();
@@ -1080,6 +1096,12 @@ mod tests {
             "the larger one kept, and taken"
         );
         assert!(matches!(s.take(DType::BF16, 1), StepValues::Bf16(v) if v[0] == bf16::ZERO));
+        s.give(StepValues::Bf16(vec![bf16::ONE; 10]));
+        s.clear();
+        assert!(
+            matches!(s.take(DType::BF16, 10), StepValues::Bf16(v) if v[0] == bf16::ZERO),
+            "cleared: a new one"
+        );
     }
 
     /// State reads are paced (one sub-group in flight at a time), yet the

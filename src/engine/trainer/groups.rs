@@ -77,8 +77,9 @@ pub(in crate::engine) const SPARE_MIN_BYTES: usize =
 /// spares of those held 8 sub-groups of 200 MB through the step on
 /// `scripts/sim_offload_ab.sh` and the optimizer's spans doubled (its
 /// other buffers grew the heap instead; measured again with the set
-/// first gradients and the optimizer's output buffers given back, the
-/// gradients' adds took 0.6x as long and the step 1.2-1.4x), where with one sub-group of
+/// first gradients and the optimizer's output buffers given back: the
+/// gradients' adds took 0.6x the time, but the whole step 1.2-1.4x),
+/// where with one sub-group of
 /// 1.35 GB (`SUB_GROUP_SIZE=1e9`, DeepSpeed's default size) they are what
 /// keeps the sum's pages. One 45M-element block's bf16 gradient into a new
 /// (faulting) sum took 65 ms on 2 cores, into one whose pages were in

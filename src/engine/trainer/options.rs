@@ -51,6 +51,7 @@ pub struct TrainerOptions {
     /// itself (see `SpareSums` in `trainer/groups.rs`). Tests set 0 to take
     /// the spare path, whose first gradients are set into stale values,
     /// at any size.
+    #[doc(hidden)]
     pub spare_sum_min_bytes: Option<usize>,
 }
 

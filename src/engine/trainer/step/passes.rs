@@ -208,6 +208,9 @@ impl Trainer {
         tied: &mut BTreeMap<ParamId, Vec<f32>>,
         times: &mut StepTimes,
     ) -> Result<f32> {
+        // No values buffer kept through backward, where the gradient sums
+        // peak (see `SpareValues` in `optimizer/worker.rs`).
+        self.opt.drop_spare_values();
         let units: Vec<(UnitId, UnitKind)> =
             self.model.units().iter().map(|u| (u.id, u.kind)).collect();
         let mut loss = 0f32;
