@@ -1147,6 +1147,8 @@ PY
     otp_result=$(json_obj "$d/out.json")
     otp_tokens=$(num "${otp_tokens:-}"); otp_tflops=$(num "${otp_tflops:-}")
     [ -n "${OUT:-}" ] && [ -f "$d/timeline.json" ] && cp "$d/timeline.json" "$OUT/timeline-offload-llama.json"
+    # Every step's metrics (minor_faults, the device queues' busy time).
+    [ -n "${OUT:-}" ] && [ -f "$d/metrics.jsonl" ] && cp "$d/metrics.jsonl" "$OUT/metrics-offload-llama.jsonl"
   else
     otp_skipped=budget
   fi

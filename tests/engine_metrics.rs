@@ -49,6 +49,7 @@ fn metrics_lines_have_the_documented_keys_and_exact_losses() {
             "bytes_read",
             "bytes_written",
             "peak_rss_bytes",
+            "minor_faults",
             "overlap_efficiency",
         ] {
             assert!(l.get(key).is_some(), "line {i} lacks `{key}`: {l}");

@@ -66,6 +66,7 @@ struct StepStart {
     park: ParkCounters,
     io_busy_s: f64,
     optimizer_wait: Duration,
+    minor_faults: u64,
 }
 
 /// Compute-thread time a step spent computing and taking norms.
@@ -191,6 +192,7 @@ impl Trainer {
             park: self.park_counters(),
             io_busy_s: self.io_clock.busy_s(),
             optimizer_wait: self.optimizer_wait,
+            minor_faults: crate::engine::observe::metrics::minor_faults(),
         }
     }
 
@@ -647,6 +649,8 @@ impl Trainer {
             bytes_read,
             bytes_written,
             peak_rss_bytes: peak_rss_bytes(),
+            minor_faults: crate::engine::observe::metrics::minor_faults()
+                .saturating_sub(start.minor_faults),
             overlap_efficiency: if wall > 0.0 {
                 compute_s.max(io_busy).max(optimizer_s) / wall
             } else {
