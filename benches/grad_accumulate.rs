@@ -27,7 +27,9 @@
 //!   copy alone (several ranks' path, a tied param's first unit), before
 //!   and after.
 //!
-//! Both give the same bits (the unit tests check it). Throughput in
+//! Each pair gives the same bits: the adds and the set against the scalar
+//! loop, the copies against candle's widening
+//! (`tierzero::model::fused::accumulate`'s unit tests). Throughput in
 //! gradient elements per second.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // reason: benchmark harness
 

@@ -4,12 +4,18 @@
 # shape of scripts/gpu_check.sh's step 6h (a Llama of hidden 2048, 16 heads
 # over 4 KV heads, intermediate 5632, vocab 32000; stage 3, params and
 # optimizer in pinned host memory, bf16, sub-groups of 50M elements,
-# clipping 1.0), 4 layers instead of 16 (337M params), micro 1 and seq 2
+# clipping 1.0), 4 layers instead of 16 (311M params: 311445504 in the plan line), micro 1 and seq 2
 # so that the simulator's reference GEMMs stay short.
 #
 #   scripts/sim_offload_ab.sh OLD_BIN NEW_BIN [ROUNDS]   (default 2 rounds)
 #   SUB_GROUP_SIZE=1e9 scripts/sim_offload_ab.sh ...       (DeepSpeed's default:
 #                                                          one sub-group)
+#   STEPS=4 scripts/sim_offload_ab.sh ...                  (steps a run, default 2)
+#
+# An arm is a command, split at spaces, so it may set the environment:
+#   scripts/sim_offload_ab.sh "env GLIBC_TUNABLES=glibc.malloc.mmap_threshold=268435456:glibc.malloc.trim_threshold=1073741824:glibc.malloc.arena_max=1 target/release/tierzero" target/release/tierzero
+# (tierzero's heap settings but the old 1 GiB trim threshold, against
+# them as they are: docs/decisions/host-heap.md's table).
 #
 # The binaries take turns going first (old first in odd rounds).
 #
@@ -19,7 +25,8 @@
 # --timeline), the spans of the gradients' adds into the sums (`grads uN`
 # on the compute lane), of the optimizer and of the store (each
 # sub-group's step on the optimizer thread, and its new values stored):
-# their sum, count and median; and weight_sha256 (the two binaries must
+# their sum, count and median; train_s, the peak RSS and each step's
+# minor page faults (--metrics); and weight_sha256 (the two binaries must
 # agree). The step
 # is mostly the simulator's reference GEMMs; the tail and the start-up
 # are host work: the gradients' adds and the seeded init.
@@ -46,13 +53,16 @@ for r in $(seq 1 "$rounds"); do
   order=("$old" "$new")
   if [ $((r % 2)) = 0 ]; then order=("$new" "$old"); fi
   for b in "${order[@]}"; do
-    (cd "$work" && "$b" train --model llama --config ds.json --device sim --seq-len 2 --steps 2 \
-      --threads 2 --json --timeline tl.json --timeline-steps 1 >out.json 2>err.txt) \
+    read -ra cmd <<<"$b"
+    (cd "$work" && "${cmd[@]}" train --model llama --config ds.json --device sim --seq-len 2 \
+      --steps "${STEPS:-2}" --threads 2 --json --metrics m.jsonl --timeline tl.json --timeline-steps 1 \
+      >out.json 2>err.txt) \
       || { echo "$b failed:"; tail -5 "$work/err.txt"; exit 1; }
-    python3 - "$b" "$r" "$work/out.json" "$work/tl.json" <<'PY'
+    python3 - "$b" "$r" "$work/out.json" "$work/tl.json" "$work/m.jsonl" <<'PY'
 import json, sys
-b, r, out, tl = sys.argv[1:]
+b, r, out, tl, metrics = sys.argv[1:]
 o = json.load(open(out))
+steps = [json.loads(l) for l in open(metrics) if '"step"' in l]
 t = json.load(open(tl))
 lanes = {e["tid"]: e["args"]["name"] for e in t["traceEvents"] if e.get("ph") == "M"}
 spans = [e for e in t["traceEvents"] if e.get("ph") == "X"]
@@ -65,7 +75,8 @@ def lane_ms(name, prefix=""):
     return f"{sum(d):.0f} ms in {len(d)} (median {d[len(d) // 2]:.1f})" if d else "none"
 print(f"round {r} {b}: start-up {o['total_s'] - o['train_s']:.1f} s, step {step['dur'] / 1e6:.2f} s, "
       f"tail {(end - last_bwd) / 1e3:.0f} ms, grads {lane_ms('compute', 'grads')}, optimizer {lane_ms('optimizer')}, "
-      f"store {lane_ms('store')}, "
+      f"store {lane_ms('store')}, train_s {o['train_s']:.1f}, peak RSS {o['peak_rss_bytes'] / 1e9:.2f} GB, "
+      f"minor faults {'/'.join(str(s['minor_faults']) for s in steps)}, "
       f"weight_sha256 {o['weight_sha256'][:16]}")
 PY
   done

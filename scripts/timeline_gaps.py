@@ -112,21 +112,26 @@ def main():
                 ((b[0] - a[1], a[1], b[0], a[2], b[2]) for a, b in zip(dev, dev[1:]) if b[0] > a[1]),
                 reverse=True,
             )
+            print(f"  device idle between compute spans: {sum(i[0] for i in idle):.1f} ms in {len(idle)} gaps")
             for d, a, b, before, after in idle[:top]:
-                host = [n for s, e, n in clip(spans.get("compute", []) + spans.get("params", []), a, b)]
-                host += [f"store {n}" for s, e, n in clip(spans.get("store", []), a, b)]
+                host = host_during(spans, a, b)
                 print(
                     f"  device idle {d:.1f} ms at +{a - s0:.1f} ms, after {before}, before {after}; "
                     f"host: {', '.join(sorted(set(host))) or 'nothing on its lanes'}"
                 )
         for d, a, b in gaps[:top]:
-            during = [n for s, e, n in clip(spans.get("compute", []) + spans.get("params", []), a, b)]
-            during += [f"store {n}" for s, e, n in clip(spans.get("store", []), a, b)]
+            during = host_during(spans, a, b)
             what = ", ".join(sorted(set(during))) or "nothing on the compute thread"
             print(f"  disk idle {d:.1f} ms at +{a - s0:.1f} ms, during: {what}")
     if against is not None:
         per_unit(spans, against)
     return 0
+
+
+def host_during(spans, a, b):
+    """The names of the compute thread's and the store's spans within a..b."""
+    names = [n for s, e, n in clip(spans.get("compute", []) + spans.get("params", []), a, b)]
+    return names + [f"store {n}" for s, e, n in clip(spans.get("store", []), a, b)]
 
 
 def per_unit(spans, alone):

@@ -68,7 +68,31 @@ pub struct NormGroup<'a, B> {
     pub segments: Vec<NormSegment<'a, B>>,
 }
 
-impl<B> NormGroup<'_, B> {
+impl<'a, B> NormGroup<'a, B> {
+    /// The same group over other buffers: `f` of each segment's.
+    pub fn try_map_bufs<C, E>(
+        &self,
+        f: impl Fn(&'a B) -> std::result::Result<&'a C, E>,
+    ) -> std::result::Result<NormGroup<'a, C>, E> {
+        let segments = self
+            .segments
+            .iter()
+            .map(|s| {
+                Ok(NormSegment {
+                    buf: f(s.buf)?,
+                    offset: s.offset,
+                    numel: s.numel,
+                    flat_start: s.flat_start,
+                })
+            })
+            .collect::<std::result::Result<Vec<_>, E>>()?;
+        Ok(NormGroup {
+            numel: self.numel,
+            part_numel: self.part_numel,
+            segments,
+        })
+    }
+
     /// Its parts.
     pub fn parts(&self) -> usize {
         self.numel.div_ceil(self.part_numel.max(1))

@@ -819,13 +819,38 @@ pub fn sumsq_parts(
     out: &mut DeviceBuffer<f64>,
     groups: &[NormGroup<'_, DeviceBuffer<f32>>],
 ) -> Result<NormPlan> {
+    let plan = NormPlan::new(groups, DeviceBuffer::len)?;
+    launch_sumsq_parts(dev, out, groups, &plan)?;
+    Ok(plan)
+}
+
+/// Each group's Σ x² ([`crate::norm`]'s order): [`sumsq_parts`] into a
+/// buffer of its own, downloaded and folded, the plan made once.
+pub fn norm_sq_sums(dev: &Device, groups: &[NormGroup<'_, DeviceBuffer<f32>>]) -> Result<Vec<f64>> {
+    let plan = NormPlan::new(groups, DeviceBuffer::len)?;
+    let n_parts = plan.total_parts();
+    if n_parts == 0 {
+        return Ok(vec![0.0; groups.len()]);
+    }
+    let mut out = dev.alloc_zeros::<f64>("sums of squares", n_parts)?;
+    launch_sumsq_parts(dev, &mut out, groups, &plan)?;
+    Ok(crate::norm::fold_groups(&plan, &dev.download(&out)?))
+}
+
+/// The `sumsq_parts` launch for `plan`, which [`NormPlan::new`] made
+/// from these `groups` (its addresses are safe for them only).
+fn launch_sumsq_parts(
+    dev: &Device,
+    out: &mut DeviceBuffer<f64>,
+    groups: &[NormGroup<'_, DeviceBuffer<f32>>],
+    plan: &NormPlan,
+) -> Result<()> {
     use cudarc::driver::DevicePtr;
     let k = "sumsq_parts".to_string();
-    let plan = NormPlan::new(groups, DeviceBuffer::len)?;
     let n_parts = plan.total_parts();
     need(&k, "out", out.len(), n_parts)?;
     if n_parts == 0 {
-        return Ok(plan);
+        return Ok(());
     }
     let stream = &dev.compute;
     // Each segment's address; its guard records the kernel's read on the
@@ -858,7 +883,7 @@ pub fn sumsq_parts(
     // const long long*).
     unsafe { fire(&mut a, per_item(n_parts.saturating_mul(NORM_LANES)), k) }?;
     drop(guards);
-    Ok(plan)
+    Ok(())
 }
 
 /// The state `adamw` steps.

@@ -489,7 +489,11 @@ pub fn cast<S: Storage, D: Storage>(src: &[S]) -> Vec<D> {
 /// each onto its lane's f64 sum, the lanes added pairwise, neighbours
 /// first ([`combine_lanes`]).
 pub fn sumsq_parts(groups: &[NormGroup<'_, Vec<f32>>]) -> Result<Vec<f64>> {
-    let plan = NormPlan::new(groups, Vec::len)?;
+    Ok(parts_of(groups, &NormPlan::new(groups, Vec::len)?))
+}
+
+/// [`sumsq_parts`] by `plan`, made from `groups`.
+fn parts_of(groups: &[NormGroup<'_, Vec<f32>>], plan: &NormPlan) -> Vec<f64> {
     let mut out = Vec::with_capacity(plan.total_parts());
     for part in plan.parts.chunks_exact(4) {
         let [a, b, s0, s1] = [part[0], part[1], part[2], part[3]].map(|v| v as usize);
@@ -505,13 +509,13 @@ pub fn sumsq_parts(groups: &[NormGroup<'_, Vec<f32>>]) -> Result<Vec<f64>> {
         }
         out.push(combine_lanes(acc));
     }
-    Ok(out)
+    out
 }
 
 /// Each group's Σ x² ([`sumsq_parts`], the parts added in order).
 pub fn norm_sq_sums(groups: &[NormGroup<'_, Vec<f32>>]) -> Result<Vec<f64>> {
     let plan = NormPlan::new(groups, Vec::len)?;
-    Ok(fold_groups(&plan, &sumsq_parts(groups)?))
+    Ok(fold_groups(&plan, &parts_of(groups, &plan)))
 }
 
 /// The f32 constants of one AdamW step, as the CPU kernel derives them

@@ -6,7 +6,7 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use half::bf16;
-use tierzero_gpu::norm::{NormGroup, NormPlan, NormSegment};
+use tierzero_gpu::norm::{NormGroup, NormSegment};
 use tierzero_gpu::reference as r;
 
 /// Columns that cross warp and block boundaries.
@@ -502,9 +502,23 @@ fn a_norm_over_segments_is_its_flat_elements_in_the_lane_order() {
                 ],
             },
         ];
-        let parts = r::sumsq_parts(&groups).unwrap();
-        let plan = NormPlan::new(&groups, Vec::len).unwrap();
-        assert_eq!(parts.len(), plan.total_parts());
+        // Every part, in plan order (group by group), is its own flat
+        // elements' sum by the definition.
+        let parts: Vec<u64> = r::sumsq_parts(&groups)
+            .unwrap()
+            .iter()
+            .map(|p| p.to_bits())
+            .collect();
+        let want: Vec<u64> = groups
+            .iter()
+            .flat_map(|g| {
+                flat_of(g)
+                    .chunks(part_numel)
+                    .map(|c| norm_by_definition(c, part_numel).to_bits())
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        assert_eq!(parts, want, "parts of {part_numel}");
         let sums = r::norm_sq_sums(&groups).unwrap();
         assert_eq!(sums.len(), 3);
         assert_eq!(sums[0].to_bits(), 0f64.to_bits());

@@ -401,12 +401,34 @@ pub fn host_grad_bound_bytes(
     if !opt_nvme {
         return shape.numel().saturating_mul(4);
     }
-    nvme_state_grad_bound_bytes(
+    host_grad_bound_groups(sizing, shape, opt_nvme, unit_groups)
+        .saturating_mul(shape.max_sub_group_numel())
+        .saturating_mul(4)
+}
+
+/// The sub-groups' sums [`host_grad_bound_bytes`] counts: every one with
+/// the optimizer state in host memory; with it on NVMe, the sums being
+/// added into, held, speculated and handed over
+/// ([`nvme_state_grad_bound_groups`]). The trainer keeps as many sums
+/// from one step for the next (its spares: a sum made in one is written
+/// in place, where a new one is page-faulted in as it is zeroed), so
+/// they stay within the bound: spares are sums that were in use, and it
+/// never holds more buffers than it had in use at once (`SpareSums`).
+pub fn host_grad_bound_groups(
+    sizing: &Sizing,
+    shape: &Shape,
+    opt_nvme: bool,
+    unit_groups: u64,
+) -> u64 {
+    let sub_groups = shape.sub_groups.len() as u64;
+    if !opt_nvme {
+        return sub_groups;
+    }
+    nvme_state_grad_bound_groups(
         unit_groups + sizing.held_grad_groups as u64 + sizing.speculation_kept_grads as u64,
         sizing.read_ahead,
         sizing.write_behind,
-        shape.sub_groups.len() as u64,
-        shape.max_sub_group_numel(),
+        sub_groups,
     )
 }
 
@@ -434,28 +456,6 @@ pub fn largest_unit_groups(
         .unwrap_or(1)
 }
 
-/// How many fp32 gradient sums the trainer keeps from one step for the
-/// next (spares: a sum made in one is written in place, where a new one
-/// is page-faulted in as it is zeroed): as many sub-groups as the
-/// gradient bound ([`host_grad_bound_bytes`], `bound_bytes`) counts,
-/// every one of the `groups` with the state in host memory: spares are
-/// sums that were in use, and the trainer never holds more buffers than
-/// it had in use at once (`SpareSums`), so they stay within that bound.
-pub fn spare_grad_sums(
-    bound_bytes: u64,
-    opt_nvme: bool,
-    groups: usize,
-    max_group_numel: u64,
-) -> usize {
-    if !opt_nvme {
-        return groups;
-    }
-    let per_group = max_group_numel.saturating_mul(4).max(1);
-    usize::try_from(bound_bytes / per_group)
-        .unwrap_or(usize::MAX)
-        .min(groups)
-}
-
 /// [`host_grad_bound_bytes`] with the optimizer state on NVMe, from its
 /// parts: `groups` sub-groups' sums being added into, held or speculated,
 /// and the [`grads_in_flight`] steps handed over, at most `sub_groups`
@@ -468,10 +468,20 @@ pub fn nvme_state_grad_bound_bytes(
     sub_groups: u64,
     max_group_numel: u64,
 ) -> u64 {
-    (groups + grads_in_flight(read_ahead, write_behind) as u64)
-        .min(sub_groups)
+    nvme_state_grad_bound_groups(groups, read_ahead, write_behind, sub_groups)
         .saturating_mul(max_group_numel)
         .saturating_mul(4)
+}
+
+/// [`nvme_state_grad_bound_bytes`]'s sums: `groups` and the
+/// [`grads_in_flight`] steps, at most `sub_groups`.
+pub fn nvme_state_grad_bound_groups(
+    groups: u64,
+    read_ahead: usize,
+    write_behind: usize,
+    sub_groups: u64,
+) -> u64 {
+    (groups + grads_in_flight(read_ahead, write_behind) as u64).min(sub_groups)
 }
 
 /// The gradient park's pinned buffers ([`parks_grads`]): a fixed count,
@@ -1020,15 +1030,13 @@ mod tests {
 
     #[test]
     fn spare_gradient_sums_are_what_the_gradient_bound_counts() {
-        // State in host memory: every sub-group's sum is held anyway.
-        assert_eq!(spare_grad_sums(0, false, 7, 100), 7);
-        // On NVMe: the bound's whole groups of the largest, at most all.
-        let bound = nvme_state_grad_bound_bytes(2, 1, 1, 20, 100);
-        assert_eq!(bound, 6 * 100 * 4);
-        assert_eq!(spare_grad_sums(bound, true, 20, 100), 6);
-        assert_eq!(spare_grad_sums(bound, true, 4, 100), 4);
-        assert_eq!(spare_grad_sums(399, true, 4, 100), 0);
-        assert_eq!(spare_grad_sums(u64::MAX, true, 3, 0), 3);
+        // On NVMe: the groups given and those in flight, at most all; the
+        // bytes are that many of the largest.
+        assert_eq!(nvme_state_grad_bound_groups(2, 1, 1, 20), 6);
+        assert_eq!(nvme_state_grad_bound_bytes(2, 1, 1, 20, 100), 6 * 100 * 4);
+        assert_eq!(nvme_state_grad_bound_groups(2, 1, 1, 4), 4);
+        assert_eq!(nvme_state_grad_bound_bytes(2, 1, 1, 4, 100), 4 * 100 * 4);
+        assert_eq!(nvme_state_grad_bound_groups(0, 0, 0, 3), 2);
     }
 
     #[test]

@@ -24,7 +24,7 @@ use half::{bf16, f16};
 
 use super::{check_ids, mm, AttnShape, Exec, GemmDtype};
 use crate::device::{Device, DeviceBuffer};
-use crate::norm::{self, NormGroup, NormSegment};
+use crate::norm::NormGroup;
 use crate::ops::{self, AdamState, MatmulShape, NormOut, NormStats};
 use crate::reference::{AdamScalars, HeadsShape, KvShape, RopeShape};
 use crate::{GpuError, Result};
@@ -357,36 +357,11 @@ impl Exec for CudaExec<'_> {
     fn norm_sq_sums(&self, groups: &[NormGroup<'_, DevBuf>]) -> Result<Vec<f64>> {
         let groups = groups
             .iter()
-            .map(|g| {
-                let segments = g
-                    .segments
-                    .iter()
-                    .map(|s| {
-                        Ok(NormSegment {
-                            buf: s.buf.f32()?,
-                            offset: s.offset,
-                            numel: s.numel,
-                            flat_start: s.flat_start,
-                        })
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                Ok(NormGroup {
-                    numel: g.numel,
-                    part_numel: g.part_numel,
-                    segments,
-                })
-            })
+            .map(|g| g.try_map_bufs(DevBuf::f32))
             .collect::<Result<Vec<_>>>()?;
-        // Checked here too, so that no parts is an answer only for a plan
-        // that is sound.
-        let parts = norm::NormPlan::new(&groups, DeviceBuffer::len)?.total_parts();
-        if parts == 0 {
-            return Ok(vec![0.0; groups.len()]);
-        }
-        let mut out = self.dev.alloc_zeros::<f64>("sums of squares", parts)?;
-        let plan = ops::sumsq_parts(self.dev, &mut out, &groups)?;
-        Ok(norm::fold_groups(&plan, &self.dev.download(&out)?))
+        ops::norm_sq_sums(self.dev, &groups)
     }
+
     fn round_bf16(&self, dst: &mut DevBuf, src: &DevBuf) -> Result<()> {
         let src = src.f32()?;
         match dst {

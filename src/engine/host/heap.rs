@@ -36,9 +36,9 @@ pub const MMAP_THRESHOLD_BYTES: usize = 256 << 20;
 /// that at the heap's top (the fp32 gradient sums of a model of more than
 /// 268M params with the optimizer state in host memory, 4 bytes a param)
 /// gave it back to the kernel, and the next step's sums faulted every
-/// page in again. `scripts/sim_offload_ab.sh`'s 337M Llama (1.35 GB of
-/// sums), 4 steps: 1.64M-2.97M minor faults with 1 GiB, 1.63M-1.66M
-/// with trimming off, the same peak (every step returns to it); the
+/// page in again. `scripts/sim_offload_ab.sh`'s 311M Llama (1.25 GB of
+/// sums), steps 2-4: 290K-400K minor faults a step with 1 GiB, 0-76K with
+/// trimming off, median train_s 19.5 s against 21.3 s, peak RSS 3% higher; the command and the
 /// figures are in `docs/decisions/host-heap.md`.
 pub const TRIM_THRESHOLD_BYTES: usize = usize::MAX;
 /// `M_ARENA_MAX`: one arena for every thread, so the memory the heap keeps

@@ -71,7 +71,7 @@ pub struct StepMetrics {
     pub peak_rss_bytes: u64,
     /// Minor page faults of the whole process (every thread: compute,
     /// optimizer, I/O) from the step's start to its end
-    /// ([`minor_faults`]): memory the step touches for the first time,
+    /// (`minflt` of `/proc/self/stat`): memory the step touches for the first time,
     /// or again after it was given back; a step that frees and remaps
     /// its large buffers shows it here (0 where unknown).
     pub minor_faults: u64,

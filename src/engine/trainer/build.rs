@@ -718,12 +718,9 @@ impl Trainer {
         let (param_dtype, scaler) = precision_setup(&config.precision);
         let sub_group = usize::try_from(config.zero.sub_group_numel.0).unwrap_or(usize::MAX);
         let layout = Layout::new(&model, opts.comm.rank(), opts.comm.world_size(), sub_group);
-        let sizing = sizing::decide_within(
-            config,
-            &Shape::of(config, &model, &layout),
-            nvme_available_bytes(config),
-        )
-        .map_err(budget_error)?;
+        let shape = Shape::of(config, &model, &layout);
+        let sizing = sizing::decide_within(config, &shape, nvme_available_bytes(config))
+            .map_err(budget_error)?;
         let lockable = check_memlock(config, &sizing)?;
         let clocks = Clocks::new(&opts);
         let mut tiers = TierBuild {
@@ -773,20 +770,15 @@ impl Trainer {
             opts.comm.world_size(),
         );
         // Spare gradient sums: as many as the plan's gradient bound counts.
-        let shape = crate::engine::sizing::Shape::of(config, &model, &layout);
         let opt_nvme = config.zero.offload_optimizer.device.nvme_path().is_some();
+        let spares = sizing::host_grad_bound_groups(
+            &sizing,
+            &shape,
+            opt_nvme,
+            sizing::largest_unit_groups(&model, &layout),
+        );
         let spare_sums = std::sync::Mutex::new(super::groups::SpareSums::with_min(
-            crate::engine::sizing::spare_grad_sums(
-                crate::engine::sizing::host_grad_bound_bytes(
-                    &sizing,
-                    &shape,
-                    opt_nvme,
-                    crate::engine::sizing::largest_unit_groups(&model, &layout),
-                ),
-                opt_nvme,
-                layout.sub_groups.len(),
-                shape.max_sub_group_numel(),
-            ),
+            usize::try_from(spares).unwrap_or(usize::MAX),
             opts.spare_sum_min_bytes
                 .unwrap_or(super::groups::SPARE_MIN_BYTES),
         ));

@@ -78,15 +78,16 @@ pub(in crate::engine) const SPARE_MIN_BYTES: usize =
 /// `scripts/sim_offload_ab.sh` and the optimizer's spans doubled (its
 /// other buffers grew the heap instead; measured again with the set
 /// first gradients and the optimizer's output buffers given back: the
-/// gradients' adds took 0.6x the time, but the whole step 1.2-1.4x),
-/// where with one sub-group of
-/// 1.35 GB (`SUB_GROUP_SIZE=1e9`, DeepSpeed's default size) they are what
+/// gradients' adds took 0.6x the time, but the whole step 1.2-1.4x; both
+/// times against a build whose `TrainerOptions::spare_sum_min_bytes`
+/// defaults to 0, which the CLI does not set), where with one sub-group of
+/// 1.25 GB (`SUB_GROUP_SIZE=1e9`, DeepSpeed's default size) they are what
 /// keeps the sum's pages. One 45M-element block's bf16 gradient into a new
 /// (faulting) sum took 65 ms on 2 cores, into one whose pages were in
 /// place 14 ms (`cargo bench --bench grad_accumulate`). A spare comes back
 /// with the optimizer thread's reply
 /// ([`crate::engine::optimizer::Done::Stepped`]'s `spent`), and at most
-/// `max` are kept ([`crate::engine::sizing::spare_grad_sums`], as many as
+/// `max` are kept ([`crate::engine::sizing::host_grad_bound_groups`], as many as
 /// the plan's gradient bound counts). A new sum is made only when no spare
 /// holds it, and then one spare is freed first, so spares and sums in use
 /// are never more buffers than were in use at once, each at most the
@@ -99,12 +100,6 @@ pub(in crate::engine) struct SpareSums {
 }
 
 impl SpareSums {
-    /// Keeps at most `max` spares of [`SPARE_MIN_BYTES`] or more.
-    #[cfg(test)]
-    fn new(max: usize) -> SpareSums {
-        SpareSums::with_min(max, SPARE_MIN_BYTES)
-    }
-
     /// Keeps at most `max` spares of `min_bytes` or more.
     pub(in crate::engine) fn with_min(max: usize, min_bytes: usize) -> SpareSums {
         SpareSums {
@@ -499,7 +494,7 @@ mod tests {
     /// the heap keeps mapped itself.
     #[test]
     fn spare_sums_are_reused_zeroed_and_bounded() {
-        let mut heap = SpareSums::new(4);
+        let mut heap = SpareSums::with_min(4, super::SPARE_MIN_BYTES);
         heap.give(vec![1.0; 1 << 20]);
         assert_eq!(heap.len(), 0, "4 MiB: the heap's to keep");
         let mut s = SpareSums::with_min(2, 0);

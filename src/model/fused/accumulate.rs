@@ -13,7 +13,8 @@
 //! compute on a GPU that host work was the step: the 850M-param Llama of
 //! `scripts/gpu_check.sh`'s step 6h (H200, bf16, params and optimizer on
 //! the CPU) left the GPU idle 241-392 ms between one 45M-param block's
-//! backward and the next (793 ms at the first), 5.3 s of its 8 s step,
+//! backward and the next (793 ms at the first), idle 6.1 s of its 8 s
+//! step in all (34 gaps, forward and backward),
 //! the GPU busy 0.12 s of it (`scripts/timeline_gaps.py --top 20` on
 //! `docs/gpu-runs/2026-12-04-h200/timeline-offload-llama.json`).
 //!
@@ -39,7 +40,7 @@ use super::*;
 /// fp32, bf16 and fp16 gradients are read as they are stored; another
 /// dtype is converted to fp32 first.
 pub fn add_grad_into(acc: &mut [f32], grad: &Tensor, offset: usize) -> candle_core::Result<()> {
-    put_grad(acc, grad, offset, Put::Add)
+    put_grad::<true>(acc, grad, offset)
 }
 
 /// [`add_grad_into`] onto zeros without reading `acc`: each element becomes
@@ -49,19 +50,16 @@ pub fn add_grad_into(acc: &mut [f32], grad: &Tensor, offset: usize) -> candle_co
 /// old values are stale: one write of the sum instead of a zero fill, then
 /// a read and a write.
 pub fn set_grad_into(acc: &mut [f32], grad: &Tensor, offset: usize) -> candle_core::Result<()> {
-    put_grad(acc, grad, offset, Put::Set)
+    put_grad::<false>(acc, grad, offset)
 }
 
-/// How [`put_grad`] combines a gradient element with the sum's.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Put {
-    /// `acc += g`.
-    Add,
-    /// `acc = +0.0 + g`.
-    Set,
-}
-
-fn put_grad(acc: &mut [f32], grad: &Tensor, offset: usize, put: Put) -> candle_core::Result<()> {
+/// `acc[i] = base + widen(g[offset + i])`, `base` being `acc[i]` when
+/// `ADD` ([`add_grad_into`]) and `+0.0` otherwise ([`set_grad_into`]).
+fn put_grad<const ADD: bool>(
+    acc: &mut [f32],
+    grad: &Tensor,
+    offset: usize,
+) -> candle_core::Result<()> {
     let end = offset
         .checked_add(acc.len())
         .filter(|&e| e <= grad.elem_count())
@@ -74,19 +72,19 @@ fn put_grad(acc: &mut [f32], grad: &Tensor, offset: usize, put: Put) -> candle_c
         })?;
     match grad.dtype() {
         DType::BF16 => with_bf16(grad, |g| {
-            put_widened(acc, &g[offset..end], half::bf16::to_f32, put);
+            put_widened::<ADD, _>(acc, &g[offset..end], half::bf16::to_f32);
             Ok(())
         }),
         DType::F16 => with_f16(grad, |g| {
-            put_widened(acc, &g[offset..end], half::f16::to_f32, put);
+            put_widened::<ADD, _>(acc, &g[offset..end], half::f16::to_f32);
             Ok(())
         }),
         DType::F32 => with_f32(grad, |g| {
-            put_widened(acc, &g[offset..end], |x| x, put);
+            put_widened::<ADD, _>(acc, &g[offset..end], |x| x);
             Ok(())
         }),
         _ => with_f32(&grad.to_dtype(DType::F32)?, |g| {
-            put_widened(acc, &g[offset..end], |x| x, put);
+            put_widened::<ADD, _>(acc, &g[offset..end], |x| x);
             Ok(())
         }),
     }
@@ -119,36 +117,23 @@ pub fn grad_to_f32(grad: &Tensor) -> candle_core::Result<Vec<f32>> {
     Ok(out)
 }
 
-/// `acc[i] += widen(g[i])` ([`Put::Add`]) or `acc[i] = +0.0 + widen(g[i])`
-/// ([`Put::Set`]), in parallel chunks.
-fn put_widened<T: Copy + Sync>(
+/// `acc[i] = base + widen(g[i])` (see [`put_grad`]), in parallel chunks.
+/// `0.0 + x` is not folded to `x` (it differs at `-0.0`), so the set is
+/// the add onto a zero, without its read.
+fn put_widened<const ADD: bool, T: Copy + Sync>(
     acc: &mut [f32],
     g: &[T],
     widen: impl Fn(T) -> f32 + Sync,
-    put: Put,
 ) {
-    match put {
-        Put::Add => par_elems(
-            acc,
-            #[inline(always)]
-            |at, chunk| {
-                for (a, &x) in chunk.iter_mut().zip(&g[at..]) {
-                    *a += widen(x);
-                }
-            },
-        ),
-        // `0.0 + x` is not folded to `x` (it differs at `-0.0`), so this
-        // is the addition `Put::Add` does onto a zero, without its read.
-        Put::Set => par_elems(
-            acc,
-            #[inline(always)]
-            |at, chunk| {
-                for (a, &x) in chunk.iter_mut().zip(&g[at..]) {
-                    *a = 0.0 + widen(x);
-                }
-            },
-        ),
-    }
+    par_elems(
+        acc,
+        #[inline(always)]
+        |at, chunk| {
+            for (a, &x) in chunk.iter_mut().zip(&g[at..]) {
+                *a = if ADD { *a } else { 0.0 } + widen(x);
+            }
+        },
+    );
 }
 
 /// `v` set to `+0.0`, in parallel chunks (a spare sum made new: its pages

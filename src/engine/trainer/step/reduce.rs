@@ -3,6 +3,7 @@
 //! in rank order, on the host ([`Trainer::accumulate_unit`]) or on the
 //! device that kept them ([`Trainer::accumulate_on_device`]).
 
+use super::super::groups::GradSum;
 use super::*;
 
 /// A unit's params' slots, each cut into per-rank counts, and this rank's
@@ -193,7 +194,7 @@ impl Trainer {
         back: bool,
     ) -> Result<()> {
         for pc in &slot.pieces {
-            let a = self.piece_acc_zeroed(groups, pc)?;
+            let a = self.piece_sum(groups, pc)?.piece_zeroed(pc.group_range())?;
             let s = shard
                 .get_mut(pc.shard_range())
                 .ok_or_else(|| EngineError::internal("grad shard out of range"))?;
@@ -206,31 +207,17 @@ impl Trainer {
         Ok(())
     }
 
-    /// The accumulator range of one piece of a param's shard (its
-    /// sub-group's sum taken, from a spare if one is kept, if it is the
-    /// first), and whether its values are stale: the piece's first
-    /// gradient is then set, not added ([`super::super::groups::GradSum`]).
-    fn piece_acc<'g>(
+    /// The accumulator of `pc`'s sub-group (taken, from a spare if one
+    /// is kept, at its first gradient). Its [`GradSum::piece`] says
+    /// whether the piece's values are stale: its first gradient is then
+    /// set, not added; [`GradSum::piece_zeroed`] zeroes them to add into.
+    fn piece_sum<'g>(
         &self,
         groups: &'g mut StepGroups,
         pc: &crate::engine::layout::Piece,
-    ) -> Result<(&'g mut [f32], bool)> {
+    ) -> Result<&'g mut GradSum> {
         let numel = self.sub_group_numel(pc.sub_group)?;
-        groups
-            .accumulator(pc.sub_group, numel, &self.spare_sums)?
-            .piece(pc.group_range())
-    }
-
-    /// [`Self::piece_acc`], its stale values zeroed: to add into.
-    fn piece_acc_zeroed<'g>(
-        &self,
-        groups: &'g mut StepGroups,
-        pc: &crate::engine::layout::Piece,
-    ) -> Result<&'g mut [f32]> {
-        let numel = self.sub_group_numel(pc.sub_group)?;
-        groups
-            .accumulator(pc.sub_group, numel, &self.spare_sums)?
-            .piece_zeroed(pc.group_range())
+        groups.accumulator(pc.sub_group, numel, &self.spare_sums)
     }
 
     /// `grad` of `pid` from `unit` as a flat fp32 vector, summed with the
@@ -283,7 +270,7 @@ impl Trainer {
         self.unpark_slot(groups, &slot)?;
         groups.grad_reduces += 1;
         for pc in &slot.pieces {
-            let (dst, stale) = self.piece_acc(groups, pc)?;
+            let (dst, stale) = self.piece_sum(groups, pc)?.piece(pc.group_range())?;
             if stale {
                 crate::model::fused::set_grad_into(dst, grad, pc.shard_range().start)?;
             } else {
@@ -304,7 +291,7 @@ impl Trainer {
         let counts = shard_counts(slot.numel, self.layout.world);
         groups.grad_reduces += 1;
         if let [pc] = slot.pieces.as_slice() {
-            let dst = self.piece_acc_zeroed(groups, pc)?;
+            let dst = self.piece_sum(groups, pc)?.piece_zeroed(pc.group_range())?;
             return self.opts.comm.reduce_scatter_add_f32(full, &counts, dst);
         }
         let mut shard = vec![0f32; slot.shard_numel];
