@@ -1,9 +1,11 @@
 //! Criterion benchmarks of the CPU Adam kernels (`cargo bench --bench adam`).
 //!
 //! 16M parameters (448 MB of fp32 state, far beyond the caches) on all
-//! threads: the rmw probe, fp32 AdamW, AdamW with the fused bf16 copy, the
+//! threads: the rmw probe, fp32 AdamW, AdamW with the fused bf16 copy (from
+//! fp32 gradients and from bf16 ones), the
 //! two-pass baseline (AdamW then a conversion pass), bf16 moments, the fp32
-//! kernel on every available ISA, and the f64 gradient-norm pass. Throughput
+//! kernel on every available ISA, and the f64 gradient-norm pass (over fp32
+//! and bf16 gradients). Throughput
 //! is reported in parameters (elements) per second. For the headline numbers
 //! with GB/s and ratios use `tierzero bench-adam`.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // reason: benchmark harness
@@ -73,6 +75,20 @@ fn bench_adam(c: &mut Criterion) {
             opt.step(t, &mut p, &grad, mo, o, GradScale::ONE).unwrap()
         })
     });
+    // The same step from bf16 gradients (`GradIn::Bf16`): 2 B/param read
+    // instead of 4, what the engine steps a one-gradient sub-group with.
+    let grad16: Vec<bf16> = grad.iter().map(|&x| bf16::from_f32(x)).collect();
+    g.bench_function("fused_bf16_out_bf16_grads", |b| {
+        b.iter(|| {
+            t += 1;
+            let mo = Moments::F32 {
+                m: &mut m,
+                v: &mut v,
+            };
+            let o = Some(LowPrecisionOut::Bf16(&mut out));
+            opt.step(t, &mut p, &grad16, mo, o, GradScale::ONE).unwrap()
+        })
+    });
     g.bench_function("two_pass_baseline", |b| {
         b.iter(|| {
             t += 1;
@@ -99,6 +115,9 @@ fn bench_adam(c: &mut Criterion) {
     });
     g.bench_function("grad_sq_norm_f64", |b| {
         b.iter(|| black_box(opt.grad_sq_norm(&grad)))
+    });
+    g.bench_function("grad_sq_norm_f64_bf16_grads", |b| {
+        b.iter(|| black_box(opt.grad_sq_norm(&grad16)))
     });
     g.finish();
 }

@@ -653,7 +653,7 @@ fn step_in_place(
             hyper: it.hyper,
             step: it.step,
             master,
-            grad,
+            grad: grad.into(),
             moments,
             low_precision_out: None,
             grad_scale: GradScale(grad_scale),

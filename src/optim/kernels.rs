@@ -9,9 +9,10 @@
 //!   `#[target_feature]` entry functions (`adam_avx512bf16`, `adam_avx512`,
 //!   `adam_avx2`), so
 //!   LLVM compiles each instantiation with the wider instruction set and
-//!   inlines the intrinsics. Moment precision, output precision and weight
-//!   decay mode are const generics, so each of the 12 combinations is its own
-//!   branch-free loop.
+//!   inlines the intrinsics. Moment precision, output precision, weight
+//!   decay mode and gradient precision (fp32, or bf16 read as its fp32
+//!   sum: [`GradIn`]) are const generics, so each of the 24 combinations is
+//!   its own branch-free loop.
 //! * The vector body covers the largest multiple of the vector width; the rest
 //!   is handed, as a safe sub-tile, to the scalar kernel, which is bitwise
 //!   identical to a vector lane (see `scalar.rs`).
@@ -271,7 +272,7 @@ fn probe_chunk(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::{AdamMode, StepScalars};
+    use super::super::{AdamMode, GradIn, StepScalars};
     use super::{scalar, Isa, LowPrecisionOut, Moments, Tile};
     use half::bf16;
     use std::arch::x86_64::*;
@@ -630,7 +631,9 @@ mod x86 {
     pub(super) struct RawTile {
         n: usize,
         p: *mut f32,
+        /// The gradient: f32 (`g`) or bf16 (`g16`), the other null.
         g: *const f32,
+        g16: *const u16,
         m32: *mut f32,
         v32: *mut f32,
         m16: *mut u16,
@@ -642,15 +645,22 @@ mod x86 {
     const OUT_BF16: u8 = 1;
     const OUT_F16: u8 = 2;
 
-    /// The Adam kernel body. Mirrors `scalar::update` operation by operation.
+    /// The Adam kernel body. Mirrors `scalar::update` operation by operation
+    /// (a bf16 gradient, `G16`, loaded as `scalar::grad_at` reads it).
     ///
     /// # Safety
     /// `S`'s instruction set is available; `t.n` is a multiple of `S::LANES`
     /// and every pointer used by this instantiation is valid for `t.n`
-    /// elements (reads and, except `g`, writes); `t.out`, when used, is
-    /// aligned to `S::H_BYTES`.
+    /// elements (reads and, except `g` and `g16`, writes); `t.out`, when
+    /// used, is aligned to `S::H_BYTES`.
     #[inline(always)]
-    unsafe fn adam_body<S: Simd, const L2: bool, const MB16: bool, const OUT: u8>(
+    unsafe fn adam_body<
+        S: Simd,
+        const L2: bool,
+        const MB16: bool,
+        const OUT: u8,
+        const G16: bool,
+    >(
         s: &StepScalars,
         t: &RawTile,
     ) {
@@ -667,10 +677,17 @@ mod x86 {
             let inv_sqrt_bc2 = S::splat(s.inv_sqrt_bc2);
             let neg_lr_wd = S::splat(s.neg_lr_wd);
             let l2_wd = S::splat(s.l2_wd);
+            let zero = S::splat(0.0);
             let mut i = 0;
             while i < t.n {
                 let p = S::load(t.p.add(i));
-                let g = S::mul(S::load(t.g.add(i)), grad_scale);
+                let g = if G16 {
+                    // `+0.0 + g`: a `-0.0` reads as its fp32 sum's `+0.0`.
+                    S::add(S::load_bf16(t.g16.add(i)), zero)
+                } else {
+                    S::load(t.g.add(i))
+                };
+                let g = S::mul(g, grad_scale);
                 let g = if L2 { S::fma(p, l2_wd, g) } else { g };
                 let (m, v) = if MB16 {
                     (S::load_bf16(t.m16.add(i)), S::load_bf16(t.v16.add(i)))
@@ -709,33 +726,33 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f,avx512bf16")]
-    unsafe fn adam_avx512bf16<const L2: bool, const MB16: bool, const OUT: u8>(
+    unsafe fn adam_avx512bf16<const L2: bool, const MB16: bool, const OUT: u8, const G16: bool>(
         s: &StepScalars,
         t: &RawTile,
     ) {
         // SAFETY: avx512f and avx512bf16 are enabled for this function; the
         // caller guarantees the pointer ranges.
-        unsafe { adam_body::<Avx512Bf16, L2, MB16, OUT>(s, t) }
+        unsafe { adam_body::<Avx512Bf16, L2, MB16, OUT, G16>(s, t) }
     }
 
     #[target_feature(enable = "avx512f")]
-    unsafe fn adam_avx512<const L2: bool, const MB16: bool, const OUT: u8>(
+    unsafe fn adam_avx512<const L2: bool, const MB16: bool, const OUT: u8, const G16: bool>(
         s: &StepScalars,
         t: &RawTile,
     ) {
         // SAFETY: avx512f is enabled for this function; the caller
         // guarantees the pointer ranges.
-        unsafe { adam_body::<Avx512, L2, MB16, OUT>(s, t) }
+        unsafe { adam_body::<Avx512, L2, MB16, OUT, G16>(s, t) }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn adam_avx2<const L2: bool, const MB16: bool, const OUT: u8>(
+    unsafe fn adam_avx2<const L2: bool, const MB16: bool, const OUT: u8, const G16: bool>(
         s: &StepScalars,
         t: &RawTile,
     ) {
         // SAFETY: avx2, fma and f16c are enabled for this function; the
         // caller guarantees the pointer ranges.
-        unsafe { adam_body::<Avx2, L2, MB16, OUT>(s, t) }
+        unsafe { adam_body::<Avx2, L2, MB16, OUT, G16>(s, t) }
     }
 
     /// Dispatches to the monomorphised entry for `isa` and the tile's kinds.
@@ -743,7 +760,7 @@ mod x86 {
     /// # Safety
     /// `isa` (not `Scalar`) is supported by this CPU; `t` obeys the
     /// [`RawTile`] contract with `t.n` a multiple of `isa`'s lane count.
-    unsafe fn dispatch<const MB16: bool, const OUT: u8>(
+    unsafe fn dispatch<const MB16: bool, const OUT: u8, const G16: bool>(
         isa: Isa,
         l2: bool,
         s: &StepScalars,
@@ -754,12 +771,14 @@ mod x86 {
             match (isa, l2) {
                 // Only the moment stores differ: fp32-moment variants run
                 // the AVX-512F code rather than a second identical copy.
-                (Isa::Avx512Bf16, false) if MB16 => adam_avx512bf16::<false, MB16, OUT>(s, t),
-                (Isa::Avx512Bf16, true) if MB16 => adam_avx512bf16::<true, MB16, OUT>(s, t),
-                (Isa::Avx512 | Isa::Avx512Bf16, false) => adam_avx512::<false, MB16, OUT>(s, t),
-                (Isa::Avx512 | Isa::Avx512Bf16, true) => adam_avx512::<true, MB16, OUT>(s, t),
-                (Isa::Avx2Fma, false) => adam_avx2::<false, MB16, OUT>(s, t),
-                (Isa::Avx2Fma, true) => adam_avx2::<true, MB16, OUT>(s, t),
+                (Isa::Avx512Bf16, false) if MB16 => adam_avx512bf16::<false, MB16, OUT, G16>(s, t),
+                (Isa::Avx512Bf16, true) if MB16 => adam_avx512bf16::<true, MB16, OUT, G16>(s, t),
+                (Isa::Avx512 | Isa::Avx512Bf16, false) => {
+                    adam_avx512::<false, MB16, OUT, G16>(s, t)
+                }
+                (Isa::Avx512 | Isa::Avx512Bf16, true) => adam_avx512::<true, MB16, OUT, G16>(s, t),
+                (Isa::Avx2Fma, false) => adam_avx2::<false, MB16, OUT, G16>(s, t),
+                (Isa::Avx2Fma, true) => adam_avx2::<true, MB16, OUT, G16>(s, t),
                 (Isa::Scalar, _) => {}
             }
         }
@@ -822,10 +841,15 @@ mod x86 {
             Some(LowPrecisionOut::Bf16(o)) => (o.as_mut_ptr() as *mut u16, OUT_BF16),
             Some(LowPrecisionOut::F16(o)) => (o.as_mut_ptr() as *mut u16, OUT_F16),
         };
+        let (g, g16) = match body.grad {
+            GradIn::F32(g) => (g.as_ptr(), std::ptr::null::<u16>()),
+            GradIn::Bf16(g) => (std::ptr::null::<f32>(), g.as_ptr() as *const u16),
+        };
         let raw = RawTile {
             n: body_n,
             p: body.master.as_mut_ptr(),
-            g: body.grad.as_ptr(),
+            g,
+            g16,
             m32,
             v32,
             m16,
@@ -833,6 +857,7 @@ mod x86 {
             out,
         };
         let mb16 = !m16.is_null();
+        let g16 = !raw.g16.is_null();
         // SAFETY: `isa` was checked supported above; all slices of `body`
         // have length `body_n` (validated by `Tile::new`, preserved by
         // `split_at`), a multiple of the lane count; the peel above aligned
@@ -840,13 +865,19 @@ mod x86 {
         // `repr(transparent)` over `u16`; `body` is borrowed mutably for the
         // whole call, so nothing aliases the writes.
         unsafe {
-            match (mb16, out_kind) {
-                (false, OUT_NONE) => dispatch::<false, OUT_NONE>(isa, l2, s, &raw),
-                (false, OUT_BF16) => dispatch::<false, OUT_BF16>(isa, l2, s, &raw),
-                (false, _) => dispatch::<false, OUT_F16>(isa, l2, s, &raw),
-                (true, OUT_NONE) => dispatch::<true, OUT_NONE>(isa, l2, s, &raw),
-                (true, OUT_BF16) => dispatch::<true, OUT_BF16>(isa, l2, s, &raw),
-                (true, _) => dispatch::<true, OUT_F16>(isa, l2, s, &raw),
+            match (mb16, out_kind, g16) {
+                (false, OUT_NONE, false) => dispatch::<false, OUT_NONE, false>(isa, l2, s, &raw),
+                (false, OUT_BF16, false) => dispatch::<false, OUT_BF16, false>(isa, l2, s, &raw),
+                (false, _, false) => dispatch::<false, OUT_F16, false>(isa, l2, s, &raw),
+                (true, OUT_NONE, false) => dispatch::<true, OUT_NONE, false>(isa, l2, s, &raw),
+                (true, OUT_BF16, false) => dispatch::<true, OUT_BF16, false>(isa, l2, s, &raw),
+                (true, _, false) => dispatch::<true, OUT_F16, false>(isa, l2, s, &raw),
+                (false, OUT_NONE, true) => dispatch::<false, OUT_NONE, true>(isa, l2, s, &raw),
+                (false, OUT_BF16, true) => dispatch::<false, OUT_BF16, true>(isa, l2, s, &raw),
+                (false, _, true) => dispatch::<false, OUT_F16, true>(isa, l2, s, &raw),
+                (true, OUT_NONE, true) => dispatch::<true, OUT_NONE, true>(isa, l2, s, &raw),
+                (true, OUT_BF16, true) => dispatch::<true, OUT_BF16, true>(isa, l2, s, &raw),
+                (true, _, true) => dispatch::<true, OUT_F16, true>(isa, l2, s, &raw),
             }
         }
         scalar::run(s, tail);

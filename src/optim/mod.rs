@@ -229,6 +229,80 @@ pub enum Moments<'a> {
     },
 }
 
+/// A tile's gradient as the kernel reads it.
+///
+/// A bf16 gradient is read as `+0.0 + g` widened to f32: the value an fp32
+/// gradient sum of it holds (a sum starts at `+0.0`, so a `-0.0` gradient
+/// sums to `+0.0`). A step and a norm from the bf16 gradient are therefore
+/// the same bits as from its fp32 sum, with 2 B/param read instead of 4,
+/// and without the sum's 4 B/param write; the engine steps a sub-group
+/// whose every element gets exactly one gradient (one rank, one
+/// micro-batch, no tied param) from its bf16 gradients.
+#[derive(Debug, Clone, Copy)]
+pub enum GradIn<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+}
+
+impl<'a> GradIn<'a> {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            GradIn::F32(g) => g.len(),
+            GradIn::Bf16(g) => g.len(),
+        }
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Splits at `mid` (which must be `<= len`).
+    fn split_at(self, mid: usize) -> (GradIn<'a>, GradIn<'a>) {
+        match self {
+            GradIn::F32(g) => {
+                let (a, b) = g.split_at(mid);
+                (GradIn::F32(a), GradIn::F32(b))
+            }
+            GradIn::Bf16(g) => {
+                let (a, b) = g.split_at(mid);
+                (GradIn::Bf16(a), GradIn::Bf16(b))
+            }
+        }
+    }
+}
+
+impl<'a> From<&'a [f32]> for GradIn<'a> {
+    fn from(g: &'a [f32]) -> Self {
+        GradIn::F32(g)
+    }
+}
+
+impl<'a> From<&'a Vec<f32>> for GradIn<'a> {
+    fn from(g: &'a Vec<f32>) -> Self {
+        GradIn::F32(g)
+    }
+}
+
+impl<'a, const N: usize> From<&'a [f32; N]> for GradIn<'a> {
+    fn from(g: &'a [f32; N]) -> Self {
+        GradIn::F32(g)
+    }
+}
+
+impl<'a> From<&'a [bf16]> for GradIn<'a> {
+    fn from(g: &'a [bf16]) -> Self {
+        GradIn::Bf16(g)
+    }
+}
+
+impl<'a> From<&'a Vec<bf16>> for GradIn<'a> {
+    fn from(g: &'a Vec<bf16>) -> Self {
+        GradIn::Bf16(g)
+    }
+}
+
 /// How Adam moments are stored: what [`Moments`] a state hands the kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MomentDtype {
@@ -348,7 +422,7 @@ pub fn gpu_step_scalars(
 #[derive(Debug)]
 pub(crate) struct Tile<'a> {
     pub master: &'a mut [f32],
-    pub grad: &'a [f32],
+    pub grad: GradIn<'a>,
     pub moments: Moments<'a>,
     pub out: Option<LowPrecisionOut<'a>>,
 }
@@ -356,7 +430,7 @@ pub(crate) struct Tile<'a> {
 impl<'a> Tile<'a> {
     fn new(
         master: &'a mut [f32],
-        grad: &'a [f32],
+        grad: GradIn<'a>,
         moments: Moments<'a>,
         out: Option<LowPrecisionOut<'a>>,
     ) -> Result<Self, OptimError> {
@@ -467,7 +541,7 @@ pub struct StepItem<'a> {
     /// Adam's step count, 1-based.
     pub step: u64,
     pub master: &'a mut [f32],
-    pub grad: &'a [f32],
+    pub grad: GradIn<'a>,
     pub moments: Moments<'a>,
     pub low_precision_out: Option<LowPrecisionOut<'a>>,
     pub grad_scale: GradScale,
@@ -527,17 +601,17 @@ impl CpuAdam {
     /// `grad_scale` multiplies every gradient (loss-scale unscale and clip
     /// coefficient); get it from [`GradNorm::scale_for_step`], which also says
     /// when the step must be skipped because a gradient is inf or NaN.
-    pub fn step(
+    pub fn step<'g>(
         &self,
         step: u64,
         master: &mut [f32],
-        grad: &[f32],
+        grad: impl Into<GradIn<'g>>,
         moments: Moments<'_>,
         low_precision_out: Option<LowPrecisionOut<'_>>,
         grad_scale: GradScale,
     ) -> Result<(), OptimError> {
         let scalars = StepScalars::new(&self.hyper, step, grad_scale)?;
-        let tile = Tile::new(master, grad, moments, low_precision_out)?;
+        let tile = Tile::new(master, grad.into(), moments, low_precision_out)?;
         let isa = self.isa;
         par::for_each_chunk(tile, self.threads.get(), |chunk| {
             kernels::run_tile(isa, &scalars, chunk)
@@ -571,9 +645,12 @@ impl CpuAdam {
     }
 
     /// Σ g² over `grad`, accumulated in f64, deterministic (independent of
-    /// the thread count). Sum the results of all tiles of all ranks, then use
+    /// the thread count; a bf16 gradient gives the bits of its fp32 sum's). Sum the results of all tiles of all ranks, then use
     /// [`GradNorm`]. The result is finite iff every element of `grad` is.
-    pub fn grad_sq_norm(&self, grad: &[f32]) -> f64 {
-        norm::sq_norm_f64(grad, self.threads.get())
+    pub fn grad_sq_norm<'g>(&self, grad: impl Into<GradIn<'g>>) -> f64 {
+        match grad.into() {
+            GradIn::F32(g) => norm::sq_norm_f64(g, self.threads.get()),
+            GradIn::Bf16(g) => norm::sq_norm_f64(g, self.threads.get()),
+        }
     }
 }

@@ -21,8 +21,9 @@
 //!   sub-group; fixed parts give it one per 1024 elements, at the same
 //!   speed here.)
 //! * The code is safe scalar Rust written lane-parallel so LLVM vectorises it
-//!   without reassociation; the pass reads 4 B/element and is bandwidth
-//!   bound, so hand-written SIMD would not pay.
+//!   without reassociation; the pass reads 4 B/element (2 over bf16
+//!   gradients, [`super::GradIn::Bf16`]) and is bandwidth bound, so
+//!   hand-written SIMD would not pay.
 
 use tierzero_gpu::norm::{combine_lanes, fold_parts, NORM_LANES};
 
@@ -37,9 +38,29 @@ const _: () = assert!(
         && NORM_PART_NUMEL.is_multiple_of(super::SPLIT_ALIGN_NUMEL)
 );
 
+/// An element a norm squares: an f32, or a bf16 widened to one (its
+/// square is the same bits as its fp32 sum's, `-0.0` and `+0.0` alike).
+pub(crate) trait NormElem: Copy + Send + Sync {
+    fn to_f64(self) -> f64;
+}
+
+impl NormElem for f32 {
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+}
+
+impl NormElem for half::bf16 {
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        f32::from_bits(u32::from(self.to_bits()) << 16) as f64
+    }
+}
+
 /// Σ x² of one part (the loop built with FMA where the CPU has it, see
 /// `crate::wide`: the same bits either way).
-fn part_sq_sum(x: &[f32]) -> f64 {
+fn part_sq_sum<T: NormElem>(x: &[T]) -> f64 {
     crate::wide::run(
         #[inline(always)]
         || part_sq_sum_lanes(x),
@@ -47,26 +68,26 @@ fn part_sq_sum(x: &[f32]) -> f64 {
 }
 
 #[inline(always)]
-fn part_sq_sum_lanes(x: &[f32]) -> f64 {
+fn part_sq_sum_lanes<T: NormElem>(x: &[T]) -> f64 {
     let mut acc = [0.0f64; NORM_LANES];
     // Fixed-size windows: indexing `chunks_exact`'s slices kept their
     // bounds checks, and the loop compiled to scalar FMAs.
     let (chunks, rest) = x.as_chunks::<NORM_LANES>();
     for c in chunks {
         for j in 0..NORM_LANES {
-            let g = c[j] as f64;
+            let g = c[j].to_f64();
             acc[j] = g.mul_add(g, acc[j]);
         }
     }
     for (j, &r) in rest.iter().enumerate() {
-        let g = r as f64;
+        let g = r.to_f64();
         acc[j] = g.mul_add(g, acc[j]);
     }
     combine_lanes(acc)
 }
 
 /// Σ x² in f64, bitwise independent of `threads`.
-pub(crate) fn sq_norm_f64(x: &[f32], threads: usize) -> f64 {
+pub(crate) fn sq_norm_f64<T: NormElem>(x: &[T], threads: usize) -> f64 {
     let n = x.len();
     let parts = n.div_ceil(NORM_PART_NUMEL);
     let threads = threads.clamp(1, parts.max(1));

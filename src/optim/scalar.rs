@@ -8,7 +8,7 @@
 //! Moments and the parameter copy use two different bf16 conversions (see
 //! [`f32_to_bf16_moment_bits`]).
 
-use super::{AdamMode, LowPrecisionOut, Moments, StepScalars, Tile};
+use super::{AdamMode, GradIn, LowPrecisionOut, Moments, StepScalars, Tile};
 use half::{bf16, f16};
 
 /// f32 -> bf16 bits, round-to-nearest-even; NaN stays NaN (quiet bit set,
@@ -76,6 +76,16 @@ fn write_out(out: &mut Option<LowPrecisionOut<'_>>, i: usize, p: f32) {
     }
 }
 
+/// Gradient element `i` as the kernel reads it: a bf16 one as `+0.0 + g`
+/// (see [`GradIn`]; the SIMD lanes add the same zero).
+#[inline(always)]
+fn grad_at(g: &GradIn<'_>, i: usize) -> f32 {
+    match g {
+        GradIn::F32(g) => g[i],
+        GradIn::Bf16(g) => 0.0 + bf16_bits_to_f32(g[i].to_bits()),
+    }
+}
+
 /// Scalar Adam over a whole tile.
 pub(crate) fn run(s: &StepScalars, tile: Tile<'_>) {
     let l2 = s.mode == AdamMode::L2;
@@ -88,7 +98,7 @@ pub(crate) fn run(s: &StepScalars, tile: Tile<'_>) {
     match moments {
         Moments::F32 { m, v } => {
             for i in 0..master.len() {
-                let (p2, m2, v2) = update(s, l2, master[i], grad[i], m[i], v[i]);
+                let (p2, m2, v2) = update(s, l2, master[i], grad_at(&grad, i), m[i], v[i]);
                 master[i] = p2;
                 m[i] = m2;
                 v[i] = v2;
@@ -101,7 +111,7 @@ pub(crate) fn run(s: &StepScalars, tile: Tile<'_>) {
                     s,
                     l2,
                     master[i],
-                    grad[i],
+                    grad_at(&grad, i),
                     bf16_bits_to_f32(m[i].to_bits()),
                     bf16_bits_to_f32(v[i].to_bits()),
                 );

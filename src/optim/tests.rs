@@ -505,6 +505,31 @@ fn run_bits(
     s0: &State,
     off: usize,
 ) -> Vec<u32> {
+    run_bits_with(
+        isa,
+        threads,
+        mode,
+        bf16_moments,
+        out_kind,
+        s0,
+        off,
+        GradIn::F32(&s0.g[off..]),
+    )
+}
+
+/// [`run_bits`] with the gradient `grad` (of `s0.p.len() - off`
+/// elements) instead of `s0.g`'s.
+#[allow(clippy::too_many_arguments)]
+fn run_bits_with(
+    isa: Isa,
+    threads: usize,
+    mode: AdamMode,
+    bf16_moments: bool,
+    out_kind: u8,
+    s0: &State,
+    off: usize,
+    grad: GradIn<'_>,
+) -> Vec<u32> {
     let opt = CpuAdam::with_isa(hyper(mode), nz(threads), isa).unwrap();
     let n = s0.p.len();
     let mut s = s0.clone();
@@ -528,15 +553,8 @@ fn run_bits(
         1 => Some(LowPrecisionOut::Bf16(&mut ob[off..])),
         _ => Some(LowPrecisionOut::F16(&mut oh[off..])),
     };
-    opt.step(
-        STEP,
-        &mut s.p[off..],
-        &s0.g[off..],
-        moments,
-        out,
-        GradScale(SCALE),
-    )
-    .unwrap();
+    opt.step(STEP, &mut s.p[off..], grad, moments, out, GradScale(SCALE))
+        .unwrap();
     let mut bits: Vec<u32> = s.p.iter().map(|x| x.to_bits()).collect();
     if bf16_moments {
         bits.extend(mb.iter().chain(&vb).map(|x| x.to_bits() as u32));
@@ -599,6 +617,120 @@ fn bit_identical_across_isas_and_threads() {
                 }
             }
         }
+    }
+}
+
+/// bf16 gradients (every special value a bf16 holds: ±0, ±inf, NaNs,
+/// subnormals, the extremes, and random bits) step to the same bits as
+/// their fp32 sums (`+0.0 + g`), on every ISA and thread count, all 12
+/// variants, at an awkward length and an unaligned start; their Σg² is
+/// the sums' too. A `-0.0` read as itself would differ: its sum is `+0.0`,
+/// and with `m = -0.0` (`-0.0 + -0.0` against `-0.0 + +0.0`) the moment's
+/// sign shows it.
+#[test]
+fn bf16_gradients_step_as_their_fp32_sums() {
+    let n = 4096 + 77;
+    let mut s0 = make_state(n, 4321);
+    let mut r = Rng(crate::model::io::SplitMix64(5));
+    let mut gb: Vec<bf16> = s0.g.iter().map(|&x| bf16::from_f32(x)).collect();
+    let special: Vec<u16> = special_values()
+        .iter()
+        .map(|x| (x.to_bits() >> 16) as u16)
+        .chain([
+            0x8000, 0x0000, 0x0001, 0x8001, 0x007F, 0x7F80, 0xFF80, 0x7FC1,
+        ])
+        .chain((0..300).map(|_| r.next_u64() as u16))
+        .collect();
+    for (i, &b) in special.iter().enumerate() {
+        gb[5 * i + 1] = bf16::from_bits(b);
+    }
+    // Zero gradients onto `-0.0` moments: the case the `+0.0` decides.
+    for i in 0..64 {
+        gb[3000 + i] = bf16::from_bits(0x8000);
+        s0.m[3000 + i] = -0.0;
+        s0.v[3000 + i] = 0.0;
+    }
+    let sums: Vec<f32> = gb.iter().map(|&g| 0.0 + g.to_f32()).collect();
+    assert!(sums.iter().all(|x| x.to_bits() != 0x8000_0000));
+    for mode in [AdamMode::AdamW, AdamMode::L2] {
+        for bf16_moments in [false, true] {
+            for out_kind in [0u8, 1, 2] {
+                for off in [0usize, 3] {
+                    let want = run_bits_with(
+                        Isa::Scalar,
+                        1,
+                        mode,
+                        bf16_moments,
+                        out_kind,
+                        &s0,
+                        off,
+                        GradIn::F32(&sums[off..]),
+                    );
+                    for isa in Isa::available() {
+                        for threads in [1, 2, 3] {
+                            let got = run_bits_with(
+                                isa,
+                                threads,
+                                mode,
+                                bf16_moments,
+                                out_kind,
+                                &s0,
+                                off,
+                                GradIn::Bf16(&gb[off..]),
+                            );
+                            assert!(
+                                got == want,
+                                "{isa:?} threads={threads} {mode:?} bf16m={bf16_moments} \
+                                 out={out_kind} off={off}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // The `+0.0` matters: `-0.0` read as itself gives other bits.
+    let raw: Vec<f32> = gb.iter().map(|g| g.to_f32()).collect();
+    let as_is = run_bits_with(
+        Isa::Scalar,
+        1,
+        AdamMode::AdamW,
+        false,
+        0,
+        &s0,
+        0,
+        GradIn::F32(&raw),
+    );
+    let summed = run_bits_with(
+        Isa::Scalar,
+        1,
+        AdamMode::AdamW,
+        false,
+        0,
+        &s0,
+        0,
+        GradIn::F32(&sums),
+    );
+    assert_ne!(as_is, summed);
+    // Σg²: the sums' bits at any thread count and length (finite ones:
+    // the random bits hold NaNs, whose sum's payload is not asked).
+    let big = 3 * NORM_PART_NUMEL + 5;
+    let finite: Vec<bf16> = (0..big)
+        .map(|i| gb[i % n])
+        .map(|g| if g.is_finite() { g } else { bf16::ONE })
+        .collect();
+    let finite_sums: Vec<f32> = finite.iter().map(|&g| 0.0 + g.to_f32()).collect();
+    for threads in [1, 2, 3] {
+        let opt = CpuAdam::new(AdamHyper::default(), nz(threads)).unwrap();
+        for len in [0, 1, 7, NORM_PART_NUMEL - 1, NORM_PART_NUMEL + 9, big] {
+            let want = opt.grad_sq_norm(&finite_sums[..len]);
+            let got = opt.grad_sq_norm(&finite[..len]);
+            assert_eq!(got.to_bits(), want.to_bits(), "threads {threads} len {len}");
+        }
+        assert!(
+            !opt.grad_sq_norm(&gb).is_finite(),
+            "a NaN or inf gradient shows"
+        );
     }
 }
 
@@ -1085,7 +1217,7 @@ fn item(s: &mut State, hyper: AdamHyper, step: u64, grad_scale: GradScale) -> St
         hyper,
         step,
         master: &mut s.p,
-        grad: &s.g,
+        grad: GradIn::F32(&s.g),
         moments: Moments::F32 {
             m: &mut s.m,
             v: &mut s.v,
