@@ -23,6 +23,16 @@
 //!   into a spare, zeroed then added (before) or set into its stale
 //!   values (`set_grad_into`, the trainer's `GradSum`): a write where
 //!   there were a write, a read and a write.
+//! * `copy_bf16_reused`: the bf16 gradient copied as it is into a
+//!   reused bf16 buffer (`copy_bf16_grad_into`), where each element gets
+//!   one gradient a step and the trainer holds them as they came
+//!   (`tierzero::engine::sizing::grad_sum_dtype`).
+//! * `chain_f32_sums` and `chain_bf16_held`: a sub-group's host work from
+//!   its gradient to its new bf16 params, as a step with clipping does
+//!   it: into the (reused) sum, its Σg², then AdamW with the fused bf16
+//!   copy on all threads; from fp32 sums, or from the bf16 gradients
+//!   held as they came. Both give the same bits (`optim`'s and
+//!   `engine_equivalence`'s tests).
 //! * `copy_to_dtype_to_vec1` and `copy_grad_to_f32`: the widened fp32
 //!   copy alone (several ranks' path, a tied param's first unit), before
 //!   and after.
@@ -37,7 +47,11 @@ use candle_core::{DType, Device, Tensor};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use std::hint::black_box;
 use std::time::Duration;
-use tierzero::model::fused::{add_grad_into, fill_zeros, grad_to_f32, set_grad_into, zeros_f32};
+use tierzero::model::fused::{
+    add_grad_into, copy_bf16_grad_into, fill_zeros, grad_to_f32, set_grad_into, zeros_bf16,
+    zeros_f32,
+};
+use tierzero::optim::{AdamHyper, CpuAdam, GradScale, LowPrecisionOut, Moments};
 
 /// q and o 2048², k and v 2048 × 512, the MLP's three 2048 × 5632, two norms.
 const NUMEL: usize = 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 5632 + 2 * 2048;
@@ -97,6 +111,46 @@ fn bench_grad_accumulate(c: &mut Criterion) {
     group.bench_function("set_into_reused", |b| {
         b.iter(|| {
             set_grad_into(&mut reused, black_box(&grad), 0).unwrap();
+        })
+    });
+    let mut held = zeros_bf16(NUMEL);
+    group.bench_function("copy_bf16_reused", |b| {
+        b.iter(|| {
+            copy_bf16_grad_into(&mut held, black_box(&grad), 0).unwrap();
+        })
+    });
+    let threads = std::thread::available_parallelism().unwrap_or(std::num::NonZeroUsize::MIN);
+    let adam = CpuAdam::new(AdamHyper::default(), threads).unwrap();
+    let mut master = vec![0.5f32; NUMEL];
+    let (mut m, mut v) = (vec![0f32; NUMEL], vec![0f32; NUMEL]);
+    let mut out = vec![half::bf16::ZERO; NUMEL];
+    let mut t = 0u64;
+    group.bench_function("chain_f32_sums", |b| {
+        b.iter(|| {
+            set_grad_into(&mut reused, black_box(&grad), 0).unwrap();
+            let sq = adam.grad_sq_norm(&reused);
+            t += 1;
+            let mo = Moments::F32 {
+                m: &mut m,
+                v: &mut v,
+            };
+            let o = Some(LowPrecisionOut::Bf16(&mut out));
+            let scale = GradScale((1.0 / (sq.sqrt() + 1.0)) as f32);
+            adam.step(t, &mut master, &reused, mo, o, scale).unwrap();
+        })
+    });
+    group.bench_function("chain_bf16_held", |b| {
+        b.iter(|| {
+            copy_bf16_grad_into(&mut held, black_box(&grad), 0).unwrap();
+            let sq = adam.grad_sq_norm(&held);
+            t += 1;
+            let mo = Moments::F32 {
+                m: &mut m,
+                v: &mut v,
+            };
+            let o = Some(LowPrecisionOut::Bf16(&mut out));
+            let scale = GradScale((1.0 / (sq.sqrt() + 1.0)) as f32);
+            adam.step(t, &mut master, &held, mo, o, scale).unwrap();
         })
     });
     // The fp32 copy several ranks' host collective (or a tied param's sum)

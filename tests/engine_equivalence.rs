@@ -289,6 +289,100 @@ fn tiling_a_param_larger_than_a_sub_group_changes_no_bit() {
     }
 }
 
+/// bf16 gradients held as they came (one each: one rank, gas 1, a param
+/// of one unit; [`tierzero::engine::sizing::grad_sum_dtype`]) train the
+/// same bits as fp32 sums of them: params and optimizer in host memory
+/// with clipping (the norm and the step read the bf16), and without
+/// (each group stepped during backward); on NVMe with clipping, their
+/// gradients spilled as fp32 sums, or kept in bf16 for a speculative
+/// step's re-step; with spares at every size. The GPT-2's tied wte keeps
+/// its sub-groups' fp32 sums (its gradients add over two units), so a
+/// run holds both.
+#[test]
+fn bf16_gradients_held_as_they_came_change_no_bit() {
+    use engine_support::{build_with, train_with};
+    use tierzero::engine::sizing::SumDtype;
+    use tierzero::engine::TrainerOptions;
+    let dir = tiny_gpt2_dir("bf16-sums", 2, 32);
+    let bf16 = Knobs {
+        precision: "bf16",
+        ..Knobs::cpu()
+    };
+    let cases = [
+        (
+            "cpu clip",
+            Knobs {
+                clip: 0.5,
+                ..bf16.clone()
+            },
+            None,
+        ),
+        ("cpu no clip", bf16.clone(), None),
+        (
+            "cpu clip, spares",
+            Knobs {
+                clip: 0.5,
+                ..bf16.clone()
+            },
+            Some(0),
+        ),
+        (
+            "nvme clip spilled",
+            Knobs {
+                clip: 0.5,
+                precision: "bf16",
+                speculative: Some(false),
+                ..Knobs::nvme()
+            },
+            None,
+        ),
+        (
+            "nvme clip speculative",
+            Knobs {
+                clip: 0.5,
+                precision: "bf16",
+                speculative: Some(true),
+                ..Knobs::nvme()
+            },
+            None,
+        ),
+    ];
+    for (tag, k, spare_min) in cases {
+        let mut f32_opts = TrainerOptions::cpu(9, SEQ);
+        f32_opts.f32_grad_sums = true;
+        f32_opts.spare_sum_min_bytes = spare_min;
+        let mut opts = TrainerOptions::cpu(9, SEQ);
+        opts.spare_sum_min_bytes = spare_min;
+        let t = build_with(&dir, &k, opts.clone(), 6);
+        let dtypes = t.grad_sum_dtypes().to_vec();
+        drop(t);
+        assert!(
+            dtypes.contains(&SumDtype::Bf16) && dtypes.contains(&SumDtype::F32),
+            "{tag}: {dtypes:?}"
+        );
+        let sums = train_with(&dir, &k, f32_opts, 6, |_| SEQ);
+        let held = train_with(&dir, &k, opts, 6, |_| SEQ);
+        assert_identical(&sums, &held, tag);
+    }
+    // fp32 sums where an element gets several gradients: gas 2, fp32.
+    for (tag, k) in [
+        (
+            "gas 2",
+            Knobs {
+                gas: 2,
+                ..bf16.clone()
+            },
+        ),
+        ("fp32", Knobs::cpu()),
+    ] {
+        let t = build_with(&dir, &k, TrainerOptions::cpu(9, SEQ), 6);
+        assert!(
+            t.grad_sum_dtypes().iter().all(|d| *d == SumDtype::F32),
+            "{tag}"
+        );
+    }
+}
+
 /// Gradient sums made from the last step's spares at every size (each
 /// piece's first gradient set into the spare's stale values, what no piece
 /// wrote zeroed when the sum is read) train the same bits as new zeroed

@@ -457,3 +457,50 @@ fn the_plan_shows_what_the_collectives_stage_through_when_they_do() {
         "{text}"
     );
 }
+
+/// With bf16, one micro-batch and one rank the plan holds each sub-group's
+/// gradients as the engine does ([`Trainer::grad_sum_dtypes`]): bf16 where
+/// every element gets one (2 bytes), fp32 sums in the groups of the
+/// tied wte (its gradients add over two units); its host bytes are those,
+/// and its line says how many groups hold which. With two micro-batches,
+/// fp32 sums everywhere.
+#[test]
+fn the_plan_holds_bf16_gradients_where_each_element_gets_one() {
+    use tierzero::engine::sizing::SumDtype;
+    let d = scratch("bf16-grads");
+    let mut cfg = ds(&d, true, None);
+    cfg["bf16"] = json!({"enabled": true});
+    cfg["zero_optimization"]["offload_optimizer"] = json!({"device": "cpu"});
+    let t = trainer(&d, &cfg).unwrap();
+    let plan = plan_of(&d, &cfg);
+    let dtypes = t.grad_sum_dtypes();
+    let groups = &t.layout().sub_groups;
+    assert_eq!(dtypes.len(), groups.len());
+    let bf16 = dtypes.iter().filter(|d| **d == SumDtype::Bf16).count();
+    assert!(bf16 > 0 && bf16 < groups.len(), "{dtypes:?}");
+    for (g, dt) in groups.iter().zip(dtypes) {
+        let tied = g.param_ids().any(|p| !t.model().in_one_unit(p));
+        assert_eq!(*dt == SumDtype::F32, tied, "group {}", g.id.0);
+    }
+    let bytes: u64 = groups
+        .iter()
+        .zip(dtypes)
+        .map(|(g, dt)| g.numel as u64 * dt.bytes_per_elem())
+        .sum();
+    assert_eq!(plan.grads.host_bytes, bytes);
+    assert_eq!(plan.bf16_grad_sub_groups, bf16);
+    let text = plan.to_string();
+    assert!(
+        text.contains(&format!(
+            "grads (bf16 in {bf16} of {} groups, else fp32, at most)",
+            groups.len()
+        )),
+        "{text}"
+    );
+    cfg["gradient_accumulation_steps"] = json!(2);
+    let t2 = trainer(&d, &cfg).unwrap();
+    assert!(t2.grad_sum_dtypes().iter().all(|d| *d == SumDtype::F32));
+    let plan2 = plan_of(&d, &cfg);
+    assert_eq!(plan2.bf16_grad_sub_groups, 0);
+    assert!(plan2.to_string().contains("grads (fp32, at most)"));
+}

@@ -419,7 +419,7 @@ impl OffloadAdam {
                 SubGroupId(sg),
                 &adam,
                 step,
-                Some(grad_s),
+                Some(grad_s.into()),
                 GradScale(grad_scale),
                 low,
                 &mut |master| {

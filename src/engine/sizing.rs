@@ -22,7 +22,10 @@
 //!   needs ([`buffers_needed`]) or `buffer_count` if more, each the
 //!   largest sub-group's fp32 state rounded up to 4 KiB, capped by what
 //!   `tierzero.pinned_budget_bytes` leaves after the param buffers;
-//! - the NVMe bytes of the swap files, and the bytes to page-lock.
+//! - the NVMe bytes of the swap files, and the bytes to page-lock;
+//! - how the host holds each sub-group's gradients for the CPU optimizer
+//!   ([`grad_sum_dtype`]): fp32 sums, or the bf16 gradients themselves
+//!   where each element gets exactly one a step.
 //!
 //! `Trainer::build` maps exactly what it returns; the start-up plan
 //! ([`crate::run::Plan`]) prints the [`Sizing`] the trainer was built
@@ -127,6 +130,56 @@ pub struct GroupShape {
     /// Whether it holds a param of the next forward's first units
     /// ([`Prefetcher::first_units`]), whose state may stay resident.
     pub first_units: bool,
+    /// How the host holds its gradients ([`grad_sum_dtype`]; fp32 in an
+    /// estimated shape, the most it can take).
+    pub sum: SumDtype,
+}
+
+/// How the host holds a sub-group's gradients for the CPU optimizer
+/// ([`grad_sum_dtype`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SumDtype {
+    /// fp32 sums, the gradients added into them.
+    #[default]
+    F32,
+    /// The bf16 gradients as they came, one per element, which the
+    /// optimizer reads as their fp32 sums would be
+    /// ([`crate::optim::GradIn::Bf16`]): half the bytes held, and no
+    /// widening pass.
+    Bf16,
+}
+
+impl SumDtype {
+    /// Bytes of one element.
+    pub fn bytes_per_elem(self) -> u64 {
+        match self {
+            SumDtype::F32 => 4,
+            SumDtype::Bf16 => 2,
+        }
+    }
+}
+
+/// The one rule for how the host holds `group`'s gradients: as bf16 where
+/// every element gets exactly one gradient a step and it is bf16 (bf16
+/// params, one rank, one micro-batch, and no param of the group used by
+/// several units: a tied embedding's gradients add up over its units),
+/// else in fp32 sums. A step from them is the same bits either way (a sum
+/// of one gradient is `+0.0 + g`, what the optimizer reads a bf16 one as).
+pub fn grad_sum_dtype(
+    config: &Config,
+    model: &Model,
+    world: usize,
+    group: &crate::engine::layout::SubGroup,
+) -> SumDtype {
+    let one_each = world == 1
+        && config.batch.gradient_accumulation_steps <= 1
+        && matches!(config.precision, Precision::Bf16)
+        && group.param_ids().all(|p| model.in_one_unit(p));
+    if one_each {
+        SumDtype::Bf16
+    } else {
+        SumDtype::F32
+    }
 }
 
 impl Shape {
@@ -143,6 +196,7 @@ impl Shape {
                     first_units: g
                         .param_ids()
                         .any(|p| first.get(p.0).copied().unwrap_or(false)),
+                    sum: grad_sum_dtype(config, model, layout.world, g),
                 })
                 .collect(),
             exact_shards: true,
@@ -180,6 +234,7 @@ impl Shape {
                 sub_groups.push(GroupShape {
                     numel: n,
                     first_units: true,
+                    sum: SumDtype::F32,
                 });
                 tiles -= n;
             }
@@ -190,6 +245,7 @@ impl Shape {
             sub_groups.push(GroupShape {
                 numel: n,
                 first_units: sub_groups.is_empty(),
+                sum: SumDtype::F32,
             });
             left -= n;
         }
@@ -208,6 +264,16 @@ impl Shape {
     /// Elements of the largest sub-group.
     pub fn max_sub_group_numel(&self) -> u64 {
         self.sub_groups.iter().map(|g| g.numel).max().unwrap_or(0)
+    }
+
+    /// Bytes of the largest sub-group's gradients on the host
+    /// ([`GroupShape::sum`]).
+    pub fn max_sum_bytes(&self) -> u64 {
+        self.sub_groups
+            .iter()
+            .map(|g| g.numel.saturating_mul(g.sum.bytes_per_elem()))
+            .max()
+            .unwrap_or(0)
     }
 }
 
@@ -384,14 +450,15 @@ pub fn grads_in_flight(read_ahead: usize, write_behind: usize) -> usize {
     2 + read_ahead + write_behind
 }
 
-/// Bytes of fp32 gradients host memory holds at most, from the config
-/// and the layout alone. With the optimizer state in host memory, the
-/// whole shard's (4 bytes per element, beside the state's 12). With it on
+/// Bytes of gradients host memory holds at most, from the config and the
+/// layout alone (4 bytes an element in fp32 sums, 2 as bf16:
+/// [`grad_sum_dtype`]). With the optimizer state in host memory, the
+/// whole shard's (beside the state's 12 bytes an element). With it on
 /// NVMe: the sums backward is adding into (the sub-groups of the largest
 /// unit, `unit_groups`), the first groups held for the step
 /// (`held_grad_groups`), the speculated gradients the optimizer thread
 /// keeps for a re-step (`speculation_kept_grads`) and the steps handed to it
-/// ([`grads_in_flight`]), each at most the largest sub-group.
+/// ([`grads_in_flight`]), each at most the largest sub-group's.
 pub fn host_grad_bound_bytes(
     sizing: &Sizing,
     shape: &Shape,
@@ -399,11 +466,14 @@ pub fn host_grad_bound_bytes(
     unit_groups: u64,
 ) -> u64 {
     if !opt_nvme {
-        return shape.numel().saturating_mul(4);
+        return shape
+            .sub_groups
+            .iter()
+            .map(|g| g.numel.saturating_mul(g.sum.bytes_per_elem()))
+            .fold(0u64, u64::saturating_add);
     }
     host_grad_bound_groups(sizing, shape, opt_nvme, unit_groups)
-        .saturating_mul(shape.max_sub_group_numel())
-        .saturating_mul(4)
+        .saturating_mul(shape.max_sum_bytes())
 }
 
 /// The sub-groups' sums [`host_grad_bound_bytes`] counts: every one with

@@ -100,9 +100,14 @@ pub struct Plan {
     pub param_elem_bytes: u64,
     /// Stored 16-bit/fp32 parameters.
     pub params: TierBytes,
-    /// fp32 gradients: host accumulators (at most; freed per sub-group once
-    /// final) and, when the engine spills final gradients, their NVMe extents.
+    /// Gradients: host accumulators (at most; freed per sub-group once
+    /// final; fp32 sums, or bf16 gradients held as they came:
+    /// `bf16_grad_sub_groups`) and, when the engine spills final
+    /// gradients, their NVMe extents (fp32).
     pub grads: TierBytes,
+    /// Sub-groups whose gradients the host holds in bf16, as they came
+    /// (`crate::engine::sizing::grad_sum_dtype`); the others' in fp32 sums.
+    pub bf16_grad_sub_groups: usize,
     /// Partial gradient sums parked between micro-batches: the park's
     /// pinned buffers and NVMe extents.
     pub park: TierBytes,
@@ -262,6 +267,11 @@ impl Plan {
             param_elem_bytes: elem,
             params,
             grads,
+            bf16_grad_sub_groups: shape
+                .sub_groups
+                .iter()
+                .filter(|g| g.sum == crate::engine::sizing::SumDtype::Bf16)
+                .count(),
             park,
             nvme_step,
             spill_grads: sizing.spill_grads,
@@ -377,14 +387,19 @@ impl fmt::Display for Plan {
             .device_memory
             .as_ref()
             .is_some_and(|d| d.optimizer_on_device);
+        let held = match self.bf16_grad_sub_groups {
+            0 => "fp32".to_owned(),
+            b if b >= self.sub_groups.0 => "bf16 as they came".to_owned(),
+            b => format!("bf16 in {b} of {} groups, else fp32", self.sub_groups.0),
+        };
         let grads_label = match (self.spill_grads, self.held_sub_groups) {
             // The host's optimizer never sees a gradient: the device sums
             // them, in the device rows below.
             _ if adam_on_device => "grads (summed on the device, below)".to_owned(),
-            (false, _) => "grads (fp32, at most)".to_owned(),
-            (true, 0) => "grads (fp32; final ones spilled)".to_owned(),
-            (true, n) if n >= self.sub_groups.0 => "grads (fp32; held, none spilled)".to_owned(),
-            (true, n) => format!("grads (fp32; spilled but first {n} held)"),
+            (false, _) => format!("grads ({held}, at most)"),
+            (true, 0) => format!("grads ({held}; final ones spilled)"),
+            (true, n) if n >= self.sub_groups.0 => format!("grads ({held}; held, none spilled)"),
+            (true, n) => format!("grads ({held}; spilled but first {n} held)"),
         };
         let none = TierBytes::default();
         row(

@@ -8,3 +8,81 @@
 
 pub mod state;
 pub mod worker;
+
+use half::bf16;
+
+use crate::engine::sizing::SumDtype;
+use crate::optim::GradIn;
+
+/// A sub-group's final gradient as the optimizer steps from it: fp32
+/// sums, or the bf16 gradients themselves where each element got exactly
+/// one ([`crate::engine::sizing::grad_sum_dtype`]), which the kernels and
+/// the norm read as the fp32 sums they stand for ([`GradIn::Bf16`]).
+#[derive(Debug)]
+pub enum GradBuf {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+}
+
+impl GradBuf {
+    /// `numel` zeros (`+0.0`) of `dtype`: the gradient of a group that got
+    /// none.
+    pub fn zeros(numel: usize, dtype: SumDtype) -> GradBuf {
+        match dtype {
+            SumDtype::F32 => GradBuf::F32(crate::model::fused::zeros_f32(numel)),
+            SumDtype::Bf16 => GradBuf::Bf16(crate::model::fused::zeros_bf16(numel)),
+        }
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.as_in().len()
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// How it is held.
+    pub fn dtype(&self) -> SumDtype {
+        match self {
+            GradBuf::F32(_) => SumDtype::F32,
+            GradBuf::Bf16(_) => SumDtype::Bf16,
+        }
+    }
+
+    /// What the kernels read.
+    pub fn as_in(&self) -> GradIn<'_> {
+        match self {
+            GradBuf::F32(g) => GradIn::F32(g),
+            GradBuf::Bf16(g) => GradIn::Bf16(g),
+        }
+    }
+
+    /// Bytes its buffer holds (its capacity's).
+    pub fn capacity_bytes(&self) -> usize {
+        match self {
+            GradBuf::F32(g) => g.capacity() * 4,
+            GradBuf::Bf16(g) => g.capacity() * 2,
+        }
+    }
+
+    /// As fp32 sums: bf16 gradients widened as `+0.0 + g`
+    /// ([`crate::model::fused::widen_bf16_sums`]), the bits their sums hold.
+    pub fn into_f32(self) -> Vec<f32> {
+        match self {
+            GradBuf::F32(g) => g,
+            GradBuf::Bf16(g) => crate::model::fused::bf16_sums_to_f32(&g),
+        }
+    }
+}
+
+/// `grad` written into `dst` (of its length) as fp32 sums: a spilled
+/// gradient's buffer, whatever the group's sums were held as.
+pub fn write_f32_sums(dst: &mut [f32], grad: GradIn<'_>) {
+    match grad {
+        GradIn::F32(g) => dst.copy_from_slice(g),
+        GradIn::Bf16(g) => crate::model::fused::widen_bf16_sums(dst, g),
+    }
+}

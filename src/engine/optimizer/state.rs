@@ -122,12 +122,13 @@ use std::time::{Duration, Instant};
 use tierzero_swap::{Buffer, Engine, Extent, PinnedArena, Ticket};
 
 use crate::engine::layout::SubGroupId;
+use crate::engine::optimizer::GradBuf;
 use half::bf16;
 
 use crate::engine::sizing::{buffers_needed, state_bytes};
 use crate::engine::{EngineError, Result};
 use crate::optim::{
-    f32_to_bf16_moment_bits, CpuAdam, GradScale, LowPrecisionOut, MomentDtype, Moments,
+    f32_to_bf16_moment_bits, CpuAdam, GradIn, GradScale, LowPrecisionOut, MomentDtype, Moments,
 };
 
 #[derive(Debug)]
@@ -282,7 +283,7 @@ pub struct OptimizerState {
     mem: Vec<Option<MemGroup>>,
     /// A resident group's gradient handed to [`OptimizerState::spill_grad`]:
     /// kept here (it has no extent to go to) until its step.
-    held: Vec<Option<Vec<f32>>>,
+    held: Vec<Option<GradBuf>>,
     nvme: Option<NvmeState>,
     read_ahead: usize,
     write_behind: usize,
@@ -702,7 +703,7 @@ impl OptimizerState {
         sg: SubGroupId,
         adam: &CpuAdam,
         step: u64,
-        grad: Option<&[f32]>,
+        grad: Option<GradIn<'_>>,
         scale: GradScale,
         out: Option<LowPrecisionOut<'_>>,
         after: &mut dyn FnMut(&[f32]) -> Result<()>,
@@ -714,7 +715,7 @@ impl OptimizerState {
         }
         if let Some(g) = self.mem.get_mut(sg.0).and_then(Option::as_mut) {
             let held = self.held.get_mut(sg.0).and_then(Option::take);
-            let grad = grad.or(held.as_deref()).ok_or_else(|| {
+            let grad = grad.or(held.as_ref().map(GradBuf::as_in)).ok_or_else(|| {
                 EngineError::internal("step without a gradient in the memory tier")
             })?;
             let t0 = Instant::now();
@@ -775,9 +776,9 @@ impl OptimizerState {
             let (bmm, bv) = rest.split_at_mut(1);
             let master = as_f32(&mut bm[0], n)?;
             let moments = buffer_moments(&mut bmm[0], &mut bv[0], n, self.moments)?;
-            let g: &[f32] = match (grad, grad_buf.as_mut()) {
+            let g: GradIn<'_> = match (grad, grad_buf.as_mut()) {
                 (Some(g), _) => g,
-                (None, Some(b)) => as_f32(b, n)?,
+                (None, Some(b)) => GradIn::F32(as_f32(b, n)?),
                 (None, None) => {
                     return Err(EngineError::internal(
                         "step without a gradient and none spilled",
@@ -867,7 +868,7 @@ impl OptimizerState {
     /// Writes a sub-group's final gradient to NVMe (asynchronously) so host
     /// memory does not hold it until the step; the step reads it back with
     /// the state.
-    pub fn spill_grad(&mut self, sg: SubGroupId, grad: &[f32]) -> Result<()> {
+    pub fn spill_grad(&mut self, sg: SubGroupId, grad: GradIn<'_>) -> Result<()> {
         let n = self.numel_of(sg)?;
         if grad.len() != n {
             return Err(EngineError::internal("spill_grad: gradient length"));
@@ -876,7 +877,10 @@ impl OptimizerState {
             // No extent to spill to: a resident group's gradient stays in
             // memory until its step (bounded like the group itself).
             if let Some(h) = self.held.get_mut(sg.0) {
-                *h = Some(grad.to_vec());
+                *h = Some(match grad {
+                    GradIn::F32(g) => GradBuf::F32(g.to_vec()),
+                    GradIn::Bf16(g) => GradBuf::Bf16(g.to_vec()),
+                });
             }
             return Ok(());
         }
@@ -886,7 +890,9 @@ impl OptimizerState {
                 .as_mut()
                 .ok_or_else(|| EngineError::internal("spill_grad without NVMe state"))?;
             if let Ok(mut buf) = nv.io.arena.try_acquire() {
-                as_f32(&mut buf, n)?.copy_from_slice(grad);
+                // A bf16 gradient is spilled as the fp32 sum it stands
+                // for: the step reads spilled gradients as fp32.
+                crate::engine::optimizer::write_f32_sums(as_f32(&mut buf, n)?, grad);
                 let ext = nv
                     .grad_extents
                     .get(sg.0)

@@ -55,6 +55,7 @@ use half::{bf16, f16};
 
 use crate::engine::layout::SubGroupId;
 use crate::engine::optimizer::state::{OptCounters, OptimizerState};
+use crate::engine::optimizer::GradBuf;
 use crate::engine::{EngineError, Result};
 use crate::model::ParamId;
 use crate::optim::{AdamHyper, CpuAdam, GradScale, LowPrecisionOut};
@@ -66,15 +67,15 @@ pub enum Job {
     SpillGrad {
         /// Which.
         sg: SubGroupId,
-        /// Its final fp32 gradient.
-        grad: Vec<f32>,
+        /// Its final gradient.
+        grad: GradBuf,
     },
     /// Step a sub-group.
     Step {
         /// Which.
         sg: SubGroupId,
-        /// Its final fp32 gradient; `None` when it was spilled.
-        grad: Option<Vec<f32>>,
+        /// Its final gradient; `None` when it was spilled.
+        grad: Option<GradBuf>,
         /// Unscale · clip multiplier.
         scale: GradScale,
         /// 1-based Adam step.
@@ -320,7 +321,7 @@ pub enum Done {
         /// The gradient it stepped with, handed back for a later step's
         /// sums (`None`: none came with the job, or it is kept for a
         /// re-step).
-        spent: Option<Vec<f32>>,
+        spent: Option<GradBuf>,
     },
     /// All queued work finished.
     Flushed,
@@ -381,7 +382,7 @@ pub struct OptimizerWorker {
 /// A step job waiting for its turn: gradient (None: spilled), multiplier,
 /// 1-based Adam step, hyper-parameters, tensors to build, speculative.
 type PendingStep = (
-    Option<Vec<f32>>,
+    Option<GradBuf>,
     GradScale,
     u64,
     AdamHyper,
@@ -397,7 +398,7 @@ struct State {
     steps: HashMap<SubGroupId, PendingStep>,
     /// Gradients of speculative steps that ran, kept in host memory for a
     /// re-step until the decision (at most `opt.kept_grads_max()`).
-    kept: HashMap<SubGroupId, Vec<f32>>,
+    kept: HashMap<SubGroupId, GradBuf>,
     live: std::sync::Arc<std::sync::Mutex<OptCounters>>,
     timeline: Option<std::sync::Arc<crate::engine::Timeline>>,
     /// The param store's reads on the disk (`None`: params not on NVMe).
@@ -508,7 +509,7 @@ impl State {
             sg,
             &self.adam,
             step,
-            grad.as_deref(),
+            grad.as_ref().map(GradBuf::as_in),
             scale,
             out,
             &mut after,
@@ -524,7 +525,7 @@ impl State {
                 if self.kept.len() < self.opt.kept_grads_max() {
                     self.kept.insert(sg, g);
                 } else {
-                    self.opt.spill_grad(sg, &g)?;
+                    self.opt.spill_grad(sg, g.as_in())?;
                     spent = Some(g);
                 }
             }
@@ -600,7 +601,7 @@ impl State {
     fn handle(&mut self, job: Job, out: &Sender<Done>) -> Result<()> {
         match job {
             Job::SpillGrad { sg, grad } => {
-                self.opt.spill_grad(sg, &grad)?;
+                self.opt.spill_grad(sg, grad.as_in())?;
             }
             Job::Step {
                 sg,
@@ -1027,7 +1028,7 @@ mod tests {
     fn step_job(sg: usize) -> Job {
         Job::Step {
             sg: SubGroupId(sg),
-            grad: Some(vec![0.5; 1024]),
+            grad: Some(GradBuf::F32(vec![0.5; 1024])),
             scale: GradScale::ONE,
             step: 1,
             hyper: AdamHyper::default(),
@@ -1067,7 +1068,9 @@ mod tests {
             for w in [&a, &b] {
                 let mut job = step_job(1);
                 if let Job::Step { grad, .. } = &mut job {
-                    *grad = Some((0..1024).map(|i| (i as f32 - 500.0) * 1e-3).collect());
+                    *grad = Some(GradBuf::F32(
+                        (0..1024).map(|i| (i as f32 - 500.0) * 1e-3).collect(),
+                    ));
                 }
                 w.send(job).unwrap();
             }
@@ -1295,7 +1298,7 @@ mod tests {
                 SubGroupId(sg),
                 &adam,
                 1,
-                Some(&[0.5; 1024]),
+                Some((&[0.5; 1024]).into()),
                 GradScale::ONE,
                 None,
                 &mut |m: &[f32]| {
@@ -1313,7 +1316,7 @@ mod tests {
         // Resident group 1's gradient goes through the spill path.
         w.send(Job::SpillGrad {
             sg: SubGroupId(1),
-            grad: vec![0.5; 1024],
+            grad: GradBuf::F32(vec![0.5; 1024]),
         })
         .unwrap();
         for &sg in &order {
@@ -1391,7 +1394,7 @@ mod tests {
         let grad = |sg: usize, step: u64| vec![0.01 * (sg as f32 + 1.0) * step as f32; 1024];
         let job = |sg: usize, step: u64, g: Option<Vec<f32>>, scale: f32, spec: bool| Job::Step {
             sg: SubGroupId(sg),
-            grad: g,
+            grad: g.map(GradBuf::F32),
             scale: GradScale(scale),
             step,
             hyper: AdamHyper::default(),
@@ -1462,7 +1465,7 @@ mod tests {
                     SubGroupId(sg),
                     &adam,
                     adam_step,
-                    Some(&grad(sg, t)),
+                    Some((&grad(sg, t)).into()),
                     GradScale(scale),
                     None,
                     &mut |m: &[f32]| {

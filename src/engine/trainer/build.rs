@@ -782,6 +782,17 @@ impl Trainer {
             opts.spare_sum_min_bytes
                 .unwrap_or(super::groups::SPARE_MIN_BYTES),
         ));
+        let grad_sums = shape
+            .sub_groups
+            .iter()
+            .map(|g| {
+                if opts.f32_grad_sums {
+                    sizing::SumDtype::F32
+                } else {
+                    g.sum
+                }
+            })
+            .collect();
         Ok(Trainer {
             compute_threads: host.compute_threads,
             adam_threads: host.adam_threads,
@@ -789,6 +800,7 @@ impl Trainer {
             compute_pool: host.compute_pool,
             host_pool: host.host_pool,
             spare_sums,
+            grad_sums,
             malloc: host.malloc,
             config: config.clone(),
             model,

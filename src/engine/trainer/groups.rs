@@ -5,6 +5,8 @@
 use std::ops::Range;
 
 use super::*;
+use crate::engine::optimizer::GradBuf;
+use crate::engine::sizing::SumDtype;
 
 /// Where one sub-group stands within a step. A step keeps exactly one of
 /// these per sub-group ([`StepGroups`]), moved only by [`GroupEvent`]s
@@ -23,14 +25,15 @@ use super::*;
 /// optimizer thread has it.)
 #[derive(Debug)]
 pub(super) enum GroupStep {
-    /// Backward adds gradients into its fp32 accumulator (`None` until the
-    /// first one).
+    /// Backward adds gradients into its accumulator (`None` until the
+    /// first one): fp32 sums, or bf16 gradients set once
+    /// ([`crate::engine::sizing::grad_sum_dtype`]).
     Accumulating(Option<GradSum>),
     /// Between micro-batches: its partial sum is in the gradient park.
     Parked,
     /// Its gradients are final and its Σg² taken; the gradient waits in
     /// memory for the step (clipping or fp16).
-    Normed { grad: Option<Vec<f32>>, sq: f64 },
+    Normed { grad: Option<GradBuf>, sq: f64 },
     /// Final with its Σg² taken; the gradient was spilled to NVMe and is
     /// read back with the state.
     Spilled { sq: f64 },
@@ -67,8 +70,8 @@ pub(super) enum GroupEvent {
 pub(in crate::engine) const SPARE_MIN_BYTES: usize =
     crate::engine::host::heap::MMAP_THRESHOLD_BYTES;
 
-/// fp32 gradient sums kept from one step for the next, those of
-/// [`SPARE_MIN_BYTES`] or more: a sub-group's sum made from a spare keeps
+/// Gradient sums (fp32, or bf16 gradients: [`GradBuf`]) kept from one
+/// step for the next, those of [`SPARE_MIN_BYTES`] or more: a sub-group's sum made from a spare keeps
 /// its pages, and its first gradients are set into it ([`GradSum`]), where
 /// a new block that size is a fresh `mmap` whose pages fault in as it is
 /// zeroed (and are unmapped again when it is freed). Smaller sums come
@@ -94,7 +97,7 @@ pub(in crate::engine) const SPARE_MIN_BYTES: usize =
 /// largest sub-group.
 #[derive(Debug, Default)]
 pub(in crate::engine) struct SpareSums {
-    spares: Vec<Vec<f32>>,
+    spares: Vec<GradBuf>,
     max: usize,
     min_bytes: usize,
 }
@@ -109,26 +112,43 @@ impl SpareSums {
         }
     }
 
-    /// A sum of `numel` elements: the smallest spare that holds them, its
-    /// old values left in place ([`GradSum`] knows them stale), else a new
-    /// one of `+0.0`s (one spare freed).
-    pub(in crate::engine) fn take(&mut self, numel: usize) -> GradSum {
+    /// A sum of `numel` elements held as `dtype`: the smallest spare of
+    /// that dtype that holds them, its old values left in place
+    /// ([`GradSum`] knows them stale), else a new one of `+0.0`s (one
+    /// spare freed). A bf16 one is always stale until set: its elements
+    /// take one gradient each.
+    pub(in crate::engine) fn take(&mut self, numel: usize, dtype: SumDtype) -> GradSum {
+        let cap = |v: &GradBuf| match v {
+            GradBuf::F32(v) => v.capacity(),
+            GradBuf::Bf16(v) => v.capacity(),
+        };
         let fit = self
             .spares
             .iter()
             .enumerate()
-            .filter(|(_, v)| v.capacity() >= numel)
-            .min_by_key(|(_, v)| v.capacity())
+            .filter(|(_, v)| v.dtype() == dtype && cap(v) >= numel)
+            .min_by_key(|(_, v)| cap(v))
             .map(|(i, _)| i);
         let Some(i) = fit else {
             // None holds it (a smaller one is left): one spare goes, so
             // the buffers do not outgrow those in use at once.
             self.spares.pop();
-            return GradSum::whole(crate::model::fused::zeros_f32(numel));
+            return match dtype {
+                SumDtype::F32 => GradSum::whole(crate::model::fused::zeros_f32(numel)),
+                SumDtype::Bf16 => GradSum::stale(GradBuf::zeros(numel, dtype)),
+            };
         };
-        let mut v = self.spares.swap_remove(i);
         // Within its capacity: no new pages (a longer one's, touched).
-        v.resize(numel, 0.0);
+        let v = match self.spares.swap_remove(i) {
+            GradBuf::F32(mut v) => {
+                v.resize(numel, 0.0);
+                GradBuf::F32(v)
+            }
+            GradBuf::Bf16(mut v) => {
+                v.resize(numel, half::bf16::ZERO);
+                GradBuf::Bf16(v)
+            }
+        };
         GradSum::stale(v)
     }
 
@@ -136,8 +156,9 @@ impl SpareSums {
     /// ([`SPARE_MIN_BYTES`] in training unless
     /// `TrainerOptions::spare_sum_min_bytes` says otherwise) and fewer
     /// than `max` are kept; else frees it.
-    pub(in crate::engine) fn give(&mut self, v: Vec<f32>) {
-        if self.spares.len() < self.max && v.capacity() > 0 && v.capacity() * 4 >= self.min_bytes {
+    pub(in crate::engine) fn give(&mut self, v: GradBuf) {
+        let bytes = v.capacity_bytes();
+        if self.spares.len() < self.max && bytes > 0 && bytes >= self.min_bytes {
             self.spares.push(v);
         }
     }
@@ -149,7 +170,7 @@ impl SpareSums {
     }
 }
 
-/// A sub-group's fp32 gradient sum while backward adds into it. One made
+/// A sub-group's gradient sum while backward adds into it. One made
 /// from a spare ([`SpareSums::take`]) still holds the spare's old values:
 /// each piece's first gradient is *set* into it
 /// ([`crate::model::fused::set_grad_into`], the bits of an add onto
@@ -158,9 +179,17 @@ impl SpareSums {
 /// ([`GradSum::settled`], [`GradSum::into_settled`]). A spare's sum is so
 /// one write per element where a zero fill then an add was a write, a
 /// read and a write: 8 bytes an element less for the first micro-batch.
+///
+/// A bf16 sum ([`SumDtype::Bf16`]) holds each element's one gradient as
+/// it came ([`GradSum::put`] copies it: 2 bytes an element written, not
+/// 4, and 2 read by the norm and the step), which the optimizer reads as
+/// its fp32 sum. Should a second gradient come for an element, or one
+/// that is not bf16 (neither does where `grad_sum_dtype` chose bf16), the
+/// sum is widened to fp32 first ([`GradSum::widen`]): the same bits, at
+/// fp32's memory.
 #[derive(Debug)]
 pub(in crate::engine) struct GradSum {
-    values: Vec<f32>,
+    values: GradBuf,
     /// `None`: every element is a sum (or `+0.0`). `Some`: the ranges
     /// written since the sum was taken (start → end, disjoint); the rest
     /// holds stale values.
@@ -168,19 +197,33 @@ pub(in crate::engine) struct GradSum {
 }
 
 impl GradSum {
-    /// `values`, every one a sum (or `+0.0`).
+    /// fp32 `values`, every one a sum (or `+0.0`).
     pub(in crate::engine) fn whole(values: Vec<f32>) -> GradSum {
         GradSum {
-            values,
+            values: GradBuf::F32(values),
             written: None,
         }
     }
 
     /// `values` whose old contents are stale: nothing written yet.
-    fn stale(values: Vec<f32>) -> GradSum {
+    fn stale(values: GradBuf) -> GradSum {
         GradSum {
             values,
             written: Some(BTreeMap::new()),
+        }
+    }
+
+    /// How it holds its values.
+    #[cfg(test)]
+    fn dtype(&self) -> SumDtype {
+        self.values.dtype()
+    }
+
+    /// A bf16 sum made fp32 (`+0.0 + g` each, the bits of its sums; the
+    /// stale elements stay stale).
+    fn widen(&mut self) {
+        if let GradBuf::Bf16(v) = &self.values {
+            self.values = GradBuf::F32(crate::model::fused::bf16_sums_to_f32(v));
         }
     }
 
@@ -188,8 +231,54 @@ impl GradSum {
     /// the caller writes every one before any is read (sets its first
     /// gradient). From now on they count as written. A range that
     /// overlaps another written one without being it is an error: pieces
-    /// are disjoint.
+    /// are disjoint. A bf16 sum is widened to fp32 first.
     pub(in crate::engine) fn piece(&mut self, range: Range<usize>) -> Result<(&mut [f32], bool)> {
+        self.widen();
+        let stale = self.mark(range.clone())?;
+        let GradBuf::F32(values) = &mut self.values else {
+            return Err(EngineError::internal("a gradient sum not widened"));
+        };
+        let len = values.len();
+        let slice = values.get_mut(range.clone()).ok_or_else(|| {
+            EngineError::internal(format!(
+                "gradient elements {}..{} of a sum of {len}",
+                range.start, range.end
+            ))
+        })?;
+        Ok((slice, stale))
+    }
+
+    /// Puts `grad`'s elements from `offset` into `range`: set if they are
+    /// stale, else added (a bf16 sum is widened for the add, or for a
+    /// gradient that is not bf16).
+    pub(in crate::engine) fn put(
+        &mut self,
+        range: Range<usize>,
+        grad: &Tensor,
+        offset: usize,
+    ) -> Result<()> {
+        if matches!(self.values, GradBuf::Bf16(_)) && grad.dtype() == DType::BF16 {
+            let stale = self.mark(range.clone())?;
+            if let (GradBuf::Bf16(values), true) = (&mut self.values, stale) {
+                let dst = values
+                    .get_mut(range)
+                    .ok_or_else(|| EngineError::internal("a bf16 gradient out of its sum"))?;
+                crate::model::fused::copy_bf16_grad_into(dst, grad, offset)?;
+                return Ok(());
+            }
+        }
+        let (dst, stale) = self.piece(range)?;
+        if stale {
+            crate::model::fused::set_grad_into(dst, grad, offset)?;
+        } else {
+            crate::model::fused::add_grad_into(dst, grad, offset)?;
+        }
+        Ok(())
+    }
+
+    /// Checks `range` against the sum and the pieces written, and marks it
+    /// written; returns whether it was stale.
+    fn mark(&mut self, range: Range<usize>) -> Result<bool> {
         let len = self.values.len();
         let bad = || {
             EngineError::internal(format!(
@@ -217,8 +306,7 @@ impl GradSum {
             }
             _ => false,
         };
-        let slice = self.values.get_mut(range.clone()).ok_or_else(bad)?;
-        Ok((slice, stale))
+        Ok(stale)
     }
 
     /// [`GradSum::piece`] with its stale values zeroed: for adding into.
@@ -231,24 +319,31 @@ impl GradSum {
     }
 
     /// Every element a sum: the ones no piece wrote are zeroed.
-    pub(in crate::engine) fn settled(&mut self) -> &[f32] {
+    pub(in crate::engine) fn settled(&mut self) -> crate::optim::GradIn<'_> {
         if let Some(w) = self.written.take() {
+            let len = self.values.len();
             let mut at = 0;
-            for (start, end) in w
-                .into_iter()
-                .chain([(self.values.len(), self.values.len())])
-            {
-                if let Some(gap) = self.values.get_mut(at..start) {
-                    crate::model::fused::fill_zeros(gap);
+            for (start, end) in w.into_iter().chain([(len, len)]) {
+                match &mut self.values {
+                    GradBuf::F32(v) => {
+                        if let Some(gap) = v.get_mut(at..start) {
+                            crate::model::fused::fill_zeros(gap);
+                        }
+                    }
+                    GradBuf::Bf16(v) => {
+                        if let Some(gap) = v.get_mut(at..start) {
+                            crate::model::fused::fill_zeros(gap);
+                        }
+                    }
                 }
                 at = at.max(end);
             }
         }
-        &self.values
+        self.values.as_in()
     }
 
     /// [`GradSum::settled`]'s values.
-    pub(in crate::engine) fn into_settled(mut self) -> Vec<f32> {
+    pub(in crate::engine) fn into_settled(mut self) -> GradBuf {
         self.settled();
         self.values
     }
@@ -282,6 +377,7 @@ impl StepGroups {
         &mut self,
         sg: SubGroupId,
         numel: usize,
+        dtype: SumDtype,
         spares: &std::sync::Mutex<SpareSums>,
     ) -> Result<&mut GradSum> {
         match self.get_mut(sg)? {
@@ -291,7 +387,7 @@ impl StepGroups {
                     spares
                         .lock()
                         .map_err(|_| EngineError::internal("the spare gradient sums' lock"))?
-                        .take(numel),
+                        .take(numel, dtype),
                 ),
             }),
             other => Err(EngineError::internal(format!(
@@ -324,26 +420,30 @@ impl StepGroups {
                 )))
             }
         };
-        self.apply(sg, GroupEvent::Norm(sq), 0)?;
+        self.apply(sg, GroupEvent::Norm(sq), 0, SumDtype::F32)?;
         Ok(sq)
     }
 
     /// The only way a sub-group's state changes. Returns the gradient the
-    /// event hands on: the spilled one for `Spill`, the step's for `Send`
-    /// (`numel` zeros if no gradient came; `None` once spilled).
+    /// event hands on: the parked sum (fp32) for `Park`, the spilled one
+    /// for `Spill`, the step's for `Send` (`numel` zeros of `dtype`, its
+    /// sums' dtype, if no gradient came; `None` once spilled).
     pub(super) fn apply(
         &mut self,
         sg: SubGroupId,
         event: GroupEvent,
         numel: usize,
-    ) -> Result<Option<Vec<f32>>> {
+        dtype: SumDtype,
+    ) -> Result<Option<GradBuf>> {
         let slot = self.get_mut(sg)?;
         let old = std::mem::replace(slot, GroupStep::Sent);
-        let zeros_if_none = |g: Option<Vec<f32>>| Some(g.unwrap_or_else(|| vec![0f32; numel]));
+        let zeros_if_none =
+            |g: Option<GradBuf>| Some(g.unwrap_or_else(|| GradBuf::zeros(numel, dtype)));
         let (new, out) = match (old, event) {
-            (GroupStep::Accumulating(Some(sum)), GroupEvent::Park) => {
-                (GroupStep::Parked, Some(sum.into_settled()))
-            }
+            (GroupStep::Accumulating(Some(sum)), GroupEvent::Park) => (
+                GroupStep::Parked,
+                Some(GradBuf::F32(sum.into_settled().into_f32())),
+            ),
             (GroupStep::Parked, GroupEvent::Unpark(sum)) => {
                 (GroupStep::Accumulating(Some(GradSum::whole(sum))), None)
             }
@@ -437,8 +537,8 @@ impl Trainer {
                 groups.groups.get(sg.0),
                 Some(GroupStep::Accumulating(Some(_)))
             ) {
-                if let Some(sum) = groups.apply(sg, GroupEvent::Park, 0)? {
-                    park.park(sg, &sum)?;
+                if let Some(sum) = groups.apply(sg, GroupEvent::Park, 0, SumDtype::F32)? {
+                    park.park(sg, &sum.into_f32())?;
                 }
             }
         }
@@ -472,7 +572,7 @@ impl Trainer {
             .as_mut()
             .ok_or_else(|| EngineError::internal("a parked sum without a park"))?;
         let sum = park.take(sg)?;
-        groups.apply(sg, GroupEvent::Unpark(sum), 0)?;
+        groups.apply(sg, GroupEvent::Unpark(sum), 0, SumDtype::F32)?;
         Ok(())
     }
 }
@@ -481,10 +581,24 @@ impl Trainer {
 mod tests {
     #![allow(clippy::unwrap_used)] // tests: a failure is a panic
 
-    use super::{GradSum, SpareSums};
+    use super::{GradBuf, GradSum, SpareSums, SumDtype};
+    use candle_core::{DType, Device, Tensor};
+    use half::bf16;
 
     fn bits(v: &[f32]) -> Vec<u32> {
         v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// An fp32 sum's values.
+    fn f32s(g: GradBuf) -> Vec<f32> {
+        match g {
+            GradBuf::F32(v) => v,
+            GradBuf::Bf16(_) => panic!("a bf16 sum where fp32 was asked"),
+        }
+    }
+
+    fn f32_spare(v: Vec<f32>) -> GradBuf {
+        GradBuf::F32(v)
     }
 
     /// A sum made from a spare is the spare's memory (no new block); read
@@ -495,45 +609,45 @@ mod tests {
     #[test]
     fn spare_sums_are_reused_zeroed_and_bounded() {
         let mut heap = SpareSums::with_min(4, super::SPARE_MIN_BYTES);
-        heap.give(vec![1.0; 1 << 20]);
+        heap.give(f32_spare(vec![1.0; 1 << 20]));
         assert_eq!(heap.len(), 0, "4 MiB: the heap's to keep");
         let mut s = SpareSums::with_min(2, 0);
         let big = vec![-1.5f32; 300_001];
         let small = vec![f32::NAN; 1000];
         let (big_at, small_at) = (big.as_ptr(), small.as_ptr());
-        s.give(big);
-        s.give(small);
-        s.give(vec![7.0; 10]);
+        s.give(f32_spare(big));
+        s.give(f32_spare(small));
+        s.give(f32_spare(vec![7.0; 10]));
         assert_eq!(s.len(), 2, "a third spare is freed");
-        let a = s.take(999).into_settled();
+        let a = f32s(s.take(999, SumDtype::F32).into_settled());
         assert_eq!(a.as_ptr(), small_at, "the smallest that holds 999");
         assert_eq!(a.len(), 999);
         assert!(a.iter().all(|v| v.to_bits() == 0));
-        let b = s.take(300_000).into_settled();
+        let b = f32s(s.take(300_000, SumDtype::F32).into_settled());
         assert_eq!(b.as_ptr(), big_at);
         assert!(b.len() == 300_000 && b.iter().all(|v| v.to_bits() == 0));
         assert_eq!(s.len(), 0);
         // None left: a new sum, of zeros already. A spare grown within its
         // capacity.
-        let mut c = s.take(5);
+        let mut c = s.take(5, SumDtype::F32);
         assert!(!c.piece(0..5).unwrap().1, "a new sum is not stale");
-        assert!(c.into_settled().iter().all(|v| v.to_bits() == 0));
+        assert!(f32s(c.into_settled()).iter().all(|v| v.to_bits() == 0));
         // One that no spare holds frees one: no more buffers than in use.
-        s.give(vec![0.0; 8]);
-        s.give(vec![0.0; 9]);
+        s.give(f32_spare(vec![0.0; 8]));
+        s.give(f32_spare(vec![0.0; 9]));
         assert_eq!(s.len(), 2);
-        let big2 = s.take(100).into_settled();
+        let big2 = f32s(s.take(100, SumDtype::F32).into_settled());
         assert!(big2.len() == 100 && s.len() == 1);
         let mut d = Vec::with_capacity(64);
         d.extend([3.0f32; 8]);
         let d_at = d.as_ptr();
-        s.give(d);
-        let e = s.take(64).into_settled();
+        s.give(f32_spare(d));
+        let e = f32s(s.take(64, SumDtype::F32).into_settled());
         assert_eq!(e.as_ptr(), d_at);
         assert!(e.len() == 64 && e.iter().all(|v| v.to_bits() == 0));
         // Nothing kept with max 0.
         let mut none = SpareSums::with_min(0, 0);
-        none.give(vec![1.0; 4]);
+        none.give(f32_spare(vec![1.0; 4]));
         assert_eq!(none.len(), 0);
     }
 
@@ -544,7 +658,7 @@ mod tests {
     /// stale. A whole sum is never stale.
     #[test]
     fn a_spare_sum_keeps_what_pieces_wrote_and_zeroes_the_rest() {
-        let mut g = GradSum::stale(vec![f32::NAN; 20]);
+        let mut g = GradSum::stale(GradBuf::F32(vec![f32::NAN; 20]));
         let (p, stale) = g.piece(3..6).unwrap();
         assert!(stale);
         p.fill(-0.5);
@@ -574,11 +688,103 @@ mod tests {
         want[3..6].fill(0.5);
         want[11] = 2.0;
         want[12..19].fill(7.0);
-        assert_eq!(bits(g.settled()), bits(&want));
+        match g.settled() {
+            crate::optim::GradIn::F32(v) => assert_eq!(bits(v), bits(&want)),
+            other => panic!("{other:?}"),
+        }
         assert!(!g.piece(0..3).unwrap().1, "settled: nothing stale");
-        assert_eq!(bits(&g.into_settled()), bits(&want));
+        assert_eq!(bits(&f32s(g.into_settled())), bits(&want));
         let mut w = GradSum::whole(vec![1.0; 4]);
         assert!(!w.piece(0..4).unwrap().1);
-        assert_eq!(w.into_settled(), vec![1.0; 4]);
+        assert_eq!(f32s(w.into_settled()), vec![1.0; 4]);
+    }
+
+    /// A bf16 sum holds each element's one bf16 gradient as it came, the
+    /// gaps no piece wrote zeroed, and reads (widened) as the fp32 sum of
+    /// the same puts, bit for bit, `-0.0`s and all; a second gradient for
+    /// a piece, or one that is not bf16, widens it to fp32 first and then
+    /// adds as an fp32 sum would; a bf16 spare is reused only for a bf16
+    /// sum, and an fp32 one only for fp32.
+    #[test]
+    fn a_bf16_sum_is_its_gradients_and_widens_for_a_second() {
+        let vals: Vec<f32> = (0..40)
+            .map(|i| match i % 7 {
+                0 => -0.0,
+                1 => f32::from_bits(1 << 16), // a bf16 subnormal
+                _ => (i as f32 * 0.37).sin(),
+            })
+            .collect();
+        let t16 = Tensor::from_vec(vals.clone(), 40, &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let t32 = Tensor::from_vec(vals.clone(), 40, &Device::Cpu).unwrap();
+        // Pieces 2..9 (gradient from 0), 12..20 (from 30); 0..2, 9..12
+        // and 20..24 get none.
+        let puts = [(2..9, 0usize), (12..20, 30)];
+        let mut b = GradSum::stale(GradBuf::zeros(24, SumDtype::Bf16));
+        let mut f = GradSum::stale(GradBuf::F32(vec![f32::NAN; 24]));
+        for (r, off) in puts.clone() {
+            b.put(r.clone(), &t16, off).unwrap();
+            f.put(r, &t16, off).unwrap();
+        }
+        assert_eq!(b.dtype(), SumDtype::Bf16, "one gradient each: no widening");
+        let (bb, ff) = (b.into_settled(), f32s(f.into_settled()));
+        let GradBuf::Bf16(held) = &bb else {
+            panic!("widened")
+        };
+        let g16: Vec<bf16> = t16.to_vec1().unwrap();
+        assert_eq!(&held[2..9], &g16[0..7], "as it came: -0.0 kept");
+        assert!(held[..2]
+            .iter()
+            .chain(&held[9..12])
+            .chain(&held[20..])
+            .all(|x| x.to_bits() == 0));
+        assert_eq!(bits(&bb.into_f32()), bits(&ff), "read as the fp32 sums");
+        assert!(ff.iter().all(|x| x.to_bits() != 0x8000_0000));
+        // A second gradient for a piece: widened, then added.
+        for second in [&t16, &t32] {
+            let mut b = GradSum::stale(GradBuf::zeros(24, SumDtype::Bf16));
+            let mut f = GradSum::stale(GradBuf::F32(vec![0.5; 24]));
+            b.put(2..9, &t16, 0).unwrap();
+            f.put(2..9, &t16, 0).unwrap();
+            b.put(2..9, second, 10).unwrap();
+            f.put(2..9, second, 10).unwrap();
+            assert_eq!(b.dtype(), SumDtype::F32);
+            assert_eq!(bits(&f32s(b.into_settled())), bits(&f32s(f.into_settled())));
+        }
+        // A first gradient that is not bf16: widened, then set.
+        let mut b = GradSum::stale(GradBuf::zeros(24, SumDtype::Bf16));
+        b.put(12..20, &t32, 3).unwrap();
+        assert_eq!(b.dtype(), SumDtype::F32);
+        let v = f32s(b.into_settled());
+        assert_eq!(
+            bits(&v[12..20]),
+            bits(&vals[3..11].iter().map(|x| 0.0 + x).collect::<Vec<_>>())
+        );
+        assert!(v[..12].iter().chain(&v[20..]).all(|x| x.to_bits() == 0));
+        // Out of range, overlapping: refused.
+        let mut b = GradSum::stale(GradBuf::zeros(24, SumDtype::Bf16));
+        b.put(2..9, &t16, 0).unwrap();
+        assert!(b.put(5..12, &t16, 0).is_err());
+        assert!(b.put(20..25, &t16, 0).is_err());
+        assert!(b.put(20..24, &t16, 38).is_err(), "past the gradient's end");
+        // Spares by dtype.
+        let mut s = SpareSums::with_min(4, 0);
+        s.give(GradBuf::zeros(100, SumDtype::Bf16));
+        let c = s.take(50, SumDtype::F32).into_settled();
+        assert_eq!(c.dtype(), SumDtype::F32);
+        assert_eq!(
+            s.len(),
+            0,
+            "no fp32 spare: the bf16 one freed for a new sum"
+        );
+        s.give(GradBuf::zeros(100, SumDtype::Bf16));
+        s.give(c);
+        let d = s.take(60, SumDtype::Bf16).into_settled();
+        let GradBuf::Bf16(d) = d else {
+            panic!("an fp32 spare for bf16")
+        };
+        assert!(d.len() == 60 && d.iter().all(|x| x.to_bits() == 0));
     }
 }

@@ -8,7 +8,9 @@
 //!     forward:  for unit in embedding, blocks:   fetch params (prefetch ahead), run, release
 //!     backward: for unit in head, blocks reversed, embedding:
 //!                   fetch, recompute + backprop (head starts at scale / GAS),
-//!                   add fp32 grads into the sub-group accumulators, release;
+//!                   add fp32 grads into the sub-group accumulators (or,
+//!                   where each element gets one bf16 gradient a step,
+//!                   copy it: `sizing::grad_sum_dtype`), release;
 //!                   last micro-batch: sub-groups whose grads became final
 //!                   → no clipping, no fp16: stepped now, on the optimizer
 //!                     thread, while backward goes on
@@ -354,6 +356,9 @@ pub struct Trainer {
     /// fp32 gradient sums kept from one step for the next
     /// ([`groups::SpareSums`]).
     spare_sums: std::sync::Mutex<groups::SpareSums>,
+    /// How the host holds each sub-group's gradients, by `SubGroupId`
+    /// (the plan's [`sizing::grad_sum_dtype`]).
+    grad_sums: Vec<sizing::SumDtype>,
     /// What [`crate::engine::host::heap::keep_heap_mapped`] did (`None`: option off).
     malloc: Option<tierzero_swap::MallocTuning>,
     model: Model,
@@ -527,6 +532,12 @@ impl Trainer {
     /// The layout (shards and sub-groups).
     pub fn layout(&self) -> &Layout {
         &self.layout
+    }
+
+    /// How the host holds each sub-group's gradients, by `SubGroupId`
+    /// ([`sizing::grad_sum_dtype`]).
+    pub fn grad_sum_dtypes(&self) -> &[sizing::SumDtype] {
+        &self.grad_sums
     }
 
     /// What the sizing policy decided, as built ([`sizing::decide`]).

@@ -53,6 +53,11 @@ pub struct TrainerOptions {
     /// at any size.
     #[doc(hidden)]
     pub spare_sum_min_bytes: Option<usize>,
+    /// Every sub-group's gradients in fp32 sums, where the plan holds some
+    /// as bf16 ([`crate::engine::sizing::grad_sum_dtype`]): tests compare
+    /// the two, bit for bit.
+    #[doc(hidden)]
+    pub f32_grad_sums: bool,
 }
 
 /// Fault injectors for the trainer's swap engines: the parameter engine,
@@ -87,6 +92,7 @@ impl TrainerOptions {
             stop_grace: None,
             compute: None,
             spare_sum_min_bytes: None,
+            f32_grad_sums: false,
         }
     }
 }

@@ -354,8 +354,8 @@ impl Trainer {
                 if sg.0 >= plan.held_below {
                     let numel = self.sub_group_numel(sg)?;
                     let grad = groups
-                        .apply(sg, GroupEvent::Spill, numel)?
-                        .unwrap_or_default();
+                        .apply(sg, GroupEvent::Spill, numel, self.sum_dtype(sg))?
+                        .ok_or_else(|| EngineError::internal("a spill without a gradient"))?;
                     self.opt.send(Job::SpillGrad { sg, grad })?;
                 }
                 continue;
@@ -368,12 +368,18 @@ impl Trainer {
             if self.sizing.spill_grads && sg.0 >= self.sizing.held_grad_groups {
                 let numel = self.sub_group_numel(sg)?;
                 let grad = groups
-                    .apply(sg, GroupEvent::Spill, numel)?
-                    .unwrap_or_default();
+                    .apply(sg, GroupEvent::Spill, numel, self.sum_dtype(sg))?
+                    .ok_or_else(|| EngineError::internal("a spill without a gradient"))?;
                 self.opt.send(Job::SpillGrad { sg, grad })?;
             }
         }
         Ok(())
+    }
+
+    /// How the host holds `sg`'s gradients (fp32 for an unknown group,
+    /// which `sub_group_numel` refuses).
+    fn sum_dtype(&self, sg: SubGroupId) -> sizing::SumDtype {
+        self.grad_sums.get(sg.0).copied().unwrap_or_default()
     }
 
     /// Elements of sub-group `sg`.
@@ -434,7 +440,7 @@ impl Trainer {
             self.optimizer_wait += t0.elapsed();
             self.on_done(d)?;
         }
-        let grad = groups.apply(sg, event, numel)?;
+        let grad = groups.apply(sg, event, numel, self.sum_dtype(sg))?;
         if grad.is_some() {
             self.grads_out.insert(sg);
         }

@@ -136,14 +136,74 @@ fn put_widened<const ADD: bool, T: Copy + Sync>(
     );
 }
 
+/// `grad`'s elements `offset..offset + dst.len()` copied into `dst`, in
+/// parallel: a sub-group's bf16 gradients, each element of which gets
+/// one gradient a step (the trainer's bf16 sums, see `GradSum` in
+/// `engine/trainer/groups.rs`). `grad` must be bf16: any other dtype
+/// would be rounded, which an fp32 sum does not do.
+pub fn copy_bf16_grad_into(
+    dst: &mut [half::bf16],
+    grad: &Tensor,
+    offset: usize,
+) -> candle_core::Result<()> {
+    let end = offset
+        .checked_add(dst.len())
+        .filter(|&e| e <= grad.elem_count())
+        .ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "gradient elements {offset}..{} of a gradient of {}",
+                offset.saturating_add(dst.len()),
+                grad.elem_count()
+            ))
+        })?;
+    if grad.dtype() != DType::BF16 {
+        return Err(candle_core::Error::Msg(format!(
+            "a {:?} gradient copied as bf16",
+            grad.dtype()
+        )));
+    }
+    with_bf16(grad, |g| {
+        let g = &g[offset..end];
+        par_elems(
+            dst,
+            #[inline(always)]
+            |at, chunk| chunk.copy_from_slice(&g[at..at + chunk.len()]),
+        );
+        Ok(())
+    })
+}
+
+/// `dst[i] = +0.0 + widen(src[i])`, in parallel: bf16 gradients as the
+/// fp32 sums they stand for (what [`set_grad_into`] would have written).
+pub fn widen_bf16_sums(dst: &mut [f32], src: &[half::bf16]) {
+    par_elems(
+        dst,
+        #[inline(always)]
+        |at, chunk| {
+            for (d, &x) in chunk.iter_mut().zip(&src[at..]) {
+                *d = 0.0 + x.to_f32();
+            }
+        },
+    );
+}
+
+/// [`widen_bf16_sums`] into a new vector (each element written once).
+pub fn bf16_sums_to_f32(src: &[half::bf16]) -> Vec<f32> {
+    let mut out = Vec::new();
+    src.par_iter()
+        .map(|x| 0.0 + x.to_f32())
+        .collect_into_vec(&mut out);
+    out
+}
+
 /// `v` set to `+0.0`, in parallel chunks (a spare sum made new: its pages
 /// are in place, so this is a write at memory speed, not the page faults
 /// of a new block).
-pub fn fill_zeros(v: &mut [f32]) {
+pub fn fill_zeros<T: Copy + Default + Send>(v: &mut [T]) {
     par_elems(
         v,
         #[inline(always)]
-        |_, chunk| chunk.fill(0.0),
+        |_, chunk| chunk.fill(T::default()),
     );
 }
 
@@ -155,6 +215,13 @@ pub fn zeros_f32(numel: usize) -> Vec<f32> {
     }
     let mut v = Vec::new();
     rayon::iter::repeat_n(0f32, numel).collect_into_vec(&mut v);
+    v
+}
+
+/// `numel` bf16 zeros (`+0.0`), written in parallel ([`zeros_f32`]'s).
+pub fn zeros_bf16(numel: usize) -> Vec<half::bf16> {
+    let mut v = Vec::new();
+    rayon::iter::repeat_n(half::bf16::ZERO, numel).collect_into_vec(&mut v);
     v
 }
 

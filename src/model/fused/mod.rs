@@ -481,7 +481,10 @@ mod pointwise;
 mod rope;
 mod sdpa;
 
-pub use accumulate::{add_grad_into, fill_zeros, grad_to_f32, set_grad_into, zeros_f32};
+pub use accumulate::{
+    add_grad_into, bf16_sums_to_f32, copy_bf16_grad_into, fill_zeros, grad_to_f32, set_grad_into,
+    widen_bf16_sums, zeros_bf16, zeros_f32,
+};
 pub use attention::{causal_softmax, repeat_kv};
 pub use linear::{count_hidden, linear, linear_gelu_tanh, WeightLayout};
 pub use norm::{layer_norm, rms_norm};

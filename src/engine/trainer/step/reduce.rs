@@ -217,7 +217,8 @@ impl Trainer {
         pc: &crate::engine::layout::Piece,
     ) -> Result<&'g mut GradSum> {
         let numel = self.sub_group_numel(pc.sub_group)?;
-        groups.accumulator(pc.sub_group, numel, &self.spare_sums)
+        let dtype = self.sum_dtype(pc.sub_group);
+        groups.accumulator(pc.sub_group, numel, dtype, &self.spare_sums)
     }
 
     /// `grad` of `pid` from `unit` as a flat fp32 vector, summed with the
@@ -270,12 +271,8 @@ impl Trainer {
         self.unpark_slot(groups, &slot)?;
         groups.grad_reduces += 1;
         for pc in &slot.pieces {
-            let (dst, stale) = self.piece_sum(groups, pc)?.piece(pc.group_range())?;
-            if stale {
-                crate::model::fused::set_grad_into(dst, grad, pc.shard_range().start)?;
-            } else {
-                crate::model::fused::add_grad_into(dst, grad, pc.shard_range().start)?;
-            }
+            self.piece_sum(groups, pc)?
+                .put(pc.group_range(), grad, pc.shard_range().start)?;
         }
         Ok(())
     }
