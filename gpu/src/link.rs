@@ -964,7 +964,7 @@ impl Uploads {
 
 mod downloads;
 mod pending;
-pub use downloads::{Downloaded, Downloads, PendingDownload};
+pub use downloads::{Downloaded, DownloadedRef, Downloads, PendingDownload};
 use pending::AnyStaging;
 pub use pending::{PendingUpload, Role};
 

@@ -57,6 +57,19 @@ pub enum Downloaded {
     F16(Vec<f16>),
 }
 
+/// A download's elements where they landed, in its pinned staging buffer
+/// ([`Downloads::finish_with`]): borrowed until the buffer goes back to
+/// its pool.
+#[derive(Debug, Clone, Copy)]
+pub enum DownloadedRef<'a> {
+    /// fp32 elements.
+    F32(&'a [f32]),
+    /// bf16 elements, rounded on the device.
+    Bf16(&'a [bf16]),
+    /// fp16 elements, rounded on the device.
+    F16(&'a [f16]),
+}
+
 /// Idle pinned buffers of one element type by length, and their bytes.
 #[derive(Debug)]
 struct IdlePinned<T> {
@@ -245,18 +258,40 @@ impl Downloads {
         })
     }
 
-    /// The downloaded elements (waits for the copy).
-    pub fn finish(&self, mut d: PendingDownload) -> Result<Downloaded> {
+    /// The downloaded elements (waits for the copy), copied out of the
+    /// pinned staging buffer ([`crate::host_copy::to_vec`]).
+    pub fn finish(&self, d: PendingDownload) -> Result<Downloaded> {
+        self.finish_with(d, |r| match r {
+            DownloadedRef::F32(v) => Downloaded::F32(crate::host_copy::to_vec(v)),
+            DownloadedRef::Bf16(v) => Downloaded::Bf16(crate::host_copy::to_vec(v)),
+            DownloadedRef::F16(v) => Downloaded::F16(crate::host_copy::to_vec(v)),
+        })
+    }
+
+    /// Waits for the copy and hands `f` the elements where they landed,
+    /// in the pinned staging buffer, with no copy out: the caller reads
+    /// them straight into what it makes of them (the engine's gradient
+    /// sums). The buffer goes back to its pool after `f` returns (the
+    /// borrow ends there), and the device buffer it came from is freed.
+    /// A download of no elements hands `f` an empty fp32 slice.
+    pub fn finish_with<R>(
+        &self,
+        mut d: PendingDownload,
+        f: impl FnOnce(DownloadedRef<'_>) -> R,
+    ) -> Result<R> {
         fn back<
             T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Send + Sync,
+            R,
         >(
             pool: &Mutex<IdlePinned<T>>,
             cap: u64,
             src: DeviceBuffer<T>,
             staging: PinnedHostSlice<T>,
-        ) -> Result<Vec<T>> {
-            let out =
-                crate::host_copy::to_vec(staging.as_slice().map_err(driver("cuEventSynchronize"))?);
+            f: impl FnOnce(&[T]) -> R,
+        ) -> Result<R> {
+            // `as_slice` waits for the copy's event: the elements are
+            // all there, and nothing writes the buffer while `f` reads.
+            let out = f(staging.as_slice().map_err(driver("cuEventSynchronize"))?);
             drop(src);
             let bytes = staging.num_bytes() as u64;
             let mut free = locked(pool);
@@ -266,14 +301,18 @@ impl Downloads {
             }
             Ok(out)
         }
-        Ok(match d.inner.take() {
-            Some(Down::F32(src, s)) => Downloaded::F32(back(&self.free, self.cap_bytes, src, s)?),
-            Some(Down::Bf16(src, s)) => {
-                Downloaded::Bf16(back(&self.free16, self.cap_bytes, src, s)?)
-            }
-            Some(Down::F16(src, s)) => Downloaded::F16(back(&self.freeh, self.cap_bytes, src, s)?),
-            None => Downloaded::F32(Vec::new()),
-        })
+        match d.inner.take() {
+            Some(Down::F32(src, s)) => back(&self.free, self.cap_bytes, src, s, |v| {
+                f(DownloadedRef::F32(v))
+            }),
+            Some(Down::Bf16(src, s)) => back(&self.free16, self.cap_bytes, src, s, |v| {
+                f(DownloadedRef::Bf16(v))
+            }),
+            Some(Down::F16(src, s)) => back(&self.freeh, self.cap_bytes, src, s, |v| {
+                f(DownloadedRef::F16(v))
+            }),
+            None => Ok(f(DownloadedRef::F32(&[]))),
+        }
     }
 
     /// The copies that completed since the last call, on the host's

@@ -25,7 +25,8 @@ use tierzero_gpu::collective::{CudaEvent, DeviceComm, Packed};
 use tierzero_gpu::device::Device;
 use tierzero_gpu::host_register::HostRegistration;
 use tierzero_gpu::link::{
-    Downloaded, Downloads, EventClock, PendingDownload, PendingUpload, Role, SpanLog, Uploads, Wire,
+    Downloaded, DownloadedRef, Downloads, EventClock, PendingDownload, PendingUpload, Role,
+    SpanLog, Uploads, Wire,
 };
 use tierzero_gpu::unit::{CudaExec, DevBuf, GemmDtype};
 
@@ -551,6 +552,20 @@ impl DeviceLink for CudaLink {
             Downloaded::Bf16(v) => HostVec::Bf16(v),
             Downloaded::F16(v) => HostVec::F16(v),
         })
+    }
+
+    fn finish_download_with(
+        &self,
+        d: PendingDownload,
+        f: &mut dyn FnMut(HostElems<'_>),
+    ) -> Result<(), ModelError> {
+        self.downloads
+            .finish_with(d, |r| match r {
+                DownloadedRef::F32(v) => f(HostElems::F32(v)),
+                DownloadedRef::Bf16(v) => f(HostElems::Bf16(v)),
+                DownloadedRef::F16(v) => f(HostElems::F16(v)),
+            })
+            .map_err(gpu_err)
     }
 
     fn memory(&self) -> LinkMemory {

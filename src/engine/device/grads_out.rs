@@ -9,7 +9,10 @@
 //! is queued right after the unit's compute, so what follows never waits
 //! for later compute). The engine collects them after it started the
 //! next unit's backward, in backward order on every rank: the downloads
-//! with `take`, the kept ones with `reduce`, which reduce-scatters them on
+//! with `take_with` (one rank: each gradient's elements read into the
+//! sums where the link landed them, the CUDA link's pinned staging, with
+//! no host copy first) or `take` (host tensors, for a host collective),
+//! the kept ones with `reduce`, which reduce-scatters them on
 //! the device ([`DeviceLink::reduce_grads`]: a collective, so issued
 //! there, in an order the same on every rank, and never from the tier's
 //! own threads) and brings down this rank's sums only: `1 / ranks` of
@@ -28,7 +31,7 @@ use candle_core::{DType, Tensor};
 
 use super::{DeviceLink, Wire, ELEM_BYTES};
 use crate::engine::layout::shard_counts;
-use crate::model::exec_units::HostVec;
+use crate::model::exec_units::{HostElems, HostVec};
 use crate::model::{Model, ModelError, ParamId, UnitId};
 
 /// One param's gradient, with its host shape.
@@ -189,6 +192,62 @@ impl<L: DeviceLink> GradsOut<L> {
                 Where::Packed { ids, .. } => Some(ids.clone()),
                 Where::Downloading(_) => None,
             })
+    }
+
+    /// [`GradsOut::take`], handing `f` each gradient's elements where the
+    /// link landed them (in declared order, flat), instead of host
+    /// tensors made of copies of them ([`DeviceLink::finish_download_with`]).
+    /// Returns false when none of `unit`'s are downloading. An fp32
+    /// download of a 16-bit gradient (none is: its wire is 16-bit,
+    /// [`wire_of`]) goes through the host tensor `take` makes, rounded as
+    /// there. After an error the rest are still waited for, not handed on.
+    pub(super) fn take_with(
+        &self,
+        link: &L,
+        unit: UnitId,
+        f: &mut dyn FnMut(ParamId, HostElems<'_>),
+    ) -> Result<bool, ModelError> {
+        let (downloads, dtype) = match self.remove(unit) {
+            None => return Ok(false),
+            Some(Pending {
+                at: Where::Downloading(d),
+                dtype,
+                ..
+            }) => (d, dtype),
+            Some(p) => {
+                self.queue().push_front(p);
+                return Err(ModelError::Gpu {
+                    what: format!(
+                        "unit {}: its gradients are on the device for their reduce-scatter \
+                         there, not downloading",
+                        unit.0
+                    ),
+                });
+            }
+        };
+        let mut result = Ok(());
+        for (id, d, dims) in downloads {
+            let r = link.finish_download_with(d, &mut |elems| {
+                if result.is_err() {
+                    return;
+                }
+                match (elems, dtype) {
+                    (HostElems::F32(v), DType::BF16 | DType::F16) => {
+                        result = HostVec::F32(v.to_vec())
+                            .into_tensor(&dims, dtype)
+                            .and_then(|t| {
+                                crate::model::exec_units::with_host_elems(&t, |e| {
+                                    f(id, e);
+                                    Ok(())
+                                })
+                            });
+                    }
+                    (e, _) => f(id, e),
+                }
+            });
+            result = result.and(r);
+        }
+        result.map(|()| true)
     }
 
     /// `unit`'s gradients on the host, whole, in declared order, once
@@ -353,6 +412,75 @@ mod tests {
             .iter()
             .map(|id| shard_counts(model.params()[id.0].numel, 2))
             .collect()
+    }
+
+    /// `take_with` hands on each gradient's elements as `take` gives its
+    /// host tensor's, in declared order, for fp32 and bf16 wires (bf16:
+    /// rounded on the device, the 2-byte elements as they came); a unit
+    /// with none is false; a packed one is refused and stays packed.
+    #[test]
+    fn take_with_hands_on_what_take_gives_in_order() {
+        let link = SimDevice::new(SimConfig::instant(1 << 30, 2)).unwrap();
+        let model = gpt2(256, true);
+        let out = GradsOut::<SimDevice>::new();
+        for dtype in [DType::F32, DType::BF16] {
+            out.put(&link, &model, UnitId(1), grads_of(&model, 1), dtype)
+                .unwrap();
+            let taken = out.take(&link, UnitId(1)).unwrap().unwrap();
+            out.put(&link, &model, UnitId(1), grads_of(&model, 1), dtype)
+                .unwrap();
+            let mut seen: Vec<(ParamId, Vec<u32>)> = Vec::new();
+            let got = out
+                .take_with(&link, UnitId(1), &mut |id, e| {
+                    let bits = match e {
+                        HostElems::F32(v) => v.iter().map(|x| x.to_bits()).collect(),
+                        HostElems::Bf16(v) => v.iter().map(|x| u32::from(x.to_bits())).collect(),
+                        HostElems::F16(v) => v.iter().map(|x| u32::from(x.to_bits())).collect(),
+                    };
+                    assert_eq!(
+                        matches!(e, HostElems::Bf16(_)),
+                        dtype == DType::BF16,
+                        "{dtype:?} crossed as {e:?}"
+                    );
+                    seen.push((id, bits));
+                })
+                .unwrap();
+            assert!(got);
+            let want: Vec<(ParamId, Vec<u32>)> = taken
+                .iter()
+                .map(|(id, t)| {
+                    let bits = match dtype {
+                        DType::BF16 => t
+                            .flatten_all()
+                            .unwrap()
+                            .to_vec1::<half::bf16>()
+                            .unwrap()
+                            .iter()
+                            .map(|x| u32::from(x.to_bits()))
+                            .collect(),
+                        _ => t
+                            .flatten_all()
+                            .unwrap()
+                            .to_vec1::<f32>()
+                            .unwrap()
+                            .iter()
+                            .map(|x| x.to_bits())
+                            .collect(),
+                    };
+                    (*id, bits)
+                })
+                .collect();
+            assert_eq!(seen, want, "{dtype:?}");
+            assert!(!out.take_with(&link, UnitId(1), &mut |_, _| {}).unwrap());
+        }
+        let two = device();
+        let out = GradsOut::<SimDevice>::new();
+        out.put(&two, &model, UnitId(1), grads_of(&model, 1), DType::F32)
+            .unwrap();
+        let ids = model.units()[1].params.clone();
+        assert!(out.take_with(&two, UnitId(1), &mut |_, _| {}).is_err());
+        assert_eq!(out.on_device(UnitId(1)), Some(ids));
+        out.drain(&two).unwrap();
     }
 
     #[test]

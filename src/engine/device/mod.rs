@@ -461,6 +461,20 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
     ) -> Result<Self::Download, ModelError>;
     /// The downloaded elements: waits for the copy, then frees its source.
     fn finish_download(&self, d: Self::Download) -> Result<HostVec, ModelError>;
+    /// [`DeviceLink::finish_download`], handing `f` the elements where
+    /// they landed instead of a copy of them: the CUDA link's pinned
+    /// staging buffer, read by `f` straight into the gradient sums (one
+    /// host copy of every gradient less), and back to its pool after `f`
+    /// returns. By default, `f` reads the copy.
+    fn finish_download_with(
+        &self,
+        d: Self::Download,
+        f: &mut dyn FnMut(HostElems<'_>),
+    ) -> Result<(), ModelError> {
+        let v = self.finish_download(d)?;
+        f(v.elems());
+        Ok(())
+    }
     /// The ranks it reduce-scatters gradients among on the device
     /// ([`DeviceLink::pack_grads`], [`DeviceLink::reduce_grads`]): those
     /// of its own collective (NCCL on the GPU's buffers; the simulated

@@ -15,7 +15,8 @@ use super::{DeviceLink, ELEM_BYTES};
 
 mod gather;
 use crate::model::exec_units::{
-    self, DeviceMemoryPlan, DeviceMemoryRow, DeviceSpan, DeviceTraffic, HomePins, UnitCompute,
+    self, DeviceMemoryPlan, DeviceMemoryRow, DeviceSpan, DeviceTraffic, HomePins, HostElems,
+    UnitCompute,
 };
 use crate::model::{
     Model, ModelError, ParamId, UnitGrads, UnitId, UnitInput, UnitOutput, Upstream,
@@ -862,6 +863,24 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
         let t = Instant::now();
         let got = self.grads_out.take(&self.link, unit);
         self.lock().traffic.d2h_wait_s += t.elapsed().as_secs_f64();
+        got
+    }
+
+    fn take_grads_with(
+        &self,
+        unit: UnitId,
+        f: &mut dyn FnMut(ParamId, HostElems<'_>),
+    ) -> Result<bool, ModelError> {
+        // The wait is the time outside `f` (which reads the elements into
+        // the sums: host work, not the link's).
+        let t = Instant::now();
+        let mut in_f = std::time::Duration::ZERO;
+        let got = self.grads_out.take_with(&self.link, unit, &mut |id, e| {
+            let t = Instant::now();
+            f(id, e);
+            in_f += t.elapsed();
+        });
+        self.lock().traffic.d2h_wait_s += t.elapsed().saturating_sub(in_f).as_secs_f64();
         got
     }
 

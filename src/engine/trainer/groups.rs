@@ -7,6 +7,7 @@ use std::ops::Range;
 use super::*;
 use crate::engine::optimizer::GradBuf;
 use crate::engine::sizing::SumDtype;
+use crate::model::exec_units::HostElems;
 
 /// Where one sub-group stands within a step. A step keeps exactly one of
 /// these per sub-group ([`StepGroups`]), moved only by [`GroupEvent`]s
@@ -248,30 +249,31 @@ impl GradSum {
         Ok((slice, stale))
     }
 
-    /// Puts `grad`'s elements from `offset` into `range`: set if they are
-    /// stale, else added (a bf16 sum is widened for the add, or for a
-    /// gradient that is not bf16).
+    /// Puts a gradient's elements (`src`, as they are stored: a host
+    /// tensor's, or where a device's copy landed them) from `offset` into
+    /// `range`: set if they are stale, else added (a bf16 sum is widened
+    /// for the add, or for a gradient that is not bf16).
     pub(in crate::engine) fn put(
         &mut self,
         range: Range<usize>,
-        grad: &Tensor,
+        src: HostElems<'_>,
         offset: usize,
     ) -> Result<()> {
-        if matches!(self.values, GradBuf::Bf16(_)) && grad.dtype() == DType::BF16 {
+        if let (GradBuf::Bf16(_), HostElems::Bf16(g)) = (&self.values, src) {
             let stale = self.mark(range.clone())?;
             if let (GradBuf::Bf16(values), true) = (&mut self.values, stale) {
                 let dst = values
                     .get_mut(range)
                     .ok_or_else(|| EngineError::internal("a bf16 gradient out of its sum"))?;
-                crate::model::fused::copy_bf16_grad_into(dst, grad, offset)?;
+                crate::model::fused::copy_bf16_elems_into(dst, g, offset)?;
                 return Ok(());
             }
         }
         let (dst, stale) = self.piece(range)?;
         if stale {
-            crate::model::fused::set_grad_into(dst, grad, offset)?;
+            crate::model::fused::set_grad_elems_into(dst, src, offset)?;
         } else {
-            crate::model::fused::add_grad_into(dst, grad, offset)?;
+            crate::model::fused::add_grad_elems_into(dst, src, offset)?;
         }
         Ok(())
     }
@@ -581,8 +583,7 @@ impl Trainer {
 mod tests {
     #![allow(clippy::unwrap_used)] // tests: a failure is a panic
 
-    use super::{GradBuf, GradSum, SpareSums, SumDtype};
-    use candle_core::{DType, Device, Tensor};
+    use super::{GradBuf, GradSum, HostElems, SpareSums, SumDtype};
     use half::bf16;
 
     fn bits(v: &[f32]) -> Vec<u32> {
@@ -714,26 +715,23 @@ mod tests {
                 _ => (i as f32 * 0.37).sin(),
             })
             .collect();
-        let t16 = Tensor::from_vec(vals.clone(), 40, &Device::Cpu)
-            .unwrap()
-            .to_dtype(DType::BF16)
-            .unwrap();
-        let t32 = Tensor::from_vec(vals.clone(), 40, &Device::Cpu).unwrap();
+        let g16: Vec<bf16> = vals.iter().map(|&x| bf16::from_f32(x)).collect();
+        let e16 = || HostElems::Bf16(&g16);
+        let e32 = || HostElems::F32(&vals);
         // Pieces 2..9 (gradient from 0), 12..20 (from 30); 0..2, 9..12
         // and 20..24 get none.
         let puts = [(2..9, 0usize), (12..20, 30)];
         let mut b = GradSum::stale(GradBuf::zeros(24, SumDtype::Bf16));
         let mut f = GradSum::stale(GradBuf::F32(vec![f32::NAN; 24]));
         for (r, off) in puts.clone() {
-            b.put(r.clone(), &t16, off).unwrap();
-            f.put(r, &t16, off).unwrap();
+            b.put(r.clone(), e16(), off).unwrap();
+            f.put(r, e16(), off).unwrap();
         }
         assert_eq!(b.dtype(), SumDtype::Bf16, "one gradient each: no widening");
         let (bb, ff) = (b.into_settled(), f32s(f.into_settled()));
         let GradBuf::Bf16(held) = &bb else {
             panic!("widened")
         };
-        let g16: Vec<bf16> = t16.to_vec1().unwrap();
         assert_eq!(&held[2..9], &g16[0..7], "as it came: -0.0 kept");
         assert!(held[..2]
             .iter()
@@ -743,11 +741,11 @@ mod tests {
         assert_eq!(bits(&bb.into_f32()), bits(&ff), "read as the fp32 sums");
         assert!(ff.iter().all(|x| x.to_bits() != 0x8000_0000));
         // A second gradient for a piece: widened, then added.
-        for second in [&t16, &t32] {
+        for second in [e16(), e32()] {
             let mut b = GradSum::stale(GradBuf::zeros(24, SumDtype::Bf16));
             let mut f = GradSum::stale(GradBuf::F32(vec![0.5; 24]));
-            b.put(2..9, &t16, 0).unwrap();
-            f.put(2..9, &t16, 0).unwrap();
+            b.put(2..9, e16(), 0).unwrap();
+            f.put(2..9, e16(), 0).unwrap();
             b.put(2..9, second, 10).unwrap();
             f.put(2..9, second, 10).unwrap();
             assert_eq!(b.dtype(), SumDtype::F32);
@@ -755,7 +753,7 @@ mod tests {
         }
         // A first gradient that is not bf16: widened, then set.
         let mut b = GradSum::stale(GradBuf::zeros(24, SumDtype::Bf16));
-        b.put(12..20, &t32, 3).unwrap();
+        b.put(12..20, e32(), 3).unwrap();
         assert_eq!(b.dtype(), SumDtype::F32);
         let v = f32s(b.into_settled());
         assert_eq!(
@@ -765,10 +763,10 @@ mod tests {
         assert!(v[..12].iter().chain(&v[20..]).all(|x| x.to_bits() == 0));
         // Out of range, overlapping: refused.
         let mut b = GradSum::stale(GradBuf::zeros(24, SumDtype::Bf16));
-        b.put(2..9, &t16, 0).unwrap();
-        assert!(b.put(5..12, &t16, 0).is_err());
-        assert!(b.put(20..25, &t16, 0).is_err());
-        assert!(b.put(20..24, &t16, 38).is_err(), "past the gradient's end");
+        b.put(2..9, e16(), 0).unwrap();
+        assert!(b.put(5..12, e16(), 0).is_err());
+        assert!(b.put(20..25, e16(), 0).is_err());
+        assert!(b.put(20..24, e16(), 38).is_err(), "past the gradient's end");
         // Spares by dtype.
         let mut s = SpareSums::with_min(4, 0);
         s.give(GradBuf::zeros(100, SumDtype::Bf16));

@@ -190,6 +190,27 @@ pub trait UnitCompute: Send + Sync + std::fmt::Debug {
     fn take_grads(&self, _unit: UnitId) -> Result<Option<Vec<(ParamId, Tensor)>>, ModelError> {
         Ok(None)
     }
+    /// [`UnitCompute::take_grads`], handing `f` each gradient's elements
+    /// (flat, in declared order) where the device's copy landed them, so
+    /// the caller reads them into its sums with no host copy in between.
+    /// Returns false when `unit` left none. By default, the elements of
+    /// `take_grads`'s tensors.
+    fn take_grads_with(
+        &self,
+        unit: UnitId,
+        f: &mut dyn FnMut(ParamId, HostElems<'_>),
+    ) -> Result<bool, ModelError> {
+        let Some(grads) = self.take_grads(unit)? else {
+            return Ok(false);
+        };
+        for (id, t) in &grads {
+            with_host_elems(t, |e| {
+                f(*id, e);
+                Ok(())
+            })?;
+        }
+        Ok(true)
+    }
     /// Several ranks: the params whose gradients the last
     /// `backward_unit` of `unit` kept on the device, in declared order, to
     /// be reduce-scattered there ([`UnitCompute::reduce_grads`]). None: it

@@ -23,7 +23,8 @@
 //! `crate::engine::host::threads::ComputePool::for_host_work`).
 //!
 //! Here each task reads the gradient's own elements (fp32, bf16 or fp16,
-//! as it came down) and adds them widened, in chunks of
+//! as it came down: a host tensor's, or, `*_elems_into`, where a device's
+//! copy landed them) and adds them widened, in chunks of
 //! [`TASK_ELEMS`] on the pool's threads: one pass over the gradient and
 //! the sum, nothing allocated.
 //!
@@ -34,6 +35,7 @@
 //! nothing. A zeroed accumulator is `+0.0` everywhere, as `vec!` gave.
 
 use super::*;
+use crate::model::exec_units::HostElems;
 
 /// Adds `grad`'s elements `offset..offset + acc.len()` (of its contiguous
 /// layout, row-major), widened to fp32, into `acc`, in parallel.
@@ -53,6 +55,27 @@ pub fn set_grad_into(acc: &mut [f32], grad: &Tensor, offset: usize) -> candle_co
     put_grad::<false>(acc, grad, offset)
 }
 
+/// [`add_grad_into`] from a gradient's elements as they are stored
+/// (`src`, flat): where a device's copy landed them, read with no host
+/// tensor made of them.
+pub fn add_grad_elems_into(
+    acc: &mut [f32],
+    src: HostElems<'_>,
+    offset: usize,
+) -> candle_core::Result<()> {
+    put_elems::<true>(acc, src, offset)
+}
+
+/// [`set_grad_into`] from a gradient's elements as they are stored
+/// ([`add_grad_elems_into`]'s).
+pub fn set_grad_elems_into(
+    acc: &mut [f32],
+    src: HostElems<'_>,
+    offset: usize,
+) -> candle_core::Result<()> {
+    put_elems::<false>(acc, src, offset)
+}
+
 /// `acc[i] = base + widen(g[offset + i])`, `base` being `acc[i]` when
 /// `ADD` ([`add_grad_into`]) and `+0.0` otherwise ([`set_grad_into`]).
 fn put_grad<const ADD: bool>(
@@ -60,34 +83,44 @@ fn put_grad<const ADD: bool>(
     grad: &Tensor,
     offset: usize,
 ) -> candle_core::Result<()> {
-    let end = offset
-        .checked_add(acc.len())
-        .filter(|&e| e <= grad.elem_count())
-        .ok_or_else(|| {
-            candle_core::Error::Msg(format!(
-                "gradient elements {offset}..{} of a gradient of {}",
-                offset.saturating_add(acc.len()),
-                grad.elem_count()
-            ))
-        })?;
     match grad.dtype() {
-        DType::BF16 => with_bf16(grad, |g| {
-            put_widened::<ADD, _>(acc, &g[offset..end], half::bf16::to_f32);
-            Ok(())
-        }),
-        DType::F16 => with_f16(grad, |g| {
-            put_widened::<ADD, _>(acc, &g[offset..end], half::f16::to_f32);
-            Ok(())
-        }),
-        DType::F32 => with_f32(grad, |g| {
-            put_widened::<ADD, _>(acc, &g[offset..end], |x| x);
-            Ok(())
-        }),
+        DType::BF16 => with_bf16(grad, |g| put_elems::<ADD>(acc, HostElems::Bf16(g), offset)),
+        DType::F16 => with_f16(grad, |g| put_elems::<ADD>(acc, HostElems::F16(g), offset)),
+        DType::F32 => with_f32(grad, |g| put_elems::<ADD>(acc, HostElems::F32(g), offset)),
         _ => with_f32(&grad.to_dtype(DType::F32)?, |g| {
-            put_widened::<ADD, _>(acc, &g[offset..end], |x| x);
-            Ok(())
+            put_elems::<ADD>(acc, HostElems::F32(g), offset)
         }),
     }
+}
+
+/// The elements `offset..offset + n` of a gradient of `len`, or the
+/// error naming them.
+fn elems_range(offset: usize, n: usize, len: usize) -> candle_core::Result<std::ops::Range<usize>> {
+    offset
+        .checked_add(n)
+        .filter(|&e| e <= len)
+        .map(|end| offset..end)
+        .ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "gradient elements {offset}..{} of a gradient of {len}",
+                offset.saturating_add(n),
+            ))
+        })
+}
+
+/// [`put_grad`] over the elements as they are stored.
+fn put_elems<const ADD: bool>(
+    acc: &mut [f32],
+    src: HostElems<'_>,
+    offset: usize,
+) -> candle_core::Result<()> {
+    let r = elems_range(offset, acc.len(), src.len())?;
+    match src {
+        HostElems::Bf16(g) => put_widened::<ADD, _>(acc, &g[r], half::bf16::to_f32),
+        HostElems::F16(g) => put_widened::<ADD, _>(acc, &g[r], half::f16::to_f32),
+        HostElems::F32(g) => put_widened::<ADD, _>(acc, &g[r], |x| x),
+    }
+    Ok(())
 }
 
 /// `grad`'s elements widened to fp32, in its contiguous (row-major)
@@ -95,26 +128,23 @@ fn put_grad<const ADD: bool>(
 /// pass (the fp32 a collective on the host, or a tied param's sum over
 /// its units, starts from).
 pub fn grad_to_f32(grad: &Tensor) -> candle_core::Result<Vec<f32>> {
-    let mut out = Vec::new();
     match grad.dtype() {
-        DType::BF16 => with_bf16(grad, |g| {
-            g.par_iter().map(|x| x.to_f32()).collect_into_vec(&mut out);
-            Ok(())
-        })?,
-        DType::F16 => with_f16(grad, |g| {
-            g.par_iter().map(|x| x.to_f32()).collect_into_vec(&mut out);
-            Ok(())
-        })?,
-        DType::F32 => with_f32(grad, |g| {
-            g.par_iter().copied().collect_into_vec(&mut out);
-            Ok(())
-        })?,
-        _ => with_f32(&grad.to_dtype(DType::F32)?, |g| {
-            out = g.to_vec();
-            Ok(())
-        })?,
+        DType::BF16 => with_bf16(grad, |g| Ok(elems_to_f32(HostElems::Bf16(g)))),
+        DType::F16 => with_f16(grad, |g| Ok(elems_to_f32(HostElems::F16(g)))),
+        DType::F32 => with_f32(grad, |g| Ok(elems_to_f32(HostElems::F32(g)))),
+        _ => with_f32(&grad.to_dtype(DType::F32)?, |g| Ok(g.to_vec())),
     }
-    Ok(out)
+}
+
+/// [`grad_to_f32`] from the elements as they are stored.
+pub fn elems_to_f32(src: HostElems<'_>) -> Vec<f32> {
+    let mut out = Vec::new();
+    match src {
+        HostElems::Bf16(g) => g.par_iter().map(|x| x.to_f32()).collect_into_vec(&mut out),
+        HostElems::F16(g) => g.par_iter().map(|x| x.to_f32()).collect_into_vec(&mut out),
+        HostElems::F32(g) => g.par_iter().copied().collect_into_vec(&mut out),
+    }
+    out
 }
 
 /// `acc[i] = base + widen(g[i])` (see [`put_grad`]), in parallel chunks.
@@ -146,31 +176,29 @@ pub fn copy_bf16_grad_into(
     grad: &Tensor,
     offset: usize,
 ) -> candle_core::Result<()> {
-    let end = offset
-        .checked_add(dst.len())
-        .filter(|&e| e <= grad.elem_count())
-        .ok_or_else(|| {
-            candle_core::Error::Msg(format!(
-                "gradient elements {offset}..{} of a gradient of {}",
-                offset.saturating_add(dst.len()),
-                grad.elem_count()
-            ))
-        })?;
     if grad.dtype() != DType::BF16 {
         return Err(candle_core::Error::Msg(format!(
             "a {:?} gradient copied as bf16",
             grad.dtype()
         )));
     }
-    with_bf16(grad, |g| {
-        let g = &g[offset..end];
-        par_elems(
-            dst,
-            #[inline(always)]
-            |at, chunk| chunk.copy_from_slice(&g[at..at + chunk.len()]),
-        );
-        Ok(())
-    })
+    with_bf16(grad, |g| copy_bf16_elems_into(dst, g, offset))
+}
+
+/// [`copy_bf16_grad_into`] from the elements as they are stored.
+pub fn copy_bf16_elems_into(
+    dst: &mut [half::bf16],
+    src: &[half::bf16],
+    offset: usize,
+) -> candle_core::Result<()> {
+    let r = elems_range(offset, dst.len(), src.len())?;
+    let g = &src[r];
+    par_elems(
+        dst,
+        #[inline(always)]
+        |at, chunk| chunk.copy_from_slice(&g[at..at + chunk.len()]),
+    );
+    Ok(())
 }
 
 /// `dst[i] = +0.0 + widen(src[i])`, in parallel: bf16 gradients as the

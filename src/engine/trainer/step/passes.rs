@@ -329,13 +329,18 @@ impl Trainer {
             // (with several ranks, reduced there): nothing to add here,
             // and no host collective of nothing.
         } else {
-            let grads = match &self.opts.compute {
-                Some(c) if ready.is_empty() && self.defers_grads() => {
-                    c.take_grads(uid)?.unwrap_or_default()
+            match &self.opts.compute {
+                // One rank: read where the device's copies landed.
+                Some(c) if ready.is_empty() && self.defers_grads() && self.layout.world == 1 => {
+                    let c = c.clone();
+                    self.accumulate_downloaded(groups, tied, uid, &*c)?;
                 }
-                _ => ready,
-            };
-            self.accumulate_unit(groups, tied, uid, &grads)?;
+                Some(c) if ready.is_empty() && self.defers_grads() => {
+                    let grads = c.take_grads(uid)?.unwrap_or_default();
+                    self.accumulate_unit(groups, tied, uid, &grads)?;
+                }
+                _ => self.accumulate_unit(groups, tied, uid, &ready)?,
+            }
         }
         if !batch.last_micro {
             self.park_final_groups(uid, groups)?;

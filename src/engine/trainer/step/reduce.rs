@@ -5,6 +5,7 @@
 
 use super::super::groups::GradSum;
 use super::*;
+use crate::model::exec_units::{with_host_elems, HostElems};
 
 /// A unit's params' slots, each cut into per-rank counts, and this rank's
 /// accumulated shards of them, concatenated in order.
@@ -51,18 +52,19 @@ impl Trainer {
             let pool = self.host_pool.clone();
             return pool.run(|| {
                 for (pid, grad) in grads {
-                    if self.model.in_one_unit(*pid) {
-                        self.add_into(groups, *pid, grad)?;
-                    } else if let Some(full) = self.local_grad(tied, unit, *pid, grad)? {
-                        self.reduce_into(groups, *pid, &full)?;
-                    }
+                    with_host_elems(
+                        grad,
+                        |e| Ok(self.one_rank_grad(groups, tied, unit, *pid, e)),
+                    )??;
                 }
                 Ok(())
             });
         }
         let mut ready = Vec::with_capacity(grads.len());
         for (pid, grad) in grads {
-            if let Some(full) = self.local_grad(tied, unit, *pid, grad)? {
+            if let Some(full) =
+                with_host_elems(grad, |e| Ok(self.local_grad(tied, unit, *pid, e)))??
+            {
                 ready.push((*pid, full));
             }
         }
@@ -79,6 +81,56 @@ impl Trainer {
             .reduce_scatter_add_f32(&full, &blocks, &mut acc)?;
         groups.grad_reduces += 1;
         self.store_shard_accs(groups, &slots, &acc)
+    }
+
+    /// One rank: `unit`'s gradients that its device left downloading
+    /// ([`crate::model::exec_units::UnitCompute::take_grads_with`]) read
+    /// into the sums where the copies landed (the link's pinned staging
+    /// buffers), as [`Self::accumulate_unit`] reads a host tensor's: the
+    /// same additions, without a host copy of each gradient first.
+    /// Returns false when the unit left none.
+    pub(super) fn accumulate_downloaded(
+        &mut self,
+        groups: &mut StepGroups,
+        tied: &mut BTreeMap<ParamId, Vec<f32>>,
+        unit: UnitId,
+        compute: &dyn crate::model::exec_units::UnitCompute,
+    ) -> Result<bool> {
+        if self.layout.world != 1 {
+            return Err(EngineError::internal(
+                "gradients read where they landed with several ranks (their collective wants them whole)",
+            ));
+        }
+        let pool = self.host_pool.clone();
+        pool.run(|| {
+            let mut first: Result<()> = Ok(());
+            let got = compute.take_grads_with(unit, &mut |pid, e| {
+                if first.is_ok() {
+                    first = self.one_rank_grad(groups, tied, unit, pid, e);
+                }
+            })?;
+            first.map(|()| got)
+        })
+    }
+
+    /// One rank: `pid`'s gradient from `unit` (its elements as stored)
+    /// into its sums: straight in if only `unit` uses it, else summed
+    /// over its units first ([`Self::local_grad`]).
+    fn one_rank_grad(
+        &mut self,
+        groups: &mut StepGroups,
+        tied: &mut BTreeMap<ParamId, Vec<f32>>,
+        unit: UnitId,
+        pid: ParamId,
+        grad: HostElems<'_>,
+    ) -> Result<()> {
+        if self.model.in_one_unit(pid) {
+            self.add_into(groups, pid, grad)
+        } else if let Some(full) = self.local_grad(tied, unit, pid, grad)? {
+            self.reduce_into(groups, pid, &full)
+        } else {
+            Ok(())
+        }
     }
 
     /// Several ranks: a unit's gradients kept on its device
@@ -229,17 +281,17 @@ impl Trainer {
         tied: &mut BTreeMap<ParamId, Vec<f32>>,
         unit: UnitId,
         pid: ParamId,
-        grad: &Tensor,
+        grad: HostElems<'_>,
     ) -> Result<Option<Vec<f32>>> {
         // Widened in parallel on the host pool: added straight onto an
         // earlier unit's sum, else copied once.
         let pool = self.host_pool.clone();
         let full = match tied.remove(&pid) {
             Some(mut sum) => {
-                pool.run(|| crate::model::fused::add_grad_into(&mut sum, grad, 0))?;
+                pool.run(|| crate::model::fused::add_grad_elems_into(&mut sum, grad, 0))?;
                 sum
             }
-            None => pool.run(|| crate::model::fused::grad_to_f32(grad))?,
+            None => pool.run(|| crate::model::fused::elems_to_f32(grad)),
         };
         let last_unit = self
             .model
@@ -258,12 +310,17 @@ impl Trainer {
     /// into its sub-groups' accumulators as it is stored, in parallel
     /// ([`crate::model::fused::add_grad_into`]): the same additions as
     /// [`Self::reduce_into`] of its fp32 copy, without the copies.
-    fn add_into(&mut self, groups: &mut StepGroups, pid: ParamId, grad: &Tensor) -> Result<()> {
+    fn add_into(
+        &mut self,
+        groups: &mut StepGroups,
+        pid: ParamId,
+        grad: HostElems<'_>,
+    ) -> Result<()> {
         let slot = self.param_slot(pid)?;
-        if grad.elem_count() != slot.numel {
+        if grad.len() != slot.numel {
             return Err(EngineError::internal(format!(
                 "a gradient of {} elements for param {} of {}",
-                grad.elem_count(),
+                grad.len(),
                 pid.0,
                 slot.numel
             )));
