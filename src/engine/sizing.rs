@@ -132,7 +132,7 @@ pub struct GroupShape {
     pub first_units: bool,
     /// How the host holds its gradients ([`grad_sum_dtype`]; fp32 in an
     /// estimated shape, the most it can take).
-    pub sum: SumDtype,
+    pub sum_dtype: SumDtype,
 }
 
 /// How the host holds a sub-group's gradients for the CPU optimizer
@@ -196,7 +196,7 @@ impl Shape {
                     first_units: g
                         .param_ids()
                         .any(|p| first.get(p.0).copied().unwrap_or(false)),
-                    sum: grad_sum_dtype(config, model, layout.world, g),
+                    sum_dtype: grad_sum_dtype(config, model, layout.world, g),
                 })
                 .collect(),
             exact_shards: true,
@@ -234,7 +234,7 @@ impl Shape {
                 sub_groups.push(GroupShape {
                     numel: n,
                     first_units: true,
-                    sum: SumDtype::F32,
+                    sum_dtype: SumDtype::F32,
                 });
                 tiles -= n;
             }
@@ -245,7 +245,7 @@ impl Shape {
             sub_groups.push(GroupShape {
                 numel: n,
                 first_units: sub_groups.is_empty(),
-                sum: SumDtype::F32,
+                sum_dtype: SumDtype::F32,
             });
             left -= n;
         }
@@ -271,7 +271,7 @@ impl Shape {
     pub fn max_sum_bytes(&self) -> u64 {
         self.sub_groups
             .iter()
-            .map(|g| g.numel.saturating_mul(g.sum.bytes_per_elem()))
+            .map(|g| g.numel.saturating_mul(g.sum_dtype.bytes_per_elem()))
             .max()
             .unwrap_or(0)
     }
@@ -469,7 +469,7 @@ pub fn host_grad_bound_bytes(
         return shape
             .sub_groups
             .iter()
-            .map(|g| g.numel.saturating_mul(g.sum.bytes_per_elem()))
+            .map(|g| g.numel.saturating_mul(g.sum_dtype.bytes_per_elem()))
             .fold(0u64, u64::saturating_add);
     }
     host_grad_bound_groups(sizing, shape, opt_nvme, unit_groups)

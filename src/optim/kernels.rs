@@ -857,15 +857,17 @@ mod x86 {
             out,
         };
         let mb16 = !m16.is_null();
-        let g16 = !raw.g16.is_null();
+        let grad16 = !raw.g16.is_null();
         // SAFETY: `isa` was checked supported above; all slices of `body`
         // have length `body_n` (validated by `Tile::new`, preserved by
-        // `split_at`), a multiple of the lane count; the peel above aligned
+        // `split_at`), a multiple of the lane count; exactly one of `g` and
+        // `g16` is non-null, and `grad16` (the `G16` instantiation) reads
+        // that one only (bf16 loads are unaligned); the peel above aligned
         // `out` to the streaming-store width; `bf16`/`f16` are
         // `repr(transparent)` over `u16`; `body` is borrowed mutably for the
         // whole call, so nothing aliases the writes.
         unsafe {
-            match (mb16, out_kind, g16) {
+            match (mb16, out_kind, grad16) {
                 (false, OUT_NONE, false) => dispatch::<false, OUT_NONE, false>(isa, l2, s, &raw),
                 (false, OUT_BF16, false) => dispatch::<false, OUT_BF16, false>(isa, l2, s, &raw),
                 (false, _, false) => dispatch::<false, OUT_F16, false>(isa, l2, s, &raw),

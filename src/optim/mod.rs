@@ -244,6 +244,15 @@ pub enum GradIn<'a> {
     Bf16(&'a [bf16]),
 }
 
+/// A bf16 gradient element as the fp32 sum of it holds: `+0.0 + g`
+/// widened (exact; a `-0.0` becomes `+0.0`). Every reader of a
+/// [`GradIn::Bf16`] (the kernels' lanes, the scalar tail, the engine's
+/// widening of a held gradient) computes exactly this.
+#[inline(always)]
+pub fn bf16_as_sum(g: bf16) -> f32 {
+    0.0 + f32::from_bits(u32::from(g.to_bits()) << 16)
+}
+
 impl<'a> GradIn<'a> {
     /// Elements.
     pub fn len(&self) -> usize {
@@ -645,7 +654,8 @@ impl CpuAdam {
     }
 
     /// Σ g² over `grad`, accumulated in f64, deterministic (independent of
-    /// the thread count; a bf16 gradient gives the bits of its fp32 sum's). Sum the results of all tiles of all ranks, then use
+    /// the thread count; a bf16 gradient gives the bits of its fp32
+    /// sum's). Sum the results of all tiles of all ranks, then use
     /// [`GradNorm`]. The result is finite iff every element of `grad` is.
     pub fn grad_sq_norm<'g>(&self, grad: impl Into<GradIn<'g>>) -> f64 {
         match grad.into() {

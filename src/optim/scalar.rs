@@ -82,7 +82,7 @@ fn write_out(out: &mut Option<LowPrecisionOut<'_>>, i: usize, p: f32) {
 fn grad_at(g: &GradIn<'_>, i: usize) -> f32 {
     match g {
         GradIn::F32(g) => g[i],
-        GradIn::Bf16(g) => 0.0 + bf16_bits_to_f32(g[i].to_bits()),
+        GradIn::Bf16(g) => super::bf16_as_sum(g[i]),
     }
 }
 

@@ -270,7 +270,7 @@ impl Plan {
             bf16_grad_sub_groups: shape
                 .sub_groups
                 .iter()
-                .filter(|g| g.sum == crate::engine::sizing::SumDtype::Bf16)
+                .filter(|g| g.sum_dtype == crate::engine::sizing::SumDtype::Bf16)
                 .count(),
             park,
             nvme_step,
@@ -387,19 +387,27 @@ impl fmt::Display for Plan {
             .device_memory
             .as_ref()
             .is_some_and(|d| d.optimizer_on_device);
-        let held = match self.bf16_grad_sub_groups {
+        let grad_dtype = match self.bf16_grad_sub_groups {
             0 => "fp32".to_owned(),
             b if b >= self.sub_groups.0 => "bf16 as they came".to_owned(),
             b => format!("bf16 in {b} of {} groups, else fp32", self.sub_groups.0),
+        };
+        // Spilled gradients are fp32 sums on NVMe, whatever the host held.
+        let spilled = if self.bf16_grad_sub_groups > 0 {
+            "spilled as fp32"
+        } else {
+            "spilled"
         };
         let grads_label = match (self.spill_grads, self.held_sub_groups) {
             // The host's optimizer never sees a gradient: the device sums
             // them, in the device rows below.
             _ if adam_on_device => "grads (summed on the device, below)".to_owned(),
-            (false, _) => format!("grads ({held}, at most)"),
-            (true, 0) => format!("grads ({held}; final ones spilled)"),
-            (true, n) if n >= self.sub_groups.0 => format!("grads ({held}; held, none spilled)"),
-            (true, n) => format!("grads ({held}; spilled but first {n} held)"),
+            (false, _) => format!("grads ({grad_dtype}, at most)"),
+            (true, 0) => format!("grads ({grad_dtype}; final ones {spilled})"),
+            (true, n) if n >= self.sub_groups.0 => {
+                format!("grads ({grad_dtype}; held, none spilled)")
+            }
+            (true, n) => format!("grads ({grad_dtype}; {spilled} but first {n} held)"),
         };
         let none = TierBytes::default();
         row(

@@ -26,11 +26,12 @@ pub enum GradBuf {
 
 impl GradBuf {
     /// `numel` zeros (`+0.0`) of `dtype`: the gradient of a group that got
-    /// none.
+    /// none (rare), made on the calling thread, which may be outside every
+    /// pool.
     pub fn zeros(numel: usize, dtype: SumDtype) -> GradBuf {
         match dtype {
-            SumDtype::F32 => GradBuf::F32(crate::model::fused::zeros_f32(numel)),
-            SumDtype::Bf16 => GradBuf::Bf16(crate::model::fused::zeros_bf16(numel)),
+            SumDtype::F32 => GradBuf::F32(vec![0f32; numel]),
+            SumDtype::Bf16 => GradBuf::Bf16(vec![bf16::ZERO; numel]),
         }
     }
 
@@ -60,16 +61,22 @@ impl GradBuf {
         }
     }
 
-    /// Bytes its buffer holds (its capacity's).
-    pub fn capacity_bytes(&self) -> usize {
+    /// Elements its buffer holds (its capacity).
+    pub fn capacity(&self) -> usize {
         match self {
-            GradBuf::F32(g) => g.capacity() * 4,
-            GradBuf::Bf16(g) => g.capacity() * 2,
+            GradBuf::F32(g) => g.capacity(),
+            GradBuf::Bf16(g) => g.capacity(),
         }
     }
 
+    /// Bytes its buffer holds (its capacity's).
+    pub fn capacity_bytes(&self) -> usize {
+        self.capacity() * self.dtype().bytes_per_elem() as usize
+    }
+
     /// As fp32 sums: bf16 gradients widened as `+0.0 + g`
-    /// ([`crate::model::fused::widen_bf16_sums`]), the bits their sums hold.
+    /// ([`crate::optim::bf16_as_sum`], in parallel on the current pool),
+    /// the bits their sums hold.
     pub fn into_f32(self) -> Vec<f32> {
         match self {
             GradBuf::F32(g) => g,
@@ -79,7 +86,8 @@ impl GradBuf {
 }
 
 /// `grad` written into `dst` (of its length) as fp32 sums: a spilled
-/// gradient's buffer, whatever the group's sums were held as.
+/// gradient's buffer, whatever the group's sums were held as (on the
+/// calling thread: the optimizer thread, outside every pool).
 pub fn write_f32_sums(dst: &mut [f32], grad: GradIn<'_>) {
     match grad {
         GradIn::F32(g) => dst.copy_from_slice(g),

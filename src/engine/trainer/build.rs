@@ -782,14 +782,14 @@ impl Trainer {
             opts.spare_sum_min_bytes
                 .unwrap_or(super::groups::SPARE_MIN_BYTES),
         ));
-        let grad_sums = shape
+        let grad_sum_dtypes = shape
             .sub_groups
             .iter()
             .map(|g| {
                 if opts.f32_grad_sums {
                     sizing::SumDtype::F32
                 } else {
-                    g.sum
+                    g.sum_dtype
                 }
             })
             .collect();
@@ -800,7 +800,7 @@ impl Trainer {
             compute_pool: host.compute_pool,
             host_pool: host.host_pool,
             spare_sums,
-            grad_sums,
+            grad_sum_dtypes,
             malloc: host.malloc,
             config: config.clone(),
             model,

@@ -72,8 +72,8 @@ pub(in crate::engine) const SPARE_MIN_BYTES: usize =
     crate::engine::host::heap::MMAP_THRESHOLD_BYTES;
 
 /// Gradient sums (fp32, or bf16 gradients: [`GradBuf`]) kept from one
-/// step for the next, those of [`SPARE_MIN_BYTES`] or more: a sub-group's sum made from a spare keeps
-/// its pages, and its first gradients are set into it ([`GradSum`]), where
+/// step for the next, those of [`SPARE_MIN_BYTES`] or more: a
+/// sub-group's sum made from a spare keeps its pages, and its first gradients are set into it ([`GradSum`]), where
 /// a new block that size is a fresh `mmap` whose pages fault in as it is
 /// zeroed (and are unmapped again when it is freed). Smaller sums come
 /// from the heap, which keeps freed blocks mapped
@@ -119,16 +119,12 @@ impl SpareSums {
     /// spare freed). A bf16 one is always stale until set: its elements
     /// take one gradient each.
     pub(in crate::engine) fn take(&mut self, numel: usize, dtype: SumDtype) -> GradSum {
-        let cap = |v: &GradBuf| match v {
-            GradBuf::F32(v) => v.capacity(),
-            GradBuf::Bf16(v) => v.capacity(),
-        };
         let fit = self
             .spares
             .iter()
             .enumerate()
-            .filter(|(_, v)| v.dtype() == dtype && cap(v) >= numel)
-            .min_by_key(|(_, v)| cap(v))
+            .filter(|(_, v)| v.dtype() == dtype && v.capacity() >= numel)
+            .min_by_key(|(_, v)| v.capacity())
             .map(|(i, _)| i);
         let Some(i) = fit else {
             // None holds it (a smaller one is left): one spare goes, so
@@ -136,7 +132,9 @@ impl SpareSums {
             self.spares.pop();
             return match dtype {
                 SumDtype::F32 => GradSum::whole(crate::model::fused::zeros_f32(numel)),
-                SumDtype::Bf16 => GradSum::stale(GradBuf::zeros(numel, dtype)),
+                SumDtype::Bf16 => {
+                    GradSum::stale(GradBuf::Bf16(crate::model::fused::zeros_bf16(numel)))
+                }
             };
         };
         // Within its capacity: no new pages (a longer one's, touched).
@@ -234,8 +232,8 @@ impl GradSum {
     /// overlaps another written one without being it is an error: pieces
     /// are disjoint. A bf16 sum is widened to fp32 first.
     pub(in crate::engine) fn piece(&mut self, range: Range<usize>) -> Result<(&mut [f32], bool)> {
-        self.widen();
         let stale = self.mark(range.clone())?;
+        self.widen();
         let GradBuf::F32(values) = &mut self.values else {
             return Err(EngineError::internal("a gradient sum not widened"));
         };
@@ -259,6 +257,11 @@ impl GradSum {
         src: HostElems<'_>,
         offset: usize,
     ) -> Result<()> {
+        if range.is_empty() {
+            // An empty piece (a param of no elements here): nothing to
+            // put, and no reason to widen a bf16 sum.
+            return self.mark(range).map(|_| ());
+        }
         if let (GradBuf::Bf16(_), HostElems::Bf16(g)) = (&self.values, src) {
             let stale = self.mark(range.clone())?;
             if let (GradBuf::Bf16(values), true) = (&mut self.values, stale) {
@@ -767,6 +770,10 @@ mod tests {
         assert!(b.put(5..12, e16(), 0).is_err());
         assert!(b.put(20..25, e16(), 0).is_err());
         assert!(b.put(20..24, e16(), 38).is_err(), "past the gradient's end");
+        // An empty piece, of either dtype, keeps a bf16 sum bf16.
+        b.put(12..12, e32(), 0).unwrap();
+        b.put(12..12, e16(), 40).unwrap();
+        assert_eq!(b.dtype(), SumDtype::Bf16);
         // Spares by dtype.
         let mut s = SpareSums::with_min(4, 0);
         s.give(GradBuf::zeros(100, SumDtype::Bf16));

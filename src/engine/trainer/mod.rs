@@ -353,12 +353,13 @@ pub struct Trainer {
     /// the sums): the compute pool, or a pool of its own when a device
     /// computes.
     host_pool: Arc<threads::ComputePool>,
-    /// fp32 gradient sums kept from one step for the next
+    /// Gradient sums (fp32, or bf16 held as they came) kept from one step
+    /// for the next
     /// ([`groups::SpareSums`]).
     spare_sums: std::sync::Mutex<groups::SpareSums>,
     /// How the host holds each sub-group's gradients, by `SubGroupId`
     /// (the plan's [`sizing::grad_sum_dtype`]).
-    grad_sums: Vec<sizing::SumDtype>,
+    grad_sum_dtypes: Vec<sizing::SumDtype>,
     /// What [`crate::engine::host::heap::keep_heap_mapped`] did (`None`: option off).
     malloc: Option<tierzero_swap::MallocTuning>,
     model: Model,
@@ -537,7 +538,7 @@ impl Trainer {
     /// How the host holds each sub-group's gradients, by `SubGroupId`
     /// ([`sizing::grad_sum_dtype`]).
     pub fn grad_sum_dtypes(&self) -> &[sizing::SumDtype] {
-        &self.grad_sums
+        &self.grad_sum_dtypes
     }
 
     /// What the sizing policy decided, as built ([`sizing::decide`]).

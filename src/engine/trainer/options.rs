@@ -55,7 +55,8 @@ pub struct TrainerOptions {
     pub spare_sum_min_bytes: Option<usize>,
     /// Every sub-group's gradients in fp32 sums, where the plan holds some
     /// as bf16 ([`crate::engine::sizing::grad_sum_dtype`]): tests compare
-    /// the two, bit for bit.
+    /// the two, bit for bit. The plan's bound does not follow it (it
+    /// counts the bf16 groups' 2 bytes).
     #[doc(hidden)]
     pub f32_grad_sums: bool,
 }

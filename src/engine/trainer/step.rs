@@ -379,7 +379,7 @@ impl Trainer {
     /// How the host holds `sg`'s gradients (fp32 for an unknown group,
     /// which `sub_group_numel` refuses).
     fn sum_dtype(&self, sg: SubGroupId) -> sizing::SumDtype {
-        self.grad_sums.get(sg.0).copied().unwrap_or_default()
+        self.grad_sum_dtypes.get(sg.0).copied().unwrap_or_default()
     }
 
     /// Elements of sub-group `sg`.

@@ -1,6 +1,8 @@
 //! A param's gradient added into the optimizer's fp32 accumulator, on the
-//! current rayon pool ([`add_grad_into`]), and those accumulators made
-//! ([`zeros_f32`], or [`fill_zeros`] of a spare the trainer kept).
+//! current rayon pool ([`add_grad_into`]), or copied as it is into a bf16
+//! one where each element gets one gradient a step
+//! ([`copy_bf16_grad_into`]), and those accumulators made ([`zeros_f32`],
+//! [`zeros_bf16`], or [`fill_zeros`] of a spare the trainer kept).
 //!
 //! # Why
 //!
@@ -201,25 +203,26 @@ pub fn copy_bf16_elems_into(
     Ok(())
 }
 
-/// `dst[i] = +0.0 + widen(src[i])`, in parallel: bf16 gradients as the
-/// fp32 sums they stand for (what [`set_grad_into`] would have written).
+/// `dst[i] = +0.0 + widen(src[i])`: bf16 gradients as the fp32 sums they
+/// stand for (what [`set_grad_into`] would have written).
+/// Serial: the optimizer thread's spill calls it, outside every pool (a
+/// spill waits on the disk, not on this pass).
+///
+/// # Panics
+/// If the lengths differ (as `copy_from_slice` does).
 pub fn widen_bf16_sums(dst: &mut [f32], src: &[half::bf16]) {
-    par_elems(
-        dst,
-        #[inline(always)]
-        |at, chunk| {
-            for (d, &x) in chunk.iter_mut().zip(&src[at..]) {
-                *d = 0.0 + x.to_f32();
-            }
-        },
-    );
+    assert_eq!(dst.len(), src.len(), "widen_bf16_sums: lengths");
+    for (d, &x) in dst.iter_mut().zip(src) {
+        *d = crate::optim::bf16_as_sum(x);
+    }
 }
 
-/// [`widen_bf16_sums`] into a new vector (each element written once).
+/// [`widen_bf16_sums`] into a new vector (each element written once), in
+/// parallel on the current pool.
 pub fn bf16_sums_to_f32(src: &[half::bf16]) -> Vec<f32> {
     let mut out = Vec::new();
     src.par_iter()
-        .map(|x| 0.0 + x.to_f32())
+        .map(|&x| crate::optim::bf16_as_sum(x))
         .collect_into_vec(&mut out);
     out
 }

@@ -98,7 +98,8 @@ impl Trainer {
     ) -> Result<bool> {
         if self.layout.world != 1 {
             return Err(EngineError::internal(
-                "gradients read where they landed with several ranks (their collective wants them whole)",
+                "gradients read where they landed with several ranks \
+                 (their collective wants them whole)",
             ));
         }
         let pool = self.host_pool.clone();
@@ -306,10 +307,11 @@ impl Trainer {
         Ok(Some(full))
     }
 
-    /// One rank: adds `grad`, the gradient of `pid` (used by one unit),
-    /// into its sub-groups' accumulators as it is stored, in parallel
-    /// ([`crate::model::fused::add_grad_into`]): the same additions as
-    /// [`Self::reduce_into`] of its fp32 copy, without the copies.
+    /// One rank: puts `grad`, the gradient of `pid` (used by one unit), into
+    /// its sub-groups' accumulators from its elements as they are stored,
+    /// in parallel ([`GradSum::put`]: set or added into fp32 sums, copied
+    /// into bf16 ones): the same additions as [`Self::reduce_into`] of its
+    /// fp32 copy, without the copies.
     fn add_into(
         &mut self,
         groups: &mut StepGroups,
