@@ -294,8 +294,8 @@ fn tiling_a_param_larger_than_a_sub_group_changes_no_bit() {
 /// same bits as fp32 sums of them: params and optimizer in host memory
 /// with clipping (the norm and the step read the bf16), and without
 /// (each group stepped during backward); on NVMe with clipping, their
-/// gradients spilled as fp32 sums, or kept in bf16 for a speculative
-/// step's re-step; with spares at every size. The GPT-2's tied wte keeps
+/// gradients spilled in bf16 (half the bytes written and read), or kept
+/// in bf16 for a speculative step's re-step; with spares at every size. The GPT-2's tied wte keeps
 /// its sub-groups' fp32 sums (its gradients add over two units), so a
 /// run holds both.
 #[test]
@@ -363,6 +363,16 @@ fn bf16_gradients_held_as_they_came_change_no_bit() {
         let sums = train_with(&dir, &k, f32_opts, 6, |_| SEQ);
         let held = train_with(&dir, &k, opts, 6, |_| SEQ);
         assert_identical(&sums, &held, tag);
+        if tag.contains("spilled") {
+            // Spilled as held: the bf16 groups' gradients are half the
+            // bytes written and read back.
+            let (w, r) = (held.nvme_written_bytes(), held.nvme_read_bytes());
+            let (w32, r32) = (sums.nvme_written_bytes(), sums.nvme_read_bytes());
+            assert!(
+                w < w32 && r < r32,
+                "{tag}: written {w} vs {w32}, read {r} vs {r32}"
+            );
+        }
     }
     // fp32 sums where an element gets several gradients: gas 2, fp32.
     for (tag, k) in [

@@ -491,10 +491,11 @@ fn the_plan_holds_bf16_gradients_where_each_element_gets_one() {
     assert_eq!(plan.bf16_grad_sub_groups, bf16);
     let text = plan.to_string();
     assert!(
-        text.contains(&format!(
-            "grads (bf16 in {bf16} of {} groups, else fp32, at most)",
-            groups.len()
-        )),
+        text.contains("grads (bf16+fp32, at most)")
+            && text.contains(&format!(
+                "gradients: held in bf16 as they came in {bf16} of {} sub-groups",
+                groups.len()
+            )),
         "{text}"
     );
     cfg["gradient_accumulation_steps"] = json!(2);
@@ -502,5 +503,6 @@ fn the_plan_holds_bf16_gradients_where_each_element_gets_one() {
     assert!(t2.grad_sum_dtypes().iter().all(|d| *d == SumDtype::F32));
     let plan2 = plan_of(&d, &cfg);
     assert_eq!(plan2.bf16_grad_sub_groups, 0);
-    assert!(plan2.to_string().contains("grads (fp32, at most)"));
+    let text2 = plan2.to_string();
+    assert!(text2.contains("grads (fp32, at most)") && !text2.contains("held in bf16"));
 }

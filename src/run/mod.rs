@@ -230,14 +230,28 @@ impl Plan {
         // Predicted NVMe bytes of one step: every NVMe param read in each
         // pass of each micro-batch (an upper bound: kept params are not
         // read again) and written once; state read and written once;
-        // spilled gradients written and read once; parked sums written and
-        // read once per micro-batch but the last.
+        // spilled gradients written and read once (in the dtype the host
+        // holds them in: bf16 ones half their fp32-sized extents); parked
+        // sums written and read once per micro-batch but the last.
         let gas = config.batch.gradient_accumulation_steps.max(1);
         let state_rw = sizing.optimizer_nvme_bytes / if sizing.speculative { 2 } else { 1 };
         let park_rw = sizing.grad_park_nvme_bytes * (gas - 1);
+        let spill_rw = if sizing.grad_spill_nvme_bytes == 0 {
+            0
+        } else {
+            shape
+                .sub_groups
+                .iter()
+                .zip(&sizing.resident_groups)
+                .filter(|(_, r)| !**r)
+                .map(|(g, _)| {
+                    crate::engine::sizing::align_up(g.numel * g.sum_dtype.bytes_per_elem())
+                })
+                .sum()
+        };
         let nvme_step = (
-            sizing.param_nvme_bytes * 2 * gas + state_rw + sizing.grad_spill_nvme_bytes + park_rw,
-            sizing.param_nvme_bytes + state_rw + sizing.grad_spill_nvme_bytes + park_rw,
+            sizing.param_nvme_bytes * 2 * gas + state_rw + spill_rw + park_rw,
+            sizing.param_nvme_bytes + state_rw + spill_rw + park_rw,
         );
         let mut optimizer = TierBytes {
             nvme_bytes: sizing.optimizer_nvme_bytes,
@@ -387,27 +401,22 @@ impl fmt::Display for Plan {
             .device_memory
             .as_ref()
             .is_some_and(|d| d.optimizer_on_device);
+        // The row's dtype; the line after the table says which groups.
         let grad_dtype = match self.bf16_grad_sub_groups {
-            0 => "fp32".to_owned(),
-            b if b >= self.sub_groups.0 => "bf16 as they came".to_owned(),
-            b => format!("bf16 in {b} of {} groups, else fp32", self.sub_groups.0),
-        };
-        // Spilled gradients are fp32 sums on NVMe, whatever the host held.
-        let spilled = if self.bf16_grad_sub_groups > 0 {
-            "spilled as fp32"
-        } else {
-            "spilled"
+            0 => "fp32",
+            b if b >= self.sub_groups.0 => "bf16",
+            _ => "bf16+fp32",
         };
         let grads_label = match (self.spill_grads, self.held_sub_groups) {
             // The host's optimizer never sees a gradient: the device sums
             // them, in the device rows below.
             _ if adam_on_device => "grads (summed on the device, below)".to_owned(),
             (false, _) => format!("grads ({grad_dtype}, at most)"),
-            (true, 0) => format!("grads ({grad_dtype}; final ones {spilled})"),
+            (true, 0) => format!("grads ({grad_dtype}; final ones spilled)"),
             (true, n) if n >= self.sub_groups.0 => {
                 format!("grads ({grad_dtype}; held, none spilled)")
             }
-            (true, n) => format!("grads ({grad_dtype}; {spilled} but first {n} held)"),
+            (true, n) => format!("grads ({grad_dtype}; spilled but first {n} held)"),
         };
         let none = TierBytes::default();
         row(
@@ -556,6 +565,15 @@ impl fmt::Display for Plan {
                     let _ = writeln!(s, "  NVMe swap: {what} in {o}");
                 }
             }
+        }
+        if self.bf16_grad_sub_groups > 0 && !adam_on_device {
+            let _ = writeln!(
+                s,
+                "  gradients: held in bf16 as they came in {} of {} sub-groups (each element \
+                 gets one a step: bf16, one rank, one micro-batch, no param shared by units), \
+                 read by the optimizer as their fp32 sums, the same bits; fp32 sums in the rest",
+                self.bf16_grad_sub_groups, self.sub_groups.0
+            );
         }
         if self.speculative {
             let (slots, pool_bytes) = self.speculation_pool;

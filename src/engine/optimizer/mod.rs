@@ -84,13 +84,3 @@ impl GradBuf {
         }
     }
 }
-
-/// `grad` written into `dst` (of its length) as fp32 sums: a spilled
-/// gradient's buffer, whatever the group's sums were held as (on the
-/// calling thread: the optimizer thread, outside every pool).
-pub fn write_f32_sums(dst: &mut [f32], grad: GradIn<'_>) {
-    match grad {
-        GradIn::F32(g) => dst.copy_from_slice(g),
-        GradIn::Bf16(g) => crate::model::fused::widen_bf16_sums(dst, g),
-    }
-}

@@ -125,7 +125,7 @@ use crate::engine::layout::SubGroupId;
 use crate::engine::optimizer::GradBuf;
 use half::bf16;
 
-use crate::engine::sizing::{buffers_needed, state_bytes};
+use crate::engine::sizing::{buffers_needed, state_bytes, SumDtype};
 use crate::engine::{EngineError, Result};
 use crate::optim::{
     f32_to_bf16_moment_bits, CpuAdam, GradIn, GradScale, LowPrecisionOut, MomentDtype, Moments,
@@ -236,7 +236,10 @@ struct NvmeState {
     writes_issued: u64,
     writes_retired: u64,
     grad_extents: Vec<Option<Extent>>,
-    spilled: Vec<bool>,
+    /// Per sub-group: its gradient is spilled, in this dtype (as the host
+    /// held it: fp32 sums, or bf16 gradients, half the bytes written and
+    /// read back), until its step reads it.
+    spilled: Vec<Option<SumDtype>>,
     spill_writes: Vec<Option<Ticket>>,
     reading: VecDeque<(SubGroupId, Vec<Ticket>)>,
     writes: VecDeque<Vec<Option<Ticket>>>,
@@ -429,7 +432,7 @@ impl OptimizerState {
                     writes_issued: 0,
                     writes_retired: 0,
                     grad_extents,
-                    spilled: vec![false; groups],
+                    spilled: vec![None; groups],
                     spill_writes: (0..groups).map(|_| None).collect(),
                     reading: VecDeque::new(),
                     writes: VecDeque::new(),
@@ -645,8 +648,8 @@ impl OptimizerState {
         {
             return Ok(false);
         }
-        let spilled = nv.spilled.get(sg.0).copied().unwrap_or(false);
-        let k = 3 + usize::from(spilled);
+        let spilled = nv.spilled.get(sg.0).copied().flatten();
+        let k = 3 + usize::from(spilled.is_some());
         if nv.io.arena.free_count() < k {
             self.poll_writes()?;
         }
@@ -665,7 +668,7 @@ impl OptimizerState {
             self.counters.io_wait += t0.elapsed();
             drop(r?);
         }
-        let grad_ext = if spilled {
+        let grad_ext = if spilled.is_some() {
             nv.grad_extents.get(sg.0).cloned().flatten()
         } else {
             None
@@ -673,8 +676,9 @@ impl OptimizerState {
         let mut tickets = Vec::with_capacity(k);
         let exts = nvme_extents(&nv.extents, sg)?;
         let sizes = state_bytes(n, self.moments);
-        // The three states, then the spilled gradient (fp32, the master's size).
-        let lens = sizes.into_iter().chain(std::iter::once(sizes[0]));
+        // The three states, then the spilled gradient (in its dtype).
+        let grad_bytes = spilled.map_or(0, |d| n as u64 * d.bytes_per_elem());
+        let lens = sizes.into_iter().chain(std::iter::once(grad_bytes));
         for ((ext, buf), len) in exts.iter().chain(grad_ext.as_ref()).zip(bufs).zip(lens) {
             let len = nv.io.read.space().alignment().round_up(len);
             tickets.push(nv.io.read.submit(tierzero_swap::Request::range(
@@ -763,14 +767,14 @@ impl OptimizerState {
         let waited = tierzero_swap::wait_all(tickets);
         self.counters.io_wait += t0.elapsed();
         let mut bufs = waited?;
-        let spilled = nv.spilled.get(sg.0).copied().unwrap_or(false);
-        if bufs.len() != 3 + usize::from(spilled) {
+        let spilled = nv.spilled.get(sg.0).copied().flatten();
+        if bufs.len() != 3 + usize::from(spilled.is_some()) {
             return Err(EngineError::internal(
                 "state read returned wrong buffer count",
             ));
         }
         // The spilled gradient's buffer is freed right after the step.
-        let mut grad_buf = if spilled { bufs.pop() } else { None };
+        let mut grad_buf = if spilled.is_some() { bufs.pop() } else { None };
         {
             let (bm, rest) = bufs.split_at_mut(1);
             let (bmm, bv) = rest.split_at_mut(1);
@@ -778,7 +782,10 @@ impl OptimizerState {
             let moments = buffer_moments(&mut bmm[0], &mut bv[0], n, self.moments)?;
             let g: GradIn<'_> = match (grad, grad_buf.as_mut()) {
                 (Some(g), _) => g,
-                (None, Some(b)) => GradIn::F32(as_f32(b, n)?),
+                (None, Some(b)) => match spilled {
+                    Some(SumDtype::Bf16) => GradIn::Bf16(as_typed::<bf16>(b, n)?),
+                    _ => GradIn::F32(as_f32(b, n)?),
+                },
                 (None, None) => {
                     return Err(EngineError::internal(
                         "step without a gradient and none spilled",
@@ -792,7 +799,7 @@ impl OptimizerState {
         }
         drop(grad_buf);
         if let Some(f) = nv.spilled.get_mut(sg.0) {
-            *f = false;
+            *f = None;
         }
         let seq = nv.writes_issued + 1;
         let slot = if speculative {
@@ -856,7 +863,7 @@ impl OptimizerState {
             for t in nv.spill_writes.iter_mut().filter_map(Option::take) {
                 drop(t.wait()?);
             }
-            nv.spilled.iter_mut().for_each(|f| *f = false);
+            nv.spilled.iter_mut().for_each(|f| *f = None);
             // An fp16 skip drops every speculative step's new state.
             for s in nv.pending.iter_mut().filter_map(Option::take) {
                 nv.pool.push(s);
@@ -890,19 +897,39 @@ impl OptimizerState {
                 .as_mut()
                 .ok_or_else(|| EngineError::internal("spill_grad without NVMe state"))?;
             if let Ok(mut buf) = nv.io.arena.try_acquire() {
-                // A bf16 gradient is spilled as the fp32 sum it stands
-                // for: the step reads spilled gradients as fp32.
-                crate::engine::optimizer::write_f32_sums(as_f32(&mut buf, n)?, grad);
+                // As the host held it: a bf16 gradient is half the
+                // bytes, read back as bf16 (its extent is the fp32 size).
+                let dtype = match grad {
+                    GradIn::F32(g) => {
+                        as_f32(&mut buf, n)?.copy_from_slice(g);
+                        SumDtype::F32
+                    }
+                    GradIn::Bf16(g) => {
+                        as_typed::<bf16>(&mut buf, n)?.copy_from_slice(g);
+                        SumDtype::Bf16
+                    }
+                };
                 let ext = nv
                     .grad_extents
                     .get(sg.0)
                     .cloned()
                     .flatten()
                     .ok_or_else(|| EngineError::internal("no gradient extent"))?;
-                let len = ext.len_bytes();
-                let t = nv.io.write.write(&ext, buf)?;
+                let len = nv
+                    .io
+                    .write
+                    .space()
+                    .alignment()
+                    .round_up(n as u64 * dtype.bytes_per_elem());
+                let t = nv.io.write.submit(tierzero_swap::Request::range(
+                    tierzero_swap::IoOp::Write,
+                    &ext,
+                    0,
+                    len,
+                    buf,
+                ))?;
                 nv.spill_writes[sg.0] = Some(t);
-                nv.spilled[sg.0] = true;
+                nv.spilled[sg.0] = Some(dtype);
                 self.counters.nvme_written_bytes += len;
                 return Ok(());
             }
@@ -963,7 +990,7 @@ impl OptimizerState {
                 last_write: nv.writes_issued,
             });
             if let Some(f) = nv.spilled.get_mut(sg.0) {
-                *f = false;
+                *f = None;
             }
         }
         Ok(())

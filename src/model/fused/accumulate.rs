@@ -203,22 +203,10 @@ pub fn copy_bf16_elems_into(
     Ok(())
 }
 
-/// `dst[i] = +0.0 + widen(src[i])`: bf16 gradients as the fp32 sums they
-/// stand for (what [`set_grad_into`] would have written).
-/// Serial: the optimizer thread's spill calls it, outside every pool (a
-/// spill waits on the disk, not on this pass).
-///
-/// # Panics
-/// If the lengths differ (as `copy_from_slice` does).
-pub fn widen_bf16_sums(dst: &mut [f32], src: &[half::bf16]) {
-    assert_eq!(dst.len(), src.len(), "widen_bf16_sums: lengths");
-    for (d, &x) in dst.iter_mut().zip(src) {
-        *d = crate::optim::bf16_as_sum(x);
-    }
-}
-
-/// [`widen_bf16_sums`] into a new vector (each element written once), in
-/// parallel on the current pool.
+/// `+0.0 + widen(src[i])` each ([`crate::optim::bf16_as_sum`]): bf16
+/// gradients as the fp32 sums they stand for (what [`set_grad_into`]
+/// would have written), into a new vector (each element written once),
+/// in parallel on the current pool.
 pub fn bf16_sums_to_f32(src: &[half::bf16]) -> Vec<f32> {
     let mut out = Vec::new();
     src.par_iter()
