@@ -273,7 +273,8 @@ impl Downloads {
     /// them straight into what it makes of them (the engine's gradient
     /// sums). The buffer goes back to its pool after `f` returns (the
     /// borrow ends there), and the device buffer it came from is freed.
-    /// A download of no elements hands `f` an empty fp32 slice.
+    /// A download that crossed nothing (a reduced shard of no elements)
+    /// hands `f` an empty fp32 slice.
     pub fn finish_with<R>(
         &self,
         mut d: PendingDownload,
@@ -291,8 +292,11 @@ impl Downloads {
         ) -> Result<R> {
             // `as_slice` waits for the copy's event: the elements are
             // all there, and nothing writes the buffer while `f` reads.
-            let out = f(staging.as_slice().map_err(driver("cuEventSynchronize"))?);
+            // The device buffer they came from is freed first: the copy
+            // is complete, and `f` (host work) may take a while.
+            let landed = staging.as_slice().map_err(driver("cuEventSynchronize"))?;
             drop(src);
+            let out = f(landed);
             let bytes = staging.num_bytes() as u64;
             let mut free = locked(pool);
             if free.bytes + bytes <= cap {

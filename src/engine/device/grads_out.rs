@@ -194,41 +194,68 @@ impl<L: DeviceLink> GradsOut<L> {
             })
     }
 
+    /// `unit`'s downloads and their gradients' dtype, taken out of the
+    /// queue (None: it has none). A unit packed for its reduce-scatter is
+    /// an error, and stays queued.
+    #[allow(clippy::type_complexity, reason = "the queue's own entry, moved out")]
+    fn downloading(
+        &self,
+        unit: UnitId,
+    ) -> Result<Option<(Vec<Held<L::Download>>, DType)>, ModelError> {
+        match self.remove(unit) {
+            None => Ok(None),
+            Some(Pending {
+                at: Where::Downloading(d),
+                dtype,
+                ..
+            }) => Ok(Some((d, dtype))),
+            Some(p) => {
+                self.queue().push_front(p);
+                Err(ModelError::Gpu {
+                    what: format!(
+                        "unit {}: its gradients are on the device for their reduce-scatter \
+                         there, not downloading",
+                        unit.0
+                    ),
+                })
+            }
+        }
+    }
+
     /// [`GradsOut::take`], handing `f` each gradient's elements where the
     /// link landed them (in declared order, flat), instead of host
     /// tensors made of copies of them ([`DeviceLink::finish_download_with`]).
     /// Returns false when none of `unit`'s are downloading. An fp32
     /// download of a 16-bit gradient (none is: its wire is 16-bit,
     /// [`wire_of`]) goes through the host tensor `take` makes, rounded as
-    /// there. After an error the rest are still waited for, not handed on.
+    /// there. A download whose length is not its shape's is an error.
+    /// After an error the rest are still waited for, not handed on; what
+    /// `f` took before it stays taken (the caller's sums: the error ends
+    /// the step).
     pub(super) fn take_with(
         &self,
         link: &L,
         unit: UnitId,
         f: &mut dyn FnMut(ParamId, HostElems<'_>),
     ) -> Result<bool, ModelError> {
-        let (downloads, dtype) = match self.remove(unit) {
-            None => return Ok(false),
-            Some(Pending {
-                at: Where::Downloading(d),
-                dtype,
-                ..
-            }) => (d, dtype),
-            Some(p) => {
-                self.queue().push_front(p);
-                return Err(ModelError::Gpu {
-                    what: format!(
-                        "unit {}: its gradients are on the device for their reduce-scatter \
-                         there, not downloading",
-                        unit.0
-                    ),
-                });
-            }
+        let Some((downloads, dtype)) = self.downloading(unit)? else {
+            return Ok(false);
         };
         let mut result = Ok(());
         for (id, d, dims) in downloads {
             let r = link.finish_download_with(d, &mut |elems| {
                 if result.is_err() {
+                    return;
+                }
+                let numel: usize = dims.iter().product();
+                if elems.len() != numel {
+                    result = Err(ModelError::Gpu {
+                        what: format!(
+                            "grad {}: {} elements came down for a shape of {numel}",
+                            id.0,
+                            elems.len()
+                        ),
+                    });
                     return;
                 }
                 match (elems, dtype) {
@@ -253,25 +280,9 @@ impl<L: DeviceLink> GradsOut<L> {
     /// `unit`'s gradients on the host, whole, in declared order, once
     /// their copies completed. None: none of `unit`'s are downloading.
     pub(super) fn take(&self, link: &L, unit: UnitId) -> Result<Option<HostGrads>, ModelError> {
-        let p = match self.remove(unit) {
-            None => return Ok(None),
-            Some(Pending {
-                at: Where::Downloading(d),
-                dtype,
-                ..
-            }) => (d, dtype),
-            Some(p) => {
-                self.queue().push_front(p);
-                return Err(ModelError::Gpu {
-                    what: format!(
-                        "unit {}: its gradients are on the device for their reduce-scatter \
-                         there, not downloading",
-                        unit.0
-                    ),
-                });
-            }
+        let Some((downloads, dtype)) = self.downloading(unit)? else {
+            return Ok(None);
         };
-        let (downloads, dtype) = p;
         let mut out = Vec::with_capacity(downloads.len());
         let mut result = Ok(());
         for (id, d, dims) in downloads {
@@ -473,6 +484,19 @@ mod tests {
             assert_eq!(seen, want, "{dtype:?}");
             assert!(!out.take_with(&link, UnitId(1), &mut |_, _| {}).unwrap());
         }
+        // A download whose length is not its shape's: refused, and every
+        // download still finished.
+        let mut wrong = grads_of(&model, 1);
+        wrong[0].2 = vec![wrong[0].1.len() + 1];
+        out.put(&link, &model, UnitId(1), wrong, DType::F32).unwrap();
+        let mut handed = 0;
+        let e = out
+            .take_with(&link, UnitId(1), &mut |_, _| handed += 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("elements came down for a shape of"), "{e}");
+        assert_eq!(handed, 0, "nothing after the error");
+        assert!(!out.take_with(&link, UnitId(1), &mut |_, _| {}).unwrap());
         let two = device();
         let out = GradsOut::<SimDevice>::new();
         out.put(&two, &model, UnitId(1), grads_of(&model, 1), DType::F32)

@@ -40,7 +40,9 @@ use super::*;
 use crate::model::exec_units::HostElems;
 
 /// Adds `grad`'s elements `offset..offset + acc.len()` (of its contiguous
-/// layout, row-major), widened to fp32, into `acc`, in parallel.
+/// layout, row-major), widened to fp32, into `acc`, in parallel: for a
+/// caller holding a host tensor ([`add_grad_elems_into`] is the trainer's,
+/// from the elements as they are stored).
 /// fp32, bf16 and fp16 gradients are read as they are stored; another
 /// dtype is converted to fp32 first.
 pub fn add_grad_into(acc: &mut [f32], grad: &Tensor, offset: usize) -> candle_core::Result<()> {

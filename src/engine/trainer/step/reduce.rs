@@ -1,7 +1,9 @@
 //! A unit's gradients into this rank's sub-group accumulators: a tied
 //! param's summed over its units first, then each param's reduce-scatter
-//! in rank order, on the host ([`Trainer::accumulate_unit`]) or on the
-//! device that kept them ([`Trainer::accumulate_on_device`]).
+//! in rank order, on the host ([`Trainer::accumulate_unit`]; one rank,
+//! read where a device's copies landed them:
+//! [`Trainer::accumulate_downloaded`]) or on the device that kept them
+//! ([`Trainer::accumulate_on_device`]).
 
 use super::super::groups::GradSum;
 use super::*;
@@ -87,15 +89,15 @@ impl Trainer {
     /// ([`crate::model::exec_units::UnitCompute::take_grads_with`]) read
     /// into the sums where the copies landed (the link's pinned staging
     /// buffers), as [`Self::accumulate_unit`] reads a host tensor's: the
-    /// same additions, without a host copy of each gradient first.
-    /// Returns false when the unit left none.
+    /// same additions, without a host copy of each gradient first. A
+    /// unit that left none adds nothing.
     pub(super) fn accumulate_downloaded(
         &mut self,
         groups: &mut StepGroups,
         tied: &mut BTreeMap<ParamId, Vec<f32>>,
         unit: UnitId,
         compute: &dyn crate::model::exec_units::UnitCompute,
-    ) -> Result<bool> {
+    ) -> Result<()> {
         if self.layout.world != 1 {
             return Err(EngineError::internal(
                 "gradients read where they landed with several ranks \
@@ -105,12 +107,15 @@ impl Trainer {
         let pool = self.host_pool.clone();
         pool.run(|| {
             let mut first: Result<()> = Ok(());
-            let got = compute.take_grads_with(unit, &mut |pid, e| {
+            let taken = compute.take_grads_with(unit, &mut |pid, e| {
                 if first.is_ok() {
                     first = self.one_rank_grad(groups, tied, unit, pid, e);
                 }
-            })?;
-            first.map(|()| got)
+            });
+            // The first error: after one here, the link hands on nothing
+            // more, so any error it returns came later.
+            first?;
+            taken.map(|_| ()).map_err(Into::into)
         })
     }
 
