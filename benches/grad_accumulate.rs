@@ -51,7 +51,7 @@ use tierzero::model::fused::{
     add_grad_into, copy_bf16_grad_into, fill_zeros, grad_to_f32, set_grad_into, zeros_bf16,
     zeros_f32,
 };
-use tierzero::optim::{AdamHyper, CpuAdam, GradScale, LowPrecisionOut, Moments};
+use tierzero::optim::{AdamHyper, CpuAdam, GradIn, GradScale, LowPrecisionOut, Moments};
 
 /// q and o 2048², k and v 2048 × 512, the MLP's three 2048 × 5632, two norms.
 const NUMEL: usize = 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 5632 + 2 * 2048;
@@ -125,32 +125,28 @@ fn bench_grad_accumulate(c: &mut Criterion) {
     let (mut m, mut v) = (vec![0f32; NUMEL], vec![0f32; NUMEL]);
     let mut out = vec![half::bf16::ZERO; NUMEL];
     let mut t = 0u64;
+    // Σg², then the clipped step from `sum`, the sub-group's gradient.
+    let mut norm_and_step = |sum: GradIn<'_>| {
+        let sq = adam.grad_sq_norm(sum);
+        t += 1;
+        let mo = Moments::F32 {
+            m: &mut m,
+            v: &mut v,
+        };
+        let o = Some(LowPrecisionOut::Bf16(&mut out));
+        let scale = GradScale((1.0 / (sq.sqrt() + 1.0)) as f32);
+        adam.step(t, &mut master, sum, mo, o, scale).unwrap();
+    };
     group.bench_function("chain_f32_sums", |b| {
         b.iter(|| {
             set_grad_into(&mut reused, black_box(&grad), 0).unwrap();
-            let sq = adam.grad_sq_norm(&reused);
-            t += 1;
-            let mo = Moments::F32 {
-                m: &mut m,
-                v: &mut v,
-            };
-            let o = Some(LowPrecisionOut::Bf16(&mut out));
-            let scale = GradScale((1.0 / (sq.sqrt() + 1.0)) as f32);
-            adam.step(t, &mut master, &reused, mo, o, scale).unwrap();
+            norm_and_step(GradIn::F32(&reused));
         })
     });
     group.bench_function("chain_bf16_held", |b| {
         b.iter(|| {
             copy_bf16_grad_into(&mut held, black_box(&grad), 0).unwrap();
-            let sq = adam.grad_sq_norm(&held);
-            t += 1;
-            let mo = Moments::F32 {
-                m: &mut m,
-                v: &mut v,
-            };
-            let o = Some(LowPrecisionOut::Bf16(&mut out));
-            let scale = GradScale((1.0 / (sq.sqrt() + 1.0)) as f32);
-            adam.step(t, &mut master, &held, mo, o, scale).unwrap();
+            norm_and_step(GradIn::Bf16(&held));
         })
     });
     // The fp32 copy several ranks' host collective (or a tied param's sum)

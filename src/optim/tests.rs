@@ -691,27 +691,19 @@ fn bf16_gradients_step_as_their_fp32_sums() {
     }
     // The `+0.0` matters: `-0.0` read as itself gives other bits.
     let raw: Vec<f32> = gb.iter().map(|g| g.to_f32()).collect();
-    let as_is = run_bits_with(
-        Isa::Scalar,
-        1,
-        AdamMode::AdamW,
-        false,
-        0,
-        &s0,
-        0,
-        GradIn::F32(&raw),
-    );
-    let summed = run_bits_with(
-        Isa::Scalar,
-        1,
-        AdamMode::AdamW,
-        false,
-        0,
-        &s0,
-        0,
-        GradIn::F32(&sums),
-    );
-    assert_ne!(as_is, summed);
+    let scalar = |g: &[f32]| {
+        run_bits_with(
+            Isa::Scalar,
+            1,
+            AdamMode::AdamW,
+            false,
+            0,
+            &s0,
+            0,
+            GradIn::F32(g),
+        )
+    };
+    assert_ne!(scalar(&raw), scalar(&sums));
     // Σg²: the sums' bits at any thread count and length (finite ones:
     // the random bits hold NaNs, whose sum's payload is not asked).
     let big = 3 * NORM_PART_NUMEL + 5;

@@ -425,6 +425,15 @@ mod tests {
             .collect()
     }
 
+    /// Every element's bits, widened to a `u32`.
+    fn bits_of(e: HostElems<'_>) -> Vec<u32> {
+        match e {
+            HostElems::F32(v) => v.iter().map(|x| x.to_bits()).collect(),
+            HostElems::Bf16(v) => v.iter().map(|x| u32::from(x.to_bits())).collect(),
+            HostElems::F16(v) => v.iter().map(|x| u32::from(x.to_bits())).collect(),
+        }
+    }
+
     /// `take_with` hands on each gradient's elements as `take` gives its
     /// host tensor's, in declared order, for fp32 and bf16 wires (bf16:
     /// rounded on the device, the 2-byte elements as they came); a unit
@@ -443,41 +452,20 @@ mod tests {
             let mut seen: Vec<(ParamId, Vec<u32>)> = Vec::new();
             let got = out
                 .take_with(&link, UnitId(1), &mut |id, e| {
-                    let bits = match e {
-                        HostElems::F32(v) => v.iter().map(|x| x.to_bits()).collect(),
-                        HostElems::Bf16(v) => v.iter().map(|x| u32::from(x.to_bits())).collect(),
-                        HostElems::F16(v) => v.iter().map(|x| u32::from(x.to_bits())).collect(),
-                    };
                     assert_eq!(
                         matches!(e, HostElems::Bf16(_)),
                         dtype == DType::BF16,
                         "{dtype:?} crossed as {e:?}"
                     );
-                    seen.push((id, bits));
+                    seen.push((id, bits_of(e)));
                 })
                 .unwrap();
             assert!(got);
             let want: Vec<(ParamId, Vec<u32>)> = taken
                 .iter()
                 .map(|(id, t)| {
-                    let bits = match dtype {
-                        DType::BF16 => t
-                            .flatten_all()
-                            .unwrap()
-                            .to_vec1::<half::bf16>()
-                            .unwrap()
-                            .iter()
-                            .map(|x| u32::from(x.to_bits()))
-                            .collect(),
-                        _ => t
-                            .flatten_all()
-                            .unwrap()
-                            .to_vec1::<f32>()
-                            .unwrap()
-                            .iter()
-                            .map(|x| x.to_bits())
-                            .collect(),
-                    };
+                    let bits =
+                        crate::model::exec_units::with_host_elems(t, |e| Ok(bits_of(e))).unwrap();
                     (*id, bits)
                 })
                 .collect();
@@ -488,7 +476,8 @@ mod tests {
         // download still finished.
         let mut wrong = grads_of(&model, 1);
         wrong[0].2 = vec![wrong[0].1.len() + 1];
-        out.put(&link, &model, UnitId(1), wrong, DType::F32).unwrap();
+        out.put(&link, &model, UnitId(1), wrong, DType::F32)
+            .unwrap();
         let mut handed = 0;
         let e = out
             .take_with(&link, UnitId(1), &mut |_, _| handed += 1)
