@@ -267,7 +267,7 @@ impl Shape {
     }
 
     /// Bytes of the largest sub-group's gradients on the host
-    /// ([`GroupShape::sum`]).
+    /// ([`GroupShape::sum_dtype`]).
     pub fn max_sum_bytes(&self) -> u64 {
         self.sub_groups
             .iter()
