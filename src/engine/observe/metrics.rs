@@ -116,7 +116,9 @@ pub struct StepMetrics {
     pub h2d_wait_s: f64,
     /// Seconds the compute thread waited for the device tier's gradient
     /// downloads (they run on the copy queue out while the next unit
-    /// computes).
+    /// computes): the wait for their copies only, not the reads of their
+    /// elements into the sums (since one rank reads them where they
+    /// landed; before, it counted a copy out of the staging buffer too).
     pub d2h_wait_s: f64,
     /// Bytes of units' inputs the device tier did not upload: the
     /// previous unit's output was still on the device.
