@@ -45,6 +45,12 @@ use crate::engine::params::prefetch::Prefetcher;
 use crate::engine::params::store::Tier;
 use crate::model::Model;
 
+mod grads;
+pub use grads::{
+    grad_sum_dtype, grads_in_flight, host_grad_bound_bytes, host_grad_bound_groups,
+    largest_unit_groups, nvme_state_grad_bound_bytes, nvme_state_grad_bound_groups, SumDtype,
+};
+
 /// Alignment of NVMe extents and pinned buffers (O_DIRECT).
 pub const ALIGN_BYTES: u64 = 4096;
 
@@ -133,53 +139,6 @@ pub struct GroupShape {
     /// How the host holds its gradients ([`grad_sum_dtype`]; fp32 in an
     /// estimated shape, the most it can take).
     pub sum_dtype: SumDtype,
-}
-
-/// How the host holds a sub-group's gradients for the CPU optimizer
-/// ([`grad_sum_dtype`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum SumDtype {
-    /// fp32 sums, the gradients added into them.
-    #[default]
-    F32,
-    /// The bf16 gradients as they came, one per element, which the
-    /// optimizer reads as their fp32 sums would be
-    /// ([`crate::optim::GradIn::Bf16`]): half the bytes held, and no
-    /// widening pass.
-    Bf16,
-}
-
-impl SumDtype {
-    /// Bytes of one element.
-    pub fn bytes_per_elem(self) -> u64 {
-        match self {
-            SumDtype::F32 => 4,
-            SumDtype::Bf16 => 2,
-        }
-    }
-}
-
-/// The one rule for how the host holds `group`'s gradients: as bf16 where
-/// every element gets exactly one gradient a step and it is bf16 (bf16
-/// params, one rank, one micro-batch, and no param of the group used by
-/// several units: a tied embedding's gradients add up over its units),
-/// else in fp32 sums. A step from them is the same bits either way (a sum
-/// of one gradient is `+0.0 + g`, what the optimizer reads a bf16 one as).
-pub fn grad_sum_dtype(
-    config: &Config,
-    model: &Model,
-    world: usize,
-    group: &crate::engine::layout::SubGroup,
-) -> SumDtype {
-    let one_each = world == 1
-        && config.batch.gradient_accumulation_steps <= 1
-        && matches!(config.precision, Precision::Bf16)
-        && group.param_ids().all(|p| model.in_one_unit(p));
-    if one_each {
-        SumDtype::Bf16
-    } else {
-        SumDtype::F32
-    }
 }
 
 impl Shape {
@@ -441,117 +400,6 @@ pub fn parks_grads(config: &Config) -> bool {
 /// the global norm) and `tierzero.speculative_step` is not `false`.
 pub fn speculates(config: &Config) -> bool {
     spills_grads(config) && config.tierzero.speculative_step != Some(false)
-}
-
-/// Steps with their gradient the optimizer thread may have queued or
-/// running at once (the compute thread waits for a reply beyond): one per
-/// pipeline stage, and one more being handed over.
-pub fn grads_in_flight(read_ahead: usize, write_behind: usize) -> usize {
-    2 + read_ahead + write_behind
-}
-
-/// Bytes of gradients host memory holds at most, from the config and the
-/// layout alone (4 bytes an element in fp32 sums, 2 as bf16:
-/// [`grad_sum_dtype`]). With the optimizer state in host memory, the
-/// whole shard's (beside the state's 12 bytes an element). With it on
-/// NVMe: the sums backward is adding into (the sub-groups of the largest
-/// unit, `unit_groups`), the first groups held for the step
-/// (`held_grad_groups`), the speculated gradients the optimizer thread
-/// keeps for a re-step (`speculation_kept_grads`) and the steps handed to it
-/// ([`grads_in_flight`]), each at most the largest sub-group's.
-pub fn host_grad_bound_bytes(
-    sizing: &Sizing,
-    shape: &Shape,
-    opt_nvme: bool,
-    unit_groups: u64,
-) -> u64 {
-    if !opt_nvme {
-        return shape
-            .sub_groups
-            .iter()
-            .map(|g| g.numel.saturating_mul(g.sum_dtype.bytes_per_elem()))
-            .fold(0u64, u64::saturating_add);
-    }
-    host_grad_bound_groups(sizing, shape, opt_nvme, unit_groups)
-        .saturating_mul(shape.max_sum_bytes())
-}
-
-/// The sub-groups' sums [`host_grad_bound_bytes`] counts: every one with
-/// the optimizer state in host memory; with it on NVMe, the sums being
-/// added into, held, speculated and handed over
-/// ([`nvme_state_grad_bound_groups`]). The trainer keeps as many sums
-/// from one step for the next (its spares: a sum made in one is written
-/// in place, where a new one is page-faulted in as it is zeroed), so
-/// they stay within the bound: spares are sums that were in use, and it
-/// never holds more buffers than it had in use at once (`SpareSums`).
-pub fn host_grad_bound_groups(
-    sizing: &Sizing,
-    shape: &Shape,
-    opt_nvme: bool,
-    unit_groups: u64,
-) -> u64 {
-    let sub_groups = shape.sub_groups.len() as u64;
-    if !opt_nvme {
-        return sub_groups;
-    }
-    nvme_state_grad_bound_groups(
-        unit_groups + sizing.held_grad_groups as u64 + sizing.speculation_kept_grads as u64,
-        sizing.read_ahead,
-        sizing.write_behind,
-        sub_groups,
-    )
-}
-
-/// The sub-groups the largest unit's params touch: the sums backward
-/// adds into at once (`unit_groups` of [`host_grad_bound_bytes`]).
-pub fn largest_unit_groups(
-    model: &crate::model::Model,
-    layout: &crate::engine::layout::Layout,
-) -> u64 {
-    model
-        .units()
-        .iter()
-        .map(|u| {
-            let mut gs: Vec<usize> = u
-                .params
-                .iter()
-                .filter_map(|p| layout.params.get(p.0))
-                .flat_map(|s| s.pieces.iter().map(|pc| pc.sub_group.0))
-                .collect();
-            gs.sort_unstable();
-            gs.dedup();
-            gs.len() as u64
-        })
-        .max()
-        .unwrap_or(1)
-}
-
-/// [`host_grad_bound_bytes`] with the optimizer state on NVMe, from its
-/// parts: `groups` sub-groups' sums being added into, held or speculated,
-/// and the [`grads_in_flight`] steps handed over, at most `sub_groups`
-/// groups of `max_group_numel` fp32 elements (`tierzero estimate` calls
-/// it for a model known by its size).
-pub fn nvme_state_grad_bound_bytes(
-    groups: u64,
-    read_ahead: usize,
-    write_behind: usize,
-    sub_groups: u64,
-    max_group_numel: u64,
-) -> u64 {
-    nvme_state_grad_bound_groups(groups, read_ahead, write_behind, sub_groups)
-        .saturating_mul(max_group_numel)
-        .saturating_mul(4)
-}
-
-/// [`nvme_state_grad_bound_bytes`]'s sums: `groups` and the
-/// [`grads_in_flight`] steps, at most `sub_groups`.
-pub fn nvme_state_grad_bound_groups(
-    groups: u64,
-    read_ahead: usize,
-    write_behind: usize,
-    sub_groups: u64,
-) -> u64 {
-    (groups + grads_in_flight(read_ahead, write_behind) as u64).min(sub_groups)
 }
 
 /// The gradient park's pinned buffers ([`parks_grads`]): a fixed count,
