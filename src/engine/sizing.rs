@@ -47,8 +47,9 @@ use crate::model::Model;
 
 mod grads;
 pub use grads::{
-    grad_sum_dtype, grads_in_flight, host_grad_bound_bytes, host_grad_bound_groups,
-    largest_unit_groups, nvme_state_grad_bound_bytes, nvme_state_grad_bound_groups, SumDtype,
+    grad_spill_step_bytes, grad_sum_dtype, grads_in_flight, host_grad_bound_bytes,
+    host_grad_bound_groups, largest_unit_groups, nvme_state_grad_bound_bytes,
+    nvme_state_grad_bound_groups, SumDtype,
 };
 
 /// Alignment of NVMe extents and pinned buffers (O_DIRECT).
@@ -947,7 +948,7 @@ mod tests {
     }
 
     #[test]
-    fn spare_gradient_sums_are_what_the_gradient_bound_counts() {
+    fn the_nvme_state_gradient_bound_counts_the_groups_in_flight() {
         // On NVMe: the groups given and those in flight, at most all; the
         // bytes are that many of the largest.
         assert_eq!(nvme_state_grad_bound_groups(2, 1, 1, 20), 6);

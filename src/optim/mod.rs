@@ -250,7 +250,7 @@ pub enum GradIn<'a> {
 /// widening of a held gradient) computes exactly this.
 #[inline(always)]
 pub fn bf16_as_sum(g: bf16) -> f32 {
-    0.0 + f32::from_bits(u32::from(g.to_bits()) << 16)
+    0.0 + scalar::bf16_bits_to_f32(g.to_bits())
 }
 
 impl<'a> GradIn<'a> {

@@ -54,7 +54,7 @@ impl NormElem for f32 {
 impl NormElem for half::bf16 {
     #[inline(always)]
     fn to_f64(self) -> f64 {
-        f32::from_bits(u32::from(self.to_bits()) << 16) as f64
+        super::scalar::bf16_bits_to_f32(self.to_bits()) as f64
     }
 }
 

@@ -49,7 +49,7 @@ pub fn f32_to_f16_bits(x: f32) -> u16 {
 }
 
 #[inline(always)]
-fn bf16_bits_to_f32(b: u16) -> f32 {
+pub(crate) fn bf16_bits_to_f32(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
 }
 

@@ -239,15 +239,7 @@ impl Plan {
         let spill_rw = if sizing.grad_spill_nvme_bytes == 0 {
             0
         } else {
-            shape
-                .sub_groups
-                .iter()
-                .zip(&sizing.resident_groups)
-                .filter(|(_, r)| !**r)
-                .map(|(g, _)| {
-                    crate::engine::sizing::align_up(g.numel * g.sum_dtype.bytes_per_elem())
-                })
-                .sum()
+            crate::engine::sizing::grad_spill_step_bytes(&shape, &sizing.resident_groups)
         };
         let nvme_step = (
             sizing.param_nvme_bytes * 2 * gas + state_rw + spill_rw + park_rw,

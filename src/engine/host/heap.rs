@@ -37,7 +37,8 @@ pub const MMAP_THRESHOLD_BYTES: usize = 256 << 20;
 /// 268M params with the optimizer state in host memory, 4 bytes a param)
 /// gave it back to the kernel, and the next step's sums faulted every
 /// page in again. `scripts/sim_offload_ab.sh`'s 311M Llama (1.25 GB of
-/// sums), steps 2-4: 290K-400K minor faults a step with 1 GiB, 0-76K with
+/// sums), steps 2-4: 75K-400K minor faults a step with 1 GiB (290K-400K
+/// in steps 3-4), 0-76K with
 /// trimming off, median train_s 19.5 s against 21.3 s, peak RSS 3% higher; the command and the
 /// figures are in `docs/decisions/host-heap.md`.
 pub const TRIM_THRESHOLD_BYTES: usize = usize::MAX;

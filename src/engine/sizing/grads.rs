@@ -55,6 +55,20 @@ pub fn grad_sum_dtype(
     }
 }
 
+/// NVMe bytes one step's spilled gradients take, written and again read
+/// (those of the groups whose state is on NVMe, not `resident`): each in
+/// the dtype the host holds it in ([`SumDtype`]; its extent is fp32's),
+/// 4 KiB-aligned.
+pub fn grad_spill_step_bytes(shape: &Shape, resident: &[bool]) -> u64 {
+    shape
+        .sub_groups
+        .iter()
+        .zip(resident)
+        .filter(|(_, r)| !**r)
+        .map(|(g, _)| super::align_up(g.numel * g.sum_dtype.bytes_per_elem()))
+        .sum()
+}
+
 /// Steps with their gradient the optimizer thread may have queued or
 /// running at once (the compute thread waits for a reply beyond): one per
 /// pipeline stage, and one more being handed over.
@@ -164,4 +178,45 @@ pub fn nvme_state_grad_bound_groups(
     sub_groups: u64,
 ) -> u64 {
     (groups + grads_in_flight(read_ahead, write_behind) as u64).min(sub_groups)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::GroupShape;
+    use super::*;
+
+    fn group(numel: u64, sum_dtype: SumDtype) -> GroupShape {
+        GroupShape {
+            numel,
+            first_units: false,
+            sum_dtype,
+        }
+    }
+
+    /// The largest group's bytes and one step's spilled gradients count
+    /// each group in the dtype its gradients are held in (2 bytes for
+    /// bf16, 4 for fp32 sums), 4 KiB-aligned, the resident groups' none.
+    #[test]
+    fn gradient_bytes_count_each_group_in_its_dtype() {
+        let shape = Shape {
+            param_shard_numel: vec![5000, 3000, 1000],
+            sub_groups: vec![
+                group(5000, SumDtype::Bf16),
+                group(3000, SumDtype::F32),
+                group(1000, SumDtype::Bf16),
+            ],
+            exact_shards: true,
+        };
+        assert_eq!(shape.max_sum_bytes(), 12_000, "3000 fp32 over 5000 bf16");
+        let align = super::super::align_up;
+        assert_eq!(
+            grad_spill_step_bytes(&shape, &[false, false, false]),
+            align(10_000) + align(12_000) + align(2_000)
+        );
+        assert_eq!(
+            grad_spill_step_bytes(&shape, &[false, true, false]),
+            align(10_000) + align(2_000)
+        );
+        assert_eq!(grad_spill_step_bytes(&shape, &[true, true, true]), 0);
+    }
 }

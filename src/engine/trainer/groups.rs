@@ -83,8 +83,10 @@ pub(in crate::engine) const SPARE_MIN_BYTES: usize =
 /// other buffers grew the heap instead; measured again with the set
 /// first gradients and the optimizer's output buffers given back: the
 /// gradients' adds took 0.6x the time, but the whole step 1.2-1.4x; both
-/// times against a build whose `TrainerOptions::spare_sum_min_bytes`
-/// defaults to 0, which the CLI does not set), where with one sub-group of
+/// times against a build patched so that
+/// `TrainerOptions::spare_sum_min_bytes` defaults to 0, which no command
+/// of the repo sets: stop 51's figures, not reproducible as they stand),
+/// where with one sub-group of
 /// 1.25 GB (`SUB_GROUP_SIZE=1e9`, DeepSpeed's default size) they are what
 /// keeps the sum's pages. One 45M-element block's bf16 gradient into a new
 /// (faulting) sum took 65 ms on 2 cores, into one whose pages were in
@@ -234,17 +236,14 @@ impl GradSum {
     pub(in crate::engine) fn piece(&mut self, range: Range<usize>) -> Result<(&mut [f32], bool)> {
         let stale = self.mark(range.clone())?;
         self.widen();
-        let GradBuf::F32(values) = &mut self.values else {
-            return Err(EngineError::internal("a gradient sum not widened"));
-        };
-        let len = values.len();
-        let slice = values.get_mut(range.clone()).ok_or_else(|| {
-            EngineError::internal(format!(
-                "gradient elements {}..{} of a sum of {len}",
-                range.start, range.end
-            ))
-        })?;
-        Ok((slice, stale))
+        // `mark` checked the range against the sum.
+        match &mut self.values {
+            GradBuf::F32(values) => values
+                .get_mut(range)
+                .map(|slice| (slice, stale))
+                .ok_or_else(|| EngineError::internal("a checked piece out of its sum")),
+            GradBuf::Bf16(_) => Err(EngineError::internal("a gradient sum not widened")),
+        }
     }
 
     /// Puts a gradient's elements (`src`, as they are stored: a host
@@ -326,22 +325,9 @@ impl GradSum {
     /// Every element a sum: the ones no piece wrote are zeroed.
     pub(in crate::engine) fn settled(&mut self) -> crate::optim::GradIn<'_> {
         if let Some(w) = self.written.take() {
-            let len = self.values.len();
-            let mut at = 0;
-            for (start, end) in w.into_iter().chain([(len, len)]) {
-                match &mut self.values {
-                    GradBuf::F32(v) => {
-                        if let Some(gap) = v.get_mut(at..start) {
-                            crate::model::fused::fill_zeros(gap);
-                        }
-                    }
-                    GradBuf::Bf16(v) => {
-                        if let Some(gap) = v.get_mut(at..start) {
-                            crate::model::fused::fill_zeros(gap);
-                        }
-                    }
-                }
-                at = at.max(end);
+            match &mut self.values {
+                GradBuf::F32(v) => zero_gaps(v, &w),
+                GradBuf::Bf16(v) => zero_gaps(v, &w),
             }
         }
         self.values.as_in()
@@ -351,6 +337,19 @@ impl GradSum {
     pub(in crate::engine) fn into_settled(mut self) -> GradBuf {
         self.settled();
         self.values
+    }
+}
+
+/// `v`'s elements outside the `written` ranges (start → end, disjoint, in
+/// order) set to `+0.0`.
+fn zero_gaps<T: Copy + Default + Send>(v: &mut [T], written: &BTreeMap<usize, usize>) {
+    let len = v.len();
+    let mut at = 0;
+    for (&start, &end) in written.iter().chain([(&len, &len)]) {
+        if let Some(gap) = v.get_mut(at..start) {
+            crate::model::fused::fill_zeros(gap);
+        }
+        at = at.max(end);
     }
 }
 

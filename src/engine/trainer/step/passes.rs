@@ -316,12 +316,15 @@ impl Trainer {
         groups: &mut StepGroups,
         tied: &mut BTreeMap<ParamId, Vec<f32>>,
     ) -> Result<()> {
-        let on_device = match &self.opts.compute {
-            Some(c) if ready.is_empty() && self.defers_grads() => {
-                c.grads_on_device(uid).map(|ids| (c.clone(), ids))
-            }
+        // The device left this unit's gradients with itself (downloading,
+        // or kept for a reduce-scatter there).
+        let deferred = match &self.opts.compute {
+            Some(c) if ready.is_empty() && self.defers_grads() => Some(c.clone()),
             _ => None,
         };
+        let on_device = deferred
+            .as_ref()
+            .and_then(|c| c.grads_on_device(uid).map(|ids| (c.clone(), ids)));
         if let Some((c, ids)) = on_device {
             self.accumulate_on_device(groups, &*c, uid, &ids)?;
         } else if ready.is_empty() && self.device_compute().is_some() {
@@ -329,17 +332,16 @@ impl Trainer {
             // (with several ranks, reduced there): nothing to add here,
             // and no host collective of nothing.
         } else {
-            match &self.opts.compute {
+            match deferred {
                 // One rank: read where the device's copies landed.
-                Some(c) if ready.is_empty() && self.defers_grads() && self.layout.world == 1 => {
-                    let c = c.clone();
+                Some(c) if self.layout.world == 1 => {
                     self.accumulate_downloaded(groups, tied, uid, &*c)?;
                 }
-                Some(c) if ready.is_empty() && self.defers_grads() => {
+                Some(c) => {
                     let grads = c.take_grads(uid)?.unwrap_or_default();
                     self.accumulate_unit(groups, tied, uid, &grads)?;
                 }
-                _ => self.accumulate_unit(groups, tied, uid, &ready)?,
+                None => self.accumulate_unit(groups, tied, uid, &ready)?,
             }
         }
         if !batch.last_micro {
