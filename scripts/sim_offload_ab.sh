@@ -11,6 +11,14 @@
 #   SUB_GROUP_SIZE=1e9 scripts/sim_offload_ab.sh ...       (DeepSpeed's default:
 #                                                          one sub-group)
 #   STEPS=4 scripts/sim_offload_ab.sh ...                  (steps a run, default 2)
+#   RANKS=2 scripts/sim_offload_ab.sh ...                  (ranks through `tierzero
+#                                                          launch`, each its own
+#                                                          simulated device whose
+#                                                          collectives reduce-scatter
+#                                                          the gradients; needs
+#                                                          binaries built with
+#                                                          --features mpi; rank 0's
+#                                                          figures)
 #
 # An arm is a command, split at spaces, so it may set the environment:
 #   scripts/sim_offload_ab.sh "env GLIBC_TUNABLES=glibc.malloc.mmap_threshold=268435456:glibc.malloc.trim_threshold=1073741824:glibc.malloc.arena_max=1 target/release/tierzero" target/release/tierzero
@@ -49,12 +57,14 @@ PY
 fi
 # ABBA: the first run of a round is slower whichever binary it is (the
 # same binary twice gave tails of 1017 and 134 ms), so the order turns.
+launch=()
+if [ "${RANKS:-1}" -gt 1 ]; then launch=(launch --nproc "$RANKS" --); fi
 for r in $(seq 1 "$rounds"); do
   order=("$old" "$new")
   if [ $((r % 2)) = 0 ]; then order=("$new" "$old"); fi
   for b in "${order[@]}"; do
     read -ra cmd <<<"$b"
-    (cd "$work" && "${cmd[@]}" train --model llama --config ds.json --device sim --seq-len 2 \
+    (cd "$work" && "${cmd[@]}" "${launch[@]}" train --model llama --config ds.json --device sim --seq-len 2 \
       --steps "${STEPS:-2}" --threads 2 --json --metrics m.jsonl --timeline tl.json --timeline-steps 1 \
       >out.json 2>err.txt) \
       || { echo "$b failed:"; tail -5 "$work/err.txt"; exit 1; }

@@ -298,15 +298,17 @@ impl<L: DeviceLink> GradsOut<L> {
     }
 
     /// `unit`'s gradients reduce-scattered on the device
-    /// ([`DeviceLink::reduce_grads`]), this rank's sums on the host. The
-    /// engine's `counts` must be those they were laid out by.
+    /// ([`DeviceLink::reduce_grads`]), this rank's sums handed to `f` where
+    /// they came down ([`DeviceLink::finish_download_with`]). The engine's
+    /// `counts` must be those they were laid out by.
     pub(super) fn reduce(
         &self,
         link: &L,
         unit: UnitId,
         counts: &[Vec<usize>],
         acc: Option<&[f32]>,
-    ) -> Result<(Vec<f32>, Moved), ModelError> {
+        f: &mut dyn FnMut(&[f32]),
+    ) -> Result<Moved, ModelError> {
         let refused = |why: String| ModelError::Gpu {
             what: format!("unit {}: no reduce-scatter on the device ({why})", unit.0),
         };
@@ -333,20 +335,23 @@ impl<L: DeviceLink> GradsOut<L> {
             return Err(refused("not packed".into()));
         };
         let d = link.reduce_grads(&format!("unit {} gradients", unit.0), packed, acc)?;
-        let sums = match link.finish_download(d)? {
-            HostVec::F32(v) => v,
-            other => {
-                return Err(refused(format!(
-                    "the sums came down as {} bytes of 16-bit elements, not fp32",
-                    other.bytes()
-                )))
-            }
-        };
-        let moved = Moved {
-            d2h_bytes: sums.len() as u64 * ELEM_BYTES,
+        let mut came: Result<u64, ModelError> = Ok(0);
+        link.finish_download_with(d, &mut |e| {
+            came = match e {
+                HostElems::F32(sums) => {
+                    f(sums);
+                    Ok(sums.len() as u64)
+                }
+                other => Err(refused(format!(
+                    "the sums came down as {} elements of 16 bits, not fp32",
+                    other.len()
+                ))),
+            };
+        })?;
+        Ok(Moved {
+            d2h_bytes: came? * ELEM_BYTES,
             h2d_bytes: acc.map_or(0, |a| a.len() as u64 * ELEM_BYTES),
-        };
-        Ok((sums, moved))
+        })
     }
 
     /// Waits for every download still in flight and lets every laid-out
@@ -518,8 +523,9 @@ mod tests {
         // and leaves it where it was.
         assert!(out.take(&link, UnitId(1)).is_err());
         assert_eq!(out.on_device(UnitId(1)), Some(ids(1)));
+        let mut never = |_: &[f32]| panic!("a refused reduce handed sums over");
         assert!(out
-            .reduce(&link, UnitId(3), &counts_of(&model, 3), None)
+            .reduce(&link, UnitId(3), &counts_of(&model, 3), None, &mut never)
             .is_err());
         let head = out.take(&link, UnitId(3)).unwrap().unwrap();
         assert_eq!(head.len(), ids(3).len());
@@ -529,7 +535,12 @@ mod tests {
         let acc: Vec<f32> = (0..counts.iter().map(|c| c[0]).sum::<usize>())
             .map(|i| i as f32 * 0.25)
             .collect();
-        let (sums, moved) = out.reduce(&link, UnitId(1), &counts, Some(&acc)).unwrap();
+        let mut sums = Vec::new();
+        let moved = out
+            .reduce(&link, UnitId(1), &counts, Some(&acc), &mut |s| {
+                sums.extend_from_slice(s)
+            })
+            .unwrap();
         let mut want = acc.clone();
         let mut at = 0;
         for (_, g, _) in grads_of(&model, 1) {
@@ -543,7 +554,9 @@ mod tests {
         assert_eq!(moved.d2h_bytes, acc.len() as u64 * 4);
         assert_eq!(moved.h2d_bytes, acc.len() as u64 * 4);
         assert_eq!(out.on_device(UnitId(1)), None, "reduced once");
-        assert!(out.reduce(&link, UnitId(1), &counts, None).is_err());
+        assert!(out
+            .reduce(&link, UnitId(1), &counts, None, &mut never)
+            .is_err());
         // Counts other than those it was packed by are refused.
         out.put(&link, &model, UnitId(2), grads_of(&model, 2), DType::F32)
             .unwrap();
@@ -552,7 +565,7 @@ mod tests {
         wrong[0][0] += 1;
         wrong[0][1] -= 1;
         let e = out
-            .reduce(&link, UnitId(2), &wrong, None)
+            .reduce(&link, UnitId(2), &wrong, None, &mut never)
             .unwrap_err()
             .to_string();
         assert!(e.contains("laid out in chunks"), "{e}");

@@ -893,15 +893,25 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
         unit: UnitId,
         counts: &[Vec<usize>],
         acc: Option<&[f32]>,
-    ) -> Result<Vec<f32>, ModelError> {
+        f: &mut dyn FnMut(&[f32]),
+    ) -> Result<(), ModelError> {
+        // The wait is the time outside `f` (host work, not the link's), as
+        // in `take_grads_with`.
         let t = Instant::now();
-        let got = self.grads_out.reduce(&self.link, unit, counts, acc);
+        let mut in_f = std::time::Duration::ZERO;
+        let got = self
+            .grads_out
+            .reduce(&self.link, unit, counts, acc, &mut |sums| {
+                let t = Instant::now();
+                f(sums);
+                in_f += t.elapsed();
+            });
         let mut st = self.lock();
-        st.traffic.d2h_wait_s += t.elapsed().as_secs_f64();
-        let (sums, moved) = got?;
+        st.traffic.d2h_wait_s += t.elapsed().saturating_sub(in_f).as_secs_f64();
+        let moved = got?;
         st.traffic.d2h_bytes += moved.d2h_bytes;
         st.traffic.h2d_bytes += moved.h2d_bytes;
-        Ok(sums)
+        Ok(())
     }
 
     fn take_traffic(&self) -> Option<DeviceTraffic> {

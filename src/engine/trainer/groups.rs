@@ -280,6 +280,15 @@ impl GradSum {
         Ok(())
     }
 
+    /// Whether [`GradSum::piece`] of `range` would say stale, without
+    /// marking it written: a caller that will set the whole range need
+    /// not read (or zero) it first. Nothing is checked; `piece` checks.
+    pub(in crate::engine) fn is_stale(&self, range: Range<usize>) -> bool {
+        self.written
+            .as_ref()
+            .is_some_and(|w| !range.is_empty() && w.get(&range.start) != Some(&range.end))
+    }
+
     /// Checks `range` against the sum and the pieces written, and marks it
     /// written; returns whether it was stale.
     fn mark(&mut self, range: Range<usize>) -> Result<bool> {
@@ -311,15 +320,6 @@ impl GradSum {
             _ => false,
         };
         Ok(stale)
-    }
-
-    /// [`GradSum::piece`] with its stale values zeroed: for adding into.
-    pub(in crate::engine) fn piece_zeroed(&mut self, range: Range<usize>) -> Result<&mut [f32]> {
-        let (slice, stale) = self.piece(range)?;
-        if stale {
-            crate::model::fused::fill_zeros(slice);
-        }
-        Ok(slice)
     }
 
     /// Every element a sum: the ones no piece wrote are zeroed.
@@ -373,6 +373,17 @@ impl StepGroups {
         self.groups
             .get_mut(sg.0)
             .ok_or_else(|| EngineError::internal(format!("no sub-group {}", sg.0)))
+    }
+
+    /// Whether the elements `range` of `sg`'s sum hold gradients summed
+    /// this step ([`GradSum::is_stale`] not): false while `sg` has no sum
+    /// yet, for an empty range, and outside accumulation (where taking
+    /// the sum is the error).
+    pub(super) fn summed(&self, sg: SubGroupId, range: Range<usize>) -> bool {
+        match self.groups.get(sg.0) {
+            Some(GroupStep::Accumulating(Some(sum))) => !range.is_empty() && !sum.is_stale(range),
+            _ => false,
+        }
     }
 
     /// The accumulator of `sg` (a sum of `numel` from `spares` when it is
@@ -656,24 +667,27 @@ mod tests {
 
     /// A spare's sum: a piece is stale the first time only; what pieces
     /// wrote stays, and only what none wrote (between, before, after them)
-    /// is zeroed when it is read; zeroed pieces are zeros; a piece over a
-    /// written one, or out of the sum, is an error; an empty one is never
-    /// stale. A whole sum is never stale.
+    /// is zeroed when it is read; asking whether a piece is stale marks
+    /// nothing; a piece over a written one, or out of the sum, is an
+    /// error; an empty one is never stale. A whole sum is never stale.
     #[test]
     fn a_spare_sum_keeps_what_pieces_wrote_and_zeroes_the_rest() {
         let mut g = GradSum::stale(GradBuf::F32(vec![f32::NAN; 20]));
+        assert!(g.is_stale(3..6) && g.is_stale(3..6), "asking marks nothing");
+        assert!(!g.is_stale(7..7), "empty");
         let (p, stale) = g.piece(3..6).unwrap();
         assert!(stale);
         p.fill(-0.5);
+        assert!(!g.is_stale(3..6), "written");
         let (p, stale) = g.piece(3..6).unwrap();
         assert!(!stale, "written: added into now");
         p.iter_mut().for_each(|x| *x += 1.0);
         let (_, stale) = g.piece(9..9).unwrap();
         assert!(!stale, "empty");
         assert!(g.piece(9..9).is_ok());
-        let z = g.piece_zeroed(10..12).unwrap();
-        assert_eq!(bits(z), vec![0, 0]);
-        z[1] = 2.0;
+        let (z, stale) = g.piece(10..12).unwrap();
+        assert!(stale);
+        z.copy_from_slice(&[0.0, 2.0]);
         let (p, stale) = g.piece(12..19).unwrap();
         assert!(stale);
         p.fill(7.0);
@@ -695,9 +709,11 @@ mod tests {
             crate::optim::GradIn::F32(v) => assert_eq!(bits(v), bits(&want)),
             other => panic!("{other:?}"),
         }
+        assert!(!g.is_stale(0..3), "settled: nothing stale");
         assert!(!g.piece(0..3).unwrap().1, "settled: nothing stale");
         assert_eq!(bits(&f32s(g.into_settled())), bits(&want));
         let mut w = GradSum::whole(vec![1.0; 4]);
+        assert!(!w.is_stale(0..4));
         assert!(!w.piece(0..4).unwrap().1);
         assert_eq!(f32s(w.into_settled()), vec![1.0; 4]);
     }

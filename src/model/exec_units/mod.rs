@@ -224,14 +224,17 @@ pub trait UnitCompute: Send + Sync + std::fmt::Debug {
     /// added onto `acc` (this rank's accumulated shards, concatenated in
     /// the same order; None: +0.0) in rank order, as
     /// [`crate::engine::comm::Comm::reduce_scatter_add_f32`] adds them:
-    /// the same bits. Returns those sums. A collective: every rank calls
-    /// it for the same units in the same order.
+    /// the same bits. Hands `f` those sums where they came down (the CUDA
+    /// link's pinned staging buffer, read by `f` straight into the
+    /// optimizer's sums: no host copy of them first), once. A collective:
+    /// every rank calls it for the same units in the same order.
     fn reduce_grads(
         &self,
         unit: UnitId,
         _counts: &[Vec<usize>],
         _acc: Option<&[f32]>,
-    ) -> Result<Vec<f32>, ModelError> {
+        _f: &mut dyn FnMut(&[f32]),
+    ) -> Result<(), ModelError> {
         Err(ModelError::Gpu {
             what: format!("unit {}: no gradients kept on a device", unit.0),
         })

@@ -10,11 +10,22 @@ use super::*;
 use crate::model::exec_units::{with_host_elems, HostElems};
 
 /// A unit's params' slots, each cut into per-rank counts, and this rank's
-/// accumulated shards of them, concatenated in order.
+/// accumulated shards of them, concatenated in order: `None` while
+/// nothing has been summed into any of them this step (every one
+/// `+0.0`, and nothing read to say so).
 struct ShardAccs {
     slots: Vec<crate::engine::layout::ParamSlot>,
     counts: Vec<Vec<usize>>,
-    acc: Vec<f32>,
+    acc: Option<Vec<f32>>,
+}
+
+impl ShardAccs {
+    /// The accumulated shards, `+0.0` where nothing was summed yet.
+    fn acc_or_zeros(&mut self) -> Vec<f32> {
+        self.acc
+            .take()
+            .unwrap_or_else(|| vec![0.0; self.slots.iter().map(|s| s.shard_numel).sum()])
+    }
 }
 
 impl Trainer {
@@ -71,18 +82,15 @@ impl Trainer {
             }
         }
         let ids: Vec<ParamId> = ready.iter().map(|(pid, _)| *pid).collect();
-        let ShardAccs {
-            slots,
-            counts,
-            mut acc,
-        } = self.shard_accs(groups, &ids)?;
+        let mut accs = self.shard_accs(groups, &ids)?;
+        let mut acc = accs.acc_or_zeros();
         let parts: Vec<&[f32]> = ready.iter().map(|(_, g)| g.as_slice()).collect();
-        let (full, blocks) = crate::engine::comm::rank_chunks(&parts, &counts)?;
+        let (full, blocks) = crate::engine::comm::rank_chunks(&parts, &accs.counts)?;
         self.opts
             .comm
             .reduce_scatter_add_f32(&full, &blocks, &mut acc)?;
         groups.grad_reduces += 1;
-        self.store_shard_accs(groups, &slots, &acc)
+        self.store_shard_accs(groups, &accs.slots, &acc)
     }
 
     /// One rank: `unit`'s gradients that its device left downloading
@@ -133,7 +141,8 @@ impl Trainer {
         if self.model.in_one_unit(pid) {
             self.add_into(groups, pid, grad)
         } else if let Some(full) = self.local_grad(tied, unit, pid, grad)? {
-            self.reduce_into(groups, pid, &full)
+            // One rank: the reduce-scatter of the tied sum is that sum.
+            self.add_into(groups, pid, HostElems::F32(&full))
         } else {
             Ok(())
         }
@@ -145,8 +154,9 @@ impl Trainer {
     /// ([`crate::model::exec_units::UnitCompute::reduce_grads`]): the
     /// device adds every rank's chunk onto this rank's accumulated shards
     /// in rank order, as [`Self::accumulate_unit`]'s collective does on
-    /// the host, and only those shards come down. None of them is tied
-    /// (the device keeps no unit's that is: its sum spans two units).
+    /// the host, and only those shards come down, read into the sums
+    /// where they landed. None of them is tied (the device keeps no
+    /// unit's that is: its sum spans two units).
     pub(super) fn accumulate_on_device(
         &mut self,
         groups: &mut StepGroups,
@@ -163,23 +173,34 @@ impl Trainer {
         let ShardAccs { slots, counts, acc } = self.shard_accs(groups, ids)?;
         // Sums not yet begun are +0.0 on the device too: the same bits,
         // and nothing to upload.
-        let zero = acc.iter().all(|v| v.to_bits() == 0);
-        let reduced = compute.reduce_grads(unit, &counts, (!zero).then_some(&acc[..]))?;
-        if reduced.len() != acc.len() {
-            return Err(EngineError::internal(format!(
-                "the device reduced {} gradient elements for unit {}, not {}",
-                reduced.len(),
-                unit.0,
-                acc.len()
-            )));
-        }
+        let acc = acc.filter(|a| a.iter().any(|v| v.to_bits() != 0));
+        let want: usize = slots.iter().map(|s| s.shard_numel).sum();
+        let mut stored = Err(EngineError::internal(format!(
+            "the device handed no gradient sums for unit {}",
+            unit.0
+        )));
+        let this = &*self;
+        compute.reduce_grads(unit, &counts, acc.as_deref(), &mut |sums| {
+            stored = if sums.len() == want {
+                this.store_shard_accs(groups, &slots, sums)
+            } else {
+                Err(EngineError::internal(format!(
+                    "the device reduced {} gradient elements for unit {}, not {want}",
+                    sums.len(),
+                    unit.0
+                )))
+            };
+        })?;
+        stored?;
         groups.grad_reduces += 1;
-        self.store_shard_accs(groups, &slots, &reduced)
+        Ok(())
     }
 
     /// The layout slots of `ids`, each cut into per-rank counts, and this
     /// rank's accumulated shards of them, concatenated in order (their
-    /// parked sums brought back first).
+    /// parked sums brought back first). A piece nothing was summed into
+    /// yet is not read: its shard is `+0.0`, and its sum is overwritten
+    /// whole by [`Self::store_shard_accs`] (neither zeroed nor copied).
     fn shard_accs(&mut self, groups: &mut StepGroups, ids: &[ParamId]) -> Result<ShardAccs> {
         let world = self.layout.world;
         let mut slots = Vec::with_capacity(ids.len());
@@ -189,19 +210,49 @@ impl Trainer {
             slots.push(slot);
         }
         let counts: Vec<Vec<usize>> = slots.iter().map(|s| shard_counts(s.numel, world)).collect();
-        let mut acc = Vec::with_capacity(slots.iter().map(|s| s.shard_numel).sum());
-        for slot in &slots {
-            let start = acc.len();
-            acc.resize(start + slot.shard_numel, 0.0);
-            self.copy_shard_acc(groups, slot, &mut acc[start..], false)?;
+        let summed = |g: &StepGroups, pc: &crate::engine::layout::Piece| {
+            g.summed(pc.sub_group, pc.group_range())
+        };
+        if !slots
+            .iter()
+            .flat_map(|s| &s.pieces)
+            .any(|pc| summed(groups, pc))
+        {
+            return Ok(ShardAccs {
+                slots,
+                counts,
+                acc: None,
+            });
         }
-        Ok(ShardAccs { slots, counts, acc })
+        let mut acc = vec![0f32; slots.iter().map(|s| s.shard_numel).sum()];
+        let mut start = 0;
+        for slot in &slots {
+            let shard = &mut acc[start..start + slot.shard_numel];
+            for pc in &slot.pieces {
+                if !summed(groups, pc) {
+                    continue;
+                }
+                let (sum, _) = self.piece_sum(groups, pc)?.piece(pc.group_range())?;
+                shard
+                    .get_mut(pc.shard_range())
+                    .filter(|s| s.len() == sum.len())
+                    .ok_or_else(|| EngineError::internal("grad shard out of range"))?
+                    .copy_from_slice(sum);
+            }
+            start += slot.shard_numel;
+        }
+        Ok(ShardAccs {
+            slots,
+            counts,
+            acc: Some(acc),
+        })
     }
 
     /// [`Self::shard_accs`]'s shards, summed into, back into the
-    /// sub-groups' accumulators.
+    /// sub-groups' accumulators: each piece's sum overwritten whole
+    /// (split over threads when long).
     fn store_shard_accs(
-        &mut self,
+        &self,
         groups: &mut StepGroups,
         slots: &[crate::engine::layout::ParamSlot],
         acc: &[f32],
@@ -209,11 +260,17 @@ impl Trainer {
         let mut at = 0;
         for slot in slots {
             let n = slot.shard_numel;
-            let mut part = acc
+            let part = acc
                 .get(at..at + n)
-                .ok_or_else(|| EngineError::internal("reduced gradients too short"))?
-                .to_vec();
-            self.copy_shard_acc(groups, slot, &mut part, true)?;
+                .ok_or_else(|| EngineError::internal("reduced gradients too short"))?;
+            for pc in &slot.pieces {
+                let (sum, _) = self.piece_sum(groups, pc)?.piece(pc.group_range())?;
+                let src = part
+                    .get(pc.shard_range())
+                    .filter(|s| s.len() == sum.len())
+                    .ok_or_else(|| EngineError::internal("grad shard out of range"))?;
+                tierzero_gpu::host_copy::copy(sum, src);
+            }
             at += n;
         }
         Ok(())
@@ -241,34 +298,11 @@ impl Trainer {
             .ok_or_else(|| EngineError::internal("grad of unknown param"))
     }
 
-    /// Copies this rank's shard of `slot`'s accumulated gradient out of
-    /// its sub-groups' accumulators into `shard` (`back`: from `shard`
-    /// into them).
-    fn copy_shard_acc(
-        &mut self,
-        groups: &mut StepGroups,
-        slot: &crate::engine::layout::ParamSlot,
-        shard: &mut [f32],
-        back: bool,
-    ) -> Result<()> {
-        for pc in &slot.pieces {
-            let a = self.piece_sum(groups, pc)?.piece_zeroed(pc.group_range())?;
-            let s = shard
-                .get_mut(pc.shard_range())
-                .ok_or_else(|| EngineError::internal("grad shard out of range"))?;
-            if back {
-                a.copy_from_slice(s);
-            } else {
-                s.copy_from_slice(a);
-            }
-        }
-        Ok(())
-    }
-
     /// The accumulator of `pc`'s sub-group (taken, from a spare if one
     /// is kept, at its first gradient). Its [`GradSum::piece`] says
     /// whether the piece's values are stale: its first gradient is then
-    /// set, not added; [`GradSum::piece_zeroed`] zeroes them to add into.
+    /// set, not added ([`GradSum::put`]), or overwritten whole
+    /// ([`Self::store_shard_accs`]).
     fn piece_sum<'g>(
         &self,
         groups: &'g mut StepGroups,
@@ -339,27 +373,5 @@ impl Trainer {
                 .put(pc.group_range(), grad, pc.shard_range().start)?;
         }
         Ok(())
-    }
-
-    /// Adds `full`, the whole gradient of `pid`, into its sub-groups'
-    /// accumulators: every rank's chunk of this rank's shard in rank
-    /// order (reduce-scatter), straight into the accumulator; a tiled
-    /// shard's pieces are copied out, added to and copied back (the same
-    /// additions in the same order).
-    fn reduce_into(&mut self, groups: &mut StepGroups, pid: ParamId, full: &[f32]) -> Result<()> {
-        let slot = self.param_slot(pid)?;
-        self.unpark_slot(groups, &slot)?;
-        let counts = shard_counts(slot.numel, self.layout.world);
-        groups.grad_reduces += 1;
-        if let [pc] = slot.pieces.as_slice() {
-            let dst = self.piece_sum(groups, pc)?.piece_zeroed(pc.group_range())?;
-            return self.opts.comm.reduce_scatter_add_f32(full, &counts, dst);
-        }
-        let mut shard = vec![0f32; slot.shard_numel];
-        self.copy_shard_acc(groups, &slot, &mut shard, false)?;
-        self.opts
-            .comm
-            .reduce_scatter_add_f32(full, &counts, &mut shard)?;
-        self.copy_shard_acc(groups, &slot, &mut shard, true)
     }
 }
