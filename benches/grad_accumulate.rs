@@ -36,6 +36,10 @@
 //! * `copy_to_dtype_to_vec1` and `copy_grad_to_f32`: the widened fp32
 //!   copy alone (several ranks' path, a tied param's first unit), before
 //!   and after.
+//! * `rank_chunks_widen_then_lay_out` and `rank_chunks_widened_in_place`:
+//!   two ranks' host collective input (`full`) of the block's params,
+//!   each widened to fp32 then laid out in rank chunks (before), or
+//!   widened straight into its chunks (after).
 //!
 //! Each pair gives the same bits: the adds and the set against the scalar
 //! loop, the copies against candle's widening
@@ -47,14 +51,29 @@ use candle_core::{DType, Device, Tensor};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use std::hint::black_box;
 use std::time::Duration;
+use tierzero::engine::comm::RankChunks;
+use tierzero::model::exec_units::HostElems;
 use tierzero::model::fused::{
-    add_grad_into, copy_bf16_grad_into, fill_zeros, grad_to_f32, set_grad_into, zeros_bf16,
-    zeros_f32,
+    add_grad_into, copy_bf16_grad_into, elems_to_f32, fill_zeros, grad_to_f32, set_grad_into,
+    widen_elems_into, zeros_bf16, zeros_f32,
 };
 use tierzero::optim::{AdamHyper, CpuAdam, GradIn, GradScale, LowPrecisionOut, Moments};
 
 /// q and o 2048², k and v 2048 × 512, the MLP's three 2048 × 5632, two norms.
 const NUMEL: usize = 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 5632 + 2 * 2048;
+
+/// [`NUMEL`]'s params, one by one.
+const PARAM_NUMELS: [usize; 9] = [
+    2048 * 2048,
+    2048 * 512,
+    2048 * 512,
+    2048 * 2048,
+    2048 * 5632,
+    2048 * 5632,
+    2048 * 5632,
+    2048,
+    2048,
+];
 
 /// The fp32 copy as it was made before: candle's `to_dtype`, then `to_vec1`.
 fn widened_by_candle(grad: &Tensor) -> Vec<f32> {
@@ -157,6 +176,45 @@ fn bench_grad_accumulate(c: &mut Criterion) {
     });
     group.bench_function("copy_grad_to_f32", |b| {
         b.iter(|| black_box(grad_to_f32(black_box(&grad)).unwrap()))
+    });
+    // Two ranks' host collective of the block's nine params (each cut in
+    // halves): its `full`, every rank's chunk of every param in rank
+    // order. Before: each param widened into a new fp32 vector, then laid
+    // out (`rank_chunks`); after: widened straight into its chunks
+    // (`RankChunks`, `widen_elems_into`). The same values.
+    let g16 = grad.flatten_all().unwrap().to_vec1::<half::bf16>().unwrap();
+    let mut parts: Vec<&[half::bf16]> = Vec::new();
+    let mut rest = &g16[..];
+    for n in PARAM_NUMELS {
+        let (part, tail) = rest.split_at(n);
+        parts.push(part);
+        rest = tail;
+    }
+    let counts: Vec<Vec<usize>> = PARAM_NUMELS
+        .iter()
+        .map(|&n| vec![n - n / 2, n / 2])
+        .collect();
+    group.bench_function("rank_chunks_widen_then_lay_out", |b| {
+        b.iter(|| {
+            let wide: Vec<Vec<f32>> = parts
+                .iter()
+                .map(|p| elems_to_f32(HostElems::Bf16(p)))
+                .collect();
+            let wide: Vec<&[f32]> = wide.iter().map(Vec::as_slice).collect();
+            black_box(tierzero::engine::comm::rank_chunks(&wide, &counts).unwrap())
+        })
+    });
+    group.bench_function("rank_chunks_widened_in_place", |b| {
+        b.iter(|| {
+            let chunks = RankChunks::new(&PARAM_NUMELS, &counts).unwrap();
+            let mut full = vec![0f32; chunks.total_numel()];
+            for (p, part) in parts.iter().enumerate() {
+                for (to, from) in chunks.chunks(p) {
+                    widen_elems_into(&mut full[to], HostElems::Bf16(part), from).unwrap();
+                }
+            }
+            black_box(full)
+        })
     });
     group.finish();
 }

@@ -161,36 +161,96 @@ pub fn add_chunks_in_rank_order(acc: &mut [f32], chunks: &[f32]) {
 /// chunks of `counts[p][r]` elements; returns every rank's chunks in rank
 /// order, each rank's block holding its chunk of every part in order (the
 /// `full` of [`Comm::reduce_scatter_add_f32`]), and each rank's block
-/// length (its `counts_numel`). The one place that layout is decided: the
-/// trainer's reduce-scatter of a unit's gradients and the device's use it.
+/// length (its `counts_numel`). The layout is [`RankChunks`]'s.
 pub fn rank_chunks(parts: &[&[f32]], counts: &[Vec<usize>]) -> Result<(Vec<f32>, Vec<usize>)> {
-    let world = counts.first().map_or(0, Vec::len);
-    if parts.len() != counts.len() {
-        return Err(EngineError::internal(format!(
-            "rank_chunks: {} parts but {} counts",
-            parts.len(),
-            counts.len()
-        )));
+    let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+    let layout = RankChunks::new(&lens, counts)?;
+    let mut full = vec![0f32; layout.total_numel()];
+    for (p, part) in parts.iter().enumerate() {
+        for (to, from) in layout.chunks(p) {
+            full[to.clone()].copy_from_slice(&part[from..from + to.len()]);
+        }
     }
-    for (part, c) in parts.iter().zip(counts) {
-        if c.len() != world || c.iter().sum::<usize>() != part.len() {
+    Ok((full, layout.blocks))
+}
+
+/// Where [`rank_chunks`] puts each part's chunks: rank `r`'s block holds
+/// chunk `r` of every part, in part order, and the blocks follow in rank
+/// order. The one place that layout is decided: the trainer's
+/// reduce-scatter of a unit's gradients (which widens each gradient
+/// straight into its chunks) and the device's packing use it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankChunks {
+    /// `at[p][r]`: where chunk `r` of part `p` starts.
+    at: Vec<Vec<usize>>,
+    /// Each part's cut (`counts[p][r]` elements of part `p` for rank `r`).
+    counts: Vec<Vec<usize>>,
+    /// Each rank's block length.
+    blocks: Vec<usize>,
+}
+
+impl RankChunks {
+    /// The layout of parts of `lens` elements cut as `counts` (one count a
+    /// rank each, summing to the part's length).
+    pub fn new(lens: &[usize], counts: &[Vec<usize>]) -> Result<RankChunks> {
+        let world = counts.first().map_or(0, Vec::len);
+        if lens.len() != counts.len() {
             return Err(EngineError::internal(format!(
-                "rank_chunks: a part of {} elements cut as {c:?} for {world} ranks",
-                part.len()
+                "rank_chunks: {} parts but {} counts",
+                lens.len(),
+                counts.len()
             )));
         }
-    }
-    let mut full = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
-    let mut blocks = vec![0usize; world];
-    let mut at = vec![0usize; parts.len()];
-    for (r, block) in blocks.iter_mut().enumerate() {
-        for ((part, c), at) in parts.iter().zip(counts).zip(at.iter_mut()) {
-            full.extend_from_slice(&part[*at..*at + c[r]]);
-            *at += c[r];
-            *block += c[r];
+        for (&len, c) in lens.iter().zip(counts) {
+            if c.len() != world || c.iter().sum::<usize>() != len {
+                return Err(EngineError::internal(format!(
+                    "rank_chunks: a part of {len} elements cut as {c:?} for {world} ranks"
+                )));
+            }
         }
+        let blocks: Vec<usize> = (0..world)
+            .map(|r| counts.iter().map(|c| c[r]).sum())
+            .collect();
+        let mut at = vec![vec![0usize; world]; counts.len()];
+        let mut block_start = 0;
+        for (r, block) in blocks.iter().enumerate() {
+            let mut next = block_start;
+            for (p, c) in counts.iter().enumerate() {
+                at[p][r] = next;
+                next += c[r];
+            }
+            block_start += block;
+        }
+        Ok(RankChunks {
+            at,
+            counts: counts.to_vec(),
+            blocks,
+        })
     }
-    Ok((full, blocks))
+
+    /// Elements of every block together.
+    pub fn total_numel(&self) -> usize {
+        self.blocks.iter().sum()
+    }
+
+    /// Each rank's block length.
+    pub fn blocks(&self) -> &[usize] {
+        &self.blocks
+    }
+
+    /// Part `p`'s chunks in rank order: where each goes (a range of the
+    /// whole) and where it starts in the part.
+    pub fn chunks(&self, p: usize) -> impl Iterator<Item = (std::ops::Range<usize>, usize)> + '_ {
+        let mut from = 0;
+        self.at[p]
+            .iter()
+            .zip(&self.counts[p])
+            .map(move |(&at, &n)| {
+                let chunk = (at..at + n, from);
+                from += n;
+                chunk
+            })
+    }
 }
 
 /// One round of an all-to-all moved in rounds (elements `[from, from +
@@ -353,6 +413,17 @@ mod tests {
         assert_eq!(blocks, [5, 3]);
         assert!(rank_chunks(&[&a], &[vec![2, 2]]).is_err());
         assert!(rank_chunks(&[&a, &b], &[vec![2, 1]]).is_err());
+        // Three ranks, chunks of none among them: every element once, each
+        // part's chunk r in block r after the earlier parts' chunk r.
+        let counts = [vec![0, 2, 1], vec![3, 0, 0], vec![1, 1, 2]];
+        let l = RankChunks::new(&[3, 3, 4], &counts).unwrap();
+        assert_eq!(l.blocks(), [4, 3, 3]);
+        assert_eq!(l.total_numel(), 10);
+        let got: Vec<Vec<_>> = (0..3).map(|p| l.chunks(p).collect()).collect();
+        assert_eq!(got[0], [(0..0, 0), (4..6, 0), (7..8, 2)]);
+        assert_eq!(got[1], [(0..3, 0), (6..6, 3), (8..8, 3)]);
+        assert_eq!(got[2], [(3..4, 0), (6..7, 1), (8..10, 2)]);
+        assert!(RankChunks::new(&[3], &[vec![1, 1]]).is_err());
     }
 
     #[test]

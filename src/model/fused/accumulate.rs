@@ -151,6 +151,35 @@ pub fn elems_to_f32(src: HostElems<'_>) -> Vec<f32> {
     out
 }
 
+/// `dst[i] = widen(src[offset + i])`, exactly as [`elems_to_f32`] widens
+/// (a `-0.0` stays `-0.0`: this is the gradient, not a sum of it), into
+/// `dst` in place, in parallel on the current pool: a gradient's chunks
+/// laid out for a collective without an fp32 copy of it first.
+pub fn widen_elems_into(
+    dst: &mut [f32],
+    src: HostElems<'_>,
+    offset: usize,
+) -> candle_core::Result<()> {
+    let r = elems_range(offset, dst.len(), src.len())?;
+    fn widen<T: Copy + Sync>(dst: &mut [f32], g: &[T], f: impl Fn(T) -> f32 + Sync) {
+        par_elems(
+            dst,
+            #[inline(always)]
+            |at, chunk| {
+                for (d, &x) in chunk.iter_mut().zip(&g[at..]) {
+                    *d = f(x);
+                }
+            },
+        );
+    }
+    match src {
+        HostElems::Bf16(g) => widen(dst, &g[r], half::bf16::to_f32),
+        HostElems::F16(g) => widen(dst, &g[r], half::f16::to_f32),
+        HostElems::F32(g) => widen(dst, &g[r], |x| x),
+    }
+    Ok(())
+}
+
 /// `acc[i] = base + widen(g[i])` (see [`put_grad`]), in parallel chunks.
 /// `0.0 + x` is not folded to `x` (it differs at `-0.0`), so the set is
 /// the add onto a zero, without its read.
@@ -304,6 +333,20 @@ mod tests {
                 set_grad_into(&mut set, &t, offset).unwrap();
                 assert_eq!(bits(&set), bits(&want), "{dtype:?} {numel} {offset}: set");
                 assert!(set.iter().all(|v| v.to_bits() != (-0f32).to_bits()));
+                // Widened into place (a collective's chunk): the copy's
+                // bits, -0.0 kept, whatever `dst` held. (Stored elements
+                // are fp32, bf16 or fp16.)
+                if dtype == DType::F64 {
+                    continue;
+                }
+                let mut into = vec![f32::NAN; len];
+                crate::model::exec_units::with_host_elems(&t, |e| {
+                    Ok(widen_elems_into(&mut into, e, offset))
+                })
+                .unwrap()
+                .unwrap();
+                let want = &widened[offset..offset + len];
+                assert_eq!(bits(&into), bits(want), "{dtype:?} {numel} {offset}: widen");
             }
         }
     }
@@ -332,6 +375,8 @@ mod tests {
         assert!(e.contains("7..11 of a gradient of 10"), "{e}");
         assert!(add_grad_into(&mut acc, &t, usize::MAX).is_err());
         assert!(set_grad_into(&mut acc, &t, 7).is_err());
+        let z = vec![half::bf16::ZERO; 10];
+        assert!(widen_elems_into(&mut acc, HostElems::Bf16(&z), 7).is_err());
     }
 
     #[test]

@@ -484,7 +484,7 @@ mod sdpa;
 pub use accumulate::{
     add_grad_elems_into, add_grad_into, bf16_sums_to_f32, copy_bf16_elems_into,
     copy_bf16_grad_into, elems_to_f32, fill_zeros, grad_to_f32, set_grad_elems_into, set_grad_into,
-    zeros_bf16, zeros_f32,
+    widen_elems_into, zeros_bf16, zeros_f32,
 };
 pub use attention::{causal_softmax, repeat_kv};
 pub use linear::{count_hidden, linear, linear_gelu_tanh, WeightLayout};

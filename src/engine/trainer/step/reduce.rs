@@ -48,10 +48,12 @@ impl Trainer {
     ///
     /// With several ranks the unit's gradients go through **one**
     /// reduce-scatter: rank `r`'s chunk is every param's chunk `r`, one
-    /// after the other, and this rank's accumulator slices are added to
-    /// as one buffer, chunk by chunk in rank order: per element the same
-    /// additions in the same order as a reduce-scatter each, for one
-    /// collective's latency a unit instead of one a param.
+    /// after the other ([`crate::engine::comm::RankChunks`], each gradient
+    /// widened straight into its chunks), and this rank's accumulator
+    /// slices are added to as one buffer, chunk by chunk in rank order:
+    /// per element the same additions in the same order as a
+    /// reduce-scatter each, for one collective's latency a unit instead of
+    /// one a param.
     pub(super) fn accumulate_unit(
         &mut self,
         groups: &mut StepGroups,
@@ -73,22 +75,48 @@ impl Trainer {
                 Ok(())
             });
         }
-        let mut ready = Vec::with_capacity(grads.len());
+        // The gradients whose sum is complete at this unit: a param used
+        // by this unit alone as stored (`None`: widened straight into its
+        // chunks below), a tied one's sum over its units once its last
+        // unit is here.
+        let mut ready: Vec<(ParamId, Option<Vec<f32>>, &Tensor)> = Vec::with_capacity(grads.len());
         for (pid, grad) in grads {
-            if let Some(full) =
+            if self.model.in_one_unit(*pid) {
+                ready.push((*pid, None, grad));
+            } else if let Some(sum) =
                 with_host_elems(grad, |e| Ok(self.local_grad(tied, unit, *pid, e)))??
             {
-                ready.push((*pid, full));
+                ready.push((*pid, Some(sum), grad));
             }
         }
-        let ids: Vec<ParamId> = ready.iter().map(|(pid, _)| *pid).collect();
+        let ids: Vec<ParamId> = ready.iter().map(|(pid, _, _)| *pid).collect();
         let mut accs = self.shard_accs(groups, &ids)?;
         let mut acc = accs.acc_or_zeros();
-        let parts: Vec<&[f32]> = ready.iter().map(|(_, g)| g.as_slice()).collect();
-        let (full, blocks) = crate::engine::comm::rank_chunks(&parts, &accs.counts)?;
+        let lens: Vec<usize> = ready
+            .iter()
+            .map(|(_, sum, grad)| sum.as_ref().map_or_else(|| grad.elem_count(), Vec::len))
+            .collect();
+        let chunks = crate::engine::comm::RankChunks::new(&lens, &accs.counts)?;
+        // Every element of `full` is some chunk's: written once below.
+        let mut full = vec![0f32; chunks.total_numel()];
+        let pool = self.host_pool.clone();
+        pool.run(|| -> Result<()> {
+            for (p, (_, sum, grad)) in ready.iter().enumerate() {
+                let mut lay = |e: HostElems<'_>| {
+                    chunks.chunks(p).try_for_each(|(to, from)| {
+                        crate::model::fused::widen_elems_into(&mut full[to], e, from)
+                    })
+                };
+                match sum {
+                    Some(sum) => lay(HostElems::F32(sum))?,
+                    None => with_host_elems(grad, |e| Ok(lay(e)))??,
+                }
+            }
+            Ok(())
+        })?;
         self.opts
             .comm
-            .reduce_scatter_add_f32(&full, &blocks, &mut acc)?;
+            .reduce_scatter_add_f32(&full, chunks.blocks(), &mut acc)?;
         groups.grad_reduces += 1;
         self.store_shard_accs(groups, &accs.slots, &acc)
     }
