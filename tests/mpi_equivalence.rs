@@ -1171,6 +1171,7 @@ fn adam_on_the_devices_of_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
     // Stage 1 as 2; with no activation budget every block's forward is
     // recomputed in its backward, from the params gathered for it.
     let mut peaks = std::collections::BTreeMap::new();
+    let mut h2d = std::collections::BTreeMap::new();
     for (stage, precision, activation_budget) in [
         (3u8, "fp32", None),
         (3, "bf16", None),
@@ -1201,6 +1202,7 @@ fn adam_on_the_devices_of_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
             (stage, precision, recompute),
             (ranks[0].device_peak_bytes, ranks[0].device_aheads),
         );
+        h2d.insert((stage, precision, recompute), ranks[0].h2d_bytes);
         assert_bit_identical(
             &format!("stage {stage}, {precision}{recompute}: Adam on the devices of 2 ranks"),
             &reference,
@@ -1208,8 +1210,6 @@ fn adam_on_the_devices_of_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
         );
         let l = &reference.losses;
         assert!(l[l.len() - 1] < l[0], "{tag}: loss did not fall: {l:?}");
-        // GPT-2, tied: wte, wpe; 12 a block, two blocks; ln_f's two.
-        let params = 2 + 2 * 12 + 2;
         for (r, o) in ranks.iter().enumerate() {
             println!(
                 "stage {stage}, {precision}, rank {r}: {} reduces and {} gathers of the weights \
@@ -1236,10 +1236,11 @@ fn adam_on_the_devices_of_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
                 assert_eq!(o.device_kept_gathers, gas * steps * 7, "rank {r}");
                 assert_eq!(o.device_gathers, 0, "rank {r}: loads");
             } else {
-                // One gather of every param's new weights a step, and one
-                // of each param at load (this rank's shard up).
-                assert_eq!(o.device_kept_gathers, steps, "rank {r}");
-                assert_eq!(o.device_gathers, params, "rank {r}: loads");
+                // One gather of every param's weights a step, from the
+                // new master shards, and one at load, from the loaded
+                // ones: no param's weights cross, no gather a param.
+                assert_eq!(o.device_kept_gathers, steps + 1, "rank {r}");
+                assert_eq!(o.device_gathers, 0, "rank {r}: loads");
             }
             // Nothing on the host's collectives but the loss's and the
             // checkpoint's.
@@ -1252,6 +1253,17 @@ fn adam_on_the_devices_of_two_ranks_matches_one_rank_in_memory_bit_for_bit() {
     // issued as the engine stages a unit let as many units be launched
     // ahead as with whole weights, with no gather more (above).
     println!("the device's peak bytes and units launched ahead, rank 0: {peaks:?}");
+    // What crosses to a device is the state it loads (this rank's master
+    // and moments) and the units' inputs, whether the weights stay whole
+    // (stages 1 and 2: gathered there from the masters) or are gathered
+    // per unit (stage 3): no weights cross at load.
+    for (stage, precision) in [(2, "fp32"), (2, "bf16"), (1, "fp32")] {
+        assert_eq!(
+            h2d[&(stage, precision, "")],
+            h2d[&(3, precision, "")],
+            "stage {stage}, {precision}: bytes up"
+        );
+    }
     // The model: width 64, inner 128, vocab 256, 32 positions, tied; its
     // largest unit a block.
     let (h, inner) = (64u64, 128u64);
@@ -1307,8 +1319,9 @@ fn clipping_case(stage: u8) {
     assert_eq!(ranks[0].sha256, host[0].sha256, "stage {stage}: weights");
     for (r, o) in ranks.iter().enumerate() {
         // Stage 3: each unit's params gathered as it is called, 7 calls a
-        // micro-batch (see the two-rank test); stage 2: once a step.
-        let gathers = if stage == 3 { 7 * steps } else { steps };
+        // micro-batch (see the two-rank test); stage 2: once a step, and
+        // once at load.
+        let gathers = if stage == 3 { 7 * steps } else { steps + 1 };
         assert_eq!(o.device_kept_gathers, gathers, "rank {r}");
     }
     let multi = &ranks[0];

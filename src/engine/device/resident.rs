@@ -74,13 +74,14 @@
 //! rank's bits over the same micro-batches. With whole weights, after the
 //! step each rank's new master shard is rounded into its range of the
 //! weights and the ranks gather the rest, every param in one
-//! [`DeviceLink::gather_kept`]; at load, this rank's shard of the weights
-//! crosses and is gathered there ([`DeviceLink::gather_param`]). Each of
+//! [`DeviceLink::gather_kept`]; so at load, once the last param's master
+//! shard has crossed (the weights do not cross: the masters are the
+//! weights' source). Each of
 //! these is a collective, made on the engine's thread in one order on
 //! every rank: the reduces in backward order (a unit's fp32 ones, then
-//! its bf16 ones, each in declared order), those of the step's end in
-//! param order, the loads in param order (at stage 3, also each unit's
-//! gather, in the engine's calls). The norm for
+//! its bf16 ones, each in declared order), the gathers of the step's end
+//! and of the last load (at stage 3, instead, each unit's gather, in the
+//! engine's calls). The norm for
 //! clipping is this rank's shards' Σg², which the trainer adds over the
 //! ranks. The param store hands out shards ([`UnitCompute::gathers_params`]):
 //! the host gathers nothing.

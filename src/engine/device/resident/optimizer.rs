@@ -47,9 +47,10 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
         let what = |k: &str| format!("{k} {}", id.0);
         let f32s = HostElems::F32;
         // The weights are the master, rounded to bf16 in bf16 storage:
-        // those cross as bf16 elements (2 bytes) and stay so on the device
-        // (partitioned: gathered per unit from the master, none here).
-        let rounded: Vec<half::bf16> = if self.bf16 && !self.partitioned() {
+        // with one rank those cross as bf16 elements (2 bytes) and stay so
+        // on the device (several ranks: gathered on the devices from the
+        // masters).
+        let rounded: Vec<half::bf16> = if self.bf16 && self.ranks.is_none() {
             master.iter().map(|&x| half::bf16::from_f32(x)).collect()
         } else {
             Vec::new()
@@ -60,19 +61,20 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
             f32s(master)
         };
         let (weights, adam_master) = match &self.ranks {
-            // This rank's shard of the weights crosses; the ranks gather
-            // the whole on the devices (partitioned: for each unit, from
-            // the master shards, when it runs).
+            // Only this rank's master shard crosses. The whole weights are
+            // gathered on the devices from the ranks' master shards: every
+            // param's in one collective once the last is loaded, as after
+            // a step (partitioned: none kept; for each unit, when it runs).
             Some(r) => {
                 let w = if r.partition {
                     None
                 } else {
-                    let counts = r.counts.get(id.0).map_or(&[][..], Vec::as_slice);
-                    let up = self
-                        .link
-                        .gather_param(&what("param"), weights_host, counts)?;
-                    st.traffic.h2d_bytes += weights_host.bytes();
-                    Some(self.link.finish(up)?)
+                    let storage = if self.bf16 {
+                        candle_core::DType::BF16
+                    } else {
+                        candle_core::DType::F32
+                    };
+                    Some(self.link.alloc_param(&what("param"), numel, storage)?)
                 };
                 let master = if shard == 0 {
                     None
@@ -105,6 +107,11 @@ impl<L: DeviceLink> DeviceOptimizer for ResidentUnits<L> {
                 reduced: Reduced::None,
             },
         );
+        if st.params.len() == self.numels.len() && !self.partitioned() {
+            // The last load (every rank's, in param order): the weights'
+            // one gather (none with one rank).
+            self.gather_weights(&mut st)?;
+        }
         Ok(())
     }
 
