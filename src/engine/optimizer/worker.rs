@@ -166,15 +166,10 @@ impl std::fmt::Debug for ExclusiveJob {
 /// new `Vec<u8>` element by element on this thread, a fresh 90 MB a
 /// 45M-element sub-group in bf16 (about 50 ms on one core here, most of it
 /// page faults), on the optimizer tail that paces the next forward.
-#[derive(Debug, Clone, PartialEq)]
-pub enum StepValues {
-    /// fp32 storage.
-    F32(Vec<f32>),
-    /// bf16 storage.
-    Bf16(Vec<bf16>),
-    /// fp16 storage.
-    F16(Vec<f16>),
-}
+///
+/// The elements of one of the three storage dtypes, as a device's
+/// download holds them: the same type.
+pub type StepValues = crate::model::exec_units::HostVec;
 
 // The stored bytes are little-endian (`to_le_bytes` wrote them before;
 // `params::store::cpu_tensor` reads them back by a native cast).

@@ -83,7 +83,9 @@ impl HostElems<'_> {
 
 /// Elements a device tier downloaded: fp32, or bf16 or fp16 rounded on
 /// the device (to nearest even, fp16 overflowing to infinity, as candle's
-/// `to_dtype` rounds on the host).
+/// `to_dtype` rounds on the host). Also a stepped sub-group's new param
+/// values in their storage dtype
+/// ([`crate::engine::optimizer::worker::StepValues`]).
 #[derive(Debug, Clone, PartialEq)]
 pub enum HostVec {
     /// fp32 elements.
