@@ -56,9 +56,14 @@
 //!   before they are reduced or offloaded (whenever grads are partitioned or
 //!   offloaded; stages 0/1 without offload accumulate straight into fp32).
 //! - **fp32 gradient accumulators**: `N·4` (stages 0/1) or `S·4` (stages 2/3),
-//!   wherever the optimizer runs: device, pinned host memory (they are the
-//!   target of device-to-host copies), or NVMe (swapped with the optimizer
-//!   sub-group, as DeepSpeed's gradient swap files).
+//!   wherever the optimizer runs: device, pageable host memory (the CPU
+//!   optimizer's sums: a device's copies land in the link's pinned staging
+//!   buffers and are read into them, so they need not be pinned; the
+//!   plan's grads row), or NVMe (swapped with the optimizer sub-group, as
+//!   DeepSpeed's gradient swap files). With the state in host memory, one
+//!   rank, bf16 and one micro-batch, the gradients of params no two units
+//!   share are held as they came, 2 bytes each
+//!   ([`Inputs::bf16_grad_numel`], from `--model` and `--config`).
 //! - **Optimizer state**: fp32 master + m + v, `(4 + 2m)` bytes per param,
 //!   `N` of them at stage 0 and `S` from stage 1: on the device, in
 //!   *pageable* host memory (`cpu`: the CPU Adam reads and writes it in
@@ -116,9 +121,8 @@
 //!   makes DeepSpeed's per-CPU figure 1.5 times the terms we share.
 //! - **`16N·f·G/T` per CPU** (optimizer offloaded: 4 B of fp32 grads and
 //!   12 B of fp32 master + m + v per param) is our *fp32 gradient accumulators*
-//!   item (pinned host memory, with `pin_memory`) plus our *optimizer state*
-//!   item (pageable host memory), each as large as the sizing plan holds it
-//!   in host memory.
+//!   item (2 B where held as bf16) plus our *optimizer state* item, both in
+//!   pageable host memory, each as large as the sizing plan holds it there.
 //! - **`18N·f·G/T` per CPU** (params offloaded too) adds 2 B of 16-bit
 //!   params: our *16-bit param partition* item, pinned with `pin_memory`
 //!   (`S·p`).
@@ -445,6 +449,12 @@ pub struct Inputs {
     pub param_elem_bytes: u64,
     /// Bytes per Adam moment element (4, or 2 with bf16 moments).
     pub moment_elem_bytes: u64,
+    /// Elements whose gradients the host holds as bf16, as they came, with
+    /// the optimizer state in host memory
+    /// ([`crate::engine::sizing::bf16_grad_numel`]: one rank, bf16, one
+    /// micro-batch, params no two units share; needs the model and the
+    /// config); the rest take 4 bytes, fp32 sums.
+    pub bf16_grad_numel: u64,
     /// Pinned buffer settings.
     pub swap: SwapSettings,
 }
@@ -926,6 +936,7 @@ mod tests {
             ranks,
             param_elem_bytes: 2,
             moment_elem_bytes: 4,
+            bf16_grad_numel: 0,
             swap,
         }
     }
@@ -1097,11 +1108,12 @@ mod tests {
         // Node totals are ranks × per rank.
         let e = find(&r, 3, Offload::Cpu, Offload::Cpu);
         assert_eq!(e.per_node.pinned_bytes, ranks * e.per_rank.pinned_bytes);
-        // Stage 3, everything on the CPU: pinned = params + grads + staging 0,
-        // pageable = optimizer state; the device holds only units.
+        // Stage 3, everything on the CPU: pinned = params + staging 0,
+        // pageable = the CPU optimizer's fp32 sums (heap memory) and its
+        // state; the device holds only units.
         assert_eq!(e.per_rank.device_bytes, 6 * l);
-        assert_eq!(e.per_rank.pinned_bytes, 2 * s + 4 * s);
-        assert_eq!(e.per_rank.pageable_bytes, 12 * s);
+        assert_eq!(e.per_rank.pinned_bytes, 2 * s);
+        assert_eq!(e.per_rank.pageable_bytes, 4 * s + 12 * s);
         assert_eq!(e.per_rank.nvme_bytes, 0);
         // DeepSpeed's figure for the same choice is attached.
         let ds = e.deepspeed.unwrap();
@@ -1112,6 +1124,50 @@ mod tests {
         assert!(find(&r, 0, Offload::None, Offload::None)
             .deepspeed
             .is_none());
+    }
+
+    /// With the optimizer state in host memory, the gradients held as bf16
+    /// take 2 bytes, the rest 4, all in pageable memory, under a name and
+    /// formula that say which; with it on the device they stay fp32 sums.
+    #[test]
+    fn bf16_gradients_held_as_they_came_take_two_bytes_in_host_memory() {
+        let n = 1000u64;
+        let grads = |bf16: u64| {
+            let mut inp = inputs(n, 10, 1, settings("{}"));
+            inp.bf16_grad_numel = bf16;
+            let r = estimate(&inp, &machine(1 << 40, 1 << 40, None)).unwrap();
+            let e = find(&r, 3, Offload::Cpu, Offload::Cpu).clone();
+            let host = e.per_rank.pageable_bytes - 12 * n;
+            let item = e
+                .items
+                .iter()
+                .find(|i| i.tier == Tier::Pageable && i.what.contains("grad"))
+                .map(|i| (i.what, i.tier, i.formula.clone()))
+                .unwrap();
+            let device = find(&r, 0, Offload::None, Offload::None)
+                .per_rank
+                .device_bytes;
+            (host, item, device)
+        };
+        let (host, (what, tier, _), fp32_device) = grads(0);
+        assert_eq!(
+            (host, what, tier),
+            (4 * n, "fp32 grad accumulators", Tier::Pageable)
+        );
+        let (host, (what, _, formula), device) = grads(n);
+        assert_eq!(host, 2 * n);
+        assert!(what.starts_with("bf16 gradients"), "{what}");
+        assert_eq!(formula, "1000 × 2 B");
+        assert_eq!(device, fp32_device, "the device's sums are not the host's");
+        let (host, (what, _, formula), _) = grads(600);
+        assert_eq!(host, 400 * 4 + 600 * 2);
+        assert!(what.contains("fp32") && what.contains("bf16"), "{what}");
+        assert!(
+            formula.starts_with("400 × 4 B") && formula.ends_with("600 × 2 B"),
+            "{formula}"
+        );
+        // More than the partition (a stale count) is the partition.
+        assert_eq!(grads(5 * n).0, 2 * n);
     }
 
     #[test]

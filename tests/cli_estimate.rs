@@ -114,11 +114,12 @@ fn estimate_json_matches_the_formulas() {
     assert_eq!(u(&e["deepspeed"]["cpu_bytes"]), 76_977_000_000);
     assert_eq!(u(&e["deepspeed"]["gpu_bytes"]), 4 * l);
     // Ours, per rank: two gathered units + one unit's grads on the device;
-    // pinned 16-bit params + fp32 grads; pageable master + m + v.
+    // pinned 16-bit params; pageable fp32 grads (the CPU optimizer's sums,
+    // heap memory) and master + m + v.
     assert_eq!(u(&e["per_rank"]["device_bytes"]), 2 * l * 2 + l * 2);
-    assert_eq!(u(&e["per_rank"]["pinned_bytes"]), s * 2 + s * 4);
-    assert_eq!(u(&e["per_rank"]["pageable_bytes"]), s * 12);
-    assert_eq!(u(&e["per_node"]["pinned_bytes"]), ranks * (s * 2 + s * 4));
+    assert_eq!(u(&e["per_rank"]["pinned_bytes"]), s * 2);
+    assert_eq!(u(&e["per_rank"]["pageable_bytes"]), s * 4 + s * 12);
+    assert_eq!(u(&e["per_node"]["pinned_bytes"]), ranks * s * 2);
     let items = e["items"].as_array().unwrap();
     assert!(items.iter().any(|i| i["what"] == "fp32 master + Adam m, v"
         && i["formula"] == "⌈2851000000/8⌉ × (4 + 2 × 4) B"));
@@ -196,6 +197,19 @@ fn estimate_from_model_and_config() {
     assert_eq!(r["inputs"]["param_elem_bytes"], 2);
     assert_eq!(r["inputs"]["moment_elem_bytes"], 2);
     assert_eq!(r["inputs"]["swap"]["sub_group_numel"], 10_000_000u64);
+    // bf16, one rank, one micro-batch: the host holds each gradient as it
+    // came, but in the groups of the tied wte (its two units' gradients
+    // add up): those hold fp32 sums, the wte and at most its neighbours
+    // in its first and last groups.
+    let (n, wte) = (124_439_808u64, 50257u64 * 768);
+    let b = u(&r["inputs"]["bf16_grad_numel"]);
+    assert!(b <= n - wte && b + 2 * 10_000_000 >= n - wte, "{b}");
+    let grads = items_named(
+        estimate_of(&r, 3, "cpu", "cpu"),
+        "grad accumulators (fp32; bf16 as they came)",
+    );
+    assert_eq!(u(&grads["bytes"]), (n - b) * 4 + b * 2, "{grads}");
+    assert_eq!(grads["tier"], "pageable");
     assert_eq!(r["machine"]["nvme_dir"], swap.to_str().unwrap());
     assert_eq!(
         r["config_choice"],

@@ -489,6 +489,23 @@ fn the_plan_holds_bf16_gradients_where_each_element_gets_one() {
         .sum();
     assert_eq!(plan.grads.host_bytes, bytes);
     assert_eq!(plan.bf16_grad_sub_groups, bf16);
+    // `tierzero estimate`'s count of the bf16 elements is the trainer's.
+    let loaded = load_str(&cfg.to_string(), &RunContext::default()).unwrap();
+    let bf16_numel: u64 = groups
+        .iter()
+        .zip(dtypes)
+        .filter(|(_, dt)| **dt == SumDtype::Bf16)
+        .map(|(g, _)| g.numel as u64)
+        .sum();
+    assert_eq!(
+        tierzero::engine::sizing::bf16_grad_numel(&loaded.config, t.model(), 1),
+        bf16_numel
+    );
+    assert_eq!(
+        tierzero::engine::sizing::bf16_grad_numel(&loaded.config, t.model(), 2),
+        0,
+        "two ranks sum their gradients"
+    );
     let text = plan.to_string();
     assert!(
         text.contains("grads (bf16+fp32, at most)")
@@ -501,6 +518,11 @@ fn the_plan_holds_bf16_gradients_where_each_element_gets_one() {
     cfg["gradient_accumulation_steps"] = json!(2);
     let t2 = trainer(&d, &cfg).unwrap();
     assert!(t2.grad_sum_dtypes().iter().all(|d| *d == SumDtype::F32));
+    let loaded2 = load_str(&cfg.to_string(), &RunContext::default()).unwrap();
+    assert_eq!(
+        tierzero::engine::sizing::bf16_grad_numel(&loaded2.config, t2.model(), 1),
+        0
+    );
     let plan2 = plan_of(&d, &cfg);
     assert_eq!(plan2.bf16_grad_sub_groups, 0);
     let text2 = plan2.to_string();

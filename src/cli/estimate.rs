@@ -104,6 +104,9 @@ struct ModelSize {
     total_numel: u64,
     largest_unit_numel: u64,
     largest_tensor_numel: u64,
+    /// The model, for the rules that need its params (which the units
+    /// share).
+    model: Model,
 }
 
 fn model_size(path: &Path) -> Result<ModelSize, Failure> {
@@ -136,6 +139,7 @@ fn model_size(path: &Path) -> Result<ModelSize, Failure> {
         total_numel: model.numel() as u64,
         largest_unit_numel,
         largest_tensor_numel: params.iter().map(|p| p.numel as u64).max().unwrap_or(0),
+        model,
     })
 }
 
@@ -159,11 +163,18 @@ fn existing_ancestor(p: &Path) -> Option<PathBuf> {
 struct FromConfig {
     swap: SwapSettings,
     param_elem_bytes: u64,
+    /// [`Inputs::bf16_grad_numel`]: 0 without a config or a model.
+    bf16_grad_numel: u64,
     nvme_path: Option<PathBuf>,
     choice: Choice,
 }
 
-fn load_config(path: Option<&Path>, ranks: u64, total_numel: u64) -> Result<FromConfig, Failure> {
+fn load_config(
+    path: Option<&Path>,
+    ranks: u64,
+    total_numel: u64,
+    model: Option<&Model>,
+) -> Result<FromConfig, Failure> {
     let text = match path {
         Some(p) => std::fs::read_to_string(p)
             .map_err(|e| bad(format!("--config: cannot read {}: {e}", p.display())))?,
@@ -189,6 +200,14 @@ fn load_config(path: Option<&Path>, ranks: u64, total_numel: u64) -> Result<From
         } else {
             2
         },
+        bf16_grad_numel: match (path, model) {
+            (Some(_), Some(m)) => tierzero::engine::sizing::bf16_grad_numel(
+                c,
+                m,
+                usize::try_from(ranks).unwrap_or(usize::MAX),
+            ),
+            _ => 0,
+        },
         nvme_path,
         choice: estimate::choice_of_config(c),
     })
@@ -204,16 +223,19 @@ pub fn run(a: EstimateArgs) -> Result<(), Failure> {
     if ranks == 0 {
         return Err(bad("--ranks must be at least 1 (got 0)".to_owned()));
     }
+    let mut model = None;
     let (total_numel, largest_unit_numel, largest_source, largest_tensor_numel) =
         match (&a.model, &a.params) {
             (Some(dir), _) => {
                 let m = model_size(dir)?;
-                (
+                let sizes = (
                     m.total_numel,
                     m.largest_unit_numel,
                     LargestSource::Model,
                     Some(m.largest_tensor_numel),
-                )
+                );
+                model = Some(m.model);
+                sizes
             }
             (None, Some(p)) => {
                 let n = parse_count(p).map_err(|e| bad(format!("--params: {e}")))?;
@@ -245,7 +267,7 @@ pub fn run(a: EstimateArgs) -> Result<(), Failure> {
         }
         None => None,
     };
-    let cfg = load_config(a.config.as_deref(), ranks, total_numel)?;
+    let cfg = load_config(a.config.as_deref(), ranks, total_numel, model.as_ref())?;
     let nvme_dir = match &a.nvme_path {
         Some(p) => {
             if !p.is_dir() {
@@ -274,6 +296,7 @@ pub fn run(a: EstimateArgs) -> Result<(), Failure> {
             Moments::Fp32 => 4,
             Moments::Bf16 => 2,
         },
+        bf16_grad_numel: cfg.bf16_grad_numel,
         swap: cfg.swap,
     };
     let machine = estimate::probe_machine(&nvme_dir, device_bytes);
@@ -385,8 +408,17 @@ fn render_table(r: &Report, config_choice: Option<Choice>) -> Result<String, std
         i.ranks,
         if i.ranks == 1 { "" } else { "s" }
     )?;
+    // With the optimizer state in host memory (the rows name the bytes).
+    let grads = match i.bf16_grad_numel {
+        0 => "fp32 grads 4 B".to_owned(),
+        b if b >= i.total_numel => "grads 2 B (bf16 as they came)".to_owned(),
+        b => format!(
+            "grads 2 B (bf16 as they came) for {} params, 4 B (fp32 sums) for the rest",
+            count(b)
+        ),
+    };
     writeln!(out,
-        "per param: params {} B, fp32 grads 4 B, fp32 master + m + v {} B; activations not included \
+        "per param: params {} B, {grads}, fp32 master + m + v {} B; activations not included \
          (the blocks' kept forward graphs take at most tierzero.activation_budget_bytes, by default \
          half the memory left once the run is built; the rest are recomputed)",
         i.param_elem_bytes,

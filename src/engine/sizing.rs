@@ -47,7 +47,7 @@ use crate::model::Model;
 
 mod grads;
 pub use grads::{
-    grad_spill_step_bytes, grad_sum_dtype, grads_in_flight, host_grad_bound_bytes,
+    bf16_grad_numel, grad_spill_step_bytes, grad_sum_dtype, grads_in_flight, host_grad_bound_bytes,
     host_grad_bound_groups, largest_unit_groups, nvme_state_grad_bound_bytes,
     nvme_state_grad_bound_groups, SumDtype,
 };

@@ -126,12 +126,29 @@ pub fn items_within(
             grad_bytes,
             format!("{gs} × 4 B"),
         ),
-        Offload::Cpu => push(
-            pinned_or(sw.optimizer_pin_memory),
-            "fp32 grad accumulators",
-            grad_bytes,
-            format!("{gs} × 4 B"),
-        ),
+        // The host optimizer's sums are heap memory, never pinned (the
+        // plan's grads row); bf16 where the run holds each gradient as it
+        // came (`sizing::bf16_grad_numel`, one rank only).
+        Offload::Cpu => {
+            let b = inp.bf16_grad_numel.min(gn);
+            let bytes = mul(gn - b, 4, "fp32 grads")?
+                .checked_add(mul(b, 2, "bf16 grads")?)
+                .ok_or(EstimateError::Overflow {
+                    what: "host grads".into(),
+                })?;
+            let (what, formula) = match b {
+                0 => ("fp32 grad accumulators", format!("{gs} × 4 B")),
+                b if b == gn => ("bf16 gradients (held as they came)", format!("{gs} × 2 B")),
+                b => (
+                    "grad accumulators (fp32; bf16 as they came)",
+                    format!(
+                        "{} × 4 B (fp32 sums: groups of params several units share) + {b} × 2 B",
+                        gn - b
+                    ),
+                ),
+            };
+            push(Tier::Pageable, what, bytes, formula)
+        }
         Offload::Nvme => {}
     }
 

@@ -44,15 +44,37 @@ pub fn grad_sum_dtype(
     world: usize,
     group: &crate::engine::layout::SubGroup,
 ) -> SumDtype {
-    let one_each = world == 1
-        && config.batch.gradient_accumulation_steps <= 1
-        && matches!(config.precision, Precision::Bf16)
-        && group.param_ids().all(|p| model.in_one_unit(p));
-    if one_each {
+    if one_bf16_grad_each(config, world) && group.param_ids().all(|p| model.in_one_unit(p)) {
         SumDtype::Bf16
     } else {
         SumDtype::F32
     }
+}
+
+/// [`grad_sum_dtype`]'s conditions on the run: each param gets one bf16
+/// gradient a step (bf16 params, one rank, one micro-batch), unless
+/// several units use it.
+fn one_bf16_grad_each(config: &Config, world: usize) -> bool {
+    world == 1
+        && config.batch.gradient_accumulation_steps <= 1
+        && matches!(config.precision, Precision::Bf16)
+}
+
+/// Elements of `model` whose gradients the host holds as bf16 on one of
+/// `world` ranks ([`grad_sum_dtype`] of each sub-group of the layout a run
+/// of `config` makes), for `tierzero estimate`; the rest take 4 bytes.
+pub fn bf16_grad_numel(config: &Config, model: &Model, world: usize) -> u64 {
+    if !one_bf16_grad_each(config, world) {
+        return 0;
+    }
+    let sub_group = usize::try_from(config.zero.sub_group_numel.0).unwrap_or(usize::MAX);
+    let layout = crate::engine::layout::Layout::new(model, 0, world, sub_group);
+    layout
+        .sub_groups
+        .iter()
+        .filter(|g| grad_sum_dtype(config, model, world, g) == SumDtype::Bf16)
+        .map(|g| g.numel as u64)
+        .sum()
 }
 
 /// NVMe bytes one step's spilled gradients take, written and again read
