@@ -249,22 +249,35 @@ impl StepValues {
 struct SpareValues(std::sync::Arc<std::sync::Mutex<Option<StepValues>>>);
 
 impl SpareValues {
-    /// Keeps `v` unless a spare that large or larger is kept.
+    /// Keeps `v` unless a spare that large or larger is kept. The one
+    /// not kept is freed off the calling thread when it is large
+    /// ([`crate::engine::host::heap::free_off_thread`]).
     fn give(&self, v: StepValues) {
-        if let Ok(mut slot) = self.0.lock() {
-            if slot
-                .as_ref()
-                .is_none_or(|s| s.capacity_bytes() < v.capacity_bytes())
-            {
-                *slot = Some(v);
-            }
+        let Ok(mut slot) = self.0.lock() else {
+            return;
+        };
+        let gone = if slot
+            .as_ref()
+            .is_none_or(|s| s.capacity_bytes() < v.capacity_bytes())
+        {
+            slot.replace(v)
+        } else {
+            Some(v)
+        };
+        drop(slot);
+        if let Some(gone) = gone {
+            let bytes = gone.capacity_bytes();
+            crate::engine::host::heap::free_off_thread(gone, bytes);
         }
     }
 
-    /// Frees the spare, if one is kept.
+    /// Frees the spare, if one is kept: off the calling thread (the
+    /// trainer's, as a backward starts) when it is large.
     fn clear(&self) {
-        if let Ok(mut slot) = self.0.lock() {
-            *slot = None;
+        let spare = self.0.lock().ok().and_then(|mut s| s.take());
+        if let Some(v) = spare {
+            let bytes = v.capacity_bytes();
+            crate::engine::host::heap::free_off_thread(v, bytes);
         }
     }
 
