@@ -1168,6 +1168,23 @@ mod tests {
         );
         // More than the partition (a stale count) is the partition.
         assert_eq!(grads(5 * n).0, 2 * n);
+        // With the state on NVMe, the bound on the sums in host memory
+        // counts 2 bytes an element when every group holds bf16, else 4.
+        let bound = |bf16: u64| {
+            let mut inp = inputs(n, 10, 1, settings("{}"));
+            inp.bf16_grad_numel = bf16;
+            let r = estimate(&inp, &machine(1 << 40, 1 << 40, None)).unwrap();
+            let e = find(&r, 3, Offload::Nvme, Offload::Nvme);
+            e.items
+                .iter()
+                .find(|i| i.tier == Tier::Pageable && i.what.contains("in host memory"))
+                .map(|i| (i.what, i.bytes))
+                .unwrap()
+        };
+        let (fp32_what, fp32_bytes) = bound(n - 1);
+        let (bf16_what, bf16_bytes) = bound(n);
+        assert!(fp32_what.starts_with("fp32") && bf16_what.starts_with("bf16"));
+        assert_eq!(bf16_bytes * 2, fp32_bytes);
     }
 
     #[test]

@@ -952,9 +952,9 @@ mod tests {
         // On NVMe: the groups given and those in flight, at most all; the
         // bytes are that many of the largest.
         assert_eq!(nvme_state_grad_bound_groups(2, 1, 1, 20), 6);
-        assert_eq!(nvme_state_grad_bound_bytes(2, 1, 1, 20, 100), 6 * 100 * 4);
+        assert_eq!(nvme_state_grad_bound_bytes(2, 1, 1, 20, 400), 6 * 400);
         assert_eq!(nvme_state_grad_bound_groups(2, 1, 1, 4), 4);
-        assert_eq!(nvme_state_grad_bound_bytes(2, 1, 1, 4, 100), 4 * 100 * 4);
+        assert_eq!(nvme_state_grad_bound_bytes(2, 1, 1, 4, 200), 4 * 200);
         assert_eq!(nvme_state_grad_bound_groups(0, 0, 0, 3), 2);
     }
 

@@ -301,12 +301,25 @@ fn nvme_state_grads(
     ) as u64;
     let kept = sizing::speculation_kept_grads(ra, wb, slots as usize) as u64;
     let in_flight = sizing::grads_in_flight(ra, wb);
+    // Each group's sum at most the largest group's: 2 bytes an element
+    // where every group holds its gradients as they came, in bf16.
+    let (what, elem_bytes) = if on > 0 && inp.bf16_grad_numel >= on {
+        ("bf16 gradients in host memory (at most)", 2)
+    } else {
+        ("fp32 grads in host memory (at most)", 4)
+    };
     push(
         Tier::Pageable,
-        "fp32 grads in host memory (at most)",
-        sizing::nvme_state_grad_bound_bytes(unit_groups + held + kept, ra, wb, sub_groups, g),
+        what,
+        sizing::nvme_state_grad_bound_bytes(
+            unit_groups + held + kept,
+            ra,
+            wb,
+            sub_groups,
+            mul(g, elem_bytes, "host grads")?,
+        ),
         format!(
-            "min((unit {unit_groups} + held {held} + speculated {kept} + handed over {in_flight}) sub-groups, {sub_groups}) × {g} × 4 B"
+            "min((unit {unit_groups} + held {held} + speculated {kept} + handed over {in_flight}) sub-groups, {sub_groups}) × {g} × {elem_bytes} B"
         ),
     );
     if spill {

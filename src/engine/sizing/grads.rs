@@ -177,18 +177,18 @@ pub fn largest_unit_groups(
 /// [`host_grad_bound_bytes`] with the optimizer state on NVMe, from its
 /// parts: `groups` sub-groups' sums being added into, held or speculated,
 /// and the [`grads_in_flight`] steps handed over, at most `sub_groups`
-/// groups of `max_group_numel` fp32 elements (`tierzero estimate` calls
-/// it for a model known by its size).
+/// groups of `max_sum_bytes` each (the largest group's elements in its
+/// [`SumDtype`]; `tierzero estimate` calls it for a model known by its
+/// size).
 pub fn nvme_state_grad_bound_bytes(
     groups: u64,
     read_ahead: usize,
     write_behind: usize,
     sub_groups: u64,
-    max_group_numel: u64,
+    max_sum_bytes: u64,
 ) -> u64 {
     nvme_state_grad_bound_groups(groups, read_ahead, write_behind, sub_groups)
-        .saturating_mul(max_group_numel)
-        .saturating_mul(4)
+        .saturating_mul(max_sum_bytes)
 }
 
 /// [`nvme_state_grad_bound_bytes`]'s sums: `groups` and the
