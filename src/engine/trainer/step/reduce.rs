@@ -117,6 +117,10 @@ impl Trainer {
         self.opts
             .comm
             .reduce_scatter_add_f32(&full, chunks.blocks(), &mut acc)?;
+        // A large embedding's `full` is a mapping of its own: unmapped off
+        // this thread (`heap::free_off_thread`).
+        let bytes = std::mem::size_of_val(full.as_slice());
+        crate::engine::host::heap::free_off_thread(full, bytes);
         groups.grad_reduces += 1;
         self.store_shard_accs(groups, &accs.slots, &acc)
     }
