@@ -378,11 +378,12 @@ impl Trainer {
         Ok(Some(full))
     }
 
-    /// One rank: puts `grad`, the gradient of `pid` (used by one unit), into
-    /// its sub-groups' accumulators from its elements as they are stored,
-    /// in parallel ([`GradSum::put`]: set or added into fp32 sums, copied
-    /// into bf16 ones): the same additions as [`Self::reduce_into`] of its
-    /// fp32 copy, without the copies.
+    /// One rank: puts `grad`, the gradient of `pid` (used by one unit, or a
+    /// tied param's sum over its units), into its sub-groups' accumulators
+    /// from its elements as they are stored, in parallel ([`GradSum::put`]:
+    /// set or added into fp32 sums, copied into bf16 ones): the same
+    /// additions as one rank's reduce-scatter of its fp32 copy, without
+    /// the copies.
     fn add_into(
         &mut self,
         groups: &mut StepGroups,
