@@ -64,7 +64,7 @@ for r in $(seq 1 "$rounds"); do
   if [ $((r % 2)) = 0 ]; then order=("$new" "$old"); fi
   for b in "${order[@]}"; do
     read -ra cmd <<<"$b"
-    (cd "$work" && "${cmd[@]}" "${launch[@]}" train --model llama --config ds.json --device sim --seq-len 2 \
+    (cd "$work" && "${cmd[@]}" ${launch[@]+"${launch[@]}"} train --model llama --config ds.json --device sim --seq-len 2 \
       --steps "${STEPS:-2}" --threads 2 --json --metrics m.jsonl --timeline tl.json --timeline-steps 1 \
       >out.json 2>err.txt) \
       || { echo "$b failed:"; tail -5 "$work/err.txt"; exit 1; }

@@ -146,8 +146,9 @@
 //!   moments; ours take `p` and `m` from the config and `--moments`.
 //! - **Gradients with the state on NVMe** never sit in host memory for the
 //!   whole model (DeepSpeed's NVMe swapper swaps them out too, and its
-//!   estimators do not model it): host memory holds at most the fp32 sums
-//!   of the largest unit's sub-groups, those held for the clipping norm,
+//!   estimators do not model it): host memory holds at most the sums (fp32,
+//!   or 2 bytes an element where every group holds bf16) of the largest
+//!   unit's sub-groups, those held for the clipping norm,
 //!   the speculated ones and the steps handed to the optimizer thread
 //!   (`sizing::nvme_state_grad_bound_bytes`, the bound the plan prints);
 //!   with clipping or fp16 the final gradients spill to NVMe (`4S`), with

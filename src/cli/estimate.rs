@@ -411,9 +411,11 @@ fn render_table(r: &Report, config_choice: Option<Choice>) -> Result<String, std
     // With the optimizer state in host memory (the rows name the bytes).
     let grads = match i.bf16_grad_numel {
         0 => "fp32 grads 4 B".to_owned(),
-        b if b >= i.total_numel => "grads 2 B (bf16 as they came)".to_owned(),
+        b if b >= i.total_numel => {
+            "fp32 grads 4 B (on the host: 2 B, bf16 as they came)".to_owned()
+        }
         b => format!(
-            "grads 2 B (bf16 as they came) for {} params, 4 B (fp32 sums) for the rest",
+            "fp32 grads 4 B (on the host: 2 B, bf16 as they came, for {} params)",
             count(b)
         ),
     };

@@ -239,17 +239,17 @@ impl RankChunks {
     }
 
     /// Part `p`'s chunks in rank order: where each goes (a range of the
-    /// whole) and where it starts in the part.
+    /// whole) and where it starts in the part; none for a part it does
+    /// not have.
     pub fn chunks(&self, p: usize) -> impl Iterator<Item = (std::ops::Range<usize>, usize)> + '_ {
         let mut from = 0;
-        self.at[p]
-            .iter()
-            .zip(&self.counts[p])
-            .map(move |(&at, &n)| {
-                let chunk = (at..at + n, from);
-                from += n;
-                chunk
-            })
+        let at = self.at.get(p).map_or(&[][..], Vec::as_slice);
+        let counts = self.counts.get(p).map_or(&[][..], Vec::as_slice);
+        at.iter().zip(counts).map(move |(&at, &n)| {
+            let chunk = (at..at + n, from);
+            from += n;
+            chunk
+        })
     }
 }
 
@@ -424,6 +424,7 @@ mod tests {
         assert_eq!(got[1], [(0..3, 0), (6..6, 3), (8..8, 3)]);
         assert_eq!(got[2], [(3..4, 0), (6..7, 1), (8..10, 2)]);
         assert!(RankChunks::new(&[3], &[vec![1, 1]]).is_err());
+        assert_eq!(l.chunks(3).count(), 0, "no such part");
     }
 
     #[test]

@@ -74,9 +74,9 @@
 //! rank's bits over the same micro-batches. With whole weights, after the
 //! step each rank's new master shard is rounded into its range of the
 //! weights and the ranks gather the rest, every param in one
-//! [`DeviceLink::gather_kept`]; so at load, once the last param's master
-//! shard has crossed (the weights do not cross: the masters are the
-//! weights' source). Each of
+//! [`DeviceLink::gather_kept`], and once more at load, after the last
+//! param's master shard has crossed (the weights do not cross: the
+//! masters are their source). Each of
 //! these is a collective, made on the engine's thread in one order on
 //! every rank: the reduces in backward order (a unit's fp32 ones, then
 //! its bf16 ones, each in declared order), the gathers of the step's end

@@ -58,8 +58,16 @@ static APPLIED: OnceLock<MallocTuning> = OnceLock::new();
 /// default `sub_group_size` of 1e9 makes 2 GB of them, and 2 GiB of
 /// faulted pages took 441 ms to unmap on the development VM. A smaller
 /// block goes back to the heap, which keeps it mapped: nothing to wait
-/// for. Should no thread start, it is dropped here.
-pub fn free_off_thread<T: Send + 'static>(v: T, bytes: usize) {
+/// for. Should no thread start, it is dropped here. A new thread inherits
+/// its creator's CPUs (the compute CPUs, from the step's thread), so it
+/// moves to `helper_cpus` first when the placement has them
+/// ([`crate::engine::host::threads::Placement::helper_cpus`]), as every
+/// helper thread does.
+pub fn free_off_thread<T: Send + 'static>(
+    v: T,
+    bytes: usize,
+    helper_cpus: Option<std::sync::Arc<[usize]>>,
+) {
     if bytes < MMAP_THRESHOLD_BYTES {
         drop(v);
         return;
@@ -67,7 +75,10 @@ pub fn free_off_thread<T: Send + 'static>(v: T, bytes: usize) {
     // A failed spawn drops the closure, and `v` with it, here.
     let _ = std::thread::Builder::new()
         .name("tz-free".into())
-        .spawn(move || drop(v));
+        .spawn(move || {
+            tierzero_swap::affinity::place_current_thread(helper_cpus.as_deref(), "tz-free");
+            drop(v);
+        });
 }
 
 /// Applies the settings once per process; later calls return the first
@@ -101,9 +112,9 @@ mod tests {
     fn large_blocks_are_freed_off_the_calling_thread() {
         let here = std::thread::current().id();
         let (tx, rx) = channel();
-        super::free_off_thread(Probe(tx.clone()), super::MMAP_THRESHOLD_BYTES - 1);
+        super::free_off_thread(Probe(tx.clone()), super::MMAP_THRESHOLD_BYTES - 1, None);
         assert_eq!(rx.try_recv().unwrap(), here, "small: dropped at once, here");
-        super::free_off_thread(Probe(tx), super::MMAP_THRESHOLD_BYTES);
+        super::free_off_thread(Probe(tx), super::MMAP_THRESHOLD_BYTES, None);
         let by = rx.recv_timeout(Duration::from_secs(10)).unwrap();
         assert_ne!(by, here, "large: dropped on a thread of its own");
     }

@@ -244,16 +244,23 @@ impl StepValues {
 /// when a backward starts ([`OptimizerWorker::drop_spare_values`]), so
 /// with clipping or fp16, whose steps all wait for the norm, no values
 /// buffer lives through the backward where the gradient sums peak (a new
-/// one is made for the first step a backward runs, as before).
+/// one is made for the first step a backward runs, as before). A large
+/// one's pages are unmapped off the trainer's thread, on the helper CPUs
+/// ([`crate::engine::host::heap::free_off_thread`]), as the backward
+/// starts.
 #[derive(Debug, Clone, Default)]
-struct SpareValues(std::sync::Arc<std::sync::Mutex<Option<StepValues>>>);
+struct SpareValues {
+    slot: std::sync::Arc<std::sync::Mutex<Option<StepValues>>>,
+    /// The helper CPUs a large spare is freed on.
+    helper_cpus: Option<std::sync::Arc<[usize]>>,
+}
 
 impl SpareValues {
     /// Keeps `v` unless a spare that large or larger is kept. The one
     /// not kept is freed off the calling thread when it is large
     /// ([`crate::engine::host::heap::free_off_thread`]).
     fn give(&self, v: StepValues) {
-        let Ok(mut slot) = self.0.lock() else {
+        let Ok(mut slot) = self.slot.lock() else {
             return;
         };
         let gone = if slot
@@ -267,17 +274,17 @@ impl SpareValues {
         drop(slot);
         if let Some(gone) = gone {
             let bytes = gone.capacity_bytes();
-            crate::engine::host::heap::free_off_thread(gone, bytes);
+            crate::engine::host::heap::free_off_thread(gone, bytes, self.helper_cpus.clone());
         }
     }
 
     /// Frees the spare, if one is kept: off the calling thread (the
     /// trainer's, as a backward starts) when it is large.
     fn clear(&self) {
-        let spare = self.0.lock().ok().and_then(|mut s| s.take());
+        let spare = self.slot.lock().ok().and_then(|mut s| s.take());
         if let Some(v) = spare {
             let bytes = v.capacity_bytes();
-            crate::engine::host::heap::free_off_thread(v, bytes);
+            crate::engine::host::heap::free_off_thread(v, bytes, self.helper_cpus.clone());
         }
     }
 
@@ -285,7 +292,7 @@ impl SpareValues {
     /// and holds them (its old values left for the kernel to overwrite),
     /// else new ones.
     fn take(&self, dtype: DType, n: usize) -> StepValues {
-        let spare = self.0.lock().ok().and_then(|mut s| match s.take() {
+        let spare = self.slot.lock().ok().and_then(|mut s| match s.take() {
             Some(v) if v.dtype() == dtype && v.capacity_elems() >= n => Some(v),
             other => {
                 *s = other;
@@ -743,7 +750,10 @@ impl OptimizerWorker {
         let (tx, jobs) = crossbeam_channel::unbounded::<Job>();
         let (done_tx, rx) = crossbeam_channel::unbounded::<Done>();
         let live = std::sync::Arc::new(std::sync::Mutex::new(opt.counters()));
-        let spare = SpareValues::default();
+        let spare = SpareValues {
+            helper_cpus: cpus.clone(),
+            ..SpareValues::default()
+        };
         let mut st = State {
             opt,
             adam,

@@ -46,7 +46,8 @@ impl Trainer {
         let groups = self.layout.sub_groups.clone();
         let slots = self.layout.params.clone();
         // Params are loaded in param order on every rank (with several,
-        // each load is a collective). The layout gives every param a
+        // at stages 0-2 the last load gathers every param's weights, a
+        // collective). The layout gives every param a
         // piece in order, an empty one for a shard of no elements here,
         // which loads empty in its turn.
         let mut next = 0usize;

@@ -282,7 +282,8 @@ pub trait DeviceOptimizer: Send + Sync {
     /// elements in order (with several ranks, this rank's shard's). The
     /// weights the units read are made from the master (in bf16 storage,
     /// rounded to bf16; with several ranks, gathered from the ranks'
-    /// shards).
+    /// shards: at stages 0-2 every param's at once, by the last load, so
+    /// the weights are unset until every param is loaded).
     fn load(&self, id: ParamId, state: [&[f32]; 3]) -> Result<(), ModelError>;
     /// Each sub-group's Σ g² over the step's gradients (with several
     /// ranks, this rank's shards of them; the caller adds the ranks'), in

@@ -1,6 +1,7 @@
 //! [`ResidentUnits`] with several ranks: each param's gradient sum of a
 //! micro-batch reduce-scattered on the devices onto this rank's shard of
-//! the step's sum, and the weights gathered on them after the step, or
+//! the step's sum, and the weights gathered on them after the last load
+//! and after each step, or
 //! at stage 3 for each unit (see "Several ranks" and "Params
 //! partitioned" in [`super`]). Every call here is a collective of the
 //! link's ranks: each rank makes them for the same params in the same
@@ -116,9 +117,9 @@ impl<L: DeviceLink> ResidentUnits<L> {
         Ok(())
     }
 
-    /// After a step: every param's weights get this rank's range from its
-    /// new master shard, and the others' from their ranks, in one
-    /// gather ([`DeviceLink::gather_kept`]).
+    /// After the last load and after each step: every param's weights get
+    /// this rank's range from its master shard, and the others' from
+    /// their ranks, in one gather ([`DeviceLink::gather_kept`]).
     pub(super) fn gather_weights(
         &self,
         st: &mut Resident<L::Buf, L::Upload>,

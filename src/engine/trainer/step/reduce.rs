@@ -120,7 +120,7 @@ impl Trainer {
         // A large embedding's `full` is a mapping of its own: unmapped off
         // this thread (`heap::free_off_thread`).
         let bytes = std::mem::size_of_val(full.as_slice());
-        crate::engine::host::heap::free_off_thread(full, bytes);
+        crate::engine::host::heap::free_off_thread(full, bytes, self.placement.helper_cpus());
         groups.grad_reduces += 1;
         self.store_shard_accs(groups, &accs.slots, &acc)
     }
@@ -296,11 +296,13 @@ impl Trainer {
                 .get(at..at + n)
                 .ok_or_else(|| EngineError::internal("reduced gradients too short"))?;
             for pc in &slot.pieces {
-                let (sum, _) = self.piece_sum(groups, pc)?.piece(pc.group_range())?;
+                // Checked before `piece` marks the range written: an error
+                // leaves no stale values counted as sums.
                 let src = part
                     .get(pc.shard_range())
-                    .filter(|s| s.len() == sum.len())
+                    .filter(|s| s.len() == pc.group_range().len())
                     .ok_or_else(|| EngineError::internal("grad shard out of range"))?;
+                let (sum, _) = self.piece_sum(groups, pc)?.piece(pc.group_range())?;
                 tierzero_gpu::host_copy::copy(sum, src);
             }
             at += n;
