@@ -1,0 +1,114 @@
+//! The tier's device memory as the start-up plan shows it: the bound on
+//! the params it holds at once, and the plan's device rows.
+
+use super::*;
+
+/// The elements of the model's largest param.
+fn largest_param_numel(model: &Model) -> u64 {
+    model
+        .params()
+        .iter()
+        .map(|p| p.numel as u64)
+        .max()
+        .unwrap_or(0)
+}
+
+impl<L: DeviceLink> TieredUnits<L> {
+    /// The most device bytes the tier's params hold on `model`: the
+    /// largest unit's params in use, plus what may upload ahead (the
+    /// window, or the one larger param it always lets through), plus the
+    /// cache, and never more than the whole model or the link's budget
+    /// for them, at the storage dtype's device bytes
+    /// ([`TieredUnits::params_stored_as`]). The plan prints it;
+    /// `tests/device_tier.rs` checks the peaks against it.
+    pub fn params_bound_bytes(&self, model: &Model) -> u64 {
+        let numel = |ids: &[ParamId]| -> u64 {
+            ids.iter()
+                .filter_map(|p| model.params().get(p.0))
+                .map(|p| p.numel as u64)
+                .sum()
+        };
+        let largest_unit = model
+            .units()
+            .iter()
+            .map(|u| numel(&u.params))
+            .max()
+            .unwrap_or(0);
+        let largest_param = largest_param_numel(model);
+        let ahead = self.limits.prefetch_numel.max(largest_param);
+        let all: u64 = model.params().iter().map(|p| p.numel as u64).sum();
+        let elem_bytes = super::super::param_device_bytes(1, self.storage);
+        let bound = largest_unit
+            .saturating_add(ahead)
+            .saturating_mul(elem_bytes)
+            .saturating_add(self.limits.cache_bytes);
+        bound
+            .min(all.saturating_mul(elem_bytes))
+            .min(self.link.budget_bytes())
+    }
+
+    /// The device's rows of the start-up plan: the params on it at most,
+    /// the upload staging, the kept forwards, the reduce-scatter's
+    /// buffers, the temporaries and the start-up's workspaces.
+    pub(super) fn device_memory_plan(&self, model: &Model) -> DeviceMemoryPlan {
+        let mem = self.link.memory();
+        let largest_param = largest_param_numel(model);
+        let mut rows = vec![
+            DeviceMemoryRow {
+                what: "params on the device (at most)".into(),
+                device_bytes: self.params_bound_bytes(model),
+                pinned_bytes: 0,
+            },
+            DeviceMemoryRow {
+                what: "upload staging buffers".into(),
+                device_bytes: 0,
+                pinned_bytes: mem.staging.bound_bytes(super::super::param_device_bytes(
+                    largest_param,
+                    self.storage,
+                )),
+            },
+        ];
+        if let Some(t) = mem.temporaries_bytes {
+            let kept = self.inputs.forward_budget_bytes().min(t);
+            if kept > 0 {
+                rows.push(DeviceMemoryRow {
+                    what: "blocks' kept forwards (at most)".into(),
+                    device_bytes: kept,
+                    pinned_bytes: 0,
+                });
+            }
+            // With several ranks, a unit's gradients' reduce-scatter on
+            // the device takes its buffers from the same share.
+            let reduce = super::super::grads_out::reduce_bytes_bound(
+                model,
+                self.link.reduce_ranks(),
+                self.storage,
+            )
+            .min(t - kept);
+            if reduce > 0 {
+                rows.push(DeviceMemoryRow {
+                    what: "gradients' reduce-scatter (at most)".into(),
+                    device_bytes: reduce,
+                    pinned_bytes: 0,
+                });
+            }
+            rows.push(DeviceMemoryRow {
+                what: "activations, grads, temporaries".into(),
+                device_bytes: t - kept - reduce,
+                pinned_bytes: 0,
+            });
+        }
+        if mem.startup_bytes > 0 {
+            rows.push(DeviceMemoryRow {
+                what: "kernels and cuBLAS workspaces".into(),
+                device_bytes: mem.startup_bytes,
+                pinned_bytes: 0,
+            });
+        }
+        DeviceMemoryPlan {
+            budget_bytes: mem.device_budget_bytes,
+            rows,
+            optimizer_on_device: false,
+        }
+    }
+}
