@@ -83,8 +83,19 @@ last_bwd = max(e["ts"] + e["dur"] for e in spans
 def lane_ms(name, prefix=""):
     d = sorted(e["dur"] / 1e3 for e in spans if lanes[e["tid"]] == name and e["name"].startswith(prefix))
     return f"{sum(d):.0f} ms in {len(d)} (median {d[len(d) // 2]:.1f})" if d else "none"
+# With RANKS > 1: the host's part of the gradients' spans, each `grads uN`
+# less the time from its unit's collective's start to the end of its
+# download (the device's reduce-scatter, which waits for the other ranks).
+def unit_spans(lane, prefix):
+    return {int(e["name"].split()[1].lstrip("u")): e for e in spans
+            if lanes[e["tid"]] == lane and e["name"].startswith(prefix)}
+grads, coll, down = (unit_spans("compute", "grads u"), unit_spans("device: collective", "unit "),
+                     unit_spans("device: d2h", "unit "))
+host = [(coll[u]["ts"] - g["ts"]) + (g["ts"] + g["dur"] - down[u]["ts"] - down[u]["dur"])
+        for u, g in grads.items() if u in coll and u in down]
+grads_host = f", grads' host part {sum(host) / 1e3:.1f} ms in {len(host)}" if host else ""
 print(f"round {r} {b}: start-up {o['total_s'] - o['train_s']:.1f} s, step {step['dur'] / 1e6:.2f} s, "
-      f"tail {(end - last_bwd) / 1e3:.0f} ms, grads {lane_ms('compute', 'grads')}, optimizer {lane_ms('optimizer')}, "
+      f"tail {(end - last_bwd) / 1e3:.0f} ms, grads {lane_ms('compute', 'grads')}{grads_host}, optimizer {lane_ms('optimizer')}, "
       f"store {lane_ms('store')}, train_s {o['train_s']:.1f}, peak RSS {o['peak_rss_bytes'] / 1e9:.2f} GB, "
       f"minor faults {'/'.join(str(s['minor_faults']) for s in steps)}, "
       f"weight_sha256 {o['weight_sha256'][:16]}")

@@ -56,7 +56,8 @@ static APPLIED: OnceLock<MallocTuning> = OnceLock::new();
 /// 311M Llama in one sub-group (594 MiB of bf16) took 51 ms of the compute
 /// thread as a backward began (`strace -f -T -e trace=munmap`); DeepSpeed's
 /// default `sub_group_size` of 1e9 makes 2 GB of them, and 2 GiB of
-/// faulted pages took 441 ms to unmap on the development VM. A smaller
+/// faulted pages took 415-441 ms to unmap on the development VM
+/// (`scripts/munmap_cost.py`). A smaller
 /// block goes back to the heap, which keeps it mapped: nothing to wait
 /// for. Should no thread start, it is dropped here. A new thread inherits
 /// its creator's CPUs (the compute CPUs, from the step's thread), so it

@@ -206,18 +206,18 @@ impl Trainer {
         // Sums not yet begun are +0.0 on the device too: the same bits,
         // and nothing to upload.
         let acc = acc.filter(|a| a.iter().any(|v| v.to_bits() != 0));
-        let want: usize = slots.iter().map(|s| s.shard_numel).sum();
+        let want_numel: usize = slots.iter().map(|s| s.shard_numel).sum();
         let mut stored = Err(EngineError::internal(format!(
             "the device handed no gradient sums for unit {}",
             unit.0
         )));
         let this = &*self;
         compute.reduce_grads(unit, &counts, acc.as_deref(), &mut |sums| {
-            stored = if sums.len() == want {
+            stored = if sums.len() == want_numel {
                 this.store_shard_accs(groups, &slots, sums)
             } else {
                 Err(EngineError::internal(format!(
-                    "the device reduced {} gradient elements for unit {}, not {want}",
+                    "the device reduced {} gradient elements for unit {}, not {want_numel}",
                     sums.len(),
                     unit.0
                 )))
