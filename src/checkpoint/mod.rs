@@ -28,9 +28,10 @@
 //! **State files.** Raw little-endian f32. Sub-group `i` of a rank starts at
 //! `offset_bytes` (a multiple of 4096) and takes `len_bytes =
 //! align_up(numel × 4, 4096)`; the padding is not data. The same offsets are
-//! used in all three files. The 4096 alignment lets NVMe extents be copied
-//! across with O_DIRECT, past the page cache (or reflinked by
-//! `copy_file_range` on XFS/btrfs).
+//! used in all three files. The 4096 alignment lets state be written with
+//! O_DIRECT, past the page cache: from host memory
+//! (`tierzero_swap::DirectWriter`), or copied so from NVMe extents (or
+//! reflinked by `copy_file_range` on XFS/btrfs).
 //!
 //! **Manifest** (`manifest.json`, [`Manifest`]): format name and version;
 //! step, Adam steps, skipped steps, loss-scaler state; seed, seq_len, data

@@ -13,6 +13,9 @@
 //!   extents placed by a first-fit allocator, striped over paths.
 //! - `engine`: validation, tickets, completions; `ring` (io_uring) and
 //!   `portable` (`pread`/`pwrite` threads) run the transfers.
+//! - `direct`: a region of a caller's file written past the page cache
+//!   from memory the caller fills chunk by chunk (checkpoints of state
+//!   held in host memory).
 //! - `fileio`: positional I/O on the caller's files into the caller's
 //!   memory, with bounce buffers where it is unaligned (DeepNVMe-style
 //!   handles: the Python `tierzero.aio`).
@@ -61,6 +64,7 @@ pub mod align;
 pub mod alloc;
 pub mod arena;
 pub mod bench;
+pub mod direct;
 pub mod engine;
 pub mod error;
 pub mod fault;
@@ -76,6 +80,7 @@ pub mod stats;
 
 pub use align::Alignment;
 pub use arena::{ArenaConfig, BufIdx, Buffer, HostRegistrar, LockPolicy, MemlockInfo, PinnedArena};
+pub use direct::DirectWriter;
 pub use engine::{
     wait_all, ActiveBackend, BackendKind, Completion, Engine, EngineConfig, Request, Ticket,
     TicketId,

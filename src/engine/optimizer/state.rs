@@ -190,12 +190,13 @@ impl MemMoments {
     }
 
     /// Moment `k`'s stored bytes (little-endian).
-    fn le_bytes(&self, k: usize) -> Vec<u8> {
+    fn le_bytes(&self, k: usize) -> std::borrow::Cow<'_, [u8]> {
+        use checkpoint::le_bytes;
         match (self, k) {
-            (MemMoments::F32 { m, .. }, 1) => m.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            (MemMoments::F32 { v, .. }, _) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            (MemMoments::Bf16 { m, .. }, 1) => m.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            (MemMoments::Bf16 { v, .. }, _) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            (MemMoments::F32 { m, .. }, 1) => le_bytes(m),
+            (MemMoments::F32 { v, .. }, _) => le_bytes(v),
+            (MemMoments::Bf16 { m, .. }, 1) => le_bytes(m),
+            (MemMoments::Bf16 { v, .. }, _) => le_bytes(v),
         }
     }
 }

@@ -92,15 +92,13 @@ impl OptimizerState {
         crate::failpoint::io_point(crate::failpoint::Site::CkptStateWrite)
             .map_err(io_err("writing"))?;
         if let Some(g) = self.mem.get(sg.0).and_then(Option::as_ref) {
-            let mut bytes: Vec<u8> = match k {
-                0 => g.master.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            let data = match k {
+                0 => le_bytes(&g.master),
                 _ => g.moments.le_bytes(k),
             };
-            bytes.resize(len_bytes as usize, 0);
-            file.write_all_at(&bytes, offset_bytes)
-                .map_err(io_err("writing"))?;
+            let crc = write_region(file, path, offset_bytes, len_bytes, &data)?;
             crate::durable::record::write(path, offset_bytes, len_bytes);
-            return Ok(crc32c::crc32c(&bytes));
+            return Ok(crc);
         }
         // Only committed state is saved.
         if self.pending_speculations() > 0 {
@@ -141,4 +139,63 @@ impl OptimizerState {
             }
         }
     }
+}
+
+/// `v`'s elements as little-endian bytes (the checkpoint's order): `v`'s
+/// own memory on a little-endian host.
+pub(super) fn le_bytes<T: bytemuck::Pod>(v: &[T]) -> std::borrow::Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        std::borrow::Cow::Borrowed(bytemuck::cast_slice(v))
+    } else {
+        std::borrow::Cow::Owned(
+            v.iter()
+                .flat_map(|x| bytemuck::bytes_of(x).iter().rev().copied())
+                .collect(),
+        )
+    }
+}
+
+/// Writes `data`, then zeros up to `len_bytes`, at `offset_bytes` of the
+/// checkpoint file `file` (at `path`), and returns the region's crc32c.
+/// Past the page cache where the file system allows
+/// ([`tierzero_swap::DirectWriter`], whose docs give the measurements);
+/// through `file` otherwise.
+pub(super) fn write_region(
+    file: &std::fs::File,
+    path: &std::path::Path,
+    offset_bytes: u64,
+    len_bytes: u64,
+    data: &[u8],
+) -> Result<u32> {
+    use std::os::unix::fs::FileExt;
+    let len = usize::try_from(len_bytes)
+        .ok()
+        .filter(|&l| l >= data.len())
+        .ok_or_else(|| EngineError::internal("save_state: the region is shorter than the state"))?;
+    if let Some(mut w) = tierzero_swap::DirectWriter::open(path) {
+        let mut crc = 0u32;
+        let written = w.write_at(offset_bytes, len_bytes, |pos, chunk| {
+            let from = (pos as usize).min(data.len());
+            let have = (data.len() - from).min(chunk.len());
+            let (head, tail) = chunk.split_at_mut(have);
+            head.copy_from_slice(&data[from..from + have]);
+            tail.fill(0);
+            crc = crc32c::crc32c_append(crc, chunk);
+        })?;
+        if written {
+            return Ok(crc);
+        }
+    }
+    let io_err = |source: std::io::Error| {
+        EngineError::Checkpoint(crate::checkpoint::CheckpointError::Io {
+            op: "writing",
+            path: path.to_path_buf(),
+            source,
+        })
+    };
+    file.write_all_at(data, offset_bytes).map_err(io_err)?;
+    let padding = vec![0u8; len - data.len()];
+    file.write_all_at(&padding, offset_bytes + data.len() as u64)
+        .map_err(io_err)?;
+    Ok(crc32c::crc32c_append(crc32c::crc32c(data), &padding))
 }
