@@ -2,7 +2,8 @@
 //!
 //! [`Checkpoint::open`] resolves a save dir (via `latest`) or a step dir,
 //! parses and validates the manifest and stats every file, reading no data.
-//! Reads are by sub-group region: a region is read whole, its crc32c
+//! Reads are by sub-group region: a region is read whole (past the page
+//! cache where the file system allows it, [`read_region`]), its crc32c
 //! checked against the manifest, and the elements wanted copied out. The
 //! last region read **of each rank** is kept (behind a mutex), so loading
 //! the parameters of a sub-group one after another reads it once, also
@@ -29,7 +30,78 @@ use crate::model::{Model, ParamId};
 type RegionKey = (StateKind, usize);
 
 /// A region kept for the next read: its key and verified elements.
-type CachedRegion = (RegionKey, Arc<Vec<f32>>);
+type CachedRegion = (RegionKey, Arc<Region>);
+
+/// `len` bytes at `offset_bytes` of `path`, aligned for `f32`: past the page
+/// cache where the file system allows it (a cached copy of the state would
+/// sit beside the state being loaded; [`tierzero_swap::read_direct`]),
+/// through it where not ([`read_buffered`]).
+fn read_region(
+    path: &Path,
+    offset_bytes: u64,
+    len: usize,
+) -> Result<tierzero_swap::AlignedBytes, CheckpointError> {
+    match tierzero_swap::read_direct(path, offset_bytes, len as u64) {
+        Ok(Some(b)) => Ok(b),
+        Ok(None) => read_buffered(path, offset_bytes, len),
+        Err(e) => Err(CheckpointError::Io {
+            op: "reading",
+            path: path.to_path_buf(),
+            source: std::io::Error::other(e),
+        }),
+    }
+}
+
+/// [`read_region`] through the page cache.
+fn read_buffered(
+    path: &Path,
+    offset_bytes: u64,
+    len: usize,
+) -> Result<tierzero_swap::AlignedBytes, CheckpointError> {
+    let mut b = tierzero_swap::AlignedBytes::zeroed(len, 4096);
+    File::open(path)
+        .and_then(|f| f.read_exact_at(b.as_mut_slice(), offset_bytes))
+        .map_err(io_err("reading", path))?;
+    Ok(b)
+}
+
+/// A verified region's elements: its bytes as read, viewed in place as
+/// little-endian `f32`s where the host is little-endian.
+#[derive(Debug)]
+enum Region {
+    /// The region as read, aligned for `f32`, and its element count (the
+    /// rest is padding).
+    Read {
+        bytes: tierzero_swap::AlignedBytes,
+        numel: usize,
+    },
+    /// Converted (a big-endian host).
+    Converted(Vec<f32>),
+}
+
+impl Region {
+    /// Its first `numel` elements (at most the bytes' length / 4).
+    fn from_bytes(bytes: tierzero_swap::AlignedBytes, numel: usize) -> Region {
+        if cfg!(target_endian = "little") {
+            Region::Read { bytes, numel }
+        } else {
+            Region::Converted(
+                bytes.as_slice()[..numel * 4]
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            )
+        }
+    }
+
+    /// The elements.
+    fn f32s(&self) -> &[f32] {
+        match self {
+            Region::Read { bytes, numel } => bytemuck::cast_slice(&bytes.as_slice()[..numel * 4]),
+            Region::Converted(v) => v,
+        }
+    }
+}
 
 /// An opened, validated checkpoint.
 #[derive(Debug)]
@@ -246,7 +318,7 @@ impl Checkpoint {
         rank: usize,
         kind: StateKind,
         sg: usize,
-    ) -> Result<Arc<Vec<f32>>, CheckpointError> {
+    ) -> Result<Arc<Region>, CheckpointError> {
         let key = (kind, sg);
         {
             let mut c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
@@ -278,11 +350,8 @@ impl Checkpoint {
         let path = resolve_inside(&self.dir, rel)?;
         let len = usize::try_from(g.len_bytes)
             .map_err(|_| manifest_err(&mpath, "region larger than memory"))?;
-        let mut bytes = vec![0u8; len];
-        File::open(&path)
-            .and_then(|f| f.read_exact_at(&mut bytes, g.offset_bytes))
-            .map_err(io_err("reading", &path))?;
-        let got = crc32c::crc32c(&bytes);
+        let bytes = read_region(&path, g.offset_bytes, len)?;
+        let got = crc32c::crc32c(bytes.as_slice());
         let expected = entry.regions[sg].crc32c;
         if got != expected {
             return Err(CheckpointError::Corrupt {
@@ -293,10 +362,13 @@ impl Checkpoint {
             });
         }
         let n = g.numel as usize;
-        let values: Vec<f32> = bytes[..n * 4]
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        if bytes.as_slice().len() < n * 4 {
+            return Err(manifest_err(
+                &mpath,
+                format!("rank {rank}: sub-group {sg} has {n} elements in {len} bytes"),
+            ));
+        }
+        let values = Region::from_bytes(bytes, n);
         let values = Arc::new(values);
         {
             let mut c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
@@ -323,6 +395,21 @@ impl Checkpoint {
         start: usize,
         numel: usize,
     ) -> Result<Vec<f32>, CheckpointError> {
+        let mut out = vec![0f32; numel];
+        self.load_param_state_range_into(kind, id, start, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Checkpoint::load_param_state_range`] of `out.len()` elements, into
+    /// `out`.
+    pub fn load_param_state_range_into(
+        &self,
+        kind: StateKind,
+        id: ParamId,
+        start: usize,
+        out: &mut [f32],
+    ) -> Result<(), CheckpointError> {
+        let numel = out.len();
         let spec = self
             .model
             .param(id)
@@ -339,7 +426,6 @@ impl Checkpoint {
                 checkpoint: format!("{} elements", spec.numel),
                 run: format!("{start}+{numel}"),
             })?;
-        let mut out = vec![0f32; numel];
         let mut filled = 0usize;
         for (r, rank) in self.manifest.ranks.iter().enumerate() {
             for (i, g) in rank.sub_groups.iter().enumerate() {
@@ -353,7 +439,8 @@ impl Checkpoint {
                     }
                     let region = self.region(r, kind, i)?;
                     let from = p.offset_in_group as usize + (lo - s0);
-                    out[lo - start..hi - start].copy_from_slice(&region[from..from + (hi - lo)]);
+                    out[lo - start..hi - start]
+                        .copy_from_slice(&region.f32s()[from..from + (hi - lo)]);
                     filled += hi - lo;
                 }
             }
@@ -367,7 +454,7 @@ impl Checkpoint {
                 ),
             ));
         }
-        Ok(out)
+        Ok(())
     }
 
     /// The fp32 master weights of one whole parameter, in its HF shape and
@@ -465,5 +552,38 @@ impl Checkpoint {
             });
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failure is a panic
+
+    use super::*;
+
+    /// A region reads the same past the page cache (where the file system
+    /// takes O_DIRECT) and through it, aligned for `f32` either way; one
+    /// that runs past the end of the file is an error naming the file.
+    #[test]
+    fn a_region_reads_the_same_direct_and_buffered() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("master.f32");
+        let bytes: Vec<u8> = (0..5 * 4096).map(|i| (i * 7 % 253) as u8).collect();
+        std::fs::write(&path, &bytes).unwrap();
+        let direct = read_region(&path, 4096, 3 * 4096).unwrap();
+        let buffered = read_buffered(&path, 4096, 3 * 4096).unwrap();
+        for got in [&direct, &buffered] {
+            assert_eq!(got.as_slice(), &bytes[4096..4 * 4096]);
+            assert_eq!(got.as_slice().as_ptr() as usize % 4096, 0);
+        }
+        for r in [
+            read_region(&path, 4 * 4096, 2 * 4096),
+            read_buffered(&path, 4 * 4096, 2 * 4096),
+        ] {
+            match r {
+                Err(CheckpointError::Io { path: p, .. }) => assert_eq!(p, path),
+                other => panic!("{other:?}"),
+            }
+        }
     }
 }

@@ -1,5 +1,6 @@
-//! Writing a region of a file past the page cache, from memory the caller
-//! fills chunk by chunk: [`DirectWriter`].
+//! A region of a file written past the page cache from memory the caller
+//! fills chunk by chunk ([`DirectWriter`]), or read past it into an
+//! aligned buffer ([`read_direct`]).
 //!
 //! # Why
 //!
@@ -24,7 +25,7 @@
 //!
 //! O_DIRECT needs the offset, the length and the memory aligned to the
 //! device's logical block size ([`Alignment::for_path`]). Where it does not
-//! apply (a file system without O_DIRECT such as tmpfs, an unaligned
+//! apply (a file system without O_DIRECT, an unaligned
 //! region, or the kernel refusing the first direct write with `EINVAL`),
 //! [`DirectWriter::write_at`] writes nothing and says so, and the caller
 //! writes the region another way. After a direct write succeeded, a failed
@@ -32,6 +33,15 @@
 //!
 //! Durability is the caller's: a direct write bypasses the page cache, not
 //! the device's volatile cache, so the file still needs its `fsync`.
+//!
+//! # Reading
+//!
+//! [`read_direct`] reads a region whole with `O_DIRECT` into an
+//! [`AlignedBytes`] (an aligned window of one heap allocation, so the
+//! caller may view it as `f32`s in place), or says it does not apply, as
+//! above. A checkpoint's region read through the page cache was copied
+//! twice (into the cache, then out of it) and left a cached copy of the
+//! state beside the state itself.
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -50,8 +60,8 @@ pub struct DirectWriter {
     file: File,
     path: PathBuf,
     align: Alignment,
-    /// `CHUNK_BYTES + align` bytes; the chunk is its aligned window.
-    backing: Vec<u8>,
+    /// The bounce buffer: one chunk.
+    chunk: AlignedBytes,
     /// Whether a direct write succeeded (the kernel's verdict on direct
     /// I/O comes with the first one).
     accepted: bool,
@@ -71,7 +81,7 @@ impl DirectWriter {
             file,
             path: path.to_path_buf(),
             align,
-            backing: vec![0u8; CHUNK_BYTES + align.bytes() as usize],
+            chunk: AlignedBytes::zeroed(CHUNK_BYTES, align.bytes() as usize),
             accepted: false,
         })
     }
@@ -95,14 +105,10 @@ impl DirectWriter {
         if !self.align.is_aligned(offset_bytes) || !self.align.is_aligned(len_bytes) {
             return Ok(false);
         }
-        let start = self
-            .backing
-            .as_ptr()
-            .align_offset(self.align.bytes() as usize);
         let mut pos = 0u64;
         while pos < len_bytes {
             let n = (len_bytes - pos).min(CHUNK_BYTES as u64) as usize;
-            let chunk = &mut self.backing[start..start + n];
+            let chunk = &mut self.chunk.as_mut_slice()[..n];
             fill(pos, chunk);
             let at = offset_bytes + pos;
             match self.file.write_all_at(chunk, at) {
@@ -123,6 +129,80 @@ impl DirectWriter {
             pos += n as u64;
         }
         Ok(true)
+    }
+}
+
+/// Bytes in an aligned window of a heap allocation (see the module docs).
+#[derive(Debug)]
+pub struct AlignedBytes {
+    backing: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl AlignedBytes {
+    /// `len_bytes` zero bytes whose first one is aligned to `align_bytes`
+    /// (a power of two).
+    pub fn zeroed(len_bytes: usize, align_bytes: usize) -> Self {
+        let backing = vec![0u8; len_bytes + align_bytes];
+        let start = backing.as_ptr().align_offset(align_bytes);
+        AlignedBytes {
+            backing,
+            start,
+            len: len_bytes,
+        }
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.backing[self.start..self.start + self.len]
+    }
+
+    /// The bytes, to write.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.backing[self.start..self.start + self.len]
+    }
+}
+
+/// Reads `len_bytes` at `offset_bytes` of `path` past the page cache, or
+/// `None` where that does not apply: a file system without `O_DIRECT`, a
+/// region off the device's alignment, or the kernel refusing the read
+/// with `EINVAL`. The caller then reads it another way. A short read (end
+/// of file) is [`SwapError::ShortIo`]; another failure is
+/// [`SwapError::Io`], naming the path, offset and length.
+pub fn read_direct(path: &Path, offset_bytes: u64, len_bytes: u64) -> Result<Option<AlignedBytes>> {
+    let align = Alignment::for_path(path);
+    if !align.is_aligned(offset_bytes) || !align.is_aligned(len_bytes) {
+        return Ok(None);
+    }
+    let Ok(file) = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW | libc::O_DIRECT)
+        .open(path)
+    else {
+        return Ok(None);
+    };
+    let Ok(len) = usize::try_from(len_bytes) else {
+        return Ok(None);
+    };
+    let mut out = AlignedBytes::zeroed(len, align.bytes() as usize);
+    match file.read_exact_at(out.as_mut_slice(), offset_bytes) {
+        Ok(()) => Ok(Some(out)),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Err(SwapError::ShortIo {
+            op: IoOp::Read,
+            path: path.to_path_buf(),
+            offset_bytes,
+            expected_bytes: len_bytes,
+            got_bytes: 0,
+        }),
+        Err(source) => Err(SwapError::Io {
+            op: IoOp::Read,
+            path: path.to_path_buf(),
+            offset_bytes,
+            len_bytes,
+            source,
+        }),
     }
 }
 
@@ -189,6 +269,28 @@ mod tests {
         }
         assert!(!called, "fill ran for a region that is not written");
         assert_eq!(std::fs::read(&path).unwrap(), vec![7u8; 16384]);
+    }
+
+    #[test]
+    fn a_region_reads_back_aligned_past_the_page_cache() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let bytes = pattern(5 * 4096 + 100);
+        std::fs::write(&path, &bytes).unwrap();
+        let Some(got) = read_direct(&path, 4096, 3 * 4096).unwrap() else {
+            eprintln!("skipped: no O_DIRECT on {}", dir.path().display());
+            return;
+        };
+        assert_eq!(got.as_slice(), &bytes[4096..4 * 4096]);
+        assert_eq!(got.as_slice().as_ptr() as usize % 4096, 0);
+        // Unaligned: left to the caller.
+        assert!(read_direct(&path, 100, 4096).unwrap().is_none());
+        assert!(read_direct(&path, 0, 100).unwrap().is_none());
+        // Past the end of the file: a short read, named.
+        match read_direct(&path, 4 * 4096, 4 * 4096) {
+            Err(SwapError::ShortIo { offset_bytes, .. }) => assert_eq!(offset_bytes, 4 * 4096),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

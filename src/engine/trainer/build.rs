@@ -561,13 +561,12 @@ fn load_initial(
                 for kind in StateKind::ALL {
                     for pc in &g.pieces {
                         let slot = &layout.params[pc.param.0];
-                        let v = ckpt.load_param_state_range(
+                        ckpt.load_param_state_range_into(
                             kind,
                             pc.param,
                             slot.shard_start + pc.offset_in_shard,
-                            pc.numel,
+                            &mut states[kind.index()][pc.group_range()],
                         )?;
-                        states[kind.index()][pc.group_range()].copy_from_slice(&v);
                     }
                 }
             }
