@@ -500,6 +500,31 @@ fn json_prints_only_the_summary_object_on_stdout() {
         let x = v[key].as_f64().unwrap_or_else(|| panic!("`{key}` in {v}"));
         assert!(x > 0.0, "`{key}` = {x}");
     }
+    // The seconds before the first step, by part, and after the last one:
+    // parts within their wholes, and the three spans within the total.
+    let st = &v["startup"];
+    let secs = |x: &Value, key: &str| {
+        let s = x[key].as_f64().unwrap_or_else(|| panic!("`{key}` in {v}"));
+        assert!(s >= 0.0, "`{key}` = {s}");
+        s
+    };
+    let within = |part: f64, whole: f64, what: &str| assert!(part <= whole + 1e-6, "{what}: {v}");
+    let (startup, trainer) = (secs(st, "startup_s"), secs(st, "trainer_s"));
+    within(
+        secs(st, "tiers_s") + secs(st, "initial_s"),
+        trainer,
+        "tiers + initial",
+    );
+    within(
+        secs(st, "before_trainer_s") + trainer,
+        startup,
+        "before + trainer",
+    );
+    within(
+        startup + secs(&v, "train_s") + secs(&v, "finish_s"),
+        secs(&v, "total_s"),
+        "start-up + steps + finish",
+    );
 }
 
 /// `tierzero.compute_threads`: the plan names the count and where it came

@@ -861,6 +861,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         (None, None) => return Err(Failure::Internal(anyhow!("no model"))),
     }
     .map_err(startup_failure)?;
+    let build_s = built.elapsed().as_secs_f64();
     if let Some(c) = &ckpt {
         // The load: the checkpoint's state streamed into the tiers.
         say(&format!(
@@ -919,6 +920,8 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     }
     let ran = train_steps(&mut trainer, &args, &flags, &run, &say)?;
     let train_s = train_started.elapsed().as_secs_f64();
+    let steps_ended = Instant::now();
+    let build_times = trainer.build_times();
     // Dropping the trainer (in `finish`) removes its swap files.
     let summary = trainer
         .finish()
@@ -949,6 +952,14 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     let timing = Timing {
         train_s,
         total_s: started.elapsed().as_secs_f64(),
+        startup: Startup {
+            startup_s: (train_started - started).as_secs_f64(),
+            before_trainer_s: (built - started).as_secs_f64(),
+            tiers_s: build_times.tiers_s,
+            initial_s: build_times.initial_s,
+            trainer_s: build_s,
+        },
+        finish_s: steps_ended.elapsed().as_secs_f64(),
     };
     print_summary(&args, &run, &summary, &ran, timing, timeline.as_deref())?;
     Ok(ended)
@@ -962,9 +973,33 @@ fn same_dir(a: &Path, b: &Path) -> bool {
     }
 }
 
-/// Seconds of a run: the steps alone, and everything.
+/// Seconds of a run: the steps alone, everything, what came before the
+/// steps and what came after them.
 #[derive(Debug, Clone, Copy)]
 struct Timing {
     train_s: f64,
     total_s: f64,
+    startup: Startup,
+    /// After the last step: the trainer's finish (its last optimizer tail,
+    /// the weights' hash, its swap files removed) and the timeline.
+    finish_s: f64,
+}
+
+/// Seconds before the first step, by part.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+struct Startup {
+    /// All of it.
+    startup_s: f64,
+    /// Before the trainer was built: the config, the data (tokenizing),
+    /// the compute's device, the model or checkpoint opened.
+    before_trainer_s: f64,
+    /// Building the trainer: [`Startup::tiers_s`], [`Startup::initial_s`]
+    /// and a little more.
+    trainer_s: f64,
+    /// Of `trainer_s`: the host's threads and the tiers
+    /// ([`tierzero::engine::BuildTimes::tiers_s`]).
+    tiers_s: f64,
+    /// Of `trainer_s`: the initial weights and optimizer state, or the
+    /// checkpoint's load ([`tierzero::engine::BuildTimes::initial_s`]).
+    initial_s: f64,
 }

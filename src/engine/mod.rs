@@ -112,8 +112,8 @@ pub use observe::metrics::{StepMetrics, Summary};
 pub use observe::timeline::{Lane, Timeline};
 pub use params::store::{ParamEvent, ParamState, ParamStore, Tier};
 pub use trainer::{
-    ActivationDecision, FaultPlan, StepReport, StopCause, StopHandle, StopSave, SwapUsage, Trainer,
-    TrainerOptions,
+    ActivationDecision, BuildTimes, FaultPlan, StepReport, StopCause, StopHandle, StopSave,
+    SwapUsage, Trainer, TrainerOptions,
 };
 
 /// Result type of the engine.

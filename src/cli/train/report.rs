@@ -98,6 +98,10 @@ struct JsonSummary<'a> {
     tokens_per_s: f64,
     train_s: f64,
     total_s: f64,
+    /// Before the first step, by part.
+    startup: Startup,
+    /// After the last step.
+    finish_s: f64,
     nvme_read_bytes: u64,
     nvme_written_bytes: u64,
     peak_rss_bytes: u64,
@@ -218,6 +222,8 @@ pub(super) fn print_summary(
             tokens_per_s,
             train_s,
             total_s: timing.total_s,
+            startup: timing.startup,
+            finish_s: timing.finish_s,
             nvme_read_bytes: nvme_read,
             nvme_written_bytes: nvme_written,
             peak_rss_bytes: summary.peak_rss_bytes,
@@ -235,13 +241,26 @@ pub(super) fn print_summary(
             .map_err(|e| Failure::Internal(anyhow!("writing the JSON summary: {e}")))?;
         return emit(&format!("{obj}\n"));
     }
+    let st = timing.startup;
     emit(&format!(
-        "done: {} steps in {train_s:.1} s ({tokens_per_s:.0} tokens/s), total {:.1} s\n\
+        "done: {} steps in {train_s:.1} s ({tokens_per_s:.0} tokens/s), total {:.1} s \
+         (start-up {:.1} s: {:.1} s before the trainer, {:.1} s its threads and tiers, \
+         {:.1} s {}; {:.1} s after the steps)\n\
          loss: {:.4} at step {} -> {:.4} at step {}\n\
          weight_sha256: {}\n\
          NVMe: read {}, written {}; peak RSS {}{}\n",
         summary.steps - start_step,
         timing.total_s,
+        st.startup_s,
+        st.before_trainer_s,
+        st.tiers_s,
+        st.initial_s,
+        if start_step > 0 {
+            "the checkpoint's state loaded"
+        } else {
+            "the initial weights and optimizer state stored"
+        },
+        timing.finish_s,
         first.loss,
         first.step,
         last.loss,

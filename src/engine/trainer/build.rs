@@ -603,6 +603,19 @@ fn load_initial(
     opt.flush()
 }
 
+/// How long [`Trainer::new`] or [`Trainer::resume`] took, by part (the
+/// rest of the build, the threads and the metrics file, is short).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct BuildTimes {
+    /// The host's threads and the tiers: pinned arenas (and their
+    /// registration with a device), swap files, the optimizer state's
+    /// memory.
+    pub tiers_s: f64,
+    /// The initial weights and optimizer state stored into the tiers: the
+    /// seeded init or the model's weights, or the checkpoint's load.
+    pub initial_s: f64,
+}
+
 /// Progress of the initial store, logged every few seconds (a model
 /// larger than memory takes minutes to write to its tiers).
 struct InitProgress {
@@ -712,6 +725,7 @@ impl Trainer {
         data: TokenData,
         opts: TrainerOptions,
     ) -> Result<Self> {
+        let started = Instant::now();
         check_run(config, &model, &data, &opts)?;
         let host = HostSetup::new(config, &opts)?;
         let (param_dtype, scaler) = precision_setup(&config.precision);
@@ -739,9 +753,14 @@ impl Trainer {
         let mut opt = tiers.optimizer(&layout)?;
         let park = tiers.park(&layout)?;
         let (swap_spaces, arenas) = (tiers.swap_spaces, tiers.arenas);
+        let tiers_done = Instant::now();
         // The seeded init splits over threads: on the host pool.
         host.host_pool
             .run(|| load_initial(&layout, source, param_dtype, &mut store, &mut opt))?;
+        let build_times = BuildTimes {
+            tiers_s: (tiers_done - started).as_secs_f64(),
+            initial_s: tiers_done.elapsed().as_secs_f64(),
+        };
 
         let adam = CpuAdam::new(adam_hyper(&config.optimizer), host.adam_threads.threads)?;
         if opts.timeline.is_some() {
@@ -828,6 +847,7 @@ impl Trainer {
             data_name: "unnamed".to_owned(),
             save_lock: None,
             io_clock: clocks.io,
+            build_times,
             engine_clocks: clocks.engines,
             flush_open: false,
             device_dirty: false,

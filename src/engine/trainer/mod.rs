@@ -186,6 +186,7 @@ mod step;
 mod stop;
 mod tail;
 
+pub use build::BuildTimes;
 pub use checkpoint::config_fingerprint;
 pub use options::{FaultPlan, TrainerOptions};
 pub use stop::{StopCause, StopHandle, StopSave};
@@ -394,6 +395,8 @@ pub struct Trainer {
     save_lock: Option<crate::checkpoint::SaveDirLock>,
     /// Union of the busy time of every I/O engine of this trainer.
     io_clock: Arc<BusyClock>,
+    /// How long building it took, by part.
+    build_times: BuildTimes,
     /// With a timeline: the param, optimizer-read and optimizer-write
     /// engines' own clocks (its per-engine disk lanes).
     engine_clocks: Option<[Arc<BusyClock>; 3]>,
@@ -511,6 +514,11 @@ impl Trainer {
     /// [`crate::engine::host::threads`]).
     pub fn compute_threads(&self) -> ComputeThreads {
         self.compute_threads
+    }
+
+    /// How long building this trainer took, by part.
+    pub fn build_times(&self) -> BuildTimes {
+        self.build_times
     }
 
     /// CPU Adam's threads and why ([`TrainerOptions::adam_threads`]
