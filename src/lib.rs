@@ -12,6 +12,7 @@ pub mod estimate;
 pub mod eval;
 pub mod failpoint;
 pub mod gpu;
+pub mod le;
 pub mod model;
 pub mod optim;
 pub mod run;

@@ -191,7 +191,7 @@ impl MemMoments {
 
     /// Moment `k`'s stored bytes (little-endian).
     fn le_bytes(&self, k: usize) -> std::borrow::Cow<'_, [u8]> {
-        use checkpoint::le_bytes;
+        use crate::le::bytes as le_bytes;
         match (self, k) {
             (MemMoments::F32 { m, .. }, 1) => le_bytes(m),
             (MemMoments::F32 { v, .. }, _) => le_bytes(v),
@@ -1102,10 +1102,16 @@ impl OptimizerState {
 
     /// The master weights of `sg` (a synchronous read on NVMe).
     pub fn master(&mut self, sg: SubGroupId) -> Result<Vec<f32>> {
+        self.with_master(sg, <[f32]>::to_vec)
+    }
+
+    /// `f` of the master weights of `sg`, where they are (in memory), or
+    /// in the pinned buffer a synchronous read put them in (NVMe).
+    pub fn with_master<R>(&mut self, sg: SubGroupId, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
         let n = self.numel_of(sg)?;
         self.flush()?;
         if let Some(g) = self.mem.get(sg.0).and_then(Option::as_ref) {
-            return Ok(g.master.clone());
+            return Ok(f(&g.master));
         }
         match &mut self.nvme {
             None => Err(EngineError::internal("no state for a sub-group")),
@@ -1114,7 +1120,7 @@ impl OptimizerState {
                 let ext = &nvme_extents(&nv.extents, sg)?[0];
                 let mut buf = nv.io.read.read(ext, buf)?.wait()?;
                 self.counters.nvme_read_bytes += ext.len_bytes();
-                Ok(as_f32(&mut buf, n)?.to_vec())
+                Ok(f(as_f32(&mut buf, n)?))
             }
         }
     }

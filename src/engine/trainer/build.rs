@@ -58,7 +58,7 @@ pub(super) fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
             .iter()
             .flat_map(|&x| f32_to_f16_bits(x).to_le_bytes())
             .collect(),
-        _ => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        _ => crate::le::bytes(values).into_owned(),
     }
 }
 

@@ -698,7 +698,7 @@ impl Trainer {
             let piece = group
                 .get(pc.group_range())
                 .ok_or_else(|| EngineError::internal("master shard out of range"))?;
-            shard_bytes.extend(piece.iter().flat_map(|x| x.to_le_bytes()));
+            shard_bytes.extend_from_slice(&crate::le::bytes(piece));
         }
         let counts: Vec<usize> = shard_counts(slot.numel, self.layout.world)
             .iter()
@@ -708,10 +708,7 @@ impl Trainer {
         self.opts
             .comm
             .all_gather_bytes(&shard_bytes, &counts, &mut full)?;
-        Ok(full
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect())
+        Ok(crate::le::f32s(&full))
     }
 
     /// Every parameter's whole fp32 master weights, in `ParamId` order,
@@ -729,12 +726,25 @@ impl Trainer {
     /// (one param at a time), so the hash equals the one-rank hash of the
     /// same weights; every rank computes it (a collective).
     pub fn weight_sha256(&mut self) -> Result<String> {
+        if self.layout.world == 1 && groups_concatenate_params(&self.layout) {
+            // One rank whose sub-groups hold the params back to back: the
+            // masters hashed where they are, on the optimizer thread, with
+            // no copy of the model (the general way below copies each
+            // group's masters out and each param's again).
+            let groups = self.layout.sub_groups.len();
+            return self.exclusive(move |st| {
+                let mut h = Sha256::new();
+                for i in 0..groups {
+                    st.with_master(SubGroupId(i), |m| h.update(&crate::le::bytes(m)))?;
+                }
+                Ok(h.finish_hex())
+            });
+        }
         let mut h = Sha256::new();
         let mut cache = None;
         for i in 0..self.layout.params.len() {
             let m = self.gather_master(ParamId(i), &mut cache)?;
-            let bytes: Vec<u8> = m.iter().flat_map(|x| x.to_le_bytes()).collect();
-            h.update(&bytes);
+            h.update(&crate::le::bytes(&m));
         }
         Ok(h.finish_hex())
     }
@@ -790,9 +800,67 @@ impl Trainer {
     }
 }
 
+/// Whether the sub-groups, back to back, hold every param's shard in
+/// `ParamId` order and nothing else: their masters concatenated are then
+/// the shards concatenated.
+fn groups_concatenate_params(layout: &Layout) -> bool {
+    // The next piece expected: (param, offset in its shard).
+    let mut next = (0usize, 0usize);
+    for g in &layout.sub_groups {
+        let mut at = 0usize;
+        for pc in &g.pieces {
+            if pc.group_range().start != at || (pc.param.0, pc.offset_in_shard) != next {
+                return false;
+            }
+            at += pc.numel;
+            let Some(slot) = layout.params.get(pc.param.0) else {
+                return false;
+            };
+            next = match pc.offset_in_shard + pc.numel {
+                end if end == slot.shard_numel => (pc.param.0 + 1, 0),
+                end => (pc.param.0, end),
+            };
+        }
+        if at != g.numel {
+            return false;
+        }
+    }
+    next == (layout.params.len(), 0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One rank's layouts, tiled or not, hold the params back to back;
+    /// a layout with a piece out of place or missing does not.
+    #[test]
+    fn one_rank_s_sub_groups_concatenate_the_params() {
+        let json = serde_json::json!({"model_type": "gpt2", "vocab_size": 300,
+            "n_positions": 16, "n_embd": 32, "n_layer": 2, "n_head": 2,
+            "tie_word_embeddings": true});
+        let (cfg, _) = crate::model::ModelConfig::from_hf_json(&json.to_string())
+            .unwrap_or_else(|e| panic!("{e}"));
+        let model = Model::new(cfg).unwrap_or_else(|e| panic!("{e}"));
+        for cap in [1000usize, 4096, 9600, 1 << 20] {
+            let l = Layout::new(&model, 0, 1, cap);
+            assert!(groups_concatenate_params(&l), "cap {cap}");
+            let mut swapped = l.clone();
+            match swapped.sub_groups.iter_mut().find(|g| g.pieces.len() > 1) {
+                Some(g) => g.pieces.swap(0, 1),
+                None => swapped.sub_groups.swap(0, 1),
+            }
+            assert!(!groups_concatenate_params(&swapped), "cap {cap}: swapped");
+            let mut short = l.clone();
+            if let Some(g) = short.sub_groups.last_mut() {
+                g.pieces.pop();
+            }
+            assert!(
+                !groups_concatenate_params(&short),
+                "cap {cap}: a piece missing"
+            );
+        }
+    }
 
     #[test]
     fn auto_speculation_stops_after_misses_and_resumes_after_would_be_hits() {

@@ -93,7 +93,7 @@ impl OptimizerState {
             .map_err(io_err("writing"))?;
         if let Some(g) = self.mem.get(sg.0).and_then(Option::as_ref) {
             let data = match k {
-                0 => le_bytes(&g.master),
+                0 => crate::le::bytes(&g.master),
                 _ => g.moments.le_bytes(k),
             };
             let crc = write_region(file, path, offset_bytes, len_bytes, &data)?;
@@ -138,20 +138,6 @@ impl OptimizerState {
                 Ok(crc)
             }
         }
-    }
-}
-
-/// `v`'s elements as little-endian bytes (the checkpoint's order): `v`'s
-/// own memory on a little-endian host.
-pub(super) fn le_bytes<T: bytemuck::Pod>(v: &[T]) -> std::borrow::Cow<'_, [u8]> {
-    if cfg!(target_endian = "little") {
-        std::borrow::Cow::Borrowed(bytemuck::cast_slice(v))
-    } else {
-        std::borrow::Cow::Owned(
-            v.iter()
-                .flat_map(|x| bytemuck::bytes_of(x).iter().rev().copied())
-                .collect(),
-        )
     }
 }
 
