@@ -27,8 +27,10 @@
 #
 # The binaries take turns going first (old first in odd rounds).
 #
-# Per run, one line: the binary, start-up seconds (total_s - train_s of
-# --json), the second step's wall seconds and its tail (from the end of the
+# Per run, one line: the binary, start-up seconds (--json's
+# startup.startup_s; for a binary without it, total_s - train_s, which
+# holds the finish too), the seconds after the last step (finish_s), the
+# second step's wall seconds and its tail (from the end of the
 # last unit's backward on the compute lane to the step's end, from
 # --timeline), the spans of the gradients' adds into the sums (`grads uN`
 # on the compute lane), of the optimizer and of the store (each
@@ -94,7 +96,8 @@ grads, coll, down = (unit_spans("compute", "grads u"), unit_spans("device: colle
 host = [(coll[u]["ts"] - g["ts"]) + (g["ts"] + g["dur"] - down[u]["ts"] - down[u]["dur"])
         for u, g in grads.items() if u in coll and u in down]
 grads_host = f", grads' host part {sum(host) / 1e3:.1f} ms in {len(host)}" if host else ""
-print(f"round {r} {b}: start-up {o['total_s'] - o['train_s']:.1f} s, step {step['dur'] / 1e6:.2f} s, "
+startup = o.get('startup', {}).get('startup_s', o['total_s'] - o['train_s'])
+print(f"round {r} {b}: start-up {startup:.1f} s, finish {o.get('finish_s', float('nan')):.1f} s, step {step['dur'] / 1e6:.2f} s, "
       f"tail {(end - last_bwd) / 1e3:.0f} ms, grads {lane_ms('compute', 'grads')}{grads_host}, optimizer {lane_ms('optimizer')}, "
       f"store {lane_ms('store')}, train_s {o['train_s']:.1f}, peak RSS {o['peak_rss_bytes'] / 1e9:.2f} GB, "
       f"minor faults {'/'.join(str(s['minor_faults']) for s in steps)}, "
