@@ -271,3 +271,25 @@ fn a_model_whose_state_does_not_fit_the_device_is_refused_with_the_numbers() {
     assert_eq!(row("fp32 master"), 4 * numel);
     assert_eq!(row("Adam moments"), 8 * numel);
 }
+
+/// `Trainer::weight_sha256` between steps, with Adam's state on the
+/// device: the device's state is written back first, so the hash is the
+/// one the run ends with, not the host's stale copy (the one-rank hash
+/// reads the masters in place on the optimizer thread).
+#[test]
+fn the_weights_hash_between_steps_reads_the_device_s_state() {
+    let gpt2 = tiny_gpt2_dir("resident-hash", 2, 32);
+    let k = Knobs::default();
+    let (units, _) = resident_units(&gpt2, &k, GemmDtype::F32);
+    let mut t = build_with(&gpt2, &k, opts_with(units), 3);
+    let before = t.weight_sha256().unwrap();
+    for _ in 0..2 {
+        t.step().unwrap();
+    }
+    let between = t.weight_sha256().unwrap();
+    assert_ne!(between, before, "two steps changed no weight");
+    t.step().unwrap();
+    let after = t.weight_sha256().unwrap();
+    assert_ne!(after, between);
+    assert_eq!(t.finish().unwrap().weight_sha256, after);
+}

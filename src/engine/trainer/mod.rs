@@ -730,7 +730,12 @@ impl Trainer {
             // One rank whose sub-groups hold the params back to back: the
             // masters hashed where they are, on the optimizer thread, with
             // no copy of the model (the general way below copies each
-            // group's masters out and each param's again).
+            // group's masters out and each param's again). Settled first,
+            // as `master` is: Adam's state on a device is written back,
+            // and the queued steps have run.
+            self.check_usable()?;
+            let r = self.settle_optimizer();
+            self.latch(r)?;
             let groups = self.layout.sub_groups.len();
             return self.exclusive(move |st| {
                 let mut h = Sha256::new();
