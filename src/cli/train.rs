@@ -97,9 +97,11 @@ use super::{emit, Failure};
 mod device;
 mod report;
 mod steps;
+mod timing;
 use device::{cuda_units, sim_units};
 use report::{banner, print_summary, size_and_time, Progress};
 use steps::train_steps;
+use timing::{Marks, Startup, Timing};
 
 const EXAMPLES: &str = "\
 Examples:
@@ -949,18 +951,15 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     if !lead {
         return Ok(ended);
     }
-    let timing = Timing {
+    let timing = Timing::new(Marks {
+        started,
+        built,
+        build_s,
+        build_times,
+        train_started,
         train_s,
-        total_s: started.elapsed().as_secs_f64(),
-        startup: Startup {
-            startup_s: (train_started - started).as_secs_f64(),
-            before_trainer_s: (built - started).as_secs_f64(),
-            tiers_s: build_times.tiers_s,
-            initial_s: build_times.initial_s,
-            trainer_s: build_s,
-        },
-        finish_s: steps_ended.elapsed().as_secs_f64(),
-    };
+        steps_ended,
+    });
     print_summary(&args, &run, &summary, &ran, timing, timeline.as_deref())?;
     Ok(ended)
 }
@@ -971,35 +970,4 @@ fn same_dir(a: &Path, b: &Path) -> bool {
         (Ok(a), Ok(b)) => a == b,
         _ => a == b,
     }
-}
-
-/// Seconds of a run: the steps alone, everything, what came before the
-/// steps and what came after them.
-#[derive(Debug, Clone, Copy)]
-struct Timing {
-    train_s: f64,
-    total_s: f64,
-    startup: Startup,
-    /// After the last step: the trainer's finish (its last optimizer tail,
-    /// the weights' hash, its swap files removed) and the timeline.
-    finish_s: f64,
-}
-
-/// Seconds before the first step, by part.
-#[derive(Debug, Clone, Copy, serde::Serialize)]
-struct Startup {
-    /// All of it.
-    startup_s: f64,
-    /// Before the trainer was built: the config, the data (tokenizing),
-    /// the compute's device, the model or checkpoint opened.
-    before_trainer_s: f64,
-    /// Building the trainer: [`Startup::tiers_s`], [`Startup::initial_s`]
-    /// and a little more.
-    trainer_s: f64,
-    /// Of `trainer_s`: the host's threads and the tiers
-    /// ([`tierzero::engine::BuildTimes::tiers_s`]).
-    tiers_s: f64,
-    /// Of `trainer_s`: the initial weights and optimizer state, or the
-    /// checkpoint's load ([`tierzero::engine::BuildTimes::initial_s`]).
-    initial_s: f64,
 }

@@ -19,16 +19,16 @@
 //! writes each chunk of the region into an aligned bounce buffer (an
 //! aligned window of one heap allocation: no `unsafe`, and the writes are
 //! synchronous, so the buffer outlives every call that uses it), and the
-//! chunk goes to the disk in one `pwrite` of [`CHUNK_BYTES`], a size at
-//! which one call at a time runs at the disk's rate (the same as
+//! chunk goes to the disk in one positional write of at most
+//! [`CHUNK_BYTES`], a size at which one call at a time runs at the disk's rate (the same as
 //! [`crate::SwapSpace::copy_extent_to_file`]'s).
 //!
 //! O_DIRECT needs the offset, the length and the memory aligned to the
 //! device's logical block size ([`Alignment::for_path`]). Where it does not
 //! apply (a file system without O_DIRECT, an unaligned
 //! region, or the kernel refusing the first direct write with `EINVAL`),
-//! [`DirectWriter::write_at`] writes nothing and says so, and the caller
-//! writes the region another way. After a direct write succeeded, a failed
+//! [`DirectWriter::write_at`] says so before any chunk was written whole,
+//! and the caller writes the whole region another way. After a direct write succeeded, a failed
 //! one is an error naming the path, offset and length.
 //!
 //! Durability is the caller's: a direct write bypasses the page cache, not
@@ -93,9 +93,11 @@ impl DirectWriter {
 
     /// Writes `len_bytes` at `offset_bytes`, one chunk at a time: `fill(pos,
     /// chunk)` writes every byte of the chunk that starts `pos` bytes into
-    /// the region. `Ok(false)`: nothing was written, because the region is
-    /// not aligned or the kernel refused this writer's first direct write;
-    /// the caller writes it another way (and discards what `fill` saw).
+    /// the region. `Ok(false)`: the region is not aligned (nothing was
+    /// written), or the kernel refused this writer's first direct write
+    /// (at most a part of the first chunk may have reached the file); the
+    /// caller writes the whole region another way, and discards what
+    /// `fill` saw.
     pub fn write_at(
         &mut self,
         offset_bytes: u64,
@@ -186,24 +188,34 @@ pub fn read_direct(path: &Path, offset_bytes: u64, len_bytes: u64) -> Result<Opt
         return Ok(None);
     };
     let mut out = AlignedBytes::zeroed(len, align.bytes() as usize);
-    match file.read_exact_at(out.as_mut_slice(), offset_bytes) {
-        Ok(()) => Ok(Some(out)),
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(None),
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Err(SwapError::ShortIo {
-            op: IoOp::Read,
-            path: path.to_path_buf(),
-            offset_bytes,
-            expected_bytes: len_bytes,
-            got_bytes: 0,
-        }),
-        Err(source) => Err(SwapError::Io {
-            op: IoOp::Read,
-            path: path.to_path_buf(),
-            offset_bytes,
-            len_bytes,
-            source,
-        }),
+    // `read_exact_at` would not say how much it read before the end.
+    let mut got = 0usize;
+    while got < len {
+        match file.read_at(&mut out.as_mut_slice()[got..], offset_bytes + got as u64) {
+            Ok(0) => {
+                return Err(SwapError::ShortIo {
+                    op: IoOp::Read,
+                    path: path.to_path_buf(),
+                    offset_bytes,
+                    expected_bytes: len_bytes,
+                    got_bytes: got as u64,
+                })
+            }
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if got == 0 && e.raw_os_error() == Some(libc::EINVAL) => return Ok(None),
+            Err(source) => {
+                return Err(SwapError::Io {
+                    op: IoOp::Read,
+                    path: path.to_path_buf(),
+                    offset_bytes: offset_bytes + got as u64,
+                    len_bytes: len_bytes - got as u64,
+                    source,
+                })
+            }
+        }
     }
+    Ok(Some(out))
 }
 
 #[cfg(test)]
@@ -261,6 +273,7 @@ mod tests {
         let path = dir.path().join("f");
         std::fs::write(&path, vec![7u8; 16384]).unwrap();
         let Some(mut w) = DirectWriter::open(&path) else {
+            eprintln!("skipped: no O_DIRECT on {}", dir.path().display());
             return;
         };
         let mut called = false;
@@ -286,9 +299,17 @@ mod tests {
         // Unaligned: left to the caller.
         assert!(read_direct(&path, 100, 4096).unwrap().is_none());
         assert!(read_direct(&path, 0, 100).unwrap().is_none());
-        // Past the end of the file: a short read, named.
+        // Past the end of the file: a short read, named, with what it got
+        // (the last whole block at least, of the 4196 bytes there).
         match read_direct(&path, 4 * 4096, 4 * 4096) {
-            Err(SwapError::ShortIo { offset_bytes, .. }) => assert_eq!(offset_bytes, 4 * 4096),
+            Err(SwapError::ShortIo {
+                offset_bytes,
+                got_bytes,
+                ..
+            }) => {
+                assert_eq!(offset_bytes, 4 * 4096);
+                assert!((4096..=4196).contains(&got_bytes), "{got_bytes}");
+            }
             other => panic!("{other:?}"),
         }
     }

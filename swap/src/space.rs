@@ -773,9 +773,8 @@ impl SwapSpace {
         // An aligned window of a heap allocation: no unsafe, and the
         // allocation outlives every call that uses it (the calls are
         // synchronous).
-        let mut backing = vec![0u8; chunk_bytes + align as usize];
-        let start = backing.as_ptr().align_offset(align as usize);
-        let buf = &mut backing[start..start + chunk_bytes];
+        let mut bounce = crate::direct::AlignedBytes::zeroed(chunk_bytes, align as usize);
+        let buf = bounce.as_mut_slice();
         let mut first = true;
         let mut chunk_start = 0u64;
         while chunk_start < len_bytes {

@@ -737,13 +737,15 @@ impl Trainer {
             let r = self.settle_optimizer();
             self.latch(r)?;
             let groups = self.layout.sub_groups.len();
-            return self.exclusive(move |st| {
+            let r = self.exclusive(move |st| {
                 let mut h = Sha256::new();
                 for i in 0..groups {
                     st.with_master(SubGroupId(i), |m| h.update(&crate::le::bytes(m)))?;
                 }
                 Ok(h.finish_hex())
             });
+            // A failed read of NVMe masters stops the run, as in `master`.
+            return self.latch(r);
         }
         let mut h = Sha256::new();
         let mut cache = None;
