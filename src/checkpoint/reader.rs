@@ -139,9 +139,6 @@ impl VerifyReport {
     }
 }
 
-/// Bytes per read when checksumming a whole file.
-const VERIFY_CHUNK_BYTES: usize = 1 << 20;
-
 fn manifest_err(path: &Path, reason: impl Into<String>) -> CheckpointError {
     CheckpointError::Manifest {
         path: path.to_path_buf(),
@@ -493,20 +490,24 @@ impl Checkpoint {
 
     fn verify_file(&self, f: &super::FileEntry) -> Result<(), CheckpointError> {
         let path = resolve_inside(&self.dir, &f.path)?;
-        let file = File::open(&path).map_err(io_err("opening", &path))?;
-        let mut buf = vec![0u8; VERIFY_CHUNK_BYTES];
+        // Past the page cache where it can: a checkpoint is as large as
+        // the host's state, and a verify pass should not evict the memory
+        // a run is using (`tierzero_swap::ChunkReader`).
+        let swap_err = |e: tierzero_swap::SwapError| CheckpointError::Io {
+            op: "reading",
+            path: path.clone(),
+            source: std::io::Error::other(e),
+        };
+        let mut reader = tierzero_swap::ChunkReader::open(&path).map_err(swap_err)?;
         let mut crc = 0u32;
-        let mut pos = 0u64;
         let mut region = 0usize;
         let mut region_crc = 0u32;
         loop {
-            let n = file
-                .read_at(&mut buf, pos)
-                .map_err(io_err("reading", &path))?;
-            if n == 0 {
+            let pos = reader.pos_bytes();
+            let Some(chunk) = reader.next_chunk().map_err(swap_err)? else {
                 break;
-            }
-            let chunk = &buf[..n];
+            };
+            let n = chunk.len();
             crc = crc32c::crc32c_append(crc, chunk);
             // Region crcs: feed the part of the chunk inside each region.
             let mut off = 0usize;
@@ -534,8 +535,8 @@ impl Checkpoint {
                     region_crc = 0;
                 }
             }
-            pos += n as u64;
         }
+        let pos = reader.pos_bytes();
         if pos != f.bytes {
             return Err(CheckpointError::Size {
                 path,

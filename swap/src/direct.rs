@@ -1,6 +1,7 @@
 //! A region of a file written past the page cache from memory the caller
 //! fills chunk by chunk ([`DirectWriter`]), or read past it into an
-//! aligned buffer ([`read_direct`]).
+//! aligned buffer ([`read_direct`]); a whole file read past it chunk by
+//! chunk ([`ChunkReader`]).
 //!
 //! # Why
 //!
@@ -42,6 +43,18 @@
 //! above. A checkpoint's region read through the page cache was copied
 //! twice (into the cache, then out of it) and left a cached copy of the
 //! state beside the state itself.
+//!
+//! [`ChunkReader`] reads a whole file of any length front to back in
+//! chunks of [`CHUNK_BYTES`] through one aligned buffer, for one pass
+//! over it (`tierzero inspect --verify`'s checksums). A file's last
+//! direct read may end off a block boundary: that is its end.
+//!
+//! # Tests
+//!
+//! Where the temporary directory refuses `O_DIRECT` the tests of the
+//! direct paths say they skipped; with `TIERZERO_REQUIRE_DIRECT_IO=1`
+//! (set by `.ci/run` where a probe finds `O_DIRECT` working) they fail
+//! instead, so CI runs the direct paths, not their fallbacks.
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -218,11 +231,152 @@ pub fn read_direct(path: &Path, offset_bytes: u64, len_bytes: u64) -> Result<Opt
     Ok(Some(out))
 }
 
+/// A whole file read front to back, one chunk of at most [`CHUNK_BYTES`]
+/// at a time, past the page cache where `O_DIRECT` applies (see the
+/// module docs), through it where it does not: a file system without
+/// `O_DIRECT`, or the kernel refusing the first direct read with `EINVAL`
+/// (the reader then reopens the file and goes on buffered, having handed
+/// out nothing). The chunks start at multiples of [`CHUNK_BYTES`], so
+/// every direct read is aligned; a file's last chunk may be any length (a
+/// direct read past the end of a file returns what is there).
+///
+/// For reading a large file once, as a checksum pass does: the file does
+/// not stay in the page cache, evicting the memory a run is using.
+#[derive(Debug)]
+pub struct ChunkReader {
+    file: File,
+    path: PathBuf,
+    align: Alignment,
+    chunk: AlignedBytes,
+    pos_bytes: u64,
+    direct: bool,
+    at_end: bool,
+}
+
+impl ChunkReader {
+    /// Opens `path`: with `O_DIRECT` where the file system takes it, else
+    /// plainly. A file that cannot be opened either way is
+    /// [`SwapError::Setup`].
+    pub fn open(path: &Path) -> Result<Self> {
+        let direct = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_CLOEXEC | libc::O_DIRECT)
+            .open(path);
+        let (file, direct) = match direct {
+            Ok(f) => (f, true),
+            Err(_) => (Self::open_buffered(path)?, false),
+        };
+        let align = Alignment::for_path(path);
+        Ok(ChunkReader {
+            file,
+            path: path.to_path_buf(),
+            align,
+            chunk: AlignedBytes::zeroed(CHUNK_BYTES, align.bytes() as usize),
+            pos_bytes: 0,
+            direct,
+            at_end: false,
+        })
+    }
+
+    fn open_buffered(path: &Path) -> Result<File> {
+        OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|source| SwapError::Setup {
+                what: format!("opening {}", path.display()),
+                source,
+            })
+    }
+
+    /// Whether the chunks come past the page cache (so far: a refused
+    /// first read turns it off).
+    pub fn is_direct(&self) -> bool {
+        self.direct
+    }
+
+    /// Bytes handed out so far: the offset of the next chunk.
+    pub fn pos_bytes(&self) -> u64 {
+        self.pos_bytes
+    }
+
+    /// The next chunk, `None` at the end of the file. A failed read is
+    /// [`SwapError::Io`], naming the path, offset and length.
+    pub fn next_chunk(&mut self) -> Result<Option<&[u8]>> {
+        if self.at_end {
+            return Ok(None);
+        }
+        let mut got = 0usize;
+        while got < CHUNK_BYTES {
+            let at = self.pos_bytes + got as u64;
+            match self.file.read_at(&mut self.chunk.as_mut_slice()[got..], at) {
+                Ok(0) => {
+                    self.at_end = true;
+                    break;
+                }
+                Ok(n) => {
+                    got += n;
+                    // A direct read that ends off a block boundary ended
+                    // at the end of the file; the next offset would be
+                    // misaligned.
+                    if self.direct && !self.align.is_aligned(got as u64) {
+                        self.at_end = true;
+                        break;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e)
+                    if self.direct
+                        && self.pos_bytes == 0
+                        && got == 0
+                        && e.raw_os_error() == Some(libc::EINVAL) =>
+                {
+                    self.file = Self::open_buffered(&self.path)?;
+                    self.direct = false;
+                }
+                Err(source) => {
+                    return Err(SwapError::Io {
+                        op: IoOp::Read,
+                        path: self.path.clone(),
+                        offset_bytes: at,
+                        len_bytes: (CHUNK_BYTES - got) as u64,
+                        source,
+                    })
+                }
+            }
+        }
+        self.pos_bytes += got as u64;
+        if got == 0 {
+            return Ok(None);
+        }
+        Ok(Some(&self.chunk.as_slice()[..got]))
+    }
+}
+
+/// Whether a test that found `O_DIRECT` refused must fail rather than
+/// skip: `TIERZERO_REQUIRE_DIRECT_IO=1`, which CI sets, where the
+/// temporary directory's file system takes direct I/O (ext4, and tmpfs
+/// since Linux 6.6).
+#[cfg(test)]
+pub(crate) fn direct_io_required() -> bool {
+    std::env::var("TIERZERO_REQUIRE_DIRECT_IO").is_ok_and(|v| v == "1")
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
 
     use super::*;
+
+    /// A test that cannot run its direct path here says so, or fails
+    /// where CI requires direct I/O.
+    fn skip(why: &str) {
+        assert!(
+            !direct_io_required(),
+            "TIERZERO_REQUIRE_DIRECT_IO=1, but {why}"
+        );
+        eprintln!("skipped: {why}");
+    }
 
     fn pattern(len: usize) -> Vec<u8> {
         (0..len).map(|i| (i * 31 % 251) as u8).collect()
@@ -238,7 +392,7 @@ mod tests {
         std::fs::write(&path, vec![7u8; off as usize + len + 4096]).unwrap();
         let want = pattern(len);
         let Some(mut w) = DirectWriter::open(&path) else {
-            eprintln!("skipped: no O_DIRECT on {}", dir.path().display());
+            skip(&format!("no O_DIRECT on {}", dir.path().display()));
             return;
         };
         let mut seen = Vec::new();
@@ -250,7 +404,7 @@ mod tests {
             })
             .unwrap();
         if !done {
-            eprintln!("skipped: the kernel refused O_DIRECT here");
+            skip("the kernel refused O_DIRECT here");
             return;
         }
         assert_eq!(
@@ -273,7 +427,7 @@ mod tests {
         let path = dir.path().join("f");
         std::fs::write(&path, vec![7u8; 16384]).unwrap();
         let Some(mut w) = DirectWriter::open(&path) else {
-            eprintln!("skipped: no O_DIRECT on {}", dir.path().display());
+            skip(&format!("no O_DIRECT on {}", dir.path().display()));
             return;
         };
         let mut called = false;
@@ -291,7 +445,7 @@ mod tests {
         let bytes = pattern(5 * 4096 + 100);
         std::fs::write(&path, &bytes).unwrap();
         let Some(got) = read_direct(&path, 4096, 3 * 4096).unwrap() else {
-            eprintln!("skipped: no O_DIRECT on {}", dir.path().display());
+            skip(&format!("no O_DIRECT on {}", dir.path().display()));
             return;
         };
         assert_eq!(got.as_slice(), &bytes[4096..4 * 4096]);
@@ -318,5 +472,53 @@ mod tests {
     fn a_file_that_is_not_there_has_no_writer() {
         let dir = tempfile::tempdir().unwrap();
         assert!(DirectWriter::open(&dir.path().join("missing")).is_none());
+    }
+
+    fn read_whole(path: &Path) -> (Vec<u8>, Vec<(u64, usize)>, bool) {
+        let mut r = ChunkReader::open(path).unwrap();
+        let (mut all, mut chunks) = (Vec::new(), Vec::new());
+        loop {
+            let pos = r.pos_bytes();
+            let Some(c) = r.next_chunk().unwrap() else {
+                break;
+            };
+            chunks.push((pos, c.len()));
+            all.extend_from_slice(c);
+        }
+        assert!(r.next_chunk().unwrap().is_none(), "a chunk after the end");
+        assert_eq!(r.pos_bytes(), all.len() as u64);
+        (all, chunks, r.is_direct())
+    }
+
+    #[test]
+    fn a_file_is_read_whole_in_chunks_whatever_its_length() {
+        let dir = tempfile::tempdir().unwrap();
+        for len in [0, 100, 4096, CHUNK_BYTES, 2 * CHUNK_BYTES + 3 * 4096 + 100] {
+            let path = dir.path().join(format!("f{len}"));
+            let want = pattern(len);
+            std::fs::write(&path, &want).unwrap();
+            let (got, chunks, direct) = read_whole(&path);
+            assert!(got == want, "{len} bytes read back differently");
+            let starts: Vec<u64> = chunks.iter().map(|c| c.0).collect();
+            let expect: Vec<u64> = (0..len.div_ceil(CHUNK_BYTES))
+                .map(|i| (i * CHUNK_BYTES) as u64)
+                .collect();
+            assert_eq!(starts, expect, "{len} bytes");
+            if !direct {
+                skip(&format!("no O_DIRECT reads on {}", dir.path().display()));
+            }
+        }
+    }
+
+    #[test]
+    fn a_missing_file_is_a_setup_error_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("missing");
+        match ChunkReader::open(&path) {
+            Err(e @ SwapError::Setup { .. }) => {
+                assert!(e.to_string().contains("missing"), "{e}");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

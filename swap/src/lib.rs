@@ -80,7 +80,7 @@ pub mod stats;
 
 pub use align::Alignment;
 pub use arena::{ArenaConfig, BufIdx, Buffer, HostRegistrar, LockPolicy, MemlockInfo, PinnedArena};
-pub use direct::{read_direct, AlignedBytes, DirectWriter};
+pub use direct::{read_direct, AlignedBytes, ChunkReader, DirectWriter};
 pub use engine::{
     wait_all, ActiveBackend, BackendKind, Completion, Engine, EngineConfig, Request, Ticket,
     TicketId,
