@@ -61,6 +61,17 @@ def run(script, args, want_params):
             problems.append(f"{k} = {r.get(k)!r}")
     if not r.get("tokens_per_s", 0) > 0 or not r.get("model_tflops", 0) > 0:
         problems.append(f"tokens_per_s {r.get('tokens_per_s')!r}, model_tflops {r.get('model_tflops')!r}")
+    # FSDP2's host seconds per phase: finite, not negative, and within the
+    # timed steps' wall time (each phase is a part of a step).
+    if "phase_s" in r or script.startswith("fsdp2"):
+        ph = r.get("phase_s")
+        if not (isinstance(ph, dict) and set(ph) == {"forward_backward", "clip", "optimizer"}
+                and all(isinstance(v, float) and math.isfinite(v) and v >= 0 for v in ph.values())):
+            problems.append(f"phase_s {ph!r}")
+        elif not sum(ph.values()) <= r.get("step_s", 0) * 1.001:
+            problems.append(f"phase_s {ph!r} adds up to more than step_s {r.get('step_s')!r}")
+        elif not ph["optimizer"] > 0:
+            problems.append(f"phase_s {ph!r}: the optimizer took no time")
     if r.get("params") != want_params:
         problems.append(f"params {r.get('params')!r}, the config's shapes give {want_params}")
     if problems:

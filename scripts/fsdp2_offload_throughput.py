@@ -14,7 +14,8 @@ where this torch accepts it for the offloaded (CPU, DTensor) params, else
 foreach=True; the JSON says which ran ("optimizer") and why it fell back.
 Prints one JSON line: tokens/s, model TFLOPS (6 * params + 12 * layers *
 hidden * seq FLOPs per token, the count gpu_check uses for tierzero), step
-seconds, the GPU's peak memory, the optimizer, the clipping and the
+seconds and their host seconds per phase (forward and backward, the
+clipping, the CPU AdamW: `phase_s`), torch's CPU threads, the GPU's peak memory, the optimizer, the clipping and the
 attention implementation the model was built with
 (`model.config._attn_implementation`).
 
@@ -125,13 +126,28 @@ def main():
                 torch._foreach_mul_(local, coef.to(local[0].dtype))
                 last_norm[0] = float(norm)
 
+        # Host seconds per phase of the timed steps, no synchronisation
+        # added: forward and backward until `backward()` returns (the
+        # offloaded gradients are then on the host, which the clipping and
+        # the CPU AdamW read), the clipping, the optimizer step. What
+        # tierzero's offloaded step overlaps and FSDP2's runs in turn.
+        phases = {"forward_backward": 0.0, "clip": 0.0, "optimizer": 0.0}
+        timing = [False]
+
         def step():
+            t = [time.perf_counter()]
             ids = torch.randint(0, cfg.vocab_size, (a.micro, a.seq), device=a.device, generator=g)
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
+            t.append(time.perf_counter())
             clip()
+            t.append(time.perf_counter())
             opt.step()
             opt.zero_grad(set_to_none=True)
+            t.append(time.perf_counter())
+            if timing[0]:
+                for k, (t0, t1) in zip(phases, zip(t, t[1:])):
+                    phases[k] += t1 - t0
             return loss
 
         # The first step is not timed; if the fused kernel is refused only
@@ -148,6 +164,7 @@ def main():
             first = step().item()
         step()
         sync()
+        timing[0] = True
         t0 = time.perf_counter()
         for _ in range(a.steps - 2):
             last = step()
@@ -176,6 +193,8 @@ def main():
             "steps_timed": timed,
             "build_s": build_s,
             "step_s": secs / timed,
+            "phase_s": {k: v / timed for k, v in phases.items()},
+            "cpu_threads": torch.get_num_threads(),
             "tokens_per_s": tok_s,
             "model_tflops": tok_s * fpt / 1e12,
             "first_loss": first,
