@@ -948,22 +948,12 @@ pub fn cpu_tensor(bytes: &[u8], dtype: DType, shape: &[usize]) -> Result<Tensor>
 /// Little-endian bytes of a tensor (bf16/f16/f32), in row-major order.
 pub fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
     let flat = t.flatten_all()?.to_device(&Device::Cpu)?;
+    // One copy of the elements' memory on a little-endian host
+    // (`crate::le::bytes`), not a byte vector built element by element.
     Ok(match flat.dtype() {
-        DType::F32 => flat
-            .to_vec1::<f32>()?
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect(),
-        DType::BF16 => flat
-            .to_vec1::<half::bf16>()?
-            .iter()
-            .flat_map(|x| x.to_bits().to_le_bytes())
-            .collect(),
-        DType::F16 => flat
-            .to_vec1::<half::f16>()?
-            .iter()
-            .flat_map(|x| x.to_bits().to_le_bytes())
-            .collect(),
+        DType::F32 => crate::le::bytes(&flat.to_vec1::<f32>()?).into_owned(),
+        DType::BF16 => crate::le::bytes(&flat.to_vec1::<half::bf16>()?).into_owned(),
+        DType::F16 => crate::le::bytes(&flat.to_vec1::<half::f16>()?).into_owned(),
         other => {
             return Err(EngineError::internal(format!(
                 "tensor_bytes of dtype {other:?}"
@@ -979,6 +969,21 @@ mod tests {
     use crate::engine::comm::SingleRank;
     use crate::model::ModelConfig;
     use tierzero_swap::{ArenaConfig, LockPolicy};
+
+    #[test]
+    fn tensor_bytes_are_little_endian_in_every_dtype() {
+        let t = Tensor::new(&[1.0f32, -2.5], &Device::Cpu).unwrap();
+        assert_eq!(
+            tensor_bytes(&t).unwrap(),
+            [0, 0, 0x80, 0x3f, 0, 0, 0x20, 0xc0]
+        );
+        let b = t.to_dtype(DType::BF16).unwrap().reshape((2, 1)).unwrap();
+        assert_eq!(tensor_bytes(&b).unwrap(), [0x80, 0x3f, 0x20, 0xc0]);
+        let h = t.to_dtype(DType::F16).unwrap();
+        assert_eq!(tensor_bytes(&h).unwrap(), [0x00, 0x3c, 0x00, 0xc1]);
+        let u = t.to_dtype(DType::U8).unwrap();
+        assert!(tensor_bytes(&u).is_err());
+    }
 
     #[test]
     fn a_long_tensor_split_over_threads_has_the_bits_of_one_copy() {
