@@ -145,6 +145,10 @@
 #      issue's goal is a ratio of at least 1.5. Then, with 120 s left,
 #      tierzero again with CPU Adam on every core ("tierzero_every_core",
 #      its own ratio): how much the default of half the cores leaves;
+#      then, with 60 s left, the CPU AdamW alone against PyTorch's fused
+#      one on every core ("adam_vs_torch": scripts/adam_vs_torch.py, 200M
+#      params, 2 rounds; secondary: a budget skip is not rerun). FSDP2's
+#      JSON has its host seconds per phase ("phase_s");
 #   6i. overlap on the GPU (a measurement): examples/device_overlap
 #      ($DEVICE_OVERLAP_BIN), the step of a GPT-2 (6 layers, hidden 1024,
 #      seq 256) whose params and optimizer state live in host memory
@@ -1177,13 +1181,30 @@ PY
     all_tokens=$(num "${all_tokens:-}")
   fi
   [ -z "$all_skipped" ] || skip offload_throughput.tierzero_every_core "$all_skipped"
+  # The CPU AdamW alone against PyTorch's fused one on every core
+  # (scripts/adam_vs_torch.py: 200M fp32 params, 28 B each, far past the
+  # caches; 2 rounds, alternating): whether the step's Adam, which bounds
+  # the offloaded step with clipping, can be shorter than FSDP2's. A
+  # secondary measurement: left out, not rerun, when the budget is short.
+  avt_result=null; avt_rc=null; avt_skipped=""
+  if [ -z "$PY" ]; then avt_skipped="no python"
+  elif [ -z "$BIN" ]; then avt_skipped="no tierzero binary"
+  elif ! room 60; then avt_skipped="budget (secondary, not rerun)"
+  else
+    tmo 90 "$PY" scripts/adam_vs_torch.py --bin "$BIN" --params 200e6 --threads "$(nproc)" --steps 3 --rounds 2 \
+      --json "$WORK/adam_vs_torch.json" >/dev/null 2>"$WORK/adam_vs_torch.err"
+    avt_rc=$?
+    avt_result=$(json_obj "$WORK/adam_vs_torch.json")
+  fi
+  [ -z "$avt_skipped" ] || skip offload_throughput.adam_vs_torch "$avt_skipped"
   otp_ratio=$(ratio "$otp_tokens" "$(json_num "$WORK/fsdp2.json" tokens_per_s)")
-  emit offload_throughput "$(printf '{"micro":%s,"seq":%s,"steps":%s,"tierzero":{"rc":%s,"adam_threads":%s,"tokens_per_s":%s,"model_tflops":%s,"result":%s,"stderr":%s%s},"fsdp2_cpu_offload":{"rc":%s,"result":%s,"log":%s%s},"ratio":%s,"tierzero_every_core":{"rc":%s,"adam_threads":%s,"tokens_per_s":%s,"ratio":%s,"stderr":%s%s}}' \
+  emit offload_throughput "$(printf '{"micro":%s,"seq":%s,"steps":%s,"tierzero":{"rc":%s,"adam_threads":%s,"tokens_per_s":%s,"model_tflops":%s,"result":%s,"stderr":%s%s},"fsdp2_cpu_offload":{"rc":%s,"result":%s,"log":%s%s},"ratio":%s,"tierzero_every_core":{"rc":%s,"adam_threads":%s,"tokens_per_s":%s,"ratio":%s,"stderr":%s%s},"adam_vs_torch":{"rc":%s,"result":%s,"log":%s%s}}' \
     "$OTP_MICRO" "$OTP_SEQ" "$OTP_STEPS" \
     "$otp_rc" "$adam_threads" "$otp_tokens" "$otp_tflops" "$otp_result" "$(json_str "$WORK/offload-tp/err.txt")" "$(skipkey "$otp_skipped")" \
     "$fsdp_rc" "$fsdp_result" "$(json_str "$WORK/fsdp2.err")" "$(skipkey "$fsdp_skipped")" "$otp_ratio" \
     "$all_rc" "$all_threads" "$all_tokens" "$(ratio "$all_tokens" "$(json_num "$WORK/fsdp2.json" tokens_per_s)")" \
-    "$(json_str "$WORK/offload-tp-all/err.txt")" "$(skipkey "$all_skipped")")"
+    "$(json_str "$WORK/offload-tp-all/err.txt")" "$(skipkey "$all_skipped")" \
+    "$avt_rc" "$avt_result" "$(json_str "$WORK/adam_vs_torch.err")" "$(skipkey "$avt_skipped")")"
 else
   not_selected offload_throughput
 fi
