@@ -89,12 +89,12 @@ impl DirectWriter {
             .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW | libc::O_DIRECT)
             .open(path)
             .ok()?;
-        let align = Alignment::for_path(path);
+        let (align, chunk) = chunk_for(path);
         Some(DirectWriter {
             file,
             path: path.to_path_buf(),
             align,
-            chunk: AlignedBytes::zeroed(CHUNK_BYTES, align.bytes() as usize),
+            chunk,
             accepted: false,
         })
     }
@@ -145,6 +145,16 @@ impl DirectWriter {
         }
         Ok(true)
     }
+}
+
+/// The alignment direct I/O on `path` needs, and a bounce buffer of one
+/// chunk aligned to it.
+fn chunk_for(path: &Path) -> (Alignment, AlignedBytes) {
+    let align = Alignment::for_path(path);
+    (
+        align,
+        AlignedBytes::zeroed(CHUNK_BYTES, align.bytes() as usize),
+    )
 }
 
 /// Bytes in an aligned window of a heap allocation (see the module docs).
@@ -266,12 +276,12 @@ impl ChunkReader {
             Ok(f) => (f, true),
             Err(_) => (Self::open_buffered(path)?, false),
         };
-        let align = Alignment::for_path(path);
+        let (align, chunk) = chunk_for(path);
         Ok(ChunkReader {
             file,
             path: path.to_path_buf(),
             align,
-            chunk: AlignedBytes::zeroed(CHUNK_BYTES, align.bytes() as usize),
+            chunk,
             pos_bytes: 0,
             direct,
             at_end: false,
