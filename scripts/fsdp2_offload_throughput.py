@@ -127,9 +127,10 @@ def main():
                 last_norm[0] = float(norm)
 
         # Host seconds per phase of the timed steps, no synchronisation
-        # added: forward and backward until `backward()` returns (the
-        # offloaded gradients are then on the host, which the clipping and
-        # the CPU AdamW read), the clipping, the optimizer step. What
+        # added: forward and backward until `backward()` returns, the
+        # clipping, the optimizer step (with zero_grad). A wait for work
+        # still in flight when `backward()` returns (the gradients' copies
+        # to the host) falls in whichever phase waits for it. What
         # tierzero's offloaded step overlaps and FSDP2's runs in turn.
         phases = {"forward_backward": 0.0, "clip": 0.0, "optimizer": 0.0}
         timing = [False]
