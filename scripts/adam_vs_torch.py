@@ -14,8 +14,10 @@ ones (the machine drifts; see the developers' guide):
   the median step.
 - tierzero: `tierzero bench-adam --json --variant fp32` with the same
   params, threads and steps (one repeat): its fp32-moment AdamW, the same
-  28 bytes a param (read g, read and write p, m, v). Its other kinds
-  (bf16 copy, bf16 moments) are in the same JSON and printed beside.
+  28 bytes a param (read g, read and write p, m, v). Its figure is the
+  mean step of its one repeat, timed round-robin with its other kinds
+  (the probe, the bf16 copy, bf16 moments: in the same JSON and printed
+  beside), where torch's is the median step.
 
 Prints a line per side per round and the median ratio over rounds
 (tierzero params/s over PyTorch's). Needs torch: .ci/venv/bin/python, or

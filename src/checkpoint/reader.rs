@@ -493,10 +493,15 @@ impl Checkpoint {
         // Past the page cache where it can: a checkpoint is as large as
         // the host's state, and a verify pass should not evict the memory
         // a run is using (`tierzero_swap::ChunkReader`).
+        // The OS error itself where there is one (the path is named once).
         let swap_err = |e: tierzero_swap::SwapError| CheckpointError::Io {
             op: "reading",
             path: path.clone(),
-            source: std::io::Error::other(e),
+            source: match e {
+                tierzero_swap::SwapError::Io { source, .. }
+                | tierzero_swap::SwapError::Setup { source, .. } => source,
+                other => std::io::Error::other(other),
+            },
         };
         let mut reader = tierzero_swap::ChunkReader::open(&path).map_err(swap_err)?;
         let mut crc = 0u32;

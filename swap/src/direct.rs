@@ -46,8 +46,9 @@
 //!
 //! [`ChunkReader`] reads a whole file of any length front to back in
 //! chunks of [`CHUNK_BYTES`] through one aligned buffer, for one pass
-//! over it (`tierzero inspect --verify`'s checksums). A file's last
-//! direct read may end off a block boundary: that is its end.
+//! over it (`tierzero inspect --verify`'s checksums). A direct read that
+//! ends off a block boundary (the file's end, or a short read) hands the
+//! rest to buffered reads; only a read of nothing is the end.
 //!
 //! # Tests
 //!
@@ -247,8 +248,10 @@ pub fn read_direct(path: &Path, offset_bytes: u64, len_bytes: u64) -> Result<Opt
 /// `O_DIRECT`, or the kernel refusing the first direct read with `EINVAL`
 /// (the reader then reopens the file and goes on buffered, having handed
 /// out nothing). The chunks start at multiples of [`CHUNK_BYTES`], so
-/// every direct read is aligned; a file's last chunk may be any length (a
-/// direct read past the end of a file returns what is there).
+/// every direct read is aligned; a direct read that comes back off a
+/// block boundary (the file's end, or a file system's short read) makes
+/// the reader go on buffered from there. Only a read of nothing ends the
+/// file, so a short read never cuts it.
 ///
 /// For reading a large file once, as a checksum pass does: the file does
 /// not stay in the page cache, evicting the memory a run is using.
@@ -326,12 +329,14 @@ impl ChunkReader {
                 }
                 Ok(n) => {
                     got += n;
-                    // A direct read that ends off a block boundary ended
-                    // at the end of the file; the next offset would be
-                    // misaligned.
+                    // A direct read that ends off a block boundary ended at
+                    // the end of the file, or (some file systems) came back
+                    // short mid-file. Either way the next offset is
+                    // misaligned: go on buffered, which reads the rest,
+                    // or nothing at the end.
                     if self.direct && !self.align.is_aligned(got as u64) {
-                        self.at_end = true;
-                        break;
+                        self.file = Self::open_buffered(&self.path)?;
+                        self.direct = false;
                     }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -484,9 +489,11 @@ mod tests {
         assert!(DirectWriter::open(&dir.path().join("missing")).is_none());
     }
 
-    fn read_whole(path: &Path) -> (Vec<u8>, Vec<(u64, usize)>, bool) {
+    /// The file's bytes through a [`ChunkReader`], each chunk's start,
+    /// and whether the first chunk and the whole file came direct.
+    fn read_whole(path: &Path) -> (Vec<u8>, Vec<(u64, usize)>, bool, bool) {
         let mut r = ChunkReader::open(path).unwrap();
-        let (mut all, mut chunks) = (Vec::new(), Vec::new());
+        let (mut all, mut chunks, mut first_direct) = (Vec::new(), Vec::new(), None);
         loop {
             let pos = r.pos_bytes();
             let Some(c) = r.next_chunk().unwrap() else {
@@ -494,10 +501,12 @@ mod tests {
             };
             chunks.push((pos, c.len()));
             all.extend_from_slice(c);
+            first_direct.get_or_insert(r.is_direct());
         }
         assert!(r.next_chunk().unwrap().is_none(), "a chunk after the end");
         assert_eq!(r.pos_bytes(), all.len() as u64);
-        (all, chunks, r.is_direct())
+        let direct = r.is_direct();
+        (all, chunks, first_direct.unwrap_or(direct), direct)
     }
 
     #[test]
@@ -507,15 +516,26 @@ mod tests {
             let path = dir.path().join(format!("f{len}"));
             let want = pattern(len);
             std::fs::write(&path, &want).unwrap();
-            let (got, chunks, direct) = read_whole(&path);
+            let (got, chunks, first_direct, direct) = read_whole(&path);
             assert!(got == want, "{len} bytes read back differently");
             let starts: Vec<u64> = chunks.iter().map(|c| c.0).collect();
             let expect: Vec<u64> = (0..len.div_ceil(CHUNK_BYTES))
                 .map(|i| (i * CHUNK_BYTES) as u64)
                 .collect();
             assert_eq!(starts, expect, "{len} bytes");
-            if !direct {
+            // A whole-block file is read direct to its end; an unaligned
+            // tail is read buffered (the direct read that found it came
+            // back off a block boundary), after whole direct chunks.
+            let whole_blocks = len % 4096 == 0;
+            let direct_part = if whole_blocks {
+                direct
+            } else {
+                first_direct || len < CHUNK_BYTES
+            };
+            if !direct_part {
                 skip(&format!("no O_DIRECT reads on {}", dir.path().display()));
+            } else if !whole_blocks {
+                assert!(!direct, "{len} bytes: the tail did not go buffered");
             }
         }
     }
