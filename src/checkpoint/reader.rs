@@ -44,11 +44,21 @@ fn read_region(
     match tierzero_swap::read_direct(path, offset_bytes, len as u64) {
         Ok(Some(b)) => Ok(b),
         Ok(None) => read_buffered(path, offset_bytes, len),
-        Err(e) => Err(CheckpointError::Io {
-            op: "reading",
-            path: path.to_path_buf(),
-            source: std::io::Error::other(e),
-        }),
+        Err(e) => Err(swap_read_err(path, e)),
+    }
+}
+
+/// A swap-layer read error as the checkpoint's: a file that would not open
+/// gives its OS error (the path is named once); a failed read keeps the
+/// swap layer's offset and length.
+fn swap_read_err(path: &Path, e: tierzero_swap::SwapError) -> CheckpointError {
+    CheckpointError::Io {
+        op: "reading",
+        path: path.to_path_buf(),
+        source: match e {
+            tierzero_swap::SwapError::Setup { source, .. } => source,
+            other => std::io::Error::other(other),
+        },
     }
 }
 
@@ -493,16 +503,7 @@ impl Checkpoint {
         // Past the page cache where it can: a checkpoint is as large as
         // the host's state, and a verify pass should not evict the memory
         // a run is using (`tierzero_swap::ChunkReader`).
-        // The OS error itself where there is one (the path is named once).
-        let swap_err = |e: tierzero_swap::SwapError| CheckpointError::Io {
-            op: "reading",
-            path: path.clone(),
-            source: match e {
-                tierzero_swap::SwapError::Io { source, .. }
-                | tierzero_swap::SwapError::Setup { source, .. } => source,
-                other => std::io::Error::other(other),
-            },
-        };
+        let swap_err = |e| swap_read_err(&path, e);
         let mut reader = tierzero_swap::ChunkReader::open(&path).map_err(swap_err)?;
         let mut crc = 0u32;
         let mut region = 0usize;

@@ -263,7 +263,6 @@ pub struct ChunkReader {
     chunk: AlignedBytes,
     pos_bytes: u64,
     direct: bool,
-    at_end: bool,
 }
 
 impl ChunkReader {
@@ -287,7 +286,6 @@ impl ChunkReader {
             chunk,
             pos_bytes: 0,
             direct,
-            at_end: false,
         })
     }
 
@@ -303,7 +301,7 @@ impl ChunkReader {
     }
 
     /// Whether the chunks come past the page cache (so far: a refused
-    /// first read turns it off).
+    /// first read, or a direct read off a block boundary, turns it off).
     pub fn is_direct(&self) -> bool {
         self.direct
     }
@@ -316,17 +314,11 @@ impl ChunkReader {
     /// The next chunk, `None` at the end of the file. A failed read is
     /// [`SwapError::Io`], naming the path, offset and length.
     pub fn next_chunk(&mut self) -> Result<Option<&[u8]>> {
-        if self.at_end {
-            return Ok(None);
-        }
         let mut got = 0usize;
         while got < CHUNK_BYTES {
             let at = self.pos_bytes + got as u64;
             match self.file.read_at(&mut self.chunk.as_mut_slice()[got..], at) {
-                Ok(0) => {
-                    self.at_end = true;
-                    break;
-                }
+                Ok(0) => break,
                 Ok(n) => {
                     got += n;
                     // A direct read that ends off a block boundary ended at
@@ -368,15 +360,6 @@ impl ChunkReader {
     }
 }
 
-/// Whether a test that found `O_DIRECT` refused must fail rather than
-/// skip: `TIERZERO_REQUIRE_DIRECT_IO=1`, which CI sets, where the
-/// temporary directory's file system takes direct I/O (ext4, and tmpfs
-/// since Linux 6.6).
-#[cfg(test)]
-pub(crate) fn direct_io_required() -> bool {
-    std::env::var("TIERZERO_REQUIRE_DIRECT_IO").is_ok_and(|v| v == "1")
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
@@ -384,10 +367,11 @@ mod tests {
     use super::*;
 
     /// A test that cannot run its direct path here says so, or fails
-    /// where CI requires direct I/O.
+    /// where CI requires direct I/O (`TIERZERO_REQUIRE_DIRECT_IO=1`, which
+    /// `.ci/run` sets where the temporary directory takes `O_DIRECT`).
     fn skip(why: &str) {
         assert!(
-            !direct_io_required(),
+            !std::env::var("TIERZERO_REQUIRE_DIRECT_IO").is_ok_and(|v| v == "1"),
             "TIERZERO_REQUIRE_DIRECT_IO=1, but {why}"
         );
         eprintln!("skipped: {why}");
