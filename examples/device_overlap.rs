@@ -59,7 +59,9 @@
 //! its free memory less 5%); `ADAM_THREADS` the CPU Adam's threads
 //! (default 1, as `tierzero train --threads`); and the setup's own
 //! (`examples/measure`): `MICRO`, `SEQ_LEN`, `PRECISION=bf16`, `CLIP`,
-//! `ACT_BUDGET` (default 0: every block recomputed), `BUCKET_H2`,
+//! `ACT_BUDGET` (default 0: every block recomputed), `DEVICE_CACHE`
+//! (`tierzero.device_cache_bytes`, default 0: every param crosses at each
+//! use, the streaming this measures; `auto` or bytes), `BUCKET_H2`,
 //! `LIVE_H2`, and so on.
 //!
 //! The example needs no GPU to build; with `DEVICE=cuda:N` and no driver

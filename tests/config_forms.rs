@@ -357,6 +357,36 @@ fn unknown_keys_warn_with_paths_and_never_fail() {
 }
 
 #[test]
+fn device_cache_bytes_is_auto_when_absent_or_auto_and_a_count_or_zero_otherwise() {
+    let cache = |v: Option<serde_json::Value>| {
+        let mut c = json!({"train_batch_size": 8, "tierzero": {}});
+        if let Some(v) = v {
+            c["tierzero"]["device_cache_bytes"] = v;
+        }
+        load(c).config.tierzero.device_cache_bytes
+    };
+    assert_eq!(cache(None), None);
+    assert_eq!(cache(Some(json!("auto"))), None);
+    assert_eq!(cache(Some(json!(0))), Some(Bytes(0)));
+    assert_eq!(cache(Some(json!("1GiB"))), Some(Bytes(1 << 30)));
+    // The device tier's limit: auto keeps what the budget holds.
+    let limits = |v| {
+        let c = json!({"train_batch_size": 8, "tierzero": {"device_cache_bytes": v}});
+        tierzero::engine::device::TierLimits::of(&load(c).config).cache_bytes
+    };
+    assert_eq!(
+        limits(json!("auto")),
+        tierzero::engine::device::TierLimits::CACHE_AUTO
+    );
+    assert_eq!(limits(json!(4096)), 4096);
+    let bad = load_str(
+        &json!({"train_batch_size": 8, "tierzero": {"device_cache_bytes": "lots"}}).to_string(),
+        &skip_fs(),
+    );
+    assert!(bad.is_err(), "{bad:?}");
+}
+
+#[test]
 fn tierzero_block() {
     let l = load(json!({
         "train_batch_size": 8,
@@ -372,7 +402,7 @@ fn tierzero_block() {
     }));
     let t = l.config.tierzero;
     assert_eq!(t.pinned_budget_bytes, Some(Bytes(2 << 30)));
-    assert_eq!(t.device_cache_bytes, Bytes(1_000_000_000));
+    assert_eq!(t.device_cache_bytes, Some(Bytes(1_000_000_000)));
     assert_eq!(t.io_backend, IoBackend::Portable);
     assert_eq!(t.direct_io, DirectIo::Off);
     assert_eq!(

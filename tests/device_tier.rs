@@ -195,7 +195,7 @@ fn the_device_tier_trains_bit_identical_to_the_in_memory_units() {
     for (model, name) in [(&gpt2, "gpt2"), (&llama, "llama")] {
         for (what, k) in &knobs {
             let want = reference(model, k, 3);
-            for cache_bytes in [0, 1 << 30] {
+            for cache_bytes in [0, 1 << 30, TierLimits::CACHE_AUTO] {
                 let limits = TierLimits {
                     cache_bytes,
                     ..wide_open()
@@ -358,6 +358,8 @@ fn the_prefetch_window_live_params_and_device_budget_are_never_exceeded() {
         (4_000, 20_000, 0, 64 << 20),
         (10_000, 14_000, 40_000, 64 << 20),
         (u64::MAX, u64::MAX, 1 << 30, 80_000),
+        (10_000, 14_000, TierLimits::CACHE_AUTO, 80_000),
+        (4_000, u64::MAX, TierLimits::CACHE_AUTO, 64 << 20),
     ] {
         let limits = TierLimits {
             prefetch_numel,
@@ -401,6 +403,57 @@ fn the_prefetch_window_live_params_and_device_budget_are_never_exceeded() {
         assert!(peaks.ahead_numel > 0, "nothing staged: {peaks:?}");
         assert_all_back(&probe, "bounds");
     }
+}
+
+/// `tierzero.device_cache_bytes: "auto"` under a budget smaller than the
+/// model: the kept params fill what the budget leaves, fewer bytes cross
+/// than without a cache, and they yield to the prefetch window, which
+/// stages as far ahead as it does without a cache (a cache that filled
+/// the budget used to stop the staging, and the params then uploaded
+/// when their unit ran).
+#[test]
+fn the_auto_cache_fills_the_budget_and_yields_to_the_prefetch_window() {
+    let model = tiny_gpt2_dir("tier-auto-cache", 2, 32);
+    // fp32: the tied table 32 KiB, a block about 50 KB, 133 KB in all.
+    let budget_bytes = 90_000;
+    let run_with = |cache_bytes| {
+        tiered(
+            &model,
+            &Knobs::nvme(),
+            sim(budget_bytes, 0, 2),
+            TierLimits {
+                prefetch_numel: 10_000,
+                max_live_numel: u64::MAX,
+                cache_bytes,
+            },
+            3,
+        )
+    };
+    let (none, p0, _) = run_with(0);
+    let (auto, p1, probe) = run_with(TierLimits::CACHE_AUTO);
+    let (fixed, p2, _) = run_with(1 << 30);
+    println!(
+        "h2d without a cache {} B, auto {} B, 1 GiB {} B; peaks {p0:?} / {p1:?} / {p2:?}",
+        none.h2d_bytes, auto.h2d_bytes, fixed.h2d_bytes
+    );
+    assert_eq!(none.loss_bits, auto.loss_bits);
+    assert_eq!(none.sha, auto.sha);
+    assert_eq!(none.sha, fixed.sha);
+    assert!(p1.cached_bytes > 0, "{p1:?}");
+    assert!(
+        auto.h2d_bytes < none.h2d_bytes,
+        "{} vs {}",
+        auto.h2d_bytes,
+        none.h2d_bytes
+    );
+    for p in [p1, p2] {
+        assert!(p.device_bytes <= budget_bytes, "{p:?}");
+        assert_eq!(
+            p.ahead_numel, p0.ahead_numel,
+            "the window staged less beside the cache: {p:?} against {p0:?}"
+        );
+    }
+    assert_all_back(&probe, "auto cache");
 }
 
 #[test]

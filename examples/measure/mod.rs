@@ -103,6 +103,16 @@ impl Setup {
             "zero_optimization": zero,
             "tierzero": {"overlap_optimizer": self.overlap, "checksums": false}
         });
+        // The device arms stream: every param crosses at each use
+        // (`tierzero.device_cache_bytes` 0), unless `DEVICE_CACHE` says
+        // "auto" or a byte count.
+        ds["tierzero"]["device_cache_bytes"] = match std::env::var("DEVICE_CACHE") {
+            Ok(v) if v == "auto" => json!("auto"),
+            Ok(v) => json!(v
+                .parse::<u64>()
+                .map_err(|e| format!("DEVICE_CACHE={v}: {e}"))?),
+            Err(_) => json!(0),
+        };
         // `PRECISION=bf16`: bf16.enabled (bf16 params and GEMM operands).
         if std::env::var("PRECISION").as_deref() == Ok("bf16") {
             ds["bf16"] = json!({"enabled": true});

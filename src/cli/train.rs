@@ -40,7 +40,8 @@
 //!   params, their tiers and the CPU optimizer stay as configured. The
 //!   device tier (`engine::device`) stages each unit's params on the copy
 //!   stream while the unit before it computes, and keeps them between
-//!   uses within `tierzero.device_cache_bytes`, all within
+//!   uses within `tierzero.device_cache_bytes` (`"auto"`: while the
+//!   tier's share of the device holds them), all within
 //!   `tierzero.device_budget_bytes`. Activations and gradients cross per
 //!   unit. fp32, bf16 or fp16 (16-bit GEMM operands, 16-bit params and
 //!   unit outputs; fp16's loss scale as on the CPU, Adam then on the

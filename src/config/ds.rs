@@ -523,8 +523,11 @@ section! {
         pinned_budget_bytes: Option<u64> => some(bytes);
         /// `device_cache_bytes`: accelerator memory tierzero may use to keep
         /// gathered parameters resident between uses, beyond
-        /// `stage3_max_live_parameters` (DeepSpeed#3054). Default 0 (no cache).
-        device_cache_bytes: u64 => bytes;
+        /// `stage3_max_live_parameters` (DeepSpeed#3054). `"auto"` (absent)
+        /// = as many as the device tier's share of the device budget holds
+        /// beside the params in flight and in use; 0 = no cache. Same
+        /// result either way. `None` = auto.
+        device_cache_bytes: Option<u64> => auto_none(bytes);
         /// `device_budget_bytes`: GPU memory tierzero may allocate with
         /// `--device cuda` (params on the device tier, activations,
         /// workspace). Absent = the free memory at start-up less 5%. A budget

@@ -304,8 +304,9 @@ pub struct Aio {
 pub struct Tierzero {
     /// Cap on page-locked host memory; `None` = what the buffers need.
     pub pinned_budget_bytes: Option<Bytes>,
-    /// Accelerator memory for a resident parameter cache.
-    pub device_cache_bytes: Bytes,
+    /// Accelerator memory for a resident parameter cache; `None` = auto
+    /// (what the device tier's share of the budget holds).
+    pub device_cache_bytes: Option<Bytes>,
     /// GPU memory tierzero may allocate; `None` = free memory less 5%.
     pub device_budget_bytes: Option<Bytes>,
     /// I/O backend.
@@ -730,7 +731,7 @@ pub(crate) fn validate(
     let t = &ds.tierzero;
     let tierzero = Tierzero {
         pinned_budget_bytes: t.pinned_budget_bytes.map(Bytes),
-        device_cache_bytes: Bytes(t.device_cache_bytes),
+        device_cache_bytes: t.device_cache_bytes.map(Bytes),
         device_budget_bytes: t.device_budget_bytes.map(Bytes),
         io_backend: t.io_backend,
         direct_io: t.direct_io,

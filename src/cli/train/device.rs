@@ -48,7 +48,8 @@ pub(super) fn cuda_units(
         }
     })?;
     // The device tier: params staged a unit ahead on the copy stream,
-    // kept between uses within `tierzero.device_cache_bytes`.
+    // kept between uses within `tierzero.device_cache_bytes` ("auto": as
+    // many as the tier's share of the device budget holds).
     let dev = std::sync::Arc::new(dev);
     // With several ranks, the params are gathered and the gradients
     // reduce-scattered on the GPUs (NCCL on their buffers): each rank's

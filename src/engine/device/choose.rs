@@ -83,12 +83,16 @@ pub fn trains_resident(cfg: &Config, world: usize, device_ranks: usize) -> Resul
 
 impl TierLimits {
     /// The tier's bounds from the config: `stage3_prefetch_bucket_size`,
-    /// `stage3_max_live_parameters`, `tierzero.device_cache_bytes`.
+    /// `stage3_max_live_parameters`, `tierzero.device_cache_bytes`
+    /// (`"auto"`: [`TierLimits::CACHE_AUTO`]).
     pub fn of(cfg: &Config) -> Self {
         TierLimits {
             prefetch_numel: cfg.zero.prefetch_bucket_numel.0,
             max_live_numel: cfg.zero.max_live_parameters_numel.0,
-            cache_bytes: cfg.tierzero.device_cache_bytes.0,
+            cache_bytes: cfg
+                .tierzero
+                .device_cache_bytes
+                .map_or(TierLimits::CACHE_AUTO, |b| b.0),
         }
     }
 }

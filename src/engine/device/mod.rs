@@ -81,7 +81,20 @@
 //!   a param stays `Resident` while the kept bytes fit. The first to come
 //!   are kept, so a block's forward leaves its params for its backward.
 //!   Every step starts empty ([`crate::model::exec_units::UnitCompute::begin_step`]),
-//!   because the optimizer changed the params.
+//!   because the optimizer changed the params. `"auto"` (the default,
+//!   [`TierLimits::CACHE_AUTO`]) keeps them as long as the link's budget
+//!   for the tier's params holds them. A kept param is let go, the first
+//!   in `ParamId` order first, when an upload needs its room: a unit's own
+//!   upload, or one the window stages ahead (never the kept params of the
+//!   unit loaded to compute next, or of the unit being staged). In forward
+//!   the first ids are the first units', which backward needs last; in
+//!   backward they are the ones it needs last too. A kept param let go
+//!   crosses again when its unit runs, as it would have without a cache,
+//!   so the cache never adds an upload, and it never holds the window
+//!   back. On the 311M Llama of `scripts/sim_offload_ab.sh` (bf16, 594 MB
+//!   of params), the simulated device's 4 GiB budget kept all of them and
+//!   623 MB crossed a step instead of 1115 MB; a 400 MiB budget kept part
+//!   and 844 MB crossed. The weights were the same bits.
 //!
 //! # Off the engine's thread
 //!

@@ -30,8 +30,17 @@ pub struct TierLimits {
     pub prefetch_numel: u64,
     /// `stage3_max_live_parameters`: elements uploading or in use.
     pub max_live_numel: u64,
-    /// `tierzero.device_cache_bytes`: bytes kept between uses.
+    /// `tierzero.device_cache_bytes`: bytes kept between uses
+    /// ([`TierLimits::CACHE_AUTO`]: as many as the budget holds).
     pub cache_bytes: u64,
+}
+
+impl TierLimits {
+    /// `cache_bytes` of `tierzero.device_cache_bytes: "auto"`: params stay
+    /// after their unit as long as the link's budget for the tier's params
+    /// holds them, and a kept one is let go when an upload needs its room
+    /// (see "The device cache" in [`super`]).
+    pub const CACHE_AUTO: u64 = u64::MAX;
 }
 
 /// A param on the device.
@@ -168,6 +177,9 @@ pub struct TierPeaks {
 #[derive(Debug)]
 struct State<U, B> {
     params: BTreeMap<ParamId, Residency<U, B>>,
+    /// The params of the unit loaded last ([`UnitCompute::load`]), which
+    /// computes next: kept ones are not let go to make room.
+    due: Vec<ParamId>,
     traffic: DeviceTraffic,
     peaks: TierPeaks,
 }
@@ -310,6 +322,7 @@ impl<L: DeviceLink + 'static> TieredUnits<L> {
             limits,
             state: Mutex::new(State {
                 params: BTreeMap::new(),
+                due: Vec::new(),
                 traffic: DeviceTraffic::default(),
                 peaks: TierPeaks::default(),
             }),
@@ -416,18 +429,27 @@ impl<L: DeviceLink> TieredUnits<L> {
         first_err.map_or(Ok(()), Err)
     }
 
-    /// Frees kept params until `bytes` more fit in the budget.
+    /// Frees kept params until `bytes` more fit in the budget, the first
+    /// in `ParamId` order first, except the due unit's and those in
+    /// `spare` (the unit the room is for). The first ids are the first
+    /// units': in forward the kept ones backward needs last, in backward
+    /// those it needs last.
     fn make_room(
         &self,
         st: &mut State<Queued<L::Upload>, L::Buf>,
         bytes: u64,
+        spare: &[ParamId],
     ) -> Result<(), ModelError> {
         let budget = self.link.budget_bytes();
         while st.device_bytes() + bytes > budget {
             let kept = st
                 .params
                 .iter()
-                .find(|(_, r)| matches!(r, Residency::Resident { .. }))
+                .find(|(id, r)| {
+                    matches!(r, Residency::Resident { .. })
+                        && !spare.contains(id)
+                        && !st.due.contains(id)
+                })
                 .map(|(id, _)| *id);
             let Some(id) = kept else { break };
             if let Left::Buf(b) = st.apply(id, TierEvent::Dropped)? {
@@ -456,7 +478,7 @@ impl<L: DeviceLink> TieredUnits<L> {
         let mut st = self.lock();
         let mut bufs = Vec::with_capacity(ids.len());
         for (k, (&id, host)) in ids.iter().zip(params).enumerate() {
-            match self.take_one(&mut st, model, unit, id, host) {
+            match self.take_one(&mut st, model, (unit, &ids), id, host) {
                 Ok(b) => bufs.push(b),
                 Err(e) => {
                     // Give back what was taken: nothing is left in use.
@@ -471,11 +493,12 @@ impl<L: DeviceLink> TieredUnits<L> {
         Ok((ids, bufs))
     }
 
+    /// `unit`'s param `id` (`ids`: all of the unit's) on the device.
     fn take_one(
         &self,
         st: &mut State<Queued<L::Upload>, L::Buf>,
         model: &Model,
-        unit: UnitId,
+        unit: (UnitId, &[ParamId]),
         id: ParamId,
         host: &Tensor,
     ) -> Result<L::Buf, ModelError> {
@@ -507,14 +530,15 @@ impl<L: DeviceLink> TieredUnits<L> {
         })
     }
 
-    /// Issues the upload of `unit`'s param `id`, absent from the device,
-    /// for use now, on this thread ([`TieredUnits::admit`] first). Its
-    /// size comes back with the upload.
+    /// Issues the upload of `unit`'s param `id` (`unit`: the unit and
+    /// all its params), absent from the device, for use now, on this
+    /// thread ([`TieredUnits::admit`] first). Its size comes back with
+    /// the upload.
     fn upload_now(
         &self,
         st: &mut State<Queued<L::Upload>, L::Buf>,
         model: &Model,
-        unit: UnitId,
+        unit: (UnitId, &[ParamId]),
         id: ParamId,
         host: &Tensor,
     ) -> Result<(L::Upload, ParamSize), ModelError> {
@@ -529,19 +553,19 @@ impl<L: DeviceLink> TieredUnits<L> {
         Ok((u, size))
     }
 
-    /// Makes room for `unit`'s param `id`, absent from the device, to be
-    /// uploaded for use now: kept params are evicted, and a param that
-    /// still does not fit the budget is an error with the numbers. Its
-    /// size.
+    /// Makes room for `unit`'s param `id` (`unit`: the unit and all its
+    /// params), absent from the device, to be uploaded for use now: kept
+    /// params are evicted (not the unit's own), and a param that still
+    /// does not fit the budget is an error with the numbers. Its size.
     fn admit(
         &self,
         st: &mut State<Queued<L::Upload>, L::Buf>,
-        unit: UnitId,
+        (unit, spare): (UnitId, &[ParamId]),
         id: ParamId,
         size: ParamSize,
     ) -> Result<ParamSize, ModelError> {
         let bytes = size.bytes;
-        self.make_room(st, bytes)?;
+        self.make_room(st, bytes, spare)?;
         let budget = self.link.budget_bytes();
         let held = st.device_bytes();
         if held + bytes > budget {
@@ -567,7 +591,7 @@ impl<L: DeviceLink> TieredUnits<L> {
                 Some(r) => r.bytes(),
                 None => 0,
             };
-            let keep = st.cached_bytes() + bytes <= self.limits.cache_bytes;
+            let keep = st.cached_bytes().saturating_add(bytes) <= self.limits.cache_bytes;
             if keep {
                 if let Err(e) = st.apply(id, TierEvent::Returned(Some(b))) {
                     result = result.and(Err(e));
@@ -625,12 +649,22 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
     }
 
     fn describe(&self) -> String {
+        let kept = if self.limits.cache_bytes == TierLimits::CACHE_AUTO {
+            format!(
+                "params kept between uses while the tier's {} hold them (tierzero.device_cache_bytes \"auto\")",
+                crate::units::format_bytes(self.link.budget_bytes())
+            )
+        } else {
+            format!(
+                "{} kept between uses",
+                crate::units::format_bytes(self.limits.cache_bytes)
+            )
+        };
         format!(
-            "{}; params staged a unit ahead (window {} elements, {} live), {} kept between uses",
+            "{}; params staged a unit ahead (window {} elements, {} live), {kept}",
             self.link.describe(),
             self.limits.prefetch_numel,
             self.limits.max_live_numel,
-            crate::units::format_bytes(self.limits.cache_bytes)
         )
     }
 
@@ -713,6 +747,12 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
             let ahead = st.ahead_numel();
             let window = ahead == 0 || ahead + numel <= self.limits.prefetch_numel;
             let live = st.live_numel() + numel <= self.limits.max_live_numel;
+            if window && live && st.device_bytes() + size.bytes > budget {
+                // Kept params yield to the window: each is needed later
+                // than this one, and once let go costs at most the
+                // upload it had saved.
+                self.make_room(&mut st, size.bytes, &ids)?;
+            }
             let fits = st.device_bytes() + size.bytes <= budget;
             if !(window && live && fits) {
                 // The rest uploads when its unit runs.
@@ -748,6 +788,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
         let ids = model.unit(unit)?.params.clone();
         let mut pins = pins.into_iter();
         let mut st = self.lock();
+        st.due.clone_from(&ids);
         // On the upload thread, as one message, ahead of whatever is
         // staged after it.
         let mut items = Vec::new();
@@ -765,7 +806,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
             }
             let size = match self
                 .size_of(model, id, host)
-                .and_then(|size| self.admit(&mut st, unit, id, size))
+                .and_then(|size| self.admit(&mut st, (unit, &ids), id, size))
             {
                 Ok(n) => n,
                 Err(e) => {
@@ -810,6 +851,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
         self.inputs.clear();
         let drained = self.drain_downloads().and(ahead);
         let mut st = self.lock();
+        st.due.clear();
         self.drop_all(&mut st).and(drained)
     }
 
@@ -904,6 +946,7 @@ impl<L: DeviceLink> Drop for TieredUnits<L> {
             st,
             State {
                 params: BTreeMap::new(),
+                due: Vec::new(),
                 traffic: DeviceTraffic::default(),
                 peaks: TierPeaks::default(),
             },
