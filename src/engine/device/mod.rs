@@ -53,10 +53,10 @@
 //! # What bounds it
 //!
 //! * **The device budget** ([`DeviceLink::budget_bytes`]). The bytes of
-//!   every state together never exceed it: a stage that would pass it is
-//!   not issued, and a unit whose params do not fit first evicts kept
-//!   params. A unit that does not fit on its own is an error that gives
-//!   the numbers.
+//!   every state together never exceed it: a unit's own params, and a
+//!   stage within the window, first evict kept params (the device cache,
+//!   below); a stage that still would pass it is not issued. A unit that
+//!   does not fit on its own is an error that gives the numbers.
 //! * **The prefetch window** (`stage3_prefetch_bucket_size`): elements
 //!   whose uploads are in flight ahead of use. The first upload is always
 //!   issued.
@@ -78,23 +78,39 @@
 //! * **Live params** (`stage3_max_live_parameters`): elements uploading or
 //!   in use, the kept ones not counted.
 //! * **The device cache** (`tierzero.device_cache_bytes`): after its unit,
-//!   a param stays `Resident` while the kept bytes fit. The first to come
-//!   are kept, so a block's forward leaves its params for its backward.
-//!   Every step starts empty ([`crate::model::exec_units::UnitCompute::begin_step`]),
-//!   because the optimizer changed the params. `"auto"` (the default,
+//!   a param stays `Resident` while the kept bytes fit, so a block's
+//!   forward leaves its params for its backward (and for the next
+//!   micro-batch). Every step starts empty
+//!   ([`crate::model::exec_units::UnitCompute::begin_step`]), because the
+//!   optimizer changed the params. `"auto"` (the default,
 //!   [`TierLimits::CACHE_AUTO`]) keeps them as long as the link's budget
-//!   for the tier's params holds them. A kept param is let go, the first
-//!   in `ParamId` order first, when an upload needs its room: a unit's own
-//!   upload, or one the window stages ahead (never the kept params of the
-//!   unit loaded to compute next, or of the unit being staged). In forward
-//!   the first ids are the first units', which backward needs last; in
-//!   backward they are the ones it needs last too. A kept param let go
-//!   crosses again when its unit runs, as it would have without a cache,
-//!   so the cache never adds an upload, and it never holds the window
-//!   back. On the 311M Llama of `scripts/sim_offload_ab.sh` (bf16, 594 MB
-//!   of params), the simulated device's 4 GiB budget kept all of them and
-//!   623 MB crossed a step instead of 1115 MB; a 400 MiB budget kept part
-//!   and 844 MB crossed. The weights were the same bits.
+//!   for the tier's params holds them.
+//!
+//!   A kept param is let go when an upload needs its room: a unit's own,
+//!   or one the window stages ahead. Never the kept params of the unit
+//!   loaded to compute next, or of the unit the room is for; and none
+//!   unless enough can go. The one whose last unit comes first goes
+//!   first: in forward the first blocks', which backward needs last,
+//!   while a tied table, which the head needs at the end of forward,
+//!   stays. In backward the same order lets go first the params the rest
+//!   of the pass needs last, but keeps those of the units it has passed
+//!   (a next-use order would need the pass, which `load` does not carry).
+//!
+//!   Letting go for the window trades bytes for overlap. A kept param let
+//!   go crosses again at its next use, as it would without a cache, so
+//!   the cache never moves more bytes than no cache; but keeping it and
+//!   uploading the next unit's params at its turn instead moves fewer. In
+//!   `tests/device_tier.rs` (a 90 KB budget under a 133 KB GPT-2, 3
+//!   steps): no cache 754,944 B, of which 110,592 uploaded at the unit's
+//!   turn (`h2d_at_use_bytes`, waited for); auto 587,520 B, 110,592 at
+//!   use; auto without the window's evictions 390,912 B, 210,048 at use.
+//!   The default keeps the window whole: it is no worse than no cache on
+//!   either count.
+//!
+//!   On the 311M Llama of `scripts/sim_offload_ab.sh` (bf16, 594 MB of
+//!   params) the simulated device's 4 GiB budget kept all of them: 623 MB
+//!   crossed a step instead of 1115 MB. A 400 MiB budget kept part: 844
+//!   MB crossed. The weights were the same bits.
 //!
 //! # Off the engine's thread
 //!

@@ -178,7 +178,7 @@ pub struct TierPeaks {
 struct State<U, B> {
     params: BTreeMap<ParamId, Residency<U, B>>,
     /// The params of the unit loaded last ([`UnitCompute::load`]), which
-    /// computes next: kept ones are not let go to make room.
+    /// computes next: kept ones are not let go to stage another unit.
     due: Vec<ParamId>,
     traffic: DeviceTraffic,
     peaks: TierPeaks,
@@ -429,29 +429,49 @@ impl<L: DeviceLink> TieredUnits<L> {
         first_err.map_or(Ok(()), Err)
     }
 
-    /// Frees kept params until `bytes` more fit in the budget, the first
-    /// in `ParamId` order first, except the due unit's and those in
-    /// `spare` (the unit the room is for). The first ids are the first
-    /// units': in forward the kept ones backward needs last, in backward
-    /// those it needs last.
+    /// Frees kept params until `bytes` more fit in the budget, except
+    /// those in `spare` (the unit the room is for, and with a stage the
+    /// unit loaded to compute next). Nothing is freed unless enough can
+    /// be: a kept param let go for a room that does not come would only
+    /// cross again. The one whose last unit comes first goes first (ties
+    /// by `ParamId`): in forward the first blocks', which backward needs
+    /// last, while a tied table, which the head needs next, stays.
     fn make_room(
         &self,
         st: &mut State<Queued<L::Upload>, L::Buf>,
+        model: &Model,
         bytes: u64,
-        spare: &[ParamId],
+        spare: &[&[ParamId]],
     ) -> Result<(), ModelError> {
         let budget = self.link.budget_bytes();
-        while st.device_bytes() + bytes > budget {
-            let kept = st
-                .params
-                .iter()
-                .find(|(id, r)| {
-                    matches!(r, Residency::Resident { .. })
-                        && !spare.contains(id)
-                        && !st.due.contains(id)
-                })
-                .map(|(id, _)| *id);
-            let Some(id) = kept else { break };
+        let held = st.device_bytes();
+        if held.saturating_add(bytes) <= budget {
+            return Ok(());
+        }
+        let last_unit = |id: ParamId| {
+            model
+                .params()
+                .get(id.0)
+                .and_then(|p| p.units.iter().max().copied())
+                .unwrap_or(UnitId(0))
+        };
+        let mut victims: Vec<(UnitId, ParamId, u64)> = st
+            .params
+            .iter()
+            .filter(|(id, r)| {
+                matches!(r, Residency::Resident { .. }) && !spare.iter().any(|s| s.contains(id))
+            })
+            .map(|(id, r)| (last_unit(*id), *id, r.bytes()))
+            .collect();
+        let freeable: u64 = victims.iter().map(|v| v.2).sum();
+        if held - freeable.min(held) + bytes > budget {
+            return Ok(());
+        }
+        victims.sort_unstable();
+        for (_, id, _) in victims {
+            if st.device_bytes() + bytes <= budget {
+                break;
+            }
             if let Left::Buf(b) = st.apply(id, TierEvent::Dropped)? {
                 self.link.free(b);
             }
@@ -542,14 +562,18 @@ impl<L: DeviceLink> TieredUnits<L> {
         id: ParamId,
         host: &Tensor,
     ) -> Result<(L::Upload, ParamSize), ModelError> {
-        let size = self.admit(st, unit, id, self.size_of(model, id, host)?)?;
+        let size = self.admit(st, model, unit, id, self.size_of(model, id, host)?)?;
         if self.gathers() {
-            return Ok((self.gather_now(st, id, host, None, size)?, size));
+            let before = st.traffic.h2d_bytes;
+            let u = self.gather_now(st, id, host, None, size)?;
+            st.traffic.h2d_at_use_bytes += st.traffic.h2d_bytes - before;
+            return Ok((u, size));
         }
         let (u, up_bytes) = exec_units::with_host_elems(host, |v| {
             Ok((self.link.upload(&format!("param {}", id.0), v)?, v.bytes()))
         })?;
         st.traffic.h2d_bytes += up_bytes;
+        st.traffic.h2d_at_use_bytes += up_bytes;
         Ok((u, size))
     }
 
@@ -560,12 +584,13 @@ impl<L: DeviceLink> TieredUnits<L> {
     fn admit(
         &self,
         st: &mut State<Queued<L::Upload>, L::Buf>,
+        model: &Model,
         (unit, spare): (UnitId, &[ParamId]),
         id: ParamId,
         size: ParamSize,
     ) -> Result<ParamSize, ModelError> {
         let bytes = size.bytes;
-        self.make_room(st, bytes, spare)?;
+        self.make_room(st, model, bytes, &[spare])?;
         let budget = self.link.budget_bytes();
         let held = st.device_bytes();
         if held + bytes > budget {
@@ -651,7 +676,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
     fn describe(&self) -> String {
         let kept = if self.limits.cache_bytes == TierLimits::CACHE_AUTO {
             format!(
-                "params kept between uses while the tier's {} hold them (tierzero.device_cache_bytes \"auto\")",
+                "params kept between uses while the tier's budget of {} holds them (tierzero.device_cache_bytes \"auto\")",
                 crate::units::format_bytes(self.link.budget_bytes())
             )
         } else {
@@ -751,7 +776,8 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
                 // Kept params yield to the window: each is needed later
                 // than this one, and once let go costs at most the
                 // upload it had saved.
-                self.make_room(&mut st, size.bytes, &ids)?;
+                let due = st.due.clone();
+                self.make_room(&mut st, model, size.bytes, &[&ids, &due])?;
             }
             let fits = st.device_bytes() + size.bytes <= budget;
             if !(window && live && fits) {
@@ -806,7 +832,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
             }
             let size = match self
                 .size_of(model, id, host)
-                .and_then(|size| self.admit(&mut st, (unit, &ids), id, size))
+                .and_then(|size| self.admit(&mut st, model, (unit, &ids), id, size))
             {
                 Ok(n) => n,
                 Err(e) => {
@@ -815,8 +841,10 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
                 }
             };
             if self.gathers() {
+                let before = st.traffic.h2d_bytes;
                 match self.gather_now(&mut st, id, host, pin, size) {
                     Ok(u) => {
+                        st.traffic.h2d_at_use_bytes += st.traffic.h2d_bytes - before;
                         st.apply(id, TierEvent::Loading(Queued::issued(u), size))?;
                     }
                     Err(e) => {
@@ -828,7 +856,9 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
             }
             let (slot, q) = self.fill.slot();
             st.apply(id, TierEvent::Loading(q, size))?;
-            st.traffic.h2d_bytes += exec_units::host_elems_bytes(host);
+            let up_bytes = exec_units::host_elems_bytes(host);
+            st.traffic.h2d_bytes += up_bytes;
+            st.traffic.h2d_at_use_bytes += up_bytes;
             items.push(Fill {
                 what: format!("param {}", id.0),
                 host: host.clone(),

@@ -128,6 +128,11 @@ pub struct StepMetrics {
     /// pages, or the swap buffers NVMe reads landed in), with no staging
     /// fill.
     pub h2d_direct_bytes: u64,
+    /// Of `h2d_bytes`, the params' bytes the device tier uploaded for the
+    /// unit about to compute instead of staging them ahead (the window,
+    /// `stage3_max_live_parameters` or the budget held them back): the
+    /// unit's compute waits for these copies.
+    pub h2d_at_use_bytes: u64,
     /// Swap buffers kept for a param's copy in place that were let go
     /// before its unit was loaded, because a read ahead or a write-back
     /// wanted the buffer: those params crossed through staging. Many of

@@ -679,6 +679,7 @@ impl Trainer {
             d2h_wait_s: device.d2h_wait_s,
             h2d_kept_bytes: device.h2d_kept_bytes,
             h2d_direct_bytes: device.h2d_direct_bytes,
+            h2d_at_use_bytes: device.h2d_at_use_bytes,
             param_buffers_let_go: c1.kept_buffers_evicted - c0.kept_buffers_evicted,
             param_buffers_kept: c1.kept_buffers - c0.kept_buffers,
             device_forwards_kept: device.forwards_kept,

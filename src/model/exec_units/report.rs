@@ -102,6 +102,9 @@ pub struct DeviceTraffic {
     /// Of `h2d_bytes`, the params' bytes copied in place from their
     /// registered pinned pages, with no staging fill.
     pub h2d_direct_bytes: u64,
+    /// Of `h2d_bytes`, the params' bytes uploaded for the unit about to
+    /// compute, not staged ahead of it: its compute waits for them.
+    pub h2d_at_use_bytes: u64,
     /// Blocks whose backward ran from their kept forward
     /// ([`super::KeptForward`]), with no recompute.
     pub forwards_kept: u64,
@@ -126,6 +129,7 @@ impl DeviceTraffic {
         self.d2h_wait_s += o.d2h_wait_s;
         self.h2d_kept_bytes += o.h2d_kept_bytes;
         self.h2d_direct_bytes += o.h2d_direct_bytes;
+        self.h2d_at_use_bytes += o.h2d_at_use_bytes;
         self.forwards_kept += o.forwards_kept;
         self.forwards_recomputed += o.forwards_recomputed;
         self.forwards_ahead += o.forwards_ahead;
