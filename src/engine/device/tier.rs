@@ -774,8 +774,8 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
             let live = st.live_numel() + numel <= self.limits.max_live_numel;
             if window && live && st.device_bytes() + size.bytes > budget {
                 // Kept params yield to the window: each is needed later
-                // than this one, and once let go costs at most the
-                // upload it had saved.
+                // than this one if at all, and once let go costs at most
+                // the upload it had saved (see "The device cache").
                 let due = st.due.clone();
                 self.make_room(&mut st, model, size.bytes, &[&ids, &due])?;
             }
