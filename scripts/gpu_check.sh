@@ -111,7 +111,8 @@
 #      (or "... timed out"; "budget" when that run was itself skipped for
 #      the budget);
 #   6f. the device tier: `train --device cuda` with cpu offload and with
-#      a 1 GiB device cache, and at stage 0 with nothing offloaded
+#      no device cache (`tierzero.device_cache_bytes` 0; the other runs
+#      keep the default, "auto"), and at stage 0 with nothing offloaded
 #      (training in GPU memory, Adam on the GPU, clipping on the device's
 #      Σg² taken in the host's order), each bit-identical (losses,
 #      weight_sha256) to step 6's GPU run with NVMe offload; the runs'
@@ -449,7 +450,7 @@ compose_train() {
 compose_tier() {
   local sep="" model variant
   printf '{"ok":%s,"runs":{' "$1"
-  for model in gpt2 llama; do for variant in stage0 cpu cache; do
+  for model in gpt2 llama; do for variant in stage0 cpu nocache; do
     printf '%s"%s_%s":%s' "$sep" "$model" "$variant" "$(frag "device_tier.${model}_$variant" '{"skipped":"not reached"}')"
     sep=","
   done; done
@@ -856,7 +857,9 @@ fi
 
 # 6f. The device tier (issue 23's equivalence): the same 20 steps on the
 # GPU with everything in host memory at stage 0, with params and optimizer
-# state offloaded to the CPU, and with a device cache of 1 GiB, each
+# state offloaded to the CPU, and with no device cache (every param
+# crossing at each use; step 6's run and the others keep the default,
+# tierzero.device_cache_bytes "auto"), each
 # against step 6's GPU run (stage 3, params and state on NVMe): the same
 # loss bits and weight_sha256. Each run's metrics carry h2d_bytes,
 # d2h_bytes, h2d_wait_s, d2h_wait_s, and the compute, h2d and d2h
@@ -876,7 +879,7 @@ fi
 # step 6 makes it, before the model's runs ("reference":"run here", the
 # runs under "reference_runs"; one that fails is a failure of this step).
 if sel 6f; then
-  for variant in stage0 cpu cache; do
+  for variant in stage0 cpu nocache; do
     "$PYCFG" - "$variant" "$WORK/ds-$variant.json" <<'PY' 2>"$WORK/ds-$variant.err"
 import json, sys
 variant, out = sys.argv[1], sys.argv[2]
@@ -890,7 +893,7 @@ elif variant == "cpu":
     z["offload_param"] = {"device": "cpu", "pin_memory": True}
     z["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
 else:
-    c["tierzero"]["device_cache_bytes"] = 1 << 30
+    c["tierzero"]["device_cache_bytes"] = 0
 json.dump(c, open(out, "w"))
 PY
   done
@@ -907,7 +910,7 @@ PY
       if [ -n "$ref_rc" ] && [ "$ref_rc" != 0 ]; then tier_ok=false; fail "device_tier.reference.${model}_cuda"; fi
     fi
     dep=$(dep_reason "$model")
-    for variant in stage0 cpu cache; do
+    for variant in stage0 cpu nocache; do
       d="$WORK/tier-$model-$variant"; mkdir -p "$d/tierzero-swap"
       why=$dep
       [ -n "$why" ] || room "$TRAIN_CAP" || why=budget
@@ -938,8 +941,8 @@ PY
       # Totals over the steps after the first (%.0f: mawk clamps %d at 2^31).
       totals=$(awk -F'[:,}]' '/"step":/ && NR > 1 { for (i = 1; i < NF; i++) { if ($i ~ /"h2d_bytes"/) h += $(i+1); if ($i ~ /"d2h_bytes"/) d += $(i+1); if ($i ~ /"h2d_wait_s"/) w += $(i+1); if ($i ~ /"d2h_wait_s"/) x += $(i+1);
           if ($i ~ /"device_busy_s"/) c += $(i+1); if ($i ~ /"h2d_busy_s"/) u += $(i+1); if ($i ~ /"d2h_busy_s"/) o += $(i+1); if ($i ~ /"h2d_fill_busy_s"/) f += $(i+1); if ($i ~ /"wall_s"/) s += $(i+1);
-          if ($i ~ /"device_forwards_ahead"/) fa += $(i+1); if ($i ~ /"device_backwards_ahead"/) ba += $(i+1); if ($i ~ /"h2d_direct_bytes"/) hd += $(i+1); if ($i ~ /"param_buffers_let_go"/) lg += $(i+1) } }
-        END { m = (c > u ? c : u); m = (o > m ? o : m); printf "{\"steps_after_first\":true,\"h2d_direct_bytes\":%.0f,\"param_buffers_let_go\":%.0f,\"h2d_bytes\":%.0f,\"d2h_bytes\":%.0f,\"h2d_wait_s\":%.4f,\"d2h_wait_s\":%.4f,\"device_busy_s\":%.4f,\"h2d_busy_s\":%.4f,\"d2h_busy_s\":%.4f,\"h2d_fill_busy_s\":%.4f,\"wall_s\":%.4f,\"wall_over_busiest_queue\":%s,\"forwards_ahead\":%.0f,\"backwards_ahead\":%.0f}", hd, lg, h, d, w, x, c, u, o, f, s, (m > 0 ? sprintf("%.3f", s / m) : "null"), fa, ba }' "$d/metrics.jsonl" 2>/dev/null)
+          if ($i ~ /"device_forwards_ahead"/) fa += $(i+1); if ($i ~ /"device_backwards_ahead"/) ba += $(i+1); if ($i ~ /"h2d_direct_bytes"/) hd += $(i+1); if ($i ~ /"param_buffers_let_go"/) lg += $(i+1); if ($i ~ /"h2d_at_use_bytes"/) ua += $(i+1) } }
+        END { m = (c > u ? c : u); m = (o > m ? o : m); printf "{\"steps_after_first\":true,\"h2d_direct_bytes\":%.0f,\"h2d_at_use_bytes\":%.0f,\"param_buffers_let_go\":%.0f,\"h2d_bytes\":%.0f,\"d2h_bytes\":%.0f,\"h2d_wait_s\":%.4f,\"d2h_wait_s\":%.4f,\"device_busy_s\":%.4f,\"h2d_busy_s\":%.4f,\"d2h_busy_s\":%.4f,\"h2d_fill_busy_s\":%.4f,\"wall_s\":%.4f,\"wall_over_busiest_queue\":%s,\"forwards_ahead\":%.0f,\"backwards_ahead\":%.0f}", hd, ua, lg, h, d, w, x, c, u, o, f, s, (m > 0 ? sprintf("%.3f", s / m) : "null"), fa, ba }' "$d/metrics.jsonl" 2>/dev/null)
       [ -n "$totals" ] || totals=null
       [ -n "${OUT:-}" ] && [ -f "$d/timeline.json" ] && [ "$model" = gpt2 ] && cp "$d/timeline.json" "$OUT/timeline-device-tier.json"
       printf '{"same_bits_as_nvme_stage3":%s,"within_1e-4_of_nvme_stage3":%s,"adam_on_device":%s,"traffic":%s}\n' \
