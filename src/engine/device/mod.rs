@@ -103,7 +103,10 @@
 //!   `tests/device_tier.rs` (a 90 KB budget under a 133 KB GPT-2, 3
 //!   steps): no cache 754,944 B, of which 110,592 uploaded at the unit's
 //!   turn (`h2d_at_use_bytes`, waited for); auto 587,520 B, 110,592 at
-//!   use; auto without the window's evictions 390,912 B, 210,048 at use.
+//!   use; auto without the window's evictions (the `make_room` call in
+//!   `stage` taken out, session 56) 390,912 B, 210,048 at use. The test
+//!   prints the first two (`cargo test --test device_tier auto_cache --
+//!   --nocapture`).
 //!   The default keeps the window whole: it is no worse than no cache on
 //!   either count.
 //!

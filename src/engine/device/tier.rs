@@ -563,17 +563,16 @@ impl<L: DeviceLink> TieredUnits<L> {
         host: &Tensor,
     ) -> Result<(L::Upload, ParamSize), ModelError> {
         let size = self.admit(st, model, unit, id, self.size_of(model, id, host)?)?;
-        if self.gathers() {
-            let before = st.traffic.h2d_bytes;
-            let u = self.gather_now(st, id, host, None, size)?;
-            st.traffic.h2d_at_use_bytes += st.traffic.h2d_bytes - before;
-            return Ok((u, size));
-        }
-        let (u, up_bytes) = exec_units::with_host_elems(host, |v| {
-            Ok((self.link.upload(&format!("param {}", id.0), v)?, v.bytes()))
-        })?;
-        st.traffic.h2d_bytes += up_bytes;
-        st.traffic.h2d_at_use_bytes += up_bytes;
+        let u = if self.gathers() {
+            self.gather_now(st, id, host, None, size)?
+        } else {
+            let (u, up_bytes) = exec_units::with_host_elems(host, |v| {
+                Ok((self.link.upload(&format!("param {}", id.0), v)?, v.bytes()))
+            })?;
+            st.traffic.h2d_bytes += up_bytes;
+            u
+        };
+        st.traffic.h2d_at_use_bytes += exec_units::host_elems_bytes(host);
         Ok((u, size))
     }
 
@@ -840,11 +839,12 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
                     break;
                 }
             };
+            // Its bytes cross for the unit about to compute, not ahead.
+            let up_bytes = exec_units::host_elems_bytes(host);
             if self.gathers() {
-                let before = st.traffic.h2d_bytes;
                 match self.gather_now(&mut st, id, host, pin, size) {
                     Ok(u) => {
-                        st.traffic.h2d_at_use_bytes += st.traffic.h2d_bytes - before;
+                        st.traffic.h2d_at_use_bytes += up_bytes;
                         st.apply(id, TierEvent::Loading(Queued::issued(u), size))?;
                     }
                     Err(e) => {
@@ -856,7 +856,6 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
             }
             let (slot, q) = self.fill.slot();
             st.apply(id, TierEvent::Loading(q, size))?;
-            let up_bytes = exec_units::host_elems_bytes(host);
             st.traffic.h2d_bytes += up_bytes;
             st.traffic.h2d_at_use_bytes += up_bytes;
             items.push(Fill {
