@@ -1,0 +1,330 @@
+//! Property tests of the device tier (`tierzero::engine::device`) on the
+//! simulated device: any prefetch window, live window, device cache
+//! (none, a size, `"auto"`), device budget, staging pool, copy delay,
+//! launching ahead or not, registered homes or not, and an upload that
+//! fails anywhere. Whatever the draw, a run either trains the in-memory
+//! units' bits within every bound, or fails with the numbers (or the
+//! failed upload), and either way every device byte, staging buffer and
+//! page pin comes back. A cache never makes more bytes cross than no
+//! cache with the same windows and budget.
+//!
+//! Not a property: that a cache leaves no more bytes to upload at their
+//! unit's turn (`h2d_at_use_bytes`) than no cache. Under a budget of
+//! little more than one block, staging stops at the first param that does
+//! not fit, and which params are kept decides where that is: one draw (a
+//! 58,624 B budget, a cache of 55,680 B) uploaded 338,432 B at use against
+//! 330,752 B without a cache, with 460,288 B crossing in all against
+//! 503,296 B. `tests/device_tier.rs` checks it on a budget that holds
+//! more.
+//!
+//! `tests/device_tier.rs` checks the same rules on chosen cases, with the
+//! reasons; this file draws the cases.
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+mod engine_support;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use engine_support::*;
+use proptest::prelude::*;
+use tierzero::engine::device::sim::{SimConfig, SimDevice, SimProbe};
+use tierzero::engine::device::{TierLimits, TierPeaks, TieredUnits};
+use tierzero::engine::TrainerOptions;
+use tierzero::model::exec_units::{ReferenceUnits, UnitCompute};
+use tierzero_gpu::unit::GemmDtype;
+
+const STEPS: u64 = 2;
+
+/// A run's losses (their bits) and `weight_sha256`.
+type Trained = (Vec<u32>, String);
+
+/// A model and its run's knobs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Case {
+    /// GPT-2 (tied table), fp32, one micro-batch a step, no clipping.
+    Gpt2Fp32,
+    /// Llama, bf16 params (2-byte uploads), two micro-batches a step
+    /// (each param used twice in forward and backward), clipping.
+    LlamaBf16Accum,
+}
+
+impl Case {
+    fn model(self) -> PathBuf {
+        static DIRS: OnceLock<Mutex<HashMap<Case, PathBuf>>> = OnceLock::new();
+        let dirs = DIRS.get_or_init(Default::default);
+        dirs.lock()
+            .unwrap()
+            .entry(self)
+            .or_insert_with(|| match self {
+                Case::Gpt2Fp32 => tiny_gpt2_dir("tier-props", 2, 32),
+                Case::LlamaBf16Accum => tiny_llama_dir("tier-props"),
+            })
+            .clone()
+    }
+
+    fn knobs(self, nvme_home: bool) -> Knobs {
+        let base = if nvme_home {
+            Knobs::nvme()
+        } else {
+            Knobs::cpu()
+        };
+        match self {
+            Case::Gpt2Fp32 => base,
+            Case::LlamaBf16Accum => Knobs {
+                precision: "bf16",
+                clip: 0.5,
+                gas: 2,
+                ..base
+            },
+        }
+    }
+
+    fn gemm(self) -> GemmDtype {
+        match self {
+            Case::Gpt2Fp32 => GemmDtype::F32,
+            Case::LlamaBf16Accum => GemmDtype::Bf16,
+        }
+    }
+
+    /// The largest param's elements (the tied or input table's): a
+    /// staged param is never cut, so the window may hold one this big.
+    fn largest_param_numel(self) -> u64 {
+        8192
+    }
+
+    /// The in-memory units' losses and weights (the same whatever the
+    /// params' home: offload does not change a bit).
+    fn reference(self) -> Trained {
+        static REFS: OnceLock<Mutex<HashMap<Case, Trained>>> = OnceLock::new();
+        let refs = REFS.get_or_init(Default::default);
+        if let Some(r) = refs.lock().unwrap().get(&self) {
+            return r.clone();
+        }
+        let mut opts = TrainerOptions::cpu(3, 16);
+        opts.compute = Some(Arc::new(ReferenceUnits { gemm: self.gemm() }));
+        let mut t = build_with(&self.model(), &self.knobs(true), opts, STEPS);
+        let losses = (0..STEPS)
+            .map(|_| t.step().unwrap().metrics.loss.to_bits())
+            .collect();
+        let r = (losses, t.finish().unwrap().weight_sha256);
+        refs.lock().unwrap().insert(self, r.clone());
+        r
+    }
+}
+
+/// One draw.
+#[derive(Debug, Clone)]
+struct Draw {
+    case: Case,
+    nvme_home: bool,
+    limits: TierLimits,
+    budget_bytes: u64,
+    staging_slots: usize,
+    copy_delay_ms: u64,
+    ahead: bool,
+    registered: bool,
+    fail_upload: Option<u64>,
+}
+
+/// What a run left.
+struct Ran {
+    /// The losses and weights, or the error.
+    result: Result<Trained, String>,
+    h2d_bytes: u64,
+    peaks: TierPeaks,
+    /// The bound the plan printed for the tier's params.
+    plan_bound_bytes: Option<u64>,
+    probe: SimProbe,
+}
+
+fn run(d: &Draw) -> Ran {
+    let mut dev = SimDevice::new(SimConfig {
+        budget_bytes: d.budget_bytes,
+        copy_delay: Duration::from_millis(d.copy_delay_ms),
+        h2d_bytes_per_s: None,
+        staging_slots: d.staging_slots,
+        gemm: d.case.gemm(),
+        fail_upload: d.fail_upload,
+        compute_delay: Duration::ZERO,
+    })
+    .unwrap();
+    if !d.registered {
+        dev = dev.without_registration();
+    }
+    let probe = dev.probe();
+    let tier = Arc::new(
+        TieredUnits::new(dev, d.limits)
+            .unwrap()
+            .launch_ahead(d.ahead),
+    );
+    let mut opts = TrainerOptions::cpu(3, 16);
+    opts.compute = Some(tier.clone());
+    let mut t = build_with(&d.case.model(), &d.case.knobs(d.nvme_home), opts, STEPS);
+    let plan_bound_bytes = tier.memory_plan(t.model()).map(|p| p.rows[0].device_bytes);
+    let mut losses = Vec::new();
+    let mut h2d_bytes = 0;
+    let mut result = Ok(());
+    for _ in 0..STEPS {
+        match t.step() {
+            Ok(r) => {
+                losses.push(r.metrics.loss.to_bits());
+                h2d_bytes += r.metrics.h2d_bytes;
+            }
+            Err(e) => {
+                result = Err(e.to_string());
+                break;
+            }
+        }
+    }
+    let result = match result {
+        Ok(()) => t
+            .finish()
+            .map(|s| (losses, s.weight_sha256))
+            .map_err(|e| e.to_string()),
+        Err(e) => {
+            drop(t);
+            Err(e)
+        }
+    };
+    let peaks = tier.peaks();
+    drop(tier);
+    Ran {
+        result,
+        h2d_bytes,
+        peaks,
+        plan_bound_bytes,
+        probe,
+    }
+}
+
+/// Every device byte, copy, staging buffer and page pin came back, and no
+/// staging buffer changed under its copy.
+fn all_back(p: &SimProbe) -> Result<(), TestCaseError> {
+    prop_assert_eq!(p.used_bytes(), 0, "device bytes left");
+    prop_assert_eq!(p.in_flight(), 0, "copies left");
+    prop_assert_eq!(p.downloads_in_flight(), 0, "downloads left");
+    prop_assert_eq!(p.free_staging(), p.staging_slots(), "staging buffers lent");
+    prop_assert_eq!(p.violations(), 0, "a staging buffer changed mid-copy");
+    prop_assert_eq!(p.pins_held(), 0, "page pins held by copies");
+    Ok(())
+}
+
+fn cache_bytes() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        Just(0u64),
+        1u64..160_000,
+        Just(1u64 << 30),
+        Just(TierLimits::CACHE_AUTO),
+    ]
+}
+
+fn draw() -> impl Strategy<Value = Draw> {
+    (
+        prop_oneof![Just(Case::Gpt2Fp32), Just(Case::LlamaBf16Accum)],
+        any::<bool>(),
+        (
+            prop_oneof![Just(1u64), 500u64..20_000, Just(u64::MAX)],
+            prop_oneof![14_000u64..40_000, Just(u64::MAX)],
+            cache_bytes(),
+        ),
+        prop_oneof![20_000u64..160_000, Just(64u64 << 20)],
+        1usize..=4,
+        0u64..=1,
+        any::<bool>(),
+        any::<bool>(),
+        prop_oneof![3 => Just(None), 1 => (1u64..80).prop_map(Some)],
+    )
+        .prop_map(
+            |(
+                case,
+                nvme_home,
+                (prefetch_numel, max_live_numel, cache_bytes),
+                budget_bytes,
+                staging_slots,
+                copy_delay_ms,
+                ahead,
+                registered,
+                fail_upload,
+            )| Draw {
+                case,
+                nvme_home,
+                limits: TierLimits {
+                    prefetch_numel,
+                    max_live_numel,
+                    cache_bytes,
+                },
+                budget_bytes,
+                staging_slots,
+                copy_delay_ms,
+                ahead,
+                registered,
+                fail_upload,
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 48,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+
+    /// Any windows, cache, budget and staging: the in-memory bits within
+    /// every bound, or an error with the numbers; everything back.
+    #[test]
+    fn any_windows_cache_and_budget_train_the_same_bits_within_bounds(d in draw()) {
+        let ran = run(&d);
+        all_back(&ran.probe)?;
+        let p = ran.peaks;
+        prop_assert!(p.device_bytes <= d.budget_bytes, "tier held {} B: {:?}", p.device_bytes, p);
+        prop_assert!(ran.probe.peak_bytes() <= d.budget_bytes, "the device saw {} B", ran.probe.peak_bytes());
+        prop_assert!(
+            p.ahead_numel <= d.limits.prefetch_numel.max(d.case.largest_param_numel()),
+            "staged ahead: {:?}", p
+        );
+        prop_assert!(p.live_numel_at_stage <= d.limits.max_live_numel, "live: {:?}", p);
+        let cache_bound = if d.limits.cache_bytes == TierLimits::CACHE_AUTO {
+            d.budget_bytes
+        } else {
+            d.limits.cache_bytes
+        };
+        prop_assert!(p.cached_bytes <= cache_bound, "kept: {:?}", p);
+        if let Some(bound) = ran.plan_bound_bytes {
+            prop_assert!(p.device_bytes <= bound, "the plan's bound {} B: {:?}", bound, p);
+        }
+        match &ran.result {
+            Ok(got) => {
+                let want = d.case.reference();
+                prop_assert_eq!(&got.0, &want.0, "losses");
+                prop_assert_eq!(&got.1, &want.1, "weights");
+            }
+            Err(e) => {
+                let injected = d.fail_upload.is_some_and(|n| e.contains(&format!("upload {n} ")));
+                let budget = e.contains(&format!("of a {} byte device budget", d.budget_bytes))
+                    && e.contains("raise tierzero.device_budget_bytes");
+                prop_assert!(injected || budget, "an error that names neither: {}", e);
+                // The floor: a budget this large trains every case.
+                prop_assert!(injected || d.budget_bytes < 80_000, "{}", e);
+            }
+        }
+        // A cache never makes more cross than none, with the same windows.
+        if ran.result.is_ok() && d.limits.cache_bytes != 0 {
+            let none = run(&Draw {
+                limits: TierLimits { cache_bytes: 0, ..d.limits },
+                fail_upload: None,
+                ..d.clone()
+            });
+            all_back(&none.probe)?;
+            if none.result.is_ok() {
+                prop_assert!(
+                    ran.h2d_bytes <= none.h2d_bytes,
+                    "cache {}: h2d {} B, {} B without a cache", d.limits.cache_bytes, ran.h2d_bytes, none.h2d_bytes
+                );
+            }
+        }
+    }
+}
