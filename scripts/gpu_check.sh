@@ -1121,7 +1121,9 @@ if sel 6h; then
   # on THREADS threads (rc in DIR/rc); prints "TOKENS_PER_S TFLOPS" (or
   # "null null"): tokens/s over the steps after the second (the first
   # records the trace, the second is the first of a steady state), model
-  # TFLOPS by the count below.
+  # TFLOPS by the count below. DIR/steps_mean.json: the same steps' mean
+  # of each per-step figure that says where the step went (the copies'
+  # bytes and waits, the optimizer's and the device's seconds).
   otp_run() {
     local d=$1 threads=$2 targs=()
     mkdir -p "$d"
@@ -1140,6 +1142,14 @@ kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
 params = 2 * V * h + L * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + h
 timed = steps[2:n]
 wall = sum(s["wall_s"] for s in timed) if len(timed) == n - 2 and timed else 0
+keys = ("wall_s", "compute_s", "io_wait_s", "optimizer_s", "idle_s", "h2d_bytes",
+        "h2d_at_use_bytes", "h2d_direct_bytes", "h2d_wait_s", "d2h_bytes", "d2h_wait_s",
+        "device_busy_s", "h2d_busy_s", "d2h_busy_s", "h2d_fill_busy_s", "minor_faults")
+if timed:
+    mean = {k: sum(s[k] for s in timed) / len(timed) for k in keys if all(k in s for s in timed)}
+    mean["steps"] = [s["step"] for s in timed]
+    with open(sys.argv[1].rsplit("/", 1)[0] + "/steps_mean.json", "w") as f:
+        f.write(json.dumps(mean) + "\n")
 if not wall > 0:
     print("null null")
 else:
@@ -1201,11 +1211,13 @@ PY
   fi
   [ -z "$avt_skipped" ] || skip offload_throughput.adam_vs_torch "$avt_skipped"
   otp_ratio=$(ratio "$otp_tokens" "$(json_num "$WORK/fsdp2.json" tokens_per_s)")
-  emit offload_throughput "$(printf '{"micro":%s,"seq":%s,"steps":%s,"tierzero":{"rc":%s,"adam_threads":%s,"tokens_per_s":%s,"model_tflops":%s,"result":%s,"stderr":%s%s},"fsdp2_cpu_offload":{"rc":%s,"result":%s,"log":%s%s},"ratio":%s,"tierzero_every_core":{"rc":%s,"adam_threads":%s,"tokens_per_s":%s,"ratio":%s,"stderr":%s%s},"adam_vs_torch":{"rc":%s,"result":%s,"log":%s%s}}' \
+  emit offload_throughput "$(printf '{"micro":%s,"seq":%s,"steps":%s,"tierzero":{"rc":%s,"adam_threads":%s,"tokens_per_s":%s,"model_tflops":%s,"steps_mean":%s,"result":%s,"stderr":%s%s},"fsdp2_cpu_offload":{"rc":%s,"result":%s,"log":%s%s},"ratio":%s,"tierzero_every_core":{"rc":%s,"adam_threads":%s,"tokens_per_s":%s,"ratio":%s,"steps_mean":%s,"stderr":%s%s},"adam_vs_torch":{"rc":%s,"result":%s,"log":%s%s}}' \
     "$OTP_MICRO" "$OTP_SEQ" "$OTP_STEPS" \
-    "$otp_rc" "$adam_threads" "$otp_tokens" "$otp_tflops" "$otp_result" "$(json_str "$WORK/offload-tp/err.txt")" "$(skipkey "$otp_skipped")" \
+    "$otp_rc" "$adam_threads" "$otp_tokens" "$otp_tflops" "$(json_obj "$d/steps_mean.json")" "$otp_result" \
+    "$(json_str "$WORK/offload-tp/err.txt")" "$(skipkey "$otp_skipped")" \
     "$fsdp_rc" "$fsdp_result" "$(json_str "$WORK/fsdp2.err")" "$(skipkey "$fsdp_skipped")" "$otp_ratio" \
     "$all_rc" "$all_threads" "$all_tokens" "$(ratio "$all_tokens" "$(json_num "$WORK/fsdp2.json" tokens_per_s)")" \
+    "$(json_obj "$WORK/offload-tp-all/steps_mean.json")" \
     "$(json_str "$WORK/offload-tp-all/err.txt")" "$(skipkey "$all_skipped")" \
     "$avt_rc" "$avt_result" "$(json_str "$WORK/adam_vs_torch.err")" "$(skipkey "$avt_skipped")")"
 else
