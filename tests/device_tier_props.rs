@@ -1,8 +1,9 @@
 //! Property tests of the device tier (`tierzero::engine::device`) on the
 //! simulated device: any prefetch window, live window, device cache
 //! (none, a size, `"auto"`), device budget, staging pool, copy delay,
-//! launching ahead or not, registered homes or not, and an upload that
-//! fails anywhere. Whatever the draw, a run either trains the in-memory
+//! launching ahead or not, registered homes or not, blocks' forwards kept
+//! on the device for backward (none, some, all), and an upload that fails
+//! anywhere. Whatever the draw, a run either trains the in-memory
 //! units' bits within every bound, or fails with the numbers (or the
 //! failed upload), and either way every device byte, staging buffer and
 //! page pin comes back. A cache never makes more bytes cross than no
@@ -30,6 +31,7 @@ use std::time::Duration;
 
 use engine_support::*;
 use proptest::prelude::*;
+use tierzero::config::ActivationBudget;
 use tierzero::engine::device::sim::{SimConfig, SimDevice, SimProbe};
 use tierzero::engine::device::{TierLimits, TierPeaks, TieredUnits};
 use tierzero::engine::TrainerOptions;
@@ -127,6 +129,10 @@ struct Draw {
     ahead: bool,
     registered: bool,
     fail_upload: Option<u64>,
+    /// Blocks' forwards kept on the device for their backward
+    /// (`tierzero.activation_budget_bytes`; `None`: every block
+    /// recomputed).
+    forwards: Option<ActivationBudget>,
 }
 
 /// What a run left.
@@ -155,11 +161,13 @@ fn run(d: &Draw) -> Ran {
         dev = dev.without_registration();
     }
     let probe = dev.probe();
-    let tier = Arc::new(
-        TieredUnits::new(dev, d.limits)
-            .unwrap()
-            .launch_ahead(d.ahead),
-    );
+    let mut tier = TieredUnits::new(dev, d.limits)
+        .unwrap()
+        .launch_ahead(d.ahead);
+    if let Some(budget) = d.forwards {
+        tier = tier.keep_forwards(budget).unwrap();
+    }
+    let tier = Arc::new(tier);
     let mut opts = TrainerOptions::cpu(3, 16);
     opts.compute = Some(tier.clone());
     let mut t = build_with(&d.case.model(), &d.case.knobs(d.nvme_home), opts, STEPS);
@@ -236,6 +244,11 @@ fn draw() -> impl Strategy<Value = Draw> {
         any::<bool>(),
         any::<bool>(),
         prop_oneof![3 => Just(None), 1 => (1u64..80).prop_map(Some)],
+        prop_oneof![
+            Just(None),
+            Just(Some(ActivationBudget::Auto)),
+            (0u64..250_000).prop_map(|b| Some(ActivationBudget::Bytes(b))),
+        ],
     )
         .prop_map(
             |(
@@ -248,6 +261,7 @@ fn draw() -> impl Strategy<Value = Draw> {
                 ahead,
                 registered,
                 fail_upload,
+                forwards,
             )| Draw {
                 case,
                 nvme_home,
@@ -262,13 +276,14 @@ fn draw() -> impl Strategy<Value = Draw> {
                 ahead,
                 registered,
                 fail_upload,
+                forwards,
             },
         )
 }
 
 proptest! {
     #![proptest_config(ProptestConfig {
-        cases: 48,
+        cases: 64,
         failure_persistence: None,
         ..ProptestConfig::default()
     })]
