@@ -8,6 +8,8 @@
 //! with everything in memory, or refuses at build with the numbers and
 //! the fix (in 800 draws here: 16 refusals, each a pinned budget under
 //! 700 KB, the rest the same bits).
+//! The same holds across a checkpoint: saved after any step and resumed
+//! under any other offload, the run keeps stage 0's bits.
 //! "Offload must not change a bit", drawn instead of chosen:
 //! `tests/engine_equivalence.rs` has the chosen cases and their reasons.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
@@ -65,6 +67,32 @@ fn try_build(model: &Path, k: &Knobs) -> Result<Trainer, String> {
     let md = ModelDir::open(model, 5).unwrap();
     Trainer::new(&loaded.config, &md, corpus(), TrainerOptions::cpu(5, 16))
         .map_err(|e| e.to_string())
+}
+
+/// A trainer resumed from the checkpoint at `ckpt` with `k`.
+fn try_resume(ckpt: &Path, k: &Knobs) -> Result<Trainer, String> {
+    let swap = scratch("props-swap");
+    let cfg = ds_config(k, &swap, STEPS);
+    let run = RunContext {
+        path_checks: PathChecks::CreateMissing,
+        ..RunContext::default()
+    };
+    let loaded = load_str(&cfg.to_string(), &run).map_err(|e| e.to_string())?;
+    let c = tierzero::checkpoint::Checkpoint::open(ckpt).map_err(|e| e.to_string())?;
+    Trainer::resume(&loaded.config, &c, corpus(), TrainerOptions::cpu(5, 16))
+        .map_err(|e| e.to_string())
+}
+
+/// The same arithmetic as `k` (precision, accumulation, clipping, loss
+/// scale) with `other`'s offload.
+fn same_math(k: &Knobs, other: Knobs) -> Knobs {
+    Knobs {
+        precision: k.precision,
+        gas: k.gas,
+        clip: k.clip,
+        initial_scale_power: k.initial_scale_power,
+        ..other
+    }
 }
 
 fn train_all(mut t: Trainer) -> Trained {
@@ -209,5 +237,48 @@ proptest! {
                 prop_assert!(e.contains("raise") || e.contains("lower"), "a refusal without its fix: {}", e);
             }
         }
+    }
+
+    /// Any offload, saved after any step and resumed under any other
+    /// offload (tiers, sub-groups, windows, buffers): stage 0's bits over
+    /// the whole run (the optimizer state, the loss scaler and the data
+    /// position round-trip; the checkpoint is read by param).
+    #[test]
+    fn any_offload_resumed_under_any_other_trains_the_in_memory_bits(
+        first in draw(),
+        second in draw(),
+        split in 1..STEPS,
+    ) {
+        let (arch, k) = first;
+        let k2 = same_math(&k, second.1);
+        let Ok(mut t) = try_build(&arch.model(), &k) else {
+            // Refused at build: the property above checks the refusals.
+            return Ok(());
+        };
+        let mut losses = Vec::new();
+        for _ in 0..split {
+            losses.push(t.step().unwrap().metrics.loss.to_bits());
+        }
+        let save = scratch("props-save");
+        t.save_checkpoint(&save).unwrap();
+        drop(t);
+        let mut r = match try_resume(&save, &k2) {
+            Ok(r) => r,
+            Err(e) => {
+                prop_assert!(
+                    e.contains("raise") || e.contains("lower"),
+                    "resume refused without a fix: {}", e
+                );
+                return Ok(());
+            }
+        };
+        prop_assert_eq!(r.steps_done(), split);
+        for _ in split..STEPS {
+            losses.push(r.step().unwrap().metrics.loss.to_bits());
+        }
+        let sha = r.finish().unwrap().weight_sha256;
+        let want = reference(arch, &k);
+        prop_assert_eq!(&losses, &want.0, "losses");
+        prop_assert_eq!(&sha, &want.1, "weights");
     }
 }
