@@ -38,8 +38,6 @@ use tierzero::engine::TrainerOptions;
 use tierzero::model::exec_units::{ReferenceUnits, UnitCompute};
 use tierzero_gpu::unit::GemmDtype;
 
-const STEPS: u64 = 2;
-
 /// A run's losses (their bits) and `weight_sha256`.
 type Trained = (Vec<u32>, String);
 
@@ -51,6 +49,10 @@ enum Case {
     /// Llama, bf16 params (2-byte uploads), two micro-batches a step
     /// (each param used twice in forward and backward), clipping.
     LlamaBf16Accum,
+    /// Llama, fp16 params from a loss scale of 2^18, 4 steps: the first
+    /// two step and the last two overflow and are skipped, on the device
+    /// as on the host.
+    LlamaFp16Skips,
 }
 
 impl Case {
@@ -62,7 +64,7 @@ impl Case {
             .entry(self)
             .or_insert_with(|| match self {
                 Case::Gpt2Fp32 => tiny_gpt2_dir("tier-props", 2, 32),
-                Case::LlamaBf16Accum => tiny_llama_dir("tier-props"),
+                Case::LlamaBf16Accum | Case::LlamaFp16Skips => tiny_llama_dir("tier-props"),
             })
             .clone()
     }
@@ -81,6 +83,20 @@ impl Case {
                 gas: 2,
                 ..base
             },
+            Case::LlamaFp16Skips => Knobs {
+                precision: "fp16",
+                initial_scale_power: 18,
+                clip: 0.5,
+                ..base
+            },
+        }
+    }
+
+    /// Steps a run takes.
+    fn steps(self) -> u64 {
+        match self {
+            Case::LlamaFp16Skips => 4,
+            _ => 2,
         }
     }
 
@@ -88,6 +104,7 @@ impl Case {
         match self {
             Case::Gpt2Fp32 => GemmDtype::F32,
             Case::LlamaBf16Accum => GemmDtype::Bf16,
+            Case::LlamaFp16Skips => GemmDtype::F16,
         }
     }
 
@@ -107,8 +124,8 @@ impl Case {
         }
         let mut opts = TrainerOptions::cpu(3, 16);
         opts.compute = Some(Arc::new(ReferenceUnits { gemm: self.gemm() }));
-        let mut t = build_with(&self.model(), &self.knobs(true), opts, STEPS);
-        let losses = (0..STEPS)
+        let mut t = build_with(&self.model(), &self.knobs(true), opts, self.steps());
+        let losses = (0..self.steps())
             .map(|_| t.step().unwrap().metrics.loss.to_bits())
             .collect();
         let r = (losses, t.finish().unwrap().weight_sha256);
@@ -170,12 +187,13 @@ fn run(d: &Draw) -> Ran {
     let tier = Arc::new(tier);
     let mut opts = TrainerOptions::cpu(3, 16);
     opts.compute = Some(tier.clone());
-    let mut t = build_with(&d.case.model(), &d.case.knobs(d.nvme_home), opts, STEPS);
+    let steps = d.case.steps();
+    let mut t = build_with(&d.case.model(), &d.case.knobs(d.nvme_home), opts, steps);
     let plan_bound_bytes = tier.memory_plan(t.model()).map(|p| p.rows[0].device_bytes);
     let mut losses = Vec::new();
     let mut h2d_bytes = 0;
     let mut result = Ok(());
-    for _ in 0..STEPS {
+    for _ in 0..steps {
         match t.step() {
             Ok(r) => {
                 losses.push(r.metrics.loss.to_bits());
@@ -231,7 +249,11 @@ fn cache_bytes() -> impl Strategy<Value = u64> {
 
 fn draw() -> impl Strategy<Value = Draw> {
     (
-        prop_oneof![Just(Case::Gpt2Fp32), Just(Case::LlamaBf16Accum)],
+        prop_oneof![
+            Just(Case::Gpt2Fp32),
+            Just(Case::LlamaBf16Accum),
+            Just(Case::LlamaFp16Skips)
+        ],
         any::<bool>(),
         (
             prop_oneof![Just(1u64), 500u64..20_000, Just(u64::MAX)],
