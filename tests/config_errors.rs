@@ -805,3 +805,49 @@ fn pinned_budget_is_not_inflated_by_a_parameter_larger_than_a_sub_group() {
         "{e:?}"
     );
 }
+
+/// `offload_optimizer.ratio` (DeepSpeed's Twin-Flow share on the CPU):
+/// 1.0, the default, is what tierzero does and says nothing; a smaller
+/// share is a note that all of the state is stepped on the CPU here (not
+/// "ignored": the key is read); outside 0..=1 it is an error with the fix.
+#[test]
+fn offload_optimizer_ratio_is_read_as_deepspeed_reads_it() {
+    let cpu = |ratio: serde_json::Value| {
+        with(
+            base(),
+            json!({"zero_optimization": {"stage": 3,
+                "offload_optimizer": {"device": "cpu", "ratio": ratio}}}),
+        )
+    };
+    let warnings = |v: serde_json::Value| {
+        load_str(&v.to_string(), &skip_fs())
+            .unwrap()
+            .warnings
+            .iter()
+            .map(ToString::to_string)
+            .filter(|w| w.contains("ratio"))
+            .collect::<Vec<_>>()
+    };
+    assert!(warnings(cpu(json!(1.0))).is_empty());
+    let w = warnings(cpu(json!(0.3)));
+    assert_eq!(w.len(), 1, "{w:?}");
+    for f in [
+        "offload_optimizer.ratio",
+        "0.3",
+        "70%",
+        "Twin-Flow",
+        "all of it on the CPU",
+    ] {
+        assert!(w[0].contains(f), "`{f}` missing from: {}", w[0]);
+    }
+    let none = with(
+        base(),
+        json!({"zero_optimization": {"stage": 3, "offload_optimizer": {"ratio": 0.5}}}),
+    );
+    let w = warnings(none);
+    assert!(w.len() == 1 && w[0].contains("no effect"), "{w:?}");
+    for bad in [json!(1.5), json!(-0.1)] {
+        assert_msg(&err(cpu(bad)), &["offload_optimizer.ratio", "0 to 1"]);
+    }
+    assert_msg(&err(cpu(json!("half"))), &["offload_optimizer.ratio"]);
+}

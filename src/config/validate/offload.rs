@@ -99,6 +99,7 @@ pub(super) fn validate_optimizer_offload(
         )),
         _ => {}
     }
+    twin_flow_ratio(o.ratio, &dev, sink)?;
     Ok(OptimizerOffload {
         device: dev,
         buffer_count: o.buffer_count,
@@ -107,6 +108,38 @@ pub(super) fn validate_optimizer_offload(
         pipeline_write: o.pipeline_write,
         fast_init: o.fast_init,
     })
+}
+
+/// `offload_optimizer.ratio` (DeepSpeed: 0 to 1, the share of the
+/// optimizer state stepped on the CPU; the rest is stepped on the GPU).
+/// tierzero steps all of the offloaded state on the CPU, which is the
+/// default 1.0: a smaller ratio trains the same math here, with all of
+/// Adam's time on the host, and says so.
+fn twin_flow_ratio(ratio: f64, dev: &OffloadDevice, sink: &mut Sink) -> Result<(), ConfigError> {
+    const KEY: &str = "zero_optimization.offload_optimizer.ratio";
+    if !(0.0..=1.0).contains(&ratio) {
+        return Err(range(
+            KEY,
+            ratio,
+            "a share from 0 to 1",
+            "use DeepSpeed's default 1.0 (all of the optimizer state on the CPU)",
+        ));
+    }
+    if ratio < 1.0 {
+        let msg = match dev {
+            OffloadDevice::None => {
+                "has no effect without offload_optimizer.device \"cpu\"".to_owned()
+            }
+            _ => format!(
+                "{ratio} asks DeepSpeed to step {:.0}% of the optimizer state on the GPU \
+                 (ZeRO-Offload++ Twin-Flow); tierzero steps all of it on the CPU: the same \
+                 results, with all of Adam's time on the host",
+                (1.0 - ratio) * 100.0
+            ),
+        };
+        sink.note(KEY, msg);
+    }
+    Ok(())
 }
 
 /// `tierzero.pinned_budget_bytes` against the swap buffers, with the
