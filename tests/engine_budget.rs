@@ -52,7 +52,26 @@ fn pinned_budget_too_small_for_the_pipeline_names_the_numbers() {
         other => panic!("expected PinnedBudget, got {other}"),
     }
     let msg = err.to_string();
-    assert!(msg.contains("330000") && msg.contains("9 buffers"), "{msg}");
+    assert!(
+        msg.contains("330000")
+            && msg.contains("9 buffers")
+            && msg.contains("(3 states x 3 stages)"),
+        "{msg}"
+    );
+    // With clipping the final gradients spill to NVMe and are read back
+    // with the state: each stage holds 4 buffers, and the message says so
+    // (it said "3 states" for 4 buffers a stage).
+    let k = Knobs {
+        pinned_budget: Some(330_000),
+        clip: 1.0,
+        ..Knobs::nvme()
+    };
+    let msg = try_build(&k, |_| {}).unwrap_err().to_string();
+    assert!(
+        msg.contains("12 buffers")
+            && msg.contains("(3 states and the spilled gradient x 3 stages)"),
+        "{msg}"
+    );
 }
 
 #[test]

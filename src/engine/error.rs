@@ -17,7 +17,8 @@ pub enum EngineError {
         "pinned budget of {budget_bytes} bytes is too small: parameter swap buffers need \
          {param_buffers_bytes} bytes ({param_buffer_count} x {param_buffer_bytes}), the optimizer \
          pipeline needs {optimizer_buffers_needed} buffers of {optimizer_buffer_bytes} bytes \
-         (3 states x {optimizer_stages} stages), the gradient park {park_buffers_bytes} bytes; \
+         ({optimizer_stage_buffers} x {optimizer_stages} stages), the gradient park \
+         {park_buffers_bytes} bytes; \
          raise tierzero.pinned_budget_bytes to at least {required_bytes} or lower sub_group_size / \
          offload_param.buffer_size"
     )]
@@ -36,6 +37,9 @@ pub enum EngineError {
         optimizer_buffer_bytes: u64,
         /// Pipeline stages that hold buffers at once.
         optimizer_stages: u64,
+        /// What one stage holds: "3 states", or "3 states and the spilled
+        /// gradient".
+        optimizer_stage_buffers: &'static str,
         /// The gradient park's buffers (several micro-batches).
         park_buffers_bytes: u64,
         /// The smallest budget that works.

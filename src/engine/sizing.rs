@@ -352,6 +352,9 @@ pub struct BudgetShort {
     pub optimizer_buffers_needed: Buffers,
     /// Pipeline stages that hold buffers at once.
     pub optimizer_stages: u64,
+    /// Whether each stage holds a sub-group's spilled gradient beside its
+    /// 3 states ([`spills_grads`]).
+    pub optimizer_spills_grads: bool,
     /// The gradient park's buffers ([`parks_grads`]).
     pub park_buffers: Buffers,
     /// The smallest budget that works.
@@ -767,6 +770,7 @@ pub fn decide_within(
         } else {
             0
         },
+        optimizer_spills_grads: opt_nvme && spill_grads,
         park_buffers,
         required_bytes: fixed_bytes
             + if opt_nvme {

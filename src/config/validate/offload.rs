@@ -173,6 +173,7 @@ pub(super) fn check_pinned_budget(c: &Config, run: &RunContext) -> Result<(), Co
                 param_buffers: bufs,
                 optimizer_buffers_needed: sizing::Buffers::NONE,
                 optimizer_stages: 0,
+                optimizer_spills_grads: false,
                 park_buffers: sizing::Buffers::NONE,
                 required_bytes: bufs.total_bytes(),
             })

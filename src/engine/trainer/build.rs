@@ -204,6 +204,11 @@ fn budget_error(s: BudgetShort) -> EngineError {
         optimizer_buffers_needed: s.optimizer_buffers_needed.count,
         optimizer_buffer_bytes: s.optimizer_buffers_needed.bytes_each,
         optimizer_stages: s.optimizer_stages,
+        optimizer_stage_buffers: if s.optimizer_spills_grads {
+            "3 states and the spilled gradient"
+        } else {
+            "3 states"
+        },
         park_buffers_bytes: s.park_buffers.total_bytes(),
         required_bytes: s.required_bytes,
     }
