@@ -98,6 +98,13 @@ fn try_resume(ckpt: &Path, k: &Knobs, dir: &Path) -> Result<Trainer, String> {
     Trainer::resume(&l.config, &c, corpus(), TrainerOptions::cpu(5, 16)).map_err(|e| e.to_string())
 }
 
+/// N of the "at least N" (bytes) a pinned-budget refusal asks for.
+fn at_least(e: &str) -> Option<u64> {
+    let rest = &e[e.find("at least ")? + "at least ".len()..];
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
 /// A refusal at build is the pinned budget's (the only limit drawn
 /// small enough to refuse), with the numbers and the key to change.
 fn refusal(e: &str, k: &Knobs) -> Result<(), TestCaseError> {
@@ -282,7 +289,39 @@ proptest! {
                 prop_assert_eq!(&got.0, &want.0, "losses");
                 prop_assert_eq!(&got.1, &want.1, "weights");
             }
-            Err(e) => refusal(&e, &k)?,
+            Err(e) => {
+                refusal(&e, &k)?;
+                // The fix works: the budget the refusal asks for builds and
+                // trains the same bits, and a byte less is refused (it is
+                // the smallest that works). A config read without the
+                // model counts only the param buffers, so the build may
+                // ask once more, for the optimizer's.
+                let mut k = k;
+                let mut e = e;
+                for _ in 0..2 {
+                    let need = at_least(&e);
+                    prop_assert!(need.is_some(), "no \"at least N\" in: {}", e);
+                    let need = need.unwrap_or_default();
+                    prop_assert!(need > k.pinned_budget.unwrap_or(u64::MAX), "{}", e);
+                    let less = Knobs { pinned_budget: Some(need - 1), ..k.clone() };
+                    prop_assert!(try_build(&arch.model(), &less, &dir.0.join("less")).is_err(), "{} - 1 built", need);
+                    k.pinned_budget = Some(need);
+                    match try_build(&arch.model(), &k, &dir.0.join(format!("fix-{need}"))) {
+                        Ok(t) => {
+                            let got = train_all(t);
+                            let want = reference(arch, &k);
+                            prop_assert_eq!(&got.0, &want.0, "losses with the budget asked for");
+                            prop_assert_eq!(&got.1, &want.1, "weights with the budget asked for");
+                            return Ok(());
+                        }
+                        Err(again) => {
+                            refusal(&again, &k)?;
+                            e = again;
+                        }
+                    }
+                }
+                prop_assert!(false, "still refused after two budgets asked for: {}", e);
+            }
         }
     }
 
