@@ -11,9 +11,7 @@
 
 mod engine_support;
 
-use std::collections::HashMap;
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use engine_support::*;
@@ -29,27 +27,6 @@ const STEPS: u64 = 3;
 
 /// Each step's loss and clipping norm (their bits), and `weight_sha256`.
 type Trained = (Vec<(u32, Option<u64>)>, String);
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum Arch {
-    Gpt2,
-    Llama,
-}
-
-impl Arch {
-    fn model(self) -> PathBuf {
-        static DIRS: OnceLock<Mutex<HashMap<Arch, PathBuf>>> = OnceLock::new();
-        let dirs = DIRS.get_or_init(Default::default);
-        dirs.lock()
-            .unwrap()
-            .entry(self)
-            .or_insert_with(|| match self {
-                Arch::Gpt2 => tiny_gpt2_dir("resident-props", 2, 32),
-                Arch::Llama => tiny_llama_dir("resident-props"),
-            })
-            .clone()
-    }
-}
 
 fn drive(mut t: Trainer) -> Trained {
     let steps = (0..STEPS)
@@ -75,9 +52,9 @@ fn gemm(k: &Knobs) -> GemmDtype {
     }
 }
 
-fn knobs() -> impl Strategy<Value = (Arch, Knobs)> {
+fn knobs() -> impl Strategy<Value = (TinyArch, Knobs)> {
     (
-        prop_oneof![Just(Arch::Gpt2), Just(Arch::Llama)],
+        prop_oneof![Just(TinyArch::Gpt2), Just(TinyArch::Llama)],
         prop_oneof![Just("fp32"), Just("bf16")],
         0u8..=3,
         1u64..=3,

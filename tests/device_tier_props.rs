@@ -28,19 +28,18 @@
 mod engine_support;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use candle_core::DType;
 use engine_support::*;
 use proptest::prelude::*;
-use tierzero::config::{load_str, ActivationBudget, PathChecks, RunContext};
+use tierzero::config::ActivationBudget;
 use tierzero::engine::device::sim::{SimConfig, SimDevice, SimProbe};
 use tierzero::engine::device::{TierLimits, TierPeaks, TieredUnits};
-use tierzero::engine::{Trainer, TrainerOptions};
+use tierzero::engine::TrainerOptions;
 use tierzero::model::exec_units::{ReferenceUnits, UnitCompute};
-use tierzero::model::ModelDir;
 use tierzero_gpu::unit::GemmDtype;
 
 /// A run's losses (their bits) with whether each step was skipped (fp16
@@ -63,16 +62,10 @@ enum Case {
 
 impl Case {
     fn model(self) -> PathBuf {
-        static DIRS: OnceLock<Mutex<HashMap<Case, PathBuf>>> = OnceLock::new();
-        let dirs = DIRS.get_or_init(Default::default);
-        dirs.lock()
-            .unwrap()
-            .entry(self)
-            .or_insert_with(|| match self {
-                Case::Gpt2Fp32 => tiny_gpt2_dir("tier-props", 2, 32),
-                Case::LlamaBf16Accum | Case::LlamaFp16Skips => tiny_llama_dir("tier-props"),
-            })
-            .clone()
+        match self {
+            Case::Gpt2Fp32 => TinyArch::Gpt2.model(),
+            Case::LlamaBf16Accum | Case::LlamaFp16Skips => TinyArch::Llama.model(),
+        }
     }
 
     fn knobs(self, nvme_home: bool) -> Knobs {
@@ -140,7 +133,8 @@ impl Case {
         let mut opts = TrainerOptions::cpu(3, 16);
         opts.compute = Some(Arc::new(ReferenceUnits { gemm: self.gemm() }));
         let dir = Scratch::new("tier-props-ref");
-        let mut t = build_in(&self.model(), &self.knobs(true), opts, self.steps(), &dir.0);
+        let mut t =
+            try_build_in(&self.model(), &self.knobs(true), opts, self.steps(), &dir.0).unwrap();
         let losses: Vec<(u32, bool)> = (0..self.steps())
             .map(|_| {
                 let m = t.step().unwrap().metrics;
@@ -156,33 +150,6 @@ impl Case {
         refs.lock().unwrap().insert(self, r.clone());
         r
     }
-}
-
-/// A scratch directory removed when dropped (a run's swap files).
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Self {
-        Scratch(scratch(tag))
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// `engine_support::build_with` with the swap files under `dir`.
-fn build_in(model: &Path, k: &Knobs, opts: TrainerOptions, total: u64, dir: &Path) -> Trainer {
-    let cfg = ds_config(k, &dir.join("swap"), total);
-    let run = RunContext {
-        path_checks: PathChecks::CreateMissing,
-        ..RunContext::default()
-    };
-    let loaded = load_str(&cfg.to_string(), &run).unwrap();
-    let md = ModelDir::open(model, opts.seed).unwrap();
-    Trainer::new(&loaded.config, &md, corpus(), opts).unwrap()
 }
 
 /// One draw.
@@ -241,13 +208,14 @@ fn run(d: &Draw) -> Ran {
     opts.compute = Some(tier.clone());
     let steps = d.case.steps();
     let dir = Scratch::new("tier-props-run");
-    let mut t = build_in(
+    let mut t = try_build_in(
         &d.case.model(),
         &d.case.knobs(d.nvme_home),
         opts,
         steps,
         &dir.0,
-    );
+    )
+    .unwrap();
     let plan_bound_bytes = tier.memory_plan(t.model()).map(|p| p.rows[0].device_bytes);
     let mut losses = Vec::new();
     let mut h2d_bytes = 0;

@@ -19,81 +19,27 @@
 mod engine_support;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Mutex, OnceLock};
 
 use engine_support::*;
 use proptest::prelude::*;
-use tierzero::config::{load_str, PathChecks, RunContext};
 use tierzero::engine::{Trainer, TrainerOptions};
-use tierzero::model::ModelDir;
 
 const STEPS: u64 = 3;
 
 /// A run's losses (their bits) and `weight_sha256`.
 type Trained = (Vec<u32>, String);
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum Arch {
-    /// GPT-2 with its head tied to the token table (8 192 elements, the
-    /// largest param).
-    Gpt2,
-    /// Llama (untied, GQA).
-    Llama,
-}
-
-impl Arch {
-    fn model(self) -> PathBuf {
-        static DIRS: OnceLock<Mutex<HashMap<Arch, PathBuf>>> = OnceLock::new();
-        let dirs = DIRS.get_or_init(Default::default);
-        dirs.lock()
-            .unwrap()
-            .entry(self)
-            .or_insert_with(|| match self {
-                Arch::Gpt2 => tiny_gpt2_dir("engine-props", 2, 32),
-                Arch::Llama => tiny_llama_dir("engine-props"),
-            })
-            .clone()
-    }
-}
-
-/// A scratch directory removed when dropped (a case's swap files and
-/// checkpoint: hundreds of cases a run).
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Self {
-        Scratch(scratch(tag))
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// A config of `k` with its swap files under `dir`.
-fn loaded(k: &Knobs, dir: &Path) -> Result<tierzero::config::Loaded, String> {
-    let cfg = ds_config(k, &dir.join("swap"), STEPS);
-    let run = RunContext {
-        path_checks: PathChecks::CreateMissing,
-        ..RunContext::default()
-    };
-    load_str(&cfg.to_string(), &run).map_err(|e| e.to_string())
-}
-
 /// Builds a trainer (its swap files under `dir`), or says why not.
 fn try_build(model: &Path, k: &Knobs, dir: &Path) -> Result<Trainer, String> {
-    let l = loaded(k, dir)?;
-    let md = ModelDir::open(model, 5).unwrap();
-    Trainer::new(&l.config, &md, corpus(), TrainerOptions::cpu(5, 16)).map_err(|e| e.to_string())
+    try_build_in(model, k, TrainerOptions::cpu(5, 16), STEPS, dir)
 }
 
 /// A trainer resumed from the checkpoint at `ckpt` with `k` (its swap
 /// files under `dir`).
 fn try_resume(ckpt: &Path, k: &Knobs, dir: &Path) -> Result<Trainer, String> {
-    let l = loaded(k, dir)?;
+    let l = loaded_in(k, STEPS, dir)?;
     let c = tierzero::checkpoint::Checkpoint::open(ckpt).map_err(|e| e.to_string())?;
     Trainer::resume(&l.config, &c, corpus(), TrainerOptions::cpu(5, 16)).map_err(|e| e.to_string())
 }
@@ -146,8 +92,8 @@ fn train_all(mut t: Trainer) -> Trained {
 }
 
 /// Stage 0, nothing offloaded, with the same math.
-fn reference(arch: Arch, k: &Knobs) -> Trained {
-    type Key = (Arch, &'static str, u64, u64, u32);
+fn reference(arch: TinyArch, k: &Knobs) -> Trained {
+    type Key = (TinyArch, &'static str, u64, u64, u32);
     static REFS: OnceLock<Mutex<HashMap<Key, Trained>>> = OnceLock::new();
     let key = (
         arch,
@@ -177,10 +123,10 @@ fn device() -> impl Strategy<Value = &'static str> {
     prop_oneof![Just("cpu"), Just("nvme")]
 }
 
-fn draw() -> impl Strategy<Value = (Arch, Knobs)> {
+fn draw() -> impl Strategy<Value = (TinyArch, Knobs)> {
     (
         (
-            prop_oneof![Just(Arch::Gpt2), Just(Arch::Llama)],
+            prop_oneof![Just(TinyArch::Gpt2), Just(TinyArch::Llama)],
             prop_oneof![Just("fp32"), Just("bf16"), Just("fp16")],
             1u64..=3,
             prop_oneof![Just(0.0), Just(0.5)],

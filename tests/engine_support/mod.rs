@@ -26,6 +26,56 @@ pub fn scratch(tag: &str) -> PathBuf {
     d
 }
 
+/// A scratch directory ([`scratch`]) removed when dropped: a property
+/// test's case's swap files and checkpoints (hundreds of cases a run).
+pub struct Scratch(pub PathBuf);
+
+impl Scratch {
+    pub fn new(tag: &str) -> Self {
+        Scratch(scratch(tag))
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The process's one copy of a tiny model made by `make` under `key`
+/// (each property test case takes it again).
+pub fn model_once(key: &'static str, make: impl FnOnce() -> PathBuf) -> PathBuf {
+    static DIRS: std::sync::OnceLock<
+        std::sync::Mutex<std::collections::HashMap<&'static str, PathBuf>>,
+    > = std::sync::OnceLock::new();
+    DIRS.get_or_init(Default::default)
+        .lock()
+        .unwrap()
+        .entry(key)
+        .or_insert_with(make)
+        .clone()
+}
+
+/// The tiny models the property tests draw from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TinyArch {
+    /// GPT-2 with its head tied to the token table (8 192 elements, the
+    /// largest param), 2 layers, width 32.
+    Gpt2,
+    /// Llama (untied, GQA), 2 layers, width 32.
+    Llama,
+}
+
+impl TinyArch {
+    /// The process's one copy of the model ([`model_once`]).
+    pub fn model(self) -> PathBuf {
+        match self {
+            TinyArch::Gpt2 => model_once("props-gpt2", || tiny_gpt2_dir("props", 2, 32)),
+            TinyArch::Llama => model_once("props-llama", || tiny_llama_dir("props")),
+        }
+    }
+}
+
 /// The blocks of the model in `dir` (its units but the embedding and
 /// the head).
 #[allow(dead_code, reason = "not every test binary counts them")]
@@ -298,15 +348,32 @@ pub fn build(model_dir: &Path, k: &Knobs, seed: u64, seq: usize, total: u64) -> 
 
 /// [`build`] with explicit trainer options.
 pub fn build_with(model_dir: &Path, k: &Knobs, opts: TrainerOptions, total: u64) -> Trainer {
-    let swap = scratch("swap");
-    let cfg = ds_config(k, &swap, total);
+    try_build_in(model_dir, k, opts, total, &scratch("swap")).unwrap()
+}
+
+/// [`build_with`] with the swap files under `dir`, or why it was refused
+/// (the config's error or the engine's, as text).
+pub fn try_build_in(
+    model_dir: &Path,
+    k: &Knobs,
+    opts: TrainerOptions,
+    total: u64,
+    dir: &Path,
+) -> Result<Trainer, String> {
+    let l = loaded_in(k, total, dir)?;
+    let md = ModelDir::open(model_dir, opts.seed).unwrap();
+    Trainer::new(&l.config, &md, corpus(), opts).map_err(|e| e.to_string())
+}
+
+/// The config of `k` with its swap files under `dir`, read as the CLI
+/// reads it (missing directories created).
+pub fn loaded_in(k: &Knobs, total: u64, dir: &Path) -> Result<tierzero::config::Loaded, String> {
+    let cfg = ds_config(k, dir, total);
     let run = RunContext {
         path_checks: PathChecks::CreateMissing,
         ..RunContext::default()
     };
-    let loaded = load_str(&cfg.to_string(), &run).unwrap();
-    let md = ModelDir::open(model_dir, opts.seed).unwrap();
-    Trainer::new(&loaded.config, &md, corpus(), opts).unwrap()
+    load_str(&cfg.to_string(), &run).map_err(|e| e.to_string())
 }
 
 /// A trainer resumed from the checkpoint at `ckpt` (a save dir or a step
