@@ -11,7 +11,9 @@
 //! the same bits). Draws are new each run (proptest's random seed); a
 //! failure prints its smallest case. The same holds across a checkpoint:
 //! saved after any step and resumed under any other offload, the run
-//! keeps stage 0's bits. "Offload must not change a bit", drawn instead
+//! keeps stage 0's bits. Either way the final checkpoint exports
+//! (`tierzero export`, fp32 safetensors) to the bytes stage 0's does:
+//! whole weights, whatever the tiers and sub-groups. "Offload must not change a bit", drawn instead
 //! of chosen: `tests/engine_equivalence.rs` has the chosen cases and
 //! their reasons.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
@@ -28,8 +30,9 @@ use tierzero::engine::{Trainer, TrainerOptions};
 
 const STEPS: u64 = 3;
 
-/// A run's losses (their bits) and `weight_sha256`.
-type Trained = (Vec<u32>, String);
+/// A run's losses (their bits), `weight_sha256`, and its final
+/// checkpoint exported as fp32 safetensors.
+type Trained = (Vec<u32>, String, Vec<u8>);
 
 /// Builds a trainer (its swap files under `dir`), or says why not.
 fn try_build(model: &Path, k: &Knobs, dir: &Path) -> Result<Trainer, String> {
@@ -84,11 +87,23 @@ fn same_math(k: &Knobs, other: Knobs) -> Knobs {
     }
 }
 
-fn train_all(mut t: Trainer) -> Trained {
+fn train_all(mut t: Trainer, dir: &Path) -> Trained {
     let losses = (0..STEPS)
         .map(|_| t.step().unwrap().metrics.loss.to_bits())
         .collect();
-    (losses, t.finish().unwrap().weight_sha256)
+    let exported = saved_and_exported(&mut t, dir);
+    (losses, t.finish().unwrap().weight_sha256, exported)
+}
+
+/// The bytes of `t`'s weights saved into a checkpoint under `dir` and
+/// exported from it as fp32 safetensors (`tierzero export`): whole
+/// weights, whatever the offload and sub-groups the run had.
+fn saved_and_exported(t: &mut Trainer, dir: &Path) -> Vec<u8> {
+    let step_dir = t.save_checkpoint(&dir.join("final")).unwrap();
+    let ckpt = tierzero::checkpoint::Checkpoint::open(&step_dir).unwrap();
+    let out = dir.join("export").join("model.safetensors");
+    tierzero::checkpoint::export_safetensors(&ckpt, &out, candle_core::DType::F32).unwrap();
+    std::fs::read(&out).unwrap()
 }
 
 /// Stage 0, nothing offloaded, with the same math.
@@ -114,7 +129,7 @@ fn reference(arch: TinyArch, k: &Knobs) -> Trained {
         ..Knobs::default()
     };
     let dir = Scratch::new("props-ref");
-    let r = train_all(try_build(&arch.model(), &base, &dir.0).unwrap());
+    let r = train_all(try_build(&arch.model(), &base, &dir.0).unwrap(), &dir.0);
     refs.lock().unwrap().insert(key, r.clone());
     r
 }
@@ -230,10 +245,11 @@ proptest! {
         let dir = Scratch::new("props-case");
         match try_build(&arch.model(), &k, &dir.0) {
             Ok(t) => {
-                let got = train_all(t);
+                let got = train_all(t, &dir.0);
                 let want = reference(arch, &k);
                 prop_assert_eq!(&got.0, &want.0, "losses");
                 prop_assert_eq!(&got.1, &want.1, "weights");
+                prop_assert!(got.2 == want.2, "the exported weights differ");
             }
             Err(e) => {
                 refusal(&e, &k)?;
@@ -254,7 +270,7 @@ proptest! {
                     k.pinned_budget = Some(need);
                     match try_build(&arch.model(), &k, &dir.0.join(format!("fix-{need}"))) {
                         Ok(t) => {
-                            let got = train_all(t);
+                            let got = train_all(t, &dir.0.join("fixed"));
                             let want = reference(arch, &k);
                             prop_assert_eq!(&got.0, &want.0, "losses with the budget asked for");
                             prop_assert_eq!(&got.1, &want.1, "weights with the budget asked for");
@@ -303,9 +319,11 @@ proptest! {
         for _ in split..STEPS {
             losses.push(r.step().unwrap().metrics.loss.to_bits());
         }
+        let exported = saved_and_exported(&mut r, &dir.0.join("resumed"));
         let sha = r.finish().unwrap().weight_sha256;
         let want = reference(arch, &k);
         prop_assert_eq!(&losses, &want.0, "losses");
         prop_assert_eq!(&sha, &want.1, "weights");
+        prop_assert!(exported == want.2, "the exported weights differ");
     }
 }
