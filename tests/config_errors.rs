@@ -806,10 +806,12 @@ fn pinned_budget_is_not_inflated_by_a_parameter_larger_than_a_sub_group() {
     );
 }
 
-/// `offload_optimizer.ratio` (DeepSpeed's Twin-Flow share on the CPU):
-/// 1.0, the default, is what tierzero does and says nothing; a smaller
-/// share is a note that all of the state is stepped on the CPU here (not
-/// "ignored": the key is read); outside 0..=1 it is an error with the fix.
+/// `offload_optimizer.ratio` (DeepSpeed's Twin-Flow share of the
+/// sub-groups on the CPU, at stage 3 with device "cpu"): 1.0, the
+/// default, is what tierzero does and says nothing; a smaller share is a
+/// note that all of the state is stepped on the CPU here, or that it has
+/// no effect (not "ignored": the key is read); outside 0..=1 it is an
+/// error with the fix.
 #[test]
 fn offload_optimizer_ratio_is_read_as_deepspeed_reads_it() {
     let cpu = |ratio: serde_json::Value| {
@@ -834,12 +836,20 @@ fn offload_optimizer_ratio_is_read_as_deepspeed_reads_it() {
     for f in [
         "offload_optimizer.ratio",
         "0.3",
-        "70%",
+        "sub-groups",
         "Twin-Flow",
-        "all of it on the CPU",
+        "all of them on the CPU",
     ] {
         assert!(w[0].contains(f), "`{f}` missing from: {}", w[0]);
     }
+    // DeepSpeed reads it at stage 3 only.
+    let stage2 = with(
+        base(),
+        json!({"zero_optimization": {"stage": 2,
+            "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}),
+    );
+    let w = warnings(stage2);
+    assert!(w.len() == 1 && w[0].contains("below stage 3"), "{w:?}");
     let none = with(
         base(),
         json!({"zero_optimization": {"stage": 3, "offload_optimizer": {"ratio": 0.5}}}),

@@ -381,10 +381,11 @@ section! {
         pipeline_write: bool => flag;
         /// `fast_init` (default false).
         fast_init: bool => flag;
-        /// `ratio`: the share of the optimizer state DeepSpeed steps on
-        /// the CPU, the rest on the GPU (ZeRO-Offload++ "Twin-Flow";
-        /// default 1.0, all on the CPU). tierzero steps all of it on the
-        /// CPU: a ratio under 1 is a note.
+        /// `ratio`: the share of the optimizer's sub-groups DeepSpeed
+        /// steps on the CPU at stage 3 with device "cpu", the rest on the
+        /// GPU (ZeRO-Offload++ "Twin-Flow"; default 1.0, all on the CPU).
+        /// tierzero steps all of them on the CPU: a ratio under 1 is a
+        /// note.
         ratio: f64 = 1.0 => num;
     }
     ignored: ["super_offload", "cpuadam_cores_perc", "pipeline"];

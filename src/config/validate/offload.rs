@@ -99,7 +99,7 @@ pub(super) fn validate_optimizer_offload(
         )),
         _ => {}
     }
-    twin_flow_ratio(o.ratio, &dev, sink)?;
+    twin_flow_ratio(o.ratio, &dev, stage, sink)?;
     Ok(OptimizerOffload {
         device: dev,
         buffer_count: o.buffer_count,
@@ -110,12 +110,19 @@ pub(super) fn validate_optimizer_offload(
     })
 }
 
-/// `offload_optimizer.ratio` (DeepSpeed: 0 to 1, the share of the
-/// optimizer state stepped on the CPU; the rest is stepped on the GPU).
-/// tierzero steps all of the offloaded state on the CPU, which is the
-/// default 1.0: a smaller ratio trains the same math here, with all of
-/// Adam's time on the host, and says so.
-fn twin_flow_ratio(ratio: f64, dev: &OffloadDevice, sink: &mut Sink) -> Result<(), ConfigError> {
+/// `offload_optimizer.ratio` (DeepSpeed: 0 to 1, default 1.0; at stage 3
+/// with `device: "cpu"` the first `floor(ratio x n)` of the n sub-groups
+/// are stepped on the CPU and the rest on the GPU, ZeRO-Offload++'s
+/// Twin-Flow; elsewhere DeepSpeed does not read it). tierzero steps all
+/// of the offloaded state on the CPU, which is 1.0: a smaller ratio
+/// trains the same math here, with all of Adam's time on the host, and
+/// says so.
+fn twin_flow_ratio(
+    ratio: f64,
+    dev: &OffloadDevice,
+    stage: Stage,
+    sink: &mut Sink,
+) -> Result<(), ConfigError> {
     const KEY: &str = "zero_optimization.offload_optimizer.ratio";
     if !(0.0..=1.0).contains(&ratio) {
         return Err(range(
@@ -126,15 +133,19 @@ fn twin_flow_ratio(ratio: f64, dev: &OffloadDevice, sink: &mut Sink) -> Result<(
         ));
     }
     if ratio < 1.0 {
-        let msg = match dev {
-            OffloadDevice::None => {
-                "has no effect without offload_optimizer.device \"cpu\"".to_owned()
+        let msg = match (dev, stage) {
+            (OffloadDevice::None, _) => "has no effect without optimizer offload".to_owned(),
+            (_, s) if s != Stage::Parameters => {
+                "has no effect below stage 3 (DeepSpeed reads it at stage 3 only)".to_owned()
             }
-            _ => format!(
-                "{ratio} asks DeepSpeed to step {:.0}% of the optimizer state on the GPU \
-                 (ZeRO-Offload++ Twin-Flow); tierzero steps all of it on the CPU: the same \
-                 results, with all of Adam's time on the host",
-                (1.0 - ratio) * 100.0
+            (OffloadDevice::Nvme { .. }, _) => format!(
+                "{ratio}: DeepSpeed's Twin-Flow split (ZeRO-Offload++) is for device \"cpu\"; \
+                 tierzero steps all of the state on the CPU"
+            ),
+            (OffloadDevice::Cpu, _) => format!(
+                "{ratio} asks DeepSpeed to step the first {ratio} of the optimizer's sub-groups \
+                 on the CPU and the rest on the GPU (ZeRO-Offload++ Twin-Flow); tierzero steps \
+                 all of them on the CPU: the same results, with all of Adam's time on the host"
             ),
         };
         sink.note(KEY, msg);
