@@ -393,6 +393,7 @@ proptest! {
             if d.limits.cache_bytes == TierLimits::CACHE_AUTO && d.budget_bytes == 64 << 20 {
                 let sized = with_cache(1 << 30);
                 all_back(&sized.probe)?;
+                prop_assert!(sized.result.is_ok(), "1 GiB: {:?}", sized.result.err());
                 prop_assert_eq!(ran.h2d_bytes, sized.h2d_bytes, "auto against 1 GiB");
             }
         }

@@ -265,8 +265,17 @@ proptest! {
                     prop_assert!(need.is_some(), "no \"at least N\" in: {}", e);
                     let need = need.unwrap_or_default();
                     prop_assert!(need > k.pinned_budget.unwrap_or(u64::MAX), "{}", e);
-                    let less = Knobs { pinned_budget: Some(need - 1), ..k.clone() };
-                    prop_assert!(try_build(&arch.model(), &less, &dir.0.join("less")).is_err(), "{} - 1 built", need);
+                    let less = Knobs {
+                        pinned_budget: Some(need - 1),
+                        ..k.clone()
+                    };
+                    match try_build(&arch.model(), &less, &dir.0.join("less")) {
+                        Ok(_) => prop_assert!(false, "{} - 1 built", need),
+                        Err(e) => {
+                            refusal(&e, &less)?;
+                            prop_assert_eq!(at_least(&e), Some(need), "{} - 1: {}", need, e);
+                        }
+                    }
                     k.pinned_budget = Some(need);
                     match try_build(&arch.model(), &k, &dir.0.join(format!("fix-{need}"))) {
                         Ok(t) => {
@@ -274,6 +283,7 @@ proptest! {
                             let want = reference(arch, &k);
                             prop_assert_eq!(&got.0, &want.0, "losses with the budget asked for");
                             prop_assert_eq!(&got.1, &want.1, "weights with the budget asked for");
+                            prop_assert!(got.2 == want.2, "the exported weights differ");
                             return Ok(());
                         }
                         Err(again) => {
