@@ -6,7 +6,9 @@
 //! or not, resident optimizer groups, speculation, a pinned budget, kept
 //! activations), with any accumulation, clipping and precision (fp16's
 //! skipped steps included), trains the bits of stage 0 with everything in
-//! memory, or refuses at build with the numbers and the fix (in 800
+//! memory, with the pinned bytes its start-up plan printed mapped and
+//! its swap buffers within the pinned budget, or refuses at build with
+//! the numbers and the fix (in 800
 //! draws here: 16 refusals, each a pinned budget under 700 KB, the rest
 //! the same bits). Draws are new each run (proptest's random seed); a
 //! failure prints its smallest case. The same holds across a checkpoint:
@@ -45,6 +47,31 @@ fn try_resume(ckpt: &Path, k: &Knobs, dir: &Path) -> Result<Trainer, String> {
     let l = loaded_in(k, STEPS, dir)?;
     let c = tierzero::checkpoint::Checkpoint::open(ckpt).map_err(|e| e.to_string())?;
     Trainer::resume(&l.config, &c, corpus(), TrainerOptions::cpu(5, 16)).map_err(|e| e.to_string())
+}
+
+/// The start-up plan's pinned bytes are what the trainer mapped, and the
+/// swap buffers it mapped fit the pinned budget (the cpu tier's pages,
+/// the params' home, are outside it): one sizing policy, no hidden
+/// buffers.
+fn pinned_as_planned(t: &Trainer, k: &Knobs, dir: &Path) -> Result<(), TestCaseError> {
+    let l = loaded_in(k, STEPS, dir).unwrap();
+    let plan = tierzero::run::Plan::new(&l.config, t.model(), t.layout(), t.sizing(), "cpu".into());
+    prop_assert_eq!(
+        plan.pinned_total_bytes(),
+        t.pinned_mapped_bytes(),
+        "plan {:?}",
+        plan
+    );
+    if let Some(budget) = k.pinned_budget {
+        let swap_bytes = plan.pinned_total_bytes() - plan.params.pinned_bytes;
+        prop_assert!(
+            swap_bytes <= budget,
+            "{} B of swap buffers mapped under a {} B budget",
+            swap_bytes,
+            budget
+        );
+    }
+    Ok(())
 }
 
 /// N of the "at least N" (bytes) a pinned-budget refusal asks for.
@@ -245,6 +272,7 @@ proptest! {
         let dir = Scratch::new("props-case");
         match try_build(&arch.model(), &k, &dir.0) {
             Ok(t) => {
+                pinned_as_planned(&t, &k, &dir.0)?;
                 let got = train_all(t, &dir.0);
                 let want = reference(arch, &k);
                 prop_assert_eq!(&got.0, &want.0, "losses");
