@@ -6,8 +6,9 @@
 //! or not, resident optimizer groups, speculation, a pinned budget, kept
 //! activations), with any accumulation, clipping and precision (fp16's
 //! skipped steps included), trains the bits of stage 0 with everything in
-//! memory, with the pinned bytes its start-up plan printed mapped and
-//! its swap buffers within the pinned budget, or refuses at build with
+//! memory, with the pinned bytes its start-up plan printed mapped, its
+//! swap buffers within the pinned budget and its NVMe bytes within the
+//! plan's per-step bound, or refuses at build with
 //! the numbers and the fix (in 800
 //! draws here: 16 refusals, each a pinned budget under 700 KB, the rest
 //! the same bits). Draws are new each run (proptest's random seed); a
@@ -52,8 +53,8 @@ fn try_resume(ckpt: &Path, k: &Knobs, dir: &Path) -> Result<Trainer, String> {
 /// The start-up plan's pinned bytes are what the trainer mapped, and the
 /// swap buffers it mapped fit the pinned budget (the cpu tier's pages,
 /// the params' home, are outside it): one sizing policy, no hidden
-/// buffers.
-fn pinned_as_planned(t: &Trainer, k: &Knobs, dir: &Path) -> Result<(), TestCaseError> {
+/// buffers. The plan's NVMe bytes a step, at most (read, written).
+fn pinned_as_planned(t: &Trainer, k: &Knobs, dir: &Path) -> Result<(u64, u64), TestCaseError> {
     let l = loaded_in(k, STEPS, dir).unwrap();
     let plan = tierzero::run::Plan::new(&l.config, t.model(), t.layout(), t.sizing(), "cpu".into());
     prop_assert_eq!(
@@ -71,7 +72,7 @@ fn pinned_as_planned(t: &Trainer, k: &Knobs, dir: &Path) -> Result<(), TestCaseE
             budget
         );
     }
-    Ok(())
+    Ok(plan.nvme_step)
 }
 
 /// N of the "at least N" (bytes) a pinned-budget refusal asks for.
@@ -114,12 +115,23 @@ fn same_math(k: &Knobs, other: Knobs) -> Knobs {
     }
 }
 
-fn train_all(mut t: Trainer, dir: &Path) -> Trained {
+fn train_all(t: Trainer, dir: &Path) -> Trained {
+    train_counting_nvme(t, dir).0
+}
+
+/// [`train_all`], and the NVMe bytes its steps read and wrote.
+fn train_counting_nvme(mut t: Trainer, dir: &Path) -> (Trained, [u64; 2]) {
+    let mut nvme = [0u64; 2];
     let losses = (0..STEPS)
-        .map(|_| t.step().unwrap().metrics.loss.to_bits())
+        .map(|_| {
+            let m = t.step().unwrap().metrics;
+            nvme[0] += m.bytes_read["nvme"];
+            nvme[1] += m.bytes_written["nvme"];
+            m.loss.to_bits()
+        })
         .collect();
     let exported = saved_and_exported(&mut t, dir);
-    (losses, t.finish().unwrap().weight_sha256, exported)
+    ((losses, t.finish().unwrap().weight_sha256, exported), nvme)
 }
 
 /// The bytes of `t`'s weights saved into a checkpoint under `dir` and
@@ -272,8 +284,14 @@ proptest! {
         let dir = Scratch::new("props-case");
         match try_build(&arch.model(), &k, &dir.0) {
             Ok(t) => {
-                pinned_as_planned(&t, &k, &dir.0)?;
-                let got = train_all(t, &dir.0);
+                let nvme_step = pinned_as_planned(&t, &k, &dir.0)?;
+                let (got, nvme) = train_counting_nvme(t, &dir.0);
+                // The plan's NVMe bytes a step are an upper bound.
+                prop_assert!(
+                    nvme[0] <= STEPS * nvme_step.0 && nvme[1] <= STEPS * nvme_step.1,
+                    "NVMe read {} and wrote {} B in {} steps; the plan says at most {:?} a step",
+                    nvme[0], nvme[1], STEPS, nvme_step
+                );
                 let want = reference(arch, &k);
                 prop_assert_eq!(&got.0, &want.0, "losses");
                 prop_assert_eq!(&got.1, &want.1, "weights");

@@ -111,8 +111,9 @@ pub struct Plan {
     /// Partial gradient sums parked between micro-batches: the park's
     /// pinned buffers and NVMe extents.
     pub park: TierBytes,
-    /// NVMe bytes one step reads and writes, predicted from the sizing
-    /// (params read in every pass: an upper bound).
+    /// NVMe bytes one step reads and writes at most, predicted from the
+    /// sizing: params read in every pass, and with speculation every
+    /// speculated sub-group stepped again after a miss.
     pub nvme_step: (u64, u64),
     /// Whether final gradients are spilled to NVMe until the step.
     pub spill_grads: bool,
@@ -227,14 +228,24 @@ impl Plan {
             nvme_bytes: sizing.grad_park_nvme_bytes,
             ..TierBytes::default()
         };
-        // Predicted NVMe bytes of one step: every NVMe param read in each
-        // pass of each micro-batch (an upper bound: kept params are not
-        // read again) and written once; state read and written once;
-        // spilled gradients written and read once (in the dtype the host
-        // holds them in: bf16 ones half their fp32-sized extents); parked
-        // sums written and read once per micro-batch but the last.
+        // Predicted NVMe bytes of one step, at most: every NVMe param read
+        // in each pass of each micro-batch (kept params are not read
+        // again) and written once; state read and written once (its
+        // extents less the speculation pool's: a speculative step writes
+        // a pool slot instead of the group's extents, and the commit swaps
+        // them); with speculation, each speculated sub-group's state read
+        // and written again by its re-step after a miss (a pool slot's
+        // worth each, at most the pool); spilled gradients written and
+        // read once (in the dtype the host holds them in: bf16 ones half
+        // their fp32-sized extents); parked sums written and read once per
+        // micro-batch but the last. (The state was taken as half the
+        // extents with speculation, which is one copy only when the pool
+        // has a slot for every group, and missed re-steps were left out:
+        // `tests/engine_props.rs` found steps past the prediction.)
         let gas = config.batch.gradient_accumulation_steps.max(1);
-        let state_rw = sizing.optimizer_nvme_bytes / if sizing.speculative { 2 } else { 1 };
+        // The extents are the state's plus the pool's (none without
+        // speculation): one read and write of each bounds both.
+        let state_rw = sizing.optimizer_nvme_bytes;
         let park_rw = sizing.grad_park_nvme_bytes * (gas - 1);
         let spill_rw = if sizing.grad_spill_nvme_bytes == 0 {
             0
@@ -530,7 +541,7 @@ impl fmt::Display for Plan {
         if self.nvme_step != (0, 0) {
             let _ = writeln!(
                 s,
-                "  NVMe per step (predicted, params read in every pass at most): read {}, written {}",
+                "  NVMe per step (predicted, at most: params read in every pass, speculated sub-groups stepped again after a miss): read {}, written {}",
                 format_bytes(self.nvme_step.0),
                 format_bytes(self.nvme_step.1)
             );
