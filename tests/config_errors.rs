@@ -833,15 +833,28 @@ fn offload_optimizer_ratio_is_read_as_deepspeed_reads_it() {
     assert!(warnings(cpu(json!(1.0))).is_empty());
     let w = warnings(cpu(json!(0.3)));
     assert_eq!(w.len(), 1, "{w:?}");
+    // DeepSpeed steps the first int((1 - ratio) x n) sub-groups on the GPU.
     for f in [
         "offload_optimizer.ratio",
-        "0.3",
-        "sub-groups",
+        "0.3 asks",
+        "the first 0.70 of the optimizer's sub-groups on the GPU and the rest on the CPU",
         "Twin-Flow",
         "all of them on the CPU",
     ] {
         assert!(w[0].contains(f), "`{f}` missing from: {}", w[0]);
     }
+    let nvme = with(
+        base(),
+        json!({"zero_optimization": {"stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "ratio": 0.5}}}),
+    );
+    let w = warnings(nvme);
+    assert!(
+        w.len() == 1
+            && w[0].contains("0.50 of the optimizer's sub-groups on the GPU")
+            && w[0].contains("from NVMe"),
+        "{w:?}"
+    );
     // DeepSpeed reads it at stage 3 only.
     let stage2 = with(
         base(),

@@ -382,8 +382,8 @@ section! {
         /// `fast_init` (default false).
         fast_init: bool => flag;
         /// `ratio`: the share of the optimizer's sub-groups DeepSpeed
-        /// steps on the CPU at stage 3 with device "cpu", the rest on the
-        /// GPU (ZeRO-Offload++ "Twin-Flow"; default 1.0, all on the CPU).
+        /// steps on the CPU at stage 3 (the last ones; the first on the
+        /// GPU: ZeRO-Offload++ "Twin-Flow"; default 1.0, all on the CPU).
         /// tierzero steps all of them on the CPU: a ratio under 1 is a
         /// note.
         ratio: f64 = 1.0 => num;

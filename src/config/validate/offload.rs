@@ -110,13 +110,13 @@ pub(super) fn validate_optimizer_offload(
     })
 }
 
-/// `offload_optimizer.ratio` (DeepSpeed: 0 to 1, default 1.0; at stage 3
-/// with `device: "cpu"` the first `floor(ratio x n)` of the n sub-groups
-/// are stepped on the CPU and the rest on the GPU, ZeRO-Offload++'s
-/// Twin-Flow; elsewhere DeepSpeed does not read it). tierzero steps all
-/// of the offloaded state on the CPU, which is 1.0: a smaller ratio
-/// trains the same math here, with all of Adam's time on the host, and
-/// says so.
+/// `offload_optimizer.ratio` (DeepSpeed: 0 to 1, default 1.0, read by
+/// its stage-3 optimizer when the optimizer is offloaded: of the n
+/// sub-groups, the first `int((1 - ratio) x n)` are stepped on the GPU
+/// and the rest on the CPU, ZeRO-Offload++'s Twin-Flow, documented for
+/// `device: "cpu"`). tierzero steps all of the offloaded state on the
+/// CPU, which is 1.0: a smaller ratio trains the same math here, with
+/// all of Adam's time on the host, and says so.
 fn twin_flow_ratio(
     ratio: f64,
     dev: &OffloadDevice,
@@ -139,13 +139,16 @@ fn twin_flow_ratio(
                 "has no effect below stage 3 (DeepSpeed reads it at stage 3 only)".to_owned()
             }
             (OffloadDevice::Nvme { .. }, _) => format!(
-                "{ratio}: DeepSpeed's Twin-Flow split (ZeRO-Offload++) is for device \"cpu\"; \
-                 tierzero steps all of the state on the CPU"
+                "{ratio} asks DeepSpeed to step the first {:.2} of the optimizer's sub-groups on \
+                 the GPU (ZeRO-Offload++ Twin-Flow, documented for device \"cpu\"); tierzero \
+                 steps all of them on the CPU, from NVMe",
+                1.0 - ratio
             ),
             (OffloadDevice::Cpu, _) => format!(
-                "{ratio} asks DeepSpeed to step the first {ratio} of the optimizer's sub-groups \
-                 on the CPU and the rest on the GPU (ZeRO-Offload++ Twin-Flow); tierzero steps \
-                 all of them on the CPU: the same results, with all of Adam's time on the host"
+                "{ratio} asks DeepSpeed to step the first {:.2} of the optimizer's sub-groups on \
+                 the GPU and the rest on the CPU (ZeRO-Offload++ Twin-Flow); tierzero steps all \
+                 of them on the CPU: the same results, with all of Adam's time on the host",
+                1.0 - ratio
             ),
         };
         sink.note(KEY, msg);
