@@ -244,7 +244,10 @@ impl Plan {
         // `tests/engine_props.rs` found steps past the prediction.)
         let gas = config.batch.gradient_accumulation_steps.max(1);
         // The extents are the state's plus the pool's (none without
-        // speculation): one read and write of each bounds both.
+        // speculation): the state's read and written once, and a miss's
+        // re-steps reading and writing their groups' state again, at
+        // most a pool slot each (the pool itself is never read: a
+        // committed slot is the group's extents from then on).
         let state_rw = sizing.optimizer_nvme_bytes;
         let park_rw = sizing.grad_park_nvme_bytes * (gas - 1);
         let spill_rw = if sizing.grad_spill_nvme_bytes == 0 {
@@ -539,9 +542,14 @@ impl fmt::Display for Plan {
             );
         }
         if self.nvme_step != (0, 0) {
+            let misses = if self.speculation_pool.0 > 0 {
+                ", speculated sub-groups stepped again after a miss"
+            } else {
+                ""
+            };
             let _ = writeln!(
                 s,
-                "  NVMe per step (predicted, at most: params read in every pass, speculated sub-groups stepped again after a miss): read {}, written {}",
+                "  NVMe per step (predicted, at most: params read in every pass{misses}): read {}, written {}",
                 format_bytes(self.nvme_step.0),
                 format_bytes(self.nvme_step.1)
             );
