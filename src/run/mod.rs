@@ -230,24 +230,16 @@ impl Plan {
         };
         // Predicted NVMe bytes of one step, at most: every NVMe param read
         // in each pass of each micro-batch (kept params are not read
-        // again) and written once; state read and written once (its
-        // extents less the speculation pool's: a speculative step writes
-        // a pool slot instead of the group's extents, and the commit swaps
-        // them); with speculation, each speculated sub-group's state read
-        // and written again by its re-step after a miss (a pool slot's
-        // worth each, at most the pool); spilled gradients written and
-        // read once (in the dtype the host holds them in: bf16 ones half
-        // their fp32-sized extents); parked sums written and read once per
-        // micro-batch but the last. (The state was taken as half the
-        // extents with speculation, which is one copy only when the pool
-        // has a slot for every group, and missed re-steps were left out:
-        // `tests/engine_props.rs` found steps past the prediction.)
+        // again) and written once; the optimizer's extents, the state's
+        // and the speculation pool's (none without speculation), read and
+        // written once each: the state once, and a missed speculation's
+        // re-steps reading and writing their groups' state again, a pool
+        // slot's worth each at most (the pool itself is never read: a
+        // committed slot is the group's extents from then on); spilled
+        // gradients written and read once (in the dtype the host holds
+        // them in: bf16 ones half their fp32-sized extents); parked sums
+        // written and read once per micro-batch but the last.
         let gas = config.batch.gradient_accumulation_steps.max(1);
-        // The extents are the state's plus the pool's (none without
-        // speculation): the state's read and written once, and a miss's
-        // re-steps reading and writing their groups' state again, at
-        // most a pool slot each (the pool itself is never read: a
-        // committed slot is the group's extents from then on).
         let state_rw = sizing.optimizer_nvme_bytes;
         let park_rw = sizing.grad_park_nvme_bytes * (gas - 1);
         let spill_rw = if sizing.grad_spill_nvme_bytes == 0 {
