@@ -2,6 +2,7 @@
 """Where a step lost its overlap, from a `tierzero train --timeline` file.
 
 Usage: scripts/timeline_gaps.py TIMELINE.json [--top N] [--against ALONE.json]
+       scripts/timeline_gaps.py TIMELINE.json --lanes
 
 For each step span: its wall time, the time the disk was busy inside it
 (and each engine's share: params, state reads, state writes), the time the
@@ -14,6 +15,9 @@ With --against ALONE.json (a timeline of the same model computing alone,
 e.g. `examples/overlap`'s TIMELINE_STAGE0), also each unit's compute time:
 the median over the steps in both files, their ratio, and the share of the
 unit's spans during which the disk was busy in TIMELINE.json.
+With --lanes, only each lane's span count and total seconds over the
+whole file (e.g. the optimizer lane against the store lane, where the new
+params are copied home).
 Only the standard library is used.
 """
 import json
@@ -66,7 +70,14 @@ def main():
         i = args.index("--against")
         against = load(args[i + 1])
         del args[i : i + 2]
+    lanes_only = "--lanes" in args
+    if lanes_only:
+        args.remove("--lanes")
     spans = load(args[0])
+    if lanes_only:
+        for lane, s in sorted(spans.items()):
+            print(f"{lane}: {len(s)} spans, {sum(e - b for b, e, _ in s) / 1e3:.3f} s")
+        return 0
     disk = spans.get("disk", [])
     for s0, s1, name in spans.get("step", []):
         busy = clip(disk, s0, s1)

@@ -12,7 +12,6 @@
 mod engine_support;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use engine_support::*;
 use proptest::prelude::*;
@@ -21,7 +20,6 @@ use tierzero::engine::device::ResidentUnits;
 use tierzero::engine::{Trainer, TrainerOptions};
 use tierzero::model::exec_units::{ReferenceUnits, UnitCompute};
 use tierzero::model::ModelDir;
-use tierzero_gpu::unit::GemmDtype;
 
 const STEPS: u64 = 3;
 
@@ -42,14 +40,6 @@ fn opts_with(compute: Arc<dyn UnitCompute>) -> TrainerOptions {
     let mut opts = TrainerOptions::cpu(3, 16);
     opts.compute = Some(compute);
     opts
-}
-
-fn gemm(k: &Knobs) -> GemmDtype {
-    if k.precision == "bf16" {
-        GemmDtype::Bf16
-    } else {
-        GemmDtype::F32
-    }
 }
 
 fn knobs() -> impl Strategy<Value = (TinyArch, Knobs)> {
@@ -77,12 +67,7 @@ fn knobs() -> impl Strategy<Value = (TinyArch, Knobs)> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig {
-        cases: 24,
-        failure_persistence: None,
-        max_shrink_time: 120_000,
-        ..ProptestConfig::default()
-    })]
+    #![proptest_config(props_config(24))]
 
     #[test]
     fn adam_and_the_norm_on_the_device_have_the_host_s_bits(draw in knobs()) {
@@ -91,17 +76,14 @@ proptest! {
         let host = drive(build_with(
             &model,
             &k,
-            opts_with(Arc::new(ReferenceUnits { gemm: gemm(&k) })),
+            opts_with(Arc::new(ReferenceUnits {
+                gemm: k.gemm_dtype(),
+            })),
             STEPS,
         ));
         let dev = SimDevice::new(SimConfig {
-            budget_bytes: 64 << 20,
-            copy_delay: Duration::ZERO,
-            h2d_bytes_per_s: None,
-            staging_slots: 2,
-            gemm: gemm(&k),
-            fail_upload: None,
-            compute_delay: Duration::ZERO,
+            gemm: k.gemm_dtype(),
+            ..SimConfig::instant(64 << 20, 2)
         })
         .unwrap();
         let probe = dev.probe();
@@ -114,9 +96,6 @@ proptest! {
         let on_device = drive(build_with(&model, &k, opts_with(Arc::new(units)), STEPS));
         prop_assert_eq!(&on_device.0, &host.0, "losses and norms");
         prop_assert_eq!(&on_device.1, &host.1, "weights");
-        prop_assert_eq!(probe.used_bytes(), 0, "device bytes left");
-        prop_assert_eq!(probe.in_flight(), 0, "copies left");
-        prop_assert_eq!(probe.downloads_in_flight(), 0, "downloads left");
-        prop_assert_eq!(probe.pins_held(), 0, "page pins held by copies");
+        prop_assert_eq!(sim_leftovers(&probe), None);
     }
 }

@@ -165,20 +165,9 @@ fn wide_open() -> TierLimits {
 /// Everything went back: no device bytes, every staging buffer home, no
 /// copy left, none that saw its buffer change.
 fn assert_all_back(p: &SimProbe, what: &str) {
-    assert_eq!(p.used_bytes(), 0, "{what}: device bytes left");
-    assert_eq!(p.in_flight(), 0, "{what}: copies left");
-    assert_eq!(p.downloads_in_flight(), 0, "{what}: downloads left");
-    assert_eq!(
-        p.free_staging(),
-        p.staging_slots(),
-        "{what}: staging buffers lent"
-    );
-    assert_eq!(
-        p.violations(),
-        0,
-        "{what}: a staging buffer changed mid-copy"
-    );
-    assert_eq!(p.pins_held(), 0, "{what}: page pins held by copies");
+    if let Some(left) = sim_leftovers(p) {
+        panic!("{what}: {left}");
+    }
 }
 
 #[test]
@@ -687,10 +676,7 @@ fn cpu_tier_params_cross_from_their_registered_pages_in_place() {
 /// crossed: the units' inputs go through staging), and that every pin and
 /// buffer came back. The run.
 fn in_place_or_staged(model: &Path, k: &Knobs, registered: bool, case: &str) -> Out {
-    let gemm = match k.precision {
-        "bf16" => GemmDtype::Bf16,
-        _ => GemmDtype::F32,
-    };
+    let gemm = k.gemm_dtype();
     let mut opts = TrainerOptions::cpu(3, 16);
     opts.compute = Some(Arc::new(ReferenceUnits { gemm }));
     let want = run(model, k, opts, 3);

@@ -1,24 +1,23 @@
 //! Property test of the offload engine on the CPU: any ZeRO offload the
-//! DeepSpeed config can ask for (stage 3 with params and optimizer state
-//! on cpu or nvme, stages 1 and 2 with the optimizer's on cpu; prefetch
+//! DeepSpeed config can ask for (stage 3 with params and optimizer state on
+//! cpu or nvme, stages 1 and 2 with the optimizer's on cpu; prefetch
 //! bucket, live params, persistence threshold, sub-group size, the param
-//! swap buffers' count and size, `max_in_cpu`, pipelined and overlapped
-//! or not, resident optimizer groups, speculation, a pinned budget, kept
+//! swap buffers' count and size, `max_in_cpu`, pipelined and overlapped or
+//! not, resident optimizer groups, speculation, a pinned budget, kept
 //! activations), with any accumulation, clipping and precision (fp16's
 //! skipped steps included), trains the bits of stage 0 with everything in
-//! memory, with the pinned bytes its start-up plan printed mapped, its
-//! swap buffers within the pinned budget and its NVMe bytes within the
-//! plan's per-step bound, or refuses at build with
-//! the numbers and the fix (in 800
-//! draws here: 16 refusals, each a pinned budget under 700 KB, the rest
-//! the same bits). Draws are new each run (proptest's random seed); a
-//! failure prints its smallest case. The same holds across a checkpoint:
-//! saved after any step and resumed under any other offload, the run
-//! keeps stage 0's bits. Either way the final checkpoint exports
-//! (`tierzero export`, fp32 safetensors) to the bytes stage 0's does:
-//! whole weights, whatever the tiers and sub-groups. "Offload must not change a bit", drawn instead
-//! of chosen: `tests/engine_equivalence.rs` has the chosen cases and
-//! their reasons.
+//! memory, with the pinned bytes its start-up plan printed mapped, its swap
+//! buffers within the pinned budget and its NVMe bytes within the plan's
+//! per-step bound, or refuses at build with the numbers and the fix (the
+//! pinned budget is drawn down to 256 KiB so that some draws are refused).
+//! Draws are new each run (`PROPTEST_CASES=N` draws more); a failure prints
+//! its smallest case. The same holds across a checkpoint: saved after any
+//! step and resumed under any other offload, the run keeps stage 0's bits.
+//! Either way the final checkpoint exports (`tierzero export`, fp32
+//! safetensors) to the bytes stage 0's does: whole weights, whatever the
+//! tiers and sub-groups. "Offload must not change a bit", drawn instead of
+//! chosen: `tests/engine_equivalence.rs` has the chosen cases and their
+//! reasons.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
 mod engine_support;
@@ -37,9 +36,14 @@ const STEPS: u64 = 3;
 /// checkpoint exported as fp32 safetensors.
 type Trained = (Vec<u32>, String, Vec<u8>);
 
+/// Every run's seed and sequence length.
+fn opts() -> TrainerOptions {
+    TrainerOptions::cpu(5, 16)
+}
+
 /// Builds a trainer (its swap files under `dir`), or says why not.
 fn try_build(model: &Path, k: &Knobs, dir: &Path) -> Result<Trainer, String> {
-    try_build_in(model, k, TrainerOptions::cpu(5, 16), STEPS, dir)
+    try_build_in(model, k, opts(), STEPS, dir)
 }
 
 /// A trainer resumed from the checkpoint at `ckpt` with `k` (its swap
@@ -47,7 +51,7 @@ fn try_build(model: &Path, k: &Knobs, dir: &Path) -> Result<Trainer, String> {
 fn try_resume(ckpt: &Path, k: &Knobs, dir: &Path) -> Result<Trainer, String> {
     let l = loaded_in(k, STEPS, dir)?;
     let c = tierzero::checkpoint::Checkpoint::open(ckpt).map_err(|e| e.to_string())?;
-    Trainer::resume(&l.config, &c, corpus(), TrainerOptions::cpu(5, 16)).map_err(|e| e.to_string())
+    Trainer::resume(&l.config, &c, corpus(), opts()).map_err(|e| e.to_string())
 }
 
 /// The start-up plan's pinned bytes are what the trainer mapped, and the
@@ -73,6 +77,14 @@ fn pinned_as_planned(t: &Trainer, k: &Knobs, dir: &Path) -> Result<(u64, u64), T
         );
     }
     Ok(plan.nvme_step)
+}
+
+/// `got` has stage 0's losses, weights and exported bytes (`want`).
+fn same_bits(got: &Trained, want: &Trained, what: &str) -> Result<(), TestCaseError> {
+    prop_assert_eq!(&got.0, &want.0, "losses ({})", what);
+    prop_assert_eq!(&got.1, &want.1, "weights ({})", what);
+    prop_assert!(got.2 == want.2, "the exported weights differ ({})", what);
+    Ok(())
 }
 
 /// N of the "at least N" (bytes) a pinned-budget refusal asks for.
@@ -160,13 +172,7 @@ fn reference(arch: TinyArch, k: &Knobs) -> Trained {
     if let Some(r) = refs.lock().unwrap().get(&key) {
         return r.clone();
     }
-    let base = Knobs {
-        precision: k.precision,
-        gas: k.gas,
-        clip: k.clip,
-        initial_scale_power: k.initial_scale_power,
-        ..Knobs::default()
-    };
+    let base = same_math(k, Knobs::default());
     let dir = Scratch::new("props-ref");
     let r = train_all(try_build(&arch.model(), &base, &dir.0).unwrap(), &dir.0);
     refs.lock().unwrap().insert(key, r.clone());
@@ -269,12 +275,7 @@ fn draw() -> impl Strategy<Value = (TinyArch, Knobs)> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig {
-        cases: 128,
-        failure_persistence: None,
-        max_shrink_time: 120_000,
-        ..ProptestConfig::default()
-    })]
+    #![proptest_config(props_config(128))]
 
     /// Any offload of params and optimizer state: stage 0's bits, or a
     /// refusal at build that names the numbers.
@@ -292,10 +293,7 @@ proptest! {
                     "NVMe read {} and wrote {} B in {} steps; the plan says at most {:?} a step",
                     nvme[0], nvme[1], STEPS, nvme_step
                 );
-                let want = reference(arch, &k);
-                prop_assert_eq!(&got.0, &want.0, "losses");
-                prop_assert_eq!(&got.1, &want.1, "weights");
-                prop_assert!(got.2 == want.2, "the exported weights differ");
+                same_bits(&got, &reference(arch, &k), "the draw")?;
             }
             Err(e) => {
                 refusal(&e, &k)?;
@@ -326,11 +324,7 @@ proptest! {
                     match try_build(&arch.model(), &k, &dir.0.join(format!("fix-{need}"))) {
                         Ok(t) => {
                             let got = train_all(t, &dir.0.join("fixed"));
-                            let want = reference(arch, &k);
-                            prop_assert_eq!(&got.0, &want.0, "losses with the budget asked for");
-                            prop_assert_eq!(&got.1, &want.1, "weights with the budget asked for");
-                            prop_assert!(got.2 == want.2, "the exported weights differ");
-                            return Ok(());
+                            return same_bits(&got, &reference(arch, &k), "the budget asked for");
                         }
                         Err(again) => {
                             refusal(&again, &k)?;
@@ -376,10 +370,7 @@ proptest! {
             losses.push(r.step().unwrap().metrics.loss.to_bits());
         }
         let exported = saved_and_exported(&mut r, &dir.0.join("resumed"));
-        let sha = r.finish().unwrap().weight_sha256;
-        let want = reference(arch, &k);
-        prop_assert_eq!(&losses, &want.0, "losses");
-        prop_assert_eq!(&sha, &want.1, "weights");
-        prop_assert!(exported == want.2, "the exported weights differ");
+        let got = (losses, r.finish().unwrap().weight_sha256, exported);
+        same_bits(&got, &reference(arch, &k), "resumed")?;
     }
 }

@@ -56,6 +56,43 @@ pub fn model_once(key: &'static str, make: impl FnOnce() -> PathBuf) -> PathBuf 
         .clone()
 }
 
+/// The property tests' config: `cases` cases (or `PROPTEST_CASES`, to
+/// draw more by hand), no regression files in the tree (a failure prints
+/// its smallest case), and shrinking bounded to 2 minutes.
+pub fn props_config(cases: u32) -> proptest::test_runner::Config {
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(cases);
+    proptest::test_runner::Config {
+        failure_persistence: None,
+        max_shrink_time: 120_000,
+        ..proptest::test_runner::Config::with_cases(cases)
+    }
+}
+
+/// What a simulated device still holds, or a staging buffer changed
+/// under its copy (`None`: everything came back: device bytes, copies
+/// both ways, staging buffers, page pins).
+pub fn sim_leftovers(p: &tierzero::engine::device::sim::SimProbe) -> Option<String> {
+    let checks = [
+        (p.used_bytes(), 0, "device bytes left"),
+        (p.in_flight(), 0, "copies left"),
+        (p.downloads_in_flight(), 0, "downloads left"),
+        (
+            p.free_staging() as u64,
+            p.staging_slots() as u64,
+            "staging buffers lent",
+        ),
+        (p.violations(), 0, "a staging buffer changed mid-copy"),
+        (p.pins_held(), 0, "page pins held by copies"),
+    ];
+    checks
+        .into_iter()
+        .find(|(got, want, _)| got != want)
+        .map(|(got, want, what)| format!("{what}: {got} (want {want})"))
+}
+
 /// The tiny models the property tests draw from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TinyArch {
@@ -232,6 +269,24 @@ impl Knobs {
             param: "cpu",
             optim: "cpu",
             ..Knobs::default()
+        }
+    }
+    /// The device units' GEMM operands for `precision` (what
+    /// `tierzero train --device` picks for the config's precision).
+    pub fn gemm_dtype(&self) -> tierzero_gpu::unit::GemmDtype {
+        use tierzero_gpu::unit::GemmDtype;
+        match self.precision {
+            "bf16" => GemmDtype::Bf16,
+            "fp16" => GemmDtype::F16,
+            _ => GemmDtype::F32,
+        }
+    }
+    /// The params' storage dtype for `precision`.
+    pub fn storage_dtype(&self) -> candle_core::DType {
+        match self.precision {
+            "bf16" => candle_core::DType::BF16,
+            "fp16" => candle_core::DType::F16,
+            _ => candle_core::DType::F32,
         }
     }
 }
