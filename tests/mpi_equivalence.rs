@@ -39,7 +39,6 @@ use tierzero::engine::device::{TierLimits, TieredUnits};
 use tierzero::engine::{Comm, SingleRank, Timeline, Trainer, TrainerOptions};
 use tierzero::model::exec_units::ReferenceUnits;
 use tierzero::model::ModelDir;
-use tierzero_gpu::unit::GemmDtype;
 
 const SEQ: usize = 16;
 /// A unit's compute on the simulated device's clock. The simulation
@@ -175,14 +174,14 @@ impl Compute {
 fn sim_tier(
     compute_delay: Duration,
     comm: Option<Arc<dyn Comm>>,
-    gemm: GemmDtype,
+    precision: Precision,
 ) -> (Arc<dyn tierzero::model::exec_units::UnitCompute>, SimProbe) {
     let mut dev = SimDevice::new(SimConfig {
         budget_bytes: 64 << 20,
         copy_delay: Duration::from_millis(1),
         h2d_bytes_per_s: None,
         staging_slots: 4,
-        gemm,
+        gemm: precision.gemm_dtype(),
         fail_upload: None,
         compute_delay,
     })
@@ -196,14 +195,9 @@ fn sim_tier(
         max_live_numel: u64::MAX,
         cache_bytes: 0,
     };
-    let storage = match gemm {
-        GemmDtype::Bf16 => candle_core::DType::BF16,
-        GemmDtype::F16 => candle_core::DType::F16,
-        GemmDtype::F32 => candle_core::DType::F32,
-    };
     let units = TieredUnits::new(dev, limits)
         .unwrap()
-        .params_stored_as(storage);
+        .params_stored_as(precision.storage_dtype());
     (Arc::new(units), probe)
 }
 
@@ -228,23 +222,20 @@ fn train_on(
     let md = ModelDir::open(model, SEED).unwrap();
     let mut opts = TrainerOptions::cpu(SEED, SEQ);
     // The device units compute in the run's precision.
-    let gemm = match loaded.config.precision {
-        Precision::Bf16 => GemmDtype::Bf16,
-        Precision::Fp16 { .. } => GemmDtype::F16,
-        Precision::Fp32 => GemmDtype::F32,
-    };
+    let precision = loaded.config.precision;
+    let gemm = precision.gemm_dtype();
     opts.comm = comm.clone();
     let mut probe = None;
     match compute {
         Compute::Cpu => {}
         Compute::Reference => opts.compute = Some(Arc::new(ReferenceUnits { gemm })),
         Compute::SimTier => {
-            opts.compute = Some(sim_tier(SIM_UNIT_COMPUTE, None, gemm).0);
+            opts.compute = Some(sim_tier(SIM_UNIT_COMPUTE, None, precision).0);
             opts.timeline = Some(Timeline::new(2, 3));
         }
-        Compute::SimHost => opts.compute = Some(sim_tier(Duration::ZERO, None, gemm).0),
+        Compute::SimHost => opts.compute = Some(sim_tier(Duration::ZERO, None, precision).0),
         Compute::SimReduce => {
-            let (units, p) = sim_tier(Duration::ZERO, Some(comm), gemm);
+            let (units, p) = sim_tier(Duration::ZERO, Some(comm), precision);
             opts.compute = Some(units);
             probe = Some(p);
         }

@@ -140,6 +140,37 @@ impl Precision {
             Precision::Fp16 { .. } | Precision::Bf16 => 2,
         }
     }
+
+    /// Its name in the plan and the checkpoint's manifest.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 { .. } => "fp16",
+        }
+    }
+
+    /// The dtype params are stored, gathered and computed in: the 16-bit
+    /// one when enabled, else fp32.
+    pub fn storage_dtype(self) -> candle_core::DType {
+        match self {
+            Precision::Fp32 => candle_core::DType::F32,
+            Precision::Bf16 => candle_core::DType::BF16,
+            Precision::Fp16 { .. } => candle_core::DType::F16,
+        }
+    }
+
+    /// The device units' GEMM operands: fp32, or the 16-bit dtype when
+    /// enabled (16-bit params and unit outputs, fp32 math elsewhere, the
+    /// head's gradients at the loss scale; see `model::exec_units`).
+    pub fn gemm_dtype(self) -> tierzero_gpu::unit::GemmDtype {
+        use tierzero_gpu::unit::GemmDtype;
+        match self {
+            Precision::Fp32 => GemmDtype::F32,
+            Precision::Bf16 => GemmDtype::Bf16,
+            Precision::Fp16 { .. } => GemmDtype::F16,
+        }
+    }
 }
 
 /// Optimizer type.
@@ -821,4 +852,39 @@ pub(crate) fn validate(
         }
     }
     Ok((config, r.resolved))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each precision's element bytes, storage dtype, GEMM operands and
+    /// name agree (the plan sizes by one, the engine stores by another).
+    #[test]
+    fn a_precisions_dtypes_agree() {
+        use tierzero_gpu::unit::GemmDtype;
+        let fp16 = Precision::Fp16 {
+            loss_scale: LossScale::Static(1.0),
+        };
+        for (p, gemm, name) in [
+            (Precision::Fp32, GemmDtype::F32, "fp32"),
+            (Precision::Bf16, GemmDtype::Bf16, "bf16"),
+            (fp16, GemmDtype::F16, "fp16"),
+        ] {
+            assert_eq!(
+                p.storage_dtype().size_in_bytes() as u64,
+                p.param_elem_bytes()
+            );
+            assert_eq!(p.gemm_dtype(), gemm);
+            assert_eq!(p.name(), name);
+            assert_eq!(
+                format!("{:?}", p.storage_dtype()).to_lowercase(),
+                match name {
+                    "fp32" => "f32",
+                    "fp16" => "f16",
+                    _ => "bf16",
+                }
+            );
+        }
+    }
 }

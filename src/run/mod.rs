@@ -39,7 +39,7 @@
 
 use std::fmt::{self, Write as _};
 
-use crate::config::{Config, OffloadDevice, Precision};
+use crate::config::{Config, OffloadDevice};
 use crate::engine::sizing::{Buffers, Sizing, STATE_BYTES_PER_ELEM};
 use crate::engine::{Layout, Tier};
 use crate::model::exec_units::DeviceMemoryPlan;
@@ -312,11 +312,7 @@ impl Plan {
             },
             optimizer_nvme_path: opt_nvme.map(|p| p.display().to_string()),
             stage: zero.stage.number(),
-            precision: match config.precision {
-                Precision::Fp32 => "fp32",
-                Precision::Bf16 => "bf16",
-                Precision::Fp16 { .. } => "fp16",
-            },
+            precision: config.precision.name(),
             device,
             activations: None,
             device_memory: None,

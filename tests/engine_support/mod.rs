@@ -271,23 +271,23 @@ impl Knobs {
             ..Knobs::default()
         }
     }
+    /// The config's precision, read from the config `ds_config` writes.
+    pub fn precision(&self) -> tierzero::config::Precision {
+        let cfg = ds_config(self, Path::new("/nonexistent-swap"), 1);
+        let run = RunContext {
+            path_checks: PathChecks::Skip,
+            ..RunContext::default()
+        };
+        load_str(&cfg.to_string(), &run).unwrap().config.precision
+    }
     /// The device units' GEMM operands for `precision` (what
     /// `tierzero train --device` picks for the config's precision).
     pub fn gemm_dtype(&self) -> tierzero_gpu::unit::GemmDtype {
-        use tierzero_gpu::unit::GemmDtype;
-        match self.precision {
-            "bf16" => GemmDtype::Bf16,
-            "fp16" => GemmDtype::F16,
-            _ => GemmDtype::F32,
-        }
+        self.precision().gemm_dtype()
     }
     /// The params' storage dtype for `precision`.
     pub fn storage_dtype(&self) -> candle_core::DType {
-        match self.precision {
-            "bf16" => candle_core::DType::BF16,
-            "fp16" => candle_core::DType::F16,
-            _ => candle_core::DType::F32,
-        }
+        self.precision().storage_dtype()
     }
 }
 

@@ -95,29 +95,15 @@ fn on_link<L: tierzero::engine::device::DeviceLink + 'static>(
         .map_err(|e| bad(format!("{flag}: {e}")))
 }
 
-/// The device units' GEMM operands for the config's precision: fp32, or
-/// bf16 under `bf16.enabled`, or fp16 under `fp16.enabled` (16-bit params
-/// and unit outputs, fp32 math elsewhere, the head's gradients at the
-/// loss scale; see `model::exec_units`).
-fn device_gemm(cfg: &tierzero::config::Config) -> Result<tierzero_gpu::unit::GemmDtype, String> {
-    use tierzero::config::Precision;
-    use tierzero_gpu::unit::GemmDtype;
-    Ok(match cfg.precision {
-        Precision::Fp32 => GemmDtype::F32,
-        Precision::Bf16 => GemmDtype::Bf16,
-        Precision::Fp16 { .. } => GemmDtype::F16,
-    })
-}
-
 /// What the device units need of the run, as `flag` (`--device cuda:0`,
 /// `--device sim`) names it: a precision they compute in (their GEMM
-/// operands, [`device_gemm`]) and a model they implement.
+/// operands, [`tierzero::config::Precision::gemm_dtype`]) and a model they implement.
 fn unit_checks(
     flag: &str,
     cfg: &tierzero::config::Config,
     model: &tierzero::model::Model,
 ) -> Result<tierzero_gpu::unit::GemmDtype, Failure> {
-    let gemm = device_gemm(cfg).map_err(|e| bad(format!("{flag}: {e}")))?;
+    let gemm = cfg.precision.gemm_dtype();
     if let Some(why) = tierzero::model::exec_units::supports(model.config()) {
         return Err(bad(format!(
             "{flag}: the device units do not implement {why}; train on --device cpu"

@@ -32,13 +32,8 @@ pub fn units_on<L: DeviceLink + 'static>(
         }
         Err(why) => {
             tracing::info!("the optimizer runs on the host: {why}");
-            let storage = match cfg.precision {
-                Precision::Bf16 => candle_core::DType::BF16,
-                Precision::Fp16 { .. } => candle_core::DType::F16,
-                Precision::Fp32 => candle_core::DType::F32,
-            };
             let units = TieredUnits::new(link, TierLimits::of(cfg))?
-                .params_stored_as(storage)
+                .params_stored_as(cfg.precision.storage_dtype())
                 .keep_forwards(cfg.tierzero.activations)?;
             Ok(Arc::new(units))
         }

@@ -64,11 +64,11 @@ pub(super) fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
 
 /// The precision's stored param dtype and its loss scaler.
 fn precision_setup(precision: &Precision) -> (DType, LossScaler) {
-    match precision {
-        Precision::Fp32 => (DType::F32, LossScaler::none()),
-        Precision::Bf16 => (DType::BF16, LossScaler::none()),
-        Precision::Fp16 { loss_scale } => (DType::F16, LossScaler::from_config(*loss_scale)),
-    }
+    let scaler = match precision {
+        Precision::Fp32 | Precision::Bf16 => LossScaler::none(),
+        Precision::Fp16 { loss_scale } => LossScaler::from_config(*loss_scale),
+    };
+    (precision.storage_dtype(), scaler)
 }
 
 /// The run's shape checks: token ids within the vocabulary, a sequence

@@ -24,14 +24,6 @@ pub fn config_fingerprint(config: &Config) -> ConfigFingerprint {
     }
 }
 
-pub(super) fn precision_name(p: &Precision) -> &'static str {
-    match p {
-        Precision::Fp32 => "fp32",
-        Precision::Bf16 => "bf16",
-        Precision::Fp16 { .. } => "fp16",
-    }
-}
-
 impl Trainer {
     /// A trainer that continues from `ckpt`: the model is the checkpoint's,
     /// masters and moments are loaded (crc-verified) and the params
@@ -484,7 +476,7 @@ impl Trainer {
                 micro_batch_size: mb,
                 gradient_accumulation_steps: gas,
             },
-            precision: precision_name(&self.config.precision).to_owned(),
+            precision: self.config.precision.name().to_owned(),
             world_size: world,
             model: self.model.hf_config_value(),
             config: config_fingerprint(&self.config),
