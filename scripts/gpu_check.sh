@@ -148,7 +148,9 @@
 #      its own ratio): how much the default of half the cores leaves;
 #      then, with 60 s left, the CPU AdamW alone against PyTorch's fused
 #      one on every core ("adam_vs_torch": scripts/adam_vs_torch.py, 200M
-#      params, 2 rounds; secondary: a budget skip is not rerun). FSDP2's
+#      params, 2 rounds; secondary: a budget skip is not rerun), and with
+#      40 s left the link from pinned memory each way alone and both at
+#      once ("link": scripts/link_bandwidth.py, secondary too). FSDP2's
 #      JSON has its host seconds per phase ("phase_s");
 #   6i. overlap on the GPU (a measurement): examples/device_overlap
 #      ($DEVICE_OVERLAP_BIN), the step of a GPT-2 (6 layers, hidden 1024,
@@ -1213,8 +1215,21 @@ PY
     avt_result=$(json_obj "$WORK/adam_vs_torch.json")
   fi
   [ -z "$avt_skipped" ] || skip offload_throughput.adam_vs_torch "$avt_skipped"
+  # The link from pinned memory, each way alone and both at once
+  # (scripts/link_bandwidth.py, 1 GiB copies, 3 rounds): what moving the
+  # optimizer state to the device and back would cost (lever 6 of
+  # docs/decisions/offload-step-bound.md). Secondary, as adam_vs_torch.
+  link_result=null; link_rc=null; link_skipped=""
+  if [ -z "$PY" ]; then link_skipped="no python"
+  elif ! room 40; then link_skipped="budget (secondary, not rerun)"
+  else
+    tmo 60 "$PY" scripts/link_bandwidth.py --json "$WORK/link.json" >/dev/null 2>"$WORK/link.err"
+    link_rc=$?
+    link_result=$(json_obj "$WORK/link.json")
+  fi
+  [ -z "$link_skipped" ] || skip offload_throughput.link "$link_skipped"
   otp_ratio=$(ratio "$otp_tokens" "$(json_num "$WORK/fsdp2.json" tokens_per_s)")
-  emit offload_throughput "$(printf '{"micro":%s,"seq":%s,"steps":%s,"tierzero":{"rc":%s,"adam_threads":%s,"tokens_per_s":%s,"model_tflops":%s,"steps_mean":%s,"result":%s,"stderr":%s%s},"fsdp2_cpu_offload":{"rc":%s,"result":%s,"log":%s%s},"ratio":%s,"tierzero_every_core":{"rc":%s,"adam_threads":%s,"tokens_per_s":%s,"ratio":%s,"steps_mean":%s,"stderr":%s%s},"adam_vs_torch":{"rc":%s,"result":%s,"log":%s%s}}' \
+  emit offload_throughput "$(printf '{"micro":%s,"seq":%s,"steps":%s,"tierzero":{"rc":%s,"adam_threads":%s,"tokens_per_s":%s,"model_tflops":%s,"steps_mean":%s,"result":%s,"stderr":%s%s},"fsdp2_cpu_offload":{"rc":%s,"result":%s,"log":%s%s},"ratio":%s,"tierzero_every_core":{"rc":%s,"adam_threads":%s,"tokens_per_s":%s,"ratio":%s,"steps_mean":%s,"stderr":%s%s},"adam_vs_torch":{"rc":%s,"result":%s,"log":%s%s},"link":{"rc":%s,"result":%s,"log":%s%s}}' \
     "$OTP_MICRO" "$OTP_SEQ" "$OTP_STEPS" \
     "$otp_rc" "$adam_threads" "$otp_tokens" "$otp_tflops" "$(json_obj "$d/steps_mean.json")" "$otp_result" \
     "$(json_str "$WORK/offload-tp/err.txt")" "$(skipkey "$otp_skipped")" \
@@ -1222,7 +1237,8 @@ PY
     "$all_rc" "$all_threads" "$all_tokens" "$(ratio "$all_tokens" "$(json_num "$WORK/fsdp2.json" tokens_per_s)")" \
     "$(json_obj "$WORK/offload-tp-all/steps_mean.json")" \
     "$(json_str "$WORK/offload-tp-all/err.txt")" "$(skipkey "$all_skipped")" \
-    "$avt_rc" "$avt_result" "$(json_str "$WORK/adam_vs_torch.err")" "$(skipkey "$avt_skipped")")"
+    "$avt_rc" "$avt_result" "$(json_str "$WORK/adam_vs_torch.err")" "$(skipkey "$avt_skipped")" \
+    "$link_rc" "$link_result" "$(json_str "$WORK/link.err")" "$(skipkey "$link_skipped")")"
 else
   not_selected offload_throughput
 fi
