@@ -940,11 +940,8 @@ PY
       close=$("$PYCFG" -c 'import sys; a=[float(x) for x in open(sys.argv[1])]; b=[float(x) for x in open(sys.argv[2])]; print(str(len(a)>=20 and len(a)==len(b) and all(abs(x-y)<=1e-4*abs(y) for x,y in zip(a,b))).lower())' "$d/losses" "$base/losses" 2>/dev/null || echo false)
       [ "$close" = true ] || close=false
       if [ "$same" != true ]; then tier_ok=false; fail "device_tier.${model}_$variant"; fi
-      # Totals over the steps after the first (%.0f: mawk clamps %d at 2^31).
-      totals=$(awk -F'[:,}]' '/"step":/ && NR > 1 { for (i = 1; i < NF; i++) { if ($i ~ /"h2d_bytes"/) h += $(i+1); if ($i ~ /"d2h_bytes"/) d += $(i+1); if ($i ~ /"h2d_wait_s"/) w += $(i+1); if ($i ~ /"d2h_wait_s"/) x += $(i+1);
-          if ($i ~ /"device_busy_s"/) c += $(i+1); if ($i ~ /"h2d_busy_s"/) u += $(i+1); if ($i ~ /"d2h_busy_s"/) o += $(i+1); if ($i ~ /"h2d_fill_busy_s"/) f += $(i+1); if ($i ~ /"wall_s"/) s += $(i+1);
-          if ($i ~ /"device_forwards_ahead"/) fa += $(i+1); if ($i ~ /"device_backwards_ahead"/) ba += $(i+1); if ($i ~ /"h2d_direct_bytes"/) hd += $(i+1); if ($i ~ /"param_buffers_let_go"/) lg += $(i+1); if ($i ~ /"h2d_at_use_bytes"/) ua += $(i+1) } }
-        END { m = (c > u ? c : u); m = (o > m ? o : m); printf "{\"steps_after_first\":true,\"h2d_direct_bytes\":%.0f,\"h2d_at_use_bytes\":%.0f,\"param_buffers_let_go\":%.0f,\"h2d_bytes\":%.0f,\"d2h_bytes\":%.0f,\"h2d_wait_s\":%.4f,\"d2h_wait_s\":%.4f,\"device_busy_s\":%.4f,\"h2d_busy_s\":%.4f,\"d2h_busy_s\":%.4f,\"h2d_fill_busy_s\":%.4f,\"wall_s\":%.4f,\"wall_over_busiest_queue\":%s,\"forwards_ahead\":%.0f,\"backwards_ahead\":%.0f}", hd, ua, lg, h, d, w, x, c, u, o, f, s, (m > 0 ? sprintf("%.3f", s / m) : "null"), fa, ba }' "$d/metrics.jsonl" 2>/dev/null)
+      # Totals over the steps after the first (scripts/metrics_summary.py).
+      totals=$("$PYCFG" scripts/metrics_summary.py "$d/metrics.jsonl" --preset tier 2>/dev/null)
       [ -n "$totals" ] || totals=null
       [ -n "${OUT:-}" ] && [ -f "$d/timeline.json" ] && [ "$model" = gpt2 ] && cp "$d/timeline.json" "$OUT/timeline-device-tier.json"
       printf '{"same_bits_as_nvme_stage3":%s,"within_1e-4_of_nvme_stage3":%s,"adam_on_device":%s,"traffic":%s}\n' \
@@ -1136,7 +1133,9 @@ if sel 6h; then
       --json >out.json 2>err.txt); echo $? >"$d/rc"
     "$PYCFG" - "$d/metrics.jsonl" "$OFF_MODEL/config.json" "$OTP_MICRO" "$OTP_SEQ" "$OTP_STEPS" <<'PY' 2>/dev/null || echo "null null"
 import json, sys
-steps = [json.loads(l) for l in open(sys.argv[1]) if '"step"' in l]
+sys.path.insert(0, "scripts")
+from metrics_summary import load_steps, offload_means
+steps = load_steps(sys.argv[1])
 c = json.load(open(sys.argv[2]))
 micro, seq, n = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 h, i, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
@@ -1144,13 +1143,9 @@ kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
 params = 2 * V * h + L * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + h
 timed = steps[2:n]
 wall = sum(s["wall_s"] for s in timed) if len(timed) == n - 2 and timed else 0
-keys = ("wall_s", "compute_s", "io_wait_s", "optimizer_s", "idle_s", "h2d_bytes",
-        "h2d_at_use_bytes", "h2d_direct_bytes", "h2d_wait_s", "d2h_bytes", "d2h_wait_s",
-        "device_busy_s", "h2d_busy_s", "d2h_busy_s", "h2d_fill_busy_s", "minor_faults")
 try:
-    if timed:
-        mean = {k: sum(s[k] for s in timed) / len(timed) for k in keys if all(k in s for s in timed)}
-        mean["steps"] = [s["step"] for s in timed]
+    mean = offload_means(steps, n)
+    if mean is not None:
         with open(sys.argv[1].rsplit("/", 1)[0] + "/steps_mean.json", "w") as f:
             f.write(json.dumps(mean) + "\n")
 except Exception as e:  # the means are secondary: the tokens/s still print

@@ -866,6 +866,7 @@ fn device_sim_shows_the_device_tier_in_the_plan_metrics_and_timeline() {
             assert!(s[key].as_f64().unwrap() > 0.0, "{key}: {s}");
         }
     }
+    metrics_summary_adds_up(&d.join("m.jsonl"), &m[..3]);
     let tl: Value =
         serde_json::from_str(&std::fs::read_to_string(d.join("tl.json")).unwrap()).unwrap();
     let events = tl["traceEvents"].as_array().unwrap();
@@ -898,6 +899,58 @@ fn device_sim_shows_the_device_tier_in_the_plan_metrics_and_timeline() {
     assert!(
         overlapped,
         "no copy overlapped a unit's compute: {h2d:?} / {compute:?}"
+    );
+}
+
+/// `scripts/metrics_summary.py --preset tier` (gpu_check's step 6f)
+/// totals `steps`' device figures after the first, as summed here, and
+/// `--preset offload` (step 6h) averages the third step on.
+fn metrics_summary_adds_up(path: &Path, steps: &[Value]) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/metrics_summary.py");
+    let run = |args: &[&str]| -> Value {
+        let out = std::process::Command::new("python3")
+            .arg(&script)
+            .arg(path)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let tier = run(&["--preset", "tier"]);
+    let sum = |key: &str| -> f64 { steps[1..].iter().map(|s| s[key].as_f64().unwrap()).sum() };
+    for (name, key) in [
+        ("h2d_bytes", "h2d_bytes"),
+        ("d2h_bytes", "d2h_bytes"),
+        ("h2d_at_use_bytes", "h2d_at_use_bytes"),
+        ("device_busy_s", "device_busy_s"),
+        ("h2d_busy_s", "h2d_busy_s"),
+        ("wall_s", "wall_s"),
+        ("forwards_ahead", "device_forwards_ahead"),
+    ] {
+        let got = tier[name].as_f64().unwrap();
+        assert!(
+            (got - sum(key)).abs() <= 1e-9 * sum(key).abs(),
+            "{name}: {tier}"
+        );
+    }
+    assert!(tier["h2d_bytes"].as_u64().unwrap() > 0, "{tier}");
+    let busiest = ["device_busy_s", "h2d_busy_s", "d2h_busy_s"]
+        .map(sum)
+        .into_iter()
+        .fold(0.0, f64::max);
+    let ratio = tier["wall_over_busiest_queue"].as_f64().unwrap();
+    assert!((ratio - sum("wall_s") / busiest).abs() <= 1e-3, "{tier}");
+    let mean = run(&["--preset", "offload", "--steps", "3"]);
+    assert_eq!(mean["steps"], json!([3]), "{mean}");
+    assert_eq!(
+        mean["h2d_bytes"].as_f64(),
+        steps[2]["h2d_bytes"].as_f64(),
+        "{mean}"
     );
 }
 
