@@ -32,11 +32,15 @@
 //!
 //! # Failing cleanly
 //!
-//! [`Device::open`] checks, in order, that the driver loads, that a device
-//! of that ordinal exists, that cuBLAS and NVRTC load and that NVRTC can
-//! target the device; each failure is one error naming the library and the
-//! fix. cudarc's panics (a missing library or symbol) are caught
-//! ([`guarded`]).
+//! [`Device::open`] checks, in order, that the driver loads and supports
+//! CUDA 13.0 ([`MIN_DRIVER_VERSION`]), that a device of that ordinal
+//! exists, that cuBLAS and NVRTC load and that NVRTC can target the
+//! device; each failure is one error naming the library and the fix.
+//! cudarc's panics (a missing library or symbol) are caught
+//! ([`guarded`]). The version check comes first because an older driver
+//! loads, and opens a device, and lacks calls that are only made later
+//! (`cuEventElapsedTime_v2`, CUDA 12.8, at the first step's timings): the
+//! panic would come from there, outside any guard.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -105,6 +109,40 @@ pub fn driver_available() -> Result<()> {
         tried: crate::tried_names("cuda"),
         fix: "install the NVIDIA driver (it provides libcuda.so.1), or add the directory holding it to LD_LIBRARY_PATH",
     })
+}
+
+/// The oldest driver this crate runs on, as `cuDriverGetVersion` reports
+/// it (1000 x major + 10 x minor): CUDA 13.0, what its bindings
+/// (cudarc's `cuda-13000`) and its libraries (`libcublas.so.13`,
+/// `libnvrtc.so.13`) are built for.
+pub const MIN_DRIVER_VERSION: i32 = 13_000;
+
+/// `version` (1000 x major + 10 x minor) as "major.minor".
+fn cuda_version_text(version: i32) -> String {
+    format!("{}.{}", version / 1000, (version % 1000) / 10)
+}
+
+/// Refuses a driver older than [`MIN_DRIVER_VERSION`].
+pub fn check_driver_version(version: i32) -> Result<()> {
+    if version >= MIN_DRIVER_VERSION {
+        return Ok(());
+    }
+    Err(GpuError::DriverTooOld {
+        found: cuda_version_text(version),
+        needed: cuda_version_text(MIN_DRIVER_VERSION),
+    })
+}
+
+/// The CUDA version the loaded driver supports (`cuDriverGetVersion`).
+fn driver_version() -> Result<i32> {
+    let mut version: std::ffi::c_int = 0;
+    // SAFETY: `version` is a live, writable int for the whole call, the
+    // one the driver writes; the call needs no context. (cudarc panics if
+    // the symbol is missing: callers are within `guarded`.)
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(driver_err("cuDriverGetVersion"))?;
+    Ok(version)
 }
 
 /// Whether `libcublas` and `libcublasLt` load.
@@ -312,6 +350,7 @@ impl Device {
     }
 
     fn open_inner(ordinal: usize, opts: &DeviceOptions) -> Result<Device> {
+        check_driver_version(driver_version()?)?;
         let count = CudaContext::device_count().map_err(driver_err("cuDeviceGetCount"))?;
         if ordinal >= count.max(0) as usize {
             return Err(GpuError::Driver {
@@ -611,6 +650,23 @@ mod tests {
         b.give(600);
         assert_eq!(b.used_bytes(), 0);
         b.take("b", 1000).unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    #[test]
+    fn a_driver_older_than_cuda_13_is_refused_with_both_versions_and_the_fix() {
+        for ok in [13_000, 13_010, 14_020] {
+            check_driver_version(ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        for (old, text) in [(12_080, "12.8"), (12_040, "12.4"), (11_080, "11.8")] {
+            let e = check_driver_version(old).unwrap_err();
+            assert!(matches!(e, GpuError::DriverTooOld { .. }), "{e:?}");
+            let m = e.to_string();
+            assert!(
+                m.contains(&format!("supports CUDA {text},")) && m.contains("CUDA 13.0"),
+                "{m}"
+            );
+            assert!(m.contains("update the driver to R580"), "{m}");
+        }
     }
 
     #[test]

@@ -23,6 +23,18 @@ pub enum GpuError {
         /// What cudarc said.
         detail: String,
     },
+    /// The driver is older than the CUDA the libraries and bindings need.
+    #[error(
+        "the NVIDIA driver supports CUDA {found}, older than the CUDA {needed} that \
+         tierzero's GPU code needs (its CUDA 13 cuBLAS and NVRTC, and calls such as \
+         cuEventElapsedTime_v2); update the driver to R580 or newer"
+    )]
+    DriverTooOld {
+        /// What `cuDriverGetVersion` reported, e.g. "12.4".
+        found: String,
+        /// The oldest that works, e.g. "13.0".
+        needed: String,
+    },
     /// NVRTC cannot compile for this architecture.
     #[error("NVRTC {version} cannot target sm_{arch} (it targets {supported}); use an NVRTC that supports this GPU")]
     UnsupportedArch {

@@ -37,6 +37,7 @@ pub(super) fn cuda_units(
             e,
             G::LibraryMissing { .. }
                 | G::LibraryTooOld { .. }
+                | G::DriverTooOld { .. }
                 | G::UnsupportedArch { .. }
                 | G::DeviceMemory { .. }
         );
