@@ -266,6 +266,31 @@ fn units_launched_ahead_train_bit_identical_to_the_in_memory_units() {
     }
 }
 
+/// The tier holds a staged unit's host params for a launch ahead only
+/// until that unit's backward: after a step (its last backward is the
+/// embedding's) it holds none, so the params the store released are
+/// freed through the optimizer step, not kept until the next step's
+/// start. Between micro-batches it may hold some.
+#[test]
+fn no_staged_host_params_are_held_past_a_steps_backward() {
+    let model = tiny_gpt2_dir("tier-staged-held", 2, 32);
+    let k = Knobs {
+        gas: 2,
+        ..Knobs::nvme()
+    };
+    let tier = Arc::new(
+        TieredUnits::new(SimDevice::new(sim(64 << 20, 0, 64)).unwrap(), wide_open()).unwrap(),
+    );
+    let mut opts = TrainerOptions::cpu(3, 16);
+    opts.compute = Some(tier.clone());
+    let mut t = build_with(&model, &k, opts, 3);
+    for step in 1..=3 {
+        t.step().unwrap();
+        assert_eq!(tier.staged_unit(), None, "after step {step}");
+    }
+    t.finish().unwrap();
+}
+
 /// What launching ahead gains on the simulated device, whose compute is
 /// asynchronous with a `compute_delay` (each unit at least 20 ms on its
 /// clock): stage 3 with params and optimizer state on NVMe, so the

@@ -26,7 +26,8 @@
 //! gradient came down, the unit before it (a block or the embedding),
 //! on its host input in the last forward ([`Aheads::forward`] keeps each
 //! unit's, until its backward). Only if the engine handed that unit's
-//! params over ([`Aheads::staged`], from `UnitCompute::stage`) and the
+//! params over ([`Aheads::staged`], from `UnitCompute::stage`; held until
+//! that unit's backward, or the next unit staged) and the
 //! owner says every one of them is on the device with nothing for the
 //! host to wait for ([`Holder::ready`]). It never waits for an upload's
 //! fill: the engine's call would wait for it anyway, and the upload
@@ -306,9 +307,27 @@ impl<B> Aheads<B> {
         )?;
         let out = dev.and_then(|d| inputs.backward_out(link, d));
         let back = holder.give_params(&ids, bufs);
+        // Its staged host params, if it was the last staged, are not
+        // launched again before the engine stages it anew: let them go
+        // (the embedding's, staged last in each step, were held through
+        // the optimizer step until the next one began).
+        self.forget_staged(unit);
         let out = out?;
         back?;
         Ok(out)
+    }
+
+    /// Forgets the staged host params if they are `unit`'s.
+    fn forget_staged(&self, unit: UnitId) {
+        let mut staged = locked(&self.staged);
+        if staged.as_ref().is_some_and(|(u, _)| *u == unit) {
+            *staged = None;
+        }
+    }
+
+    /// The unit whose staged host params are held for a launch ahead.
+    pub(super) fn staged_unit(&self) -> Option<UnitId> {
+        locked(&self.staged).as_ref().map(|(u, _)| *u)
     }
 
     /// The call's params (lent by `holder`) and results: the unit

@@ -385,6 +385,13 @@ impl<L: DeviceLink> TieredUnits<L> {
         self.limits
     }
 
+    /// The unit whose host params the tier holds to launch it ahead: the
+    /// one the engine staged last, until its backward has run (then the
+    /// store's release of those params frees them).
+    pub fn staged_unit(&self) -> Option<UnitId> {
+        self.aheads.staged_unit()
+    }
+
     /// The highest the tier went.
     pub fn peaks(&self) -> TierPeaks {
         self.lock().peaks
