@@ -8,10 +8,12 @@
 //!    upload's length from the pool, or allocates one. It fills the buffer
 //!    on the host and allocates the destination, counted against the
 //!    device budget, on the `h2d` stream. It queues the copy there and
-//!    records an event after it.
-//! 2. [`Uploads::finish`] makes the compute stream wait on the event, so
-//!    the host does not wait. It then hands back the destination. The
-//!    staging buffer goes on the retiring list with its event.
+//!    records an event after it, for the upload. The staging buffer goes
+//!    on the pool's retiring list at once, with an event of its own
+//!    after the copy: nothing but the copy reads it.
+//! 2. [`Uploads::finish`] makes the compute stream wait on the upload's
+//!    event, so the host does not wait. It then hands back the
+//!    destination.
 //!    A bf16 or fp16 upload ([`Uploads::start_bf16`],
 //!    [`Uploads::start_f16`]) crosses as its 2-byte elements into a buffer
 //!    of that type. A param's ([`Role::Param`]) stays the buffer it
@@ -24,8 +26,15 @@
 //!    one it crossed into go as below: dropped as it is, its free would
 //!    make the h2d stream wait for the unit's compute.
 //! 3. A later `start` moves retiring buffers whose event completed back to
-//!    the pool (one pool per element type). When the pool's pinned bytes would pass its cap, it waits
-//!    for the oldest event and frees that buffer.
+//!    the pool (one pool per element type). When the pool's pinned bytes
+//!    would pass its cap, it frees idle buffers, then waits for the
+//!    oldest copy's event and frees that buffer: every staging buffer is
+//!    the pool's, idle or retiring, so the pool holds at most its cap
+//!    (or the one upload longer than the cap, alone). Until 2026-12-05 a
+//!    buffer travelled in its [`PendingUpload`] until `finish`, out of
+//!    the pool's reach: with the uploads of a unit and the window ahead
+//!    not yet finished, a full pool allocated past its cap, and the
+//!    plan's staging bound was not one.
 //!
 //! # Freeing a destination
 //!
@@ -42,10 +51,14 @@
 //!
 //! # What may be in flight
 //!
-//! A staging buffer is in exactly one place: the pool (idle), a
-//! [`PendingUpload`] (its copy queued), or the retiring list (the copy
-//! queued, its event not yet seen complete). It is refilled only from the
-//! pool. So the copy engine never reads a buffer the host is writing.
+//! A staging buffer is in exactly one place: the pool (idle), or the
+//! retiring list (its copy queued, the copy's event not yet seen
+//! complete); between the two only inside `fill_and_copy`, which fills
+//! it, queues its copy and retires it. It is refilled only from the
+//! pool, once its event is complete. So the copy engine never reads a
+//! buffer the host is writing. The copies of one stream complete in
+//! order, so waiting for the oldest retiring event waits for a copy
+//! already queued, behind nothing the host has yet to do.
 //! cudarc's `PinnedHostSlice` also records its own event at each copy, and
 //! synchronises on it before any host access and before it is freed.
 //!
@@ -112,16 +125,12 @@ trait Crossing:
     cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Send + Sync + Sized
 {
     fn pool(u: &Uploads) -> &Mutex<Pool<Self>>;
-    fn carried(dst: DeviceBuffer<Self>, staging: Staging<Self>) -> (DevBuf, AnyStaging);
     fn dev_buf(dst: DeviceBuffer<Self>) -> DevBuf;
 }
 
 impl Crossing for f32 {
     fn pool(u: &Uploads) -> &Mutex<Pool<Self>> {
         &u.pool
-    }
-    fn carried(dst: DeviceBuffer<Self>, staging: Staging<Self>) -> (DevBuf, AnyStaging) {
-        (DevBuf::F32(dst), AnyStaging::F32(staging))
     }
     fn dev_buf(dst: DeviceBuffer<Self>) -> DevBuf {
         DevBuf::F32(dst)
@@ -132,9 +141,6 @@ impl Crossing for bf16 {
     fn pool(u: &Uploads) -> &Mutex<Pool<Self>> {
         &u.pool16
     }
-    fn carried(dst: DeviceBuffer<Self>, staging: Staging<Self>) -> (DevBuf, AnyStaging) {
-        (DevBuf::Bf16(dst), AnyStaging::Bf16(staging))
-    }
     fn dev_buf(dst: DeviceBuffer<Self>) -> DevBuf {
         DevBuf::Bf16(dst)
     }
@@ -143,9 +149,6 @@ impl Crossing for bf16 {
 impl Crossing for f16 {
     fn pool(u: &Uploads) -> &Mutex<Pool<Self>> {
         &u.poolh
-    }
-    fn carried(dst: DeviceBuffer<Self>, staging: Staging<Self>) -> (DevBuf, AnyStaging) {
-        (DevBuf::F16(dst), AnyStaging::F16(staging))
     }
     fn dev_buf(dst: DeviceBuffer<Self>) -> DevBuf {
         DevBuf::F16(dst)
@@ -175,8 +178,7 @@ impl Wire {
 
 /// A staging buffer of a pool: its bytes count in the pool's
 /// `pinned_bytes` from its allocation to its drop, wherever it is then
-/// (idle, with an upload in flight, retiring, or dropped on an error path
-/// or with an upload that was never finished).
+/// (idle, retiring with its copy, or dropped on an error path).
 #[derive(Debug)]
 pub struct Staging<T> {
     slice: PinnedHostSlice<T>,
@@ -499,15 +501,16 @@ impl Uploads {
         pool: &Mutex<Pool<T>>,
         what: &str,
         host: &[T],
-    ) -> Result<(DeviceBuffer<T>, Staging<T>, CudaEvent)> {
+    ) -> Result<(DeviceBuffer<T>, CudaEvent)> {
         let mut dst = self.dst::<T>(what, host.len())?;
-        let (staging, event) = self.fill_and_copy(pool, what, host, dst.slice_mut())?;
-        Ok((dst, staging, event))
+        let event = self.fill_and_copy(pool, what, host, dst.slice_mut())?;
+        Ok((dst, event))
     }
 
     /// Fills a staging buffer from `host` and queues its copy into `dst`
-    /// (as long) on the h2d stream: the staging buffer and the event
-    /// after the copy.
+    /// (as long) on the h2d stream: the event after the copy. The staging
+    /// buffer goes on the retiring list at once, with an event of its own
+    /// after the copy (see "What may be in flight").
     fn fill_and_copy<
         T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Send + Sync,
         D: cudarc::driver::DevicePtrMut<T>,
@@ -517,7 +520,7 @@ impl Uploads {
         what: &str,
         host: &[T],
         dst: &mut D,
-    ) -> Result<(Staging<T>, CudaEvent)> {
+    ) -> Result<CudaEvent> {
         // On an error below the buffers are dropped: cudarc frees them
         // once a copy that reads them is done, and their bytes leave the
         // count.
@@ -542,7 +545,13 @@ impl Uploads {
             .h2d
             .record_event(None)
             .map_err(driver("cuEventRecord"))?;
-        Ok((staging, event))
+        let retire = self
+            .dev
+            .h2d
+            .record_event(None)
+            .map_err(driver("cuEventRecord"))?;
+        locked(pool).retiring.push(retire, staging);
+        Ok(event)
     }
 
     /// Starts copying `host` into a new device buffer for `what`, a
@@ -565,9 +574,8 @@ impl Uploads {
 
     /// The three above: `host` through its element type's pool.
     fn start_as<T: Crossing>(&self, what: &str, host: &[T], role: Role) -> Result<PendingUpload> {
-        let (dst, staging, event) = self.queue(T::pool(self), what, host)?;
-        let (crossed, staging) = T::carried(dst, staging);
-        Ok(PendingUpload::new(crossed, Some(staging), event, role))
+        let (dst, event) = self.queue(T::pool(self), what, host)?;
+        Ok(PendingUpload::new(T::dev_buf(dst), event, role))
     }
 
     /// Starts copying `shard`, elements `offset..offset + shard.len()` of
@@ -631,30 +639,20 @@ impl Uploads {
             });
         }
         let mut dst = self.dst::<T>(what, numel)?;
-        let (staging, event) = if shard.is_empty() {
-            let event = self
-                .dev
+        let event = if shard.is_empty() {
+            self.dev
                 .h2d
                 .record_event(None)
-                .map_err(driver("cuEventRecord"))?;
-            (None, event)
+                .map_err(driver("cuEventRecord"))?
         } else {
-            let (staging, event) = self.fill_and_copy(
+            self.fill_and_copy(
                 T::pool(self),
                 what,
                 shard,
                 &mut dst.slice_mut().slice_mut(offset..offset + shard.len()),
-            )?;
-            (Some(staging), event)
+            )?
         };
-        let (crossed, staging) = match staging {
-            Some(s) => {
-                let (c, s) = T::carried(dst, s);
-                (c, Some(s))
-            }
-            None => (T::dev_buf(dst), None),
-        };
-        Ok(PendingUpload::new(crossed, staging, event, Role::Param))
+        Ok(PendingUpload::new(T::dev_buf(dst), event, Role::Param))
     }
 
     /// A destination of `len` elements on the h2d stream (not
@@ -737,7 +735,7 @@ impl Uploads {
                 (DevBuf::F16(d), ev)
             }
         };
-        Ok(PendingUpload::new(crossed, None, event, Role::Param))
+        Ok(PendingUpload::new(crossed, event, Role::Param))
     }
 
     /// Starts copying `pin`'s bytes, this rank's shard of a param of
@@ -785,7 +783,7 @@ impl Uploads {
                 (DevBuf::F16(d), ev)
             }
         };
-        Ok(PendingUpload::new(crossed, None, event, Role::Param))
+        Ok(PendingUpload::new(crossed, event, Role::Param))
     }
 
     /// A new destination of `numel` elements and [`Uploads::copy_pinned`]
@@ -921,7 +919,6 @@ impl Uploads {
     pub fn finish(&self, u: PendingUpload) -> Result<DevBuf> {
         let mut u = u;
         let role = u.role;
-        let staging = u.staging.take();
         let (Some(crossed), Some(event)) = (u.crossed.take(), u.event.take()) else {
             return Err(crate::GpuError::Driver {
                 call: "cuStreamWaitEvent",
@@ -930,12 +927,7 @@ impl Uploads {
         };
         drop(u);
         self.compute_waits(&event)?;
-        match staging {
-            Some(AnyStaging::F32(s)) => locked(&self.pool).retiring.push(event, s),
-            Some(AnyStaging::Bf16(s)) => locked(&self.pool16).retiring.push(event, s),
-            Some(AnyStaging::F16(s)) => locked(&self.poolh).retiring.push(event, s),
-            None => {}
-        }
+        drop(event);
         self.reap_freed()?;
         if role == Role::Param {
             return Ok(crossed);
@@ -965,7 +957,6 @@ impl Uploads {
 mod downloads;
 mod pending;
 pub use downloads::{Downloaded, DownloadedRef, Downloads, PendingDownload};
-use pending::AnyStaging;
 pub use pending::{PendingUpload, Role};
 
 /// `len` bytes of pinned (page-locked, not write-combined) host memory on

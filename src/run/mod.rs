@@ -476,7 +476,7 @@ impl fmt::Display for Plan {
             };
             let _ = writeln!(
                 s,
-                "  device total {} of a {} device budget ({where_adam}); the uploads' pinned \
+                "  device total {} of a {} device budget ({where_adam}); the copies' pinned \
                  staging {} beside the pinned total",
                 format_bytes(device),
                 format_bytes(d.budget_bytes),

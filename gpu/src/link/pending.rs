@@ -3,22 +3,18 @@
 //! the rule that a collective's buffer is never freed before its event.
 
 use cudarc::driver::CudaEvent;
-use half::{bf16, f16};
 
-use super::Staging;
 use crate::unit::DevBuf;
 
-/// An upload in flight: the buffer its copy writes, its staging buffer
-/// and the event recorded after its copy.
+/// An upload in flight: the buffer its copy writes and the event recorded
+/// after its copy. (Its staging buffer, if it crossed through one, is on
+/// the pool's retiring list from the moment the copy was queued: see
+/// "What may be in flight" in [`super`].)
 #[derive(Debug)]
 pub struct PendingUpload {
     /// The buffer the copy writes, of the elements that cross: fp32, or
     /// bf16 or fp16 as they are (half the bytes).
     pub(crate) crossed: Option<DevBuf>,
-    /// The staging buffer the copy reads (None: the copy reads the
-    /// host's registered memory in place, [`super::Uploads::start_pinned`], or
-    /// a shard of no elements crossed).
-    pub(super) staging: Option<AnyStaging>,
     /// Recorded after the copy (after a gather's exchange, for a shard
     /// gathered on the device: [`crate::collective::DeviceComm::gather`]).
     pub(crate) event: Option<CudaEvent>,
@@ -28,14 +24,16 @@ pub struct PendingUpload {
     /// (`event` is then the collective's, which a dead peer may never
     /// complete: see [`PendingUpload::is_gathered`]).
     pub(crate) gathered: bool,
+    /// A collective's result, not an upload ([`PendingUpload::collected`]).
+    collected: bool,
 }
 
 impl Drop for PendingUpload {
-    /// A gathered param's buffer (and its staging) dropped before its
-    /// exchange is seen done is leaked, never freed: cudarc recorded its
-    /// last use when each NCCL call was made, before NCCL queued the
-    /// work at its group's end, so a stream-ordered free could run ahead
-    /// of NCCL's writes. `Uploads::finish` takes both out first.
+    /// A gathered param's buffer dropped before its exchange is seen done
+    /// is leaked, never freed: cudarc recorded its last use when each
+    /// NCCL call was made, before NCCL queued the work at its group's
+    /// end, so a stream-ordered free could run ahead of NCCL's writes.
+    /// `Uploads::finish` takes it out first.
     fn drop(&mut self) {
         let done = self
             .event
@@ -43,26 +41,19 @@ impl Drop for PendingUpload {
             .is_some_and(|ev| matches!(ev.try_is_complete(), Ok(true)));
         if self.gathered && !done {
             std::mem::forget(self.crossed.take());
-            std::mem::forget(self.staging.take());
         }
     }
 }
 
 impl PendingUpload {
-    /// An upload of `crossed` from `staging` (None: in place), its copy
-    /// before `event`, not gathered.
-    pub(super) fn new(
-        crossed: DevBuf,
-        staging: Option<AnyStaging>,
-        event: CudaEvent,
-        role: Role,
-    ) -> Self {
+    /// An upload of `crossed`, its copy before `event`, not gathered.
+    pub(super) fn new(crossed: DevBuf, event: CudaEvent, role: Role) -> Self {
         PendingUpload {
             crossed: Some(crossed),
-            staging,
             event: Some(event),
             role,
             gathered: false,
+            collected: false,
         }
     }
 
@@ -76,10 +67,10 @@ impl PendingUpload {
     pub fn collected(buf: DevBuf, done: CudaEvent) -> Self {
         PendingUpload {
             crossed: Some(buf),
-            staging: None,
             event: Some(done),
             role: Role::Param,
             gathered: true,
+            collected: true,
         }
     }
 
@@ -95,7 +86,7 @@ impl PendingUpload {
     /// Whether it is a collective's result ([`PendingUpload::collected`]):
     /// [`PendingUpload::into_collected`] then gives its buffer.
     pub fn is_collected(&self) -> bool {
-        self.gathered && self.staging.is_none() && self.crossed.is_some()
+        self.collected && self.crossed.is_some()
     }
 
     /// The buffer of a collective's result, for the next work on that
@@ -121,12 +112,4 @@ pub enum Role {
     /// A unit's input, dropped with the unit's temporaries: an fp32
     /// buffer of the compute stream's (the units' activations are fp32).
     Input,
-}
-
-/// A staging buffer of one of the element types.
-#[derive(Debug)]
-pub(super) enum AnyStaging {
-    F32(Staging<f32>),
-    Bf16(Staging<bf16>),
-    F16(Staging<f16>),
 }

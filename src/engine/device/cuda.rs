@@ -578,11 +578,15 @@ impl DeviceLink for CudaLink {
                     .saturating_sub(self.startup_bytes)
                     .saturating_sub(self.budget_bytes),
             ),
-            // Six pools under the cap each: uploads' and downloads', of
-            // fp32, bf16 and fp16 elements (a run fills at most four of
-            // them much: its storage dtype's, and fp32's for its inputs
-            // and, in fp32, everything).
-            staging: Staging::CapBytes(6 * self.uploads.cap_bytes()),
+            // The uploads' pools of fp32, bf16 and fp16 elements, under
+            // the cap each (every staging buffer is its pool's, idle or
+            // retiring with its copy: `tierzero_gpu::link`).
+            staging: Staging::Pools {
+                pools: 3,
+                cap_bytes: self.uploads.cap_bytes(),
+            },
+            // The downloads' idle buffers of the three element types.
+            download_idle_bytes: 3 * STAGING_CAP_BYTES,
         }
     }
 

@@ -747,6 +747,12 @@ pub struct LinkMemory {
     pub temporaries_bytes: Option<u64>,
     /// The pinned staging buffers of the uploads.
     pub staging: Staging,
+    /// The idle pinned buffers the gradients' downloads keep for reuse,
+    /// at most (0: downloads land in no pinned staging, as on the
+    /// simulated device). Those in flight come on top: the gradients of
+    /// the units not yet taken, at most two units' (`grads_out`: the
+    /// engine takes a unit's after it started the next one's backward).
+    pub download_idle_bytes: u64,
 }
 
 /// How a link's pinned staging memory is bounded.
@@ -754,9 +760,14 @@ pub struct LinkMemory {
 pub enum Staging {
     /// A fixed count of buffers, each as long as the longest upload.
     Slots(usize),
-    /// A pool under a byte cap (a single longer upload still gets its own
-    /// buffer).
-    CapBytes(u64),
+    /// Pools (one per element type) under a byte cap each: a pool goes
+    /// past its cap only for one upload longer than the cap, alone.
+    Pools {
+        /// How many pools.
+        pools: usize,
+        /// Each one's cap.
+        cap_bytes: u64,
+    },
 }
 
 impl Staging {
@@ -765,7 +776,7 @@ impl Staging {
     pub fn bound_bytes(self, largest_bytes: u64) -> u64 {
         match self {
             Staging::Slots(n) => n as u64 * largest_bytes,
-            Staging::CapBytes(cap) => cap.max(largest_bytes),
+            Staging::Pools { pools, cap_bytes } => pools as u64 * cap_bytes.max(largest_bytes),
         }
     }
 }
@@ -777,8 +788,10 @@ mod tests {
     #[test]
     fn staging_bounds_count_slots_of_the_longest_upload_or_the_cap() {
         assert_eq!(Staging::Slots(4).bound_bytes(1000), 4000);
-        assert_eq!(Staging::CapBytes(1 << 20).bound_bytes(1000), 1 << 20);
-        // One upload longer than the cap still gets its buffer.
-        assert_eq!(Staging::CapBytes(1000).bound_bytes(5000), 5000);
+        let pools = |pools, cap_bytes| Staging::Pools { pools, cap_bytes };
+        assert_eq!(pools(3, 1 << 20).bound_bytes(1000), 3 << 20);
+        // One upload longer than the cap still gets its buffer, in any
+        // of the pools.
+        assert_eq!(pools(3, 1000).bound_bytes(5000), 15000);
     }
 }

@@ -871,6 +871,7 @@ impl DeviceLink for SimDevice {
             startup_bytes: 0,
             temporaries_bytes: None,
             staging: Staging::Slots(self.cfg.staging_slots),
+            download_idle_bytes: 0,
         }
     }
 

@@ -13,6 +13,22 @@ fn largest_param_numel(model: &Model) -> u64 {
         .unwrap_or(0)
 }
 
+/// The most elements of one unit's params.
+fn largest_unit_numel(model: &Model) -> u64 {
+    model
+        .units()
+        .iter()
+        .map(|u| {
+            u.params
+                .iter()
+                .filter_map(|p| model.params().get(p.0))
+                .map(|p| p.numel as u64)
+                .sum::<u64>()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
 impl<L: DeviceLink> TieredUnits<L> {
     /// The most device bytes the tier's params hold on `model`: the
     /// largest unit's params in use, plus what may upload ahead (the
@@ -22,18 +38,7 @@ impl<L: DeviceLink> TieredUnits<L> {
     /// ([`TieredUnits::params_stored_as`]). The plan prints it;
     /// `tests/device_tier.rs` checks the peaks against it.
     pub fn params_bound_bytes(&self, model: &Model) -> u64 {
-        let numel = |ids: &[ParamId]| -> u64 {
-            ids.iter()
-                .filter_map(|p| model.params().get(p.0))
-                .map(|p| p.numel as u64)
-                .sum()
-        };
-        let largest_unit = model
-            .units()
-            .iter()
-            .map(|u| numel(&u.params))
-            .max()
-            .unwrap_or(0);
+        let largest_unit = largest_unit_numel(model);
         let largest_param = largest_param_numel(model);
         let ahead = self.limits.prefetch_numel.max(largest_param);
         let all: u64 = model.params().iter().map(|p| p.numel as u64).sum();
@@ -68,6 +73,21 @@ impl<L: DeviceLink> TieredUnits<L> {
                 )),
             },
         ];
+        if mem.download_idle_bytes > 0 {
+            // The idle buffers kept for reuse, and two units' gradients
+            // in flight (see `LinkMemory::download_idle_bytes`), at the
+            // storage dtype's bytes (their wire, or less: fp32 sums of a
+            // rank's share when several reduce on the device).
+            let in_flight = super::super::param_device_bytes(
+                largest_unit_numel(model).saturating_mul(2),
+                self.storage,
+            );
+            rows.push(DeviceMemoryRow {
+                what: "gradient download staging (at most)".into(),
+                device_bytes: 0,
+                pinned_bytes: mem.download_idle_bytes.saturating_add(in_flight),
+            });
+        }
         if let Some(t) = mem.temporaries_bytes {
             let kept = self.inputs.forward_budget_bytes().min(t);
             if kept > 0 {
