@@ -724,6 +724,11 @@ impl DeviceComm {
         }
     }
 
+    /// Whether the communicator is unusable (see `broken`).
+    fn is_broken(&self) -> bool {
+        self.broken.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Marks the communicator unusable (see `broken`).
     fn set_broken(&self) {
         self.broken
@@ -733,7 +738,7 @@ impl DeviceComm {
     /// An error naming `call` once the communicator is unusable: a
     /// collective before failed or was not done in time.
     fn check_usable(&self, call: &'static str) -> Result<()> {
-        if self.broken.load(std::sync::atomic::Ordering::Relaxed) {
+        if self.is_broken() {
             return Err(GpuError::Driver {
                 call,
                 detail: format!(

@@ -122,12 +122,18 @@ impl DeviceComm {
             })
             .collect::<Result<Vec<_>>>()?;
         // The running sums given travel with the collective: after an
-        // error past the group they are leaked with its buffers.
+        // error past the group (the one that breaks the communicator) they
+        // are leaked with its buffers. One before it (a budget refusal, the
+        // communicator broken already) queued nothing on them: they are
+        // freed, and their bytes leave the budget.
         let accs: Vec<DevBuf> = accs.into_iter().flatten().map(DevBuf::F32).collect();
+        let broken_before = self.is_broken();
         let mut r = match self.reduce_from(dev, packed, acc.map(Acc::Device)) {
             Ok(r) => r,
             Err(e) => {
-                std::mem::forget((accs, owns));
+                if !broken_before && self.is_broken() {
+                    std::mem::forget((accs, owns));
+                }
                 return Err(e);
             }
         };
