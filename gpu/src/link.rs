@@ -46,8 +46,17 @@
 //! and keeps the buffer, with it, until the event completed; only then is
 //! it dropped, and its free waits for nothing. Its bytes leave the device
 //! budget at once, as a dropped buffer's do (cudarc's free of a dropped
-//! one is stream-ordered after its last use too), so letting go later
-//! makes no allocation fail that would not have failed before.
+//! one is stream-ordered after its last use too). That is not the same
+//! memory, though: a dropped buffer's free is queued on h2d at once, and
+//! a later allocation there may reuse it in stream order, while one let
+//! go here stays allocated until its compute is done and a later
+//! `start` or `finish` reaps it. So the device holds, beyond what the
+//! budget counts, the buffers of the units still computing (with units
+//! launched ahead, two units' params). The 5% of free memory that the
+//! default budget leaves covers that on the GPUs this has run on; a
+//! budget set near the device's free memory may not, and then an
+//! allocation fails in the driver (`cuMemAlloc`), not with the budget's
+//! numbers.
 //!
 //! # What may be in flight
 //!
