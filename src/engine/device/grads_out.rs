@@ -289,7 +289,10 @@ impl<L: DeviceLink> GradsOut<L> {
             // After an error the rest are still waited for (their
             // buffers come back), not used.
             match link.finish_download(d) {
-                Ok(v) if result.is_ok() => out.push((id, v.into_tensor(&dims, dtype)?)),
+                Ok(v) if result.is_ok() => match v.into_tensor(&dims, dtype) {
+                    Ok(t) => out.push((id, t)),
+                    Err(e) => result = Err(e),
+                },
                 Ok(_) => {}
                 Err(e) => result = result.and(Err(e)),
             }
