@@ -436,9 +436,10 @@ pub fn probe() -> Result<GpuInfo, GpuError> {
 }
 
 /// The compute libraries the CUDA units need (crate `tierzero-gpu`), each
-/// with its version or why it does not load: NVRTC (the kernels, compiled
-/// at run time; with the architectures it targets) and cuBLAS. Empty
-/// without the `gpu` feature.
+/// with its version or why it does not load: the driver (the CUDA it
+/// supports, refused below 13.0), NVRTC (the kernels, compiled at run
+/// time; with the architectures it targets) and cuBLAS. Empty without the
+/// `gpu` feature.
 pub fn compute_libraries() -> Vec<(&'static str, Result<String, String>)> {
     #[cfg(feature = "gpu")]
     {
@@ -452,7 +453,10 @@ pub fn compute_libraries() -> Vec<(&'static str, Result<String, String>)> {
         let cublas = tierzero_gpu::device::cublas_available()
             .map(|()| "loads".to_string())
             .map_err(|e| e.to_string());
-        vec![("nvrtc", nvrtc), ("cublas", cublas)]
+        let driver = tierzero_gpu::device::driver_cuda_version()
+            .map(|v| format!("supports CUDA {v}"))
+            .map_err(|e| e.to_string());
+        vec![("driver", driver), ("nvrtc", nvrtc), ("cublas", cublas)]
     }
     #[cfg(not(feature = "gpu"))]
     {

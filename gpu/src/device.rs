@@ -145,6 +145,18 @@ fn driver_version() -> Result<i32> {
     Ok(version)
 }
 
+/// The CUDA version the loaded driver supports, "major.minor"; an error
+/// when the driver does not load or is older than
+/// [`MIN_DRIVER_VERSION`] (naming both versions).
+pub fn driver_cuda_version() -> Result<String> {
+    driver_available()?;
+    guarded("libcuda.so.1", || {
+        let version = driver_version()?;
+        check_driver_version(version)?;
+        Ok(cuda_version_text(version))
+    })
+}
+
 /// Whether `libcublas` and `libcublasLt` load.
 pub fn cublas_available() -> Result<()> {
     // SAFETY: as in `driver_available`.
