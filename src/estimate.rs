@@ -1207,7 +1207,7 @@ mod tests {
     #[test]
     fn pinned_buffers_come_from_the_config() {
         let sw = settings(
-            r#"{"zero_optimization": {"stage": 3, "sub_group_size": 1e8,
+            r#"{"gradient_clipping": 0, "zero_optimization": {"stage": 3, "sub_group_size": 1e8,
                 "offload_param": {"device": "cpu", "buffer_count": 6, "buffer_size": 2e8, "max_in_cpu": 0},
                 "offload_optimizer": {"device": "cpu", "buffer_count": 5}}}"#,
         );
@@ -1232,9 +1232,10 @@ mod tests {
         // params and state are on NVMe.
         assert_eq!(e.per_rank.nvme_bytes, n * (2 + 12));
         // Pipelined reads: 3 states × (1 + 1 read ahead) = 6 buffers, the
-        // engine's rule (above buffer_count's 4), with a note.
+        // engine's rule (above buffer_count's 4), with a note. (Without
+        // clipping: with it, the spilled gradient is a fourth.)
         let sw = settings(
-            r#"{"zero_optimization": {"stage": 3, "sub_group_size": 1e8,
+            r#"{"gradient_clipping": 0, "zero_optimization": {"stage": 3, "sub_group_size": 1e8,
                 "offload_optimizer": {"device": "cpu", "pipeline_read": true}}}"#,
         );
         let r = estimate(&inputs(n, l, 1, sw), &machine(1 << 40, 1 << 40, None)).unwrap();
@@ -1270,8 +1271,9 @@ mod tests {
     /// The CPU-offload choices need over 100 GiB of RAM.
     #[test]
     fn seven_b_fits_in_small_ram_with_nvme_offload() {
+        // No clipping (DeepSpeed's default clips at 1.0).
         let sw = settings(
-            r#"{"zero_optimization": {"stage": 3, "sub_group_size": 1e8,
+            r#"{"gradient_clipping": 0, "zero_optimization": {"stage": 3, "sub_group_size": 1e8,
                 "offload_param": {"device": "cpu", "max_in_cpu": 0},
                 "offload_optimizer": {"device": "cpu"}}}"#,
         );

@@ -342,9 +342,10 @@ fn pinned_budget_includes_optimizer_buffers_when_model_size_is_known() {
     let text = v.to_string();
     // Params alone: 2 × 1e6 × 4 = 8 MB, fits.
     load_str(&text, &skip_fs()).unwrap();
-    // A 100M-param model on 2 ranks: the pipeline needs 3 optimizer buffers
-    // of min(1e7, 5e7) × 4 = 40 MB (4 KiB-aligned: 40_001_536), beside the
-    // params' 2 × 4_001_792.
+    // A 100M-param model on 2 ranks: the pipeline needs 4 optimizer buffers
+    // (3 states and the spilled gradient: DeepSpeed's default clips at
+    // 1.0) of min(1e7, 5e7) × 4 = 40 MB (4 KiB-aligned: 40_001_536),
+    // beside the params' 2 × 4_001_792.
     let run = RunContext {
         ranks: 2,
         model_numel: Some(100_000_000),
@@ -355,7 +356,7 @@ fn pinned_budget_includes_optimizer_buffers_when_model_size_is_known() {
         matches!(
             e,
             ConfigError::PinnedBudgetTooSmall {
-                required_bytes: 128_008_192,
+                required_bytes: 168_009_728,
                 ..
             }
         ),
@@ -367,6 +368,20 @@ fn pinned_budget_includes_optimizer_buffers_when_model_size_is_known() {
             "offload_param + offload_optimizer",
             "sub_group_size 10000000",
         ],
+    );
+    // Without clipping, the 3 states' buffers: 3 × 40_001_536 + 2 × 4_001_792.
+    let mut v = v;
+    v["gradient_clipping"] = json!(0);
+    let e = err_with(&v.to_string(), &run);
+    assert!(
+        matches!(
+            e,
+            ConfigError::PinnedBudgetTooSmall {
+                required_bytes: 128_008_192,
+                ..
+            }
+        ),
+        "{e:?}"
     );
 }
 

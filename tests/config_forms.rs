@@ -73,7 +73,8 @@ fn deepspeed_defaults_when_keys_are_absent() {
     assert_eq!((c.aio.queue_depth, c.aio.intra_op_parallelism), (8, 1));
     assert!(!c.aio.single_submit && c.aio.overlap_events && !c.aio.use_gds);
     assert_eq!(c.precision, Precision::Fp32);
-    assert_eq!(c.gradient_clipping, None);
+    // DeepSpeed's default since 0.19.3 (0.0 before).
+    assert_eq!(c.gradient_clipping, Some(1.0));
     assert_eq!(c.steps_per_print, 10);
     assert_eq!(c.scheduler, Scheduler::Constant);
     // No optimizer block: HF Trainer's AdamW with its defaults.

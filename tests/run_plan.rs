@@ -42,9 +42,8 @@ fn ds(d: &Path, clip: bool, budget: Option<u64>) -> Value {
         },
         "tierzero": {"checksums": false}
     });
-    if clip {
-        v["gradient_clipping"] = json!(1.0);
-    }
+    // Written either way: absent is DeepSpeed's default, 1.0.
+    v["gradient_clipping"] = json!(if clip { 1.0 } else { 0.0 });
     if let Some(b) = budget {
         v["tierzero"]["pinned_budget_bytes"] = json!(b);
     }

@@ -95,7 +95,7 @@ section! {
         /// `gradient_accumulation_steps`.
         gradient_accumulation_steps: Option<AutoOr<u64>> => some(auto(int));
         /// `gradient_clipping`: global-norm clip; `None` = absent, DeepSpeed's
-        /// default 0.0 (off).
+        /// default 1.0 (since DeepSpeed 0.19.3; 0.0, off, before).
         gradient_clipping: Option<AutoOr<f64>> => some(auto(num));
         /// `steps_per_print`: DeepSpeed default 10.
         steps_per_print: u64 = 10 => int;

@@ -664,7 +664,8 @@ pub(crate) fn validate(
         run.max_grad_norm,
         "max_grad_norm",
         hf_defaults::MAX_GRAD_NORM,
-        0.0,
+        // DeepSpeed's default since 0.19.3 (#8068; 0.0 before).
+        1.0,
     )?;
     if clip < 0.0 {
         return Err(range(

@@ -2,11 +2,16 @@
 //! DeepSpeed's formulas (`deepspeed/runtime/lr_schedules.py`,
 //! `deepspeed/runtime/fp16/loss_scaler.py`).
 //!
-//! DeepSpeed steps the scheduler after each optimizer step that was not
-//! skipped, and the first optimizer step uses iteration 0. We expose the
-//! same thing as a pure function: [`LrSchedule::lr`] of the 0-based count
-//! of optimizer steps taken so far. Skipped (overflow) steps do not advance
-//! it, nor Adam's step counter.
+//! DeepSpeed builds the scheduler before the first step, which sets the
+//! lr of "iteration -1" (`last_batch_iteration = -1`: `warmup_min_lr`,
+//! or 0.0 for `WarmupCosineLR`), and steps the scheduler after each
+//! optimizer step that was not skipped. So the first optimizer step runs
+//! at iteration -1's lr, the second at iteration 0's, and step `k` at
+//! iteration `k - 2`'s. [`LrSchedule::lr`] is the lr of an iteration;
+//! [`LrSchedule::lr_for_step`] the lr of the step after `applied` applied
+//! steps, which the trainer uses. Skipped (overflow) steps advance
+//! neither, nor Adam's step counter. `tests/lr_schedule_deepspeed.rs`
+//! checks both against DeepSpeed's own classes' output.
 
 use crate::config::{LossScale, Scheduler, WarmupType};
 
@@ -19,18 +24,45 @@ pub struct LrSchedule {
     pub base_lr: f64,
 }
 
-fn warmup_gamma(iter: u64, warmup_steps: u64, kind: WarmupType) -> f64 {
+/// The warmup's length as DeepSpeed's schedules use it everywhere: the
+/// configured `warmup_num_steps`, at least 2 (`max(2, warmup_num_steps)`
+/// in `WarmupLR` and `WarmupCosineLR`).
+fn warmup_len(warmup_steps: u64) -> u64 {
+    warmup_steps.max(2)
+}
+
+/// The warmup's factor at `iter` (`iter < w`, `w` from [`warmup_len`]).
+fn warmup_gamma(iter: u64, w: u64, kind: WarmupType) -> f64 {
     match kind {
-        WarmupType::Log => {
-            let w = warmup_steps.max(2) as f64;
-            (1.0 / w.ln()) * ((iter + 1) as f64).ln()
-        }
-        WarmupType::Linear => iter as f64 / warmup_steps.max(1) as f64,
+        WarmupType::Log => (1.0 / (w as f64).ln()) * ((iter + 1) as f64).ln(),
+        WarmupType::Linear => iter as f64 / w as f64,
     }
 }
 
 impl LrSchedule {
-    /// The lr for 0-based optimizer iteration `iter`.
+    /// The lr of the optimizer step that follows `applied` applied steps,
+    /// as DeepSpeed's engine runs it (see the module docs): iteration
+    /// `applied - 1`'s, or the lr the scheduler set when it was built.
+    pub fn lr_for_step(&self, applied: u64) -> f64 {
+        match applied.checked_sub(1) {
+            Some(iter) => self.lr(iter),
+            None => self.lr_before_start(),
+        }
+    }
+
+    /// The lr the scheduler sets when it is built (DeepSpeed's `get_lr`
+    /// before its first `step`): the warmup's minimum, 0.0 for
+    /// `WarmupCosineLR`, the base lr without a scheduler.
+    fn lr_before_start(&self) -> f64 {
+        match self.scheduler {
+            Scheduler::Constant => self.base_lr,
+            Scheduler::WarmupLr { min_lr, .. } | Scheduler::WarmupDecayLr { min_lr, .. } => min_lr,
+            Scheduler::WarmupCosineLr { .. } => 0.0,
+        }
+    }
+
+    /// The lr of 0-based scheduler iteration `iter` (DeepSpeed's
+    /// `get_lr` at `last_batch_iteration = iter`).
     pub fn lr(&self, iter: u64) -> f64 {
         match self.scheduler {
             Scheduler::Constant => self.base_lr,
@@ -40,8 +72,9 @@ impl LrSchedule {
                 warmup_steps,
                 warmup_type,
             } => {
-                let gamma = if iter < warmup_steps {
-                    warmup_gamma(iter, warmup_steps, warmup_type)
+                let w = warmup_len(warmup_steps);
+                let gamma = if iter < w {
+                    warmup_gamma(iter, w, warmup_type)
                 } else {
                     1.0
                 };
@@ -54,11 +87,12 @@ impl LrSchedule {
                 warmup_type,
                 total_steps,
             } => {
-                let gamma = if iter < warmup_steps {
-                    warmup_gamma(iter, warmup_steps, warmup_type)
+                let w = warmup_len(warmup_steps);
+                let gamma = if iter < w {
+                    warmup_gamma(iter, w, warmup_type)
                 } else {
                     let left = total_steps as f64 - iter as f64;
-                    let span = (total_steps as f64 - warmup_steps as f64).max(1.0);
+                    let span = (total_steps as f64 - w as f64).max(1.0);
                     (left / span).max(0.0)
                 };
                 min_lr + (max_lr - min_lr) * gamma
@@ -70,13 +104,17 @@ impl LrSchedule {
                 cos_min_ratio,
                 warmup_type,
             } => {
-                let ratio = if iter < warmup_steps {
-                    let r = warmup_gamma(iter, warmup_steps, warmup_type);
+                let w = warmup_len(warmup_steps);
+                let ratio = if iter < w {
+                    let r = warmup_gamma(iter, w, warmup_type);
                     warmup_min_ratio + r * (1.0 - warmup_min_ratio)
                 } else {
-                    let real_last = (iter - warmup_steps + 1) as f64;
-                    let real_total = (total_steps as f64 - warmup_steps as f64).max(1.0);
-                    let c = (1.0 + (std::f64::consts::PI * real_last / real_total).cos()) / 2.0;
+                    let real_last = (iter - w + 1) as f64;
+                    let real_total = (total_steps as f64 - w as f64).max(1.0);
+                    // Clamped, as DeepSpeed does: past the schedule's end
+                    // the ratio stays at cos_min_ratio.
+                    let progress = (real_last / real_total).min(1.0);
+                    let c = (1.0 + (std::f64::consts::PI * progress).cos()) / 2.0;
                     (cos_min_ratio + (1.0 - cos_min_ratio) * c).max(0.0)
                 };
                 self.base_lr * ratio
@@ -244,9 +282,17 @@ mod tests {
             },
             base_lr: 2.0,
         };
-        // real_last = iter + 1; at iter 9 the cosine reaches its floor.
+        // A warmup of 0 steps is DeepSpeed's max(2, 0) = 2: iterations 0
+        // and 1 warm up linearly, then real_last = iter - 1 of 8, at its
+        // floor from iteration 9 on, and clamped there past the end.
+        assert_eq!(c.lr(0), 0.0);
+        assert_eq!(c.lr(1), 1.0);
+        assert!(c.lr(2) < 2.0 && c.lr(2) > 1.9);
         assert!((c.lr(9) - 0.2).abs() < 1e-12);
-        assert!(c.lr(0) < 2.0 && c.lr(0) > 1.9);
+        assert!((c.lr(30) - 0.2).abs() < 1e-12);
+        // The first step runs at the lr the scheduler set when built.
+        assert_eq!(c.lr_for_step(0), 0.0);
+        assert_eq!(c.lr_for_step(3), c.lr(2));
     }
 
     #[test]

@@ -414,6 +414,15 @@ pub(super) fn resolve_scheduler(
         }
         None => 1000,
     };
+    if warmup_steps == 0 {
+        // DeepSpeed's schedules use max(2, warmup_num_steps) throughout
+        // (`optim::schedule`), and since 0.19 refuse 0 outright.
+        sink.note(
+            warmup_key,
+            "0 warms up over 2 steps, as DeepSpeed's schedules take max(2, warmup_num_steps) \
+             (DeepSpeed 0.19 refuses 0)",
+        );
+    }
     let total = |r: &mut Resolver<'_>, sink: &mut Sink| -> Result<u64, ConfigError> {
         let key = "scheduler.params.total_num_steps";
         match r.u64_fill(key, p.total_num_steps, run.total_steps, "total_steps", sink) {
@@ -448,13 +457,15 @@ pub(super) fn resolve_scheduler(
                 "HF: 0",
                 0.0,
             )?,
+            // Absent: the optimizer's lr, as DeepSpeed's WarmupLR takes
+            // it since #7360 (WarmupDecayLR keeps 0.001).
             max_lr: lr_key(
                 r,
                 "scheduler.params.warmup_max_lr",
                 p.warmup_max_lr,
                 lr,
                 "HF: optimizer lr",
-                0.001,
+                lr,
             )?,
             warmup_steps,
             warmup_type,

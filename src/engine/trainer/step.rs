@@ -201,7 +201,7 @@ impl Trainer {
         let gas = self.config.batch.gradient_accumulation_steps.max(1) as usize;
         let world = self.opts.comm.world_size() as u64;
         let loss_scale = self.scaler.scale();
-        let lr = self.lr.lr(self.adam_steps);
+        let lr = self.lr.lr_for_step(self.adam_steps);
         let mut hyper = *self.adam.hyper();
         hyper.lr = lr;
         self.adam.set_hyper(hyper)?;
