@@ -174,7 +174,7 @@ fn estimate_from_model_and_config() {
         &cfg,
         format!(
             r#"{{"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-                "gradient_clipping": 0, "bf16": {{"enabled": true}},
+                "gradient_clipping": 0, "bf16": {{"enabled": true, "check_grad_overflow": false}},
                 "scheduler": {{"type": "WarmupDecayLR", "params": {{"total_num_steps": "auto"}}}},
                 "zero_optimization": {{"stage": 3, "sub_group_size": 1e7,
                   "offload_param": {{"device": "nvme", "nvme_path": "{p}", "buffer_count": 4, "buffer_size": 1e7}},
@@ -239,9 +239,9 @@ fn estimate_from_model_and_config() {
     );
     // Host fp32 grads bounded by sub-groups: the largest unit's (38.6M
     // over groups of 1e7: 4, + 2 for the groups at its ends) and 3 handed
-    // over (2 + read ahead): 9 groups of 1e7. Without clipping or
-    // fp16 none is held for the norm, none spills, and there is no
-    // speculation pool; GA 1: no park.
+    // over (2 + read ahead): 9 groups of 1e7. Without clipping or an
+    // overflow check (bf16's is off here) none is held for the norm, none
+    // spills, and there is no speculation pool; GA 1: no park.
     let grads = items_named(e, "fp32 grads in host memory (at most)");
     assert_eq!(u(&grads["bytes"]), 9 * 10_000_000 * 4, "{grads}");
     for what in [

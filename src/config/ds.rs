@@ -176,8 +176,11 @@ section! {
     pub struct DsBf16 {
         /// `enabled`: default false.
         enabled: AutoOr<bool> = AutoOr::Value(false) => auto(flag);
+        /// `check_grad_overflow`: skip a step whose gradients are not all
+        /// finite (DeepSpeed's default true since 0.19.3, #8035).
+        check_grad_overflow: bool = true => flag;
     }
-    ignored: ["immediate_grad_update", "check_grad_overflow"];
+    ignored: ["immediate_grad_update"];
 }
 
 /// `optimizer` {...}.

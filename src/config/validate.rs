@@ -407,6 +407,12 @@ pub struct Config {
     pub wall_clock_breakdown: bool,
     /// Precision.
     pub precision: Precision,
+    /// Whether a step whose gradients are not all finite is skipped (its
+    /// global norm then decides the step): always in fp16 (the loss
+    /// scaler's overflow), in bf16 as `bf16.check_grad_overflow` says
+    /// (DeepSpeed's default, true), never in fp32 (DeepSpeed does not
+    /// check there).
+    pub check_grad_overflow: bool,
     /// Optimizer.
     pub optimizer: Optimizer,
     /// Learning-rate schedule.
@@ -417,6 +423,16 @@ pub struct Config {
     pub aio: Aio,
     /// tierzero's own settings.
     pub tierzero: Tierzero,
+}
+
+impl Config {
+    /// Whether each step waits for the global gradient norm before Adam:
+    /// to clip by it, or to skip a step whose gradients are not all
+    /// finite ([`Config::check_grad_overflow`]). The one rule for the
+    /// step's decision, the optimizer's overlap and the spill sizing.
+    pub fn waits_for_global_norm(&self) -> bool {
+        self.gradient_clipping.is_some() || self.check_grad_overflow
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -830,6 +846,11 @@ pub(crate) fn validate(
         steps_per_print: ds.steps_per_print,
         wall_clock_breakdown: ds.wall_clock_breakdown,
         precision,
+        check_grad_overflow: match precision {
+            Precision::Fp16 { .. } => true,
+            Precision::Bf16 => ds.bf16.check_grad_overflow,
+            Precision::Fp32 => false,
+        },
         optimizer,
         scheduler,
         zero,

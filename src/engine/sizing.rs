@@ -39,7 +39,7 @@
 //! ([`crate::engine::EngineError::PinnedBudget`],
 //! `ConfigError::PinnedBudgetTooSmall`).
 
-use crate::config::{Config, OffloadDevice, Precision, Stage};
+use crate::config::{Config, OffloadDevice, Stage};
 use crate::engine::layout::Layout;
 use crate::engine::params::prefetch::Prefetcher;
 use crate::engine::params::store::Tier;
@@ -369,7 +369,8 @@ pub fn buffers_needed(read_ahead: usize, write_behind: usize, spill_grads: bool)
 
 /// Final gradients spill to NVMe (and are read back with the state) when
 /// the state is on NVMe, the optimizer overlaps backward, and the step must
-/// wait for the global norm (clipping, or fp16's overflow check).
+/// wait for the global norm (clipping, or the overflow check of fp16 and,
+/// by default, bf16: [`Config::waits_for_global_norm`]).
 pub fn spills_grads(config: &Config) -> bool {
     config.zero.offload_optimizer.device.nvme_path().is_some() && spills_with_nvme_state(config)
 }
@@ -378,9 +379,7 @@ pub fn spills_grads(config: &Config) -> bool {
 /// would spill were the state on NVMe (`tierzero estimate` asks it of
 /// every offload choice).
 pub fn spills_with_nvme_state(config: &Config) -> bool {
-    config.tierzero.overlap_optimizer
-        && (config.gradient_clipping.is_some()
-            || matches!(config.precision, Precision::Fp16 { .. }))
+    config.tierzero.overlap_optimizer && config.waits_for_global_norm()
 }
 
 /// [`speculates`] whatever the optimizer's device, as

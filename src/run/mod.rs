@@ -584,7 +584,7 @@ impl fmt::Display for Plan {
             };
             let _ = writeln!(
                 s,
-                "  speculative step: on (clipping or fp16): NVMe sub-groups step during backward \
+                "  speculative step: on (clipping or an overflow check): NVMe sub-groups step during backward \
                  into a pool of {slots} state slot(s) ({} of NVMe{waits}), committed when \
                  nothing clips or overflows, redone or undone exactly otherwise; {} speculated \
                  gradient(s) kept in memory for a re-step, the rest spilled \

@@ -81,9 +81,11 @@ pub struct StepMetrics {
     pub lr: f64,
     /// Loss scale used (1 without fp16).
     pub loss_scale: f64,
-    /// Whether the step was skipped (fp16 overflow).
+    /// Whether the step was skipped (gradients not all finite: fp16's
+    /// overflow, or bf16's with `bf16.check_grad_overflow`).
     pub skipped: bool,
-    /// Global gradient norm, when it was computed (clipping or fp16).
+    /// Global gradient norm, when it was computed (clipping, or an overflow
+    /// check: fp16, and bf16 by default).
     pub grad_norm: Option<f64>,
     /// Sub-groups handed to the optimizer thread before backward ended.
     pub sub_groups_stepped_during_backward: u64,
@@ -177,7 +179,8 @@ pub struct Summary {
     pub summary: bool,
     /// Optimizer steps run.
     pub steps: u64,
-    /// Steps skipped for fp16 overflow.
+    /// Steps skipped for gradients not all finite (fp16 overflow, or bf16
+    /// with `bf16.check_grad_overflow`).
     pub skipped_steps: u64,
     /// sha256 over all fp32 master weights in `ParamId` order (little-endian).
     pub weight_sha256: String,

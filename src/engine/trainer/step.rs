@@ -466,9 +466,8 @@ impl Trainer {
         groups: &mut StepGroups,
         times: &mut StepTimes,
     ) -> Result<(GradStep, Option<f64>)> {
-        let fp16 = matches!(self.config.precision, Precision::Fp16 { .. });
         let clip = self.config.gradient_clipping;
-        if plan.mode == OverlapMode::Step || !(fp16 || clip.is_some()) {
+        if plan.mode == OverlapMode::Step || !self.config.waits_for_global_norm() {
             let d = GradNorm::from_sq_sum(0.0).scale_for_step(plan.loss_scale, None)?;
             return Ok((d, None));
         }
@@ -580,8 +579,8 @@ impl Trainer {
         {
             tracing::warn!(
                 misses,
-                "the speculative optimizer step missed {misses} steps in a row (clipping or fp16 \
-                 overflow); stepping after the global norm until {SPECULATION_GIVE_UP} steps in a \
+                "the speculative optimizer step missed {misses} steps in a row (clipping or a \
+                 gradient overflow); stepping after the global norm until {SPECULATION_GIVE_UP} steps in a \
                  row would not have clipped (tierzero.speculative_step: true keeps speculating)"
             );
         }
@@ -760,9 +759,7 @@ impl Trainer {
         // Adam on the device steps after the decision, on the device.
         if !self.config.tierzero.overlap_optimizer || self.device_compute().is_some() {
             OverlapMode::None
-        } else if self.config.gradient_clipping.is_some()
-            || matches!(self.config.precision, Precision::Fp16 { .. })
-        {
+        } else if self.config.waits_for_global_norm() {
             if self.sizing.speculative && !self.speculation.given_up {
                 OverlapMode::Speculate
             } else {

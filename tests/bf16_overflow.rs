@@ -1,0 +1,66 @@
+//! `bf16.check_grad_overflow` (DeepSpeed's default, true): a bf16 step
+//! whose gradients are not all finite is skipped, as fp16's overflowing
+//! steps are, clipping or not; false applies it. A learning rate of 1e30
+//! makes the weights ~1e30 after the first step, so the next forward
+//! overflows (two such matmuls pass f32's range) and its gradients are
+//! not finite.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
+
+mod engine_support;
+
+use engine_support::{corpus, ds_config, scratch, tiny_gpt2_dir, Knobs};
+use tierzero::config::{load_str, PathChecks, RunContext};
+use tierzero::engine::{Trainer, TrainerOptions};
+use tierzero::model::ModelDir;
+
+/// Trains 4 steps of bf16 without clipping at lr 1e30; the summary's
+/// skipped steps and each step's loss.
+fn run(check: Option<bool>, stage: u8, optim: &'static str) -> (u64, Vec<f32>) {
+    let model = tiny_gpt2_dir("bf16-overflow", 2, 32);
+    let k = Knobs {
+        stage,
+        optim,
+        param: if stage == 3 { optim } else { "none" },
+        precision: "bf16",
+        clip: 0.0,
+        ..Knobs::default()
+    };
+    let mut cfg = ds_config(&k, &scratch("bf16-overflow-swap"), 4);
+    cfg["optimizer"]["params"]["lr"] = serde_json::json!(1e30);
+    cfg.as_object_mut().unwrap().remove("scheduler");
+    if let Some(c) = check {
+        cfg["bf16"]["check_grad_overflow"] = serde_json::json!(c);
+    }
+    let run = RunContext {
+        path_checks: PathChecks::CreateMissing,
+        ..RunContext::default()
+    };
+    let loaded = load_str(&cfg.to_string(), &run).unwrap();
+    assert_eq!(loaded.config.check_grad_overflow, check.unwrap_or(true));
+    assert_eq!(loaded.config.waits_for_global_norm(), check.unwrap_or(true));
+    let md = ModelDir::open(&model, 3).unwrap();
+    let mut t = Trainer::new(&loaded.config, &md, corpus(), TrainerOptions::cpu(3, 16)).unwrap();
+    let losses = (0..4).map(|_| t.step().unwrap().metrics.loss).collect();
+    (t.finish().unwrap().skipped_steps, losses)
+}
+
+#[test]
+fn a_bf16_step_with_non_finite_gradients_is_skipped_unless_told_not_to() {
+    for (stage, optim) in [(0, "none"), (3, "nvme")] {
+        let (skipped, losses) = run(None, stage, optim);
+        assert!(losses[0].is_finite(), "stage {stage}: {losses:?}");
+        // Step 1 moved the weights to ~1e30; every later step overflows
+        // and is skipped, so the weights stay where step 1 left them.
+        assert_eq!(skipped, 3, "stage {stage}: {losses:?}");
+        assert!(losses[1..].iter().all(|l| !l.is_finite()), "{losses:?}");
+        let (skipped, losses) = run(Some(false), stage, optim);
+        assert_eq!(
+            skipped, 0,
+            "stage {stage}: applied without the check: {losses:?}"
+        );
+    }
+}
