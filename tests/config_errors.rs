@@ -889,3 +889,62 @@ fn offload_optimizer_ratio_is_read_as_deepspeed_reads_it() {
     }
     assert_msg(&err(cpu(json!("half"))), &["offload_optimizer.ratio"]);
 }
+
+/// `fp16.min_loss_scale` is the dynamic scaler's: with a static scale
+/// DeepSpeed does not check it, nor do we; with the dynamic one it must
+/// be positive.
+#[test]
+fn min_loss_scale_is_checked_only_for_the_dynamic_scaler() {
+    let fp16 = |loss_scale: f64| {
+        json!({"train_batch_size": 8,
+               "fp16": {"enabled": true, "loss_scale": loss_scale, "min_loss_scale": 0}})
+        .to_string()
+    };
+    load_str(&fp16(128.0), &skip_fs()).unwrap();
+    let e = err_with(&fp16(0.0), &skip_fs());
+    assert_msg(&e, &["fp16.min_loss_scale", "positive"]);
+}
+
+/// A batch size near u64's end: the error's suggested multiple does not
+/// overflow (it was `div_ceil(d) * d`, 0 in release, a panic in debug).
+#[test]
+fn an_indivisible_huge_batch_suggests_a_multiple_that_fits() {
+    let e = err_with(
+        &json!({"train_batch_size": u64::MAX, "train_micro_batch_size_per_gpu": 2}).to_string(),
+        &skip_fs(),
+    );
+    assert!(
+        matches!(e, ConfigError::BatchIndivisible { suggestion, divisor: 2, .. }
+            if suggestion == u64::MAX - 1),
+        "{e:?}"
+    );
+}
+
+/// Keys DeepSpeed 0.19.6's `runtime/config.py` reads that tierzero does not
+/// use are warned about as DeepSpeed settings it ignores, not as keys
+/// neither defines.
+#[test]
+fn deepspeeds_other_keys_are_known_and_ignored() {
+    for key in [
+        "eigenvalue",
+        "progressive_layer_drop",
+        "hybrid_engine",
+        "tensor_parallel",
+        "torch_autocast",
+        "timers",
+        "graph_harvesting",
+        "log_level",
+        "managed_gradient_accumulation",
+    ] {
+        let mut v = json!({"train_batch_size": 8});
+        v[key] = json!({});
+        let l = load_str(&v.to_string(), &skip_fs()).unwrap();
+        let w: Vec<String> = l.warnings.iter().map(|w| w.to_string()).collect();
+        assert!(
+            w.iter().any(|w| w.contains(&format!(
+                "`{key}` is a DeepSpeed setting tierzero does not use"
+            ))),
+            "{key}: {w:?}"
+        );
+    }
+}

@@ -198,7 +198,12 @@ fn measure(
     if t.seconds <= 0.0 || !t.seconds.is_finite() {
         return Err(Failure::BadInput(anyhow!("--seconds must be > 0")));
     }
-    let limit = Some(Duration::from_secs_f64(t.seconds));
+    let limit = Some(Duration::try_from_secs_f64(t.seconds).map_err(|_| {
+        Failure::BadInput(anyhow!(
+            "--seconds {}: too long for a duration; give at most about 1.8e19",
+            t.seconds
+        ))
+    })?);
     bt.run(op, block, qd, bt.len_bytes(), limit, t.backend.into())
         .map_err(|e| {
             Failure::from_swap(e, &format!("{op} at block size {block}, queue depth {qd}"))

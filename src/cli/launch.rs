@@ -87,7 +87,12 @@ pub(crate) fn comm_timeout() -> Result<std::time::Duration, Failure> {
     match std::env::var("TIERZERO_COMM_TIMEOUT_S") {
         Err(_) => Ok(DEFAULT_COMM_TIMEOUT),
         Ok(v) => match v.trim().parse::<f64>() {
-            Ok(s) if s.is_finite() && s > 0.0 => Ok(std::time::Duration::from_secs_f64(s)),
+            Ok(s) if s > 0.0 => std::time::Duration::try_from_secs_f64(s).map_err(|_| {
+                Failure::BadInput(anyhow!(
+                    "TIERZERO_COMM_TIMEOUT_S={v}: too many seconds; give a positive number a \
+                     Duration holds (up to about 1.8e19)"
+                ))
+            }),
             _ => Err(Failure::BadInput(anyhow!(
                 "TIERZERO_COMM_TIMEOUT_S={v}: give a positive number of seconds"
             ))),

@@ -149,6 +149,15 @@ section! {
         "fp32_allreduce",
         "disable_allgather",
         "seed",
+        "eigenvalue",
+        "progressive_layer_drop",
+        "hybrid_engine",
+        "tensor_parallel",
+        "torch_autocast",
+        "timers",
+        "graph_harvesting",
+        "log_level",
+        "managed_gradient_accumulation",
     ];
 }
 

@@ -87,7 +87,8 @@ pub(super) fn resolve_batch(ds: &DsConfig, r: &mut Resolver<'_>) -> Result<Batch
             train_batch_size: t,
             divisor_desc: desc,
             divisor: d,
-            suggestion: t.div_ceil(d) * d,
+            // The next multiple, or the largest one when that overflows.
+            suggestion: t.div_ceil(d).checked_mul(d).unwrap_or(t / d * d),
         };
     let (t, m, g) = match (train, micro, gas) {
         (Some(t), Some(m), Some(g)) => (t, m, g),
@@ -201,15 +202,17 @@ pub(super) fn resolve_precision(
                     "use 0 for dynamic loss scaling",
                 ));
             }
-            if f.min_loss_scale <= 0.0 {
-                return Err(range(
-                    "fp16.min_loss_scale",
-                    f.min_loss_scale,
-                    "positive",
-                    "use 1",
-                ));
-            }
             let loss_scale = if f.loss_scale == 0.0 {
+                // Checked only for the dynamic scaler, as DeepSpeed does
+                // (a static scale never reads it).
+                if f.min_loss_scale <= 0.0 {
+                    return Err(range(
+                        "fp16.min_loss_scale",
+                        f.min_loss_scale,
+                        "positive",
+                        "use 1",
+                    ));
+                }
                 LossScale::Dynamic {
                     initial_scale_power: f.initial_scale_power,
                     window: positive("fp16.loss_scale_window", f.loss_scale_window, "use 1000")?,
