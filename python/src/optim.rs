@@ -477,21 +477,28 @@ impl OffloadAdam {
 /// warning).
 #[pyfunction]
 pub fn ds_offload_settings(py: Python<'_>, text: &str) -> PyResult<Py<pyo3::types::PyDict>> {
-    use tierzero::config::OffloadDevice;
-    let load = |micro_batch_size| {
-        tierzero::config::parse_str(text)?.resolve(&tierzero::config::RunContext {
-            path_checks: tierzero::config::PathChecks::CreateMissing,
-            micro_batch_size,
-            ..Default::default()
+    use tierzero::config::{AutoOr, OffloadDevice};
+    // The batch sizes, the scheduler and the optimizer block are the
+    // trainer's business here (HF's, Lightning's: this process is one of
+    // its ranks, and the optimizer is `tierzero.torch.AdamW` whatever the
+    // block says), so they are dropped before validation, as
+    // `tierzero estimate` drops them: a multi-GPU `train_batch_size` or a
+    // scheduler's `"auto"` total would otherwise refuse the config. The
+    // rest is validated as `tierzero train` validates it.
+    let loaded = tierzero::config::parse_str(text)
+        .and_then(|mut parsed| {
+            parsed.ds.train_batch_size = None;
+            parsed.ds.train_micro_batch_size_per_gpu = Some(AutoOr::Auto);
+            parsed.ds.gradient_accumulation_steps = Some(AutoOr::Auto);
+            parsed.ds.scheduler = None;
+            parsed.ds.optimizer = None;
+            parsed.resolve(&tierzero::config::RunContext {
+                path_checks: tierzero::config::PathChecks::CreateMissing,
+                micro_batch_size: Some(1),
+                ..Default::default()
+            })
         })
-    };
-    // The batch sizes are the trainer's business here: a config without
-    // any (an optimizer-only one) is read as if they were "auto".
-    let loaded = match load(None) {
-        Err(tierzero::config::ConfigError::BatchMissing) => load(Some(1)),
-        other => other,
-    }
-    .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
     let c = &loaded.config;
     let d = pyo3::types::PyDict::new(py);
     let off = &c.zero.offload_optimizer;

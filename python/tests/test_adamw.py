@@ -177,6 +177,28 @@ def test_ds_config_supplies_the_offload(tmp_path):
     assert str(tmp_path / "ds") in opt.plan()
 
 
+def test_ds_config_of_a_multi_gpu_run_with_a_scheduler_is_read(tmp_path):
+    # A config written for 8 GPUs (train_batch_size 64 = 8 x 1 x 8 ranks),
+    # with a scheduler whose total is "auto" and another optimizer's
+    # block: the batch, the scheduler and the optimizer are the trainer's
+    # business, not this optimizer's, so none refuses the config.
+    cfg = {
+        "train_batch_size": 64,
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}},
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": 1000,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "ds")},
+        },
+    }
+    opt = tzt.AdamW(make_params([4097]), ds_config=cfg)
+    assert opt.offload == "nvme"
+    assert "5 sub-groups" in opt.plan()
+
+
 @pytest.mark.parametrize("offload", ["none", "nvme"])
 def test_step_in_backward_equals_step_after(offload, tmp_path):
     def mlp():
