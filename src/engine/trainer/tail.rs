@@ -111,20 +111,28 @@ impl Trainer {
 
     /// Runs `f` on the optimizer thread's state with nothing else in
     /// flight; applies the replies that come before its result.
+    ///
+    /// An error of `f`'s comes back as its result, not as the thread's
+    /// failure: the jobs only read the state or load all of it (a
+    /// checkpoint's copy, a hash, a resume), so a save that failed on a
+    /// full disk leaves the optimizer thread and its state as they were,
+    /// and the trainer usable. (As the thread's own error it ended the
+    /// thread, and the next step failed with "optimizer thread stopped",
+    /// the cause gone.)
     pub(super) fn exclusive<T: Send + 'static>(
         &mut self,
         f: impl FnOnce(&mut OptimizerState) -> Result<T> + Send + 'static,
     ) -> Result<T> {
         self.opt
             .send(Job::Exclusive(ExclusiveJob(Box::new(move |st| {
-                Ok(Box::new(f(st)?) as ExclusiveResult)
+                Ok(Box::new(f(st)) as ExclusiveResult)
             }))))?;
         loop {
             match self.opt.recv()? {
                 Done::Ran(r) => {
-                    return r.downcast::<T>().map(|b| *b).map_err(|_| {
+                    return r.downcast::<Result<T>>().map(|b| *b).map_err(|_| {
                         EngineError::internal("an optimizer job returned the wrong type")
-                    })
+                    })?
                 }
                 other => self.on_done(other)?,
             }
