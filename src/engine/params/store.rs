@@ -82,7 +82,9 @@
 //!   Resident --LetGo--------------->  Resident      (the kept buffer let go)
 //!   Resident --Released------------>  OnDisk
 //!   OnDisk   --Updated(None)------->  OnDisk        (new bytes at home)
+//!   OnDisk   --Updated(Some(t))---->  Resident      (new bytes, kept: written through)
 //!   Resident --Updated(Some(t))---->  Resident      (new bytes, cache kept coherent)
+//!   Resident --Updated(None)------->  OnDisk        (new bytes at home, not kept)
 //!   OnDisk | InFlight | Resident | Staged --Staged(bytes)--> Staged   (several ranks)
 //!   Staged   --Materialized(t)----->  Resident      (gathered in a fetch)
 //!   Staged   --Updated(None)------->  OnDisk
