@@ -217,7 +217,11 @@ enum Slot {
     /// The tensor, and the swap buffer its read landed in when kept for a
     /// device's copy in place.
     Resident(Tensor, Option<Kept>),
-    Staged(Vec<u8>),
+    /// This rank's shard bytes for the next fetch's gather (several
+    /// ranks), and whether the param was resident when they came (an
+    /// update of a resident param): it counts in
+    /// [`ParamStore::live_bytes`].
+    Staged(Vec<u8>, bool),
 }
 
 /// A landed read's swap buffer, kept: a pin of the param's bytes in it
@@ -235,7 +239,7 @@ impl Slot {
             Slot::OnDisk => ParamState::OnDisk,
             Slot::InFlight(_) => ParamState::InFlight,
             Slot::Resident(..) => ParamState::Resident,
-            Slot::Staged(_) => ParamState::Staged,
+            Slot::Staged(..) => ParamState::Staged,
         }
     }
     fn name(&self) -> &'static str {
@@ -243,7 +247,7 @@ impl Slot {
             Slot::OnDisk => "OnDisk",
             Slot::InFlight(_) => "InFlight",
             Slot::Resident(..) => "Resident",
-            Slot::Staged(_) => "Staged",
+            Slot::Staged(..) => "Staged",
         }
     }
 }
@@ -377,6 +381,9 @@ pub struct ParamStore {
     nvme: Option<NvmeParams>,
     writes: VecDeque<writes::QueuedWrite>,
     resident_bytes: u64,
+    /// Bytes of the params staged from residency ([`Slot::Staged`]'s
+    /// flag), not yet gathered again.
+    staged_resident_bytes: u64,
     counters: StoreCounters,
     /// [`StoreCounters::param_gathers`], counted where the store gathers
     /// through `&self`.
@@ -518,6 +525,7 @@ impl ParamStore {
             nvme,
             writes: VecDeque::new(),
             resident_bytes: 0,
+            staged_resident_bytes: 0,
             counters: StoreCounters::default(),
             gathers: std::sync::atomic::AtomicU64::new(0),
             shards_out: false,
@@ -609,6 +617,17 @@ impl ParamStore {
         self.resident_bytes
     }
 
+    /// [`ParamStore::resident_bytes`], plus the params that were resident
+    /// when their new bytes came and are staged for the next fetch's
+    /// gather (several ranks): the bytes the trace has made live. Unlike
+    /// the resident bytes, it does not move when an optimizer update is
+    /// applied, which happens at a point that differs between ranks; the
+    /// release decisions use it, so every rank makes the same ones (the
+    /// next fetch's gathers must match). One rank: the resident bytes.
+    pub fn live_bytes(&self) -> u64 {
+        self.resident_bytes + self.staged_resident_bytes
+    }
+
     /// Bytes of params with a read in flight (whole params, as they will
     /// be once resident).
     pub fn inflight_bytes(&self) -> u64 {
@@ -660,6 +679,8 @@ impl ParamStore {
         let from = slot.name();
         let ev = event.name();
         let old = std::mem::replace(slot, Slot::OnDisk);
+        // Bytes into (+) or out of (-) the staged-from-resident count.
+        let mut staged_delta = 0i64;
         let (new, delta): (Slot, i64) = match (old, event) {
             (Slot::OnDisk, ParamEvent::ReadIssued(t)) => (Slot::InFlight(t), 0),
             (Slot::OnDisk, ParamEvent::Materialized(t)) => (Slot::Resident(t, None), bytes as i64),
@@ -691,14 +712,26 @@ impl ParamStore {
             (Slot::OnDisk, ParamEvent::Updated(Some(t))) => (Slot::Resident(t, None), bytes as i64),
             (Slot::Resident(..), ParamEvent::Updated(Some(t))) => (Slot::Resident(t, None), 0),
             (Slot::Resident(..), ParamEvent::Updated(None)) => (Slot::OnDisk, -(bytes as i64)),
-            (Slot::Resident(..), ParamEvent::Staged(b)) => (Slot::Staged(b), -(bytes as i64)),
-            (Slot::OnDisk | Slot::InFlight(_) | Slot::Staged(_), ParamEvent::Staged(b)) => {
-                (Slot::Staged(b), 0)
+            (Slot::Resident(..), ParamEvent::Staged(b)) => {
+                staged_delta = bytes as i64;
+                (Slot::Staged(b, true), -(bytes as i64))
             }
-            (Slot::Staged(_), ParamEvent::Materialized(t)) => {
+            (Slot::OnDisk | Slot::InFlight(_), ParamEvent::Staged(b)) => {
+                (Slot::Staged(b, false), 0)
+            }
+            (Slot::Staged(_, was), ParamEvent::Staged(b)) => (Slot::Staged(b, was), 0),
+            (Slot::Staged(_, was), ParamEvent::Materialized(t)) => {
+                if was {
+                    staged_delta = -(bytes as i64);
+                }
                 (Slot::Resident(t, None), bytes as i64)
             }
-            (Slot::Staged(_), ParamEvent::Updated(None)) => (Slot::OnDisk, 0),
+            (Slot::Staged(_, was), ParamEvent::Updated(None)) => {
+                if was {
+                    staged_delta = -(bytes as i64);
+                }
+                (Slot::OnDisk, 0)
+            }
             (old, _) => {
                 // Put the old slot back untouched and report.
                 *slot = old;
@@ -711,6 +744,8 @@ impl ParamStore {
         };
         *slot = new;
         self.resident_bytes = (self.resident_bytes as i64 + delta).max(0) as u64;
+        self.staged_resident_bytes =
+            (self.staged_resident_bytes as i64 + staged_delta).max(0) as u64;
         Ok(())
     }
 
@@ -828,7 +863,7 @@ impl ParamStore {
             ParamState::InFlight => self.complete_read(id, true)?,
             ParamState::Staged => {
                 let shard = match &mut self.slots[id.0].slot {
-                    Slot::Staged(b) => std::mem::take(b),
+                    Slot::Staged(b, _) => std::mem::take(b),
                     _ => return Err(EngineError::internal("staged slot changed")),
                 };
                 let t = self.tensor_from_shard(id, &shard)?;
@@ -1118,6 +1153,52 @@ mod tests {
             .collect();
         assert_eq!(got, want);
         assert_eq!(s.counters().param_gathers, 0);
+    }
+
+    /// With several ranks an update of a resident param stages it, at a
+    /// point that differs between ranks: the resident bytes drop then,
+    /// the live bytes (what release decisions read) do not, and a param
+    /// staged from disk adds nothing until the fetch gathers it.
+    #[test]
+    fn staging_an_update_leaves_the_live_bytes_as_they_were() {
+        let model = tiny();
+        let layout = Layout::new(&model, 1, 2, 1000);
+        // The transitions alone (no home is written): the tier does not
+        // matter to them.
+        let tiers = vec![Tier::Device; model.params().len()];
+        let comm = crate::engine::comm::scripted::Scripted::rank_of(1, 2);
+        let mut s = ParamStore::new(
+            &model,
+            &layout,
+            &tiers,
+            DType::BF16,
+            Device::Cpu,
+            Arc::new(comm),
+            Vec::new(),
+            None,
+            None,
+        )
+        .unwrap();
+        let (p, q) = (ParamId(0), ParamId(1));
+        let whole = |id: ParamId| {
+            let shape = model.params()[id.0].shape.clone();
+            Tensor::zeros(shape, DType::BF16, &Device::Cpu).unwrap()
+        };
+        s.apply(p, ParamEvent::Materialized(whole(p))).unwrap();
+        let pb = s.device_bytes(p);
+        assert_eq!((s.resident_bytes(), s.live_bytes()), (pb, pb));
+        s.apply(p, ParamEvent::Staged(vec![1; 4])).unwrap();
+        assert_eq!((s.resident_bytes(), s.live_bytes()), (0, pb));
+        // Staged again (a second update): still counted once.
+        s.apply(p, ParamEvent::Staged(vec![2; 4])).unwrap();
+        assert_eq!(s.live_bytes(), pb);
+        s.apply(q, ParamEvent::Staged(vec![3; 4])).unwrap();
+        assert_eq!(s.live_bytes(), pb);
+        // The fetch's gather: p stays counted once, q now counts.
+        s.apply(p, ParamEvent::Materialized(whole(p))).unwrap();
+        s.apply(q, ParamEvent::Materialized(whole(q))).unwrap();
+        let both = pb + s.device_bytes(q);
+        assert_eq!((s.resident_bytes(), s.live_bytes()), (both, both));
     }
 
     #[test]

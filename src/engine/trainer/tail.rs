@@ -59,8 +59,9 @@ impl Trainer {
         let ids = self.model.unit(unit)?.params.clone();
         for p in ids {
             let bytes = self.store.device_bytes(p);
-            let live_numel =
-                self.store.resident_bytes() / self.store.device_bytes_per_elem().max(1);
+            // The live bytes, not the resident ones: the same on every
+            // rank at this point of the trace (see `ParamStore::live_bytes`).
+            let live_numel = self.store.live_bytes() / self.store.device_bytes_per_elem().max(1);
             if !self.sched.keep(p, bytes, live_numel) {
                 self.store.release(p)?;
             }

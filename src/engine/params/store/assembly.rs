@@ -105,7 +105,7 @@ impl ParamStore {
             self.complete_read(id, false)?;
         }
         match &self.slots[id.0].slot {
-            Slot::Staged(b) => return Ok(b.clone()),
+            Slot::Staged(b, _) => return Ok(b.clone()),
             Slot::Resident(t, _) => {
                 let all = tensor_bytes(t)?;
                 let start = self.resident_offset_bytes(id);

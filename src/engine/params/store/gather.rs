@@ -14,9 +14,12 @@ impl ParamStore {
     /// of a dozen params then pays one collective's latency, not a dozen
     /// (NCCL's staged path synchronises once per collective). Every rank
     /// calls this with the same `ids` in unit order and holds the same
-    /// params resident (residency changes only by a gather, and releases
-    /// follow the trace), so the collectives match across ranks. With one
-    /// rank, [`Self::fetch`] of each.
+    /// params resident (residency grows only by a gather; it shrinks by
+    /// releases, decided from the trace and [`Self::live_bytes`], which
+    /// an update's timing does not move, and by updates, which turn a
+    /// resident param into a staged one that every rank has staged by
+    /// the time a fetch wants it), so the collectives match across ranks.
+    /// With one rank, [`Self::fetch`] of each.
     pub fn fetch_many(&mut self, ids: &[ParamId]) -> Result<Vec<Tensor>> {
         if !self.defer_gather() {
             return ids.iter().map(|&id| self.fetch(id)).collect();
@@ -74,7 +77,7 @@ impl ParamStore {
                 )));
             }
             match &self.slots[id.0].slot {
-                Slot::Staged(b) => mine.extend_from_slice(b),
+                Slot::Staged(b, _) => mine.extend_from_slice(b),
                 other => {
                     return Err(EngineError::internal(format!(
                         "gathering `{}` {}",
