@@ -151,7 +151,7 @@
 //!   unit's sub-groups, those held for the clipping norm,
 //!   the speculated ones and the steps handed to the optimizer thread
 //!   (`sizing::nvme_state_grad_bound_bytes`, the bound the plan prints);
-//!   with clipping or fp16 the final gradients spill to NVMe (`4S`), with
+//!   with clipping or an overflow check the final gradients spill to NVMe (`4S`), with
 //!   gradient accumulation the partial sums are parked there between
 //!   micro-batches (`4S`, through 4 pinned buffers of one sub-group), and
 //!   a speculative step writes into a pool of state slots there.
@@ -336,7 +336,7 @@ pub struct SwapSettings {
     /// `offload_optimizer.pipeline_write`.
     pub pipeline_write: bool,
     /// Whether final gradients would spill to NVMe with the optimizer
-    /// state there (overlap on, and clipping or fp16: see
+    /// state there (overlap on, and clipping or an overflow check: see
     /// [`crate::engine::sizing::spills_grads`]); their read-back takes a
     /// fourth buffer per sub-group in the pipeline.
     pub spill_grads_with_nvme_state: bool,

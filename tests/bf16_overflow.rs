@@ -17,16 +17,25 @@ use tierzero::config::{load_str, PathChecks, RunContext};
 use tierzero::engine::{Trainer, TrainerOptions};
 use tierzero::model::ModelDir;
 
-/// Trains 4 steps of bf16 without clipping at lr 1e30; the summary's
-/// skipped steps and each step's loss.
-fn run(check: Option<bool>, stage: u8, optim: &'static str) -> (u64, Vec<f32>) {
+/// Trains 4 steps of bf16 without clipping (or with, `clip`) at lr 1e30;
+/// the summary's skipped steps and weights, and each step's loss.
+fn run(check: Option<bool>, stage: u8, optim: &'static str) -> (u64, String, Vec<f32>) {
+    run_clipped(check, stage, optim, 0.0)
+}
+
+fn run_clipped(
+    check: Option<bool>,
+    stage: u8,
+    optim: &'static str,
+    clip: f64,
+) -> (u64, String, Vec<f32>) {
     let model = tiny_gpt2_dir("bf16-overflow", 2, 32);
     let k = Knobs {
         stage,
         optim,
         param: if stage == 3 { optim } else { "none" },
         precision: "bf16",
-        clip: 0.0,
+        clip,
         ..Knobs::default()
     };
     let mut cfg = ds_config(&k, &scratch("bf16-overflow-swap"), 4);
@@ -41,26 +50,40 @@ fn run(check: Option<bool>, stage: u8, optim: &'static str) -> (u64, Vec<f32>) {
     };
     let loaded = load_str(&cfg.to_string(), &run).unwrap();
     assert_eq!(loaded.config.check_grad_overflow, check.unwrap_or(true));
-    assert_eq!(loaded.config.waits_for_global_norm(), check.unwrap_or(true));
+    assert_eq!(
+        loaded.config.waits_for_global_norm(),
+        check.unwrap_or(true) || clip > 0.0
+    );
     let md = ModelDir::open(&model, 3).unwrap();
     let mut t = Trainer::new(&loaded.config, &md, corpus(), TrainerOptions::cpu(3, 16)).unwrap();
     let losses = (0..4).map(|_| t.step().unwrap().metrics.loss).collect();
-    (t.finish().unwrap().skipped_steps, losses)
+    let s = t.finish().unwrap();
+    (s.skipped_steps, s.weight_sha256, losses)
 }
 
 #[test]
 fn a_bf16_step_with_non_finite_gradients_is_skipped_unless_told_not_to() {
     for (stage, optim) in [(0, "none"), (3, "nvme")] {
-        let (skipped, losses) = run(None, stage, optim);
+        let (skipped, checked, losses) = run(None, stage, optim);
         assert!(losses[0].is_finite(), "stage {stage}: {losses:?}");
         // Step 1 moved the weights to ~1e30; every later step overflows
         // and is skipped, so the weights stay where step 1 left them.
         assert_eq!(skipped, 3, "stage {stage}: {losses:?}");
         assert!(losses[1..].iter().all(|l| !l.is_finite()), "{losses:?}");
-        let (skipped, losses) = run(Some(false), stage, optim);
+        let (skipped, applied, losses) = run(Some(false), stage, optim);
         assert_eq!(
             skipped, 0,
             "stage {stage}: applied without the check: {losses:?}"
         );
+        assert_ne!(
+            applied, checked,
+            "stage {stage}: the overflowing steps were applied"
+        );
+        // With clipping the norm is taken anyway: a norm that is not
+        // finite skips the step with the check off too (stricter than
+        // DeepSpeed, which would clip by it).
+        let (skipped, clipped, _) = run_clipped(Some(false), stage, optim, 1.0);
+        assert_eq!(skipped, 3, "stage {stage}: clipping");
+        assert_ne!(clipped, applied);
     }
 }

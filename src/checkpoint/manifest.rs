@@ -164,7 +164,7 @@ pub struct Manifest {
     pub step: u64,
     /// Adam steps taken (not skipped).
     pub adam_steps: u64,
-    /// Steps skipped on fp16 overflow.
+    /// Steps skipped for gradients not finite (fp16's overflow, bf16's check).
     pub skipped_steps: u64,
     /// fp16 loss scaler; `null` for fp32/bf16.
     pub loss_scaler: Option<LossScalerState>,

@@ -356,7 +356,7 @@ pub struct CheckpointReport {
     pub step: u64,
     /// Adam steps taken.
     pub adam_steps: u64,
-    /// Skipped (fp16 overflow) steps.
+    /// Skipped steps (gradients not finite: fp16's overflow, bf16's check).
     pub skipped_steps: u64,
     /// Loss scale (fp16).
     pub loss_scale: Option<f64>,

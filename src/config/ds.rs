@@ -589,7 +589,7 @@ section! {
         /// CPU is left for the helpers; `true` pins whenever a CPU is left;
         /// `false` never. `None` = auto.
         pin_threads: Option<bool> => auto_none(flag);
-        /// `speculative_step`: with clipping or fp16 and optimizer state on
+        /// `speculative_step`: with clipping or an overflow check and optimizer state on
         /// NVMe, step each sub-group as soon as its gradients are final,
         /// assuming no clip and no overflow, into new extents, and commit
         /// or redo it exactly once the global norm is known. `"auto"`

@@ -361,7 +361,7 @@ pub struct Tierzero {
     /// Keep compute and helper threads on separate CPUs; `None` = auto
     /// (see `crate::engine::host::threads`).
     pub pin_threads: Option<bool>,
-    /// Speculative optimizer step with clipping or fp16; `None` = auto
+    /// Speculative optimizer step with clipping or an overflow check; `None` = auto
     /// (see `crate::engine::trainer` "Speculative step").
     pub speculative_step: Option<bool>,
     /// NVMe bytes of the speculation pool; `None` = auto (a slot for every
@@ -407,11 +407,14 @@ pub struct Config {
     pub wall_clock_breakdown: bool,
     /// Precision.
     pub precision: Precision,
-    /// Whether a step whose gradients are not all finite is skipped (its
-    /// global norm then decides the step): always in fp16 (the loss
-    /// scaler's overflow), in bf16 as `bf16.check_grad_overflow` says
-    /// (DeepSpeed's default, true), never in fp32 (DeepSpeed does not
-    /// check there).
+    /// Whether the step checks its gradients for overflow (waits for their
+    /// global norm and skips the step when it is not finite): always in
+    /// fp16 (the loss scaler's overflow), in bf16 as
+    /// `bf16.check_grad_overflow` says (DeepSpeed's default, true), never
+    /// in fp32 (DeepSpeed does not check there). With clipping the norm
+    /// is taken anyway, and a norm that is not finite skips the step
+    /// whatever this says: stricter than DeepSpeed, which would clip by
+    /// it and apply NaNs.
     pub check_grad_overflow: bool,
     /// Optimizer.
     pub optimizer: Optimizer,
@@ -617,8 +620,12 @@ fn check_some_lr_is_positive(optimizer_lr: f64, scheduler: &Scheduler) -> Result
         Scheduler::Constant | Scheduler::WarmupCosineLr { .. } => {
             ("optimizer.params.lr", optimizer_lr)
         }
-        Scheduler::WarmupLr { min_lr, max_lr, .. }
-        | Scheduler::WarmupDecayLr { min_lr, max_lr, .. } => {
+        // WarmupLR's peak defaults to the optimizer's lr (DeepSpeed #7360).
+        Scheduler::WarmupLr { min_lr, max_lr, .. } => (
+            "scheduler.params.warmup_max_lr (absent: optimizer.params.lr)",
+            min_lr.max(max_lr),
+        ),
+        Scheduler::WarmupDecayLr { min_lr, max_lr, .. } => {
             ("scheduler.params.warmup_max_lr", min_lr.max(max_lr))
         }
     };

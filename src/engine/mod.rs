@@ -68,7 +68,7 @@
 //! * Without gradient clipping and without fp16 loss scaling the gradient
 //!   multiplier is known before backward ends (it is 1), so a sub-group is
 //!   **stepped** as soon as its gradients are final, while backward
-//!   continues on earlier units. With clipping or fp16 the step needs the
+//!   continues on earlier units. With clipping or an overflow check the step needs the
 //!   global norm (or the global overflow flag) first: the per-sub-group
 //!   norms and the state reads still overlap backward, the steps run after
 //!   it.

@@ -255,7 +255,7 @@ pub fn items_within(
 /// With the optimizer state on NVMe, where the fp32 gradients are (the
 /// sizing policy's rules, `crate::engine::sizing`): host memory holds at
 /// most the sums of the largest unit's sub-groups, the groups held for the
-/// step (with clipping or fp16), the speculated ones and the steps handed
+/// step (with clipping or an overflow check), the speculated ones and the steps handed
 /// to the optimizer thread, each one largest sub-group; with clipping or
 /// fp16 the final gradients spill to NVMe; with gradient accumulation the
 /// partial sums are parked on NVMe between micro-batches, through pinned

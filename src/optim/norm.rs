@@ -116,7 +116,7 @@ pub(crate) fn sq_norm_f64<T: NormElem>(x: &[T], threads: usize) -> f64 {
 /// What the caller does with this step.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum GradStep {
-    /// A gradient is inf or NaN (fp16 overflow): skip the step everywhere and
+    /// A gradient is inf or NaN (an overflow): skip the step everywhere and
     /// lower the loss scale.
     Skip,
     /// Apply the step with this gradient multiplier (unscale · clip).

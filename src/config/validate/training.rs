@@ -443,10 +443,12 @@ pub(super) fn resolve_scheduler(
         }
     };
     let check_total = |sink: &mut Sink, total: u64| {
-        if total < warmup_steps {
+        // DeepSpeed compares with its max(2, warmup_num_steps).
+        let warmup = warmup_steps.max(2);
+        if total < warmup {
             sink.note(
                 "scheduler.params.total_num_steps",
-                format!("{total} is less than warmup_num_steps {warmup_steps}; the run ends inside the warmup"),
+                format!("{total} is less than the warmup's {warmup} steps; the run ends inside the warmup"),
             );
         }
     };

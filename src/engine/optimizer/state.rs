@@ -86,7 +86,7 @@
 //! * a non-speculative step of a group with a pending slot (its re-step
 //!   after a miss) writes the group's current extents in place, as every
 //!   non-speculative step does, and returns the slot to the pool;
-//! * [`OptimizerState::cancel_reads`] (fp16 overflow) returns every
+//! * [`OptimizerState::cancel_reads`] (an overflow) returns every
 //!   pending slot.
 //!
 //! A slot returned while its speculative write may be in flight is taken

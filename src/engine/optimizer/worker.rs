@@ -15,7 +15,7 @@
 //!   backward, the order their `Step` jobs will come in, so their state
 //!   reads start before their gradients are final;
 //! * `Step { speculative: true, .. }`, [`Job::Commit`] and [`Job::Restore`]:
-//!   the speculative step with clipping or fp16 ("Speculative step" in the
+//!   the speculative step with clipping or an overflow check ("Speculative step" in the
 //!   trainer module docs); a `Step` that replaces a queued one, or a
 //!   speculative step `CancelReads` drops, is answered
 //!   [`Done::Superseded`], so every sent step gets exactly one reply;
@@ -104,7 +104,7 @@ pub enum Job {
     Commit(Vec<SubGroupId>),
     /// Reply with a sub-group's param bytes made from its current master
     /// weights, as a [`Done::Stepped`]: undoes a speculative step's params
-    /// after an fp16 overflow.
+    /// after gradients that are not finite (an overflow).
     Restore(SubGroupId),
     /// The order in which this step's `Step` jobs will come (backward
     /// order). The worker queues them and starts their state reads now,
@@ -242,7 +242,7 @@ impl StepValues {
 /// DeepSpeed's default sub-group of 1e9 elements). One is kept, the
 /// largest given, and only within a run of steps: the trainer drops it
 /// when a backward starts ([`OptimizerWorker::drop_spare_values`]), so
-/// with clipping or fp16, whose steps all wait for the norm, no values
+/// with clipping or an overflow check, whose steps all wait for the norm, no values
 /// buffer lives through the backward where the gradient sums peak (a new
 /// one is made for the first step a backward runs, as before). A large
 /// one's pages are unmapped off the trainer's thread, on the helper CPUs

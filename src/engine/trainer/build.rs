@@ -693,7 +693,7 @@ fn limits(config: &Config) -> Limits {
 /// Per unit, the sub-groups whose gradients are final after its
 /// backward; and the order a step's sub-groups become final in backward
 /// (units in reverse, each unit's groups, then any left, by index): the
-/// order of the Step jobs without clipping or fp16.
+/// order of the Step jobs without clipping or an overflow check.
 fn group_orders(model: &Model, layout: &Layout) -> (Vec<Vec<SubGroupId>>, Vec<SubGroupId>) {
     let n_sub_groups = layout.sub_groups.len();
     let mut groups_after_unit = vec![Vec::new(); model.units().len()];

@@ -10,6 +10,10 @@ pub fn config_fingerprint(config: &Config) -> ConfigFingerprint {
         format!("{:?}", config.gradient_clipping),
     );
     numerics.insert("precision".to_owned(), format!("{:?}", config.precision));
+    numerics.insert(
+        "check_grad_overflow".to_owned(),
+        format!("{}", config.check_grad_overflow),
+    );
     numerics.insert("optimizer".to_owned(), format!("{:?}", config.optimizer));
     numerics.insert("scheduler".to_owned(), format!("{:?}", config.scheduler));
     numerics.insert(

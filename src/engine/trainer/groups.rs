@@ -33,7 +33,7 @@ pub(super) enum GroupStep {
     /// Between micro-batches: its partial sum is in the gradient park.
     Parked,
     /// Its gradients are final and its Σg² taken; the gradient waits in
-    /// memory for the step (clipping or fp16).
+    /// memory for the step (clipping or an overflow check).
     Normed { grad: Option<GradBuf>, sq: f64 },
     /// Final with its Σg² taken; the gradient was spilled to NVMe and is
     /// read back with the state.

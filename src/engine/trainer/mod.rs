@@ -3,7 +3,7 @@
 //! # A step
 //!
 //! ```text
-//! lr = schedule(adam steps so far); scale = loss scaler (fp16) or 1
+//! lr = schedule.lr_for_step(adam steps so far); scale = loss scaler (fp16) or 1
 //! for micro in 0..gradient_accumulation_steps:
 //!     forward:  for unit in embedding, blocks:   fetch params (prefetch ahead), run, release
 //!     backward: for unit in head, blocks reversed, embedding:
@@ -18,7 +18,7 @@
 //!                     gradient spilled to NVMe, except for the first
 //!                     sub-groups, whose state reads started with the
 //!                     step and whose gradients stay in memory)
-//! decision: Σg² over sub-groups in index order → skip (fp16 overflow) or
+//! decision: Σg² over sub-groups in index order → skip (gradients not finite) or
 //!           the multiplier clip / loss_scale
 //! optimizer: the remaining sub-groups in index order, pipelined
 //!           (read i+1 / step i / write i-1), 16-bit params written back to
@@ -41,10 +41,10 @@
 //! `master`, `weight_sha256` and `finish` call it.
 //!
 //! State reads start before the gradients are final (`Job::Expect` at
-//! the start of the step): without clipping or fp16, in the order backward
+//! the start of the step): without clipping or an overflow check, in the order backward
 //! makes gradients final, as deep as the optimizer's buffers allow; with
 //! them, for the first `read_ahead + 1` sub-groups in index order (the
-//! ones the tail steps first). With NVMe state and clipping or fp16 those
+//! ones the tail steps first). With NVMe state and clipping or an overflow check those
 //! groups' gradients are held in memory, the others' spilled, as DeepSpeed
 //! does, until the global norm is known. This is the part of the
 //! optimizer that overlaps backward when the step must wait for the norm.
@@ -68,7 +68,8 @@
 //!
 //! # Speculative step
 //!
-//! With clipping or fp16 a step needs the global gradient norm (or the
+//! With clipping or an overflow check (fp16, and bf16 by default:
+//! `Config::waits_for_global_norm`) a step needs the global gradient norm (or the
 //! overflow flag) before it can scale a single gradient, and backward ends
 //! before that is known: without more, the optimizer could only read
 //! ahead during backward and step after it. With NVMe optimizer state and
@@ -263,7 +264,7 @@ enum OverlapMode {
 struct Speculation {
     /// Steps whose speculation held.
     hits: u64,
-    /// Steps redone (clipping) or undone (fp16 overflow).
+    /// Steps redone (clipping) or undone (gradients not finite).
     misses: u64,
     /// NVMe sub-groups that waited for the decision while speculating
     /// because the speculation pool's slots were taken.

@@ -310,7 +310,7 @@ impl Trainer {
     }
 
     /// The sub-groups whose gradients became final with `uid`'s backward
-    /// (last micro-batch): without clipping or fp16 they are stepped now,
+    /// (last micro-batch): without clipping or an overflow check they are stepped now,
     /// on the optimizer thread, while backward goes on; otherwise their
     /// norm is taken now and, with NVMe state, their gradient spilled
     /// (except the first groups', whose state reads started with the step).
@@ -431,7 +431,7 @@ impl Trainer {
         // Bounded hand-over: wait for a reply while the optimizer thread
         // holds its share of gradients (see `Trainer::grads_out`). Only
         // where every job comes in the worker's expected order (steps
-        // during backward): with clipping or fp16 a group's job may follow
+        // during backward): with clipping or an overflow check a group's job may follow
         // the decision, and the worker waits for it in its order.
         let limit = sizing::grads_in_flight(self.sizing.read_ahead, self.sizing.write_behind);
         while plan.mode == OverlapMode::Step && self.grads_out.len() >= limit {
@@ -458,7 +458,7 @@ impl Trainer {
     }
 
     /// The decision: Σg² over sub-groups in index order (all ranks), then
-    /// skip (fp16 overflow) or the multiplier (clip / loss scale). Returns
+    /// skip (gradients not finite) or the multiplier (clip / loss scale). Returns
     /// it with the global gradient norm when one was taken.
     fn decide(
         &mut self,
