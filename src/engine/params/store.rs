@@ -1106,18 +1106,14 @@ mod tests {
         s
     }
 
-    #[test]
-    fn handing_out_shards_builds_and_assembles_this_rank_s_shard_with_no_collective() {
-        // Rank 1 of two, no collective scripted (one would fail), params
-        // resident (the device tier's home).
-        let model = tiny();
-        let layout = Layout::new(&model, 1, 2, 1000);
-        let tiers = vec![Tier::Device; model.params().len()];
+    /// A bf16 store of rank 1 of two whose collectives are scripted (none
+    /// is: one would fail).
+    fn rank_1_of_2(model: &Model, layout: &Layout, tiers: &[Tier]) -> ParamStore {
         let comm = crate::engine::comm::scripted::Scripted::rank_of(1, 2);
-        let mut s = ParamStore::new(
-            &model,
-            &layout,
-            &tiers,
+        ParamStore::new(
+            model,
+            layout,
+            tiers,
             DType::BF16,
             Device::Cpu,
             Arc::new(comm),
@@ -1125,7 +1121,17 @@ mod tests {
             None,
             None,
         )
-        .unwrap();
+        .unwrap()
+    }
+
+    #[test]
+    fn handing_out_shards_builds_and_assembles_this_rank_s_shard_with_no_collective() {
+        // Rank 1 of two, no collective scripted (one would fail), params
+        // resident (the device tier's home).
+        let model = tiny();
+        let layout = Layout::new(&model, 1, 2, 1000);
+        let tiers = vec![Tier::Device; model.params().len()];
+        let mut s = rank_1_of_2(&model, &layout, &tiers);
         s.hand_out_shards();
         let p = ParamId(0);
         for q in model.params() {
@@ -1166,19 +1172,7 @@ mod tests {
         // The transitions alone (no home is written): the tier does not
         // matter to them.
         let tiers = vec![Tier::Device; model.params().len()];
-        let comm = crate::engine::comm::scripted::Scripted::rank_of(1, 2);
-        let mut s = ParamStore::new(
-            &model,
-            &layout,
-            &tiers,
-            DType::BF16,
-            Device::Cpu,
-            Arc::new(comm),
-            Vec::new(),
-            None,
-            None,
-        )
-        .unwrap();
+        let mut s = rank_1_of_2(&model, &layout, &tiers);
         let (p, q) = (ParamId(0), ParamId(1));
         let whole = |id: ParamId| {
             let shape = model.params()[id.0].shape.clone();
