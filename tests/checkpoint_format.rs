@@ -505,3 +505,32 @@ fn huge_claims_are_refused_before_allocating() {
         std::fs::remove_dir_all(save.parent().unwrap()).unwrap();
     }
 }
+
+/// A save that died between moving `step-N` aside and renaming its
+/// replacement in leaves `.step-N.old-<pid>` as step N's only copy, which
+/// `latest` names and `Checkpoint::open` falls back to. The next save (a
+/// resumed run's, of another step) must not remove it as a dead process's
+/// leftover: a second crash during that save would leave `latest` naming
+/// nothing.
+#[test]
+fn a_step_moved_aside_by_a_dead_save_survives_the_next_save() {
+    let (save, step) = saved("aside");
+    assert!(step.ends_with("step-00000002"), "{}", step.display());
+    let aside = save.join(".step-00000002.old-4194305");
+    std::fs::rename(&step, &aside).unwrap();
+    assert_eq!(Checkpoint::open(&save).unwrap().step(), 2);
+    let k = Knobs::cpu();
+    let mut t = engine_support::build(&tiny_gpt2_dir("aside2", 2, 32), &k, 5, 16, 1);
+    t.step().unwrap();
+    // Step 1 of another run into the same dir: a save that is not step 2.
+    t.save_checkpoint(&save).unwrap();
+    assert!(aside.exists(), "the only copy of step 2 was removed");
+    // Once a step-2 exists again, the moved-aside copy is a leftover.
+    copy_dir(&aside, &save.join("step-00000002"));
+    t.step().unwrap();
+    t.save_checkpoint(&save).unwrap();
+    assert!(
+        !aside.exists(),
+        "a moved-aside copy with its step back stays"
+    );
+}

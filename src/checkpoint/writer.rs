@@ -52,8 +52,17 @@ fn latest_tmp_owner_pid(name: &str) -> Option<u32> {
     pid.parse().ok()
 }
 
+/// The `step-N` name of a `.step-N.old-<pid>` dir (a step a save moved
+/// aside to replace it).
+fn moved_aside_step(name: &str) -> Option<String> {
+    let rest = name.strip_prefix(".step-")?;
+    let (step, _) = rest.split_once(".old-")?;
+    Some(format!("step-{step}"))
+}
+
 /// Removes `.step-*.tmp-<pid>` / `.old-<pid>` dirs and `.latest.tmp-<pid>-*`
-/// files of processes that are gone. Nothing else is touched.
+/// files of processes that are gone, but an `.old` dir whose `step-N` is
+/// missing (see below). Nothing else is touched.
 fn remove_stale(save_dir: &Path) {
     let Ok(entries) = std::fs::read_dir(save_dir) else {
         return;
@@ -85,6 +94,15 @@ fn remove_stale(save_dir: &Path) {
         }
         if !e.file_type().is_ok_and(|t| t.is_dir()) {
             continue;
+        }
+        // A step moved aside by a save that died before its replacement
+        // landed is that step's only copy, and `latest` may name it
+        // (`Checkpoint::open` falls back to it): kept until a `step-N`
+        // exists again.
+        if let Some(step) = moved_aside_step(name.to_str().unwrap_or_default()) {
+            if !save_dir.join(step).exists() {
+                continue;
+            }
         }
         match std::fs::remove_dir_all(e.path()) {
             Ok(()) => {
