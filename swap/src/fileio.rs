@@ -687,6 +687,16 @@ impl FileIo {
                 config.threads, config.queue_depth, config.block_bytes
             )));
         }
+        // A ring has at most MAX_RING_ENTRIES submission entries (and
+        // twice that many completion entries): a deeper queue would keep
+        // more in flight than its completions can hold, and size each
+        // ring thread's slot table by it.
+        if config.queue_depth > MAX_RING_ENTRIES {
+            return Err(SwapError::Config(format!(
+                "queue_depth {} is more than a ring holds ({MAX_RING_ENTRIES}); use 8 to 128",
+                config.queue_depth
+            )));
+        }
         let shared = Arc::new(Shared {
             faults: config.faults.clone(),
             counters: FileIoCounters::default(),
@@ -867,8 +877,11 @@ impl Drop for FileIo {
     }
 }
 
+/// The most submission entries a file I/O ring is built with.
+pub const MAX_RING_ENTRIES: u32 = 4096;
+
 fn build_ring(qd: u32) -> Result<IoUring> {
-    let entries = qd.next_power_of_two().clamp(2, 4096);
+    let entries = qd.next_power_of_two().clamp(2, MAX_RING_ENTRIES);
     IoUring::builder()
         .setup_single_issuer()
         .setup_coop_taskrun()
@@ -1210,6 +1223,30 @@ mod tests {
             faults: None,
         })
         .unwrap()
+    }
+
+    /// A queue deeper than a ring holds is refused at construction (it
+    /// sized each ring thread's slot table by it: 2^32 - 1 aborted).
+    #[test]
+    fn a_queue_deeper_than_a_ring_is_refused() {
+        let cfg = |queue_depth| FileIoConfig {
+            backend: BackendKind::Portable,
+            threads: 1,
+            queue_depth,
+            block_bytes: 8192,
+            single_submit: false,
+            overlap_events: true,
+            faults: None,
+        };
+        assert!(FileIo::new(cfg(MAX_RING_ENTRIES)).is_ok());
+        for qd in [MAX_RING_ENTRIES + 1, u32::MAX] {
+            let e = FileIo::new(cfg(qd)).err().map(|e| e.to_string());
+            assert!(
+                e.as_deref()
+                    .is_some_and(|e| e.contains("more than a ring holds")),
+                "{qd}: {e:?}"
+            );
+        }
     }
 
     fn write_at(io: &FileIo, f: &Arc<IoFile>, off: u64, data: &[u8], mem_off: usize) {
