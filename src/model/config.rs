@@ -490,10 +490,11 @@ fn unsupported(what: impl Into<String>) -> ModelError {
 /// (not implemented) rather than run without their window.
 fn qwen_sliding_window(k: &Keys<'_>, n_layer: usize) -> Result<(), ModelError> {
     let use_sw = k.bool("use_sliding_window", false)?;
-    let window = if use_sw {
-        k.opt_usize("sliding_window")?
-    } else {
-        None
+    // Absent, transformers' default window is 4096; null is none.
+    let window = match (use_sw, k.0.contains_key("sliding_window")) {
+        (false, _) => None,
+        (true, false) => Some(4096),
+        (true, true) => k.opt_usize("sliding_window")?,
     };
     let refuse = |why: String| {
         unsupported(format!(
@@ -1203,13 +1204,21 @@ mod tests {
             assert_eq!(back, cfg);
         }
         // Qwen's per-layer sliding window is refused, not ignored.
+        // The window absent is transformers' 4096, not none.
         for extra in [
             r#","layer_types":["sliding_attention"]"#,
             r#","use_sliding_window":true,"sliding_window":4,"max_window_layers":0"#,
+            r#","use_sliding_window":true,"max_window_layers":0"#,
         ] {
             let e = fam("qwen2", extra).unwrap_err().to_string();
             assert!(e.contains("sliding"), "{e}");
         }
+        // A null window is none: every layer full attention.
+        fam(
+            "qwen2",
+            r#","use_sliding_window":true,"sliding_window":null,"max_window_layers":0"#,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
         assert!(fam("llama", r#","hidden_act":"gelu""#).is_err());
         assert!(fam("mistral", r#","sliding_window":0"#).is_err());
     }
