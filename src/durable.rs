@@ -196,7 +196,10 @@ pub fn create_dir(path: &Path) -> Result<(), DurableError> {
 }
 
 /// Creates `path` and missing parents, each new one `0700`; an existing
-/// directory is fine.
+/// directory is fine. Each new directory's entry is made durable: its
+/// parent is fsynced, outermost first (a save dir created for a run must
+/// not vanish on power loss after its first checkpoint was reported
+/// saved: the checkpoint's own fsyncs reach only the save dir).
 pub fn create_dir_all(path: &Path) -> Result<(), DurableError> {
     let missing: Vec<PathBuf> = path
         .ancestors()
@@ -209,7 +212,12 @@ pub fn create_dir_all(path: &Path) -> Result<(), DurableError> {
         .create(path)
         .map_err(err("creating directory", path))?;
     for p in missing.into_iter().rev() {
-        record::note(|| record::FsOp::CreateDir(p));
+        record::note(|| record::FsOp::CreateDir(p.clone()));
+        let parent = match p.parent() {
+            Some(q) if !q.as_os_str().is_empty() => q.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        sync_dir(&parent)?;
     }
     Ok(())
 }
@@ -379,6 +387,34 @@ mod tests {
         let e = write_atomic(&p, b"x").unwrap_err();
         assert_eq!(e.op, "creating");
         assert!(e.to_string().contains("nope"), "{e}");
+    }
+
+    /// Each new directory's entry is made durable: its parent is fsynced
+    /// after it is created, outermost first; an existing one is not
+    /// synced again. (The only test in this crate that records.)
+    #[test]
+    fn new_directories_have_their_parents_synced() {
+        let d = tempfile::tempdir().unwrap();
+        let (a, b) = (d.path().join("a"), d.path().join("a").join("b"));
+        record::start();
+        create_dir_all(&b).unwrap();
+        create_dir_all(&b).unwrap();
+        let ops: Vec<record::FsOp> = record::finish()
+            .into_iter()
+            .filter(|op| match op {
+                record::FsOp::CreateDir(p) | record::FsOp::FsyncDir(p) => p.starts_with(d.path()),
+                _ => false,
+            })
+            .collect();
+        assert_eq!(
+            ops,
+            vec![
+                record::FsOp::CreateDir(a.clone()),
+                record::FsOp::FsyncDir(d.path().to_path_buf()),
+                record::FsOp::CreateDir(b),
+                record::FsOp::FsyncDir(a),
+            ]
+        );
     }
 
     #[test]
