@@ -251,9 +251,11 @@ impl IoFile {
     /// kernel hands every such piece to a worker thread: measured here, a
     /// 1 GiB write into a fresh file took 0.18-0.36 CPU-s/GB against
     /// 0.07-0.12 into one of its final size. `fallocate` (mode 0) only ever
-    /// grows the file, so ops in flight cannot shrink each other's ranges;
-    /// where the file system refuses it, `ftruncate` grows it under this
-    /// file's lock. A failure costs only the fast path, not the write.
+    /// grows the file, so ops in flight cannot shrink each other's ranges.
+    /// Where the file system refuses it, nothing is done: the write grows
+    /// the file itself (an `ftruncate` here could shrink it under a write
+    /// through another `IoFile` of the same path, which this lock does
+    /// not order). A failure costs only the fast path, not the write.
     fn grow_to(&self, offset_bytes: u64, len_bytes: u64) {
         let _held = self.grow.lock().unwrap_or_else(|e| e.into_inner());
         let end_bytes = offset_bytes.saturating_add(len_bytes);
@@ -271,10 +273,7 @@ impl IoFile {
         // allocate 8 GiB).
         // SAFETY: fallocate on a descriptor this IoFile owns; no memory
         // is passed.
-        let r = unsafe { libc::fallocate(self.buffered.as_raw_fd(), 0, off, len) };
-        if r != 0 {
-            let _ = self.buffered.set_len(end_bytes);
-        }
+        let _ = unsafe { libc::fallocate(self.buffered.as_raw_fd(), 0, off, len) };
     }
 
     fn fd(&self, direct: bool) -> RawFd {

@@ -315,6 +315,18 @@ impl SwapSpace {
         }
         let space_seq = NEXT_SPACE.fetch_add(1, Ordering::Relaxed);
         let pid = std::process::id();
+        // The files made so far, removed if a later path fails (the space
+        // that would own them is never built, and `reclaim_stale` spares
+        // this process's own files).
+        struct Made(Vec<PathBuf>);
+        impl Drop for Made {
+            fn drop(&mut self) {
+                for p in &self.0 {
+                    let _ = std::fs::remove_file(p);
+                }
+            }
+        }
+        let mut made = Made(Vec::new());
         let mut files = Vec::new();
         let mut dirs = Vec::new();
         for (i, base) in config.paths.iter().enumerate() {
@@ -335,8 +347,8 @@ impl SwapSpace {
             let (file, direct) = open_swap_file(&path, config.direct_io, true, &|| {
                 lease.first_buffered_warning()
             })?;
+            made.0.push(path.clone());
             dirs.push(lease);
-            // From here the file is ours: remove it if setup fails below.
             let sf = SwapFile {
                 path: path.clone(),
                 file,
@@ -347,6 +359,8 @@ impl SwapSpace {
             size_file(&sf.file, &path, capacity, config.preallocate)?;
             files.push(sf);
         }
+        // Built: the space owns the files from here (its drop removes them).
+        made.0.clear();
         let stripe_bytes = alignment.round_up(config.stripe_bytes.max(1));
         Ok(Arc::new(SwapSpace {
             id: space_seq,
@@ -1351,6 +1365,29 @@ impl Extent {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A space whose second path fails leaves no file of the first behind
+    /// (they were left, preallocated, until the process exited).
+    #[test]
+    fn a_failed_create_removes_the_files_it_made() {
+        let a = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+        let not_a_dir = a.path().join("plain-file");
+        std::fs::write(&not_a_dir, b"x").unwrap_or_else(|e| panic!("write: {e}"));
+        let mut cfg = SpaceConfig::new(a.path(), 1 << 20);
+        cfg.paths.push(not_a_dir);
+        let e = SwapSpace::create(cfg).err().map(|e| e.to_string());
+        assert!(
+            e.as_deref().is_some_and(|e| e.contains("not a directory")),
+            "{e:?}"
+        );
+        let left: Vec<_> = std::fs::read_dir(a.path().join(SWAP_SUBDIR))
+            .unwrap_or_else(|e| panic!("read_dir: {e}"))
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name())
+            .filter(|n| n.to_string_lossy().ends_with(SWAP_EXT))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+    }
 
     #[test]
     fn extent_copies_round_trip_over_stripes() {
