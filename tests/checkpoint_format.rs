@@ -485,6 +485,26 @@ fn huge_claims_are_refused_before_allocating() {
             Box::new(|v| v["world_size"] = 1_000_000_000u64.into()),
             "world_size",
         ),
+        (
+            // Two shards from element 0 in place of one whole: the same
+            // element count (the old check summed them), the end uncovered.
+            "overlapping shards",
+            Box::new(|v| {
+                let params = v["ranks"][0]["sub_groups"][0]["params"]
+                    .as_array_mut()
+                    .unwrap();
+                let n = params[0]["shard_numel"].as_u64().unwrap();
+                assert!(n >= 2 && params[0]["shard_start"] == 0, "{}", params[0]);
+                let half = n / 2;
+                let mut again = params[0].clone();
+                params[0]["shard_numel"] = half.into();
+                again["shard_numel"] = (n - half).into();
+                let off = again["offset_in_group"].as_u64().unwrap();
+                again["offset_in_group"] = (off + half).into();
+                params.insert(1, again);
+            }),
+            "overlap at element 0",
+        ),
     ];
     for (what, edit, needle) in cases {
         let (save, step) = saved("huge");

@@ -432,7 +432,8 @@ impl Manifest {
                 ),
             ));
         }
-        let mut covered: Vec<u64> = vec![0; model.params().len()];
+        // Each parameter's shards, as element ranges: they must tile it.
+        let mut covered: Vec<Vec<(u64, u64)>> = vec![Vec::new(); model.params().len()];
         for (r, rank) in self.ranks.iter().enumerate() {
             if rank.rank != r {
                 return Err(bad(
@@ -529,17 +530,37 @@ impl Manifest {
                             ),
                         ));
                     }
-                    covered[spec.id.0] = covered[spec.id.0].saturating_add(p.shard_numel);
+                    covered[spec.id.0].push((p.shard_start, p.shard_start + p.shard_numel));
                 }
             }
         }
         for spec in model.params() {
-            if covered[spec.id.0] != spec.numel as u64 {
+            // Sorted, each must start where the last ended: no overlap (two
+            // shards of one range summed like a whole and left the rest
+            // zeros), no gap, and the last ends at the parameter's end.
+            let ranges = &mut covered[spec.id.0];
+            ranges.sort_unstable();
+            let mut at = 0u64;
+            for &(start, end) in ranges.iter() {
+                if start != at {
+                    let what = if start < at { "overlap" } else { "leave a gap" };
+                    return Err(bad(
+                        path,
+                        format!(
+                            "parameter `{}`: shards {what} at element {}",
+                            spec.name,
+                            start.min(at)
+                        ),
+                    ));
+                }
+                at = end;
+            }
+            if at != spec.numel as u64 {
                 return Err(bad(
                     path,
                     format!(
-                        "parameter `{}`: shards cover {} of {} elements",
-                        spec.name, covered[spec.id.0], spec.numel
+                        "parameter `{}`: shards cover {at} of {} elements",
+                        spec.name, spec.numel
                     ),
                 ));
             }
