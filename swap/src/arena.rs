@@ -548,6 +548,14 @@ impl Buffer {
     pub(crate) fn as_mut_ptr(&mut self) -> *mut u8 {
         self.arena.ptr_of(self.idx)
     }
+
+    /// The bytes' address, from a shared reference: for an owner that
+    /// orders readers and writers itself ([`crate::SharedBuffer`]) and must
+    /// not make a `&mut Buffer` while others hold `&Buffer`. The bytes are
+    /// in the arena's mapping, not in this value.
+    pub(crate) fn bytes_ptr(&self) -> *mut u8 {
+        self.arena.ptr_of(self.idx)
+    }
 }
 
 impl Drop for Buffer {

@@ -67,9 +67,9 @@ impl Inner {
 
     /// The buffer, for fields that never change (its arena, its length).
     fn buffer(&self) -> &Buffer {
-        // SAFETY: only a shared reference to the `Buffer` value; its
-        // bytes are not touched here, and a `WriteGuard` never replaces
-        // the value, it only writes through `as_mut_slice`.
+        // SAFETY: only shared references to the `Buffer` value are ever
+        // made (a `WriteGuard` writes its bytes through their address,
+        // never through a `&mut Buffer`), and nothing replaces the value.
         unsafe { &*self.buf.get() }
     }
 }
@@ -252,9 +252,18 @@ impl WriteGuard<'_> {
 
     /// The bytes, to write.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: this guard is the only holder (`writing` set, no pins),
-        // and `&mut self` makes this the only reference through it.
-        unsafe { (*self.inner.buf.get()).as_mut_slice() }
+        // Through the bytes' address, not a `&mut Buffer`: other clones may
+        // hold `&Buffer` meanwhile (its length, its arena), which a
+        // `&mut` to the `Buffer` value would alias. The bytes themselves
+        // are in the arena's mapping.
+        let b = self.inner.buffer();
+        let (ptr, len) = (b.bytes_ptr(), b.capacity_bytes() as usize);
+        // SAFETY: this guard is the only holder of the bytes (`writing`
+        // set, no pins, so no `ReadPin::bytes` or other guard's slice
+        // lives), `&mut self` makes this the only slice through it, and
+        // [ptr, ptr + len) is the buffer's range of the live mapping (the
+        // `Arc` keeps the buffer, the buffer keeps the arena).
+        unsafe { std::slice::from_raw_parts_mut(ptr, len) }
     }
 }
 
