@@ -1,6 +1,7 @@
-//! The param store's write-backs to the home tier: a new shard written
-//! home (kept coherent with a resident copy), the queue of NVMe writes in
-//! flight, each holding its swap buffer until it is retired.
+//! The param store's write-backs to the home tier: the initial bytes and
+//! the optimizer's updates (whether they stay resident), a new shard
+//! written home (kept coherent with a resident copy), the queue of NVMe
+//! writes in flight, each holding its swap buffer until it is retired.
 
 use super::*;
 
@@ -15,6 +16,54 @@ pub(super) struct QueuedWrite {
 }
 
 impl ParamStore {
+    /// Stores the initial shard bytes of `id` at home (synchronously).
+    pub fn store_initial(&mut self, id: ParamId, shard: &[u8]) -> Result<()> {
+        let keep = self.tier(id) == Tier::Device;
+        self.write_home(id, shard, keep, None)?;
+        self.flush_writes()
+    }
+
+    /// Writes new shard bytes for `id` at home (after an optimizer step).
+    /// A resident device copy is replaced (kept coherent); device-tier
+    /// params are rebuilt.
+    ///
+    /// `keep` asks for the new bytes to stay resident as well (written
+    /// through to the home tier), for a param that the next forward needs
+    /// first: it is then not read back right after being written. The
+    /// caller decides from the trace alone, never from timing, so the
+    /// number of reads a step does stays fixed.
+    ///
+    /// `built` is the CPU tensor of `shard` when the optimizer thread built
+    /// it already (one rank; see `crate::engine::optimizer::worker::TensorWant`); it is used
+    /// if the param stays resident, else dropped.
+    pub fn update(
+        &mut self,
+        id: ParamId,
+        shard: &[u8],
+        keep: bool,
+        built: Option<Tensor>,
+    ) -> Result<()> {
+        if self.state(id) == ParamState::InFlight {
+            // Complete the stale read first (see module docs).
+            self.complete_read(id, false)?;
+        }
+        let keep = self.stays_resident(id, keep);
+        self.write_home(id, shard, keep, built)?;
+        if let Some(e) = self.slots.get_mut(id.0) {
+            e.updates_coming = e.updates_coming.saturating_sub(1);
+        }
+        Ok(())
+    }
+
+    /// Whether an [`ParamStore::update`] of `id` asked to `keep` it leaves
+    /// it resident: asked to, resident (or staged) now, or device-tier.
+    /// (The trainer asks the optimizer thread for the tensors of exactly
+    /// these params.)
+    pub fn stays_resident(&self, id: ParamId, keep: bool) -> bool {
+        keep || matches!(self.state(id), ParamState::Resident | ParamState::Staged)
+            || self.tier(id) == Tier::Device
+    }
+
     pub(super) fn write_home(
         &mut self,
         id: ParamId,
