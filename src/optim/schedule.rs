@@ -26,8 +26,9 @@ pub struct LrSchedule {
 
 /// The warmup's length as DeepSpeed's schedules use it everywhere: the
 /// configured `warmup_num_steps`, at least 2 (`max(2, warmup_num_steps)`
-/// in `WarmupLR` and `WarmupCosineLR`).
-fn warmup_len(warmup_steps: u64) -> u64 {
+/// in `WarmupLR` and `WarmupCosineLR`). The config's notes about the
+/// warmup read it too.
+pub fn warmup_len(warmup_steps: u64) -> u64 {
     warmup_steps.max(2)
 }
 

@@ -112,6 +112,11 @@ impl Downloads {
         })
     }
 
+    /// The most idle pinned bytes kept for reuse, per element type.
+    pub fn cap_bytes(&self) -> u64 {
+        self.cap_bytes
+    }
+
     /// Queues the copy of `src` into a pinned buffer of its length on the
     /// d2h stream, after `after` (None: the compute stream's work queued so
     /// far).

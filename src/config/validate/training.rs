@@ -444,7 +444,7 @@ pub(super) fn resolve_scheduler(
     };
     let check_total = |sink: &mut Sink, total: u64| {
         // DeepSpeed compares with its max(2, warmup_num_steps).
-        let warmup = warmup_steps.max(2);
+        let warmup = crate::optim::schedule::warmup_len(warmup_steps);
         if total < warmup {
             sink.note(
                 "scheduler.params.total_num_steps",

@@ -586,7 +586,7 @@ impl DeviceLink for CudaLink {
                 cap_bytes: self.uploads.cap_bytes(),
             },
             // The downloads' idle buffers of the three element types.
-            download_idle_bytes: 3 * STAGING_CAP_BYTES,
+            download_idle_bytes: 3 * self.downloads.cap_bytes(),
         }
     }
 
