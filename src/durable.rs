@@ -213,11 +213,7 @@ pub fn create_dir_all(path: &Path) -> Result<(), DurableError> {
         .map_err(err("creating directory", path))?;
     for p in missing.into_iter().rev() {
         record::note(|| record::FsOp::CreateDir(p.clone()));
-        let parent = match p.parent() {
-            Some(q) if !q.as_os_str().is_empty() => q.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        sync_dir(&parent)?;
+        sync_dir(&parent_dir(&p))?;
     }
     Ok(())
 }

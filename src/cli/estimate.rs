@@ -123,18 +123,7 @@ fn model_size(path: &Path) -> Result<ModelSize, Failure> {
         .map_err(|e| bad(format!("--model {}: {e}", file.display())))?;
     let model = Model::new(cfg).map_err(|e| bad(format!("--model {}: {e}", file.display())))?;
     let params = model.params();
-    let largest_unit_numel = model
-        .units()
-        .iter()
-        .map(|u| {
-            u.params
-                .iter()
-                .filter_map(|id| params.get(id.0))
-                .map(|p| p.numel as u64)
-                .sum::<u64>()
-        })
-        .max()
-        .unwrap_or(0);
+    let largest_unit_numel = model.largest_unit_numel();
     Ok(ModelSize {
         total_numel: model.numel() as u64,
         largest_unit_numel,

@@ -765,7 +765,12 @@ pub(crate) fn validate(
     }
     let aio = Aio {
         block_bytes: Bytes(a.block_size),
-        queue_depth: small_u32("aio.queue_depth", a.queue_depth, 4096, "use 8 to 128")?,
+        queue_depth: small_u32(
+            "aio.queue_depth",
+            a.queue_depth,
+            tierzero_swap::fileio::MAX_RING_ENTRIES,
+            "use 8 to 128",
+        )?,
         intra_op_parallelism: small_u32(
             "aio.intra_op_parallelism",
             a.intra_op_parallelism,

@@ -710,6 +710,21 @@ impl Model {
             .fold(0usize, |acc, p| acc.saturating_add(p.numel))
     }
 
+    /// The most elements of one unit's params.
+    pub fn largest_unit_numel(&self) -> u64 {
+        self.units
+            .iter()
+            .map(|u| {
+                u.params
+                    .iter()
+                    .filter_map(|id| self.params.get(id.0))
+                    .map(|p| p.numel as u64)
+                    .sum::<u64>()
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Picks `unit`'s parameters, in declared order, out of a dense list
     /// indexed by [`ParamId`] (convenience for tests and stage 0).
     pub fn unit_params(&self, unit: UnitId, all: &[Tensor]) -> Result<Vec<Tensor>, ModelError> {

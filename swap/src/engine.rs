@@ -410,14 +410,7 @@ impl Engine {
                 "queue_depth and workers must be at least 1".into(),
             ));
         }
-        // As for the file I/O rings (the config's own cap is the same).
-        if config.queue_depth > crate::fileio::MAX_RING_ENTRIES {
-            return Err(SwapError::Config(format!(
-                "queue_depth {} is more than a ring holds ({}); use 8 to 128",
-                config.queue_depth,
-                crate::fileio::MAX_RING_ENTRIES
-            )));
-        }
+        crate::fileio::check_queue_depth(config.queue_depth)?;
         if !space.alignment().is_aligned(config.block_bytes) || config.block_bytes == 0 {
             return Err(SwapError::Misaligned {
                 what: "aio block_size",

@@ -686,16 +686,7 @@ impl FileIo {
                 config.threads, config.queue_depth, config.block_bytes
             )));
         }
-        // A ring has at most MAX_RING_ENTRIES submission entries (and
-        // twice that many completion entries): a deeper queue would keep
-        // more in flight than its completions can hold, and size each
-        // ring thread's slot table by it.
-        if config.queue_depth > MAX_RING_ENTRIES {
-            return Err(SwapError::Config(format!(
-                "queue_depth {} is more than a ring holds ({MAX_RING_ENTRIES}); use 8 to 128",
-                config.queue_depth
-            )));
-        }
+        check_queue_depth(config.queue_depth)?;
         let shared = Arc::new(Shared {
             faults: config.faults.clone(),
             counters: FileIoCounters::default(),
@@ -876,11 +867,25 @@ impl Drop for FileIo {
     }
 }
 
-/// The most submission entries a file I/O ring is built with.
+/// The most submission entries a ring (the file I/O's, the engine's) is
+/// built with, and so the deepest queue either takes.
 pub const MAX_RING_ENTRIES: u32 = 4096;
 
+/// Refuses a queue deeper than a ring holds: it would keep more in flight
+/// than the ring's completions can hold, and each ring thread sizes its
+/// slot table by it (the Python aio handle passed any u32: 2^32-1
+/// aborted).
+pub fn check_queue_depth(queue_depth: u32) -> Result<()> {
+    if queue_depth > MAX_RING_ENTRIES {
+        return Err(SwapError::Config(format!(
+            "queue_depth {queue_depth} is more than a ring holds ({MAX_RING_ENTRIES}); use 8 to 128"
+        )));
+    }
+    Ok(())
+}
+
 fn build_ring(qd: u32) -> Result<IoUring> {
-    let entries = qd.next_power_of_two().clamp(2, MAX_RING_ENTRIES);
+    let entries = qd.next_power_of_two().max(2);
     IoUring::builder()
         .setup_single_issuer()
         .setup_coop_taskrun()

@@ -679,8 +679,7 @@ impl ParamStore {
         let from = slot.name();
         let ev = event.name();
         let old = std::mem::replace(slot, Slot::OnDisk);
-        // Bytes into (+) or out of (-) the staged-from-resident count.
-        let mut staged_delta = 0i64;
+        let was_staged_resident = matches!(old, Slot::Staged(_, true));
         let (new, delta): (Slot, i64) = match (old, event) {
             (Slot::OnDisk, ParamEvent::ReadIssued(t)) => (Slot::InFlight(t), 0),
             (Slot::OnDisk, ParamEvent::Materialized(t)) => (Slot::Resident(t, None), bytes as i64),
@@ -712,26 +711,15 @@ impl ParamStore {
             (Slot::OnDisk, ParamEvent::Updated(Some(t))) => (Slot::Resident(t, None), bytes as i64),
             (Slot::Resident(..), ParamEvent::Updated(Some(t))) => (Slot::Resident(t, None), 0),
             (Slot::Resident(..), ParamEvent::Updated(None)) => (Slot::OnDisk, -(bytes as i64)),
-            (Slot::Resident(..), ParamEvent::Staged(b)) => {
-                staged_delta = bytes as i64;
-                (Slot::Staged(b, true), -(bytes as i64))
-            }
+            (Slot::Resident(..), ParamEvent::Staged(b)) => (Slot::Staged(b, true), -(bytes as i64)),
             (Slot::OnDisk | Slot::InFlight(_), ParamEvent::Staged(b)) => {
                 (Slot::Staged(b, false), 0)
             }
             (Slot::Staged(_, was), ParamEvent::Staged(b)) => (Slot::Staged(b, was), 0),
-            (Slot::Staged(_, was), ParamEvent::Materialized(t)) => {
-                if was {
-                    staged_delta = -(bytes as i64);
-                }
+            (Slot::Staged(..), ParamEvent::Materialized(t)) => {
                 (Slot::Resident(t, None), bytes as i64)
             }
-            (Slot::Staged(_, was), ParamEvent::Updated(None)) => {
-                if was {
-                    staged_delta = -(bytes as i64);
-                }
-                (Slot::OnDisk, 0)
-            }
+            (Slot::Staged(..), ParamEvent::Updated(None)) => (Slot::OnDisk, 0),
             (old, _) => {
                 // Put the old slot back untouched and report.
                 *slot = old;
@@ -742,6 +730,10 @@ impl ParamStore {
                 });
             }
         };
+        // Into or out of the staged-from-resident count, from the slot
+        // before and after.
+        let staged_delta = bytes as i64
+            * (i64::from(matches!(new, Slot::Staged(_, true))) - i64::from(was_staged_resident));
         *slot = new;
         self.resident_bytes = (self.resident_bytes as i64 + delta).max(0) as u64;
         self.staged_resident_bytes =

@@ -13,22 +13,6 @@ fn largest_param_numel(model: &Model) -> u64 {
         .unwrap_or(0)
 }
 
-/// The most elements of one unit's params.
-fn largest_unit_numel(model: &Model) -> u64 {
-    model
-        .units()
-        .iter()
-        .map(|u| {
-            u.params
-                .iter()
-                .filter_map(|p| model.params().get(p.0))
-                .map(|p| p.numel as u64)
-                .sum::<u64>()
-        })
-        .max()
-        .unwrap_or(0)
-}
-
 impl<L: DeviceLink> TieredUnits<L> {
     /// The most device bytes the tier's params hold on `model`: the
     /// largest unit's params in use, plus what may upload ahead (the
@@ -38,7 +22,7 @@ impl<L: DeviceLink> TieredUnits<L> {
     /// ([`TieredUnits::params_stored_as`]). The plan prints it;
     /// `tests/device_tier.rs` checks the peaks against it.
     pub fn params_bound_bytes(&self, model: &Model) -> u64 {
-        let largest_unit = largest_unit_numel(model);
+        let largest_unit = model.largest_unit_numel();
         let largest_param = largest_param_numel(model);
         let ahead = self.limits.prefetch_numel.max(largest_param);
         let all: u64 = model.params().iter().map(|p| p.numel as u64).sum();
@@ -79,7 +63,7 @@ impl<L: DeviceLink> TieredUnits<L> {
             // storage dtype's bytes (their wire, or less: fp32 sums of a
             // rank's share when several reduce on the device).
             let in_flight = super::super::param_device_bytes(
-                largest_unit_numel(model).saturating_mul(2),
+                model.largest_unit_numel().saturating_mul(2),
                 self.storage,
             );
             rows.push(DeviceMemoryRow {
