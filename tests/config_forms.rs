@@ -287,6 +287,33 @@ fn deprecated_aliases_are_accepted_with_warnings() {
 }
 
 #[test]
+fn bf16_wins_over_bfloat16_as_in_deepspeed() {
+    // DeepSpeed's get_bfloat16_config reads `bf16` and looks at
+    // `bfloat16` only where `bf16` is absent.
+    let l = load(json!({"train_batch_size": 8,
+        "bf16": {"enabled": false}, "bfloat16": {"enabled": true}}));
+    assert_eq!(l.config.precision, Precision::Fp32);
+    assert!(l.warnings.iter().any(
+        |w| matches!(w, ConfigWarning::Note { key, message } if key == "bfloat16" && message.contains("bf16"))
+    ));
+    assert!(l.unknown_keys().is_empty());
+    let l = load(json!({"train_batch_size": 8, "bfloat16": {"enabled": true}}));
+    assert_eq!(l.config.precision, Precision::Bf16);
+}
+
+#[test]
+fn boolean_zero_optimization_is_stage_one_or_zero() {
+    // DeepSpeed's read_zero_config_deprecated: true is stage 1.
+    for (on, stage) in [(true, 1), (false, 0)] {
+        let l = load(json!({"train_batch_size": 8, "zero_optimization": on}));
+        assert_eq!(l.config.zero.stage as u64, stage, "{on}");
+        assert!(l.warnings.iter().any(|w| matches!(w,
+            ConfigWarning::Deprecated { key, replacement }
+                if key == "zero_optimization" && replacement.contains(&format!("\"stage\": {stage}")))));
+    }
+}
+
+#[test]
 fn cpu_offload_false_does_nothing() {
     let c = load(
         json!({"train_batch_size": 8, "zero_optimization": {"stage": 2, "cpu_offload": false}}),

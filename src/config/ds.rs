@@ -34,7 +34,10 @@
 //! - `zero_optimization.cpu_offload_use_pin_memory` → `pin_memory` of the
 //!   sections created by the two keys above;
 //! - `aio.thread_count` → `aio.intra_op_parallelism`;
-//! - top-level `bfloat16` → `bf16`.
+//! - top-level `bfloat16` → `bf16` (given with `bf16`, it is ignored with
+//!   a note, as DeepSpeed's `get_bfloat16_config` reads `bf16` alone then);
+//! - `"zero_optimization": true` → `{"stage": 1}` (`false`: stage 0), as
+//!   DeepSpeed's `read_zero_config_deprecated` reads it.
 //!
 //! DeepSpeed's pydantic models also accept the field names of the `stage3_*`
 //! keys without the prefix (`prefetch_bucket_size`,
@@ -97,20 +100,24 @@ section! {
         /// `gradient_clipping`: global-norm clip; `None` = absent, DeepSpeed's
         /// default 1.0 (since DeepSpeed 0.19.3; 0.0, off, before).
         gradient_clipping: Option<AutoOr<f64>> => some(auto(num));
-        /// `steps_per_print`: DeepSpeed default 10.
+        /// `steps_per_print`: the interval of the plain progress lines
+        /// (default 10). DeepSpeed's default is none (no progress report);
+        /// tierzero is the training loop too, and keeps a line every 10
+        /// steps.
         steps_per_print: u64 = 10 => int;
         /// `wall_clock_breakdown`: DeepSpeed default false.
         wall_clock_breakdown: bool => flag;
         /// `fp16` block.
         fp16: DsFp16 => DsFp16::read;
-        /// `bf16` block (deprecated name `bfloat16`).
-        bf16: DsBf16 => DsBf16::read, deprecated "bfloat16";
+        /// `bf16` block (the old name `bfloat16`, read as DeepSpeed does
+        /// where `bf16` is absent).
+        bf16: DsBf16 => DsBf16::read, then bfloat16_old_name;
         /// `optimizer` block; `None` when absent.
         optimizer: Option<DsOptimizer> => some(read_optimizer);
         /// `scheduler` block; `None` when absent.
         scheduler: Option<DsScheduler> => some(read_scheduler);
-        /// `zero_optimization` block.
-        zero_optimization: DsZero => DsZero::read;
+        /// `zero_optimization` block (or DeepSpeed's deprecated boolean).
+        zero_optimization: DsZero => read_zero;
         /// `aio` block.
         aio: DsAio => DsAio::read;
         /// `activation_checkpointing` block; `None` when absent. Present, it
@@ -158,7 +165,9 @@ section! {
         "graph_harvesting",
         "log_level",
         "managed_gradient_accumulation",
+        "allgather_size",
     ];
+    also: ["bfloat16"];
 }
 
 section! {
@@ -862,6 +871,50 @@ fn cpu_offload_flag<T: OffloadBlock>(
     let value = Value::Object(block);
     *slot = Some(T::read_block(&Field { key, value: &value }, sink)?);
     Ok(pin.is_some())
+}
+
+/// The top-level `bfloat16`, `bf16`'s old name: read where `bf16` is
+/// absent (with a deprecation warning), and ignored with a note where it
+/// is present, as DeepSpeed's `get_bfloat16_config` does.
+fn bfloat16_old_name(
+    o: &mut Obj<'_>,
+    c: &mut DsConfig,
+    sink: &mut Sink,
+) -> Result<(), ConfigError> {
+    let has_bf16 = o.has("bf16");
+    let Some(old) = o.take("bfloat16") else {
+        return Ok(());
+    };
+    if has_bf16 {
+        sink.note(
+            &old.key,
+            "ignored: `bf16` is given too, and DeepSpeed reads `bf16` alone then; remove one",
+        );
+    } else {
+        sink.warnings.push(ConfigWarning::Deprecated {
+            key: old.key.clone(),
+            replacement: "`bf16`".to_owned(),
+        });
+        c.bf16 = DsBf16::read(&old, sink)?;
+    }
+    Ok(())
+}
+
+/// `zero_optimization`: the object, or DeepSpeed's deprecated boolean
+/// (`read_zero_config_deprecated`: `true` is stage 1, `false` stage 0).
+fn read_zero(f: &Field<'_>, sink: &mut Sink) -> Result<DsZero, ConfigError> {
+    let Some(on) = f.value.as_bool() else {
+        return DsZero::read(f, sink);
+    };
+    let stage = u64::from(on);
+    sink.warnings.push(ConfigWarning::Deprecated {
+        key: f.key.clone(),
+        replacement: format!("{{\"stage\": {stage}}}"),
+    });
+    Ok(DsZero {
+        stage,
+        ..DsZero::default()
+    })
 }
 
 /// `zero_optimization`'s deprecated boolean forms: `cpu_offload`,
