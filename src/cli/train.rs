@@ -520,12 +520,12 @@ fn load_data(
             None,
         ),
     };
-    if data.len() < seq_len + 2 {
+    if data.len() < tierzero::data::min_tokens(seq_len) {
         return Err(bad(format!(
             "--data {data_name}: {} tokens are too few for --seq-len {seq_len}; give at \
              least {} tokens of text or a smaller --seq-len",
             data.len(),
-            seq_len + 2
+            tierzero::data::min_tokens(seq_len)
         )));
     }
 

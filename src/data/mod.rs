@@ -25,12 +25,24 @@
 //! # Windows
 //!
 //! Sample `s` (a global index over steps, micro-batches, ranks and rows) is
-//! the window of `seq_len + 1` tokens starting at `(s · seq_len) mod (len −
-//! seq_len − 1)`: inputs are its first `seq_len` tokens, targets the last
-//! `seq_len`. Ranks read disjoint samples of the same global batch, so the
-//! data of a step does not depend on how it is split over ranks and
-//! micro-batches, whatever the format; the checkpoint's data position is
-//! the sample count.
+//! a window of `seq_len + 1` tokens ([`window_start`]): inputs are its first
+//! `seq_len` tokens, targets the last `seq_len`. The corpus is read in
+//! passes of `W = (len − 1) / seq_len` windows that do not overlap (but for
+//! the one token that is a target of a window and an input of the next),
+//! in file order: sample `s` is window `s mod W` of pass `s / W`. The
+//! `r = len − 1 − W · seq_len` tokens a pass cannot use (fewer than
+//! `seq_len`) are at its end in pass 0 and at its start in pass 1 (the
+//! pass's offset into the corpus rotates through `0, r, r − 1, …, 1`), so
+//! every token is a target by the end of the second pass, and a corpus of
+//! `seq_len + 1` tokens is one window. (Until 2026-12-05 the start was
+//! `(s · seq_len) mod (len − seq_len − 1)`: the last token never a target,
+//! and where that modulus shared a large factor with `seq_len` few
+//! distinct windows, one alone for `len = 2 · seq_len + 1`.)
+//!
+//! Ranks read disjoint samples of the same global batch, so the data of a
+//! step does not depend on how it is split over ranks and micro-batches,
+//! whatever the format; the checkpoint's data position is the sample count
+//! (and its config fingerprint names this order, [`WINDOW_ORDER`]).
 
 pub mod cache;
 pub mod encode;
@@ -383,22 +395,26 @@ impl TokenData {
         device: &Device,
     ) -> Result<(Tensor, Tensor)> {
         let n = self.len();
-        if seq_len == 0 || n < seq_len + 2 {
+        if seq_len == 0 || n < min_tokens(seq_len) {
             return Err(EngineError::Data {
                 path: self.source.clone(),
                 reason: format!(
                     "{n} tokens cannot give windows of seq_len {seq_len} + 1 (need at least {})",
-                    seq_len + 2
+                    min_tokens(seq_len)
                 ),
             });
         }
-        let span = (n - seq_len - 1) as u64;
         let mut ids = Vec::with_capacity(rows * seq_len);
         let mut tgt = Vec::with_capacity(rows * seq_len);
         let mut w = Vec::with_capacity(seq_len + 1);
         for r in 0..rows as u64 {
-            let s = first_sample + r;
-            let start = ((s.wrapping_mul(seq_len as u64)) % span) as usize;
+            let s = first_sample
+                .checked_add(r)
+                .ok_or_else(|| EngineError::Data {
+                    path: self.source.clone(),
+                    reason: format!("sample index {first_sample} + {r} overflows"),
+                })?;
+            let start = window_start(s, n, seq_len);
             w.clear();
             self.extend_window(start, seq_len + 1, &mut w);
             ids.extend_from_slice(&w[..seq_len]);
@@ -408,6 +424,32 @@ impl TokenData {
         let tgt = Tensor::from_vec(tgt, (rows, seq_len), device)?;
         Ok((ids, tgt))
     }
+}
+
+/// The name of the window order ([`window_start`]), recorded in a
+/// checkpoint's config fingerprint: a run resumed from a checkpoint of
+/// another order reads other windows from the same data position, and is
+/// warned so.
+pub const WINDOW_ORDER: &str = "passes of non-overlapping windows, offset rotating (2026-12-05)";
+
+/// The fewest tokens that give one window of `seq_len + 1`.
+pub fn min_tokens(seq_len: usize) -> usize {
+    seq_len.saturating_add(1)
+}
+
+/// Where sample `s`'s window of `seq_len + 1` tokens starts in a corpus
+/// of `n` tokens (`n >= seq_len + 1`, `seq_len >= 1`): window `s mod W` of
+/// pass `s / W`, `W = (n − 1) / seq_len`, the pass shifted by its offset
+/// (see "Windows" in the module docs). The window ends at or before `n`.
+pub fn window_start(s: u64, n: usize, seq_len: usize) -> usize {
+    debug_assert!(seq_len >= 1 && n > seq_len);
+    let per_pass = ((n - 1) / seq_len) as u64;
+    let spare = ((n - 1) as u64 - per_pass * seq_len as u64) + 1;
+    let (pass, k) = (s / per_pass, s % per_pass);
+    // 0, r, r - 1, ..., 1, 0, r, ... for passes 0, 1, 2, ...: pass 1 ends
+    // at the corpus's end, pass 0 starts at its start.
+    let offset = ((pass % spare) * (spare - 1)) % spare;
+    (offset + k * seq_len as u64) as usize
 }
 
 /// Reads until `buf` is full or the file ends; returns the bytes read.
@@ -607,4 +649,79 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
             no_cache: None,
         },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Which tokens the windows of samples `0..samples` make targets.
+    fn targets(n: usize, seq_len: usize, samples: u64) -> Vec<bool> {
+        let mut hit = vec![false; n];
+        for s in 0..samples {
+            let start = window_start(s, n, seq_len);
+            assert!(
+                start + seq_len < n,
+                "s {s}: window {start}+{seq_len} past {n}"
+            );
+            for h in &mut hit[start + 1..=start + seq_len] {
+                *h = true;
+            }
+        }
+        hit
+    }
+
+    #[test]
+    fn the_first_pass_is_the_corpus_in_order_without_overlap() {
+        // 10 windows of 8 and 3 tokens over: starts 0, 8, ..., 72.
+        let (n, seq_len) = (84, 8);
+        let starts: Vec<usize> = (0..10).map(|s| window_start(s, n, seq_len)).collect();
+        assert_eq!(starts, (0..10).map(|k| k * seq_len).collect::<Vec<_>>());
+        // Pass 1 is shifted to end at the corpus's end: it starts at 3.
+        assert_eq!(window_start(10, n, seq_len), 3);
+        assert_eq!(window_start(19, n, seq_len) + seq_len + 1, n);
+    }
+
+    #[test]
+    fn two_passes_make_every_token_but_the_first_a_target() {
+        // The old rule's worst case: 2 * seq_len + 1 tokens gave one window
+        // (0..=seq_len) for every sample; here two windows, the whole corpus.
+        for (n, seq_len) in [(2049, 1024), (10241, 1024), (1025, 1024), (100, 7), (9, 8)] {
+            let per_pass = ((n - 1) / seq_len) as u64;
+            let hit = targets(n, seq_len, 2 * per_pass);
+            assert!(hit[1..].iter().all(|&h| h), "n {n}, seq_len {seq_len}");
+        }
+    }
+
+    #[test]
+    fn a_corpus_of_one_window_is_enough() {
+        let d = TokenData::from_ids((0..9).collect(), Path::new("t"));
+        let (ids, tgt) = d.batch(0, 3, 8, &Device::Cpu).unwrap();
+        let ids: Vec<Vec<u32>> = ids.to_vec2().unwrap();
+        let tgt: Vec<Vec<u32>> = tgt.to_vec2().unwrap();
+        for r in 0..3 {
+            assert_eq!(ids[r], (0..8).collect::<Vec<u32>>());
+            assert_eq!(tgt[r], (1..9).collect::<Vec<u32>>());
+        }
+        let short = TokenData::from_ids((0..8).collect(), Path::new("t"));
+        assert!(short.batch(0, 1, 8, &Device::Cpu).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn windows_stay_inside_and_passes_cover(
+            seq_len in 1usize..40,
+            extra in 0usize..200,
+            s in 0u64..u64::MAX / 2,
+        ) {
+            let n = seq_len + 1 + extra;
+            let start = window_start(s, n, seq_len);
+            prop_assert!(start + seq_len < n);
+            let per_pass = ((n - 1) / seq_len) as u64;
+            let hit = targets(n, seq_len, 2 * per_pass);
+            prop_assert!(hit[1..].iter().all(|&h| h));
+        }
+    }
 }

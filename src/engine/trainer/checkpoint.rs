@@ -20,6 +20,10 @@ pub fn config_fingerprint(config: &Config) -> ConfigFingerprint {
         "sub_group_size".to_owned(),
         format!("{}", config.zero.sub_group_numel.0),
     );
+    numerics.insert(
+        "data_order".to_owned(),
+        crate::data::WINDOW_ORDER.to_owned(),
+    );
     let mut h = Sha256::new();
     h.update(format!("{config:?}").as_bytes());
     ConfigFingerprint {
