@@ -152,8 +152,8 @@ pub fn lookup(tokens: &Path, sidecar: &Path, key: &str, width: TokenWidth) -> Op
     (meta.tierzero_token_cache == CACHE_VERSION
         && meta.key == key
         && meta.dtype == width.dtype_name()
-        && len == meta.tokens * width.bytes() as u64)
-        .then_some(meta)
+        && meta.tokens.checked_mul(width.bytes() as u64) == Some(len))
+    .then_some(meta)
 }
 
 /// Whether files can be created in `dir` (a probe file, created and
