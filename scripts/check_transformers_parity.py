@@ -5,7 +5,7 @@ Usage:
   check_transformers_parity.py [--bin target/debug/tierzero] [--only NAME ...]
                                [--keep DIR] [--json FILE]
 
-For each case (GPT-2; Llama with transformers 4's top-level `rope_theta`,
+For each case (GPT-2, tied and untied; Llama with transformers 4's top-level `rope_theta`,
 with transformers 5's `rope_parameters`, with Llama 3.1's `llama3` rope in
 both styles, with linear, dynamic and yarn rope, with attention and MLP
 biases; Mistral with a sliding window shorter than the sequence; Qwen2 with
@@ -95,6 +95,14 @@ CASES = {
     "gpt2": (
         GPT2Config,
         dict(vocab_size=VOCAB, n_positions=128, n_embd=64, n_layer=2, n_head=4, n_inner=96),
+        "v5",
+    ),
+    # An untied head: the export names the body `transformer.*` beside
+    # `lm_head.weight`, as GPT2LMHeadModel's state dict does.
+    "gpt2-untied": (
+        GPT2Config,
+        dict(vocab_size=VOCAB, n_positions=128, n_embd=64, n_layer=2, n_head=4, n_inner=96,
+             tie_word_embeddings=False),
         "v5",
     ),
     "llama-v4-theta": (

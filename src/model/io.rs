@@ -203,19 +203,55 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
                 files.push(p);
             }
         }
+        if files.is_empty() {
+            // Not "no weights, so a seeded init": the index says there are.
+            return Err(bad_file(
+                &index,
+                "weight_map is empty: it names no weight file",
+            ));
+        }
         files.sort();
         return Ok(files);
     }
     let mut files = Vec::new();
+    let mut foreign = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(io_err(dir))? {
         let entry = entry.map_err(io_err(dir))?;
         let p = entry.path();
         if p.extension().is_some_and(|e| e == "safetensors") {
             files.push(p);
+        } else if is_foreign_weight_file(&p) {
+            foreign.push(p);
         }
+    }
+    if files.is_empty() && !foreign.is_empty() {
+        // Without this, the directory would train from the seeded init
+        // while transformers loads these weights.
+        foreign.sort();
+        let names: Vec<String> = foreign
+            .iter()
+            .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .collect();
+        return Err(ModelError::ForeignWeights {
+            dir: dir.to_path_buf(),
+            files: names.join(", "),
+        });
     }
     files.sort();
     Ok(files)
+}
+
+/// Whether `p` is a weight file of a format other than safetensors that a
+/// HF directory may hold (PyTorch pickles, TensorFlow, Flax, and the
+/// original Llama releases' `consolidated.*.pth`).
+fn is_foreign_weight_file(p: &Path) -> bool {
+    let Some(name) = p.file_name().and_then(|n| n.to_str()) else {
+        return false;
+    };
+    let ext = p.extension().and_then(|e| e.to_str()).unwrap_or("");
+    (name.starts_with("pytorch_model") && ext == "bin")
+        || matches!(ext, "pt" | "pth" | "ckpt")
+        || matches!(name, "tf_model.h5" | "flax_model.msgpack")
 }
 
 /// How [`ModelDir::open_with`] reads a model directory.
@@ -539,7 +575,7 @@ pub fn write_safetensors(
                 what: "safetensors data length".into(),
             })?;
         header.insert(
-            p.name.clone(),
+            model.hf_file_name(p).into_owned(),
             serde_json::json!({
                 "dtype": st_dtype,
                 "shape": p.shape,
@@ -644,6 +680,30 @@ mod tests {
         assert_eq!(again.to_vec1::<f64>().unwrap(), v);
         let other = init_param(&spec, 8, DType::F64, &Device::Cpu).unwrap();
         assert_ne!(other.to_vec1::<f64>().unwrap(), v);
+    }
+
+    #[test]
+    fn weights_tierzero_cannot_read_are_refused_not_replaced_by_an_init() {
+        let d = tempfile::tempdir().unwrap();
+        let cfg = r#"{"model_type": "gpt2", "vocab_size": 256, "n_embd": 16, "n_layer": 1,
+            "n_head": 2, "n_positions": 32}"#;
+        std::fs::write(d.path().join("config.json"), cfg).unwrap();
+        // config.json alone: the seeded init.
+        assert!(ModelDir::open(d.path(), 1).is_ok());
+        std::fs::write(d.path().join("pytorch_model.bin"), b"not read").unwrap();
+        match ModelDir::open(d.path(), 1) {
+            Err(ModelError::ForeignWeights { files, .. }) => {
+                assert_eq!(files, "pytorch_model.bin")
+            }
+            other => panic!("{other:?}"),
+        }
+        std::fs::write(
+            d.path().join("model.safetensors.index.json"),
+            r#"{"metadata": {}, "weight_map": {}}"#,
+        )
+        .unwrap();
+        let e = ModelDir::open(d.path(), 1).unwrap_err().to_string();
+        assert!(e.contains("weight_map is empty"), "{e}");
     }
 
     #[test]

@@ -69,7 +69,8 @@
 //! tensor's shape from the header before reading data, and initialises
 //! deterministically from a seed when the directory has only `config.json`.
 //! Canonical parameter names are the HF names (GPT-2 without the
-//! `transformer.` prefix), and the canonical layout is the HF layout: GPT-2's
+//! `transformer.` prefix, which an untied GPT-2's file names carry:
+//! [`Model::hf_file_name`]), and the canonical layout is the HF layout: GPT-2's
 //! Conv1D weights stay `[in, out]` ([`ParamKind::Conv1dWeight`]), Llama's
 //! `nn.Linear` weights stay `[out, in]`, so export writes tensors unchanged.
 //!
@@ -162,6 +163,20 @@ pub enum ModelError {
         path: std::path::PathBuf,
         /// What is wrong.
         reason: String,
+    },
+    /// A model directory holds weights in a format tierzero does not read
+    /// and no safetensors.
+    #[error(
+        "model directory {dir}: it holds weights tierzero does not read ({files}) and no \
+         safetensors; convert them (in Python, `AutoModelForCausalLM.from_pretrained(dir)\
+         .save_pretrained(dir)` writes model.safetensors), or remove them to train from a \
+         seeded init"
+    )]
+    ForeignWeights {
+        /// The directory.
+        dir: std::path::PathBuf,
+        /// The files' names, comma-separated.
+        files: String,
     },
     /// An expected tensor is not in the checkpoint.
     #[error("tensor `{name}` is missing from the checkpoint")]
@@ -670,6 +685,25 @@ impl Model {
     /// All parameters, each once, indexed by [`ParamId`].
     pub fn params(&self) -> &[ParamSpec] {
         &self.params
+    }
+
+    /// The name `p` is written under in an HF safetensors file: its
+    /// canonical name, except for a GPT-2 with an untied head, whose body
+    /// is written with the `transformer.` prefix (`GPT2LMHeadModel`'s
+    /// state-dict names). transformers loads unprefixed names as a base
+    /// model's file, and a base model's file that also holds
+    /// `lm_head.weight` is refused as corrupted (transformers 4.x), so an
+    /// untied file must name the body as the head model does. (A tied one
+    /// holds no `lm_head.weight` and keeps the hub's unprefixed names.)
+    pub fn hf_file_name<'a>(&self, p: &'a ParamSpec) -> std::borrow::Cow<'a, str> {
+        let prefixed = self.config.arch == Arch::Gpt2
+            && !self.config.tie_word_embeddings
+            && p.name != "lm_head.weight";
+        if prefixed {
+            format!("transformer.{}", p.name).into()
+        } else {
+            p.name.as_str().into()
+        }
     }
 
     /// One parameter.
