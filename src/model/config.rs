@@ -851,10 +851,23 @@ impl ModelConfig {
         if n_head == 0 {
             return Err(invalid("num_attention_heads", "must be positive"));
         }
+        // Absent: the family's default (Mistral 8, Qwen 32); null: as many
+        // as the query heads, as transformers' configs set `None`.
         let n_kv_head = match k.opt_usize("num_key_value_heads")? {
             Some(n) => n,
+            None if obj.contains_key("num_key_value_heads") => n_head,
             None => d.kv_heads.unwrap_or(n_head),
         };
+        if d.head_dim.is_some() && obj.get("head_dim").is_some_and(Value::is_null) {
+            // transformers 5's Qwen3Config refuses it (an int, strict); 4
+            // kept None and failed building the attention.
+            return Err(invalid(
+                "head_dim",
+                format!(
+                    "is null; {fam} needs a number (its default is 128 when the key is absent)"
+                ),
+            ));
+        }
         let head_dim = match k.opt_usize("head_dim")?.or(d.head_dim) {
             Some(h) => h,
             None => {
@@ -1009,6 +1022,38 @@ mod tests {
         assert_eq!(cfg.head_dim, 64);
         assert_eq!(cfg.activation, Activation::GeluTanh);
         assert!(cfg.tie_word_embeddings);
+    }
+
+    #[test]
+    fn null_kv_heads_is_the_query_heads_and_absent_is_the_family_default() {
+        // transformers: `if num_key_value_heads is None: = num_attention_heads`;
+        // only an absent key gets the signature default (Mistral 8, Qwen 32).
+        for (family, absent) in [("mistral", 8), ("qwen2", 32), ("qwen3", 32), ("llama", 32)] {
+            let text = format!(
+                r#"{{"model_type":"{family}","num_attention_heads":32,"hidden_size":4096,"num_key_value_heads":null}}"#
+            );
+            let (cfg, _) = ModelConfig::from_hf_json(&text).unwrap();
+            assert_eq!(cfg.n_kv_head, 32, "{family} null");
+            let text = format!(
+                r#"{{"model_type":"{family}","num_attention_heads":32,"hidden_size":4096}}"#
+            );
+            let (cfg, _) = ModelConfig::from_hf_json(&text).unwrap();
+            assert_eq!(cfg.n_kv_head, absent, "{family} absent");
+        }
+        let text = r#"{"model_type":"qwen2","num_attention_heads":14,"hidden_size":896,"num_key_value_heads":null}"#;
+        assert_eq!(ModelConfig::from_hf_json(text).unwrap().0.n_kv_head, 14);
+    }
+
+    #[test]
+    fn a_null_head_dim_is_refused_where_the_family_has_a_number() {
+        let text =
+            r#"{"model_type":"qwen3","num_attention_heads":16,"hidden_size":1024,"head_dim":null}"#;
+        let e = ModelConfig::from_hf_json(text).unwrap_err().to_string();
+        assert!(e.contains("head_dim"), "{e}");
+        // Llama's default is None: null is hidden / heads, as absent is.
+        let text =
+            r#"{"model_type":"llama","num_attention_heads":16,"hidden_size":1024,"head_dim":null}"#;
+        assert_eq!(ModelConfig::from_hf_json(text).unwrap().0.head_dim, 64);
     }
 
     #[test]
