@@ -210,8 +210,14 @@ impl LossScaler {
     }
 
     /// Continues from a saved state (bit-exact: the scale is restored from
-    /// its bits, not from the decimal text).
+    /// its bits, not from the decimal text). A static scaler keeps the
+    /// config's scale: nothing of a static run changes while training, and
+    /// a resumed run that sets `fp16.loss_scale` means that value (the
+    /// resume warns that the precision settings differ).
     pub fn restore(&mut self, s: &LossScalerState) {
+        if !self.dynamic {
+            return;
+        }
         self.cur_scale = f64::from_bits(s.cur_scale_bits);
         self.cur_hysteresis = s.cur_hysteresis;
         self.cur_iter = s.cur_iter;
@@ -313,5 +319,28 @@ mod tests {
         assert_eq!(s.scale(), 8.0);
         s.update(false); // (3-1) % 2 == 0: double
         assert_eq!(s.scale(), 16.0);
+    }
+
+    #[test]
+    fn a_static_scale_is_the_configs_after_a_restore() {
+        let mut dynamic = LossScaler::from_config(LossScale::Dynamic {
+            initial_scale_power: 4,
+            window: 2,
+            hysteresis: 1,
+            min_scale: 1.0,
+        });
+        dynamic.update(true);
+        let saved = dynamic.state();
+        let mut resumed = LossScaler::from_config(LossScale::Dynamic {
+            initial_scale_power: 16,
+            window: 2,
+            hysteresis: 1,
+            min_scale: 1.0,
+        });
+        resumed.restore(&saved);
+        assert_eq!(resumed.scale(), 8.0);
+        let mut fixed = LossScaler::from_config(LossScale::Static(128.0));
+        fixed.restore(&saved);
+        assert_eq!(fixed.scale(), 128.0);
     }
 }
