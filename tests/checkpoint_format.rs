@@ -249,6 +249,19 @@ fn truncation_latest_fallback_and_unfinished_saves() {
     std::fs::remove_file(save2.join("step-00000002/manifest.json")).unwrap();
     let c = Checkpoint::open(&save2).unwrap();
     assert_eq!(c.step(), 1);
+    // `latest` naming a step of a format this build does not read is not
+    // damage: the open fails, naming the version, rather than resuming
+    // from step 1 (whose next save of step 2 would replace the newer one).
+    let (save4, step4) = saved("newer");
+    copy_dir(&step4, &save4.join("step-00000001"));
+    edit_manifest(&save4.join("step-00000001"), |v| v["step"] = 1.into());
+    edit_manifest(&step4, |v| v["version"] = 99.into());
+    match open_err(&save4) {
+        CheckpointError::Version { version, by, .. } => {
+            assert_eq!((version, by), (99, " (written by a newer tierzero)"))
+        }
+        other => panic!("{other}"),
+    }
     // An unfinished save (staging dir of a dead process) is not a
     // checkpoint, and the next save removes it.
     let lone = scratch("lone");
@@ -262,6 +275,33 @@ fn truncation_latest_fallback_and_unfinished_saves() {
     let mut t = engine_support::build(&tiny_gpt2_dir("stale2", 2, 32), &k, 5, 16, 1);
     t.save_checkpoint(&save3).unwrap();
     assert!(!staging3.exists(), "stale staging dir not removed");
+}
+
+#[test]
+fn export_into_the_checkpoint_is_refused() {
+    // Its 16-bit model.safetensors is listed in the manifest: an fp32
+    // export over it would break the checkpoint.
+    let (_, step) = saved("export-into");
+    let c = Checkpoint::open(&step).unwrap();
+    let listed = std::fs::read(step.join("model.safetensors")).unwrap();
+    for out in [
+        step.join("model.safetensors"),
+        step.join("sub/model.safetensors"),
+    ] {
+        match tierzero::checkpoint::export_safetensors(&c, &out, candle_core::DType::F32) {
+            Err(CheckpointError::ExportIntoCheckpoint { dir, .. }) => assert_eq!(dir, c.dir()),
+            other => panic!("{out:?}: {other:?}"),
+        }
+    }
+    assert_eq!(
+        std::fs::read(step.join("model.safetensors")).unwrap(),
+        listed
+    );
+    assert!(
+        !step.join("sub").exists(),
+        "a directory was created inside the checkpoint"
+    );
+    assert!(Checkpoint::open(&step).unwrap().verify().ok());
 }
 
 fn copy_dir(from: &Path, to: &Path) {
@@ -530,8 +570,8 @@ fn huge_claims_are_refused_before_allocating() {
 /// replacement in leaves `.step-N.old-<pid>` as step N's only copy, which
 /// `latest` names and `Checkpoint::open` falls back to. The next save (a
 /// resumed run's, of another step) must not remove it as a dead process's
-/// leftover: a second crash during that save would leave `latest` naming
-/// nothing.
+/// leftover (a second crash during that save would leave `latest` naming
+/// nothing): it renames it back to `step-N`.
 #[test]
 fn a_step_moved_aside_by_a_dead_save_survives_the_next_save() {
     let (save, step) = saved("aside");
@@ -544,13 +584,24 @@ fn a_step_moved_aside_by_a_dead_save_survives_the_next_save() {
     t.step().unwrap();
     // Step 1 of another run into the same dir: a save that is not step 2.
     t.save_checkpoint(&save).unwrap();
-    assert!(aside.exists(), "the only copy of step 2 was removed");
-    // Once a step-2 exists again, the moved-aside copy is a leftover.
-    copy_dir(&aside, &save.join("step-00000002"));
+    assert!(!aside.exists(), "the moved-aside copy stays moved aside");
+    let back = Checkpoint::open(&step).expect("step 2 renamed back");
+    assert_eq!(back.step(), 2);
+    assert!(back.verify().ok());
+    // Where a step-2 exists again, a moved-aside copy is a leftover.
+    copy_dir(&step, &aside);
     t.step().unwrap();
     t.save_checkpoint(&save).unwrap();
     assert!(
         !aside.exists(),
         "a moved-aside copy with its step back stays"
     );
+    // A staging dir named with this process's pid that this process is
+    // not writing is a dead incarnation's (pid 1 in a container after a
+    // restart): removed by the next save.
+    let own = save.join(format!(".step-00000009.tmp-{}", std::process::id()));
+    std::fs::create_dir(&own).unwrap();
+    t.step().unwrap();
+    t.save_checkpoint(&save).unwrap();
+    assert!(!own.exists(), "a dead incarnation's staging dir stays");
 }

@@ -8,7 +8,9 @@
 //! * Names and layout are the HF ones ([`crate::model::write_safetensors`]):
 //!   GPT-2 without the `transformer.` prefix and Conv1D `[in, out]` weights
 //!   (as the hub's `gpt2` files, which `GPT2LMHeadModel` loads), Llama with
-//!   `model.` names. A tied `lm_head` is not written (HF re-ties it).
+//!   `model.` names. A tied `lm_head` is not written (HF re-ties it); an
+//!   untied GPT-2's body is written with the prefix beside its
+//!   `lm_head.weight` ([`crate::model::Model::hf_file_name`]).
 //! * The output is written to a temporary file beside it and renamed
 //!   ([`crate::durable`]): an interrupted export never leaves a partial file
 //!   under the output name.
@@ -62,8 +64,25 @@ pub fn export_safetensors(
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    // The output's directory is created if missing (like `--save-dir`).
-    std::fs::create_dir_all(&dir).map_err(io_err("creating directory", &dir))?;
+    // Never into the checkpoint read from: replacing a file its manifest
+    // lists (its 16-bit `model.safetensors`) would break it. Checked on
+    // the nearest directory that exists, before creating any.
+    let existing = dir
+        .ancestors()
+        .find(|a| !a.as_os_str().is_empty() && a.exists())
+        .unwrap_or(Path::new("."));
+    let canonical = existing
+        .canonicalize()
+        .map_err(io_err("resolving", existing))?;
+    if canonical.starts_with(ckpt.dir()) {
+        return Err(CheckpointError::ExportIntoCheckpoint {
+            out: out.to_path_buf(),
+            dir: ckpt.dir().to_path_buf(),
+        });
+    }
+    // The output's directory is created if missing (like `--save-dir`),
+    // durably, as every directory the project creates.
+    durable::create_dir_all(&dir)?;
     let model = ckpt.model();
     let cfg_text = hf_config_text(model)?;
     let config_path = dir.join("config.json");

@@ -329,17 +329,16 @@ impl Manifest {
         }
         let version = v.get("version").and_then(|f| f.as_u64()).unwrap_or(0);
         if version != u64::from(FORMAT_VERSION) {
-            return Err(bad(
-                path,
-                format!(
-                    "format version {version}; this tierzero reads version {FORMAT_VERSION}{}",
-                    if version > u64::from(FORMAT_VERSION) {
-                        " (written by a newer tierzero)"
-                    } else {
-                        ""
-                    }
-                ),
-            ));
+            return Err(CheckpointError::Version {
+                path: path.to_path_buf(),
+                version,
+                reads: FORMAT_VERSION,
+                by: if version > u64::from(FORMAT_VERSION) {
+                    " (written by a newer tierzero)"
+                } else {
+                    ""
+                },
+            });
         }
         let recorded = v
             .as_object_mut()

@@ -201,6 +201,20 @@ pub enum CheckpointError {
         /// Why it is refused.
         reason: String,
     },
+    /// The manifest is of a format version this tierzero does not read.
+    /// Never a reason to fall back to an older checkpoint: the newer one
+    /// is whole, and a newer tierzero reads it.
+    #[error("checkpoint manifest {path}: format version {version}{by}; this tierzero reads version {reads}")]
+    Version {
+        /// The manifest.
+        path: PathBuf,
+        /// Its version.
+        version: u64,
+        /// The version this build reads.
+        reads: u32,
+        /// " (written by a newer tierzero)" or "".
+        by: &'static str,
+    },
     /// Data does not match its recorded crc32c.
     #[error(
         "checkpoint {part} in {path} is corrupt: crc32c {got_crc:#010x}, the manifest says \
@@ -228,6 +242,17 @@ pub enum CheckpointError {
         expected_bytes: u64,
         /// Bytes found.
         got_bytes: u64,
+    },
+    /// An export's output is inside the checkpoint it reads.
+    #[error(
+        "export output {out} is inside the checkpoint directory {dir}: writing there could \
+         replace a file the checkpoint lists; export into a directory outside it"
+    )]
+    ExportIntoCheckpoint {
+        /// The output asked for.
+        out: PathBuf,
+        /// The checkpoint's directory.
+        dir: PathBuf,
     },
     /// The checkpoint does not fit the run.
     #[error(
@@ -266,6 +291,28 @@ impl From<crate::durable::DurableError> for CheckpointError {
             op: e.op,
             path: e.path,
             source: e.source,
+        }
+    }
+}
+
+impl CheckpointError {
+    /// Whether the error says a step directory is damaged or incomplete
+    /// (missing, a manifest that does not parse or validate, a file of the
+    /// wrong size or a bad crc): what a crash or a bad disk leaves, and
+    /// where opening a save dir falls back to an older step. An I/O error
+    /// other than "not found" (EIO, EACCES, ESTALE) or a manifest of a
+    /// version this build does not read is not: falling back then would
+    /// resume from an older step, and the next save of the newer step
+    /// would replace the one that was there.
+    pub fn is_damage(&self) -> bool {
+        match self {
+            CheckpointError::Io { source, .. } => source.kind() == std::io::ErrorKind::NotFound,
+            CheckpointError::Manifest { .. }
+            | CheckpointError::PathEscape { .. }
+            | CheckpointError::Corrupt { .. }
+            | CheckpointError::Size { .. }
+            | CheckpointError::Model(_) => true,
+            _ => false,
         }
     }
 }

@@ -159,8 +159,11 @@ fn manifest_err(path: &Path, reason: impl Into<String>) -> CheckpointError {
 impl Checkpoint {
     /// Opens `dir`: a step dir (holding `manifest.json`), or a save dir, in
     /// which case `latest` is followed (or, when `latest` is missing or
-    /// does not validate, the newest `step-*` dir that does, with a
-    /// warning). Validates the manifest and file sizes; reads no data.
+    /// names a step dir that is damaged, the newest `step-*` dir that
+    /// validates, with a warning). An error that is not damage (an I/O
+    /// error other than "not found", a manifest version this build does
+    /// not read: [`CheckpointError::is_damage`]) fails the open instead.
+    /// Validates the manifest and file sizes; reads no data.
     pub fn open(dir: &Path) -> Result<Checkpoint, CheckpointError> {
         if let Some(name) = dir.file_name().and_then(|n| n.to_str()) {
             if staging_owner_pid(name).is_some() {
@@ -185,6 +188,9 @@ impl Checkpoint {
                 match parse_step_dir_name(name) {
                     Some(step) => match Self::open_step_dir(&dir.join(name)) {
                         Ok(c) => return Ok(c),
+                        // Not damage: fail rather than resume from an
+                        // older step (see `CheckpointError::is_damage`).
+                        Err(e) if !e.is_damage() => return Err(e),
                         Err(e) => {
                             if !dir.join(name).exists() {
                                 if let Some(c) = Self::open_moved_aside(dir, name, step) {
@@ -224,6 +230,7 @@ impl Checkpoint {
                     }
                     return Ok(c);
                 }
+                Err(e) if !e.is_damage() => return Err(e),
                 Err(e) => {
                     tracing::warn!(dir = %p.display(), error = %e, "skipping a step directory that does not validate");
                 }
@@ -266,7 +273,7 @@ impl Checkpoint {
         })
     }
 
-    fn open_step_dir(dir: &Path) -> Result<Checkpoint, CheckpointError> {
+    pub(crate) fn open_step_dir(dir: &Path) -> Result<Checkpoint, CheckpointError> {
         let dir = dir.canonicalize().map_err(io_err("opening", dir))?;
         let mpath = dir.join(MANIFEST_FILE);
         let f = File::open(&mpath).map_err(io_err("opening", &mpath))?;

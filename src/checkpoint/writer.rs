@@ -60,9 +60,55 @@ fn moved_aside_step(name: &str) -> Option<String> {
     Some(format!("step-{step}"))
 }
 
+/// The staging dirs this process is writing (begun, neither committed
+/// nor dropped). A staging dir named with this process's pid but not
+/// here is a dead process's: in a container every restart may be pid 1.
+static LIVE_STAGING: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+
+fn live_staging() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
+    LIVE_STAGING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Whether the staging (or moved-aside) dir `path` named with `pid` may
+/// be in use: `pid` is another live process, or this process is writing
+/// it.
+fn staging_in_use(path: &Path, pid: u32) -> bool {
+    if pid == std::process::id() {
+        live_staging().iter().any(|p| p == path)
+    } else {
+        tierzero_swap::space::process_alive(pid)
+    }
+}
+
+/// `.step-N.old-<pid>` at `path`, whose `step-N` is missing: a save that
+/// replaced `step-N` moved it aside and died before its replacement
+/// landed. It is the step's only copy, whole; it is renamed back to
+/// `step-N` (what `Checkpoint::open` would read through it) when its
+/// manifest validates as step N, and kept otherwise.
+fn restore_moved_aside(save_dir: &Path, path: &Path, step_name: &str) {
+    let whole = parse_step_dir_name(step_name).is_some_and(|step| {
+        super::reader::Checkpoint::open_step_dir(path).is_ok_and(|c| c.step() == step)
+    });
+    if !whole {
+        tracing::warn!(dir = %path.display(), "kept a moved-aside checkpoint whose manifest does not validate");
+        return;
+    }
+    match durable::rename(path, &save_dir.join(step_name)) {
+        Ok(()) => {
+            tracing::warn!(dir = %path.display(), "restored a checkpoint that a save interrupted while replacing it had moved aside")
+        }
+        Err(err) => {
+            tracing::warn!(dir = %path.display(), error = %err, "could not restore a moved-aside checkpoint")
+        }
+    }
+}
+
 /// Removes `.step-*.tmp-<pid>` / `.old-<pid>` dirs and `.latest.tmp-<pid>-*`
-/// files of processes that are gone, but an `.old` dir whose `step-N` is
-/// missing (see below). Nothing else is touched.
+/// files of processes that are gone (this process's, where it is not
+/// writing them), but an `.old` dir whose `step-N` is missing, which is
+/// renamed back (see [`restore_moved_aside`]). Nothing else is touched.
 fn remove_stale(save_dir: &Path) {
     let Ok(entries) = std::fs::read_dir(save_dir) else {
         return;
@@ -89,7 +135,7 @@ fn remove_stale(save_dir: &Path) {
         let Some(pid) = name.to_str().and_then(staging_owner_pid) else {
             continue;
         };
-        if pid == std::process::id() || tierzero_swap::space::process_alive(pid) {
+        if staging_in_use(&e.path(), pid) {
             continue;
         }
         if !e.file_type().is_ok_and(|t| t.is_dir()) {
@@ -97,10 +143,10 @@ fn remove_stale(save_dir: &Path) {
         }
         // A step moved aside by a save that died before its replacement
         // landed is that step's only copy, and `latest` may name it
-        // (`Checkpoint::open` falls back to it): kept until a `step-N`
-        // exists again.
+        // (`Checkpoint::open` reads through it): renamed back.
         if let Some(step) = moved_aside_step(name.to_str().unwrap_or_default()) {
-            if !save_dir.join(step).exists() {
+            if !save_dir.join(&step).exists() {
+                restore_moved_aside(save_dir, &e.path(), &step);
                 continue;
             }
         }
@@ -152,6 +198,7 @@ impl StagedCheckpoint {
             durable::record::remove(&tmp_dir);
         }
         durable::create_dir(&tmp_dir)?;
+        live_staging().push(tmp_dir.clone());
         Ok(StagedCheckpoint {
             save_dir: save_dir.to_path_buf(),
             tmp_dir,
@@ -347,6 +394,7 @@ impl StagedCheckpoint {
         };
         durable::rename(&self.tmp_dir, &final_dir)?;
         self.committed = true;
+        self.forget_live();
         failpoint::kill_point(Site::CkptBeforeLatest);
         durable::write_atomic_with(
             &self.save_dir.join(LATEST_FILE),
@@ -354,16 +402,36 @@ impl StagedCheckpoint {
             Some(Site::CkptLatestWrite),
         )?;
         if replaced {
-            std::fs::remove_dir_all(&old).map_err(io_err("removing", &old))?;
-            durable::record::remove(&old);
-            durable::sync_dir(&self.save_dir)?;
+            // The save is whole and `latest` names it: failing to remove
+            // the copy it replaced is not a failed save (the next save's
+            // `remove_stale` tries again).
+            match std::fs::remove_dir_all(&old) {
+                Ok(()) => {
+                    durable::record::remove(&old);
+                    if let Err(e) = durable::sync_dir(&self.save_dir) {
+                        tracing::warn!(error = %e, "syncing the save dir after removing a replaced checkpoint");
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(dir = %old.display(), error = %e, "could not remove the checkpoint this save replaced")
+                }
+            }
         }
         Ok(final_dir)
+    }
+
+    /// Drops this save's staging dir from the live list (committed, or
+    /// dropped: see [`LIVE_STAGING`]).
+    fn forget_live(&self) {
+        if self.owner {
+            live_staging().retain(|p| p != &self.tmp_dir);
+        }
     }
 }
 
 impl Drop for StagedCheckpoint {
     fn drop(&mut self) {
+        self.forget_live();
         if !self.committed && self.owner {
             // A failed save: the staging dir is never read; remove it now
             // rather than at the next save.
