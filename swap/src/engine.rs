@@ -247,7 +247,8 @@ pub(crate) struct Job {
     pub req: Request,
     pub reply: Sender<Completion>,
     pub submitted: Instant,
-    /// crc32c of a whole-extent write, computed on the submitting thread
+    /// crc32c of a write at offset 0 (the whole extent or a prefix of it),
+    /// computed on the submitting thread
     /// so the ring thread never hashes data on its submission path.
     pub write_crc: Option<u32>,
 }
@@ -319,8 +320,16 @@ impl Shared {
             Some(e) => Err(e),
             None => Ok(()),
         };
-        if req.op == IoOp::Read && result.is_ok() && self.space.checksums() && whole_extent(req) {
-            if let Some(expected) = req.extent.checksum() {
+        if req.op == IoOp::Read && result.is_ok() && self.space.checksums() {
+            // A read of exactly the prefix the last write at offset 0 wrote
+            // (the whole extent, or a range write's: a spilled 16-bit
+            // gradient in an fp32-sized extent) is verified.
+            let recorded = req
+                .extent
+                .checksum()
+                .filter(|c| req.offset_bytes == 0 && c.len_bytes == req.len_bytes)
+                .map(|c| c.crc);
+            if let Some(expected) = recorded {
                 let got = crc32c::crc32c(&req.buffer.as_slice()[..req.len_bytes as usize]);
                 if got != expected {
                     let (path, offset_bytes) = req.extent.first_location();
@@ -337,7 +346,10 @@ impl Shared {
         if req.op == IoOp::Write {
             match &result {
                 Err(e) => self.space.poison(e.to_string()),
-                Ok(()) if self.space.checksums() => req.extent.set_checksum(job.write_crc),
+                Ok(()) if self.space.checksums() => {
+                    req.extent
+                        .record_write(req.offset_bytes, req.len_bytes, job.write_crc)
+                }
                 Ok(()) => {}
             }
         }
@@ -357,19 +369,18 @@ impl Shared {
             buffer: req.buffer,
             result,
         };
+        // The extent goes back before the reply: a caller that drops its
+        // own clone after the wait and allocates again finds the space
+        // free.
+        drop(req.extent);
         // A dropped ticket is fine: the completion (and its buffer) drop here.
         let _ = reply.send(completion);
-        drop(req.extent);
         let mut n = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
         *n -= 1;
         if *n == 0 {
             self.idle.notify_all();
         }
     }
-}
-
-fn whole_extent(req: &Request) -> bool {
-    req.offset_bytes == 0 && req.len_bytes == req.extent.len_bytes()
 }
 
 struct Worker {
@@ -560,7 +571,7 @@ impl Engine {
             .lock()
             .unwrap_or_else(|e| e.into_inner()) += 1;
         let write_crc =
-            (self.shared.space.checksums() && req.op == IoOp::Write && whole_extent(&req))
+            (self.shared.space.checksums() && req.op == IoOp::Write && req.offset_bytes == 0)
                 .then(|| crc32c::crc32c(&req.buffer.as_slice()[..req.len_bytes as usize]));
         let job = Job {
             ticket,

@@ -799,6 +799,18 @@ impl FileIo {
             return Err(SwapError::Poisoned { op, cause });
         }
         let len = memory.len_bytes as u64;
+        // Offsets past i64::MAX are no file's (the kernel takes loff_t),
+        // and the cuts below add to the offset.
+        if file_offset_bytes
+            .checked_add(len)
+            .is_none_or(|end| end > i64::MAX as u64)
+        {
+            return Err(SwapError::Config(format!(
+                "{}: {len} bytes at offset {file_offset_bytes} end past the largest file offset \
+                 (2^63 - 1)",
+                file.path.display()
+            )));
+        }
         if op == IoOp::Read {
             let file_bytes = file.len_bytes()?;
             if file_offset_bytes.saturating_add(len) > file_bytes {
@@ -1016,6 +1028,8 @@ impl RingWorker {
     }
 
     fn run(mut self, rx: Receiver<Part>) {
+        // Dropped before `self` (a local drops before the parameters).
+        let _abort = crate::ring::AbortOnUnwind("file I/O ring");
         let mut open = true;
         loop {
             if open && self.queue.is_empty() && self.in_flight == 0 {
@@ -1407,6 +1421,29 @@ mod tests {
             ),
             "{e}"
         );
+    }
+
+    #[test]
+    fn an_offset_past_the_largest_file_offset_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let io = io(BackendKind::Auto, 2, false, false);
+        let f = IoFile::open(&path, Access::Write, DirectIo::Auto).unwrap();
+        for offset in [u64::MAX - 10, i64::MAX as u64] {
+            let e = io
+                .submit(
+                    IoOp::Write,
+                    &f,
+                    offset,
+                    HostMemory::from_vec(vec![0; 4096], 0, 4096),
+                )
+                .unwrap_err();
+            assert!(
+                matches!(e, SwapError::Config(ref m) if m.contains("2^63")),
+                "{e}"
+            );
+        }
+        assert!(!io.is_poisoned());
     }
 
     #[test]

@@ -45,6 +45,27 @@ const MAX_REGISTERED_BUFFERS: usize = 1 << 14;
 
 type Rings = (Vec<(Sender<Job>, JoinHandle<()>)>, ActiveBackend);
 
+/// Aborts the process when dropped during a panic on a ring thread. The
+/// ring's buffers (and a file I/O worker's caller memory) may be in SQEs
+/// the kernel has not completed: unwinding would return them to their
+/// pool (or drop their owners) while the kernel may still write into
+/// them, and the ring's fd closing does not wait for the kernel. Declared
+/// after the state it guards, so it drops first.
+pub(crate) struct AbortOnUnwind(pub &'static str);
+
+impl Drop for AbortOnUnwind {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "tierzero-swap: {} thread panicked with I/O possibly in flight; aborting rather \
+                 than freeing buffers the kernel may still write",
+                self.0
+            );
+            std::process::abort();
+        }
+    }
+}
+
 pub(crate) fn spawn_rings(
     shared: &Arc<Shared>,
     arena: &Arc<PinnedArena>,
@@ -85,6 +106,7 @@ pub(crate) fn spawn_rings(
                             in_flight: 0,
                             busy_since: None,
                         };
+                        let _abort = AbortOnUnwind("io_uring ring");
                         r.run(rx);
                     }
                     Err(e) => {

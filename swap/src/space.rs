@@ -37,9 +37,12 @@
 //! with [`SwapError::Poisoned`] instead of returning stale data.
 //!
 //! ## Checksums
-//! With `checksums` on, a write that covers a whole extent records the
-//! crc32c of its data, and a read of the whole extent verifies it. A partial
-//! write clears the recorded checksum.
+//! With `checksums` on, a write at offset 0 (the whole extent, or a prefix
+//! of it, as a spilled 16-bit gradient in an extent sized for fp32) records
+//! the crc32c of its data and the length it covers, and a read of exactly
+//! that prefix verifies it. A write at another offset clears a recorded
+//! crc it overlaps. (Until 2026-12-05 only whole-extent I/O was checked,
+//! so the spilled gradients, written and read as prefixes, never were.)
 //!
 //! ## Copies to and from ordinary files
 //! [`SwapSpace::copy_extent_to_file`] and
@@ -323,6 +326,7 @@ impl SwapSpace {
             fn drop(&mut self) {
                 for p in &self.0 {
                     let _ = std::fs::remove_file(p);
+                    forget_live_file(p);
                 }
             }
         }
@@ -348,6 +352,7 @@ impl SwapSpace {
                 lease.first_buffered_warning()
             })?;
             made.0.push(path.clone());
+            live_files().push(path.clone());
             dirs.push(lease);
             let sf = SwapFile {
                 path: path.clone(),
@@ -444,6 +449,24 @@ impl SwapSpace {
     /// Allocates an extent of `len_bytes` (rounded up to the alignment),
     /// striped over the paths when it is larger than one stripe.
     pub fn allocate(self: &Arc<Self>, len_bytes: u64) -> Result<Extent> {
+        // More than the space holds never fits (and near u64::MAX the
+        // rounding below would overflow).
+        let capacity_bytes: u64 = self
+            .files
+            .iter()
+            .map(|f| f.lock_alloc().capacity_bytes())
+            .sum();
+        if len_bytes > capacity_bytes {
+            let free_bytes = self.free_bytes();
+            let sf = self.file(FileIdx(0));
+            let largest_free_bytes = sf.lock_alloc().largest_free_bytes();
+            return Err(SwapError::OutOfSpace {
+                path: sf.path.clone(),
+                requested_bytes: len_bytes,
+                free_bytes,
+                largest_free_bytes,
+            });
+        }
         let len = self.alignment.round_up(len_bytes.max(1));
         let id = ExtentId(self.next_extent.fetch_add(1, Ordering::Relaxed));
         let chunks = len.div_ceil(self.stripe_bytes);
@@ -488,7 +511,7 @@ impl SwapSpace {
             len_bytes: len,
             stripe_bytes: self.stripe_bytes,
             parts,
-            crc: AtomicU64::new(0),
+            crc: Mutex::new(None),
             space: self.clone(),
         })))
     }
@@ -1025,9 +1048,24 @@ impl Drop for SwapSpace {
                 if let Err(e) = std::fs::remove_file(&f.path) {
                     tracing::warn!(path = %f.path.display(), error = %e, "could not remove swap file");
                 }
+                forget_live_file(&f.path);
             }
         }
     }
+}
+
+/// The swap files this process created and has not removed. A file named
+/// with this process's pid but not here is a dead process's that had the
+/// same pid: in a container every restart may be pid 1, and its files
+/// would otherwise be kept (and `create_new` of the same name refused).
+static LIVE_FILES: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+fn live_files() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
+    LIVE_FILES.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn forget_live_file(path: &Path) {
+    live_files().retain(|p| p != path);
 }
 
 /// Opens (or creates) a swap file under the O_DIRECT policy. `warn` says
@@ -1140,7 +1178,8 @@ pub fn reclaim_stale_files(base: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Removes `swap-<pid>-*.tzswap` files whose process is gone.
+/// Removes `swap-<pid>-*.tzswap` files whose process is gone (this
+/// process's pid: files it did not create, see [`LIVE_FILES`]).
 fn reclaim_stale(dir: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
@@ -1151,7 +1190,16 @@ fn reclaim_stale(dir: &Path) {
         let Some(pid) = swap_file_owner_pid(name) else {
             continue;
         };
-        if pid == std::process::id() || process_alive(pid) {
+        let in_use = if pid == std::process::id() {
+            // By name: `swap-<pid>-<space seq>-<path index>` is unique
+            // within a process, however the directory is spelled.
+            live_files()
+                .iter()
+                .any(|p| p.file_name() == Some(entry.file_name().as_os_str()))
+        } else {
+            process_alive(pid)
+        };
+        if in_use {
             continue;
         }
         match entry.file_type() {
@@ -1245,14 +1293,22 @@ struct Part {
     len_bytes: u64,
 }
 
+/// The crc32c of an extent's first `len_bytes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PrefixCrc {
+    pub len_bytes: u64,
+    pub crc: u32,
+}
+
 #[derive(Debug)]
 struct ExtentInner {
     id: ExtentId,
     len_bytes: u64,
     stripe_bytes: u64,
     parts: Vec<Part>,
-    /// 0: no checksum; else `1 << 32 | crc32c`.
-    crc: AtomicU64,
+    /// The crc32c of the extent's first `len_bytes` (the whole extent, or
+    /// the prefix a range write at offset 0 wrote), if recorded.
+    crc: Mutex<Option<PrefixCrc>>,
     space: Arc<SwapSpace>,
 }
 
@@ -1332,27 +1388,43 @@ impl Extent {
     }
 
     /// The crc32c recorded by the last whole-extent write (spaces with
-    /// checksums on), if any. Covers all [`Extent::len_bytes`].
+    /// checksums on), if any. Covers all [`Extent::len_bytes`] (a prefix's
+    /// crc is not returned).
     pub fn recorded_crc32c(&self) -> Option<u32> {
         self.checksum()
+            .filter(|c| c.len_bytes == self.len_bytes())
+            .map(|c| c.crc)
     }
 
     /// Records `crc` as the checksum of the extent's whole contents, to be
     /// verified by the next whole-extent read (used after
     /// [`SwapSpace::copy_extent_from_file`] with a crc the caller verified).
     pub fn set_recorded_crc32c(&self, crc: Option<u32>) {
-        self.set_checksum(crc);
+        self.set_checksum(crc.map(|crc| PrefixCrc {
+            len_bytes: self.len_bytes(),
+            crc,
+        }));
     }
 
-    /// The recorded crc32c, if any.
-    pub(crate) fn checksum(&self) -> Option<u32> {
-        let v = self.0.crc.load(Ordering::Acquire);
-        (v >> 32 == 1).then_some(v as u32)
+    /// The recorded crc32c and the prefix it covers, if any.
+    pub(crate) fn checksum(&self) -> Option<PrefixCrc> {
+        *self.0.crc.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub(crate) fn set_checksum(&self, crc: Option<u32>) {
-        let v = crc.map_or(0, |c| (1u64 << 32) | c as u64);
-        self.0.crc.store(v, Ordering::Release);
+    pub(crate) fn set_checksum(&self, crc: Option<PrefixCrc>) {
+        *self.0.crc.lock().unwrap_or_else(|e| e.into_inner()) = crc;
+    }
+
+    /// After a successful write of `[offset_bytes, offset_bytes +
+    /// len_bytes)` whose crc32c is `crc` (computed for writes at offset 0):
+    /// a write at offset 0 records its prefix; any other write clears a
+    /// recorded prefix it overlaps.
+    pub(crate) fn record_write(&self, offset_bytes: u64, len_bytes: u64, crc: Option<u32>) {
+        let mut g = self.0.crc.lock().unwrap_or_else(|e| e.into_inner());
+        *g = match (offset_bytes, crc) {
+            (0, Some(crc)) => Some(PrefixCrc { len_bytes, crc }),
+            _ => g.filter(|c| offset_bytes >= c.len_bytes),
+        };
     }
 
     /// Where the extent starts on disk (for error messages).
@@ -1387,6 +1459,31 @@ mod tests {
             .filter(|n| n.to_string_lossy().ends_with(SWAP_EXT))
             .collect();
         assert!(left.is_empty(), "{left:?}");
+    }
+
+    /// A file named with this process's pid that this process did not
+    /// create (a dead incarnation's with the same pid, as in a container
+    /// restarted as pid 1) is reclaimed; this process's live file is not.
+    #[test]
+    fn own_pid_files_not_ours_are_reclaimed() {
+        let a = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+        let space = SwapSpace::create(SpaceConfig::new(a.path(), 1 << 20))
+            .unwrap_or_else(|e| panic!("create: {e}"));
+        let dir = a.path().join(SWAP_SUBDIR);
+        let stale = dir.join(format!(
+            "swap-{}-{}-0.{SWAP_EXT}",
+            std::process::id(),
+            u64::MAX
+        ));
+        std::fs::write(&stale, b"left by a run with our pid").unwrap_or_else(|e| panic!("{e}"));
+        // Spelled another way: the live file is still recognised.
+        let other_spelling = a.path().join(".").join(SWAP_SUBDIR).join("..");
+        reclaim_stale_files(&other_spelling).unwrap_or_else(|e| panic!("reclaim: {e}"));
+        assert!(!stale.exists(), "a dead incarnation's file stays");
+        let live = space.files[0].path.clone();
+        assert!(live.exists(), "this process's live file was removed");
+        drop(space);
+        assert!(!live.exists());
     }
 
     #[test]
