@@ -143,6 +143,32 @@ def test_state_dict_is_torch_format():
     torch.optim.AdamW(groups_of(fresh), lr=1e-3, foreach=False).load_state_dict(sd)
 
 
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_state_before_the_first_step_is_empty_as_torchs(offload, tmp_path):
+    # accelerate's prepare() moves the state dict to the device and loads it
+    # back: a model that has not stepped must not materialise its state.
+    ps = [torch.nn.Parameter(torch.randn(1000, dtype=torch.bfloat16)), torch.nn.Parameter(torch.randn(10))]
+    opt = tzt.AdamW(ps, offload=offload, nvme_path=tmp_path, sub_group_size=300)
+    ref = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in ps])
+    sd = opt.state_dict()
+    assert sd["state"] == ref.state_dict()["state"] == {}
+    before = [p.detach().clone() for p in ps]
+    opt.load_state_dict(sd)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert len(opt.state_dict()["state"]) == 2
+
+
+def test_a_param_group_added_after_construction_is_refused():
+    opt = tzt.AdamW([torch.nn.Parameter(torch.zeros(3))], offload="none")
+    with pytest.raises(NotImplementedError, match="param group"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    # Groups given at construction are fine.
+    tzt.AdamW([{"params": [torch.nn.Parameter(torch.zeros(3))]}, {"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.1}], offload="none")
+
+
 def test_bad_arguments_raise():
     p = [torch.nn.Parameter(torch.zeros(3))]
     with pytest.raises(ValueError, match="amsgrad"):

@@ -92,3 +92,41 @@ def test_ds_config_supplies_the_settings(tmp_path):
     h = tzt.offload_parameters(Net(), ds_config=cfg)
     assert h.device == "nvme" and h.persistence_threshold == 10 and h.prefetch_bucket_size == 1000
     h.remove()
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_changes_made_while_gathered_are_kept(device, tmp_path):
+    # The module docs' recipe for a torch optimizer: step it inside
+    # gathered(). With cpu homes the update was dropped at release.
+    m = Net()
+    h = tzt.offload_parameters(m, device, nvme_path=tmp_path / "p", param_persistence_threshold=0)
+    sgd = torch.optim.SGD(m.parameters(), lr=1.0)
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(3))
+    m(ids).sum().backward()
+    with h.gathered():
+        expected = {n: (p.detach() - p.grad).clone() for n, p in m.named_parameters()}
+        sgd.step()
+    with h.gathered():
+        for n, p in m.named_parameters():
+            assert torch.equal(p.detach(), expected[n]), n
+    h.remove()
+
+
+def test_a_failed_prefetch_never_becomes_a_param(tmp_path):
+    m = Net()
+    h = tzt.offload_parameters(m, "nvme", nvme_path=tmp_path / "p", param_persistence_threshold=0)
+    target = next(x for x in h._homes if x.offset is not None)
+    target.inflight = torch.full(target.shape, 7.0, dtype=target.dtype)
+
+    class Failing:
+        def wait(self):
+            raise OSError(5, "injected")
+
+    real, h._aio = h._aio, Failing()
+    with pytest.raises(OSError):
+        h._load(target)
+    h._aio = real
+    assert all(x.inflight is None for x in h._homes)
+    # Read again from its home: its own values, not the unfilled buffer.
+    assert not torch.equal(h._load(target), torch.full(target.shape, 7.0, dtype=target.dtype))
+    h.remove()

@@ -193,7 +193,14 @@ class ParamOffload:
         if h.host is not None:
             return h.host.to(h.device, copy=True)
         if h.inflight is not None:
-            self._aio.wait()
+            try:
+                self._aio.wait()
+            except BaseException:
+                # The reads in flight are waited for and failed: none of
+                # their buffers may become a param's values.
+                for other in self._homes:
+                    other.inflight = None
+                raise
             t, h.inflight = h.inflight, None
         else:
             t = torch.empty(h.shape, dtype=h.dtype, device="cpu")
@@ -221,8 +228,13 @@ class ParamOffload:
             h.refs = max(0, h.refs - 1)
             if h.refs:
                 return
-        if h.offset is not None and h in self._dirty and h.is_live():
-            self._aio.sync_pwrite(h.param.data.detach().reshape(-1).cpu().contiguous(), self._file, h.offset)
+        if h in self._dirty and h.is_live():
+            if h.offset is not None:
+                self._aio.sync_pwrite(h.param.data.detach().reshape(-1).cpu().contiguous(), self._file, h.offset)
+            elif h.host is not None:
+                # CPU homes: the live tensor is a copy of the home (on the
+                # param's device), so a change made while gathered goes back.
+                h.host.view(-1).copy_(h.param.data.detach().reshape(-1))
         self._dirty.discard(h)
         h.param.data = torch.empty(0, dtype=h.dtype, device=h.device)
 

@@ -360,6 +360,21 @@ class AdamW(torch.optim.Optimizer):
             for p in self._param_sgs:
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_final))
+        self._built = True
+
+    def add_param_group(self, param_group):
+        """torch's, while constructing. After that a group's params would
+        belong to no sub-group: never stepped, saved as zeros. Refused
+        rather than ignored (Lightning's ``BaseFinetuning`` unfreezes this
+        way: give every group at construction, ``requires_grad=False`` for
+        the frozen ones, and they are stepped once they have gradients)."""
+        if getattr(self, "_built", False):
+            raise NotImplementedError(
+                "tierzero.torch.AdamW cannot add a param group after it is built: its state "
+                "is laid out over the params it was given; build it with every group "
+                "(frozen params included) instead"
+            )
+        super().add_param_group(param_group)
 
     def plan(self) -> str:
         """Where the state lives and what the pinned buffers are."""
@@ -530,9 +545,13 @@ class AdamW(torch.optim.Optimizer):
 
     # torch's state_dict format.
     def _param_states(self):
-        """{param: {"step", "exp_avg", "exp_avg_sq"[, "master"]}} from every sub-group."""
+        """{param: {"step", "exp_avg", "exp_avg_sq"[, "master"]}} from every
+        sub-group; empty before the first step, as torch's (accelerate's
+        ``prepare`` round-trips the state dict through the device: the
+        state of a model that has not stepped is not materialised)."""
         out = {}
-        for i, s in enumerate(self._subgroups):
+        stepped = any(s.steps for s in self._subgroups)
+        for i, s in enumerate(self._subgroups if stepped else ()):
             master = torch.empty(s.numel, dtype=torch.float32)
             m = torch.empty_like(master)
             v = torch.empty_like(master)

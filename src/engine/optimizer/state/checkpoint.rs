@@ -6,11 +6,33 @@ use super::*;
 
 impl OptimizerState {
     /// Sets all three states of a sub-group (master, m, v), e.g. from a
-    /// checkpoint.
+    /// checkpoint. On NVMe, at any point between steps (the Python
+    /// optimizer's `load_state_dict` after it has stepped): every queued
+    /// state write lands first (two writes of one extent in flight could
+    /// land in either order), and a read of this sub-group issued ahead, or
+    /// a speculative step of it not committed, is dropped: the next step
+    /// would otherwise use the state from before the load.
     pub fn load_group(&mut self, sg: SubGroupId, states: [&[f32]; 3]) -> Result<()> {
         let n = self.numel_of(sg)?;
         if states.iter().any(|s| s.len() != n) {
             return Err(EngineError::internal("load_group: wrong length"));
+        }
+        if self.nvme.is_some() {
+            self.retire_writes(0)?;
+        }
+        if let Some(nv) = &mut self.nvme {
+            let mut stale = Vec::new();
+            nv.reading.retain_mut(|(id, ts)| {
+                let keep = *id != sg;
+                if !keep {
+                    stale.append(ts);
+                }
+                keep
+            });
+            drop(tierzero_swap::wait_all(stale)?);
+            if let Some(slot) = nv.pending.get_mut(sg.0).and_then(Option::take) {
+                nv.pool.push(slot);
+            }
         }
         if let Some(g) = self.mem.get_mut(sg.0).and_then(Option::as_mut) {
             g.master.copy_from_slice(states[0]);

@@ -231,6 +231,70 @@ fn bf16_moments_move_two_thirds_of_the_bytes() {
     assert_eq!(moved[1], (2 * 16384, 2 * 16384));
 }
 
+/// A load between steps supersedes a read of the sub-group issued ahead
+/// (and lands after its queued writes): the next step steps the loaded
+/// state. (The Python optimizer's `load_state_dict` after it has stepped
+/// with a read ahead in flight stepped the state from before the load.)
+#[test]
+fn a_load_supersedes_a_read_issued_ahead() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = 1025;
+    let mut state = OptimizerState::new(
+        vec![n],
+        Some(nvme(dir.path(), 9, n as u64)),
+        &[],
+        1,
+        1,
+        false,
+        PoolSize::default(),
+        MomentDtype::F32,
+    )
+    .unwrap();
+    let zeros = vec![0f32; n];
+    let sg = SubGroupId(0);
+    let adam = adam();
+    let step = |state: &mut OptimizerState, k: u64| {
+        state
+            .step(
+                sg,
+                &adam,
+                k,
+                Some((&values(n, 50 + k)).into()),
+                GradScale::ONE,
+                None,
+                &mut |_| Ok(()),
+                false,
+            )
+            .unwrap();
+    };
+    state
+        .load_group(sg, [&values(n, 1), &zeros, &zeros])
+        .unwrap();
+    step(&mut state, 1);
+    // The next step's read, issued ahead while the write may be queued.
+    assert!(state.prefetch(sg).unwrap());
+    let loaded = values(n, 2);
+    state.load_group(sg, [&loaded, &zeros, &zeros]).unwrap();
+    step(&mut state, 1);
+    state.flush().unwrap();
+    let mut master = loaded;
+    let (mut m, mut v) = (zeros.clone(), zeros.clone());
+    adam.step(
+        1,
+        &mut master,
+        &values(n, 51),
+        Moments::F32 {
+            m: &mut m,
+            v: &mut v,
+        },
+        None,
+        GradScale::ONE,
+    )
+    .unwrap();
+    let [got, got_m, got_v] = state.group_states(sg).unwrap();
+    assert_eq!(bits(&[[got, got_m, got_v]]), bits(&[[master, m, v]]));
+}
+
 #[test]
 fn bf16_moments_load_rounded_as_the_kernel_stores_them() {
     let mut state = OptimizerState::new(
