@@ -82,6 +82,11 @@ pub fn parse_bytes(input: &str) -> Result<u64, ParseUnitError> {
 /// Parses a count such as `100M`, `7B`, `1.5e9` or `1000`.
 pub fn parse_count(input: &str) -> Result<u64, ParseUnitError> {
     let s = input.trim();
+    // A plain integer is taken exactly (through f64 a seed above 2^53
+    // would round to another seed).
+    if let Ok(v) = s.parse::<u64>() {
+        return Ok(v);
+    }
     let (num, suffix) = split_number(s);
     let mult = match suffix.to_ascii_uppercase().as_str() {
         "" => 1.0,
@@ -144,6 +149,9 @@ mod tests {
         assert_eq!(parse_count("7B"), Ok(7_000_000_000));
         assert_eq!(parse_count("1.5e9"), Ok(1_500_000_000));
         assert_eq!(parse_count("3"), Ok(3));
+        // Exact above 2^53 (a seed), and up to u64::MAX.
+        assert_eq!(parse_count("9007199254740993"), Ok(9_007_199_254_740_993));
+        assert_eq!(parse_count("18446744073709551615"), Ok(u64::MAX));
         assert!(parse_count("1Q").is_err());
     }
 

@@ -177,6 +177,26 @@ fn save_every_then_resume_matches_one_run() {
     let e = train(&d, &["--steps", "4", "--resume", "ck/step-00000004"]);
     assert_eq!(e.code, 0, "{}{}", e.stdout, e.stderr);
     assert!(e.stdout.contains("nothing to do"), "{}", e.stdout);
+    // The same data resumes quietly; other data is named in a warning.
+    let warning = "the data differs from the checkpoint's";
+    assert!(!b.stderr.contains(warning), "{}", b.stderr);
+    std::fs::copy(d.join("data.txt"), d.join("other.txt")).unwrap();
+    let mut args = vec!["train", "--config", "ds.json", "--data", "other.txt"];
+    args.extend_from_slice(&[
+        "--seq-len",
+        "16",
+        "--steps",
+        "5",
+        "--resume",
+        "ck/step-00000004",
+    ]);
+    let f = run_tierzero(Some(&d), &args);
+    assert_eq!(f.code, 0, "{}{}", f.stdout, f.stderr);
+    assert!(
+        f.stderr.contains(warning) && f.stderr.contains("other.txt"),
+        "{}",
+        f.stderr
+    );
 }
 
 #[test]

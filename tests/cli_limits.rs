@@ -330,3 +330,35 @@ fn an_nvme_path_without_o_direct_warns_once_or_refuses_by_policy() {
     );
     drop(nd);
 }
+
+/// A report written into a closed pipe (`tierzero bench-io ... | head`)
+/// ends quietly: it panicked on `println!` (exit 101).
+#[test]
+fn a_bench_report_into_a_closed_pipe_does_not_panic() {
+    let d = cli_support::scratch("limits", "pipe");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .args([
+            "bench-io",
+            "--path",
+            ".",
+            "--size",
+            "1M",
+            "--block-size",
+            "128K",
+            "--queue-depth",
+            "1",
+            "--seconds",
+            "0.2",
+            "--json",
+        ])
+        .current_dir(&d)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run tierzero");
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

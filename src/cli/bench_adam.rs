@@ -291,7 +291,7 @@ fn summarize(params: usize, bytes_per_param: u32, mut per_step: Vec<f64>) -> Mea
 pub fn run(args: BenchAdamArgs) -> Result<()> {
     let report = bench(&args)?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        outln!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print_text(&report);
     }
@@ -384,7 +384,7 @@ pub fn bench(args: &BenchAdamArgs) -> Result<Report> {
 }
 
 fn line(name: &str, m: &Measurement, note: &str) {
-    println!(
+    outln!(
         "  {name:<38} {:>6.3} G params/s {:>6.2} GB/s (best {:>6.3})  {note}",
         m.params_per_s / 1e9,
         m.gbps,
@@ -393,9 +393,13 @@ fn line(name: &str, m: &Measurement, note: &str) {
 }
 
 fn print_text(r: &Report) {
-    println!(
+    outln!(
         "bench-adam: {} params, {} threads, isa {}, {} steps x {} repeats (median)",
-        r.params, r.threads, r.isa, r.steps, r.repeats
+        r.params,
+        r.threads,
+        r.isa,
+        r.steps,
+        r.repeats
     );
     line("rmw probe, grouped (28 B/param)", &r.probe_grouped, "");
     line(
@@ -423,9 +427,11 @@ fn print_text(r: &Report) {
         &r.bf16_moments,
         &format!("{:.3}x fp32 moments", r.ratios.bf16_moments_vs_fp32),
     );
-    println!(
+    outln!(
         "{:?}: params_per_s={:.4e} gbps={:.2}",
-        r.variant, r.params_per_s, r.gbps
+        r.variant,
+        r.params_per_s,
+        r.gbps
     );
 }
 

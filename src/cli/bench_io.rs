@@ -306,16 +306,16 @@ pub fn run_bench_io(a: BenchIoArgs) -> Result<(), Failure> {
     };
     if a.json {
         let s = serde_json::to_string_pretty(&report).map_err(|e| Failure::Internal(e.into()))?;
-        println!("{s}");
+        outln!("{s}");
         return Ok(());
     }
-    println!(
+    outln!(
         "{} ({}, O_DIRECT {})",
         report.file,
         format_bytes(report.size_bytes),
         if report.direct_io { "on" } else { "off" }
     );
-    println!(
+    outln!(
         "{:>10} {:>4} {:>10} {:>6} {:>10} {:>10} {:>10} {:>6} {:>10} {:>10}",
         "block",
         "qd",
@@ -329,7 +329,7 @@ pub fn run_bench_io(a: BenchIoArgs) -> Result<(), Failure> {
         "p99 us"
     );
     for c in &report.settings {
-        println!(
+        outln!(
             "{:>10} {:>4} {:>10.3} {:>5.0}% {:>10.0} {:>10.0} {:>10.3} {:>5.0}% {:>10.0} {:>10.0}",
             format_bytes(c.block_bytes),
             c.queue_depth,
@@ -343,13 +343,13 @@ pub fn run_bench_io(a: BenchIoArgs) -> Result<(), Failure> {
             c.write_p99_us,
         );
     }
-    println!(
+    outln!(
         "best read:  {:.3} GB/s at block {} qd {}",
         report.best_read.gbps,
         format_bytes(report.best_read.block_bytes),
         report.best_read.queue_depth
     );
-    println!(
+    outln!(
         "best write: {:.3} GB/s at block {} qd {}",
         report.best_write.gbps,
         format_bytes(report.best_write.block_bytes),
@@ -402,13 +402,13 @@ pub fn run_tune(a: TuneArgs) -> Result<(), Failure> {
     });
     if a.json {
         let out = serde_json::json!({ "aio": aio, "read_gbps": c.read_gbps, "write_gbps": c.write_gbps, "settings": cells });
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&out).map_err(|e| Failure::Internal(e.into()))?
         );
         return Ok(());
     }
-    println!(
+    outln!(
         "# read {:.3} GB/s, write {:.3} GB/s; pinned per ring {} ({} x {})",
         c.read_gbps,
         c.write_gbps,
@@ -417,7 +417,7 @@ pub fn run_tune(a: TuneArgs) -> Result<(), Failure> {
         format_bytes(c.block_bytes)
     );
     let body = serde_json::to_string_pretty(&aio).map_err(|e| Failure::Internal(e.into()))?;
-    println!("\"aio\": {body}");
+    outln!("\"aio\": {body}");
     Ok(())
 }
 

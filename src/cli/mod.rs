@@ -6,6 +6,15 @@
 //! (SIGINT) or 143 (SIGTERM) (see `signals`). A user's mistake is reported as one clear line, never
 //! as a panic or a backtrace.
 
+/// `println!` for the benches' reports: through [`emit`], so a closed
+/// stdout (`tierzero bench-io ... | head`) ends the output rather than
+/// panicking. (Defined before the modules that use it.)
+macro_rules! outln {
+    ($($t:tt)*) => {{
+        let _ = $crate::cli::emit(&format!("{}\n", format_args!($($t)*)));
+    }};
+}
+
 pub mod bench_adam;
 pub mod bench_io;
 pub mod estimate;

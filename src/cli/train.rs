@@ -497,6 +497,17 @@ fn open_model(
     Ok((model_dir, model))
 }
 
+/// Whether the data a checkpoint names (`was`, a path as given then, or
+/// the embedded corpus's name) is not the run's (`now`): their resolved
+/// paths differ, or where either does not resolve (another working
+/// directory, moved), their file names.
+fn other_data(was: &str, now: &str) -> bool {
+    match (std::fs::canonicalize(was), std::fs::canonicalize(now)) {
+        (Ok(a), Ok(b)) => a != b,
+        _ => Path::new(was).file_name() != Path::new(now).file_name(),
+    }
+}
+
 /// The token data of `--data` (or the embedded corpus), its name, and a
 /// line on what was read (none for the embedded corpus).
 fn load_data(
@@ -873,6 +884,21 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
             c.dir().display(),
             size_and_time(c.dir(), built.elapsed().as_secs_f64())
         ))?;
+    }
+    if let Some(c) = ckpt
+        .as_ref()
+        .filter(|c| other_data(&c.manifest().data.source, &data_name))
+    {
+        // The data position is a sample count: it carries over to other
+        // data, which is what a user switching datasets may mean, but
+        // should know.
+        tracing::warn!(
+            checkpoint = %c.manifest().data.source,
+            run = %data_name,
+            samples_consumed = c.manifest().data.samples_consumed,
+            "the data differs from the checkpoint's: training continues at the same sample \
+             count in the new data"
+        );
     }
     trainer.set_data_name(data_name.clone());
     if let Some(lock) = save_lock {

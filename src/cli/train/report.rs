@@ -283,10 +283,14 @@ pub(super) fn print_summary(
             summary.steps,
             run.steps,
             match (&args.save_dir, s.checkpoint_step) {
+                // --steps named: without it the resumed run would be the
+                // default length, and its lr schedule rebuilt for that.
                 (Some(d), Some(c)) => format!(
-                    "; checkpoint of step {c} in {}: continue with --resume {}",
+                    "; checkpoint of step {c} in {}: continue with the same flags and \
+                     --resume {} --steps {}",
                     d.display(),
-                    d.display()
+                    d.display(),
+                    run.steps
                 ),
                 (Some(d), None) => format!("; no checkpoint in {}", d.display()),
                 (None, _) => "; no checkpoint (no --save-dir)".to_owned(),
