@@ -187,3 +187,71 @@ fn resident_launch_case(stage: u8, says: &str) {
         "stage {stage}: 2 ranks with a checkpoint between -> 1 rank uninterrupted"
     );
 }
+
+/// A SIGINT to the launcher alone (a terminal's Ctrl-C reaches only it:
+/// mpirun runs in its own process group) stops both ranks after a step
+/// and saves it: the launcher passes it to mpirun as SIGUSR1, which mpirun
+/// forwards. (Sent to mpirun as SIGINT, mpirun killed the ranks 1 s after
+/// a SIGTERM, before any save; sent to the launcher as SIGTERM, nothing
+/// reached the ranks.)
+#[test]
+fn a_signal_to_the_launcher_stops_the_ranks_at_a_step_and_saves() {
+    for (sig, code, name) in [("INT", 130, "SIGINT"), ("TERM", 143, "SIGTERM")] {
+        let dir = scratch(&format!("launch-stop-{sig}"));
+        let model = model_in(&dir, true);
+        let swap = dir.join("swap");
+        std::fs::create_dir_all(&swap).unwrap();
+        let ds_path = dir.join("ds_config.json");
+        std::fs::write(&ds_path, ds_config(&Knobs::nvme(), &swap, 400).to_string()).unwrap();
+        let metrics = dir.join("metrics.jsonl");
+        let ck = dir.join("ck");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tierzero"))
+            .args([
+                "launch", "--nproc", "2", "--", "train", "--steps", "400", "--json",
+            ])
+            .args(["--seq-len", "16", "--model"])
+            .arg(&model)
+            .arg("--config")
+            .arg(&ds_path)
+            .arg("--metrics")
+            .arg(&metrics)
+            .arg("--save-dir")
+            .arg(&ck)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run tierzero launch");
+        let t0 = std::time::Instant::now();
+        while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 2 {
+            assert!(
+                child.try_wait().unwrap().is_none(),
+                "{sig}: ended before the signal"
+            );
+            assert!(t0.elapsed().as_secs() < 120, "{sig}: no step");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let ok = Command::new("kill")
+            .args([&format!("-{sig}"), &child.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok);
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{sig}: {stderr}");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with('{'))
+            .unwrap_or_else(|| panic!("{stdout}\n{stderr}"));
+        let s: Value = serde_json::from_str(line).unwrap();
+        assert_eq!(s["stop_signal"], json!(name), "{sig}: {s}");
+        let step = s["steps"].as_u64().unwrap();
+        assert!((2..400).contains(&step), "{sig}: {step}");
+        assert_eq!(s["checkpoint_step"].as_u64(), Some(step), "{sig}: {s}");
+        let c = tierzero::checkpoint::Checkpoint::open(&ck).unwrap();
+        assert_eq!((c.step(), c.manifest().world_size), (step, 2), "{sig}");
+        assert!(c.verify().ok(), "{sig}");
+        eprintln!("SIG{sig} to the launcher: exit {code}, both ranks saved step {step}");
+    }
+}

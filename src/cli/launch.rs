@@ -309,10 +309,10 @@ fn launch(nproc: u64, args: &LaunchArgs) -> Result<i32, Failure> {
             .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
     }
     cmd.arg(&exe).args(&args.command);
-    // A Ctrl-C reaches mpirun and the ranks too (one process group); this
-    // process waits for mpirun's status instead of dying first.
-    super::signals::install_for_launcher()?;
-    let status = cmd.status().map_err(|e| {
+    // A stop goes to the ranks through mpirun as SIGUSR1/SIGUSR2 (its own
+    // SIGINT handling kills them 1 s after a SIGTERM): see
+    // `signals::run_mpirun`.
+    let status = super::signals::run_mpirun(cmd)?.map_err(|e| {
         Failure::BadInput(anyhow!(
             "running {}: {e}; install OpenMPI (apt-get install openmpi-bin) or give --mpirun",
             args.mpirun.display()

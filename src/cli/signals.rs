@@ -22,13 +22,25 @@
 //! * **Exit codes** of a graceful stop: 128 + the signal's number, as a
 //!   shell reports a process killed by it: [`EXIT_SIGINT`] (130),
 //!   [`EXIT_SIGTERM`] (143).
+//! * **Under mpirun** (`tierzero launch`, or mpirun by hand). OpenMPI's
+//!   mpirun answers a SIGINT or SIGTERM by sending the ranks SIGTERM and,
+//!   `odls_base_sigkill_timeout` (1 s) later, SIGKILL: too soon for a stop
+//!   at a step boundary and its save. It passes SIGUSR1 and SIGUSR2 on to
+//!   the ranks untouched, so a rank takes SIGUSR1 as a SIGINT and SIGUSR2
+//!   as a SIGTERM ([`STOP_AS_SIGINT`], [`STOP_AS_SIGTERM`]; by hand: `kill
+//!   -USR1 <mpirun's pid>`). `tierzero launch` runs mpirun in a process
+//!   group of its own (a terminal's Ctrl-C reaches the launcher alone) and
+//!   turns the first SIGINT, SIGTERM or SIGHUP it gets into one of those;
+//!   a second into a SIGINT to mpirun, its abort.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::anyhow;
-use signal_hook::consts::{SIGINT, SIGTERM};
+#[cfg(feature = "mpi")]
+use signal_hook::consts::SIGHUP;
+use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
 use tierzero::engine::{StopCause, StopHandle};
 
 use super::Failure;
@@ -37,6 +49,11 @@ use super::Failure;
 pub const EXIT_SIGINT: i32 = 130;
 /// Exit code of a run stopped by SIGTERM at a step boundary.
 pub const EXIT_SIGTERM: i32 = 143;
+
+/// The signal a rank takes as a SIGINT (mpirun passes it on).
+pub const STOP_AS_SIGINT: i32 = SIGUSR1;
+/// The signal a rank takes as a SIGTERM (mpirun passes it on).
+pub const STOP_AS_SIGTERM: i32 = SIGUSR2;
 
 /// How often the watcher looks at the handlers' flag.
 pub const POLL: Duration = Duration::from_millis(20);
@@ -74,12 +91,70 @@ pub fn install(handle: StopHandle) -> Result<(), Failure> {
     Ok(())
 }
 
-/// `tierzero launch`: the first SIGINT or SIGTERM is left to the ranks
-/// (mpirun passes it on), so the launcher waits for mpirun and returns its
-/// exit code; a second aborts it at once.
+/// `tierzero launch`: runs mpirun (`cmd`) in a process group of its own,
+/// stdin closed (a background group reading the terminal would be
+/// stopped), and waits for it. The first SIGINT (SIGTERM, SIGHUP) this
+/// process gets goes to mpirun as [`STOP_AS_SIGINT`] ([`STOP_AS_SIGTERM`]),
+/// which mpirun passes on: the ranks stop after the step in progress and
+/// save. A later one goes to mpirun as SIGINT: it aborts the ranks. See
+/// "Under mpirun" in the module docs.
 #[cfg(feature = "mpi")]
-pub fn install_for_launcher() -> Result<(), Failure> {
-    register().map(|_| ())
+pub fn run_mpirun(
+    mut cmd: std::process::Command,
+) -> Result<std::io::Result<std::process::ExitStatus>, Failure> {
+    use std::os::unix::process::CommandExt as _;
+    let flags: Vec<(i32, Arc<AtomicBool>)> = [SIGINT, SIGTERM, SIGHUP]
+        .into_iter()
+        .map(|sig| {
+            let flag = Arc::new(AtomicBool::new(false));
+            signal_hook::flag::register(sig, Arc::clone(&flag))
+                .map(|_| (sig, flag))
+                .map_err(|e| {
+                    Failure::Internal(anyhow!("installing the handler of signal {sig}: {e}"))
+                })
+        })
+        .collect::<Result<_, _>>()?;
+    let mut child = match cmd
+        .process_group(0)
+        .stdin(std::process::Stdio::null())
+        .spawn()
+    {
+        Ok(c) => c,
+        Err(e) => return Ok(Err(e)),
+    };
+    let mut stopping = false;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return Ok(Ok(status)),
+            Ok(None) => {}
+            Err(e) => return Ok(Err(e)),
+        }
+        for (sig, flag) in &flags {
+            if !flag.swap(false, Ordering::SeqCst) {
+                continue;
+            }
+            let name = StopCause::Signal(*sig).signal_name().unwrap_or_default();
+            let (to_mpirun, what) = if stopping {
+                (SIGINT, "aborting the ranks")
+            } else if *sig == SIGINT {
+                (
+                    STOP_AS_SIGINT,
+                    "the ranks stop after the step in progress (a second signal aborts them)",
+                )
+            } else {
+                (
+                    STOP_AS_SIGTERM,
+                    "the ranks stop after the step in progress (a second signal aborts them)",
+                )
+            };
+            stopping = true;
+            eprintln!("tierzero launch: {name} received: {what}");
+            if let Err(e) = tierzero_swap::space::send_signal(child.id(), to_mpirun) {
+                eprintln!("tierzero launch: signalling mpirun ({}): {e}", child.id());
+            }
+        }
+        std::thread::sleep(POLL);
+    }
 }
 
 /// The handlers: `armed` is set by the first signal (a second then runs
@@ -87,13 +162,20 @@ pub fn install_for_launcher() -> Result<(), Failure> {
 fn register() -> Result<(Arc<AtomicBool>, Arc<AtomicUsize>), Failure> {
     let armed = Arc::new(AtomicBool::new(false));
     let last = Arc::new(AtomicUsize::new(0));
-    for sig in [SIGINT, SIGTERM] {
+    // (signal, the stop it stands for)
+    for (sig, stands_for) in [
+        (SIGINT, SIGINT),
+        (SIGTERM, SIGTERM),
+        (STOP_AS_SIGINT, SIGINT),
+        (STOP_AS_SIGTERM, SIGTERM),
+    ] {
         let err = |e: std::io::Error| {
             Failure::Internal(anyhow!("installing the handler of signal {sig}: {e}"))
         };
         signal_hook::flag::register_conditional_default(sig, Arc::clone(&armed)).map_err(err)?;
         signal_hook::flag::register(sig, Arc::clone(&armed)).map_err(err)?;
-        signal_hook::flag::register_usize(sig, Arc::clone(&last), sig as usize).map_err(err)?;
+        signal_hook::flag::register_usize(sig, Arc::clone(&last), stands_for as usize)
+            .map_err(err)?;
     }
     Ok((armed, last))
 }

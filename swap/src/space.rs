@@ -1247,6 +1247,23 @@ pub fn process_alive(pid: u32) -> bool {
     rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
 }
 
+/// Sends `signal` to process `pid` (`kill(2)`); the main crate denies
+/// unsafe code, and `tierzero launch` passes a stop on to mpirun with it.
+pub fn send_signal(pid: u32, signal: i32) -> std::io::Result<()> {
+    let pid = i32::try_from(pid)
+        .ok()
+        .filter(|p| *p > 0)
+        .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    // SAFETY: kill(2) takes plain integers and touches no memory of ours;
+    // the pid is positive, so it names one process, never a group.
+    let rc = unsafe { libc::kill(pid, signal) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 /// Size and free space of a file system, from `statvfs`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FsSpace {
