@@ -527,6 +527,27 @@ fn json_prints_only_the_summary_object_on_stdout() {
     );
 }
 
+/// Checkpoint saves are in `train_s` and in `save_s`, and out of
+/// `tokens_per_s` (the steps' rate).
+#[test]
+fn tokens_per_s_leaves_out_the_saves() {
+    let d = tiny_setup("json-saves");
+    let mut args = TINY.to_vec();
+    args.extend(["--json", "--save-dir", "ck", "--save-every", "1"]);
+    let out = train(&d, &args);
+    assert_eq!(out.code, 0, "stderr: {}", out.stderr);
+    let v: Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    let (train_s, save_s) = (
+        v["train_s"].as_f64().unwrap(),
+        v["save_s"].as_f64().unwrap(),
+    );
+    assert!(save_s > 0.0 && save_s < train_s, "{v}");
+    let steps = v["steps"].as_f64().unwrap();
+    let want = v["tokens_per_step"].as_f64().unwrap() * steps / (train_s - save_s);
+    let got = v["tokens_per_s"].as_f64().unwrap();
+    assert!((got - want).abs() <= 1e-9 * want, "{got} vs {want}: {v}");
+}
+
 /// `tierzero.compute_threads`: the plan names the count and where it came
 /// from: the config, `RAYON_NUM_THREADS`, or "auto" (every core).
 #[test]

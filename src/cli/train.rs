@@ -655,6 +655,9 @@ struct Steps {
     last: StepMetrics,
     /// Set when a signal stopped the run early.
     stop: Option<Stopped>,
+    /// Seconds of the steps' time spent in checkpoint saves (their
+    /// optimizer tails included).
+    save_s: f64,
 }
 
 /// A run stopped early.

@@ -97,6 +97,8 @@ struct JsonSummary<'a> {
     tokens_per_step: u64,
     tokens_per_s: f64,
     train_s: f64,
+    /// Of `train_s`: checkpoint saves (left out of `tokens_per_s`).
+    save_s: f64,
     total_s: f64,
     /// Before the first step, by part.
     startup: Startup,
@@ -207,7 +209,10 @@ pub(super) fn print_summary(
     // included), not a sum of step lines.
     let nvme_read = summary.bytes_read.get("nvme").copied().unwrap_or(0);
     let nvme_written = summary.bytes_written.get("nvme").copied().unwrap_or(0);
-    let tokens_per_s = (tokens_per_step * (summary.steps - start_step)) as f64 / train_s.max(1e-9);
+    // The steps' rate: the time in checkpoint saves (`save_s`) is not
+    // the steps'.
+    let steps_s = (train_s - ran.save_s).max(0.0);
+    let tokens_per_s = (tokens_per_step * (summary.steps - start_step)) as f64 / steps_s.max(1e-9);
     if args.json {
         // A struct, not json!: the losses keep their f32 form (shortest
         // repr), exactly as the metrics file writes them.
@@ -221,6 +226,7 @@ pub(super) fn print_summary(
             tokens_per_step,
             tokens_per_s,
             train_s,
+            save_s: ran.save_s,
             total_s: timing.total_s,
             startup: timing.startup,
             finish_s: timing.finish_s,
@@ -243,13 +249,21 @@ pub(super) fn print_summary(
     }
     let st = timing.startup;
     emit(&format!(
-        "done: {} steps in {train_s:.1} s ({tokens_per_s:.0} tokens/s), total {:.1} s \
+        "done: {} steps in {train_s:.1} s ({tokens_per_s:.0} tokens/s{}), total {:.1} s \
          (start-up {:.1} s: {:.1} s before the trainer, {:.1} s its threads and tiers, \
          {:.1} s {}; {:.1} s after the steps)\n\
          loss: {:.4} at step {} -> {:.4} at step {}\n\
          weight_sha256: {}\n\
          NVMe: read {}, written {}; peak RSS {}{}\n",
         summary.steps - start_step,
+        if ran.save_s > 0.0 {
+            format!(
+                " over the {steps_s:.1} s outside {:.1} s of saves",
+                ran.save_s
+            )
+        } else {
+            String::new()
+        },
         timing.total_s,
         st.startup_s,
         st.before_trainer_s,

@@ -23,7 +23,10 @@ pub(super) fn train_steps(
     let mut saved_at: Option<u64> = None;
     let mut stop: Option<StopCause> = None;
     let mut said_activations: Option<[usize; 2]> = None;
-    let save = |trainer: &mut Trainer, dir: &Path| -> Result<(), Failure> {
+    // Seconds in saves (their optimizer tails included): left out of the
+    // steps' tokens/s.
+    let save_s = std::cell::Cell::new(0.0f64);
+    let save_timed = |trainer: &mut Trainer, dir: &Path| -> Result<(), Failure> {
         // The last step's optimizer tail first, so the time said is the
         // save's own.
         let tail_started = Instant::now();
@@ -41,6 +44,12 @@ pub(super) fn train_steps(
             p.display(),
             size_and_time(&p, started.elapsed().as_secs_f64())
         ))
+    };
+    let save = |trainer: &mut Trainer, dir: &Path| -> Result<(), Failure> {
+        let began = Instant::now();
+        let r = save_timed(trainer, dir);
+        save_s.set(save_s.get() + began.elapsed().as_secs_f64());
+        r
     };
     for _ in start_step..steps {
         let report = trainer.step().map_err(|e| {
@@ -118,7 +127,12 @@ pub(super) fn train_steps(
             let checkpoint_step = match dir {
                 None => None,
                 Some(_) if saved_at == Some(step) => Some(step),
-                Some(dir) => stop_save(trainer, dir, saved_at.or(run.resumed_from), say)?,
+                Some(dir) => {
+                    let began = Instant::now();
+                    let r = stop_save(trainer, dir, saved_at.or(run.resumed_from), say);
+                    save_s.set(save_s.get() + began.elapsed().as_secs_f64());
+                    r?
+                }
             };
             Some(Stopped {
                 cause,
@@ -131,6 +145,7 @@ pub(super) fn train_steps(
             first,
             last,
             stop: stopped,
+            save_s: save_s.get(),
         }),
         _ => Err(Failure::Internal(anyhow!("no step ran"))),
     }
