@@ -734,10 +734,13 @@ impl InPlaceMoments {
     /// beta2, eps, weight_decay, param, grad)`, on their cached moments,
     /// in one native call: the kernel's threads are spawned once (a spawn
     /// costs more than stepping a small param: see `tierzero::optim::par`),
-    /// and nothing is stepped if any item is refused.
+    /// and nothing is stepped if any item is refused. `&mut self`: the
+    /// cached moments are written with the GIL released, so a second
+    /// thread's call on the same object is refused by pyo3's borrow check
+    /// ("Already borrowed") instead of writing the same memory at once.
     #[pyo3(signature = (items, threads=None, grad_scale=1.0))]
     fn step_many(
-        &self,
+        &mut self,
         py: Python<'_>,
         items: &Bound<'_, PyAny>,
         threads: Option<usize>,
