@@ -435,6 +435,18 @@ def test_ops_by_path_like(d):
     assert tensor_bytes(u) == data
 
 
+def test_a_parameter_that_requires_grad_is_written_and_read(d):
+    # DeepSpeed's handle takes an nn.Parameter (it goes by data_ptr);
+    # torch refuses to export one through DLPack unless it is detached.
+    h = handle()
+    p = os.path.join(d, "param")
+    w = torch.nn.Parameter(torch.arange(1024, dtype=torch.float32))
+    assert h.sync_pwrite(w, p) == 1
+    back = torch.nn.Parameter(torch.zeros(1024))
+    assert h.sync_pread(back, p) == 1
+    assert torch.equal(back.detach(), w.detach()) and back.requires_grad
+
+
 def test_module_functions(d):
     data = rand_bytes(3 * 4096 + 5, 7)
     p = os.path.join(d, "f")

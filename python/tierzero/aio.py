@@ -217,7 +217,9 @@ class aio_handle:
         dev = buffer.__dlpack_device__()[0] if hasattr(buffer, "__dlpack_device__") else None
         if _is_torch(buffer):
             if dev in _HOST_DEVICES and buffer.is_contiguous():
-                return buffer, None
+                # detach(): the same memory, without autograd (torch refuses
+                # to export a tensor that requires grad, an nn.Parameter).
+                return buffer.detach(), None
             import torch
 
             if reading:
