@@ -177,6 +177,19 @@ fn save_every_then_resume_matches_one_run() {
     let e = train(&d, &["--steps", "4", "--resume", "ck/step-00000004"]);
     assert_eq!(e.code, 0, "{}{}", e.stdout, e.stderr);
     assert!(e.stdout.contains("nothing to do"), "{}", e.stdout);
+    // With --json, stdout is still one JSON object.
+    let j = train(
+        &d,
+        &["--steps", "4", "--resume", "ck/step-00000004", "--json"],
+    );
+    assert_eq!(j.code, 0, "{}{}", j.stdout, j.stderr);
+    let v: serde_json::Value = serde_json::from_str(j.stdout.trim()).unwrap();
+    assert_eq!(
+        (v["steps"].as_u64(), v["steps_run"].as_u64()),
+        (Some(4), Some(0)),
+        "{v}"
+    );
+    assert_eq!(v["nothing_to_do"], json!(true));
     // The same data resumes quietly; other data is named in a warning.
     let warning = "the data differs from the checkpoint's";
     assert!(!b.stderr.contains(warning), "{}", b.stderr);

@@ -145,8 +145,6 @@ pub fn run(args: EvalArgs) -> Result<(), Failure> {
             &args.data_options,
             ck.model(),
         )?;
-        // What was read goes to stderr; stdout carries the result.
-        eprintln!("{data_line}");
         let result = evaluate(ck.model(), |id| ck.load_param_f32(id), &data, &opts);
         return report(
             &args,

@@ -863,13 +863,21 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
                 }
             }
         }
-        return say(&format!(
+        say(&format!(
             "the checkpoint {} is at step {start_step}, which already reaches --steps {steps}; \
              nothing to do (raise --steps to train further)\n",
             ckpt.as_ref()
                 .map_or(String::new(), |c| c.dir().display().to_string())
-        ))
-        .map(|()| Ended::Done);
+        ))?;
+        if args.json && lead {
+            // stdout is the summary object with --json: one here too,
+            // saying no step ran.
+            emit(&format!(
+                "{}\n",
+                serde_json::json!({"steps": start_step, "steps_run": 0, "nothing_to_do": true})
+            ))?;
+        }
+        return Ok(Ended::Done);
     }
     let built = Instant::now();
     let mut trainer = match (&ckpt, &model_dir) {
