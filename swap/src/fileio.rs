@@ -1030,6 +1030,7 @@ impl RingWorker {
     fn run(mut self, rx: Receiver<Part>) {
         // Dropped before `self` (a local drops before the parameters).
         let _abort = crate::ring::AbortOnUnwind("file I/O ring");
+        let mut backoff = crate::ring::EnterBackoff::default();
         let mut open = true;
         loop {
             if open && self.queue.is_empty() && self.in_flight == 0 {
@@ -1053,13 +1054,11 @@ impl RingWorker {
             }
             if self.in_flight > 0 {
                 match self.ring.submit_and_wait(1) {
-                    Ok(_) => {}
+                    Ok(_) => backoff.ok(),
                     Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
-                    Err(e) => {
-                        // The ring is unusable: fail what is queued; what is
-                        // in flight still completes below.
-                        tracing::error!(error = %e, "io_uring_enter failed in file I/O");
-                    }
+                    // What is in flight still completes below; wait for it
+                    // without spinning.
+                    Err(e) => backoff.failed(&e, "file I/O"),
                 }
                 self.reap();
             }

@@ -45,6 +45,35 @@ const MAX_REGISTERED_BUFFERS: usize = 1 << 14;
 
 type Rings = (Vec<(Sender<Job>, JoinHandle<()>)>, ActiveBackend);
 
+/// After an `io_uring_enter` that failed hard (not EINTR/EAGAIN/EBUSY):
+/// the pieces in flight may still be used by the kernel, so the thread
+/// keeps waiting for their completions, but backs off (1 ms doubling to
+/// 100 ms) and logs the first failure and every 1000th rather than
+/// spinning a core and flooding the log.
+#[derive(Debug, Default)]
+pub(crate) struct EnterBackoff {
+    failures: u64,
+}
+
+impl EnterBackoff {
+    pub(crate) fn failed(&mut self, e: &std::io::Error, what: &str) {
+        if self.failures.is_multiple_of(1000) {
+            tracing::error!(
+                error = %e,
+                failures = self.failures + 1,
+                "io_uring_enter failed in {what}; waiting for the I/O in flight"
+            );
+        }
+        let ms = 1u64 << self.failures.min(7);
+        self.failures += 1;
+        std::thread::sleep(std::time::Duration::from_millis(ms.min(100)));
+    }
+
+    pub(crate) fn ok(&mut self) {
+        self.failures = 0;
+    }
+}
+
 /// Aborts the process when dropped during a panic on a ring thread. The
 /// ring's buffers (and a file I/O worker's caller memory) may be in SQEs
 /// the kernel has not completed: unwinding would return them to their
@@ -233,6 +262,7 @@ struct Ring {
 
 impl Ring {
     fn run(&mut self, rx: Receiver<Job>) {
+        let mut backoff = EnterBackoff::default();
         let mut open = true;
         loop {
             // 1. Intake. Block only when there is nothing else to do.
@@ -257,17 +287,15 @@ impl Ring {
                 continue;
             }
             // 3. Submit and wait for at least one completion.
-            if let Err(e) = self.ring.submit_and_wait(1) {
-                match e.raw_os_error() {
+            match self.ring.submit_and_wait(1) {
+                Ok(_) => backoff.ok(),
+                Err(e) => match e.raw_os_error() {
                     Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY) => {}
-                    _ => {
-                        // The ring itself is broken: fail every piece in
-                        // flight would be unsafe (the kernel may still use
-                        // the buffers), so keep waiting on completions.
-                        tracing::error!(error = %e, "io_uring_enter failed");
-                        std::thread::yield_now();
-                    }
-                }
+                    // The ring itself is broken: failing every piece in
+                    // flight would be unsafe (the kernel may still use the
+                    // buffers), so keep waiting on completions.
+                    _ => backoff.failed(&e, "the swap engine"),
+                },
             }
             // 4. Reap.
             self.reap();
@@ -454,5 +482,31 @@ impl Ring {
                 self.shared.finish(js.job, js.error);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn enter_backoff_doubles_to_100_ms_and_resets() {
+        let mut b = EnterBackoff::default();
+        let e = std::io::Error::from_raw_os_error(libc::EBADF);
+        let t0 = Instant::now();
+        for _ in 0..3 {
+            b.failed(&e, "a test");
+        }
+        // 1 + 2 + 4 ms.
+        let took = t0.elapsed();
+        assert!(took >= std::time::Duration::from_millis(7), "{took:?}");
+        assert_eq!(b.failures, 3);
+        b.ok();
+        assert_eq!(b.failures, 0, "a success resets the backoff");
+        b.failures = 100;
+        let t0 = Instant::now();
+        b.failed(&e, "a test");
+        let took = t0.elapsed();
+        assert!(took >= std::time::Duration::from_millis(100), "{took:?}");
     }
 }
