@@ -402,6 +402,44 @@ fn bad_data_is_one_line_and_exit_2() {
     assert_bad_input(&out, "needs tokenizer", &["--tokenizer"]);
     let out = train(&d, &["--data", "big.u16", "--tokenizer", tok]);
     assert_bad_input(&out, "token file + tokenizer", &["drop --tokenizer"]);
+    // Flags that would change nothing are refused, not ignored.
+    let out = eval(&d, &["--data", "big.u16", "--eos-id", "7"]);
+    assert_bad_input(&out, "eos without encoding", &["--eos-id", "drop --eos-id"]);
+    let out = train(
+        &d,
+        &[
+            "--data",
+            "empty.txt",
+            "--tokenizer",
+            tok,
+            "--text-field",
+            "body",
+        ],
+    );
+    assert_bad_input(
+        &out,
+        "text field without jsonl",
+        &["--text-field body", "not read as JSONL"],
+    );
+    let out = run_tierzero(
+        Some(&d),
+        &[
+            "train",
+            "--steps",
+            "1",
+            "--data-format",
+            "u16",
+            "--no-data-cache",
+        ],
+    );
+    assert_bad_input(
+        &out,
+        "data flags without data",
+        &[
+            "--data-format, --no-data-cache without --data",
+            "give --data FILE",
+        ],
+    );
 }
 
 /// Resuming keeps the data position for a tokenized corpus too: 4 steps in

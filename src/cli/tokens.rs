@@ -116,6 +116,25 @@ pub(super) fn load_tokens(
         &opts.text_field,
     )
     .map_err(|e| bad(format!("--data: {e}")))?;
+    // A data flag that would change nothing is refused, not ignored.
+    let encodes = tokenizer.is_some() && format.needs_tokenizer();
+    if opts.eos_id.is_some() && !encodes {
+        return Err(bad(format!(
+            "--eos-id: {} is read as {} without encoding, so no id is appended; give \
+             --tokenizer with text or JSONL data, or drop --eos-id",
+            data.display(),
+            format.name()
+        )));
+    }
+    if opts.text_field != "text" && !matches!(format, DataFormat::Jsonl { .. }) {
+        return Err(bad(format!(
+            "--text-field {}: {} is not read as JSONL ({}); give --data-format jsonl or drop \
+             --text-field",
+            opts.text_field,
+            data.display(),
+            format.name()
+        )));
+    }
     let eos = match tokenizer {
         Some(t) if format.needs_tokenizer() => Some(eos_id(opts, model, t)?),
         _ => None,

@@ -525,11 +525,31 @@ fn load_data(
             )?;
             (d, p.display().to_string(), Some(line))
         }
-        None => (
-            TokenData::from_bytes(DEFAULT_CORPUS, Path::new(DEFAULT_CORPUS_NAME)),
-            DEFAULT_CORPUS_NAME.to_owned(),
-            None,
-        ),
+        None => {
+            let o = &args.data_options;
+            let given: Vec<&str> = [
+                (o.data_format != "auto", "--data-format"),
+                (o.text_field != "text", "--text-field"),
+                (o.eos_id.is_some(), "--eos-id"),
+                (o.no_data_cache, "--no-data-cache"),
+            ]
+            .into_iter()
+            .filter_map(|(on, flag)| on.then_some(flag))
+            .collect();
+            if !given.is_empty() {
+                return Err(bad(format!(
+                    "{} without --data: the embedded corpus is read as bytes, so {} would \
+                     change nothing; give --data FILE",
+                    given.join(", "),
+                    if given.len() == 1 { "it" } else { "they" }
+                )));
+            }
+            (
+                TokenData::from_bytes(DEFAULT_CORPUS, Path::new(DEFAULT_CORPUS_NAME)),
+                DEFAULT_CORPUS_NAME.to_owned(),
+                None,
+            )
+        }
     };
     if data.len() < tierzero::data::min_tokens(seq_len) {
         return Err(bad(format!(
