@@ -440,3 +440,78 @@ fn inspect_rejects_what_is_not_a_swap_directory() {
         out.stdout
     );
 }
+
+/// With `--model` and `--config`, estimate prints the plan `train` prints
+/// for them (the same layout, sizing and renderer), row for row.
+#[test]
+fn estimate_prints_the_plan_train_allocates() {
+    let d = cli_support::scratch("estimate", "plan");
+    std::fs::create_dir_all(d.join("m")).unwrap();
+    std::fs::write(
+        d.join("m/config.json"),
+        r#"{"model_type": "gpt2", "vocab_size": 256, "n_positions": 64, "n_embd": 64,
+            "n_layer": 2, "n_head": 2, "tie_word_embeddings": false}"#,
+    )
+    .unwrap();
+    std::fs::create_dir_all(d.join("swap")).unwrap();
+    let cfg = serde_json::json!({
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "sub_group_size": 20000,
+            "offload_param": {"device": "nvme", "nvme_path": "swap", "buffer_count": 8,
+                "buffer_size": 20000},
+            "offload_optimizer": {"device": "nvme", "nvme_path": "swap"}},
+        "tierzero": {"pinned_budget_bytes": "64MiB"}
+    });
+    std::fs::write(d.join("ds.json"), cfg.to_string()).unwrap();
+    let rows = |text: &str| -> Vec<String> {
+        let start = text
+            .find("  param homes")
+            .unwrap_or_else(|| panic!("{text}"));
+        text[start..]
+            .lines()
+            .take_while(|l| !l.starts_with("  NVMe per step"))
+            .map(str::to_owned)
+            .collect()
+    };
+    let e = cli_support::run_tierzero(
+        Some(&d),
+        &["estimate", "--model", "m", "--config", "ds.json"],
+    );
+    assert_eq!(e.code, 0, "{}", e.stderr);
+    let t = cli_support::run_tierzero(
+        Some(&d),
+        &[
+            "train",
+            "--model",
+            "m",
+            "--config",
+            "ds.json",
+            "--steps",
+            "1",
+            "--seq-len",
+            "16",
+        ],
+    );
+    assert_eq!(t.code, 0, "{}", t.stderr);
+    let (got, want) = (rows(&e.stdout), rows(&t.stdout));
+    assert!(
+        want.len() >= 6 && want.iter().any(|l| l.contains("pinned total")),
+        "{want:?}"
+    );
+    assert_eq!(got, want);
+    let j = json(&[
+        "estimate",
+        "--model",
+        d.join("m").to_str().unwrap(),
+        "--config",
+        d.join("ds.json").to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(
+        j["train_plan"]
+            .as_str()
+            .is_some_and(|p| p.contains("pinned total")),
+        "{j}"
+    );
+}

@@ -15,6 +15,15 @@
 //! (`tierzero::estimate::load_config` drops batch sizes and the scheduler).
 //! Without `--config`, DeepSpeed's defaults size the buffers and params are
 //! taken as 16-bit.
+//!
+//! The table estimates every choice from the model's size. With `--model`
+//! and `--config` together, the config's own choice is also printed as the
+//! plan `tierzero train` prints at start-up (`train_plan` in the JSON): the
+//! real layout through the one sizing policy, rendered by the same code,
+//! so it is what the run allocates (`tests/cli_estimate.rs` compares it
+//! with train's, row for row). The table's row for that choice is an
+//! estimate and can differ from it (its sub-groups, resident state and
+//! swap buffers come from the size alone).
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -156,6 +165,38 @@ struct FromConfig {
     bf16_grad_numel: u64,
     nvme_path: Option<PathBuf>,
     choice: Choice,
+    /// With a model and a config: the plan `tierzero train` prints for
+    /// them ([`train_plan`]).
+    train_plan: Option<String>,
+}
+
+/// The start-up plan `tierzero train` prints for `config` and `model` on
+/// rank 0 of `ranks`: the trainer's layout and the one sizing policy's
+/// answer ([`tierzero::engine::sizing::decide_within`], with the same
+/// free NVMe space), rendered by the same
+/// [`tierzero::run::Plan`]; or the error the trainer would stop with.
+/// (The table above it estimates every choice from the model's size; this
+/// is the config's own, as the run will allocate it.)
+fn train_plan(config: &tierzero::config::Config, model: &Model, ranks: u64) -> String {
+    use tierzero::engine::sizing::{decide_within, nvme_available_bytes, Shape};
+    let world = usize::try_from(ranks).unwrap_or(usize::MAX);
+    let sub_group = usize::try_from(config.zero.sub_group_numel.0).unwrap_or(usize::MAX);
+    let layout = tierzero::engine::Layout::new(model, 0, world, sub_group);
+    let shape = Shape::of(config, model, &layout);
+    match decide_within(config, &shape, nvme_available_bytes(config)) {
+        Ok(sizing) => tierzero::run::Plan::new(
+            config,
+            model,
+            &layout,
+            &sizing,
+            format!("cpu (rank 0 of {ranks})"),
+        )
+        .to_string(),
+        Err(short) => format!(
+            "tierzero train would stop at start-up: {}",
+            tierzero::engine::EngineError::from(short)
+        ),
+    }
 }
 
 fn load_config(
@@ -199,6 +240,10 @@ fn load_config(
         },
         nvme_path,
         choice: estimate::choice_of_config(c),
+        train_plan: match (path, model) {
+            (Some(_), Some(m)) => Some(train_plan(c, m, ranks)),
+            _ => None,
+        },
     })
 }
 
@@ -300,6 +345,7 @@ pub fn run(a: EstimateArgs) -> Result<(), Failure> {
         let out = JsonOut {
             report: &report,
             config_choice: a.config.as_ref().map(|_| cfg.choice),
+            train_plan: cfg.train_plan.as_deref(),
         };
         let text = serde_json::to_string_pretty(&out)
             .map_err(|e| Failure::Internal(anyhow!("serialising the report: {e}")))?;
@@ -308,6 +354,12 @@ pub fn run(a: EstimateArgs) -> Result<(), Failure> {
         let text = render_table(&report, a.config.as_ref().map(|_| cfg.choice))
             .map_err(|e| Failure::Internal(anyhow!("formatting the report: {e}")))?;
         super::emit(&text)?;
+        if let Some(plan) = &cfg.train_plan {
+            super::emit(&format!(
+                "\nWith this config and model, `tierzero train` allocates (its start-up plan, \
+                 the same sizing):\n{plan}\n"
+            ))?;
+        }
     }
     Ok(())
 }
@@ -318,6 +370,8 @@ struct JsonOut<'a> {
     #[serde(flatten)]
     report: &'a Report,
     config_choice: Option<Choice>,
+    /// With `--model` and `--config`: the plan `tierzero train` prints.
+    train_plan: Option<&'a str>,
 }
 
 fn count(n: u64) -> String {

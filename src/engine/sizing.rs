@@ -685,6 +685,26 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
     decide_within(config, shape, None)
 }
 
+/// The free space of the file system under `offload_optimizer.nvme_path`
+/// (its nearest existing ancestor, when the directory is not made yet),
+/// which bounds the auto speculation pool; `None` without NVMe state or
+/// when `statvfs` fails (the pool is then not bounded by it, and a short
+/// disk shows as the swap file's `fallocate` error).
+pub fn nvme_available_bytes(config: &Config) -> Option<u64> {
+    let path = config.zero.offload_optimizer.device.nvme_path()?;
+    path.ancestors()
+        .map(|p| {
+            if p.as_os_str().is_empty() {
+                std::path::Path::new(".")
+            } else {
+                p
+            }
+        })
+        .find(|p| p.exists())
+        .and_then(|p| tierzero_swap::space::filesystem_space(p).ok())
+        .map(|s| s.available_bytes)
+}
+
 /// The one sizing policy, with `nvme_available_bytes` the free space of
 /// the file system under `offload_optimizer.nvme_path` when known
 /// (`statvfs`'s available bytes, before this run's swap files exist): it

@@ -194,7 +194,14 @@ impl HostSetup {
     }
 }
 
-/// The sizing's budget shortfall as the engine reports it.
+/// The sizing's budget shortfall as the engine reports it (and
+/// `tierzero estimate`, which runs the same sizing).
+impl From<BudgetShort> for EngineError {
+    fn from(s: BudgetShort) -> EngineError {
+        budget_error(s)
+    }
+}
+
 fn budget_error(s: BudgetShort) -> EngineError {
     EngineError::PinnedBudget {
         budget_bytes: s.budget_bytes,
@@ -500,26 +507,6 @@ impl TierBuild<'_> {
     }
 }
 
-/// The free space of the file system under `offload_optimizer.nvme_path`
-/// (its nearest existing ancestor, when the directory is not made yet),
-/// which bounds the auto speculation pool; `None` without NVMe state or
-/// when `statvfs` fails (the pool is then not bounded by it, and a short
-/// disk shows as the swap file's `fallocate` error).
-fn nvme_available_bytes(config: &Config) -> Option<u64> {
-    let path = config.zero.offload_optimizer.device.nvme_path()?;
-    path.ancestors()
-        .map(|p| {
-            if p.as_os_str().is_empty() {
-                std::path::Path::new(".")
-            } else {
-                p
-            }
-        })
-        .find(|p| p.exists())
-        .and_then(|p| tierzero_swap::space::filesystem_space(p).ok())
-        .map(|s| s.available_bytes)
-}
-
 /// Stores the initial weights: fp32 masters → stored bytes, and masters
 /// per sub-group (from a checkpoint, the moments too).
 fn load_initial(
@@ -740,7 +727,7 @@ impl Trainer {
         let sub_group = usize::try_from(config.zero.sub_group_numel.0).unwrap_or(usize::MAX);
         let layout = Layout::new(&model, opts.comm.rank(), opts.comm.world_size(), sub_group);
         let shape = Shape::of(config, &model, &layout);
-        let sizing = sizing::decide_within(config, &shape, nvme_available_bytes(config))
+        let sizing = sizing::decide_within(config, &shape, sizing::nvme_available_bytes(config))
             .map_err(budget_error)?;
         let lockable = check_memlock(config, &sizing)?;
         let clocks = Clocks::new(&opts);
