@@ -362,3 +362,32 @@ fn a_bench_report_into_a_closed_pipe_does_not_panic() {
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+/// `bench-adam --isa` naming an instruction set this CPU lacks is bad
+/// input (exit 2, one line), not an internal error (it was exit 1).
+#[test]
+fn an_isa_this_cpu_lacks_is_bad_input() {
+    use tierzero::optim::Isa;
+    let Some((flag, _)) = [("avx512bf16", Isa::Avx512Bf16), ("avx512", Isa::Avx512)]
+        .into_iter()
+        .find(|(_, isa)| !isa.is_supported())
+    else {
+        eprintln!("skipped: this CPU supports every --isa");
+        return;
+    };
+    let out = cli_support::run_tierzero(
+        None,
+        &[
+            "bench-adam",
+            "--params",
+            "1K",
+            "--isa",
+            flag,
+            "--steps",
+            "1",
+            "--repeats",
+            "1",
+        ],
+    );
+    cli_support::assert_bad_input(&out, "isa", &["--isa", "does not support"]);
+}

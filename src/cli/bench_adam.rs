@@ -288,14 +288,38 @@ fn summarize(params: usize, bytes_per_param: u32, mut per_step: Vec<f64>) -> Mea
     }
 }
 
-pub fn run(args: BenchAdamArgs) -> Result<()> {
-    let report = bench(&args)?;
+pub fn run(args: BenchAdamArgs) -> std::result::Result<(), super::Failure> {
+    // A user's choice this CPU cannot run is bad input (exit 2), not an
+    // internal error.
+    let isa = chosen_isa(&args);
+    if !isa.is_supported() {
+        return Err(super::Failure::BadInput(anyhow::anyhow!(
+            "--isa: this CPU does not support {}; leave --isa out for the best it has",
+            isa.name()
+        )));
+    }
+    run_checked(&args).map_err(super::Failure::Internal)
+}
+
+fn run_checked(args: &BenchAdamArgs) -> Result<()> {
+    let report = bench(args)?;
     if args.json {
         outln!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print_text(&report);
     }
     Ok(())
+}
+
+/// The instruction set `--isa` names, or the CPU's best.
+fn chosen_isa(args: &BenchAdamArgs) -> Isa {
+    match args.isa {
+        None => Isa::detect(),
+        Some(IsaArg::Avx512Bf16) => Isa::Avx512Bf16,
+        Some(IsaArg::Avx512) => Isa::Avx512,
+        Some(IsaArg::Avx2) => Isa::Avx2Fma,
+        Some(IsaArg::Scalar) => Isa::Scalar,
+    }
 }
 
 /// Runs every kind round-robin (`repeats` rounds of `steps` calls each, after
@@ -307,13 +331,7 @@ pub fn bench(args: &BenchAdamArgs) -> Result<Report> {
         Some(t) => t,
         None => std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN),
     };
-    let isa = match args.isa {
-        None => Isa::detect(),
-        Some(IsaArg::Avx512Bf16) => Isa::Avx512Bf16,
-        Some(IsaArg::Avx512) => Isa::Avx512,
-        Some(IsaArg::Avx2) => Isa::Avx2Fma,
-        Some(IsaArg::Scalar) => Isa::Scalar,
-    };
+    let isa = chosen_isa(args);
     if !isa.is_supported() {
         bail!(
             "instruction set {} is not supported by this CPU",

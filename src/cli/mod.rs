@@ -180,7 +180,7 @@ fn run_other(command: Command) -> Result<(), Failure> {
         Command::Train(a) => train::run(*a).map(|_| ()),
         Command::BenchIo(a) => bench_io::run_bench_io(a),
         Command::Tune(a) => bench_io::run_tune(a),
-        Command::BenchAdam(a) => bench_adam::run(a).map_err(Failure::Internal),
+        Command::BenchAdam(a) => bench_adam::run(a),
         Command::Estimate(a) => estimate::run(a),
         Command::Eval(a) => eval::run(a),
         Command::Export(a) => export::run(a),
