@@ -262,6 +262,10 @@ fn truncation_latest_fallback_and_unfinished_saves() {
         }
         other => panic!("{other}"),
     }
+    // Bytes that rotted into something that is not UTF-8 are damage: the
+    // open falls back.
+    std::fs::write(step4.join("manifest.json"), [b'{', 0xff, 0xfe, b'}']).unwrap();
+    assert_eq!(Checkpoint::open(&save4).unwrap().step(), 1);
     // An unfinished save (staging dir of a dead process) is not a
     // checkpoint, and the next save removes it.
     let lone = scratch("lone");

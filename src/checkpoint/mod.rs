@@ -296,17 +296,25 @@ impl From<crate::durable::DurableError> for CheckpointError {
 }
 
 impl CheckpointError {
-    /// Whether the error says a step directory is damaged or incomplete
-    /// (missing, a manifest that does not parse or validate, a file of the
-    /// wrong size or a bad crc): what a crash or a bad disk leaves, and
-    /// where opening a save dir falls back to an older step. An I/O error
-    /// other than "not found" (EIO, EACCES, ESTALE) or a manifest of a
-    /// version this build does not read is not: falling back then would
-    /// resume from an older step, and the next save of the newer step
-    /// would replace the one that was there.
+    /// Whether the error says a step directory is damaged or incomplete:
+    /// missing (or not a directory), a manifest that does not parse (bytes
+    /// that are not UTF-8 included), validate or end where it should, a
+    /// file of the wrong size or a bad crc. That is what a crash leaves, or
+    /// bytes that rotted, and opening a save dir falls back to an older
+    /// step from it. An error reading what is there (EIO, EACCES, ESTALE)
+    /// or a manifest of a version this build does not read is not: it may
+    /// pass, or a newer tierzero reads it, and falling back would resume
+    /// from an older step whose next save replaces the newer one.
     pub fn is_damage(&self) -> bool {
+        use std::io::ErrorKind;
         match self {
-            CheckpointError::Io { source, .. } => source.kind() == std::io::ErrorKind::NotFound,
+            CheckpointError::Io { source, .. } => matches!(
+                source.kind(),
+                ErrorKind::NotFound
+                    | ErrorKind::NotADirectory
+                    | ErrorKind::InvalidData
+                    | ErrorKind::UnexpectedEof
+            ),
             CheckpointError::Manifest { .. }
             | CheckpointError::PathEscape { .. }
             | CheckpointError::Corrupt { .. }

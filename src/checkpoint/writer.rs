@@ -116,8 +116,10 @@ fn remove_stale(save_dir: &Path) {
     for e in entries.flatten() {
         let name = e.file_name();
         if let Some(pid) = name.to_str().and_then(latest_tmp_owner_pid) {
-            if pid != std::process::id()
-                && !tierzero_swap::space::process_alive(pid)
+            // This process writes `latest` only inside a commit, never
+            // while a save begins: one of its own pid is a dead
+            // incarnation's (pid 1 in a container, restarted).
+            if (pid == std::process::id() || !tierzero_swap::space::process_alive(pid))
                 && e.file_type().is_ok_and(|t| t.is_file())
             {
                 match std::fs::remove_file(e.path()) {

@@ -33,7 +33,8 @@
 //! `r = len − 1 − W · seq_len` tokens a pass cannot use (fewer than
 //! `seq_len`) are at its end in pass 0 and at its start in pass 1 (the
 //! pass's offset into the corpus rotates through `0, r, r − 1, …, 1`), so
-//! every token is a target by the end of the second pass, and a corpus of
+//! every token but the first (no window predicts it) is a target by the
+//! end of the second pass, and a corpus of
 //! `seq_len + 1` tokens is one window. (Until 2026-12-05 the start was
 //! `(s · seq_len) mod (len − seq_len − 1)`: the last token never a target,
 //! and where that modulus shared a large factor with `seq_len` few

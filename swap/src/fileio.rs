@@ -1055,7 +1055,11 @@ impl RingWorker {
             if self.in_flight > 0 {
                 match self.ring.submit_and_wait(1) {
                     Ok(_) => backoff.ok(),
-                    Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                    Err(e)
+                        if matches!(
+                            e.raw_os_error(),
+                            Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY)
+                        ) => {}
                     // What is in flight still completes below; wait for it
                     // without spinning.
                     Err(e) => backoff.failed(&e, "file I/O"),

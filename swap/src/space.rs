@@ -348,11 +348,14 @@ impl SwapSpace {
             let lease = DirLease::acquire(dir.clone())?;
             reclaim_stale(&dir);
             let path = dir.join(format!("swap-{pid}-{space_seq}-{i}.{SWAP_EXT}"));
+            // Listed before it exists: another thread's `reclaim_stale` of
+            // this directory must never take it for a dead incarnation's.
+            // (On a failure below, `made` forgets it.)
+            live_files().push(path.clone());
+            made.0.push(path.clone());
             let (file, direct) = open_swap_file(&path, config.direct_io, true, &|| {
                 lease.first_buffered_warning()
             })?;
-            made.0.push(path.clone());
-            live_files().push(path.clone());
             dirs.push(lease);
             let sf = SwapFile {
                 path: path.clone(),
@@ -1261,6 +1264,26 @@ pub fn send_signal(pid: u32, signal: i32) -> std::io::Result<()> {
         Ok(())
     } else {
         Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Makes the process `cmd` spawns receive `signal` when the thread that
+/// spawned it dies (Linux's `PR_SET_PDEATHSIG`): `tierzero launch` gives
+/// mpirun SIGINT, its abort, so that the ranks do not outlive a launcher
+/// killed with SIGKILL or by the OOM killer.
+pub fn signal_with_parent(cmd: &mut std::process::Command, signal: i32) {
+    use std::os::unix::process::CommandExt as _;
+    let sig = libc::c_ulong::try_from(signal).unwrap_or(libc::SIGKILL as libc::c_ulong);
+    // SAFETY: the closure runs in the child between fork and exec, where
+    // only async-signal-safe calls are allowed: it makes one `prctl` call
+    // with integer arguments and touches no memory the parent owns.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
     }
 }
 
