@@ -454,16 +454,6 @@ fn estimate_prints_the_plan_train_allocates() {
     )
     .unwrap();
     std::fs::create_dir_all(d.join("swap")).unwrap();
-    let cfg = serde_json::json!({
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 3, "sub_group_size": 20000,
-            "offload_param": {"device": "nvme", "nvme_path": "swap", "buffer_count": 8,
-                "buffer_size": 20000},
-            "offload_optimizer": {"device": "nvme", "nvme_path": "swap"}},
-        "tierzero": {"pinned_budget_bytes": "64MiB"}
-    });
-    std::fs::write(d.join("ds.json"), cfg.to_string()).unwrap();
     let rows = |text: &str| -> Vec<String> {
         let start = text
             .find("  param homes")
@@ -474,32 +464,54 @@ fn estimate_prints_the_plan_train_allocates() {
             .map(str::to_owned)
             .collect()
     };
-    let e = cli_support::run_tierzero(
-        Some(&d),
-        &["estimate", "--model", "m", "--config", "ds.json"],
-    );
-    assert_eq!(e.code, 0, "{}", e.stderr);
-    let t = cli_support::run_tierzero(
-        Some(&d),
-        &[
-            "train",
-            "--model",
-            "m",
-            "--config",
-            "ds.json",
-            "--steps",
-            "1",
-            "--seq-len",
-            "16",
-        ],
-    );
-    assert_eq!(t.code, 0, "{}", t.stderr);
-    let (got, want) = (rows(&e.stdout), rows(&t.stdout));
-    assert!(
-        want.len() >= 6 && want.iter().any(|l| l.contains("pinned total")),
-        "{want:?}"
-    );
-    assert_eq!(got, want);
+    // Explicit values; then a global batch that implies accumulation (the
+    // gradient park) and "auto" sizes that train resolves from the model.
+    let explicit = serde_json::json!({
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "sub_group_size": 20000,
+            "offload_param": {"device": "nvme", "nvme_path": "swap", "buffer_count": 8,
+                "buffer_size": 20000},
+            "offload_optimizer": {"device": "nvme", "nvme_path": "swap"}},
+        "tierzero": {"pinned_budget_bytes": "64MiB"}
+    });
+    let mut derived = explicit.clone();
+    derived["train_batch_size"] = 8.into();
+    derived
+        .as_object_mut()
+        .unwrap()
+        .remove("gradient_accumulation_steps");
+    derived["zero_optimization"]["stage3_prefetch_bucket_size"] = "auto".into();
+    derived["zero_optimization"]["stage3_param_persistence_threshold"] = "auto".into();
+    for (what, cfg) in [("explicit", explicit), ("derived", derived)] {
+        std::fs::write(d.join("ds.json"), cfg.to_string()).unwrap();
+        let e = cli_support::run_tierzero(
+            Some(&d),
+            &["estimate", "--model", "m", "--config", "ds.json"],
+        );
+        assert_eq!(e.code, 0, "{what}: {}", e.stderr);
+        let t = cli_support::run_tierzero(
+            Some(&d),
+            &[
+                "train",
+                "--model",
+                "m",
+                "--config",
+                "ds.json",
+                "--steps",
+                "1",
+                "--seq-len",
+                "16",
+            ],
+        );
+        assert_eq!(t.code, 0, "{what}: {}", t.stderr);
+        let (got, want) = (rows(&e.stdout), rows(&t.stdout));
+        assert!(
+            want.len() >= 6 && want.iter().any(|l| l.contains("pinned total")),
+            "{what}: {want:?}"
+        );
+        assert_eq!(got, want, "{what}");
+    }
     let j = json(&[
         "estimate",
         "--model",

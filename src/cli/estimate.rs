@@ -170,22 +170,49 @@ struct FromConfig {
     train_plan: Option<String>,
 }
 
-/// The start-up plan `tierzero train` prints for `config` and `model` on
-/// rank 0 of `ranks`: the trainer's layout and the one sizing policy's
-/// answer ([`tierzero::engine::sizing::decide_within`], with the same
-/// free NVMe space), rendered by the same
-/// [`tierzero::run::Plan`]; or the error the trainer would stop with.
-/// (The table above it estimates every choice from the model's size; this
-/// is the config's own, as the run will allocate it.)
-fn train_plan(config: &tierzero::config::Config, model: &Model, ranks: u64) -> String {
+/// The start-up plan `tierzero train` prints for the config `text` and
+/// `model` on rank 0 of `ranks`: the config resolved as train resolves it
+/// (its `RunContext`: the model's hidden size, size and largest param, so
+/// `"auto"` keys and the batch come out the same; no flags), the
+/// trainer's layout and the one sizing policy's answer
+/// ([`tierzero::engine::sizing::decide_within`], with the same free NVMe
+/// space), rendered by the same [`tierzero::run::Plan`]; or the error
+/// train would stop with. (The table above it estimates every choice from
+/// the model's size; this is the config's own, as the run allocates it.)
+fn train_plan(text: &str, model: &Model, ranks: u64) -> String {
+    use tierzero::config::{parse_str, AutoOr, PathChecks, RunContext};
     use tierzero::engine::sizing::{decide_within, nvme_available_bytes, Shape};
+    let resolved = parse_str(text).and_then(|parsed| {
+        let total_steps = parsed
+            .ds
+            .scheduler
+            .as_ref()
+            .and_then(|s| match s.params.total_num_steps {
+                Some(AutoOr::Value(n)) => Some(n),
+                _ => None,
+            })
+            .unwrap_or(tierzero::run::DEFAULT_STEPS);
+        parsed.resolve(&RunContext {
+            total_steps: Some(total_steps),
+            hidden_size: Some(model.config().hidden_size as u64),
+            model_numel: Some(model.numel() as u64),
+            largest_param_numel: model.params().iter().map(|p| p.numel as u64).max(),
+            ranks,
+            path_checks: PathChecks::Skip,
+            ..RunContext::default()
+        })
+    });
+    let config = match resolved {
+        Ok(l) => l.config,
+        Err(e) => return format!("tierzero train would refuse this config: {e}"),
+    };
     let world = usize::try_from(ranks).unwrap_or(usize::MAX);
     let sub_group = usize::try_from(config.zero.sub_group_numel.0).unwrap_or(usize::MAX);
     let layout = tierzero::engine::Layout::new(model, 0, world, sub_group);
-    let shape = Shape::of(config, model, &layout);
-    match decide_within(config, &shape, nvme_available_bytes(config)) {
+    let shape = Shape::of(&config, model, &layout);
+    match decide_within(&config, &shape, nvme_available_bytes(&config)) {
         Ok(sizing) => tierzero::run::Plan::new(
-            config,
+            &config,
             model,
             &layout,
             &sizing,
@@ -241,7 +268,7 @@ fn load_config(
         nvme_path,
         choice: estimate::choice_of_config(c),
         train_plan: match (path, model) {
-            (Some(_), Some(m)) => Some(train_plan(c, m, ranks)),
+            (Some(_), Some(m)) => Some(train_plan(&text, m, ranks)),
             _ => None,
         },
     })
