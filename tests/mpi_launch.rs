@@ -255,3 +255,73 @@ fn a_signal_to_the_launcher_stops_the_ranks_at_a_step_and_saves() {
         eprintln!("SIG{sig} to the launcher: exit {code}, both ranks saved step {step}");
     }
 }
+
+/// mpirun does not outlive a launcher killed outright (SIGKILL, the OOM
+/// killer): it gets SIGINT, its abort, when the launcher dies
+/// (PR_SET_PDEATHSIG), and its ranks go with it. mpirun runs in a process
+/// group of its own, so nothing else would reach it.
+#[test]
+fn mpirun_goes_when_the_launcher_is_killed() {
+    let dir = scratch("launch-killed");
+    let model = model_in(&dir, true);
+    let swap = dir.join("swap");
+    std::fs::create_dir_all(&swap).unwrap();
+    let ds_path = dir.join("ds_config.json");
+    std::fs::write(
+        &ds_path,
+        ds_config(&Knobs::nvme(), &swap, 1_000_000).to_string(),
+    )
+    .unwrap();
+    let metrics = dir.join("metrics.jsonl");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .args([
+            "launch", "--nproc", "2", "--", "train", "--steps", "1000000",
+        ])
+        .args(["--seq-len", "16", "--model"])
+        .arg(&model)
+        .arg("--config")
+        .arg(&ds_path)
+        .arg("--metrics")
+        .arg(&metrics)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("run tierzero launch");
+    let t0 = std::time::Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 1 {
+        assert!(child.try_wait().unwrap().is_none(), "ended early");
+        assert!(t0.elapsed().as_secs() < 120, "no step");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // The launcher's children: mpirun.
+    let launcher = child.id();
+    let children: Vec<u32> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+                // pid (comm) state ppid ...: after the last ')'.
+                s.rsplit_once(") ")
+                    .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok())
+                    == Some(launcher)
+            })
+        })
+        .collect();
+    assert!(!children.is_empty(), "no mpirun under the launcher");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let gone = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| {
+            s.rsplit_once(") ").is_some_and(|(_, r)| r.starts_with('Z'))
+        })
+    };
+    let t0 = std::time::Instant::now();
+    while !children.iter().all(|p| gone(*p)) {
+        assert!(
+            t0.elapsed().as_secs() < 30,
+            "mpirun {children:?} outlived its launcher"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}

@@ -67,10 +67,32 @@ pub fn exit_code(cause: StopCause) -> i32 {
     }
 }
 
-/// Installs the handlers and the watcher: the first SIGINT or SIGTERM
-/// requests a stop on `handle`, a second aborts.
+/// The handlers, registered once per process ([`register_early`]).
+type Handlers = (Arc<AtomicBool>, Arc<AtomicUsize>);
+static HANDLERS: std::sync::OnceLock<Handlers> = std::sync::OnceLock::new();
+
+fn handlers() -> Result<&'static Handlers, Failure> {
+    if let Some(h) = HANDLERS.get() {
+        return Ok(h);
+    }
+    let h = register()?;
+    Ok(HANDLERS.get_or_init(|| h))
+}
+
+/// Registers the handlers now, first thing in `train`: a signal that
+/// arrives while the run starts (MPI's start-up, the data's tokenizing)
+/// is kept and stops the run after its first step, rather than killing
+/// it (SIGUSR1/SIGUSR2's default action) before [`install`]'s watcher
+/// runs.
+pub fn register_early() -> Result<(), Failure> {
+    handlers().map(|_| ())
+}
+
+/// Installs the handlers (if [`register_early`] did not) and the watcher:
+/// the first SIGINT or SIGTERM requests a stop on `handle`, a second
+/// aborts.
 pub fn install(handle: StopHandle) -> Result<(), Failure> {
-    let (_armed, last) = register()?;
+    let last = Arc::clone(&handlers()?.1);
     std::thread::Builder::new()
         .name("tierzero-signals".into())
         .spawn(move || loop {
@@ -93,16 +115,22 @@ pub fn install(handle: StopHandle) -> Result<(), Failure> {
 
 /// `tierzero launch`: runs mpirun (`cmd`) in a process group of its own,
 /// stdin closed (a background group reading the terminal would be
-/// stopped), and waits for it. The first SIGINT (SIGTERM, SIGHUP) this
-/// process gets goes to mpirun as [`STOP_AS_SIGINT`] ([`STOP_AS_SIGTERM`]),
-/// which mpirun passes on: the ranks stop after the step in progress and
-/// save. A later one goes to mpirun as SIGINT: it aborts the ranks. See
-/// "Under mpirun" in the module docs.
+/// stopped), sent SIGINT (its abort) if this process dies first, and waits
+/// for it. The first SIGINT (SIGTERM, SIGHUP) this process gets goes to
+/// mpirun as [`STOP_AS_SIGINT`] ([`STOP_AS_SIGTERM`]), which mpirun passes
+/// on: the ranks stop after the step in progress and save. It is sent
+/// once mpirun has run [`MPIRUN_SETTLE`] (before its handlers are in, a
+/// SIGUSR1 would kill it) and again every [`RESEND`] until mpirun exits
+/// (one sent before the ranks existed is lost; a rank takes it again as
+/// the same stop). A later signal goes to mpirun as SIGINT: it aborts the
+/// ranks. A signal before mpirun starts: it is not started. See "Under
+/// mpirun" in the module docs.
 #[cfg(feature = "mpi")]
 pub fn run_mpirun(
     mut cmd: std::process::Command,
 ) -> Result<std::io::Result<std::process::ExitStatus>, Failure> {
     use std::os::unix::process::CommandExt as _;
+    use std::time::Instant;
     let flags: Vec<(i32, Arc<AtomicBool>)> = [SIGINT, SIGTERM, SIGHUP]
         .into_iter()
         .map(|sig| {
@@ -114,15 +142,21 @@ pub fn run_mpirun(
                 })
         })
         .collect::<Result<_, _>>()?;
-    let mut child = match cmd
-        .process_group(0)
-        .stdin(std::process::Stdio::null())
-        .spawn()
-    {
+    cmd.process_group(0).stdin(std::process::Stdio::null());
+    tierzero_swap::space::signal_with_parent(&mut cmd, SIGINT);
+    if let Some((sig, _)) = flags.iter().find(|(_, f)| f.load(Ordering::SeqCst)) {
+        // Nothing started yet: stopped as a run stopped before its first step.
+        return Ok(Ok(std::os::unix::process::ExitStatusExt::from_raw(
+            (128 + sig) << 8,
+        )));
+    }
+    let started = Instant::now();
+    let mut child = match cmd.spawn() {
         Ok(c) => c,
         Err(e) => return Ok(Err(e)),
     };
-    let mut stopping = false;
+    // The stop asked for (the signal mpirun gets) and when it was last sent.
+    let mut stop: Option<(i32, Option<Instant>)> = None;
     loop {
         match child.try_wait() {
             Ok(Some(status)) => return Ok(Ok(status)),
@@ -134,28 +168,48 @@ pub fn run_mpirun(
                 continue;
             }
             let name = StopCause::Signal(*sig).signal_name().unwrap_or_default();
-            let (to_mpirun, what) = if stopping {
-                (SIGINT, "aborting the ranks")
-            } else if *sig == SIGINT {
-                (
-                    STOP_AS_SIGINT,
-                    "the ranks stop after the step in progress (a second signal aborts them)",
-                )
+            if stop.is_some() {
+                eprintln!("tierzero launch: {name} received: aborting the ranks");
+                if let Err(e) = tierzero_swap::space::send_signal(child.id(), SIGINT) {
+                    eprintln!("tierzero launch: signalling mpirun ({}): {e}", child.id());
+                }
+                continue;
+            }
+            eprintln!(
+                "tierzero launch: {name} received: the ranks stop after the step in progress \
+                 (a second signal aborts them)"
+            );
+            let as_stop = if *sig == SIGINT {
+                STOP_AS_SIGINT
             } else {
-                (
-                    STOP_AS_SIGTERM,
-                    "the ranks stop after the step in progress (a second signal aborts them)",
-                )
+                STOP_AS_SIGTERM
             };
-            stopping = true;
-            eprintln!("tierzero launch: {name} received: {what}");
-            if let Err(e) = tierzero_swap::space::send_signal(child.id(), to_mpirun) {
-                eprintln!("tierzero launch: signalling mpirun ({}): {e}", child.id());
+            stop = Some((as_stop, None));
+        }
+        if let Some((as_stop, sent)) = &mut stop {
+            let due = match sent {
+                None => started.elapsed() >= MPIRUN_SETTLE,
+                Some(t) => t.elapsed() >= RESEND,
+            };
+            if due {
+                *sent = Some(Instant::now());
+                if let Err(e) = tierzero_swap::space::send_signal(child.id(), *as_stop) {
+                    eprintln!("tierzero launch: signalling mpirun ({}): {e}", child.id());
+                }
             }
         }
         std::thread::sleep(POLL);
     }
 }
+
+/// How long mpirun runs before a stop is passed to it: its signal
+/// handlers are in by then (a SIGUSR1 before them would kill it).
+#[cfg(feature = "mpi")]
+pub const MPIRUN_SETTLE: Duration = Duration::from_secs(1);
+
+/// How often a stop is sent to mpirun again until it exits.
+#[cfg(feature = "mpi")]
+pub const RESEND: Duration = Duration::from_secs(2);
 
 /// The handlers: `armed` is set by the first signal (a second then runs
 /// the default action), `last` holds the latest signal's number.
@@ -172,8 +226,14 @@ fn register() -> Result<(Arc<AtomicBool>, Arc<AtomicUsize>), Failure> {
         let err = |e: std::io::Error| {
             Failure::Internal(anyhow!("installing the handler of signal {sig}: {e}"))
         };
-        signal_hook::flag::register_conditional_default(sig, Arc::clone(&armed)).map_err(err)?;
-        signal_hook::flag::register(sig, Arc::clone(&armed)).map_err(err)?;
+        // SIGUSR1/SIGUSR2 come from `tierzero launch`, which may send one
+        // again (a stop sent before mpirun's ranks existed is lost): they
+        // never abort; the launcher aborts with a SIGINT to mpirun.
+        if sig == SIGINT || sig == SIGTERM {
+            signal_hook::flag::register_conditional_default(sig, Arc::clone(&armed))
+                .map_err(err)?;
+            signal_hook::flag::register(sig, Arc::clone(&armed)).map_err(err)?;
+        }
         signal_hook::flag::register_usize(sig, Arc::clone(&last), stands_for as usize)
             .map_err(err)?;
     }

@@ -732,6 +732,8 @@ impl Ended {
 
 /// Runs `tierzero train`.
 pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
+    // First: a signal during start-up (MPI's, the data's) is kept, not fatal.
+    super::signals::register_early()?;
     let started = Instant::now();
     // Several ranks (under mpirun): rank 0 prints and writes --metrics, the
     // others only log (see launch.rs).
