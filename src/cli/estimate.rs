@@ -180,17 +180,11 @@ struct FromConfig {
 /// train would stop with. (The table above it estimates every choice from
 /// the model's size; this is the config's own, as the run allocates it.)
 fn train_plan(text: &str, model: &Model, ranks: u64) -> String {
-    use tierzero::config::{parse_str, AutoOr, PathChecks, RunContext};
+    use tierzero::config::{parse_str, PathChecks, RunContext};
     use tierzero::engine::sizing::{decide_within, nvme_available_bytes, Shape};
     let resolved = parse_str(text).and_then(|parsed| {
         let total_steps = parsed
-            .ds
-            .scheduler
-            .as_ref()
-            .and_then(|s| match s.params.total_num_steps {
-                Some(AutoOr::Value(n)) => Some(n),
-                _ => None,
-            })
+            .scheduler_total_steps()
             .unwrap_or(tierzero::run::DEFAULT_STEPS);
         parsed.resolve(&RunContext {
             total_steps: Some(total_steps),

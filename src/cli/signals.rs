@@ -143,7 +143,7 @@ pub fn run_mpirun(
         })
         .collect::<Result<_, _>>()?;
     cmd.process_group(0).stdin(std::process::Stdio::null());
-    tierzero_swap::space::signal_with_parent(&mut cmd, SIGINT);
+    tierzero_swap::process::signal_with_parent(&mut cmd, SIGINT);
     if let Some((sig, _)) = flags.iter().find(|(_, f)| f.load(Ordering::SeqCst)) {
         // Nothing started yet: stopped as a run stopped before its first step.
         return Ok(Ok(std::os::unix::process::ExitStatusExt::from_raw(
@@ -170,7 +170,7 @@ pub fn run_mpirun(
             let name = StopCause::Signal(*sig).signal_name().unwrap_or_default();
             if stop.is_some() {
                 eprintln!("tierzero launch: {name} received: aborting the ranks");
-                if let Err(e) = tierzero_swap::space::send_signal(child.id(), SIGINT) {
+                if let Err(e) = tierzero_swap::process::send_signal(child.id(), SIGINT) {
                     eprintln!("tierzero launch: signalling mpirun ({}): {e}", child.id());
                 }
                 continue;
@@ -193,7 +193,7 @@ pub fn run_mpirun(
             };
             if due {
                 *sent = Some(Instant::now());
-                if let Err(e) = tierzero_swap::space::send_signal(child.id(), *as_stop) {
+                if let Err(e) = tierzero_swap::process::send_signal(child.id(), *as_stop) {
                     eprintln!("tierzero launch: signalling mpirun ({}): {e}", child.id());
                 }
             }

@@ -81,7 +81,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use tierzero::checkpoint::{Checkpoint, CheckpointError, SaveDirLock};
-use tierzero::config::{self, AutoOr, ConfigWarning, PathChecks, RunContext};
+use tierzero::config::{self, ConfigWarning, PathChecks, RunContext};
 use tierzero::data::TokenData;
 use tierzero::engine::{
     EngineError, StepMetrics, StopCause, StopHandle, StopSave, Summary, Timeline, Trainer,
@@ -95,10 +95,12 @@ use tierzero::units::{format_bytes, parse_count};
 
 use super::{emit, Failure};
 
+mod data;
 mod device;
 mod report;
 mod steps;
 mod timing;
+use data::{load_data, other_data};
 use device::{cuda_units, sim_units};
 use report::{banner, print_summary, size_and_time, Progress};
 use steps::train_steps;
@@ -497,72 +499,6 @@ fn open_model(
     Ok((model_dir, model))
 }
 
-/// Whether the data a checkpoint names (`was`, a path as given then, or
-/// the embedded corpus's name) is not the run's (`now`): their resolved
-/// paths differ, or where either does not resolve (another working
-/// directory, moved), their file names.
-fn other_data(was: &str, now: &str) -> bool {
-    match (std::fs::canonicalize(was), std::fs::canonicalize(now)) {
-        (Ok(a), Ok(b)) => a != b,
-        _ => Path::new(was).file_name() != Path::new(now).file_name(),
-    }
-}
-
-/// The token data of `--data` (or the embedded corpus), its name, and a
-/// line on what was read (none for the embedded corpus).
-fn load_data(
-    args: &TrainArgs,
-    model: &Model,
-    seq_len: usize,
-) -> Result<(TokenData, String, Option<String>), Failure> {
-    let (data, data_name, line) = match &args.data {
-        Some(p) => {
-            let (d, line) = super::tokens::load_tokens(
-                p,
-                args.tokenizer.as_deref(),
-                &args.data_options,
-                model,
-            )?;
-            (d, p.display().to_string(), Some(line))
-        }
-        None => {
-            let o = &args.data_options;
-            let given: Vec<&str> = [
-                (o.data_format != "auto", "--data-format"),
-                (o.text_field != "text", "--text-field"),
-                (o.eos_id.is_some(), "--eos-id"),
-                (o.no_data_cache, "--no-data-cache"),
-            ]
-            .into_iter()
-            .filter_map(|(on, flag)| on.then_some(flag))
-            .collect();
-            if !given.is_empty() {
-                return Err(bad(format!(
-                    "{} without --data: the embedded corpus is read as bytes, so {} would \
-                     change nothing; give --data FILE",
-                    given.join(", "),
-                    if given.len() == 1 { "it" } else { "they" }
-                )));
-            }
-            (
-                TokenData::from_bytes(DEFAULT_CORPUS, Path::new(DEFAULT_CORPUS_NAME)),
-                DEFAULT_CORPUS_NAME.to_owned(),
-                None,
-            )
-        }
-    };
-    if data.len() < tierzero::data::min_tokens(seq_len) {
-        return Err(bad(format!(
-            "--data {data_name}: {} tokens are too few for --seq-len {seq_len}; give at \
-             least {} tokens of text or a smaller --seq-len",
-            data.len(),
-            tierzero::data::min_tokens(seq_len)
-        )));
-    }
-
-    Ok((data, data_name, line))
-}
-
 /// The validated config (`--config`, or the embedded one) resolved with
 /// the run's flags, its name, and the steps to run.
 fn load_config(
@@ -589,15 +525,10 @@ fn load_config(
     let cfg_err =
         |e: config::ConfigError| bad(format!("config ({config_name}): {}", flag_names(e)));
     let parsed = config::parse_str(&text).map_err(cfg_err)?;
-    let config_steps = parsed
-        .ds
-        .scheduler
-        .as_ref()
-        .and_then(|s| match s.params.total_num_steps {
-            Some(AutoOr::Value(n)) => Some(n),
-            _ => None,
-        });
-    let steps = flags.steps.or(config_steps).unwrap_or(DEFAULT_STEPS);
+    let steps = flags
+        .steps
+        .or(parsed.scheduler_total_steps())
+        .unwrap_or(DEFAULT_STEPS);
     let run = RunContext {
         micro_batch_size: flags.micro_batch,
         gradient_accumulation_steps: flags.grad_accum,

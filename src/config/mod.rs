@@ -86,6 +86,20 @@ pub struct Parsed {
     pub warnings: Vec<ConfigWarning>,
 }
 
+impl Parsed {
+    /// The scheduler's `total_num_steps` when the config gives a number
+    /// (`train` runs that many steps without `--steps`).
+    pub fn scheduler_total_steps(&self) -> Option<u64> {
+        self.ds
+            .scheduler
+            .as_ref()
+            .and_then(|s| match s.params.total_num_steps {
+                Some(ds::AutoOr::Value(n)) => Some(n),
+                _ => None,
+            })
+    }
+}
+
 /// A fully validated config.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Loaded {

@@ -73,6 +73,7 @@ pub mod lock;
 pub mod malloc;
 pub mod mapped;
 mod portable;
+pub mod process;
 mod ring;
 pub mod shared;
 pub mod space;

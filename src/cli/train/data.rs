@@ -1,0 +1,71 @@
+//! The training data of `tierzero train`: `--data` (or the embedded
+//! corpus) loaded and checked against the run, and whether a resumed
+//! checkpoint read other data.
+
+use super::*;
+
+/// Whether the data a checkpoint names (`was`, a path as given then, or
+/// the embedded corpus's name) is not the run's (`now`): their resolved
+/// paths differ, or where either does not resolve (another working
+/// directory, moved), their file names.
+pub(super) fn other_data(was: &str, now: &str) -> bool {
+    match (std::fs::canonicalize(was), std::fs::canonicalize(now)) {
+        (Ok(a), Ok(b)) => a != b,
+        _ => Path::new(was).file_name() != Path::new(now).file_name(),
+    }
+}
+
+/// The token data of `--data` (or the embedded corpus), its name, and a
+/// line on what was read (none for the embedded corpus).
+pub(super) fn load_data(
+    args: &TrainArgs,
+    model: &Model,
+    seq_len: usize,
+) -> Result<(TokenData, String, Option<String>), Failure> {
+    let (data, data_name, line) = match &args.data {
+        Some(p) => {
+            let (d, line) = crate::cli::tokens::load_tokens(
+                p,
+                args.tokenizer.as_deref(),
+                &args.data_options,
+                model,
+            )?;
+            (d, p.display().to_string(), Some(line))
+        }
+        None => {
+            let o = &args.data_options;
+            let given: Vec<&str> = [
+                (o.data_format != "auto", "--data-format"),
+                (o.text_field != "text", "--text-field"),
+                (o.eos_id.is_some(), "--eos-id"),
+                (o.no_data_cache, "--no-data-cache"),
+            ]
+            .into_iter()
+            .filter_map(|(on, flag)| on.then_some(flag))
+            .collect();
+            if !given.is_empty() {
+                return Err(bad(format!(
+                    "{} without --data: the embedded corpus is read as bytes, so {} would \
+                     change nothing; give --data FILE",
+                    given.join(", "),
+                    if given.len() == 1 { "it" } else { "they" }
+                )));
+            }
+            (
+                TokenData::from_bytes(DEFAULT_CORPUS, Path::new(DEFAULT_CORPUS_NAME)),
+                DEFAULT_CORPUS_NAME.to_owned(),
+                None,
+            )
+        }
+    };
+    if data.len() < tierzero::data::min_tokens(seq_len) {
+        return Err(bad(format!(
+            "--data {data_name}: {} tokens are too few for --seq-len {seq_len}; give at \
+             least {} tokens of text or a smaller --seq-len",
+            data.len(),
+            tierzero::data::min_tokens(seq_len)
+        )));
+    }
+
+    Ok((data, data_name, line))
+}
