@@ -409,6 +409,42 @@ fn inspect_lists_live_and_stale_swap_files() {
     assert_eq!(r["stale_files"], 1);
 }
 
+/// An nvme_path shared by ranks holds `rank<R>/tierzero/`: each is
+/// reported, in rank order; `--verify` on swap is refused, not ignored.
+#[test]
+fn inspect_reports_every_rank_s_swap_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    for r in [1, 0] {
+        let d = tmp.path().join(format!("rank{r}/tierzero"));
+        std::fs::create_dir_all(&d).unwrap();
+        let f = d.join(format!("swap-{DEAD_PID}-{r}-0.tzswap"));
+        std::fs::write(f, vec![0u8; 4096 * (r + 1)]).unwrap();
+    }
+    let out = tierzero(&["inspect", tmp.path().to_str().unwrap(), "--json"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let v: Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(v["kind"], "rank_swaps");
+    let ranks = v["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 2);
+    for (r, report) in ranks.iter().enumerate() {
+        assert!(report["dir"]
+            .as_str()
+            .unwrap()
+            .ends_with(&format!("rank{r}/tierzero")));
+        assert_eq!(report["stale_bytes"], 4096 * (r as u64 + 1));
+    }
+    let out = tierzero(&["inspect", tmp.path().to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(
+        out.stdout.matches("swap directory ").count(),
+        2,
+        "{}",
+        out.stdout
+    );
+    let out = tierzero(&["inspect", tmp.path().to_str().unwrap(), "--verify"]);
+    cli_support::assert_bad_input(&out, "verify on swap", &["--verify", "drop --verify"]);
+}
+
 #[test]
 fn inspect_rejects_what_is_not_a_swap_directory() {
     let tmp = tempfile::tempdir().unwrap();

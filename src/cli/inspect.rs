@@ -3,7 +3,9 @@
 //! A swap directory is what `tierzero-swap` creates under each NVMe path:
 //! `<nvme_path>/tierzero/` holding `swap-<pid>-<space>-<path>.tzswap` files
 //! (see `tierzero_swap::space`). `DIR` may be the `nvme_path` or the
-//! `tierzero/` directory itself. For each of our files we show its size,
+//! `tierzero/` directory itself, or an `nvme_path` shared by several
+//! ranks, whose swap directories are `rank<R>/tierzero/` (each is
+//! reported, in rank order). For each of our files we show its size,
 //! the space really allocated (swap files are preallocated, so a smaller
 //! number means a sparse file), the owning pid, whether that process is
 //! alive, and the mode bits. A file whose owner is gone is stale: the next
@@ -67,6 +69,13 @@ pub enum Target {
         /// The `tierzero/` directory itself.
         dir: PathBuf,
     },
+    /// An nvme_path shared by ranks: each rank's swap directory,
+    /// `rank<R>/tierzero/` (where the engine puts them under several
+    /// ranks), in rank order.
+    RankSwaps {
+        /// The `tierzero/` directories.
+        dirs: Vec<PathBuf>,
+    },
     /// A checkpoint: a step dir or a save dir.
     Checkpoint {
         /// As given.
@@ -96,6 +105,23 @@ fn bad(msg: String) -> Failure {
     Failure::BadInput(anyhow!(msg))
 }
 
+/// `dir`'s `rank<R>/tierzero/` directories, in rank order.
+fn rank_swap_dirs(dir: &Path) -> Vec<PathBuf> {
+    let mut ranks: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
+        .map(|it| {
+            it.flatten()
+                .filter_map(|e| {
+                    let r = e.file_name().to_str()?.strip_prefix("rank")?.parse().ok()?;
+                    let sub = e.path().join(SWAP_SUBDIR);
+                    sub.is_dir().then_some((r, sub))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    ranks.sort();
+    ranks.into_iter().map(|(_, d)| d).collect()
+}
+
 /// Decides what `dir` is.
 pub fn classify(dir: &Path) -> Result<Target, Failure> {
     let meta = std::fs::metadata(dir).map_err(|e| bad(format!("{}: {e}", dir.display())))?;
@@ -113,6 +139,10 @@ pub fn classify(dir: &Path) -> Result<Target, Failure> {
     let sub = dir.join(SWAP_SUBDIR);
     if sub.is_dir() {
         return Ok(Target::Swap { dir: sub });
+    }
+    let ranks = rank_swap_dirs(dir);
+    if !ranks.is_empty() {
+        return Ok(Target::RankSwaps { dirs: ranks });
     }
     let named_like_ours = dir
         .canonicalize()
@@ -525,6 +555,31 @@ pub fn run(a: InspectArgs) -> Result<(), Failure> {
                     "{}: verification failed (see the report above)",
                     report.dir
                 )));
+            }
+        }
+        Target::Swap { .. } | Target::RankSwaps { .. } if a.verify => {
+            return Err(bad(format!(
+                "--verify checks a checkpoint's crc32c; {} is a swap directory (its files hold \
+                 no checksums to check at rest); drop --verify",
+                a.dir.display()
+            )));
+        }
+        Target::RankSwaps { dirs } => {
+            let reports = dirs
+                .iter()
+                .map(|d| scan_swap_dir(d))
+                .collect::<Result<Vec<_>, _>>()?;
+            if a.json {
+                let v = serde_json::json!({"kind": "rank_swaps", "ranks": reports});
+                let text = serde_json::to_string_pretty(&v)
+                    .map_err(|e| Failure::Internal(anyhow!("serialising the report: {e}")))?;
+                super::emit(&format!("{text}\n"))?;
+            } else {
+                for r in &reports {
+                    let text = render_swap(r)
+                        .map_err(|e| Failure::Internal(anyhow!("formatting the report: {e}")))?;
+                    super::emit(&text)?;
+                }
             }
         }
         Target::Swap { dir } => {
