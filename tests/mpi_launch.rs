@@ -194,42 +194,61 @@ fn resident_launch_case(stage: u8, says: &str) {
 /// forwards. (Sent to mpirun as SIGINT, mpirun killed the ranks 1 s after
 /// a SIGTERM, before any save; sent to the launcher as SIGTERM, nothing
 /// reached the ranks.)
+/// `tierzero launch --nproc 2 -- train` of `steps` steps (the config's
+/// schedule too), stage 3 on NVMe, with `extra` arguments and stdout and
+/// stderr piped, started in a fresh dir `tag`; returned once rank 0 has
+/// written `lines` steps' metrics. Also the dir.
+fn launched_until(
+    tag: &str,
+    steps: u64,
+    extra: &[&str],
+    lines: usize,
+) -> (std::process::Child, std::path::PathBuf) {
+    let dir = scratch(tag);
+    let model = model_in(&dir, true);
+    let swap = dir.join("swap");
+    std::fs::create_dir_all(&swap).unwrap();
+    let ds_path = dir.join("ds_config.json");
+    std::fs::write(
+        &ds_path,
+        ds_config(&Knobs::nvme(), &swap, steps).to_string(),
+    )
+    .unwrap();
+    let metrics = dir.join("metrics.jsonl");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .args(["launch", "--nproc", "2", "--", "train", "--steps"])
+        .arg(steps.to_string())
+        .args(["--seq-len", "16", "--model"])
+        .arg(&model)
+        .arg("--config")
+        .arg(&ds_path)
+        .arg("--metrics")
+        .arg(&metrics)
+        .args(extra)
+        .current_dir(&dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run tierzero launch");
+    let t0 = std::time::Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < lines {
+        assert!(child.try_wait().unwrap().is_none(), "{tag}: ended early");
+        assert!(t0.elapsed().as_secs() < 120, "{tag}: no step");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    (child, dir)
+}
+
 #[test]
 fn a_signal_to_the_launcher_stops_the_ranks_at_a_step_and_saves() {
     for (sig, code, name) in [("INT", 130, "SIGINT"), ("TERM", 143, "SIGTERM")] {
-        let dir = scratch(&format!("launch-stop-{sig}"));
-        let model = model_in(&dir, true);
-        let swap = dir.join("swap");
-        std::fs::create_dir_all(&swap).unwrap();
-        let ds_path = dir.join("ds_config.json");
-        std::fs::write(&ds_path, ds_config(&Knobs::nvme(), &swap, 400).to_string()).unwrap();
-        let metrics = dir.join("metrics.jsonl");
+        let (child, dir) = launched_until(
+            &format!("launch-stop-{sig}"),
+            400,
+            &["--json", "--save-dir", "ck"],
+            2,
+        );
         let ck = dir.join("ck");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tierzero"))
-            .args([
-                "launch", "--nproc", "2", "--", "train", "--steps", "400", "--json",
-            ])
-            .args(["--seq-len", "16", "--model"])
-            .arg(&model)
-            .arg("--config")
-            .arg(&ds_path)
-            .arg("--metrics")
-            .arg(&metrics)
-            .arg("--save-dir")
-            .arg(&ck)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("run tierzero launch");
-        let t0 = std::time::Instant::now();
-        while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 2 {
-            assert!(
-                child.try_wait().unwrap().is_none(),
-                "{sig}: ended before the signal"
-            );
-            assert!(t0.elapsed().as_secs() < 120, "{sig}: no step");
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
         let ok = Command::new("kill")
             .args([&format!("-{sig}"), &child.id().to_string()])
             .status()
@@ -262,37 +281,7 @@ fn a_signal_to_the_launcher_stops_the_ranks_at_a_step_and_saves() {
 /// group of its own, so nothing else would reach it.
 #[test]
 fn mpirun_goes_when_the_launcher_is_killed() {
-    let dir = scratch("launch-killed");
-    let model = model_in(&dir, true);
-    let swap = dir.join("swap");
-    std::fs::create_dir_all(&swap).unwrap();
-    let ds_path = dir.join("ds_config.json");
-    std::fs::write(
-        &ds_path,
-        ds_config(&Knobs::nvme(), &swap, 1_000_000).to_string(),
-    )
-    .unwrap();
-    let metrics = dir.join("metrics.jsonl");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tierzero"))
-        .args([
-            "launch", "--nproc", "2", "--", "train", "--steps", "1000000",
-        ])
-        .args(["--seq-len", "16", "--model"])
-        .arg(&model)
-        .arg("--config")
-        .arg(&ds_path)
-        .arg("--metrics")
-        .arg(&metrics)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("run tierzero launch");
-    let t0 = std::time::Instant::now();
-    while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 1 {
-        assert!(child.try_wait().unwrap().is_none(), "ended early");
-        assert!(t0.elapsed().as_secs() < 120, "no step");
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
+    let (mut child, _) = launched_until("launch-killed", 1_000_000, &[], 1);
     // The launcher's children: mpirun.
     let launcher = child.id();
     let children: Vec<u32> = std::fs::read_dir("/proc")

@@ -61,26 +61,8 @@ fn moved_aside_step(name: &str) -> Option<String> {
 }
 
 /// The staging dirs this process is writing (begun, neither committed
-/// nor dropped). A staging dir named with this process's pid but not
-/// here is a dead process's: in a container every restart may be pid 1.
-static LIVE_STAGING: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
-
-fn live_staging() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
-    LIVE_STAGING
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// Whether the staging (or moved-aside) dir `path` named with `pid` may
-/// be in use: `pid` is another live process, or this process is writing
-/// it.
-fn staging_in_use(path: &Path, pid: u32) -> bool {
-    if pid == std::process::id() {
-        live_staging().iter().any(|p| p == path)
-    } else {
-        tierzero_swap::space::process_alive(pid)
-    }
-}
+/// nor dropped; see [`tierzero_swap::process::OwnPaths`]).
+static OWN_STAGING: tierzero_swap::process::OwnPaths = tierzero_swap::process::OwnPaths::new();
 
 /// `.step-N.old-<pid>` at `path`, whose `step-N` is missing: a save that
 /// replaced `step-N` moved it aside and died before its replacement
@@ -137,7 +119,7 @@ fn remove_stale(save_dir: &Path) {
         let Some(pid) = name.to_str().and_then(staging_owner_pid) else {
             continue;
         };
-        if staging_in_use(&e.path(), pid) {
+        if OWN_STAGING.in_use(pid, &e.path()) {
             continue;
         }
         if !e.file_type().is_ok_and(|t| t.is_dir()) {
@@ -200,7 +182,7 @@ impl StagedCheckpoint {
             durable::record::remove(&tmp_dir);
         }
         durable::create_dir(&tmp_dir)?;
-        live_staging().push(tmp_dir.clone());
+        OWN_STAGING.add(tmp_dir.clone());
         Ok(StagedCheckpoint {
             save_dir: save_dir.to_path_buf(),
             tmp_dir,
@@ -423,10 +405,10 @@ impl StagedCheckpoint {
     }
 
     /// Drops this save's staging dir from the live list (committed, or
-    /// dropped: see [`LIVE_STAGING`]).
+    /// dropped: see [`OWN_STAGING`]).
     fn forget_live(&self) {
         if self.owner {
-            live_staging().retain(|p| p != &self.tmp_dir);
+            OWN_STAGING.remove(&self.tmp_dir);
         }
     }
 }

@@ -67,11 +67,11 @@ pub fn exit_code(cause: StopCause) -> i32 {
     }
 }
 
-/// The handlers, registered once per process ([`register_early`]).
-type Handlers = (Arc<AtomicBool>, Arc<AtomicUsize>);
-static HANDLERS: std::sync::OnceLock<Handlers> = std::sync::OnceLock::new();
+/// The handlers' `last` signal, registered once per process
+/// ([`register_early`]).
+static HANDLERS: std::sync::OnceLock<Arc<AtomicUsize>> = std::sync::OnceLock::new();
 
-fn handlers() -> Result<&'static Handlers, Failure> {
+fn handlers() -> Result<&'static Arc<AtomicUsize>, Failure> {
     if let Some(h) = HANDLERS.get() {
         return Ok(h);
     }
@@ -92,7 +92,7 @@ pub fn register_early() -> Result<(), Failure> {
 /// the first SIGINT or SIGTERM requests a stop on `handle`, a second
 /// aborts.
 pub fn install(handle: StopHandle) -> Result<(), Failure> {
-    let last = Arc::clone(&handlers()?.1);
+    let last = Arc::clone(handlers()?);
     std::thread::Builder::new()
         .name("tierzero-signals".into())
         .spawn(move || loop {
@@ -211,9 +211,10 @@ pub const MPIRUN_SETTLE: Duration = Duration::from_secs(1);
 #[cfg(feature = "mpi")]
 pub const RESEND: Duration = Duration::from_secs(2);
 
-/// The handlers: `armed` is set by the first signal (a second then runs
-/// the default action), `last` holds the latest signal's number.
-fn register() -> Result<(Arc<AtomicBool>, Arc<AtomicUsize>), Failure> {
+/// The handlers: `armed` (held by them alone) is set by the first SIGINT
+/// or SIGTERM (a second then runs the default action); the returned `last`
+/// holds the latest stop's signal number.
+fn register() -> Result<Arc<AtomicUsize>, Failure> {
     let armed = Arc::new(AtomicBool::new(false));
     let last = Arc::new(AtomicUsize::new(0));
     // (signal, the stop it stands for)
@@ -237,5 +238,5 @@ fn register() -> Result<(Arc<AtomicBool>, Arc<AtomicUsize>), Failure> {
         signal_hook::flag::register_usize(sig, Arc::clone(&last), stands_for as usize)
             .map_err(err)?;
     }
-    Ok((armed, last))
+    Ok(last)
 }

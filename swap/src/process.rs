@@ -1,6 +1,60 @@
-//! Signals to other processes, for `tierzero launch` and mpirun (the
-//! main crate denies unsafe code; `kill(2)` and `prctl(2)` are here, as
-//! [`crate::space::process_alive`]'s `kill(pid, 0)` is in `space`).
+//! Other processes: signals to them, for `tierzero launch` and mpirun
+//! (the main crate denies unsafe code; `kill(2)` and `prctl(2)` are here,
+//! as [`crate::space::process_alive`]'s `kill(pid, 0)` is in `space`), and
+//! [`OwnPaths`]: which files named with a pid are in use.
+
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+
+/// The paths this process is writing whose names carry its pid (the swap
+/// files, the checkpoint staging dirs). A path named with another pid is
+/// in use while that process lives; one named with this process's pid is
+/// in use only while listed here: otherwise it is a dead process's that had
+/// the same pid (in a container every restart may be pid 1), and leaving
+/// it would keep a full-size file forever, or make this process's
+/// `create_new` of the same name fail. Matched by file name (unique within
+/// a process for both users), however the directory is spelled.
+#[derive(Debug)]
+pub struct OwnPaths(Mutex<Vec<PathBuf>>);
+
+impl OwnPaths {
+    /// None listed.
+    pub const fn new() -> Self {
+        OwnPaths(Mutex::new(Vec::new()))
+    }
+
+    fn list(&self) -> MutexGuard<'_, Vec<PathBuf>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Lists `path` (before it is created, so no other thread's clean-up
+    /// can take it for a dead process's).
+    pub fn add(&self, path: PathBuf) {
+        self.list().push(path);
+    }
+
+    /// Unlists `path` (removed, or handed to its final name).
+    pub fn remove(&self, path: &Path) {
+        self.list().retain(|p| p != path);
+    }
+
+    /// Whether the file or dir at `path`, named with `pid`, may be in use.
+    pub fn in_use(&self, pid: u32, path: &Path) -> bool {
+        if pid == std::process::id() {
+            let name: Option<&OsStr> = path.file_name();
+            self.list().iter().any(|p| p.file_name() == name)
+        } else {
+            crate::space::process_alive(pid)
+        }
+    }
+}
+
+impl Default for OwnPaths {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 /// Sends `signal` to process `pid` (`kill(2)`); the main crate denies
 /// unsafe code, and `tierzero launch` passes a stop on to mpirun with it.

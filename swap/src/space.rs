@@ -326,7 +326,7 @@ impl SwapSpace {
             fn drop(&mut self) {
                 for p in &self.0 {
                     let _ = std::fs::remove_file(p);
-                    forget_live_file(p);
+                    OWN_FILES.remove(p);
                 }
             }
         }
@@ -351,7 +351,7 @@ impl SwapSpace {
             // Listed before it exists: another thread's `reclaim_stale` of
             // this directory must never take it for a dead incarnation's.
             // (On a failure below, `made` forgets it.)
-            live_files().push(path.clone());
+            OWN_FILES.add(path.clone());
             made.0.push(path.clone());
             let (file, direct) = open_swap_file(&path, config.direct_io, true, &|| {
                 lease.first_buffered_warning()
@@ -454,11 +454,7 @@ impl SwapSpace {
     pub fn allocate(self: &Arc<Self>, len_bytes: u64) -> Result<Extent> {
         // More than the space holds never fits (and near u64::MAX the
         // rounding below would overflow).
-        let capacity_bytes: u64 = self
-            .files
-            .iter()
-            .map(|f| f.lock_alloc().capacity_bytes())
-            .sum();
+        let capacity_bytes: u64 = self.files.iter().map(SwapFile::capacity_bytes).sum();
         if len_bytes > capacity_bytes {
             let free_bytes = self.free_bytes();
             let sf = self.file(FileIdx(0));
@@ -1051,25 +1047,15 @@ impl Drop for SwapSpace {
                 if let Err(e) = std::fs::remove_file(&f.path) {
                     tracing::warn!(path = %f.path.display(), error = %e, "could not remove swap file");
                 }
-                forget_live_file(&f.path);
+                OWN_FILES.remove(&f.path);
             }
         }
     }
 }
 
-/// The swap files this process created and has not removed. A file named
-/// with this process's pid but not here is a dead process's that had the
-/// same pid: in a container every restart may be pid 1, and its files
-/// would otherwise be kept (and `create_new` of the same name refused).
-static LIVE_FILES: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
-
-fn live_files() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
-    LIVE_FILES.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn forget_live_file(path: &Path) {
-    live_files().retain(|p| p != path);
-}
+/// The swap files this process created and has not removed (see
+/// [`crate::process::OwnPaths`]).
+static OWN_FILES: crate::process::OwnPaths = crate::process::OwnPaths::new();
 
 /// Opens (or creates) a swap file under the O_DIRECT policy. `warn` says
 /// whether to log the buffered fallback (once per directory).
@@ -1182,7 +1168,7 @@ pub fn reclaim_stale_files(base: &Path) -> Result<()> {
 }
 
 /// Removes `swap-<pid>-*.tzswap` files whose process is gone (this
-/// process's pid: files it did not create, see [`LIVE_FILES`]).
+/// process's pid: files it did not create, see [`OWN_FILES`]).
 fn reclaim_stale(dir: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
@@ -1193,16 +1179,8 @@ fn reclaim_stale(dir: &Path) {
         let Some(pid) = swap_file_owner_pid(name) else {
             continue;
         };
-        let in_use = if pid == std::process::id() {
-            // By name: `swap-<pid>-<space seq>-<path index>` is unique
-            // within a process, however the directory is spelled.
-            live_files()
-                .iter()
-                .any(|p| p.file_name() == Some(entry.file_name().as_os_str()))
-        } else {
-            process_alive(pid)
-        };
-        if in_use {
+        // `swap-<pid>-<space seq>-<path index>`: unique within a process.
+        if OWN_FILES.in_use(pid, &entry.path()) {
             continue;
         }
         match entry.file_type() {

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# What OpenMPI's mpirun does with a signal sent to it, measured with a
+# rank that traps the signals and takes 2 s to "save" (the reason
+# `tierzero launch` passes a stop on as SIGUSR1/SIGUSR2; see
+# src/cli/signals.rs, "Under mpirun"). Prints, per case, what the ranks
+# saw and mpirun's exit code.
+#   1. SIGINT to mpirun: OpenMPI sends the ranks SIGTERM and, after
+#      odls_base_sigkill_timeout (1 s by default), SIGKILL.
+#   2. SIGUSR1 to mpirun: forwarded to every rank untouched.
+# Usage: scripts/mpirun_signals.sh   (needs mpirun; about 10 s)
+set -u
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+rank=$(mktemp)
+trap 'rm -f "$rank"' EXIT
+cat > "$rank" <<'RANK'
+#!/usr/bin/env bash
+for s in TERM USR1; do
+  trap "echo \"rank \$OMPI_COMM_WORLD_RANK got $s\"; sleep 2; echo \"rank \$OMPI_COMM_WORLD_RANK saved\"; exit 130" $s
+done
+sleep 30 & wait
+RANK
+chmod +x "$rank"
+for sig in INT USR1; do
+  echo "== SIG$sig to mpirun -np 2"
+  mpirun -np 2 --oversubscribe "$rank" 2>/dev/null &
+  mp=$!
+  sleep 2
+  kill -"$sig" "$mp"
+  wait "$mp"
+  echo "mpirun exit code $?"
+done
