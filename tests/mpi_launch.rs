@@ -27,15 +27,22 @@ fn model_in(dir: &std::path::Path, tied: bool) -> std::path::PathBuf {
     model
 }
 
-/// `tierzero launch --nproc 2 -- train` of a 2-layer GPT-2 of width 32
-/// (`tied` embeddings or not) for `steps` steps, stage 3 on NVMe, with
-/// `extra` arguments: its output, the metrics' path and the swap folder.
-fn launch(
+/// The command `tierzero launch --nproc 2 -- train` of a 2-layer GPT-2 of
+/// width 32 (`tied` embeddings or not) for `steps` steps (the config's
+/// schedule too), stage 3 on NVMe, with `extra` arguments, set up in a
+/// fresh dir `tag` (its working directory); also the dir, the metrics'
+/// path and the swap folder.
+fn launch_command(
     tag: &str,
     tied: bool,
     steps: u64,
     extra: &[&str],
-) -> (std::process::Output, std::path::PathBuf, std::path::PathBuf) {
+) -> (
+    Command,
+    std::path::PathBuf,
+    std::path::PathBuf,
+    std::path::PathBuf,
+) {
     let dir = scratch(tag);
     let model = model_in(&dir, tied);
     let swap = dir.join("swap");
@@ -47,9 +54,9 @@ fn launch(
     )
     .unwrap();
     let metrics = dir.join("metrics.jsonl");
-    let steps = steps.to_string();
-    let out = Command::new(env!("CARGO_BIN_EXE_tierzero"))
-        .args(["launch", "--nproc", "2", "--", "train", "--steps", &steps])
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tierzero"));
+    cmd.args(["launch", "--nproc", "2", "--", "train", "--steps"])
+        .arg(steps.to_string())
         .args(["--seq-len", "16"])
         .args(extra)
         .arg("--model")
@@ -58,8 +65,20 @@ fn launch(
         .arg(&ds_path)
         .arg("--metrics")
         .arg(&metrics)
-        .output()
-        .expect("run tierzero launch");
+        .current_dir(&dir);
+    (cmd, dir, metrics, swap)
+}
+
+/// [`launch_command`] run to its end: its output, the metrics' path and
+/// the swap folder.
+fn launch(
+    tag: &str,
+    tied: bool,
+    steps: u64,
+    extra: &[&str],
+) -> (std::process::Output, std::path::PathBuf, std::path::PathBuf) {
+    let (mut cmd, _, metrics, swap) = launch_command(tag, tied, steps, extra);
+    let out = cmd.output().expect("run tierzero launch");
     (out, metrics, swap)
 }
 
@@ -194,38 +213,16 @@ fn resident_launch_case(stage: u8, says: &str) {
 /// forwards. (Sent to mpirun as SIGINT, mpirun killed the ranks 1 s after
 /// a SIGTERM, before any save; sent to the launcher as SIGTERM, nothing
 /// reached the ranks.)
-/// `tierzero launch --nproc 2 -- train` of `steps` steps (the config's
-/// schedule too), stage 3 on NVMe, with `extra` arguments and stdout and
-/// stderr piped, started in a fresh dir `tag`; returned once rank 0 has
-/// written `lines` steps' metrics. Also the dir.
+/// [`launch_command`] (tied) started with stdout and stderr piped,
+/// returned once rank 0 has written `lines` steps' metrics; also its dir.
 fn launched_until(
     tag: &str,
     steps: u64,
     extra: &[&str],
     lines: usize,
 ) -> (std::process::Child, std::path::PathBuf) {
-    let dir = scratch(tag);
-    let model = model_in(&dir, true);
-    let swap = dir.join("swap");
-    std::fs::create_dir_all(&swap).unwrap();
-    let ds_path = dir.join("ds_config.json");
-    std::fs::write(
-        &ds_path,
-        ds_config(&Knobs::nvme(), &swap, steps).to_string(),
-    )
-    .unwrap();
-    let metrics = dir.join("metrics.jsonl");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tierzero"))
-        .args(["launch", "--nproc", "2", "--", "train", "--steps"])
-        .arg(steps.to_string())
-        .args(["--seq-len", "16", "--model"])
-        .arg(&model)
-        .arg("--config")
-        .arg(&ds_path)
-        .arg("--metrics")
-        .arg(&metrics)
-        .args(extra)
-        .current_dir(&dir)
+    let (mut cmd, dir, metrics, _) = launch_command(tag, true, steps, extra);
+    let mut child = cmd
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
