@@ -50,11 +50,13 @@
 //! [`EvalOptions::pass_bytes`] (at least one), fetches each unit's params
 //! once, runs every batch of the pass through that unit, and drops them
 //! before the next unit. Memory is the largest unit in fp32, the pass's
-//! hidden states, and one batch's logits (`batch_windows × (L − 1) ×
-//! vocab_size × 4` bytes, which `--batch` bounds). Each batch runs the same
-//! operations as it would alone, and the sums still go in window order, so
-//! the result does not depend on `pass_bytes` either (a test checks the
-//! bits). A param a later unit uses too (tied embeddings) is fetched again
+//! hidden states, one batch's logits (`batch_windows × (L − 1) ×
+//! vocab_size × 4` bytes, which `--batch` bounds; under bf16 or fp16 the
+//! head's 16-bit output beside them, 2 bytes a logit more) and one window's
+//! fp32 copy of them for the f64 sums. Each batch runs the same operations
+//! as it would alone, and the sums are one chain in window order across
+//! batches and passes, so the result does not depend on `pass_bytes` or
+//! `batch_windows` either (tests check the bits). A param a later unit uses too (tied embeddings) is fetched again
 //! there; each pass fetches the weights once more.
 //!
 //! # Where the weights come from
@@ -276,7 +278,7 @@ where
         }
         let (pass, later) = rest.split_at(take);
         rest = later;
-        nll_sum += eval_pass(model, &mut fetch, tokens, pass, opts)?;
+        eval_pass(model, &mut fetch, tokens, pass, opts, &mut nll_sum)?;
     }
     let loss = nll_sum / windows.predicted as f64;
     if !loss.is_finite() {
@@ -291,15 +293,18 @@ where
 }
 
 /// One pass (see the module docs): each unit's params fetched once, every
-/// batch of `pass` run through it, then dropped. Returns the pass's NLL sum,
-/// batches in order.
+/// batch of `pass` run through it, then dropped. Adds each predicted
+/// position's NLL to `nll_sum`, in window order: one chain of additions
+/// over the whole evaluation, so neither the batches nor the passes group
+/// the sum.
 fn eval_pass<E>(
     model: &Model,
     fetch: &mut impl FnMut(ParamId) -> Result<Tensor, E>,
     tokens: &(impl TokenSource + ?Sized),
     pass: &[(usize, usize, usize)],
     opts: &EvalOptions,
-) -> Result<f64, EvalError>
+    nll_sum: &mut f64,
+) -> Result<(), EvalError>
 where
     E: std::error::Error + Send + Sync + 'static,
 {
@@ -352,14 +357,13 @@ where
                 }
             }
             UnitKind::Head if hidden.len() == pass.len() => {
-                let mut sum = 0f64;
                 for (h, tg) in hidden.drain(..).zip(&targets) {
                     // In the storage dtype under 16-bit (the LM head's
                     // output), upcast exactly, as transformers' loss does.
                     let logits = model.logits(&p, &h)?.to_dtype(DType::F32)?;
-                    sum += nll_sum_f64(&logits, tg, vocab)?;
+                    add_nll_f64(&logits, tg, vocab, nll_sum)?;
                 }
-                return Ok(sum);
+                return Ok(());
             }
             _ => break,
         }
@@ -369,11 +373,26 @@ where
     }))
 }
 
-/// Sum over rows of `-log softmax(logits)[target]`, computed in f64 from the
-/// fp32 logits, rows in order.
-fn nll_sum_f64(logits: &Tensor, targets: &[u32], vocab: usize) -> Result<f64, EvalError> {
-    let flat = logits.flatten_all()?.to_vec1::<f32>()?;
-    let mut sum = 0f64;
+/// Adds `-log softmax(logits)[target]` of each row to `sum`, computed in f64
+/// from the fp32 logits `(windows, positions, vocab)`, rows in order. The
+/// logits are copied out one window at a time, so the copy adds one
+/// window's logits to the batch's, not a second batch of them.
+fn add_nll_f64(
+    logits: &Tensor,
+    targets: &[u32],
+    vocab: usize,
+    sum: &mut f64,
+) -> Result<(), EvalError> {
+    let (windows, positions, _) = logits.dims3()?;
+    for w in 0..windows {
+        let flat = logits.get(w)?.flatten_all()?.to_vec1::<f32>()?;
+        let tg = &targets[w * positions..(w + 1) * positions];
+        add_rows_nll_f64(&flat, tg, vocab, sum);
+    }
+    Ok(())
+}
+
+fn add_rows_nll_f64(flat: &[f32], targets: &[u32], vocab: usize, sum: &mut f64) {
     for (row, &target) in flat.chunks_exact(vocab).zip(targets) {
         let max = row
             .iter()
@@ -384,9 +403,8 @@ fn nll_sum_f64(logits: &Tensor, targets: &[u32], vocab: usize) -> Result<f64, Ev
             .sum::<f64>()
             .ln()
             + max;
-        sum += lse - f64::from(row[target as usize]);
+        *sum += lse - f64::from(row[target as usize]);
     }
-    Ok(sum)
 }
 
 #[cfg(test)]

@@ -67,7 +67,8 @@ pub struct EvalArgs {
     #[command(flatten)]
     data_options: super::tokens::DataOptions,
     /// Windows per forward pass (bounds memory: the logits take
-    /// N x (L-1) x vocab_size x 4 bytes); does not change the result.
+    /// N x (L-1) x vocab_size x 4 bytes, 6 under bf16/fp16); does not change
+    /// the result.
     #[arg(long, value_name = "N", default_value = "4")]
     batch: String,
     /// Seed of the init when --model has no weights.
