@@ -58,10 +58,12 @@
 //! only non-identical tensor is a tied embedding, whose two contributions are
 //! summed in a different order).
 //!
-//! # Why primitive ops only
+//! # Why no candle_nn ops
 //!
 //! See [`ops`]: candle's fused norm and softmax kernels have no backward and
-//! drop gradients silently. A finite-difference test in f64 guards this.
+//! drop gradients silently. Training runs our own fused ops (`fused`), each
+//! with a hand-written backward tested against the primitive composition
+//! in [`ops`]; a finite-difference test in f64 guards the whole chain.
 //!
 //! # Weights on disk
 //!

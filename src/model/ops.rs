@@ -1,4 +1,9 @@
-//! Differentiable building blocks composed only of candle primitives.
+//! Differentiable building blocks composed of candle primitives: the
+//! reference the fused ops (`super::fused`, what training runs unless
+//! `TIERZERO_PRIMITIVE_OPS=1`) are tested against, and the ops that have no
+//! fused form. Where a fused op exists (`conv1d`, `linear`, the attention
+//! window), the function here calls it; the primitive chain is then in
+//! `super::fused`'s fallback.
 //!
 //! Why not `candle_nn`: `candle_nn::ops::{layer_norm, rms_norm,
 //! softmax_last_dim}` (and the `LayerNorm` / `RmsNorm` modules that call them)
@@ -9,8 +14,8 @@
 //! built-in `gelu` has a backward, but it uses constants rounded to six digits
 //! (`0.0356774`, `0.797885`, ...), so its derivative disagrees with its own
 //! forward at about 1e-6 relative, which would blur a tight finite-difference
-//! check. Every function here is therefore built from ops whose backward is
-//! exact in candle's `backprop.rs`: matmul, broadcast add/sub/mul/div, affine,
+//! check. The primitive functions here are therefore built from ops whose
+//! backward is exact in candle's `backprop.rs`: matmul, broadcast add/sub/mul/div, affine,
 //! sqr, sqrt, exp, log, tanh, erf, silu, sum, narrow, cat, reshape,
 //! transpose, index_select, gather.
 //!
