@@ -128,3 +128,46 @@ fn llama_family_units_on_the_kernel_references_train_as_the_candle_units() {
         assert_within(label, &r, 1e-5);
     }
 }
+
+/// Through the units' executor, as through candle's, a sequence longer than
+/// the model's positions is refused at every unit: GPT-2's embedding and a
+/// Llama block alike (the Llama blocks' rotary tables would otherwise run
+/// past the positions the model was trained on).
+#[test]
+fn a_sequence_longer_than_the_positions_is_refused_on_the_units_as_on_candle() {
+    use candle_core::{Device, Tensor};
+    use tierzero::model::exec_units::{ReferenceUnits, UnitCompute};
+    use tierzero::model::{Model, ModelError, UnitInput, UnitKind};
+
+    let units = ReferenceUnits::default();
+    for cfg in [gpt2_config(true), llama_config(false)] {
+        let model = Model::new(cfg).unwrap();
+        let c = model.config().clone();
+        let params = random_params(&model, 3, DType::F32);
+        let too_long = c.max_seq_len + 1;
+        for unit in model.units() {
+            let p: Vec<_> = unit.params.iter().map(|id| params[id.0].clone()).collect();
+            let ids = Tensor::zeros((1, too_long), DType::U32, &Device::Cpu).unwrap();
+            let hidden =
+                Tensor::zeros((1, too_long, c.hidden_size), DType::F32, &Device::Cpu).unwrap();
+            let input = match unit.kind {
+                UnitKind::Embedding => UnitInput::Tokens(&ids),
+                UnitKind::Block { .. } => UnitInput::Hidden(&hidden),
+                UnitKind::Head => UnitInput::HiddenWithTargets {
+                    hidden: &hidden,
+                    targets: &ids,
+                },
+            };
+            let on_units = units.forward_unit(&model, unit.id, &p, input).unwrap_err();
+            let on_candle = model.forward_unit(unit.id, &p, input).unwrap_err();
+            for e in [&on_units, &on_candle] {
+                assert!(
+                    matches!(e, ModelError::BadInput { reason, .. } if reason.contains("exceeds max_seq_len")),
+                    "{:?} {:?}: {e}",
+                    c.arch,
+                    unit.kind
+                );
+            }
+        }
+    }
+}

@@ -463,7 +463,15 @@ fn tensor(v: Vec<f32>, shape: &[usize]) -> Result<Tensor, ModelError> {
 }
 
 /// The batch shape `[b, t]` of a unit's input.
-fn batch_shape(input: &UnitInput<'_>) -> Result<(usize, usize), ModelError> {
+/// `(batch, seq)` of a unit's input, refused as the CPU's checks refuse it
+/// (`Model::check_tokens`, `check_hidden`) when `seq` exceeds the model's
+/// positions: GPT-2's position ids would be out of range, and a Llama
+/// family's rotary tables would run past the positions it was trained on.
+fn batch_shape(
+    c: &ModelConfig,
+    unit: UnitId,
+    input: &UnitInput<'_>,
+) -> Result<(usize, usize), ModelError> {
     let t = match input {
         UnitInput::Tokens(t) => *t,
         UnitInput::Hidden(h) => *h,
@@ -471,6 +479,10 @@ fn batch_shape(input: &UnitInput<'_>) -> Result<(usize, usize), ModelError> {
     };
     let d = t.dims();
     match d {
+        [_, s, ..] if *s > c.max_seq_len => Err(ModelError::BadInput {
+            unit,
+            reason: format!("sequence length {s} exceeds max_seq_len {}", c.max_seq_len),
+        }),
         [b, s, ..] => Ok((*b, *s)),
         _ => Err(ModelError::Unsupported {
             what: format!("a unit input of shape {d:?}"),
@@ -627,7 +639,7 @@ pub(crate) fn forward_on<E: Exec>(
 ) -> Result<ForwardOut<E::Buf>, ModelError> {
     let kind = check(e, model, unit, params, p)?;
     let c = model.config();
-    let bt = batch_shape(&input)?;
+    let bt = batch_shape(c, unit, &input)?;
     let h = c.hidden_size;
     let shape = [bt.0, bt.1, h];
     let dtype = storage_dtype(params);
@@ -850,7 +862,7 @@ pub(crate) fn backward_dev<E: Exec>(
     let kind = check(e, model, unit, params, p)?;
     let spec = model.unit(unit)?.clone();
     let c = model.config();
-    let bt = batch_shape(&input)?;
+    let bt = batch_shape(c, unit, &input)?;
     let h = c.hidden_size;
     let zeros = |e: &E| -> Result<Vec<E::Buf>, ModelError> {
         p.iter()
