@@ -553,9 +553,9 @@ pub fn optimizer_buffers(
     )
 }
 
-/// Page size and count for the cpu tier: pages of at least 64 MiB (or the
-/// largest cpu-tier shard), at most 1 GiB, enough for first-fit packing in
-/// `ParamId` order.
+/// Page size and count for the cpu tier: pages of 64 MiB, or the largest
+/// cpu-tier shard where that is larger (or the whole tier where that is
+/// smaller), enough for next-fit packing in `ParamId` order.
 pub fn cpu_page_plan(shard_bytes: &[u64]) -> Buffers {
     let largest = shard_bytes.iter().copied().max().unwrap_or(0);
     if largest == 0 {

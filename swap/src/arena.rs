@@ -5,7 +5,9 @@
 //! alignment), advised to transparent huge pages (see below), locked
 //! with `mlock` so the pages never move or swap, and
 //! registered with each io_uring ring (`IORING_REGISTER_BUFFERS`, one iovec
-//! per buffer, so a buffer's index is its registered index).
+//! per buffer, so a buffer's index is its registered index) when every
+//! buffer is within io_uring's 1 GiB limit for one registered buffer
+//! (larger ones are read and written unregistered).
 //!
 //! ## Huge pages
 //! `MADV_HUGEPAGE` before the lock: with THP in `madvise` mode (Debian's
@@ -206,12 +208,12 @@ impl PinnedArena {
         if config.buffer_bytes == 0 {
             return Err(SwapError::Config("buffer_bytes must be > 0".into()));
         }
+        // Buffers over io_uring's 1 GiB registered-buffer limit are allowed:
+        // the rings then do unregistered reads and writes into them
+        // (`ring::registrable`), as DeepSpeed's libaio always does. ZeRO's
+        // default `sub_group_size` of 1e9 elements makes 4 GB optimizer
+        // buffers.
         let buffer_bytes = align.round_up(config.buffer_bytes);
-        if buffer_bytes > (1 << 30) {
-            return Err(SwapError::Config(format!(
-                "buffer of {buffer_bytes} bytes is larger than the 1 GiB io_uring registered-buffer limit; use more, smaller buffers"
-            )));
-        }
         let count = (config.budget_bytes / buffer_bytes) as usize;
         if count == 0 {
             return Err(SwapError::Config(format!(

@@ -43,6 +43,30 @@ use crate::space::Piece;
 /// Most buffers io_uring lets us register.
 const MAX_REGISTERED_BUFFERS: usize = 1 << 14;
 
+/// io_uring's limit for one registered buffer (`io_buffer_validate`:
+/// `iov_len > SZ_1G` is refused).
+const MAX_REGISTERED_BUFFER_BYTES: usize = 1 << 30;
+
+/// Whether the arena's buffers can be registered with a ring: at most
+/// [`MAX_REGISTERED_BUFFERS`] of them, each within
+/// [`MAX_REGISTERED_BUFFER_BYTES`]. Otherwise the ring reads and writes
+/// them unregistered (the kernel pins the pages per operation), which works
+/// for any size: a piece never exceeds the block size.
+fn registrable(iovecs: &[libc::iovec]) -> bool {
+    let ok = iovecs.len() <= MAX_REGISTERED_BUFFERS
+        && iovecs
+            .iter()
+            .all(|v| v.iov_len <= MAX_REGISTERED_BUFFER_BYTES);
+    if !ok {
+        tracing::debug!(
+            buffers = iovecs.len(),
+            largest_bytes = iovecs.iter().map(|v| v.iov_len).max().unwrap_or(0),
+            "buffers not registered with io_uring (over its count or 1 GiB size limit); unregistered reads and writes"
+        );
+    }
+    ok
+}
+
 type Rings = (Vec<(Sender<Job>, JoinHandle<()>)>, ActiveBackend);
 
 /// After an `io_uring_enter` that failed hard (not EINTR/EAGAIN/EBUSY):
@@ -204,7 +228,7 @@ fn setup(
             iov_len: len,
         })
         .collect();
-    let fixed_buffers = if iovecs.len() <= MAX_REGISTERED_BUFFERS {
+    let fixed_buffers = if registrable(&iovecs) {
         // SAFETY: every iovec covers one buffer of the arena's live mapping;
         // the arena (kept alive by `Shared`'s users: every Job holds a buffer
         // with an Arc of it, and the engine holds one) outlives this ring,

@@ -138,6 +138,76 @@ fn round_trip_whole_extents_both_backends() {
     }
 }
 
+/// A buffer over io_uring's 1 GiB registered-buffer limit (ZeRO's default
+/// `sub_group_size` of 1e9 fp32 elements makes 4 GB optimizer buffers):
+/// the arena takes it, the rings leave it unregistered, and a transfer
+/// into it comes back byte for byte, the registered rig's buffers still
+/// registered.
+#[test]
+fn buffers_over_one_gib_go_unregistered_and_round_trip() {
+    let dir = test_dir();
+    let space = SwapSpace::create(SpaceConfig::new(dir.path(), 8 << 20)).unwrap();
+    let buffer_bytes = (1u64 << 30) + space.alignment().bytes();
+    let mut acfg = ArenaConfig::new(buffer_bytes, buffer_bytes);
+    acfg.alignment = space.alignment();
+    // Not locked: the test maps 1 GiB but touches a few MiB of it.
+    acfg.lock = LockPolicy::Off;
+    let arena = PinnedArena::new(acfg).unwrap();
+    let engine = Engine::new(
+        space.clone(),
+        arena.clone(),
+        EngineConfig {
+            backend: BackendKind::Uring,
+            workers: 1,
+            queue_depth: 8,
+            block_bytes: 1 << 20,
+            sqpoll: false,
+            faults: None,
+            busy_clock: None,
+            own_clock: None,
+            thread_cpus: None,
+        },
+    )
+    .unwrap();
+    assert!(
+        matches!(
+            engine.backend(),
+            ActiveBackend::Uring {
+                fixed_buffers: false,
+                ..
+            }
+        ),
+        "{:?}",
+        engine.backend()
+    );
+    let n = (3 << 20) + 4096;
+    let e = space.allocate(n).unwrap();
+    let mut b = arena.try_acquire().unwrap();
+    let pattern: Vec<u8> = (0..n).map(|i| (i * 7 + i / 4096) as u8).collect();
+    b.as_mut_slice()[..n as usize].copy_from_slice(&pattern);
+    let b = engine.write(&e, b).unwrap().wait().unwrap();
+    drop(b);
+    let mut b = arena.try_acquire().unwrap();
+    b.as_mut_slice()[..n as usize].fill(0);
+    let b = engine.read(&e, b).unwrap().wait().unwrap();
+    assert!(b.as_slice()[..n as usize] == pattern[..], "bytes differ");
+    assert_eq!(engine.stats().errors, 0);
+
+    // The small rig's buffers are registered, as before.
+    let r = rig(BackendKind::Uring);
+    assert!(
+        matches!(
+            r.engine.backend(),
+            ActiveBackend::Uring {
+                fixed_buffers: true,
+                ..
+            }
+        ),
+        "{:?}",
+        r.engine.backend()
+    );
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
     /// Random data at awkward (but aligned) sizes, offsets, block sizes and
