@@ -425,6 +425,20 @@ fn the_auto_pool_takes_at_most_half_the_free_space() {
         3
     );
     assert_eq!(full.speculation_kept_grads, 3);
+    // Each of N ranks on a node sizes its pool from a share of the disk
+    // (their shares add up to the free space, never N times it).
+    use tierzero::engine::sizing::nvme_available_bytes;
+    let (one, four) = (
+        nvme_available_bytes(&config, 1).unwrap(),
+        nvme_available_bytes(&config, 4).unwrap(),
+    );
+    // The free space may move between the two statvfs calls (other tests
+    // write): within 1 GiB.
+    let slack = 1u64 << 30;
+    assert!(
+        four <= one / 4 + slack && four + slack >= one / 4,
+        "one rank {one}, four ranks {four} each"
+    );
     let mut bytes = cfg.clone();
     bytes["tierzero"]["speculation_pool_bytes"] = json!(5 * slot);
     let config = load_str(&bytes.to_string(), &run).unwrap().config;

@@ -204,7 +204,7 @@ fn train_plan(text: &str, model: &Model, ranks: u64) -> String {
     let sub_group = usize::try_from(config.zero.sub_group_numel.0).unwrap_or(usize::MAX);
     let layout = tierzero::engine::Layout::new(model, 0, world, sub_group);
     let shape = Shape::of(&config, model, &layout);
-    match decide_within(&config, &shape, nvme_available_bytes(&config)) {
+    match decide_within(&config, &shape, nvme_available_bytes(&config, world)) {
         Ok(sizing) => tierzero::run::Plan::new(
             &config,
             model,

@@ -685,12 +685,17 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
     decide_within(config, shape, None)
 }
 
-/// The free space of the file system under `offload_optimizer.nvme_path`
-/// (its nearest existing ancestor, when the directory is not made yet),
-/// which bounds the auto speculation pool; `None` without NVMe state or
-/// when `statvfs` fails (the pool is then not bounded by it, and a short
-/// disk shows as the swap file's `fallocate` error).
-pub fn nvme_available_bytes(config: &Config) -> Option<u64> {
+/// One rank's share of the free space of the file system under
+/// `offload_optimizer.nvme_path` (its nearest existing ancestor, when the
+/// directory is not made yet): the free bytes over `ranks`, since the
+/// ranks of a node share the path (`<nvme_path>/rank<R>`) and each sizes
+/// its pool from it at once. It bounds the auto speculation pool; `None`
+/// without NVMe state or when `statvfs` fails (the pool is then not
+/// bounded by it, and a short disk shows as the swap file's `fallocate`
+/// error). `ranks` is the world size: the ranks on this node are at most
+/// that many, so the shares never add up to more than the disk.
+pub fn nvme_available_bytes(config: &Config, ranks: usize) -> Option<u64> {
+    let ranks = u64::try_from(ranks.max(1)).unwrap_or(u64::MAX);
     let path = config.zero.offload_optimizer.device.nvme_path()?;
     path.ancestors()
         .map(|p| {
@@ -702,12 +707,13 @@ pub fn nvme_available_bytes(config: &Config) -> Option<u64> {
         })
         .find(|p| p.exists())
         .and_then(|p| tierzero_swap::space::filesystem_space(p).ok())
-        .map(|s| s.available_bytes)
+        .map(|s| s.available_bytes / ranks)
 }
 
-/// The one sizing policy, with `nvme_available_bytes` the free space of
-/// the file system under `offload_optimizer.nvme_path` when known
-/// (`statvfs`'s available bytes, before this run's swap files exist): it
+/// The one sizing policy, with `nvme_available_bytes` this rank's share of
+/// the free space of the file system under `offload_optimizer.nvme_path`
+/// when known ([`nvme_available_bytes`]: `statvfs`'s available bytes over
+/// the ranks, before this run's swap files exist): it
 /// bounds the auto speculation pool ([`speculation_pool_slots`]), to what
 /// half of it buys after the run's other extents (the params' too when
 /// they share the directory).

@@ -727,8 +727,9 @@ impl Trainer {
         let sub_group = usize::try_from(config.zero.sub_group_numel.0).unwrap_or(usize::MAX);
         let layout = Layout::new(&model, opts.comm.rank(), opts.comm.world_size(), sub_group);
         let shape = Shape::of(config, &model, &layout);
-        let sizing = sizing::decide_within(config, &shape, sizing::nvme_available_bytes(config))
-            .map_err(budget_error)?;
+        let nvme_share_bytes = sizing::nvme_available_bytes(config, opts.comm.world_size());
+        let sizing =
+            sizing::decide_within(config, &shape, nvme_share_bytes).map_err(budget_error)?;
         let lockable = check_memlock(config, &sizing)?;
         let clocks = Clocks::new(&opts);
         let mut tiers = TierBuild {
