@@ -170,9 +170,12 @@ impl Trainer {
         // A stopped trainer's state is not trustworthy: never save it.
         // Then the last step's optimizer tail (its Flush included), and the
         // param writes it caused.
+        // A failure there is the trainer's (its state is not written),
+        // not the save's: both latch it.
         let ready = self.check_usable().and_then(|()| {
             self.settle_optimizer()?;
-            self.store.flush_writes()
+            let r = self.store.flush_writes();
+            self.latch(r)
         });
         agree(&*comm, "saving a checkpoint (preparing)", ready)?;
 

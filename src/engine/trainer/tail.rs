@@ -98,7 +98,15 @@ impl Trainer {
     /// Waits until the optimizer thread has finished every step and write
     /// of the last step, and their new param bytes are stored and written
     /// to their home tier: afterwards no I/O of the last step is in flight.
+    /// A failure of that tail (a state write's EIO) is the trainer's: it
+    /// stops the trainer, and every later call names it.
     pub fn settle_optimizer(&mut self) -> Result<()> {
+        self.check_usable()?;
+        let r = self.settle_optimizer_inner();
+        self.latch(r)
+    }
+
+    fn settle_optimizer_inner(&mut self) -> Result<()> {
         // Adam on the device: its state is the host's again first.
         self.write_back_device_optimizer()?;
         while self.flush_open || self.store.any_update_coming() {
