@@ -375,3 +375,104 @@ fn a_truncated_swap_file_fails_the_next_step_naming_file_and_offset() {
         &["short read", "offset", "truncated"],
     );
 }
+
+/// A failure in the optimizer's tail that a save finds (the step had
+/// returned; its state writes failed after) is the trainer's, not the
+/// save's: the save fails naming it, and so does every later call, the
+/// cause kept (it was "optimizer thread stopped", the cause gone).
+#[test]
+fn a_tail_failure_found_by_a_save_stops_the_trainer_naming_the_cause() {
+    let model = tiny_gpt2_dir("tail-save", 2, 32);
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        // Count the optimizer's writes to the end of the first step's
+        // tail: the last of them lands after the step returned.
+        let swap = scratch("tail-save-count");
+        let counter = Arc::new(FaultInjector::new(vec![]));
+        let mut t = build(
+            &model,
+            &swap,
+            plan_with(Engine::OptimWrite, counter.clone()),
+        )
+        .unwrap();
+        t.step().unwrap();
+        t.settle_optimizer().unwrap();
+        let last_of_step = counter.completions(Some(IoOp::Write));
+        drop(t);
+        let _ = std::fs::remove_dir_all(&swap);
+
+        let swap = scratch("tail-save");
+        let inj = Arc::new(FaultInjector::new(vec![FaultRule {
+            nth: last_of_step,
+            op: Some(IoOp::Write),
+            kind: FaultKind::Errno(EIO),
+        }]));
+        let mut t = build(&model, &swap, plan_with(Engine::OptimWrite, inj.clone())).unwrap();
+        let stepped = t.step().map(|_| ()).map_err(|e| e.to_string());
+        let saved = t
+            .save_checkpoint(&swap.join("ckpt"))
+            .map(|_| ())
+            .map_err(|e| e.to_string());
+        let after = t.step().map(|_| ()).map_err(|e| e.to_string());
+        let _ = std::fs::remove_dir_all(&swap);
+        let _ = tx.send((stepped, saved, after, inj.injected()));
+    });
+    let (stepped, saved, after, injected) = rx.recv_timeout(DEADLINE).expect("hung or panicked");
+    assert_eq!(injected, 1);
+    // The step's tail overlaps the next call: the step itself returns.
+    assert!(stepped.is_ok(), "{stepped:?}");
+    let saved = saved.unwrap_err();
+    let after = after.unwrap_err();
+    assert!(
+        saved.contains("Input/output error")
+            || saved.contains("EIO")
+            || saved.contains("os error 5"),
+        "{saved}"
+    );
+    assert!(
+        after.contains("training stopped after an earlier error"),
+        "{after}"
+    );
+    assert!(
+        after.contains("os error 5") || after.contains("Input/output error"),
+        "the cause is kept: {after}"
+    );
+}
+
+/// An embedder's wrong argument is an error that leaves the trainer
+/// usable: a sub-group this rank does not have (it ended the optimizer
+/// thread, the trainer stopped for good), and a sequence length the data
+/// is too short for (it stopped the trainer at the next step).
+#[test]
+fn an_embedders_wrong_argument_is_refused_and_the_trainer_trains_on() {
+    use tierzero::data::TokenData;
+    use tierzero::engine::SubGroupId;
+    let model = tiny_gpt2_dir("wrong-args", 2, 32);
+    let swap = scratch("wrong-args");
+    let cfg = ds_config(&knobs(), &swap, STEPS);
+    let run = RunContext {
+        path_checks: PathChecks::CreateMissing,
+        ..RunContext::default()
+    };
+    let loaded = load_str(&cfg.to_string(), &run).unwrap();
+    let md = ModelDir::open(&model, SEED).unwrap();
+    // 24 tokens: windows of SEQ + 1 = 17, not of 24 + 1 (the model has 32
+    // positions).
+    let data = TokenData::from_bytes(&[b'a'; 24], Path::new("<short>"));
+    let mut t = Trainer::new(&loaded.config, &md, data, TrainerOptions::cpu(SEED, SEQ)).unwrap();
+    let groups = t.layout().sub_groups.len();
+    let e = t.master(SubGroupId(groups)).unwrap_err().to_string();
+    assert!(
+        e.contains(&format!("sub-group {groups} does not exist")),
+        "{e}"
+    );
+    let e = t.set_seq_len(24).unwrap_err().to_string();
+    assert!(
+        e.contains("24 tokens cannot give windows of seq_len 24"),
+        "{e}"
+    );
+    t.step().unwrap();
+    t.master(SubGroupId(0)).unwrap();
+    t.finish().unwrap();
+    let _ = std::fs::remove_dir_all(&swap);
+}

@@ -386,15 +386,9 @@ impl TokenData {
         matches!(self.store, Store::Mapped { .. })
     }
 
-    /// Inputs and targets `[rows, seq_len]` (`u32`) of the samples
-    /// `first_sample .. first_sample + rows`.
-    pub fn batch(
-        &self,
-        first_sample: u64,
-        rows: usize,
-        seq_len: usize,
-        device: &Device,
-    ) -> Result<(Tensor, Tensor)> {
+    /// Whether the data gives windows of `seq_len + 1` tokens: an error
+    /// naming the numbers if not.
+    pub fn check_seq_len(&self, seq_len: usize) -> Result<()> {
         let n = self.len();
         if seq_len == 0 || n < min_tokens(seq_len) {
             return Err(EngineError::Data {
@@ -405,6 +399,20 @@ impl TokenData {
                 ),
             });
         }
+        Ok(())
+    }
+
+    /// Inputs and targets `[rows, seq_len]` (`u32`) of the samples
+    /// `first_sample .. first_sample + rows`.
+    pub fn batch(
+        &self,
+        first_sample: u64,
+        rows: usize,
+        seq_len: usize,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        self.check_seq_len(seq_len)?;
+        let n = self.len();
         let mut ids = Vec::with_capacity(rows * seq_len);
         let mut tgt = Vec::with_capacity(rows * seq_len);
         let mut w = Vec::with_capacity(seq_len + 1);

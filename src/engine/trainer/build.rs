@@ -94,6 +94,7 @@ fn check_run(
             opts.seq_len, mc.max_seq_len
         )));
     }
+    data.check_seq_len(opts.seq_len)?;
     let world = opts.comm.world_size();
     let rank = opts.comm.rank();
     if world == 0 || rank >= world {

@@ -628,7 +628,9 @@ impl Trainer {
         self.lookahead_reads
     }
 
-    /// Changes the sequence length from the next step on.
+    /// Changes the sequence length from the next step on. A length the
+    /// model or the data cannot give is refused here, the trainer usable
+    /// (at the next step it would stop the trainer).
     pub fn set_seq_len(&mut self, seq_len: usize) -> Result<()> {
         if seq_len == 0 || seq_len > self.model.config().max_seq_len {
             return Err(EngineError::config(format!(
@@ -636,6 +638,7 @@ impl Trainer {
                 self.model.config().max_seq_len
             )));
         }
+        self.data.check_seq_len(seq_len)?;
         self.opts.seq_len = seq_len;
         Ok(())
     }
@@ -656,8 +659,16 @@ impl Trainer {
         self.data_name = name.into();
     }
 
-    /// The fp32 master weights of one sub-group of this rank.
+    /// The fp32 master weights of one sub-group of this rank. A sub-group
+    /// this rank does not have is an error that leaves the trainer usable.
     pub fn master(&mut self, sg: SubGroupId) -> Result<Vec<f32>> {
+        let groups = self.layout.sub_groups.len();
+        if sg.0 >= groups {
+            return Err(EngineError::config(format!(
+                "sub-group {} does not exist: this rank has {groups} (0..{groups})",
+                sg.0
+            )));
+        }
         self.check_usable()?;
         let r = self.master_inner(sg);
         self.latch(r)
