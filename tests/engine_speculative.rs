@@ -35,7 +35,20 @@ fn both(tag: &str, k: &Knobs, on: Option<bool>) -> (u64, u64) {
     let wait = train(&dir, &speculative(k, Some(false)), 5, STEPS, |_| SEQ);
     assert_identical(&spec, &wait, tag);
     assert_eq!(counts(&wait), (0, 0), "{tag}: speculation off speculated");
-    counts(&spec)
+    let (hits, misses) = counts(&spec);
+    if hits + misses > 0 {
+        // A speculated sub-group went to the optimizer during backward.
+        let during: Vec<u64> = spec
+            .steps
+            .iter()
+            .map(|s| s.sub_groups_stepped_during_backward)
+            .collect();
+        assert!(
+            during.iter().any(|&n| n > 0),
+            "{tag}: speculated, but no sub-group stepped during backward: {during:?}"
+        );
+    }
+    (hits, misses)
 }
 
 #[test]

@@ -516,10 +516,13 @@ impl StepGroups {
             .collect()
     }
 
-    pub(super) fn sent_count(&self) -> usize {
+    /// Sub-groups already handed to the optimizer thread: sent, or
+    /// stepped speculatively (both went during backward when counted
+    /// before the step's decision).
+    pub(super) fn handed_over_count(&self) -> usize {
         self.groups
             .iter()
-            .filter(|g| matches!(g, GroupStep::Sent))
+            .filter(|g| matches!(g, GroupStep::Sent | GroupStep::Speculated { .. }))
             .count()
     }
 }

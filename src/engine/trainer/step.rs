@@ -127,7 +127,7 @@ impl Trainer {
             *loss = self.micro_batch(&plan, micro, &mut groups, &mut tied, &mut times)?;
         }
         let loss = self.global_loss(&micro_losses)?;
-        let overlapped = groups.sent_count() as u64;
+        let overlapped = groups.handed_over_count() as u64;
         let grad_reduces = groups.grad_reduces;
         let (decision, grad_norm) = self.decide(&plan, &mut groups, &mut times)?;
         let skipped = if self.device_compute().is_some() {
