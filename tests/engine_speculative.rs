@@ -198,3 +198,46 @@ fn a_pool_of_every_group_never_waits_and_keeps_the_bits() {
         }
     }
 }
+
+/// Speculative steps hand their gradients over during backward as the
+/// overlapped steps do: at most a pipeline's worth waits for the optimizer
+/// thread at once (`sizing::grads_in_flight`), however many sub-groups
+/// speculate. Before, every speculated group's gradient could queue,
+/// the whole shard's on a model whose optimizer I/O is slower than
+/// backward.
+#[test]
+fn speculative_hand_over_is_bounded_by_the_pipeline() {
+    use engine_support::{corpus, ds_config, scratch};
+    use tierzero::config::{load_str, PathChecks, RunContext};
+    use tierzero::engine::{sizing, Trainer, TrainerOptions};
+    use tierzero::model::ModelDir;
+    let dir = tiny_gpt2_dir("spec-bound", 2, 32);
+    let swap = scratch("spec-bound-swap");
+    let k = Knobs {
+        clip: 1e6,
+        sub_group: 500,
+        optimizer_resident_bytes: Some(0),
+        speculative: Some(true),
+        ..Knobs::nvme()
+    };
+    let cfg = ds_config(&k, &swap, 4);
+    let run = RunContext {
+        path_checks: PathChecks::CreateMissing,
+        ..RunContext::default()
+    };
+    let loaded = load_str(&cfg.to_string(), &run).unwrap();
+    let md = ModelDir::open(&dir, 5).unwrap();
+    let mut t = Trainer::new(&loaded.config, &md, corpus(), TrainerOptions::cpu(5, SEQ)).unwrap();
+    let groups = t.layout().sub_groups.len();
+    let limit = sizing::grads_in_flight(t.sizing().read_ahead, t.sizing().write_behind);
+    assert!(groups > 4 * limit, "{groups} sub-groups, limit {limit}");
+    let mut hits = 0;
+    for _ in 0..4 {
+        hits = t.step().unwrap().metrics.speculation_hits;
+    }
+    let peak = t.grads_handed_over_peak();
+    t.finish().unwrap();
+    let _ = std::fs::remove_dir_all(&swap);
+    assert_eq!(hits, 4, "every step speculated and held");
+    assert!(peak >= 1 && peak <= limit, "peak {peak}, limit {limit}");
+}

@@ -852,6 +852,7 @@ impl Trainer {
             optimizer_wait: Duration::ZERO,
             speculation: Speculation::default(),
             grads_out: std::collections::HashSet::new(),
+            grads_out_peak: 0,
             swap_spaces,
             failed: None,
             stop,

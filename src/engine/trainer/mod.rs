@@ -418,6 +418,8 @@ pub struct Trainer {
     /// for a reply first), so gradients queued for the optimizer thread
     /// are bounded by the config, not by the model.
     grads_out: std::collections::HashSet<SubGroupId>,
+    /// The most `grads_out` held at once in this run.
+    grads_out_peak: usize,
     /// This rank's swap spaces (params, optimizer state), for [`Trainer::swap_usage`].
     swap_spaces: Vec<Arc<SwapSpace>>,
     /// The first error out of a step; set, the trainer refuses to go on.
@@ -626,6 +628,15 @@ impl Trainer {
     /// it is fetched).
     pub fn lookahead_reads(&self) -> u64 {
         self.lookahead_reads
+    }
+
+    /// The most steps with their gradient handed to the optimizer thread
+    /// and not answered yet at one time in this run: at most
+    /// [`sizing::grads_in_flight`] where the hand-over is bounded (steps
+    /// during backward, speculative steps); the gradients sent after the
+    /// decision are counted too and are not bounded by it.
+    pub fn grads_handed_over_peak(&self) -> usize {
+        self.grads_out_peak
     }
 
     /// Changes the sequence length from the next step on. A length the

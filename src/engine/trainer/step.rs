@@ -430,11 +430,15 @@ impl Trainer {
         let speculative = matches!(event, GroupEvent::Speculate);
         // Bounded hand-over: wait for a reply while the optimizer thread
         // holds its share of gradients (see `Trainer::grads_out`). Only
-        // where every job comes in the worker's expected order (steps
-        // during backward): with clipping or an overflow check a group's job may follow
-        // the decision, and the worker waits for it in its order.
+        // where every job comes in the worker's expected order: steps
+        // during backward, and speculative steps (the speculated groups
+        // lead the worker's order, in the order backward sends them). A
+        // group's job that follows the decision (clipping or an overflow
+        // check, not speculated) may be one the worker waits for in its
+        // order, so those are not held back.
         let limit = sizing::grads_in_flight(self.sizing.read_ahead, self.sizing.write_behind);
-        while plan.mode == OverlapMode::Step && self.grads_out.len() >= limit {
+        let bounded = plan.mode == OverlapMode::Step || speculative;
+        while bounded && self.grads_out.len() >= limit {
             let t0 = Instant::now();
             let d = self.opt.recv()?;
             self.optimizer_wait += t0.elapsed();
@@ -443,6 +447,7 @@ impl Trainer {
         let grad = groups.apply(sg, event, numel, self.sum_dtype(sg))?;
         if grad.is_some() {
             self.grads_out.insert(sg);
+            self.grads_out_peak = self.grads_out_peak.max(self.grads_out.len());
         }
         let tensors = self.tensor_wants(sg);
         self.opt.send(Job::Step {
