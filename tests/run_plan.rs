@@ -541,3 +541,33 @@ fn the_plan_holds_bf16_gradients_where_each_element_gets_one() {
     let text2 = plan2.to_string();
     assert!(text2.contains("grads (fp32, at most)") && !text2.contains("held in bf16"));
 }
+
+/// With NVMe optimizer state the host holds a pipeline's worth of
+/// gradients; with `overlap_optimizer` off it holds every sub-group's
+/// until the step, and the bound the plan prints (and the trainer's spare
+/// sums) says so.
+#[test]
+fn without_the_overlap_the_gradient_bound_is_every_sub_group() {
+    use tierzero::engine::sizing::{host_grad_bound_groups, Shape};
+    let d = scratch("no-overlap");
+    let run = RunContext {
+        path_checks: PathChecks::Check,
+        ..RunContext::default()
+    };
+    let mut bounds = Vec::new();
+    for overlap in [true, false] {
+        let mut cfg = ds(&d, false, None);
+        cfg["zero_optimization"]["sub_group_size"] = json!(2000);
+        cfg["tierzero"]["overlap_optimizer"] = json!(overlap);
+        let t = trainer(&d, &cfg).unwrap();
+        let config = load_str(&cfg.to_string(), &run).unwrap().config;
+        let shape = Shape::of(&config, t.model(), t.layout());
+        let groups = t.layout().sub_groups.len() as u64;
+        assert!(groups > 8, "{groups} sub-groups");
+        assert_eq!(t.sizing().grads_held_until_step, !overlap);
+        bounds.push((host_grad_bound_groups(t.sizing(), &shape, true, 1), groups));
+    }
+    let ((overlapped, groups), (held, _)) = (bounds[0], bounds[1]);
+    assert!(overlapped < groups, "{overlapped} of {groups}");
+    assert_eq!(held, groups);
+}

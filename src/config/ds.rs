@@ -575,7 +575,10 @@ section! {
         checksums: bool = true => flag;
         /// `overlap_optimizer`: step the CPU optimizer for a sub-group as soon as
         /// its gradients are final, overlapping backward, instead of after
-        /// backward as DeepSpeed does. Same result; default true.
+        /// backward as DeepSpeed does. Same result; default true. Off, with
+        /// NVMe optimizer state, host memory holds every sub-group's
+        /// gradient until the step (4 bytes an element of the shard, as
+        /// DeepSpeed does; the plan counts it).
         overlap_optimizer: bool = true => flag;
         /// `compute_threads`: threads of the CPU compute kernels (candle's
         /// matmuls). `"auto"` (absent) uses every core;

@@ -318,6 +318,12 @@ pub struct Sizing {
     pub grad_park_nvme_bytes: u64,
     /// Bytes the run would page-lock (offload blocks with `pin_memory`).
     pub lock_bytes: u64,
+    /// NVMe optimizer state with `tierzero.overlap_optimizer: false`:
+    /// every sub-group's gradient is held in host memory until the step
+    /// after backward (nothing is stepped or spilled during it), as
+    /// DeepSpeed holds the partition's gradients. The host bound is then
+    /// the whole shard's ([`host_grad_bound_groups`]).
+    pub grads_held_until_step: bool,
 }
 
 impl Sizing {
@@ -911,6 +917,7 @@ pub fn decide_within(
         park_buffers,
         grad_park_nvme_bytes: park_nvme_bytes,
         lock_bytes,
+        grads_held_until_step: opt_nvme && !config.tierzero.overlap_optimizer,
     })
 }
 

@@ -101,8 +101,9 @@ pub fn grads_in_flight(read_ahead: usize, write_behind: usize) -> usize {
 /// Bytes of gradients host memory holds at most, from the config and the
 /// layout alone (4 bytes an element in fp32 sums, 2 as bf16:
 /// [`grad_sum_dtype`]). With the optimizer state in host memory, the
-/// whole shard's (beside the state's 12 bytes an element). With it on
-/// NVMe: the sums backward is adding into (the sub-groups of the largest
+/// whole shard's (beside the state's 12 bytes an element), and so with it
+/// on NVMe and `overlap_optimizer` off (`Sizing::grads_held_until_step`).
+/// With it on NVMe and overlapped: the sums backward is adding into (the sub-groups of the largest
 /// unit, `unit_groups`), the first groups held for the step
 /// (`held_grad_groups`), the speculated gradients the optimizer thread
 /// keeps for a re-step (`speculation_kept_grads`) and the steps handed to it
@@ -113,7 +114,7 @@ pub fn host_grad_bound_bytes(
     opt_nvme: bool,
     unit_groups: u64,
 ) -> u64 {
-    if !opt_nvme {
+    if !opt_nvme || sizing.grads_held_until_step {
         return shape
             .sub_groups
             .iter()
@@ -139,7 +140,7 @@ pub fn host_grad_bound_groups(
     unit_groups: u64,
 ) -> u64 {
     let sub_groups = shape.sub_groups.len() as u64;
-    if !opt_nvme {
+    if !opt_nvme || sizing.grads_held_until_step {
         return sub_groups;
     }
     nvme_state_grad_bound_groups(
