@@ -236,6 +236,12 @@ struct NvmeState {
     /// order): a slot whose `last_write` is retired is safe to overwrite.
     writes_issued: u64,
     writes_retired: u64,
+    /// Per sub-group: the sequence number of the last state write into its
+    /// current extents (0: none queued). A read of its state waits until
+    /// that write has retired (reads and writes go through different
+    /// rings, so a read issued behind a queued write may see the old
+    /// bytes).
+    extents_last_write: Vec<u64>,
     grad_extents: Vec<Option<Extent>>,
     /// Per sub-group: its gradient is spilled, in this dtype (as the host
     /// held it: fp32 sums, or bf16 gradients, half the bytes written and
@@ -299,6 +305,7 @@ pub struct OptimizerState {
 }
 
 mod checkpoint;
+mod pool;
 #[cfg(test)]
 mod tests;
 
@@ -432,6 +439,7 @@ impl OptimizerState {
                     pending: (0..groups).map(|_| None).collect(),
                     writes_issued: 0,
                     writes_retired: 0,
+                    extents_last_write: vec![0; groups],
                     grad_extents,
                     spilled: vec![None; groups],
                     spill_writes: (0..groups).map(|_| None).collect(),
@@ -649,6 +657,13 @@ impl OptimizerState {
         {
             return Ok(false);
         }
+        // Read after write: this group's own state write, if one is still
+        // queued (a step of it not long ago), must retire first.
+        let last = nv.extents_last_write.get(sg.0).copied().unwrap_or(0);
+        self.retire_writes_through(last)?;
+        let Some(nv) = &mut self.nvme else {
+            return Ok(true);
+        };
         let spilled = nv.spilled.get(sg.0).copied().flatten();
         let k = 3 + usize::from(spilled.is_some());
         if nv.io.arena.free_count() < k {
@@ -832,10 +847,17 @@ impl OptimizerState {
             ))?));
             self.counters.nvme_written_bytes += len;
         }
-        if let Some(mut s) = slot {
-            s.last_write = seq;
-            if let Some(p) = nv.pending.get_mut(sg.0) {
-                *p = Some(s);
+        match slot {
+            Some(mut s) => {
+                s.last_write = seq;
+                if let Some(p) = nv.pending.get_mut(sg.0) {
+                    *p = Some(s);
+                }
+            }
+            None => {
+                if let Some(w) = nv.extents_last_write.get_mut(sg.0) {
+                    *w = seq;
+                }
             }
         }
         nv.writes_issued = seq;
@@ -961,167 +983,5 @@ impl OptimizerState {
     /// Waits for every write.
     pub fn flush(&mut self) -> Result<()> {
         self.retire_writes(0)
-    }
-
-    /// Makes the speculative steps of `groups` current: waits for every
-    /// write, then each group's pending slot becomes its extents and its
-    /// old extents a free slot of the pool.
-    pub fn commit(&mut self, groups: &[SubGroupId]) -> Result<()> {
-        self.flush()?;
-        self.retire_spill_writes(true)?;
-        crate::failpoint::kill_point(crate::failpoint::Site::SpeculativeBeforeCommit);
-        let Some(nv) = &mut self.nvme else {
-            return Ok(());
-        };
-        for &sg in groups {
-            let (Some(e), Some(p)) = (nv.extents.get_mut(sg.0), nv.pending.get_mut(sg.0)) else {
-                return Err(EngineError::internal(format!(
-                    "commit of unknown sub-group {sg:?}"
-                )));
-            };
-            let (Some(cur), Some(new)) = (e.as_mut(), p.take()) else {
-                return Err(EngineError::internal(format!(
-                    "commit of sub-group {sg:?} without a speculative step"
-                )));
-            };
-            let old = std::mem::replace(cur, new.ext);
-            // Every write has retired (`flush` above).
-            nv.pool.push(Slot {
-                ext: old,
-                last_write: nv.writes_issued,
-            });
-            if let Some(f) = nv.spilled.get_mut(sg.0) {
-                *f = None;
-            }
-        }
-        Ok(())
-    }
-
-    /// Slots of the speculation pool (free or pending).
-    #[cfg(test)]
-    pub fn pool_slots(&self) -> usize {
-        self.nvme.as_ref().map_or(0, |nv| nv.pool_slots)
-    }
-
-    /// The most speculated gradients kept in host memory for a re-step
-    /// ([`PoolSize::kept_grads`], the sizing policy's).
-    pub fn kept_grads_max(&self) -> usize {
-        self.kept_grads
-    }
-
-    /// Sub-groups with a speculative step not yet committed or dropped.
-    pub fn pending_speculations(&self) -> usize {
-        self.nvme
-            .as_ref()
-            .map_or(0, |nv| nv.pending.iter().flatten().count())
-    }
-
-    /// Takes the smallest free slot that holds `numel` elements for `sg`'s
-    /// speculative step, first retiring writes until its last one has.
-    fn take_slot(&mut self, sg: SubGroupId, numel: usize) -> Result<Slot> {
-        let nv = self
-            .nvme
-            .as_mut()
-            .ok_or_else(|| EngineError::internal("nvme state missing"))?;
-        if nv.pending.get(sg.0).is_some_and(Option::is_some) {
-            return Err(EngineError::internal(format!(
-                "a second speculative step of sub-group {sg:?} before its commit"
-            )));
-        }
-        let need = (numel.max(1) * 4) as u64;
-        let best = nv
-            .pool
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.ext[0].len_bytes() >= need)
-            .min_by_key(|(_, s)| s.ext[0].len_bytes())
-            .map(|(i, _)| i)
-            .ok_or_else(|| {
-                EngineError::internal(format!(
-                    "a speculative step of sub-group {sg:?} with the speculation pool empty \
-                     ({} slots)",
-                    nv.pool_slots
-                ))
-            })?;
-        let slot = nv.pool.swap_remove(best);
-        let last = slot.last_write;
-        while self
-            .nvme
-            .as_ref()
-            .is_some_and(|nv| nv.writes_retired < last)
-        {
-            let queued = self.nvme.as_ref().map_or(0, |nv| nv.writes.len());
-            if queued == 0 {
-                return Err(EngineError::internal(
-                    "a speculation slot's write neither queued nor retired",
-                ));
-            }
-            self.retire_writes(queued - 1)?;
-        }
-        Ok(slot)
-    }
-
-    /// Returns `sg`'s pending slot, if any, to the pool (its write may
-    /// still be in flight: see [`OptimizerState::take_slot`]).
-    fn release_pending(&mut self, sg: SubGroupId) {
-        if let Some(nv) = &mut self.nvme {
-            if let Some(s) = nv.pending.get_mut(sg.0).and_then(Option::take) {
-                nv.pool.push(s);
-            }
-        }
-    }
-
-    /// The master weights and moments of `sg` (synchronous reads on NVMe,
-    /// after every queued write), e.g. for a framework's `state_dict`.
-    pub fn group_states(&mut self, sg: SubGroupId) -> Result<[Vec<f32>; 3]> {
-        let n = self.numel_of(sg)?;
-        self.flush()?;
-        if let Some(g) = self.mem.get(sg.0).and_then(Option::as_ref) {
-            return Ok([g.master.clone(), g.moments.widened(1), g.moments.widened(2)]);
-        }
-        let nv = self
-            .nvme
-            .as_mut()
-            .ok_or_else(|| EngineError::internal("no state for a sub-group"))?;
-        let exts = nvme_extents(&nv.extents, sg)?.clone();
-        let mut out: [Vec<f32>; 3] = Default::default();
-        for (k, ext) in exts.iter().enumerate() {
-            let buf = nv.io.arena.acquire()?;
-            let mut buf = nv.io.read.read(ext, buf)?.wait()?;
-            self.counters.nvme_read_bytes += ext.len_bytes();
-            out[k] = match (k, self.moments) {
-                (0, _) | (_, MomentDtype::F32) => as_f32(&mut buf, n)?.to_vec(),
-                (_, MomentDtype::Bf16) => as_typed::<bf16>(&mut buf, n)?
-                    .iter()
-                    .map(|x| x.to_f32())
-                    .collect(),
-            };
-        }
-        Ok(out)
-    }
-
-    /// The master weights of `sg` (a synchronous read on NVMe).
-    pub fn master(&mut self, sg: SubGroupId) -> Result<Vec<f32>> {
-        self.with_master(sg, <[f32]>::to_vec)
-    }
-
-    /// `f` of the master weights of `sg`, where they are (in memory), or
-    /// in the pinned buffer a synchronous read put them in (NVMe).
-    pub fn with_master<R>(&mut self, sg: SubGroupId, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
-        let n = self.numel_of(sg)?;
-        self.flush()?;
-        if let Some(g) = self.mem.get(sg.0).and_then(Option::as_ref) {
-            return Ok(f(&g.master));
-        }
-        match &mut self.nvme {
-            None => Err(EngineError::internal("no state for a sub-group")),
-            Some(nv) => {
-                let buf = nv.io.arena.acquire()?;
-                let ext = &nvme_extents(&nv.extents, sg)?[0];
-                let mut buf = nv.io.read.read(ext, buf)?.wait()?;
-                self.counters.nvme_read_bytes += ext.len_bytes();
-                Ok(f(as_f32(&mut buf, n)?))
-            }
-        }
     }
 }

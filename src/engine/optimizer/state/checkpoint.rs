@@ -207,3 +207,59 @@ pub(super) fn write_region(
         .map_err(io_err)?;
     Ok(crc32c::crc32c_append(crc32c::crc32c(data), &padding))
 }
+
+impl OptimizerState {
+    /// The master weights and moments of `sg` (synchronous reads on NVMe,
+    /// after every queued write), e.g. for a framework's `state_dict`.
+    pub fn group_states(&mut self, sg: SubGroupId) -> Result<[Vec<f32>; 3]> {
+        let n = self.numel_of(sg)?;
+        self.flush()?;
+        if let Some(g) = self.mem.get(sg.0).and_then(Option::as_ref) {
+            return Ok([g.master.clone(), g.moments.widened(1), g.moments.widened(2)]);
+        }
+        let nv = self
+            .nvme
+            .as_mut()
+            .ok_or_else(|| EngineError::internal("no state for a sub-group"))?;
+        let exts = nvme_extents(&nv.extents, sg)?.clone();
+        let mut out: [Vec<f32>; 3] = Default::default();
+        for (k, ext) in exts.iter().enumerate() {
+            let buf = nv.io.arena.acquire()?;
+            let mut buf = nv.io.read.read(ext, buf)?.wait()?;
+            self.counters.nvme_read_bytes += ext.len_bytes();
+            out[k] = match (k, self.moments) {
+                (0, _) | (_, MomentDtype::F32) => as_f32(&mut buf, n)?.to_vec(),
+                (_, MomentDtype::Bf16) => as_typed::<bf16>(&mut buf, n)?
+                    .iter()
+                    .map(|x| x.to_f32())
+                    .collect(),
+            };
+        }
+        Ok(out)
+    }
+
+    /// The master weights of `sg` (a synchronous read on NVMe).
+    pub fn master(&mut self, sg: SubGroupId) -> Result<Vec<f32>> {
+        self.with_master(sg, <[f32]>::to_vec)
+    }
+
+    /// `f` of the master weights of `sg`, where they are (in memory), or
+    /// in the pinned buffer a synchronous read put them in (NVMe).
+    pub fn with_master<R>(&mut self, sg: SubGroupId, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+        let n = self.numel_of(sg)?;
+        self.flush()?;
+        if let Some(g) = self.mem.get(sg.0).and_then(Option::as_ref) {
+            return Ok(f(&g.master));
+        }
+        match &mut self.nvme {
+            None => Err(EngineError::internal("no state for a sub-group")),
+            Some(nv) => {
+                let buf = nv.io.arena.acquire()?;
+                let ext = &nvme_extents(&nv.extents, sg)?[0];
+                let mut buf = nv.io.read.read(ext, buf)?.wait()?;
+                self.counters.nvme_read_bytes += ext.len_bytes();
+                Ok(f(as_f32(&mut buf, n)?))
+            }
+        }
+    }
+}

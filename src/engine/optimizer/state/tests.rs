@@ -295,6 +295,82 @@ fn a_load_supersedes_a_read_issued_ahead() {
     assert_eq!(bits(&[[got, got_m, got_v]]), bits(&[[master, m, v]]));
 }
 
+/// A read of a sub-group issued ahead right after its own step (its state
+/// write still queued) waits for that write: the next step steps the new
+/// state. (The Python optimizer's `step_group(A, next=B)` then
+/// `step_group(B, next=A)` read A behind its queued write, through another
+/// ring, and could step A's state from before its last step.)
+#[test]
+fn a_read_ahead_of_a_group_waits_for_its_own_queued_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = 1025;
+    let mut state = OptimizerState::new(
+        vec![n, n],
+        Some(nvme(dir.path(), 12, n as u64)),
+        &[],
+        1,
+        2,
+        false,
+        PoolSize::default(),
+        MomentDtype::F32,
+    )
+    .unwrap();
+    let zeros = vec![0f32; n];
+    let (a, b) = (SubGroupId(0), SubGroupId(1));
+    let adam = adam();
+    let step = |state: &mut OptimizerState, sg: SubGroupId, k: u64| {
+        state
+            .step(
+                sg,
+                &adam,
+                k,
+                Some((&values(n, 50 + k)).into()),
+                GradScale::ONE,
+                None,
+                &mut |_| Ok(()),
+                false,
+            )
+            .unwrap();
+    };
+    for sg in [a, b] {
+        state
+            .load_group(sg, [&values(n, 1), &zeros, &zeros])
+            .unwrap();
+    }
+    // step_group(a, next=b), then step_group(b, next=a), with two writes
+    // behind.
+    step(&mut state, a, 1);
+    assert!(state.prefetch(b).unwrap());
+    step(&mut state, b, 1);
+    assert_eq!(state.writes_queued(), 2);
+    assert!(state.prefetch(a).unwrap());
+    assert_eq!(
+        state.writes_queued(),
+        1,
+        "a's write retired before its read"
+    );
+    step(&mut state, a, 2);
+    state.flush().unwrap();
+    let mut master = values(n, 1);
+    let (mut m, mut v) = (zeros.clone(), zeros.clone());
+    for k in 1..=2 {
+        adam.step(
+            k,
+            &mut master,
+            &values(n, 50 + k),
+            Moments::F32 {
+                m: &mut m,
+                v: &mut v,
+            },
+            None,
+            GradScale::ONE,
+        )
+        .unwrap();
+    }
+    let [got, got_m, got_v] = state.group_states(a).unwrap();
+    assert_eq!(bits(&[[got, got_m, got_v]]), bits(&[[master, m, v]]));
+}
+
 #[test]
 fn bf16_moments_load_rounded_as_the_kernel_stores_them() {
     let mut state = OptimizerState::new(
