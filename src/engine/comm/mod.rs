@@ -92,6 +92,22 @@ pub struct CommStaging {
     pub device_bytes: u64,
 }
 
+/// The smallest of every rank's `own` (a collective: every rank calls it
+/// at the same point; one rank: `own`). For budgets that decide which
+/// collectives a rank issues (the device tier's, the kept activations'):
+/// every rank must take the same decisions, so they take the smallest
+/// rank's budget.
+pub fn least_among_ranks(comm: &dyn Comm, own: u64) -> Result<u64> {
+    if comm.world_size() == 1 {
+        return Ok(own);
+    }
+    let mut all = vec![0f64; comm.world_size()];
+    // Exact below 2^53 (memory budgets); larger values round the same way
+    // on every rank and convert back saturating.
+    comm.all_gather_f64(&[own as f64], &mut all)?;
+    Ok(all.iter().map(|&b| b as u64).min().unwrap_or(own))
+}
+
 /// Every rank's bytes (`mine` on this rank; lengths may differ), in rank
 /// order: the lengths are all-gathered first, then the bytes. Two
 /// collectives; every rank must call it.
@@ -489,6 +505,30 @@ mod tests {
         assert_eq!(check_counts("x", 2, &[3, 3, 2], 2, 8).unwrap(), 6);
         assert!(check_counts("x", 1, &[3, 3, 2], 2, 8).is_err());
         assert!(check_counts("x", 0, &[3, 3, 2], 3, 9).is_err());
+    }
+
+    /// Rank 1 of three whose peers report 3 GiB and 2 GiB.
+    fn peers() -> scripted::Scripted {
+        scripted::Scripted {
+            gather_f64: Some(|local, out| {
+                let gib = (1u64 << 30) as f64;
+                out.copy_from_slice(&[3.0 * gib, local[0], 2.0 * gib]);
+                Ok(())
+            }),
+            ..scripted::Scripted::rank_of(1, 3)
+        }
+    }
+
+    #[test]
+    fn every_rank_takes_the_smallest_budget() {
+        let gib = 1u64 << 30;
+        assert_eq!(least_among_ranks(&peers(), 5 * gib).unwrap(), 2 * gib);
+        // Its own when it is the smallest, to the byte.
+        assert_eq!(
+            least_among_ranks(&peers(), gib + 12_345).unwrap(),
+            gib + 12_345
+        );
+        assert_eq!(least_among_ranks(&SingleRank, 7).unwrap(), 7);
     }
 }
 

@@ -120,7 +120,7 @@ impl CudaLink {
         mut self,
         comm: &dyn crate::engine::comm::Comm,
     ) -> Result<Self, crate::engine::EngineError> {
-        let least = least_among_ranks(comm, self.budget_bytes)?;
+        let least = crate::engine::comm::least_among_ranks(comm, self.budget_bytes)?;
         if least < self.budget_bytes {
             tracing::info!(
                 own_bytes = self.budget_bytes,
@@ -183,20 +183,6 @@ impl CudaLink {
         }
         .map_err(gpu_err)
     }
-}
-
-/// The smallest of every rank's `own` (a collective; one rank: `own`).
-fn least_among_ranks(
-    comm: &dyn crate::engine::comm::Comm,
-    own: u64,
-) -> Result<u64, crate::engine::EngineError> {
-    if comm.world_size() == 1 {
-        return Ok(own);
-    }
-    let mut all = vec![0f64; comm.world_size()];
-    // Exact: byte counts here are far below 2^53.
-    comm.all_gather_f64(&[own as f64], &mut all)?;
-    Ok(all.iter().map(|&b| b as u64).min().unwrap_or(own))
 }
 
 /// The failure of building the GPUs' communicator on `rank` of `world`.
@@ -624,38 +610,5 @@ impl DeviceLink for CudaLink {
             }
         }
         out
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)]
-    use super::*;
-
-    /// Rank 1 of three whose peers report 3 GiB and 2 GiB.
-    fn peers() -> crate::engine::comm::scripted::Scripted {
-        crate::engine::comm::scripted::Scripted {
-            gather_f64: Some(|local, out| {
-                let gib = (1u64 << 30) as f64;
-                out.copy_from_slice(&[3.0 * gib, local[0], 2.0 * gib]);
-                Ok(())
-            }),
-            ..crate::engine::comm::scripted::Scripted::rank_of(1, 3)
-        }
-    }
-
-    #[test]
-    fn every_rank_takes_the_smallest_budget() {
-        let gib = 1u64 << 30;
-        assert_eq!(least_among_ranks(&peers(), 5 * gib).unwrap(), 2 * gib);
-        // Its own when it is the smallest, to the byte.
-        assert_eq!(
-            least_among_ranks(&peers(), gib + 12_345).unwrap(),
-            gib + 12_345
-        );
-        assert_eq!(
-            least_among_ranks(&crate::engine::comm::SingleRank, 7).unwrap(),
-            7
-        );
     }
 }

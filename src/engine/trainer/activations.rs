@@ -69,6 +69,8 @@ pub(super) struct Activations {
     budget: ActivationBudget,
     /// The decision for the last batch shape seen.
     decided: Option<Decision>,
+    /// The budget is the smallest rank's ([`Activations::agree`]).
+    agreed: bool,
 }
 
 /// Which blocks are kept for one batch shape.
@@ -131,7 +133,21 @@ impl Activations {
             budget_bytes,
             budget,
             decided: None,
+            agreed: false,
         }
+    }
+
+    /// Takes the smallest rank's budget, once (a collective: every rank
+    /// calls it at its first step). A kept block's backward fetches no
+    /// params and a recomputed one does, a gather on stage 3, so every
+    /// rank must keep the same blocks; `"auto"` budgets come from each
+    /// rank's own `MemAvailable` at build, which differ.
+    pub(super) fn agree(&mut self, comm: &dyn crate::engine::comm::Comm) -> crate::engine::Result<()> {
+        if !self.agreed {
+            self.budget_bytes = crate::engine::comm::least_among_ranks(comm, self.budget_bytes)?;
+            self.agreed = true;
+        }
+        Ok(())
     }
 
     /// Bytes the kept graphs may hold at once.
@@ -222,6 +238,28 @@ mod tests {
         assert_eq!(ckpt.budget_bytes(), 0);
         assert_eq!(ckpt.plan([1, 8], 1), Plan::Recompute);
         assert!(ckpt.describe().contains("every block recomputed"));
+    }
+
+    /// Every rank keeps the smallest rank's budget, agreed once: the
+    /// kept blocks decide which backward fetches gather.
+    #[test]
+    fn the_budget_is_the_smallest_ranks_agreed_once() {
+        use crate::engine::comm::scripted::Scripted;
+        let peers = Scripted {
+            gather_f64: Some(|local, out| {
+                out.copy_from_slice(&[9_000.0, local[0], 1_234.0]);
+                Ok(())
+            }),
+            ..Scripted::rank_of(1, 3)
+        };
+        let mut a = Activations::new(ActivationBudget::Auto, Some(10_000), 3);
+        assert_eq!(a.budget_bytes(), 1_666);
+        a.agree(&peers).unwrap();
+        assert_eq!(a.budget_bytes(), 1_234);
+        // Once: a later call issues no collective (an unscripted one
+        // would fail).
+        a.agree(&Scripted::rank_of(1, 3)).unwrap();
+        assert_eq!(a.budget_bytes(), 1_234);
     }
 
     #[test]

@@ -107,6 +107,7 @@ impl Trainer {
     }
 
     pub(super) fn step_inner(&mut self) -> Result<StepReport> {
+        self.activations.agree(&*self.opts.comm)?;
         let start = self.step_start();
         let plan = self.step_plan()?;
         let mut groups = StepGroups::new(self.layout.sub_groups.len());
