@@ -431,8 +431,29 @@ where
 
 /// Devices, their memory, and NCCL. Without a driver: [`GpuError::DriverMissing`]
 /// (never a panic). Without the `gpu` feature: [`GpuError::NotBuilt`].
+/// It opens a context on every device (for their memory): a rank that
+/// wants its own device counts them with [`device_count`] instead.
 pub fn probe() -> Result<GpuInfo, GpuError> {
     imp::probe()
+}
+
+/// How many devices the driver sees (`cuDeviceGetCount`), opening no
+/// context on any of them: on a node whose GPUs are in exclusive-process
+/// mode, a context on another rank's GPU fails, and in any mode it takes
+/// memory there. Errors as [`probe`]'s.
+pub fn device_count() -> Result<usize, GpuError> {
+    #[cfg(feature = "gpu")]
+    {
+        let n = run_guarded("device-count", imp::device_count)?;
+        if n == 0 {
+            return Err(GpuError::NoDevice);
+        }
+        Ok(n)
+    }
+    #[cfg(not(feature = "gpu"))]
+    {
+        Err(GpuError::NotBuilt)
+    }
 }
 
 /// The compute libraries the CUDA units need (crate `tierzero-gpu`), each

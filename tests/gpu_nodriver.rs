@@ -52,6 +52,13 @@ fn probe_without_a_driver_is_a_clean_error() {
             }
             other => panic!("expected DriverMissing, got {other:?}"),
         }
+        // The count `train --device cuda` takes, the same way.
+        match gpu::device_count() {
+            Err(GpuError::DriverMissing { detail }) => {
+                assert!(detail.contains("libcuda.so"), "{detail}")
+            }
+            other => panic!("expected DriverMissing, got {other:?}"),
+        }
     }
 }
 

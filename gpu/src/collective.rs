@@ -75,7 +75,9 @@
 //! cudarc records a buffer's last use as each NCCL call is made, before
 //! NCCL queues its work at the group's end; so those records are not
 //! relied on: every buffer is allocated before the group (a budget
-//! refusal fails before any peer waits on this rank), and on an error
+//! refusal fails before this rank queues any NCCL work; peers already in
+//! the group then fail at their deadline, `TIERZERO_COMM_TIMEOUT_S`, as
+//! each GPU's budget is its own), and on an error
 //! after the group they are leaked: NCCL's work may wait for a peer for
 //! ever, so they are neither waited for nor freed under it. A shard of no
 //! elements allocates nothing (the driver refuses empty allocations).
@@ -471,9 +473,11 @@ impl DeviceComm {
     /// were packed in, widened exactly and added onto `acc` (this rank's
     /// running sums; None: +0.0) in rank order. Every rank calls it for the same packs in the
     /// same order. The buffers it needs are allocated before any NCCL call
-    /// (a budget refusal fails here, before the peers wait on this rank);
-    /// after one, an error first waits for the collective stream, so that
-    /// no buffer it may still touch is freed.
+    /// (a budget refusal fails here, before this rank queues NCCL work;
+    /// peers already in the group fail at their deadline); after one, an
+    /// error leaks the buffers NCCL's work may still touch (it may wait
+    /// for a peer for ever: they are neither waited for nor freed) and
+    /// marks the communicator unusable.
     pub fn reduce(&self, dev: &Device, packed: Packed, acc: Option<&[f32]>) -> Result<Reduced> {
         self.reduce_from(dev, packed, acc.map(Acc::Host))
     }

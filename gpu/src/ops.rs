@@ -7,7 +7,8 @@
 //! that check and the argument list matching the kernel's signature
 //! (types and order, in `src/kernels/*.cu`) are the `SAFETY` of every
 //! launch. Optional pointers (a bias, a gradient output) are passed as
-//! null. Nothing here waits for the GPU.
+//! null. Nothing here waits for the GPU, except [`norm_sq_sums`], which
+//! reads its sums back.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::{bf16, f16};

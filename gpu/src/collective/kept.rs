@@ -92,7 +92,8 @@ impl DeviceComm {
             .bind_to_thread()
             .map_err(driver_err("cuCtxSetCurrent"))?;
         // Every buffer before the group (a budget refusal fails here,
-        // before any peer waits on this rank): the running sums in one,
+        // before this rank queues NCCL work; peers already in the group
+        // fail at their deadline): the running sums in one,
         // in pack order (on this stream, where they were written), and
         // each param's own for its range of the new sums.
         let acc = if accs.iter().any(Option::is_some) && total > 0 {

@@ -21,10 +21,9 @@ pub(super) fn cuda_units(
     use tierzero_gpu::GpuError as G;
     let world = comm.world_size();
     let gemm = unit_checks(&format!("--device {d}"), cfg, model)?;
-    let count = tierzero::gpu::probe()
-        .map_err(|e| bad(format!("--device {d}: {e}")))?
-        .devices
-        .len();
+    // Counted without a context on any device (another rank's GPU may be
+    // in exclusive-process mode).
+    let count = tierzero::gpu::device_count().map_err(|e| bad(format!("--device {d}: {e}")))?;
     let ordinal = d
         .resolve(count, tierzero::gpu::local_rank_from_env())
         .map_err(|e| bad(format!("--device {d}: {e}")))?;

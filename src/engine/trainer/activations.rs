@@ -142,7 +142,10 @@ impl Activations {
     /// params and a recomputed one does, a gather on stage 3, so every
     /// rank must keep the same blocks; `"auto"` budgets come from each
     /// rank's own `MemAvailable` at build, which differ.
-    pub(super) fn agree(&mut self, comm: &dyn crate::engine::comm::Comm) -> crate::engine::Result<()> {
+    pub(super) fn agree(
+        &mut self,
+        comm: &dyn crate::engine::comm::Comm,
+    ) -> crate::engine::Result<()> {
         if !self.agreed {
             self.budget_bytes = crate::engine::comm::least_among_ranks(comm, self.budget_bytes)?;
             self.agreed = true;
