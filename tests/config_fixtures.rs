@@ -61,7 +61,8 @@ fn hf_zero3_auto_resolves_from_run_like_hf_trainer() {
                 initial_scale_power: 16,
                 window: 1000,
                 hysteresis: 2,
-                min_scale: 1.0
+                min_scale: 1.0,
+                consecutive_hysteresis: false
             }
         }
     );
@@ -397,7 +398,8 @@ fn deepspeed_examples_cifar() {
                 initial_scale_power: 15,
                 window: 500,
                 hysteresis: 2,
-                min_scale: 1.0
+                min_scale: 1.0,
+                consecutive_hysteresis: false
             }
         }
     );

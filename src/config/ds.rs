@@ -185,8 +185,11 @@ section! {
         hysteresis: u64 = 2 => int;
         /// `min_loss_scale`: floor of the dynamic scale (default 1).
         min_loss_scale: f64 = 1.0 => num;
+        /// `consecutive_hysteresis`: a step without overflow restores the
+        /// hysteresis (default false: only a growth of the scale does).
+        consecutive_hysteresis: bool = false => flag;
     }
-    ignored: ["auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"];
+    ignored: ["auto_cast", "fp16_master_weights_and_grads"];
 }
 
 section! {

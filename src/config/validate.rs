@@ -112,6 +112,9 @@ pub enum LossScale {
         hysteresis: u64,
         /// Smallest scale.
         min_scale: f64,
+        /// DeepSpeed's `consecutive_hysteresis`: every step without an
+        /// overflow restores the hysteresis (else only a growth does).
+        consecutive_hysteresis: bool,
     },
     /// A fixed scale.
     Static(f64),

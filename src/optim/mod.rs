@@ -139,6 +139,22 @@ pub enum OptimError {
     /// The requested instruction set is not available on this CPU.
     #[error("instruction set {isa:?} is not supported by this CPU")]
     IsaUnsupported { isa: Isa },
+    /// The dynamic fp16 loss scale cannot go lower: the gradients
+    /// overflowed again at `fp16.min_loss_scale`, the hysteresis spent.
+    /// DeepSpeed raises here ("Current loss scale already at minimum -
+    /// cannot decrease scale anymore. Exiting run.": its
+    /// `raise_error_at_min_scale` defaults to true); going on would skip
+    /// every step.
+    #[error(
+        "fp16: the gradients overflowed at the minimum loss scale {min_scale} \
+         (fp16.min_loss_scale) with the hysteresis spent: every later step would be skipped, \
+         so the run stops, as DeepSpeed's does; resume from the last checkpoint with bf16, \
+         a lower lr, or a lower fp16.min_loss_scale"
+    )]
+    LossScaleAtMinimum {
+        /// `fp16.min_loss_scale`.
+        min_scale: f64,
+    },
 }
 
 /// Weight-decay flavour.

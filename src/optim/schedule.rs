@@ -13,6 +13,7 @@
 //! neither, nor Adam's step counter. `tests/lr_schedule_deepspeed.rs`
 //! checks both against DeepSpeed's own classes' output.
 
+use super::OptimError;
 use crate::config::{LossScale, Scheduler, WarmupType};
 
 /// A learning-rate schedule.
@@ -139,7 +140,9 @@ pub struct LossScalerState {
     pub last_overflow_iter: i64,
 }
 
-/// fp16 loss scaling (DeepSpeed `DynamicLossScaler` / static scale).
+/// fp16 loss scaling: DeepSpeed's `DynamicLossScaler`
+/// (`deepspeed/runtime/fp16/loss_scaler.py`, what ZeRO-3's
+/// `_update_scale` calls) step for step, or a static scale.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LossScaler {
     cur_scale: f64,
@@ -148,6 +151,7 @@ pub struct LossScaler {
     hysteresis: u64,
     cur_hysteresis: u64,
     min_scale: f64,
+    consecutive_hysteresis: bool,
     cur_iter: u64,
     last_overflow_iter: i64,
 }
@@ -162,6 +166,7 @@ impl LossScaler {
             hysteresis: 1,
             cur_hysteresis: 1,
             min_scale: 1.0,
+            consecutive_hysteresis: false,
             cur_iter: 0,
             last_overflow_iter: -1,
         }
@@ -179,6 +184,7 @@ impl LossScaler {
                 window,
                 hysteresis,
                 min_scale,
+                consecutive_hysteresis,
             } => LossScaler {
                 cur_scale: 2f64.powi(initial_scale_power as i32),
                 dynamic: true,
@@ -186,6 +192,7 @@ impl LossScaler {
                 hysteresis: hysteresis.max(1),
                 cur_hysteresis: hysteresis.max(1),
                 min_scale,
+                consecutive_hysteresis,
                 cur_iter: 0,
                 last_overflow_iter: -1,
             },
@@ -224,29 +231,51 @@ impl LossScaler {
         self.last_overflow_iter = s.last_overflow_iter;
     }
 
-    /// Updates after a step: halve on overflow (after `hysteresis`
-    /// overflows), double after `window` clean steps.
-    pub fn update(&mut self, overflow: bool) {
+    /// Updates after a step, as DeepSpeed's `update_scale`: on overflow,
+    /// halve (not below `min_scale`) once `hysteresis` overflows are
+    /// spent; an overflow at `min_scale` then is
+    /// [`OptimError::LossScaleAtMinimum`].
+    /// Without one, double when the steps since the last overflow, less
+    /// one, are a positive multiple of `window` (the first doubling comes
+    /// `window` steps after the overflow's, or at step `window` of a run
+    /// without any). The hysteresis is restored by a doubling, or by every
+    /// step without overflow with `consecutive_hysteresis`.
+    pub fn update(&mut self, overflow: bool) -> Result<(), OptimError> {
         if !self.dynamic {
-            return;
+            return Ok(());
         }
         if overflow {
             if self.hysteresis == 1 || self.cur_hysteresis == 1 {
+                if self.cur_scale == self.min_scale {
+                    return Err(OptimError::LossScaleAtMinimum {
+                        min_scale: self.min_scale,
+                    });
+                }
                 self.cur_scale = (self.cur_scale / 2.0).max(self.min_scale);
             } else {
                 self.cur_hysteresis -= 1;
             }
             self.last_overflow_iter = self.cur_iter as i64;
-        } else if (self.cur_iter as i64 - self.last_overflow_iter) % self.window as i64 == 0 {
-            self.cur_hysteresis = self.hysteresis;
-            self.cur_scale *= 2.0;
+        } else {
+            if self.consecutive_hysteresis {
+                self.cur_hysteresis = self.hysteresis;
+            }
+            let stable_interval = self.cur_iter as i64 - self.last_overflow_iter - 1;
+            if stable_interval > 0 && stable_interval % self.window as i64 == 0 {
+                if !self.consecutive_hysteresis {
+                    self.cur_hysteresis = self.hysteresis;
+                }
+                self.cur_scale *= 2.0;
+            }
         }
         self.cur_iter += 1;
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
     use super::*;
 
     #[test]
@@ -309,16 +338,121 @@ mod tests {
             window: 2,
             hysteresis: 2,
             min_scale: 1.0,
+            consecutive_hysteresis: false,
         });
         assert_eq!(s.scale(), 16.0);
-        s.update(true); // hysteresis absorbs the first overflow
+        s.update(true).unwrap(); // hysteresis absorbs the first overflow
         assert_eq!(s.scale(), 16.0);
-        s.update(true);
+        s.update(true).unwrap();
         assert_eq!(s.scale(), 8.0);
-        s.update(false); // iter 2, last overflow 1: (2-1) % 2 != 0
+        s.update(false).unwrap(); // iter 2, last overflow 1: stable 0
         assert_eq!(s.scale(), 8.0);
-        s.update(false); // (3-1) % 2 == 0: double
+        s.update(false).unwrap(); // stable 1: not a multiple of 2
+        assert_eq!(s.scale(), 8.0);
+        s.update(false).unwrap(); // stable 2: double
         assert_eq!(s.scale(), 16.0);
+    }
+
+    /// The scale and hysteresis sequence of DeepSpeed's `DynamicLossScaler`
+    /// (loss_scaler.py at DeepSpeed edaa72212), written out by hand from
+    /// its `update_scale` for a fixed overflow pattern, in both hysteresis
+    /// modes; and the error at the minimum.
+    #[test]
+    fn dynamic_scaler_follows_deepspeeds_update_scale() {
+        // A transcription of DeepSpeed's update_scale, to compare with.
+        fn deepspeed(
+            overflows: &[bool],
+            window: i64,
+            delayed_shift: i64,
+            consecutive: bool,
+            min_scale: f64,
+        ) -> Vec<(f64, i64)> {
+            let (mut cur_scale, mut cur_iter, mut last_overflow_iter) = (16.0f64, 0i64, -1i64);
+            let mut cur_hysteresis = delayed_shift;
+            let mut out = Vec::new();
+            for &overflow in overflows {
+                if overflow {
+                    if delayed_shift == 1 || cur_hysteresis == 1 {
+                        assert!(cur_scale != min_scale, "the pattern reaches the minimum");
+                        cur_scale = (cur_scale / 2.0).max(min_scale);
+                    } else {
+                        cur_hysteresis -= 1;
+                    }
+                    last_overflow_iter = cur_iter;
+                } else {
+                    if consecutive {
+                        cur_hysteresis = delayed_shift;
+                    }
+                    let stable_interval = (cur_iter - last_overflow_iter) - 1;
+                    if stable_interval > 0 && stable_interval % window == 0 {
+                        if !consecutive {
+                            cur_hysteresis = delayed_shift;
+                        }
+                        cur_scale *= 2.0;
+                    }
+                }
+                cur_iter += 1;
+                out.push((cur_scale, cur_hysteresis));
+            }
+            out
+        }
+        let pattern: Vec<bool> = [
+            false, false, false, true, false, true, true, false, false, false, false, true, false,
+            true, false, false, false, false, false, false, false,
+        ]
+        .to_vec();
+        for window in [1u64, 2, 3] {
+            for hysteresis in [1u64, 2, 3] {
+                for consecutive in [false, true] {
+                    let mut s = LossScaler::from_config(LossScale::Dynamic {
+                        initial_scale_power: 4,
+                        window,
+                        hysteresis,
+                        min_scale: 1.0,
+                        consecutive_hysteresis: consecutive,
+                    });
+                    let got: Vec<(f64, i64)> = pattern
+                        .iter()
+                        .map(|&o| {
+                            s.update(o).unwrap();
+                            (s.scale(), s.state().cur_hysteresis as i64)
+                        })
+                        .collect();
+                    let want =
+                        deepspeed(&pattern, window as i64, hysteresis as i64, consecutive, 1.0);
+                    assert_eq!(
+                        got, want,
+                        "window {window}, hysteresis {hysteresis}, consecutive {consecutive}"
+                    );
+                }
+            }
+        }
+        // Window 1 without overflows: the first doubling after step 1, not
+        // after step 0 (it came one step early before).
+        let mut s = LossScaler::from_config(LossScale::Dynamic {
+            initial_scale_power: 4,
+            window: 1,
+            hysteresis: 1,
+            min_scale: 1.0,
+            consecutive_hysteresis: false,
+        });
+        s.update(false).unwrap();
+        assert_eq!(s.scale(), 16.0);
+        s.update(false).unwrap();
+        assert_eq!(s.scale(), 32.0);
+        // At the minimum, an overflow is the end of the run.
+        let mut s = LossScaler::from_config(LossScale::Dynamic {
+            initial_scale_power: 1,
+            window: 1000,
+            hysteresis: 1,
+            min_scale: 1.0,
+            consecutive_hysteresis: false,
+        });
+        s.update(true).unwrap();
+        assert_eq!(s.scale(), 1.0);
+        let e = s.update(true).unwrap_err();
+        assert!(matches!(e, OptimError::LossScaleAtMinimum { min_scale } if min_scale == 1.0));
+        assert!(e.to_string().contains("fp16.min_loss_scale"), "{e}");
     }
 
     #[test]
@@ -328,14 +462,16 @@ mod tests {
             window: 2,
             hysteresis: 1,
             min_scale: 1.0,
+            consecutive_hysteresis: false,
         });
-        dynamic.update(true);
+        dynamic.update(true).unwrap();
         let saved = dynamic.state();
         let mut resumed = LossScaler::from_config(LossScale::Dynamic {
             initial_scale_power: 16,
             window: 2,
             hysteresis: 1,
             min_scale: 1.0,
+            consecutive_hysteresis: false,
         });
         resumed.restore(&saved);
         assert_eq!(resumed.scale(), 8.0);

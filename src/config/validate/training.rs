@@ -218,6 +218,7 @@ pub(super) fn resolve_precision(
                     window: positive("fp16.loss_scale_window", f.loss_scale_window, "use 1000")?,
                     hysteresis: f.hysteresis,
                     min_scale: f.min_loss_scale,
+                    consecutive_hysteresis: f.consecutive_hysteresis,
                 }
             } else {
                 LossScale::Static(f.loss_scale)

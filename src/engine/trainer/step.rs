@@ -148,7 +148,7 @@ impl Trainer {
             skipped
         };
         let opt_wait = self.optimizer_wait.saturating_sub(start.optimizer_wait);
-        self.scaler.update(skipped);
+        self.scaler.update(skipped)?;
         if skipped {
             self.skipped += 1;
         } else {
