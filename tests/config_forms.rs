@@ -109,6 +109,20 @@ fn explicit_optimizer_params_absent_use_deepspeed_defaults() {
         c.optimizer.decoupled_weight_decay,
         "AdamW is always decoupled"
     );
+    assert!(c.optimizer.bias_correction, "DeepSpeed's default");
+    // bias_correction is read (DeepSpeed's CPU Adam takes it), not warned
+    // about and ignored.
+    let l = load(
+        json!({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"bias_correction": false}}}),
+    );
+    assert!(!l.config.optimizer.bias_correction);
+    assert!(
+        l.warnings
+            .iter()
+            .all(|w| !w.to_string().contains("bias_correction")),
+        "{:?}",
+        l.warnings
+    );
 }
 
 #[test]

@@ -230,8 +230,11 @@ section! {
         /// `adam_w_mode`: decoupled weight decay for type `Adam` (DeepSpeed
         /// default true; type `AdamW` is always decoupled).
         adam_w_mode: bool = true => flag;
+        /// `bias_correction`: Adam's bias correction of the moments
+        /// (DeepSpeed's CPU and fused Adam take it; default true).
+        bias_correction: bool = true => flag;
     }
-    ignored: ["torch_adam", "bias_correction", "amsgrad", "fp32_optimizer_states"];
+    ignored: ["torch_adam", "amsgrad", "fp32_optimizer_states"];
 }
 
 /// `scheduler` {...}.

@@ -200,6 +200,8 @@ pub struct Optimizer {
     pub weight_decay: f64,
     /// True: AdamW-style decoupled decay; false: L2 added to the gradient.
     pub decoupled_weight_decay: bool,
+    /// Adam's bias correction (`optimizer.params.bias_correction`).
+    pub bias_correction: bool,
 }
 
 /// Warmup curve.

@@ -256,6 +256,7 @@ pub(super) fn resolve_optimizer(
                 eps: Some(AutoOr::Auto),
                 weight_decay: Some(AutoOr::Auto),
                 adam_w_mode: true,
+                bias_correction: true,
             },
         ),
     };
@@ -353,6 +354,7 @@ pub(super) fn resolve_optimizer(
         eps,
         weight_decay,
         decoupled_weight_decay: kind == OptimizerKind::AdamW || params.adam_w_mode,
+        bias_correction: params.bias_correction,
     })
 }
 

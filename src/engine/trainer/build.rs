@@ -659,7 +659,7 @@ fn adam_hyper(o: &config::Optimizer) -> AdamHyper {
         } else {
             AdamMode::L2
         },
-        bias_correction: true,
+        bias_correction: o.bias_correction,
     }
 }
 
