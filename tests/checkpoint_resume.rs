@@ -113,3 +113,32 @@ fn resume_without_the_checkpoint_differs() {
     assert_ne!(split.steps[2].loss.to_bits(), fresh.steps[0].loss.to_bits());
     assert_identical(&whole, &split, "guard");
 }
+
+/// A resume with another global batch continues at the sample the
+/// checkpoint reached: 2 steps of 2 samples, then steps of 4 from sample
+/// 4 (it restarted the count at step 2 with the new batch, sample 8,
+/// skipping samples 4..8), and the next checkpoint counts 4 + 4.
+#[test]
+fn resume_with_another_global_batch_continues_at_the_checkpoints_sample() {
+    use tierzero::checkpoint::Checkpoint;
+    let dir = tiny_gpt2_dir("ck-batch", 2, 32);
+    let save = scratch("save-batch");
+    let k = Knobs::nvme();
+    let mut t = build(&dir, &k, 7, SEQ, 3);
+    for _ in 0..2 {
+        t.step().unwrap();
+    }
+    t.save_checkpoint(&save).unwrap();
+    drop(t);
+    let ck = Checkpoint::open(&save).unwrap();
+    assert_eq!(ck.manifest().data.samples_consumed, 4);
+    let k2 = Knobs { gas: 2, ..k };
+    let mut r = resume(&save, &k2, 7, SEQ, 3);
+    r.step().unwrap();
+    let again = scratch("save-batch-2");
+    r.save_checkpoint(&again).unwrap();
+    drop(r);
+    let ck = Checkpoint::open(&again).unwrap();
+    assert_eq!(ck.manifest().step, 3);
+    assert_eq!(ck.manifest().data.samples_consumed, 4 + 4);
+}

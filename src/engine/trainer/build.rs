@@ -842,6 +842,7 @@ impl Trainer {
             sizing,
             arenas,
             data_name: "unnamed".to_owned(),
+            data_base: super::DataBase::default(),
             save_lock: None,
             io_clock: clocks.io,
             build_times,

@@ -96,6 +96,12 @@ impl Trainer {
             opts,
         )?;
         t.steps_done = m.step;
+        // The data continue at the sample the checkpoint reached, whatever
+        // this run's global batch.
+        t.data_base = super::DataBase {
+            step: m.step,
+            samples: m.data.samples_consumed,
+        };
         t.adam_steps = m.adam_steps;
         t.skipped = m.skipped_steps;
         match (
@@ -483,7 +489,7 @@ impl Trainer {
             seq_len: self.opts.seq_len,
             data: DataPosition {
                 source: self.data_name.clone(),
-                samples_consumed: self.steps_done * gas * world as u64 * mb,
+                samples_consumed: self.samples_consumed(),
                 micro_batch_size: mb,
                 gradient_accumulation_steps: gas,
             },

@@ -392,6 +392,9 @@ pub struct Trainer {
     /// optimizer swap buffers).
     arenas: Vec<Arc<PinnedArena>>,
     data_name: String,
+    /// Where the data position counts from: samples consumed before step
+    /// `step` (a resumed run's checkpoint; 0 and 0 for a new run).
+    data_base: DataBase,
     /// The save dir this trainer owns (see [`crate::checkpoint::SaveDirLock`]).
     save_lock: Option<crate::checkpoint::SaveDirLock>,
     /// Union of the busy time of every I/O engine of this trainer.
@@ -459,6 +462,15 @@ pub struct SwapUsage {
     pub optimizer_buffers_bytes: u64,
 }
 
+/// The data position a trainer counts from ([`Trainer::first_sample`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct DataBase {
+    /// The step the count starts at.
+    pub(super) step: u64,
+    /// Samples consumed before it.
+    pub(super) samples: u64,
+}
+
 impl Trainer {
     /// Builds the tiers, stores the initial weights and optimizer state.
     pub fn new(
@@ -474,6 +486,49 @@ impl Trainer {
             data,
             opts,
         )
+    }
+
+    /// The first sample of `micro` of the step being run on this rank:
+    /// after the samples consumed before the trainer's base step (a
+    /// resumed run's checkpoint's count), each later step takes the
+    /// global batch this run's config gives, micro-batch by micro-batch,
+    /// rank by rank. A resume with another global batch so continues at
+    /// the sample the checkpoint reached, neither skipping nor repeating.
+    pub(super) fn first_sample(&self, micro: usize) -> u64 {
+        let b = &self.config.batch;
+        let (gas, mb) = (
+            b.gradient_accumulation_steps.max(1),
+            b.micro_batch_size.max(1),
+        );
+        let (world, rank) = (
+            self.opts.comm.world_size() as u64,
+            self.opts.comm.rank() as u64,
+        );
+        self.steps_done
+            .saturating_sub(self.data_base.step)
+            .saturating_mul(gas)
+            .saturating_add(micro as u64)
+            .saturating_mul(world)
+            .saturating_add(rank)
+            .saturating_mul(mb)
+            .saturating_add(self.data_base.samples)
+    }
+
+    /// Samples consumed by the steps done (all ranks), counted as
+    /// [`Trainer::first_sample`] counts them.
+    pub(super) fn samples_consumed(&self) -> u64 {
+        let b = &self.config.batch;
+        let (gas, mb) = (
+            b.gradient_accumulation_steps.max(1),
+            b.micro_batch_size.max(1),
+        );
+        let world = self.opts.comm.world_size() as u64;
+        self.steps_done
+            .saturating_sub(self.data_base.step)
+            .saturating_mul(gas)
+            .saturating_mul(world)
+            .saturating_mul(mb)
+            .saturating_add(self.data_base.samples)
     }
 
     /// `Err(Stopped)` once a step has failed.

@@ -33,8 +33,7 @@ impl Trainer {
         tied: &mut BTreeMap<ParamId, Vec<f32>>,
         times: &mut StepTimes,
     ) -> Result<f32> {
-        let first = ((self.steps_done * plan.gas as u64 + micro as u64) * plan.world + plan.rank)
-            * plan.micro_batch as u64;
+        let first = self.first_sample(micro);
         let (ids, targets) =
             self.data
                 .batch(first, plan.micro_batch, plan.seq_len, &self.opts.device)?;
