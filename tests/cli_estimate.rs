@@ -276,6 +276,14 @@ fn bad_inputs_exit_2_with_one_line() {
     std::fs::write(&bad_json, "{\"zero_optimization\": {\"stage\" 3}}").unwrap();
     let bad_stage = tmp.path().join("stage.json");
     std::fs::write(&bad_stage, r#"{"zero_optimization": {"stage": "three"}}"#).unwrap();
+    let budget = tmp.path().join("budget.json");
+    std::fs::write(
+        &budget,
+        r#"{"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nonexistent"},
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/nonexistent"}},
+            "tierzero": {"pinned_budget_bytes": "1GiB"}}"#,
+    )
+    .unwrap();
     let bad_model = tmp.path().join("model.json");
     std::fs::write(&bad_model, r#"{"model_type": "bert"}"#).unwrap();
     let missing = tmp.path().join("missing");
@@ -315,6 +323,13 @@ fn bad_inputs_exit_2_with_one_line() {
             "--nvme-path",
         ),
         (vec!["--params", "1e300T"], "--params"),
+        // Beyond 2^48: refused, also with a config whose pinned budget
+        // the whole decision is checked against (it overflowed there).
+        (vec!["--params", "9e18"], "at most 281474976710656"),
+        (
+            vec!["--params", "9e18", "--config", budget.to_str().unwrap()],
+            "at most 281474976710656",
+        ),
     ];
     for (args, needle) in cases {
         let mut full = vec!["estimate"];

@@ -948,3 +948,51 @@ fn deepspeeds_other_keys_are_known_and_ignored() {
         );
     }
 }
+
+/// Sizes beyond any machine are refused naming the key (2^48 elements,
+/// 2^16 buffers, a 1 GiB aio block); the largest allowed, with a pinned
+/// budget to check them against, are a budget error with the numbers,
+/// not an overflow (a panic in a debug build, a wrap to a small size in a
+/// release one).
+#[test]
+fn sizes_beyond_any_machine_are_refused_and_the_largest_allowed_do_not_overflow() {
+    let nvme = nvme_stage3("/nonexistent-swap");
+    for (patch, key) in [
+        (
+            json!({"zero_optimization": {"offload_param": {"buffer_size": 1e19}}}),
+            "offload_param.buffer_size",
+        ),
+        (
+            json!({"zero_optimization": {"offload_param": {"buffer_count": 1e6}}}),
+            "offload_param.buffer_count",
+        ),
+        (
+            json!({"zero_optimization": {"offload_optimizer": {"buffer_count": 1e6}}}),
+            "offload_optimizer.buffer_count",
+        ),
+        (
+            json!({"zero_optimization": {"sub_group_size": 1e15}}),
+            "sub_group_size",
+        ),
+        (
+            json!({"aio": {"block_size": 4294967296u64}}),
+            "aio.block_size",
+        ),
+    ] {
+        let e = err(with(nvme.clone(), patch));
+        assert_msg(&e, &[key]);
+    }
+    let largest = with(
+        nvme,
+        json!({"zero_optimization": {"sub_group_size": 281474976710656u64,
+            "offload_param": {"buffer_size": 281474976710656u64, "buffer_count": 65536}},
+            "tierzero": {"pinned_budget_bytes": "1GiB"}}),
+    );
+    let run = RunContext {
+        model_numel: Some(1 << 40),
+        largest_param_numel: Some(1 << 39),
+        ..skip_fs()
+    };
+    let e = err_with(&largest.to_string(), &run);
+    assert_msg(&e, &["pinned_budget_bytes"]);
+}

@@ -297,6 +297,15 @@ pub fn run(a: EstimateArgs) -> Result<(), Failure> {
                 if n == 0 {
                     return Err(bad("--params must be at least 1 (got 0)".to_owned()));
                 }
+                // Byte counts of a model beyond 2^48 params (times the
+                // bytes a param takes, over the tiers) would not fit in 64
+                // bits: no machine holds one.
+                let max = tierzero::config::MAX_SIZE_NUMEL;
+                if n > max {
+                    return Err(bad(format!(
+                        "--params {n} is beyond what can be estimated (at most {max}, 2^48)"
+                    )));
+                }
                 match &a.largest_layer {
                     Some(l) => {
                         let l = parse_count(l).map_err(|e| bad(format!("--largest-layer: {e}")))?;

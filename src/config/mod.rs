@@ -61,7 +61,7 @@ pub use units::{Bytes, Numel};
 pub use validate::{
     ActivationBudget, Aio, Batch, Config, LossScale, OffloadDevice, Optimizer, OptimizerKind,
     OptimizerOffload, ParamOffload, Precision, Scheduler, Stage, Tierzero, WarmupType, Zero,
-    MAX_STOP_GRACE_S,
+    MAX_BUFFER_COUNT, MAX_SIZE_NUMEL, MAX_STOP_GRACE_S,
 };
 
 /// The embedded default config: a small-model run with ZeRO stage 3 and

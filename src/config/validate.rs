@@ -653,6 +653,23 @@ fn positive(key: &str, v: u64, fix: &str) -> Result<u64, ConfigError> {
     }
 }
 
+/// The most elements a size key (`sub_group_size`, `buffer_size`) may
+/// name: 2^48, far beyond any model, so that byte counts made from it
+/// (times 4, times a buffer count, summed) stay exact in a u64.
+pub const MAX_SIZE_NUMEL: u64 = 1 << 48;
+
+/// The most buffers a `buffer_count` may name.
+pub const MAX_BUFFER_COUNT: u64 = 1 << 16;
+
+/// `v` within `1..=max`.
+fn within(key: &str, v: u64, max: u64, fix: &str) -> Result<u64, ConfigError> {
+    if v == 0 || v > max {
+        Err(range(key, v, &format!("between 1 and {max}"), fix))
+    } else {
+        Ok(v)
+    }
+}
+
 fn small_u32(key: &str, v: u64, max: u32, fix: &str) -> Result<u32, ConfigError> {
     match u32::try_from(v) {
         Ok(x) if x >= 1 && x <= max => Ok(x),
@@ -712,9 +729,10 @@ pub(crate) fn validate(
     let z = &ds.zero_optimization;
     let offload_param = validate_param_offload(z.offload_param.as_ref(), stage, sink)?;
     let offload_optimizer = validate_optimizer_offload(z.offload_optimizer.as_ref(), stage, sink)?;
-    let sub_group = positive(
+    let sub_group = within(
         "zero_optimization.sub_group_size",
         z.sub_group_size,
+        MAX_SIZE_NUMEL,
         "use DeepSpeed's default 1e9",
     )?;
     let reduce_bucket = r.hidden(
@@ -760,11 +778,11 @@ pub(crate) fn validate(
     };
 
     let a = &ds.aio;
-    if a.block_size == 0 || !a.block_size.is_multiple_of(512) {
+    if a.block_size == 0 || !a.block_size.is_multiple_of(512) || a.block_size > 1 << 30 {
         return Err(range(
             "aio.block_size",
             a.block_size,
-            "a positive multiple of 512 bytes (O_DIRECT alignment)",
+            "a positive multiple of 512 bytes (O_DIRECT alignment), at most 1 GiB",
             "use 1048576 (1 MiB, DeepSpeed's default)",
         ));
     }

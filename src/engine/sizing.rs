@@ -55,9 +55,16 @@ pub use grads::{
 /// Alignment of NVMe extents and pinned buffers (O_DIRECT).
 pub const ALIGN_BYTES: u64 = 4096;
 
-/// `bytes` rounded up to [`ALIGN_BYTES`] (at least one block).
+/// `bytes` rounded up to [`ALIGN_BYTES`] (at least one block); a count
+/// too close to `u64::MAX` to round up gives the largest multiple
+/// (sizes that large fail later, at the budget or the mapping, with their
+/// numbers; they never wrap to a small one).
 pub fn align_up(bytes: u64) -> u64 {
-    bytes.max(1).div_ceil(ALIGN_BYTES) * ALIGN_BYTES
+    bytes
+        .max(1)
+        .div_ceil(ALIGN_BYTES)
+        .saturating_mul(ALIGN_BYTES)
+        .min(u64::MAX / ALIGN_BYTES * ALIGN_BYTES)
 }
 
 /// Bytes of fp32 optimizer state per element: master, m and v.
@@ -330,10 +337,14 @@ impl Sizing {
     /// Pinned host memory mapped: cpu-tier pages and both sets of swap
     /// buffers (page-locked or not, by `pin_memory`).
     pub fn pinned_total_bytes(&self) -> u64 {
-        self.cpu_pages.total_bytes()
-            + self.param_buffers.total_bytes()
-            + self.optimizer_buffers.total_bytes()
-            + self.park_buffers.total_bytes()
+        [
+            self.cpu_pages,
+            self.param_buffers,
+            self.optimizer_buffers,
+            self.park_buffers,
+        ]
+        .iter()
+        .fold(0u64, |sum, b| sum.saturating_add(b.total_bytes()))
     }
 
     /// Whether any param lives on NVMe.
@@ -777,7 +788,9 @@ pub fn decide_within(
         Buffers::NONE
     };
     // Buffers the budget must hold before the optimizer's.
-    let fixed_bytes = param_buffers.total_bytes() + park_buffers.total_bytes();
+    let fixed_bytes = param_buffers
+        .total_bytes()
+        .saturating_add(park_buffers.total_bytes());
     let (wanted, needed) = optimizer_buffers(
         zero.offload_optimizer.buffer_count,
         read_ahead,
@@ -803,12 +816,11 @@ pub fn decide_within(
         },
         optimizer_spills_grads: opt_nvme && spill_grads,
         park_buffers,
-        required_bytes: fixed_bytes
-            + if opt_nvme {
-                needed * wanted.bytes_each
-            } else {
-                0
-            },
+        required_bytes: fixed_bytes.saturating_add(if opt_nvme {
+            needed.saturating_mul(wanted.bytes_each)
+        } else {
+            0
+        }),
     };
     if let Some(b) = config.tierzero.pinned_budget_bytes {
         if fixed_bytes > b.0 {
@@ -886,14 +898,19 @@ pub fn decide_within(
         0
     };
     let lock_bytes = if zero.offload_param.pin_memory {
-        cpu_pages.total_bytes() + param_buffers.total_bytes()
+        cpu_pages
+            .total_bytes()
+            .saturating_add(param_buffers.total_bytes())
     } else {
         0
-    } + if zero.offload_optimizer.pin_memory {
-        optimizer_buffers.total_bytes() + park_buffers.total_bytes()
+    }
+    .saturating_add(if zero.offload_optimizer.pin_memory {
+        optimizer_buffers
+            .total_bytes()
+            .saturating_add(park_buffers.total_bytes())
     } else {
         0
-    };
+    });
     Ok(Sizing {
         tiers,
         param_elem_bytes: elem_bytes,

@@ -51,14 +51,16 @@ pub(super) fn validate_param_offload(
         });
     }
     if matches!(dev, OffloadDevice::Nvme { .. }) {
-        positive(
+        within(
             "zero_optimization.offload_param.buffer_count",
             p.buffer_count,
+            MAX_BUFFER_COUNT,
             "use DeepSpeed's default 5",
         )?;
-        positive(
+        within(
             "zero_optimization.offload_param.buffer_size",
             p.buffer_size,
+            MAX_SIZE_NUMEL,
             "use a size (in elements) at least as large as the largest parameter, e.g. 1e8",
         )?;
     }
@@ -91,10 +93,10 @@ pub(super) fn validate_optimizer_offload(
                 "set zero_optimization.stage to 3 (or 1/2)",
             ))
         }
-        (OffloadDevice::Nvme { .. }, _) if o.buffer_count < 4 => return Err(range(
+        (OffloadDevice::Nvme { .. }, _) if o.buffer_count < 4 || o.buffer_count > MAX_BUFFER_COUNT => return Err(range(
             "zero_optimization.offload_optimizer.buffer_count",
             o.buffer_count,
-            "at least 4 with nvme (fp32 params, Adam m and v, and gradients each take a buffer)",
+            &format!("between 4 and {MAX_BUFFER_COUNT} with nvme (fp32 params, Adam m and v, and gradients each take a buffer)"),
             "use DeepSpeed's default 4",
         )),
         _ => {}
@@ -169,6 +171,9 @@ pub(super) fn check_pinned_budget(c: &Config, run: &RunContext) -> Result<(), Co
     let p = &c.zero.offload_param;
     let elem = c.precision.param_elem_bytes();
     let short = match run.model_numel {
+        // Beyond any machine (and 64-bit byte counts): the estimate
+        // refuses such a model; the run's own check has the real layout.
+        Some(model) if model > MAX_SIZE_NUMEL => None,
         Some(model) => {
             let ranks = c.batch.ranks.max(1);
             let per_rank = model.div_ceil(ranks);
