@@ -96,7 +96,7 @@ pub(super) fn validate_optimizer_offload(
         (OffloadDevice::Nvme { .. }, _) if o.buffer_count < 4 || o.buffer_count > MAX_BUFFER_COUNT => return Err(range(
             "zero_optimization.offload_optimizer.buffer_count",
             o.buffer_count,
-            &format!("between 4 and {MAX_BUFFER_COUNT} with nvme (fp32 params, Adam m and v, and gradients each take a buffer)"),
+            &format!("at least 4 with nvme (fp32 params, Adam m and v, and gradients each take a buffer), at most {MAX_BUFFER_COUNT}"),
             "use DeepSpeed's default 4",
         )),
         _ => {}
