@@ -22,7 +22,8 @@
 //! * the elements issued in this call would exceed
 //!   `stage3_prefetch_bucket_size` (the first param is always issued, so a
 //!   param larger than the bucket is still prefetched);
-//! * resident, in-flight and issued elements together would exceed
+//! * resident, in-flight, staged (several ranks: landed, waiting for the
+//!   gather) and issued elements together would exceed
 //!   `stage3_max_live_parameters` (a read in flight counts as live, as in
 //!   DeepSpeed, whose count of available params grows when a fetch is
 //!   issued: counting only resident params, each fetch could put another
@@ -250,7 +251,10 @@ impl Prefetcher {
     /// Params to read ahead now, in trace order (see the module docs).
     pub fn prefetch_candidates(&self, store: &ParamStore) -> Vec<ParamId> {
         let elem = store.device_bytes_per_elem();
-        let live = (store.resident_bytes() + store.inflight_bytes()) / elem.max(1);
+        // Resident, in flight, and landed but staged for a gather (several
+        // ranks): every read the window has made counts until released.
+        let live = (store.resident_bytes() + store.inflight_bytes() + store.staged_read_bytes())
+            / elem.max(1);
         let mut issued = 0u64;
         let mut out = Vec::new();
         let mut seen = HashSet::new();

@@ -639,6 +639,19 @@ impl ParamStore {
             .sum()
     }
 
+    /// Bytes of params whose read landed and is staged for the next
+    /// fetch's gather (several ranks) and that were not resident (whole
+    /// params, as they will be once gathered): live for the prefetch
+    /// window, as a read in flight is, though in neither count above.
+    pub fn staged_read_bytes(&self) -> u64 {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| matches!(e.slot, Slot::Staged(_, false)))
+            .map(|(i, _)| self.device_bytes(ParamId(i)))
+            .sum()
+    }
+
     /// Counters so far.
     pub fn counters(&self) -> StoreCounters {
         StoreCounters {
@@ -1430,6 +1443,102 @@ mod tests {
         s.settle().unwrap();
         assert_eq!(s.inflight_bytes(), 0);
         assert!(s.resident_bytes() / elem <= limits.max_live_numel);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// Several ranks: a read-ahead that landed is staged for the next
+    /// fetch's gather, neither resident nor in flight; the prefetch window
+    /// counts it as live all the same, so the staged shards stay within
+    /// `stage3_max_live_parameters` (each fetch issued a bucket more past
+    /// them, the staged bytes growing towards the rest of the trace).
+    #[test]
+    fn the_prefetch_window_counts_staged_shards_as_live_on_several_ranks() {
+        use crate::engine::params::prefetch::{Limits, Pass, Prefetcher, Visit};
+        use crate::model::UnitId;
+        let model = tiny();
+        let n = model.params().len();
+        let dir = std::env::temp_dir().join(format!("tz-store-staged-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let layout = Layout::new(&model, 1, 2, 1000);
+        let tiers = vec![Tier::Nvme; n];
+        let space =
+            tierzero_swap::SwapSpace::create(tierzero_swap::SpaceConfig::new(&dir, 1 << 20))
+                .unwrap();
+        let mut ac = ArenaConfig::new(4096 * n as u64, 4096);
+        ac.lock = LockPolicy::Off;
+        let arena = PinnedArena::new(ac).unwrap();
+        let engine =
+            Engine::new(space, arena.clone(), tierzero_swap::EngineConfig::default()).unwrap();
+        let nvme = Some(NvmeParams {
+            engine,
+            arena,
+            read_gate: crate::engine::params::copier::ParamReadGate::new(),
+        });
+        // Rank 1 of two, no collective scripted: reads and staging only.
+        let mut s = ParamStore::new(
+            &model,
+            &layout,
+            &tiers,
+            DType::BF16,
+            Device::Cpu,
+            Arc::new(crate::engine::comm::scripted::Scripted::rank_of(1, 2)),
+            Vec::new(),
+            nvme,
+            None,
+        )
+        .unwrap();
+        for p in model.params() {
+            let len = s.shard_bytes(p.id).unwrap();
+            let bytes: Vec<u8> = (0..len).map(|i| (i % 5) as u8).collect();
+            s.store_initial(p.id, &bytes).unwrap();
+        }
+        let total: u64 = model.params().iter().map(|p| p.numel as u64).sum();
+        let limits = Limits {
+            prefetch_bucket_numel: total,
+            max_live_numel: total / 2,
+            max_reuse_distance_numel: 0,
+            persistence_threshold_numel: 0,
+            device_cache_bytes: 0,
+        };
+        let mut sched = Prefetcher::new(&model, limits);
+        let visits: Vec<Visit> = (0..model.units().len())
+            .map(|u| Visit {
+                unit: UnitId(u),
+                pass: Pass::Forward,
+                shape: [1, 4],
+            })
+            .collect();
+        sched.begin_step();
+        for v in &visits {
+            assert!(sched.visit(v.clone()));
+        }
+        sched.begin_step();
+        assert!(sched.visit(visits[0].clone()));
+        let elem = s.device_bytes_per_elem();
+        let live = |s: &ParamStore| {
+            (s.resident_bytes() + s.inflight_bytes() + s.staged_read_bytes()) / elem
+        };
+        for round in 0..3 {
+            for p in sched.prefetch_candidates(&s) {
+                assert!(s.prefetch(p).unwrap());
+            }
+            // Every read lands and is staged, as a fetch's harvest finds it.
+            let t0 = std::time::Instant::now();
+            while s.inflight_bytes() > 0 {
+                s.harvest().unwrap();
+                assert!(t0.elapsed().as_secs() < 30, "reads never landed");
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            assert_eq!(s.resident_bytes(), 0);
+            assert!(s.staged_read_bytes() > 0, "round {round}: nothing staged");
+            assert!(
+                live(&s) <= limits.max_live_numel,
+                "round {round}: {} live elements, limit {}",
+                live(&s),
+                limits.max_live_numel
+            );
+        }
+        drop(s);
         std::fs::remove_dir_all(&dir).ok();
     }
 
