@@ -771,6 +771,9 @@ impl OptimizerWorker {
             .spawn(move || {
                 // Adam's scoped threads inherit this mask.
                 tierzero_swap::affinity::place_current_thread(cpus.as_deref(), "tierzero-optim");
+                // Wake-ups in a row on the wanted read's channel with
+                // nothing in it (see below).
+                let mut empty_wakes = 0u32;
                 loop {
                     // Step whatever is ready before blocking for more work.
                     let ready = st.order.front().is_some_and(|sg| st.steps.contains_key(sg));
@@ -821,15 +824,29 @@ impl OptimizerWorker {
                             continue;
                         }
                         if let (Some(io), true) = (io, Some(k) == io_op) {
-                            // Ready with nothing in it: the engine
-                            // dropped the request unanswered.
+                            // Ready with nothing in it: a spurious wake-up
+                            // (crossbeam's `ready` may return one), or the
+                            // engine dropped the request unanswered (a
+                            // closed channel is ready at once, every time).
+                            // The completion must stay in the channel for
+                            // the step, so it is not taken to tell them
+                            // apart: 100 in a row, 1 ms apart, is the
+                            // engine gone.
                             if io.is_empty() {
-                                let _ = done_tx
-                                    .send(Done::Failed(tierzero_swap::SwapError::Shutdown.into()));
-                                return;
+                                empty_wakes += 1;
+                                if empty_wakes >= 100 {
+                                    let _ = done_tx.send(Done::Failed(
+                                        tierzero_swap::SwapError::Shutdown.into(),
+                                    ));
+                                    return;
+                                }
+                                std::thread::sleep(std::time::Duration::from_millis(1));
+                            } else {
+                                empty_wakes = 0;
                             }
                             continue;
                         }
+                        empty_wakes = 0;
                         debug_assert_eq!(k, job_op);
                         match jobs.try_recv() {
                             Ok(j) => Some(j),

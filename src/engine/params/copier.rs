@@ -310,13 +310,19 @@ fn run(jobs: &Receiver<Work>, gate: &ParamReadGate) {
             }
             continue;
         }
-        if k >= held.len() {
+        let Some(ready) = held.get(k) else {
             continue;
-        }
+        };
+        // `ready` may wake spuriously (crossbeam's docs: check again):
+        // take the completion only if it is there, never block on one
+        // read while others that landed hold their buffers. A closed
+        // channel is the engine gone.
+        let landed = match ready.ticket.receiver().try_recv() {
+            Ok(c) => c.into_result(),
+            Err(TryRecvError::Empty) => continue,
+            Err(TryRecvError::Disconnected) => Err(tierzero_swap::SwapError::Shutdown),
+        };
         let job = held.swap_remove(k);
-        // `ready` said this ticket's channel has its completion (or is
-        // closed, when the engine is gone: `wait` then reports it).
-        let landed = job.ticket.wait();
         gate.landed();
         let res = landed.map_err(EngineError::from).and_then(|buf| {
             let out = unpack_bytes(&job.unpack, buf.as_slice())?;
