@@ -571,3 +571,27 @@ fn without_the_overlap_the_gradient_bound_is_every_sub_group() {
     assert!(overlapped < groups, "{overlapped} of {groups}");
     assert_eq!(held, groups);
 }
+
+/// With params on the cpu tier and a pinned budget, the plan's pinned line
+/// says which part the budget bounds (the swap buffers) and that the cpu
+/// tier's pages are beside it (it printed the total "of a budget of" the
+/// swap buffers' budget, which the pages can far exceed).
+#[test]
+fn the_pinned_line_sets_the_cpu_tier_pages_beside_the_budget() {
+    let d = scratch("cpu-pages");
+    let mut cfg = ds(&d, false, Some(64 << 20));
+    cfg["zero_optimization"]["offload_param"] = json!({"device": "cpu"});
+    let text = plan_of(&d, &cfg).to_string();
+    let line = text
+        .lines()
+        .find(|l| l.contains("pinned total"))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        line.contains("of a budget of 64 MiB") && line.contains("the cpu tier's pages"),
+        "{line}"
+    );
+    // Without cpu pages, the line is as before.
+    let text = plan_of(&d, &ds(&d, false, Some(64 << 20))).to_string();
+    let line = text.lines().find(|l| l.contains("pinned total")).unwrap();
+    assert!(!line.contains("cpu tier's pages"), "{line}");
+}

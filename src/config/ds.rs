@@ -553,6 +553,10 @@ section! {
         /// like `"2GiB"`). Absent = sized to what the buffers need. Checked
         /// against `offload_param.buffer_count × buffer_size × element bytes`
         /// at load time (DeepSpeed#3000: pinned buffers OOM small hosts).
+        /// The cpu tier's pinned pages (`offload_param: cpu`, or
+        /// `max_in_cpu`) hold the params themselves and are not in it
+        /// (`offload_param.pin_memory: false` leaves them pageable); the
+        /// plan prints both.
         pinned_budget_bytes: Option<u64> => some(bytes);
         /// `device_cache_bytes`: accelerator memory tierzero may use to keep
         /// gathered parameters resident between uses, beyond

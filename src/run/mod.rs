@@ -324,10 +324,14 @@ impl Plan {
 
     /// Pinned host memory the run holds: swap buffers plus cpu-tier pages.
     pub fn pinned_total_bytes(&self) -> u64 {
-        self.param_buffers.0 * self.param_buffers.1
-            + self.optimizer_buffers.0 * self.optimizer_buffers.1
-            + self.params.pinned_bytes
-            + self.park.pinned_bytes
+        (self.param_buffers.0.saturating_mul(self.param_buffers.1))
+            .saturating_add(
+                self.optimizer_buffers
+                    .0
+                    .saturating_mul(self.optimizer_buffers.1),
+            )
+            .saturating_add(self.params.pinned_bytes)
+            .saturating_add(self.park.pinned_bytes)
     }
 
     /// NVMe bytes the run allocates.
@@ -455,9 +459,18 @@ impl fmt::Display for Plan {
                 row(&mut s, &r.what, &t);
             }
         }
-        let budget = match self.pinned_budget_bytes {
-            Some(b) => format!("of a budget of {}", format_bytes(b)),
-            None => "(no tierzero.pinned_budget_bytes set)".to_owned(),
+        // The budget bounds the swap buffers (`tierzero.pinned_budget_bytes`);
+        // the cpu tier's pages are the params themselves, outside it.
+        let swap_buffers = self.pinned_total_bytes() - self.params.pinned_bytes;
+        let budget = match (self.pinned_budget_bytes, self.params.pinned_bytes) {
+            (Some(b), 0) => format!("of a budget of {}", format_bytes(b)),
+            (Some(b), pages) => format!(
+                "(swap buffers {} of a budget of {}, the cpu tier's pages {} beside it)",
+                format_bytes(swap_buffers),
+                format_bytes(b),
+                format_bytes(pages)
+            ),
+            (None, _) => "(no tierzero.pinned_budget_bytes set)".to_owned(),
         };
         let _ = writeln!(
             s,
