@@ -786,7 +786,10 @@ pub fn estimate(inp: &Inputs, machine: &Machine) -> Result<Report, EstimateError
             inp.largest_unit_numel
         ));
     }
-    if let Some(t) = inp.largest_tensor_numel {
+    // Only where params reach NVMe: beyond `max_in_cpu` per rank.
+    let params_on_nvme =
+        inp.total_numel.div_ceil(inp.ranks.max(1)) > inp.swap.param_max_in_cpu_numel;
+    if let Some(t) = inp.largest_tensor_numel.filter(|_| params_on_nvme) {
         let part = t.div_ceil(inp.ranks);
         if part > inp.swap.param_buffer_numel {
             notes.push(format!(

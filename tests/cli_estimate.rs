@@ -132,12 +132,15 @@ fn estimate_json_matches_the_formulas() {
     assert_eq!(u(&opt["bytes"]), 4 * align(s.min(1_000_000_000) * 4));
     // DeepSpeed's default clipping (1.0) and GA 1: nothing parks, but the
     // final gradients spill (fp32) and the speculation pool has a slot
-    // for every NVMe sub-group, here the only one, so NVMe holds params,
-    // state, the spill and a slot; host memory holds the fp32 sums of at
-    // most that one sub-group.
+    // for every NVMe sub-group, here the only one, so NVMe holds the
+    // state, the spill and a slot (the params, under DeepSpeed's default
+    // max_in_cpu of 1e9 elements, stay in host memory, as train puts
+    // them); host memory holds the fp32 sums of at most that one
+    // sub-group.
+    assert_eq!(u(&e["per_rank"]["nvme_bytes"]), s * 12 + s * 4 + s * 12);
     assert_eq!(
-        u(&e["per_rank"]["nvme_bytes"]),
-        s * 2 + s * 12 + s * 4 + s * 12
+        u(&items_named(e, "param host cache (max_in_cpu)")["bytes"]),
+        s * 2
     );
     let grads = items_named(e, "fp32 grads in host memory (at most)");
     assert_eq!(grads["tier"], "pageable");
@@ -177,9 +180,10 @@ fn estimate_from_model_and_config() {
                 "gradient_clipping": 0, "bf16": {{"enabled": true, "check_grad_overflow": false}},
                 "scheduler": {{"type": "WarmupDecayLR", "params": {{"total_num_steps": "auto"}}}},
                 "zero_optimization": {{"stage": 3, "sub_group_size": 1e7,
-                  "offload_param": {{"device": "nvme", "nvme_path": "{p}", "buffer_count": 4, "buffer_size": 1e7}},
+                  "offload_param": {{"device": "nvme", "nvme_path": "{p}", "buffer_count": 4, "buffer_size": 1e7, "max_in_cpu": {max_in_cpu}}},
                   "offload_optimizer": {{"device": "nvme", "nvme_path": "{p}", "pipeline_read": true, "buffer_count": 12}}}}}}"#,
-            p = swap.display()
+            p = swap.display(),
+            max_in_cpu = 0
         ),
     )
     .unwrap();
@@ -265,6 +269,43 @@ fn estimate_from_model_and_config() {
             .as_str()
             .unwrap()
             .contains("raise buffer_size to at least 38597376")),
+        "{notes:?}"
+    );
+
+    // DeepSpeed's default max_in_cpu (1e9) holds all of GPT-2's params in
+    // host memory, as train puts them: nothing on NVMe, no swap-in
+    // buffers, no buffer_size note (they were all counted, and the params
+    // twice).
+    let text = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("\"max_in_cpu\": 0", "\"max_in_cpu\": 1e9");
+    std::fs::write(&cfg, text).unwrap();
+    let r = json(&[
+        "estimate",
+        "--model",
+        model.to_str().unwrap(),
+        "--config",
+        cfg.to_str().unwrap(),
+        "--json",
+    ]);
+    let e = estimate_of(&r, 3, "nvme", "nvme");
+    let names: Vec<&str> = e["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["what"].as_str().unwrap())
+        .collect();
+    assert!(!names.contains(&"param swap-in buffers"), "{names:?}");
+    assert!(!names.contains(&"16-bit param partition"), "{names:?}");
+    assert_eq!(
+        u(&items_named(e, "param host cache (max_in_cpu)")["bytes"]),
+        124_439_808 * 2
+    );
+    let notes = r["notes"].as_array().unwrap();
+    assert!(
+        notes
+            .iter()
+            .all(|n| !n.as_str().unwrap().contains("raise buffer_size")),
         "{notes:?}"
     );
 }
@@ -577,4 +618,49 @@ fn estimate_prints_the_plan_train_allocates() {
             .is_some_and(|p| p.contains("pinned total")),
         "{j}"
     );
+}
+
+/// "auto" keeps optimizer state resident as train does: never every
+/// sub-group, so a model of one sub-group keeps all its state on NVMe (it
+/// was counted all resident, in pageable memory), and one of several
+/// keeps at most one sub-group's.
+#[test]
+fn auto_resident_state_is_never_every_sub_group() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("ds.json");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"{{"zero_optimization": {{"stage": 3, "sub_group_size": 1e7,
+                "offload_optimizer": {{"device": "nvme", "nvme_path": "{}"}}}}}}"#,
+            tmp.path().display()
+        ),
+    )
+    .unwrap();
+    let nvme = |params: &str| {
+        let r = json(&[
+            "estimate",
+            "--params",
+            params,
+            "--config",
+            cfg.to_str().unwrap(),
+            "--json",
+        ]);
+        let e = estimate_of(&r, 3, "nvme", "none").clone();
+        let resident = e["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|i| i["what"] == "optimizer state kept resident (at most)")
+            .map_or(0, |i| u(&i["bytes"]));
+        (
+            u(&items_named(&e, "fp32 master + Adam m, v")["bytes"]),
+            resident,
+        )
+    };
+    // One sub-group of 1e7: all of its state on NVMe.
+    assert_eq!(nvme("1e7"), (10_000_000 * 12, 0));
+    // Three: auto keeps one group's (min(prefetch bucket 5e7, 1e7)
+    // elements), the rest on NVMe.
+    assert_eq!(nvme("3e7"), (20_000_000 * 12, 10_000_000 * 12));
 }

@@ -68,23 +68,33 @@ pub fn items_within(
             format!("{ps} × {p} B"),
         ),
         Offload::Nvme => {
-            push(
-                Tier::Nvme,
-                "16-bit param partition",
-                param_bytes,
-                format!("{ps} × {p} B"),
-            );
-            let bufs = sizing::param_buffers(sw.param_buffer_count, sw.param_buffer_numel, p);
-            push(
-                pinned_or(sw.param_pin_memory),
-                "param swap-in buffers",
-                mul(bufs.count, bufs.bytes_each, "param buffers")?,
-                format!(
-                    "buffer_count {} × buffer_size {} × {p} B, 4 KiB-aligned",
-                    bufs.count, sw.param_buffer_numel
-                ),
-            );
+            // The first `max_in_cpu` elements stay in host memory and the
+            // rest go to NVMe (the engine's home tiers, param by param);
+            // the swap-in buffers exist only for those on NVMe.
             let cached = sw.param_max_in_cpu_numel.min(pn);
+            let on_nvme = pn - cached;
+            if on_nvme > 0 {
+                push(
+                    Tier::Nvme,
+                    "16-bit param partition",
+                    mul(on_nvme, p, "16-bit params on NVMe")?,
+                    if cached > 0 {
+                        format!("({ps} − max_in_cpu {}) × {p} B", sw.param_max_in_cpu_numel)
+                    } else {
+                        format!("{ps} × {p} B")
+                    },
+                );
+                let bufs = sizing::param_buffers(sw.param_buffer_count, sw.param_buffer_numel, p);
+                push(
+                    pinned_or(sw.param_pin_memory),
+                    "param swap-in buffers",
+                    mul(bufs.count, bufs.bytes_each, "param buffers")?,
+                    format!(
+                        "buffer_count {} × buffer_size {} × {p} B, 4 KiB-aligned",
+                        bufs.count, sw.param_buffer_numel
+                    ),
+                );
+            }
             if cached > 0 {
                 push(
                     pinned_or(sw.param_pin_memory),
@@ -164,14 +174,23 @@ pub fn items_within(
     // The largest sub-group as the sizing policy sees a model known by its
     // size: a param larger than `sub_group_size` is tiled, so at most
     // `sub_group_size`.
-    let largest_group =
-        Shape::estimated(on, inp.largest_tensor_numel, sw.sub_group_numel).max_sub_group_numel();
+    let shape = Shape::estimated(on, inp.largest_tensor_numel, sw.sub_group_numel);
+    let largest_group = shape.max_sub_group_numel();
     // With NVMe state, the sub-groups of the first forward units stay in
     // host memory (`tierzero.optimizer_resident_bytes`; auto: one
     // sub-group's state, at most one prefetch bucket's). The engine keeps only whole sub-groups holding those units'
     // params, so this counts the budget when one group's state fits it
     // (at the most), and nothing when it does not.
     let resident_bytes = if c.optimizer == Offload::Nvme {
+        let one_group = largest_group.saturating_mul(per);
+        // "auto" never keeps every group (`sizing::resident_groups`): a
+        // one-group model's state stays on NVMe, and at most all but one
+        // group's stays in memory.
+        let cap = match sw.optimizer_resident_bytes {
+            None if shape.sub_groups.len() <= 1 => 0,
+            None => state_bytes.saturating_sub(one_group),
+            Some(_) => state_bytes,
+        };
         let budget = sw
             .optimizer_resident_bytes
             .unwrap_or_else(|| {
@@ -181,8 +200,7 @@ pub fn items_within(
                     per,
                 )
             })
-            .min(state_bytes);
-        let one_group = largest_group.saturating_mul(per);
+            .min(cap);
         if one_group <= budget {
             budget
         } else {
