@@ -704,6 +704,45 @@ fn check_f32_only(dev: &Device, rep: &mut Report) -> Result<()> {
         &r::cast::<half::f16, f32>(&hx),
         0.0,
     );
+    // Narrowing to fp16 and from fp16 to bf16, where every element needs
+    // rounding (the bf16 values above fit fp16 exactly, so the check of
+    // bf16 -> fp16 never rounds): magnitudes to 1000, exact ties between
+    // two fp16 values (round half to even), fp16 subnormals, and values
+    // just under fp16's largest.
+    let mut y: Vec<f32> = data(50_000, 51).iter().map(|v| v * 1000.0).collect();
+    y.extend((0..1000).map(|k| 1.0 + k as f32 * 2f32.powi(-10) + 2f32.powi(-11)));
+    y.extend((0..1000).map(|k| -(k as f32) * 0.75 * 2f32.powi(-24)));
+    y.extend([65504.0, 65519.0, -65519.0, 6.1e-5, 5.9e-8, 3.0e-8]);
+    let gy = dev.upload("y", &y)?;
+    let mut gyh = poisoned::<half::f16>(dev, y.len())?;
+    ops::cast(dev, &mut gyh, &gy)?;
+    let yh: Vec<half::f16> = r::cast(&y);
+    let size = y.len().to_string();
+    rep.compare("cast_f32_f16", &size, &dev.download(&gyh)?, &yh, 0.0);
+    let mut gyb = poisoned::<bf16>(dev, y.len())?;
+    ops::cast(dev, &mut gyb, &gyh)?;
+    rep.compare(
+        "cast_f16_bf16",
+        &size,
+        &dev.download(&gyb)?,
+        &r::cast::<half::f16, bf16>(&yh),
+        0.0,
+    );
+    // Past the grid's 65536 blocks of 256 threads: the grid-stride loop's
+    // second pass (every pointwise kernel's), which the sizes above never
+    // reach and the units' activations do (8 x 1024 x 3072 elements).
+    let n = (1usize << 24) + 257;
+    let z = data(n, 52);
+    let gz = dev.upload("z", &z)?;
+    let mut gzb = poisoned::<bf16>(dev, n)?;
+    ops::cast(dev, &mut gzb, &gz)?;
+    rep.compare(
+        "cast_f32_bf16",
+        &n.to_string(),
+        &dev.download(&gzb)?,
+        &r::cast::<f32, bf16>(&z),
+        0.0,
+    );
     Ok(())
 }
 
