@@ -252,7 +252,8 @@ pub struct DsScheduler {
 section! {
     /// `scheduler.params` for WarmupLR / WarmupDecayLR / WarmupCosineLR. `None`
     /// = not written. DeepSpeed defaults: `warmup_min_lr` 0, `warmup_max_lr`
-    /// 0.001, `warmup_num_steps` 1000, `warmup_type` "log", `warmup_min_ratio`
+    /// the optimizer's lr for WarmupLR (DeepSpeed #7360) and 0.001 for
+    /// WarmupDecayLR, `warmup_num_steps` 1000, `warmup_type` "log", `warmup_min_ratio`
     /// 0, `cos_min_ratio` 0.0001; `total_num_steps` has no default (required by
     /// WarmupDecayLR and WarmupCosineLR).
     pub struct DsSchedulerParams {
