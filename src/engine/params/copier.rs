@@ -109,9 +109,24 @@ pub enum Unpacked {
 #[derive(Debug)]
 pub struct PendingRead {
     rx: Receiver<Result<Unpacked>>,
+    /// Handed over `seq`-th (from 0) of this copier's reads and copies.
+    seq: u64,
+    /// A disk read (it holds a swap buffer until it lands), not a copy
+    /// out of a cpu page.
+    disk: bool,
 }
 
 impl PendingRead {
+    /// Its place in the order reads and copies were handed over.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// Whether it is a disk read holding a swap buffer.
+    pub fn holds_swap_buffer(&self) -> bool {
+        self.disk
+    }
+
     /// The result if it is there (the read landed and was copied out).
     /// After `Some`, the pending read is spent.
     pub fn poll(&self) -> Option<Result<Unpacked>> {
@@ -210,6 +225,8 @@ pub struct Copier {
     gate: Arc<ParamReadGate>,
     tx: Option<Sender<Work>>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// Reads and copies handed over so far ([`PendingRead::seq`]).
+    handed: std::sync::atomic::AtomicU64,
 }
 
 impl Copier {
@@ -231,7 +248,13 @@ impl Copier {
             gate,
             tx: Some(tx),
             thread: Some(thread),
+            handed: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    fn next_seq(&self) -> u64 {
+        self.handed
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Hands over a submitted read.
@@ -250,7 +273,11 @@ impl Copier {
             self.gate.landed();
             return Err(gone());
         }
-        Ok(PendingRead { rx })
+        Ok(PendingRead {
+            rx,
+            seq: self.next_seq(),
+            disk: true,
+        })
     }
 
     /// Hands over the copy of `range` of a cpu-tier `page` (not a disk
@@ -271,7 +298,11 @@ impl Copier {
             reply,
         }))
         .map_err(|_| gone())?;
-        Ok(PendingRead { rx })
+        Ok(PendingRead {
+            rx,
+            seq: self.next_seq(),
+            disk: false,
+        })
     }
 }
 

@@ -1446,6 +1446,31 @@ mod tests {
         std::fs::remove_dir_all(&dir).ok();
     }
 
+    /// With no swap buffer free, a fetch completes the oldest disk read in
+    /// flight (the first to land), not the lowest ParamId's: in backward,
+    /// reads go out in falling ParamId order, so that was the newest.
+    #[test]
+    fn a_fetch_short_of_buffers_completes_the_oldest_read_in_flight() {
+        let model = tiny();
+        let dir = std::env::temp_dir().join(format!("tz-store-oldest-{}", std::process::id()));
+        let mut s = nvme_store(&model, &dir, 3);
+        // Backward order: 3, 2, 1 take the three buffers.
+        for p in [3, 2, 1] {
+            assert!(s.prefetch(ParamId(p)).unwrap());
+        }
+        assert_eq!(s.free_buffers(), 0);
+        s.fetch_many(&[ParamId(0)]).unwrap();
+        // Whatever landed before the fetch looked (nothing, on a quiet
+        // machine): while a newer read is in flight, the oldest is not.
+        let states: Vec<ParamState> = [3, 2, 1].map(|p| s.state(ParamId(p))).to_vec();
+        if states.contains(&ParamState::InFlight) {
+            assert_eq!(states[0], ParamState::Resident, "{states:?}");
+        }
+        s.settle().unwrap();
+        drop(s);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
     /// Several ranks: a read-ahead that landed is staged for the next
     /// fetch's gather, neither resident nor in flight; the prefetch window
     /// counts it as live all the same, so the staged shards stay within

@@ -49,10 +49,20 @@ impl ParamStore {
             if self.retire_oldest_write()? {
                 continue;
             }
+            // The oldest disk read in flight: the first to land, and one
+            // that frees a swap buffer (a copy out of a cpu page holds
+            // none; in backward the lowest ParamId is the newest read).
+            // Any other in flight when none is.
             let inflight = self
                 .slots
                 .iter()
-                .position(|e| matches!(e.slot, Slot::InFlight(_)));
+                .enumerate()
+                .filter_map(|(i, e)| match &e.slot {
+                    Slot::InFlight(r) => Some((!r.holds_swap_buffer(), r.seq(), i)),
+                    _ => None,
+                })
+                .min()
+                .map(|(_, _, i)| i);
             match inflight {
                 Some(i) => self.complete_read(ParamId(i), false)?,
                 None if arena.registrar().is_some() => return self.wait_for_copies(&arena),
