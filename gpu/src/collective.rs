@@ -610,9 +610,13 @@ impl DeviceComm {
     /// staging (see [`AccStaging`]).
     fn upload_acc(&self, dev: &Device, a: &[f32], dst: &mut DeviceBuffer<f32>) -> Result<()> {
         let mut st = self.acc_staging.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(ev) = st.read.take() {
+        // The last copy out of the staging: waited for before it is
+        // rewritten; on a failed wait it stays recorded (the drop then
+        // deals with it), never dropped with the copy maybe running.
+        if let Some(ev) = &st.read {
             ev.synchronize().map_err(driver_err("cuEventSynchronize"))?;
         }
+        st.read = None;
         if st.host.as_ref().is_none_or(|h| h.len() < a.len()) {
             st.host = None;
             // SAFETY: uninitialised pinned memory, every bit pattern a
@@ -635,11 +639,18 @@ impl DeviceComm {
                 dst.slice_mut(),
             )
             .map_err(driver_err("cuMemcpyHtoDAsync"))?;
-        st.read = Some(
-            self.stream
-                .record_event(None)
-                .map_err(driver_err("cuEventRecord"))?,
-        );
+        match self.stream.record_event(None) {
+            Ok(ev) => st.read = Some(ev),
+            Err(e) => {
+                // No event for the copy queued above: wait for the stream
+                // instead; if that fails too, the staging is leaked, never
+                // freed or rewritten under the copy.
+                if self.stream.synchronize().is_err() {
+                    std::mem::forget(st.host.take());
+                }
+                return Err(driver_err("cuEventRecord")(e));
+            }
+        }
         Ok(())
     }
 

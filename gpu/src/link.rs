@@ -30,7 +30,10 @@
 //!    would pass its cap, it frees idle buffers, then waits for the
 //!    oldest copy's event and frees that buffer: every staging buffer is
 //!    the pool's, idle or retiring, so the pool holds at most its cap
-//!    (or the one upload longer than the cap, alone). Until 2026-12-05 a
+//!    (or the one upload longer than the cap, alone), plus one buffer per
+//!    thread filling one at that moment (taken out of the pool while the
+//!    host writes it, out of the eviction's reach: the upload thread and
+//!    the engine thread may each hold one). Until 2026-12-05 a
 //!    buffer travelled in its [`PendingUpload`] until `finish`, out of
 //!    the pool's reach: with the uploads of a unit and the window ahead
 //!    not yet finished, a full pool allocated past its cap, and the
@@ -241,14 +244,55 @@ impl<T> Default for Pool<T> {
 /// next call that binds the context, which then returns it without doing
 /// anything: so a first error may be someone else's, and this call would
 /// not have waited. One more wait tells: it fails again only if the
-/// context itself is broken.
+/// context itself is broken. The first error is not dropped: it is the
+/// failure of an operation whose owner could not be told, so it is kept
+/// ([`deferred_error`]) and the next upload fails with it.
 fn wait_for(ev: &CudaEvent) -> std::result::Result<(), cudarc::driver::DriverError> {
-    ev.synchronize().or_else(|_| ev.synchronize())
+    retried("cuEventSynchronize", || ev.synchronize())
 }
 
 /// [`wait_for`] of a whole stream's queue.
 fn drain(s: &CudaStream) -> std::result::Result<(), cudarc::driver::DriverError> {
-    s.synchronize().or_else(|_| s.synchronize())
+    retried("cuStreamSynchronize", || s.synchronize())
+}
+
+/// An error cudarc handed to a wait that was not the wait's own (see
+/// [`wait_for`]), kept until [`take_deferred_error`] reports it.
+static DEFERRED: Mutex<Option<String>> = Mutex::new(None);
+
+/// `f`, once more after a first failure (see [`wait_for`]); a first error
+/// the second call does not repeat is kept in [`DEFERRED`] (the first one
+/// kept wins) and said once.
+fn retried(
+    call: &'static str,
+    f: impl Fn() -> std::result::Result<(), cudarc::driver::DriverError>,
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    let Err(first) = f() else {
+        return Ok(());
+    };
+    f()?;
+    // The code alone: formatting the error itself asks the driver for its
+    // text, a second call into a context that just failed.
+    let detail = format!(
+        "{:?} (handed by cudarc to a {call} on another operation's behalf)",
+        first.0
+    );
+    tracing::warn!(error = %detail, "an earlier CUDA operation failed");
+    let mut slot = DEFERRED.lock().unwrap_or_else(|p| p.into_inner());
+    slot.get_or_insert(detail);
+    Ok(())
+}
+
+/// The failure of an earlier CUDA operation that a drop could not return
+/// and a wait found ([`wait_for`]), once: the operation it belonged to
+/// (a free, an event's record, a stream's wait) did not happen, so what
+/// ran after it cannot be trusted. [`Uploads::finish`] returns it.
+pub fn take_deferred_error() -> Option<crate::GpuError> {
+    let mut slot = DEFERRED.lock().unwrap_or_else(|p| p.into_inner());
+    slot.take().map(|detail| crate::GpuError::Driver {
+        call: "an earlier CUDA operation",
+        detail,
+    })
 }
 
 /// The host's clock for CUDA events: a base event recorded on the
@@ -926,6 +970,11 @@ impl Uploads {
     /// there, the buffer it crossed into let go after that
     /// ([`Role::Input`]).
     pub fn finish(&self, u: PendingUpload) -> Result<DevBuf> {
+        // An earlier operation's failure that a wait found: the run stops
+        // here, at the next unit's params, not later on wrong data.
+        if let Some(e) = take_deferred_error() {
+            return Err(e);
+        }
         let mut u = u;
         let role = u.role;
         let (Some(crossed), Some(event)) = (u.crossed.take(), u.event.take()) else {
@@ -984,4 +1033,42 @@ pub fn pinned_bytes(
         .map_err(driver("cuEventSynchronize"))?
         .fill(0);
     Ok(p)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+    use cudarc::driver::sys::CUresult;
+    use cudarc::driver::DriverError;
+    use std::cell::Cell;
+
+    /// A first error the retry does not repeat is kept and reported once;
+    /// one it repeats is the call's own and returned; none, nothing kept.
+    #[test]
+    fn a_retried_wait_keeps_a_first_error_that_was_not_its_own() {
+        let _ = take_deferred_error();
+        let calls = Cell::new(0);
+        let first_fails = || {
+            calls.set(calls.get() + 1);
+            if calls.get() == 1 {
+                Err(DriverError(CUresult::CUDA_ERROR_LAUNCH_FAILED))
+            } else {
+                Ok(())
+            }
+        };
+        retried("cuEventSynchronize", first_fails).unwrap();
+        assert_eq!(calls.get(), 2);
+        let e = take_deferred_error().unwrap().to_string();
+        assert!(
+            e.contains("LAUNCH_FAILED") || e.contains("launch failed"),
+            "{e}"
+        );
+        assert!(take_deferred_error().is_none(), "reported once");
+        let always = || Err(DriverError(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS));
+        assert!(retried("cuEventSynchronize", always).is_err());
+        assert!(take_deferred_error().is_none(), "its own error, returned");
+        retried("cuEventSynchronize", || Ok(())).unwrap();
+        assert!(take_deferred_error().is_none());
+    }
 }

@@ -35,12 +35,19 @@ enum Down {
 
 impl Drop for PendingDownload {
     fn drop(&mut self) {
-        // Unfinished: wait for the copy before either buffer is freed.
-        match &self.inner {
-            Some(Down::F32(_, s)) => drop(s.as_slice()),
-            Some(Down::Bf16(_, s)) => drop(s.as_slice()),
-            Some(Down::F16(_, s)) => drop(s.as_slice()),
-            None => {}
+        // Unfinished: wait for the copy before either buffer is freed
+        // (`as_slice` waits for the slice's event). If the wait fails, the
+        // copy may still be running: both buffers are leaked, not freed
+        // under it, and the failure is said.
+        let waited = match &self.inner {
+            Some(Down::F32(_, s)) => s.as_slice().map(drop),
+            Some(Down::Bf16(_, s)) => s.as_slice().map(drop),
+            Some(Down::F16(_, s)) => s.as_slice().map(drop),
+            None => Ok(()),
+        };
+        if let Err(e) = waited {
+            tracing::warn!(error = %e, "waiting for a download before freeing it failed; its buffers are leaked");
+            std::mem::forget(self.inner.take());
         }
     }
 }
