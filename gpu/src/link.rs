@@ -284,7 +284,7 @@ fn retried(
 }
 
 /// The failure of an earlier CUDA operation that a drop could not return
-/// and a wait found ([`wait_for`]), once: the operation it belonged to
+/// and a wait found (`wait_for`), once: the operation it belonged to
 /// (a free, an event's record, a stream's wait) did not happen, so what
 /// ran after it cannot be trusted. [`Uploads::finish`] returns it.
 pub fn take_deferred_error() -> Option<crate::GpuError> {
