@@ -83,8 +83,9 @@
 //!     (3 sub-groups in flight: read, step, write; × param, grad, m, v) when
 //!     `pipeline_read` or `pipeline_write` is on, since the pipeline needs
 //!     them all (DeepSpeed fails with "ran out of swap buffers" instead);
-//!   - the 16-bit write-back staging when the optimizer is offloaded but the
-//!     params are on the device: one sub-group, `min(sub_group_size, S) × p`.
+//!   - with the optimizer offloaded, a stepped sub-group's new 16-bit
+//!     values on their way to the params' homes: one sub-group,
+//!     `min(sub_group_size, S) × p`, pageable (heap memory).
 //!
 //! With `pin_memory: false`, what would be pinned is counted as pageable.
 //!
@@ -126,9 +127,9 @@
 //! - **`18N·f·G/T` per CPU** (params offloaded too) adds 2 B of 16-bit
 //!   params: our *16-bit param partition* item, pinned with `pin_memory`
 //!   (`S·p`).
-//! - **The 16-bit write-back staging** (one sub-group, pinned, when the
-//!   optimizer is offloaded and the params are on the device) is not a term
-//!   of DeepSpeed's formula; it is inside its 1.5.
+//! - **A stepped sub-group's new 16-bit values** (one sub-group, pageable,
+//!   when the optimizer is offloaded) are not a term of DeepSpeed's
+//!   formula; they are inside its 1.5.
 //! - **`4L·G·f` per CPU with `zero_init=1`, `4N·G·f` (or `N·max(4G, 16 or
 //!   18)·f`) with `zero_init=0`** is memory for building the model (one
 //!   layer in fp32 under `zero.Init`, or the whole fp32 model in every

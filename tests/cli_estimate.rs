@@ -115,10 +115,14 @@ fn estimate_json_matches_the_formulas() {
     assert_eq!(u(&e["deepspeed"]["gpu_bytes"]), 4 * l);
     // Ours, per rank: two gathered units + one unit's grads on the device;
     // pinned 16-bit params; pageable fp32 grads (the CPU optimizer's sums,
-    // heap memory) and master + m + v.
+    // heap memory), master + m + v, and a stepped sub-group's new 16-bit
+    // values (one sub-group of min(1e9, S)).
     assert_eq!(u(&e["per_rank"]["device_bytes"]), 2 * l * 2 + l * 2);
     assert_eq!(u(&e["per_rank"]["pinned_bytes"]), s * 2);
-    assert_eq!(u(&e["per_rank"]["pageable_bytes"]), s * 4 + s * 12);
+    assert_eq!(
+        u(&e["per_rank"]["pageable_bytes"]),
+        s * 4 + s * 12 + s.min(1_000_000_000) * 2
+    );
     assert_eq!(u(&e["per_node"]["pinned_bytes"]), ranks * s * 2);
     let items = e["items"].as_array().unwrap();
     assert!(items.iter().any(|i| i["what"] == "fp32 master + Adam m, v"

@@ -45,7 +45,9 @@ use super::Failure;
 pub enum Moments {
     /// fp32 m and v (8 bytes per param).
     Fp32,
-    /// bf16 m and v (4 bytes per param), as the CPU AdamW kernels support.
+    /// bf16 m and v (4 bytes per param), as the CPU AdamW kernels support;
+    /// an estimate only: ds_config has no key for the moments' dtype, so
+    /// `tierzero train` keeps them in fp32.
     Bf16,
 }
 

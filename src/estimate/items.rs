@@ -259,11 +259,14 @@ pub fn items_within(
             ),
         );
     }
-    if c.optimizer != Offload::None && c.params == Offload::None {
+    if c.optimizer != Offload::None {
+        // A stepped sub-group's new 16-bit values, on their way to the
+        // params' homes: heap memory (`StepValues`, one kept spare), for
+        // any offloaded optimizer.
         push(
-            pinned_or(sw.optimizer_pin_memory),
-            "16-bit write-back staging",
-            mul(tile, p, "write-back staging")?,
+            Tier::Pageable,
+            "16-bit new values of a stepped sub-group",
+            mul(tile, p, "new values")?,
             format!("min(sub_group_size {}, {os}) × {p} B", sw.sub_group_numel),
         );
     }
