@@ -385,7 +385,14 @@ section! {
         buffer_count: u64 = 5 => int;
         /// `buffer_size`: **elements** per buffer (default 1e8).
         buffer_size: u64 = 100_000_000 => int;
-        /// `max_in_cpu`: **elements** of params kept in host memory with nvme (default 1e9).
+        /// `max_in_cpu`: **elements** of params kept in host memory with nvme
+        /// (default 1e9): the params in order while their shards fit, a
+        /// param that does not fit going to NVMe and a later, smaller one
+        /// still kept. Two differences from DeepSpeed, which changes no
+        /// number: DeepSpeed applies it to whole optimizer sub-groups of
+        /// 16-bit partitions (a prefix), and keeps every partition smaller
+        /// than `max(1 MiB, aio.block_size)` in CPU memory whatever this
+        /// says; tierzero swaps such small params too (4 KiB-aligned extents).
         max_in_cpu: u64 = 1_000_000_000 => int;
         /// `pin_memory` (default true).
         pin_memory: bool = true => flag;
@@ -445,7 +452,9 @@ section! {
 section! {
     /// Top-level `aio` {...}.
     pub struct DsAio {
-        /// `block_size`: **bytes** per request (default 1048576).
+        /// `block_size`: **bytes** per request (default 1048576). Not, as in
+        /// DeepSpeed, also the smallest param partition swapped to NVMe
+        /// (see `offload_param.max_in_cpu`).
         block_size: u64 = 1_048_576 => int;
         /// `queue_depth`: requests in flight per worker (default 8).
         queue_depth: u64 = 8 => int;
