@@ -1285,9 +1285,25 @@ mod tests {
         buffers: u64,
         registrar: Option<Arc<dyn tierzero_swap::HostRegistrar>>,
     ) -> ParamStore {
-        std::fs::create_dir_all(dir).unwrap();
         let layout = Layout::new(model, 0, 1, 1000);
         let tiers = vec![Tier::Nvme; model.params().len()];
+        seeded_store(
+            model,
+            &layout,
+            &tiers,
+            Vec::new(),
+            nvme_params(dir, buffers, registrar),
+            5,
+        )
+    }
+
+    /// The NVMe side of a store in `dir`: `buffers` swap buffers of 4 KiB.
+    fn nvme_params(
+        dir: &std::path::Path,
+        buffers: u64,
+        registrar: Option<Arc<dyn tierzero_swap::HostRegistrar>>,
+    ) -> Option<NvmeParams> {
+        std::fs::create_dir_all(dir).unwrap();
         let space = tierzero_swap::SwapSpace::create(tierzero_swap::SpaceConfig::new(dir, 1 << 20))
             .unwrap();
         let mut ac = ArenaConfig::new(4096 * buffers, 4096);
@@ -1296,12 +1312,47 @@ mod tests {
         let arena = PinnedArena::new(ac).unwrap();
         let engine =
             Engine::new(space, arena.clone(), tierzero_swap::EngineConfig::default()).unwrap();
-        let nvme = Some(NvmeParams {
+        Some(NvmeParams {
             engine,
             arena,
             read_gate: crate::engine::params::copier::ParamReadGate::new(),
-        });
-        seeded_store(model, &layout, &tiers, Vec::new(), nvme, 5)
+        })
+    }
+
+    /// A prefetcher with `limits` that recorded one step of every unit's
+    /// forward and has begun the next at its first unit.
+    fn traced_prefetcher(
+        model: &Model,
+        limits: crate::engine::params::prefetch::Limits,
+    ) -> crate::engine::params::prefetch::Prefetcher {
+        use crate::engine::params::prefetch::{Pass, Prefetcher, Visit};
+        let mut sched = Prefetcher::new(model, limits);
+        let visits: Vec<Visit> = (0..model.units().len())
+            .map(|u| Visit {
+                unit: crate::model::UnitId(u),
+                pass: Pass::Forward,
+                shape: [1, 4],
+            })
+            .collect();
+        sched.begin_step();
+        for v in &visits {
+            assert!(sched.visit(v.clone()));
+        }
+        sched.begin_step();
+        assert!(sched.visit(visits[0].clone()));
+        sched
+    }
+
+    /// A bucket of the whole model and half of it live at most.
+    fn half_live_limits(model: &Model) -> crate::engine::params::prefetch::Limits {
+        let total: u64 = model.params().iter().map(|p| p.numel as u64).sum();
+        crate::engine::params::prefetch::Limits {
+            prefetch_bucket_numel: total,
+            max_live_numel: total / 2,
+            max_reuse_distance_numel: 0,
+            persistence_threshold_numel: 0,
+            device_cache_bytes: 0,
+        }
     }
 
     #[test]
@@ -1397,35 +1448,12 @@ mod tests {
     /// window's reads in flight on top of the first).
     #[test]
     fn the_prefetch_window_counts_reads_in_flight_as_live() {
-        use crate::engine::params::prefetch::{Limits, Pass, Prefetcher, Visit};
-        use crate::model::UnitId;
         let model = tiny();
         let n = model.params().len();
         let dir = std::env::temp_dir().join(format!("tz-store-live-{}", std::process::id()));
         let mut s = nvme_store(&model, &dir, n as u64);
-        let total: u64 = model.params().iter().map(|p| p.numel as u64).sum();
-        let limits = Limits {
-            prefetch_bucket_numel: total,
-            max_live_numel: total / 2,
-            max_reuse_distance_numel: 0,
-            persistence_threshold_numel: 0,
-            device_cache_bytes: 0,
-        };
-        let mut sched = Prefetcher::new(&model, limits);
-        let units = model.units().len();
-        let visits: Vec<Visit> = (0..units)
-            .map(|u| Visit {
-                unit: UnitId(u),
-                pass: Pass::Forward,
-                shape: [1, 4],
-            })
-            .collect();
-        sched.begin_step();
-        for v in &visits {
-            assert!(sched.visit(v.clone()));
-        }
-        sched.begin_step();
-        assert!(sched.visit(visits[0].clone()));
+        let limits = half_live_limits(&model);
+        let sched = traced_prefetcher(&model, limits);
         let elem = s.device_bytes_per_elem();
         let live = |s: &ParamStore| (s.resident_bytes() + s.inflight_bytes()) / elem;
         for round in 0..2 {
@@ -1478,27 +1506,11 @@ mod tests {
     /// them, the staged bytes growing towards the rest of the trace).
     #[test]
     fn the_prefetch_window_counts_staged_shards_as_live_on_several_ranks() {
-        use crate::engine::params::prefetch::{Limits, Pass, Prefetcher, Visit};
-        use crate::model::UnitId;
         let model = tiny();
         let n = model.params().len();
         let dir = std::env::temp_dir().join(format!("tz-store-staged-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
         let layout = Layout::new(&model, 1, 2, 1000);
         let tiers = vec![Tier::Nvme; n];
-        let space =
-            tierzero_swap::SwapSpace::create(tierzero_swap::SpaceConfig::new(&dir, 1 << 20))
-                .unwrap();
-        let mut ac = ArenaConfig::new(4096 * n as u64, 4096);
-        ac.lock = LockPolicy::Off;
-        let arena = PinnedArena::new(ac).unwrap();
-        let engine =
-            Engine::new(space, arena.clone(), tierzero_swap::EngineConfig::default()).unwrap();
-        let nvme = Some(NvmeParams {
-            engine,
-            arena,
-            read_gate: crate::engine::params::copier::ParamReadGate::new(),
-        });
         // Rank 1 of two, no collective scripted: reads and staging only.
         let mut s = ParamStore::new(
             &model,
@@ -1508,7 +1520,7 @@ mod tests {
             Device::Cpu,
             Arc::new(crate::engine::comm::scripted::Scripted::rank_of(1, 2)),
             Vec::new(),
-            nvme,
+            nvme_params(&dir, n as u64, None),
             None,
         )
         .unwrap();
@@ -1517,28 +1529,8 @@ mod tests {
             let bytes: Vec<u8> = (0..len).map(|i| (i % 5) as u8).collect();
             s.store_initial(p.id, &bytes).unwrap();
         }
-        let total: u64 = model.params().iter().map(|p| p.numel as u64).sum();
-        let limits = Limits {
-            prefetch_bucket_numel: total,
-            max_live_numel: total / 2,
-            max_reuse_distance_numel: 0,
-            persistence_threshold_numel: 0,
-            device_cache_bytes: 0,
-        };
-        let mut sched = Prefetcher::new(&model, limits);
-        let visits: Vec<Visit> = (0..model.units().len())
-            .map(|u| Visit {
-                unit: UnitId(u),
-                pass: Pass::Forward,
-                shape: [1, 4],
-            })
-            .collect();
-        sched.begin_step();
-        for v in &visits {
-            assert!(sched.visit(v.clone()));
-        }
-        sched.begin_step();
-        assert!(sched.visit(visits[0].clone()));
+        let limits = half_live_limits(&model);
+        let sched = traced_prefetcher(&model, limits);
         let elem = s.device_bytes_per_elem();
         let live = |s: &ParamStore| {
             (s.resident_bytes() + s.inflight_bytes() + s.staged_read_bytes()) / elem

@@ -231,6 +231,23 @@ fn bf16_moments_move_two_thirds_of_the_bytes() {
     assert_eq!(moved[1], (2 * 16384, 2 * 16384));
 }
 
+/// Adam step `k` of `sg` (`n` elements) with the gradient `values(n, 50
+/// + k)`, unscaled, no 16-bit copy, not speculative.
+fn step_plain(state: &mut OptimizerState, adam: &CpuAdam, sg: SubGroupId, k: u64, n: usize) {
+    state
+        .step(
+            sg,
+            adam,
+            k,
+            Some((&values(n, 50 + k)).into()),
+            GradScale::ONE,
+            None,
+            &mut |_| Ok(()),
+            false,
+        )
+        .unwrap();
+}
+
 /// A load between steps supersedes a read of the sub-group issued ahead
 /// (and lands after its queued writes): the next step steps the loaded
 /// state. (The Python optimizer's `load_state_dict` after it has stepped
@@ -253,20 +270,7 @@ fn a_load_supersedes_a_read_issued_ahead() {
     let zeros = vec![0f32; n];
     let sg = SubGroupId(0);
     let adam = adam();
-    let step = |state: &mut OptimizerState, k: u64| {
-        state
-            .step(
-                sg,
-                &adam,
-                k,
-                Some((&values(n, 50 + k)).into()),
-                GradScale::ONE,
-                None,
-                &mut |_| Ok(()),
-                false,
-            )
-            .unwrap();
-    };
+    let step = |state: &mut OptimizerState, k: u64| step_plain(state, &adam, sg, k, n);
     state
         .load_group(sg, [&values(n, 1), &zeros, &zeros])
         .unwrap();
@@ -318,20 +322,8 @@ fn a_read_ahead_of_a_group_waits_for_its_own_queued_write() {
     let zeros = vec![0f32; n];
     let (a, b) = (SubGroupId(0), SubGroupId(1));
     let adam = adam();
-    let step = |state: &mut OptimizerState, sg: SubGroupId, k: u64| {
-        state
-            .step(
-                sg,
-                &adam,
-                k,
-                Some((&values(n, 50 + k)).into()),
-                GradScale::ONE,
-                None,
-                &mut |_| Ok(()),
-                false,
-            )
-            .unwrap();
-    };
+    let step =
+        |state: &mut OptimizerState, sg: SubGroupId, k: u64| step_plain(state, &adam, sg, k, n);
     for sg in [a, b] {
         state
             .load_group(sg, [&values(n, 1), &zeros, &zeros])
