@@ -248,6 +248,35 @@ fn step_plain(state: &mut OptimizerState, adam: &CpuAdam, sg: SubGroupId, k: u64
         .unwrap();
 }
 
+/// `sg`'s states are the kernel's after plain steps `1..=steps`
+/// ([`step_plain`]) from `master` and zero moments.
+fn assert_states_after_plain_steps(
+    state: &mut OptimizerState,
+    adam: &CpuAdam,
+    sg: SubGroupId,
+    mut master: Vec<f32>,
+    steps: u64,
+) {
+    let n = master.len();
+    let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
+    for k in 1..=steps {
+        adam.step(
+            k,
+            &mut master,
+            &values(n, 50 + k),
+            Moments::F32 {
+                m: &mut m,
+                v: &mut v,
+            },
+            None,
+            GradScale::ONE,
+        )
+        .unwrap();
+    }
+    let [got, got_m, got_v] = state.group_states(sg).unwrap();
+    assert_eq!(bits(&[[got, got_m, got_v]]), bits(&[[master, m, v]]));
+}
+
 /// A load between steps supersedes a read of the sub-group issued ahead
 /// (and lands after its queued writes): the next step steps the loaded
 /// state. (The Python optimizer's `load_state_dict` after it has stepped
@@ -281,22 +310,7 @@ fn a_load_supersedes_a_read_issued_ahead() {
     state.load_group(sg, [&loaded, &zeros, &zeros]).unwrap();
     step(&mut state, 1);
     state.flush().unwrap();
-    let mut master = loaded;
-    let (mut m, mut v) = (zeros.clone(), zeros.clone());
-    adam.step(
-        1,
-        &mut master,
-        &values(n, 51),
-        Moments::F32 {
-            m: &mut m,
-            v: &mut v,
-        },
-        None,
-        GradScale::ONE,
-    )
-    .unwrap();
-    let [got, got_m, got_v] = state.group_states(sg).unwrap();
-    assert_eq!(bits(&[[got, got_m, got_v]]), bits(&[[master, m, v]]));
+    assert_states_after_plain_steps(&mut state, &adam, sg, loaded, 1);
 }
 
 /// A read of a sub-group issued ahead right after its own step (its state
@@ -343,24 +357,7 @@ fn a_read_ahead_of_a_group_waits_for_its_own_queued_write() {
     );
     step(&mut state, a, 2);
     state.flush().unwrap();
-    let mut master = values(n, 1);
-    let (mut m, mut v) = (zeros.clone(), zeros.clone());
-    for k in 1..=2 {
-        adam.step(
-            k,
-            &mut master,
-            &values(n, 50 + k),
-            Moments::F32 {
-                m: &mut m,
-                v: &mut v,
-            },
-            None,
-            GradScale::ONE,
-        )
-        .unwrap();
-    }
-    let [got, got_m, got_v] = state.group_states(a).unwrap();
-    assert_eq!(bits(&[[got, got_m, got_v]]), bits(&[[master, m, v]]));
+    assert_states_after_plain_steps(&mut state, &adam, a, values(n, 1), 2);
 }
 
 #[test]
