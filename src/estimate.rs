@@ -1113,12 +1113,15 @@ mod tests {
         // Node totals are ranks × per rank.
         let e = find(&r, 3, Offload::Cpu, Offload::Cpu);
         assert_eq!(e.per_node.pinned_bytes, ranks * e.per_rank.pinned_bytes);
-        // Stage 3, everything on the CPU: pinned = params + staging 0,
-        // pageable = the CPU optimizer's fp32 sums (heap memory) and its
-        // state; the device holds only units.
+        // Stage 3, everything on the CPU: pinned = params, pageable = the
+        // CPU optimizer's fp32 sums (heap memory), its state and a stepped
+        // sub-group's new 16-bit values; the device holds only units.
         assert_eq!(e.per_rank.device_bytes, 6 * l);
         assert_eq!(e.per_rank.pinned_bytes, 2 * s);
-        assert_eq!(e.per_rank.pageable_bytes, 4 * s + 12 * s);
+        assert_eq!(
+            e.per_rank.pageable_bytes,
+            4 * s + 12 * s + 2 * s.min(1_000_000_000)
+        );
         assert_eq!(e.per_rank.nvme_bytes, 0);
         // DeepSpeed's figure for the same choice is attached.
         let ds = e.deepspeed.unwrap();
@@ -1142,7 +1145,8 @@ mod tests {
             inp.bf16_grad_numel = bf16;
             let r = estimate(&inp, &machine(1 << 40, 1 << 40, None)).unwrap();
             let e = find(&r, 3, Offload::Cpu, Offload::Cpu).clone();
-            let host = e.per_rank.pageable_bytes - 12 * n;
+            // Less the state and a stepped sub-group's new 16-bit values.
+            let host = e.per_rank.pageable_bytes - 12 * n - 2 * n;
             let item = e
                 .items
                 .iter()
