@@ -441,8 +441,9 @@ fn a_tail_failure_found_by_a_save_stops_the_trainer_naming_the_cause() {
 
 /// An embedder's wrong argument is an error that leaves the trainer
 /// usable: a sub-group this rank does not have (it ended the optimizer
-/// thread, the trainer stopped for good), and a sequence length the data
-/// is too short for (it stopped the trainer at the next step).
+/// thread, the trainer stopped for good), a sequence length the data is
+/// too short for (it stopped the trainer at the next step), and a unit the
+/// model does not have (it stopped the trainer in the fetch or release).
 #[test]
 fn an_embedders_wrong_argument_is_refused_and_the_trainer_trains_on() {
     use tierzero::data::TokenData;
@@ -471,6 +472,15 @@ fn an_embedders_wrong_argument_is_refused_and_the_trainer_trains_on() {
         e.contains("24 tokens cannot give windows of seq_len 24"),
         "{e}"
     );
+    let units = t.model().units().len();
+    let missing = tierzero::model::UnitId(units);
+    for e in [
+        t.fetch_unit(missing).map(|_| ()).unwrap_err(),
+        t.release_unit(missing).unwrap_err(),
+    ] {
+        let e = e.to_string();
+        assert!(e.contains(&format!("unit {units} does not exist")), "{e}");
+    }
     t.step().unwrap();
     t.master(SubGroupId(0)).unwrap();
     t.finish().unwrap();

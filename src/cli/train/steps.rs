@@ -28,10 +28,11 @@ pub(super) fn train_steps(
     let save_s = std::cell::Cell::new(0.0f64);
     let save_timed = |trainer: &mut Trainer, dir: &Path| -> Result<(), Failure> {
         // The last step's optimizer tail first, so the time said is the
-        // save's own.
+        // save's own; agreed, as the save's own settling is, so that a
+        // rank whose tail failed does not leave the others in the save.
         let tail_started = Instant::now();
         trainer
-            .settle_optimizer()
+            .settle_optimizer_all_ranks()
             .map_err(|e| run_failure(e, "saving a checkpoint"))?;
         let tail_s = tail_started.elapsed().as_secs_f64();
         let started = Instant::now();

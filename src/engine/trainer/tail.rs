@@ -8,9 +8,24 @@ impl Trainer {
     /// ([`crate::model::exec_units::UnitCompute::gathers_params`]), each
     /// is this rank's shard (1-D), for that compute to gather.
     pub fn fetch_unit(&mut self, unit: UnitId) -> Result<Vec<Tensor>> {
+        self.check_unit(unit)?;
         self.check_usable()?;
         let r = self.fetch_unit_inner(unit);
         self.latch(r)
+    }
+
+    /// A unit the model does not have is the caller's mistake, refused
+    /// with the trainer usable (inside a fetch or a release, it would stop
+    /// the trainer).
+    fn check_unit(&self, unit: UnitId) -> Result<()> {
+        let units = self.model.units().len();
+        if unit.0 >= units {
+            return Err(EngineError::config(format!(
+                "unit {} does not exist: the model has {units} (0..{units})",
+                unit.0
+            )));
+        }
+        Ok(())
     }
 
     pub(super) fn fetch_unit_inner(&mut self, unit: UnitId) -> Result<Vec<Tensor>> {
@@ -50,6 +65,7 @@ impl Trainer {
 
     /// Releases the params of `unit` that the prefetcher does not keep.
     pub fn release_unit(&mut self, unit: UnitId) -> Result<()> {
+        self.check_unit(unit)?;
         self.check_usable()?;
         let r = self.release_unit_inner(unit);
         self.latch(r)
@@ -104,6 +120,16 @@ impl Trainer {
         self.check_usable()?;
         let r = self.settle_optimizer_inner();
         self.latch(r)
+    }
+
+    /// [`Trainer::settle_optimizer`] on every rank, agreed (a collective:
+    /// every rank calls it at the same point): a failure on one rank fails
+    /// them all here, so none is left waiting for it in the next
+    /// collective (a save's). One rank: `settle_optimizer`.
+    pub fn settle_optimizer_all_ranks(&mut self) -> Result<()> {
+        let r = self.settle_optimizer();
+        let comm = self.opts.comm.clone();
+        crate::engine::comm::agree(&*comm, "settling the optimizer", r)
     }
 
     fn settle_optimizer_inner(&mut self) -> Result<()> {
