@@ -60,11 +60,14 @@ impl StateKind {
 pub struct DataPosition {
     /// Name of the data (a path or "embedded ...").
     pub source: String,
-    /// Global samples consumed (`steps × GAS × ranks × micro batch`).
+    /// Global samples consumed: where the data continue on resume
+    /// (`steps × GAS × ranks × micro batch` while the global batch never
+    /// changed; a resume with another adds its own steps' to the count it
+    /// resumed from).
     pub samples_consumed: u64,
-    /// Micro-batch size per rank.
+    /// Micro-batch size per rank (of the run that saved).
     pub micro_batch_size: u64,
-    /// Gradient accumulation steps.
+    /// Gradient accumulation steps (of the run that saved).
     pub gradient_accumulation_steps: u64,
 }
 

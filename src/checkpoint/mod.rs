@@ -20,8 +20,8 @@
 //! steps, the fp16 loss scaler's state). That is the whole training state:
 //! the 16-bit parameters are always `encode(master)` (the engine's central
 //! invariant), the learning rate is a pure function of the Adam step count,
-//! the data position a pure function of the step count (recorded anyway as
-//! `samples_consumed`), and there is no RNG after the seeded init (no
+//! the data position is `samples_consumed` (a resume continues there, whatever
+//! its global batch), and there is no RNG after the seeded init (no
 //! dropout), so the manifest records the seed instead of an RNG state. A
 //! resumed run rebuilds params from masters and continues bit-identically.
 //!

@@ -27,8 +27,10 @@
 //! until the sum is taken. A sub-group has at most one request in flight,
 //! and its read is issued only after its write has completed (the engine
 //! may reorder requests on one extent). When no buffer is free, a park
-//! waits for the oldest write, then for the oldest read (a prefetch is
-//! never waited for by anyone but its take, so this cannot deadlock).
+//! waits for the oldest write, then finishes and drops the read of the
+//! lowest sub-group (in backward order, the newest read: the sum needed
+//! last, read again at its take); a prefetch is never waited for by
+//! anyone but its take, so this cannot deadlock.
 //! Host memory: the accumulators being added into (the sub-groups of one
 //! or two units, and a tied param's), plus these buffers.
 
@@ -262,8 +264,8 @@ impl GradPark {
         Ok(())
     }
 
-    /// A free buffer: waits for the oldest write, else the oldest read, to
-    /// free one.
+    /// A free buffer: waits for the oldest write, else finishes and drops
+    /// the lowest sub-group's read (see the module docs) to free one.
     fn acquire(&mut self) -> Result<tierzero_swap::Buffer> {
         loop {
             if let Ok(b) = self.arena.try_acquire() {

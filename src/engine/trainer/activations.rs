@@ -71,6 +71,8 @@ pub(super) struct Activations {
     decided: Option<Decision>,
     /// The budget is the smallest rank's ([`Activations::agree`]).
     agreed: bool,
+    /// Ranks of the run.
+    ranks: usize,
 }
 
 /// Which blocks are kept for one batch shape.
@@ -134,6 +136,7 @@ impl Activations {
             budget,
             decided: None,
             agreed: false,
+            ranks,
         }
     }
 
@@ -203,12 +206,17 @@ impl Activations {
                 "activation checkpointing on: every block recomputed".to_owned()
             }
         };
+        let agreed = if self.ranks > 1 && !self.agreed {
+            "; this rank's: every rank takes the smallest rank's at the first step"
+        } else {
+            ""
+        };
         if self.budget_bytes == 0 {
             format!("activations: every block recomputed in backward from its saved input ({why})")
         } else {
             format!(
-                "activations: budget {} ({why}); each block's forward graph is kept for its \
-                 backward while the measured total fits, the others are recomputed \
+                "activations: budget {} ({why}{agreed}); each block's forward graph is kept for \
+                 its backward while the measured total fits, the others are recomputed \
                  (tierzero.activation_budget_bytes)",
                 crate::units::format_bytes(self.budget_bytes)
             )
@@ -257,8 +265,12 @@ mod tests {
         };
         let mut a = Activations::new(ActivationBudget::Auto, Some(10_000), 3);
         assert_eq!(a.budget_bytes(), 1_666);
+        assert!(a
+            .describe()
+            .contains("every rank takes the smallest rank's"));
         a.agree(&peers).unwrap();
         assert_eq!(a.budget_bytes(), 1_234);
+        assert!(!a.describe().contains("smallest rank's"));
         // Once: a later call issues no collective (an unscripted one
         // would fail).
         a.agree(&Scripted::rank_of(1, 3)).unwrap();

@@ -1,5 +1,22 @@
 use super::*;
 
+/// The optimizer's settings as the checkpoints before `bias_correction`
+/// was read wrote them (its `Debug` text then), with a note only when bias
+/// correction is off: a checkpoint of the same settings then resumes
+/// without a warning that they differ.
+pub(super) fn optimizer_fingerprint(o: &config::Optimizer) -> String {
+    let text = format!(
+        "Optimizer {{ kind: {:?}, lr: {:?}, betas: {:?}, eps: {:?}, weight_decay: {:?}, \
+         decoupled_weight_decay: {:?} }}",
+        o.kind, o.lr, o.betas, o.eps, o.weight_decay, o.decoupled_weight_decay
+    );
+    if o.bias_correction {
+        text
+    } else {
+        format!("{text} without bias correction")
+    }
+}
+
 /// The settings that change the numbers, as text, and a hash of the whole
 /// resolved config (see [`ConfigFingerprint`]).
 pub fn config_fingerprint(config: &Config) -> ConfigFingerprint {
@@ -14,7 +31,10 @@ pub fn config_fingerprint(config: &Config) -> ConfigFingerprint {
         "check_grad_overflow".to_owned(),
         format!("{}", config.check_grad_overflow),
     );
-    numerics.insert("optimizer".to_owned(), format!("{:?}", config.optimizer));
+    numerics.insert(
+        "optimizer".to_owned(),
+        optimizer_fingerprint(&config.optimizer),
+    );
     numerics.insert("scheduler".to_owned(), format!("{:?}", config.scheduler));
     numerics.insert(
         "sub_group_size".to_owned(),

@@ -917,6 +917,30 @@ fn groups_concatenate_params(layout: &Layout) -> bool {
 mod tests {
     use super::*;
 
+    /// The optimizer's fingerprint is the text checkpoints saved before
+    /// `bias_correction` was read (its settings' `Debug` text then), so
+    /// they resume without a warning that the settings differ; bias
+    /// correction off is a difference.
+    #[test]
+    fn the_optimizer_fingerprint_is_the_text_older_checkpoints_saved() {
+        let mut o = config::Optimizer {
+            kind: config::OptimizerKind::AdamW,
+            lr: 1e-3,
+            betas: [0.9, 0.999],
+            eps: 1e-8,
+            weight_decay: 0.0,
+            decoupled_weight_decay: true,
+            bias_correction: true,
+        };
+        assert_eq!(
+            checkpoint::optimizer_fingerprint(&o),
+            "Optimizer { kind: AdamW, lr: 0.001, betas: [0.9, 0.999], eps: 1e-8, \
+             weight_decay: 0.0, decoupled_weight_decay: true }"
+        );
+        o.bias_correction = false;
+        assert!(checkpoint::optimizer_fingerprint(&o).ends_with("without bias correction"));
+    }
+
     /// One rank's layouts, tiled or not, hold the params back to back;
     /// a layout with a piece out of place or missing does not.
     #[test]
