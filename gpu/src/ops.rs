@@ -141,7 +141,19 @@ fn need(kernel: &str, what: &str, len: usize, want: usize) -> Result<()> {
     }
 }
 
+/// The most an `int` size a kernel takes may be: its row loops step
+/// `for (int c = threadIdx.x; c < n; c += blockDim.x)`, so `n` plus a
+/// block (at most 1024 threads) must stay within `i32`.
+const MAX_INT_ARG: usize = i32::MAX as usize - 1024;
+
+/// `v` as a kernel's `int` argument, at most [`MAX_INT_ARG`].
 fn int(kernel: &str, what: &str, v: usize) -> Result<i32> {
+    if v > MAX_INT_ARG {
+        return Err(shape_err(
+            kernel,
+            format!("{what} = {v} is past {MAX_INT_ARG} (i32, less a block)"),
+        ));
+    }
     i32::try_from(v).map_err(|_| shape_err(kernel, format!("{what} = {v} is past i32")))
 }
 
@@ -1266,4 +1278,24 @@ pub fn matmul_16_f32<T: Half16>(
         call: "cublasGemmStridedBatchedEx",
         detail: format!("{kname} {s:?}: {e}"),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A kernel's `int` size leaves room for one more block's step of its
+    /// row loops (`c += blockDim.x`), which past it would overflow.
+    #[test]
+    fn int_sizes_leave_a_block_of_room_in_i32() {
+        assert_eq!(int("k", "cols", 0).ok(), Some(0));
+        assert_eq!(int("k", "cols", MAX_INT_ARG).ok(), Some(MAX_INT_ARG as i32));
+        for v in [MAX_INT_ARG + 1, i32::MAX as usize, usize::MAX] {
+            let e = int("k", "cols", v).err().map(|e| e.to_string());
+            assert!(
+                e.as_deref().is_some_and(|e| e.contains("cols")),
+                "{v}: {e:?}"
+            );
+        }
+    }
 }
