@@ -36,6 +36,20 @@ fn estimate_of<'a>(report: &'a Value, stage: u64, optimizer: &str, params: &str)
         .unwrap_or_else(|| panic!("no estimate for stage {stage} {optimizer} {params}"))
 }
 
+/// `estimate --model <model> --config <cfg> <extra> --json`.
+fn estimate_model(model: &std::path::Path, cfg: &std::path::Path, extra: &[&str]) -> Value {
+    let mut args = vec![
+        "estimate",
+        "--model",
+        model.to_str().unwrap(),
+        "--config",
+        cfg.to_str().unwrap(),
+    ];
+    args.extend(extra);
+    args.push("--json");
+    json(&args)
+}
+
 fn u(v: &Value) -> u64 {
     v.as_u64().unwrap_or_else(|| panic!("not a u64: {v}"))
 }
@@ -191,16 +205,7 @@ fn estimate_from_model_and_config() {
         ),
     )
     .unwrap();
-    let r = json(&[
-        "estimate",
-        "--model",
-        model.to_str().unwrap(),
-        "--config",
-        cfg.to_str().unwrap(),
-        "--moments",
-        "bf16",
-        "--json",
-    ]);
+    let r = estimate_model(&model, &cfg, &["--moments", "bf16"]);
     // GPT-2 small: 124,439,808 params (tied embedding counted once); the
     // largest unit is the embedding, wte + wpe = (50257 + 1024) × 768.
     assert_eq!(r["inputs"]["total_numel"], 124_439_808u64);
@@ -284,14 +289,7 @@ fn estimate_from_model_and_config() {
         .unwrap()
         .replace("\"max_in_cpu\": 0", "\"max_in_cpu\": 1e9");
     std::fs::write(&cfg, text).unwrap();
-    let r = json(&[
-        "estimate",
-        "--model",
-        model.to_str().unwrap(),
-        "--config",
-        cfg.to_str().unwrap(),
-        "--json",
-    ]);
+    let r = estimate_model(&model, &cfg, &[]);
     let e = estimate_of(&r, 3, "nvme", "nvme");
     let names: Vec<&str> = e["items"]
         .as_array()

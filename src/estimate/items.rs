@@ -174,8 +174,8 @@ pub fn items_within(
     // The largest sub-group as the sizing policy sees a model known by its
     // size: a param larger than `sub_group_size` is tiled, so at most
     // `sub_group_size`.
-    let shape = Shape::estimated(on, inp.largest_tensor_numel, sw.sub_group_numel);
-    let largest_group = shape.max_sub_group_numel();
+    let largest_group =
+        Shape::estimated(on, inp.largest_tensor_numel, sw.sub_group_numel).max_sub_group_numel();
     // With NVMe state, the sub-groups of the first forward units stay in
     // host memory (`tierzero.optimizer_resident_bytes`; auto: one
     // sub-group's state, at most one prefetch bucket's). The engine keeps only whole sub-groups holding those units'
@@ -183,11 +183,10 @@ pub fn items_within(
     // (at the most), and nothing when it does not.
     let resident_bytes = if c.optimizer == Offload::Nvme {
         let one_group = largest_group.saturating_mul(per);
-        // "auto" never keeps every group (`sizing::resident_groups`): a
-        // one-group model's state stays on NVMe, and at most all but one
-        // group's stays in memory.
+        // "auto" never keeps every group (`sizing::resident_groups`): at
+        // most all but one group's state stays in memory, so a one-group
+        // model's none.
         let cap = match sw.optimizer_resident_bytes {
-            None if shape.sub_groups.len() <= 1 => 0,
             None => state_bytes.saturating_sub(one_group),
             Some(_) => state_bytes,
         };

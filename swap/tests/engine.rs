@@ -158,14 +158,7 @@ fn buffers_over_one_gib_go_unregistered_and_round_trip() {
         arena.clone(),
         EngineConfig {
             backend: BackendKind::Uring,
-            workers: 1,
-            queue_depth: 8,
-            block_bytes: 1 << 20,
-            sqpoll: false,
-            faults: None,
-            busy_clock: None,
-            own_clock: None,
-            thread_cpus: None,
+            ..EngineConfig::default()
         },
     )
     .unwrap();

@@ -111,20 +111,12 @@ pub struct PendingRead {
     rx: Receiver<Result<Unpacked>>,
     /// Handed over `seq`-th (from 0) of this copier's reads and copies.
     seq: u64,
-    /// A disk read (it holds a swap buffer until it lands), not a copy
-    /// out of a cpu page.
-    disk: bool,
 }
 
 impl PendingRead {
     /// Its place in the order reads and copies were handed over.
     pub fn seq(&self) -> u64 {
         self.seq
-    }
-
-    /// Whether it is a disk read holding a swap buffer.
-    pub fn holds_swap_buffer(&self) -> bool {
-        self.disk
     }
 
     /// The result if it is there (the read landed and was copied out).
@@ -276,7 +268,6 @@ impl Copier {
         Ok(PendingRead {
             rx,
             seq: self.next_seq(),
-            disk: true,
         })
     }
 
@@ -301,7 +292,6 @@ impl Copier {
         Ok(PendingRead {
             rx,
             seq: self.next_seq(),
-            disk: false,
         })
     }
 }

@@ -253,8 +253,7 @@ impl Prefetcher {
         let elem = store.device_bytes_per_elem();
         // Resident, in flight, and landed but staged for a gather (several
         // ranks): every read the window has made counts until released.
-        let live = (store.resident_bytes() + store.inflight_bytes() + store.staged_read_bytes())
-            / elem.max(1);
+        let live = store.window_live_bytes() / elem.max(1);
         let mut issued = 0u64;
         let mut out = Vec::new();
         let mut seen = HashSet::new();

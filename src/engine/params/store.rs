@@ -631,23 +631,32 @@ impl ParamStore {
     /// Bytes of params with a read in flight (whole params, as they will
     /// be once resident).
     pub fn inflight_bytes(&self) -> u64 {
-        self.slots
-            .iter()
-            .enumerate()
-            .filter(|(_, e)| matches!(e.slot, Slot::InFlight(_)))
-            .map(|(i, _)| self.device_bytes(ParamId(i)))
-            .sum()
+        self.slot_bytes(|slot| matches!(slot, Slot::InFlight(_)))
     }
 
     /// Bytes of params whose read landed and is staged for the next
     /// fetch's gather (several ranks) and that were not resident (whole
-    /// params, as they will be once gathered): live for the prefetch
-    /// window, as a read in flight is, though in neither count above.
-    pub fn staged_read_bytes(&self) -> u64 {
+    /// params, as they will be once gathered).
+    #[cfg(test)]
+    fn staged_read_bytes(&self) -> u64 {
+        self.slot_bytes(|slot| matches!(slot, Slot::Staged(_, false)))
+    }
+
+    /// What the prefetch window counts as live, in one pass over the
+    /// params: the resident bytes, the reads in flight, and (several
+    /// ranks) the reads landed and staged for the gather of params that
+    /// were not resident; each of the last two as whole params.
+    pub fn window_live_bytes(&self) -> u64 {
+        self.resident_bytes
+            + self.slot_bytes(|slot| matches!(slot, Slot::InFlight(_) | Slot::Staged(_, false)))
+    }
+
+    /// Whole-param bytes of the params whose slot `pick` takes.
+    fn slot_bytes(&self, pick: impl Fn(&Slot) -> bool) -> u64 {
         self.slots
             .iter()
             .enumerate()
-            .filter(|(_, e)| matches!(e.slot, Slot::Staged(_, false)))
+            .filter(|(_, e)| pick(&e.slot))
             .map(|(i, _)| self.device_bytes(ParamId(i)))
             .sum()
     }

@@ -495,38 +495,29 @@ impl Trainer {
     /// rank by rank. A resume with another global batch so continues at
     /// the sample the checkpoint reached, neither skipping nor repeating.
     pub(super) fn first_sample(&self, micro: usize) -> u64 {
-        let b = &self.config.batch;
-        let (gas, mb) = (
-            b.gradient_accumulation_steps.max(1),
-            b.micro_batch_size.max(1),
-        );
-        let (world, rank) = (
-            self.opts.comm.world_size() as u64,
-            self.opts.comm.rank() as u64,
-        );
-        self.steps_done
-            .saturating_sub(self.data_base.step)
-            .saturating_mul(gas)
-            .saturating_add(micro as u64)
-            .saturating_mul(world)
-            .saturating_add(rank)
-            .saturating_mul(mb)
-            .saturating_add(self.data_base.samples)
+        self.sample_of(micro as u64, self.opts.comm.rank() as u64)
     }
 
-    /// Samples consumed by the steps done (all ranks), counted as
-    /// [`Trainer::first_sample`] counts them.
+    /// Samples consumed by the steps done (all ranks): where the next
+    /// step's first micro-batch of rank 0 starts.
     pub(super) fn samples_consumed(&self) -> u64 {
+        self.sample_of(0, 0)
+    }
+
+    /// The first sample of micro-batch `micro` of rank `rank` in the step
+    /// being run (see [`Trainer::first_sample`]).
+    fn sample_of(&self, micro: u64, rank: u64) -> u64 {
         let b = &self.config.batch;
         let (gas, mb) = (
             b.gradient_accumulation_steps.max(1),
             b.micro_batch_size.max(1),
         );
-        let world = self.opts.comm.world_size() as u64;
         self.steps_done
             .saturating_sub(self.data_base.step)
             .saturating_mul(gas)
-            .saturating_mul(world)
+            .saturating_add(micro)
+            .saturating_mul(self.opts.comm.world_size() as u64)
+            .saturating_add(rank)
             .saturating_mul(mb)
             .saturating_add(self.data_base.samples)
     }

@@ -58,7 +58,7 @@ impl ParamStore {
                 .iter()
                 .enumerate()
                 .filter_map(|(i, e)| match &e.slot {
-                    Slot::InFlight(r) => Some((!r.holds_swap_buffer(), r.seq(), i)),
+                    Slot::InFlight(r) => Some((self.tier(ParamId(i)) != Tier::Nvme, r.seq(), i)),
                     _ => None,
                 })
                 .min()
