@@ -975,6 +975,21 @@ impl Uploads {
         if let Some(e) = take_deferred_error() {
             return Err(e);
         }
+        self.finish_own(u)
+    }
+
+    /// An upload nobody takes, ordered like [`Uploads::finish`] and freed
+    /// after the compute queued so far. An earlier operation's failure a
+    /// wait found stays for the next `finish` to report: a caller that
+    /// drops what this returns (a stop, a unit given back) does not drop
+    /// that too.
+    pub fn discard(&self, u: PendingUpload) -> Result<()> {
+        let b = self.finish_own(u)?;
+        self.free_after_compute(b)
+    }
+
+    /// [`Uploads::finish`] less the earlier failure's check.
+    fn finish_own(&self, u: PendingUpload) -> Result<DevBuf> {
         let mut u = u;
         let role = u.role;
         let (Some(crossed), Some(event)) = (u.crossed.take(), u.event.take()) else {

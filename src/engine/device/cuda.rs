@@ -352,6 +352,17 @@ impl DeviceLink for CudaLink {
         self.uploads.finish(upload).map_err(gpu_err)
     }
 
+    fn discard(&self, upload: PendingUpload) -> Result<(), ModelError> {
+        // As `finish`, less taking an earlier operation's failure.
+        let upload = if upload.is_gathered() {
+            let (comm, timeout) = self.collective("a param's gather")?;
+            comm.wait_gathered(upload, *timeout).map_err(gpu_err)?
+        } else {
+            upload
+        };
+        self.uploads.discard(upload).map_err(gpu_err)
+    }
+
     fn free(&self, buf: DevBuf) {
         // Not before the compute queued so far (its last use) is done, so
         // that the upload stream does not wait for it.

@@ -164,8 +164,8 @@ impl<L: DeviceLink + 'static> Filler<L> {
                         if let Err(crossbeam_channel::SendError(Ok(u))) = reply.send(r) {
                             // Nobody takes it: finished and freed, as the
                             // tier does with an upload it drops.
-                            if let Ok(b) = link.finish(u) {
-                                link.free(b);
+                            if let Err(e) = link.discard(u) {
+                                tracing::warn!(error = %e, "an upload nobody took failed");
                             }
                         }
                     }

@@ -477,6 +477,15 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
     /// follows: a CUDA compute stream waits on the copy's event, and the
     /// host does not; the simulated device waits on the host.
     fn finish(&self, upload: Self::Upload) -> Result<Self::Buf, ModelError>;
+    /// An upload nobody will take, [`DeviceLink::finish`]ed and freed. A
+    /// CUDA link leaves a failure that was not this upload's own (an
+    /// earlier operation's, which a wait found) for the next `finish` to
+    /// report, so that a caller dropping what this returns does not hide
+    /// it.
+    fn discard(&self, upload: Self::Upload) -> Result<(), ModelError> {
+        self.free(self.finish(upload)?);
+        Ok(())
+    }
     /// Frees a buffer.
     fn free(&self, buf: Self::Buf);
     /// Starts copying `buf` (a unit's gradient) to the host, on the copy

@@ -519,13 +519,17 @@ impl<L: DeviceLink> ResidentUnits<L> {
         self.prefetched.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Every staged unit's gathered params, not taken, freed.
+    /// Every staged unit's gathered params, not taken, freed; after a
+    /// failure the rest of that unit's go with their uploads (which leak
+    /// what a collective may still write) rather than each waiting on a
+    /// communicator that failed.
     fn drop_prefetched(&self) {
         let ahead = std::mem::take(&mut *self.prefetches());
         for p in ahead.into_values() {
-            if let Ok(bufs) = self.link.finish_all(p.wholes) {
-                for b in bufs {
-                    self.link.free(b);
+            for u in p.wholes {
+                if let Err(e) = self.link.discard(u) {
+                    tracing::warn!(error = %e, "a staged gather nobody took failed");
+                    break;
                 }
             }
         }
@@ -581,8 +585,8 @@ impl<L: DeviceLink> ResidentUnits<L> {
             // In flight: waited for (at once on a communicator a failed
             // collective made unusable, which leaks it), then freed.
             Reduced::InFlight(u) => {
-                if let Ok(b) = self.link.finish(u) {
-                    self.link.free(b);
+                if let Err(e) = self.link.discard(u) {
+                    tracing::warn!(error = %e, "a reduce nobody took failed");
                 }
             }
         }
