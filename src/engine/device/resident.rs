@@ -732,9 +732,14 @@ impl<L: DeviceLink> UnitCompute for ResidentUnits<L> {
             // A bf16 gradient is what the host would have received.
             let g = if out.dtype == DType::BF16 {
                 let mut r = e
-                    .zeros("bf16 gradient", e.len(&g))
+                    .output("bf16 gradient", e.len(&g))
                     .map_err(exec_units::gpu_err)?;
                 e.round_bf16(&mut r, &g).map_err(exec_units::gpu_err)?;
+                // The fp32 gradient goes before the add below makes the
+                // new sum (the memory bound counts two of the largest
+                // beside the unit's gradients, not three); freed in the
+                // compute stream's order, after the rounding read it.
+                drop(g);
                 r
             } else {
                 g

@@ -12,8 +12,11 @@ use crate::model::{Model, ParamId};
 /// rank `rank` of `world`: `[weights, master, moments, gradients]`.
 ///
 /// With one rank, bf16 storage has an fp32 master beside the bf16
-/// weights; the gradients (fp32) are the step's sums plus, at most, the
-/// largest param's micro-batch sum and one unit's gradient beside it.
+/// weights; the gradients (fp32) are the step's sums plus, at most, one
+/// unit's micro-batch gradients (`unit_numels`, as backward returns them,
+/// all alive until each is added) and, beside them, the largest param's
+/// bf16 rounding (with its cast's bf16 temporary) or the new sum an add
+/// makes: two of the largest.
 ///
 /// With several, the weights are whole on every rank and the master and
 /// moments are this rank's shards (`crate::engine::layout::shard_counts`);
@@ -39,12 +42,13 @@ pub fn resident_state_bytes(
     let largest = numels.iter().copied().max().unwrap_or(0);
     let storage = if bf16 { DType::BF16 } else { DType::F32 };
     let weights = crate::engine::device::param_device_bytes(total, storage);
+    let unit: u64 = unit_numels.iter().sum();
     if world <= 1 {
         return [
             weights,
             if bf16 { total * ELEM_BYTES } else { 0 },
             2 * total * ELEM_BYTES,
-            (total + 2 * largest) * ELEM_BYTES,
+            (total + unit + 2 * largest) * ELEM_BYTES,
         ];
     }
     let shard = |n: u64| {
@@ -53,7 +57,6 @@ pub fn resident_state_bytes(
             .map_or(0, |&c| c as u64)
     };
     let shards: u64 = numels.iter().map(|&n| shard(n)).sum();
-    let unit: u64 = unit_numels.iter().sum();
     let unit_shard: u64 = unit_numels.iter().map(|&n| shard(n)).sum();
     let weights = if partition {
         2 * crate::engine::device::param_device_bytes(unit, storage)
@@ -175,7 +178,10 @@ mod tests {
         let numels = [10u64, 3];
         // One unit holds both.
         let one = super::resident_state_bytes(&numels, true, 0, 1, &numels, false);
-        assert_eq!(one, [26, 52, 104, (13 + 20) * 4]);
+        // One rank: the sums (13), the unit's gradients as backward
+        // returned them (13), and two of the largest (10: a bf16 rounding
+        // or a new sum beside them).
+        assert_eq!(one, [26, 52, 104, (13 + 13 + 20) * 4]);
         let two = super::resident_state_bytes(&numels, true, 1, 2, &numels, false);
         // bf16 weights whole; the fp32 master and moments of 6 elements;
         // the sums' shards (6), the largest gradient (10), the unit's
