@@ -764,13 +764,20 @@ pub struct LinkMemory {
     pub download_idle_bytes: u64,
 }
 
+/// The threads that fill a link's staging buffers at once: the tier's
+/// upload thread and the engine thread (an upload it needs now).
+pub const STAGING_FILLERS: u64 = 2;
+
 /// How a link's pinned staging memory is bounded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Staging {
     /// A fixed count of buffers, each as long as the longest upload.
     Slots(usize),
-    /// Pools (one per element type) under a byte cap each: a pool goes
-    /// past its cap only for one upload longer than the cap, alone.
+    /// Pools (one per element type) under a byte cap each. A buffer being
+    /// filled is out of its pool (the lock is not held over the fill), so
+    /// it cannot be freed for room: a pool goes past its cap only when the
+    /// uploads filling at once ([`STAGING_FILLERS`] of them at most) do not
+    /// fit in it, and then holds those alone.
     Pools {
         /// How many pools.
         pools: usize,
@@ -785,7 +792,9 @@ impl Staging {
     pub fn bound_bytes(self, largest_bytes: u64) -> u64 {
         match self {
             Staging::Slots(n) => n as u64 * largest_bytes,
-            Staging::Pools { pools, cap_bytes } => pools as u64 * cap_bytes.max(largest_bytes),
+            Staging::Pools { pools, cap_bytes } => {
+                pools as u64 * cap_bytes.max(STAGING_FILLERS.saturating_mul(largest_bytes))
+            }
         }
     }
 }
@@ -799,8 +808,11 @@ mod tests {
         assert_eq!(Staging::Slots(4).bound_bytes(1000), 4000);
         let pools = |pools, cap_bytes| Staging::Pools { pools, cap_bytes };
         assert_eq!(pools(3, 1 << 20).bound_bytes(1000), 3 << 20);
-        // One upload longer than the cap still gets its buffer, in any
-        // of the pools.
-        assert_eq!(pools(3, 1000).bound_bytes(5000), 15000);
+        // Uploads longer than the cap still get their buffers, in any of
+        // the pools: two filling at once (neither can be freed for the
+        // other) hold twice the longest.
+        assert_eq!(pools(3, 1000).bound_bytes(5000), 30000);
+        assert_eq!(pools(3, 8000).bound_bytes(5000), 30000);
+        assert_eq!(pools(3, 20000).bound_bytes(5000), 60000);
     }
 }

@@ -14,9 +14,13 @@
 //!   param (the resident path's new weights) in place.
 //! * **Staging buffers**: `staging_slots` of them, like the pinned
 //!   buffers of a real copy path. An upload takes one (waiting while none
-//!   is free) and the copy thread gives it back after the copy. The copy
-//!   checks that the buffer still holds what the upload put in it, so a
-//!   buffer refilled mid-copy is counted ([`SimProbe::violations`]).
+//!   is free) and the copy thread gives it back after the copy. The
+//!   buffer travels with its copy job, so it cannot be refilled
+//!   mid-copy here: the CUDA pools' rule (a buffer back to its pool only
+//!   after its copy's event) has no counterpart in the sim and is not
+//!   tested by it. [`SimProbe::violations`] counts what the copy finds
+//!   changed, which for staged copies is always nothing; for pinned pages
+//!   (below) it is the check.
 //! * **Registered pages**: the device has a registrar
 //!   ([`SimRegistrar`]; [`SimDevice::without_registration`] has none),
 //!   and a param pinned in a page it registered is copied in place
