@@ -506,7 +506,11 @@ impl<B> Aheads<B> {
         let out = match run(&params, &bufs) {
             Ok(o) => o,
             Err(e) => {
-                holder.give_params(&ids, bufs)?;
+                // The launch's own failure is the cause; one in giving
+                // the params back after it is said, not put in its place.
+                if let Err(back) = holder.give_params(&ids, bufs) {
+                    tracing::warn!(error = %back, "giving back a failed launch's params failed too");
+                }
                 return Err(e);
             }
         };

@@ -139,16 +139,32 @@ impl<L: DeviceLink + 'static> Filler<L> {
                     {
                         let start = Instant::now();
                         let r = match &bound {
-                            Ok(()) => with_host_elems(&host, |v| match pin {
-                                Some(pin) => {
-                                    let (u, direct) = link.upload_pinned(&what, pin, v)?;
-                                    if direct {
-                                        in_place.fetch_add(v.bytes(), Ordering::Relaxed);
-                                    }
-                                    Ok(u)
-                                }
-                                None => link.upload(&what, v),
-                            }),
+                            // A panic (a library's, loaded at run time)
+                            // comes back as this upload's error with its
+                            // message: the thread goes on, and the waits
+                            // behind it do not all say only that it stopped.
+                            Ok(()) => {
+                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                    with_host_elems(&host, |v| match pin {
+                                        Some(pin) => {
+                                            let (u, direct) = link.upload_pinned(&what, pin, v)?;
+                                            if direct {
+                                                in_place.fetch_add(v.bytes(), Ordering::Relaxed);
+                                            }
+                                            Ok(u)
+                                        }
+                                        None => link.upload(&what, v),
+                                    })
+                                }))
+                                .unwrap_or_else(|p| {
+                                    Err(ModelError::Gpu {
+                                        what: format!(
+                                        "device tier: {what} not uploaded: the upload panicked: {}",
+                                        crate::gpu::panic_message(p.as_ref())
+                                    ),
+                                    })
+                                })
+                            }
                             Err(e) => Err(ModelError::Gpu {
                                 what: format!("device tier: {what} not uploaded: {e}"),
                             }),
