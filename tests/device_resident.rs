@@ -204,8 +204,8 @@ fn a_checkpoint_of_device_state_resumes_to_the_same_bits() {
     };
     let (straight, _) = on_device(&model, &k, GemmDtype::F32, 4);
 
-    let (units, _) = resident_units(&model, &k, GemmDtype::F32);
-    let mut t = build_with(&model, &k, opts_with(units), 4);
+    let (first_units, _) = resident_units(&model, &k, GemmDtype::F32);
+    let mut t = build_with(&model, &k, opts_with(first_units.clone()), 4);
     let mut losses = Vec::new();
     for _ in 0..2 {
         losses.push(t.step().unwrap().metrics.loss.to_bits());
@@ -228,9 +228,25 @@ fn a_checkpoint_of_device_state_resumes_to_the_same_bits() {
     let (units, _) = resident_units(&model, &k, GemmDtype::F32);
     let resumed = Trainer::resume(&loaded.config, &c, corpus(), opts_with(units)).unwrap();
     let rest = drive(resumed, 2);
+    let mut again = losses.clone();
     losses.extend(rest.loss_bits);
     assert_eq!(losses, straight.loss_bits, "losses");
     assert_eq!(rest.sha, straight.sha, "weights");
+
+    // Resumed on the compute the first trainer used, which holds that
+    // trainer's state of a step past the checkpoint: the checkpoint's is
+    // loaded over it.
+    let resumed = Trainer::resume(&loaded.config, &c, corpus(), opts_with(first_units)).unwrap();
+    let rest = drive(resumed, 2);
+    again.extend(rest.loss_bits);
+    assert_eq!(
+        again, straight.loss_bits,
+        "losses resumed on the same compute"
+    );
+    assert_eq!(
+        rest.sha, straight.sha,
+        "weights resumed on the same compute"
+    );
 }
 
 #[test]

@@ -849,6 +849,7 @@ impl Trainer {
             engine_clocks: clocks.engines,
             flush_open: false,
             device_dirty: false,
+            device_loaded: false,
             said_buffers_short: false,
             optimizer_wait: Duration::ZERO,
             speculation: Speculation::default(),

@@ -32,7 +32,9 @@ impl Trainer {
             .filter(|c| c.device_optimizer().is_some())
     }
 
-    /// Loads every param's state into the device, unless it is there.
+    /// Loads every param's state into the device, once per trainer (a
+    /// device that already holds every param's state from an earlier
+    /// trainer is loaded again, from this one's).
     pub(super) fn load_device_optimizer(&mut self) -> Result<()> {
         let Some(compute) = self.device_compute() else {
             return Ok(());
@@ -40,7 +42,7 @@ impl Trainer {
         let Some(dev) = compute.device_optimizer() else {
             return Ok(());
         };
-        if dev.is_loaded() {
+        if self.device_loaded {
             return Ok(());
         }
         let groups = self.layout.sub_groups.clone();
@@ -90,6 +92,7 @@ impl Trainer {
             ));
         }
         self.device_dirty = false;
+        self.device_loaded = true;
         Ok(())
     }
 

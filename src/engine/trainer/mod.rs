@@ -409,6 +409,11 @@ pub struct Trainer {
     /// The device optimizer stepped since its state was last loaded or
     /// written back to the host (`device_optim.rs`).
     device_dirty: bool,
+    /// This trainer loaded the device optimizer's state from its own
+    /// (`device_optim.rs`). Not the device's own "every param has state":
+    /// a compute passed on from an earlier trainer has that trainer's
+    /// state, which a resumed one must replace with its checkpoint's.
+    device_loaded: bool,
     /// The run said that its swap buffers were short for copies in place
     /// ([`Trainer::check_kept_buffers`]; said once).
     said_buffers_short: bool,
