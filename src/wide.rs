@@ -105,10 +105,35 @@ impl Wide {
 
 /// Tests' choice over [`Wide::detected`] (0: none; else 1 + the index in
 /// [`ALL`]). Process-wide, so another test that runs meanwhile gets it
-/// too: harmless, as every choice gives the same bits.
+/// too; set only through [`with_test_choice`], which holds
+/// [`TEST_CHOICE_LOCK`] so that two tests comparing instruction sets do
+/// not set it under each other (one's "baseline" run would take the
+/// other's choice, and the comparison would pass without comparing).
 #[cfg(test)]
-pub(crate) static TEST_CHOICE: std::sync::atomic::AtomicUsize =
-    std::sync::atomic::AtomicUsize::new(0);
+static TEST_CHOICE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+#[cfg(test)]
+static TEST_CHOICE_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Runs `f` with the loops built for `ALL[isa_index]` (as built where this
+/// CPU lacks it), the choice held for `f`'s whole run, every thread's, and
+/// cleared after it, also when `f` panics.
+#[cfg(test)]
+pub(crate) fn with_test_choice<R>(isa_index: usize, f: impl FnOnce() -> R) -> R {
+    use std::sync::atomic::Ordering::SeqCst;
+    struct Clear;
+    impl Drop for Clear {
+        fn drop(&mut self) {
+            TEST_CHOICE.store(0, SeqCst);
+        }
+    }
+    let _held = TEST_CHOICE_LOCK
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    assert!(isa_index < ALL.len(), "no instruction set {isa_index}");
+    TEST_CHOICE.store(isa_index + 1, SeqCst);
+    let _clear = Clear;
+    f()
+}
 
 /// Every instruction set, baseline first.
 #[cfg(test)]
@@ -119,7 +144,7 @@ pub(crate) const ALL: [Wide; 3] = [Wide::Baseline, Wide::Avx2, Wide::Avx512];
 pub(crate) fn run<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(test)]
     {
-        let k = TEST_CHOICE.load(std::sync::atomic::Ordering::Relaxed);
+        let k = TEST_CHOICE.load(std::sync::atomic::Ordering::SeqCst);
         if k > 0 {
             return run_on(ALL[k - 1], f);
         }

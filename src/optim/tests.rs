@@ -1020,18 +1020,18 @@ fn the_host_norm_is_the_device_kernels_bits() {
         };
         let want = tierzero_gpu::reference::norm_sq_sums(&[group]).unwrap()[0];
         for &isa in &isas {
-            crate::wide::TEST_CHOICE.store(isa + 1, std::sync::atomic::Ordering::Relaxed);
-            for t in [1, 2, 3, 7] {
-                let got = CpuAdam::new(AdamHyper::default(), nz(t))
-                    .unwrap()
-                    .grad_sq_norm(g);
-                assert_eq!(
-                    got.to_bits(),
-                    want.to_bits(),
-                    "{n} elements, {t} threads, isa {isa}"
-                );
-            }
-            crate::wide::TEST_CHOICE.store(0, std::sync::atomic::Ordering::Relaxed);
+            crate::wide::with_test_choice(isa, || {
+                for t in [1, 2, 3, 7] {
+                    let got = CpuAdam::new(AdamHyper::default(), nz(t))
+                        .unwrap()
+                        .grad_sq_norm(g);
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{n} elements, {t} threads, isa {isa}"
+                    );
+                }
+            });
         }
     }
 }

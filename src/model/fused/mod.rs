@@ -639,6 +639,38 @@ mod tests {
     /// Rows of awkward lengths: 1, odd, a prime, one past a SIMD width.
     const ROWS: [usize; 5] = [1, 7, 17, 33, 192];
 
+    /// The backward's column sums (norm weights, biases) over more rows
+    /// than one task takes: the blocks' partial sums combined, against the
+    /// primitive composition (the tests above stay within one block).
+    #[test]
+    fn column_sums_over_several_blocks_match_the_primitive_composition() {
+        for (k, n) in [7usize, 700].into_iter().enumerate() {
+            let rows = 3 * rows_per_task(n) + 5;
+            let seed = 100 + k as u64 * 10;
+            let x = rand(&[1, rows, n], seed, DType::F64);
+            let w = rand(&[n], seed + 1, DType::F64);
+            let b = rand(&[n], seed + 2, DType::F64);
+            check(
+                &format!("bias {n} x {rows} rows"),
+                &[x.clone(), b.clone()],
+                |a| bias_add(&a[0], &a[1]).unwrap(),
+                |a| a[0].broadcast_add(&a[1]).unwrap(),
+            );
+            check(
+                &format!("layer norm {n} x {rows} rows"),
+                &[x.clone(), w.clone(), b],
+                |a| layer_norm(&a[0], &a[1], &a[2], 1e-5).unwrap(),
+                |a| ops::layer_norm(&a[0], &a[1], &a[2], 1e-5).unwrap(),
+            );
+            check(
+                &format!("rms norm {n} x {rows} rows"),
+                &[x, w],
+                |a| rms_norm(&a[0], &a[1], 1e-6).unwrap(),
+                |a| ops::rms_norm(&a[0], &a[1], 1e-6).unwrap(),
+            );
+        }
+    }
+
     #[test]
     fn fused_ops_match_the_primitive_composition() {
         for dtype in [DType::F64, DType::F32] {
@@ -1028,10 +1060,7 @@ mod tests {
         args: &[&Tensor],
         f: &(dyn Fn(&[Tensor]) -> Tensor + Sync),
     ) -> Vec<Vec<u64>> {
-        crate::wide::TEST_CHOICE.store(isa + 1, std::sync::atomic::Ordering::Relaxed);
-        let all = bits_on(2, args, f);
-        crate::wide::TEST_CHOICE.store(0, std::sync::atomic::Ordering::Relaxed);
-        all
+        crate::wide::with_test_choice(isa, || bits_on(2, args, f))
     }
 
     #[test]
