@@ -2,8 +2,10 @@
 //! given the unit's **storage** dtype (the dtype of its params, its hidden
 //! input and its hidden output: the 16-bit copy under `bf16` / `fp16`, fp32
 //! otherwise). One table, for every backend: the CPU units of
-//! [`super::Model`] follow it through [`Policy`], and device kernels must
-//! follow the same rows.
+//! [`super::Model`] follow it through [`Policy`], and device kernels
+//! follow the same rows but one: the device's bf16 attention keeps the
+//! scores and their gradients in bf16, as eager attention does under
+//! autocast (see `exec_units`' bf16 section).
 //!
 //! # The rule
 //!
@@ -247,6 +249,16 @@ impl Policy {
         if nkv == 0 || nh % nkv != 0 {
             return Err(candle_core::Error::Msg(format!(
                 "attention: {nh} query heads over {nkv} key/value heads"
+            )));
+        }
+        // `v` as its projection gives it, `[b, t, nkv · d]`: a rank-4 `v`
+        // of the same element count would reshape without error and be
+        // read in the wrong order.
+        if v.dims() != [b, t, nkv * d] {
+            return Err(candle_core::Error::Msg(format!(
+                "attention: v is {:?}, expected [{b}, {t}, {}] ([b, t, nkv * head_dim])",
+                v.dims(),
+                nkv * d
             )));
         }
         let v = v.reshape((b, t, nkv, d))?.transpose(1, 2)?.contiguous()?;
@@ -526,12 +538,19 @@ mod tests {
                     let want: f64 = probs.iter().zip(&ve).map(|(p, v)| p * v[c]).sum();
                     let mag: f64 = probs.iter().zip(&ve).map(|(p, v)| (p * v[c]).abs()).sum();
                     let got = ye[i][c];
+                    // One rounding of the output to bf16 (unit roundoff
+                    // 2^-8) and fp32 sums: scores or dS rounded to bf16
+                    // before the softmax would be off by |score| 2^-8.
                     assert!(
-                        (got - want).abs() <= mag * 2f64.powi(-7) + 1e-6,
+                        (got - want).abs() <= want.abs() * 2f64.powi(-8) * 1.01 + mag * 1e-5,
                         "t={t} [{i},{c}]: {got} vs {want}"
                     );
                 }
             }
+            // v in the heads' layout [b, nkv, t, d] (the same count) is refused,
+            // not read in the wrong order.
+            let err = p.attention(&q, &k, &v, None).unwrap_err().to_string();
+            assert!(err.contains("expected [1, "), "{err}");
         }
     }
 }

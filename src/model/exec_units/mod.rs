@@ -30,9 +30,13 @@
 //! GEMM operands ([`GemmDtype::Bf16`]) and fp32 everywhere else, and its
 //! hidden output and gradients come back rounded to bf16 once: the
 //! storage rows of the precision policy (`super::precision`). Inside a
-//! unit it rounds less often than the CPU units (their linear outputs
-//! and attention probabilities are rounded to bf16 too), so the two are
-//! close, not bit-identical.
+//! unit the two round in different places, so they are close, not
+//! bit-identical: the CPU units round each linear output to bf16 and the
+//! device's do not; the device's bf16 attention stores the scores
+//! `q kᵀ`, the probabilities and the score gradients (dP, dS) in bf16
+//! (its GEMMs' outputs, as transformers' eager attention gives them under
+//! autocast), where the CPU units keep scores and dS in fp32 and round
+//! only the probabilities (as the CPU flash-attention kernel under sdpa).
 //!
 //! # fp16
 //!
