@@ -260,6 +260,19 @@ struct NoDirectDir {
 
 impl NoDirectDir {
     fn new() -> Option<NoDirectDir> {
+        // One CI mounted for the tests (`.ci/run`).
+        if let Some(d) = std::env::var_os("TIERZERO_TEST_NO_ODIRECT_DIR") {
+            if let Ok(t) = tempfile::tempdir_in(&d) {
+                let path = t.keep();
+                if !accepts_o_direct(&path) {
+                    return Some(NoDirectDir {
+                        path,
+                        mounted: false,
+                    });
+                }
+                let _ = std::fs::remove_dir_all(&path);
+            }
+        }
         if let Ok(t) = tempfile::tempdir_in("/dev/shm") {
             let path = t.keep();
             if !accepts_o_direct(&path) {
@@ -303,7 +316,12 @@ impl Drop for NoDirectDir {
 #[test]
 fn an_nvme_path_without_o_direct_warns_once_or_refuses_by_policy() {
     let Some(nd) = NoDirectDir::new() else {
-        eprintln!("no file system without O_DIRECT available (tmpfs does O_DIRECT here and ramfs cannot be mounted); skipping");
+        let why = "no file system without O_DIRECT available (tmpfs does O_DIRECT here and ramfs cannot be mounted)";
+        assert!(
+            std::env::var("TIERZERO_REQUIRE_NO_ODIRECT").as_deref() != Ok("1"),
+            "TIERZERO_REQUIRE_NO_ODIRECT=1, but {why}"
+        );
+        eprintln!("{why}; skipping");
         return;
     };
     let swap = nd.path.join("swap");

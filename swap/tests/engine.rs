@@ -917,14 +917,28 @@ fn dead_pid() -> u32 {
     pid
 }
 
+/// Whether CI requires the tests of a file system without O_DIRECT to
+/// find one (`TIERZERO_REQUIRE_NO_ODIRECT=1`, set by `.ci/run` beside the
+/// ramfs it mounts at `TIERZERO_TEST_NO_ODIRECT_DIR`).
+fn no_odirect_required() -> bool {
+    std::env::var("TIERZERO_REQUIRE_NO_ODIRECT").as_deref() == Ok("1")
+}
+
 #[test]
-fn tmpfs_falls_back_or_refuses_by_policy() {
-    let shm = Path::new("/dev/shm");
-    if !shm.is_dir() {
-        eprintln!("no /dev/shm; skipping");
+fn a_file_system_without_o_direct_falls_back_or_refuses_by_policy() {
+    // CI's ramfs, else /dev/shm (tmpfs refused O_DIRECT before Linux 6.6).
+    let base = std::env::var_os("TIERZERO_TEST_NO_ODIRECT_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| Path::new("/dev/shm").to_path_buf());
+    if !base.is_dir() {
+        assert!(
+            !no_odirect_required(),
+            "TIERZERO_REQUIRE_NO_ODIRECT=1, but no {base:?}"
+        );
+        eprintln!("no {base:?}; skipping");
         return;
     }
-    let dir = tempfile::tempdir_in(shm).unwrap();
+    let dir = tempfile::tempdir_in(&base).unwrap();
     let mut cfg = SpaceConfig::new(dir.path(), 1 << 20);
     cfg.direct_io = DirectIo::Require;
     match SwapSpace::create(cfg.clone()) {
@@ -932,12 +946,21 @@ fn tmpfs_falls_back_or_refuses_by_policy() {
             assert!(e.to_string().contains("O_DIRECT"))
         }
         Ok(s) if s.files()[0].is_direct() => {
-            eprintln!("this tmpfs supports O_DIRECT; nothing to test")
+            assert!(
+                !no_odirect_required(),
+                "TIERZERO_REQUIRE_NO_ODIRECT=1, but {base:?} takes O_DIRECT"
+            );
+            eprintln!("{base:?} supports O_DIRECT; nothing to test");
+            return;
         }
         other => panic!("{other:?}"),
     }
     cfg.direct_io = DirectIo::Auto;
     let space = SwapSpace::create(cfg).unwrap();
+    assert!(
+        !space.files()[0].is_direct(),
+        "auto fell back to the page cache"
+    );
     let arena = PinnedArena::new(ArenaConfig::new(1 << 20, 1 << 20)).unwrap();
     let engine = Engine::new(space.clone(), arena.clone(), EngineConfig::default()).unwrap();
     let e = space.allocate(1 << 20).unwrap();
