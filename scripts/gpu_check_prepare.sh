@@ -46,12 +46,23 @@ PYBIN="${PYTHON:-.ci/venv/bin/python}"
 wheel_err=""
 if ! "$PYBIN" -m maturin --version >/dev/null 2>&1; then
   wheel_err="no maturin in $PYBIN (set PYTHON to a python with maturin)"
-elif ! "$PYBIN" -m maturin build --release --quiet --out "$out"; then
+elif ! "$PYBIN" -m maturin build --release --strip --quiet --out "$out"; then
   wheel_err="maturin build --release failed (its output is above)"
 elif ! ls "$out"/tierzero-*.whl >/dev/null 2>&1; then
   wheel_err="maturin built no tierzero-*.whl into $out"
 fi
 du -sh "$out"/*
+# The device tool carries the working tree (tracked and untracked files
+# git does not ignore) and the carry paths, 64 MiB in all: refuse here,
+# with the numbers, what would be refused there after the machine started.
+carry_kib=$(du -sk "$out" | cut -f1)
+tree_kib=$(git ls-files -z --cached --others --exclude-standard | du -ck --files0-from=- 2>/dev/null | tail -n 1 | cut -f1)
+total_mib=$(( (carry_kib + ${tree_kib:-0} + 1023) / 1024 ))
+echo "carry: $out $(( carry_kib / 1024 )) MiB + working tree $(( ${tree_kib:-0} / 1024 )) MiB = about $total_mib MiB of the 64 MiB limit"
+if [ "$total_mib" -gt 60 ]; then
+  echo "*** gpu_check_prepare: about $total_mib MiB would travel, over 60 MiB (the device tool's limit is 64 MiB): leave out a binary or remove untracked files" >&2
+  exit 1
+fi
 if [ -n "$wheel_err" ]; then
   {
     echo
