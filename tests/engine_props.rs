@@ -161,13 +161,14 @@ fn saved_and_exported(t: &mut Trainer, dir: &Path) -> Vec<u8> {
 fn reference(arch: TinyArch, k: &Knobs) -> Trained {
     type Key = (TinyArch, &'static str, u64, u64, u32);
     static REFS: OnceLock<Mutex<HashMap<Key, Trained>>> = OnceLock::new();
-    let key = (
-        arch,
-        k.precision,
-        k.gas,
-        k.clip.to_bits(),
-        k.initial_scale_power,
-    );
+    // The loss scale is fp16's alone (`fp16.enabled` is false otherwise):
+    // fp32 and bf16 draws of any scale share one reference.
+    let scale_power = if k.precision == "fp16" {
+        k.initial_scale_power
+    } else {
+        0
+    };
+    let key = (arch, k.precision, k.gas, k.clip.to_bits(), scale_power);
     let refs = REFS.get_or_init(Default::default);
     if let Some(r) = refs.lock().unwrap().get(&key) {
         return r.clone();
