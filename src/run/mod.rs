@@ -238,8 +238,13 @@ impl Plan {
         // committed slot is the group's extents from then on); spilled
         // gradients written and read once (in the dtype the host holds
         // them in: bf16 ones half their fp32-sized extents); parked sums
-        // written and read once per micro-batch but the last.
+        // written and read once per micro-batch but the last. With
+        // speculation, a speculated group's new params are written after
+        // its speculative step, and again after its re-step when the
+        // speculation missed (measured: every miss; clipping that clips
+        // misses every step), so params count twice.
         let gas = config.batch.gradient_accumulation_steps.max(1);
+        let param_writes = sizing.param_nvme_bytes * if sizing.speculative { 2 } else { 1 };
         let state_rw = sizing.optimizer_nvme_bytes;
         let park_rw = sizing.grad_park_nvme_bytes * (gas - 1);
         let spill_rw = if sizing.grad_spill_nvme_bytes == 0 {
@@ -249,7 +254,7 @@ impl Plan {
         };
         let nvme_step = (
             sizing.param_nvme_bytes * 2 * gas + state_rw + spill_rw + park_rw,
-            sizing.param_nvme_bytes + state_rw + spill_rw + park_rw,
+            param_writes + state_rw + spill_rw + park_rw,
         );
         let mut optimizer = TierBytes {
             nvme_bytes: sizing.optimizer_nvme_bytes,
