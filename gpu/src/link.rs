@@ -29,11 +29,11 @@
 //!    the pool (one pool per element type). When the pool's pinned bytes
 //!    would pass its cap, it frees idle buffers, then waits for the
 //!    oldest copy's event and frees that buffer: every staging buffer is
-//!    the pool's, idle or retiring, so the pool holds at most its cap
-//!    (or the one upload longer than the cap, alone), plus one buffer per
-//!    thread filling one at that moment (taken out of the pool while the
-//!    host writes it, out of the eviction's reach: the upload thread and
-//!    the engine thread may each hold one). Until 2026-12-05 a
+//!    the pool's, idle, retiring or being filled (taken out of the pool
+//!    while the host writes it, out of the eviction's reach, still
+//!    counted: the upload thread and the engine thread may each fill
+//!    one), so the pool holds at most the larger of its cap and the
+//!    buffers being filled at once. Until 2026-12-05 a
 //!    buffer travelled in its [`PendingUpload`] until `finish`, out of
 //!    the pool's reach: with the uploads of a unit and the window ahead
 //!    not yet finished, a full pool allocated past its cap, and the
@@ -984,8 +984,15 @@ impl Uploads {
     /// drops what this returns (a stop, a unit given back) does not drop
     /// that too.
     pub fn discard(&self, u: PendingUpload) -> Result<()> {
-        let b = self.finish_own(u)?;
-        self.free_after_compute(b)
+        let r = self.finish_own(u).and_then(|b| self.free_after_compute(b));
+        // A failure here may be an earlier operation's that cudarc handed
+        // to this call (a failed drop's): kept for the next `finish` too,
+        // since the caller only says it.
+        if let Err(e) = &r {
+            let mut slot = DEFERRED.lock().unwrap_or_else(|p| p.into_inner());
+            slot.get_or_insert_with(|| format!("{e} (while discarding an upload nobody took)"));
+        }
+        r
     }
 
     /// [`Uploads::finish`] less the earlier failure's check.

@@ -14,9 +14,10 @@ use crate::model::{Model, ParamId};
 /// With one rank, bf16 storage has an fp32 master beside the bf16
 /// weights; the gradients (fp32) are the step's sums plus, at most, one
 /// unit's micro-batch gradients (`unit_numels`, as backward returns them,
-/// all alive until each is added) and, beside them, the largest param's
-/// bf16 rounding (with its cast's bf16 temporary) or the new sum an add
-/// makes: two of the largest.
+/// all alive until each is added) and three of the largest param beside
+/// them: a tied param's micro-batch sum still open (from the head, with
+/// several micro-batches) and either its bf16 rounding with the cast's
+/// bf16 temporary (one and a half) or the new sum an add makes.
 ///
 /// With several, the weights are whole on every rank and the master and
 /// moments are this rank's shards (`crate::engine::layout::shard_counts`);
@@ -48,7 +49,7 @@ pub fn resident_state_bytes(
             weights,
             if bf16 { total * ELEM_BYTES } else { 0 },
             2 * total * ELEM_BYTES,
-            (total + unit + 2 * largest) * ELEM_BYTES,
+            (total + unit + 3 * largest) * ELEM_BYTES,
         ];
     }
     let shard = |n: u64| {
@@ -179,9 +180,9 @@ mod tests {
         // One unit holds both.
         let one = super::resident_state_bytes(&numels, true, 0, 1, &numels, false);
         // One rank: the sums (13), the unit's gradients as backward
-        // returned them (13), and two of the largest (10: a bf16 rounding
-        // or a new sum beside them).
-        assert_eq!(one, [26, 52, 104, (13 + 13 + 20) * 4]);
+        // returned them (13), and three of the largest (10: a tied param's
+        // open sum, and its bf16 rounding or a new sum beside them).
+        assert_eq!(one, [26, 52, 104, (13 + 13 + 30) * 4]);
         let two = super::resident_state_bytes(&numels, true, 1, 2, &numels, false);
         // bf16 weights whole; the fp32 master and moments of 6 elements;
         // the sums' shards (6), the largest gradient (10), the unit's
