@@ -56,7 +56,7 @@ du -sh "$out"/*
 # git does not ignore) and the carry paths, 64 MiB in all: refuse here,
 # with the numbers, what would be refused there after the machine started.
 carry_kib=$(du -sk "$out" | cut -f1)
-tree_kib=$(git ls-files -z --cached --others --exclude-standard | du -ck --files0-from=- 2>/dev/null | tail -n 1 | cut -f1)
+tree_kib=$(git ls-files -z --cached --others --exclude-standard | du -ck --files0-from=- 2>/dev/null | tail -n 1 | cut -f1 || true)
 total_mib=$(( (carry_kib + ${tree_kib:-0} + 1023) / 1024 ))
 echo "carry: $out $(( carry_kib / 1024 )) MiB + working tree $(( ${tree_kib:-0} / 1024 )) MiB = about $total_mib MiB of the 64 MiB limit"
 if [ "$total_mib" -gt 60 ]; then
