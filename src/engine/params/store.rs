@@ -1747,11 +1747,13 @@ mod tests {
         }
         s.let_go_kept(&ids[..2]).unwrap();
         assert_eq!((s.kept_now(), s.free_buffers()), (0, 0));
+        // Timed from before the copies' thread starts: it holds the pins
+        // at least 100 ms from here, however late this thread runs on.
+        let t0 = Instant::now();
         let copies = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(100));
             drop(pins);
         });
-        let t0 = Instant::now();
         assert_eq!(tensor_bytes(&s.fetch(ids[2]).unwrap()).unwrap(), want[2]);
         assert!(
             t0.elapsed() >= Duration::from_millis(90),
