@@ -260,9 +260,13 @@ struct NoDirectDir {
 
 impl NoDirectDir {
     fn new() -> Option<NoDirectDir> {
-        // One CI mounted for the tests (`.ci/run`).
-        if let Some(d) = std::env::var_os("TIERZERO_TEST_NO_ODIRECT_DIR") {
-            if let Ok(t) = tempfile::tempdir_in(&d) {
+        // The one CI mounted for the tests (`.ci/run`), else /dev/shm.
+        let candidates = std::env::var_os("TIERZERO_TEST_NO_ODIRECT_DIR")
+            .map(PathBuf::from)
+            .into_iter()
+            .chain([PathBuf::from("/dev/shm")]);
+        for base in candidates {
+            if let Ok(t) = tempfile::tempdir_in(&base) {
                 let path = t.keep();
                 if !accepts_o_direct(&path) {
                     return Some(NoDirectDir {
@@ -272,16 +276,6 @@ impl NoDirectDir {
                 }
                 let _ = std::fs::remove_dir_all(&path);
             }
-        }
-        if let Ok(t) = tempfile::tempdir_in("/dev/shm") {
-            let path = t.keep();
-            if !accepts_o_direct(&path) {
-                return Some(NoDirectDir {
-                    path,
-                    mounted: false,
-                });
-            }
-            let _ = std::fs::remove_dir_all(&path);
         }
         // tmpfs does O_DIRECT since Linux 6.6; ramfs never does.
         let path = scratch("ramfs");
