@@ -103,6 +103,17 @@ impl CudaLink {
         }
     }
 
+    /// `upload`, its gather waited for when it is one: a gathered
+    /// param's event is NCCL's, waited for with a deadline (a dead peer
+    /// never completes it) before the compute is ordered after it.
+    fn gather_waited(&self, upload: PendingUpload) -> Result<PendingUpload, ModelError> {
+        if !upload.is_gathered() {
+            return Ok(upload);
+        }
+        let (comm, timeout) = self.collective("a param's gather")?;
+        comm.wait_gathered(upload, *timeout).map_err(gpu_err)
+    }
+
     fn collective(&self, what: &str) -> Result<&(DeviceComm, std::time::Duration), ModelError> {
         self.collective.as_ref().ok_or_else(|| ModelError::Gpu {
             what: format!("{what}: no collectives on this GPU's buffers"),
@@ -340,26 +351,13 @@ impl DeviceLink for CudaLink {
     }
 
     fn finish(&self, upload: PendingUpload) -> Result<DevBuf, ModelError> {
-        // A gathered param's event is NCCL's: waited for with a deadline
-        // (a dead peer never completes it), then the compute ordered
-        // after it.
-        let upload = if upload.is_gathered() {
-            let (comm, timeout) = self.collective("a param's gather")?;
-            comm.wait_gathered(upload, *timeout).map_err(gpu_err)?
-        } else {
-            upload
-        };
+        let upload = self.gather_waited(upload)?;
         self.uploads.finish(upload).map_err(gpu_err)
     }
 
     fn discard(&self, upload: PendingUpload) -> Result<(), ModelError> {
         // As `finish`, less taking an earlier operation's failure.
-        let upload = if upload.is_gathered() {
-            let (comm, timeout) = self.collective("a param's gather")?;
-            comm.wait_gathered(upload, *timeout).map_err(gpu_err)?
-        } else {
-            upload
-        };
+        let upload = self.gather_waited(upload)?;
         self.uploads.discard(upload).map_err(gpu_err)
     }
 
