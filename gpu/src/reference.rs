@@ -688,6 +688,12 @@ pub fn sum_kv<T: Storage>(x: &[T], s: KvShape) -> Vec<T> {
 /// The product [`crate::ops::matmul`] asks cuBLAS for (row-major, per
 /// batch: `C = α·op(A)·op(B) + β·C`, C not read when β is 0), summed in f64 (cuBLAS's order is its
 /// own: compare within a tolerance).
+///
+/// Each element's sum runs over `k` in order from 0. Eight columns of a
+/// row are summed side by side (eight independent sums, each in that
+/// order, so the same bits as one column at a time): the simulated
+/// device computes its units with this, and one dependent f64 add a step
+/// made it most of the simulated tests' time.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul<T: Storage>(
     c: &mut [T],
@@ -699,28 +705,36 @@ pub fn matmul<T: Storage>(
     alpha: f32,
     beta: f32,
 ) {
+    const COLS: usize = 8;
     for p in 0..batch {
         let (a, b) = (
             &a[p * m * k..(p + 1) * m * k],
             &b[p * k * n..(p + 1) * k * n],
         );
         for i in 0..m {
-            for j in 0..n {
-                let mut s = 0f64;
+            for j0 in (0..n).step_by(COLS) {
+                let cols = COLS.min(n - j0);
+                let mut sums = [0f64; COLS];
                 for l in 0..k {
                     let x = if trans_a { a[l * m + i] } else { a[i * k + l] };
-                    let y = if trans_b { b[j * k + l] } else { b[l * n + j] };
-                    s += x.load() as f64 * y.load() as f64;
+                    let x = x.load() as f64;
+                    for (dj, s) in sums[..cols].iter_mut().enumerate() {
+                        let j = j0 + dj;
+                        let y = if trans_b { b[j * k + l] } else { b[l * n + j] };
+                        *s += x * y.load() as f64;
+                    }
                 }
-                let o = &mut c[p * m * n + i * n + j];
-                // BLAS's rule, which cuBLAS follows: with β 0, C is not
-                // read (it may hold NaN or anything else).
-                let old = if beta == 0.0 {
-                    0.0
-                } else {
-                    beta as f64 * o.load() as f64
-                };
-                *o = T::store((alpha as f64 * s + old) as f32);
+                for (dj, s) in sums[..cols].iter().enumerate() {
+                    let o = &mut c[p * m * n + i * n + j0 + dj];
+                    // BLAS's rule, which cuBLAS follows: with β 0, C is not
+                    // read (it may hold NaN or anything else).
+                    let old = if beta == 0.0 {
+                        0.0
+                    } else {
+                        beta as f64 * o.load() as f64
+                    };
+                    *o = T::store((alpha as f64 * s + old) as f32);
+                }
             }
         }
     }
@@ -750,6 +764,140 @@ pub fn uniform(seed: u64) -> impl FnMut() -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One element at a time, each sum over `k` in order: what
+    /// [`matmul`] must equal bit for bit.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_by_element<T: Storage>(
+        c: &mut [T],
+        a: &[T],
+        b: &[T],
+        batch: usize,
+        (m, n, k): (usize, usize, usize),
+        (trans_a, trans_b): (bool, bool),
+        alpha: f32,
+        beta: f32,
+    ) {
+        for p in 0..batch {
+            let (a, b) = (&a[p * m * k..], &b[p * k * n..]);
+            for i in 0..m {
+                for j in 0..n {
+                    let mut s = 0f64;
+                    for l in 0..k {
+                        let x = if trans_a { a[l * m + i] } else { a[i * k + l] };
+                        let y = if trans_b { b[j * k + l] } else { b[l * n + j] };
+                        s += x.load() as f64 * y.load() as f64;
+                    }
+                    let o = &mut c[p * m * n + i * n + j];
+                    let old = if beta == 0.0 {
+                        0.0
+                    } else {
+                        beta as f64 * o.load() as f64
+                    };
+                    *o = T::store((alpha as f64 * s + old) as f32);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn matmul_s_columns_side_by_side_give_the_bits_of_one_element_at_a_time() {
+        // Widths under, at and over the eight columns summed together and
+        // not a multiple of them; both transposes; β 0 over NaN (not read)
+        // and β 0.5. Two kinds of operands: random ones spread over
+        // magnitudes (an element or index taken wrongly shows), and ones
+        // whose sums show their order: along k, op(A)'s rows are 1, 2^60,
+        // -2^60, then small values, against an op(B) of ones, so that in
+        // order the 1 is lost and the small values kept, and in any other
+        // order not.
+        for (batch, m, n, k) in [
+            (1, 1, 1, 1),
+            (2, 3, 7, 5),
+            (1, 4, 8, 9),
+            (3, 2, 17, 33),
+            (1, 5, 29, 64),
+        ] {
+            let s = (m, n, k);
+            for trans @ (trans_a, trans_b) in
+                [(false, false), (true, false), (false, true), (true, true)]
+            {
+                // Memory laid out for the transposes from op(A)[i][l] and
+                // op(B)[l][j].
+                let lay_a = |f: &dyn Fn(usize, usize, usize) -> f32| {
+                    let mut a = vec![0f32; batch * m * k];
+                    for p in 0..batch {
+                        for i in 0..m {
+                            for l in 0..k {
+                                let at = if trans_a { l * m + i } else { i * k + l };
+                                a[p * m * k + at] = f(p, i, l);
+                            }
+                        }
+                    }
+                    a
+                };
+                let lay_b = |g: &dyn Fn(usize, usize, usize) -> f32| {
+                    let mut b = vec![0f32; batch * k * n];
+                    for p in 0..batch {
+                        for l in 0..k {
+                            for j in 0..n {
+                                let at = if trans_b { j * k + l } else { l * n + j };
+                                b[p * k * n + at] = g(p, l, j);
+                            }
+                        }
+                    }
+                    b
+                };
+                let random = |seed: u64, len: usize| {
+                    let v = test_values(len, seed);
+                    move |x: usize| v[x % len] * [1e-6f32, 1.0, 3e5][x % 3]
+                };
+                let (ra, rb) = (random(1, 97), random(2, 89));
+                let small = test_values(k, 4);
+                let operands = [
+                    (
+                        lay_a(&|p, i, l| ra((p * m + i) * k + l)),
+                        lay_b(&|p, l, j| rb((p * k + l) * n + j)),
+                    ),
+                    (
+                        lay_a(&|_, i, l| match l {
+                            0 => 1.0,
+                            1 => 2f32.powi(60),
+                            2 => -(2f32.powi(60)),
+                            _ => small[l] * 1e-3 * (i + 1) as f32,
+                        }),
+                        lay_b(&|_, _, _| 1.0),
+                    ),
+                ];
+                for (a, b) in &operands {
+                    for beta in [0.0f32, 0.5] {
+                        let c0: Vec<f32> = if beta == 0.0 {
+                            vec![f32::NAN; batch * m * n]
+                        } else {
+                            test_values(batch * m * n, 3)
+                        };
+                        let what = format!("{batch}x{m}x{n}x{k} {trans:?} beta {beta}");
+                        let (mut got, mut want) = (c0.clone(), c0);
+                        matmul(&mut got, a, b, batch, s, trans, 0.75, beta);
+                        matmul_by_element(&mut want, a, b, batch, s, trans, 0.75, beta);
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&got), bits(&want), "{what}");
+                        let to_bf16 = |v: &[f32]| {
+                            v.iter()
+                                .map(|&x| <bf16 as Storage>::store(x))
+                                .collect::<Vec<_>>()
+                        };
+                        let (a, b) = (to_bf16(a), to_bf16(b));
+                        let mut got = to_bf16(&got);
+                        let mut want = got.clone();
+                        matmul(&mut got, &a, &b, batch, s, trans, 1.0, beta);
+                        matmul_by_element(&mut want, &a, &b, batch, s, trans, 1.0, beta);
+                        let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&got), bits(&want), "bf16 {what}");
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn add_chunks_adds_in_rank_order_onto_the_running_sum_each_chunk_widened() {
