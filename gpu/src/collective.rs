@@ -150,7 +150,23 @@ const NCCL: &str = "libnccl.so";
 
 /// An `ncclComm_t` and the stream it queues on.
 struct Handle {
-    comm: cudarc::nccl::Comm,
+    /// Dropped by [`Handle`]'s drop, under `catch_unwind`.
+    comm: std::mem::ManuallyDrop<cudarc::nccl::Comm>,
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // cudarc's `Comm` aborts the communicator when dropped and panics
+        // if NCCL reports an error, which it may after a fault broke the
+        // context: the run is already failing with its own error, and a
+        // panic here (one more while that error unwinds: an abort) would
+        // take its place. It is said instead.
+        // SAFETY: `comm` is taken once, here, and not used after.
+        let comm = unsafe { std::mem::ManuallyDrop::take(&mut self.comm) };
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(comm))).is_err() {
+            tracing::warn!("aborting the NCCL communicator failed (see the panic message above)");
+        }
+    }
 }
 
 // SAFETY: an `ncclComm_t` may be used from any thread, but not from two at
@@ -341,7 +357,9 @@ impl DeviceComm {
             let comm = cudarc::nccl::Comm::from_rank(stream.clone(), rank, world, id)
                 .map_err(nccl_err("ncclCommInitRank"))?;
             Ok(DeviceComm {
-                handle: Mutex::new(Handle { comm }),
+                handle: Mutex::new(Handle {
+                    comm: std::mem::ManuallyDrop::new(comm),
+                }),
                 stream,
                 rank,
                 world,
@@ -543,7 +561,7 @@ impl DeviceComm {
         };
         s.wait(&ready).map_err(driver_err("cuStreamWaitEvent"))?;
         // Timing only: a failed record loses the span, not the reduce.
-        let began = crate::link::EventClock::mark(s).ok();
+        let began = crate::link::timing(crate::link::EventClock::mark(s));
         let from = offsets(&blocks);
         let queued = (|| -> Result<CudaEvent> {
             if let Some(recv) = recv.as_mut() {
@@ -801,7 +819,7 @@ impl DeviceComm {
             .map_err(driver_err("cuCtxSetCurrent"))?;
         let s = &self.stream;
         s.wait(copied).map_err(driver_err("cuStreamWaitEvent"))?;
-        let began = crate::link::EventClock::mark(s).ok();
+        let began = crate::link::timing(crate::link::EventClock::mark(s));
         let mut up = up;
         let exchanged = {
             let h = self.handle.lock().unwrap_or_else(|p| p.into_inner());

@@ -283,6 +283,23 @@ fn retried(
     Ok(())
 }
 
+/// A timing event's result (the timeline's spans only): its value, or
+/// `None` with the error kept in [`DEFERRED`]. The record may have failed
+/// for an earlier operation whose drop could not return its error (cudarc
+/// hands that to the next call that binds the context): dropped here, the
+/// run would go on past a failed free or wait.
+pub(crate) fn timing<T>(r: crate::Result<T>) -> Option<T> {
+    match r {
+        Ok(v) => Some(v),
+        Err(e) => {
+            tracing::warn!(error = %e, "recording a timing event failed");
+            let mut slot = DEFERRED.lock().unwrap_or_else(|p| p.into_inner());
+            slot.get_or_insert_with(|| format!("{e} (while recording a timing event)"));
+            None
+        }
+    }
+}
+
 /// The failure of an earlier CUDA operation that a drop could not return
 /// and a wait found (`wait_for`), once: the operation it belonged to
 /// (a free, an event's record, a stream's wait) did not happen, so what
@@ -924,8 +941,9 @@ impl Uploads {
         }
         // From here the copy may be running: every way out hands the pin
         // to the reaper or waits for the stream first. The span is for the
-        // timeline only; a failed one only loses it.
-        if let Ok(span) = EventClock::span(&self.dev.h2d, what.to_owned(), began) {
+        // timeline only; a failed one loses it, and its error is kept
+        // ([`timing`]).
+        if let Some(span) = timing(EventClock::span(&self.dev.h2d, what.to_owned(), began)) {
             let _ = self.spans.push(span);
         }
         // The reaper's event, then the caller's: both after the copy. The

@@ -275,7 +275,7 @@ impl DeviceComm {
         let s = &self.stream;
         s.wait(&written).map_err(driver_err("cuStreamWaitEvent"))?;
         // Timing only: a failed record loses the span, not the gather.
-        let began = crate::link::EventClock::mark(s).ok();
+        let began = crate::link::timing(crate::link::EventClock::mark(s));
         let exchanged = {
             let h = self.handle.lock().unwrap_or_else(|p| p.into_inner());
             (|| -> Result<()> {

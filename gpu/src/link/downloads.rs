@@ -35,19 +35,22 @@ enum Down {
 
 impl Drop for PendingDownload {
     fn drop(&mut self) {
-        // Unfinished: wait for the copy before either buffer is freed
-        // (`as_slice` waits for the slice's event). If the wait fails, the
-        // copy may still be running: both buffers are leaked, not freed
-        // under it, and the failure is said.
-        let waited = match &self.inner {
+        // Unfinished: wait for the copy before any buffer is freed
+        // (`as_slice` waits for the slice's event), once more after a first
+        // failure that may be another operation's (`retried`). If the wait
+        // fails, the copy may still be running: its buffers and the ones
+        // kept for it (a reduce's, which its collective may still read)
+        // are leaked, not freed under it, and the failure is said.
+        let wait = || match &self.inner {
             Some(Down::F32(_, s)) => s.as_slice().map(drop),
             Some(Down::Bf16(_, s)) => s.as_slice().map(drop),
             Some(Down::F16(_, s)) => s.as_slice().map(drop),
             None => Ok(()),
         };
-        if let Err(e) = waited {
-            tracing::warn!(error = %e, "waiting for a download before freeing it failed; its buffers are leaked");
+        if let Err(e) = super::retried("cuEventSynchronize", wait) {
+            tracing::warn!(error = ?e.0, "waiting for a download before freeing it failed; its buffers are leaked");
             std::mem::forget(self.inner.take());
+            std::mem::forget(std::mem::take(&mut self.sources));
         }
     }
 }
@@ -263,11 +266,21 @@ impl Downloads {
                 sources,
             });
         };
-        let staging = self.queue(&self.free, what, &sums, Some(&r.done))?;
-        Ok(PendingDownload {
-            inner: Some(Down::F32(sums, staging)),
-            sources,
-        })
+        match self.queue(&self.free, what, &sums, Some(&r.done)) {
+            Ok(staging) => Ok(PendingDownload {
+                inner: Some(Down::F32(sums, staging)),
+                sources,
+            }),
+            Err(e) => {
+                // The collective may still read and write these: freed
+                // after its event, or leaked if that cannot be waited for.
+                if super::retried("cuEventSynchronize", || r.done.synchronize()).is_err() {
+                    std::mem::forget(sums);
+                    std::mem::forget(sources);
+                }
+                Err(e)
+            }
+        }
     }
 
     /// The downloaded elements (waits for the copy), copied out of the
