@@ -32,10 +32,12 @@
 //! * The thread waits on the job channel and on every ticket it holds at
 //!   once ([`crossbeam_channel::Select`]) and serves reads in the order
 //!   they land, not the order they were submitted, so a slow read never
-//!   holds up a finished one. It never blocks on anything else: every
-//!   buffer it holds is in a read the kernel completes by itself, so a
-//!   caller waiting on a [`PendingRead`] (for example to free a buffer)
-//!   always gets its answer.
+//!   holds up a finished one. Beside that it only waits, briefly, for a
+//!   page the compute thread is writing (a page copy's read pin waits
+//!   for the write's guard), which that thread drops without waiting on
+//!   this one; every buffer it holds is in a read the kernel completes
+//!   by itself, so a caller waiting on a [`PendingRead`] (for example to
+//!   free a buffer) always gets its answer.
 //! * The buffer is dropped (back to the pool) **before** the result is
 //!   sent: whoever waits on a [`PendingRead`] to free a buffer finds it
 //!   free once the result arrives; unless the store asked to keep it

@@ -6,7 +6,7 @@
 //! * [`Tier::Device`]: the tensor is built once and stays resident (stage
 //!   0-2, or `offload_param.device = none`).
 //! * [`Tier::Cpu`]: the bytes live in pinned host memory (a [`PinnedArena`]
-//!   whose buffers are pages; params are packed first-fit in `ParamId`
+//!   whose buffers are pages; params are packed next-fit in `ParamId`
 //!   order and never straddle a page). A prefetch has the param copy
 //!   thread build the tensor from the page (the page read-locked while it
 //!   copies; a write-back of another param in that page waits for it), so
@@ -126,9 +126,11 @@
 //! NVMe writes are asynchronous and queued FIFO; a read of a param whose
 //! write is still queued first waits for that write, so a fetch can never
 //! see old bytes. Reads and writes hold swap buffers only while the kernel
-//! works on them; when none is free, a blocking acquire retires the oldest
-//! write or completes the oldest in-flight read (never waits on something
-//! that nobody will complete, so it cannot deadlock).
+//! works on them (but a landed read's buffer kept for a device's copy in
+//! place: see the kept buffers below); when none is free, a blocking
+//! acquire retires the oldest write or completes the oldest in-flight read
+//! (never waits on something that nobody will complete, so it cannot
+//! deadlock).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -337,7 +339,8 @@ pub struct StoreCounters {
     pub nvme_written_bytes: u64,
     /// Time the compute thread waited on param I/O.
     pub io_wait: Duration,
-    /// Part of `io_wait` spent retiring write-backs to free a buffer.
+    /// Part of `io_wait` spent waiting for write-backs: to free a buffer,
+    /// before a read or a newer write of the same param, and at a flush.
     pub write_wait: Duration,
     /// Fetches that found the param resident already.
     pub hits: u64,
@@ -643,11 +646,16 @@ impl ParamStore {
     }
 
     /// What the prefetch window counts as live, in one pass over the
-    /// params: the resident bytes, the reads in flight, and (several
-    /// ranks) the reads landed and staged for the gather of params that
-    /// were not resident; each of the last two as whole params.
+    /// params: the live bytes ([`ParamStore::live_bytes`]: the resident
+    /// ones and, several ranks, those staged by an update of a resident
+    /// param), the reads in flight, and (several ranks) the reads landed
+    /// and staged for the gather of params that were not resident; each
+    /// of the last two as whole params. (The updates staged from resident
+    /// params were left out: the optimizer's tail stages the cached params
+    /// during the next forward, and the window read that many bytes past
+    /// `stage3_max_live_parameters`.)
     pub fn window_live_bytes(&self) -> u64 {
-        self.resident_bytes
+        self.live_bytes()
             + self.slot_bytes(|slot| matches!(slot, Slot::InFlight(_) | Slot::Staged(_, false)))
     }
 
@@ -1149,11 +1157,17 @@ mod tests {
         assert_eq!((s.resident_bytes(), s.live_bytes()), (pb, pb));
         s.apply(p, ParamEvent::Staged(vec![1; 4])).unwrap();
         assert_eq!((s.resident_bytes(), s.live_bytes()), (0, pb));
+        // The prefetch window counts it too.
+        assert_eq!(s.window_live_bytes(), pb);
         // Staged again (a second update): still counted once.
         s.apply(p, ParamEvent::Staged(vec![2; 4])).unwrap();
         assert_eq!(s.live_bytes(), pb);
         s.apply(q, ParamEvent::Staged(vec![3; 4])).unwrap();
         assert_eq!(s.live_bytes(), pb);
+        // q's staged shard counts in the window (as a whole param), not in
+        // the live bytes.
+        let qb = s.device_bytes(q);
+        assert_eq!(s.window_live_bytes(), pb + qb);
         // The fetch's gather: p stays counted once, q now counts.
         s.apply(p, ParamEvent::Materialized(whole(p))).unwrap();
         s.apply(q, ParamEvent::Materialized(whole(q))).unwrap();
