@@ -93,7 +93,9 @@
 //! again only once that write has retired (writes retire in order, so a
 //! sequence number per slot says when). A speculative step with no free
 //! slot is an error: the trainer speculates at most `pool_slots` groups a
-//! step, and every slot is free again by the end of the step's decision.
+//! step, and every slot is free again by the end of the step's optimizer
+//! tail (on a miss, a group's slot is freed when its re-step runs; the
+//! next step's speculative steps queue behind that tail's `Flush`).
 //! The swap file never outlives the run (checkpoints do), so a kill before
 //! the commit leaves the last committed state, the one the last checkpoint
 //! copied.
@@ -880,12 +882,20 @@ impl OptimizerState {
     pub fn cancel_reads(&mut self) -> Result<()> {
         self.held.iter_mut().for_each(|h| *h = None);
         if let Some(nv) = &mut self.nvme {
-            while let Some((_, ts)) = nv.reading.pop_front() {
-                drop(tierzero_swap::wait_all(ts)?);
-            }
-            for t in nv.spill_writes.iter_mut().filter_map(Option::take) {
-                drop(t.wait()?);
-            }
+            // The reads and spills in flight are waited for (their buffers
+            // come back): I/O wait like any other.
+            let t0 = Instant::now();
+            let waited = (|| -> Result<()> {
+                while let Some((_, ts)) = nv.reading.pop_front() {
+                    drop(tierzero_swap::wait_all(ts)?);
+                }
+                for t in nv.spill_writes.iter_mut().filter_map(Option::take) {
+                    drop(t.wait()?);
+                }
+                Ok(())
+            })();
+            self.counters.io_wait += t0.elapsed();
+            waited?;
             nv.spilled.iter_mut().for_each(|f| *f = None);
             // An fp16 skip drops every speculative step's new state.
             for s in nv.pending.iter_mut().filter_map(Option::take) {

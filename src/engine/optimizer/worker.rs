@@ -244,7 +244,11 @@ impl StepValues {
 /// when a backward starts ([`OptimizerWorker::drop_spare_values`]), so
 /// with clipping or an overflow check, whose steps all wait for the norm, no values
 /// buffer lives through the backward where the gradient sums peak (a new
-/// one is made for the first step a backward runs, as before). A large
+/// one is made for the first step a backward runs, as before). With the
+/// speculative step, the speculated sub-groups step during the backward:
+/// the first makes a values buffer, and it cycles through the rest of the
+/// backward as the spare (one buffer of the largest sub-group's elements,
+/// as a step without a spare would make anyway). A large
 /// one's pages are unmapped off the trainer's thread, on the helper CPUs
 /// ([`crate::engine::host::heap::free_off_thread`]), as the backward
 /// starts.
@@ -348,6 +352,12 @@ pub enum Done {
     /// same group, or dropped by `CancelReads`. Its params get no bytes
     /// from it.
     Superseded(SubGroupId),
+    /// Gradients kept in memory for re-steps that none needs (the
+    /// speculation held: [`Job::Commit`]; the step was skipped:
+    /// [`Job::CancelReads`]), handed back for a later step's sums like
+    /// `Stepped`'s `spent` (they were freed on this thread, and the next
+    /// backward made and faulted new sums in their place).
+    Spent(Vec<GradBuf>),
     /// A job failed.
     Failed(EngineError),
 }
@@ -642,8 +652,12 @@ impl State {
             Job::Commit(groups) => {
                 self.run_queued(out)?;
                 self.opt.commit(&groups)?;
-                for sg in &groups {
-                    self.kept.remove(sg);
+                let spent: Vec<GradBuf> = groups
+                    .iter()
+                    .filter_map(|sg| self.kept.remove(sg))
+                    .collect();
+                if !spent.is_empty() {
+                    let _ = out.send(Done::Spent(spent));
                 }
                 self.publish();
             }
@@ -675,7 +689,10 @@ impl State {
                     self.steps.remove(&sg);
                     let _ = out.send(Done::Superseded(sg));
                 }
-                self.kept.clear();
+                let spent: Vec<GradBuf> = self.kept.drain().map(|(_, g)| g).collect();
+                if !spent.is_empty() {
+                    let _ = out.send(Done::Spent(spent));
+                }
                 self.opt.cancel_reads()?;
                 self.order.retain(|g| self.steps.contains_key(g));
             }
@@ -802,15 +819,17 @@ impl OptimizerWorker {
                         // Wait for a job, for the completion a wanted read
                         // waits for, or (when read-ahead yields to param
                         // reads, see `pump`) for the param reads to land.
-                        let io = st.wanted_io();
-                        if pumped.paced && io.is_none() {
+                        if pumped.paced && st.opt.inflight_read().is_none() {
                             // The read that paced `pump` landed since (no
                             // read is left in flight to wait for): pump
                             // again, or the thread would sit on its
-                            // channel while a read could run. Each retry
-                            // follows a completion, so this cannot spin.
+                            // channel (or wait for a queued write, which
+                            // `wanted_io` falls back to) while a read
+                            // could run. Each retry follows a completion,
+                            // so this cannot spin.
                             continue;
                         }
+                        let io = st.wanted_io();
                         let gate = deferred.then_some(st.gate.as_ref()).flatten();
                         let mut sel = crossbeam_channel::Select::new();
                         let job_op = sel.recv(&jobs);
@@ -1394,20 +1413,29 @@ mod tests {
     }
 
     /// Waits for `n` replies; returns the `Stepped` ones' bytes by group
-    /// (a later one replaces an earlier one) and the `Superseded` groups.
-    fn replies(w: &OptimizerWorker, n: usize) -> (HashMap<usize, Vec<u8>>, Vec<usize>) {
+    /// (a later one replaces an earlier one), the `Superseded` groups, and
+    /// the gradients handed back by `Spent` replies met on the way (not
+    /// counted in `n`).
+    fn replies(w: &OptimizerWorker, n: usize) -> (HashMap<usize, Vec<u8>>, Vec<usize>, usize) {
         let mut stepped = HashMap::new();
         let mut superseded = Vec::new();
-        for _ in 0..n {
+        let mut spent = 0;
+        let mut got = 0;
+        while got < n {
             match w.recv().unwrap() {
                 Done::Stepped { sg, values, .. } => {
                     stepped.insert(sg.0, values.as_bytes().to_vec());
                 }
                 Done::Superseded(sg) => superseded.push(sg.0),
+                Done::Spent(g) => {
+                    spent += g.len();
+                    continue;
+                }
                 other => panic!("unexpected {other:?}"),
             }
+            got += 1;
         }
-        (stepped, superseded)
+        (stepped, superseded, spent)
     }
 
     /// The speculation pool: 4 NVMe groups, 2 slots. Groups 3 and 2
@@ -1448,7 +1476,7 @@ mod tests {
                 w.send(job(sg, adam_step + 1, Some(grad(sg, t)), 1.0, true))
                     .unwrap();
             }
-            let (first, _) = replies(&w, 2);
+            let (first, _, _) = replies(&w, 2);
             let scale = match outcome {
                 "hit" => {
                     w.send(Job::Commit(vec![SubGroupId(3), SubGroupId(2)]))
@@ -1466,7 +1494,10 @@ mod tests {
                     for sg in [3, 2] {
                         w.send(Job::Restore(SubGroupId(sg))).unwrap();
                     }
-                    let (restored, _) = replies(&w, 2);
+                    let (restored, _, spent) = replies(&w, 2);
+                    // The kept gradients of the dropped speculation come
+                    // back for later sums.
+                    assert_eq!(spent, 2, "round {round}");
                     for sg in [3, 2] {
                         let want: Vec<u8> = mem
                             .master(SubGroupId(sg))
@@ -1486,7 +1517,11 @@ mod tests {
                 w.send(job(sg, adam_step, Some(grad(sg, t)), scale, false))
                     .unwrap();
             }
-            let (mut got, _) = replies(&w, if outcome == "miss" { 4 } else { 2 });
+            let (mut got, _, spent) = replies(&w, if outcome == "miss" { 4 } else { 2 });
+            // A hit hands back the gradients kept for re-steps; a miss
+            // steps again with them (they come back with those steps).
+            let want_spent = if outcome == "hit" { 2 } else { 0 };
+            assert_eq!(spent, want_spent, "round {round}");
             assert_eq!(flush_and_collect(&w), Vec::<usize>::new());
             if outcome == "hit" {
                 got.extend(first);

@@ -284,6 +284,16 @@ impl Trainer {
                 }
                 Ok(())
             }
+            Done::Spent(grads) => {
+                let mut spare = self
+                    .spare_sums
+                    .lock()
+                    .map_err(|_| EngineError::internal("the spare gradient sums' lock"))?;
+                for g in grads {
+                    spare.give(g);
+                }
+                Ok(())
+            }
             Done::Flushed => {
                 self.flush_open = false;
                 Ok(())

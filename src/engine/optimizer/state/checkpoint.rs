@@ -254,9 +254,14 @@ impl OptimizerState {
         match &mut self.nvme {
             None => Err(EngineError::internal("no state for a sub-group")),
             Some(nv) => {
+                let t0 = std::time::Instant::now();
                 let buf = nv.io.arena.acquire()?;
                 let ext = &nvme_extents(&nv.extents, sg)?[0];
-                let mut buf = nv.io.read.read(ext, buf)?.wait()?;
+                let read = nv.io.read.read(ext, buf).and_then(|t| t.wait());
+                // A Restore's read (a skipped speculative step) blocks the
+                // optimizer thread: I/O wait.
+                self.counters.io_wait += t0.elapsed();
+                let mut buf = read?;
                 self.counters.nvme_read_bytes += ext.len_bytes();
                 Ok(f(as_f32(&mut buf, n)?))
             }
