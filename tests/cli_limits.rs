@@ -375,6 +375,58 @@ fn a_bench_report_into_a_closed_pipe_does_not_panic() {
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
+/// bench-io flags that would give wrong numbers or be ignored are refused
+/// (exit 2) before any file is made: `--no-fill` on the new file under
+/// `--path` (its reads would measure unwritten extents, which return zeros
+/// without touching the device), `--size` with `--file` (the file's own
+/// length is measured), and `--seconds 0` (checked only after a fill of
+/// up to 4 GiB before).
+#[test]
+fn bench_io_refuses_flags_that_would_mislead() {
+    let d = cli_support::scratch("limits", "bench-flags");
+    std::fs::write(d.join("f.dat"), vec![0u8; 1 << 20]).unwrap();
+    for (args, words) in [
+        (
+            vec!["--path", ".", "--no-fill"],
+            vec!["--no-fill", "--path"],
+        ),
+        (
+            vec!["--file", "f.dat", "--size", "1M"],
+            vec!["--size", "--file"],
+        ),
+        (
+            vec!["--path", ".", "--size", "1M", "--seconds", "0"],
+            vec!["--seconds"],
+        ),
+    ] {
+        let mut all = vec!["bench-io"];
+        all.extend(&args);
+        let out = cli_support::run_tierzero(Some(&d), &all);
+        assert_eq!(out.code, 2, "{args:?}: {}", out.stderr);
+        assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+        assert!(
+            !out.stderr.contains("writing 1 MiB once"),
+            "{args:?}: filled first: {}",
+            out.stderr
+        );
+        for w in words {
+            assert!(
+                out.stderr.contains(w),
+                "{args:?}: `{w}` missing: {}",
+                out.stderr
+            );
+        }
+    }
+    assert!(
+        !d.join("tierzero").exists()
+            || std::fs::read_dir(d.join("tierzero"))
+                .unwrap()
+                .next()
+                .is_none(),
+        "a benchmark file was left"
+    );
+}
+
 /// `bench-adam --isa` naming an instruction set this CPU lacks is bad
 /// input (exit 2, one line), not an internal error (it was exit 1).
 #[test]

@@ -325,6 +325,12 @@ fn user_mistakes_exit_2_with_one_line() {
     let mut args = TINY.to_vec();
     args.extend(["--timeline", "t.json", "--timeline-steps", "0"]);
     assert_bad(&d, &args, &["--timeline-steps", "out of range"]);
+    // A timeline path that is a directory: said at start-up, not after the
+    // last step (it was exit 1 then, and the summary was lost).
+    std::fs::create_dir_all(d.join("tl")).unwrap();
+    let mut args = TINY.to_vec();
+    args.extend(["--timeline", "tl"]);
+    assert_bad(&d, &args, &["--timeline tl", "directory"]);
 }
 
 #[test]
@@ -422,6 +428,68 @@ fn steps_come_from_the_flag_or_a_concrete_total_num_steps() {
         "{}",
         out.stderr
     );
+    // A total_num_steps of 0 without --steps would train nothing: exit 2
+    // (it trained nothing and exited 0, saying a checkpoint was at step 0).
+    cfg["scheduler"]["params"]["total_num_steps"] = json!(0);
+    std::fs::write(d.join("zero.json"), cfg.to_string()).unwrap();
+    assert_bad(
+        &d,
+        &with(&base, &[("--config", "zero.json")]),
+        &["total_num_steps is 0", "--steps"],
+    );
+}
+
+/// A step the engine skipped (fp16: its gradients were not all finite)
+/// leaves the weights as they were, so a non-finite loss on it does not
+/// end the run, as DeepSpeed's does not: it says so and goes on (it
+/// ended with exit 1, "diverged"). An init of standard deviation 3000
+/// overflows fp16's forward at every step.
+#[test]
+fn a_non_finite_loss_on_a_skipped_step_does_not_end_the_run() {
+    let d = tiny_setup("skipped-nan");
+    let model = json!({"model_type": "gpt2", "vocab_size": 256, "n_positions": 32,
+        "n_embd": 32, "n_layer": 2, "n_head": 2, "tie_word_embeddings": true,
+        "initializer_range": 3000.0});
+    std::fs::write(d.join("model/config.json"), model.to_string()).unwrap();
+    let mut cfg = ds_config(&d);
+    cfg["fp16"] = json!({"enabled": true});
+    write_config(&d, cfg);
+    let mut args = TINY.to_vec();
+    args.extend(["--metrics", "m.jsonl"]);
+    let out = train(&d, &args);
+    assert_eq!(out.code, 0, "stdout {} stderr {}", out.stdout, out.stderr);
+    assert!(
+        out.stderr
+            .contains("step 1: the loss is NaN; the step was skipped"),
+        "{}",
+        out.stderr
+    );
+    let lines = metrics_lines(&d.join("m.jsonl"));
+    assert_eq!(lines.len(), 4, "3 steps and a summary: {lines:?}");
+    assert_eq!(lines[3]["skipped_steps"], json!(3), "{}", lines[3]);
+}
+
+/// The plan and progress lines go to stderr; a reader of it that has gone
+/// (`tierzero train 2>&1 | head`) does not stop the run: it trains to the
+/// end and writes its metrics (a write to the closed pipe panicked: exit
+/// 101 at the first line).
+#[test]
+fn a_closed_stderr_does_not_stop_the_run() {
+    let d = tiny_setup("stderr-pipe");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .arg("train")
+        .args(with(&TINY, &[("--steps", "3")]))
+        .args(["--metrics", "m.jsonl"])
+        .current_dir(&d)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run tierzero");
+    drop(child.stderr.take());
+    let status = child.wait().expect("wait");
+    assert_eq!(status.code(), Some(0), "{status}");
+    let lines = metrics_lines(&d.join("m.jsonl"));
+    assert_eq!(lines.len(), 4, "3 steps and a summary: {lines:?}");
 }
 
 #[test]

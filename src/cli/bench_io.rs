@@ -55,8 +55,9 @@ pub struct Target {
     /// by the write tests; it is not removed).
     #[arg(long, value_name = "FILE", conflicts_with = "path")]
     file: Option<PathBuf>,
-    /// Size of the temporary file.
-    #[arg(long, default_value = "4GiB", value_parser = parse_bytes_arg)]
+    /// Size of the temporary file (with --file, the file's own length is
+    /// measured).
+    #[arg(long, default_value = "4GiB", value_parser = parse_bytes_arg, conflicts_with = "file")]
     size: u64,
     /// Longest time per measurement, in seconds.
     #[arg(long, default_value_t = 3.0)]
@@ -64,9 +65,13 @@ pub struct Target {
     /// I/O backend.
     #[arg(long, value_enum, default_value = "auto")]
     backend: Backend,
-    /// Skip the initial write of the whole file (only if it was written
-    /// before, e.g. by fio; otherwise reads measure unwritten extents).
-    #[arg(long)]
+    /// Skip the initial write of --file (one written before, e.g. by fio;
+    /// the new file under --path is always written first, since reads of
+    /// unwritten extents return zeros without touching the device).
+    // (`conflicts_with`, not `requires = "file"`: clap waives a required
+    // argument that conflicts with one given, and --file conflicts with
+    // --path.)
+    #[arg(long, conflicts_with = "path")]
     no_fill: bool,
 }
 
@@ -151,6 +156,8 @@ struct Report {
 }
 
 fn open_target(t: &Target) -> Result<BenchTarget, Failure> {
+    // Checked before a fill that may take minutes.
+    time_limit(t)?;
     let bt = if let Some(file) = &t.file {
         if !file.is_file() {
             return Err(Failure::BadInput(anyhow!(
@@ -175,10 +182,10 @@ fn open_target(t: &Target) -> Result<BenchTarget, Failure> {
             .map_err(|e| Failure::from_swap(e, "creating the benchmark file"))?
     };
     if !bt.is_direct() {
-        eprintln!("warning: O_DIRECT is not available on this file system; numbers include the page cache");
+        errln!("warning: O_DIRECT is not available on this file system; numbers include the page cache");
     }
     if !t.no_fill {
-        eprintln!(
+        errln!(
             "writing {} once so reads touch the device...",
             format_bytes(bt.len_bytes())
         );
@@ -195,19 +202,24 @@ fn measure(
     block: u64,
     qd: usize,
 ) -> Result<BenchResult, Failure> {
-    if t.seconds <= 0.0 || !t.seconds.is_finite() {
-        return Err(Failure::BadInput(anyhow!("--seconds must be > 0")));
-    }
-    let limit = Some(Duration::try_from_secs_f64(t.seconds).map_err(|_| {
-        Failure::BadInput(anyhow!(
-            "--seconds {}: too long for a duration; give at most about 1.8e19",
-            t.seconds
-        ))
-    })?);
+    let limit = Some(time_limit(t)?);
     bt.run(op, block, qd, bt.len_bytes(), limit, t.backend.into())
         .map_err(|e| {
             Failure::from_swap(e, &format!("{op} at block size {block}, queue depth {qd}"))
         })
+}
+
+/// `--seconds` as a duration: positive and finite.
+fn time_limit(t: &Target) -> Result<Duration, Failure> {
+    if t.seconds <= 0.0 || !t.seconds.is_finite() {
+        return Err(Failure::BadInput(anyhow!("--seconds must be > 0")));
+    }
+    Duration::try_from_secs_f64(t.seconds).map_err(|_| {
+        Failure::BadInput(anyhow!(
+            "--seconds {}: too long for a duration; give at most about 1.8e19",
+            t.seconds
+        ))
+    })
 }
 
 fn sweep(
@@ -244,7 +256,7 @@ fn sweep(
                 _ => measure(bt, t, IoOp::Read, block, qd)?,
             };
             if verbose {
-                eprintln!(
+                errln!(
                     "  block {:>9}  qd {:>3}: read {:6.3} GB/s  write {:6.3} GB/s",
                     format_bytes(block),
                     qd,
@@ -383,7 +395,7 @@ fn choose(cells: &[Cell]) -> Option<&Cell> {
 /// `tierzero tune`.
 pub fn run_tune(a: TuneArgs) -> Result<(), Failure> {
     let bt = open_target(&a.target)?;
-    eprintln!(
+    errln!(
         "sweeping {} settings, up to {:.1} s each for read and write...",
         TUNE_BLOCKS.len() * TUNE_QDS.len(),
         a.target.seconds

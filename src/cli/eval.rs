@@ -207,7 +207,7 @@ fn report(
     let seq_len = number("--seq-len", &args.seq_len, 2, 1 << 30)? as usize;
     let windows = Windows::new(n_tokens, seq_len).map_err(|e| eval_failure(e, &args.data))?;
     // What was read goes to stderr; stdout carries the result.
-    eprintln!("{data_line}");
+    errln!("{data_line}");
     let header = format!(
         "tierzero eval: model {model_name}, {} layers, hidden {}, vocab {}; data {data_name}: \
          {n_tokens} tokens in {} windows of {seq_len} ({} full{}{}), {} predicted; precision {}",
@@ -230,7 +230,7 @@ fn report(
         args.precision
     );
     if args.json {
-        eprintln!("{header}");
+        errln!("{header}");
         let obj = serde_json::json!({
             "loss": r.loss,
             "perplexity": r.perplexity,

@@ -15,6 +15,24 @@ macro_rules! outln {
     }};
 }
 
+/// `eprintln!` / `eprint!` that ignore a failed write: stderr may be a
+/// pipe whose reader has gone (`tierzero train 2>&1 | head`), and the run
+/// goes on to its saves and its summary (`eprintln!` panicked there: exit
+/// 101 mid-run).
+macro_rules! errln {
+    () => {
+        $crate::cli::to_stderr(format_args!("\n"))
+    };
+    ($($t:tt)*) => {
+        $crate::cli::to_stderr(format_args!("{}\n", format_args!($($t)*)))
+    };
+}
+macro_rules! err_text {
+    ($($t:tt)*) => {
+        $crate::cli::to_stderr(format_args!($($t)*))
+    };
+}
+
 pub mod bench_adam;
 pub mod bench_io;
 pub mod estimate;
@@ -135,6 +153,12 @@ pub fn emit(text: &str) -> Result<(), Failure> {
     }
 }
 
+/// Writes to stderr, ignoring a failed write ([`errln!`]).
+pub fn to_stderr(args: std::fmt::Arguments) {
+    use std::io::Write as _;
+    let _ = std::io::stderr().lock().write_fmt(args);
+}
+
 /// Runs the CLI; returns the process exit code.
 pub fn main() -> i32 {
     init_tracing();
@@ -157,11 +181,11 @@ pub fn main() -> i32 {
     let code = match result {
         Ok(code) => code,
         Err(Failure::BadInput(e)) => {
-            eprintln!("error: {}", chain_text(&e));
+            errln!("error: {}", chain_text(&e));
             2
         }
         Err(Failure::Internal(e)) => {
-            eprintln!("internal error: {}", chain_text(&e));
+            errln!("internal error: {}", chain_text(&e));
             1
         }
     };
@@ -216,6 +240,10 @@ fn init_tracing() {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false)
+        // A failed write of a log line (stderr a pipe whose reader has
+        // gone) is dropped: tracing-subscriber would say it with
+        // `eprintln!`, which panics on that pipe (see `errln!`).
+        .log_internal_errors(false)
         .try_init();
 }
 

@@ -100,7 +100,7 @@ pub fn install(handle: StopHandle) -> Result<(), Failure> {
             if sig != 0 {
                 let cause = StopCause::Signal(sig as i32);
                 handle.request_because(cause);
-                eprintln!(
+                errln!(
                     "tierzero: {} received: stopping after the step in progress (a second \
                      signal aborts at once)",
                     cause.signal_name().unwrap_or_default()
@@ -169,13 +169,13 @@ pub fn run_mpirun(
             }
             let name = StopCause::Signal(*sig).signal_name().unwrap_or_default();
             if stop.is_some() {
-                eprintln!("tierzero launch: {name} received: aborting the ranks");
+                errln!("tierzero launch: {name} received: aborting the ranks");
                 if let Err(e) = tierzero_swap::process::send_signal(child.id(), SIGINT) {
-                    eprintln!("tierzero launch: signalling mpirun ({}): {e}", child.id());
+                    errln!("tierzero launch: signalling mpirun ({}): {e}", child.id());
                 }
                 continue;
             }
-            eprintln!(
+            errln!(
                 "tierzero launch: {name} received: the ranks stop after the step in progress \
                  (a second signal aborts them)"
             );
@@ -194,7 +194,7 @@ pub fn run_mpirun(
             if due {
                 *sent = Some(Instant::now());
                 if let Err(e) = tierzero_swap::process::send_signal(child.id(), *as_stop) {
-                    eprintln!("tierzero launch: signalling mpirun ({}): {e}", child.id());
+                    errln!("tierzero launch: signalling mpirun ({}): {e}", child.id());
                 }
             }
         }

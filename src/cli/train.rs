@@ -15,7 +15,7 @@
 //!   the schedule, with a warning (the config layer's fill-only rule).
 //!   Without `--steps`, a user config
 //!   with a concrete `total_num_steps` runs that many steps, anything else
-//!   runs [`DEFAULT_STEPS`].
+//!   runs [`DEFAULT_STEPS`]; 0 is an error.
 //! * **HF Trainer's arguments.** `--micro-batch`, `--grad-accum` and `--lr`
 //!   are HF Trainer's `per_device_train_batch_size`,
 //!   `gradient_accumulation_steps` and `learning_rate`: they fill the
@@ -374,7 +374,7 @@ fn open_default_model(seed: u64) -> Result<ModelDir, Failure> {
 }
 
 fn print_warning(w: &ConfigWarning) {
-    eprintln!("warning: {w}");
+    errln!("warning: {w}");
 }
 
 /// The number flags of `tierzero train`, checked.
@@ -529,6 +529,14 @@ fn load_config(
         .steps
         .or(parsed.scheduler_total_steps())
         .unwrap_or(DEFAULT_STEPS);
+    if steps == 0 {
+        // `--steps` is at least 1 (its parser), so the 0 is the config's.
+        return Err(bad(format!(
+            "config ({config_name}): scheduler.params.total_num_steps is 0, and without --steps \
+             it is the run's length: nothing would train; set it to the steps to run (or \
+             \"auto\") or give --steps"
+        )));
+    }
     let run = RunContext {
         micro_batch_size: flags.micro_batch,
         gradient_accumulation_steps: flags.grad_accum,
@@ -561,7 +569,11 @@ fn load_config(
     Ok((loaded, config_name, steps))
 }
 
-/// `--metrics` and `--timeline` go into a directory that must exist.
+/// `--metrics` and `--timeline` go into a directory that must exist. The
+/// timeline is written only after the last step (atomically: a temporary
+/// file beside it, renamed over it), so what would fail then is checked
+/// now: a path that is a directory or has no file name, and a directory
+/// where no file can be made.
 fn check_output_dirs(args: &TrainArgs) -> Result<(), Failure> {
     for (flag, file) in [("--metrics", &args.metrics), ("--timeline", &args.timeline)] {
         if let Some(parent) = file
@@ -576,6 +588,32 @@ fn check_output_dirs(args: &TrainArgs) -> Result<(), Failure> {
                 "create its directory first or choose another path",
             )?;
         }
+    }
+    if let Some(path) = &args.timeline {
+        let fix = "give a file path for the timeline (JSON), e.g. --timeline timeline.json";
+        if path.file_name().is_none() || path.is_dir() {
+            return Err(bad(format!(
+                "--timeline {}: is a directory, not a file; {fix}",
+                path.display()
+            )));
+        }
+        let dir = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let probe = dir.join(format!(".tierzero-timeline-probe-{}", std::process::id()));
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&probe)
+            .and_then(|_| std::fs::remove_file(&probe))
+            .map_err(|e| {
+                bad(format!(
+                    "--timeline {}: cannot make a file in {}: {e}; choose a writable directory",
+                    path.display(),
+                    dir.display()
+                ))
+            })?;
     }
     Ok(())
 }
@@ -627,7 +665,7 @@ fn report_unreached_failpoint() {
         .flatten()
         .filter(|a| tierzero::failpoint::hits(a.site) < a.nth)
     {
-        eprintln!(
+        errln!(
             "failpoint {}:{} was not reached; hits: {}",
             a.site.name(),
             a.nth,
@@ -724,7 +762,13 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     let (loaded, config_name, steps) = load_config(&args, &flags, &model, comm.world_size())?;
     let cfg = &loaded.config;
     // One micro-batch's rows must be distinct windows of the corpus.
-    let micro_tokens = cfg.batch.micro_batch_size * seq_len as u64 + 1;
+    // (Saturating: the config's micro-batch is bounded only by its product
+    // with the accumulation and the ranks; one that large fails here.)
+    let micro_tokens = cfg
+        .batch
+        .micro_batch_size
+        .saturating_mul(seq_len as u64)
+        .saturating_add(1);
     if (data.len() as u64) < micro_tokens {
         return Err(bad(format!(
             "--data {data_name}: {} tokens are fewer than one micro-batch needs \
@@ -743,7 +787,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         if !lead {
             Ok(())
         } else if args.json {
-            eprint!("{text}");
+            err_text!("{text}");
             Ok(())
         } else {
             emit(text)
@@ -791,7 +835,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         start_step,
         seq_len,
         // Tokens of the global batch (every rank's micro-batches).
-        tokens_per_step: cfg.batch.train_batch_size * seq_len as u64,
+        tokens_per_step: cfg.batch.train_batch_size.saturating_mul(seq_len as u64),
         seed: flags.seed,
         ranks: comm.world_size(),
         lead,
@@ -933,10 +977,16 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
             }
         }
     };
+    // A timeline that cannot be written (the disk filled during the run)
+    // does not cost the summary, nor a stop its exit code: it is said,
+    // and a run that ended fails (exit 1) after its summary.
+    let mut timeline_failed = None;
     if let (Some(tl), Some(path)) = (&timeline, &args.timeline) {
-        tl.write(path).map_err(|e| {
-            Failure::Internal(anyhow!("writing the timeline {}: {e}", path.display()))
-        })?;
+        if let Err(e) = tl.write(path) {
+            let e = anyhow!("writing the timeline {}: {e}", path.display());
+            tracing::error!("{e:#}");
+            timeline_failed = Some(e);
+        }
     }
     report_unreached_failpoint();
     if !lead {
@@ -951,8 +1001,12 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         train_s,
         steps_ended,
     });
-    print_summary(&args, &run, &summary, &ran, timing, timeline.as_deref())?;
-    Ok(ended)
+    let written = timeline.as_deref().filter(|_| timeline_failed.is_none());
+    print_summary(&args, &run, &summary, &ran, timing, written)?;
+    match (timeline_failed, &ended) {
+        (Some(e), Ended::Done) => Err(Failure::Internal(e)),
+        _ => Ok(ended),
+    }
 }
 
 /// Whether two paths name the same directory.

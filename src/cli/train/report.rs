@@ -60,7 +60,7 @@ impl Progress {
             }
             Progress::Lines { every } => {
                 if m.step == 1 || m.step.is_multiple_of(*every) || m.step == steps {
-                    eprintln!("{}", progress_text(m, steps));
+                    errln!("{}", progress_text(m, steps));
                 }
             }
         }
@@ -70,7 +70,7 @@ impl Progress {
     pub(super) fn println(&self, line: &str) {
         match self {
             Progress::Bar(bar) => bar.println(line),
-            Progress::Lines { .. } => eprintln!("{line}"),
+            Progress::Lines { .. } => errln!("{line}"),
         }
     }
 
@@ -79,7 +79,7 @@ impl Progress {
             if !bar.is_finished() {
                 bar.finish();
                 // The bar leaves the cursor at the end of its line.
-                eprintln!();
+                errln!();
             }
         }
     }

@@ -77,12 +77,25 @@ pub(super) fn train_steps(
             }
         }
         if !m.loss.is_finite() {
-            progress.finish();
-            return Err(Failure::Internal(anyhow!(
-                "step {}: the loss is {} (diverged); lower the learning rate",
-                m.step,
-                m.loss
-            )));
+            if !m.skipped {
+                progress.finish();
+                return Err(Failure::Internal(anyhow!(
+                    "step {}: the loss is {} (diverged); lower the learning rate",
+                    m.step,
+                    m.loss
+                )));
+            }
+            // The engine skipped the step (its gradients were not all
+            // finite): the weights are the last step's, and the run goes
+            // on, as DeepSpeed's does (fp16's loss scaler stops it at
+            // `min_loss_scale`).
+            if lead {
+                progress.println(&format!(
+                    "step {}: the loss is {}; the step was skipped (gradients not all finite), \
+                     the weights are unchanged",
+                    m.step, m.loss
+                ));
+            }
         }
         if lead {
             progress.step(&m, steps);
@@ -177,7 +190,7 @@ fn stop_save(
         }
         StopSave::Skipped { needed_s, left_s } => {
             let grace = trainer.stop_grace().map_or(0.0, |g| g.as_secs_f64());
-            eprintln!(
+            errln!(
                 "warning: the checkpoint of step {step} was skipped: a save takes about \
                  {needed_s:.1} s and {:.1} s of the {grace} s stop grace period \
                  (--stop-grace / tierzero.stop_grace_s) were left; {}",
