@@ -120,6 +120,36 @@ fn save_every_then_resume_matches_one_run() {
         std::fs::read_to_string(d.join("ck/latest")).unwrap().trim(),
         "step-00000004"
     );
+    // Without --steps, a resume runs to where the saving run was to end
+    // (4, in the manifest; not the config's total_num_steps of 6, nor the
+    // default 150), and --metrics appends: a's four steps and summary,
+    // then steps 3 and 4 again, the same bits, and a second summary.
+    let manifest: Value = serde_json::from_str(
+        &std::fs::read_to_string(d.join("ck/step-00000002/manifest.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(manifest["run_steps"], json!(4));
+    std::fs::copy(d.join("a.jsonl"), d.join("a2.jsonl")).unwrap();
+    let r = train(
+        &d,
+        &["--resume", "ck/step-00000002", "--metrics", "a2.jsonl"],
+    );
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(r.stdout.contains("resuming at step 2 of 4"), "{}", r.stdout);
+    let (la, la2) = (losses(&d.join("a.jsonl")), losses(&d.join("a2.jsonl")));
+    assert_eq!(la.len(), 4);
+    assert_eq!(la2[..4], la[..]);
+    assert_eq!(la2[4..], la[2..]);
+    let summaries = std::fs::read_to_string(d.join("a2.jsonl"))
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("\"summary\""))
+        .count();
+    assert_eq!(summaries, 2);
+    assert_eq!(
+        summary_hash(&d.join("a2.jsonl")),
+        summary_hash(&d.join("a.jsonl"))
+    );
     let b = train(
         &d,
         &[

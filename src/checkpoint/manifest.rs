@@ -175,6 +175,12 @@ pub struct Manifest {
     pub seed: u64,
     /// Tokens per sample.
     pub seq_len: usize,
+    /// The step the run that saved was to end at (`tierzero train
+    /// --steps`, or the config's `total_num_steps`): a resume that names no
+    /// length runs to it. Absent for a trainer that did not say (the
+    /// library, the Python package) and in checkpoints written before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_steps: Option<u64>,
     /// Data position.
     pub data: DataPosition,
     /// "fp32", "bf16" or "fp16".

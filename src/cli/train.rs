@@ -13,7 +13,8 @@
 //!   fills `scheduler.params.total_num_steps` when the config says
 //!   `"auto"` (HF Trainer's rule); a concrete, different value is kept for
 //!   the schedule, with a warning (the config layer's fill-only rule).
-//!   Without `--steps`, a user config
+//!   Without `--steps`, a resumed run ends where the run that saved its
+//!   checkpoint was to end (`run_steps` in the manifest), a user config
 //!   with a concrete `total_num_steps` runs that many steps, anything else
 //!   runs [`DEFAULT_STEPS`]; 0 is an error.
 //! * **HF Trainer's arguments.** `--micro-batch`, `--grad-accum` and `--lr`
@@ -152,7 +153,8 @@ pub struct TrainArgs {
     #[command(flatten)]
     data_options: super::tokens::DataOptions,
     /// Total optimizer steps (also fills scheduler total_num_steps "auto").
-    /// Default: the config's total_num_steps if concrete, else 150.
+    /// Default: with --resume, the saving run's; else the config's
+    /// total_num_steps if concrete, else 150.
     #[arg(long, value_name = "N")]
     steps: Option<String>,
     /// Seed of the model init (models without weights).
@@ -178,7 +180,9 @@ pub struct TrainArgs {
     /// smaller.
     #[arg(long, value_name = "N")]
     seq_len: Option<String>,
-    /// Write one JSON line per step and a final summary line to FILE.
+    /// Write one JSON line per step and a final summary line to FILE
+    /// (with --resume, appended: the resumed run's lines follow the
+    /// earlier run's; a step logged after the checkpoint appears again).
     #[arg(long, value_name = "FILE")]
     metrics: Option<PathBuf>,
     /// Write a timeline of a few steps to FILE, as a Chrome trace (open it
@@ -213,7 +217,8 @@ pub struct TrainArgs {
     #[arg(long, value_name = "SECONDS")]
     stop_grace: Option<String>,
     /// Continue from a checkpoint: a save dir (its `latest`) or a step dir.
-    /// --steps stays the total.
+    /// --steps stays the total; without it, the run that saved the
+    /// checkpoint is continued to its end.
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
     /// Print only the final summary on stdout, as one JSON object (the plan
@@ -506,6 +511,7 @@ fn load_config(
     flags: &Flags,
     model: &Model,
     ranks: usize,
+    ckpt: Option<&Checkpoint>,
 ) -> Result<(config::Loaded, String, u64), Failure> {
     let mc = model.config();
     let numel = model.numel() as u64;
@@ -525,8 +531,12 @@ fn load_config(
     let cfg_err =
         |e: config::ConfigError| bad(format!("config ({config_name}): {}", flag_names(e)));
     let parsed = config::parse_str(&text).map_err(cfg_err)?;
+    // The run's length: --steps, else (resuming) the length of the run
+    // that saved the checkpoint, else the config's concrete
+    // total_num_steps, else the default.
     let steps = flags
         .steps
+        .or(ckpt.and_then(|c| c.manifest().run_steps))
         .or(parsed.scheduler_total_steps())
         .unwrap_or(DEFAULT_STEPS);
     if steps == 0 {
@@ -759,7 +769,8 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         (None, None) => DEFAULT_SEQ_LEN.min(mc.max_seq_len),
     };
     let (data, data_name, data_line) = load_data(&args, &model, seq_len)?;
-    let (loaded, config_name, steps) = load_config(&args, &flags, &model, comm.world_size())?;
+    let (loaded, config_name, steps) =
+        load_config(&args, &flags, &model, comm.world_size(), ckpt.as_ref())?;
     let cfg = &loaded.config;
     // One micro-batch's rows must be distinct windows of the corpus.
     // (Saturating: the config's micro-batch is bounded only by its product
@@ -816,6 +827,8 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         compute: compute.clone(),
         adam_threads: flags.threads,
         metrics_path: args.metrics.clone().filter(|_| lead),
+        metrics_append: args.resume.is_some(),
+        run_steps: Some(steps),
         timeline: timeline.clone(),
         comm: comm.clone(),
         stop,

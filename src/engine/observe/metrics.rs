@@ -244,12 +244,18 @@ pub struct MetricsWriter {
 }
 
 impl MetricsWriter {
-    /// Creates (truncates) `path`.
-    pub fn create(path: &Path) -> Result<Self> {
-        let f = std::fs::File::create(path).map_err(|source| EngineError::Io {
-            path: path.to_owned(),
-            source,
-        })?;
+    /// Creates `path`: truncated, or appended to when `append`.
+    pub fn create(path: &Path, append: bool) -> Result<Self> {
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(append)
+            .truncate(!append)
+            .open(path)
+            .map_err(|source| EngineError::Io {
+                path: path.to_owned(),
+                source,
+            })?;
         Ok(MetricsWriter {
             path: path.to_owned(),
             file: std::io::BufWriter::new(f),

@@ -774,7 +774,7 @@ impl Trainer {
         let sched = Prefetcher::new(&model, limits(config));
         let (groups_after_unit, backward_order) = group_orders(&model, &layout);
         let metrics = match &opts.metrics_path {
-            Some(p) => Some(MetricsWriter::create(p)?),
+            Some(p) => Some(MetricsWriter::create(p, opts.metrics_append)?),
             None => None,
         };
         let stop = opts.stop.clone();

@@ -507,6 +507,7 @@ impl Trainer {
                 .then(|| self.scaler.state()),
             seed: self.opts.seed,
             seq_len: self.opts.seq_len,
+            run_steps: self.opts.run_steps,
             data: DataPosition {
                 source: self.data_name.clone(),
                 samples_consumed: self.samples_consumed(),

@@ -17,6 +17,15 @@ pub struct TrainerOptions {
     pub adam_threads: Option<NonZeroUsize>,
     /// JSON-lines metrics file.
     pub metrics_path: Option<PathBuf>,
+    /// Append to the metrics file instead of truncating it: a resumed run
+    /// continues the file of the run it resumes (`tierzero train --resume`
+    /// sets it). Steps that run logged after its checkpoint are logged
+    /// again, so a step may have two lines; its last one is this run's.
+    pub metrics_append: bool,
+    /// The step this run is to end at, written into its checkpoints
+    /// (`run_steps` in the manifest): a resume that names no length runs
+    /// to it. `None` (the default): not said.
+    pub run_steps: Option<u64>,
     /// Measurement only ("I/O alone"): forward and backward are not
     /// computed. Every parameter is still fetched and released in trace
     /// order, and the optimizer still reads, steps and writes its state
@@ -85,6 +94,8 @@ impl TrainerOptions {
             comm: Arc::new(SingleRank),
             adam_threads: None,
             metrics_path: None,
+            metrics_append: false,
+            run_steps: None,
             skip_compute: false,
             faults: FaultPlan::default(),
             timeline: None,
