@@ -129,3 +129,26 @@ fn cpu_tier_params_are_read_ahead_on_the_copy_thread_with_the_same_bits() {
     let b = train(&dir, &knobs, 3, 4, |_| 16);
     assert_identical(&a, &b, "cpu tier read ahead");
 }
+
+/// Mixed tiers (the first 150,000 elements in pinned host memory, the
+/// rest on NVMe) with one NVMe swap buffer: the window's NVMe reads run out
+/// of buffers at every fetch, and its cpu-tier params are still read
+/// ahead by the copy thread (in backward, where the NVMe params come first,
+/// they were not: `Trainer::lookahead_reads` after 6 steps of these knobs,
+/// printed from a scratch copy of this test, 154 before and 185 after). The
+/// results are the in-memory run's bits.
+#[test]
+fn mixed_tiers_with_one_nvme_buffer_keep_the_bits() {
+    let dir = tiny_gpt2_dir("mixed", 6, 64);
+    let knobs = Knobs {
+        prefetch_bucket: 50_000,
+        max_live: 200_000,
+        max_in_cpu: 150_000,
+        param_buffer_count: 1,
+        param_buffer_numel: 16384,
+        ..Knobs::nvme()
+    };
+    let a = train(&dir, &Knobs::default(), 1, 6, |_| 16);
+    let b = train(&dir, &knobs, 1, 6, |_| 16);
+    assert_identical(&a, &b, "mixed tiers, one NVMe buffer");
+}

@@ -32,7 +32,11 @@ impl Trainer {
         // This unit's own params first: their reads are issued together
         // (not one synchronous read after another), then the window ahead.
         // A param whose write-back is still queued is skipped, not waited
-        // for: only running out of swap buffers ends the window.
+        // for: only running out of swap buffers ends the window's NVMe
+        // reads. Its cpu-tier params go on (the copy thread builds them
+        // from their pages, with no swap buffer); they stopped there too,
+        // so in backward, where the NVMe params come first, the cpu-tier
+        // ones were copied on this thread as each unit was fetched.
         let ids = self.model.unit(unit)?.params.clone();
         // The last step's optimizer may still be running (its tail overlaps
         // this step's forward): this unit's params must be the new ones.
@@ -42,10 +46,16 @@ impl Trainer {
         }
         self.store.harvest()?;
         let ahead = self.sched.prefetch_candidates(&self.store);
+        let mut nvme_out = false;
         for (k, &p) in ids.iter().chain(&ahead).enumerate() {
             let tier = self.store.tier(p);
-            if tier == Tier::Nvme && self.store.free_buffers() == 0 {
-                break;
+            if tier == Tier::Nvme {
+                // Once out, no later NVMe param takes a buffer that frees
+                // meanwhile ahead of a nearer one.
+                nvme_out = nvme_out || self.store.free_buffers() == 0;
+                if nvme_out {
+                    continue;
+                }
             }
             // A read of a param whose new bytes are still coming would be
             // wasted (the update replaces it): skip it. So is a copy out
