@@ -589,6 +589,11 @@ fn export_round_trip_is_exact() {
             st.tensor(first_conv.0).unwrap().shape(),
             first_conv.1.as_slice()
         );
+        // With torch's metadata (transformers up to 4.46 fails on a file
+        // without it).
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&raw).unwrap();
+        let format = meta.metadata().as_ref().and_then(|m| m.get("format"));
+        assert_eq!(format.map(String::as_str), Some("pt"));
         // bf16 export: values equal the bf16 rounding of the params.
         let out16 = tempfile::tempdir().unwrap();
         save_hf_dir(out16.path(), &model, DType::BF16, |id| {

@@ -561,6 +561,13 @@ pub fn write_safetensors(
     let st_dtype = StDtype::from(dtype);
     let elem_bytes = dtype.size_in_bytes();
     let mut header = serde_json::Map::new();
+    // torch's `save_file` writes this; transformers up to 4.46 reads
+    // `metadata.get("format")` with no check for none (an AttributeError
+    // on a file without it).
+    header.insert(
+        "__metadata__".to_owned(),
+        serde_json::json!({ "format": "pt" }),
+    );
     let mut offset_bytes = 0usize;
     for p in model.params() {
         let len = p
