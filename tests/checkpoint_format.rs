@@ -243,12 +243,37 @@ fn truncation_latest_fallback_and_unfinished_saves() {
     }
     // `latest` naming a broken step dir: the newest valid one is used.
     let (save2, _) = saved("fallback");
+    assert_eq!(Checkpoint::open(&save2).unwrap().latest_unusable(), None);
     let older = save2.join("step-00000001");
     copy_dir(&save2.join("step-00000002"), &older);
     edit_manifest(&older, |v| v["step"] = 1.into());
+    // A step above the one `latest` names: a run abandoned for an older
+    // step, never fallen back to (it was, as the newest that validates).
+    let above = save2.join("step-00000003");
+    copy_dir(&older, &above);
+    edit_manifest(&above, |v| v["step"] = 3.into());
     std::fs::remove_file(save2.join("step-00000002/manifest.json")).unwrap();
     let c = Checkpoint::open(&save2).unwrap();
     assert_eq!(c.step(), 1);
+    assert!(
+        c.latest_unusable()
+            .is_some_and(|w| w.contains("step-00000002")),
+        "{:?}",
+        c.latest_unusable()
+    );
+    // `inspect` says so; with `--verify` it fails: the newest save is
+    // broken, whatever step 1 says (it exited 0, verifying step 1).
+    let save2_arg = save2.to_str().unwrap();
+    let r = run_tierzero(None, &["inspect", save2_arg]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stdout.contains("warning: `latest` is unusable"),
+        "{}",
+        r.stdout
+    );
+    let r = run_tierzero(None, &["inspect", save2_arg, "--verify"]);
+    assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
+    assert!(r.stderr.contains("does not validate"), "{}", r.stderr);
     // `latest` naming a step of a format this build does not read is not
     // damage: the open fails, naming the version, rather than resuming
     // from step 1 (whose next save of step 2 would replace the newer one).

@@ -122,6 +122,9 @@ pub struct Checkpoint {
     /// Per rank: its last region read, (state, sub-group) → its verified
     /// elements.
     cache: Mutex<Vec<Option<CachedRegion>>>,
+    /// Opened from a save dir whose `latest` was unusable: why (see
+    /// [`Checkpoint::latest_unusable`]).
+    latest_unusable: Option<String>,
 }
 
 /// The result of checking one file.
@@ -160,7 +163,8 @@ impl Checkpoint {
     /// Opens `dir`: a step dir (holding `manifest.json`), or a save dir, in
     /// which case `latest` is followed (or, when `latest` is missing or
     /// names a step dir that is damaged, the newest `step-*` dir that
-    /// validates, with a warning). An error that is not damage (an I/O
+    /// validates, below the damaged one, with a warning and
+    /// [`Checkpoint::latest_unusable`] set). An error that is not damage (an I/O
     /// error other than "not found", a manifest version this build does
     /// not read: [`CheckpointError::is_damage`]) fails the open instead.
     /// Validates the manifest and file sizes; reads no data.
@@ -179,6 +183,10 @@ impl Checkpoint {
         }
         let latest = dir.join(LATEST_FILE);
         let mut latest_err = None;
+        // The step `latest` named, when it was damaged: the fallback takes
+        // only steps below it (a step above it is from a run abandoned
+        // for an older step, not this run's history).
+        let mut below = None;
         // Read as bytes: a damaged `latest` (not UTF-8 included) means
         // falling back below, never failing the open.
         match std::fs::read(&latest) {
@@ -197,7 +205,8 @@ impl Checkpoint {
                                     return Ok(c);
                                 }
                             }
-                            latest_err = Some(e)
+                            latest_err = Some(e);
+                            below = Some(step);
                         }
                     },
                     None => {
@@ -220,13 +229,15 @@ impl Checkpoint {
                 let step = parse_step_dir_name(name.to_str()?)?;
                 Some((step, e.path()))
             })
+            .filter(|(step, _)| below.is_none_or(|b| *step < b))
             .collect();
         steps.sort();
         for (_, p) in steps.iter().rev() {
             match Self::open_step_dir(p) {
-                Ok(c) => {
+                Ok(mut c) => {
                     if let Some(e) = &latest_err {
-                        tracing::warn!(error = %e, using = %p.display(), "`latest` is unusable; using the newest valid checkpoint");
+                        tracing::warn!(error = %e, using = %p.display(), "`latest` is unusable; using the newest valid checkpoint below it");
+                        c.latest_unusable = Some(e.to_string());
                     }
                     return Ok(c);
                 }
@@ -303,7 +314,17 @@ impl Checkpoint {
             manifest,
             model,
             cache: Mutex::new(Vec::new()),
+            latest_unusable: None,
         })
+    }
+
+    /// When this checkpoint was opened from a save dir whose `latest` was
+    /// unusable (it named a damaged step, or no step): what was wrong. The
+    /// checkpoint is then the newest valid one below the step `latest`
+    /// named; `inspect --verify` fails on it, since the newest save is
+    /// broken.
+    pub fn latest_unusable(&self) -> Option<&str> {
+        self.latest_unusable.as_deref()
     }
 
     /// The step directory (canonical).

@@ -419,6 +419,11 @@ pub struct CheckpointReport {
     /// With `--verify`: whether everything verified.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub verified_ok: Option<bool>,
+    /// A save dir whose `latest` was unusable (it names a damaged step):
+    /// why. This report is then of the newest valid step below it, and
+    /// `--verify` fails.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub latest_unusable: Option<String>,
 }
 
 fn checkpoint_report(dir: &Path, verify: bool) -> Result<CheckpointReport, Failure> {
@@ -475,11 +480,18 @@ fn checkpoint_report(dir: &Path, verify: bool) -> Result<CheckpointReport, Failu
         total_bytes: files.iter().map(|f| f.bytes).sum(),
         files,
         verified_ok: checks.map(|r| r.ok()),
+        latest_unusable: c.latest_unusable().map(str::to_owned),
     })
 }
 
 fn render_checkpoint(r: &CheckpointReport) -> Result<String, std::fmt::Error> {
     let mut out = String::new();
+    if let Some(why) = &r.latest_unusable {
+        writeln!(
+            out,
+            "warning: `latest` is unusable ({why}); this is the newest valid checkpoint below it"
+        )?;
+    }
     writeln!(out, "checkpoint {} (format v{})", r.dir, r.version)?;
     writeln!(
         out,
@@ -553,6 +565,15 @@ pub fn run(a: InspectArgs) -> Result<(), Failure> {
             if report.verified_ok == Some(false) {
                 return Err(bad(format!(
                     "{}: verification failed (see the report above)",
+                    report.dir
+                )));
+            }
+            if let (true, Some(why)) = (a.verify, &report.latest_unusable) {
+                // The newest save is broken, whatever an older one says.
+                return Err(bad(format!(
+                    "{}: `latest` names a checkpoint that does not validate ({why}); {} \
+                     verified, but it is not the newest save",
+                    a.dir.display(),
                     report.dir
                 )));
             }
