@@ -169,6 +169,43 @@ def test_a_param_group_added_after_construction_is_refused():
     tzt.AdamW([{"params": [torch.nn.Parameter(torch.zeros(3))]}, {"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.1}], offload="none")
 
 
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_a_frozen_param_is_not_stepped_until_it_has_a_gradient(offload, tmp_path):
+    # Lightning's BaseFinetuning: every param given at construction, the
+    # frozen ones with requires_grad=False, unfrozen later. While frozen, a
+    # param is left alone as torch leaves it (it was stepped with a zero
+    # gradient beside the trainable params of its sub-group, so weight
+    # decay shrank it every step); once it has gradients it is stepped as
+    # torch steps it. bf16 params: not the in-place path, so the params
+    # share one sub-group but for the frozen one's.
+    def params():
+        torch.manual_seed(3)
+        return [torch.nn.Parameter(torch.randn(n).to(torch.bfloat16)) for n in (5, 7, 9)]
+
+    ours, ref = params(), params()
+    for ps in (ours, ref):
+        ps[1].requires_grad_(False)
+    opt = tzt.AdamW(ours, lr=0.1, weight_decay=0.1, offload=offload, nvme_path=tmp_path / "nvme")
+    torch_opt = torch.optim.AdamW(ref, lr=0.1, weight_decay=0.1, foreach=False)
+    frozen = ours[1].detach().clone()
+    g = torch.Generator().manual_seed(4)
+    for step in range(4):
+        if step == 2:
+            for ps in (ours, ref):
+                ps[1].requires_grad_(True)
+        for a, b in zip(ours, ref):
+            if a.requires_grad:
+                a.grad = torch.randn(a.shape, generator=g).to(a.dtype)
+                b.grad = a.grad.clone()
+        opt.step()
+        torch_opt.step()
+        if step < 2:
+            assert torch.equal(ours[1], frozen), f"step {step}: a frozen param moved"
+    assert not torch.equal(ours[1], frozen), "the unfrozen param was never stepped"
+    for a, b in zip(ours, ref):
+        assert (a.float() - b.float()).abs().max().item() <= 2e-2, (a, b)
+
+
 def test_bad_arguments_raise():
     p = [torch.nn.Parameter(torch.zeros(3))]
     with pytest.raises(ValueError, match="amsgrad"):

@@ -25,7 +25,9 @@ correction, ``eps`` after the square root), and the hyper-parameters are
 re-read from ``param_groups`` at every step, so LR schedulers work. A param
 whose ``.grad`` is None is not stepped when its whole sub-group has none (as
 torch skips it); inside a sub-group that has gradients it is stepped with a
-zero gradient (as DeepSpeed does).
+zero gradient (as DeepSpeed does). A param given with ``requires_grad=False``
+(frozen, to be unfrozen later) has sub-groups of its own, so it is not
+stepped until it has a gradient.
 
 With ``step_in_backward=True`` each sub-group is stepped as soon as the
 gradients of all its params are final in backward
@@ -308,12 +310,21 @@ class AdamW(torch.optim.Optimizer):
                     raise ValueError("tierzero.torch.AdamW needs contiguous params")
                 home = home_of(p)
                 n, start = (home.numel if home is not None else p.numel()), 0
+                # A param frozen now (``requires_grad=False``) gets
+                # sub-groups of its own: while it has no gradient they are
+                # not stepped, as torch skips it, where in a sub-group with
+                # gradients it would be stepped with a zero one (decayed by
+                # the weight decay, its moments moved), frozen or not.
+                frozen = not p.requires_grad
+                if frozen and sg.numel:
+                    self._subgroups.append(sg)
+                    sg = _SubGroup(gi)
                 while start < n:
                     take = min(n - start, sub_group_size - sg.numel)
                     sg.pieces.append((p, start, start + take, sg.numel))
                     sg.numel += take
                     start += take
-                    if sg.numel == sub_group_size or (self._inplace and start == n):
+                    if sg.numel == sub_group_size or ((self._inplace or frozen) and start == n):
                         self._subgroups.append(sg)
                         sg = _SubGroup(gi)
             if sg.numel:
