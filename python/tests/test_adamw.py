@@ -206,6 +206,24 @@ def test_a_frozen_param_is_not_stepped_until_it_has_a_gradient(offload, tmp_path
         assert (a.float() - b.float()).abs().max().item() <= 2e-2, (a, b)
 
 
+def test_a_step_that_raised_leaves_the_step_count(tmp_path):
+    # A sparse gradient is refused before the kernel runs; the next step
+    # is the param's first, as torch's would be (the count went up anyway,
+    # so its bias correction was the second step's).
+    ours = [torch.nn.Parameter(torch.ones(6))]
+    ref = [torch.nn.Parameter(torch.ones(6))]
+    opt = tzt.AdamW(ours, lr=0.1, offload="nvme", nvme_path=tmp_path / "nvme")
+    ours[0].grad = torch.sparse_coo_tensor([[0]], [1.0], (6,))
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    torch_opt = torch.optim.AdamW(ref, lr=0.1, foreach=False)
+    for p in (ours[0], ref[0]):
+        p.grad = torch.full((6,), 0.5)
+    opt.step()
+    torch_opt.step()
+    assert torch.allclose(ours[0], ref[0], rtol=0, atol=1e-6), (ours[0], ref[0])
+
+
 def test_bad_arguments_raise():
     p = [torch.nn.Parameter(torch.zeros(3))]
     with pytest.raises(ValueError, match="amsgrad"):

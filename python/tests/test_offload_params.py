@@ -92,6 +92,14 @@ def test_ds_config_supplies_the_settings(tmp_path):
     h = tzt.offload_parameters(Net(), ds_config=cfg)
     assert h.device == "nvme" and h.persistence_threshold == 10 and h.prefetch_bucket_size == 1000
     h.remove()
+    # A config that offloads no params is not a CPU offload (it was).
+    for none in ({"stage": 3}, {"stage": 3, "offload_param": {"device": "none"}}):
+        with pytest.raises(ValueError, match="offloads no params"):
+            tzt.offload_parameters(Net(), ds_config={"zero_optimization": none})
+    # An explicit device still wins.
+    h = tzt.offload_parameters(Net(), "cpu", ds_config={"zero_optimization": {"stage": 3}})
+    assert h.device == "cpu"
+    h.remove()
 
 
 @pytest.mark.parametrize("device", ["cpu", "nvme"])

@@ -363,12 +363,21 @@ def offload_parameters(model, device=None, nvme_path=None, *, ds_config=None, **
     ``ParamOffload`` whose ``remove()`` restores the model. ``ds_config``
     (a path or a dict) supplies ``offload_param.device`` / ``nvme_path``,
     ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters`` and
-    ``stage3_param_persistence_threshold`` where they are not given."""
+    ``stage3_param_persistence_threshold`` where they are not given; one
+    whose ``offload_param.device`` is ``"none"`` (or absent), with no
+    ``device``, is a ``ValueError``."""
     if ds_config is not None:
         from .torch import _ds_settings
 
         s = _ds_settings(ds_config)
-        if device is None and s["param_offload"] != "none":
+        if device is None:
+            if s["param_offload"] == "none":
+                # The config keeps the params on the device: offloading to
+                # the CPU anyway (as it did) is not what it says.
+                raise ValueError(
+                    "ds_config's zero_optimization.offload_param.device is \"none\" (or absent): "
+                    "it offloads no params; set it to \"cpu\" or \"nvme\", or pass device="
+                )
             device = s["param_offload"]
         nvme_path = nvme_path if nvme_path is not None else s["param_nvme_path"]
         kw.setdefault("prefetch_bucket_size", s["prefetch_bucket_size"])

@@ -458,10 +458,13 @@ class AdamW(torch.optim.Optimizer):
 
     def _step_one(self, i, next_sg):
         s = self._subgroups[i]
-        s.steps += 1
         grad = self._gather_grads(s)
         out, direct, slot = self._out_for(s)
-        self._native.step_group(i, s.steps, *self._hyper(s), grad, out, next_sg)
+        self._native.step_group(i, s.steps + 1, *self._hyper(s), grad, out, next_sg)
+        # Counted once stepped: a step that raised (a sparse gradient, an
+        # I/O error) leaves the count, and the next step's bias correction,
+        # as they were.
+        s.steps += 1
         if not direct:
             self._scatter_params(s, out, slot)
         self._stepped.add(i)
