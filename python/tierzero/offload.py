@@ -29,6 +29,12 @@ does (it reads and writes a released param through its home). Another
 optimizer needs the params gathered around its step (``with
 handle.gathered(): opt.step()``), which holds the whole model for that time.
 
+``model.state_dict()`` holds every param's values (a released one's read
+from its home), and ``model.load_state_dict()`` writes into the homes, so
+HF's ``save_model``, its checkpoints and its resume work on an offloaded
+model (a released param's empty data was saved as a 0-element tensor, and
+refused as a load's target).
+
 ``handle.remove()`` gathers every param for good and removes the hooks.
 """
 
@@ -183,6 +189,10 @@ class ParamOffload:
         for module, homes in self._module_homes.items():
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
             self._hooks.append(module.register_forward_hook(self._post_forward))
+            self._hooks.append(_state_dict_post_hook(module, self._state_dict_entries))
+            self._hooks.append(_load_pre_hook(module, self._before_load))
+        self._loading: list = []
+        self._hooks.append(model.register_load_state_dict_post_hook(self._after_load))
         for h in self._homes:
             if h.param.requires_grad:
                 self._hooks.append(h.param.register_post_accumulate_grad_hook(self._grad_final))
@@ -237,6 +247,40 @@ class ParamOffload:
                 h.host.view(-1).copy_(h.param.data.detach().reshape(-1))
         self._dirty.discard(h)
         h.param.data = torch.empty(0, dtype=h.dtype, device=h.device)
+
+    # state_dict() and load_state_dict(): a released param's data is an
+    # empty tensor, which would be saved (HF's save_model, its periodic
+    # checkpoints) and refused as a load's target.
+    def _released_of(self, module, prefix, state_dict):
+        """``(key, home)`` of ``module``'s own offloaded params in
+        ``state_dict``."""
+        for name, p in module._parameters.items():
+            h = _HOMES.get(id(p)) if p is not None else None
+            if h is not None and h.owner is self and prefix + name in state_dict:
+                yield prefix + name, h
+
+    def _state_dict_entries(self, module, state_dict, prefix, local_metadata):
+        """A released param's entry becomes its values, read from its home."""
+        for key, h in self._released_of(module, prefix, state_dict):
+            if not h.is_live():
+                state_dict[key] = self._load(h).view(h.shape)
+
+    def _before_load(self, module, state_dict, prefix, *args):
+        """Makes the loaded params live for torch's copy into them; they
+        go back to their homes after the load (``_after_load``)."""
+        for _, h in self._released_of(module, prefix, state_dict):
+            if not h.is_live():
+                self._fetch(h, count=False)
+                self._loading.append(h)
+            # A live param (used now, or gathered) keeps the loaded values
+            # when it is released.
+            self._dirty.add(h)
+
+    def _after_load(self, module, incompatible_keys):
+        loading, self._loading = self._loading, []
+        for h in loading:
+            if not h.refs:
+                self._release(h, force=True)
 
     def live_numel(self):
         return sum(h.numel for h in self._homes if h.is_live())
@@ -328,6 +372,28 @@ class ParamOffload:
         self._homes = []
         if self._file and os.path.exists(self._file):
             os.remove(self._file)
+
+
+def _state_dict_post_hook(module, hook):
+    """``hook(module, state_dict, prefix, local_metadata)`` after
+    ``module``'s own entries are in its ``state_dict``."""
+    register = getattr(module, "register_state_dict_post_hook", None) or module._register_state_dict_hook
+
+    # A function, not the bound method: torch marks the hooks it is given
+    # with an attribute, which a method does not take.
+    def call(*args):
+        hook(*args)
+
+    return register(call)
+
+
+def _load_pre_hook(module, hook):
+    """``hook(module, state_dict, prefix, ...)`` before ``module``'s own
+    entries are loaded."""
+    register = getattr(module, "register_load_state_dict_pre_hook", None)
+    if register is not None:
+        return register(hook)
+    return module._register_load_state_dict_pre_hook(hook, with_module=True)
 
 
 def _wrap(output, fetch):
