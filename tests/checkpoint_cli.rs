@@ -242,6 +242,23 @@ fn save_every_then_resume_matches_one_run() {
     );
 }
 
+/// A resumed run's checkpoints keep the seed the weights were initialised
+/// with, not the resume's own `--seed` (its default, 1, was written).
+#[test]
+fn a_resume_keeps_the_checkpoint_s_seed() {
+    let d = setup("seed");
+    let a = train(&d, &["--steps", "1", "--seed", "7", "--save-dir", "ck"]);
+    assert_eq!(a.code, 0, "{}", a.stderr);
+    let b = train(&d, &["--steps", "2", "--resume", "ck", "--save-dir", "ck"]);
+    assert_eq!(b.code, 0, "{}", b.stderr);
+    let seed = |step: &str| -> Value {
+        let text = std::fs::read_to_string(d.join("ck").join(step).join("manifest.json")).unwrap();
+        serde_json::from_str::<Value>(&text).unwrap()["seed"].clone()
+    };
+    assert_eq!(seed("step-00000001"), json!(7));
+    assert_eq!(seed("step-00000002"), json!(7));
+}
+
 #[test]
 fn resume_mistakes_are_bad_input() {
     let d = setup("bad");

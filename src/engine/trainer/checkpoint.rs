@@ -116,6 +116,10 @@ impl Trainer {
             opts,
         )?;
         t.steps_done = m.step;
+        // The model's init seed is the checkpoint's (the weights come from
+        // it; this run's seed initialised nothing): later checkpoints say
+        // the seed the run began with, not a resume's default.
+        t.opts.seed = m.seed;
         // The data continue at the sample the checkpoint reached, whatever
         // this run's global batch.
         t.data_base = super::DataBase {
