@@ -464,7 +464,9 @@ fn qwen_sliding_window(k: &Keys<'_>, n_layer: usize) -> Result<(), ModelError> {
         }
         Some(v) => return Err(invalid("layer_types", format!("expected a list, got {v}"))),
         None => {
-            let from = k.usize("max_window_layers", 28)?;
+            // (null is let through: transformers reads it only with the
+            // window on.)
+            let from = k.opt_usize("max_window_layers")?.unwrap_or(28);
             if window.is_some() && from < n_layer {
                 return Err(refuse(format!(
                     "use_sliding_window true with max_window_layers {from} < num_hidden_layers {n_layer}"
@@ -510,13 +512,32 @@ fn check_keys(
     Ok(())
 }
 
-/// Typed reads of a Llama-family `config.json` object, `null` meaning the
-/// default as in transformers.
+/// Typed reads of a Llama-family `config.json` object. `null` is
+/// transformers' `None`: for the optional reads (`opt_*`: a key whose
+/// `None` has a meaning, as `num_key_value_heads` or `head_dim`) it is
+/// absent; for a number read with a default ([`Keys::usize`],
+/// [`Keys::f64`]: `rms_norm_eps`, `vocab_size`, ...) it is an error, since
+/// transformers keeps the `None` there (its model then fails on it) rather
+/// than taking the default.
 struct Keys<'a>(&'a serde_json::Map<String, Value>);
 
 impl Keys<'_> {
     fn get(&self, key: &str) -> Option<&Value> {
         self.0.get(key).filter(|v| !v.is_null())
+    }
+
+    /// An error when `key` is present as `null` (see the type's docs).
+    fn not_null(&self, key: &str, default: impl std::fmt::Display) -> Result<(), ModelError> {
+        if self.0.get(key).is_some_and(Value::is_null) {
+            return Err(invalid(
+                key,
+                format!(
+                    "null: transformers keeps it as None, which its model cannot compute with; \
+                     give a number or leave the key out (default {default})"
+                ),
+            ));
+        }
+        Ok(())
     }
 
     fn opt_usize(&self, key: &str) -> Result<Option<usize>, ModelError> {
@@ -531,6 +552,7 @@ impl Keys<'_> {
     }
 
     fn usize(&self, key: &str, default: usize) -> Result<usize, ModelError> {
+        self.not_null(key, default)?;
         Ok(self.opt_usize(key)?.unwrap_or(default))
     }
 
@@ -545,6 +567,7 @@ impl Keys<'_> {
     }
 
     fn f64(&self, key: &str, default: f64) -> Result<f64, ModelError> {
+        self.not_null(key, default)?;
         Ok(self.opt_f64(key)?.unwrap_or(default))
     }
 
@@ -982,6 +1005,24 @@ mod tests {
         }
         let text = r#"{"model_type":"qwen2","num_attention_heads":14,"hidden_size":896,"num_key_value_heads":null}"#;
         assert_eq!(ModelConfig::from_hf_json(text).unwrap().0.n_kv_head, 14);
+    }
+
+    #[test]
+    fn a_null_number_that_the_math_reads_is_refused_not_defaulted() {
+        // transformers keeps None there (LlamaRMSNorm then fails on it);
+        // it trained with the default.
+        for key in [
+            "rms_norm_eps",
+            "vocab_size",
+            "max_position_embeddings",
+            "intermediate_size",
+        ] {
+            let text = format!(
+                r#"{{"model_type":"llama","num_attention_heads":16,"hidden_size":1024,"{key}":null}}"#
+            );
+            let e = ModelConfig::from_hf_json(&text).unwrap_err().to_string();
+            assert!(e.contains(key) && e.contains("null"), "{key}: {e}");
+        }
     }
 
     #[test]
