@@ -197,6 +197,57 @@ fn the_encoding_is_cached_and_a_change_of_data_or_eos_misses() {
     assert_eq!(off.data.tokens(), edited.data.tokens());
 }
 
+/// A corpus read from a pipe (`--data <(zcat corpus.txt.gz)`) trains as
+/// from its file, with the cache on: its identity for the cache key
+/// drained the pipe, and the encode then found an empty corpus. A token
+/// file must be a regular file (it is mapped): a pipe is refused, naming
+/// why.
+#[test]
+fn a_corpus_from_a_pipe_is_read_once_and_not_cached() {
+    let d = scratch("data", "pipe");
+    let tok = tokenizer(&d);
+    let text = documents(20).join("\n");
+    std::fs::write(d.join("c.txt"), &text).unwrap();
+    let fifo = d.join("fifo");
+    let fill = |bytes: Vec<u8>| {
+        let _ = std::fs::remove_file(&fifo);
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let f = fifo.clone();
+        // Opening a FIFO for writing waits for its reader.
+        // (Its errors are let go: the refused token file closes its
+        // pipe unread; the text case checks its tokens.)
+        std::thread::spawn(move || drop(std::fs::write(f, bytes)))
+    };
+    let format = DataFormat::Text(DocSplit::Lines);
+    let writer = fill(text.clone().into_bytes());
+    let piped = load(&spec(&fifo, format.clone(), Some(&tok), true));
+    writer.join().unwrap();
+    assert!(
+        matches!(piped.origin, Origin::Encoded { cached: None, .. }),
+        "{:?}",
+        piped.origin
+    );
+    let file = load(&spec(&d.join("c.txt"), format, Some(&tok), false));
+    assert_eq!(piped.data.tokens(), file.data.tokens());
+    let writer = fill(vec![0u8; 64]);
+    let e = TokenData::load(
+        &spec(&fifo, DataFormat::Tokens(TokenWidth::U16), None, true),
+        VOCAB,
+        &|_, _| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("regular file"), "{e}");
+    // The writer waits for a reader that never comes: open the FIFO once
+    // so that it ends.
+    drop(std::fs::File::open(&fifo));
+    writer.join().unwrap();
+}
+
 #[test]
 fn token_files_are_mapped_and_checked() {
     let d = scratch("data", "tokfile");

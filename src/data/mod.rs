@@ -275,7 +275,16 @@ impl TokenData {
             path: path.to_owned(),
             source,
         };
-        let len = std::fs::metadata(path).map_err(io)?.len();
+        let meta = std::fs::metadata(path).map_err(io)?;
+        if !meta.is_file() {
+            // It is mapped: a pipe has no length and cannot be.
+            return Err(bad(
+                "a token file must be a regular file (it is memory-mapped), not a pipe or a \
+                 device; write the ids to a file first"
+                    .into(),
+            ));
+        }
+        let len = meta.len();
         let w = width.bytes() as u64;
         if len % w != 0 {
             return Err(bad(format!(
@@ -542,7 +551,13 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
 
     let mut no_cache = None;
     let mut target = None;
-    if spec.cache {
+    // A pipe (`--data <(zcat corpus.txt.gz)`) can be read once: its
+    // identity for the cache key would drain it, and the encode below then
+    // found nothing ("the corpus is empty").
+    let regular = std::fs::metadata(&spec.path).is_ok_and(|m| m.is_file());
+    if spec.cache && !regular {
+        no_cache = Some("it is not a regular file (a pipe?): the tokens stay in memory".into());
+    } else if spec.cache {
         let data = cache::DataIdentity::of(&spec.path)?;
         let key = cache::key(&cache::KeyInputs {
             tokenizer_json: &tokenizer_json,
