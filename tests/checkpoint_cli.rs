@@ -240,6 +240,25 @@ fn save_every_then_resume_matches_one_run() {
         "{}",
         f.stderr
     );
+    // Other text at the same path: the path matches, the token count
+    // (in the manifest) does not, and the resume says so (it was silent).
+    let tokens = |step: &str| -> Value {
+        let text = std::fs::read_to_string(d.join("ck").join(step).join("manifest.json")).unwrap();
+        serde_json::from_str::<Value>(&text).unwrap()["data"]["tokens"].clone()
+    };
+    let n = std::fs::metadata(d.join("data.txt")).unwrap().len();
+    assert_eq!(
+        tokens("step-00000004"),
+        json!(n),
+        "byte-level: a token a byte"
+    );
+    let moved = "the data has another number of tokens";
+    assert!(!f.stderr.contains(moved), "{}", f.stderr);
+    let text = "other text at the same path moves every sample. ".repeat(70);
+    std::fs::write(d.join("data.txt"), text).unwrap();
+    let g = train(&d, &["--steps", "5", "--resume", "ck/step-00000004"]);
+    assert_eq!(g.code, 0, "{}{}", g.stdout, g.stderr);
+    assert!(g.stderr.contains(moved), "{}", g.stderr);
 }
 
 /// A resumed run's checkpoints keep the seed the weights were initialised

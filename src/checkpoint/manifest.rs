@@ -69,6 +69,12 @@ pub struct DataPosition {
     pub micro_batch_size: u64,
     /// Gradient accumulation steps (of the run that saved).
     pub gradient_accumulation_steps: u64,
+    /// Tokens of the data (of the run that saved): a resume on data of
+    /// another length (the same path rewritten, another tokenizer or
+    /// format) is warned about, since a sample's tokens move with it.
+    /// Absent in checkpoints written before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<u64>,
 }
 
 /// What the training config was, to warn when a resumed run differs.

@@ -101,6 +101,15 @@ impl Trainer {
                  numbers; the resumed run will not match an uninterrupted one"
             );
         }
+        if let Some(saved) = m.data.tokens.filter(|&n| n != data.len() as u64) {
+            tracing::warn!(
+                checkpoint = saved,
+                run = data.len(),
+                "the data has another number of tokens than the checkpoint's (other text at the \
+                 same path, another tokenizer or format): the samples from the checkpoint's \
+                 position on are not the ones an uninterrupted run would see"
+            );
+        }
         if m.seq_len != opts.seq_len {
             tracing::warn!(
                 checkpoint = m.seq_len,
@@ -517,6 +526,7 @@ impl Trainer {
                 samples_consumed: self.samples_consumed(),
                 micro_batch_size: mb,
                 gradient_accumulation_steps: gas,
+                tokens: Some(self.data.len() as u64),
             },
             precision: self.config.precision.name().to_owned(),
             world_size: world,
