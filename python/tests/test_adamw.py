@@ -224,6 +224,17 @@ def test_a_step_that_raised_leaves_the_step_count(tmp_path):
     assert torch.allclose(ours[0], ref[0], rtol=0, atol=1e-6), (ours[0], ref[0])
 
 
+def test_params_changed_after_construction_are_named():
+    # The in-place path is chosen at construction (fp32 CPU params); a
+    # model cast (or moved to a GPU) since failed in the kernel's import.
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = tzt.AdamW([p], offload="none")
+    p.data = p.data.to(torch.bfloat16)
+    p.grad = torch.ones(4, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="build the optimizer after moving the model"):
+        opt.step()
+
+
 def test_bad_arguments_raise():
     p = [torch.nn.Parameter(torch.zeros(3))]
     with pytest.raises(ValueError, match="amsgrad"):

@@ -108,6 +108,29 @@ def test_state_dict_and_load_state_dict_see_the_whole_params(device, tmp_path):
     h.remove()
 
 
+def test_the_swap_file_goes_at_exit_without_remove(tmp_path):
+    # HF's recipe never calls remove(): every run left a model-sized file.
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import sys, torch
+        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
+        import tierzero.torch as tzt
+        from test_offload_params import Net
+        h = tzt.offload_parameters(Net(), "nvme", nvme_path={str(tmp_path / "p")!r}, param_persistence_threshold=100)
+        import os
+        print(len(os.listdir({str(tmp_path / "p")!r})))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1", out.stdout
+    assert list((tmp_path / "p").iterdir()) == []
+
+
 def test_ds_config_supplies_the_settings(tmp_path):
     cfg = {
         "zero_optimization": {

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import weakref
 
 import torch
 
@@ -177,6 +178,11 @@ class ParamOffload:
         if device == "nvme":
             os.makedirs(nvme_path, exist_ok=True)
             self._file = os.path.join(nvme_path, f"tierzero-params-{os.getpid()}-{id(self):x}.bin")
+            # Removed at exit when ``remove()`` was never called (HF's
+            # recipe does not call it): a model-sized file was left in
+            # ``nvme_path`` by every run. (A killed process still leaves
+            # it.)
+            self._file_gone = weakref.finalize(self, _remove_file, self._file)
         with torch.no_grad():
             for h in self._homes:
                 if device == "cpu":
@@ -370,8 +376,15 @@ class ParamOffload:
             hook.remove()
         self._hooks.clear()
         self._homes = []
-        if self._file and os.path.exists(self._file):
-            os.remove(self._file)
+        if self._file:
+            self._file_gone()
+
+
+def _remove_file(path):
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 def _state_dict_post_hook(module, hook):

@@ -499,6 +499,18 @@ class AdamW(torch.optim.Optimizer):
         work = []
         for i in todo:
             s = self._subgroups[i]
+            (p, *_), = s.pieces
+            if p.device.type != "cpu" or p.dtype != torch.float32:
+                # Chosen at construction, for fp32 params in host memory;
+                # a model moved since (HF Trainer and accelerate's
+                # prepare() move it after an optimizer given to them was
+                # built) failed deep in the kernel's DLPack import.
+                raise RuntimeError(
+                    f"tierzero.torch.AdamW was built over fp32 CPU params (stepped in place), "
+                    f"and a param is now {p.dtype} on {p.device}: build the optimizer after "
+                    f"moving the model, or with offload=\"nvme\" (which copies to and from any "
+                    f"device)"
+                )
             work.append((i, s.steps + 1, *self._hyper(s), self._gather_grads(s)))
         self._native.step_groups(work)
         for i in todo:
