@@ -347,6 +347,51 @@ pub fn write_atomic_streamed<E: From<DurableError>>(
     result
 }
 
+/// The pid of `.{name}.tmp-<pid>-<seq>`, the temporary file of an atomic
+/// rewrite of `name` ([`write_atomic`], [`write_atomic_streamed`]).
+pub(crate) fn tmp_owner_pid(tmp_name: &str, name: &str) -> Option<u32> {
+    let rest = tmp_name.strip_prefix(&format!(".{name}.tmp-"))?;
+    let (pid, seq) = rest.split_once('-')?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(pid) || !digits(seq) {
+        return None;
+    }
+    pid.parse().ok()
+}
+
+/// Removes the temporary files of atomic rewrites of `path` that
+/// processes now gone left beside it (killed mid-write: an export's is as
+/// large as the model, and nothing else would remove it). Returns how
+/// many; a file it cannot remove is said, not an error.
+pub fn remove_stale_tmp(path: &Path) -> usize {
+    let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+        return 0;
+    };
+    let Ok(entries) = std::fs::read_dir(parent_dir(path)) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| tmp_owner_pid(n, name)) else {
+            continue;
+        };
+        if tierzero_swap::space::process_alive(pid) || !e.file_type().is_ok_and(|t| t.is_file()) {
+            continue;
+        }
+        match std::fs::remove_file(e.path()) {
+            Ok(()) => {
+                record::remove(&e.path());
+                removed += 1;
+                tracing::warn!(file = %e.path().display(), pid, "removed the temporary file of a write that a process now gone left");
+            }
+            Err(err) => {
+                tracing::warn!(file = %e.path().display(), error = %err, "could not remove a stale temporary file");
+            }
+        }
+    }
+    removed
+}
+
 /// Renames `from` to `to` (a file or a directory, in one file system) and
 /// `fsync`s `to`'s directory, so the new name is on disk when this returns.
 pub fn rename(from: &Path, to: &Path) -> Result<(), DurableError> {
@@ -358,6 +403,33 @@ pub fn rename(from: &Path, to: &Path) -> Result<(), DurableError> {
 mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
     use super::*;
+
+    #[test]
+    fn a_dead_process_s_temporary_files_are_removed_and_no_other() {
+        let dir = std::env::temp_dir().join(format!("tz-durable-stale-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = dir.join("model.safetensors");
+        // 4194305: above the kernel's pid_max limit of 2^22, never a live pid.
+        let names = [
+            (".model.safetensors.tmp-4194305-0", false),
+            (
+                &*format!(".model.safetensors.tmp-{}-0", std::process::id()),
+                true,
+            ),
+            (".model.safetensors.tmp-4194305-x", true),
+            (".other.tmp-4194305-0", true),
+            ("model.safetensors", true),
+        ];
+        for (n, _) in &names {
+            std::fs::write(dir.join(n), b"x").unwrap();
+        }
+        assert_eq!(remove_stale_tmp(&out), 1);
+        for (n, kept) in &names {
+            assert_eq!(dir.join(n).exists(), *kept, "{n}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
     use std::os::unix::fs::PermissionsExt;
 
     #[test]

@@ -81,9 +81,14 @@ fn assert_export_matches(save: &std::path::Path, dtype: &str) {
             .collect();
         assert_eq!(a, b, "{} differs", p.name);
     }
-    // Exporting again next to the same config.json is fine...
+    // Exporting again next to the same config.json is fine, and removes
+    // what an export killed mid-write left (pid 4194305: above pid_max,
+    // never alive).
+    let stale = out.join(".model.safetensors.tmp-4194305-0");
+    std::fs::write(&stale, b"half a model").unwrap();
     let again = export(save, &file, &["--dtype", dtype]);
     assert_eq!(again.code, 0, "{}", again.stderr);
+    assert!(!stale.exists(), "a dead export's temporary file was left");
     assert!(again.stdout.contains("already there"), "{}", again.stdout);
     // ... a different one is refused, and nothing is written.
     std::fs::write(out.join("config.json"), "{\"model_type\": \"llama\"}").unwrap();

@@ -108,6 +108,9 @@ pub fn export_safetensors(
     // A load error is kept whole (it names the corrupt part) and returned
     // instead of the model-area error it is carried as.
     let mut load_err: Option<CheckpointError> = None;
+    // An export killed mid-write left its temporary file (as large as the
+    // model) beside `out`.
+    durable::remove_stale_tmp(out);
     let bytes = durable::write_atomic_streamed(out, |file, tmp| {
         let written = write_safetensors(file, tmp, model, dtype, |id| {
             ckpt.load_param_f32(id).map_err(|e| {

@@ -43,13 +43,7 @@ pub(crate) fn staging_owner_pid(name: &str) -> Option<u32> {
 /// The pid of a `.latest.tmp-<pid>-<seq>` name (the temporary file of an
 /// atomic rewrite of `latest`, see [`crate::durable::write_atomic`]).
 fn latest_tmp_owner_pid(name: &str) -> Option<u32> {
-    let rest = name.strip_prefix(&format!(".{LATEST_FILE}.tmp-"))?;
-    let (pid, seq) = rest.split_once('-')?;
-    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    if !digits(pid) || !digits(seq) {
-        return None;
-    }
-    pid.parse().ok()
+    durable::tmp_owner_pid(name, LATEST_FILE)
 }
 
 /// The `step-N` name of a `.step-N.old-<pid>` dir (a step a save moved
