@@ -419,14 +419,21 @@ impl Trainer {
         let model = self.model.clone();
         let mut cache: Option<(SubGroupId, Vec<f32>)> = None;
         let Some(staged) = staged else {
+            // Every gather is joined, this rank's read failing or not (the
+            // first such error is returned after them).
+            let mut first = None;
             for p in model.params() {
-                self.gather_master(p.id, &mut cache)?;
+                if let Err(e) = self.gather_master_joined(p.id, &mut cache)? {
+                    first.get_or_insert(e);
+                }
             }
-            return Ok(None);
+            return first.map_or(Ok(None), Err);
         };
         let dtype = self.store.dtype();
         let mut fetched = 0usize;
-        let mut gather_err: Option<EngineError> = None;
+        // (The error, and whether it is rank 0's own read's, after which
+        // the others still gather the rest.)
+        let mut gather_err: Option<(EngineError, bool)> = None;
         let written = staged
             .create_file("model.safetensors")
             .map_err(EngineError::from)
@@ -437,28 +444,34 @@ impl Trainer {
                         .param(pid)
                         .map(|p| p.shape.clone())
                         .unwrap_or_default();
-                    match self.gather_master(pid, &mut cache) {
-                        Ok(v) => Ok(Tensor::from_vec(v, shape.as_slice(), &Device::Cpu)?),
-                        Err(e) => {
-                            let text = e.to_string();
-                            gather_err = Some(e);
-                            Err(crate::model::ModelError::Unsupported { what: text })
+                    let (e, own) = match self.gather_master_joined(pid, &mut cache) {
+                        Ok(Ok(v)) => {
+                            return Ok(Tensor::from_vec(v, shape.as_slice(), &Device::Cpu)?)
                         }
-                    }
+                        Ok(Err(e)) => (e, true),
+                        Err(e) => (e, false),
+                    };
+                    let text = e.to_string();
+                    gather_err = Some((e, own));
+                    Err(crate::model::ModelError::Unsupported { what: text })
                 })
                 .map_err(EngineError::Model)
             });
-        if let Some(e) = gather_err {
-            return Err(e);
-        }
-        if let Err(e) = written {
+        let failed = match (gather_err, written) {
+            // The collective failed: no more of them.
+            (Some((e, false)), _) => return Err(e),
+            (Some((e, true)), _) => Some(e),
+            (None, Err(e)) => Some(e),
+            // (The written file is closed here, with the tuple.)
+            (None, Ok(_)) => None,
+        };
+        if let Some(e) = failed {
             // The others still gather the params rank 0 did not fetch.
             for p in model.params().iter().skip(fetched) {
-                self.gather_master(p.id, &mut cache)?;
+                let _ = self.gather_master_joined(p.id, &mut cache)?;
             }
             return Err(e);
         }
-        drop(written);
         let (cf, cpath) = staged.create_file("config.json")?;
         let text = crate::model::hf_config_text(&self.model)?;
         {

@@ -751,11 +751,19 @@ impl Trainer {
     /// shard (a collective: every rank calls it in the same order).
     /// `cache` holds the last sub-group read, so walking params in order
     /// reads each sub-group once.
-    pub(super) fn gather_master(
+    ///
+    /// This rank joins the collective even when its own shard could not be
+    /// read (an NVMe error, an error the optimizer thread latched): it
+    /// sends zeros, and the error comes back inside (`Ok(Err(..))`) once the
+    /// others have their gather, so that a walk over the params goes on
+    /// joining theirs and no rank waits for a collective that never comes
+    /// (a rank that stopped at its error left the others in the next
+    /// param's gather until the timeout). `Err`: the collective failed.
+    pub(super) fn gather_master_joined(
         &mut self,
         pid: ParamId,
         cache: &mut Option<(SubGroupId, Vec<f32>)>,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Result<Vec<f32>>> {
         let slot = self
             .layout
             .params
@@ -763,17 +771,24 @@ impl Trainer {
             .cloned()
             .ok_or_else(|| EngineError::internal("master of an unknown param"))?;
         // A tiled shard is assembled from its pieces, group by group.
-        let mut shard_bytes: Vec<u8> = Vec::with_capacity(slot.shard_numel * 4);
-        for pc in &slot.pieces {
-            if cache.as_ref().is_none_or(|(sg, _)| *sg != pc.sub_group) {
-                *cache = Some((pc.sub_group, self.master(pc.sub_group)?));
+        let mut own = || -> Result<Vec<u8>> {
+            let mut shard_bytes: Vec<u8> = Vec::with_capacity(slot.shard_numel * 4);
+            for pc in &slot.pieces {
+                if cache.as_ref().is_none_or(|(sg, _)| *sg != pc.sub_group) {
+                    *cache = Some((pc.sub_group, self.master(pc.sub_group)?));
+                }
+                let group = cache.as_ref().map(|(_, m)| m.as_slice()).unwrap_or(&[]);
+                let piece = group
+                    .get(pc.group_range())
+                    .ok_or_else(|| EngineError::internal("master shard out of range"))?;
+                shard_bytes.extend_from_slice(&crate::le::bytes(piece));
             }
-            let group = cache.as_ref().map(|(_, m)| m.as_slice()).unwrap_or(&[]);
-            let piece = group
-                .get(pc.group_range())
-                .ok_or_else(|| EngineError::internal("master shard out of range"))?;
-            shard_bytes.extend_from_slice(&crate::le::bytes(piece));
-        }
+            Ok(shard_bytes)
+        };
+        let (shard_bytes, own_err) = match own() {
+            Ok(b) => (b, None),
+            Err(e) => (vec![0u8; slot.shard_numel * 4], Some(e)),
+        };
         let counts: Vec<usize> = shard_counts(slot.numel, self.layout.world)
             .iter()
             .map(|c| c * 4)
@@ -782,7 +797,10 @@ impl Trainer {
         self.opts
             .comm
             .all_gather_bytes(&shard_bytes, &counts, &mut full)?;
-        Ok(crate::le::f32s(&full))
+        Ok(match own_err {
+            Some(e) => Err(e),
+            None => Ok(crate::le::f32s(&full)),
+        })
     }
 
     /// Every parameter's whole fp32 master weights, in `ParamId` order,
@@ -790,9 +808,18 @@ impl Trainer {
     /// host memory: for tests and export of small models.
     pub fn full_masters(&mut self) -> Result<Vec<Vec<f32>>> {
         let mut cache = None;
-        (0..self.layout.params.len())
-            .map(|i| self.gather_master(ParamId(i), &mut cache))
-            .collect()
+        let mut out = Vec::with_capacity(self.layout.params.len());
+        let mut first = None;
+        for i in 0..self.layout.params.len() {
+            // Every gather joined (see `gather_master_joined`).
+            match self.gather_master_joined(ParamId(i), &mut cache)? {
+                Ok(m) => out.push(m),
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        first.map_or(Ok(out), Err)
     }
 
     /// sha256 over every fp32 master weight in `ParamId` order
@@ -823,11 +850,17 @@ impl Trainer {
         }
         let mut h = Sha256::new();
         let mut cache = None;
+        let mut first = None;
         for i in 0..self.layout.params.len() {
-            let m = self.gather_master(ParamId(i), &mut cache)?;
-            h.update(&crate::le::bytes(&m));
+            // Every gather joined (see `gather_master_joined`).
+            match self.gather_master_joined(ParamId(i), &mut cache)? {
+                Ok(m) => h.update(&crate::le::bytes(&m)),
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
+            }
         }
-        Ok(h.finish_hex())
+        first.map_or_else(|| Ok(h.finish_hex()), Err)
     }
 
     /// Bytes of this rank's swap files and optimizer swap buffers.
