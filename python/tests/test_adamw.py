@@ -235,6 +235,27 @@ def test_params_changed_after_construction_are_named():
         opt.step()
 
 
+def test_a_failed_save_leaves_no_temporary_file(tmp_path, monkeypatch):
+    opt = tzt.AdamW([torch.nn.Parameter(torch.ones(8))], offload="nvme", nvme_path=tmp_path / "nvme")
+    out = tmp_path / "out"
+    out.mkdir()
+
+    class Failing:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def read_state(self, *args):
+            raise OSError("disk full")
+
+    monkeypatch.setattr(opt, "_native", Failing(opt._native))
+    with pytest.raises(OSError, match="disk full"):
+        opt.save_checkpoint(out / "opt.bin")
+    assert list(out.iterdir()) == []
+
+
 def test_bad_arguments_raise():
     p = [torch.nn.Parameter(torch.zeros(3))]
     with pytest.raises(ValueError, match="amsgrad"):

@@ -697,19 +697,28 @@ class AdamW(torch.optim.Optimizer):
         tmp = f"{path}.tmp.{os.getpid()}"
         largest = max((s.numel for s in self._subgroups), default=0)
         buf = [torch.empty(largest, dtype=torch.float32) for _ in range(3)]
-        with open(tmp, "wb") as f:
-            f.write(_MAGIC + len(head).to_bytes(8, "little") + head)
-            f.truncate(base + 12 * total)
-            for i, s in enumerate(self._subgroups):
-                views = [b[: s.numel] for b in buf]
-                self._native.read_state(i, *views)
-                for k, t in enumerate(views):
-                    for p, a, b, off in s.pieces:
-                        f.seek(base + 4 * (k * total + offsets[id(p)] + a))
-                        f.write(t[off : off + b - a].numpy().tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(_MAGIC + len(head).to_bytes(8, "little") + head)
+                f.truncate(base + 12 * total)
+                for i, s in enumerate(self._subgroups):
+                    views = [b[: s.numel] for b in buf]
+                    self._native.read_state(i, *views)
+                    for k, t in enumerate(views):
+                        for p, a, b, off in s.pieces:
+                            f.seek(base + 4 * (k * total + offsets[id(p)] + a))
+                            f.write(t[off : off + b - a].numpy().tobytes())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            # A failed save (a state read, a full disk) leaves no
+            # model-sized temporary file beside ``path``.
+            try:
+                os.remove(tmp)
+            except FileNotFoundError:
+                pass
+            raise
         dfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
         try:
             os.fsync(dfd)

@@ -7,8 +7,11 @@
 //! documents in parallel, results in document order), appends the EOS id
 //! after each document unless the tokenizer's post-processor already ended
 //! it with that id, checks every id against the model's vocabulary, and
-//! hands the ids to a sink in order. Memory is bounded by one chunk, not by
-//! the corpus.
+//! hands the ids to a sink in order. Memory is bounded by one chunk or one
+//! document, whichever is larger, not by the corpus: a document is encoded
+//! in one tokenizer call, so one very large document (a whole file read as
+//! `text`, or a paragraphs file with no blank line) costs the tokenizer's
+//! memory for all of it (several times its bytes).
 //!
 //! The tokenizer is the user's `tokenizer.json` with its truncation and
 //! padding turned off ([`open_tokenizer`]): a corpus is not a batch of
