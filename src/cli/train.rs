@@ -993,12 +993,16 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     // A timeline that cannot be written (the disk filled during the run)
     // does not cost the summary, nor a stop its exit code: it is said,
     // and a run that ended fails (exit 1) after its summary.
-    let mut timeline_failed = None;
+    let (mut timeline_failed, mut timeline_written) = (None, true);
     if let (Some(tl), Some(path)) = (&timeline, &args.timeline) {
         if let Err(e) = tl.write(path) {
+            timeline_written = false;
             let e = anyhow!("writing the timeline {}: {e}", path.display());
-            tracing::error!("{e:#}");
-            timeline_failed = Some(e);
+            match ended {
+                // Said once, as the run's error, after the summary.
+                Ended::Done => timeline_failed = Some(e),
+                Ended::Stopped { .. } => tracing::error!("{e:#}"),
+            }
         }
     }
     report_unreached_failpoint();
@@ -1014,11 +1018,11 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         train_s,
         steps_ended,
     });
-    let written = timeline.as_deref().filter(|_| timeline_failed.is_none());
+    let written = timeline.as_deref().filter(|_| timeline_written);
     print_summary(&args, &run, &summary, &ran, timing, written)?;
-    match (timeline_failed, &ended) {
-        (Some(e), Ended::Done) => Err(Failure::Internal(e)),
-        _ => Ok(ended),
+    match timeline_failed {
+        Some(e) => Err(Failure::Internal(e)),
+        None => Ok(ended),
     }
 }
 
