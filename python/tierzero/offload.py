@@ -3,8 +3,8 @@
 DeepSpeed's mechanism, on tierzero's I/O:
 
 - every param larger than the persistence threshold gets a home on its
-  tier: a host copy (``device="cpu"``, page-locked where the memlock limit
-  allows) or a region of one file under ``nvme_path`` (``"nvme"``, through
+  tier: a host copy (``device="cpu"``; pageable memory, so a CUDA param's
+  fetch is a blocking copy) or a region of one file under ``nvme_path`` (``"nvme"``, through
   ``tierzero.aio``, O_DIRECT, 4096-aligned regions);
 - a forward pre-hook on each module that owns params fetches them
   (``param.data`` becomes the full tensor again), after first issuing the
