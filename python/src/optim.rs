@@ -748,9 +748,13 @@ impl InPlaceMoments {
     ) -> PyResult<()> {
         let mut checked = Vec::new();
         for (k, item) in items.try_iter()?.enumerate() {
-            let item = self
-                .item(&item?)
-                .map_err(|e| PyValueError::new_err(format!("item {k}: {}", e.value(py))))?;
+            // The item's own error, of its own type (a TypeError stays
+            // one; it was rewrapped as a ValueError), with which item.
+            let item = self.item(&item?).map_err(|e| {
+                let at = PyErr::from_type(e.get_type(py), format!("item {k}: {}", e.value(py)));
+                at.set_cause(py, Some(e));
+                at
+            })?;
             checked.push(item);
         }
         step_in_place(py, &checked, threads, grad_scale)

@@ -470,6 +470,11 @@ def test_in_place_many_equals_one_call_per_param():
         cache.step_many([(3, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, p, g)] * 2)
     with pytest.raises(ValueError, match="item 1"):
         cache.step_many([(3, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, p, g), (4, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, p, g.double())])
+    # An item's error keeps its type (it was rewrapped as a ValueError),
+    # with the original as its cause.
+    with pytest.raises(TypeError, match="item 0") as e:
+        cache.step_many([42])
+    assert isinstance(e.value.__cause__, TypeError)
     for x, y in zip(before, many[3]):
         assert torch.equal(x, y)
 
