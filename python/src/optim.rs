@@ -23,7 +23,7 @@ use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use tierzero::engine::optimizer::state::{NvmeOptim, OptimizerState, PoolSize};
 use tierzero::engine::{sizing, SubGroupId};
@@ -34,8 +34,41 @@ use tierzero_swap::{
 
 use crate::dlpack;
 
-fn err(e: impl std::fmt::Display) -> PyErr {
-    PyRuntimeError::new_err(e.to_string())
+/// An error with the OS's code behind it, if any.
+trait OsErrno: std::fmt::Display {
+    fn errno(&self) -> Option<i32>;
+}
+
+impl OsErrno for tierzero_swap::SwapError {
+    fn errno(&self) -> Option<i32> {
+        self.raw_os_error()
+    }
+}
+
+impl OsErrno for tierzero::engine::EngineError {
+    fn errno(&self) -> Option<i32> {
+        match self {
+            tierzero::engine::EngineError::Io { source, .. } => source.raw_os_error(),
+            tierzero::engine::EngineError::Swap(s) => s.raw_os_error(),
+            _ => None,
+        }
+    }
+}
+
+impl OsErrno for tierzero::optim::OptimError {
+    fn errno(&self) -> Option<i32> {
+        None
+    }
+}
+
+/// `OSError(errno, message)` when the OS failed an operation (a state
+/// write that met a full disk: `except OSError` catches it, as it does
+/// `tierzero.aio`'s errors), else `RuntimeError`.
+fn err(e: impl OsErrno) -> PyErr {
+    match e.errno() {
+        Some(n) => PyOSError::new_err((n, e.to_string())),
+        None => PyRuntimeError::new_err(e.to_string()),
+    }
 }
 
 /// A contiguous host float32 tensor (DLPack), with its owners.

@@ -274,6 +274,15 @@ def test_pinned_budget_too_small_names_the_numbers(tmp_path):
         tzt.AdamW(p, offload="nvme", nvme_path=tmp_path, pinned_budget_bytes=4096)
 
 
+def test_an_os_failure_of_the_state_s_files_is_an_oserror(tmp_path):
+    # As tierzero.aio's are: `except OSError` catches it, errno and all
+    # (it was a RuntimeError with the code in its text).
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(OSError) as e:
+        tzt.AdamW([torch.nn.Parameter(torch.zeros(1000))], offload="nvme", nvme_path=tmp_path / "file")
+    assert e.value.errno is not None, e.value
+
+
 def test_ds_config_supplies_the_offload(tmp_path):
     cfg = {
         "train_micro_batch_size_per_gpu": "auto",
