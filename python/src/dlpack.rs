@@ -33,6 +33,9 @@ pub const DTYPE_BF16: (u8, u8, u16) = (4, 16, 1);
 pub const DTYPE_F16: (u8, u8, u16) = (2, 16, 1);
 /// `DLPACK_FLAG_BITMASK_READ_ONLY`.
 const FLAG_READ_ONLY: u64 = 1;
+/// `DLPACK_FLAG_BITMASK_IS_COPIED`: the producer exported a copy, so a
+/// write through it would not reach the tensor.
+const FLAG_IS_COPIED: u64 = 1 << 1;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -199,6 +202,15 @@ pub fn host_tensor(obj: &Bound<'_, PyAny>) -> PyResult<HostTensor> {
             "dtype of {bits} bits per element is not a whole number of bytes"
         )));
     }
+    // The capsule's own device, not only `__dlpack_device__`'s answer
+    // (a producer may differ between the two).
+    if t.device.device_type != DEVICE_CPU && t.device.device_type != DEVICE_CUDA_HOST {
+        return Err(PyValueError::new_err(format!(
+            "the tensor's DLPack export is on device type {}, not host memory (CPU or pinned); \
+             copy it to the host first",
+            t.device.device_type
+        )));
+    }
     let nbytes = numel
         .checked_mul(bits / 8)
         .and_then(|n| usize::try_from(n).ok())
@@ -210,7 +222,8 @@ pub fn host_tensor(obj: &Bound<'_, PyAny>) -> PyResult<HostTensor> {
         addr,
         nbytes,
         device_type: t.device.device_type,
-        read_only: flags & FLAG_READ_ONLY != 0,
+        // A copy is as good as read-only: what is written into it is lost.
+        read_only: flags & (FLAG_READ_ONLY | FLAG_IS_COPIED) != 0,
         dtype: (t.dtype.code, t.dtype.bits, t.dtype.lanes),
         owners: (obj.clone().unbind(), capsule.unbind()),
     })
