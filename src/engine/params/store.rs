@@ -840,8 +840,17 @@ impl ParamStore {
                     Slot::Staged(b, _) => std::mem::take(b),
                     _ => return Err(EngineError::internal("staged slot changed")),
                 };
-                let t = self.tensor_from_shard(id, &shard)?;
-                self.apply(id, ParamEvent::Materialized(t))?;
+                match self.tensor_from_shard(id, &shard) {
+                    Ok(t) => self.apply(id, ParamEvent::Materialized(t))?,
+                    Err(e) => {
+                        // The gather failed: the staged bytes go back, so
+                        // the slot does not offer an empty shard later.
+                        if let Slot::Staged(b, _) = &mut self.slots[id.0].slot {
+                            *b = shard;
+                        }
+                        return Err(e);
+                    }
+                }
             }
             ParamState::OnDisk => match &self.homes[id.0] {
                 Home::Device => return Err(self.not_on_device(id)),
@@ -1173,6 +1182,26 @@ mod tests {
         s.apply(q, ParamEvent::Materialized(whole(q))).unwrap();
         let both = pb + s.device_bytes(q);
         assert_eq!((s.resident_bytes(), s.live_bytes()), (both, both));
+    }
+
+    /// Several ranks: a staged param whose fetch's gather fails keeps its
+    /// staged bytes (they were taken out first, and the slot then offered
+    /// an empty shard to the next fetch, which failed on this rank alone).
+    #[test]
+    fn a_failed_gather_of_a_staged_param_keeps_its_bytes() {
+        let model = tiny();
+        let layout = Layout::new(&model, 1, 2, 1000);
+        let tiers = vec![Tier::Device; model.params().len()];
+        // No collective scripted: the gather fails.
+        let mut s = rank_1_of_2(&model, &layout, &tiers);
+        let p = ParamId(0);
+        s.apply(p, ParamEvent::Staged(vec![7; 4])).unwrap();
+        assert!(s.fetch(p).is_err());
+        assert_eq!(s.state(p), ParamState::Staged);
+        match &s.slots[p.0].slot {
+            Slot::Staged(b, _) => assert_eq!(b, &vec![7u8; 4]),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
