@@ -81,7 +81,7 @@ use anyhow::anyhow;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use tierzero::checkpoint::{Checkpoint, CheckpointError, SaveDirLock};
+use tierzero::checkpoint::{Checkpoint, CheckpointError};
 use tierzero::config::{self, ConfigWarning, PathChecks, RunContext};
 use tierzero::data::TokenData;
 use tierzero::engine::{
@@ -98,6 +98,7 @@ use super::{emit, Failure};
 
 mod data;
 mod device;
+mod outputs;
 mod report;
 mod steps;
 mod timing;
@@ -450,22 +451,6 @@ impl Flags {
     }
 }
 
-/// The save dir is ours for the whole run (refused now, not at the first
-/// save, when another run is saving into it). With several ranks rank 0
-/// holds it: it writes everything outside the rank dirs.
-fn claim_save_dir(args: &TrainArgs, lead: bool) -> Result<Option<SaveDirLock>, Failure> {
-    match &args.save_dir {
-        Some(d) if lead => {
-            tierzero::durable::create_dir_all(d)
-                .map_err(|e| bad(format!("--save-dir {}: {e}", d.display())))?;
-            let lock = SaveDirLock::acquire(d)
-                .map_err(|e| bad(format!("--save-dir {}: {e}", d.display())))?;
-            Ok(Some(lock))
-        }
-        _ => Ok(None),
-    }
-}
-
 /// The model to train: its directory (none when resuming without
 /// `--model`) and the model itself.
 fn open_model(
@@ -577,55 +562,6 @@ fn load_config(
         loaded.config.tierzero.activations = config::ActivationBudget::Checkpointing;
     }
     Ok((loaded, config_name, steps))
-}
-
-/// `--metrics` and `--timeline` go into a directory that must exist. The
-/// timeline is written only after the last step (atomically: a temporary
-/// file beside it, renamed over it), so what would fail then is checked
-/// now: a path that is a directory or has no file name, and a directory
-/// where no file can be made.
-fn check_output_dirs(args: &TrainArgs) -> Result<(), Failure> {
-    for (flag, file) in [("--metrics", &args.metrics), ("--timeline", &args.timeline)] {
-        if let Some(parent) = file
-            .as_ref()
-            .and_then(|m| m.parent())
-            .filter(|p| !p.as_os_str().is_empty())
-        {
-            must_exist(
-                flag,
-                parent,
-                true,
-                "create its directory first or choose another path",
-            )?;
-        }
-    }
-    if let Some(path) = &args.timeline {
-        let fix = "give a file path for the timeline (JSON), e.g. --timeline timeline.json";
-        if path.file_name().is_none() || path.is_dir() {
-            return Err(bad(format!(
-                "--timeline {}: is a directory, not a file; {fix}",
-                path.display()
-            )));
-        }
-        let dir = path
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-        let probe = dir.join(format!(".tierzero-timeline-probe-{}", std::process::id()));
-        std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&probe)
-            .and_then(|_| std::fs::remove_file(&probe))
-            .map_err(|e| {
-                bad(format!(
-                    "--timeline {}: cannot make a file in {}: {e}; choose a writable directory",
-                    path.display(),
-                    dir.display()
-                ))
-            })?;
-    }
-    Ok(())
 }
 
 /// What the start-up lines and the summary say about the run.
@@ -751,7 +687,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     if let Err(e) = tierzero::failpoint::check_env() {
         return Err(bad(e));
     }
-    let save_lock = claim_save_dir(&args, lead)?;
+    let save_lock = outputs::claim_save_dir(&args, lead)?;
     let ckpt = match &args.resume {
         Some(d) => Some(Checkpoint::open(d).map_err(|e| {
             bad(format!(
@@ -789,7 +725,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
             cfg.batch.micro_batch_size
         )));
     }
-    check_output_dirs(&args)?;
+    outputs::check_output_dirs(&args)?;
     let timeline_steps = number("--timeline-steps", &args.timeline_steps, 1, 1000)?;
 
     // With --json, stdout carries only the summary object; under several
