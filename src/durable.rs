@@ -361,9 +361,11 @@ pub(crate) fn tmp_owner_pid(tmp_name: &str, name: &str) -> Option<u32> {
 
 /// Removes the temporary files of atomic rewrites of `path` that
 /// processes now gone left beside it (killed mid-write: an export's is as
-/// large as the model, and nothing else would remove it). Returns how
-/// many; a file it cannot remove is said, not an error.
-pub fn remove_stale_tmp(path: &Path) -> usize {
+/// large as the model, and nothing else would remove it), and with
+/// `own_too` this process's (a caller that is not writing `path` now: one
+/// of its pid is a dead incarnation's, pid 1 in a restarted container).
+/// Returns how many; a file it cannot remove is said, not an error.
+pub fn remove_stale_tmp(path: &Path, own_too: bool) -> usize {
     let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
         return 0;
     };
@@ -375,7 +377,9 @@ pub fn remove_stale_tmp(path: &Path) -> usize {
         let Some(pid) = e.file_name().to_str().and_then(|n| tmp_owner_pid(n, name)) else {
             continue;
         };
-        if tierzero_swap::space::process_alive(pid) || !e.file_type().is_ok_and(|t| t.is_file()) {
+        let stale = (own_too && pid == std::process::id())
+            || (pid != std::process::id() && !tierzero_swap::space::process_alive(pid));
+        if !stale || !e.file_type().is_ok_and(|t| t.is_file()) {
             continue;
         }
         match std::fs::remove_file(e.path()) {
@@ -424,10 +428,13 @@ mod tests {
         for (n, _) in &names {
             std::fs::write(dir.join(n), b"x").unwrap();
         }
-        assert_eq!(remove_stale_tmp(&out), 1);
+        assert_eq!(remove_stale_tmp(&out, false), 1);
         for (n, kept) in &names {
             assert_eq!(dir.join(n).exists(), *kept, "{n}");
         }
+        // This process's, when it says it is not writing `out`.
+        assert_eq!(remove_stale_tmp(&out, true), 1);
+        assert!(!dir.join(names[1].0).exists());
         std::fs::remove_dir_all(&dir).unwrap();
     }
     use std::os::unix::fs::PermissionsExt;

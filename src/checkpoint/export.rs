@@ -110,7 +110,7 @@ pub fn export_safetensors(
     let mut load_err: Option<CheckpointError> = None;
     // An export killed mid-write left its temporary file (as large as the
     // model) beside `out`.
-    durable::remove_stale_tmp(out);
+    durable::remove_stale_tmp(out, false);
     let bytes = durable::write_atomic_streamed(out, |file, tmp| {
         let written = write_safetensors(file, tmp, model, dtype, |id| {
             ckpt.load_param_f32(id).map_err(|e| {

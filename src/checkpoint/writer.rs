@@ -40,12 +40,6 @@ pub(crate) fn staging_owner_pid(name: &str) -> Option<u32> {
     pid.parse().ok()
 }
 
-/// The pid of a `.latest.tmp-<pid>-<seq>` name (the temporary file of an
-/// atomic rewrite of `latest`, see [`crate::durable::write_atomic`]).
-fn latest_tmp_owner_pid(name: &str) -> Option<u32> {
-    durable::tmp_owner_pid(name, LATEST_FILE)
-}
-
 /// The `step-N` name of a `.step-N.old-<pid>` dir (a step a save moved
 /// aside to replace it).
 fn moved_aside_step(name: &str) -> Option<String> {
@@ -82,34 +76,19 @@ fn restore_moved_aside(save_dir: &Path, path: &Path, step_name: &str) {
 }
 
 /// Removes `.step-*.tmp-<pid>` / `.old-<pid>` dirs and `.latest.tmp-<pid>-*`
-/// files of processes that are gone (this process's, where it is not
+/// files ([`durable::remove_stale_tmp`]) of processes that are gone (this process's, where it is not
 /// writing them), but an `.old` dir whose `step-N` is missing, which is
 /// renamed back (see [`restore_moved_aside`]). Nothing else is touched.
 fn remove_stale(save_dir: &Path) {
+    // This process writes `latest` only inside a commit, never while a
+    // save begins: a half-written one of its own pid is a dead
+    // incarnation's too.
+    durable::remove_stale_tmp(&save_dir.join(LATEST_FILE), true);
     let Ok(entries) = std::fs::read_dir(save_dir) else {
         return;
     };
     for e in entries.flatten() {
         let name = e.file_name();
-        if let Some(pid) = name.to_str().and_then(latest_tmp_owner_pid) {
-            // This process writes `latest` only inside a commit, never
-            // while a save begins: one of its own pid is a dead
-            // incarnation's (pid 1 in a container, restarted).
-            if (pid == std::process::id() || !tierzero_swap::space::process_alive(pid))
-                && e.file_type().is_ok_and(|t| t.is_file())
-            {
-                match std::fs::remove_file(e.path()) {
-                    Ok(()) => {
-                        durable::record::remove(&e.path());
-                        tracing::warn!(file = %e.path().display(), pid, "removed a half-written `latest` of a process that is gone")
-                    }
-                    Err(err) => {
-                        tracing::warn!(file = %e.path().display(), error = %err, "could not remove a half-written `latest`")
-                    }
-                }
-            }
-            continue;
-        }
         let Some(pid) = name.to_str().and_then(staging_owner_pid) else {
             continue;
         };
@@ -476,9 +455,10 @@ mod tests {
         assert_eq!(staging_owner_pid(".step-00000004.old-9"), Some(9));
         assert_eq!(staging_owner_pid(".step-x.tmp-9"), None);
         assert_eq!(staging_owner_pid("step-00000004"), None);
-        assert_eq!(latest_tmp_owner_pid(".latest.tmp-77-0"), Some(77));
-        assert_eq!(latest_tmp_owner_pid(".latest.tmp-77"), None);
-        assert_eq!(latest_tmp_owner_pid(".latest.tmp-77-x"), None);
-        assert_eq!(latest_tmp_owner_pid(".manifest.json.tmp-77-0"), None);
+        let latest_tmp = |n: &str| durable::tmp_owner_pid(n, LATEST_FILE);
+        assert_eq!(latest_tmp(".latest.tmp-77-0"), Some(77));
+        assert_eq!(latest_tmp(".latest.tmp-77"), None);
+        assert_eq!(latest_tmp(".latest.tmp-77-x"), None);
+        assert_eq!(latest_tmp(".manifest.json.tmp-77-0"), None);
     }
 }

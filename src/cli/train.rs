@@ -927,22 +927,19 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         }
     };
     // A timeline that cannot be written (the disk filled during the run)
-    // does not cost the summary, nor a stop its exit code: it is said,
-    // and a run that ended fails (exit 1) after its summary.
-    let (mut timeline_failed, mut timeline_written) = (None, true);
-    if let (Some(tl), Some(path)) = (&timeline, &args.timeline) {
-        if let Err(e) = tl.write(path) {
-            timeline_written = false;
-            let e = anyhow!("writing the timeline {}: {e}", path.display());
-            match ended {
-                // Said once, as the run's error, after the summary.
-                Ended::Done => timeline_failed = Some(e),
-                Ended::Stopped { .. } => tracing::error!("{e:#}"),
-            }
-        }
-    }
+    // does not cost the summary, nor a stop its exit code: it is said
+    // once, as the error of a run that ended (exit 1, after its summary),
+    // or logged after a stop.
+    let timeline_failed = match (&timeline, &args.timeline) {
+        (Some(tl), Some(path)) => tl
+            .write(path)
+            .err()
+            .map(|e| anyhow!("writing the timeline {}: {e}", path.display())),
+        _ => None,
+    };
     report_unreached_failpoint();
     if !lead {
+        // (Only rank 0 writes a timeline.)
         return Ok(ended);
     }
     let timing = Timing::new(Marks {
@@ -954,11 +951,15 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         train_s,
         steps_ended,
     });
-    let written = timeline.as_deref().filter(|_| timeline_written);
+    let written = timeline.as_deref().filter(|_| timeline_failed.is_none());
     print_summary(&args, &run, &summary, &ran, timing, written)?;
-    match timeline_failed {
-        Some(e) => Err(Failure::Internal(e)),
-        None => Ok(ended),
+    match (timeline_failed, &ended) {
+        (Some(e), Ended::Done) => Err(Failure::Internal(e)),
+        (Some(e), Ended::Stopped { .. }) => {
+            tracing::error!("{e:#}");
+            Ok(ended)
+        }
+        (None, _) => Ok(ended),
     }
 }
 

@@ -807,19 +807,27 @@ impl Trainer {
     /// gathered from all ranks (a collective). Holds the whole model in
     /// host memory: for tests and export of small models.
     pub fn full_masters(&mut self) -> Result<Vec<Vec<f32>>> {
-        let mut cache = None;
         let mut out = Vec::with_capacity(self.layout.params.len());
+        self.walk_masters(|m| out.push(m))?;
+        Ok(out)
+    }
+
+    /// `f` of every param's whole fp32 master weights in `ParamId` order
+    /// (a collective). Every gather is joined, this rank's own reads
+    /// failing or not; the first failure is returned after the walk (see
+    /// [`Trainer::gather_master_joined`]).
+    pub(super) fn walk_masters(&mut self, mut f: impl FnMut(Vec<f32>)) -> Result<()> {
+        let mut cache = None;
         let mut first = None;
         for i in 0..self.layout.params.len() {
-            // Every gather joined (see `gather_master_joined`).
             match self.gather_master_joined(ParamId(i), &mut cache)? {
-                Ok(m) => out.push(m),
+                Ok(m) => f(m),
                 Err(e) => {
                     first.get_or_insert(e);
                 }
             }
         }
-        first.map_or(Ok(out), Err)
+        first.map_or(Ok(()), Err)
     }
 
     /// sha256 over every fp32 master weight in `ParamId` order
@@ -849,18 +857,8 @@ impl Trainer {
             return self.latch(r);
         }
         let mut h = Sha256::new();
-        let mut cache = None;
-        let mut first = None;
-        for i in 0..self.layout.params.len() {
-            // Every gather joined (see `gather_master_joined`).
-            match self.gather_master_joined(ParamId(i), &mut cache)? {
-                Ok(m) => h.update(&crate::le::bytes(&m)),
-                Err(e) => {
-                    first.get_or_insert(e);
-                }
-            }
-        }
-        first.map_or_else(|| Ok(h.finish_hex()), Err)
+        self.walk_masters(|m| h.update(&crate::le::bytes(&m)))?;
+        Ok(h.finish_hex())
     }
 
     /// Bytes of this rank's swap files and optimizer swap buffers.

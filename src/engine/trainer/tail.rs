@@ -229,6 +229,22 @@ impl Trainer {
             .collect()
     }
 
+    /// Gradients the optimizer thread is done with, kept for a later
+    /// step's sums ([`super::groups::SpareSums`]).
+    fn give_spare_sums(
+        &self,
+        grads: impl IntoIterator<Item = crate::engine::optimizer::GradBuf>,
+    ) -> Result<()> {
+        let mut spare = self
+            .spare_sums
+            .lock()
+            .map_err(|_| EngineError::internal("the spare gradient sums' lock"))?;
+        for g in grads {
+            spare.give(g);
+        }
+        Ok(())
+    }
+
     /// Stores the new param bytes of a stepped sub-group.
     pub(super) fn on_done(&mut self, done: Done) -> Result<()> {
         match done {
@@ -238,12 +254,7 @@ impl Trainer {
                 tensors,
                 spent,
             } => {
-                if let Some(g) = spent {
-                    self.spare_sums
-                        .lock()
-                        .map_err(|_| EngineError::internal("the spare gradient sums' lock"))?
-                        .give(g);
-                }
+                self.give_spare_sums(spent)?;
                 let bytes = values.as_bytes();
                 self.grads_out.remove(&sg);
                 let t0 = Instant::now();
@@ -294,16 +305,7 @@ impl Trainer {
                 }
                 Ok(())
             }
-            Done::Spent(grads) => {
-                let mut spare = self
-                    .spare_sums
-                    .lock()
-                    .map_err(|_| EngineError::internal("the spare gradient sums' lock"))?;
-                for g in grads {
-                    spare.give(g);
-                }
-                Ok(())
-            }
+            Done::Spent(grads) => self.give_spare_sums(grads),
             Done::Flushed => {
                 self.flush_open = false;
                 Ok(())
