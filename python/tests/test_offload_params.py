@@ -131,6 +131,49 @@ def test_the_swap_file_goes_at_exit_without_remove(tmp_path):
     assert list((tmp_path / "p").iterdir()) == []
 
 
+def test_a_killed_process_file_goes_with_the_next_offload(tmp_path):
+    # A SIGKILLed run runs no finalizer: its model-sized file stayed in
+    # nvme_path for good.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    d = tmp_path / "p"
+    code = textwrap.dedent(
+        f"""
+        import sys, torch
+        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
+        import tierzero.torch as tzt
+        from test_offload_params import Net
+        h = tzt.offload_parameters(Net(), "nvme", nvme_path={str(d)!r}, param_persistence_threshold=100)
+        print("ready", flush=True)
+        sys.stdin.read()
+        """
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    (left,) = [p.name for p in d.iterdir()]
+    assert left.startswith(f"tierzero-params-{child.pid}-")
+    # Another live process's file, this process's own, and a file not
+    # ours: all stay.
+    live = d / f"tierzero-params-{os.getppid()}-abc.bin"
+    own = d / f"tierzero-params-{os.getpid()}-def.bin"
+    other = d / "tierzero-params-notapid-1.bin"
+    for f in (live, own, other):
+        f.write_bytes(b"x")
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    assert (d / left).exists()
+    with pytest.warns(UserWarning, match="removed 1 file"):
+        h = tzt.offload_parameters(Net(), "nvme", nvme_path=d, param_persistence_threshold=100)
+    names = {p.name for p in d.iterdir()}
+    assert left not in names
+    assert {live.name, own.name, other.name} <= names
+    h.remove()
+
+
 def test_ds_config_supplies_the_settings(tmp_path):
     cfg = {
         "zero_optimization": {

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
+import warnings
 import weakref
 
 import torch
@@ -177,11 +179,14 @@ class ParamOffload:
         self._homes = list(seen.values())
         if device == "nvme":
             os.makedirs(nvme_path, exist_ok=True)
+            # A killed process leaves its file (no finalizer runs): the
+            # next offload in this directory removes the files of
+            # processes that are gone, as the engine's swap spaces do.
+            _reclaim_stale(nvme_path)
             self._file = os.path.join(nvme_path, f"tierzero-params-{os.getpid()}-{id(self):x}.bin")
             # Removed at exit when ``remove()`` was never called (HF's
             # recipe does not call it): a model-sized file was left in
-            # ``nvme_path`` by every run. (A killed process still leaves
-            # it.)
+            # ``nvme_path`` by every run.
             self._file_gone = weakref.finalize(self, _remove_file, self._file)
         with torch.no_grad():
             for h in self._homes:
@@ -385,6 +390,56 @@ def _remove_file(path):
         os.remove(path)
     except FileNotFoundError:
         pass
+
+
+_PARAMS_FILE = re.compile(r"tierzero-params-([0-9]+)-[0-9a-f]+\.bin")
+
+
+def _process_alive(pid):
+    """Whether process ``pid`` exists. Only ``ESRCH`` proves it gone: one
+    we may not signal counts as alive, so a file in use is never taken
+    for a stale one."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def _reclaim_stale(nvme_path):
+    """Removes the ``tierzero-params-<pid>-*.bin`` files in ``nvme_path``
+    whose process is gone (a killed run's), with a warning naming them.
+    This process's own files are left alone: another offload of this
+    process may be using them."""
+    removed = []
+    try:
+        names = os.listdir(nvme_path)
+    except OSError:
+        return removed
+    own = os.getpid()
+    for name in names:
+        m = _PARAMS_FILE.fullmatch(name)
+        if m is None or int(m.group(1)) == own or _process_alive(int(m.group(1))):
+            continue
+        path = os.path.join(nvme_path, name)
+        if not os.path.isfile(path) or os.path.islink(path):
+            continue
+        try:
+            size = os.path.getsize(path)
+            os.remove(path)
+        except OSError as e:
+            warnings.warn(f"offload_parameters: could not remove the stale file {path}: {e}", stacklevel=3)
+            continue
+        removed.append((path, size))
+    if removed:
+        listed = ", ".join(f"{p} ({n} bytes)" for p, n in removed)
+        warnings.warn(
+            f"offload_parameters: removed {len(removed)} file(s) of processes that are gone: {listed}",
+            stacklevel=3,
+        )
+    return removed
 
 
 def _state_dict_post_hook(module, hook):
