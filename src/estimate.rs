@@ -357,6 +357,10 @@ pub struct SwapSettings {
     pub gradient_accumulation_steps: u64,
     /// `tierzero.speculation_pool_bytes` (`None`: auto).
     pub speculation_pool_bytes: Option<u64>,
+    /// `tierzero.overlap_optimizer`: off, with the state on NVMe, every
+    /// sub-group's gradients stay in host memory until the step
+    /// (`crate::engine::sizing::Sizing::grads_held_until_step`).
+    pub overlap_optimizer: bool,
 }
 
 impl SwapSettings {
@@ -381,6 +385,7 @@ impl SwapSettings {
             sub_group_numel: c.zero.sub_group_numel.0,
             prefetch_bucket_numel: c.zero.prefetch_bucket_numel.0,
             optimizer_resident_bytes: c.tierzero.optimizer_resident_bytes.map(|b| b.0),
+            overlap_optimizer: c.tierzero.overlap_optimizer,
         }
     }
 }
@@ -1270,6 +1275,34 @@ mod tests {
             .iter()
             .filter(|i| i.what == "fp32 grad accumulators")
             .all(|i| i.tier == Tier::Pageable));
+    }
+
+    /// `tierzero.overlap_optimizer: false` with the state on NVMe: the
+    /// engine holds every sub-group's gradients until the step
+    /// (`grads_held_until_step`), and so does the estimate; it counted
+    /// the overlapped bound (7 sub-groups of 1e8 instead of 70).
+    #[test]
+    fn not_overlapped_holds_every_gradient_until_the_step() {
+        let cfg = |overlap: bool| {
+            settings(&format!(
+                r#"{{"gradient_clipping": 0, "zero_optimization": {{"stage": 3, "sub_group_size": 1e8,
+                    "offload_param": {{"device": "cpu"}}, "offload_optimizer": {{"device": "cpu"}}}},
+                    "tierzero": {{"overlap_optimizer": {overlap}}}}}"#
+            ))
+        };
+        let n = 7_000_000_000;
+        let grads = |sw: SwapSettings| {
+            let inp = inputs(n, assumed_largest_unit_numel(n), 1, sw);
+            let r = estimate(&inp, &machine(8 * GIB, 500 * GIB, None)).unwrap();
+            let e = find(&r, 3, Offload::Nvme, Offload::Nvme);
+            e.items
+                .iter()
+                .find(|i| i.what == "fp32 grads in host memory (at most)")
+                .map(|i| i.bytes)
+                .unwrap()
+        };
+        assert_eq!(grads(cfg(true)), 7 * 100_000_000 * 4);
+        assert_eq!(grads(cfg(false)), n * 4);
     }
 
     /// 7B without a GPU (the CPU is the device) and with 500 GiB of NVMe:

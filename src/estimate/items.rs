@@ -328,20 +328,33 @@ fn nvme_state_grads(
     } else {
         ("fp32 grads in host memory (at most)", 4)
     };
-    push(
-        Tier::Pageable,
-        what,
-        sizing::nvme_state_grad_bound_bytes(
-            unit_groups + held + kept,
-            ra,
-            wb,
-            sub_groups,
-            mul(g, elem_bytes, "host grads")?,
-        ),
-        format!(
-            "min((unit {unit_groups} + held {held} + speculated {kept} + handed over {in_flight}) sub-groups, {sub_groups}) × {g} × {elem_bytes} B"
-        ),
-    );
+    if sw.overlap_optimizer {
+        push(
+            Tier::Pageable,
+            what,
+            sizing::nvme_state_grad_bound_bytes(
+                unit_groups + held + kept,
+                ra,
+                wb,
+                sub_groups,
+                mul(g, elem_bytes, "host grads")?,
+            ),
+            format!(
+                "min((unit {unit_groups} + held {held} + speculated {kept} + handed over {in_flight}) sub-groups, {sub_groups}) × {g} × {elem_bytes} B"
+            ),
+        );
+    } else {
+        // The engine's rule (`host_grad_bound_bytes`): not overlapped,
+        // every sub-group's gradients wait in host memory for the step.
+        push(
+            Tier::Pageable,
+            what,
+            mul(on, elem_bytes, "host grads")?,
+            format!(
+                "{os} × {elem_bytes} B (tierzero.overlap_optimizer false: all held for the step)"
+            ),
+        );
+    }
     if spill {
         push(
             Tier::Nvme,
