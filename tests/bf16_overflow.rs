@@ -1,9 +1,10 @@
-//! `bf16.check_grad_overflow` (DeepSpeed's default, true): a bf16 step
-//! whose gradients are not all finite is skipped, as fp16's overflowing
-//! steps are, clipping or not; false applies it. A learning rate of 1e30
-//! makes the weights ~1e30 after the first step, so the next forward
-//! overflows (two such matmuls pass f32's range) and its gradients are
-//! not finite.
+//! `bf16.check_grad_overflow`: a bf16 step whose gradients are not all
+//! finite is skipped, as fp16's overflowing steps are, clipping or not;
+//! false applies it. Absent, it is what DeepSpeed does at the stage: its
+//! stage 1 and 2 optimizer checks (the key's default, true); its stage 0
+//! and stage 3 optimizers never do. A learning rate of 1e30 makes the
+//! weights ~1e30 after the first step, so the next forward overflows (two
+//! such matmuls pass f32's range) and its gradients are not finite.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -49,11 +50,20 @@ fn run_clipped(
         ..RunContext::default()
     };
     let loaded = load_str(&cfg.to_string(), &run).unwrap();
-    assert_eq!(loaded.config.check_grad_overflow, check.unwrap_or(true));
+    let checks = check.unwrap_or(matches!(stage, 1 | 2));
+    assert_eq!(loaded.config.check_grad_overflow, checks);
+    // An explicit true where DeepSpeed does not read it says so.
+    let noted = loaded
+        .warnings
+        .iter()
+        .any(|w| w.to_string().contains("does not read this key"));
     assert_eq!(
-        loaded.config.waits_for_global_norm(),
-        check.unwrap_or(true) || clip > 0.0
+        noted,
+        check == Some(true) && stage != 2,
+        "{:?}",
+        loaded.warnings
     );
+    assert_eq!(loaded.config.waits_for_global_norm(), checks || clip > 0.0);
     let md = ModelDir::open(&model, 3).unwrap();
     let mut t = Trainer::new(&loaded.config, &md, corpus(), TrainerOptions::cpu(3, 16)).unwrap();
     let losses = (0..4).map(|_| t.step().unwrap().metrics.loss).collect();
@@ -62,9 +72,9 @@ fn run_clipped(
 }
 
 #[test]
-fn a_bf16_step_with_non_finite_gradients_is_skipped_unless_told_not_to() {
-    for (stage, optim) in [(0, "none"), (3, "nvme")] {
-        let (skipped, checked, losses) = run(None, stage, optim);
+fn a_bf16_step_with_non_finite_gradients_is_skipped_as_deepspeed_would() {
+    for (stage, optim) in [(0, "none"), (2, "cpu"), (3, "nvme")] {
+        let (skipped, checked, losses) = run(Some(true), stage, optim);
         assert!(losses[0].is_finite(), "stage {stage}: {losses:?}");
         // Step 1 moved the weights to ~1e30; every later step overflows
         // and is skipped, so the weights stay where step 1 left them.
@@ -79,6 +89,14 @@ fn a_bf16_step_with_non_finite_gradients_is_skipped_unless_told_not_to() {
             applied, checked,
             "stage {stage}: the overflowing steps were applied"
         );
+        // Absent: DeepSpeed's stage 2 optimizer checks, its stage 0 and 3
+        // ones apply the step.
+        let (skipped, default, _) = run(None, stage, optim);
+        if stage == 2 {
+            assert_eq!((skipped, &default), (3, &checked), "stage {stage}");
+        } else {
+            assert_eq!((skipped, &default), (0, &applied), "stage {stage}");
+        }
         // With clipping the norm is taken anyway: a norm that is not
         // finite skips the step with the check off too (stricter than
         // DeepSpeed, which would clip by it).

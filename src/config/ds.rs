@@ -198,8 +198,11 @@ section! {
         /// `enabled`: default false.
         enabled: AutoOr<bool> = AutoOr::Value(false) => auto(flag);
         /// `check_grad_overflow`: skip a step whose gradients are not all
-        /// finite (DeepSpeed's default true since 0.19.3, #8035).
-        check_grad_overflow: bool = true => flag;
+        /// finite. DeepSpeed's default is true since 0.19.3 (#8035), but
+        /// only its stage 1 and 2 optimizer reads it: `None` (absent) means
+        /// what DeepSpeed does at the config's stage
+        /// (`Config::check_grad_overflow`).
+        check_grad_overflow: Option<bool> => some(flag);
     }
     ignored: ["immediate_grad_update"];
 }

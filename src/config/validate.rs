@@ -414,9 +414,12 @@ pub struct Config {
     pub precision: Precision,
     /// Whether the step checks its gradients for overflow (waits for their
     /// global norm and skips the step when it is not finite): always in
-    /// fp16 (the loss scaler's overflow), in bf16 as
-    /// `bf16.check_grad_overflow` says (DeepSpeed's default, true), never
-    /// in fp32 (DeepSpeed does not check there). With clipping the norm
+    /// fp16 (the loss scaler's overflow), never in fp32 (DeepSpeed does not
+    /// check there). In bf16 as DeepSpeed does: `bf16.check_grad_overflow`
+    /// (default true) is read by its stage 1 and 2 optimizer only; its
+    /// stage 0 (`BF16_Optimizer`) and stage 3 optimizers never check. An
+    /// explicit true at stage 0 or 3 is honoured, with a note that
+    /// DeepSpeed would apply such a step. With clipping the norm
     /// is taken anyway, and a norm that is not finite skips the step
     /// whatever this says: stricter than DeepSpeed, which would clip by
     /// it and apply NaNs.
@@ -431,6 +434,29 @@ pub struct Config {
     pub aio: Aio,
     /// tierzero's own settings.
     pub tierzero: Tierzero,
+}
+
+/// `bf16.check_grad_overflow` at `stage`, as DeepSpeed reads it
+/// ([`Config::check_grad_overflow`]).
+fn bf16_checks_overflow(written: Option<bool>, stage: Stage, sink: &mut Sink) -> bool {
+    let read_by_deepspeed = matches!(stage, Stage::OptimizerStates | Stage::Gradients);
+    match written {
+        None => read_by_deepspeed,
+        Some(true) if !read_by_deepspeed => {
+            sink.note(
+                "bf16.check_grad_overflow",
+                format!(
+                    "true at stage {}: a bf16 step whose gradients are not all finite is \
+                     skipped, as asked; DeepSpeed's stage {} optimizer does not read this \
+                     key and would apply the step",
+                    stage.number(),
+                    stage.number()
+                ),
+            );
+            true
+        }
+        Some(v) => v,
+    }
 }
 
 impl Config {
@@ -883,7 +909,7 @@ pub(crate) fn validate(
         precision,
         check_grad_overflow: match precision {
             Precision::Fp16 { .. } => true,
-            Precision::Bf16 => ds.bf16.check_grad_overflow,
+            Precision::Bf16 => bf16_checks_overflow(ds.bf16.check_grad_overflow, zero.stage, sink),
             Precision::Fp32 => false,
         },
         optimizer,
