@@ -825,8 +825,8 @@ fn pinned_budget_is_not_inflated_by_a_parameter_larger_than_a_sub_group() {
 /// sub-groups on the CPU, at stage 3 with device "cpu"): 1.0, the
 /// default, is what tierzero does and says nothing; a smaller share is a
 /// note that all of the state is stepped on the CPU here, or that it has
-/// no effect (not "ignored": the key is read); outside 0..=1 it is an
-/// error with the fix.
+/// no effect (not "ignored": the key is read); below stage 3, or outside
+/// 0..=1, it is an error with the fix.
 #[test]
 fn offload_optimizer_ratio_is_read_as_deepspeed_reads_it() {
     let cpu = |ratio: serde_json::Value| {
@@ -870,14 +870,21 @@ fn offload_optimizer_ratio_is_read_as_deepspeed_reads_it() {
             && w[0].contains("from NVMe"),
         "{w:?}"
     );
-    // DeepSpeed reads it at stage 3 only.
-    let stage2 = with(
-        base(),
-        json!({"zero_optimization": {"stage": 2,
-            "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}),
-    );
-    let w = warnings(stage2);
-    assert!(w.len() == 1 && w[0].contains("below stage 3"), "{w:?}");
+    // Below stage 3 DeepSpeed asserts ("Partial offloading only supported
+    // for ZeRO Stage 3"), whatever the device.
+    for dev in [
+        json!({"device": "cpu", "ratio": 0.3}),
+        json!({"ratio": 0.3}),
+    ] {
+        let stage2 = with(
+            base(),
+            json!({"zero_optimization": {"stage": 2, "offload_optimizer": dev}}),
+        );
+        assert_msg(
+            &err(stage2),
+            &["offload_optimizer.ratio", "below stage 3", "stage 3"],
+        );
+    }
     let none = with(
         base(),
         json!({"zero_optimization": {"stage": 3, "offload_optimizer": {"ratio": 0.5}}}),
@@ -903,6 +910,89 @@ fn min_loss_scale_is_checked_only_for_the_dynamic_scaler() {
     load_str(&fp16(128.0), &skip_fs()).unwrap();
     let e = err_with(&fp16(0.0), &skip_fs());
     assert_msg(&e, &["fp16.min_loss_scale", "positive"]);
+}
+
+/// `fp16.min_loss_scale` is an integer in DeepSpeed (pydantic refuses a
+/// fraction, whatever the scaler); a whole float is one.
+#[test]
+fn min_loss_scale_is_a_whole_number() {
+    let fp16 = |min: serde_json::Value| {
+        with(
+            base(),
+            json!({"fp16": {"enabled": true, "min_loss_scale": min}}),
+        )
+    };
+    assert_msg(
+        &err(fp16(json!(0.25))),
+        &["fp16.min_loss_scale", "0.25", "whole number"],
+    );
+    load_str(&fp16(json!(2.0)).to_string(), &skip_fs()).unwrap();
+    load_str(&fp16(json!(2)).to_string(), &skip_fs()).unwrap();
+}
+
+/// Optimizer keys DeepSpeed reads that change the math are read, not
+/// warned about as unused: `torch_adam` builds torch's AdamW, whose
+/// weight decay default is 0.01 (torch's Adam's 0); `amsgrad` and 16-bit
+/// moments (`fp32_optimizer_states: false`), which tierzero does not
+/// compute, are refused with the fix.
+#[test]
+fn optimizer_keys_that_change_the_math_are_read() {
+    let opt = |kind: &str, params: serde_json::Value| {
+        with(
+            base(),
+            json!({"optimizer": {"type": kind, "params": params}}),
+        )
+    };
+    let loaded = |v: serde_json::Value| load_str(&v.to_string(), &skip_fs()).unwrap();
+    let wd = |v: serde_json::Value| loaded(v).config.optimizer.weight_decay;
+    assert_eq!(wd(opt("AdamW", json!({"lr": 1e-4}))), 0.0);
+    assert_eq!(
+        wd(opt("AdamW", json!({"lr": 1e-4, "torch_adam": true}))),
+        0.01
+    );
+    assert_eq!(
+        wd(opt("Adam", json!({"lr": 1e-4, "torch_adam": true}))),
+        0.01
+    );
+    assert_eq!(
+        wd(opt(
+            "Adam",
+            json!({"lr": 1e-4, "torch_adam": true, "adam_w_mode": false})
+        )),
+        0.0
+    );
+    assert_eq!(
+        wd(opt(
+            "AdamW",
+            json!({"lr": 1e-4, "torch_adam": true, "weight_decay": 0.1})
+        )),
+        0.1
+    );
+    let silent = loaded(opt(
+        "AdamW",
+        json!({"lr": 1e-4, "torch_adam": false, "amsgrad": false, "fp32_optimizer_states": true}),
+    ));
+    assert!(silent.warnings.is_empty(), "{:?}", silent.warnings);
+    assert_msg(
+        &err(opt("AdamW", json!({"amsgrad": true}))),
+        &["optimizer.params.amsgrad", "AMSGrad"],
+    );
+    assert_msg(
+        &err(opt("AdamW", json!({"fp32_optimizer_states": false}))),
+        &["optimizer.params.fp32_optimizer_states", "fp32"],
+    );
+}
+
+/// `gradient_allreduce_op`: "mean" (DeepSpeed's default) is what tierzero
+/// does; "sum" (refused by DeepSpeed at stage 3, a sum below it) and
+/// anything else are errors. It was an unknown key, warned about only.
+#[test]
+fn gradient_allreduce_op_is_mean_only() {
+    let op = |v: &str| with(base(), json!({"gradient_allreduce_op": v}));
+    let l = load_str(&op("mean").to_string(), &skip_fs()).unwrap();
+    assert!(l.warnings.is_empty(), "{:?}", l.warnings);
+    assert_msg(&err(op("sum")), &["gradient_allreduce_op", "\"mean\""]);
+    assert_msg(&err(op("max")), &["gradient_allreduce_op", "\"mean\""]);
 }
 
 /// A batch size near u64's end: the error's suggested multiple does not

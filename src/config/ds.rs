@@ -100,6 +100,10 @@ section! {
         /// `gradient_clipping`: global-norm clip; `None` = absent, DeepSpeed's
         /// default 1.0 (since DeepSpeed 0.19.3; 0.0, off, before).
         gradient_clipping: Option<AutoOr<f64>> => some(auto(num));
+        /// `gradient_allreduce_op`: "mean" (DeepSpeed's default), the only
+        /// reduction tierzero makes; "sum" is refused
+        /// (`allreduce_op`).
+        gradient_allreduce_op: Option<String> => some(allreduce_op);
         /// `steps_per_print`: the interval of the plain progress lines
         /// (default 10). DeepSpeed's default is none (no progress report);
         /// tierzero is the training loop too, and keeps a line every 10
@@ -236,8 +240,16 @@ section! {
         /// `bias_correction`: Adam's bias correction of the moments
         /// (DeepSpeed's CPU and fused Adam take it; default true).
         bias_correction: bool = true => flag;
+        /// `torch_adam`: DeepSpeed builds `torch.optim.AdamW` (or `Adam`
+        /// without `adam_w_mode`), whose `weight_decay` default is 0.01.
+        torch_adam: bool = false => flag;
+        /// `amsgrad`: refused when true (tierzero's Adam has no AMSGrad;
+        /// neither have DeepSpeed's CPU and fused Adam).
+        amsgrad: bool = false => flag;
+        /// `fp32_optimizer_states`: false keeps DeepSpeed's CPU Adam
+        /// moments in 16-bit; refused (tierzero keeps them in fp32).
+        fp32_optimizer_states: Option<bool> => some(flag);
     }
-    ignored: ["torch_adam", "amsgrad", "fp32_optimizer_states"];
 }
 
 /// `scheduler` {...}.
@@ -692,6 +704,24 @@ fn warmup_type(f: &Field<'_>, _: &mut Sink) -> Result<String, ConfigError> {
         _ => Err(f.out_of_range(
             "\"log\" or \"linear\"",
             "use \"linear\" (or DeepSpeed's default \"log\")",
+        )),
+    }
+}
+
+/// `gradient_allreduce_op`: "mean" only. DeepSpeed refuses "sum" at stage
+/// 3 and below it sums the ranks' gradients, which tierzero does not (its
+/// reduction averages them, in rank order).
+fn allreduce_op(f: &Field<'_>, _: &mut Sink) -> Result<String, ConfigError> {
+    match f.str()? {
+        "mean" => Ok("mean".to_owned()),
+        "sum" => Err(f.out_of_range(
+            "\"mean\"",
+            "remove it: tierzero averages the ranks' gradients, as \"mean\" does (DeepSpeed \
+             refuses \"sum\" at stage 3, and below it would sum them)",
+        )),
+        _ => Err(f.out_of_range(
+            "\"mean\" (DeepSpeed also takes \"sum\")",
+            "use \"mean\", DeepSpeed's default",
         )),
     }
 }

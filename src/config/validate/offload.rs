@@ -134,19 +134,25 @@ fn twin_flow_ratio(
             "use DeepSpeed's default 1.0 (all of the optimizer state on the CPU)",
         ));
     }
+    if ratio < 1.0 && stage != Stage::Parameters {
+        // DeepSpeed's `offload_ratio_check` asserts it, whatever the device.
+        return Err(range(
+            KEY,
+            ratio,
+            "1.0 below stage 3 (DeepSpeed: \"Partial offloading only supported for ZeRO Stage 3\")",
+            "remove ratio, or use zero_optimization.stage 3",
+        ));
+    }
     if ratio < 1.0 {
-        let msg = match (dev, stage) {
-            (OffloadDevice::None, _) => "has no effect without optimizer offload".to_owned(),
-            (_, s) if s != Stage::Parameters => {
-                "has no effect below stage 3 (DeepSpeed reads it at stage 3 only)".to_owned()
-            }
-            (OffloadDevice::Nvme { .. }, _) => format!(
+        let msg = match dev {
+            OffloadDevice::None => "has no effect without optimizer offload".to_owned(),
+            OffloadDevice::Nvme { .. } => format!(
                 "{ratio} asks DeepSpeed to step the first {:.2} of the optimizer's sub-groups on \
                  the GPU (ZeRO-Offload++ Twin-Flow, documented for device \"cpu\"); tierzero \
                  steps all of them on the CPU, from NVMe",
                 1.0 - ratio
             ),
-            (OffloadDevice::Cpu, _) => format!(
+            OffloadDevice::Cpu => format!(
                 "{ratio} asks DeepSpeed to step the first {:.2} of the optimizer's sub-groups on \
                  the GPU and the rest on the CPU (ZeRO-Offload++ Twin-Flow); tierzero steps all \
                  of them on the CPU: the same results, with all of Adam's time on the host",

@@ -202,6 +202,16 @@ pub(super) fn resolve_precision(
                     "use 0 for dynamic loss scaling",
                 ));
             }
+            // DeepSpeed's field is an int (pydantic refuses a fraction),
+            // whatever the scaler.
+            if f.min_loss_scale.fract() != 0.0 {
+                return Err(range(
+                    "fp16.min_loss_scale",
+                    f.min_loss_scale,
+                    "a whole number (DeepSpeed's fp16.min_loss_scale is an integer)",
+                    "use 1",
+                ));
+            }
             let loss_scale = if f.loss_scale == 0.0 {
                 // Checked only for the dynamic scaler, as DeepSpeed does
                 // (a static scale never reads it).
@@ -257,9 +267,31 @@ pub(super) fn resolve_optimizer(
                 weight_decay: Some(AutoOr::Auto),
                 adam_w_mode: true,
                 bias_correction: true,
+                torch_adam: false,
+                amsgrad: false,
+                fp32_optimizer_states: None,
             },
         ),
     };
+    if params.amsgrad {
+        return Err(range(
+            "optimizer.params.amsgrad",
+            true,
+            "false",
+            "remove it: tierzero's Adam has no AMSGrad variant (nor have DeepSpeed's CPU and \
+             fused Adam; only torch_adam's torch.optim.Adam takes it)",
+        ));
+    }
+    if params.fp32_optimizer_states == Some(false) {
+        return Err(range(
+            "optimizer.params.fp32_optimizer_states",
+            false,
+            "true",
+            "remove it: tierzero keeps the Adam moments in fp32 (DeepSpeed's CPU Adam would keep \
+             them in 16-bit, 4 bytes an element less)",
+        ));
+    }
+    let decoupled_weight_decay = kind == OptimizerKind::AdamW || params.adam_w_mode;
     let lr = r.f64(
         "optimizer.params.lr",
         params.lr,
@@ -331,13 +363,19 @@ pub(super) fn resolve_optimizer(
             "use 1e-8",
         ));
     }
+    // With torch_adam, DeepSpeed passes the params to torch.optim.AdamW,
+    // whose default is 0.01 (torch.optim.Adam's, without adam_w_mode, 0).
     let weight_decay = r.f64(
         "optimizer.params.weight_decay",
         params.weight_decay,
         run.weight_decay,
         "weight_decay",
         hf_defaults::WEIGHT_DECAY,
-        0.0,
+        if params.torch_adam && decoupled_weight_decay {
+            0.01
+        } else {
+            0.0
+        },
     )?;
     if weight_decay < 0.0 {
         return Err(range(
@@ -353,7 +391,7 @@ pub(super) fn resolve_optimizer(
         betas,
         eps,
         weight_decay,
-        decoupled_weight_decay: kind == OptimizerKind::AdamW || params.adam_w_mode,
+        decoupled_weight_decay,
         bias_correction: params.bias_correction,
     })
 }
