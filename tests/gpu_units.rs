@@ -171,3 +171,43 @@ fn a_sequence_longer_than_the_positions_is_refused_on_the_units_as_on_candle() {
         }
     }
 }
+
+/// Through the units' executor, as through candle's, the head refuses
+/// targets whose shape is not the hidden input's `[b, t]`: fewer targets
+/// scaled the loss by the wrong row count, more read past the logits.
+#[test]
+fn head_targets_of_another_shape_are_refused_on_the_units_as_on_candle() {
+    use candle_core::{Device, Tensor};
+    use tierzero::model::exec_units::{ReferenceUnits, UnitCompute};
+    use tierzero::model::{Model, ModelError, UnitInput, UnitKind};
+
+    let units = ReferenceUnits::default();
+    for cfg in [gpt2_config(true), llama_config(false)] {
+        let model = Model::new(cfg).unwrap();
+        let c = model.config().clone();
+        let params = random_params(&model, 3, DType::F32);
+        let head = model
+            .units()
+            .iter()
+            .find(|u| u.kind == UnitKind::Head)
+            .unwrap();
+        let p: Vec<_> = head.params.iter().map(|id| params[id.0].clone()).collect();
+        let hidden = Tensor::zeros((2, 3, c.hidden_size), DType::F32, &Device::Cpu).unwrap();
+        for shape in [(2, 2), (2, 4), (1, 6)] {
+            let targets = Tensor::zeros(shape, DType::U32, &Device::Cpu).unwrap();
+            let input = UnitInput::HiddenWithTargets {
+                hidden: &hidden,
+                targets: &targets,
+            };
+            let on_units = units.forward_unit(&model, head.id, &p, input).unwrap_err();
+            let on_candle = model.forward_unit(head.id, &p, input).unwrap_err();
+            for e in [&on_units, &on_candle] {
+                assert!(
+                    matches!(e, ModelError::BadInput { reason, .. } if reason.contains("targets shape")),
+                    "{:?} {shape:?}: {e}",
+                    c.arch
+                );
+            }
+        }
+    }
+}

@@ -75,6 +75,20 @@ fn absurd_config_sizes_are_refused_before_allocation() {
                    "num_attention_heads": 4, "max_position_embeddings": 32});
     let e = open_err("llama", &c, None);
     assert!(e.contains("intermediate_size"), "{e}");
+    // The attention projections: every size and the checked products
+    // within bounds, q_proj 2^46 elements (it was accepted, and the init
+    // tried to allocate 256 TiB).
+    let c = json!({"model_type": "llama", "vocab_size": 1024, "hidden_size": 65536,
+                   "intermediate_size": 1, "num_hidden_layers": 1,
+                   "num_attention_heads": 16384, "head_dim": 65536,
+                   "num_key_value_heads": 16384, "max_position_embeddings": 32});
+    let e = open_err("llama-q", &c, None);
+    assert!(e.contains("n_head * head_dim * hidden_size"), "{e}");
+    // GPT-2's fused qkv [n_embd, 3 * n_embd].
+    let mut c = tiny_config();
+    c["n_embd"] = json!(200_000);
+    let e = open_err("gpt2-qkv", &c, None);
+    assert!(e.contains("3 * hidden_size * hidden_size"), "{e}");
 }
 
 /// A safetensors file: 8-byte little-endian header length, header, data.

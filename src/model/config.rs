@@ -571,7 +571,13 @@ impl Keys<'_> {
         Ok(self.opt_f64(key)?.unwrap_or(default))
     }
 
+    /// A flag: `default` when absent; `null` is false, as transformers
+    /// tests its `None` (`if truncate:`; yarn's `truncate` defaults to
+    /// true, so a `null` there turns it off).
     fn bool(&self, key: &str, default: bool) -> Result<bool, ModelError> {
+        if self.0.get(key).is_some_and(Value::is_null) {
+            return Ok(false);
+        }
         match self.get(key) {
             None => Ok(default),
             Some(v) => v
@@ -1149,8 +1155,36 @@ mod tests {
             y.rope_scaling,
             RopeScaling::Yarn { factor, beta_fast: Some(b), truncate: true, .. } if factor == 4.0 && b == 16.0
         ));
+        // The default original is not written: transformers 4.45-4.57
+        // would take max_position_embeddings / original (1) as the factor.
+        let hf = y.to_hf_value();
+        let scaling = hf.get("rope_scaling").unwrap();
+        assert!(
+            scaling.get("original_max_position_embeddings").is_none(),
+            "{hf}"
+        );
+        let y2 = llama(
+            r#","rope_parameters":{"rope_type":"yarn","factor":4.0,"original_max_position_embeddings":16}"#,
+        )
+        .unwrap();
+        let hf = y2.to_hf_value();
+        assert_eq!(
+            hf["rope_scaling"]["original_max_position_embeddings"], 16,
+            "{hf}"
+        );
+        // `"truncate": null` is transformers' None: falsy, no truncation
+        // (it read as absent, true).
+        let y3 = llama(r#","rope_parameters":{"rope_type":"yarn","factor":4.0,"truncate":null}"#)
+            .unwrap();
+        assert!(matches!(
+            y3.rope_scaling,
+            RopeScaling::Yarn {
+                truncate: false,
+                ..
+            }
+        ));
         // Every variant round-trips through the exported config.
-        for cfg in [a, c, d, y, v4] {
+        for cfg in [a, c, d, y, y2, y3, v4] {
             let (back, unknown) = ModelConfig::from_hf_value(&cfg.to_hf_value()).unwrap();
             assert!(unknown.is_empty());
             assert_eq!(back, cfg);

@@ -90,45 +90,46 @@ impl ModelConfig {
                 ));
             }
         }
-        // Every product of dimensions the model forms must fit in usize.
-        let dims = [
+        // Every tensor's element count must fit in usize, and stay within
+        // MAX_TENSOR_NUMEL: the embeddings, the attention projections
+        // (Llama's q/o and k/v, GPT-2's fused qkv [hidden, 3 * hidden])
+        // and the MLP's.
+        let mul = |a: usize, b: usize, c: usize| a.checked_mul(b).and_then(|x| x.checked_mul(c));
+        let tensors = [
             (
                 "vocab_size * hidden_size",
-                self.vocab_size,
-                self.hidden_size,
+                mul(self.vocab_size, self.hidden_size, 1),
             ),
             (
                 "max_seq_len * hidden_size",
-                self.max_seq_len,
-                self.hidden_size,
+                mul(self.max_seq_len, self.hidden_size, 1),
             ),
-            ("n_head * head_dim", self.n_head, self.head_dim),
-            ("n_kv_head * head_dim", self.n_kv_head, self.head_dim),
+            (
+                "n_head * head_dim * hidden_size",
+                mul(self.n_head, self.head_dim, self.hidden_size),
+            ),
+            (
+                "n_kv_head * head_dim * hidden_size",
+                mul(self.n_kv_head, self.head_dim, self.hidden_size),
+            ),
+            (
+                "3 * hidden_size * hidden_size",
+                mul(3, self.hidden_size, self.hidden_size),
+            ),
             (
                 "intermediate_size * hidden_size",
-                self.intermediate_size,
-                self.hidden_size,
+                mul(self.intermediate_size, self.hidden_size, 1),
             ),
         ];
-        for (what, a, b) in dims {
-            a.checked_mul(b).ok_or_else(|| ModelError::SizeOverflow {
+        for (what, numel) in tensors {
+            let numel = numel.ok_or_else(|| ModelError::SizeOverflow {
                 what: what.to_string(),
             })?;
-        }
-        // GPT-2's fused qkv projection is [hidden, 3 * hidden].
-        self.hidden_size
-            .checked_mul(3)
-            .and_then(|x| x.checked_mul(self.hidden_size))
-            .ok_or_else(|| ModelError::SizeOverflow {
-                what: "3 * hidden_size * hidden_size".to_string(),
-            })?;
-        // And no single tensor beyond MAX_TENSOR_NUMEL elements.
-        for (what, a, b) in dims {
-            if a.saturating_mul(b) > MAX_TENSOR_NUMEL {
+            if numel > MAX_TENSOR_NUMEL {
                 return Err(invalid(
                     "<sizes>",
                     format!(
-                        "{what} = {a} x {b} elements is larger than tierzero supports \
+                        "{what} = {numel} elements is larger than tierzero supports \
                          ({MAX_TENSOR_NUMEL} per tensor)"
                     ),
                 ));

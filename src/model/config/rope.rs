@@ -319,9 +319,23 @@ impl ModelConfig {
                 let mut v = json!({
                     "rope_type": "yarn",
                     "factor": factor,
-                    "original_max_position_embeddings": original_max_position_embeddings,
                     "truncate": truncate,
                 });
+                // Written only where it is not max_position_embeddings (its
+                // default in both): transformers 4.45 to 4.57 replace the
+                // factor by max_position_embeddings / original when the key
+                // is there, so a written default turned yarn off (factor 1)
+                // for them. Where the config itself gives another original,
+                // those versions compute another factor than transformers 5,
+                // whose reading (the factor as given) tierzero follows.
+                if *original_max_position_embeddings != self.max_seq_len {
+                    if let Some(o) = v.as_object_mut() {
+                        o.insert(
+                            "original_max_position_embeddings".to_owned(),
+                            json!(original_max_position_embeddings),
+                        );
+                    }
+                }
                 for (k, x) in [
                     ("attention_factor", attention_factor),
                     ("beta_fast", beta_fast),

@@ -482,16 +482,36 @@ fn batch_shape(
         UnitInput::HiddenWithTargets { hidden, .. } => *hidden,
     };
     let d = t.dims();
-    match d {
-        [_, s, ..] if *s > c.max_seq_len => Err(ModelError::BadInput {
-            unit,
-            reason: format!("sequence length {s} exceeds max_seq_len {}", c.max_seq_len),
-        }),
-        [b, s, ..] => Ok((*b, *s)),
-        _ => Err(ModelError::Unsupported {
-            what: format!("a unit input of shape {d:?}"),
-        }),
+    let bt = match d {
+        [_, s, ..] if *s > c.max_seq_len => {
+            return Err(ModelError::BadInput {
+                unit,
+                reason: format!("sequence length {s} exceeds max_seq_len {}", c.max_seq_len),
+            })
+        }
+        [b, s, ..] => (*b, *s),
+        _ => {
+            return Err(ModelError::Unsupported {
+                what: format!("a unit input of shape {d:?}"),
+            })
+        }
+    };
+    // The head's loss takes one target a row of hidden: fewer would scale
+    // the loss wrong, more would read past the logits.
+    if let UnitInput::HiddenWithTargets { targets, .. } = input {
+        if targets.dims() != [bt.0, bt.1] {
+            return Err(ModelError::BadInput {
+                unit,
+                reason: format!(
+                    "targets shape {:?} must be [{}, {}] to match hidden",
+                    targets.dims(),
+                    bt.0,
+                    bt.1
+                ),
+            });
+        }
     }
+    Ok(bt)
 }
 
 /// A GPT-2 config's dimensions for the units, at `(batch, seq)`.
