@@ -211,9 +211,12 @@ impl IoFile {
             what: format!("file descriptor {fd} is not open"),
             source,
         })?;
+        // The alignment stays the one `open` found through the link (the
+        // file's own device): the target's name may not resolve here (an
+        // unlinked file's "... (deleted)", another mount namespace), and
+        // its 4096-byte fallback would misalign a larger-block device.
         let mut f = IoFile::open(&proc, access, direct_io)?;
         if let Some(inner) = Arc::get_mut(&mut f) {
-            inner.alignment = Alignment::for_path(&target);
             inner.path = target;
         }
         Ok(f)

@@ -330,9 +330,12 @@ impl SwapSpace {
                 }
             }
         }
-        let mut made = Made(Vec::new());
-        let mut files = Vec::new();
+        // Declared last, dropped first: on a failure the files go before
+        // the directory leases, whose drop removes a `tierzero/` this
+        // space created once it is empty (and unlocks it).
         let mut dirs = Vec::new();
+        let mut files = Vec::new();
+        let mut made = Made(Vec::new());
         for (i, base) in config.paths.iter().enumerate() {
             let meta = std::fs::metadata(base).map_err(|source| SwapError::Setup {
                 what: format!("swap path {}", base.display()),
@@ -1420,7 +1423,9 @@ mod tests {
     use super::*;
 
     /// A space whose second path fails leaves no file of the first behind
-    /// (they were left, preallocated, until the process exited).
+    /// (they were left, preallocated, until the process exited), nor the
+    /// `tierzero/` directory it made there (its lease was dropped before
+    /// the files, so the directory was not empty yet and stayed).
     #[test]
     fn a_failed_create_removes_the_files_it_made() {
         let a = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
@@ -1433,13 +1438,15 @@ mod tests {
             e.as_deref().is_some_and(|e| e.contains("not a directory")),
             "{e:?}"
         );
-        let left: Vec<_> = std::fs::read_dir(a.path().join(SWAP_SUBDIR))
-            .unwrap_or_else(|e| panic!("read_dir: {e}"))
-            .filter_map(|e| e.ok())
-            .map(|e| e.file_name())
-            .filter(|n| n.to_string_lossy().ends_with(SWAP_EXT))
-            .collect();
-        assert!(left.is_empty(), "{left:?}");
+        let dir = a.path().join(SWAP_SUBDIR);
+        assert!(
+            !dir.exists(),
+            "left behind: {:?}",
+            std::fs::read_dir(&dir).map(|d| d
+                .filter_map(|e| e.ok())
+                .map(|e| e.file_name())
+                .collect::<Vec<_>>())
+        );
     }
 
     /// A file named with this process's pid that this process did not
