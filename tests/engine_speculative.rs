@@ -199,6 +199,73 @@ fn a_pool_of_every_group_never_waits_and_keeps_the_bits() {
     }
 }
 
+/// Without speculation, the final gradients that spill to NVMe (clipping)
+/// are handed to the optimizer thread within the same bound: the compute
+/// thread waits for one to come back (`Done::Spilled`) while a pipeline's
+/// worth is out. Before, every spill was sent at once, and each held its
+/// gradient in host memory until the optimizer thread had copied it out,
+/// past the plan's bound where the disk is slower than backward. Every
+/// group of the model spills here (the optimizer keeps no state
+/// resident), and the bits are the unbounded run's: the in-memory
+/// optimizer's.
+#[test]
+fn spilled_hand_over_is_bounded_by_the_pipeline() {
+    use engine_support::{corpus, ds_config, scratch};
+    use tierzero::config::{load_str, PathChecks, RunContext};
+    use tierzero::engine::{sizing, Trainer, TrainerOptions};
+    use tierzero::model::ModelDir;
+    let dir = tiny_gpt2_dir("spill-bound", 2, 32);
+    let run = RunContext {
+        path_checks: PathChecks::CreateMissing,
+        ..RunContext::default()
+    };
+    let train = |k: &Knobs, tag: &str| {
+        let swap = scratch(tag);
+        let cfg = ds_config(k, &swap, 4);
+        let loaded = load_str(&cfg.to_string(), &run).unwrap();
+        let md = ModelDir::open(&dir, 5).unwrap();
+        let mut t =
+            Trainer::new(&loaded.config, &md, corpus(), TrainerOptions::cpu(5, SEQ)).unwrap();
+        let groups = t.layout().sub_groups.len();
+        let sizing = t.sizing().clone();
+        for _ in 0..3 {
+            t.step().unwrap();
+        }
+        let peak = t.grads_handed_over_peak();
+        let s = t.finish().unwrap();
+        let _ = std::fs::remove_dir_all(&swap);
+        (groups, sizing, peak, s.weight_sha256)
+    };
+    let k = Knobs {
+        clip: 1e6,
+        sub_group: 500,
+        optimizer_resident_bytes: Some(0),
+        speculative: Some(false),
+        ..Knobs::nvme()
+    };
+    let (groups, sizing, peak, spilled) = train(&k, "spill-bound-swap");
+    assert!(sizing.spill_grads, "the final gradients spill");
+    let limit = sizing::grads_in_flight(sizing.read_ahead, sizing.write_behind);
+    let held = sizing.held_grad_groups;
+    assert!(
+        groups > 4 * limit + held,
+        "{groups} sub-groups, limit {limit}"
+    );
+    // The held groups' steps go after the decision, unbounded, while the
+    // last spills may still be out (each is counted); the spills never
+    // pass the limit.
+    assert!(
+        peak > held && peak <= limit + held,
+        "peak {peak}, limit {limit}, held {held}"
+    );
+    let in_memory = Knobs {
+        optim: "cpu",
+        ..k.clone()
+    };
+    let (_, _, _, reference) = train(&in_memory, "spill-bound-mem");
+    assert_eq!(spilled, reference, "the spilled run's weights");
+}
+
 /// Speculative steps hand their gradients over during backward as the
 /// overlapped steps do: at most a pipeline's worth waits for the optimizer
 /// thread at once (`sizing::grads_in_flight`), however many sub-groups

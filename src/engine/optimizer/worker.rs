@@ -8,7 +8,9 @@
 //!   for the global norm (clipping, fp16), write a final gradient to NVMe
 //!   (DeepSpeed's gradient swap-out), so
 //!   host memory holds no gradient while the norm is being completed; the
-//!   step reads it back with master, m and v (4 buffers per sub-group);
+//!   step reads it back with master, m and v (4 buffers per sub-group).
+//!   The gradient goes back to the compute thread ([`Done::Spilled`]),
+//!   which hands over at most a pipeline's worth of them at once;
 //! * [`Job::Step`]: step a sub-group with its final gradient (moved, not
 //!   copied) and the gradient multiplier;
 //! * [`Job::Expect`]: at the start of a step whose sub-groups step during
@@ -352,6 +354,11 @@ pub enum Done {
     /// same group, or dropped by `CancelReads`. Its params get no bytes
     /// from it.
     Superseded(SubGroupId),
+    /// A spilled gradient ([`Job::SpillGrad`]: written to its extent, or
+    /// copied beside a resident group's state), handed back for a later
+    /// step's sums; the compute thread's acknowledgment, whose hand-over
+    /// of gradients is bounded (`Trainer::spills_out`).
+    Spilled(GradBuf),
     /// Gradients kept in memory for re-steps that none needs (the
     /// speculation held: [`Job::Commit`]; the step was skipped:
     /// [`Job::CancelReads`]), handed back for a later step's sums like
@@ -627,6 +634,7 @@ impl State {
         match job {
             Job::SpillGrad { sg, grad } => {
                 self.opt.spill_grad(sg, grad.as_in())?;
+                let _ = out.send(Done::Spilled(grad));
             }
             Job::Step {
                 sg,
@@ -1391,6 +1399,7 @@ mod tests {
         }
         w.send(Job::Flush).unwrap();
         let mut stepped = Vec::new();
+        let mut spilled = 0;
         loop {
             match w.recv().unwrap() {
                 Done::Stepped { sg, values, .. } => {
@@ -1398,9 +1407,14 @@ mod tests {
                     stepped.push(sg);
                 }
                 Done::Flushed => break,
+                Done::Spilled(g) => {
+                    assert_eq!(g.len(), 1024, "the spilled gradient comes back");
+                    spilled += 1;
+                }
                 other => panic!("unexpected {other:?}"),
             }
         }
+        assert_eq!(spilled, 1);
         // Every group once (the tail after `Flush` goes in index order, so
         // the order depends on what was stepped before it).
         stepped.sort_by_key(|g| g.0);

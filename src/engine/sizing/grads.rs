@@ -91,9 +91,10 @@ pub fn grad_spill_step_bytes(shape: &Shape, resident: &[bool]) -> u64 {
         .sum()
 }
 
-/// Steps with their gradient the optimizer thread may have queued or
-/// running at once (the compute thread waits for a reply beyond): one per
-/// pipeline stage, and one more being handed over.
+/// Gradients handed to the optimizer thread in backward that it may have
+/// queued or in use at once, steps and spills together (the compute
+/// thread waits for a reply beyond): one per pipeline stage, and one more
+/// being handed over.
 pub fn grads_in_flight(read_ahead: usize, write_behind: usize) -> usize {
     2 + read_ahead + write_behind
 }
@@ -106,8 +107,8 @@ pub fn grads_in_flight(read_ahead: usize, write_behind: usize) -> usize {
 /// With it on NVMe and overlapped: the sums backward is adding into (the sub-groups of the largest
 /// unit, `unit_groups`), the first groups held for the step
 /// (`held_grad_groups`), the speculated gradients the optimizer thread
-/// keeps for a re-step (`speculation_kept_grads`) and the steps handed to it
-/// ([`grads_in_flight`]), each at most the largest sub-group's.
+/// keeps for a re-step (`speculation_kept_grads`) and the steps and spills
+/// handed to it ([`grads_in_flight`]), each at most the largest sub-group's.
 pub fn host_grad_bound_bytes(
     sizing: &Sizing,
     shape: &Shape,

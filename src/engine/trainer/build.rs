@@ -855,6 +855,7 @@ impl Trainer {
             speculation: Speculation::default(),
             grads_out: std::collections::HashSet::new(),
             grads_out_peak: 0,
+            spills_out: 0,
             swap_spaces,
             failed: None,
             stop,

@@ -426,7 +426,13 @@ pub struct Trainer {
     /// for a reply first), so gradients queued for the optimizer thread
     /// are bounded by the config, not by the model.
     grads_out: std::collections::HashSet<SubGroupId>,
-    /// The most `grads_out` held at once in this run.
+    /// Final gradients sent to the optimizer thread to spill
+    /// ([`Job::SpillGrad`](crate::engine::optimizer::Job)) and not handed
+    /// back yet: with `grads_out`, at most [`sizing::grads_in_flight`]
+    /// during backward (they queued without bound where the disk was
+    /// slower than backward).
+    spills_out: usize,
+    /// The most `grads_out` and `spills_out` held at once in this run.
     grads_out_peak: usize,
     /// This rank's swap spaces (params, optimizer state), for [`Trainer::swap_usage`].
     swap_spaces: Vec<Arc<SwapSpace>>,
@@ -681,11 +687,11 @@ impl Trainer {
         self.lookahead_reads
     }
 
-    /// The most steps with their gradient handed to the optimizer thread
-    /// and not answered yet at one time in this run: at most
+    /// The most gradients handed to the optimizer thread and not answered
+    /// yet at one time in this run (steps and spills): at most
     /// [`sizing::grads_in_flight`] where the hand-over is bounded (steps
-    /// during backward, speculative steps); the gradients sent after the
-    /// decision are counted too and are not bounded by it.
+    /// during backward, speculative steps, spills); the gradients sent
+    /// after the decision are counted too and are not bounded by it.
     pub fn grads_handed_over_peak(&self) -> usize {
         self.grads_out_peak
     }

@@ -355,7 +355,7 @@ impl Trainer {
                     let grad = groups
                         .apply(sg, GroupEvent::Spill, numel, self.sum_dtype(sg))?
                         .ok_or_else(|| EngineError::internal("a spill without a gradient"))?;
-                    self.opt.send(Job::SpillGrad { sg, grad })?;
+                    self.send_spill(sg, grad)?;
                 }
                 continue;
             }
@@ -369,7 +369,7 @@ impl Trainer {
                 let grad = groups
                     .apply(sg, GroupEvent::Spill, numel, self.sum_dtype(sg))?
                     .ok_or_else(|| EngineError::internal("a spill without a gradient"))?;
-                self.opt.send(Job::SpillGrad { sg, grad })?;
+                self.send_spill(sg, grad)?;
             }
         }
         Ok(())
@@ -388,6 +388,40 @@ impl Trainer {
             .get(sg.0)
             .map(|g| g.numel)
             .ok_or_else(|| EngineError::internal("an unknown sub-group"))
+    }
+
+    /// Waits for the optimizer thread's replies while it holds
+    /// [`sizing::grads_in_flight`] gradients handed over in backward
+    /// (steps and spills not answered yet): the bound the plan's host
+    /// gradients count.
+    fn wait_for_hand_over_room(&mut self) -> Result<()> {
+        let limit = sizing::grads_in_flight(self.sizing.read_ahead, self.sizing.write_behind);
+        while self.grads_out.len() + self.spills_out >= limit {
+            let t0 = Instant::now();
+            let d = self.opt.recv()?;
+            self.optimizer_wait += t0.elapsed();
+            self.on_done(d)?;
+        }
+        Ok(())
+    }
+
+    /// Sends `sg`'s final gradient to the optimizer thread to spill to
+    /// NVMe, within the hand-over's bound: a spill in backward holds its
+    /// gradient in host memory until the optimizer thread has copied it
+    /// out, and they queued without bound where the disk was slower than
+    /// backward. The thread hands the gradient back (`Done::Spilled`).
+    fn send_spill(
+        &mut self,
+        sg: SubGroupId,
+        grad: crate::engine::optimizer::GradBuf,
+    ) -> Result<()> {
+        self.wait_for_hand_over_room()?;
+        self.opt.send(Job::SpillGrad { sg, grad })?;
+        self.spills_out += 1;
+        self.grads_out_peak = self
+            .grads_out_peak
+            .max(self.grads_out.len() + self.spills_out);
+        Ok(())
     }
 
     /// Sends `sg`'s step to the optimizer thread, with its gradient (none
@@ -435,18 +469,15 @@ impl Trainer {
         // group's job that follows the decision (clipping or an overflow
         // check, not speculated) may be one the worker waits for in its
         // order, so those are not held back.
-        let limit = sizing::grads_in_flight(self.sizing.read_ahead, self.sizing.write_behind);
-        let bounded = plan.mode == OverlapMode::Step || speculative;
-        while bounded && self.grads_out.len() >= limit {
-            let t0 = Instant::now();
-            let d = self.opt.recv()?;
-            self.optimizer_wait += t0.elapsed();
-            self.on_done(d)?;
+        if plan.mode == OverlapMode::Step || speculative {
+            self.wait_for_hand_over_room()?;
         }
         let grad = groups.apply(sg, event, numel, self.sum_dtype(sg))?;
         if grad.is_some() {
             self.grads_out.insert(sg);
-            self.grads_out_peak = self.grads_out_peak.max(self.grads_out.len());
+            self.grads_out_peak = self
+                .grads_out_peak
+                .max(self.grads_out.len() + self.spills_out);
         }
         let tensors = self.tensor_wants(sg);
         self.opt.send(Job::Step {

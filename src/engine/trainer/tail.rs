@@ -306,6 +306,10 @@ impl Trainer {
                 Ok(())
             }
             Done::Spent(grads) => self.give_spare_sums(grads),
+            Done::Spilled(grad) => {
+                self.spills_out = self.spills_out.saturating_sub(1);
+                self.give_spare_sums(Some(grad))
+            }
             Done::Flushed => {
                 self.flush_open = false;
                 Ok(())
