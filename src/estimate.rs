@@ -462,6 +462,10 @@ pub struct Inputs {
     /// micro-batch, params no two units share; needs the model and the
     /// config); the rest take 4 bytes, fp32 sums.
     pub bf16_grad_numel: u64,
+    /// Elements of the params several units use (a tied embedding), when
+    /// the model is known ([`crate::engine::sizing::tied_numel`]; 0 from
+    /// a size alone): their gradients' sums are held through backward.
+    pub tied_numel: u64,
     /// Pinned buffer settings.
     pub swap: SwapSettings,
 }
@@ -947,6 +951,7 @@ mod tests {
             param_elem_bytes: 2,
             moment_elem_bytes: 4,
             bf16_grad_numel: 0,
+            tied_numel: 0,
             swap,
         }
     }
@@ -1119,13 +1124,14 @@ mod tests {
         let e = find(&r, 3, Offload::Cpu, Offload::Cpu);
         assert_eq!(e.per_node.pinned_bytes, ranks * e.per_rank.pinned_bytes);
         // Stage 3, everything on the CPU: pinned = params, pageable = the
-        // CPU optimizer's fp32 sums (heap memory), its state and a stepped
-        // sub-group's new 16-bit values; the device holds only units.
+        // CPU optimizer's fp32 sums (heap memory), its state, a stepped
+        // sub-group's new 16-bit values and the reduce's fp32 buffer of
+        // one unit (several ranks); the device holds only units.
         assert_eq!(e.per_rank.device_bytes, 6 * l);
         assert_eq!(e.per_rank.pinned_bytes, 2 * s);
         assert_eq!(
             e.per_rank.pageable_bytes,
-            4 * s + 12 * s + 2 * s.min(1_000_000_000)
+            4 * s + 12 * s + 2 * s.min(1_000_000_000) + 4 * l
         );
         assert_eq!(e.per_rank.nvme_bytes, 0);
         // DeepSpeed's figure for the same choice is attached.

@@ -477,8 +477,9 @@ fn the_plan_shows_what_the_collectives_stage_through_when_they_do() {
 /// gradients as the engine does ([`Trainer::grad_sum_dtypes`]): bf16 where
 /// every element gets one (2 bytes), fp32 sums in the groups of the
 /// tied wte (its gradients add over two units); its host bytes are those,
-/// and its line says how many groups hold which. With two micro-batches,
-/// fp32 sums everywhere.
+/// with the tied wte's whole fp32 sum held through backward beside them
+/// (it was left out), and its line says how many groups hold which. With
+/// two micro-batches, fp32 sums everywhere.
 #[test]
 fn the_plan_holds_bf16_gradients_where_each_element_gets_one() {
     use tierzero::engine::sizing::SumDtype;
@@ -502,7 +503,15 @@ fn the_plan_holds_bf16_gradients_where_each_element_gets_one() {
         .zip(dtypes)
         .map(|(g, dt)| g.numel as u64 * dt.bytes_per_elem())
         .sum();
-    assert_eq!(plan.grads.host_bytes, bytes);
+    let tied: u64 = t
+        .model()
+        .params()
+        .iter()
+        .filter(|p| p.units.len() > 1)
+        .map(|p| p.numel as u64 * 4)
+        .sum();
+    assert!(tied > 0);
+    assert_eq!(plan.grads.host_bytes, bytes + tied);
     assert_eq!(plan.bf16_grad_sub_groups, bf16);
     // `tierzero estimate`'s count of the bf16 elements is the trainer's.
     let loaded = load_str(&cfg.to_string(), &RunContext::default()).unwrap();

@@ -363,6 +363,9 @@ pub fn run(a: EstimateArgs) -> Result<(), Failure> {
             Moments::Bf16 => 2,
         },
         bf16_grad_numel: cfg.bf16_grad_numel,
+        tied_numel: model
+            .as_ref()
+            .map_or(0, tierzero::engine::sizing::tied_numel),
         swap: cfg.swap,
     };
     let machine = estimate::probe_machine(&nvme_dir, device_bytes);

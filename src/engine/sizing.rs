@@ -47,9 +47,9 @@ use crate::model::Model;
 
 mod grads;
 pub use grads::{
-    bf16_grad_numel, grad_spill_step_bytes, grad_sum_dtype, grads_in_flight, host_grad_bound_bytes,
-    host_grad_bound_groups, largest_unit_groups, nvme_state_grad_bound_bytes,
-    nvme_state_grad_bound_groups, SumDtype,
+    backward_staging_bytes, bf16_grad_numel, grad_spill_step_bytes, grad_sum_dtype,
+    grads_in_flight, host_grad_bound_bytes, host_grad_bound_groups, largest_unit_groups,
+    nvme_state_grad_bound_bytes, nvme_state_grad_bound_groups, tied_numel, SumDtype,
 };
 
 /// Alignment of NVMe extents and pinned buffers (O_DIRECT).
@@ -110,8 +110,8 @@ pub fn device_forward_budget_bytes(
         ActivationBudget::Bytes(b) => match room_bytes {
             Some(room) if b > room => Err(format!(
                 "tierzero.activation_budget_bytes is {b}, and the device has {room} bytes left \
-                 for activations and temporaries; set it to \"auto\" (half of that) or to at \
-                 most {}",
+                 for activations and temporaries; set it to at most {room}, or to \"auto\" \
+                 ({}: half of that, the other half for the unit computing)",
                 room / 2
             )),
             _ => Ok(b),
@@ -957,7 +957,7 @@ mod tests {
         assert_eq!(f(A::Bytes(5000), None, None), Ok(5000));
         let err = f(A::Bytes(1001), Some(1000), None).unwrap_err();
         assert!(
-            err.contains("1001") && err.contains("1000") && err.contains("at most 500"),
+            err.contains("1001") && err.contains("at most 1000") && err.contains("(500: half"),
             "{err}"
         );
     }

@@ -162,6 +162,29 @@ pub fn items_within(
         Offload::Nvme => {}
     }
 
+    // What backward stages beside the sums on the host (the optimizer's
+    // side): a tied param's whole sum, the reduce's unit buffer with
+    // several ranks (`sizing::backward_staging_bytes`).
+    if c.optimizer != Offload::None {
+        let staged = sizing::backward_staging_bytes(inp.tied_numel, l, r);
+        if staged > 0 {
+            push(
+                Tier::Pageable,
+                "fp32 grads staged in backward (tied sums, reduce buffer)",
+                staged,
+                format!(
+                    "({} tied{}) × 4 B",
+                    inp.tied_numel,
+                    if r > 1 {
+                        format!(" + largest unit {l}")
+                    } else {
+                        String::new()
+                    }
+                ),
+            );
+        }
+    }
+
     // Optimizer state.
     let (on, os) = part(c.stage >= Stage::OptimizerStates);
     let per = 4 + 2 * inp.moment_elem_bytes;

@@ -213,13 +213,21 @@ impl Plan {
         let opt_nvme = zero.offload_optimizer.device.nvme_path();
         let unit_groups = crate::engine::sizing::largest_unit_groups(model, layout);
         let shape = crate::engine::sizing::Shape::of(config, model, layout);
+        // The sub-groups' sums, and what backward stages beside them (a
+        // tied param's sum, the reduce's unit buffer with several ranks).
+        let staging = crate::engine::sizing::backward_staging_bytes(
+            crate::engine::sizing::tied_numel(model),
+            model.largest_unit_numel(),
+            layout.world as u64,
+        );
         let grads = TierBytes {
             host_bytes: crate::engine::sizing::host_grad_bound_bytes(
                 sizing,
                 &shape,
                 zero.offload_optimizer.device.nvme_path().is_some(),
                 unit_groups,
-            ),
+            )
+            .saturating_add(staging),
             nvme_bytes: sizing.grad_spill_nvme_bytes,
             ..TierBytes::default()
         };

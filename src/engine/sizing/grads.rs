@@ -152,6 +152,31 @@ pub fn host_grad_bound_groups(
     )
 }
 
+/// Bytes of fp32 gradients backward holds in host memory beside the
+/// sub-groups' sums, at most (`Trainer::accumulate_unit`): each tied
+/// param's sum over its units, whole (they are summed before the reduce,
+/// so every rank's micro-batch adds one gradient a param), from its first
+/// unit's backward to its last; and with several ranks the reduce's
+/// buffer of one unit's gradients, unsharded (the largest unit's,
+/// `Model::largest_unit_numel`), which the reduce-scatter takes its
+/// chunks from. `tied_numel` is [`tied_numel`]'s.
+pub fn backward_staging_bytes(tied_numel: u64, largest_unit_numel: u64, ranks: u64) -> u64 {
+    let reduce = if ranks > 1 { largest_unit_numel } else { 0 };
+    tied_numel.saturating_add(reduce).saturating_mul(4)
+}
+
+/// Elements of the params several units use (a tied embedding and head):
+/// their gradients' sums are held through backward
+/// ([`backward_staging_bytes`]).
+pub fn tied_numel(model: &crate::model::Model) -> u64 {
+    model
+        .params()
+        .iter()
+        .filter(|p| p.units.len() > 1)
+        .map(|p| p.numel as u64)
+        .sum()
+}
+
 /// The sub-groups the largest unit's params touch: the sums backward
 /// adds into at once (`unit_groups` of [`host_grad_bound_bytes`]).
 pub fn largest_unit_groups(
