@@ -932,9 +932,8 @@ fn min_loss_scale_is_a_whole_number() {
 
 /// Optimizer keys DeepSpeed reads that change the math are read, not
 /// warned about as unused: `torch_adam` builds torch's AdamW, whose
-/// weight decay default is 0.01 (torch's Adam's 0); `amsgrad` and 16-bit
-/// moments (`fp32_optimizer_states: false`), which tierzero does not
-/// compute, are refused with the fix.
+/// weight decay default is 0.01 (torch's Adam's 0); `amsgrad`, which
+/// tierzero does not compute, is refused with the fix.
 #[test]
 fn optimizer_keys_that_change_the_math_are_read() {
     let opt = |kind: &str, params: serde_json::Value| {
@@ -977,10 +976,58 @@ fn optimizer_keys_that_change_the_math_are_read() {
         &err(opt("AdamW", json!({"amsgrad": true}))),
         &["optimizer.params.amsgrad", "AMSGrad"],
     );
+}
+
+/// DeepSpeed keys that keep the master weights, gradients or Adam's state
+/// in 16-bit are read and said when set (tierzero keeps fp32: the same
+/// updates, rounded less), not warned about as unused; a schedule started
+/// part-way (`last_batch_iteration`) is refused. Their defaults load
+/// silently.
+#[test]
+fn keys_for_16_bit_state_are_said_and_a_late_schedule_start_refused() {
+    for (patch, key) in [
+        (
+            json!({"bf16": {"enabled": true, "bf16_master_weights_and_grads": true}}),
+            "bf16.bf16_master_weights_and_grads",
+        ),
+        (
+            json!({"bf16": {"enabled": true, "bf16_optimizer_states": true}}),
+            "bf16.bf16_optimizer_states",
+        ),
+        (
+            json!({"fp16": {"enabled": true, "fp16_master_weights_and_grads": true}}),
+            "fp16.fp16_master_weights_and_grads",
+        ),
+        (
+            json!({"optimizer": {"type": "AdamW", "params": {"fp32_optimizer_states": false}}}),
+            "optimizer.params.fp32_optimizer_states",
+        ),
+    ] {
+        let l = load_str(&with(base(), patch.clone()).to_string(), &skip_fs()).unwrap();
+        let said: Vec<String> = l.warnings.iter().map(ToString::to_string).collect();
+        assert!(
+            said.len() == 1 && said[0].contains(key) && said[0].contains("fp32"),
+            "{patch}: {said:?}"
+        );
+    }
     assert_msg(
-        &err(opt("AdamW", json!({"fp32_optimizer_states": false}))),
-        &["optimizer.params.fp32_optimizer_states", "fp32"],
+        &err(with(
+            base(),
+            json!({"scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": 100}}}),
+        )),
+        &["scheduler.params.last_batch_iteration", "--resume"],
     );
+    for patch in [
+        json!({"bf16": {"enabled": true, "bf16_master_weights_and_grads": false,
+                        "bf16_optimizer_states": false}}),
+        json!({"fp16": {"enabled": true, "fp16_master_weights_and_grads": false}}),
+        json!({"optimizer": {"type": "AdamW", "params": {"fp32_optimizer_states": true}}}),
+        json!({"scheduler": {"type": "WarmupCosineLR",
+                             "params": {"total_num_steps": 2000, "last_batch_iteration": -1}}}),
+    ] {
+        let l = load_str(&with(base(), patch.clone()).to_string(), &skip_fs()).unwrap();
+        assert!(l.warnings.is_empty(), "{patch}: {:?}", l.warnings);
+    }
 }
 
 /// `gradient_allreduce_op`: "mean" (DeepSpeed's default) is what tierzero

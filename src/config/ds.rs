@@ -192,8 +192,11 @@ section! {
         /// `consecutive_hysteresis`: a step without overflow restores the
         /// hysteresis (default false: only a growth of the scale does).
         consecutive_hysteresis: bool = false => flag;
+        /// `fp16_master_weights_and_grads`: refused when true (tierzero
+        /// keeps fp32 master weights; `fp32_state_only`).
+        fp16_master_weights_and_grads: bool = false => fp32_state_only;
     }
-    ignored: ["auto_cast", "fp16_master_weights_and_grads"];
+    ignored: ["auto_cast"];
 }
 
 section! {
@@ -207,6 +210,11 @@ section! {
         /// what DeepSpeed does at the config's stage
         /// (`Config::check_grad_overflow`).
         check_grad_overflow: Option<bool> => some(flag);
+        /// `bf16_master_weights_and_grads`: refused when true (tierzero
+        /// keeps fp32 master weights and gradient sums; `fp32_state_only`).
+        bf16_master_weights_and_grads: bool = false => fp32_state_only;
+        /// `bf16_optimizer_states`: refused when true (`fp32_state_only`).
+        bf16_optimizer_states: bool = false => fp32_state_only;
     }
     ignored: ["immediate_grad_update"];
 }
@@ -247,8 +255,9 @@ section! {
         /// neither have DeepSpeed's CPU and fused Adam).
         amsgrad: bool = false => flag;
         /// `fp32_optimizer_states`: false keeps DeepSpeed's CPU Adam
-        /// moments in 16-bit; refused (tierzero keeps them in fp32).
-        fp32_optimizer_states: Option<bool> => some(flag);
+        /// moments in 16-bit; said, not refused (tierzero keeps them in
+        /// fp32; `fp32_moments_note`).
+        fp32_optimizer_states: Option<bool> => some(fp32_moments_note);
     }
 }
 
@@ -293,8 +302,11 @@ section! {
         /// `cos_min_ratio` (WarmupCosineLR).
         #[serde(skip_serializing_if = "Option::is_none")]
         cos_min_ratio: Option<f64> => some(num);
+        /// `last_batch_iteration`: -1 (DeepSpeed's default, the schedule
+        /// from its start) only; `schedule_start`. Not printed back.
+        #[serde(skip_serializing)]
+        last_batch_iteration: i64 = -1 => schedule_start;
     }
-    ignored: ["last_batch_iteration"];
 }
 
 /// Offload device as DeepSpeed spells it.
@@ -708,6 +720,52 @@ fn warmup_type(f: &Field<'_>, _: &mut Sink) -> Result<String, ConfigError> {
     }
 }
 
+/// A DeepSpeed flag that keeps master weights, gradients or Adam's state
+/// in 16-bit. tierzero keeps them in fp32 (DeepSpeed's default): true is
+/// read and said, not refused (DeepSpeedExamples' configs set it), since
+/// the run computes the same updates with more precision, in more memory
+/// than the user's DeepSpeed run (the plan counts fp32).
+fn fp32_state_only(f: &Field<'_>, sink: &mut Sink) -> Result<bool, ConfigError> {
+    let v = flag(f, sink)?;
+    if v {
+        sink.note(
+            &f.key,
+            "true: tierzero keeps fp32 master weights, gradient sums and Adam state (DeepSpeed \
+             would keep 16-bit ones): the same updates, rounded less, in more host memory \
+             (the plan counts fp32)",
+        );
+    }
+    Ok(v)
+}
+
+/// `optimizer.params.fp32_optimizer_states`: false is said (tierzero
+/// keeps the moments in fp32), as [`fp32_state_only`] says its flags.
+fn fp32_moments_note(f: &Field<'_>, sink: &mut Sink) -> Result<bool, ConfigError> {
+    let v = flag(f, sink)?;
+    if !v {
+        sink.note(
+            &f.key,
+            "false: tierzero keeps Adam's moments in fp32 (DeepSpeed's CPU Adam would keep them \
+             in 16-bit): the same updates, rounded less, 4 more bytes an element (the plan \
+             counts fp32)",
+        );
+    }
+    Ok(v)
+}
+
+/// `scheduler.params.last_batch_iteration`: -1 only. Another value starts
+/// DeepSpeed's schedule part-way; tierzero's schedule starts at the run's
+/// first step, and a resumed run continues it from its checkpoint.
+fn schedule_start(f: &Field<'_>, _: &mut Sink) -> Result<i64, ConfigError> {
+    match f.value.as_f64() {
+        Some(-1.0) => Ok(-1),
+        _ => Err(f.out_of_range(
+            "-1 (the schedule from its start)",
+            "remove it; to continue a schedule, resume from a checkpoint (--resume)",
+        )),
+    }
+}
+
 /// `gradient_allreduce_op`: "mean" only. DeepSpeed refuses "sum" at stage
 /// 3 and below it sums the ranks' gradients, which tierzero does not (its
 /// reduction averages them, in rank order).
@@ -822,6 +880,7 @@ pub(crate) fn scheduler_param_keys(kind: &str) -> Option<&'static [&'static str]
             "warmup_max_lr",
             "warmup_num_steps",
             "warmup_type",
+            "last_batch_iteration",
         ]),
         "WarmupDecayLR" => Some(&[
             "warmup_min_lr",
@@ -829,6 +888,7 @@ pub(crate) fn scheduler_param_keys(kind: &str) -> Option<&'static [&'static str]
             "warmup_num_steps",
             "warmup_type",
             "total_num_steps",
+            "last_batch_iteration",
         ]),
         "WarmupCosineLR" => Some(&[
             "total_num_steps",
@@ -836,6 +896,7 @@ pub(crate) fn scheduler_param_keys(kind: &str) -> Option<&'static [&'static str]
             "warmup_num_steps",
             "cos_min_ratio",
             "warmup_type",
+            "last_batch_iteration",
         ]),
         _ => None,
     }

@@ -245,10 +245,12 @@ pub enum ConfigError {
     #[error("`fp16.enabled` and `bf16.enabled` are both true: only one 16-bit format can be used; fix: set one of them to false")]
     PrecisionConflict,
 
-    /// A deprecated alias and its replacement were both given.
-    #[error("`{old}` and `{new}` are both set: `{old}` is DeepSpeed's deprecated name for `{new}`; fix: keep only `{new}`")]
+    /// Two names of one setting were both given (a deprecated alias and
+    /// its replacement, or two names DeepSpeed reads alike, as
+    /// `stage3_prefetch_bucket_size` and `prefetch_bucket_size`).
+    #[error("`{old}` and `{new}` are both set: DeepSpeed reads them as one setting; fix: keep only `{new}`")]
     ConflictingAlias {
-        /// Deprecated key path.
+        /// The other name's key path (the deprecated one, if either is).
         old: String,
         /// Current key path.
         new: String,

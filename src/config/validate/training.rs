@@ -282,15 +282,6 @@ pub(super) fn resolve_optimizer(
              fused Adam; only torch_adam's torch.optim.Adam takes it)",
         ));
     }
-    if params.fp32_optimizer_states == Some(false) {
-        return Err(range(
-            "optimizer.params.fp32_optimizer_states",
-            false,
-            "true",
-            "remove it: tierzero keeps the Adam moments in fp32 (DeepSpeed's CPU Adam would keep \
-             them in 16-bit, 4 bytes an element less)",
-        ));
-    }
     let decoupled_weight_decay = kind == OptimizerKind::AdamW || params.adam_w_mode;
     let lr = r.f64(
         "optimizer.params.lr",
