@@ -904,7 +904,19 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
                 .map_or(String::new(), |c| c.dir().display().to_string())
         ))?;
     }
-    let ran = train_steps(&mut trainer, &args, &flags, &run, &say)?;
+    let ran = match train_steps(&mut trainer, &args, &flags, &run, &say) {
+        Ok(ran) => ran,
+        Err(e) if comm.world_size() > 1 => {
+            // The other ranks wait in their next collective until `main`
+            // aborts them: not after this trainer's drop has run the
+            // optimizer thread's queued steps and removed its swap files
+            // (minutes, maybe past their timeout, whose error is not this
+            // one). The files are reclaimed at the next start.
+            std::mem::forget(trainer);
+            return Err(e);
+        }
+        Err(e) => return Err(e),
+    };
     let train_s = train_started.elapsed().as_secs_f64();
     let steps_ended = Instant::now();
     let build_times = trainer.build_times();
@@ -912,19 +924,18 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     let summary = trainer
         .finish()
         .map_err(|e| run_failure(e, "finishing the run"))?;
+    if comm.world_size() > 1 {
+        // No rank exits non-zero (a stop's code, or rank 0's failed
+        // timeline or summary below: `main` then aborts the rest) before
+        // every rank has removed its swap files.
+        comm.barrier()
+            .map_err(|e| run_failure(e, "finishing the run"))?;
+    }
     let ended = match &ran.stop {
         None => Ended::Done,
-        Some(s) => {
-            if comm.world_size() > 1 {
-                // No rank exits (non-zero: mpirun may then kill the rest)
-                // before every rank has removed its swap files.
-                comm.barrier()
-                    .map_err(|e| run_failure(e, "finishing the run"))?;
-            }
-            Ended::Stopped {
-                exit_code: super::signals::exit_code(s.cause),
-            }
-        }
+        Some(s) => Ended::Stopped {
+            exit_code: super::signals::exit_code(s.cause),
+        },
     };
     // A timeline that cannot be written (the disk filled during the run)
     // does not cost the summary, nor a stop its exit code: it is said
