@@ -306,7 +306,13 @@ impl Comm for MpiComm {
             full.len(),
         )?;
         let counts = self.counts_i32(counts_numel, "reduce_scatter")?;
-        count(acc.len() * self.world, "reduce_scatter")?;
+        // The same check on every rank (this rank's own block size would
+        // let a later rank, whose block is smaller, into the collective
+        // that an earlier one refused): the largest block times the ranks
+        // bounds both this rank's receive (`acc.len()` per rank) and the
+        // send's displacements (their sum).
+        let largest = counts_numel.iter().copied().max().unwrap_or(0);
+        count(largest.saturating_mul(self.world), "reduce_scatter")?;
         let chunks = match self.call(Op::AllToAllF32 {
             full: full.to_vec(),
             counts,

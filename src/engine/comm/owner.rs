@@ -73,6 +73,12 @@ impl<Op, Reply> OwnerThread<Op, Reply> {
             return Err(CallFailure::Broken);
         }
         let guard = self.chan.lock().map_err(|_| CallFailure::Poisoned)?;
+        // Again under the lock: a call that timed out while this one
+        // waited for it left its late reply in the channel, which this one
+        // would take for its own.
+        if self.broken.load(Ordering::SeqCst) {
+            return Err(CallFailure::Broken);
+        }
         let (ops, replies) = guard.as_ref().ok_or(CallFailure::ShutDown)?;
         let t0 = Instant::now();
         if ops.send(op).is_err() {
