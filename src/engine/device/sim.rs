@@ -254,6 +254,15 @@ struct Shared {
 }
 
 impl Shared {
+    /// A staging buffer back in the pool, for an upload waiting for one.
+    fn give_slab(&self, slab: Vec<f32>) {
+        self.free_slabs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(slab);
+        self.slab_back.notify_all();
+    }
+
     fn narrow(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<(usize, usize), u64>> {
         self.narrow.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -606,32 +615,33 @@ impl SimDevice {
         let event = Arc::new(Event::default());
         let n = self.shared.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
         self.shared.peak_in_flight.fetch_max(n, Ordering::Relaxed);
-        let sent = self
-            .jobs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .map(|tx| {
-                tx.send(Job {
-                    what: what.to_owned(),
-                    bytes: cross_bytes,
-                    src,
-                    event: event.clone(),
-                })
-            });
-        match sent {
-            Some(Ok(())) => Ok(SimUpload {
+        let job = Job {
+            what: what.to_owned(),
+            bytes: cross_bytes,
+            src,
+            event: event.clone(),
+        };
+        let refused = match self.jobs.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            Some(tx) => tx.send(job).err().map(|e| e.into_inner()),
+            None => Some(job),
+        };
+        let Some(job) = refused else {
+            return Ok(SimUpload {
                 event,
                 narrow_bytes: None,
-            }),
-            _ => {
-                self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
-                self.shared.used_bytes.fetch_sub(bytes, Ordering::Relaxed);
-                Err(ModelError::Gpu {
-                    what: "simulated device: the copy thread has stopped".into(),
-                })
-            }
+            });
+        };
+        // The staging buffer comes back with the job that was not queued:
+        // dropped, the next upload would wait for a free one forever (an
+        // error became a hang).
+        if let Source::Staged { slab, .. } = job.src {
+            self.shared.give_slab(slab);
         }
+        self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.shared.used_bytes.fetch_sub(bytes, Ordering::Relaxed);
+        Err(ModelError::Gpu {
+            what: "simulated device: the copy thread has stopped".into(),
+        })
     }
 }
 
@@ -971,6 +981,21 @@ mod tests {
         let (mut g, _) = page.write();
         for (i, x) in v.iter().enumerate() {
             g.as_mut_slice()[4 * i..4 * i + 4].copy_from_slice(&x.to_le_bytes());
+        }
+    }
+
+    /// With the copy thread gone, an upload fails and gives its staging
+    /// buffer back: with one slot, the next upload waited for it forever.
+    #[test]
+    fn an_upload_refused_by_a_stopped_copy_thread_gives_its_staging_back() {
+        let dev = device(0);
+        let probe = dev.probe();
+        drop(dev.jobs.lock().unwrap().take());
+        let host = [1.0f32, 2.0];
+        for _ in 0..2 {
+            let e = dev.upload("p", HostElems::F32(&host)).err().unwrap();
+            assert!(e.to_string().contains("copy thread has stopped"), "{e}");
+            assert_eq!(probe.free_staging(), 1);
         }
     }
 

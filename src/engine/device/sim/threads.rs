@@ -65,12 +65,7 @@ pub(super) fn copy_thread(rx: Receiver<Job>, shared: Arc<Shared>, cfg: SimConfig
         shared.in_flight.fetch_sub(1, Ordering::Relaxed);
         shared.copies.fetch_add(1, Ordering::Relaxed);
         if let Some(slab) = slab {
-            shared
-                .free_slabs
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(slab);
-            shared.slab_back.notify_all();
+            shared.give_slab(slab);
         }
         job.event.complete(dst);
     }
