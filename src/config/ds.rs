@@ -192,8 +192,8 @@ section! {
         /// `consecutive_hysteresis`: a step without overflow restores the
         /// hysteresis (default false: only a growth of the scale does).
         consecutive_hysteresis: bool = false => flag;
-        /// `fp16_master_weights_and_grads`: refused when true (tierzero
-        /// keeps fp32 master weights; `fp32_state_only`).
+        /// `fp16_master_weights_and_grads`: true is said (tierzero keeps
+        /// fp32 master weights; `fp32_state_only`).
         fp16_master_weights_and_grads: bool = false => fp32_state_only;
     }
     ignored: ["auto_cast"];
@@ -210,10 +210,10 @@ section! {
         /// what DeepSpeed does at the config's stage
         /// (`Config::check_grad_overflow`).
         check_grad_overflow: Option<bool> => some(flag);
-        /// `bf16_master_weights_and_grads`: refused when true (tierzero
-        /// keeps fp32 master weights and gradient sums; `fp32_state_only`).
+        /// `bf16_master_weights_and_grads`: true is said (tierzero keeps
+        /// fp32 master weights and gradient sums; `fp32_state_only`).
         bf16_master_weights_and_grads: bool = false => fp32_state_only;
-        /// `bf16_optimizer_states`: refused when true (`fp32_state_only`).
+        /// `bf16_optimizer_states`: true is said (`fp32_state_only`).
         bf16_optimizer_states: bool = false => fp32_state_only;
     }
     ignored: ["immediate_grad_update"];
