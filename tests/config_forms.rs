@@ -712,11 +712,16 @@ fn effective_config_round_trips_in_deepspeed_names() {
             continue;
         };
         let out = serde_json::to_string(&parsed.ds).unwrap();
-        // Back through our walker: same edge config, no warnings.
+        // Back through our walker: same edge config, no warnings but the
+        // notes the original drew for the same settings (a 16-bit master
+        // weights flag is read, and said again).
         let again = parse_str(&out).unwrap();
         assert_eq!(again.ds, parsed.ds, "{}", path.display());
         assert!(
-            again.warnings.is_empty(),
+            again
+                .warnings
+                .iter()
+                .all(|w| matches!(w, ConfigWarning::Note { .. }) && parsed.warnings.contains(w)),
             "{}: {:?}",
             path.display(),
             again.warnings
