@@ -199,7 +199,10 @@ mod items;
 mod machine;
 use items::SPECULATION_POOL;
 pub use items::{items, items_within};
-pub use machine::{parse_meminfo, parse_memlock, probe_machine, Machine, Memlock};
+pub use machine::{
+    cgroup_memory, cgroup_memory_under, parse_meminfo, parse_memlock, probe_machine, CgroupMemory,
+    Machine, Memlock,
+};
 
 use crate::engine::sizing::{self, Buffers, Shape};
 
