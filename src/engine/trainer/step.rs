@@ -326,6 +326,10 @@ impl Trainer {
             .cloned()
             .unwrap_or_default();
         for sg in finals {
+            // A sum parked in an earlier micro-batch that no gradient of
+            // this one brought back (a unit whose device gave none) is
+            // needed now, for its norm or its step, not after backward.
+            self.unpark(groups, sg)?;
             if plan.mode == OverlapMode::Step {
                 self.send_step(plan, groups, sg, GradScale::ONE)?;
                 continue;
