@@ -302,7 +302,13 @@ pub const CANDLE_ENV: &str = "CANDLE_NUM_THREADS";
 /// `CANDLE_NUM_THREADS=2` (the pool on): 9,316-9,624 tokens/s without the
 /// pool, 8,594-8,746 with it.
 pub fn apply(t: &ComputeThreads) {
-    if t.source != ThreadsSource::NotCpu && user_candle_env().is_none() {
+    // Set only where it differs: a second trainer in the process (threads
+    // of the first, MPI's, CUDA's may run and read the environment) finds
+    // it set already.
+    if t.source != ThreadsSource::NotCpu
+        && user_candle_env().is_none()
+        && std::env::var(CANDLE_ENV).ok().as_deref() != Some("1")
+    {
         std::env::set_var(CANDLE_ENV, "1");
     }
     match t.source {

@@ -25,9 +25,10 @@
 //!   by waiting for a param write-back;
 //! * `optimizer_s`: time in the Adam kernel (on the optimizer thread, so it
 //!   overlaps `compute_s`) and the norm pass;
-//! * `idle_s`: wall time of the compute thread not spent computing, waiting
-//!   on param I/O, or waiting for the optimizer thread (for updated params
-//!   of the last step's tail); that is bookkeeping and tensor building;
+//! * `idle_s`: wall time of the compute thread not spent computing, taking
+//!   the gradients' norms, waiting on param I/O, or waiting for the
+//!   optimizer thread (for updated params of the last step's tail); that
+//!   is bookkeeping and tensor building;
 //! * `io_busy_s`: wall time during the step with any I/O engine (params,
 //!   optimizer reads, optimizer writes) having a transfer in flight: the
 //!   union over engines and rings, not their sum ([`tierzero_swap::BusyClock`]);

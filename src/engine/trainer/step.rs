@@ -670,7 +670,11 @@ impl Trainer {
             }
         }
         let tokens = (plan.micro_batch * plan.gas * plan.seq_len) as f64 * plan.world as f64;
-        let main_busy = compute_s + (c1.io_wait.saturating_sub(c0.io_wait)).as_secs_f64();
+        // The norm pass runs on the compute thread too (counted in
+        // `optimizer_s`, not idle).
+        let main_busy = compute_s
+            + times.norm.as_secs_f64()
+            + (c1.io_wait.saturating_sub(c0.io_wait)).as_secs_f64();
         let (device, spans) = match &self.opts.compute {
             Some(c) => (c.take_traffic().unwrap_or_default(), c.take_device_spans()),
             None => Default::default(),
