@@ -53,6 +53,13 @@ fn check(tag: &str, dir: &std::path::Path, k: &Knobs, blocks: usize) {
     let one_budget = per_block[0] + per_block[1] / 2;
     let one = train(dir, &with_budget(k, one_budget), 3, STEPS, |_| SEQ);
     assert_eq!(kept(&one), 1, "{tag}: budget {one_budget}");
+    // The second block's graph, as large as the first, is not recorded to
+    // be measured: that held it beside the first, past the budget.
+    let measured = one
+        .activations
+        .as_ref()
+        .map_or(0, |d| d.held_bytes.iter().filter(|b| **b > 0).count());
+    assert_eq!(measured, 1, "{tag}: only the kept block was recorded");
     assert_identical(&all, &none, &format!("{tag}: keep all vs recompute all"));
     assert_identical(&one, &none, &format!("{tag}: keep one vs recompute all"));
     // "auto" (half the available memory: every block here).

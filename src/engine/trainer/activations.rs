@@ -36,7 +36,11 @@
 //! records every block while the running total fits: each record's
 //! [`crate::model::RecordedUnit::held_bytes`] is measured, and a block is
 //! kept if the total with it stays within the budget; from the first that
-//! does not fit on, blocks are recomputed. The decision holds for every
+//! does not fit on, blocks are recomputed. A block whose graph would not
+//! fit beside the kept ones by the last block's measure is not recorded
+//! at all (recording it to measure held it and the kept ones at once, one
+//! graph past the budget); only the first record can pass the budget so,
+//! when one graph is larger than the whole budget. The decision holds for every
 //! later micro-batch of that shape (a new shape decides again), so the
 //! prefetcher's trace, which has no backward visit of a kept block, stays
 //! the same step after step. Blocks of one model are alike, so the kept

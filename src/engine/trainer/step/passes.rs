@@ -82,6 +82,11 @@ impl Trainer {
         let mut held = vec![0u64; units.len()];
         let mut used_bytes = 0u64;
         let mut full = false;
+        // The last block's graph measured while deciding: the blocks are
+        // alike, so a graph that would not fit beside the kept ones is not
+        // built to be measured (it was, and the budget then held it and
+        // the kept ones at once, one block's graph past it).
+        let mut last_graph_bytes: Option<u64> = None;
         let stages = self.stages();
         if stages {
             if let Some(c) = &self.opts.compute {
@@ -116,7 +121,17 @@ impl Trainer {
             let policy = match kind {
                 // Another executor's units keep no candle graph.
                 UnitKind::Block { .. } if !full && self.opts.compute.is_none() => {
-                    self.activations.plan(batch.shape, uid.0)
+                    match self.activations.plan(batch.shape, uid.0) {
+                        ActivationPlan::Try
+                            if last_graph_bytes.is_some_and(|b| {
+                                used_bytes.saturating_add(b) > self.activations.budget_bytes()
+                            }) =>
+                        {
+                            full = true;
+                            ActivationPlan::Recompute
+                        }
+                        p => p,
+                    }
                 }
                 _ => ActivationPlan::Recompute,
             };
@@ -139,6 +154,7 @@ impl Trainer {
                     } else {
                         let bytes = rec.held_bytes();
                         held[uid.0] = bytes;
+                        last_graph_bytes = Some(bytes);
                         if used_bytes.saturating_add(bytes) <= self.activations.budget_bytes() {
                             used_bytes += bytes;
                             keep[uid.0] = true;
