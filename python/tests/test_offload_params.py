@@ -166,11 +166,23 @@ def test_a_killed_process_file_goes_with_the_next_offload(tmp_path):
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
     assert (d / left).exists()
-    with pytest.warns(UserWarning, match="removed 1 file"):
-        h = tzt.offload_parameters(Net(), "nvme", nvme_path=d, param_persistence_threshold=100)
+    # A file whose pid means nothing here but whose lock is held: a live
+    # offload in another PID namespace, or on another host sharing the
+    # directory. It stays.
+    import fcntl
+
+    held = d / f"tierzero-params-{child.pid}-beef.bin"
+    held.write_bytes(b"x")
+    fd = os.open(held, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with pytest.warns(UserWarning, match="removed 1 file"):
+            h = tzt.offload_parameters(Net(), "nvme", nvme_path=d, param_persistence_threshold=100)
+    finally:
+        os.close(fd)
     names = {p.name for p in d.iterdir()}
     assert left not in names
-    assert {live.name, own.name, other.name} <= names
+    assert {live.name, own.name, other.name, held.name} <= names
     h.remove()
 
 

@@ -40,6 +40,7 @@ refused as a load's target).
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import re
@@ -180,14 +181,19 @@ class ParamOffload:
         if device == "nvme":
             os.makedirs(nvme_path, exist_ok=True)
             # A killed process leaves its file (no finalizer runs): the
-            # next offload in this directory removes the files of
-            # processes that are gone, as the engine's swap spaces do.
+            # next offload in this directory removes the files nobody
+            # holds (`_reclaim_stale`).
             _reclaim_stale(nvme_path)
             self._file = os.path.join(nvme_path, f"tierzero-params-{os.getpid()}-{id(self):x}.bin")
+            # Held (flock) while this offload lives: another process's
+            # reclaim never takes it for a dead one's, whatever its pid
+            # says there (another PID namespace, another host on a shared
+            # file system).
+            lock_fd = _hold(self._file)
             # Removed at exit when ``remove()`` was never called (HF's
             # recipe does not call it): a model-sized file was left in
             # ``nvme_path`` by every run.
-            self._file_gone = weakref.finalize(self, _remove_file, self._file)
+            self._file_gone = weakref.finalize(self, _release_file, self._file, lock_fd)
         with torch.no_grad():
             for h in self._homes:
                 if device == "cpu":
@@ -385,11 +391,26 @@ class ParamOffload:
             self._file_gone()
 
 
-def _remove_file(path):
+def _hold(path):
+    """Creates ``path`` and takes its exclusive lock; returns the fd that
+    holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _release_file(path, fd):
+    """Removes ``path``, then lets go of its lock."""
     try:
         os.remove(path)
     except FileNotFoundError:
         pass
+    finally:
+        os.close(fd)
 
 
 _PARAMS_FILE = re.compile(r"tierzero-params-([0-9]+)-[0-9a-f]+\.bin")
@@ -410,9 +431,11 @@ def _process_alive(pid):
 
 def _reclaim_stale(nvme_path):
     """Removes the ``tierzero-params-<pid>-*.bin`` files in ``nvme_path``
-    whose process is gone (a killed run's), with a warning naming them.
-    This process's own files are left alone: another offload of this
-    process may be using them."""
+    that nobody holds (a killed run's), with a warning naming them. A file
+    is taken only when its pid names no process here and its lock is free:
+    a live offload holds its file's lock (``_hold``), which another PID
+    namespace or host sharing the directory sees though it cannot see the
+    pid. This process's own files are left alone."""
     removed = []
     try:
         names = os.listdir(nvme_path)
@@ -427,11 +450,21 @@ def _reclaim_stale(nvme_path):
         if not os.path.isfile(path) or os.path.islink(path):
             continue
         try:
-            size = os.path.getsize(path)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # held: in use
+            size = os.fstat(fd).st_size
             os.remove(path)
         except OSError as e:
             warnings.warn(f"offload_parameters: could not remove the stale file {path}: {e}", stacklevel=3)
             continue
+        finally:
+            os.close(fd)
         removed.append((path, size))
     if removed:
         listed = ", ".join(f"{p} ({n} bytes)" for p, n in removed)
