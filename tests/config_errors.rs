@@ -980,27 +980,21 @@ fn optimizer_keys_that_change_the_math_are_read() {
 
 /// DeepSpeed keys that keep the master weights, gradients or Adam's state
 /// in 16-bit are read and said when set (tierzero keeps fp32: the same
-/// updates, rounded less), not warned about as unused; a schedule started
-/// part-way (`last_batch_iteration`) is refused. Their defaults load
-/// silently.
+/// updates, rounded less), not warned about as unused, and refused where
+/// DeepSpeed asserts; a schedule started part-way
+/// (`last_batch_iteration`) is refused. Their defaults load silently.
 #[test]
 fn keys_for_16_bit_state_are_said_and_a_late_schedule_start_refused() {
+    // DeepSpeed takes them at ZeRO stages 1 to 3.
+    let base = || with(base(), json!({"zero_optimization": {"stage": 3}}));
     for (patch, key) in [
         (
             json!({"bf16": {"enabled": true, "bf16_master_weights_and_grads": true}}),
             "bf16.bf16_master_weights_and_grads",
         ),
         (
-            json!({"bf16": {"enabled": true, "bf16_optimizer_states": true}}),
-            "bf16.bf16_optimizer_states",
-        ),
-        (
             json!({"fp16": {"enabled": true, "fp16_master_weights_and_grads": true}}),
             "fp16.fp16_master_weights_and_grads",
-        ),
-        (
-            json!({"optimizer": {"type": "AdamW", "params": {"fp32_optimizer_states": false}}}),
-            "optimizer.params.fp32_optimizer_states",
         ),
     ] {
         let l = load_str(&with(base(), patch.clone()).to_string(), &skip_fs()).unwrap();
@@ -1009,6 +1003,37 @@ fn keys_for_16_bit_state_are_said_and_a_late_schedule_start_refused() {
             said.len() == 1 && said[0].contains(key) && said[0].contains("fp32"),
             "{patch}: {said:?}"
         );
+    }
+    let both = load_str(
+        &with(
+            base(),
+            json!({"bf16": {"enabled": true, "bf16_master_weights_and_grads": true,
+                            "bf16_optimizer_states": true}}),
+        )
+        .to_string(),
+        &skip_fs(),
+    )
+    .unwrap();
+    assert_eq!(both.warnings.len(), 2, "{:?}", both.warnings);
+    // DeepSpeed's assertions: stage 1 to 3 only, and 16-bit optimizer
+    // states only with 16-bit master weights.
+    for (patch, key) in [
+        (
+            json!({"zero_optimization": {"stage": 0},
+                   "fp16": {"enabled": true, "fp16_master_weights_and_grads": true}}),
+            "fp16.fp16_master_weights_and_grads",
+        ),
+        (
+            json!({"zero_optimization": {"stage": 0},
+                   "bf16": {"enabled": true, "bf16_master_weights_and_grads": true}}),
+            "bf16.bf16_master_weights_and_grads",
+        ),
+        (
+            json!({"bf16": {"enabled": true, "bf16_optimizer_states": true}}),
+            "bf16.bf16_optimizer_states",
+        ),
+    ] {
+        assert_msg(&err(with(base(), patch)), &[key, "DeepSpeed asserts"]);
     }
     assert_msg(
         &err(with(
@@ -1022,6 +1047,9 @@ fn keys_for_16_bit_state_are_said_and_a_late_schedule_start_refused() {
                         "bf16_optimizer_states": false}}),
         json!({"fp16": {"enabled": true, "fp16_master_weights_and_grads": false}}),
         json!({"optimizer": {"type": "AdamW", "params": {"fp32_optimizer_states": true}}}),
+        // False keeps DeepSpeed's moments in the master weights' dtype:
+        // fp32 here, as tierzero's.
+        json!({"optimizer": {"type": "AdamW", "params": {"fp32_optimizer_states": false}}}),
         json!({"scheduler": {"type": "WarmupCosineLR",
                              "params": {"total_num_steps": 2000, "last_batch_iteration": -1}}}),
     ] {
@@ -1036,8 +1064,11 @@ fn keys_for_16_bit_state_are_said_and_a_late_schedule_start_refused() {
 #[test]
 fn gradient_allreduce_op_is_mean_only() {
     let op = |v: &str| with(base(), json!({"gradient_allreduce_op": v}));
-    let l = load_str(&op("mean").to_string(), &skip_fs()).unwrap();
-    assert!(l.warnings.is_empty(), "{:?}", l.warnings);
+    for v in ["mean", "MEAN"] {
+        // DeepSpeed lowercases it.
+        let l = load_str(&op(v).to_string(), &skip_fs()).unwrap();
+        assert!(l.warnings.is_empty(), "{:?}", l.warnings);
+    }
     assert_msg(&err(op("sum")), &["gradient_allreduce_op", "\"mean\""]);
     assert_msg(&err(op("max")), &["gradient_allreduce_op", "\"mean\""]);
 }

@@ -254,10 +254,11 @@ section! {
         /// `amsgrad`: refused when true (tierzero's Adam has no AMSGrad;
         /// neither have DeepSpeed's CPU and fused Adam).
         amsgrad: bool = false => flag;
-        /// `fp32_optimizer_states`: false keeps DeepSpeed's CPU Adam
-        /// moments in 16-bit; said, not refused (tierzero keeps them in
-        /// fp32; `fp32_moments_note`).
-        fp32_optimizer_states: Option<bool> => some(fp32_moments_note);
+        /// `fp32_optimizer_states`: DeepSpeed's CPU Adam keeps its moments
+        /// in the master weights' dtype when false, which is fp32 unless
+        /// `bf16.bf16_master_weights_and_grads` (said there): read, no
+        /// effect of its own.
+        fp32_optimizer_states: Option<bool> => some(flag);
     }
 }
 
@@ -738,21 +739,6 @@ fn fp32_state_only(f: &Field<'_>, sink: &mut Sink) -> Result<bool, ConfigError> 
     Ok(v)
 }
 
-/// `optimizer.params.fp32_optimizer_states`: false is said (tierzero
-/// keeps the moments in fp32), as [`fp32_state_only`] says its flags.
-fn fp32_moments_note(f: &Field<'_>, sink: &mut Sink) -> Result<bool, ConfigError> {
-    let v = flag(f, sink)?;
-    if !v {
-        sink.note(
-            &f.key,
-            "false: tierzero keeps Adam's moments in fp32 (DeepSpeed's CPU Adam would keep them \
-             in 16-bit): the same updates, rounded less, 4 more bytes an element (the plan \
-             counts fp32)",
-        );
-    }
-    Ok(v)
-}
-
 /// `scheduler.params.last_batch_iteration`: -1 only. Another value starts
 /// DeepSpeed's schedule part-way; tierzero's schedule starts at the run's
 /// first step, and a resumed run continues it from its checkpoint.
@@ -770,7 +756,8 @@ fn schedule_start(f: &Field<'_>, _: &mut Sink) -> Result<i64, ConfigError> {
 /// 3 and below it sums the ranks' gradients, which tierzero does not (its
 /// reduction averages them, in rank order).
 fn allreduce_op(f: &Field<'_>, _: &mut Sink) -> Result<String, ConfigError> {
-    match f.str()? {
+    // DeepSpeed lowercases it (`get_gradient_allreduce_op`).
+    match f.str()?.to_ascii_lowercase().as_str() {
         "mean" => Ok("mean".to_owned()),
         "sum" => Err(f.out_of_range(
             "\"mean\"",

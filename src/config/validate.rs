@@ -417,7 +417,9 @@ pub struct Config {
     /// fp16 (the loss scaler's overflow), never in fp32 (DeepSpeed does not
     /// check there). In bf16 as DeepSpeed does: `bf16.check_grad_overflow`
     /// (default true) is read by its stage 1 and 2 optimizer only; its
-    /// stage 0 (`BF16_Optimizer`) and stage 3 optimizers never check. An
+    /// stage 0 and stage 3 optimizers never check (nor its stage 1
+    /// `BF16_Optimizer`, with `data_types.grad_accum_dtype` fp32 and no
+    /// CPU offload: tierzero does not read `data_types`). An
     /// explicit true at stage 0 or 3 is honoured, with a note that
     /// DeepSpeed would apply such a step. With clipping the norm
     /// is taken anyway, and a norm that is not finite skips the step
@@ -434,6 +436,41 @@ pub struct Config {
     pub aio: Aio,
     /// tierzero's own settings.
     pub tierzero: Tierzero,
+}
+
+/// DeepSpeed's assertions on its 16-bit state flags (`config.py`
+/// `_do_error_check`): each needs ZeRO stage 1, 2 or 3, and
+/// `bf16_optimizer_states` needs `bf16_master_weights_and_grads`.
+fn check_16bit_state_flags(ds: &DsConfig, stage: Stage) -> Result<(), ConfigError> {
+    for (key, on) in [
+        (
+            "fp16.fp16_master_weights_and_grads",
+            ds.fp16.fp16_master_weights_and_grads,
+        ),
+        (
+            "bf16.bf16_master_weights_and_grads",
+            ds.bf16.bf16_master_weights_and_grads,
+        ),
+        ("bf16.bf16_optimizer_states", ds.bf16.bf16_optimizer_states),
+    ] {
+        if on && stage == Stage::Disabled {
+            return Err(range(
+                key,
+                true,
+                "false at ZeRO stage 0 (DeepSpeed asserts stage 1, 2 or 3)",
+                "remove it, or set zero_optimization.stage",
+            ));
+        }
+    }
+    if ds.bf16.bf16_optimizer_states && !ds.bf16.bf16_master_weights_and_grads {
+        return Err(range(
+            "bf16.bf16_optimizer_states",
+            true,
+            "false without bf16.bf16_master_weights_and_grads (DeepSpeed asserts it)",
+            "remove it, or set bf16.bf16_master_weights_and_grads too",
+        ));
+    }
+    Ok(())
 }
 
 /// `bf16.check_grad_overflow` at `stage`, as DeepSpeed reads it
@@ -919,6 +956,7 @@ pub(crate) fn validate(
         tierzero,
     };
 
+    check_16bit_state_flags(ds, config.zero.stage)?;
     check_pinned_budget(&config, run)?;
     for (key, dev) in [
         (
