@@ -75,8 +75,8 @@ pub fn cgroup_memory() -> Option<CgroupMemory> {
 /// cgroup and every ancestor up to `root` (in a cgroup namespace, the
 /// container's own is `root`), v2 where its line (`0::PATH`) is, else
 /// v1's memory controller (`N:memory:PATH`, or a line naming it among
-/// others). A limit of `max` (v2) or of 2^63 rounded down to a page (v1)
-/// is none.
+/// others). A limit of `max` (v2) or of 2^63 rounded down to a page (v1,
+/// any page size) is none.
 pub fn cgroup_memory_under(root: &Path, proc_self_cgroup: &str) -> Option<CgroupMemory> {
     let read = |dir: &Path, name: &str| -> Option<u64> {
         let t = std::fs::read_to_string(dir.join(name)).ok()?;
@@ -123,8 +123,9 @@ pub fn cgroup_memory_under(root: &Path, proc_self_cgroup: &str) -> Option<Cgroup
             )
         }
     };
-    // v1's "no limit" is i64::MAX rounded down to a page.
-    const UNLIMITED: u64 = (i64::MAX as u64) & !0xFFF;
+    // v1's "no limit" is i64::MAX rounded down to a page (4 KiB or
+    // 64 KiB): anything from 2^62 up is none.
+    const UNLIMITED: u64 = 1 << 62;
     let mut best: Option<CgroupMemory> = None;
     let mut dir = base.join(rel.trim_start_matches('/'));
     loop {
@@ -271,6 +272,9 @@ mod tests {
             cgroup_memory_under(r, joined).unwrap().limit_bytes,
             4_096_000
         );
+        assert_eq!(cgroup_memory_under(r, "4:memory:/\n"), None);
+        // 64 KiB pages' "no limit".
+        put(r, "memory", "memory.limit_in_bytes", "9223372036854710272");
         assert_eq!(cgroup_memory_under(r, "4:memory:/\n"), None);
         assert_eq!(cgroup_memory_under(r, "1:cpu:/\n"), None);
     }
