@@ -393,13 +393,14 @@ class ParamOffload:
 
 def _hold(path):
     """Creates ``path`` and takes its exclusive lock; returns the fd that
-    holds it."""
+    holds it. A file system without locks (some NFS mounts) leaves the
+    file unlocked: the reclaim cannot lock it there either, so it takes
+    no file of such a directory."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        os.close(fd)
-        raise
+        pass
     return fd
 
 
