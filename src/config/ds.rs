@@ -24,7 +24,9 @@
 //! (schedulers). Where DeepSpeed's default is "none" the field is an
 //! `Option`.
 //!
-//! Deprecated aliases accepted (each logs a [`ConfigWarning::Deprecated`];
+//! Deprecated aliases accepted (each logs a
+//! [`crate::config::ConfigWarning::Deprecated`]; the forms that are not a
+//! renamed key are read in `ds/deprecated.rs`;
 //! giving an alias together with its replacement is
 //! [`ConfigError::ConflictingAlias`]):
 //! - `zero_optimization.stage3_gather_fp16_weights_on_model_save` →
@@ -52,10 +54,11 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::Value;
 
 use super::error::{render, ConfigError};
-use super::reader::{
-    auto, auto_none, flag, int, num, pair, section, some, ConfigWarning, Field, Obj, Sink,
-};
+use super::reader::{auto, auto_none, flag, int, num, pair, section, some, Field, Obj, Sink};
 use super::units::parse_bytes_str;
+
+mod deprecated;
+use deprecated::{bfloat16_old_name, deprecated_cpu_offload, read_zero};
 
 /// A value that may be written as `"auto"` (to be filled from the run, the
 /// way HF Trainer fills it).
@@ -915,136 +918,6 @@ fn read_scheduler(f: &Field<'_>, sink: &mut Sink) -> Result<DsScheduler, ConfigE
     let params = params.transpose()?.unwrap_or_default();
     o.finish(sink);
     Ok(DsScheduler { kind, params })
-}
-
-/// The offload blocks that the deprecated `cpu_offload*` flags stand for.
-trait OffloadBlock: Sized {
-    /// The block's key in `zero_optimization`.
-    const KEY: &'static str;
-    /// Reads the block ([`section!`]'s `read`).
-    fn read_block(f: &Field<'_>, sink: &mut Sink) -> Result<Self, ConfigError>;
-}
-
-impl OffloadBlock for DsOffloadParam {
-    const KEY: &'static str = "offload_param";
-    fn read_block(f: &Field<'_>, sink: &mut Sink) -> Result<Self, ConfigError> {
-        Self::read(f, sink)
-    }
-}
-
-impl OffloadBlock for DsOffloadOptimizer {
-    const KEY: &'static str = "offload_optimizer";
-    fn read_block(f: &Field<'_>, sink: &mut Sink) -> Result<Self, ConfigError> {
-        Self::read(f, sink)
-    }
-}
-
-/// A deprecated `cpu_offload` / `cpu_offload_param` flag: warns, and when
-/// true fills `slot` with the block it stands for, `{"device": "cpu"}` (and
-/// `pin_memory` when the deprecated pin flag is given), refusing if that
-/// block is also written. Returns whether the pin flag was used.
-fn cpu_offload_flag<T: OffloadBlock>(
-    o: &mut Obj<'_>,
-    flag: &str,
-    slot: &mut Option<T>,
-    pin: Option<bool>,
-    sink: &mut Sink,
-) -> Result<bool, ConfigError> {
-    let Some(f) = o.take(flag) else {
-        return Ok(false);
-    };
-    sink.warnings.push(ConfigWarning::Deprecated {
-        key: f.key.clone(),
-        replacement: format!("\"{}\": {{\"device\": \"cpu\"}}", T::KEY),
-    });
-    if !f.bool()? {
-        return Ok(false);
-    }
-    let key = o.key_path(T::KEY);
-    if slot.is_some() {
-        return Err(ConfigError::ConflictingAlias {
-            old: f.key.clone(),
-            new: key,
-        });
-    }
-    let mut block = serde_json::Map::new();
-    block.insert("device".to_owned(), "cpu".into());
-    if let Some(pin) = pin {
-        block.insert("pin_memory".to_owned(), pin.into());
-    }
-    let value = Value::Object(block);
-    *slot = Some(T::read_block(&Field { key, value: &value }, sink)?);
-    Ok(pin.is_some())
-}
-
-/// The top-level `bfloat16`, `bf16`'s old name: read where `bf16` is
-/// absent (with a deprecation warning), and ignored with a note where it
-/// is present, as DeepSpeed's `get_bfloat16_config` does.
-fn bfloat16_old_name(
-    o: &mut Obj<'_>,
-    c: &mut DsConfig,
-    sink: &mut Sink,
-) -> Result<(), ConfigError> {
-    let has_bf16 = o.has("bf16");
-    let Some(old) = o.take("bfloat16") else {
-        return Ok(());
-    };
-    if has_bf16 {
-        sink.note(
-            &old.key,
-            "ignored: `bf16` is given too, and DeepSpeed reads `bf16` alone then; remove one",
-        );
-    } else {
-        sink.warnings.push(ConfigWarning::Deprecated {
-            key: old.key.clone(),
-            replacement: "`bf16`".to_owned(),
-        });
-        c.bf16 = DsBf16::read(&old, sink)?;
-    }
-    Ok(())
-}
-
-/// `zero_optimization`: the object, or DeepSpeed's deprecated boolean
-/// (`read_zero_config_deprecated`: `true` is stage 1, `false` stage 0).
-fn read_zero(f: &Field<'_>, sink: &mut Sink) -> Result<DsZero, ConfigError> {
-    let Some(on) = f.value.as_bool() else {
-        return DsZero::read(f, sink);
-    };
-    let stage = u64::from(on);
-    sink.warnings.push(ConfigWarning::Deprecated {
-        key: f.key.clone(),
-        replacement: format!("{{\"stage\": {stage}}}"),
-    });
-    Ok(DsZero {
-        stage,
-        ..DsZero::default()
-    })
-}
-
-/// `zero_optimization`'s deprecated boolean forms: `cpu_offload`,
-/// `cpu_offload_param` and `cpu_offload_use_pin_memory`.
-fn deprecated_cpu_offload(
-    o: &mut Obj<'_>,
-    z: &mut DsZero,
-    sink: &mut Sink,
-) -> Result<(), ConfigError> {
-    let pin = match o.take("cpu_offload_use_pin_memory") {
-        Some(f) => Some((f.bool()?, f.key.clone())),
-        None => None,
-    };
-    let pin_flag = pin.as_ref().map(|(p, _)| *p);
-    let optimizer = cpu_offload_flag(o, "cpu_offload", &mut z.offload_optimizer, pin_flag, sink)?;
-    let param = cpu_offload_flag(o, "cpu_offload_param", &mut z.offload_param, pin_flag, sink)?;
-    if let Some((_, key)) = pin {
-        sink.warnings.push(ConfigWarning::Deprecated {
-            key: key.clone(),
-            replacement: "\"pin_memory\" inside offload_param / offload_optimizer".to_owned(),
-        });
-        if !(optimizer || param) {
-            sink.note(&key, "has no effect without cpu_offload or cpu_offload_param; set pin_memory inside the offload blocks");
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]
