@@ -200,8 +200,8 @@ mod machine;
 use items::SPECULATION_POOL;
 pub use items::{items, items_within};
 pub use machine::{
-    cgroup_memory, cgroup_memory_under, parse_meminfo, parse_memlock, probe_machine, CgroupMemory,
-    Machine, Memlock,
+    cgroup_memory, cgroup_memory_under, parse_meminfo, parse_memlock, probe_machine, probe_ram,
+    CgroupMemory, Machine, Memlock,
 };
 
 use crate::engine::sizing::{self, Buffers, Shape};

@@ -84,13 +84,7 @@ pub fn state_bytes(numel: usize, moments: crate::optim::MomentDtype) -> [u64; 3]
 /// `/proc/meminfo`, and within its memory cgroup's limit where one is set
 /// (a container's: `MemAvailable` is the whole host's), if readable.
 pub fn mem_available_bytes() -> Option<u64> {
-    let host = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|t| crate::estimate::parse_meminfo(&t).1);
-    match (host, crate::estimate::cgroup_memory()) {
-        (Some(h), Some(c)) => Some(h.min(c.room_bytes)),
-        (h, c) => h.or(c.map(|c| c.room_bytes)),
-    }
+    crate::estimate::probe_ram().1
 }
 
 /// Device bytes the blocks' forwards kept from their forward to their

@@ -152,6 +152,23 @@ pub fn cgroup_memory_under(root: &Path, proc_self_cgroup: &str) -> Option<Cgroup
     best
 }
 
+/// RAM this process has, `(total, available)` in bytes: `MemTotal` and
+/// `MemAvailable` from `/proc/meminfo`, each within this process's memory
+/// cgroup limit where one is set ([`cgroup_memory`]: under it, the limit
+/// is the RAM the process has). `None` where nothing could be read.
+pub fn probe_ram() -> (Option<u64>, Option<u64>) {
+    let (total, available) = std::fs::read_to_string("/proc/meminfo")
+        .map(|t| parse_meminfo(&t))
+        .unwrap_or((None, None));
+    match cgroup_memory() {
+        Some(c) => (
+            Some(total.map_or(c.limit_bytes, |r| r.min(c.limit_bytes))),
+            Some(available.map_or(c.room_bytes, |r| r.min(c.room_bytes))),
+        ),
+        None => (total, available),
+    }
+}
+
 /// Parses the soft `Max locked memory` limit from `/proc/self/limits` text.
 pub fn parse_memlock(text: &str) -> Option<Memlock> {
     let line = text.lines().find(|l| l.starts_with("Max locked memory"))?;
@@ -166,23 +183,12 @@ pub fn parse_memlock(text: &str) -> Option<Memlock> {
     }
 }
 
-/// Reads RAM and memlock from `/proc` (RAM within this process's memory
-/// cgroup limit, [`cgroup_memory`]), the free space of `nvme_dir`, and
+/// Reads RAM and memlock from `/proc` (RAM within the memory cgroup's
+/// limit, [`probe_ram`]), the free space of `nvme_dir`, and
 /// takes `device_bytes` as given (no GPU driver is queried). Anything that
 /// cannot be read is `None`.
 pub fn probe_machine(nvme_dir: &Path, device_bytes: Option<u64>) -> Machine {
-    let (ram_bytes, ram_available_bytes) = std::fs::read_to_string("/proc/meminfo")
-        .map(|t| parse_meminfo(&t))
-        .unwrap_or((None, None));
-    // Under a memory cgroup's limit, that limit is the RAM this process
-    // has.
-    let (ram_bytes, ram_available_bytes) = match cgroup_memory() {
-        Some(c) => (
-            Some(ram_bytes.map_or(c.limit_bytes, |r| r.min(c.limit_bytes))),
-            Some(ram_available_bytes.map_or(c.room_bytes, |r| r.min(c.room_bytes))),
-        ),
-        None => (ram_bytes, ram_available_bytes),
-    };
+    let (ram_bytes, ram_available_bytes) = probe_ram();
     let memlock = std::fs::read_to_string("/proc/self/limits")
         .ok()
         .and_then(|t| parse_memlock(&t));

@@ -172,7 +172,7 @@ pub fn tied_numel(model: &crate::model::Model) -> u64 {
     model
         .params()
         .iter()
-        .filter(|p| p.units.len() > 1)
+        .filter(|p| !model.in_one_unit(p.id))
         .map(|p| p.numel as u64)
         .sum()
 }

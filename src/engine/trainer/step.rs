@@ -409,6 +409,14 @@ impl Trainer {
         Ok(())
     }
 
+    /// Records the gradients handed over and unanswered now (steps and
+    /// spills) in the run's peak ([`Trainer::grads_handed_over_peak`]).
+    fn note_hand_over_peak(&mut self) {
+        self.grads_out_peak = self
+            .grads_out_peak
+            .max(self.grads_out.len() + self.spills_out);
+    }
+
     /// Sends `sg`'s final gradient to the optimizer thread to spill to
     /// NVMe, within the hand-over's bound: a spill in backward holds its
     /// gradient in host memory until the optimizer thread has copied it
@@ -422,9 +430,7 @@ impl Trainer {
         self.wait_for_hand_over_room()?;
         self.opt.send(Job::SpillGrad { sg, grad })?;
         self.spills_out += 1;
-        self.grads_out_peak = self
-            .grads_out_peak
-            .max(self.grads_out.len() + self.spills_out);
+        self.note_hand_over_peak();
         Ok(())
     }
 
@@ -479,9 +485,7 @@ impl Trainer {
         let grad = groups.apply(sg, event, numel, self.sum_dtype(sg))?;
         if grad.is_some() {
             self.grads_out.insert(sg);
-            self.grads_out_peak = self
-                .grads_out_peak
-                .max(self.grads_out.len() + self.spills_out);
+            self.note_hand_over_peak();
         }
         let tensors = self.tensor_wants(sg);
         self.opt.send(Job::Step {
