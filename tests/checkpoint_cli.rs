@@ -320,6 +320,47 @@ fn resume_mistakes_are_bad_input() {
     );
 }
 
+/// A run refused at start-up leaves no save dir it created (with its
+/// parents); one that was there stays, with what was in it.
+#[test]
+fn a_refused_start_removes_the_save_dir_it_created() {
+    let d = setup("refused-save-dir");
+    let no = train(
+        &d,
+        &[
+            "--steps",
+            "2",
+            "--resume",
+            "nowhere",
+            "--save-dir",
+            "new/ck",
+        ],
+    );
+    assert_eq!(no.code, 2, "{}", no.stderr);
+    assert!(no.stderr.contains("--resume nowhere"), "{}", no.stderr);
+    assert!(!d.join("new").exists(), "the save dir's parent was left");
+    std::fs::create_dir_all(d.join("mine")).unwrap();
+    std::fs::write(d.join("mine/notes.txt"), "kept").unwrap();
+    let no = train(
+        &d,
+        &[
+            "--steps",
+            "2",
+            "--resume",
+            "nowhere",
+            "--save-dir",
+            "mine/ck",
+        ],
+    );
+    assert_eq!(no.code, 2, "{}", no.stderr);
+    assert!(!d.join("mine/ck").exists(), "the created save dir was left");
+    assert!(d.join("mine/notes.txt").exists());
+    // A run that starts keeps its save dir, as before.
+    let ok = train(&d, &["--steps", "1", "--save-dir", "new/ck"]);
+    assert_eq!(ok.code, 0, "{}", ok.stderr);
+    assert!(d.join("new/ck/latest").exists());
+}
+
 /// `eval --checkpoint` reads the checkpoint's fp32 masters; `export
 /// --dtype fp32` writes the same values into a HF file: evaluating the
 /// exported directory with `--model` gives the same loss, bit for bit.

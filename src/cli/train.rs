@@ -858,7 +858,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         );
     }
     trainer.set_data_name(data_name.clone());
-    if let Some(lock) = save_lock {
+    if let Some(lock) = save_lock.into_lock() {
         trainer.adopt_save_dir_lock(lock);
     }
     let threads_line = format!("{}; {}", trainer.compute_threads(), trainer.placement());

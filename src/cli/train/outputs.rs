@@ -2,25 +2,84 @@
 //! the save dir (created, and its lock taken by the rank that writes it)
 //! and the `--metrics` / `--timeline` files.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use tierzero::checkpoint::SaveDirLock;
+use tierzero::checkpoint::{SaveDirLock, LOCK_FILE};
 
 use super::{bad, must_exist, Failure, TrainArgs};
 
 /// The save dir is ours for the whole run (refused now, not at the first
 /// save, when another run is saving into it). With several ranks rank 0
 /// holds it: it writes everything outside the rank dirs.
-pub(super) fn claim_save_dir(args: &TrainArgs, lead: bool) -> Result<Option<SaveDirLock>, Failure> {
+///
+/// A dir this call creates is removed again if start-up fails before the
+/// trainer adopts the lock ([`SaveDirClaim::into_lock`]): a run refused
+/// for its config or data leaves no empty save dir behind.
+pub(super) fn claim_save_dir(args: &TrainArgs, lead: bool) -> Result<SaveDirClaim, Failure> {
     match &args.save_dir {
         Some(d) if lead => {
+            // The dirs `create_dir_all` is about to make, the deepest first.
+            let created: Vec<PathBuf> = d
+                .ancestors()
+                .filter(|p| !p.as_os_str().is_empty())
+                .take_while(|p| std::fs::symlink_metadata(p).is_err())
+                .map(Path::to_path_buf)
+                .collect();
             tierzero::durable::create_dir_all(d)
                 .map_err(|e| bad(format!("--save-dir {}: {e}", d.display())))?;
-            let lock = SaveDirLock::acquire(d)
-                .map_err(|e| bad(format!("--save-dir {}: {e}", d.display())))?;
-            Ok(Some(lock))
+            let mut claim = SaveDirClaim {
+                lock: None,
+                created,
+            };
+            claim.lock = Some(
+                SaveDirLock::acquire(d)
+                    .map_err(|e| bad(format!("--save-dir {}: {e}", d.display())))?,
+            );
+            Ok(claim)
         }
-        _ => Ok(None),
+        _ => Ok(SaveDirClaim {
+            lock: None,
+            created: Vec::new(),
+        }),
+    }
+}
+
+/// The save dir's lock between start-up's claim and the trainer's
+/// adoption; dropped before that (start-up failed), it removes the dirs
+/// the claim created, if nothing but the lock file went into them.
+#[derive(Debug)]
+pub(super) struct SaveDirClaim {
+    lock: Option<SaveDirLock>,
+    /// Dirs the claim created, the deepest first.
+    created: Vec<PathBuf>,
+}
+
+impl SaveDirClaim {
+    /// The lock, for the trainer: the dir is the run's from here on.
+    pub(super) fn into_lock(mut self) -> Option<SaveDirLock> {
+        self.created.clear();
+        self.lock.take()
+    }
+}
+
+impl Drop for SaveDirClaim {
+    fn drop(&mut self) {
+        if self.created.is_empty() {
+            return;
+        }
+        // Unlinked while the lock is still held: a process that opens
+        // `.lock` before this is refused by the lock; one that opens it
+        // after makes a new file, and the dir, no longer empty, stays.
+        if let Some(lock) = &self.lock {
+            let _ = std::fs::remove_file(lock.dir().join(LOCK_FILE));
+        }
+        for d in &self.created {
+            // Only an empty dir goes; the first that stays keeps its parents.
+            if std::fs::remove_dir(d).is_err() {
+                break;
+            }
+        }
+        drop(self.lock.take());
     }
 }
 
