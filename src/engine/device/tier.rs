@@ -618,11 +618,15 @@ impl<L: DeviceLink> TieredUnits<L> {
         let mut st = self.lock();
         let mut result = Ok(());
         for (&id, b) in ids.iter().zip(bufs) {
-            let bytes = match st.params.get(&id) {
-                Some(r) => r.bytes(),
-                None => 0,
+            // Kept only if in use (a param dropped meanwhile, after an
+            // error, is not): any other buffer goes back to the link, not
+            // dropped, which on a GPU would free it under its last use.
+            let keep = match st.params.get(&id) {
+                Some(r @ Residency::InUse { .. }) => {
+                    st.cached_bytes().saturating_add(r.bytes()) <= self.limits.cache_bytes
+                }
+                _ => false,
             };
-            let keep = st.cached_bytes().saturating_add(bytes) <= self.limits.cache_bytes;
             if keep {
                 if let Err(e) = st.apply(id, TierEvent::Returned(Some(b))) {
                     result = result.and(Err(e));
@@ -988,5 +992,53 @@ impl<L: DeviceLink> Drop for TieredUnits<L> {
             },
         );
         let _ = self.drop_all(&mut st);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use std::time::Duration;
+
+    use tierzero_gpu::unit::GemmDtype;
+
+    use super::*;
+    use crate::engine::device::sim::{SimConfig, SimDevice};
+
+    #[test]
+    fn a_param_given_back_after_the_tier_dropped_it_is_freed_not_dropped() {
+        let link = SimDevice::new(SimConfig {
+            budget_bytes: 1 << 20,
+            copy_delay: Duration::ZERO,
+            h2d_bytes_per_s: None,
+            staging_slots: 1,
+            gemm: GemmDtype::F32,
+            fail_upload: None,
+            compute_delay: Duration::ZERO,
+        })
+        .unwrap();
+        let probe = link.probe();
+        let limits = TierLimits {
+            prefetch_numel: 1 << 20,
+            max_live_numel: 1 << 20,
+            cache_bytes: TierLimits::CACHE_AUTO,
+        };
+        let tier = TieredUnits::new(link, limits).unwrap();
+        let id = ParamId(0);
+        let buf = tier.link.alloc_param("p", 16, DType::F32).unwrap();
+        let size = ParamSize {
+            numel: 16,
+            bytes: 64,
+        };
+        let mut st = tier.lock();
+        st.apply(id, TierEvent::Loaded(size)).unwrap();
+        // A new step while it is in use (after an error): it leaves the map.
+        let e = tier.drop_all(&mut st).unwrap_err().to_string();
+        assert!(e.contains("still in use"), "{e}");
+        drop(st);
+        // Its unit gives it back: the buffer returns to the link.
+        assert!(tier.give_back(&[id], vec![buf]).is_err());
+        assert_eq!(probe.used_bytes(), 0);
+        assert!(tier.census().is_empty());
     }
 }
