@@ -912,6 +912,16 @@ fn min_loss_scale_is_checked_only_for_the_dynamic_scaler() {
     assert_msg(&e, &["fp16.min_loss_scale", "positive"]);
 }
 
+/// `fp16.hysteresis` 0 is refused: DeepSpeed's scaler lowers the scale
+/// when its count reaches 1 and from 0 only counts down, so every step
+/// after the first overflow would be skipped (it was read as 1).
+#[test]
+fn hysteresis_zero_is_refused_with_the_fix() {
+    let fp16 = |h: u64| with(base(), json!({"fp16": {"enabled": true, "hysteresis": h}}));
+    assert_msg(&err(fp16(0)), &["fp16.hysteresis", "at least 1", "use 2"]);
+    load_str(&fp16(1).to_string(), &skip_fs()).unwrap();
+}
+
 /// `fp16.min_loss_scale` is an integer in DeepSpeed (pydantic refuses a
 /// fraction, whatever the scaler); a whole float is one.
 #[test]

@@ -226,7 +226,16 @@ pub(super) fn resolve_precision(
                 LossScale::Dynamic {
                     initial_scale_power: f.initial_scale_power,
                     window: positive("fp16.loss_scale_window", f.loss_scale_window, "use 1000")?,
-                    hysteresis: f.hysteresis,
+                    // DeepSpeed's scaler lowers the scale when its count
+                    // reaches 1; from 0 it only counts down, so after the
+                    // first overflow it would skip every step.
+                    hysteresis: positive(
+                        "fp16.hysteresis",
+                        f.hysteresis,
+                        "use 2 (DeepSpeed's default) or 1 (lower the scale at the first \
+                         overflow); DeepSpeed never lowers the scale from 0, so every step \
+                         after an overflow would be skipped",
+                    )?,
                     min_scale: f.min_loss_scale,
                     consecutive_hysteresis: f.consecutive_hysteresis,
                 }
