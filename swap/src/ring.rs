@@ -170,9 +170,13 @@ pub(crate) fn spawn_rings(
             .map_err(|source| SwapError::Setup {
                 what: "spawning an io_uring thread".into(),
                 source,
-            })?;
-        let ready = ready_rx.recv().map_err(|_| SwapError::Shutdown)?;
-        match ready {
+            });
+        let thread = match thread {
+            Ok(t) => t,
+            Err(e) => return Err(stop_rings(out, e)),
+        };
+        let ready = ready_rx.recv().map_err(|_| SwapError::Shutdown);
+        match ready.and_then(|r| r) {
             Ok((fb, ff)) => {
                 if let ActiveBackend::Uring {
                     fixed_buffers,
@@ -187,16 +191,22 @@ pub(crate) fn spawn_rings(
             Err(e) => {
                 drop(tx);
                 let _ = thread.join();
-                // Rings already started shut down when `out` drops.
-                for (tx, th) in out {
-                    drop(tx);
-                    let _ = th.join();
-                }
-                return Err(e);
+                return Err(stop_rings(out, e));
             }
         }
     }
     Ok((out, active))
+}
+
+/// Stops and joins the rings started before a failed start (`e`), which
+/// it returns: no ring thread outlives the engine that failed to start.
+fn stop_rings(started: Vec<(Sender<Job>, JoinHandle<()>)>, e: SwapError) -> SwapError {
+    for (tx, th) in started {
+        // A ring ends when its queue is closed and empty.
+        drop(tx);
+        let _ = th.join();
+    }
+    e
 }
 
 fn setup(
