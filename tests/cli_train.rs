@@ -535,6 +535,47 @@ fn tokenizer_json_feeds_the_run() {
     assert_eq!(out.code, 2, "{}", out.stderr);
 }
 
+/// The config and the output paths are checked before the corpus is
+/// encoded (which may take hours): a refused config writes no token cache.
+#[test]
+fn a_bad_config_is_refused_before_the_corpus_is_encoded() {
+    let d = tiny_setup("config-before-data");
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/tokenizer/wordlevel.json")
+        .to_str()
+        .unwrap()
+        .to_owned();
+    std::fs::write(
+        d.join("bad.json"),
+        r#"{"train_batch_size": 7, "zero_optimization": {"stage": 9}}"#,
+    )
+    .unwrap();
+    let mut args = with(&TINY, &[("--config", "bad.json")]);
+    args.extend(["--tokenizer", fixture.as_str(), "--eos-id", "5"]);
+    let out = train(&d, &args);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("stage"), "{}", out.stderr);
+    // So is a --metrics path in a directory that is not there.
+    let mut args = with(&TINY, &[]);
+    args.extend([
+        "--tokenizer",
+        fixture.as_str(),
+        "--eos-id",
+        "5",
+        "--metrics",
+        "nowhere/m.jsonl",
+    ]);
+    let out = train(&d, &args);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("--metrics"), "{}", out.stderr);
+    let cached: Vec<String> = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".tz-"))
+        .collect();
+    assert!(cached.is_empty(), "encoded before the refusal: {cached:?}");
+}
+
 #[test]
 fn json_prints_only_the_summary_object_on_stdout() {
     let d = tiny_setup("json");

@@ -687,6 +687,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     if let Err(e) = tierzero::failpoint::check_env() {
         return Err(bad(e));
     }
+    data::check_data_flags(&args)?;
     let save_lock = outputs::claim_save_dir(&args, lead)?;
     let ckpt = match &args.resume {
         Some(d) => Some(Checkpoint::open(d).map_err(|e| {
@@ -704,10 +705,13 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         (None, Some(c)) => c.manifest().seq_len.min(mc.max_seq_len),
         (None, None) => DEFAULT_SEQ_LEN.min(mc.max_seq_len),
     };
-    let (data, data_name, data_line) = load_data(&args, &model, seq_len)?;
+    // The config and the output paths before the data: encoding a corpus
+    // may take hours, and a typo in either is refused before it.
     let (loaded, config_name, steps) =
         load_config(&args, &flags, &model, comm.world_size(), ckpt.as_ref())?;
     let cfg = &loaded.config;
+    outputs::check_output_dirs(&args)?;
+    let (data, data_name, data_line) = load_data(&args, &model, seq_len)?;
     // One micro-batch's rows must be distinct windows of the corpus.
     // (Saturating: the config's micro-batch is bounded only by its product
     // with the accumulation and the ranks; one that large fails here.)
@@ -725,7 +729,6 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
             cfg.batch.micro_batch_size
         )));
     }
-    outputs::check_output_dirs(&args)?;
     let timeline_steps = number("--timeline-steps", &args.timeline_steps, 1, 1000)?;
 
     // With --json, stdout carries only the summary object; under several

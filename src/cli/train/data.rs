@@ -15,6 +15,33 @@ pub(super) fn other_data(was: &str, now: &str) -> bool {
     }
 }
 
+/// The data flags that read `--data`'s file, refused without `--data`
+/// (checked with the other flags, before the config and the data).
+pub(super) fn check_data_flags(args: &TrainArgs) -> Result<(), Failure> {
+    if args.data.is_some() {
+        return Ok(());
+    }
+    let o = &args.data_options;
+    let given: Vec<&str> = [
+        (o.data_format != "auto", "--data-format"),
+        (o.text_field != "text", "--text-field"),
+        (o.eos_id.is_some(), "--eos-id"),
+        (o.no_data_cache, "--no-data-cache"),
+    ]
+    .into_iter()
+    .filter_map(|(on, flag)| on.then_some(flag))
+    .collect();
+    if given.is_empty() {
+        return Ok(());
+    }
+    Err(bad(format!(
+        "{} without --data: the embedded corpus is read as bytes, so {} would change \
+         nothing; give --data FILE",
+        given.join(", "),
+        if given.len() == 1 { "it" } else { "they" }
+    )))
+}
+
 /// The token data of `--data` (or the embedded corpus), its name, and a
 /// line on what was read (none for the embedded corpus).
 pub(super) fn load_data(
@@ -33,24 +60,7 @@ pub(super) fn load_data(
             (d, p.display().to_string(), Some(line))
         }
         None => {
-            let o = &args.data_options;
-            let given: Vec<&str> = [
-                (o.data_format != "auto", "--data-format"),
-                (o.text_field != "text", "--text-field"),
-                (o.eos_id.is_some(), "--eos-id"),
-                (o.no_data_cache, "--no-data-cache"),
-            ]
-            .into_iter()
-            .filter_map(|(on, flag)| on.then_some(flag))
-            .collect();
-            if !given.is_empty() {
-                return Err(bad(format!(
-                    "{} without --data: the embedded corpus is read as bytes, so {} would \
-                     change nothing; give --data FILE",
-                    given.join(", "),
-                    if given.len() == 1 { "it" } else { "they" }
-                )));
-            }
+            check_data_flags(args)?;
             (
                 TokenData::from_bytes(DEFAULT_CORPUS, Path::new(DEFAULT_CORPUS_NAME)),
                 DEFAULT_CORPUS_NAME.to_owned(),
