@@ -1221,14 +1221,28 @@ pub fn swap_file_owner_pid(name: &str) -> Option<u32> {
 
 /// Whether process `pid` exists (`kill(pid, 0)`). A process we may not
 /// signal (`EPERM`) counts as alive: only `ESRCH` proves it is gone, so a
-/// file is never called stale while its owner might still use it.
+/// file is never called stale while its owner might still use it. Linux's
+/// `kill` also takes a thread id; a `pid` that `/proc` says is a thread of
+/// another process (its `Tgid` differs) is no process, so not alive: the
+/// pid of a dead writer is often reused by some thread.
 pub fn process_alive(pid: u32) -> bool {
-    let Ok(pid) = i32::try_from(pid) else {
+    let Ok(pid_i) = i32::try_from(pid) else {
         return false;
     };
     // SAFETY: kill with signal 0 only checks for existence.
-    let rc = unsafe { libc::kill(pid, 0) };
-    rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+    let rc = unsafe { libc::kill(pid_i, 0) };
+    let exists = rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH);
+    exists && thread_group_of(pid).is_none_or(|tgid| tgid == pid)
+}
+
+/// The `Tgid` (process id) `/proc/<tid>/status` gives for thread `tid`,
+/// if it can be read.
+fn thread_group_of(tid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Tgid:"))
+        .and_then(|v| v.trim().parse().ok())
 }
 
 /// Size and free space of a file system, from `statvfs`.
@@ -1595,6 +1609,21 @@ mod tests {
         assert!(!process_alive(1 << 23));
         // Does not fit in a pid_t: never alive.
         assert!(!process_alive(u32::MAX));
+        // A thread of this process: `kill` takes its id, but it is no
+        // process (a dead writer's pid is often some thread's now).
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let t = std::thread::spawn(move || {
+            // SAFETY: gettid has no preconditions.
+            let tid = unsafe { libc::gettid() };
+            tx.send(tid as u32).unwrap_or_else(|e| panic!("{e}"));
+            let _ = done_rx.recv();
+        });
+        let tid = rx.recv().unwrap_or_else(|e| panic!("{e}"));
+        assert_ne!(tid, std::process::id());
+        assert!(!process_alive(tid), "thread {tid} counted as a process");
+        drop(done_tx);
+        t.join().unwrap_or_else(|_| panic!("thread"));
     }
 
     #[test]
