@@ -366,6 +366,23 @@ pub(crate) fn tmp_owner_pid(tmp_name: &str, name: &str) -> Option<u32> {
 /// of its pid is a dead incarnation's, pid 1 in a restarted container).
 /// Returns how many; a file it cannot remove is said, not an error.
 pub fn remove_stale_tmp(path: &Path, own_too: bool) -> usize {
+    remove_tmp_where(path, |pid| {
+        (own_too && pid == std::process::id())
+            || (pid != std::process::id() && !tierzero_swap::space::process_alive(pid))
+    })
+}
+
+/// Removes every temporary file of an atomic rewrite of `path`, whatever
+/// its pid: for a caller that holds the lock every writer of `path` takes
+/// (a save dir's), which proves them all stale. A pid check cannot: a
+/// reused pid, another user's process or a thread id looks alive.
+pub fn remove_every_tmp(path: &Path) -> usize {
+    remove_tmp_where(path, |_| true)
+}
+
+/// Removes the temporary files of atomic rewrites of `path` whose pid
+/// `stale` says; a file it cannot remove is said, not an error.
+fn remove_tmp_where(path: &Path, stale: impl Fn(u32) -> bool) -> usize {
     let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
         return 0;
     };
@@ -377,16 +394,14 @@ pub fn remove_stale_tmp(path: &Path, own_too: bool) -> usize {
         let Some(pid) = e.file_name().to_str().and_then(|n| tmp_owner_pid(n, name)) else {
             continue;
         };
-        let stale = (own_too && pid == std::process::id())
-            || (pid != std::process::id() && !tierzero_swap::space::process_alive(pid));
-        if !stale || !e.file_type().is_ok_and(|t| t.is_file()) {
+        if !stale(pid) || !e.file_type().is_ok_and(|t| t.is_file()) {
             continue;
         }
         match std::fs::remove_file(e.path()) {
             Ok(()) => {
                 record::remove(&e.path());
                 removed += 1;
-                tracing::warn!(file = %e.path().display(), pid, "removed the temporary file of a write that a process now gone left");
+                tracing::warn!(file = %e.path().display(), pid, "removed the temporary file of an unfinished write");
             }
             Err(err) => {
                 tracing::warn!(file = %e.path().display(), error = %err, "could not remove a stale temporary file");

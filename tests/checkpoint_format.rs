@@ -304,6 +304,27 @@ fn truncation_latest_fallback_and_unfinished_saves() {
     let mut t = engine_support::build(&tiny_gpt2_dir("stale2", 2, 32), &k, 5, 16, 1);
     t.save_checkpoint(&save3).unwrap();
     assert!(!staging3.exists(), "stale staging dir not removed");
+    // One named with a live process's pid (reused since the writer died,
+    // or another user's): every writer holds the save dir's lock, which
+    // this save holds, so it is removed too, and so is a `latest` half
+    // written under that pid.
+    let mut live = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let reused = save3.join(format!(".step-00000009.tmp-{}", live.id()));
+    std::fs::create_dir(&reused).unwrap();
+    std::fs::write(reused.join("exp_avg.f32"), [0u8; 64]).unwrap();
+    let half_latest = save3.join(format!(".latest.tmp-{}-0", live.id()));
+    std::fs::write(&half_latest, "step-0000").unwrap();
+    t.save_checkpoint(&save3).unwrap();
+    let _ = live.kill();
+    let _ = live.wait();
+    assert!(!reused.exists(), "a staging dir of a reused pid stays");
+    assert!(
+        !half_latest.exists(),
+        "a half-written latest of a reused pid stays"
+    );
 }
 
 #[test]

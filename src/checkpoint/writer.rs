@@ -6,7 +6,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use super::manifest::{check_relative, FileEntry, Manifest, RegionCrc, MANIFEST_FILE};
-use super::{io_err, CheckpointError};
+use super::{io_err, CheckpointError, SaveDirLock};
 use crate::durable;
 use crate::failpoint::{self, Site};
 
@@ -76,14 +76,17 @@ fn restore_moved_aside(save_dir: &Path, path: &Path, step_name: &str) {
 }
 
 /// Removes `.step-*.tmp-<pid>` / `.old-<pid>` dirs and `.latest.tmp-<pid>-*`
-/// files ([`durable::remove_stale_tmp`]) of processes that are gone (this process's, where it is not
-/// writing them), but an `.old` dir whose `step-N` is missing, which is
-/// renamed back (see [`restore_moved_aside`]). Nothing else is touched.
+/// files of other processes and this process's where it is not writing
+/// them, but an `.old` dir whose `step-N` is missing, which is renamed
+/// back (see [`restore_moved_aside`]). Nothing else is touched. The caller
+/// holds the save dir's lock, which every writer holds: another pid's
+/// files are a dead writer's, whether or not the pid is alive now (reused,
+/// another user's, a thread's, or another host's).
 fn remove_stale(save_dir: &Path) {
     // This process writes `latest` only inside a commit, never while a
     // save begins: a half-written one of its own pid is a dead
     // incarnation's too.
-    durable::remove_stale_tmp(&save_dir.join(LATEST_FILE), true);
+    durable::remove_every_tmp(&save_dir.join(LATEST_FILE));
     let Ok(entries) = std::fs::read_dir(save_dir) else {
         return;
     };
@@ -92,7 +95,7 @@ fn remove_stale(save_dir: &Path) {
         let Some(pid) = name.to_str().and_then(staging_owner_pid) else {
             continue;
         };
-        if OWN_STAGING.in_use(pid, &e.path()) {
+        if pid == std::process::id() && OWN_STAGING.in_use(pid, &e.path()) {
             continue;
         }
         if !e.file_type().is_ok_and(|t| t.is_dir()) {
@@ -143,10 +146,23 @@ pub struct StagedCheckpoint {
 }
 
 impl StagedCheckpoint {
-    /// Creates `save_dir` (0700) if needed, removes stale staging dirs of
-    /// dead processes, and creates this save's staging dir.
-    pub fn begin(save_dir: &Path, step: u64) -> Result<Self, CheckpointError> {
-        durable::create_dir_all(save_dir)?;
+    /// Removes the staging dirs that no save is writing and creates this
+    /// save's, in `save_dir`, whose lock `lock` is: holding it proves that
+    /// no other process is writing there.
+    pub fn begin(save_dir: &Path, step: u64, lock: &SaveDirLock) -> Result<Self, CheckpointError> {
+        if !lock.covers(save_dir) {
+            return Err(CheckpointError::Io {
+                op: "locking",
+                path: save_dir.to_path_buf(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!(
+                        "the lock given is {}'s (an engine bug)",
+                        lock.dir().display()
+                    ),
+                ),
+            });
+        }
         remove_stale(save_dir);
         let tmp_dir = save_dir.join(staging_dir_name(step, std::process::id()));
         if tmp_dir.exists() {

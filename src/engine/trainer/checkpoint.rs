@@ -161,13 +161,18 @@ impl Trainer {
     /// One writer per save dir (rank 0 writes everything outside the rank
     /// dirs): the `flock` on `<save_dir>/.lock`, held until the trainer is
     /// dropped.
-    pub(super) fn take_save_lock(&mut self, save_dir: &std::path::Path) -> Result<()> {
+    pub(super) fn take_save_lock(
+        &mut self,
+        save_dir: &std::path::Path,
+    ) -> Result<&crate::checkpoint::SaveDirLock> {
         if !self.save_lock.as_ref().is_some_and(|l| l.covers(save_dir)) {
             crate::durable::create_dir_all(save_dir)
                 .map_err(crate::checkpoint::CheckpointError::from)?;
             self.save_lock = Some(crate::checkpoint::SaveDirLock::acquire(save_dir)?);
         }
-        Ok(())
+        self.save_lock
+            .as_ref()
+            .ok_or_else(|| EngineError::internal("the save dir lock was just taken"))
     }
 
     /// Writes a checkpoint of the current state to
@@ -227,8 +232,8 @@ impl Trainer {
             u32::from_le_bytes([all[0], all[1], all[2], all[3]])
         };
         let begun = if rank == 0 {
-            self.take_save_lock(save_dir).and_then(|()| {
-                StagedCheckpoint::begin(save_dir, step)
+            self.take_save_lock(save_dir).and_then(|lock| {
+                StagedCheckpoint::begin(save_dir, step, lock)
                     .map(Some)
                     .map_err(EngineError::from)
             })
