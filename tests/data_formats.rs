@@ -178,6 +178,20 @@ fn the_encoding_is_cached_and_a_change_of_data_or_eos_misses() {
     assert_eq!(second.origin, Origin::CacheHit(cache.clone()));
     assert_eq!(second.data.tokens(), first.data.tokens());
     assert_eq!(second.documents, Some(30));
+    // An encode killed before its rename left its temporary file (as large
+    // as the cache): the next encode of that cache removes it.
+    let mut gone = std::process::Command::new("true").spawn().unwrap();
+    gone.wait().unwrap();
+    let name = cache.file_name().unwrap().to_str().unwrap();
+    let left = d.join(format!(".{name}.tmp-{}-0", gone.id()));
+    std::fs::write(&left, [0u8; 4096]).unwrap();
+    let mut sidecar = cache.as_os_str().to_owned();
+    sidecar.push(".json");
+    std::fs::remove_file(&sidecar).unwrap();
+    let third = load(&s);
+    assert!(matches!(third.origin, Origin::Encoded { .. }));
+    assert_eq!(third.data.tokens(), first.data.tokens());
+    assert!(!left.exists(), "a dead encode's temporary file stays");
     // Another EOS, or edited data, is another key.
     let other_eos = DataSpec {
         eos: Some(12),

@@ -617,6 +617,11 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
             },
         });
     };
+    // A first encode killed before its rename left its temporary file, as
+    // large as the cache: removed now that the next one begins (a live
+    // writer's, another rank's encoding the same corpus, stays).
+    crate::durable::remove_stale_tmp(&tokens, false);
+    crate::durable::remove_stale_tmp(&sidecar, false);
     let mut enc = encode::Encoded::default();
     crate::durable::write_atomic_streamed(&tokens, |file, tmp| -> Result<std::fs::File> {
         use std::io::Write as _;
