@@ -311,105 +311,6 @@ pub struct HfGpt2Config {
     pub add_cross_attention: bool,
 }
 
-const GPT2_KEYS: &[&str] = &[
-    "model_type",
-    "vocab_size",
-    "n_positions",
-    "n_embd",
-    "n_layer",
-    "n_head",
-    "n_inner",
-    "activation_function",
-    "layer_norm_epsilon",
-    "initializer_range",
-    "tie_word_embeddings",
-    "scale_attn_weights",
-    "scale_attn_by_inverse_layer_idx",
-    "add_cross_attention",
-];
-
-/// Keys every Llama-family config may have, all read.
-const LLAMA_FAMILY_KEYS: &[&str] = &[
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "max_position_embeddings",
-    "rms_norm_eps",
-    "rope_theta",
-    "rope_scaling",
-    "rope_parameters",
-    "partial_rotary_factor",
-    "original_max_position_embeddings",
-    "tie_word_embeddings",
-    "hidden_act",
-    "initializer_range",
-];
-
-/// The family's own keys beyond [`LLAMA_FAMILY_KEYS`], all read.
-fn family_keys(family: Family) -> &'static [&'static str] {
-    match family {
-        Family::Gpt2 => &[],
-        Family::Llama => &["attention_bias", "mlp_bias"],
-        Family::Mistral => &["sliding_window"],
-        Family::Qwen2 => &[
-            "use_sliding_window",
-            "sliding_window",
-            "max_window_layers",
-            "layer_types",
-        ],
-        Family::Qwen3 => &[
-            "attention_bias",
-            "use_sliding_window",
-            "sliding_window",
-            "max_window_layers",
-            "layer_types",
-        ],
-    }
-}
-
-/// The one list of `config.json` keys that change no arithmetic tierzero
-/// runs, accepted in every family without a word: special token ids (the
-/// data loader owns tokens; they travel into exports as [`TokenIds`]),
-/// dtypes (the run's config decides precision), dropout probabilities (we
-/// train without dropout), generation caching, tensor-parallel hints of
-/// pretraining (`pretraining_tp`: the same product, split), attention
-/// upcasting (`reorder_and_upcast_attn`: precision only), the GPT-2
-/// sequence-classification head (`summary_*`: not a causal LM's), labels,
-/// and bookkeeping. `initializer_range` is read, not listed: it sets the
-/// seeded init. The README's model section lists the same keys; keep them
-/// in step.
-pub const HARMLESS_KEYS: &[&str] = &[
-    "architectures",
-    "torch_dtype",
-    "dtype",
-    "transformers_version",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "use_cache",
-    "n_ctx",
-    "resid_pdrop",
-    "embd_pdrop",
-    "attn_pdrop",
-    "attention_dropout",
-    "summary_type",
-    "summary_use_proj",
-    "summary_activation",
-    "summary_proj_to_labels",
-    "summary_first_dropout",
-    "reorder_and_upcast_attn",
-    "pretraining_tp",
-    "task_specific_params",
-    "_name_or_path",
-    "id2label",
-    "label2id",
-];
-
 fn invalid(key: &str, reason: impl Into<String>) -> ModelError {
     ModelError::InvalidConfig {
         key: key.to_string(),
@@ -471,41 +372,6 @@ fn qwen_sliding_window(k: &Keys<'_>, n_layer: usize) -> Result<(), ModelError> {
                 return Err(refuse(format!(
                     "use_sliding_window true with max_window_layers {from} < num_hidden_layers {n_layer}"
                 )));
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Checks `obj`'s keys against `known` and [`HARMLESS_KEYS`]; `prefix`
-/// names a nested object in messages (`"rope_parameters."`). Refused: the
-/// first unknown key (in key order) is an error. Allowed: each is warned
-/// about and returned.
-fn check_keys(
-    obj: &serde_json::Map<String, Value>,
-    known: &[&[&str]],
-    harmless: &[&str],
-    prefix: &str,
-    model_type: &str,
-    policy: UnknownKeys,
-    unknown: &mut Vec<String>,
-) -> Result<(), ModelError> {
-    for key in obj.keys() {
-        let k = key.as_str();
-        if known.iter().any(|list| list.contains(&k)) || harmless.contains(&k) {
-            continue;
-        }
-        let name = format!("{prefix}{key}");
-        match policy {
-            UnknownKeys::Refuse => {
-                return Err(ModelError::UnknownConfigKey {
-                    key: name,
-                    model_type: model_type.to_owned(),
-                })
-            }
-            UnknownKeys::Allow => {
-                tracing::warn!(key = %name, "config.json: unknown key ignored (allowed by --allow-unknown-model-keys); the model may differ from the one the file describes");
-                unknown.push(name);
             }
         }
     }
@@ -651,11 +517,14 @@ fn family_defaults(family: Family) -> FamilyDefaults {
 }
 
 mod checks;
+mod keys;
 mod rope;
 mod token_ids;
 
 pub use token_ids::{TokenIds, TOKEN_ID_KEYS};
 
+pub use keys::HARMLESS_KEYS;
+use keys::{check_keys, check_refused_values, family_keys, GPT2_KEYS, LLAMA_FAMILY_KEYS};
 use rope::parse_rope;
 
 impl ModelConfig {
@@ -714,6 +583,7 @@ impl ModelConfig {
             }
         };
         let mut unknown = Vec::new();
+        check_refused_values(obj, family)?;
         if family == Family::Gpt2 {
             check_keys(
                 obj,
