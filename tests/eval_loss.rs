@@ -246,6 +246,7 @@ fn bad_inputs_are_errors_naming_the_numbers() {
             if id.0 == 2 {
                 Err(ModelError::MissingTensor {
                     name: "h.0.ln_1.weight".into(),
+                    hint: String::new(),
                 })
             } else {
                 Ok(params[id.0].clone())

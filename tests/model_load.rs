@@ -307,6 +307,79 @@ fn llama_sharded_checkpoint_matches_reference() {
     }
 }
 
+/// As `from_pretrained`: `model.safetensors` is the model's weights when
+/// it is there (a second export or an adapter beside it is not), and a
+/// Llama saved as its base model (`LlamaModel`: no `model.` prefix) loads
+/// with the prefix added.
+#[test]
+fn model_safetensors_first_and_a_base_models_names() {
+    let cfg = llama_config(true);
+    let model = Model::new(cfg.clone()).unwrap();
+    let params = random_params(&model, 5, DType::F32);
+    let tmp = tempfile::tempdir().unwrap();
+    write_config(tmp.path(), &cfg);
+    write_st(
+        &tmp.path().join("model.safetensors"),
+        &named(&model, &params, ""),
+    );
+    let other = random_params(&model, 6, DType::F32);
+    write_st(
+        &tmp.path().join("model-bf16.safetensors"),
+        &named(&model, &other, ""),
+    );
+    let loaded = ModelDir::open(tmp.path(), 0)
+        .unwrap()
+        .load_all(DType::F32, &Device::Cpu)
+        .unwrap();
+    for p in model.params() {
+        assert_eq!(bits(&loaded[p.id.0]), bits(&params[p.id.0]), "{}", p.name);
+    }
+    // Without model.safetensors both files are read: their copies clash,
+    // and the error names both.
+    std::fs::rename(
+        tmp.path().join("model.safetensors"),
+        tmp.path().join("model-fp32.safetensors"),
+    )
+    .unwrap();
+    let e = ModelDir::open(tmp.path(), 0).unwrap_err().to_string();
+    assert!(
+        e.contains("model-bf16.safetensors") && e.contains("model-fp32.safetensors"),
+        "{e}"
+    );
+    // A base model's names.
+    let tmp = tempfile::tempdir().unwrap();
+    write_config(tmp.path(), &cfg);
+    let base: Vec<(String, Tensor)> = named(&model, &params, "")
+        .into_iter()
+        .map(|(n, t)| (n.strip_prefix("model.").unwrap_or(&n).to_owned(), t))
+        .collect();
+    assert!(base.iter().any(|(n, _)| n == "embed_tokens.weight"));
+    write_st(&tmp.path().join("model.safetensors"), &base);
+    let loaded = ModelDir::open(tmp.path(), 0)
+        .unwrap()
+        .load_all(DType::F32, &Device::Cpu)
+        .unwrap();
+    for p in model.params() {
+        assert_eq!(bits(&loaded[p.id.0]), bits(&params[p.id.0]), "{}", p.name);
+    }
+    // Another model's checkpoint: the missing tensor's error says what
+    // was there instead.
+    let tmp = tempfile::tempdir().unwrap();
+    write_config(tmp.path(), &cfg);
+    let foreign: Vec<(String, Tensor)> = named(&model, &params, "")
+        .into_iter()
+        .map(|(n, t)| (format!("encoder.{n}"), t))
+        .collect();
+    write_st(&tmp.path().join("model.safetensors"), &foreign);
+    let e = ModelDir::open(tmp.path(), 0).unwrap_err().to_string();
+    assert!(
+        e.contains("is missing")
+            && e.contains("are no parameter of this")
+            && e.contains("`encoder."),
+        "{e}"
+    );
+}
+
 #[test]
 fn wrong_shape_names_tensor_and_shapes() {
     let tmp = tempfile::tempdir().unwrap();
@@ -361,7 +434,7 @@ fn missing_duplicate_and_bad_dtype_tensors() {
     write_st(&tmp.path().join("model.safetensors"), &some);
     let e = ModelDir::open(tmp.path(), 0).unwrap_err();
     assert!(
-        matches!(&e, ModelError::MissingTensor { name } if name == "ln_f.bias"),
+        matches!(&e, ModelError::MissingTensor { name, hint } if name == "ln_f.bias" && hint.is_empty()),
         "{e}"
     );
     // Duplicate: prefixed and unprefixed copies of one tensor.
@@ -376,6 +449,11 @@ fn missing_duplicate_and_bad_dtype_tensors() {
     write_st(&tmp.path().join("model.safetensors"), &dup);
     let e = ModelDir::open(tmp.path(), 0).unwrap_err();
     assert!(matches!(&e, ModelError::DuplicateTensor { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("`ln_f.bias` in") && msg.contains("`transformer.ln_f.bias` in"),
+        "{msg}"
+    );
     // Integer dtype for a float parameter.
     let tmp = tempfile::tempdir().unwrap();
     write_config(tmp.path(), &cfg);

@@ -174,9 +174,15 @@ fn is_known_buffer(arch: Arch, canonical: &str, tied: bool) -> bool {
     }
 }
 
-/// The weight files of a directory: those named by
-/// `model.safetensors.index.json`, else every `*.safetensors`, sorted.
+/// The weight files of a directory, as `from_pretrained` picks them:
+/// `model.safetensors` (beside it, another export or an adapter is not
+/// the model's), else those named by `model.safetensors.index.json`, else
+/// every `*.safetensors`, sorted.
 fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
         let text = std::fs::read_to_string(&index).map_err(io_err(&index))?;
@@ -314,10 +320,22 @@ impl ModelDir {
                 metadata.tensors().into_iter().collect();
             names.sort_by_key(|(_, info)| info.data_offsets);
             for (stored_name, info) in names {
+                // A base model's save (`GPT2Model`, `LlamaModel`) has its
+                // names without the causal LM's prefix; transformers adds
+                // it when loading, as here.
+                let prefixed;
                 let canonical = match arch {
                     Arch::Gpt2 => stored_name
                         .strip_prefix("transformer.")
                         .unwrap_or(&stored_name),
+                    Arch::Llama if model.param_by_name(&stored_name).is_none() => {
+                        prefixed = format!("model.{stored_name}");
+                        if model.param_by_name(&prefixed).is_some() {
+                            prefixed.as_str()
+                        } else {
+                            stored_name.as_str()
+                        }
+                    }
                     Arch::Llama => stored_name.as_str(),
                 };
                 let Some(spec) = model.param_by_name(canonical) else {
@@ -349,9 +367,15 @@ impl ModelDir {
                     offset_bytes,
                     len_bytes,
                 };
-                if locs.insert(spec.id, loc).is_some() {
+                if let Some(first) = locs.insert(spec.id, loc) {
                     return Err(ModelError::DuplicateTensor {
                         name: spec.name.clone(),
+                        files: format!(
+                            "as `{}` in {} and as `{stored_name}` in {}",
+                            first.stored_name,
+                            files[first.file].display(),
+                            path.display()
+                        ),
                     });
                 }
             }
@@ -359,6 +383,15 @@ impl ModelDir {
         if let Some(missing) = model.params().iter().find(|p| !locs.contains_key(&p.id)) {
             return Err(ModelError::MissingTensor {
                 name: missing.name.clone(),
+                hint: match ignored.first() {
+                    None => String::new(),
+                    Some(first) => format!(
+                        "; {} of its tensors are no parameter of this {} model (e.g. `{first}`): \
+                         is it this model's checkpoint?",
+                        ignored.len(),
+                        model.config().family.name()
+                    ),
+                },
             });
         }
         Ok(Source::Files {
@@ -408,12 +441,14 @@ impl ModelDir {
             .model
             .param(id)
             .ok_or_else(|| ModelError::MissingTensor {
+                hint: String::new(),
                 name: format!("{id:?}"),
             })?;
         match &self.source {
             Source::Init => init_param(spec, self.seed, dtype, device),
             Source::Files { files, locs, .. } => {
                 let loc = locs.get(&id).ok_or_else(|| ModelError::MissingTensor {
+                    hint: String::new(),
                     name: spec.name.clone(),
                 })?;
                 let path = &files[loc.file];

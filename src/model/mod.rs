@@ -181,16 +181,24 @@ pub enum ModelError {
         files: String,
     },
     /// An expected tensor is not in the checkpoint.
-    #[error("tensor `{name}` is missing from the checkpoint")]
+    #[error("tensor `{name}` is missing from the checkpoint{hint}")]
     MissingTensor {
         /// Canonical (HF) name.
         name: String,
+        /// What else the checkpoint held, when that suggests another
+        /// model's (empty if nothing).
+        hint: String,
     },
     /// The same tensor appears twice in the checkpoint.
-    #[error("tensor `{name}` appears more than once in the checkpoint")]
+    #[error(
+        "tensor `{name}` appears more than once in the checkpoint ({files}); keep one copy \
+         of the weights in the directory"
+    )]
     DuplicateTensor {
         /// Canonical name.
         name: String,
+        /// Where each copy is.
+        files: String,
     },
     /// A tensor's shape differs from what the config implies.
     #[error("tensor `{name}`: expected shape {expected:?}, found {found:?}")]
