@@ -45,6 +45,20 @@ fn assert_export_matches(save: &std::path::Path, dtype: &str) {
     let report: serde_json::Value = serde_json::from_str(r.stdout.trim()).unwrap();
     assert_eq!(report["step"], 2);
     assert_eq!(report["config_json_written"], true);
+    // The weights' dtype is in config.json, as save_pretrained writes it.
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    let torch_dtype = if dtype == "bf16" {
+        "bfloat16"
+    } else {
+        "float32"
+    };
+    assert_eq!(cfg["torch_dtype"], torch_dtype);
+    // Another dtype into the same directory would make it wrong: refused.
+    let other = if dtype == "bf16" { "fp32" } else { "bf16" };
+    let r = export(save, &out.join("other.safetensors"), &["--dtype", other]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("another --dtype"), "{}", r.stderr);
     let ckpt = Checkpoint::open(save).unwrap();
     let md = ModelDir::open(&out, 0).unwrap();
     assert!(md.has_weights());
@@ -129,6 +143,37 @@ fn export_of_a_corrupt_checkpoint_names_the_part() {
     );
     assert!(r.stderr.contains("corrupt"), "{}", r.stderr);
     assert!(!out.exists(), "a partial export was left behind");
+}
+
+/// `--out` naming a directory (a trailing `/`, there or not) is refused
+/// before anything is written; it was written beside it, then failed at
+/// the rename.
+#[test]
+fn export_to_a_directory_is_refused_at_once() {
+    let save = checkpoint_of(&tiny_gpt2_dir("export-dir", 2, 32));
+    let base = scratch("export-dir-out");
+    for out in [base.join("new/"), base.clone()] {
+        let mut arg = out.to_str().unwrap().to_owned();
+        if !arg.ends_with('/') && out != base {
+            arg.push('/');
+        }
+        let r = run_tierzero(
+            None,
+            &[
+                "export",
+                "--checkpoint",
+                save.to_str().unwrap(),
+                "--out",
+                &arg,
+            ],
+        );
+        assert_eq!(r.code, 2, "{}", r.stderr);
+        assert!(r.stderr.contains("is a directory"), "{}", r.stderr);
+        assert!(r.stderr.contains("/model.safetensors"), "{}", r.stderr);
+    }
+    assert!(!base.join("new").exists());
+    let left: Vec<_> = std::fs::read_dir(&base).unwrap().collect();
+    assert!(left.is_empty(), "{left:?}");
 }
 
 /// The special token ids of the source `config.json` (which change nothing

@@ -28,7 +28,7 @@ use candle_core::DType;
 use super::reader::Checkpoint;
 use super::{io_err, CheckpointError};
 use crate::durable;
-use crate::model::{hf_config_text, write_safetensors};
+use crate::model::{hf_config_text, hf_config_with_dtype, write_safetensors};
 
 /// What happened to `config.json` beside the output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,23 +84,32 @@ pub fn export_safetensors(
     // durably, as every directory the project creates.
     durable::create_dir_all(&dir)?;
     let model = ckpt.model();
-    let cfg_text = hf_config_text(model)?;
+    let cfg_text = hf_config_text(model, dtype)?;
     let config_path = dir.join("config.json");
     let config_action = match std::fs::read_to_string(&config_path) {
         Ok(existing) => {
-            let same = serde_json::from_str::<serde_json::Value>(&existing)
-                .is_ok_and(|v| v == model.hf_config_value());
-            if !same {
+            let found = serde_json::from_str::<serde_json::Value>(&existing).ok();
+            let same = found
+                .as_ref()
+                .is_some_and(|v| *v == hf_config_with_dtype(model, dtype));
+            // An older export's, without `torch_dtype`: rewritten with it.
+            let older = found.is_some_and(|v| v == model.hf_config_value());
+            if older {
+                ConfigJsonAction::Written
+            } else if !same {
                 return Err(CheckpointError::Mismatch {
                     what: format!(
                         "{} (a config.json is already beside the output)",
                         config_path.display()
                     ),
                     checkpoint: "this checkpoint's model config".into(),
-                    run: "different content; export into another directory or remove it".into(),
+                    run: "different content (another model, or another --dtype); export into \
+                          another directory or remove it"
+                        .into(),
                 });
+            } else {
+                ConfigJsonAction::AlreadyThere
             }
-            ConfigJsonAction::AlreadyThere
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => ConfigJsonAction::Written,
         Err(e) => return Err(io_err("reading", &config_path)(e)),

@@ -87,11 +87,17 @@ fn classify(e: CheckpointError) -> Failure {
 
 /// Runs `tierzero export`.
 pub fn run(a: ExportArgs) -> Result<(), Failure> {
-    if a.out.is_dir() {
+    // A trailing `/` names a directory, there or not: refused now, not
+    // after the whole model was written beside it (the rename failed).
+    let names_dir = {
+        use std::os::unix::ffi::OsStrExt as _;
+        a.out.as_os_str().as_bytes().ends_with(b"/") || a.out.file_name().is_none()
+    };
+    if a.out.is_dir() || names_dir {
+        let dir = a.out.display().to_string();
         return Err(Failure::BadInput(anyhow!(
-            "--out {} is a directory; give a file name such as {}/model.safetensors",
-            a.out.display(),
-            a.out.display()
+            "--out {dir} is a directory; give a file name such as {}/model.safetensors",
+            dir.trim_end_matches('/')
         )));
     }
     let ckpt = Checkpoint::open(&a.checkpoint)

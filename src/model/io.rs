@@ -568,18 +568,41 @@ pub fn save_hf_dir(
 ) -> Result<(), ModelError> {
     let dir = dir.as_ref();
     crate::durable::create_dir_all(dir)?;
-    crate::durable::write_atomic(&dir.join("config.json"), hf_config_text(model)?.as_bytes())?;
+    crate::durable::write_atomic(
+        &dir.join("config.json"),
+        hf_config_text(model, dtype)?.as_bytes(),
+    )?;
     crate::durable::write_atomic_streamed(&dir.join("model.safetensors"), |file, tmp| {
         write_safetensors(file, tmp, model, dtype, fetch)
     })?;
     Ok(())
 }
 
-/// The HF `config.json` text of `model` (pretty JSON).
-pub fn hf_config_text(model: &Model) -> Result<String, ModelError> {
-    serde_json::to_string_pretty(&model.hf_config_value()).map_err(|e| ModelError::ConfigJson {
-        reason: e.to_string(),
+/// The HF `config.json` text of `model` beside its weights stored as
+/// `dtype` (pretty JSON): [`Model::hf_config_value`] and `torch_dtype`,
+/// which `save_pretrained` always writes and `from_pretrained(...,
+/// torch_dtype="auto")`, vLLM and others read for the weights' dtype
+/// (absent, they take float32).
+pub fn hf_config_text(model: &Model, dtype: DType) -> Result<String, ModelError> {
+    serde_json::to_string_pretty(&hf_config_with_dtype(model, dtype)).map_err(|e| {
+        ModelError::ConfigJson {
+            reason: e.to_string(),
+        }
     })
+}
+
+/// [`Model::hf_config_value`] with `torch_dtype` set to `dtype`'s torch
+/// name.
+pub fn hf_config_with_dtype(model: &Model, dtype: DType) -> serde_json::Value {
+    let mut v = model.hf_config_value();
+    let name = match dtype {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        DType::F64 => "float64",
+        _ => "float32",
+    };
+    v["torch_dtype"] = serde_json::Value::from(name);
+    v
 }
 
 /// Streams a safetensors file of every parameter of `model` (HF names and

@@ -102,7 +102,9 @@ use precision::Policy;
 
 pub use backward::RecordedUnit;
 pub use config::{Activation, Arch, Family, ModelConfig, RopeScaling, TokenIds, UnknownKeys};
-pub use io::{hf_config_text, save_hf_dir, write_safetensors, ModelDir, ModelDirOptions};
+pub use io::{
+    hf_config_text, hf_config_with_dtype, save_hf_dir, write_safetensors, ModelDir, ModelDirOptions,
+};
 
 /// Errors of the model area.
 #[derive(Debug, thiserror::Error)]

@@ -472,7 +472,7 @@ impl Trainer {
             return Err(e);
         }
         let (cf, cpath) = staged.create_file("config.json")?;
-        let text = crate::model::hf_config_text(&self.model)?;
+        let text = crate::model::hf_config_text(&self.model, dtype)?;
         {
             use std::io::Write as _;
             let mut cf = cf;
