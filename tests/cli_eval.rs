@@ -381,4 +381,52 @@ fn user_mistakes_exit_2_with_one_line() {
     let out = eval(&d, &["--data", "data.txt", "--seq-len", "16"]);
     assert_eq!(out.code, 2, "{}", out.stderr);
     assert!(!out.stderr.contains("panicked"));
+    // Flags with nothing to act on are refused, not ignored: --seed or
+    // --allow-unknown-model-keys with --checkpoint, --seed with weights.
+    for flag in [&["--seed", "5"][..], &["--allow-unknown-model-keys"][..]] {
+        let mut args = vec!["--checkpoint", "ckpt", "--data", "data.txt"];
+        args.extend_from_slice(flag);
+        let out = eval(&d, &args);
+        assert_eq!(out.code, 2, "{}", out.stderr);
+        assert!(
+            out.stderr.contains(flag[0]) && out.stderr.contains("--checkpoint"),
+            "{}",
+            out.stderr
+        );
+    }
+    let seeded = ModelDir::open(d.join("model"), 9).unwrap();
+    save_hf_dir(d.join("weighted"), seeded.model(), DType::F32, |id| {
+        seeded.load_param(id, DType::F32, &Device::Cpu)
+    })
+    .unwrap();
+    let out = eval(
+        &d,
+        &[
+            "--model",
+            "weighted",
+            "--data",
+            "data.txt",
+            "--seq-len",
+            "16",
+            "--seed",
+            "3",
+        ],
+    );
+    assert_bad_input(
+        &out,
+        "seed with weights",
+        &["--seed", "has weights", "drop --seed"],
+    );
+    let out = eval(
+        &d,
+        &[
+            "--model",
+            "weighted",
+            "--data",
+            "data.txt",
+            "--seq-len",
+            "16",
+        ],
+    );
+    assert_eq!(out.code, 0, "{}", out.stderr);
 }

@@ -71,9 +71,10 @@ pub struct EvalArgs {
     /// the result.
     #[arg(long, value_name = "N", default_value = "4")]
     batch: String,
-    /// Seed of the init when --model has no weights.
-    #[arg(long, value_name = "N", default_value = "1")]
-    seed: String,
+    /// Seed of the init when --model has no weights (default 1); refused
+    /// where there is no init to seed (weights, or --checkpoint).
+    #[arg(long, value_name = "N", conflicts_with = "checkpoint")]
+    seed: Option<String>,
     /// The dtype the model runs in: fp32, or bf16 / fp16 as training
     /// computes with bf16 / fp16 enabled (weights rounded to 16 bits,
     /// 16-bit matmuls with fp32 accumulation, fp32 norms, softmax and loss;
@@ -86,7 +87,7 @@ pub struct EvalArgs {
     /// Open --model even when its config.json has keys tierzero does not
     /// know (each is warned about and ignored): at your own risk, the model
     /// evaluated may not be the one the file describes.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "checkpoint")]
     allow_unknown_model_keys: bool,
 }
 
@@ -111,7 +112,7 @@ fn eval_failure(e: EvalError, data: &Path) -> Failure {
 pub fn run(args: EvalArgs) -> Result<(), Failure> {
     let seq_len = number("--seq-len", &args.seq_len, 2, 1 << 30)? as usize;
     let batch = number("--batch", &args.batch, 1, 1 << 20)? as usize;
-    let seed = number("--seed", &args.seed, 0, u64::MAX)?;
+    let seed = number("--seed", args.seed.as_deref().unwrap_or("1"), 0, u64::MAX)?;
     let dtype = match args.precision.as_str() {
         "fp32" => DType::F32,
         "bf16" => DType::BF16,
@@ -168,6 +169,13 @@ pub fn run(args: EvalArgs) -> Result<(), Failure> {
     let open_opts = super::model_dir_options(args.allow_unknown_model_keys);
     let md = ModelDir::open_with(dir, seed, open_opts)
         .map_err(|e| bad(format!("--model {}: {e}", dir.display())))?;
+    if md.has_weights() && args.seed.is_some() {
+        return Err(bad(format!(
+            "--seed sets the init of a model without weights, and --model {} has weights: \
+             drop --seed",
+            dir.display()
+        )));
+    }
     let (data, data_line) = load_tokens(
         &args.data,
         args.tokenizer.as_deref(),
