@@ -398,6 +398,14 @@ fn bench_io_refuses_flags_that_would_mislead() {
             vec!["--path", ".", "--size", "1M", "--seconds", "0"],
             vec!["--seconds"],
         ),
+        (
+            vec!["--path", ".", "--size", "1M", "--queue-depth", "0"],
+            vec!["queue depths >= 1"],
+        ),
+        (
+            vec!["--path", ".", "--size", "1M", "--block-size", "1000"],
+            vec!["--block-size 1000", "multiple of 4096"],
+        ),
     ] {
         let mut all = vec!["bench-io"];
         all.extend(&args);

@@ -222,6 +222,26 @@ fn time_limit(t: &Target) -> Result<Duration, Failure> {
     })
 }
 
+/// The sweep's settings, checked before the file is created and filled
+/// (minutes): block sizes positive and whole 4 KiB (O_DIRECT's least
+/// alignment; a device that needs more is refused at its first run),
+/// queue depths at least 1.
+fn check_sweep(blocks: &[u64], qds: &[usize]) -> Result<(), Failure> {
+    if blocks.is_empty() || qds.is_empty() || qds.contains(&0) {
+        return Err(Failure::BadInput(anyhow!(
+            "give at least one block size and queue depths >= 1"
+        )));
+    }
+    let align = tierzero_swap::align::MIN_ALIGNMENT_BYTES;
+    if let Some(b) = blocks.iter().find(|b| **b == 0 || **b % align != 0) {
+        return Err(Failure::BadInput(anyhow!(
+            "--block-size {b}: give a positive multiple of {align} bytes (O_DIRECT's alignment), \
+             e.g. 1M"
+        )));
+    }
+    Ok(())
+}
+
 fn sweep(
     bt: &BenchTarget,
     t: &Target,
@@ -230,11 +250,7 @@ fn sweep(
     rw: Rw,
     verbose: bool,
 ) -> Result<Vec<Cell>, Failure> {
-    if blocks.is_empty() || qds.is_empty() || qds.contains(&0) {
-        return Err(Failure::BadInput(anyhow!(
-            "give at least one block size and queue depths >= 1"
-        )));
-    }
+    check_sweep(blocks, qds)?;
     let mut cells = Vec::new();
     for &block in blocks {
         for &qd in qds {
@@ -302,6 +318,7 @@ fn target_name(t: &Target) -> String {
 
 /// `tierzero bench-io`.
 pub fn run_bench_io(a: BenchIoArgs) -> Result<(), Failure> {
+    check_sweep(&a.block_size, &a.queue_depth)?;
     let bt = open_target(&a.target)?;
     let cells = sweep(&bt, &a.target, &a.block_size, &a.queue_depth, a.rw, !a.json)?;
     let best_read = best(&cells, |c| c.read_gbps);
