@@ -253,6 +253,17 @@ fn user_mistakes_exit_2_with_one_line() {
     );
     // Bad numbers.
     assert_bad(&d, &with(&TINY, &[("--steps", "0")]), &["--steps", "0"]);
+    // Past the model's positions (n_positions 32): the limit is named.
+    assert_bad(
+        &d,
+        &with(&TINY, &[("--seq-len", "64")]),
+        &[
+            "--seq-len 64",
+            "32 positions",
+            "n_positions",
+            "--seq-len 32 or less",
+        ],
+    );
     assert_bad(
         &d,
         &with(&TINY, &[("--steps", "many")]),

@@ -701,7 +701,22 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     let (model_dir, model) = open_model(&args, flags.seed, ckpt.as_ref())?;
     let mc = model.config().clone();
     let seq_len = match (&args.seq_len, &ckpt) {
-        (Some(s), _) => number("--seq-len", s, 1, mc.max_seq_len as u64)? as usize,
+        (Some(s), _) => {
+            let n = number("--seq-len", s, 1, u64::MAX)?;
+            if n > mc.max_seq_len as u64 {
+                return Err(bad(format!(
+                    "--seq-len {n} is longer than the model's {} positions (its config.json's \
+                     {}); give --seq-len {} or less",
+                    mc.max_seq_len,
+                    match mc.arch {
+                        tierzero::model::Arch::Gpt2 => "n_positions",
+                        tierzero::model::Arch::Llama => "max_position_embeddings",
+                    },
+                    mc.max_seq_len
+                )));
+            }
+            n as usize
+        }
         (None, Some(c)) => c.manifest().seq_len.min(mc.max_seq_len),
         (None, None) => DEFAULT_SEQ_LEN.min(mc.max_seq_len),
     };
