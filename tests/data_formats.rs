@@ -211,6 +211,33 @@ fn the_encoding_is_cached_and_a_change_of_data_or_eos_misses() {
     assert_eq!(off.data.tokens(), edited.data.tokens());
 }
 
+/// A file saved with a UTF-8 byte-order mark (Windows editors) reads as
+/// the same documents without it: the mark was a JSON error in JSONL and
+/// tokens in text.
+#[test]
+fn a_byte_order_mark_changes_no_token() {
+    let d = scratch("data", "bom");
+    let tok = tokenizer(&d);
+    let body: String = documents(5)
+        .iter()
+        .map(|t| format!("{}\n", json!({"text": t})))
+        .collect();
+    std::fs::write(d.join("plain.jsonl"), &body).unwrap();
+    std::fs::write(d.join("bom.jsonl"), format!("\u{feff}{body}")).unwrap();
+    let jsonl = DataFormat::Jsonl {
+        field: "text".into(),
+    };
+    let plain = load(&spec(
+        &d.join("plain.jsonl"),
+        jsonl.clone(),
+        Some(&tok),
+        true,
+    ));
+    let bom = load(&spec(&d.join("bom.jsonl"), jsonl, Some(&tok), true));
+    assert_eq!(bom.data.tokens(), plain.data.tokens());
+    assert_eq!(bom.documents, Some(5));
+}
+
 /// A corpus read from a pipe (`--data <(zcat corpus.txt.gz)`) trains as
 /// from its file, with the cache on: its identity for the cache key
 /// drained the pipe, and the encode then found an empty corpus. A token

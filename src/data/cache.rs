@@ -37,6 +37,10 @@ pub struct DataIdentity {
     pub bytes: u64,
     /// CRC-32C of all of them.
     pub crc32c: u32,
+    /// Whether the file starts with a UTF-8 byte-order mark, which the
+    /// encode drops (a cache of such a file from before that is a miss).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub utf8_bom: bool,
 }
 
 impl DataIdentity {
@@ -49,15 +53,24 @@ impl DataIdentity {
         let mut f = std::fs::File::open(path).map_err(io)?;
         let mut buf = vec![0u8; 1 << 20];
         let (mut bytes, mut crc) = (0u64, 0u32);
+        let mut head = Vec::with_capacity(3);
         loop {
             let n = f.read(&mut buf).map_err(io)?;
             if n == 0 {
                 break;
             }
+            if head.len() < 3 {
+                let more = (3 - head.len()).min(n);
+                head.extend_from_slice(&buf[..more]);
+            }
             crc = crc32c::crc32c_append(crc, &buf[..n]);
             bytes += n as u64;
         }
-        Ok(DataIdentity { bytes, crc32c: crc })
+        Ok(DataIdentity {
+            bytes,
+            crc32c: crc,
+            utf8_bom: head == super::encode::UTF8_BOM,
+        })
     }
 }
 
@@ -121,6 +134,10 @@ pub fn key(k: &KeyInputs<'_>) -> String {
     field(&mut h, k.format.name().as_bytes());
     field(&mut h, format!("{:?}", k.eos).as_bytes());
     field(&mut h, k.width.dtype_name().as_bytes());
+    if k.data.utf8_bom {
+        // Only then: every other file's key is what it was.
+        field(&mut h, b"utf-8 byte-order mark dropped");
+    }
     h.finish_hex()
 }
 

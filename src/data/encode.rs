@@ -24,6 +24,11 @@ use std::path::{Path, PathBuf};
 
 use crate::engine::{EngineError, Result};
 
+/// The UTF-8 byte-order mark some editors put first in a text file: not
+/// text (JSON refuses it; a tokenizer would encode it), dropped by
+/// [`Docs`].
+pub const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
+
 /// Text encoded per `encode_batch` call.
 pub const CHUNK_BYTES: usize = 4 << 20;
 
@@ -105,11 +110,15 @@ impl<R: BufRead> Docs<R> {
         if n == 0 {
             return Ok(None);
         }
-        let at = self.bytes;
+        let mut at = self.bytes;
         self.bytes += n as u64;
         self.line += 1;
         while matches!(self.buf.last(), Some(b'\n' | b'\r')) {
             self.buf.pop();
+        }
+        if self.line == 1 && self.buf.starts_with(UTF8_BOM) {
+            self.buf.drain(..UTF8_BOM.len());
+            at += UTF8_BOM.len() as u64;
         }
         match std::str::from_utf8(&self.buf) {
             Ok(s) => Ok(Some(s.to_owned())),
@@ -141,13 +150,19 @@ impl<R: BufRead> Docs<R> {
                             path: self.path.clone(),
                             source,
                         })? as u64;
+                let bom = if all.starts_with(UTF8_BOM) {
+                    all.drain(..UTF8_BOM.len());
+                    UTF8_BOM.len()
+                } else {
+                    0
+                };
                 let text = String::from_utf8(all).map_err(|e| {
                     self.err(
                         1,
                         format!(
                             "not UTF-8 text (invalid byte at offset {}); a tokenizer needs text, \
                              or use --data-format bytes to read the file byte-level",
-                            e.utf8_error().valid_up_to()
+                            bom + e.utf8_error().valid_up_to()
                         ),
                     )
                 })?;
@@ -296,12 +311,20 @@ pub fn encode<R: BufRead>(
         if texts.is_empty() {
             return Ok(done);
         }
-        let encodings = tokenizer
-            .encode_batch(texts, true)
-            .map_err(|e| EngineError::Data {
+        let inputs: Vec<&str> = texts.iter().map(String::as_str).collect();
+        let encodings = tokenizer.encode_batch(inputs, true).map_err(|e| {
+            // The batch's error does not say which document: the first
+            // that fails alone does.
+            let line = texts
+                .iter()
+                .zip(&lines)
+                .find(|(t, _)| tokenizer.encode(t.as_str(), true).is_err())
+                .map_or(lines[0], |(_, l)| *l);
+            EngineError::Data {
                 path: docs.path.clone(),
-                reason: format!("encoding the document at line {}: {e}", lines[0]),
-            })?;
+                reason: format!("encoding the document at line {line}: {e}"),
+            }
+        })?;
         out.clear();
         for (enc, line) in encodings.iter().zip(&lines) {
             let ids = enc.get_ids();
@@ -349,6 +372,55 @@ mod tests {
         }
         assert_eq!(d.bytes_read(), text.len() as u64);
         Ok(v)
+    }
+
+    #[test]
+    fn a_utf8_byte_order_mark_is_not_text() {
+        let bom = "\u{feff}";
+        assert_eq!(
+            docs(
+                &format!("{bom}{{\"text\":\"a\"}}\n"),
+                Cut::Jsonl("text".into())
+            )
+            .unwrap(),
+            vec![("a".into(), 1)]
+        );
+        assert_eq!(
+            docs(&format!("{bom}one\ntwo"), Cut::Lines).unwrap(),
+            vec![("one".into(), 1), ("two".into(), 2)]
+        );
+        assert_eq!(
+            docs(&format!("{bom}x\n\ny"), Cut::Paragraphs).unwrap(),
+            vec![("x".into(), 1), ("y".into(), 3)]
+        );
+        assert_eq!(
+            docs(&format!("{bom}all"), Cut::Whole).unwrap(),
+            vec![("all".into(), 1)]
+        );
+        // Only first in the file: elsewhere it is the text's.
+        assert_eq!(
+            docs(&format!("a\n{bom}b"), Cut::Lines).unwrap(),
+            vec![("a".into(), 1), (format!("{bom}b"), 2)]
+        );
+    }
+
+    #[test]
+    fn an_encoding_error_names_the_document_that_failed() {
+        // A WordLevel tokenizer whose unknown token is not in its vocab
+        // fails on a word it does not know.
+        let tok: tokenizers::Tokenizer = r#"{"version": "1.0", "truncation": null,
+            "padding": null, "added_tokens": [], "normalizer": null,
+            "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"the": 0, "engine": 1, "nvme": 2},
+                      "unk_token": "[UNK]"}}"#
+            .parse()
+            .unwrap();
+        let text = "the engine\nthe nvme\nthe zebra\nnvme\n";
+        let mut d = Docs::new(text.as_bytes(), Cut::Lines, Path::new("t"));
+        let e = encode(&mut d, &tok, None, 10, &mut |_| Ok(()), &|_| {})
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("at line 3"), "{e}");
     }
 
     #[test]
