@@ -650,7 +650,8 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
             &on_progress,
         )?;
         w.into_inner().map_err(|e| werr(e.into_error()))
-    })?;
+    })
+    .map_err(|e| cache_full(e, &spec.path, &tokens))?;
     if enc.tokens == 0 {
         let _ = std::fs::remove_file(&tokens);
         return Err(empty(enc.documents));
@@ -669,7 +670,8 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
     };
     let text = serde_json::to_vec_pretty(&meta)
         .map_err(|e| EngineError::internal(format!("token cache sidecar: {e}")))?;
-    crate::durable::write_atomic(&sidecar, &text)?;
+    crate::durable::write_atomic(&sidecar, &text)
+        .map_err(|e| cache_full(e.into(), &spec.path, &tokens))?;
     Ok(Loaded {
         data: cached(&tokens, width, &meta, vocab_size)?,
         documents: Some(enc.documents),
@@ -680,11 +682,51 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
     })
 }
 
+/// A token cache write that ran out of space (or quota) becomes an
+/// error on the data naming the cache and the way past it; any other is
+/// kept.
+fn cache_full(e: EngineError, data: &Path, cache: &Path) -> EngineError {
+    let source = match &e {
+        EngineError::Io { source, .. } => source,
+        EngineError::Durable(d) => &d.source,
+        _ => return e,
+    };
+    if !matches!(
+        source.kind(),
+        std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+    ) {
+        return e;
+    }
+    EngineError::Data {
+        path: data.to_owned(),
+        reason: format!(
+            "writing its token cache {}: {source}; free space there, or give --no-data-cache \
+             (the tokens then stay in memory)",
+            cache.display()
+        ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_full_disk_under_the_cache_names_the_way_past_it() {
+        let io = |errno| EngineError::Io {
+            path: "t.tmp".into(),
+            source: std::io::Error::from_raw_os_error(errno),
+        };
+        let e = cache_full(io(libc::ENOSPC), Path::new("c.jsonl"), Path::new(".c.tz")).to_string();
+        assert!(
+            e.contains("c.jsonl") && e.contains(".c.tz") && e.contains("--no-data-cache"),
+            "{e}"
+        );
+        let e = cache_full(io(libc::EIO), Path::new("c.jsonl"), Path::new(".c.tz"));
+        assert!(matches!(e, EngineError::Io { .. }), "{e}");
+    }
 
     /// Which tokens the windows of samples `0..samples` make targets.
     fn targets(n: usize, seq_len: usize, samples: u64) -> Vec<bool> {
