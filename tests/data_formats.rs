@@ -71,6 +71,7 @@ fn spec(path: &Path, format: DataFormat, tok: Option<&Path>, cache: bool) -> Dat
         tokenizer: tok.map(Path::to_path_buf),
         eos: tok.map(|_| EOS),
         cache,
+        cache_dir: None,
     }
 }
 
@@ -209,6 +210,48 @@ fn the_encoding_is_cached_and_a_change_of_data_or_eos_misses() {
     });
     assert!(!off.data.is_mapped());
     assert_eq!(off.data.tokens(), edited.data.tokens());
+}
+
+/// `--data-cache-dir`: the entry goes there, not next to the data, and
+/// the next load finds it there.
+#[test]
+fn the_cache_goes_where_it_is_told() {
+    let d = scratch("data", "cache-dir");
+    let tok = tokenizer(&d);
+    let body: String = documents(7)
+        .iter()
+        .map(|t| format!("{}\n", json!({"text": t})))
+        .collect();
+    std::fs::write(d.join("c.jsonl"), &body).unwrap();
+    let s = DataSpec {
+        cache_dir: Some(d.join("elsewhere/tokens")),
+        ..spec(
+            &d.join("c.jsonl"),
+            DataFormat::Jsonl {
+                field: "text".into(),
+            },
+            Some(&tok),
+            true,
+        )
+    };
+    let first = load(&s);
+    let Origin::Encoded {
+        cached: Some(cache),
+        ..
+    } = &first.origin
+    else {
+        panic!("{:?}", first.origin)
+    };
+    assert_eq!(cache.parent().unwrap(), d.join("elsewhere/tokens"));
+    let beside: Vec<_> = std::fs::read_dir(&d)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains(".tz-"))
+        .collect();
+    assert!(beside.is_empty(), "{beside:?}");
+    let second = load(&s);
+    assert_eq!(second.origin, Origin::CacheHit(cache.clone()));
+    assert_eq!(second.data.tokens(), first.data.tokens());
 }
 
 /// A file saved with a UTF-8 byte-order mark (Windows editors) reads as

@@ -35,6 +35,11 @@ pub struct DataOptions {
     /// .<data>.tz-<key>.u16 by default, so the next run starts at once)
     #[arg(long)]
     pub no_data_cache: bool,
+    /// Keep the encoded corpus in DIR instead. Default: next to the data,
+    /// or where its directory is not writable (a read-only dataset mount)
+    /// in $XDG_CACHE_HOME/tierzero/tokens, else ~/.cache/tierzero/tokens
+    #[arg(long, value_name = "DIR", conflicts_with = "no_data_cache")]
+    pub data_cache_dir: Option<std::path::PathBuf>,
 }
 
 /// End-of-text tokens of common tokenizers, in the order they are tried
@@ -145,6 +150,7 @@ pub(super) fn load_tokens(
         tokenizer: tokenizer.map(Path::to_path_buf),
         eos,
         cache: !opts.no_data_cache,
+        cache_dir: opts.data_cache_dir.clone(),
     };
     let started = std::time::Instant::now();
     let total = std::fs::metadata(data).map_or(0, |m| m.len());

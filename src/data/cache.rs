@@ -15,8 +15,13 @@
 //! Both files are written with [`crate::durable`] (temporary file, fsync,
 //! rename), the token file first: a crash leaves no sidecar, which is a
 //! miss. A hit needs the sidecar's key and token count to match the token
-//! file's size. A directory the process cannot write to means no cache
-//! (the tokens stay in memory), said in the report.
+//! file's size.
+//!
+//! Where the data's directory is not writable (a read-only dataset mount)
+//! the entry goes to the user's cache directory ([`user_dir`]), and
+//! `--data-cache-dir` names another: without one, every rank would hold
+//! its corpus on the heap, 4 bytes a token. Where no directory takes it,
+//! the tokens stay in memory, said in the report.
 
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
@@ -141,12 +146,33 @@ pub fn key(k: &KeyInputs<'_>) -> String {
     h.finish_hex()
 }
 
-/// The token file and sidecar of the cache entry `key` of `data`.
-pub fn paths(data: &Path, key: &str, width: TokenWidth) -> (PathBuf, PathBuf) {
-    let dir = match data.parent() {
+/// The directory `data` is in.
+pub fn data_dir(data: &Path) -> PathBuf {
+    match data.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
+    }
+}
+
+/// The user's cache directory for token caches whose data's directory is
+/// not writable: `$XDG_CACHE_HOME/tierzero/tokens`, else
+/// `$HOME/.cache/tierzero/tokens` (an absolute variable only, as the XDG
+/// spec says), `None` without either.
+pub fn user_dir() -> Option<PathBuf> {
+    let abs = |v: &str| {
+        std::env::var_os(v)
+            .map(PathBuf::from)
+            .filter(|p| p.is_absolute())
     };
+    abs("XDG_CACHE_HOME")
+        .or_else(|| abs("HOME").map(|h| h.join(".cache")))
+        .map(|d| d.join("tierzero").join("tokens"))
+}
+
+/// The token file and sidecar of the cache entry `key` of `data` in `dir`
+/// (the key tells two corpora of one name apart).
+pub fn paths_in(dir: &Path, data: &Path, key: &str, width: TokenWidth) -> (PathBuf, PathBuf) {
+    let dir = dir.to_path_buf();
     let name = data
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())

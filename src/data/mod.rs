@@ -159,8 +159,11 @@ pub struct DataSpec {
     pub tokenizer: Option<PathBuf>,
     /// The id appended after each document (text formats).
     pub eos: Option<u32>,
-    /// Keep the encoding next to the data ([`cache`]).
+    /// Keep the encoding ([`cache`]).
     pub cache: bool,
+    /// Where: `None` next to the data, or where its directory is not
+    /// writable in the user's cache directory ([`cache::user_dir`]).
+    pub cache_dir: Option<PathBuf>,
 }
 
 /// Where the tokens of a loaded corpus came from.
@@ -566,26 +569,48 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
             eos: spec.eos,
             width,
         });
-        let (tokens, sidecar) = cache::paths(&spec.path, &key, width);
-        if let Some(meta) = cache::lookup(&tokens, &sidecar, &key, width) {
-            let data = cached(&tokens, width, &meta, vocab_size)?;
-            if data.is_empty() {
-                return Err(empty(meta.documents));
+        // Where the entry may be: the given directory, else next to the
+        // data, then the user's cache directory.
+        let dirs: Vec<PathBuf> = match &spec.cache_dir {
+            Some(d) => vec![d.clone()],
+            None => std::iter::once(cache::data_dir(&spec.path))
+                .chain(cache::user_dir())
+                .collect(),
+        };
+        for dir in &dirs {
+            let (tokens, sidecar) = cache::paths_in(dir, &spec.path, &key, width);
+            if let Some(meta) = cache::lookup(&tokens, &sidecar, &key, width) {
+                let data = cached(&tokens, width, &meta, vocab_size)?;
+                if data.is_empty() {
+                    return Err(empty(meta.documents));
+                }
+                return Ok(Loaded {
+                    data,
+                    documents: Some(meta.documents),
+                    origin: Origin::CacheHit(tokens),
+                });
             }
-            return Ok(Loaded {
-                data,
-                documents: Some(meta.documents),
-                origin: Origin::CacheHit(tokens),
-            });
         }
-        let dir = tokens.parent().map(Path::to_path_buf).unwrap_or_default();
-        if cache::writable(&dir) {
-            target = Some((tokens, sidecar, key, data));
-        } else {
-            no_cache = Some(format!(
-                "{} is not writable: the tokens stay in memory",
-                dir.display()
-            ));
+        // Written in the first that takes files (created if missing).
+        match dirs
+            .iter()
+            .find(|d| crate::durable::create_dir_all(d).is_ok() && cache::writable(d))
+        {
+            Some(dir) => {
+                let (tokens, sidecar) = cache::paths_in(dir, &spec.path, &key, width);
+                target = Some((tokens, sidecar, key, data));
+            }
+            None => {
+                let names: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+                no_cache = Some(format!(
+                    "{} not writable: the tokens stay in memory",
+                    if names.len() == 1 {
+                        format!("{} is", names[0])
+                    } else {
+                        format!("neither {} is", names.join(" nor "))
+                    }
+                ));
+            }
         }
     } else {
         no_cache = Some("the cache is off (--no-data-cache)".into());

@@ -27,6 +27,7 @@ pub(super) fn check_data_flags(args: &TrainArgs) -> Result<(), Failure> {
         (o.text_field != "text", "--text-field"),
         (o.eos_id.is_some(), "--eos-id"),
         (o.no_data_cache, "--no-data-cache"),
+        (o.data_cache_dir.is_some(), "--data-cache-dir"),
     ]
     .into_iter()
     .filter_map(|(on, flag)| on.then_some(flag))
