@@ -320,6 +320,31 @@ fn resume_mistakes_are_bad_input() {
     );
 }
 
+/// A resume from a checkpoint whose data is corrupt names the older step
+/// to resume from and `inspect --verify`.
+#[test]
+fn a_corrupt_resume_names_the_older_checkpoint() {
+    let d = setup("corrupt-resume");
+    let ok = train(
+        &d,
+        &["--steps", "2", "--save-every", "1", "--save-dir", "ck"],
+    );
+    assert_eq!(ok.code, 0, "{}", ok.stderr);
+    let master = d.join("ck/step-00000002/rank0000/master.f32");
+    let mut bytes = std::fs::read(&master).unwrap();
+    bytes[100] ^= 0x40;
+    std::fs::write(&master, bytes).unwrap();
+    let out = train(&d, &["--steps", "3", "--resume", "ck"]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("corrupt"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("--resume") && out.stderr.contains("step-00000001"),
+        "{}",
+        out.stderr
+    );
+    assert!(out.stderr.contains("--verify"), "{}", out.stderr);
+}
+
 /// A run refused at start-up leaves no save dir it created (with its
 /// parents); one that was there stays, with what was in it.
 #[test]

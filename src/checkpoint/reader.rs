@@ -347,6 +347,27 @@ impl Checkpoint {
         self.manifest.step
     }
 
+    /// The newest step dir beside this one, of an earlier step, whose
+    /// manifest and file sizes validate (its data is not read): where to
+    /// resume from when this one's data turns out corrupt.
+    pub fn older_valid(&self) -> Option<PathBuf> {
+        let save_dir = self.dir.parent()?;
+        let mut steps: Vec<(u64, PathBuf)> = std::fs::read_dir(save_dir)
+            .ok()?
+            .flatten()
+            .filter_map(|e| {
+                let step = parse_step_dir_name(e.file_name().to_str()?)?;
+                (step < self.step()).then(|| (step, e.path()))
+            })
+            .collect();
+        steps.sort();
+        steps
+            .into_iter()
+            .rev()
+            .map(|(_, p)| p)
+            .find(|p| Self::open_step_dir(p).is_ok())
+    }
+
     /// The verified elements of sub-group `sg` of `rank`'s `kind` file.
     fn region(
         &self,

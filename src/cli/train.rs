@@ -340,6 +340,30 @@ fn startup_failure(e: EngineError) -> Failure {
     }
 }
 
+/// A resume that failed: a checkpoint whose data is corrupt (or cut
+/// short) names the way forward, the newest older step that validates and
+/// `inspect --verify`; an auto-restart with the same `--resume` would fail
+/// the same way forever.
+fn corrupt_resume(e: EngineError, ckpt: &Checkpoint) -> Failure {
+    if !matches!(
+        e,
+        EngineError::Checkpoint(CheckpointError::Corrupt { .. } | CheckpointError::Size { .. })
+    ) {
+        return startup_failure(e);
+    }
+    let older = match ckpt.older_valid() {
+        Some(p) => format!(
+            "resume from an older one with --resume {}, or ",
+            p.display()
+        ),
+        None => String::new(),
+    };
+    bad(format!(
+        "{e}; {older}check every file with `tierzero inspect {} --verify`",
+        ckpt.dir().display()
+    ))
+}
+
 /// Classifies an engine error raised while training.
 fn run_failure(e: EngineError, what: &str) -> Failure {
     match e {
@@ -845,11 +869,10 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     }
     let built = Instant::now();
     let mut trainer = match (&ckpt, &model_dir) {
-        (Some(c), _) => Trainer::resume(cfg, c, data, opts),
-        (None, Some(md)) => Trainer::new(cfg, md, data, opts),
+        (Some(c), _) => Trainer::resume(cfg, c, data, opts).map_err(|e| corrupt_resume(e, c)),
+        (None, Some(md)) => Trainer::new(cfg, md, data, opts).map_err(startup_failure),
         (None, None) => return Err(Failure::Internal(anyhow!("no model"))),
-    }
-    .map_err(startup_failure)?;
+    }?;
     let build_s = built.elapsed().as_secs_f64();
     if let Some(c) = &ckpt {
         // The load: the checkpoint's state streamed into the tiers.
