@@ -102,6 +102,14 @@ impl OptimizerState {
         if k > 2 || (n > 0 && stored[k] > len_bytes) {
             return Err(EngineError::internal("save_state: bad state or region"));
         }
+        // The checkpoint's `exp_avg.f32` / `exp_avg_sq.f32` are fp32 and the
+        // manifest names no other dtype: bf16 moments written as they are
+        // would be read back as fp32 garbage.
+        if k > 0 && self.moments != MomentDtype::F32 {
+            return Err(EngineError::Unsupported {
+                what: "a checkpoint of bf16 Adam moments (its files hold fp32)".into(),
+            });
+        }
         let io_err = |op: &'static str| {
             move |source: std::io::Error| {
                 EngineError::Checkpoint(crate::checkpoint::CheckpointError::Io {

@@ -383,6 +383,38 @@ fn bf16_moments_load_rounded_as_the_kernel_stores_them() {
     assert_eq!(v_out, vec![2.0; 4]);
 }
 
+/// bf16 moments are refused by a checkpoint, whose moment files are fp32
+/// (the trainer keeps fp32 moments today; this guards the day it does
+/// not); the masters are saved.
+#[test]
+fn bf16_moments_are_not_saved_as_fp32() {
+    let mut state = OptimizerState::new(
+        vec![4],
+        None,
+        &[],
+        1,
+        1,
+        false,
+        PoolSize::default(),
+        MomentDtype::Bf16,
+    )
+    .unwrap();
+    state
+        .load_group(SubGroupId(0), [&[1.0; 4], &[0.5; 4], &[2.0; 4]])
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state");
+    let file = std::fs::File::create(&path).unwrap();
+    state
+        .save_state(SubGroupId(0), 0, &file, &path, 0, 4096)
+        .unwrap();
+    let e = state
+        .save_state(SubGroupId(0), 1, &file, &path, 4096, 4096)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("bf16 Adam moments"), "{e}");
+}
+
 /// A checkpoint region from memory: the state's bytes, zero padding to the
 /// region's end, nothing outside it, and the crc of the whole region. At an
 /// aligned offset the region goes past the page cache
