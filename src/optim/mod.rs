@@ -399,7 +399,9 @@ impl StepScalars {
             (1.0, 1.0)
         };
         let (neg_lr_wd, l2_wd) = match h.mode {
-            AdamMode::AdamW => (-h.lr * h.weight_decay, 0.0),
+            // `0 - x`, not `-x`: with no decay +0, and `p + 0·p` keeps a
+            // -0.0 param as torch (which skips the decay) does; -0 made it +0.
+            AdamMode::AdamW => (0.0 - h.lr * h.weight_decay, 0.0),
             AdamMode::L2 => (0.0, h.weight_decay),
         };
         Ok(Self {

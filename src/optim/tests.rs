@@ -763,6 +763,33 @@ fn bit_identical_threads_large() {
 /// Step 3: m = 0.018 + 0.1 = 0.118; v = 0.000311938 + 0.001 = 0.001311938;
 /// m̂ = 0.118/0.271 = 0.4354244; v̂ = 0.001311938/0.002997001 = 0.4377503,
 /// √ = 0.6616270; p = 0.8714673·0.999 − 0.1·0.4354244/0.6616270 = 0.8047847.
+/// Without weight decay a param of -0.0 with no gradient stays -0.0 (as
+/// torch, which skips the decay); the decay's `p + (-lr·0)·p` made it +0.0.
+#[test]
+fn no_decay_keeps_the_sign_of_a_zero_param() {
+    let h = AdamHyper {
+        weight_decay: 0.0,
+        ..hyper(AdamMode::AdamW)
+    };
+    for isa in Isa::available() {
+        let opt = CpuAdam::with_isa(h, nz(1), isa).unwrap();
+        // 17: the vector body and the scalar tail.
+        let p0: Vec<f32> = (0..17)
+            .map(|i| if i % 2 == 0 { -0.0 } else { 0.0 })
+            .collect();
+        let mut p = p0.clone();
+        let (mut m, mut v) = (vec![0.0f32; 17], vec![0.0f32; 17]);
+        let moments = Moments::F32 {
+            m: &mut m,
+            v: &mut v,
+        };
+        opt.step(1, &mut p, &[0.0; 17], moments, None, GradScale::ONE)
+            .unwrap();
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&p), bits(&p0), "{isa:?}");
+    }
+}
+
 #[test]
 fn hand_computed_adamw_steps() {
     let h = AdamHyper {

@@ -433,7 +433,9 @@ impl AdamHyper {
             eps: self.eps as f32,
             neg_step_size: (-self.lr / (1.0 - b1.powf(tf))) as f32,
             inv_sqrt_bc2: (1.0 / (1.0 - b2.powf(tf)).sqrt()) as f32,
-            neg_lr_wd: (-self.lr * self.weight_decay) as f32,
+            // `0 - x`: +0 without decay, as the CPU kernel's (a -0.0
+            // param stays -0.0).
+            neg_lr_wd: (0.0 - self.lr * self.weight_decay) as f32,
         }
     }
 }
