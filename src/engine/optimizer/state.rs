@@ -167,13 +167,18 @@ impl MemMoments {
         }
     }
 
-    /// Moment `k` (1 `m`, 2 `v`) widened to f32 (exact).
-    fn widened(&self, k: usize) -> Vec<f32> {
+    /// Moment `k` (1 `m`, 2 `v`) widened to f32 (exact) into `out`, of
+    /// its length.
+    fn widen_into(&self, k: usize, out: &mut [f32]) {
         match (self, k) {
-            (MemMoments::F32 { m, .. }, 1) => m.clone(),
-            (MemMoments::F32 { v, .. }, _) => v.clone(),
-            (MemMoments::Bf16 { m, .. }, 1) => m.iter().map(|x| x.to_f32()).collect(),
-            (MemMoments::Bf16 { v, .. }, _) => v.iter().map(|x| x.to_f32()).collect(),
+            (MemMoments::F32 { m, .. }, 1) => out.copy_from_slice(m),
+            (MemMoments::F32 { v, .. }, _) => out.copy_from_slice(v),
+            (MemMoments::Bf16 { m, .. }, 1) => {
+                out.iter_mut().zip(m).for_each(|(o, x)| *o = x.to_f32())
+            }
+            (MemMoments::Bf16 { v, .. }, _) => {
+                out.iter_mut().zip(v).for_each(|(o, x)| *o = x.to_f32())
+            }
         }
     }
 

@@ -221,29 +221,48 @@ impl OptimizerState {
     /// after every queued write), e.g. for a framework's `state_dict`.
     pub fn group_states(&mut self, sg: SubGroupId) -> Result<[Vec<f32>; 3]> {
         let n = self.numel_of(sg)?;
+        let mut out: [Vec<f32>; 3] = [vec![0.0; n], vec![0.0; n], vec![0.0; n]];
+        let [a, b, c] = &mut out;
+        self.group_states_into(sg, [a, b, c])?;
+        Ok(out)
+    }
+
+    /// [`OptimizerState::group_states`] into the caller's memory (three
+    /// slices of the sub-group's numel): a framework's `state_dict` costs
+    /// its own tensors, not a second copy.
+    pub fn group_states_into(&mut self, sg: SubGroupId, out: [&mut [f32]; 3]) -> Result<()> {
+        let n = self.numel_of(sg)?;
+        if out.iter().any(|o| o.len() != n) {
+            return Err(EngineError::internal(
+                "group_states_into: outputs are not of the sub-group's numel",
+            ));
+        }
         self.flush()?;
+        let [master, m, v] = out;
         if let Some(g) = self.mem.get(sg.0).and_then(Option::as_ref) {
-            return Ok([g.master.clone(), g.moments.widened(1), g.moments.widened(2)]);
+            master.copy_from_slice(&g.master);
+            g.moments.widen_into(1, m);
+            g.moments.widen_into(2, v);
+            return Ok(());
         }
         let nv = self
             .nvme
             .as_mut()
             .ok_or_else(|| EngineError::internal("no state for a sub-group"))?;
         let exts = nvme_extents(&nv.extents, sg)?.clone();
-        let mut out: [Vec<f32>; 3] = Default::default();
-        for (k, ext) in exts.iter().enumerate() {
+        for (k, (ext, out)) in exts.iter().zip([master, m, v]).enumerate() {
             let buf = nv.io.arena.acquire()?;
             let mut buf = nv.io.read.read(ext, buf)?.wait()?;
             self.counters.nvme_read_bytes += ext.len_bytes();
-            out[k] = match (k, self.moments) {
-                (0, _) | (_, MomentDtype::F32) => as_f32(&mut buf, n)?.to_vec(),
-                (_, MomentDtype::Bf16) => as_typed::<bf16>(&mut buf, n)?
-                    .iter()
-                    .map(|x| x.to_f32())
-                    .collect(),
-            };
+            match (k, self.moments) {
+                (0, _) | (_, MomentDtype::F32) => out.copy_from_slice(as_f32(&mut buf, n)?),
+                (_, MomentDtype::Bf16) => out
+                    .iter_mut()
+                    .zip(as_typed::<bf16>(&mut buf, n)?.iter())
+                    .for_each(|(o, x)| *o = x.to_f32()),
+            }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// The master weights of `sg` (a synchronous read on NVMe).
