@@ -72,31 +72,43 @@ pub struct Slot<U> {
 #[derive(Debug)]
 pub struct Queued<U> {
     rx: Receiver<Result<U, ModelError>>,
+    /// The filler's answer, once [`Queued::is_issued`] took it.
+    got: Option<Result<U, ModelError>>,
 }
 
 impl<U> Queued<U> {
     /// An upload issued already, on another thread (a param gathered on
     /// the device is issued on the engine's).
     pub fn issued(u: U) -> Self {
-        let (reply, rx) = crossbeam_channel::bounded(1);
-        // The receiver is alive and the channel empty: this cannot fail.
-        let _ = reply.send(Ok(u));
-        Queued { rx }
+        let (_, rx) = crossbeam_channel::bounded(1);
+        Queued {
+            rx,
+            got: Some(Ok(u)),
+        }
     }
 
-    /// Whether the filler has answered: [`Queued::wait`] would not block.
-    pub fn is_ready(&self) -> bool {
-        !self.rx.is_empty()
+    /// Whether the filler has issued the upload: [`Queued::wait`] would
+    /// not block, and returns it. An upload whose issue failed is not:
+    /// nothing is launched ahead on it, and the call for its unit says
+    /// the error.
+    pub fn is_issued(&mut self) -> bool {
+        if self.got.is_none() {
+            self.got = self.rx.try_recv().ok();
+        }
+        matches!(self.got, Some(Ok(_)))
     }
 
     /// The upload, once the filler issued it (the host waits for the
     /// fill, not for the copy); its error, if issuing failed.
     pub fn wait(self) -> Result<U, ModelError> {
-        self.rx.recv().unwrap_or_else(|_| {
-            Err(ModelError::Gpu {
-                what: "device tier: the upload thread stopped before issuing an upload".into(),
-            })
-        })
+        match self.got {
+            Some(r) => r,
+            None => self.rx.recv().unwrap_or_else(|_| {
+                Err(ModelError::Gpu {
+                    what: "device tier: the upload thread stopped before issuing an upload".into(),
+                })
+            }),
+        }
     }
 }
 
@@ -217,7 +229,7 @@ impl<L: DeviceLink> Filler<L> {
     /// its [`Queued`] an error.
     pub fn slot(&self) -> (Slot<L::Upload>, Queued<L::Upload>) {
         let (reply, rx) = crossbeam_channel::bounded(1);
-        (Slot { reply }, Queued { rx })
+        (Slot { reply }, Queued { rx, got: None })
     }
 
     /// Issues the uploads of `items`, in order, as one message.

@@ -667,11 +667,11 @@ impl<L: DeviceLink> Holder<L> for TieredUnits<L> {
     /// Kept, or its upload issued by the upload thread: taking it waits
     /// for no fill (on a GPU, the compute stream waits for the copy).
     fn ready(&self, ids: &[ParamId]) -> bool {
-        let st = self.lock();
-        ids.iter().all(|id| match st.params.get(id) {
+        let mut st = self.lock();
+        ids.iter().all(|id| match st.params.get_mut(id) {
             Some(Residency::Resident { .. }) => true,
             Some(Residency::Uploading { upload, .. } | Residency::Loading { upload, .. }) => {
-                upload.is_ready()
+                upload.is_issued()
             }
             _ => false,
         })
@@ -1005,15 +1005,16 @@ mod tests {
     use super::*;
     use crate::engine::device::sim::{SimConfig, SimDevice};
 
-    #[test]
-    fn a_param_given_back_after_the_tier_dropped_it_is_freed_not_dropped() {
+    fn tier(
+        fail_upload: Option<u64>,
+    ) -> (TieredUnits<SimDevice>, crate::engine::device::sim::SimProbe) {
         let link = SimDevice::new(SimConfig {
             budget_bytes: 1 << 20,
             copy_delay: Duration::ZERO,
             h2d_bytes_per_s: None,
             staging_slots: 1,
             gemm: GemmDtype::F32,
-            fail_upload: None,
+            fail_upload,
             compute_delay: Duration::ZERO,
         })
         .unwrap();
@@ -1023,7 +1024,57 @@ mod tests {
             max_live_numel: 1 << 20,
             cache_bytes: TierLimits::CACHE_AUTO,
         };
-        let tier = TieredUnits::new(link, limits).unwrap();
+        (TieredUnits::new(link, limits).unwrap(), probe)
+    }
+
+    /// A staged upload whose issue failed is not ready: nothing is
+    /// launched ahead on it (it was, and the unit before it failed with
+    /// the error); taking it, for its own unit, says the error.
+    #[test]
+    fn a_failed_staged_upload_is_not_ready() {
+        let (tier, _probe) = tier(Some(1));
+        let (id, ok) = (ParamId(0), ParamId(1));
+        let size = ParamSize {
+            numel: 8,
+            bytes: 32,
+        };
+        let mut items = Vec::new();
+        for p in [id, ok] {
+            let (slot, q) = tier.fill.slot();
+            tier.lock().apply(p, TierEvent::Staged(q, size)).unwrap();
+            items.push(super::super::fill::Fill {
+                what: format!("param {}", p.0),
+                host: Tensor::zeros(8, DType::F32, &candle_core::Device::Cpu).unwrap(),
+                pin: None,
+                slot,
+            });
+        }
+        tier.fill.send(items).unwrap();
+        // The second is issued after the first failed: once it is ready,
+        // the filler has answered both.
+        let t = Instant::now();
+        while !tier.ready(&[ok]) {
+            assert!(t.elapsed().as_secs() < 10, "the filler never answered");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(!tier.ready(&[id]));
+        assert!(!tier.ready(&[ok, id]));
+        let mut st = tier.lock();
+        type St = State<Queued<crate::engine::device::sim::SimUpload>, Vec<f32>>;
+        let model_free_take = |st: &mut St, p| match st.apply(p, TierEvent::Taken) {
+            Ok(Left::Upload(u)) => u.wait().and_then(|u| tier.link.finish(u)),
+            _ => panic!("not staged"),
+        };
+        let e = model_free_take(&mut st, id).unwrap_err().to_string();
+        assert!(e.contains("upload 1"), "{e}");
+        let b = model_free_take(&mut st, ok).unwrap();
+        tier.link.free(b);
+        st.params.clear();
+    }
+
+    #[test]
+    fn a_param_given_back_after_the_tier_dropped_it_is_freed_not_dropped() {
+        let (tier, probe) = tier(None);
         let id = ParamId(0);
         let buf = tier.link.alloc_param("p", 16, DType::F32).unwrap();
         let size = ParamSize {
