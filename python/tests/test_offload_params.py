@@ -243,4 +243,121 @@ def test_a_failed_prefetch_never_becomes_a_param(tmp_path):
     assert all(x.inflight is None for x in h._homes)
     # Read again from its home: its own values, not the unfilled buffer.
     assert not torch.equal(h._load(target), torch.full(target.shape, 7.0, dtype=target.dtype))
+    # A sync read of another param that fails with the prefetch's error
+    # (it waits for every op in flight) drops the prefetch too.
+    other = next(x for x in h._homes if x.offset is not None and x is not target)
+    target.inflight = torch.full(target.shape, 7.0, dtype=target.dtype)
+
+    class FailingRead:
+        def sync_pread(self, *a):
+            raise OSError(5, "injected")
+
+        def wait(self):
+            return 0
+
+    real, h._aio = h._aio, FailingRead()
+    with pytest.raises(OSError):
+        h._load(other)
+    h._aio = real
+    assert target.inflight is None
     h.remove()
+
+
+def _mlp(inplace=False, frozen=False):
+    torch.manual_seed(3)
+    m = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.Linear(8, 512), torch.nn.ReLU(inplace=inplace), torch.nn.Linear(512, 8)
+    )
+    if frozen:
+        for layer in (m[1], m[3]):
+            for p in layer.parameters():
+                p.requires_grad_(False)
+    return m
+
+
+def _grads(m, offload, tmp_path):
+    h = None
+    if offload:
+        h = tzt.offload_parameters(m, offload, nvme_path=tmp_path / "p", param_persistence_threshold=100)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    m(x).square().sum().backward()
+    grads = [p.grad.clone() for p in m.parameters() if p.grad is not None]
+    return grads, h
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_an_offloaded_modules_output_may_change_in_place(device, tmp_path):
+    # ReLU(inplace=True) after an offloaded Linear raised torch's "view
+    # created inside a custom Function ... modified inplace".
+    ref, _ = _grads(_mlp(inplace=True), None, tmp_path)
+    got, h = _grads(_mlp(inplace=True), device, tmp_path)
+    assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
+    h.remove()
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_frozen_params_are_released_after_their_backward(device, tmp_path):
+    # A LoRA-like model: the base layers frozen. They have no gradient to
+    # release them, and stayed live after backward: the whole model.
+    ref, _ = _grads(_mlp(frozen=True), None, tmp_path)
+    got, h = _grads(_mlp(frozen=True), device, tmp_path)
+    assert h.live_numel() == 0
+    assert len(got) == len(ref) == 2 and all(torch.equal(a, b) for a, b in zip(got, ref))
+    h.remove()
+
+
+def test_a_model_cast_after_the_offload_is_refused_with_the_fix(tmp_path):
+    m = Net()
+    h = tzt.offload_parameters(m, "cpu", param_persistence_threshold=100)
+    m.to(torch.float64)
+    with pytest.raises(RuntimeError, match="cast the model before offload_parameters"):
+        m(torch.zeros(1, 3, dtype=torch.long))
+    # A move to the device it is on changes nothing; a fetch follows the
+    # param's device (HF Trainer moves the model after the offload).
+    m2 = Net()
+    h2 = tzt.offload_parameters(m2, "cpu", param_persistence_threshold=100)
+    m2.to("cpu")
+    assert m2(torch.zeros(1, 3, dtype=torch.long)).device.type == "cpu"
+    h2.remove()
+    del h
+
+
+def test_a_dropped_model_takes_its_offload_with_it(tmp_path):
+    import gc
+    import weakref
+
+    m = Net()
+    h = tzt.offload_parameters(m, "nvme", nvme_path=tmp_path / "p", param_persistence_threshold=100)
+    assert list((tmp_path / "p").iterdir())
+    r = weakref.ref(h)
+    del m, h
+    gc.collect()
+    assert r() is None, "the offload outlived its model"
+    assert list((tmp_path / "p").iterdir()) == []
+
+
+def test_the_optimizer_writes_only_its_range_of_an_nvme_param(tmp_path):
+    # A param cut into several optimizer sub-groups was read and rewritten
+    # whole for each of them.
+    def run(sub_group_size, where):
+        m = Net()
+        h = tzt.offload_parameters(m, "nvme", nvme_path=tmp_path / where, param_persistence_threshold=100)
+        opt = tzt.AdamW(m.parameters(), lr=1e-2, offload="none", sub_group_size=sub_group_size)
+        g = torch.Generator().manual_seed(1)
+        fetched = []
+        for _ in range(3):
+            ids = torch.randint(0, 50, (4, 16), generator=g)
+            torch.nn.functional.cross_entropy(m(ids).reshape(-1, 50), ids.reshape(-1)).backward()
+            before = h.fetched_bytes
+            opt.step()
+            fetched.append(h.fetched_bytes - before)
+            opt.zero_grad()
+        with h.gathered():
+            out = [p.detach().clone() for p in m.parameters()]
+        h.remove()
+        return out, fetched
+
+    whole, _ = run(10**9, "a")
+    cut, fetched = run(1000, "b")
+    assert all(torch.equal(a, b) for a, b in zip(whole, cut))
+    assert fetched == [0, 0, 0], fetched

@@ -16,8 +16,13 @@ DeepSpeed's mechanism, on tierzero's I/O:
   function whose backward fetches them again before the module's backward
   runs;
 - a post-accumulate-grad hook releases each param once its gradient is
-  final. (A frozen param, which has no gradient, stays live from its
-  module's backward until that module's next forward.)
+  final; a frozen param (``requires_grad=False``: a LoRA's base weights),
+  which gets none, is released once its module's backward is done, by an
+  identity function on the module's grad-requiring positional inputs
+  (passed as keywords, or with no input needing a gradient, it stays live
+  until the module's next forward);
+- a fetch puts the values on the param's device now and checks its dtype:
+  ``model.to(device)`` after the offload is followed, a cast is refused.
 
 Params used by several modules (tied embeddings) are counted: each fetch
 takes a reference, each release drops one, and the data goes only at zero.
@@ -55,8 +60,10 @@ __all__ = ["offload_parameters", "ParamOffload", "home_of"]
 
 _ALIGN = 4096
 # id(param) -> its _Home, for tierzero.torch.AdamW (tensors compare
-# elementwise, so they cannot be dict keys themselves).
-_HOMES: "dict[int, _Home]" = {}
+# elementwise, so they cannot be dict keys themselves). Weak: a model
+# dropped without ``remove()`` (HF's recipe, a sweep in one process) takes
+# its homes, host copies and file with it; its offload holds them.
+_HOMES: "weakref.WeakValueDictionary[int, _Home]" = weakref.WeakValueDictionary()
 
 
 def home_of(param):
@@ -68,19 +75,25 @@ def home_of(param):
 class _Home:
     """Where one param lives between uses, and its live references."""
 
-    __slots__ = ("param", "owner", "shape", "dtype", "device", "numel", "host", "offset", "refs", "inflight")
+    __slots__ = ("param", "owner", "shape", "dtype", "numel", "host", "offset", "refs", "inflight", "__weakref__")
 
     def __init__(self, param, owner):
         self.param = param
         self.owner = owner
         self.shape = param.shape
         self.dtype = param.dtype
-        self.device = param.device
         self.numel = param.numel()
         self.host = None  # "cpu": the host copy
         self.offset = None  # "nvme": offset in the file
         self.refs = 0
         self.inflight = None  # "nvme": tensor being read
+
+    @property
+    def device(self):
+        """Where the param's values go when fetched: its device now, which
+        ``model.to(device)`` changes through its empty tensor (HF Trainer
+        moves the model after it was offloaded)."""
+        return self.param.device
 
     @property
     def nbytes(self):
@@ -116,12 +129,33 @@ class _PreBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fetch, *tensors):
         ctx.fetch = fetch
-        out = tuple(t.view_as(t) for t in tensors)
+        # Detached, as DeepSpeed's PreBackwardFunction: a view made in a
+        # custom Function may not be changed in place (ReLU(inplace=True)
+        # after an offloaded Linear raised); the version counter is shared,
+        # so an in-place change backward needs is still caught.
+        out = tuple(t.detach() for t in tensors)
         return out if len(out) != 1 else out[0]
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.fetch()
+        return (None, *grads)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward, which runs once the
+    module's backward has made their gradients, releases the module's
+    frozen params (a trainable one goes when its gradient is final)."""
+
+    @staticmethod
+    def forward(ctx, release, *tensors):
+        ctx.release = release
+        out = tuple(t.detach() for t in tensors)
+        return out if len(out) != 1 else out[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.release()
         return (None, *grads)
 
 
@@ -212,7 +246,11 @@ class ParamOffload:
         self._hooks.append(model.register_load_state_dict_post_hook(self._after_load))
         for h in self._homes:
             if h.param.requires_grad:
-                self._hooks.append(h.param.register_post_accumulate_grad_hook(self._grad_final))
+                # Through a weak reference: a tensor's hooks are held from
+                # C++, where the garbage collector does not see the cycle
+                # param -> hook -> offload -> param, so a strong one kept
+                # every dropped model alive.
+                self._hooks.append(h.param.register_post_accumulate_grad_hook(_weakly(self._grad_final)))
 
     # Moving bytes.
     def _load(self, h):
@@ -231,16 +269,36 @@ class ParamOffload:
             t, h.inflight = h.inflight, None
         else:
             t = torch.empty(h.shape, dtype=h.dtype, device="cpu")
-            self._aio.sync_pread(t.reshape(-1), self._file, h.offset)
+            self._io(self._aio.sync_pread, t.reshape(-1), self._file, h.offset)
         self.fetched_bytes += h.nbytes
         return t.to(h.device) if h.device.type != "cpu" else t
 
+    def _io(self, op, *args):
+        """``op(*args)`` on the aio handle. Its error may be a prefetch's
+        (a sync op waits for every op in flight): then every op is waited
+        for and no prefetch buffer may become a param's values."""
+        try:
+            return op(*args)
+        except BaseException:
+            try:
+                self._aio.wait()
+            except BaseException:
+                pass
+            for other in self._homes:
+                other.inflight = None
+            raise
+
     def _store_range(self, h, src, start):
         """Writes flat elements ``[start, start + len(src))`` of a released
-        NVMe param (read, modify, write of its region)."""
-        full = self._load(h).reshape(-1)
-        full[start : start + src.numel()].copy_(src)
-        self._aio.sync_pwrite(full.cpu(), self._file, h.offset)
+        NVMe param: that range of its region only (``tierzero.aio`` takes
+        any offset and length), not a read and rewrite of all of it for
+        each optimizer sub-group the param is cut into."""
+        if h.inflight is not None:
+            # A prefetch of the old values: waited for, and dropped.
+            self._io(self._aio.wait)
+            h.inflight = None
+        data = src.detach().to(h.dtype).reshape(-1).cpu().contiguous()
+        self._io(self._aio.sync_pwrite, data, self._file, h.offset + start * h.param.element_size())
 
     def _fetch(self, h, count=True):
         """Makes the param live; ``count``: a forward use, dropped by its
@@ -257,7 +315,7 @@ class ParamOffload:
                 return
         if h in self._dirty and h.is_live():
             if h.offset is not None:
-                self._aio.sync_pwrite(h.param.data.detach().reshape(-1).cpu().contiguous(), self._file, h.offset)
+                self._io(self._aio.sync_pwrite, h.param.data.detach().reshape(-1).cpu().contiguous(), self._file, h.offset)
             elif h.host is not None:
                 # CPU homes: the live tensor is a copy of the home (on the
                 # param's device), so a change made while gathered goes back.
@@ -331,9 +389,39 @@ class ParamOffload:
         if self._recording and module not in self._trace_pos:
             self._trace_pos[module] = len(self._trace)
             self._trace.append(module)
-        for h in self._module_homes[module]:
+        homes = self._module_homes[module]
+        for h in homes:
+            if h.param.dtype != h.dtype:
+                raise RuntimeError(
+                    f"offload_parameters: a param of {h.numel} elements was offloaded as {h.dtype} and "
+                    f"is now {h.param.dtype} (the model was cast after offload_parameters): cast the "
+                    f"model before offload_parameters"
+                )
+        for h in homes:
             self._fetch(h)
         self._prefetch_after(module)
+        frozen = [h for h in homes if not h.param.requires_grad]
+        if not frozen or not torch.is_grad_enabled():
+            return None
+        # The frozen params (a LoRA's base weights) have no gradient to
+        # release them: they go once this module's backward is done, when
+        # its inputs' gradients pass through _PostBackward.
+        idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not idx:
+            return None
+
+        def release():
+            for h in frozen:
+                h.refs = 0
+                self._release(h, force=True)
+
+        wrapped = _PostBackward.apply(release, *[args[i] for i in idx])
+        if len(idx) == 1:
+            wrapped = (wrapped,)
+        new = list(args)
+        for i, t in zip(idx, wrapped):
+            new[i] = t
+        return tuple(new)
 
     def _post_forward(self, module, args, output):
         homes = self._module_homes[module]
@@ -389,6 +477,18 @@ class ParamOffload:
         self._homes = []
         if self._file:
             self._file_gone()
+
+
+def _weakly(method):
+    """``method`` called through a weak reference to its object (a no-op
+    once it is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        m = ref()
+        return None if m is None else m(*args)
+
+    return call
 
 
 def _hold(path):
