@@ -346,15 +346,29 @@ impl OffloadAdam {
                 "read_state of sub-group {sg}: want three writable float32 tensors of {n} elements"
             )));
         }
-        let states = py
-            .detach(|| self.locked().group_states(SubGroupId(sg)))
-            .map_err(err)?;
-        for (t, s) in outs.iter().zip(states) {
-            // SAFETY: a writable, contiguous float32 host tensor of n
-            // elements (checked), alive for this call.
-            unsafe { std::slice::from_raw_parts_mut(t.addr as *mut f32, n) }.copy_from_slice(&s);
+        let addrs = outs.map(|t| t.addr);
+        let overlap = |a: usize, b: usize| a < b + n * 4 && b < a + n * 4;
+        if n > 0
+            && (overlap(addrs[0], addrs[1])
+                || overlap(addrs[0], addrs[2])
+                || overlap(addrs[1], addrs[2]))
+        {
+            return Err(PyValueError::new_err(format!(
+                "read_state of sub-group {sg}: master, m and v must be three distinct tensors"
+            )));
         }
-        Ok(())
+        // Straight into the caller's tensors, without the GIL: no second
+        // copy of the sub-group's state, and other Python threads run
+        // while NVMe is read.
+        py.detach(|| {
+            // SAFETY: each a writable, contiguous float32 host tensor of n
+            // elements (checked), the three not overlapping (checked),
+            // alive for this call (the caller holds them).
+            let [a, b, c] =
+                addrs.map(|addr| unsafe { std::slice::from_raw_parts_mut(addr as *mut f32, n) });
+            self.locked().group_states_into(SubGroupId(sg), [a, b, c])
+        })
+        .map_err(err)
     }
 
     /// One AdamW step (1-based `step`) of sub-group `sg` with `grad` (float32
