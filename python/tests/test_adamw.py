@@ -544,3 +544,60 @@ def test_low_precision_params_written_by_the_kernel(tmp_path, dtype, sub_group_s
         assert torch.equal(p.detach(), master.to(dtype))
         rel = ((master - r.detach()).abs().max() / r.detach().abs().max()).item()
         assert rel <= 1e-6, rel
+
+
+def test_step_in_backward_refuses_gradient_accumulation(tmp_path):
+    # A second backward before step() was skipped by step() and zeroed:
+    # training saw the first micro-batch alone.
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 8)
+    opt = tzt.AdamW(m.parameters(), lr=1e-2, offload="nvme", nvme_path=tmp_path / "n", step_in_backward=True)
+    x = torch.randn(4, 8)
+    m(x).sum().backward()
+    with pytest.raises(RuntimeError, match="gradient accumulation"):
+        m(x).sum().backward()
+
+
+def test_a_refused_step_steps_no_sub_group(tmp_path):
+    # The sparse gradient is in the second sub-group: the first was
+    # stepped, then skipped by the next step.
+    ours = [torch.nn.Parameter(torch.ones(6)), torch.nn.Parameter(torch.ones(6))]
+    ref = [torch.nn.Parameter(torch.ones(6)), torch.nn.Parameter(torch.ones(6))]
+    opt = tzt.AdamW(ours, lr=0.1, offload="nvme", nvme_path=tmp_path / "nvme", sub_group_size=6)
+    ours[0].grad = torch.full((6,), 0.5)
+    ours[1].grad = torch.sparse_coo_tensor([[0]], [1.0], (6,))
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    assert torch.equal(ours[0].detach(), torch.ones(6)), "a sub-group stepped before the refusal"
+    torch_opt = torch.optim.AdamW(ref, lr=0.1, foreach=False)
+    for p in ours + ref:
+        p.grad = torch.full((6,), 0.5)
+    opt.step()
+    torch_opt.step()
+    for a, b in zip(ours, ref):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6), (a, b)
+
+
+def test_an_optimizer_built_before_offload_parameters_names_the_order():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    opt = tzt.AdamW(m.parameters(), lr=1e-2, offload="none")
+    h = tzt.offload_parameters(m, "cpu", param_persistence_threshold=100)
+    m(torch.randn(2, 64)).sum().backward()
+    with pytest.raises(RuntimeError, match="after offload_parameters"):
+        opt.step()
+    h.remove()
+
+
+def test_read_state_refuses_one_tensor_for_two_states():
+    p = torch.nn.Parameter(torch.ones(8))
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        opt = tzt.AdamW([p], lr=0.1, offload="nvme", nvme_path=d)
+        p.grad = torch.ones(8)
+        opt.step()
+        t = torch.empty(8)
+        with pytest.raises(ValueError, match="distinct"):
+            opt._native.read_state(0, t, t, torch.empty(8))
+        opt.state_dict()

@@ -494,23 +494,34 @@ class AdamW(torch.optim.Optimizer):
             buf = self._out_bufs[dt] = torch.empty(self._largest, dtype=dt)
         return buf[: s.numel], False, None
 
+    def _check_in_place(self, s):
+        """A sub-group of the in-place path still fits it (fp32 params in
+        host memory, not offloaded), or an error with the fix."""
+        (p, *_), = s.pieces
+        if home_of(p) is not None:
+            raise RuntimeError(
+                f"tierzero.torch.AdamW was built before offload_parameters: a param of {home_of(p).numel} "
+                f"elements it steps in place is offloaded now; build tierzero.torch.AdamW after "
+                f"offload_parameters"
+            )
+        if p.device.type != "cpu" or p.dtype != torch.float32:
+            # Chosen at construction, for fp32 params in host memory;
+            # a model moved since (HF Trainer and accelerate's
+            # prepare() move it after an optimizer given to them was
+            # built) failed deep in the kernel's DLPack import.
+            raise RuntimeError(
+                f"tierzero.torch.AdamW was built over fp32 CPU params (stepped in place), "
+                f"and a param is now {p.dtype} on {p.device}: build the optimizer after "
+                f"moving the model, or with offload=\"nvme\" (which copies to and from any "
+                f"device)"
+            )
+
     def _step_in_place(self, todo):
         """The in-place host path: every sub-group of ``todo`` in one call."""
         work = []
         for i in todo:
             s = self._subgroups[i]
-            (p, *_), = s.pieces
-            if p.device.type != "cpu" or p.dtype != torch.float32:
-                # Chosen at construction, for fp32 params in host memory;
-                # a model moved since (HF Trainer and accelerate's
-                # prepare() move it after an optimizer given to them was
-                # built) failed deep in the kernel's DLPack import.
-                raise RuntimeError(
-                    f"tierzero.torch.AdamW was built over fp32 CPU params (stepped in place), "
-                    f"and a param is now {p.dtype} on {p.device}: build the optimizer after "
-                    f"moving the model, or with offload=\"nvme\" (which copies to and from any "
-                    f"device)"
-                )
+            self._check_in_place(s)
             work.append((i, s.steps + 1, *self._hyper(s), self._gather_grads(s)))
         self._native.step_groups(work)
         for i in todo:
@@ -531,16 +542,30 @@ class AdamW(torch.optim.Optimizer):
             for i, s in enumerate(self._subgroups)
             if i not in self._stepped and any(p.grad is not None for p, *_ in s.pieces)
         ]
-        if self._inplace:
-            self._step_in_place(todo)
-        else:
-            for k, i in enumerate(todo):
-                self._step_one(i, todo[k + 1] if k + 1 < len(todo) else None)
-        self._native.flush()
-        self._finish_copies()
-        self._stepped.clear()
-        if self.step_in_backward:
-            self._reset_waiting()
+        # Checked before any sub-group steps, as torch checks before it
+        # updates anything: a refusal part-way left the ones before it
+        # stepped.
+        for i in todo:
+            for p, *_ in self._subgroups[i].pieces:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise RuntimeError("tierzero.torch.AdamW does not support sparse gradients")
+            if self._inplace:
+                self._check_in_place(self._subgroups[i])
+        try:
+            if self._inplace:
+                self._step_in_place(todo)
+            else:
+                for k, i in enumerate(todo):
+                    self._step_one(i, todo[k + 1] if k + 1 < len(todo) else None)
+            self._native.flush()
+            self._finish_copies()
+        finally:
+            # A step that raised is over too: the next one steps every
+            # sub-group with a gradient (one stepped before the error
+            # included, as torch would step it again).
+            self._stepped.clear()
+            if self.step_in_backward:
+                self._reset_waiting()
         return loss
 
     # Step in backward (register_post_accumulate_grad_hook).
@@ -554,6 +579,15 @@ class AdamW(torch.optim.Optimizer):
         sub-group of it whose params are all final, guessing that the one
         before it comes next (backward runs the model in reverse)."""
         for i in self._param_sgs.get(p, ()):
+            if i in self._stepped and p.grad is not None:
+                # A second backward before step(): its gradient would be
+                # skipped by step() and zeroed, silently training on the
+                # first micro-batch alone.
+                raise RuntimeError(
+                    "tierzero.torch.AdamW(step_in_backward=True) stepped this param in the last "
+                    "backward, and another backward came before step() (gradient accumulation): "
+                    "use step_in_backward=False with gradient accumulation, or accumulate 1 step"
+                )
             w = self._waiting[i]
             w.discard(id(p))
             if not w and i not in self._stepped:
