@@ -87,6 +87,7 @@ impl Trainer {
             .map(|(k, _)| k.as_str())
             .collect();
         let world = opts.comm.world_size();
+        same_step_on_every_rank(&*opts.comm, m.step)?;
         if m.world_size != world && opts.comm.rank() == 0 {
             tracing::info!(
                 checkpoint_ranks = m.world_size,
@@ -549,5 +550,60 @@ impl Trainer {
             files: Vec::new(),
         };
         Ok(staged.commit(manifest)?)
+    }
+}
+
+/// Every rank resumes from step `step`: each opens the checkpoint itself,
+/// and one whose view of the save dir differs (a file system's cache, a
+/// damaged step one rank fell back from) would train from another step,
+/// silently. Refused with each rank's step.
+fn same_step_on_every_rank(comm: &dyn crate::engine::comm::Comm, step: u64) -> Result<()> {
+    let world = comm.world_size();
+    if world == 1 {
+        return Ok(());
+    }
+    let mut all = vec![0u8; 8 * world];
+    comm.all_gather_bytes(&step.to_le_bytes(), &vec![8; world], &mut all)?;
+    let steps: Vec<u64> = all
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+        .collect();
+    if steps.iter().all(|s| *s == step) {
+        return Ok(());
+    }
+    let each: Vec<String> = steps
+        .iter()
+        .enumerate()
+        .map(|(r, s)| format!("rank {r}: step {s}"))
+        .collect();
+    Err(EngineError::Checkpoint(
+        crate::checkpoint::CheckpointError::Mismatch {
+            what: "the step each rank resumes from".into(),
+            checkpoint: each.join(", "),
+            run: "ranks that must resume one step: give every rank --resume of the same \
+                  step-<N> directory, on a file system they all see alike"
+                .into(),
+        },
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+    use crate::engine::comm::scripted::Scripted;
+
+    #[test]
+    fn ranks_resuming_from_different_steps_are_refused_with_each_step() {
+        let mut comm = Scripted::rank_of(0, 2);
+        comm.gather_bytes = Some(|shard, _, out| {
+            out[..8].copy_from_slice(shard);
+            out[8..].copy_from_slice(&4u64.to_le_bytes());
+            Ok(())
+        });
+        same_step_on_every_rank(&comm, 4).unwrap();
+        let e = same_step_on_every_rank(&comm, 6).unwrap_err().to_string();
+        assert!(e.contains("rank 0: step 6, rank 1: step 4"), "{e}");
+        same_step_on_every_rank(&Scripted::rank_of(0, 1), 9).unwrap();
     }
 }
