@@ -79,6 +79,32 @@ fn load(s: &DataSpec) -> tierzero::data::Loaded {
     TokenData::load(s, VOCAB, &|_, _| {}).unwrap()
 }
 
+/// `n` documents as JSONL, one `{"text": ...}` a line.
+fn jsonl_of(n: usize) -> String {
+    documents(n)
+        .iter()
+        .map(|t| format!("{}\n", json!({"text": t})))
+        .collect()
+}
+
+/// JSONL with the documents under `text`.
+fn jsonl() -> DataFormat {
+    DataFormat::Jsonl {
+        field: "text".into(),
+    }
+}
+
+/// The cache file a load wrote (it must have written one).
+fn written_cache(l: &tierzero::data::Loaded) -> std::path::PathBuf {
+    match &l.origin {
+        Origin::Encoded {
+            cached: Some(cache),
+            ..
+        } => cache.clone(),
+        other => panic!("{other:?}"),
+    }
+}
+
 #[test]
 fn truncation_is_off_and_every_document_ends_with_eos() {
     let d = scratch("data", "trunc");
@@ -218,30 +244,13 @@ fn the_encoding_is_cached_and_a_change_of_data_or_eos_misses() {
 fn the_cache_goes_where_it_is_told() {
     let d = scratch("data", "cache-dir");
     let tok = tokenizer(&d);
-    let body: String = documents(7)
-        .iter()
-        .map(|t| format!("{}\n", json!({"text": t})))
-        .collect();
-    std::fs::write(d.join("c.jsonl"), &body).unwrap();
+    std::fs::write(d.join("c.jsonl"), jsonl_of(7)).unwrap();
     let s = DataSpec {
         cache_dir: Some(d.join("elsewhere/tokens")),
-        ..spec(
-            &d.join("c.jsonl"),
-            DataFormat::Jsonl {
-                field: "text".into(),
-            },
-            Some(&tok),
-            true,
-        )
+        ..spec(&d.join("c.jsonl"), jsonl(), Some(&tok), true)
     };
     let first = load(&s);
-    let Origin::Encoded {
-        cached: Some(cache),
-        ..
-    } = &first.origin
-    else {
-        panic!("{:?}", first.origin)
-    };
+    let cache = written_cache(&first);
     assert_eq!(cache.parent().unwrap(), d.join("elsewhere/tokens"));
     let beside: Vec<_> = std::fs::read_dir(&d)
         .unwrap()
@@ -261,22 +270,11 @@ fn the_cache_goes_where_it_is_told() {
 fn a_byte_order_mark_changes_no_token() {
     let d = scratch("data", "bom");
     let tok = tokenizer(&d);
-    let body: String = documents(5)
-        .iter()
-        .map(|t| format!("{}\n", json!({"text": t})))
-        .collect();
+    let body = jsonl_of(5);
     std::fs::write(d.join("plain.jsonl"), &body).unwrap();
     std::fs::write(d.join("bom.jsonl"), format!("\u{feff}{body}")).unwrap();
-    let jsonl = DataFormat::Jsonl {
-        field: "text".into(),
-    };
-    let plain = load(&spec(
-        &d.join("plain.jsonl"),
-        jsonl.clone(),
-        Some(&tok),
-        true,
-    ));
-    let bom = load(&spec(&d.join("bom.jsonl"), jsonl, Some(&tok), true));
+    let plain = load(&spec(&d.join("plain.jsonl"), jsonl(), Some(&tok), true));
+    let bom = load(&spec(&d.join("bom.jsonl"), jsonl(), Some(&tok), true));
     assert_eq!(bom.data.tokens(), plain.data.tokens());
     assert_eq!(bom.documents, Some(5));
 }

@@ -123,12 +123,14 @@ class _Home:
             self.owner._dirty.add(self)
 
 
-class _PreBackward(torch.autograd.Function):
-    """Identity on the outputs; its backward fetches the module's params."""
+class _InBackward(torch.autograd.Function):
+    """Identity on ``tensors``; its backward calls ``fn`` first: on a
+    module's outputs, fetching its params before the module's backward;
+    on its inputs, releasing its frozen params after it."""
 
     @staticmethod
-    def forward(ctx, fetch, *tensors):
-        ctx.fetch = fetch
+    def forward(ctx, fn, *tensors):
+        ctx.fn = fn
         # Detached, as DeepSpeed's PreBackwardFunction: a view made in a
         # custom Function may not be changed in place (ReLU(inplace=True)
         # after an offloaded Linear raised); the version counter is shared,
@@ -138,24 +140,7 @@ class _PreBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.fetch()
-        return (None, *grads)
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a module's inputs; its backward, which runs once the
-    module's backward has made their gradients, releases the module's
-    frozen params (a trainable one goes when its gradient is final)."""
-
-    @staticmethod
-    def forward(ctx, release, *tensors):
-        ctx.release = release
-        out = tuple(t.detach() for t in tensors)
-        return out if len(out) != 1 else out[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.release()
+        ctx.fn()
         return (None, *grads)
 
 
@@ -405,23 +390,15 @@ class ParamOffload:
             return None
         # The frozen params (a LoRA's base weights) have no gradient to
         # release them: they go once this module's backward is done, when
-        # its inputs' gradients pass through _PostBackward.
-        idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-        if not idx:
-            return None
+        # its grad-requiring positional inputs' gradients pass through
+        # _InBackward.
 
         def release():
             for h in frozen:
                 h.refs = 0
                 self._release(h, force=True)
 
-        wrapped = _PostBackward.apply(release, *[args[i] for i in idx])
-        if len(idx) == 1:
-            wrapped = (wrapped,)
-        new = list(args)
-        for i, t in zip(idx, wrapped):
-            new[i] = t
-        return tuple(new)
+        return _wrap(tuple(args), release)
 
     def _post_forward(self, module, args, output):
         homes = self._module_homes[module]
@@ -599,14 +576,14 @@ def _load_pre_hook(module, hook):
 
 
 def _wrap(output, fetch):
-    """``output`` with its grad-requiring tensors passed through _PreBackward."""
+    """``output`` with its grad-requiring tensors passed through _InBackward."""
     if isinstance(output, torch.Tensor):
-        return _PreBackward.apply(fetch, output) if output.requires_grad else output
+        return _InBackward.apply(fetch, output) if output.requires_grad else output
     if isinstance(output, tuple) and not hasattr(output, "_fields"):
         idx = [i for i, t in enumerate(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             return output
-        wrapped = _PreBackward.apply(fetch, *[output[i] for i in idx])
+        wrapped = _InBackward.apply(fetch, *[output[i] for i in idx])
         if len(idx) == 1:
             wrapped = (wrapped,)
         out = list(output)
@@ -617,7 +594,7 @@ def _wrap(output, fetch):
         keys = [k for k, t in output.items() if isinstance(t, torch.Tensor) and t.requires_grad]
         if not keys:
             return output
-        wrapped = _PreBackward.apply(fetch, *[output[k] for k in keys])
+        wrapped = _InBackward.apply(fetch, *[output[k] for k in keys])
         if len(keys) == 1:
             wrapped = (wrapped,)
         for k, t in zip(keys, wrapped):

@@ -1,0 +1,63 @@
+//! How `tierzero train` classifies the engine's errors: bad input (exit 2,
+//! the user's config, model, data or disk) or internal (exit 1), with the
+//! way forward where there is one.
+
+use super::*;
+
+/// Classifies an engine error raised while starting up: everything the
+/// user's config, model or data can cause is bad input.
+pub(super) fn startup_failure(e: EngineError) -> Failure {
+    match e {
+        EngineError::Swap(s) => Failure::from_swap(s, "setting up NVMe swap"),
+        EngineError::Config { .. }
+        | EngineError::PinnedBudget { .. }
+        | EngineError::ParamTooLarge { .. }
+        | EngineError::Data { .. }
+        | EngineError::Io { .. }
+        | EngineError::Unsupported { .. }
+        | EngineError::Checkpoint(_)
+        | EngineError::Model(_) => Failure::BadInput(anyhow::Error::new(e)),
+        other => Failure::Internal(anyhow::Error::new(other)),
+    }
+}
+
+/// A resume that failed: a checkpoint whose data is corrupt (or cut
+/// short) names the way forward, the newest older step that validates and
+/// `inspect --verify`; an auto-restart with the same `--resume` would fail
+/// the same way forever.
+pub(super) fn corrupt_resume(e: EngineError, ckpt: &Checkpoint) -> Failure {
+    if !matches!(
+        e,
+        EngineError::Checkpoint(CheckpointError::Corrupt { .. } | CheckpointError::Size { .. })
+    ) {
+        return startup_failure(e);
+    }
+    let older = match ckpt.older_valid() {
+        Some(p) => format!(
+            "resume from an older one with --resume {}, or ",
+            p.display()
+        ),
+        None => String::new(),
+    };
+    bad(format!(
+        "{e}; {older}check every file with `tierzero inspect {} --verify`",
+        ckpt.dir().display()
+    ))
+}
+
+/// Classifies an engine error raised while training.
+pub(super) fn run_failure(e: EngineError, what: &str) -> Failure {
+    match e {
+        EngineError::Swap(s) => Failure::from_swap(s, what),
+        EngineError::Io { ref source, .. }
+        | EngineError::Checkpoint(CheckpointError::Io { ref source, .. })
+            if matches!(
+                source.kind(),
+                std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::StorageFull
+            ) =>
+        {
+            Failure::BadInput(anyhow::Error::new(e).context(what.to_owned()))
+        }
+        other => Failure::Internal(anyhow::Error::new(other).context(what.to_owned())),
+    }
+}
