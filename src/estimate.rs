@@ -393,18 +393,17 @@ impl SwapSettings {
     }
 }
 
-/// Loads config text for estimating: only precision and the ZeRO and
-/// offload settings size memory, so the batch sizes and the scheduler are
-/// dropped before validation (their `"auto"` values would need a run), a
-/// missing micro-batch size becomes `"auto"`, and `nvme_path` is not
-/// checked on disk. Everything else is validated as for a run.
+/// Loads config text for estimating: precision, the ZeRO and offload
+/// settings and the gradient accumulation size memory. The scheduler is
+/// dropped (its `"auto"` values would need a run) and `nvme_path` is not
+/// checked on disk. The batch sizes are read as a run reads them, so an
+/// accumulation that `train_batch_size` implies (`32` over a micro-batch
+/// of 4 on one rank: 8) counts its parked gradient sums; where they do not
+/// resolve without a run (`"auto"`, a batch for another rank count), they
+/// are dropped and a missing micro-batch size becomes `"auto"`. Everything
+/// else is validated as for a run.
 pub fn load_config(text: &str, ranks: u64, total_numel: u64) -> Result<Loaded, ConfigError> {
     let mut parsed = parse_str(text)?;
-    parsed.ds.train_batch_size = None;
-    parsed
-        .ds
-        .train_micro_batch_size_per_gpu
-        .get_or_insert(AutoOr::Auto);
     parsed.ds.scheduler = None;
     let run = RunContext {
         ranks,
@@ -412,6 +411,14 @@ pub fn load_config(text: &str, ranks: u64, total_numel: u64) -> Result<Loaded, C
         path_checks: PathChecks::Skip,
         ..RunContext::default()
     };
+    if let Ok(loaded) = parsed.clone().resolve(&run) {
+        return Ok(loaded);
+    }
+    parsed.ds.train_batch_size = None;
+    parsed
+        .ds
+        .train_micro_batch_size_per_gpu
+        .get_or_insert(AutoOr::Auto);
     parsed.resolve(&run)
 }
 
@@ -942,6 +949,31 @@ mod tests {
         );
         // Real config errors still fail.
         assert!(load_config(r#"{"zero_optimization": {"stage": 7}}"#, 1, 1).is_err());
+    }
+
+    /// The accumulation a config's batch sizes imply is the run's: its
+    /// parked gradient sums are counted (it was taken as 1).
+    #[test]
+    fn an_accumulation_the_batch_sizes_imply_is_counted() {
+        let text = r#"{"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}"#;
+        assert_eq!(settings(text).gradient_accumulation_steps, 8);
+        assert_eq!(
+            load_config(text, 2, 1000)
+                .unwrap()
+                .config
+                .batch
+                .gradient_accumulation_steps,
+            4
+        );
+        // One that holds for another rank count: dropped, as before.
+        assert_eq!(
+            load_config(text, 3, 1000)
+                .unwrap()
+                .config
+                .batch
+                .gradient_accumulation_steps,
+            1
+        );
     }
 
     fn inputs(total: u64, largest: u64, ranks: u64, swap: SwapSettings) -> Inputs {
