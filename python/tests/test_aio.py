@@ -1106,3 +1106,55 @@ def test_torch_pinned_is_pinned(d):
     t.uniform_()
     assert h.sync_pwrite(t, p) == 1
     assert file_bytes(p) == tensor_bytes(t)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_handle_shared_by_threads_returns_each_sync_op_landed(d, backend):
+    # DeepSpeed's test_concurrent_blocking_reads_on_shared_handle: two
+    # threads, one handle, a sync read each. The native wait takes every
+    # pending op, so without the handle's lock one thread's wait took both
+    # and the other's returned 0 at once, its read still in flight.
+    import threading
+
+    h = handle(backend)
+    data = [rand_bytes(1 << 20, 30 + i) for i in range(2)]
+    ps = [os.path.join(d, f"s{i}") for i in range(2)]
+    for p, x in zip(ps, data):
+        put_file(p, x)
+    barrier = threading.Barrier(2)
+
+    class Racing:
+        """The native handle, with both threads' submissions made before
+        either thread records its op (as the GIL released in submit
+        allows)."""
+
+        def __init__(self, inner):
+            self._inner = inner
+
+        def submit(self, *a):
+            r = self._inner.submit(*a)
+            try:
+                barrier.wait(timeout=1)
+            except threading.BrokenBarrierError:
+                pass
+            return r
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+    h._h = Racing(h._h)
+    # Non-contiguous destinations: the read lands in a bounce buffer that
+    # is copied back at the wait.
+    outs = [torch.zeros(2 << 20, dtype=torch.uint8)[::2] for _ in range(2)]
+    counts = [None, None]
+
+    def read(i):
+        counts[i] = h.sync_pread(outs[i], ps[i])
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert counts == [1, 1]
+    assert [bytes(o.contiguous().numpy()) for o in outs] == data

@@ -38,10 +38,15 @@ Where we deliberately differ from DeepSpeed:
   returned when the last reference to the tensor goes, so a tensor still in
   use can never dangle.
 
-Like DeepSpeed's, an op owns its tensor until it completes: do not read or
-write a tensor between submitting an async op on it and ``wait()``. A
-tensor dropped before ``wait()`` is kept alive by the op; its bytes still
-land.
+An op owns its tensor until it completes: do not read or write a tensor
+between submitting an async op on it and ``wait()``. (DeepSpeed copies an
+unpinned tensor at an async write's submission; tierzero reads it as the
+op runs, so a change before ``wait()`` may reach the file.) A tensor
+dropped before ``wait()`` is kept alive by the op; its bytes still land.
+
+A handle may be shared by threads: as DeepSpeed's handle mutex, one lock
+covers each call from submission to its wait, so a sync op returns once
+its own op (and every one pending before it) has landed.
 
 Extras: ``backend="auto" | "uring" | "portable"`` picks io_uring rings or
 ``pread``/``pwrite`` threads; ``get_backend()`` says which is in use;
@@ -54,6 +59,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import weakref
 import errno as _errno
 
@@ -118,7 +124,7 @@ def _locked_region(t) -> bool:
         return False
     start = t.data_ptr()
     end = start + _nbytes(t)
-    for base, n in _LOCKED.items():
+    for base, n in list(_LOCKED.items()):
         if base <= start and end <= base + n:
             return True
     return False
@@ -181,6 +187,10 @@ class aio_handle:
             _faults,
         )
         self._ops: list[_Op] = []
+        # One op at a time, submission to wait, as DeepSpeed's handle
+        # mutex: the native wait takes every pending op, so a sync op of
+        # another thread could take this one's and return before it landed.
+        self._lock = threading.RLock()
 
     # Getters, as DeepSpeed's.
     def get_block_size(self) -> int:
@@ -268,50 +278,59 @@ class aio_handle:
             raise err
 
     def read(self, buffer, filename, validate, file_offset=0) -> int:
-        self._submit(True, buffer, filename, validate, file_offset)
-        self._wait_all()
-        return 0
+        with self._lock:
+            self._submit(True, buffer, filename, validate, file_offset)
+            self._wait_all()
+            return 0
 
     def write(self, buffer, filename, validate, file_offset=0) -> int:
-        self._submit(False, buffer, filename, validate, file_offset)
-        self._wait_all()
-        return 0
+        with self._lock:
+            self._submit(False, buffer, filename, validate, file_offset)
+            self._wait_all()
+            return 0
 
     def pread(self, buffer, filename, validate, *rest, **kw) -> int:
-        async_op, file_offset = _async_args("pread", rest, kw)
-        self._submit(True, buffer, filename, validate, file_offset)
-        return 0 if async_op else self._wait_all()
+        with self._lock:
+            async_op, file_offset = _async_args("pread", rest, kw)
+            self._submit(True, buffer, filename, validate, file_offset)
+            return 0 if async_op else self._wait_all()
 
     def pwrite(self, buffer, filename, validate, *rest, **kw) -> int:
-        async_op, file_offset = _async_args("pwrite", rest, kw)
-        self._submit(False, buffer, filename, validate, file_offset)
-        return 0 if async_op else self._wait_all()
+        with self._lock:
+            async_op, file_offset = _async_args("pwrite", rest, kw)
+            self._submit(False, buffer, filename, validate, file_offset)
+            return 0 if async_op else self._wait_all()
 
     def sync_pread(self, buffer, filename, file_offset=0) -> int:
-        self._submit(True, buffer, filename, False, file_offset)
-        return self._wait_all()
+        with self._lock:
+            self._submit(True, buffer, filename, False, file_offset)
+            return self._wait_all()
 
     def sync_pwrite(self, buffer, filename, file_offset=0) -> int:
-        self._submit(False, buffer, filename, False, file_offset)
-        return self._wait_all()
+        with self._lock:
+            self._submit(False, buffer, filename, False, file_offset)
+            return self._wait_all()
 
     def async_pread(self, buffer, filename, file_offset=0) -> int:
-        self._submit(True, buffer, filename, False, file_offset)
-        return 0
+        with self._lock:
+            self._submit(True, buffer, filename, False, file_offset)
+            return 0
 
     def async_pwrite(self, buffer, filename=None, file_offset=0, *, fd=None) -> int:
         """``filename`` may be a path or an open file descriptor; DeepSpeed's
         fd overload names it ``fd`` (``async_pwrite(buffer, fd=fd)``)."""
-        if (filename is None) == (fd is None):
-            raise TypeError("async_pwrite() takes a filename or an fd (exactly one)")
-        self._submit(False, buffer, filename if fd is None else int(fd), False, file_offset)
-        return 0
+        with self._lock:
+            if (filename is None) == (fd is None):
+                raise TypeError("async_pwrite() takes a filename or an fd (exactly one)")
+            self._submit(False, buffer, filename if fd is None else int(fd), False, file_offset)
+            return 0
 
     def wait(self) -> int:
         """Waits for every pending op; returns how many completed."""
-        if not self._ops and self._h.pending() == 0:
-            return 0
-        return self._wait_all()
+        with self._lock:
+            if not self._ops and self._h.pending() == 0:
+                return 0
+            return self._wait_all()
 
     # Locked tensors.
     def new_cpu_locked_tensor(self, num_elem, example_tensor):
