@@ -560,32 +560,55 @@ def test_step_in_backward_refuses_gradient_accumulation(tmp_path):
 
 def test_a_refused_step_steps_no_sub_group(tmp_path):
     # The sparse gradient is in the second sub-group: the first was
-    # stepped, then skipped by the next step.
-    ours = [torch.nn.Parameter(torch.ones(6)), torch.nn.Parameter(torch.ones(6))]
-    ref = [torch.nn.Parameter(torch.ones(6)), torch.nn.Parameter(torch.ones(6))]
+    # stepped, then skipped by the next step; a param of no elements
+    # counted the refused step.
+    ours = [torch.nn.Parameter(torch.ones(n)) for n in (6, 6, 0)]
+    ref = [torch.nn.Parameter(torch.ones(n)) for n in (6, 6, 0)]
     opt = tzt.AdamW(ours, lr=0.1, offload="nvme", nvme_path=tmp_path / "nvme", sub_group_size=6)
     ours[0].grad = torch.full((6,), 0.5)
     ours[1].grad = torch.sparse_coo_tensor([[0]], [1.0], (6,))
+    ours[2].grad = torch.ones(0)
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
     assert torch.equal(ours[0].detach(), torch.ones(6)), "a sub-group stepped before the refusal"
     torch_opt = torch.optim.AdamW(ref, lr=0.1, foreach=False)
     for p in ours + ref:
-        p.grad = torch.full((6,), 0.5)
+        p.grad = torch.full(p.shape, 0.5)
     opt.step()
     torch_opt.step()
     for a, b in zip(ours, ref):
         assert torch.allclose(a, b, rtol=0, atol=1e-6), (a, b)
+    assert float(opt.state_dict()["state"][2]["step"]) == float(torch_opt.state[ref[2]]["step"]) == 1.0
 
 
-def test_an_optimizer_built_before_offload_parameters_names_the_order():
+def test_an_optimizer_built_before_offload_parameters_names_the_order(tmp_path):
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
     opt = tzt.AdamW(m.parameters(), lr=1e-2, offload="none")
+    opt.param_groups[0]["lr"] = 0.5
+    saved = opt.state_dict()
+    opt.save_checkpoint(tmp_path / "ck")
+    opt.param_groups[0]["lr"] = 1e-2
     h = tzt.offload_parameters(m, "cpu", param_persistence_threshold=100)
     m(torch.randn(2, 64)).sum().backward()
     with pytest.raises(RuntimeError, match="after offload_parameters"):
         opt.step()
+    # The loads and the state's reads use the params too (they failed on a
+    # size mismatch); a refused load changes nothing.
+    for use in (lambda: opt.load_state_dict(saved), lambda: opt.load_checkpoint(tmp_path / "ck")):
+        with pytest.raises(RuntimeError, match="after offload_parameters"):
+            use()
+        assert opt.param_groups[0]["lr"] == 1e-2
+    with pytest.raises(RuntimeError, match="after offload_parameters"):
+        opt.save_checkpoint(tmp_path / "ck2")
+    h.remove()
+    # Step in backward steps in the hook, on the live param: the update
+    # was made in place, then dropped with the live data at its release
+    # (the offloaded params never changed, silently).
+    opt = tzt.AdamW(m.parameters(), lr=1e-2, offload="none", step_in_backward=True)
+    h = tzt.offload_parameters(m, "cpu", param_persistence_threshold=100)
+    with pytest.raises(RuntimeError, match="after offload_parameters"):
+        m(torch.randn(2, 64)).sum().backward()
     h.remove()
 
 

@@ -260,7 +260,34 @@ def test_a_failed_prefetch_never_becomes_a_param(tmp_path):
         h._load(other)
     h._aio = real
     assert target.inflight is None
+    # A prefetch whose read failed to issue left its unfilled buffer in
+    # flight, for the next fetch to install.
+    with torch.no_grad():
+        m(torch.zeros(1, 3, dtype=torch.long))  # records the module trace
+    h._recording = False
+
+    class FailingIssue:
+        def async_pread(self, *a):
+            raise OSError(5, "injected")
+
+        def wait(self):
+            return 0
+
+    real, h._aio = h._aio, FailingIssue()
+    with pytest.raises(OSError):
+        h._prefetch_after(h._trace[0])
+    h._aio = real
+    assert all(x.inflight is None for x in h._homes)
+    # A remove() whose wait fails drops the prefetches too (a second
+    # remove() installed the unfilled buffer).
+    target.inflight = torch.full(target.shape, 7.0, dtype=target.dtype)
+    real, h._aio = h._aio, Failing()
+    with pytest.raises(OSError):
+        h.remove()
+    h._aio = real
+    assert target.inflight is None
     h.remove()
+    assert not torch.equal(target.param.detach(), torch.full(target.shape, 7.0, dtype=target.dtype))
 
 
 def _mlp(inplace=False, frozen=False):

@@ -30,7 +30,9 @@ The values are never changed by the round trip (bytes in, bytes out), so a
 run with offload is bit-identical to one without.
 
 The optimizer must update the params where they live: ``tierzero.torch.AdamW``
-does (it reads and writes a released param through its home). Another
+does (it reads and writes a released param through its home), built after
+``offload_parameters`` (one built before steps fp32 CPU params in their own
+memory, and is refused with that fix once they are offloaded). Another
 optimizer needs the params gathered around its step (``with
 handle.gathered(): opt.step()``), which holds the whole model for that time.
 
@@ -219,7 +221,7 @@ class ParamOffload:
                     h.host = torch.empty(h.shape, dtype=h.dtype, device="cpu")
                     h.host.copy_(h.param.data)
                 else:
-                    self._aio.sync_pwrite(h.param.data.detach().reshape(-1).cpu().contiguous(), self._file, h.offset)
+                    self._io(self._aio.sync_pwrite, h.param.data.detach().reshape(-1).cpu().contiguous(), self._file, h.offset)
                 _HOMES[id(h.param)] = h
                 self._release(h, force=True)
         for module, homes in self._module_homes.items():
@@ -243,14 +245,7 @@ class ParamOffload:
         if h.host is not None:
             return h.host.to(h.device, copy=True)
         if h.inflight is not None:
-            try:
-                self._aio.wait()
-            except BaseException:
-                # The reads in flight are waited for and failed: none of
-                # their buffers may become a param's values.
-                for other in self._homes:
-                    other.inflight = None
-                raise
+            self._io(self._aio.wait)
             t, h.inflight = h.inflight, None
         else:
             t = torch.empty(h.shape, dtype=h.dtype, device="cpu")
@@ -259,9 +254,11 @@ class ParamOffload:
         return t.to(h.device) if h.device.type != "cpu" else t
 
     def _io(self, op, *args):
-        """``op(*args)`` on the aio handle. Its error may be a prefetch's
-        (a sync op waits for every op in flight): then every op is waited
-        for and no prefetch buffer may become a param's values."""
+        """``op(*args)`` on the aio handle; every aio call goes through here.
+        Its error may be a prefetch's (a sync op waits for every op in
+        flight), or a read's that was never issued: then every op is waited
+        for and no prefetch buffer may become a param's values (one left
+        ``inflight`` was installed, unfilled, by the next fetch)."""
         try:
             return op(*args)
         except BaseException:
@@ -361,8 +358,11 @@ class ParamOffload:
                     continue
                 if budget < h.numel or live + h.numel > self.max_live_parameters:
                     return
-                h.inflight = torch.empty(h.shape, dtype=h.dtype, device="cpu")
-                self._aio.async_pread(h.inflight.reshape(-1), self._file, h.offset)
+                buf = torch.empty(h.shape, dtype=h.dtype, device="cpu")
+                # In flight once issued: a read that failed to issue left
+                # its unfilled buffer to become the param at its fetch.
+                self._io(self._aio.async_pread, buf.reshape(-1), self._file, h.offset)
+                h.inflight = buf
                 self.prefetched += 1
                 budget -= h.numel
                 live += h.numel
@@ -442,7 +442,7 @@ class ParamOffload:
     def remove(self):
         """Gathers every param for good, removes the hooks and the file."""
         if self._aio is not None and self.device == "nvme":
-            self._aio.wait()
+            self._io(self._aio.wait)
         for h in self._homes:
             if not h.is_live():
                 h.param.data = self._load(h).view(h.shape)

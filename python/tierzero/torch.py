@@ -35,7 +35,9 @@ gradients of all its params are final in backward
 with the rest of backward, and those gradients are freed; ``step()`` then
 steps what backward did not reach and waits for the writes. As with torch's
 own optimizer-in-backward recipe, this is for one backward per step with no
-gradient clipping or accumulation (the step happens before either could).
+gradient clipping or accumulation (the step happens before either could; a
+second backward before ``step()`` is refused, where its gradients were
+dropped).
 
 ``state_dict()`` is torch's format (``step``, ``exp_avg``, ``exp_avg_sq`` per
 param, plus ``master`` for params that are not fp32) and materialises it in
@@ -85,7 +87,7 @@ class _InPlaceState:
         return (0, 0)
 
     def _flat(self, i):
-        return self._params[i].detach().view(-1)
+        return _not_offloaded(self._params[i]).detach().view(-1)
 
     def load(self, i, master, m=None, v=None):
         self._flat(i).copy_(master)
@@ -186,6 +188,22 @@ class _CudaCopies:
 
     def finish(self):
         torch.cuda.current_stream().wait_stream(self.stream)
+
+
+def _not_offloaded(p):
+    """``p``, a param of the in-place path, which steps, loads and reads the
+    param's own memory: one offloaded since the optimizer was built (its
+    data is empty while released) is refused with the fix, where a step, a
+    load or a state read failed on a size mismatch deep in the kernel or a
+    copy."""
+    home = home_of(p)
+    if home is not None:
+        raise RuntimeError(
+            f"tierzero.torch.AdamW was built before offload_parameters: a param of {home.numel} "
+            f"elements it steps in place is offloaded now; build tierzero.torch.AdamW after "
+            f"offload_parameters"
+        )
+    return p
 
 
 def _values(p):
@@ -458,6 +476,8 @@ class AdamW(torch.optim.Optimizer):
 
     def _step_one(self, i, next_sg):
         s = self._subgroups[i]
+        if self._inplace:
+            self._check_in_place(s)  # step in backward: step() checked the others
         grad = self._gather_grads(s)
         out, direct, slot = self._out_for(s)
         self._native.step_group(i, s.steps + 1, *self._hyper(s), grad, out, next_sg)
@@ -498,12 +518,7 @@ class AdamW(torch.optim.Optimizer):
         """A sub-group of the in-place path still fits it (fp32 params in
         host memory, not offloaded), or an error with the fix."""
         (p, *_), = s.pieces
-        if home_of(p) is not None:
-            raise RuntimeError(
-                f"tierzero.torch.AdamW was built before offload_parameters: a param of {home_of(p).numel} "
-                f"elements it steps in place is offloaded now; build tierzero.torch.AdamW after "
-                f"offload_parameters"
-            )
+        _not_offloaded(p)
         if p.device.type != "cpu" or p.dtype != torch.float32:
             # Chosen at construction, for fp32 params in host memory;
             # a model moved since (HF Trainer and accelerate's
@@ -534,9 +549,6 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for p in self._empty_steps:
-            if p.grad is not None:
-                self._empty_steps[p] += 1
         todo = [
             i
             for i, s in enumerate(self._subgroups)
@@ -551,6 +563,9 @@ class AdamW(torch.optim.Optimizer):
                     raise RuntimeError("tierzero.torch.AdamW does not support sparse gradients")
             if self._inplace:
                 self._check_in_place(self._subgroups[i])
+        for p in self._empty_steps:
+            if p.grad is not None:
+                self._empty_steps[p] += 1
         try:
             if self._inplace:
                 self._step_in_place(todo)
@@ -659,8 +674,15 @@ class AdamW(torch.optim.Optimizer):
         state = {index[pid]: states[by_id[pid]] for pid in index if by_id[pid] in states}
         return {"state": state, "param_groups": groups}
 
+    def _check_loadable(self):
+        """Before a load changes anything: the in-place path's params are
+        not offloaded (``_not_offloaded``)."""
+        for p in self._native._params if self._inplace else ():
+            _not_offloaded(p)
+
     @torch.no_grad()
     def load_state_dict(self, state_dict):
+        self._check_loadable()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(
@@ -763,6 +785,7 @@ class AdamW(torch.optim.Optimizer):
     def load_checkpoint(self, path):
         """Loads what ``save_checkpoint`` wrote, one sub-group at a time, and
         sets the params to the saved master weights."""
+        self._check_loadable()
         offsets, total = self._flat_offsets()
         with open(path, "rb") as f:
             if f.read(8) != _MAGIC:
