@@ -962,11 +962,16 @@ fn device_sim_gradient_checkpointing_recomputes_to_the_same_weights() {
 #[test]
 fn device_sim_shows_the_device_tier_in_the_plan_metrics_and_timeline() {
     let d = tiny_setup("sim");
+    // Each unit computes at least 5 ms on the device's clock: the copies
+    // of the next unit's params run inside it, where with the tiny units'
+    // microseconds a loaded machine (CI's 2 cores) could order every copy
+    // between two computes.
     let args = with(
         &TINY,
         &[
             ("--device", "sim"),
             ("--sim-h2d-gbps", "0.05"),
+            ("--sim-compute-ms", "5"),
             ("--metrics", "m.jsonl"),
             ("--timeline", "tl.json"),
             ("--timeline-steps", "2"),
