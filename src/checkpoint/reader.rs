@@ -152,6 +152,20 @@ impl VerifyReport {
     }
 }
 
+/// The `step-<N>` dirs in `save_dir`, newest first, of steps below
+/// `below` if given.
+fn step_dirs_below(save_dir: &Path, below: Option<u64>) -> std::io::Result<Vec<PathBuf>> {
+    let mut steps: Vec<(u64, PathBuf)> = std::fs::read_dir(save_dir)?
+        .flatten()
+        .filter_map(|e| {
+            let step = parse_step_dir_name(e.file_name().to_str()?)?;
+            below.is_none_or(|b| step < b).then(|| (step, e.path()))
+        })
+        .collect();
+    steps.sort();
+    Ok(steps.into_iter().rev().map(|(_, p)| p).collect())
+}
+
 fn manifest_err(path: &Path, reason: impl Into<String>) -> CheckpointError {
     CheckpointError::Manifest {
         path: path.to_path_buf(),
@@ -221,19 +235,8 @@ impl Checkpoint {
             Err(e) => return Err(io_err("reading", &latest)(e)),
         }
         // Fall back to the newest step dir that validates.
-        let mut steps: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
-            .map_err(io_err("listing", dir))?
-            .flatten()
-            .filter_map(|e| {
-                let name = e.file_name();
-                let step = parse_step_dir_name(name.to_str()?)?;
-                Some((step, e.path()))
-            })
-            .filter(|(step, _)| below.is_none_or(|b| *step < b))
-            .collect();
-        steps.sort();
-        for (_, p) in steps.iter().rev() {
-            match Self::open_step_dir(p) {
+        for p in step_dirs_below(dir, below).map_err(io_err("listing", dir))? {
+            match Self::open_step_dir(&p) {
                 Ok(mut c) => {
                     if let Some(e) = &latest_err {
                         tracing::warn!(error = %e, using = %p.display(), "`latest` is unusable; using the newest valid checkpoint below it");
@@ -351,20 +354,9 @@ impl Checkpoint {
     /// manifest and file sizes validate (its data is not read): where to
     /// resume from when this one's data turns out corrupt.
     pub fn older_valid(&self) -> Option<PathBuf> {
-        let save_dir = self.dir.parent()?;
-        let mut steps: Vec<(u64, PathBuf)> = std::fs::read_dir(save_dir)
+        step_dirs_below(self.dir.parent()?, Some(self.step()))
             .ok()?
-            .flatten()
-            .filter_map(|e| {
-                let step = parse_step_dir_name(e.file_name().to_str()?)?;
-                (step < self.step()).then(|| (step, e.path()))
-            })
-            .collect();
-        steps.sort();
-        steps
             .into_iter()
-            .rev()
-            .map(|(_, p)| p)
             .find(|p| Self::open_step_dir(p).is_ok())
     }
 

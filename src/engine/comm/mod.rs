@@ -108,6 +108,21 @@ pub fn least_among_ranks(comm: &dyn Comm, own: u64) -> Result<u64> {
     Ok(all.iter().map(|&b| b as u64).min().unwrap_or(own))
 }
 
+/// Every rank's `own`, in rank order (one collective; every rank must
+/// call it).
+pub fn all_gather_u64(comm: &dyn Comm, own: u64) -> Result<Vec<u64>> {
+    let world = comm.world_size();
+    if world == 1 {
+        return Ok(vec![own]);
+    }
+    let mut all = vec![0u8; 8 * world];
+    comm.all_gather_bytes(&own.to_le_bytes(), &vec![8; world], &mut all)?;
+    Ok(all
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+        .collect())
+}
+
 /// Every rank's bytes (`mine` on this rank; lengths may differ), in rank
 /// order: the lengths are all-gathered first, then the bytes. Two
 /// collectives; every rank must call it.

@@ -225,13 +225,11 @@ impl Trainer {
         agree(&*comm, "saving a checkpoint (preparing)", ready)?;
 
         // Rank 0's pid names the staging dir; everyone learns it.
-        let owner_pid = if world == 1 {
-            std::process::id()
-        } else {
-            let mut all = vec![0u8; 4 * world];
-            comm.all_gather_bytes(&std::process::id().to_le_bytes(), &vec![4; world], &mut all)?;
-            u32::from_le_bytes([all[0], all[1], all[2], all[3]])
-        };
+        let pids = crate::engine::comm::all_gather_u64(&*comm, std::process::id().into())?;
+        let owner_pid = pids
+            .first()
+            .and_then(|p| u32::try_from(*p).ok())
+            .unwrap_or_else(std::process::id);
         let begun = if rank == 0 {
             self.take_save_lock(save_dir).and_then(|lock| {
                 StagedCheckpoint::begin(save_dir, step, lock)
@@ -558,16 +556,7 @@ impl Trainer {
 /// damaged step one rank fell back from) would train from another step,
 /// silently. Refused with each rank's step.
 fn same_step_on_every_rank(comm: &dyn crate::engine::comm::Comm, step: u64) -> Result<()> {
-    let world = comm.world_size();
-    if world == 1 {
-        return Ok(());
-    }
-    let mut all = vec![0u8; 8 * world];
-    comm.all_gather_bytes(&step.to_le_bytes(), &vec![8; world], &mut all)?;
-    let steps: Vec<u64> = all
-        .chunks_exact(8)
-        .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
-        .collect();
+    let steps = crate::engine::comm::all_gather_u64(comm, step)?;
     if steps.iter().all(|s| *s == step) {
         return Ok(());
     }

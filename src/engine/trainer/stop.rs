@@ -175,18 +175,9 @@ impl Trainer {
             return Ok(self.stopped);
         }
         let mine = self.stop.requested().map_or(0, StopCause::code);
-        let world = self.opts.comm.world_size();
-        let agreed = if world == 1 {
-            StopCause::from_code(mine)
-        } else {
-            let mut all = vec![0u8; 4 * world];
-            self.opts
-                .comm
-                .all_gather_bytes(&mine.to_le_bytes(), &vec![4; world], &mut all)?;
-            all.chunks_exact(4)
-                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .find_map(StopCause::from_code)
-        };
+        let agreed = crate::engine::comm::all_gather_u64(&*self.opts.comm, mine.into())?
+            .into_iter()
+            .find_map(|c| u32::try_from(c).ok().and_then(StopCause::from_code));
         if agreed.is_some() {
             self.stopped = agreed;
             self.stop_seen_at = Some(self.stop.requested_at().unwrap_or_else(Instant::now));

@@ -357,9 +357,9 @@ fn a_read_ahead_of_a_group_waits_for_its_own_queued_write() {
     assert_states_after_plain_steps(&mut state, &adam, a, values(n, 1), 2);
 }
 
-#[test]
-fn bf16_moments_load_rounded_as_the_kernel_stores_them() {
-    let mut state = OptimizerState::new(
+/// One in-memory sub-group of 4 elements with bf16 moments.
+fn bf16_in_memory_4() -> OptimizerState {
+    OptimizerState::new(
         vec![4],
         None,
         &[],
@@ -369,7 +369,12 @@ fn bf16_moments_load_rounded_as_the_kernel_stores_them() {
         PoolSize::default(),
         MomentDtype::Bf16,
     )
-    .unwrap();
+    .unwrap()
+}
+
+#[test]
+fn bf16_moments_load_rounded_as_the_kernel_stores_them() {
+    let mut state = bf16_in_memory_4();
     // 1 + 2^-8, halfway between two bf16s, rounds to even (1.0); a
     // subnormal is stored as signed zero.
     let m = [1.0 + f32::EPSILON * 2f32.powi(15), -1e-40, 0.5, 3.0];
@@ -388,17 +393,7 @@ fn bf16_moments_load_rounded_as_the_kernel_stores_them() {
 /// not); the masters are saved.
 #[test]
 fn bf16_moments_are_not_saved_as_fp32() {
-    let mut state = OptimizerState::new(
-        vec![4],
-        None,
-        &[],
-        1,
-        1,
-        false,
-        PoolSize::default(),
-        MomentDtype::Bf16,
-    )
-    .unwrap();
+    let mut state = bf16_in_memory_4();
     state
         .load_group(SubGroupId(0), [&[1.0; 4], &[0.5; 4], &[2.0; 4]])
         .unwrap();
