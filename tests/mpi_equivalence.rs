@@ -115,6 +115,10 @@ struct Out {
     file_bytes: u64,
     opt_buffers_bytes: u64,
     shard_numel: u64,
+    /// Steps skipped (fp16 overflow).
+    skipped: u64,
+    /// Speculative steps redone or undone, at the end.
+    speculation_misses: u64,
 }
 
 /// Where a run computes.
@@ -265,9 +269,12 @@ fn train_on(
     let mut collective_busy_s = 0f64;
     let mut grad_norms = Vec::new();
     let mut device_aheads = 0;
+    let (mut skipped, mut speculation_misses) = (0, 0);
     let losses = (0..steps)
         .map(|_| {
             let m = t.step().unwrap().metrics;
+            skipped += u64::from(m.skipped);
+            speculation_misses = m.speculation_misses;
             grad_norms.push(m.grad_norm.unwrap_or(0.0));
             device_aheads += m.device_forwards_ahead + m.device_backwards_ahead;
             h2d_bytes += m.h2d_bytes;
@@ -312,6 +319,8 @@ fn train_on(
         file_bytes: usage.file_bytes,
         opt_buffers_bytes: usage.optimizer_buffers_bytes,
         shard_numel,
+        skipped,
+        speculation_misses,
     }
 }
 
@@ -409,6 +418,8 @@ fn out_to_json(o: &Out) -> Value {
         "file_bytes": o.file_bytes,
         "opt_buffers_bytes": o.opt_buffers_bytes,
         "shard_numel": o.shard_numel,
+        "skipped": o.skipped,
+        "speculation_misses": o.speculation_misses,
     })
 }
 
@@ -448,6 +459,8 @@ fn out_from_json(v: &Value) -> Out {
         file_bytes: v["file_bytes"].as_u64().unwrap(),
         opt_buffers_bytes: v["opt_buffers_bytes"].as_u64().unwrap(),
         shard_numel: v["shard_numel"].as_u64().unwrap(),
+        skipped: v["skipped"].as_u64().unwrap(),
+        speculation_misses: v["speculation_misses"].as_u64().unwrap(),
         fetches: serde_json::from_value(v["fetches"].clone()).unwrap(),
         steps_busy_ms: serde_json::from_value(v["steps_busy_ms"].clone()).unwrap(),
     }
@@ -1052,6 +1065,57 @@ fn shards_gathered_on_the_device_cross_from_their_pages_in_place() {
 fn stage3_nvme_three_ranks_match_one_rank_bit_for_bit() {
     let (one, ranks) = case("s3-nvme-3", 3, &Knobs::nvme(), false, STEPS);
     assert_bit_identical("stage 3 nvme, 3 ranks", &one, &ranks);
+}
+
+/// fp16 on 3 ranks, each speculating fewer NVMe sub-groups than it has:
+/// a skipped step restores the params of each rank's speculated
+/// sub-groups, and those differ between the ranks (the last rank's shards
+/// are shorter, so its sub-groups hold other params); every param is
+/// resident until then (persistence above every param's size), so the
+/// next forward gathers only what a rank restored, and must gather the
+/// same params on every rank. The run with speculation trains the same
+/// bits as without.
+#[test]
+fn a_skipped_speculative_step_on_three_ranks_matches_no_speculation() {
+    let (tag, steps) = ("s3-spec-skip", 6u64);
+    let off = Knobs {
+        precision: "fp16",
+        initial_scale_power: 19,
+        sub_group: 2750,
+        persistence: 1 << 30,
+        speculative: Some(false),
+        ..Knobs::nvme()
+    };
+    // Three slots of 3 × 2750 × 4 B, 4 KiB-aligned: the last three
+    // sub-groups hold ln_f, the head and the last block's last bias on
+    // ranks 0 and 1, and not that bias on rank 2 (its shards are shorter).
+    let on = Knobs {
+        speculative: Some(true),
+        speculation_pool_bytes: Some(3 * 3 * 12_288),
+        ..off.clone()
+    };
+    let model = model_dir(tag, false);
+    let without = run_ranks(
+        3,
+        &ds_config(&off, &scratch("mpi-swap"), steps),
+        &model,
+        steps,
+    );
+    let with = run_ranks(
+        3,
+        &ds_config(&on, &scratch("mpi-swap"), steps),
+        &model,
+        steps,
+    );
+    for (r, o) in with.iter().enumerate() {
+        assert_eq!(o.losses, with[0].losses, "{tag}: rank {r} losses");
+        assert_eq!(o.sha256, with[0].sha256, "{tag}: rank {r} hash");
+    }
+    eprintln!("{tag}: {} of {steps} steps skipped", without[0].skipped);
+    assert!(without[0].skipped > 0, "{tag}: no step was skipped");
+    assert!(without[0].skipped < steps, "{tag}: every step was skipped");
+    assert!(with[0].speculation_misses > 0, "{tag}: nothing speculated");
+    assert_bit_identical("fp16 skips, speculation on vs off", &without[0], &with);
 }
 
 #[test]

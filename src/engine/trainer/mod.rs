@@ -68,8 +68,10 @@
 //!
 //! # Speculative step
 //!
-//! With clipping or an overflow check (fp16, and bf16 by default:
-//! `Config::waits_for_global_norm`) a step needs the global gradient norm (or the
+//! With clipping or an overflow check (fp16; bf16 with
+//! `check_grad_overflow`, whose default is on at stages 1-2 only, so with
+//! the NVMe optimizer state of stage 3 bf16 speculates with clipping or
+//! that key set: `Config::waits_for_global_norm`) a step needs the global gradient norm (or the
 //! overflow flag) before it can scale a single gradient, and backward ends
 //! before that is known: without more, the optimizer could only read
 //! ahead during backward and step after it. With NVMe optimizer state and
@@ -96,8 +98,10 @@
 //! Resident (in-memory) groups are not speculated: they step after the
 //! decision. When backward ends:
 //!
-//! * the decision's multiplier equals the speculative one (norm at or
-//!   below `max_norm`: torch's coefficient is exactly 1; no overflow): the
+//! * the decision's multiplier equals the speculative one (no overflow,
+//!   and the clip coefficient rounds to the same f32 multiplier: a norm
+//!   well below `max_norm`; within 1e-6 of it torch's coefficient is just
+//!   below 1, a miss): the
 //!   speculative steps are the step, bit for bit. `Job::Commit` makes each
 //!   slot the group's extents and its old extents a free slot (after every
 //!   queued step has run), and drops the kept gradients;
@@ -108,7 +112,12 @@
 //!   (`Done::Superseded` answers it);
 //! * overflow (fp16): queued speculative steps are dropped, the slots
 //!   return to the pool, the ones that ran get their params back from the
-//!   old masters (`Job::Restore`), and the step is skipped.
+//!   old masters (`Job::Restore`), and the step is skipped. With several
+//!   ranks each restored param is restaged on every rank
+//!   (`Trainer::restage_restored_elsewhere`): the ranks' pools and
+//!   sub-groups differ, so the params one restores another may hold
+//!   resident, and the next forward's all-gather must take the same
+//!   params on every rank (`tests/mpi_equivalence.rs` skips on 3 ranks).
 //!
 //! So the weights are the same bits with speculation on or off (the
 //! equivalence tests in `tests/engine_speculative.rs` force hits, misses

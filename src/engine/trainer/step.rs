@@ -539,6 +539,45 @@ impl Trainer {
         ))
     }
 
+    /// After a skipped step, with several ranks: every param that some rank
+    /// restores (the params of its speculated sub-groups) is restaged on
+    /// every rank, so the next forward gathers the same params everywhere.
+    /// Each rank speculates the sub-groups its own pool has slots for, and
+    /// a rank's sub-groups hold other params than another's where the
+    /// shards differ (the last rank's are shorter), so the restored params
+    /// differ between ranks: a param restaged on one rank and resident on
+    /// another would be in one rank's all-gather and not the other's. One
+    /// all-gather of a bitmap of the params each rank restored.
+    fn restage_restored_elsewhere(&mut self, speculated: &[SubGroupId]) -> Result<()> {
+        let comm = self.opts.comm.clone();
+        let world = comm.world_size();
+        if world == 1 {
+            return Ok(());
+        }
+        let params = self.model.params().len();
+        let mut mine = vec![0u8; params.div_ceil(8).max(1)];
+        for sg in speculated {
+            let g = self
+                .layout
+                .sub_groups
+                .get(sg.0)
+                .ok_or_else(|| EngineError::internal("a restore of an unknown sub-group"))?;
+            for p in g.param_ids() {
+                mine[p.0 / 8] |= 1 << (p.0 % 8);
+            }
+        }
+        let mut all = vec![0u8; mine.len() * world];
+        comm.all_gather_bytes(&mine, &vec![mine.len(); world], &mut all)?;
+        let bit = |map: &[u8], p: usize| map[p / 8] >> (p % 8) & 1 == 1;
+        for p in 0..params {
+            let elsewhere = all.chunks_exact(mine.len()).any(|m| bit(m, p));
+            if elsewhere && !bit(&mine, p) {
+                self.store.restage_resident(ParamId(p))?;
+            }
+        }
+        Ok(())
+    }
+
     /// Carries out the decision: the sub-groups not stepped yet are sent in
     /// index order, or the state reads are cancelled. Returns whether the
     /// step was skipped.
@@ -563,10 +602,11 @@ impl Trainer {
                 // Queued speculative steps are dropped; the ones that ran
                 // get their params back from the old masters.
                 self.opt.send(Job::CancelReads)?;
-                for sg in speculated {
+                for &sg in &speculated {
                     self.opt.send(Job::Restore(sg))?;
                     self.expect_update(sg)?;
                 }
+                self.restage_restored_elsewhere(&speculated)?;
                 Ok(true)
             }
             GradStep::Apply(scale) => {

@@ -96,6 +96,22 @@ impl ParamStore {
         self.write_home(id, &a.bytes, keep, None)
     }
 
+    /// Makes a resident `id` gathered again at its next fetch, like a
+    /// param whose new bytes were staged: its own current shard is staged
+    /// (a param not resident already is gathered at its next fetch). With
+    /// several ranks, a fetch gathers the params no rank holds resident
+    /// in one collective, so the ranks must agree on which are: the
+    /// trainer calls this for a param another rank staged and this one did
+    /// not (after a skipped step, each rank restores the params of the
+    /// sub-groups it speculated, and those differ between ranks).
+    pub fn restage_resident(&mut self, id: ParamId) -> Result<()> {
+        if self.state(id) != ParamState::Resident {
+            return Ok(());
+        }
+        let shard = self.current_shard(id)?;
+        self.apply(id, ParamEvent::Staged(shard))
+    }
+
     /// This rank's current shard bytes of `id`, from wherever they are
     /// (never a collective: several ranks stage, and gather only in
     /// fetches).
