@@ -47,6 +47,15 @@
 //! - **16-bit params**: `N·p` (stages 0-2) or `S·p` (stage 3), on the
 //!   device, in host memory (`offload_param: cpu`, pinned when `pin_memory`,
 //!   since every forward and backward copies them to the device), or on NVMe.
+//!   With the model known ([`Inputs::shape`]), offloaded params are sized
+//!   from its shards by the sizing policy's own functions: host memory in
+//!   pages packed next-fit in `ParamId` order (`sizing::cpu_page_plan`: a
+//!   page's tail the next shard does not fit in stays empty, +28% over
+//!   `S·p` for Llama-2-7B on one rank, by that function), the shards
+//!   `max_in_cpu` holds kept in such pages and the rest on NVMe, each
+//!   extent 4 KiB-aligned (`sizing::nvme_param_homes`). A shard homed on
+//!   NVMe larger than one param swap-in buffer makes the choice one
+//!   `tierzero train` refuses ([`Estimate::refused`]): it does not fit.
 //! - **Gathered units** (stage 3): the unit being computed and the one being
 //!   prefetched, `2·L·p`, where `L` is the largest *unit* (a whole
 //!   transformer block: that is what the engine gathers, not DeepSpeed's
@@ -55,8 +64,9 @@
 //! - **Unit gradients**: one unit's 16-bit grads, `L·p`, on the device
 //!   before they are reduced or offloaded (whenever grads are partitioned or
 //!   offloaded; stages 0/1 without offload accumulate straight into fp32).
-//! - **fp32 gradient accumulators**: `N·4` (stages 0/1) or `S·4` (stages 2/3),
-//!   wherever the optimizer runs: device, pageable host memory (the CPU
+//! - **fp32 gradient accumulators**: `S·4` at every stage (the trainer
+//!   shards the sums and the optimizer state over the ranks whatever the
+//!   stage: `crate::engine::layout`), wherever the optimizer runs: device, pageable host memory (the CPU
 //!   optimizer's sums: a device's copies land in the link's pinned staging
 //!   buffers and are read into them, so they need not be pinned; the
 //!   plan's grads row), or NVMe (swapped with the optimizer sub-group, as
@@ -65,14 +75,16 @@
 //!   share are held as they came, 2 bytes each
 //!   ([`Inputs::bf16_grad_numel`], from `--model` and `--config`).
 //! - **Optimizer state**: fp32 master + m + v, `(4 + 2m)` bytes per param,
-//!   `N` of them at stage 0 and `S` from stage 1: on the device, in
+//!   `S` of them at every stage: on the device, in
 //!   *pageable* host memory (`cpu`: the CPU Adam reads and writes it in
-//!   place, no DMA touches it, so it need not be pinned), or on NVMe. On
+//!   place, no DMA touches it, so it need not be pinned), or on NVMe (each
+//!   sub-group's three extents 4 KiB-aligned). On
 //!   NVMe, tierzero keeps the state of the first forward units' sub-groups
-//!   in pageable memory (`tierzero.optimizer_resident_bytes`; auto: one
-//!   sub-group's state, at most one prefetch bucket's): counted there at
-//!   its budget when one sub-group (at most `sub_group_size`: a larger
-//!   tensor is tiled) fits it, else not at all.
+//!   in pageable memory while it fits `tierzero.optimizer_resident_bytes`
+//!   (auto: one sub-group's state, at most one prefetch bucket's): the
+//!   engine's rule (`sizing::resident_groups_within`) on the model's
+//!   sub-groups, or on a stand-in from its size whose first sub-group (at
+//!   most `sub_group_size`: a larger tensor is tiled) is the first units'.
 //! - **Pinned swap buffers**, from the config (DeepSpeed's defaults without
 //!   one):
 //!   - param swap-in buffers: `buffer_count × buffer_size × p`;
@@ -478,6 +490,16 @@ pub struct Inputs {
     pub tied_numel: u64,
     /// Pinned buffer settings.
     pub swap: SwapSettings,
+    /// With the model known: rank 0's shape as the trainer lays it out
+    /// ([`Shape::of`]: its param shards in `ParamId` order, its optimizer
+    /// sub-groups, those of the first forward units marked). The trainer
+    /// shards the optimizer state and the gradient sums at every stage, so
+    /// the sub-groups hold for every choice; the param shards are those of
+    /// stage 3. The sizing policy's own functions then size the param
+    /// pages and homes and the resident sub-groups from it. `None`: sizes
+    /// only ([`Shape::estimated`] where a shape is needed).
+    #[serde(skip)]
+    pub shape: Option<Shape>,
 }
 
 /// The assumed largest unit for a GPT-3-shaped model of `total_numel`
@@ -615,6 +637,10 @@ pub struct Estimate {
     pub deepspeed: Option<DeepSpeedFigure>,
     /// Fit on the machine.
     pub fit: Fit,
+    /// Why `tierzero train` would refuse this choice at start-up, whatever
+    /// the machine (then it does not fit): see `items::refusal`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub refused: Option<String>,
 }
 
 /// The whole answer.
@@ -775,7 +801,9 @@ pub fn estimate(inp: &Inputs, machine: &Machine) -> Result<Report, EstimateError
         if machine.device_bytes.is_none() {
             node_ram_bytes = node_ram_bytes.saturating_add(per_node.device_bytes);
         }
-        let fit = fit(&per_rank, node_ram_bytes, &per_node, machine);
+        let mut fit = fit(&per_rank, node_ram_bytes, &per_node, machine);
+        let refused = items::refusal(inp, choice)?;
+        fit.fits &= refused.is_none();
         estimates.push(Estimate {
             choice,
             deepspeed: deepspeed_figure(inp, choice),
@@ -784,6 +812,7 @@ pub fn estimate(inp: &Inputs, machine: &Machine) -> Result<Report, EstimateError
             per_node,
             node_ram_bytes,
             fit,
+            refused,
         });
     }
     let recommended = estimates
@@ -806,17 +835,8 @@ pub fn estimate(inp: &Inputs, machine: &Machine) -> Result<Report, EstimateError
             inp.largest_unit_numel
         ));
     }
-    // Only where params reach NVMe: beyond `max_in_cpu` per rank.
-    let params_on_nvme =
-        inp.total_numel.div_ceil(inp.ranks.max(1)) > inp.swap.param_max_in_cpu_numel;
-    if let Some(t) = inp.largest_tensor_numel.filter(|_| params_on_nvme) {
-        let part = t.div_ceil(inp.ranks);
-        if part > inp.swap.param_buffer_numel {
-            notes.push(format!(
-                "offload_param.buffer_size {} is below the largest param partition ({part} elements): NVMe param offload cannot load it; raise buffer_size to at least {part}",
-                inp.swap.param_buffer_numel
-            ));
-        }
+    if let Some(why) = estimates.iter().find_map(|e| e.refused.as_ref()) {
+        notes.push(format!("params on NVMe do not fit: {why}"));
     }
     let (_, needed) = sizing::optimizer_buffers(
         inp.swap.optimizer_buffer_count,
@@ -870,10 +890,12 @@ mod tests {
         SwapSettings::from_config(&load_config(json, 1, 1000).unwrap().config)
     }
 
-    /// `tierzero.optimizer_resident_bytes`: with NVMe state, auto keeps one
-    /// prefetch bucket's state in pageable memory when the first sub-group
-    /// fits it; an explicit size replaces the bucket; 0, or a first group
-    /// (the embedding) larger than the budget, keeps nothing.
+    /// `tierzero.optimizer_resident_bytes`: with NVMe state, the sub-groups
+    /// of the first forward units stay in pageable memory while their state
+    /// fits the budget (auto: one sub-group's, at most one prefetch
+    /// bucket's): an explicit size keeps no other group (the engine's
+    /// `sizing::resident_groups`); 0 keeps nothing. Each NVMe group's three
+    /// extents are 4 KiB-aligned.
     #[test]
     fn resident_optimizer_state_moves_from_nvme_to_host() {
         let cfg = |extra: &str| {
@@ -892,7 +914,7 @@ mod tests {
             let kept = e
                 .items
                 .iter()
-                .find(|i| i.what == "optimizer state kept resident (at most)")
+                .find(|i| i.what == "optimizer state kept resident")
                 .map(|i| (i.tier, i.bytes));
             let state = e
                 .items
@@ -901,20 +923,28 @@ mod tests {
                 .map(|i| (i.tier, i.bytes));
             (kept, state)
         };
-        let all = n * 12;
+        // 100 groups of 1M elements; each group's master, m and v on NVMe
+        // are 4,000,000 B rounded up to 4 KiB.
+        let group_nvme = 3 * 4_001_792;
+        let all = 100 * group_nvme;
         // "auto": one sub-group's state (1M elements, within the 5M
         // bucket).
         assert_eq!(
             resident(cfg(""), None),
             (
                 Some((Tier::Pageable, 1_000_000 * 12)),
-                Some((Tier::Nvme, all - 1_000_000 * 12))
+                Some((Tier::Nvme, all - group_nvme))
             )
         );
+        // 100 MiB would hold 8 groups, but only the first is the first
+        // forward units' (a model known by its size: its first group).
         let explicit = r#", "tierzero": {"optimizer_resident_bytes": "100MiB"}"#;
         assert_eq!(
-            resident(cfg(explicit), None).0,
-            Some((Tier::Pageable, 100 << 20))
+            resident(cfg(explicit), None),
+            (
+                Some((Tier::Pageable, 1_000_000 * 12)),
+                Some((Tier::Nvme, all - group_nvme))
+            )
         );
         let off = r#", "tierzero": {"optimizer_resident_bytes": 0}"#;
         assert_eq!(resident(cfg(off), None), (None, Some((Tier::Nvme, all))));
@@ -924,9 +954,85 @@ mod tests {
             resident(cfg(""), Some(10_000_000)),
             (
                 Some((Tier::Pageable, 1_000_000 * 12)),
-                Some((Tier::Nvme, all - 1_000_000 * 12))
+                Some((Tier::Nvme, all - group_nvme))
             )
         );
+    }
+
+    /// With the model's shards, offloaded params are sized as the engine
+    /// sizes them: `cpu` packs every shard into pinned pages (next-fit in
+    /// `ParamId` order; a page's tail that the next shard does not fit in
+    /// is left empty), `nvme` keeps what `max_in_cpu` holds in such pages
+    /// and aligns each NVMe extent; a shard on NVMe larger than a param
+    /// swap-in buffer is a choice train refuses, so it does not fit.
+    #[test]
+    fn the_model_s_shards_size_param_pages_homes_and_refusals() {
+        use crate::engine::sizing::{GroupShape, SumDtype};
+        let (a, b) = (40_000_000u64, 10_000_000u64);
+        let shape = Shape {
+            param_shard_numel: vec![a, b, a],
+            sub_groups: vec![GroupShape {
+                numel: 2 * a + b,
+                first_units: true,
+                sum_dtype: SumDtype::F32,
+            }],
+            exact_shards: true,
+        };
+        let report = |buffer_size: &str| {
+            let sw = settings(&format!(
+                r#"{{"zero_optimization": {{"stage": 3,
+                    "offload_param": {{"device": "cpu", "max_in_cpu": 5e7,
+                        "buffer_size": {buffer_size}}}}}}}"#
+            ));
+            let mut inp = inputs(2 * a + b, a, 1, sw);
+            inp.shape = Some(shape.clone());
+            estimate(&inp, &machine(1 << 40, 1 << 40, None)).unwrap()
+        };
+        let r = report("1e8");
+        let rows = |e: &Estimate| -> Vec<(Tier, &str, u64)> {
+            e.items
+                .iter()
+                .filter(|i| i.what.contains("param") && i.tier != Tier::Device)
+                .map(|i| (i.tier, i.what, i.bytes))
+                .collect()
+        };
+        // Pages of the largest shard, 80 MB (> 64 MiB) rounded up to
+        // 4 KiB: 80 MB, then 20 MB that the 80 MB after it does not join.
+        let page = 80_003_072;
+        assert_eq!(
+            rows(find(&r, 3, Offload::Cpu, Offload::Cpu)),
+            [(Tier::Pinned, "16-bit param partition", 3 * page)]
+        );
+        // max_in_cpu 5e7 keeps the first two shards (50M elements); the
+        // third goes to NVMe, read through 5 slots of its own size cut
+        // from the 200 MB buffers.
+        assert_eq!(
+            rows(find(&r, 3, Offload::Cpu, Offload::Nvme)),
+            [
+                (Tier::Pinned, "param host cache (max_in_cpu)", 2 * page),
+                (Tier::Nvme, "16-bit param partition", page),
+                (Tier::Pinned, "param swap-in buffers", 5 * page),
+            ]
+        );
+        assert!(r.estimates.iter().all(|e| e.refused.is_none()));
+        // Buffers of 3e7 elements (60 MB) cannot hold the 80 MB shard.
+        let r = report("3e7");
+        let e = find(&r, 3, Offload::Cpu, Offload::Nvme);
+        assert!(!e.fit.fits);
+        let why = e.refused.as_deref().unwrap();
+        assert!(
+            why.contains("40000000 elements") && why.contains("buffer_size 30000000"),
+            "{why}"
+        );
+        assert!(
+            r.notes
+                .iter()
+                .any(|n| n.contains("raise buffer_size to at least 40000000")),
+            "{:?}",
+            r.notes
+        );
+        assert_ne!(r.recommended.map(|c| c.params), Some(Offload::Nvme));
+        assert!(find(&r, 3, Offload::Cpu, Offload::Cpu).refused.is_none());
     }
 
     #[test]
@@ -988,6 +1094,7 @@ mod tests {
             bf16_grad_numel: 0,
             tied_numel: 0,
             swap,
+            shape: None,
         }
     }
 
@@ -1127,19 +1234,19 @@ mod tests {
         let (n, l, ranks) = (1_000_000_000u64, 50_000_000u64, 4u64);
         let r = estimate(&inputs(n, l, ranks, sw), &machine(1 << 40, 1 << 40, None)).unwrap();
         let s = n / ranks;
-        // Stage 0: everything replicated: 2 + 4 + 12 bytes per param.
+        // Stages 0 and 1: the params replicated, the fp32 sums and the
+        // optimizer state sharded (the trainer shards them at every stage).
         assert_eq!(
             find(&r, 0, Offload::None, Offload::None)
                 .per_rank
                 .device_bytes,
-            18 * n
+            2 * n + 4 * s + 12 * s
         );
-        // Stage 1: optimizer state partitioned.
         assert_eq!(
             find(&r, 1, Offload::None, Offload::None)
                 .per_rank
                 .device_bytes,
-            2 * n + 4 * n + 12 * s
+            2 * n + 4 * s + 12 * s
         );
         // Stage 2: grads too (plus one unit's 16-bit grads before the reduce).
         assert_eq!(
@@ -1283,8 +1390,9 @@ mod tests {
             ]
         );
         // No clipping, GA 1: the gradients neither spill nor park; only
-        // params and state are on NVMe.
-        assert_eq!(e.per_rank.nvme_bytes, n * (2 + 12));
+        // params and state are on NVMe, each of the 70 sub-groups' three
+        // state extents 4 KiB-aligned.
+        assert_eq!(e.per_rank.nvme_bytes, n * 2 + 70 * 3 * 400_003_072);
         // Pipelined reads: 3 states × (1 + 1 read ahead) = 6 buffers, the
         // engine's rule (above buffer_count's 4), with a note. (Without
         // clipping: with it, the spilled gradient is a fourth.)

@@ -170,6 +170,8 @@ struct FromConfig {
     /// With a model and a config: the plan `tierzero train` prints for
     /// them ([`train_plan`]).
     train_plan: Option<String>,
+    /// With a model: rank 0's shape under the config ([`Inputs::shape`]).
+    shape: Option<tierzero::engine::sizing::Shape>,
 }
 
 /// The start-up plan `tierzero train` prints for the config `text` and
@@ -267,6 +269,12 @@ fn load_config(
             (Some(_), Some(m)) => Some(train_plan(&text, m, ranks)),
             _ => None,
         },
+        shape: model.map(|m| {
+            let world = usize::try_from(ranks).unwrap_or(usize::MAX);
+            let sub_group = usize::try_from(c.zero.sub_group_numel.0).unwrap_or(usize::MAX);
+            let layout = tierzero::engine::Layout::new(m, 0, world, sub_group);
+            tierzero::engine::sizing::Shape::of(c, m, &layout)
+        }),
     })
 }
 
@@ -367,6 +375,7 @@ pub fn run(a: EstimateArgs) -> Result<(), Failure> {
             .as_ref()
             .map_or(0, tierzero::engine::sizing::tied_numel),
         swap: cfg.swap,
+        shape: cfg.shape,
     };
     let machine = estimate::probe_machine(&nvme_dir, device_bytes);
     let mut report = estimate::estimate(&inputs, &machine).map_err(|e| bad(e.to_string()))?;
@@ -448,6 +457,11 @@ fn fit_text(e: &Estimate, device_known: bool) -> String {
     }
     check(e.fit.host, "RAM");
     check(e.fit.nvme, "NVMe");
+    if e.refused.is_some() {
+        // Train refuses the config, whatever the machine (the notes say
+        // why and the fix).
+        why.push("param buffer");
+    }
     if why.is_empty() {
         format!("? ({} unknown)", unknown.join(", "))
     } else {

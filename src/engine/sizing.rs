@@ -618,18 +618,30 @@ pub fn auto_optimizer_resident_bytes(
 /// `crate::engine::optimizer::state`.
 pub fn resident_groups(config: &Config, shape: &Shape) -> Vec<bool> {
     let zero = &config.zero;
-    let mut resident = vec![false; shape.sub_groups.len()];
     if zero.offload_optimizer.device.nvme_path().is_none() {
-        return resident;
+        return vec![false; shape.sub_groups.len()];
     }
-    let budget_bytes = config.tierzero.optimizer_resident_bytes.map_or(
-        auto_optimizer_resident_bytes(
-            zero.prefetch_bucket_numel.0,
-            zero.sub_group_numel.0,
-            STATE_BYTES_PER_ELEM,
-        ),
-        |b| b.0,
-    );
+    resident_groups_within(
+        shape,
+        config.tierzero.optimizer_resident_bytes.map(|b| b.0),
+        zero.prefetch_bucket_numel.0,
+        zero.sub_group_numel.0,
+    )
+}
+
+/// [`resident_groups`] with the state on NVMe, from the settings it reads:
+/// `optimizer_resident_bytes` (`None`: auto), `stage3_prefetch_bucket_size`
+/// and `sub_group_size` (`tierzero estimate` calls it with the config's).
+pub fn resident_groups_within(
+    shape: &Shape,
+    optimizer_resident_bytes: Option<u64>,
+    prefetch_bucket_numel: u64,
+    sub_group_numel: u64,
+) -> Vec<bool> {
+    let mut resident = vec![false; shape.sub_groups.len()];
+    let budget_bytes = optimizer_resident_bytes.unwrap_or_else(|| {
+        auto_optimizer_resident_bytes(prefetch_bucket_numel, sub_group_numel, STATE_BYTES_PER_ELEM)
+    });
     let mut used_bytes = 0u64;
     let mut kept = 0usize;
     for (g, r) in shape.sub_groups.iter().zip(resident.iter_mut()) {
@@ -638,8 +650,7 @@ pub fn resident_groups(config: &Config, shape: &Shape) -> Vec<bool> {
         }
         // "auto" never keeps every group: some state is always on the
         // tier the config names (a one-group model stays offloaded).
-        if config.tierzero.optimizer_resident_bytes.is_none() && kept + 1 >= shape.sub_groups.len()
-        {
+        if optimizer_resident_bytes.is_none() && kept + 1 >= shape.sub_groups.len() {
             break;
         }
         kept += 1;
@@ -673,25 +684,38 @@ pub fn held_grad_bound(resident: &[bool], nvme_groups: usize) -> usize {
 /// Home tier of each param (see the module docs).
 fn home_tiers(config: &Config, shape: &Shape) -> Vec<Tier> {
     let zero = &config.zero;
+    let n = shape.param_shard_numel.len();
+    if zero.stage != Stage::Parameters {
+        return vec![Tier::Device; n];
+    }
+    match &zero.offload_param.device {
+        OffloadDevice::None => vec![Tier::Device; n],
+        OffloadDevice::Cpu => vec![Tier::Cpu; n],
+        OffloadDevice::Nvme { .. } => nvme_param_homes(
+            &shape.param_shard_numel,
+            zero.offload_param.max_in_cpu_numel.0,
+        )
+        .into_iter()
+        .map(|nvme| if nvme { Tier::Nvme } else { Tier::Cpu })
+        .collect(),
+    }
+}
+
+/// With `offload_param: nvme`, which params (this rank's shards, in
+/// `ParamId` order) go to NVMe: a shard stays in (pinned) host memory
+/// while the running total of those kept, with it, is at most
+/// `max_in_cpu` elements, and goes to NVMe otherwise (a later smaller one
+/// may still stay).
+pub fn nvme_param_homes(param_shard_numel: &[u64], max_in_cpu_numel: u64) -> Vec<bool> {
     let mut in_cpu = 0u64;
-    shape
-        .param_shard_numel
+    param_shard_numel
         .iter()
         .map(|&n| {
-            if zero.stage != Stage::Parameters {
-                return Tier::Device;
-            }
-            match &zero.offload_param.device {
-                OffloadDevice::None => Tier::Device,
-                OffloadDevice::Cpu => Tier::Cpu,
-                OffloadDevice::Nvme { .. } => {
-                    if in_cpu + n <= zero.offload_param.max_in_cpu_numel.0 {
-                        in_cpu += n;
-                        Tier::Cpu
-                    } else {
-                        Tier::Nvme
-                    }
-                }
+            if in_cpu.saturating_add(n) <= max_in_cpu_numel {
+                in_cpu += n;
+                false
+            } else {
+                true
             }
         })
         .collect()

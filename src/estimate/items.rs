@@ -54,20 +54,24 @@ pub fn items_within(
     // 16-bit params.
     let (pn, ps) = part(c.stage == Stage::Parameters);
     let param_bytes = mul(pn, p, "16-bit params")?;
-    match c.params {
-        Offload::None => push(
+    match (c.params, inp.shape.as_ref()) {
+        // The model's own shards: the sizing policy's pages and homes.
+        (Offload::Cpu | Offload::Nvme, Some(shape)) => {
+            offloaded_param_items(inp, c.params, shape, &mut push)?
+        }
+        (Offload::None, _) => push(
             Tier::Device,
             "16-bit params",
             param_bytes,
             format!("{ps} × {p} B"),
         ),
-        Offload::Cpu => push(
+        (Offload::Cpu, _) => push(
             pinned_or(sw.param_pin_memory),
             "16-bit param partition",
             param_bytes,
             format!("{ps} × {p} B"),
         ),
-        Offload::Nvme => {
+        (Offload::Nvme, _) => {
             // The first `max_in_cpu` elements stay in host memory and the
             // rest go to NVMe (the engine's home tiers, param by param);
             // the swap-in buffers exist only for those on NVMe.
@@ -125,9 +129,10 @@ pub fn items_within(
         );
     }
 
-    // fp32 gradient accumulators, where the optimizer runs. With the
-    // state on NVMe they are bounded below (after the state's items).
-    let (gn, gs) = part(c.stage >= Stage::Gradients);
+    // fp32 gradient accumulators, where the optimizer runs, sharded over
+    // the ranks at every stage. With the state on NVMe they are bounded
+    // below (after the state's items).
+    let (gn, gs) = part(true);
     let grad_bytes = mul(gn, 4, "fp32 grads")?;
     match c.optimizer {
         Offload::None => push(
@@ -185,77 +190,102 @@ pub fn items_within(
         }
     }
 
-    // Optimizer state.
-    let (on, os) = part(c.stage >= Stage::OptimizerStates);
+    // Optimizer state, sharded over the ranks at every stage as the
+    // gradient sums are (the trainer's layout, `crate::engine::layout`).
+    let (on, os) = part(true);
     let per = 4 + 2 * inp.moment_elem_bytes;
     let state_tier = match c.optimizer {
         Offload::None => Tier::Device,
         Offload::Cpu => Tier::Pageable,
         Offload::Nvme => Tier::Nvme,
     };
-    let state_bytes = mul(on, per, "optimizer state")?;
-    // The largest sub-group as the sizing policy sees a model known by its
-    // size: a param larger than `sub_group_size` is tiled, so at most
-    // `sub_group_size`.
-    let largest_group =
-        Shape::estimated(on, inp.largest_tensor_numel, sw.sub_group_numel).max_sub_group_numel();
-    // With NVMe state, the sub-groups of the first forward units stay in
-    // host memory (`tierzero.optimizer_resident_bytes`; auto: one
-    // sub-group's state, at most one prefetch bucket's). The engine keeps only whole sub-groups holding those units'
-    // params, so this counts the budget when one group's state fits it
-    // (at the most), and nothing when it does not.
-    let resident_bytes = if c.optimizer == Offload::Nvme {
-        let one_group = largest_group.saturating_mul(per);
-        // "auto" never keeps every group (`sizing::resident_groups`): at
-        // most all but one group's state stays in memory, so a one-group
-        // model's none.
-        let cap = match sw.optimizer_resident_bytes {
-            None => state_bytes.saturating_sub(one_group),
-            Some(_) => state_bytes,
-        };
-        let budget = sw
-            .optimizer_resident_bytes
-            .unwrap_or_else(|| {
-                sizing::auto_optimizer_resident_bytes(
-                    sw.prefetch_bucket_numel,
-                    sw.sub_group_numel,
-                    per,
-                )
-            })
-            .min(cap);
-        if one_group <= budget {
-            budget
-        } else {
-            0
+    // The sub-groups: the model's, or the sizing policy's stand-in for a
+    // model known by its size (a param larger than `sub_group_size` is
+    // tiled, so none is larger).
+    let estimated;
+    let shape = match &inp.shape {
+        Some(s) => s,
+        None => {
+            estimated = Shape::estimated(on, inp.largest_tensor_numel, sw.sub_group_numel);
+            &estimated
         }
-    } else {
-        0
     };
-    push(
-        state_tier,
-        "fp32 master + Adam m, v",
-        state_bytes - resident_bytes,
-        if resident_bytes > 0 {
+    let largest_group = shape.max_sub_group_numel();
+    // With NVMe state, the sub-groups holding the first forward units'
+    // params stay in host memory while their state fits
+    // `tierzero.optimizer_resident_bytes` (auto: one sub-group's, at most
+    // one prefetch bucket's): the engine's rule, on the same shape.
+    let resident = match c.optimizer {
+        Offload::Nvme => sizing::resident_groups_within(
+            shape,
+            sw.optimizer_resident_bytes,
+            sw.prefetch_bucket_numel,
+            sw.sub_group_numel,
+        ),
+        _ => vec![false; shape.sub_groups.len()],
+    };
+    let resident_groups = resident.iter().filter(|r| **r).count() as u64;
+    let resident_numel: u64 = shape
+        .sub_groups
+        .iter()
+        .zip(&resident)
+        .filter(|(_, r)| **r)
+        .map(|(g, _)| g.numel)
+        .sum();
+    let resident_bytes = mul(resident_numel, per, "resident state")?;
+    let m = inp.moment_elem_bytes;
+    if c.optimizer == Offload::Nvme {
+        // Each NVMe sub-group's master, m and v: an extent each, 4 KiB-aligned.
+        let nvme_state = shape
+            .sub_groups
+            .iter()
+            .zip(&resident)
+            .filter(|(_, r)| !**r)
+            .try_fold(0u64, |a, (g, _)| {
+                let one = sizing::align_up(g.numel.checked_mul(4)?)
+                    .checked_add(sizing::align_up(g.numel.checked_mul(m)?).checked_mul(2)?)?;
+                a.checked_add(one)
+            })
+            .ok_or_else(|| EstimateError::Overflow {
+                what: "optimizer state on NVMe".into(),
+            })?;
+        push(
+            Tier::Nvme,
+            "fp32 master + Adam m, v",
+            nvme_state,
             format!(
-                "{os} × (4 + 2 × {}) B, less the resident part",
-                inp.moment_elem_bytes
-            )
-        } else {
-            format!("{os} × (4 + 2 × {}) B", inp.moment_elem_bytes)
-        },
-    );
+                "{} sub-groups' (4 + 2 × {m}) B an element{}, each extent 4 KiB-aligned",
+                shape.sub_groups.len() as u64 - resident_groups,
+                if resident_groups > 0 {
+                    ", less the resident groups"
+                } else {
+                    ""
+                }
+            ),
+        );
+    } else {
+        push(
+            state_tier,
+            "fp32 master + Adam m, v",
+            mul(on, per, "optimizer state")?,
+            format!("{os} × (4 + 2 × {m}) B"),
+        );
+    }
     if resident_bytes > 0 {
         push(
             Tier::Pageable,
-            "optimizer state kept resident (at most)",
+            "optimizer state kept resident",
             resident_bytes,
-            match sw.optimizer_resident_bytes {
-                Some(b) => format!("tierzero.optimizer_resident_bytes {b} B"),
-                None => format!(
-                    "min(stage3_prefetch_bucket_size {}, sub_group_size {}) × {per} B",
-                    sw.prefetch_bucket_numel, sw.sub_group_numel
-                ),
-            },
+            format!(
+                "{resident_groups} sub-group(s) of the first forward units, {resident_numel} × {per} B, within {}",
+                match sw.optimizer_resident_bytes {
+                    Some(b) => format!("tierzero.optimizer_resident_bytes {b} B"),
+                    None => format!(
+                        "min(stage3_prefetch_bucket_size {}, sub_group_size {}) × {per} B",
+                        sw.prefetch_bucket_numel, sw.sub_group_numel
+                    ),
+                }
+            ),
         );
     }
     let tile = sw.sub_group_numel.min(on);
@@ -263,8 +293,8 @@ pub fn items_within(
         nvme_state_grads(
             inp,
             (on, &os),
-            largest_group,
-            resident_bytes > 0,
+            shape,
+            resident_groups,
             nvme_room_bytes,
             &mut push,
         )?;
@@ -308,15 +338,14 @@ pub fn items_within(
 fn nvme_state_grads(
     inp: &Inputs,
     (on, os): (u64, &str),
-    largest_group: u64,
-    one_resident: bool,
+    shape: &Shape,
+    resident: u64,
     nvme_room_bytes: Option<u64>,
     push: &mut impl FnMut(Tier, &'static str, u64, String),
 ) -> Result<(), EstimateError> {
     let sw = &inp.swap;
-    let shape = Shape::estimated(on, inp.largest_tensor_numel, sw.sub_group_numel);
     let sub_groups = shape.sub_groups.len() as u64;
-    let g = largest_group.max(1);
+    let g = shape.max_sub_group_numel().max(1);
     let (ra, wb) = (
         usize::from(sw.pipeline_read),
         usize::from(sw.pipeline_write),
@@ -326,7 +355,6 @@ fn nvme_state_grads(
     // groups plus one at each end (a tiled tensor starts a group of its
     // own, and a unit's other params may sit in the groups on either side).
     let unit_groups = (inp.largest_unit_numel.div_ceil(g) + 2).min(sub_groups);
-    let resident = u64::from(one_resident);
     let held = if spill {
         (ra as u64 + 1 + resident).min(sub_groups)
     } else {
@@ -421,6 +449,123 @@ fn nvme_state_grads(
         );
     }
     Ok(())
+}
+
+/// This rank's offloaded 16-bit params from the model's own shards
+/// (`shape`, stage 3), as the sizing policy homes and packs them
+/// ([`sizing::decide_within`]): `cpu` packs every shard into pinned pages
+/// ([`sizing::cpu_page_plan`]: next-fit in `ParamId` order, so a page's
+/// tail a shard does not fit in is left empty); `nvme` keeps the shards
+/// `max_in_cpu` holds in such pages ([`sizing::nvme_param_homes`]) and the
+/// rest on NVMe, each extent 4 KiB-aligned, through the swap-in buffers
+/// cut into slots of the largest ([`sizing::param_slots`]).
+fn offloaded_param_items(
+    inp: &Inputs,
+    params: Offload,
+    shape: &Shape,
+    push: &mut impl FnMut(Tier, &'static str, u64, String),
+) -> Result<(), EstimateError> {
+    let sw = &inp.swap;
+    let p = inp.param_elem_bytes;
+    let (cpu_bytes, nvme_bytes) = param_homes(inp, params, shape)?;
+    let pages = sizing::cpu_page_plan(&cpu_bytes);
+    if pages.count > 0 {
+        let (what, why) = match params {
+            Offload::Cpu => ("16-bit param partition", String::new()),
+            _ => (
+                "param host cache (max_in_cpu)",
+                format!(", those max_in_cpu {} holds", sw.param_max_in_cpu_numel),
+            ),
+        };
+        push(
+            pinned_or(sw.param_pin_memory),
+            what,
+            mul(pages.count, pages.bytes_each, "param pages")?,
+            format!(
+                "{} pages × {} B: {} shards{why} × {p} B packed in ParamId order",
+                pages.count,
+                pages.bytes_each,
+                cpu_bytes.len()
+            ),
+        );
+    }
+    if !nvme_bytes.is_empty() {
+        let on_nvme = nvme_bytes
+            .iter()
+            .try_fold(0u64, |a, &b| a.checked_add(sizing::align_up(b)))
+            .ok_or_else(|| EstimateError::Overflow {
+                what: "16-bit params on NVMe".into(),
+            })?;
+        push(
+            Tier::Nvme,
+            "16-bit param partition",
+            on_nvme,
+            format!("{} shards × {p} B, each 4 KiB-aligned", nvme_bytes.len()),
+        );
+        let configured = sizing::param_buffers(sw.param_buffer_count, sw.param_buffer_numel, p);
+        let largest = nvme_bytes.iter().copied().max().unwrap_or(0);
+        let slots = sizing::param_slots(configured, largest, nvme_bytes.len() as u64);
+        push(
+            pinned_or(sw.param_pin_memory),
+            "param swap-in buffers",
+            mul(slots.count, slots.bytes_each, "param buffers")?,
+            format!(
+                "buffer_count {} × buffer_size {} × {p} B, 4 KiB-aligned, cut into {} slots of the largest shard",
+                configured.count, sw.param_buffer_numel, slots.count
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// The bytes of this rank's 16-bit param shards (`shape`) that stay in
+/// host memory and that go to NVMe, in `ParamId` order, under `params`.
+fn param_homes(
+    inp: &Inputs,
+    params: Offload,
+    shape: &Shape,
+) -> Result<(Vec<u64>, Vec<u64>), EstimateError> {
+    let p = inp.param_elem_bytes;
+    let homes = match params {
+        Offload::Nvme => {
+            sizing::nvme_param_homes(&shape.param_shard_numel, inp.swap.param_max_in_cpu_numel)
+        }
+        _ => vec![false; shape.param_shard_numel.len()],
+    };
+    let (mut cpu, mut nvme) = (Vec::new(), Vec::new());
+    for (&n, on_nvme) in shape.param_shard_numel.iter().zip(homes) {
+        let b = mul(n, p, "a param shard")?;
+        if on_nvme {
+            nvme.push(b);
+        } else {
+            cpu.push(b);
+        }
+    }
+    Ok((cpu, nvme))
+}
+
+/// Why `tierzero train` would stop at start-up with choice `c`, where the
+/// estimate can tell: a param shard homed on NVMe larger than one param
+/// swap-in buffer (the param store refuses it, `EngineError::ParamTooLarge`:
+/// a shard is read whole into one buffer). Needs the model's shards
+/// ([`Inputs::shape`]).
+pub(super) fn refusal(inp: &Inputs, c: Choice) -> Result<Option<String>, EstimateError> {
+    let Some(shape) = inp.shape.as_ref().filter(|_| c.params == Offload::Nvme) else {
+        return Ok(None);
+    };
+    let (_, nvme) = param_homes(inp, c.params, shape)?;
+    let p = inp.param_elem_bytes;
+    let buffer = sizing::param_buffers(1, inp.swap.param_buffer_numel, p).bytes_each;
+    Ok(nvme.iter().copied().max().filter(|&b| b > buffer).map(|b| {
+        format!(
+            "a param shard of {} elements ({b} B) goes to NVMe, and a param swap-in buffer \
+             (offload_param.buffer_size {}) holds {buffer} B: tierzero train refuses it; raise \
+             buffer_size to at least {}",
+            b / p,
+            inp.swap.param_buffer_numel,
+            b / p
+        )
+    }))
 }
 
 /// Where a buffer the config may pin lives: pinned, or pageable with
