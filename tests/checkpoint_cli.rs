@@ -278,6 +278,84 @@ fn a_resume_keeps_the_checkpoint_s_seed() {
     assert_eq!(seed("step-00000002"), json!(7));
 }
 
+/// A resume without `--seed` or `--data-order` reads the data in the
+/// checkpoint's order: shuffled with the saving run's seed, file order for
+/// a file-order run and for a checkpoint from before the order was
+/// recorded (which read in file order). Steps 3 and 4 of each resume are
+/// the uninterrupted run's, bit for bit.
+#[test]
+fn a_resume_reads_the_data_in_the_checkpoint_s_order() {
+    let d = setup("order");
+    for (tag, flags) in [
+        ("shuffled", &["--seed", "7"][..]),
+        ("sequential", &["--data-order", "sequential"][..]),
+        ("unrecorded", &["--data-order", "sequential"][..]),
+    ] {
+        let whole = format!("{tag}-whole.jsonl");
+        let mut args = vec!["--steps", "4", "--metrics", &whole];
+        args.extend_from_slice(flags);
+        let w = train(&d, &args);
+        assert_eq!(w.code, 0, "{}", w.stderr);
+        let ck = format!("ck-{tag}");
+        let mut args = vec!["--steps", "2", "--save-dir", &ck];
+        args.extend_from_slice(flags);
+        let a = train(&d, &args);
+        assert_eq!(a.code, 0, "{}", a.stderr);
+        let manifest_path = d.join(&ck).join("step-00000002/manifest.json");
+        let mut m: Value =
+            serde_json::from_str(&std::fs::read_to_string(&manifest_path).unwrap()).unwrap();
+        let want_order = match tag {
+            "shuffled" => json!({"shuffled": {"seed": 7}}),
+            _ => json!("sequential"),
+        };
+        assert_eq!(m["data"]["order"], want_order, "{tag}");
+        if tag == "unrecorded" {
+            m["data"].as_object_mut().unwrap().remove("order");
+            let sealed = tierzero::checkpoint::seal_manifest_value(m).unwrap();
+            std::fs::write(&manifest_path, sealed).unwrap();
+        }
+        let resumed = format!("{tag}-resumed.jsonl");
+        let r = train(
+            &d,
+            &["--steps", "4", "--resume", &ck, "--metrics", &resumed],
+        );
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        assert!(
+            !r.stderr.contains("differs from the checkpoint"),
+            "{}",
+            r.stderr
+        );
+        assert_eq!(
+            losses(&d.join(&resumed)),
+            losses(&d.join(&whole))[2..].to_vec(),
+            "{tag}"
+        );
+    }
+    // The orders differ: the first step's loss is another.
+    let first = |tag: &str| losses(&d.join(format!("{tag}-whole.jsonl")))[0];
+    assert_ne!(first("shuffled"), first("sequential"));
+    // An explicit other seed on resume is this run's order, and warned of.
+    let r = train(
+        &d,
+        &[
+            "--steps",
+            "4",
+            "--resume",
+            "ck-shuffled",
+            "--seed",
+            "8",
+            "--metrics",
+            "s8.jsonl",
+        ],
+    );
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stderr.contains("data_order"), "{}", r.stderr);
+    assert_ne!(
+        losses(&d.join("s8.jsonl")),
+        losses(&d.join("shuffled-whole.jsonl"))[2..].to_vec()
+    );
+}
+
 #[test]
 fn resume_mistakes_are_bad_input() {
     let d = setup("bad");

@@ -75,6 +75,19 @@ pub struct DataPosition {
     /// Absent in checkpoints written before it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens: Option<u64>,
+    /// The order each pass read its windows in. Absent in checkpoints
+    /// written before the shuffle, which read them in file order
+    /// ([`DataPosition::order_or_file`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub order: Option<crate::data::DataOrder>,
+}
+
+impl DataPosition {
+    /// The data order of the run that saved: file order where the
+    /// checkpoint predates the record.
+    pub fn order_or_file(&self) -> crate::data::DataOrder {
+        self.order.unwrap_or(crate::data::DataOrder::Sequential)
+    }
 }
 
 /// What the training config was, to warn when a resumed run differs.

@@ -83,7 +83,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use tierzero::checkpoint::{Checkpoint, CheckpointError};
 use tierzero::config::{self, ConfigWarning, PathChecks, RunContext};
-use tierzero::data::TokenData;
+use tierzero::data::{DataOrder, TokenData};
 use tierzero::engine::{
     EngineError, StepMetrics, StopCause, StopHandle, StopSave, Summary, Timeline, Trainer,
     TrainerOptions,
@@ -160,9 +160,16 @@ pub struct TrainArgs {
     /// total_num_steps if concrete, else 150.
     #[arg(long, value_name = "N")]
     steps: Option<String>,
-    /// Seed of the model init (models without weights).
-    #[arg(long, value_name = "N", default_value = "1")]
-    seed: String,
+    /// Seed of the model init (models without weights) and of the data
+    /// shuffle. Default: 1 (with --resume, the checkpoint's shuffle)
+    #[arg(long, value_name = "N")]
+    seed: Option<String>,
+    /// The order each pass over the data reads its windows in: shuffled (a
+    /// permutation of --seed, another every pass, as HF Trainer shuffles)
+    /// or sequential (file order). Default: with --resume, the
+    /// checkpoint's; else shuffled
+    #[arg(long, value_name = "ORDER", value_parser = ["shuffled", "sequential"])]
+    data_order: Option<String>,
     /// Samples per rank per micro-step, as HF Trainer's
     /// --per_device_train_batch_size: fills train_micro_batch_size_per_gpu
     /// when the config says "auto" or leaves it out; a different number in
@@ -369,7 +376,10 @@ impl Flags {
         let opt = |flag: &str, text: &Option<String>, max: u64| -> Result<Option<u64>, Failure> {
             text.as_deref().map(|s| number(flag, s, 1, max)).transpose()
         };
-        let seed = number("--seed", &args.seed, 0, u64::MAX)?;
+        let seed = match &args.seed {
+            Some(s) => number("--seed", s, 0, u64::MAX)?,
+            None => 1,
+        };
         let threads = match args.threads.trim() {
             "auto" => None,
             t => NonZeroUsize::new(number("--threads", t, 1, 1024)? as usize),
@@ -416,6 +426,20 @@ impl Flags {
                 ),
             },
         })
+    }
+}
+
+/// The data order: `--data-order` with `--seed`; without it, a resumed
+/// run's is the checkpoint's (its seed too, unless `--seed` names
+/// another), a new run's shuffled.
+fn data_order(args: &TrainArgs, seed: u64, ckpt: Option<&Checkpoint>) -> DataOrder {
+    let saved = ckpt.map(|c| c.manifest().data.order_or_file());
+    match (args.data_order.as_deref(), saved) {
+        (Some("sequential"), _) | (None, Some(DataOrder::Sequential)) => DataOrder::Sequential,
+        (None, Some(DataOrder::Shuffled { seed: s })) if args.seed.is_none() => {
+            DataOrder::Shuffled { seed: s }
+        }
+        _ => DataOrder::Shuffled { seed },
     }
 }
 
@@ -541,6 +565,7 @@ struct RunInfo<'a> {
     seq_len: usize,
     tokens_per_step: u64,
     seed: u64,
+    data_order: DataOrder,
     ranks: usize,
     /// Rank 0: it prints.
     lead: bool,
@@ -713,6 +738,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         )));
     }
     let timeline_steps = number("--timeline-steps", &args.timeline_steps, 1, 1000)?;
+    let data_order = data_order(&args, flags.seed, ckpt.as_ref());
 
     // With --json, stdout carries only the summary object; under several
     // ranks only rank 0 prints.
@@ -755,6 +781,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         comm: comm.clone(),
         stop,
         stop_grace: flags.stop_grace,
+        data_order,
         ..TrainerOptions::cpu(flags.seed, seq_len)
     };
     // A checkpoint resumed from in the save dir is the one a stop that
@@ -772,6 +799,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         // Tokens of the global batch (every rank's micro-batches).
         tokens_per_step: cfg.batch.train_batch_size.saturating_mul(seq_len as u64),
         seed: flags.seed,
+        data_order,
         ranks: comm.world_size(),
         lead,
         train_batch_size: cfg.batch.train_batch_size,

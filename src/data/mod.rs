@@ -29,7 +29,9 @@
 //! `seq_len` tokens, targets the last `seq_len`. The corpus is read in
 //! passes of `W = (len − 1) / seq_len` windows that do not overlap (but for
 //! the one token that is a target of a window and an input of the next),
-//! in file order: sample `s` is window `s mod W` of pass `s / W`. The
+//! sample `s` is the `s mod W`-th window of pass `s / W` in the pass's
+//! order ([`DataOrder`]: file order, or a seeded shuffle of each pass,
+//! the default of `tierzero train`). The
 //! `r = len − 1 − W · seq_len` tokens a pass cannot use (fewer than
 //! `seq_len`) are at its end in pass 0 and at its start in pass 1 (the
 //! pass's offset into the corpus rotates through `0, r, r − 1, …, 1`), so
@@ -43,13 +45,16 @@
 //! Ranks read disjoint samples of the same global batch, so the data of a
 //! step does not depend on how it is split over ranks and micro-batches,
 //! whatever the format; the checkpoint's data position is the sample count
-//! (and its config fingerprint names this order, [`WINDOW_ORDER`]).
+//! and the order (and its config fingerprint names both, [`WINDOW_ORDER`]
+//! and [`DataOrder::describe`]).
 
 pub mod cache;
 pub mod encode;
 pub mod format;
+pub mod order;
 
 pub use format::{DataFormat, DocSplit, TokenWidth};
+pub use order::DataOrder;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -415,12 +420,13 @@ impl TokenData {
     }
 
     /// Inputs and targets `[rows, seq_len]` (`u32`) of the samples
-    /// `first_sample .. first_sample + rows`.
+    /// `first_sample .. first_sample + rows`, read in `order`.
     pub fn batch(
         &self,
         first_sample: u64,
         rows: usize,
         seq_len: usize,
+        order: DataOrder,
         device: &Device,
     ) -> Result<(Tensor, Tensor)> {
         self.check_seq_len(seq_len)?;
@@ -435,7 +441,7 @@ impl TokenData {
                     path: self.source.clone(),
                     reason: format!("sample index {first_sample} + {r} overflows"),
                 })?;
-            let start = window_start(s, n, seq_len);
+            let start = window_start(s, n, seq_len, order);
             w.clear();
             self.extend_window(start, seq_len + 1, &mut w);
             ids.extend_from_slice(&w[..seq_len]);
@@ -459,14 +465,16 @@ pub fn min_tokens(seq_len: usize) -> usize {
 }
 
 /// Where sample `s`'s window of `seq_len + 1` tokens starts in a corpus
-/// of `n` tokens (`n >= seq_len + 1`, `seq_len >= 1`): window `s mod W` of
-/// pass `s / W`, `W = (n − 1) / seq_len`, the pass shifted by its offset
-/// (see "Windows" in the module docs). The window ends at or before `n`.
-pub fn window_start(s: u64, n: usize, seq_len: usize) -> usize {
+/// of `n` tokens (`n >= seq_len + 1`, `seq_len >= 1`): the `s mod W`-th
+/// window of pass `s / W` in `order`, `W = (n − 1) / seq_len`, the pass
+/// shifted by its offset (see "Windows" in the module docs). The window
+/// ends at or before `n`.
+pub fn window_start(s: u64, n: usize, seq_len: usize, order: DataOrder) -> usize {
     debug_assert!(seq_len >= 1 && n > seq_len);
     let per_pass = ((n - 1) / seq_len) as u64;
     let spare = ((n - 1) as u64 - per_pass * seq_len as u64) + 1;
-    let (pass, k) = (s / per_pass, s % per_pass);
+    let pass = s / per_pass;
+    let k = order.window(pass, s % per_pass, per_pass);
     // 0, r, r - 1, ..., 1, 0, r, ... for passes 0, 1, 2, ...: pass 1 ends
     // at the corpus's end, pass 0 starts at its start.
     let offset = ((pass % spare) * (spare - 1)) % spare;
@@ -753,11 +761,14 @@ mod tests {
         assert!(matches!(e, EngineError::Io { .. }), "{e}");
     }
 
+    const SEQ: DataOrder = DataOrder::Sequential;
+    const SHUFFLED: DataOrder = DataOrder::Shuffled { seed: 3 };
+
     /// Which tokens the windows of samples `0..samples` make targets.
-    fn targets(n: usize, seq_len: usize, samples: u64) -> Vec<bool> {
+    fn targets(n: usize, seq_len: usize, samples: u64, order: DataOrder) -> Vec<bool> {
         let mut hit = vec![false; n];
         for s in 0..samples {
-            let start = window_start(s, n, seq_len);
+            let start = window_start(s, n, seq_len, order);
             assert!(
                 start + seq_len < n,
                 "s {s}: window {start}+{seq_len} past {n}"
@@ -773,11 +784,27 @@ mod tests {
     fn the_first_pass_is_the_corpus_in_order_without_overlap() {
         // 10 windows of 8 and 3 tokens over: starts 0, 8, ..., 72.
         let (n, seq_len) = (84, 8);
-        let starts: Vec<usize> = (0..10).map(|s| window_start(s, n, seq_len)).collect();
+        let starts: Vec<usize> = (0..10).map(|s| window_start(s, n, seq_len, SEQ)).collect();
         assert_eq!(starts, (0..10).map(|k| k * seq_len).collect::<Vec<_>>());
         // Pass 1 is shifted to end at the corpus's end: it starts at 3.
-        assert_eq!(window_start(10, n, seq_len), 3);
-        assert_eq!(window_start(19, n, seq_len) + seq_len + 1, n);
+        assert_eq!(window_start(10, n, seq_len, SEQ), 3);
+        assert_eq!(window_start(19, n, seq_len, SEQ) + seq_len + 1, n);
+    }
+
+    #[test]
+    fn a_shuffled_pass_reads_the_same_windows_in_another_order() {
+        let (n, seq_len) = (84, 8);
+        for pass in 0..3u64 {
+            let starts = |order| -> Vec<usize> {
+                (pass * 10..pass * 10 + 10)
+                    .map(|s| window_start(s, n, seq_len, order))
+                    .collect()
+            };
+            let (mut shuffled, file) = (starts(SHUFFLED), starts(SEQ));
+            assert_ne!(shuffled, file, "pass {pass}");
+            shuffled.sort_unstable();
+            assert_eq!(shuffled, file, "pass {pass}");
+        }
     }
 
     #[test]
@@ -786,15 +813,17 @@ mod tests {
         // (0..=seq_len) for every sample; here two windows, the whole corpus.
         for (n, seq_len) in [(2049, 1024), (10241, 1024), (1025, 1024), (100, 7), (9, 8)] {
             let per_pass = ((n - 1) / seq_len) as u64;
-            let hit = targets(n, seq_len, 2 * per_pass);
-            assert!(hit[1..].iter().all(|&h| h), "n {n}, seq_len {seq_len}");
+            for order in [SEQ, SHUFFLED] {
+                let hit = targets(n, seq_len, 2 * per_pass, order);
+                assert!(hit[1..].iter().all(|&h| h), "n {n}, seq_len {seq_len}");
+            }
         }
     }
 
     #[test]
     fn a_corpus_of_one_window_is_enough() {
         let d = TokenData::from_ids((0..9).collect(), Path::new("t"));
-        let (ids, tgt) = d.batch(0, 3, 8, &Device::Cpu).unwrap();
+        let (ids, tgt) = d.batch(0, 3, 8, SHUFFLED, &Device::Cpu).unwrap();
         let ids: Vec<Vec<u32>> = ids.to_vec2().unwrap();
         let tgt: Vec<Vec<u32>> = tgt.to_vec2().unwrap();
         for r in 0..3 {
@@ -802,7 +831,7 @@ mod tests {
             assert_eq!(tgt[r], (1..9).collect::<Vec<u32>>());
         }
         let short = TokenData::from_ids((0..8).collect(), Path::new("t"));
-        assert!(short.batch(0, 1, 8, &Device::Cpu).is_err());
+        assert!(short.batch(0, 1, 8, SEQ, &Device::Cpu).is_err());
     }
 
     proptest! {
@@ -811,13 +840,16 @@ mod tests {
             seq_len in 1usize..40,
             extra in 0usize..200,
             s in 0u64..u64::MAX / 2,
+            seed: u64,
         ) {
             let n = seq_len + 1 + extra;
-            let start = window_start(s, n, seq_len);
-            prop_assert!(start + seq_len < n);
-            let per_pass = ((n - 1) / seq_len) as u64;
-            let hit = targets(n, seq_len, 2 * per_pass);
-            prop_assert!(hit[1..].iter().all(|&h| h));
+            for order in [SEQ, DataOrder::Shuffled { seed }] {
+                let start = window_start(s, n, seq_len, order);
+                prop_assert!(start + seq_len < n);
+                let per_pass = ((n - 1) / seq_len) as u64;
+                let hit = targets(n, seq_len, 2 * per_pass, order);
+                prop_assert!(hit[1..].iter().all(|&h| h));
+            }
         }
     }
 }

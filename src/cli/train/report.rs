@@ -140,7 +140,7 @@ pub(super) fn banner(
         "tierzero train: model {model_name} ({}, {} layers, hidden {}, {} params, {}), \
          data {}, config {}\n\
          run: {} steps x {} sequences x {} tokens = {} tokens/step, \
-         seed {}, {}{}{}\n{plan}\n",
+         seed {}, data {}, {}{}{}\n{plan}\n",
         mc.family.name(),
         mc.n_layer,
         mc.hidden_size,
@@ -157,6 +157,7 @@ pub(super) fn banner(
         run.seq_len,
         run.tokens_per_step,
         run.seed,
+        run.data_order.describe(),
         trainer.adam_threads(),
         match run.ranks {
             1 => String::new(),

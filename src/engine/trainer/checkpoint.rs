@@ -18,8 +18,10 @@ pub(super) fn optimizer_fingerprint(o: &config::Optimizer) -> String {
 }
 
 /// The settings that change the numbers, as text, and a hash of the whole
-/// resolved config (see [`ConfigFingerprint`]).
-pub fn config_fingerprint(config: &Config) -> ConfigFingerprint {
+/// resolved config (see [`ConfigFingerprint`]); `order` is the run's data
+/// order (file order is named as before the shuffle existed, so a
+/// checkpoint of then resumes in file order without a warning).
+pub fn config_fingerprint(config: &Config, order: crate::data::DataOrder) -> ConfigFingerprint {
     let mut numerics = BTreeMap::new();
     numerics.insert("batch".to_owned(), format!("{:?}", config.batch));
     numerics.insert(
@@ -40,10 +42,11 @@ pub fn config_fingerprint(config: &Config) -> ConfigFingerprint {
         "sub_group_size".to_owned(),
         format!("{}", config.zero.sub_group_numel.0),
     );
-    numerics.insert(
-        "data_order".to_owned(),
-        crate::data::WINDOW_ORDER.to_owned(),
-    );
+    let data_order = match order {
+        crate::data::DataOrder::Sequential => crate::data::WINDOW_ORDER.to_owned(),
+        shuffled => format!("{}, {}", crate::data::WINDOW_ORDER, shuffled.describe()),
+    };
+    numerics.insert("data_order".to_owned(), data_order);
     let mut h = Sha256::new();
     h.update(format!("{config:?}").as_bytes());
     ConfigFingerprint {
@@ -69,7 +72,7 @@ impl Trainer {
         opts: TrainerOptions,
     ) -> Result<Self> {
         let m = ckpt.manifest();
-        let run_fp = config_fingerprint(config);
+        let run_fp = config_fingerprint(config, opts.data_order);
         // Another rank count with the same global batch and micro-batch
         // size does the same arithmetic (N ranks with accumulation G are
         // one rank with G·N) and reads the same data: not a difference.
@@ -538,11 +541,12 @@ impl Trainer {
                 micro_batch_size: mb,
                 gradient_accumulation_steps: gas,
                 tokens: Some(self.data.len() as u64),
+                order: Some(self.opts.data_order),
             },
             precision: self.config.precision.name().to_owned(),
             world_size: world,
             model: self.model.hf_config_value(),
-            config: config_fingerprint(&self.config),
+            config: config_fingerprint(&self.config, self.opts.data_order),
             ranks,
             hf_weights,
             files: Vec::new(),

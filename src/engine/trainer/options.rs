@@ -5,6 +5,10 @@ use super::*;
 pub struct TrainerOptions {
     /// Init seed (models without weights).
     pub seed: u64,
+    /// The order each pass reads the data's windows in
+    /// ([`crate::data::order`]); [`TrainerOptions::cpu`] shuffles them
+    /// with its seed, as HF's Trainer does with its `seed`.
+    pub data_order: crate::data::DataOrder,
     /// Sequence length (tokens per row).
     pub seq_len: usize,
     /// Compute device.
@@ -89,6 +93,7 @@ impl TrainerOptions {
     pub fn cpu(seed: u64, seq_len: usize) -> Self {
         TrainerOptions {
             seed,
+            data_order: crate::data::DataOrder::Shuffled { seed },
             seq_len,
             device: Device::Cpu,
             comm: Arc::new(SingleRank),

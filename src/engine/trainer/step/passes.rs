@@ -34,9 +34,13 @@ impl Trainer {
         times: &mut StepTimes,
     ) -> Result<f32> {
         let first = self.first_sample(micro);
-        let (ids, targets) =
-            self.data
-                .batch(first, plan.micro_batch, plan.seq_len, &self.opts.device)?;
+        let (ids, targets) = self.data.batch(
+            first,
+            plan.micro_batch,
+            plan.seq_len,
+            self.opts.data_order,
+            &self.opts.device,
+        )?;
         let batch = Batch {
             ids: &ids,
             targets: &targets,
