@@ -101,6 +101,17 @@
 //!
 //! With `pin_memory: false`, what would be pinned is counted as pageable.
 //!
+//! **`offload_optimizer: none` on a GPU** (`--device-memory`) is counted
+//! where `tierzero train` runs Adam ([`items_on`]): on the device only with
+//! nothing offloaded and where its kernel applies (not fp16, `adam_w_mode`
+//! on: `engine::device::trains_resident`), with the device optimizer's own
+//! bytes (`engine::device::resident_state_bytes`: bf16 weights and their
+//! fp32 masters, m and v, the gradient sums and a workspace of the largest
+//! unit and three largest params) and the host's copies of the state
+//! (`12·S`, loaded into the device and written back at saves) and of the
+//! params (the param store's); otherwise on the host, as `cpu`. Without a
+//! GPU the CPU computes and the items above hold.
+//!
 //! Not counted (as in DeepSpeed): activations, communication buckets,
 //! allocator fragmentation. The per-node host and NVMe totals assume all
 //! `R` ranks run on this machine.
@@ -210,7 +221,7 @@ pub mod deepspeed;
 mod items;
 mod machine;
 use items::SPECULATION_POOL;
-pub use items::{items, items_within};
+pub use items::{items, items_on, items_within};
 pub use machine::{
     cgroup_memory, cgroup_memory_under, parse_meminfo, parse_memlock, probe_machine, probe_ram,
     CgroupMemory, Machine, Memlock,
@@ -490,6 +501,14 @@ pub struct Inputs {
     pub tied_numel: u64,
     /// Pinned buffer settings.
     pub swap: SwapSettings,
+    /// Why Adam cannot run on a GPU with nothing offloaded
+    /// ([`crate::engine::device::trains_resident`] of the config with both
+    /// offloads `none`: fp16, or `adam_w_mode: false`); `None` when it
+    /// can. Only a GPU's estimate (`--device-memory`) reads it.
+    pub device_adam_refusal: Option<String>,
+    /// Params stored as bf16 (the device optimizer then keeps fp32 masters
+    /// beside them).
+    pub bf16_params: bool,
     /// With the model known: rank 0's shape as the trainer lays it out
     /// ([`Shape::of`]: its param shards in `ParamId` order, its optimizer
     /// sub-groups, those of the first forward units marked). The trainer
@@ -776,7 +795,9 @@ pub fn estimate(inp: &Inputs, machine: &Machine) -> Result<Report, EstimateError
     validate(inp)?;
     let mut estimates = Vec::new();
     for choice in Choice::all() {
-        let mut items = items(inp, choice)?;
+        // On a GPU, `offload_optimizer: none` is where train runs Adam.
+        let gpu = machine.device_bytes.is_some();
+        let mut items = items_on(inp, choice, gpu, None)?;
         // The run bounds an auto speculation pool by the free space
         // (half what is left after its other extents): so does this.
         if let Some(free) = machine.nvme_free_bytes {
@@ -789,7 +810,7 @@ pub fn estimate(inp: &Inputs, machine: &Machine) -> Result<Report, EstimateError
                     .sum();
                 let ranks = inp.ranks.max(1);
                 let room = free.saturating_sub(others.saturating_mul(ranks)) / ranks;
-                items = items_within(inp, choice, Some(room))?;
+                items = items_on(inp, choice, gpu, Some(room))?;
             }
         }
         let mut per_rank = Totals::default();
@@ -1094,6 +1115,8 @@ mod tests {
             bf16_grad_numel: 0,
             tied_numel: 0,
             swap,
+            device_adam_refusal: None,
+            bf16_params: true,
             shape: None,
         }
     }
@@ -1551,6 +1574,55 @@ mod tests {
         let rec = r.recommended.unwrap();
         assert_eq!((rec.optimizer, rec.params), (Offload::Cpu, Offload::None));
         assert!(r.notes.iter().all(|n| !n.contains("device memory unknown")));
+    }
+
+    /// On a GPU, `offload_optimizer: none` is accounted where train runs
+    /// Adam: on the device with nothing offloaded (the device optimizer's
+    /// bytes, and the host's copies of the state and the params, which can
+    /// be what does not fit), on the host otherwise (fp16 here).
+    #[test]
+    fn a_gpu_s_optimizer_none_is_where_train_runs_adam() {
+        let (n, l) = (2_000_000_000u64, 100_000_000u64);
+        let mut inp = inputs(n, l, 1, settings(r#"{"bf16": {"enabled": true}}"#));
+        inp.largest_tensor_numel = Some(l);
+        let m = machine(24 * GIB, 500 * GIB, Some(80 * GIB));
+        let r = estimate(&inp, &m).unwrap();
+        let e = find(&r, 0, Offload::None, Offload::None);
+        // bf16 weights 2 B, fp32 masters 4, m and v 8, and the sums with
+        // the workspace: (N + the largest unit + 3 largest params) × 4 B.
+        assert_eq!(e.per_rank.device_bytes, 14 * n + 4 * (n + l + 3 * l));
+        // The host's copy of master, m and v, and the param store's.
+        assert_eq!(e.per_rank.pageable_bytes, 12 * n + 2 * n);
+        assert_eq!(e.fit.host, Verdict::TooSmall);
+        assert_ne!(
+            r.recommended.map(|c| (c.optimizer, c.params)),
+            Some((Offload::None, Offload::None))
+        );
+        // fp16: Adam stays on the host, as with offload_optimizer cpu.
+        inp.device_adam_refusal = Some("fp16.enabled".into());
+        let r = estimate(&inp, &m).unwrap();
+        let none = find(&r, 2, Offload::None, Offload::None);
+        let cpu = find(&r, 2, Offload::Cpu, Offload::None);
+        assert_eq!(none.per_rank, cpu.per_rank);
+        assert!(none
+            .items
+            .iter()
+            .any(|i| i.formula.contains("fp16.enabled")));
+        // Params offloaded: the host too, whatever the precision.
+        inp.device_adam_refusal = None;
+        let r = estimate(&inp, &m).unwrap();
+        assert_eq!(
+            find(&r, 3, Offload::None, Offload::Cpu).per_rank,
+            find(&r, 3, Offload::Cpu, Offload::Cpu).per_rank
+        );
+        // Without a GPU (the CPU computes), the rows are as before.
+        let r = estimate(&inp, &machine(1 << 40, 1 << 40, None)).unwrap();
+        assert_eq!(
+            find(&r, 0, Offload::None, Offload::None)
+                .per_rank
+                .device_bytes,
+            2 * n + 4 * n + 12 * n
+        );
     }
 
     #[test]

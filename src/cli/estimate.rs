@@ -172,6 +172,10 @@ struct FromConfig {
     train_plan: Option<String>,
     /// With a model: rank 0's shape under the config ([`Inputs::shape`]).
     shape: Option<tierzero::engine::sizing::Shape>,
+    /// [`Inputs::device_adam_refusal`].
+    device_adam_refusal: Option<String>,
+    /// [`Inputs::bf16_params`].
+    bf16_params: bool,
 }
 
 /// The start-up plan `tierzero train` prints for the config `text` and
@@ -269,6 +273,18 @@ fn load_config(
             (Some(_), Some(m)) => Some(train_plan(&text, m, ranks)),
             _ => None,
         },
+        device_adam_refusal: {
+            // As train decides it with nothing offloaded, its devices
+            // joined by NCCL (several ranks on CUDA always are).
+            let mut none = c.clone();
+            none.zero.offload_optimizer.device = tierzero::config::OffloadDevice::None;
+            none.zero.offload_param.device = tierzero::config::OffloadDevice::None;
+            let world = usize::try_from(ranks).unwrap_or(usize::MAX);
+            tierzero::engine::device::trains_resident(&none, world, world).err()
+        },
+        // Without a config the params are taken as 16-bit (2 B, above):
+        // bf16, the 16-bit precision Adam on the device takes.
+        bf16_params: path.is_none() || matches!(c.precision, tierzero::config::Precision::Bf16),
         shape: model.map(|m| {
             let world = usize::try_from(ranks).unwrap_or(usize::MAX);
             let sub_group = usize::try_from(c.zero.sub_group_numel.0).unwrap_or(usize::MAX);
@@ -375,6 +391,8 @@ pub fn run(a: EstimateArgs) -> Result<(), Failure> {
             .as_ref()
             .map_or(0, tierzero::engine::sizing::tied_numel),
         swap: cfg.swap,
+        device_adam_refusal: cfg.device_adam_refusal,
+        bf16_params: cfg.bf16_params,
         shape: cfg.shape,
     };
     let machine = estimate::probe_machine(&nvme_dir, device_bytes);

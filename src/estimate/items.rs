@@ -19,6 +19,144 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
     items_within(inp, c, None)
 }
 
+/// Per-rank accounting of one choice on a GPU (`gpu`) or on the CPU as
+/// the device: on a GPU, `offload_optimizer: none` is accounted as
+/// [`gpu_adam_items`] does, else as [`items_within`].
+pub fn items_on(
+    inp: &Inputs,
+    c: Choice,
+    gpu: bool,
+    nvme_room_bytes: Option<u64>,
+) -> Result<Vec<Item>, EstimateError> {
+    if gpu && c.optimizer == Offload::None {
+        gpu_adam_items(inp, c, nvme_room_bytes)
+    } else {
+        items_within(inp, c, nvme_room_bytes)
+    }
+}
+
+/// `offload_optimizer: none` on a GPU, as `tierzero train` runs it. Adam
+/// runs on the device only with nothing offloaded, where it can
+/// ([`crate::engine::device::trains_resident`]: not fp16, `adam_w_mode`
+/// on); the device then holds what the device optimizer's own rule says
+/// ([`crate::engine::device::resident_state_bytes`]: the weights, fp32
+/// masters beside bf16 ones, fp32 m and v, the gradient sums and its
+/// workspace), and host memory keeps its copy of the state (master, m and
+/// v: loaded into the device, written back at saves) and the param store's
+/// copy of the params. Otherwise Adam runs on the host as with
+/// `offload_optimizer: cpu`, and so is accounted as that.
+pub fn gpu_adam_items(
+    inp: &Inputs,
+    c: Choice,
+    nvme_room_bytes: Option<u64>,
+) -> Result<Vec<Item>, EstimateError> {
+    let why_host = match (&inp.device_adam_refusal, c.params) {
+        (Some(why), _) => Some(why.clone()),
+        (None, Offload::None) => None,
+        (None, p) => Some(format!("offload_param.device is {}", p.name())),
+    };
+    if let Some(why) = why_host {
+        let mut v = items_within(
+            inp,
+            Choice {
+                optimizer: Offload::Cpu,
+                ..c
+            },
+            nvme_room_bytes,
+        )?;
+        for it in &mut v {
+            if it.tier == Tier::Pageable {
+                it.formula = format!("{} (Adam on the host: {why})", it.formula);
+            }
+        }
+        return Ok(v);
+    }
+    let n = inp.total_numel;
+    let r = inp.ranks;
+    let l = inp.largest_unit_numel;
+    // Params of the largest one's size stand for them (their shards
+    // differ from the real ones' by at most an element a param); at most
+    // 2^16 of them (a larger stand-in, at most n / 2^16 elements, moves
+    // the workspace's largest-param term by under 0.02% of n).
+    let t = inp.largest_tensor_numel.unwrap_or(l).clamp(1, n);
+    let chunk = t.max(n.div_ceil(1 << 16));
+    let numels: Vec<u64> = (0..n.div_ceil(chunk))
+        .map(|i| chunk.min(n - i * chunk))
+        .collect();
+    let world = usize::try_from(r).unwrap_or(usize::MAX);
+    let partition = c.stage == Stage::Parameters;
+    let [weights, masters, moments, work] = crate::engine::device::resident_state_bytes(
+        &numels,
+        inp.bf16_params,
+        0,
+        world,
+        &[l],
+        partition,
+    );
+    let s = n.div_ceil(r);
+    let mut v = Vec::new();
+    let mut push = |tier, what, bytes, formula: String| {
+        v.push(Item {
+            tier,
+            what,
+            bytes,
+            formula,
+        })
+    };
+    let p = inp.param_elem_bytes;
+    push(
+        Tier::Device,
+        "params (Adam on the device)",
+        weights,
+        if partition && r > 1 {
+            format!("2 gathered units × {l} × {p} B")
+        } else {
+            format!("{n} × {p} B")
+        },
+    );
+    if masters > 0 {
+        push(
+            Tier::Device,
+            "fp32 masters (beside bf16 params)",
+            masters,
+            format!("⌈{n}/{r}⌉ × 4 B"),
+        );
+    }
+    push(
+        Tier::Device,
+        "Adam m, v (fp32)",
+        moments,
+        format!("⌈{n}/{r}⌉ × 8 B"),
+    );
+    push(
+        Tier::Device,
+        "fp32 grad sums and workspace",
+        work,
+        format!(
+            "(sums {s} + largest param {t} + the largest unit's{}) × 4 B (engine::device::resident_state_bytes)",
+            if r > 1 { " reduces" } else { "" }
+        ),
+    );
+    push(
+        Tier::Pageable,
+        "optimizer state host copy (master, m, v)",
+        mul(s, 12, "host state copy")?,
+        format!("⌈{n}/{r}⌉ × 12 B (loaded into the device, written back at saves)"),
+    );
+    let (pn, ps) = if partition && r > 1 {
+        (s, format!("⌈{n}/{r}⌉"))
+    } else {
+        (n, format!("{n}"))
+    };
+    push(
+        Tier::Pageable,
+        "16-bit params host copy (the param store)",
+        mul(pn, p, "host param copy")?,
+        format!("{ps} × {p} B"),
+    );
+    Ok(v)
+}
+
 /// Per-rank accounting of one choice, with `nvme_room_bytes` the NVMe
 /// space a rank has beside its other extents, when known: it bounds the
 /// auto speculation pool as the run bounds it
