@@ -331,6 +331,32 @@ fn a_resume_reads_the_data_in_the_checkpoint_s_order() {
             "{tag}"
         );
     }
+    // Restating the order without --seed keeps the checkpoint's seed, and
+    // the banner says the run's seed and the order's.
+    let r = train(
+        &d,
+        &[
+            "--steps",
+            "4",
+            "--resume",
+            "ck-shuffled",
+            "--data-order",
+            "shuffled",
+            "--metrics",
+            "s7.jsonl",
+        ],
+    );
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stdout
+            .contains("seed 7, data shuffled each pass (seed 7)"),
+        "{}",
+        r.stdout
+    );
+    assert_eq!(
+        losses(&d.join("s7.jsonl")),
+        losses(&d.join("shuffled-whole.jsonl"))[2..].to_vec()
+    );
     // The orders differ: the first step's loss is another.
     let first = |tag: &str| losses(&d.join(format!("{tag}-whole.jsonl")))[0];
     assert_ne!(first("shuffled"), first("sequential"));
@@ -349,7 +375,13 @@ fn a_resume_reads_the_data_in_the_checkpoint_s_order() {
         ],
     );
     assert_eq!(r.code, 0, "{}", r.stderr);
-    assert!(r.stderr.contains("data_order"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("data_order")
+            && r.stderr.contains("(seed 7)")
+            && r.stderr.contains("(seed 8)"),
+        "{}",
+        r.stderr
+    );
     assert_ne!(
         losses(&d.join("s8.jsonl")),
         losses(&d.join("shuffled-whole.jsonl"))[2..].to_vec()

@@ -495,3 +495,76 @@ fn cli_saves_with_two_ranks_then_resumes_and_exports_with_one() {
     ]);
     assert!(out.metadata().unwrap().len() > 0);
 }
+
+/// Ranks whose save dirs hold different steps (here each rank's working
+/// directory has its own `ckpt`, as a stale network file system cache can
+/// show one rank an older `latest`) are refused together, each rank's step
+/// named, even where one of them would have nothing left to run: it used
+/// to end alone while the other waited in the trainer's first collective.
+#[test]
+fn cli_ranks_that_see_different_steps_are_refused_together() {
+    let dir = scratch("mck-cli-steps");
+    let model = model_dir("cli-steps");
+    let (model, swap) = (model.to_str().unwrap(), dir.join("swap"));
+    std::fs::create_dir_all(&swap).unwrap();
+    let cfg = dir.join("ds.json");
+    std::fs::write(&cfg, config(1, &swap).to_string()).unwrap();
+    let cfg = cfg.to_str().unwrap();
+    let common = [
+        "--seq-len",
+        "16",
+        "--model",
+        model,
+        "--config",
+        cfg,
+        "--json",
+    ];
+    for (rank, steps) in [("a", "2"), ("b", "1")] {
+        let d = dir.join(rank);
+        std::fs::create_dir_all(&d).unwrap();
+        let save = d.join("ckpt");
+        let mut args = vec![
+            "train",
+            "--steps",
+            steps,
+            "--save-dir",
+            save.to_str().unwrap(),
+        ];
+        args.extend(common);
+        tierzero(&args);
+    }
+    let bin = env!("CARGO_BIN_EXE_tierzero");
+    let train = [
+        bin,
+        "train",
+        "--steps",
+        "2",
+        "--resume",
+        "ckpt",
+        "--seq-len",
+        "16",
+        "--config",
+        cfg,
+        "--json",
+    ];
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    let t0 = std::time::Instant::now();
+    let out = mpirun(1)
+        .arg("--wdir")
+        .arg(&a)
+        .args(train)
+        .arg(":")
+        .args(["-np", "1", "--wdir"])
+        .arg(&b)
+        .args(train)
+        .env("TIERZERO_COMM_TIMEOUT_S", "60")
+        .output()
+        .expect("run mpirun (install openmpi-bin)");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("rank 0: step 2, rank 1: step 1"),
+        "{stderr}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(50), "{:?}", t0.elapsed());
+}

@@ -429,18 +429,26 @@ impl Flags {
     }
 }
 
-/// The data order: `--data-order` with `--seed`; without it, a resumed
-/// run's is the checkpoint's (its seed too, unless `--seed` names
-/// another), a new run's shuffled.
+/// The data order. Shuffled or in file order: `--data-order`, else a
+/// resumed run's checkpoint's, else shuffled. The shuffle's seed: `--seed`,
+/// else a resumed run's (the checkpoint's shuffle's; a file-order
+/// checkpoint's run seed), else `seed`'s default.
 fn data_order(args: &TrainArgs, seed: u64, ckpt: Option<&Checkpoint>) -> DataOrder {
     let saved = ckpt.map(|c| c.manifest().data.order_or_file());
-    match (args.data_order.as_deref(), saved) {
-        (Some("sequential"), _) | (None, Some(DataOrder::Sequential)) => DataOrder::Sequential,
-        (None, Some(DataOrder::Shuffled { seed: s })) if args.seed.is_none() => {
-            DataOrder::Shuffled { seed: s }
-        }
-        _ => DataOrder::Shuffled { seed },
+    let shuffled = match args.data_order.as_deref() {
+        Some(o) => o == "shuffled",
+        None => saved != Some(DataOrder::Sequential),
+    };
+    if !shuffled {
+        return DataOrder::Sequential;
     }
+    let seed = match (&args.seed, saved, ckpt) {
+        (Some(_), ..) => seed,
+        (None, Some(DataOrder::Shuffled { seed }), _) => seed,
+        (None, _, Some(c)) => c.manifest().seed,
+        (None, _, None) => seed,
+    };
+    DataOrder::Shuffled { seed }
 }
 
 /// The model to train: its directory (none when resuming without
@@ -691,6 +699,13 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         })?),
         None => None,
     };
+    if let Some(c) = &ckpt {
+        // Each rank opened the save dir itself: the ranks agree on the
+        // step before any of them can end alone (already at --steps) and
+        // leave the others waiting in a collective.
+        tierzero::engine::trainer::same_step_on_every_rank(&*comm, c.step())
+            .map_err(|e| bad(format!("--resume: {e}")))?;
+    }
     let (model_dir, model) = open_model(&args, flags.seed, ckpt.as_ref())?;
     let mc = model.config().clone();
     let seq_len = match (&args.seq_len, &ckpt) {
@@ -720,7 +735,9 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     let cfg = &loaded.config;
     outputs::check_output_dirs(&args)?;
     let (data, data_name, data_line) = load_data(&args, &model, seq_len)?;
-    // One micro-batch's rows must be distinct windows of the corpus.
+    // One micro-batch's rows must be distinct windows of the corpus: a pass
+    // holds a micro-batch. (One read across two passes may still hold a
+    // window of both, as an epoch's last batch and the next one's first.)
     // (Saturating: the config's micro-batch is bounded only by its product
     // with the accumulation and the ranks; one that large fails here.)
     let micro_tokens = cfg
@@ -798,7 +815,9 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         seq_len,
         // Tokens of the global batch (every rank's micro-batches).
         tokens_per_step: cfg.batch.train_batch_size.saturating_mul(seq_len as u64),
-        seed: flags.seed,
+        // A resumed run's model was initialised from the checkpoint's run's
+        // seed (this run's initialises nothing).
+        seed: ckpt.as_ref().map_or(flags.seed, |c| c.manifest().seed),
         data_order,
         ranks: comm.world_size(),
         lead,

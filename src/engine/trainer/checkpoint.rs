@@ -60,7 +60,10 @@ impl Trainer {
     /// masters and moments are loaded (crc-verified) and the params
     /// re-encoded from the masters; step counters, the loss scaler and so
     /// the lr schedule and data position continue where it stopped. With the
-    /// same config, the run continues bit-identically.
+    /// same config and data order, the run continues bit-identically. The
+    /// order is `opts.data_order`, this run's: to continue the saved one,
+    /// pass `ckpt.manifest().data.order_or_file()` (`tierzero train` does
+    /// unless told another); another is warned about (`data_order`).
     ///
     /// Refused ([`crate::checkpoint::CheckpointError::Mismatch`]) when the run cannot use the
     /// checkpoint; warned about when the config's numerics, the seq_len or
@@ -82,12 +85,19 @@ impl Trainer {
                 .checked_mul(m.data.gradient_accumulation_steps)
                 .and_then(|x| x.checked_mul(m.world_size as u64))
                 == Some(config.batch.train_batch_size);
-        let differing: Vec<&str> = run_fp
+        let differing: Vec<String> = run_fp
             .numerics
             .iter()
             .filter(|(k, v)| m.config.numerics.get(*k) != Some(*v))
             .filter(|(k, _)| !(k.as_str() == "batch" && same_global_batch))
-            .map(|(k, _)| k.as_str())
+            .map(|(k, v)| {
+                let saved = m
+                    .config
+                    .numerics
+                    .get(k)
+                    .map_or("(not recorded)", String::as_str);
+                format!("{k} (checkpoint: {saved}; this run: {v})")
+            })
             .collect();
         let world = opts.comm.world_size();
         same_step_on_every_rank(&*opts.comm, m.step)?;
@@ -100,7 +110,7 @@ impl Trainer {
         }
         if !differing.is_empty() {
             tracing::warn!(
-                settings = %differing.join(", "),
+                settings = %differing.join("; "),
                 "the training config differs from the checkpoint's in settings that change the \
                  numbers; the resumed run will not match an uninterrupted one"
             );
@@ -558,8 +568,10 @@ impl Trainer {
 /// Every rank resumes from step `step`: each opens the checkpoint itself,
 /// and one whose view of the save dir differs (a file system's cache, a
 /// damaged step one rank fell back from) would train from another step,
-/// silently. Refused with each rank's step.
-fn same_step_on_every_rank(comm: &dyn crate::engine::comm::Comm, step: u64) -> Result<()> {
+/// silently. Refused with each rank's step. One collective: every rank
+/// calls it ([`Trainer::resume`] does; `tierzero train` also before it
+/// decides there is nothing left to run, which a rank would decide alone).
+pub fn same_step_on_every_rank(comm: &dyn crate::engine::comm::Comm, step: u64) -> Result<()> {
     let steps = crate::engine::comm::all_gather_u64(comm, step)?;
     if steps.iter().all(|s| *s == step) {
         return Ok(());

@@ -197,7 +197,7 @@ mod stop;
 mod tail;
 
 pub use build::BuildTimes;
-pub use checkpoint::config_fingerprint;
+pub use checkpoint::{config_fingerprint, same_step_on_every_rank};
 pub use options::{FaultPlan, TrainerOptions};
 pub use stop::{StopCause, StopHandle, StopSave};
 
