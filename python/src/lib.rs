@@ -367,18 +367,24 @@ impl AioHandle {
 
 /// `mlock(2)` of `[addr, addr + length)`; returns whether it succeeded
 /// (it fails when RLIMIT_MEMLOCK is too low; the memory is usable anyway).
+/// Without the GIL: locking faults in every page, seconds for a large
+/// buffer, while other Python threads run.
 #[pyfunction]
-fn mlock(addr: usize, length: usize) -> bool {
-    // SAFETY: mlock only changes the residency of pages; any address range
-    // is memory-safe to pass (unmapped ranges fail with ENOMEM).
-    unsafe { libc::mlock(addr as *const libc::c_void, length) == 0 }
+fn mlock(py: Python<'_>, addr: usize, length: usize) -> bool {
+    py.detach(|| {
+        // SAFETY: mlock only changes the residency of pages; any address
+        // range is memory-safe to pass (unmapped ranges fail with ENOMEM).
+        unsafe { libc::mlock(addr as *const libc::c_void, length) == 0 }
+    })
 }
 
-/// `munlock(2)` of `[addr, addr + length)`.
+/// `munlock(2)` of `[addr, addr + length)`, without the GIL.
 #[pyfunction]
-fn munlock(addr: usize, length: usize) -> bool {
-    // SAFETY: as for `mlock`.
-    unsafe { libc::munlock(addr as *const libc::c_void, length) == 0 }
+fn munlock(py: Python<'_>, addr: usize, length: usize) -> bool {
+    py.detach(|| {
+        // SAFETY: as for `mlock`.
+        unsafe { libc::munlock(addr as *const libc::c_void, length) == 0 }
+    })
 }
 
 #[pymodule]

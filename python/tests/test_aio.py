@@ -1025,6 +1025,50 @@ def test_validate_by_fd(d):
         os.close(fd)
 
 
+def test_validate_by_fd_reads_short_reads_to_the_end(d, monkeypatch):
+    # One pread returns at most about 2 GiB (and may return less): the
+    # check reads on until it has the bytes.
+    h = handle()
+    p = os.path.join(d, "f")
+    data = rand_bytes(10000, 11)
+    t = tensor_with("torch", "uint8", data, h)
+    real = os.pread
+    monkeypatch.setattr(aio.os, "pread", lambda fd, n, off: real(fd, min(n, 999), off))
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert h.pwrite(t, fd, True, False, 0) == 1
+    finally:
+        os.close(fd)
+
+
+def test_validate_by_a_write_only_fd_is_an_aio_error(d):
+    h = handle()
+    p = os.path.join(d, "f")
+    t = tensor_with("torch", "uint8", rand_bytes(4096, 12), h)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with pytest.raises(AioError) as e:
+            h.pwrite(t, fd, True, False, 0)
+        assert f"fd {fd} cannot be read" in str(e.value) and "O_RDWR" in str(e.value)
+    finally:
+        os.close(fd)
+
+
+class _UserTensor(torch.Tensor):
+    """A tensor subclass from a module that is not torch's."""
+
+
+def test_tensor_subclasses_of_other_modules_are_tensors(d):
+    h = handle()
+    p = os.path.join(d, "f")
+    data = rand_bytes(8192, 13)
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8).as_subclass(_UserTensor)
+    assert h.write(t, p, True) == 0
+    u = torch.zeros(len(data), dtype=torch.uint8).as_subclass(_UserTensor)
+    assert h.read(u, p, True) == 0
+    assert u.numpy().tobytes() == data
+
+
 # --------------------------------------------------------------------------
 # Lifetimes
 # --------------------------------------------------------------------------

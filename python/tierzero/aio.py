@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 import threading
 import weakref
 import errno as _errno
@@ -100,7 +101,30 @@ def _locked_mapping(nbytes: int) -> mmap.mmap:
 
 
 def _is_torch(t) -> bool:
-    return type(t).__module__.startswith("torch")
+    # Any torch.Tensor, subclasses from other modules included (a
+    # Parameter, a DTensor or a tensor subclass of a user's); numpy arrays
+    # and the buffer protocol otherwise.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(t, torch.Tensor)
+
+
+def _pread_all(fd: int, n: int, offset: int) -> bytes:
+    """Up to `n` bytes at `offset` of `fd`, as many reads as it takes (one
+    `pread` returns at most about 2 GiB on Linux, and may return fewer);
+    fewer only at the end of the file. An fd opened write-only cannot be
+    read: that is an AioError naming the fd and what to pass instead."""
+    parts, got = [], 0
+    while got < n:
+        try:
+            part = os.pread(fd, min(n - got, 1 << 30), offset + got)
+        except OSError as e:
+            err = AioError(e.errno or _errno.EIO, f"validate reads the file back, and fd {fd} cannot be read ({e.strerror}); open it O_RDWR, or pass the file's path", f"<fd {fd}>")
+            raise err from e
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
 
 
 def _nbytes(t) -> int:
@@ -264,7 +288,7 @@ class aio_handle:
     def _check(self, is_read, host, target, file_offset):
         n = _nbytes(host)
         if isinstance(target, int):
-            data = os.pread(target, n, file_offset)
+            data = _pread_all(target, n, file_offset)
             name = f"<fd {target}>"
         else:
             with open(target, "rb") as f:
