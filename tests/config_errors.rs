@@ -332,6 +332,50 @@ fn pinned_budget_too_small_for_param_buffers() {
     );
 }
 
+/// With the model's largest param known, the check counts the param
+/// swap-in buffers as the engine's arena takes them at the least: cut into
+/// `buffer_count` slots of the largest shard (`sizing::param_slots`), not
+/// whole `buffer_size` buffers. The embedded GPT-2's 147456-element
+/// tensors in fp32 under buffers of 1e8 elements took 5 × 400 MB; it
+/// trains in 58.5 MiB of slots (the build's exact check decides).
+#[test]
+fn pinned_budget_counts_param_buffers_as_slots_of_the_largest_param() {
+    let v = with(
+        nvme_stage3("/x"),
+        json!({"zero_optimization": {"offload_param": {"buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 0},
+                                     "offload_optimizer": {"device": "cpu"}},
+               "tierzero": {"pinned_budget_bytes": "64MiB"}}),
+    );
+    let run = RunContext {
+        model_numel: Some(1_878_144),
+        largest_param_numel: Some(147_456),
+        ..skip_fs()
+    };
+    load_str(&v.to_string(), &run).unwrap();
+    // Below 5 slots of 576 KiB: refused, with that least.
+    let mut small = v.clone();
+    small["tierzero"]["pinned_budget_bytes"] = json!("2MiB");
+    let e = err_with(&small.to_string(), &run);
+    assert!(
+        matches!(
+            e,
+            ConfigError::PinnedBudgetTooSmall {
+                required_bytes: 2_949_120,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert_msg(
+        &e,
+        &[
+            "at least buffer_count 5 slots",
+            "589824 bytes each",
+            "buffer_size 100000000 elements",
+        ],
+    );
+}
+
 #[test]
 fn pinned_budget_includes_optimizer_buffers_when_model_size_is_known() {
     let v = with(

@@ -169,6 +169,13 @@ fn twin_flow_ratio(
 /// known by its size (`run.model_numel`) the whole decision, else the
 /// param swap-in buffers alone (the optimizer's depend on the model's
 /// sub-groups). The engine checks again with the real layout at build.
+///
+/// Never stricter than the engine: it cuts the param swap-in buffers into
+/// slots of the largest NVMe shard ([`sizing::param_slots`], never fewer
+/// than `buffer_count`), which an estimated shape does not know, so a
+/// budget that holds `buffer_count` slots of the largest param's shard
+/// passes here (the build's check, with the real shards, has the last
+/// word and the numbers).
 pub(super) fn check_pinned_budget(c: &Config, run: &RunContext) -> Result<(), ConfigError> {
     use crate::engine::sizing::{self, Shape};
     let Some(budget) = c.tierzero.pinned_budget_bytes else {
@@ -187,7 +194,19 @@ pub(super) fn check_pinned_budget(c: &Config, run: &RunContext) -> Result<(), Co
             // it exceeds sub_group_size, as in the engine's layout.
             let largest = run.largest_param_numel.map(|l| l.div_ceil(ranks));
             let shape = Shape::estimated(per_rank, largest, c.zero.sub_group_numel.0);
-            sizing::decide(c, &shape).err()
+            sizing::decide(c, &shape).err().and_then(|short| {
+                let Some(l) = largest else { return Some(short) };
+                let least = sizing::param_slots(short.param_buffers, l.saturating_mul(elem), 1);
+                let required = (short
+                    .required_bytes
+                    .saturating_sub(short.param_buffers.total_bytes()))
+                .saturating_add(least.total_bytes());
+                (required > budget.0).then_some(sizing::BudgetShort {
+                    param_buffers: least,
+                    required_bytes: required,
+                    ..short
+                })
+            })
         }
         None => {
             let bufs = sizing::param_buffers(p.buffer_count, p.buffer_numel.0, elem);
@@ -212,12 +231,21 @@ pub(super) fn check_pinned_budget(c: &Config, run: &RunContext) -> Result<(), Co
     let mut lower = Vec::new();
     if short.param_buffers.count > 0 {
         what.push("offload_param");
-        // The config check sizes an estimated shape, whose param buffers
-        // are the configured ones (`sizing::Shape::exact_shards`).
-        parts.push(format!(
-            "buffer_count {} × buffer_size {} elements × {elem} bytes, 4 KiB-aligned ({} bytes each)",
-            short.param_buffers.count, p.buffer_numel.0, short.param_buffers.bytes_each
-        ));
+        // The config check sizes an estimated shape: the configured
+        // buffers, or (the largest param known) the fewest slots of its
+        // shard they can be cut into, the least the engine maps.
+        let whole = sizing::param_buffers(p.buffer_count, p.buffer_numel.0, elem).bytes_each;
+        parts.push(if short.param_buffers.bytes_each < whole {
+            format!(
+                "at least buffer_count {} slots of the largest param's shard ({} bytes each, cut from buffers of buffer_size {} elements × {elem} bytes)",
+                short.param_buffers.count, short.param_buffers.bytes_each, p.buffer_numel.0
+            )
+        } else {
+            format!(
+                "buffer_count {} × buffer_size {} elements × {elem} bytes, 4 KiB-aligned ({} bytes each)",
+                short.param_buffers.count, p.buffer_numel.0, short.param_buffers.bytes_each
+            )
+        });
         lower.push("zero_optimization.offload_param.buffer_count / buffer_size");
     }
     if short.optimizer_buffers_needed.count > 0 {
