@@ -224,11 +224,34 @@ fn the_encoding_is_cached_and_a_change_of_data_or_eos_misses() {
         eos: Some(12),
         ..s.clone()
     };
-    assert!(matches!(load(&other_eos).origin, Origin::Encoded { .. }));
+    let eos_cache = written_cache(&load(&other_eos));
     write(&documents(31));
     let edited = load(&s);
     assert!(matches!(edited.origin, Origin::Encoded { .. }));
     assert_eq!(edited.documents, Some(31));
+    // The entries of the earlier content (both EOS ids) can never hit
+    // again: removed beside the new one, which stays with its sidecar.
+    let Origin::Encoded { superseded, .. } = &edited.origin else {
+        unreachable!()
+    };
+    let mut gone: Vec<&std::path::PathBuf> = superseded.iter().map(|(p, _)| p).collect();
+    gone.sort();
+    let mut want = vec![cache, &eos_cache];
+    want.sort();
+    assert_eq!(gone, want);
+    assert!(!cache.exists() && !eos_cache.exists());
+    let entries: Vec<String> = std::fs::read_dir(&d)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".c.jsonl.tz-"))
+        .collect();
+    assert_eq!(entries.len(), 2, "{entries:?}");
+    // Another tokenizer setting of the same content stays: switching back
+    // hits.
+    let eos_again = written_cache(&load(&other_eos));
+    assert!(matches!(load(&s).origin, Origin::CacheHit(_)));
+    assert!(eos_again.exists());
     // Without the cache nothing is written and the tokens are the same.
     let off = load(&DataSpec {
         cache: false,

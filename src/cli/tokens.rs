@@ -199,13 +199,25 @@ fn describe(
         Origin::Read if l.data.is_mapped() => "mapped".to_owned(),
         Origin::Read => "read".to_owned(),
         Origin::CacheHit(p) => format!("from the token cache {}", p.display()),
-        Origin::Encoded { cached, no_cache } => format!(
-            "encoded in {seconds:.1} s ({}/s){}",
+        Origin::Encoded {
+            cached,
+            no_cache,
+            superseded,
+        } => format!(
+            "encoded in {seconds:.1} s ({}/s){}{}",
             format_bytes((total_bytes as f64 / seconds.max(1e-9)) as u64),
             match (cached, no_cache) {
                 (Some(p), _) => format!(", cached in {}", p.display()),
                 (None, Some(why)) => format!(", not cached: {why}"),
                 (None, None) => String::new(),
+            },
+            match superseded.len() {
+                0 => String::new(),
+                n => format!(
+                    "; removed {n} cache entr{} of an earlier content of the data ({})",
+                    if n == 1 { "y" } else { "ies" },
+                    format_bytes(superseded.iter().map(|(_, b)| b).sum())
+                ),
             }
         ),
     };

@@ -17,6 +17,14 @@
 //! miss. A hit needs the sidecar's key and token count to match the token
 //! file's size.
 //!
+//! An entry of an earlier content of the data can never hit again (its
+//! key holds the content's CRC), yet is as large as the cache: when a new
+//! entry is written next to the data, the entries beside it of the same
+//! file name whose sidecar records other data are removed
+//! ([`remove_superseded`]). Entries of other tokenizers or formats of the
+//! same content stay (switching back hits), and so do entries in a shared
+//! cache directory, where one file name may be several corpora's.
+//!
 //! Where the data's directory is not writable (a read-only dataset mount)
 //! the entry goes to the user's cache directory ([`user_dir`]), and
 //! `--data-cache-dir` names another: without one, every rank would hold
@@ -197,6 +205,51 @@ pub fn lookup(tokens: &Path, sidecar: &Path, key: &str, width: TokenWidth) -> Op
         && meta.dtype == width.dtype_name()
         && meta.tokens.checked_mul(width.bytes() as u64) == Some(len))
     .then_some(meta)
+}
+
+/// Removes the cache entries in `dir` of the data file named as `data`'s
+/// whose sidecar records other data than `current` (an earlier content of
+/// the file), both files each; returns the token files removed and their
+/// bytes. Only for the data's own directory, where the name is the file
+/// (see the module docs). An entry without a readable sidecar (being
+/// written, or damaged) is left.
+pub fn remove_superseded(dir: &Path, data: &Path, current: &DataIdentity) -> Vec<(PathBuf, u64)> {
+    let Some(name) = data.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+        return Vec::new();
+    };
+    let prefix = format!(".{name}.tz-");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut removed = Vec::new();
+    for e in entries.flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        let Some(rest) = file.strip_prefix(&prefix) else {
+            continue;
+        };
+        if !(rest.ends_with(".u16") || rest.ends_with(".u32")) {
+            continue;
+        }
+        let tokens = e.path();
+        let mut side = tokens.as_os_str().to_owned();
+        side.push(".json");
+        let sidecar = PathBuf::from(side);
+        let Some(meta) = std::fs::read_to_string(&sidecar)
+            .ok()
+            .and_then(|t| serde_json::from_str::<CacheMeta>(&t).ok())
+        else {
+            continue;
+        };
+        if meta.data == *current {
+            continue;
+        }
+        let bytes = e.metadata().map_or(0, |m| m.len());
+        // The sidecar first: a token file without one is a miss, never read.
+        if std::fs::remove_file(&sidecar).is_ok() && std::fs::remove_file(&tokens).is_ok() {
+            removed.push((tokens, bytes));
+        }
+    }
+    removed
 }
 
 /// Whether files can be created in `dir` (a probe file, created and

@@ -182,6 +182,10 @@ pub enum Origin {
         cached: Option<PathBuf>,
         /// Why none was written, when not.
         no_cache: Option<String>,
+        /// Cache entries of earlier contents of the data, removed beside
+        /// the new one ([`cache::remove_superseded`]): token files and
+        /// their bytes.
+        superseded: Vec<(PathBuf, u64)>,
     },
     /// Found in the cache.
     CacheHit(PathBuf),
@@ -647,6 +651,7 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
             origin: Origin::Encoded {
                 cached: None,
                 no_cache,
+                superseded: Vec::new(),
             },
         });
     };
@@ -705,12 +710,19 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
         .map_err(|e| EngineError::internal(format!("token cache sidecar: {e}")))?;
     crate::durable::write_atomic(&sidecar, &text)
         .map_err(|e| cache_full(e.into(), &spec.path, &tokens))?;
+    let dir = cache::data_dir(&spec.path);
+    let superseded = if tokens.parent() == Some(dir.as_path()) {
+        cache::remove_superseded(&dir, &spec.path, &meta.data)
+    } else {
+        Vec::new()
+    };
     Ok(Loaded {
         data: cached(&tokens, width, &meta, vocab_size)?,
         documents: Some(enc.documents),
         origin: Origin::Encoded {
             cached: Some(tokens),
             no_cache: None,
+            superseded,
         },
     })
 }
