@@ -87,9 +87,13 @@
 //!   most `sub_group_size`: a larger tensor is tiled) is the first units'.
 //! - **Pinned swap buffers**, from the config (DeepSpeed's defaults without
 //!   one):
-//!   - param swap-in buffers: `buffer_count × buffer_size × p`;
+//!   - param swap-in buffers: `buffer_count × buffer_size × p`, 4 KiB-aligned
+//!     (with the model: cut into slots of the largest NVMe shard, as the
+//!     arena cuts them, `sizing::param_slots`);
 //!   - the param host cache: `min(max_in_cpu, S) × p` (DeepSpeed keeps the
-//!     first `max_in_cpu` elements of 16-bit params in host memory);
+//!     first `max_in_cpu` elements of 16-bit params in host memory; with
+//!     the model: the shards the engine's greedy rule keeps, in pages, as
+//!     above);
 //!   - optimizer swap buffers: `buffers × min(sub_group_size, S) × 4`, where
 //!     `buffers` is `offload_optimizer.buffer_count`, raised to `3 × 4 = 12`
 //!     (3 sub-groups in flight: read, step, write; × param, grad, m, v) when
@@ -107,10 +111,12 @@
 //! on: `engine::device::trains_resident`), with the device optimizer's own
 //! bytes (`engine::device::resident_state_bytes`: bf16 weights and their
 //! fp32 masters, m and v, the gradient sums and a workspace of the largest
-//! unit and three largest params) and the host's copies of the state
-//! (`12·S`, loaded into the device and written back at saves) and of the
-//! params (the param store's); otherwise on the host, as `cpu`. Without a
-//! GPU the CPU computes and the items above hold.
+//! unit and three largest params) and the host's copy of the state
+//! (`12·S`, loaded into the device and written back at saves); otherwise
+//! on the host, as `cpu`. On a GPU every choice with params `none` also
+//! counts the param store's host copy of them (`N·p` on one rank, `S·p`
+//! on several: each rank's store holds its shards). Without a GPU the CPU
+//! computes and the items above hold.
 //!
 //! Not counted (as in DeepSpeed): activations, communication buckets,
 //! allocator fragmentation. The per-node host and NVMe totals assume all
@@ -426,11 +432,42 @@ impl SwapSettings {
 /// are dropped and a missing micro-batch size becomes `"auto"`. Everything
 /// else is validated as for a run.
 pub fn load_config(text: &str, ranks: u64, total_numel: u64) -> Result<Loaded, ConfigError> {
+    load_config_with(text, ranks, total_numel, None)
+}
+
+/// [`load_config`] for a known model: its hidden size and largest param
+/// resolve the `"auto"` keys that depend on them
+/// (`stage3_prefetch_bucket_size` is `0.9 × hidden²`, ...) as `tierzero
+/// train` resolves them for it.
+pub fn load_config_for_model(
+    text: &str,
+    ranks: u64,
+    model: &crate::model::Model,
+) -> Result<Loaded, ConfigError> {
+    load_config_with(
+        text,
+        ranks,
+        model.numel() as u64,
+        Some((
+            model.config().hidden_size as u64,
+            model.params().iter().map(|p| p.numel as u64).max(),
+        )),
+    )
+}
+
+fn load_config_with(
+    text: &str,
+    ranks: u64,
+    total_numel: u64,
+    model: Option<(u64, Option<u64>)>,
+) -> Result<Loaded, ConfigError> {
     let mut parsed = parse_str(text)?;
     parsed.ds.scheduler = None;
     let run = RunContext {
         ranks,
         model_numel: Some(total_numel),
+        hidden_size: model.map(|m| m.0),
+        largest_param_numel: model.and_then(|m| m.1),
         path_checks: PathChecks::Skip,
         ..RunContext::default()
     };
@@ -841,11 +878,14 @@ pub fn estimate(inp: &Inputs, machine: &Machine) -> Result<Report, EstimateError
         .filter(|e| e.fit.fits)
         .min_by_key(|e| e.choice.preference())
         .map(|e| e.choice);
+    // Closest among the choices train would take (all, if it takes none).
     let closest = if recommended.is_some() {
         None
     } else {
+        let taken = estimates.iter().any(|e| e.refused.is_none());
         estimates
             .iter()
+            .filter(|e| !taken || e.refused.is_none())
             .min_by(|a, b| a.fit.max_use_ratio.total_cmp(&b.fit.max_use_ratio))
             .map(|e| e.choice)
     };
@@ -1614,6 +1654,25 @@ mod tests {
         assert_eq!(
             find(&r, 3, Offload::None, Offload::Cpu).per_rank,
             find(&r, 3, Offload::Cpu, Offload::Cpu).per_rank
+        );
+        // The param store's host copy is there whoever runs Adam (stage 1,
+        // the optimizer on the CPU: the state, the sums and the params).
+        let host_adam = find(&r, 1, Offload::Cpu, Offload::None);
+        assert!(host_adam
+            .items
+            .iter()
+            .any(|i| i.what == "16-bit params host copy (the param store)" && i.bytes == 2 * n));
+        // Several ranks: each rank's store holds its shards, whatever the
+        // stage (they are handed out and gathered).
+        let mut four = inp.clone();
+        four.ranks = 4;
+        let r4 = estimate(&four, &m).unwrap();
+        let s = n / 4;
+        assert_eq!(
+            find(&r4, 0, Offload::None, Offload::None)
+                .per_rank
+                .pageable_bytes,
+            12 * s + 2 * s
         );
         // Without a GPU (the CPU computes), the rows are as before.
         let r = estimate(&inp, &machine(1 << 40, 1 << 40, None)).unwrap();

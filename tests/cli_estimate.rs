@@ -204,6 +204,42 @@ fn items_named<'a>(e: &'a Value, what: &str) -> &'a Value {
 const GPT2_CONFIG: &str = r#"{"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024,
     "n_embd": 768, "n_layer": 12, "n_head": 12}"#;
 
+/// The config is resolved with the model's hidden size, as train resolves
+/// it: `stage3_prefetch_bucket_size: "auto"` is 0.9 × 768² for GPT-2 small
+/// (it was DeepSpeed's 5e7 default), which decides the resident groups.
+#[test]
+fn auto_keys_resolve_with_the_model_s_hidden_size() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("gpt2");
+    std::fs::create_dir(&model).unwrap();
+    std::fs::write(model.join("config.json"), GPT2_CONFIG).unwrap();
+    let cfg = tmp.path().join("ds.json");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"{{"zero_optimization": {{"stage": 3, "sub_group_size": 1e7,
+                "stage3_prefetch_bucket_size": "auto",
+                "offload_optimizer": {{"device": "nvme", "nvme_path": "{}"}}}}}}"#,
+            tmp.path().display()
+        ),
+    )
+    .unwrap();
+    let r = estimate_model(&model, &cfg, &[]);
+    assert_eq!(r["inputs"]["swap"]["prefetch_bucket_numel"], 530_841u64);
+    // The plan train prints for the config keeps no group resident (the
+    // first units' group holds more than one bucket's state): so does the
+    // estimate of the config's choice.
+    let e = estimate_of(&r, 3, "nvme", "none");
+    assert!(
+        e["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|i| i["what"] != "optimizer state kept resident"),
+        "{e}"
+    );
+}
+
 #[test]
 fn estimate_from_model_and_config() {
     let tmp = tempfile::tempdir().unwrap();
@@ -370,6 +406,17 @@ fn bad_inputs_exit_2_with_one_line() {
         (vec!["--params", "0"], "--params"),
         (vec!["--params", "7B", "--ranks", "0"], "--ranks"),
         (vec!["--params", "7B", "--ranks", "-3"], "--ranks"),
+        (
+            vec![
+                "--params",
+                "7B",
+                "--ranks",
+                "100000",
+                "--device-memory",
+                "80GiB",
+            ],
+            "--ranks",
+        ),
         (
             vec!["--params", "7B", "--largest-layer", "8B"],
             "--largest-layer",

@@ -107,6 +107,9 @@ pub struct EstimateArgs {
     json: bool,
 }
 
+/// The most ranks one machine's estimate takes.
+const MAX_RANKS: u64 = 4096;
+
 fn bad(msg: String) -> Failure {
     Failure::BadInput(anyhow!(msg))
 }
@@ -239,8 +242,11 @@ fn load_config(
             .map_err(|e| bad(format!("--config: cannot read {}: {e}", p.display())))?,
         None => "{}".to_owned(),
     };
-    let loaded = estimate::load_config(&text, ranks, total_numel)
-        .map_err(|e| bad(format!("--config: {e}")))?;
+    let loaded = match model {
+        Some(m) => estimate::load_config_for_model(&text, ranks, m),
+        None => estimate::load_config(&text, ranks, total_numel),
+    }
+    .map_err(|e| bad(format!("--config: {e}")))?;
     for w in &loaded.warnings {
         tracing::warn!(key = w.key(), "{w}");
     }
@@ -303,6 +309,15 @@ pub fn run(a: EstimateArgs) -> Result<(), Failure> {
         .map_err(|_| bad(format!("--ranks: {:?} is not a whole number", a.ranks)))?;
     if ranks == 0 {
         return Err(bad("--ranks must be at least 1 (got 0)".to_owned()));
+    }
+    // Every rank is counted on this machine (its RAM, its disk): beyond a
+    // node's ranks the question is another one, and the per-rank shard
+    // arithmetic of a device's estimate grows with the count.
+    if ranks > MAX_RANKS {
+        return Err(bad(format!(
+            "--ranks {ranks}: the estimate is of one machine, whose ranks share its RAM and \
+             disk; give at most {MAX_RANKS} (the ranks of this node)"
+        )));
     }
     let mut model = None;
     let (total_numel, largest_unit_numel, largest_source, largest_tensor_numel) =

@@ -28,11 +28,30 @@ pub fn items_on(
     gpu: bool,
     nvme_room_bytes: Option<u64>,
 ) -> Result<Vec<Item>, EstimateError> {
-    if gpu && c.optimizer == Offload::None {
-        gpu_adam_items(inp, c, nvme_room_bytes)
+    let mut v = if gpu && c.optimizer == Offload::None {
+        gpu_adam_items(inp, c, nvme_room_bytes)?
     } else {
-        items_within(inp, c, nvme_room_bytes)
+        items_within(inp, c, nvme_room_bytes)?
+    };
+    if gpu && c.params == Offload::None {
+        // The param store keeps the params whose home is the device as
+        // host tensors too: this rank's shards with several ranks (they
+        // are handed out and gathered), every param with one. (On the CPU
+        // as the device, they are the device's bytes.)
+        let (n, r, p) = (inp.total_numel, inp.ranks, inp.param_elem_bytes);
+        let (pn, ps) = if r > 1 {
+            (n.div_ceil(r), format!("⌈{n}/{r}⌉"))
+        } else {
+            (n, format!("{n}"))
+        };
+        v.push(Item {
+            tier: Tier::Pageable,
+            what: "16-bit params host copy (the param store)",
+            bytes: mul(pn, p, "host param copy")?,
+            formula: format!("{ps} × {p} B"),
+        });
     }
+    Ok(v)
 }
 
 /// `offload_optimizer: none` on a GPU, as `tierzero train` runs it. Adam
@@ -42,8 +61,8 @@ pub fn items_on(
 /// ([`crate::engine::device::resident_state_bytes`]: the weights, fp32
 /// masters beside bf16 ones, fp32 m and v, the gradient sums and its
 /// workspace), and host memory keeps its copy of the state (master, m and
-/// v: loaded into the device, written back at saves) and the param store's
-/// copy of the params. Otherwise Adam runs on the host as with
+/// v: loaded into the device, written back at saves; [`items_on`] adds the
+/// param store's copy of the params). Otherwise Adam runs on the host as with
 /// `offload_optimizer: cpu`, and so is accounted as that.
 pub fn gpu_adam_items(
     inp: &Inputs,
@@ -117,7 +136,7 @@ pub fn gpu_adam_items(
     if masters > 0 {
         push(
             Tier::Device,
-            "fp32 masters (beside bf16 params)",
+            "fp32 masters",
             masters,
             format!("⌈{n}/{r}⌉ × 4 B"),
         );
@@ -142,17 +161,6 @@ pub fn gpu_adam_items(
         "optimizer state host copy (master, m, v)",
         mul(s, 12, "host state copy")?,
         format!("⌈{n}/{r}⌉ × 12 B (loaded into the device, written back at saves)"),
-    );
-    let (pn, ps) = if partition && r > 1 {
-        (s, format!("⌈{n}/{r}⌉"))
-    } else {
-        (n, format!("{n}"))
-    };
-    push(
-        Tier::Pageable,
-        "16-bit params host copy (the param store)",
-        mul(pn, p, "host param copy")?,
-        format!("{ps} × {p} B"),
     );
     Ok(v)
 }
