@@ -842,9 +842,13 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
                 }
             }
         }
+        let end = match &args.steps {
+            Some(_) => format!("--steps {steps}"),
+            None => format!("the end of the run that saved it (step {steps})"),
+        };
         say(&format!(
-            "the checkpoint {} is at step {start_step}, which already reaches --steps {steps}; \
-             nothing to do (raise --steps to train further)\n",
+            "the checkpoint {} is at step {start_step}, which already reaches {end}; \
+             nothing to do (give a larger --steps to train further)\n",
             ckpt.as_ref()
                 .map_or(String::new(), |c| c.dir().display().to_string())
         ))?;
