@@ -556,6 +556,12 @@ pub struct Inputs {
     /// only ([`Shape::estimated`] where a shape is needed).
     #[serde(skip)]
     pub shape: Option<Shape>,
+    /// With the model known: the sub-groups its largest unit's params
+    /// touch on rank 0 (`sizing::largest_unit_groups`), the sums backward
+    /// adds into at once with the state on NVMe. `None`: bounded from the
+    /// unit's size.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub largest_unit_groups: Option<u64>,
 }
 
 /// The assumed largest unit for a GPT-3-shaped model of `total_numel`
@@ -1158,6 +1164,7 @@ mod tests {
             device_adam_refusal: None,
             bf16_params: true,
             shape: None,
+            largest_unit_groups: None,
         }
     }
 

@@ -173,8 +173,9 @@ struct FromConfig {
     /// With a model and a config: the plan `tierzero train` prints for
     /// them ([`train_plan`]).
     train_plan: Option<String>,
-    /// With a model: rank 0's shape under the config ([`Inputs::shape`]).
-    shape: Option<tierzero::engine::sizing::Shape>,
+    /// With a model: rank 0's shape under the config ([`Inputs::shape`]),
+    /// and its largest unit's sub-groups ([`Inputs::largest_unit_groups`]).
+    shape: Option<(tierzero::engine::sizing::Shape, u64)>,
     /// [`Inputs::device_adam_refusal`].
     device_adam_refusal: Option<String>,
     /// [`Inputs::bf16_params`].
@@ -295,7 +296,10 @@ fn load_config(
             let world = usize::try_from(ranks).unwrap_or(usize::MAX);
             let sub_group = usize::try_from(c.zero.sub_group_numel.0).unwrap_or(usize::MAX);
             let layout = tierzero::engine::Layout::new(m, 0, world, sub_group);
-            tierzero::engine::sizing::Shape::of(c, m, &layout)
+            (
+                tierzero::engine::sizing::Shape::of(c, m, &layout),
+                tierzero::engine::sizing::largest_unit_groups(m, &layout),
+            )
         }),
     })
 }
@@ -408,7 +412,8 @@ pub fn run(a: EstimateArgs) -> Result<(), Failure> {
         swap: cfg.swap,
         device_adam_refusal: cfg.device_adam_refusal,
         bf16_params: cfg.bf16_params,
-        shape: cfg.shape,
+        largest_unit_groups: cfg.shape.as_ref().map(|s| s.1),
+        shape: cfg.shape.map(|s| s.0),
     };
     let machine = estimate::probe_machine(&nvme_dir, device_bytes);
     let mut report = estimate::estimate(&inputs, &machine).map_err(|e| bad(e.to_string()))?;

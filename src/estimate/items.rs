@@ -436,14 +436,7 @@ pub fn items_within(
     }
     let tile = sw.sub_group_numel.min(on);
     if c.optimizer == Offload::Nvme {
-        nvme_state_grads(
-            inp,
-            (on, &os),
-            shape,
-            resident_groups,
-            nvme_room_bytes,
-            &mut push,
-        )?;
+        nvme_state_grads(inp, (on, &os), shape, &resident, nvme_room_bytes, &mut push)?;
     }
     if c.optimizer == Offload::Nvme {
         let (bufs, why) = optimizer_buffer_count(sw, largest_group);
@@ -485,7 +478,7 @@ fn nvme_state_grads(
     inp: &Inputs,
     (on, os): (u64, &str),
     shape: &Shape,
-    resident: u64,
+    resident_groups: &[bool],
     nvme_room_bytes: Option<u64>,
     push: &mut impl FnMut(Tier, &'static str, u64, String),
 ) -> Result<(), EstimateError> {
@@ -497,23 +490,44 @@ fn nvme_state_grads(
         usize::from(sw.pipeline_write),
     );
     let spill = sw.spill_grads_with_nvme_state;
-    // The largest unit's params touch at most its elements' worth of
-    // groups plus one at each end (a tiled tensor starts a group of its
-    // own, and a unit's other params may sit in the groups on either side).
-    let unit_groups = (inp.largest_unit_numel.div_ceil(g) + 2).min(sub_groups);
+    // The sub-groups the largest unit's params touch: the layout's
+    // (`sizing::largest_unit_groups`, with the model), else at most its
+    // elements' worth plus one at each end (a tiled tensor starts a group
+    // of its own, and a unit's other params may sit in the groups on either
+    // side).
+    let unit_groups = inp
+        .largest_unit_groups
+        .unwrap_or_else(|| inp.largest_unit_numel.div_ceil(g) + 2)
+        .min(sub_groups);
     let held = if spill {
-        (ra as u64 + 1 + resident).min(sub_groups)
+        sizing::held_grad_bound(resident_groups, ra + 1) as u64
     } else {
         0
     };
-    let per = 4 + 2 * inp.moment_elem_bytes;
+    let resident = resident_groups.iter().filter(|r| **r).count() as u64;
+    // Each NVMe sub-group's extents, 4 KiB-aligned, as the engine sizes
+    // them: its fp32 gradient's (spilled, parked) and its state's.
+    let aligned = |numel: u64, elem: u64| sizing::align_up(numel.saturating_mul(elem));
+    let nvme_groups = || {
+        shape
+            .sub_groups
+            .iter()
+            .zip(resident_groups)
+            .filter(|(_, r)| !**r)
+            .map(|(g, _)| g.numel)
+    };
+    let m = inp.moment_elem_bytes;
+    let slot_bytes = nvme_groups().max().map_or(0, |n| {
+        aligned(n, 4).saturating_add(aligned(n, m).saturating_mul(2))
+    });
+    let per = 4 + 2 * m;
     let slots = sizing::speculation_pool_slots(
         sw.speculative_with_nvme_state,
         ra,
         wb,
         sub_groups.saturating_sub(resident) as usize,
         sw.speculation_pool_bytes,
-        per.saturating_mul(g),
+        slot_bytes,
         nvme_room_bytes,
     ) as u64;
     let kept = sizing::speculation_kept_grads(ra, wb, slots as usize) as u64;
@@ -556,17 +570,23 @@ fn nvme_state_grads(
         push(
             Tier::Nvme,
             "final fp32 grads spilled (clipping / fp16)",
-            mul(on, 4, "spilled grads")?,
-            format!("{os} × 4 B"),
+            nvme_groups().fold(0u64, |a, n| a.saturating_add(aligned(n, 4))),
+            format!(
+                "the {} NVMe sub-groups' × 4 B, each 4 KiB-aligned",
+                sub_groups - resident
+            ),
         );
     }
     if sw.gradient_accumulation_steps > 1 {
         push(
             Tier::Nvme,
             "fp32 grad sums parked between micro-batches",
-            mul(on, 4, "parked grads")?,
+            shape
+                .sub_groups
+                .iter()
+                .fold(0u64, |a, g| a.saturating_add(aligned(g.numel, 4))),
             format!(
-                "{os} × 4 B (gradient_accumulation_steps {})",
+                "{os} × 4 B, each sub-group's 4 KiB-aligned (gradient_accumulation_steps {})",
                 sw.gradient_accumulation_steps
             ),
         );
@@ -590,8 +610,8 @@ fn nvme_state_grads(
         push(
             Tier::Nvme,
             SPECULATION_POOL,
-            mul(mul(slots, per, "speculation pool")?, g, "speculation pool")?,
-            format!("{slots} slots × {g} × {per} B ({why})"),
+            mul(slots, slot_bytes, "speculation pool")?,
+            format!("{slots} slots × {slot_bytes} B (the largest NVMe sub-group's {per} B an element, 4 KiB-aligned extents; {why})"),
         );
     }
     Ok(())
