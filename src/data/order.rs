@@ -30,7 +30,11 @@
 //!
 //! Within a pass every window is read exactly once, as in file order; the
 //! pass's offset (which tokens a pass leaves out) is the same in both
-//! orders. Ranks read disjoint samples of the global order, so the data of
+//! orders. Samples of one read (a micro-batch) that span two passes may
+//! hold the same window twice (or, where the passes' offsets differ, two
+//! windows a few tokens apart): as an epoch's last batch and the next
+//! one's first may. With `W` windows a pass it happens at most once a pass,
+//! to about `rows² / W` rows. Ranks read disjoint samples of the global order, so the data of
 //! a step does not depend on the rank count. The order is a pure function
 //! of `(seed, pass, W)`, not of the platform: the arithmetic is `u64`
 //! wrapping multiplications and shifts.
