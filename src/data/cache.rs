@@ -210,11 +210,16 @@ pub fn lookup(tokens: &Path, sidecar: &Path, key: &str, width: TokenWidth) -> Op
 /// Removes the cache entries in `dir` of the data file named as `data`'s
 /// whose sidecar records other data than `current` (an earlier content of
 /// the file), both files each; returns the token files removed and their
-/// bytes. Only for the data's own directory, where the name is the file
-/// (see the module docs). An entry without a readable sidecar (being
-/// written, or damaged) is left.
+/// bytes. Only for the data's own directory, and only entries whose
+/// sidecar's source is this data file (the same file once both paths are
+/// resolved: `--data-cache-dir` may put another corpus of the same name
+/// here). An entry without a readable sidecar (being written, or damaged)
+/// or whose source no longer resolves is left.
 pub fn remove_superseded(dir: &Path, data: &Path, current: &DataIdentity) -> Vec<(PathBuf, u64)> {
     let Some(name) = data.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+        return Vec::new();
+    };
+    let Ok(data_resolved) = std::fs::canonicalize(data) else {
         return Vec::new();
     };
     let prefix = format!(".{name}.tz-");
@@ -224,10 +229,16 @@ pub fn remove_superseded(dir: &Path, data: &Path, current: &DataIdentity) -> Vec
     let mut removed = Vec::new();
     for e in entries.flatten() {
         let file = e.file_name().to_string_lossy().into_owned();
+        // `.{name}.tz-{16 hex digits}.u16` exactly (`paths_in`): not the
+        // entry of another file whose name begins `{name}.tz-`.
         let Some(rest) = file.strip_prefix(&prefix) else {
             continue;
         };
-        if !(rest.ends_with(".u16") || rest.ends_with(".u32")) {
+        let ours = rest.len() == 20
+            && rest.is_char_boundary(16)
+            && rest[..16].bytes().all(|b| b.is_ascii_hexdigit())
+            && matches!(&rest[16..], ".u16" | ".u32");
+        if !ours {
             continue;
         }
         let tokens = e.path();
@@ -240,7 +251,8 @@ pub fn remove_superseded(dir: &Path, data: &Path, current: &DataIdentity) -> Vec
         else {
             continue;
         };
-        if meta.data == *current {
+        let same_file = std::fs::canonicalize(&meta.source).is_ok_and(|s| s == data_resolved);
+        if meta.data == *current || !same_file {
             continue;
         }
         let bytes = e.metadata().map_or(0, |m| m.len());
@@ -263,5 +275,72 @@ pub fn writable(dir: &Path) -> bool {
     {
         Ok(_) => std::fs::remove_file(&probe).is_ok(),
         Err(_) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+
+    /// An entry (token file and sidecar) in `dir` as `paths_in` names it,
+    /// recording `source` and `data`.
+    fn entry(dir: &Path, source: &str, key: &str, data: DataIdentity) -> PathBuf {
+        let (tokens, sidecar) = paths_in(dir, Path::new(source), key, TokenWidth::U16);
+        std::fs::write(&tokens, [0u8; 8]).unwrap();
+        let meta = CacheMeta {
+            tierzero_token_cache: CACHE_VERSION,
+            key: key.to_owned(),
+            dtype: "uint16".into(),
+            tokens: 4,
+            documents: 1,
+            source: source.to_owned(),
+            data,
+            format: "text".into(),
+            eos_id: None,
+            max_id: Some(1),
+        };
+        std::fs::write(&sidecar, serde_json::to_vec(&meta).unwrap()).unwrap();
+        tokens
+    }
+
+    #[test]
+    fn only_entries_of_the_file_s_earlier_contents_are_removed() {
+        let dir = std::env::temp_dir().join(format!("tz-cache-prune-{}", std::process::id()));
+        let elsewhere = dir.join("ro");
+        std::fs::create_dir_all(&elsewhere).unwrap();
+        let data = dir.join("c.txt");
+        std::fs::write(&data, "text").unwrap();
+        std::fs::write(elsewhere.join("c.txt"), "other text").unwrap();
+        let id = |crc| DataIdentity {
+            bytes: 10,
+            crc32c: crc,
+            utf8_bom: false,
+        };
+        let path = |p: &Path| p.to_str().unwrap().to_owned();
+        let old = entry(&dir, &path(&data), &"a".repeat(64), id(1));
+        let current = entry(&dir, &path(&data), &"b".repeat(64), id(2));
+        // Another data file whose name begins `c.txt.tz-`: its entry starts
+        // with the prefix too, and is not c.txt's.
+        let other = entry(
+            &dir,
+            "c.txt.tz-0123456789abcdef.u16",
+            &"c".repeat(64),
+            id(3),
+        );
+        // Another corpus of the same name, cached here by --data-cache-dir.
+        let same_name = entry(
+            &dir,
+            &path(&elsewhere.join("c.txt")),
+            &"d".repeat(64),
+            id(4),
+        );
+        let removed = remove_superseded(&dir, &data, &id(2));
+        assert_eq!(removed, vec![(old.clone(), 8)]);
+        assert!(!old.exists() && current.exists() && other.exists() && same_name.exists());
+        let mut side = old.into_os_string();
+        side.push(".json");
+        assert!(!PathBuf::from(side).exists());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -710,6 +710,9 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
         .map_err(|e| EngineError::internal(format!("token cache sidecar: {e}")))?;
     crate::durable::write_atomic(&sidecar, &text)
         .map_err(|e| cache_full(e.into(), &spec.path, &tokens))?;
+    // Mapped first: a run pruning this entry as another content's (the
+    // file edited meanwhile) then leaves the mapping whole.
+    let data = cached(&tokens, width, &meta, vocab_size)?;
     let dir = cache::data_dir(&spec.path);
     let superseded = if tokens.parent() == Some(dir.as_path()) {
         cache::remove_superseded(&dir, &spec.path, &meta.data)
@@ -717,7 +720,7 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
         Vec::new()
     };
     Ok(Loaded {
-        data: cached(&tokens, width, &meta, vocab_size)?,
+        data,
         documents: Some(enc.documents),
         origin: Origin::Encoded {
             cached: Some(tokens),
