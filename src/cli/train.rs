@@ -103,7 +103,7 @@ mod outputs;
 mod report;
 mod steps;
 mod timing;
-use data::{load_data, other_data};
+use data::{data_order, load_data, other_data};
 use device::{cuda_units, sim_units};
 use failures::{corrupt_resume, run_failure, startup_failure};
 use report::{banner, print_summary, size_and_time, Progress};
@@ -427,28 +427,6 @@ impl Flags {
             },
         })
     }
-}
-
-/// The data order. Shuffled or in file order: `--data-order`, else a
-/// resumed run's checkpoint's, else shuffled. The shuffle's seed: `--seed`,
-/// else a resumed run's (the checkpoint's shuffle's; a file-order
-/// checkpoint's run seed), else `seed`'s default.
-fn data_order(args: &TrainArgs, seed: u64, ckpt: Option<&Checkpoint>) -> DataOrder {
-    let saved = ckpt.map(|c| c.manifest().data.order_or_file());
-    let shuffled = match args.data_order.as_deref() {
-        Some(o) => o == "shuffled",
-        None => saved != Some(DataOrder::Sequential),
-    };
-    if !shuffled {
-        return DataOrder::Sequential;
-    }
-    let seed = match (&args.seed, saved, ckpt) {
-        (Some(_), ..) => seed,
-        (None, Some(DataOrder::Shuffled { seed }), _) => seed,
-        (None, _, Some(c)) => c.manifest().seed,
-        (None, _, None) => seed,
-    };
-    DataOrder::Shuffled { seed }
 }
 
 /// The model to train: its directory (none when resuming without
@@ -842,9 +820,14 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
                 }
             }
         }
-        let end = match &args.steps {
-            Some(_) => format!("--steps {steps}"),
-            None => format!("the end of the run that saved it (step {steps})"),
+        let saved_end = ckpt.as_ref().and_then(|c| c.manifest().run_steps);
+        let end = match (&args.steps, saved_end) {
+            (Some(_), _) => format!("--steps {steps}"),
+            (None, Some(_)) => format!("the end of the run that saved it (step {steps})"),
+            (None, None) => format!(
+                "step {steps} (without --steps: the config's total_num_steps, else {})",
+                tierzero::run::DEFAULT_STEPS
+            ),
         };
         say(&format!(
             "the checkpoint {} is at step {start_step}, which already reaches {end}; \

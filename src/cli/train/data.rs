@@ -15,6 +15,28 @@ pub(super) fn other_data(was: &str, now: &str) -> bool {
     }
 }
 
+/// The data order. Shuffled or in file order: `--data-order`, else a
+/// resumed run's checkpoint's, else shuffled. The shuffle's seed: `--seed`,
+/// else a resumed run's (the checkpoint's shuffle's; a file-order
+/// checkpoint's run seed), else `seed`'s default.
+pub(super) fn data_order(args: &TrainArgs, seed: u64, ckpt: Option<&Checkpoint>) -> DataOrder {
+    let saved = ckpt.map(|c| c.manifest().data.order_or_file());
+    let shuffled = match args.data_order.as_deref() {
+        Some(o) => o == "shuffled",
+        None => saved != Some(DataOrder::Sequential),
+    };
+    if !shuffled {
+        return DataOrder::Sequential;
+    }
+    let seed = match (&args.seed, saved, ckpt) {
+        (Some(_), ..) => seed,
+        (None, Some(DataOrder::Shuffled { seed }), _) => seed,
+        (None, _, Some(c)) => c.manifest().seed,
+        (None, _, None) => seed,
+    };
+    DataOrder::Shuffled { seed }
+}
+
 /// The data flags that read `--data`'s file, refused without `--data`
 /// (checked with the other flags, before the config and the data).
 pub(super) fn check_data_flags(args: &TrainArgs) -> Result<(), Failure> {
