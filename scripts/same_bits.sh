@@ -10,7 +10,10 @@
 #   scripts/same_bits.sh OLD/tierzero NEW/tierzero [STEPS]
 #
 # Exit 0 when every config gives equal results, 1 otherwise. Plain JSON
-# configs, so a build from before hjson reading can run them too.
+# configs, so a build from before hjson reading can run them too. A build
+# from before the shuffled data order (2026-12-06) reads the data in file
+# order and knows no --data-order: against a later one it differs by
+# design.
 set -euo pipefail
 OLD=${1:?usage: same_bits.sh OLD_BIN NEW_BIN [STEPS]}
 NEW=${2:?usage: same_bits.sh OLD_BIN NEW_BIN [STEPS]}

@@ -247,9 +247,20 @@ pub const HOST_USABLE_PERCENT: u64 = 90;
 /// left to activations and the allocator).
 pub const DEVICE_USABLE_PERCENT: u64 = 90;
 
+/// The most ranks one machine's estimate takes: every rank is counted on
+/// this machine (its RAM, its disk), and a device's estimate does per-rank
+/// shard arithmetic for each.
+pub const MAX_RANKS: u64 = 4096;
+
 /// Errors of the estimate area.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum EstimateError {
+    /// More ranks than one machine's estimate takes.
+    #[error("--ranks {ranks}: the estimate is of one machine, whose ranks share its RAM and disk; give at most {MAX_RANKS} (the ranks of this node)")]
+    TooManyRanks {
+        /// The ranks asked for.
+        ranks: u64,
+    },
     /// A count that must be positive was zero.
     #[error("{what} must be at least 1 (got 0)")]
     Zero {
@@ -818,6 +829,9 @@ pub fn validate(inp: &Inputs) -> Result<(), EstimateError> {
     }
     if inp.ranks == 0 {
         return Err(EstimateError::Zero { what: "--ranks" });
+    }
+    if inp.ranks > MAX_RANKS {
+        return Err(EstimateError::TooManyRanks { ranks: inp.ranks });
     }
     if inp.largest_unit_numel == 0 {
         return Err(EstimateError::Zero {

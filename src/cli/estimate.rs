@@ -107,9 +107,6 @@ pub struct EstimateArgs {
     json: bool,
 }
 
-/// The most ranks one machine's estimate takes.
-const MAX_RANKS: u64 = 4096;
-
 fn bad(msg: String) -> Failure {
     Failure::BadInput(anyhow!(msg))
 }
@@ -314,14 +311,11 @@ pub fn run(a: EstimateArgs) -> Result<(), Failure> {
     if ranks == 0 {
         return Err(bad("--ranks must be at least 1 (got 0)".to_owned()));
     }
-    // Every rank is counted on this machine (its RAM, its disk): beyond a
-    // node's ranks the question is another one, and the per-rank shard
-    // arithmetic of a device's estimate grows with the count.
-    if ranks > MAX_RANKS {
-        return Err(bad(format!(
-            "--ranks {ranks}: the estimate is of one machine, whose ranks share its RAM and \
-             disk; give at most {MAX_RANKS} (the ranks of this node)"
-        )));
+    // Every rank is counted on this machine (before the model is read).
+    if ranks > estimate::MAX_RANKS {
+        return Err(bad(
+            estimate::EstimateError::TooManyRanks { ranks }.to_string()
+        ));
     }
     let mut model = None;
     let (total_numel, largest_unit_numel, largest_source, largest_tensor_numel) =

@@ -151,10 +151,15 @@ pub fn gpu_adam_items(
         Tier::Device,
         "fp32 grad sums and workspace",
         work,
-        format!(
-            "(sums {s} + largest param {t} + the largest unit's{}) × 4 B (engine::device::resident_state_bytes)",
-            if r > 1 { " reduces" } else { "" }
-        ),
+        if r > 1 {
+            format!(
+                "(sums ⌈{n}/{r}⌉ + largest param {t} + 3 × largest unit {l} + 2 × ({r} + 3) × ⌈{l}/{r}⌉) × 4 B (engine::device::resident_state_bytes)"
+            )
+        } else {
+            format!(
+                "(sums {n} + largest unit {l} + 3 × largest param {t}) × 4 B (engine::device::resident_state_bytes)"
+            )
+        },
     );
     push(
         Tier::Pageable,

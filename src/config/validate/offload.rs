@@ -170,12 +170,14 @@ fn twin_flow_ratio(
 /// param swap-in buffers alone (the optimizer's depend on the model's
 /// sub-groups). The engine checks again with the real layout at build.
 ///
-/// Never stricter than the engine: it cuts the param swap-in buffers into
-/// slots of the largest NVMe shard ([`sizing::param_slots`], never fewer
-/// than `buffer_count`), which an estimated shape does not know, so a
-/// budget that holds `buffer_count` slots of the largest param's shard
-/// passes here (the build's check, with the real shards, has the last
-/// word and the numbers).
+/// The engine cuts the param swap-in buffers into slots of the largest
+/// NVMe shard ([`sizing::param_slots`], never fewer than `buffer_count`),
+/// which an estimated shape does not know: with the largest param known,
+/// a budget that holds `buffer_count` slots of its shard passes here (the
+/// least the engine maps when that param goes to NVMe; where `max_in_cpu`
+/// keeps it in host memory the engine's slots are smaller still, and this
+/// check can refuse a budget the build would take). The build's check,
+/// with the real shards, has the last word and the numbers.
 pub(super) fn check_pinned_budget(c: &Config, run: &RunContext) -> Result<(), ConfigError> {
     use crate::engine::sizing::{self, Shape};
     let Some(budget) = c.tierzero.pinned_budget_bytes else {
