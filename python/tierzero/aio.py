@@ -118,8 +118,11 @@ def _pread_all(fd: int, n: int, offset: int) -> bytes:
         try:
             part = os.pread(fd, min(n - got, 1 << 30), offset + got)
         except OSError as e:
-            err = AioError(e.errno or _errno.EIO, f"validate reads the file back, and fd {fd} cannot be read ({e.strerror}); open it O_RDWR, or pass the file's path", f"<fd {fd}>")
-            raise err from e
+            if e.errno == _errno.EBADF:
+                msg = f"validate reads the file back, and fd {fd} cannot be read ({e.strerror}); open it O_RDWR, or pass the file's path"
+            else:
+                msg = f"validate could not read the file back: {e.strerror}"
+            raise AioError(e.errno or _errno.EIO, msg, f"<fd {fd}>") from e
         if not part:
             break
         parts.append(part)
