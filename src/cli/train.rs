@@ -820,20 +820,11 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
                 }
             }
         }
-        let saved_end = ckpt.as_ref().and_then(|c| c.manifest().run_steps);
-        let end = match (&args.steps, saved_end) {
-            (Some(_), _) => format!("--steps {steps}"),
-            (None, Some(_)) => format!("the end of the run that saved it (step {steps})"),
-            (None, None) => format!(
-                "step {steps} (without --steps: the config's total_num_steps, else {})",
-                tierzero::run::DEFAULT_STEPS
-            ),
-        };
-        say(&format!(
-            "the checkpoint {} is at step {start_step}, which already reaches {end}; \
-             nothing to do (give a larger --steps to train further)\n",
-            ckpt.as_ref()
-                .map_or(String::new(), |c| c.dir().display().to_string())
+        say(&report::nothing_to_do(
+            &args,
+            ckpt.as_ref(),
+            start_step,
+            steps,
         ))?;
         if args.json && lead {
             // stdout is the summary object with --json: one here too,

@@ -121,6 +121,30 @@ struct JsonSummary<'a> {
     checkpoint_step: Option<Option<u64>>,
 }
 
+/// What a resume that already reaches its end says: the checkpoint, its
+/// step, and where the end `steps` came from (`--steps`, the saving run's
+/// recorded end, or the config's `total_num_steps` else the default).
+pub(super) fn nothing_to_do(
+    args: &TrainArgs,
+    ckpt: Option<&Checkpoint>,
+    start_step: u64,
+    steps: u64,
+) -> String {
+    let saved_end = ckpt.and_then(|c| c.manifest().run_steps);
+    let end = match (&args.steps, saved_end) {
+        (Some(_), _) => format!("--steps {steps}"),
+        (None, Some(_)) => format!("the end of the run that saved it (step {steps})"),
+        (None, None) => format!(
+            "step {steps} (without --steps: the config's total_num_steps, else {DEFAULT_STEPS})"
+        ),
+    };
+    format!(
+        "the checkpoint {} is at step {start_step}, which already reaches {end}; \
+         nothing to do (give a larger --steps to train further)\n",
+        ckpt.map_or(String::new(), |c| c.dir().display().to_string())
+    )
+}
+
 /// The start-up lines: model, data, config, run, and the plan.
 pub(super) fn banner(
     args: &TrainArgs,
