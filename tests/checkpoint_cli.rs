@@ -331,21 +331,14 @@ fn a_resume_reads_the_data_in_the_checkpoint_s_order() {
             "{tag}"
         );
     }
+    // Steps 3 and 4 from the shuffled checkpoint, with `flag value`.
+    let resume_shuffled = |flag: &str, value: &str, metrics: &str| {
+        let args = ["--steps", "4", "--resume", "ck-shuffled", flag, value];
+        train(&d, &[&args[..], &["--metrics", metrics]].concat())
+    };
     // Restating the order without --seed keeps the checkpoint's seed, and
     // the banner says the run's seed and the order's.
-    let r = train(
-        &d,
-        &[
-            "--steps",
-            "4",
-            "--resume",
-            "ck-shuffled",
-            "--data-order",
-            "shuffled",
-            "--metrics",
-            "s7.jsonl",
-        ],
-    );
+    let r = resume_shuffled("--data-order", "shuffled", "s7.jsonl");
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert!(
         r.stdout
@@ -361,19 +354,7 @@ fn a_resume_reads_the_data_in_the_checkpoint_s_order() {
     let first = |tag: &str| losses(&d.join(format!("{tag}-whole.jsonl")))[0];
     assert_ne!(first("shuffled"), first("sequential"));
     // An explicit other seed on resume is this run's order, and warned of.
-    let r = train(
-        &d,
-        &[
-            "--steps",
-            "4",
-            "--resume",
-            "ck-shuffled",
-            "--seed",
-            "8",
-            "--metrics",
-            "s8.jsonl",
-        ],
-    );
+    let r = resume_shuffled("--seed", "8", "s8.jsonl");
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert!(
         r.stderr.contains("data_order")

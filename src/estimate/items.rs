@@ -10,6 +10,29 @@ fn mul(a: u64, b: u64, what: &str) -> Result<u64, EstimateError> {
     })
 }
 
+/// Appends to `v` an item of its parts (tier, what, bytes, formula): what
+/// every builder of items pushes through.
+fn pusher(v: &mut Vec<Item>) -> impl FnMut(Tier, &'static str, u64, String) + '_ {
+    move |tier, what, bytes, formula| {
+        v.push(Item {
+            tier,
+            what,
+            bytes,
+            formula,
+        })
+    }
+}
+
+/// `n` elements over `r` ranks: one rank's share `⌈n/r⌉` with its formula
+/// where `partitioned` (and `r > 1`), else all `n`.
+fn share(n: u64, r: u64, partitioned: bool) -> (u64, String) {
+    if partitioned && r > 1 {
+        (n.div_ceil(r), format!("⌈{n}/{r}⌉"))
+    } else {
+        (n, format!("{n}"))
+    }
+}
+
 /// What the speculation pool's row is called.
 pub(super) const SPECULATION_POOL: &str = "speculation pool (state slots)";
 
@@ -38,18 +61,14 @@ pub fn items_on(
         // host tensors too: this rank's shards with several ranks (they
         // are handed out and gathered), every param with one. (On the CPU
         // as the device, they are the device's bytes.)
-        let (n, r, p) = (inp.total_numel, inp.ranks, inp.param_elem_bytes);
-        let (pn, ps) = if r > 1 {
-            (n.div_ceil(r), format!("⌈{n}/{r}⌉"))
-        } else {
-            (n, format!("{n}"))
-        };
-        v.push(Item {
-            tier: Tier::Pageable,
-            what: "16-bit params host copy (the param store)",
-            bytes: mul(pn, p, "host param copy")?,
-            formula: format!("{ps} × {p} B"),
-        });
+        let p = inp.param_elem_bytes;
+        let (pn, ps) = share(inp.total_numel, inp.ranks, true);
+        pusher(&mut v)(
+            Tier::Pageable,
+            "16-bit params host copy (the param store)",
+            mul(pn, p, "host param copy")?,
+            format!("{ps} × {p} B"),
+        );
     }
     Ok(v)
 }
@@ -114,14 +133,7 @@ pub fn gpu_adam_items(
     );
     let s = n.div_ceil(r);
     let mut v = Vec::new();
-    let mut push = |tier, what, bytes, formula: String| {
-        v.push(Item {
-            tier,
-            what,
-            bytes,
-            formula,
-        })
-    };
+    let mut push = pusher(&mut v);
     let p = inp.param_elem_bytes;
     push(
         Tier::Device,
@@ -167,6 +179,7 @@ pub fn gpu_adam_items(
         mul(s, 12, "host state copy")?,
         format!("⌈{n}/{r}⌉ × 12 B (loaded into the device, written back at saves)"),
     );
+    drop(push); // its borrow of `v`
     Ok(v)
 }
 
@@ -181,26 +194,12 @@ pub fn items_within(
 ) -> Result<Vec<Item>, EstimateError> {
     let n = inp.total_numel;
     let r = inp.ranks;
-    let s = n.div_ceil(r);
     let p = inp.param_elem_bytes;
     let l = inp.largest_unit_numel;
     let sw = &inp.swap;
     let mut v = Vec::new();
-    let mut push = |tier, what, bytes, formula: String| {
-        v.push(Item {
-            tier,
-            what,
-            bytes,
-            formula,
-        })
-    };
-    let part = |partitioned: bool| -> (u64, String) {
-        if partitioned && r > 1 {
-            (s, format!("⌈{n}/{r}⌉"))
-        } else {
-            (n, format!("{n}"))
-        }
-    };
+    let mut push = pusher(&mut v);
+    let part = |partitioned: bool| share(n, r, partitioned);
 
     // 16-bit params.
     let (pn, ps) = part(c.stage == Stage::Parameters);
@@ -466,6 +465,7 @@ pub fn items_within(
             format!("min(sub_group_size {}, {os}) × {p} B", sw.sub_group_numel),
         );
     }
+    drop(push); // its borrow of `v`
     Ok(v)
 }
 
