@@ -119,6 +119,9 @@ struct Out {
     skipped: u64,
     /// Speculative steps redone or undone, at the end.
     speculation_misses: u64,
+    /// The most bytes of whole params the param store held live (resident,
+    /// or staged by an update of a resident one) after a step.
+    live_param_bytes: u64,
 }
 
 /// Where a run computes.
@@ -270,9 +273,11 @@ fn train_on(
     let mut grad_norms = Vec::new();
     let mut device_aheads = 0;
     let (mut skipped, mut speculation_misses) = (0, 0);
+    let mut live_param_bytes = 0;
     let losses = (0..steps)
         .map(|_| {
             let m = t.step().unwrap().metrics;
+            live_param_bytes = live_param_bytes.max(t.store().live_bytes());
             skipped += u64::from(m.skipped);
             speculation_misses = m.speculation_misses;
             grad_norms.push(m.grad_norm.unwrap_or(0.0));
@@ -321,6 +326,7 @@ fn train_on(
         shard_numel,
         skipped,
         speculation_misses,
+        live_param_bytes,
     }
 }
 
@@ -420,6 +426,7 @@ fn out_to_json(o: &Out) -> Value {
         "shard_numel": o.shard_numel,
         "skipped": o.skipped,
         "speculation_misses": o.speculation_misses,
+        "live_param_bytes": o.live_param_bytes,
     })
 }
 
@@ -461,6 +468,7 @@ fn out_from_json(v: &Value) -> Out {
         shard_numel: v["shard_numel"].as_u64().unwrap(),
         skipped: v["skipped"].as_u64().unwrap(),
         speculation_misses: v["speculation_misses"].as_u64().unwrap(),
+        live_param_bytes: v["live_param_bytes"].as_u64().unwrap(),
         fetches: serde_json::from_value(v["fetches"].clone()).unwrap(),
         steps_busy_ms: serde_json::from_value(v["steps_busy_ms"].clone()).unwrap(),
     }
@@ -759,6 +767,44 @@ fn stage3_nvme_two_ranks_match_one_rank_bit_for_bit_and_hold_half_the_state() {
         assert!(
             (0.45..=0.55).contains(&buf_ratio),
             "rank {r} optimizer buffers {buf_ratio}"
+        );
+    }
+}
+
+#[test]
+fn stage3_params_not_offloaded_on_two_ranks_hold_whole_params_only_while_live() {
+    // Stage 3 with `offload_param` none on two ranks computing on the CPU:
+    // each rank keeps its shard and gathers a unit's whole params for its
+    // visit, releasing them past `stage3_max_live_parameters` (20 000
+    // elements here) as DeepSpeed does. Before, each rank gathered every
+    // whole param once and kept it for good (the whole model per rank).
+    let knobs = Knobs {
+        stage: 3,
+        optim: "cpu",
+        ..Knobs::default()
+    };
+    let (one, ranks) = case("s3-none-2", 2, &knobs, false, STEPS);
+    assert_bit_identical("stage 3, params not offloaded, 2 ranks", &one, &ranks);
+    // fp32 params: 4 bytes an element.
+    let model_bytes = one.shard_numel * 4;
+    let live_bound = (knobs.max_live + knobs.prefetch_bucket) * 4;
+    for (r, o) in ranks.iter().enumerate() {
+        eprintln!(
+            "rank {r}: at most {} B of whole params live after a step (the model: {model_bytes} B); \
+             {} gathers a step",
+            o.live_param_bytes,
+            o.param_gathers as f64 / STEPS as f64
+        );
+        assert!(
+            o.live_param_bytes <= live_bound && o.live_param_bytes < model_bytes / 2,
+            "rank {r}: {} B of whole params live (model {model_bytes} B, bound {live_bound} B)",
+            o.live_param_bytes
+        );
+        // Released params are gathered again at their next visit.
+        assert!(
+            o.param_gathers > STEPS * 4,
+            "rank {r}: {} gathers in {STEPS} steps",
+            o.param_gathers
         );
     }
 }

@@ -4,7 +4,8 @@
 //! # Tiers
 //!
 //! * [`Tier::Device`]: the tensor is built once and stays resident (stage
-//!   0-2, or `offload_param.device = none`).
+//!   0-2, or `offload_param.device = none`), except on several ranks
+//!   whose fetches gather it (below).
 //! * [`Tier::Cpu`]: the bytes live in pinned host memory (a [`PinnedArena`]
 //!   whose buffers are pages; params are packed next-fit in `ParamId`
 //!   order and never straddle a page). A prefetch has the param copy
@@ -94,7 +95,22 @@
 //! e.g. updating a param with a read in flight would let stale bytes
 //! become resident, so the caller must complete the read first.
 //! "OnDisk" means "only at home" (pinned host memory for the cpu tier).
-//! Device-tier params are always `Resident` (or `Staged`, see below).
+//! Device-tier params are always `Resident` (or `Staged`, see below),
+//! but for those with a `Host` home (next section).
+//!
+//! # Device-tier params on several ranks
+//!
+//! At stage 3 with `offload_param.device = none` on several ranks whose
+//! fetches gather (the compute does not gather on its device), a param's
+//! home is this rank's shard in ordinary host memory (`Home::Host`, the
+//! compute's own memory on the CPU; DeepSpeed's `ds_tensor` partition).
+//! A fetch gathers the whole from it and a release drops the whole, as
+//! for the cpu tier, so the whole params live only as the prefetcher's
+//! release policy allows (`stage3_max_live_parameters`, the reuse
+//! distance, persistence): the params' host bytes per rank are the
+//! shards plus that, not every whole param (before, these params were
+//! gathered once and never released: `N·p` per rank where the plan
+//! counted `S·p`).
 //!
 //! # Several ranks: the gather happens in `fetch` only
 //!
@@ -298,9 +314,23 @@ impl Entry {
 
 #[derive(Debug)]
 enum Home {
+    /// Always resident: the whole param (one rank), or this rank's shard
+    /// (several ranks, handing out shards).
     Device,
-    Cpu { page: usize, offset_bytes: usize },
-    Nvme { extent: Extent },
+    /// A device-tier param on several ranks whose fetches gather it: this
+    /// rank's shard in ordinary host memory (DeepSpeed's `ds_tensor`
+    /// partition), the whole gathered from it at a fetch and dropped at a
+    /// release (see "Device-tier params on several ranks").
+    Host {
+        shard: Vec<u8>,
+    },
+    Cpu {
+        page: usize,
+        offset_bytes: usize,
+    },
+    Nvme {
+        extent: Extent,
+    },
 }
 
 #[derive(Debug)]
@@ -455,6 +485,9 @@ impl ParamStore {
             let tier = tiers[p.id.0];
             let shard_bytes = slot.shard_numel * elem_bytes;
             let home = match tier {
+                // Empty until the initial bytes come; handing out
+                // shards turns it back into `Device`.
+                Tier::Device if comm.world_size() > 1 => Home::Host { shard: Vec::new() },
                 Tier::Device => Home::Device,
                 Tier::Cpu => {
                     if page_off + shard_bytes > page_bytes {
@@ -689,8 +722,19 @@ impl ParamStore {
     /// from now on [`ParamStore::fetch_many`] gathers nothing and gives
     /// each param as this rank's shard, a 1-D tensor of its elements (see
     /// "Several ranks" in the module docs). One rank: nothing changes.
+    ///
+    /// Called before the initial bytes are stored: a device-tier param's
+    /// tensor then is its shard, always resident, and needs no host copy
+    /// of it (a `Host` home that already holds bytes keeps them).
     pub fn hand_out_shards(&mut self) {
         self.shards_out = self.comm.world_size() > 1;
+        if self.shards_out {
+            for h in &mut self.homes {
+                if matches!(h, Home::Host { shard } if shard.is_empty()) {
+                    *h = Home::Device;
+                }
+            }
+        }
     }
 
     /// The storage dtype.
@@ -854,6 +898,10 @@ impl ParamStore {
             }
             ParamState::OnDisk => match &self.homes[id.0] {
                 Home::Device => return Err(self.not_on_device(id)),
+                Home::Host { shard } => {
+                    let t = self.tensor_from_shard(id, shard)?;
+                    self.apply(id, ParamEvent::Materialized(t))?;
+                }
                 Home::Cpu { .. } => {
                     let (t, len) = self.with_cpu_home(id, |src| {
                         Ok((self.tensor_from_shard(id, src)?, src.len()))
@@ -893,10 +941,14 @@ impl ParamStore {
         ))
     }
 
-    /// Drops the device copy of `id` (no-op for device-tier params and for
-    /// params that are not resident).
+    /// Drops the device copy of `id` (no-op for params that are not
+    /// resident and for device-tier params that are always resident: a
+    /// device-tier param whose fetches gather it keeps its shard at home
+    /// and drops the whole).
     pub fn release(&mut self, id: ParamId) -> Result<()> {
-        if self.tier(id) == Tier::Device || self.state(id) != ParamState::Resident {
+        if matches!(self.homes.get(id.0), None | Some(Home::Device))
+            || self.state(id) != ParamState::Resident
+        {
             return Ok(());
         }
         self.apply(id, ParamEvent::Released)
@@ -1142,6 +1194,70 @@ mod tests {
             .collect();
         assert_eq!(got, want);
         assert_eq!(s.counters().param_gathers, 0);
+    }
+
+    /// Several ranks gathering in fetches (stage 3, params not offloaded,
+    /// CPU compute): a device-tier param's home is this rank's shard, the
+    /// whole is gathered at a fetch and dropped at a release, and gathered
+    /// again from the shard (updates included) at the next fetch. Before,
+    /// the whole stayed resident for good (`N·p` per rank).
+    #[test]
+    fn a_device_tier_param_gathered_on_several_ranks_is_released_to_its_shard() {
+        // Rank 1 of two: rank 0's block reads 0xEE.
+        fn gather(mine: &[u8], counts: &[usize], out: &mut [u8]) -> Result<()> {
+            out[..counts[0]].fill(0xEE);
+            out[counts[0]..].copy_from_slice(mine);
+            Ok(())
+        }
+        let model = tiny();
+        let layout = Layout::new(&model, 1, 2, 1000);
+        let tiers = vec![Tier::Device; model.params().len()];
+        let mut comm = crate::engine::comm::scripted::Scripted::rank_of(1, 2);
+        comm.gather_bytes = Some(gather);
+        let mut s = ParamStore::new(
+            &model,
+            &layout,
+            &tiers,
+            DType::BF16,
+            Device::Cpu,
+            Arc::new(comm),
+            Vec::new(),
+            None,
+            None,
+        )
+        .unwrap();
+        let p = ParamId(0);
+        let len = s.shard_bytes(p).unwrap();
+        let counts = s.info[p.0].counts_bytes.clone();
+        let whole = |mine: &[u8]| [vec![0xEE; counts[0]], mine.to_vec()].concat();
+        let first: Vec<u8> = (0..len).map(|i| (i % 7) as u8).collect();
+        s.store_initial(p, &first).unwrap();
+        assert_eq!(s.state(p), ParamState::OnDisk);
+        let t = s.fetch_many(&[p]).unwrap().remove(0);
+        assert_eq!(tensor_bytes(&t).unwrap(), whole(&first));
+        assert_eq!(s.resident_bytes(), s.device_bytes(p));
+        s.release(p).unwrap();
+        assert_eq!(s.state(p), ParamState::OnDisk);
+        assert_eq!((s.resident_bytes(), s.live_bytes()), (0, 0));
+        // Gathered again from the shard at home.
+        let t = s.fetch_many(&[p]).unwrap().remove(0);
+        assert_eq!(tensor_bytes(&t).unwrap(), whole(&first));
+        // An update of the resident param is staged; of a released one,
+        // written home and gathered from there.
+        let second = vec![0x11; len];
+        s.expect_update(p).unwrap();
+        s.update(p, &second, false, None).unwrap();
+        assert_eq!(s.state(p), ParamState::Staged);
+        let t = s.fetch_many(&[p]).unwrap().remove(0);
+        assert_eq!(tensor_bytes(&t).unwrap(), whole(&second));
+        s.release(p).unwrap();
+        let third = vec![0x22; len];
+        s.expect_update(p).unwrap();
+        s.update(p, &third, false, None).unwrap();
+        assert_eq!(s.state(p), ParamState::OnDisk);
+        let t = s.fetch_many(&[p]).unwrap().remove(0);
+        assert_eq!(tensor_bytes(&t).unwrap(), whole(&third));
+        assert_eq!(s.counters().param_gathers, 4);
     }
 
     /// With several ranks an update of a resident param stages it, at a

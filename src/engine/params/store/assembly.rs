@@ -139,6 +139,7 @@ impl ParamStore {
         }
         match &self.homes[id.0] {
             Home::Device => Err(EngineError::internal("device-tier param not resident")),
+            Home::Host { shard } => Ok(shard.clone()),
             Home::Cpu { .. } => self.with_cpu_home(id, |b| Ok(b.to_vec())),
             Home::Nvme { .. } => {
                 let ticket = self.read_home_now(id)?;

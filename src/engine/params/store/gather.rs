@@ -36,6 +36,10 @@ impl ParamStore {
                 ParamState::InFlight => self.complete_read(id, false)?,
                 ParamState::OnDisk => match &self.homes[id.0] {
                     Home::Device => return Err(self.not_on_device(id)),
+                    Home::Host { shard } => {
+                        let shard = shard.clone();
+                        self.apply(id, ParamEvent::Staged(shard))?;
+                    }
                     Home::Cpu { .. } => {
                         let shard = self.with_cpu_home(id, |src| Ok(src.to_vec()))?;
                         self.counters.cpu_read_bytes += shard.len() as u64;

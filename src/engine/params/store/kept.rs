@@ -61,7 +61,7 @@ impl ParamStore {
                     .map_err(|e| EngineError::internal(format!("cpu page: {e}")))
             }
             Home::Nvme { .. } => Ok(self.kept(id).map(|k| k.pin.share())),
-            Home::Device => Ok(None),
+            Home::Device | Home::Host { .. } => Ok(None),
         }
     }
 

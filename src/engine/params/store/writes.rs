@@ -18,7 +18,9 @@ pub(super) struct QueuedWrite {
 impl ParamStore {
     /// Stores the initial shard bytes of `id` at home (synchronously).
     pub fn store_initial(&mut self, id: ParamId, shard: &[u8]) -> Result<()> {
-        let keep = self.tier(id) == Tier::Device;
+        // Always resident: built now. A `Host` home is gathered at the
+        // first fetch, as the other tiers are.
+        let keep = matches!(self.homes.get(id.0), Some(Home::Device));
         self.write_home(id, shard, keep, None)?;
         self.flush_writes()
     }
@@ -56,12 +58,14 @@ impl ParamStore {
     }
 
     /// Whether an [`ParamStore::update`] of `id` asked to `keep` it leaves
-    /// it resident: asked to, resident (or staged) now, or device-tier.
+    /// it resident: asked to, resident (or staged) now, or always resident
+    /// (a device-tier param, unless its fetches gather it from a `Host`
+    /// home: released, it stays at home as the other tiers' params do).
     /// (The trainer asks the optimizer thread for the tensors of exactly
     /// these params.)
     pub fn stays_resident(&self, id: ParamId, keep: bool) -> bool {
         keep || matches!(self.state(id), ParamState::Resident | ParamState::Staged)
-            || self.tier(id) == Tier::Device
+            || matches!(self.homes.get(id.0), Some(Home::Device))
     }
 
     pub(super) fn write_home(
@@ -83,8 +87,12 @@ impl ParamStore {
                 shard.len()
             )));
         }
-        match &self.homes[id.0] {
+        match &mut self.homes[id.0] {
             Home::Device => {}
+            Home::Host { shard: home } => {
+                home.clear();
+                home.extend_from_slice(shard);
+            }
             Home::Cpu { page, offset_bytes } => {
                 let (page, off) = (*page, *offset_bytes);
                 let dst = self
