@@ -559,8 +559,27 @@ impl Engine {
         space.check_poison(req.op)
     }
 
-    /// Submits a request; the completion arrives on `sink`.
+    /// Submits a request; the completion arrives on `sink`, which must be
+    /// unbounded: a ring thread that sends a completion into a full
+    /// channel stops reaping and issuing every request of its ring, with
+    /// their buffers, until the caller receives, and a caller that waits
+    /// on that ring first (another ticket, [`Engine::wait_idle`], a drop
+    /// of the engine) never does. A bounded sink is
+    /// [`SwapError::Config`].
     pub fn submit_to(&self, req: Request, sink: &Sender<Completion>) -> Result<TicketId> {
+        if let Some(cap) = sink.capacity() {
+            return Err(SwapError::Config(format!(
+                "submit_to: a completion sink of capacity {cap}: it must be unbounded \
+                 (crossbeam_channel::unbounded), or the ring thread could block on it"
+            )));
+        }
+        self.submit_any(req, sink)
+    }
+
+    /// [`Engine::submit_to`] for any sink: the caller sees that a send
+    /// into it never blocks (one completion per job into a channel with
+    /// room for it).
+    fn submit_any(&self, req: Request, sink: &Sender<Completion>) -> Result<TicketId> {
         self.validate(&req)?;
         let ticket = TicketId(self.next_ticket.fetch_add(1, Ordering::Relaxed));
         let w = self.next_worker.fetch_add(1, Ordering::Relaxed) % self.workers.len();
@@ -594,8 +613,9 @@ impl Engine {
 
     /// Submits a request and returns its ticket.
     pub fn submit(&self, req: Request) -> Result<Ticket> {
+        // Room for its one completion: the ring's send never blocks.
         let (tx, rx) = crossbeam_channel::bounded(1);
-        let id = self.submit_to(req, &tx)?;
+        let id = self.submit_any(req, &tx)?;
         Ok(Ticket { id, rx })
     }
 

@@ -559,6 +559,22 @@ fn dropped_tickets_return_buffers_to_the_pool() {
         }
         drop(rx);
         drop(tx);
+        // A bounded sink is refused (a full one would stall the ring
+        // thread), its request's buffer back in the pool.
+        r.engine.wait_idle();
+        let (small, _small_rx) = crossbeam_channel::bounded(1);
+        let err = r
+            .engine
+            .submit_to(
+                Request::read(&extents[0], r.arena.try_acquire().unwrap()),
+                &small,
+            )
+            .unwrap_err();
+        assert!(
+            matches!(&err, SwapError::Config(m) if m.contains("unbounded")),
+            "{be:?}: {err:?}"
+        );
+        assert_eq!(r.arena.free_count(), r.arena.count(), "{be:?}");
         // Dropping the engine drains in-flight work too.
         let arena = r.arena.clone();
         drop(r.engine);
