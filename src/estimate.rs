@@ -99,9 +99,12 @@
 //!     (3 sub-groups in flight: read, step, write; × param, grad, m, v) when
 //!     `pipeline_read` or `pipeline_write` is on, since the pipeline needs
 //!     them all (DeepSpeed fails with "ran out of swap buffers" instead);
-//!   - with the optimizer offloaded, a stepped sub-group's new 16-bit
-//!     values on their way to the params' homes: one sub-group,
-//!     `min(sub_group_size, S) × p`, pageable (heap memory).
+//!   - with the optimizer offloaded, stepped sub-groups' new 16-bit
+//!     values on their way to the params' homes: as many as the optimizer
+//!     thread lends at once (`sizing::values_in_flight`: the largest
+//!     unit's sub-groups, 2 more plus the pipeline's depth, at most all)
+//!     and its spare, each `min(sub_group_size, S) × p`, pageable (heap
+//!     memory).
 //!
 //! With `pin_memory: false`, what would be pinned is counted as pageable.
 //!
@@ -156,9 +159,9 @@
 //! - **`18N·f·G/T` per CPU** (params offloaded too) adds 2 B of 16-bit
 //!   params: our *16-bit param partition* item, pinned with `pin_memory`
 //!   (`S·p`).
-//! - **A stepped sub-group's new 16-bit values** (one sub-group, pageable,
-//!   when the optimizer is offloaded) are not a term of DeepSpeed's
-//!   formula; they are inside its 1.5.
+//! - **Stepped sub-groups' new 16-bit values** (about a unit's worth,
+//!   pageable, when the optimizer is offloaded) are not a term of
+//!   DeepSpeed's formula; they are inside its 1.5.
 //! - **`4L·G·f` per CPU with `zero_init=1`, `4N·G·f` (or `N·max(4G, 16 or
 //!   18)·f`) with `zero_init=0`** is memory for building the model (one
 //!   layer in fp32 under `zero.Init`, or the whole fp32 model in every
@@ -1350,14 +1353,15 @@ mod tests {
         let e = find(&r, 3, Offload::Cpu, Offload::Cpu);
         assert_eq!(e.per_node.pinned_bytes, ranks * e.per_rank.pinned_bytes);
         // Stage 3, everything on the CPU: pinned = params, pageable = the
-        // CPU optimizer's fp32 sums (heap memory), its state, a stepped
-        // sub-group's new 16-bit values and the reduce's fp32 buffer of
-        // one unit (several ranks); the device holds only units.
+        // CPU optimizer's fp32 sums (heap memory), its state, stepped
+        // sub-groups' new 16-bit values (one sub-group lent, and the
+        // spare) and the reduce's fp32 buffer of one unit (several ranks);
+        // the device holds only units.
         assert_eq!(e.per_rank.device_bytes, 6 * l);
         assert_eq!(e.per_rank.pinned_bytes, 2 * s);
         assert_eq!(
             e.per_rank.pageable_bytes,
-            4 * s + 12 * s + 2 * s.min(1_000_000_000) + 4 * l
+            4 * s + 12 * s + 2 * 2 * s.min(1_000_000_000) + 4 * l
         );
         assert_eq!(e.per_rank.nvme_bytes, 0);
         // DeepSpeed's figure for the same choice is attached.
@@ -1382,8 +1386,9 @@ mod tests {
             inp.bf16_grad_numel = bf16;
             let r = estimate(&inp, &machine(1 << 40, 1 << 40, None)).unwrap();
             let e = find(&r, 3, Offload::Cpu, Offload::Cpu).clone();
-            // Less the state and a stepped sub-group's new 16-bit values.
-            let host = e.per_rank.pageable_bytes - 12 * n - 2 * n;
+            // Less the state and the new 16-bit values (the one
+            // sub-group lent, and the spare).
+            let host = e.per_rank.pageable_bytes - 12 * n - 2 * 2 * n;
             let item = e
                 .items
                 .iter()
@@ -1547,7 +1552,7 @@ mod tests {
     fn seven_b_fits_in_small_ram_with_nvme_offload() {
         // No clipping (DeepSpeed's default clips at 1.0).
         let sw = settings(
-            r#"{"gradient_clipping": 0, "zero_optimization": {"stage": 3, "sub_group_size": 1e8,
+            r#"{"gradient_clipping": 0, "zero_optimization": {"stage": 3, "sub_group_size": 5e7,
                 "offload_param": {"device": "cpu", "max_in_cpu": 0},
                 "offload_optimizer": {"device": "cpu"}}}"#,
         );
@@ -1561,18 +1566,18 @@ mod tests {
         let r = estimate(&inp, &machine(8 * GIB, 500 * GIB, None)).unwrap();
         assert_eq!(r.recommended, Some(nvme_only));
         let e = find(&r, 3, Offload::Nvme, Offload::Nvme);
-        // Host fp32 grads at most (unit 3 + 2, handed over 2) x 1e8 x 4 B.
+        // Host fp32 grads at most (unit 5 + 2, handed over 2) x 5e7 x 4 B.
         let grads = e
             .items
             .iter()
             .find(|i| i.what == "fp32 grads in host memory (at most)")
             .unwrap();
-        assert_eq!(grads.bytes, 7 * 100_000_000 * 4, "{}", grads.formula);
+        assert_eq!(grads.bytes, 9 * 50_000_000 * 4, "{}", grads.formula);
         assert!(e.node_ram_bytes < 7 * GIB, "{}", e.node_ram_bytes);
         assert_eq!(
             e.per_rank.pinned_bytes,
             // 4 KiB-aligned buffers, as the engine maps them.
-            5 * 200_003_584 + 4 * 400_003_072
+            5 * 200_003_584 + 4 * 200_003_584
         );
         let m = machine(24 * GIB, 500 * GIB, None);
         let r = estimate(&inp, &m).unwrap();

@@ -145,14 +145,14 @@ fn estimate_json_matches_the_formulas() {
     assert_eq!(u(&e["deepspeed"]["gpu_bytes"]), 4 * l);
     // Ours, per rank: two gathered units + one unit's grads on the device;
     // pinned 16-bit params; pageable fp32 grads (the CPU optimizer's sums,
-    // heap memory), master + m + v, a stepped sub-group's new 16-bit
-    // values (one sub-group of min(1e9, S)), and the reduce's fp32 buffer
-    // of one unit's gradients (8 ranks).
+    // heap memory), master + m + v, stepped sub-groups' new 16-bit values
+    // (the one sub-group of min(1e9, S) lent, and the spare), and the
+    // reduce's fp32 buffer of one unit's gradients (8 ranks).
     assert_eq!(u(&e["per_rank"]["device_bytes"]), 2 * l * 2 + l * 2);
     assert_eq!(u(&e["per_rank"]["pinned_bytes"]), s * 2);
     assert_eq!(
         u(&e["per_rank"]["pageable_bytes"]),
-        s * 4 + s * 12 + s.min(1_000_000_000) * 2 + l * 4
+        s * 4 + s * 12 + 2 * s.min(1_000_000_000) * 2 + l * 4
     );
     assert_eq!(u(&e["per_node"]["pinned_bytes"]), ranks * s * 2);
     let items = e["items"].as_array().unwrap();

@@ -308,3 +308,50 @@ fn speculative_hand_over_is_bounded_by_the_pipeline() {
     assert_eq!(hits, 4, "every step speculated and held");
     assert!(peak >= 1 && peak <= limit, "peak {peak}, limit {limit}");
 }
+
+/// After the decision (clipping, no speculation) every sub-group's step is
+/// sent at once and the optimizer thread steps them back to back, while
+/// the trainer stores their new values at unit boundaries: it lends at
+/// most `sizing::values_in_flight` values buffers at once (a unit's
+/// sub-groups and the hand-over's). Before, a values buffer per
+/// sub-group stepped meanwhile was out (here all 60, the rank's whole
+/// 16-bit shard).
+#[test]
+fn values_lent_after_the_decision_are_bounded() {
+    use engine_support::{corpus, ds_config, scratch};
+    use tierzero::config::{load_str, PathChecks, RunContext};
+    use tierzero::engine::{sizing, Trainer, TrainerOptions};
+    use tierzero::model::ModelDir;
+    let dir = tiny_gpt2_dir("values-bound", 2, 32);
+    let swap = scratch("values-bound-swap");
+    let k = Knobs {
+        clip: 1e6,
+        sub_group: 500,
+        speculative: Some(false),
+        ..Knobs::cpu()
+    };
+    let cfg = ds_config(&k, &swap, 3);
+    let run = RunContext {
+        path_checks: PathChecks::CreateMissing,
+        ..RunContext::default()
+    };
+    let loaded = load_str(&cfg.to_string(), &run).unwrap();
+    let md = ModelDir::open(&dir, 5).unwrap();
+    let mut t = Trainer::new(&loaded.config, &md, corpus(), TrainerOptions::cpu(5, SEQ)).unwrap();
+    let groups = t.layout().sub_groups.len();
+    let unit_groups = sizing::largest_unit_groups(t.model(), t.layout()) as usize;
+    let limit = sizing::values_in_flight(
+        t.sizing().read_ahead,
+        t.sizing().write_behind,
+        unit_groups,
+        groups,
+    );
+    assert!(groups > limit, "{groups} sub-groups, limit {limit}");
+    let losses: Vec<f32> = (0..3).map(|_| t.step().unwrap().metrics.loss).collect();
+    let peak = t.values_lent_peak();
+    t.finish().unwrap();
+    let _ = std::fs::remove_dir_all(&swap);
+    assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+    eprintln!("{groups} sub-groups: at most {peak} values buffers lent at once (limit {limit})");
+    assert!(peak >= 1 && peak <= limit, "peak {peak}, limit {limit}");
+}

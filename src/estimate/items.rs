@@ -455,18 +455,41 @@ pub fn items_within(
         );
     }
     if c.optimizer != Offload::None {
-        // A stepped sub-group's new 16-bit values, on their way to the
-        // params' homes: heap memory (`StepValues`, one kept spare), for
-        // any offloaded optimizer.
+        // Stepped sub-groups' new 16-bit values, on their way to the
+        // params' homes: heap memory (`StepValues`), as many as the
+        // optimizer thread lends at once and the spare it keeps, for any
+        // offloaded optimizer.
+        let unit_groups = unit_groups(inp, shape);
+        let lent = sizing::values_in_flight(
+            usize::from(sw.pipeline_read),
+            usize::from(sw.pipeline_write),
+            unit_groups as usize,
+            shape.sub_groups.len(),
+        ) as u64;
         push(
             Tier::Pageable,
-            "16-bit new values of a stepped sub-group",
-            mul(tile, p, "new values")?,
-            format!("min(sub_group_size {}, {os}) × {p} B", sw.sub_group_numel),
+            "16-bit new values of stepped sub-groups",
+            mul(lent + 1, mul(tile, p, "new values")?, "new values")?,
+            format!(
+                "({lent} lent (a unit's {unit_groups} sub-groups and the hand-over's, at most all) + 1 spare) × min(sub_group_size {}, {os}) × {p} B",
+                sw.sub_group_numel
+            ),
         );
     }
     drop(push); // its borrow of `v`
     Ok(v)
+}
+
+/// The sub-groups the largest unit's params touch: the layout's
+/// (`sizing::largest_unit_groups`, with the model), else at most its
+/// elements' worth plus one at each end (a tiled tensor starts a group of
+/// its own, and a unit's other params may sit in the groups on either
+/// side); never more than the sub-groups.
+fn unit_groups(inp: &Inputs, shape: &Shape) -> u64 {
+    let g = shape.max_sub_group_numel().max(1);
+    inp.largest_unit_groups
+        .unwrap_or_else(|| inp.largest_unit_numel.div_ceil(g) + 2)
+        .min(shape.sub_groups.len() as u64)
 }
 
 /// With the optimizer state on NVMe, where the fp32 gradients are (the
@@ -495,15 +518,7 @@ fn nvme_state_grads(
         usize::from(sw.pipeline_write),
     );
     let spill = sw.spill_grads_with_nvme_state;
-    // The sub-groups the largest unit's params touch: the layout's
-    // (`sizing::largest_unit_groups`, with the model), else at most its
-    // elements' worth plus one at each end (a tiled tensor starts a group
-    // of its own, and a unit's other params may sit in the groups on either
-    // side).
-    let unit_groups = inp
-        .largest_unit_groups
-        .unwrap_or_else(|| inp.largest_unit_numel.div_ceil(g) + 2)
-        .min(sub_groups);
+    let unit_groups = unit_groups(inp, shape);
     let held = if spill {
         sizing::held_grad_bound(resident_groups, ra + 1) as u64
     } else {

@@ -137,6 +137,11 @@ pub struct Plan {
     pub speculation_kept_grads: usize,
     /// fp32 master weights, `m` and `v`.
     pub optimizer: TierBytes,
+    /// Stepped sub-groups' new param values on their way to the params'
+    /// homes: the buffers the optimizer thread lends at once
+    /// ([`crate::engine::sizing::values_in_flight`]) and its spare, each
+    /// of the largest sub-group (heap memory).
+    pub new_values: (u64, u64),
     /// With NVMe optimizer state, the sub-groups whose state stays in host
     /// memory (`tierzero.optimizer_resident_bytes`; the engine's rule,
     /// `optimizer_resident_groups`).
@@ -312,6 +317,16 @@ impl Plan {
                 (nvme_groups, nvme_groups as u64 * slot_bytes)
             },
             speculation_kept_grads: sizing.speculation_kept_grads,
+            new_values: (
+                crate::engine::sizing::values_in_flight(
+                    sizing.read_ahead,
+                    sizing.write_behind,
+                    unit_groups as usize,
+                    layout.sub_groups.len(),
+                ) as u64
+                    + 1,
+                layout.max_sub_group_numel() as u64 * elem,
+            ),
             optimizer,
             resident_sub_groups: sizing.resident_group_count(),
             param_buffers: pair(sizing.param_buffers),
@@ -444,6 +459,17 @@ impl fmt::Display for Plan {
             n => format!("optimizer state ({n} groups resident)"),
         };
         row(&mut s, &opt_label, &self.optimizer);
+        // The host's optimizer steps (Adam on the device makes none).
+        if !adam_on_device {
+            row(
+                &mut s,
+                &buffers_label("new param values", self.new_values),
+                &TierBytes {
+                    host_bytes: self.new_values.0.saturating_mul(self.new_values.1),
+                    ..TierBytes::default()
+                },
+            );
+        }
         let param_bufs = TierBytes {
             pinned_bytes: self.param_buffers.0 * self.param_buffers.1,
             ..TierBytes::default()

@@ -213,23 +213,28 @@ impl StepValues {
         self.capacity_elems() * self.dtype().size_in_bytes()
     }
 
-    /// `master` in the storage `dtype` (rounded to nearest even, as the
-    /// kernel's low-precision output; fp32 copied in parallel).
-    pub fn from_master(master: &[f32], dtype: DType) -> StepValues {
-        match dtype {
-            DType::BF16 => StepValues::Bf16(
-                master
-                    .iter()
-                    .map(|&x| bf16::from_bits(crate::optim::f32_to_bf16_bits(x)))
-                    .collect(),
-            ),
-            DType::F16 => StepValues::F16(
-                master
-                    .iter()
-                    .map(|&x| f16::from_bits(crate::optim::f32_to_f16_bits(x)))
-                    .collect(),
-            ),
-            _ => StepValues::F32(tierzero_gpu::host_copy::to_vec(master)),
+    /// Becomes `master` in its storage dtype (rounded to nearest even,
+    /// as the kernel's low-precision output; fp32 copied in parallel),
+    /// in its own buffer: every element written.
+    fn set_from_master(&mut self, master: &[f32]) {
+        let n = master.len();
+        match self {
+            StepValues::Bf16(v) => {
+                v.resize(n, bf16::ZERO);
+                for (d, &x) in v.iter_mut().zip(master) {
+                    *d = bf16::from_bits(crate::optim::f32_to_bf16_bits(x));
+                }
+            }
+            StepValues::F16(v) => {
+                v.resize(n, f16::ZERO);
+                for (d, &x) in v.iter_mut().zip(master) {
+                    *d = f16::from_bits(crate::optim::f32_to_f16_bits(x));
+                }
+            }
+            StepValues::F32(v) => {
+                v.resize(n, 0.0);
+                tierzero_gpu::host_copy::copy(v, master);
+            }
         }
     }
 }
@@ -254,30 +259,92 @@ impl StepValues {
 /// one's pages are unmapped off the trainer's thread, on the helper CPUs
 /// ([`crate::engine::host::heap::free_off_thread`]), as the backward
 /// starts.
+///
+/// It also counts the values lent out (each [`Done::Stepped`] carries a
+/// [`ValuesLent`]) and bounds them ([`OptimizerWorker::bound_values`]):
+/// after a decision the thread steps the remaining sub-groups back to
+/// back, and the trainer stores their values at its unit boundaries, so
+/// unbounded it held a values buffer per sub-group stepped meanwhile (the
+/// rank's whole 16-bit shard at worst) where the sizing policy counts
+/// [`crate::engine::sizing::values_in_flight`] of them.
 #[derive(Debug, Clone, Default)]
 struct SpareValues {
-    slot: std::sync::Arc<std::sync::Mutex<Option<StepValues>>>,
+    pool: std::sync::Arc<ValuesPool>,
     /// The helper CPUs a large spare is freed on.
     helper_cpus: Option<std::sync::Arc<[usize]>>,
 }
 
+/// The spare and the values buffers lent out ([`SpareValues`]).
+#[derive(Debug, Default)]
+struct ValuesPool {
+    state: std::sync::Mutex<PoolState>,
+    /// Signalled when a lent buffer comes back or the pool closes.
+    returned: std::sync::Condvar,
+}
+
+#[derive(Debug)]
+struct PoolState {
+    spare: Option<StepValues>,
+    /// Values handed out ([`Done::Stepped`]) whose [`ValuesLent`] is not
+    /// dropped yet: in the reply channel, or being stored.
+    lent: usize,
+    /// At most this many lent at once ([`OptimizerWorker::bound_values`];
+    /// `usize::MAX`: no bound).
+    cap: usize,
+    /// The most lent at once so far.
+    peak: usize,
+    /// The handle is gone: nobody gives any back, nothing waits.
+    closed: bool,
+}
+
+impl Default for PoolState {
+    fn default() -> Self {
+        PoolState {
+            spare: None,
+            lent: 0,
+            cap: usize::MAX,
+            peak: 0,
+            closed: false,
+        }
+    }
+}
+
+/// One values buffer lent out, counted until this is dropped (with its
+/// [`Done::Stepped`], or once the trainer stored the values): a drop on
+/// any path, an error's included, gives its place back, so the optimizer
+/// thread waiting for one cannot be left waiting.
+#[derive(Debug)]
+pub struct ValuesLent(std::sync::Arc<ValuesPool>);
+
+impl Drop for ValuesLent {
+    fn drop(&mut self) {
+        let mut st = self.0.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.lent = st.lent.saturating_sub(1);
+        drop(st);
+        self.0.returned.notify_all();
+    }
+}
+
 impl SpareValues {
+    fn state(&self) -> std::sync::MutexGuard<'_, PoolState> {
+        self.pool.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Keeps `v` unless a spare that large or larger is kept. The one
     /// not kept is freed off the calling thread when it is large
     /// ([`crate::engine::host::heap::free_off_thread`]).
     fn give(&self, v: StepValues) {
-        let Ok(mut slot) = self.slot.lock() else {
-            return;
-        };
-        let gone = if slot
+        let mut st = self.state();
+        let gone = if st
+            .spare
             .as_ref()
             .is_none_or(|s| s.capacity_bytes() < v.capacity_bytes())
         {
-            slot.replace(v)
+            st.spare.replace(v)
         } else {
             Some(v)
         };
-        drop(slot);
+        drop(st);
         if let Some(gone) = gone {
             let bytes = gone.capacity_bytes();
             crate::engine::host::heap::free_off_thread(gone, bytes, self.helper_cpus.clone());
@@ -287,25 +354,51 @@ impl SpareValues {
     /// Frees the spare, if one is kept: off the calling thread (the
     /// trainer's, as a backward starts) when it is large.
     fn clear(&self) {
-        let spare = self.slot.lock().ok().and_then(|mut s| s.take());
+        let spare = self.state().spare.take();
         if let Some(v) = spare {
             let bytes = v.capacity_bytes();
             crate::engine::host::heap::free_off_thread(v, bytes, self.helper_cpus.clone());
         }
     }
 
-    /// `n` elements of `dtype`'s values: the spare if it is of that dtype
-    /// and holds them (its old values left for the kernel to overwrite),
-    /// else new ones.
-    fn take(&self, dtype: DType, n: usize) -> StepValues {
-        let spare = self.slot.lock().ok().and_then(|mut s| match s.take() {
+    /// Bounds the values lent at once to `cap` (at least 1).
+    fn bound(&self, cap: usize) {
+        self.state().cap = cap.max(1);
+        self.pool.returned.notify_all();
+    }
+
+    /// Nobody gives values back any more: a [`SpareValues::take`] waiting
+    /// for a place goes on (the handle is being dropped).
+    fn close(&self) {
+        self.state().closed = true;
+        self.pool.returned.notify_all();
+    }
+
+    /// `n` elements of `dtype`'s values, lent: once as many as the bound
+    /// are lent, waits until one comes back. Then the spare if it is of
+    /// that dtype and holds them (its old values left for the kernel to
+    /// overwrite), else new ones.
+    fn take(&self, dtype: DType, n: usize) -> (StepValues, ValuesLent) {
+        let mut st = self.state();
+        while st.lent >= st.cap && !st.closed {
+            st = self
+                .pool
+                .returned
+                .wait(st)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+        st.lent += 1;
+        st.peak = st.peak.max(st.lent);
+        let spare = match st.spare.take() {
             Some(v) if v.dtype() == dtype && v.capacity_elems() >= n => Some(v),
             other => {
-                *s = other;
+                st.spare = other;
                 None
             }
-        });
-        match spare {
+        };
+        drop(st);
+        let lent = ValuesLent(self.pool.clone());
+        let values = match spare {
             // Within its capacity: no new pages.
             Some(StepValues::F32(mut v)) => {
                 v.resize(n, 0.0);
@@ -324,7 +417,8 @@ impl SpareValues {
                 DType::F16 => StepValues::F16(vec![f16::ZERO; n]),
                 _ => StepValues::F32(vec![0.0; n]),
             },
-        }
+        };
+        (values, lent)
     }
 }
 
@@ -337,6 +431,9 @@ pub enum Done {
         sg: SubGroupId,
         /// The whole sub-group's, in its param order.
         values: StepValues,
+        /// Its place among the values lent at once: dropped once they are
+        /// stored ([`OptimizerWorker::bound_values`]).
+        lent: ValuesLent,
         /// The tensors the `Step` job asked for ([`TensorWant`]).
         tensors: Vec<(ParamId, Tensor)>,
         /// The gradient it stepped with, handed back for a later step's
@@ -518,7 +615,7 @@ impl State {
         let n = self.opt.numel_of(sg)?;
         // Every element is written: by the kernel's low-precision output,
         // or (fp32) by the master's copy.
-        let mut values = self.spare.take(self.dtype, n);
+        let (mut values, lent) = self.spare.take(self.dtype, n);
         let (out, mut master_copy) = match &mut values {
             StepValues::Bf16(v) => (Some(LowPrecisionOut::Bf16(v)), None),
             StepValues::F16(v) => (Some(LowPrecisionOut::F16(v)), None),
@@ -588,6 +685,7 @@ impl State {
         Ok(Some(Done::Stepped {
             sg,
             values,
+            lent,
             tensors,
             spent,
         }))
@@ -670,11 +768,15 @@ impl State {
                 self.publish();
             }
             Job::Restore(sg) => {
-                let master = self.opt.master(sg)?;
-                let values = StepValues::from_master(&master, self.dtype);
+                // Lent as a step's are (the same bound); converted from the
+                // master in place (no copy of it).
+                let n = self.opt.numel_of(sg)?;
+                let (mut values, lent) = self.spare.take(self.dtype, n);
+                self.opt.with_master(sg, |m| values.set_from_master(m))?;
                 let _ = out.send(Done::Stepped {
                     sg,
                     values,
+                    lent,
                     tensors: Vec::new(),
                     spent: None,
                 });
@@ -693,11 +795,17 @@ impl State {
                     .filter(|(_, s)| s.5)
                     .map(|(g, _)| *g)
                     .collect();
+                // Their gradients go back with the kept ones, for a later
+                // step's sums (dropped here, they were freed on this
+                // thread).
+                let mut spent: Vec<GradBuf> = Vec::new();
                 for sg in dropped {
-                    self.steps.remove(&sg);
+                    if let Some((Some(g), ..)) = self.steps.remove(&sg) {
+                        spent.push(g);
+                    }
                     let _ = out.send(Done::Superseded(sg));
                 }
-                let spent: Vec<GradBuf> = self.kept.drain().map(|(_, g)| g).collect();
+                spent.extend(self.kept.drain().map(|(_, g)| g));
                 if !spent.is_empty() {
                     let _ = out.send(Done::Spent(spent));
                 }
@@ -920,6 +1028,23 @@ impl OptimizerWorker {
         self.spare.clear();
     }
 
+    /// Lends at most `cap` values buffers at once
+    /// ([`crate::engine::sizing::values_in_flight`]): a step or restore
+    /// beyond waits until a [`Done::Stepped`]'s [`ValuesLent`] is dropped.
+    /// Without it (the default) the thread lends as many as it steps, and
+    /// after a decision (clipping, an overflow check) it steps every
+    /// remaining sub-group back to back while the trainer stores their
+    /// values only at unit boundaries: up to the rank's whole 16-bit
+    /// shard at once.
+    pub fn bound_values(&self, cap: usize) {
+        self.spare.bound(cap);
+    }
+
+    /// The most values buffers lent at once so far.
+    pub fn values_lent_peak(&self) -> usize {
+        self.spare.state().peak
+    }
+
     /// Sends a job. If the thread has stopped on an error, returns that
     /// error (not just "stopped"), so the cause reaches the caller.
     pub fn send(&self, job: Job) -> Result<()> {
@@ -961,6 +1086,9 @@ impl OptimizerWorker {
 impl Drop for OptimizerWorker {
     fn drop(&mut self) {
         self.tx = None;
+        // Replies not received hold their places: a step waiting for one
+        // would never wake.
+        self.spare.close();
         if let Some(h) = self.handle.take() {
             let _ = h.join();
         }
@@ -1104,6 +1232,58 @@ mod tests {
         }
     }
 
+    /// Bounded, the thread lends at most that many values buffers: the
+    /// next step waits until a reply's `lent` is dropped (on any path),
+    /// and a handle dropped while it waits does not hang. Unbounded, every
+    /// queued step's values were out at once.
+    #[test]
+    fn values_lent_are_bounded_and_come_back_when_their_reply_is_dropped() {
+        let adam = CpuAdam::new(AdamHyper::default(), NonZeroUsize::MIN).unwrap();
+        let w = OptimizerWorker::spawn(mem_state(), adam.clone(), DType::BF16, None, None, None)
+            .unwrap();
+        w.bound_values(2);
+        for sg in 0..4 {
+            w.send(step_job(sg)).unwrap();
+        }
+        let first = w.recv().unwrap();
+        let second = w.recv().unwrap();
+        assert!(matches!(first, Done::Stepped { .. }) && matches!(second, Done::Stepped { .. }));
+        // Two lent: the third step waits.
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(w.try_recv().is_none(), "a third values buffer was lent");
+        // One stored and given back (its place with it).
+        if let Done::Stepped { values, lent, .. } = first {
+            w.give_values(values);
+            drop(lent);
+        }
+        let third = w.rx.recv_timeout(Duration::from_secs(60)).unwrap();
+        assert!(matches!(third, Done::Stepped { sg, .. } if sg == SubGroupId(2)));
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(w.try_recv().is_none(), "a fourth values buffer was lent");
+        // A reply dropped unstored gives its place back too.
+        drop(second);
+        let fourth = w.rx.recv_timeout(Duration::from_secs(60)).unwrap();
+        assert!(matches!(fourth, Done::Stepped { sg, .. } if sg == SubGroupId(3)));
+
+        // Dropped while its thread waits for a place: the drop returns.
+        let w = OptimizerWorker::spawn(mem_state(), adam, DType::BF16, None, None, None).unwrap();
+        w.bound_values(1);
+        for sg in 0..3 {
+            w.send(step_job(sg)).unwrap();
+        }
+        let held = w.recv().unwrap();
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        std::thread::spawn(move || {
+            drop(w);
+            let _ = tx.send(());
+        });
+        assert!(
+            rx.recv_timeout(Duration::from_secs(60)).is_ok(),
+            "the handle's drop waited for a place that never came back"
+        );
+        drop(held);
+    }
+
     /// A step writes its values into the buffer the trainer gave back
     /// (the same memory, no new one), poisoned or not: every element is
     /// the kernel's, bit for bit what a new buffer gets, in each storage
@@ -1158,18 +1338,18 @@ mod tests {
     fn a_spare_is_taken_only_when_it_fits() {
         let s = SpareValues::default();
         s.give(StepValues::Bf16(vec![bf16::ONE; 10]));
-        assert!(matches!(s.take(DType::F16, 4), StepValues::F16(v) if v.len() == 4));
-        assert!(matches!(s.take(DType::BF16, 11), StepValues::Bf16(v) if v.len() == 11));
+        assert!(matches!(s.take(DType::F16, 4).0, StepValues::F16(v) if v.len() == 4));
+        assert!(matches!(s.take(DType::BF16, 11).0, StepValues::Bf16(v) if v.len() == 11));
         s.give(StepValues::F32(vec![1.0; 3]));
         assert!(
-            matches!(s.take(DType::BF16, 10), StepValues::Bf16(v) if v.len() == 10 && v[0] == bf16::ONE),
+            matches!(s.take(DType::BF16, 10).0, StepValues::Bf16(v) if v.len() == 10 && v[0] == bf16::ONE),
             "the larger one kept, and taken"
         );
-        assert!(matches!(s.take(DType::BF16, 1), StepValues::Bf16(v) if v[0] == bf16::ZERO));
+        assert!(matches!(s.take(DType::BF16, 1).0, StepValues::Bf16(v) if v[0] == bf16::ZERO));
         s.give(StepValues::Bf16(vec![bf16::ONE; 10]));
         s.clear();
         assert!(
-            matches!(s.take(DType::BF16, 10), StepValues::Bf16(v) if v[0] == bf16::ZERO),
+            matches!(s.take(DType::BF16, 10).0, StepValues::Bf16(v) if v[0] == bf16::ZERO),
             "cleared: a new one"
         );
     }

@@ -99,6 +99,30 @@ pub fn grads_in_flight(read_ahead: usize, write_behind: usize) -> usize {
     2 + read_ahead + write_behind
 }
 
+/// Stepped sub-groups' new 16-bit (or fp32) values the optimizer thread
+/// lends at once, each at most the largest sub-group's elements: the
+/// gradients handed over in backward (each answered by storing its
+/// values, so the bound does not hold the thread back there) and the
+/// sub-groups of the largest unit (`unit_groups`,
+/// [`largest_unit_groups`]), never more than the `sub_groups`. After a
+/// decision every remaining step is sent at once and the trainer stores
+/// values only at unit boundaries: a unit's worth lets the thread step
+/// the next unit's groups while this one computes, as it did unbounded,
+/// where a bound of a few held the forward at every boundary while the
+/// thread stepped that unit's groups. One more is kept as the spare
+/// (`crate::engine::optimizer::worker`); the plan and the estimate count
+/// both.
+pub fn values_in_flight(
+    read_ahead: usize,
+    write_behind: usize,
+    unit_groups: usize,
+    sub_groups: usize,
+) -> usize {
+    (grads_in_flight(read_ahead, write_behind) + unit_groups)
+        .min(sub_groups)
+        .max(1)
+}
+
 /// Bytes of gradients host memory holds at most, from the config and the
 /// layout alone (4 bytes an element in fp32 sums, 2 as bf16:
 /// [`grad_sum_dtype`]). With the optimizer state in host memory, the

@@ -771,6 +771,12 @@ impl Trainer {
             host.placement.helper_cpus(),
             store.read_gate(),
         )?;
+        opt.bound_values(crate::engine::sizing::values_in_flight(
+            sizing.read_ahead,
+            sizing.write_behind,
+            crate::engine::sizing::largest_unit_groups(&model, &layout) as usize,
+            layout.sub_groups.len(),
+        ));
         let sched = Prefetcher::new(&model, limits(config));
         let (groups_after_unit, backward_order) = group_orders(&model, &layout);
         let metrics = match &opts.metrics_path {

@@ -705,6 +705,13 @@ impl Trainer {
         self.grads_out_peak
     }
 
+    /// The most stepped sub-groups' new values the optimizer thread had
+    /// lent at once in this run (replies not yet stored): at most
+    /// [`sizing::values_in_flight`], after a decision too.
+    pub fn values_lent_peak(&self) -> usize {
+        self.opt.values_lent_peak()
+    }
+
     /// Changes the sequence length from the next step on. A length the
     /// model or the data cannot give is refused here, the trainer usable
     /// (at the next step it would stop the trainer).

@@ -251,6 +251,7 @@ impl Trainer {
             Done::Stepped {
                 sg,
                 values,
+                lent,
                 tensors,
                 spent,
             } => {
@@ -281,6 +282,9 @@ impl Trainer {
                     )?;
                 }
                 self.opt.give_values(values);
+                // Stored and given back: the optimizer thread may lend
+                // another.
+                drop(lent);
                 // In the step being run (`steps_done + 1`), the one whose
                 // forward overlaps this tail.
                 self.span(
