@@ -252,9 +252,47 @@ fn remove_tmp(tmp: &Path) {
     }
 }
 
+/// Refuses to replace `path` when it exists (through symlinks) and is not
+/// a regular file: a device, a FIFO, a socket or a directory. The rename
+/// of an atomic rewrite would put a regular file in its place; run as
+/// root, `--timeline /dev/null` replaced `/dev/null` itself.
+pub fn check_replaceable(path: &Path) -> Result<(), DurableError> {
+    use std::os::unix::fs::FileTypeExt as _;
+    let kind = match std::fs::metadata(path) {
+        Ok(m) if m.is_file() => return Ok(()),
+        Ok(m) => {
+            let t = m.file_type();
+            if t.is_dir() {
+                "directory"
+            } else if t.is_char_device() {
+                "character device"
+            } else if t.is_block_device() {
+                "block device"
+            } else if t.is_fifo() {
+                "FIFO"
+            } else if t.is_socket() {
+                "socket"
+            } else {
+                "special file"
+            }
+        }
+        // Not there (or a dangling link): a new file is made.
+        Err(_) => return Ok(()),
+    };
+    Err(DurableError {
+        op: "replacing",
+        path: path.to_path_buf(),
+        source: std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("it is a {kind}, not a regular file; give the path of a regular file"),
+        ),
+    })
+}
+
 /// Atomically replaces (or creates) `path` with `bytes`: temp file in the
 /// same directory (0600), fsync, rename, fsync of the directory. On error
-/// the temp file is removed and `path` is unchanged.
+/// the temp file is removed and `path` is unchanged. A `path` that is not
+/// a regular file is refused ([`check_replaceable`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), DurableError> {
     write_atomic_with(path, bytes, None)
 }
@@ -267,6 +305,7 @@ pub(crate) fn write_atomic_with(
     bytes: &[u8],
     mid: Option<crate::failpoint::Site>,
 ) -> Result<(), DurableError> {
+    check_replaceable(path)?;
     let dir = parent_dir(path);
     let name = path
         .file_name()
@@ -321,6 +360,7 @@ pub fn write_atomic_streamed<E: From<DurableError>>(
     path: &Path,
     write: impl FnOnce(File, &Path) -> Result<File, E>,
 ) -> Result<u64, E> {
+    check_replaceable(path)?;
     let dir = parent_dir(path);
     let name = path
         .file_name()
@@ -422,6 +462,52 @@ pub fn rename(from: &Path, to: &Path) -> Result<(), DurableError> {
 mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
     use super::*;
+
+    /// A rewrite of a path that is a FIFO (or a device) is refused and
+    /// leaves it as it was: the rename made it a regular file (as root,
+    /// `/dev/null` too). A symlink to a regular file is rewritten as
+    /// before; a new path is made.
+    #[test]
+    fn a_path_that_is_not_a_regular_file_is_never_replaced() {
+        use std::os::unix::fs::FileTypeExt as _;
+        let dir = std::env::temp_dir().join(format!("tz-durable-special-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("fifo");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let e = write_atomic(&fifo, b"x").unwrap_err();
+        assert!(e.to_string().contains("FIFO"), "{e}");
+        let e = write_atomic_streamed::<DurableError>(&fifo, |f, _| Ok(f)).unwrap_err();
+        assert!(e.to_string().contains("not a regular file"), "{e}");
+        assert!(std::fs::symlink_metadata(&fifo)
+            .unwrap()
+            .file_type()
+            .is_fifo());
+        let e = write_atomic(Path::new("/dev/null"), b"x").unwrap_err();
+        assert!(e.to_string().contains("character device"), "{e}");
+        assert!(std::fs::metadata("/dev/null")
+            .unwrap()
+            .file_type()
+            .is_char_device());
+        let file = dir.join("file");
+        write_atomic(&file, b"one").unwrap();
+        let link = dir.join("link");
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        write_atomic(&link, b"two").unwrap();
+        assert_eq!(std::fs::read(&link).unwrap(), b"two");
+        // Nothing left behind.
+        let mut names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["fifo", "file", "link"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn a_dead_process_s_temporary_files_are_removed_and_no_other() {

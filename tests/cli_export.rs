@@ -174,6 +174,36 @@ fn export_to_a_directory_is_refused_at_once() {
     assert!(!base.join("new").exists());
     let left: Vec<_> = std::fs::read_dir(&base).unwrap().collect();
     assert!(left.is_empty(), "{left:?}");
+    // A FIFO (a device alike) is refused, and stays one: the rename put a
+    // regular file in its place (as root, `--out /dev/null` replaced the
+    // system's).
+    let fifo = scratch("export-fifo").join("out.fifo");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let r = run_tierzero(
+        None,
+        &[
+            "export",
+            "--checkpoint",
+            save.to_str().unwrap(),
+            "--out",
+            fifo.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(
+        r.stderr.contains("FIFO, not a regular file"),
+        "{}",
+        r.stderr
+    );
+    use std::os::unix::fs::FileTypeExt as _;
+    assert!(std::fs::symlink_metadata(&fifo)
+        .unwrap()
+        .file_type()
+        .is_fifo());
 }
 
 /// The special token ids of the source `config.json` (which change nothing

@@ -342,6 +342,20 @@ fn user_mistakes_exit_2_with_one_line() {
     let mut args = TINY.to_vec();
     args.extend(["--timeline", "tl"]);
     assert_bad(&d, &args, &["--timeline tl", "directory"]);
+    // A FIFO (or a device): the timeline's rename would have replaced it
+    // with a regular file after the last step.
+    let made = std::process::Command::new("mkfifo")
+        .arg(d.join("tl.fifo"))
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let mut args = TINY.to_vec();
+    args.extend(["--timeline", "tl.fifo"]);
+    assert_bad(
+        &d,
+        &args,
+        &["--timeline tl.fifo", "FIFO, not a regular file"],
+    );
 }
 
 #[test]

@@ -100,6 +100,8 @@ pub fn run(a: ExportArgs) -> Result<(), Failure> {
             dir.trim_end_matches('/')
         )));
     }
+    tierzero::durable::check_replaceable(&a.out)
+        .map_err(|e| Failure::BadInput(anyhow!("--out {}: {}", a.out.display(), e.source)))?;
     let ckpt = Checkpoint::open(&a.checkpoint)
         .map_err(|e| Failure::BadInput(anyhow!("--checkpoint {}: {e}", a.checkpoint.display())))?;
     let (dtype, name) = match a.dtype {

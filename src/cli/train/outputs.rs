@@ -111,6 +111,8 @@ pub(super) fn check_output_dirs(args: &TrainArgs) -> Result<(), Failure> {
                 path.display()
             )));
         }
+        tierzero::durable::check_replaceable(path)
+            .map_err(|e| bad(format!("--timeline {}: {}", path.display(), e.source)))?;
         let dir = path
             .parent()
             .filter(|p| !p.as_os_str().is_empty())
