@@ -46,7 +46,9 @@ fn scaled(input: &str, what: &'static str, mult: f64, num: &str) -> Result<u64, 
     if !total.is_finite() || total < 0.0 {
         return Err(err("out of range"));
     }
-    if total > u64::MAX as f64 {
+    // `u64::MAX as f64` is 2^64 (rounded up): 2^64 itself is too large
+    // (`as u64` would clamp it to 2^64 - 1).
+    if total >= u64::MAX as f64 {
         return Err(err("too large"));
     }
     if total.fract() != 0.0 {
@@ -152,6 +154,10 @@ mod tests {
         // Exact above 2^53 (a seed), and up to u64::MAX.
         assert_eq!(parse_count("9007199254740993"), Ok(9_007_199_254_740_993));
         assert_eq!(parse_count("18446744073709551615"), Ok(u64::MAX));
+        // 2^64 is too large, not clamped to u64::MAX (it went through f64).
+        let e = parse_count("18446744073709551616").unwrap_err();
+        assert_eq!(e.why, "too large");
+        assert_eq!(parse_bytes("16777216TiB").unwrap_err().why, "too large");
         assert!(parse_count("1Q").is_err());
     }
 

@@ -93,6 +93,15 @@ fn param_larger_than_a_swap_buffer_is_a_startup_error() {
         c["zero_optimization"]["offload_param"]["buffer_size"] = serde_json::json!(1000);
     })
     .unwrap_err();
+    // The buffer's elements are the configured 1000 rounded up to whole
+    // 4 KiB blocks, and the message says so (it named that count as the
+    // `buffer_size`, which the user had not written).
+    let msg = err.to_string();
+    assert!(
+        msg.contains("a param swap buffer holds 1024")
+            && msg.contains("rounded up to whole 4 KiB blocks"),
+        "{msg}"
+    );
     match err {
         EngineError::ParamTooLarge {
             numel,

@@ -47,15 +47,17 @@ pub enum EngineError {
     },
     /// A parameter larger than one swap-in buffer.
     #[error(
-        "parameter `{name}` has {numel} elements but offload_param.buffer_size is {buffer_numel}; \
-         raise buffer_size to at least {numel}"
+        "parameter `{name}` has {numel} elements but a param swap buffer holds {buffer_numel} \
+         (offload_param.buffer_size, rounded up to whole 4 KiB blocks); raise \
+         offload_param.buffer_size to at least {numel}"
     )]
     ParamTooLarge {
         /// The parameter.
         name: String,
         /// Its elements (this rank's shard).
         numel: u64,
-        /// The buffer size in elements.
+        /// Elements one swap buffer holds (`buffer_size` rounded up to
+        /// whole 4 KiB blocks).
         buffer_numel: u64,
     },
     /// An event that the state map does not allow in the current state.
