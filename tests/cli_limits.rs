@@ -5,7 +5,9 @@
 //! `"auto"`), a file-size limit standing in for a full disk (an error
 //! naming the file and the operation, exit 2, no panic), and an nvme_path
 //! that refuses O_DIRECT (one warning under `direct_io: "auto"`, exit 2
-//! naming the fix under `"require"`).
+//! naming the fix under `"require"`), and a model whose pinned pages and
+//! host-memory optimizer state exceed the machine's memory (exit 2 with
+//! the numbers, before anything is mapped).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
 
 use std::os::unix::fs::OpenOptionsExt;
@@ -160,6 +162,57 @@ fn a_second_run_on_the_same_nvme_path_exits_2_naming_the_lock_and_its_holder() {
     );
     let _ = std::fs::remove_dir_all(&d);
     let _ = std::fs::remove_dir_all(&swap);
+}
+
+/// A model whose pinned param pages and host-memory optimizer state need
+/// far more than this machine's memory (a 65B-param GPT-2 shape, both
+/// offloads on the CPU; then nothing offloaded) is refused at start-up
+/// with the numbers and the fix, exit 2: the pinned arena's mapping
+/// failed as an internal error naming NVMe swap (exit 1), and with
+/// nothing offloaded the optimizer state's allocation aborted the
+/// process (or the OOM killer took it).
+#[test]
+fn a_run_larger_than_host_memory_is_refused_with_the_numbers() {
+    let d = scratch("host-memory");
+    std::fs::create_dir_all(d.join("model")).unwrap();
+    let model = json!({"model_type": "gpt2", "vocab_size": 32000, "n_positions": 32,
+        "n_embd": 8192, "n_layer": 80, "n_head": 64, "tie_word_embeddings": true});
+    std::fs::write(d.join("model/config.json"), model.to_string()).unwrap();
+    let text = "the engine streams every layer from nvme while adam steps on the cpu. ".repeat(60);
+    std::fs::write(d.join("data.txt"), text).unwrap();
+    for (offload, pinned) in [
+        (json!({"device": "cpu"}), true),
+        (json!({"device": "none"}), false),
+    ] {
+        let cfg = json!({
+            "train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": {"stage": 3, "offload_param": offload,
+                "offload_optimizer": {"device": "cpu"}},
+        });
+        std::fs::write(d.join("ds_config.json"), cfg.to_string()).unwrap();
+        let started = Instant::now();
+        let o = run_wrapped(&d, &[], &tiny_args("1"));
+        assert_no_panic(&o);
+        assert_eq!(o.code, 2, "{}", o.stderr);
+        let line = o.stderr.lines().find(|l| l.starts_with("error:")).unwrap();
+        for want in [
+            "of optimizer state in host memory",
+            "of host memory is available",
+            "NVMe",
+        ] {
+            assert!(line.contains(want), "{want}: {line}");
+        }
+        assert_eq!(
+            !line.contains("needs 0 B of pinned"),
+            pinned,
+            "pinned pages counted: {line}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{:?}",
+            started.elapsed()
+        );
+    }
 }
 
 fn have_setpriv_prlimit() -> bool {

@@ -45,6 +45,32 @@ pub enum EngineError {
         /// The smallest budget that works.
         required_bytes: u64,
     },
+    /// What the run holds in host memory from its start (its pinned
+    /// buffers and pages, its optimizer state in host memory) exceeds the
+    /// memory available: the mapping or the allocation would fail, or
+    /// the kernel would kill the run.
+    #[error(
+        "this rank needs {pinned} of pinned buffers and pages and {state} of optimizer \
+         state in host memory from its start ({need} in all), and {available} of host memory \
+         is available; offload the params and the optimizer state to NVMe \
+         (zero_optimization.offload_param / offload_optimizer device \"nvme\"), lower \
+         offload_param.buffer_count / buffer_size or offload_optimizer.buffer_count, or run \
+         fewer ranks on this machine",
+        pinned = crate::units::format_bytes(*pinned_bytes),
+        state = crate::units::format_bytes(*state_bytes),
+        need = crate::units::format_bytes(pinned_bytes.saturating_add(*state_bytes)),
+        available = crate::units::format_bytes(*available_bytes),
+    )]
+    HostMemory {
+        /// The pinned swap buffers and cpu-tier pages
+        /// (`Sizing::pinned_total_bytes`).
+        pinned_bytes: u64,
+        /// The optimizer state kept in host memory
+        /// (`sizing::optimizer_host_bytes`).
+        state_bytes: u64,
+        /// `MemAvailable` when the trainer was built.
+        available_bytes: u64,
+    },
     /// A parameter larger than one swap-in buffer.
     #[error(
         "parameter `{name}` has {numel} elements but a param swap buffer holds {buffer_numel} \

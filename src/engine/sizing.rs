@@ -349,6 +349,19 @@ impl Sizing {
         .fold(0u64, |sum, b| sum.saturating_add(b.total_bytes()))
     }
 
+    /// Bytes of optimizer state (fp32 master, m and v) kept in host memory:
+    /// every sub-group's, or with the state on NVMe (`opt_nvme`) the
+    /// resident ones' ([`Sizing::resident_groups`]).
+    pub fn optimizer_host_bytes(&self, shape: &Shape, opt_nvme: bool) -> u64 {
+        shape
+            .sub_groups
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !opt_nvme || self.resident_groups.get(*i).copied().unwrap_or(false))
+            .map(|(_, g)| g.numel.saturating_mul(STATE_BYTES_PER_ELEM))
+            .fold(0u64, u64::saturating_add)
+    }
+
     /// Whether any param lives on NVMe.
     pub fn params_on_nvme(&self) -> bool {
         self.tiers.contains(&Tier::Nvme)

@@ -40,7 +40,7 @@
 use std::fmt::{self, Write as _};
 
 use crate::config::{Config, OffloadDevice};
-use crate::engine::sizing::{Buffers, Sizing, STATE_BYTES_PER_ELEM};
+use crate::engine::sizing::{Buffers, Sizing};
 use crate::engine::{Layout, Tier};
 use crate::model::exec_units::DeviceMemoryPlan;
 use crate::model::Model;
@@ -214,7 +214,6 @@ impl Plan {
         params.pinned_bytes = sizing.cpu_pages.total_bytes();
         params.nvme_bytes = sizing.param_nvme_bytes;
 
-        let shard_numel = layout.shard_numel() as u64;
         let opt_nvme = zero.offload_optimizer.device.nvme_path();
         let unit_groups = crate::engine::sizing::largest_unit_groups(model, layout);
         let shape = crate::engine::sizing::Shape::of(config, model, layout);
@@ -273,17 +272,7 @@ impl Plan {
             nvme_bytes: sizing.optimizer_nvme_bytes,
             ..TierBytes::default()
         };
-        if opt_nvme.is_some() {
-            optimizer.host_bytes = layout
-                .sub_groups
-                .iter()
-                .zip(&sizing.resident_groups)
-                .filter(|(_, r)| **r)
-                .map(|(g, _)| g.numel as u64 * STATE_BYTES_PER_ELEM)
-                .sum();
-        } else {
-            optimizer.host_bytes = shard_numel * STATE_BYTES_PER_ELEM;
-        }
+        optimizer.host_bytes = sizing.optimizer_host_bytes(&shape, opt_nvme.is_some());
         let pair = |b: Buffers| (b.count, b.bytes_each);
         Plan {
             params_numel: model.numel() as u64,

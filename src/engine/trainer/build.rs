@@ -225,6 +225,34 @@ fn budget_error(s: BudgetShort) -> EngineError {
 /// Whether everything the sizing would page-lock fits `RLIMIT_MEMLOCK`,
 /// checked before anything is mapped. `tierzero.memlock = "require"`
 /// refuses when it does not; `"auto"` warns and runs unlocked.
+/// Refuses a run whose pinned buffers and pages and host-memory optimizer
+/// state, held from its start, exceed `available_bytes` (`MemAvailable`;
+/// `None`: unknown, not checked): they failed later, a mapping as an
+/// internal error naming NVMe swap, an allocation as an abort, or the
+/// kernel's OOM killer. Only these, which are certain: the rest of the
+/// plan is "at most", and the activations adapt to what is left.
+fn check_host_memory(
+    config: &Config,
+    sizing: &Sizing,
+    shape: &Shape,
+    available_bytes: Option<u64>,
+) -> Result<()> {
+    let Some(available_bytes) = available_bytes else {
+        return Ok(());
+    };
+    let opt_nvme = config.zero.offload_optimizer.device.nvme_path().is_some();
+    let pinned_bytes = sizing.pinned_total_bytes();
+    let state_bytes = sizing.optimizer_host_bytes(shape, opt_nvme);
+    if pinned_bytes.saturating_add(state_bytes) <= available_bytes {
+        return Ok(());
+    }
+    Err(EngineError::HostMemory {
+        pinned_bytes,
+        state_bytes,
+        available_bytes,
+    })
+}
+
 fn check_memlock(config: &Config, sizing: &Sizing) -> Result<bool> {
     let lock_bytes = sizing.lock_bytes;
     let info = MemlockInfo::current();
@@ -732,6 +760,7 @@ impl Trainer {
         let sizing =
             sizing::decide_within(config, &shape, nvme_share_bytes).map_err(budget_error)?;
         let lockable = check_memlock(config, &sizing)?;
+        check_host_memory(config, &sizing, &shape, sizing::mem_available_bytes())?;
         let clocks = Clocks::new(&opts);
         let mut tiers = TierBuild {
             config,
