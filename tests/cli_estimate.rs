@@ -752,3 +752,41 @@ fn auto_resident_state_is_never_every_sub_group() {
     // elements), the rest on NVMe.
     assert_eq!(nvme("3e7"), (2 * group_nvme, 10_000_000 * 12));
 }
+
+/// A `sub_group_size` that would cut the model into millions of optimizer
+/// sub-groups is refused before any layout is made (`sub_group_size: 10`
+/// on GPT-2 small took gigabytes and was killed), naming the smallest
+/// size that works.
+#[test]
+fn a_sub_group_size_cutting_millions_of_groups_is_refused_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("gpt2");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::write(
+        model.join("config.json"),
+        r#"{"model_type":"gpt2","vocab_size":50257,"n_positions":1024,"n_embd":768,"n_layer":12,"n_head":12}"#,
+    )
+    .unwrap();
+    let cfg = tmp.path().join("ds.json");
+    std::fs::write(
+        &cfg,
+        r#"{"train_micro_batch_size_per_gpu":1,"zero_optimization":{"stage":3,"sub_group_size":10}}"#,
+    )
+    .unwrap();
+    let started = std::time::Instant::now();
+    let out = tierzero(&[
+        "estimate",
+        "--model",
+        model.to_str().unwrap(),
+        "--config",
+        cfg.to_str().unwrap(),
+    ]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("12443981 optimizer sub-groups")
+            && out.stderr.contains("raise sub_group_size to at least 119"),
+        "{}",
+        out.stderr
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(20));
+}

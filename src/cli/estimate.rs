@@ -245,6 +245,15 @@ fn load_config(
         None => estimate::load_config(&text, ranks, total_numel),
     }
     .map_err(|e| bad(format!("--config: {e}")))?;
+    if let Some(m) = model {
+        // Before the layouts below (each would take the memory).
+        tierzero::engine::check_sub_group_count(
+            m.numel() as u64,
+            usize::try_from(ranks).unwrap_or(usize::MAX),
+            loaded.config.zero.sub_group_numel.0,
+        )
+        .map_err(|e| bad(format!("--config: {e}")))?;
+    }
     for w in &loaded.warnings {
         tracing::warn!(key = w.key(), "{w}");
     }

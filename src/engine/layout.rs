@@ -130,9 +130,40 @@ pub fn shard_counts(numel: usize, world: usize) -> Vec<usize> {
         .collect()
 }
 
+/// The most optimizer sub-groups one rank's layout may have. Each is a
+/// layout entry with its pieces, a state map entry and its own extents;
+/// `sub_group_size: 10` cut GPT-2 small into 12.4M of them, and the layout
+/// alone took gigabytes before anything said why.
+pub const MAX_SUB_GROUPS: u64 = 1 << 20;
+
+/// Refuses a `sub_group_numel` that cuts the largest rank's shard of a
+/// model of `model_numel` elements on `world` ranks into more than
+/// [`MAX_SUB_GROUPS`] sub-groups, naming the smallest `sub_group_size`
+/// that does not. Called before any [`Layout::new`] of a user's config.
+pub fn check_sub_group_count(
+    model_numel: u64,
+    world: usize,
+    sub_group_numel: u64,
+) -> crate::engine::Result<()> {
+    let shard = model_numel.div_ceil(world.max(1) as u64);
+    let groups = shard.div_ceil(sub_group_numel.max(1));
+    if groups <= MAX_SUB_GROUPS {
+        return Ok(());
+    }
+    Err(crate::engine::EngineError::Config {
+        reason: format!(
+            "zero_optimization.sub_group_size {sub_group_numel} cuts a rank's {shard} elements \
+             into {groups} optimizer sub-groups, more than the {MAX_SUB_GROUPS} tierzero \
+             supports; raise sub_group_size to at least {} (DeepSpeed's default is 1e9)",
+            shard.div_ceil(MAX_SUB_GROUPS)
+        ),
+    })
+}
+
 impl Layout {
     /// Computes the layout of `model` for `rank` of `world` with sub-groups
-    /// of at most `sub_group_numel` elements.
+    /// of at most `sub_group_numel` elements (checked first with
+    /// [`check_sub_group_count`] where the size is the user's).
     pub fn new(model: &Model, rank: usize, world: usize, sub_group_numel: usize) -> Self {
         let world = world.max(1);
         let cap = sub_group_numel.max(1);
@@ -209,6 +240,27 @@ impl Layout {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A sub_group_size cutting a rank's shard into more than
+    /// `MAX_SUB_GROUPS` groups is refused with the smallest size that is
+    /// not; exactly the limit passes; ranks divide the shard.
+    #[test]
+    fn too_many_sub_groups_are_refused_naming_the_smallest_size() {
+        let n = 124_439_808u64;
+        let e = match check_sub_group_count(n, 1, 10) {
+            Err(e) => e.to_string(),
+            Ok(()) => panic!("12.4M sub-groups passed"),
+        };
+        assert!(
+            e.contains("into 12443981 optimizer sub-groups") && e.contains("at least 119"),
+            "{e}"
+        );
+        assert!(check_sub_group_count(n, 1, 119).is_ok());
+        assert!(check_sub_group_count(MAX_SUB_GROUPS, 1, 1).is_ok());
+        assert!(check_sub_group_count(MAX_SUB_GROUPS + 1, 1, 1).is_err());
+        assert!(check_sub_group_count(2 * MAX_SUB_GROUPS, 2, 1).is_ok());
+        assert!(check_sub_group_count(1000, 1, 0).is_ok());
+    }
 
     #[test]
     fn shards_cover_the_tensor_in_rank_order() {

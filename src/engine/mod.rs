@@ -107,7 +107,7 @@ pub mod trainer;
 
 pub use comm::{Comm, SingleRank};
 pub use error::EngineError;
-pub use layout::{Layout, SubGroupId};
+pub use layout::{check_sub_group_count, Layout, SubGroupId, MAX_SUB_GROUPS};
 pub use observe::metrics::{StepMetrics, Summary};
 pub use observe::timeline::{Lane, Timeline};
 pub use params::store::{ParamEvent, ParamState, ParamStore, Tier};

@@ -754,6 +754,11 @@ impl Trainer {
         let host = HostSetup::new(config, &opts)?;
         let (param_dtype, scaler) = precision_setup(&config.precision);
         let sub_group = usize::try_from(config.zero.sub_group_numel.0).unwrap_or(usize::MAX);
+        crate::engine::layout::check_sub_group_count(
+            model.numel() as u64,
+            opts.comm.world_size(),
+            config.zero.sub_group_numel.0,
+        )?;
         let layout = Layout::new(&model, opts.comm.rank(), opts.comm.world_size(), sub_group);
         let shape = Shape::of(config, &model, &layout);
         let nvme_share_bytes = sizing::nvme_available_bytes(config, opts.comm.world_size());
