@@ -178,6 +178,21 @@ impl<'de> DeserializeSeed<'de> for Probe {
 
 struct NodeVisitor;
 
+/// Arrays and objects nested deeper than this are refused (as serde_json
+/// refuses past 128): the parser recurses once a level, and 2000 levels
+/// overflowed the stack (an abort, no message).
+const MAX_DEPTH: usize = 128;
+
+/// Refuses to open another array or object past [`MAX_DEPTH`].
+fn check_depth<E: de::Error>() -> Result<(), E> {
+    if with_ctx(|c| c.path.len()) >= MAX_DEPTH {
+        return Err(E::custom(format!(
+            "arrays and objects nested deeper than {MAX_DEPTH} levels"
+        )));
+    }
+    Ok(())
+}
+
 impl<'de> Visitor<'de> for NodeVisitor {
     type Value = Value;
 
@@ -224,6 +239,7 @@ impl<'de> Visitor<'de> for NodeVisitor {
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        check_depth()?;
         let mut out = Vec::new();
         loop {
             with_ctx(|c| c.path.push(format!("[{}]", out.len())));
@@ -237,6 +253,7 @@ impl<'de> Visitor<'de> for NodeVisitor {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        check_depth()?;
         let mut out = Map::new();
         // Key -> its document-order number, for this object.
         let mut numbers: HashMap<String, usize> = HashMap::new();
@@ -286,6 +303,30 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    /// Nesting past 128 levels is a syntax error with its line, not a
+    /// stack overflow (2000 levels aborted the process); 128 parse.
+    #[test]
+    fn deep_nesting_is_refused_not_a_stack_overflow() {
+        let deep = |n: usize| format!("{{\"x\":\n{}{}}}", "[".repeat(n), "]".repeat(n));
+        assert!(parse(&deep(MAX_DEPTH - 1)).is_ok());
+        // On a thread with a small stack: the refusal comes before the
+        // recursion could overflow it.
+        let text = deep(100_000);
+        let r = std::thread::Builder::new()
+            .stack_size(1 << 20)
+            .spawn(move || parse(&text).map(|_| ()).map_err(|e| e.to_string()))
+            .unwrap()
+            .join()
+            .unwrap();
+        match r {
+            Err(e) => assert!(
+                e.contains("nested deeper than 128") && e.contains("line 2"),
+                "{e}"
+            ),
+            Ok(()) => panic!("100000 levels parsed"),
+        }
+    }
 
     fn dup(text: &str) -> (String, usize, usize) {
         match parse(text) {
