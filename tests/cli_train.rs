@@ -356,6 +356,33 @@ fn user_mistakes_exit_2_with_one_line() {
         &args,
         &["--timeline tl.fifo", "FIFO, not a regular file"],
     );
+    // Outputs never overwrite the run's inputs or each other (the corpus
+    // was replaced by metrics), and each input is as it was.
+    let inputs = ["data.txt", "ds_config.json", "model/config.json"];
+    let read_all = || -> Vec<Vec<u8>> {
+        inputs
+            .iter()
+            .map(|f| std::fs::read(d.join(f)).unwrap())
+            .collect()
+    };
+    let before = read_all();
+    for (flag, path, words) in [
+        ("--metrics", "data.txt", "is the --data file"),
+        ("--timeline", "./ds_config.json", "is the --config file"),
+        (
+            "--metrics",
+            "model/config.json",
+            "a file of the --model directory",
+        ),
+    ] {
+        let mut args = TINY.to_vec();
+        args.extend([flag, path]);
+        assert_bad(&d, &args, &[flag, words]);
+    }
+    let mut args = TINY.to_vec();
+    args.extend(["--metrics", "out.json", "--timeline", "./out.json"]);
+    assert_bad(&d, &args, &["--metrics and --timeline name one file"]);
+    assert!(before == read_all(), "an input changed");
 }
 
 #[test]

@@ -83,12 +83,91 @@ impl Drop for SaveDirClaim {
     }
 }
 
+/// Whether `a` and `b` name one file: the same file when both exist
+/// (through links), else the same name in the same directory.
+fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt as _;
+    if let (Ok(x), Ok(y)) = (std::fs::metadata(a), std::fs::metadata(b)) {
+        return (x.dev(), x.ino()) == (y.dev(), y.ino());
+    }
+    let dir = |p: &Path| {
+        let d = p.parent().filter(|d| !d.as_os_str().is_empty());
+        std::fs::canonicalize(d.unwrap_or(Path::new("."))).ok()
+    };
+    a.file_name().is_some()
+        && a.file_name() == b.file_name()
+        && dir(a).is_some()
+        && dir(a) == dir(b)
+}
+
+/// `--metrics` and `--timeline` never overwrite the run's inputs (the
+/// corpus, the ds_config, the tokenizer, a file of the model's directory)
+/// or each other: `--metrics data.txt` replaced the corpus with metrics,
+/// and with both on one path the summary named a file that held the
+/// timeline.
+fn check_outputs_spare_inputs(args: &TrainArgs) -> Result<(), Failure> {
+    let outputs = [("--metrics", &args.metrics), ("--timeline", &args.timeline)];
+    let inputs = [
+        ("--data", &args.data),
+        ("--config", &args.config),
+        ("--tokenizer", &args.tokenizer),
+    ];
+    for (flag, out) in outputs {
+        let Some(out) = out else { continue };
+        for (input, path) in inputs {
+            if path.as_deref().is_some_and(|p| same_file(out, p)) {
+                return Err(bad(format!(
+                    "{flag} {}: is the {input} file; write it elsewhere",
+                    out.display()
+                )));
+            }
+        }
+        // Any existing file of the model's directory (its config.json,
+        // weights, tokenizer).
+        let model_dir = args.model.as_deref().map(|m| {
+            if m.is_dir() {
+                m
+            } else {
+                m.parent().unwrap_or(Path::new("."))
+            }
+        });
+        if let Some(dir) = model_dir {
+            let parent = out
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
+            let in_model = out.exists()
+                && matches!(
+                    (std::fs::canonicalize(parent), std::fs::canonicalize(dir)),
+                    (Ok(p), Ok(d)) if p == d
+                );
+            if in_model {
+                return Err(bad(format!(
+                    "{flag} {}: is a file of the --model directory {}; write it elsewhere",
+                    out.display(),
+                    dir.display()
+                )));
+            }
+        }
+    }
+    if let (Some(m), Some(t)) = (&args.metrics, &args.timeline) {
+        if same_file(m, t) {
+            return Err(bad(format!(
+                "--metrics and --timeline name one file ({}); give each its own",
+                m.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// `--metrics` and `--timeline` go into a directory that must exist. The
 /// timeline is written only after the last step (atomically: a temporary
 /// file beside it, renamed over it), so what would fail then is checked
 /// now: a path that is a directory or has no file name, and a directory
 /// where no file can be made.
 pub(super) fn check_output_dirs(args: &TrainArgs) -> Result<(), Failure> {
+    check_outputs_spare_inputs(args)?;
     for (flag, file) in [("--metrics", &args.metrics), ("--timeline", &args.timeline)] {
         if let Some(parent) = file
             .as_ref()
