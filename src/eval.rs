@@ -111,6 +111,25 @@ pub enum EvalError {
     /// `batch_windows` of zero.
     #[error("batch of 0 windows: give at least 1")]
     ZeroBatch,
+    /// One batch's fp32 logits alone exceed the host memory available.
+    #[error(
+        "a batch of {windows} windows of {positions} positions x vocab_size {vocab_size} has \
+         {} of fp32 logits, and {} of host memory is available; lower --batch (or --seq-len)",
+        crate::units::format_bytes(*logits_bytes),
+        crate::units::format_bytes(*available_bytes)
+    )]
+    LogitsTooLarge {
+        /// Windows in the largest batch.
+        windows: usize,
+        /// Predicted positions in each.
+        positions: usize,
+        /// The model's vocabulary size.
+        vocab_size: usize,
+        /// Their logits' bytes.
+        logits_bytes: u64,
+        /// `MemAvailable` now.
+        available_bytes: u64,
+    },
     /// The weight source failed for one parameter.
     #[error("loading parameter `{name}`: {source}")]
     Fetch {
@@ -241,6 +260,21 @@ where
     }
     if opts.batch_windows == 0 {
         return Err(EvalError::ZeroBatch);
+    }
+    // The largest batch's logits, before they abort the allocation.
+    let widest = opts.batch_windows.min(windows.full);
+    let logits_bytes =
+        crate::engine::sizing::logits_bytes((widest * (seq_len - 1)) as u64, cfg.vocab_size as u64);
+    if let Some(available_bytes) = crate::engine::sizing::mem_available_bytes() {
+        if logits_bytes > available_bytes {
+            return Err(EvalError::LogitsTooLarge {
+                windows: widest,
+                positions: seq_len - 1,
+                vocab_size: cfg.vocab_size,
+                logits_bytes,
+                available_bytes,
+            });
+        }
     }
     let bound = u32::try_from(cfg.vocab_size).unwrap_or(u32::MAX);
     if let Some((position, token)) = tokens.first_at_or_above(bound) {

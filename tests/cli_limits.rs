@@ -215,6 +215,62 @@ fn a_run_larger_than_host_memory_is_refused_with_the_numbers() {
     }
 }
 
+/// A head whose fp32 logits (micro-batch x seq x vocab) cannot fit the
+/// machine's memory is refused before anything is allocated, naming the
+/// numbers and the flag, in train and in eval: the allocation aborted the
+/// process ("memory allocation of 32768000000 bytes failed", exit 134).
+/// A vocab of 16M at 16 x 1024 tokens is 1 TB a copy.
+#[test]
+fn logits_larger_than_host_memory_are_refused_with_the_numbers() {
+    let d = scratch("logits-memory");
+    std::fs::create_dir_all(d.join("model")).unwrap();
+    let model = json!({"model_type": "gpt2", "vocab_size": 16_000_000, "n_positions": 1024,
+        "n_embd": 8, "n_layer": 1, "n_head": 1});
+    std::fs::write(d.join("model/config.json"), model.to_string()).unwrap();
+    // 16 windows of 1024 bytes (tokens) and more.
+    let text = "the engine streams every layer from nvme while adam steps on the cpu. ".repeat(240);
+    std::fs::write(d.join("data.txt"), text).unwrap();
+    let cfg = json!({"train_micro_batch_size_per_gpu": 16, "zero_optimization": {"stage": 0}});
+    std::fs::write(d.join("ds_config.json"), cfg.to_string()).unwrap();
+    let mut train = tiny_args("1");
+    let at = train.iter().position(|a| *a == "16").unwrap();
+    train[at] = "1024";
+    let eval = [
+        "eval",
+        "--model",
+        "model",
+        "--data",
+        "data.txt",
+        "--seq-len",
+        "1024",
+        "--batch",
+        "16",
+    ];
+    for (args, want) in [
+        (&train[..], "lower train_micro_batch_size_per_gpu"),
+        (
+            &eval[..],
+            "--batch: a batch of 16 windows of 1023 positions",
+        ),
+    ] {
+        let started = Instant::now();
+        let o = run_wrapped(&d, &[], args);
+        assert_no_panic(&o);
+        assert_eq!(o.code, 2, "{args:?}: {}", o.stderr);
+        assert!(o.stderr.contains(want), "{want}: {}", o.stderr);
+        assert!(
+            o.stderr.contains("of host memory is available"),
+            "{}",
+            o.stderr
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+}
+
 fn have_setpriv_prlimit() -> bool {
     Path::new("/usr/bin/setpriv").exists() && Path::new("/usr/bin/prlimit").exists()
 }

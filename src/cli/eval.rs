@@ -101,7 +101,7 @@ fn eval_failure(e: EvalError, data: &Path) -> Failure {
         EvalError::TooFewTokens { .. } | EvalError::TokenOutOfVocab { .. } => {
             format!("--data {}", data.display())
         }
-        EvalError::ZeroBatch => "--batch".to_owned(),
+        EvalError::ZeroBatch | EvalError::LogitsTooLarge { .. } => "--batch".to_owned(),
         EvalError::NotFinite { .. } => "the model's weights".to_owned(),
         other => return Failure::Internal(anyhow::Error::new(other)),
     };

@@ -95,6 +95,9 @@ fn check_run(
         )));
     }
     data.check_seq_len(opts.seq_len)?;
+    if opts.compute.is_none() {
+        check_head_memory(config, model, opts.seq_len)?;
+    }
     let world = opts.comm.world_size();
     let rank = opts.comm.rank();
     if world == 0 || rank >= world {
@@ -109,6 +112,19 @@ fn check_run(
         )));
     }
     Ok(())
+}
+
+/// The head's logits of a micro-batch of `seq_len` tokens fit the host
+/// memory available (the units compute on the CPU).
+pub(super) fn check_head_memory(config: &Config, model: &Model, seq_len: usize) -> Result<()> {
+    sizing::check_logits_memory(
+        config.batch.micro_batch_size.saturating_mul(seq_len as u64),
+        model.config().vocab_size as u64,
+        sizing::TRAIN_LOGITS_COPIES,
+        sizing::mem_available_bytes(),
+        "lower train_micro_batch_size_per_gpu (raise gradient_accumulation_steps to keep the \
+         batch) or the sequence length",
+    )
 }
 
 /// Whether the run's compute gathers the params on its device (several

@@ -723,6 +723,9 @@ impl Trainer {
             )));
         }
         self.data.check_seq_len(seq_len)?;
+        if self.opts.compute.is_none() {
+            build::check_head_memory(&self.config, &self.model, seq_len)?;
+        }
         self.opts.seq_len = seq_len;
         Ok(())
     }
