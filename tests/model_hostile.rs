@@ -91,6 +91,51 @@ fn absurd_config_sizes_are_refused_before_allocation() {
     assert!(e.contains("3 * hidden_size * hidden_size"), "{e}");
 }
 
+/// A bad size names the key the family's `config.json` spells (GPT-2's
+/// `n_positions`, Llama's `num_key_value_heads`), not tierzero's field
+/// (`max_seq_len`, `n_kv_head`): the user looks for that key in the file.
+#[test]
+fn a_bad_size_names_the_key_of_the_file() {
+    let llama = || {
+        json!({"model_type": "llama", "vocab_size": 256, "hidden_size": 32,
+               "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "max_position_embeddings": 32, "rms_norm_eps": 1e-5})
+    };
+    let cases: [(Value, &str, Value, &str); 7] = [
+        (tiny_config(), "n_positions", json!(0), "`max_seq_len`"),
+        (tiny_config(), "n_embd", json!(0), "`hidden_size`"),
+        (
+            tiny_config(),
+            "layer_norm_epsilon",
+            json!(0.0),
+            "`norm_eps`",
+        ),
+        (llama(), "num_key_value_heads", json!(0), "`n_kv_head`"),
+        (llama(), "rms_norm_eps", json!(0.0), "`norm_eps`"),
+        (
+            llama(),
+            "max_position_embeddings",
+            json!(0),
+            "`max_seq_len`",
+        ),
+        (llama(), "num_hidden_layers", json!(0), "`n_layer`"),
+    ];
+    for (mut c, key, v, internal) in cases {
+        c[key] = v;
+        let e = open_err(key, &c, None);
+        assert!(e.contains(&format!("`{key}`")), "{key}: {e}");
+        assert!(!e.contains(internal), "{key}: {e}");
+    }
+    // The divisibility rule names both keys of the file.
+    let mut c = llama();
+    c["num_key_value_heads"] = json!(3);
+    let e = open_err("kv3", &c, None);
+    assert!(
+        e.contains("num_attention_heads 4 must be a multiple of num_key_value_heads 3"),
+        "{e}"
+    );
+}
+
 /// A safetensors file: 8-byte little-endian header length, header, data.
 fn safetensors(header: &Value, data_bytes: usize, claimed_len: Option<u64>) -> Vec<u8> {
     let h = header.to_string().into_bytes();

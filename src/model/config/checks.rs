@@ -4,6 +4,27 @@
 use super::*;
 
 impl ModelConfig {
+    /// The key of the family's HF `config.json` that sets the field `key`
+    /// of this struct, for errors that name what the user wrote (`n_embd`,
+    /// not `hidden_size`, for GPT-2; a derived one says how it is
+    /// derived).
+    fn hf_key(&self, key: &'static str) -> &'static str {
+        match (self.arch, key) {
+            (Arch::Gpt2, "hidden_size") => "n_embd",
+            (Arch::Gpt2, "intermediate_size") => "n_inner",
+            (Arch::Gpt2, "max_seq_len") => "n_positions",
+            (Arch::Gpt2, "norm_eps") => "layer_norm_epsilon",
+            (Arch::Gpt2, "head_dim") => "n_embd / n_head",
+            (Arch::Gpt2, "n_kv_head") => "n_head",
+            (Arch::Llama, "n_layer") => "num_hidden_layers",
+            (Arch::Llama, "n_head") => "num_attention_heads",
+            (Arch::Llama, "n_kv_head") => "num_key_value_heads",
+            (Arch::Llama, "max_seq_len") => "max_position_embeddings",
+            (Arch::Llama, "norm_eps") => "rms_norm_eps",
+            _ => key,
+        }
+    }
+
     /// Checks sizes: positive, divisible, and that every parameter's element
     /// count fits in `usize`.
     pub fn validate(&self) -> Result<(), ModelError> {
@@ -19,15 +40,18 @@ impl ModelConfig {
         ];
         for (key, v) in positive {
             if v == 0 {
-                return Err(invalid(key, "must be positive"));
+                return Err(invalid(self.hf_key(key), "must be positive"));
             }
         }
         if !self.n_head.is_multiple_of(self.n_kv_head) {
             return Err(invalid(
-                "num_key_value_heads",
+                self.hf_key("n_kv_head"),
                 format!(
-                    "n_head {} must be a multiple of n_kv_head {}",
-                    self.n_head, self.n_kv_head
+                    "{} {} must be a multiple of {} {}",
+                    self.hf_key("n_head"),
+                    self.n_head,
+                    self.hf_key("n_kv_head"),
+                    self.n_kv_head
                 ),
             ));
         }
@@ -45,7 +69,7 @@ impl ModelConfig {
         }
         if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
             return Err(invalid(
-                "norm_eps",
+                self.hf_key("norm_eps"),
                 format!("must be > 0, got {}", self.norm_eps),
             ));
         }
@@ -85,7 +109,7 @@ impl ModelConfig {
         for (key, v, max) in bounded {
             if v > max {
                 return Err(invalid(
-                    key,
+                    self.hf_key(key),
                     format!("{v} is larger than tierzero supports ({max}); is the file corrupt?"),
                 ));
             }
