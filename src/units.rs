@@ -60,6 +60,11 @@ fn scaled(input: &str, what: &'static str, mult: f64, num: &str) -> Result<u64, 
 /// Parses a byte size such as `4GiB`, `512M`, `1MB` or `1048576`.
 pub fn parse_bytes(input: &str) -> Result<u64, ParseUnitError> {
     let s = input.trim();
+    // A plain integer is taken exactly (through f64 the largest counts
+    // round to 2^64, which is too large).
+    if let Ok(v) = s.parse::<u64>() {
+        return Ok(v);
+    }
     let (num, suffix) = split_number(s);
     let mult = match suffix.to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
@@ -157,6 +162,8 @@ mod tests {
         // 2^64 is too large, not clamped to u64::MAX (it went through f64).
         assert!(matches!(parse_count("18446744073709551616"), Err(e) if e.why == "too large"));
         assert!(matches!(parse_bytes("16777216TiB"), Err(e) if e.why == "too large"));
+        assert_eq!(parse_bytes("18446744073709551615"), Ok(u64::MAX));
+        assert_eq!(parse_bytes(" 4096 "), Ok(4096));
         assert!(parse_count("1Q").is_err());
     }
 
