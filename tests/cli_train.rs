@@ -372,13 +372,20 @@ fn user_mistakes_exit_2_with_one_line() {
         (
             "--metrics",
             "model/config.json",
-            "a file of the --model directory",
+            "a model file of the --model directory",
         ),
     ] {
         let mut args = TINY.to_vec();
         args.extend([flag, path]);
         assert_bad(&d, &args, &[flag, words]);
     }
+    // Another file of the model's directory (a metrics file an earlier
+    // run wrote there) is not an input: the run goes on (it stops at the
+    // timeline's FIFO check, which comes after the inputs' check).
+    std::fs::write(d.join("model/metrics.jsonl"), "{}\n").unwrap();
+    let mut args = TINY.to_vec();
+    args.extend(["--metrics", "model/metrics.jsonl", "--timeline", "tl.fifo"]);
+    assert_bad(&d, &args, &["--timeline tl.fifo", "FIFO"]);
     let mut args = TINY.to_vec();
     args.extend(["--metrics", "out.json", "--timeline", "./out.json"]);
     assert_bad(&d, &args, &["--metrics and --timeline name one file"]);

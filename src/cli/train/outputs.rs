@@ -100,6 +100,21 @@ fn same_file(a: &Path, b: &Path) -> bool {
         && dir(a) == dir(b)
 }
 
+/// Whether a file of a model directory by this name is one a model is
+/// read from: its configs, weights and tokenizer files.
+fn is_model_file(name: &str) -> bool {
+    matches!(
+        name,
+        "config.json"
+            | "generation_config.json"
+            | "special_tokens_map.json"
+            | "vocab.json"
+            | "merges.txt"
+    ) || name.starts_with("tokenizer")
+        || name.ends_with(".safetensors")
+        || name.ends_with(".safetensors.index.json")
+}
+
 /// `--metrics` and `--timeline` never overwrite the run's inputs (the
 /// corpus, the ds_config, the tokenizer, a file of the model's directory)
 /// or each other: `--metrics data.txt` replaced the corpus with metrics,
@@ -122,8 +137,9 @@ fn check_outputs_spare_inputs(args: &TrainArgs) -> Result<(), Failure> {
                 )));
             }
         }
-        // Any existing file of the model's directory (its config.json,
-        // weights, tokenizer).
+        // A file the model's directory is read for (its config.json,
+        // weights, tokenizer); other files there (a metrics file a
+        // previous run wrote) are not inputs.
         let model_dir = args.model.as_deref().map(|m| {
             if m.is_dir() {
                 m
@@ -137,13 +153,17 @@ fn check_outputs_spare_inputs(args: &TrainArgs) -> Result<(), Failure> {
                 .filter(|p| !p.as_os_str().is_empty())
                 .unwrap_or(Path::new("."));
             let in_model = out.exists()
+                && out
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(is_model_file)
                 && matches!(
                     (std::fs::canonicalize(parent), std::fs::canonicalize(dir)),
                     (Ok(p), Ok(d)) if p == d
                 );
             if in_model {
                 return Err(bad(format!(
-                    "{flag} {}: is a file of the --model directory {}; write it elsewhere",
+                    "{flag} {}: is a model file of the --model directory {}; write it elsewhere",
                     out.display(),
                     dir.display()
                 )));
