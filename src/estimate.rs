@@ -233,7 +233,7 @@ use items::SPECULATION_POOL;
 pub use items::{items, items_on, items_within};
 pub use machine::{
     cgroup_memory, cgroup_memory_under, parse_meminfo, parse_memlock, probe_machine, probe_ram,
-    CgroupMemory, Machine, Memlock,
+    probe_swap_free, CgroupMemory, Machine, Memlock,
 };
 
 use crate::engine::sizing::{self, Buffers, Shape};

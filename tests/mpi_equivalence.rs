@@ -1199,6 +1199,12 @@ fn stages_1_and_2_two_ranks_match_one_rank_bit_for_bit() {
         let tag = format!("stage {stage}, optimizer {optim}, 2 ranks");
         let (one, ranks) = case(&format!("s{stage}"), 2, &knobs, false, STEPS);
         assert_bit_identical(&tag, &one, &ranks);
+        // The params are not partitioned below stage 3: every rank keeps
+        // them whole (fp32, 4 bytes an element), as DeepSpeed does, and
+        // releases none under the stage-3 knobs.
+        for (r, o) in ranks.iter().enumerate() {
+            assert_eq!(o.live_param_bytes, one.shard_numel * 4, "{tag}: rank {r}");
+        }
     }
 }
 

@@ -50,26 +50,31 @@ pub enum EngineError {
     /// memory available: the mapping or the allocation would fail, or
     /// the kernel would kill the run.
     #[error(
-        "this rank needs {pinned} of pinned buffers and pages and {state} of optimizer \
-         state in host memory from its start ({need} in all), and {available} of host memory \
-         is available; offload the params and the optimizer state to NVMe \
-         (zero_optimization.offload_param / offload_optimizer device \"nvme\"), lower \
-         offload_param.buffer_count / buffer_size or offload_optimizer.buffer_count, or run \
-         fewer ranks on this machine",
+        "this rank needs {pinned} of pinned buffers and pages ({locked} of them page-locked) \
+         and {state} of optimizer state in host memory from its start, and {available} of host \
+         memory is available ({swap} more as swap, for what is not page-locked); offload the \
+         params and the optimizer state to NVMe (zero_optimization.offload_param / \
+         offload_optimizer device \"nvme\"), lower offload_param.buffer_count / buffer_size or \
+         offload_optimizer.buffer_count, or run fewer ranks on this machine",
         pinned = crate::units::format_bytes(*pinned_bytes),
+        locked = crate::units::format_bytes(*locked_bytes),
         state = crate::units::format_bytes(*state_bytes),
-        need = crate::units::format_bytes(pinned_bytes.saturating_add(*state_bytes)),
         available = crate::units::format_bytes(*available_bytes),
+        swap = crate::units::format_bytes(*swap_free_bytes),
     )]
     HostMemory {
         /// The pinned swap buffers and cpu-tier pages
         /// (`Sizing::pinned_total_bytes`).
         pinned_bytes: u64,
+        /// Of those, the page-locked (none when they run unlocked).
+        locked_bytes: u64,
         /// The optimizer state kept in host memory
-        /// (`sizing::optimizer_host_bytes`).
+        /// (`Sizing::optimizer_host_bytes`).
         state_bytes: u64,
         /// `MemAvailable` when the trainer was built.
         available_bytes: u64,
+        /// `SwapFree` then (0 if unknown).
+        swap_free_bytes: u64,
     },
     /// A parameter larger than one swap-in buffer.
     #[error(

@@ -34,19 +34,32 @@ pub struct Machine {
 
 /// Parses `/proc/meminfo` text: `(MemTotal, MemAvailable)` in bytes.
 pub fn parse_meminfo(text: &str) -> (Option<u64>, Option<u64>) {
-    let field = |key: &str| {
-        text.lines().find_map(|l| {
-            let rest = l.strip_prefix(key)?.strip_prefix(':')?;
-            let mut it = rest.split_whitespace();
-            let v: u64 = it.next()?.parse().ok()?;
-            match it.next() {
-                Some("kB") => v.checked_mul(1024),
-                None => Some(v),
-                Some(_) => None,
-            }
-        })
-    };
-    (field("MemTotal"), field("MemAvailable"))
+    (
+        meminfo_field(text, "MemTotal"),
+        meminfo_field(text, "MemAvailable"),
+    )
+}
+
+/// One `/proc/meminfo` field in bytes.
+fn meminfo_field(text: &str, key: &str) -> Option<u64> {
+    text.lines().find_map(|l| {
+        let rest = l.strip_prefix(key)?.strip_prefix(':')?;
+        let mut it = rest.split_whitespace();
+        let v: u64 = it.next()?.parse().ok()?;
+        match it.next() {
+            Some("kB") => v.checked_mul(1024),
+            None => Some(v),
+            Some(_) => None,
+        }
+    })
+}
+
+/// `SwapFree` from `/proc/meminfo`, if readable: where pageable memory
+/// beyond `MemAvailable` can still go (slowly).
+pub fn probe_swap_free() -> Option<u64> {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| meminfo_field(&t, "SwapFree"))
 }
 
 /// A memory cgroup's limit on this process, the tightest of its own and

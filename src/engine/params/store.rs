@@ -101,7 +101,8 @@
 //! # Device-tier params on several ranks
 //!
 //! At stage 3 with `offload_param.device = none` on several ranks whose
-//! fetches gather (the compute does not gather on its device), a param's
+//! fetches gather (the compute does not gather on its device), the trainer
+//! calls [`ParamStore::partition_device_params`]: a param's
 //! home is this rank's shard in ordinary host memory (`Home::Host`, the
 //! compute's own memory on the CPU; DeepSpeed's `ds_tensor` partition).
 //! A fetch gathers the whole from it and a release drops the whole, as
@@ -488,9 +489,8 @@ impl ParamStore {
             let tier = tiers[p.id.0];
             let shard_bytes = slot.shard_numel * elem_bytes;
             let home = match tier {
-                // Empty until the initial bytes come; handing out
-                // shards turns it back into `Device`.
-                Tier::Device if comm.world_size() > 1 => Home::Host { shard: Vec::new() },
+                // A `Host` home at stage 3 only
+                // ([`ParamStore::partition_device_params`]).
                 Tier::Device => Home::Device,
                 Tier::Cpu => {
                     if page_off + shard_bytes > page_bytes {
@@ -725,17 +725,24 @@ impl ParamStore {
     /// from now on [`ParamStore::fetch_many`] gathers nothing and gives
     /// each param as this rank's shard, a 1-D tensor of its elements (see
     /// "Several ranks" in the module docs). One rank: nothing changes.
-    ///
-    /// Called before the initial bytes are stored: a device-tier param's
-    /// tensor then is its shard, always resident, and needs no host copy
-    /// of it (a `Host` home that already holds bytes keeps them).
     pub fn hand_out_shards(&mut self) {
         self.shards_out = self.comm.world_size() > 1;
-        if self.shards_out {
-            for h in &mut self.homes {
-                if matches!(h, Home::Host { shard } if shard.is_empty()) {
-                    *h = Home::Device;
-                }
+    }
+
+    /// Stage 3 (the params partitioned) on several ranks whose fetches
+    /// gather: each device-tier param keeps this rank's shard in a `Host`
+    /// home, its whole gathered at a fetch and dropped at a release (see
+    /// "Device-tier params on several ranks"). At stages 0-2 the whole
+    /// stays, as DeepSpeed keeps it; handing out shards, the tensor is the
+    /// shard. Called before the initial bytes are stored; a no-op on one
+    /// rank or after [`ParamStore::hand_out_shards`].
+    pub fn partition_device_params(&mut self) {
+        if !self.defer_gather() {
+            return;
+        }
+        for (h, info) in self.homes.iter_mut().zip(&self.info) {
+            if info.tier == Tier::Device && matches!(h, Home::Device) {
+                *h = Home::Host { shard: Vec::new() };
             }
         }
     }
@@ -1167,6 +1174,7 @@ mod tests {
             None,
         )
         .unwrap();
+        s.partition_device_params();
         let p = ParamId(0);
         let len = s.shard_bytes(p).unwrap();
         let counts = s.info[p.0].counts_bytes.clone();

@@ -95,9 +95,6 @@ fn check_run(
         )));
     }
     data.check_seq_len(opts.seq_len)?;
-    if opts.compute.is_none() {
-        check_head_memory(config, model, opts.seq_len)?;
-    }
     let world = opts.comm.world_size();
     let rank = opts.comm.rank();
     if world == 0 || rank >= world {
@@ -110,6 +107,15 @@ fn check_run(
             "the config was resolved for {} ranks but the communicator has {world}",
             config.batch.ranks
         )));
+    }
+    // Every rank's own memory, agreed: one refusing alone left the others
+    // in their first collective.
+    if opts.compute.is_none() && !opts.skip_compute {
+        crate::engine::comm::agree(
+            &*opts.comm,
+            "checking the head's memory",
+            check_head_memory(config, model, opts.seq_len),
+        )?;
     }
     Ok(())
 }
@@ -238,37 +244,46 @@ fn budget_error(s: BudgetShort) -> EngineError {
     }
 }
 
-/// Whether everything the sizing would page-lock fits `RLIMIT_MEMLOCK`,
-/// checked before anything is mapped. `tierzero.memlock = "require"`
-/// refuses when it does not; `"auto"` warns and runs unlocked.
 /// Refuses a run whose pinned buffers and pages and host-memory optimizer
-/// state, held from its start, exceed `available_bytes` (`MemAvailable`;
-/// `None`: unknown, not checked): they failed later, a mapping as an
-/// internal error naming NVMe swap, an allocation as an abort, or the
-/// kernel's OOM killer. Only these, which are certain: the rest of the
-/// plan is "at most", and the activations adapt to what is left.
+/// state, held from its start, cannot fit: the page-locked ones beyond
+/// `available_bytes` (`MemAvailable`; `None`: unknown, not checked), or
+/// all of them beyond it and `swap_free_bytes` (pageable memory may go to
+/// swap). They failed later: a mapping as an internal error naming NVMe
+/// swap, an allocation as an abort, or the kernel's OOM killer. Only
+/// these, which are certain: the rest of the plan is "at most", and the
+/// activations adapt to what is left.
 fn check_host_memory(
     config: &Config,
     sizing: &Sizing,
     shape: &Shape,
+    lockable: bool,
     available_bytes: Option<u64>,
+    swap_free_bytes: Option<u64>,
 ) -> Result<()> {
     let Some(available_bytes) = available_bytes else {
         return Ok(());
     };
+    let swap_free_bytes = swap_free_bytes.unwrap_or(0);
     let opt_nvme = config.zero.offload_optimizer.device.nvme_path().is_some();
     let pinned_bytes = sizing.pinned_total_bytes();
+    let locked_bytes = if lockable { sizing.lock_bytes } else { 0 };
     let state_bytes = sizing.optimizer_host_bytes(shape, opt_nvme);
-    if pinned_bytes.saturating_add(state_bytes) <= available_bytes {
+    let all = pinned_bytes.saturating_add(state_bytes);
+    if locked_bytes <= available_bytes && all <= available_bytes.saturating_add(swap_free_bytes) {
         return Ok(());
     }
     Err(EngineError::HostMemory {
         pinned_bytes,
+        locked_bytes,
         state_bytes,
         available_bytes,
+        swap_free_bytes,
     })
 }
 
+/// Whether everything the sizing would page-lock fits `RLIMIT_MEMLOCK`,
+/// checked before anything is mapped. `tierzero.memlock = "require"`
+/// refuses when it does not; `"auto"` warns and runs unlocked.
 fn check_memlock(config: &Config, sizing: &Sizing) -> Result<bool> {
     let lock_bytes = sizing.lock_bytes;
     let info = MemlockInfo::current();
@@ -781,7 +796,20 @@ impl Trainer {
         let sizing =
             sizing::decide_within(config, &shape, nvme_share_bytes).map_err(budget_error)?;
         let lockable = check_memlock(config, &sizing)?;
-        check_host_memory(config, &sizing, &shape, sizing::mem_available_bytes())?;
+        // Every rank's own memory, agreed: one refusing alone left the
+        // others in their first collective.
+        crate::engine::comm::agree(
+            &*opts.comm,
+            "checking host memory",
+            check_host_memory(
+                config,
+                &sizing,
+                &shape,
+                lockable,
+                sizing::mem_available_bytes(),
+                crate::estimate::probe_swap_free(),
+            ),
+        )?;
         let clocks = Clocks::new(&opts);
         let mut tiers = TierBuild {
             config,
@@ -796,6 +824,9 @@ impl Trainer {
         let mut store = tiers.store(&model, &layout, param_dtype)?;
         if gathers_on_device(&opts) {
             store.hand_out_shards();
+        }
+        if config.zero.stage == config::Stage::Parameters {
+            store.partition_device_params();
         }
         let mut opt = tiers.optimizer(&layout)?;
         let park = tiers.park(&layout)?;
@@ -921,5 +952,49 @@ impl Trainer {
             last_step_wall: None,
             activations,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+
+    /// The host-memory check: the page-locked bytes must fit what is
+    /// available, everything (locked or not, and the state) what is
+    /// available and the free swap; unknown memory is not checked.
+    #[test]
+    fn host_memory_counts_locked_bytes_against_ram_and_the_rest_against_swap_too() {
+        let text = r#"{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3,
+            "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}"#;
+        let run = config::RunContext {
+            path_checks: config::PathChecks::Skip,
+            ..config::RunContext::default()
+        };
+        let config = config::load_str(text, &run).unwrap().config;
+        let json = serde_json::json!({"model_type": "gpt2", "vocab_size": 300,
+            "n_positions": 16, "n_embd": 32, "n_layer": 2, "n_head": 2});
+        let (mc, _) = crate::model::ModelConfig::from_hf_json(&json.to_string()).unwrap();
+        let model = Model::new(mc).unwrap();
+        let layout = Layout::new(&model, 0, 1, 1_000_000);
+        let shape = Shape::of(&config, &model, &layout);
+        let sizing = sizing::decide_within(&config, &shape, None).unwrap();
+        let pinned = sizing.pinned_total_bytes();
+        let state = sizing.optimizer_host_bytes(&shape, false);
+        assert!(pinned > 0 && sizing.lock_bytes > 0 && state == 12 * model.numel() as u64);
+        let check = |lockable, avail, swap| {
+            check_host_memory(&config, &sizing, &shape, lockable, avail, swap)
+        };
+        assert!(check(true, Some(pinned + state), None).is_ok());
+        let e = check(true, Some(pinned + state - 1), None).unwrap_err();
+        assert!(matches!(e, EngineError::HostMemory { .. }), "{e}");
+        // Swap takes what is not locked.
+        assert!(check(true, Some(pinned + state - 1), Some(1)).is_ok());
+        // Locked bytes beyond the memory available: swap does not help.
+        let locked = sizing.lock_bytes;
+        assert!(check(true, Some(locked - 1), Some(u64::MAX)).is_err());
+        // Unlocked (RLIMIT_MEMLOCK too low), they may go to swap too.
+        assert!(check(false, Some(locked - 1), Some(pinned + state)).is_ok());
+        assert!(check(true, None, None).is_ok());
     }
 }

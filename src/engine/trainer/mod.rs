@@ -723,7 +723,7 @@ impl Trainer {
             )));
         }
         self.data.check_seq_len(seq_len)?;
-        if self.opts.compute.is_none() {
+        if self.opts.compute.is_none() && !self.opts.skip_compute {
             build::check_head_memory(&self.config, &self.model, seq_len)?;
         }
         self.opts.seq_len = seq_len;
