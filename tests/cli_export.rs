@@ -183,16 +183,7 @@ fn export_to_a_directory_is_refused_at_once() {
         .status()
         .unwrap();
     assert!(made.success());
-    let r = run_tierzero(
-        None,
-        &[
-            "export",
-            "--checkpoint",
-            save.to_str().unwrap(),
-            "--out",
-            fifo.to_str().unwrap(),
-        ],
-    );
+    let r = export(&save, &fifo, &[]);
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(
         r.stderr.contains("FIFO, not a regular file"),

@@ -266,6 +266,30 @@ fn spilled_hand_over_is_bounded_by_the_pipeline() {
     assert_eq!(spilled, reference, "the spilled run's weights");
 }
 
+/// A trainer of a 2-layer, width-32 GPT-2 (`tag`) under `k`'s config of
+/// `steps` steps, and its swap dir (removed by the caller).
+fn tiny_trainer(
+    tag: &str,
+    k: &Knobs,
+    steps: u64,
+) -> (tierzero::engine::Trainer, std::path::PathBuf) {
+    use engine_support::{corpus, ds_config, scratch};
+    use tierzero::config::{load_str, PathChecks, RunContext};
+    use tierzero::engine::{Trainer, TrainerOptions};
+    use tierzero::model::ModelDir;
+    let dir = tiny_gpt2_dir(tag, 2, 32);
+    let swap = scratch(&format!("{tag}-swap"));
+    let cfg = ds_config(k, &swap, steps);
+    let run = RunContext {
+        path_checks: PathChecks::CreateMissing,
+        ..RunContext::default()
+    };
+    let loaded = load_str(&cfg.to_string(), &run).unwrap();
+    let md = ModelDir::open(&dir, 5).unwrap();
+    let t = Trainer::new(&loaded.config, &md, corpus(), TrainerOptions::cpu(5, SEQ)).unwrap();
+    (t, swap)
+}
+
 /// Speculative steps hand their gradients over during backward as the
 /// overlapped steps do: at most a pipeline's worth waits for the optimizer
 /// thread at once (`sizing::grads_in_flight`), however many sub-groups
@@ -274,12 +298,7 @@ fn spilled_hand_over_is_bounded_by_the_pipeline() {
 /// backward.
 #[test]
 fn speculative_hand_over_is_bounded_by_the_pipeline() {
-    use engine_support::{corpus, ds_config, scratch};
-    use tierzero::config::{load_str, PathChecks, RunContext};
-    use tierzero::engine::{sizing, Trainer, TrainerOptions};
-    use tierzero::model::ModelDir;
-    let dir = tiny_gpt2_dir("spec-bound", 2, 32);
-    let swap = scratch("spec-bound-swap");
+    use tierzero::engine::sizing;
     let k = Knobs {
         clip: 1e6,
         sub_group: 500,
@@ -287,14 +306,7 @@ fn speculative_hand_over_is_bounded_by_the_pipeline() {
         speculative: Some(true),
         ..Knobs::nvme()
     };
-    let cfg = ds_config(&k, &swap, 4);
-    let run = RunContext {
-        path_checks: PathChecks::CreateMissing,
-        ..RunContext::default()
-    };
-    let loaded = load_str(&cfg.to_string(), &run).unwrap();
-    let md = ModelDir::open(&dir, 5).unwrap();
-    let mut t = Trainer::new(&loaded.config, &md, corpus(), TrainerOptions::cpu(5, SEQ)).unwrap();
+    let (mut t, swap) = tiny_trainer("spec-bound", &k, 4);
     let groups = t.layout().sub_groups.len();
     let limit = sizing::grads_in_flight(t.sizing().read_ahead, t.sizing().write_behind);
     assert!(groups > 4 * limit, "{groups} sub-groups, limit {limit}");
@@ -318,26 +330,14 @@ fn speculative_hand_over_is_bounded_by_the_pipeline() {
 /// 16-bit shard).
 #[test]
 fn values_lent_after_the_decision_are_bounded() {
-    use engine_support::{corpus, ds_config, scratch};
-    use tierzero::config::{load_str, PathChecks, RunContext};
-    use tierzero::engine::{sizing, Trainer, TrainerOptions};
-    use tierzero::model::ModelDir;
-    let dir = tiny_gpt2_dir("values-bound", 2, 32);
-    let swap = scratch("values-bound-swap");
+    use tierzero::engine::sizing;
     let k = Knobs {
         clip: 1e6,
         sub_group: 500,
         speculative: Some(false),
         ..Knobs::cpu()
     };
-    let cfg = ds_config(&k, &swap, 3);
-    let run = RunContext {
-        path_checks: PathChecks::CreateMissing,
-        ..RunContext::default()
-    };
-    let loaded = load_str(&cfg.to_string(), &run).unwrap();
-    let md = ModelDir::open(&dir, 5).unwrap();
-    let mut t = Trainer::new(&loaded.config, &md, corpus(), TrainerOptions::cpu(5, SEQ)).unwrap();
+    let (mut t, swap) = tiny_trainer("values-bound", &k, 3);
     let groups = t.layout().sub_groups.len();
     let unit_groups = sizing::largest_unit_groups(t.model(), t.layout()) as usize;
     let limit = sizing::values_in_flight(

@@ -1092,7 +1092,21 @@ mod tests {
     /// A bf16 store of rank 1 of two whose collectives are scripted (none
     /// is: one would fail).
     fn rank_1_of_2(model: &Model, layout: &Layout, tiers: &[Tier]) -> ParamStore {
-        let comm = crate::engine::comm::scripted::Scripted::rank_of(1, 2);
+        rank_1_of_2_with(
+            model,
+            layout,
+            tiers,
+            crate::engine::comm::scripted::Scripted::rank_of(1, 2),
+        )
+    }
+
+    /// [`rank_1_of_2`] with `comm`'s collectives.
+    fn rank_1_of_2_with(
+        model: &Model,
+        layout: &Layout,
+        tiers: &[Tier],
+        comm: crate::engine::comm::scripted::Scripted,
+    ) -> ParamStore {
         ParamStore::new(
             model,
             layout,
@@ -1162,18 +1176,7 @@ mod tests {
         let tiers = vec![Tier::Device; model.params().len()];
         let mut comm = crate::engine::comm::scripted::Scripted::rank_of(1, 2);
         comm.gather_bytes = Some(gather);
-        let mut s = ParamStore::new(
-            &model,
-            &layout,
-            &tiers,
-            DType::BF16,
-            Device::Cpu,
-            Arc::new(comm),
-            Vec::new(),
-            None,
-            None,
-        )
-        .unwrap();
+        let mut s = rank_1_of_2_with(&model, &layout, &tiers, comm);
         s.partition_device_params();
         let p = ParamId(0);
         let len = s.shard_bytes(p).unwrap();
