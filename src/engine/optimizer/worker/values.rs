@@ -7,32 +7,35 @@ use half::{bf16, f16};
 use super::StepValues;
 
 /// The last [`StepValues`] the trainer stored, handed back
-/// ([`OptimizerWorker::give_values`](super::OptimizerWorker::give_values)) for a later step's kernel output:
-/// the kernel writes every element, so a spare needs no fill, where a new
-/// buffer was filled on the optimizer thread first (`vec![bf16::ZERO; n]`,
-/// 90 MB for a 45M-element sub-group in bf16, on the tail that paces the
-/// next forward) or, from 256 MiB up (`crate::engine::host::heap`), was a
-/// fresh mapping whose pages faulted in under the kernel (2 GB for
-/// DeepSpeed's default sub-group of 1e9 elements). One is kept, the
-/// largest given, and only within a run of steps: the trainer drops it
-/// when a backward starts ([`OptimizerWorker::drop_spare_values`](super::OptimizerWorker::drop_spare_values)), so
-/// with clipping or an overflow check, whose steps all wait for the norm, no values
-/// buffer lives through the backward where the gradient sums peak (a new
-/// one is made for the first step a backward runs, as before). With the
-/// speculative step, the speculated sub-groups step during the backward:
-/// the first makes a values buffer, and it cycles through the rest of the
-/// backward as the spare (one buffer of the largest sub-group's elements,
-/// as a step without a spare would make anyway). A large
-/// one's pages are unmapped off the trainer's thread, on the helper CPUs
-/// ([`crate::engine::host::heap::free_off_thread`]), as the backward
+/// ([`OptimizerWorker::give_values`](super::OptimizerWorker::give_values))
+/// for a later step's kernel output: the kernel writes every element, so a
+/// spare needs no fill, where a new buffer was filled on the optimizer
+/// thread first (`vec![bf16::ZERO; n]`, 90 MB for a 45M-element sub-group
+/// in bf16, on the tail that paces the next forward) or, from 256 MiB up
+/// (`crate::engine::host::heap`), was a fresh mapping whose pages faulted
+/// in under the kernel (2 GB for DeepSpeed's default sub-group of 1e9
+/// elements). One is kept, the largest given, and only within a run of
+/// steps: the trainer drops it when a backward starts
+/// ([`OptimizerWorker::drop_spare_values`](super::OptimizerWorker::drop_spare_values)),
+/// so with clipping or an overflow check, whose steps all wait for the
+/// norm, no values buffer lives through the backward where the gradient
+/// sums peak (a new one is made for the first step a backward runs, as
+/// before). With the speculative step, the speculated sub-groups step
+/// during the backward: the first makes a values buffer, and it cycles
+/// through the rest of the backward as the spare (one buffer of the largest
+/// sub-group's elements, as a step without a spare would make anyway). A
+/// large one's pages are unmapped off the trainer's thread, on the helper
+/// CPUs ([`crate::engine::host::heap::free_off_thread`]), as the backward
 /// starts.
 ///
-/// It also counts the values lent out (each [`Done::Stepped`](super::Done::Stepped) carries a
-/// [`ValuesLent`]) and bounds them ([`OptimizerWorker::bound_values`](super::OptimizerWorker::bound_values)):
-/// after a decision the thread steps the remaining sub-groups back to
-/// back, and the trainer stores their values at its unit boundaries, so
-/// unbounded it held a values buffer per sub-group stepped meanwhile (the
-/// rank's whole 16-bit shard at worst) where the sizing policy counts
+/// It also counts the values lent out (each
+/// [`Done::Stepped`](super::Done::Stepped) carries a [`ValuesLent`]) and
+/// bounds them
+/// ([`OptimizerWorker::bound_values`](super::OptimizerWorker::bound_values)):
+/// after a decision the thread steps the remaining sub-groups back to back,
+/// and the trainer stores their values at its unit boundaries, so unbounded
+/// it held a values buffer per sub-group stepped meanwhile (the rank's
+/// whole 16-bit shard at worst) where the sizing policy counts
 /// [`crate::engine::sizing::values_in_flight`] of them.
 #[derive(Debug, Clone, Default)]
 pub(super) struct SpareValues {
@@ -52,10 +55,12 @@ struct ValuesPool {
 #[derive(Debug)]
 struct PoolState {
     spare: Option<StepValues>,
-    /// Values handed out ([`Done::Stepped`](super::Done::Stepped)) whose [`ValuesLent`] is not
-    /// dropped yet: in the reply channel, or being stored.
+    /// Values handed out ([`Done::Stepped`](super::Done::Stepped)) whose
+    /// [`ValuesLent`] is not dropped yet: in the reply channel, or being
+    /// stored.
     lent: usize,
-    /// At most this many lent at once ([`OptimizerWorker::bound_values`](super::OptimizerWorker::bound_values);
+    /// At most this many lent at once
+    /// ([`OptimizerWorker::bound_values`](super::OptimizerWorker::bound_values);
     /// `usize::MAX`: no bound).
     cap: usize,
     /// The most lent at once so far.
@@ -77,9 +82,9 @@ impl Default for PoolState {
 }
 
 /// One values buffer lent out, counted until this is dropped (with its
-/// [`Done::Stepped`](super::Done::Stepped), or once the trainer stored the values): a drop on
-/// any path, an error's included, gives its place back, so the optimizer
-/// thread waiting for one cannot be left waiting.
+/// [`Done::Stepped`](super::Done::Stepped), or once the trainer stored the
+/// values): a drop on any path, an error's included, gives its place back,
+/// so the optimizer thread waiting for one cannot be left waiting.
 #[derive(Debug)]
 pub struct ValuesLent(std::sync::Arc<ValuesPool>);
 
