@@ -116,8 +116,8 @@ fn is_model_file(name: &str) -> bool {
 }
 
 /// `--metrics` and `--timeline` never overwrite the run's inputs (the
-/// corpus, the ds_config, the tokenizer, a file of the model's directory)
-/// or each other: `--metrics data.txt` replaced the corpus with metrics,
+/// corpus, the ds_config, the tokenizer, a model file of the model's
+/// directory) or each other: `--metrics data.txt` replaced the corpus with metrics,
 /// and with both on one path the summary named a file that held the
 /// timeline.
 fn check_outputs_spare_inputs(args: &TrainArgs) -> Result<(), Failure> {
