@@ -50,8 +50,8 @@ mod head;
 pub use grads::{
     backward_staging_bytes, bf16_grad_numel, grad_spill_step_bytes, grad_sum_dtype,
     grads_in_flight, host_grad_bound_bytes, host_grad_bound_groups, largest_unit_groups,
-    nvme_state_grad_bound_bytes, nvme_state_grad_bound_groups, tied_numel, values_in_flight,
-    SumDtype,
+    nvme_state_grad_bound_bytes, nvme_state_grad_bound_groups, tied_numel, values_buffers,
+    values_in_flight, SumDtype,
 };
 pub use head::{check_logits_memory, logits_bytes, TRAIN_LOGITS_COPIES};
 

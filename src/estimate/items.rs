@@ -460,7 +460,7 @@ pub fn items_within(
         // optimizer thread lends at once and the spare it keeps, for any
         // offloaded optimizer.
         let unit_groups = unit_groups(inp, shape);
-        let lent = sizing::values_in_flight(
+        let buffers = sizing::values_buffers(
             usize::from(sw.pipeline_read),
             usize::from(sw.pipeline_write),
             unit_groups as usize,
@@ -469,9 +469,10 @@ pub fn items_within(
         push(
             Tier::Pageable,
             "16-bit new values of stepped sub-groups",
-            mul(lent + 1, mul(tile, p, "new values")?, "new values")?,
+            mul(buffers, mul(tile, p, "new values")?, "new values")?,
             format!(
-                "({lent} lent (a unit's {unit_groups} sub-groups and the hand-over's, at most all) + 1 spare) × min(sub_group_size {}, {os}) × {p} B",
+                "({} lent (a unit's {unit_groups} sub-groups and the hand-over's, at most all) + 1 spare) × min(sub_group_size {}, {os}) × {p} B",
+                buffers - 1,
                 sw.sub_group_numel
             ),
         );

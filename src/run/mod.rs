@@ -307,13 +307,12 @@ impl Plan {
             },
             speculation_kept_grads: sizing.speculation_kept_grads,
             new_values: (
-                crate::engine::sizing::values_in_flight(
+                crate::engine::sizing::values_buffers(
                     sizing.read_ahead,
                     sizing.write_behind,
                     unit_groups as usize,
                     layout.sub_groups.len(),
-                ) as u64
-                    + 1,
+                ) as u64,
                 layout.max_sub_group_numel() as u64 * elem,
             ),
             optimizer,

@@ -83,6 +83,12 @@ impl Drop for SaveDirClaim {
     }
 }
 
+/// The resolved directory `p` is in (`.` for a bare name), if it exists.
+fn resolved_dir_of(p: &Path) -> Option<PathBuf> {
+    let d = p.parent().filter(|d| !d.as_os_str().is_empty());
+    std::fs::canonicalize(d.unwrap_or(Path::new("."))).ok()
+}
+
 /// Whether `a` and `b` name one file: the same file when both exist
 /// (through links), else the same name in the same directory.
 fn same_file(a: &Path, b: &Path) -> bool {
@@ -90,14 +96,11 @@ fn same_file(a: &Path, b: &Path) -> bool {
     if let (Ok(x), Ok(y)) = (std::fs::metadata(a), std::fs::metadata(b)) {
         return (x.dev(), x.ino()) == (y.dev(), y.ino());
     }
-    let dir = |p: &Path| {
-        let d = p.parent().filter(|d| !d.as_os_str().is_empty());
-        std::fs::canonicalize(d.unwrap_or(Path::new("."))).ok()
-    };
+    let dir = resolved_dir_of(a);
     a.file_name().is_some()
         && a.file_name() == b.file_name()
-        && dir(a).is_some()
-        && dir(a) == dir(b)
+        && dir.is_some()
+        && dir == resolved_dir_of(b)
 }
 
 /// Whether a file of a model directory by this name is one a model is
@@ -127,6 +130,15 @@ fn check_outputs_spare_inputs(args: &TrainArgs) -> Result<(), Failure> {
         ("--config", &args.config),
         ("--tokenizer", &args.tokenizer),
     ];
+    // The model's directory, resolved (`--model` names it, or a file in
+    // it).
+    let model_dir = args.model.as_deref().and_then(|m| {
+        if m.is_dir() {
+            std::fs::canonicalize(m).ok()
+        } else {
+            resolved_dir_of(m)
+        }
+    });
     for (flag, out) in outputs {
         let Some(out) = out else { continue };
         for (input, path) in inputs {
@@ -140,34 +152,20 @@ fn check_outputs_spare_inputs(args: &TrainArgs) -> Result<(), Failure> {
         // A file the model's directory is read for (its config.json,
         // weights, tokenizer); other files there (a metrics file a
         // previous run wrote) are not inputs.
-        let model_dir = args.model.as_deref().map(|m| {
-            if m.is_dir() {
-                m
-            } else {
-                m.parent().unwrap_or(Path::new("."))
-            }
-        });
-        if let Some(dir) = model_dir {
-            let parent = out
-                .parent()
-                .filter(|p| !p.as_os_str().is_empty())
-                .unwrap_or(Path::new("."));
-            let in_model = out.exists()
-                && out
-                    .file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(is_model_file)
-                && matches!(
-                    (std::fs::canonicalize(parent), std::fs::canonicalize(dir)),
-                    (Ok(p), Ok(d)) if p == d
-                );
-            if in_model {
-                return Err(bad(format!(
-                    "{flag} {}: is a model file of the --model directory {}; write it elsewhere",
-                    out.display(),
-                    dir.display()
-                )));
-            }
+        let in_model = out.exists()
+            && out
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(is_model_file)
+            && model_dir.is_some()
+            && resolved_dir_of(out) == model_dir;
+        if in_model {
+            let dir = args.model.as_deref().unwrap_or(Path::new("."));
+            return Err(bad(format!(
+                "{flag} {}: is a model file of the --model directory {}; write it elsewhere",
+                out.display(),
+                dir.display()
+            )));
         }
     }
     if let (Some(m), Some(t)) = (&args.metrics, &args.timeline) {

@@ -123,6 +123,18 @@ pub fn values_in_flight(
         .max(1)
 }
 
+/// Values buffers the host holds at most: the [`values_in_flight`] lent
+/// and the spare the optimizer thread keeps (the plan's row, the
+/// estimate's item).
+pub fn values_buffers(
+    read_ahead: usize,
+    write_behind: usize,
+    unit_groups: usize,
+    sub_groups: usize,
+) -> usize {
+    values_in_flight(read_ahead, write_behind, unit_groups, sub_groups) + 1
+}
+
 /// Bytes of gradients host memory holds at most, from the config and the
 /// layout alone (4 bytes an element in fp32 sums, 2 as bf16:
 /// [`grad_sum_dtype`]). With the optimizer state in host memory, the
