@@ -7,7 +7,8 @@
 //! that refuses O_DIRECT (one warning under `direct_io: "auto"`, exit 2
 //! naming the fix under `"require"`), and a model whose pinned pages and
 //! host-memory optimizer state exceed the machine's memory (exit 2 with
-//! the numbers, before anything is mapped).
+//! the numbers, before anything is mapped), and swap files beyond the
+//! disk's free space (exit 2 with the numbers, before any is allocated).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
 
 use std::os::unix::fs::OpenOptionsExt;
@@ -213,6 +214,62 @@ fn a_run_larger_than_host_memory_is_refused_with_the_numbers() {
             started.elapsed()
         );
     }
+}
+
+/// Swap files larger than the free space of the nvme_path's file system
+/// are refused before any is allocated, naming the file, the numbers, this
+/// rank's total there and the keys to change (exit 2, nothing left on
+/// disk). The allocation's `ENOSPC` was reported as a failed write of the
+/// file (no total, no fix). A 65B-param GPT-2 shape needs about 1 TB here.
+#[test]
+fn swap_beyond_the_free_disk_space_is_refused_with_the_numbers() {
+    let d = scratch("nvme-space");
+    std::fs::create_dir_all(d.join("model")).unwrap();
+    std::fs::create_dir_all(d.join("swap")).unwrap();
+    let model = json!({"model_type": "gpt2", "vocab_size": 32000, "n_positions": 32,
+        "n_embd": 8192, "n_layer": 80, "n_head": 64, "tie_word_embeddings": true});
+    std::fs::write(d.join("model/config.json"), model.to_string()).unwrap();
+    let text = "the engine streams every layer from nvme while adam steps on the cpu. ".repeat(60);
+    std::fs::write(d.join("data.txt"), text).unwrap();
+    let free = tierzero_swap::space::filesystem_space(&d.join("swap"))
+        .unwrap()
+        .available_bytes;
+    if free > 200 << 30 {
+        eprintln!("{free} bytes free under {}: skipping", d.display());
+        return;
+    }
+    let cfg = json!({
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": "swap", "max_in_cpu": 0},
+            "offload_optimizer": {"device": "nvme", "nvme_path": "swap"}},
+    });
+    std::fs::write(d.join("ds_config.json"), cfg.to_string()).unwrap();
+    let started = Instant::now();
+    let o = run_wrapped(&d, &[], &tiny_args("1"));
+    assert_no_panic(&o);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    let line = o.stderr.lines().find(|l| l.starts_with("error:")).unwrap();
+    for want in [
+        "the swap file for the params (swap/tierzero/swap-",
+        "and its file system has",
+        "this rank's swap under zero_optimization.offload_param.nvme_path = swap needs",
+        "point zero_optimization.offload_param.nvme_path at a drive with more room",
+        "zero_optimization.offload_param.device \"cpu\"",
+    ] {
+        assert!(line.contains(want), "{want}: {line}");
+    }
+    let left: Vec<_> = std::fs::read_dir(d.join("swap"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert!(left.is_empty(), "left on disk: {left:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        started.elapsed()
+    );
 }
 
 /// A head whose fp32 logits (micro-batch x seq x vocab) cannot fit the

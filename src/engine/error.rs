@@ -76,6 +76,40 @@ pub enum EngineError {
         /// `SwapFree` then (0 if unknown).
         swap_free_bytes: u64,
     },
+    /// A swap file does not fit the free space of its file system: the
+    /// numbers, and what this rank's swap under that `nvme_path` comes to.
+    #[error(
+        "the swap file for {what} ({path}) needs {needed} and its file system has {available} \
+         free; this rank's swap under {key} = {dir} needs {rank_total} in all{each}. Free \
+         space there, point {key} at a drive with more room, or keep {what} in host memory \
+         ({device_key} \"cpu\")",
+        what = holds.what(),
+        key = holds.path_key(),
+        device_key = holds.device_key(),
+        path = path.display(),
+        dir = dir.display(),
+        needed = crate::units::format_bytes(*needed_bytes),
+        available = crate::units::format_bytes(*available_bytes),
+        rank_total = crate::units::format_bytes(*rank_total_bytes),
+        each = if *ranks > 1 { format!(" (and each of the {ranks} ranks makes its own)") } else { String::new() },
+    )]
+    NvmeSpace {
+        /// What the file holds.
+        holds: crate::engine::sizing::SwapUse,
+        /// The configured directory (`holds.path_key()`).
+        dir: PathBuf,
+        /// The swap file that was to be made.
+        path: PathBuf,
+        /// Its preallocated size.
+        needed_bytes: u64,
+        /// Every swap file this rank makes under `dir`
+        /// ([`crate::engine::sizing::Sizing::swap_bytes_under`]).
+        rank_total_bytes: u64,
+        /// The file system's free space when it was checked.
+        available_bytes: u64,
+        /// The ranks of the run.
+        ranks: usize,
+    },
     /// A parameter larger than one swap-in buffer.
     #[error(
         "parameter `{name}` has {numel} elements but a param swap buffer holds {buffer_numel} \

@@ -47,6 +47,7 @@ use crate::model::Model;
 
 mod grads;
 mod head;
+mod swap;
 pub use grads::{
     backward_staging_bytes, bf16_grad_numel, grad_spill_step_bytes, grad_sum_dtype,
     grads_in_flight, host_grad_bound_bytes, host_grad_bound_groups, largest_unit_groups,
@@ -54,6 +55,7 @@ pub use grads::{
     values_in_flight, SumDtype,
 };
 pub use head::{check_logits_memory, logits_bytes, TRAIN_LOGITS_COPIES};
+pub use swap::{SwapUse, SWAP_SLACK_BYTES};
 
 /// Alignment of NVMe extents and pinned buffers (O_DIRECT).
 pub const ALIGN_BYTES: u64 = 4096;

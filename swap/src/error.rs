@@ -102,6 +102,19 @@ pub enum SwapError {
         largest_free_bytes: u64,
     },
 
+    /// A swap file's preallocation does not fit the free space of its
+    /// file system: found before it is allocated (`statvfs`), or by the
+    /// allocation's `ENOSPC` (another process took the space meanwhile).
+    #[error("the swap file {} needs {needed_bytes} bytes and its file system has {available_bytes} bytes free", path.display())]
+    NoRoom {
+        /// The swap file that was to be made.
+        path: PathBuf,
+        /// Its preallocated size.
+        needed_bytes: u64,
+        /// The file system's free space (`f_bavail`) when it was checked.
+        available_bytes: u64,
+    },
+
     /// A read of a caller's file would go past its end (`fileio`).
     #[error("read of {len_bytes} bytes at offset {offset_bytes} of {path} goes past its end: the file holds {file_bytes} bytes (offset + length must be at most the file size)")]
     ReadPastEnd {

@@ -112,7 +112,8 @@ pub struct SpaceConfig {
     pub direct_io: DirectIo,
     /// Record and verify crc32c per extent.
     pub checksums: bool,
-    /// `fallocate` the files up front (so ENOSPC shows now, not mid-run).
+    /// `fallocate` the files up front, after checking the file system's
+    /// free space ([`SwapError::NoRoom`] now, not `ENOSPC` mid-run).
     pub preallocate: bool,
 }
 
@@ -351,6 +352,11 @@ impl SwapSpace {
             let lease = DirLease::acquire(dir.clone())?;
             reclaim_stale(&dir);
             let path = dir.join(format!("swap-{pid}-{space_seq}-{i}.{SWAP_EXT}"));
+            // After the reclaim, whose files' space is free again; before
+            // the file exists, so nothing is made for a space that cannot be.
+            if config.preallocate {
+                check_room(&dir, &path, capacity)?;
+            }
             // Listed before it exists: another thread's `reclaim_stale` of
             // this directory must never take it for a dead incarnation's.
             // (On a failure below, `made` forgets it.)
@@ -1118,16 +1124,52 @@ fn open_swap_file(
     }
 }
 
+/// Refuses a swap file of `needed_bytes` at `path` that the free space of
+/// the file system holding `dir` cannot take ([`SwapError::NoRoom`]). A
+/// file system whose space cannot be read, or that reports no size (ramfs
+/// says 0 blocks, 0 free, and grows), is not refused: the allocation
+/// finds out.
+fn check_room(dir: &Path, path: &Path, needed_bytes: u64) -> Result<()> {
+    match filesystem_space(dir) {
+        Ok(s) if s.total_bytes > 0 && s.available_bytes < needed_bytes => Err(SwapError::NoRoom {
+            path: path.to_path_buf(),
+            needed_bytes,
+            available_bytes: s.available_bytes,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The error of a failed sizing of the swap file at `path` to `bytes`:
+/// [`SwapError::NoRoom`] for `ENOSPC` (with the free space read after the
+/// file is gone), else the write's [`SwapError::Io`].
+fn size_error(path: &Path, bytes: u64, source: std::io::Error) -> SwapError {
+    if source.raw_os_error() == Some(libc::ENOSPC) {
+        if let Some(available_bytes) = path
+            .parent()
+            .and_then(|d| filesystem_space(d).ok())
+            .map(|s| s.available_bytes)
+        {
+            return SwapError::NoRoom {
+                path: path.to_path_buf(),
+                needed_bytes: bytes,
+                available_bytes,
+            };
+        }
+    }
+    SwapError::Io {
+        op: IoOp::Write,
+        path: path.to_path_buf(),
+        offset_bytes: 0,
+        len_bytes: bytes,
+        source,
+    }
+}
+
 fn size_file(file: &File, path: &Path, bytes: u64, preallocate: bool) -> Result<()> {
     let fail = |source: std::io::Error| {
         let _ = std::fs::remove_file(path);
-        SwapError::Io {
-            op: IoOp::Write,
-            path: path.to_path_buf(),
-            offset_bytes: 0,
-            len_bytes: bytes,
-            source,
-        }
+        size_error(path, bytes, source)
     };
     if preallocate {
         // SAFETY: fallocate on an fd we own; no memory is passed.
@@ -1635,5 +1677,68 @@ mod tests {
         let missing = dir.path().join("no-such-dir");
         let e = filesystem_space(&missing).err();
         assert_eq!(e.map(|e| e.kind()), Some(std::io::ErrorKind::NotFound));
+    }
+
+    /// A space larger than its file system's free space is refused before
+    /// any file is made, with the numbers; one that fits is made.
+    #[test]
+    fn a_space_beyond_the_free_space_is_refused_before_any_file() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+        let free = filesystem_space(dir.path())
+            .unwrap_or_else(|e| panic!("statvfs: {e}"))
+            .available_bytes;
+        let too_big = (free + (1 << 30)).next_multiple_of(1 << 20);
+        match SwapSpace::create(SpaceConfig::new(dir.path(), too_big)) {
+            Err(SwapError::NoRoom {
+                path,
+                needed_bytes,
+                available_bytes,
+            }) => {
+                assert_eq!(needed_bytes, too_big);
+                assert!(available_bytes < needed_bytes, "{available_bytes}");
+                assert!(path.starts_with(dir.path().join(SWAP_SUBDIR)), "{path:?}");
+            }
+            other => panic!("expected NoRoom, got {other:?}"),
+        }
+        let left: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap_or_else(|e| panic!("{e}"))
+            .flatten()
+            .map(|e| e.path())
+            .collect();
+        assert!(left.is_empty(), "left behind: {left:?}");
+        // Without preallocation nothing is reserved, so nothing is checked.
+        let mut sparse = SpaceConfig::new(dir.path(), too_big);
+        sparse.preallocate = false;
+        assert!(SwapSpace::create(sparse).is_ok());
+        assert!(SwapSpace::create(SpaceConfig::new(dir.path(), 1 << 20)).is_ok());
+    }
+
+    /// `ENOSPC` from the allocation is the same refusal, with the free
+    /// space read then; any other error stays the write's I/O error.
+    #[test]
+    fn an_allocation_out_of_space_is_no_room() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+        let path = dir.path().join("swap-1-0-0.tzswap");
+        let full = std::io::Error::from_raw_os_error(libc::ENOSPC);
+        match size_error(&path, 1 << 40, full) {
+            SwapError::NoRoom {
+                needed_bytes,
+                available_bytes,
+                ..
+            } => {
+                assert_eq!(needed_bytes, 1 << 40);
+                assert!(available_bytes > 0);
+            }
+            other => panic!("expected NoRoom, got {other:?}"),
+        }
+        let eio = std::io::Error::from_raw_os_error(libc::EIO);
+        assert!(matches!(
+            size_error(&path, 1 << 40, eio),
+            SwapError::Io {
+                op: IoOp::Write,
+                len_bytes: 1099511627776,
+                ..
+            }
+        ));
     }
 }

@@ -12,6 +12,7 @@ pub(super) fn startup_failure(e: EngineError) -> Failure {
         EngineError::Config { .. }
         | EngineError::PinnedBudget { .. }
         | EngineError::HostMemory { .. }
+        | EngineError::NvmeSpace { .. }
         | EngineError::ParamTooLarge { .. }
         | EngineError::Data { .. }
         | EngineError::Io { .. }

@@ -1,4 +1,5 @@
 use super::*;
+use crate::engine::sizing::SwapUse;
 
 /// The lock policy of an arena: `pin` is its offload block's `pin_memory`;
 /// `lockable` says whether all pinned buffers together fit under
@@ -36,7 +37,7 @@ fn engine_config(
 }
 
 fn space_config(config: &Config, path: &std::path::Path, capacity_bytes: u64) -> SpaceConfig {
-    let mut sc = SpaceConfig::new(path, capacity_bytes.max(1 << 20));
+    let mut sc = SpaceConfig::new(path, capacity_bytes);
     sc.direct_io = match config.tierzero.direct_io {
         config::DirectIo::Auto => tierzero_swap::DirectIo::Auto,
         config::DirectIo::Require => tierzero_swap::DirectIo::Require,
@@ -428,11 +429,36 @@ impl TierBuild<'_> {
         Ok(arena)
     }
 
-    /// A swap space of `capacity_bytes` (plus slack) under `path`.
-    fn space(&mut self, path: &std::path::Path, capacity_bytes: u64) -> Result<Arc<SwapSpace>> {
-        let path = self.rank_dir(path)?;
-        let space =
-            SwapSpace::create(space_config(self.config, &path, capacity_bytes + (1 << 20)))?;
+    /// The swap space of `what`, as the sizing sizes it, in this rank's
+    /// directory under its `nvme_path`. One its file system cannot take
+    /// is refused with this rank's total there ([`EngineError::NvmeSpace`]).
+    fn space(&mut self, what: SwapUse) -> Result<Arc<SwapSpace>> {
+        let (Some(dir), Some(bytes)) = (
+            what.nvme_path(self.config),
+            self.sizing.swap_space_bytes(self.config, what),
+        ) else {
+            return Err(EngineError::internal(format!(
+                "a swap space for {} the run does not make",
+                what.what()
+            )));
+        };
+        let space = SwapSpace::create(space_config(self.config, &self.rank_dir(dir)?, bytes))
+            .map_err(|e| match e {
+                SwapError::NoRoom {
+                    path,
+                    needed_bytes,
+                    available_bytes,
+                } => EngineError::NvmeSpace {
+                    holds: what,
+                    dir: dir.to_owned(),
+                    path,
+                    needed_bytes,
+                    rank_total_bytes: self.sizing.swap_bytes_under(self.config, dir),
+                    available_bytes,
+                    ranks: self.opts.comm.world_size(),
+                },
+                e => e.into(),
+            })?;
         self.swap_spaces.push(space.clone());
         Ok(space)
     }
@@ -471,12 +497,7 @@ impl TierBuild<'_> {
             Vec::new()
         };
         let nvme = if self.sizing.params_on_nvme() {
-            let path = zero
-                .offload_param
-                .device
-                .nvme_path()
-                .ok_or_else(|| EngineError::internal("nvme tier without nvme_path"))?;
-            let space = self.space(path, self.sizing.param_nvme_bytes)?;
+            let space = self.space(SwapUse::Params)?;
             // Params cross from where their reads landed (the store keeps
             // the buffers for it).
             let arena =
@@ -511,12 +532,7 @@ impl TierBuild<'_> {
             return Ok(None);
         }
         let zero = &self.config.zero;
-        let path = zero
-            .offload_optimizer
-            .device
-            .nvme_path()
-            .ok_or_else(|| EngineError::internal("gradient park without nvme_path"))?;
-        let space = self.space(path, self.sizing.grad_park_nvme_bytes)?;
+        let space = self.space(SwapUse::GradPark)?;
         let arena = self.arena(self.sizing.park_buffers, zero.offload_optimizer.pin_memory)?;
         let engine = self.engine(space, arena.clone(), 3, None)?;
         Ok(Some(GradPark::new(
@@ -533,11 +549,8 @@ impl TierBuild<'_> {
     fn optimizer(&mut self, layout: &Layout) -> Result<OptimizerState> {
         let zero = &self.config.zero;
         let nvme = match zero.offload_optimizer.device.nvme_path() {
-            Some(path) => {
-                let space = self.space(
-                    path,
-                    self.sizing.optimizer_nvme_bytes + self.sizing.grad_spill_nvme_bytes,
-                )?;
+            Some(_) => {
+                let space = self.space(SwapUse::OptimizerState)?;
                 let arena = self.arena(
                     self.sizing.optimizer_buffers,
                     zero.offload_optimizer.pin_memory,
