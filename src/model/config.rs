@@ -311,6 +311,27 @@ pub struct HfGpt2Config {
     pub add_cross_attention: bool,
 }
 
+/// The first key of a GPT-2 `config.json` object whose value does not
+/// read as its field (a `null`, a string for a number, a negative size),
+/// as an error naming it: serde's message for the whole object names only
+/// the type. `None` if no one key alone fails.
+fn gpt2_key_error(obj: &serde_json::Map<String, Value>, model_type: &str) -> Option<ModelError> {
+    obj.iter()
+        .filter(|(k, _)| *k != "model_type")
+        .find_map(|(k, v)| {
+            let one = serde_json::json!({ "model_type": model_type, k.as_str(): v });
+            serde_json::from_value::<HfGpt2Config>(one).err().map(|e| {
+                invalid(
+                    k,
+                    format!(
+                        "{v}: {}",
+                        e.to_string().trim_end_matches(" at line 0 column 0")
+                    ),
+                )
+            })
+        })
+}
+
 fn invalid(key: &str, reason: impl Into<String>) -> ModelError {
     ModelError::InvalidConfig {
         key: key.to_string(),
@@ -594,7 +615,8 @@ impl ModelConfig {
                 policy,
                 &mut unknown,
             )?;
-            let hf: HfGpt2Config = serde_json::from_value(value.clone()).map_err(de_err)?;
+            let hf: HfGpt2Config = serde_json::from_value(value.clone())
+                .map_err(|e| gpt2_key_error(obj, model_type).unwrap_or_else(|| de_err(e)))?;
             return Ok((Self::from_gpt2(&hf)?, unknown));
         }
         check_keys(
@@ -851,6 +873,38 @@ mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
     use super::*;
 
+    /// A GPT-2 value of the wrong type is refused naming its key and the
+    /// value (serde's message for the object named only the type).
+    #[test]
+    fn a_gpt2_value_of_the_wrong_type_names_its_key() {
+        for (text, key, value) in [
+            (r#"{"model_type":"gpt2","n_layer":null}"#, "n_layer", "null"),
+            (
+                r#"{"model_type":"gpt2","n_embd":"768"}"#,
+                "n_embd",
+                "\"768\"",
+            ),
+            (r#"{"n_head":-2,"model_type":"gpt2"}"#, "n_head", "-2"),
+            (
+                r#"{"model_type":"gpt2","n_layer":2,"layer_norm_epsilon":true}"#,
+                "layer_norm_epsilon",
+                "true",
+            ),
+        ] {
+            match ModelConfig::from_hf_json(text) {
+                Err(ModelError::InvalidConfig { key: k, reason }) => {
+                    assert_eq!(k, key, "{text}");
+                    assert!(
+                        reason.starts_with(&format!("{value}: invalid")),
+                        "{text}: {reason}"
+                    );
+                    assert!(!reason.contains("line 0"), "{reason}");
+                }
+                other => panic!("{text}: {other:?}"),
+            }
+        }
+    }
+
     #[test]
     fn gpt2_defaults_match_hf() {
         let (cfg, unknown) = ModelConfig::from_hf_json(r#"{"model_type":"gpt2"}"#).unwrap();
@@ -1087,6 +1141,19 @@ mod tests {
             (
                 r#","original_max_position_embeddings":16"#,
                 "original_max_position_embeddings",
+            ),
+            // A value is named under the dict that gave it.
+            (
+                r#","rope_scaling":{"rope_type":"linear","factor":0}"#,
+                "`rope_scaling.factor`",
+            ),
+            (
+                r#","rope_parameters":{"rope_type":"linear","factor":0}"#,
+                "`rope_parameters.factor`",
+            ),
+            (
+                r#","rope_scaling":{"type":"llama3","factor":8,"low_freq_factor":4,"high_freq_factor":1}"#,
+                "`rope_scaling.high_freq_factor`",
             ),
         ] {
             let e = llama(extra).unwrap_err().to_string();

@@ -193,6 +193,7 @@ pub(super) fn parse_rope(
         },
         other => return Err(unsupported(format!("rope_type {other:?}"))),
     };
+    validate_scaling(&scaling, dict_key)?;
     // A top-level original_max_position_embeddings only means something to
     // the scaled types that read it.
     if top.get("original_max_position_embeddings").is_some()
@@ -214,74 +215,85 @@ pub(super) fn parse_rope(
 }
 
 impl ModelConfig {
+    /// Checks the rotary variant's values, naming them under our
+    /// `rope_scaling` (a config.json's are checked as they are read,
+    /// under the dict that gave them: [`parse_rope`]).
     pub(super) fn validate_rope(&self) -> Result<(), ModelError> {
-        let positive = |key: &str, v: f64| {
-            if v.is_finite() && v > 0.0 {
-                Ok(())
-            } else {
-                Err(invalid(key, format!("must be a number > 0, got {v}")))
+        validate_scaling(&self.rope_scaling, "rope_scaling")
+    }
+}
+
+/// Checks a rotary variant's values, naming each as `{dict_key}.{key}`.
+fn validate_scaling(scaling: &RopeScaling, dict_key: &str) -> Result<(), ModelError> {
+    let name = |k: &str| format!("{dict_key}.{k}");
+    let positive = |key: &str, v: f64| {
+        if v.is_finite() && v > 0.0 {
+            Ok(())
+        } else {
+            Err(invalid(key, format!("must be a number > 0, got {v}")))
+        }
+    };
+    let finite = |key: &str, v: Option<f64>| match v {
+        Some(x) if !x.is_finite() => Err(invalid(key, format!("must be finite, got {x}"))),
+        _ => Ok(()),
+    };
+    let original_positions = |n: usize| {
+        if n == 0 {
+            Err(invalid(
+                &name("original_max_position_embeddings"),
+                "must be positive",
+            ))
+        } else {
+            Ok(())
+        }
+    };
+    match scaling {
+        RopeScaling::Default => Ok(()),
+        RopeScaling::Linear { factor } | RopeScaling::Dynamic { factor } => {
+            positive(&name("factor"), *factor)
+        }
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
+            positive(&name("factor"), *factor)?;
+            positive(&name("low_freq_factor"), *low_freq_factor)?;
+            positive(&name("high_freq_factor"), *high_freq_factor)?;
+            if high_freq_factor <= low_freq_factor {
+                return Err(invalid(
+                    &name("high_freq_factor"),
+                    format!(
+                        "must be greater than low_freq_factor {low_freq_factor}, got \
+                         {high_freq_factor}"
+                    ),
+                ));
             }
-        };
-        let finite = |key: &str, v: Option<f64>| match v {
-            Some(x) if !x.is_finite() => Err(invalid(key, format!("must be finite, got {x}"))),
-            _ => Ok(()),
-        };
-        let original_positions = |n: usize| {
-            if n == 0 {
-                Err(invalid(
-                    "rope_parameters.original_max_position_embeddings",
-                    "must be positive",
-                ))
-            } else {
-                Ok(())
-            }
-        };
-        match &self.rope_scaling {
-            RopeScaling::Default => Ok(()),
-            RopeScaling::Linear { factor } | RopeScaling::Dynamic { factor } => {
-                positive("rope_parameters.factor", *factor)
-            }
-            RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position_embeddings,
-            } => {
-                positive("rope_parameters.factor", *factor)?;
-                positive("rope_parameters.low_freq_factor", *low_freq_factor)?;
-                positive("rope_parameters.high_freq_factor", *high_freq_factor)?;
-                if high_freq_factor <= low_freq_factor {
-                    return Err(invalid(
-                        "rope_parameters.high_freq_factor",
-                        format!(
-                            "must be greater than low_freq_factor {low_freq_factor}, got \
-                             {high_freq_factor}"
-                        ),
-                    ));
-                }
-                original_positions(*original_max_position_embeddings)
-            }
-            RopeScaling::Yarn {
-                factor,
-                original_max_position_embeddings,
-                attention_factor,
-                beta_fast,
-                beta_slow,
-                mscale,
-                mscale_all_dim,
-                ..
-            } => {
-                positive("rope_parameters.factor", *factor)?;
-                finite("rope_parameters.attention_factor", *attention_factor)?;
-                finite("rope_parameters.beta_fast", *beta_fast)?;
-                finite("rope_parameters.beta_slow", *beta_slow)?;
-                finite("rope_parameters.mscale", *mscale)?;
-                finite("rope_parameters.mscale_all_dim", *mscale_all_dim)?;
-                original_positions(*original_max_position_embeddings)
-            }
+            original_positions(*original_max_position_embeddings)
+        }
+        RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            attention_factor,
+            beta_fast,
+            beta_slow,
+            mscale,
+            mscale_all_dim,
+            ..
+        } => {
+            positive(&name("factor"), *factor)?;
+            finite(&name("attention_factor"), *attention_factor)?;
+            finite(&name("beta_fast"), *beta_fast)?;
+            finite(&name("beta_slow"), *beta_slow)?;
+            finite(&name("mscale"), *mscale)?;
+            finite(&name("mscale_all_dim"), *mscale_all_dim)?;
+            original_positions(*original_max_position_embeddings)
         }
     }
+}
 
+impl ModelConfig {
     /// The transformers 4 `rope_scaling` object of the rotary variant
     /// (`None` for plain RoPE); transformers 5 reads it too.
     pub fn rope_scaling_value(&self) -> Option<Value> {
