@@ -225,8 +225,19 @@ fn time_limit(t: &Target) -> Result<Duration, Failure> {
 /// The sweep's settings, checked before the file is created and filled
 /// (minutes): block sizes positive and whole 4 KiB (O_DIRECT's least
 /// alignment; a device that needs more is refused at its first run),
-/// queue depths at least 1.
+/// queue depths at least 1, and each run's pinned buffers
+/// ([`tierzero_swap::bench::run_arena_bytes`]) within the memory available
+/// (`MemAvailable`; not checked when unknown): mapping them failed as an
+/// internal error after the fill.
 fn check_sweep(blocks: &[u64], qds: &[usize]) -> Result<(), Failure> {
+    check_sweep_within(blocks, qds, tierzero::engine::sizing::mem_available_bytes())
+}
+
+fn check_sweep_within(
+    blocks: &[u64],
+    qds: &[usize],
+    available_bytes: Option<u64>,
+) -> Result<(), Failure> {
     if blocks.is_empty() || qds.is_empty() || qds.contains(&0) {
         return Err(Failure::BadInput(anyhow!(
             "give at least one block size and queue depths >= 1"
@@ -239,7 +250,23 @@ fn check_sweep(blocks: &[u64], qds: &[usize]) -> Result<(), Failure> {
              e.g. 1M"
         )));
     }
-    Ok(())
+    let (Some(&block), Some(&qd)) = (blocks.iter().max(), qds.iter().max()) else {
+        return Ok(());
+    };
+    let buffers = tierzero_swap::bench::outstanding_buffers(qd);
+    let pinned = tierzero_swap::bench::run_arena_bytes(block, qd);
+    let available = match (pinned, available_bytes) {
+        (Some(p), Some(a)) if p > a => format_bytes(a),
+        (None, a) => a.map_or_else(|| "far less".to_owned(), format_bytes),
+        _ => return Ok(()),
+    };
+    Err(Failure::BadInput(anyhow!(
+        "--block-size {} with --queue-depth {qd} pins {} ({buffers} buffers of the block: \
+         twice the depth) and {available} of host memory is available; lower the largest block \
+         size or queue depth",
+        format_bytes(block),
+        pinned.map_or_else(|| "more than 2^64 bytes".to_owned(), format_bytes),
+    )))
 }
 
 fn sweep(
@@ -453,6 +480,40 @@ pub fn run_tune(a: TuneArgs) -> Result<(), Failure> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A sweep whose largest block at its deepest queue (twice the depth
+    /// in buffers) pins more than the memory available, or more than 64
+    /// bits, is refused naming both; one within it is not.
+    #[test]
+    fn a_sweep_pinning_more_than_the_memory_available_is_refused() {
+        let gib = 1u64 << 30;
+        let msg = |r: Result<(), Failure>| match r {
+            Err(Failure::BadInput(e)) => e.to_string(),
+            Err(Failure::Internal(e)) => panic!("internal: {e}"),
+            Ok(()) => String::new(),
+        };
+        let e = msg(check_sweep_within(
+            &[1 << 20, gib / 2],
+            &[4, 64],
+            Some(20 * gib),
+        ));
+        assert!(
+            e.contains("--block-size 512 MiB with --queue-depth 64 pins 64 GiB (128 buffers"),
+            "{e}"
+        );
+        assert!(e.contains("and 20 GiB of host memory is available"), "{e}");
+        assert_eq!(
+            msg(check_sweep_within(
+                &[1 << 20, gib / 2],
+                &[4, 16],
+                Some(20 * gib)
+            )),
+            ""
+        );
+        assert_eq!(msg(check_sweep_within(&[gib / 2], &[64], None)), "");
+        let e = msg(check_sweep_within(&[1 << 62], &[4], None));
+        assert!(e.contains("pins more than 2^64 bytes"), "{e}");
+    }
 
     fn cell(block: u64, qd: usize, r: f64, w: f64) -> Cell {
         Cell {

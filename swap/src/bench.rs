@@ -93,7 +93,8 @@ impl BenchTarget {
         self.run(IoOp::Write, 1 << 20, 32, self.len_bytes(), None, backend)
     }
 
-    /// Moves `total_bytes` with `queue_depth` requests of `block_bytes`,
+    /// Moves `total_bytes` with `queue_depth` requests of `block_bytes`
+    /// (mapping [`run_arena_bytes`] of pinned memory for the run),
     /// or stops issuing new requests after `max_duration`, whichever is first.
     pub fn run(
         &self,
@@ -113,12 +114,13 @@ impl BenchTarget {
             });
         }
         let qd = queue_depth.max(1);
-        // Twice as many requests as the queue depth are handed to the engine:
-        // the ring keeps exactly `qd` in flight and refills from its own
-        // queue the moment one completes, as fio does within its one thread,
-        // instead of waiting for this thread to wake up and resubmit.
-        let outstanding_max = 2 * qd;
-        let mut acfg = ArenaConfig::new(block_bytes * outstanding_max as u64, block_bytes);
+        let outstanding_max = outstanding_buffers(qd);
+        let arena_bytes = run_arena_bytes(block_bytes, qd).ok_or_else(|| {
+            SwapError::Config(format!(
+                "{outstanding_max} buffers of {block_bytes} bytes overflow 64 bits"
+            ))
+        })?;
+        let mut acfg = ArenaConfig::new(arena_bytes, block_bytes);
         acfg.alignment = align;
         let arena = PinnedArena::new(acfg)?;
         let engine = Engine::new(
@@ -190,4 +192,17 @@ impl BenchTarget {
             latency_p99_us: s.device_p99_us,
         })
     }
+}
+/// Buffers a run at `queue_depth` keeps: twice the depth. The ring keeps
+/// exactly `queue_depth` in flight and refills from its own queue the
+/// moment one completes, as fio does within its one thread, instead of
+/// waiting for the submitting thread to wake up and resubmit.
+pub fn outstanding_buffers(queue_depth: usize) -> usize {
+    queue_depth.max(1).saturating_mul(2)
+}
+
+/// The pinned bytes a run of `block_bytes` at `queue_depth` maps
+/// ([`outstanding_buffers`] buffers of `block_bytes`); `None` past 64 bits.
+pub fn run_arena_bytes(block_bytes: u64, queue_depth: usize) -> Option<u64> {
+    block_bytes.checked_mul(u64::try_from(outstanding_buffers(queue_depth)).ok()?)
 }
