@@ -9,7 +9,7 @@
 //!   `-x`) is OpenMPI's; `--hostfile` is passed through, and `mpirun -np N
 //!   tierzero train ...` directly is equivalent. `--oversubscribe` is added
 //!   without a hostfile (one node: more ranks than cores is allowed, as on a
-//!   2-core laptop), `--bind-to none` because each rank runs several
+//!   2-core laptop, up to 4 a CPU), `--bind-to none` because each rank runs several
 //!   threads (compute, optimizer, I/O). As root, OpenMPI refuses to start
 //!   unless told: the two `OMPI_ALLOW_RUN_AS_ROOT*` variables are set then.
 //! * **Which communicator.** [`rank_comm_on`] looks at what the launcher put
@@ -264,6 +264,10 @@ pub fn run(args: LaunchArgs) -> Result<i32, Failure> {
             )))
         }
     };
+    if args.hostfile.is_none() {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        check_local_ranks(nproc, cpus)?;
+    }
     if args.command.first().map(String::as_str) != Some("train") {
         return Err(Failure::BadInput(anyhow!(
             "launch runs `tierzero train` on every rank: give `-- train [ARGS]`, not `-- {}`",
@@ -271,6 +275,27 @@ pub fn run(args: LaunchArgs) -> Result<i32, Failure> {
         )));
     }
     launch(nproc, &args)
+}
+
+/// Ranks a CPU of this machine may take without a hostfile: more than
+/// the cores is allowed (a laptop's 2 cores run 2 ranks and their
+/// threads), beyond this many is a typo, not a run.
+const MAX_LOCAL_RANKS_PER_CPU: u64 = 4;
+
+/// Refuses `nproc` ranks on this machine alone (no hostfile: mpirun
+/// starts every rank here, oversubscribed) beyond
+/// [`MAX_LOCAL_RANKS_PER_CPU`] a CPU of its `cpus`.
+fn check_local_ranks(nproc: u64, cpus: usize) -> Result<(), Failure> {
+    let most = MAX_LOCAL_RANKS_PER_CPU.saturating_mul(cpus.max(1) as u64);
+    if nproc <= most {
+        return Ok(());
+    }
+    Err(Failure::BadInput(anyhow!(
+        "--nproc {nproc}: without --hostfile every rank runs on this machine, and it has {cpus} \
+         CPUs (at most {most} ranks, {MAX_LOCAL_RANKS_PER_CPU} a CPU: each rank runs compute, \
+         optimizer and I/O threads); give fewer ranks, or a --hostfile to spread them over \
+         several nodes"
+    )))
 }
 
 #[cfg(not(feature = "mpi"))]
@@ -328,5 +353,27 @@ fn launch(nproc: u64, args: &LaunchArgs) -> Result<i32, Failure> {
         _ => Err(Failure::Internal(anyhow!(
             "mpirun: {status}; see the ranks' messages above"
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without a hostfile, up to 4 ranks a CPU start; more is refused
+    /// naming the CPUs and the fix.
+    #[test]
+    fn ranks_on_this_machine_alone_are_bounded_by_its_cpus() {
+        assert!(check_local_ranks(8, 2).is_ok());
+        assert!(check_local_ranks(1, 0).is_ok());
+        match check_local_ranks(9, 2) {
+            Err(Failure::BadInput(e)) => {
+                let e = e.to_string();
+                assert!(e.contains("--nproc 9: without --hostfile"), "{e}");
+                assert!(e.contains("it has 2 CPUs (at most 8 ranks"), "{e}");
+            }
+            Err(Failure::Internal(e)) => panic!("internal: {e}"),
+            Ok(()) => panic!("9 ranks on 2 CPUs accepted"),
+        }
     }
 }
