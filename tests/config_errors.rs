@@ -541,6 +541,7 @@ fn duplicate_keys_name_the_path_and_both_lines() {
             key,
             first_line,
             second_line,
+            ..
         } => {
             assert_eq!(key, "train_micro_batch_size_per_gpu");
             assert_eq!((*first_line, *second_line), (2, 4));
@@ -562,11 +563,19 @@ fn duplicate_keys_name_the_path_and_both_lines() {
     let text = "{\n  \"train_micro_batch_size_per_gpu\": 4,\n  \"zero_optimization\": {\n    \"stage\": 3, // partition everything\n    /* offload\n       later */\n\n    \"stage\": 2\n  }\n}\n";
     let e = err_with(text, &skip_fs());
     assert!(
-        matches!(&e, ConfigError::DuplicateKey { key, first_line: 4, second_line: 8 }
+        matches!(&e, ConfigError::DuplicateKey { key, first_line: 4, second_line: 8, .. }
             if key == "zero_optimization.stage"),
         "{e:?}"
     );
     assert_msg(&e, &["`zero_optimization.stage`", "line 4", "line 8"]);
+
+    // On one line: the columns of the two values tell them apart.
+    let text = r#"{"train_micro_batch_size_per_gpu": 2, "train_micro_batch_size_per_gpu": 4}"#;
+    let e = err_with(text, &skip_fs());
+    assert_msg(
+        &e,
+        &["`train_micro_batch_size_per_gpu` is given twice, on line 1, its values near columns 36 and 73"],
+    );
 
     // The same key in two objects is not a duplicate.
     load_str(

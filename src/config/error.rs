@@ -67,14 +67,18 @@ pub enum ConfigError {
     /// A key given twice in one object. DeepSpeed refuses it (its hjson
     /// loader raises on duplicates); a JSON reader would silently keep the
     /// last value.
-    #[error("`{key}` is given twice, at line {first_line} and at line {second_line}: DeepSpeed refuses duplicate keys, and a JSON reader would silently keep the second; fix: delete one of the two")]
+    #[error("`{key}` is given twice, {}: DeepSpeed refuses duplicate keys, and a JSON reader would silently keep the second; fix: delete one of the two", if first_line == second_line { format!("on line {first_line}, its values near columns {first_column} and {second_column}") } else { format!("at line {first_line} and at line {second_line}") })]
     DuplicateKey {
         /// JSON path of the key.
         key: String,
         /// 1-based line of the first occurrence.
         first_line: usize,
+        /// 1-based column of its value (the parser's, within a character or two).
+        first_column: usize,
         /// 1-based line of the second occurrence.
         second_line: usize,
+        /// 1-based column of its value (the parser's, within a character or two).
+        second_column: usize,
     },
 
     /// A key holds a value of the wrong JSON type (or a non-integral number

@@ -84,19 +84,29 @@ fn pass(text: &str, stop_at: Option<usize>) -> (Result<Node, deser_hjson::Error>
 
 /// Parses config text (JSON or hjson) to a `Value`. Syntax errors are
 /// [`ConfigError::Json`] with line and column; a key given twice in one
-/// object is [`ConfigError::DuplicateKey`] with both lines.
+/// object is [`ConfigError::DuplicateKey`] with both places.
 pub(crate) fn parse(text: &str) -> Result<Value, ConfigError> {
+    // A byte-order mark (Windows editors write one) is not part of the
+    // document: Python's `utf-8-sig` drops it; read as a character, it made
+    // the whole file one quoteless string.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let (result, ctx) = pass(text, None);
     if let Some(dup) = ctx.duplicate {
-        let line_of = |n| match pass(text, Some(n)).0 {
-            Err(deser_hjson::Error::Serde { line, message, .. }) if message == PROBE => line,
+        let at = |n| match pass(text, Some(n)).0 {
+            Err(deser_hjson::Error::Serde { line, col, message }) if message == PROBE => {
+                (line, col)
+            }
             // Cannot happen: the probe stops before anything that fails.
-            _ => 0,
+            _ => (0, 0),
         };
+        let ((first_line, first_column), (second_line, second_column)) =
+            (at(dup.first), at(dup.second));
         return Err(ConfigError::DuplicateKey {
             key: dup.path,
-            first_line: line_of(dup.first),
-            second_line: line_of(dup.second),
+            first_line,
+            first_column,
+            second_line,
+            second_column,
         });
     }
     result.map(|n| n.0).map_err(|e| syntax_error(text, e))
@@ -334,9 +344,18 @@ mod tests {
                 key,
                 first_line,
                 second_line,
+                ..
             }) => (key, first_line, second_line),
             other => panic!("expected a duplicate, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_byte_order_mark_is_not_part_of_the_document() {
+        let v = parse("\u{feff}{\"train_micro_batch_size_per_gpu\": 2}").unwrap();
+        assert_eq!(v, serde_json::json!({"train_micro_batch_size_per_gpu": 2}));
+        // Only at the start.
+        assert!(parse("{\"a\": 1}\u{feff}").is_err());
     }
 
     #[test]
