@@ -15,7 +15,7 @@
 //!
 //! ## Where the unsafe is
 //! Only here and in `tierzero-swap`: [`dlpack`] reads the producer's
-//! structs; [`AioHandle::submit`] hands the tensor's memory to the I/O
+//! structs; `AioHandle::submit` hands the tensor's memory to the I/O
 //! workers (`HostMemory::from_raw_parts`), holding the tensor and its
 //! capsule until the op is done; `mlock` takes an address range.
 

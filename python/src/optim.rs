@@ -8,7 +8,7 @@
 //! by the SIMD AdamW kernel ([`CpuAdam`]).
 //!
 //! ## The pipeline
-//! Python calls [`OffloadAdam::step_group`] once per sub-group in order,
+//! Python calls `OffloadAdam::step_group` once per sub-group in order,
 //! naming the next one: the state read of `i + 1` is issued before `i` is
 //! stepped, and `i`'s write is retired only once `i + 1` has been stepped
 //! (`write_behind` 1), so read `i+1`, step `i` and write `i-1` overlap. The
@@ -17,7 +17,7 @@
 //! ## Sizing
 //! The pinned buffers are what [`sizing::buffers_needed`] says the pipeline
 //! needs, the one rule the engine uses too; a `pinned_budget_bytes` below
-//! that fails with the numbers ([`OffloadAdam::plan`] prints them).
+//! that fails with the numbers (`OffloadAdam::plan` prints them).
 
 use std::num::NonZeroUsize;
 use std::path::PathBuf;

@@ -44,7 +44,7 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
 
 /// Per-rank accounting of one choice on a GPU (`gpu`) or on the CPU as
 /// the device: on a GPU, `offload_optimizer: none` is accounted as
-/// [`gpu_adam_items`] does, else as [`items_within`].
+/// `gpu_adam_items` does, else as [`items_within`].
 pub fn items_on(
     inp: &Inputs,
     c: Choice,
