@@ -411,6 +411,134 @@ fn resume_mistakes_are_bad_input() {
     );
 }
 
+/// Every file under `dir`, with its bytes, sorted by path; not the save
+/// dir's `.lock`, which each run that takes it writes its pid into.
+fn tree(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                todo.push(p);
+            } else if p.file_name() != Some(std::ffi::OsStr::new(".lock")) {
+                out.push((p.clone(), std::fs::read(&p).unwrap()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Nothing a run or an export writes lands on another run's checkpoints:
+/// a new run into a save dir that holds checkpoints (it replaced their
+/// step dirs and `latest` without a word), a run resumed from elsewhere
+/// into one, `--metrics` / `--timeline` inside a step dir or over
+/// `latest`, an export into another step dir or over `latest` (each
+/// exit 2, the checkpoints byte for byte as they were). A resume into its
+/// own save dir, a metrics file beside the step dirs and an export into a
+/// fresh directory of the save dir still work.
+#[test]
+fn no_output_lands_on_a_checkpoint() {
+    let d = setup("own-outputs");
+    let ok = train(
+        &d,
+        &["--steps", "2", "--save-every", "1", "--save-dir", "ck"],
+    );
+    assert_eq!(ok.code, 0, "{}", ok.stderr);
+    let before = tree(&d.join("ck"));
+    let refused = |args: &[&str], want: &str| {
+        let o = if args[0] == "export" {
+            run_tierzero(Some(&d), args)
+        } else {
+            train(&d, args)
+        };
+        assert_eq!(o.code, 2, "{args:?}: {}", o.stderr);
+        assert!(o.stderr.contains(want), "{args:?}: {want}: {}", o.stderr);
+        assert!(
+            tree(&d.join("ck")) == before,
+            "{args:?} changed the checkpoints"
+        );
+    };
+    refused(
+        &["--steps", "2", "--seed", "9", "--save-dir", "ck"],
+        "--save-dir ck holds 2 checkpoints (steps 1 to 2) of an earlier run, which this run's \
+         saves would replace; continue that run with --resume ck",
+    );
+    std::fs::create_dir_all(d.join("elsewhere")).unwrap();
+    let copy = d.join("elsewhere/step-00000001");
+    std::fs::create_dir_all(copy.join("rank0000")).unwrap();
+    for (p, bytes) in &before {
+        if let Ok(rel) = p.strip_prefix(d.join("ck/step-00000001")) {
+            std::fs::write(copy.join(rel), bytes).unwrap();
+        }
+    }
+    refused(
+        &["--steps", "3", "--resume", "elsewhere", "--save-dir", "ck"],
+        "--save-dir ck holds 2 checkpoints (steps 1 to 2) of another run than --resume elsewhere",
+    );
+    for flag in ["--metrics", "--timeline"] {
+        for out in [
+            "ck/step-00000002/manifest.json",
+            "ck/step-00000001/rank0000/master.f32",
+        ] {
+            refused(
+                &["--steps", "3", "--resume", "ck", flag, out],
+                &format!("{flag} {out}: is inside the checkpoint directory"),
+            );
+        }
+        refused(
+            &[
+                "--steps",
+                "3",
+                "--resume",
+                "ck",
+                "--save-dir",
+                "ck",
+                flag,
+                "ck/latest",
+            ],
+            &format!("{flag} ck/latest: is inside the checkpoint directory"),
+        );
+    }
+    for out in [
+        "ck/step-00000002/manifest.json",
+        "ck/step-00000002/rank0000/exp_avg.f32",
+        "ck/latest",
+    ] {
+        refused(
+            &["export", "--checkpoint", "ck/step-00000001", "--out", out],
+            "is inside the checkpoint directory",
+        );
+    }
+    let exported = run_tierzero(
+        Some(&d),
+        &[
+            "export",
+            "--checkpoint",
+            "ck/step-00000001",
+            "--out",
+            "ck/hf/model.safetensors",
+        ],
+    );
+    assert_eq!(exported.code, 0, "{}", exported.stderr);
+    let resumed = train(
+        &d,
+        &[
+            "--steps",
+            "3",
+            "--resume",
+            "ck",
+            "--save-dir",
+            "ck",
+            "--metrics",
+            "ck/m.jsonl",
+        ],
+    );
+    assert_eq!(resumed.code, 0, "{}", resumed.stderr);
+    assert!(d.join("ck/step-00000003/manifest.json").is_file());
+}
+
 /// A resume from a checkpoint whose data is corrupt names the older step
 /// to resume from and `inspect --verify`.
 #[test]

@@ -74,10 +74,16 @@ pub fn export_safetensors(
     let canonical = existing
         .canonicalize()
         .map_err(io_err("resolving", existing))?;
-    if canonical.starts_with(ckpt.dir()) {
+    // Nor into any other checkpoint, or over a save dir's `latest`.
+    let holding = if canonical.starts_with(ckpt.dir()) {
+        Some(ckpt.dir().to_path_buf())
+    } else {
+        super::checkpoint_holding(out)
+    };
+    if let Some(dir) = holding {
         return Err(CheckpointError::ExportIntoCheckpoint {
             out: out.to_path_buf(),
-            dir: ckpt.dir().to_path_buf(),
+            dir,
         });
     }
     // The output's directory is created if missing (like `--save-dir`),

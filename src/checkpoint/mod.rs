@@ -169,7 +169,7 @@ pub use manifest::{
     RegionCrc, StateKind, SubGroupEntry, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE,
     STATE_ALIGN_BYTES,
 };
-pub use reader::{Checkpoint, FileCheck, VerifyReport};
+pub use reader::{checkpoint_holding, saved_steps, Checkpoint, FileCheck, VerifyReport};
 pub use writer::{step_dir_name, StagedCheckpoint, LATEST_FILE};
 
 /// Everything that can go wrong with a checkpoint.
@@ -243,7 +243,8 @@ pub enum CheckpointError {
         /// Bytes found.
         got_bytes: u64,
     },
-    /// An export's output is inside the checkpoint it reads.
+    /// An export's output is inside a checkpoint (the one it reads, or
+    /// another), or is a save dir's own entry.
     #[error(
         "export output {out} is inside the checkpoint directory {dir}: writing there could \
          replace a file the checkpoint lists; export into a directory outside it"

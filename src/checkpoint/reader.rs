@@ -166,6 +166,54 @@ fn step_dirs_below(save_dir: &Path, below: Option<u64>) -> std::io::Result<Vec<P
     Ok(steps.into_iter().rev().map(|(_, p)| p).collect())
 }
 
+/// The steps of the `step-<N>` dirs in `save_dir`, oldest first (none
+/// when it cannot be read): what a run saved there.
+pub fn saved_steps(save_dir: &Path) -> Vec<u64> {
+    let mut steps: Vec<u64> = std::fs::read_dir(save_dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| parse_step_dir_name(e.file_name().to_str()?))
+        .collect();
+    steps.sort_unstable();
+    steps
+}
+
+/// The checkpoint directory a file about to be written at `out` would
+/// land in, if any: a step dir (`step-<N>` holding a manifest, or a
+/// save's staging dir) at any depth above it, or the save dir itself when
+/// `out` is one of its own entries (`latest`, the lock, a step or staging
+/// dir's name). Looked up through the nearest existing directory above
+/// `out`, resolved; `None` when none is found. Outputs of `train` and
+/// `export` are refused there: replacing a file a manifest lists breaks
+/// its checkpoint, replacing `latest` another run's resume.
+pub fn checkpoint_holding(out: &Path) -> Option<PathBuf> {
+    let parent = out.parent().filter(|p| !p.as_os_str().is_empty());
+    let dir = parent
+        .unwrap_or(Path::new("."))
+        .ancestors()
+        .find(|a| !a.as_os_str().is_empty() && a.is_dir())
+        .unwrap_or(Path::new("."))
+        .canonicalize()
+        .ok()?;
+    let is_step_dir = |d: &Path| {
+        d.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+            staging_owner_pid(n).is_some()
+                || (parse_step_dir_name(n).is_some() && d.join(MANIFEST_FILE).is_file())
+        })
+    };
+    if let Some(step) = dir.ancestors().find(|a| is_step_dir(a)) {
+        return Some(step.to_path_buf());
+    }
+    let name = out.file_name()?.to_str()?;
+    let own_entry = name == LATEST_FILE
+        || name == super::LOCK_FILE
+        || parse_step_dir_name(name).is_some()
+        || staging_owner_pid(name).is_some();
+    let save_dir = dir.join(LATEST_FILE).is_file() || !saved_steps(&dir).is_empty();
+    (own_entry && save_dir).then_some(dir)
+}
+
 fn manifest_err(path: &Path, reason: impl Into<String>) -> CheckpointError {
     CheckpointError::Manifest {
         path: path.to_path_buf(),

@@ -677,6 +677,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         })?),
         None => None,
     };
+    outputs::check_save_dir_is_this_runs(&args, ckpt.as_ref())?;
     if let Some(c) = &ckpt {
         // Each rank opened the save dir itself: the ranks agree on the
         // step before any of them can end alone (already at --steps) and

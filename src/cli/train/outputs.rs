@@ -83,6 +83,48 @@ impl Drop for SaveDirClaim {
     }
 }
 
+/// A save dir that holds another run's checkpoints is refused: a new
+/// run (no `--resume`), or one resumed from a checkpoint outside it,
+/// replaced that run's step dirs of the same numbers and its `latest`
+/// without a word. Resuming from the save dir itself continues its run.
+pub(super) fn check_save_dir_is_this_runs(
+    args: &TrainArgs,
+    resumed: Option<&tierzero::checkpoint::Checkpoint>,
+) -> Result<(), Failure> {
+    let Some(save_dir) = &args.save_dir else {
+        return Ok(());
+    };
+    let steps = tierzero::checkpoint::saved_steps(save_dir);
+    let (Some(first), Some(newest)) = (steps.first(), steps.last()) else {
+        return Ok(());
+    };
+    let continues = resumed
+        .and_then(|c| c.dir().parent())
+        .is_some_and(|p| same_file(p, save_dir));
+    if continues {
+        return Ok(());
+    }
+    let held = if first == newest {
+        format!("the checkpoint of step {newest}")
+    } else {
+        format!("{} checkpoints (steps {first} to {newest})", steps.len())
+    };
+    let d = save_dir.display();
+    Err(bad(match &args.resume {
+        None => format!(
+            "--save-dir {d} holds {held} of an earlier run, which this run's saves would \
+             replace; continue that run with --resume {d}, or give another --save-dir (or \
+             remove those checkpoints first)"
+        ),
+        Some(r) => format!(
+            "--save-dir {d} holds {held} of another run than --resume {} (whose checkpoints \
+             are elsewhere), which this run's saves would replace or mix with; give an empty \
+             --save-dir, or the --resume checkpoint's own",
+            r.display()
+        ),
+    }))
+}
+
 /// The resolved directory `p` is in (`.` for a bare name), if it exists.
 fn resolved_dir_of(p: &Path) -> Option<PathBuf> {
     let d = p.parent().filter(|d| !d.as_os_str().is_empty());
@@ -120,7 +162,8 @@ fn is_model_file(name: &str) -> bool {
 
 /// `--metrics` and `--timeline` never overwrite the run's inputs (the
 /// corpus, the ds_config, the tokenizer, a model file of the model's
-/// directory) or each other: `--metrics data.txt` replaced the corpus with metrics,
+/// directory), a checkpoint's files or the save dir's own entries, or
+/// each other: `--metrics data.txt` replaced the corpus with metrics,
 /// and with both on one path the summary named a file that held the
 /// timeline.
 fn check_outputs_spare_inputs(args: &TrainArgs) -> Result<(), Failure> {
@@ -139,8 +182,32 @@ fn check_outputs_spare_inputs(args: &TrainArgs) -> Result<(), Failure> {
             resolved_dir_of(m)
         }
     });
+    let save_dir = args
+        .save_dir
+        .as_deref()
+        .and_then(|d| std::fs::canonicalize(d).ok());
     for (flag, out) in outputs {
         let Some(out) = out else { continue };
+        // A checkpoint's file (the one resumed from, or any other), or an
+        // entry of the save dir this run writes (`latest`, a step dir).
+        let save_dir_entry = save_dir.is_some()
+            && resolved_dir_of(out) == save_dir
+            && out.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                n == tierzero::checkpoint::LATEST_FILE
+                    || n == LOCK_FILE
+                    || n.starts_with("step-")
+                    || n.starts_with(".step-")
+            });
+        if let Some(dir) = tierzero::checkpoint::checkpoint_holding(out)
+            .or_else(|| save_dir_entry.then(|| save_dir.clone()).flatten())
+        {
+            return Err(bad(format!(
+                "{flag} {}: is inside the checkpoint directory {} (a file there belongs to the \
+                 checkpoints); write it elsewhere",
+                out.display(),
+                dir.display()
+            )));
+        }
         for (input, path) in inputs {
             if path.as_deref().is_some_and(|p| same_file(out, p)) {
                 return Err(bad(format!(
