@@ -390,3 +390,53 @@ fn a_second_signal_aborts_at_once_and_the_last_checkpoint_stays_whole() {
     assert_eq!(swap_files(&d), Vec::<String>::new());
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// A signal during start-up ends the run at once with the stop's exit
+/// code: there is nothing to save, and the start-up may be blocked (here
+/// in the open of a FIFO no one writes) or busy for minutes (encoding a
+/// corpus). It was put off until after the first step, which a blocked
+/// start-up never reached: only a second signal ended it.
+#[test]
+fn a_signal_during_start_up_ends_it_at_once() {
+    let d = cli_support::scratch("stop", "start-up");
+    setup(&d);
+    let fifo = d.join("corpus.fifo");
+    let made = Command::new("mkfifo").arg(&fifo).status();
+    if !made.is_ok_and(|s| s.success()) {
+        eprintln!("mkfifo failed; skipping");
+        return;
+    }
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .current_dir(&d)
+        .args(["train", "--config", "ds.json", "--model", "model", "--data"])
+        .arg(&fifo)
+        .args(["--seq-len", "16", "--steps", "2"])
+        .env_remove("TIERZERO_FAILPOINT")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Blocked in the FIFO's open (or still starting): not ended.
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "ended without a writer"
+    );
+    signal(child.id(), "TERM");
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            panic!("still running 20 s after SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(143), "{stderr}");
+    assert!(
+        stderr.contains("SIGTERM received during start-up: exiting"),
+        "{stderr}"
+    );
+}

@@ -68,13 +68,7 @@ struct Report {
 
 fn classify(e: CheckpointError) -> Failure {
     let bad = match &e {
-        CheckpointError::Io { source, .. } => matches!(
-            source.kind(),
-            std::io::ErrorKind::NotFound
-                | std::io::ErrorKind::PermissionDenied
-                | std::io::ErrorKind::StorageFull
-                | std::io::ErrorKind::AlreadyExists
-        ),
+        CheckpointError::Io { source, .. } => super::user_fixable_io(source.kind()),
         CheckpointError::Candle(_) => false,
         _ => true,
     };

@@ -98,6 +98,27 @@ pub enum Failure {
     Internal(anyhow::Error),
 }
 
+/// Whether an I/O error of this kind, met at a path the user gave, is
+/// theirs to fix (exit 2): the path is missing, not allowed, read-only,
+/// a directory where a file goes (or the reverse), a name too long, or
+/// the disk or a limit is full.
+pub(crate) fn user_fixable_io(kind: std::io::ErrorKind) -> bool {
+    use std::io::ErrorKind as K;
+    matches!(
+        kind,
+        K::NotFound
+            | K::PermissionDenied
+            | K::AlreadyExists
+            | K::ReadOnlyFilesystem
+            | K::NotADirectory
+            | K::IsADirectory
+            | K::InvalidFilename
+            | K::StorageFull
+            | K::QuotaExceeded
+            | K::FileTooLarge
+    )
+}
+
 impl Failure {
     /// Classifies a swap-layer error: problems the user can fix by changing
     /// input or limits are bad input, the rest internal.
@@ -110,11 +131,12 @@ impl Failure {
                 | E::MemlockTooLow { .. }
                 | E::DirectIoUnsupported { .. }
                 | E::OutOfSpace { .. }
+                | E::NoRoom { .. }
                 | E::Locked { .. }
-        ) || matches!(&e, E::Setup { source, .. } if matches!(source.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied))
+        ) || matches!(&e, E::Setup { source, .. } if user_fixable_io(source.kind()))
             // A full disk or a file-size limit: the user frees space or
             // raises the limit.
-            || matches!(&e, E::Io { source, .. } | E::Setup { source, .. } if matches!(source.kind(), std::io::ErrorKind::StorageFull | std::io::ErrorKind::FileTooLarge | std::io::ErrorKind::QuotaExceeded));
+            || matches!(&e, E::Io { source, .. } if matches!(source.kind(), std::io::ErrorKind::StorageFull | std::io::ErrorKind::FileTooLarge | std::io::ErrorKind::QuotaExceeded | std::io::ErrorKind::ReadOnlyFilesystem));
         let err = anyhow::Error::new(e).context(context.to_string());
         if bad {
             Failure::BadInput(err)

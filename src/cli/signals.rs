@@ -80,17 +80,30 @@ fn handlers() -> Result<&'static Arc<AtomicUsize>, Failure> {
 }
 
 /// Registers the handlers now, first thing in `train`: a signal that
-/// arrives while the run starts (MPI's start-up, the data's tokenizing)
-/// is kept and stops the run after its first step, rather than killing
-/// it (SIGUSR1/SIGUSR2's default action) before [`install`]'s watcher
-/// runs.
+/// arrives before [`install`]'s watcher runs is kept for it (which ends
+/// the start-up with the stop's exit code), rather than killing the
+/// process (SIGUSR1/SIGUSR2's default action) without a word.
 pub fn register_early() -> Result<(), Failure> {
     handlers().map(|_| ())
 }
 
+/// Whether the trainer is built ([`training_started`]): before, there is
+/// nothing to save, and a stop ends the process at once.
+static TRAINING: AtomicBool = AtomicBool::new(false);
+
+/// From here on a first signal stops at a step boundary; before, during
+/// start-up (reading the config, loading or encoding the data, building
+/// the trainer), it ends the process at once with the stop's exit code:
+/// there is nothing to save, and the start-up may be blocked in a read
+/// (a FIFO with no writer yet) or take minutes (encoding a corpus) that
+/// no step boundary would cut short.
+pub fn training_started() {
+    TRAINING.store(true, Ordering::SeqCst);
+}
+
 /// Installs the handlers (if [`register_early`] did not) and the watcher:
-/// the first SIGINT or SIGTERM requests a stop on `handle`, a second
-/// aborts.
+/// the first SIGINT or SIGTERM requests a stop on `handle` (during
+/// start-up, it exits: [`training_started`]), a second aborts.
 pub fn install(handle: StopHandle) -> Result<(), Failure> {
     let last = Arc::clone(handlers()?);
     std::thread::Builder::new()
@@ -99,6 +112,17 @@ pub fn install(handle: StopHandle) -> Result<(), Failure> {
             let sig = last.load(Ordering::SeqCst);
             if sig != 0 {
                 let cause = StopCause::Signal(sig as i32);
+                if !TRAINING.load(Ordering::SeqCst) {
+                    errln!(
+                        "tierzero: {} received during start-up: exiting (no step was trained, \
+                         nothing to save)",
+                        cause.signal_name().unwrap_or_default()
+                    );
+                    // The main thread may be blocked in a read; the files
+                    // a start-up leaves (swap files, a temporary file) are
+                    // reclaimed by the next start, as after any kill.
+                    std::process::exit(exit_code(cause));
+                }
                 handle.request_because(cause);
                 errln!(
                     "tierzero: {} received: stopping after the step in progress (a second \

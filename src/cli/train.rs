@@ -654,8 +654,8 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     let comm = super::launch::rank_comm_on(device)?;
     let lead = comm.rank() == 0;
     let flags = Flags::parse(&args)?;
-    // From here on SIGINT and SIGTERM stop at a step boundary (see
-    // `signals`); a signal during start-up stops after the first step.
+    // From here on SIGINT and SIGTERM end the start-up at once, and once
+    // the trainer is built stop at a step boundary (see `signals`).
     let stop = StopHandle::new();
     super::signals::install(stop.clone())?;
     if flags.save_every.is_some() && args.save_dir.is_none() {
@@ -843,6 +843,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         (None, Some(md)) => Trainer::new(cfg, md, data, opts).map_err(startup_failure),
         (None, None) => return Err(Failure::Internal(anyhow!("no model"))),
     }?;
+    super::signals::training_started();
     let build_s = built.elapsed().as_secs_f64();
     if let Some(c) = &ckpt {
         // The load: the checkpoint's state streamed into the tiers.
