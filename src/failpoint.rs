@@ -77,11 +77,15 @@ pub enum Site {
     /// to its speculation pool slot, none committed yet. A kill leaves old and
     /// new state side by side in the swap file; only checkpoints count.
     SpeculativeBeforeCommit,
+    /// `data.encode`: a text corpus's cache key is taken (its content read
+    /// once), its encode into the cache not begun. A stop lets a test
+    /// change the file between the two reads.
+    DataEncode,
 }
 
 impl Site {
     /// Every site.
-    pub const ALL: [Site; 8] = [
+    pub const ALL: [Site; 9] = [
         Site::StepBackward,
         Site::OptimWriteBack,
         Site::CkptStateWrite,
@@ -90,6 +94,7 @@ impl Site {
         Site::CkptBeforeLatest,
         Site::CkptLatestWrite,
         Site::SpeculativeBeforeCommit,
+        Site::DataEncode,
     ];
 
     /// The name used in [`ENV_VAR`].
@@ -103,6 +108,7 @@ impl Site {
             Site::CkptBeforeLatest => "ckpt.before_latest",
             Site::CkptLatestWrite => "ckpt.latest_write",
             Site::SpeculativeBeforeCommit => "optim.before_commit",
+            Site::DataEncode => "data.encode",
         }
     }
 
@@ -125,6 +131,7 @@ impl Site {
             Site::CkptBeforeLatest => 5,
             Site::CkptLatestWrite => 6,
             Site::SpeculativeBeforeCommit => 7,
+            Site::DataEncode => 8,
         }
     }
 }

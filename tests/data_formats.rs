@@ -638,3 +638,78 @@ fn a_jsonl_run_resumes_bit_identically() {
     let resumed = run(&["--steps", "4", "--resume", "ck"]);
     assert_eq!(whole, resumed);
 }
+
+/// A corpus rewritten between the read that keys its cache entry and the
+/// encode (a prep script run again) is not cached under the first
+/// content's key: the run stops with both lengths and crcs (exit 2) and
+/// leaves no entry. An entry of the part read was written, and every
+/// later run trained on it without a word.
+#[test]
+fn a_corpus_changed_while_it_is_encoded_is_not_cached() {
+    use std::os::unix::process::ExitStatusExt as _;
+    let d = scratch("data", "changed");
+    let tok = tokenizer(&d);
+    model(&d, VOCAB);
+    ds(&d);
+    let text = documents(40).join("\n");
+    std::fs::write(d.join("c.txt"), &text).unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .current_dir(&d)
+        .args([
+            "train", "--config", "ds.json", "--model", "model", "--steps", "1",
+        ])
+        .args(["--seq-len", "16", "--data", "c.txt", "--tokenizer"])
+        .arg(&tok)
+        .env("TIERZERO_FAILPOINT", "data.encode:1:stop")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Stopped after the key's read, before the encode's.
+    let t0 = std::time::Instant::now();
+    loop {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "ended before the failpoint"
+        );
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id())).unwrap();
+        if stat.rsplit(')').next().unwrap().split_whitespace().next() == Some("T") {
+            break;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(60),
+            "never stopped"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // The same length, other words: rewritten in place.
+    std::fs::write(d.join("c.txt"), text.replace("the", "a  ")).unwrap();
+    let cont = std::process::Command::new("kill")
+        .args(["-CONT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(cont.success());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{:?} {stderr}",
+        out.status.signal()
+    );
+    assert!(
+        stderr.contains("the file changed while it was read"),
+        "{stderr}"
+    );
+    let entries: Vec<String> = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".tz-"))
+        .collect();
+    assert!(entries.is_empty(), "{entries:?}");
+    // Run again: the new content is keyed, encoded and cached.
+    let tok = tok.to_str().unwrap();
+    let again = train(&d, &["--data", "c.txt", "--tokenizer", tok]);
+    assert_eq!(again.code, 0, "{}", again.stderr);
+}

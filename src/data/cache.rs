@@ -31,7 +31,7 @@
 //! its corpus on the heap, 4 bytes a token. Where no directory takes it,
 //! the tokens stay in memory, said in the report.
 
-use std::io::Read as _;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -84,6 +84,55 @@ impl DataIdentity {
             crc32c: crc,
             utf8_bom: head == super::encode::UTF8_BOM,
         })
+    }
+}
+
+/// A reader that keeps the length and CRC-32C of what passed through
+/// it: the encode reads the data through one, so an entry is written only
+/// for the content [`DataIdentity::of`] keyed it by ([`Tally::check`]).
+#[derive(Debug)]
+pub struct Tally<R> {
+    inner: R,
+    bytes: u64,
+    crc32c: u32,
+}
+
+impl<R> Tally<R> {
+    /// Counts what is read from `inner`.
+    pub fn new(inner: R) -> Self {
+        Tally {
+            inner,
+            bytes: 0,
+            crc32c: 0,
+        }
+    }
+
+    /// An error naming `path` unless what was read is the content `ident`
+    /// describes: the file changed between the identity's read and the
+    /// encode's (a prep script rewriting it), and an entry of what was
+    /// read would be found under the other content's key.
+    pub fn check(&self, ident: &DataIdentity, path: &Path) -> Result<()> {
+        if self.bytes == ident.bytes && self.crc32c == ident.crc32c {
+            return Ok(());
+        }
+        Err(EngineError::Data {
+            path: path.to_owned(),
+            reason: format!(
+                "the file changed while it was read ({} bytes with crc32c {:#010x} when its \
+                 cache key was taken, {} bytes with crc32c {:#010x} when it was encoded); \
+                 nothing was cached. Run again once whatever writes it has finished",
+                ident.bytes, ident.crc32c, self.bytes, self.crc32c
+            ),
+        })
+    }
+}
+
+impl<R: Read> Read for Tally<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.crc32c = crc32c::crc32c_append(self.crc32c, &buf[..n]);
+        self.bytes += n as u64;
+        Ok(n)
     }
 }
 

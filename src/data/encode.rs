@@ -71,6 +71,13 @@ pub struct Docs<R> {
     buf: Vec<u8>,
 }
 
+impl<R> Docs<R> {
+    /// The reader the documents come from.
+    pub fn reader(&self) -> &R {
+        &self.reader
+    }
+}
+
 impl<R: BufRead> Docs<R> {
     /// Documents of `reader` (the file `path`, named in errors).
     pub fn new(reader: R, cut: Cut, path: &Path) -> Docs<R> {

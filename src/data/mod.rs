@@ -547,10 +547,10 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
     let tokenizer_json = std::fs::read(tok_path).map_err(io(tok_path))?;
     let tokenizer = encode::open_tokenizer(tok_path)?;
     let total = std::fs::metadata(&spec.path).map_err(io(&spec.path))?.len();
-    let open_docs = || -> Result<encode::Docs<std::io::BufReader<std::fs::File>>> {
+    let open_docs = || -> Result<encode::Docs<std::io::BufReader<cache::Tally<std::fs::File>>>> {
         let f = std::fs::File::open(&spec.path).map_err(io(&spec.path))?;
         Ok(encode::Docs::new(
-            std::io::BufReader::with_capacity(1 << 20, f),
+            std::io::BufReader::with_capacity(1 << 20, cache::Tally::new(f)),
             cut.clone(),
             &spec.path,
         ))
@@ -660,6 +660,7 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
     // writer's, another rank's encoding the same corpus, stays).
     crate::durable::remove_stale_tmp(&tokens, false);
     crate::durable::remove_stale_tmp(&sidecar, false);
+    crate::failpoint::kill_point(crate::failpoint::Site::DataEncode);
     let mut enc = encode::Encoded::default();
     crate::durable::write_atomic_streamed(&tokens, |file, tmp| -> Result<std::fs::File> {
         use std::io::Write as _;
@@ -687,6 +688,9 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
             },
             &on_progress,
         )?;
+        // All of it was read (the encode reads to the end): the entry is
+        // of the content its key names, or it is not made.
+        docs.reader().get_ref().check(&ident, &spec.path)?;
         w.into_inner().map_err(|e| werr(e.into_error()))
     })
     .map_err(|e| cache_full(e, &spec.path, &tokens))?;
