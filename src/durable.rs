@@ -323,6 +323,7 @@ pub(crate) fn write_atomic_with(
     ));
     let result = (|| {
         let mut f = create_file(&tmp)?;
+        lock_tmp(&f);
         let (a, b) = bytes.split_at(bytes.len() / 2);
         f.write_all(a).map_err(err("writing", &tmp))?;
         record::write(&tmp, 0, a.len() as u64);
@@ -332,8 +333,9 @@ pub(crate) fn write_atomic_with(
         f.write_all(b).map_err(err("writing", &tmp))?;
         record::write(&tmp, a.len() as u64, b.len() as u64);
         sync_file(&f, &tmp)?;
-        drop(f);
+        // Renamed while still open, so still locked ([`lock_tmp`]).
         rename_raw(&tmp, path)?;
+        drop(f);
         sync_dir(&dir)
     })();
     if result.is_err() {
@@ -372,12 +374,16 @@ pub fn write_atomic_streamed<E: From<DurableError>>(
         TMP_SEQ.fetch_add(1, Ordering::Relaxed)
     ));
     let result = (|| {
-        let file = write(create_file(&tmp)?, &tmp)?;
+        let created = create_file(&tmp)?;
+        // The lock stays with this open file description, which `write`
+        // hands back (a clone shares it).
+        lock_tmp(&created);
+        let file = write(created, &tmp)?;
         let bytes = file.metadata().map_err(err("stat", &tmp))?.len();
         record::write(&tmp, 0, bytes);
         sync_file(&file, &tmp)?;
-        drop(file);
         rename_raw(&tmp, path)?;
+        drop(file);
         sync_dir(&dir)?;
         Ok(bytes)
     })();
@@ -400,13 +406,14 @@ pub(crate) fn tmp_owner_pid(tmp_name: &str, name: &str) -> Option<u32> {
 }
 
 /// Removes the temporary files of atomic rewrites of `path` that
-/// processes now gone left beside it (killed mid-write: an export's is as
+/// processes now gone left beside it (gone by their pid, and their lock
+/// free: [`lock_tmp`]) (killed mid-write: an export's is as
 /// large as the model, and nothing else would remove it), and with
 /// `own_too` this process's (a caller that is not writing `path` now: one
 /// of its pid is a dead incarnation's, pid 1 in a restarted container).
 /// Returns how many; a file it cannot remove is said, not an error.
 pub fn remove_stale_tmp(path: &Path, own_too: bool) -> usize {
-    remove_tmp_where(path, |pid| {
+    remove_tmp_where(path, true, |pid| {
         (own_too && pid == std::process::id())
             || (pid != std::process::id() && !tierzero_swap::space::process_alive(pid))
     })
@@ -417,12 +424,33 @@ pub fn remove_stale_tmp(path: &Path, own_too: bool) -> usize {
 /// (a save dir's), which proves them all stale. A pid check cannot: a
 /// reused pid, another user's process or a thread id looks alive.
 pub fn remove_every_tmp(path: &Path) -> usize {
-    remove_tmp_where(path, |_| true)
+    remove_tmp_where(path, false, |_| true)
 }
 
 /// Removes the temporary files of atomic rewrites of `path` whose pid
 /// `stale` says; a file it cannot remove is said, not an error.
-fn remove_tmp_where(path: &Path, stale: impl Fn(u32) -> bool) -> usize {
+/// Takes an exclusive `flock` on a temporary file being written, held
+/// until the file is closed (after its rename): a process in another pid
+/// namespace or on another host sharing the directory (ranks of several
+/// nodes encoding one corpus) cannot tell our pid alive, but finds the
+/// lock held and leaves the file ([`remove_stale_tmp`]). A file system
+/// without locks is written all the same.
+fn lock_tmp(f: &File) {
+    let _ = f.try_lock();
+}
+
+/// Whether a temporary file's writer may still be at work: its lock
+/// ([`lock_tmp`]) is held, or cannot be tested.
+fn tmp_in_use(path: &Path) -> bool {
+    match File::open(path) {
+        Ok(f) => !matches!(f.try_lock(), Ok(())),
+        Err(e) => e.kind() != std::io::ErrorKind::NotFound,
+    }
+}
+
+/// Removes the temporary files of rewrites of `path` whose pid is
+/// `stale`, and with `unlocked` only those no writer holds locked.
+fn remove_tmp_where(path: &Path, unlocked: bool, stale: impl Fn(u32) -> bool) -> usize {
     let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
         return 0;
     };
@@ -434,7 +462,10 @@ fn remove_tmp_where(path: &Path, stale: impl Fn(u32) -> bool) -> usize {
         let Some(pid) = e.file_name().to_str().and_then(|n| tmp_owner_pid(n, name)) else {
             continue;
         };
-        if !stale(pid) || !e.file_type().is_ok_and(|t| t.is_file()) {
+        if !stale(pid)
+            || !e.file_type().is_ok_and(|t| t.is_file())
+            || (unlocked && tmp_in_use(&e.path()))
+        {
             continue;
         }
         match std::fs::remove_file(e.path()) {
@@ -462,6 +493,33 @@ pub fn rename(from: &Path, to: &Path) -> Result<(), DurableError> {
 mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
     use super::*;
+
+    /// A temporary file whose writer holds its lock is not removed, even
+    /// when its pid is dead here (a writer in another pid namespace or on
+    /// another host), nor is this process's own write in progress; once
+    /// the lock is free it is removed.
+    #[test]
+    fn a_locked_temporary_file_is_not_stale() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cache.u16");
+        // 4194305: above pid_max, never alive.
+        let tmp = dir.path().join(".cache.u16.tmp-4194305-0");
+        let held = File::create(&tmp).unwrap();
+        held.try_lock().unwrap();
+        assert_eq!(remove_stale_tmp(&path, true), 0);
+        assert!(tmp.exists());
+        drop(held);
+        assert_eq!(remove_stale_tmp(&path, true), 1);
+        assert!(!tmp.exists());
+        // Our own write, in progress: its temporary file is locked.
+        let n = write_atomic_streamed(&path, |f, _| -> Result<File, DurableError> {
+            assert_eq!(remove_stale_tmp(&path, true), 0);
+            Ok(f)
+        })
+        .unwrap();
+        assert_eq!(n, 0);
+        assert!(path.exists());
+    }
 
     /// A rewrite of a path that is a FIFO (or a device) is refused and
     /// leaves it as it was: the rename made it a regular file (as root,
