@@ -596,6 +596,99 @@ fn bad_data_is_one_line_and_exit_2() {
             "give --data FILE",
         ],
     );
+    // Cache flags where nothing is encoded (nothing is cached).
+    let out = eval(&d, &["--data", "big.u16", "--no-data-cache"]);
+    assert_bad_input(
+        &out,
+        "no cache without encoding",
+        &["--no-data-cache: big.u16 is read as"],
+    );
+    let out = train(&d, &["--data", "empty.txt", "--data-cache-dir", "cache"]);
+    assert_bad_input(
+        &out,
+        "cache dir without encoding",
+        &["--data-cache-dir: empty.txt is read as bytes"],
+    );
+    // A cache dir that is a file.
+    let out = train(
+        &d,
+        &[
+            "--data",
+            "short2.txt",
+            "--tokenizer",
+            tok,
+            "--data-cache-dir",
+            "big.u16",
+        ],
+    );
+    assert_bad_input(
+        &out,
+        "cache dir a file",
+        &["--data-cache-dir big.u16: is not a directory"],
+    );
+    // A device is read without end; a pipe is fine (tested above).
+    let out = train(&d, &["--data", "/dev/zero"]);
+    assert_bad_input(
+        &out,
+        "a device",
+        &["--data /dev/zero: is a character device"],
+    );
+    // Compressed data, as bytes or as text.
+    std::fs::write(
+        d.join("c.txt.gz"),
+        [0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3, 1, 2, 3],
+    )
+    .unwrap();
+    for extra in [&[][..], &["--tokenizer", tok][..]] {
+        let mut args = vec!["--data", "c.txt.gz"];
+        args.extend_from_slice(extra);
+        let out = train(&d, &args);
+        assert_bad_input(
+            &out,
+            "gzip",
+            &["is gzip-compressed", "--data <(zcat c.txt.gz)"],
+        );
+    }
+    // A text that starts like bzip2's magic, but is text, is read.
+    std::fs::write(
+        d.join("bz.txt"),
+        "BZh is how bzip2 files begin. ".repeat(20),
+    )
+    .unwrap();
+    let out = train(&d, &["--data", "bz.txt", "--tokenizer", tok]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    // The tokenizer's end-of-text id (13) beyond a model's vocab (13,
+    // no eos_token_id) is refused before the encode, naming --eos-id.
+    std::fs::create_dir_all(d.join("m13")).unwrap();
+    let m13 = json!({"model_type": "gpt2", "vocab_size": 13, "n_positions": 64,
+        "n_embd": 32, "n_layer": 1, "n_head": 2});
+    std::fs::write(d.join("m13/config.json"), m13.to_string()).unwrap();
+    let out = run_tierzero(
+        Some(&d),
+        &[
+            "eval",
+            "--model",
+            "m13",
+            "--seq-len",
+            "16",
+            "--data",
+            "short2.txt",
+            "--tokenizer",
+            tok,
+        ],
+    );
+    assert_bad_input(
+        &out,
+        "eos beyond vocab",
+        &[
+            "its end-of-text token <|endoftext|> is id 13, not below the model's vocab_size 13",
+            "give --eos-id",
+        ],
+    );
+    // A JSONL line that is not an object says so.
+    std::fs::write(d.join("arr.jsonl"), "[\"a\", \"b\"]\n").unwrap();
+    let out = train(&d, &["--data", "arr.jsonl", "--tokenizer", tok]);
+    assert_bad_input(&out, "jsonl array", &["is an array, not a JSON object"]);
 }
 
 /// Resuming keeps the data position for a tokenized corpus too: 4 steps in

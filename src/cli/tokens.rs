@@ -73,6 +73,18 @@ fn eos_id(opts: &DataOptions, model: &Model, tokenizer: &Path) -> Result<u32, Fa
     }
     let t = tierzero::data::encode::open_tokenizer(tokenizer)
         .map_err(|e| bad(format!("--tokenizer: {e}")))?;
+    if let Some((name, id)) = EOS_TOKENS
+        .iter()
+        .find_map(|name| Some((name, t.token_to_id(name)?)))
+        .filter(|(_, id)| u64::from(*id) >= vocab)
+    {
+        return Err(bad(format!(
+            "--tokenizer {}: its end-of-text token {name} is id {id}, not below the model's \
+             vocab_size {vocab} (the model's config.json has no eos_token_id); give --eos-id \
+             with the model's end-of-text id",
+            tokenizer.display()
+        )));
+    }
     EOS_TOKENS
         .iter()
         .find_map(|name| t.token_to_id(name))
@@ -85,6 +97,74 @@ fn eos_id(opts: &DataOptions, model: &Model, tokenizer: &Path) -> Result<u32, Fa
                 EOS_TOKENS.join(", ")
             ))
         })
+}
+
+/// `--data` may be a regular file or a pipe (`<(zcat corpus.gz)`), not a
+/// device or a socket: `/dev/zero` was read without end.
+fn check_data_file(data: &Path) -> Result<(), Failure> {
+    use std::os::unix::fs::FileTypeExt as _;
+    let Ok(t) = std::fs::metadata(data).map(|m| m.file_type()) else {
+        return Ok(());
+    };
+    let kind = if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_socket() {
+        "a socket"
+    } else {
+        return Ok(());
+    };
+    Err(bad(format!(
+        "--data {}: is {kind}; give a file, or a pipe such as <(zcat corpus.txt.gz)",
+        data.display()
+    )))
+}
+
+/// Compressed data read as text or bytes trained on its compressed bytes
+/// without a word: its first bytes are checked for the common formats.
+fn check_not_compressed(data: &Path) -> Result<(), Failure> {
+    use std::io::Read as _;
+    if !std::fs::metadata(data).is_ok_and(|m| m.is_file()) {
+        return Ok(());
+    }
+    let mut head = [0u8; 6];
+    let n = std::fs::File::open(data)
+        .and_then(|f| f.take(6).read(&mut head))
+        .unwrap_or(0);
+    let Some((what, tool)) = compression_of(&head[..n]) else {
+        return Ok(());
+    };
+    Err(bad(format!(
+        "--data {}: is {what}-compressed; decompress it first, or read it through a pipe: \
+         --data <({tool} {})",
+        data.display(),
+        data.display()
+    )))
+}
+
+/// The compression format whose magic bytes `head` starts with, and the
+/// tool that decompresses it to stdout.
+fn compression_of(head: &[u8]) -> Option<(&'static str, &'static str)> {
+    const MAGIC: [(&[u8], &str, &str); 4] = [
+        (&[0x1f, 0x8b], "gzip", "zcat"),
+        (&[0x28, 0xb5, 0x2f, 0xfd], "zstd", "zstdcat"),
+        (&[0xfd, b'7', b'z', b'X', b'Z', 0x00], "xz", "xzcat"),
+        (&[b'P', b'K', 0x03, 0x04], "zip", "unzip -p"),
+    ];
+    // bzip2: "BZh", the block size digit, then the block magic's start
+    // (a text may well begin with "BZh").
+    let bzip2 = head.len() >= 6
+        && head.starts_with(b"BZh")
+        && (b'1'..=b'9').contains(&head[3])
+        && head[4..6] == [0x31, 0x41];
+    if bzip2 {
+        return Some(("bzip2", "bzcat"));
+    }
+    MAGIC
+        .iter()
+        .find(|(m, _, _)| head.starts_with(m))
+        .map(|(_, what, tool)| (*what, *tool))
 }
 
 /// A progress bar over the data's bytes while text is encoded (stderr,
@@ -111,6 +191,7 @@ pub(super) fn load_tokens(
     model: &Model,
 ) -> Result<(TokenData, String), Failure> {
     must_exist("--data", data, false, "give a text, JSONL or token file")?;
+    check_data_file(data)?;
     if let Some(t) = tokenizer {
         must_exist("--tokenizer", t, false, "give a HF tokenizer.json file")?;
     }
@@ -139,6 +220,31 @@ pub(super) fn load_tokens(
             data.display(),
             format.name()
         )));
+    }
+    if !encodes && (opts.no_data_cache || opts.data_cache_dir.is_some()) {
+        return Err(bad(format!(
+            "{}: {} is read as {} without encoding, so nothing is cached; give --tokenizer \
+             with text or JSONL data, or drop the flag",
+            if opts.no_data_cache {
+                "--no-data-cache"
+            } else {
+                "--data-cache-dir"
+            },
+            data.display(),
+            format.name()
+        )));
+    }
+    if let Some(d) = &opts.data_cache_dir {
+        if d.exists() && !d.is_dir() {
+            return Err(bad(format!(
+                "--data-cache-dir {}: is not a directory; give a directory (it is created if \
+                 missing)",
+                d.display()
+            )));
+        }
+    }
+    if !matches!(format, DataFormat::Tokens(_)) {
+        check_not_compressed(data)?;
     }
     let eos = match tokenizer {
         Some(t) if format.needs_tokenizer() => Some(eos_id(opts, model, t)?),

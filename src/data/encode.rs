@@ -223,6 +223,24 @@ impl<R: BufRead> Docs<R> {
                         format!("not a JSON object ({e}); JSONL is one object per line"),
                     )
                 })?;
+                let kind = |v: &serde_json::Value| match v {
+                    serde_json::Value::Null => "null",
+                    serde_json::Value::Bool(_) => "a boolean",
+                    serde_json::Value::Number(_) => "a number",
+                    serde_json::Value::Array(_) => "an array",
+                    serde_json::Value::Object(_) => "an object",
+                    serde_json::Value::String(_) => "a string",
+                };
+                if !v.is_object() {
+                    return Err(self.err(
+                        self.line,
+                        format!(
+                            "is {}, not a JSON object; JSONL is one object per line, such as \
+                             {{\"{field}\": \"...\"}}",
+                            kind(&v)
+                        ),
+                    ));
+                }
                 match v.get(&field) {
                     Some(serde_json::Value::String(s)) => {
                         if s.is_empty() {
@@ -236,17 +254,7 @@ impl<R: BufRead> Docs<R> {
                     Some(other) => {
                         return Err(self.err(
                             self.line,
-                            format!(
-                                "\"{field}\" is {}, not a string",
-                                match other {
-                                    serde_json::Value::Null => "null",
-                                    serde_json::Value::Bool(_) => "a boolean",
-                                    serde_json::Value::Number(_) => "a number",
-                                    serde_json::Value::Array(_) => "an array",
-                                    serde_json::Value::Object(_) => "an object",
-                                    serde_json::Value::String(_) => "a string",
-                                }
-                            ),
+                            format!("\"{field}\" is {}, not a string", kind(other)),
                         ))
                     }
                     None => {
