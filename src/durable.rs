@@ -252,30 +252,69 @@ fn remove_tmp(tmp: &Path) {
     }
 }
 
+/// What a file that is not a regular file is, in words.
+fn kind_of(t: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt as _;
+    if t.is_dir() {
+        "directory"
+    } else if t.is_char_device() {
+        "character device"
+    } else if t.is_block_device() {
+        "block device"
+    } else if t.is_fifo() {
+        "FIFO"
+    } else if t.is_socket() {
+        "socket"
+    } else {
+        "special file"
+    }
+}
+
+/// Opens `path` (through symlinks) for reading when it is a regular file,
+/// else fails with `InvalidInput` naming what it is: without a writer, a
+/// FIFO's open waited for ever, and a device (`/dev/zero`) is read
+/// without end. The open does not wait (`O_NONBLOCK`, which a regular
+/// file's reads ignore).
+pub fn open_regular(path: &Path) -> std::io::Result<File> {
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    let t = f.metadata()?.file_type();
+    if t.is_file() {
+        return Ok(f);
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::InvalidInput,
+        format!("it is a {}, not a regular file", kind_of(t)),
+    ))
+}
+
+/// The bytes of the regular file `path` ([`open_regular`]), at most
+/// `max_bytes` of them: a longer file fails with `InvalidData`.
+pub fn read_regular(path: &Path, max_bytes: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::Read as _;
+    let mut bytes = Vec::new();
+    open_regular(path)?
+        .take(max_bytes.saturating_add(1))
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max_bytes {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("larger than {max_bytes} bytes"),
+        ));
+    }
+    Ok(bytes)
+}
+
 /// Refuses to replace `path` when it exists (through symlinks) and is not
 /// a regular file: a device, a FIFO, a socket or a directory. The rename
 /// of an atomic rewrite would put a regular file in its place; run as
 /// root, `--timeline /dev/null` replaced `/dev/null` itself.
 pub fn check_replaceable(path: &Path) -> Result<(), DurableError> {
-    use std::os::unix::fs::FileTypeExt as _;
     let kind = match std::fs::metadata(path) {
         Ok(m) if m.is_file() => return Ok(()),
-        Ok(m) => {
-            let t = m.file_type();
-            if t.is_dir() {
-                "directory"
-            } else if t.is_char_device() {
-                "character device"
-            } else if t.is_block_device() {
-                "block device"
-            } else if t.is_fifo() {
-                "FIFO"
-            } else if t.is_socket() {
-                "socket"
-            } else {
-                "special file"
-            }
-        }
+        Ok(m) => kind_of(m.file_type()),
         // Not there (or a dangling link): a new file is made.
         Err(_) => return Ok(()),
     };
@@ -493,6 +532,36 @@ pub fn rename(from: &Path, to: &Path) -> Result<(), DurableError> {
 mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
     use super::*;
+
+    /// Only a regular file is opened: a FIFO without a writer and a
+    /// device fail at once, naming what they are; a read is bounded.
+    #[test]
+    fn open_regular_refuses_fifos_and_devices_without_waiting() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("latest");
+        assert!(std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success());
+        for (p, kind) in [
+            (fifo.as_path(), "FIFO"),
+            (Path::new("/dev/zero"), "character device"),
+        ] {
+            let e = open_regular(p).unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+            assert!(
+                e.to_string()
+                    .contains(&format!("it is a {kind}, not a regular file")),
+                "{e}"
+            );
+        }
+        let file = dir.path().join("f");
+        std::fs::write(&file, b"step-00000004").unwrap();
+        assert_eq!(read_regular(&file, 13).unwrap(), b"step-00000004");
+        let e = read_regular(&file, 12).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+    }
 
     /// A temporary file whose writer holds its lock is not removed, even
     /// when its pid is dead here (a writer in another pid namespace or on

@@ -92,9 +92,10 @@ pub fn export_safetensors(
     let model = ckpt.model();
     let cfg_text = hf_config_text(model, dtype)?;
     let config_path = dir.join("config.json");
-    let config_action = match std::fs::read_to_string(&config_path) {
+    // A regular file (a FIFO there waited for ever), of a config's size.
+    let config_action = match durable::read_regular(&config_path, 64 << 20) {
         Ok(existing) => {
-            let found = serde_json::from_str::<serde_json::Value>(&existing).ok();
+            let found = serde_json::from_slice::<serde_json::Value>(&existing).ok();
             let same = found
                 .as_ref()
                 .is_some_and(|v| *v == hf_config_with_dtype(model, dtype));

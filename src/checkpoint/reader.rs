@@ -251,7 +251,9 @@ impl Checkpoint {
         let mut below = None;
         // Read as bytes: a damaged `latest` (not UTF-8 included) means
         // falling back below, never failing the open.
-        match std::fs::read(&latest) {
+        // A regular file of a few bytes: a FIFO or a link to a device
+        // there is damage too (its read waited for ever, or did not end).
+        match crate::durable::read_regular(&latest, 4096) {
             Ok(bytes) => {
                 let text = String::from_utf8_lossy(&bytes);
                 let name = text.trim();
@@ -338,7 +340,7 @@ impl Checkpoint {
     pub(crate) fn open_step_dir(dir: &Path) -> Result<Checkpoint, CheckpointError> {
         let dir = dir.canonicalize().map_err(io_err("opening", dir))?;
         let mpath = dir.join(MANIFEST_FILE);
-        let f = File::open(&mpath).map_err(io_err("opening", &mpath))?;
+        let f = crate::durable::open_regular(&mpath).map_err(io_err("opening", &mpath))?;
         let mut text = String::new();
         f.take(MAX_MANIFEST_BYTES + 1)
             .read_to_string(&mut text)
