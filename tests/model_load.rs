@@ -748,3 +748,53 @@ fn unknown_config_key_refused_by_open_allowed_by_option() {
         .param_by_name("model.layers.0.self_attn.o_proj.bias")
         .is_none());
 }
+
+/// A weight fp16 cannot hold (beyond 65504) is refused with the tensor,
+/// the element and the fix, and nothing is left where the file would go:
+/// it was written as infinity. bf16 takes it; a NaN is refused in every
+/// dtype.
+#[test]
+fn a_weight_the_output_dtype_cannot_hold_is_refused() {
+    let cfg = gpt2_config(true);
+    let model = Model::new(cfg).unwrap();
+    let params = random_params(&model, 24, DType::F32);
+    let planted = |value: f32| {
+        let params = params.clone();
+        move |id: tierzero::model::ParamId| {
+            let t = &params[id.0];
+            if id.0 == 1 {
+                let mut v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                v[3] = value;
+                return Ok(Tensor::from_vec(v, t.dims(), &Device::Cpu).unwrap());
+            }
+            Ok(t.clone())
+        }
+    };
+    let name = model.hf_file_name(&model.params()[1]).into_owned();
+    for (dtype, value, ok) in [
+        (DType::F16, 70000.0, false),
+        (DType::BF16, 70000.0, true),
+        (DType::F32, f32::NAN, false),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let r = tierzero::model::save_hf_dir(tmp.path(), &model, dtype, planted(value));
+        match (r, ok) {
+            (Ok(()), true) => {}
+            (Err(e), false) => {
+                let e = e.to_string();
+                assert!(
+                    e.contains(&format!("tensor `{name}`: element 3 is {value}")),
+                    "{e}"
+                );
+                let fix = if value.is_finite() {
+                    "export --dtype bf16"
+                } else {
+                    "diverged"
+                };
+                assert!(e.contains(fix), "{e}");
+                assert!(!tmp.path().join("model.safetensors").exists());
+            }
+            (r, _) => panic!("{dtype:?} {value}: {r:?}"),
+        }
+    }
+}

@@ -671,8 +671,25 @@ pub fn write_safetensors(
                 found: t.dims().to_vec(),
             });
         }
-        let t = t.to_dtype(dtype)?;
-        let data = safetensors::View::data(&t);
+        let out = t.to_dtype(dtype)?;
+        let data = safetensors::View::data(&out);
+        if let Some(index) = first_non_finite(&data, dtype) {
+            let value = t
+                .flatten_all()?
+                .get(index)?
+                .to_dtype(DType::F32)?
+                .to_scalar::<f32>()?;
+            return Err(ModelError::NotRepresentable {
+                name: model.hf_file_name(p).into_owned(),
+                index,
+                value,
+                dtype: match dtype {
+                    DType::F16 => "fp16",
+                    DType::BF16 => "bf16",
+                    _ => "fp32",
+                },
+            });
+        }
         w.write_all(&data).map_err(io_err(path))?;
     }
     w.into_inner().map_err(|e| ModelError::Io {
@@ -681,10 +698,61 @@ pub fn write_safetensors(
     })
 }
 
+/// The index of the first element of `data` (little-endian `dtype`
+/// values) that is not finite: an infinity or a NaN, whose exponent bits
+/// are all ones. Other dtypes: none.
+fn first_non_finite(data: &[u8], dtype: DType) -> Option<usize> {
+    match dtype {
+        DType::F16 => data
+            .chunks_exact(2)
+            .position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7c00 == 0x7c00),
+        DType::BF16 => data
+            .chunks_exact(2)
+            .position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7f80 == 0x7f80),
+        DType::F32 => data.chunks_exact(4).position(|b| {
+            u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7f80_0000 == 0x7f80_0000
+        }),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
     use super::*;
+
+    /// Infinities and NaNs are found at their index in each float dtype;
+    /// the largest finite values are not.
+    #[test]
+    fn non_finite_elements_are_found_in_each_dtype() {
+        let bytes = |v: &[f32], dt: DType| {
+            let t = Tensor::from_slice(v, v.len(), &candle_core::Device::Cpu).unwrap();
+            safetensors::View::data(&t.to_dtype(dt).unwrap()).into_owned()
+        };
+        for dt in [DType::F16, DType::BF16, DType::F32] {
+            assert_eq!(first_non_finite(&bytes(&[1.0, -2.0, 0.0], dt), dt), None);
+            assert_eq!(
+                first_non_finite(&bytes(&[1.0, f32::NAN, 0.0], dt), dt),
+                Some(1)
+            );
+            assert_eq!(
+                first_non_finite(&bytes(&[0.5, 1.0, f32::NEG_INFINITY], dt), dt),
+                Some(2)
+            );
+        }
+        assert_eq!(
+            first_non_finite(&bytes(&[65504.0, -65504.0], DType::F16), DType::F16),
+            None
+        );
+        assert_eq!(
+            first_non_finite(&bytes(&[1.0, 70000.0], DType::F16), DType::F16),
+            Some(1)
+        );
+        assert_eq!(
+            first_non_finite(&bytes(&[3e38, 70000.0], DType::BF16), DType::BF16),
+            None
+        );
+    }
 
     #[test]
     fn normal_values_in_parallel_are_the_one_stream_drawn_in_order() {

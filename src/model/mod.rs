@@ -202,6 +202,27 @@ pub enum ModelError {
         /// Where each copy is.
         files: String,
     },
+    /// A value the output dtype cannot hold (a finite fp32 beyond fp16's
+    /// range would be written as infinity), or a value that is not finite
+    /// at all.
+    #[error(
+        "tensor `{name}`: element {index} is {value}, {}",
+        if value.is_finite() {
+            format!("beyond {dtype}'s range (largest finite 65504); write it as bf16 or fp32 (export --dtype bf16)")
+        } else {
+            "not a finite number: the weights have diverged; use an earlier checkpoint".to_owned()
+        }
+    )]
+    NotRepresentable {
+        /// Name (HF name for parameters).
+        name: String,
+        /// The element's index in the flattened tensor.
+        index: usize,
+        /// Its fp32 value.
+        value: f32,
+        /// The dtype asked for.
+        dtype: &'static str,
+    },
     /// A tensor's shape differs from what the config implies.
     #[error("tensor `{name}`: expected shape {expected:?}, found {found:?}")]
     ShapeMismatch {
