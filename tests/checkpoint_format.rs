@@ -595,6 +595,25 @@ fn huge_claims_are_refused_before_allocating() {
             }),
             "overlap at element 0",
         ),
+        // Counters a resume adds to: they failed mid-run, exit 1.
+        (
+            "adam steps beyond the step",
+            Box::new(|v| {
+                let step = v["step"].as_u64().unwrap();
+                v["adam_steps"] = (step + 1).into();
+            }),
+            "adam_steps",
+        ),
+        (
+            "a step of 2^64 - 1",
+            Box::new(|v| v["step"] = u64::MAX.into()),
+            "the step is at most",
+        ),
+        (
+            "samples consumed near 2^64",
+            Box::new(|v| v["data"]["samples_consumed"] = (u64::MAX - 3).into()),
+            "samples_consumed",
+        ),
     ];
     for (what, edit, needle) in cases {
         let (save, step) = saved("huge");

@@ -175,6 +175,14 @@ pub struct HfWeights {
     pub dtype: String,
 }
 
+/// The largest step a manifest may hold (2^48: a step a microsecond
+/// for nine years); a resume counts on from it without overflow.
+const MAX_STEP: u64 = 1 << 48;
+
+/// The largest `data.samples_consumed` (2^62): the data's sample indices
+/// go on from it without overflow.
+const MAX_SAMPLES: u64 = 1 << 62;
+
 /// `manifest.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
@@ -448,6 +456,28 @@ impl Manifest {
     pub fn validate(&self, model: &Model, path: &Path) -> Result<(), CheckpointError> {
         for f in &self.files {
             check_relative(&f.path)?;
+        }
+        // The counters a resume adds to: a forged or damaged value (whose
+        // manifest crc was resealed) failed mid-run on an overflow, as an
+        // internal error.
+        if self.step > MAX_STEP || self.adam_steps > self.step || self.skipped_steps > self.step {
+            return Err(bad(
+                path,
+                format!(
+                    "step {}, adam_steps {}, skipped_steps {}: the step is at most {MAX_STEP} \
+                     and counts the others",
+                    self.step, self.adam_steps, self.skipped_steps
+                ),
+            ));
+        }
+        if self.data.samples_consumed > MAX_SAMPLES {
+            return Err(bad(
+                path,
+                format!(
+                    "data.samples_consumed {} is beyond {MAX_SAMPLES}",
+                    self.data.samples_consumed
+                ),
+            ));
         }
         if self.world_size == 0 || self.ranks.len() != self.world_size {
             return Err(bad(
