@@ -161,8 +161,12 @@ fn open_target(t: &Target) -> Result<BenchTarget, Failure> {
     let bt = if let Some(file) = &t.file {
         if !file.is_file() {
             return Err(Failure::BadInput(anyhow!(
-                "--file {}: no such file",
-                file.display()
+                "--file {}: {}; give a regular file on the device (or --path DIR for a new one)",
+                file.display(),
+                match std::fs::metadata(file) {
+                    Ok(_) => "not a regular file",
+                    Err(_) => "no such file",
+                }
             )));
         }
         BenchTarget::existing(file, DirectIo::Auto)

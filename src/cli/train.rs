@@ -692,9 +692,14 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
             let n = number("--seq-len", s, 1, u64::MAX)?;
             if n > mc.max_seq_len as u64 {
                 return Err(bad(format!(
-                    "--seq-len {n} is longer than the model's {} positions (its config.json's \
-                     {}); give --seq-len {} or less",
+                    "--seq-len {n} is longer than the model's {} positions ({}'s {}); give \
+                     --seq-len {} or less",
                     mc.max_seq_len,
+                    if ckpt.is_some() {
+                        "the checkpoint's model config"
+                    } else {
+                        "its config.json"
+                    },
                     match mc.arch {
                         tierzero::model::Arch::Gpt2 => "n_positions",
                         tierzero::model::Arch::Llama => "max_position_embeddings",

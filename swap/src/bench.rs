@@ -72,7 +72,17 @@ impl BenchTarget {
         let space = SwapSpace::open_file(file, direct_io, false)?;
         let free = space.free_bytes();
         if free == 0 {
-            return Err(SwapError::Config(format!("{} is empty", file.display())));
+            let len = std::fs::metadata(file).map_or(0, |m| m.len());
+            return Err(SwapError::Config(if len == 0 {
+                format!("{} is empty", file.display())
+            } else {
+                format!(
+                    "{} holds {len} bytes, less than one aligned block of {} bytes; give a \
+                     larger file",
+                    file.display(),
+                    space.alignment().bytes()
+                )
+            }));
         }
         let extent = space.allocate(free)?;
         Ok(BenchTarget { space, extent })
