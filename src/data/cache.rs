@@ -15,7 +15,11 @@
 //! Both files are written with [`crate::durable`] (temporary file, fsync,
 //! rename), the token file first: a crash leaves no sidecar, which is a
 //! miss. A hit needs the sidecar's key and token count to match the token
-//! file's size.
+//! file's size, and the file's CRC-32C and largest id to be the ones the
+//! sidecar recorded (the file is read once, at memory speed: damage or an
+//! edit in place is a miss, encoded again). The encode reads the data
+//! through a CRC tally ([`Tally`]): data changed between the key's read
+//! and the encode's is not cached.
 //!
 //! An entry of an earlier content of the data can never hit again (its
 //! key holds the content's CRC), yet is as large as the cache: when a new
@@ -161,6 +165,12 @@ pub struct CacheMeta {
     /// vocabulary without reading the file (older entries: `None`, read).
     #[serde(default)]
     pub max_id: Option<u32>,
+    /// CRC-32C of the token file: a hit reads it once to check it
+    /// ([`lookup`]), so tokens damaged or edited in place (their length
+    /// kept) are re-encoded rather than trained on. Entries written before
+    /// it (`None`) are misses, re-encoded once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_crc32c: Option<u32>,
 }
 
 /// The inputs of a cache key.
@@ -244,16 +254,76 @@ pub fn paths_in(dir: &Path, data: &Path, key: &str, width: TokenWidth) -> (PathB
     (tokens, PathBuf::from(side))
 }
 
-/// The entry's sidecar when it describes a whole token file of `key`.
+/// The entry's sidecar when it describes a whole token file of `key`
+/// whose bytes are the ones it recorded (length and CRC-32C: the file is
+/// read once) and whose largest id is the one it says. A mismatch is a
+/// miss, said in a warning: the entry is encoded again in its place.
 pub fn lookup(tokens: &Path, sidecar: &Path, key: &str, width: TokenWidth) -> Option<CacheMeta> {
     let text = std::fs::read_to_string(sidecar).ok()?;
     let meta: CacheMeta = serde_json::from_str(&text).ok()?;
     let len = std::fs::metadata(tokens).ok()?.len();
-    (meta.tierzero_token_cache == CACHE_VERSION
+    let described = meta.tierzero_token_cache == CACHE_VERSION
         && meta.key == key
         && meta.dtype == width.dtype_name()
-        && meta.tokens.checked_mul(width.bytes() as u64) == Some(len))
-    .then_some(meta)
+        && meta.tokens.checked_mul(width.bytes() as u64) == Some(len);
+    if !described {
+        return None;
+    }
+    let recorded = (meta.tokens_crc32c?, meta.max_id?);
+    match tokens_check(tokens, width) {
+        Ok(found) if found == recorded => Some(meta),
+        Ok((crc, max_id)) => {
+            tracing::warn!(
+                cache = %tokens.display(),
+                crc32c = crc,
+                recorded_crc32c = recorded.0,
+                max_id,
+                recorded_max_id = recorded.1,
+                "the cached tokens are not the ones recorded (damaged or edited in place): \
+                 encoding the data again"
+            );
+            None
+        }
+        Err(e) => {
+            tracing::warn!(cache = %tokens.display(), error = %e, "could not read the cached tokens: encoding the data again");
+            None
+        }
+    }
+}
+
+/// The CRC-32C of a token file and its largest id (0 when empty).
+pub fn tokens_check(tokens: &Path, width: TokenWidth) -> std::io::Result<(u32, u32)> {
+    let mut f = crate::durable::open_regular(tokens)?;
+    let mut buf = vec![0u8; 1 << 20];
+    let (mut crc, mut max_id, mut carry) = (0u32, 0u32, Vec::new());
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        crc = crc32c::crc32c_append(crc, &buf[..n]);
+        // Ids may straddle reads: the bytes of a partial id wait for the next.
+        carry.extend_from_slice(&buf[..n]);
+        let whole = carry.len() - carry.len() % width.bytes();
+        max_id = max_id.max(max_id_of(&carry[..whole], width));
+        carry.drain(..whole);
+    }
+    Ok((crc, max_id))
+}
+
+/// The largest little-endian id of `width` in `bytes`.
+pub fn max_id_of(bytes: &[u8], width: TokenWidth) -> u32 {
+    match width {
+        TokenWidth::U16 => bytes
+            .chunks_exact(2)
+            .map(|b| u32::from(u16::from_le_bytes([b[0], b[1]])))
+            .max(),
+        TokenWidth::U32 => bytes
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .max(),
+    }
+    .unwrap_or(0)
 }
 
 /// Removes the cache entries in `dir` of the data file named as `data`'s
@@ -347,10 +417,49 @@ mod tests {
             data,
             format: "text".into(),
             eos_id: None,
-            max_id: Some(1),
+            max_id: Some(0),
+            tokens_crc32c: Some(crc32c::crc32c(&[0u8; 8])),
         };
         std::fs::write(&sidecar, serde_json::to_vec(&meta).unwrap()).unwrap();
         tokens
+    }
+
+    /// A hit reads the token file: tokens edited in place (the length
+    /// kept), a sidecar whose largest id or crc is not the file's, and an
+    /// entry without a crc are misses; the entry as written is a hit.
+    #[test]
+    fn a_hit_is_the_tokens_recorded() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = DataIdentity {
+            bytes: 10,
+            crc32c: 7,
+            utf8_bom: false,
+        };
+        let key = "ab".repeat(32);
+        let tokens = entry(dir.path(), "c.txt", &key, data);
+        let (_, sidecar) = paths_in(dir.path(), Path::new("c.txt"), &key, TokenWidth::U16);
+        let hit = || lookup(&tokens, &sidecar, &key, TokenWidth::U16).is_some();
+        assert!(hit());
+        // Ids straddling the reads are whole: (crc, largest id) of [0, 0, 0, 300].
+        std::fs::write(&tokens, [0, 0, 0, 0, 0, 0, 0x2c, 0x01]).unwrap();
+        assert!(!hit());
+        assert_eq!(
+            tokens_check(&tokens, TokenWidth::U16).unwrap(),
+            (crc32c::crc32c(&[0, 0, 0, 0, 0, 0, 0x2c, 0x01]), 300)
+        );
+        let edit = |f: &dyn Fn(&mut CacheMeta)| {
+            let mut m: CacheMeta =
+                serde_json::from_slice(&std::fs::read(&sidecar).unwrap()).unwrap();
+            f(&mut m);
+            std::fs::write(&sidecar, serde_json::to_vec(&m).unwrap()).unwrap();
+        };
+        std::fs::write(&tokens, [0u8; 8]).unwrap();
+        edit(&|m| m.max_id = Some(5));
+        assert!(!hit());
+        edit(&|m| m.max_id = Some(0));
+        assert!(hit());
+        edit(&|m| m.tokens_crc32c = None);
+        assert!(!hit());
     }
 
     #[test]

@@ -662,6 +662,7 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
     crate::durable::remove_stale_tmp(&sidecar, false);
     crate::failpoint::kill_point(crate::failpoint::Site::DataEncode);
     let mut enc = encode::Encoded::default();
+    let mut tokens_crc32c = 0u32;
     crate::durable::write_atomic_streamed(&tokens, |file, tmp| -> Result<std::fs::File> {
         use std::io::Write as _;
         let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
@@ -670,6 +671,7 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
             source,
         };
         let mut bytes = Vec::new();
+        let mut crc = 0u32;
         enc = encode::encode(
             &mut docs,
             &tokenizer,
@@ -684,10 +686,12 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
                         TokenWidth::U32 => bytes.extend_from_slice(&t.to_le_bytes()),
                     }
                 }
+                crc = crc32c::crc32c_append(crc, &bytes);
                 w.write_all(&bytes).map_err(werr)
             },
             &on_progress,
         )?;
+        tokens_crc32c = crc;
         // All of it was read (the encode reads to the end): the entry is
         // of the content its key names, or it is not made.
         docs.reader().get_ref().check(&ident, &spec.path)?;
@@ -709,6 +713,7 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
         format: spec.format.name(),
         eos_id: spec.eos,
         max_id: Some(enc.max_id),
+        tokens_crc32c: Some(tokens_crc32c),
     };
     let text = serde_json::to_vec_pretty(&meta)
         .map_err(|e| EngineError::internal(format!("token cache sidecar: {e}")))?;
