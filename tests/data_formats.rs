@@ -284,6 +284,20 @@ fn the_cache_goes_where_it_is_told() {
     let second = load(&s);
     assert_eq!(second.origin, Origin::CacheHit(cache.clone()));
     assert_eq!(second.data.tokens(), first.data.tokens());
+    // The entry's name taken by a directory: not cached, said so (it was
+    // an error to replace a path the user never gave).
+    std::fs::remove_file(&cache).unwrap();
+    std::fs::create_dir(&cache).unwrap();
+    let third = load(&s);
+    match &third.origin {
+        Origin::Encoded {
+            cached: None,
+            no_cache: Some(why),
+            ..
+        } => assert!(why.contains("taken by a directory"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(third.data.tokens(), first.data.tokens());
 }
 
 /// A file saved with a UTF-8 byte-order mark (Windows editors) reads as

@@ -604,9 +604,16 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
             }
         }
         // Written in the first that takes files (created if missing).
+        // A directory whose entry paths are taken by something that is
+        // not a file (a directory made there) cannot take the entry.
+        let free = |d: &Path| {
+            let (tokens, sidecar) = cache::paths_in(d, &spec.path, &key, width);
+            crate::durable::check_replaceable(&tokens).is_ok()
+                && crate::durable::check_replaceable(&sidecar).is_ok()
+        };
         match dirs
             .iter()
-            .find(|d| crate::durable::create_dir_all(d).is_ok() && cache::writable(d))
+            .find(|d| crate::durable::create_dir_all(d).is_ok() && cache::writable(d) && free(d))
         {
             Some(dir) => {
                 let (tokens, sidecar) = cache::paths_in(dir, &spec.path, &key, width);
@@ -615,7 +622,8 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
             None => {
                 let names: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
                 no_cache = Some(format!(
-                    "{} not writable: the tokens stay in memory",
+                    "{} not writable (or the entry's name there is taken by a directory): the \
+                     tokens stay in memory",
                     if names.len() == 1 {
                         format!("{} is", names[0])
                     } else {
@@ -723,7 +731,13 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
     // file edited meanwhile) then leaves the mapping whole.
     let data = cached(&tokens, width, &meta, vocab_size)?;
     let dir = cache::data_dir(&spec.path);
-    let superseded = if tokens.parent() == Some(dir.as_path()) {
+    // The data's own directory, however --data-cache-dir spelled it.
+    let same_dir = |a: &Path, b: &Path| {
+        a == b
+            || std::fs::canonicalize(a)
+                .is_ok_and(|a| std::fs::canonicalize(b).is_ok_and(|b| a == b))
+    };
+    let superseded = if tokens.parent().is_some_and(|p| same_dir(p, &dir)) {
         cache::remove_superseded(&dir, &spec.path, &meta.data)
     } else {
         Vec::new()
