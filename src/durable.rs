@@ -252,8 +252,9 @@ fn remove_tmp(tmp: &Path) {
     }
 }
 
-/// What a file that is not a regular file is, in words.
-fn kind_of(t: std::fs::FileType) -> &'static str {
+/// What a file that is not a regular file is, in words ("FIFO",
+/// "character device", ...).
+pub fn kind_of(t: std::fs::FileType) -> &'static str {
     use std::os::unix::fs::FileTypeExt as _;
     if t.is_dir() {
         "directory"

@@ -65,6 +65,17 @@ fn train(d: &Path, extra: &[&str]) -> Out {
     run_tierzero(Some(d), &args)
 }
 
+/// [`setup`], and a run of 2 steps saving each in `ck`.
+fn saved_two_steps(tag: &str) -> PathBuf {
+    let d = setup(tag);
+    let ok = train(
+        &d,
+        &["--steps", "2", "--save-every", "1", "--save-dir", "ck"],
+    );
+    assert_eq!(ok.code, 0, "{}", ok.stderr);
+    d
+}
+
 fn summary_hash(metrics: &Path) -> String {
     let text = std::fs::read_to_string(metrics).unwrap();
     let last: Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
@@ -440,12 +451,7 @@ fn tree(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
 /// fresh directory of the save dir still work.
 #[test]
 fn no_output_lands_on_a_checkpoint() {
-    let d = setup("own-outputs");
-    let ok = train(
-        &d,
-        &["--steps", "2", "--save-every", "1", "--save-dir", "ck"],
-    );
-    assert_eq!(ok.code, 0, "{}", ok.stderr);
+    let d = saved_two_steps("own-outputs");
     let before = tree(&d.join("ck"));
     let refused = |args: &[&str], want: &str| {
         let o = if args[0] == "export" {
@@ -543,12 +549,7 @@ fn no_output_lands_on_a_checkpoint() {
 /// to resume from and `inspect --verify`.
 #[test]
 fn a_corrupt_resume_names_the_older_checkpoint() {
-    let d = setup("corrupt-resume");
-    let ok = train(
-        &d,
-        &["--steps", "2", "--save-every", "1", "--save-dir", "ck"],
-    );
-    assert_eq!(ok.code, 0, "{}", ok.stderr);
+    let d = saved_two_steps("corrupt-resume");
     let master = d.join("ck/step-00000002/rank0000/master.f32");
     let mut bytes = std::fs::read(&master).unwrap();
     bytes[100] ^= 0x40;

@@ -165,6 +165,31 @@ fn a_second_run_on_the_same_nvme_path_exits_2_naming_the_lock_and_its_holder() {
     let _ = std::fs::remove_dir_all(&swap);
 }
 
+/// A 65B-param GPT-2 shape (its config only) and a short text in a new
+/// scratch dir.
+fn big_gpt2(tag: &str) -> PathBuf {
+    let d = scratch(tag);
+    std::fs::create_dir_all(d.join("model")).unwrap();
+    let model = json!({"model_type": "gpt2", "vocab_size": 32000, "n_positions": 32,
+        "n_embd": 8192, "n_layer": 80, "n_head": 64, "tie_word_embeddings": true});
+    std::fs::write(d.join("model/config.json"), model.to_string()).unwrap();
+    let text = "the engine streams every layer from nvme while adam steps on the cpu. ".repeat(60);
+    std::fs::write(d.join("data.txt"), text).unwrap();
+    d
+}
+
+/// One step of `d`'s model under `cfg`, refused (exit 2, no panic): its
+/// error line, and when the run began.
+fn refused_with(d: &Path, cfg: &Value) -> (String, Instant) {
+    std::fs::write(d.join("ds_config.json"), cfg.to_string()).unwrap();
+    let started = Instant::now();
+    let o = run_wrapped(d, &[], &tiny_args("1"));
+    assert_no_panic(&o);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    let line = o.stderr.lines().find(|l| l.starts_with("error:")).unwrap();
+    (line.to_owned(), started)
+}
+
 /// A model whose pinned param pages and host-memory optimizer state need
 /// far more than this machine's memory (a 65B-param GPT-2 shape, both
 /// offloads on the CPU; then nothing offloaded) is refused at start-up
@@ -174,13 +199,7 @@ fn a_second_run_on_the_same_nvme_path_exits_2_naming_the_lock_and_its_holder() {
 /// process (or the OOM killer took it).
 #[test]
 fn a_run_larger_than_host_memory_is_refused_with_the_numbers() {
-    let d = scratch("host-memory");
-    std::fs::create_dir_all(d.join("model")).unwrap();
-    let model = json!({"model_type": "gpt2", "vocab_size": 32000, "n_positions": 32,
-        "n_embd": 8192, "n_layer": 80, "n_head": 64, "tie_word_embeddings": true});
-    std::fs::write(d.join("model/config.json"), model.to_string()).unwrap();
-    let text = "the engine streams every layer from nvme while adam steps on the cpu. ".repeat(60);
-    std::fs::write(d.join("data.txt"), text).unwrap();
+    let d = big_gpt2("host-memory");
     for (offload, pinned) in [
         (json!({"device": "cpu"}), true),
         (json!({"device": "none"}), false),
@@ -190,12 +209,7 @@ fn a_run_larger_than_host_memory_is_refused_with_the_numbers() {
             "zero_optimization": {"stage": 3, "offload_param": offload,
                 "offload_optimizer": {"device": "cpu"}},
         });
-        std::fs::write(d.join("ds_config.json"), cfg.to_string()).unwrap();
-        let started = Instant::now();
-        let o = run_wrapped(&d, &[], &tiny_args("1"));
-        assert_no_panic(&o);
-        assert_eq!(o.code, 2, "{}", o.stderr);
-        let line = o.stderr.lines().find(|l| l.starts_with("error:")).unwrap();
+        let (line, started) = refused_with(&d, &cfg);
         for want in [
             "of optimizer state in host memory",
             "of host memory is available",
@@ -223,14 +237,8 @@ fn a_run_larger_than_host_memory_is_refused_with_the_numbers() {
 /// file (no total, no fix). A 65B-param GPT-2 shape needs about 1 TB here.
 #[test]
 fn swap_beyond_the_free_disk_space_is_refused_with_the_numbers() {
-    let d = scratch("nvme-space");
-    std::fs::create_dir_all(d.join("model")).unwrap();
+    let d = big_gpt2("nvme-space");
     std::fs::create_dir_all(d.join("swap")).unwrap();
-    let model = json!({"model_type": "gpt2", "vocab_size": 32000, "n_positions": 32,
-        "n_embd": 8192, "n_layer": 80, "n_head": 64, "tie_word_embeddings": true});
-    std::fs::write(d.join("model/config.json"), model.to_string()).unwrap();
-    let text = "the engine streams every layer from nvme while adam steps on the cpu. ".repeat(60);
-    std::fs::write(d.join("data.txt"), text).unwrap();
     let free = tierzero_swap::space::filesystem_space(&d.join("swap"))
         .unwrap()
         .available_bytes;
@@ -244,12 +252,7 @@ fn swap_beyond_the_free_disk_space_is_refused_with_the_numbers() {
             "offload_param": {"device": "nvme", "nvme_path": "swap", "max_in_cpu": 0},
             "offload_optimizer": {"device": "nvme", "nvme_path": "swap"}},
     });
-    std::fs::write(d.join("ds_config.json"), cfg.to_string()).unwrap();
-    let started = Instant::now();
-    let o = run_wrapped(&d, &[], &tiny_args("1"));
-    assert_no_panic(&o);
-    assert_eq!(o.code, 2, "{}", o.stderr);
-    let line = o.stderr.lines().find(|l| l.starts_with("error:")).unwrap();
+    let (line, started) = refused_with(&d, &cfg);
     for want in [
         "the swap file for the params (swap/tierzero/swap-",
         "and its file system has",

@@ -106,18 +106,13 @@ fn check_data_file(data: &Path) -> Result<(), Failure> {
     let Ok(t) = std::fs::metadata(data).map(|m| m.file_type()) else {
         return Ok(());
     };
-    let kind = if t.is_char_device() {
-        "a character device"
-    } else if t.is_block_device() {
-        "a block device"
-    } else if t.is_socket() {
-        "a socket"
-    } else {
+    if !(t.is_char_device() || t.is_block_device() || t.is_socket()) {
         return Ok(());
-    };
+    }
     Err(bad(format!(
-        "--data {}: is {kind}; give a file, or a pipe such as <(zcat corpus.txt.gz)",
-        data.display()
+        "--data {}: is a {}; give a file, or a pipe such as <(zcat corpus.txt.gz)",
+        data.display(),
+        tierzero::durable::kind_of(t)
     )))
 }
 
