@@ -447,7 +447,7 @@ pub(crate) fn tmp_owner_pid(tmp_name: &str, name: &str) -> Option<u32> {
 
 /// Removes the temporary files of atomic rewrites of `path` that
 /// processes now gone left beside it (gone by their pid, and their lock
-/// free: [`lock_tmp`]) (killed mid-write: an export's is as
+/// free: `lock_tmp`) (killed mid-write: an export's is as
 /// large as the model, and nothing else would remove it), and with
 /// `own_too` this process's (a caller that is not writing `path` now: one
 /// of its pid is a dead incarnation's, pid 1 in a restarted container).
