@@ -62,6 +62,23 @@ fn err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> D
 
 static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
 
+/// The `<seq>` of a new temporary file's name `.{name}.tmp-<pid>-<seq>`:
+/// unique within this process, and from a start drawn from the clock, so
+/// that processes of one pid in other pid namespaces (pid 1 in each of
+/// several containers) writing one shared directory do not pick the
+/// same name.
+fn next_tmp_seq() -> u64 {
+    static START: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let start = *START.get_or_init(|| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        // Room to count up without wrapping.
+        nanos & ((1 << 60) - 1)
+    });
+    start + TMP_SEQ.fetch_add(1, Ordering::Relaxed)
+}
+
 /// A log of file-system operations, in the style of ALICE / CrashMonkey:
 /// what a crash-consistency model needs to rebuild what a power loss at
 /// any point would leave on disk.
@@ -359,7 +376,7 @@ pub(crate) fn write_atomic_with(
     let tmp = dir.join(format!(
         ".{name}.tmp-{}-{}",
         std::process::id(),
-        TMP_SEQ.fetch_add(1, Ordering::Relaxed)
+        next_tmp_seq()
     ));
     let result = (|| {
         let mut f = create_file(&tmp)?;
@@ -411,7 +428,7 @@ pub fn write_atomic_streamed<E: From<DurableError>>(
     let tmp = dir.join(format!(
         ".{name}.tmp-{}-{}",
         std::process::id(),
-        TMP_SEQ.fetch_add(1, Ordering::Relaxed)
+        next_tmp_seq()
     ));
     let result = (|| {
         let created = create_file(&tmp)?;
@@ -467,8 +484,6 @@ pub fn remove_every_tmp(path: &Path) -> usize {
     remove_tmp_where(path, false, |_| true)
 }
 
-/// Removes the temporary files of atomic rewrites of `path` whose pid
-/// `stale` says; a file it cannot remove is said, not an error.
 /// Takes an exclusive `flock` on a temporary file being written, held
 /// until the file is closed (after its rename): a process in another pid
 /// namespace or on another host sharing the directory (ranks of several
@@ -479,17 +494,20 @@ fn lock_tmp(f: &File) {
     let _ = f.try_lock();
 }
 
-/// Whether a temporary file's writer may still be at work: its lock
-/// ([`lock_tmp`]) is held, or cannot be tested.
+/// Whether a temporary file's writer holds its lock ([`lock_tmp`]). It is
+/// opened for writing: NFS turns `flock` into a write lock, which a
+/// read-only descriptor cannot take. A lock that cannot be tested (no
+/// lock support there) says nothing, and the pid decides alone.
 fn tmp_in_use(path: &Path) -> bool {
-    match File::open(path) {
-        Ok(f) => !matches!(f.try_lock(), Ok(())),
-        Err(e) => e.kind() != std::io::ErrorKind::NotFound,
+    match OpenOptions::new().read(true).write(true).open(path) {
+        Ok(f) => matches!(f.try_lock(), Err(std::fs::TryLockError::WouldBlock)),
+        Err(_) => false,
     }
 }
 
-/// Removes the temporary files of rewrites of `path` whose pid is
-/// `stale`, and with `unlocked` only those no writer holds locked.
+/// Removes the temporary files of atomic rewrites of `path` whose pid
+/// `stale` says, and with `unlocked` only those no writer holds locked
+/// ([`tmp_in_use`]); a file it cannot remove is said, not an error.
 fn remove_tmp_where(path: &Path, unlocked: bool, stale: impl Fn(u32) -> bool) -> usize {
     let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
         return 0;
