@@ -193,6 +193,14 @@ fn corruption_is_named_by_part() {
     assert!(e.to_string().contains("manifest.json"), "{e}");
 }
 
+/// Makes a copy of a step dir's manifest say `step` (and as many Adam
+/// steps, none skipped, as a real one of that step would).
+fn set_step(v: &mut serde_json::Value, step: u64) {
+    v["step"] = step.into();
+    v["adam_steps"] = step.into();
+    v["skipped_steps"] = 0.into();
+}
+
 fn edit_manifest(step: &Path, f: impl FnOnce(&mut serde_json::Value)) {
     let p = step.join("manifest.json");
     let mut v: serde_json::Value =
@@ -246,12 +254,12 @@ fn truncation_latest_fallback_and_unfinished_saves() {
     assert_eq!(Checkpoint::open(&save2).unwrap().latest_unusable(), None);
     let older = save2.join("step-00000001");
     copy_dir(&save2.join("step-00000002"), &older);
-    edit_manifest(&older, |v| v["step"] = 1.into());
+    edit_manifest(&older, |v| set_step(v, 1));
     // A step above the one `latest` names: a run abandoned for an older
     // step, never fallen back to (it was, as the newest that validates).
     let above = save2.join("step-00000003");
     copy_dir(&older, &above);
-    edit_manifest(&above, |v| v["step"] = 3.into());
+    edit_manifest(&above, |v| set_step(v, 3));
     std::fs::remove_file(save2.join("step-00000002/manifest.json")).unwrap();
     let c = Checkpoint::open(&save2).unwrap();
     assert_eq!(c.step(), 1);
@@ -279,7 +287,7 @@ fn truncation_latest_fallback_and_unfinished_saves() {
     // from step 1 (whose next save of step 2 would replace the newer one).
     let (save4, step4) = saved("newer");
     copy_dir(&step4, &save4.join("step-00000001"));
-    edit_manifest(&save4.join("step-00000001"), |v| v["step"] = 1.into());
+    edit_manifest(&save4.join("step-00000001"), |v| set_step(v, 1));
     edit_manifest(&step4, |v| v["version"] = 99.into());
     match open_err(&save4) {
         CheckpointError::Version { version, by, .. } => {
