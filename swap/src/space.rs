@@ -1131,12 +1131,24 @@ fn open_swap_file(
 /// finds out.
 fn check_room(dir: &Path, path: &Path, needed_bytes: u64) -> Result<()> {
     match filesystem_space(dir) {
-        Ok(s) if s.total_bytes > 0 && s.available_bytes < needed_bytes => Err(SwapError::NoRoom {
+        Ok(s) if s.total_bytes > 0 && usable_bytes(&s) < needed_bytes => Err(SwapError::NoRoom {
             path: path.to_path_buf(),
             needed_bytes,
-            available_bytes: s.available_bytes,
+            available_bytes: usable_bytes(&s),
         }),
         _ => Ok(()),
+    }
+}
+
+/// The bytes this process may allocate there: root may use the file
+/// system's reserve (ext4 keeps 5% for it), others `f_bavail`.
+fn usable_bytes(s: &FsSpace) -> u64 {
+    // SAFETY: geteuid takes no arguments, touches no memory and cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    if root {
+        s.free_bytes.max(s.available_bytes)
+    } else {
+        s.available_bytes
     }
 }
 
@@ -1145,10 +1157,13 @@ fn check_room(dir: &Path, path: &Path, needed_bytes: u64) -> Result<()> {
 /// file is gone), else the write's [`SwapError::Io`].
 fn size_error(path: &Path, bytes: u64, source: std::io::Error) -> SwapError {
     if source.raw_os_error() == Some(libc::ENOSPC) {
+        // Only where the numbers show it: an ENOSPC with room left (no
+        // inodes, a btrfs short of metadata) stays the write's error.
         if let Some(available_bytes) = path
             .parent()
             .and_then(|d| filesystem_space(d).ok())
-            .map(|s| s.available_bytes)
+            .map(|s| usable_bytes(&s))
+            .filter(|&b| b < bytes)
         {
             return SwapError::NoRoom {
                 path: path.to_path_buf(),
@@ -1294,6 +1309,9 @@ pub struct FsSpace {
     pub total_bytes: u64,
     /// Bytes an unprivileged user can still allocate (`f_bavail`).
     pub available_bytes: u64,
+    /// Bytes free, the reserve for root included (`f_bfree`): what a
+    /// process with `CAP_SYS_RESOURCE` (root) can allocate.
+    pub free_bytes: u64,
 }
 
 /// The size and free space of the file system holding `path`, so callers
@@ -1323,6 +1341,7 @@ pub fn filesystem_space(path: &Path) -> std::io::Result<FsSpace> {
     Ok(FsSpace {
         total_bytes: (st.f_blocks as u64).saturating_mul(frag_bytes),
         available_bytes: (st.f_bavail as u64).saturating_mul(frag_bytes),
+        free_bytes: (st.f_bfree as u64).saturating_mul(frag_bytes),
     })
 }
 
@@ -1684,9 +1703,8 @@ mod tests {
     #[test]
     fn a_space_beyond_the_free_space_is_refused_before_any_file() {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
-        let free = filesystem_space(dir.path())
-            .unwrap_or_else(|e| panic!("statvfs: {e}"))
-            .available_bytes;
+        let free =
+            usable_bytes(&filesystem_space(dir.path()).unwrap_or_else(|e| panic!("statvfs: {e}")));
         let too_big = (free + (1 << 30)).next_multiple_of(1 << 20);
         match SwapSpace::create(SpaceConfig::new(dir.path(), too_big)) {
             Err(SwapError::NoRoom {
@@ -1731,6 +1749,15 @@ mod tests {
             }
             other => panic!("expected NoRoom, got {other:?}"),
         }
+        // ENOSPC with room left (no inodes): the write's error, not NoRoom.
+        let full = std::io::Error::from_raw_os_error(libc::ENOSPC);
+        assert!(matches!(
+            size_error(&path, 4096, full),
+            SwapError::Io {
+                len_bytes: 4096,
+                ..
+            }
+        ));
         let eio = std::io::Error::from_raw_os_error(libc::EIO);
         assert!(matches!(
             size_error(&path, 1 << 40, eio),
