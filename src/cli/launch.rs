@@ -264,7 +264,12 @@ pub fn run(args: LaunchArgs) -> Result<i32, Failure> {
             )))
         }
     };
-    if args.hostfile.is_none() {
+    // Inside a batch scheduler's allocation, mpirun places the ranks on
+    // its nodes without a hostfile.
+    let allocated = ["SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some());
+    if args.hostfile.is_none() && !allocated {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         check_local_ranks(nproc, cpus)?;
     }
@@ -282,8 +287,9 @@ pub fn run(args: LaunchArgs) -> Result<i32, Failure> {
 /// threads), beyond this many is a typo, not a run.
 const MAX_LOCAL_RANKS_PER_CPU: u64 = 4;
 
-/// Refuses `nproc` ranks on this machine alone (no hostfile: mpirun
-/// starts every rank here, oversubscribed) beyond
+/// Refuses `nproc` ranks on this machine alone (no hostfile and no
+/// Slurm/PBS/LSF allocation: mpirun starts every rank here,
+/// oversubscribed) beyond
 /// [`MAX_LOCAL_RANKS_PER_CPU`] a CPU of its `cpus`.
 fn check_local_ranks(nproc: u64, cpus: usize) -> Result<(), Failure> {
     let most = MAX_LOCAL_RANKS_PER_CPU.saturating_mul(cpus.max(1) as u64);
