@@ -788,7 +788,7 @@ fn a_weight_the_output_dtype_cannot_hold_is_refused() {
                     "{e}"
                 );
                 let fix = if value.is_finite() {
-                    "export --dtype bf16"
+                    "`export --dtype`"
                 } else {
                     "diverged"
                 };

@@ -103,7 +103,12 @@ pub enum ModelError {
     #[error(
         "tensor `{name}`: element {index} is {value}, {}",
         if value.is_finite() {
-            format!("beyond {dtype}'s range (largest finite 65504); write it as bf16 or fp32 (export --dtype bf16)")
+            format!(
+                "beyond {dtype}'s range (its largest finite value is {}); write the weights \
+                 in a wider dtype ({}: `export --dtype`, or the run's precision)",
+                if *dtype == "fp16" { "65504" } else { "3.39e38" },
+                if *dtype == "fp16" { "bf16 or fp32" } else { "fp32" }
+            )
         } else {
             "not a finite number: the weights have diverged; use an earlier checkpoint".to_owned()
         }
