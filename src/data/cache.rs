@@ -293,8 +293,17 @@ pub fn lookup(tokens: &Path, sidecar: &Path, key: &str, width: TokenWidth) -> Op
 
 /// The CRC-32C of a token file and its largest id (0 when empty).
 pub fn tokens_check(tokens: &Path, width: TokenWidth) -> std::io::Result<(u32, u32)> {
+    tokens_check_in(tokens, width, 1 << 20)
+}
+
+/// [`tokens_check`], reading `buf_bytes` at a time.
+fn tokens_check_in(
+    tokens: &Path,
+    width: TokenWidth,
+    buf_bytes: usize,
+) -> std::io::Result<(u32, u32)> {
     let mut f = crate::durable::open_regular(tokens)?;
-    let mut buf = vec![0u8; 1 << 20];
+    let mut buf = vec![0u8; buf_bytes.max(1)];
     let (mut crc, mut max_id, mut carry) = (0u32, 0u32, Vec::new());
     loop {
         let n = f.read(&mut buf)?;
@@ -440,13 +449,19 @@ mod tests {
         let (_, sidecar) = paths_in(dir.path(), Path::new("c.txt"), &key, TokenWidth::U16);
         let hit = || lookup(&tokens, &sidecar, &key, TokenWidth::U16).is_some();
         assert!(hit());
-        // Ids straddling the reads are whole: (crc, largest id) of [0, 0, 0, 300].
-        std::fs::write(&tokens, [0, 0, 0, 0, 0, 0, 0x2c, 0x01]).unwrap();
+        // Edited in place: a miss. Its (crc, largest id) of [0, 0, 0, 300],
+        // also read 3 bytes at a time (every id but the first straddles
+        // two reads).
+        let edited = [0, 0, 0, 0, 0, 0, 0x2c, 0x01];
+        std::fs::write(&tokens, edited).unwrap();
         assert!(!hit());
-        assert_eq!(
-            tokens_check(&tokens, TokenWidth::U16).unwrap(),
-            (crc32c::crc32c(&[0, 0, 0, 0, 0, 0, 0x2c, 0x01]), 300)
-        );
+        for buf_bytes in [1 << 20, 3, 1] {
+            assert_eq!(
+                tokens_check_in(&tokens, TokenWidth::U16, buf_bytes).unwrap(),
+                (crc32c::crc32c(&edited), 300),
+                "{buf_bytes}"
+            );
+        }
         let edit = |f: &dyn Fn(&mut CacheMeta)| {
             let mut m: CacheMeta =
                 serde_json::from_slice(&std::fs::read(&sidecar).unwrap()).unwrap();
