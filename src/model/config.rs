@@ -1148,6 +1148,10 @@ mod tests {
                 "`rope_scaling.factor`",
             ),
             (
+                r#","original_max_position_embeddings":0,"rope_scaling":{"rope_type":"yarn","factor":2}"#,
+                "config key `original_max_position_embeddings`: must be positive",
+            ),
+            (
                 r#","rope_parameters":{"rope_type":"linear","factor":0}"#,
                 "`rope_parameters.factor`",
             ),

@@ -161,6 +161,15 @@ pub(super) fn parse_rope(
                     name("original_max_position_embeddings")
                 ),
             )),
+            // Checked here, where it is known which key gave it.
+            (Some(0), _) => Err(invalid(
+                "original_max_position_embeddings",
+                "must be positive",
+            )),
+            (None, Some(0)) => Err(invalid(
+                &name("original_max_position_embeddings"),
+                "must be positive",
+            )),
             (a, b) => Ok(a.or(b).unwrap_or(max_positions)),
         }
     };
