@@ -169,7 +169,9 @@ pub use manifest::{
     RegionCrc, StateKind, SubGroupEntry, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE,
     STATE_ALIGN_BYTES,
 };
-pub use reader::{checkpoint_holding, saved_steps, Checkpoint, FileCheck, VerifyReport};
+pub use reader::{
+    checkpoint_holding, is_save_dir_entry, saved_steps, Checkpoint, FileCheck, VerifyReport,
+};
 pub use writer::{step_dir_name, StagedCheckpoint, LATEST_FILE};
 
 /// Everything that can go wrong with a checkpoint.

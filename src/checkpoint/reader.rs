@@ -205,13 +205,18 @@ pub fn checkpoint_holding(out: &Path) -> Option<PathBuf> {
     if let Some(step) = dir.ancestors().find(|a| is_step_dir(a)) {
         return Some(step.to_path_buf());
     }
-    let name = out.file_name()?.to_str()?;
-    let own_entry = name == LATEST_FILE
-        || name == super::LOCK_FILE
-        || parse_step_dir_name(name).is_some()
-        || staging_owner_pid(name).is_some();
+    let own_entry = is_save_dir_entry(out.file_name()?.to_str()?);
     let save_dir = dir.join(LATEST_FILE).is_file() || !saved_steps(&dir).is_empty();
     (own_entry && save_dir).then_some(dir)
+}
+
+/// Whether `name` is one a save dir's writer uses: `latest`, its lock, a
+/// `step-<N>` dir or a save's staging dir.
+pub fn is_save_dir_entry(name: &str) -> bool {
+    name == LATEST_FILE
+        || name == super::LOCK_FILE
+        || parse_step_dir_name(name).is_some()
+        || staging_owner_pid(name).is_some()
 }
 
 fn manifest_err(path: &Path, reason: impl Into<String>) -> CheckpointError {
@@ -282,6 +287,16 @@ impl Checkpoint {
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            // Not a regular file, or far longer than a step dir's name:
+            // damage, as a name that does not parse is.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::InvalidInput | std::io::ErrorKind::InvalidData
+                ) =>
+            {
+                latest_err = Some(manifest_err(&latest, e.to_string()));
+            }
             Err(e) => return Err(io_err("reading", &latest)(e)),
         }
         // Fall back to the newest step dir that validates.

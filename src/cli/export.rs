@@ -68,7 +68,12 @@ struct Report {
 
 fn classify(e: CheckpointError) -> Failure {
     let bad = match &e {
-        CheckpointError::Io { source, .. } => super::user_fixable_io(source.kind()),
+        // Every path export reads or writes is the user's: one that is not
+        // a regular file (`durable::open_regular`'s `InvalidInput`) too.
+        CheckpointError::Io { source, .. } => {
+            super::user_fixable_io(source.kind())
+                || source.kind() == std::io::ErrorKind::InvalidInput
+        }
         CheckpointError::Candle(_) => false,
         _ => true,
     };

@@ -100,9 +100,9 @@ pub enum Failure {
 
 /// Whether an I/O error of this kind, met at a path the user gave, is
 /// theirs to fix (exit 2): the path is missing, not allowed, read-only,
-/// a directory where a file goes (or the reverse), not a regular file
-/// (`durable::open_regular`'s `InvalidInput`), a name too long, or the
-/// disk or a limit is full.
+/// a directory where a file goes (or the reverse), a name too long, or
+/// the disk or a limit is full. (Not `InvalidInput`: `EINVAL` from an
+/// mmap or a ring's setup is ours.)
 pub(crate) fn user_fixable_io(kind: std::io::ErrorKind) -> bool {
     use std::io::ErrorKind as K;
     matches!(
@@ -113,7 +113,6 @@ pub(crate) fn user_fixable_io(kind: std::io::ErrorKind) -> bool {
             | K::ReadOnlyFilesystem
             | K::NotADirectory
             | K::IsADirectory
-            | K::InvalidInput
             | K::InvalidFilename
             | K::StorageFull
             | K::QuotaExceeded
