@@ -392,7 +392,8 @@ fn a_second_signal_aborts_at_once_and_the_last_checkpoint_stays_whole() {
 }
 
 /// A signal during start-up ends the run at once with the stop's exit
-/// code: there is nothing to save, and the start-up may be blocked (here
+/// code, removing the save dir it made: there is nothing to save, and the
+/// start-up may be blocked (here
 /// in the open of a FIFO no one writes) or busy for minutes (encoding a
 /// corpus). It was put off until after the first step, which a blocked
 /// start-up never reached: only a second signal ended it.
@@ -410,7 +411,7 @@ fn a_signal_during_start_up_ends_it_at_once() {
         .current_dir(&d)
         .args(["train", "--config", "ds.json", "--model", "model", "--data"])
         .arg(&fifo)
-        .args(["--seq-len", "16", "--steps", "2"])
+        .args(["--seq-len", "16", "--steps", "2", "--save-dir", "new/ck"])
         .env_remove("TIERZERO_FAILPOINT")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -439,4 +440,6 @@ fn a_signal_during_start_up_ends_it_at_once() {
         stderr.contains("SIGTERM received during start-up: exiting"),
         "{stderr}"
     );
+    // The save dir the start-up made (and its parent) is gone again.
+    assert!(!d.join("new").exists(), "the start-up's save dir stays");
 }

@@ -87,23 +87,38 @@ pub fn register_early() -> Result<(), Failure> {
     handlers().map(|_| ())
 }
 
-/// Whether the trainer is built ([`training_started`]): before, there is
-/// nothing to save, and a stop ends the process at once.
+/// Whether the trainer's build has begun ([`trainer_build_begins`]):
+/// before, there is nothing to save or remove, and a stop ends the
+/// process at once.
 static TRAINING: AtomicBool = AtomicBool::new(false);
 
+/// What a start-up that a signal ends must undo first (the save dir it
+/// created): run by the watcher before it exits.
+type Undo = Box<dyn Fn() + Send>;
+static AT_STARTUP_EXIT: std::sync::Mutex<Vec<Undo>> = std::sync::Mutex::new(Vec::new());
+
+/// Runs `undo` if a signal ends the start-up ([`trainer_build_begins`]).
+pub fn at_startup_exit(undo: impl Fn() + Send + 'static) {
+    if let Ok(mut v) = AT_STARTUP_EXIT.lock() {
+        v.push(Box::new(undo));
+    }
+}
+
 /// From here on a first signal stops at a step boundary; before, during
-/// start-up (reading the config, loading or encoding the data, building
-/// the trainer), it ends the process at once with the stop's exit code:
+/// start-up (reading the config, opening the model, loading or encoding
+/// the data), it ends the process at once with the stop's exit code:
 /// there is nothing to save, and the start-up may be blocked in a read
 /// (a FIFO with no writer yet) or take minutes (encoding a corpus) that
-/// no step boundary would cut short.
-pub fn training_started() {
+/// no step boundary would cut short. The trainer's build makes swap
+/// files (as large as the model's state) that only its drop removes, so
+/// a signal during it stops after the first step, as during training.
+pub fn trainer_build_begins() {
     TRAINING.store(true, Ordering::SeqCst);
 }
 
 /// Installs the handlers (if [`register_early`] did not) and the watcher:
 /// the first SIGINT or SIGTERM requests a stop on `handle` (during
-/// start-up, it exits: [`training_started`]), a second aborts.
+/// start-up, it exits: [`trainer_build_begins`]), a second aborts.
 pub fn install(handle: StopHandle) -> Result<(), Failure> {
     let last = Arc::clone(handlers()?);
     std::thread::Builder::new()
@@ -118,9 +133,12 @@ pub fn install(handle: StopHandle) -> Result<(), Failure> {
                          nothing to save)",
                         cause.signal_name().unwrap_or_default()
                     );
-                    // The main thread may be blocked in a read; the files
-                    // a start-up leaves (swap files, a temporary file) are
-                    // reclaimed by the next start, as after any kill.
+                    // The main thread may be blocked in a read: what it
+                    // made is undone here. A token cache's temporary file
+                    // is removed by the next encode, as after any kill.
+                    if let Ok(undo) = AT_STARTUP_EXIT.lock() {
+                        undo.iter().for_each(|u| u());
+                    }
                     std::process::exit(exit_code(cause));
                 }
                 handle.request_because(cause);

@@ -655,7 +655,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     let lead = comm.rank() == 0;
     let flags = Flags::parse(&args)?;
     // From here on SIGINT and SIGTERM end the start-up at once, and once
-    // the trainer is built stop at a step boundary (see `signals`).
+    // the trainer's build begins stop at a step boundary (see `signals`).
     let stop = StopHandle::new();
     super::signals::install(stop.clone())?;
     if flags.save_every.is_some() && args.save_dir.is_none() {
@@ -668,6 +668,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     }
     data::check_data_flags(&args)?;
     let save_lock = outputs::claim_save_dir(&args, lead)?;
+    super::signals::at_startup_exit(save_lock.removal());
     let ckpt = match &args.resume {
         Some(d) => Some(Checkpoint::open(d).map_err(|e| {
             bad(format!(
@@ -843,12 +844,12 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         return Ok(Ended::Done);
     }
     let built = Instant::now();
+    super::signals::trainer_build_begins();
     let mut trainer = match (&ckpt, &model_dir) {
         (Some(c), _) => Trainer::resume(cfg, c, data, opts).map_err(|e| corrupt_resume(e, c)),
         (None, Some(md)) => Trainer::new(cfg, md, data, opts).map_err(startup_failure),
         (None, None) => return Err(Failure::Internal(anyhow!("no model"))),
     }?;
-    super::signals::training_started();
     let build_s = built.elapsed().as_secs_f64();
     if let Some(c) = &ckpt {
         // The load: the checkpoint's state streamed into the tiers.

@@ -62,23 +62,40 @@ impl SaveDirClaim {
     }
 }
 
+impl SaveDirClaim {
+    /// What the drop removes, as a function for a start-up that ends
+    /// without dropping anything (a signal: `signals::at_startup_exit`).
+    pub(super) fn removal(&self) -> impl Fn() + Send + 'static {
+        let lock_file = self.lock.as_ref().map(|l| l.dir().join(LOCK_FILE));
+        let created = self.created.clone();
+        move || remove_created(lock_file.as_deref(), &created)
+    }
+}
+
+/// Removes a claim's `lock_file` and the dirs it `created` (the deepest
+/// first), while they hold nothing else.
+fn remove_created(lock_file: Option<&Path>, created: &[PathBuf]) {
+    if created.is_empty() {
+        return;
+    }
+    // Unlinked while the lock is still held: a process that opens
+    // `.lock` before this is refused by the lock; one that opens it
+    // after makes a new file, and the dir, no longer empty, stays.
+    if let Some(f) = lock_file {
+        let _ = std::fs::remove_file(f);
+    }
+    for d in created {
+        // Only an empty dir goes; the first that stays keeps its parents.
+        if std::fs::remove_dir(d).is_err() {
+            break;
+        }
+    }
+}
+
 impl Drop for SaveDirClaim {
     fn drop(&mut self) {
-        if self.created.is_empty() {
-            return;
-        }
-        // Unlinked while the lock is still held: a process that opens
-        // `.lock` before this is refused by the lock; one that opens it
-        // after makes a new file, and the dir, no longer empty, stays.
-        if let Some(lock) = &self.lock {
-            let _ = std::fs::remove_file(lock.dir().join(LOCK_FILE));
-        }
-        for d in &self.created {
-            // Only an empty dir goes; the first that stays keeps its parents.
-            if std::fs::remove_dir(d).is_err() {
-                break;
-            }
-        }
+        let lock_file = self.lock.as_ref().map(|l| l.dir().join(LOCK_FILE));
+        remove_created(lock_file.as_deref(), &self.created);
         drop(self.lock.take());
     }
 }
@@ -118,8 +135,8 @@ pub(super) fn check_save_dir_is_this_runs(
         ),
         Some(r) => format!(
             "--save-dir {d} holds {held} of another run than --resume {} (whose checkpoints \
-             are elsewhere), which this run's saves would replace or mix with; give an empty \
-             --save-dir, or the --resume checkpoint's own",
+             are elsewhere), which this run's saves would replace or mix with; continue the run \
+             saved there with --resume {d}, or give an empty --save-dir",
             r.display()
         ),
     }))
@@ -192,12 +209,10 @@ fn check_outputs_spare_inputs(args: &TrainArgs) -> Result<(), Failure> {
         // entry of the save dir this run writes (`latest`, a step dir).
         let save_dir_entry = save_dir.is_some()
             && resolved_dir_of(out) == save_dir
-            && out.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
-                n == tierzero::checkpoint::LATEST_FILE
-                    || n == LOCK_FILE
-                    || n.starts_with("step-")
-                    || n.starts_with(".step-")
-            });
+            && out
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(tierzero::checkpoint::is_save_dir_entry);
         if let Some(dir) = tierzero::checkpoint::checkpoint_holding(out)
             .or_else(|| save_dir_entry.then(|| save_dir.clone()).flatten())
         {
