@@ -699,6 +699,20 @@ fn bad_data_is_one_line_and_exit_2() {
             "give --eos-id",
         ],
     );
+    // uint32 ids read as uint16: every second id 0. Refused, naming the
+    // width; read as u32 they train.
+    let wide: Vec<u8> = (0..2048u32)
+        .flat_map(|i| (1 + i % 12).to_le_bytes())
+        .collect();
+    std::fs::write(d.join("wide.bin"), wide).unwrap();
+    let out = train(&d, &["--data", "wide.bin", "--data-format", "u16"]);
+    assert_bad_input(
+        &out,
+        "u32 as u16",
+        &["uint32 ids read as uint16", "--data-format u32"],
+    );
+    let out = train(&d, &["--data", "wide.bin", "--data-format", "u32"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
     // A JSONL line that is not an object says so.
     std::fs::write(d.join("arr.jsonl"), "[\"a\", \"b\"]\n").unwrap();
     let out = train(&d, &["--data", "arr.jsonl", "--tokenizer", tok]);

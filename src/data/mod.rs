@@ -202,6 +202,10 @@ pub struct Loaded {
     pub origin: Origin,
 }
 
+/// uint16 ids a token file must hold before a zero at every odd place is
+/// taken for uint32 ids read as uint16 (a real corpus never has one).
+const WIDER_EVIDENCE_IDS: u64 = 1024;
+
 impl TokenData {
     /// Reads `path` as bytes, one token per byte.
     pub fn from_byte_file(path: &Path) -> Result<Self> {
@@ -308,14 +312,17 @@ impl TokenData {
         let mut f = std::fs::File::open(path).map_err(io)?;
         let mut buf = vec![0u8; 1 << 20];
         let (mut max, mut at) = (0u32, 0u64);
+        // uint32 ids read as uint16 (small ids, little-endian): every odd
+        // id 0, the even ones not.
+        let (mut odd_all_zero, mut even_any) = (true, false);
         loop {
             let n = read_full(&mut f, &mut buf).map_err(io)?;
             if n == 0 {
                 break;
             }
             for (k, t) in decode(&buf[..n], width).enumerate() {
+                let i = at + k as u64;
                 if t as usize >= vocab_size {
-                    let i = at + k as u64;
                     return Err(bad(format!(
                         "token id {t} at token {i} (byte offset {}) is not below the model's \
                          vocab_size {vocab_size}; the file was made for another vocabulary",
@@ -323,8 +330,20 @@ impl TokenData {
                     )));
                 }
                 max = max.max(t);
+                if i % 2 == 1 {
+                    odd_all_zero &= t == 0;
+                } else {
+                    even_any |= t != 0;
+                }
             }
             at += (n as u64) / w;
+        }
+        if width == TokenWidth::U16 && at >= WIDER_EVIDENCE_IDS && odd_all_zero && even_any {
+            return Err(bad(format!(
+                "every second id of its {at} uint16 ids is 0 and the others are not: these are \
+                 uint32 ids read as uint16; give --data-format u32 (or, for a .bin file, a \
+                 sidecar {{\"dtype\": \"uint32\"}})"
+            )));
         }
         Self::mapped(path, width, (len > 0).then_some(max))
     }
