@@ -696,11 +696,8 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
                     "--seq-len {n} is longer than the model's {} positions ({}'s {}); give \
                      --seq-len {} or less",
                     mc.max_seq_len,
-                    if ckpt.is_some() {
-                        "the checkpoint's model config"
-                    } else {
-                        "its config.json"
-                    },
+                    ckpt.as_ref()
+                        .map_or("its config.json", |_| "the checkpoint's model config"),
                     match mc.arch {
                         tierzero::model::Arch::Gpt2 => "n_positions",
                         tierzero::model::Arch::Llama => "max_position_embeddings",
