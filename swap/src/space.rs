@@ -76,6 +76,10 @@ use crate::align::Alignment;
 use crate::alloc::ExtentAllocator;
 use crate::error::{IoOp, Result, SwapError};
 
+mod room;
+use room::{check_room, size_error};
+pub use room::{filesystem_space, FsSpace};
+
 /// Name of the subdirectory we create under each NVMe path.
 pub const SWAP_SUBDIR: &str = "tierzero";
 const SWAP_EXT: &str = "tzswap";
@@ -1124,63 +1128,6 @@ fn open_swap_file(
     }
 }
 
-/// Refuses a swap file of `needed_bytes` at `path` that the free space of
-/// the file system holding `dir` cannot take ([`SwapError::NoRoom`]). A
-/// file system whose space cannot be read, or that reports no size (ramfs
-/// says 0 blocks, 0 free, and grows), is not refused: the allocation
-/// finds out.
-fn check_room(dir: &Path, path: &Path, needed_bytes: u64) -> Result<()> {
-    match filesystem_space(dir) {
-        Ok(s) if s.total_bytes > 0 && usable_bytes(&s) < needed_bytes => Err(SwapError::NoRoom {
-            path: path.to_path_buf(),
-            needed_bytes,
-            available_bytes: usable_bytes(&s),
-        }),
-        _ => Ok(()),
-    }
-}
-
-/// The bytes this process may allocate there: root may use the file
-/// system's reserve (ext4 keeps 5% for it), others `f_bavail`.
-fn usable_bytes(s: &FsSpace) -> u64 {
-    // SAFETY: geteuid takes no arguments, touches no memory and cannot fail.
-    let root = unsafe { libc::geteuid() } == 0;
-    if root {
-        s.free_bytes.max(s.available_bytes)
-    } else {
-        s.available_bytes
-    }
-}
-
-/// The error of a failed sizing of the swap file at `path` to `bytes`:
-/// [`SwapError::NoRoom`] for `ENOSPC` (with the free space read after the
-/// file is gone), else the write's [`SwapError::Io`].
-fn size_error(path: &Path, bytes: u64, source: std::io::Error) -> SwapError {
-    if source.raw_os_error() == Some(libc::ENOSPC) {
-        // Only where the numbers show it: an ENOSPC with room left (no
-        // inodes, a btrfs short of metadata) stays the write's error.
-        if let Some(available_bytes) = path
-            .parent()
-            .and_then(|d| filesystem_space(d).ok())
-            .map(|s| usable_bytes(&s))
-            .filter(|&b| b < bytes)
-        {
-            return SwapError::NoRoom {
-                path: path.to_path_buf(),
-                needed_bytes: bytes,
-                available_bytes,
-            };
-        }
-    }
-    SwapError::Io {
-        op: IoOp::Write,
-        path: path.to_path_buf(),
-        offset_bytes: 0,
-        len_bytes: bytes,
-        source,
-    }
-}
-
 fn size_file(file: &File, path: &Path, bytes: u64, preallocate: bool) -> Result<()> {
     let fail = |source: std::io::Error| {
         let _ = std::fs::remove_file(path);
@@ -1300,49 +1247,6 @@ fn thread_group_of(tid: u32) -> Option<u32> {
         .lines()
         .find_map(|l| l.strip_prefix("Tgid:"))
         .and_then(|v| v.trim().parse().ok())
-}
-
-/// Size and free space of a file system, from `statvfs`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FsSpace {
-    /// Total size of the file system.
-    pub total_bytes: u64,
-    /// Bytes an unprivileged user can still allocate (`f_bavail`).
-    pub available_bytes: u64,
-    /// Bytes free, the reserve for root included (`f_bfree`): what a
-    /// process with `CAP_SYS_RESOURCE` (root) can allocate.
-    pub free_bytes: u64,
-}
-
-/// The size and free space of the file system holding `path`, so callers
-/// can check a swap space will fit before creating it.
-// `f_frsize`, `f_blocks` and `f_bavail` are `u64` on 64-bit Linux but
-// 32-bit on other targets; the casts widen them there.
-#[allow(clippy::unnecessary_cast)]
-pub fn filesystem_space(path: &Path) -> std::io::Result<FsSpace> {
-    use std::os::unix::ffi::OsStrExt;
-    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| {
-        std::io::Error::new(std::io::ErrorKind::InvalidInput, "path contains a NUL byte")
-    })?;
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-    // SAFETY: `c_path` is a NUL-terminated string alive for the whole call,
-    // and `st` points to writable memory of exactly the type statvfs fills.
-    let rc = unsafe { libc::statvfs(c_path.as_ptr(), st.as_mut_ptr()) };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: statvfs returned 0, so it initialised every field of `st`.
-    let st = unsafe { st.assume_init() };
-    let frag_bytes = if st.f_frsize > 0 {
-        st.f_frsize as u64
-    } else {
-        st.f_bsize as u64
-    };
-    Ok(FsSpace {
-        total_bytes: (st.f_blocks as u64).saturating_mul(frag_bytes),
-        available_bytes: (st.f_bavail as u64).saturating_mul(frag_bytes),
-        free_bytes: (st.f_bfree as u64).saturating_mul(frag_bytes),
-    })
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -1495,6 +1399,7 @@ impl Extent {
 
 #[cfg(test)]
 mod tests {
+    use super::room::usable_bytes;
     use super::*;
 
     /// A space whose second path fails leaves no file of the first behind
