@@ -296,43 +296,25 @@ pub fn tokens_check(tokens: &Path, width: TokenWidth) -> std::io::Result<(u32, u
     tokens_check_in(tokens, width, 1 << 20)
 }
 
-/// [`tokens_check`], reading `buf_bytes` at a time.
+/// [`tokens_check`], reading about `buf_bytes` at a time (whole ids:
+/// rounded up to the width), decoded as a token file's scan decodes them.
 fn tokens_check_in(
     tokens: &Path,
     width: TokenWidth,
     buf_bytes: usize,
 ) -> std::io::Result<(u32, u32)> {
     let mut f = crate::durable::open_regular(tokens)?;
-    let mut buf = vec![0u8; buf_bytes.max(1)];
-    let (mut crc, mut max_id, mut carry) = (0u32, 0u32, Vec::new());
+    let mut buf = vec![0u8; buf_bytes.max(1).next_multiple_of(width.bytes())];
+    let (mut crc, mut max_id) = (0u32, 0u32);
     loop {
-        let n = f.read(&mut buf)?;
+        let n = super::read_full(&mut f, &mut buf)?;
         if n == 0 {
             break;
         }
         crc = crc32c::crc32c_append(crc, &buf[..n]);
-        // Ids may straddle reads: the bytes of a partial id wait for the next.
-        carry.extend_from_slice(&buf[..n]);
-        let whole = carry.len() - carry.len() % width.bytes();
-        max_id = max_id.max(max_id_of(&carry[..whole], width));
-        carry.drain(..whole);
+        max_id = super::decode(&buf[..n], width).fold(max_id, u32::max);
     }
     Ok((crc, max_id))
-}
-
-/// The largest little-endian id of `width` in `bytes`.
-pub fn max_id_of(bytes: &[u8], width: TokenWidth) -> u32 {
-    match width {
-        TokenWidth::U16 => bytes
-            .chunks_exact(2)
-            .map(|b| u32::from(u16::from_le_bytes([b[0], b[1]])))
-            .max(),
-        TokenWidth::U32 => bytes
-            .chunks_exact(4)
-            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .max(),
-    }
-    .unwrap_or(0)
 }
 
 /// Removes the cache entries in `dir` of the data file named as `data`'s
@@ -450,8 +432,7 @@ mod tests {
         let hit = || lookup(&tokens, &sidecar, &key, TokenWidth::U16).is_some();
         assert!(hit());
         // Edited in place: a miss. Its (crc, largest id) of [0, 0, 0, 300],
-        // also read 3 bytes at a time (every id but the first straddles
-        // two reads).
+        // also read in buffers of 3 and 1 bytes (rounded up to whole ids).
         let edited = [0, 0, 0, 0, 0, 0, 0x2c, 0x01];
         std::fs::write(&tokens, edited).unwrap();
         assert!(!hit());

@@ -625,19 +625,17 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
         // Written in the first that takes files (created if missing).
         // A directory whose entry paths are taken by something that is
         // not a file (a directory made there) cannot take the entry.
-        let free = |d: &Path| {
-            let (tokens, sidecar) = cache::paths_in(d, &spec.path, &key, width);
-            crate::durable::check_replaceable(&tokens).is_ok()
-                && crate::durable::check_replaceable(&sidecar).is_ok()
-        };
-        match dirs
-            .iter()
-            .find(|d| crate::durable::create_dir_all(d).is_ok() && cache::writable(d) && free(d))
-        {
-            Some(dir) => {
-                let (tokens, sidecar) = cache::paths_in(dir, &spec.path, &key, width);
-                target = Some((tokens, sidecar, key, data));
+        let entry_in = |d: &PathBuf| {
+            if crate::durable::create_dir_all(d).is_err() || !cache::writable(d) {
+                return None;
             }
+            let (tokens, sidecar) = cache::paths_in(d, &spec.path, &key, width);
+            let free = crate::durable::check_replaceable(&tokens).is_ok()
+                && crate::durable::check_replaceable(&sidecar).is_ok();
+            free.then_some((tokens, sidecar))
+        };
+        match dirs.iter().find_map(entry_in) {
+            Some((tokens, sidecar)) => target = Some((tokens, sidecar, key, data)),
             None => {
                 let names: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
                 no_cache = Some(format!(
