@@ -81,11 +81,15 @@ pub enum Site {
     /// once), its encode into the cache not begun. A stop lets a test
     /// change the file between the two reads.
     DataEncode,
+    /// `build.initial`: after each sub-group's initial weights and
+    /// optimizer state are stored into the tiers, while the trainer is
+    /// built. A stop lets a test signal the build.
+    BuildInitial,
 }
 
 impl Site {
     /// Every site.
-    pub const ALL: [Site; 9] = [
+    pub const ALL: [Site; 10] = [
         Site::StepBackward,
         Site::OptimWriteBack,
         Site::CkptStateWrite,
@@ -95,6 +99,7 @@ impl Site {
         Site::CkptLatestWrite,
         Site::SpeculativeBeforeCommit,
         Site::DataEncode,
+        Site::BuildInitial,
     ];
 
     /// The name used in [`ENV_VAR`].
@@ -109,6 +114,7 @@ impl Site {
             Site::CkptLatestWrite => "ckpt.latest_write",
             Site::SpeculativeBeforeCommit => "optim.before_commit",
             Site::DataEncode => "data.encode",
+            Site::BuildInitial => "build.initial",
         }
     }
 
@@ -132,6 +138,7 @@ impl Site {
             Site::CkptLatestWrite => 6,
             Site::SpeculativeBeforeCommit => 7,
             Site::DataEncode => 8,
+            Site::BuildInitial => 9,
         }
     }
 }

@@ -443,3 +443,77 @@ fn a_signal_during_start_up_ends_it_at_once() {
     // The save dir the start-up made (and its parent) is gone again.
     assert!(!d.join("new").exists(), "the start-up's save dir stays");
 }
+
+/// A signal while the trainer is built (the initial state's store, which
+/// takes minutes for a model larger than memory) ends the build there: no
+/// step, no swap file, the save dir it created gone. It used to wait for
+/// the first step.
+#[test]
+fn a_signal_during_the_build_ends_it_there() {
+    let d = cli_support::scratch("stop", "build");
+    setup(&d);
+    // About 4.2M params in 212 sub-groups of NVMe state: the store takes
+    // about 0.2 s here, far beyond the watcher's 20 ms poll.
+    let model = json!({"model_type": "gpt2", "vocab_size": 4096, "n_positions": 64,
+        "n_embd": 256, "n_layer": 4, "n_head": 4, "tie_word_embeddings": true});
+    std::fs::create_dir_all(d.join("big")).unwrap();
+    std::fs::write(d.join("big/config.json"), model.to_string()).unwrap();
+    let swap = d.join("swap");
+    let cfg = json!({
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": swap},
+            "offload_optimizer": {"device": "nvme", "nvme_path": swap},
+            "sub_group_size": 20000
+        }
+    });
+    std::fs::write(d.join("ds-big.json"), cfg.to_string()).unwrap();
+    for (sig, code) in [("INT", 130), ("TERM", 143)] {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_tierzero"));
+        c.current_dir(&d)
+            .args(["train", "--config", "ds-big.json", "--model", "big"])
+            .args(["--data", "data.txt", "--seq-len", "16", "--steps", "3"])
+            .args(["--save-dir", "new/ck", "--json"])
+            .env("TIERZERO_FAILPOINT", "build.initial:1:stop")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = c.spawn().unwrap();
+        // Frozen after the first sub-group's store: the swap files exist.
+        wait_stopped(&mut child);
+        assert!(
+            !swap_files(&d).is_empty(),
+            "SIG{sig}: no swap file mid-build"
+        );
+        signal(child.id(), sig);
+        signal(child.id(), "CONT");
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "SIG{sig}: {err}");
+        assert!(!err.contains("panicked"), "SIG{sig}: {err}");
+        assert!(
+            err.contains(&format!("SIG{sig} received: stopping the trainer's build")),
+            "SIG{sig}: {err}"
+        );
+        assert!(
+            err.contains(&format!(
+                "stopped by SIG{sig} while the trainer was being built ("
+            )) && err.contains("no step was trained, nothing was saved"),
+            "SIG{sig}: {err}"
+        );
+        assert!(!err.contains("step 1/3"), "SIG{sig}: a step ran: {err}");
+        let s = summary(&out, "stopped build");
+        assert_eq!(s["steps_run"], json!(0), "SIG{sig}: {s}");
+        assert_eq!(s["stopped"], json!("signal"), "SIG{sig}: {s}");
+        assert_eq!(
+            s["stop_signal"],
+            json!(format!("SIG{sig}")),
+            "SIG{sig}: {s}"
+        );
+        assert_eq!(s["stopped_in_build"], json!(true), "SIG{sig}: {s}");
+        assert_eq!(swap_files(&d), Vec::<String>::new(), "SIG{sig}");
+        assert!(!d.join("new").exists(), "SIG{sig}: the save dir stays");
+    }
+}

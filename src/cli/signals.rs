@@ -1,5 +1,7 @@
 //! SIGINT and SIGTERM for `tierzero train` (and `launch`): the first asks
 //! the trainer to stop at the next step boundary, a second aborts at once.
+//! Before that boundary exists, the first ends the start-up at once, or
+//! the trainer's build where it is ([`trainer_build_begins`]).
 //!
 //! Design:
 //! * **The handlers only set atomics.** They are signal-hook's
@@ -33,7 +35,7 @@
 //!   turns the first SIGINT, SIGTERM or SIGHUP it gets into one of those;
 //!   a second into a SIGINT to mpirun, its abort.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -87,10 +89,14 @@ pub fn register_early() -> Result<(), Failure> {
     handlers().map(|_| ())
 }
 
-/// Whether the trainer's build has begun ([`trainer_build_begins`]):
-/// before, there is nothing to save or remove, and a stop ends the
-/// process at once.
-static TRAINING: AtomicBool = AtomicBool::new(false);
+/// Where the run is: [`START_UP`] (a stop ends the process at once:
+/// there is nothing to save or remove), [`BUILD`] (a stop ends the
+/// trainer's build, [`trainer_build_begins`]) or [`TRAINING`] (a stop
+/// comes at a step boundary, [`trainer_built`]).
+static PHASE: AtomicU8 = AtomicU8::new(START_UP);
+const START_UP: u8 = 0;
+const BUILD: u8 = 1;
+const TRAINING: u8 = 2;
 
 /// What a start-up that a signal ends must undo first (the save dir it
 /// created): run by the watcher before it exits.
@@ -104,16 +110,21 @@ pub fn at_startup_exit(undo: impl Fn() + Send + 'static) {
     }
 }
 
-/// From here on a first signal stops at a step boundary; before, during
-/// start-up (reading the config, opening the model, loading or encoding
-/// the data), it ends the process at once with the stop's exit code:
-/// there is nothing to save, and the start-up may be blocked in a read
-/// (a FIFO with no writer yet) or take minutes (encoding a corpus) that
-/// no step boundary would cut short. The trainer's build makes swap
-/// files (as large as the model's state) that only its drop removes, so
-/// a signal during it stops after the first step, as during training.
+/// From here on a first signal is a stop request: it ends the trainer's
+/// build (`EngineError::StoppedInBuild`: the build's swap files, as large
+/// as the model's state, are removed as it unwinds), then, from
+/// [`trainer_built`], stops at a step boundary. Before, during start-up
+/// (reading the config, opening the model, loading or encoding the data),
+/// it ends the process at once with the stop's exit code: there is
+/// nothing to save, and the start-up may be blocked in a read (a FIFO with
+/// no writer yet) or take minutes (encoding a corpus).
 pub fn trainer_build_begins() {
-    TRAINING.store(true, Ordering::SeqCst);
+    PHASE.store(BUILD, Ordering::SeqCst);
+}
+
+/// The trainer is built: a first signal stops at a step boundary.
+pub fn trainer_built() {
+    PHASE.store(TRAINING, Ordering::SeqCst);
 }
 
 /// Installs the handlers (if [`register_early`] did not) and the watcher:
@@ -127,7 +138,8 @@ pub fn install(handle: StopHandle) -> Result<(), Failure> {
             let sig = last.load(Ordering::SeqCst);
             if sig != 0 {
                 let cause = StopCause::Signal(sig as i32);
-                if !TRAINING.load(Ordering::SeqCst) {
+                let phase = PHASE.load(Ordering::SeqCst);
+                if phase == START_UP {
                     errln!(
                         "tierzero: {} received during start-up: exiting (no step was trained, \
                          nothing to save)",
@@ -143,9 +155,12 @@ pub fn install(handle: StopHandle) -> Result<(), Failure> {
                 }
                 handle.request_because(cause);
                 errln!(
-                    "tierzero: {} received: stopping after the step in progress (a second \
-                     signal aborts at once)",
-                    cause.signal_name().unwrap_or_default()
+                    "tierzero: {} received: stopping {} (a second signal aborts at once)",
+                    cause.signal_name().unwrap_or_default(),
+                    match phase {
+                        BUILD => "the trainer's build",
+                        _ => "after the step in progress",
+                    }
                 );
                 return;
             }

@@ -105,7 +105,8 @@ mod steps;
 mod timing;
 use data::{data_order, load_data, other_data};
 use device::{cuda_units, sim_units};
-use failures::{corrupt_resume, run_failure, startup_failure};
+use failures::{corrupt_resume, run_failure, startup_failure, stopped_in_build};
+pub use report::Ended;
 use report::{banner, print_summary, size_and_time, Progress};
 use steps::train_steps;
 use timing::{Marks, Startup, Timing};
@@ -601,29 +602,6 @@ fn report_unreached_failpoint() {
     }
 }
 
-/// How `tierzero train` ended (its exit code).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Ended {
-    /// Every step ran (exit 0).
-    Done,
-    /// A signal stopped it at a step boundary: exit 130 (SIGINT) or 143
-    /// (SIGTERM).
-    Stopped {
-        /// 128 + the signal's number.
-        exit_code: i32,
-    },
-}
-
-impl Ended {
-    /// The process's exit code.
-    pub fn exit_code(self) -> i32 {
-        match self {
-            Ended::Done => 0,
-            Ended::Stopped { exit_code } => exit_code,
-        }
-    }
-}
-
 /// Runs `tierzero train`.
 pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     // First: a signal during start-up (MPI's, the data's) is kept, not fatal.
@@ -842,11 +820,21 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     }
     let built = Instant::now();
     super::signals::trainer_build_begins();
-    let mut trainer = match (&ckpt, &model_dir) {
-        (Some(c), _) => Trainer::resume(cfg, c, data, opts).map_err(|e| corrupt_resume(e, c)),
-        (None, Some(md)) => Trainer::new(cfg, md, data, opts).map_err(startup_failure),
+    let built_trainer = match (&ckpt, &model_dir) {
+        (Some(c), _) => Trainer::resume(cfg, c, data, opts),
+        (None, Some(md)) => Trainer::new(cfg, md, data, opts),
         (None, None) => return Err(Failure::Internal(anyhow!("no model"))),
-    }?;
+    };
+    let mut trainer = match built_trainer {
+        Err(e @ EngineError::StoppedInBuild { .. }) => {
+            return stopped_in_build(&e, &*comm, &args, start_step)
+        }
+        r => r.map_err(|e| match &ckpt {
+            Some(c) => corrupt_resume(e, c),
+            None => startup_failure(e),
+        })?,
+    };
+    super::signals::trainer_built();
     let build_s = built.elapsed().as_secs_f64();
     if let Some(c) = &ckpt {
         // The load: the checkpoint's state streamed into the tiers.

@@ -183,6 +183,23 @@ pub enum EngineError {
         /// The first error, as text.
         cause: String,
     },
+    /// A stop was requested ([`StopHandle`](crate::engine::StopHandle))
+    /// while the trainer was being built: the build ended there, no step
+    /// ran, and what it had made (its swap files) was removed.
+    #[error(
+        "stopped by {} while the trainer was being built ({stored_numel} of {total_numel} \
+         elements of initial state stored): no step was trained, nothing was saved",
+        .cause.describe()
+    )]
+    StoppedInBuild {
+        /// Why.
+        cause: crate::engine::StopCause,
+        /// Elements of initial state (per sub-group numel) this rank had
+        /// stored.
+        stored_numel: u64,
+        /// Elements of initial state this rank stores in all.
+        total_numel: u64,
+    },
     /// An internal invariant failed (a bug, reported instead of a panic).
     #[error("internal error: {what}")]
     Internal {

@@ -23,6 +23,43 @@ pub(super) fn startup_failure(e: EngineError) -> Failure {
     }
 }
 
+/// A stop during the trainer's build (`e`, [`EngineError::StoppedInBuild`]):
+/// said on stderr (and as the `--json` summary), with the stop's exit
+/// code. The build removed what it made; no rank exits (under mpirun,
+/// the first non-zero exit aborts the rest) before every rank's has.
+pub(super) fn stopped_in_build(
+    e: &EngineError,
+    comm: &dyn tierzero::engine::comm::Comm,
+    args: &TrainArgs,
+    start_step: u64,
+) -> Result<Ended, Failure> {
+    let EngineError::StoppedInBuild { cause, .. } = e else {
+        return Err(Failure::Internal(anyhow!("not a stop: {e}")));
+    };
+    if comm.world_size() > 1 {
+        comm.barrier()
+            .map_err(|e| run_failure(e, "ending the stopped build"))?;
+    }
+    if comm.rank() == 0 {
+        errln!("tierzero: {e}");
+        if args.json {
+            emit(&format!(
+                "{}\n",
+                serde_json::json!({
+                    "steps": start_step,
+                    "steps_run": 0,
+                    "stopped": cause.kind(),
+                    "stop_signal": cause.signal_name(),
+                    "stopped_in_build": true,
+                })
+            ))?;
+        }
+    }
+    Ok(Ended::Stopped {
+        exit_code: super::super::signals::exit_code(*cause),
+    })
+}
+
 /// A resume that failed: a checkpoint whose data is corrupt (or cut
 /// short) names the way forward, the newest older step that validates and
 /// `inspect --verify`; an auto-restart with the same `--resume` would fail

@@ -345,3 +345,26 @@ pub(super) fn print_summary(
     }
     Ok(())
 }
+
+/// How `tierzero train` ended (its exit code).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// Every step ran (exit 0).
+    Done,
+    /// A signal stopped it at a step boundary: exit 130 (SIGINT) or 143
+    /// (SIGTERM).
+    Stopped {
+        /// 128 + the signal's number.
+        exit_code: i32,
+    },
+}
+
+impl Ended {
+    /// The process's exit code.
+    pub fn exit_code(self) -> i32 {
+        match self {
+            Ended::Done => 0,
+            Ended::Stopped { exit_code } => exit_code,
+        }
+    }
+}

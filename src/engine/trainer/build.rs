@@ -588,6 +588,7 @@ fn load_initial(
     dtype: DType,
     store: &mut ParamStore,
     opt: &mut OptimizerState,
+    stop: &StopHandle,
 ) -> Result<()> {
     // Streamed: one sub-group's state and one param at a time (a tiled
     // param's fp32 values and encoded shard are kept until its last
@@ -597,6 +598,8 @@ fn load_initial(
     let mut loaded: Option<(ParamId, Vec<f32>)> = None;
     let mut encoded: Option<(ParamId, Vec<u8>)> = None;
     for g in &layout.sub_groups {
+        // A stop ends the build here (it may take minutes).
+        super::stop::check_build_stop(stop, progress.done_numel as u64, total_numel as u64)?;
         let mut states = [
             vec![0f32; g.numel],
             vec![0f32; g.numel],
@@ -661,6 +664,7 @@ fn load_initial(
         }
         opt.load_group(g.id, [&states[0], &states[1], &states[2]])?;
         progress.done(g.numel);
+        crate::failpoint::kill_point(crate::failpoint::Site::BuildInitial);
     }
     if let WeightSource::Checkpoint(ckpt) = source {
         ckpt.release_cache();
@@ -845,9 +849,20 @@ impl Trainer {
         let park = tiers.park(&layout)?;
         let (swap_spaces, arenas) = (tiers.swap_spaces, tiers.arenas);
         let tiers_done = Instant::now();
-        // The seeded init splits over threads: on the host pool.
-        host.host_pool
-            .run(|| load_initial(&layout, source, param_dtype, &mut store, &mut opt))?;
+        // The seeded init splits over threads: on the host pool. A stop
+        // ends it; every rank reaches the agreement on how it ended.
+        let total_numel: u64 = layout.sub_groups.iter().map(|g| g.numel as u64).sum();
+        let stored = host.host_pool.run(|| {
+            load_initial(
+                &layout,
+                source,
+                param_dtype,
+                &mut store,
+                &mut opt,
+                &opts.stop,
+            )
+        });
+        super::stop::agree_build_end(&*opts.comm, &opts.stop, total_numel, stored)?;
         let build_times = BuildTimes {
             tiers_s: (tiers_done - started).as_secs_f64(),
             initial_s: tiers_done.elapsed().as_secs_f64(),

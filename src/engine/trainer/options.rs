@@ -46,8 +46,9 @@ pub struct TrainerOptions {
     /// `crate::engine::host::heap`); on by default.
     pub keep_heap_mapped: bool,
     /// Requests to stop at a step boundary; a fresh handle by default
-    /// ([`Trainer::stop_handle`] gives it back). Hand one in to request a
-    /// stop before the trainer is built.
+    /// ([`Trainer::stop_handle`] gives it back). Hand one in to stop the
+    /// build itself: a request made while the trainer is built ends the
+    /// build ([`EngineError::StoppedInBuild`](crate::engine::EngineError::StoppedInBuild)).
     pub stop: StopHandle,
     /// Bounds a stop from its request to the end of the run (see
     /// [`Trainer::save_on_stop`]); `None` = `tierzero.stop_grace_s`.

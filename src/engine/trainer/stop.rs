@@ -21,6 +21,15 @@
 //!   is the first requesting rank's, in rank order. The save after it stays
 //!   a collective, and so does the grace decision (every rank's time left
 //!   is gathered: the save runs only when it fits on every rank).
+//! * **A stop during the build** ends it: the initial state's store (a
+//!   model larger than memory takes minutes to write to its tiers) looks
+//!   at the request before each sub-group, and the build returns
+//!   [`EngineError::StoppedInBuild`]; what it made (swap files, arenas)
+//!   drops with it. Several ranks agree at the build's end
+//!   ([`agree_build_end`]): one gather, reached by every rank whether it
+//!   stored everything or stopped early, so a request on any rank ends
+//!   every rank's build, and none waits in a collective for a rank that
+//!   left.
 //! * **A grace period** (`tierzero.stop_grace_s`, or
 //!   [`TrainerOptions::stop_grace`](super::TrainerOptions::stop_grace)) bounds
 //!   the stop from the request to the end: when the time left after the
@@ -64,6 +73,12 @@ impl StopCause {
         }
     }
 
+    /// The signal's name, or "a stop request" (an embedding program's).
+    pub fn describe(self) -> String {
+        self.signal_name()
+            .unwrap_or_else(|| "a stop request".to_owned())
+    }
+
     /// The wire form of the per-step agreement: 0 is no request.
     fn code(self) -> u32 {
         match self {
@@ -92,8 +107,8 @@ struct StopState {
 /// Asks a [`Trainer`] to stop at the next step boundary. Cheap to clone;
 /// every clone is the same request. [`Trainer::stop_handle`] gives the
 /// trainer's, or [`TrainerOptions::stop`](super::TrainerOptions::stop) hands
-/// one in before the trainer is built (a request made during start-up
-/// stops after the first step).
+/// one in before the trainer is built (a request made while it is built
+/// ends the build: [`EngineError::StoppedInBuild`]).
 #[derive(Debug, Clone, Default)]
 pub struct StopHandle {
     state: Arc<StopState>,
@@ -231,6 +246,83 @@ impl Trainer {
     }
 }
 
+/// [`EngineError::StoppedInBuild`] if a stop was requested, with this
+/// rank's progress.
+pub(super) fn check_build_stop(
+    stop: &StopHandle,
+    stored_numel: u64,
+    total_numel: u64,
+) -> Result<()> {
+    match stop.requested() {
+        Some(cause) => Err(EngineError::StoppedInBuild {
+            cause,
+            stored_numel,
+            total_numel,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The build's end on every rank (see "A stop during the build" above):
+/// `local` is how this rank's store of `total_numel` elements ended; a
+/// stop requested since counts too. Every rank gathers every rank's end:
+/// an error on any rank fails every rank (its own first, else
+/// [`EngineError::Comm`] naming the rank), else a stop on any rank stops
+/// every rank (the first requesting rank's cause, in rank order).
+pub(super) fn agree_build_end(
+    comm: &dyn crate::engine::comm::Comm,
+    stop: &StopHandle,
+    total_numel: u64,
+    local: Result<()>,
+) -> Result<()> {
+    let local = local.and_then(|()| check_build_stop(stop, total_numel, total_numel));
+    if comm.world_size() == 1 {
+        return local;
+    }
+    const STOPPED: u8 = b'S';
+    const FAILED: u8 = b'!';
+    let mine = match &local {
+        Ok(()) => Vec::new(),
+        Err(EngineError::StoppedInBuild { cause, .. }) => {
+            let mut m = vec![STOPPED];
+            m.extend_from_slice(&cause.code().to_le_bytes());
+            m
+        }
+        Err(e) => format!("{}{e}", FAILED as char).into_bytes(),
+    };
+    let all = crate::engine::comm::all_gather_var(comm, &mine)?;
+    local?;
+    if let Some((peer, msg)) = all
+        .iter()
+        .enumerate()
+        .find(|(_, m)| m.first() == Some(&FAILED))
+    {
+        return Err(EngineError::Comm {
+            rank: comm.rank(),
+            world: comm.world_size(),
+            op: "building the trainer",
+            reason: format!(
+                "rank {peer} failed: {}",
+                String::from_utf8_lossy(msg.get(1..).unwrap_or_default())
+            ),
+        });
+    }
+    let peer_stop = all.iter().find_map(|m| match m.split_first() {
+        Some((&STOPPED, code)) => <[u8; 4]>::try_from(code)
+            .ok()
+            .and_then(|c| StopCause::from_code(u32::from_le_bytes(c))),
+        _ => None,
+    });
+    match peer_stop {
+        Some(cause) => Err(EngineError::StoppedInBuild {
+            cause,
+            stored_numel: total_numel,
+            total_numel,
+        }),
+        None => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -256,5 +348,80 @@ mod tests {
             Some("SIGINT")
         );
         assert_eq!(StopCause::Signal(15).kind(), "signal");
+    }
+
+    /// Rank 1's end of the build, as it gathers: stored all, stopped by
+    /// SIGTERM, failed.
+    const PEER_ENDS: [&[u8]; 3] = [b"", &[b'S', 15, 1, 0, 0], b"!disk gone"];
+
+    fn peer_len<const P: usize>(own: &[f64], out: &mut [f64]) -> Result<()> {
+        out.copy_from_slice(&[own[0], PEER_ENDS[P].len() as f64]);
+        Ok(())
+    }
+
+    fn peer_bytes<const P: usize>(shard: &[u8], counts: &[usize], out: &mut [u8]) -> Result<()> {
+        out[..counts[0]].copy_from_slice(shard);
+        out[counts[0]..].copy_from_slice(PEER_ENDS[P]);
+        Ok(())
+    }
+
+    fn rank_zero_with_peer(
+        gather_f64: crate::engine::comm::scripted::GatherF64,
+        gather_bytes: crate::engine::comm::scripted::GatherBytes,
+    ) -> crate::engine::comm::scripted::Scripted {
+        let mut c = crate::engine::comm::scripted::Scripted::rank_of(0, 2);
+        c.gather_f64 = Some(gather_f64);
+        c.gather_bytes = Some(gather_bytes);
+        c
+    }
+
+    #[test]
+    fn every_rank_ends_the_build_as_the_first_stop_or_failure_says() {
+        let total = 100;
+        let stored = rank_zero_with_peer(peer_len::<0>, peer_bytes::<0>);
+        let stopped = rank_zero_with_peer(peer_len::<1>, peer_bytes::<1>);
+        let failed = rank_zero_with_peer(peer_len::<2>, peer_bytes::<2>);
+        let none = StopHandle::new();
+        assert!(agree_build_end(&stored, &none, total, Ok(())).is_ok());
+        // A peer's stop stops this rank, which stored everything.
+        match agree_build_end(&stopped, &none, total, Ok(())) {
+            Err(EngineError::StoppedInBuild {
+                cause: StopCause::Signal(15),
+                stored_numel: 100,
+                total_numel: 100,
+            }) => {}
+            other => panic!("{other:?}"),
+        }
+        // A peer's failure fails this rank, naming the peer.
+        match agree_build_end(&failed, &none, total, Ok(())) {
+            Err(e @ EngineError::Comm { .. }) => {
+                assert!(e.to_string().contains("rank 1 failed: disk gone"), "{e}")
+            }
+            other => panic!("{other:?}"),
+        }
+        // This rank's own stop, seen in its store or only at its end,
+        // comes first.
+        let own = StopHandle::new();
+        own.request_because(StopCause::Signal(2));
+        let mid_store = check_build_stop(&own, 40, total);
+        for local in [mid_store, Ok(())] {
+            match agree_build_end(&stopped, &own, total, local) {
+                Err(EngineError::StoppedInBuild {
+                    cause: StopCause::Signal(2),
+                    ..
+                }) => {}
+                other => panic!("{other:?}"),
+            }
+        }
+        // One rank alone: no collective (none is scripted).
+        let alone = crate::engine::comm::scripted::Scripted::rank_of(0, 1);
+        assert!(agree_build_end(&alone, &none, total, Ok(())).is_ok());
+        assert!(matches!(
+            agree_build_end(&alone, &own, total, Ok(())),
+            Err(EngineError::StoppedInBuild {
+                stored_numel: 100,
+                ..
+            })
+        ));
     }
 }
