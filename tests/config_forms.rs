@@ -239,6 +239,52 @@ fn auto_scheduler_params_follow_optimizer_and_run() {
 }
 
 #[test]
+fn a_schedule_peak_other_than_the_runs_lr_is_refused_or_said() {
+    let with_lr = RunContext {
+        learning_rate: Some(2e-5),
+        total_steps: Some(10),
+        ..skip_fs()
+    };
+    let sched = |params: serde_json::Value| {
+        json!({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+            "scheduler": {"type": "WarmupDecayLR", "params": params}})
+        .to_string()
+    };
+    // A peak the run's lr contradicts: refused, as HF Trainer's fill_match.
+    let e = load_str(&sched(json!({"warmup_max_lr": 1e-3})), &with_lr).unwrap_err();
+    assert!(
+        matches!(&e, ConfigError::RunMismatch { key, .. } if key == "scheduler.params.warmup_max_lr"),
+        "{e}"
+    );
+    // Equal, or "auto": no word.
+    for v in [json!(2e-5), json!("auto")] {
+        let l = load_str(&sched(json!({"warmup_max_lr": v})), &with_lr).unwrap();
+        assert!(!l
+            .warnings
+            .iter()
+            .any(|w| w.key() == "scheduler.params.warmup_max_lr"));
+    }
+    // Absent: DeepSpeed's 0.001 peak stays, and is said.
+    let l = load_str(&sched(json!({})), &with_lr).unwrap();
+    assert!(
+        matches!(l.config.scheduler, Scheduler::WarmupDecayLr { max_lr, .. } if max_lr == 0.001)
+    );
+    assert!(l.warnings.iter().any(|w| matches!(w,
+        ConfigWarning::Note { key, message }
+            if key == "scheduler.params.warmup_max_lr" && message.contains("0.001"))));
+    // WarmupLR's absent peak is the optimizer's lr: nothing to say.
+    let text =
+        json!({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+        "scheduler": {"type": "WarmupLR", "params": {}}})
+        .to_string();
+    let l = load_str(&text, &with_lr).unwrap();
+    assert!(!l
+        .warnings
+        .iter()
+        .any(|w| w.key() == "scheduler.params.warmup_max_lr"));
+}
+
+#[test]
 fn total_steps_below_warmup_is_a_warning_as_in_deepspeed() {
     let l = load(json!({"train_batch_size": 8,
         "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 100, "total_num_steps": 10}}}));
@@ -269,7 +315,12 @@ fn deprecated_aliases_are_accepted_with_warnings() {
     assert_eq!(c.precision, Precision::Bf16);
     assert_eq!(c.zero.offload_optimizer.device, OffloadDevice::Cpu);
     assert_eq!(c.zero.offload_param.device, OffloadDevice::Cpu);
-    assert!(!c.zero.offload_param.pin_memory && !c.zero.offload_optimizer.pin_memory);
+    // DeepSpeed ignores cpu_offload_use_pin_memory: the blocks' default
+    // pin_memory (true since DeepSpeed 0.19.5) stands, with a note.
+    assert!(c.zero.offload_param.pin_memory && c.zero.offload_optimizer.pin_memory);
+    assert!(l.warnings.iter().any(|w| matches!(w,
+        ConfigWarning::Note { key, message }
+            if key == "zero_optimization.cpu_offload_use_pin_memory" && message.contains("ignored"))));
     assert!(c.zero.gather_16bit_weights_on_model_save);
     assert_eq!(c.zero.prefetch_bucket_numel, Numel(1234));
     assert_eq!(c.zero.param_persistence_threshold_numel, Numel(55));
@@ -287,7 +338,6 @@ fn deprecated_aliases_are_accepted_with_warnings() {
         "bfloat16",
         "zero_optimization.cpu_offload",
         "zero_optimization.cpu_offload_param",
-        "zero_optimization.cpu_offload_use_pin_memory",
         "zero_optimization.stage3_gather_fp16_weights_on_model_save",
         "aio.thread_count",
     ] {

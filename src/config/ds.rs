@@ -33,8 +33,8 @@
 //!   `stage3_gather_16bit_weights_on_model_save`;
 //! - `zero_optimization.cpu_offload: true` → `offload_optimizer: {device: cpu}`;
 //! - `zero_optimization.cpu_offload_param: true` → `offload_param: {device: cpu}`;
-//! - `zero_optimization.cpu_offload_use_pin_memory` → `pin_memory` of the
-//!   sections created by the two keys above;
+//! - `zero_optimization.cpu_offload_use_pin_memory`: read and ignored
+//!   with a note, as DeepSpeed ignores it (it sets no new param);
 //! - `aio.thread_count` → `aio.intra_op_parallelism`;
 //! - top-level `bfloat16` → `bf16` (given with `bf16`, it is ignored with
 //!   a note, as DeepSpeed's `get_bfloat16_config` reads `bf16` alone then);

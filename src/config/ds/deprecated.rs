@@ -1,10 +1,9 @@
 //! DeepSpeed's deprecated forms of `ds_config.json` keys, read as
 //! DeepSpeed reads them, each with a deprecation warning: the top-level
 //! `bfloat16` (`bf16`'s old name), `zero_optimization` as a boolean, and
-//! its `cpu_offload`, `cpu_offload_param` and `cpu_offload_use_pin_memory`
-//! flags (the offload blocks they stand for).
-
-use serde_json::Value;
+//! its `cpu_offload` and `cpu_offload_param` flags (the offload blocks
+//! they stand for) and `cpu_offload_use_pin_memory` (ignored, as DeepSpeed
+//! ignores it).
 
 use super::super::error::ConfigError;
 use super::super::reader::{ConfigWarning, Field, Obj, Sink};
@@ -33,25 +32,23 @@ impl OffloadBlock for DsOffloadOptimizer {
 }
 
 /// A deprecated `cpu_offload` / `cpu_offload_param` flag: warns, and when
-/// true fills `slot` with the block it stands for, `{"device": "cpu"}` (and
-/// `pin_memory` when the deprecated pin flag is given), refusing if that
-/// block is also written. Returns whether the pin flag was used.
+/// true fills `slot` with the block it stands for, `{"device": "cpu"}`,
+/// refusing if that block is also written.
 fn cpu_offload_flag<T: OffloadBlock>(
     o: &mut Obj<'_>,
     flag: &str,
     slot: &mut Option<T>,
-    pin: Option<bool>,
     sink: &mut Sink,
-) -> Result<bool, ConfigError> {
+) -> Result<(), ConfigError> {
     let Some(f) = o.take(flag) else {
-        return Ok(false);
+        return Ok(());
     };
     sink.warnings.push(ConfigWarning::Deprecated {
         key: f.key.clone(),
         replacement: format!("\"{}\": {{\"device\": \"cpu\"}}", T::KEY),
     });
     if !f.bool()? {
-        return Ok(false);
+        return Ok(());
     }
     let key = o.key_path(T::KEY);
     if slot.is_some() {
@@ -60,14 +57,9 @@ fn cpu_offload_flag<T: OffloadBlock>(
             new: key,
         });
     }
-    let mut block = serde_json::Map::new();
-    block.insert("device".to_owned(), "cpu".into());
-    if let Some(pin) = pin {
-        block.insert("pin_memory".to_owned(), pin.into());
-    }
-    let value = Value::Object(block);
+    let value = serde_json::json!({"device": "cpu"});
     *slot = Some(T::read_block(&Field { key, value: &value }, sink)?);
-    Ok(pin.is_some())
+    Ok(())
 }
 
 /// The top-level `bfloat16`, `bf16`'s old name: read where `bf16` is
@@ -115,27 +107,25 @@ pub(super) fn read_zero(f: &Field<'_>, sink: &mut Sink) -> Result<DsZero, Config
 }
 
 /// `zero_optimization`'s deprecated boolean forms: `cpu_offload`,
-/// `cpu_offload_param` and `cpu_offload_use_pin_memory`.
+/// `cpu_offload_param` and `cpu_offload_use_pin_memory`. The last is read
+/// (a boolean) and ignored, as DeepSpeed ignores it: its deprecated field
+/// sets no new param (`"set_new_param": False` in
+/// `deepspeed/runtime/zero/config.py`), so the blocks' `pin_memory`
+/// default stands.
 pub(super) fn deprecated_cpu_offload(
     o: &mut Obj<'_>,
     z: &mut DsZero,
     sink: &mut Sink,
 ) -> Result<(), ConfigError> {
-    let pin = match o.take("cpu_offload_use_pin_memory") {
-        Some(f) => Some((f.bool()?, f.key.clone())),
-        None => None,
-    };
-    let pin_flag = pin.as_ref().map(|(p, _)| *p);
-    let optimizer = cpu_offload_flag(o, "cpu_offload", &mut z.offload_optimizer, pin_flag, sink)?;
-    let param = cpu_offload_flag(o, "cpu_offload_param", &mut z.offload_param, pin_flag, sink)?;
-    if let Some((_, key)) = pin {
-        sink.warnings.push(ConfigWarning::Deprecated {
-            key: key.clone(),
-            replacement: "\"pin_memory\" inside offload_param / offload_optimizer".to_owned(),
-        });
-        if !(optimizer || param) {
-            sink.note(&key, "has no effect without cpu_offload or cpu_offload_param; set pin_memory inside the offload blocks");
-        }
+    if let Some(f) = o.take("cpu_offload_use_pin_memory") {
+        f.bool()?;
+        sink.note(
+            &f.key,
+            "ignored, as DeepSpeed ignores it (deprecated: it sets nothing); set \"pin_memory\" \
+             inside offload_param / offload_optimizer",
+        );
     }
+    cpu_offload_flag(o, "cpu_offload", &mut z.offload_optimizer, sink)?;
+    cpu_offload_flag(o, "cpu_offload_param", &mut z.offload_param, sink)?;
     Ok(())
 }

@@ -439,6 +439,35 @@ pub(super) fn resolve_scheduler(
         }
         Ok(v)
     };
+    // The schedule's peak is the lr the run trains at: a value the run's
+    // learning rate (`--lr`) contradicts is refused, as HF Trainer's
+    // fill_match refuses it; one the key's absence leaves at another
+    // value than the optimizer's (WarmupDecayLR's 0.001) is said.
+    let peak_lr = |v: f64, sink: &mut Sink| -> Result<f64, ConfigError> {
+        let key = "scheduler.params.warmup_max_lr";
+        match (p.warmup_max_lr, run.learning_rate) {
+            (Some(AutoOr::Value(c)), Some(run_lr)) if !close(c, run_lr) => {
+                Err(ConfigError::RunMismatch {
+                    key: key.to_owned(),
+                    config_value: format!("{c:?}"),
+                    run_value: format!("{run_lr:?}"),
+                    run_source: "learning_rate".to_owned(),
+                })
+            }
+            (None, _) if !close(v, lr) => {
+                sink.note(
+                    key,
+                    format!(
+                        "absent: the schedule peaks at DeepSpeed's default {v:?} for {}, not at \
+                         the optimizer's lr {lr:?}; set it to \"auto\" to peak at the optimizer's lr",
+                        s.kind
+                    ),
+                );
+                Ok(v)
+            }
+            _ => Ok(v),
+        }
+    };
     let warmup_key = "scheduler.params.warmup_num_steps";
     let warmup_steps = match r.u64_fill(
         warmup_key,
@@ -505,13 +534,16 @@ pub(super) fn resolve_scheduler(
             )?,
             // Absent: the optimizer's lr, as DeepSpeed's WarmupLR takes
             // it since #7360 (WarmupDecayLR keeps 0.001).
-            max_lr: lr_key(
-                r,
-                "scheduler.params.warmup_max_lr",
-                p.warmup_max_lr,
-                lr,
-                "HF: optimizer lr",
-                lr,
+            max_lr: peak_lr(
+                lr_key(
+                    r,
+                    "scheduler.params.warmup_max_lr",
+                    p.warmup_max_lr,
+                    lr,
+                    "HF: optimizer lr",
+                    lr,
+                )?,
+                sink,
             )?,
             warmup_steps,
             warmup_type,
@@ -525,13 +557,16 @@ pub(super) fn resolve_scheduler(
                 "HF: 0",
                 0.0,
             )?;
-            let max_lr = lr_key(
-                r,
-                "scheduler.params.warmup_max_lr",
-                p.warmup_max_lr,
-                lr,
-                "HF: optimizer lr",
-                0.001,
+            let max_lr = peak_lr(
+                lr_key(
+                    r,
+                    "scheduler.params.warmup_max_lr",
+                    p.warmup_max_lr,
+                    lr,
+                    "HF: optimizer lr",
+                    0.001,
+                )?,
+                sink,
             )?;
             let total_steps = total(r, sink)?;
             check_total(sink, total_steps);
