@@ -325,24 +325,30 @@ pub fn read_regular(path: &Path, max_bytes: u64) -> std::io::Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// Refuses to replace `path` when it exists (through symlinks) and is not
-/// a regular file: a device, a FIFO, a socket or a directory. The rename
-/// of an atomic rewrite would put a regular file in its place; run as
-/// root, `--timeline /dev/null` replaced `/dev/null` itself.
+/// Refuses to replace `path` when it exists and is not a regular file: a
+/// device, a FIFO, a socket, a directory, or a symbolic link (dangling or
+/// not). The rename of an atomic rewrite would put a regular file in its
+/// place: run as root, `--timeline /dev/null` replaced `/dev/null` itself,
+/// and `--timeline /dev/stdout` the system's `/dev/stdout` link.
 pub fn check_replaceable(path: &Path) -> Result<(), DurableError> {
-    let kind = match std::fs::metadata(path) {
+    let why = match std::fs::symlink_metadata(path) {
         Ok(m) if m.is_file() => return Ok(()),
-        Ok(m) => kind_of(m.file_type()),
-        // Not there (or a dangling link): a new file is made.
+        Ok(m) if m.file_type().is_symlink() => format!(
+            "it is a symbolic link (to {}), which the write would replace with a file; give \
+             the path it names, or remove the link",
+            std::fs::read_link(path).map_or_else(|_| "?".into(), |t| t.display().to_string())
+        ),
+        Ok(m) => format!(
+            "it is a {}, not a regular file; give the path of a regular file",
+            kind_of(m.file_type())
+        ),
+        // Not there: a new file is made.
         Err(_) => return Ok(()),
     };
     Err(DurableError {
         op: "replacing",
         path: path.to_path_buf(),
-        source: std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            format!("it is a {kind}, not a regular file; give the path of a regular file"),
-        ),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidInput, why),
     })
 }
 
@@ -641,8 +647,17 @@ mod tests {
         write_atomic(&file, b"one").unwrap();
         let link = dir.join("link");
         std::os::unix::fs::symlink(&file, &link).unwrap();
-        write_atomic(&link, b"two").unwrap();
-        assert_eq!(std::fs::read(&link).unwrap(), b"two");
+        // A link is refused, not replaced by a file (nor written through):
+        // `--timeline /dev/stdout` replaced the system's link.
+        let e = write_atomic(&link, b"two").unwrap_err();
+        assert!(e.to_string().contains("symbolic link"), "{e}");
+        assert!(std::fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert_eq!(std::fs::read(&file).unwrap(), b"one");
+        assert!(check_replaceable(Path::new("/dev/stdout"))
+            .is_err_and(|e| e.to_string().contains("symbolic link")));
         // Nothing left behind.
         let mut names: Vec<_> = std::fs::read_dir(&dir)
             .unwrap()
