@@ -34,7 +34,7 @@ fn setup(tag: &str) -> PathBuf {
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
-        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2,
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 0.001, "warmup_num_steps": 2,
             "total_num_steps": 6}},
         "zero_optimization": {
             "stage": 3,

@@ -40,7 +40,7 @@ fn setup(d: &Path) {
     let cfg = json!({
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
-        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 1,
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 0.001, "warmup_num_steps": 1,
             "total_num_steps": TOTAL}},
         "zero_optimization": {
             "stage": 3,

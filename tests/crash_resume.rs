@@ -105,7 +105,7 @@ fn setup(d: &Path) {
         // Above this model's gradient norms: the speculative steps commit.
         "gradient_clipping": 100.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
-        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2,
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 0.001, "warmup_num_steps": 2,
             "total_num_steps": TOTAL}},
         "zero_optimization": {
             "stage": 3,
