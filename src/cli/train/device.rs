@@ -135,11 +135,11 @@ pub(super) fn sim_units(
         .trim()
         .parse()
         .ok()
-        .filter(|g: &f64| g.is_finite() && *g > 0.0 && *g <= 10_000.0)
+        .filter(|g: &f64| (0.001..=10_000.0).contains(g))
         .ok_or_else(|| {
             bad(format!(
-                "--sim-h2d-gbps {text}: give a bandwidth in GB/s above 0 and at most 10000 \
-                 (25 is about PCIe 4.0 x16's)"
+                "--sim-h2d-gbps {text}: give a bandwidth in GB/s from 0.001 to 10000 (25 is \
+                 about PCIe 4.0 x16's)"
             ))
         })?;
     let text = sim_compute_ms.unwrap_or("0");

@@ -17,15 +17,17 @@ pub(super) fn fingerprint(v: &[f32]) -> u64 {
     })
 }
 
-/// How long the copy of `bytes` takes.
+/// How long the copy of `bytes` takes (saturating: a rate so low that the
+/// time overflows a `Duration` panicked this thread, and the step waited
+/// for its copies for good).
 fn copy_time(cfg: &SimConfig, bytes: u64) -> Duration {
     let rate = cfg
         .h2d_bytes_per_s
         .filter(|r| r.is_finite() && *r > 0.0)
         .map_or(Duration::ZERO, |r| {
-            Duration::from_secs_f64(bytes as f64 / r)
+            Duration::try_from_secs_f64(bytes as f64 / r).unwrap_or(Duration::MAX)
         });
-    cfg.copy_delay + rate
+    cfg.copy_delay.saturating_add(rate)
 }
 
 pub(super) fn copy_thread(rx: Receiver<Job>, shared: Arc<Shared>, cfg: SimConfig) {
@@ -96,5 +98,20 @@ pub(super) fn download_thread(rx: Receiver<Down>, shared: Arc<Shared>, cfg: SimC
         d.event.complete(out);
         shared.downloads_in_flight.fetch_sub(1, Ordering::Relaxed);
         shared.downloads.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_copy_time_beyond_a_duration_saturates() {
+        let mut cfg = SimConfig::instant(1 << 20, 1);
+        cfg.h2d_bytes_per_s = Some(1e9);
+        assert_eq!(copy_time(&cfg, 1_000_000_000), Duration::from_secs(1));
+        cfg.h2d_bytes_per_s = Some(1e-300);
+        cfg.copy_delay = Duration::from_secs(1);
+        assert_eq!(copy_time(&cfg, 1 << 20), Duration::MAX);
     }
 }
