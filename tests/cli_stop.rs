@@ -517,3 +517,43 @@ fn a_signal_during_the_build_ends_it_there() {
         assert!(!d.join("new").exists(), "SIG{sig}: the save dir stays");
     }
 }
+
+/// `--metrics` on a FIFO with no reader: the trainer's build waited in
+/// its open, where no signal could end it. Now start-up opens it, says it
+/// waits, and a signal there ends the run at once.
+#[test]
+fn a_metrics_fifo_without_a_reader_waits_in_start_up() {
+    let d = cli_support::scratch("stop", "metrics-fifo");
+    setup(&d);
+    let fifo = d.join("m.fifo");
+    let made = Command::new("mkfifo").arg(&fifo).status();
+    if !made.is_ok_and(|s| s.success()) {
+        eprintln!("mkfifo failed; skipping");
+        return;
+    }
+    let mut c = train(&d, 2, &["--model", "model", "--metrics", "m.fifo"]);
+    let mut child = c.spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "ended without a reader"
+    );
+    signal(child.id(), "INT");
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            panic!("still running 20 s after SIGINT");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert!(
+        err.contains("--metrics m.fifo is a FIFO: waiting for its reader"),
+        "{err}"
+    );
+    assert!(err.contains("SIGINT received during start-up"), "{err}");
+    assert_eq!(swap_files(&d), Vec::<String>::new());
+}

@@ -45,7 +45,7 @@ fn ds_config(d: &Path) -> Value {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
-        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 1,
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 0.001, "warmup_num_steps": 1,
             "total_num_steps": "auto"}},
         "zero_optimization": {
             "stage": 3,
@@ -336,6 +336,35 @@ fn user_mistakes_exit_2_with_one_line() {
     let mut args = TINY.to_vec();
     args.extend(["--timeline", "t.json", "--timeline-steps", "0"]);
     assert_bad(&d, &args, &["--timeline-steps", "out of range"]);
+    // Metrics on stdout under --json (stdout is the summary alone); a
+    // timeline through a symbolic link (the rename replaced the link: run
+    // as root, --timeline /dev/stdout replaced the system's).
+    let mut args = TINY.to_vec();
+    args.extend(["--metrics", "/dev/stdout", "--json"]);
+    assert_bad(&d, &args, &["--metrics /dev/stdout", "stdout", "--json"]);
+    std::os::unix::fs::symlink("elsewhere.json", d.join("tl-link.json")).unwrap();
+    let mut args = TINY.to_vec();
+    args.extend(["--timeline", "tl-link.json"]);
+    assert_bad(&d, &args, &["--timeline tl-link.json", "symbolic link"]);
+    assert!(std::fs::symlink_metadata(d.join("tl-link.json"))
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    // Metrics on the file stdout is redirected to: the two wrote over
+    // each other at offset 0.
+    let out_file = std::fs::File::create(d.join("stdout.txt")).unwrap();
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .current_dir(&d)
+        .arg("train")
+        .args(TINY)
+        .args(["--metrics", "/dev/stdout"])
+        .stdout(out_file)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&status.stderr);
+    assert_eq!(status.status.code(), Some(2), "{err}");
+    assert!(err.contains("would write over what stdout writes"), "{err}");
     // A timeline path that is a directory: said at start-up, not after the
     // last step (it was exit 1 then, and the summary was lost).
     std::fs::create_dir_all(d.join("tl")).unwrap();
@@ -1278,11 +1307,15 @@ fn device_sim_refuses_what_it_cannot_use() {
         &with(&TINY, &[("--sim-h2d-gbps", "10")]),
         &["--sim-h2d-gbps", "--device sim"],
     );
-    assert_bad(
-        &d,
-        &with(&TINY, &[("--device", "sim"), ("--sim-h2d-gbps", "0")]),
-        &["--sim-h2d-gbps 0", "GB/s"],
-    );
+    // 1e-300 GB/s passed a "> 0" check, then overflowed the copy's time
+    // and panicked the copy thread: the run hung.
+    for gbps in ["0", "1e-300", "0.0009", "10001"] {
+        assert_bad(
+            &d,
+            &with(&TINY, &[("--device", "sim"), ("--sim-h2d-gbps", gbps)]),
+            &[&format!("--sim-h2d-gbps {gbps}"), "GB/s from 0.001"],
+        );
+    }
     assert_bad(
         &d,
         &with(&TINY, &[("--sim-compute-ms", "5")]),

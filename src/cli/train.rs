@@ -694,6 +694,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         load_config(&args, &flags, &model, comm.world_size(), ckpt.as_ref())?;
     let cfg = &loaded.config;
     outputs::check_output_dirs(&args)?;
+    let _metrics_reader = outputs::metrics_fifo_reader(&args)?;
     let (data, data_name, data_line) = load_data(&args, &model, seq_len)?;
     // One micro-batch's rows must be distinct windows of the corpus: a pass
     // holds a micro-batch. (One read across two passes may still hold a

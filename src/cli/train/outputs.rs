@@ -261,6 +261,70 @@ fn check_outputs_spare_inputs(args: &TrainArgs) -> Result<(), Failure> {
     Ok(())
 }
 
+/// `--metrics` naming this process's stdout (`/dev/stdout`, or the file
+/// stdout is redirected to) is refused where it would break stdout: under
+/// `--json` (stdout is then the summary object alone), and on a regular
+/// file (the metrics writer opens it on its own, at offset 0, and the two
+/// write over each other).
+fn check_metrics_not_stdout(args: &TrainArgs) -> Result<(), Failure> {
+    use std::os::fd::AsFd as _;
+    use std::os::unix::fs::MetadataExt as _;
+    let Some(path) = &args.metrics else {
+        return Ok(());
+    };
+    let (Ok(m), Ok(out)) = (
+        std::fs::metadata(path),
+        std::io::stdout()
+            .as_fd()
+            .try_clone_to_owned()
+            .and_then(|fd| std::fs::File::from(fd).metadata()),
+    ) else {
+        return Ok(());
+    };
+    if (m.dev(), m.ino()) != (out.dev(), out.ino()) || !(args.json || m.is_file()) {
+        return Ok(());
+    }
+    Err(bad(format!(
+        "--metrics {}: is this run's stdout, {}; give the metrics a file of their own",
+        path.display(),
+        match args.json {
+            true => "which --json keeps for the summary object",
+            false => "and opened again it would write over what stdout writes",
+        }
+    )))
+}
+
+/// `--metrics` on a FIFO is opened now, during start-up, where a signal
+/// ends the run at once: the trainer's build opens it too, and that open
+/// waits for a reader, where no signal could end it. The handle returned
+/// is held until the trainer has opened its own.
+pub(super) fn metrics_fifo_reader(args: &TrainArgs) -> Result<Option<std::fs::File>, Failure> {
+    use std::os::unix::fs::{FileTypeExt as _, OpenOptionsExt as _};
+    let Some(path) = &args.metrics else {
+        return Ok(None);
+    };
+    if !std::fs::metadata(path).is_ok_and(|m| m.file_type().is_fifo()) {
+        return Ok(None);
+    }
+    let open = |flags| {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(flags)
+            .open(path)
+    };
+    // Without waiting first (ENXIO: no reader yet); the handle is only held.
+    if let Ok(f) = open(libc::O_NONBLOCK) {
+        return Ok(Some(f));
+    }
+    errln!(
+        "tierzero: --metrics {} is a FIFO: waiting for its reader",
+        path.display()
+    );
+    open(0)
+        .map(Some)
+        .map_err(|e| bad(format!("--metrics {}: {e}", path.display())))
+}
+
 /// `--metrics` and `--timeline` go into a directory that must exist. The
 /// timeline is written only after the last step (atomically: a temporary
 /// file beside it, renamed over it), so what would fail then is checked
@@ -268,6 +332,7 @@ fn check_outputs_spare_inputs(args: &TrainArgs) -> Result<(), Failure> {
 /// where no file can be made.
 pub(super) fn check_output_dirs(args: &TrainArgs) -> Result<(), Failure> {
     check_outputs_spare_inputs(args)?;
+    check_metrics_not_stdout(args)?;
     for (flag, file) in [("--metrics", &args.metrics), ("--timeline", &args.timeline)] {
         if let Some(parent) = file
             .as_ref()

@@ -237,6 +237,20 @@ fn stat_minor_faults(stat: &str) -> Option<u64> {
     rest.split_whitespace().nth(7)?.parse().ok()
 }
 
+/// Whether the regular file `path` is not empty and does not end in a
+/// newline.
+fn ends_torn(path: &Path) -> bool {
+    use std::io::{Read as _, Seek as _};
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return false;
+    };
+    if !f.metadata().is_ok_and(|m| m.is_file() && m.len() > 0) {
+        return false;
+    }
+    let mut last = [0u8; 1];
+    f.seek(std::io::SeekFrom::End(-1)).is_ok() && f.read_exact(&mut last).is_ok() && last != *b"\n"
+}
+
 /// A JSON-lines writer.
 #[derive(Debug)]
 pub struct MetricsWriter {
@@ -257,10 +271,21 @@ impl MetricsWriter {
                 path: path.to_owned(),
                 source,
             })?;
-        Ok(MetricsWriter {
+        let mut w = MetricsWriter {
             path: path.to_owned(),
             file: std::io::BufWriter::new(f),
-        })
+        };
+        if append && ends_torn(path) {
+            // A kill or a full disk left half a line: the next line would
+            // be glued to it, and lost with it. End it; it stays (as
+            // written) for whoever wants its start.
+            tracing::warn!(path = %path.display(), "the metrics file ends in half a line (a run killed mid-write?): ending it before appending");
+            writeln!(w.file).map_err(|source| EngineError::Io {
+                path: path.to_owned(),
+                source,
+            })?;
+        }
+        Ok(w)
     }
 
     /// Writes one object as a line and flushes.
@@ -300,5 +325,30 @@ mod tests {
         let touched: Vec<u8> = vec![1; 64 << 20];
         assert!(touched.iter().step_by(4096).all(|&b| b == 1));
         assert!(minor_faults() > before, "64 MiB touched without a fault");
+    }
+
+    /// A resumed run appends after a torn last line (a kill mid-write)
+    /// on a line of its own: its first line used to be glued to it, and
+    /// lost as invalid JSON.
+    #[test]
+    fn appending_after_a_torn_line_starts_a_new_line() {
+        let dir = std::env::temp_dir().join(format!("tz-metrics-torn-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("m.jsonl");
+        for (before, after) in [
+            (
+                "{\"step\":1}\n{\"step\":2,\"lo",
+                "{\"step\":1}\n{\"step\":2,\"lo\n{\"step\":2}\n",
+            ),
+            ("{\"step\":1}\n", "{\"step\":1}\n{\"step\":2}\n"),
+            ("", "{\"step\":2}\n"),
+        ] {
+            std::fs::write(&path, before).unwrap();
+            let mut w = MetricsWriter::create(&path, true).unwrap();
+            w.write(&serde_json::json!({"step": 2})).unwrap();
+            drop(w);
+            assert_eq!(std::fs::read_to_string(&path).unwrap(), after);
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
