@@ -1316,6 +1316,24 @@ fn device_sim_refuses_what_it_cannot_use() {
             &[&format!("--sim-h2d-gbps {gbps}"), "GB/s from 0.001"],
         );
     }
+    // A device budget below the largest unit's params: refused at
+    // start-up with the least that runs (it failed the first step as an
+    // internal error, exit 1, advising a prefetch setting).
+    let mut cfg = ds_config(&d);
+    cfg["tierzero"]["device_budget_bytes"] = json!(1024);
+    std::fs::write(d.join("sim-budget.json"), cfg.to_string()).unwrap();
+    assert_bad(
+        &d,
+        &with(
+            &TINY,
+            &[("--device", "sim"), ("--config", "sim-budget.json")],
+        ),
+        &[
+            "largest unit needs",
+            "budget for params is 1024 bytes",
+            "at least",
+        ],
+    );
     assert_bad(
         &d,
         &with(&TINY, &[("--sim-compute-ms", "5")]),

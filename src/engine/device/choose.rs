@@ -32,12 +32,39 @@ pub fn units_on<L: DeviceLink + 'static>(
         }
         Err(why) => {
             tracing::info!("the optimizer runs on the host: {why}");
+            check_largest_unit_fits(&link, cfg, model)?;
             let units = TieredUnits::new(link, TierLimits::of(cfg))?
                 .params_stored_as(cfg.precision.storage_dtype())
                 .keep_forwards(cfg.tierzero.activations)?;
             Ok(Arc::new(units))
         }
     }
+}
+
+/// The device tier holds a unit's params all at once: a budget for
+/// params below the largest unit's (at the storage dtype's bytes) is
+/// refused here, naming the least that runs, rather than failing the
+/// first step as the tier's error that no prefetch setting can mend. At
+/// exactly that budget the tier runs (it uploads ahead only what fits).
+fn check_largest_unit_fits<L: DeviceLink>(
+    link: &L,
+    cfg: &Config,
+    model: &Model,
+) -> Result<(), ModelError> {
+    let need = super::param_device_bytes(model.largest_unit_numel(), cfg.precision.storage_dtype());
+    let budget = link.budget_bytes();
+    if need <= budget {
+        return Ok(());
+    }
+    Err(ModelError::Gpu {
+        what: format!(
+            "device tier: the model's largest unit needs {need} bytes of params on the device at \
+             once ({}), and the device's budget for params is {budget} bytes; raise \
+             tierzero.device_budget_bytes to at least {need} (more lets the next unit upload \
+             ahead)",
+            crate::units::format_bytes(need)
+        ),
+    })
 }
 
 /// Whether the run on `world` ranks trains in device memory (Adam on the
@@ -87,7 +114,11 @@ impl TierLimits {
             cache_bytes: cfg
                 .tierzero
                 .device_cache_bytes
-                .map_or(TierLimits::CACHE_AUTO, |b| b.0),
+                // A byte count is never `"auto"`'s mark: u64::MAX given
+                // was shown and run as "auto".
+                .map_or(TierLimits::CACHE_AUTO, |b| {
+                    b.0.min(TierLimits::CACHE_AUTO - 1)
+                }),
         }
     }
 }
@@ -127,5 +158,18 @@ mod tests {
         assert!(trains_resident(&l2, 1, 1)
             .unwrap_err()
             .contains("adam_w_mode"));
+    }
+
+    #[test]
+    fn a_device_cache_of_any_byte_count_is_not_auto() {
+        let cache = |v: &str| {
+            TierLimits::of(&config(&format!(
+                r#""tierzero": {{"device_cache_bytes": {v}}}"#
+            )))
+            .cache_bytes
+        };
+        assert_eq!(cache("\"auto\""), TierLimits::CACHE_AUTO);
+        assert_eq!(cache("4096"), 4096);
+        assert_eq!(cache(&u64::MAX.to_string()), u64::MAX - 1);
     }
 }
