@@ -562,6 +562,8 @@ struct RunInfo<'a> {
     steps_per_print: u64,
     /// The step of the checkpoint resumed from, when it is in --save-dir.
     resumed_from: Option<u64>,
+    /// The optimizer, schedule, clipping and precision, and what "auto" took.
+    training: String,
 }
 
 /// How a run's steps ended.
@@ -785,6 +787,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         train_batch_size: cfg.batch.train_batch_size,
         steps_per_print: cfg.steps_per_print,
         resumed_from,
+        training: tierzero::run::describe_training(cfg, steps, &loaded.resolved),
     };
     if start_step >= steps {
         // A run killed after its last save left its swap files; reclaim

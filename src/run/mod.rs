@@ -39,6 +39,9 @@
 
 use std::fmt::{self, Write as _};
 
+mod training;
+pub use training::{describe_training, LrPoints};
+
 use crate::config::{Config, OffloadDevice};
 use crate::engine::sizing::{Buffers, Sizing};
 use crate::engine::{Layout, Tier};

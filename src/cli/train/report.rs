@@ -164,7 +164,7 @@ pub(super) fn banner(
         "tierzero train: model {model_name} ({}, {} layers, hidden {}, {} params, {}), \
          data {}, config {}\n\
          run: {} steps x {} sequences x {} tokens = {} tokens/step, \
-         seed {}, data {}, {}{}{}\n{plan}\n",
+         seed {}, data {}, {}{}{}\n{}\n{plan}\n",
         mc.family.name(),
         mc.n_layer,
         mc.hidden_size,
@@ -189,7 +189,8 @@ pub(super) fn banner(
         },
         trainer
             .malloc_tuning()
-            .map_or(String::new(), |m| format!(", host malloc: {m}"))
+            .map_or(String::new(), |m| format!(", host malloc: {m}")),
+        run.training,
     )
 }
 
