@@ -170,6 +170,14 @@ pub enum Source {
     HfDefault,
     /// DeepSpeed's default (a hidden-size rule without a hidden size).
     DeepSpeedDefault,
+    /// An absent key's default that changed between DeepSpeed versions:
+    /// a config written for an older one meant another value.
+    DeepSpeedDefaultSince {
+        /// The first version with this default.
+        version: &'static str,
+        /// The default before it.
+        before: &'static str,
+    },
     /// Derived from other resolved keys (e.g. `train_batch_size`).
     Derived(String),
     /// DeepSpeed's batch-size inference from the two keys that were given.
@@ -182,6 +190,10 @@ impl fmt::Display for Source {
             Source::Run(what) => write!(f, "run: {what}"),
             Source::HfDefault => write!(f, "HF Trainer default"),
             Source::DeepSpeedDefault => write!(f, "DeepSpeed default (model hidden size unknown)"),
+            Source::DeepSpeedDefaultSince { version, before } => write!(
+                f,
+                "absent: DeepSpeed's default since {version}; {before} before, write it to choose"
+            ),
             Source::Derived(how) => write!(f, "derived: {how}"),
             Source::Inferred => write!(f, "inferred from the other batch sizes, as DeepSpeed does"),
         }

@@ -775,6 +775,16 @@ pub(crate) fn validate(
         // DeepSpeed's default since 0.19.3 (#8068; 0.0 before).
         1.0,
     )?;
+    if ds.gradient_clipping.is_none() && run.max_grad_norm.is_none() {
+        r.record(
+            "gradient_clipping",
+            format!("{clip:?}"),
+            Source::DeepSpeedDefaultSince {
+                version: "0.19.3",
+                before: "0 (no clipping)",
+            },
+        );
+    }
     if clip < 0.0 {
         return Err(range(
             "gradient_clipping",

@@ -1,8 +1,9 @@
 //! The training settings a run uses, as the start-up prints them: the
 //! optimizer, the learning-rate schedule (the lr of the first step, its
 //! peak and the last step's, as the engine will step it), clipping and
-//! precision, and every `"auto"` the config left to be filled with what
-//! filled it. DeepSpeed logs its whole effective config at start-up; a
+//! precision, and every value the config left to be filled (`"auto"`,
+//! batch sizes DeepSpeed infers, absent keys whose default changed between
+//! DeepSpeed versions) with what filled it. DeepSpeed logs its whole effective config at start-up; a
 //! peak lr 50 times the one meant, or clipping from a newer default, shows
 //! here before the first step, not in the loss curve.
 
@@ -55,8 +56,9 @@ impl LrPoints {
     }
 }
 
-/// The start-up's `training:` line (and, when the config had `"auto"`
-/// values, its `auto:` line) for a run of `steps` optimizer steps.
+/// The start-up's `training:` line (and, when the config left values to
+/// fill, `"auto"` or absent with a default that changed between DeepSpeed
+/// versions, its `filled in:` line) for a run of `steps` optimizer steps.
 pub fn describe_training(cfg: &Config, steps: u64, resolved: &[Resolved]) -> String {
     let o = &cfg.optimizer;
     let decay = match (o.weight_decay, o.decoupled_weight_decay) {
@@ -143,7 +145,7 @@ pub fn describe_training(cfg: &Config, steps: u64, resolved: &[Resolved]) -> Str
             .iter()
             .map(|r| format!("{} = {} ({})", r.key, r.value, r.source))
             .collect();
-        text.push_str(&format!("\nauto: {}", filled.join("; ")));
+        text.push_str(&format!("\nfilled in: {}", filled.join("; ")));
     }
     text
 }
@@ -211,7 +213,7 @@ mod tests {
             "peak 2e-5 at step 12",
             "gradients clipped at norm 1.0",
             "; fp32",
-            "\nauto: ",
+            "\nfilled in: ",
             "optimizer.params.lr = 2e-5 (run: learning_rate)",
         ] {
             assert!(text.contains(want), "{want:?} not in {text}");
@@ -232,11 +234,28 @@ mod tests {
         ] {
             assert!(text.contains(want), "{want:?} not in {text}");
         }
-        // Only the batch sizes DeepSpeed infers were filled.
+        // Only the batch sizes DeepSpeed infers were filled (clipping is
+        // written).
         assert!(
-            text.contains("\nauto: gradient_accumulation_steps = 1 (inferred"),
+            text.contains("\nfilled in: gradient_accumulation_steps = 1 (inferred"),
             "{text}"
         );
         assert!(!text.contains("optimizer.params"), "{text}");
+        // Absent keys whose DeepSpeed default changed are said.
+        let c = config(
+            r#"{"train_micro_batch_size_per_gpu": 2,
+                "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}"#,
+            &RunContext::default(),
+        );
+        let text = describe_training(&c.config, 5, &c.resolved);
+        for want in [
+            "gradients clipped at norm 1.0",
+            "gradient_clipping = 1.0 (absent: DeepSpeed's default since 0.19.3; 0 (no clipping) \
+             before, write it to choose)",
+            "scheduler.params.warmup_max_lr = 5e-5 (absent: DeepSpeed's default since 0.17.2 \
+             (the optimizer's lr); 0.001 before",
+        ] {
+            assert!(text.contains(want), "{want:?} not in {text}");
+        }
     }
 }

@@ -522,6 +522,17 @@ pub(super) fn resolve_scheduler(
             );
         }
     };
+    if s.kind == "WarmupLR" && p.warmup_max_lr.is_none() {
+        // An older DeepSpeed (before #7360) peaked at 0.001 here.
+        r.record(
+            "scheduler.params.warmup_max_lr",
+            format!("{lr:?}"),
+            Source::DeepSpeedDefaultSince {
+                version: "0.17.2 (the optimizer's lr)",
+                before: "0.001",
+            },
+        );
+    }
     match s.kind.as_str() {
         "WarmupLR" => Ok(Scheduler::WarmupLr {
             min_lr: lr_key(
