@@ -365,6 +365,20 @@ fn a_corpus_from_a_pipe_is_read_once_and_not_cached() {
     // so that it ends.
     drop(std::fs::File::open(&fifo));
     writer.join().unwrap();
+    // Compressed bytes in a pipe, read byte-level: refused (they were
+    // trained on), as a compressed regular file is.
+    let mut gz = vec![0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3];
+    gz.extend(std::iter::repeat_n(7u8, 600));
+    let writer = fill(gz);
+    let e = TokenData::load(
+        &spec(&fifo, DataFormat::Bytes, None, true),
+        VOCAB,
+        &|_, _| {},
+    )
+    .unwrap_err()
+    .to_string();
+    writer.join().unwrap();
+    assert!(e.contains("gzip-compressed") && e.contains("zcat"), "{e}");
 }
 
 #[test]

@@ -127,7 +127,7 @@ fn check_not_compressed(data: &Path) -> Result<(), Failure> {
     let n = std::fs::File::open(data)
         .and_then(|f| f.take(6).read(&mut head))
         .unwrap_or(0);
-    let Some((what, tool)) = compression_of(&head[..n]) else {
+    let Some((what, tool)) = tierzero::data::compression_of(&head[..n]) else {
         return Ok(());
     };
     Err(bad(format!(
@@ -136,30 +136,6 @@ fn check_not_compressed(data: &Path) -> Result<(), Failure> {
         data.display(),
         data.display()
     )))
-}
-
-/// The compression format whose magic bytes `head` starts with, and the
-/// tool that decompresses it to stdout.
-fn compression_of(head: &[u8]) -> Option<(&'static str, &'static str)> {
-    const MAGIC: [(&[u8], &str, &str); 4] = [
-        (&[0x1f, 0x8b], "gzip", "zcat"),
-        (&[0x28, 0xb5, 0x2f, 0xfd], "zstd", "zstdcat"),
-        (&[0xfd, b'7', b'z', b'X', b'Z', 0x00], "xz", "xzcat"),
-        (&[b'P', b'K', 0x03, 0x04], "zip", "unzip -p"),
-    ];
-    // bzip2: "BZh", the block size digit, then the block magic's start
-    // (a text may well begin with "BZh").
-    let bzip2 = head.len() >= 6
-        && head.starts_with(b"BZh")
-        && (b'1'..=b'9').contains(&head[3])
-        && head[4..6] == [0x31, 0x41];
-    if bzip2 {
-        return Some(("bzip2", "bzcat"));
-    }
-    MAGIC
-        .iter()
-        .find(|(m, _, _)| head.starts_with(m))
-        .map(|(_, what, tool)| (*what, *tool))
 }
 
 /// A progress bar over the data's bytes while text is encoded (stderr,

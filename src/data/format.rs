@@ -214,6 +214,30 @@ fn sidecar_width(path: &Path) -> Result<Option<TokenWidth>> {
         .ok_or_else(|| bad("\"dtype\" must be \"uint16\" or \"uint32\""))
 }
 
+/// The compression format whose magic bytes `head` starts with, and the
+/// tool that decompresses it to stdout.
+pub fn compression_of(head: &[u8]) -> Option<(&'static str, &'static str)> {
+    const MAGIC: [(&[u8], &str, &str); 4] = [
+        (&[0x1f, 0x8b], "gzip", "zcat"),
+        (&[0x28, 0xb5, 0x2f, 0xfd], "zstd", "zstdcat"),
+        (&[0xfd, b'7', b'z', b'X', b'Z', 0x00], "xz", "xzcat"),
+        (&[b'P', b'K', 0x03, 0x04], "zip", "unzip -p"),
+    ];
+    // bzip2: "BZh", the block size digit, then the block magic's start
+    // (a text may well begin with "BZh").
+    let bzip2 = head.len() >= 6
+        && head.starts_with(b"BZh")
+        && (b'1'..=b'9').contains(&head[3])
+        && head[4..6] == [0x31, 0x41];
+    if bzip2 {
+        return Some(("bzip2", "bzcat"));
+    }
+    MAGIC
+        .iter()
+        .find(|(m, _, _)| head.starts_with(m))
+        .map(|(_, what, tool)| (*what, *tool))
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]

@@ -53,7 +53,7 @@ pub mod encode;
 pub mod format;
 pub mod order;
 
-pub use format::{DataFormat, DocSplit, TokenWidth};
+pub use format::{compression_of, DataFormat, DocSplit, TokenWidth};
 pub use order::DataOrder;
 
 use std::path::{Path, PathBuf};
@@ -213,6 +213,18 @@ impl TokenData {
             path: path.to_owned(),
             source,
         })?;
+        // A pipe of compressed bytes (`--data <(cat corpus.gz)`) trained
+        // on them without a word: a regular file is looked at before it
+        // is read (the CLI), a pipe only here.
+        if let Some((what, tool)) = compression_of(&bytes) {
+            return Err(EngineError::Data {
+                path: path.to_owned(),
+                reason: format!(
+                    "its bytes are {what}-compressed; decompress them in the pipe ({tool}), \
+                     e.g. --data <({tool} corpus)"
+                ),
+            });
+        }
         Ok(Self::from_bytes(&bytes, path))
     }
 
