@@ -259,6 +259,32 @@ fn the_encoding_is_cached_and_a_change_of_data_or_eos_misses() {
     });
     assert!(!off.data.is_mapped());
     assert_eq!(off.data.tokens(), edited.data.tokens());
+    // --data-cache-dir naming the data's own directory by another
+    // spelling prunes there too (the paths are compared resolved).
+    let Origin::CacheHit(before) = load(&s).origin else {
+        panic!("no hit")
+    };
+    std::fs::create_dir_all(d.join("sub")).unwrap();
+    let spelled = DataSpec {
+        cache_dir: Some(d.join("sub/..")),
+        ..s.clone()
+    };
+    write(&documents(32));
+    let again = load(&spelled);
+    let Origin::Encoded { superseded, .. } = &again.origin else {
+        panic!("{:?}", again.origin)
+    };
+    let resolved = |p: &std::path::Path| {
+        std::fs::canonicalize(p.parent().unwrap())
+            .unwrap()
+            .join(p.file_name().unwrap())
+    };
+    let gone: Vec<std::path::PathBuf> = superseded.iter().map(|(p, _)| resolved(p)).collect();
+    assert!(
+        gone.contains(&resolved(&before)),
+        "{gone:?} lacks {before:?}"
+    );
+    assert!(!before.exists());
 }
 
 /// `--data-cache-dir`: the entry goes there, not next to the data, and
