@@ -1480,8 +1480,12 @@ mod tests {
         );
         // No clipping, GA 1: the gradients neither spill nor park; only
         // params and state are on NVMe, each of the 70 sub-groups' three
-        // state extents 4 KiB-aligned.
-        assert_eq!(e.per_rank.nvme_bytes, n * 2 + 70 * 3 * 400_003_072);
+        // state extents 4 KiB-aligned; and each of the two swap files'
+        // alignment room, as the engine sizes them.
+        assert_eq!(
+            e.per_rank.nvme_bytes,
+            n * 2 + 70 * 3 * 400_003_072 + 2 * crate::engine::sizing::SWAP_SLACK_BYTES
+        );
         // Pipelined reads: 3 states × (1 + 1 read ahead) = 6 buffers, the
         // engine's rule (above buffer_count's 4), with a note. (Without
         // clipping: with it, the spilled gradient is a fourth.)

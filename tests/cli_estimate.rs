@@ -173,8 +173,16 @@ fn estimate_json_matches_the_formulas() {
     // them); host memory holds the fp32 sums of at most that one
     // sub-group.
     // (Every extent is 4 KiB-aligned, as the engine allocates them: the
-    // state's three, the spill's, the slot's three.)
-    assert_eq!(u(&e["per_rank"]["nvme_bytes"]), 7 * align(s * 4));
+    // state's three, the spill's, the slot's three; and its one swap
+    // file's 1 MiB of alignment room.)
+    assert_eq!(
+        u(&e["per_rank"]["nvme_bytes"]),
+        7 * align(s * 4) + (1 << 20)
+    );
+    assert_eq!(
+        u(&items_named(e, "swap files' alignment room")["bytes"]),
+        1 << 20
+    );
     assert_eq!(
         u(&items_named(e, "param host cache (max_in_cpu)")["bytes"]),
         s * 2

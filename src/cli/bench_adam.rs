@@ -298,7 +298,31 @@ pub fn run(args: BenchAdamArgs) -> std::result::Result<(), super::Failure> {
             isa.name()
         )));
     }
+    check_memory(args.params, tierzero::engine::sizing::mem_available_bytes())?;
     run_checked(&args).map_err(super::Failure::Internal)
+}
+
+/// Host bytes per param of the benchmark's arrays ([`Bufs`]): seven fp32
+/// (gradient, master, m, v, the probe's three) and three bf16 (moments,
+/// the 16-bit copy).
+const BUFS_BYTES_PER_PARAM: u64 = 7 * 4 + 3 * 2;
+
+/// `--params` whose arrays exceed the memory available is refused with
+/// both numbers: Linux grants the allocation, and the run grew until the
+/// OOM killer took it (or another process), or it failed as an internal
+/// error.
+fn check_memory(params: usize, available_bytes: Option<u64>) -> Result<(), super::Failure> {
+    let need = (params as u64).saturating_mul(BUFS_BYTES_PER_PARAM);
+    match available_bytes {
+        Some(avail) if need > avail => Err(super::Failure::BadInput(anyhow::anyhow!(
+            "--params {params}: the benchmark's arrays need {} ({BUFS_BYTES_PER_PARAM} bytes \
+             a param) and {} is available; give at most --params {}",
+            tierzero::units::format_bytes(need),
+            tierzero::units::format_bytes(avail),
+            avail / BUFS_BYTES_PER_PARAM
+        ))),
+        _ => Ok(()),
+    }
 }
 
 fn run_checked(args: &BenchAdamArgs) -> Result<()> {
@@ -467,6 +491,25 @@ mod tests {
         assert_eq!(parse_count("10K").unwrap(), 10_000);
         for bad in ["", "M", "0", "-5M", "abc", "1e20", "nanM"] {
             assert!(parse_count(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn more_params_than_memory_holds_are_refused_with_both_numbers() {
+        let gib = 1u64 << 30;
+        assert!(check_memory(1_000_000, Some(gib)).is_ok());
+        assert!(check_memory(usize::MAX, None).is_ok());
+        match check_memory(2_000_000_000, Some(24 * gib)) {
+            Err(crate::cli::Failure::BadInput(e)) => {
+                let e = e.to_string();
+                assert!(e.contains("--params 2000000000"), "{e}");
+                assert!(e.contains("34 bytes a param"), "{e}");
+                assert!(
+                    e.contains(&format!("at most --params {}", 24 * gib / 34)),
+                    "{e}"
+                );
+            }
+            other => panic!("{other:?}"),
         }
     }
 

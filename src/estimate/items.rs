@@ -478,7 +478,47 @@ pub fn items_within(
         );
     }
     drop(push); // its borrow of `v`
+    swap_slack_item(&mut v);
     Ok(v)
+}
+
+/// The NVMe items of each swap space this rank makes (the params', the
+/// optimizer state's with its spilled gradients and speculation pool, the
+/// parked gradients'), each space given
+/// [`sizing::SWAP_SLACK_BYTES`] beyond them as the engine sizes it
+/// ([`crate::engine::Sizing::swap_space_bytes`]): without it, a disk the
+/// estimate said fits could refuse the run by that much.
+const SWAP_SPACES: [&[&str]; 3] = [
+    &["16-bit param partition"],
+    &[
+        "fp32 master + Adam m, v",
+        "final fp32 grads spilled (clipping / fp16)",
+        SPECULATION_POOL,
+    ],
+    &["fp32 grad sums parked between micro-batches"],
+];
+
+/// Adds the swap spaces' alignment room ([`SWAP_SPACES`]) to `items`.
+fn swap_slack_item(items: &mut Vec<Item>) {
+    let spaces = SWAP_SPACES
+        .iter()
+        .filter(|names| {
+            items
+                .iter()
+                .any(|i| i.tier == Tier::Nvme && i.bytes > 0 && names.contains(&i.what))
+        })
+        .count() as u64;
+    if spaces > 0 {
+        items.push(Item {
+            tier: Tier::Nvme,
+            what: "swap files' alignment room",
+            bytes: spaces * sizing::SWAP_SLACK_BYTES,
+            formula: format!(
+                "{spaces} swap file(s) × {} B for their extents' alignment",
+                sizing::SWAP_SLACK_BYTES
+            ),
+        });
+    }
 }
 
 /// The sub-groups the largest unit's params touch: the layout's

@@ -186,6 +186,11 @@ pub struct Plan {
     /// memory ([`crate::engine::comm::Comm::staging_bytes`]: NCCL's host
     /// collectives), when they do.
     pub comm_staging: Option<crate::engine::comm::CommStaging>,
+    /// NVMe bytes beyond the payloads above: each swap space's room for
+    /// its extents' alignment ([`crate::engine::sizing::SWAP_SLACK_BYTES`],
+    /// [`Sizing::swap_space_bytes`]), in the NVMe total (its free-space
+    /// check counts them).
+    pub swap_slack_bytes: u64,
 }
 
 impl Plan {
@@ -338,6 +343,11 @@ impl Plan {
             pages_registered: None,
             swap_buffers_registered: None,
             comm_staging: None,
+            swap_slack_bytes: crate::engine::sizing::SwapUse::ALL
+                .into_iter()
+                .filter(|&u| sizing.swap_space_bytes(config, u).is_some())
+                .map(|_| crate::engine::sizing::SWAP_SLACK_BYTES)
+                .sum(),
         }
     }
 
@@ -359,6 +369,7 @@ impl Plan {
             + self.grads.nvme_bytes
             + self.optimizer.nvme_bytes
             + self.park.nvme_bytes
+            + self.swap_slack_bytes
     }
 }
 
@@ -504,9 +515,17 @@ impl fmt::Display for Plan {
         };
         let _ = writeln!(
             s,
-            "  pinned total {} {budget}; NVMe total {}",
+            "  pinned total {} {budget}; NVMe total {}{}",
             format_bytes(self.pinned_total_bytes()),
-            format_bytes(self.nvme_total_bytes())
+            format_bytes(self.nvme_total_bytes()),
+            match self.swap_slack_bytes {
+                0 => String::new(),
+                b => format!(
+                    " (with {} of alignment room, {} per swap file)",
+                    format_bytes(b),
+                    format_bytes(crate::engine::sizing::SWAP_SLACK_BYTES)
+                ),
+            }
         );
         if let Some(d) = &self.device_memory {
             let device: u64 = d.rows.iter().map(|r| r.device_bytes).sum();
