@@ -544,6 +544,60 @@ fn a_bench_report_into_a_closed_pipe_does_not_panic() {
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
+/// SIGTERM (or Ctrl-C) during `bench-io` removes the file it made and
+/// its lock: the signal's default action left them (4 GiB by default)
+/// until the next run in that directory.
+#[test]
+fn a_signal_during_bench_io_removes_its_file() {
+    let d = cli_support::scratch("limits", "bench-signal");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .args(["bench-io", "--path", ".", "--size", "64M"])
+        .args([
+            "--block-size",
+            "4K",
+            "--queue-depth",
+            "1,2",
+            "--seconds",
+            "10",
+        ])
+        .current_dir(&d)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run tierzero");
+    // Its file, filled, then the runs: signalled once the file is there.
+    let t0 = Instant::now();
+    let made = |d: &Path| {
+        std::fs::read_dir(d.join("tierzero")).is_ok_and(|mut e| {
+            e.any(|e| e.is_ok_and(|e| e.file_name().to_string_lossy().ends_with(".tzswap")))
+        })
+    };
+    while !made(&d) {
+        assert!(t0.elapsed() < Duration::from_secs(60), "no benchmark file");
+        assert!(child.try_wait().unwrap().is_none(), "ended early");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let ok = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok);
+    let out = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(143), "{stderr}");
+    assert!(
+        stderr.contains("SIGTERM received: removing the benchmark file"),
+        "{stderr}"
+    );
+    assert!(
+        !d.join("tierzero").exists(),
+        "left behind: {:?}",
+        std::fs::read_dir(d.join("tierzero")).map(|e| e.count())
+    );
+}
+
 /// bench-io flags that would give wrong numbers or be ignored are refused
 /// (exit 2) before any file is made: `--no-fill` on the new file under
 /// `--path` (its reads would measure unwritten extents, which return zeros

@@ -185,6 +185,9 @@ fn open_target(t: &Target) -> Result<BenchTarget, Failure> {
         BenchTarget::create(dir, t.size, DirectIo::Auto)
             .map_err(|e| Failure::from_swap(e, "creating the benchmark file"))?
     };
+    // A signal from here on (the fill may take minutes) removes the file
+    // this run made, as its drop would.
+    super::signals::exit_on_signal("the benchmark file", bt.made_paths())?;
     if !bt.is_direct() {
         errln!("warning: O_DIRECT is not available on this file system; numbers include the page cache");
     }

@@ -127,6 +127,37 @@ pub fn trainer_built() {
     PHASE.store(TRAINING, Ordering::SeqCst);
 }
 
+/// For a command with no step boundary to stop at (`bench-io`, `tune`):
+/// the first SIGINT or SIGTERM removes `made` (files, and directories if
+/// empty, in order: what the command's drops would remove) and exits with
+/// 128 + the signal; a second aborts. Without it the signal's default
+/// action left the benchmark's file (4 GiB by default) behind.
+pub fn exit_on_signal(what: &'static str, made: Vec<std::path::PathBuf>) -> Result<(), Failure> {
+    let last = Arc::clone(handlers()?);
+    std::thread::Builder::new()
+        .name("tierzero-signals".into())
+        .spawn(move || loop {
+            let sig = last.load(Ordering::SeqCst);
+            if sig != 0 {
+                let cause = StopCause::Signal(sig as i32);
+                errln!(
+                    "tierzero: {} received: removing {what} and exiting",
+                    cause.signal_name().unwrap_or_default()
+                );
+                for p in &made {
+                    let _ = match p.is_dir() {
+                        true => std::fs::remove_dir(p),
+                        false => std::fs::remove_file(p),
+                    };
+                }
+                std::process::exit(exit_code(cause));
+            }
+            std::thread::sleep(POLL);
+        })
+        .map_err(|e| Failure::Internal(anyhow!("starting the signal watcher: {e}")))?;
+    Ok(())
+}
+
 /// Installs the handlers (if [`register_early`] did not) and the watcher:
 /// the first SIGINT or SIGTERM requests a stop on `handle` (during
 /// start-up, it exits: [`trainer_build_begins`]), a second aborts.

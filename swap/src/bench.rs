@@ -88,6 +88,30 @@ impl BenchTarget {
         Ok(BenchTarget { space, extent })
     }
 
+    /// What this target made and its drop removes, for a process that
+    /// ends without the drop (a signal): its swap files, then its swap
+    /// directory's lock file and the directory (which goes only if
+    /// empty). Nothing for an existing file.
+    pub fn made_paths(&self) -> Vec<std::path::PathBuf> {
+        let files: Vec<_> = self
+            .space
+            .files()
+            .iter()
+            .filter(|f| f.is_owned())
+            .map(|f| f.path().to_path_buf())
+            .collect();
+        let dirs: Vec<_> = files
+            .iter()
+            .filter_map(|f| f.parent().map(std::path::Path::to_path_buf))
+            .collect();
+        let mut made = files;
+        for d in dirs {
+            made.push(d.join(crate::lock::LOCK_FILE));
+            made.push(d);
+        }
+        made
+    }
+
     /// Bytes in the target.
     pub fn len_bytes(&self) -> u64 {
         self.extent.len_bytes()

@@ -156,6 +156,11 @@ impl SwapFile {
     pub fn is_direct(&self) -> bool {
         self.direct
     }
+    /// Whether this process made it (and its drop removes it), as opposed
+    /// to an existing file opened ([`SwapSpace::open_file`]).
+    pub fn is_owned(&self) -> bool {
+        self.owned
+    }
     pub(crate) fn file(&self) -> &File {
         &self.file
     }
