@@ -124,16 +124,26 @@ fn parse_bytes_arg(s: &str) -> Result<u64, String> {
     parse_bytes(s).map_err(|e| e.to_string())
 }
 
+/// One setting's numbers; a direction `--rw` left out is `None` (null in
+/// the JSON, "-" in the table), not a measured zero.
 #[derive(Debug, Serialize)]
 struct Cell {
     block_bytes: u64,
     queue_depth: usize,
-    read_gbps: f64,
-    write_gbps: f64,
-    read_p50_us: f64,
-    read_p99_us: f64,
-    write_p50_us: f64,
-    write_p99_us: f64,
+    read_gbps: Option<f64>,
+    write_gbps: Option<f64>,
+    read_p50_us: Option<f64>,
+    read_p99_us: Option<f64>,
+    write_p50_us: Option<f64>,
+    write_p99_us: Option<f64>,
+}
+
+/// `v` in a table column of `width`, with `prec` decimals; "-" for none.
+fn cell_text(v: Option<f64>, width: usize, prec: usize) -> String {
+    match v {
+        Some(v) => format!("{v:>width$.prec$}"),
+        None => format!("{:>width$}", "-"),
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -149,10 +159,10 @@ struct Report {
     direct_io: bool,
     size_bytes: u64,
     settings: Vec<Cell>,
-    best_read: Best,
-    best_write: Best,
-    read_gbps: f64,
-    write_gbps: f64,
+    best_read: Option<Best>,
+    best_write: Option<Best>,
+    read_gbps: Option<f64>,
+    write_gbps: Option<f64>,
 }
 
 fn open_target(t: &Target) -> Result<BenchTarget, Failure> {
@@ -288,58 +298,50 @@ fn sweep(
     let mut cells = Vec::new();
     for &block in blocks {
         for &qd in qds {
-            let skipped = |op| BenchResult {
-                op,
-                block_bytes: block,
-                queue_depth: qd,
-                bytes: 0,
-                seconds: 0.0,
-                latency_p50_us: 0.0,
-                latency_p99_us: 0.0,
-            };
             let w = match rw {
-                Rw::Read => skipped(IoOp::Write),
-                _ => measure(bt, t, IoOp::Write, block, qd)?,
+                Rw::Read => None,
+                _ => Some(measure(bt, t, IoOp::Write, block, qd)?),
             };
             let r = match rw {
-                Rw::Write => skipped(IoOp::Read),
-                _ => measure(bt, t, IoOp::Read, block, qd)?,
+                Rw::Write => None,
+                _ => Some(measure(bt, t, IoOp::Read, block, qd)?),
             };
+            let gbps = |x: &Option<BenchResult>| x.as_ref().map(BenchResult::gbps);
             if verbose {
                 errln!(
-                    "  block {:>9}  qd {:>3}: read {:6.3} GB/s  write {:6.3} GB/s",
+                    "  block {:>9}  qd {:>3}: read {} GB/s  write {} GB/s",
                     format_bytes(block),
                     qd,
-                    r.gbps(),
-                    w.gbps()
+                    cell_text(gbps(&r), 6, 3),
+                    cell_text(gbps(&w), 6, 3)
                 );
             }
             cells.push(Cell {
                 block_bytes: block,
                 queue_depth: qd,
-                read_gbps: r.gbps(),
-                write_gbps: w.gbps(),
-                read_p50_us: r.latency_p50_us,
-                read_p99_us: r.latency_p99_us,
-                write_p50_us: w.latency_p50_us,
-                write_p99_us: w.latency_p99_us,
+                read_gbps: gbps(&r),
+                write_gbps: gbps(&w),
+                read_p50_us: r.as_ref().map(|r| r.latency_p50_us),
+                read_p99_us: r.as_ref().map(|r| r.latency_p99_us),
+                write_p50_us: w.as_ref().map(|w| w.latency_p50_us),
+                write_p99_us: w.as_ref().map(|w| w.latency_p99_us),
             });
         }
     }
     Ok(cells)
 }
 
-fn best(cells: &[Cell], f: impl Fn(&Cell) -> f64) -> Best {
-    let c = cells
+/// The fastest setting in `f`'s direction; `None` when it was not measured.
+fn best(cells: &[Cell], f: impl Fn(&Cell) -> Option<f64>) -> Option<Best> {
+    cells
         .iter()
-        .max_by(|a, b| f(a).total_cmp(&f(b)))
-        .map(|c| (c.block_bytes, c.queue_depth, f(c)))
-        .unwrap_or((0, 0, 0.0));
-    Best {
-        block_bytes: c.0,
-        queue_depth: c.1,
-        gbps: c.2,
-    }
+        .filter_map(|c| f(c).map(|g| (c, g)))
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|(c, gbps)| Best {
+            block_bytes: c.block_bytes,
+            queue_depth: c.queue_depth,
+            gbps,
+        })
 }
 
 fn target_name(t: &Target) -> String {
@@ -361,8 +363,8 @@ pub fn run_bench_io(a: BenchIoArgs) -> Result<(), Failure> {
         file: target_name(&a.target),
         direct_io: bt.is_direct(),
         size_bytes: bt.len_bytes(),
-        read_gbps: best_read.gbps,
-        write_gbps: best_write.gbps,
+        read_gbps: best_read.as_ref().map(|b| b.gbps),
+        write_gbps: best_write.as_ref().map(|b| b.gbps),
         settings: cells,
         best_read,
         best_write,
@@ -391,33 +393,39 @@ pub fn run_bench_io(a: BenchIoArgs) -> Result<(), Failure> {
         "p50 us",
         "p99 us"
     );
+    let share = |v: Option<f64>, best: &Option<Best>| match v.zip(best.as_ref()) {
+        Some((v, b)) => format!("{:>5.0}%", 100.0 * v / b.gbps.max(1e-12)),
+        None => format!("{:>6}", "-"),
+    };
     for c in &report.settings {
         outln!(
-            "{:>10} {:>4} {:>10.3} {:>5.0}% {:>10.0} {:>10.0} {:>10.3} {:>5.0}% {:>10.0} {:>10.0}",
+            "{:>10} {:>4} {} {} {} {} {} {} {} {}",
             format_bytes(c.block_bytes),
             c.queue_depth,
-            c.read_gbps,
-            100.0 * c.read_gbps / report.best_read.gbps.max(1e-12),
-            c.read_p50_us,
-            c.read_p99_us,
-            c.write_gbps,
-            100.0 * c.write_gbps / report.best_write.gbps.max(1e-12),
-            c.write_p50_us,
-            c.write_p99_us,
+            cell_text(c.read_gbps, 10, 3),
+            share(c.read_gbps, &report.best_read),
+            cell_text(c.read_p50_us, 10, 0),
+            cell_text(c.read_p99_us, 10, 0),
+            cell_text(c.write_gbps, 10, 3),
+            share(c.write_gbps, &report.best_write),
+            cell_text(c.write_p50_us, 10, 0),
+            cell_text(c.write_p99_us, 10, 0),
         );
     }
-    outln!(
-        "best read:  {:.3} GB/s at block {} qd {}",
-        report.best_read.gbps,
-        format_bytes(report.best_read.block_bytes),
-        report.best_read.queue_depth
-    );
-    outln!(
-        "best write: {:.3} GB/s at block {} qd {}",
-        report.best_write.gbps,
-        format_bytes(report.best_write.block_bytes),
-        report.best_write.queue_depth
-    );
+    for (what, b) in [
+        ("read: ", &report.best_read),
+        ("write:", &report.best_write),
+    ] {
+        match b {
+            Some(b) => outln!(
+                "best {what} {:.3} GB/s at block {} qd {}",
+                b.gbps,
+                format_bytes(b.block_bytes),
+                b.queue_depth
+            ),
+            None => outln!("best {what} - (not measured: --rw)"),
+        }
+    }
     Ok(())
 }
 
@@ -426,10 +434,9 @@ const TUNE_BLOCKS: [u64; 4] = [256 << 10, 1 << 20, 4 << 20, 8 << 20];
 const TUNE_QDS: [usize; 5] = [4, 8, 16, 32, 64];
 
 fn harmonic(c: &Cell) -> f64 {
-    if c.read_gbps <= 0.0 || c.write_gbps <= 0.0 {
-        0.0
-    } else {
-        2.0 / (1.0 / c.read_gbps + 1.0 / c.write_gbps)
+    match (c.read_gbps, c.write_gbps) {
+        (Some(r), Some(w)) if r > 0.0 && w > 0.0 => 2.0 / (1.0 / r + 1.0 / w),
+        _ => 0.0,
     }
 }
 
@@ -472,9 +479,9 @@ pub fn run_tune(a: TuneArgs) -> Result<(), Failure> {
         return Ok(());
     }
     outln!(
-        "# read {:.3} GB/s, write {:.3} GB/s; pinned per ring {} ({} x {})",
-        c.read_gbps,
-        c.write_gbps,
+        "# read {} GB/s, write {} GB/s; pinned per ring {} ({} x {})",
+        cell_text(c.read_gbps, 0, 3),
+        cell_text(c.write_gbps, 0, 3),
         format_bytes(c.block_bytes * c.queue_depth as u64),
         c.queue_depth,
         format_bytes(c.block_bytes)
@@ -486,7 +493,32 @@ pub fn run_tune(a: TuneArgs) -> Result<(), Failure> {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failure is a panic
     use super::*;
+
+    /// A direction `--rw` left out is no measurement: not a best of 0
+    /// GB/s, and "-" in the table.
+    #[test]
+    fn a_direction_not_measured_has_no_numbers() {
+        let read_only = |block_bytes, read: Option<f64>| Cell {
+            block_bytes,
+            queue_depth: 2,
+            read_gbps: read,
+            write_gbps: None,
+            read_p50_us: read,
+            read_p99_us: read,
+            write_p50_us: None,
+            write_p99_us: None,
+        };
+        let cells = [read_only(4096, Some(0.5)), read_only(1 << 20, Some(2.0))];
+        let b = best(&cells, |c| c.read_gbps).unwrap();
+        assert_eq!((b.block_bytes, b.gbps), (1 << 20, 2.0));
+        assert!(best(&cells, |c| c.write_gbps).is_none());
+        assert_eq!(cell_text(None, 6, 3), "     -");
+        assert_eq!(cell_text(Some(2.0), 6, 3), " 2.000");
+        let json = serde_json::to_value(&cells[0]).unwrap();
+        assert!(json["write_gbps"].is_null(), "{json}");
+    }
 
     /// A sweep whose largest block at its deepest queue (twice the depth
     /// in buffers) pins more than the memory available, or more than 64
@@ -526,12 +558,12 @@ mod tests {
         Cell {
             block_bytes: block,
             queue_depth: qd,
-            read_gbps: r,
-            write_gbps: w,
-            read_p50_us: 0.0,
-            read_p99_us: 0.0,
-            write_p50_us: 0.0,
-            write_p99_us: 0.0,
+            read_gbps: Some(r),
+            write_gbps: Some(w),
+            read_p50_us: Some(0.0),
+            read_p99_us: Some(0.0),
+            write_p50_us: Some(0.0),
+            write_p99_us: Some(0.0),
         }
     }
 
