@@ -352,10 +352,38 @@ fn target_name(t: &Target) -> String {
         .unwrap_or_default()
 }
 
+/// The settings whose queue depth a file of `len_bytes` cannot reach: a
+/// run moves the file's length once at most, so at most
+/// `ceil(len / block)` requests are ever in flight. (block, depth, the
+/// most in flight) of each.
+fn shallow_settings(len_bytes: u64, blocks: &[u64], qds: &[usize]) -> Vec<(u64, usize, u64)> {
+    blocks
+        .iter()
+        .flat_map(|&b| {
+            qds.iter()
+                .map(move |&q| (b, q, len_bytes.div_ceil(b.max(1))))
+        })
+        .filter(|&(_, q, most)| q as u64 > most)
+        .collect()
+}
+
 /// `tierzero bench-io`.
 pub fn run_bench_io(a: BenchIoArgs) -> Result<(), Failure> {
     check_sweep(&a.block_size, &a.queue_depth)?;
     let bt = open_target(&a.target)?;
+    let shallow = shallow_settings(bt.len_bytes(), &a.block_size, &a.queue_depth);
+    if !shallow.is_empty() {
+        let list: Vec<String> = shallow
+            .iter()
+            .map(|(b, q, most)| format!("block {} qd {q} (at most {most})", format_bytes(*b)))
+            .collect();
+        errln!(
+            "warning: the file ({}) is too small for these settings' queue depth, which their \
+             rows do not reach: {}; give a larger --size or --file",
+            format_bytes(bt.len_bytes()),
+            list.join(", ")
+        );
+    }
     let cells = sweep(&bt, &a.target, &a.block_size, &a.queue_depth, a.rw, !a.json)?;
     let best_read = best(&cells, |c| c.read_gbps);
     let best_write = best(&cells, |c| c.write_gbps);
@@ -452,6 +480,34 @@ fn choose(cells: &[Cell]) -> Option<&Cell> {
 
 /// `tierzero tune`.
 pub fn run_tune(a: TuneArgs) -> Result<(), Failure> {
+    // Its choice rests on every setting reaching its depth: a file too
+    // small for them recommended a depth it never ran (checked before a
+    // fill that may take minutes).
+    let len_bytes = match &a.target.file {
+        Some(f) => std::fs::metadata(f).map_or(u64::MAX, |m| m.len()),
+        None => a.target.size,
+    };
+    let need = TUNE_BLOCKS.iter().max().copied().unwrap_or(0)
+        * TUNE_QDS.iter().max().copied().unwrap_or(0) as u64;
+    if !shallow_settings(len_bytes, &TUNE_BLOCKS, &TUNE_QDS).is_empty() {
+        return Err(Failure::BadInput(anyhow!(
+            "{}: {} holds fewer than the sweep's deepest setting moves at once ({} requests of {}, \
+             {}), so some settings would not reach their queue depth; give {} of at least {}",
+            match a.target.file {
+                Some(_) => "--file",
+                None => "--size",
+            },
+            format_bytes(len_bytes),
+            TUNE_QDS.iter().max().copied().unwrap_or(0),
+            format_bytes(TUNE_BLOCKS.iter().max().copied().unwrap_or(0)),
+            format_bytes(need),
+            match a.target.file {
+                Some(_) => "a file",
+                None => "--size",
+            },
+            format_bytes(need)
+        )));
+    }
     let bt = open_target(&a.target)?;
     errln!(
         "sweeping {} settings, up to {:.1} s each for read and write...",
@@ -495,6 +551,22 @@ pub fn run_tune(a: TuneArgs) -> Result<(), Failure> {
 mod tests {
     #![allow(clippy::unwrap_used)] // tests: a failure is a panic
     use super::*;
+
+    /// A file smaller than block × depth never has that many requests in
+    /// flight: those settings are named (bench-io warns, tune refuses).
+    #[test]
+    fn settings_a_small_file_cannot_reach_are_named() {
+        let mib = 1u64 << 20;
+        assert_eq!(
+            shallow_settings(16 * mib, &[8 * mib, mib], &[1, 2, 128]),
+            vec![(8 * mib, 128, 2), (mib, 128, 16)]
+        );
+        assert!(shallow_settings(4 << 30, &TUNE_BLOCKS, &TUNE_QDS).is_empty());
+        assert_eq!(
+            shallow_settings(20_000, &[1 << 20], &[4]),
+            vec![(1 << 20, 4, 1)]
+        );
+    }
 
     /// A direction `--rw` left out is no measurement: not a best of 0
     /// GB/s, and "-" in the table.

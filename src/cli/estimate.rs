@@ -254,8 +254,9 @@ fn load_config(
         )
         .map_err(|e| bad(format!("--config: {e}")))?;
     }
+    // As train says them (one "warning:" line each).
     for w in &loaded.warnings {
-        tracing::warn!(key = w.key(), "{w}");
+        errln!("warning: {w}");
     }
     let c = &loaded.config;
     let nvme_path = c

@@ -305,11 +305,15 @@ fn check_local_ranks(nproc: u64, cpus: usize) -> Result<(), Failure> {
 }
 
 #[cfg(not(feature = "mpi"))]
-fn launch(_nproc: u64, _args: &LaunchArgs) -> Result<i32, Failure> {
+fn launch(nproc: u64, _args: &LaunchArgs) -> Result<i32, Failure> {
     Err(Failure::BadInput(anyhow!(
-        "this tierzero was built without MPI support, so it cannot start several ranks; rebuild \
-         with `cargo build --release --features mpi` (needs OpenMPI: apt-get install \
-         libopenmpi-dev openmpi-bin libclang-dev)"
+        "this tierzero was built without MPI support, so it cannot start ranks through mpirun{}; \
+         rebuild with `cargo build --release --features mpi` (needs OpenMPI: apt-get install \
+         libopenmpi-dev openmpi-bin libclang-dev)",
+        match nproc {
+            1 => " (for one rank, run the command itself: `tierzero train ...`)",
+            _ => "",
+        }
     )))
 }
 
