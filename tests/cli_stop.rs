@@ -397,6 +397,24 @@ fn a_second_signal_aborts_at_once_and_the_last_checkpoint_stays_whole() {
 /// in the open of a FIFO no one writes) or busy for minutes (encoding a
 /// corpus). It was put off until after the first step, which a blocked
 /// start-up never reached: only a second signal ended it.
+/// `child`, still running half a second after its start (blocked, as
+/// `what` would say otherwise), sent `sig`: its output once it ends, which
+/// must be within 20 s.
+fn blocked_then_signalled(mut child: Child, sig: &str, what: &str) -> Output {
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(child.try_wait().unwrap().is_none(), "{what}");
+    signal(child.id(), sig);
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            panic!("still running 20 s after SIG{sig}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.wait_with_output().unwrap()
+}
+
 #[test]
 fn a_signal_during_start_up_ends_it_at_once() {
     let d = cli_support::scratch("stop", "start-up");
@@ -407,7 +425,7 @@ fn a_signal_during_start_up_ends_it_at_once() {
         eprintln!("mkfifo failed; skipping");
         return;
     }
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tierzero"))
+    let child = Command::new(env!("CARGO_BIN_EXE_tierzero"))
         .current_dir(&d)
         .args(["train", "--config", "ds.json", "--model", "model", "--data"])
         .arg(&fifo)
@@ -419,21 +437,7 @@ fn a_signal_during_start_up_ends_it_at_once() {
         .spawn()
         .unwrap();
     // Blocked in the FIFO's open (or still starting): not ended.
-    std::thread::sleep(Duration::from_millis(500));
-    assert!(
-        child.try_wait().unwrap().is_none(),
-        "ended without a writer"
-    );
-    signal(child.id(), "TERM");
-    let t0 = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if t0.elapsed() > Duration::from_secs(20) {
-            let _ = child.kill();
-            panic!("still running 20 s after SIGTERM");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let out = child.wait_with_output().unwrap();
+    let out = blocked_then_signalled(child, "TERM", "ended without a writer");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(143), "{stderr}");
     assert!(
@@ -532,22 +536,7 @@ fn a_metrics_fifo_without_a_reader_waits_in_start_up() {
         return;
     }
     let mut c = train(&d, 2, &["--model", "model", "--metrics", "m.fifo"]);
-    let mut child = c.spawn().unwrap();
-    std::thread::sleep(Duration::from_millis(500));
-    assert!(
-        child.try_wait().unwrap().is_none(),
-        "ended without a reader"
-    );
-    signal(child.id(), "INT");
-    let t0 = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if t0.elapsed() > Duration::from_secs(20) {
-            let _ = child.kill();
-            panic!("still running 20 s after SIGINT");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let out = child.wait_with_output().unwrap();
+    let out = blocked_then_signalled(c.spawn().unwrap(), "INT", "ended without a reader");
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(130), "{err}");
     assert!(

@@ -133,24 +133,32 @@ pub fn trainer_built() {
 /// 128 + the signal; a second aborts. Without it the signal's default
 /// action left the benchmark's file (4 GiB by default) behind.
 pub fn exit_on_signal(what: &'static str, made: Vec<std::path::PathBuf>) -> Result<(), Failure> {
+    watch(move |cause| {
+        errln!(
+            "tierzero: {} received: removing {what} and exiting",
+            cause.signal_name().unwrap_or_default()
+        );
+        for p in &made {
+            let _ = match p.is_dir() {
+                true => std::fs::remove_dir(p),
+                false => std::fs::remove_file(p),
+            };
+        }
+        std::process::exit(exit_code(cause));
+    })
+}
+
+/// Starts the watcher thread: it polls the handlers' `last` every
+/// [`POLL`] and hands the first signal to `on_signal`, then ends.
+fn watch(on_signal: impl FnOnce(StopCause) + Send + 'static) -> Result<(), Failure> {
     let last = Arc::clone(handlers()?);
     std::thread::Builder::new()
         .name("tierzero-signals".into())
         .spawn(move || loop {
             let sig = last.load(Ordering::SeqCst);
             if sig != 0 {
-                let cause = StopCause::Signal(sig as i32);
-                errln!(
-                    "tierzero: {} received: removing {what} and exiting",
-                    cause.signal_name().unwrap_or_default()
-                );
-                for p in &made {
-                    let _ = match p.is_dir() {
-                        true => std::fs::remove_dir(p),
-                        false => std::fs::remove_file(p),
-                    };
-                }
-                std::process::exit(exit_code(cause));
+                on_signal(StopCause::Signal(sig as i32));
+                return;
             }
             std::thread::sleep(POLL);
         })
@@ -162,43 +170,32 @@ pub fn exit_on_signal(what: &'static str, made: Vec<std::path::PathBuf>) -> Resu
 /// the first SIGINT or SIGTERM requests a stop on `handle` (during
 /// start-up, it exits: [`trainer_build_begins`]), a second aborts.
 pub fn install(handle: StopHandle) -> Result<(), Failure> {
-    let last = Arc::clone(handlers()?);
-    std::thread::Builder::new()
-        .name("tierzero-signals".into())
-        .spawn(move || loop {
-            let sig = last.load(Ordering::SeqCst);
-            if sig != 0 {
-                let cause = StopCause::Signal(sig as i32);
-                let phase = PHASE.load(Ordering::SeqCst);
-                if phase == START_UP {
-                    errln!(
-                        "tierzero: {} received during start-up: exiting (no step was trained, \
-                         nothing to save)",
-                        cause.signal_name().unwrap_or_default()
-                    );
-                    // The main thread may be blocked in a read: what it
-                    // made is undone here. A token cache's temporary file
-                    // is removed by the next encode, as after any kill.
-                    if let Ok(undo) = AT_STARTUP_EXIT.lock() {
-                        undo.iter().for_each(|u| u());
-                    }
-                    std::process::exit(exit_code(cause));
-                }
-                handle.request_because(cause);
-                errln!(
-                    "tierzero: {} received: stopping {} (a second signal aborts at once)",
-                    cause.signal_name().unwrap_or_default(),
-                    match phase {
-                        BUILD => "the trainer's build",
-                        _ => "after the step in progress",
-                    }
-                );
-                return;
+    watch(move |cause| {
+        let phase = PHASE.load(Ordering::SeqCst);
+        if phase == START_UP {
+            errln!(
+                "tierzero: {} received during start-up: exiting (no step was trained, nothing \
+                 to save)",
+                cause.signal_name().unwrap_or_default()
+            );
+            // The main thread may be blocked in a read: what it made is
+            // undone here. A token cache's temporary file is removed by
+            // the next encode, as after any kill.
+            if let Ok(undo) = AT_STARTUP_EXIT.lock() {
+                undo.iter().for_each(|u| u());
             }
-            std::thread::sleep(POLL);
-        })
-        .map_err(|e| Failure::Internal(anyhow!("starting the signal watcher: {e}")))?;
-    Ok(())
+            std::process::exit(exit_code(cause));
+        }
+        handle.request_because(cause);
+        errln!(
+            "tierzero: {} received: stopping {} (a second signal aborts at once)",
+            cause.signal_name().unwrap_or_default(),
+            match phase {
+                BUILD => "the trainer's build",
+                _ => "after the step in progress",
+            }
+        );
+    })
 }
 
 /// `tierzero launch`: runs mpirun (`cmd`) in a process group of its own,
