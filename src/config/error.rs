@@ -214,15 +214,6 @@ pub enum ConfigError {
         reason: String,
     },
 
-    /// `offload_param` with a stage other than 3.
-    #[error("`zero_optimization.offload_param.device` = \"{device}\" needs ZeRO stage 3 but `zero_optimization.stage` = {stage}; fix: set \"stage\": 3 or remove offload_param")]
-    OffloadParamNeedsStage3 {
-        /// The configured stage.
-        stage: u8,
-        /// `cpu` or `nvme`.
-        device: &'static str,
-    },
-
     /// `offload_optimizer` to NVMe with a stage other than 3.
     #[error("`zero_optimization.offload_optimizer.device` = \"nvme\" needs ZeRO stage 3 but `zero_optimization.stage` = {stage}; fix: set \"stage\": 3, or use \"device\": \"cpu\" with stage {stage}")]
     NvmeOptimizerNeedsStage3 {
@@ -315,9 +306,6 @@ impl ConfigError {
             ConfigError::InvalidStage { .. } => Some("zero_optimization.stage"),
             ConfigError::UnsupportedOptimizer { .. } => Some("optimizer.type"),
             ConfigError::UnsupportedScheduler { .. } => Some("scheduler.type"),
-            ConfigError::OffloadParamNeedsStage3 { .. } => {
-                Some("zero_optimization.offload_param.device")
-            }
             ConfigError::NvmeOptimizerNeedsStage3 { .. } => {
                 Some("zero_optimization.offload_optimizer.device")
             }

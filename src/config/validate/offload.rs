@@ -42,14 +42,25 @@ pub(super) fn validate_param_offload(
     sink: &mut Sink,
 ) -> Result<ParamOffload, ConfigError> {
     let d = DsOffloadParam::default();
-    let p = p.unwrap_or(&d);
+    let given = p.unwrap_or(&d);
+    // Below stage 3 nothing partitions the params: DeepSpeed's stage 1
+    // and 2 never read the block (a stage-3 config switched to stage 2
+    // runs there), so it is ignored here too, and said.
+    let p = if given.device != DsDevice::None && stage != Stage::Parameters {
+        sink.note(
+            "zero_optimization.offload_param",
+            format!(
+                "ignored: device \"{}\" offloads params at ZeRO stage 3 only, and the stage is \
+                 {}; DeepSpeed ignores it too (set \"stage\": 3 to offload them)",
+                given.device.as_str(),
+                stage.number()
+            ),
+        );
+        &d
+    } else {
+        given
+    };
     let dev = device("offload_param", p.device, p.nvme_path.as_ref(), sink)?;
-    if dev != OffloadDevice::None && stage != Stage::Parameters {
-        return Err(ConfigError::OffloadParamNeedsStage3 {
-            stage: stage.number(),
-            device: p.device.as_str(),
-        });
-    }
     if matches!(dev, OffloadDevice::Nvme { .. }) {
         within(
             "zero_optimization.offload_param.buffer_count",
