@@ -545,4 +545,9 @@ fn a_metrics_fifo_without_a_reader_waits_in_start_up() {
     );
     assert!(err.contains("SIGINT received during start-up"), "{err}");
     assert_eq!(swap_files(&d), Vec::<String>::new());
+    // --json: the summary object says so (stdout was empty).
+    let s = summary(&out, "stopped start-up");
+    assert_eq!(s["steps_run"], json!(0), "{s}");
+    assert_eq!(s["stop_signal"], json!("SIGINT"), "{s}");
+    assert_eq!(s["stopped_in_start_up"], json!(true), "{s}");
 }

@@ -103,6 +103,17 @@ const TRAINING: u8 = 2;
 type Undo = Box<dyn Fn() + Send>;
 static AT_STARTUP_EXIT: std::sync::Mutex<Vec<Undo>> = std::sync::Mutex::new(Vec::new());
 
+/// Whether a signal that ends the start-up prints the `--json` summary
+/// ([`json_summary_at_startup_exit`]).
+static STARTUP_JSON: AtomicBool = AtomicBool::new(false);
+
+/// `train --json` on the rank that prints: a signal that ends the
+/// start-up prints its summary object too (`"steps_run": 0` and the
+/// stop), so stdout is one object in every ending that is not a failure.
+pub fn json_summary_at_startup_exit() {
+    STARTUP_JSON.store(true, Ordering::SeqCst);
+}
+
 /// Runs `undo` if a signal ends the start-up ([`trainer_build_begins`]).
 pub fn at_startup_exit(undo: impl Fn() + Send + 'static) {
     if let Ok(mut v) = AT_STARTUP_EXIT.lock() {
@@ -183,6 +194,17 @@ pub fn install(handle: StopHandle) -> Result<(), Failure> {
             // the next encode, as after any kill.
             if let Ok(undo) = AT_STARTUP_EXIT.lock() {
                 undo.iter().for_each(|u| u());
+            }
+            if STARTUP_JSON.load(Ordering::SeqCst) {
+                let _ = super::emit(&format!(
+                    "{}\n",
+                    serde_json::json!({
+                        "steps_run": 0,
+                        "stopped": cause.kind(),
+                        "stop_signal": cause.signal_name(),
+                        "stopped_in_start_up": true,
+                    })
+                ));
             }
             std::process::exit(exit_code(cause));
         }

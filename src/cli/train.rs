@@ -637,6 +637,9 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     // From here on SIGINT and SIGTERM end the start-up at once, and once
     // the trainer's build begins stop at a step boundary (see `signals`).
     let stop = StopHandle::new();
+    if args.json && lead {
+        super::signals::json_summary_at_startup_exit();
+    }
     super::signals::install(stop.clone())?;
     if flags.save_every.is_some() && args.save_dir.is_none() {
         return Err(bad(
