@@ -828,41 +828,56 @@ impl Trainer {
             ),
         )?;
         let clocks = Clocks::new(&opts);
-        let mut tiers = TierBuild {
-            config,
-            sizing: &sizing,
-            opts: &opts,
-            clocks: &clocks,
-            helper_cpus: host.placement.helper_cpus(),
-            lockable,
-            swap_spaces: Vec::new(),
-            arenas: Vec::new(),
-        };
-        let mut store = tiers.store(&model, &layout, param_dtype)?;
-        if gathers_on_device(&opts) {
-            store.hand_out_shards();
-        }
-        if config.zero.stage == config::Stage::Parameters {
-            store.partition_device_params();
-        }
-        let mut opt = tiers.optimizer(&layout)?;
-        let park = tiers.park(&layout)?;
-        let (swap_spaces, arenas) = (tiers.swap_spaces, tiers.arenas);
-        let tiers_done = Instant::now();
-        // The seeded init splits over threads: on the host pool. A stop
-        // ends it; every rank reaches the agreement on how it ended.
         let total_numel: u64 = layout.sub_groups.iter().map(|g| g.numel as u64).sum();
-        let stored = host.host_pool.run(|| {
-            load_initial(
-                &layout,
-                source,
-                param_dtype,
-                &mut store,
-                &mut opt,
-                &opts.stop,
-            )
-        });
-        super::stop::agree_build_end(&*opts.comm, &opts.stop, total_numel, stored)?;
+        // The tiers and the initial store as one result, which every rank
+        // takes to the agreement on how the build ended: a rank whose
+        // tiers fail alone (its disk fuller) or that stops mid-store does
+        // not leave the others waiting in it. What a failed build made
+        // (swap files, arenas) drops here.
+        let built = (|| {
+            let mut tiers = TierBuild {
+                config,
+                sizing: &sizing,
+                opts: &opts,
+                clocks: &clocks,
+                helper_cpus: host.placement.helper_cpus(),
+                lockable,
+                swap_spaces: Vec::new(),
+                arenas: Vec::new(),
+            };
+            let mut store = tiers.store(&model, &layout, param_dtype)?;
+            if gathers_on_device(&opts) {
+                store.hand_out_shards();
+            }
+            if config.zero.stage == config::Stage::Parameters {
+                store.partition_device_params();
+            }
+            let mut opt = tiers.optimizer(&layout)?;
+            let park = tiers.park(&layout)?;
+            let tiers_done = Instant::now();
+            // The seeded init splits over threads: on the host pool. A
+            // stop ends it.
+            host.host_pool.run(|| {
+                load_initial(
+                    &layout,
+                    source,
+                    param_dtype,
+                    &mut store,
+                    &mut opt,
+                    &opts.stop,
+                )
+            })?;
+            Ok((
+                store,
+                opt,
+                park,
+                tiers.swap_spaces,
+                tiers.arenas,
+                tiers_done,
+            ))
+        })();
+        let (store, opt, park, swap_spaces, arenas, tiers_done) =
+            super::stop::agree_build_end(&*opts.comm, &opts.stop, total_numel, built)?;
         let build_times = BuildTimes {
             tiers_s: (tiers_done - started).as_secs_f64(),
             initial_s: tiers_done.elapsed().as_secs_f64(),

@@ -264,25 +264,27 @@ pub(super) fn check_build_stop(
 }
 
 /// The build's end on every rank (see "A stop during the build" above):
-/// `local` is how this rank's store of `total_numel` elements ended; a
-/// stop requested since counts too. Every rank gathers every rank's end:
+/// `local` is how this rank's tiers and its store of `total_numel`
+/// elements ended (what it built, or why not); a stop requested since
+/// counts too. Every rank gathers every rank's end:
 /// an error on any rank fails every rank (its own first, else
 /// [`EngineError::Comm`] naming the rank), else a stop on any rank stops
 /// every rank (the first requesting rank's cause, in rank order).
-pub(super) fn agree_build_end(
+pub(super) fn agree_build_end<T>(
     comm: &dyn crate::engine::comm::Comm,
     stop: &StopHandle,
     total_numel: u64,
-    local: Result<()>,
-) -> Result<()> {
-    let local = local.and_then(|()| check_build_stop(stop, total_numel, total_numel));
+    local: Result<T>,
+) -> Result<T> {
+    let local =
+        local.and_then(|built| check_build_stop(stop, total_numel, total_numel).map(|()| built));
     if comm.world_size() == 1 {
         return local;
     }
     const STOPPED: u8 = b'S';
     const FAILED: u8 = b'!';
     let mine = match &local {
-        Ok(()) => Vec::new(),
+        Ok(_) => Vec::new(),
         Err(EngineError::StoppedInBuild { cause, .. }) => {
             let mut m = vec![STOPPED];
             m.extend_from_slice(&cause.code().to_le_bytes());
@@ -291,7 +293,7 @@ pub(super) fn agree_build_end(
         Err(e) => format!("{}{e}", FAILED as char).into_bytes(),
     };
     let all = crate::engine::comm::all_gather_var(comm, &mine)?;
-    local?;
+    let built = local?;
     if let Some((peer, msg)) = all
         .iter()
         .enumerate()
@@ -319,7 +321,7 @@ pub(super) fn agree_build_end(
             stored_numel: total_numel,
             total_numel,
         }),
-        None => Ok(()),
+        None => Ok(built),
     }
 }
 
