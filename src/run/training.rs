@@ -42,9 +42,14 @@ impl LrPoints {
                 crate::optim::schedule::warmup_len(warmup_steps)
             }
         };
-        for applied in 1..steps.min(warmup.saturating_add(2)) {
+        // Rising through the warmup, the highest is at its end (the step
+        // after `warmup` applied, or the next with a linear warmup, whose
+        // iteration w-1 is still below the peak): only those are looked
+        // at (a loop over a warmup of 1e12 steps never ended).
+        for applied in [warmup, warmup.saturating_add(1)] {
+            let applied = applied.min(steps - 1);
             let lr = s.lr_for_step(applied);
-            if lr > peak.0 {
+            if applied > 0 && lr > peak.0 {
                 peak = (lr, applied + 1);
             }
         }
@@ -205,6 +210,30 @@ mod tests {
         assert!(p.last > 0.0 && p.last < 1e-6, "{p:?}");
         assert_eq!(lr_text(1.5384615384615387e-5), "1.538e-5");
         assert_eq!(lr_text(0.001), "1e-3");
+        // A warmup of 1e12 steps over 2^40 steps: answered at once, from
+        // the warmup's end.
+        let mut long = l.config.clone();
+        if let Scheduler::WarmupDecayLr {
+            warmup_steps,
+            total_steps,
+            ..
+        } = &mut long.scheduler
+        {
+            *warmup_steps = 1_000_000_000_000;
+            *total_steps = 1 << 40;
+        }
+        let p = LrPoints::of(&long, 1 << 40);
+        assert_eq!(p.peak, (2e-5, 1_000_000_000_002));
+        // The log warmup's iteration w-1 is its top up to rounding
+        // (ln w / ln w), so the exact peak is the step after.
+        let log = config(
+            r#"{"train_micro_batch_size_per_gpu": 2,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}"#,
+            &RunContext::default(),
+        );
+        assert_eq!(LrPoints::of(&log.config, 50).peak, (1e-3, 12));
+        assert_eq!(LrPoints::of(&log.config, 5).peak.1, 5);
         let text = describe_training(&l.config, 100, &l.resolved);
         for want in [
             "training: AdamW lr 2e-5",
