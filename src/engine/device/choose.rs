@@ -56,13 +56,15 @@ fn check_largest_unit_fits<L: DeviceLink>(
     if need <= budget {
         return Ok(());
     }
+    let whole = link.whole_budget_for(need);
     Err(ModelError::Gpu {
         what: format!(
             "device tier: the model's largest unit needs {need} bytes of params on the device at \
-             once ({}), and the device's budget for params is {budget} bytes; raise \
-             tierzero.device_budget_bytes to at least {need} (more lets the next unit upload \
-             ahead)",
-            crate::units::format_bytes(need)
+             once ({}), and the device's budget for params is {budget} bytes; set \
+             tierzero.device_budget_bytes to at least {whole} ({}; more lets the next unit \
+             upload ahead), on a device with that much free",
+            crate::units::format_bytes(need),
+            crate::units::format_bytes(whole)
         ),
     })
 }

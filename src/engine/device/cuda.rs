@@ -314,6 +314,13 @@ impl DeviceLink for CudaLink {
         self.budget_bytes
     }
 
+    fn whole_budget_for(&self, params_bytes: u64) -> u64 {
+        // [`CudaLink::new`]: half of what start-up's workspaces leave.
+        params_bytes
+            .saturating_mul(2)
+            .saturating_add(self.startup_bytes)
+    }
+
     fn upload(&self, what: &str, host: HostElems<'_>) -> Result<PendingUpload, ModelError> {
         self.start(what, host, Role::Param)
     }

@@ -407,6 +407,13 @@ pub trait DeviceLink: Send + Sync + std::fmt::Debug {
     fn describe(&self) -> String;
     /// Device bytes the tier's params may hold.
     fn budget_bytes(&self) -> u64;
+    /// The `tierzero.device_budget_bytes` that gives the tier's params
+    /// `params_bytes` ([`DeviceLink::budget_bytes`] as this link derives
+    /// it from the whole budget): the fix a refusal names. By default the
+    /// params' budget is the whole.
+    fn whole_budget_for(&self, params_bytes: u64) -> u64 {
+        params_bytes
+    }
     /// Starts copying `host`, a param's elements, into a new device
     /// buffer: fp32 ones into fp32, bf16 ones as they are, half the bytes,
     /// into a buffer that stays bf16 ([`param_device_bytes`]; the units
