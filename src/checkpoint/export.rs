@@ -121,6 +121,10 @@ pub fn export_safetensors(
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => ConfigJsonAction::Written,
         Err(e) => return Err(io_err("reading", &config_path)(e)),
     };
+    if config_action == ConfigJsonAction::Written {
+        // Refused now (a link, a directory), not after the whole model.
+        durable::check_replaceable(&config_path)?;
+    }
     // A load error is kept whole (it names the corrupt part) and returned
     // instead of the model-area error it is carried as.
     let mut load_err: Option<CheckpointError> = None;

@@ -140,14 +140,19 @@ pub fn trainer_built() {
 
 /// For a command with no step boundary to stop at (`bench-io`, `tune`):
 /// the first SIGINT or SIGTERM removes `made` (files, and directories if
-/// empty, in order: what the command's drops would remove) and exits with
-/// 128 + the signal; a second aborts. Without it the signal's default
+/// empty, in order: what the command made, `what` in the message; an
+/// existing file given to it is not in `made`) and exits with 128 + the
+/// signal; a second aborts. Without it the signal's default
 /// action left the benchmark's file (4 GiB by default) behind.
 pub fn exit_on_signal(what: &'static str, made: Vec<std::path::PathBuf>) -> Result<(), Failure> {
     watch(move |cause| {
         errln!(
-            "tierzero: {} received: removing {what} and exiting",
-            cause.signal_name().unwrap_or_default()
+            "tierzero: {} received: {} and exiting",
+            cause.signal_name().unwrap_or_default(),
+            match made.is_empty() {
+                true => format!("leaving {what} as it is"),
+                false => format!("removing {what}"),
+            }
         );
         for p in &made {
             let _ = match p.is_dir() {
@@ -213,7 +218,8 @@ pub fn install(handle: StopHandle) -> Result<(), Failure> {
             "tierzero: {} received: stopping {} (a second signal aborts at once)",
             cause.signal_name().unwrap_or_default(),
             match phase {
-                BUILD => "the trainer's build",
+                // (A build that has just ended stops after the first step.)
+                BUILD => "the trainer's build, or after the first step if it has just ended",
                 _ => "after the step in progress",
             }
         );

@@ -699,7 +699,9 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         load_config(&args, &flags, &model, comm.world_size(), ckpt.as_ref())?;
     let cfg = &loaded.config;
     outputs::check_output_dirs(&args)?;
-    let _metrics_reader = outputs::metrics_fifo_reader(&args)?;
+    let metrics_fifo = lead
+        .then(|| outputs::metrics_fifo_held(&args))
+        .transpose()?;
     let (data, data_name, data_line) = load_data(&args, &model, seq_len)?;
     // One micro-batch's rows must be distinct windows of the corpus: a pass
     // holds a micro-batch. (One read across two passes may still hold a
@@ -842,6 +844,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         })?,
     };
     super::signals::trainer_built();
+    drop(metrics_fifo);
     let build_s = built.elapsed().as_secs_f64();
     if let Some(c) = &ckpt {
         // The load: the checkpoint's state streamed into the tiers.

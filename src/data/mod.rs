@@ -651,8 +651,8 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
             None => {
                 let names: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
                 no_cache = Some(format!(
-                    "{} not writable (or the entry's name there is taken by a directory): the \
-                     tokens stay in memory",
+                    "{} not writable (or the entry's name there is taken by a directory or a \
+                     link): the tokens stay in memory",
                     if names.len() == 1 {
                         format!("{} is", names[0])
                     } else {

@@ -478,36 +478,35 @@ pub fn items_within(
         );
     }
     drop(push); // its borrow of `v`
-    swap_slack_item(&mut v);
+    swap_slack_item(&mut v, c.optimizer == Offload::Nvme);
     Ok(v)
 }
 
-/// The NVMe items of each swap space this rank makes (the params', the
-/// optimizer state's with its spilled gradients and speculation pool, the
-/// parked gradients'), each space given
-/// [`sizing::SWAP_SLACK_BYTES`] beyond them as the engine sizes it
-/// ([`crate::engine::Sizing::swap_space_bytes`]): without it, a disk the
-/// estimate said fits could refuse the run by that much.
-const SWAP_SPACES: [&[&str]; 3] = [
-    &["16-bit param partition"],
-    &[
-        "fp32 master + Adam m, v",
-        "final fp32 grads spilled (clipping / fp16)",
-        SPECULATION_POOL,
-    ],
-    &["fp32 grad sums parked between micro-batches"],
+/// The NVMe items of the swap spaces other than the optimizer state's
+/// (the params', the parked gradients'): each space is made when one of
+/// its items has bytes. The optimizer state's space is made whenever its
+/// offload is NVMe, even empty (every sub-group resident, nothing
+/// spilled). Each gets [`sizing::SWAP_SLACK_BYTES`] beyond its items, as
+/// the engine sizes it ([`crate::engine::Sizing::swap_space_bytes`]):
+/// without it, a disk the estimate said fits could refuse the run by that
+/// much.
+const OTHER_SWAP_SPACES: [&str; 2] = [
+    "16-bit param partition",
+    "fp32 grad sums parked between micro-batches",
 ];
 
-/// Adds the swap spaces' alignment room ([`SWAP_SPACES`]) to `items`.
-fn swap_slack_item(items: &mut Vec<Item>) {
-    let spaces = SWAP_SPACES
+/// Adds the swap spaces' alignment room to `items`, with
+/// `optimizer_on_nvme` the optimizer state's space.
+fn swap_slack_item(items: &mut Vec<Item>, optimizer_on_nvme: bool) {
+    let others = OTHER_SWAP_SPACES
         .iter()
-        .filter(|names| {
+        .filter(|name| {
             items
                 .iter()
-                .any(|i| i.tier == Tier::Nvme && i.bytes > 0 && names.contains(&i.what))
+                .any(|i| i.tier == Tier::Nvme && i.bytes > 0 && i.what == **name)
         })
         .count() as u64;
+    let spaces = others + u64::from(optimizer_on_nvme);
     if spaces > 0 {
         items.push(Item {
             tier: Tier::Nvme,

@@ -88,10 +88,10 @@ impl BenchTarget {
         Ok(BenchTarget { space, extent })
     }
 
-    /// What this target made and its drop removes, for a process that
-    /// ends without the drop (a signal): its swap files, then its swap
-    /// directory's lock file and the directory (which goes only if
-    /// empty). Nothing for an existing file.
+    /// What this target made, for a process that ends without its drop
+    /// (a signal): its swap files, then its swap directory's lock file
+    /// and the directory (`tierzero/`, which goes only if empty, made by
+    /// this run or not). Nothing for an existing file.
     pub fn made_paths(&self) -> Vec<std::path::PathBuf> {
         let files: Vec<_> = self
             .space

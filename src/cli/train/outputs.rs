@@ -27,6 +27,11 @@ pub(super) fn claim_save_dir(args: &TrainArgs, lead: bool) -> Result<SaveDirClai
                 .collect();
             tierzero::durable::create_dir_all(d)
                 .map_err(|e| bad(format!("--save-dir {}: {e}", d.display())))?;
+            // Every save rewrites `latest` atomically, which a link there
+            // refuses: said now, not at the first save hours from here.
+            let latest = d.join(tierzero::checkpoint::LATEST_FILE);
+            tierzero::durable::check_replaceable(&latest)
+                .map_err(|e| bad(format!("--save-dir {}: {}", d.display(), e)))?;
             let mut claim = SaveDirClaim {
                 lock: None,
                 created,
@@ -262,10 +267,10 @@ fn check_outputs_spare_inputs(args: &TrainArgs) -> Result<(), Failure> {
 }
 
 /// `--metrics` naming this process's stdout (`/dev/stdout`, or the file
-/// stdout is redirected to) is refused where it would break stdout: under
-/// `--json` (stdout is then the summary object alone), and on a regular
-/// file (the metrics writer opens it on its own, at offset 0, and the two
-/// write over each other).
+/// stdout is redirected to) is refused where it would break stdout: a pipe
+/// or socket under `--json` (stdout is then the summary object alone),
+/// and a regular file (the metrics writer opens it on its own, at offset
+/// 0, and the two write over each other).
 fn check_metrics_not_stdout(args: &TrainArgs) -> Result<(), Failure> {
     use std::os::fd::AsFd as _;
     use std::os::unix::fs::MetadataExt as _;
@@ -281,7 +286,12 @@ fn check_metrics_not_stdout(args: &TrainArgs) -> Result<(), Failure> {
     ) else {
         return Ok(());
     };
-    if (m.dev(), m.ino()) != (out.dev(), out.ino()) || !(args.json || m.is_file()) {
+    use std::os::unix::fs::FileTypeExt as _;
+    let t = m.file_type();
+    // A regular file is written over; a pipe or socket mixes the lines
+    // into --json's object. A device (/dev/null, a terminal) is harmless.
+    let breaks = t.is_file() || (args.json && (t.is_fifo() || t.is_socket()));
+    if (m.dev(), m.ino()) != (out.dev(), out.ino()) || !breaks {
         return Ok(());
     }
     Err(bad(format!(
@@ -296,9 +306,10 @@ fn check_metrics_not_stdout(args: &TrainArgs) -> Result<(), Failure> {
 
 /// `--metrics` on a FIFO is opened now, during start-up, where a signal
 /// ends the run at once: the trainer's build opens it too, and that open
-/// waits for a reader, where no signal could end it. The handle returned
-/// is held until the trainer has opened its own.
-pub(super) fn metrics_fifo_reader(args: &TrainArgs) -> Result<Option<std::fs::File>, Failure> {
+/// waits for a reader, where no signal could end it. The write end
+/// returned is held until the trainer is built (it has its own then).
+/// Only the rank that writes metrics calls it.
+pub(super) fn metrics_fifo_held(args: &TrainArgs) -> Result<Option<std::fs::File>, Failure> {
     use std::os::unix::fs::{FileTypeExt as _, OpenOptionsExt as _};
     let Some(path) = &args.metrics else {
         return Ok(None);
