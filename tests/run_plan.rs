@@ -315,7 +315,12 @@ fn plan_nvme_bytes_follow_the_layout() {
     drop(t2);
     assert_eq!(plan.optimizer.nvme_bytes, 3 * groups + pool);
     assert_eq!(plan.grads.nvme_bytes, groups);
-    assert_eq!(plan.nvme_total_bytes(), params + 4 * groups + pool);
+    // And the two swap files' alignment room (params', optimizer's).
+    assert_eq!(plan.swap_slack_bytes, 2 << 20);
+    assert_eq!(
+        plan.nvme_total_bytes(),
+        params + 4 * groups + pool + plan.swap_slack_bytes
+    );
     assert_eq!(plan.params_numel, t.model().numel() as u64);
     let text = plan.to_string();
     assert!(
@@ -365,9 +370,13 @@ fn plan_and_engine_agree_on_resident_optimizer_groups() {
                 if clip { 2 + resident } else { 0 },
                 "budget {budget}"
             );
-            // The engine allocates exactly the NVMe bytes the plan shows.
+            // The engine allocates exactly the NVMe bytes the plan shows
+            // (its files are that and their alignment room).
             let t = trainer(&d, &cfg).unwrap();
-            assert_eq!(t.swap_usage().allocated_bytes, plan.nvme_total_bytes());
+            assert_eq!(
+                t.swap_usage().allocated_bytes,
+                plan.nvme_total_bytes() - plan.swap_slack_bytes
+            );
             drop(t);
             let text = plan.to_string();
             assert_eq!(
