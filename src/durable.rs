@@ -269,6 +269,12 @@ fn remove_tmp(tmp: &Path) {
     }
 }
 
+/// Whether two paths name the same file or directory, however spelled
+/// (`d/sub/..`, a symbolic link): compared as given, else resolved.
+pub fn same_path(a: &Path, b: &Path) -> bool {
+    a == b || std::fs::canonicalize(a).is_ok_and(|a| std::fs::canonicalize(b).is_ok_and(|b| a == b))
+}
+
 /// What a file that is not a regular file is, in words ("FIFO",
 /// "character device", ...).
 pub fn kind_of(t: std::fs::FileType) -> &'static str {

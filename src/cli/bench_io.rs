@@ -487,25 +487,22 @@ pub fn run_tune(a: TuneArgs) -> Result<(), Failure> {
         Some(f) => std::fs::metadata(f).map_or(u64::MAX, |m| m.len()),
         None => a.target.size,
     };
-    let need = TUNE_BLOCKS.iter().max().copied().unwrap_or(0)
-        * TUNE_QDS.iter().max().copied().unwrap_or(0) as u64;
+    let (max_block, max_qd) = (
+        TUNE_BLOCKS.iter().max().copied().unwrap_or(0),
+        TUNE_QDS.iter().max().copied().unwrap_or(0),
+    );
     if !shallow_settings(len_bytes, &TUNE_BLOCKS, &TUNE_QDS).is_empty() {
+        let (flag, what) = match a.target.file {
+            Some(_) => ("--file", "a file"),
+            None => ("--size", "--size"),
+        };
+        let need = format_bytes(max_block * max_qd as u64);
         return Err(Failure::BadInput(anyhow!(
-            "{}: {} holds fewer than the sweep's deepest setting moves at once ({} requests of {}, \
-             {}), so some settings would not reach their queue depth; give {} of at least {}",
-            match a.target.file {
-                Some(_) => "--file",
-                None => "--size",
-            },
+            "{flag}: {} holds fewer than the sweep's deepest setting moves at once ({max_qd} \
+             requests of {}, {need}), so some settings would not reach their queue depth; give \
+             {what} of at least {need}",
             format_bytes(len_bytes),
-            TUNE_QDS.iter().max().copied().unwrap_or(0),
-            format_bytes(TUNE_BLOCKS.iter().max().copied().unwrap_or(0)),
-            format_bytes(need),
-            match a.target.file {
-                Some(_) => "a file",
-                None => "--size",
-            },
-            format_bytes(need)
+            format_bytes(max_block),
         )));
     }
     let bt = open_target(&a.target)?;

@@ -772,7 +772,13 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     // A checkpoint resumed from in the save dir is the one a stop that
     // skips its save leaves newest.
     let resumed_from = match (&ckpt, &args.save_dir) {
-        (Some(c), Some(d)) if c.dir().parent().is_some_and(|p| same_dir(p, d)) => Some(c.step()),
+        (Some(c), Some(d))
+            if c.dir()
+                .parent()
+                .is_some_and(|p| tierzero::durable::same_path(p, d)) =>
+        {
+            Some(c.step())
+        }
         _ => None,
     };
     let run = RunInfo {
@@ -984,13 +990,5 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
             Ok(ended)
         }
         (None, _) => Ok(ended),
-    }
-}
-
-/// Whether two paths name the same directory.
-fn same_dir(a: &Path, b: &Path) -> bool {
-    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
-        (Ok(a), Ok(b)) => a == b,
-        _ => a == b,
     }
 }

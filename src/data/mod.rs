@@ -761,12 +761,10 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
     let data = cached(&tokens, width, &meta, vocab_size)?;
     let dir = cache::data_dir(&spec.path);
     // The data's own directory, however --data-cache-dir spelled it.
-    let same_dir = |a: &Path, b: &Path| {
-        a == b
-            || std::fs::canonicalize(a)
-                .is_ok_and(|a| std::fs::canonicalize(b).is_ok_and(|b| a == b))
-    };
-    let superseded = if tokens.parent().is_some_and(|p| same_dir(p, &dir)) {
+    let superseded = if tokens
+        .parent()
+        .is_some_and(|p| crate::durable::same_path(p, &dir))
+    {
         cache::remove_superseded(&dir, &spec.path, &meta.data)
     } else {
         Vec::new()
