@@ -724,6 +724,63 @@ fn json_prints_only_the_summary_object_on_stdout() {
     );
 }
 
+/// A failure under `--json` is one object on stdout too, naming the
+/// error, its kind and the exit code, with the line on stderr as before;
+/// a rank other than 0 (by mpirun's environment) prints none.
+#[test]
+fn a_failure_under_json_is_one_error_object_on_stdout() {
+    let d = tiny_setup("json-failure");
+    let run = |args: &[&str], env: &[(&str, &str)]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
+            .arg("train")
+            .args(args)
+            .envs(env.iter().copied())
+            .current_dir(&d)
+            .output()
+            .unwrap();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.status.code(), text(&out.stdout), text(&out.stderr))
+    };
+    let object = |stdout: &str| -> Value {
+        assert_eq!(stdout.lines().count(), 1, "{stdout}");
+        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+    };
+    // A user's mistake (exit 2).
+    let (code, stdout, stderr) = run(&["--config", "missing.json", "--json"], &[]);
+    assert_eq!(code, Some(2), "{stderr}");
+    let v = object(&stdout);
+    assert_eq!(v["failure"], "bad_input", "{v}");
+    assert_eq!(v["exit_code"], 2, "{v}");
+    let error = v["error"].as_str().unwrap();
+    assert!(error.contains("missing.json"), "{v}");
+    assert!(stderr.contains(&format!("error: {error}")), "{stderr}");
+    // A failure after start-up (exit 1): an injected EIO in a save.
+    let mut args = TINY.to_vec();
+    args.extend(["--json", "--save-dir", "ckpt", "--save-every", "1"]);
+    let (code, stdout, stderr) = run(&args, &[("TIERZERO_FAILPOINT", "ckpt.state_write:1:eio")]);
+    assert_eq!(code, Some(1), "{stderr}");
+    let v = object(&stdout);
+    assert_eq!(v["failure"], "internal", "{v}");
+    assert_eq!(v["exit_code"], 1, "{v}");
+    assert!(
+        v["error"].as_str().unwrap().contains("ckpt.state_write"),
+        "{v}"
+    );
+    // Without --json, stdout has no object; nor, for a mistake found
+    // before the ranks are known, has mpirun's rank 1 (rank 0 prints it).
+    let (code, stdout, _) = run(&["--config", "missing.json"], &[]);
+    assert_eq!((code, stdout.as_str()), (Some(2), ""));
+    let early = ["--sim-h2d-gbps", "3", "--json"];
+    let (code, stdout, _) = run(&early, &[("OMPI_COMM_WORLD_RANK", "1")]);
+    assert_eq!((code, stdout.as_str()), (Some(2), ""));
+    let (code, stdout, _) = run(&early, &[("OMPI_COMM_WORLD_RANK", "0")]);
+    assert_eq!(code, Some(2));
+    assert!(object(&stdout)["error"]
+        .as_str()
+        .unwrap()
+        .contains("--sim-h2d-gbps"));
+}
+
 /// Checkpoint saves are in `train_s` and in `save_s`, and out of
 /// `tokens_per_s` (the steps' rate).
 #[test]

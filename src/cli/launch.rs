@@ -151,9 +151,18 @@ fn nccl_comm(device: DeviceChoice, _world: usize) -> Result<Arc<dyn Comm>, Failu
     Err(gpu_failure(device, GpuError::NotBuilt))
 }
 
+/// Whether this process is the lead rank by mpirun's (or our NCCL
+/// bootstrap's) environment, before the communicator exists: no rank
+/// variable, or one that says 0.
+pub(super) fn env_rank_is_lead() -> bool {
+    matches!(
+        env_count(&["TIERZERO_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"]),
+        Ok(None | Some(0))
+    )
+}
+
 /// A count from the first of `keys` that is set; a set but malformed value
 /// is an error naming it.
-#[cfg(feature = "gpu")]
 fn env_count(keys: &[&str]) -> Result<Option<usize>, Failure> {
     for k in keys {
         if let Ok(v) = std::env::var(k) {

@@ -161,6 +161,30 @@ pub(crate) fn model_dir_options(
     }
 }
 
+/// Whether a failure prints its `--json` object on stdout
+/// ([`json_object_on_failure`]).
+static JSON_ON_FAILURE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// `train --json` on the rank that prints: a failure prints
+/// `{"error": .., "failure": "bad_input" | "internal", "exit_code": N}`
+/// on stdout too (the line stays on stderr), so a script reads one object
+/// in every ending. `false` once the summary is out: a failure after it
+/// (the timeline's write) is said on stderr only, and stdout stays one
+/// object.
+pub fn json_object_on_failure(on: bool) {
+    JSON_ON_FAILURE.store(on, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// The object [`json_object_on_failure`] asks for.
+fn failure_object(failure: &str, message: &str, exit_code: i32) -> String {
+    let obj = serde_json::json!({
+        "error": message,
+        "failure": failure,
+        "exit_code": exit_code,
+    });
+    format!("{obj}\n")
+}
+
 /// Writes a command's output to stdout. A closed pipe (`tierzero estimate
 /// | head`) is not an error: the reader has what it wanted.
 pub fn emit(text: &str) -> Result<(), Failure> {
@@ -203,13 +227,21 @@ pub fn main() -> i32 {
     };
     let code = match result {
         Ok(code) => code,
-        Err(Failure::BadInput(e)) => {
-            errln!("error: {}", chain_text(&e));
-            2
-        }
-        Err(Failure::Internal(e)) => {
-            errln!("internal error: {}", chain_text(&e));
-            1
+        Err(failure) => {
+            let (kind, code, e) = match failure {
+                Failure::BadInput(e) => ("bad_input", 2, e),
+                Failure::Internal(e) => ("internal", 1, e),
+            };
+            let text = chain_text(&e);
+            match kind {
+                "bad_input" => errln!("error: {text}"),
+                _ => errln!("internal error: {text}"),
+            }
+            if JSON_ON_FAILURE.load(std::sync::atomic::Ordering::SeqCst) {
+                // Best effort: the exit code and stderr already say it.
+                let _ = emit(&failure_object(kind, &text, code));
+            }
+            code
         }
     };
     // Several ranks: a failed rank stops the others (MPI_Abort); a finished

@@ -33,7 +33,10 @@
 //!   stderr, as an indicatif bar on a terminal and as plain lines every
 //!   `steps_per_print` steps (and the first and last) otherwise. With
 //!   `--json`, stdout is only the summary as one JSON object (the plan goes
-//!   to stderr), for scripts.
+//!   to stderr), for scripts; a failure's object is `{"error", "failure",
+//!   "exit_code"}` (`json_object_on_failure`), printed by rank 0. (A failed
+//!   rank other than 0 aborts the rest, rank 0 among them, before it
+//!   prints: its stdout is then empty and stderr names the failure.)
 //! * **Device.** `--device cuda[:N]` (feature `gpu`) computes the units on
 //!   that GPU (`tierzero_gpu`'s CUDA units: the kernels compiled by NVRTC
 //!   at start-up, cuBLAS GEMMs, through `TrainerOptions::compute`) and puts
@@ -233,7 +236,8 @@ pub struct TrainArgs {
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
     /// Print only the final summary on stdout, as one JSON object (the plan
-    /// and progress go to stderr).
+    /// and progress go to stderr); a failure prints {"error", "failure",
+    /// "exit_code"} instead.
     #[arg(long)]
     json: bool,
     /// Recompute every block's activations in backward instead of keeping
@@ -608,6 +612,9 @@ fn report_unreached_failpoint() {
 pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     // First: a signal during start-up (MPI's, the data's) is kept, not fatal.
     super::signals::register_early()?;
+    // Until the ranks are known, the rank that prints is the one mpirun
+    // numbers 0 (or the only one).
+    super::json_object_on_failure(args.json && super::launch::env_rank_is_lead());
     let started = Instant::now();
     // Several ranks (under mpirun): rank 0 prints and writes --metrics, the
     // others only log (see launch.rs).
@@ -633,6 +640,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     }
     let comm = super::launch::rank_comm_on(device)?;
     let lead = comm.rank() == 0;
+    super::json_object_on_failure(args.json && lead);
     let flags = Flags::parse(&args)?;
     // From here on SIGINT and SIGTERM end the start-up at once, and once
     // the trainer's build begins stop at a step boundary (see `signals`).

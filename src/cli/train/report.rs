@@ -271,6 +271,8 @@ pub(super) fn print_summary(
         };
         let obj = serde_json::to_string(&obj)
             .map_err(|e| Failure::Internal(anyhow!("writing the JSON summary: {e}")))?;
+        // stdout is this one object; a later failure is said on stderr.
+        super::super::json_object_on_failure(false);
         return emit(&format!("{obj}\n"));
     }
     let st = timing.startup;
