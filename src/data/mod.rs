@@ -4,7 +4,11 @@
 //! # What `--data` can be
 //!
 //! - **Bytes** (the default without a tokenizer): every byte is one token
-//!   (ids 0..=255, so the model's vocabulary needs at least 256 entries).
+//!   (ids 0..=255, so the model's vocabulary needs at least 256 entries),
+//!   kept as the bytes they are: the heap is the file's size (until
+//!   2026-12-07 the ids were widened to `u32` at load, four times the
+//!   file, five while loading). Read, not mapped: a text corpus is a file
+//!   users edit, and a mapped file truncated under a run kills it.
 //! - **Text documents** with a HF `tokenizer.json`: plain text whose
 //!   documents end at a blank line (or each line, or the whole file), or
 //!   HF `datasets` JSONL with one object per line and the text in a field.
@@ -65,6 +69,8 @@ use tierzero_swap::MappedFile;
 use crate::engine::{EngineError, Result};
 
 /// Tokens of a training corpus: in memory or mapped from a token file.
+/// A byte-level corpus keeps its bytes as they are (one byte per token,
+/// not widened to `u32`): its heap is the file's size.
 #[derive(Debug, Clone)]
 pub struct TokenData {
     store: Store,
@@ -76,6 +82,8 @@ pub struct TokenData {
 #[derive(Debug, Clone)]
 enum Store {
     Owned(Arc<Vec<u32>>),
+    /// Byte-level: each byte is an id.
+    Bytes(Arc<Vec<u8>>),
     Mapped {
         map: Arc<MappedFile>,
         width: TokenWidth,
@@ -125,6 +133,7 @@ impl TokenSource for TokenData {
     fn extend_window(&self, start: usize, n: usize, out: &mut Vec<u32>) {
         match &self.store {
             Store::Owned(v) => out.extend_from_slice(&v[start..start + n]),
+            Store::Bytes(v) => out.extend(v[start..start + n].iter().map(|&b| u32::from(b))),
             Store::Mapped { map, width } => {
                 let w = width.bytes();
                 let bytes = &map.bytes()[start * w..(start + n) * w];
@@ -135,6 +144,11 @@ impl TokenSource for TokenData {
     fn first_at_or_above(&self, bound: u32) -> Option<(usize, u32)> {
         match &self.store {
             Store::Owned(v) => v.as_slice().first_at_or_above(bound),
+            Store::Bytes(v) => v
+                .iter()
+                .map(|&b| u32::from(b))
+                .enumerate()
+                .find(|&(_, t)| t >= bound),
             Store::Mapped { map, width } => decode(map.bytes(), *width)
                 .enumerate()
                 .find(|&(_, t)| t >= bound),
@@ -225,7 +239,7 @@ impl TokenData {
                 ),
             });
         }
-        Ok(Self::from_bytes(&bytes, path))
+        Ok(Self::from_byte_vec(bytes, path))
     }
 
     /// Reads `data_path` as UTF-8 text and encodes it whole, as one
@@ -277,7 +291,21 @@ impl TokenData {
 
     /// Byte-level tokens from memory (`source` names them in errors).
     pub fn from_bytes(bytes: &[u8], source: &Path) -> Self {
-        Self::from_ids(bytes.iter().map(|&b| u32::from(b)).collect(), source)
+        Self::from_byte_vec(bytes.to_vec(), source)
+    }
+
+    /// [`TokenData::from_bytes`], keeping `bytes` (no copy).
+    pub fn from_byte_vec(bytes: Vec<u8>, source: &Path) -> Self {
+        let vocab_needed = bytes
+            .iter()
+            .copied()
+            .max()
+            .map_or(0, |m| usize::from(m) + 1);
+        TokenData {
+            store: Store::Bytes(Arc::new(bytes)),
+            source: source.to_owned(),
+            vocab_needed,
+        }
     }
 
     /// Token ids from memory (`source` names them in errors).
@@ -411,6 +439,7 @@ impl TokenData {
     pub fn tokens(&self) -> std::borrow::Cow<'_, [u32]> {
         match &self.store {
             Store::Owned(v) => std::borrow::Cow::Borrowed(v.as_slice()),
+            Store::Bytes(v) => v.iter().map(|&b| u32::from(b)).collect(),
             Store::Mapped { map, width } => decode(map.bytes(), *width).collect(),
         }
     }
@@ -419,6 +448,7 @@ impl TokenData {
     pub fn len(&self) -> usize {
         match &self.store {
             Store::Owned(v) => v.len(),
+            Store::Bytes(v) => v.len(),
             Store::Mapped { map, width } => map.bytes().len() / width.bytes(),
         }
     }
@@ -810,6 +840,43 @@ mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
     use super::*;
     use proptest::prelude::*;
+
+    /// A byte-level corpus kept as bytes reads as the same ids as the
+    /// bytes widened to u32: windows at every start, the first id at or
+    /// above a bound, the length and the vocabulary it needs.
+    #[test]
+    fn bytes_kept_as_bytes_read_as_their_widened_ids() {
+        let bytes: Vec<u8> = (0..1000u32)
+            .map(|i| (i * 37 % 251 + i / 200) as u8)
+            .collect();
+        let kept = TokenData::from_bytes(&bytes, Path::new("b"));
+        let wide = TokenData::from_ids(
+            bytes.iter().map(|&b| u32::from(b)).collect(),
+            Path::new("w"),
+        );
+        assert!(matches!(kept.store, Store::Bytes(_)));
+        assert_eq!(
+            (kept.len(), kept.vocab_needed()),
+            (wide.len(), wide.vocab_needed())
+        );
+        assert_eq!(kept.vocab_needed(), 255);
+        assert_eq!(kept.tokens(), wide.tokens());
+        for (start, n) in [(0, 1), (0, 1000), (3, 17), (999, 1), (500, 0)] {
+            let (mut a, mut b) = (vec![7], vec![7]);
+            kept.extend_window(start, n, &mut a);
+            wide.extend_window(start, n, &mut b);
+            assert_eq!(a, b, "{start}+{n}");
+        }
+        for bound in [0, 1, 200, 250, 254, 255, 256] {
+            assert_eq!(
+                kept.first_at_or_above(bound),
+                wide.first_at_or_above(bound),
+                "{bound}"
+            );
+        }
+        let empty = TokenData::from_bytes(&[], Path::new("e"));
+        assert_eq!((empty.len(), empty.vocab_needed()), (0, 0));
+    }
 
     #[test]
     fn a_full_disk_under_the_cache_names_the_way_past_it() {
