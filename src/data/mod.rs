@@ -352,9 +352,13 @@ impl TokenData {
         let mut f = std::fs::File::open(path).map_err(io)?;
         let mut buf = vec![0u8; 1 << 20];
         let (mut max, mut at) = (0u32, 0u64);
-        // uint32 ids read as uint16 (small ids, little-endian): every odd
-        // id 0, the even ones not.
-        let (mut odd_all_zero, mut even_any) = (true, false);
+        // uint32 ids read as uint16 (little-endian): every odd id is an
+        // id's high half, below `vocab_size / 65536` rounded up (0 for a
+        // vocabulary of at most 65,536; 0 or 1 for Llama 3's 128,256),
+        // and the even ones not all 0. A real uint16 corpus of
+        // `WIDER_EVIDENCE_IDS` ids never has that.
+        let high_half_bound = vocab_size.div_ceil(1 << 16).max(1);
+        let (mut odd_all_high_halves, mut even_any) = (true, false);
         loop {
             let n = read_full(&mut f, &mut buf).map_err(io)?;
             if n == 0 {
@@ -371,18 +375,22 @@ impl TokenData {
                 }
                 max = max.max(t);
                 if i % 2 == 1 {
-                    odd_all_zero &= t == 0;
+                    odd_all_high_halves &= (t as usize) < high_half_bound;
                 } else {
                     even_any |= t != 0;
                 }
             }
             at += (n as u64) / w;
         }
-        if width == TokenWidth::U16 && at >= WIDER_EVIDENCE_IDS && odd_all_zero && even_any {
+        if width == TokenWidth::U16 && at >= WIDER_EVIDENCE_IDS && odd_all_high_halves && even_any {
+            let odd = match high_half_bound {
+                1 => "0".to_owned(),
+                b => format!("below {b} (the high halves of ids below vocab_size {vocab_size})"),
+            };
             return Err(bad(format!(
-                "every second id of its {at} uint16 ids is 0 and the others are not: these are \
-                 uint32 ids read as uint16; give --data-format u32 (or, for a .bin file, a \
-                 sidecar {{\"dtype\": \"uint32\"}})"
+                "every second id of its {at} uint16 ids is {odd} and the others are not all 0: \
+                 these are uint32 ids read as uint16; give --data-format u32 (or, for a .bin \
+                 file, a sidecar {{\"dtype\": \"uint32\"}})"
             )));
         }
         Self::mapped(path, width, (len > 0).then_some(max))
@@ -876,6 +884,41 @@ mod tests {
         }
         let empty = TokenData::from_bytes(&[], Path::new("e"));
         assert_eq!((empty.len(), empty.vocab_needed()), (0, 0));
+    }
+
+    /// uint32 ids of a vocabulary above 65,536 (Llama 3's) read as uint16
+    /// are refused: their high halves are 0 or 1, not all 0. A uint16
+    /// file of the same model whose ids happen to be small still loads.
+    #[test]
+    fn uint32_ids_of_a_large_vocabulary_read_as_uint16_are_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let vocab = 128_256;
+        let ids: Vec<u32> = (0..4096u32).map(|i| (i * 7919) % vocab as u32).collect();
+        assert!(ids.iter().any(|&t| t >= 1 << 16));
+        let wide: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let path = d.path().join("wide.bin");
+        std::fs::write(&path, wide).unwrap();
+        let e = TokenData::from_token_file(&path, TokenWidth::U16, vocab)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("is below 2") && e.contains("--data-format u32"),
+            "{e}"
+        );
+        let read = TokenData::from_token_file(&path, TokenWidth::U32, vocab).unwrap();
+        assert_eq!(read.tokens().as_ref(), ids.as_slice());
+        // Real uint16 ids (all below 65,536) of the same model.
+        let narrow: Vec<u8> = (0..4096u32)
+            .flat_map(|i| (((i * 7919) % (1 << 16)) as u16).to_le_bytes())
+            .collect();
+        let path = d.path().join("narrow.bin");
+        std::fs::write(&path, narrow).unwrap();
+        assert_eq!(
+            TokenData::from_token_file(&path, TokenWidth::U16, vocab)
+                .unwrap()
+                .len(),
+            4096
+        );
     }
 
     #[test]
