@@ -606,6 +606,41 @@ fn a_refused_start_removes_the_save_dir_it_created() {
     assert!(d.join("new/ck/latest").exists());
 }
 
+/// A save dir inside a checkpoint is refused at start-up, naming the
+/// step dir and its parent: its saves hid in that step, whose resume
+/// reads its own manifest (the stop's advice then reloaded the old step).
+#[test]
+fn a_save_dir_inside_a_checkpoint_is_refused() {
+    let d = saved_two_steps("save-dir-inside");
+    for inside in ["ck/step-00000002", "ck/step-00000002/more"] {
+        let out = train(
+            &d,
+            &[
+                "--steps",
+                "4",
+                "--resume",
+                "ck/step-00000002",
+                "--save-dir",
+                inside,
+            ],
+        );
+        cli_support::assert_bad_input(
+            &out,
+            inside,
+            &[
+                "is inside the checkpoint",
+                "step-00000002",
+                "give a save dir outside it",
+            ],
+        );
+        assert!(!d.join("ck/step-00000002/latest").exists(), "{inside}");
+        assert!(!d.join("ck/step-00000002/more").exists(), "{inside}");
+    }
+    // The save dir itself is fine.
+    let out = train(&d, &["--steps", "3", "--resume", "ck", "--save-dir", "ck"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+}
+
 /// `eval --checkpoint` reads the checkpoint's fp32 masters; `export
 /// --dtype fp32` writes the same values into a HF file: evaluating the
 /// exported directory with `--model` gives the same loss, bit for bit.

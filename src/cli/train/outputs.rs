@@ -16,6 +16,21 @@ use super::{bad, must_exist, Failure, TrainArgs};
 /// trainer adopts the lock ([`SaveDirClaim::into_lock`]): a run refused
 /// for its config or data leaves no empty save dir behind.
 pub(super) fn claim_save_dir(args: &TrainArgs, lead: bool) -> Result<SaveDirClaim, Failure> {
+    // Inside a checkpoint (a step dir, at any depth), the run's `latest`
+    // and step dirs hide in a step of another save: that step's resume
+    // reads its own manifest, not them.
+    if let Some(d) = &args.save_dir {
+        if let Some(step) = tierzero::checkpoint::checkpoint_holding(&d.join("x")) {
+            return Err(bad(format!(
+                "--save-dir {} is inside the checkpoint {}, where resuming that checkpoint \
+                 would never see this run's saves; give a save dir outside it, e.g. its \
+                 parent {}",
+                d.display(),
+                step.display(),
+                step.parent().unwrap_or(Path::new("/")).display()
+            )));
+        }
+    }
     match &args.save_dir {
         Some(d) if lead => {
             // The dirs `create_dir_all` is about to make, the deepest first.
