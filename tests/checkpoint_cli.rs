@@ -641,6 +641,73 @@ fn a_save_dir_inside_a_checkpoint_is_refused() {
     assert_eq!(out.code, 0, "{}", out.stderr);
 }
 
+/// `export` and `eval` of a save dir whose `latest` names a damaged
+/// step are refused, naming the newest valid step and how to use it: they
+/// exported the older step's weights under the save dir's name (exit 0).
+#[test]
+fn export_and_eval_refuse_a_save_dir_whose_latest_is_damaged() {
+    let d = saved_two_steps("export-damaged-latest");
+    let manifest: Value = serde_json::from_str(
+        &std::fs::read_to_string(d.join("ck/step-00000002/manifest.json")).unwrap(),
+    )
+    .unwrap();
+    let file = manifest["files"][0]["path"].as_str().unwrap();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(d.join("ck/step-00000002").join(file))
+        .unwrap();
+    f.set_len(100).unwrap();
+    let export = |ckpt: &str| {
+        run_tierzero(
+            Some(&d),
+            &[
+                "export",
+                "--checkpoint",
+                ckpt,
+                "--out",
+                "hf/model.safetensors",
+            ],
+        )
+    };
+    let out = export("ck");
+    cli_support::assert_bad_input(
+        &out,
+        "export",
+        &[
+            "`latest` names a checkpoint that does not validate",
+            "step 1 in",
+            "step-00000001",
+        ],
+    );
+    assert!(!d.join("hf/model.safetensors").exists());
+    let eval = run_tierzero(
+        Some(&d),
+        &[
+            "eval",
+            "--checkpoint",
+            "ck",
+            "--data",
+            "data.txt",
+            "--seq-len",
+            "16",
+        ],
+    );
+    cli_support::assert_bad_input(&eval, "eval", &["does not validate", "step 1 in"]);
+    // Named, the older step exports.
+    let out = export("ck/step-00000001");
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(d.join("hf/model.safetensors").exists());
+    // `train --resume` goes on from it, saying so.
+    let out = train(&d, &["--steps", "2", "--resume", "ck"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("`latest` is unusable; resuming from the newest valid checkpoint")
+            && out.stderr.contains("step-00000001"),
+        "{}",
+        out.stderr
+    );
+}
+
 /// `eval --checkpoint` reads the checkpoint's fp32 masters; `export
 /// --dtype fp32` writes the same values into a HF file: evaluating the
 /// exported directory with `--model` gives the same loss, bit for bit.

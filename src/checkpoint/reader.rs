@@ -303,9 +303,15 @@ impl Checkpoint {
         for p in step_dirs_below(dir, below).map_err(io_err("listing", dir))? {
             match Self::open_step_dir(&p) {
                 Ok(mut c) => {
-                    if let Some(e) = &latest_err {
-                        tracing::warn!(error = %e, using = %p.display(), "`latest` is unusable; using the newest valid checkpoint below it");
-                        c.latest_unusable = Some(e.to_string());
+                    match &latest_err {
+                        // Said by the caller: `train --resume` warns and
+                        // goes on, `export` and `eval` refuse.
+                        Some(e) => c.latest_unusable = Some(e.to_string()),
+                        // A crash between the first save's rename and its
+                        // `latest`, or a `latest` someone removed.
+                        None => {
+                            tracing::warn!(using = %p.display(), "no `latest` in the save dir; using its newest valid checkpoint");
+                        }
                     }
                     return Ok(c);
                 }
@@ -390,7 +396,8 @@ impl Checkpoint {
     /// unusable (it named a damaged step, or no step): what was wrong. The
     /// checkpoint is then the newest valid one below the step `latest`
     /// named; `inspect --verify` fails on it, since the newest save is
-    /// broken.
+    /// broken. The open does not log it: its caller says it, as a warning
+    /// or an error.
     pub fn latest_unusable(&self) -> Option<&str> {
         self.latest_unusable.as_deref()
     }

@@ -141,6 +141,7 @@ pub fn run(args: EvalArgs) -> Result<(), Failure> {
         )?;
         let ck = tierzero::checkpoint::Checkpoint::open(dir)
             .map_err(|e| bad(format!("--checkpoint {}: {e}", dir.display())))?;
+        super::newest_save(&ck, dir, "--checkpoint")?;
         let (data, data_line) = load_tokens(
             &args.data,
             args.tokenizer.as_deref(),

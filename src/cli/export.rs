@@ -103,6 +103,7 @@ pub fn run(a: ExportArgs) -> Result<(), Failure> {
         .map_err(|e| Failure::BadInput(anyhow!("--out {}: {}", a.out.display(), e.source)))?;
     let ckpt = Checkpoint::open(&a.checkpoint)
         .map_err(|e| Failure::BadInput(anyhow!("--checkpoint {}: {e}", a.checkpoint.display())))?;
+    super::newest_save(&ckpt, &a.checkpoint, "--checkpoint")?;
     let (dtype, name) = match a.dtype {
         ExportDtype::Fp32 => (DType::F32, "fp32"),
         ExportDtype::Bf16 => (DType::BF16, "bf16"),

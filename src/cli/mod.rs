@@ -185,6 +185,30 @@ fn failure_object(failure: &str, message: &str, exit_code: i32) -> String {
     format!("{obj}\n")
 }
 
+/// A checkpoint read for its weights (`export`, `eval`) must be the one
+/// `latest` names: when `latest` was unusable and the open fell back to an
+/// older step, the command is refused, naming that step and how to use it
+/// anyway (`train --resume` falls back, with a warning: resuming from the
+/// newest valid save is what a crash calls for; an export of an older
+/// step under the save dir's name would ship stale weights).
+pub(crate) fn newest_save(
+    ckpt: &tierzero::checkpoint::Checkpoint,
+    given: &std::path::Path,
+    flag: &str,
+) -> Result<(), Failure> {
+    match ckpt.latest_unusable() {
+        None => Ok(()),
+        Some(why) => Err(Failure::BadInput(anyhow::anyhow!(
+            "{flag} {}: `latest` names a checkpoint that does not validate ({why}); the newest \
+             valid one is step {} in {}: give {flag} {} to use it",
+            given.display(),
+            ckpt.step(),
+            ckpt.dir().display(),
+            ckpt.dir().display()
+        ))),
+    }
+}
+
 /// Writes a command's output to stdout. A closed pipe (`tierzero estimate
 /// | head`) is not an error: the reader has what it wanted.
 pub fn emit(text: &str) -> Result<(), Failure> {

@@ -669,6 +669,10 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         })?),
         None => None,
     };
+    if let Some((c, why)) = ckpt.as_ref().and_then(|c| Some((c, c.latest_unusable()?))) {
+        // Resuming from the newest valid save is what a crash calls for.
+        tracing::warn!(error = %why, using = %c.dir().display(), "`latest` is unusable; resuming from the newest valid checkpoint below it");
+    }
     outputs::check_save_dir_is_this_runs(&args, ckpt.as_ref())?;
     if let Some(c) = &ckpt {
         // Each rank opened the save dir itself: the ranks agree on the
