@@ -388,3 +388,117 @@ def test_the_optimizer_writes_only_its_range_of_an_nvme_param(tmp_path):
     cut, fetched = run(1000, "b")
     assert all(torch.equal(a, b) for a, b in zip(whole, cut))
     assert fetched == [0, 0, 0], fetched
+
+
+_NESTED_OUTPUTS = r"""
+import collections, sys, torch, tierzero.torch as tzt
+
+device, path = sys.argv[1], sys.argv[2]
+
+
+def grads(offload, make, loss):
+    torch.manual_seed(5)
+    m = make()
+    if offload:
+        h = tzt.offload_parameters(m, device, nvme_path=path, param_persistence_threshold=0)
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    loss(m(x)).backward()
+    got = [x.grad] + [p.grad for p in m.parameters()]
+    if offload:
+        h.remove()
+    return got
+
+
+NT = collections.namedtuple("NT", "y z")
+
+
+class Pair(torch.nn.Linear):
+    def forward(self, x):
+        y = super().forward(x)
+        return NT(y, [{"deep": (y * 2,)}])
+
+
+cases = {
+    # (out, (h, c)): the gradient through h alone reached the LSTM's
+    # backward with its params released, and the process crashed.
+    "lstm h": (lambda: torch.nn.LSTM(16, 32, batch_first=True), lambda o: o[1][0].sum()),
+    "lstm c": (lambda: torch.nn.LSTM(16, 32, batch_first=True), lambda o: o[1][1].square().sum()),
+    "namedtuple, list, dict": (lambda: Pair(16, 16), lambda o: o.z[0]["deep"][0].sum() + o.y.sum()),
+}
+for name, (make, loss) in cases.items():
+    ref, got = grads(False, make, loss), grads(True, make, loss)
+    assert len(ref) == len(got) and all(torch.equal(a, b) for a, b in zip(ref, got)), name
+    print("ok", name)
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_grads_through_nested_outputs_match(device, tmp_path):
+    # A subprocess: the failure this guards against was a crash (SIGSEGV).
+    import subprocess
+    import sys
+
+    script = tmp_path / "nested.py"
+    script.write_text(_NESTED_OUTPUTS)
+    r = subprocess.run(
+        [sys.executable, str(script), device, str(tmp_path / "p")], capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout.count("ok ") == 3, r.stdout
+
+
+class _ReadsChildWeight(torch.nn.Module):
+    """A head tied by reading the embedding's weight without calling it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(9)
+        self.emb = torch.nn.Embedding(300, 64)
+
+    def forward(self, ids):
+        return torch.nn.functional.linear(self.emb(ids), self.emb.weight).logsumexp(-1).sum()
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_modules_that_read_their_childrens_params_fetch_them_all(device, tmp_path):
+    # nn.MultiheadAttention reads out_proj.weight without calling out_proj,
+    # a Transformer layer's fast path (eval, no grad) reads every child's:
+    # both failed with "mat2 must be a matrix, got 1-D tensor".
+    def make():
+        torch.manual_seed(7)
+        return torch.nn.Sequential(
+            torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True),
+            torch.nn.TransformerDecoderLayer(64, 4, 128, dropout=0.0, batch_first=True),
+        )
+
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(8))
+
+    def run(m):
+        enc, dec = m
+        loss = dec(enc(x), x).square().sum()
+        loss.backward()
+        with torch.no_grad():
+            m.eval()
+            ev = dec(enc(x), x)
+            m.train()
+        return [loss.detach(), ev] + [p.grad for p in m.parameters()]
+
+    ref = run(make())
+    m = make()
+    h = tzt.offload_parameters(m, device, nvme_path=tmp_path / "p", param_persistence_threshold=0)
+    got = run(m)
+    assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
+    h.remove()
+    # Another such module is named with whole_modules.
+    ids = torch.tensor([[1, 2, 299]])
+    ref = _ReadsChildWeight()(ids)
+    m = _ReadsChildWeight()
+    h = tzt.offload_parameters(m, device, nvme_path=tmp_path / "q", param_persistence_threshold=0)
+    with pytest.raises(RuntimeError):
+        m(ids)
+    h.remove()
+    h = tzt.offload_parameters(
+        m, device, nvme_path=tmp_path / "q", param_persistence_threshold=0, whole_modules=(_ReadsChildWeight,)
+    )
+    assert torch.equal(m(ids), ref)
+    h.remove()

@@ -12,9 +12,18 @@ DeepSpeed's mechanism, on tierzero's I/O:
   up to ``prefetch_bucket_size`` elements and while fewer than
   ``max_live_parameters`` elements are live;
 - a forward hook releases them (``param.data`` becomes an empty tensor, so
-  the memory goes back) and wraps the module's outputs in an autograd
-  function whose backward fetches them again before the module's backward
-  runs;
+  the memory goes back) and wraps the module's outputs (each tensor that
+  needs a gradient, at any depth of tuples, lists and dicts: an LSTM's
+  ``(out, (h, c))``) in an autograd function whose backward fetches them
+  again before the module's backward runs;
+- a module whose forward reads its children's params without calling
+  them fetches all of its params at once: ``nn.MultiheadAttention``
+  (``out_proj``), ``nn.TransformerEncoderLayer`` and
+  ``nn.TransformerDecoderLayer`` (their fast path), and the types given as
+  ``whole_modules`` (DeepSpeed's ``register_external_parameter`` covers
+  the same case, param by param). A param read outside any forward (a
+  regulariser's ``p.pow(2).sum()``, ``p.numel()``) is the released, empty
+  one: read it inside ``handle.gathered()``;
 - a post-accumulate-grad hook releases each param once its gradient is
   final; a frozen param (``requires_grad=False``: a LoRA's base weights),
   which gets none, is released once its module's backward is done, by an
@@ -146,6 +155,16 @@ class _InBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+#: Module types whose forward reads their children's params without
+#: calling the children: their params are fetched as one (``whole_modules``
+#: adds more).
+_WHOLE_MODULES = (
+    torch.nn.MultiheadAttention,
+    torch.nn.TransformerEncoderLayer,
+    torch.nn.TransformerDecoderLayer,
+)
+
+
 class ParamOffload:
     """The hooks and homes of one model's offloaded params (see module docs)."""
 
@@ -158,6 +177,7 @@ class ParamOffload:
         max_live_parameters=1_000_000_000,
         param_persistence_threshold=100_000,
         aio=None,
+        whole_modules=(),
     ):
         if device not in ("cpu", "nvme"):
             raise ValueError(f"device {device!r}: expected \"cpu\" or \"nvme\"")
@@ -198,6 +218,19 @@ class ParamOffload:
                 homes.append(seen[id(p)])
             if homes:
                 self._module_homes[module] = homes
+        # A module whose forward reads its children's params without
+        # calling them (``nn.MultiheadAttention``'s ``out_proj``, a
+        # Transformer layer's fast path) fetches them all itself; the
+        # children keep their own hooks (each fetch takes a reference).
+        whole = tuple(_WHOLE_MODULES) + tuple(whole_modules)
+        for module in model.modules():
+            if isinstance(module, whole):
+                homes = {}
+                for sub in module.modules():
+                    for h in self._module_homes.get(sub, ()):
+                        homes.setdefault(id(h), h)
+                if homes:
+                    self._module_homes[module] = list(homes.values())
         self._homes = list(seen.values())
         if device == "nvme":
             os.makedirs(nvme_path, exist_ok=True)
@@ -575,32 +608,56 @@ def _load_pre_hook(module, hook):
     return module._register_load_state_dict_pre_hook(hook, with_module=True)
 
 
+def _map_tensors(value, fn):
+    """``value`` with each tensor ``t`` in it replaced by ``fn(t)``: tensors
+    at any depth of tuples (namedtuples and ``torch.return_types`` kept as
+    their types), lists and dicts (changed in place, so a HF
+    ``ModelOutput`` stays one). Anything else is returned as it is."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple):
+        items = [_map_tensors(t, fn) for t in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        if hasattr(value, "_fields"):
+            return type(value)._make(items)
+        if type(value) is tuple:
+            return tuple(items)
+        return type(value)(items)
+    if isinstance(value, list):
+        for i, t in enumerate(value):
+            new = _map_tensors(t, fn)
+            if new is not t:
+                value[i] = new
+        return value
+    if isinstance(value, dict):
+        for k in list(value.keys()):
+            t = value[k]
+            new = _map_tensors(t, fn)
+            if new is not t:
+                value[k] = new
+        return value
+    return value
+
+
 def _wrap(output, fetch):
-    """``output`` with its grad-requiring tensors passed through _InBackward."""
-    if isinstance(output, torch.Tensor):
-        return _InBackward.apply(fetch, output) if output.requires_grad else output
-    if isinstance(output, tuple) and not hasattr(output, "_fields"):
-        idx = [i for i, t in enumerate(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx:
-            return output
-        wrapped = _InBackward.apply(fetch, *[output[i] for i in idx])
-        if len(idx) == 1:
-            wrapped = (wrapped,)
-        out = list(output)
-        for i, t in zip(idx, wrapped):
-            out[i] = t
-        return tuple(out)
-    if isinstance(output, dict):
-        keys = [k for k, t in output.items() if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not keys:
-            return output
-        wrapped = _InBackward.apply(fetch, *[output[k] for k in keys])
-        if len(keys) == 1:
-            wrapped = (wrapped,)
-        for k, t in zip(keys, wrapped):
-            output[k] = t
+    """``output`` with its grad-requiring tensors, at any depth of tuples,
+    lists and dicts (an LSTM's ``(out, (h, c))``), passed through one
+    _InBackward. One left out would reach the module's backward on its
+    released (empty) params: an LSTM's crashed the process."""
+    found = []
+
+    def collect(t):
+        if t.requires_grad:
+            found.append(t)
+        return t
+
+    _map_tensors(output, collect)
+    if not found:
         return output
-    return output
+    wrapped = _InBackward.apply(fetch, *found)
+    it = iter(wrapped if len(found) != 1 else (wrapped,))
+    return _map_tensors(output, lambda t: next(it) if t.requires_grad else t)
 
 
 def offload_parameters(model, device=None, nvme_path=None, *, ds_config=None, **kw):
