@@ -235,6 +235,46 @@ def test_params_changed_after_construction_are_named():
         opt.step()
 
 
+@pytest.mark.parametrize("sub_group_size", [10**9, 3000])
+def test_params_changed_between_steps_are_stepped_as_they_are(tmp_path, sub_group_size):
+    # The nvme tier keeps its own fp32 master: a change to the params after
+    # construction (a checkpoint loaded, a clamp_, new .data) was written
+    # over by the next step's stale master. torch steps the params as they
+    # are, moments kept.
+    def changes(ps, step):
+        with torch.no_grad():
+            if step == 0:
+                for p in ps:
+                    p.fill_(5.0)  # pretrained weights loaded after the optimizer
+            elif step == 2:
+                ps[4].clamp_(-0.5, 0.5)  # a param split over sub-groups at 3000
+            elif step == 3:
+                ps[5].data = torch.full_like(ps[5], -2.0)  # new storage
+
+    def run(make_opt):
+        ps = make_params()
+        opt = make_opt(groups_of(ps))
+        g = torch.Generator().manual_seed(4)
+        for step in range(5):
+            changes(ps, step)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        return ps
+
+    ref = run(torch_adamw)
+    got = run(tz("nvme", tmp_path, sub_group_size=sub_group_size))
+    assert rel_err(got, ref) < 1e-6
+    # bf16 params on the cpu tier: their master follows the change too.
+    p = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))
+    opt = tzt.AdamW([p], lr=1e-3, weight_decay=0.0, offload="cpu")
+    with torch.no_grad():
+        p.fill_(5.0)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert torch.equal(p.detach(), torch.full_like(p, 5.0 - 1e-3))
+
+
 def test_a_failed_save_leaves_no_temporary_file(tmp_path, monkeypatch):
     opt = tzt.AdamW([torch.nn.Parameter(torch.ones(8))], offload="nvme", nvme_path=tmp_path / "nvme")
     out = tmp_path / "out"

@@ -22,7 +22,13 @@ a third less I/O per step. PyTorch does the forward, backward and autograd;
 
 Semantics are ``torch.optim.AdamW``'s (decoupled weight decay, bias
 correction, ``eps`` after the square root), and the hyper-parameters are
-re-read from ``param_groups`` at every step, so LR schedulers work. A param
+re-read from ``param_groups`` at every step, so LR schedulers work. Params
+changed after the optimizer is built (weights loaded, a custom init, a
+``clamp_``, a DDP broadcast: an in-place op on the param or its
+``detach()``, or new ``.data``) are stepped as they are: where the master is
+a copy (``"nvme"``, 16-bit params), the changed pieces are read into it
+before their step. A change through ``p.data.<op>_()`` bumps no version
+and is not seen there. A param
 whose ``.grad`` is None is not stepped when its whole sub-group has none (as
 torch skips it); inside a sub-group that has gradients it is stepped with a
 zero gradient (as DeepSpeed does). A param given with ``requires_grad=False``
@@ -369,10 +375,21 @@ class AdamW(torch.optim.Optimizer):
         self._grad_buf = self._copies.grad if self._copies else torch.empty(largest, dtype=torch.float32)
         self._largest = largest
         self._out_bufs = {}  # dtype -> the kernel's output for scattered sub-groups
+        # Per param not offloaded: its version and storage when this
+        # optimizer last wrote it (or read it, here); a param changed since
+        # has all its pieces, in every sub-group, read into the master
+        # before their steps (_adopt_changed).
+        self._written: dict = {}
+        self._stale: set = set()  # (param, start) of pieces to read
+        self._pieces_of: dict = {}  # param -> the starts of its pieces
+        for s in self._subgroups:
+            for p, a, *_ in s.pieces:
+                self._pieces_of.setdefault(p, []).append(a)
         if not self._inplace:
             with torch.no_grad():
                 for i, s in enumerate(self._subgroups):
                     self._native.load(i, self._gather_params(s))
+                    self._note_written(s)
         # Step in backward: per sub-group, its params whose gradients are
         # not final yet in this backward; per param, its sub-groups.
         self.step_in_backward = bool(step_in_backward)
@@ -462,6 +479,40 @@ class AdamW(torch.optim.Optimizer):
                 p.detach().view(-1)[a:b].copy_(src[off : off + b - a])
         if slot is not None:
             self._copies.uploaded(slot)
+        self._note_written(s)
+
+    def _note_written(self, s: _SubGroup):
+        for p, *_ in s.pieces:
+            if home_of(p) is None:
+                self._written[p] = (p._version, p.data_ptr())
+
+    def _adopt_changed(self, i, s: _SubGroup):
+        """Params of ``s`` changed since this optimizer last wrote them (a
+        checkpoint loaded after it was built, a custom init, a ``clamp_``,
+        a DDP broadcast: any in-place change through the param or a
+        ``detach()`` of it, or new ``.data``) are read into the master
+        before the step, as torch's AdamW steps the params as they are; the
+        master otherwise wrote its older values over them. The moments
+        stay. (A change through ``p.data.<op>_()`` bumps no version and is
+        not seen; an offloaded param's master follows its home only through
+        ``load_state_dict``.)"""
+        for p, *_ in s.pieces:
+            now = (p._version, p.data_ptr())
+            if home_of(p) is None and self._written.get(p) != now:
+                # Every piece of it: another sub-group's write of its own
+                # piece will change the version again before that one steps.
+                self._stale.update((p, a) for a in self._pieces_of[p])
+                self._written[p] = now
+        changed = [piece for piece in s.pieces if (piece[0], piece[1]) in self._stale]
+        if not changed:
+            return
+        master = torch.empty(s.numel, dtype=torch.float32)
+        m, v = torch.empty_like(master), torch.empty_like(master)
+        self._native.read_state(i, master, m, v)
+        for p, a, b, off in changed:
+            master[off : off + b - a] = p.detach().reshape(-1)[a:b].float().cpu()
+        self._native.load(i, master, m, v)
+        self._stale.difference_update((p, a) for p, a, *_ in changed)
 
     def _finish_copies(self):
         if self._copies is not None:
@@ -478,6 +529,8 @@ class AdamW(torch.optim.Optimizer):
         s = self._subgroups[i]
         if self._inplace:
             self._check_in_place(s)  # step in backward: step() checked the others
+        else:
+            self._adopt_changed(i, s)
         grad = self._gather_grads(s)
         out, direct, slot = self._out_for(s)
         self._native.step_group(i, s.steps + 1, *self._hyper(s), grad, out, next_sg)
@@ -701,6 +754,7 @@ class AdamW(torch.optim.Optimizer):
                 params[p] = state_dict["state"].get(idx, state_dict["state"].get(str(idx)))
                 if p in self._empty_steps:
                     self._empty_steps[p] = int(float(params[p]["step"])) if params[p] else 0
+        self._stale.clear()  # every master is loaded and scattered below
         for i, s in enumerate(self._subgroups):
             master = torch.empty(s.numel, dtype=torch.float32)
             m = torch.zeros_like(master)
@@ -800,6 +854,7 @@ class AdamW(torch.optim.Optimizer):
             steps = dict((int(k), v) for k, v in head["steps"])
             for g, src in zip(self.param_groups, head["param_groups"]):
                 g.update(src)
+            self._stale.clear()  # every master is loaded (and scattered) below
             for i, s in enumerate(self._subgroups):
                 t = [torch.empty(s.numel, dtype=torch.float32) for _ in range(3)]
                 for k in range(3):
