@@ -664,3 +664,58 @@ def test_read_state_refuses_one_tensor_for_two_states():
         with pytest.raises(ValueError, match="distinct"):
             opt._native.read_state(0, t, t, torch.empty(8))
         opt.state_dict()
+
+
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_distributed_checkpoint_state_dicts_round_trip_without_a_step(offload, tmp_path):
+    # torch.distributed.checkpoint (FSDP2, accelerate, torchtitan) ran a
+    # zero-lr step on every save, finding `opt.state` empty: the moments
+    # decayed and the step count grew by one per save.
+    dcp = pytest.importorskip("torch.distributed.checkpoint.state_dict")
+
+    def model():
+        torch.manual_seed(3)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+
+    def train(m, opt, steps, seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            m(torch.randn(2, 8, generator=g)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    m = model()
+    opt = tzt.AdamW(m.parameters(), lr=1e-2, offload=offload, nvme_path=tmp_path / "a")
+    train(m, opt, 3, 1)
+    before = opt.state_dict()
+    osd = dcp.get_optimizer_state_dict(m, opt)
+    after = opt.state_dict()
+    for k, st in before["state"].items():
+        for key, t in st.items():
+            assert torch.equal(t, after["state"][k][key]), (k, key)
+    assert {float(st["step"]) for st in after["state"].values()} == {3.0}
+    # Loaded into a fresh optimizer, training goes on with the same bits.
+    m2 = model()
+    m2.load_state_dict(m.state_dict())
+    opt2 = tzt.AdamW(m2.parameters(), lr=1e-2, offload=offload, nvme_path=tmp_path / "b")
+    dcp.set_optimizer_state_dict(m2, opt2, osd)
+    train(m, opt, 2, 2)
+    train(m2, opt2, 2, 2)
+    assert weight_hash(m.parameters()) == weight_hash(m2.parameters())
+
+
+def test_state_dict_hooks_run_as_torchs():
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = tzt.AdamW([p], offload="none")
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("save pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 1})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append(("load pre", sd.get("extra"))))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load post"))
+    p.grad = torch.ones(4)
+    opt.step()
+    sd = opt.state_dict()
+    assert sd["extra"] == 1
+    opt.load_state_dict(sd)
+    assert calls == ["save pre", ("load pre", 1), "load post"]
+    assert float(opt.state[p]["step"]) == 1.0

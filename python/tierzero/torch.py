@@ -486,6 +486,26 @@ class AdamW(torch.optim.Optimizer):
             if home_of(p) is None:
                 self._written[p] = (p._version, p.data_ptr())
 
+    def _note_steps(self):
+        """``self.state[p]["step"]`` of every param stepped so far, as torch
+        keeps it: code that asks whether the optimizer has state sees it
+        (torch.distributed.checkpoint's ``get_optimizer_state_dict``, which
+        FSDP2, accelerate and torchtitan save through, found it empty and
+        ran a zero-lr step to make some: every save moved the moments and
+        the step count). The moments are not here; ``state_dict()`` reads
+        them."""
+        steps: dict = {}
+        for s in self._subgroups:
+            for p, *_ in s.pieces if s.steps else ():
+                steps[p] = max(steps.get(p, 0), s.steps)
+        steps.update((p, n) for p, n in self._empty_steps.items() if n)
+        for p, n in steps.items():
+            st = self.state[p]
+            if "step" in st:
+                st["step"].fill_(float(n))
+            else:
+                st["step"] = torch.tensor(float(n))
+
     def _adopt_changed(self, i, s: _SubGroup):
         """Params of ``s`` changed since this optimizer last wrote them (a
         checkpoint loaded after it was built, a custom init, a ``clamp_``,
@@ -627,6 +647,7 @@ class AdamW(torch.optim.Optimizer):
                     self._step_one(i, todo[k + 1] if k + 1 < len(todo) else None)
             self._native.flush()
             self._finish_copies()
+            self._note_steps()
         finally:
             # A step that raised is over too: the next one steps every
             # sub-group with a gradient (one stepped before the error
@@ -713,6 +734,18 @@ class AdamW(torch.optim.Optimizer):
         return out
 
     def state_dict(self):
+        # torch's state-dict hooks (register_state_dict_pre_hook / _post_hook),
+        # in its order: pre-hooks first, a post-hook may return a new dict.
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = self._state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def _state_dict(self):
         states = self._param_states()
         index = {}
         groups = []
@@ -733,8 +766,20 @@ class AdamW(torch.optim.Optimizer):
         for p in self._native._params if self._inplace else ():
             _not_offloaded(p)
 
-    @torch.no_grad()
     def load_state_dict(self, state_dict):
+        # torch's load hooks, in its order: a pre-hook may return a new
+        # dict (of a shallow copy, as torch makes), post-hooks after.
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._load_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    @torch.no_grad()
+    def _load_state_dict(self, state_dict):
         self._check_loadable()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
@@ -774,6 +819,8 @@ class AdamW(torch.optim.Optimizer):
             self._native.load(i, master, m, v)
             self._scatter_params(s, master)
         self._finish_copies()
+        self.state.clear()
+        self._note_steps()
 
     # Streaming checkpoints: one sub-group in memory at a time. The file is
     # laid out by param, not by sub-group (three sections, master, m and v,
@@ -868,3 +915,5 @@ class AdamW(torch.optim.Optimizer):
                 s.steps = steps.get(offsets[id(s.pieces[0][0])], 0)
                 if not self._inplace:
                     self._scatter_params(s, t[0])
+        self.state.clear()
+        self._note_steps()
