@@ -719,3 +719,21 @@ def test_state_dict_hooks_run_as_torchs():
     opt.load_state_dict(sd)
     assert calls == ["save pre", ("load pre", 1), "load post"]
     assert float(opt.state[p]["step"]) == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
+def test_params_the_fp32_master_cannot_hold_are_refused(dtype):
+    # A complex param lost its imaginary part, a float64 one its precision.
+    p = torch.nn.Parameter(torch.ones(4, dtype=dtype))
+    with pytest.raises(ValueError, match=f"is {dtype}: give torch.optim.AdamW"):
+        tzt.AdamW([p], offload="cpu")
+
+
+def test_pickling_or_copying_is_refused_with_the_way_to_save():
+    import copy
+    import pickle
+
+    opt = tzt.AdamW([torch.nn.Parameter(torch.ones(4))], offload="none")
+    for copier in (pickle.dumps, copy.deepcopy, copy.copy):
+        with pytest.raises(TypeError, match="state_dict"):
+            copier(opt)

@@ -47,7 +47,8 @@ dropped).
 
 ``state_dict()`` is torch's format (``step``, ``exp_avg``, ``exp_avg_sq`` per
 param, plus ``master`` for params that are not fp32) and materialises it in
-host memory; ``save_checkpoint`` / ``load_checkpoint`` stream the state one
+host memory (``opt.state`` holds each stepped param's ``step`` alone: the
+moments stay in tierzero's tiers); ``save_checkpoint`` / ``load_checkpoint`` stream the state one
 sub-group at a time instead.
 """
 
@@ -333,6 +334,15 @@ class AdamW(torch.optim.Optimizer):
                 if not p.is_contiguous():
                     raise ValueError("tierzero.torch.AdamW needs contiguous params")
                 home = home_of(p)
+                dtype = home.dtype if home is not None else p.dtype
+                if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    # Through the fp32 master a complex param lost its
+                    # imaginary part and a float64 one its precision.
+                    raise ValueError(
+                        f"tierzero.torch.AdamW steps float32, bfloat16 and float16 params (an fp32 "
+                        f"master); a param of shape {tuple(_shape(p))} is {dtype}: give "
+                        f"torch.optim.AdamW the {dtype} params"
+                    )
                 n, start = (home.numel if home is not None else p.numel()), 0
                 # A param frozen now (``requires_grad=False``) gets
                 # sub-groups of its own: while it has no gradient they are
@@ -407,6 +417,14 @@ class AdamW(torch.optim.Optimizer):
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_final))
         self._built = True
+
+    def __reduce_ex__(self, protocol):
+        # The inherited pickling kept the param groups and dropped the
+        # native state: the copy's first step() raised AttributeError.
+        raise TypeError(
+            "tierzero.torch.AdamW cannot be pickled or copied: its state lives in tierzero's "
+            "tiers (host memory, NVMe files); save it with state_dict() or save_checkpoint()"
+        )
 
     def add_param_group(self, param_group):
         """torch's, while constructing. After that a group's params would
