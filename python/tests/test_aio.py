@@ -207,6 +207,39 @@ def test_read_write(d, backend, validate):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("is_read", [False, True])
+def test_validate_fails_when_the_bytes_differ(d, backend, is_read, monkeypatch):
+    # Nothing else makes the file and the tensor differ after a transfer
+    # that succeeded: the tensor's bytes, as validate sees them, are
+    # altered by one bit, and the transfer must fail with EIO, its offset
+    # and length.
+    import tierzero.aio as aio_module
+
+    h = handle(backend)
+    data = rand_bytes(2 * 4096 + 3, 2)
+    p = os.path.join(d, "f")
+    t = tensor_with("torch", "uint8", data, h)
+    assert h.write(t, p, True) == 0
+    real = aio_module._bytes_of
+
+    def flipped(t):
+        b = bytearray(real(t))
+        b[4096] ^= 1
+        return bytes(b)
+
+    monkeypatch.setattr(aio_module, "_bytes_of", flipped)
+    u = make_tensor("torch", "uint8", len(data), h)
+    offset = 0 if is_read else 7
+    with pytest.raises(AioError) as e:
+        if is_read:
+            h.read(u, p, True, offset)
+        else:
+            h.write(t, p, True, offset)
+    assert e.value.errno == errno.EIO and "differ" in str(e.value)
+    assert (e.value.offset, e.value.length) == (offset, len(data))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("validate", [False, True])
 def test_pread_pwrite_positional_async_and_offset(d, backend, validate):
     h = handle(backend)
@@ -313,6 +346,26 @@ def test_many_async_ops_small_queue(d, backend):
         assert h.async_pwrite(t, p, o) == 0
     assert h.wait() == n
     assert file_bytes(p) == b"".join(data)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_fd_transfers_only_as_it_was_opened(d, backend):
+    # The fd is reopened through /proc for O_DIRECT: a read-only one was
+    # written through (os.write on it gives EBADF).
+    h = handle(backend)
+    p = os.path.join(d, "f")
+    with open(p, "wb") as f:
+        f.write(b"\0" * 4096)
+    t = tensor_with("torch", "uint8", rand_bytes(4096, 6), h)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        with pytest.raises(AioError) as e:
+            h.sync_pwrite(t, fd)
+        assert e.value.errno == errno.EBADF and "not open for writing" in str(e.value)
+        assert h.sync_pread(t, fd) == 1
+    finally:
+        os.close(fd)
+    assert file_bytes(p) == b"\0" * 4096
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -214,6 +214,37 @@ impl IoFile {
             what: format!("file descriptor {fd} is not open"),
             source,
         })?;
+        // Reopened, the file takes the access this call asks for, not the
+        // descriptor's: a read-only descriptor was written through. Its
+        // own access mode (`/proc/self/fdinfo`'s `flags`, octal, the low
+        // two bits) must allow the transfer, as a write(2) on it would.
+        let fdinfo =
+            std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).map_err(|source| {
+                SwapError::Setup {
+                    what: format!("reading the flags of file descriptor {fd}"),
+                    source,
+                }
+            })?;
+        let flags = fdinfo
+            .lines()
+            .find_map(|l| l.strip_prefix("flags:"))
+            .and_then(|v| u32::from_str_radix(v.trim(), 8).ok());
+        if let Some(flags) = flags {
+            let mode = flags & libc::O_ACCMODE as u32;
+            let (allowed, needs) = match access {
+                Access::Read => (mode != libc::O_WRONLY as u32, "reading"),
+                Access::Write => (mode != libc::O_RDONLY as u32, "writing"),
+            };
+            if !allowed {
+                return Err(SwapError::Setup {
+                    what: format!(
+                        "file descriptor {fd} ({}) is not open for {needs}",
+                        target.display()
+                    ),
+                    source: std::io::Error::from_raw_os_error(libc::EBADF),
+                });
+            }
+        }
         // The alignment stays the one `open` found through the link (the
         // file's own device): the target's name may not resolve here (an
         // unlinked file's "... (deleted)", another mount namespace), and
@@ -1219,6 +1250,24 @@ mod tests {
             );
         }
         assert_eq!(std::fs::read(&path).unwrap(), data);
+    }
+
+    #[test]
+    fn from_fd_refuses_a_transfer_its_descriptor_does_not_allow() {
+        use std::os::fd::AsRawFd;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("fd");
+        std::fs::write(&path, [7u8; 4096]).unwrap();
+        let ro = std::fs::File::open(&path).unwrap();
+        let e = IoFile::from_fd(ro.as_raw_fd(), Access::Write, DirectIo::Auto).unwrap_err();
+        assert!(e.to_string().contains("is not open for writing"), "{e}");
+        assert_eq!(e.raw_os_error(), Some(libc::EBADF));
+        IoFile::from_fd(ro.as_raw_fd(), Access::Read, DirectIo::Auto).unwrap();
+        let wo = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        let e = IoFile::from_fd(wo.as_raw_fd(), Access::Read, DirectIo::Auto).unwrap_err();
+        assert!(e.to_string().contains("is not open for reading"), "{e}");
+        IoFile::from_fd(wo.as_raw_fd(), Access::Write, DirectIo::Auto).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), [7u8; 4096]);
     }
 
     #[test]
