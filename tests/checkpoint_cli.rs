@@ -701,7 +701,8 @@ fn export_and_eval_refuse_a_save_dir_whose_latest_is_damaged() {
     let out = train(&d, &["--steps", "2", "--resume", "ck"]);
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert!(
-        out.stderr.contains("`latest` is unusable; resuming from the newest valid checkpoint")
+        out.stderr
+            .contains("`latest` is unusable; resuming from the newest valid checkpoint")
             && out.stderr.contains("step-00000001"),
         "{}",
         out.stderr

@@ -176,12 +176,32 @@ impl OffloadAdam {
         };
         let per_elem = 4 + 2 * moments.bytes_per_elem();
         let (read_ahead, write_behind) = (1usize, 1usize);
+        // Saturating: a count no memory holds is refused below (the
+        // allocation, the pinned budget, the swap file), not a panic here.
         let largest_bytes = numel
             .iter()
-            .map(|&n| (n.max(1) * 4) as u64)
+            .map(|&n| (n.max(1) as u64).saturating_mul(4))
             .max()
             .unwrap_or(4096);
-        let total_elems: u64 = numel.iter().map(|&n| n as u64).sum();
+        let total_elems: u64 = numel
+            .iter()
+            .fold(0u64, |sum, &n| sum.saturating_add(n as u64));
+        let host_state_bytes = total_elems.saturating_mul(per_elem);
+        if matches!(offload, "none" | "cpu") {
+            // Refused with the numbers before any of it is allocated: the
+            // allocation of a state no memory holds aborted the process,
+            // or (touched) drew the OOM killer.
+            let available = sizing::mem_available_bytes();
+            let swap = tierzero::estimate::probe_swap_free().unwrap_or(0);
+            if let Some(available) = available {
+                if host_state_bytes > available.saturating_add(swap) {
+                    return Err(pyo3::exceptions::PyMemoryError::new_err(format!(
+                        "the optimizer state of {total_elems} elements takes {host_state_bytes} bytes of host memory (fp32 master, {} m and v: {per_elem} bytes each) and {available} bytes are available ({swap} more as swap); keep it on NVMe (offload=\"nvme\"), use moments_dtype=torch.bfloat16, or step fewer params",
+                        moments.name()
+                    )));
+                }
+            }
+        }
         let (nvme, plan) = match offload {
             "none" | "cpu" => (
                 None,
@@ -189,7 +209,7 @@ impl OffloadAdam {
                     "optimizer state in host memory ({offload}): {} sub-groups, {} elements, {} bytes (fp32 master, {} m and v)",
                     numel.len(),
                     total_elems,
-                    total_elems * per_elem,
+                    host_state_bytes,
                     moments.name(),
                 ),
             ),
@@ -200,7 +220,7 @@ impl OffloadAdam {
                 let align = tierzero_swap::Alignment::for_path(&dir);
                 let buf_bytes = align.round_up(largest_bytes);
                 let need = sizing::buffers_needed(read_ahead, write_behind, false) as u64;
-                let need_bytes = need * buf_bytes;
+                let need_bytes = need.saturating_mul(buf_bytes);
                 let budget = pinned_budget_bytes.unwrap_or(need_bytes);
                 if budget < need_bytes {
                     return Err(PyValueError::new_err(format!(
@@ -211,8 +231,7 @@ impl OffloadAdam {
                     .iter()
                     .flat_map(|&n| sizing::state_bytes(n, moments))
                     .map(|b| align.round_up(b))
-                    .sum::<u64>()
-                    + (1 << 20);
+                    .fold(1u64 << 20, u64::saturating_add);
                 let built = py.detach(|| -> tierzero_swap::Result<NvmeOptim> {
                     std::fs::create_dir_all(&dir).map_err(|source| tierzero_swap::SwapError::Setup {
                         what: format!("creating {}", dir.display()),

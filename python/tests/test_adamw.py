@@ -737,3 +737,11 @@ def test_pickling_or_copying_is_refused_with_the_way_to_save():
     for copier in (pickle.dumps, copy.deepcopy, copy.copy):
         with pytest.raises(TypeError, match="state_dict"):
             copier(opt)
+
+
+def test_state_no_memory_holds_is_refused_with_the_numbers():
+    # Its allocation aborted the process ("memory allocation of 4000000000
+    # bytes failed").
+    p = torch.nn.Parameter(torch.empty(2**50, device="meta"))
+    with pytest.raises(MemoryError, match="bytes are available"):
+        tzt.AdamW([p], offload="cpu")

@@ -80,9 +80,11 @@ pub const STATE_BYTES_PER_ELEM: u64 = 12;
 /// `moments`. The optimizer state's extents, reads and writes, and a
 /// binding's swap-space capacity, all take their lengths from here.
 pub fn state_bytes(numel: usize, moments: crate::optim::MomentDtype) -> [u64; 3] {
+    // Saturating: a count no disk holds is refused by the space's size
+    // check, not an overflow here.
     let n = numel.max(1) as u64;
-    let mb = n * moments.bytes_per_elem();
-    [n * 4, mb, mb]
+    let mb = n.saturating_mul(moments.bytes_per_elem());
+    [n.saturating_mul(4), mb, mb]
 }
 
 /// Host memory this process may still take: `MemAvailable` from

@@ -146,18 +146,34 @@ enum MemMoments {
     Bf16 { m: Vec<bf16>, v: Vec<bf16> },
 }
 
+/// `n` copies of `zero`, or an error naming the bytes where the allocator
+/// has no room for them (`vec!` aborted the process: a Python caller's
+/// state for 2^50 elements ended it with "memory allocation failed").
+fn try_filled<T: Clone>(n: usize, zero: T, what: &str) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| EngineError::Config {
+        reason: format!(
+            "the optimizer state's {what} of {n} elements ({} bytes) cannot be allocated in host \
+             memory; keep the state on NVMe, or step fewer params",
+            n as u128 * std::mem::size_of::<T>() as u128
+        ),
+    })?;
+    v.resize(n, zero);
+    Ok(v)
+}
+
 impl MemMoments {
-    fn zeros(n: usize, dtype: MomentDtype) -> Self {
-        match dtype {
+    fn zeros(n: usize, dtype: MomentDtype) -> Result<Self> {
+        Ok(match dtype {
             MomentDtype::F32 => MemMoments::F32 {
-                m: vec![0.0; n],
-                v: vec![0.0; n],
+                m: try_filled(n, 0.0, "m")?,
+                v: try_filled(n, 0.0, "v")?,
             },
             MomentDtype::Bf16 => MemMoments::Bf16 {
-                m: vec![bf16::ZERO; n],
-                v: vec![bf16::ZERO; n],
+                m: try_filled(n, bf16::ZERO, "m")?,
+                v: try_filled(n, bf16::ZERO, "v")?,
             },
-        }
+        })
     }
 
     fn as_moments(&mut self) -> Moments<'_> {
@@ -376,16 +392,18 @@ impl OptimizerState {
         moments: MomentDtype,
     ) -> Result<Self> {
         let pool_slots = pool.slots;
-        let mem_group = |n: usize| MemGroup {
-            master: vec![0.0; n],
-            moments: MemMoments::zeros(n, moments),
+        let mem_group = |n: usize| -> Result<MemGroup> {
+            Ok(MemGroup {
+                master: try_filled(n, 0.0, "fp32 master")?,
+                moments: MemMoments::zeros(n, moments)?,
+            })
         };
         let in_mem = |i: usize| nvme.is_none() || resident.get(i).copied().unwrap_or(false);
         let mem: Vec<Option<MemGroup>> = numel
             .iter()
             .enumerate()
-            .map(|(i, &n)| in_mem(i).then(|| mem_group(n)))
-            .collect();
+            .map(|(i, &n)| in_mem(i).then(|| mem_group(n)).transpose())
+            .collect::<Result<_>>()?;
         let nvme = match nvme {
             None => None,
             Some(io) => {

@@ -452,3 +452,29 @@ fn a_checkpoint_region_is_written_whole_direct_or_through_the_file() {
     let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
     assert!(checkpoint::write_region(&f, &path, 0, 4096, &data).is_err());
 }
+
+/// Host-memory state the allocator has no room for is an error naming
+/// the bytes, not an abort of the process (a Python caller's 2^50
+/// elements ended it).
+#[test]
+fn host_state_too_large_to_allocate_is_an_error() {
+    for moments in [MomentDtype::F32, MomentDtype::Bf16] {
+        let e = OptimizerState::new(
+            vec![16, 1 << 60],
+            None,
+            &[],
+            1,
+            1,
+            false,
+            PoolSize::default(),
+            moments,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("fp32 master of 1152921504606846976 elements"),
+            "{e}"
+        );
+        assert!(e.contains("4611686018427387904 bytes"), "{e}");
+    }
+}
