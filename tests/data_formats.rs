@@ -874,3 +874,57 @@ fn a_corpus_changed_while_it_is_encoded_is_not_cached() {
     let again = train(&d, &["--data", "c.txt", "--tokenizer", tok]);
     assert_eq!(again.code, 0, "{}", again.stderr);
 }
+
+/// `--data /dev/stdin` redirected from a file is a regular file through
+/// the link: its cache entry went beside it, into `/dev` (as root). It is
+/// read and not cached, saying why; the run trains on the file's tokens.
+#[test]
+fn data_read_through_dev_stdin_is_not_cached_in_dev() {
+    let d = scratch("data", "dev-stdin");
+    let tok = tokenizer(&d);
+    model(&d, VOCAB);
+    ds(&d);
+    let text = documents(40).join("\n");
+    std::fs::write(d.join("c.txt"), &text).unwrap();
+    let in_dev = || -> Vec<PathBuf> {
+        std::fs::read_dir("/dev")
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.to_string_lossy().contains("stdin.tz-"))
+            .collect()
+    };
+    let before = in_dev();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .current_dir(&d)
+        .args([
+            "train", "--config", "ds.json", "--model", "model", "--steps", "1",
+        ])
+        .args([
+            "--seq-len",
+            "16",
+            "--data",
+            "/dev/stdin",
+            "--data-format",
+            "lines",
+        ])
+        .arg("--tokenizer")
+        .arg(&tok)
+        .stdin(std::fs::File::open(d.join("c.txt")).unwrap())
+        .output()
+        .unwrap();
+    let made: Vec<PathBuf> = in_dev()
+        .into_iter()
+        .filter(|p| !before.contains(p))
+        .collect();
+    for p in &made {
+        let _ = std::fs::remove_file(p);
+    }
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(made.is_empty(), "cache files made in /dev: {made:?}");
+    assert!(stdout.contains("read through /dev or /proc"), "{stdout}");
+}

@@ -231,9 +231,20 @@ pub fn user_dir() -> Option<PathBuf> {
             .map(PathBuf::from)
             .filter(|p| p.is_absolute())
     };
+    // A home directory that is not there is not made (a service account's
+    // HOME=/nonexistent was created as root).
     abs("XDG_CACHE_HOME")
-        .or_else(|| abs("HOME").map(|h| h.join(".cache")))
+        .or_else(|| abs("HOME").filter(|h| h.is_dir()).map(|h| h.join(".cache")))
         .map(|d| d.join("tierzero").join("tokens"))
+}
+
+/// Whether `data` is read through `/dev` or `/proc` (`--data /dev/stdin`
+/// redirected from a file is a regular file there): no cache entry goes
+/// beside it, into `/dev`.
+pub fn is_read_through_dev_or_proc(data: &Path) -> bool {
+    data_dir(data)
+        .canonicalize()
+        .is_ok_and(|d| d.starts_with("/dev") || d.starts_with("/proc"))
 }
 
 /// The token file and sidecar of the cache entry `key` of `data` in `dir`

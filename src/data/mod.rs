@@ -641,6 +641,15 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
     let regular = std::fs::metadata(&spec.path).is_ok_and(|m| m.is_file());
     if spec.cache && !regular {
         no_cache = Some("it is not a regular file (a pipe?): the tokens stay in memory".into());
+    } else if spec.cache
+        && spec.cache_dir.is_none()
+        && cache::is_read_through_dev_or_proc(&spec.path)
+    {
+        no_cache = Some(
+            "it is read through /dev or /proc (a redirected stdin?), where no cache goes: the \
+             tokens stay in memory (--data-cache-dir DIR keeps them)"
+                .into(),
+        );
     } else if spec.cache {
         let data = cache::DataIdentity::of(&spec.path)?;
         let key = cache::key(&cache::KeyInputs {
