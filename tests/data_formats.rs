@@ -928,3 +928,36 @@ fn data_read_through_dev_stdin_is_not_cached_in_dev() {
     assert!(made.is_empty(), "cache files made in /dev: {made:?}");
     assert!(stdout.contains("read through /dev or /proc"), "{stdout}");
 }
+
+/// A cache entry is readable by whoever can read its data (made 0600, it
+/// was re-encoded and replaced by every other user of a shared data
+/// directory), and no more.
+#[test]
+fn a_cache_entry_is_readable_as_its_data_is() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let d = scratch("data", "cache-mode");
+    let tok = tokenizer(&d);
+    for (name, data_mode, entry_mode) in [("shared.txt", 0o644, 0o644), ("own.txt", 0o600, 0o600)] {
+        let path = d.join(name);
+        std::fs::write(&path, documents(10).join("\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(data_mode)).unwrap();
+        let l = load(&spec(
+            &path,
+            DataFormat::Text(DocSplit::Lines),
+            Some(&tok),
+            true,
+        ));
+        let Origin::Encoded {
+            cached: Some(tokens),
+            ..
+        } = l.origin
+        else {
+            panic!("{name}: not cached: {:?}", l.origin)
+        };
+        let sidecar = PathBuf::from(format!("{}.json", tokens.display()));
+        for f in [&tokens, &sidecar] {
+            let mode = std::fs::metadata(f).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, entry_mode, "{}", f.display());
+        }
+    }
+}

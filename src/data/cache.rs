@@ -238,6 +238,25 @@ pub fn user_dir() -> Option<PathBuf> {
         .map(|d| d.join("tierzero").join("tokens"))
 }
 
+/// Gives the cache entry's `files` the data's read permissions (the owner
+/// keeps read and write): made `0600`, as every atomic rewrite is, they
+/// were unreadable to the other users of a shared data directory, who
+/// each encoded the corpus again and replaced the entry (or, in a sticky
+/// directory, failed to). Best effort: the entry works for its owner
+/// either way.
+pub fn readable_as_the_data(data: &Path, files: &[&Path]) {
+    use std::os::unix::fs::PermissionsExt as _;
+    let Ok(meta) = std::fs::metadata(data) else {
+        return;
+    };
+    let mode = (meta.permissions().mode() & 0o444) | 0o600;
+    for f in files {
+        if let Err(e) = std::fs::set_permissions(f, std::fs::Permissions::from_mode(mode)) {
+            tracing::debug!(file = %f.display(), error = %e, "token cache: permissions left as made");
+        }
+    }
+}
+
 /// Whether `data` is read through `/dev` or `/proc` (`--data /dev/stdin`
 /// redirected from a file is a regular file there): no cache entry goes
 /// beside it, into `/dev`.

@@ -803,6 +803,7 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
         .map_err(|e| EngineError::internal(format!("token cache sidecar: {e}")))?;
     crate::durable::write_atomic(&sidecar, &text)
         .map_err(|e| cache_full(e.into(), &spec.path, &tokens))?;
+    cache::readable_as_the_data(&spec.path, &[&tokens, &sidecar]);
     // Mapped first: a run pruning this entry as another content's (the
     // file edited meanwhile) then leaves the mapping whole.
     let data = cached(&tokens, width, &meta, vocab_size)?;
@@ -836,17 +837,17 @@ fn cache_full(e: EngineError, data: &Path, cache: &Path) -> EngineError {
         EngineError::Durable(d) => &d.source,
         _ => return e,
     };
-    if !matches!(
-        source.kind(),
-        std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
-    ) {
-        return e;
-    }
+    let fix = match source.kind() {
+        std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded => "free space there",
+        // Another user's entry in a shared (sticky) directory.
+        std::io::ErrorKind::PermissionDenied => "give --data-cache-dir DIR (a directory of yours)",
+        _ => return e,
+    };
     EngineError::Data {
         path: data.to_owned(),
         reason: format!(
-            "writing its token cache {}: {source}; free space there, or give --no-data-cache \
-             (the tokens then stay in memory)",
+            "writing its token cache {}: {source}; {fix}, or give --no-data-cache (the tokens \
+             then stay in memory)",
             cache.display()
         ),
     }
