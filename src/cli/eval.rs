@@ -40,6 +40,10 @@ Windows of --seq-len L tokens do not overlap; in each, positions 1..L-1 are
 predicted from the ones before (HF's labels=input_ids convention), and a
 trailing partial window of 2 or more tokens counts. The loss is the mean over
 all predicted tokens; \"tokens\" is their count.
+
+With --tokenizer a .txt file is documents at blank lines, each followed by the
+EOS id. HF's perplexity recipe (tokenizer(text) of the whole file, no EOS) is
+--data-format text --eos-id none: the same ids, so the same loss.
 ";
 
 /// `tierzero eval` options.

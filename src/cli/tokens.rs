@@ -11,7 +11,7 @@ use tierzero::data::{DataFormat, DataSpec, Loaded, Origin, TokenData};
 use tierzero::model::Model;
 use tierzero::units::format_bytes;
 
-use super::train::{bad, must_exist, number};
+use super::train::{bad, must_exist};
 use super::Failure;
 
 /// How `--data` is read (shared by `train` and `eval`).
@@ -27,9 +27,11 @@ pub struct DataOptions {
     /// The JSONL field holding each document's text
     #[arg(long, value_name = "NAME", default_value = "text")]
     pub text_field: String,
-    /// The id appended after each document. Default: eos_token_id from the
-    /// model's config.json, else the tokenizer's end-of-text token
-    #[arg(long, value_name = "ID")]
+    /// The id appended after each document, or none (no id: the stream
+    /// HF's `tokenizer(text)` makes, as its perplexity recipe and run_clm
+    /// encode). Default: eos_token_id from the model's config.json, else
+    /// the tokenizer's end-of-text token
+    #[arg(long, value_name = "ID|none")]
     pub eos_id: Option<String>,
     /// Do not keep the encoded corpus next to the data (it is cached as
     /// .<data>.tz-<key>.u16 by default, so the next run starts at once)
@@ -53,13 +55,33 @@ const EOS_TOKENS: [&str; 6] = [
     "[SEP]",
 ];
 
-/// The EOS id after each document: `--eos-id`, else the model config's
-/// `eos_token_id`, else the tokenizer's end-of-text token.
-fn eos_id(opts: &DataOptions, model: &Model, tokenizer: &Path) -> Result<u32, Failure> {
+/// The EOS id after each document: `--eos-id` (`none`: no id), else the
+/// model config's `eos_token_id`, else the tokenizer's end-of-text token.
+fn eos_id(opts: &DataOptions, model: &Model, tokenizer: &Path) -> Result<Option<u32>, Failure> {
     let vocab = model.config().vocab_size as u64;
     if let Some(s) = &opts.eos_id {
-        return Ok(number("--eos-id", s, 0, vocab.saturating_sub(1))? as u32);
+        let s = s.trim();
+        if s.eq_ignore_ascii_case("none") {
+            return Ok(None);
+        }
+        // A token id, not a count: "0.1K" was id 100.
+        let id = s
+            .parse::<u64>()
+            .ok()
+            .filter(|&id| id < vocab)
+            .ok_or_else(|| {
+                bad(format!(
+                    "--eos-id {s}: give a token id below the model's vocab_size {vocab} (a whole \
+                     number), or none to append no id"
+                ))
+            })?;
+        return Ok(Some(id as u32));
     }
+    eos_default(model, tokenizer, vocab).map(Some)
+}
+
+/// The EOS id when `--eos-id` is not given.
+fn eos_default(model: &Model, tokenizer: &Path, vocab: u64) -> Result<u32, Failure> {
     if let Some(id) = model.token_ids().eos() {
         return u32::try_from(id)
             .ok()
@@ -218,7 +240,7 @@ pub(super) fn load_tokens(
         check_not_compressed(data)?;
     }
     let eos = match tokenizer {
-        Some(t) if format.needs_tokenizer() => Some(eos_id(opts, model, t)?),
+        Some(t) if format.needs_tokenizer() => eos_id(opts, model, t)?,
         _ => None,
     };
     let spec = DataSpec {

@@ -14,8 +14,9 @@
 //!   HF `datasets` JSONL with one object per line and the text in a field.
 //!   Each document is encoded on its own, with the tokenizer's truncation
 //!   and padding off and its special tokens added as `tokenizer(doc)` adds
-//!   them, and followed by the EOS id: how HF's `run_clm` and nanoGPT build
-//!   their streams. Encoding streams document by document
+//!   them, and followed by the EOS id (nanoGPT's prepare scripts' stream;
+//!   `--eos-id none` appends none, as HF's `run_clm` and its perplexity
+//!   recipe, `tokenizer(text)` whole, do). Encoding streams document by document
 //!   ([`encode`]) and the result is cached next to the data ([`cache`]).
 //! - **Token files**: flat little-endian `uint16` or `uint32` ids
 //!   (nanoGPT's `train.bin`, and our cache), read through a memory map
