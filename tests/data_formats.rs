@@ -405,6 +405,23 @@ fn a_corpus_from_a_pipe_is_read_once_and_not_cached() {
     .to_string();
     writer.join().unwrap();
     assert!(e.contains("gzip-compressed") && e.contains("zcat"), "{e}");
+    // Through a pipe with a tokenizer: named as compressed, not as "not
+    // UTF-8 text ... use --data-format bytes" (which trains on it).
+    let mut gz = vec![0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3];
+    gz.extend(std::iter::repeat_n(0xffu8, 600));
+    let writer = fill(gz);
+    let e = TokenData::load(
+        &spec(&fifo, DataFormat::Text(DocSplit::Lines), Some(&tok), true),
+        VOCAB,
+        &|_, _| {},
+    )
+    .unwrap_err()
+    .to_string();
+    writer.join().unwrap();
+    assert!(
+        e.contains("gzip-compressed") && !e.contains("--data-format bytes"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -702,6 +719,22 @@ fn bad_data_is_one_line_and_exit_2() {
             "gzip",
             &["is gzip-compressed", "--data <(zcat c.txt.gz)"],
         );
+    }
+    // Dataset containers, as bytes or as text: named, with the way to
+    // training data (they trained as bytes without a word).
+    let containers: [(&str, &[u8], &str); 2] = [
+        ("t.parquet", b"PAR1", "it is a Parquet file"),
+        ("ids.npy", b"\x93NUMPY\x01\x00", "it is a NumPy .npy file"),
+    ];
+    for (name, magic, words) in containers {
+        let mut bytes = magic.to_vec();
+        bytes.extend(std::iter::repeat_n(b'a', 400));
+        std::fs::write(d.join(name), bytes).unwrap();
+        for extra in [&[][..], &["--tokenizer", tok][..]] {
+            let mut args = vec!["--data", name];
+            args.extend_from_slice(extra);
+            assert_bad_input(&train(&d, &args), name, &[words]);
+        }
     }
     // A text that starts like bzip2's magic, but is text, is read.
     std::fs::write(

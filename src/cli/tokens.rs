@@ -145,19 +145,14 @@ fn check_not_compressed(data: &Path) -> Result<(), Failure> {
     if !std::fs::metadata(data).is_ok_and(|m| m.is_file()) {
         return Ok(());
     }
-    let mut head = [0u8; 6];
+    let mut head = [0u8; 8];
     let n = std::fs::File::open(data)
-        .and_then(|f| f.take(6).read(&mut head))
+        .and_then(|f| f.take(8).read(&mut head))
         .unwrap_or(0);
-    let Some((what, tool)) = tierzero::data::compression_of(&head[..n]) else {
-        return Ok(());
-    };
-    Err(bad(format!(
-        "--data {}: is {what}-compressed; decompress it first, or read it through a pipe: \
-         --data <({tool} {})",
-        data.display(),
-        data.display()
-    )))
+    match tierzero::data::format::not_data_reason(&head[..n], data, false) {
+        None => Ok(()),
+        Some(why) => Err(bad(format!("--data {}: {why}", data.display()))),
+    }
 }
 
 /// A progress bar over the data's bytes while text is encoded (stderr,

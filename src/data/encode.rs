@@ -24,6 +24,21 @@ use std::path::{Path, PathBuf};
 
 use crate::engine::{EngineError, Result};
 
+/// Why bytes that are not UTF-8 (the first invalid at byte `at`; `head`,
+/// the file's first bytes where known) cannot be encoded, and the fix: a
+/// compressed file or a dataset container is named as one (its fix is not
+/// `--data-format bytes`, which trains on its encoding).
+fn not_text(head: &[u8], at: usize, path: &Path) -> String {
+    let piped = !std::fs::metadata(path).is_ok_and(|m| m.is_file());
+    match super::format::not_data_reason(head, path, piped) {
+        Some(why) => format!("not UTF-8 text: {why}"),
+        None => format!(
+            "not UTF-8 text (invalid byte at offset {at}); a tokenizer needs text, or use \
+             --data-format bytes to read the file byte-level"
+        ),
+    }
+}
+
 /// The UTF-8 byte-order mark some editors put first in a text file: not
 /// text (JSON refuses it; a tokenizer would encode it), dropped by
 /// [`Docs`].
@@ -129,14 +144,13 @@ impl<R: BufRead> Docs<R> {
         }
         match std::str::from_utf8(&self.buf) {
             Ok(s) => Ok(Some(s.to_owned())),
-            Err(e) => Err(self.err(
-                self.line,
-                format!(
-                    "not UTF-8 text (invalid byte at offset {}); a tokenizer needs text, or use \
-                     --data-format bytes to read the file byte-level",
-                    at + e.valid_up_to() as u64
-                ),
-            )),
+            Err(e) => {
+                // The file's first bytes (a compressed file, a container)
+                // are this line's when it is the first.
+                let head: &[u8] = if self.line == 1 { &self.buf } else { &[] };
+                let at = at as usize + e.valid_up_to();
+                Err(self.err(self.line, not_text(head, at, &self.path)))
+            }
         }
     }
 
@@ -164,14 +178,8 @@ impl<R: BufRead> Docs<R> {
                     0
                 };
                 let text = String::from_utf8(all).map_err(|e| {
-                    self.err(
-                        1,
-                        format!(
-                            "not UTF-8 text (invalid byte at offset {}); a tokenizer needs text, \
-                             or use --data-format bytes to read the file byte-level",
-                            bom + e.utf8_error().valid_up_to()
-                        ),
-                    )
+                    let at = bom + e.utf8_error().valid_up_to();
+                    self.err(1, not_text(e.as_bytes(), at, &self.path))
                 })?;
                 Ok((!text.is_empty()).then_some(Doc { text, line: 1 }))
             }

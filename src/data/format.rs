@@ -216,6 +216,59 @@ fn sidecar_width(path: &Path) -> Result<Option<TokenWidth>> {
 
 /// The compression format whose magic bytes `head` starts with, and the
 /// tool that decompresses it to stdout.
+/// A binary dataset container `head` (a file's first bytes) starts with,
+/// and how to make training data of it: read as bytes (or refused as
+/// text) it trained on its encoding without a word.
+pub fn container_of(head: &[u8]) -> Option<(&'static str, &'static str)> {
+    const MAGIC: [(&[u8], &str, &str); 4] = [
+        (
+            b"PAR1",
+            "Parquet",
+            "write its text column as JSONL (datasets: load_dataset(\"parquet\", ...).to_json(\"x.jsonl\"))",
+        ),
+        (
+            b"ARROW1",
+            "Arrow",
+            "write its text column as JSONL (datasets: Dataset.from_file(...).to_json(\"x.jsonl\"))",
+        ),
+        (
+            b"\x93NUMPY",
+            "NumPy .npy",
+            "write its ids as a flat file (np.load(f).astype(np.uint16).tofile(\"train.bin\")) and give --data-format u16",
+        ),
+        (
+            b"\x89HDF\r\n\x1a\n",
+            "HDF5",
+            "write its text as JSONL, or its ids as a flat .bin file with --data-format u16 or u32",
+        ),
+    ];
+    MAGIC
+        .iter()
+        .find(|(m, _, _)| head.starts_with(m))
+        .map(|(_, what, fix)| (*what, *fix))
+}
+
+/// Why bytes that start with `head` are not text or training data, with
+/// the fix (a compressed file, a dataset container), if they are one of
+/// those; for the errors of a read that would train on them. `piped`:
+/// they came through a pipe, not from the file `path`.
+pub fn not_data_reason(head: &[u8], path: &Path, piped: bool) -> Option<String> {
+    if let Some((what, tool)) = compression_of(head) {
+        return Some(match piped {
+            true => format!(
+                "its bytes are {what}-compressed; decompress them in the pipe ({tool}), e.g. \
+                 --data <({tool} corpus)"
+            ),
+            false => format!(
+                "is {what}-compressed; decompress it first, or read it through a pipe: --data \
+                 <({tool} {})",
+                path.display()
+            ),
+        });
+    }
+    container_of(head).map(|(what, fix)| format!("it is a {what} file; {fix}"))
+}
+
 pub fn compression_of(head: &[u8]) -> Option<(&'static str, &'static str)> {
     const MAGIC: [(&[u8], &str, &str); 4] = [
         (&[0x1f, 0x8b], "gzip", "zcat"),

@@ -231,13 +231,10 @@ impl TokenData {
         // A pipe of compressed bytes (`--data <(cat corpus.gz)`) trained
         // on them without a word: a regular file is looked at before it
         // is read (the CLI), a pipe only here.
-        if let Some((what, tool)) = compression_of(&bytes) {
+        if let Some(reason) = format::not_data_reason(&bytes, path, true) {
             return Err(EngineError::Data {
                 path: path.to_owned(),
-                reason: format!(
-                    "its bytes are {what}-compressed; decompress them in the pipe ({tool}), \
-                     e.g. --data <({tool} corpus)"
-                ),
+                reason,
             });
         }
         Ok(Self::from_byte_vec(bytes, path))
