@@ -386,6 +386,17 @@ fn resume_mistakes_are_bad_input() {
     let no = train(&d, &["--steps", "2", "--resume", "nowhere"]);
     assert_eq!(no.code, 2, "{}", no.stderr);
     assert!(no.stderr.contains("--resume nowhere"), "{}", no.stderr);
+    assert!(no.stderr.contains("No such file"), "{}", no.stderr);
+    // A file (a step's manifest.json) is not a checkpoint: said so.
+    let file = train(&d, &["--steps", "2", "--resume", "ds.json"]);
+    cli_support::assert_bad_input(
+        &file,
+        "--resume a file",
+        &[
+            "--resume ds.json: is not a directory",
+            "a step-<N> directory",
+        ],
+    );
     let alone = train(&d, &["--steps", "2", "--save-every", "1"]);
     assert_eq!(alone.code, 2, "{}", alone.stderr);
     assert!(
@@ -417,6 +428,13 @@ fn resume_mistakes_are_bad_input() {
     assert_eq!(m.code, 2, "{}", m.stderr);
     assert!(
         m.stderr.contains("differs from the checkpoint"),
+        "{}",
+        m.stderr
+    );
+    // Naming the field and both values.
+    assert!(
+        m.stderr
+            .contains("n_layer: 1 against the checkpoint's n_layer: 2"),
         "{}",
         m.stderr
     );

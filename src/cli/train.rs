@@ -126,7 +126,9 @@ Examples:
   tierzero train --steps 100 --save-dir ckpt --save-every 25
       checkpoints in ckpt/step-00000025/ ... and ckpt/latest
   tierzero train --steps 200 --resume ckpt --save-dir ckpt
-      continues from ckpt/latest up to step 200 (bit-identical to one long run)
+      continues from ckpt/latest up to step 200: bit-identical to one 200-step
+      run when the config's scheduler total_num_steps is a number (\"auto\",
+      the embedded config's, follows --steps: the first run decayed its lr to 0)
   TIERZERO_NCCL_ADDR=node0:29500 TIERZERO_RANK=1 TIERZERO_WORLD_SIZE=2 \\
     tierzero train --device cuda
       rank 1 of 2, collectives over NCCL (build with --features gpu)
@@ -452,10 +454,11 @@ fn open_model(
             if let Some(c) = &ckpt {
                 if md.model().config() != c.model().config() {
                     return Err(bad(format!(
-                        "--model {}: its config differs from the checkpoint's model ({}); resume \
-                         without --model to use the checkpoint's",
+                        "--model {}: its config differs from the checkpoint's model ({}): {}; \
+                         resume without --model to use the checkpoint's",
                         dir.display(),
-                        c.dir().display()
+                        c.dir().display(),
+                        config_difference(md.model().config(), c.model().config())
                     )));
                 }
             }
@@ -608,6 +611,28 @@ fn report_unreached_failpoint() {
     }
 }
 
+/// The first fields (up to three) where `given` and `saved` differ, as
+/// `name: given` against `name: saved` (the config's field names, one per
+/// line of their pretty Debug form).
+fn config_difference(
+    given: &tierzero::model::ModelConfig,
+    saved: &tierzero::model::ModelConfig,
+) -> String {
+    let (a, b) = (format!("{given:#?}"), format!("{saved:#?}"));
+    let clean = |l: &str| l.trim().trim_end_matches(',').to_owned();
+    let diffs: Vec<String> = a
+        .lines()
+        .zip(b.lines())
+        .filter(|(x, y)| x != y)
+        .take(3)
+        .map(|(x, y)| format!("{} against the checkpoint's {}", clean(x), clean(y)))
+        .collect();
+    match diffs.is_empty() {
+        true => "a field differs".to_owned(),
+        false => diffs.join("; "),
+    }
+}
+
 /// Runs `tierzero train`.
 pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     // First: a signal during start-up (MPI's, the data's) is kept, not fatal.
@@ -661,12 +686,17 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     let save_lock = outputs::claim_save_dir(&args, lead)?;
     super::signals::at_startup_exit(save_lock.removal());
     let ckpt = match &args.resume {
-        Some(d) => Some(Checkpoint::open(d).map_err(|e| {
-            bad(format!(
-                "--resume {}: {e}; give a save dir (with `latest`) or a step-<N> directory",
-                d.display()
-            ))
-        })?),
+        Some(d) => {
+            let fix = "give a save dir (with `latest`) or a step-<N> directory";
+            // A file (its manifest.json) or a path that is not there: said
+            // as such, not as "reading .../manifest.json/latest: Not a
+            // directory" or "listing ...".
+            must_exist("--resume", d, true, fix)?;
+            Some(
+                Checkpoint::open(d)
+                    .map_err(|e| bad(format!("--resume {}: {e}; {fix}", d.display())))?,
+            )
+        }
         None => None,
     };
     if let Some((c, why)) = ckpt.as_ref().and_then(|c| Some((c, c.latest_unusable()?))) {
