@@ -727,6 +727,54 @@ fn export_and_eval_refuse_a_save_dir_whose_latest_is_damaged() {
     );
 }
 
+/// A save dir holds two runs' steps when one resumed from an older step
+/// (the abandoned run's newer steps stay until overwritten). When the
+/// newest save is damaged, the fallback takes the newest step of its own
+/// history, by the manifests' lineage, not the abandoned run's (it
+/// resumed run A's step 4 for run B's step 6, B's step 3 being there).
+#[test]
+fn a_damaged_latest_falls_back_within_its_own_history() {
+    let d = setup("lineage");
+    let a = train(
+        &d,
+        &["--steps", "4", "--save-every", "2", "--save-dir", "ck"],
+    );
+    assert_eq!(a.code, 0, "{}", a.stderr);
+    let b = train(
+        &d,
+        &[
+            "--steps",
+            "6",
+            "--save-every",
+            "3",
+            "--save-dir",
+            "ck",
+            "--resume",
+            "ck/step-00000002",
+        ],
+    );
+    assert_eq!(b.code, 0, "{}", b.stderr);
+    let steps: Vec<u64> = tierzero::checkpoint::saved_steps(&d.join("ck"));
+    assert_eq!(steps, [2, 3, 4, 6]);
+    let manifest: Value = serde_json::from_str(
+        &std::fs::read_to_string(d.join("ck/step-00000006/manifest.json")).unwrap(),
+    )
+    .unwrap();
+    let file = manifest["files"][0]["path"].as_str().unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(d.join("ck/step-00000006").join(file))
+        .unwrap()
+        .set_len(100)
+        .unwrap();
+    let c = tierzero::checkpoint::Checkpoint::open(&d.join("ck")).unwrap();
+    assert_eq!(c.step(), 3, "{}", c.dir().display());
+    let r = train(&d, &["--steps", "6", "--resume", "ck", "--save-dir", "ck"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stderr.contains("step-00000003"), "{}", r.stderr);
+    assert!(r.stderr.contains("abandoned"), "{}", r.stderr);
+}
+
 /// `eval --checkpoint` reads the checkpoint's fp32 masters; `export
 /// --dtype fp32` writes the same values into a HF file: evaluating the
 /// exported directory with `--model` gives the same loss, bit for bit.

@@ -225,6 +225,42 @@ pub struct Manifest {
     pub hf_weights: Option<HfWeights>,
     /// Every file (not the manifest itself).
     pub files: Vec<FileEntry>,
+    /// The runs whose steps led here, oldest first; the last saved it.
+    /// Tells which older step dirs of a save dir are this checkpoint's
+    /// history and which belong to a run abandoned when another resumed
+    /// from an older step ([`Manifest::descends_from`]). Empty in
+    /// checkpoints written before 2026-12-07.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lineage: Vec<LineageEntry>,
+}
+
+/// One run of a checkpoint's history ([`Manifest::lineage`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LineageEntry {
+    /// The run's id (random, made when its trainer was built).
+    pub run: String,
+    /// The step it began at: 0, or the step of the checkpoint it resumed
+    /// from.
+    pub from_step: u64,
+}
+
+impl LineageEntry {
+    /// A new run's entry, beginning at `from_step`, with a fresh id.
+    pub fn new_run(from_step: u64) -> LineageEntry {
+        use std::hash::{BuildHasher as _, Hasher as _};
+        // std's per-process random keys, and the clock and pid besides.
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+        );
+        LineageEntry {
+            run: format!("{:016x}", h.finish()),
+            from_step,
+        }
+    }
 }
 
 fn bad(path: &Path, reason: impl Into<String>) -> CheckpointError {
@@ -343,6 +379,20 @@ pub fn seal_manifest_value(mut v: serde_json::Value) -> Result<Vec<u8>, String> 
 }
 
 impl Manifest {
+    /// Whether `older`, a checkpoint of an earlier step, is in this one's
+    /// history: the run that saved it is the one this lineage says made
+    /// step `older.step` (the last run that began before it). `None` when
+    /// either has no lineage (written before it was recorded).
+    pub fn descends_from(&self, older: &Manifest) -> Option<bool> {
+        let saver = older.lineage.last()?;
+        let maker = self
+            .lineage
+            .iter()
+            .rev()
+            .find(|e| e.from_step < older.step)?;
+        Some(maker.run == saver.run)
+    }
+
     /// The manifest file's bytes (pretty JSON with its own crc32c).
     pub fn to_json_bytes(&self, path: &Path) -> Result<Vec<u8>, CheckpointError> {
         serde_json::to_value(self)

@@ -165,8 +165,8 @@ pub use export::{export_safetensors, ConfigJsonAction, ExportReport};
 pub use lock::{SaveDirLock, LOCK_FILE};
 pub use manifest::{check_relative, seal_manifest_value, MANIFEST_CRC_KEY};
 pub use manifest::{
-    ConfigFingerprint, DataPosition, FileEntry, HfWeights, Manifest, ParamEntry, RankLayout,
-    RegionCrc, StateKind, SubGroupEntry, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE,
+    ConfigFingerprint, DataPosition, FileEntry, HfWeights, LineageEntry, Manifest, ParamEntry,
+    RankLayout, RegionCrc, StateKind, SubGroupEntry, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE,
     STATE_ALIGN_BYTES,
 };
 pub use reader::{

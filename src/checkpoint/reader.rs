@@ -226,6 +226,15 @@ fn manifest_err(path: &Path, reason: impl Into<String>) -> CheckpointError {
     }
 }
 
+/// The manifest of the step dir `dir` alone (its files not checked): a
+/// damaged step's history, for [`Checkpoint::open`]'s fallback. `None` if
+/// it does not read or its seal does not hold.
+fn read_manifest_only(dir: &Path) -> Option<Manifest> {
+    let path = dir.join(MANIFEST_FILE);
+    let bytes = crate::durable::read_regular(&path, MAX_MANIFEST_BYTES).ok()?;
+    Manifest::parse(std::str::from_utf8(&bytes).ok()?, &path).ok()
+}
+
 impl Checkpoint {
     /// Opens `dir`: a step dir (holding `manifest.json`), or a save dir, in
     /// which case `latest` is followed (or, when `latest` is missing or
@@ -252,8 +261,11 @@ impl Checkpoint {
         let mut latest_err = None;
         // The step `latest` named, when it was damaged: the fallback takes
         // only steps below it (a step above it is from a run abandoned
-        // for an older step, not this run's history).
+        // for an older step, not this run's history), and of those, where
+        // its manifest still reads, only its history's (one below it may
+        // be an abandoned run's too: `Manifest::descends_from`).
         let mut below = None;
+        let mut damaged: Option<Manifest> = None;
         // Read as bytes: a damaged `latest` (not UTF-8 included) means
         // falling back below, never failing the open.
         // A regular file of a few bytes: a FIFO or a link to a device
@@ -274,6 +286,7 @@ impl Checkpoint {
                                     return Ok(c);
                                 }
                             }
+                            damaged = read_manifest_only(&dir.join(name));
                             latest_err = Some(e);
                             below = Some(step);
                         }
@@ -302,6 +315,12 @@ impl Checkpoint {
         // Fall back to the newest step dir that validates.
         for p in step_dirs_below(dir, below).map_err(io_err("listing", dir))? {
             match Self::open_step_dir(&p) {
+                Ok(c)
+                    if damaged.as_ref().and_then(|d| d.descends_from(&c.manifest))
+                        == Some(false) =>
+                {
+                    tracing::warn!(dir = %p.display(), "skipping a step directory of a run abandoned for an older step (not in the history of the step `latest` names)");
+                }
                 Ok(mut c) => {
                     match &latest_err {
                         // Said by the caller: `train --resume` warns and

@@ -145,9 +145,12 @@ impl Trainer {
         t.opts.seed = m.seed;
         // The data continue at the sample the checkpoint reached, whatever
         // this run's global batch.
+        let mut lineage = m.lineage.clone();
+        lineage.push(crate::checkpoint::LineageEntry::new_run(m.step));
         t.data_base = super::DataBase {
             step: m.step,
             samples: m.data.samples_consumed,
+            lineage,
         };
         t.adam_steps = m.adam_steps;
         t.skipped = m.skipped_steps;
@@ -560,6 +563,7 @@ impl Trainer {
             ranks,
             hf_weights,
             files: Vec::new(),
+            lineage: self.data_base.lineage.clone(),
         };
         Ok(staged.commit(manifest)?)
     }

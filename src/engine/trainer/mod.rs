@@ -402,7 +402,8 @@ pub struct Trainer {
     arenas: Vec<Arc<PinnedArena>>,
     data_name: String,
     /// Where the data position counts from: samples consumed before step
-    /// `step` (a resumed run's checkpoint; 0 and 0 for a new run).
+    /// `step` (a resumed run's checkpoint; 0 and 0 for a new run), and
+    /// the checkpoint lineage this run continues.
     data_base: DataBase,
     /// The save dir this trainer owns (see [`crate::checkpoint::SaveDirLock`]).
     save_lock: Option<crate::checkpoint::SaveDirLock>,
@@ -482,13 +483,28 @@ pub struct SwapUsage {
     pub optimizer_buffers_bytes: u64,
 }
 
-/// The data position a trainer counts from ([`Trainer::first_sample`]).
-#[derive(Debug, Clone, Copy, Default)]
+/// The data position a trainer counts from ([`Trainer::first_sample`]),
+/// and the runs before it.
+#[derive(Debug, Clone)]
 pub(super) struct DataBase {
     /// The step the count starts at.
     pub(super) step: u64,
     /// Samples consumed before it.
     pub(super) samples: u64,
+    /// The lineage its checkpoints record ([`crate::checkpoint::Manifest::lineage`]):
+    /// the resumed checkpoint's, then this run (a new id) from `step`.
+    pub(super) lineage: Vec<crate::checkpoint::LineageEntry>,
+}
+
+impl Default for DataBase {
+    /// A new run: step 0, no sample, a lineage of itself.
+    fn default() -> Self {
+        DataBase {
+            step: 0,
+            samples: 0,
+            lineage: vec![crate::checkpoint::LineageEntry::new_run(0)],
+        }
+    }
 }
 
 impl Trainer {
