@@ -720,6 +720,30 @@ fn bad_data_is_one_line_and_exit_2() {
             &["is gzip-compressed", "--data <(zcat c.txt.gz)"],
         );
     }
+    // A tokenizer that is not one is named by its flag, not as "data",
+    // and a model dir's other JSON (tokenizer_config.json) as such.
+    std::fs::write(d.join("c.txt"), documents(10).join("\n")).unwrap();
+    std::fs::write(
+        d.join("tokenizer_config.json"),
+        r#"{"model_max_length": 1024}"#,
+    )
+    .unwrap();
+    std::fs::write(
+        d.join("broken.json"),
+        r#"{"version": "1.0", "model": {"type": "BPE"}}"#,
+    )
+    .unwrap();
+    for (file, words) in [
+        (
+            "tokenizer_config.json",
+            "is JSON but not a HF tokenizer.json",
+        ),
+        ("broken.json", "not a usable HF tokenizer.json"),
+    ] {
+        let out = train(&d, &["--data", "c.txt", "--tokenizer", file]);
+        assert_bad_input(&out, file, &[&format!("--tokenizer {file}: {words}")]);
+        assert!(!out.stderr.contains("data broken"), "{}", out.stderr);
+    }
     // Dataset containers, as bytes or as text: named, with the way to
     // training data (they trained as bytes without a word).
     let containers: [(&str, &[u8], &str); 2] = [

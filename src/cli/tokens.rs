@@ -8,6 +8,7 @@ use std::path::Path;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tierzero::data::{DataFormat, DataSpec, Loaded, Origin, TokenData};
+use tierzero::engine::EngineError;
 use tierzero::model::Model;
 use tierzero::units::format_bytes;
 
@@ -93,8 +94,7 @@ fn eos_default(model: &Model, tokenizer: &Path, vocab: u64) -> Result<u32, Failu
                 ))
             });
     }
-    let t = tierzero::data::encode::open_tokenizer(tokenizer)
-        .map_err(|e| bad(format!("--tokenizer: {e}")))?;
+    let t = tierzero::data::encode::open_tokenizer(tokenizer).map_err(tokenizer_failure)?;
     if let Some((name, id)) = EOS_TOKENS
         .iter()
         .find_map(|name| Some((name, t.token_to_id(name)?)))
@@ -119,6 +119,16 @@ fn eos_default(model: &Model, tokenizer: &Path, vocab: u64) -> Result<u32, Failu
                 EOS_TOKENS.join(", ")
             ))
         })
+}
+
+/// A tokenizer that cannot be used, named by its flag (not as "data").
+fn tokenizer_failure(e: EngineError) -> Failure {
+    match e {
+        EngineError::Tokenizer { path, reason } => {
+            bad(format!("--tokenizer {}: {reason}", path.display()))
+        }
+        e => bad(format!("--tokenizer: {e}")),
+    }
 }
 
 /// `--data` may be a regular file or a pipe (`<(zcat corpus.gz)`), not a
@@ -261,9 +271,10 @@ pub(super) fn load_tokens(
     if let Some(b) = &bar {
         b.finish_and_clear();
     }
-    let loaded = loaded.map_err(|e| match tokenizer {
-        Some(_) => bad(format!("--data with --tokenizer: {e}")),
-        None => bad(format!("--data: {e}")),
+    let loaded = loaded.map_err(|e| match (tokenizer, e) {
+        (_, e @ EngineError::Tokenizer { .. }) => tokenizer_failure(e),
+        (Some(_), e) => bad(format!("--data with --tokenizer: {e}")),
+        (None, e) => bad(format!("--data: {e}")),
     })?;
     let line = describe(
         &loaded,

@@ -135,6 +135,14 @@ pub enum EngineError {
         /// The event.
         event: &'static str,
     },
+    /// A `tokenizer.json` that cannot encode the data.
+    #[error("tokenizer {path}: {reason}")]
+    Tokenizer {
+        /// File.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
     /// The token file is unusable.
     #[error("data {path}: {reason}")]
     Data {

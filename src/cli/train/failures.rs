@@ -15,6 +15,7 @@ pub(super) fn startup_failure(e: EngineError) -> Failure {
         | EngineError::NvmeSpace { .. }
         | EngineError::ParamTooLarge { .. }
         | EngineError::Data { .. }
+        | EngineError::Tokenizer { .. }
         | EngineError::Io { .. }
         | EngineError::Unsupported { .. }
         | EngineError::Checkpoint(_)
