@@ -616,6 +616,18 @@ fn inspect_rejects_what_is_not_a_swap_directory() {
             lines[0]
         );
     }
+    // An empty directory (an nvme_path after runs that ended and removed
+    // their tierzero/) has no swap files: said so, exit 0 (it was refused).
+    let empty = tmp.path().join("nvme");
+    std::fs::create_dir(&empty).unwrap();
+    let out = tierzero(&["inspect", empty.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stdout.contains("no tierzero swap files"),
+        "{}",
+        out.stdout
+    );
+    std::fs::remove_dir(&empty).unwrap();
     // An empty swap directory is fine.
     std::fs::create_dir(tmp.path().join("tierzero")).unwrap();
     let out = tierzero(&["inspect", tmp.path().to_str().unwrap()]);

@@ -149,7 +149,11 @@ pub fn classify(dir: &Path) -> Result<Target, Failure> {
         .ok()
         .and_then(|p| p.file_name().map(|n| n == SWAP_SUBDIR))
         .unwrap_or(false);
-    if named_like_ours {
+    // An nvme_path after runs that ended: they removed their swap files
+    // and the tierzero/ directory that held them (the help's own `inspect
+    // /mnt/nvme` was refused there). Nothing of ours is in it.
+    let empty = std::fs::read_dir(dir).is_ok_and(|mut it| it.next().is_none());
+    if named_like_ours || empty {
         return Ok(Target::Swap {
             dir: dir.to_path_buf(),
         });
