@@ -59,6 +59,12 @@ fn assert_export_matches(save: &std::path::Path, dtype: &str) {
     let r = export(save, &out.join("other.safetensors"), &["--dtype", other]);
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(r.stderr.contains("another --dtype"), "{}", r.stderr);
+    assert!(
+        r.stderr
+            .contains("config.json is already there with another config"),
+        "{}",
+        r.stderr
+    );
     let ckpt = Checkpoint::open(save).unwrap();
     let md = ModelDir::open(&out, 0).unwrap();
     assert!(md.has_weights());
@@ -133,9 +139,15 @@ fn export_of_a_corrupt_checkpoint_names_the_part() {
     let mut bytes = std::fs::read(&master).unwrap();
     bytes[100] ^= 0x40;
     std::fs::write(&master, bytes).unwrap();
-    let out = scratch("export-bad-out").join("m.safetensors");
+    let base = scratch("export-bad-out");
+    let out = base.join("new/deeper/m.safetensors");
     let r = export(&save, &out, &[]);
     assert_eq!(r.code, 2, "{}", r.stderr);
+    // The directories it made for the output went with the failure.
+    assert!(
+        !base.join("new").exists(),
+        "an empty output directory was left"
+    );
     assert!(
         r.stderr.contains("master of rank 0, sub-group 0"),
         "{}",

@@ -87,8 +87,33 @@ pub fn export_safetensors(
         });
     }
     // The output's directory is created if missing (like `--save-dir`),
-    // durably, as every directory the project creates.
+    // durably, as every directory the project creates; an export that
+    // fails removes the ones it made, while they are empty.
+    let created: Vec<PathBuf> = dir
+        .ancestors()
+        .filter(|p| !p.as_os_str().is_empty())
+        .take_while(|p| std::fs::symlink_metadata(p).is_err())
+        .map(Path::to_path_buf)
+        .collect();
     durable::create_dir_all(&dir)?;
+    let written = write_export(ckpt, out, &dir, dtype);
+    if written.is_err() {
+        for d in &created {
+            if std::fs::remove_dir(d).is_err() {
+                break;
+            }
+        }
+    }
+    written
+}
+
+/// [`export_safetensors`] once the output's directory `dir` is there.
+fn write_export(
+    ckpt: &Checkpoint,
+    out: &Path,
+    dir: &Path,
+    dtype: DType,
+) -> Result<ExportReport, CheckpointError> {
     let model = ckpt.model();
     let cfg_text = hf_config_text(model, dtype)?;
     let config_path = dir.join("config.json");
@@ -104,16 +129,7 @@ pub fn export_safetensors(
             if older {
                 ConfigJsonAction::Written
             } else if !same {
-                return Err(CheckpointError::Mismatch {
-                    what: format!(
-                        "{} (a config.json is already beside the output)",
-                        config_path.display()
-                    ),
-                    checkpoint: "this checkpoint's model config".into(),
-                    run: "different content (another model, or another --dtype); export into \
-                          another directory or remove it"
-                        .into(),
-                });
+                return Err(CheckpointError::ExportConfigConflict { path: config_path });
             } else {
                 ConfigJsonAction::AlreadyThere
             }

@@ -257,6 +257,16 @@ pub enum CheckpointError {
         /// The checkpoint's directory.
         dir: PathBuf,
     },
+    /// A `config.json` beside an export's output holds another model's
+    /// config (or another dtype's).
+    #[error(
+        "{path} is already there with another config (another model, or another --dtype); \
+         export into another directory, or remove it"
+    )]
+    ExportConfigConflict {
+        /// The `config.json`.
+        path: PathBuf,
+    },
     /// The checkpoint does not fit the run.
     #[error(
         "checkpoint and run differ in {what}: the checkpoint has {checkpoint}, the run has {run}"
