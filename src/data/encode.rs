@@ -318,6 +318,52 @@ pub struct Encoded {
     pub max_id: u32,
 }
 
+/// Host memory a HF tokenizer holds per byte of one document while it
+/// encodes it (offsets, words, merges): a 10.7 MB document peaked at
+/// 2.11 GB RSS with a byte-level BPE (GPT-2's), `/usr/bin/time -v
+/// tierzero eval --data-format text` on 2026-12-07 (a tiny model).
+const ENCODE_BYTES_PER_TEXT_BYTE: u64 = 200;
+
+/// Documents below this are not looked at ([`warn_if_too_large_to_encode`]).
+const LARGE_DOC_BYTES: usize = 16 << 20;
+
+/// A document whose encoding would take more memory than is available
+/// (one file as one document, `--data-format text`, or one huge line) is
+/// said before the encode, which the OOM killer ends without a word.
+fn warn_if_too_large_to_encode(texts: &[String], lines: &[u64], path: &Path) {
+    let Some((text, line)) = texts
+        .iter()
+        .zip(lines)
+        .filter(|(t, _)| t.len() >= LARGE_DOC_BYTES)
+        .max_by_key(|(t, _)| t.len())
+    else {
+        return;
+    };
+    let Some(available) = crate::engine::sizing::mem_available_bytes() else {
+        return;
+    };
+    if let Some(need) = encode_needs_more_than(text.len(), available) {
+        tracing::warn!(
+            data = %path.display(),
+            "the document at line {line} is {} of text, and a tokenizer holds about {} bytes \
+             per byte while it encodes one document (about {} here) where {} is available: \
+             the encode may be killed for memory; split it into documents (--data-format \
+             lines or paragraphs, or JSONL)",
+            crate::units::format_bytes(text.len() as u64),
+            ENCODE_BYTES_PER_TEXT_BYTE,
+            crate::units::format_bytes(need),
+            crate::units::format_bytes(available)
+        );
+    }
+}
+
+/// The memory encoding one document of `text_bytes` takes, when that is
+/// more than `available_bytes` (and the document is a large one).
+fn encode_needs_more_than(text_bytes: usize, available_bytes: u64) -> Option<u64> {
+    let need = (text_bytes as u64).saturating_mul(ENCODE_BYTES_PER_TEXT_BYTE);
+    (text_bytes >= LARGE_DOC_BYTES && need > available_bytes).then_some(need)
+}
+
 /// Encodes every document of `docs` (see the module docs), handing the ids
 /// to `sink` in order; `progress` gets the bytes read so far after each
 /// chunk. Fails on the first id at or above `vocab_size`, naming it, the
@@ -349,6 +395,7 @@ pub fn encode<R: BufRead>(
         if texts.is_empty() {
             return Ok(done);
         }
+        warn_if_too_large_to_encode(&texts, &lines, &docs.path);
         let inputs: Vec<&str> = texts.iter().map(String::as_str).collect();
         let encodings = tokenizer.encode_batch(inputs, true).map_err(|e| {
             // The batch's error does not say which document: the first
@@ -504,6 +551,17 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("a number"), "{e}");
+    }
+
+    #[test]
+    fn a_document_too_large_to_encode_in_memory_is_found() {
+        let gib = 1u64 << 30;
+        // A 1 GiB file as one document wants ~200 GiB.
+        assert_eq!(encode_needs_more_than(1 << 30, 24 * gib), Some(200 * gib));
+        assert_eq!(encode_needs_more_than(1 << 30, 300 * gib), None);
+        // Small documents are never looked at.
+        assert_eq!(encode_needs_more_than(1 << 20, 1), None);
+        assert!(encode_needs_more_than(LARGE_DOC_BYTES, 1).is_some());
     }
 
     #[test]
