@@ -218,6 +218,13 @@ pub fn create_dir(path: &Path) -> Result<(), DurableError> {
 /// not vanish on power loss after its first checkpoint was reported
 /// saved: the checkpoint's own fsyncs reach only the save dir).
 pub fn create_dir_all(path: &Path) -> Result<(), DurableError> {
+    create_dirs(path).map(drop)
+}
+
+/// [`create_dir_all`], returning the directories it made, the deepest
+/// first: what [`remove_empty_dirs`] undoes when what they were made for
+/// fails (a refused run's save dir, a failed export's output directory).
+pub fn create_dirs(path: &Path) -> Result<Vec<PathBuf>, DurableError> {
     let missing: Vec<PathBuf> = path
         .ancestors()
         .take_while(|p| !p.as_os_str().is_empty() && !p.exists())
@@ -228,11 +235,21 @@ pub fn create_dir_all(path: &Path) -> Result<(), DurableError> {
         .recursive(true)
         .create(path)
         .map_err(err("creating directory", path))?;
-    for p in missing.into_iter().rev() {
+    for p in missing.iter().rev() {
         record::note(|| record::FsOp::CreateDir(p.clone()));
-        sync_dir(&parent_dir(&p))?;
+        sync_dir(&parent_dir(p))?;
     }
-    Ok(())
+    Ok(missing)
+}
+
+/// Removes `made` ([`create_dirs`]'s, the deepest first) while each is
+/// empty; the first that is not stays, and its parents with it.
+pub fn remove_empty_dirs(made: &[PathBuf]) {
+    for d in made {
+        if std::fs::remove_dir(d).is_err() {
+            break;
+        }
+    }
 }
 
 /// `fsync`s a directory, persisting the entries created, renamed or removed

@@ -237,34 +237,7 @@ fn hf_tokenizer_gives_the_ids() {
     // 7 ids per sentence, 28 ids: 3 windows of 8 and a partial of 4 -> 3*7+3.
     // The whole file is one document; the tokenizer ends it with id 5,
     // given as the EOS, so no EOS is added after it.
-    let out = eval(
-        &d,
-        &[
-            "--model",
-            "model8",
-            "--data",
-            "words.txt",
-            "--tokenizer",
-            fixture,
-            "--data-format",
-            "text",
-            "--eos-id",
-            "5",
-            "--seq-len",
-            "8",
-            "--json",
-            "--batch",
-            "1",
-        ],
-    );
-    let (loss, _, tokens) = json_result(&out);
-    assert_eq!(tokens, 24);
-    let data = TokenData::from_tokenizer_file(&d.join("words.txt"), Path::new(fixture), 8).unwrap();
-    assert_eq!(&data.tokens()[..7], &[1, 2, 3, 4, 6, 7, 5]);
-    assert_eq!(library(&d.join("model8"), &data, 8, 1).0, loss);
-    // `--eos-id none`: no id appended, the stream HF's tokenizer(text)
-    // makes (its perplexity recipe's); there was no way to ask for it.
-    let none = |eos: &str| {
+    let words = |eos: &str| {
         eval(
             &d,
             &[
@@ -287,13 +260,20 @@ fn hf_tokenizer_gives_the_ids() {
             ],
         )
     };
-    // (The text's last id is 5, so `--eos-id 5` appended none either.)
-    let (loss, _, _) = json_result(&none("none"));
+    let (loss, _, tokens) = json_result(&words("5"));
+    assert_eq!(tokens, 24);
+    let data = TokenData::from_tokenizer_file(&d.join("words.txt"), Path::new(fixture), 8).unwrap();
+    assert_eq!(&data.tokens()[..7], &[1, 2, 3, 4, 6, 7, 5]);
     assert_eq!(library(&d.join("model8"), &data, 8, 1).0, loss);
-    let (with_eos, _, _) = json_result(&none("3"));
+    // `--eos-id none`: no id appended, the stream HF's tokenizer(text)
+    // makes (its perplexity recipe's); there was no way to ask for it.
+    // (The text's last id is 5, so `--eos-id 5` appended none either.)
+    let (loss, _, _) = json_result(&words("none"));
+    assert_eq!(library(&d.join("model8"), &data, 8, 1).0, loss);
+    let (with_eos, _, _) = json_result(&words("3"));
     assert_ne!(with_eos, loss);
     // An id is a whole number ("0.1K" was read as a count, id 100).
-    assert_bad_input(&none("0.1K"), "eos 0.1K", &["--eos-id 0.1K", "or none"]);
+    assert_bad_input(&words("0.1K"), "eos 0.1K", &["--eos-id 0.1K", "or none"]);
 
     // A model whose vocabulary is too small for the tokenizer's ids.
     let out = eval(

@@ -89,20 +89,10 @@ pub fn export_safetensors(
     // The output's directory is created if missing (like `--save-dir`),
     // durably, as every directory the project creates; an export that
     // fails removes the ones it made, while they are empty.
-    let created: Vec<PathBuf> = dir
-        .ancestors()
-        .filter(|p| !p.as_os_str().is_empty())
-        .take_while(|p| std::fs::symlink_metadata(p).is_err())
-        .map(Path::to_path_buf)
-        .collect();
-    durable::create_dir_all(&dir)?;
+    let made = durable::create_dirs(&dir)?;
     let written = write_export(ckpt, out, &dir, dtype);
     if written.is_err() {
-        for d in &created {
-            if std::fs::remove_dir(d).is_err() {
-                break;
-            }
-        }
+        durable::remove_empty_dirs(&made);
     }
     written
 }

@@ -33,14 +33,7 @@ pub(super) fn claim_save_dir(args: &TrainArgs, lead: bool) -> Result<SaveDirClai
     }
     match &args.save_dir {
         Some(d) if lead => {
-            // The dirs `create_dir_all` is about to make, the deepest first.
-            let created: Vec<PathBuf> = d
-                .ancestors()
-                .filter(|p| !p.as_os_str().is_empty())
-                .take_while(|p| std::fs::symlink_metadata(p).is_err())
-                .map(Path::to_path_buf)
-                .collect();
-            tierzero::durable::create_dir_all(d)
+            let created = tierzero::durable::create_dirs(d)
                 .map_err(|e| bad(format!("--save-dir {}: {e}", d.display())))?;
             // Every save rewrites `latest` atomically, which a link there
             // refuses: said now, not at the first save hours from here.
@@ -104,12 +97,7 @@ fn remove_created(lock_file: Option<&Path>, created: &[PathBuf]) {
     if let Some(f) = lock_file {
         let _ = std::fs::remove_file(f);
     }
-    for d in created {
-        // Only an empty dir goes; the first that stays keeps its parents.
-        if std::fs::remove_dir(d).is_err() {
-            break;
-        }
-    }
+    tierzero::durable::remove_empty_dirs(created);
 }
 
 impl Drop for SaveDirClaim {
