@@ -186,17 +186,20 @@ impl OffloadAdam {
         let total_elems: u64 = numel
             .iter()
             .fold(0u64, |sum, &n| sum.saturating_add(n as u64));
-        let host_state_bytes = total_elems.saturating_mul(per_elem);
+        // The state's bytes by the engine's one rule (`sizing::state_bytes`).
+        let host_state_bytes = numel
+            .iter()
+            .flat_map(|&n| sizing::state_bytes(n, moments))
+            .fold(0u64, u64::saturating_add);
         if matches!(offload, "none" | "cpu") {
             // Refused with the numbers before any of it is allocated: the
             // allocation of a state no memory holds aborted the process,
             // or (touched) drew the OOM killer.
-            let available = sizing::mem_available_bytes();
-            let swap = tierzero::estimate::probe_swap_free().unwrap_or(0);
-            if let Some(available) = available {
-                if host_state_bytes > available.saturating_add(swap) {
+            let swap_free_bytes = tierzero::estimate::probe_swap_free().unwrap_or(0);
+            if let Some(available_bytes) = sizing::mem_available_bytes() {
+                if host_state_bytes > available_bytes.saturating_add(swap_free_bytes) {
                     return Err(pyo3::exceptions::PyMemoryError::new_err(format!(
-                        "the optimizer state of {total_elems} elements takes {host_state_bytes} bytes of host memory (fp32 master, {} m and v: {per_elem} bytes each) and {available} bytes are available ({swap} more as swap); keep it on NVMe (offload=\"nvme\"), use moments_dtype=torch.bfloat16, or step fewer params",
+                        "the optimizer state of {total_elems} elements takes {host_state_bytes} bytes of host memory (fp32 master, {} m and v: {per_elem} bytes per element) and {available_bytes} bytes are available ({swap_free_bytes} more as swap); keep it on NVMe (offload=\"nvme\"), use moments_dtype=torch.bfloat16, or step fewer params",
                         moments.name()
                     )));
                 }

@@ -729,6 +729,18 @@ def test_params_the_fp32_master_cannot_hold_are_refused(dtype):
         tzt.AdamW([p], offload="cpu")
 
 
+def test_a_frozen_integer_param_is_taken_and_never_stepped():
+    # A quantized base weight (QLoRA's uint8) among model.parameters(): it
+    # has no gradient, ever, and must not be refused as the floats are.
+    w = torch.nn.Parameter(torch.ones(8))
+    q = torch.nn.Parameter(torch.arange(16, dtype=torch.uint8), requires_grad=False)
+    opt = tzt.AdamW([w, q], lr=0.1, offload="cpu")
+    w.grad = torch.ones(8)
+    opt.step()
+    assert torch.equal(q, torch.arange(16, dtype=torch.uint8))
+    assert not torch.equal(w.detach(), torch.ones(8))
+
+
 def test_pickling_or_copying_is_refused_with_the_way_to_save():
     import copy
     import pickle

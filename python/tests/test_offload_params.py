@@ -502,3 +502,24 @@ def test_modules_that_read_their_childrens_params_fetch_them_all(device, tmp_pat
     )
     assert torch.equal(m(ids), ref)
     h.remove()
+
+
+def test_a_modules_input_containers_are_not_changed(tmp_path):
+    # The frozen params' release wraps the inputs: a list passed in was
+    # changed in place, the caller's list then held the wrapper's output.
+    class Frozen(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(300, 300)
+            self.lin.requires_grad_(False)
+
+        def forward(self, xs):
+            return self.lin(xs[0])
+
+    m = Frozen()
+    h = tzt.offload_parameters(m, "cpu", param_persistence_threshold=0)
+    x = torch.randn(2, 300, requires_grad=True)
+    xs = [x]
+    m(xs).sum().backward()
+    assert xs[0] is x and x.grad is not None
+    h.remove()

@@ -18,8 +18,9 @@ DeepSpeed's mechanism, on tierzero's I/O:
   again before the module's backward runs;
 - a module whose forward reads its children's params without calling
   them fetches all of its params at once: ``nn.MultiheadAttention``
-  (``out_proj``), ``nn.TransformerEncoderLayer`` and
-  ``nn.TransformerDecoderLayer`` (their fast path), and the types given as
+  (``out_proj``), ``nn.TransformerEncoderLayer`` (its fast path in
+  eval; a ``TransformerDecoderLayer`` has none, and its attention is an
+  ``nn.MultiheadAttention``), and the types given as
   ``whole_modules`` (DeepSpeed's ``register_external_parameter`` covers
   the same case, param by param). A param read outside any forward (a
   regulariser's ``p.pow(2).sum()``, ``p.numel()``) is the released, empty
@@ -56,6 +57,7 @@ refused as a load's target).
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import itertools
 import os
@@ -161,7 +163,6 @@ class _InBackward(torch.autograd.Function):
 _WHOLE_MODULES = (
     torch.nn.MultiheadAttention,
     torch.nn.TransformerEncoderLayer,
-    torch.nn.TransformerDecoderLayer,
 )
 
 
@@ -431,7 +432,9 @@ class ParamOffload:
                 h.refs = 0
                 self._release(h, force=True)
 
-        return _wrap(tuple(args), release)
+        # The inputs are the caller's: a list or dict among them is
+        # copied, not changed.
+        return _wrap(tuple(args), release, in_place=False)
 
     def _post_forward(self, module, args, output):
         homes = self._module_homes[module]
@@ -608,15 +611,17 @@ def _load_pre_hook(module, hook):
     return module._register_load_state_dict_pre_hook(hook, with_module=True)
 
 
-def _map_tensors(value, fn):
+def _map_tensors(value, fn, in_place=True):
     """``value`` with each tensor ``t`` in it replaced by ``fn(t)``: tensors
     at any depth of tuples (namedtuples and ``torch.return_types`` kept as
     their types), lists and dicts (changed in place, so a HF
-    ``ModelOutput`` stays one). Anything else is returned as it is."""
+    ``ModelOutput`` stays one; with ``in_place`` false, for a module's
+    inputs, which are the caller's, copied first). Anything else is
+    returned as it is."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, tuple):
-        items = [_map_tensors(t, fn) for t in value]
+        items = [_map_tensors(t, fn, in_place) for t in value]
         if all(a is b for a, b in zip(items, value)):
             return value
         if hasattr(value, "_fields"):
@@ -624,23 +629,21 @@ def _map_tensors(value, fn):
         if type(value) is tuple:
             return tuple(items)
         return type(value)(items)
-    if isinstance(value, list):
-        for i, t in enumerate(value):
-            new = _map_tensors(t, fn)
-            if new is not t:
-                value[i] = new
-        return value
-    if isinstance(value, dict):
-        for k in list(value.keys()):
+    if isinstance(value, (list, dict)):
+        keys = range(len(value)) if isinstance(value, list) else list(value.keys())
+        out = value
+        for k in keys:
             t = value[k]
-            new = _map_tensors(t, fn)
+            new = _map_tensors(t, fn, in_place)
             if new is not t:
-                value[k] = new
-        return value
+                if out is value and not in_place:
+                    out = copy.copy(value)
+                out[k] = new
+        return out
     return value
 
 
-def _wrap(output, fetch):
+def _wrap(output, fetch, in_place=True):
     """``output`` with its grad-requiring tensors, at any depth of tuples,
     lists and dicts (an LSTM's ``(out, (h, c))``), passed through one
     _InBackward. One left out would reach the module's backward on its
@@ -652,12 +655,12 @@ def _wrap(output, fetch):
             found.append(t)
         return t
 
-    _map_tensors(output, collect)
+    _map_tensors(output, collect, in_place)
     if not found:
         return output
     wrapped = _InBackward.apply(fetch, *found)
     it = iter(wrapped if len(found) != 1 else (wrapped,))
-    return _map_tensors(output, lambda t: next(it) if t.requires_grad else t)
+    return _map_tensors(output, lambda t: next(it) if t.requires_grad else t, in_place)
 
 
 def offload_parameters(model, device=None, nvme_path=None, *, ds_config=None, **kw):

@@ -335,7 +335,14 @@ class AdamW(torch.optim.Optimizer):
                     raise ValueError("tierzero.torch.AdamW needs contiguous params")
                 home = home_of(p)
                 dtype = home.dtype if home is not None else p.dtype
-                if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                # Floating and complex params other than these; an integer
+                # one (a quantized base weight, frozen) never has a gradient
+                # and is never stepped.
+                if (dtype.is_floating_point or dtype.is_complex) and dtype not in (
+                    torch.float32,
+                    torch.bfloat16,
+                    torch.float16,
+                ):
                     # Through the fp32 master a complex param lost its
                     # imaginary part and a float64 one its precision.
                     raise ValueError(
@@ -533,7 +540,10 @@ class AdamW(torch.optim.Optimizer):
         master otherwise wrote its older values over them. The moments
         stay. (A change through ``p.data.<op>_()`` bumps no version and is
         not seen; an offloaded param's master follows its home only through
-        ``load_state_dict``.)"""
+        ``load_state_dict``.) Only when a change is found, it costs the
+        sub-group's whole state read and written back, and 12 bytes per
+        element of it in host memory meanwhile, beyond the two sub-groups of
+        buffers the module docs count."""
         for p, *_ in s.pieces:
             now = (p._version, p.data_ptr())
             if home_of(p) is None and self._written.get(p) != now:
