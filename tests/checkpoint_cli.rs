@@ -630,7 +630,13 @@ fn a_refused_start_removes_the_save_dir_it_created() {
 #[test]
 fn a_save_dir_inside_a_checkpoint_is_refused() {
     let d = saved_two_steps("save-dir-inside");
-    for inside in ["ck/step-00000002", "ck/step-00000002/more"] {
+    // A step-named dir of the save dir that is not there yet: the save
+    // dir's run replaces it when it saves that step.
+    for inside in [
+        "ck/step-00000002",
+        "ck/step-00000002/more",
+        "ck/step-00000009",
+    ] {
         let out = train(
             &d,
             &[
@@ -646,13 +652,13 @@ fn a_save_dir_inside_a_checkpoint_is_refused() {
             &out,
             inside,
             &[
-                "is inside the checkpoint",
-                "step-00000002",
+                "is inside the checkpoint directory",
                 "give a save dir outside it",
             ],
         );
         assert!(!d.join("ck/step-00000002/latest").exists(), "{inside}");
         assert!(!d.join("ck/step-00000002/more").exists(), "{inside}");
+        assert!(!d.join("ck/step-00000009").exists(), "{inside}");
     }
     // The save dir itself is fine.
     let out = train(&d, &["--steps", "3", "--resume", "ck", "--save-dir", "ck"]);

@@ -766,6 +766,11 @@ fn a_failure_under_json_is_one_error_object_on_stdout() {
         v["error"].as_str().unwrap().contains("ckpt.state_write"),
         "{v}"
     );
+    // A flag clap refuses (before any of train's own checks) too.
+    let (code, stdout, stderr) = run(&["--json", "--bogus"], &[]);
+    assert_eq!(code, Some(2), "{stderr}");
+    let v = object(&stdout);
+    assert!(v["error"].as_str().unwrap().contains("--bogus"), "{v}");
     // Without --json, stdout has no object; nor, for a mistake found
     // before the ranks are known, has mpirun's rank 1 (rank 0 prints it).
     let (code, stdout, _) = run(&["--config", "missing.json"], &[]);

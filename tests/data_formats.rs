@@ -754,7 +754,12 @@ fn bad_data_is_one_line_and_exit_2() {
         let mut bytes = magic.to_vec();
         bytes.extend(std::iter::repeat_n(b'a', 400));
         std::fs::write(d.join(name), bytes).unwrap();
-        for extra in [&[][..], &["--tokenizer", tok][..]] {
+        // As token ids too: the .npy's header trained as ids.
+        for extra in [
+            &[][..],
+            &["--tokenizer", tok][..],
+            &["--data-format", "u16"][..],
+        ] {
             let mut args = vec!["--data", name];
             args.extend_from_slice(extra);
             assert_bad_input(&train(&d, &args), name, &[words]);
@@ -1017,4 +1022,44 @@ fn a_cache_entry_is_readable_as_its_data_is() {
             assert_eq!(mode, entry_mode, "{}", f.display());
         }
     }
+}
+
+/// `--eos-id none`: the documents follow each other with no id between
+/// them (HF's `tokenizer(text)` stream, document by document).
+#[test]
+fn eos_none_puts_no_id_between_documents() {
+    let d = scratch("data", "eos-none");
+    let tok = tokenizer(&d);
+    model(&d, VOCAB);
+    ds(&d);
+    std::fs::write(d.join("p.txt"), documents(6).join("\n\n")).unwrap();
+    let format = DataFormat::Text(DocSplit::Paragraphs);
+    let with = load(&spec(&d.join("p.txt"), format.clone(), Some(&tok), false));
+    let mut none = spec(&d.join("p.txt"), format, Some(&tok), false);
+    none.eos = None;
+    let without = load(&none);
+    assert_eq!(with.data.len(), without.data.len() + 6);
+    assert!(!without.data.tokens().contains(&EOS));
+    let out = train(
+        &d,
+        &[
+            "--data",
+            "p.txt",
+            "--tokenizer",
+            tok.to_str().unwrap(),
+            "--data-format",
+            "paragraphs",
+            "--eos-id",
+            "none",
+        ],
+    );
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains(&format!("{} tokens", without.data.len()))
+            && out.stderr.contains("6 documents")
+            && !out.stderr.contains("followed by EOS"),
+        "{}",
+        out.stderr
+    );
 }

@@ -43,7 +43,9 @@
 //! numerics is warned about, naming the settings); and every file with its
 //! relative path, byte length and crc32c, plus a crc32c per sub-group
 //! region for the state files (so one parameter can be loaded and verified
-//! without reading the whole file). The whole-file crc is combined from the
+//! without reading the whole file); and the lineage, the runs that led to
+//! it (a random run id and the step each began at: which older step dirs
+//! are its history). The whole-file crc is combined from the
 //! region crcs (`crc32c_combine`). The manifest checks itself too:
 //! `manifest_crc32c` (required) is 8 hex digits, the crc32c of the file's
 //! raw bytes with those digits read as `0`s, so a flipped byte anywhere in
@@ -71,9 +73,13 @@
 //! its `.old` name, and opening the save dir uses it (it is whole: only
 //! committed dirs are moved aside). Opening a save dir
 //! follows `latest`; if `latest` is missing or names a dir that does not
-//! validate, the newest `step-*` dir with a valid manifest is used, with a
-//! warning (a damaged `latest`, even one that is not UTF-8, is a pointer to
-//! fall back from, not an error). A directory without a valid manifest is
+//! validate, the newest `step-*` dir with a valid manifest is used (a
+//! damaged `latest`, even one that is not UTF-8, is a pointer to fall back
+//! from, not an error): below the step `latest` named, and where that
+//! step's manifest still reads, only one in its lineage (a run that
+//! resumed from an older step left the abandoned run's newer steps). The
+//! caller says it: `train --resume` warns and goes on, `export` and `eval`
+//! refuse and name the step ([`Checkpoint::latest_unusable`]). A directory without a valid manifest is
 //! never taken as a checkpoint, and a staging dir is refused by name even
 //! when opened directly. Leftovers of dead processes (`.tmp`/`.old` dirs,
 //! `.latest.tmp-<pid>-*` files) are removed by the next save.

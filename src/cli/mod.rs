@@ -239,6 +239,20 @@ pub fn main() -> i32 {
             // --help and --version are not errors.
             let code = if e.use_stderr() { 2 } else { 0 };
             let _ = e.print();
+            // `train --json` with a flag clap refuses: the error object too.
+            let mut args = std::env::args().skip(1);
+            let train_json = args.next().as_deref() == Some("train")
+                && args.any(|a| a == "--json")
+                && launch::env_rank_is_lead();
+            if code == 2 && train_json {
+                let text = e.to_string();
+                let first = text
+                    .lines()
+                    .next()
+                    .unwrap_or("")
+                    .trim_start_matches("error: ");
+                let _ = emit(&failure_object("bad_input", first, code));
+            }
             return code;
         }
     };

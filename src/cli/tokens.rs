@@ -148,9 +148,10 @@ fn check_data_file(data: &Path) -> Result<(), Failure> {
     )))
 }
 
-/// Compressed data read as text or bytes trained on its compressed bytes
-/// without a word: its first bytes are checked for the common formats.
-fn check_not_compressed(data: &Path) -> Result<(), Failure> {
+/// Compressed data (text or bytes only: `token_ids` false) or a dataset
+/// container read as training data trained on their encoding without a
+/// word: the file's first bytes are checked for the common formats.
+fn check_not_data(data: &Path, token_ids: bool) -> Result<(), Failure> {
     use std::io::Read as _;
     if !std::fs::metadata(data).is_ok_and(|m| m.is_file()) {
         return Ok(());
@@ -159,7 +160,12 @@ fn check_not_compressed(data: &Path) -> Result<(), Failure> {
     let n = std::fs::File::open(data)
         .and_then(|f| f.take(8).read(&mut head))
         .unwrap_or(0);
-    match tierzero::data::format::not_data_reason(&head[..n], data, false) {
+    let why = match token_ids {
+        true => tierzero::data::format::container_of(&head[..n])
+            .map(|(what, fix)| format!("it is a {what} file; {fix}")),
+        false => tierzero::data::format::not_data_reason(&head[..n], data, false),
+    };
+    match why {
         None => Ok(()),
         Some(why) => Err(bad(format!("--data {}: {why}", data.display()))),
     }
@@ -241,9 +247,9 @@ pub(super) fn load_tokens(
             )));
         }
     }
-    if !matches!(format, DataFormat::Tokens(_)) {
-        check_not_compressed(data)?;
-    }
+    // A token file's first ids may be anything (a compression magic
+    // among them); a container's 4 to 8 magic bytes are not ids.
+    check_not_data(data, matches!(format, DataFormat::Tokens(_)))?;
     let eos = match tokenizer {
         Some(t) if format.needs_tokenizer() => eos_id(opts, model, t)?,
         _ => None,

@@ -458,7 +458,7 @@ fn open_model(
                          resume without --model to use the checkpoint's",
                         dir.display(),
                         c.dir().display(),
-                        config_difference(md.model().config(), c.model().config())
+                        config_difference(md.model(), c.model())
                     )));
                 }
             }
@@ -611,21 +611,26 @@ fn report_unreached_failpoint() {
     }
 }
 
-/// The first fields (up to three) where `given` and `saved` differ, as
-/// `name: given` against `name: saved` (the config's field names, one per
-/// line of their pretty Debug form).
-fn config_difference(
-    given: &tierzero::model::ModelConfig,
-    saved: &tierzero::model::ModelConfig,
-) -> String {
-    let (a, b) = (format!("{given:#?}"), format!("{saved:#?}"));
-    let clean = |l: &str| l.trim().trim_end_matches(',').to_owned();
-    let diffs: Vec<String> = a
-        .lines()
-        .zip(b.lines())
-        .filter(|(x, y)| x != y)
+/// The first keys (up to three) of the HF config where `given` and `saved`
+/// differ, as `key: given` against `key: saved`.
+fn config_difference(given: &Model, saved: &Model) -> String {
+    let (a, b) = (given.hf_config_value(), saved.hf_config_value());
+    let (Some(a), Some(b)) = (a.as_object(), b.as_object()) else {
+        return "a field differs".to_owned();
+    };
+    let null = serde_json::Value::Null;
+    let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+    let diffs: Vec<String> = keys
+        .into_iter()
+        .filter(|k| a.get(*k).unwrap_or(&null) != b.get(*k).unwrap_or(&null))
         .take(3)
-        .map(|(x, y)| format!("{} against the checkpoint's {}", clean(x), clean(y)))
+        .map(|k| {
+            format!(
+                "{k}: {} against the checkpoint's {k}: {}",
+                a.get(k).unwrap_or(&null),
+                b.get(k).unwrap_or(&null)
+            )
+        })
         .collect();
     match diffs.is_empty() {
         true => "a field differs".to_owned(),

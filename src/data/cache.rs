@@ -257,13 +257,15 @@ pub fn readable_as_the_data(data: &Path, files: &[&Path]) {
     }
 }
 
-/// Whether `data` is read through `/dev` or `/proc` (`--data /dev/stdin`
-/// redirected from a file is a regular file there): no cache entry goes
-/// beside it, into `/dev`.
+/// Whether `data` is a process's descriptor through `/dev` or `/proc`
+/// (`--data /dev/stdin` redirected from a file is a regular file there):
+/// no cache entry goes beside it, into `/dev`. Its directory is `/dev`
+/// itself, `/dev/fd` or under `/proc`; a corpus on `/dev/shm` (a tmpfs) is
+/// a file like any other.
 pub fn is_read_through_dev_or_proc(data: &Path) -> bool {
     data_dir(data)
         .canonicalize()
-        .is_ok_and(|d| d.starts_with("/dev") || d.starts_with("/proc"))
+        .is_ok_and(|d| d == Path::new("/dev") || d.starts_with("/dev/fd") || d.starts_with("/proc"))
 }
 
 /// The token file and sidecar of the cache entry `key` of `data` in `dir`
@@ -422,6 +424,18 @@ pub fn writable(dir: &Path) -> bool {
 mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
     use super::*;
+
+    #[test]
+    fn only_a_process_descriptor_counts_as_read_through_dev_or_proc() {
+        assert!(is_read_through_dev_or_proc(Path::new("/dev/stdin")));
+        assert!(is_read_through_dev_or_proc(Path::new("/dev/fd/0")));
+        assert!(is_read_through_dev_or_proc(Path::new("/proc/self/fd/0")));
+        // A corpus on the /dev/shm tmpfs is cached like any other file.
+        assert!(!is_read_through_dev_or_proc(Path::new(
+            "/dev/shm/corpus.txt"
+        )));
+        assert!(!is_read_through_dev_or_proc(Path::new("/tmp/corpus.txt")));
+    }
 
     /// An entry (token file and sidecar) in `dir` as `paths_in` names it,
     /// recording `source` and `data`.

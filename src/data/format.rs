@@ -214,8 +214,6 @@ fn sidecar_width(path: &Path) -> Result<Option<TokenWidth>> {
         .ok_or_else(|| bad("\"dtype\" must be \"uint16\" or \"uint32\""))
 }
 
-/// The compression format whose magic bytes `head` starts with, and the
-/// tool that decompresses it to stdout.
 /// A binary dataset container `head` (a file's first bytes) starts with,
 /// and how to make training data of it: read as bytes (or refused as
 /// text) it trained on its encoding without a word.
@@ -234,7 +232,7 @@ pub fn container_of(head: &[u8]) -> Option<(&'static str, &'static str)> {
         (
             b"\x93NUMPY",
             "NumPy .npy",
-            "write its ids as a flat file (np.load(f).astype(np.uint16).tofile(\"train.bin\")) and give --data-format u16",
+            "write its ids as a flat file (np.load(f).astype(np.uint16).tofile(\"train.bin\"), or np.uint32 for a vocabulary above 65,536) and give --data-format u16 (or u32)",
         ),
         (
             b"\x89HDF\r\n\x1a\n",
@@ -269,6 +267,8 @@ pub fn not_data_reason(head: &[u8], path: &Path, piped: bool) -> Option<String> 
     container_of(head).map(|(what, fix)| format!("it is a {what} file; {fix}"))
 }
 
+/// The compression format whose magic bytes `head` starts with, and the
+/// tool that decompresses it to stdout.
 pub fn compression_of(head: &[u8]) -> Option<(&'static str, &'static str)> {
     const MAGIC: [(&[u8], &str, &str); 4] = [
         (&[0x1f, 0x8b], "gzip", "zcat"),

@@ -217,8 +217,9 @@ pub struct Loaded {
     pub origin: Origin,
 }
 
-/// uint16 ids a token file must hold before a zero at every odd place is
-/// taken for uint32 ids read as uint16 (a real corpus never has one).
+/// uint16 ids a token file must hold before high halves at every odd
+/// place (0, or below `vocab_size / 65536` rounded up) are taken for
+/// uint32 ids read as uint16 (a real corpus never has them).
 const WIDER_EVIDENCE_IDS: u64 = 1024;
 
 impl TokenData {

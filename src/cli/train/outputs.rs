@@ -19,15 +19,18 @@ pub(super) fn claim_save_dir(args: &TrainArgs, lead: bool) -> Result<SaveDirClai
     // Inside a checkpoint (a step dir, at any depth), the run's `latest`
     // and step dirs hide in a step of another save: that step's resume
     // reads its own manifest, not them.
+    // A step-named dir inside a save dir, there or not, is that save
+    // dir's own entry: its run's save of that step replaces it.
     if let Some(d) = &args.save_dir {
-        if let Some(step) = tierzero::checkpoint::checkpoint_holding(&d.join("x")) {
+        let holder = tierzero::checkpoint::checkpoint_holding(&d.join("x"))
+            .or_else(|| tierzero::checkpoint::checkpoint_holding(d));
+        if let Some(ckpt) = holder {
             return Err(bad(format!(
-                "--save-dir {} is inside the checkpoint {}, where resuming that checkpoint \
-                 would never see this run's saves; give a save dir outside it, e.g. its \
-                 parent {}",
+                "--save-dir {} is inside the checkpoint directory {}, where this run's saves \
+                 would hide (or be replaced by that save dir's own); give a save dir outside \
+                 it (the save dir it belongs to continues its run with --resume)",
                 d.display(),
-                step.display(),
-                step.parent().unwrap_or(Path::new("/")).display()
+                ckpt.display(),
             )));
         }
     }
