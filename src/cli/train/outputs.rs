@@ -18,9 +18,9 @@ use super::{bad, must_exist, Failure, TrainArgs};
 pub(super) fn claim_save_dir(args: &TrainArgs, lead: bool) -> Result<SaveDirClaim, Failure> {
     // Inside a checkpoint (a step dir, at any depth), the run's `latest`
     // and step dirs hide in a step of another save: that step's resume
-    // reads its own manifest, not them.
-    // A step-named dir inside a save dir, there or not, is that save
-    // dir's own entry: its run's save of that step replaces it.
+    // reads its own manifest, not them. A step-named dir of a save dir,
+    // there or not, is that save dir's own entry: its run's save of that
+    // step replaces it.
     if let Some(d) = &args.save_dir {
         let holder = tierzero::checkpoint::checkpoint_holding(&d.join("x"))
             .or_else(|| tierzero::checkpoint::checkpoint_holding(d));
