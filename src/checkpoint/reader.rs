@@ -226,13 +226,21 @@ fn manifest_err(path: &Path, reason: impl Into<String>) -> CheckpointError {
     }
 }
 
-/// The manifest of the step dir `dir` alone (its files not checked): a
-/// damaged step's history, for [`Checkpoint::open`]'s fallback. `None` if
-/// it does not read or its seal does not hold.
-fn read_manifest_only(dir: &Path) -> Option<Manifest> {
-    let path = dir.join(MANIFEST_FILE);
-    let bytes = crate::durable::read_regular(&path, MAX_MANIFEST_BYTES).ok()?;
-    Manifest::parse(std::str::from_utf8(&bytes).ok()?, &path).ok()
+/// The manifest of the step dir `dir` (a regular file of at most
+/// [`MAX_MANIFEST_BYTES`], its seal checked), and its path; its files are
+/// not looked at. [`Checkpoint::open_step_dir`] validates the rest; the
+/// fallback reads a damaged step's history with it.
+fn read_manifest(dir: &Path) -> Result<(Manifest, PathBuf), CheckpointError> {
+    let mpath = dir.join(MANIFEST_FILE);
+    let f = crate::durable::open_regular(&mpath).map_err(io_err("opening", &mpath))?;
+    let mut text = String::new();
+    f.take(MAX_MANIFEST_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(io_err("reading", &mpath))?;
+    if text.len() as u64 > MAX_MANIFEST_BYTES {
+        return Err(manifest_err(&mpath, "larger than 256 MiB"));
+    }
+    Ok((Manifest::parse(&text, &mpath)?, mpath))
 }
 
 impl Checkpoint {
@@ -286,7 +294,7 @@ impl Checkpoint {
                                     return Ok(c);
                                 }
                             }
-                            damaged = read_manifest_only(&dir.join(name));
+                            damaged = read_manifest(&dir.join(name)).ok().map(|(m, _)| m);
                             latest_err = Some(e);
                             below = Some(step);
                         }
@@ -379,16 +387,7 @@ impl Checkpoint {
 
     pub(crate) fn open_step_dir(dir: &Path) -> Result<Checkpoint, CheckpointError> {
         let dir = dir.canonicalize().map_err(io_err("opening", dir))?;
-        let mpath = dir.join(MANIFEST_FILE);
-        let f = crate::durable::open_regular(&mpath).map_err(io_err("opening", &mpath))?;
-        let mut text = String::new();
-        f.take(MAX_MANIFEST_BYTES + 1)
-            .read_to_string(&mut text)
-            .map_err(io_err("reading", &mpath))?;
-        if text.len() as u64 > MAX_MANIFEST_BYTES {
-            return Err(manifest_err(&mpath, "larger than 256 MiB"));
-        }
-        let manifest = Manifest::parse(&text, &mpath)?;
+        let (manifest, mpath) = read_manifest(&dir)?;
         let model = manifest.build_model(&mpath)?;
         manifest.validate(&model, &mpath)?;
         for f in &manifest.files {

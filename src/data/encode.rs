@@ -284,23 +284,24 @@ pub fn open_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer> {
         path: path.to_owned(),
         reason,
     };
-    // Another JSON file of a model directory (its tokenizer_config.json,
-    // config.json) is named as one: the tokenizers crate's serde error
-    // was "expected `,` or `}` at line 2 column 24" for valid JSON.
-    if let Ok(bytes) = crate::durable::read_regular(path, 1 << 30) {
-        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&bytes) {
-            if !v.get("model").is_some_and(serde_json::Value::is_object) {
-                return Err(bad(
-                    "is JSON but not a HF tokenizer.json (it has no \"model\" object: a \
-                     tokenizer_config.json or config.json?); give the model directory's \
-                     tokenizer.json"
-                        .into(),
-                ));
-            }
+    let mut t = tokenizers::Tokenizer::from_file(path).map_err(|e| {
+        // Another JSON file of a model directory (its tokenizer_config.json,
+        // config.json) is named as one: the tokenizers crate's serde error
+        // was "expected `,` or `}` at line 2 column 24" for valid JSON.
+        // Looked at only once the load failed: a good file is read once.
+        let json = crate::durable::read_regular(path, 1 << 30)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+        match json {
+            Some(v) if !v.get("model").is_some_and(serde_json::Value::is_object) => bad(
+                "is JSON but not a HF tokenizer.json (it has no \"model\" object: a \
+                 tokenizer_config.json or config.json?); give the model directory's \
+                 tokenizer.json"
+                    .into(),
+            ),
+            _ => bad(format!("not a usable HF tokenizer.json: {e}")),
         }
-    }
-    let mut t = tokenizers::Tokenizer::from_file(path)
-        .map_err(|e| bad(format!("not a usable HF tokenizer.json: {e}")))?;
+    })?;
     t.with_truncation(None)
         .map_err(|e| bad(format!("turning truncation off: {e}")))?;
     t.with_padding(None);
