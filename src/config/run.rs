@@ -33,9 +33,12 @@
 //! Where we differ from HF, on purpose:
 //! - **A concrete config value that contradicts a run value is an error**
 //!   ([`super::ConfigError::RunMismatch`]), as HF reports for its
-//!   must-match keys, but for every numeric key in the table: silently
-//!   preferring one of two explicit, different answers is how batch-size
-//!   mismatches go unnoticed.
+//!   must-match keys, but for every numeric key in the table but the
+//!   scheduler's step counts: silently preferring one of two explicit,
+//!   different answers is how batch-size mismatches go unnoticed.
+//!   `warmup_num_steps` and `total_num_steps` keep HF's fill-only rule (a
+//!   concrete value is kept over the run's, with a note), so a config
+//!   that fixes its schedule can run a different `--steps`.
 //! - **An absent numeric key takes the run value** when one is given (HF
 //!   leaves absent keys to DeepSpeed's defaults and silently drops the CLI
 //!   value).

@@ -13,7 +13,9 @@
 //! optimizer tail of step `n` overlaps the forward of step `n+1`
 //! (see [`crate::engine::trainer`]), so its I/O and Adam time land partly in step
 //! `n+1`'s line. Per-step figures therefore depend on timing; the summary's
-//! totals do not.
+//! totals do not, but for the re-steps of speculation misses (a speculative
+//! step that already ran is read and written again, one not yet run is
+//! replaced: timing decides which; see `docs/decisions/determinism.md`).
 //!
 //! Definitions:
 //! * `compute_s`: wall time of unit forward/backward and gradient

@@ -1,5 +1,6 @@
 //! Copies between a swap space's extents and other files (checkpoints):
-//! O_DIRECT through a bounce buffer first, then `copy_file_range`, then
+//! `copy_file_range` where it reflinks (both files on one XFS or btrfs),
+//! else O_DIRECT through a bounce buffer, else `copy_file_range`, else
 //! `pread`/`pwrite` (see "Copies to and from ordinary files" in the
 //! [`super`] docs).
 
