@@ -86,6 +86,11 @@ pub enum GpuError {
         /// cudarc's message (the missing symbol).
         detail: String,
     },
+    /// The driver loaded but `cuInit` or `cuDeviceGetCount` answered an
+    /// error (a stub library, a driver/module mismatch, a container without
+    /// the device files, or a code newer than the bindings).
+    #[error("{0}")]
+    DriverInit(tierzero_gpu::driver_init::InitFailure),
     /// The driver loaded but reports no device.
     #[error("the NVIDIA driver is installed but sees no GPU (CUDA_ERROR_NO_DEVICE); check `nvidia-smi` and CUDA_VISIBLE_DEVICES")]
     NoDevice,
@@ -516,8 +521,17 @@ pub(crate) mod imp {
         }
     }
 
-    /// Number of devices. Call on a guarded thread.
+    /// Number of devices. Call on a guarded thread. The driver's first
+    /// calls go through `tierzero_gpu::driver_init`, whose result codes
+    /// are ints: a code cudarc's enum lacks must never reach it.
     pub(crate) fn device_count() -> Result<usize, GpuError> {
+        match tierzero_gpu::driver_init::check() {
+            Ok(_) | Err(None) => {}
+            Err(Some(f)) if f.code == tierzero_gpu::driver_init::NO_DEVICE => {
+                return Err(GpuError::NoDevice)
+            }
+            Err(Some(f)) => return Err(GpuError::DriverInit(f)),
+        }
         let n = CudaContext::device_count().map_err(|e| driver_error("cuDeviceGetCount", &e))?;
         Ok(usize::try_from(n).unwrap_or(0))
     }

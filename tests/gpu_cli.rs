@@ -129,4 +129,68 @@ mod with_the_feature {
             assert_one_line_refusal(&out, "libcuda.so not found");
         }
     }
+
+    /// A `libcuda.so` whose `cuInit` answers `code`, built with the C
+    /// compiler the Rust toolchain links with; `None` without one.
+    fn fake_driver(d: &Path, code: i32) -> Option<std::path::PathBuf> {
+        let dir = d.join(format!("libcuda-{code}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let src = dir.join("fake.c");
+        std::fs::write(
+            &src,
+            format!(
+                "int cuInit(unsigned f) {{ (void)f; return {code}; }}\n\
+                 int cuDeviceGetCount(int *c) {{ *c = 0; return {code}; }}\n\
+                 int cuDriverGetVersion(int *v) {{ *v = 13000; return 0; }}\n\
+                 int cuGetErrorString(int e, const char **s) {{ (void)e; *s = \"fake\"; return 0; }}\n\
+                 int cuGetErrorName(int e, const char **s) {{ (void)e; *s = \"FAKE\"; return 0; }}\n"
+            ),
+        )
+        .unwrap();
+        let built = Command::new("cc")
+            .args(["-shared", "-fPIC", "-o"])
+            .arg(dir.join("libcuda.so"))
+            .arg(&src)
+            .status()
+            .ok()?;
+        built.success().then_some(dir)
+    }
+
+    /// A driver that fails to initialise, with a code the bindings know (a
+    /// stub library, a driver upgraded without a reboot) or one only a
+    /// newer driver gives (917, CUDA 13.1's): one line naming the call,
+    /// the code and the fix, exit 2. 917 used to end the process with
+    /// SIGILL: cudarc's `CUresult` enum has no variant for it.
+    #[test]
+    fn a_driver_that_fails_to_initialise_is_one_line_with_the_fix() {
+        let d = scratch("fake-driver");
+        for (code, needle) in [
+            (34, "CUDA_ERROR_STUB_LIBRARY (34); "),
+            (803, "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH (803); "),
+            (917, "cuInit returned CUDA error (917)"),
+        ] {
+            let Some(lib) = fake_driver(&d, code) else {
+                eprintln!("no C compiler (cc): the fake driver cannot be built");
+                return;
+            };
+            for args in [
+                &["gpu-info"][..],
+                &["train", "--device", "cuda", "--steps", "1"][..],
+            ] {
+                let out = Command::new(env!("CARGO_BIN_EXE_tierzero"))
+                    .args(args)
+                    .current_dir(&d)
+                    .env("LD_LIBRARY_PATH", &lib)
+                    .env_remove("TIERZERO_NCCL_ADDR")
+                    .env_remove("TIERZERO_LOG")
+                    .output()
+                    .expect("run tierzero");
+                assert_one_line_refusal(&out, needle);
+                let err = text(&out.stderr);
+                assert!(err.contains("did not initialise"), "{err}");
+                assert!(err.contains(&lib.display().to_string()), "{err}");
+            }
+        }
+        assert!(!d.join("tierzero-swap").exists());
+    }
 }

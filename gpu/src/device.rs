@@ -98,8 +98,14 @@ pub(crate) fn driver_err(call: &'static str) -> impl Fn(cudarc::driver::DriverEr
     }
 }
 
-/// Whether `libcuda` (the driver) loads.
+/// Whether `libcuda` (the driver) loads and initialises: `cuInit` and
+/// `cuDeviceGetCount` answer success, asked through
+/// [`crate::driver_init`] (their codes read as ints, so one newer than the
+/// bindings is an error, not an invalid enum) before cudarc calls them.
 pub fn driver_available() -> Result<()> {
+    if let Err(Some(f)) = crate::driver_init::check() {
+        return Err(GpuError::DriverInit(f));
+    }
     // SAFETY: only `dlopen`s the candidate names and closes them.
     if unsafe { cudarc::driver::sys::is_culib_present() } {
         return Ok(());

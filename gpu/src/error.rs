@@ -23,6 +23,9 @@ pub enum GpuError {
         /// What cudarc said.
         detail: String,
     },
+    /// The driver loaded but did not initialise (see [`crate::driver_init`]).
+    #[error("{0}")]
+    DriverInit(crate::driver_init::InitFailure),
     /// The driver is older than the CUDA the libraries and bindings need.
     #[error(
         "the NVIDIA driver supports CUDA {found}, older than the CUDA {needed} that \

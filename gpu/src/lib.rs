@@ -42,6 +42,7 @@
 pub mod cache;
 pub mod collective;
 pub mod device;
+pub mod driver_init;
 mod error;
 mod event_queue;
 pub mod host_copy;

@@ -55,6 +55,7 @@ fn probe_failure(e: GpuError) -> Failure {
         GpuError::NotBuilt
         | GpuError::DriverMissing { .. }
         | GpuError::NoDevice
+        | GpuError::DriverInit(_)
         | GpuError::LibraryTooOld { .. } => Failure::BadInput(anyhow!("{e}")),
         other => Failure::Internal(anyhow!("{other}")),
     }

@@ -129,6 +129,7 @@ fn gpu_failure(device: DeviceChoice, e: GpuError) -> Failure {
             | GpuError::DriverMissing { .. }
             | GpuError::NcclMissing { .. }
             | GpuError::LibraryTooOld { .. }
+            | GpuError::DriverInit(_)
             | GpuError::NoDevice
             | GpuError::BadOrdinal { .. }
             | GpuError::InitRefused { .. }

@@ -35,6 +35,7 @@ pub(super) fn cuda_units(
         let user = matches!(
             e,
             G::LibraryMissing { .. }
+                | G::DriverInit(_)
                 | G::LibraryTooOld { .. }
                 | G::DriverTooOld { .. }
                 | G::UnsupportedArch { .. }
