@@ -311,3 +311,81 @@ fn mpirun_goes_when_the_launcher_is_killed() {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
 }
+
+/// Two ranks started by hand with different flags (mpirun's `A : B`
+/// form, as two nodes with different command lines or configs would be):
+/// refused at start-up by every rank, naming the setting and each rank's
+/// value, exit 2, no hang. A different `--steps` used to corrupt rank 0's
+/// heap (its final gather met rank 1's param gather), a different
+/// `--grad-accum` hung until the collective timeout, and a different
+/// `--seed` trained a mix of two models and exited 0.
+#[test]
+fn ranks_started_with_different_settings_are_refused_naming_the_setting() {
+    for (tag, flag, a, b, says) in [
+        (
+            "steps",
+            "--steps",
+            "3",
+            "4",
+            "the run's steps (--steps) is 3 on rank 0, 4 on rank 1",
+        ),
+        (
+            "seed",
+            "--seed",
+            "1",
+            "2",
+            "the init seed (--seed) is 1 on rank 0, 2 on rank 1",
+        ),
+        (
+            "accum",
+            "--grad-accum",
+            "1",
+            "2",
+            "is train_batch_size 4 = micro-batch 2 x accumulation 1 x 2 ranks on rank 0, \
+             train_batch_size 8 = micro-batch 2 x accumulation 2 x 2 ranks on rank 1",
+        ),
+    ] {
+        let (_, dir, _, _) = launch_command(&format!("disagree-{tag}"), true, 4, &[]);
+        let model = dir.join("model");
+        let ds = json!({
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": "auto",
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3}
+        });
+        std::fs::write(dir.join("ds.json"), ds.to_string()).unwrap();
+        let mut cmd = Command::new("mpirun");
+        cmd.args(["--oversubscribe", "--bind-to", "none"])
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .env("TIERZERO_COMM_TIMEOUT_S", "60")
+            .current_dir(&dir);
+        for (i, value) in [a, b].into_iter().enumerate() {
+            if i > 0 {
+                cmd.arg(":");
+            }
+            cmd.args(["-np", "1", env!("CARGO_BIN_EXE_tierzero"), "train"])
+                .args(["--seq-len", "16", "--config", "ds.json", "--model"])
+                .arg(&model)
+                .args([flag, value]);
+        }
+        let started = std::time::Instant::now();
+        let out = cmd.output().expect("run mpirun");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{tag}: {stderr}");
+        assert!(
+            stderr.contains("the ranks were started with different settings: ")
+                && stderr.contains(says),
+            "{tag}: {stderr}"
+        );
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(50),
+            "{tag}: took {:?}, a collective waited",
+            started.elapsed()
+        );
+        assert!(
+            !stderr.contains("malloc") && !stderr.contains("exited on signal"),
+            "{tag}: {stderr}"
+        );
+    }
+}

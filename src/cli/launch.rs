@@ -52,8 +52,9 @@ Examples:
       two ranks on this machine; rank 0 writes the metrics and the progress
   tierzero launch --nproc 8 --hostfile hosts -- train --config ds_config.json
       eight ranks over the nodes of an OpenMPI hostfile
-  mpirun -np 2 tierzero train --steps 50
-      the same as the first, started by hand
+  mpirun -np 2 --bind-to none tierzero train --steps 50
+      the same as the first, started by hand (without --bind-to none OpenMPI
+      binds each rank of a small job to one core)
 ";
 
 /// `tierzero launch` options.

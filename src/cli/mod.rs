@@ -224,10 +224,15 @@ pub fn emit(text: &str) -> Result<(), Failure> {
     }
 }
 
-/// Writes to stderr, ignoring a failed write ([`errln!`]).
+/// Writes to stderr, ignoring a failed write ([`errln!`]). The text is
+/// formatted first and written with one `write` (stderr is unbuffered,
+/// and `write_fmt` wrote each piece on its own): the lines of several
+/// ranks sharing mpirun's stderr no longer run into each other
+/// (`error: error: ...`). A pipe keeps writes of up to 4096 bytes whole.
 pub fn to_stderr(args: std::fmt::Arguments) {
     use std::io::Write as _;
-    let _ = std::io::stderr().lock().write_fmt(args);
+    let text = std::fmt::format(args);
+    let _ = std::io::stderr().lock().write_all(text.as_bytes());
 }
 
 /// Runs the CLI; returns the process exit code.
@@ -266,6 +271,10 @@ pub fn main() -> i32 {
     let code = match result {
         Ok(code) => code,
         Err(failure) => {
+            // A signal from here on (mpirun's SIGTERM after another rank's
+            // abort) must not add a stop message or a second `--json`
+            // object to this failure's.
+            signals::failure_is_being_reported();
             let (kind, code, e) = match failure {
                 Failure::BadInput(e) => ("bad_input", 2, e),
                 Failure::Internal(e) => ("internal", 1, e),

@@ -97,6 +97,9 @@ static PHASE: AtomicU8 = AtomicU8::new(START_UP);
 const START_UP: u8 = 0;
 const BUILD: u8 = 1;
 const TRAINING: u8 = 2;
+/// The command failed and its error is being reported: a first signal is
+/// left alone (a second still aborts).
+const FAILING: u8 = 3;
 
 /// What a start-up that a signal ends must undo first (the save dir it
 /// created): run by the watcher before it exits.
@@ -136,6 +139,15 @@ pub fn trainer_build_begins() {
 /// The trainer is built: a first signal stops at a step boundary.
 pub fn trainer_built() {
     PHASE.store(TRAINING, Ordering::SeqCst);
+}
+
+/// The command failed and `main` reports it (then, with several ranks,
+/// aborts them): the watcher leaves a first signal alone, so the output
+/// is the failure's alone. Under mpirun another rank's abort sends this
+/// rank SIGTERM, whose stop message and `--json` stop object used to
+/// follow the error's own.
+pub fn failure_is_being_reported() {
+    PHASE.store(FAILING, Ordering::SeqCst);
 }
 
 /// For a command with no step boundary to stop at (`bench-io`, `tune`):
@@ -188,6 +200,9 @@ fn watch(on_signal: impl FnOnce(StopCause) + Send + 'static) -> Result<(), Failu
 pub fn install(handle: StopHandle) -> Result<(), Failure> {
     watch(move |cause| {
         let phase = PHASE.load(Ordering::SeqCst);
+        if phase == FAILING {
+            return;
+        }
         if phase == START_UP {
             errln!(
                 "tierzero: {} received during start-up: exiting (no step was trained, nothing \

@@ -760,6 +760,29 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         resumed_from,
         training: tierzero::run::describe_training(cfg, steps, &loaded.resolved),
     };
+    // What only this loop decides, agreed before any rank acts on it (the
+    // trainer agrees on the rest as it is built): a rank with another
+    // --steps or --save-every would meet the others in another collective.
+    tierzero::engine::comm::same_on_every_rank(
+        &*comm,
+        &[
+            ("the run's steps (--steps)", steps.to_string()),
+            (
+                "the step it resumes from (give every rank --resume of one step-<N> dir, on a \
+                 file system they all see alike)",
+                start_step.to_string(),
+            ),
+            (
+                "--save-every (with --save-dir)",
+                match (flags.save_every, &args.save_dir) {
+                    (Some(n), Some(_)) => n.to_string(),
+                    (None, Some(_)) => "only at the end".to_owned(),
+                    (_, None) => "no saves (no --save-dir)".to_owned(),
+                },
+            ),
+        ],
+    )
+    .map_err(startup_failure)?;
     if start_step >= steps {
         // A run killed after its last save left its swap files; reclaim
         // them as a run that builds its tiers would.

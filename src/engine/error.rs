@@ -185,6 +185,18 @@ pub enum EngineError {
         /// What happened.
         reason: String,
     },
+    /// The ranks were started with different settings (flags, config,
+    /// model or data): their collectives would not match.
+    #[error(
+        "the ranks were started with different settings: {setting} is {values}; start every \
+         rank with the same flags, ds_config.json, model and data (on every node)"
+    )]
+    RanksDisagree {
+        /// The first setting that differs, e.g. "the run's steps (--steps)".
+        setting: String,
+        /// Each value and the ranks that have it, e.g. "3 on rank 0, 4 on rank 1".
+        values: String,
+    },
     /// A step failed earlier; the trainer's state is not trustworthy.
     #[error("training stopped after an earlier error (restart from the last checkpoint): {cause}")]
     Stopped {

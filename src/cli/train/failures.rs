@@ -19,6 +19,7 @@ pub(super) fn startup_failure(e: EngineError) -> Failure {
         | EngineError::Io { .. }
         | EngineError::Unsupported { .. }
         | EngineError::Checkpoint(_)
+        | EngineError::RanksDisagree { .. }
         | EngineError::Model(_) => Failure::BadInput(anyhow::Error::new(e)),
         other => Failure::Internal(anyhow::Error::new(other)),
     }

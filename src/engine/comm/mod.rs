@@ -173,6 +173,88 @@ pub fn agree<T>(comm: &dyn Comm, what: &'static str, local: Result<T>) -> Result
     }
 }
 
+/// Refuses a run whose ranks were started with different settings: each
+/// `(name, value)` of `settings` is compared with every rank's, and the
+/// first that differs is [`EngineError::RanksDisagree`], on every rank
+/// alike (each sees every rank's values). One all-gather of each rank's
+/// settings; every rank must call it with the same names in the same
+/// order. Without it a rank that runs another `--steps` or
+/// `--grad-accum` meets the others in another collective, with counts
+/// each rank computed alone: a hang, or worse.
+pub fn same_on_every_rank(comm: &dyn Comm, settings: &[(&str, String)]) -> Result<()> {
+    if comm.world_size() == 1 {
+        return Ok(());
+    }
+    let all = all_gather_var(comm, &encode_settings(settings))?;
+    let ranks: Vec<Vec<(String, String)>> = all.iter().map(|b| decode_settings(b)).collect();
+    let longest = ranks.iter().map(Vec::len).max().unwrap_or(0);
+    for i in 0..longest {
+        let of = |r: &Vec<(String, String)>| r.get(i).cloned();
+        let first = of(&ranks[0]);
+        if ranks.iter().all(|r| of(r) == first) {
+            continue;
+        }
+        let setting = ranks
+            .iter()
+            .find_map(|r| r.get(i).map(|(n, _)| n.clone()))
+            .unwrap_or_default();
+        // Each distinct value once, with the ranks that have it.
+        let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
+        for (rank, r) in ranks.iter().enumerate() {
+            let value = match r.get(i) {
+                Some((n, v)) if *n == setting => v.clone(),
+                Some((n, _)) => format!("(another setting: {n})"),
+                None => "(not given)".to_owned(),
+            };
+            match groups.iter_mut().find(|(v, _)| *v == value) {
+                Some((_, rs)) => rs.push(rank),
+                None => groups.push((value, vec![rank])),
+            }
+        }
+        let values = groups
+            .iter()
+            .map(|(v, rs)| {
+                let rs: Vec<String> = rs.iter().map(usize::to_string).collect();
+                let noun = if rs.len() == 1 { "rank" } else { "ranks" };
+                format!("{v} on {noun} {}", rs.join(", "))
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        return Err(EngineError::RanksDisagree { setting, values });
+    }
+    Ok(())
+}
+
+/// [`same_on_every_rank`]'s settings as bytes: each name and value
+/// after its length (a value may hold any byte).
+fn encode_settings(settings: &[(&str, String)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (name, value) in settings {
+        for part in [name.as_bytes(), value.as_bytes()] {
+            out.extend_from_slice(&(part.len() as u64).to_le_bytes());
+            out.extend_from_slice(part);
+        }
+    }
+    out
+}
+
+/// [`encode_settings`]'s bytes back as pairs (up to the first that does
+/// not decode).
+fn decode_settings(b: &[u8]) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut at = 0usize;
+    let mut take = || -> Option<String> {
+        let len = usize::try_from(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?)).ok()?;
+        let text = b.get(at + 8..(at + 8).checked_add(len)?)?;
+        at += 8 + len;
+        Some(String::from_utf8_lossy(text).into_owned())
+    };
+    while let (Some(n), Some(v)) = (take(), take()) {
+        out.push((n, v));
+    }
+    out
+}
+
 /// Adds every rank's chunk of `chunks` (rank 0's first, `acc.len()`
 /// elements each) into `acc`, in rank order: the one place the reduction
 /// order of a reduce-scatter is fixed, so results never depend on timing or
@@ -418,7 +500,63 @@ impl Comm for SingleRank {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::scripted::Scripted;
     use super::*;
+
+    /// Rank 1's settings in [`settings_disagreeing_name_the_setting_and_each_rank`].
+    fn peer_settings() -> Vec<u8> {
+        encode_settings(&[("steps", "3".to_owned()), ("seed", "2".to_owned())])
+    }
+
+    #[test]
+    fn settings_disagreeing_name_the_setting_and_each_rank() {
+        let mut comm = Scripted::rank_of(0, 2);
+        comm.gather_f64 = Some(|mine, out| {
+            out[0] = mine[0];
+            out[1] = peer_settings().len() as f64;
+            Ok(())
+        });
+        comm.gather_bytes = Some(|mine, _, out| {
+            out[..mine.len()].copy_from_slice(mine);
+            out[mine.len()..].copy_from_slice(&peer_settings());
+            Ok(())
+        });
+        let same = [("steps", "3".to_owned()), ("seed", "2".to_owned())];
+        same_on_every_rank(&comm, &same).unwrap();
+        let other_seed = [("steps", "3".to_owned()), ("seed", "1".to_owned())];
+        match same_on_every_rank(&comm, &other_seed) {
+            Err(EngineError::RanksDisagree { setting, values }) => {
+                assert_eq!(setting, "seed");
+                assert_eq!(values, "1 on rank 0, 2 on rank 1");
+            }
+            other => panic!("{other:?}"),
+        }
+        // One setting fewer on this rank: the first missing one is named.
+        match same_on_every_rank(&comm, &[("steps", "3".to_owned())]) {
+            Err(EngineError::RanksDisagree { setting, values }) => {
+                assert_eq!(setting, "seed");
+                assert_eq!(values, "(not given) on rank 0, 2 on rank 1");
+            }
+            other => panic!("{other:?}"),
+        }
+        // One rank alone agrees with itself, with no collective.
+        same_on_every_rank(&Scripted::rank_of(0, 1), &other_seed).unwrap();
+    }
+
+    #[test]
+    fn settings_round_trip_through_their_bytes() {
+        let s = [("a", String::new()), ("b\n", "x\u{0}y".to_owned())];
+        let back = decode_settings(&encode_settings(&s));
+        assert_eq!(
+            back,
+            vec![
+                ("a".into(), String::new()),
+                ("b\n".into(), "x\u{0}y".into())
+            ]
+        );
+        assert!(decode_settings(&[1, 2, 3]).is_empty());
+        assert!(decode_settings(&u64::MAX.to_le_bytes()).is_empty());
+    }
 
     #[test]
     fn single_rank_collectives_are_copies_and_check_shapes() {

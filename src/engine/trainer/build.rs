@@ -75,6 +75,64 @@ fn precision_setup(precision: &Precision) -> (DType, LossScaler) {
 /// The run's shape checks: token ids within the vocabulary, a sequence
 /// length the model can take, a rank within its world, and a config
 /// resolved for this world.
+/// What every rank of a run must share, by name, for
+/// [`crate::engine::comm::same_on_every_rank`]: the run's length, window
+/// and seed, the config's numerics (batch, clipping, precision, optimizer,
+/// scheduler, sub-group size, data order) and its ZeRO settings (the
+/// `nvme_path`s aside: a node may mount its disk elsewhere), the model,
+/// and the data's length.
+fn rank_settings(
+    config: &Config,
+    model: &Model,
+    data: &TokenData,
+    opts: &TrainerOptions,
+) -> Vec<(&'static str, String)> {
+    let fp = super::checkpoint::config_fingerprint(config, opts.data_order);
+    let numerics = |key: &str| fp.numerics.get(key).cloned().unwrap_or_default();
+    let mut zero = config.zero.clone();
+    for device in [
+        &mut zero.offload_param.device,
+        &mut zero.offload_optimizer.device,
+    ] {
+        if let crate::config::OffloadDevice::Nvme { path } = device {
+            *path = std::path::PathBuf::new();
+        }
+    }
+    let mut model_sha = crate::sha256::Sha256::new();
+    model_sha.update(model.hf_config_value().to_string().as_bytes());
+    vec![
+        (
+            "the run's steps (--steps)",
+            opts.run_steps
+                .map_or_else(|| "not given".to_owned(), |n| n.to_string()),
+        ),
+        ("the sequence length (--seq-len)", opts.seq_len.to_string()),
+        ("the init seed (--seed)", opts.seed.to_string()),
+        ("the data order", numerics("data_order")),
+        (
+            "the batch (the config's, with --micro-batch and --grad-accum)",
+            format!(
+                "train_batch_size {} = micro-batch {} x accumulation {} x {} ranks",
+                config.batch.train_batch_size,
+                config.batch.micro_batch_size,
+                config.batch.gradient_accumulation_steps,
+                config.batch.ranks
+            ),
+        ),
+        ("gradient_clipping", numerics("gradient_clipping")),
+        ("the precision (fp16/bf16)", numerics("precision")),
+        ("check_grad_overflow", numerics("check_grad_overflow")),
+        ("the optimizer (with --lr)", numerics("optimizer")),
+        ("the scheduler (with --steps)", numerics("scheduler")),
+        ("zero_optimization", format!("{zero:?}")),
+        (
+            "the model's config.json (its sha256)",
+            model_sha.finish_hex(),
+        ),
+        ("the data's token count", data.len().to_string()),
+    ]
+}
+
 fn check_run(
     config: &Config,
     model: &Model,
@@ -799,6 +857,10 @@ impl Trainer {
     ) -> Result<Self> {
         let started = Instant::now();
         check_run(config, &model, &data, &opts)?;
+        crate::engine::comm::same_on_every_rank(
+            &*opts.comm,
+            &rank_settings(config, &model, &data, &opts),
+        )?;
         let host = HostSetup::new(config, &opts)?;
         let (param_dtype, scaler) = precision_setup(&config.precision);
         let sub_group = usize::try_from(config.zero.sub_group_numel.0).unwrap_or(usize::MAX);
