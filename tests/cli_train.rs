@@ -1531,3 +1531,42 @@ fn device_sim_with_nothing_offloaded_trains_in_device_memory() {
         ],
     );
 }
+
+/// A Mistral whose sliding window is at least the sequence never cuts a
+/// key off: `--device sim` (the device units) trains it, to the bits of
+/// the same model without a window; a window shorter than the sequence,
+/// which the device units do not implement, is refused naming both and
+/// the longest sequence that runs. (Mistral-7B-v0.1's window of 4096 was
+/// refused at every `--seq-len`.)
+#[test]
+fn device_sim_trains_a_mistral_whose_window_spans_the_sequence() {
+    let d = tiny_setup("sim-mistral");
+    let model = |dir: &str, window: Option<u64>| {
+        let mut cfg = json!({"model_type": "mistral", "vocab_size": 256, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "max_position_embeddings": 32, "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": false});
+        cfg["sliding_window"] = json!(window);
+        std::fs::create_dir_all(d.join(dir)).unwrap();
+        std::fs::write(d.join(dir).join("config.json"), cfg.to_string()).unwrap();
+    };
+    model("window16", Some(16));
+    model("nowindow", None);
+    model("window8", Some(8));
+    let sha = |dir: &str| -> String {
+        let args = with(&TINY, &[("--device", "sim"), ("--model", dir)]);
+        let out = train(&d, &[&args[..], &["--json"]].concat());
+        assert_eq!(out.code, 0, "{dir}: {}", out.stderr);
+        let v: Value = serde_json::from_str(out.stdout.trim()).unwrap();
+        v["weight_sha256"].as_str().unwrap().to_owned()
+    };
+    assert_eq!(sha("window16"), sha("nowindow"));
+    assert_bad(
+        &d,
+        &with(&TINY, &[("--device", "sim"), ("--model", "window8")]),
+        &[
+            "a sliding attention window of 8 tokens shorter than the sequence (16",
+            "a sequence of at most 8 tokens",
+        ],
+    );
+}

@@ -711,10 +711,11 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
             args.sim_compute_ms.as_deref(),
             cfg,
             &model,
+            seq_len,
             comm.clone(),
         )?),
         None => None,
-        Some(d) => Some(cuda_units(d, cfg, &model, &*comm)?),
+        Some(d) => Some(cuda_units(d, cfg, &model, seq_len, &*comm)?),
     };
     let opts = TrainerOptions {
         compute: compute.clone(),

@@ -16,11 +16,12 @@ pub(super) fn cuda_units(
     d: tierzero::gpu::DeviceChoice,
     cfg: &tierzero::config::Config,
     model: &tierzero::model::Model,
+    seq_len: usize,
     comm: &dyn tierzero::engine::Comm,
 ) -> Result<std::sync::Arc<dyn tierzero::model::exec_units::UnitCompute>, Failure> {
     use tierzero_gpu::GpuError as G;
     let world = comm.world_size();
-    let gemm = unit_checks(&format!("--device {d}"), cfg, model)?;
+    let gemm = unit_checks(&format!("--device {d}"), cfg, model, seq_len)?;
     // Counted without a context on any device (another rank's GPU may be
     // in exclusive-process mode).
     let count = tierzero::gpu::device_count().map_err(|e| bad(format!("--device {d}: {e}")))?;
@@ -103,9 +104,10 @@ fn unit_checks(
     flag: &str,
     cfg: &tierzero::config::Config,
     model: &tierzero::model::Model,
+    seq_len: usize,
 ) -> Result<tierzero_gpu::unit::GemmDtype, Failure> {
     let gemm = cfg.precision.gemm_dtype();
-    if let Some(why) = tierzero::model::exec_units::supports(model.config()) {
+    if let Some(why) = tierzero::model::exec_units::supports(model.config(), seq_len) {
         return Err(bad(format!(
             "{flag}: the device units do not implement {why}; train on --device cpu"
         )));
@@ -127,10 +129,11 @@ pub(super) fn sim_units(
     sim_compute_ms: Option<&str>,
     cfg: &tierzero::config::Config,
     model: &tierzero::model::Model,
+    seq_len: usize,
     comm: std::sync::Arc<dyn tierzero::engine::Comm>,
 ) -> Result<std::sync::Arc<dyn tierzero::model::exec_units::UnitCompute>, Failure> {
     use tierzero::engine::device::sim::{SimConfig, SimDevice};
-    let gemm = unit_checks("--device sim", cfg, model)?;
+    let gemm = unit_checks("--device sim", cfg, model, seq_len)?;
     let text = sim_h2d_gbps.unwrap_or("25");
     let gbps: f64 = text
         .trim()

@@ -307,16 +307,25 @@ pub trait DeviceOptimizer: Send + Sync {
     fn state(&self, id: ParamId) -> Result<[Vec<f32>; 3], ModelError>;
 }
 
-/// Why `tierzero-gpu`'s units cannot run this model (None: they can).
-pub fn supports(c: &ModelConfig) -> Option<String> {
+/// Why `tierzero-gpu`'s units cannot run this model on sequences of
+/// `seq_len` tokens (None: they can). A sliding attention window
+/// (Mistral's) at least as long as the sequence never cuts a key off, so
+/// it changes nothing and the units run it (Mistral-7B-v0.1's 4096 at a
+/// `--seq-len` up to 4096); a shorter one they do not implement. With
+/// `seq_len` 0, the window is not asked about.
+pub fn supports(c: &ModelConfig, seq_len: usize) -> Option<String> {
     match c.arch {
         Arch::Gpt2 if c.activation != Activation::GeluTanh => Some(format!(
             "GPT-2 with activation {:?}: the CUDA units have gelu_new (tanh) only",
             c.activation
         )),
-        Arch::Llama if c.sliding_window.is_some() => Some(
-            "a sliding attention window (Mistral): the CUDA units attend causally over the whole sequence".into(),
-        ),
+        Arch::Llama => c.sliding_window.filter(|&w| w < seq_len).map(|w| {
+            format!(
+                "a sliding attention window of {w} tokens shorter than the sequence \
+                 ({seq_len}; Mistral): the CUDA units attend causally over the whole sequence \
+                 (a sequence of at most {w} tokens leaves the window without effect)"
+            )
+        }),
         _ => None,
     }
 }
@@ -489,6 +498,11 @@ fn batch_shape(
                 reason: format!("sequence length {s} exceeds max_seq_len {}", c.max_seq_len),
             })
         }
+        [_, s, ..] if supports(c, *s).is_some() => {
+            return Err(ModelError::Unsupported {
+                what: supports(c, *s).unwrap_or_default(),
+            })
+        }
         [b, s, ..] => (*b, *s),
         _ => {
             return Err(ModelError::Unsupported {
@@ -558,7 +572,7 @@ fn check<E: Exec>(
     params: &[Tensor],
     p: &[E::Buf],
 ) -> Result<UnitKind, ModelError> {
-    if let Some(why) = supports(model.config()) {
+    if let Some(why) = supports(model.config(), 0) {
         return Err(ModelError::Unsupported { what: why });
     }
     let spec = model.unit(unit)?;
