@@ -422,13 +422,28 @@ fn the_auto_pool_takes_at_most_half_the_free_space() {
     assert_eq!(slots(u64::MAX), groups);
     assert_eq!(slots(others + 8 * slot + 1), 4);
     assert_eq!(slots(others + 10 * slot - 1), 4);
-    // No room: the pipeline's depth, whose extents then fail at fallocate
-    // with the numbers, as any swap file too large for the disk.
-    assert_eq!(slots(others), 3);
-    assert_eq!(slots(0), 3);
+    // Room for the pipeline's depth but not twice: the pipeline's depth.
+    assert_eq!(slots(others + 3 * slot), 3);
+    // No room for even that: auto speculation is off (the same bits, the
+    // step waits for the norm), not a run refused for a disk its state
+    // fits without the pool; the plan says so.
+    for avail in [others + 3 * slot - 1, others, 0] {
+        let s = decide_within(&config, &shape, Some(avail)).unwrap();
+        assert_eq!(
+            (
+                s.speculative,
+                s.speculation_slots,
+                s.speculation_pool_nvme_bytes
+            ),
+            (false, 0, 0),
+            "{avail}"
+        );
+        assert_eq!(s.speculation_off_for_room_bytes, Some(3 * slot), "{avail}");
+    }
+    assert_eq!(full.speculation_off_for_room_bytes, None);
     // Kept gradients stay the pipeline's depth whatever the pool.
     assert_eq!(
-        decide_within(&config, &shape, Some(0))
+        decide_within(&config, &shape, Some(others + 3 * slot))
             .unwrap()
             .speculation_kept_grads,
         3
@@ -459,6 +474,13 @@ fn the_auto_pool_takes_at_most_half_the_free_space() {
             .speculation_slots,
         5
     );
+    // Asked for (`true`), speculation keeps its least pool without room:
+    // its extents then fail at fallocate with the numbers.
+    let mut on = cfg.clone();
+    on["tierzero"]["speculative_step"] = json!(true);
+    let config = load_str(&on.to_string(), &run).unwrap().config;
+    let s = decide_within(&config, &shape, Some(0)).unwrap();
+    assert_eq!((s.speculative, s.speculation_slots), (true, 3));
 }
 
 #[test]

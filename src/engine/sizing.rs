@@ -313,6 +313,11 @@ pub struct Sizing {
     /// `speculation_slots` sets of three extents of the largest NVMe
     /// sub-group.
     pub speculation_pool_nvme_bytes: u64,
+    /// `tierzero.speculative_step` auto turned off because its least pool
+    /// (these bytes) does not fit the free space left on the optimizer
+    /// state's file system ([`speculation_fits_the_room`]); `None`
+    /// otherwise.
+    pub speculation_off_for_room_bytes: Option<u64>,
     /// Per sub-group: its optimizer state stays in host memory.
     pub resident_groups: Vec<bool>,
     /// With `spill_grads`: sub-groups below this index hold their final
@@ -495,6 +500,16 @@ pub fn speculation_pool_slots(
             }
         }
     }
+}
+
+/// Whether an auto speculation pool of `pool_bytes` fits `room_bytes`
+/// (the free space the optimizer state's file system has beside the run's
+/// other swap extents; `None`: not known, taken as fitting). When even
+/// the least pool does not, auto speculation is off rather than the run
+/// refused for a disk its state fits without it: the result is the same
+/// bits, the step only waits for the norm.
+pub fn speculation_fits_the_room(pool_bytes: u64, room_bytes: Option<u64>) -> bool {
+    room_bytes.is_none_or(|room| pool_bytes <= room)
 }
 
 /// The least pool auto gives: one sub-group pipeline's worth of state in
@@ -912,15 +927,25 @@ pub fn decide_within(
             .saturating_sub(3 * nvme_groups().sum::<u64>() + spill_nvme_bytes + park_nvme_bytes)
             .saturating_sub(if params_beside { param_nvme_bytes } else { 0 })
     });
+    let slot_bytes = 3 * nvme_groups().max().unwrap_or(0);
     let speculation_slots = speculation_pool_slots(
         speculative && opt_nvme,
         read_ahead,
         write_behind,
         nvme_groups().count(),
         config.tierzero.speculation_pool_bytes.map(|b| b.0),
-        3 * nvme_groups().max().unwrap_or(0),
+        slot_bytes,
         room_bytes,
     );
+    let auto = config.tierzero.speculative_step.is_none()
+        && config.tierzero.speculation_pool_bytes.is_none();
+    let pool_bytes = speculation_slots as u64 * slot_bytes;
+    let speculation_off_for_room_bytes =
+        (auto && !speculation_fits_the_room(pool_bytes, room_bytes)).then_some(pool_bytes);
+    let (speculative, speculation_slots) = match speculation_off_for_room_bytes {
+        Some(_) => (false, 0),
+        None => (speculative, speculation_slots),
+    };
     let speculation_kept_grads =
         speculation_kept_grads(read_ahead, write_behind, speculation_slots);
     // Speculation keeps the old state while the new one is written: into a
@@ -970,6 +995,7 @@ pub fn decide_within(
         speculation_slots,
         speculation_kept_grads,
         speculation_pool_nvme_bytes,
+        speculation_off_for_room_bytes,
         resident_groups: resident,
         held_grad_groups,
         param_nvme_bytes,

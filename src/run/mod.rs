@@ -138,6 +138,9 @@ pub struct Plan {
     /// With `speculative`: the speculated gradients kept in host memory
     /// for a re-step (the others are spilled).
     pub speculation_kept_grads: usize,
+    /// Auto speculation turned off: its least pool's bytes did not fit the
+    /// disk ([`crate::engine::Sizing::speculation_off_for_room_bytes`]).
+    pub speculation_off_for_room_bytes: Option<u64>,
     /// fp32 master weights, `m` and `v`.
     pub optimizer: TierBytes,
     /// Stepped sub-groups' new param values on their way to the params'
@@ -314,6 +317,7 @@ impl Plan {
                 (nvme_groups, nvme_groups as u64 * slot_bytes)
             },
             speculation_kept_grads: sizing.speculation_kept_grads,
+            speculation_off_for_room_bytes: sizing.speculation_off_for_room_bytes,
             new_values: (
                 crate::engine::sizing::values_buffers(
                     sizing.read_ahead,
@@ -634,6 +638,16 @@ impl fmt::Display for Plan {
                  gets one a step: bf16, one rank, one micro-batch, no param shared by units), \
                  read by the optimizer as their fp32 sums, the same bits; fp32 sums in the rest",
                 self.bf16_grad_sub_groups, self.sub_groups.0
+            );
+        }
+        if let Some(bytes) = self.speculation_off_for_room_bytes {
+            let _ = writeln!(
+                s,
+                "  speculative step: off: its least pool ({} of NVMe) does not fit the free \
+                 space beside the optimizer state's swap, so each step waits for the norm (the \
+                 same bits; tierzero.speculation_pool_bytes or speculative_step true asks for \
+                 it anyway)",
+                cell(bytes).trim()
             );
         }
         if self.speculative {
