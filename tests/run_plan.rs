@@ -637,3 +637,43 @@ fn the_pinned_line_sets_the_cpu_tier_pages_beside_the_budget() {
     let line = text.lines().find(|l| l.contains("pinned total")).unwrap();
     assert!(!line.contains("cpu tier's pages"), "{line}");
 }
+
+/// `pin_memory: false` leaves the arenas pageable: the plan shows their
+/// bytes as host memory and its pinned total as what is locked (it
+/// showed every arena as pinned, with nothing locked).
+#[test]
+fn arenas_left_pageable_by_pin_memory_false_are_host_memory_in_the_plan() {
+    let d = scratch("nopin");
+    let pinned = plan_of(&d, &ds(&d, false, None));
+    let mut cfg = ds(&d, false, None);
+    cfg["zero_optimization"]["offload_param"]["pin_memory"] = json!(false);
+    cfg["zero_optimization"]["offload_optimizer"]["pin_memory"] = json!(false);
+    let pageable = plan_of(&d, &cfg);
+    let arenas = pinned.pinned_total_bytes();
+    assert!(arenas > 0);
+    assert_eq!(pinned.pageable_arena_bytes(), 0);
+    assert_eq!(pageable.pageable_arena_bytes(), arenas);
+    let text = pageable.to_string();
+    assert!(
+        text.contains(&format!(
+            "pinned total 0 B (and {} of arenas left pageable by pin_memory false)",
+            tierzero::units::format_bytes(arenas)
+        )),
+        "{text}"
+    );
+    let swap_row = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("param swap buffers"))
+        .unwrap();
+    // The table's columns: a label of 38, then four cells of 12 (device,
+    // pinned host, host, NVMe), each after a space.
+    let cell = |i: usize| swap_row.get(41 + 13 * i..53 + 13 * i).unwrap().trim();
+    assert_eq!((cell(1), cell(2)), ("-", "256 KiB"), "{swap_row}");
+    assert!(
+        pinned.to_string().contains(&format!(
+            "pinned total {}",
+            tierzero::units::format_bytes(arenas)
+        )),
+        "{pinned}"
+    );
+}

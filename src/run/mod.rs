@@ -160,6 +160,11 @@ pub struct Plan {
     pub sub_groups: (usize, u64),
     /// `tierzero.pinned_budget_bytes`, if set.
     pub pinned_budget_bytes: Option<u64>,
+    /// `offload_param.pin_memory` and `offload_optimizer.pin_memory`: whether
+    /// the params' arenas (cpu-tier pages, param swap buffers) and the
+    /// optimizer's (its swap buffers, the parked sums') are page-locked.
+    /// Unlocked, they are shown as host memory, not pinned.
+    pub pin_memory: (bool, bool),
     /// Where parameters go on NVMe.
     pub param_nvme_path: Option<String>,
     /// Where optimizer state goes on NVMe.
@@ -333,6 +338,10 @@ impl Plan {
             optimizer_buffers: pair(sizing.optimizer_buffers),
             sub_groups: (layout.sub_groups.len(), layout.max_sub_group_numel() as u64),
             pinned_budget_bytes: config.tierzero.pinned_budget_bytes.map(|b| b.0),
+            pin_memory: (
+                zero.offload_param.pin_memory,
+                zero.offload_optimizer.pin_memory,
+            ),
             param_nvme_path: if per_tier[2] > 0 {
                 path_of(&zero.offload_param.device)
             } else {
@@ -365,6 +374,26 @@ impl Plan {
             )
             .saturating_add(self.params.pinned_bytes)
             .saturating_add(self.park.pinned_bytes)
+    }
+
+    /// Of [`Self::pinned_total_bytes`], the arenas `pin_memory: false`
+    /// leaves pageable (mapped all the same, not locked).
+    pub fn pageable_arena_bytes(&self) -> u64 {
+        let (params_pinned, optimizer_pinned) = self.pin_memory;
+        let params = self
+            .params
+            .pinned_bytes
+            .saturating_add(self.param_buffers.0.saturating_mul(self.param_buffers.1));
+        let optimizer = (self
+            .optimizer_buffers
+            .0
+            .saturating_mul(self.optimizer_buffers.1))
+        .saturating_add(self.park.pinned_bytes);
+        (if params_pinned { 0 } else { params }).saturating_add(if optimizer_pinned {
+            0
+        } else {
+            optimizer
+        })
     }
 
     /// NVMe bytes the run allocates.
@@ -408,15 +437,28 @@ impl fmt::Display for Plan {
         );
         let _ = writeln!(
             s,
-            "  param homes: {dev} on device, {cpu} in pinned host memory, {nvme} on NVMe; \
+            "  param homes: {dev} on device, {cpu} in {}host memory, {nvme} on NVMe; \
              largest tensor {} elements; optimizer sub-groups: {} (largest {} elements)",
-            self.largest_param_numel, self.sub_groups.0, self.sub_groups.1
+            if self.pin_memory.0 { "pinned " } else { "" },
+            self.largest_param_numel,
+            self.sub_groups.0,
+            self.sub_groups.1
         );
         let _ = writeln!(
             s,
             "  {:<38} {:>12} {:>12} {:>12} {:>12}",
             "", "device", "pinned host", "host", "NVMe"
         );
+        // An arena left pageable (`pin_memory: false`) is host memory.
+        let unpinned = |t: &TierBytes, pinned: bool| match pinned {
+            true => *t,
+            false => TierBytes {
+                host_bytes: t.host_bytes.saturating_add(t.pinned_bytes),
+                pinned_bytes: 0,
+                ..*t
+            },
+        };
+        let (params_pinned, optimizer_pinned) = self.pin_memory;
         let row = |s: &mut String, name: &str, t: &TierBytes| {
             let _ = writeln!(
                 s,
@@ -428,7 +470,7 @@ impl fmt::Display for Plan {
                 cell(t.nvme_bytes)
             );
         };
-        row(&mut s, "params", &self.params);
+        row(&mut s, "params", &unpinned(&self.params, params_pinned));
         let adam_on_device = self
             .device_memory
             .as_ref()
@@ -457,7 +499,11 @@ impl fmt::Display for Plan {
             if adam_on_device { &none } else { &self.grads },
         );
         if self.park.nvme_bytes > 0 {
-            row(&mut s, "grad sums parked between micro-batches", &self.park);
+            row(
+                &mut s,
+                "grad sums parked between micro-batches",
+                &unpinned(&self.park, optimizer_pinned),
+            );
         }
         let opt_label = match self.resident_sub_groups {
             0 => "optimizer state (fp32 master, m, v)".to_owned(),
@@ -483,7 +529,7 @@ impl fmt::Display for Plan {
         row(
             &mut s,
             &buffers_label("param swap buffers", self.param_buffers),
-            &param_bufs,
+            &unpinned(&param_bufs, params_pinned),
         );
         let opt_bufs = TierBytes {
             pinned_bytes: self.optimizer_buffers.0 * self.optimizer_buffers.1,
@@ -492,7 +538,7 @@ impl fmt::Display for Plan {
         row(
             &mut s,
             &buffers_label("optimizer swap buffers", self.optimizer_buffers),
-            &opt_bufs,
+            &unpinned(&opt_bufs, optimizer_pinned),
         );
         if let Some(d) = &self.device_memory {
             for r in &d.rows {
@@ -517,10 +563,18 @@ impl fmt::Display for Plan {
             ),
             (None, _) => "(no tierzero.pinned_budget_bytes set)".to_owned(),
         };
+        let pageable_bytes = self.pageable_arena_bytes();
+        let pageable = match pageable_bytes {
+            0 => String::new(),
+            b => format!(
+                " (and {} of arenas left pageable by pin_memory false)",
+                format_bytes(b)
+            ),
+        };
         let _ = writeln!(
             s,
-            "  pinned total {} {budget}; NVMe total {}{}",
-            format_bytes(self.pinned_total_bytes()),
+            "  pinned total {}{pageable} {budget}; NVMe total {}{}",
+            format_bytes(self.pinned_total_bytes() - pageable_bytes),
             format_bytes(self.nvme_total_bytes()),
             match self.swap_slack_bytes {
                 0 => String::new(),
