@@ -32,9 +32,12 @@ fn try_build(k: &Knobs, edit: impl Fn(&mut serde_json::Value)) -> Result<Trainer
 fn pinned_budget_too_small_for_the_pipeline_names_the_numbers() {
     // The configured param buffers (4 of 80 KiB: 327,680 bytes, what the
     // config check counts without the layout) fit, and so do the slots the
-    // engine cuts them into (8 of 32 KiB); the optimizer's 9 do not.
+    // engine cuts them into (8 of 32 KiB, or as few as 4 within the
+    // budget); the optimizer's 9 of the largest sub-group (20,000
+    // elements: 80 KiB each) do not.
     let k = Knobs {
         pinned_budget: Some(330_000),
+        sub_group: 20_000,
         ..Knobs::nvme()
     };
     let err = try_build(&k, |_| {}).unwrap_err();
@@ -63,6 +66,7 @@ fn pinned_budget_too_small_for_the_pipeline_names_the_numbers() {
     // (it said "3 states" for 4 buffers a stage).
     let k = Knobs {
         pinned_budget: Some(330_000),
+        sub_group: 20_000,
         clip: 1.0,
         ..Knobs::nvme()
     };

@@ -677,3 +677,52 @@ fn arenas_left_pageable_by_pin_memory_false_are_host_memory_in_the_plan() {
         "{pinned}"
     );
 }
+
+/// Within `tierzero.pinned_budget_bytes` the param swap arena is cut into
+/// as many shard slots as the budget holds, at least `buffer_count`: a
+/// budget the config check passed (its `buffer_count` slots) was refused
+/// by the engine for its 2-per-param slots. The weights do not change.
+#[test]
+fn param_slots_are_cut_to_the_pinned_budget_down_to_buffer_count() {
+    let d = scratch("slot-budget");
+    let mut cfg = ds(&d, false, None);
+    cfg["zero_optimization"]["offload_optimizer"] = json!({"device": "cpu"});
+    // DeepSpeed's default buffer_size: each buffer holds many shards.
+    cfg["zero_optimization"]["offload_param"]["buffer_size"] = json!(1e8);
+    let md = ModelDir::open(d.join("model"), 1).unwrap();
+    // As `tierzero train` loads it: the model's size known, so the config
+    // check asks for `buffer_count` slots of the largest shard.
+    let run = RunContext {
+        path_checks: PathChecks::Check,
+        model_numel: Some(md.model().numel() as u64),
+        largest_param_numel: md.model().params().iter().map(|p| p.numel as u64).max(),
+        ..RunContext::default()
+    };
+    let build = |cfg: &Value| {
+        let config = load_str(&cfg.to_string(), &run)
+            .map_err(|e| e.to_string())?
+            .config;
+        let text = "tiers of bytes: device, pinned host memory and nvme. ".repeat(20);
+        let data = TokenData::from_bytes(text.as_bytes(), Path::new("<text>"));
+        Trainer::new(&config, &md, data, TrainerOptions::cpu(1, 16)).map_err(|e| e.to_string())
+    };
+    let mut free = build(&cfg).unwrap();
+    free.step().unwrap();
+    let (n, slot) = (
+        free.sizing().param_buffers.count,
+        free.sizing().param_buffers.bytes_each,
+    );
+    assert!(n > 5, "{n} slots");
+    let sha = free.weight_sha256().unwrap();
+    for (budget, want) in [(4 * slot, 4), (5 * slot + slot / 2, 5), (n * slot, n)] {
+        cfg["tierzero"]["pinned_budget_bytes"] = json!(budget);
+        let mut t = build(&cfg).unwrap();
+        assert_eq!(t.sizing().param_buffers.count, want, "budget {budget}");
+        t.step().unwrap();
+        assert_eq!(t.weight_sha256().unwrap(), sha);
+    }
+    // Below buffer_count slots: refused, with the least that works.
+    cfg["tierzero"]["pinned_budget_bytes"] = json!(4 * slot - 1);
+    let err = build(&cfg).err().unwrap();
+    assert!(err.contains(&(4 * slot).to_string()), "{err}");
+}

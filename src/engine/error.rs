@@ -19,10 +19,11 @@ pub enum EngineError {
          pipeline needs {optimizer_buffers_needed} buffers of {optimizer_buffer_bytes} bytes \
          ({optimizer_stage_buffers} x {optimizer_stages} stages), the gradient park \
          {park_buffers_bytes} bytes; \
-         raise tierzero.pinned_budget_bytes to at least {required_bytes} or lower sub_group_size / \
-         offload_param.buffer_size"
+         raise tierzero.pinned_budget_bytes to at least {required_bytes} or lower {lower_keys}"
     )]
     PinnedBudget {
+        /// The keys that shrink what does not fit.
+        lower_keys: &'static str,
         /// The configured budget.
         budget_bytes: u64,
         /// Parameter swap-in buffer count.

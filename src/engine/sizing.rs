@@ -847,10 +847,6 @@ pub fn decide_within(
     } else {
         Buffers::NONE
     };
-    // Buffers the budget must hold before the optimizer's.
-    let fixed_bytes = param_buffers
-        .total_bytes()
-        .saturating_add(park_buffers.total_bytes());
     let (wanted, needed) = optimizer_buffers(
         zero.offload_optimizer.buffer_count,
         read_ahead,
@@ -858,6 +854,33 @@ pub fn decide_within(
         spill_grads,
         shape.max_sub_group_numel(),
     );
+    // Within a pinned budget the param slots are cut to what it leaves
+    // beside the parked sums and the optimizer pipeline's least, never
+    // below `buffer_count` (the slots are a speed-up: DeepSpeed's default
+    // buffers cut into 104 slots asked a 40 MiB budget for 58.5 MiB on a
+    // small GPT-2 whose 5 slots take 2.8 MiB).
+    let param_buffers = match config.tierzero.pinned_budget_bytes {
+        Some(b) if param_buffers.count > configured.count => {
+            let optimizer_least = if opt_nvme {
+                needed.saturating_mul(wanted.bytes_each)
+            } else {
+                0
+            };
+            let left =
+                b.0.saturating_sub(park_buffers.total_bytes())
+                    .saturating_sub(optimizer_least);
+            Buffers {
+                count: (left / param_buffers.bytes_each.max(1))
+                    .clamp(configured.count, param_buffers.count),
+                ..param_buffers
+            }
+        }
+        _ => param_buffers,
+    };
+    // Buffers the budget must hold before the optimizer's.
+    let fixed_bytes = param_buffers
+        .total_bytes()
+        .saturating_add(park_buffers.total_bytes());
     let short = |needed: u64| BudgetShort {
         budget_bytes: config.tierzero.pinned_budget_bytes.map_or(0, |b| b.0),
         param_buffers,

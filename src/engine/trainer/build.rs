@@ -286,6 +286,11 @@ impl From<BudgetShort> for EngineError {
 
 fn budget_error(s: BudgetShort) -> EngineError {
     EngineError::PinnedBudget {
+        lower_keys: match (s.optimizer_buffers_needed.count, s.param_buffers.count) {
+            (0, _) => "zero_optimization.offload_param.buffer_count / buffer_size",
+            (_, 0) => "zero_optimization.sub_group_size",
+            _ => "zero_optimization.sub_group_size or offload_param.buffer_count / buffer_size",
+        },
         budget_bytes: s.budget_bytes,
         param_buffer_count: s.param_buffers.count,
         param_buffer_bytes: s.param_buffers.bytes_each,
