@@ -1520,16 +1520,33 @@ fn device_sim_with_nothing_offloaded_trains_in_device_memory() {
     assert!(rel < 1e-3, "sim {} vs cpu {}", loss[0], loss[1]);
 
     cfg["tierzero"] = json!({"device_budget_bytes": 65536});
-    write_config(&d, cfg);
+    write_config(&d, cfg.clone());
+    let args = with(&TINY, &[("--device", "sim")]);
     assert_bad(
         &d,
-        &with(&TINY, &[("--device", "sim")]),
+        &args,
         &[
             "--device sim",
-            "is left after start-up",
+            "are left after start-up",
             "offload_optimizer.device",
         ],
     );
+    // The shortfall it names is exact: that much more trains, one byte
+    // less is refused again.
+    let err = train(&d, &args).stderr;
+    let more: u64 = err
+        .split("device_budget_bytes by at least ")
+        .nth(1)
+        .and_then(|t| t.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no shortfall in: {err}"));
+    cfg["tierzero"] = json!({"device_budget_bytes": 65536 + more - 1});
+    write_config(&d, cfg.clone());
+    assert_eq!(train(&d, &args).code, 2);
+    cfg["tierzero"] = json!({"device_budget_bytes": 65536 + more});
+    write_config(&d, cfg);
+    let out = train(&d, &args);
+    assert_eq!(out.code, 0, "{}", out.stderr);
 }
 
 /// A Mistral whose sliding window is at least the sequence never cuts a

@@ -257,7 +257,11 @@ fn a_model_whose_state_does_not_fit_the_device_is_refused_with_the_numbers() {
     let dev = SimDevice::new(sim(100_000, GemmDtype::F32)).unwrap();
     let err = ResidentUnits::new(dev, m, false).unwrap_err().to_string();
     assert!(err.contains("offload_optimizer"), "{err}");
-    assert!(err.contains("is left after start-up"), "{err}");
+    assert!(err.contains("are left after start-up"), "{err}");
+    assert!(
+        err.contains("tierzero.device_budget_bytes by at least "),
+        "{err}"
+    );
 
     // The plan's rows are the state the check counted.
     let numel: u64 = m.params().iter().map(|p| p.numel as u64).sum();

@@ -189,7 +189,8 @@ fn nccl_comm(device: DeviceChoice, world: usize) -> Result<Arc<dyn Comm>, Failur
                 env_count(&["TIERZERO_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"])?.unwrap_or(0);
             if world == 0 || rank >= world {
                 return Err(Failure::BadInput(anyhow!(
-                    "TIERZERO_RANK={rank} with TIERZERO_WORLD_SIZE={world}: give each rank a                      number from 0 to the world size - 1"
+                    "TIERZERO_RANK={rank} with TIERZERO_WORLD_SIZE={world}: give each rank a \
+                     number from 0 to the world size - 1"
                 )));
             }
             Bootstrap::Tcp { addr, rank, world }

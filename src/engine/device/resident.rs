@@ -380,15 +380,17 @@ impl<L: DeviceLink> ResidentUnits<L> {
         if need > room {
             return Err(ModelError::Gpu {
                 what: format!(
-                    "training in device memory: the model's {} params need {} on the device \
-                     (weights, {}Adam's moments and the gradients) and {} is left after \
-                     start-up; set zero_optimization.offload_optimizer.device to \"cpu\" (the \
-                     optimizer on the host, the params streamed to the device), or raise \
-                     tierzero.device_budget_bytes",
+                    "training in device memory: the model's {} params need {need} bytes ({}) \
+                     on the device (weights, {}Adam's moments and the gradients) and {room} \
+                     bytes ({}) are left after start-up; set \
+                     zero_optimization.offload_optimizer.device to \"cpu\" (the optimizer on \
+                     the host, the params streamed to the device), or raise \
+                     tierzero.device_budget_bytes by at least {} bytes",
                     numels.iter().sum::<u64>(),
                     crate::units::format_bytes(need),
                     if bf16 { "fp32 masters, " } else { "" },
                     crate::units::format_bytes(room),
+                    need - room,
                 ),
             });
         }
