@@ -260,7 +260,7 @@ pub struct TrainArgs {
     /// --sim-h2d-gbps and tierzero.device_budget_bytes, 1 GiB if unset).
     #[arg(long, value_name = "DEVICE", default_value = "cpu")]
     device: String,
-    /// With --device sim: the simulated host-to-device link's bandwidth,
+    /// With --device sim: the simulated link's bandwidth, each way,
     /// in GB/s (default 25, about PCIe 4.0 x16's).
     #[arg(long, value_name = "GBPS")]
     sim_h2d_gbps: Option<String>,
