@@ -1587,3 +1587,28 @@ fn device_sim_trains_a_mistral_whose_window_spans_the_sequence() {
         ],
     );
 }
+
+/// fp16's loss scale at its floor with the gradients still overflowing
+/// ends the run as DeepSpeed's does, as the user's to fix (exit 2, the
+/// fixes named), not as an internal error (it was exit 1, "internal
+/// error:"). An init of standard deviation 3000 overflows every step.
+#[test]
+fn the_loss_scale_at_its_minimum_is_exit_2_with_the_fixes() {
+    let d = tiny_setup("min-scale");
+    let model = json!({"model_type": "gpt2", "vocab_size": 256, "n_positions": 32,
+        "n_embd": 32, "n_layer": 2, "n_head": 2, "tie_word_embeddings": true,
+        "initializer_range": 3000.0});
+    std::fs::write(d.join("model/config.json"), model.to_string()).unwrap();
+    let mut cfg = ds_config(&d);
+    cfg["fp16"] = json!({"enabled": true, "initial_scale_power": 1, "min_loss_scale": 1,
+        "hysteresis": 1});
+    write_config(&d, cfg);
+    let out = train(&d, &with(&TINY, &[("--steps", "6")]));
+    assert_eq!(out.code, 2, "stdout {} stderr {}", out.stdout, out.stderr);
+    let last = out.stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("error: ") && last.contains("minimum loss scale 1"),
+        "{}",
+        out.stderr
+    );
+}

@@ -90,6 +90,11 @@ pub(super) fn corrupt_resume(e: EngineError, ckpt: &Checkpoint) -> Failure {
 pub(super) fn run_failure(e: EngineError, what: &str) -> Failure {
     match e {
         EngineError::Swap(s) => Failure::from_swap(s, what),
+        // fp16's scaler at its floor: the run's precision and
+        // hyperparameters (the message names the fixes), not a fault.
+        EngineError::Optim(tierzero::optim::OptimError::LossScaleAtMinimum { .. }) => {
+            Failure::BadInput(anyhow::Error::new(e).context(what.to_owned()))
+        }
         EngineError::Io { ref source, .. }
         | EngineError::Checkpoint(CheckpointError::Io { ref source, .. })
             if matches!(

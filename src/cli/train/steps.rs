@@ -79,7 +79,9 @@ pub(super) fn train_steps(
         if !m.loss.is_finite() {
             if !m.skipped {
                 progress.finish();
-                return Err(Failure::Internal(anyhow!(
+                // The run's hyperparameters, not a fault of ours: exit 2
+                // with the fix, as for the user's other mistakes.
+                return Err(Failure::BadInput(anyhow!(
                     "step {}: the loss is {} (diverged); lower the learning rate",
                     m.step,
                     m.loss
