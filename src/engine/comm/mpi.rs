@@ -236,7 +236,8 @@ impl MpiComm {
                 CallFailure::Ended => "the MPI thread has ended".into(),
                 CallFailure::Timeout(waited_s) => format!(
                     "got no answer from the other ranks within {waited_s:.0} s: a rank has died \
-                     or hangs; stopping (set TIERZERO_COMM_TIMEOUT_S to wait longer)"
+                     or hangs, or is still starting (at start-up: encoding a corpus its node has \
+                     no token cache of); stopping (set TIERZERO_COMM_TIMEOUT_S to wait longer)"
                 ),
             };
             self.comm_error(name, reason)

@@ -681,8 +681,9 @@ impl NcclComm {
             Ok(Reply::Failed(g)) => Err(e(g.to_string())),
             Ok(r) => Ok(r),
             Err(CallError::Timeout(s)) => Err(e(format!(
-                "got no answer from the other ranks within {s:.0} s: a rank has died or hangs; \
-                 stopping (set TIERZERO_COMM_TIMEOUT_S to wait longer)"
+                "got no answer from the other ranks within {s:.0} s: a rank has died or hangs, \
+                 or is still starting (at start-up: encoding a corpus its node has no token \
+                 cache of); stopping (set TIERZERO_COMM_TIMEOUT_S to wait longer)"
             ))),
             Err(CallError::Gpu(g)) => Err(e(g.to_string())),
         }
