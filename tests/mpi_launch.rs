@@ -389,3 +389,29 @@ fn ranks_started_with_different_settings_are_refused_naming_the_setting() {
         );
     }
 }
+
+/// `tierzero launch` exits with mpirun's code, whatever it is (a rank
+/// killed by SIGKILL: mpirun's 137), with one line saying so; it was exit
+/// 1 and "internal error" for every code but 0, 2, 130 and 143.
+#[test]
+fn launch_exits_with_mpirun_s_code() {
+    let d = scratch("mpirun-code");
+    let fake = d.join("mpirun");
+    std::fs::write(&fake, "#!/bin/sh\nexit 137\n").unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .args(["launch", "--nproc", "2", "--mpirun"])
+        .arg(&fake)
+        .args(["--", "train", "--steps", "1"])
+        .current_dir(&d)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(137), "{stderr}");
+    assert!(
+        stderr.contains("tierzero launch: mpirun exited with 137"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("internal error"), "{stderr}");
+}

@@ -372,9 +372,18 @@ fn launch(nproc: u64, args: &LaunchArgs) -> Result<i32, Failure> {
         Some(2) => Err(Failure::BadInput(anyhow!(
             "a rank refused its input (mpirun exited with 2); see its message above"
         ))),
-        _ => Err(Failure::Internal(anyhow!(
-            "mpirun: {status}; see the ranks' messages above"
-        ))),
+        // Any other ending is mpirun's code, passed on as README says (a
+        // rank killed by SIGKILL: mpirun's 137), with one line saying so.
+        Some(c) => {
+            errln!("tierzero launch: mpirun exited with {c}; see the ranks' messages above");
+            Ok(c)
+        }
+        None => {
+            use std::os::unix::process::ExitStatusExt as _;
+            let signal = status.signal().unwrap_or(0);
+            errln!("tierzero launch: mpirun was killed by signal {signal}");
+            Ok(128 + signal)
+        }
     }
 }
 
