@@ -552,11 +552,46 @@ fn inspect_lists_live_and_stale_swap_files() {
         "{s}"
     );
 
+    // A file named with a live pid that does not hold the lock (a reused
+    // pid, a zombie rank): stale, as the next run's reclaim takes it (it
+    // was called live while that pid lived).
+    let mut sleeper = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let reused = swap_dir.join(format!("swap-{}-0-0.tzswap", sleeper.id()));
+    std::fs::write(&reused, b"old").unwrap();
+    let r = swap_report(tmp.path());
+    assert_eq!(
+        (r["live_files"].as_u64(), r["stale_files"].as_u64()),
+        (Some(1), Some(2)),
+        "{r}"
+    );
+    assert_eq!(r["lock_alive"], true, "{r}");
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
+    std::fs::remove_file(&reused).unwrap();
+
     // Once the space is dropped its file is gone; the stale one stays.
     drop(space);
     let r = swap_report(tmp.path());
     assert_eq!(r["live_files"], 0);
     assert_eq!(r["stale_files"], 1);
+    // A lock file nobody holds (a killed run's): every file is stale,
+    // and the lock is reported as not held, whatever pid it names.
+    std::fs::write(swap_dir.join("lock"), format!("{}\n", std::process::id())).unwrap();
+    std::fs::write(
+        swap_dir.join(format!("swap-{}-5-0.tzswap", std::process::id())),
+        b"x",
+    )
+    .unwrap();
+    let r = swap_report(tmp.path());
+    assert_eq!(
+        (r["live_files"].as_u64(), r["stale_files"].as_u64()),
+        (Some(0), Some(2)),
+        "{r}"
+    );
+    assert_eq!(r["lock_alive"], false, "{r}");
 }
 
 /// An nvme_path shared by ranks holds `rank<R>/tierzero/`: each is

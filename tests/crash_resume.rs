@@ -96,6 +96,7 @@ fn setup(d: &Path) {
     std::fs::write(d.join("data.txt"), text).unwrap();
     let swap = d.join("swap");
     std::fs::create_dir_all(swap.join("tierzero")).unwrap();
+    std::fs::write(swap.join("tierzero").join(live_pid_file()), "reused pid").unwrap();
     for (name, body) in foreign_files() {
         std::fs::write(swap.join("tierzero").join(name), body).unwrap();
     }
@@ -122,18 +123,20 @@ fn setup(d: &Path) {
     std::fs::write(d.join("ds.json"), cfg.to_string()).unwrap();
 }
 
-/// Files in `swap/tierzero/` that are not ours (or not stale): never
-/// touched. One has our pattern with the test's own (live) pid.
+/// Files in `swap/tierzero/` that are not ours: never touched.
 fn foreign_files() -> Vec<(String, String)> {
     vec![
         ("notes.txt".into(), "not tierzero's".into()),
         ("swap-x-0-0.tzswap".into(), "bad pid".into()),
         ("swap-1-0-0.tzswap.bak".into(), "other suffix".into()),
-        (
-            format!("swap-{}-0-0.tzswap", std::process::id()),
-            "a live process's".into(),
-        ),
     ]
+}
+
+/// A swap file named with a live process's pid (the test's), which holds
+/// no lock on the directory: stale, as a dead run's whose pid was reused,
+/// and reclaimed by the first run (it was kept for good).
+fn live_pid_file() -> String {
+    format!("swap-{}-0-0.tzswap", std::process::id())
 }
 
 fn train_cmd(d: &Path, save: &str, resume: bool, metrics: &str) -> Command {
@@ -427,7 +430,9 @@ fn crash_points(points: usize, seed: u64, kinds: &[usize]) {
         assert!(leftovers.is_empty(), "point {i}: leftovers {leftovers:?}");
         std::fs::remove_dir_all(root.join(&save)).unwrap();
     }
-    // Foreign files untouched; no stale swap file remains.
+    // Foreign files untouched; no stale swap file remains, the one named
+    // with a live pid included.
+    assert!(!root.join("swap/tierzero").join(live_pid_file()).exists());
     for (name, body) in foreign_files() {
         let p = root.join("swap/tierzero").join(&name);
         assert_eq!(std::fs::read_to_string(&p).unwrap(), body, "{name}");

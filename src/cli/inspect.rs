@@ -8,15 +8,18 @@
 //! reported, in rank order). For each of our files we show its size,
 //! the space really allocated (swap files are preallocated, so a smaller
 //! number means a sparse file), the owning pid, whether that process is
-//! alive, and the mode bits. A file whose owner is gone is stale: the next
+//! alive, and the mode bits. A file no live run owns is stale: the next
 //! tierzero run on that path reclaims it, or it can be deleted by hand.
-//! Ownership and liveness use the swap crate's own functions
-//! (`swap_file_owner_pid`, `process_alive`), so `inspect` calls stale exactly
-//! what the swap crate would reclaim. The directory's `lock` file (see
-//! `tierzero_swap::lock`) is reported with the pid written in it and whether
-//! that process is alive (a dead holder's lock does not block: the kernel
-//! released it). Anything else in the directory is counted and listed,
-//! never touched.
+//! The directory's lock decides, as it does for the swap crate's reclaim
+//! (`tierzero_swap::lock::lock_state`: the lock file opened read-only and
+//! locked without waiting, then let go): free, every file is stale; held,
+//! only the holder's. Only without a lock to look at do the owners' pids
+//! (`swap_file_owner_pid`, `process_alive`) decide. The `lock` file is
+//! reported with the pid written in it and whether it is held (a dead
+//! holder's lock does not block: the kernel released it). Anything else in
+//! the directory is counted and listed, never touched. (A run starting in
+//! the instant `inspect` holds the lock to look is refused as by a
+//! running one.)
 //!
 //! A checkpoint (a step dir with `manifest.json`, or a save dir with
 //! `latest` / `step-*` dirs) is summarised from its manifest: step, model,
@@ -37,7 +40,7 @@ use anyhow::anyhow;
 use clap::Args;
 use serde::Serialize;
 use tierzero::units::format_bytes;
-use tierzero_swap::lock::LOCK_FILE;
+use tierzero_swap::lock::{LockState, LOCK_FILE};
 use tierzero_swap::space::{process_alive, swap_file_owner_pid, SWAP_SUBDIR};
 
 use super::Failure;
@@ -242,6 +245,20 @@ pub fn scan_swap_dir(dir: &Path) -> Result<SwapReport, Failure> {
         other_names: Vec::new(),
     };
     let me = std::process::id();
+    // The lock decides where it can: a run that made files here holds it
+    // while they live, so with it free every file is stale, and with it
+    // held only the holder's are live (pids alone are fooled by reuse and
+    // zombies). Without a lock to look at, the owners' pids decide.
+    let lock = tierzero_swap::lock::lock_state(dir);
+    let owner_alive = |pid: u32| match lock {
+        LockState::Free => false,
+        LockState::Held {
+            holder_pid: Some(holder),
+        } => pid == holder,
+        LockState::Held { holder_pid: None } | LockState::Unknown => {
+            pid == me || process_alive(pid)
+        }
+    };
     for entry in std::fs::read_dir(dir).map_err(read_err)? {
         let entry = entry.map_err(read_err)?;
         let os_name = entry.file_name();
@@ -258,7 +275,11 @@ pub fn scan_swap_dir(dir: &Path) -> Result<SwapReport, Failure> {
                 .ok()
                 .and_then(|t| t.trim().parse::<u32>().ok());
             report.lock_pid = holder;
-            report.lock_alive = holder.map(|p| p == me || process_alive(p));
+            report.lock_alive = match lock {
+                LockState::Free => Some(false),
+                LockState::Held { .. } => Some(true),
+                LockState::Unknown => holder.map(|p| p == me || process_alive(p)),
+            };
             continue;
         }
         let pid = os_name
@@ -270,7 +291,7 @@ pub fn scan_swap_dir(dir: &Path) -> Result<SwapReport, Failure> {
             report.other_names.push(name);
             continue;
         };
-        let alive = pid == me || process_alive(pid);
+        let alive = owner_alive(pid);
         let size = meta.len();
         report.total_bytes = report.total_bytes.saturating_add(size);
         if alive {

@@ -172,6 +172,40 @@ pub fn write_pid(file: &mut File) -> std::io::Result<()> {
     file.write_all(pid.as_bytes())
 }
 
+/// Who holds a swap directory's lock, as [`lock_state`] found it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LockState {
+    /// Nobody: no run uses the directory, and every swap file in it is
+    /// stale (a run that made files held the lock while they lived).
+    Free,
+    /// A live process (the pid it wrote, if read).
+    Held {
+        /// The holder's pid.
+        holder_pid: Option<u32>,
+    },
+    /// Not known: no lock file (nobody holds it, or the file system gave
+    /// the holder no lock), or locks unsupported here.
+    Unknown,
+}
+
+/// Whether `<dir>/lock` is held, looked at without changing anything: the
+/// existing file opened read-only (never created, never through a symlink)
+/// and locked without waiting, then closed at once (`tierzero inspect`).
+pub fn lock_state(dir: &Path) -> LockState {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+        .open(dir.join(LOCK_FILE));
+    let Ok(mut file) = file else {
+        return LockState::Unknown;
+    };
+    match try_lock(&mut file) {
+        Ok(TryLock::Locked) => LockState::Free,
+        Ok(TryLock::Busy { holder_pid }) => LockState::Held { holder_pid },
+        Ok(TryLock::Unsupported(_)) | Err(_) => LockState::Unknown,
+    }
+}
+
 /// The pid the holder wrote, if it has written it yet (it writes right
 /// after locking, so a few short retries cover the gap).
 fn read_holder_pid(file: &mut File) -> Option<u32> {

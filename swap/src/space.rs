@@ -274,6 +274,16 @@ impl DirLease {
         Ok(DirLease { key, dir })
     }
 
+    /// Whether this process holds the directory's `flock` (false where the
+    /// file system has no `flock`: a warning, and no lock).
+    fn locked(&self) -> bool {
+        let guard = DIR_USERS.lock().unwrap_or_else(|e| e.into_inner());
+        guard
+            .as_ref()
+            .and_then(|u| u.get(&self.key))
+            .is_some_and(|entry| entry.lock.is_some())
+    }
+
     /// True the first time it is called for this directory while in use:
     /// the buffered-I/O fallback is reported once per directory, not once
     /// per space.
@@ -361,7 +371,7 @@ impl SwapSpace {
             }
             let dir = base.join(SWAP_SUBDIR);
             let lease = DirLease::acquire(dir.clone())?;
-            reclaim_stale(&dir);
+            reclaim_stale(&dir, lease.locked());
             let path = dir.join(format!("swap-{pid}-{space_seq}-{i}.{SWAP_EXT}"));
             // After the reclaim, whose files' space is free again; before
             // the file exists, so nothing is made for a space that cannot be.
@@ -681,14 +691,20 @@ pub fn reclaim_stale_files(base: &Path) -> Result<()> {
     if !dir.is_dir() {
         return Ok(());
     }
-    let _lease = DirLease::acquire(dir.clone())?;
-    reclaim_stale(&dir);
+    let lease = DirLease::acquire(dir.clone())?;
+    reclaim_stale(&dir, lease.locked());
     Ok(())
 }
 
-/// Removes `swap-<pid>-*.tzswap` files whose process is gone (this
-/// process's pid: files it did not create, see [`OWN_FILES`]).
-fn reclaim_stale(dir: &Path) {
+/// Removes the `swap-<pid>-*.tzswap` files no live space uses (this
+/// process's pid: files it did not create, see [`OWN_FILES`]). With the
+/// directory's lock held (`locked`), every other pid's file is stale: a
+/// process that made files there held the lock while they lived, and
+/// still would. Only where the file system gave no lock does the owner's
+/// pid decide, by [`process_alive`], which pid reuse (after a reboot) and
+/// zombies (a rank mpirun left unreaped) can fool into keeping a dead
+/// run's files for good.
+fn reclaim_stale(dir: &Path, locked: bool) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
@@ -699,7 +715,11 @@ fn reclaim_stale(dir: &Path) {
             continue;
         };
         // `swap-<pid>-<space seq>-<path index>`: unique within a process.
-        if OWN_FILES.in_use(pid, &entry.path()) {
+        let in_use = match (locked, pid == std::process::id()) {
+            (true, false) => false,
+            _ => OWN_FILES.in_use(pid, &entry.path()),
+        };
+        if in_use {
             continue;
         }
         match entry.file_type() {
@@ -709,7 +729,7 @@ fn reclaim_stale(dir: &Path) {
         let path = entry.path();
         match std::fs::remove_file(&path) {
             Ok(()) => {
-                tracing::warn!(path = %path.display(), pid, "reclaimed stale swap file of a process that is gone")
+                tracing::warn!(path = %path.display(), pid, "reclaimed stale swap file of a run that is gone")
             }
             Err(e) => {
                 tracing::warn!(path = %path.display(), error = %e, "could not reclaim stale swap file")

@@ -883,6 +883,15 @@ fn files_are_private_and_removed_and_stale_ones_reclaimed() {
     std::fs::write(&foreign, b"keep me").unwrap();
     let alive = sub.join(format!("swap-{}-999-0.tzswap.keep", std::process::id()));
     std::fs::write(&alive, b"keep").unwrap();
+    // A file named with a live process's pid (a reused pid, or a zombie):
+    // with the directory's lock held no live space can own it, so it is
+    // stale too (it was kept while that pid lived).
+    let mut sleeper = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let reused = sub.join(format!("swap-{}-0-0.tzswap", sleeper.id()));
+    std::fs::write(&reused, b"old").unwrap();
     let ours;
     {
         let space = SwapSpace::create(SpaceConfig::new(dir.path(), 1 << 20)).unwrap();
@@ -893,8 +902,14 @@ fn files_are_private_and_removed_and_stale_ones_reclaimed() {
             !stale.exists(),
             "stale file of a dead process must be reclaimed"
         );
+        assert!(
+            !reused.exists(),
+            "a live pid's file, no lock held: reclaimed"
+        );
         assert!(foreign.exists() && alive.exists());
     }
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
     assert!(!ours.exists(), "our file is removed on drop");
     assert_eq!(std::fs::read(&foreign).unwrap(), b"keep me");
     assert!(sub.exists(), "a directory we did not create stays");
