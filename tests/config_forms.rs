@@ -350,6 +350,34 @@ fn deprecated_aliases_are_accepted_with_warnings() {
     assert!(l.unknown_keys().is_empty());
 }
 
+/// A deprecated flag written `false` stands for no offload, and its
+/// warning says so (it advised `{"device": "cpu"}`, turning offload on).
+#[test]
+fn a_false_cpu_offload_flag_advises_no_offload() {
+    let l = load(json!({"train_batch_size": 8,
+        "zero_optimization": {"stage": 3, "cpu_offload": false, "cpu_offload_param": true}}));
+    assert_eq!(l.config.zero.offload_optimizer.device, OffloadDevice::None);
+    let replacement = |k: &str| {
+        l.warnings
+            .iter()
+            .find_map(|w| match w {
+                ConfigWarning::Deprecated { key, replacement } if key == k => {
+                    Some(replacement.clone())
+                }
+                _ => None,
+            })
+            .unwrap()
+    };
+    assert_eq!(
+        replacement("zero_optimization.cpu_offload"),
+        r#""offload_optimizer": {"device": "none"}"#
+    );
+    assert_eq!(
+        replacement("zero_optimization.cpu_offload_param"),
+        r#""offload_param": {"device": "cpu"}"#
+    );
+}
+
 #[test]
 fn bf16_wins_over_bfloat16_as_in_deepspeed() {
     // DeepSpeed's get_bfloat16_config reads `bf16` and looks at

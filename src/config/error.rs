@@ -215,7 +215,7 @@ pub enum ConfigError {
     },
 
     /// `offload_optimizer` to NVMe with a stage other than 3.
-    #[error("`zero_optimization.offload_optimizer.device` = \"nvme\" needs ZeRO stage 3 but `zero_optimization.stage` = {stage}; fix: set \"stage\": 3, or use \"device\": \"cpu\" with stage {stage}")]
+    #[error("`zero_optimization.offload_optimizer.device` = \"nvme\" needs ZeRO stage 3 but `zero_optimization.stage` = {stage}; fix: set \"stage\": 3, or use \"device\": \"cpu\" with {}", if *stage == 0 { "stage 1 or 2 (stage 0 offloads nothing)".to_owned() } else { format!("stage {stage}") })]
     NvmeOptimizerNeedsStage3 {
         /// The configured stage.
         stage: u8,

@@ -333,8 +333,12 @@ impl<'a> Field<'a> {
     /// A non-negative integer; integral floats such as `5e8` or `1.0` are
     /// accepted, as DeepSpeed's pydantic models accept them.
     pub fn u64(&self) -> Result<u64, ConfigError> {
-        let negative =
-            || self.out_of_range("a non-negative integer", "use 0 or a positive whole number");
+        let negative = || {
+            self.out_of_range(
+                "a non-negative integer",
+                "use a positive whole number (or 0 where the key allows it)",
+            )
+        };
         let Value::Number(n) = self.value else {
             if is_auto(self.value) {
                 return Err(self.wrong("an integer (\"auto\" is not accepted for this key)"));

@@ -145,6 +145,17 @@ pub fn describe_training(cfg: &Config, steps: u64, resolved: &[Resolved]) -> Str
         lr_text(p.last),
         steps.max(1),
     );
+    if p.peak.0 == 0.0 {
+        // The config's own peak is positive (checked at load), but this
+        // run ends before the schedule leaves 0 (a short run on a long
+        // warmup, as DeepSpeed's schedules start at warmup_min_lr).
+        text.push_str(&format!(
+            "\nwarning: the learning rate is 0 at every one of this run's {} steps (the \
+             schedule has not risen from warmup_min_lr by then): the weights will not change; \
+             run more steps, or lower scheduler.params.warmup_num_steps",
+            steps.max(1)
+        ));
+    }
     if !resolved.is_empty() {
         let filled: Vec<String> = resolved
             .iter()
@@ -234,6 +245,10 @@ mod tests {
         );
         assert_eq!(LrPoints::of(&log.config, 50).peak, (1e-3, 12));
         assert_eq!(LrPoints::of(&log.config, 5).peak.1, 5);
+        // A run too short for the warmup to leave 0: said, not silent.
+        let zero = "warning: the learning rate is 0 at every one of this run's 2 steps";
+        assert!(describe_training(&log.config, 2, &[]).contains(zero));
+        assert!(!describe_training(&log.config, 3, &[]).contains("warning:"));
         let text = describe_training(&l.config, 100, &l.resolved);
         for want in [
             "training: AdamW lr 2e-5",

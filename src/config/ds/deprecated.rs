@@ -43,11 +43,15 @@ fn cpu_offload_flag<T: OffloadBlock>(
     let Some(f) = o.take(flag) else {
         return Ok(());
     };
+    let on = f.bool()?;
+    // What the flag stands for: `false` is the default, no offload (the
+    // advice for `true` would turn offload on).
+    let device = if on { "cpu" } else { "none" };
     sink.warnings.push(ConfigWarning::Deprecated {
         key: f.key.clone(),
-        replacement: format!("\"{}\": {{\"device\": \"cpu\"}}", T::KEY),
+        replacement: format!("\"{}\": {{\"device\": \"{device}\"}}", T::KEY),
     });
-    if !f.bool()? {
+    if !on {
         return Ok(());
     }
     let key = o.key_path(T::KEY);
