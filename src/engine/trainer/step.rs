@@ -743,11 +743,19 @@ impl Trainer {
             peak_rss_bytes: peak_rss_bytes(),
             minor_faults: crate::engine::observe::metrics::minor_faults()
                 .saturating_sub(start.minor_faults),
-            overlap_efficiency: if wall > 0.0 {
-                compute_s.max(io_busy).max(optimizer_s) / wall
-            } else {
-                0.0
-            },
+            overlap_efficiency: crate::engine::observe::metrics::overlap_efficiency(
+                wall,
+                compute_s - device.h2d_wait_s - device.d2h_wait_s,
+                &[
+                    io_busy,
+                    optimizer_s,
+                    busy_s(&spans, DeviceQueue::Compute),
+                    busy_s(&spans, DeviceQueue::H2d),
+                    busy_s(&spans, DeviceQueue::D2h),
+                    busy_s(&spans, DeviceQueue::Fill),
+                    busy_s(&spans, DeviceQueue::Collective),
+                ],
+            ),
             lr: plan.lr,
             loss_scale: plan.loss_scale,
             skipped: out.skipped,
