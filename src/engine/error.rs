@@ -52,18 +52,28 @@ pub enum EngineError {
     /// the kernel would kill the run.
     #[error(
         "this rank needs {pinned} of pinned buffers and pages ({locked} of them page-locked) \
-         and {state} of optimizer state in host memory from its start, and {available} of host \
-         memory is available ({swap} more as swap, for what is not page-locked); offload the \
-         params and the optimizer state to NVMe (zero_optimization.offload_param / \
-         offload_optimizer device \"nvme\"), lower offload_param.buffer_count / buffer_size or \
-         offload_optimizer.buffer_count, or run fewer ranks on this machine",
+         and {state} of optimizer state in host memory from its start{working}, and {available} \
+         of host memory is available ({swap} more as swap, for what is not page-locked); {fix}",
         pinned = crate::units::format_bytes(*pinned_bytes),
         locked = crate::units::format_bytes(*locked_bytes),
         state = crate::units::format_bytes(*state_bytes),
+        working = match *working_bytes {
+            0 => String::new(),
+            w => format!(
+                ", and up to {} more while it steps (the params it computes with, the gradients \
+                 it holds, the optimizer's new values: the plan's host rows)",
+                crate::units::format_bytes(w)
+            ),
+        },
         available = crate::units::format_bytes(*available_bytes),
         swap = crate::units::format_bytes(*swap_free_bytes),
     )]
     HostMemory {
+        /// With CPU compute: the params in host memory, the gradients it
+        /// holds at most and the new-values buffers (0 with a device).
+        working_bytes: u64,
+        /// What to do, for what this run offloads already.
+        fix: String,
         /// The pinned swap buffers and cpu-tier pages
         /// (`Sizing::pinned_total_bytes`).
         pinned_bytes: u64,

@@ -376,6 +376,22 @@ impl Plan {
             .saturating_add(self.park.pinned_bytes)
     }
 
+    /// With CPU compute, the host bytes a step holds beside its start-up
+    /// allocations (the pinned arenas and the optimizer state): the params'
+    /// compute-device and host bytes, the gradients at most, the new-values
+    /// buffers and the parked sums' host part.
+    pub fn host_working_bytes(&self) -> u64 {
+        [
+            self.params.device_bytes,
+            self.params.host_bytes,
+            self.grads.host_bytes,
+            self.new_values.0.saturating_mul(self.new_values.1),
+            self.park.host_bytes,
+        ]
+        .into_iter()
+        .fold(0, u64::saturating_add)
+    }
+
     /// Of [`Self::pinned_total_bytes`], the arenas `pin_memory: false`
     /// leaves pageable (mapped all the same, not locked).
     pub fn pageable_arena_bytes(&self) -> u64 {

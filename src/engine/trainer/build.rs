@@ -316,10 +316,15 @@ fn budget_error(s: BudgetShort) -> EngineError {
 /// swap, an allocation as an abort, or the kernel's OOM killer. Only
 /// these, which are certain: the rest of the plan is "at most", and the
 /// activations adapt to what is left.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "one check over the build's facts"
+)]
 fn check_host_memory(
     config: &Config,
     sizing: &Sizing,
     shape: &Shape,
+    working_bytes: u64,
     lockable: bool,
     available_bytes: Option<u64>,
     swap_free_bytes: Option<u64>,
@@ -332,17 +337,53 @@ fn check_host_memory(
     let pinned_bytes = sizing.pinned_total_bytes();
     let locked_bytes = if lockable { sizing.lock_bytes } else { 0 };
     let state_bytes = sizing.optimizer_host_bytes(shape, opt_nvme);
-    let all = pinned_bytes.saturating_add(state_bytes);
+    let all = pinned_bytes
+        .saturating_add(state_bytes)
+        .saturating_add(working_bytes);
     if locked_bytes <= available_bytes && all <= available_bytes.saturating_add(swap_free_bytes) {
         return Ok(());
     }
+    let params_nvme = config.zero.offload_param.device.nvme_path().is_some();
+    let fix = match (params_nvme, opt_nvme) {
+        (true, true) => "lower zero_optimization.sub_group_size (the gradients and new values \
+                         the host holds are counted in sub-groups), lower \
+                         offload_param.buffer_count / buffer_size or \
+                         offload_optimizer.buffer_count, or run fewer ranks on this machine"
+            .to_owned(),
+        _ => "offload the params and the optimizer state to NVMe \
+              (zero_optimization.offload_param / offload_optimizer device \"nvme\"), lower \
+              offload_param.buffer_count / buffer_size or offload_optimizer.buffer_count, or run \
+              fewer ranks on this machine"
+            .to_owned(),
+    };
     Err(EngineError::HostMemory {
+        working_bytes,
+        fix,
         pinned_bytes,
         locked_bytes,
         state_bytes,
         available_bytes,
         swap_free_bytes,
     })
+}
+
+/// With CPU compute (no device units), what the host holds while a step
+/// runs beside its start-up allocations, as the start-up plan shows it:
+/// the params it computes with, the gradients it holds at most, the
+/// optimizer's new-values buffers and the parked sums' host part (the
+/// plan's rows, [`crate::run::Plan::host_working_bytes`]). 0 with a
+/// device, whose own budget holds those.
+fn host_working_bytes(
+    config: &Config,
+    model: &Model,
+    layout: &Layout,
+    sizing: &Sizing,
+    opts: &TrainerOptions,
+) -> u64 {
+    if opts.compute.is_some() {
+        return 0;
+    }
+    crate::run::Plan::new(config, model, layout, sizing, String::new()).host_working_bytes()
 }
 
 /// Whether everything the sizing would page-lock fits `RLIMIT_MEMLOCK`,
@@ -889,6 +930,7 @@ impl Trainer {
                 config,
                 &sizing,
                 &shape,
+                host_working_bytes(config, &model, &layout, &sizing, &opts),
                 lockable,
                 sizing::mem_available_bytes(),
                 crate::estimate::probe_swap_free(),
@@ -1093,7 +1135,7 @@ mod tests {
         let state = sizing.optimizer_host_bytes(&shape, false);
         assert!(pinned > 0 && sizing.lock_bytes > 0 && state == 12 * model.numel() as u64);
         let check = |lockable, avail, swap| {
-            check_host_memory(&config, &sizing, &shape, lockable, avail, swap)
+            check_host_memory(&config, &sizing, &shape, 0, lockable, avail, swap)
         };
         assert!(check(true, Some(pinned + state), None).is_ok());
         let e = check(true, Some(pinned + state - 1), None).unwrap_err();
@@ -1106,5 +1148,22 @@ mod tests {
         // Unlocked (RLIMIT_MEMLOCK too low), they may go to swap too.
         assert!(check(false, Some(locked - 1), Some(pinned + state)).is_ok());
         assert!(check(true, None, None).is_ok());
+        // With CPU compute the step's working bytes count too (a run the
+        // check passed was killed by a 700 MiB cgroup, without a word).
+        let plan = crate::run::Plan::new(&config, &model, &layout, &sizing, String::new());
+        let working = plan.host_working_bytes();
+        assert!(
+            working >= 4 * model.numel() as u64,
+            "{working}: the fp32 params at least"
+        );
+        let with =
+            |avail| check_host_memory(&config, &sizing, &shape, working, true, Some(avail), None);
+        assert!(with(pinned + state + working).is_ok());
+        let e = with(pinned + state + working - 1).unwrap_err().to_string();
+        assert!(e.contains("more while it steps"), "{e}");
+        assert!(
+            e.contains("offload the params and the optimizer state to NVMe"),
+            "{e}"
+        );
     }
 }
