@@ -90,6 +90,62 @@ pub(crate) fn parse(text: &str) -> Result<Value, ConfigError> {
     // document: Python's `utf-8-sig` drops it; read as a character, it made
     // the whole file one quoteless string.
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    // hjson lets the root object go without its braces (`stage: 3` on the
+    // first line), and Python's `hjson`, DeepSpeed's reader, takes such a
+    // file; `deser_hjson` does not, so the braces are added on lines of
+    // their own and every line an error names is moved back by one.
+    if !starts_with_brace_or_bracket(text) {
+        let wrapped = format!("{{\n{text}\n}}");
+        // The closing brace's line is past the file's end: its last line.
+        let last_line = text.lines().count().max(1);
+        return parse_text(&wrapped).map_err(|e| match e {
+            ConfigError::Json {
+                line,
+                column,
+                message,
+            } => ConfigError::Json {
+                line: line.saturating_sub(1).clamp(1, last_line),
+                column,
+                message,
+            },
+            ConfigError::DuplicateKey {
+                key,
+                first_line,
+                first_column,
+                second_line,
+                second_column,
+            } => ConfigError::DuplicateKey {
+                key,
+                first_line: first_line.saturating_sub(1),
+                first_column,
+                second_line: second_line.saturating_sub(1),
+                second_column,
+            },
+            other => other,
+        });
+    }
+    parse_text(text)
+}
+
+/// Whether the document's first character that is not blank or in a
+/// comment (`//`, `#`, `/* */`) opens an object or an array; an empty
+/// document counts as one (its error is the parser's).
+fn starts_with_brace_or_bracket(text: &str) -> bool {
+    let mut rest = text;
+    loop {
+        rest = rest.trim_start();
+        if let Some(r) = rest.strip_prefix("//").or_else(|| rest.strip_prefix('#')) {
+            rest = r.split_once('\n').map_or("", |(_, after)| after);
+        } else if let Some(r) = rest.strip_prefix("/*") {
+            rest = r.split_once("*/").map_or("", |(_, after)| after);
+        } else {
+            return rest.is_empty() || rest.starts_with('{') || rest.starts_with('[');
+        }
+    }
+}
+
+/// [`parse`] of a document that opens with its root's brace or bracket.
+fn parse_text(text: &str) -> Result<Value, ConfigError> {
     let (result, ctx) = pass(text, None);
     if let Some(dup) = ctx.duplicate {
         let at = |n| match pass(text, Some(n)).0 {
@@ -382,6 +438,28 @@ mod tests {
             parse(text).unwrap(),
             serde_json::from_str::<Value>(text).unwrap()
         );
+    }
+
+    /// A root object without its braces, as hjson allows and Python's
+    /// `hjson` (DeepSpeed's reader) takes; errors keep the file's lines.
+    #[test]
+    fn a_root_object_without_braces_parses_as_in_python_hjson() {
+        let text = "# DeepSpeed config\ntrain_micro_batch_size_per_gpu: 2\nzero_optimization: {\n  stage: 3\n}\n";
+        assert_eq!(
+            parse(text).unwrap(),
+            serde_json::json!({"train_micro_batch_size_per_gpu": 2,
+                "zero_optimization": {"stage": 3}})
+        );
+        let (key, first, second) = dup("a: 1\nb: 2\na: 3\n");
+        assert_eq!((key.as_str(), first, second), ("a", 1, 3));
+        match parse("a: 1\nb: {\n") {
+            Err(ConfigError::Json { line, .. }) => assert_eq!(line, 2),
+            other => panic!("{other:?}"),
+        }
+        // A braced document, after comments, is read as it is.
+        assert!(starts_with_brace_or_bracket("// x\n/* y */ # z\n {}"));
+        assert!(!starts_with_brace_or_bracket("// x\nstage: 3"));
+        assert!(starts_with_brace_or_bracket(""));
     }
 
     #[test]
