@@ -124,6 +124,19 @@ mod with_the_feature {
                 assert!(!v["devices"].as_array().unwrap().is_empty(), "{v}");
             }
         } else {
+            // With --json, stdout is the error object (it was empty).
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+                .unwrap_or_else(|e| panic!("{e}: {}", text(&out.stdout)));
+            assert_eq!(v["failure"], "bad_input", "{v}");
+            assert_eq!(v["exit_code"], 2, "{v}");
+            assert!(
+                v["error"]
+                    .as_str()
+                    .unwrap()
+                    .contains("libcuda.so not found"),
+                "{v}"
+            );
+            let out = tierzero(&d, &["gpu-info"]);
             assert_one_line_refusal(&out, "libcuda.so not found: install the NVIDIA driver");
             let out = tierzero(&d, &["gpu-info", "--nccl-test"]);
             assert_one_line_refusal(&out, "libcuda.so not found");

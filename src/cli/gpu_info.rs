@@ -63,6 +63,9 @@ fn probe_failure(e: GpuError) -> Failure {
 
 /// Runs `tierzero gpu-info`.
 pub fn run(args: GpuInfoArgs) -> Result<(), Failure> {
+    // `--json` on a failure: the error object on stdout, as `train --json`
+    // prints (the report is the only other thing it prints, at the end).
+    super::json_object_on_failure(args.json && super::launch::env_rank_is_lead());
     let test = if args.nccl_test {
         let device = gpu::parse_device(&args.device)
             .map_err(|m| Failure::BadInput(anyhow!(m)))?
