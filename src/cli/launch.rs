@@ -224,8 +224,16 @@ fn mpi_comm(world: usize) -> Result<Arc<dyn Comm>, Failure> {
     let c = tierzero::engine::comm::mpi::MpiComm::init(comm_timeout()?)
         .map_err(|e| Failure::Internal(anyhow!("starting MPI: {e}")))?;
     if c.world_size() != world {
-        return Err(Failure::Internal(anyhow!(
-            "the launcher announced {world} ranks but MPI has {}",
+        // The environment's count without the launcher that sets it (a
+        // variable left exported, or a shell inside another job).
+        let vars: Vec<String> = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"]
+            .iter()
+            .filter_map(|k| std::env::var(k).ok().map(|v| format!("{k}={v}")))
+            .collect();
+        return Err(Failure::BadInput(anyhow!(
+            "the environment announces {world} ranks ({}) but MPI started {}: start the ranks \
+             with mpirun or `tierzero launch`, or unset those variables for one rank",
+            vars.join(", "),
             c.world_size()
         )));
     }
