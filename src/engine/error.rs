@@ -123,9 +123,9 @@ pub enum EngineError {
     },
     /// A parameter larger than one swap-in buffer.
     #[error(
-        "parameter `{name}` has {numel} elements but a param swap buffer holds {buffer_numel} \
-         (offload_param.buffer_size, rounded up to whole 4 KiB blocks); raise \
-         offload_param.buffer_size to at least {numel}"
+        "parameter `{name}`, the largest on NVMe, has {numel} elements but a param swap \
+         buffer holds {buffer_numel} (offload_param.buffer_size, rounded up to whole 4 KiB \
+         blocks); raise offload_param.buffer_size to at least {numel}"
     )]
     ParamTooLarge {
         /// The parameter.

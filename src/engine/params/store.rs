@@ -515,9 +515,20 @@ impl ParamStore {
                         .as_ref()
                         .ok_or_else(|| EngineError::internal("nvme tier without a swap engine"))?;
                     if shard_bytes as u64 > nv.arena.buffer_bytes() {
+                        // Named: the largest NVMe shard, so that one raise
+                        // fits them all (the first too large one named
+                        // took a round per param).
+                        let (largest, numel) = model
+                            .params()
+                            .iter()
+                            .zip(&layout.params)
+                            .filter(|(q, _)| tiers[q.id.0] == Tier::Nvme)
+                            .map(|(q, s)| (q, s.shard_numel))
+                            .max_by_key(|&(_, n)| n)
+                            .unwrap_or((p, slot.shard_numel));
                         return Err(EngineError::ParamTooLarge {
-                            name: p.name.clone(),
-                            numel: slot.shard_numel as u64,
+                            name: largest.name.clone(),
+                            numel: numel as u64,
                             buffer_numel: nv.arena.buffer_bytes() / elem_bytes as u64,
                         });
                     }
