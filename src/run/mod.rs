@@ -139,7 +139,7 @@ pub struct Plan {
     /// for a re-step (the others are spilled).
     pub speculation_kept_grads: usize,
     /// Auto speculation turned off: its least pool's bytes did not fit the
-    /// disk ([`crate::engine::Sizing::speculation_off_for_room_bytes`]).
+    /// disk ([`crate::engine::sizing::Sizing::speculation_off_for_room_bytes`]).
     pub speculation_off_for_room_bytes: Option<u64>,
     /// fp32 master weights, `m` and `v`.
     pub optimizer: TierBytes,
