@@ -1000,6 +1000,44 @@ fn timeline_traces_the_steps_after_the_first() {
     }
 }
 
+/// With several micro-batches and the optimizer on NVMe, gradient sums
+/// park on NVMe between micro-batches through an engine of their own:
+/// `--timeline` gives it a lane (it panicked on a missing clock), and the
+/// weights are those of a run without the timeline.
+#[test]
+fn timeline_has_a_lane_for_the_grad_park() {
+    let d = tiny_setup("timeline-park");
+    let mut cfg = ds_config(&d);
+    cfg["gradient_accumulation_steps"] = json!(3);
+    write_config(&d, cfg);
+    let args = with(&TINY, &[("--steps", "3")]);
+    let plain = train(&d, &[&args[..], &["--json"]].concat());
+    assert_eq!(plain.code, 0, "stderr: {}", plain.stderr);
+    let timed = train(
+        &d,
+        &[&args[..], &["--json", "--timeline", "t.json"]].concat(),
+    );
+    assert_eq!(timed.code, 0, "stderr: {}", timed.stderr);
+    let sha = |out: &Out| -> String {
+        let v: Value = serde_json::from_str(out.stdout.trim()).unwrap();
+        v["weight_sha256"].as_str().unwrap().to_owned()
+    };
+    assert_eq!(sha(&plain), sha(&timed));
+    let v: Value =
+        serde_json::from_str(&std::fs::read_to_string(d.join("t.json")).unwrap()).unwrap();
+    let events = v["traceEvents"].as_array().unwrap();
+    let tid = events
+        .iter()
+        .find(|e| e["ph"] == "M" && e["args"]["name"] == "disk: grad park")
+        .map(|e| e["tid"].clone())
+        .expect("a grad park lane");
+    let parked = events
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["tid"] == tid)
+        .count();
+    assert!(parked > 0, "no grad park busy period in the window");
+}
+
 /// The activation policy from the command line: by default (auto) both
 /// blocks keep their forward graphs, said once; `--gradient-checkpointing`
 /// (HF's switch) and DeepSpeed's `activation_checkpointing` block recompute

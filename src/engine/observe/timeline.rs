@@ -21,9 +21,12 @@
 //! | `disk: params` | the param engine's busy time (fetch reads, write-backs of new params) |
 //! | `disk: state reads` | the optimizer's read engine (master, m, v; spilled gradients) |
 //! | `disk: state writes` | the optimizer's write engine (state write-backs, gradient spills) |
+//! | `disk: grad park` | the grad-park engine (gradient sums parked on NVMe between micro-batches, with `gradient_accumulation_steps` > 1 and the optimizer on NVMe) |
 //! | `device: compute` | a unit's kernels on the device's compute stream (CUDA events; the simulated device's compute) |
 //! | `device: h2d` | a param's or a unit input's copy on the host-to-device stream (CUDA events; the simulated device's copy thread) |
 //! | `device: d2h` | a gradient's copy on the device-to-host stream (CUDA events; the simulated device's download thread) |
+//! | `device: staging fill (host)` | the host filling a device upload's staging buffer |
+//! | `device: collective` | the device's collectives (the gradients' reduce-scatter) |
 //!
 //! Only a window of steps is kept ([`Timeline::new`]: by default the three
 //! after the first, whose trace recording and cold caches make it
@@ -62,6 +65,9 @@ pub enum Lane {
     DiskStateReads,
     /// The optimizer write engine's busy periods.
     DiskStateWrites,
+    /// The grad-park engine's busy periods (accumulated gradients parked
+    /// on NVMe between micro-batches).
+    DiskGradPark,
     /// Units on the device's compute queue.
     DeviceCompute,
     /// Copies on the device's host-to-device queue.
@@ -75,7 +81,7 @@ pub enum Lane {
 }
 
 impl Lane {
-    const ALL: [Lane; 14] = [
+    const ALL: [Lane; 15] = [
         Lane::Step,
         Lane::Compute,
         Lane::Params,
@@ -85,6 +91,7 @@ impl Lane {
         Lane::DiskParams,
         Lane::DiskStateReads,
         Lane::DiskStateWrites,
+        Lane::DiskGradPark,
         Lane::DeviceCompute,
         Lane::DeviceH2d,
         Lane::DeviceD2h,
@@ -103,6 +110,7 @@ impl Lane {
             Lane::DiskParams => "disk: params",
             Lane::DiskStateReads => "disk: state reads",
             Lane::DiskStateWrites => "disk: state writes",
+            Lane::DiskGradPark => "disk: grad park",
             Lane::DeviceCompute => "device: compute",
             Lane::DeviceH2d => "device: h2d",
             Lane::DeviceD2h => "device: d2h",
@@ -127,6 +135,7 @@ impl Lane {
             Lane::DeviceD2h => 12,
             Lane::DeviceFill => 13,
             Lane::DeviceCollective => 14,
+            Lane::DiskGradPark => 15,
         }
     }
 }

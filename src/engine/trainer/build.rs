@@ -162,16 +162,21 @@ impl HostSetup {
 
 /// The busy clocks of the I/O engines: one union clock, and with a
 /// timeline one per engine (its disk lanes: params, optimizer reads,
-/// optimizer writes).
+/// optimizer writes, grad park).
 struct Clocks {
     io: Arc<BusyClock>,
-    engines: Option<[Arc<BusyClock>; 3]>,
+    engines: Option<[Arc<BusyClock>; 4]>,
 }
 
 impl Clocks {
     fn new(opts: &TrainerOptions) -> Clocks {
         let engines = opts.timeline.as_ref().map(|_| {
-            let c = [BusyClock::new(), BusyClock::new(), BusyClock::new()];
+            let c = [
+                BusyClock::new(),
+                BusyClock::new(),
+                BusyClock::new(),
+                BusyClock::new(),
+            ];
             for k in &c {
                 k.set_logging(true);
             }
@@ -183,9 +188,20 @@ impl Clocks {
         }
     }
 
-    fn engine(&self, i: usize) -> Option<Arc<BusyClock>> {
-        self.engines.as_ref().map(|c| c[i].clone())
+    fn engine(&self, lane: EngineLane) -> Option<Arc<BusyClock>> {
+        self.engines.as_ref().map(|c| c[lane as usize].clone())
     }
+}
+
+/// Which I/O engine a clock in [`Clocks::engines`] times: its index
+/// there, in the order of the timeline's disk lanes
+/// (`Trainer::record_disk`).
+#[derive(Debug, Clone, Copy)]
+enum EngineLane {
+    Params = 0,
+    StateReads = 1,
+    StateWrites = 2,
+    GradPark = 3,
 }
 
 /// What building the tiers needs besides the config and the sizing.
@@ -320,7 +336,7 @@ impl TierBuild<'_> {
         &self,
         space: Arc<SwapSpace>,
         arena: Arc<PinnedArena>,
-        lane: usize,
+        lane: EngineLane,
         faults: Option<Arc<FaultInjector>>,
     ) -> Result<Engine> {
         Ok(Engine::new(
@@ -355,7 +371,7 @@ impl TierBuild<'_> {
             let arena =
                 self.device_arena(self.sizing.param_buffers, pin, "the param swap buffers")?;
             let faults = self.opts.faults.params.clone();
-            let engine = self.engine(space, arena.clone(), 0, faults)?;
+            let engine = self.engine(space, arena.clone(), EngineLane::Params, faults)?;
             Some(NvmeParams {
                 engine,
                 arena,
@@ -386,7 +402,7 @@ impl TierBuild<'_> {
         let zero = &self.config.zero;
         let space = self.space(SwapUse::GradPark)?;
         let arena = self.arena(self.sizing.park_buffers, zero.offload_optimizer.pin_memory)?;
-        let engine = self.engine(space, arena.clone(), 3, None)?;
+        let engine = self.engine(space, arena.clone(), EngineLane::GradPark, None)?;
         Ok(Some(GradPark::new(
             engine,
             arena,
@@ -408,9 +424,18 @@ impl TierBuild<'_> {
                     zero.offload_optimizer.pin_memory,
                 )?;
                 let faults = &self.opts.faults;
-                let read =
-                    self.engine(space.clone(), arena.clone(), 1, faults.optim_read.clone())?;
-                let write = self.engine(space, arena.clone(), 2, faults.optim_write.clone())?;
+                let read = self.engine(
+                    space.clone(),
+                    arena.clone(),
+                    EngineLane::StateReads,
+                    faults.optim_read.clone(),
+                )?;
+                let write = self.engine(
+                    space,
+                    arena.clone(),
+                    EngineLane::StateWrites,
+                    faults.optim_write.clone(),
+                )?;
                 Some(NvmeOptim { read, write, arena })
             }
             None => None,

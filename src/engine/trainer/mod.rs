@@ -411,9 +411,9 @@ pub struct Trainer {
     io_clock: Arc<BusyClock>,
     /// How long building it took, by part.
     build_times: BuildTimes,
-    /// With a timeline: the param, optimizer-read and optimizer-write
-    /// engines' own clocks (its per-engine disk lanes).
-    engine_clocks: Option<[Arc<BusyClock>; 3]>,
+    /// With a timeline: the param, optimizer-read, optimizer-write and
+    /// grad-park engines' own clocks (its per-engine disk lanes).
+    engine_clocks: Option<[Arc<BusyClock>; 4]>,
     /// A `Flush` was sent and its reply has not arrived.
     flush_open: bool,
     /// The device optimizer stepped since its state was last loaded or

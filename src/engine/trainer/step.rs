@@ -821,6 +821,7 @@ impl Trainer {
                     Lane::DiskParams,
                     Lane::DiskStateReads,
                     Lane::DiskStateWrites,
+                    Lane::DiskGradPark,
                 ];
                 for (clock, lane) in c.iter().zip(lanes) {
                     tl.disk(lane, &clock.take_periods());
