@@ -6,8 +6,8 @@ offloaded run's means (step 6h).
   python scripts/metrics_summary.py METRICS.jsonl --preset tier
   python scripts/metrics_summary.py METRICS.jsonl --preset offload --steps N
 
-- `tier`: totals over the steps after the first (the first records the
-  trace) of the copies' bytes and waits, the device queues' busy seconds,
+- `tier`: totals over the steps after the first in the file (the first
+  records the trace) of the copies' bytes and waits, the device queues' busy seconds,
   the steps' wall seconds, and `wall_over_busiest_queue` (the wall over
   the busiest of the compute, h2d and d2h queues: how well copies and
   compute overlapped; null when no queue was busy).
@@ -17,8 +17,9 @@ offloaded run's means (step 6h).
   steps' numbers (`steps`). A key that some step lacks is left out.
 
 Prints one JSON object; with --out, writes it there too. Exit 2 on an
-unreadable file or too few steps (`tier` wants 2, `offload` 3). Only the
-standard library is used.
+unreadable file or too few steps (`tier` wants 2, `offload` 3). Steps
+are counted by their numbers: a resumed run's redone steps count once
+(their last lines). Only the standard library is used.
 """
 
 import argparse
@@ -52,8 +53,11 @@ OFFLOAD_MEANS = (
 
 
 def load_steps(path):
-    """The file's step lines (its summary line left out), in order."""
-    steps = []
+    """The file's step lines (its summary lines left out), one per step
+    number, in step order. A resumed run appends to the file and redoes
+    the steps after its checkpoint: a step's last line is the one whose
+    work the weights kept, so it replaces the earlier ones."""
+    by_step = {}
     with open(path) as f:
         for line in f:
             line = line.strip()
@@ -61,8 +65,8 @@ def load_steps(path):
                 continue
             d = json.loads(line)
             if "step" in d and not d.get("summary"):
-                steps.append(d)
-    return steps
+                by_step[d["step"]] = d
+    return [by_step[k] for k in sorted(by_step)]
 
 
 def tier_totals(steps):
@@ -80,7 +84,7 @@ def offload_means(steps, n):
     """Step 6h's means over steps 3..n, as many of them as there are (a
     run cut short still says where its steps went), or None when there
     are none."""
-    timed = steps[2:n]
+    timed = [s for s in steps if 3 <= s["step"] <= n]
     if not timed:
         return None
     mean = {k: sum(s[k] for s in timed) / len(timed)

@@ -5,7 +5,7 @@ Usage: scripts/timeline_gaps.py TIMELINE.json [--top N] [--against ALONE.json]
        scripts/timeline_gaps.py TIMELINE.json --lanes
 
 For each step span: its wall time, the time the disk was busy inside it
-(and each engine's share: params, state reads, state writes), the time the
+(and each engine's share: params, state reads, state writes, grad park), the time the
 compute thread spent waiting for params, and the N longest disk-idle gaps,
 each with the compute span (or params wait) it fell in. With a device's
 lanes, also its busy time and its N longest idle gaps between compute
@@ -60,19 +60,33 @@ def main():
     if not args or args[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0 if args else 2
+    def usage_error(msg):
+        print(f"timeline_gaps: {msg}", file=sys.stderr)
+        sys.exit(2)
+
+    def value(flag):
+        i = args.index(flag)
+        if i + 1 >= len(args):
+            usage_error(f"{flag} needs a value\n\n{__doc__.strip()}")
+        v = args[i + 1]
+        del args[i : i + 2]
+        return v
+
     top = 3
     if "--top" in args:
-        i = args.index("--top")
-        top = int(args[i + 1])
-        del args[i : i + 2]
+        v = value("--top")
+        try:
+            top = int(v)
+        except ValueError:
+            usage_error(f"--top {v!r}: not a whole number")
     against = None
     if "--against" in args:
-        i = args.index("--against")
-        against = load(args[i + 1])
-        del args[i : i + 2]
+        against = load(value("--against"))
     lanes_only = "--lanes" in args
     if lanes_only:
         args.remove("--lanes")
+    if len(args) != 1:
+        usage_error(f"one TIMELINE.json, got {args}\n\n{__doc__.strip()}")
     spans = load(args[0])
     if lanes_only:
         for lane, s in sorted(spans.items()):
@@ -95,7 +109,7 @@ def main():
         gaps.sort(reverse=True)
         engines = ", ".join(
             f"{lane[6:]} {sum(e - s for s, e, _ in clip(spans[lane], s0, s1)):.1f}"
-            for lane in ("disk: params", "disk: state reads", "disk: state writes")
+            for lane in ("disk: params", "disk: state reads", "disk: state writes", "disk: grad park")
             if lane in spans
         )
         print(
