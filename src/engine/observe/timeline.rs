@@ -349,6 +349,7 @@ mod tests {
                 "disk: params",
                 "disk: state reads",
                 "disk: state writes",
+                "disk: grad park",
                 "device: compute",
                 "device: h2d",
                 "device: d2h",
