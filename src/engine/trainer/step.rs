@@ -75,6 +75,15 @@ struct StepTimes {
     norm: Duration,
 }
 
+impl StepTimes {
+    /// Adds a compute span that began at `t0`, less `io_wait`: what it
+    /// waited inside for parked gradient sums (a unit's gradients added
+    /// to a sum read back from NVMe), which `io_wait_s` counts.
+    fn add_compute(&mut self, t0: Instant, io_wait: Duration) {
+        self.compute += t0.elapsed().saturating_sub(io_wait);
+    }
+}
+
 /// What a step came to, for its metrics.
 #[derive(Debug)]
 struct StepOutcome {
@@ -715,10 +724,12 @@ impl Trainer {
         }
         let tokens = (plan.micro_batch * plan.gas * plan.seq_len) as f64 * plan.world as f64;
         // The norm pass runs on the compute thread too (counted in
-        // `optimizer_s`, not idle).
+        // `optimizer_s`, not idle), and so do the store's and the park's
+        // waits (in `io_wait_s`, not in `compute_s`).
         let main_busy = compute_s
             + times.norm.as_secs_f64()
-            + (c1.io_wait.saturating_sub(c0.io_wait)).as_secs_f64();
+            + (c1.io_wait.saturating_sub(c0.io_wait)).as_secs_f64()
+            + (p1.io_wait.saturating_sub(start.park.io_wait)).as_secs_f64();
         let (device, spans) = match &self.opts.compute {
             Some(c) => (c.take_traffic().unwrap_or_default(), c.take_device_spans()),
             None => Default::default(),
@@ -864,5 +875,24 @@ impl Trainer {
         } else {
             OverlapMode::Step
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A compute span's waits on parked sums leave it: they are I/O wait,
+    /// not compute; a wait longer than the span (clock skew) leaves zero.
+    #[test]
+    fn compute_spans_leave_out_their_park_waits() {
+        let mut times = StepTimes::default();
+        let t0 = Instant::now() - Duration::from_millis(50);
+        times.add_compute(t0, Duration::from_millis(20));
+        assert!(times.compute >= Duration::from_millis(30), "{times:?}");
+        assert!(times.compute < Duration::from_millis(45), "{times:?}");
+        let before = times.compute;
+        times.add_compute(Instant::now(), Duration::from_secs(1));
+        assert_eq!(times.compute, before);
     }
 }

@@ -262,6 +262,7 @@ impl Trainer {
                 }
             }
             let t0 = Instant::now();
+            let parked0 = self.park_counters().io_wait;
             let g = self.backward_unit(plan, uid, kind, &params, batch, this, upstream.as_ref())?;
             drop(params);
             if let Some(l) = &g.loss {
@@ -271,7 +272,7 @@ impl Trainer {
             if !defers {
                 self.add_unit_grads(batch, uid, std::mem::take(&mut grads), groups, tied)?;
             }
-            times.compute += t0.elapsed();
+            times.add_compute(t0, self.park_counters().io_wait.saturating_sub(parked0));
             self.span(plan.step, Lane::Compute, || format!("bwd u{}", uid.0), t0);
             upstream = g.input;
             if !kept {
@@ -312,8 +313,9 @@ impl Trainer {
         times: &mut StepTimes,
     ) -> Result<()> {
         let t = Instant::now();
+        let parked0 = self.park_counters().io_wait;
         self.add_unit_grads(batch, uid, grads, groups, tied)?;
-        times.compute += t.elapsed();
+        times.add_compute(t, self.park_counters().io_wait.saturating_sub(parked0));
         self.span(plan.step, Lane::Compute, || format!("grads u{}", uid.0), t);
         self.unit_grads_added(plan, batch, uid, groups, times)
     }
