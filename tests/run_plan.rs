@@ -233,14 +233,26 @@ fn plan_pinned_bytes_are_exactly_what_the_engine_needs() {
         // 3 states (4 with spilled grads) x (1 + read ahead + write behind).
         assert_eq!(plan.optimizer_buffers.0, if clip { 12 } else { 9 });
         let exact = plan.pinned_total_bytes();
-        // The engine starts with exactly that budget and refuses one byte less.
+        // The engine starts with exactly that budget and all its slots.
         let fits = ds(&d, clip, Some(exact));
         let with_budget = plan_of(&d, &fits);
         assert_eq!(with_budget.optimizer_buffers, plan.optimizer_buffers);
+        assert_eq!(with_budget.param_buffers, plan.param_buffers);
         assert_eq!(with_budget.pinned_budget_bytes, Some(exact));
-        match trainer(&d, &ds(&d, clip, Some(exact - 1))) {
+        // One byte less costs one param slot (the slots are a speed-up),
+        // and so on down to offload_param.buffer_count = 4 of them; one
+        // byte below that least is refused, naming it.
+        let (slots, slot_bytes) = plan.param_buffers;
+        let cut = plan_of(&d, &ds(&d, clip, Some(exact - 1)));
+        assert_eq!(cut.param_buffers, (slots - 1, slot_bytes));
+        assert_eq!(cut.optimizer_buffers, plan.optimizer_buffers);
+        let least = exact - (slots - 4) * slot_bytes;
+        let at_least = plan_of(&d, &ds(&d, clip, Some(least)));
+        assert_eq!(at_least.param_buffers, (4, slot_bytes));
+        assert!(trainer(&d, &ds(&d, clip, Some(least))).is_ok());
+        match trainer(&d, &ds(&d, clip, Some(least - 1))) {
             Err(EngineError::PinnedBudget { required_bytes, .. }) => {
-                assert_eq!(required_bytes, exact);
+                assert_eq!(required_bytes, least);
             }
             other => panic!("clip {clip}: expected a pinned-budget error, got {other:?}"),
         }
