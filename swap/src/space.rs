@@ -931,7 +931,6 @@ impl Extent {
 
 #[cfg(test)]
 mod tests {
-    use super::room::usable_bytes;
     use super::*;
 
     /// A space whose second path fails leaves no file of the first behind
@@ -1140,8 +1139,9 @@ mod tests {
     #[test]
     fn a_space_beyond_the_free_space_is_refused_before_any_file() {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
-        let free =
-            usable_bytes(&filesystem_space(dir.path()).unwrap_or_else(|e| panic!("statvfs: {e}")));
+        let free = filesystem_space(dir.path())
+            .unwrap_or_else(|e| panic!("statvfs: {e}"))
+            .usable_bytes();
         let too_big = (free + (1 << 30)).next_multiple_of(1 << 20);
         match SwapSpace::create(SpaceConfig::new(dir.path(), too_big)) {
             Err(SwapError::NoRoom {

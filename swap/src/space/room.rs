@@ -14,8 +14,27 @@ pub struct FsSpace {
     /// Bytes an unprivileged user can still allocate (`f_bavail`).
     pub available_bytes: u64,
     /// Bytes free, the reserve for root included (`f_bfree`): what a
-    /// process with `CAP_SYS_RESOURCE` (root) can allocate.
+    /// process with `CAP_SYS_RESOURCE` can allocate (not every root).
     pub free_bytes: u64,
+}
+
+impl FsSpace {
+    /// The bytes this process may allocate there: a process with
+    /// `CAP_SYS_RESOURCE` may use the file system's reserve (ext4 keeps 5%
+    /// by default), others `f_bavail`. Being root is not enough: a container's
+    /// root often lacks the capability, and an ext4 mounted with `resuid=` /
+    /// `resgid=` gives the reserve to someone else; there `f_bfree` was 251
+    /// GB, `f_bavail` 79 GB, and a 101 GB file failed with `ENOSPC` as root.
+    /// (The `resuid`/`resgid` owner itself is counted at `f_bavail`: refused
+    /// a file only the reserve would hold.)
+    pub fn usable_bytes(&self) -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        if has_sys_resource(&status) {
+            self.free_bytes.max(self.available_bytes)
+        } else {
+            self.available_bytes
+        }
+    }
 }
 
 /// The size and free space of the file system holding `path`, so callers
@@ -56,25 +75,24 @@ pub fn filesystem_space(path: &Path) -> std::io::Result<FsSpace> {
 /// finds out.
 pub(super) fn check_room(dir: &Path, path: &Path, needed_bytes: u64) -> Result<()> {
     match filesystem_space(dir) {
-        Ok(s) if s.total_bytes > 0 && usable_bytes(&s) < needed_bytes => Err(SwapError::NoRoom {
+        Ok(s) if s.total_bytes > 0 && s.usable_bytes() < needed_bytes => Err(SwapError::NoRoom {
             path: path.to_path_buf(),
             needed_bytes,
-            available_bytes: usable_bytes(&s),
+            available_bytes: s.usable_bytes(),
         }),
         _ => Ok(()),
     }
 }
 
-/// The bytes this process may allocate there: root may use the file
-/// system's reserve (ext4 keeps 5% for it), others `f_bavail`.
-pub(super) fn usable_bytes(s: &FsSpace) -> u64 {
-    // SAFETY: geteuid takes no arguments, touches no memory and cannot fail.
-    let root = unsafe { libc::geteuid() } == 0;
-    if root {
-        s.free_bytes.max(s.available_bytes)
-    } else {
-        s.available_bytes
-    }
+/// Whether `/proc/self/status` text says the effective capabilities hold
+/// `CAP_SYS_RESOURCE` (bit 24 of `CapEff`); false when it cannot tell.
+fn has_sys_resource(status: &str) -> bool {
+    const CAP_SYS_RESOURCE: u32 = 24;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .is_some_and(|caps| caps & (1 << CAP_SYS_RESOURCE) != 0)
 }
 
 /// The error of a failed sizing of the swap file at `path` to `bytes`:
@@ -87,7 +105,7 @@ pub(super) fn size_error(path: &Path, bytes: u64, source: std::io::Error) -> Swa
         if let Some(available_bytes) = path
             .parent()
             .and_then(|d| filesystem_space(d).ok())
-            .map(|s| usable_bytes(&s))
+            .map(|s| s.usable_bytes())
             .filter(|&b| b < bytes)
         {
             return SwapError::NoRoom {
@@ -103,5 +121,31 @@ pub(super) fn size_error(path: &Path, bytes: u64, source: std::io::Error) -> Swa
         offset_bytes: 0,
         len_bytes: bytes,
         source,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_reserve_is_counted_only_with_cap_sys_resource() {
+        // A container's root: every capability but CAP_SYS_RESOURCE.
+        assert!(!has_sys_resource(
+            "Name:\ttierzero\nCapEff:\t000001fffeffffff\n"
+        ));
+        assert!(has_sys_resource("CapInh:\t0\nCapEff:\t000001ffffffffff\n"));
+        assert!(has_sys_resource("CapEff:\t0000000001000000\n"));
+        assert!(!has_sys_resource("CapEff:\t0000000000000000\n"));
+        assert!(!has_sys_resource("CapEff:\tzz\n"));
+        assert!(!has_sys_resource(""));
+        let s = FsSpace {
+            total_bytes: 100,
+            available_bytes: 30,
+            free_bytes: 90,
+        };
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let want = if has_sys_resource(&status) { 90 } else { 30 };
+        assert_eq!(s.usable_bytes(), want);
     }
 }
