@@ -612,6 +612,54 @@ fn a_signal_during_bench_io_removes_its_file() {
 /// without touching the device), `--size` with `--file` (the file's own
 /// length is measured), and `--seconds 0` (checked only after a fill of
 /// up to 4 GiB before).
+/// A swap file's blocks are free when the process that made it has
+/// exited: a second `bench-io` right after the first, on a tmpfs that
+/// holds one file, runs. The io_uring rings kept the files registered and
+/// the kernel tore them down after the exit, so the second run was refused
+/// for room (3 of 3 runs). Root only (mounts a tmpfs), else skipped.
+#[test]
+fn a_second_run_right_after_the_first_finds_its_room() {
+    let dir = scratch("room-after-exit");
+    let ok = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=48m,mode=0700", "tmpfs"])
+        .arg(&dir)
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("cannot mount a tmpfs at {}: skipping", dir.display());
+        return;
+    }
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg("-l").arg(self.0).status();
+        }
+    }
+    let _unmount = Unmount(&dir);
+    let path = dir.to_str().unwrap();
+    for run in 1..=3 {
+        let o = cli_support::run_tierzero(
+            Some(&dir),
+            &[
+                "bench-io",
+                "--path",
+                path,
+                "--size",
+                "40MiB",
+                "--seconds",
+                "0.05",
+                "--block-size",
+                "1M",
+                "--queue-depth",
+                "4",
+            ],
+        );
+        assert_no_panic(&o);
+        assert_eq!(o.code, 0, "run {run}: {}", o.stderr);
+    }
+}
+
 #[test]
 fn bench_io_refuses_flags_that_would_mislead() {
     let d = cli_support::scratch("limits", "bench-flags");

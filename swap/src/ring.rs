@@ -313,6 +313,7 @@ impl Ring {
                 }
             }
             if !open && self.in_flight == 0 && self.queue.is_empty() {
+                self.unregister();
                 return;
             }
             // 2. Fill the submission queue.
@@ -333,6 +334,29 @@ impl Ring {
             }
             // 4. Reap.
             self.reap();
+        }
+    }
+
+    /// Hands the registered files and buffers back before the ring is
+    /// dropped, with nothing in flight. Closing a ring tears it down in
+    /// the kernel's own time, after the process may have exited: a
+    /// swap file it still held kept its blocks (a 40 MiB file was still
+    /// counted used just after exit, and a second run on that tmpfs was
+    /// refused for room), and its registered buffers stayed charged to
+    /// `RLIMIT_MEMLOCK`. Unregistered, they are let go at once.
+    fn unregister(&mut self) {
+        let submitter = self.ring.submitter();
+        if self.fixed_files {
+            if let Err(e) = submitter.unregister_files() {
+                tracing::debug!(error = %e, "unregistering swap files from io_uring");
+            }
+            self.fixed_files = false;
+        }
+        if self.fixed_buffers {
+            if let Err(e) = submitter.unregister_buffers() {
+                tracing::debug!(error = %e, "unregistering buffers from io_uring");
+            }
+            self.fixed_buffers = false;
         }
     }
 
