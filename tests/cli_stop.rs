@@ -272,7 +272,8 @@ fn sigint_and_sigterm_without_a_save_dir_stop_with_the_weights_of_that_step() {
     let d = cli_support::scratch("stop", "nosave");
     setup(&d);
     let per_step = backward_hits_per_step(&d);
-    for (sig, code) in [("INT", 130), ("TERM", 143)] {
+    // SIGHUP (a closed terminal) too: its default action killed the run.
+    for (sig, code) in [("INT", 130), ("TERM", 143), ("HUP", 129)] {
         let name = format!("SIG{sig}");
         let what = format!("{name} without --save-dir");
         let out = stopped_by(train(&d, TOTAL, &["--model", "model"]), sig, per_step);
@@ -291,6 +292,30 @@ fn sigint_and_sigterm_without_a_save_dir_stop_with_the_weights_of_that_step() {
             "{what}: the weights at the stop differ from a {step}-step run's"
         );
     }
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// Under `nohup` SIGHUP stays ignored: the run goes on to its last step.
+#[test]
+fn a_run_started_under_nohup_ignores_sighup() {
+    let d = cli_support::scratch("stop", "nohup");
+    setup(&d);
+    let per_step = backward_hits_per_step(&d);
+    let plain = train(&d, TOTAL, &["--model", "model"]);
+    let mut c = Command::new("nohup");
+    c.arg(plain.get_program())
+        .args(plain.get_args())
+        .current_dir(&d)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let out = stopped_by(c, "HUP", per_step);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(!err.contains("SIGHUP received"), "{err}");
+    let s = summary(&out, "nohup");
+    assert_eq!(s["stopped"], Value::Null, "{s}");
+    assert_eq!(s["steps"].as_u64(), Some(TOTAL), "{s}");
     std::fs::remove_dir_all(&d).unwrap();
 }
 

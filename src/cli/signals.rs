@@ -1,5 +1,9 @@
-//! SIGINT and SIGTERM for `tierzero train` (and `launch`): the first asks
-//! the trainer to stop at the next step boundary, a second aborts at once.
+//! SIGINT, SIGTERM and SIGHUP for `tierzero train` (and `launch`): the
+//! first asks the trainer to stop at the next step boundary, a second
+//! aborts at once. SIGHUP (a closed terminal, a dropped ssh session) is
+//! one like the others (its default action killed the run without its
+//! save, and left the swap files until the next run), unless the process
+//! started with it ignored (`nohup`): then it stays ignored.
 //! Before that boundary exists, the first ends the start-up at once, or
 //! the trainer's build where it is ([`trainer_build_begins`]).
 //!
@@ -23,7 +27,7 @@
 //!   still two: `armed` is set by the first handler itself.
 //! * **Exit codes** of a graceful stop: 128 + the signal's number, as a
 //!   shell reports a process killed by it: [`EXIT_SIGINT`] (130),
-//!   [`EXIT_SIGTERM`] (143).
+//!   [`EXIT_SIGTERM`] (143), 129 for SIGHUP.
 //! * **Under mpirun** (`tierzero launch`, or mpirun by hand). OpenMPI's
 //!   mpirun answers a SIGINT or SIGTERM by sending the ranks SIGTERM and,
 //!   `odls_base_sigkill_timeout` (1 s) later, SIGKILL: too soon for a stop
@@ -40,9 +44,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::anyhow;
-#[cfg(feature = "mpi")]
-use signal_hook::consts::SIGHUP;
-use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
 use tierzero::engine::{StopCause, StopHandle};
 
 use super::Failure;
@@ -151,7 +153,7 @@ pub fn failure_is_being_reported() {
 }
 
 /// For a command with no step boundary to stop at (`bench-io`, `tune`):
-/// the first SIGINT or SIGTERM removes `made` (files, and directories if
+/// the first SIGINT, SIGTERM or SIGHUP removes `made` (files, and directories if
 /// empty, in order: what the command made, `what` in the message; an
 /// existing file given to it is not in `made`) and exits with 128 + the
 /// signal; a second aborts. Without it the signal's default
@@ -259,8 +261,11 @@ pub fn run_mpirun(
 ) -> Result<std::io::Result<std::process::ExitStatus>, Failure> {
     use std::os::unix::process::CommandExt as _;
     use std::time::Instant;
+    // (A SIGHUP ignored from the start, `nohup`, stays ignored.)
+    let hup_ignored = tierzero_swap::process::signal_ignored(SIGHUP);
     let flags: Vec<(i32, Arc<AtomicBool>)> = [SIGINT, SIGTERM, SIGHUP]
         .into_iter()
+        .filter(|&sig| !(sig == SIGHUP && hup_ignored))
         .map(|sig| {
             let flag = Arc::new(AtomicBool::new(false));
             signal_hook::flag::register(sig, Arc::clone(&flag))
@@ -345,20 +350,26 @@ pub const RESEND: Duration = Duration::from_secs(2);
 fn register() -> Result<Arc<AtomicUsize>, Failure> {
     let armed = Arc::new(AtomicBool::new(false));
     let last = Arc::new(AtomicUsize::new(0));
+    // A SIGHUP that `nohup` (or a parent) set to be ignored stays so.
+    let hup = !tierzero_swap::process::signal_ignored(SIGHUP);
     // (signal, the stop it stands for)
     for (sig, stands_for) in [
         (SIGINT, SIGINT),
         (SIGTERM, SIGTERM),
+        (SIGHUP, SIGHUP),
         (STOP_AS_SIGINT, SIGINT),
         (STOP_AS_SIGTERM, SIGTERM),
     ] {
+        if sig == SIGHUP && !hup {
+            continue;
+        }
         let err = |e: std::io::Error| {
             Failure::Internal(anyhow!("installing the handler of signal {sig}: {e}"))
         };
         // SIGUSR1/SIGUSR2 come from `tierzero launch`, which may send one
         // again (a stop sent before mpirun's ranks existed is lost): they
         // never abort; the launcher aborts with a SIGINT to mpirun.
-        if sig == SIGINT || sig == SIGTERM {
+        if sig == SIGINT || sig == SIGTERM || sig == SIGHUP {
             signal_hook::flag::register_conditional_default(sig, Arc::clone(&armed))
                 .map_err(err)?;
             signal_hook::flag::register(sig, Arc::clone(&armed)).map_err(err)?;

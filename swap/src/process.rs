@@ -73,6 +73,22 @@ pub fn send_signal(pid: u32, signal: i32) -> std::io::Result<()> {
     }
 }
 
+/// Whether `signal`'s disposition is "ignore" (`sigaction(2)` read only):
+/// `nohup` starts a program with SIGHUP ignored, and a handler installed
+/// over it would undo that. False when it cannot tell.
+pub fn signal_ignored(signal: i32) -> bool {
+    let mut old = std::mem::MaybeUninit::<libc::sigaction>::zeroed();
+    // SAFETY: a null `act` only reads the disposition into `old`, which
+    // points to writable memory of exactly the type sigaction fills.
+    let rc = unsafe { libc::sigaction(signal, std::ptr::null(), old.as_mut_ptr()) };
+    if rc != 0 {
+        return false;
+    }
+    // SAFETY: sigaction returned 0, so it filled `old` (and it was zeroed).
+    let old = unsafe { old.assume_init() };
+    old.sa_sigaction == libc::SIG_IGN
+}
+
 /// Makes the process `cmd` spawns receive `signal` when the thread that
 /// spawned it dies (Linux's `PR_SET_PDEATHSIG`): `tierzero launch` gives
 /// mpirun SIGINT, its abort, so that the ranks do not outlive a launcher
