@@ -660,6 +660,53 @@ fn a_second_run_right_after_the_first_finds_its_room() {
     }
 }
 
+/// bench-io under an RLIMIT_MEMLOCK below its largest run's buffers (the
+/// fill alone maps 64 MiB) measures with pageable buffers, said once,
+/// rather than failing every sweep (the default limit is 8 MiB).
+#[test]
+fn bench_io_under_a_low_memlock_limit_measures_with_pageable_buffers() {
+    if !have_setpriv_prlimit() {
+        eprintln!("setpriv/prlimit not installed; skipping");
+        return;
+    }
+    let d = cli_support::scratch("limits", "bench-memlock");
+    let o = run_wrapped(
+        &d,
+        &[
+            "/usr/bin/setpriv",
+            "--inh-caps=-ipc_lock",
+            "--bounding-set=-ipc_lock",
+            "/usr/bin/prlimit",
+            "--memlock=8388608:8388608",
+        ],
+        &[
+            "bench-io",
+            "--path",
+            ".",
+            "--size",
+            "4MiB",
+            "--block-size",
+            "64K",
+            "--queue-depth",
+            "1,4",
+            "--seconds",
+            "0.05",
+            "--json",
+        ],
+    );
+    assert_no_panic(&o);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    let warned: Vec<&str> = o
+        .stderr
+        .lines()
+        .filter(|l| l.contains("RLIMIT_MEMLOCK") || l.contains("WARN"))
+        .collect();
+    assert_eq!(warned.len(), 1, "{}", o.stderr);
+    assert!(warned[0].contains("pageable buffers"), "{}", warned[0]);
+    let v: Value = serde_json::from_str(o.stdout.trim()).unwrap();
+    assert_eq!(v["settings"].as_array().unwrap().len(), 2, "{v}");
+}
+
 #[test]
 fn bench_io_refuses_flags_that_would_mislead() {
     let d = cli_support::scratch("limits", "bench-flags");
@@ -684,6 +731,29 @@ fn bench_io_refuses_flags_that_would_mislead() {
         (
             vec!["--path", ".", "--size", "1M", "--block-size", "1000"],
             vec!["--block-size 1000", "multiple of 4096"],
+        ),
+        // Past what a ring or a request takes: refused after the fill and
+        // the rows before them, which were lost.
+        (
+            vec!["--path", ".", "--size", "1M", "--queue-depth", "1,4097"],
+            vec!["--queue-depth 4097", "at most 4096"],
+        ),
+        (
+            vec!["--path", ".", "--size", "1M", "--block-size", "1M,2G"],
+            vec!["--block-size 2 GiB", "at most 2147479552"],
+        ),
+        (
+            vec!["--path", "no-such-dir", "--size", "1M"],
+            vec!["--path no-such-dir: no such directory"],
+        ),
+        (
+            vec!["--path", ".", "--size", "1M", "--seconds", "inf"],
+            vec!["--seconds inf", "finite"],
+        ),
+        (vec!["--path", ".", "--size", "0"], vec!["--size 0"]),
+        (
+            vec!["--path", ".", "--size", "1000TiB"],
+            vec!["--size 1000 TiB", "free", "smaller --size"],
         ),
     ] {
         let mut all = vec!["bench-io"];

@@ -165,9 +165,19 @@ struct Report {
     write_gbps: Option<f64>,
 }
 
-fn open_target(t: &Target) -> Result<BenchTarget, Failure> {
+/// The target of `t`, filled unless `--no-fill`. Its runs' buffers are
+/// page-locked where `RLIMIT_MEMLOCK` holds the largest run's (the
+/// fill's, or the sweep's deepest setting of `blocks` x `qds`), else all
+/// pageable, said once: the fill alone asked 64 MiB, and the default 8 MiB
+/// limit refused every run.
+fn open_target(t: &Target, blocks: &[u64], qds: &[usize]) -> Result<BenchTarget, Failure> {
     // Checked before a fill that may take minutes.
     time_limit(t)?;
+    if t.file.is_none() && t.size == 0 {
+        return Err(Failure::BadInput(anyhow!(
+            "--size 0: give the benchmark file's size, e.g. 4GiB"
+        )));
+    }
     let bt = if let Some(file) = &t.file {
         if !file.is_file() {
             return Err(Failure::BadInput(anyhow!(
@@ -188,13 +198,53 @@ fn open_target(t: &Target) -> Result<BenchTarget, Failure> {
             .ok_or_else(|| Failure::BadInput(anyhow!("give --path DIR or --file FILE")))?;
         if !dir.is_dir() {
             return Err(Failure::BadInput(anyhow!(
-                "--path {}: not a directory",
-                dir.display()
+                "--path {}: {}; give a directory on the device to measure",
+                dir.display(),
+                match std::fs::metadata(dir) {
+                    Ok(_) => "not a directory",
+                    Err(_) => "no such directory",
+                }
             )));
         }
-        BenchTarget::create(dir, t.size, DirectIo::Auto)
-            .map_err(|e| Failure::from_swap(e, "creating the benchmark file"))?
+        BenchTarget::create(dir, t.size, DirectIo::Auto).map_err(|e| match e {
+            tierzero_swap::SwapError::NoRoom {
+                needed_bytes,
+                available_bytes,
+                ..
+            } => Failure::BadInput(anyhow!(
+                "--size {}: {} has {} free; give a smaller --size or another --path",
+                format_bytes(needed_bytes),
+                dir.display(),
+                format_bytes(available_bytes)
+            )),
+            e => Failure::from_swap(e, "creating the benchmark file"),
+        })?
     };
+    let mut bt = bt;
+    let largest_run_bytes = [
+        (!t.no_fill).then_some((
+            tierzero_swap::bench::FILL_BLOCK_BYTES,
+            tierzero_swap::bench::FILL_QUEUE_DEPTH,
+        )),
+        blocks.iter().max().copied().zip(qds.iter().max().copied()),
+    ]
+    .into_iter()
+    .flatten()
+    .filter_map(|(b, q)| tierzero_swap::bench::run_arena_bytes(b, q))
+    .max()
+    .unwrap_or(0);
+    let memlock = tierzero_swap::MemlockInfo::current();
+    if memlock.check(largest_run_bytes).is_err() {
+        errln!(
+            "warning: RLIMIT_MEMLOCK lets this process lock {} and the largest run maps {} of \
+             buffers: every run uses pageable buffers, which io_uring cannot register (as \
+             train does with tierzero.memlock \"auto\"); raise `ulimit -l` to measure with \
+             locked ones",
+            format_bytes(memlock.limit_bytes.saturating_sub(memlock.locked_bytes)),
+            format_bytes(largest_run_bytes)
+        );
+        bt.set_lock(tierzero_swap::LockPolicy::Off);
+    }
     // A signal from here on (the fill may take minutes) removes the file
     // this run made, as its drop would.
     super::signals::exit_on_signal("the benchmark file", bt.made_paths())?;
@@ -229,7 +279,10 @@ fn measure(
 /// `--seconds` as a duration: positive and finite.
 fn time_limit(t: &Target) -> Result<Duration, Failure> {
     if t.seconds <= 0.0 || !t.seconds.is_finite() {
-        return Err(Failure::BadInput(anyhow!("--seconds must be > 0")));
+        return Err(Failure::BadInput(anyhow!(
+            "--seconds {}: give a finite number of seconds > 0, e.g. 3",
+            t.seconds
+        )));
     }
     Duration::try_from_secs_f64(t.seconds).map_err(|_| {
         Failure::BadInput(anyhow!(
@@ -270,6 +323,20 @@ fn check_sweep_within(
     let (Some(&block), Some(&qd)) = (blocks.iter().max(), qds.iter().max()) else {
         return Ok(());
     };
+    let most_qd = tierzero_swap::fileio::MAX_RING_ENTRIES as usize;
+    if qd > most_qd {
+        return Err(Failure::BadInput(anyhow!(
+            "--queue-depth {qd}: a ring holds at most {most_qd} requests; give at most {most_qd} \
+             (8 to 128 is typical)"
+        )));
+    }
+    let most_block = tierzero_swap::engine::MAX_BLOCK_BYTES / align * align;
+    if block > most_block {
+        return Err(Failure::BadInput(anyhow!(
+            "--block-size {}: one request moves less than 2 GiB; give at most {most_block} bytes",
+            format_bytes(block)
+        )));
+    }
     let buffers = tierzero_swap::bench::outstanding_buffers(qd);
     let pinned = tierzero_swap::bench::run_arena_bytes(block, qd);
     let available = match (pinned, available_bytes) {
@@ -370,7 +437,7 @@ fn shallow_settings(len_bytes: u64, blocks: &[u64], qds: &[usize]) -> Vec<(u64, 
 /// `tierzero bench-io`.
 pub fn run_bench_io(a: BenchIoArgs) -> Result<(), Failure> {
     check_sweep(&a.block_size, &a.queue_depth)?;
-    let bt = open_target(&a.target)?;
+    let bt = open_target(&a.target, &a.block_size, &a.queue_depth)?;
     let shallow = shallow_settings(bt.len_bytes(), &a.block_size, &a.queue_depth);
     if !shallow.is_empty() {
         let list: Vec<String> = shallow
@@ -382,6 +449,20 @@ pub fn run_bench_io(a: BenchIoArgs) -> Result<(), Failure> {
              rows do not reach: {}; give a larger --size or --file",
             format_bytes(bt.len_bytes()),
             list.join(", ")
+        );
+    }
+    let over: Vec<String> = a
+        .block_size
+        .iter()
+        .filter(|&&b| b > bt.len_bytes())
+        .map(|&b| format_bytes(b))
+        .collect();
+    if !over.is_empty() {
+        errln!(
+            "warning: block size {} is larger than the file ({}): those rows move requests of \
+             the file's size, not of the block; give a larger --size or --file",
+            over.join(", "),
+            format_bytes(bt.len_bytes())
         );
     }
     let cells = sweep(&bt, &a.target, &a.block_size, &a.queue_depth, a.rw, !a.json)?;
@@ -505,7 +586,7 @@ pub fn run_tune(a: TuneArgs) -> Result<(), Failure> {
             format_bytes(max_block),
         )));
     }
-    let bt = open_target(&a.target)?;
+    let bt = open_target(&a.target, &TUNE_BLOCKS, &TUNE_QDS)?;
     errln!(
         "sweeping {} settings, up to {:.1} s each for read and write...",
         TUNE_BLOCKS.len() * TUNE_QDS.len(),

@@ -14,7 +14,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::arena::{ArenaConfig, PinnedArena};
+use crate::arena::{ArenaConfig, LockPolicy, PinnedArena};
 use crate::engine::{BackendKind, Engine, EngineConfig, Request};
 use crate::error::{IoOp, Result, SwapError};
 use crate::space::{DirectIo, Extent, SpaceConfig, SwapSpace};
@@ -50,11 +50,19 @@ impl BenchResult {
     }
 }
 
+/// The block size of [`BenchTarget::fill`]'s writes.
+pub const FILL_BLOCK_BYTES: u64 = 1 << 20;
+/// The queue depth of [`BenchTarget::fill`]'s writes.
+pub const FILL_QUEUE_DEPTH: usize = 32;
+
 /// A file region to measure on.
 #[derive(Debug)]
 pub struct BenchTarget {
     space: Arc<SwapSpace>,
     extent: Extent,
+    /// Whether each run's buffers are page-locked ([`LockPolicy::Require`]
+    /// unless [`BenchTarget::set_lock`] says otherwise).
+    lock: LockPolicy,
 }
 
 impl BenchTarget {
@@ -64,7 +72,11 @@ impl BenchTarget {
         cfg.direct_io = direct_io;
         let space = SwapSpace::create(cfg)?;
         let extent = space.allocate(space.free_bytes())?;
-        Ok(BenchTarget { space, extent })
+        Ok(BenchTarget {
+            space,
+            extent,
+            lock: LockPolicy::Require,
+        })
     }
 
     /// An existing file (its contents are overwritten by write runs).
@@ -85,7 +97,11 @@ impl BenchTarget {
             }));
         }
         let extent = space.allocate(free)?;
-        Ok(BenchTarget { space, extent })
+        Ok(BenchTarget {
+            space,
+            extent,
+            lock: LockPolicy::Require,
+        })
     }
 
     /// What this target made, for a process that ends without its drop
@@ -122,9 +138,24 @@ impl BenchTarget {
         self.space.files().iter().all(|f| f.is_direct())
     }
 
-    /// Writes the whole target once so that later reads touch the device.
+    /// Whether the runs' buffers are page-locked: [`LockPolicy::Off`]
+    /// measures with pageable buffers (what a run whose `RLIMIT_MEMLOCK`
+    /// cannot hold them gets: `train`'s `memlock: auto` does the same).
+    pub fn set_lock(&mut self, lock: LockPolicy) {
+        self.lock = lock;
+    }
+
+    /// Writes the whole target once so that later reads touch the device
+    /// ([`FILL_QUEUE_DEPTH`] requests of [`FILL_BLOCK_BYTES`]).
     pub fn fill(&self, backend: BackendKind) -> Result<BenchResult> {
-        self.run(IoOp::Write, 1 << 20, 32, self.len_bytes(), None, backend)
+        self.run(
+            IoOp::Write,
+            FILL_BLOCK_BYTES,
+            FILL_QUEUE_DEPTH,
+            self.len_bytes(),
+            None,
+            backend,
+        )
     }
 
     /// Moves `total_bytes` with `queue_depth` requests of `block_bytes`
@@ -156,6 +187,7 @@ impl BenchTarget {
         })?;
         let mut acfg = ArenaConfig::new(arena_bytes, block_bytes);
         acfg.alignment = align;
+        acfg.lock = self.lock;
         let arena = PinnedArena::new(acfg)?;
         let engine = Engine::new(
             self.space.clone(),

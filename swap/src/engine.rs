@@ -44,6 +44,11 @@ pub enum BackendKind {
     Portable,
 }
 
+/// The largest block one request may move: Linux moves at most
+/// `MAX_RW_COUNT` (2 GiB less a page) per read or write, and the rings'
+/// lengths are 32-bit.
+pub const MAX_BLOCK_BYTES: u64 = u32::MAX as u64 / 2;
+
 /// Settings for [`Engine::new`].
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -429,9 +434,9 @@ impl Engine {
                 alignment_bytes: space.alignment().bytes(),
             });
         }
-        if config.block_bytes > u32::MAX as u64 / 2 {
+        if config.block_bytes > MAX_BLOCK_BYTES {
             return Err(SwapError::Config(format!(
-                "block size {} is larger than 2 GiB",
+                "block size {} is 2 GiB or more; a request moves at most {MAX_BLOCK_BYTES} bytes",
                 config.block_bytes
             )));
         }

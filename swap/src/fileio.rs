@@ -927,7 +927,7 @@ pub const MAX_RING_ENTRIES: u32 = 4096;
 pub fn check_queue_depth(queue_depth: u32) -> Result<()> {
     if queue_depth > MAX_RING_ENTRIES {
         return Err(SwapError::Config(format!(
-            "queue_depth {queue_depth} is more than a ring holds ({MAX_RING_ENTRIES}); use 8 to 128"
+            "queue_depth {queue_depth} is more than a ring holds ({MAX_RING_ENTRIES}); give at most {MAX_RING_ENTRIES} (8 to 128 is typical)"
         )));
     }
     Ok(())

@@ -245,6 +245,13 @@ fn setup(
         // which unregisters on drop.
         match unsafe { ring.submitter().register_buffers(&iovecs) } {
             Ok(()) => true,
+            // An arena left unlocked for RLIMIT_MEMLOCK (said where that was
+            // decided) is refused the same limit here: one warning is
+            // enough, not one per ring.
+            Err(e) if !arena.is_locked() && e.raw_os_error() == Some(libc::ENOMEM) => {
+                tracing::debug!(error = %e, buffers = iovecs.len(), "unlocked arena's buffers not registered with io_uring; unregistered reads and writes");
+                false
+            }
             Err(e) => {
                 tracing::warn!(error = %e, buffers = iovecs.len(), "could not register buffers with io_uring; using unregistered reads and writes");
                 false
