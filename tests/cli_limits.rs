@@ -707,6 +707,108 @@ fn bench_io_under_a_low_memlock_limit_measures_with_pageable_buffers() {
     assert_eq!(v["settings"].as_array().unwrap().len(), 2, "{v}");
 }
 
+/// `bench-io --file` on a swap file of a running tierzero (its directory's
+/// lock held: here by this test) is refused naming the holder: its write
+/// runs overwrote the run's swap file, whose next read failed its checksum.
+#[test]
+fn bench_io_refuses_a_file_under_a_held_swap_lock() {
+    let d = cli_support::scratch("limits", "bench-locked");
+    std::fs::write(d.join("f.dat"), vec![0u8; 1 << 20]).unwrap();
+    let lock = tierzero_swap::lock::DirLock::acquire(&d).unwrap();
+    assert!(lock.is_some(), "no lock on {}", d.display());
+    let o = cli_support::run_tierzero(
+        Some(&d),
+        &["bench-io", "--file", "f.dat", "--no-fill", "--rw", "write"],
+    );
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    let pid = format!("(pid {})", std::process::id());
+    assert!(
+        o.stderr.contains("--file f.dat") && o.stderr.contains(&pid),
+        "{}",
+        o.stderr
+    );
+    drop(lock);
+    let o = cli_support::run_tierzero(
+        Some(&d),
+        &[
+            "bench-io",
+            "--file",
+            "f.dat",
+            "--no-fill",
+            "--rw",
+            "write",
+            "--block-size",
+            "64K",
+            "--queue-depth",
+            "1",
+            "--seconds",
+            "0.05",
+        ],
+    );
+    assert_eq!(o.code, 0, "{}", o.stderr);
+}
+
+/// `--rw read --no-fill` opens `--file` read-only, so a file the user may
+/// only read is measured (it was opened read-write: "Permission denied");
+/// with writes the refusal says so and names the read-only way. Root
+/// only (runs as nobody), else skipped.
+#[test]
+fn bench_io_reads_a_file_it_may_not_write() {
+    if !Path::new("/usr/bin/setpriv").exists() || !running_as_root() {
+        eprintln!("needs root and setpriv; skipping");
+        return;
+    }
+    let t = tempfile::Builder::new()
+        .prefix("tz-ro-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(t.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let f = t.path().join("f.dat");
+    std::fs::write(&f, vec![7u8; 1 << 20]).unwrap();
+    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let nobody = [
+        "/usr/bin/setpriv",
+        "--reuid=65534",
+        "--regid=65534",
+        "--clear-groups",
+    ];
+    let file = f.to_str().unwrap();
+    let base = [
+        "bench-io",
+        "--file",
+        file,
+        "--block-size",
+        "64K",
+        "--queue-depth",
+        "1",
+        "--seconds",
+        "0.05",
+    ];
+    let o = run_wrapped(
+        t.path(),
+        &nobody,
+        &[&base[..], &["--rw", "read", "--no-fill"]].concat(),
+    );
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    let o = run_wrapped(t.path(), &nobody, &base);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    assert!(
+        o.stderr.contains("opened read-write") && o.stderr.contains("--rw read --no-fill"),
+        "{}",
+        o.stderr
+    );
+}
+
+fn running_as_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|u| u.split_whitespace().nth(1).map(|e| e == "0"))
+        .unwrap_or(false)
+}
+
 #[test]
 fn bench_io_refuses_flags_that_would_mislead() {
     let d = cli_support::scratch("limits", "bench-flags");

@@ -169,8 +169,15 @@ struct Report {
 /// page-locked where `RLIMIT_MEMLOCK` holds the largest run's (the
 /// fill's, or the sweep's deepest setting of `blocks` x `qds`), else all
 /// pageable, said once: the fill alone asked 64 MiB, and the default 8 MiB
-/// limit refused every run.
-fn open_target(t: &Target, blocks: &[u64], qds: &[usize]) -> Result<BenchTarget, Failure> {
+/// limit refused every run. A `--file` is opened read-write only where
+/// the command `writes` (its fill, or write runs), and refused while a
+/// running tierzero holds its directory's swap lock (its swap file).
+fn open_target(
+    t: &Target,
+    blocks: &[u64],
+    qds: &[usize],
+    writes: bool,
+) -> Result<BenchTarget, Failure> {
     // Checked before a fill that may take minutes.
     time_limit(t)?;
     if t.file.is_none() && t.size == 0 {
@@ -189,8 +196,39 @@ fn open_target(t: &Target, blocks: &[u64], qds: &[usize]) -> Result<BenchTarget,
                 }
             )));
         }
-        BenchTarget::existing(file, DirectIo::Auto)
-            .map_err(|e| Failure::from_swap(e, "opening the benchmark file"))?
+        let dir = file.parent().filter(|d| !d.as_os_str().is_empty());
+        if let tierzero_swap::lock::LockState::Held { holder_pid } =
+            tierzero_swap::lock::lock_state(dir.unwrap_or(std::path::Path::new(".")))
+        {
+            return Err(Failure::BadInput(anyhow!(
+                "--file {}: a running tierzero{} holds its directory's swap lock: this is its \
+                 swap file, and bench-io would overwrite it; measure another file, or after \
+                 that run ends",
+                file.display(),
+                holder_pid.map_or_else(String::new, |p| format!(" (pid {p})"))
+            )));
+        }
+        BenchTarget::existing(file, DirectIo::Auto, writes).map_err(|e| match e {
+            tierzero_swap::SwapError::Setup { ref source, .. }
+                if matches!(
+                    source.kind(),
+                    std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem
+                ) || source.raw_os_error() == Some(libc::EPERM) =>
+            {
+                Failure::BadInput(anyhow!(
+                    "--file {}: {source} (opened {}); {}",
+                    file.display(),
+                    if writes { "read-write" } else { "read-only" },
+                    if writes {
+                        "the fill and write runs write it: measure reads alone with --rw read \
+                         --no-fill, or give a file you may write"
+                    } else {
+                        "give a file you may read"
+                    }
+                ))
+            }
+            e => Failure::from_swap(e, "opening the benchmark file"),
+        })?
     } else {
         let dir = t
             .path
@@ -437,7 +475,8 @@ fn shallow_settings(len_bytes: u64, blocks: &[u64], qds: &[usize]) -> Vec<(u64, 
 /// `tierzero bench-io`.
 pub fn run_bench_io(a: BenchIoArgs) -> Result<(), Failure> {
     check_sweep(&a.block_size, &a.queue_depth)?;
-    let bt = open_target(&a.target, &a.block_size, &a.queue_depth)?;
+    let writes = !a.target.no_fill || a.rw != Rw::Read;
+    let bt = open_target(&a.target, &a.block_size, &a.queue_depth, writes)?;
     let shallow = shallow_settings(bt.len_bytes(), &a.block_size, &a.queue_depth);
     if !shallow.is_empty() {
         let list: Vec<String> = shallow
@@ -586,7 +625,7 @@ pub fn run_tune(a: TuneArgs) -> Result<(), Failure> {
             format_bytes(max_block),
         )));
     }
-    let bt = open_target(&a.target, &TUNE_BLOCKS, &TUNE_QDS)?;
+    let bt = open_target(&a.target, &TUNE_BLOCKS, &TUNE_QDS, true)?;
     errln!(
         "sweeping {} settings, up to {:.1} s each for read and write...",
         TUNE_BLOCKS.len() * TUNE_QDS.len(),

@@ -79,9 +79,11 @@ impl BenchTarget {
         })
     }
 
-    /// An existing file (its contents are overwritten by write runs).
-    pub fn existing(file: &Path, direct_io: DirectIo) -> Result<Self> {
-        let space = SwapSpace::open_file(file, direct_io, false)?;
+    /// An existing file (its contents are overwritten by write runs);
+    /// opened read-only unless `writable` (a read-only one can be measured
+    /// by reads alone).
+    pub fn existing(file: &Path, direct_io: DirectIo, writable: bool) -> Result<Self> {
+        let space = SwapSpace::open_file(file, direct_io, false, writable)?;
         let free = space.free_bytes();
         if free == 0 {
             let len = std::fs::metadata(file).map_or(0, |m| m.len());

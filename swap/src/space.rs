@@ -383,9 +383,10 @@ impl SwapSpace {
             // (On a failure below, `made` forgets it.)
             OWN_FILES.add(path.clone());
             made.0.push(path.clone());
-            let (file, direct) = open_swap_file(&path, config.direct_io, true, &|| {
-                lease.first_buffered_warning()
-            })?;
+            let (file, direct) =
+                open_swap_file(&path, config.direct_io, OpenMode::Create, &|| {
+                    lease.first_buffered_warning()
+                })?;
             dirs.push(lease);
             let sf = SwapFile {
                 path: path.clone(),
@@ -414,9 +415,20 @@ impl SwapSpace {
     }
 
     /// Uses an existing file (for benchmarks). It is never removed or
-    /// resized; its contents are overwritten by writes.
-    pub fn open_file(path: &Path, direct_io: DirectIo, checksums: bool) -> Result<Arc<Self>> {
-        let (file, direct) = open_swap_file(path, direct_io, false, &|| true)?;
+    /// resized; its contents are overwritten by writes. Opened read-only
+    /// unless `writable` (a write through it then fails with `EBADF`).
+    pub fn open_file(
+        path: &Path,
+        direct_io: DirectIo,
+        checksums: bool,
+        writable: bool,
+    ) -> Result<Arc<Self>> {
+        let mode = if writable {
+            OpenMode::Existing
+        } else {
+            OpenMode::ReadOnly
+        };
+        let (file, direct) = open_swap_file(path, direct_io, mode, &|| true)?;
         let len = file
             .metadata()
             .map_err(|source| SwapError::Setup {
@@ -594,15 +606,27 @@ static OWN_FILES: crate::process::OwnPaths = crate::process::OwnPaths::new();
 
 /// Opens (or creates) a swap file under the O_DIRECT policy. `warn` says
 /// whether to log the buffered fallback (once per directory).
+/// How [`open_swap_file`] opens its file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OpenMode {
+    /// A new file, read-write (`create_new`, mode 0600).
+    Create,
+    /// An existing file, read-write.
+    Existing,
+    /// An existing file, read-only.
+    ReadOnly,
+}
+
 fn open_swap_file(
     path: &Path,
     policy: DirectIo,
-    create: bool,
+    mode: OpenMode,
     warn: &dyn Fn() -> bool,
 ) -> Result<(File, bool)> {
+    let create = mode == OpenMode::Create;
     let open = |direct: bool| {
         let mut o = OpenOptions::new();
-        o.read(true).write(true);
+        o.read(true).write(mode != OpenMode::ReadOnly);
         if create {
             o.create_new(true).mode(0o600);
         }
