@@ -728,6 +728,19 @@ fn bench_io_refuses_a_file_under_a_held_swap_lock() {
         o.stderr
     );
     drop(lock);
+    // A --path whose tierzero/ another process uses: named with its flag
+    // (it said "give this run its own nvme_path").
+    std::fs::create_dir_all(d.join("tierzero")).unwrap();
+    let lock = tierzero_swap::lock::DirLock::acquire(&d.join("tierzero")).unwrap();
+    assert!(lock.is_some());
+    let o = cli_support::run_tierzero(Some(&d), &["bench-io", "--path", ".", "--size", "1M"]);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    assert!(
+        o.stderr.contains("--path .: another tierzero process") && o.stderr.contains(&pid),
+        "{}",
+        o.stderr
+    );
+    drop(lock);
     let o = cli_support::run_tierzero(
         Some(&d),
         &[

@@ -255,6 +255,12 @@ fn open_target(
                 dir.display(),
                 format_bytes(available_bytes)
             )),
+            tierzero_swap::SwapError::Locked { holder_pid, .. } => Failure::BadInput(anyhow!(
+                "--path {}: another tierzero process ({}) is using its tierzero/ directory; \
+                 give bench-io another --path, or wait for that process to finish",
+                dir.display(),
+                holder_pid.map_or_else(|| "pid unknown".to_owned(), |p| format!("pid {p}"))
+            )),
             e => Failure::from_swap(e, "creating the benchmark file"),
         })?
     };

@@ -145,7 +145,7 @@ pub enum SwapError {
     },
 
     /// The path cannot do O_DIRECT and the config requires it.
-    #[error("{path} does not support O_DIRECT (tmpfs or a network filesystem?); use a directory on a local disk, or set direct_io to \"auto\" to fall back to buffered I/O")]
+    #[error("{path} does not support O_DIRECT (tmpfs or a network filesystem?); use a directory on a local disk, or set tierzero.direct_io to \"auto\" to fall back to buffered I/O")]
     DirectIoUnsupported { path: PathBuf },
 
     /// Another process holds the swap directory's lock.
