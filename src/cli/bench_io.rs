@@ -745,8 +745,13 @@ mod tests {
             ""
         );
         assert_eq!(msg(check_sweep_within(&[gib / 2], &[64], None)), "");
+        // Past a request's or a ring's limits (so no run's buffers
+        // overflow 64 bits).
         let e = msg(check_sweep_within(&[1 << 62], &[4], None));
-        assert!(e.contains("pins more than 2^64 bytes"), "{e}");
+        assert!(e.contains("give at most 2147479552 bytes"), "{e}");
+        let e = msg(check_sweep_within(&[1 << 20], &[4097], None));
+        assert!(e.contains("--queue-depth 4097"), "{e}");
+        assert_eq!(msg(check_sweep_within(&[2147479552], &[4096], None)), "");
     }
 
     fn cell(block: u64, qd: usize, r: f64, w: f64) -> Cell {
