@@ -380,6 +380,49 @@ fn a_resume_reads_the_data_in_the_checkpoint_s_order() {
     );
 }
 
+/// A resume without `--data` or `--config` would read the embedded corpus
+/// and config: a checkpoint of a run on other data, or with other
+/// settings that change the numbers, is refused naming what to give (it
+/// was a log warning and a resumed run unlike an uninterrupted one, exit
+/// 0). Given them, it resumes.
+#[test]
+fn a_resume_without_its_run_s_data_or_config_is_refused() {
+    let d = saved_two_steps("resume-needs-data");
+    let resume = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--model",
+            "model",
+            "--seq-len",
+            "16",
+            "--steps",
+            "3",
+        ];
+        args.extend_from_slice(extra);
+        args.extend(["--resume", "ck"]);
+        run_tierzero(Some(&d), &args)
+    };
+    let o = resume(&["--config", "ds.json"]);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    assert!(
+        o.stderr.contains("trained on data.txt") && o.stderr.contains("give --data data.txt"),
+        "{}",
+        o.stderr
+    );
+    let o = resume(&["--data", "data.txt"]);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    for want in [
+        "embedded default config",
+        "batch (checkpoint:",
+        "optimizer (checkpoint:",
+        "give that run's --config",
+    ] {
+        assert!(o.stderr.contains(want), "{want}: {}", o.stderr);
+    }
+    let o = resume(&["--config", "ds.json", "--data", "data.txt"]);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+}
+
 #[test]
 fn resume_mistakes_are_bad_input() {
     let d = setup("bad");

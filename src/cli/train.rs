@@ -235,7 +235,9 @@ pub struct TrainArgs {
     stop_grace: Option<String>,
     /// Continue from a checkpoint: a save dir (its `latest`) or a step dir.
     /// --steps stays the total; without it, the run that saved the
-    /// checkpoint is continued to its end.
+    /// checkpoint is continued to its end. Give that run's --config and
+    /// --data (the model, --seq-len, --seed and data order default to the
+    /// checkpoint's).
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
     /// Print only the final summary on stdout, as one JSON object (the plan
@@ -658,6 +660,13 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     let (loaded, config_name, steps) =
         load_config(&args, &flags, &model, comm.world_size(), ckpt.as_ref())?;
     let cfg = &loaded.config;
+    data::check_resumed_config(
+        &args,
+        cfg,
+        data_order(&args, flags.seed, ckpt.as_ref()),
+        ckpt.as_ref(),
+    )?;
+    data::check_resumed_data(&args, ckpt.as_ref())?;
     outputs::check_output_dirs(&args)?;
     let metrics_fifo = lead
         .then(|| outputs::metrics_fifo_held(&args))

@@ -65,6 +65,63 @@ pub(super) fn check_data_flags(args: &TrainArgs) -> Result<(), Failure> {
     )))
 }
 
+/// A resume names its data: without `--data` the run reads the embedded
+/// corpus, so a checkpoint of a run on other data is refused naming it.
+/// It was only a warning in the log, and the resumed run went on with
+/// the embedded corpus at the checkpoint's sample count: weights unlike an
+/// uninterrupted run's, exit 0.
+pub(super) fn check_resumed_data(
+    args: &TrainArgs,
+    ckpt: Option<&Checkpoint>,
+) -> Result<(), Failure> {
+    let Some(c) = ckpt.filter(|_| args.data.is_none()) else {
+        return Ok(());
+    };
+    let source = &c.manifest().data.source;
+    if source == DEFAULT_CORPUS_NAME {
+        return Ok(());
+    }
+    Err(bad(format!(
+        "--resume {}: the checkpoint's run trained on {source}, and without --data this run \
+         would read the embedded corpus; give --data {source} (with the --tokenizer and \
+         --data-format it had) to continue it, or --data with other data to go on with that",
+        c.dir().display()
+    )))
+}
+
+/// A resume without `--config` runs the embedded default: a checkpoint
+/// whose run had settings that change the numbers (batch, precision,
+/// optimizer and lr, clipping, sub-group size) other than this run's is
+/// refused naming them. It was only a warning in the log (a bf16 run
+/// resumed as fp32, an lr of 1e-3 as 5e-5). The schedule and the data
+/// order are left to their own rules (`--steps`, `--data-order`).
+pub(super) fn check_resumed_config(
+    args: &TrainArgs,
+    config: &tierzero::config::Config,
+    order: DataOrder,
+    ckpt: Option<&Checkpoint>,
+) -> Result<(), Failure> {
+    let Some(c) = ckpt.filter(|_| args.config.is_none()) else {
+        return Ok(());
+    };
+    let differ: Vec<String> =
+        tierzero::engine::trainer::numerics_differing(config, order, c.manifest())
+            .into_iter()
+            .filter(|d| !matches!(d.key.as_str(), "scheduler" | "data_order"))
+            .map(|d| d.to_string())
+            .collect();
+    if differ.is_empty() {
+        return Ok(());
+    }
+    Err(bad(format!(
+        "--resume {}: the checkpoint's run had other settings than this run's embedded default \
+         config: {}; give that run's --config (and its --micro-batch, --grad-accum, --lr) to \
+         continue it, or a --config with the new settings to change them",
+        c.dir().display(),
+        differ.join("; ")
+    )))
+}
+
 /// The token data of `--data` (or the embedded corpus), its name, and a
 /// line on what was read (none for the embedded corpus).
 pub(super) fn load_data(

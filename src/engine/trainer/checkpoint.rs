@@ -55,6 +55,60 @@ pub fn config_fingerprint(config: &Config, order: crate::data::DataOrder) -> Con
     }
 }
 
+/// A setting that changes the numbers and differs between a checkpoint's
+/// run and this one ([`numerics_differing`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NumericsDiffer {
+    /// The setting (a key of [`ConfigFingerprint::numerics`]).
+    pub key: String,
+    /// The checkpoint's, as text (`None`: not recorded).
+    pub saved: Option<String>,
+    /// This run's, as text.
+    pub run: String,
+}
+
+impl std::fmt::Display for NumericsDiffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} (checkpoint: {}; this run: {})",
+            self.key,
+            self.saved.as_deref().unwrap_or("(not recorded)"),
+            self.run
+        )
+    }
+}
+
+/// The settings that change the numbers in which `config` (with data
+/// order `order`) differs from the run that saved `m`. Another rank count
+/// with the same global batch and micro-batch size does the same
+/// arithmetic (N ranks with accumulation G are one rank with G·N) and
+/// reads the same data: not a difference.
+pub fn numerics_differing(
+    config: &Config,
+    order: crate::data::DataOrder,
+    m: &crate::checkpoint::Manifest,
+) -> Vec<NumericsDiffer> {
+    let run_fp = config_fingerprint(config, order);
+    let same_global_batch = m.data.micro_batch_size == config.batch.micro_batch_size
+        && m.data
+            .micro_batch_size
+            .checked_mul(m.data.gradient_accumulation_steps)
+            .and_then(|x| x.checked_mul(m.world_size as u64))
+            == Some(config.batch.train_batch_size);
+    run_fp
+        .numerics
+        .into_iter()
+        .filter(|(k, v)| m.config.numerics.get(k) != Some(v))
+        .filter(|(k, _)| !(k.as_str() == "batch" && same_global_batch))
+        .map(|(key, run)| NumericsDiffer {
+            saved: m.config.numerics.get(&key).cloned(),
+            key,
+            run,
+        })
+        .collect()
+}
+
 impl Trainer {
     /// A trainer that continues from `ckpt`: the model is the checkpoint's,
     /// masters and moments are loaded (crc-verified) and the params
@@ -75,29 +129,9 @@ impl Trainer {
         opts: TrainerOptions,
     ) -> Result<Self> {
         let m = ckpt.manifest();
-        let run_fp = config_fingerprint(config, opts.data_order);
-        // Another rank count with the same global batch and micro-batch
-        // size does the same arithmetic (N ranks with accumulation G are
-        // one rank with G·N) and reads the same data: not a difference.
-        let same_global_batch = m.data.micro_batch_size == config.batch.micro_batch_size
-            && m.data
-                .micro_batch_size
-                .checked_mul(m.data.gradient_accumulation_steps)
-                .and_then(|x| x.checked_mul(m.world_size as u64))
-                == Some(config.batch.train_batch_size);
-        let differing: Vec<String> = run_fp
-            .numerics
-            .iter()
-            .filter(|(k, v)| m.config.numerics.get(*k) != Some(*v))
-            .filter(|(k, _)| !(k.as_str() == "batch" && same_global_batch))
-            .map(|(k, v)| {
-                let saved = m
-                    .config
-                    .numerics
-                    .get(k)
-                    .map_or("(not recorded)", String::as_str);
-                format!("{k} (checkpoint: {saved}; this run: {v})")
-            })
+        let differing: Vec<String> = numerics_differing(config, opts.data_order, m)
+            .into_iter()
+            .map(|d| d.to_string())
             .collect();
         let world = opts.comm.world_size();
         same_step_on_every_rank(&*opts.comm, m.step)?;

@@ -197,7 +197,9 @@ mod stop;
 mod tail;
 
 pub use build::BuildTimes;
-pub use checkpoint::{config_fingerprint, same_step_on_every_rank};
+pub use checkpoint::{
+    config_fingerprint, numerics_differing, same_step_on_every_rank, NumericsDiffer,
+};
 pub use options::{FaultPlan, TrainerOptions};
 pub use stop::{StopCause, StopHandle, StopSave};
 
