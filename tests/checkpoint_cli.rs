@@ -569,13 +569,23 @@ fn no_output_lands_on_a_checkpoint() {
         );
     }
     for out in [
+        "ck/step-00000002/model.safetensors",
+        "ck/step-00000002/rank0000/m.safetensors",
+    ] {
+        refused(
+            &["export", "--checkpoint", "ck/step-00000001", "--out", out],
+            "is inside the checkpoint directory",
+        );
+    }
+    // (Names a model directory would not read are refused first.)
+    for out in [
         "ck/step-00000002/manifest.json",
         "ck/step-00000002/rank0000/exp_avg.f32",
         "ck/latest",
     ] {
         refused(
             &["export", "--checkpoint", "ck/step-00000001", "--out", out],
-            "is inside the checkpoint directory",
+            "give a .safetensors file name",
         );
     }
     let exported = run_tierzero(

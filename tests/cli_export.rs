@@ -189,7 +189,7 @@ fn export_to_a_directory_is_refused_at_once() {
     // A FIFO (a device alike) is refused, and stays one: the rename put a
     // regular file in its place (as root, `--out /dev/null` replaced the
     // system's).
-    let fifo = scratch("export-fifo").join("out.fifo");
+    let fifo = scratch("export-fifo").join("model.safetensors");
     let made = std::process::Command::new("mkfifo")
         .arg(&fifo)
         .status()
@@ -207,6 +207,47 @@ fn export_to_a_directory_is_refused_at_once() {
         .unwrap()
         .file_type()
         .is_fifo());
+}
+
+/// An `--out` whose directory would not read it as the model's weights
+/// is refused (a `model.bin` was written, then `--model` saw no weights and
+/// trained a seeded init); another `*.safetensors` name is written with a
+/// warning (from_pretrained reads `model.safetensors`); a parent that is a
+/// file, or a `--checkpoint` that is one (`ck/latest`), is named as such.
+#[test]
+fn export_names_what_a_model_directory_reads() {
+    let save = checkpoint_of(&tiny_gpt2_dir("export-names", 2, 32));
+    let base = scratch("export-names-out");
+    for name in ["model.bin", "weights", "pytorch_model.bin"] {
+        let r = export(&save, &base.join(name), &[]);
+        assert_eq!(r.code, 2, "{name}: {}", r.stderr);
+        assert!(
+            r.stderr.contains("give a .safetensors file name"),
+            "{}",
+            r.stderr
+        );
+        assert!(!base.join(name).exists());
+    }
+    let r = export(&save, &base.join("other.safetensors"), &[]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stderr.contains("from_pretrained reads model.safetensors"),
+        "{}",
+        r.stderr
+    );
+    std::fs::write(base.join("plain"), b"x").unwrap();
+    let r = export(&save, &base.join("plain/model.safetensors"), &[]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(
+        r.stderr.contains("plain is not a directory"),
+        "{}",
+        r.stderr
+    );
+    // A save dir's `latest` is a file: given as --checkpoint, it read
+    // "reading ck/latest/latest: Not a directory".
+    let r = export(&base.join("plain"), &base.join("model.safetensors"), &[]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("a file; give a save dir"), "{}", r.stderr);
 }
 
 /// The special token ids of the source `config.json` (which change nothing

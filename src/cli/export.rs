@@ -99,8 +99,42 @@ pub fn run(a: ExportArgs) -> Result<(), Failure> {
             dir.trim_end_matches('/')
         )));
     }
+    // Written under another name, the file is not the directory's model:
+    // `--model DIR` (and eval) saw no weights and used a seeded init, and
+    // from_pretrained reads `model.safetensors` (or a sharded index).
+    if a.out.extension().is_none_or(|e| e != "safetensors") {
+        return Err(Failure::BadInput(anyhow!(
+            "--out {}: give a .safetensors file name, e.g. {}: a model directory's weights \
+             are read from *.safetensors (from_pretrained: model.safetensors)",
+            a.out.display(),
+            a.out.with_file_name("model.safetensors").display()
+        )));
+    }
+    if let Some(parent) = a.out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        if parent.exists() && !parent.is_dir() {
+            return Err(Failure::BadInput(anyhow!(
+                "--out {}: {} is not a directory; give a path in a directory",
+                a.out.display(),
+                parent.display()
+            )));
+        }
+    }
+    if a.out.file_name().is_some_and(|n| n != "model.safetensors") {
+        errln!(
+            "warning: --out {}: from_pretrained reads model.safetensors; name it so to load its \
+             directory with transformers (tierzero's --model reads any *.safetensors there)",
+            a.out.display()
+        );
+    }
     tierzero::durable::check_replaceable(&a.out)
         .map_err(|e| Failure::BadInput(anyhow!("--out {}: {}", a.out.display(), e.source)))?;
+    if a.checkpoint.is_file() {
+        return Err(Failure::BadInput(anyhow!(
+            "--checkpoint {}: a file; give a save dir (the one holding `latest`) or a \
+             step-<N> directory",
+            a.checkpoint.display()
+        )));
+    }
     let ckpt = Checkpoint::open(&a.checkpoint)
         .map_err(|e| Failure::BadInput(anyhow!("--checkpoint {}: {e}", a.checkpoint.display())))?;
     super::newest_save(&ckpt, &a.checkpoint, "--checkpoint")?;
