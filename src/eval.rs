@@ -90,8 +90,8 @@ pub enum EvalError {
         /// The model's `max_seq_len` (`n_positions` / `max_position_embeddings`).
         max_seq_len: usize,
     },
-    /// Fewer tokens than one window.
-    #[error("{tokens} tokens are fewer than one window of seq_len {seq_len}; give more data or a smaller seq_len")]
+    /// Fewer than 2 tokens: nothing to predict.
+    #[error("{tokens} token(s): a window of seq_len {seq_len} needs at least 2 (one to read, one to predict); give more data")]
     TooFewTokens {
         /// Tokens available.
         tokens: usize,
@@ -252,7 +252,9 @@ where
             max_seq_len: cfg.max_seq_len,
         });
     }
-    if windows.full == 0 {
+    // A text shorter than one window is one partial window (HF's recipe
+    // scores it too); only fewer than 2 tokens predict nothing.
+    if windows.count() == 0 {
         return Err(EvalError::TooFewTokens {
             tokens: tokens.token_count(),
             seq_len,

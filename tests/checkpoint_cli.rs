@@ -634,6 +634,27 @@ fn a_corrupt_resume_names_the_older_checkpoint() {
         out.stderr
     );
     assert!(out.stderr.contains("--verify"), "{}", out.stderr);
+    // eval of it is the user's to fix too (it was an internal error, 1).
+    let out = run_tierzero(
+        Some(&d),
+        &[
+            "eval",
+            "--checkpoint",
+            "ck/step-00000002",
+            "--data",
+            "data.txt",
+            "--seq-len",
+            "16",
+        ],
+    );
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("--checkpoint ck/step-00000002")
+            && out.stderr.contains("corrupt")
+            && out.stderr.contains("--verify"),
+        "{}",
+        out.stderr
+    );
 }
 
 /// A run refused at start-up leaves no save dir it created (with its

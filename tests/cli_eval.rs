@@ -334,8 +334,9 @@ fn user_mistakes_exit_2_with_one_line() {
         "precision fp8",
         &["--precision", "fp8", "bf16"],
     );
-    // Data shorter than one window.
-    std::fs::write(d.join("short.txt"), "ten bytes!").unwrap();
+    // Data with nothing to predict (one token; shorter than a window is
+    // one partial window).
+    std::fs::write(d.join("short.txt"), "!").unwrap();
     let out = eval(
         &d,
         &["--model", "model", "--data", "short.txt", "--seq-len", "16"],
@@ -343,7 +344,7 @@ fn user_mistakes_exit_2_with_one_line() {
     assert_bad_input(
         &out,
         "short data",
-        &["short.txt", "10 tokens", "seq_len 16"],
+        &["short.txt", "1 token(s)", "seq_len 16"],
     );
     // Byte-level data with ids beyond the model's vocabulary.
     write_model(&d, "small", 100);

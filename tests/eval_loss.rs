@@ -182,6 +182,12 @@ fn a_single_trailing_token_is_dropped_and_counts_follow_the_windows() {
     // Exactly one window.
     let c = run(&model, &params, &toks[..6], &opts(6, 1));
     assert_eq!((c.tokens, c.windows), (5, 1));
+    // Fewer tokens than one window: one partial window, the same as a
+    // window of that length (it was refused).
+    let d = run(&model, &params, &toks[..4], &opts(6, 2));
+    let e = run(&model, &params, &toks[..4], &opts(4, 1));
+    assert_eq!((d.tokens, d.windows), (3, 1));
+    assert_eq!(d, e);
 }
 
 #[test]
@@ -211,12 +217,12 @@ fn bad_inputs_are_errors_naming_the_numbers() {
         ),
         "{e}"
     );
-    let e = eval(&toks[..4], opts(5, 1));
+    let e = eval(&toks[..1], opts(5, 1));
     assert!(
         matches!(
             e,
             EvalError::TooFewTokens {
-                tokens: 4,
+                tokens: 1,
                 seq_len: 5
             }
         ),

@@ -18,7 +18,7 @@
 //!   positions, data shorter than one window, token ids outside the
 //!   vocabulary, missing files) is one line and exit 2.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use candle_core::{DType, Device};
 use clap::Args;
@@ -96,8 +96,35 @@ pub struct EvalArgs {
 }
 
 /// Classifies an evaluation error: input mistakes are exit 2, with the flag
-/// they come from.
-fn eval_failure(e: EvalError, data: &Path) -> Failure {
+/// they come from. A weight that does not load (a checkpoint file whose
+/// crc fails, a truncated safetensors) is the weights' flag's: it was an
+/// internal error, exit 1, where export and a resume said exit 2.
+fn eval_failure(e: EvalError, args: &EvalArgs) -> Failure {
+    let data = &args.data;
+    let weights = || match (&args.checkpoint, &args.model) {
+        (Some(d), _) => format!("--checkpoint {}", d.display()),
+        (None, Some(d)) => format!("--model {}", d.display()),
+        (None, None) => "the weights".to_owned(),
+    };
+    if let EvalError::Fetch { source, .. } = &e {
+        let users = source
+            .downcast_ref::<tierzero::checkpoint::CheckpointError>()
+            .is_some_and(|c| !matches!(c, tierzero::checkpoint::CheckpointError::Candle(_)))
+            || source
+                .downcast_ref::<tierzero::model::ModelError>()
+                .is_some_and(|m| !matches!(m, tierzero::model::ModelError::Candle(_)));
+        if users {
+            let fix = match &args.checkpoint {
+                Some(d) => format!(
+                    "; `tierzero inspect {} --verify` checks every file (an older step may be \
+                     whole)",
+                    d.display()
+                ),
+                None => String::new(),
+            };
+            return bad(format!("{}: {e}{fix}", weights()));
+        }
+    }
     let flag = match e {
         EvalError::SeqLenTooSmall { .. } | EvalError::SeqLenTooLarge { .. } => {
             "--seq-len".to_owned()
@@ -106,7 +133,7 @@ fn eval_failure(e: EvalError, data: &Path) -> Failure {
             format!("--data {}", data.display())
         }
         EvalError::ZeroBatch | EvalError::LogitsTooLarge { .. } => "--batch".to_owned(),
-        EvalError::NotFinite { .. } => "the model's weights".to_owned(),
+        EvalError::NotFinite { .. } => weights(),
         other => return Failure::Internal(anyhow::Error::new(other)),
     };
     bad(format!("{flag}: {e}"))
@@ -216,9 +243,9 @@ fn report(
     result: Result<EvalResult, EvalError>,
 ) -> Result<(), Failure> {
     let data_name = args.data.display();
-    let r = result.map_err(|e| eval_failure(e, &args.data))?;
+    let r = result.map_err(|e| eval_failure(e, args))?;
     let seq_len = number("--seq-len", &args.seq_len, 2, 1 << 30)? as usize;
-    let windows = Windows::new(n_tokens, seq_len).map_err(|e| eval_failure(e, &args.data))?;
+    let windows = Windows::new(n_tokens, seq_len).map_err(|e| eval_failure(e, args))?;
     // What was read goes to stderr; stdout carries the result.
     errln!("{data_line}");
     let header = format!(
