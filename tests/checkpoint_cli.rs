@@ -853,6 +853,18 @@ fn a_damaged_latest_falls_back_within_its_own_history() {
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert!(r.stderr.contains("step-00000003"), "{}", r.stderr);
     assert!(r.stderr.contains("abandoned"), "{}", r.stderr);
+    // `latest` naming a step below every one there (removed by a clean-up,
+    // or edited): nothing of its history is left; the steps above it are
+    // named with the way to take one (it said only "No such file").
+    std::fs::write(d.join("ck/latest"), "step-00000001\n").unwrap();
+    let e = tierzero::checkpoint::Checkpoint::open(&d.join("ck"))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        e.contains("names step 1") && e.contains("steps 2..=6 are above it"),
+        "{e}"
+    );
 }
 
 /// `eval --checkpoint` reads the checkpoint's fp32 masters; `export

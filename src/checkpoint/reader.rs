@@ -348,6 +348,25 @@ impl Checkpoint {
                 }
             }
         }
+        // `latest` named a damaged (or missing) step with nothing valid
+        // below it: steps above it are of a run abandoned for an older step
+        // (or `latest` was edited), never taken on their own. Said, with
+        // the way to take one anyway: it read only "opening
+        // step-00000002: No such file or directory".
+        if let (Some(b), Some(e)) = (below, &latest_err) {
+            let above: Vec<u64> = saved_steps(dir).into_iter().filter(|&s| s > b).collect();
+            if let (Some(first), Some(last)) = (above.first(), above.last()) {
+                return Err(manifest_err(
+                    &latest,
+                    format!(
+                        "`latest` names step {b}, which does not open ({e}), and no valid step \
+                         is below it; the save dir's steps {first}..={last} are above it, so \
+                         not of its history: give one of them (its step-<N> directory) to use \
+                         it anyway"
+                    ),
+                ));
+            }
+        }
         Err(latest_err.unwrap_or_else(|| {
             manifest_err(
                 dir,
