@@ -415,6 +415,34 @@ fn a_file_size_limit_is_an_error_naming_the_file_and_the_operation() {
     assert!(left.is_empty(), "{left:?}");
 }
 
+/// A checkpoint save that hits the file-size limit is the user's to fix
+/// (exit 2; it was an internal error, exit 1), naming the way back.
+#[test]
+fn a_save_past_the_file_size_limit_is_bad_input_with_the_way_back() {
+    if !have_setpriv_prlimit() {
+        eprintln!("prlimit not installed; skipping");
+        return;
+    }
+    let swap = scratch("fsize-save-swap");
+    let d = tiny_setup("fsize-save", &swap, json!({}));
+    // No swap files: only the save writes files larger than 64 KiB.
+    let cfg = json!({
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+            "offload_optimizer": {"device": "cpu"}},
+    });
+    std::fs::write(d.join("ds_config.json"), cfg.to_string()).unwrap();
+    let args = [&tiny_args("1")[..], &["--save-dir", "ck"]].concat();
+    let o = run_wrapped(&d, &["/usr/bin/prlimit", "--fsize=65536"], &args);
+    assert_no_panic(&o);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    let line = o.stderr.lines().find(|l| l.starts_with("error:")).unwrap();
+    for want in ["saving a checkpoint", "File too large", "--resume"] {
+        assert!(line.contains(want), "{want}: {line}");
+    }
+}
+
 /// Whether `dir` accepts O_DIRECT.
 fn accepts_o_direct(dir: &Path) -> bool {
     let p = dir.join(".tz-odirect-probe");

@@ -95,14 +95,20 @@ pub(super) fn run_failure(e: EngineError, what: &str) -> Failure {
         EngineError::Optim(tierzero::optim::OptimError::LossScaleAtMinimum { .. }) => {
             Failure::BadInput(anyhow::Error::new(e).context(what.to_owned()))
         }
+        // A disk, quota or file-size limit, permissions: the user's (a
+        // save that hit `ulimit -f` was an internal error). A save's
+        // failure leaves the checkpoints before it whole: said, with the fix.
         EngineError::Io { ref source, .. }
         | EngineError::Checkpoint(CheckpointError::Io { ref source, .. })
-            if matches!(
-                source.kind(),
-                std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::StorageFull
-            ) =>
+            if crate::cli::user_fixable_io(source.kind()) =>
         {
-            Failure::BadInput(anyhow::Error::new(e).context(what.to_owned()))
+            let fix = if what.starts_with("saving a checkpoint") {
+                " (the checkpoints saved before are whole: fix the space, quota, file-size \
+                 limit or permissions under --save-dir, then --resume it)"
+            } else {
+                ""
+            };
+            Failure::BadInput(anyhow::Error::new(e).context(format!("{what}{fix}")))
         }
         other => Failure::Internal(anyhow::Error::new(other).context(what.to_owned())),
     }
