@@ -371,6 +371,10 @@ fn user_mistakes_exit_2_with_one_line() {
     let mut args = TINY.to_vec();
     args.extend(["--timeline", "tl"]);
     assert_bad(&d, &args, &["--timeline tl", "directory"]);
+    // So is a metrics path (it read "I/O error on tl: Is a directory").
+    let mut args = TINY.to_vec();
+    args.extend(["--metrics", "tl"]);
+    assert_bad(&d, &args, &["--metrics tl", "is a directory"]);
     // A FIFO (or a device): the timeline's rename would have replaced it
     // with a regular file after the last step.
     let made = std::process::Command::new("mkfifo")

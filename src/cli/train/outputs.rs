@@ -364,6 +364,17 @@ pub(super) fn check_output_dirs(args: &TrainArgs) -> Result<(), Failure> {
             )?;
         }
     }
+    if let Some(path) = args
+        .metrics
+        .as_ref()
+        .filter(|p| p.file_name().is_none() || p.is_dir())
+    {
+        return Err(bad(format!(
+            "--metrics {}: is a directory, not a file; give a file path for the metrics \
+             (JSON lines), e.g. --metrics metrics.jsonl",
+            path.display()
+        )));
+    }
     if let Some(path) = &args.timeline {
         let fix = "give a file path for the timeline (JSON), e.g. --timeline timeline.json";
         if path.file_name().is_none() || path.is_dir() {
