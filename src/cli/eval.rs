@@ -49,10 +49,11 @@ EOS id. HF's perplexity recipe (tokenizer(text) of the whole file, no EOS) is
 /// `tierzero eval` options.
 #[derive(Debug, Args)]
 #[command(after_help = EXAMPLES)]
+#[command(group(clap::ArgGroup::new("weights").required(true).args(["model", "checkpoint"])))]
 pub struct EvalArgs {
     /// HF model directory: config.json plus *.safetensors (GPT-2 or the Llama
     /// family: Llama, Mistral, Qwen2, Qwen3); config.json alone means the seeded init of --seed.
-    #[arg(long, value_name = "DIR", required_unless_present = "checkpoint")]
+    #[arg(long, value_name = "DIR")]
     model: Option<PathBuf>,
     /// A tierzero checkpoint directory (evaluates its fp32 master weights).
     #[arg(long, value_name = "DIR", conflicts_with = "model")]
