@@ -257,6 +257,40 @@ fn gpt2_checkpoint_with_prefix_buffers_and_mixed_dtypes() {
     check_reference(&dir, &loaded);
 }
 
+/// A tied model whose file holds an `lm_head.weight` unlike its token
+/// embedding is refused naming both fixes (transformers does not tie such
+/// a pair: it loads another model than the tied one). It was dropped
+/// without a word. Equal ones (above) are the tie.
+#[test]
+fn a_tied_model_with_a_different_lm_head_is_refused() {
+    for (cfg, embed) in [
+        (gpt2_config(true), "wte.weight"),
+        (llama_config(true), "model.embed_tokens.weight"),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let model = Model::new(cfg.clone()).unwrap();
+        let params = random_params(&model, 5, DType::F32);
+        write_config(tmp.path(), &cfg);
+        let mut tensors = named(&model, &params, "");
+        let e = tensors.iter().find(|(n, _)| n == embed).unwrap().1.clone();
+        // One element off in the last row: the comparison reads it all.
+        let mut v: Vec<f32> = e.flatten_all().unwrap().to_vec1().unwrap();
+        *v.last_mut().unwrap() += 1.0;
+        let head = Tensor::from_vec(v, e.shape(), &Device::Cpu).unwrap();
+        tensors.push(("lm_head.weight".into(), head));
+        write_st(&tmp.path().join("model.safetensors"), &tensors);
+        let err = ModelDir::open(tmp.path(), 0).unwrap_err().to_string();
+        for want in [
+            "lm_head.weight with other values",
+            embed,
+            "\"tie_word_embeddings\": false",
+            "remove lm_head.weight",
+        ] {
+            assert!(err.contains(want), "{want}: {err}");
+        }
+    }
+}
+
 #[test]
 fn gpt2_untied_checkpoint_without_prefix() {
     let tmp = tempfile::tempdir().unwrap();

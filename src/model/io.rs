@@ -154,6 +154,65 @@ fn candle_dtype(name: &str, dt: StDtype) -> Result<DType, ModelError> {
     }
 }
 
+/// A tied model (`tie_word_embeddings: true`) whose files also hold an
+/// `lm_head.weight`: where its bytes differ from the token embedding's,
+/// transformers does not tie them (it loads both, with a warning), so
+/// tying here would train another model than the one `from_pretrained`
+/// loads: refused, naming both fixes. (It was dropped without a word.)
+/// Equal bytes, the usual case of a tied save that kept both, are the
+/// tie. Stored in another dtype than the embedding, they cannot be
+/// compared bit for bit: warned about, and tied as the config says.
+fn check_tied_head(
+    model: &Model,
+    files: &[PathBuf],
+    locs: &HashMap<ParamId, TensorLoc>,
+    (head_file, head_offset, head_len, head_dtype): (usize, u64, usize, safetensors::Dtype),
+) -> Result<(), ModelError> {
+    use std::os::unix::fs::FileExt as _;
+    let Some(embed) = model
+        .params()
+        .iter()
+        .find(|p| matches!(p.kind, crate::model::ParamKind::TokenEmbedding))
+    else {
+        return Ok(());
+    };
+    let Some(e) = locs.get(&embed.id) else {
+        return Ok(());
+    };
+    let head_path = &files[head_file];
+    if candle_dtype("lm_head.weight", head_dtype).ok() != Some(e.dtype) || head_len != e.len_bytes {
+        tracing::warn!(file = %head_path.display(), embedding = %embed.name, "lm_head.weight is stored beside the tied embedding in another dtype or size; tied as config.json says (transformers may not tie them)");
+        return Ok(());
+    }
+    let open = |p: &Path| std::fs::File::open(p).map_err(io_err(p));
+    let (hf, ef) = (open(head_path)?, open(&files[e.file])?);
+    let chunk = 8 << 20;
+    let (mut a, mut b) = (vec![0u8; chunk], vec![0u8; chunk]);
+    let mut done = 0usize;
+    while done < head_len {
+        let n = chunk.min(head_len - done);
+        hf.read_exact_at(&mut a[..n], head_offset + done as u64)
+            .map_err(io_err(head_path))?;
+        ef.read_exact_at(&mut b[..n], e.offset_bytes + done as u64)
+            .map_err(io_err(&files[e.file]))?;
+        if a[..n] != b[..n] {
+            return Err(bad_file(
+                head_path,
+                format!(
+                    "holds an lm_head.weight with other values than `{}`, and config.json says \
+                     tie_word_embeddings: true; transformers then does not tie them (it loads \
+                     both): set \"tie_word_embeddings\": false in config.json to train that \
+                     model, or remove lm_head.weight from the file to tie the head to the \
+                     embedding",
+                    e.stored_name
+                ),
+            ));
+        }
+        done += n;
+    }
+    Ok(())
+}
+
 /// Whether a stored tensor that is not a parameter is a known non-parameter.
 fn is_known_buffer(arch: Arch, canonical: &str, tied: bool) -> bool {
     let layer_suffix = |s: &str, prefix: &str, suffix: &str| {
@@ -314,6 +373,8 @@ impl ModelDir {
         let tied = model.config().tie_word_embeddings;
         let mut locs: HashMap<ParamId, TensorLoc> = HashMap::new();
         let mut ignored = Vec::new();
+        // A tied model's stored `lm_head.weight` (see `check_tied_head`).
+        let mut tied_head: Option<(usize, u64, usize, safetensors::Dtype)> = None;
         for (file_idx, path) in files.iter().enumerate() {
             let (data_start, metadata) = read_header(path)?;
             let mut names: Vec<(String, &safetensors::tensor::TensorInfo)> =
@@ -339,6 +400,12 @@ impl ModelDir {
                     Arch::Llama => stored_name.as_str(),
                 };
                 let Some(spec) = model.param_by_name(canonical) else {
+                    if tied && canonical == "lm_head.weight" {
+                        let (start, end) = info.data_offsets;
+                        tied_head = data_start
+                            .checked_add(start as u64)
+                            .map(|o| (file_idx, o, end - start, info.dtype));
+                    }
                     if !is_known_buffer(arch, canonical, tied) {
                         tracing::warn!(tensor = %stored_name, file = %path.display(), "checkpoint tensor is not a model parameter; ignored");
                         ignored.push(stored_name.clone());
@@ -393,6 +460,9 @@ impl ModelDir {
                     ),
                 },
             });
+        }
+        if let Some(head) = tied_head {
+            check_tied_head(model, &files, &locs, head)?;
         }
         Ok(Source::Files {
             files,
