@@ -21,14 +21,22 @@ pub struct ParseUnitError {
 }
 
 fn split_number(s: &str) -> (&str, &str) {
+    // The exponent's sign belongs to the number (`1e-3` is a number that
+    // is not whole, not an unknown suffix `e-3`).
+    let exponent_at = |i: usize| {
+        let rest = &s[i + 1..];
+        let rest = rest.strip_prefix(['+', '-']).unwrap_or(rest);
+        rest.starts_with(|d: char| d.is_ascii_digit())
+    };
     let end = s
         .char_indices()
         .find(|(i, c)| {
             !(c.is_ascii_digit()
                 || *c == '.'
-                || ((*c == 'e' || *c == 'E')
+                || ((*c == 'e' || *c == 'E') && *i > 0 && exponent_at(*i))
+                || ((*c == '+' || *c == '-')
                     && *i > 0
-                    && s[i + 1..].starts_with(|d: char| d.is_ascii_digit())))
+                    && matches!(s.as_bytes()[i - 1], b'e' | b'E')))
         })
         .map(|(i, _)| i)
         .unwrap_or(s.len());
@@ -65,6 +73,13 @@ pub fn parse_bytes(input: &str) -> Result<u64, ParseUnitError> {
     if let Ok(v) = s.parse::<u64>() {
         return Ok(v);
     }
+    if s.starts_with('-') {
+        return Err(ParseUnitError {
+            input: input.to_string(),
+            what: "a byte size",
+            why: "negative",
+        });
+    }
     let (num, suffix) = split_number(s);
     let mult = match suffix.to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
@@ -93,6 +108,13 @@ pub fn parse_count(input: &str) -> Result<u64, ParseUnitError> {
     // would round to another seed).
     if let Ok(v) = s.parse::<u64>() {
         return Ok(v);
+    }
+    if s.starts_with('-') {
+        return Err(ParseUnitError {
+            input: input.to_string(),
+            what: "a count",
+            why: "negative",
+        });
     }
     let (num, suffix) = split_number(s);
     let mult = match suffix.to_ascii_uppercase().as_str() {
@@ -165,6 +187,13 @@ mod tests {
         assert_eq!(parse_bytes("18446744073709551615"), Ok(u64::MAX));
         assert_eq!(parse_bytes(" 4096 "), Ok(4096));
         assert!(parse_count("1Q").is_err());
+        // An exponent's sign is the number's; a negative count says so.
+        assert_eq!(parse_count("1e+3"), Ok(1000));
+        assert!(matches!(parse_count("1e-3"), Err(e) if e.why == "not a whole number"));
+        assert!(matches!(parse_count("-1"), Err(e) if e.why == "negative"));
+        assert!(matches!(parse_bytes("-1M"), Err(e) if e.why == "negative"));
+        assert_eq!(parse_bytes("1.5e3"), Ok(1500));
+        assert!(matches!(parse_count("7B-"), Err(e) if e.why.starts_with("unknown suffix")));
     }
 
     #[test]

@@ -439,6 +439,13 @@ fn bad_inputs_exit_2_with_one_line() {
             vec!["--params", "7B", "--device-memory", "lots"],
             "--device-memory",
         ),
+        // A unit left out: it sized a device of 80 bytes.
+        (
+            vec!["--params", "7B", "--device-memory", "80"],
+            "--device-memory 80GiB",
+        ),
+        (vec!["--params", "-1"], "negative"),
+        (vec!["--params", "1e-3"], "not a whole number"),
         (
             vec!["--params", "7B", "--config", missing.to_str().unwrap()],
             "--config",

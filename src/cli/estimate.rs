@@ -130,8 +130,17 @@ fn model_size(path: &Path) -> Result<ModelSize, Failure> {
         .map_err(|e| bad(format!("--model: cannot read {}: {e}", file.display())))?;
     // Sizes only, nothing is trained or evaluated: an unknown key is warned
     // about (it could still mean tensors this estimate does not count).
-    let (cfg, _unknown) = ModelConfig::from_hf_json_with(&text, UnknownKeys::Allow)
+    let (cfg, unknown) = ModelConfig::from_hf_json_with(&text, UnknownKeys::Allow)
         .map_err(|e| bad(format!("--model {}: {e}", file.display())))?;
+    if !unknown.is_empty() {
+        errln!(
+            "warning: --model {}: config.json keys tierzero does not know ({}) are sized as if \
+             absent (a quantization_config, for one, would make the weights smaller than shown); \
+             train and eval refuse them without --allow-unknown-model-keys",
+            file.display(),
+            unknown.join(", ")
+        );
+    }
     let model = Model::new(cfg).map_err(|e| bad(format!("--model {}: {e}", file.display())))?;
     let params = model.params();
     let largest_unit_numel = model.largest_unit_numel();
@@ -375,6 +384,13 @@ pub fn run(a: EstimateArgs) -> Result<(), Failure> {
             let b = parse_bytes(s).map_err(|e| bad(format!("--device-memory: {e}")))?;
             if b == 0 {
                 return Err(bad("--device-memory must be above 0".to_owned()));
+            }
+            // A bare count below a MiB is a unit left out ("80" for 80 GiB:
+            // it sized a device of 80 bytes).
+            if b < 1 << 20 && s.trim().bytes().all(|c| c.is_ascii_digit()) {
+                return Err(bad(format!(
+                    "--device-memory {s}: {s} bytes; give the unit, e.g. --device-memory {s}GiB"
+                )));
             }
             Some(b)
         }

@@ -237,7 +237,7 @@ pub(super) fn check_keys(
                 })
             }
             UnknownKeys::Allow => {
-                tracing::warn!(key = %name, "config.json: unknown key ignored (allowed by --allow-unknown-model-keys); the model may differ from the one the file describes");
+                tracing::warn!(key = %name, "config.json: unknown key ignored (UnknownKeys::Allow: train and eval --allow-unknown-model-keys, estimate always); the model may differ from the one the file describes");
                 unknown.push(name);
             }
         }
