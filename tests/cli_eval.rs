@@ -317,6 +317,14 @@ fn user_mistakes_exit_2_with_one_line() {
         "seq-len 1",
         &["--seq-len", "1", "2"],
     );
+    // With --json, stdout holds the failure's object, as train's does (it
+    // was empty).
+    let out = with(&["--seq-len", "1", "--json"]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    let v: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!(v["failure"], "bad_input", "{v}");
+    assert_eq!(v["exit_code"], 2, "{v}");
+    assert!(v["error"].as_str().unwrap().contains("--seq-len"), "{v}");
     assert_bad_input(&with(&["--seq-len", "0"]), "seq-len 0", &["--seq-len"]);
     assert_bad_input(&with(&["--seq-len", "x"]), "seq-len x", &["--seq-len", "x"]);
     assert_bad_input(

@@ -480,6 +480,7 @@ fn shallow_settings(len_bytes: u64, blocks: &[u64], qds: &[usize]) -> Vec<(u64, 
 
 /// `tierzero bench-io`.
 pub fn run_bench_io(a: BenchIoArgs) -> Result<(), Failure> {
+    super::json_object_on_failure(a.json);
     check_sweep(&a.block_size, &a.queue_depth)?;
     let writes = !a.target.no_fill || a.rw != Rw::Read;
     let bt = open_target(&a.target, &a.block_size, &a.queue_depth, writes)?;
@@ -606,6 +607,7 @@ fn choose(cells: &[Cell]) -> Option<&Cell> {
 
 /// `tierzero tune`.
 pub fn run_tune(a: TuneArgs) -> Result<(), Failure> {
+    super::json_object_on_failure(a.json);
     // Its choice rests on every setting reaching its depth: a file too
     // small for them recommended a depth it never ran (checked before a
     // fill that may take minutes).

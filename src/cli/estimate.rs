@@ -322,6 +322,7 @@ fn load_config(
 
 /// Runs `tierzero estimate`.
 pub fn run(a: EstimateArgs) -> Result<(), Failure> {
+    super::json_object_on_failure(a.json);
     let ranks: u64 = a
         .ranks
         .trim()

@@ -142,6 +142,7 @@ fn eval_failure(e: EvalError, args: &EvalArgs) -> Failure {
 
 /// Runs `tierzero eval`.
 pub fn run(args: EvalArgs) -> Result<(), Failure> {
+    super::json_object_on_failure(args.json);
     let seq_len = number("--seq-len", &args.seq_len, 2, 1 << 30)? as usize;
     let batch = number("--batch", &args.batch, 1, 1 << 20)? as usize;
     let seed = number("--seed", args.seed.as_deref().unwrap_or("1"), 0, u64::MAX)?;

@@ -86,6 +86,7 @@ fn classify(e: CheckpointError) -> Failure {
 
 /// Runs `tierzero export`.
 pub fn run(a: ExportArgs) -> Result<(), Failure> {
+    super::json_object_on_failure(a.json);
     // A trailing `/` names a directory, there or not: refused now, not
     // after the whole model was written beside it (the rename failed).
     let names_dir = {

@@ -165,7 +165,9 @@ pub(crate) fn model_dir_options(
 /// ([`json_object_on_failure`]).
 static JSON_ON_FAILURE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// `train --json` on the rank that prints: a failure prints
+/// `train --json` on the rank that prints (and `--json` of eval, export,
+/// estimate, bench-io and tune, which print their object at the end): a
+/// failure prints
 /// `{"error": .., "failure": "bad_input" | "internal", "exit_code": N}`
 /// on stdout too (the line stays on stderr), so a script reads one object
 /// in every ending. `false` once the summary is out: a failure after it
