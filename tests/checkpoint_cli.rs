@@ -423,6 +423,22 @@ fn a_resume_without_its_run_s_data_or_config_is_refused() {
     assert_eq!(o.code, 0, "{}", o.stderr);
 }
 
+/// A resume on data edited to the same length is warned about (the
+/// token count alone missed it); on the same data it is not.
+#[test]
+fn a_resume_on_edited_data_of_the_same_length_is_warned_about() {
+    let d = saved_two_steps("resume-edited");
+    let warned = |out: &Out| out.stderr.contains("other ids");
+    let same = train(&d, &["--steps", "3", "--resume", "ck/step-00000001"]);
+    assert_eq!(same.code, 0, "{}", same.stderr);
+    assert!(!warned(&same), "{}", same.stderr);
+    let text = std::fs::read_to_string(d.join("data.txt")).unwrap();
+    std::fs::write(d.join("data.txt"), text.replacen("safe", "sure", 1)).unwrap();
+    let edited = train(&d, &["--steps", "3", "--resume", "ck/step-00000001"]);
+    assert_eq!(edited.code, 0, "{}", edited.stderr);
+    assert!(warned(&edited), "{}", edited.stderr);
+}
+
 #[test]
 fn resume_mistakes_are_bad_input() {
     let d = setup("bad");

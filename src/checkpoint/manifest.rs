@@ -75,6 +75,12 @@ pub struct DataPosition {
     /// Absent in checkpoints written before it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens: Option<u64>,
+    /// crc32c of the data's ids ([`crate::data::TokenData::ids_crc32c`]):
+    /// a resume on data of the same length but other ids (the text edited
+    /// in place) is warned about too. Absent in checkpoints written
+    /// before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ids_crc32c: Option<u32>,
     /// The order each pass read its windows in. Absent in checkpoints
     /// written before the shuffle, which read them in file order
     /// ([`DataPosition::order_or_file`]).

@@ -854,6 +854,7 @@ impl Trainer {
             sizing,
             arenas,
             data_name: "unnamed".to_owned(),
+            data_ids_crc32c: std::sync::OnceLock::new(),
             data_base: super::DataBase::default(),
             save_lock: None,
             io_clock: clocks.io,
