@@ -585,7 +585,7 @@ fn bad_data_is_one_line_and_exit_2() {
     let tok = tok.to_str().unwrap();
     std::fs::write(d.join("bad.jsonl"), "{\"text\": \"the engine\"}\n{oops\n").unwrap();
     let out = train(&d, &["--data", "bad.jsonl", "--tokenizer", tok]);
-    assert_bad_input(&out, "jsonl", &["bad.jsonl", "line 2", "not a JSON object"]);
+    assert_bad_input(&out, "jsonl", &["bad.jsonl", "line 2", "not valid JSON"]);
     std::fs::write(d.join("nofield.jsonl"), "{\"content\": \"the engine\"}\n").unwrap();
     let out = eval(&d, &["--data", "nofield.jsonl", "--tokenizer", tok]);
     assert_bad_input(

@@ -226,9 +226,17 @@ impl<R: BufRead> Docs<R> {
                     continue;
                 }
                 let v: serde_json::Value = serde_json::from_str(&l).map_err(|e| {
+                    // serde's own position counts this line as line 1.
+                    let text = e.to_string();
+                    let what = text.rfind(" at line ").map_or(text.as_str(), |i| &text[..i]);
                     self.err(
                         self.line,
-                        format!("not a JSON object ({e}); JSONL is one object per line"),
+                        format!(
+                            "not valid JSON ({what} at column {}); JSONL is one JSON object per \
+                             line (NaN, Infinity and lone \\ud800-style surrogates, which \
+                             Python's json writes, are not JSON)",
+                            e.column()
+                        ),
                     )
                 })?;
                 let kind = |v: &serde_json::Value| match v {
@@ -541,7 +549,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("line 2") && e.contains("not a JSON object"),
+            e.contains("line 2") && e.contains("not valid JSON") && !e.contains("line 1"),
             "{e}"
         );
         let e = docs("{\"body\": \"a\"}\n", Cut::Jsonl("text".into()))
