@@ -228,7 +228,9 @@ impl<R: BufRead> Docs<R> {
                 let v: serde_json::Value = serde_json::from_str(&l).map_err(|e| {
                     // serde's own position counts this line as line 1.
                     let text = e.to_string();
-                    let what = text.rfind(" at line ").map_or(text.as_str(), |i| &text[..i]);
+                    let what = text
+                        .rfind(" at line ")
+                        .map_or(text.as_str(), |i| &text[..i]);
                     self.err(
                         self.line,
                         format!(
