@@ -275,6 +275,42 @@ def test_params_changed_between_steps_are_stepped_as_they_are(tmp_path, sub_grou
     assert torch.equal(p.detach(), torch.full_like(p, 5.0 - 1e-3))
 
 
+@pytest.mark.parametrize("offload,dtype", [("nvme", torch.float32), ("cpu", torch.bfloat16)])
+def test_a_save_keeps_params_changed_since_their_last_step(offload, dtype, tmp_path):
+    # The master of a param changed after its last step (a frozen weight
+    # loaded after the optimizer was built, a weight edited) was saved as
+    # it was, and a load wrote those old values over the param.
+    torch.manual_seed(0)
+    pre = torch.nn.Linear(4, 4).to(dtype).state_dict()
+    m = torch.nn.Linear(4, 4).to(dtype)
+    m.weight.requires_grad_(False)
+    opt = tzt.AdamW(m.parameters(), offload=offload, nvme_path=tmp_path / "nvme")
+    m(torch.randn(2, 4, dtype=dtype)).sum().backward()
+    opt.step()
+    m.load_state_dict(pre)  # after a step: the bias's sub-group has a master
+    opt.save_checkpoint(tmp_path / "opt.bin")
+    opt.load_checkpoint(tmp_path / "opt.bin")
+    assert torch.equal(m.weight, pre["weight"])
+    opt.load_state_dict(opt.state_dict())
+    assert torch.equal(m.weight, pre["weight"])
+
+
+def test_weights_loaded_into_offloaded_params_after_the_optimizer_are_stepped(tmp_path):
+    # model.load_state_dict() writes an offloaded param's home; the
+    # optimizer's master, taken before, wrote its older values back at
+    # the next step (max |w - loaded| was 0.1, the init's scale, not lr).
+    torch.manual_seed(0)
+    pre = torch.nn.Linear(400, 300).state_dict()
+    m = torch.nn.Linear(400, 300)
+    tzt.offload_parameters(m, "cpu")
+    opt = tzt.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0, offload="nvme", nvme_path=tmp_path)
+    m.load_state_dict(pre)
+    m(torch.randn(2, 400)).sum().backward()
+    opt.step()
+    moved = (m.state_dict()["weight"] - pre["weight"]).abs().max().item()
+    assert moved <= 1e-3 + 1e-6, moved
+
+
 def test_a_failed_save_leaves_no_temporary_file(tmp_path, monkeypatch):
     opt = tzt.AdamW([torch.nn.Parameter(torch.ones(8))], offload="nvme", nvme_path=tmp_path / "nvme")
     out = tmp_path / "out"

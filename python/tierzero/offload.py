@@ -88,7 +88,7 @@ def home_of(param):
 class _Home:
     """Where one param lives between uses, and its live references."""
 
-    __slots__ = ("param", "owner", "shape", "dtype", "numel", "host", "offset", "refs", "inflight", "__weakref__")
+    __slots__ = ("param", "owner", "shape", "dtype", "numel", "host", "offset", "refs", "inflight", "loads", "__weakref__")
 
     def __init__(self, param, owner):
         self.param = param
@@ -100,6 +100,9 @@ class _Home:
         self.offset = None  # "nvme": offset in the file
         self.refs = 0
         self.inflight = None  # "nvme": tensor being read
+        # Loads into it (``model.load_state_dict``): an optimizer whose
+        # master copy was taken before one reads the param again.
+        self.loads = 0
 
     @property
     def device(self):
@@ -360,6 +363,7 @@ class ParamOffload:
         """Makes the loaded params live for torch's copy into them; they
         go back to their homes after the load (``_after_load``)."""
         for _, h in self._released_of(module, prefix, state_dict):
+            h.loads += 1
             if not h.is_live():
                 self._fetch(h, count=False)
                 self._loading.append(h)

@@ -244,6 +244,15 @@ def _ds_settings(ds_config):
     return s
 
 
+def _write_mark(p):
+    """What tells whether ``p`` changed since an optimizer wrote (or read)
+    it: its version and storage, or, offloaded, the loads into its home."""
+    home = home_of(p)
+    if home is not None:
+        return ("home", home.loads)
+    return (p._version, p.data_ptr())
+
+
 class _SubGroup:
     __slots__ = ("group", "pieces", "numel", "steps")
 
@@ -508,8 +517,7 @@ class AdamW(torch.optim.Optimizer):
 
     def _note_written(self, s: _SubGroup):
         for p, *_ in s.pieces:
-            if home_of(p) is None:
-                self._written[p] = (p._version, p.data_ptr())
+            self._written[p] = _write_mark(p)
 
     def _note_steps(self):
         """``self.state[p]["step"]`` of every param stepped so far, as torch
@@ -539,14 +547,15 @@ class AdamW(torch.optim.Optimizer):
         before the step, as torch's AdamW steps the params as they are; the
         master otherwise wrote its older values over them. The moments
         stay. (A change through ``p.data.<op>_()`` bumps no version and is
-        not seen; an offloaded param's master follows its home only through
-        ``load_state_dict``.) Only when a change is found, it costs the
+        not seen; an offloaded param's home is seen changed by a
+        ``model.load_state_dict``, not by other writes to it.) Only when a change is found, it costs the
         sub-group's whole state read and written back, and 12 bytes per
         element of it in host memory meanwhile, beyond the two sub-groups of
-        buffers the module docs count."""
+        buffers the module docs count. An offloaded param is read again after
+        a ``model.load_state_dict`` wrote its home (``_write_mark``)."""
         for p, *_ in s.pieces:
-            now = (p._version, p.data_ptr())
-            if home_of(p) is None and self._written.get(p) != now:
+            now = _write_mark(p)
+            if self._written.get(p) != now:
                 # Every piece of it: another sub-group's write of its own
                 # piece will change the version again before that one steps.
                 self._stale.update((p, a) for a in self._pieces_of[p])
@@ -557,8 +566,11 @@ class AdamW(torch.optim.Optimizer):
         master = torch.empty(s.numel, dtype=torch.float32)
         m, v = torch.empty_like(master), torch.empty_like(master)
         self._native.read_state(i, master, m, v)
+        values = {}
         for p, a, b, off in changed:
-            master[off : off + b - a] = p.detach().reshape(-1)[a:b].float().cpu()
+            if p not in values:
+                values[p] = _values(p)  # an offloaded one's from its home
+            master[off : off + b - a] = values[p][a:b].float().cpu()
         self._native.load(i, master, m, v)
         self._stale.difference_update((p, a) for p, a, *_ in changed)
 
@@ -729,6 +741,11 @@ class AdamW(torch.optim.Optimizer):
         out = {}
         stepped = any(s.steps for s in self._subgroups)
         for i, s in enumerate(self._subgroups if stepped else ()):
+            if not self._inplace:
+                # Params changed since their last step (frozen ones loaded,
+                # edited ones) are the master's now: it was saved stale and
+                # written back over them by a load.
+                self._adopt_changed(i, s)
             master = torch.empty(s.numel, dtype=torch.float32)
             m = torch.empty_like(master)
             v = torch.empty_like(master)
@@ -887,6 +904,8 @@ class AdamW(torch.optim.Optimizer):
                 f.write(_MAGIC + len(head).to_bytes(8, "little") + head)
                 f.truncate(base + 12 * total)
                 for i, s in enumerate(self._subgroups):
+                    if not self._inplace:
+                        self._adopt_changed(i, s)  # as _param_states does
                     views = [b[: s.numel] for b in buf]
                     self._native.read_state(i, *views)
                     for k, t in enumerate(views):
