@@ -311,6 +311,60 @@ def test_weights_loaded_into_offloaded_params_after_the_optimizer_are_stepped(tm
     assert moved <= 1e-3 + 1e-6, moved
 
 
+def test_a_checkpoint_keeps_each_sub_group_s_step_count(tmp_path):
+    # A param over two sub-groups whose gradient was None while the other
+    # sub-group's param had one: sub-groups [0, 3] were loaded as [3, 3]
+    # (one count per param), and the resumed run moved off the uninterrupted
+    # one by 0.07.
+    def run(resume):
+        torch.manual_seed(0)
+        a, b = [torch.nn.Parameter(torch.randn(n)) for n in (15, 5)]
+        opt = tzt.AdamW([a, b], lr=0.1, offload="nvme", nvme_path=tmp_path / "a", sub_group_size=10)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            a.grad, b.grad = None, torch.randn(5, generator=g)
+            opt.step()
+        if resume:
+            opt.save_checkpoint(tmp_path / "opt.bin")
+            del opt
+            opt = tzt.AdamW([a, b], lr=0.1, offload="nvme", nvme_path=tmp_path / "b", sub_group_size=10)
+            opt.load_checkpoint(tmp_path / "opt.bin")
+        for _ in range(2):
+            a.grad, b.grad = torch.randn(15, generator=g), torch.randn(5, generator=g)
+            opt.step()
+        return [s.steps for s in opt._subgroups], torch.cat([a.detach(), b.detach()])
+
+    (steps, ref), (resumed_steps, got) = run(False), run(True)
+    assert steps == resumed_steps == [2, 5]
+    assert torch.equal(got, ref)
+
+
+def test_a_checkpoint_loads_only_into_the_same_param_groups(tmp_path):
+    # The same total in other groups was read across them (each group got
+    # the other's values and hyper-parameters); a truncated file is refused
+    # before anything is loaded (the sub-groups before the cut were); a
+    # tensor lr is saved as its number (it was a JSON TypeError).
+    a, b = torch.nn.Parameter(torch.randn(6)), torch.nn.Parameter(torch.randn(2))
+    opt = tzt.AdamW([{"params": [a]}, {"params": [b], "lr": torch.tensor(0.5)}], offload="nvme", nvme_path=tmp_path / "a")
+    a.grad, b.grad = torch.ones(6), torch.ones(2)
+    opt.step()
+    opt.save_checkpoint(tmp_path / "opt.bin")
+    a2, b2 = torch.nn.Parameter(torch.randn(6)), torch.nn.Parameter(torch.randn(2))
+    swapped = tzt.AdamW([{"params": [b2]}, {"params": [a2]}], offload="nvme", nvme_path=tmp_path / "b")
+    with pytest.raises(ValueError, match=r"param groups of \[6, 2\] elements, this optimizer's are \[2, 6\]"):
+        swapped.load_checkpoint(tmp_path / "opt.bin")
+    data = (tmp_path / "opt.bin").read_bytes()
+    (tmp_path / "cut.bin").write_bytes(data[:-8])
+    same = tzt.AdamW([{"params": [a2]}, {"params": [b2]}], offload="nvme", nvme_path=tmp_path / "c")
+    before = a2.detach().clone()
+    with pytest.raises(ValueError, match="truncated"):
+        same.load_checkpoint(tmp_path / "cut.bin")
+    assert torch.equal(a2.detach(), before)
+    same.load_checkpoint(tmp_path / "opt.bin")
+    assert torch.equal(a2.detach(), a.detach())
+    assert same.param_groups[1]["lr"] == 0.5
+
+
 def test_a_failed_save_leaves_no_temporary_file(tmp_path, monkeypatch):
     opt = tzt.AdamW([torch.nn.Parameter(torch.ones(8))], offload="nvme", nvme_path=tmp_path / "nvme")
     out = tmp_path / "out"

@@ -54,6 +54,7 @@ sub-group at a time instead.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 
@@ -242,6 +243,16 @@ def _ds_settings(ds_config):
 
         warnings.warn(f"ds_config: unknown keys ignored: {', '.join(s['unknown_keys'])}", stacklevel=3)
     return s
+
+
+def _plain(v):
+    """A param group's value as JSON holds it: a 0-d tensor (torch takes a
+    tensor lr) as its number; the rest as it is."""
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        return v.item()
+    if isinstance(v, (tuple, list)):
+        return [_plain(x) for x in v]
+    return v
 
 
 def _write_mark(p):
@@ -885,14 +896,23 @@ class AdamW(torch.optim.Optimizer):
         time."""
         path = os.fspath(path)
         offsets, total = self._flat_offsets()
+        # Each piece's step count at its flat start: a param over two
+        # sub-groups may have stepped in one of them only (its gradient was
+        # None while the other's params had one); one count per param gave
+        # both sub-groups the later one's on load.
         steps = {}
         for s in self._subgroups:
-            for p, *_ in s.pieces:
-                steps[offsets[id(p)]] = s.steps
+            for p, a, *_ in s.pieces:
+                steps[offsets[id(p)] + a] = s.steps
         header = {
             "numel": total,
             "steps": sorted(steps.items()),
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            # The groups' sizes in elements: a load into other groups (the
+            # same total) is refused rather than read across them.
+            "group_numels": [sum(_shape(p).numel() for p in g["params"]) for g in self.param_groups],
+            "param_groups": [
+                {k: _plain(v) for k, v in g.items() if k != "params"} for g in self.param_groups
+            ],
         }
         head = json.dumps(header).encode()
         base = len(_MAGIC) + 8 + len(head)
@@ -945,7 +965,31 @@ class AdamW(torch.optim.Optimizer):
                     f"{path}: saved state of {head['numel']} elements, this optimizer's params have {total}; build it with the same params"
                 )
             base = len(_MAGIC) + 8 + head_len
-            steps = dict((int(k), v) for k, v in head["steps"])
+            groups = [sum(_shape(p).numel() for p in g["params"]) for g in self.param_groups]
+            saved_groups = head.get("group_numels")
+            if len(head["param_groups"]) != len(self.param_groups) or (
+                saved_groups is not None and saved_groups != groups
+            ):
+                raise ValueError(
+                    f"{path}: saved for param groups of {saved_groups or len(head['param_groups'])} "
+                    f"elements, this optimizer's are {groups}; build it with the same param groups"
+                )
+            # Checked before anything changes: a truncated file loaded
+            # the sub-groups before the cut, and raised.
+            size = os.fstat(f.fileno()).st_size
+            if size < base + 12 * total:
+                raise ValueError(
+                    f"{path}: truncated ({size} bytes, the state of {total} elements needs "
+                    f"{base + 12 * total})"
+                )
+            starts = sorted((int(k), v) for k, v in head["steps"])
+            keys = [k for k, _ in starts]
+
+            def steps_at(pos):
+                """The saved step count of the piece holding flat ``pos``."""
+                i = bisect.bisect_right(keys, pos) - 1
+                return starts[i][1] if i >= 0 else 0
+
             for g, src in zip(self.param_groups, head["param_groups"]):
                 g.update(src)
             self._stale.clear()  # every master is loaded (and scattered) below
@@ -959,7 +1003,7 @@ class AdamW(torch.optim.Optimizer):
                             raise ValueError(f"{path}: truncated")
                         t[k][off : off + b - a] = torch.frombuffer(bytearray(raw), dtype=torch.float32)
                 self._native.load(i, *t)
-                s.steps = steps.get(offsets[id(s.pieces[0][0])], 0)
+                s.steps = max(steps_at(offsets[id(p)] + a) for p, a, *_ in s.pieces)
                 if not self._inplace:
                     self._scatter_params(s, t[0])
         self.state.clear()
