@@ -396,6 +396,26 @@ def test_bad_arguments_raise():
         tzt.AdamW(p, offload="gpu")
     with pytest.raises(ValueError, match="learning rate"):
         tzt.AdamW(p, lr=-1.0, offload="none")
+    # Named (threads=0 failed every step; negatives were a bare OverflowError).
+    for kw in (dict(threads=0), dict(threads=-1), dict(pinned_budget_bytes=-1)):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            tzt.AdamW(p, offload="cpu", **kw)
+    conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match=r"shape \(8, 3, 3, 3\).*contiguous_format"):
+        tzt.AdamW(conv.parameters(), offload="cpu")
+
+
+def test_a_bad_hyper_parameter_steps_nothing(tmp_path):
+    # On the nvme path a later group's bad lr raised after the groups
+    # before it had stepped.
+    a, b = torch.nn.Parameter(torch.randn(6)), torch.nn.Parameter(torch.randn(2))
+    opt = tzt.AdamW([{"params": [a]}, {"params": [b]}], offload="nvme", nvme_path=tmp_path)
+    opt.param_groups[1]["lr"] = -1
+    a.grad, b.grad = torch.ones(6), torch.ones(2)
+    before = a.detach().clone()
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['lr'\] = -1.0"):
+        opt.step()
+    assert torch.equal(a.detach(), before)
 
 
 def test_pinned_budget_too_small_names_the_numbers(tmp_path):

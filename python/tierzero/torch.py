@@ -277,7 +277,9 @@ class _SubGroup:
 class AdamW(torch.optim.Optimizer):
     """``torch.optim.AdamW`` with its state in tierzero (see the module docs).
 
-    ``offload``: ``"none"``, ``"cpu"`` or ``"nvme"`` (with ``nvme_path``).
+    ``offload``: ``"none"``, ``"cpu"`` or ``"nvme"`` (with ``nvme_path``);
+    without it and without a ``ds_config`` that says, ``"nvme"`` (then
+    ``nvme_path`` is needed).
     ``ds_config``: a ``ds_config.json`` path or dict; its
     ``zero_optimization.offload_optimizer``, ``sub_group_size`` and
     ``tierzero.pinned_budget_bytes`` are used where the keyword is not given.
@@ -328,6 +330,10 @@ class AdamW(torch.optim.Optimizer):
         ds = _ds_settings(ds_config)
         offload = offload if offload is not None else ds.get("offload", "nvme")
         nvme_path = nvme_path if nvme_path is not None else ds.get("nvme_path")
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads={threads!r}: give a whole number of at least 1, or None (the default)")
+        if isinstance(pinned_budget_bytes, int) and pinned_budget_bytes < 0:
+            raise ValueError(f"pinned_budget_bytes={pinned_budget_bytes!r}: give a byte count of at least 0")
         if sub_group_size is None:
             sub_group_size = ds.get("sub_group_size", 1_000_000_000)
         if pinned_budget_bytes is None:
@@ -352,7 +358,12 @@ class AdamW(torch.optim.Optimizer):
             sg = _SubGroup(gi)
             for p in group["params"]:
                 if not p.is_contiguous():
-                    raise ValueError("tierzero.torch.AdamW needs contiguous params")
+                    raise ValueError(
+                        f"tierzero.torch.AdamW needs contiguous params; a param of shape "
+                        f"{tuple(p.shape)} (group {gi}) has strides {p.stride()} (channels_last?): "
+                        f"build the optimizer over contiguous params (model.to(memory_format="
+                        f"torch.contiguous_format))"
+                    )
                 home = home_of(p)
                 dtype = home.dtype if home is not None else p.dtype
                 # Floating and complex params other than these; an integer
@@ -589,6 +600,25 @@ class AdamW(torch.optim.Optimizer):
         if self._copies is not None:
             self._copies.finish()
 
+    def _check_hyper(self, s: _SubGroup):
+        """``s``'s param group's hyper-parameters are ones AdamW takes, or a
+        ``ValueError`` naming the group and the value."""
+        lr, beta1, beta2, eps, wd = self._hyper(s)
+        bad = [
+            (name, v)
+            for name, v, ok in (
+                ("lr", lr, lr >= 0.0),
+                ("betas[0]", beta1, 0.0 <= beta1 < 1.0),
+                ("betas[1]", beta2, 0.0 <= beta2 < 1.0),
+                ("eps", eps, eps >= 0.0),
+                ("weight_decay", wd, wd >= 0.0),
+            )
+            if not ok
+        ]
+        if bad:
+            name, v = bad[0]
+            raise ValueError(f"param_groups[{s.group}][{name!r}] = {v}: invalid for AdamW; nothing was stepped")
+
     def _hyper(self, s: _SubGroup):
         """``(lr, beta1, beta2, eps, weight_decay)`` of ``s``'s param group,
         read now (LR schedulers change them between steps)."""
@@ -687,6 +717,10 @@ class AdamW(torch.optim.Optimizer):
                     raise RuntimeError("tierzero.torch.AdamW does not support sparse gradients")
             if self._inplace:
                 self._check_in_place(self._subgroups[i])
+            # A group's hyper-parameters, as the kernel reads them (an LR
+            # scheduler or a user may have set them since): on the nvme
+            # path a bad one raised after the groups before it stepped.
+            self._check_hyper(self._subgroups[i])
         for p in self._empty_steps:
             if p.grad is not None:
                 self._empty_steps[p] += 1
