@@ -446,6 +446,17 @@ fn accepts_o_direct(dir: &Path) -> bool {
     r.is_ok()
 }
 
+/// Mounts a file system of type `fs` with `options` at `dir` (root only):
+/// whether it did.
+fn mount(fs: &str, options: &str, dir: &Path) -> bool {
+    Command::new("mount")
+        .args(["-t", fs, "-o", options, fs])
+        .arg(dir)
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
 /// A directory on a file system that refuses O_DIRECT: tmpfs on older
 /// kernels, else a ramfs mounted for the test (root only; unmounted on drop).
 struct NoDirectDir {
@@ -474,13 +485,7 @@ impl NoDirectDir {
         }
         // tmpfs does O_DIRECT since Linux 6.6; ramfs never does.
         let path = scratch("ramfs");
-        let ok = Command::new("mount")
-            .args(["-t", "ramfs", "-o", "mode=0700", "ramfs"])
-            .arg(&path)
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        if !ok {
+        if !mount("ramfs", "mode=0700", &path) {
             return None;
         }
         let d = NoDirectDir {
@@ -638,13 +643,7 @@ fn a_signal_during_bench_io_removes_its_file() {
 #[test]
 fn a_second_run_right_after_the_first_finds_its_room() {
     let dir = scratch("room-after-exit");
-    let ok = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=48m,mode=0700", "tmpfs"])
-        .arg(&dir)
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
+    if !mount("tmpfs", "size=48m,mode=0700", &dir) {
         eprintln!("cannot mount a tmpfs at {}: skipping", dir.display());
         return;
     }

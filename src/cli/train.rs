@@ -660,12 +660,8 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     let (loaded, config_name, steps) =
         load_config(&args, &flags, &model, comm.world_size(), ckpt.as_ref())?;
     let cfg = &loaded.config;
-    data::check_resumed_config(
-        &args,
-        cfg,
-        data_order(&args, flags.seed, ckpt.as_ref()),
-        ckpt.as_ref(),
-    )?;
+    let data_order = data_order(&args, flags.seed, ckpt.as_ref());
+    data::check_resumed_config(&args, cfg, data_order, ckpt.as_ref())?;
     data::check_resumed_data(&args, ckpt.as_ref())?;
     outputs::check_output_dirs(&args)?;
     let metrics_fifo = lead
@@ -692,7 +688,6 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         )));
     }
     let timeline_steps = number("--timeline-steps", &args.timeline_steps, 1, 1000)?;
-    let data_order = data_order(&args, flags.seed, ckpt.as_ref());
 
     // With --json, stdout carries only the summary object; under several
     // ranks only rank 0 prints.

@@ -463,8 +463,8 @@ impl TokenData {
     /// crc32c of the ids as little-endian u32s, whatever their storage
     /// (bytes, u16, u32): the same ids give the same value. A checkpoint
     /// records it, so a resume on data edited to the same token count is
-    /// told (the count alone missed it). Reads every id: about a second
-    /// per 10^9 ids, so only saves and resumes ask.
+    /// told (the count alone missed it). Reads every id once, so only
+    /// saves and resumes ask.
     pub fn ids_crc32c(&self) -> u32 {
         const CHUNK_IDS: usize = 1 << 16;
         let mut crc = 0u32;

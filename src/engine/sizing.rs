@@ -780,13 +780,15 @@ pub fn decide_within(
     // below `buffer_count` (the slots are a speed-up: DeepSpeed's default
     // buffers cut into 104 slots asked a 40 MiB budget for 58.5 MiB on a
     // small GPT-2 whose 5 slots take 2.8 MiB).
+    // The optimizer pipeline's least pinned bytes (none without NVMe
+    // state).
+    let optimizer_least = if opt_nvme {
+        needed.saturating_mul(wanted.bytes_each)
+    } else {
+        0
+    };
     let param_buffers = match config.tierzero.pinned_budget_bytes {
         Some(b) if param_buffers.count > configured.count => {
-            let optimizer_least = if opt_nvme {
-                needed.saturating_mul(wanted.bytes_each)
-            } else {
-                0
-            };
             let left =
                 b.0.saturating_sub(park_buffers.total_bytes())
                     .saturating_sub(optimizer_least);
@@ -802,7 +804,7 @@ pub fn decide_within(
     let fixed_bytes = param_buffers
         .total_bytes()
         .saturating_add(park_buffers.total_bytes());
-    let short = |needed: u64| BudgetShort {
+    let short = || BudgetShort {
         budget_bytes: config.tierzero.pinned_budget_bytes.map_or(0, |b| b.0),
         param_buffers,
         optimizer_buffers_needed: if opt_nvme {
@@ -820,15 +822,11 @@ pub fn decide_within(
         },
         optimizer_spills_grads: opt_nvme && spill_grads,
         park_buffers,
-        required_bytes: fixed_bytes.saturating_add(if opt_nvme {
-            needed.saturating_mul(wanted.bytes_each)
-        } else {
-            0
-        }),
+        required_bytes: fixed_bytes.saturating_add(optimizer_least),
     };
     if let Some(b) = config.tierzero.pinned_budget_bytes {
         if fixed_bytes > b.0 {
-            return Err(short(needed));
+            return Err(short());
         }
     }
     let optimizer_buffers = if opt_nvme {
@@ -837,7 +835,7 @@ pub fn decide_within(
             Some(b) => {
                 let avail = b.0.saturating_sub(fixed_bytes) / wanted.bytes_each.max(1);
                 if avail < needed {
-                    return Err(short(needed));
+                    return Err(short());
                 }
                 Buffers {
                     count: avail.min(wanted.count),

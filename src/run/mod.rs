@@ -165,6 +165,8 @@ pub struct Plan {
     /// optimizer's (its swap buffers, the parked sums') are page-locked.
     /// Unlocked, they are shown as host memory, not pinned.
     pub pin_memory: (bool, bool),
+    /// Of the arenas' bytes, those page-locked (the sizing's `lock_bytes`).
+    pub locked_bytes: u64,
     /// Where parameters go on NVMe.
     pub param_nvme_path: Option<String>,
     /// Where optimizer state goes on NVMe.
@@ -342,6 +344,7 @@ impl Plan {
                 zero.offload_param.pin_memory,
                 zero.offload_optimizer.pin_memory,
             ),
+            locked_bytes: sizing.lock_bytes,
             param_nvme_path: if per_tier[2] > 0 {
                 path_of(&zero.offload_param.device)
             } else {
@@ -395,21 +398,7 @@ impl Plan {
     /// Of [`Self::pinned_total_bytes`], the arenas `pin_memory: false`
     /// leaves pageable (mapped all the same, not locked).
     pub fn pageable_arena_bytes(&self) -> u64 {
-        let (params_pinned, optimizer_pinned) = self.pin_memory;
-        let params = self
-            .params
-            .pinned_bytes
-            .saturating_add(self.param_buffers.0.saturating_mul(self.param_buffers.1));
-        let optimizer = (self
-            .optimizer_buffers
-            .0
-            .saturating_mul(self.optimizer_buffers.1))
-        .saturating_add(self.park.pinned_bytes);
-        (if params_pinned { 0 } else { params }).saturating_add(if optimizer_pinned {
-            0
-        } else {
-            optimizer
-        })
+        self.pinned_total_bytes().saturating_sub(self.locked_bytes)
     }
 
     /// NVMe bytes the run allocates.

@@ -129,21 +129,17 @@ impl MemlockInfo {
             lim.rlim_cur
         };
         let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-        let mut locked_bytes = 0;
-        let mut has_ipc_lock = false;
-        for line in status.lines() {
-            if let Some(v) = line.strip_prefix("VmLck:") {
+        let locked_bytes = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmLck:"))
+            .map_or(0, |v| {
                 let kib: u64 = v.trim().trim_end_matches("kB").trim().parse().unwrap_or(0);
-                locked_bytes = kib * 1024;
-            } else if let Some(v) = line.strip_prefix("CapEff:") {
-                let caps = u64::from_str_radix(v.trim(), 16).unwrap_or(0);
-                has_ipc_lock = caps & (1 << 14) != 0; // CAP_IPC_LOCK
-            }
-        }
+                kib * 1024
+            });
         MemlockInfo {
             limit_bytes,
             locked_bytes,
-            has_ipc_lock,
+            has_ipc_lock: crate::process::has_capability(&status, crate::process::CAP_IPC_LOCK),
         }
     }
 

@@ -73,6 +73,21 @@ pub fn send_signal(pid: u32, signal: i32) -> std::io::Result<()> {
     }
 }
 
+/// `CAP_IPC_LOCK`: page-locking beyond `RLIMIT_MEMLOCK`.
+pub const CAP_IPC_LOCK: u32 = 14;
+/// `CAP_SYS_RESOURCE`: a file system's reserved blocks among others.
+pub const CAP_SYS_RESOURCE: u32 = 24;
+
+/// Whether `/proc/self/status` text says the effective capabilities
+/// (`CapEff`) hold capability `cap`; false when it cannot tell.
+pub fn has_capability(status: &str, cap: u32) -> bool {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .is_some_and(|caps| caps & (1 << cap) != 0)
+}
+
 /// Whether `signal`'s disposition is "ignore" (`sigaction(2)` read only):
 /// `nohup` starts a program with SIGHUP ignored, and a handler installed
 /// over it would undo that. False when it cannot tell.

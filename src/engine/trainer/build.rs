@@ -161,26 +161,30 @@ impl HostSetup {
 }
 
 /// The busy clocks of the I/O engines: one union clock, and with a
-/// timeline one per engine (its disk lanes: params, optimizer reads,
-/// optimizer writes, grad park).
+/// timeline one per engine, each with its disk lane (params, optimizer
+/// reads, optimizer writes, grad park): `Trainer::record_disk` moves each
+/// clock's periods into its own lane.
 struct Clocks {
     io: Arc<BusyClock>,
-    engines: Option<[Arc<BusyClock>; 4]>,
+    engines: Option<Vec<(Lane, Arc<BusyClock>)>>,
 }
 
 impl Clocks {
     fn new(opts: &TrainerOptions) -> Clocks {
         let engines = opts.timeline.as_ref().map(|_| {
-            let c = [
-                BusyClock::new(),
-                BusyClock::new(),
-                BusyClock::new(),
-                BusyClock::new(),
-            ];
-            for k in &c {
-                k.set_logging(true);
-            }
-            c
+            [
+                Lane::DiskParams,
+                Lane::DiskStateReads,
+                Lane::DiskStateWrites,
+                Lane::DiskGradPark,
+            ]
+            .into_iter()
+            .map(|lane| {
+                let clock = BusyClock::new();
+                clock.set_logging(true);
+                (lane, clock)
+            })
+            .collect()
         });
         Clocks {
             io: BusyClock::new(),
@@ -188,20 +192,14 @@ impl Clocks {
         }
     }
 
-    fn engine(&self, lane: EngineLane) -> Option<Arc<BusyClock>> {
-        self.engines.as_ref().map(|c| c[lane as usize].clone())
+    /// The clock of the engine whose disk lane is `lane` (with a timeline).
+    fn engine(&self, lane: Lane) -> Option<Arc<BusyClock>> {
+        let engines = self.engines.as_ref()?;
+        engines
+            .iter()
+            .find(|(l, _)| *l == lane)
+            .map(|(_, c)| c.clone())
     }
-}
-
-/// Which I/O engine a clock in [`Clocks::engines`] times: its index
-/// there, in the order of the timeline's disk lanes
-/// (`Trainer::record_disk`).
-#[derive(Debug, Clone, Copy)]
-enum EngineLane {
-    Params = 0,
-    StateReads = 1,
-    StateWrites = 2,
-    GradPark = 3,
 }
 
 /// What building the tiers needs besides the config and the sizing.
@@ -336,7 +334,7 @@ impl TierBuild<'_> {
         &self,
         space: Arc<SwapSpace>,
         arena: Arc<PinnedArena>,
-        lane: EngineLane,
+        lane: Lane,
         faults: Option<Arc<FaultInjector>>,
     ) -> Result<Engine> {
         Ok(Engine::new(
@@ -371,7 +369,7 @@ impl TierBuild<'_> {
             let arena =
                 self.device_arena(self.sizing.param_buffers, pin, "the param swap buffers")?;
             let faults = self.opts.faults.params.clone();
-            let engine = self.engine(space, arena.clone(), EngineLane::Params, faults)?;
+            let engine = self.engine(space, arena.clone(), Lane::DiskParams, faults)?;
             Some(NvmeParams {
                 engine,
                 arena,
@@ -402,7 +400,7 @@ impl TierBuild<'_> {
         let zero = &self.config.zero;
         let space = self.space(SwapUse::GradPark)?;
         let arena = self.arena(self.sizing.park_buffers, zero.offload_optimizer.pin_memory)?;
-        let engine = self.engine(space, arena.clone(), EngineLane::GradPark, None)?;
+        let engine = self.engine(space, arena.clone(), Lane::DiskGradPark, None)?;
         Ok(Some(GradPark::new(
             engine,
             arena,
@@ -427,13 +425,13 @@ impl TierBuild<'_> {
                 let read = self.engine(
                     space.clone(),
                     arena.clone(),
-                    EngineLane::StateReads,
+                    Lane::DiskStateReads,
                     faults.optim_read.clone(),
                 )?;
                 let write = self.engine(
                     space,
                     arena.clone(),
-                    EngineLane::StateWrites,
+                    Lane::DiskStateWrites,
                     faults.optim_write.clone(),
                 )?;
                 Some(NvmeOptim { read, write, arena })

@@ -417,8 +417,8 @@ pub struct Trainer {
     /// How long building it took, by part.
     build_times: BuildTimes,
     /// With a timeline: the param, optimizer-read, optimizer-write and
-    /// grad-park engines' own clocks (its per-engine disk lanes).
-    engine_clocks: Option<[Arc<BusyClock>; 4]>,
+    /// grad-park engines' own clocks, each with its disk lane.
+    engine_clocks: Option<Vec<(Lane, Arc<BusyClock>)>>,
     /// A `Flush` was sent and its reply has not arrived.
     flush_open: bool,
     /// The device optimizer stepped since its state was last loaded or

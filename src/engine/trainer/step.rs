@@ -739,6 +739,15 @@ impl Trainer {
                 tl.device(&spans);
             }
         }
+        // Each queue's busy time, once (each is a sort of its spans).
+        let [device_busy_s, h2d_busy_s, d2h_busy_s, h2d_fill_busy_s, collective_busy_s] = [
+            DeviceQueue::Compute,
+            DeviceQueue::H2d,
+            DeviceQueue::D2h,
+            DeviceQueue::Fill,
+            DeviceQueue::Collective,
+        ]
+        .map(|q| busy_s(&spans, q));
         StepMetrics {
             step: self.steps_done,
             loss: out.loss,
@@ -760,11 +769,11 @@ impl Trainer {
                 &[
                     io_busy,
                     optimizer_s,
-                    busy_s(&spans, DeviceQueue::Compute),
-                    busy_s(&spans, DeviceQueue::H2d),
-                    busy_s(&spans, DeviceQueue::D2h),
-                    busy_s(&spans, DeviceQueue::Fill),
-                    busy_s(&spans, DeviceQueue::Collective),
+                    device_busy_s,
+                    h2d_busy_s,
+                    d2h_busy_s,
+                    h2d_fill_busy_s,
+                    collective_busy_s,
                 ],
             ),
             lr: plan.lr,
@@ -791,11 +800,11 @@ impl Trainer {
             device_forwards_recomputed: device.forwards_recomputed,
             device_forwards_ahead: device.forwards_ahead,
             device_backwards_ahead: device.backwards_ahead,
-            device_busy_s: busy_s(&spans, DeviceQueue::Compute),
-            h2d_busy_s: busy_s(&spans, DeviceQueue::H2d),
-            d2h_busy_s: busy_s(&spans, DeviceQueue::D2h),
-            h2d_fill_busy_s: busy_s(&spans, DeviceQueue::Fill),
-            collective_busy_s: busy_s(&spans, DeviceQueue::Collective),
+            device_busy_s,
+            h2d_busy_s,
+            d2h_busy_s,
+            h2d_fill_busy_s,
+            collective_busy_s,
         }
     }
 
@@ -827,16 +836,8 @@ impl Trainer {
     pub(super) fn record_disk(&self) {
         if let Some(tl) = &self.opts.timeline {
             tl.disk(Lane::Disk, &self.io_clock.take_periods());
-            if let Some(c) = &self.engine_clocks {
-                let lanes = [
-                    Lane::DiskParams,
-                    Lane::DiskStateReads,
-                    Lane::DiskStateWrites,
-                    Lane::DiskGradPark,
-                ];
-                for (clock, lane) in c.iter().zip(lanes) {
-                    tl.disk(lane, &clock.take_periods());
-                }
+            for (lane, clock) in self.engine_clocks.iter().flatten() {
+                tl.disk(*lane, &clock.take_periods());
             }
         }
     }

@@ -85,14 +85,9 @@ pub(super) fn check_room(dir: &Path, path: &Path, needed_bytes: u64) -> Result<(
 }
 
 /// Whether `/proc/self/status` text says the effective capabilities hold
-/// `CAP_SYS_RESOURCE` (bit 24 of `CapEff`); false when it cannot tell.
+/// `CAP_SYS_RESOURCE`; false when it cannot tell.
 fn has_sys_resource(status: &str) -> bool {
-    const CAP_SYS_RESOURCE: u32 = 24;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
-        .is_some_and(|caps| caps & (1 << CAP_SYS_RESOURCE) != 0)
+    crate::process::has_capability(status, crate::process::CAP_SYS_RESOURCE)
 }
 
 /// The error of a failed sizing of the swap file at `path` to `bytes`:
