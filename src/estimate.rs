@@ -393,16 +393,14 @@ pub struct SwapSettings {
     pub prefetch_bucket_numel: u64,
     /// `tierzero.optimizer_resident_bytes` (`None`: auto).
     pub optimizer_resident_bytes: Option<u64>,
-    /// Whether sub-groups would step speculatively with the state on NVMe
-    /// ([`crate::engine::sizing::speculates`]): a pool of state slots on
-    /// NVMe, and their gradients kept in host memory.
-    pub speculative_with_nvme_state: bool,
+    /// What the config asks of the speculative step with the state on
+    /// NVMe ([`crate::engine::sizing::speculation_ask`]): a pool of state
+    /// slots on NVMe, and their gradients kept in host memory.
+    pub speculation_with_nvme_state: sizing::SpeculationAsk,
     /// `gradient_accumulation_steps` (1 when `"auto"` or absent): above 1,
     /// with the state on NVMe, partial sums are parked on NVMe between
     /// micro-batches.
     pub gradient_accumulation_steps: u64,
-    /// `tierzero.speculation_pool_bytes` (`None`: auto).
-    pub speculation_pool_bytes: Option<u64>,
     /// `tierzero.overlap_optimizer`: off, with the state on NVMe, every
     /// sub-group's gradients stay in host memory until the step
     /// (`crate::engine::sizing::Sizing::grads_held_until_step`).
@@ -425,9 +423,8 @@ impl SwapSettings {
             pipeline_read: o.pipeline_read,
             pipeline_write: o.pipeline_write,
             spill_grads_with_nvme_state: sizing::spills_with_nvme_state(c),
-            speculative_with_nvme_state: sizing::speculates_with_nvme_state(c),
+            speculation_with_nvme_state: sizing::speculation_ask_with_nvme_state(c),
             gradient_accumulation_steps: c.batch.gradient_accumulation_steps.max(1),
-            speculation_pool_bytes: c.tierzero.speculation_pool_bytes.map(|b| b.0),
             sub_group_numel: c.zero.sub_group_numel.0,
             prefetch_bucket_numel: c.zero.prefetch_bucket_numel.0,
             optimizer_resident_bytes: c.tierzero.optimizer_resident_bytes.map(|b| b.0),
@@ -862,7 +859,11 @@ pub fn estimate(inp: &Inputs, machine: &Machine) -> Result<Report, EstimateError
         // (half what is left after its other extents): so does this.
         if let Some(free) = machine.nvme_free_bytes {
             let pool = items.iter().any(|i| i.what == SPECULATION_POOL);
-            if pool && inp.swap.speculation_pool_bytes.is_none() {
+            let bought = matches!(
+                inp.swap.speculation_with_nvme_state,
+                sizing::SpeculationAsk::PoolBytes(_)
+            );
+            if pool && !bought {
                 let others: u64 = items
                     .iter()
                     .filter(|i| i.tier == Tier::Nvme && i.what != SPECULATION_POOL)

@@ -420,11 +420,29 @@ fn the_auto_pool_takes_at_most_half_the_free_space() {
     let groups = full.speculation_slots;
     assert!(groups > 5, "{groups} NVMe groups");
     let slot = full.speculation_pool_nvme_bytes / groups as u64;
-    let others = full.param_nvme_bytes
+    // What the run's swap spaces in the state's directory take without
+    // the pool: their payloads and each one's alignment room.
+    let dir = config.zero.offload_optimizer.device.nvme_path().unwrap();
+    let others = full.swap_bytes_under(&config, dir) - full.speculation_pool_nvme_bytes;
+    let payloads = full.param_nvme_bytes
         + full.optimizer_nvme_bytes
         + full.grad_spill_nvme_bytes
         + full.grad_park_nvme_bytes
         - full.speculation_pool_nvme_bytes;
+    assert!(others > payloads, "{others} {payloads}");
+    // Whatever the free space, a run whose state fits it without the pool
+    // fits it with the pool auto gives (the pool once left out the swap
+    // files' alignment room: on a disk with room for the state and the
+    // least pool's payload but not both with that room, the run was
+    // refused by the disk check its state alone passed).
+    for avail in (others..others + 4 * slot).step_by(slot as usize / 7) {
+        let s = decide_within(&config, &shape, Some(avail)).unwrap();
+        assert!(
+            s.swap_bytes_under(&config, dir) <= avail,
+            "{avail}: {} slots",
+            s.speculation_slots
+        );
+    }
     let slots = |avail: u64| {
         decide_within(&config, &shape, Some(avail))
             .unwrap()

@@ -57,7 +57,7 @@ pub use grads::{
 };
 pub use head::{check_logits_memory, logits_bytes, TRAIN_LOGITS_COPIES};
 pub use speculation::{
-    speculation_fits_the_room, speculation_kept_grads, speculation_pool_slots, speculation_slots,
+    speculation_kept_grads, speculation_pool, speculation_slots, SpeculationAsk, SpeculationPool,
 };
 pub use swap::{SwapUse, SWAP_SLACK_BYTES};
 
@@ -305,7 +305,7 @@ pub struct Sizing {
     /// slot of a bounded pool of state extents, committed or dropped once
     /// the global norm is known.
     pub speculative: bool,
-    /// With `speculative`: the pool's slots ([`speculation_pool_slots`]),
+    /// With `speculative`: the pool's slots ([`speculation_pool`]),
     /// the most sub-groups a step speculates (the others wait for the
     /// decision). 0 without speculation.
     pub speculation_slots: usize,
@@ -319,7 +319,7 @@ pub struct Sizing {
     pub speculation_pool_nvme_bytes: u64,
     /// `tierzero.speculative_step` auto turned off because its least pool
     /// (these bytes) does not fit the free space left on the optimizer
-    /// state's file system ([`speculation_fits_the_room`]); `None`
+    /// state's file system ([`speculation_pool`]); `None`
     /// otherwise.
     pub speculation_off_for_room_bytes: Option<u64>,
     /// Per sub-group: its optimizer state stays in host memory.
@@ -429,10 +429,14 @@ pub fn spills_with_nvme_state(config: &Config) -> bool {
     config.tierzero.overlap_optimizer && config.waits_for_global_norm()
 }
 
-/// [`speculates`] whatever the optimizer's device, as
+/// [`speculation_ask`] whatever the optimizer's device, as
 /// [`spills_with_nvme_state`].
-pub fn speculates_with_nvme_state(config: &Config) -> bool {
-    spills_with_nvme_state(config) && config.tierzero.speculative_step != Some(false)
+pub fn speculation_ask_with_nvme_state(config: &Config) -> SpeculationAsk {
+    SpeculationAsk::new(
+        spills_with_nvme_state(config) && config.tierzero.speculative_step != Some(false),
+        config.tierzero.speculative_step,
+        config.tierzero.speculation_pool_bytes.map(|b| b.0),
+    )
 }
 
 /// Partial gradient sums are parked on NVMe between micro-batches
@@ -450,6 +454,16 @@ pub fn parks_grads(config: &Config) -> bool {
 /// the global norm) and `tierzero.speculative_step` is not `false`.
 pub fn speculates(config: &Config) -> bool {
     spills_grads(config) && config.tierzero.speculative_step != Some(false)
+}
+
+/// What `config` asks of the speculation pool, where it speculates
+/// ([`speculates`]).
+pub fn speculation_ask(config: &Config) -> SpeculationAsk {
+    SpeculationAsk::new(
+        speculates(config),
+        config.tierzero.speculative_step,
+        config.tierzero.speculation_pool_bytes.map(|b| b.0),
+    )
 }
 
 /// The gradient park's pinned buffers ([`parks_grads`]): a fixed count,
@@ -712,7 +726,7 @@ pub fn nvme_available_bytes(config: &Config, ranks: usize) -> Option<u64> {
 /// the free space of the file system under `offload_optimizer.nvme_path`
 /// when known ([`nvme_available_bytes`]: `statvfs`'s available bytes over
 /// the ranks, before this run's swap files exist): it
-/// bounds the auto speculation pool ([`speculation_pool_slots`]), to what
+/// bounds the auto speculation pool ([`speculation_pool`]), to what
 /// half of it buys after the run's other extents (the params' too when
 /// they share the directory).
 pub fn decide_within(
@@ -761,7 +775,6 @@ pub fn decide_within(
     let read_ahead = usize::from(zero.offload_optimizer.pipeline_read);
     let write_behind = usize::from(zero.offload_optimizer.pipeline_write);
     let spill_grads = spills_grads(config);
-    let speculative = speculates(config);
     let park_grads = parks_grads(config);
     let park_buffers = if park_grads {
         park_buffers(shape.max_sub_group_numel())
@@ -862,42 +875,8 @@ pub fn decide_within(
     } else {
         0
     };
-    let params_beside = zero.offload_param.device.nvme_path().is_some()
-        && zero.offload_param.device.nvme_path() == zero.offload_optimizer.device.nvme_path();
-    let room_bytes = nvme_available_bytes.map(|avail| {
-        avail
-            .saturating_sub(3 * nvme_groups().sum::<u64>() + spill_nvme_bytes + park_nvme_bytes)
-            .saturating_sub(if params_beside { param_nvme_bytes } else { 0 })
-    });
-    let slot_bytes = 3 * nvme_groups().max().unwrap_or(0);
-    let speculation_slots = speculation_pool_slots(
-        speculative && opt_nvme,
-        read_ahead,
-        write_behind,
-        nvme_groups().count(),
-        config.tierzero.speculation_pool_bytes.map(|b| b.0),
-        slot_bytes,
-        room_bytes,
-    );
-    let auto = config.tierzero.speculative_step.is_none()
-        && config.tierzero.speculation_pool_bytes.is_none();
-    let pool_bytes = speculation_slots as u64 * slot_bytes;
-    let speculation_off_for_room_bytes =
-        (auto && !speculation_fits_the_room(pool_bytes, room_bytes)).then_some(pool_bytes);
-    let (speculative, speculation_slots) = match speculation_off_for_room_bytes {
-        Some(_) => (false, 0),
-        None => (speculative, speculation_slots),
-    };
-    let speculation_kept_grads =
-        speculation_kept_grads(read_ahead, write_behind, speculation_slots);
-    // Speculation keeps the old state while the new one is written: into a
-    // pool slot, sized for any NVMe group (a committed slot becomes the
-    // group's extents, its old extents a slot).
-    let speculation_pool_nvme_bytes =
-        speculation_slots as u64 * 3 * nvme_groups().max().unwrap_or(0);
     let (optimizer_nvme_bytes, grad_spill_nvme_bytes) = if opt_nvme {
-        let one: u64 = nvme_groups().sum();
-        (3 * one + speculation_pool_nvme_bytes, spill_nvme_bytes)
+        (3 * nvme_groups().sum::<u64>(), spill_nvme_bytes)
     } else {
         (0, 0)
     };
@@ -923,7 +902,10 @@ pub fn decide_within(
     } else {
         0
     });
-    Ok(Sizing {
+    // A speculation pool's slot: one largest NVMe group's three extents.
+    let slot_bytes = 3 * nvme_groups().max().unwrap_or(0);
+    let nvme_group_count = nvme_groups().count();
+    let mut sizing = Sizing {
         tiers,
         param_elem_bytes: elem_bytes,
         cpu_pages,
@@ -933,11 +915,11 @@ pub fn decide_within(
         read_ahead,
         write_behind,
         spill_grads,
-        speculative,
-        speculation_slots,
-        speculation_kept_grads,
-        speculation_pool_nvme_bytes,
-        speculation_off_for_room_bytes,
+        speculative: false,
+        speculation_slots: 0,
+        speculation_kept_grads: 0,
+        speculation_pool_nvme_bytes: 0,
+        speculation_off_for_room_bytes: None,
         resident_groups: resident,
         held_grad_groups,
         param_nvme_bytes,
@@ -948,7 +930,41 @@ pub fn decide_within(
         grad_park_nvme_bytes: park_nvme_bytes,
         lock_bytes,
         grads_held_until_step: opt_nvme && !config.tierzero.overlap_optimizer,
-    })
+    };
+    // The pool's room: the free space less every swap space the run makes
+    // there without it (the params' too when they share the directory, and
+    // each space's alignment room), as the disk check counts them.
+    let room_bytes = nvme_available_bytes
+        .zip(zero.offload_optimizer.device.nvme_path())
+        .map(|(avail, dir)| avail.saturating_sub(sizing.swap_bytes_under(config, dir)));
+    let pool = speculation_pool(
+        speculation_ask(config),
+        read_ahead,
+        write_behind,
+        nvme_group_count,
+        slot_bytes,
+        room_bytes,
+    );
+    sizing.add_speculation_pool(pool, slot_bytes);
+    Ok(sizing)
+}
+
+impl Sizing {
+    /// Gives the sizing `pool`, of `slot_bytes` slots: speculation keeps
+    /// the old state while the new one is written, into a pool slot sized
+    /// for any NVMe group (a committed slot becomes the group's extents,
+    /// its old extents a slot), in the optimizer state's swap space.
+    fn add_speculation_pool(&mut self, pool: SpeculationPool, slot_bytes: u64) {
+        self.speculative = pool.slots > 0;
+        self.speculation_slots = pool.slots;
+        self.speculation_kept_grads =
+            speculation_kept_grads(self.read_ahead, self.write_behind, pool.slots);
+        self.speculation_pool_nvme_bytes = (pool.slots as u64).saturating_mul(slot_bytes);
+        self.speculation_off_for_room_bytes = pool.off_for_room_bytes;
+        self.optimizer_nvme_bytes = self
+            .optimizer_nvme_bytes
+            .saturating_add(self.speculation_pool_nvme_bytes);
+    }
 }
 
 #[cfg(test)]
@@ -977,36 +993,59 @@ mod tests {
 
     #[test]
     fn the_speculation_pool_buys_slots_with_bytes() {
-        let slots =
-            |groups, bytes, room| speculation_pool_slots(true, 1, 1, groups, bytes, 300, room);
+        use SpeculationAsk as A;
+        let pool = |ask, groups, room| speculation_pool(ask, 1, 1, groups, 300, room);
+        let slots = |ask, groups, room| pool(ask, groups, room).slots;
         // auto, no known room: every NVMe group.
-        assert_eq!(slots(10, None, None), 10);
-        assert_eq!(slots(2, None, None), 2);
+        assert_eq!(slots(A::Auto, 10, None), 10);
+        assert_eq!(slots(A::Auto, 2, None), 2);
         // auto within a room: what half of it buys, at least the
         // pipeline's depth (3), at most the groups.
-        assert_eq!(slots(10, None, Some(6000)), 10);
-        assert_eq!(slots(10, None, Some(3000)), 5);
-        assert_eq!(slots(10, None, Some(2999)), 4);
-        assert_eq!(slots(10, None, Some(0)), 3);
-        assert_eq!(slots(2, None, Some(0)), 2);
+        assert_eq!(slots(A::Auto, 10, Some(6000)), 10);
+        assert_eq!(slots(A::Auto, 10, Some(3000)), 5);
+        assert_eq!(slots(A::Auto, 10, Some(2999)), 4);
+        assert_eq!(slots(A::Auto, 10, Some(900)), 3);
+        // ... and off when that least pool does not fit the room, while
+        // speculative_step true keeps it (the disk check then refuses).
+        assert_eq!(
+            pool(A::Auto, 10, Some(899)),
+            SpeculationPool {
+                slots: 0,
+                off_for_room_bytes: Some(900)
+            }
+        );
+        assert_eq!(
+            pool(A::On, 10, Some(899)),
+            SpeculationPool {
+                slots: 3,
+                off_for_room_bytes: None
+            }
+        );
+        assert_eq!(slots(A::On, 10, Some(0)), 3);
+        assert_eq!(slots(A::On, 2, Some(0)), 2);
+        assert_eq!(slots(A::On, 10, Some(3000)), 5);
+        assert_eq!(slots(A::Auto, 2, Some(600)), 2);
+        assert_eq!(slots(A::Auto, 2, Some(599)), 0);
         // bytes: floor(bytes / slot), at least one, at most the groups,
         // whatever the room.
-        assert_eq!(slots(10, Some(1500), None), 5);
-        assert_eq!(slots(10, Some(1500), Some(0)), 5);
-        assert_eq!(slots(10, Some(299), None), 1);
+        assert_eq!(slots(A::PoolBytes(1500), 10, None), 5);
+        assert_eq!(slots(A::PoolBytes(1500), 10, Some(0)), 5);
+        assert_eq!(slots(A::PoolBytes(299), 10, None), 1);
+        assert_eq!(slots(A::PoolBytes(0), 10, None), 1);
+        assert_eq!(slots(A::PoolBytes(1 << 40), 10, None), 10);
         assert_eq!(
-            speculation_pool_slots(true, 0, 0, 10, Some(0), 300, None),
-            1
+            speculation_pool(A::PoolBytes(5), 1, 1, 10, 0, None).slots,
+            10
         );
-        assert_eq!(slots(10, Some(1 << 40), None), 10);
-        assert_eq!(speculation_pool_slots(true, 1, 1, 10, Some(5), 0, None), 10);
         // No speculation, or no NVMe group: none.
-        assert_eq!(
-            speculation_pool_slots(false, 1, 1, 10, Some(3000), 300, None),
-            0
-        );
-        assert_eq!(speculation_pool_slots(false, 1, 1, 10, None, 300, None), 0);
-        assert_eq!(slots(0, Some(3000), None), 0);
+        assert_eq!(pool(A::Off, 10, None), pool(A::Auto, 0, Some(0)));
+        assert_eq!(slots(A::Off, 10, None), 0);
+        assert_eq!(slots(A::PoolBytes(3000), 0, None), 0);
+        // The ask of the two keys.
+        assert_eq!(SpeculationAsk::new(false, Some(true), Some(1)), A::Off);
+        assert_eq!(SpeculationAsk::new(true, None, None), A::Auto);
+        assert_eq!(SpeculationAsk::new(true, Some(true), None), A::On);
+        assert_eq!(SpeculationAsk::new(true, None, Some(7)), A::PoolBytes(7));
         // Kept gradients: the pipeline's depth, at most the slots.
         assert_eq!(speculation_kept_grads(1, 1, 10), 3);
         assert_eq!(speculation_kept_grads(1, 1, 2), 2);

@@ -186,7 +186,7 @@ pub fn gpu_adam_items(
 /// Per-rank accounting of one choice, with `nvme_room_bytes` the NVMe
 /// space a rank has beside its other extents, when known: it bounds the
 /// auto speculation pool as the run bounds it
-/// ([`sizing::speculation_pool_slots`]).
+/// ([`sizing::speculation_pool`]).
 pub fn items_within(
     inp: &Inputs,
     c: Choice,
@@ -581,15 +581,15 @@ fn nvme_state_grads(
         aligned(n, 4).saturating_add(aligned(n, m).saturating_mul(2))
     });
     let per = 4 + 2 * m;
-    let slots = sizing::speculation_pool_slots(
-        sw.speculative_with_nvme_state,
+    let pool = sizing::speculation_pool(
+        sw.speculation_with_nvme_state,
         ra,
         wb,
         sub_groups.saturating_sub(resident) as usize,
-        sw.speculation_pool_bytes,
         slot_bytes,
         nvme_room_bytes,
-    ) as u64;
+    );
+    let slots = pool.slots as u64;
     let kept = sizing::speculation_kept_grads(ra, wb, slots as usize) as u64;
     let in_flight = sizing::grads_in_flight(ra, wb);
     // Each group's sum at most the largest group's: 2 bytes an element
@@ -660,10 +660,10 @@ fn nvme_state_grads(
     }
     if slots > 0 {
         let nvme_groups = sub_groups.saturating_sub(resident);
-        let why = match sw.speculation_pool_bytes {
-            Some(b) => format!("tierzero.speculation_pool_bytes {b}"),
-            None if slots == nvme_groups => "auto: every NVMe sub-group".to_owned(),
-            None => format!(
+        let why = match sw.speculation_with_nvme_state {
+            sizing::SpeculationAsk::PoolBytes(b) => format!("tierzero.speculation_pool_bytes {b}"),
+            _ if slots == nvme_groups => "auto: every NVMe sub-group".to_owned(),
+            _ => format!(
                 "auto: of {nvme_groups} NVMe sub-groups, what half the free space left buys"
             ),
         };
@@ -672,6 +672,14 @@ fn nvme_state_grads(
             SPECULATION_POOL,
             mul(slots, slot_bytes, "speculation pool")?,
             format!("{slots} slots × {slot_bytes} B (the largest NVMe sub-group's {per} B an element, 4 KiB-aligned extents; {why})"),
+        );
+    }
+    if let (Some(least), Some(room)) = (pool.off_for_room_bytes, nvme_room_bytes) {
+        push(
+            Tier::Nvme,
+            SPECULATION_POOL,
+            0,
+            format!("auto off: its least pool, {least} B, does not fit the {room} B left; the step waits for the norm (same bits)"),
         );
     }
     Ok(())

@@ -3,59 +3,108 @@
 //! speculation fits the disk, and the speculated gradients kept in host
 //! memory.
 
-/// The speculation pool's slots with `tierzero.speculation_pool_bytes`.
+/// What a config asks of the speculative step
+/// (`tierzero.speculative_step` and `tierzero.speculation_pool_bytes`),
+/// where it would speculate at all ([`super::speculates`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SpeculationAsk {
+    /// No speculation: `speculative_step: false`, or nothing spills.
+    Off,
+    /// Neither set: a slot for every NVMe group within half the room, and
+    /// off when even the least pool does not fit it.
+    Auto,
+    /// `speculative_step: true` without a pool size: as auto, but never
+    /// off (a disk too small is then refused with the numbers).
+    On,
+    /// `speculation_pool_bytes` set: the slots these bytes buy.
+    PoolBytes(u64),
+}
+
+impl SpeculationAsk {
+    /// The ask of a config where `speculative` says whether it would
+    /// speculate at all, with `speculative_step` and `pool_bytes` its two
+    /// keys (`None`: auto).
+    pub fn new(speculative: bool, speculative_step: Option<bool>, pool_bytes: Option<u64>) -> Self {
+        match (speculative, speculative_step, pool_bytes) {
+            (false, _, _) => SpeculationAsk::Off,
+            (true, _, Some(b)) => SpeculationAsk::PoolBytes(b),
+            (true, None, None) => SpeculationAsk::Auto,
+            (true, Some(_), None) => SpeculationAsk::On,
+        }
+    }
+}
+
+/// The speculation pool a run has ([`speculation_pool`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpeculationPool {
+    /// State slots; 0 without speculation.
+    pub slots: usize,
+    /// Auto speculation turned off because its least pool (these bytes)
+    /// does not fit the room; `None` otherwise.
+    pub off_for_room_bytes: Option<u64>,
+}
+
+/// The speculation pool for `ask`, where a slot is one largest NVMe
+/// sub-group's three state extents (`slot_bytes`):
 ///
-/// * A byte count buys `pool_bytes / slot_bytes` slots (a slot is one
-///   largest NVMe sub-group's three state extents), at least one and at
-///   most `nvme_groups`.
-/// * `None` (auto): a slot for every NVMe group, so that every group
-///   backward finishes can step before the norm is known, as without
-///   clipping; with `room_bytes` (the free space of the state's file
-///   system less the run's other swap extents, when known) at most what
-///   half of it buys, leaving the rest for checkpoints and other files,
-///   and never fewer than the pipeline's depth ([`speculation_slots`]).
+/// * [`SpeculationAsk::PoolBytes`] buys `pool_bytes / slot_bytes` slots,
+///   at least one and at most `nvme_groups`.
+/// * [`SpeculationAsk::Auto`] and [`SpeculationAsk::On`]: a slot for
+///   every NVMe group, so that every group backward finishes can step
+///   before the norm is known, as without clipping; with `room_bytes`
+///   (the free space of the state's file system less the run's other swap
+///   extents, when known) at most what half of it buys, leaving the rest
+///   for checkpoints and other files, and never fewer than the pipeline's
+///   depth ([`speculation_slots`]).
+/// * Under [`SpeculationAsk::Auto`], when even that least pool does not
+///   fit `room_bytes`, speculation is off rather than the run refused for
+///   a disk its state fits without it: the result is the same bits, the
+///   step only waits for the norm.
 ///
 /// The pool is the price of an exact speculation: the old state must
 /// survive until the decision, so every group that steps before it needs
 /// a second set of extents. With the pipeline's depth alone, the overlap
 /// harness at `CLIP=1` ran at 1.358× its slowest phase, against 1.288×
 /// without speculation and 1.053× with every group (docs/decisions/overlap.md).
-/// 0 without speculation.
-pub fn speculation_pool_slots(
-    speculative: bool,
+pub fn speculation_pool(
+    ask: SpeculationAsk,
     read_ahead: usize,
     write_behind: usize,
     nvme_groups: usize,
-    pool_bytes: Option<u64>,
     slot_bytes: u64,
     room_bytes: Option<u64>,
-) -> usize {
-    if !speculative || nvme_groups == 0 {
-        return 0;
+) -> SpeculationPool {
+    let pool = |slots: usize| SpeculationPool {
+        slots,
+        off_for_room_bytes: None,
+    };
+    if nvme_groups == 0 {
+        return pool(0);
     }
     let buys = |b: u64| {
         usize::try_from(b.checked_div(slot_bytes).unwrap_or(u64::MAX)).unwrap_or(usize::MAX)
     };
-    match pool_bytes {
-        Some(b) => buys(b).clamp(1, nvme_groups),
-        None => {
+    match ask {
+        SpeculationAsk::Off => pool(0),
+        SpeculationAsk::PoolBytes(b) => pool(buys(b).clamp(1, nvme_groups)),
+        SpeculationAsk::Auto | SpeculationAsk::On => {
             let floor = speculation_slots(true, read_ahead, write_behind, nvme_groups);
-            match room_bytes {
-                Some(room) => buys(room / 2).clamp(floor, nvme_groups),
-                None => nvme_groups,
+            let Some(room) = room_bytes else {
+                return pool(nvme_groups);
+            };
+            let slots = buys(room / 2).clamp(floor, nvme_groups);
+            let bytes = (slots as u64).saturating_mul(slot_bytes);
+            if ask == SpeculationAsk::Auto && bytes > room {
+                SpeculationPool {
+                    slots: 0,
+                    off_for_room_bytes: Some(bytes),
+                }
+            } else {
+                pool(slots)
             }
         }
     }
-}
-
-/// Whether an auto speculation pool of `pool_bytes` fits `room_bytes`
-/// (the free space the optimizer state's file system has beside the run's
-/// other swap extents; `None`: not known, taken as fitting). When even
-/// the least pool does not, auto speculation is off rather than the run
-/// refused for a disk its state fits without it: the result is the same
-/// bits, the step only waits for the norm.
-pub fn speculation_fits_the_room(pool_bytes: u64, room_bytes: Option<u64>) -> bool {
-    room_bytes.is_none_or(|room| pool_bytes <= room)
 }
 
 /// The least pool auto gives: one sub-group pipeline's worth of state in
