@@ -507,7 +507,8 @@ fn steps_come_from_the_flag_or_a_concrete_total_num_steps() {
     assert_eq!(lines.len(), 3, "2 steps and a summary: {lines:?}");
     assert_eq!(lines[2]["steps"], 2);
     // --steps decides the run length; the schedule keeps the config's
-    // concrete value (HF Trainer's fill-only rule) and the run says so.
+    // concrete value (fill-only, as accelerate; HF Trainer refuses the
+    // mismatch) and the run says so.
     let mut args = base.to_vec();
     args.extend(["--steps", "3"]);
     let out = train(&d, &args);
@@ -528,6 +529,18 @@ fn steps_come_from_the_flag_or_a_concrete_total_num_steps() {
         &d,
         &with(&base, &[("--config", "zero.json")]),
         &["total_num_steps is 0", "--steps"],
+    );
+    // Nor may it exceed --steps' own bound (1e19 was an endless run).
+    cfg["scheduler"]["params"]["total_num_steps"] = json!(1e19);
+    std::fs::write(d.join("endless.json"), cfg.to_string()).unwrap();
+    assert_bad(
+        &d,
+        &with(&base, &[("--config", "endless.json")]),
+        &[
+            "10000000000000000000 steps",
+            "over 1099511627776",
+            "--steps",
+        ],
     );
 }
 

@@ -701,18 +701,23 @@ fn deprecated_alias_given_with_its_replacement() {
         matches!(&e, ConfigError::ConflictingAlias { old, new } if old == "aio.thread_count" && new == "aio.intra_op_parallelism")
     );
     assert_msg(&e, &["aio.thread_count", "aio.intra_op_parallelism"]);
-    let e = err(with(
-        base(),
-        json!({"zero_optimization": {"stage": 3, "cpu_offload": true, "offload_optimizer": {"device": "cpu"}}}),
-    ));
-    assert!(matches!(e, ConfigError::ConflictingAlias { .. }));
-    assert_msg(
-        &e,
-        &[
-            "zero_optimization.cpu_offload",
-            "zero_optimization.offload_optimizer",
-        ],
-    );
+    // Either value of the flag, as DeepSpeed refuses both (a `false` beside
+    // an NVMe block was advised to write `"device": "none"`).
+    for (flag, block) in [(true, "cpu"), (false, "nvme")] {
+        let e = err(with(
+            base(),
+            json!({"zero_optimization": {"stage": 3, "cpu_offload": flag,
+                   "offload_optimizer": {"device": block, "nvme_path": "/tmp"}}}),
+        ));
+        assert!(matches!(e, ConfigError::ConflictingAlias { .. }), "{e}");
+        assert_msg(
+            &e,
+            &[
+                "zero_optimization.cpu_offload",
+                "zero_optimization.offload_optimizer",
+            ],
+        );
+    }
 }
 
 #[test]
@@ -964,6 +969,31 @@ fn min_loss_scale_is_checked_only_for_the_dynamic_scaler() {
     load_str(&fp16(128.0), &skip_fs()).unwrap();
     let e = err_with(&fp16(0.0), &skip_fs());
     assert_msg(&e, &["fp16.min_loss_scale", "positive"]);
+}
+
+/// A static `fp16.loss_scale` outside f32's normal range is refused: the
+/// gradients are scaled by it and by its reciprocal in f32 (2e-39 failed
+/// the first step with an internal error, 1e39 skipped every step).
+#[test]
+fn a_static_loss_scale_beyond_f32_is_refused() {
+    let fp16 = |loss_scale: f64| {
+        with(
+            base(),
+            json!({"fp16": {"enabled": true, "loss_scale": loss_scale}}),
+        )
+    };
+    for bad in [
+        2e-39,
+        1e-300,
+        1e39,
+        1e300,
+        1.7014118346046923e38 * 1.0000001,
+    ] {
+        assert_msg(&err(fp16(bad)), &["fp16.loss_scale", "2^-126 to 2^127"]);
+    }
+    for good in [1.1754944e-38, 0.5, 1024.0, 1.7014118346046923e38] {
+        load_str(&fp16(good).to_string(), &skip_fs()).unwrap();
+    }
 }
 
 /// `fp16.hysteresis` 0 is refused: DeepSpeed's scaler lowers the scale

@@ -354,7 +354,7 @@ fn deepspeed_examples_zero_offload_10b_infers_micro_batch() {
     ));
     assert!(has_warning(
         &l.warnings,
-        |w| matches!(w, ConfigWarning::UnknownKey { key, suggestion: Some(s) }
+        |w| matches!(w, ConfigWarning::UnknownKey { key, suggestion: Some(s), .. }
         if key == "zero_optimization.comm_overlap" && s == "zero_optimization.overlap_comm")
     ));
     // Its activation_checkpointing block turns checkpointing on: every

@@ -414,6 +414,46 @@ fn cpu_offload_false_does_nothing() {
     assert_eq!(c.zero.offload_optimizer.device, OffloadDevice::None);
 }
 
+/// DeepSpeed keys tierzero does not use warn as such, not as unknown:
+/// the optimizer block's `legacy_fusion`, torch's AdamW arguments, and the
+/// short names DeepSpeed's ZeRO model takes beside their `stage3_` aliases.
+#[test]
+fn deepspeed_keys_tierzero_does_not_use_are_not_unknown() {
+    let l = load(json!({
+        "train_batch_size": 8,
+        "optimizer": {"type": "AdamW", "legacy_fusion": false,
+                      "params": {"lr": 1e-4, "fused": true, "foreach": false}},
+        "zero_optimization": {"stage": 3, "module_granularity_threshold": 0,
+            "use_all_reduce_for_fetch_params": false, "allgather_sequential": false},
+    }));
+    assert!(l.unknown_keys().is_empty(), "{:?}", l.warnings);
+    let ignored = l
+        .warnings
+        .iter()
+        .filter(|w| matches!(w, ConfigWarning::IgnoredKey { .. }))
+        .count();
+    assert_eq!(ignored, 6, "{:?}", l.warnings);
+}
+
+/// `optimizer.params.max_grad_norm` is refused, as DeepSpeed refuses it,
+/// naming `gradient_clipping`: ignored, it would train without clipping.
+#[test]
+fn max_grad_norm_among_the_optimizer_params_is_refused() {
+    let text = serde_json::to_string(&json!({
+        "train_batch_size": 8,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "max_grad_norm": 0.5}},
+    }))
+    .unwrap();
+    let err = load_str(&text, &skip_fs()).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("`optimizer.params.max_grad_norm` = 0.5")
+            && msg.contains("\"gradient_clipping\": 0.5"),
+        "{msg}"
+    );
+    assert_eq!(err.key(), Some("optimizer.params.max_grad_norm"));
+}
+
 #[test]
 fn unknown_keys_warn_with_paths_and_never_fail() {
     let l = load(json!({
@@ -444,7 +484,9 @@ fn unknown_keys_warn_with_paths_and_never_fail() {
     );
     let suggestion = |k: &str| {
         l.warnings.iter().find_map(|w| match w {
-            ConfigWarning::UnknownKey { key, suggestion } if key == k => suggestion.clone(),
+            ConfigWarning::UnknownKey {
+                key, suggestion, ..
+            } if key == k => suggestion.clone(),
             _ => None,
         })
     };
@@ -463,6 +505,42 @@ fn unknown_keys_warn_with_paths_and_never_fail() {
     assert_eq!(suggestion("my_custom_thing"), None);
     // Unknown keys are not applied.
     assert_eq!(l.config.aio.queue_depth, 8);
+    // Where DeepSpeed refuses an unknown key (its pydantic sections; the
+    // optimizer's and scheduler's constructor arguments) the warning says
+    // so; where it ignores it (the top level, `aio`, our block) it does not.
+    let refuses = |k: &str| {
+        l.warnings.iter().find_map(|w| match w {
+            ConfigWarning::UnknownKey {
+                key,
+                deepspeed_refuses,
+                ..
+            } if key == k => Some(deepspeed_refuses.is_some()),
+            _ => None,
+        })
+    };
+    for (key, refused) in [
+        ("fp16.loss_scael", true),
+        ("zero_optimization.stage3_foo", true),
+        ("zero_optimization.offload_param.buffer_cnt", true),
+        ("optimizer.params.lr_decay", true),
+        ("scheduler.params.total_num_steps", true),
+        ("my_custom_thing", false),
+        ("aio.queue_dept", false),
+        ("tierzero.ring_thread", false),
+    ] {
+        assert_eq!(refuses(key), Some(refused), "{key}");
+    }
+    let text = l
+        .warnings
+        .iter()
+        .find(|w| w.key() == "zero_optimization.offload_param.buffer_cnt")
+        .unwrap()
+        .to_string();
+    assert!(
+        text.contains("did you mean `zero_optimization.offload_param.buffer_count`?")
+            && text.contains("DeepSpeed would refuse this config"),
+        "{text}"
+    );
     // Warnings render on one line and name the key.
     for w in &l.warnings {
         let s = w.to_string();

@@ -12,11 +12,12 @@
 //! * **Steps.** `--steps` is the total number of optimizer steps. It also
 //!   fills `scheduler.params.total_num_steps` when the config says
 //!   `"auto"` (HF Trainer's rule); a concrete, different value is kept for
-//!   the schedule, with a warning (the config layer's fill-only rule).
+//!   the schedule, with a warning (the config layer's fill-only rule, as
+//!   accelerate's; HF Trainer refuses the mismatch).
 //!   Without `--steps`, a resumed run ends where the run that saved its
 //!   checkpoint was to end (`run_steps` in the manifest), a user config
 //!   with a concrete `total_num_steps` runs that many steps, anything else
-//!   runs [`DEFAULT_STEPS`]; 0 is an error.
+//!   runs [`DEFAULT_STEPS`]; 0 and more than [`MAX_STEPS`] are errors.
 //! * **HF Trainer's arguments.** `--micro-batch`, `--grad-accum` and `--lr`
 //!   are HF Trainer's `per_device_train_batch_size`,
 //!   `gradient_accumulation_steps` and `learning_rate`: they fill the
@@ -98,6 +99,11 @@ use tierzero::run::{
 use tierzero::units::{format_bytes, parse_count};
 
 use super::{emit, Failure};
+
+/// The most steps a run may have: `--steps`' bound, and the config's or a
+/// checkpoint's run length's (2^40; a `total_num_steps` of 1e19 was an
+/// endless run).
+const MAX_STEPS: u64 = 1 << 40;
 
 mod data;
 mod device;
@@ -372,7 +378,7 @@ impl Flags {
             "auto" => None,
             t => NonZeroUsize::new(number("--threads", t, 1, 1024)? as usize),
         };
-        let steps = opt("--steps", &args.steps, 1 << 40)?;
+        let steps = opt("--steps", &args.steps, MAX_STEPS)?;
         let micro_batch = opt("--micro-batch", &args.micro_batch, 1 << 30)?;
         let grad_accum = opt("--grad-accum", &args.grad_accum, 1 << 30)?;
         let lr = match &args.lr {
@@ -452,6 +458,15 @@ fn load_config(
         .or(ckpt.and_then(|c| c.manifest().run_steps))
         .or(parsed.scheduler_total_steps())
         .unwrap_or(DEFAULT_STEPS);
+    if steps > MAX_STEPS {
+        // `--steps` is at most that (its parser), so this is the config's
+        // or a checkpoint's.
+        return Err(bad(format!(
+            "config ({config_name}): the run's length, {steps} steps (scheduler.params.\
+             total_num_steps, or the resumed run's), is over {MAX_STEPS}; give --steps with \
+             the steps to run"
+        )));
+    }
     if steps == 0 {
         // `--steps` is at least 1 (its parser), so the 0 is the config's.
         return Err(bad(format!(

@@ -200,6 +200,7 @@ section! {
         fp16_master_weights_and_grads: bool = false => fp32_state_only;
     }
     ignored: ["auto_cast"];
+    deepspeed_refuses: "its config model for this section forbids unknown keys";
 }
 
 section! {
@@ -220,6 +221,7 @@ section! {
         bf16_optimizer_states: bool = false => fp32_state_only;
     }
     ignored: ["immediate_grad_update"];
+    deepspeed_refuses: "its config model for this section forbids unknown keys";
 }
 
 /// `optimizer` {...}.
@@ -263,6 +265,10 @@ section! {
         /// effect of its own.
         fp32_optimizer_states: Option<bool> => some(flag);
     }
+    // Arguments some of DeepSpeed's optimizer classes take (FusedAdam's
+    // set_grad_none; torch's AdamW with `torch_adam`): no effect here.
+    ignored: ["set_grad_none", "foreach", "fused", "capturable", "differentiable"];
+    deepspeed_refuses: "it passes these to the optimizer's constructor, which refuses an unknown argument";
 }
 
 /// `scheduler` {...}.
@@ -311,6 +317,7 @@ section! {
         #[serde(skip_serializing)]
         last_batch_iteration: i64 = -1 => schedule_start;
     }
+    deepspeed_refuses: "it passes these to the scheduler's constructor, which refuses an unknown argument";
 }
 
 /// Offload device as DeepSpeed spells it.
@@ -401,8 +408,14 @@ section! {
         "save_muon_momentum_buffer_in_memory",
         "mics_shard_size",
         "mics_hierarchical_params_gather",
+        // The three short names DeepSpeed's pydantic model also takes
+        // (populate_by_name) beside the stage3_ aliases above.
+        "module_granularity_threshold",
+        "use_all_reduce_for_fetch_params",
+        "allgather_sequential",
     ];
     also: ["cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"];
+    deepspeed_refuses: "its config model for this section forbids unknown keys";
 }
 
 section! {
@@ -428,6 +441,7 @@ section! {
         /// `pin_memory` (default true).
         pin_memory: bool = true => flag;
     }
+    deepspeed_refuses: "its config model for this section forbids unknown keys";
 }
 
 section! {
@@ -455,6 +469,7 @@ section! {
         ratio: f64 = 1.0 => num;
     }
     ignored: ["super_offload", "cpuadam_cores_perc", "pipeline"];
+    deepspeed_refuses: "its config model for this section forbids unknown keys";
 }
 
 section! {
@@ -838,7 +853,15 @@ pub(crate) fn read(root: &Value, sink: &mut Sink) -> Result<DsConfig, ConfigErro
 /// Opens an `optimizer` or `scheduler` block (`what`) and reads its
 /// required `type`.
 fn typed_block<'a>(f: &Field<'a>, what: &str, fix: &str) -> Result<(Obj<'a>, String), ConfigError> {
-    let mut o = Obj::new(&f.key, f.value, &["type", "params"], &[])?;
+    // DeepSpeed reads these blocks as dicts: an unknown key warns (the
+    // optimizer's `legacy_fusion` is DeepSpeed's, unused here).
+    let mut o = Obj::new(
+        &f.key,
+        f.value,
+        &["type", "params"],
+        &["legacy_fusion"],
+        None,
+    )?;
     let kind = match o.take("type") {
         Some(t) => t.str()?.to_owned(),
         None => {
@@ -855,7 +878,11 @@ fn typed_block<'a>(f: &Field<'a>, what: &str, fix: &str) -> Result<(Obj<'a>, Str
 fn read_optimizer(f: &Field<'_>, sink: &mut Sink) -> Result<DsOptimizer, ConfigError> {
     let fix = "add \"type\": \"AdamW\" (or \"Adam\")";
     let (mut o, kind) = typed_block(f, "an optimizer", fix)?;
-    let params = o.take("params").map(|p| DsAdamParams::read(&p, sink));
+    let params = o.take("params");
+    if let Some(v) = params.as_ref().and_then(|p| p.value.get("max_grad_norm")) {
+        return Err(ConfigError::MaxGradNormInOptimizer { value: render(v) });
+    }
+    let params = params.map(|p| DsAdamParams::read(&p, sink));
     let params = params.transpose()?.unwrap_or_default();
     o.finish(sink);
     Ok(DsOptimizer { kind, params })
@@ -911,7 +938,7 @@ fn read_scheduler(f: &Field<'_>, sink: &mut Sink) -> Result<DsScheduler, ConfigE
         });
     };
     // Keys that do not belong to this type stay untaken and are reported as
-    // unknown (DeepSpeed would reject them as unexpected keyword arguments).
+    // unknown (DeepSpeed rejects them as unexpected keyword arguments).
     let params = o
         .take("params")
         .map(|p| DsSchedulerParams::read_known(&p, sink, keys));

@@ -251,6 +251,16 @@ pub enum ConfigError {
         new: String,
     },
 
+    /// `optimizer.params.max_grad_norm`: DeepSpeed refuses it ("not
+    /// supported as an optimizer parameter, please switch to using the
+    /// deepspeed parameter 'gradient_clipping'"); ignoring it would train
+    /// without the clipping it asks for.
+    #[error("`optimizer.params.max_grad_norm` = {value}: not an optimizer parameter (DeepSpeed refuses it too), and ignoring it would train without the clipping it asks for; fix: remove it and set the top-level \"gradient_clipping\": {value}")]
+    MaxGradNormInOptimizer {
+        /// The value as written.
+        value: String,
+    },
+
     /// A key that the rest of the config makes mandatory is absent.
     #[error("`{key}` is missing: {why}; fix: {fix}")]
     MissingKey {
@@ -303,6 +313,7 @@ impl ConfigError {
             | ConfigError::MissingKey { key, .. }
             | ConfigError::DuplicateKey { key, .. }
             | ConfigError::RunMismatch { key, .. } => Some(key),
+            ConfigError::MaxGradNormInOptimizer { .. } => Some("optimizer.params.max_grad_norm"),
             ConfigError::InvalidStage { .. } => Some("zero_optimization.stage"),
             ConfigError::UnsupportedOptimizer { .. } => Some("optimizer.type"),
             ConfigError::UnsupportedScheduler { .. } => Some("scheduler.type"),

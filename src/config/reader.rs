@@ -19,7 +19,12 @@
 //! turns the unconsumed ones into [`ConfigWarning`]s: `IgnoredKey` for keys
 //! DeepSpeed defines but tierzero does not use, `UnknownKey` (with a
 //! did-you-mean suggestion) for everything else. Unknown keys never fail a
-//! load.
+//! load (they warn, as the project's config rule says), but where DeepSpeed
+//! itself refuses them (its pydantic sections forbid extras: `fp16`,
+//! `bf16`, `zero_optimization` and its offload blocks; the optimizer's and
+//! scheduler's `params` are its constructors' keyword arguments) the
+//! warning says so: a misspelled `devcie` keeps the optimizer state in host
+//! memory, and DeepSpeed would not have run the file at all.
 
 use std::fmt;
 
@@ -40,6 +45,9 @@ pub enum ConfigWarning {
         key: String,
         /// A close known key, if any.
         suggestion: Option<String>,
+        /// Why DeepSpeed refuses the key where it does (its section
+        /// forbids unknown keys); `None` where it ignores it.
+        deepspeed_refuses: Option<&'static str>,
     },
     /// A key DeepSpeed defines but tierzero does not use; it is ignored.
     IgnoredKey {
@@ -80,15 +88,17 @@ impl fmt::Display for ConfigWarning {
         match self {
             ConfigWarning::UnknownKey {
                 key,
-                suggestion: Some(s),
+                suggestion,
+                deepspeed_refuses,
             } => {
-                write!(f, "unknown config key `{key}` ignored; did you mean `{s}`?")
-            }
-            ConfigWarning::UnknownKey {
-                key,
-                suggestion: None,
-            } => {
-                write!(f, "unknown config key `{key}` ignored")
+                write!(f, "unknown config key `{key}` ignored")?;
+                if let Some(s) = suggestion {
+                    write!(f, "; did you mean `{s}`?")?;
+                }
+                if let Some(why) = deepspeed_refuses {
+                    write!(f, " (DeepSpeed would refuse this config: {why})")?;
+                }
+                Ok(())
             }
             ConfigWarning::IgnoredKey { key } => {
                 write!(
@@ -135,16 +145,20 @@ pub(crate) struct Obj<'a> {
     map: &'a Map<String, Value>,
     known: &'static [&'static str],
     ignored: &'static [&'static str],
+    deepspeed_refuses: Option<&'static str>,
     seen: Vec<&'a str>,
 }
 
 impl<'a> Obj<'a> {
-    /// Wraps `value` (which must be an object) found at `path`.
+    /// Wraps `value` (which must be an object) found at `path`;
+    /// `deepspeed_refuses` says why DeepSpeed refuses its unknown keys
+    /// (`None`: it ignores them).
     pub fn new(
         path: &str,
         value: &'a Value,
         known: &'static [&'static str],
         ignored: &'static [&'static str],
+        deepspeed_refuses: Option<&'static str>,
     ) -> Result<Self, ConfigError> {
         match value {
             Value::Object(map) => Ok(Obj {
@@ -152,6 +166,7 @@ impl<'a> Obj<'a> {
                 map,
                 known,
                 ignored,
+                deepspeed_refuses,
                 seen: Vec::new(),
             }),
             other => Err(ConfigError::WrongType {
@@ -239,6 +254,7 @@ impl<'a> Obj<'a> {
                 sink.warnings.push(ConfigWarning::UnknownKey {
                     key: path,
                     suggestion,
+                    deepspeed_refuses: self.deepspeed_refuses,
                 });
             }
         }
@@ -253,6 +269,7 @@ fn special_suggestion(parent: &str, key: &str) -> Option<String> {
         ("", "offload_param" | "offload_optimizer" | "sub_group_size" | "stage") => {
             Some(format!("zero_optimization.{key}"))
         }
+
         _ => None,
     }
 }
@@ -481,6 +498,7 @@ pub(crate) fn auto_none<T>(
 ///     }
 ///     ignored: ["some_deepspeed_key"];
 ///     also: ["handled_by_hand"];
+///     deepspeed_refuses: "why DeepSpeed refuses an unknown key here";
 /// }
 /// ```
 ///
@@ -516,6 +534,7 @@ macro_rules! section {
         }
         $(ignored: [$($ignored:literal),* $(,)?];)?
         $(also: [$($also:literal),* $(,)?];)?
+        $(deepspeed_refuses: $refuses:expr;)?
     ) => {
         $(#[$meta])*
         #[derive(Debug, Clone, PartialEq, ::serde::Serialize, ::serde::Deserialize)]
@@ -549,6 +568,9 @@ macro_rules! section {
             ];
             /// DeepSpeed keys of this object that tierzero does not use.
             const IGNORED: &'static [&'static str] = &[$($($ignored),*)?];
+            /// Why DeepSpeed refuses an unknown key of this object
+            /// (`None`: it ignores them).
+            const DEEPSPEED_REFUSES: Option<&'static str> = $crate::config::reader::section!(@refuses $($refuses)?);
 
             /// Reads the object at `f`; every key of [`Self::KEYS`] is known.
             pub(crate) fn read(
@@ -565,7 +587,7 @@ macro_rules! section {
                 sink: &mut $crate::config::reader::Sink,
                 known: &'static [&'static str],
             ) -> ::std::result::Result<Self, $crate::config::ConfigError> {
-                let mut o = $crate::config::reader::Obj::new(&f.key, f.value, known, Self::IGNORED)?;
+                let mut o = $crate::config::reader::Obj::new(&f.key, f.value, known, Self::IGNORED, Self::DEEPSPEED_REFUSES)?;
                 let mut s = Self::default();
                 $(
                     if known.contains(&stringify!($field)) {
@@ -582,6 +604,8 @@ macro_rules! section {
         }
     };
     (@default) => { ::std::default::Default::default() };
+    (@refuses) => { None };
+    (@refuses $why:expr) => { Some($why) };
     (@default $default:expr) => { $default };
 }
 pub(crate) use section;

@@ -36,9 +36,10 @@
 //!   must-match keys, but for every numeric key in the table but the
 //!   scheduler's step counts: silently preferring one of two explicit,
 //!   different answers is how batch-size mismatches go unnoticed.
-//!   `warmup_num_steps` and `total_num_steps` keep HF's fill-only rule (a
-//!   concrete value is kept over the run's, with a note), so a config
-//!   that fixes its schedule can run a different `--steps`.
+//!   `warmup_num_steps` and `total_num_steps` keep a fill-only rule (a
+//!   concrete value is kept over the run's, with a note, as accelerate
+//!   does; HF Trainer refuses the mismatch), so a config that fixes its
+//!   schedule can run a different `--steps`.
 //! - **An absent numeric key takes the run value** when one is given (HF
 //!   leaves absent keys to DeepSpeed's defaults and silently drops the CLI
 //!   value).

@@ -587,7 +587,9 @@ impl Resolver<'_> {
 
     /// HF's "fill only" rule, used for scheduler params: `"auto"` or absent
     /// takes the run value; an explicit value wins over a different run
-    /// value, with a note. Returns `None` when nothing is known.
+    /// value, with a note, as accelerate does (HF Trainer refuses the
+    /// mismatch: here a `--steps` below a fixed schedule's end is a run
+    /// resumed later to its end). Returns `None` when nothing is known.
     fn u64_fill(
         &mut self,
         key: &str,
@@ -601,7 +603,7 @@ impl Resolver<'_> {
                 if v != r {
                     sink.note(
                         key,
-                        format!("config value {v} kept although the run's {run_name} is {r} (scheduler values are fill-only, as in HF Trainer)"),
+                        format!("config value {v} kept although the run's {run_name} is {r} (scheduler step counts are fill-only, as in accelerate; HF Trainer refuses the mismatch)"),
                     );
                 }
                 Some(v)

@@ -31,9 +31,9 @@ impl OffloadBlock for DsOffloadOptimizer {
     }
 }
 
-/// A deprecated `cpu_offload` / `cpu_offload_param` flag: warns, and when
-/// true fills `slot` with the block it stands for, `{"device": "cpu"}`,
-/// refusing if that block is also written.
+/// A deprecated `cpu_offload` / `cpu_offload_param` flag: warns, refuses
+/// if the block it stands for is also written (whatever its value), and
+/// when true fills `slot` with that block, `{"device": "cpu"}`.
 fn cpu_offload_flag<T: OffloadBlock>(
     o: &mut Obj<'_>,
     flag: &str,
@@ -51,15 +51,18 @@ fn cpu_offload_flag<T: OffloadBlock>(
         key: f.key.clone(),
         replacement: format!("\"{}\": {{\"device\": \"{device}\"}}", T::KEY),
     });
-    if !on {
-        return Ok(());
-    }
+    // Written beside its block, either value is refused, as DeepSpeed
+    // refuses it ("Cannot provide deprecated parameter ... and replacing
+    // parameter ... together"): a `false` would advise removing the block.
     let key = o.key_path(T::KEY);
     if slot.is_some() {
         return Err(ConfigError::ConflictingAlias {
             old: f.key.clone(),
             new: key,
         });
+    }
+    if !on {
+        return Ok(());
     }
     let value = serde_json::json!({"device": "cpu"});
     *slot = Some(T::read_block(&Field { key, value: &value }, sink)?);

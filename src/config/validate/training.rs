@@ -239,6 +239,17 @@ pub(super) fn resolve_precision(
                     min_scale: f.min_loss_scale,
                     consecutive_hysteresis: f.consecutive_hysteresis,
                 }
+            } else if !(STATIC_SCALE_MIN..=STATIC_SCALE_MAX).contains(&f.loss_scale) {
+                // The scale and its reciprocal multiply f32 gradients: 2e-39
+                // made the gradient scale inf (exit 1 after a step), 1e39 an
+                // inf loss scale that skipped every step.
+                return Err(range(
+                    "fp16.loss_scale",
+                    f.loss_scale,
+                    "0 (dynamic) or a static scale within f32's normal range, 2^-126 to 2^127 \
+                     (the gradients are scaled by it and by its reciprocal in f32)",
+                    "use 0 for dynamic loss scaling, or a power of two such as 1024",
+                ));
             } else {
                 LossScale::Static(f.loss_scale)
             };
@@ -246,6 +257,12 @@ pub(super) fn resolve_precision(
         }
     }
 }
+
+/// The least static `fp16.loss_scale`: f32's least normal number.
+const STATIC_SCALE_MIN: f64 = f32::MIN_POSITIVE as f64;
+/// The largest static `fp16.loss_scale`: 2^127, whose reciprocal is
+/// normal in f32 too.
+const STATIC_SCALE_MAX: f64 = 1.7014118346046923e38;
 
 pub(super) fn resolve_optimizer(
     ds: &DsConfig,
