@@ -518,6 +518,66 @@ fn tree(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     out
 }
 
+/// A save never replaces a directory under its step's name that is not a
+/// checkpoint (no manifest, a file no checkpoint holds): it deleted the
+/// user's files there. The save fails (exit 2) naming the dir and the way
+/// back, the files and the checkpoints before it stay; a damaged
+/// checkpoint of that step (its manifest lost) is still replaced.
+#[test]
+fn a_save_does_not_replace_a_directory_that_is_not_a_checkpoint() {
+    let d = saved_two_steps("foreign-step");
+    let foreign = d.join("ck/step-00000003");
+    std::fs::create_dir_all(&foreign).unwrap();
+    std::fs::write(foreign.join("notes.txt"), "mine").unwrap();
+    let o = train(&d, &["--steps", "3", "--resume", "ck", "--save-dir", "ck"]);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    assert!(
+        o.stderr
+            .contains("ck/step-00000003 is in the way of this save")
+            && o.stderr.contains("\"notes.txt\"")
+            && o.stderr.contains("--resume"),
+        "{}",
+        o.stderr
+    );
+    assert_eq!(
+        std::fs::read_to_string(foreign.join("notes.txt")).unwrap(),
+        "mine"
+    );
+    assert_eq!(tierzero::checkpoint::latest_step(&d.join("ck")), Some(2));
+    // A step 3 checkpoint whose manifest was lost is the save's to replace.
+    std::fs::remove_file(foreign.join("notes.txt")).unwrap();
+    std::fs::create_dir_all(foreign.join("rank0000")).unwrap();
+    std::fs::write(foreign.join("rank0000/master.f32"), [0u8; 8]).unwrap();
+    let o = train(&d, &["--steps", "3", "--resume", "ck", "--save-dir", "ck"]);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    assert_eq!(tierzero::checkpoint::latest_step(&d.join("ck")), Some(3));
+    assert!(foreign.join("manifest.json").is_file());
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// A step dir linked into the save dir from another disk is the save
+/// dir's own: resuming the save dir into itself continues its run (it was
+/// refused as "another run", advising the very command). And `inspect
+/// --json` prints its failure object on stdout, as the other commands do.
+#[test]
+fn a_linked_step_dir_continues_its_save_dir() {
+    let d = saved_two_steps("linked-step");
+    std::fs::create_dir_all(d.join("other")).unwrap();
+    std::fs::rename(d.join("ck/step-00000002"), d.join("other/step-00000002")).unwrap();
+    std::os::unix::fs::symlink("../other/step-00000002", d.join("ck/step-00000002")).unwrap();
+    let o = train(&d, &["--steps", "3", "--resume", "ck", "--save-dir", "ck"]);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    assert_eq!(tierzero::checkpoint::latest_step(&d.join("ck")), Some(3));
+    let o = run_tierzero(Some(&d), &["inspect", "missing", "--json"]);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    let v: Value = serde_json::from_str(o.stdout.trim()).unwrap();
+    assert_eq!(
+        (v["exit_code"].as_i64(), v["failure"].as_str()),
+        (Some(2), Some("bad_input"))
+    );
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
 /// Nothing a run or an export writes lands on another run's checkpoints:
 /// a new run into a save dir that holds checkpoints (it replaced their
 /// step dirs and `latest` without a word), a run resumed from elsewhere
@@ -593,6 +653,35 @@ fn no_output_lands_on_a_checkpoint() {
             "is inside the checkpoint directory",
         );
     }
+    // Under a step's name in the save dir, there or not yet (the run's
+    // save of that step replaced the dir, and the outputs with it: an
+    // export, metrics and notes were deleted at the next save).
+    std::fs::create_dir_all(d.join("ck/step-00000007")).unwrap();
+    for out in [
+        "ck/step-00000005/model.safetensors",
+        "ck/step-00000007/model.safetensors",
+    ] {
+        refused(
+            &["export", "--checkpoint", "ck", "--out", out],
+            "is inside the checkpoint directory ck/step-0000000",
+        );
+        for flag in ["--metrics", "--timeline"] {
+            refused(
+                &[
+                    "--steps",
+                    "3",
+                    "--resume",
+                    "ck",
+                    "--save-dir",
+                    "ck",
+                    flag,
+                    out,
+                ],
+                &format!("{flag} {out}: is inside the checkpoint directory"),
+            );
+        }
+    }
+    std::fs::remove_dir(d.join("ck/step-00000007")).unwrap();
     // (Names a model directory would not read are refused first.)
     for out in [
         "ck/step-00000002/manifest.json",

@@ -282,6 +282,33 @@ fn truncation_latest_fallback_and_unfinished_saves() {
     let r = run_tierzero(None, &["inspect", save2_arg, "--verify"]);
     assert_eq!(r.code, 2, "{}{}", r.stdout, r.stderr);
     assert!(r.stderr.contains("does not validate"), "{}", r.stderr);
+    // A `latest` edited to an unpadded name is that step's own dir (the
+    // open fell back below it, skipping the step), a dangling symlink is
+    // damage (it was taken for no `latest`), and so is a manifest that is
+    // a directory (it blocked every open instead of falling back).
+    let (save5, step5) = saved("latest-forms");
+    copy_dir(&step5, &save5.join("step-00000001"));
+    edit_manifest(&save5.join("step-00000001"), |v| set_step(v, 1));
+    std::fs::write(save5.join("latest"), "step-2\n").unwrap();
+    let c = Checkpoint::open(&save5).unwrap();
+    assert_eq!((c.step(), c.latest_unusable()), (2, None));
+    assert_eq!(tierzero::checkpoint::latest_step(&save5), Some(2));
+    std::fs::remove_file(save5.join("latest")).unwrap();
+    std::os::unix::fs::symlink("nowhere", save5.join("latest")).unwrap();
+    let c = Checkpoint::open(&save5).unwrap();
+    assert!(
+        c.latest_unusable()
+            .is_some_and(|w| w.contains("symbolic link to a file that does not exist")),
+        "{:?}",
+        c.latest_unusable()
+    );
+    std::fs::remove_file(save5.join("latest")).unwrap();
+    std::fs::write(save5.join("latest"), "step-00000002\n").unwrap();
+    std::fs::remove_file(step5.join("manifest.json")).unwrap();
+    std::fs::create_dir(step5.join("manifest.json")).unwrap();
+    let c = Checkpoint::open(&save5).unwrap();
+    assert_eq!(c.step(), 1);
+    assert!(c.latest_unusable().is_some());
     // `latest` naming a step of a format this build does not read is not
     // damage: the open fails, naming the version, rather than resuming
     // from step 1 (whose next save of step 2 would replace the newer one).

@@ -377,7 +377,9 @@ fn a_stop_whose_save_does_not_fit_the_grace_period_skips_it_and_says_so() {
     assert!(
         err.contains(&format!("the checkpoint of step {step} was skipped"))
             && err.contains("stop grace period")
-            && err.contains(&format!("the newest checkpoint in ck is step {newest}")),
+            && err.contains(&format!(
+                "this run's last checkpoint is step {newest}'s, ck/step-{newest:08}"
+            )),
         "{err}"
     );
     assert_eq!(swap_files(&d), Vec::<String>::new());

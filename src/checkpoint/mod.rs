@@ -176,7 +176,8 @@ pub use manifest::{
     STATE_ALIGN_BYTES,
 };
 pub use reader::{
-    checkpoint_holding, is_save_dir_entry, saved_steps, Checkpoint, FileCheck, VerifyReport,
+    checkpoint_holding, is_save_dir_entry, latest_step, saved_steps, Checkpoint, FileCheck,
+    VerifyReport,
 };
 pub use writer::{step_dir_name, StagedCheckpoint, LATEST_FILE};
 
@@ -285,6 +286,19 @@ pub enum CheckpointError {
         /// The run's value.
         run: String,
     },
+    /// A save would replace a directory under a step's name that is not
+    /// a checkpoint (no manifest, and an entry no checkpoint holds).
+    #[error(
+        "{dir} is in the way of this save: it has no manifest.json and holds {entry:?}, which \
+         no checkpoint holds, so it is not a checkpoint tierzero wrote and replacing it would \
+         delete it; move it out of the save dir, then continue with --resume"
+    )]
+    NotACheckpoint {
+        /// The directory.
+        dir: PathBuf,
+        /// One entry no checkpoint holds.
+        entry: String,
+    },
     /// Another process owns the save dir.
     #[error(
         "save dir lock {path} is held by {holder}: another run is saving into this directory; \
@@ -333,6 +347,11 @@ impl CheckpointError {
                     | ErrorKind::NotADirectory
                     | ErrorKind::InvalidData
                     | ErrorKind::UnexpectedEof
+                    // A file of the checkpoint that is not a regular file
+                    // (`durable::open_regular`: a directory or a FIFO in
+                    // the manifest's place blocked every open).
+                    | ErrorKind::InvalidInput
+                    | ErrorKind::IsADirectory
             ),
             CheckpointError::Manifest { .. }
             | CheckpointError::PathEscape { .. }

@@ -22,7 +22,7 @@ use candle_core::{Device, Tensor};
 use serde::Serialize;
 
 use super::manifest::{resolve_inside, Manifest, StateKind, MANIFEST_FILE, MAX_MANIFEST_BYTES};
-use super::writer::{parse_step_dir_name, staging_owner_pid, LATEST_FILE};
+use super::writer::{parse_step_dir_name, staging_owner_pid, step_dir_name, LATEST_FILE};
 use super::{io_err, CheckpointError};
 use crate::model::{Model, ParamId};
 
@@ -181,9 +181,11 @@ pub fn saved_steps(save_dir: &Path) -> Vec<u64> {
 
 /// The checkpoint directory a file about to be written at `out` would
 /// land in, if any: a step dir (`step-<N>` holding a manifest, or a
-/// save's staging dir) at any depth above it, or the save dir itself when
-/// `out` is one of its own entries (`latest`, the lock, a step or staging
-/// dir's name). Looked up through the nearest existing directory above
+/// save's staging dir) at any depth above it, a step dir's name in a save
+/// dir on the way to it (existing or not: a save of that step replaces
+/// the dir, and the file with it), or the save dir itself when `out` is
+/// one of its own entries (`latest`, the lock, a step or staging dir's
+/// name). Looked up through the nearest existing directory above
 /// `out`, resolved; `None` when none is found. Outputs of `train` and
 /// `export` are refused there: replacing a file a manifest lists breaks
 /// its checkpoint, replacing `latest` another run's resume.
@@ -205,9 +207,32 @@ pub fn checkpoint_holding(out: &Path) -> Option<PathBuf> {
     if let Some(step) = dir.ancestors().find(|a| is_step_dir(a)) {
         return Some(step.to_path_buf());
     }
+    let is_save_dir = |d: &Path| d.join(LATEST_FILE).is_file() || !saved_steps(d).is_empty();
+    // A step dir's name in a save dir, on the way to `out`, whether it
+    // exists yet or holds a manifest: a later save of that step would
+    // replace it, and the file with it.
+    let in_step_name = out.ancestors().skip(1).find(|a| {
+        a.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(is_save_dir_entry)
+            && is_save_dir(
+                a.parent()
+                    .filter(|p| !p.as_os_str().is_empty())
+                    .unwrap_or(Path::new(".")),
+            )
+    });
+    if let Some(step) = in_step_name {
+        return Some(step.to_path_buf());
+    }
     let own_entry = is_save_dir_entry(out.file_name()?.to_str()?);
-    let save_dir = dir.join(LATEST_FILE).is_file() || !saved_steps(&dir).is_empty();
-    (own_entry && save_dir).then_some(dir)
+    (own_entry && is_save_dir(&dir)).then_some(dir)
+}
+
+/// The step `save_dir`'s `latest` names, when it is a readable regular
+/// file holding a step dir's name (whether that step opens or not).
+pub fn latest_step(save_dir: &Path) -> Option<u64> {
+    let bytes = crate::durable::read_regular(&save_dir.join(LATEST_FILE), 4096).ok()?;
+    parse_step_dir_name(String::from_utf8_lossy(&bytes).trim())
 }
 
 /// Whether `name` is one a save dir's writer uses: `latest`, its lock, a
@@ -281,20 +306,24 @@ impl Checkpoint {
         match crate::durable::read_regular(&latest, 4096) {
             Ok(bytes) => {
                 let text = String::from_utf8_lossy(&bytes);
-                let name = text.trim();
-                match parse_step_dir_name(name) {
-                    Some(step) => match Self::open_step_dir(&dir.join(name)) {
+                let written = text.trim();
+                match parse_step_dir_name(written) {
+                    // The step's own name (an edited `step-4` is step 4's
+                    // `step-00000004`, not a missing dir that made the
+                    // fallback skip step 4).
+                    Some(step) => match Self::open_step_dir(&dir.join(step_dir_name(step))) {
                         Ok(c) => return Ok(c),
                         // Not damage: fail rather than resume from an
                         // older step (see `CheckpointError::is_damage`).
                         Err(e) if !e.is_damage() => return Err(e),
                         Err(e) => {
-                            if !dir.join(name).exists() {
-                                if let Some(c) = Self::open_moved_aside(dir, name, step) {
+                            let name = step_dir_name(step);
+                            if !dir.join(&name).exists() {
+                                if let Some(c) = Self::open_moved_aside(dir, &name, step) {
                                     return Ok(c);
                                 }
                             }
-                            damaged = read_manifest(&dir.join(name)).ok().map(|(m, _)| m);
+                            damaged = read_manifest(&dir.join(&name)).ok().map(|(m, _)| m);
                             latest_err = Some(e);
                             below = Some(step);
                         }
@@ -302,12 +331,22 @@ impl Checkpoint {
                     None => {
                         latest_err = Some(manifest_err(
                             &latest,
-                            format!("`latest` holds {name:?}, not a step directory name"),
+                            format!("`latest` holds {written:?}, not a step directory name"),
                         ))
                     }
                 }
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            // A `latest` that is a link to nothing is damage, not an
+            // absent `latest` (export and eval went on with a warning that
+            // there was none).
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if latest.symlink_metadata().is_ok() {
+                    latest_err = Some(manifest_err(
+                        &latest,
+                        "is a symbolic link to a file that does not exist",
+                    ));
+                }
+            }
             // Not a regular file, or far longer than a step dir's name:
             // damage, as a name that does not parse is.
             Err(e)

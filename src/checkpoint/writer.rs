@@ -13,6 +13,30 @@ use crate::failpoint::{self, Site};
 /// The pointer file in a save dir.
 pub const LATEST_FILE: &str = "latest";
 
+/// An entry of `dir`, a step dir a save is about to replace, that no
+/// checkpoint holds, when `dir` has no manifest: a directory a user made
+/// under a step's name (a save removed it, and the files in it). With a
+/// manifest it is a checkpoint (damaged or not), and so is a dir holding
+/// only what checkpoints hold (one whose manifest was lost).
+fn foreign_entry(dir: &Path) -> Option<String> {
+    if dir.join(MANIFEST_FILE).exists() {
+        return None;
+    }
+    let ours = |name: &str| {
+        name.starts_with(MANIFEST_FILE)
+            || name == "model.safetensors"
+            || name == "config.json"
+            || name
+                .strip_prefix("rank")
+                .is_some_and(|r| !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit()))
+    };
+    std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .find(|n| !ours(n))
+}
+
 /// `step-<NNNNNNNN>`.
 pub fn step_dir_name(step: u64) -> String {
     format!("step-{step:08}")
@@ -359,6 +383,12 @@ impl StagedCheckpoint {
             .join(format!(".{name}.old-{}", std::process::id()));
         let replaced = match std::fs::symlink_metadata(&final_dir) {
             Ok(_) => {
+                if let Some(entry) = foreign_entry(&final_dir) {
+                    return Err(CheckpointError::NotACheckpoint {
+                        dir: final_dir,
+                        entry,
+                    });
+                }
                 durable::rename(&final_dir, &old)?;
                 true
             }

@@ -575,6 +575,9 @@ fn render_checkpoint(r: &CheckpointReport) -> Result<String, std::fmt::Error> {
 
 /// Runs `tierzero inspect`.
 pub fn run(a: InspectArgs) -> Result<(), Failure> {
+    // A failure before a report is out prints its object on stdout; one
+    // after it (a failed verification) does not: the report is the object.
+    super::json_object_on_failure(a.json);
     match classify(&a.dir)? {
         Target::Checkpoint { dir } => {
             let report = checkpoint_report(&dir, a.verify)?;
@@ -582,6 +585,7 @@ pub fn run(a: InspectArgs) -> Result<(), Failure> {
                 let text = serde_json::to_string_pretty(&report)
                     .map_err(|e| Failure::Internal(anyhow!("serialising the report: {e}")))?;
                 super::emit(&format!("{text}\n"))?;
+                super::json_object_on_failure(false);
             } else {
                 let text = render_checkpoint(&report)
                     .map_err(|e| Failure::Internal(anyhow!("formatting the report: {e}")))?;

@@ -124,8 +124,23 @@ impl Failure {
     /// Classifies a swap-layer error: problems the user can fix by changing
     /// input or limits are bad input, the rest internal.
     pub fn from_swap(e: tierzero_swap::SwapError, context: &str) -> Self {
+        let bad = swap_error_is_users(&e);
+        let err = anyhow::Error::new(e).context(context.to_string());
+        if bad {
+            Failure::BadInput(err)
+        } else {
+            Failure::Internal(err)
+        }
+    }
+}
+
+/// Whether a swap error is the user's to fix (exit 2,
+/// [`Failure::from_swap`]): the config, the disk, its space or limits,
+/// memlock, another holder of the directory.
+pub(crate) fn swap_error_is_users(e: &tierzero_swap::SwapError) -> bool {
+    {
         use tierzero_swap::SwapError as E;
-        let bad = matches!(
+        matches!(
             e,
             E::Config(_)
                 | E::Misaligned { .. }
@@ -134,16 +149,10 @@ impl Failure {
                 | E::OutOfSpace { .. }
                 | E::NoRoom { .. }
                 | E::Locked { .. }
-        ) || matches!(&e, E::Setup { source, .. } if user_fixable_io(source.kind()))
+        ) || matches!(e, E::Setup { source, .. } if user_fixable_io(source.kind()))
             // A full disk or a file-size limit: the user frees space or
             // raises the limit.
-            || matches!(&e, E::Io { source, .. } if matches!(source.kind(), std::io::ErrorKind::StorageFull | std::io::ErrorKind::FileTooLarge | std::io::ErrorKind::QuotaExceeded | std::io::ErrorKind::ReadOnlyFilesystem));
-        let err = anyhow::Error::new(e).context(context.to_string());
-        if bad {
-            Failure::BadInput(err)
-        } else {
-            Failure::Internal(err)
-        }
+            || matches!(e, E::Io { source, .. } if matches!(source.kind(), std::io::ErrorKind::StorageFull | std::io::ErrorKind::FileTooLarge | std::io::ErrorKind::QuotaExceeded | std::io::ErrorKind::ReadOnlyFilesystem))
     }
 }
 

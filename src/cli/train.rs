@@ -627,10 +627,22 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
             // as such, not as "reading .../manifest.json/latest: Not a
             // directory" or "listing ...".
             must_exist("--resume", d, true, fix)?;
-            Some(
-                Checkpoint::open(d)
-                    .map_err(|e| bad(format!("--resume {}: {e}; {fix}", d.display())))?,
-            )
+            Some(Checkpoint::open(d).map_err(|e| {
+                // A step dir given that is damaged: "give a step dir" was
+                // the fix for what the user did.
+                let step_dir = d.join(tierzero::checkpoint::MANIFEST_FILE).exists();
+                match d.parent().filter(|p| !p.as_os_str().is_empty()) {
+                    Some(save_dir) if step_dir && e.is_damage() => bad(format!(
+                        "--resume {}: {e}; this checkpoint is damaged: resume from the save dir \
+                         (--resume {}: its newest valid step) or an older step-<N> directory, \
+                         after checking them with `tierzero inspect {} --verify`",
+                        d.display(),
+                        save_dir.display(),
+                        save_dir.display()
+                    )),
+                    _ => bad(format!("--resume {}: {e}; {fix}", d.display())),
+                }
+            })?)
         }
         None => None,
     };
@@ -752,13 +764,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     // A checkpoint resumed from in the save dir is the one a stop that
     // skips its save leaves newest.
     let resumed_from = match (&ckpt, &args.save_dir) {
-        (Some(c), Some(d))
-            if c.dir()
-                .parent()
-                .is_some_and(|p| tierzero::durable::same_path(p, d)) =>
-        {
-            Some(c.step())
-        }
+        (Some(c), Some(d)) if outputs::resumes_from_save_dir(&args, Some(c), d) => Some(c.step()),
         _ => None,
     };
     let run = RunInfo {

@@ -88,27 +88,43 @@ pub(super) fn corrupt_resume(e: EngineError, ckpt: &Checkpoint) -> Failure {
 
 /// Classifies an engine error raised while training.
 pub(super) fn run_failure(e: EngineError, what: &str) -> Failure {
+    // A save's failure the user can fix leaves the checkpoints before it
+    // whole: said, with the fix.
+    let users = |what: &str| {
+        if what.starts_with("saving a checkpoint") {
+            format!(
+                "{what} (the checkpoints saved before are whole: fix the space, quota, \
+                 file-size limit, permissions or what is in the way under --save-dir, then \
+                 --resume it)"
+            )
+        } else {
+            what.to_owned()
+        }
+    };
     match e {
-        EngineError::Swap(s) => Failure::from_swap(s, what),
+        EngineError::Swap(s) => {
+            let what = if crate::cli::swap_error_is_users(&s) {
+                users(what)
+            } else {
+                what.to_owned()
+            };
+            Failure::from_swap(s, &what)
+        }
         // fp16's scaler at its floor: the run's precision and
         // hyperparameters (the message names the fixes), not a fault.
         EngineError::Optim(tierzero::optim::OptimError::LossScaleAtMinimum { .. }) => {
             Failure::BadInput(anyhow::Error::new(e).context(what.to_owned()))
         }
-        // A disk, quota or file-size limit, permissions: the user's (a
-        // save that hit `ulimit -f` was an internal error). A save's
-        // failure leaves the checkpoints before it whole: said, with the fix.
+        // A disk, quota or file-size limit, permissions (a save that hit
+        // `ulimit -f` was an internal error), a directory in a save's way.
         EngineError::Io { ref source, .. }
         | EngineError::Checkpoint(CheckpointError::Io { ref source, .. })
             if crate::cli::user_fixable_io(source.kind()) =>
         {
-            let fix = if what.starts_with("saving a checkpoint") {
-                " (the checkpoints saved before are whole: fix the space, quota, file-size \
-                 limit or permissions under --save-dir, then --resume it)"
-            } else {
-                ""
-            };
-            Failure::BadInput(anyhow::Error::new(e).context(format!("{what}{fix}")))
+            Failure::BadInput(anyhow::Error::new(e).context(users(what)))
+        }
+        EngineError::Checkpoint(CheckpointError::NotACheckpoint { .. }) => {
+            Failure::BadInput(anyhow::Error::new(e).context(users(what)))
         }
         other => Failure::Internal(anyhow::Error::new(other).context(what.to_owned())),
     }

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use tierzero::checkpoint::{SaveDirLock, LOCK_FILE};
+use tierzero::checkpoint::{SaveDirLock, LOCK_FILE, MANIFEST_FILE};
 
 use super::{bad, must_exist, Failure, TrainArgs};
 
@@ -126,10 +126,7 @@ pub(super) fn check_save_dir_is_this_runs(
     let (Some(first), Some(newest)) = (steps.first(), steps.last()) else {
         return Ok(());
     };
-    let continues = resumed
-        .and_then(|c| c.dir().parent())
-        .is_some_and(|p| same_file(p, save_dir));
-    if continues {
+    if resumes_from_save_dir(args, resumed, save_dir) {
         return Ok(());
     }
     let held = if first == newest {
@@ -151,6 +148,32 @@ pub(super) fn check_save_dir_is_this_runs(
             r.display()
         ),
     }))
+}
+
+/// Whether the run resumes from a checkpoint in `save_dir`: its step dir
+/// is there, resolved or as reached through the `--resume` given (a step
+/// dir linked there from another disk resolves outside it, and the run
+/// that continued its own save dir was refused as another run's).
+pub(super) fn resumes_from_save_dir(
+    args: &TrainArgs,
+    resumed: Option<&tierzero::checkpoint::Checkpoint>,
+    save_dir: &Path,
+) -> bool {
+    let Some(c) = resumed else {
+        return false;
+    };
+    let parent = |p: &Path| {
+        p.parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .map(Path::to_path_buf)
+    };
+    c.dir().parent().is_some_and(|p| same_file(p, save_dir))
+        || args.resume.as_deref().is_some_and(|r| {
+            // The save dir itself, or one of its step dirs.
+            same_file(r, save_dir)
+                || (r.join(MANIFEST_FILE).exists()
+                    && parent(r).is_some_and(|p| same_file(&p, save_dir)))
+        })
 }
 
 /// The resolved directory `p` is in (`.` for a bare name), if it exists.

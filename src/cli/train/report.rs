@@ -327,11 +327,20 @@ pub(super) fn print_summary(
             match (&args.save_dir, s.checkpoint_step) {
                 // --steps named: without it the resumed run would be the
                 // default length, and its lr schedule rebuilt for that.
+                // The save dir where its `latest` names the step, else the
+                // step's own dir (a stop that skipped its save in a run
+                // resumed from an older step: `latest` still names the
+                // branch it stepped away from).
                 (Some(d), Some(c)) => format!(
                     "; checkpoint of step {c} in {}: continue with the same flags and \
                      --resume {} --steps {}",
                     d.display(),
-                    d.display(),
+                    if tierzero::checkpoint::latest_step(d) == Some(c) {
+                        d.clone()
+                    } else {
+                        d.join(tierzero::checkpoint::step_dir_name(c))
+                    }
+                    .display(),
                     run.steps
                 ),
                 (Some(d), None) => format!("; no checkpoint in {}", d.display()),

@@ -198,7 +198,10 @@ fn stop_save(
                  (--stop-grace / tierzero.stop_grace_s) were left; {}",
                 left_s.max(0.0),
                 match before {
-                    Some(b) => format!("the newest checkpoint in {} is step {b}", dir.display()),
+                    Some(b) => format!(
+                        "this run's last checkpoint is step {b}'s, {}",
+                        dir.join(tierzero::checkpoint::step_dir_name(b)).display()
+                    ),
                     None => format!("{} holds no checkpoint of this run", dir.display()),
                 }
             );
