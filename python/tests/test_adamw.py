@@ -360,6 +360,14 @@ def test_a_checkpoint_loads_only_into_the_same_param_groups(tmp_path):
     with pytest.raises(ValueError, match="truncated"):
         same.load_checkpoint(tmp_path / "cut.bin")
     assert torch.equal(a2.detach(), before)
+    # A damaged header is a ValueError naming the file (a huge length was
+    # a MemoryError, bytes that are not JSON a JSONDecodeError).
+    n = int.from_bytes(data[8:16], "little")
+    for bad in [data[:8] + (1 << 60).to_bytes(8, "little") + data[16:], data[:16] + b"[" * n + data[16 + n:]]:
+        (tmp_path / "bad.bin").write_bytes(bad)
+        with pytest.raises(ValueError, match="bad.bin: damaged"):
+            same.load_checkpoint(tmp_path / "bad.bin")
+    assert torch.equal(a2.detach(), before)
     same.load_checkpoint(tmp_path / "opt.bin")
     assert torch.equal(a2.detach(), a.detach())
     assert same.param_groups[1]["lr"] == 0.5

@@ -369,6 +369,18 @@ def test_an_fd_transfers_only_as_it_was_opened(d, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_bool_is_neither_a_filename_nor_an_fd(backend):
+    # True is the int 1 to Python: the buffer was written to stdout.
+    h = handle(backend)
+    t = tensor_with("torch", "uint8", b"x" * 4096, h)
+    with pytest.raises(TypeError, match="neither a filename nor an fd"):
+        h.sync_pwrite(t, True)
+    with pytest.raises(TypeError, match="not a file descriptor"):
+        h.async_pwrite(t, fd=True)
+    assert h.wait() == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_ops_by_fd(d, backend):
     h = handle(backend)
     data = rand_bytes(2 * 4096 + 333, 5)

@@ -80,6 +80,17 @@ def test_remove_restores_the_model(tmp_path):
     assert m.block[0].weight.numel() == 256 * 64
 
 
+def test_a_second_offload_of_an_offloaded_model_is_refused(tmp_path):
+    # Its params' placeholders are empty, under any threshold: the second
+    # offload_parameters offloaded nothing and said nothing.
+    m = Net()
+    h = tzt.offload_parameters(m, "cpu", param_persistence_threshold=100)
+    with pytest.raises(ValueError, match="already offloaded.*remove"):
+        tzt.offload_parameters(m, "cpu", param_persistence_threshold=100)
+    h.remove()
+    tzt.offload_parameters(m, "cpu", param_persistence_threshold=100).remove()
+
+
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 def test_state_dict_and_load_state_dict_see_the_whole_params(device, tmp_path):
     # HF's save_model and resume: a released param's entry was its empty

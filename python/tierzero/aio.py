@@ -266,6 +266,9 @@ class aio_handle:
         return buffer, None
 
     def _submit(self, is_read, buffer, target, validate, file_offset):
+        # A bool is an int to Python: True wrote the buffer to fd 1.
+        if isinstance(target, bool):
+            raise TypeError(f"{target!r} is neither a filename nor an fd")
         if isinstance(target, (bytes, bytearray)):
             target = os.fsdecode(target)
         host, copy_back = self._host(buffer, is_read)
@@ -349,6 +352,8 @@ class aio_handle:
         with self._lock:
             if (filename is None) == (fd is None):
                 raise TypeError("async_pwrite() takes a filename or an fd (exactly one)")
+            if isinstance(fd, bool):
+                raise TypeError(f"fd={fd!r} is not a file descriptor")
             self._submit(False, buffer, filename if fd is None else int(fd), False, file_offset)
             return 0
 

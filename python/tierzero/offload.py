@@ -209,11 +209,17 @@ class ParamOffload:
         for module in model.modules():
             homes = []
             for p in module._parameters.values():
+                # Before the size test: an offloaded param's placeholder is
+                # empty, so a second offload_parameters of the model
+                # skipped every param and offloaded nothing, silently.
+                if p is not None and id(p) not in seen and home_of(p) is not None:
+                    raise ValueError(
+                        "a parameter is already offloaded by another offload_parameters; "
+                        "call remove() on that one first"
+                    )
                 if p is None or p.numel() <= self.persistence_threshold:
                     continue
                 if id(p) not in seen:
-                    if home_of(p) is not None:
-                        raise ValueError("a parameter is already offloaded by another offload_parameters")
                     h = _Home(p, self)
                     if device == "nvme":
                         h.offset = offset

@@ -993,7 +993,18 @@ class AdamW(torch.optim.Optimizer):
             if f.read(8) != _MAGIC:
                 raise ValueError(f"{path}: not a tierzero AdamW checkpoint")
             head_len = int.from_bytes(f.read(8), "little")
-            head = json.loads(f.read(head_len))
+            size = os.fstat(f.fileno()).st_size
+            # A damaged length (or file) is said, not a MemoryError from
+            # reading a length that is not there, or a JSON or Key error.
+            if head_len > size - len(_MAGIC) - 8:
+                raise ValueError(
+                    f"{path}: damaged (its header says {head_len} bytes, the file has {size})"
+                )
+            try:
+                head = json.loads(f.read(head_len))
+                head["numel"], head["param_groups"], head["steps"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}: damaged (its header does not read: {e})") from None
             if head["numel"] != total:
                 raise ValueError(
                     f"{path}: saved state of {head['numel']} elements, this optimizer's params have {total}; build it with the same params"
@@ -1010,7 +1021,6 @@ class AdamW(torch.optim.Optimizer):
                 )
             # Checked before anything changes: a truncated file loaded
             # the sub-groups before the cut, and raised.
-            size = os.fstat(f.fileno()).st_size
             if size < base + 12 * total:
                 raise ValueError(
                     f"{path}: truncated ({size} bytes, the state of {total} elements needs "
