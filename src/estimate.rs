@@ -1077,7 +1077,11 @@ mod tests {
         let rows = |e: &Estimate| -> Vec<(Tier, &str, u64)> {
             e.items
                 .iter()
-                .filter(|i| i.what.contains("param") && i.tier != Tier::Device)
+                .filter(|i| {
+                    i.what.contains("param")
+                        && !i.what.starts_with("new param values")
+                        && i.tier != Tier::Device
+                })
                 .map(|i| (i.tier, i.what, i.bytes))
                 .collect()
         };
@@ -1086,7 +1090,7 @@ mod tests {
         let page = 80_003_072;
         assert_eq!(
             rows(find(&r, 3, Offload::Cpu, Offload::Cpu)),
-            [(Tier::Pinned, "16-bit param partition", 3 * page)]
+            [(Tier::Pinned, "param partition", 3 * page)]
         );
         // max_in_cpu 5e7 keeps the first two shards (50M elements); the
         // third goes to NVMe, read through 5 slots of its own size cut
@@ -1095,7 +1099,7 @@ mod tests {
             rows(find(&r, 3, Offload::Cpu, Offload::Nvme)),
             [
                 (Tier::Pinned, "param host cache (max_in_cpu)", 2 * page),
-                (Tier::Nvme, "16-bit param partition", page),
+                (Tier::Nvme, "param partition", page),
                 (Tier::Pinned, "param swap-in buffers", 5 * page),
             ]
         );
@@ -1692,7 +1696,7 @@ mod tests {
         assert!(host_adam
             .items
             .iter()
-            .any(|i| i.what == "16-bit params host copy (the param store)" && i.bytes == 2 * n));
+            .any(|i| i.what == "params host copy (the param store)" && i.bytes == 2 * n));
         // Several ranks: each rank's store holds its shards, whatever the
         // stage (they are handed out and gathered).
         let mut four = inp.clone();

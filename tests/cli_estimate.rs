@@ -393,7 +393,7 @@ fn estimate_from_model_and_config() {
         .map(|i| i["what"].as_str().unwrap())
         .collect();
     assert!(!names.contains(&"param swap-in buffers"), "{names:?}");
-    assert!(!names.contains(&"16-bit param partition"), "{names:?}");
+    assert!(!names.contains(&"param partition"), "{names:?}");
     // In pinned pages as train maps them: pages of the largest shard (the
     // 77.2 MB wte, above 64 MiB), 4 KiB-aligned, filled next-fit in
     // ParamId order: the wte alone, then the wpe and the blocks (14.2 MB

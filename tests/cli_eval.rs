@@ -325,6 +325,35 @@ fn user_mistakes_exit_2_with_one_line() {
     assert_eq!(v["failure"], "bad_input", "{v}");
     assert_eq!(v["exit_code"], 2, "{v}");
     assert!(v["error"].as_str().unwrap().contains("--seq-len"), "{v}");
+    // So does a command line clap refuses, for every command with --json
+    // (only train's printed it).
+    for args in [
+        &["eval", "--json", "--bogus"][..],
+        &["estimate", "--json"],
+        &[
+            "export",
+            "--json",
+            "--checkpoint",
+            "c",
+            "--out",
+            "x",
+            "--dtype",
+            "fp8",
+        ],
+        &["bench-io", "--json", "--path", ".", "--rw", "sideways"],
+        &["tune", "--json", "--bogus"],
+        &["inspect", "--json"],
+    ] {
+        let out = run_tierzero(Some(&d), args);
+        assert_eq!(out.code, 2, "{args:?}: {}", out.stderr);
+        let v: serde_json::Value = serde_json::from_str(out.stdout.trim())
+            .unwrap_or_else(|e| panic!("{args:?}: {e}: {:?}", out.stdout));
+        assert_eq!(
+            (v["failure"].as_str(), v["exit_code"].as_i64()),
+            (Some("bad_input"), Some(2)),
+            "{args:?}"
+        );
+    }
     assert_bad_input(&with(&["--seq-len", "0"]), "seq-len 0", &["--seq-len"]);
     assert_bad_input(&with(&["--seq-len", "x"]), "seq-len x", &["--seq-len", "x"]);
     assert_bad_input(

@@ -255,12 +255,18 @@ pub fn main() -> i32 {
             // --help and --version are not errors.
             let code = if e.use_stderr() { 2 } else { 0 };
             let _ = e.print();
-            // `train --json` with a flag clap refuses: the error object too.
+            // A `--json` command with a flag clap refuses: the error object
+            // too (every command that takes --json prints one on failure).
             let mut args = std::env::args().skip(1);
-            let train_json = args.next().as_deref() == Some("train")
-                && args.any(|a| a == "--json")
+            let json = args.next().is_some_and(|c| {
+                [
+                    "train", "eval", "export", "estimate", "bench-io", "tune", "inspect",
+                    "gpu-info",
+                ]
+                .contains(&c.as_str())
+            }) && args.any(|a| a == "--json")
                 && launch::env_rank_is_lead();
-            if code == 2 && train_json {
+            if code == 2 && json {
                 let text = e.to_string();
                 let first = text
                     .lines()

@@ -231,9 +231,10 @@ pub struct TrainArgs {
     /// the end.
     #[arg(long, value_name = "N")]
     save_every: Option<String>,
-    /// On SIGINT or SIGTERM, the run stops at the next step boundary, saves
-    /// that step (with --save-dir), removes its swap files, prints the
-    /// summary and exits 130 (SIGINT) or 143 (SIGTERM); a second signal
+    /// On SIGINT, SIGTERM or SIGHUP, the run stops at the next step
+    /// boundary, saves that step (with --save-dir), removes its swap files,
+    /// prints the summary and exits 130 (SIGINT), 143 (SIGTERM) or 129
+    /// (SIGHUP; ignored when started under nohup); a second signal
     /// aborts at once. This bounds that stop, from the signal to the exit,
     /// in seconds: a save that would not fit is skipped (and said so).
     /// Default: tierzero.stop_grace_s, else no bound.

@@ -65,7 +65,7 @@ pub fn items_on(
         let (pn, ps) = share(inp.total_numel, inp.ranks, true);
         pusher(&mut v)(
             Tier::Pageable,
-            "16-bit params host copy (the param store)",
+            "params host copy (the param store)",
             mul(pn, p, "host param copy")?,
             format!("{ps} × {p} B"),
         );
@@ -203,21 +203,16 @@ pub fn items_within(
 
     // 16-bit params.
     let (pn, ps) = part(c.stage == Stage::Parameters);
-    let param_bytes = mul(pn, p, "16-bit params")?;
+    let param_bytes = mul(pn, p, "params")?;
     match (c.params, inp.shape.as_ref()) {
         // The model's own shards: the sizing policy's pages and homes.
         (Offload::Cpu | Offload::Nvme, Some(shape)) => {
             offloaded_param_items(inp, c.params, shape, &mut push)?
         }
-        (Offload::None, _) => push(
-            Tier::Device,
-            "16-bit params",
-            param_bytes,
-            format!("{ps} × {p} B"),
-        ),
+        (Offload::None, _) => push(Tier::Device, "params", param_bytes, format!("{ps} × {p} B")),
         (Offload::Cpu, _) => push(
             pinned_or(sw.param_pin_memory),
-            "16-bit param partition",
+            "param partition",
             param_bytes,
             format!("{ps} × {p} B"),
         ),
@@ -230,8 +225,8 @@ pub fn items_within(
             if on_nvme > 0 {
                 push(
                     Tier::Nvme,
-                    "16-bit param partition",
-                    mul(on_nvme, p, "16-bit params on NVMe")?,
+                    "param partition",
+                    mul(on_nvme, p, "params on NVMe")?,
                     if cached > 0 {
                         format!("({ps} − max_in_cpu {}) × {p} B", sw.param_max_in_cpu_numel)
                     } else {
@@ -273,7 +268,7 @@ pub fn items_within(
     if c.stage >= Stage::Gradients || c.optimizer != Offload::None {
         push(
             Tier::Device,
-            "one unit's 16-bit grads",
+            "one unit's grads (param dtype)",
             mul(l, p, "unit grads")?,
             format!("{l} × {p} B"),
         );
@@ -468,7 +463,7 @@ pub fn items_within(
         ) as u64;
         push(
             Tier::Pageable,
-            "16-bit new values of stepped sub-groups",
+            "new param values of stepped sub-groups",
             mul(buffers, mul(tile, p, "new values")?, "new values")?,
             format!(
                 "({} lent (a unit's {unit_groups} sub-groups and the hand-over's, at most all) + 1 spare) × min(sub_group_size {}, {os}) × {p} B",
@@ -491,7 +486,7 @@ pub fn items_within(
 /// without it, a disk the estimate said fits could refuse the run by that
 /// much.
 const OTHER_SWAP_SPACES: [&str; 2] = [
-    "16-bit param partition",
+    "param partition",
     "fp32 grad sums parked between micro-batches",
 ];
 
@@ -705,7 +700,7 @@ fn offloaded_param_items(
     let pages = sizing::cpu_page_plan(&cpu_bytes);
     if pages.count > 0 {
         let (what, why) = match params {
-            Offload::Cpu => ("16-bit param partition", String::new()),
+            Offload::Cpu => ("param partition", String::new()),
             _ => (
                 "param host cache (max_in_cpu)",
                 format!(", those max_in_cpu {} holds", sw.param_max_in_cpu_numel),
@@ -728,11 +723,11 @@ fn offloaded_param_items(
             .iter()
             .try_fold(0u64, |a, &b| a.checked_add(sizing::align_up(b)))
             .ok_or_else(|| EstimateError::Overflow {
-                what: "16-bit params on NVMe".into(),
+                what: "params on NVMe".into(),
             })?;
         push(
             Tier::Nvme,
-            "16-bit param partition",
+            "param partition",
             on_nvme,
             format!("{} shards × {p} B, each 4 KiB-aligned", nvme_bytes.len()),
         );

@@ -112,11 +112,11 @@ struct JsonSummary<'a> {
     /// `"signal"` when a signal stopped the run early; absent otherwise.
     #[serde(skip_serializing_if = "Option::is_none")]
     stopped: Option<&'a str>,
-    /// `"SIGINT"` or `"SIGTERM"`, with `stopped`.
+    /// `"SIGINT"`, `"SIGTERM"` or `"SIGHUP"`, with `stopped`.
     #[serde(skip_serializing_if = "Option::is_none")]
     stop_signal: Option<&'a str>,
-    /// With `stopped` and --save-dir: the step of the checkpoint that
-    /// continues the run (`null`: none was saved).
+    /// With `stopped`: the step of the checkpoint that continues the run
+    /// (`null`: none was saved, or no --save-dir).
     #[serde(skip_serializing_if = "Option::is_none")]
     checkpoint_step: Option<Option<u64>>,
 }
@@ -263,11 +263,7 @@ pub(super) fn print_summary(
             metrics: args.metrics.as_ref().map(|p| p.display().to_string()),
             stopped: ran.stop.as_ref().map(|s| s.cause.kind()),
             stop_signal: summary.stop_signal.as_deref(),
-            checkpoint_step: ran
-                .stop
-                .as_ref()
-                .filter(|_| args.save_dir.is_some())
-                .map(|s| s.checkpoint_step),
+            checkpoint_step: ran.stop.as_ref().map(|s| s.checkpoint_step),
         };
         let obj = serde_json::to_string(&obj)
             .map_err(|e| Failure::Internal(anyhow!("writing the JSON summary: {e}")))?;
