@@ -419,6 +419,14 @@ fn bad_inputs_exit_2_with_one_line() {
     std::fs::write(&bad_json, "{\"zero_optimization\": {\"stage\" 3}}").unwrap();
     let bad_stage = tmp.path().join("stage.json");
     std::fs::write(&bad_stage, r#"{"zero_optimization": {"stage": "three"}}"#).unwrap();
+    // More sub-groups than the engine supports, with --params as with
+    // --model (its rows were sized as if sub_group_size were larger).
+    let tiny_groups = tmp.path().join("groups.json");
+    std::fs::write(
+        &tiny_groups,
+        r#"{"zero_optimization": {"stage": 3, "sub_group_size": 100}}"#,
+    )
+    .unwrap();
     let budget = tmp.path().join("budget.json");
     std::fs::write(
         &budget,
@@ -476,6 +484,10 @@ fn bad_inputs_exit_2_with_one_line() {
         (
             vec!["--params", "7B", "--config", bad_stage.to_str().unwrap()],
             "zero_optimization.stage",
+        ),
+        (
+            vec!["--params", "1B", "--config", tiny_groups.to_str().unwrap()],
+            "raise sub_group_size to at least",
         ),
         (vec!["--model", missing.to_str().unwrap()], "--model"),
         (vec!["--model", bad_model.to_str().unwrap()], "bert"),

@@ -504,6 +504,22 @@ fn the_auto_pool_takes_at_most_half_the_free_space() {
             .speculation_slots,
         5
     );
+    // The params' swap in another directory of the same file system is
+    // counted as it is in the shared one (it was left out: the pool took
+    // its room, and the run was refused for space).
+    let mut split = cfg.clone();
+    std::fs::create_dir_all(d.join("swap-params")).unwrap();
+    split["zero_optimization"]["offload_param"]["nvme_path"] = json!(d.join("swap-params"));
+    let split = load_str(&split.to_string(), &run).unwrap().config;
+    for avail in [others, others + 3 * slot, others + 8 * slot + 1, u64::MAX] {
+        assert_eq!(
+            decide_within(&split, &shape, Some(avail))
+                .unwrap()
+                .speculation_slots,
+            slots(avail),
+            "{avail}"
+        );
+    }
     // Asked for (`true`), speculation keeps its least pool without room:
     // its extents then fail at fallocate with the numbers.
     let mut on = cfg.clone();

@@ -254,27 +254,21 @@ fn load_config(
         None => estimate::load_config(&text, ranks, total_numel),
     }
     .map_err(|e| bad(format!("--config: {e}")))?;
-    if let Some(m) = model {
-        // Before the layouts below (each would take the memory).
-        tierzero::engine::check_sub_group_count(
-            m.numel() as u64,
-            usize::try_from(ranks).unwrap_or(usize::MAX),
-            loaded.config.zero.sub_group_numel.0,
-        )
-        .map_err(|e| bad(format!("--config: {e}")))?;
-    }
+    // Before the layouts below (each would take the memory); with
+    // --params too (its rows were sized as if sub_group_size were larger,
+    // and said it fits a config train refuses).
+    tierzero::engine::check_sub_group_count(
+        model.map_or(total_numel, |m| m.numel() as u64),
+        usize::try_from(ranks).unwrap_or(usize::MAX),
+        loaded.config.zero.sub_group_numel.0,
+    )
+    .map_err(|e| bad(format!("--config: {e}")))?;
     // As train says them (one "warning:" line each).
     for w in &loaded.warnings {
         errln!("warning: {w}");
     }
     let c = &loaded.config;
-    let nvme_path = c
-        .zero
-        .offload_param
-        .device
-        .nvme_path()
-        .or_else(|| c.zero.offload_optimizer.device.nvme_path())
-        .map(Path::to_path_buf);
+    let nvme_path = nvme_path_of(c);
     Ok(FromConfig {
         swap: SwapSettings::from_config(c),
         param_elem_bytes: if path.is_some() {
@@ -699,6 +693,46 @@ fn render_table(r: &Report, config_choice: Option<Choice>) -> Result<String, std
         writeln!(out, "note: {n}")?;
     }
     Ok(out)
+}
+
+/// The swap path whose free space the estimate checks the NVMe total
+/// against: the params' or the optimizer's `nvme_path`, and where they are
+/// on two file systems the one with less free space, said (the params'
+/// path alone was taken: a run whose optimizer state did not fit its own
+/// disk was said to fit, and the reverse).
+fn nvme_path_of(c: &tierzero::config::Config) -> Option<PathBuf> {
+    let params = c.zero.offload_param.device.nvme_path();
+    let optimizer = c.zero.offload_optimizer.device.nvme_path();
+    let free = |p: &Path| {
+        p.ancestors()
+            .map(|a| {
+                if a.as_os_str().is_empty() {
+                    Path::new(".")
+                } else {
+                    a
+                }
+            })
+            .find(|a| a.exists())
+            .and_then(|a| tierzero_swap::space::filesystem_space(a).ok())
+            .map(|s| s.available_bytes)
+    };
+    match (params, optimizer) {
+        (Some(p), Some(o)) if !tierzero::engine::sizing::same_file_system(p, o) => {
+            let smaller = match (free(p), free(o)) {
+                (Some(fp), Some(fo)) if fo < fp => o,
+                _ => p,
+            };
+            errln!(
+                "note: the params' nvme_path {} and the optimizer's {} are on two file systems; \
+                 the NVMe total is checked against the one with less free space, {}",
+                p.display(),
+                o.display(),
+                smaller.display()
+            );
+            Some(smaller.to_path_buf())
+        }
+        (p, o) => p.or(o).map(Path::to_path_buf),
+    }
 }
 
 #[cfg(test)]

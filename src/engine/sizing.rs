@@ -59,7 +59,7 @@ pub use head::{check_logits_memory, logits_bytes, TRAIN_LOGITS_COPIES};
 pub use speculation::{
     speculation_kept_grads, speculation_pool, speculation_slots, SpeculationAsk, SpeculationPool,
 };
-pub use swap::{SwapUse, SWAP_SLACK_BYTES};
+pub use swap::{same_file_system, SwapUse, SWAP_SLACK_BYTES};
 
 /// Alignment of NVMe extents and pinned buffers (O_DIRECT).
 pub const ALIGN_BYTES: u64 = 4096;

@@ -84,13 +84,70 @@ impl Sizing {
         Some(payload_bytes.saturating_add(SWAP_SLACK_BYTES))
     }
 
-    /// Every swap space this rank makes under `dir`: the sum of
-    /// [`Sizing::swap_space_bytes`] over the uses configured there.
+    /// Every swap space this rank makes on `dir`'s file system: the sum of
+    /// [`Sizing::swap_space_bytes`] over the uses configured there, in
+    /// `dir` or in another directory of the same file system (the params'
+    /// `tdisk/p` beside the optimizer's `tdisk/o`, or one directory spelled
+    /// two ways: the auto speculation pool was sized as if the other
+    /// use's file were elsewhere, and the run then refused for space).
     pub fn swap_bytes_under(&self, config: &Config, dir: &Path) -> u64 {
         SwapUse::ALL
             .into_iter()
-            .filter(|u| u.nvme_path(config) == Some(dir))
+            .filter(|u| {
+                u.nvme_path(config)
+                    .is_some_and(|p| same_file_system(p, dir))
+            })
             .filter_map(|u| self.swap_space_bytes(config, u))
             .fold(0, u64::saturating_add)
+    }
+}
+
+/// Whether `a` and `b` (directories, made or not) are on one file system:
+/// their nearest existing ancestors' devices, or the paths themselves
+/// where a device is not known.
+pub fn same_file_system(a: &Path, b: &Path) -> bool {
+    if a == b {
+        return true;
+    }
+    match (file_system_id(a), file_system_id(b)) {
+        (Some(x), Some(y)) => x == y,
+        _ => false,
+    }
+}
+
+/// The device of `dir`'s nearest existing ancestor (`.` for a relative
+/// path's first component).
+fn file_system_id(dir: &Path) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt as _;
+    dir.ancestors()
+        .map(|p| {
+            if p.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                p
+            }
+        })
+        .find_map(|p| std::fs::metadata(p).ok())
+        .map(|m| m.dev())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+
+    #[test]
+    fn two_directories_of_one_file_system_are_one_file_system() {
+        let d = std::env::temp_dir().join(format!("tz-fs-{}", std::process::id()));
+        std::fs::create_dir_all(d.join("p")).unwrap();
+        // Made or not yet made, spelled as the same path or not.
+        assert!(same_file_system(&d.join("p"), &d.join("o")));
+        assert!(same_file_system(&d.join("o/x"), &d.join("o/x")));
+        assert!(same_file_system(&d.join("p"), &d.join("p/../p")));
+        // /proc is a file system of its own wherever it is mounted.
+        if Path::new("/proc/self").exists() {
+            assert!(!same_file_system(&d, Path::new("/proc/self")));
+        }
+        std::fs::remove_dir_all(&d).unwrap();
     }
 }
