@@ -1326,33 +1326,44 @@ mod tests {
         let (n, l, ranks) = (1_000_000_000u64, 50_000_000u64, 4u64);
         let r = estimate(&inputs(n, l, ranks, sw), &machine(1 << 40, 1 << 40, None)).unwrap();
         let s = n / ranks;
-        // Stages 0 and 1: the params replicated, the fp32 sums and the
-        // optimizer state sharded (the trainer shards them at every stage).
+        // On the CPU as the device, `offload_optimizer: none` is where
+        // train runs Adam on the host, with the same plan as `cpu`: each
+        // none row holds what the cpu row holds (its new param values and
+        // staged gradients were left out), all of it the device's; stage
+        // 0's as stage 1's.
+        let total = |e: &Estimate| {
+            e.per_rank.device_bytes + e.per_rank.pinned_bytes + e.per_rank.pageable_bytes
+        };
+        for stage in 1..=3 {
+            let none = find(&r, stage, Offload::None, Offload::None);
+            assert_eq!(
+                total(none),
+                total(find(&r, stage, Offload::Cpu, Offload::None)),
+                "stage {stage}"
+            );
+            assert_eq!(none.per_rank.device_bytes, total(none), "stage {stage}");
+        }
         assert_eq!(
-            find(&r, 0, Offload::None, Offload::None)
-                .per_rank
-                .device_bytes,
-            2 * n + 4 * s + 12 * s
+            find(&r, 0, Offload::None, Offload::None).per_rank,
+            find(&r, 1, Offload::None, Offload::None).per_rank
         );
+        // Stages 0 and 1: the params replicated, the fp32 sums and the
+        // optimizer state sharded (the trainer shards them at every stage),
+        // the stepped sub-groups' new values (one lent, and the spare) and
+        // the reduce's fp32 buffer of a unit (several ranks).
+        let host_side = 4 * s + 12 * s + 2 * 2 * s + 4 * l;
         assert_eq!(
             find(&r, 1, Offload::None, Offload::None)
                 .per_rank
                 .device_bytes,
-            2 * n + 4 * s + 12 * s
-        );
-        // Stage 2: grads too (plus one unit's 16-bit grads before the reduce).
-        assert_eq!(
-            find(&r, 2, Offload::None, Offload::None)
-                .per_rank
-                .device_bytes,
-            2 * n + 4 * s + 12 * s + 2 * l
+            2 * n + 2 * l + host_side
         );
         // Stage 3: params too, plus two gathered units.
         assert_eq!(
             find(&r, 3, Offload::None, Offload::None)
                 .per_rank
                 .device_bytes,
-            2 * s + 4 * s + 12 * s + 2 * 2 * l + 2 * l
+            2 * s + 2 * 2 * l + 2 * l + host_side
         );
         // Node totals are ranks × per rank.
         let e = find(&r, 3, Offload::Cpu, Offload::Cpu);
@@ -1414,7 +1425,9 @@ mod tests {
         assert_eq!(host, 2 * n);
         assert!(what.starts_with("bf16 gradients"), "{what}");
         assert_eq!(formula, "1000 × 2 B");
-        assert_eq!(device, fp32_device, "the device's sums are not the host's");
+        // On the CPU as the device, offload_optimizer none holds them as
+        // the host optimizer does (it is the host optimizer there).
+        assert_eq!(fp32_device - device, 2 * n);
         let (host, (what, _, formula), _) = grads(600);
         assert_eq!(host, 400 * 4 + 600 * 2);
         assert!(what.contains("fp32") && what.contains("bf16"), "{what}");
@@ -1450,12 +1463,14 @@ mod tests {
         inp.moment_elem_bytes = 2;
         inp.param_elem_bytes = 4;
         let r = estimate(&inp, &machine(1 << 40, 1 << 40, None)).unwrap();
-        // 4 (params) + 4 (grads) + 4 + 2 + 2 (master, m, v).
+        // 4 (params) + 4 (grads) + 4 + 2 + 2 (master, m, v), one unit's
+        // grads (10 × 4 B) and the new values of the sub-group lent and
+        // the spare (2 × 1000 × 4 B).
         assert_eq!(
             find(&r, 0, Offload::None, Offload::None)
                 .per_rank
                 .device_bytes,
-            16 * 1000
+            16 * 1000 + 10 * 4 + 2 * 1000 * 4
         );
     }
 
@@ -1709,13 +1724,18 @@ mod tests {
                 .pageable_bytes,
             12 * s + 2 * s
         );
-        // Without a GPU (the CPU computes), the rows are as before.
+        // Without a GPU (the CPU computes), Adam runs on the host as with
+        // offload_optimizer cpu, all of it the device's: the params, one
+        // unit's grads, the sums, the state and the stepped sub-groups'
+        // new values (one lent, and the spare: 2 × sub_group_size 1e9 ×
+        // 4 B, as the optimizer thread hands them over).
         let r = estimate(&inp, &machine(1 << 40, 1 << 40, None)).unwrap();
+        let none = find(&r, 0, Offload::None, Offload::None);
+        let items: Vec<_> = none.items.iter().map(|i| (i.what, i.bytes)).collect();
         assert_eq!(
-            find(&r, 0, Offload::None, Offload::None)
-                .per_rank
-                .device_bytes,
-            2 * n + 4 * n + 12 * n
+            none.per_rank.device_bytes,
+            2 * n + 2 * l + 4 * n + 12 * n + 2 * 1_000_000_000 * 4,
+            "{items:?}"
         );
     }
 

@@ -44,17 +44,38 @@ pub fn items(inp: &Inputs, c: Choice) -> Result<Vec<Item>, EstimateError> {
 
 /// Per-rank accounting of one choice on a GPU (`gpu`) or on the CPU as
 /// the device: on a GPU, `offload_optimizer: none` is accounted as
-/// `gpu_adam_items` does, else as [`items_within`].
+/// `gpu_adam_items` does; on the CPU, where train runs Adam on the host
+/// with or without the offload (the same plan), as `offload_optimizer:
+/// cpu` (its new param values and staged gradients were left out: a row
+/// recommended for 19.7 GiB was refused by train for ~31); else as
+/// [`items_within`].
 pub fn items_on(
     inp: &Inputs,
     c: Choice,
     gpu: bool,
     nvme_room_bytes: Option<u64>,
 ) -> Result<Vec<Item>, EstimateError> {
-    let mut v = if gpu && c.optimizer == Offload::None {
-        gpu_adam_items(inp, c, nvme_room_bytes)?
-    } else {
-        items_within(inp, c, nvme_room_bytes)?
+    let mut v = match (gpu, c.optimizer) {
+        (true, Offload::None) => gpu_adam_items(inp, c, nvme_room_bytes)?,
+        (false, Offload::None) => {
+            let mut v = items_within(
+                inp,
+                Choice {
+                    optimizer: Offload::Cpu,
+                    ..c
+                },
+                nvme_room_bytes,
+            )?;
+            // Nothing is offloaded from the CPU as the device: what the
+            // host optimizer holds in pageable memory is the device's.
+            for it in &mut v {
+                if it.tier == Tier::Pageable {
+                    it.tier = Tier::Device;
+                }
+            }
+            v
+        }
+        _ => items_within(inp, c, nvme_room_bytes)?,
     };
     if gpu && c.params == Offload::None {
         // The param store keeps the params whose home is the device as
