@@ -111,6 +111,49 @@ fn estimate_table_lists_every_choice_and_a_verdict() {
     assert!(s.contains("note: largest unit assumed"), "{s}");
 }
 
+/// An "auto" gradient accumulation (train's --grad-accum) is estimated as
+/// 1, and said where it matters: with the optimizer state on NVMe a run
+/// with more micro-batches also parks its sums there.
+#[test]
+fn an_auto_accumulation_with_nvme_state_is_said() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("ds.json");
+    let write = |ga: &str, device: &str| {
+        std::fs::write(
+            &cfg,
+            format!(
+                r#"{{"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": {ga},
+                    "zero_optimization": {{"stage": 3, "offload_optimizer":
+                    {{"device": "{device}", "nvme_path": "{}"}}}}}}"#,
+                tmp.path().display()
+            ),
+        )
+        .unwrap();
+    };
+    let note = "gradient_accumulation_steps is \"auto\"";
+    for (ga, device, said) in [
+        ("\"auto\"", "nvme", true),
+        ("4", "nvme", false),
+        ("\"auto\"", "cpu", false),
+    ] {
+        write(ga, device);
+        let out = tierzero(&[
+            "estimate",
+            "--params",
+            "1B",
+            "--config",
+            cfg.to_str().unwrap(),
+        ]);
+        assert_eq!(out.code, 0, "{}", out.stderr);
+        assert_eq!(
+            out.stderr.contains(note),
+            said,
+            "{ga} {device}: {}",
+            out.stderr
+        );
+    }
+}
+
 #[test]
 fn estimate_json_matches_the_formulas() {
     let tmp = tempfile::tempdir().unwrap();
@@ -470,6 +513,10 @@ fn bad_inputs_exit_2_with_one_line() {
         (
             vec!["--params", "7B", "--device-memory", "80"],
             "--device-memory 80GiB",
+        ),
+        (
+            vec!["--params", "7B", "--device-memory", "1e3"],
+            "--device-memory 1e3GiB",
         ),
         (vec!["--params", "-1"], "negative"),
         (vec!["--params", "1e-3"], "not a whole number"),

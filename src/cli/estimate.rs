@@ -268,6 +268,21 @@ fn load_config(
         errln!("warning: {w}");
     }
     let c = &loaded.config;
+    // An "auto" accumulation is train's --grad-accum: above 1 with the
+    // optimizer state on NVMe it parks sums there, which the rows then
+    // leave out. Said (it was taken as 1 without a word).
+    if loaded.resolved.iter().any(|r| {
+        r.key == "gradient_accumulation_steps" && r.source == tierzero::config::Source::HfDefault
+    }) && c.zero.offload_optimizer.device.nvme_path().is_some()
+    {
+        errln!(
+            "note: gradient_accumulation_steps is \"auto\" (train's --grad-accum fills it): \
+             estimated as 1; above 1, with the optimizer state on NVMe, a run also parks its \
+             gradient sums there (4 B a param) through {} pinned buffers of a sub-group: set \
+             it in the config to estimate that",
+            tierzero::engine::sizing::park_buffers(0).count
+        );
+    }
     let nvme_path = nvme_path_of(c);
     Ok(FromConfig {
         swap: SwapSettings::from_config(c),
@@ -382,7 +397,12 @@ pub fn run(a: EstimateArgs) -> Result<(), Failure> {
             }
             // A bare count below a MiB is a unit left out ("80" for 80 GiB:
             // it sized a device of 80 bytes).
-            if b < 1 << 20 && s.trim().bytes().all(|c| c.is_ascii_digit()) {
+            // (`1e3` too: a number without a unit letter.)
+            if b < 1 << 20
+                && s.trim()
+                    .bytes()
+                    .all(|c| c.is_ascii_digit() || matches!(c, b'.' | b'e' | b'E' | b'+'))
+            {
                 return Err(bad(format!(
                     "--device-memory {s}: {s} bytes; give the unit, e.g. --device-memory {s}GiB"
                 )));

@@ -197,14 +197,24 @@ pub fn parse_memlock(text: &str) -> Option<Memlock> {
 }
 
 /// Reads RAM and memlock from `/proc` (RAM within the memory cgroup's
-/// limit, [`probe_ram`]), the free space of `nvme_dir`, and
+/// limit, [`probe_ram`]; memlock unlimited with `CAP_IPC_LOCK`), the free
+/// space of `nvme_dir`, and
 /// takes `device_bytes` as given (no GPU driver is queried). Anything that
 /// cannot be read is `None`.
 pub fn probe_machine(nvme_dir: &Path, device_bytes: Option<u64>) -> Machine {
     let (ram_bytes, ram_available_bytes) = probe_ram();
-    let memlock = std::fs::read_to_string("/proc/self/limits")
-        .ok()
-        .and_then(|t| parse_memlock(&t));
+    // CAP_IPC_LOCK lifts the limit, as the arena honours it (root here
+    // was told to raise a limit that did not bind it).
+    let ipc_lock = std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
+        tierzero_swap::process::has_capability(&s, tierzero_swap::process::CAP_IPC_LOCK)
+    });
+    let memlock = if ipc_lock {
+        Some(Memlock::Unlimited)
+    } else {
+        std::fs::read_to_string("/proc/self/limits")
+            .ok()
+            .and_then(|t| parse_memlock(&t))
+    };
     let nvme_free_bytes = tierzero_swap::space::filesystem_space(nvme_dir)
         .ok()
         .map(|s| s.available_bytes);
