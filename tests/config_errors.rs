@@ -108,6 +108,20 @@ fn batch_arithmetic_that_does_not_add_up_shows_all_numbers() {
     );
     // The fix offers the accumulation that would make it add up.
     assert_msg(&e, &["`gradient_accumulation_steps` to 4"]);
+    // Sizes that are "auto" with no run value took HF's defaults (micro
+    // 8, accumulation 1): the fix is the run's values, not "auto" again.
+    let e = err(
+        json!({"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto",
+                       "gradient_accumulation_steps": "auto"}),
+    );
+    assert_msg(
+        &e,
+        &[
+            "`train_micro_batch_size_per_gpu` and `gradient_accumulation_steps` are \"auto\"",
+            "--micro-batch / --grad-accum",
+            "e.g. --grad-accum 2",
+        ],
+    );
 }
 
 #[test]

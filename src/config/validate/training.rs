@@ -149,7 +149,33 @@ pub(super) fn resolve_batch(ds: &DsConfig, r: &mut Resolver<'_>) -> Result<Batch
         .ok_or_else(overflow)?;
     if train != Some(product) {
         let d = m * ranks;
-        let fix = if t % d == 0 {
+        // A size that was "auto" with no run value took HF's default: the
+        // fix is the run's value, not the config key it already has as
+        // "auto" ("or use \"auto\"" was the advice).
+        let defaulted: Vec<&str> = [micro_key, gas_key]
+            .into_iter()
+            .filter(|k| {
+                r.resolved
+                    .iter()
+                    .any(|x| x.key == *k && x.source == Source::HfDefault)
+            })
+            .collect();
+        let fix = if !defaulted.is_empty() {
+            let e_g = match (t % d, t % (g * ranks)) {
+                (0, _) => format!(", e.g. --grad-accum {}", t / d),
+                (_, 0) => format!(", e.g. --micro-batch {}", t / (g * ranks)),
+                _ => String::new(),
+            };
+            let keys: Vec<String> = defaulted.iter().map(|k| format!("`{k}`")).collect();
+            format!(
+                "{} {} \"auto\" with no run value and took HF's default; give the run's \
+                 micro-batch and accumulation (tierzero train --micro-batch / --grad-accum, HF's \
+                 per_device_train_batch_size / gradient_accumulation_steps) that make {t}{e_g}, \
+                 or set `train_batch_size` to {product} or \"auto\"",
+                keys.join(" and "),
+                if keys.len() > 1 { "are" } else { "is" }
+            )
+        } else if t % d == 0 {
             format!("set `train_batch_size` to {product}, or `gradient_accumulation_steps` to {}, or use \"auto\"", t / d)
         } else {
             format!("set `train_batch_size` to {product} or to \"auto\"")
