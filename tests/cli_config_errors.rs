@@ -138,6 +138,29 @@ fn batch_arithmetic_that_does_not_add_up_shows_all_three_numbers() {
     );
 }
 
+/// A config saved as UTF-16 (a Windows editor's "Unicode") is named as
+/// such with the fix, by train and estimate alike (it read "stream did not
+/// contain valid UTF-8").
+#[test]
+fn a_config_that_is_not_utf8_is_named() {
+    let d = scratch("utf16");
+    let text = base(&d).to_string();
+    let mut bytes = vec![0xff, 0xfe];
+    bytes.extend(text.encode_utf16().flat_map(u16::to_le_bytes));
+    std::fs::write(d.join("bad.json"), bytes).unwrap();
+    for args in [
+        &["train", "--config", "bad.json", "--steps", "1"][..],
+        &["estimate", "--params", "1B", "--config", "bad.json"],
+    ] {
+        let out = run_tierzero(Some(&d), args);
+        assert_bad_input(
+            &out,
+            "utf16",
+            &["--config bad.json", "not UTF-8", "save it as UTF-8"],
+        );
+    }
+}
+
 #[test]
 fn nvme_offload_without_nvme_path() {
     check(

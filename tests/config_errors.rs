@@ -206,6 +206,21 @@ fn nvme_path_that_does_not_exist() {
             "mkdir -p",
         ],
     );
+    // A path a shell would split is quoted in the command; one with a
+    // line break is shown escaped, on one line, with no command to paste.
+    let spaced = tmp.path().join("two words");
+    let e = err_with(
+        &nvme_stage3(spaced.to_str().unwrap()).to_string(),
+        &RunContext::default(),
+    );
+    assert_msg(&e, &[&format!("mkdir -p '{}'", spaced.display())]);
+    let broken = tmp.path().join("swap\nrm -rf x");
+    let e = err_with(
+        &nvme_stage3(broken.to_str().unwrap()).to_string(),
+        &RunContext::default(),
+    );
+    assert_msg(&e, &["swap\\nrm -rf x", "create it or point"]);
+    assert!(!e.to_string().contains("mkdir"), "{e}");
     // CreateMissing creates it instead.
     let run = RunContext {
         path_checks: PathChecks::CreateMissing,

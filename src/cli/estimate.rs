@@ -245,8 +245,7 @@ fn load_config(
     model: Option<&Model>,
 ) -> Result<FromConfig, Failure> {
     let text = match path {
-        Some(p) => std::fs::read_to_string(p)
-            .map_err(|e| bad(format!("--config: cannot read {}: {e}", p.display())))?,
+        Some(p) => super::read_config_text(p)?,
         None => "{}".to_owned(),
     };
     let loaded = match model {

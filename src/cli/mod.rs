@@ -98,6 +98,25 @@ pub enum Failure {
     Internal(anyhow::Error),
 }
 
+/// The text of a `--config` file, for `train` and `estimate`: an
+/// unreadable file or one that is not UTF-8 is the user's, named with the
+/// fix (a UTF-16 file read "stream did not contain valid UTF-8").
+pub(crate) fn read_config_text(p: &std::path::Path) -> Result<String, Failure> {
+    std::fs::read_to_string(p).map_err(|e| {
+        Failure::BadInput(anyhow::anyhow!(
+            if e.kind() == std::io::ErrorKind::InvalidData {
+                format!(
+                    "--config {}: not UTF-8 text (saved as UTF-16 or Latin-1?); save it as UTF-8, \
+                 as DeepSpeed reads it",
+                    p.display()
+                )
+            } else {
+                format!("--config {}: cannot read it: {e}", p.display())
+            }
+        ))
+    })
+}
+
 /// Whether an I/O error of this kind, met at a path the user gave, is
 /// theirs to fix (exit 2): the path is missing, not allowed, read-only,
 /// a directory where a file goes (or the reverse), a name too long, or

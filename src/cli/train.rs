@@ -438,8 +438,7 @@ fn load_config(
     let (text, config_name, path_checks) = match &args.config {
         Some(p) => {
             must_exist("--config", p, false, "give a ds_config.json file")?;
-            let t = std::fs::read_to_string(p)
-                .map_err(|e| bad(format!("--config {}: {e}", p.display())))?;
+            let t = super::read_config_text(p)?;
             (t, p.display().to_string(), PathChecks::Check)
         }
         None => (

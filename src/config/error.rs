@@ -9,7 +9,7 @@
 //! - variants carry structured fields so callers and tests can match on them
 //!   instead of parsing text.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
@@ -36,6 +36,38 @@ pub(crate) fn truncate(s: &str) -> String {
         let mut out: String = one_line.chars().take(MAX_VALUE_CHARS).collect();
         out.push('…');
         out
+    }
+}
+
+/// A path as the config wrote it, for a message: a JSON string (quoted,
+/// control characters escaped: a newline in `nvme_path` made a three-line
+/// error), cut to [`MAX_VALUE_CHARS`].
+pub(crate) fn shown(p: &Path) -> String {
+    let s = serde_json::to_string(&p.to_string_lossy()).unwrap_or_else(|_| "<unprintable>".into());
+    if s.chars().count() <= MAX_VALUE_CHARS {
+        s
+    } else {
+        let mut out: String = s.chars().take(MAX_VALUE_CHARS).collect();
+        out.push('…');
+        out
+    }
+}
+
+/// `mkdir -p` of `p` as a shell reads it (single-quoted where it holds
+/// anything but plain path characters: a space made two directories), or
+/// words without a command where it holds control characters.
+fn mkdir_fix(p: &Path) -> String {
+    let s = p.to_string_lossy();
+    if s.chars().any(char::is_control) {
+        return "create it".to_owned();
+    }
+    let plain = s
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || "/._-+,:=@%~".contains(c));
+    if plain && !s.is_empty() {
+        format!("create it (mkdir -p {s})")
+    } else {
+        format!("create it (mkdir -p '{}')", s.replace('\'', r"'\''"))
     }
 }
 
@@ -185,7 +217,7 @@ pub enum ConfigError {
     },
 
     /// `nvme_path` does not exist.
-    #[error("`{key}` = {}: directory does not exist; fix: create it (mkdir -p {}) or point `{key}` at a directory on a local NVMe drive", dir.display(), dir.display())]
+    #[error("`{key}` = {}: directory does not exist; fix: {} or point `{key}` at a directory on a local NVMe drive", shown(dir), mkdir_fix(dir))]
     NvmePathNotFound {
         /// JSON path of the key.
         key: String,
@@ -194,7 +226,7 @@ pub enum ConfigError {
     },
 
     /// `nvme_path` exists but is not a directory.
-    #[error("`{key}` = {}: exists but is not a directory; fix: point `{key}` at a directory (swap files are created inside it)", dir.display())]
+    #[error("`{key}` = {}: exists but is not a directory; fix: point `{key}` at a directory (swap files are created inside it)", shown(dir))]
     NvmePathNotDir {
         /// JSON path of the key.
         key: String,
@@ -204,7 +236,7 @@ pub enum ConfigError {
 
     /// `nvme_path` is a directory we cannot create files in (or could not
     /// be created).
-    #[error("`{key}` = {}: not writable ({reason}); fix: choose a directory you can write to or fix its permissions", dir.display())]
+    #[error("`{key}` = {}: not writable ({}); fix: choose a directory you can write to or fix its permissions", shown(dir), truncate(reason))]
     NvmePathNotWritable {
         /// JSON path of the key.
         key: String,

@@ -99,6 +99,19 @@ pub(crate) fn parse(text: &str) -> Result<Value, ConfigError> {
         // The closing brace's line is past the file's end: its last line.
         let last_line = text.lines().count().max(1);
         return parse_text(&wrapped).map_err(|e| match e {
+            // At the added closing brace: said as the file's end, and why
+            // an object was read ("at `}`" named a brace not in the file).
+            ConfigError::Json { line, message, .. } if line > last_line + 1 => ConfigError::Json {
+                line: last_line,
+                column: text.lines().last().map_or(1, |l| l.chars().count() + 1),
+                message: format!(
+                    "{} (the file does not start with '{{', so it is read as hjson's object \
+                     without braces, `key: value` lines; a config is an object)",
+                    message
+                        .replace("at `}`", "at the end of the file")
+                        .replace("at '}'", "at the end of the file")
+                ),
+            },
             ConfigError::Json {
                 line,
                 column,
@@ -455,6 +468,22 @@ mod tests {
         match parse("a: 1\nb: {\n") {
             Err(ConfigError::Json { line, .. }) => assert_eq!(line, 2),
             other => panic!("{other:?}"),
+        }
+        // A bare value is not an object: the error is at the file's end,
+        // not at the brace added around it, and says why it was read so.
+        for bare in ["3", "a", "a:"] {
+            match parse(bare) {
+                Err(ConfigError::Json { line, message, .. }) => {
+                    assert_eq!(line, 1);
+                    assert!(
+                        message.contains("at the end of the file")
+                            && message.contains("a config is an object")
+                            && !message.contains('}'),
+                        "{bare}: {message}"
+                    );
+                }
+                other => panic!("{bare}: {other:?}"),
+            }
         }
         // A braced document, after comments, is read as it is.
         assert!(starts_with_brace_or_bracket("// x\n/* y */ # z\n {}"));
