@@ -170,8 +170,18 @@ pub(crate) fn swap_error_is_users(e: &tierzero_swap::SwapError) -> bool {
                 | E::Locked { .. }
         ) || matches!(e, E::Setup { source, .. } if user_fixable_io(source.kind()))
             // A full disk or a file-size limit: the user frees space or
-            // raises the limit.
-            || matches!(e, E::Io { source, .. } if matches!(source.kind(), std::io::ErrorKind::StorageFull | std::io::ErrorKind::FileTooLarge | std::io::ErrorKind::QuotaExceeded | std::io::ErrorKind::ReadOnlyFilesystem))
+            // raises the limit; also when a later operation reports it on
+            // the space the failed write poisoned (that was exit 1).
+            || (matches!(e, E::Io { .. } | E::Poisoned { .. })
+                && e.io_kind().is_some_and(|k| {
+                    matches!(
+                        k,
+                        std::io::ErrorKind::StorageFull
+                            | std::io::ErrorKind::FileTooLarge
+                            | std::io::ErrorKind::QuotaExceeded
+                            | std::io::ErrorKind::ReadOnlyFilesystem
+                    )
+                }))
     }
 }
 
@@ -387,7 +397,25 @@ fn init_tracing() {
 
 #[cfg(test)]
 mod tests {
-    use super::chain_text;
+    use super::{chain_text, swap_error_is_users};
+
+    /// A space poisoned by a write the disk or a limit refused is the
+    /// user's (exit 2) when a later operation reports it; by an EIO it is
+    /// not (it was exit 1 either way).
+    #[test]
+    fn a_poisoned_space_is_the_users_when_its_write_hit_a_limit() {
+        use std::io::ErrorKind as K;
+        let poisoned = |io_kind| tierzero_swap::SwapError::Poisoned {
+            op: tierzero_swap::IoOp::Write,
+            cause: "write failed".into(),
+            io_kind,
+        };
+        for k in [K::StorageFull, K::FileTooLarge, K::QuotaExceeded] {
+            assert!(swap_error_is_users(&poisoned(Some(k))), "{k:?}");
+        }
+        assert!(!swap_error_is_users(&poisoned(Some(K::Other))));
+        assert!(!swap_error_is_users(&poisoned(None)));
+    }
 
     #[derive(Debug, thiserror::Error)]
     #[error("creating x: {source}")]

@@ -71,7 +71,14 @@ pub enum SwapError {
     /// A write failed earlier; the contents of this swap space can no longer
     /// be trusted, so every later operation fails fast.
     #[error("swap space is poisoned by an earlier failed write ({cause}); refusing {op} to avoid using bad data")]
-    Poisoned { op: IoOp, cause: String },
+    Poisoned {
+        op: IoOp,
+        cause: String,
+        /// The failed write's OS error kind, when it had one: a full disk
+        /// or a file-size limit is the user's to fix, whichever later
+        /// operation reports it.
+        io_kind: Option<std::io::ErrorKind>,
+    },
 
     /// `RLIMIT_MEMLOCK` is below the pinned budget.
     #[error("cannot pin {requested_bytes} bytes: RLIMIT_MEMLOCK is {limit_bytes} bytes ({locked_bytes} already locked). Fix: raise it (`ulimit -l unlimited`, `memlock` in /etc/security/limits.conf, `LimitMEMLOCK=infinity` for systemd, `--ulimit memlock=-1` for docker), or lower the pinned budget to at most {limit_bytes} bytes")]
@@ -163,6 +170,16 @@ pub enum SwapError {
 }
 
 impl SwapError {
+    /// The OS error kind behind this error, if there is one (a poisoned
+    /// space's: the failed write's).
+    pub fn io_kind(&self) -> Option<std::io::ErrorKind> {
+        match self {
+            SwapError::Io { source, .. } | SwapError::Setup { source, .. } => Some(source.kind()),
+            SwapError::Poisoned { io_kind, .. } => *io_kind,
+            _ => None,
+        }
+    }
+
     /// The OS error code behind this error, if there is one.
     pub fn raw_os_error(&self) -> Option<i32> {
         match self {

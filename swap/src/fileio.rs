@@ -455,7 +455,8 @@ impl FileTicket {
 #[derive(Debug, Default)]
 struct Poison {
     set: AtomicBool,
-    cause: Mutex<Option<String>>,
+    /// The first failed write's message and OS error kind.
+    cause: Mutex<Option<(String, Option<std::io::ErrorKind>)>>,
 }
 
 #[derive(Debug)]
@@ -623,7 +624,7 @@ impl Shared {
         }
         let error = op.error.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let (IoOp::Write, Some(e)) = (op.op, &error) {
-            self.poison(format!("{e}"));
+            self.poison(format!("{e}"), e.io_kind());
         }
         self.counters.ops.fetch_add(1, Ordering::Relaxed);
         let finish = op.finish.lock().unwrap_or_else(|e| e.into_inner()).take();
@@ -636,10 +637,10 @@ impl Shared {
         }
     }
 
-    fn poison(&self, cause: String) {
+    fn poison(&self, cause: String, io_kind: Option<std::io::ErrorKind>) {
         let mut c = self.poison.cause.lock().unwrap_or_else(|e| e.into_inner());
         if c.is_none() {
-            *c = Some(cause);
+            *c = Some((cause, io_kind));
         }
         self.poison.set.store(true, Ordering::Release);
     }
@@ -825,7 +826,7 @@ impl FileIo {
         memory: HostMemory,
     ) -> Result<FileTicket> {
         if self.is_poisoned() {
-            let cause = self
+            let (cause, io_kind) = self
                 .shared
                 .poison
                 .cause
@@ -833,7 +834,7 @@ impl FileIo {
                 .unwrap_or_else(|e| e.into_inner())
                 .clone()
                 .unwrap_or_default();
-            return Err(SwapError::Poisoned { op, cause });
+            return Err(SwapError::Poisoned { op, cause, io_kind });
         }
         let len = memory.len_bytes as u64;
         // Offsets past i64::MAX are no file's (the kernel takes loff_t),
@@ -1203,7 +1204,19 @@ mod tests {
             let e = io
                 .submit(IoOp::Write, &f, 0, HostMemory::from_vec(vec![7; 10], 0, 10))
                 .unwrap_err();
-            assert!(matches!(e, SwapError::Poisoned { .. }), "{e}");
+            // The failed write's kind travels with the poison: a full disk
+            // is the user's, whichever later operation reports it.
+            assert!(
+                matches!(
+                    e,
+                    SwapError::Poisoned {
+                        io_kind: Some(std::io::ErrorKind::StorageFull),
+                        ..
+                    }
+                ),
+                "{e:?}"
+            );
+            assert_eq!(e.io_kind(), Some(std::io::ErrorKind::StorageFull));
         }
     }
 

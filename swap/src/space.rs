@@ -188,7 +188,8 @@ pub struct SwapSpace {
     stripe_bytes: u64,
     checksums: bool,
     poisoned: AtomicBool,
-    poison_cause: Mutex<Option<String>>,
+    /// The first failed write's message and OS error kind.
+    poison_cause: Mutex<Option<(String, Option<std::io::ErrorKind>)>>,
     next_extent: AtomicU64,
     /// The `tierzero/` directories this space uses (dropped after the files).
     _dirs: Vec<DirLease>,
@@ -557,12 +558,13 @@ impl SwapSpace {
         })))
     }
 
-    /// Marks the space poisoned (the first cause wins).
-    pub fn poison(&self, cause: String) {
+    /// Marks the space poisoned (the first cause wins), with the failed
+    /// write's OS error kind when it had one.
+    pub fn poison(&self, cause: String, io_kind: Option<std::io::ErrorKind>) {
         let mut c = self.poison_cause.lock().unwrap_or_else(|e| e.into_inner());
         if c.is_none() {
             tracing::error!(%cause, "swap space poisoned");
-            *c = Some(cause);
+            *c = Some((cause, io_kind));
         }
         self.poisoned.store(true, Ordering::Release);
     }
@@ -577,13 +579,13 @@ impl SwapSpace {
         if !self.is_poisoned() {
             return Ok(());
         }
-        let cause = self
+        let (cause, io_kind) = self
             .poison_cause
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
             .unwrap_or_default();
-        Err(SwapError::Poisoned { op, cause })
+        Err(SwapError::Poisoned { op, cause, io_kind })
     }
 }
 

@@ -430,7 +430,15 @@ fn failed_write_reports_and_poisons() {
                 Err(SwapError::Poisoned {
                     op: IoOp::Read,
                     cause,
-                }) => assert!(cause.contains("write of")),
+                    io_kind,
+                }) => {
+                    assert!(cause.contains("write of"));
+                    // The failed write's kind, for the CLI's exit code.
+                    assert_eq!(
+                        io_kind,
+                        Some(std::io::Error::from_raw_os_error(errno).kind())
+                    );
+                }
                 other => panic!("{be:?}: expected Poisoned, got {other:?}"),
             }
             r.engine.wait_idle();

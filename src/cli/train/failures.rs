@@ -101,9 +101,24 @@ pub(super) fn run_failure(e: EngineError, what: &str) -> Failure {
             what.to_owned()
         }
     };
+    // A swap write the disk or a limit refused, while training: where to
+    // look, and the way back.
+    let swap_users = |what: &str| {
+        if what.starts_with("saving a checkpoint") {
+            users(what)
+        } else {
+            format!(
+                "{what} (a swap write under the nvme_path failed: free space there, raise the \
+                 quota or the file-size limit (ulimit -f), then --resume from the last \
+                 checkpoint)"
+            )
+        }
+    };
     match e {
         EngineError::Swap(s) => {
-            let what = if crate::cli::swap_error_is_users(&s) {
+            let what = if crate::cli::swap_error_is_users(&s) && s.io_kind().is_some() {
+                swap_users(what)
+            } else if crate::cli::swap_error_is_users(&s) {
                 users(what)
             } else {
                 what.to_owned()

@@ -89,11 +89,14 @@ impl SwapSpace {
             CopyWay::FromFile,
         );
         if let Err(e) = &r {
-            self.poison(format!(
-                "restoring extent {} from {}: {e}",
-                ext.id().0,
-                src_path.display()
-            ));
+            self.poison(
+                format!(
+                    "restoring extent {} from {}: {e}",
+                    ext.id().0,
+                    src_path.display()
+                ),
+                e.io_kind(),
+            );
         }
         r
     }
