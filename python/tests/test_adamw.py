@@ -311,6 +311,79 @@ def test_weights_loaded_into_offloaded_params_after_the_optimizer_are_stepped(tm
     assert moved <= 1e-3 + 1e-6, moved
 
 
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_a_change_made_while_gathered_is_stepped_from(offload, tmp_path):
+    # A clamp or re-init inside handle.gathered() went to the param's home
+    # but not to the optimizer's master: the next step wrote the master's
+    # older values back (max |w| was 0.25 after zeroing and one lr-1e-3 step).
+    torch.manual_seed(0)
+    m = torch.nn.Linear(400, 300)
+    h = tzt.offload_parameters(m, offload, nvme_path=tmp_path / "p")
+    opt = tzt.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0, offload="nvme", nvme_path=tmp_path / "o")
+    m(torch.randn(2, 400)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    with h.gathered():
+        with torch.no_grad():
+            m.weight.zero_()
+    m(torch.randn(2, 400)).sum().backward()
+    opt.step()
+    # One step from zero: about lr (Adam's second step may pass it a
+    # little), nowhere near the init's 0.05.
+    moved = m.state_dict()["weight"].abs().max().item()
+    assert moved <= 2e-3, moved
+    # Gathered only to read: nothing is re-read (a bf16 home would round
+    # the master), the weights are the ones the optimizer wrote.
+    before = m.state_dict()["weight"].clone()
+    with h.gathered():
+        pass
+    assert torch.equal(m.state_dict()["weight"], before)
+    h.remove()
+
+
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_a_step_marks_the_params_written_as_torch_does(offload, tmp_path):
+    # The kernel writes the params through their memory: torch's check of
+    # a graph that saved them before the step did not fire, and backward
+    # ran with the new values.
+    # (nvme: one fp32 param, a sub-group the kernel writes in place too.)
+    lin = torch.nn.Linear(4, 4, bias=offload != "nvme")
+    opt = tzt.AdamW(lin.parameters(), lr=0.1, offload=offload, nvme_path=tmp_path)
+    x = torch.randn(2, 4, requires_grad=True)
+    lin(x).sum().backward()
+    y = lin(x).pow(2).sum()
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+    # And the optimizer does not take its own write for a user's change:
+    # its second step matches torch's, stepped alike.
+    torch.manual_seed(1)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    b.load_state_dict(a.state_dict())
+    mine = tzt.AdamW(a.parameters(), lr=0.1, offload=offload, nvme_path=tmp_path / "b")
+    ref = torch.optim.AdamW(b.parameters(), lr=0.1)
+    for _ in range(3):
+        for m, o in ((a, mine), (b, ref)):
+            o.zero_grad()
+            m(x.detach()).pow(2).sum().backward()
+            o.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+def test_a_state_dict_of_other_shapes_is_refused():
+    # Another model's moments were sliced to this one's size and stepped.
+    a = torch.nn.Linear(8, 8)
+    opt = tzt.AdamW(a.parameters(), lr=1e-3, offload="cpu")
+    a(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    b = torch.nn.Linear(4, 8)
+    other = tzt.AdamW(b.parameters(), lr=5e-3, offload="cpu")
+    with pytest.raises(ValueError, match=r"'exp_avg' has 64 elements .* param of shape \(8, 4\)"):
+        other.load_state_dict(opt.state_dict())
+    assert other.param_groups[0]["lr"] == 5e-3  # nothing loaded
+
+
 def test_a_checkpoint_keeps_each_sub_group_s_step_count(tmp_path):
     # A param over two sub-groups whose gradient was None while the other
     # sub-group's param had one: sub-groups [0, 3] were loaded as [3, 3]

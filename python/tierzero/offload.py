@@ -88,7 +88,10 @@ def home_of(param):
 class _Home:
     """Where one param lives between uses, and its live references."""
 
-    __slots__ = ("param", "owner", "shape", "dtype", "numel", "host", "offset", "refs", "inflight", "loads", "__weakref__")
+    __slots__ = (
+        "param", "owner", "shape", "dtype", "numel", "host", "offset", "refs", "inflight", "loads",
+        "live_version", "__weakref__",
+    )
 
     def __init__(self, param, owner):
         self.param = param
@@ -100,9 +103,13 @@ class _Home:
         self.offset = None  # "nvme": offset in the file
         self.refs = 0
         self.inflight = None  # "nvme": tensor being read
-        # Loads into it (``model.load_state_dict``): an optimizer whose
-        # master copy was taken before one reads the param again.
+        # Writes into it from outside the optimizer (``model.load_state_dict``,
+        # an in-place change while gathered): an optimizer whose master copy
+        # was taken before one reads the param again.
         self.loads = 0
+        # The param's version when it was made live: changed at release, it
+        # was written in place while live (a clamp_ in ``gathered()``).
+        self.live_version = None
 
     @property
     def device(self):
@@ -332,12 +339,19 @@ class ParamOffload:
             h.refs += 1
         if not h.is_live():
             h.param.data = self._load(h).view(h.shape)
+            h.live_version = h.param._version
 
     def _release(self, h, force=False):
         if not force:
             h.refs = max(0, h.refs - 1)
             if h.refs:
                 return
+        if h.is_live() and h.live_version is not None and h.param._version != h.live_version:
+            # Changed in place while live (a WGAN clamp, a re-init inside
+            # ``gathered()``): written back, and the optimizer told, whose
+            # master would otherwise step from the old values over it.
+            h.loads += 1
+            self._dirty.add(h)
         if h in self._dirty and h.is_live():
             if h.offset is not None:
                 self._io(self._aio.sync_pwrite, h.param.data.detach().reshape(-1).cpu().contiguous(), self._file, h.offset)

@@ -255,6 +255,14 @@ def _plain(v):
     return v
 
 
+def _bump_version(p):
+    """Marks ``p`` written in place, as ``p.add_`` would: the kernel writes
+    through its DLPack pointer, which torch does not see, so a graph that
+    saved ``p`` before the step was backpropagated with the new values
+    instead of raising torch's "modified by an inplace operation"."""
+    torch.autograd.graph.increment_version(p)
+
+
 def _write_mark(p):
     """What tells whether ``p`` changed since an optimizer wrote (or read)
     it: its version and storage, or, offloaded, the loads into its home."""
@@ -639,7 +647,10 @@ class AdamW(torch.optim.Optimizer):
         # I/O error) leaves the count, and the next step's bias correction,
         # as they were.
         s.steps += 1
-        if not direct:
+        if direct:
+            _bump_version(s.pieces[0][0])
+            self._note_written(s)
+        else:
             self._scatter_params(s, out, slot)
         self._stepped.add(i)
 
@@ -696,6 +707,8 @@ class AdamW(torch.optim.Optimizer):
         for i in todo:
             self._subgroups[i].steps += 1
             self._stepped.add(i)
+            for p, *_ in self._subgroups[i].pieces:
+                _bump_version(p)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -882,13 +895,27 @@ class AdamW(torch.optim.Optimizer):
                 raise ValueError(
                     f"loaded state dict has a group of {len(saved['params'])} params where the optimizer has {len(mine['params'])}"
                 )
+            for idx, p in zip(saved["params"], mine["params"]):
+                params[p] = state_dict["state"].get(idx, state_dict["state"].get(str(idx)))
+        # Another param's state (another model's, or groups in another
+        # order) was sliced to this one's size: refused before anything,
+        # hyper-parameters included, is loaded.
+        for p, st in params.items():
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                t = st.get(key) if st else None
+                if t is not None and t.numel() != _shape(p).numel():
+                    raise ValueError(
+                        f"loaded state's {key!r} has {t.numel()} elements (shape "
+                        f"{tuple(t.shape)}) for a param of shape {tuple(_shape(p))}: the state "
+                        f"dict is another model's, or its param groups are in another order"
+                    )
+        for mine, saved in zip(self.param_groups, groups):
             for k, v in saved.items():
                 if k != "params":
                     mine[k] = v
-            for idx, p in zip(saved["params"], mine["params"]):
-                params[p] = state_dict["state"].get(idx, state_dict["state"].get(str(idx)))
-                if p in self._empty_steps:
-                    self._empty_steps[p] = int(float(params[p]["step"])) if params[p] else 0
+        for p, st in params.items():
+            if p in self._empty_steps:
+                self._empty_steps[p] = int(float(st["step"])) if st else 0
         self._stale.clear()  # every master is loaded and scattered below
         for i, s in enumerate(self._subgroups):
             master = torch.empty(s.numel, dtype=torch.float32)
