@@ -1727,14 +1727,18 @@ mod tests {
         // Without a GPU (the CPU computes), Adam runs on the host as with
         // offload_optimizer cpu, all of it the device's: the params, one
         // unit's grads, the sums, the state and the stepped sub-groups'
-        // new values (one lent, and the spare: 2 × sub_group_size 1e9 ×
-        // 4 B, as the optimizer thread hands them over).
+        // new values (a unit's two sub-groups lent, and the spare: 3 ×
+        // sub_group_size 1e9 × 2 B).
         let r = estimate(&inp, &machine(1 << 40, 1 << 40, None)).unwrap();
         let none = find(&r, 0, Offload::None, Offload::None);
-        let items: Vec<_> = none.items.iter().map(|i| (i.what, i.bytes)).collect();
+        let items: Vec<_> = none
+            .items
+            .iter()
+            .map(|i| (i.what, i.bytes, i.formula.clone()))
+            .collect();
         assert_eq!(
             none.per_rank.device_bytes,
-            2 * n + 2 * l + 4 * n + 12 * n + 2 * 1_000_000_000 * 4,
+            2 * n + 2 * l + 4 * n + 12 * n + 3 * 1_000_000_000 * 2,
             "{items:?}"
         );
     }

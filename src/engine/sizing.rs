@@ -184,11 +184,12 @@ impl Shape {
 
     /// The shape of a model known only by its size: `per_rank_numel`
     /// elements on this rank, the largest param (if known) first and the
-    /// rest in params of `sub_group_numel`, one sub-group each. The largest
-    /// param is tiled into sub-groups of `sub_group_numel` as a real layout
-    /// tiles it (`crate::engine::layout`), and its groups count as the
-    /// first units' (it is the embedding). The largest sub-group is thus
-    /// `min(sub_group_size, elements)`, whatever the largest param.
+    /// rest in params of `sub_group_numel`; the sub-groups tile all of
+    /// them in order, `sub_group_numel` each, as a real layout packs and
+    /// tiles params (`crate::engine::layout`), and those holding the
+    /// largest param count as the first units' (it is the embedding). The
+    /// largest sub-group is thus `min(sub_group_size, elements)`, whatever
+    /// the largest param.
     pub fn estimated(
         per_rank_numel: u64,
         largest_param_numel: Option<u64>,
@@ -203,30 +204,33 @@ impl Shape {
         let chunk = sub_group_numel
             .max(1)
             .max(per_rank_numel.div_ceil(MAX_ESTIMATED_GROUPS));
-        if let Some(l) = largest_param_numel.filter(|l| *l > 0) {
-            let l = l.min(left);
+        // The largest param (`l`) first, then the rest in params of
+        // `chunk`; the sub-groups tile them all in order, as a layout packs
+        // params into sub-groups of `sub_group_size` (the largest param's
+        // last tile shares its group with what follows: alone, it made
+        // the largest group smaller than a whole model that fits one, and
+        // the config's pinned-budget check asked for less than the run's).
+        let l = largest_param_numel.unwrap_or(0).min(left);
+        if l > 0 {
             params.push(l);
             left -= l;
-            let mut tiles = l;
-            while tiles > 0 {
-                let n = chunk.min(tiles);
-                sub_groups.push(GroupShape {
-                    numel: n,
-                    first_units: true,
-                    sum_dtype: SumDtype::F32,
-                });
-                tiles -= n;
-            }
         }
         while left > 0 {
             let n = chunk.min(left);
             params.push(n);
+            left -= n;
+        }
+        let mut offset = 0;
+        while offset < per_rank_numel {
+            let n = chunk.min(per_rank_numel - offset);
             sub_groups.push(GroupShape {
                 numel: n,
-                first_units: sub_groups.is_empty(),
+                // Holding (part of) the largest param, the embedding, or
+                // the first group.
+                first_units: offset == 0 || offset < l,
                 sum_dtype: SumDtype::F32,
             });
-            left -= n;
+            offset += n;
         }
         Shape {
             param_shard_numel: params,
@@ -1076,6 +1080,21 @@ mod tests {
         let s = Shape::estimated(500, None, 1_000_000);
         assert_eq!(s.param_shard_numel, vec![500]);
         assert_eq!(Shape::estimated(0, Some(5), 10).numel(), 0);
+        // A model that fits one sub-group is one, whatever its largest
+        // param (alone, that param made a smaller largest group, and the
+        // config's pinned-budget check asked for less than the run's).
+        let s = Shape::estimated(1_878_144, Some(147_456), 1_000_000_000);
+        assert_eq!(s.max_sub_group_numel(), 1_878_144);
+        assert_eq!(s.sub_groups.len(), 1);
+        assert_eq!(s.param_shard_numel, vec![147_456, 1_730_688]);
+        // The largest param's last tile shares its group with what follows.
+        let s = Shape::estimated(10, Some(5), 4);
+        let groups: Vec<(u64, bool)> = s
+            .sub_groups
+            .iter()
+            .map(|g| (g.numel, g.first_units))
+            .collect();
+        assert_eq!(groups, [(4, true), (4, true), (2, false)]);
     }
 
     #[test]
