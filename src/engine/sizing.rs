@@ -1008,18 +1008,19 @@ mod tests {
         assert_eq!(slots(A::Auto, 10, Some(6000)), 10);
         assert_eq!(slots(A::Auto, 10, Some(3000)), 5);
         assert_eq!(slots(A::Auto, 10, Some(2999)), 4);
-        assert_eq!(slots(A::Auto, 10, Some(900)), 3);
-        // ... and off when that least pool does not fit the room, while
-        // speculative_step true keeps it (the disk check then refuses).
+        assert_eq!(slots(A::Auto, 10, Some(1800)), 3);
+        // ... and off when that least pool does not fit half the room (the
+        // rest is the checkpoints'), while speculative_step true keeps it
+        // (the disk check then refuses).
         assert_eq!(
-            pool(A::Auto, 10, Some(899)),
+            pool(A::Auto, 10, Some(1799)),
             SpeculationPool {
                 slots: 0,
                 off_for_room_bytes: Some(900)
             }
         );
         assert_eq!(
-            pool(A::On, 10, Some(899)),
+            pool(A::On, 10, Some(1799)),
             SpeculationPool {
                 slots: 3,
                 off_for_room_bytes: None
@@ -1028,8 +1029,8 @@ mod tests {
         assert_eq!(slots(A::On, 10, Some(0)), 3);
         assert_eq!(slots(A::On, 2, Some(0)), 2);
         assert_eq!(slots(A::On, 10, Some(3000)), 5);
-        assert_eq!(slots(A::Auto, 2, Some(600)), 2);
-        assert_eq!(slots(A::Auto, 2, Some(599)), 0);
+        assert_eq!(slots(A::Auto, 2, Some(1200)), 2);
+        assert_eq!(slots(A::Auto, 2, Some(1199)), 0);
         // bytes: floor(bytes / slot), at least one, at most the groups,
         // whatever the room.
         assert_eq!(slots(A::PoolBytes(1500), 10, None), 5);

@@ -695,7 +695,7 @@ fn nvme_state_grads(
             Tier::Nvme,
             SPECULATION_POOL,
             0,
-            format!("auto off: its least pool, {least} B, does not fit the {room} B left; the step waits for the norm (same bits)"),
+            format!("auto off: its least pool, {least} B, does not fit half the {room} B left (the rest is left for checkpoints); the step waits for the norm (same bits)"),
         );
     }
     Ok(())

@@ -702,10 +702,10 @@ impl fmt::Display for Plan {
         if let Some(bytes) = self.speculation_off_for_room_bytes {
             let _ = writeln!(
                 s,
-                "  speculative step: off: its least pool ({} of NVMe) does not fit the free \
-                 space beside the optimizer state's swap, so each step waits for the norm (the \
-                 same bits; tierzero.speculation_pool_bytes or speculative_step true asks for \
-                 it anyway)",
+                "  speculative step: off: its least pool ({} of NVMe) does not fit half the \
+                 free space beside the optimizer state's swap (the rest is left for \
+                 checkpoints), so each step waits for the norm (the same bits; \
+                 tierzero.speculation_pool_bytes or speculative_step true asks for it anyway)",
                 cell(bytes).trim()
             );
         }

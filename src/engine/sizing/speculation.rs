@@ -41,7 +41,7 @@ pub struct SpeculationPool {
     /// State slots; 0 without speculation.
     pub slots: usize,
     /// Auto speculation turned off because its least pool (these bytes)
-    /// does not fit the room; `None` otherwise.
+    /// does not fit half the room; `None` otherwise.
     pub off_for_room_bytes: Option<u64>,
 }
 
@@ -93,15 +93,16 @@ pub fn speculation_pool(
             let Some(room) = room_bytes else {
                 return pool(nvme_groups);
             };
-            let slots = buys(room / 2).clamp(floor, nvme_groups);
-            let bytes = (slots as u64).saturating_mul(slot_bytes);
-            if ask == SpeculationAsk::Auto && bytes > room {
-                SpeculationPool {
+            let slots = buys(room / 2).min(nvme_groups);
+            match ask {
+                // Never past half the room, the rest left for checkpoints
+                // (a least pool raised to the whole room left a save on the
+                // same disk no space: the run trained, then failed at it).
+                SpeculationAsk::Auto if slots < floor => SpeculationPool {
                     slots: 0,
-                    off_for_room_bytes: Some(bytes),
-                }
-            } else {
-                pool(slots)
+                    off_for_room_bytes: Some((floor as u64).saturating_mul(slot_bytes)),
+                },
+                _ => pool(slots.max(floor)),
             }
         }
     }
