@@ -1667,3 +1667,38 @@ fn the_loss_scale_at_its_minimum_is_exit_2_with_the_fixes() {
         out.stderr
     );
 }
+
+/// A metrics file that cannot be written (a full disk: /dev/full) stops
+/// the metrics, not the run: it trains to its end and saves, then exits 2
+/// naming the file (the first failed write ended the run with no
+/// checkpoint, every step since the last save lost).
+#[test]
+fn a_metrics_file_that_cannot_be_written_does_not_end_the_run() {
+    if !Path::new("/dev/full").exists() {
+        eprintln!("skipped: no /dev/full");
+        return;
+    }
+    let d = tiny_setup("metrics-full");
+    let mut args = TINY.to_vec();
+    args.extend(["--metrics", "/dev/full", "--save-dir", "ck"]);
+    let out = train(&d, &args);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("--metrics: writing /dev/full: No space left on device")
+            && out.stderr.contains("the run went on to its end"),
+        "{}",
+        out.stderr
+    );
+    assert!(
+        out.stdout.contains("checkpoint: step 3 saved"),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(
+        tierzero::checkpoint::latest_step(&d.join("ck")),
+        Some(3),
+        "{}",
+        out.stderr
+    );
+}

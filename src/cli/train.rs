@@ -948,6 +948,10 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     let train_s = train_started.elapsed().as_secs_f64();
     let steps_ended = Instant::now();
     let build_times = trainer.build_times();
+    // A metrics file that could not be written stopped the metrics, not
+    // the run (a full disk under --metrics ended it with no checkpoint):
+    // said after the summary, exit 2 as the disk is the user's.
+    let metrics_failed = trainer.metrics_failure().map(str::to_owned);
     // Dropping the trainer (in `finish`) removes its swap files.
     let summary = trainer
         .finish()
@@ -992,6 +996,13 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     });
     let written = timeline.as_deref().filter(|_| timeline_failed.is_none());
     print_summary(&args, &run, &summary, &ran, timing, written)?;
+    if let Some(why) = metrics_failed {
+        let e = anyhow!("--metrics: {why}; the metrics stopped there, the run went on to its end");
+        match &ended {
+            Ended::Done => return Err(Failure::BadInput(e)),
+            Ended::Stopped { .. } => tracing::error!("{e:#}"),
+        }
+    }
     match (timeline_failed, &ended) {
         (Some(e), Ended::Done) => Err(Failure::Internal(e)),
         (Some(e), Ended::Stopped { .. }) => {

@@ -274,11 +274,15 @@ fn ends_torn(path: &Path) -> bool {
     f.seek(std::io::SeekFrom::End(-1)).is_ok() && f.read_exact(&mut last).is_ok() && last != *b"\n"
 }
 
-/// A JSON-lines writer.
+/// A JSON-lines writer. A line that cannot be written (a full disk, a
+/// file-size limit) stops the metrics, not the run: it is said once and
+/// kept ([`MetricsWriter::failure`]); ending the run for it lost every
+/// step since the last checkpoint.
 #[derive(Debug)]
 pub struct MetricsWriter {
     path: PathBuf,
     file: std::io::BufWriter<std::fs::File>,
+    failure: Option<String>,
 }
 
 impl MetricsWriter {
@@ -297,6 +301,7 @@ impl MetricsWriter {
         let mut w = MetricsWriter {
             path: path.to_owned(),
             file: std::io::BufWriter::new(f),
+            failure: None,
         };
         if append && ends_torn(path) {
             // A kill or a full disk left half a line: the next line would
@@ -311,19 +316,25 @@ impl MetricsWriter {
         Ok(w)
     }
 
-    /// Writes one object as a line and flushes.
+    /// Writes one object as a line and flushes; after a failed write,
+    /// nothing (see the type's docs).
     pub fn write<T: Serialize>(&mut self, value: &T) -> Result<()> {
+        if self.failure.is_some() {
+            return Ok(());
+        }
         let line = serde_json::to_string(value)
             .map_err(|e| EngineError::internal(format!("metrics JSON: {e}")))?;
-        let io = |source| EngineError::Io {
-            path: self.path.clone(),
-            source,
-        };
-        writeln!(self.file, "{line}").map_err(io)?;
-        self.file.flush().map_err(|source| EngineError::Io {
-            path: self.path.clone(),
-            source,
-        })
+        if let Err(e) = writeln!(self.file, "{line}").and_then(|()| self.file.flush()) {
+            let why = format!("writing {}: {e}", self.path.display());
+            tracing::warn!("{why}: the metrics stop here; the run goes on");
+            self.failure = Some(why);
+        }
+        Ok(())
+    }
+
+    /// Why the metrics stopped, when a write failed.
+    pub fn failure(&self) -> Option<&str> {
+        self.failure.as_deref()
     }
 }
 

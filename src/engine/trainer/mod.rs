@@ -751,6 +751,12 @@ impl Trainer {
         Ok(())
     }
 
+    /// Why the `--metrics` file stopped being written, when a write to it
+    /// failed (the run goes on: [`MetricsWriter`]).
+    pub fn metrics_failure(&self) -> Option<&str> {
+        self.metrics.as_ref().and_then(MetricsWriter::failure)
+    }
+
     /// Current loss scale.
     pub fn loss_scale(&self) -> f64 {
         self.scaler.scale()
