@@ -80,6 +80,19 @@ def test_remove_restores_the_model(tmp_path):
     assert m.block[0].weight.numel() == 256 * 64
 
 
+def test_a_forward_that_raised_leaves_no_param_live():
+    # Its params stayed gathered, and under no_grad nothing released them
+    # again: an OOM retry or a batch-size finder turned the offload off.
+    m = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 2))
+    h = tzt.offload_parameters(m, "cpu", param_persistence_threshold=0)
+    with pytest.raises(RuntimeError):
+        m(torch.randn(2, 5))
+    with torch.no_grad():
+        m(torch.randn(2, 32))
+    assert h.live_numel() == 0
+    h.remove()
+
+
 def test_a_second_offload_of_an_offloaded_model_is_refused(tmp_path):
     # Its params' placeholders are empty, under any threshold: the second
     # offload_parameters offloaded nothing and said nothing.

@@ -276,7 +276,14 @@ class ParamOffload:
                 self._release(h, force=True)
         for module, homes in self._module_homes.items():
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
-            self._hooks.append(module.register_forward_hook(self._post_forward))
+            # Called when the forward raises too: a failed forward (an
+            # OOM retry, a batch-size finder) left its params live, and under
+            # no_grad nothing released them again (the offload was off).
+            try:
+                post = module.register_forward_hook(self._post_forward, always_call=True)
+            except TypeError:  # a torch before always_call (2.1)
+                post = module.register_forward_hook(self._post_forward)
+            self._hooks.append(post)
             self._hooks.append(_state_dict_post_hook(module, self._state_dict_entries))
             self._hooks.append(_load_pre_hook(module, self._before_load))
         self._loading: list = []
