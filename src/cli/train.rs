@@ -77,7 +77,6 @@
 //!   of N ranks resumes on any number of ranks (each loads its shard).
 
 use std::io::IsTerminal as _;
-use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -96,18 +95,14 @@ use tierzero::model::{Model, ModelDir};
 use tierzero::run::{
     Plan, DEFAULT_CORPUS, DEFAULT_CORPUS_NAME, DEFAULT_MODEL_CONFIG, DEFAULT_SEQ_LEN, DEFAULT_STEPS,
 };
-use tierzero::units::{format_bytes, parse_count};
+use tierzero::units::format_bytes;
 
 use super::{emit, Failure};
-
-/// The most steps a run may have: `--steps`' bound, and the config's or a
-/// checkpoint's run length's (2^40; a `total_num_steps` of 1e19 was an
-/// endless run).
-const MAX_STEPS: u64 = 1 << 40;
 
 mod data;
 mod device;
 mod failures;
+mod flags;
 mod model;
 mod outputs;
 mod report;
@@ -116,6 +111,8 @@ mod timing;
 use data::{data_order, load_data, other_data};
 use device::{cuda_units, sim_units};
 use failures::{corrupt_resume, run_failure, startup_failure, stopped_in_build};
+pub(super) use flags::number;
+use flags::{Flags, MAX_STEPS};
 pub use report::Ended;
 use report::{banner, print_summary, size_and_time, Progress};
 use steps::train_steps;
@@ -290,22 +287,6 @@ pub(super) fn bad(msg: impl Into<String>) -> Failure {
     Failure::BadInput(anyhow!(msg.into()))
 }
 
-/// A whole number for `flag` in `min..=max` (counts may use K/M/B suffixes
-/// or a float form such as 1e3).
-pub(super) fn number(flag: &str, text: &str, min: u64, max: u64) -> Result<u64, Failure> {
-    let v = parse_count(text).map_err(|e| {
-        bad(format!(
-            "{flag}: {e}; give a whole number such as {flag} {min}"
-        ))
-    })?;
-    if v < min || v > max {
-        return Err(bad(format!(
-            "{flag}: {v} is out of range; give a whole number from {min} to {max}"
-        )));
-    }
-    Ok(v)
-}
-
 pub(super) fn must_exist(flag: &str, path: &Path, dir: bool, fix: &str) -> Result<(), Failure> {
     match std::fs::metadata(path) {
         Ok(m) if m.is_dir() == dir => Ok(()),
@@ -351,77 +332,6 @@ fn flag_names(e: config::ConfigError) -> config::ConfigError {
 
 fn print_warning(w: &ConfigWarning) {
     errln!("warning: {w}");
-}
-
-/// The number flags of `tierzero train`, checked.
-struct Flags {
-    seed: u64,
-    /// `None`: auto.
-    threads: Option<NonZeroUsize>,
-    steps: Option<u64>,
-    micro_batch: Option<u64>,
-    grad_accum: Option<u64>,
-    lr: Option<f64>,
-    save_every: Option<u64>,
-    stop_grace: Option<std::time::Duration>,
-}
-
-impl Flags {
-    fn parse(args: &TrainArgs) -> Result<Flags, Failure> {
-        let opt = |flag: &str, text: &Option<String>, max: u64| -> Result<Option<u64>, Failure> {
-            text.as_deref().map(|s| number(flag, s, 1, max)).transpose()
-        };
-        let seed = match &args.seed {
-            Some(s) => number("--seed", s, 0, u64::MAX)?,
-            None => 1,
-        };
-        let threads = match args.threads.trim() {
-            "auto" => None,
-            t => NonZeroUsize::new(number("--threads", t, 1, 1024)? as usize),
-        };
-        let steps = opt("--steps", &args.steps, MAX_STEPS)?;
-        let micro_batch = opt("--micro-batch", &args.micro_batch, 1 << 30)?;
-        let grad_accum = opt("--grad-accum", &args.grad_accum, 1 << 30)?;
-        let lr = match &args.lr {
-            Some(s) => Some(
-                s.parse::<f64>()
-                    .ok()
-                    .filter(|v| v.is_finite() && *v > 0.0)
-                    .ok_or_else(|| {
-                        bad(format!(
-                            "--lr {s}: not a positive number; give a learning rate such as --lr 1e-4"
-                        ))
-                    })?,
-            ),
-            None => None,
-        };
-        Ok(Flags {
-            seed,
-            threads,
-            steps,
-            micro_batch,
-            grad_accum,
-            lr,
-            save_every: opt("--save-every", &args.save_every, 1 << 40)?,
-            stop_grace: match &args.stop_grace {
-                None => None,
-                Some(s) => Some(
-                    s.parse::<f64>()
-                        .ok()
-                        .filter(|v| v.is_finite() && *v > 0.0 && *v <= config::MAX_STOP_GRACE_S)
-                        .map(std::time::Duration::from_secs_f64)
-                        .ok_or_else(|| {
-                            bad(format!(
-                                "--stop-grace {s}: not a number of seconds above 0 (at most \
-                                 {}); give the grace period before SIGKILL, such as \
-                                 --stop-grace 30",
-                                config::MAX_STOP_GRACE_S
-                            ))
-                        })?,
-                ),
-            },
-        })
-    }
 }
 
 /// The validated config (`--config`, or the embedded one) resolved with

@@ -371,7 +371,7 @@ pub struct Tierzero {
     pub speculative_step: Option<bool>,
     /// NVMe bytes of the speculation pool; `None` = auto (a slot for every
     /// NVMe sub-group within half the free space, see
-    /// `crate::engine::sizing::speculation_pool_slots`).
+    /// `crate::engine::sizing::speculation_pool`).
     pub speculation_pool_bytes: Option<Bytes>,
     /// How long a stop may take from its request to the end of the run
     /// (`tierzero.stop_grace_s`); `None` = no bound.

@@ -58,14 +58,7 @@ pub fn items_on(
     let mut v = match (gpu, c.optimizer) {
         (true, Offload::None) => gpu_adam_items(inp, c, nvme_room_bytes)?,
         (false, Offload::None) => {
-            let mut v = items_within(
-                inp,
-                Choice {
-                    optimizer: Offload::Cpu,
-                    ..c
-                },
-                nvme_room_bytes,
-            )?;
+            let mut v = host_adam_items(inp, c, nvme_room_bytes)?;
             // Nothing is offloaded from the CPU as the device: what the
             // host optimizer holds in pageable memory is the device's.
             for it in &mut v {
@@ -94,6 +87,23 @@ pub fn items_on(
     Ok(v)
 }
 
+/// Choice `c` with Adam on the host, as `offload_optimizer: cpu` runs it:
+/// where train steps on the host though the config offloads nothing.
+fn host_adam_items(
+    inp: &Inputs,
+    c: Choice,
+    nvme_room_bytes: Option<u64>,
+) -> Result<Vec<Item>, EstimateError> {
+    items_within(
+        inp,
+        Choice {
+            optimizer: Offload::Cpu,
+            ..c
+        },
+        nvme_room_bytes,
+    )
+}
+
 /// `offload_optimizer: none` on a GPU, as `tierzero train` runs it. Adam
 /// runs on the device only with nothing offloaded, where it can
 /// ([`crate::engine::device::trains_resident`]: not fp16, `adam_w_mode`
@@ -115,14 +125,7 @@ pub fn gpu_adam_items(
         (None, p) => Some(format!("offload_param.device is {}", p.name())),
     };
     if let Some(why) = why_host {
-        let mut v = items_within(
-            inp,
-            Choice {
-                optimizer: Offload::Cpu,
-                ..c
-            },
-            nvme_room_bytes,
-        )?;
+        let mut v = host_adam_items(inp, c, nvme_room_bytes)?;
         for it in &mut v {
             if it.tier == Tier::Pageable {
                 it.formula = format!("{} (Adam on the host: {why})", it.formula);

@@ -68,7 +68,7 @@
 //!
 //! With speculation ([`crate::engine::sizing::speculates`]) the NVMe state
 //! has a bounded **pool** of spare extents: `pool_slots` sets of three
-//! ([`crate::engine::sizing::speculation_pool_slots`]: by default one per
+//! ([`crate::engine::sizing::speculation_pool`]: by default one per
 //! NVMe group, as far as the disk's free space allows), each sized for
 //! the largest NVMe sub-group. A speculative
 //! [`OptimizerState::step`] reads the group's current state as any step

@@ -83,7 +83,7 @@
 //! state stays where it is; "Speculative steps" in `optimizer/state.rs`)
 //! and keeps the gradient for a possible re-step, and its
 //! new params are stored as in the overlapped case. The pool has
-//! `speculation_slots` slots ([`crate::engine::sizing::speculation_pool_slots`],
+//! `speculation_slots` slots ([`crate::engine::sizing::speculation_pool`],
 //! in the plan): by default one per NVMe group, a second copy of the NVMe
 //! state, because an exact speculation must keep every old state that
 //! steps before the decision, and every group backward finishes steps
@@ -752,7 +752,7 @@ impl Trainer {
     }
 
     /// Why the `--metrics` file stopped being written, when a write to it
-    /// failed (the run goes on: [`MetricsWriter`]).
+    /// failed (the run goes on: the writer stops, not the run).
     pub fn metrics_failure(&self) -> Option<&str> {
         self.metrics.as_ref().and_then(MetricsWriter::failure)
     }

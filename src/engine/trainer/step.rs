@@ -246,7 +246,7 @@ impl Trainer {
 
     /// Which sub-groups speculate, and the held-gradient bound of those
     /// that do not. The pool has `speculation_slots` slots (see
-    /// [`crate::engine::sizing::speculation_pool_slots`]), all free at a step's
+    /// [`crate::engine::sizing::speculation_pool`]), all free at a step's
     /// start: the first that many NVMe groups backward finishes
     /// speculate; the rest wait for the decision as without speculation.
     /// Those are read in index order once the speculated ones are, at most
