@@ -29,9 +29,12 @@ changed after the optimizer is built (weights loaded, a custom init, a
 a copy (``"nvme"``, 16-bit params), the changed pieces are read into it
 before their step. A change through ``p.data.<op>_()`` bumps no version
 and is not seen there. A param
-whose ``.grad`` is None is not stepped when its whole sub-group has none (as
-torch skips it); inside a sub-group that has gradients it is stepped with a
-zero gradient (as DeepSpeed does). A param given with ``requires_grad=False``
+whose ``.grad`` is None is not stepped, as torch skips it: when its whole
+sub-group has none the sub-group is not stepped; inside a sub-group that
+has gradients its state (master, moments) and values are put back after
+the step (DeepSpeed steps it with a zero gradient: momentum moves a param
+frozen after construction), at the cost of reading that sub-group's state
+twice. A param given with ``requires_grad=False``
 (frozen, to be unfrozen later) has sub-groups of its own, so it is not
 stepped until it has a gradient.
 
@@ -642,7 +645,25 @@ class AdamW(torch.optim.Optimizer):
             self._adopt_changed(i, s)
         grad = self._gather_grads(s)
         out, direct, slot = self._out_for(s)
+        # Pieces of params without a gradient (frozen after construction,
+        # an unused branch, an unrouted expert) in a sub-group that steps:
+        # torch's AdamW leaves such a param alone, no decay and no moment
+        # step, but the kernel steps every element, so their state is put
+        # back after it (a param frozen later kept moving by its momentum).
+        idle = [piece for piece in s.pieces if piece[0].grad is None] if len(s.pieces) > 1 else []
+        if idle:
+            before = [torch.empty(s.numel, dtype=torch.float32) for _ in range(3)]
+            self._native.read_state(i, *before)
         self._native.step_group(i, s.steps + 1, *self._hyper(s), grad, out, next_sg)
+        if idle:
+            after = [torch.empty(s.numel, dtype=torch.float32) for _ in range(3)]
+            self._native.read_state(i, *after)
+            for p, a, b, off in idle:
+                for k in range(3):
+                    after[k][off : off + b - a] = before[k][off : off + b - a]
+                # Their params get their values back too.
+                out[off : off + b - a] = before[0][off : off + b - a].to(out.dtype)
+            self._native.load(i, *after)
         # Counted once stepped: a step that raised (a sparse gradient, an
         # I/O error) leaves the count, and the next step's bias correction,
         # as they were.
