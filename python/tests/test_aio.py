@@ -174,6 +174,26 @@ def test_constructor_rejects_bad_settings(kw):
         aio.aio_handle(**kw)
 
 
+@pytest.mark.parametrize("kw", [{"block_size": 1.5e6}, {"queue_depth": "8"}, {"intra_op_parallelism": True}])
+def test_constructor_takes_integers_only(kw):
+    # As DeepSpeed's binding: int() read 1.5e6 and "8" without a word.
+    with pytest.raises(TypeError, match="expected an integer"):
+        aio.aio_handle(**kw)
+
+
+def test_a_file_offset_that_is_not_an_integer_is_refused(d):
+    # 4.9 was truncated to 4, "4" read as 4.
+    h = handle("portable")
+    t = tensor_with("torch", "uint8", b"x" * 4096, h)
+    p = os.path.join(d, "f")
+    for off in (4.9, "4"):
+        with pytest.raises(TypeError, match="file_offset: expected an integer"):
+            h.sync_pwrite(t, p, off)
+    with pytest.raises(TypeError, match="file_offset"):
+        h.pwrite(t, p, False, True, 2.0)
+    assert h.wait() == 0
+
+
 def test_package_surface():
     assert issubclass(AioError, OSError)
     assert tierzero.AioError is AioError

@@ -58,6 +58,7 @@ submitted and ops waited for.
 from __future__ import annotations
 
 import mmap
+import operator
 import os
 import sys
 import threading
@@ -167,6 +168,18 @@ class _Op:
         self.validate = validate  # (is_read, host tensor, target, file_offset)
 
 
+def _whole(name, v) -> int:
+    """``v`` as an int, as DeepSpeed's binding takes it: a float or a
+    string is a ``TypeError`` (``int()`` truncated 4.9 to 4 and read
+    ``"4"``), a bool too."""
+    if isinstance(v, bool):
+        raise TypeError(f"{name}: expected an integer, got {v!r}")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise TypeError(f"{name}: expected an integer, got {type(v).__name__} {v!r}") from None
+
+
 def _async_args(name, rest, kw):
     """``(async, file_offset)`` from DeepSpeed's positional ``async``."""
     if len(rest) > 2:
@@ -179,7 +192,7 @@ def _async_args(name, rest, kw):
     file_offset = rest[1] if len(rest) == 2 else kw.pop("file_offset", 0)
     if kw:
         raise TypeError(f"{name}() got unexpected keyword arguments {sorted(kw)}")
-    return bool(async_op), int(file_offset)
+    return bool(async_op), _whole("file_offset", file_offset)
 
 
 class aio_handle:
@@ -196,11 +209,11 @@ class aio_handle:
         backend: str = "auto",
         _faults=None,
     ):
-        self._block_size = int(block_size)
-        self._queue_depth = int(queue_depth)
+        self._block_size = _whole("block_size", block_size)
+        self._queue_depth = _whole("queue_depth", queue_depth)
         self._single_submit = bool(single_submit)
         self._overlap_events = bool(overlap_events)
-        self._intra_op_parallelism = int(intra_op_parallelism)
+        self._intra_op_parallelism = _whole("intra_op_parallelism", intra_op_parallelism)
         self._h = _AioHandle(
             # Pieces of more than 64 MiB are cut by the native side
             # (tierzero_swap::fileio::MAX_PIECE_BYTES); get_block_size()
@@ -269,11 +282,12 @@ class aio_handle:
         # A bool is an int to Python: True wrote the buffer to fd 1.
         if isinstance(target, bool):
             raise TypeError(f"{target!r} is neither a filename nor an fd")
+        file_offset = _whole("file_offset", file_offset)
         if isinstance(target, (bytes, bytearray)):
             target = os.fsdecode(target)
         host, copy_back = self._host(buffer, is_read)
-        self._h.submit("read" if is_read else "write", host, target, int(file_offset))
-        v = (is_read, host, target, int(file_offset)) if validate else None
+        self._h.submit("read" if is_read else "write", host, target, file_offset)
+        v = (is_read, host, target, file_offset) if validate else None
         self._ops.append(_Op(copy_back, v))
 
     def _wait_all(self) -> int:
