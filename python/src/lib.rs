@@ -196,9 +196,12 @@ impl AioHandle {
             overlap_events,
             faults: parse_faults(faults)?,
         };
-        let io = py
-            .detach(|| FileIo::new(config))
-            .map_err(|e| aio_error(py, &e, None))?;
+        // A setting the engine refuses (a queue depth over io_uring's
+        // 4096) is the caller's ValueError, not an EIO AioError.
+        let io = py.detach(|| FileIo::new(config)).map_err(|e| match e {
+            SwapError::Config(msg) => PyValueError::new_err(msg),
+            e => aio_error(py, &e, None),
+        })?;
         Ok(AioHandle {
             io: Arc::new(io),
             pending: Mutex::new(Vec::new()),

@@ -167,8 +167,9 @@ def test_constructor_positional_and_keywords(backend):
     assert h.get_backend() == backend
 
 
+# (A queue depth over a ring's 4096 was an AioError with errno EIO.)
 @pytest.mark.parametrize("kw", [{"block_size": 0}, {"queue_depth": 0}, {"intra_op_parallelism": 0},
-                                {"block_size": -1}, {"backend": "libaio"}])
+                                {"block_size": -1}, {"backend": "libaio"}, {"queue_depth": 5000}])
 def test_constructor_rejects_bad_settings(kw):
     with pytest.raises(ValueError):
         aio.aio_handle(**kw)

@@ -212,7 +212,13 @@ impl IoFile {
         let proc = PathBuf::from(format!("/proc/self/fd/{fd}"));
         let target = std::fs::read_link(&proc).map_err(|source| SwapError::Setup {
             what: format!("file descriptor {fd} is not open"),
-            source,
+            // The fd's own error, as a read(2) on it gives (EBADF), not
+            // the /proc lookup's ENOENT.
+            source: if source.kind() == std::io::ErrorKind::NotFound {
+                std::io::Error::from_raw_os_error(libc::EBADF)
+            } else {
+                source
+            },
         })?;
         // Reopened, the file takes the access this call asks for, not the
         // descriptor's: a read-only descriptor was written through. Its
@@ -1281,6 +1287,13 @@ mod tests {
         assert!(e.to_string().contains("is not open for reading"), "{e}");
         IoFile::from_fd(wo.as_raw_fd(), Access::Write, DirectIo::Auto).unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), [7u8; 4096]);
+        // A descriptor that is not open is EBADF, as read(2) says (it was
+        // the /proc lookup's ENOENT).
+        // (A number no test opens: a closed one may be reused at once by
+        // another test's thread.)
+        let e = IoFile::from_fd(1 << 20, Access::Write, DirectIo::Auto).unwrap_err();
+        assert!(e.to_string().contains("is not open"), "{e}");
+        assert_eq!(e.raw_os_error(), Some(libc::EBADF));
     }
 
     #[test]
