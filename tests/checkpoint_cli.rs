@@ -620,6 +620,22 @@ fn no_output_lands_on_a_checkpoint() {
         &["--steps", "3", "--resume", "elsewhere", "--save-dir", "ck"],
         "--save-dir ck holds 2 checkpoints (steps 1 to 2) of another run than --resume elsewhere",
     );
+    // `flag out` on a run resumed from ck into ck.
+    let refused_resuming_ck = |flag: &str, out: &str| {
+        refused(
+            &[
+                "--steps",
+                "3",
+                "--resume",
+                "ck",
+                "--save-dir",
+                "ck",
+                flag,
+                out,
+            ],
+            &format!("{flag} {out}: is inside the checkpoint directory"),
+        )
+    };
     for flag in ["--metrics", "--timeline"] {
         for out in [
             "ck/step-00000002/manifest.json",
@@ -630,19 +646,7 @@ fn no_output_lands_on_a_checkpoint() {
                 &format!("{flag} {out}: is inside the checkpoint directory"),
             );
         }
-        refused(
-            &[
-                "--steps",
-                "3",
-                "--resume",
-                "ck",
-                "--save-dir",
-                "ck",
-                flag,
-                "ck/latest",
-            ],
-            &format!("{flag} ck/latest: is inside the checkpoint directory"),
-        );
+        refused_resuming_ck(flag, "ck/latest");
     }
     for out in [
         "ck/step-00000002/model.safetensors",
@@ -666,19 +670,7 @@ fn no_output_lands_on_a_checkpoint() {
             "is inside the checkpoint directory ck/step-0000000",
         );
         for flag in ["--metrics", "--timeline"] {
-            refused(
-                &[
-                    "--steps",
-                    "3",
-                    "--resume",
-                    "ck",
-                    "--save-dir",
-                    "ck",
-                    flag,
-                    out,
-                ],
-                &format!("{flag} {out}: is inside the checkpoint directory"),
-            );
+            refused_resuming_ck(flag, out);
         }
     }
     std::fs::remove_dir(d.join("ck/step-00000007")).unwrap();

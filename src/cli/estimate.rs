@@ -722,19 +722,7 @@ fn render_table(r: &Report, config_choice: Option<Choice>) -> Result<String, std
 fn nvme_path_of(c: &tierzero::config::Config) -> Option<PathBuf> {
     let params = c.zero.offload_param.device.nvme_path();
     let optimizer = c.zero.offload_optimizer.device.nvme_path();
-    let free = |p: &Path| {
-        p.ancestors()
-            .map(|a| {
-                if a.as_os_str().is_empty() {
-                    Path::new(".")
-                } else {
-                    a
-                }
-            })
-            .find(|a| a.exists())
-            .and_then(|a| tierzero_swap::space::filesystem_space(a).ok())
-            .map(|s| s.available_bytes)
-    };
+    let free = tierzero::engine::sizing::available_bytes_at;
     match (params, optimizer) {
         (Some(p), Some(o)) if !tierzero::engine::sizing::same_file_system(p, o) => {
             let smaller = match (free(p), free(o)) {

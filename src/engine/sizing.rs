@@ -59,7 +59,7 @@ pub use head::{check_logits_memory, logits_bytes, TRAIN_LOGITS_COPIES};
 pub use speculation::{
     speculation_kept_grads, speculation_pool, speculation_slots, SpeculationAsk, SpeculationPool,
 };
-pub use swap::{same_file_system, SwapUse, SWAP_SLACK_BYTES};
+pub use swap::{available_bytes_at, nearest_existing, same_file_system, SwapUse, SWAP_SLACK_BYTES};
 
 /// Alignment of NVMe extents and pinned buffers (O_DIRECT).
 pub const ALIGN_BYTES: u64 = 4096;
@@ -437,7 +437,7 @@ pub fn spills_with_nvme_state(config: &Config) -> bool {
 /// [`spills_with_nvme_state`].
 pub fn speculation_ask_with_nvme_state(config: &Config) -> SpeculationAsk {
     SpeculationAsk::new(
-        spills_with_nvme_state(config) && config.tierzero.speculative_step != Some(false),
+        spills_with_nvme_state(config),
         config.tierzero.speculative_step,
         config.tierzero.speculation_pool_bytes.map(|b| b.0),
     )
@@ -457,14 +457,14 @@ pub fn parks_grads(config: &Config) -> bool {
 /// overflow: when gradients spill ([`spills_grads`]: the step must wait for
 /// the global norm) and `tierzero.speculative_step` is not `false`.
 pub fn speculates(config: &Config) -> bool {
-    spills_grads(config) && config.tierzero.speculative_step != Some(false)
+    speculation_ask(config) != SpeculationAsk::Off
 }
 
 /// What `config` asks of the speculation pool, where it speculates
 /// ([`speculates`]).
 pub fn speculation_ask(config: &Config) -> SpeculationAsk {
     SpeculationAsk::new(
-        speculates(config),
+        spills_grads(config),
         config.tierzero.speculative_step,
         config.tierzero.speculation_pool_bytes.map(|b| b.0),
     )
@@ -713,17 +713,7 @@ pub fn decide(config: &Config, shape: &Shape) -> Result<Sizing, BudgetShort> {
 pub fn nvme_available_bytes(config: &Config, ranks: usize) -> Option<u64> {
     let ranks = u64::try_from(ranks.max(1)).unwrap_or(u64::MAX);
     let path = config.zero.offload_optimizer.device.nvme_path()?;
-    path.ancestors()
-        .map(|p| {
-            if p.as_os_str().is_empty() {
-                std::path::Path::new(".")
-            } else {
-                p
-            }
-        })
-        .find(|p| p.exists())
-        .and_then(|p| tierzero_swap::space::filesystem_space(p).ok())
-        .map(|s| s.available_bytes / ranks)
+    available_bytes_at(path).map(|b| b / ranks)
 }
 
 /// The one sizing policy, with `nvme_available_bytes` this rank's share of
@@ -1048,6 +1038,7 @@ mod tests {
         assert_eq!(slots(A::PoolBytes(3000), 0, None), 0);
         // The ask of the two keys.
         assert_eq!(SpeculationAsk::new(false, Some(true), Some(1)), A::Off);
+        assert_eq!(SpeculationAsk::new(true, Some(false), Some(1)), A::Off);
         assert_eq!(SpeculationAsk::new(true, None, None), A::Auto);
         assert_eq!(SpeculationAsk::new(true, Some(true), None), A::On);
         assert_eq!(SpeculationAsk::new(true, None, Some(7)), A::PoolBytes(7));

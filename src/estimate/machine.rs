@@ -205,10 +205,7 @@ pub fn probe_machine(nvme_dir: &Path, device_bytes: Option<u64>) -> Machine {
     let (ram_bytes, ram_available_bytes) = probe_ram();
     // CAP_IPC_LOCK lifts the limit, as the arena honours it (root here
     // was told to raise a limit that did not bind it).
-    let ipc_lock = std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
-        tierzero_swap::process::has_capability(&s, tierzero_swap::process::CAP_IPC_LOCK)
-    });
-    let memlock = if ipc_lock {
+    let memlock = if tierzero_swap::MemlockInfo::current().has_ipc_lock {
         Some(Memlock::Unlimited)
     } else {
         std::fs::read_to_string("/proc/self/limits")

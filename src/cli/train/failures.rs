@@ -88,38 +88,30 @@ pub(super) fn corrupt_resume(e: EngineError, ckpt: &Checkpoint) -> Failure {
 
 /// Classifies an engine error raised while training.
 pub(super) fn run_failure(e: EngineError, what: &str) -> Failure {
-    // A save's failure the user can fix leaves the checkpoints before it
-    // whole: said, with the fix.
-    let users = |what: &str| {
+    // A failure the user can fix, with where to look and the way back: a
+    // save's leaves the checkpoints before it whole; a swap write the disk
+    // or a limit refused while training is under the nvme_path.
+    let users = |what: &str, swap_write: bool| {
         if what.starts_with("saving a checkpoint") {
             format!(
                 "{what} (the checkpoints saved before are whole: fix the space, quota, \
                  file-size limit, permissions or what is in the way under --save-dir, then \
                  --resume it)"
             )
-        } else {
-            what.to_owned()
-        }
-    };
-    // A swap write the disk or a limit refused, while training: where to
-    // look, and the way back.
-    let swap_users = |what: &str| {
-        if what.starts_with("saving a checkpoint") {
-            users(what)
-        } else {
+        } else if swap_write {
             format!(
                 "{what} (a swap write under the nvme_path failed: free space there, raise the \
                  quota or the file-size limit (ulimit -f), then --resume from the last \
                  checkpoint)"
             )
+        } else {
+            what.to_owned()
         }
     };
     match e {
         EngineError::Swap(s) => {
-            let what = if crate::cli::swap_error_is_users(&s) && s.io_kind().is_some() {
-                swap_users(what)
-            } else if crate::cli::swap_error_is_users(&s) {
-                users(what)
+            let what = if crate::cli::swap_error_is_users(&s) {
+                users(what, s.io_kind().is_some())
             } else {
                 what.to_owned()
             };
@@ -136,10 +128,10 @@ pub(super) fn run_failure(e: EngineError, what: &str) -> Failure {
         | EngineError::Checkpoint(CheckpointError::Io { ref source, .. })
             if crate::cli::user_fixable_io(source.kind()) =>
         {
-            Failure::BadInput(anyhow::Error::new(e).context(users(what)))
+            Failure::BadInput(anyhow::Error::new(e).context(users(what, false)))
         }
         EngineError::Checkpoint(CheckpointError::NotACheckpoint { .. }) => {
-            Failure::BadInput(anyhow::Error::new(e).context(users(what)))
+            Failure::BadInput(anyhow::Error::new(e).context(users(what, false)))
         }
         other => Failure::Internal(anyhow::Error::new(other).context(what.to_owned())),
     }

@@ -22,15 +22,16 @@ pub enum SpeculationAsk {
 }
 
 impl SpeculationAsk {
-    /// The ask of a config where `speculative` says whether it would
-    /// speculate at all, with `speculative_step` and `pool_bytes` its two
-    /// keys (`None`: auto).
-    pub fn new(speculative: bool, speculative_step: Option<bool>, pool_bytes: Option<u64>) -> Self {
-        match (speculative, speculative_step, pool_bytes) {
-            (false, _, _) => SpeculationAsk::Off,
+    /// The ask of a config where `spills` says whether its final gradients
+    /// would spill (the step waits for the norm, [`super::spills_grads`]),
+    /// with `speculative_step` and `pool_bytes` its two keys (`None`:
+    /// auto); `speculative_step: false` is off.
+    pub fn new(spills: bool, speculative_step: Option<bool>, pool_bytes: Option<u64>) -> Self {
+        match (spills, speculative_step, pool_bytes) {
+            (false, _, _) | (_, Some(false), _) => SpeculationAsk::Off,
             (true, _, Some(b)) => SpeculationAsk::PoolBytes(b),
             (true, None, None) => SpeculationAsk::Auto,
-            (true, Some(_), None) => SpeculationAsk::On,
+            (true, Some(true), None) => SpeculationAsk::On,
         }
     }
 }

@@ -115,11 +115,11 @@ pub fn same_file_system(a: &Path, b: &Path) -> bool {
     }
 }
 
-/// The device of `dir`'s nearest existing ancestor (`.` for a relative
-/// path's first component).
-fn file_system_id(dir: &Path) -> Option<u64> {
-    use std::os::unix::fs::MetadataExt as _;
-    dir.ancestors()
+/// `path`'s nearest existing ancestor, itself included (`.` for a
+/// relative path's first component): where a directory not made yet will
+/// be, for its file system.
+pub fn nearest_existing(path: &Path) -> Option<&Path> {
+    path.ancestors()
         .map(|p| {
             if p.as_os_str().is_empty() {
                 Path::new(".")
@@ -127,7 +127,23 @@ fn file_system_id(dir: &Path) -> Option<u64> {
                 p
             }
         })
-        .find_map(|p| std::fs::metadata(p).ok())
+        .find(|p| p.exists())
+}
+
+/// The available bytes (`statvfs`) of the file system `path` is or will be
+/// on ([`nearest_existing`]); `None` when that cannot be read.
+pub fn available_bytes_at(path: &Path) -> Option<u64> {
+    let dir = nearest_existing(path)?;
+    tierzero_swap::space::filesystem_space(dir)
+        .ok()
+        .map(|s| s.available_bytes)
+}
+
+/// The device of `dir`'s nearest existing ancestor.
+fn file_system_id(dir: &Path) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::metadata(nearest_existing(dir)?)
+        .ok()
         .map(|m| m.dev())
 }
 
