@@ -581,7 +581,8 @@ class AdamW(torch.optim.Optimizer):
         master otherwise wrote its older values over them. The moments
         stay. (A change through ``p.data.<op>_()`` bumps no version and is
         not seen; an offloaded param's home is seen changed by a
-        ``model.load_state_dict``, not by other writes to it.) Only when a change is found, it costs the
+        ``model.load_state_dict`` or an in-place change while it was live,
+        not by other writes to it.) Only when a change is found, it costs the
         sub-group's whole state read and written back, and 12 bytes per
         element of it in host memory meanwhile, beyond the two sub-groups of
         buffers the module docs count. An offloaded param is read again after
