@@ -433,6 +433,52 @@ fn a_file_size_limit_is_an_error_naming_the_file_and_the_operation() {
     }
 }
 
+/// The open-file limit, met wherever the run is when it runs out (a
+/// ring's setup, a swap file, a checkpoint file), is exit 2 naming the
+/// limit and the fix (it was an internal error), and a save it fails
+/// names the way back; a limit the run fits in trains. The limits are
+/// hard ones (`prlimit --nofile=N` sets both), which tierzero cannot raise.
+#[test]
+fn the_open_file_limit_is_the_users_to_raise_wherever_it_is_met() {
+    if !have_setpriv_prlimit() {
+        eprintln!("prlimit not installed; skipping");
+        return;
+    }
+    let swap = scratch("nofile-swap");
+    let d = tiny_setup("nofile", &swap, json!({}));
+    let args = [&tiny_args("2")[..], &["--save-dir", "ck"]].concat();
+    let mut refused = 0;
+    let mut at_save = 0;
+    for n in [6, 8, 10, 12, 14, 16, 64] {
+        let _ = std::fs::remove_dir_all(d.join("ck"));
+        let limit = format!("--nofile={n}");
+        let o = run_wrapped(&d, &["/usr/bin/prlimit", &limit], &args);
+        assert_no_panic(&o);
+        match o.code {
+            0 => continue,
+            2 => {}
+            c => panic!("--nofile={n}: exit {c}: {}", o.stderr),
+        }
+        refused += 1;
+        let line = o.stderr.lines().find(|l| l.starts_with("error:")).unwrap();
+        for want in [
+            "Too many open files",
+            &format!("ulimit -n: soft {n}, hard {n}"),
+            "raise the hard limit",
+        ] {
+            assert!(line.contains(want), "--nofile={n}: {want}: {line}");
+        }
+        if line.contains("saving a checkpoint") {
+            at_save += 1;
+            assert!(line.contains("--resume"), "{line}");
+        }
+    }
+    assert!(refused >= 2, "the least limits must be met");
+    assert!(at_save >= 1, "one of the limits must be met by the save");
+    // 64 is many times what this run holds at once.
+    assert!(d.join("ck/latest").exists());
+}
+
 /// Whether `dir` accepts O_DIRECT.
 fn accepts_o_direct(dir: &Path) -> bool {
     let p = dir.join(".tz-odirect-probe");

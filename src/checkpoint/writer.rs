@@ -437,9 +437,18 @@ impl Drop for StagedCheckpoint {
         self.forget_live();
         if !self.committed && self.owner {
             // A failed save: the staging dir is never read; remove it now
-            // rather than at the next save.
-            if std::fs::remove_dir_all(&self.tmp_dir).is_ok() {
-                durable::record::remove(&self.tmp_dir);
+            // rather than at the next save. Where that fails too (the
+            // open-file limit that failed the save leaves no fd for the
+            // walk), it is said, and the next save in this dir removes it.
+            match std::fs::remove_dir_all(&self.tmp_dir) {
+                Ok(()) => durable::record::remove(&self.tmp_dir),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => tracing::warn!(
+                    dir = %self.tmp_dir.display(),
+                    error = %e,
+                    "could not remove the failed save's unfinished checkpoint; the next save in \
+                     this directory removes it"
+                ),
             }
         }
     }

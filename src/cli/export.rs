@@ -71,8 +71,7 @@ fn classify(e: CheckpointError) -> Failure {
         // Every path export reads or writes is the user's: one that is not
         // a regular file (`durable::open_regular`'s `InvalidInput`) too.
         CheckpointError::Io { source, .. } => {
-            super::user_fixable_io(source.kind())
-                || source.kind() == std::io::ErrorKind::InvalidInput
+            super::user_fixable_io(source) || source.kind() == std::io::ErrorKind::InvalidInput
         }
         CheckpointError::Candle(_) => false,
         _ => true,

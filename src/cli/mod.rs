@@ -117,15 +117,15 @@ pub(crate) fn read_config_text(p: &std::path::Path) -> Result<String, Failure> {
     })
 }
 
-/// Whether an I/O error of this kind, met at a path the user gave, is
-/// theirs to fix (exit 2): the path is missing, not allowed, read-only,
-/// a directory where a file goes (or the reverse), a name too long, or
-/// the disk or a limit is full. (Not `InvalidInput`: `EINVAL` from an
-/// mmap or a ring's setup is ours.)
-pub(crate) fn user_fixable_io(kind: std::io::ErrorKind) -> bool {
+/// Whether an I/O error, met at a path the user gave, is theirs to fix
+/// (exit 2): the path is missing, not allowed, read-only, a directory
+/// where a file goes (or the reverse), a name too long, the disk or a
+/// limit is full, or the open-file limit is reached. (Not `InvalidInput`:
+/// `EINVAL` from an mmap or a ring's setup is ours.)
+pub(crate) fn user_fixable_io(e: &std::io::Error) -> bool {
     use std::io::ErrorKind as K;
     matches!(
-        kind,
+        e.kind(),
         K::NotFound
             | K::PermissionDenied
             | K::AlreadyExists
@@ -136,7 +136,41 @@ pub(crate) fn user_fixable_io(kind: std::io::ErrorKind) -> bool {
             | K::StorageFull
             | K::QuotaExceeded
             | K::FileTooLarge
-    )
+    ) || tierzero_swap::process::is_open_file_limit(e)
+}
+
+/// The fix for a failure whose cause is the open-file limit (`EMFILE`,
+/// `ENFILE`, anywhere in its chain), with the limit's numbers: every
+/// command's failure is looked at, so one that met the limit where no
+/// caller expected it (a ring's setup, a checkpoint file, the data) is
+/// exit 2 with the fix, not an internal error. `None` for other failures.
+fn open_file_limit_fix(e: &anyhow::Error) -> Option<String> {
+    let io = e
+        .chain()
+        .filter_map(|c| c.downcast_ref::<std::io::Error>())
+        .find(|io| tierzero_swap::process::is_open_file_limit(io))?;
+    if io.raw_os_error() == Some(libc::ENFILE) {
+        return Some(
+            "the system's table of open files is full (ENFILE): close other programs' files or \
+             raise fs.file-max (sysctl), then run it again"
+                .to_owned(),
+        );
+    }
+    let shown = |v: Option<u64>| v.map_or("unlimited".to_owned(), |v| v.to_string());
+    Some(match tierzero_swap::process::open_file_limit() {
+        Ok(l) => format!(
+            "the process's open-file limit is reached (ulimit -n: soft {}, hard {}; tierzero \
+             raises the soft one to at most {} itself): raise the hard limit (`ulimit -Hn`, \
+             `nofile` in /etc/security/limits.conf, `LimitNOFILE=` for systemd, `--ulimit \
+             nofile=` for docker), then run it again",
+            shown(l.soft),
+            shown(l.hard),
+            tierzero_swap::process::OPEN_FILES_WANTED,
+        ),
+        Err(_) => "the process's open-file limit is reached (EMFILE): raise it (ulimit -n), \
+             then run it again"
+            .to_owned(),
+    })
 }
 
 impl Failure {
@@ -168,7 +202,7 @@ pub(crate) fn swap_error_is_users(e: &tierzero_swap::SwapError) -> bool {
                 | E::OutOfSpace { .. }
                 | E::NoRoom { .. }
                 | E::Locked { .. }
-        ) || matches!(e, E::Setup { source, .. } if user_fixable_io(source.kind()))
+        ) || matches!(e, E::Setup { source, .. } if user_fixable_io(source))
             // A full disk or a file-size limit: the user frees space or
             // raises the limit; also when a later operation reports it on
             // the space the failed write poisoned (that was exit 1).
@@ -325,7 +359,11 @@ pub fn main() -> i32 {
                 Failure::BadInput(e) => ("bad_input", 2, e),
                 Failure::Internal(e) => ("internal", 1, e),
             };
-            let text = chain_text(&e);
+            // The open-file limit is the user's, wherever it was met.
+            let (kind, code, text) = match open_file_limit_fix(&e) {
+                Some(fix) => ("bad_input", 2, format!("{}; {fix}", chain_text(&e))),
+                None => (kind, code, chain_text(&e)),
+            };
             match kind {
                 "bad_input" => errln!("error: {text}"),
                 _ => errln!("internal error: {text}"),
@@ -397,7 +435,25 @@ fn init_tracing() {
 
 #[cfg(test)]
 mod tests {
-    use super::{chain_text, swap_error_is_users};
+    use super::{chain_text, open_file_limit_fix, swap_error_is_users};
+
+    /// The open-file limit, at any depth of a failure's chain, gets the
+    /// fix with the limit's numbers; other I/O errors get none.
+    #[test]
+    fn the_open_file_limit_is_named_wherever_it_was_met() {
+        let err = |code| {
+            anyhow::Error::new(Outer {
+                source: std::io::Error::from_raw_os_error(code),
+            })
+            .context("saving a checkpoint")
+        };
+        let fix = open_file_limit_fix(&err(libc::EMFILE)).unwrap_or_default();
+        assert!(fix.contains("ulimit -n: soft "), "{fix}");
+        let fix = open_file_limit_fix(&err(libc::ENFILE)).unwrap_or_default();
+        assert!(fix.contains("fs.file-max"), "{fix}");
+        assert!(open_file_limit_fix(&err(libc::ENOSPC)).is_none());
+        assert!(open_file_limit_fix(&anyhow::anyhow!("no io error")).is_none());
+    }
 
     /// A space poisoned by a write the disk or a limit refused is the
     /// user's (exit 2) when a later operation reports it; by an EIO it is

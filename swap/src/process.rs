@@ -123,3 +123,107 @@ pub fn signal_with_parent(cmd: &mut std::process::Command, signal: i32) {
         });
     }
 }
+
+/// The open-file limit (`RLIMIT_NOFILE`): soft and hard, `None` for
+/// unlimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpenFileLimit {
+    /// The soft limit, which `open(2)` meets as `EMFILE`.
+    pub soft: Option<u64>,
+    /// The hard limit, up to which a process may raise its soft one.
+    pub hard: Option<u64>,
+}
+
+fn rlim_value(v: libc::rlim_t) -> Option<u64> {
+    (v != libc::RLIM_INFINITY).then_some(v)
+}
+
+/// The process's open-file limit now.
+pub fn open_file_limit() -> std::io::Result<OpenFileLimit> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit struct through a valid pointer.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(OpenFileLimit {
+        soft: rlim_value(lim.rlim_cur),
+        hard: rlim_value(lim.rlim_max),
+    })
+}
+
+/// The soft open-file limit [`raise_open_file_limit`] asks for: many times
+/// what a run holds (its swap files, rings, checkpoint files and data), and
+/// not the millions some containers' hard limits allow, which the
+/// processes it starts (mpirun) would inherit.
+pub const OPEN_FILES_WANTED: u64 = 65_536;
+
+/// Raises the soft open-file limit towards the hard one, up to
+/// [`OPEN_FILES_WANTED`], as a process that does not use `select(2)` may
+/// (systemd keeps the soft limit at 1024 for `select`'s sake only; Go's
+/// runtime raises it at start-up): a run with many swap files, rings and
+/// checkpoint files then never meets a soft limit the user did not
+/// choose. Returns the limit after; a limit at or above the wanted one,
+/// or a hard limit at the soft one, is left as it is.
+pub fn raise_open_file_limit() -> std::io::Result<OpenFileLimit> {
+    let before = open_file_limit()?;
+    let want = before
+        .hard
+        .map_or(OPEN_FILES_WANTED, |h| h.min(OPEN_FILES_WANTED));
+    if before.soft.is_none_or(|s| s >= want) {
+        return Ok(before);
+    }
+    let lim = libc::rlimit {
+        rlim_cur: want,
+        rlim_max: before
+            .hard
+            .map_or(libc::RLIM_INFINITY, |h| h as libc::rlim_t),
+    };
+    // SAFETY: setrlimit reads one rlimit struct through a valid pointer;
+    // a soft limit at most the hard one needs no privilege.
+    let rc = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    open_file_limit()
+}
+
+/// Whether `e` is the open-file limit: the process's (`EMFILE`) or the
+/// system's (`ENFILE`).
+pub fn is_open_file_limit(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn open_file_limit_raised_at_most_to_the_wanted_and_the_hard() {
+        let before = open_file_limit().unwrap_or_else(|e| panic!("{e}"));
+        let after = raise_open_file_limit().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(after.hard, before.hard, "the hard limit is never changed");
+        let cap = before
+            .hard
+            .map_or(OPEN_FILES_WANTED, |h| h.min(OPEN_FILES_WANTED));
+        match before.soft {
+            Some(s) if s < cap => assert_eq!(after.soft, Some(cap)),
+            _ => assert_eq!(
+                after.soft, before.soft,
+                "a limit at or above the wanted stays"
+            ),
+        }
+        assert!(is_open_file_limit(&std::io::Error::from_raw_os_error(
+            libc::EMFILE
+        )));
+        assert!(is_open_file_limit(&std::io::Error::from_raw_os_error(
+            libc::ENFILE
+        )));
+        assert!(!is_open_file_limit(&std::io::Error::from_raw_os_error(
+            libc::ENOSPC
+        )));
+    }
+}

@@ -126,7 +126,7 @@ pub(super) fn run_failure(e: EngineError, what: &str) -> Failure {
         // `ulimit -f` was an internal error), a directory in a save's way.
         EngineError::Io { ref source, .. }
         | EngineError::Checkpoint(CheckpointError::Io { ref source, .. })
-            if crate::cli::user_fixable_io(source.kind()) =>
+            if crate::cli::user_fixable_io(source) =>
         {
             Failure::BadInput(anyhow::Error::new(e).context(users(what, false)))
         }
