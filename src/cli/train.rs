@@ -604,7 +604,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     let metrics_fifo = lead
         .then(|| outputs::metrics_fifo_held(&args))
         .transpose()?;
-    let (data, data_name, data_line) = load_data(&args, &model, seq_len)?;
+    let (data, data_name, data_line) = load_data(&args, &model)?;
     // One micro-batch's rows must be distinct windows of the corpus: a pass
     // holds a micro-batch. (One read across two passes may still hold a
     // window of both, as an epoch's last batch and the next one's first.)

@@ -153,7 +153,9 @@ pub struct CacheMeta {
     pub tokens: u64,
     /// Documents encoded.
     pub documents: u64,
-    /// The data file, as given.
+    /// The data file, resolved (absolute, links followed); entries of
+    /// older versions have it as given, relative to where that run
+    /// started.
     pub source: String,
     /// The data it was encoded from.
     pub data: DataIdentity,
@@ -268,14 +270,39 @@ pub fn is_read_through_dev_or_proc(data: &Path) -> bool {
         .is_ok_and(|d| d == Path::new("/dev") || d.starts_with("/dev/fd") || d.starts_with("/proc"))
 }
 
-/// The token file and sidecar of the cache entry `key` of `data` in `dir`
-/// (the key tells two corpora of one name apart).
-pub fn paths_in(dir: &Path, data: &Path, key: &str, width: TokenWidth) -> (PathBuf, PathBuf) {
-    let dir = dir.to_path_buf();
+/// The longest data file name (in bytes) an entry's names carry whole.
+/// An entry's temporary sidecar (`durable::write_atomic`'s) adds 63 bytes
+/// at most (`.`, `.tz-`, 16 hex digits, `.u32`, `.json`, `.tmp-`, the pid
+/// and a random suffix): a name of 192 bytes or more did not fit a
+/// file system's 255 and failed the run after its encode.
+const NAME_KEPT_BYTES: usize = 150;
+
+/// The data file's name as its cache entries carry it: whole up to
+/// [`NAME_KEPT_BYTES`], else its first 120 bytes, `~` and 16 hex digits
+/// of the whole name's SHA-256 (two long names of one beginning stay
+/// apart).
+fn entry_name(data: &Path) -> String {
     let name = data
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "data".into());
+    if name.len() <= NAME_KEPT_BYTES {
+        return name;
+    }
+    let mut cut = 120;
+    while !name.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let mut h = Sha256::new();
+    h.update(name.as_bytes());
+    format!("{}~{}", &name[..cut], &h.finish_hex()[..16])
+}
+
+/// The token file and sidecar of the cache entry `key` of `data` in `dir`
+/// (the key tells two corpora of one name apart).
+pub fn paths_in(dir: &Path, data: &Path, key: &str, width: TokenWidth) -> (PathBuf, PathBuf) {
+    let dir = dir.to_path_buf();
+    let name = entry_name(data);
     let ext = match width {
         TokenWidth::U16 => "u16",
         TokenWidth::U32 => "u32",
@@ -358,9 +385,10 @@ fn tokens_check_in(
 /// here). An entry without a readable sidecar (being written, or damaged)
 /// or whose source no longer resolves is left.
 pub fn remove_superseded(dir: &Path, data: &Path, current: &DataIdentity) -> Vec<(PathBuf, u64)> {
-    let Some(name) = data.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+    if data.file_name().is_none() {
         return Vec::new();
-    };
+    }
+    let name = entry_name(data);
     let Ok(data_resolved) = std::fs::canonicalize(data) else {
         return Vec::new();
     };
@@ -500,6 +528,39 @@ mod tests {
         assert!(hit());
         edit(&|m| m.tokens_crc32c = None);
         assert!(!hit());
+    }
+
+    /// A long data file name is cut in its entries' names, so that their
+    /// temporary names fit a file system's 255 bytes; two long names of
+    /// one beginning stay apart, and pruning finds the cut names.
+    #[test]
+    fn a_long_data_name_is_cut_in_its_entries_names() {
+        let dir = std::env::temp_dir().join(format!("tz-cache-long-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let long = |tail: &str| format!("{}{tail}.txt", "é".repeat(100));
+        let (a, b) = (dir.join(long("a")), dir.join(long("b")));
+        assert!(a.file_name().unwrap().len() > 200);
+        let (ta, _) = paths_in(&dir, &a, &"a".repeat(64), TokenWidth::U32);
+        let (tb, _) = paths_in(&dir, &b, &"a".repeat(64), TokenWidth::U32);
+        assert_ne!(ta, tb);
+        let worst = ta.file_name().unwrap().len() + ".json.tmp-4194304-18446744073709551615".len();
+        assert!(worst <= 255, "{worst}");
+        // A short name is kept whole.
+        let (short, _) = paths_in(&dir, Path::new("c.txt"), "ab", TokenWidth::U16);
+        assert_eq!(short.file_name().unwrap(), ".c.txt.tz-ab.u16");
+        std::fs::write(&a, "text").unwrap();
+        let id = |crc| DataIdentity {
+            bytes: 4,
+            crc32c: crc,
+            utf8_bom: false,
+        };
+        let source = a.to_str().unwrap();
+        let old = entry(&dir, source, &"c".repeat(64), id(1));
+        let current = entry(&dir, source, &"d".repeat(64), id(2));
+        assert!(old.exists() && std::fs::read_dir(&dir).unwrap().count() == 5);
+        assert_eq!(remove_superseded(&dir, &a, &id(2)), vec![(old.clone(), 8)]);
+        assert!(!old.exists() && current.exists());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

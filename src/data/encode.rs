@@ -28,13 +28,21 @@ use crate::engine::{EngineError, Result};
 /// the file's first bytes where known) cannot be encoded, and the fix: a
 /// compressed file or a dataset container is named as one (its fix is not
 /// `--data-format bytes`, which trains on its encoding).
-fn not_text(head: &[u8], at: usize, path: &Path) -> String {
+fn not_text(head: &[u8], at: usize, path: &Path, cut: &Cut) -> String {
     let piped = !std::fs::metadata(path).is_ok_and(|m| m.is_file());
     match super::format::not_data_reason(head, path, piped) {
         Some(why) => format!("not UTF-8 text: {why}"),
+        // Byte-level is a way only for plain text, and only without the
+        // tokenizer (`--data-format bytes` beside it is refused); JSONL's
+        // bytes would train on its braces and keys.
+        None if matches!(cut, Cut::Jsonl(_)) => format!(
+            "not UTF-8 text (invalid byte at offset {at}); JSON is UTF-8: convert the file \
+             (iconv -t UTF-8) or fix that line"
+        ),
         None => format!(
-            "not UTF-8 text (invalid byte at offset {at}); a tokenizer needs text, or use \
-             --data-format bytes to read the file byte-level"
+            "not UTF-8 text (invalid byte at offset {at}); a tokenizer needs UTF-8 text: \
+             convert the file (iconv -t UTF-8), or train on its bytes without --tokenizer \
+             (--data-format bytes)"
         ),
     }
 }
@@ -84,6 +92,9 @@ pub struct Docs<R> {
     bytes: u64,
     done: bool,
     buf: Vec<u8>,
+    /// JSON objects read so far (JSONL): a first line that is not one may
+    /// be a whole JSON document, which the error then says.
+    objects: u64,
 }
 
 impl<R> Docs<R> {
@@ -104,6 +115,7 @@ impl<R: BufRead> Docs<R> {
             bytes: 0,
             done: false,
             buf: Vec::new(),
+            objects: 0,
         }
     }
 
@@ -149,7 +161,7 @@ impl<R: BufRead> Docs<R> {
                 // are this line's when it is the first.
                 let head: &[u8] = if self.line == 1 { &self.buf } else { &[] };
                 let at = at as usize + e.valid_up_to();
-                Err(self.err(self.line, not_text(head, at, &self.path)))
+                Err(self.err(self.line, not_text(head, at, &self.path, &self.cut)))
             }
         }
     }
@@ -179,7 +191,7 @@ impl<R: BufRead> Docs<R> {
                 };
                 let text = String::from_utf8(all).map_err(|e| {
                     let at = bom + e.utf8_error().valid_up_to();
-                    self.err(1, not_text(e.as_bytes(), at, &self.path))
+                    self.err(1, not_text(e.as_bytes(), at, &self.path, &self.cut))
                 })?;
                 Ok((!text.is_empty()).then_some(Doc { text, line: 1 }))
             }
@@ -225,7 +237,13 @@ impl<R: BufRead> Docs<R> {
                 if l.trim().is_empty() {
                     continue;
                 }
+                let first = self.objects == 0;
                 let v: serde_json::Value = serde_json::from_str(&l).map_err(|e| {
+                    if e.is_eof() {
+                        if let Some(why) = whole_document(first, &l, None, &self.path) {
+                            return self.err(self.line, why);
+                        }
+                    }
                     // serde's own position counts this line as line 1.
                     let text = e.to_string();
                     let what = text
@@ -250,6 +268,9 @@ impl<R: BufRead> Docs<R> {
                     serde_json::Value::String(_) => "a string",
                 };
                 if !v.is_object() {
+                    if let Some(why) = whole_document(first, &l, Some(&v), &self.path) {
+                        return Err(self.err(self.line, why));
+                    }
                     return Err(self.err(
                         self.line,
                         format!(
@@ -259,6 +280,7 @@ impl<R: BufRead> Docs<R> {
                         ),
                     ));
                 }
+                self.objects += 1;
                 match v.get(&field) {
                     Some(serde_json::Value::String(s)) => {
                         if s.is_empty() {
@@ -276,14 +298,63 @@ impl<R: BufRead> Docs<R> {
                         ))
                     }
                     None => {
+                        if let Some(why) = whole_document(first, &l, Some(&v), &self.path) {
+                            return Err(self.err(self.line, why));
+                        }
                         return Err(self.err(
                             self.line,
                             format!("no \"{field}\" field; name the text field with --text-field"),
-                        ))
+                        ));
                     }
                 }
             },
         }
+    }
+}
+
+/// Why the first line of a JSONL file (`first`: no object read before it)
+/// is one JSON document spread over lines rather than JSON Lines, with
+/// the conversion: an array (HF datasets reads a `.json` array), a
+/// pretty-printed object (`line` opens one that does not end on it), or
+/// an object holding the records in an array (`{"data": [...]}`, which HF
+/// reads with `field="data"`). `None` where it is not.
+fn whole_document(
+    first: bool,
+    line: &str,
+    value: Option<&serde_json::Value>,
+    path: &Path,
+) -> Option<String> {
+    let jq = |filter: &str| {
+        format!(
+            "the file is one JSON document, not JSON Lines (one object per line); convert it: \
+             jq -c '{filter}' {} > FILE.jsonl",
+            path.display()
+        )
+    };
+    if !first {
+        return None;
+    }
+    match value {
+        None if line.trim_start().starts_with('[') => Some(jq(".[]")),
+        // A pretty-printed object: one record (`.`) or records under a key
+        // (`.data[]`); which, the next lines say.
+        None if line.trim_start().starts_with('{') => Some(format!(
+            "the file is one JSON document, not JSON Lines (one object per line); convert it \
+             with jq -c: jq -c '.KEY[]' {} > FILE.jsonl for records in an array under KEY, \
+             jq -c . for one object",
+            path.display()
+        )),
+        Some(serde_json::Value::Array(a)) if a.iter().any(serde_json::Value::is_object) => {
+            Some(jq(".[]"))
+        }
+        Some(serde_json::Value::Object(o)) => o
+            .iter()
+            .find(|(_, x)| {
+                x.as_array()
+                    .is_some_and(|a| a.iter().any(serde_json::Value::is_object))
+            })
+            .map(|(k, _)| jq(&format!(".{}[]", serde_json::Value::from(k.as_str())))),
+        _ => None,
     }
 }
 
@@ -368,6 +439,40 @@ fn warn_if_too_large_to_encode(texts: &[String], lines: &[u64], path: &Path) {
     }
 }
 
+/// A paragraphs document (the default for text with a tokenizer) this
+/// large and of this many lines is most likely a corpus of one document a
+/// line with no blank line between them: encoded as one document, with no
+/// EOS between its lines, at the tokenizer's ~200 bytes a byte (an 8 MB
+/// file of short lines took 1.4 GiB, as `lines` 68 MiB).
+const ONE_PARAGRAPH_BYTES: usize = CHUNK_BYTES;
+const ONE_PARAGRAPH_LINES: usize = 1000;
+
+/// Says once (returns true when it did) that a paragraphs document is
+/// large and has many lines, with `--data-format lines` as the fix.
+fn warn_if_lines_without_blank_ones<R>(texts: &[String], lines: &[u64], docs: &Docs<R>) -> bool {
+    if docs.cut != Cut::Paragraphs {
+        return false;
+    }
+    let Some((text, line)) = texts
+        .iter()
+        .zip(lines)
+        .find(|(t, _)| t.len() >= ONE_PARAGRAPH_BYTES && t.lines().count() >= ONE_PARAGRAPH_LINES)
+    else {
+        return false;
+    };
+    tracing::warn!(
+        data = %docs.path.display(),
+        "the document at line {line} is {} of text over {} lines with no blank line between \
+         them: paragraphs (the default with --tokenizer) end documents at blank lines only, so \
+         it is encoded as one document, with no EOS between its lines, and the tokenizer holds \
+         about {} bytes per byte of it; if each line is a document, give --data-format lines",
+        crate::units::format_bytes(text.len() as u64),
+        text.lines().count(),
+        ENCODE_BYTES_PER_TEXT_BYTE,
+    );
+    true
+}
+
 /// The memory encoding one document of `text_bytes` takes, when that is
 /// more than `available_bytes` (and the document is a large one).
 fn encode_needs_more_than(text_bytes: usize, available_bytes: u64) -> Option<u64> {
@@ -389,6 +494,7 @@ pub fn encode<R: BufRead>(
 ) -> Result<Encoded> {
     let mut done = Encoded::default();
     let mut out: Vec<u32> = Vec::new();
+    let mut said_one_paragraph = false;
     loop {
         let mut texts = Vec::new();
         let mut lines = Vec::new();
@@ -407,6 +513,9 @@ pub fn encode<R: BufRead>(
             return Ok(done);
         }
         warn_if_too_large_to_encode(&texts, &lines, &docs.path);
+        if !said_one_paragraph {
+            said_one_paragraph = warn_if_lines_without_blank_ones(&texts, &lines, docs);
+        }
         let inputs: Vec<&str> = texts.iter().map(String::as_str).collect();
         let encodings = tokenizer.encode_batch(inputs, true).map_err(|e| {
             // The batch's error does not say which document: the first
@@ -459,6 +568,24 @@ pub fn encode<R: BufRead>(
 mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
     use super::*;
+
+    /// A large paragraphs document of many lines is said (a corpus of a
+    /// document a line, read as one); a large one of few lines, a large
+    /// `lines` chunk or a small paragraph is not.
+    #[test]
+    fn a_paragraph_of_a_whole_line_corpus_is_said() {
+        let many = "a short sentence of a corpus.\n".repeat(ONE_PARAGRAPH_BYTES / 30 + 1);
+        let few = format!("{}\n", "x".repeat(ONE_PARAGRAPH_BYTES)).repeat(3);
+        let says = |text: &str, cut: Cut| {
+            let d = Docs::new(&b""[..], cut, Path::new("t"));
+            warn_if_lines_without_blank_ones(&[text.to_owned()], &[1], &d)
+        };
+        assert!(says(&many, Cut::Paragraphs));
+        assert!(!says(&many, Cut::Lines));
+        assert!(!says(&many, Cut::Whole));
+        assert!(!says(&few, Cut::Paragraphs));
+        assert!(!says(&many[..ONE_PARAGRAPH_BYTES / 2], Cut::Paragraphs));
+    }
 
     fn docs(text: &str, cut: Cut) -> Result<Vec<(String, u64)>> {
         let mut d = Docs::new(text.as_bytes(), cut, Path::new("t"));

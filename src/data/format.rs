@@ -165,6 +165,11 @@ impl DataFormat {
             }
         };
         match (&format, has_tokenizer) {
+            // JSONL read byte-level would train on its syntax: no bytes
+            // advice there.
+            (DataFormat::Jsonl { .. }, false) => Err(bad(
+                "jsonl data is text to encode: give --tokenizer tokenizer.json".into(),
+            )),
             (f, false) if f.needs_tokenizer() => Err(bad(format!(
                 "{} data is text to encode: give --tokenizer tokenizer.json (or \
                  --data-format bytes to read it byte-level)",
@@ -257,11 +262,34 @@ pub fn not_data_reason(head: &[u8], path: &Path, piped: bool) -> Option<String> 
                 "its bytes are {what}-compressed; decompress them in the pipe ({tool}), e.g. \
                  --data <({tool} corpus)"
             ),
-            false => format!(
-                "is {what}-compressed; decompress it first, or read it through a pipe: --data \
-                 <({tool} {})",
-                path.display()
-            ),
+            false => {
+                // The format is the name's under the compression's suffix
+                // (`c.jsonl.gz`): a pipe has no name, so `auto` would read
+                // JSONL as text and ids as bytes; token files are mapped,
+                // so they must be a file.
+                let inner = Path::new(path.file_stem().unwrap_or_default())
+                    .extension()
+                    .and_then(|e| e.to_str())
+                    .unwrap_or("")
+                    .to_ascii_lowercase();
+                let shown = path.display();
+                match inner.as_str() {
+                    "u16" | "u32" | "bin" | "tokens" => format!(
+                        "is {what}-compressed; token ids are read from a file (a memory map), \
+                         not a pipe: decompress it first ({tool} {shown} > FILE, with FILE \
+                         named .{inner} as this one is) and give --data FILE"
+                    ),
+                    "jsonl" | "json" => format!(
+                        "is {what}-compressed; decompress it first, or read it through a pipe \
+                         naming the format, which a pipe's name does not say: --data <({tool} \
+                         {shown}) --data-format jsonl"
+                    ),
+                    _ => format!(
+                        "is {what}-compressed; decompress it first, or read it through a pipe: \
+                         --data <({tool} {shown})"
+                    ),
+                }
+            }
         });
     }
     container_of(head).map(|(what, fix)| format!("it is a {what} file; {fix}"))

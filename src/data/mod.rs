@@ -342,9 +342,15 @@ impl TokenData {
         let len = meta.len();
         let w = width.bytes() as u64;
         if len % w != 0 {
+            // The other width is a fix only where it divides the length
+            // (a uint16 file of an odd length is cut short or not ids).
+            let hint = if w == 4 && len % 2 == 0 {
+                "; is it uint16 ids (--data-format u16)?"
+            } else {
+                "; the file is cut short or is not token ids (was it written whole?)"
+            };
             return Err(bad(format!(
-                "{len} bytes are not a whole number of {} ids ({w} bytes each); is it the \
-                 other width?",
+                "{len} bytes are not a whole number of {} ids ({w} bytes each){hint}",
                 width.dtype_name()
             )));
         }
@@ -814,7 +820,14 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
         dtype: width.dtype_name().into(),
         tokens: enc.tokens,
         documents: enc.documents,
-        source: spec.path.display().to_string(),
+        // Resolved: a later run started in another directory finds this
+        // entry's data as the same file when it prunes superseded entries
+        // (a relative path resolved against its own directory did not, and
+        // every edit left a corpus-sized entry behind).
+        source: std::fs::canonicalize(&spec.path)
+            .unwrap_or_else(|_| spec.path.clone())
+            .display()
+            .to_string(),
         data: ident,
         format: spec.format.name(),
         eos_id: spec.eos,
