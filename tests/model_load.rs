@@ -289,6 +289,67 @@ fn a_tied_model_with_a_different_lm_head_is_refused() {
             assert!(err.contains(want), "{want}: {err}");
         }
     }
+    // In another dtype the values are compared widened: a bf16 head of
+    // half the embedding is refused (it was tied with a warning, where
+    // transformers loads both), one of another element count too, and a
+    // bf16 embedding's f32 copy is the tie.
+    let cfg = llama_config(true);
+    let model = Model::new(cfg.clone()).unwrap();
+    let params = random_params(&model, 6, DType::F32);
+    let tensors = named(&model, &params, "");
+    let e = tensors
+        .iter()
+        .find(|(n, _)| n == "model.embed_tokens.weight")
+        .unwrap()
+        .1
+        .clone();
+    let half_bf16 = (e.clone() * 0.5).unwrap().to_dtype(DType::BF16).unwrap();
+    let short = e.narrow(0, 0, 2).unwrap().to_dtype(DType::BF16).unwrap();
+    for (head, want) in [
+        (half_bf16, "lm_head.weight with other values"),
+        (short, "lm_head.weight with another number of elements"),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        write_config(tmp.path(), &cfg);
+        let mut t = tensors.clone();
+        t.push(("lm_head.weight".into(), head));
+        write_st(&tmp.path().join("model.safetensors"), &t);
+        let err = ModelDir::open(tmp.path(), 0).unwrap_err().to_string();
+        assert!(err.contains(want), "{want}: {err}");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    write_config(tmp.path(), &cfg);
+    let mut t: Vec<(String, Tensor)> = tensors
+        .iter()
+        .map(|(n, x)| (n.clone(), x.to_dtype(DType::BF16).unwrap()))
+        .collect();
+    let e16 = t
+        .iter()
+        .find(|(n, _)| n == "model.embed_tokens.weight")
+        .unwrap()
+        .1
+        .clone();
+    t.push(("lm_head.weight".into(), e16.to_dtype(DType::F32).unwrap()));
+    write_st(&tmp.path().join("model.safetensors"), &t);
+    ModelDir::open(tmp.path(), 0).unwrap();
+    // The tied pair stored as the head alone (transformers loads it, tied
+    // either way): the embedding is read from it. It was refused as a
+    // missing embedding.
+    let tmp = tempfile::tempdir().unwrap();
+    write_config(tmp.path(), &cfg);
+    let t: Vec<(String, Tensor)> = tensors
+        .iter()
+        .map(|(n, x)| match n.as_str() {
+            "model.embed_tokens.weight" => ("lm_head.weight".to_owned(), x.clone()),
+            _ => (n.clone(), x.clone()),
+        })
+        .collect();
+    write_st(&tmp.path().join("model.safetensors"), &t);
+    let dir = ModelDir::open(tmp.path(), 0).unwrap();
+    let loaded = dir.load_all(DType::F32, &Device::Cpu).unwrap();
+    for p in model.params() {
+        assert_eq!(bits(&loaded[p.id.0]), bits(&params[p.id.0]), "{}", p.name);
+    }
 }
 
 #[test]

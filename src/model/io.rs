@@ -155,18 +155,20 @@ fn candle_dtype(name: &str, dt: StDtype) -> Result<DType, ModelError> {
 }
 
 /// A tied model (`tie_word_embeddings: true`) whose files also hold an
-/// `lm_head.weight`: where its bytes differ from the token embedding's,
+/// `lm_head.weight`: where its values differ from the token embedding's,
 /// transformers does not tie them (it loads both, with a warning), so
 /// tying here would train another model than the one `from_pretrained`
 /// loads: refused, naming both fixes. (It was dropped without a word.)
-/// Equal bytes, the usual case of a tied save that kept both, are the
-/// tie. Stored in another dtype than the embedding, they cannot be
-/// compared bit for bit: warned about, and tied as the config says.
+/// Equal values, the usual case of a tied save that kept both, are the
+/// tie. Stored in another dtype than the embedding, the values are
+/// compared widened to f64 (exact for every float dtype a file holds):
+/// a bf16 head of half the embedding was tied with a warning, where
+/// transformers loads both. Another element count is refused too.
 fn check_tied_head(
     model: &Model,
     files: &[PathBuf],
     locs: &HashMap<ParamId, TensorLoc>,
-    (head_file, head_offset, head_len, head_dtype): (usize, u64, usize, safetensors::Dtype),
+    head: &TensorLoc,
 ) -> Result<(), ModelError> {
     use std::os::unix::fs::FileExt as _;
     let Some(embed) = model
@@ -179,38 +181,80 @@ fn check_tied_head(
     let Some(e) = locs.get(&embed.id) else {
         return Ok(());
     };
-    let head_path = &files[head_file];
-    if candle_dtype("lm_head.weight", head_dtype).ok() != Some(e.dtype) || head_len != e.len_bytes {
-        tracing::warn!(file = %head_path.display(), embedding = %embed.name, "lm_head.weight is stored beside the tied embedding in another dtype or size; tied as config.json says (transformers may not tie them)");
-        return Ok(());
+    let head_path = &files[head.file];
+    let (head_dt, head_len, head_offset) = (head.dtype, head.len_bytes, head.offset_bytes);
+    let (hsize, esize) = (head_dt.size_in_bytes(), e.dtype.size_in_bytes());
+    let untied = |what: &str| {
+        bad_file(
+            head_path,
+            format!(
+                "holds an lm_head.weight with {what} than `{}`, and config.json says \
+                 tie_word_embeddings: true; transformers then does not tie them (it loads \
+                 both): set \"tie_word_embeddings\": false in config.json to train that \
+                 model, or remove lm_head.weight from the file to tie the head to the \
+                 embedding",
+                e.stored_name
+            ),
+        )
+    };
+    if head_len / hsize != e.len_bytes / esize {
+        return Err(untied("another number of elements"));
     }
     let open = |p: &Path| std::fs::File::open(p).map_err(io_err(p));
     let (hf, ef) = (open(head_path)?, open(&files[e.file])?);
-    let chunk = 8 << 20;
-    let (mut a, mut b) = (vec![0u8; chunk], vec![0u8; chunk]);
+    // Whole elements of both per chunk.
+    let chunk_numel = (8usize << 20) / hsize.max(esize);
+    let (mut a, mut b) = (
+        vec![0u8; chunk_numel * hsize],
+        vec![0u8; chunk_numel * esize],
+    );
+    let numel = head_len / hsize;
     let mut done = 0usize;
-    while done < head_len {
-        let n = chunk.min(head_len - done);
-        hf.read_exact_at(&mut a[..n], head_offset + done as u64)
+    while done < numel {
+        let n = chunk_numel.min(numel - done);
+        let (a, b) = (&mut a[..n * hsize], &mut b[..n * esize]);
+        hf.read_exact_at(a, head_offset + (done * hsize) as u64)
             .map_err(io_err(head_path))?;
-        ef.read_exact_at(&mut b[..n], e.offset_bytes + done as u64)
+        ef.read_exact_at(b, e.offset_bytes + (done * esize) as u64)
             .map_err(io_err(&files[e.file]))?;
-        if a[..n] != b[..n] {
-            return Err(bad_file(
-                head_path,
-                format!(
-                    "holds an lm_head.weight with other values than `{}`, and config.json says \
-                     tie_word_embeddings: true; transformers then does not tie them (it loads \
-                     both): set \"tie_word_embeddings\": false in config.json to train that \
-                     model, or remove lm_head.weight from the file to tie the head to the \
-                     embedding",
-                    e.stored_name
-                ),
-            ));
+        let same = if head_dt == e.dtype {
+            a == b
+        } else {
+            let (x, y) = (widened(a, head_dt), widened(b, e.dtype));
+            // Equal as numbers; a NaN in both at one place is the same
+            // (it equals nothing, itself included).
+            x.iter()
+                .zip(&y)
+                .all(|(p, q)| p == q || (p.is_nan() && q.is_nan()))
+        };
+        if !same {
+            return Err(untied("other values"));
         }
         done += n;
     }
     Ok(())
+}
+
+/// Little-endian floats of `dt` widened to f64 (exact for f16, bf16, f32).
+fn widened(bytes: &[u8], dt: DType) -> Vec<f64> {
+    match dt {
+        DType::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f64())
+            .collect(),
+        DType::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f64())
+            .collect(),
+        DType::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+            .collect(),
+        _ => bytes
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+            .collect(),
+    }
 }
 
 /// Whether a stored tensor that is not a parameter is a known non-parameter.
@@ -374,7 +418,7 @@ impl ModelDir {
         let mut locs: HashMap<ParamId, TensorLoc> = HashMap::new();
         let mut ignored = Vec::new();
         // A tied model's stored `lm_head.weight` (see `check_tied_head`).
-        let mut tied_head: Option<(usize, u64, usize, safetensors::Dtype)> = None;
+        let mut tied_head: Option<TensorLoc> = None;
         for (file_idx, path) in files.iter().enumerate() {
             let (data_start, metadata) = read_header(path)?;
             let mut names: Vec<(String, &safetensors::tensor::TensorInfo)> =
@@ -402,9 +446,18 @@ impl ModelDir {
                 let Some(spec) = model.param_by_name(canonical) else {
                     if tied && canonical == "lm_head.weight" {
                         let (start, end) = info.data_offsets;
-                        tied_head = data_start
-                            .checked_add(start as u64)
-                            .map(|o| (file_idx, o, end - start, info.dtype));
+                        let offset_bytes =
+                            data_start.checked_add(start as u64).ok_or_else(|| {
+                                bad_file(path, format!("offset of `{stored_name}` overflows"))
+                            })?;
+                        tied_head = Some(TensorLoc {
+                            file: file_idx,
+                            stored_name: stored_name.clone(),
+                            dtype: candle_dtype(&stored_name, info.dtype)?,
+                            shape: info.shape.clone(),
+                            offset_bytes,
+                            len_bytes: end - start,
+                        });
                     }
                     if !is_known_buffer(arch, canonical, tied) {
                         tracing::warn!(tensor = %stored_name, file = %path.display(), "checkpoint tensor is not a model parameter; ignored");
@@ -447,6 +500,25 @@ impl ModelDir {
                 }
             }
         }
+        // A tied pair stored as `lm_head.weight` alone (transformers ties
+        // in either direction, and loads it): the embedding is read from
+        // it. It was refused as a missing embedding.
+        if let Some(head) = &tied_head {
+            let embed = model
+                .params()
+                .iter()
+                .find(|p| matches!(p.kind, crate::model::ParamKind::TokenEmbedding));
+            if let Some(embed) = embed.filter(|p| !locs.contains_key(&p.id)) {
+                if head.shape != embed.shape {
+                    return Err(ModelError::ShapeMismatch {
+                        name: head.stored_name.clone(),
+                        expected: embed.shape.clone(),
+                        found: head.shape.clone(),
+                    });
+                }
+                locs.insert(embed.id, head.clone());
+            }
+        }
         if let Some(missing) = model.params().iter().find(|p| !locs.contains_key(&p.id)) {
             return Err(ModelError::MissingTensor {
                 name: missing.name.clone(),
@@ -461,7 +533,7 @@ impl ModelDir {
                 },
             });
         }
-        if let Some(head) = tied_head {
+        if let Some(head) = &tied_head {
             check_tied_head(model, &files, &locs, head)?;
         }
         Ok(Source::Files {
