@@ -32,7 +32,24 @@ DeepSpeed's mechanism, on tierzero's I/O:
   (passed as keywords, or with no input needing a gradient, it stays live
   until the module's next forward);
 - a fetch puts the values on the param's device now and checks its dtype:
-  ``model.to(device)`` after the offload is followed, a cast is refused.
+  ``model.to(device)`` after the offload is followed, a cast is refused
+  (by the forward, ``state_dict()``, ``gathered()`` and ``copy.deepcopy``
+  alike: the homes hold the old dtype; ``remove()`` gives the plain model
+  the cast made);
+- a forward run inside a backward (gradient checkpointing's recompute,
+  reentrant or not; HF's ``gradient_checkpointing_enable()`` is the
+  non-reentrant one) keeps its params live until they are released as
+  above (gradient final; a frozen one, its module's backward done): the
+  non-reentrant recompute's saved tensors, a frozen param itself among
+  them, are read by the original graph's backward, and its gradient
+  accumulation reads the param. A param not released so in that backward
+  (``torch.autograd.grad`` of other inputs; a frozen one whose module's
+  inputs need no gradient) goes at its module's next forward;
+- every tensor that may become a param's data (a fetch, an NVMe prefetch
+  buffer, the released placeholder) is made outside inference mode, so an
+  eval forward under ``torch.inference_mode()`` leaves none behind for the
+  next training step; the forward hooks run outside ``torch.compile``'s
+  tracing (eagerly between its graphs).
 
 Params used by several modules (tied embeddings) are counted: each fetch
 takes a reference, each release drops one, and the data goes only at zero.
@@ -52,6 +69,27 @@ HF's ``save_model``, its checkpoints and its resume work on an offloaded
 model (a released param's empty data was saved as a 0-element tensor, and
 refused as a load's target).
 
+``model.load_state_dict(sd, assign=True)`` is refused: it would put new,
+full, unhooked Parameters in the model (the offload silently off, the
+optimizer's params no longer the model's).
+
+``copy.deepcopy`` of the model, or of any module of it holding offloaded
+params or the offload's hooks (``AveragedModel``, an EMA or reference copy,
+a container holding the model) gives a plain copy, as ``remove()`` would
+leave it: every param's current values, full, tied params tied, none of the
+offload's hooks; the original stays offloaded. (``copy.deepcopy`` finds a
+``__deepcopy__`` that the offload puts in each such module's ``__dict__``;
+``remove()`` takes it out.) ``AveragedModel.update_parameters(model)`` reads
+the model's params, so it is called gathered: ``with handle.gathered():
+ema.update_parameters(model)``. Pickling an offloaded model
+(``torch.save(model)``) is refused with a ``TypeError`` naming the fixes:
+save ``model.state_dict()``, or ``remove()`` first (a pickle of a plain
+copy would hold the whole model in memory twice, and split tied params
+between modules pickled apart).
+
+``tierzero.torch.AdamW`` holds the offload of the params it is given, so a
+model dropped before its optimizer leaves them their values.
+
 ``handle.remove()`` gathers every param for good and removes the hooks.
 """
 
@@ -59,6 +97,8 @@ from __future__ import annotations
 
 import copy
 import fcntl
+import functools
+import importlib
 import itertools
 import os
 import re
@@ -83,6 +123,40 @@ def home_of(param):
     """The offload home of ``param`` (None if it is not offloaded)."""
     h = _HOMES.get(id(param))
     return h if h is not None and h.param is param else None
+
+
+def _no_dynamo(fn):
+    """``fn`` kept out of ``torch.compile``'s tracing (run eagerly, a graph
+    break). torch's lazy form imports dynamo at the first call, not at
+    tierzero's import. (A wrapper that called ``fn`` directly outside a
+    compile was itself a frame dynamo recompiled for every module, up to
+    its recompile limit.)"""
+    lazy = getattr(torch, "_disable_dynamo", None)
+    if lazy is not None:
+        return lazy(fn)
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)  # an older torch
+    if disable is None:
+        disable = importlib.import_module("torch._dynamo").disable
+    return disable(fn)
+
+
+_NO_PICKLE = (
+    "an offloaded model cannot be pickled (torch.save(model), pickle.dumps): its released params "
+    "are empty placeholders and its hooks hold the offload's I/O; save model.state_dict() (it "
+    "holds every param's values), or call remove() on the offload_parameters handle first "
+    "(copy.deepcopy(model) gives a plain, not offloaded copy)"
+)
+
+
+def _check_dtype(h):
+    """Refuses a param cast after the offload: its home holds the old
+    dtype, which a fetch, a ``state_dict()`` or a copy would mix in."""
+    if h.param.dtype != h.dtype:
+        raise RuntimeError(
+            f"offload_parameters: a param of {h.numel} elements was offloaded as {h.dtype} and "
+            f"is now {h.param.dtype} (the model was cast after offload_parameters): cast the "
+            f"model before offload_parameters"
+        )
 
 
 class _Home:
@@ -287,7 +361,17 @@ class ParamOffload:
             self._hooks.append(_state_dict_post_hook(module, self._state_dict_entries))
             self._hooks.append(_load_pre_hook(module, self._before_load))
         self._loading: list = []
+        if model not in self._module_homes:
+            # Refused at the root, before anything is assigned.
+            self._hooks.append(_load_pre_hook(model, self._before_load))
         self._hooks.append(model.register_load_state_dict_post_hook(self._after_load))
+        # ``copy.deepcopy`` looks ``__deepcopy__`` up on the instance: each
+        # module that holds an offloaded param or a hook of this offload
+        # copies itself as a plain module (``_deepcopy``), whichever of
+        # them the copy starts at or reaches.
+        self._copying = [model, *(m for m in self._module_homes if m is not model)]
+        for module in self._copying:
+            module.__dict__["__deepcopy__"] = functools.partial(self._deepcopy, module)
         for h in self._homes:
             if h.param.requires_grad:
                 # Through a weak reference: a tensor's hooks are held from
@@ -297,8 +381,13 @@ class ParamOffload:
                 self._hooks.append(h.param.register_post_accumulate_grad_hook(_weakly(self._grad_final)))
 
     # Moving bytes.
+    @torch.inference_mode(False)
     def _load(self, h):
-        """The param's values from its home (a new tensor on its device)."""
+        """The param's values from its home (a new tensor on its device).
+        Made outside inference mode, as every tensor that may become a
+        param's data (an inference tensor cannot be saved for backward: a
+        fetch or prefetch under ``torch.inference_mode()`` broke the next
+        training step)."""
         if h.host is not None:
             return h.host.to(h.device, copy=True)
         if h.inflight is not None:
@@ -348,10 +437,13 @@ class ParamOffload:
             h.param.data = self._load(h).view(h.shape)
             h.live_version = h.param._version
 
-    def _release(self, h, force=False):
+    def _release(self, h, force=False, keep=False):
+        """Drops a forward use (or all, ``force``) and, at none left, the
+        data; ``keep``: the data stays until the gradient is final
+        (``_grad_final``), or to the next forward's release."""
         if not force:
             h.refs = max(0, h.refs - 1)
-            if h.refs:
+            if h.refs or keep:
                 return
         if h.is_live() and h.live_version is not None and h.param._version != h.live_version:
             # Changed in place while live (a WGAN clamp, a re-init inside
@@ -367,7 +459,11 @@ class ParamOffload:
                 # param's device), so a change made while gathered goes back.
                 h.host.view(-1).copy_(h.param.data.detach().reshape(-1))
         self._dirty.discard(h)
-        h.param.data = torch.empty(0, dtype=h.dtype, device=h.device)
+        # Of the param's dtype: one cast after the offload stays so, and
+        # refused (a refused forward's release turned it back, and the
+        # next forward mixed dtypes).
+        with torch.inference_mode(False):
+            h.param.data = torch.empty(0, dtype=h.param.dtype, device=h.device)
 
     # state_dict() and load_state_dict(): a released param's data is an
     # empty tensor, which would be saved (HF's save_model, its periodic
@@ -383,12 +479,24 @@ class ParamOffload:
     def _state_dict_entries(self, module, state_dict, prefix, local_metadata):
         """A released param's entry becomes its values, read from its home."""
         for key, h in self._released_of(module, prefix, state_dict):
+            # Its home holds the old dtype: a checkpoint of fp32 weights
+            # and fp16 biases was saved after ``model.half()``.
+            _check_dtype(h)
             if not h.is_live():
                 state_dict[key] = self._load(h).view(h.shape)
 
-    def _before_load(self, module, state_dict, prefix, *args):
+    def _before_load(self, module, state_dict, prefix, local_metadata=None, *args):
         """Makes the loaded params live for torch's copy into them; they
         go back to their homes after the load (``_after_load``)."""
+        if local_metadata and local_metadata.get("assign_to_params_buffers"):
+            # It would put new, full, unhooked Parameters in the model: the
+            # offload silently off, the optimizer's params no longer the
+            # model's.
+            raise RuntimeError(
+                "offload_parameters: load_state_dict(..., assign=True) would replace the offloaded "
+                "params and turn the offload off; load without assign=True (the values are written "
+                "into the offloaded params' homes), or load before offload_parameters"
+            )
         for _, h in self._released_of(module, prefix, state_dict):
             h.loads += 1
             if not h.is_live():
@@ -423,7 +531,11 @@ class ParamOffload:
                     continue
                 if budget < h.numel or live + h.numel > self.max_live_parameters:
                     return
-                buf = torch.empty(h.shape, dtype=h.dtype, device="cpu")
+                # Outside inference mode (see ``_load``): a module skipped
+                # by an eval forward under ``torch.inference_mode()`` left
+                # its buffer in flight for the next training forward.
+                with torch.inference_mode(False):
+                    buf = torch.empty(h.shape, dtype=h.dtype, device="cpu")
                 # In flight once issued: a read that failed to issue left
                 # its unfilled buffer to become the param at its fetch.
                 self._io(self._aio.async_pread, buf.reshape(-1), self._file, h.offset)
@@ -432,7 +544,10 @@ class ParamOffload:
                 budget -= h.numel
                 live += h.numel
 
-    # Hooks.
+    # Hooks. Kept out of ``torch.compile``'s tracing: dynamo traced into
+    # the aio calls of an NVMe fetch and failed; run eagerly between the
+    # compiled graphs, they move the same bytes.
+    @_no_dynamo
     def _pre_forward(self, module, args):
         if module in self._trace_pos and self._trace_pos[module] == 0 and self._trace:
             self._recording = False
@@ -441,12 +556,7 @@ class ParamOffload:
             self._trace.append(module)
         homes = self._module_homes[module]
         for h in homes:
-            if h.param.dtype != h.dtype:
-                raise RuntimeError(
-                    f"offload_parameters: a param of {h.numel} elements was offloaded as {h.dtype} and "
-                    f"is now {h.param.dtype} (the model was cast after offload_parameters): cast the "
-                    f"model before offload_parameters"
-                )
+            _check_dtype(h)
         for h in homes:
             self._fetch(h)
         self._prefetch_after(module)
@@ -467,10 +577,23 @@ class ParamOffload:
         # copied, not changed.
         return _wrap(tuple(args), release, in_place=False)
 
+    @_no_dynamo
     def _post_forward(self, module, args, output):
         homes = self._module_homes[module]
+        # A forward run inside a backward is a checkpoint's recompute. The
+        # non-reentrant one (torch.utils.checkpoint(use_reentrant=False),
+        # HF's gradient checkpointing) saves, for the original graph's
+        # backward, a detached alias of a grad-requiring param, whose
+        # AccumulateGrad then reads the param itself (its shape, to lay out
+        # the gradient), and a frozen param itself (a LayerNorm's weight):
+        # released here, either was empty there. So the params stay live
+        # until their gradients are final (``_grad_final``), a frozen one
+        # until its module's backward is done (the original forward's
+        # release on its inputs); the saved aliases held the memory for
+        # that time anyway.
+        recompute = torch.is_grad_enabled() and _in_backward()
         for h in homes:
-            self._release(h)
+            self._release(h, keep=recompute)
         if not torch.is_grad_enabled():
             return output
 
@@ -487,6 +610,49 @@ class ParamOffload:
             h.refs = 0
             self._release(h, force=True)
 
+    # Copies. ``copy.deepcopy(model)`` (EMA, ``AveragedModel``, a
+    # reference model) copied the released params' empty placeholders and
+    # this offload with them: a copy that trained and averaged silently
+    # wrong, or failed on the aio handle.
+    def _deepcopy(self, module, memo):
+        """``copy.deepcopy(module)``: a plain module, as ``remove()`` would
+        leave it (each param's current values, full; none of this
+        offload's hooks), the original untouched. Its params come through
+        ``memo``, so tied params stay tied; the offload is not copied."""
+        memo[id(self)] = _NOT_COPIED
+        for p in module.parameters():
+            h = home_of(p)
+            if h is None or h.owner is not self or id(p) in memo:
+                continue
+            _check_dtype(h)
+            with torch.no_grad():
+                values = h.param.data.clone() if h.is_live() else self._load(h).view(h.shape)
+            memo[id(p)] = type(p)(values, p.requires_grad)
+        # Taken off for the copy, so that the generic copy runs here (and
+        # the copy does not get it).
+        mine = module.__dict__.pop("__deepcopy__")
+        try:
+            new = copy.deepcopy(module, memo)
+        finally:
+            module.__dict__["__deepcopy__"] = mine
+        ids = {hook.id for hook in self._hooks}
+        for m in new.modules():
+            m.__dict__.pop("__deepcopy__", None)
+            for name, hooks in vars(m).items():
+                if "hook" in name and isinstance(hooks, dict):
+                    for i in ids & hooks.keys():
+                        del hooks[i]
+        return new
+
+    def __deepcopy__(self, memo):
+        raise TypeError(
+            "a ParamOffload cannot be copied; copy.deepcopy(model) gives a plain (not offloaded) "
+            "copy of the model"
+        )
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_NO_PICKLE)
+
     # Public.
     def gathered(self):
         """A context manager that keeps every param live inside it."""
@@ -494,6 +660,10 @@ class ParamOffload:
 
         class _Gathered:
             def __enter__(self):
+                for h in outer._homes:
+                    # Checked first: a cast param made live from its home
+                    # was silently cast back.
+                    _check_dtype(h)
                 for h in outer._homes:
                     outer._fetch(h)
                 return outer.model
@@ -512,15 +682,32 @@ class ParamOffload:
             self._io(self._aio.wait)
         for h in self._homes:
             if not h.is_live():
-                h.param.data = self._load(h).view(h.shape)
+                # A cast after the offload (refused by the forward, which
+                # would mix dtypes) is the plain model's to make.
+                h.param.data = self._load(h).view(h.shape).to(h.param.dtype)
             h.inflight = None
             _HOMES.pop(id(h.param), None)
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        for module in self._copying:
+            module.__dict__.pop("__deepcopy__", None)
+        self._copying = []
         self._homes = []
         if self._file:
             self._file_gone()
+
+
+#: What this offload is copied as in a model's deep copy (its hooks are
+#: then taken out of the copy).
+_NOT_COPIED = object()
+
+
+def _in_backward():
+    """Whether autograd's engine is running a backward on this thread (a
+    checkpoint's recompute runs the forward there)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 def _weakly(method):
@@ -624,13 +811,26 @@ def _state_dict_post_hook(module, hook):
     """``hook(module, state_dict, prefix, local_metadata)`` after
     ``module``'s own entries are in its ``state_dict``."""
     register = getattr(module, "register_state_dict_post_hook", None) or module._register_state_dict_hook
+    return register(_Hook(hook))
 
-    # A function, not the bound method: torch marks the hooks it is given
-    # with an attribute, which a method does not take.
-    def call(*args):
-        hook(*args)
 
-    return register(call)
+class _Hook:
+    """``fn`` as a hook that torch may mark with an attribute (a bound
+    method takes none). Pickled, it refuses with the fix, as the offload
+    does (a local function failed with a message naming neither); deep
+    copied, it is itself (``_deepcopy`` takes it out of the copy)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_NO_PICKLE)
+
+    def __deepcopy__(self, memo):
+        return self
 
 
 def _load_pre_hook(module, hook):

@@ -77,7 +77,7 @@ from ._adamw_parts import (
     _values,
     _write_mark,
 )
-from .offload import ParamOffload, home_of, offload_parameters
+from .offload import ParamOffload, _weakly, home_of, offload_parameters
 
 __all__ = ["AdamW", "offload_parameters", "ParamOffload"]
 
@@ -153,6 +153,10 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"sub_group_size must be >= 1, got {sub_group_size}")
         self.offload = offload
         params = [p for g in self.param_groups for p in g["params"]]
+        # The offloads of its offloaded params, held for as long as it holds
+        # them: a model dropped first took its offload (the homes, the
+        # file) with it, and left this optimizer 0-element params.
+        self._offloads = list({id(h.owner): h.owner for h in map(home_of, params) if h is not None}.values())
         # Host-memory state over fp32 CPU params: the params are the master
         # weights, stepped in place (as DeepSpeed's CPU Adam does): one
         # sub-group per param, no copies in or out.
@@ -263,7 +267,11 @@ class AdamW(torch.optim.Optimizer):
             self._reset_waiting()
             for p in self._param_sgs:
                 if p.requires_grad:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_final))
+                    # Weakly: a tensor's hooks are held from C++, where the
+                    # garbage collector misses the cycle param -> hook ->
+                    # optimizer -> param, so a dropped optimizer (and the
+                    # offload it holds, with its file) was never collected.
+                    self._hooks.append(p.register_post_accumulate_grad_hook(_weakly(self._grad_final)))
         self._built = True
 
     def __reduce_ex__(self, protocol):
