@@ -85,11 +85,15 @@ pub enum Site {
     /// optimizer state are stored into the tiers, while the trainer is
     /// built. A stop lets a test signal the build.
     BuildInitial,
+    /// `bench.file_made`: `bench-io` / `tune` made and preallocated their
+    /// file, their signal watcher not yet started. A stop lets a test
+    /// signal them there.
+    BenchFileMade,
 }
 
 impl Site {
     /// Every site.
-    pub const ALL: [Site; 10] = [
+    pub const ALL: [Site; 11] = [
         Site::StepBackward,
         Site::OptimWriteBack,
         Site::CkptStateWrite,
@@ -100,6 +104,7 @@ impl Site {
         Site::SpeculativeBeforeCommit,
         Site::DataEncode,
         Site::BuildInitial,
+        Site::BenchFileMade,
     ];
 
     /// The name used in [`ENV_VAR`].
@@ -115,6 +120,7 @@ impl Site {
             Site::SpeculativeBeforeCommit => "optim.before_commit",
             Site::DataEncode => "data.encode",
             Site::BuildInitial => "build.initial",
+            Site::BenchFileMade => "bench.file_made",
         }
     }
 
@@ -139,6 +145,7 @@ impl Site {
             Site::SpeculativeBeforeCommit => 7,
             Site::DataEncode => 8,
             Site::BuildInitial => 9,
+            Site::BenchFileMade => 10,
         }
     }
 }

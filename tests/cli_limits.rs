@@ -675,6 +675,57 @@ fn a_signal_during_bench_io_removes_its_file() {
     );
 }
 
+/// A signal that comes while the file is being made, before the watcher
+/// that removes it runs (the failpoint stops the process there), still
+/// removes it and exits 128 + the signal: its default action killed the
+/// process and left the whole --size file.
+#[test]
+fn a_signal_while_bench_io_makes_its_file_removes_it() {
+    let d = cli_support::scratch("limits", "bench-early-signal");
+    let child = Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .args([
+            "bench-io",
+            "--path",
+            ".",
+            "--size",
+            "64M",
+            "--block-size",
+            "4K",
+        ])
+        .args(["--queue-depth", "1", "--seconds", "10"])
+        .env("TIERZERO_FAILPOINT", "bench.file_made:1:stop")
+        .current_dir(&d)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run tierzero");
+    let t0 = Instant::now();
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id())).unwrap();
+        if stat.rsplit(')').next().unwrap().split_whitespace().next() == Some("T") {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "never stopped");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let pid = child.id().to_string();
+    for sig in ["-INT", "-CONT"] {
+        assert!(Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .unwrap()
+            .success());
+    }
+    let out = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert!(
+        stderr.contains("SIGINT received: removing the benchmark file"),
+        "{stderr}"
+    );
+    assert!(!d.join("tierzero").exists(), "left behind");
+}
+
 /// bench-io flags that would give wrong numbers or be ignored are refused
 /// (exit 2) before any file is made: `--no-fill` on the new file under
 /// `--path` (its reads would measure unwritten extents, which return zeros

@@ -180,6 +180,10 @@ fn open_target(
 ) -> Result<BenchTarget, Failure> {
     // Checked before a fill that may take minutes.
     time_limit(t)?;
+    // Handlers first: a signal while the file is made and preallocated is
+    // kept for the watcher started below, which removes it (the signal's
+    // default action left the whole --size file behind).
+    super::signals::register_early()?;
     if t.file.is_none() && t.size == 0 {
         return Err(Failure::BadInput(anyhow!(
             "--size 0: give the benchmark file's size, e.g. 4GiB"
@@ -265,6 +269,7 @@ fn open_target(
         })?
     };
     let mut bt = bt;
+    tierzero::failpoint::kill_point(tierzero::failpoint::Site::BenchFileMade);
     let largest_run_bytes = [
         (!t.no_fill).then_some((
             tierzero_swap::bench::FILL_BLOCK_BYTES,
@@ -605,6 +610,53 @@ fn choose(cells: &[Cell]) -> Option<&Cell> {
         .min_by_key(|c| (c.block_bytes * c.queue_depth as u64, c.queue_depth))
 }
 
+/// The block sizes and queue depths `tune` sweeps within `available_bytes`
+/// of host memory (`None`: unknown, the whole grid): the deepest depths,
+/// then the largest blocks, are left out while the largest run's pinned
+/// buffers do not fit, and said; refused, before the file is written,
+/// when even the least run does not fit. (It wrote the file and then
+/// refused the sweep, advising flags tune does not take.)
+fn tune_grid(available_bytes: Option<u64>) -> Result<(Vec<u64>, Vec<usize>), Failure> {
+    let (mut blocks, mut qds) = (TUNE_BLOCKS.to_vec(), TUNE_QDS.to_vec());
+    let Some(available) = available_bytes else {
+        return Ok((blocks, qds));
+    };
+    let fits = |b: &[u64], q: &[usize]| {
+        let (Some(&b), Some(&q)) = (b.iter().max(), q.iter().max()) else {
+            return true;
+        };
+        tierzero_swap::bench::run_arena_bytes(b, q).is_some_and(|p| p <= available)
+    };
+    while !fits(&blocks, &qds) && qds.len() > 1 {
+        qds.pop();
+    }
+    while !fits(&blocks, &qds) && blocks.len() > 1 {
+        blocks.pop();
+    }
+    if !fits(&blocks, &qds) {
+        return Err(Failure::BadInput(anyhow!(
+            "tune's least setting ({} requests of {}) pins {} and {} of host memory is \
+             available; free memory, or measure smaller settings with bench-io \
+             (--block-size, --queue-depth)",
+            qds[0],
+            format_bytes(blocks[0]),
+            tierzero_swap::bench::run_arena_bytes(blocks[0], qds[0])
+                .map_or_else(|| "more than 2^64 bytes".to_owned(), format_bytes),
+            format_bytes(available)
+        )));
+    }
+    if blocks.len() < TUNE_BLOCKS.len() || qds.len() < TUNE_QDS.len() {
+        errln!(
+            "warning: {} of host memory is available: the sweep stops at {} requests of {} \
+             (the settings above pin more than that)",
+            format_bytes(available),
+            qds.last().copied().unwrap_or(0),
+            format_bytes(blocks.last().copied().unwrap_or(0))
+        );
+    }
+    Ok((blocks, qds))
+}
+
 /// `tierzero tune`.
 pub fn run_tune(a: TuneArgs) -> Result<(), Failure> {
     super::json_object_on_failure(a.json);
@@ -615,11 +667,12 @@ pub fn run_tune(a: TuneArgs) -> Result<(), Failure> {
         Some(f) => std::fs::metadata(f).map_or(u64::MAX, |m| m.len()),
         None => a.target.size,
     };
+    let (blocks, qds) = tune_grid(tierzero::engine::sizing::mem_available_bytes())?;
     let (max_block, max_qd) = (
-        TUNE_BLOCKS.iter().max().copied().unwrap_or(0),
-        TUNE_QDS.iter().max().copied().unwrap_or(0),
+        blocks.iter().max().copied().unwrap_or(0),
+        qds.iter().max().copied().unwrap_or(0),
     );
-    if !shallow_settings(len_bytes, &TUNE_BLOCKS, &TUNE_QDS).is_empty() {
+    if !shallow_settings(len_bytes, &blocks, &qds).is_empty() {
         let (flag, what) = match a.target.file {
             Some(_) => ("--file", "a file"),
             None => ("--size", "--size"),
@@ -633,13 +686,13 @@ pub fn run_tune(a: TuneArgs) -> Result<(), Failure> {
             format_bytes(max_block),
         )));
     }
-    let bt = open_target(&a.target, &TUNE_BLOCKS, &TUNE_QDS, true)?;
+    let bt = open_target(&a.target, &blocks, &qds, true)?;
     errln!(
         "sweeping {} settings, up to {:.1} s each for read and write...",
-        TUNE_BLOCKS.len() * TUNE_QDS.len(),
+        blocks.len() * qds.len(),
         a.target.seconds
     );
-    let cells = sweep(&bt, &a.target, &TUNE_BLOCKS, &TUNE_QDS, Rw::Both, true)?;
+    let cells = sweep(&bt, &a.target, &blocks, &qds, Rw::Both, true)?;
     let Some(c) = choose(&cells) else {
         return Err(Failure::Internal(anyhow!("no setting moved any data")));
     };
@@ -691,6 +744,27 @@ mod tests {
             shallow_settings(20_000, &[1 << 20], &[4]),
             vec![(1 << 20, 4, 1)]
         );
+    }
+
+    /// Under little memory tune sweeps the settings that fit, deepest
+    /// depths left out first, and refuses before writing anything when
+    /// none does.
+    #[test]
+    fn tune_sweeps_what_the_memory_holds() {
+        let full = tune_grid(None).unwrap();
+        assert_eq!(full, (TUNE_BLOCKS.to_vec(), TUNE_QDS.to_vec()));
+        assert_eq!(tune_grid(Some(u64::MAX)).unwrap(), full);
+        let least = tierzero_swap::bench::run_arena_bytes(TUNE_BLOCKS[0], TUNE_QDS[0]).unwrap();
+        let most = tierzero_swap::bench::run_arena_bytes(8 << 20, 64).unwrap();
+        let (b, q) = tune_grid(Some(most - 1)).unwrap();
+        assert_eq!((b.len(), q.as_slice()), (TUNE_BLOCKS.len(), &TUNE_QDS[..4]));
+        let (b, q) = tune_grid(Some(least)).unwrap();
+        assert_eq!(
+            (b.as_slice(), q.as_slice()),
+            (&TUNE_BLOCKS[..1], &TUNE_QDS[..1])
+        );
+        let e = tune_grid(Some(least - 1)).map(|_| ()).unwrap_err();
+        assert!(format!("{e:?}").contains("bench-io"), "{e:?}");
     }
 
     /// A direction `--rw` left out is no measurement: not a best of 0

@@ -660,7 +660,7 @@ fn open_swap_file(
                 });
             }
             if warn() {
-                tracing::warn!(path = %path.display(), "O_DIRECT is not supported here; using buffered I/O (slower, and it uses page cache); set tierzero.direct_io to \"require\" to refuse instead");
+                tracing::warn!(path = %path.display(), "O_DIRECT is not supported here; using buffered I/O (slower, and it uses page cache; a training config's tierzero.direct_io \"require\" refuses instead)");
             }
             open(false)
                 .map(|f| (f, false))
