@@ -405,6 +405,9 @@ pub struct SwapSettings {
     /// sub-group's gradients stay in host memory until the step
     /// (`crate::engine::sizing::Sizing::grads_held_until_step`).
     pub overlap_optimizer: bool,
+    /// `tierzero.pinned_budget_bytes`: the param swap-in slots are cut to
+    /// what it holds ([`sizing::param_slots_within`]).
+    pub pinned_budget_bytes: Option<u64>,
 }
 
 impl SwapSettings {
@@ -429,6 +432,7 @@ impl SwapSettings {
             prefetch_bucket_numel: c.zero.prefetch_bucket_numel.0,
             optimizer_resident_bytes: c.tierzero.optimizer_resident_bytes.map(|b| b.0),
             overlap_optimizer: c.tierzero.overlap_optimizer,
+            pinned_budget_bytes: c.tierzero.pinned_budget_bytes.map(|b| b.0),
         }
     }
 }

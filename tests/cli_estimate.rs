@@ -846,6 +846,73 @@ fn estimate_prints_the_plan_train_allocates() {
     );
 }
 
+/// A pinned budget that cuts the param swap-in slots cuts them in the
+/// table's rows too, as the plan (and train) cut them: the row of the
+/// config counted every slot the buffers cut into (65 where the run took
+/// 10), and judged its fit on that.
+#[test]
+fn the_rows_cut_the_param_slots_to_the_pinned_budget() {
+    let d = cli_support::scratch("estimate", "budget-slots");
+    std::fs::create_dir_all(d.join("m")).unwrap();
+    std::fs::create_dir_all(d.join("swap")).unwrap();
+    std::fs::write(
+        d.join("m/config.json"),
+        r#"{"model_type": "gpt2", "vocab_size": 256, "n_positions": 256, "n_embd": 192,
+            "n_layer": 4, "n_head": 4, "tie_word_embeddings": true}"#,
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    for budget in ["92MiB", "100MiB", "1GiB"] {
+        // The embedded default's config (clipping: gradients spill with
+        // the state), its param buffers made large and few.
+        let mut cfg: Value = serde_json::from_str(
+            &std::fs::read_to_string(
+                Path::new(env!("CARGO_MANIFEST_DIR")).join("src/config/default.json"),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        let z = &mut cfg["zero_optimization"];
+        z["offload_param"]["nvme_path"] = "swap".into();
+        z["offload_param"]["buffer_count"] = 5.into();
+        z["offload_param"]["buffer_size"] = 2e6.into();
+        z["offload_optimizer"]["nvme_path"] = "swap".into();
+        cfg["tierzero"]["pinned_budget_bytes"] = budget.into();
+        std::fs::write(d.join("ds.json"), cfg.to_string()).unwrap();
+        let j = estimate_model(&d.join("m"), &d.join("ds.json"), &[]);
+        let plan = j["train_plan"].as_str().unwrap();
+        let at = plan
+            .find("param swap buffers (")
+            .unwrap_or_else(|| panic!("{plan}"));
+        let plan_slots: u64 = plan[at + "param swap buffers (".len()..]
+            .split(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let row = estimate_of(&j, 3, "nvme", "nvme");
+        let item = items_named(row, "param swap-in buffers");
+        let bytes = u(&item["bytes"]);
+        let detail = item["formula"].as_str().unwrap();
+        let cut: u64 = detail
+            .split("cut into ")
+            .nth(1)
+            .and_then(|t| t.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{detail}"));
+        seen.push((plan_slots, cut, bytes));
+    }
+    // The largest budget leaves every slot (and so gives a slot's bytes);
+    // the two smaller cut them, as the plan does, row and plan alike.
+    let (full_slots, full_cut, full_bytes) = seen[2];
+    assert_eq!(full_slots, full_cut, "{seen:?}");
+    let slot_bytes = full_bytes / full_cut;
+    assert!(seen[0].0 < seen[1].0 && seen[1].0 < full_cut, "{seen:?}");
+    for (plan_slots, _, bytes) in &seen {
+        assert_eq!(*bytes, plan_slots * slot_bytes, "{seen:?}");
+    }
+}
+
 /// "auto" keeps optimizer state resident as train does: never every
 /// sub-group, so a model of one sub-group keeps all its state on NVMe (it
 /// was counted all resident, in pageable memory), and one of several

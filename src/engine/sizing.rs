@@ -418,6 +418,28 @@ pub fn buffers_needed(read_ahead: usize, write_behind: usize, spill_grads: bool)
     (3 + usize::from(spill_grads)) * (1 + read_ahead + write_behind)
 }
 
+/// The param swap-in slots a pinned budget leaves room for: `slots` (the
+/// shard slots the buffers cut into) cut to what `budget_bytes` holds
+/// beside `beside_bytes` (the parked sums' buffers and the optimizer
+/// pipeline's least), never below `configured_count` (`buffer_count`):
+/// the slots beyond it are a speed-up. No budget: `slots`. The engine's
+/// sizing and `tierzero estimate` both ask this.
+pub fn param_slots_within(
+    slots: Buffers,
+    configured_count: u64,
+    budget_bytes: Option<u64>,
+    beside_bytes: u64,
+) -> Buffers {
+    match budget_bytes {
+        Some(b) if slots.count > configured_count => Buffers {
+            count: (b.saturating_sub(beside_bytes) / slots.bytes_each.max(1))
+                .clamp(configured_count, slots.count),
+            ..slots
+        },
+        _ => slots,
+    }
+}
+
 /// Final gradients spill to NVMe (and are read back with the state) when
 /// the state is on NVMe, the optimizer overlaps backward, and the step must
 /// wait for the global norm (clipping, or the overflow check of fp16 and,
@@ -794,19 +816,12 @@ pub fn decide_within(
     } else {
         0
     };
-    let param_buffers = match config.tierzero.pinned_budget_bytes {
-        Some(b) if param_buffers.count > configured.count => {
-            let left =
-                b.0.saturating_sub(park_buffers.total_bytes())
-                    .saturating_sub(optimizer_least);
-            Buffers {
-                count: (left / param_buffers.bytes_each.max(1))
-                    .clamp(configured.count, param_buffers.count),
-                ..param_buffers
-            }
-        }
-        _ => param_buffers,
-    };
+    let param_buffers = param_slots_within(
+        param_buffers,
+        configured.count,
+        config.tierzero.pinned_budget_bytes.map(|b| b.0),
+        park_buffers.total_bytes().saturating_add(optimizer_least),
+    );
     // Buffers the budget must hold before the optimizer's.
     let fixed_bytes = param_buffers
         .total_bytes()

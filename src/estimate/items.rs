@@ -231,7 +231,7 @@ pub fn items_within(
     match (c.params, inp.shape.as_ref()) {
         // The model's own shards: the sizing policy's pages and homes.
         (Offload::Cpu | Offload::Nvme, Some(shape)) => {
-            offloaded_param_items(inp, c.params, shape, &mut push)?
+            offloaded_param_items(inp, c, shape, &mut push)?
         }
         (Offload::None, _) => push(Tier::Device, "params", param_bytes, format!("{ps} × {p} B")),
         (Offload::Cpu, _) => push(
@@ -714,10 +714,11 @@ fn nvme_state_grads(
 /// cut into slots of the largest ([`sizing::param_slots`]).
 fn offloaded_param_items(
     inp: &Inputs,
-    params: Offload,
+    c: Choice,
     shape: &Shape,
     push: &mut impl FnMut(Tier, &'static str, u64, String),
 ) -> Result<(), EstimateError> {
+    let params = c.params;
     let sw = &inp.swap;
     let p = inp.param_elem_bytes;
     let (cpu_bytes, nvme_bytes) = param_homes(inp, params, shape)?;
@@ -757,14 +758,42 @@ fn offloaded_param_items(
         );
         let configured = sizing::param_buffers(sw.param_buffer_count, sw.param_buffer_numel, p);
         let largest = nvme_bytes.iter().copied().max().unwrap_or(0);
-        let slots = sizing::param_slots(configured, largest, nvme_bytes.len() as u64);
+        let cut = sizing::param_slots(configured, largest, nvme_bytes.len() as u64);
+        // Within a pinned budget, what it leaves beside the optimizer's
+        // least and the parked sums' buffers, as the run cuts them (this
+        // row said 65 slots where the run, and its plan, took 10).
+        let opt_nvme = c.optimizer == Offload::Nvme;
+        let largest_group = shape.max_sub_group_numel();
+        let beside = if opt_nvme {
+            let (bufs, needed) = sizing::optimizer_buffers(
+                sw.optimizer_buffer_count,
+                usize::from(sw.pipeline_read),
+                usize::from(sw.pipeline_write),
+                sw.spill_grads_with_nvme_state,
+                largest_group,
+            );
+            let park = if sw.gradient_accumulation_steps > 1 {
+                sizing::park_buffers(largest_group).total_bytes()
+            } else {
+                0
+            };
+            needed.saturating_mul(bufs.bytes_each).saturating_add(park)
+        } else {
+            0
+        };
+        let slots =
+            sizing::param_slots_within(cut, configured.count, sw.pinned_budget_bytes, beside);
+        let within = match (sw.pinned_budget_bytes, slots.count < cut.count) {
+            (Some(b), true) => format!(" (pinned_budget_bytes {b} holds {} of them)", slots.count),
+            _ => String::new(),
+        };
         push(
             pinned_or(sw.param_pin_memory),
             "param swap-in buffers",
             mul(slots.count, slots.bytes_each, "param buffers")?,
             format!(
-                "buffer_count {} × buffer_size {} × {p} B, 4 KiB-aligned, cut into {} slots of the largest shard",
-                configured.count, sw.param_buffer_numel, slots.count
+                "buffer_count {} × buffer_size {} × {p} B, 4 KiB-aligned, cut into {} slots of the largest shard{within}",
+                configured.count, sw.param_buffer_numel, cut.count
             ),
         );
     }
