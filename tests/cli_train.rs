@@ -1148,6 +1148,38 @@ fn device_sim_gradient_checkpointing_recomputes_to_the_same_weights() {
     }
 }
 
+/// With a device and `offload_param: none`, the params' home is the param
+/// store's host tensors (uploaded to the device, whose rows say what is
+/// there): the plan shows them in the host column, as estimate counts
+/// them, where it put them in the device column beside a smaller device
+/// budget.
+#[test]
+fn a_device_s_params_home_is_shown_as_host_memory() {
+    let d = tiny_setup("sim-params-none");
+    let mut cfg = ds_config(&d);
+    cfg["zero_optimization"]["offload_param"] = json!({"device": "none"});
+    write_config(&d, cfg);
+    let out = train(&d, &with(&TINY, &[("--device", "sim")]));
+    assert_eq!(out.code, 0, "stdout {} stderr {}", out.stdout, out.stderr);
+    let line = out
+        .stdout
+        .lines()
+        .find(|l| {
+            l.trim_start()
+                .starts_with("params (home on the device: host copy)")
+        })
+        .unwrap_or_else(|| panic!("{}", out.stdout));
+    let cells: Vec<&str> = line
+        .split("copy)")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    assert_eq!(cells.len(), 5, "{line}");
+    assert_eq!((cells[0], cells[1], cells[4]), ("-", "-", "-"), "{line}");
+    assert!(cells[2].parse::<f64>().is_ok(), "host bytes: {line}");
+}
+
 /// `--device sim`: the device tier on the simulated device, through the
 /// binary. The plan shows the device's rows and total; the metrics count
 /// the copies and both queues' busy time; the timeline has the device's

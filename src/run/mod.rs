@@ -475,7 +475,29 @@ impl fmt::Display for Plan {
                 cell(t.nvme_bytes)
             );
         };
-        row(&mut s, "params", &unpinned(&self.params, params_pinned));
+        // With a device (a GPU, the simulated one), params whose home is
+        // the device are the param store's host tensors, uploaded to it
+        // (what is on the device is in its rows below): host bytes, as
+        // estimate counts them. They were shown as device bytes beside a
+        // device budget smaller than them.
+        match &self.device_memory {
+            Some(_) if self.params.device_bytes > 0 => row(
+                &mut s,
+                "params (home on the device: host copy)",
+                &unpinned(
+                    &TierBytes {
+                        host_bytes: self
+                            .params
+                            .host_bytes
+                            .saturating_add(self.params.device_bytes),
+                        device_bytes: 0,
+                        ..self.params
+                    },
+                    params_pinned,
+                ),
+            ),
+            _ => row(&mut s, "params", &unpinned(&self.params, params_pinned)),
+        }
         let adam_on_device = self
             .device_memory
             .as_ref()
