@@ -913,6 +913,42 @@ fn the_rows_cut_the_param_slots_to_the_pinned_budget() {
     }
 }
 
+/// A config whose nvme_path does not exist is estimated with a note that
+/// train refuses it until it does (it was said to fit without a word),
+/// with the fix; an existing one gets none.
+#[test]
+fn a_missing_nvme_path_is_noted() {
+    let d = cli_support::scratch("estimate", "missing-nvme");
+    std::fs::create_dir_all(d.join("there")).unwrap();
+    for (dir, noted) in [("not there", true), ("there", false)] {
+        let cfg = serde_json::json!({
+            "train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": {"stage": 3,
+                "offload_param": {"device": "nvme", "nvme_path": dir},
+                "offload_optimizer": {"device": "nvme", "nvme_path": dir}}
+        });
+        std::fs::write(d.join("ds.json"), cfg.to_string()).unwrap();
+        let out = cli_support::run_tierzero(
+            Some(&d),
+            &["estimate", "--params", "1e6", "--config", "ds.json"],
+        );
+        assert_eq!(out.code, 0, "{}", out.stderr);
+        let notes = out
+            .stderr
+            .lines()
+            .filter(|l| l.contains("directory does not exist") && l.contains("train refuses"))
+            .count();
+        assert_eq!(notes, if noted { 2 } else { 0 }, "{dir}: {}", out.stderr);
+        if noted {
+            assert!(
+                out.stderr.contains("mkdir -p 'not there'"),
+                "{}",
+                out.stderr
+            );
+        }
+    }
+}
+
 /// "auto" keeps optimizer state resident as train does: never every
 /// sub-group, so a model of one sub-group keeps all its state on NVMe (it
 /// was counted all resident, in pageable memory), and one of several

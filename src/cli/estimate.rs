@@ -282,6 +282,31 @@ fn load_config(
             tierzero::engine::sizing::park_buffers(0).count
         );
     }
+    // A config's nvme_path that does not exist: train refuses it (the
+    // estimate said the config fits, and measured the nearest existing
+    // directory's free space without a word).
+    for (key, dir) in [
+        (
+            "zero_optimization.offload_param.nvme_path",
+            c.zero.offload_param.device.nvme_path(),
+        ),
+        (
+            "zero_optimization.offload_optimizer.nvme_path",
+            c.zero.offload_optimizer.device.nvme_path(),
+        ),
+    ] {
+        // (The embedded default's ./tierzero-swap/ is made by train.)
+        if let Some(dir) = dir.filter(|d| path.is_some() && !d.exists()) {
+            errln!(
+                "note: {}; train refuses the config until it exists (its free space here is the \
+                 nearest existing directory's)",
+                tierzero::config::ConfigError::NvmePathNotFound {
+                    key: key.to_owned(),
+                    dir: dir.to_path_buf(),
+                }
+            );
+        }
+    }
     let nvme_path = nvme_path_of(c);
     Ok(FromConfig {
         swap: SwapSettings::from_config(c),
