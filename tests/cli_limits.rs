@@ -675,6 +675,65 @@ fn a_signal_during_bench_io_removes_its_file() {
     );
 }
 
+/// A --size that is not whole O_DIRECT blocks is rounded up, not down: a
+/// --size of 5000 measured a 4 KiB file.
+#[test]
+fn a_bench_size_is_rounded_up_to_whole_blocks() {
+    let d = cli_support::scratch("limits", "bench-size-up");
+    let out = Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .args([
+            "bench-io",
+            "--path",
+            ".",
+            "--size",
+            "5000",
+            "--block-size",
+            "4K",
+        ])
+        .args(["--queue-depth", "1", "--seconds", "0.05"])
+        .current_dir(&d)
+        .output()
+        .expect("run tierzero");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("(8 KiB, "), "{stdout}");
+}
+
+/// A sparse --file larger than its disk's free space is refused before
+/// any write, with the numbers (the write runs filled the disk and failed
+/// as a poisoned swap space); reads alone are the way to measure it.
+#[test]
+fn a_sparse_bench_file_the_disk_cannot_fill_is_refused() {
+    let d = cli_support::scratch("limits", "bench-sparse");
+    let f = std::fs::File::create(d.join("sparse.bin")).unwrap();
+    if f.set_len(10 << 40).is_err() {
+        eprintln!("no 10 TiB sparse file here: skipping");
+        return;
+    }
+    drop(f);
+    let out = Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .args(["bench-io", "--file", "sparse.bin", "--block-size", "4K"])
+        .args(["--queue-depth", "1", "--seconds", "0.05"])
+        .current_dir(&d)
+        .output()
+        .expect("run tierzero");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    for want in ["is sparse", "not allocated", "free", "--rw read --no-fill"] {
+        assert!(stderr.contains(want), "{want}: {stderr}");
+    }
+    assert_eq!(
+        std::fs::metadata(d.join("sparse.bin")).unwrap().len(),
+        10 << 40
+    );
+    let _ = std::fs::remove_file(d.join("sparse.bin"));
+}
+
 /// A signal that comes while the file is being made, before the watcher
 /// that removes it runs (the failpoint stops the process there), still
 /// removes it and exits 128 + the signal: its default action killed the

@@ -201,6 +201,29 @@ fn open_target(
             )));
         }
         let dir = file.parent().filter(|d| !d.as_os_str().is_empty());
+        // A sparse file's writes allocate its holes: where the disk lacks
+        // the room, refused now with the numbers (the write runs filled the
+        // disk and failed as a poisoned swap space).
+        if writes {
+            use std::os::unix::fs::MetadataExt as _;
+            let m = std::fs::metadata(file)
+                .map_err(|e| Failure::BadInput(anyhow!("--file {}: {e}", file.display())))?;
+            let holes = m.len().saturating_sub(m.blocks().saturating_mul(512));
+            let free = tierzero::engine::sizing::available_bytes_at(
+                dir.unwrap_or(std::path::Path::new(".")),
+            );
+            if let Some(free) = free.filter(|f| holes > *f) {
+                return Err(Failure::BadInput(anyhow!(
+                    "--file {}: the file is sparse ({} of its {} not allocated) and its file \
+                     system has {} free, which its writes would need; give a file written \
+                     whole, free space, or measure reads alone with --rw read --no-fill",
+                    file.display(),
+                    format_bytes(holes),
+                    format_bytes(m.len()),
+                    format_bytes(free)
+                )));
+            }
+        }
         if let tierzero_swap::lock::LockState::Held { holder_pid } =
             tierzero_swap::lock::lock_state(dir.unwrap_or(std::path::Path::new(".")))
         {
@@ -248,17 +271,33 @@ fn open_target(
                 }
             )));
         }
-        BenchTarget::create(dir, t.size, DirectIo::Auto).map_err(|e| match e {
+        // Whole O_DIRECT blocks, rounded up: a --size of 5000 measured a
+        // 4 KiB file.
+        let align = tierzero_swap::align::MIN_ALIGNMENT_BYTES;
+        let size = t.size.div_ceil(align).saturating_mul(align);
+        BenchTarget::create(dir, size, DirectIo::Auto).map_err(|e| match e {
             tierzero_swap::SwapError::NoRoom {
                 needed_bytes,
                 available_bytes,
                 ..
-            } => Failure::BadInput(anyhow!(
-                "--size {}: {} has {} free; give a smaller --size or another --path",
-                format_bytes(needed_bytes),
-                dir.display(),
-                format_bytes(available_bytes)
-            )),
+            } => {
+                // In bytes where the rounded sizes read the same ("needs
+                // 100.0 MiB, has 100.0 MiB free").
+                let (needed, free) =
+                    match (format_bytes(needed_bytes), format_bytes(available_bytes)) {
+                        (n, f) if n == f => (
+                            format!("{needed_bytes} bytes"),
+                            format!("{available_bytes} bytes"),
+                        ),
+                        nf => nf,
+                    };
+                Failure::BadInput(anyhow!(
+                    "--size {}: the file takes {needed} (with its alignment room) and {} has \
+                     {free} free; give a smaller --size or another --path",
+                    format_bytes(t.size),
+                    dir.display(),
+                ))
+            }
             tierzero_swap::SwapError::Locked { holder_pid, .. } => Failure::BadInput(anyhow!(
                 "--path {}: another tierzero process ({}) is using its tierzero/ directory; \
                  give bench-io another --path, or wait for that process to finish",
