@@ -765,13 +765,7 @@ fn offloaded_param_items(
         let opt_nvme = c.optimizer == Offload::Nvme;
         let largest_group = shape.max_sub_group_numel();
         let beside = if opt_nvme {
-            let (bufs, needed) = sizing::optimizer_buffers(
-                sw.optimizer_buffer_count,
-                usize::from(sw.pipeline_read),
-                usize::from(sw.pipeline_write),
-                sw.spill_grads_with_nvme_state,
-                largest_group,
-            );
+            let (bufs, needed) = optimizer_buffers_of(sw, largest_group);
             let park = if sw.gradient_accumulation_steps > 1 {
                 sizing::park_buffers(largest_group).total_bytes()
             } else {
@@ -860,17 +854,23 @@ fn pinned_or(pin: bool) -> Tier {
     }
 }
 
-/// The optimizer swap buffers the engine maps (the sizing policy's rule,
-/// [`sizing::optimizer_buffers`]) for a largest sub-group of
-/// `largest_group_numel` elements, and why that many.
-fn optimizer_buffer_count(sw: &SwapSettings, largest_group_numel: u64) -> (Buffers, &'static str) {
-    let (bufs, needed) = sizing::optimizer_buffers(
+/// [`sizing::optimizer_buffers`] of these settings: the buffers mapped
+/// and the pipeline's least count.
+fn optimizer_buffers_of(sw: &SwapSettings, largest_group_numel: u64) -> (Buffers, u64) {
+    sizing::optimizer_buffers(
         sw.optimizer_buffer_count,
         usize::from(sw.pipeline_read),
         usize::from(sw.pipeline_write),
         sw.spill_grads_with_nvme_state,
         largest_group_numel,
-    );
+    )
+}
+
+/// The optimizer swap buffers the engine maps (the sizing policy's rule,
+/// [`sizing::optimizer_buffers`]) for a largest sub-group of
+/// `largest_group_numel` elements, and why that many.
+fn optimizer_buffer_count(sw: &SwapSettings, largest_group_numel: u64) -> (Buffers, &'static str) {
+    let (bufs, needed) = optimizer_buffers_of(sw, largest_group_numel);
     let why = if bufs.count == needed && needed > sw.optimizer_buffer_count {
         "what the pipeline needs"
     } else {
