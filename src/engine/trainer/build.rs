@@ -701,7 +701,7 @@ impl Trainer {
                 config,
                 &sizing,
                 &shape,
-                host_working_bytes(config, &model, &layout, &sizing, &opts),
+                host_working_bytes(config, &model, &layout, &sizing, opts.compute.is_some()),
                 lockable,
                 sizing::mem_available_bytes(),
                 crate::estimate::probe_swap_free(),
@@ -937,5 +937,18 @@ mod tests {
             e.contains("offload the params and the optimizer state to NVMe"),
             "{e}"
         );
+        // With a device, the param store's host copy of the params homed
+        // there is counted (it was 0: a model larger than the host passed);
+        // none is homed there when they are offloaded.
+        let homed = |text: &str| {
+            let config = config::load_str(text, &run).unwrap().config;
+            let shape = Shape::of(&config, &model, &layout);
+            let sizing = sizing::decide_within(&config, &shape, None).unwrap();
+            checks::host_working_bytes(&config, &model, &layout, &sizing, true)
+        };
+        let none = r#"{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3,
+            "offload_param": {"device": "none"}, "offload_optimizer": {"device": "cpu"}}}"#;
+        assert_eq!(homed(none), 4 * model.numel() as u64);
+        assert_eq!(homed(text), 0);
     }
 }

@@ -220,23 +220,28 @@ pub(super) fn check_host_memory(
     })
 }
 
-/// With CPU compute (no device units), what the host holds while a step
-/// runs beside its start-up allocations, as the start-up plan shows it:
+/// What the host holds beside its start-up allocations, as the start-up
+/// plan shows it. With CPU compute (no device units), while a step runs:
 /// the params it computes with, the gradients it holds at most, the
 /// optimizer's new-values buffers and the parked sums' host part (the
-/// plan's rows, [`crate::run::Plan::host_working_bytes`]). 0 with a
-/// device, whose own budget holds those.
+/// plan's rows, [`crate::run::Plan::host_working_bytes`]). With a device
+/// (`on_device`), whose own budget holds the step's working set: the
+/// param store's host copy of the params homed on the device, held from
+/// the start (the plan's "home on the device: host copy" row; it was not
+/// counted, so a model too large for the host passed the check and met
+/// the OOM killer).
 pub(super) fn host_working_bytes(
     config: &Config,
     model: &Model,
     layout: &Layout,
     sizing: &Sizing,
-    opts: &TrainerOptions,
+    on_device: bool,
 ) -> u64 {
-    if opts.compute.is_some() {
-        return 0;
+    let plan = crate::run::Plan::new(config, model, layout, sizing, String::new());
+    if on_device {
+        return plan.params.device_bytes;
     }
-    crate::run::Plan::new(config, model, layout, sizing, String::new()).host_working_bytes()
+    plan.host_working_bytes()
 }
 
 /// Whether everything the sizing would page-lock fits `RLIMIT_MEMLOCK`,
