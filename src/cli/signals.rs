@@ -83,7 +83,9 @@ fn handlers() -> Result<&'static Arc<AtomicUsize>, Failure> {
     Ok(HANDLERS.get_or_init(|| h))
 }
 
-/// Registers the handlers now, first thing in `train`: a signal that
+/// Registers the handlers now, first thing in `train` (and in bench-io
+/// and tune before their file is made, which their watcher then removes):
+/// a signal that
 /// arrives before [`install`]'s watcher runs is kept for it (which ends
 /// the start-up with the stop's exit code), rather than killing the
 /// process (SIGUSR1/SIGUSR2's default action) without a word.

@@ -442,8 +442,10 @@ fn warn_if_too_large_to_encode(texts: &[String], lines: &[u64], path: &Path) {
 /// A paragraphs document (the default for text with a tokenizer) this
 /// large and of this many lines is most likely a corpus of one document a
 /// line with no blank line between them: encoded as one document, with no
-/// EOS between its lines, at the tokenizer's ~200 bytes a byte (an 8 MB
-/// file of short lines took 1.4 GiB, as `lines` 68 MiB).
+/// EOS between its lines, at the tokenizer's ~200 bytes a byte (an 8.3 MB
+/// file of short lines peaked at 1.4 GiB RSS, as `lines` at 68 MiB: a
+/// review's `/usr/bin/time -v tierzero train --data F --tokenizer T
+/// --no-data-cache [--data-format lines]`, 2026-12-07, a tiny model).
 const ONE_PARAGRAPH_BYTES: usize = CHUNK_BYTES;
 const ONE_PARAGRAPH_LINES: usize = 1000;
 
@@ -453,10 +455,13 @@ fn warn_if_lines_without_blank_ones<R>(texts: &[String], lines: &[u64], docs: &D
     if docs.cut != Cut::Paragraphs {
         return false;
     }
-    let Some((text, line)) = texts
+    // Lines counted once, and only in documents this large.
+    let Some((text, line, line_count)) = texts
         .iter()
         .zip(lines)
-        .find(|(t, _)| t.len() >= ONE_PARAGRAPH_BYTES && t.lines().count() >= ONE_PARAGRAPH_LINES)
+        .filter(|(t, _)| t.len() >= ONE_PARAGRAPH_BYTES)
+        .map(|(t, l)| (t, l, t.lines().count()))
+        .find(|(_, _, n)| *n >= ONE_PARAGRAPH_LINES)
     else {
         return false;
     };
@@ -467,7 +472,7 @@ fn warn_if_lines_without_blank_ones<R>(texts: &[String], lines: &[u64], docs: &D
          it is encoded as one document, with no EOS between its lines, and the tokenizer holds \
          about {} bytes per byte of it; if each line is a document, give --data-format lines",
         crate::units::format_bytes(text.len() as u64),
-        text.lines().count(),
+        line_count,
         ENCODE_BYTES_PER_TEXT_BYTE,
     );
     true

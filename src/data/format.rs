@@ -126,13 +126,9 @@ impl DataFormat {
         };
         let format = match requested.unwrap_or("auto") {
             "auto" => {
-                let ext = path
-                    .extension()
-                    .and_then(|e| e.to_str())
-                    .unwrap_or("")
-                    .to_ascii_lowercase();
+                let ext = extension_of(path);
                 match ext.as_str() {
-                    "jsonl" | "json" => jsonl(),
+                    e if JSONL_EXTENSIONS.contains(&e) => jsonl(),
                     "u16" => DataFormat::Tokens(TokenWidth::U16),
                     "u32" => DataFormat::Tokens(TokenWidth::U32),
                     "bin" | "tokens" => {
@@ -251,6 +247,19 @@ pub fn container_of(head: &[u8]) -> Option<(&'static str, &'static str)> {
         .map(|(_, what, fix)| (*what, *fix))
 }
 
+/// The extensions `auto` reads as JSONL, and as token ids (`.bin` and
+/// `.tokens` with a sidecar naming their width).
+const JSONL_EXTENSIONS: [&str; 2] = ["jsonl", "json"];
+const TOKEN_EXTENSIONS: [&str; 4] = ["u16", "u32", "bin", "tokens"];
+
+/// `path`'s extension, lower-cased (`""` without one).
+fn extension_of(path: &Path) -> String {
+    path.extension()
+        .and_then(|e| e.to_str())
+        .unwrap_or("")
+        .to_ascii_lowercase()
+}
+
 /// Why bytes that start with `head` are not text or training data, with
 /// the fix (a compressed file, a dataset container), if they are one of
 /// those; for the errors of a read that would train on them. `piped`:
@@ -267,19 +276,15 @@ pub fn not_data_reason(head: &[u8], path: &Path, piped: bool) -> Option<String> 
                 // (`c.jsonl.gz`): a pipe has no name, so `auto` would read
                 // JSONL as text and ids as bytes; token files are mapped,
                 // so they must be a file.
-                let inner = Path::new(path.file_stem().unwrap_or_default())
-                    .extension()
-                    .and_then(|e| e.to_str())
-                    .unwrap_or("")
-                    .to_ascii_lowercase();
+                let inner = extension_of(Path::new(path.file_stem().unwrap_or_default()));
                 let shown = path.display();
                 match inner.as_str() {
-                    "u16" | "u32" | "bin" | "tokens" => format!(
+                    e if TOKEN_EXTENSIONS.contains(&e) => format!(
                         "is {what}-compressed; token ids are read from a file (a memory map), \
                          not a pipe: decompress it first ({tool} {shown} > FILE, with FILE \
                          named .{inner} as this one is) and give --data FILE"
                     ),
-                    "jsonl" | "json" => format!(
+                    e if JSONL_EXTENSIONS.contains(&e) => format!(
                         "is {what}-compressed; decompress it first, or read it through a pipe \
                          naming the format, which a pipe's name does not say: --data <({tool} \
                          {shown}) --data-format jsonl"

@@ -178,7 +178,12 @@ fn check_tied_head(
     else {
         return Ok(());
     };
-    let Some(e) = locs.get(&embed.id) else {
+    // The embedding read from the head itself (a tied pair stored as the
+    // head alone): nothing to compare, and no second read of it.
+    let Some(e) = locs
+        .get(&embed.id)
+        .filter(|e| (e.file, e.offset_bytes) != (head.file, head.offset_bytes))
+    else {
         return Ok(());
     };
     let head_path = &files[head.file];
