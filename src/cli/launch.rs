@@ -367,16 +367,22 @@ fn launch(nproc: u64, args: &LaunchArgs) -> Result<i32, Failure> {
     // A stop goes to the ranks through mpirun as SIGUSR1/SIGUSR2 (its own
     // SIGINT handling kills them 1 s after a SIGTERM): see
     // `signals::run_mpirun`.
-    let status = super::signals::run_mpirun(cmd)?.map_err(|e| {
+    let end = super::signals::run_mpirun(cmd)?.map_err(|e| {
         Failure::BadInput(anyhow!(
             "running {}: {e}; install OpenMPI (apt-get install openmpi-bin) or give --mpirun",
             args.mpirun.display()
         ))
     })?;
+    // The ranks stopped at a step boundary on the signal the launcher got.
+    if let Some(code) = end.code() {
+        return Ok(code);
+    }
+    let status = end.status;
     match status.code() {
         Some(0) => Ok(0),
-        // The ranks stopped at a step boundary on a signal.
-        Some(c @ (super::signals::EXIT_SIGINT | super::signals::EXIT_SIGTERM)) => Ok(c),
+        // The ranks stopped at a step boundary on a signal (sent to mpirun
+        // by hand).
+        Some(c) if super::signals::is_stop_code(c) => Ok(c),
         Some(2) => Err(Failure::BadInput(anyhow!(
             "a rank refused its input (mpirun exited with 2); see its message above"
         ))),

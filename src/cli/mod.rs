@@ -377,7 +377,7 @@ pub fn main() -> i32 {
     };
     // Several ranks: a failed rank stops the others (MPI_Abort); a finished
     // (or stopped) one finalises MPI before exiting.
-    if !matches!(code, 0 | signals::EXIT_SIGINT | signals::EXIT_SIGTERM) {
+    if code != 0 && !signals::is_stop_code(code) {
         launch::abort_ranks(code);
     }
     launch::finalize();

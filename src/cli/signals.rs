@@ -27,7 +27,7 @@
 //!   still two: `armed` is set by the first handler itself.
 //! * **Exit codes** of a graceful stop: 128 + the signal's number, as a
 //!   shell reports a process killed by it: [`EXIT_SIGINT`] (130),
-//!   [`EXIT_SIGTERM`] (143), 129 for SIGHUP.
+//!   [`EXIT_SIGTERM`] (143), [`EXIT_SIGHUP`] (129).
 //! * **Under mpirun** (`tierzero launch`, or mpirun by hand). OpenMPI's
 //!   mpirun answers a SIGINT or SIGTERM by sending the ranks SIGTERM and,
 //!   `odls_base_sigkill_timeout` (1 s) later, SIGKILL: too soon for a stop
@@ -37,7 +37,9 @@
 //!   -USR1 <mpirun's pid>`). `tierzero launch` runs mpirun in a process
 //!   group of its own (a terminal's Ctrl-C reaches the launcher alone) and
 //!   turns the first SIGINT, SIGTERM or SIGHUP it gets into one of those;
-//!   a second into a SIGINT to mpirun, its abort.
+//!   a second into a SIGINT to mpirun, its abort. (Two signals carry three
+//!   stops: the ranks take a SIGHUP as a SIGTERM, and the launcher exits
+//!   with 129, the code of what it got: [`MpirunEnd::code`].)
 
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -53,6 +55,14 @@ use super::Failure;
 pub const EXIT_SIGINT: i32 = 130;
 /// Exit code of a run stopped by SIGTERM at a step boundary.
 pub const EXIT_SIGTERM: i32 = 143;
+/// Exit code of a run stopped by SIGHUP at a step boundary.
+pub const EXIT_SIGHUP: i32 = 129;
+
+/// Whether `code` is a graceful stop's exit code (130, 143, 129): the
+/// ranks stopped at a step boundary and saved, which is not a failure.
+pub fn is_stop_code(code: i32) -> bool {
+    matches!(code, EXIT_SIGINT | EXIT_SIGTERM | EXIT_SIGHUP)
+}
 
 /// The signal a rank takes as a SIGINT (mpirun passes it on).
 pub const STOP_AS_SIGINT: i32 = SIGUSR1;
@@ -258,9 +268,7 @@ pub fn install(handle: StopHandle) -> Result<(), Failure> {
 /// ranks. A signal before mpirun starts: it is not started. See "Under
 /// mpirun" in the module docs.
 #[cfg(feature = "mpi")]
-pub fn run_mpirun(
-    mut cmd: std::process::Command,
-) -> Result<std::io::Result<std::process::ExitStatus>, Failure> {
+pub fn run_mpirun(mut cmd: std::process::Command) -> Result<std::io::Result<MpirunEnd>, Failure> {
     use std::os::unix::process::CommandExt as _;
     use std::time::Instant;
     // (A SIGHUP ignored from the start, `nohup`, stays ignored.)
@@ -281,9 +289,11 @@ pub fn run_mpirun(
     tierzero_swap::process::signal_with_parent(&mut cmd, SIGINT);
     if let Some((sig, _)) = flags.iter().find(|(_, f)| f.load(Ordering::SeqCst)) {
         // Nothing started yet: stopped as a run stopped before its first step.
-        return Ok(Ok(std::os::unix::process::ExitStatusExt::from_raw(
-            (128 + sig) << 8,
-        )));
+        return Ok(Ok(MpirunEnd {
+            status: std::os::unix::process::ExitStatusExt::from_raw((128 + sig) << 8),
+            stop: Some(*sig),
+            aborted: false,
+        }));
     }
     let started = Instant::now();
     let mut child = match cmd.spawn() {
@@ -292,9 +302,18 @@ pub fn run_mpirun(
     };
     // The stop asked for (the signal mpirun gets) and when it was last sent.
     let mut stop: Option<(i32, Option<Instant>)> = None;
+    // The signal this process got first, and whether a second aborted.
+    let mut first: Option<i32> = None;
+    let mut aborted = false;
     loop {
         match child.try_wait() {
-            Ok(Some(status)) => return Ok(Ok(status)),
+            Ok(Some(status)) => {
+                return Ok(Ok(MpirunEnd {
+                    status,
+                    stop: first,
+                    aborted,
+                }))
+            }
             Ok(None) => {}
             Err(e) => return Ok(Err(e)),
         }
@@ -304,6 +323,7 @@ pub fn run_mpirun(
             }
             let name = StopCause::Signal(*sig).signal_name().unwrap_or_default();
             if stop.is_some() {
+                aborted = true;
                 errln!("tierzero launch: {name} received: aborting the ranks");
                 if let Err(e) = tierzero_swap::process::send_signal(child.id(), SIGINT) {
                     errln!("tierzero launch: signalling mpirun ({}): {e}", child.id());
@@ -320,6 +340,7 @@ pub fn run_mpirun(
                 STOP_AS_SIGTERM
             };
             stop = Some((as_stop, None));
+            first = Some(*sig);
         }
         if let Some((as_stop, sent)) = &mut stop {
             let due = match sent {
@@ -334,6 +355,38 @@ pub fn run_mpirun(
             }
         }
         std::thread::sleep(POLL);
+    }
+}
+
+/// How mpirun ended under [`run_mpirun`].
+#[cfg(feature = "mpi")]
+#[derive(Debug)]
+pub struct MpirunEnd {
+    /// mpirun's own status.
+    pub status: std::process::ExitStatus,
+    /// The first SIGINT, SIGTERM or SIGHUP the launcher got: the stop it
+    /// passed on.
+    pub stop: Option<i32>,
+    /// Whether a second signal aborted the ranks.
+    pub aborted: bool,
+}
+
+#[cfg(feature = "mpi")]
+impl MpirunEnd {
+    /// The launcher's exit code where mpirun ended a graceful stop: 128 +
+    /// the signal the launcher got (129 for a SIGHUP, which the ranks took
+    /// as a SIGTERM and ended with 143), also where mpirun itself died of
+    /// the stop's own signal, resent ([`RESEND`]) while it was tearing down
+    /// after its ranks had exited, its handlers gone. `None`: not a
+    /// graceful stop's ending (no stop, an abort, a failed rank).
+    pub fn code(&self) -> Option<i32> {
+        use std::os::unix::process::ExitStatusExt as _;
+        let sig = self.stop.filter(|_| !self.aborted)?;
+        let ended_stopped = match self.status.code() {
+            Some(c) => is_stop_code(c),
+            None => matches!(self.status.signal(), Some(STOP_AS_SIGINT | STOP_AS_SIGTERM)),
+        };
+        ended_stopped.then_some(128 + sig)
     }
 }
 
@@ -380,4 +433,36 @@ fn register() -> Result<Arc<AtomicUsize>, Failure> {
             .map_err(err)?;
     }
     Ok(last)
+}
+
+#[cfg(all(test, feature = "mpi"))]
+mod tests {
+    use super::*;
+    use std::os::unix::process::ExitStatusExt as _;
+
+    fn end(raw: i32, stop: Option<i32>, aborted: bool) -> MpirunEnd {
+        MpirunEnd {
+            status: std::process::ExitStatus::from_raw(raw),
+            stop,
+            aborted,
+        }
+    }
+
+    /// The launcher's code after a stop is the signal it got: mpirun's 143
+    /// after a SIGHUP (the ranks took it as a SIGTERM) is 129; mpirun killed
+    /// by the resent stop signal in its teardown is the stop, not 138; an
+    /// abort, a failed rank or no stop is not a stop's ending.
+    #[test]
+    fn a_stop_ends_with_the_code_of_the_signal_the_launcher_got() {
+        let exited = |c: i32| c << 8;
+        assert_eq!(end(exited(143), Some(SIGHUP), false).code(), Some(129));
+        assert_eq!(end(exited(130), Some(SIGINT), false).code(), Some(130));
+        assert_eq!(end(exited(143), Some(SIGTERM), false).code(), Some(143));
+        assert_eq!(end(STOP_AS_SIGINT, Some(SIGINT), false).code(), Some(130));
+        assert_eq!(end(STOP_AS_SIGTERM, Some(SIGHUP), false).code(), Some(129));
+        assert_eq!(end(libc::SIGKILL, Some(SIGINT), false).code(), None);
+        assert_eq!(end(exited(2), Some(SIGINT), false).code(), None);
+        assert_eq!(end(exited(130), Some(SIGINT), true).code(), None);
+        assert_eq!(end(exited(143), None, false).code(), None);
+    }
 }
