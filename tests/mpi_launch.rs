@@ -327,32 +327,60 @@ fn mpirun_goes_when_the_launcher_is_killed() {
 /// `--seed` trained a mix of two models and exited 0.
 #[test]
 fn ranks_started_with_different_settings_are_refused_naming_the_setting() {
-    for (tag, flag, a, b, says) in [
+    // (tag, rank 0's flags, rank 1's, what the refusal says)
+    let cases: [(&str, &[&str], &[&str], &str); 7] = [
         (
             "steps",
-            "--steps",
-            "3",
-            "4",
+            &["--steps", "3"],
+            &["--steps", "4"],
             "the run's steps (--steps) is 3 on rank 0, 4 on rank 1",
         ),
         (
             "seed",
-            "--seed",
-            "1",
-            "2",
+            &["--seed", "1"],
+            &["--seed", "2"],
             "the init seed (--seed) is 1 on rank 0, 2 on rank 1",
         ),
         (
             "accum",
-            "--grad-accum",
-            "1",
-            "2",
+            &["--grad-accum", "1"],
+            &["--grad-accum", "2"],
             "is train_batch_size 4 = micro-batch 2 x accumulation 1 x 2 ranks on rank 0, \
              train_batch_size 8 = micro-batch 2 x accumulation 2 x 2 ranks on rank 1",
         ),
-    ] {
+        // --resume on one rank alone: it waited in a collective the other
+        // never made, then blamed a dead rank.
+        (
+            "resume",
+            &["--steps", "3", "--resume", "ck"],
+            &["--steps", "3"],
+            "the step resumed from (--resume) is step 1 on rank 0, none on rank 1",
+        ),
+        // The simulated device on one rank alone: its collectives met the
+        // other's, whose settings' bytes it printed as a message.
+        (
+            "device",
+            &["--steps", "3", "--device", "sim"],
+            &["--steps", "3"],
+            "the compute device (--device) is sim on rank 0, cpu on rank 1",
+        ),
+        // Two corpora of one length, and two models of one config.json (a
+        // node's stale copy): each trained a mix and exited 0.
+        (
+            "data",
+            &["--steps", "3", "--data", "a.txt"],
+            &["--steps", "3", "--data", "b.txt"],
+            "the data's token ids (their crc32c) is ",
+        ),
+        (
+            "weights",
+            &["--steps", "3"],
+            &["--steps", "3", "--model", "trained"],
+            "the weights of wte.weight (the crc32c of its values) is ",
+        ),
+    ];
+    for (tag, a, b, says) in cases {
         let (_, dir, _, _) = launch_command(&format!("disagree-{tag}"), true, 4, &[]);
-        let model = dir.join("model");
         let ds = json!({
             "train_micro_batch_size_per_gpu": 2,
             "gradient_accumulation_steps": "auto",
@@ -360,20 +388,87 @@ fn ranks_started_with_different_settings_are_refused_naming_the_setting() {
             "zero_optimization": {"stage": 3}
         });
         std::fs::write(dir.join("ds.json"), ds.to_string()).unwrap();
+        let run = |args: &[&str]| {
+            let out = Command::new(env!("CARGO_BIN_EXE_tierzero"))
+                .args(args)
+                .current_dir(&dir)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        let one_step = [
+            "train",
+            "--seq-len",
+            "16",
+            "--config",
+            "ds.json",
+            "--model",
+            "model",
+            "--grad-accum",
+            "2",
+            "--steps",
+            "1",
+            "--save-dir",
+            "ck",
+        ];
+        match tag {
+            "resume" => run(&one_step),
+            "data" => {
+                let text = |seed: u32| -> Vec<u8> {
+                    (0..4000u32)
+                        .map(|i| b'a' + ((i * 7 + seed) % 26) as u8)
+                        .collect()
+                };
+                std::fs::write(dir.join("a.txt"), text(0)).unwrap();
+                std::fs::write(dir.join("b.txt"), text(1)).unwrap();
+            }
+            "weights" => {
+                // The same config.json beside other weights.
+                run(&one_step);
+                run(&[
+                    "export",
+                    "--checkpoint",
+                    "ck",
+                    "--out",
+                    "exported/model.safetensors",
+                ]);
+                std::fs::create_dir_all(dir.join("trained")).unwrap();
+                std::fs::copy(
+                    dir.join("exported/model.safetensors"),
+                    dir.join("trained/model.safetensors"),
+                )
+                .unwrap();
+                std::fs::copy(
+                    dir.join("model/config.json"),
+                    dir.join("trained/config.json"),
+                )
+                .unwrap();
+            }
+            _ => {}
+        }
         let mut cmd = Command::new("mpirun");
         cmd.args(["--oversubscribe", "--bind-to", "none"])
             .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
             .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
             .env("TIERZERO_COMM_TIMEOUT_S", "60")
             .current_dir(&dir);
-        for (i, value) in [a, b].into_iter().enumerate() {
+        for (i, flags) in [a, b].into_iter().enumerate() {
             if i > 0 {
                 cmd.arg(":");
             }
+            let model = if flags.contains(&"--model") {
+                &[][..]
+            } else {
+                &["--model", "model"][..]
+            };
             cmd.args(["-np", "1", env!("CARGO_BIN_EXE_tierzero"), "train"])
-                .args(["--seq-len", "16", "--config", "ds.json", "--model"])
-                .arg(&model)
-                .args([flag, value]);
+                .args(["--seq-len", "16", "--config", "ds.json"])
+                .args(model)
+                .args(flags);
         }
         let started = std::time::Instant::now();
         let out = cmd.output().expect("run mpirun");

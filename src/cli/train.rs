@@ -561,13 +561,29 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         tracing::warn!(error = %why, using = %c.dir().display(), "`latest` is unusable; resuming from the newest valid checkpoint below it");
     }
     outputs::check_save_dir_is_this_runs(&args, ckpt.as_ref())?;
-    if let Some(c) = &ckpt {
-        // Each rank opened the save dir itself: the ranks agree on the
-        // step before any of them can end alone (already at --steps) and
-        // leave the others waiting in a collective.
-        tierzero::engine::trainer::same_step_on_every_rank(&*comm, c.step())
-            .map_err(|e| bad(format!("--resume: {e}")))?;
-    }
+    // Each rank opened the save dir itself: the ranks agree on the step
+    // (and on resuming at all) before any of them can end alone (already
+    // at --steps) and leave the others waiting in a collective; and on the
+    // compute's kind before the simulated device's own collectives (a rank
+    // without it met them in another: a hang, or one's bytes read as the
+    // other's message).
+    let compute_kind = match (simulated, device.is_some()) {
+        (true, _) => "sim",
+        (false, true) => "cuda",
+        (false, false) => "cpu",
+    };
+    tierzero::engine::comm::same_on_every_rank(
+        &*comm,
+        &[
+            ("the compute device (--device)", compute_kind.to_owned()),
+            (
+                "the step resumed from (--resume)",
+                ckpt.as_ref()
+                    .map_or_else(|| "none".to_owned(), |c| format!("step {}", c.step())),
+            ),
+        ],
+    )
+    .map_err(|e| bad(e.to_string()))?;
     let (model_dir, model) = model::open_model(&args, flags.seed, ckpt.as_ref())?;
     let mc = model.config().clone();
     let seq_len = match (&args.seq_len, &ckpt) {

@@ -198,31 +198,39 @@ pub fn same_on_every_rank(comm: &dyn Comm, settings: &[(&str, String)]) -> Resul
             .iter()
             .find_map(|r| r.get(i).map(|(n, _)| n.clone()))
             .unwrap_or_default();
-        // Each distinct value once, with the ranks that have it.
-        let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
-        for (rank, r) in ranks.iter().enumerate() {
+        let values = values_by_rank(ranks.iter().enumerate().map(|(rank, r)| {
             let value = match r.get(i) {
                 Some((n, v)) if *n == setting => v.clone(),
                 Some((n, _)) => format!("(another setting: {n})"),
                 None => "(not given)".to_owned(),
             };
-            match groups.iter_mut().find(|(v, _)| *v == value) {
-                Some((_, rs)) => rs.push(rank),
-                None => groups.push((value, vec![rank])),
-            }
-        }
-        let values = groups
-            .iter()
-            .map(|(v, rs)| {
-                let rs: Vec<String> = rs.iter().map(usize::to_string).collect();
-                let noun = if rs.len() == 1 { "rank" } else { "ranks" };
-                format!("{v} on {noun} {}", rs.join(", "))
-            })
-            .collect::<Vec<_>>()
-            .join(", ");
+            (rank, value)
+        }));
         return Err(EngineError::RanksDisagree { setting, values });
     }
     Ok(())
+}
+
+/// Ranks' values of one setting as [`EngineError::RanksDisagree`] names
+/// them: each distinct value once, in the order met, with the ranks that
+/// have it ("3 on rank 0, 4 on ranks 1, 2").
+pub(crate) fn values_by_rank(values: impl IntoIterator<Item = (usize, String)>) -> String {
+    let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
+    for (rank, value) in values {
+        match groups.iter_mut().find(|(v, _)| *v == value) {
+            Some((_, rs)) => rs.push(rank),
+            None => groups.push((value, vec![rank])),
+        }
+    }
+    groups
+        .iter()
+        .map(|(v, rs)| {
+            let rs: Vec<String> = rs.iter().map(usize::to_string).collect();
+            let noun = if rs.len() == 1 { "rank" } else { "ranks" };
+            format!("{v} on {noun} {}", rs.join(", "))
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// [`same_on_every_rank`]'s settings as bytes: each name and value

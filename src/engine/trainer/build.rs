@@ -464,6 +464,7 @@ fn load_initial(
     store: &mut ParamStore,
     opt: &mut OptimizerState,
     stop: &StopHandle,
+    mut digests: Option<&mut [u64]>,
 ) -> Result<()> {
     // Streamed: one sub-group's state and one param at a time (a tiled
     // param's fp32 values and encoded shard are kept until its last
@@ -486,7 +487,12 @@ fn load_initial(
                     let slot = &layout.params[pc.param.0];
                     if loaded.as_ref().is_none_or(|(p, _)| *p != pc.param) {
                         let t = dir.load_param(pc.param, DType::F32, &Device::Cpu)?;
-                        loaded = Some((pc.param, t.flatten_all()?.to_vec1::<f32>()?));
+                        let values = t.flatten_all()?.to_vec1::<f32>()?;
+                        if let Some(d) = digests.as_deref_mut().and_then(|d| d.get_mut(pc.param.0))
+                        {
+                            *d = u64::from(crc32c::crc32c(bytemuck::cast_slice(&values)));
+                        }
+                        loaded = Some((pc.param, values));
                     }
                     let all = loaded.as_ref().map(|(_, v)| v.as_slice()).unwrap_or(&[]);
                     let from = slot.shard_start + pc.offset_in_shard;
@@ -674,9 +680,11 @@ impl Trainer {
     ) -> Result<Self> {
         let started = Instant::now();
         check_run(config, &model, &data, &opts)?;
+        let several = opts.comm.world_size() > 1;
+        let data_crc32c = several.then(|| data.ids_crc32c());
         crate::engine::comm::same_on_every_rank(
             &*opts.comm,
-            &rank_settings(config, &model, &data, &opts),
+            &rank_settings(config, &model, &data, data_crc32c, &opts),
         )?;
         let host = HostSetup::new(config, &opts)?;
         let (param_dtype, scaler) = precision_setup(&config.precision);
@@ -714,6 +722,8 @@ impl Trainer {
         // tiers fail alone (its disk fuller) or that stops mid-store does
         // not leave the others waiting in it. What a failed build made
         // (swap files, arenas) drops here.
+        // Each param's crc32c as loaded, compared among the ranks.
+        let mut digests = several.then(|| vec![NOT_LOADED; model.params().len()]);
         let built = (|| {
             let mut tiers = TierBuild {
                 config,
@@ -745,6 +755,7 @@ impl Trainer {
                     &mut store,
                     &mut opt,
                     &opts.stop,
+                    digests.as_deref_mut(),
                 )
             })?;
             Ok((
@@ -758,6 +769,9 @@ impl Trainer {
         })();
         let (store, opt, park, swap_spaces, arenas, tiers_done) =
             super::stop::agree_build_end(&*opts.comm, &opts.stop, total_numel, built)?;
+        if let Some(d) = &digests {
+            same_weights_on_every_rank(&*opts.comm, &model, d)?;
+        }
         let build_times = BuildTimes {
             tiers_s: (tiers_done - started).as_secs_f64(),
             initial_s: tiers_done.elapsed().as_secs_f64(),
@@ -852,7 +866,8 @@ impl Trainer {
             sizing,
             arenas,
             data_name: "unnamed".to_owned(),
-            data_ids_crc32c: std::sync::OnceLock::new(),
+            // Computed once: with several ranks, for their comparison.
+            data_ids_crc32c: data_crc32c.map_or_else(std::sync::OnceLock::new, Into::into),
             data_base: super::DataBase::default(),
             save_lock: None,
             io_clock: clocks.io,

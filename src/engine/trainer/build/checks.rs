@@ -10,11 +10,15 @@ use super::*;
 /// and seed, the config's numerics (batch, clipping, precision, optimizer,
 /// scheduler, sub-group size, data order) and its ZeRO settings (the
 /// `nvme_path`s aside: a node may mount its disk elsewhere), the model,
-/// and the data's length.
+/// and the data's length and, with several ranks, its ids' crc32c
+/// (`data_crc32c`: a node's other copy of the corpus, of the same length,
+/// trained each rank on other windows and exited 0). The weights are
+/// compared once loaded ([`same_weights_on_every_rank`]).
 pub(super) fn rank_settings(
     config: &Config,
     model: &Model,
     data: &TokenData,
+    data_crc32c: Option<u32>,
     opts: &TrainerOptions,
 ) -> Vec<(&'static str, String)> {
     let fp = super::checkpoint::config_fingerprint(config, opts.data_order);
@@ -60,7 +64,62 @@ pub(super) fn rank_settings(
             model_sha.finish_hex(),
         ),
         ("the data's token count", data.len().to_string()),
+        (
+            "the data's token ids (their crc32c)",
+            data_crc32c.map_or_else(String::new, |c| format!("{c:08x}")),
+        ),
     ]
+}
+
+/// A param's digest on a rank that loaded none of it
+/// ([`same_weights_on_every_rank`]).
+pub(super) const NOT_LOADED: u64 = u64::MAX;
+
+/// Every rank loaded the same weights: `digests[p]` is the crc32c of
+/// param `p`'s values as this rank loaded them (the whole tensor, from its
+/// own `--model` files or the seeded init), or [`NOT_LOADED`] where it
+/// holds no piece of it (or resumes, loading the checkpoint's masters);
+/// each param's digests are compared among the ranks that loaded it. Ranks
+/// that read different files of one config (a node's stale copy of the
+/// model) trained a mix of two models and exited 0. One all-gather; every
+/// rank calls it with one digest per param.
+pub(super) fn same_weights_on_every_rank(
+    comm: &dyn crate::engine::comm::Comm,
+    model: &Model,
+    digests: &[u64],
+) -> Result<()> {
+    if comm.world_size() == 1 {
+        return Ok(());
+    }
+    let mine: Vec<u8> = digests.iter().flat_map(|d| d.to_le_bytes()).collect();
+    let ranks: Vec<Vec<u64>> = crate::engine::comm::all_gather_var(comm, &mine)?
+        .iter()
+        .map(|b| {
+            b.chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0xff; 8])))
+                .collect()
+        })
+        .collect();
+    for (p, spec) in model.params().iter().enumerate() {
+        let held: Vec<(usize, u64)> = ranks
+            .iter()
+            .enumerate()
+            .filter_map(|(r, d)| Some((r, *d.get(p)?)).filter(|(_, d)| *d != NOT_LOADED))
+            .collect();
+        let Some(&(_, first)) = held.first() else {
+            continue;
+        };
+        if held.iter().all(|&(_, d)| d == first) {
+            continue;
+        }
+        return Err(EngineError::RanksDisagree {
+            setting: format!("the weights of {} (the crc32c of its values)", spec.name),
+            values: crate::engine::comm::values_by_rank(
+                held.iter().map(|&(r, d)| (r, format!("{d:08x}"))),
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// The run's shape checks: token ids within the vocabulary, a sequence
