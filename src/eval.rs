@@ -111,21 +111,22 @@ pub enum EvalError {
     /// `batch_windows` of zero.
     #[error("batch of 0 windows: give at least 1")]
     ZeroBatch,
-    /// One batch's fp32 logits alone exceed the host memory available.
+    /// One batch's logits alone exceed the host memory available.
     #[error(
         "a batch of {windows} windows of {positions} positions x vocab_size {vocab_size} has \
-         {} of fp32 logits, and {} of host memory is available; lower --batch (or --seq-len)",
+         {} of logits, and {} of host memory is available; lower --batch (or --seq-len)",
         crate::units::format_bytes(*logits_bytes),
         crate::units::format_bytes(*available_bytes)
     )]
     LogitsTooLarge {
         /// Windows in the largest batch.
         windows: usize,
-        /// Predicted positions in each.
+        /// Positions in each (the head computes every one).
         positions: usize,
         /// The model's vocabulary size.
         vocab_size: usize,
-        /// Their logits' bytes.
+        /// Their logits' bytes (fp32, and the 16-bit output under
+        /// bf16/fp16).
         logits_bytes: u64,
         /// `MemAvailable` now.
         available_bytes: u64,
@@ -263,17 +264,28 @@ where
     if opts.batch_windows == 0 {
         return Err(EvalError::ZeroBatch);
     }
-    // The largest batch's logits, before they abort the allocation.
-    let widest = opts.batch_windows.min(windows.full);
-    let logits_bytes =
-        crate::engine::sizing::logits_bytes((widest * (seq_len - 1)) as u64, cfg.vocab_size as u64);
+    // The largest batch's logits, before they abort the allocation: the
+    // head computes every position of its windows (the full ones', or the
+    // partial window's alone), in fp32, and under bf16/fp16 its 16-bit
+    // output beside them. (A text shorter than one window was not
+    // counted: its allocation aborted the process.)
+    let (widest, positions) = match windows.full {
+        0 => (1, windows.partial_len),
+        full => (opts.batch_windows.min(full), seq_len),
+    };
+    let rows = (widest * positions) as u64;
+    let logits_bytes = crate::engine::sizing::logits_bytes(rows, cfg.vocab_size as u64)
+        .saturating_add(match opts.dtype {
+            DType::F32 => 0,
+            _ => rows.saturating_mul(cfg.vocab_size as u64).saturating_mul(2),
+        });
     let on_host = matches!(opts.device, candle_core::Device::Cpu);
     if let Some(available_bytes) = crate::engine::sizing::mem_available_bytes().filter(|_| on_host)
     {
         if logits_bytes > available_bytes {
             return Err(EvalError::LogitsTooLarge {
                 windows: widest,
-                positions: seq_len - 1,
+                positions,
                 vocab_size: cfg.vocab_size,
                 logits_bytes,
                 available_bytes,

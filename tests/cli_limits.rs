@@ -314,11 +314,20 @@ fn logits_larger_than_host_memory_are_refused_with_the_numbers() {
         "--batch",
         "16",
     ];
+    // A text shorter than one window is one partial window, its logits
+    // counted too (they were not: the allocation aborted the process).
+    std::fs::write(d.join("short.txt"), "x".repeat(1000)).unwrap();
+    let mut short = eval;
+    short[4] = "short.txt";
     for (args, want) in [
         (&train[..], "lower train_micro_batch_size_per_gpu"),
         (
             &eval[..],
-            "--batch: a batch of 16 windows of 1023 positions",
+            "--batch: a batch of 16 windows of 1024 positions",
+        ),
+        (
+            &short[..],
+            "--seq-len: a batch of 1 windows of 1000 positions",
         ),
     ] {
         let started = Instant::now();

@@ -133,6 +133,8 @@ fn eval_failure(e: EvalError, args: &EvalArgs) -> Failure {
         EvalError::TooFewTokens { .. } | EvalError::TokenOutOfVocab { .. } => {
             format!("--data {}", data.display())
         }
+        // One window in the batch: only a shorter one helps.
+        EvalError::LogitsTooLarge { windows: 1, .. } => "--seq-len".to_owned(),
         EvalError::ZeroBatch | EvalError::LogitsTooLarge { .. } => "--batch".to_owned(),
         EvalError::NotFinite { .. } => weights(),
         other => return Failure::Internal(anyhow::Error::new(other)),
