@@ -696,6 +696,23 @@ fn no_output_lands_on_a_checkpoint() {
         ],
     );
     assert_eq!(exported.code, 0, "{}", exported.stderr);
+    // Exports named as the steps, each in its own dir: a folder of
+    // `step-<N>` dirs without manifests is no save dir (the second export
+    // was refused as "inside the checkpoint directory" it had made).
+    for step in ["step-00000001", "step-00000002", "step-00000001"] {
+        let out = format!("exports/{step}/model.safetensors");
+        let o = run_tierzero(
+            Some(&d),
+            &[
+                "export",
+                "--checkpoint",
+                &format!("ck/{step}"),
+                "--out",
+                &out,
+            ],
+        );
+        assert_eq!(o.code, 0, "{out}: {}", o.stderr);
+    }
     let resumed = train(
         &d,
         &[

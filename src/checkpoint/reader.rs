@@ -207,7 +207,23 @@ pub fn checkpoint_holding(out: &Path) -> Option<PathBuf> {
     if let Some(step) = dir.ancestors().find(|a| is_step_dir(a)) {
         return Some(step.to_path_buf());
     }
-    let is_save_dir = |d: &Path| d.join(LATEST_FILE).is_file() || !saved_steps(d).is_empty();
+    // A save dir: `latest`, the lock, or a step dir holding a manifest (a
+    // folder of `step-<N>` dirs alone, as per-step exports are named, is
+    // not one).
+    let is_save_dir = |d: &Path| {
+        d.join(LATEST_FILE).is_file()
+            || d.join(super::LOCK_FILE).exists()
+            || std::fs::read_dir(d)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .any(|e| {
+                    e.file_name()
+                        .to_str()
+                        .is_some_and(|n| parse_step_dir_name(n).is_some())
+                        && e.path().join(MANIFEST_FILE).is_file()
+                })
+    };
     // A step dir's name in a save dir, on the way to `out`, whether it
     // exists yet or holds a manifest: a later save of that step would
     // replace it, and the file with it.
