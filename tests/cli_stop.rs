@@ -387,6 +387,46 @@ fn a_stop_whose_save_does_not_fit_the_grace_period_skips_it_and_says_so() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
+/// A signal during a `--save-every` save stops the run right after it, at
+/// the step just saved: it went on to train the next step and save that
+/// too, past the grace period a scheduler gives.
+#[test]
+fn a_signal_during_a_periodic_save_stops_at_the_step_saved() {
+    let d = cli_support::scratch("stop", "periodic");
+    setup(&d);
+    let reference = complete(train(&d, TOTAL, &["--model", "model"]), "reference");
+    let mut c = train(
+        &d,
+        TOTAL,
+        &["--model", "model", "--save-dir", "ck", "--save-every", "2"],
+    );
+    // Frozen in the first save (step 2's), its files written.
+    c.env("TIERZERO_FAILPOINT", "ckpt.before_rename:1:stop");
+    let mut child = c.spawn().unwrap();
+    wait_stopped(&mut child);
+    signal(child.id(), "TERM");
+    signal(child.id(), "CONT");
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(143), "{err}");
+    let s = summary(&out, "a stop during a save");
+    assert_eq!(s["stopped"], json!("signal"), "{s}");
+    assert_eq!(s["steps"].as_u64(), Some(2), "{s}\n{err}");
+    assert_eq!(s["checkpoint_step"].as_u64(), Some(2), "{s}");
+    assert_eq!(
+        tierzero::checkpoint::saved_steps(&d.join("ck")),
+        vec![2],
+        "{err}"
+    );
+    assert_eq!(swap_files(&d), Vec::<String>::new());
+    let resumed = complete(
+        train(&d, TOTAL, &["--resume", "ck", "--save-dir", "ck"]),
+        "resumed",
+    );
+    assert_eq!(resumed["weight_sha256"], reference["weight_sha256"]);
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
 #[test]
 fn a_second_signal_aborts_at_once_and_the_last_checkpoint_stays_whole() {
     let d = cli_support::scratch("stop", "second");

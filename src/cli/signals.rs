@@ -190,6 +190,24 @@ pub fn exit_on_signal(what: &'static str, made: Vec<std::path::PathBuf>) -> Resu
     })
 }
 
+/// A stop signal the handlers caught that the watcher has not handed on
+/// yet (it looks every [`POLL`]), requested on `handle` now, once the
+/// trainer is built: a decision taken at once (stop after a periodic
+/// save, which may end a few milliseconds after the signal) sees it. The
+/// watcher still says it was received.
+pub fn request_caught(handle: &StopHandle) {
+    if PHASE.load(Ordering::SeqCst) != TRAINING {
+        return;
+    }
+    if let Some(sig) = HANDLERS
+        .get()
+        .map(|last| last.load(Ordering::SeqCst))
+        .filter(|&s| s != 0)
+    {
+        handle.request_because(StopCause::Signal(sig as i32));
+    }
+}
+
 /// Starts the watcher thread: it polls the handlers' `last` every
 /// [`POLL`] and hands the first signal to `on_signal`, then ends.
 fn watch(on_signal: impl FnOnce(StopCause) + Send + 'static) -> Result<(), Failure> {

@@ -112,16 +112,30 @@ pub(super) fn train_steps(
             last = Some(m);
             break;
         }
+        let mut stop_after_save = None;
         if let (Some(every), Some(dir)) = (save_every, &args.save_dir) {
             if m.step.is_multiple_of(every) {
                 save(trainer, dir).inspect_err(|_| progress.finish())?;
                 saved_at = Some(m.step);
+                // A stop asked for during the save ends the run here, at
+                // the step just saved (it went on to train the next step
+                // and save again, past a scheduler's grace period). Every
+                // rank saved this step, so every rank agrees here.
+                crate::cli::signals::request_caught(&trainer.stop_handle());
+                stop_after_save = trainer.agree_stop().map_err(|e| {
+                    progress.finish();
+                    run_failure(e, "agreeing on a stop after a save")
+                })?;
             }
         }
         if first.is_none() {
             first = Some(m.clone());
         }
         last = Some(m);
+        if let Some(cause) = stop_after_save {
+            stop = Some(cause);
+            break;
+        }
     }
     progress.finish();
     let stopped = match (stop, &args.save_dir) {

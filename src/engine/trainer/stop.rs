@@ -183,9 +183,12 @@ impl Trainer {
     }
 
     /// End of a step: do the ranks stop? Every rank's request is
-    /// all-gathered (every rank calls this at the end of every step); the
-    /// first requesting rank in rank order gives the cause.
-    pub(super) fn agree_stop(&mut self) -> Result<Option<StopCause>> {
+    /// all-gathered (every rank calls this at the end of every step, and
+    /// may again after the save of a step, all at the same one: a stop
+    /// asked for during a save then ends the run at the step saved); the
+    /// first requesting rank in rank order gives the cause, and it stays
+    /// the answer from then on.
+    pub fn agree_stop(&mut self) -> Result<Option<StopCause>> {
         if self.stopped.is_some() {
             return Ok(self.stopped);
         }
