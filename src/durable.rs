@@ -407,6 +407,7 @@ pub(crate) fn write_atomic_with(
         std::process::id(),
         next_tmp_seq()
     ));
+    let _listed = InProgress::new(&tmp);
     let result = (|| {
         let mut f = create_file(&tmp)?;
         lock_tmp(&f);
@@ -428,6 +429,50 @@ pub(crate) fn write_atomic_with(
         remove_tmp(&tmp);
     }
     result
+}
+
+/// The temporary files of the atomic rewrites this process is writing
+/// now ([`write_atomic`], [`write_atomic_streamed`]), for
+/// [`remove_tmps_in_progress`].
+static IN_PROGRESS: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+
+/// A temporary file listed in [`IN_PROGRESS`] while this lives.
+struct InProgress(PathBuf);
+
+impl InProgress {
+    fn new(tmp: &Path) -> Self {
+        if let Ok(mut v) = IN_PROGRESS.lock() {
+            v.push(tmp.to_path_buf());
+        }
+        InProgress(tmp.to_path_buf())
+    }
+}
+
+impl Drop for InProgress {
+    fn drop(&mut self) {
+        if let Ok(mut v) = IN_PROGRESS.lock() {
+            if let Some(i) = v.iter().position(|p| *p == self.0) {
+                v.swap_remove(i);
+            }
+        }
+    }
+}
+
+/// Removes the temporary files of the atomic rewrites this process is
+/// writing now, for a process about to exit from another thread (a signal
+/// during `train`'s start-up, while a corpus is encoded into its token
+/// cache): they would stay, as large as what they write, beside the data,
+/// where only a later rewrite of the same file removes them (a cache entry
+/// of another key never does). The writes in progress then fail at their
+/// rename; call it only on the way out.
+pub fn remove_tmps_in_progress() {
+    let listed = match IN_PROGRESS.lock() {
+        Ok(mut v) => std::mem::take(&mut *v),
+        Err(_) => return,
+    };
+    for tmp in &listed {
+        remove_tmp(tmp);
+    }
 }
 
 /// The directory a path's temporary sibling goes in.
@@ -459,6 +504,7 @@ pub fn write_atomic_streamed<E: From<DurableError>>(
         std::process::id(),
         next_tmp_seq()
     ));
+    let _listed = InProgress::new(&tmp);
     let result = (|| {
         let created = create_file(&tmp)?;
         // The lock stays with this open file description, which `write`

@@ -78,8 +78,9 @@ pub enum Site {
     /// new state side by side in the swap file; only checkpoints count.
     SpeculativeBeforeCommit,
     /// `data.encode`: a text corpus's cache key is taken (its content read
-    /// once), its encode into the cache not begun. A stop lets a test
-    /// change the file between the two reads.
+    /// once) and the cache's temporary file made, its encode not begun. A
+    /// stop lets a test change the file between the two reads, or signal
+    /// the encode.
     DataEncode,
     /// `build.initial`: after each sub-group's initial weights and
     /// optimizer state are stored into the tiers, while the trainer is

@@ -988,29 +988,10 @@ fn a_corpus_changed_while_it_is_encoded_is_not_cached() {
         .spawn()
         .unwrap();
     // Stopped after the key's read, before the encode's.
-    let t0 = std::time::Instant::now();
-    loop {
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "ended before the failpoint"
-        );
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id())).unwrap();
-        if stat.rsplit(')').next().unwrap().split_whitespace().next() == Some("T") {
-            break;
-        }
-        assert!(
-            t0.elapsed() < std::time::Duration::from_secs(60),
-            "never stopped"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
+    wait_frozen(&mut child);
     // The same length, other words: rewritten in place.
     std::fs::write(d.join("c.txt"), text.replace("the", "a  ")).unwrap();
-    let cont = std::process::Command::new("kill")
-        .args(["-CONT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(cont.success());
+    send(&child, "CONT");
     let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(
@@ -1033,6 +1014,82 @@ fn a_corpus_changed_while_it_is_encoded_is_not_cached() {
     let tok = tok.to_str().unwrap();
     let again = train(&d, &["--data", "c.txt", "--tokenizer", tok]);
     assert_eq!(again.code, 0, "{}", again.stderr);
+}
+
+/// Waits until `child` is frozen by its failpoint (state `T`).
+fn wait_frozen(child: &mut std::process::Child) {
+    let t0 = std::time::Instant::now();
+    loop {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "ended before the failpoint"
+        );
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id())).unwrap();
+        if stat.rsplit(')').next().unwrap().split_whitespace().next() == Some("T") {
+            return;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(60),
+            "never stopped"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+fn send(child: &std::process::Child, sig: &str) {
+    let sent = std::process::Command::new("kill")
+        .args([&format!("-{sig}"), &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+}
+
+/// A signal while a corpus is encoded into its cache ends the start-up
+/// (exit 143) and removes the cache's temporary file: it stayed beside the
+/// data, as large as its tokens, removed only by a later encode of the
+/// same key.
+#[test]
+fn a_signal_during_the_encode_leaves_no_temporary_file() {
+    let d = scratch("data", "signal-encode");
+    let tok = tokenizer(&d);
+    model(&d, VOCAB);
+    ds(&d);
+    // Large enough that its encode outlasts the signal watcher's poll
+    // (20 ms) many times over.
+    std::fs::write(d.join("c.txt"), documents(40_000).join("\n")).unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .current_dir(&d)
+        .args([
+            "train", "--config", "ds.json", "--model", "model", "--steps", "1",
+        ])
+        .args(["--seq-len", "16", "--data", "c.txt", "--tokenizer"])
+        .arg(&tok)
+        .env("TIERZERO_FAILPOINT", "data.encode:1:stop")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_frozen(&mut child);
+    let tmps = || -> Vec<String> {
+        std::fs::read_dir(&d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains(".tz-"))
+            .collect()
+    };
+    assert!(
+        tmps().iter().any(|n| n.contains(".tmp-")),
+        "the cache's temporary file is made: {:?}",
+        tmps()
+    );
+    send(&child, "TERM");
+    send(&child, "CONT");
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(143), "{stderr}");
+    assert!(stderr.contains("received during start-up"), "{stderr}");
+    assert_eq!(tmps(), Vec::<String>::new(), "{stderr}");
 }
 
 /// `--data /dev/stdin` redirected from a file is a regular file through

@@ -242,11 +242,12 @@ pub fn install(handle: StopHandle) -> Result<(), Failure> {
                 cause.signal_name().unwrap_or_default()
             );
             // The main thread may be blocked in a read: what it made is
-            // undone here. A token cache's temporary file is removed by
-            // the next encode, as after any kill.
+            // undone here, and the temporary files being written (a token
+            // cache's, as large as the corpus's tokens) are removed.
             if let Ok(undo) = AT_STARTUP_EXIT.lock() {
                 undo.iter().for_each(|u| u());
             }
+            tierzero::durable::remove_tmps_in_progress();
             if STARTUP_JSON.load(Ordering::SeqCst) {
                 let _ = super::emit(&format!(
                     "{}\n",

@@ -772,11 +772,11 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
     // writer's, another rank's encoding the same corpus, stays).
     crate::durable::remove_stale_tmp(&tokens, false);
     crate::durable::remove_stale_tmp(&sidecar, false);
-    crate::failpoint::kill_point(crate::failpoint::Site::DataEncode);
     let mut enc = encode::Encoded::default();
     let mut tokens_crc32c = 0u32;
     crate::durable::write_atomic_streamed(&tokens, |file, tmp| -> Result<std::fs::File> {
         use std::io::Write as _;
+        crate::failpoint::kill_point(crate::failpoint::Site::DataEncode);
         let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
         let werr = |source| EngineError::Io {
             path: tmp.to_owned(),
