@@ -163,6 +163,14 @@ fn a_failed_save_keeps_the_last_checkpoint() {
             assert!(all.contains(n), "{fp}: {n:?} not in: {all}");
         }
         assert!(!all.contains("panicked"), "{fp}: {all}");
+        if *code == 2 {
+            // The way back names the checkpoint there is.
+            assert!(
+                all.contains("the newest of step 1: fix the space"),
+                "{fp}: {all}"
+            );
+            assert!(all.contains(&format!("--resume {save}")), "{fp}: {all}");
+        }
         let sd = d.join(&save);
         // The first checkpoint and `latest` are whole.
         assert_eq!(
@@ -199,6 +207,24 @@ fn a_failed_save_keeps_the_last_checkpoint() {
         assert_eq!(summary_hash(&d.join("r.jsonl")), ref_hash, "{fp}");
         std::fs::remove_dir_all(&sd).unwrap();
     }
+    // The run's first save failing: there is nothing to resume (the advice
+    // to --resume then failed as "not a checkpoint").
+    let o = train(
+        &d,
+        "first",
+        false,
+        "x.jsonl",
+        Some("ckpt.state_write:1:enospc"),
+    )
+    .output()
+    .unwrap();
+    let all = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{all}");
+    assert!(
+        all.contains("holds no checkpoint to resume: fix the space")
+            && all.contains("then run it again as it was"),
+        "{all}"
+    );
     std::fs::remove_dir_all(&d).unwrap();
 }
 

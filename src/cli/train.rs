@@ -110,7 +110,7 @@ mod steps;
 mod timing;
 use data::{data_order, load_data, other_data};
 use device::{cuda_units, sim_units};
-use failures::{corrupt_resume, run_failure, startup_failure, stopped_in_build};
+use failures::{corrupt_resume, run_failure, save_failure, startup_failure, stopped_in_build};
 pub(super) use flags::number;
 use flags::{Flags, MAX_STEPS};
 pub use report::Ended;

@@ -88,16 +88,40 @@ pub(super) fn corrupt_resume(e: EngineError, ckpt: &Checkpoint) -> Failure {
 
 /// Classifies an engine error raised while training.
 pub(super) fn run_failure(e: EngineError, what: &str) -> Failure {
+    classify_run(e, what, None)
+}
+
+/// [`run_failure`] of a save into `save_dir`, whose way back is what the
+/// save dir holds: its newest whole checkpoint to resume, or none (the
+/// run's first save failed: advising `--resume` then failed again, "not a
+/// checkpoint").
+pub(super) fn save_failure(e: EngineError, what: &str, save_dir: &Path) -> Failure {
+    let fix = "fix the space, quota, file-size limit, permissions or what is in the way under \
+               --save-dir";
+    let back = match Checkpoint::open(save_dir) {
+        Ok(c) => format!(
+            "the checkpoints saved before are whole, the newest of step {}: {fix}, then \
+             --resume {}",
+            c.step(),
+            save_dir.display()
+        ),
+        Err(_) => format!(
+            "{} holds no checkpoint to resume: {fix}, then run it again as it was",
+            save_dir.display()
+        ),
+    };
+    classify_run(e, what, Some(back))
+}
+
+/// [`run_failure`], with a save's way back (`save_back`, said where the
+/// failure is the user's to fix).
+fn classify_run(e: EngineError, what: &str, save_back: Option<String>) -> Failure {
     // A failure the user can fix, with where to look and the way back: a
-    // save's leaves the checkpoints before it whole; a swap write the disk
-    // or a limit refused while training is under the nvme_path.
+    // save's from what its save dir holds; a swap write the disk or a
+    // limit refused while training is under the nvme_path.
     let users = |what: &str, swap_write: bool| {
-        if what.starts_with("saving a checkpoint") {
-            format!(
-                "{what} (the checkpoints saved before are whole: fix the space, quota, \
-                 file-size limit, permissions or what is in the way under --save-dir, then \
-                 --resume it)"
-            )
+        if let Some(back) = &save_back {
+            format!("{what} ({back})")
         } else if swap_write {
             format!(
                 "{what} (a swap write under the nvme_path failed: free space there, raise the \

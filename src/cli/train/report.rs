@@ -328,8 +328,8 @@ pub(super) fn print_summary(
                 // resumed from an older step: `latest` still names the
                 // branch it stepped away from).
                 (Some(d), Some(c)) => format!(
-                    "; checkpoint of step {c} in {}: continue with the same flags and \
-                     --resume {} --steps {}",
+                    "; checkpoint of step {c} in {}: continue with the same flags plus \
+                     --resume {} (and --steps {}, where they do not give it)",
                     d.display(),
                     if tierzero::checkpoint::latest_step(d) == Some(c) {
                         d.clone()

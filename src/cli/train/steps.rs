@@ -33,12 +33,12 @@ pub(super) fn train_steps(
         let tail_started = Instant::now();
         trainer
             .settle_optimizer_all_ranks()
-            .map_err(|e| run_failure(e, "saving a checkpoint"))?;
+            .map_err(|e| save_failure(e, "saving a checkpoint", dir))?;
         let tail_s = tail_started.elapsed().as_secs_f64();
         let started = Instant::now();
         let p = trainer
             .save_checkpoint(dir)
-            .map_err(|e| run_failure(e, "saving a checkpoint"))?;
+            .map_err(|e| save_failure(e, "saving a checkpoint", dir))?;
         say(&format!(
             "checkpoint: step {} saved to {} ({}; after {tail_s:.1} s of the step's optimizer tail)\n",
             trainer.steps_done(),
@@ -194,7 +194,7 @@ fn stop_save(
     let started = Instant::now();
     match trainer
         .save_on_stop(dir)
-        .map_err(|e| run_failure(e, "saving a checkpoint after a stop"))?
+        .map_err(|e| save_failure(e, "saving a checkpoint after a stop", dir))?
     {
         StopSave::Saved(p) => {
             say(&format!(
