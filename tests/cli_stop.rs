@@ -647,3 +647,31 @@ fn a_metrics_fifo_without_a_reader_waits_in_start_up() {
     assert_eq!(s["stop_signal"], json!("SIGINT"), "{s}");
     assert_eq!(s["stopped_in_start_up"], json!(true), "{s}");
 }
+
+/// Swap files a killed run of another number of ranks left (under
+/// `<nvme_path>/rank<R>/`, where a 2-rank run keeps them) are reclaimed by
+/// the next run on the path, of any rank count: a run looked only at its
+/// own dir, and `inspect` promised the next run would remove them.
+#[test]
+fn a_run_reclaims_the_swap_files_another_rank_count_left() {
+    let d = cli_support::scratch("stop", "other-count");
+    setup(&d);
+    let gone = Command::new("true").spawn().unwrap();
+    let pid = gone.id();
+    let _ = gone.wait_with_output();
+    let left: Vec<std::path::PathBuf> = ["rank0", "rank1"]
+        .iter()
+        .map(|r| {
+            let dir = d.join("swap").join(r).join("tierzero");
+            std::fs::create_dir_all(&dir).unwrap();
+            let f = dir.join(format!("swap-{pid}-0-0.tzswap"));
+            std::fs::write(&f, vec![0u8; 4096]).unwrap();
+            f
+        })
+        .collect();
+    complete(train(&d, 1, &["--model", "model"]), "a 1-rank run");
+    for f in &left {
+        assert!(!f.exists(), "{} stays", f.display());
+    }
+    std::fs::remove_dir_all(&d).unwrap();
+}

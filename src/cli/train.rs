@@ -735,21 +735,42 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         ],
     )
     .map_err(startup_failure)?;
+    let nvme_paths: Vec<&Path> = [
+        &cfg.zero.offload_param.device,
+        &cfg.zero.offload_optimizer.device,
+    ]
+    .into_iter()
+    .filter_map(|d| d.nvme_path())
+    .collect();
+    // Swap files a run of another number of ranks left when it was killed
+    // (in <nvme_path> itself, or rank<R> dirs beyond this run's), which no
+    // run of this count would look at: reclaimed by rank 0, skipping a dir
+    // a live run holds.
+    if lead {
+        let mut seen = Vec::new();
+        for p in &nvme_paths {
+            for dir in tierzero::engine::trainer::other_rank_counts_swap_dirs(p, comm.world_size())
+            {
+                if seen.contains(&dir) {
+                    continue;
+                }
+                match tierzero_swap::space::reclaim_stale_files(&dir) {
+                    Ok(()) | Err(tierzero_swap::SwapError::Locked { .. }) => {}
+                    Err(e) => {
+                        tracing::warn!(path = %dir.display(), error = %e, "could not reclaim stale swap files")
+                    }
+                }
+                seen.push(dir);
+            }
+        }
+    }
     if start_step >= steps {
         // A run killed after its last save left its swap files; reclaim
         // them as a run that builds its tiers would.
-        for dev in [
-            &cfg.zero.offload_param.device,
-            &cfg.zero.offload_optimizer.device,
-        ] {
-            if let Some(p) = dev.nvme_path() {
-                let base = match comm.world_size() {
-                    1 => p.to_owned(),
-                    _ => p.join(format!("rank{}", comm.rank())),
-                };
-                if let Err(e) = tierzero_swap::space::reclaim_stale_files(&base) {
-                    tracing::warn!(path = %base.display(), error = %e, "could not reclaim stale swap files");
-                }
+        for p in &nvme_paths {
+            let base = tierzero::engine::trainer::rank_swap_dir(p, comm.rank(), comm.world_size());
+            if let Err(e) = tierzero_swap::space::reclaim_stale_files(&base) {
+                tracing::warn!(path = %base.display(), error = %e, "could not reclaim stale swap files");
             }
         }
         say(&report::nothing_to_do(

@@ -5,6 +5,41 @@ mod checks;
 pub(super) use checks::check_head_memory;
 use checks::*;
 
+/// Where rank `rank` of `world` keeps its swap files under an
+/// `nvme_path`: `<nvme_path>/rank<R>` with several ranks, the path itself
+/// with one.
+pub fn rank_swap_dir(nvme_path: &std::path::Path, rank: usize, world: usize) -> PathBuf {
+    match world {
+        1 => nvme_path.to_owned(),
+        _ => nvme_path.join(format!("rank{rank}")),
+    }
+}
+
+/// The swap dirs under `nvme_path` that runs of another number of ranks
+/// than `world` use ([`rank_swap_dir`]), those that exist: the path itself
+/// (one rank) and its `rank<R>` dirs beyond this run's. A run killed with
+/// another count left its files there, which no run of this count looks
+/// at; their locks keep a live run's from being touched.
+pub fn other_rank_counts_swap_dirs(nvme_path: &std::path::Path, world: usize) -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    if world > 1 {
+        dirs.push(nvme_path.to_owned());
+    }
+    for entry in std::fs::read_dir(nvme_path).into_iter().flatten().flatten() {
+        let name = entry.file_name();
+        let rank = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("rank"))
+            .filter(|r| !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|r| r.parse::<usize>().ok());
+        if rank.is_some_and(|r| world == 1 || r >= world) && entry.path().is_dir() {
+            dirs.push(entry.path());
+        }
+    }
+    dirs.sort();
+    dirs
+}
+
 /// The lock policy of an arena: `pin` is its offload block's `pin_memory`;
 /// `lockable` says whether all pinned buffers together fit under
 /// `RLIMIT_MEMLOCK` (see the module docs).
@@ -221,10 +256,10 @@ impl TierBuild<'_> {
     /// ranks, `path` itself with one.
     fn rank_dir(&self, path: &std::path::Path) -> Result<PathBuf> {
         let (rank, world) = (self.opts.comm.rank(), self.opts.comm.world_size());
+        let d = rank_swap_dir(path, rank, world);
         if world == 1 {
-            return Ok(path.to_owned());
+            return Ok(d);
         }
-        let d = path.join(format!("rank{rank}"));
         std::fs::create_dir_all(&d).map_err(|source| EngineError::Io {
             path: d.clone(),
             source,

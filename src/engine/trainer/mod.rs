@@ -196,7 +196,7 @@ mod step;
 mod stop;
 mod tail;
 
-pub use build::BuildTimes;
+pub use build::{other_rank_counts_swap_dirs, rank_swap_dir, BuildTimes};
 pub use checkpoint::{
     config_fingerprint, numerics_differing, same_step_on_every_rank, NumericsDiffer,
 };
