@@ -769,6 +769,49 @@ fn a_corrupt_resume_names_the_older_checkpoint() {
         "{}",
         out.stderr
     );
+    // export, eval and inspect --verify name the older step that opens (they
+    // named none, and inspect checked the damaged step alone).
+    // (Paths as the checkpoint resolved them: absolute.)
+    let older = [
+        "the older step ",
+        "ck/step-00000001 opens: check it with `tierzero inspect ",
+        "ck/step-00000001 --verify`, then give ",
+    ];
+    for (args, flag) in [
+        (
+            &[
+                "export",
+                "--checkpoint",
+                "ck",
+                "--out",
+                "hf/model.safetensors",
+            ][..],
+            "--checkpoint ",
+        ),
+        (
+            &[
+                "eval",
+                "--checkpoint",
+                "ck",
+                "--data",
+                "data.txt",
+                "--seq-len",
+                "16",
+            ][..],
+            "--checkpoint ",
+        ),
+        (
+            &["inspect", "ck", "--verify"][..],
+            "--resume (or --checkpoint) ",
+        ),
+    ] {
+        let out = run_tierzero(Some(&d), args);
+        assert_eq!(out.code, 2, "{args:?}: {}", out.stderr);
+        let said = older.iter().all(|o| out.stderr.contains(o))
+            && out.stderr.contains(&format!("{flag}/"))
+            && out.stderr.trim_end().ends_with("ck/step-00000001");
+        assert!(said, "{args:?}: {}", out.stderr);
+    }
 }
 
 /// A run refused at start-up leaves no save dir it created (with its

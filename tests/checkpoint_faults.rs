@@ -225,6 +225,27 @@ fn a_failed_save_keeps_the_last_checkpoint() {
             && all.contains("then run it again as it was"),
         "{all}"
     );
+    // Killed in its first save, a run leaves only the staging dir: a
+    // --resume of it says there is nothing to resume (it said "give a save
+    // dir", and an auto-restart looped on exit 2).
+    let o = train(
+        &d,
+        "killed",
+        false,
+        "x.jsonl",
+        Some("ckpt.state_write:1:kill"),
+    )
+    .output()
+    .unwrap();
+    assert!(!o.status.success(), "{}", text(&o));
+    let o = train(&d, "killed", true, "x.jsonl", None).output().unwrap();
+    let all = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{all}");
+    assert!(
+        all.contains("it holds only the staging dir of a save that never completed")
+            && all.contains("run it again without --resume"),
+        "{all}"
+    );
     std::fs::remove_dir_all(&d).unwrap();
 }
 

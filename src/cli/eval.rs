@@ -116,11 +116,10 @@ fn eval_failure(e: EvalError, args: &EvalArgs) -> Failure {
                 .is_some_and(|m| !matches!(m, tierzero::model::ModelError::Candle(_)));
         if users {
             let fix = match &args.checkpoint {
-                Some(d) => format!(
-                    "; `tierzero inspect {} --verify` checks every file (an older step may be \
-                     whole)",
-                    d.display()
-                ),
+                Some(d) => match tierzero::checkpoint::Checkpoint::open(d) {
+                    Ok(c) => super::older_step_advice(&c, "--checkpoint"),
+                    Err(_) => String::new(),
+                },
                 None => String::new(),
             };
             return bad(format!("{}: {e}{fix}", weights()));

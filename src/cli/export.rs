@@ -66,7 +66,14 @@ struct Report {
     config_json_written: bool,
 }
 
-fn classify(e: CheckpointError) -> Failure {
+fn classify(e: CheckpointError, ckpt: &Checkpoint) -> Failure {
+    if matches!(
+        e,
+        CheckpointError::Corrupt { .. } | CheckpointError::Size { .. }
+    ) {
+        let older = super::older_step_advice(ckpt, "--checkpoint");
+        return Failure::BadInput(anyhow!("{e}{older}"));
+    }
     let bad = match &e {
         // Every path export reads or writes is the user's: one that is not
         // a regular file (`durable::open_regular`'s `InvalidInput`) too.
@@ -143,7 +150,7 @@ pub fn run(a: ExportArgs) -> Result<(), Failure> {
         ExportDtype::Bf16 => (DType::BF16, "bf16"),
         ExportDtype::Fp16 => (DType::F16, "fp16"),
     };
-    let r = export_safetensors(&ckpt, &a.out, dtype).map_err(classify)?;
+    let r = export_safetensors(&ckpt, &a.out, dtype).map_err(|e| classify(e, &ckpt))?;
     let report = Report {
         checkpoint: ckpt.dir().display().to_string(),
         step: ckpt.step(),

@@ -592,8 +592,11 @@ pub fn run(a: InspectArgs) -> Result<(), Failure> {
                 super::emit(&text)?;
             }
             if report.verified_ok == Some(false) {
+                let older = tierzero::checkpoint::Checkpoint::open(Path::new(&report.dir))
+                    .map(|c| super::older_step_advice(&c, "--resume (or --checkpoint)"))
+                    .unwrap_or_default();
                 return Err(bad(format!(
-                    "{}: verification failed (see the report above)",
+                    "{}: verification failed (see the report above){older}",
                     report.dir
                 )));
             }

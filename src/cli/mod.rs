@@ -283,6 +283,24 @@ pub(crate) fn newest_save(
     }
 }
 
+/// Where to turn when checkpoint `ckpt`'s files are damaged (a crc or a
+/// size wrong), as advice ending a message: the newest older step of its
+/// save dir that opens ([`tierzero::checkpoint::Checkpoint::older_valid`]),
+/// to check and give with `flag`. Without it, `export` and `eval` named no
+/// way forward, and `inspect --verify` checked only the damaged step.
+pub(crate) fn older_step_advice(ckpt: &tierzero::checkpoint::Checkpoint, flag: &str) -> String {
+    match ckpt.older_valid() {
+        Some(p) => format!(
+            "; the older step {} opens: check it with `tierzero inspect {} --verify`, then give \
+             {flag} {}",
+            p.display(),
+            p.display(),
+            p.display()
+        ),
+        None => "; no older step of its save dir opens".to_owned(),
+    }
+}
+
 /// Writes a command's output to stdout. A closed pipe (`tierzero estimate
 /// | head`) is not an error: the reader has what it wanted.
 pub fn emit(text: &str) -> Result<(), Failure> {
