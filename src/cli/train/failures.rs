@@ -98,6 +98,12 @@ pub(super) fn run_failure(e: EngineError, what: &str) -> Failure {
 pub(super) fn save_failure(e: EngineError, what: &str, save_dir: &Path) -> Failure {
     let fix = "fix the space, quota, file-size limit, permissions or what is in the way under \
                --save-dir";
+    // "None" only where the save dir was read and holds neither `latest`
+    // nor a step dir (a failure that also fails the open, the open-file
+    // limit, says nothing it cannot know).
+    let none = std::fs::read_dir(save_dir).is_ok()
+        && tierzero::checkpoint::saved_steps(save_dir).is_empty()
+        && !save_dir.join(tierzero::checkpoint::LATEST_FILE).exists();
     let back = match Checkpoint::open(save_dir) {
         Ok(c) => format!(
             "the checkpoints saved before are whole, the newest of step {}: {fix}, then \
@@ -105,8 +111,12 @@ pub(super) fn save_failure(e: EngineError, what: &str, save_dir: &Path) -> Failu
             c.step(),
             save_dir.display()
         ),
-        Err(_) => format!(
+        Err(_) if none => format!(
             "{} holds no checkpoint to resume: {fix}, then run it again as it was",
+            save_dir.display()
+        ),
+        Err(_) => format!(
+            "the checkpoints saved before are whole: {fix}, then --resume {}",
             save_dir.display()
         ),
     };
