@@ -993,6 +993,10 @@ def test_injected_write_enospc_poisons(d, backend, sync):
     assert 8192 <= e.offset < 8192 + 4 * block and e.offset % block == 0
     assert e.length == block
     assert h.is_poisoned()
+    # The failed write's error says the handle is done, and the way on
+    # (DeepSpeed's handle goes on after a failed op).
+    fix = "this aio_handle refuses every op after a failed write (DeepSpeed's goes on): create a new aio_handle"
+    assert fix in str(e) and str(e).count(fix) == 1
     assert h.wait() == 0
     # Every later op raises at once, naming the first failure.
     other = os.path.join(d, "other")
@@ -1004,6 +1008,9 @@ def test_injected_write_enospc_poisons(d, backend, sync):
             call()
         assert isinstance(ei2.value, OSError)
         assert "No space left" in str(ei2.value) or "ENOSPC" in str(ei2.value) or str(errno.ENOSPC) in str(ei2.value)
+        # Said as the handle's, not as a "swap space" the caller never made.
+        assert "this aio_handle is poisoned by an earlier failed write" in str(ei2.value)
+        assert "swap space" not in str(ei2.value) and fix in str(ei2.value)
     assert h.wait() == 0
     assert file_bytes(other) == bytes(100)  # untouched
     # Another handle is not poisoned.

@@ -257,3 +257,45 @@ def test_fast_file_writer_torch_save(installed, tmp_path, monkeypatch, double_bu
     back = torch.load(path)
     assert torch.equal(back["w"], sd["w"]) and torch.equal(back["b"], sd["b"]) and back["s"] == sd["s"]
     del w
+
+
+def test_ds_io_workers_get_the_handle_from_a_module_level_install(tmp_path):
+    """The module docs' recipe for DeepSpeed's ``ds_io`` benchmark, whose
+    I/O runs in spawned workers: ``install()`` at module level, which each
+    worker runs again as it re-imports the script. (The docs claimed the
+    ``deepspeed.nvme`` benchmarks got our handle; the ``ds_io`` command
+    never calls ``install()``, and its workers do not inherit it.)"""
+    import subprocess
+    import sys
+    import textwrap
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    (tmp_path / "io").mkdir()
+    script = tmp_path / "run_ds_io.py"
+    script.write_text(textwrap.dedent(f"""
+        import os
+        import tierzero.aio
+        import tierzero.deepspeed
+        tierzero.deepspeed.install()
+        from deepspeed.nvme import ds_io_main
+
+        # Marks each process that builds one of our handles.
+        _init = tierzero.aio.aio_handle.__init__
+        def _marked(self, *a, **k):
+            open(os.path.join({str(marks)!r}, str(os.getpid())), "w").close()
+            _init(self, *a, **k)
+        tierzero.aio.aio_handle.__init__ = _marked
+
+        if __name__ == "__main__":
+            print("main", os.getpid(), flush=True)
+            ds_io_main()
+    """))
+    r = subprocess.run(
+        [sys.executable, str(script), "--folder", str(tmp_path / "io"), "--io_size", "1M", "--loops", "1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    main = next(line.split()[1] for line in r.stdout.splitlines() if line.startswith("main "))
+    workers = [m.name for m in marks.iterdir() if m.name != main]
+    assert workers, (sorted(m.name for m in marks.iterdir()), main, r.stdout[-2000:])

@@ -20,7 +20,10 @@ Where we deliberately differ from DeepSpeed:
   by ``wait()``, after every pending op has finished.
 - **A failed write poisons the handle**: every later op raises at once
   (``AioError`` naming the first failure), so nothing reads what a failed
-  write left behind.
+  write left behind. DeepSpeed's handle goes on after a failed op; this
+  one never does: create a new ``aio_handle`` (after fixing the cause, and
+  write again what the failed write was writing). The failed write's
+  error and every refusal after it say so.
 - **Any size and offset works.** Whole blocks go through O_DIRECT; memory
   that is not 4096-aligned goes through pinned bounce buffers; partial
   blocks at the ends of an unaligned range go through the page cache. No
@@ -99,6 +102,12 @@ def _locked_mapping(nbytes: int) -> mmap.mmap:
         except OSError:
             pass
     return region
+
+
+_POISONED = (
+    "this aio_handle refuses every op after a failed write (DeepSpeed's goes on): create a new "
+    "aio_handle, and write again what the failed write was writing (its bytes on disk are unknown)"
+)
 
 
 def _is_torch(t) -> bool:
@@ -261,6 +270,16 @@ class aio_handle:
     def is_poisoned(self) -> bool:
         return self._h.poisoned()
 
+    def _say_poisoned(self, e: AioError) -> None:
+        """Adds to ``e``, raised by a handle that a failed write has
+        poisoned (the failed write's own error, or a later op's refusal,
+        which the native side words as its swap space's), that the handle
+        is done and a new one is the way on."""
+        if self._h.poisoned() and _POISONED not in (e.strerror or ""):
+            said = (e.strerror or "").replace("swap space is poisoned", "this aio_handle is poisoned", 1)
+            e.strerror = f"{said}; {_POISONED}"
+            e.args = (e.errno, e.strerror)
+
     # Submission.
     def _host(self, buffer, reading: bool):
         """A contiguous host tensor for the op, and the copy to do after it."""
@@ -286,7 +305,11 @@ class aio_handle:
         if isinstance(target, (bytes, bytearray)):
             target = os.fsdecode(target)
         host, copy_back = self._host(buffer, is_read)
-        self._h.submit("read" if is_read else "write", host, target, file_offset)
+        try:
+            self._h.submit("read" if is_read else "write", host, target, file_offset)
+        except AioError as e:
+            self._say_poisoned(e)
+            raise
         v = (is_read, host, target, file_offset) if validate else None
         self._ops.append(_Op(copy_back, v))
 
@@ -294,6 +317,9 @@ class aio_handle:
         ops, self._ops = self._ops, []
         try:
             n = self._h.wait()
+        except AioError as e:
+            self._say_poisoned(e)
+            raise
         finally:
             # Copy back every read that landed, even if another op failed.
             for op in ops:

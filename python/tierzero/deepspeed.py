@@ -3,10 +3,32 @@
 ``install()`` makes ``deepspeed.ops.op_builder.AsyncIOBuilder().load()``
 return the ``tierzero.aio`` module (``aio_handle``, ``aio_read``,
 ``aio_write``, ``deepspeed_memcpy``) and ``.is_compatible()`` return True,
-so DeepSpeed's swappers (``deepspeed.runtime.swap_tensor``), its
-checkpoint writers and its ``deepspeed.nvme`` benchmarks get our handle
+so DeepSpeed's swappers (``deepspeed.runtime.swap_tensor``) and its
+checkpoint writers (``deepspeed.io.FastFileWriter``, whose handle
+``deepspeed.runtime.model_checkpointing`` builds) get our handle
 without libaio and without a JIT build. ``uninstall()`` puts DeepSpeed's
 methods back.
+
+The patch lives in the process that called ``install()``. A process
+DeepSpeed starts does not inherit it: ``ds_io`` (``deepspeed.nvme``) runs
+its I/O in ``multiprocessing`` workers started with ``spawn``, and
+``ds_nvme_tune`` runs ``ds_io`` as a command, so neither command gets our
+handle (they load DeepSpeed's own op, which needs libaio and a JIT build).
+``ds_io`` does from a script that calls ``install()`` at module level,
+where each spawned worker, re-importing the script, runs it too::
+
+    import tierzero.deepspeed
+    tierzero.deepspeed.install()          # module level: the workers run it
+    from deepspeed.nvme import ds_io_main
+
+    if __name__ == "__main__":
+        ds_io_main()                      # the same arguments as ds_io
+
+(``install()`` under ``if __name__ == "__main__":`` patches the parent
+alone: the workers load DeepSpeed's op, or fail to build it.)
+``ds_nvme_tune`` has no such entry point. The same holds for any worker
+process of one's own: each runs ``install()`` (at module level, or in its
+initializer).
 
 How DeepSpeed resolves the builder: ``deepspeed.ops.op_builder`` sets its
 ``AsyncIOBuilder`` attribute at import to the class the current accelerator
