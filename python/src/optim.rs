@@ -542,28 +542,72 @@ impl OffloadAdam {
 /// (elements), `pinned_budget_bytes` (None: what the pipeline needs),
 /// `pin_memory`; for the params `param_offload`, `param_nvme_path`,
 /// `prefetch_bucket_size`, `max_live_parameters` and
-/// `param_persistence_threshold` (elements); and `unknown_keys` (for a
-/// warning).
+/// `param_persistence_threshold` (elements: `"auto"` by HF's rule of the
+/// model's `hidden_size` where given, else DeepSpeed's defaults);
+/// `gradient_clipping` (None where absent or `"auto"`); and
+/// `unknown_keys` (for a warning).
+///
+/// With `optimizer` (`tierzero.torch.AdamW`'s call), an `optimizer` block
+/// of type Adam or AdamW is resolved as `tierzero train` resolves it, the
+/// keywords `lr`, `betas`, `eps`, `weight_decay` given (not None) taking
+/// the place of HF's `TrainingArguments` values (`"auto"` takes them; a
+/// config value that differs is an error naming both; DeepSpeed's
+/// defaults where the block leaves a key out): `optimizer` is then a dict
+/// of `type`, `lr`, `betas`, `eps`, `weight_decay`,
+/// `decoupled_weight_decay` and `bias_correction`, or None without a block;
+/// a block of another type is left out, its type in `optimizer_ignored`.
 #[pyfunction]
-pub fn ds_offload_settings(py: Python<'_>, text: &str) -> PyResult<Py<pyo3::types::PyDict>> {
+#[pyo3(signature = (text, optimizer=false, lr=None, betas=None, eps=None, weight_decay=None, hidden_size=None))]
+#[allow(clippy::too_many_arguments, reason = "Python keywords")]
+pub fn ds_offload_settings(
+    py: Python<'_>,
+    text: &str,
+    optimizer: bool,
+    lr: Option<f64>,
+    betas: Option<(f64, f64)>,
+    eps: Option<f64>,
+    weight_decay: Option<f64>,
+    hidden_size: Option<u64>,
+) -> PyResult<Py<pyo3::types::PyDict>> {
     use tierzero::config::{AutoOr, OffloadDevice};
-    // The batch sizes, the scheduler and the optimizer block are the
-    // trainer's business here (HF's, Lightning's: this process is one of
-    // its ranks, and the optimizer is `tierzero.torch.AdamW` whatever the
-    // block says), so they are dropped before validation, as
-    // `tierzero estimate` drops them: a multi-GPU `train_batch_size` or a
-    // scheduler's `"auto"` total would otherwise refuse the config. The
-    // rest is validated as `tierzero train` validates it.
+    // The batch sizes and the scheduler are the trainer's business here
+    // (HF's, Lightning's: this process is one of its ranks), so they are
+    // dropped before validation, as `tierzero estimate` drops them: a
+    // multi-GPU `train_batch_size` or a scheduler's `"auto"` total would
+    // otherwise refuse the config. So is the optimizer block but for
+    // AdamW's own call of an Adam or AdamW block (another optimizer's is
+    // the trainer's, and said). The rest is validated as `tierzero train`
+    // validates it.
+    let mut ignored = None;
+    let mut with_block = false;
+    let mut clipping = None;
     let loaded = tierzero::config::parse_str(text)
         .and_then(|mut parsed| {
             parsed.ds.train_batch_size = None;
             parsed.ds.train_micro_batch_size_per_gpu = Some(AutoOr::Auto);
             parsed.ds.gradient_accumulation_steps = Some(AutoOr::Auto);
             parsed.ds.scheduler = None;
-            parsed.ds.optimizer = None;
+            clipping = match parsed.ds.gradient_clipping {
+                Some(AutoOr::Value(x)) => Some(x),
+                Some(AutoOr::Auto) | None => None,
+            };
+            let adam = |k: &str| k.eq_ignore_ascii_case("adam") || k.eq_ignore_ascii_case("adamw");
+            match parsed.ds.optimizer.take() {
+                Some(o) if optimizer && adam(&o.kind) => {
+                    with_block = true;
+                    parsed.ds.optimizer = Some(o);
+                }
+                Some(o) if optimizer => ignored = Some(o.kind),
+                _ => {}
+            }
             parsed.resolve(&tierzero::config::RunContext {
                 path_checks: tierzero::config::PathChecks::CreateMissing,
                 micro_batch_size: Some(1),
+                learning_rate: lr,
+                adam_betas: betas.map(|(a, b)| [a, b]),
+                adam_eps: eps,
+                weight_decay,
+                hidden_size,
                 ..Default::default()
             })
         })
@@ -597,6 +641,29 @@ pub fn ds_offload_settings(py: Python<'_>, text: &str) -> PyResult<Py<pyo3::type
         "param_persistence_threshold",
         c.zero.param_persistence_threshold_numel.0,
     )?;
+    let resolved = if with_block {
+        let o = &c.optimizer;
+        let od = pyo3::types::PyDict::new(py);
+        od.set_item(
+            "type",
+            match o.kind {
+                tierzero::config::OptimizerKind::Adam => "Adam",
+                tierzero::config::OptimizerKind::AdamW => "AdamW",
+            },
+        )?;
+        od.set_item("lr", o.lr)?;
+        od.set_item("betas", (o.betas[0], o.betas[1]))?;
+        od.set_item("eps", o.eps)?;
+        od.set_item("weight_decay", o.weight_decay)?;
+        od.set_item("decoupled_weight_decay", o.decoupled_weight_decay)?;
+        od.set_item("bias_correction", o.bias_correction)?;
+        Some(od)
+    } else {
+        None
+    };
+    d.set_item("optimizer", resolved)?;
+    d.set_item("optimizer_ignored", ignored)?;
+    d.set_item("gradient_clipping", clipping)?;
     d.set_item("unknown_keys", loaded.unknown_keys())?;
     Ok(d.unbind())
 }

@@ -566,7 +566,7 @@ def test_ds_config_of_a_multi_gpu_run_with_a_scheduler_is_read(tmp_path):
         "train_batch_size": 64,
         "train_micro_batch_size_per_gpu": 8,
         "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}},
+        "optimizer": {"type": "Lamb", "params": {"lr": 7e-3}},
         "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}},
         "zero_optimization": {
             "stage": 3,
@@ -574,9 +574,150 @@ def test_ds_config_of_a_multi_gpu_run_with_a_scheduler_is_read(tmp_path):
             "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "ds")},
         },
     }
-    opt = tzt.AdamW(make_params([4097]), ds_config=cfg)
+    with pytest.warns(UserWarning, match="optimizer.type is 'Lamb'.*params are not used"):
+        opt = tzt.AdamW(make_params([4097]), ds_config=cfg)
     assert opt.offload == "nvme"
     assert "5 sub-groups" in opt.plan()
+    assert opt.param_groups[0]["lr"] == 1e-3  # torch's default, not Lamb's
+    assert opt.param_groups[0]["weight_decay"] == 1e-2
+
+
+def test_ds_config_optimizer_block_supplies_the_hyper_parameters(tmp_path):
+    # The block's lr, betas, eps and weight_decay were ignored: the run
+    # trained at the constructor's defaults, silently.
+    import warnings
+
+    params = {"lr": 3e-5, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.0}
+    cfg = {
+        "optimizer": {"type": "adamw", "params": params},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about
+        opt = tzt.AdamW(groups_of(make_params()), ds_config=cfg)
+    g0, g1 = opt.param_groups
+    assert (g0["lr"], tuple(g0["betas"]), g0["eps"]) == (3e-5, (0.9, 0.95), 1e-6)
+    assert g0["weight_decay"] == 0.1 and g1["lr"] == 2e-3  # a group's own values stay
+    # It steps as torch's AdamW with those values.
+    ref, _ = train(lambda gr: torch.optim.AdamW(gr, lr=3e-5, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.0, foreach=False), 3)
+    got, _ = train(lambda gr: tzt.AdamW(gr, ds_config=cfg), 3)
+    assert rel_err(got, ref) <= 1e-6
+    # "auto" is the keyword's value (as HF fills it with TrainingArguments'),
+    # else HF's default (weight_decay 0.0).
+    auto = {**cfg, "optimizer": {"type": "Adam", "params": {k: "auto" for k in params}}}
+    opt = tzt.AdamW(make_params([10]), lr=5e-4, ds_config=auto)
+    g = opt.param_groups[0]
+    assert (g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"]) == (5e-4, (0.9, 0.999), 1e-8, 0.0)
+    # A block that leaves weight_decay out gets DeepSpeed's default: 0
+    # (its CPU and fused Adam), 0.01 with torch_adam (torch's AdamW).
+    for extra, wd in (({}, 0.0), ({"torch_adam": True}, 0.01)):
+        bare = {**cfg, "optimizer": {"type": "AdamW", "params": {"lr": 3e-5, **extra}}}
+        assert tzt.AdamW(make_params([10]), ds_config=bare).param_groups[0]["weight_decay"] == wd
+    # A keyword that differs from the block is refused naming both, as HF
+    # Trainer refuses a config that differs from its TrainingArguments.
+    with pytest.raises(ValueError, match=r"optimizer.params.lr.* in the config but .* was given"):
+        tzt.AdamW(make_params([10]), lr=1e-4, ds_config=cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same value given twice: nothing to say
+        tzt.AdamW(make_params([10]), lr=3e-5, betas=(0.9, 0.95), ds_config=cfg)
+
+
+@pytest.mark.parametrize(
+    "block, match",
+    [
+        ({"type": "AdamW", "params": {"amsgrad": True}}, "optimizer.params.amsgrad"),
+        ({"type": "Adam", "params": {"bias_correction": False}}, "bias_correction is false"),
+        ({"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}, "adam_w_mode is false with a weight decay of 0.1"),
+    ],
+)
+def test_ds_config_optimizer_variants_it_does_not_run_are_refused(block, match):
+    cfg = {"optimizer": block, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    with pytest.raises(ValueError, match=match):
+        tzt.AdamW(make_params([10]), ds_config=cfg)
+    # Adam with L2 and no weight decay is AdamW.
+    cfg["optimizer"] = {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0}}
+    assert tzt.AdamW(make_params([10]), ds_config=cfg).param_groups[0]["weight_decay"] == 0
+
+
+def test_ds_config_gradient_clipping_is_warned_about():
+    # DeepSpeed's engine clips; an optimizer cannot: the config's clipping
+    # was dropped without a word.
+    cfg = {"gradient_clipping": 0.5, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    with pytest.warns(UserWarning, match=r"gradient_clipping is 0.5.*max_grad_norm=0.5.*clip_grad_norm_"):
+        tzt.AdamW(make_params([10]), ds_config=cfg)
+    import warnings
+
+    for clip in ("auto", 0):  # HF's max_grad_norm, or no clipping: nothing to say
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            tzt.AdamW(make_params([10]), ds_config={**cfg, "gradient_clipping": clip})
+
+
+def _child_holding_an_optimizer(path, env):
+    """A process that builds an NVMe AdamW at ``path`` under ``env`` and
+    holds it until its stdin closes; returns it once built."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, tierzero.torch as tzt\n"
+        f"o = tzt.AdamW([torch.nn.Parameter(torch.ones(1000))], offload='nvme', nvme_path={str(path)!r})\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, **env},
+    )
+    assert child.stdout.readline().strip() == "ready"
+    return child
+
+
+def test_ranks_sharing_an_nvme_path_get_a_directory_each(tmp_path, monkeypatch):
+    # DeepSpeed's nvme_path is one per node, each rank under it; rank 1
+    # was refused ("locked by another tierzero process") where rank 0
+    # held the directory.
+    import os
+
+    child = _child_holding_an_optimizer(tmp_path, {"RANK": "0", "WORLD_SIZE": "2"})
+    try:
+        monkeypatch.setenv("RANK", "1")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        opt = tzt.AdamW(make_params([4097]), offload="nvme", nvme_path=tmp_path)
+        assert str(tmp_path / "rank1") in opt.plan()
+        assert (tmp_path / "rank0" / "tierzero").is_dir() and (tmp_path / "rank1" / "tierzero").is_dir()
+        assert not (tmp_path / "tierzero").exists()
+        # A killed run's file in this rank's directory is reclaimed there.
+        del opt
+        stale = tmp_path / "rank1" / "tierzero" / f"swap-{_dead_pid()}-0-0.tzswap"
+        stale.parent.mkdir(exist_ok=True)
+        stale.write_bytes(b"x")
+        opt = tzt.AdamW(make_params([4097]), offload="nvme", nvme_path=tmp_path)
+        assert not stale.exists()
+        # Without RANK the rank's directory is unknown: said, not guessed.
+        monkeypatch.delenv("RANK")
+        with pytest.raises(ValueError, match="WORLD_SIZE is 2 and RANK is not set"):
+            tzt.AdamW(make_params([10]), offload="nvme", nvme_path=tmp_path)
+        # One process: nvme_path itself, as before.
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        opt1 = tzt.AdamW(make_params([10]), offload="nvme", nvme_path=tmp_path / "one")
+        assert (tmp_path / "one" / "tierzero").is_dir()
+        del opt, opt1
+    finally:
+        child.stdin.close()
+        child.wait()
+    assert os.listdir(tmp_path / "rank0") == []  # the child's went with it
+
+
+def _dead_pid():
+    """The pid of a process that has exited."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
 
 
 @pytest.mark.parametrize("offload", ["none", "nvme"])

@@ -1,5 +1,7 @@
 """tierzero.torch.offload_parameters: ZeRO-3 param offload for any nn.Module."""
 
+import types
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -229,6 +231,57 @@ def test_ds_config_supplies_the_settings(tmp_path):
     # An explicit device still wins.
     h = tzt.offload_parameters(Net(), "cpu", ds_config={"zero_optimization": {"stage": 3}})
     assert h.device == "cpu"
+    h.remove()
+    # "auto" is HF's rule of the model's config.hidden_size (0.9 x hidden²,
+    # 10 x hidden; it was DeepSpeed's fixed defaults, the README's table
+    # notwithstanding), and DeepSpeed's defaults for a model without one.
+    auto = {"stage": 3, "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"}
+    h = tzt.offload_parameters(Net(), "cpu", ds_config={"zero_optimization": auto})
+    assert (h.prefetch_bucket_size, h.persistence_threshold) == (50_000_000, 100_000)
+    h.remove()
+    hf = Net()
+    hf.config = types.SimpleNamespace(hidden_size=64)
+    h = tzt.offload_parameters(hf, "cpu", ds_config={"zero_optimization": auto})
+    assert (h.prefetch_bucket_size, h.persistence_threshold) == (3686, 640)
+    h.remove()
+
+
+def test_several_processes_are_refused(tmp_path, monkeypatch):
+    # Under DDP (torchrun, HF Trainer's multi-process runs) backward died
+    # inside torch ("TBackward0 returned an invalid gradient ... expected
+    # shape compatible with [0]"), DDP wrapping before or after the offload.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    m = Net()
+    for device in ("cpu", "nvme"):
+        with pytest.raises(RuntimeError, match=r"one process only, and this is rank 1 of 2.*DeepSpeed's own engine.*tierzero.deepspeed.install\(\)"):
+            tzt.offload_parameters(m, device, nvme_path=tmp_path / "p", param_persistence_threshold=100)
+    assert all(p.numel() for p in m.parameters())  # nothing was offloaded
+    assert not (tmp_path / "p").exists()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    tzt.offload_parameters(m, "cpu", param_persistence_threshold=100).remove()
+
+
+def test_a_process_group_initialised_after_the_offload_is_refused_at_the_forward(monkeypatch):
+    # torch.distributed initialised (and DDP wrapped) after the offload,
+    # with no WORLD_SIZE to see at offload_parameters: each forward's first
+    # hook refuses, before anything is fetched.
+    dist = pytest.importorskip("torch.distributed")
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    for var in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(var, raising=False)
+    m = Net()
+    h = tzt.offload_parameters(m, "cpu", param_persistence_threshold=100)
+    ids = torch.randint(0, 50, (2, 8))
+    ref = m(ids).detach()
+    dist.init_process_group("fake", rank=0, world_size=2, store=fake_pg.FakeStore())
+    try:
+        with pytest.raises(RuntimeError, match="one process only, and this is rank 0 of 2"):
+            m(ids)
+        assert h.live_numel() == 0
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(m(ids), ref)  # one process again: it runs
     h.remove()
 
 

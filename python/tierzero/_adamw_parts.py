@@ -178,7 +178,13 @@ def _shape(p):
     return home.shape if home is not None else p.shape
 
 
-def _ds_settings(ds_config):
+def _ds_settings(ds_config, given=None, hidden_size=None):
+    """The settings of ``ds_config`` as the native reader resolves them;
+    with ``given`` (AdamW's ``lr``, ``betas``, ``eps``, ``weight_decay``
+    keywords, None where not given), its Adam/AdamW ``optimizer`` block
+    resolved against them as HF Trainer's values; with ``hidden_size``
+    (the model's), ``"auto"`` prefetch bucket and persistence threshold by
+    HF's rule."""
     if ds_config is None:
         return {}
     if isinstance(ds_config, dict):
@@ -186,12 +192,83 @@ def _ds_settings(ds_config):
     else:
         with open(ds_config, encoding="utf-8") as f:
             text = f.read()
-    s = ds_offload_settings(text)
+    if given is None:
+        s = ds_offload_settings(text, hidden_size=hidden_size)
+    else:
+        betas = given["betas"]
+        s = ds_offload_settings(
+            text,
+            optimizer=True,
+            lr=None if given["lr"] is None else float(given["lr"]),
+            betas=None if betas is None else (float(betas[0]), float(betas[1])),
+            eps=given["eps"],
+            weight_decay=given["weight_decay"],
+        )
     if s["unknown_keys"]:
         import warnings
 
         warnings.warn(f"ds_config: unknown keys ignored: {', '.join(s['unknown_keys'])}", stacklevel=3)
     return s
+
+
+#: torch.optim.AdamW's defaults, where neither a keyword nor the
+#: ds_config's ``optimizer`` block gives a value.
+_TORCH_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+
+
+def _hyper(given, ds):
+    """``lr``, ``betas``, ``eps`` and ``weight_decay``. With an Adam or
+    AdamW ``optimizer`` block in the ds_config, the native reader resolved
+    them as ``tierzero train`` does, the keywords given taking the place
+    of HF Trainer's values (``"auto"`` takes a keyword's value, else HF's
+    default; a block value that differs from a keyword is an error naming
+    both; DeepSpeed's defaults where the block leaves a key out): those
+    are used, and a variant this AdamW does not run (no
+    ``bias_correction``; ``Adam`` with ``adam_w_mode: false`` and a
+    weight decay, L2 rather than decoupled) is refused. Without a block,
+    each keyword given, else torch's default. A block of another type is
+    not used (a warning says so); a ``gradient_clipping`` the config sets
+    is warned about: an optimizer does not clip, the trainer does."""
+    import warnings
+
+    out = dict(given)
+    ignored = ds.get("optimizer_ignored")
+    if ignored:
+        warnings.warn(
+            f"ds_config's optimizer.type is {ignored!r}: tierzero.torch.AdamW is AdamW, so the "
+            f"block's params are not used; set optimizer.type to \"AdamW\" for them to be",
+            stacklevel=3,
+        )
+    block = ds.get("optimizer")
+    if block:
+        for key in _TORCH_DEFAULTS:
+            out[key] = block[key]
+        refused = None
+        if not block["bias_correction"]:
+            refused = ("bias_correction is false", "tierzero's AdamW always corrects the moments' bias; remove it")
+        elif not block["decoupled_weight_decay"] and float(out["weight_decay"]) != 0.0:
+            refused = (
+                f"adam_w_mode is false with a weight decay of {_plain(out['weight_decay'])} (L2 added "
+                f"to the gradient)",
+                "tierzero.torch.AdamW decays the weights decoupled (AdamW); remove adam_w_mode, or "
+                "use torch.optim.Adam for L2",
+            )
+        if refused:
+            raise ValueError(f"ds_config's optimizer.params.{refused[0]}: {refused[1]}")
+    else:
+        for key, default in _TORCH_DEFAULTS.items():
+            if out[key] is None:
+                out[key] = default
+    clip = ds.get("gradient_clipping")
+    if clip:
+        warnings.warn(
+            f"ds_config's gradient_clipping is {clip}: an optimizer cannot clip (DeepSpeed's engine "
+            f"does, around its optimizer), and tierzero.torch.AdamW steps the gradients as they "
+            f"are; clip before step(): HF Trainer's TrainingArguments(max_grad_norm={clip}) (its "
+            f"default is 1.0), or torch.nn.utils.clip_grad_norm_(model.parameters(), {clip})",
+            stacklevel=3,
+        )
+    return out
 
 
 def _plain(v):

@@ -1,5 +1,17 @@
 """``offload_parameters``: ZeRO-3 parameter offload for any ``nn.Module``.
 
+For one process. Under ``DistributedDataParallel`` (torchrun's ranks, HF
+Trainer's multi-process runs), whether DDP wraps the model before or after
+the offload, backward fails inside torch ("TBackward0 returned an invalid
+gradient ... expected shape compatible with [0]"), so the offload refuses
+where ``torch.distributed`` is initialised with a world size above 1 or the
+launcher's ``WORLD_SIZE`` says more than 1 (``offload_parameters``, and each
+forward's first hook, for a process group initialised after it). With
+several ranks, offload the params with DeepSpeed's own engine, on
+tierzero's I/O through ``tierzero.deepspeed.install()``;
+``tierzero.torch.AdamW`` itself runs under DDP (each rank's state under
+``<nvme_path>/rank<R>``).
+
 DeepSpeed's mechanism, on tierzero's I/O:
 
 - every param larger than the persistence threshold gets a home on its
@@ -264,6 +276,7 @@ class ParamOffload:
         aio=None,
         whole_modules=(),
     ):
+        _refuse_multiprocess()
         if device not in ("cpu", "nvme"):
             raise ValueError(f"device {device!r}: expected \"cpu\" or \"nvme\"")
         if device == "nvme" and nvme_path is None:
@@ -549,6 +562,11 @@ class ParamOffload:
     # compiled graphs, they move the same bytes.
     @_no_dynamo
     def _pre_forward(self, module, args):
+        if not self._trace or self._trace_pos.get(module) == 0:
+            # Each forward's first hook: a process group initialised after
+            # the offload (DDP wrapping the offloaded model) is refused
+            # before anything is fetched.
+            _refuse_multiprocess()
         if module in self._trace_pos and self._trace_pos[module] == 0 and self._trace:
             self._recording = False
         if self._recording and module not in self._trace_pos:
@@ -701,6 +719,48 @@ class ParamOffload:
 #: What this offload is copied as in a model's deep copy (its hooks are
 #: then taken out of the copy).
 _NOT_COPIED = object()
+
+
+def _distributed():
+    """``(rank, world size)`` where this process is one of several ranks:
+    ``torch.distributed`` initialised with a world size above 1, or, before
+    it is (HF Trainer initialises it after the model is built), the
+    launcher's ``WORLD_SIZE`` above 1 (torchrun, DeepSpeed's launcher and
+    accelerate set it, with ``RANK``; ``rank`` is None where ``RANK`` is
+    not set). None for one process."""
+    dist = getattr(torch, "distributed", None)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        return (dist.get_rank(), world) if world > 1 else None
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return None
+    if world <= 1:
+        return None
+    try:
+        rank = int(os.environ["RANK"])
+    except (KeyError, ValueError):
+        rank = None
+    return rank, world
+
+
+def _refuse_multiprocess():
+    """Refuses the param offload in one of several ranks (see the module
+    docs)."""
+    d = _distributed()
+    if d is None:
+        return
+    rank, world = d
+    raise RuntimeError(
+        f"offload_parameters works in one process only, and this is rank "
+        f"{'?' if rank is None else rank} of {world} (torch.distributed or WORLD_SIZE): under "
+        f"DistributedDataParallel backward fails inside torch (\"invalid gradient ... expected "
+        f"shape compatible with [0]\"), whether DDP wraps the model before or after the offload; "
+        f"run one process, or offload the params with DeepSpeed's own engine (ZeRO-3 "
+        f"offload_param) on tierzero's I/O through tierzero.deepspeed.install(); "
+        f"tierzero.torch.AdamW alone works under DDP"
+    )
 
 
 def _in_backward():
@@ -901,11 +961,17 @@ def offload_parameters(model, device=None, nvme_path=None, *, ds_config=None, **
     ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters`` and
     ``stage3_param_persistence_threshold`` where they are not given; one
     whose ``offload_param.device`` is ``"none"`` (or absent), with no
-    ``device``, is a ``ValueError``."""
+    ``device``, is a ``ValueError``. ``"auto"`` bucket and threshold are
+    HF's rule (0.9 x hidden² and 10 x hidden elements, as ``tierzero
+    train`` and HF's DeepSpeed integration fill them) of the model's
+    ``config.hidden_size`` (a transformers model's); a model without one
+    gets DeepSpeed's defaults, 50,000,000 and 100,000. One process only
+    (see the module docs)."""
     if ds_config is not None:
         from .torch import _ds_settings
 
-        s = _ds_settings(ds_config)
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        s = _ds_settings(ds_config, hidden_size=hidden if isinstance(hidden, int) and hidden > 0 else None)
         if device is None:
             if s["param_offload"] == "none":
                 # The config keeps the params on the device: offloading to

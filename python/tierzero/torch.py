@@ -48,6 +48,16 @@ gradient clipping or accumulation (the step happens before either could; a
 second backward before ``step()`` is refused, where its gradients were
 dropped).
 
+Under several processes (``torch.distributed`` initialised with a world
+size above 1, or the launcher's ``RANK`` and ``WORLD_SIZE``: torchrun, HF
+Trainer's and accelerate's multi-process runs) rank ``R``'s NVMe state
+lives under ``<nvme_path>/rank<R>``, as DeepSpeed puts each rank under its
+one ``nvme_path`` per node, so every rank can be given the same
+``nvme_path`` (one directory holds one process's state: a second process
+there is refused). Each rank's directory is its own for the stale files a
+killed run left: the next run's rank ``R`` reclaims ``rank<R>``'s (a run
+with fewer ranks leaves the higher ranks' directories alone).
+
 ``state_dict()`` is torch's format (``step``, ``exp_avg``, ``exp_avg_sq`` per
 param, plus ``master`` for params that are not fp32) and materialises it in
 host memory (``opt.state`` holds each stepped param's ``step`` alone: the
@@ -69,6 +79,7 @@ from ._adamw_parts import (
     _bump_version,
     _CudaCopies,
     _ds_settings,
+    _hyper,
     _InPlaceState,
     _not_offloaded,
     _plain,
@@ -77,11 +88,27 @@ from ._adamw_parts import (
     _values,
     _write_mark,
 )
-from .offload import ParamOffload, _weakly, home_of, offload_parameters
+from .offload import ParamOffload, _distributed, _weakly, home_of, offload_parameters
 
 __all__ = ["AdamW", "offload_parameters", "ParamOffload"]
 
 _MAGIC = b"TZADAMW1"
+
+
+def _rank_path(nvme_path):
+    """``nvme_path``, or ``<nvme_path>/rank<R>`` in rank ``R`` of several
+    (see the module docs)."""
+    d = _distributed()
+    if d is None:
+        return nvme_path
+    rank, world = d
+    if rank is None:
+        raise ValueError(
+            f"WORLD_SIZE is {world} and RANK is not set: tierzero.torch.AdamW keeps each rank's "
+            f"state under <nvme_path>/rank<RANK>; set RANK (torchrun does), or "
+            f"initialise torch.distributed first"
+        )
+    return os.path.join(os.fspath(nvme_path), f"rank{rank}")
 
 
 class AdamW(torch.optim.Optimizer):
@@ -91,17 +118,27 @@ class AdamW(torch.optim.Optimizer):
     without it and without a ``ds_config`` that says, ``"nvme"`` (then
     ``nvme_path`` is needed).
     ``ds_config``: a ``ds_config.json`` path or dict; its
-    ``zero_optimization.offload_optimizer``, ``sub_group_size`` and
-    ``tierzero.pinned_budget_bytes`` are used where the keyword is not given.
+    ``zero_optimization.offload_optimizer``, ``sub_group_size``,
+    ``tierzero.pinned_budget_bytes`` and ``optimizer`` block are used where
+    the keyword is not given. An ``Adam`` or ``AdamW`` block is read as
+    ``tierzero train`` and HF Trainer read it, the keywords in the place of
+    ``TrainingArguments``' values: ``"auto"`` takes the keyword (else HF's
+    default), a value that differs from a keyword given is an error naming
+    both, and a key the block leaves out is DeepSpeed's default (a
+    ``weight_decay`` of 0; 0.01 with ``torch_adam``). Its
+    ``gradient_clipping`` is warned about (clip before ``step()``: HF
+    Trainer's ``max_grad_norm``, ``torch.nn.utils.clip_grad_norm_``).
+    Without a block: each keyword, else torch's defaults (1e-3,
+    (0.9, 0.999), 1e-8, 1e-2).
     """
 
     def __init__(
         self,
         params,
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=1e-2,
+        lr=None,
+        betas=None,
+        eps=None,
+        weight_decay=None,
         amsgrad=False,
         *,
         offload=None,
@@ -127,6 +164,10 @@ class AdamW(torch.optim.Optimizer):
             moments_dtype = getattr(torch, moments_dtype)
         if moments_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"moments_dtype={moments_dtype}: torch.float32 or torch.bfloat16")
+        given = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        ds = _ds_settings(ds_config, given)
+        hyper = _hyper(given, ds)
+        lr, betas, eps, weight_decay = hyper["lr"], hyper["betas"], hyper["eps"], hyper["weight_decay"]
         if not 0.0 <= float(lr):
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -137,9 +178,10 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False)
         super().__init__(params, defaults)
-        ds = _ds_settings(ds_config)
         offload = offload if offload is not None else ds.get("offload", "nvme")
         nvme_path = nvme_path if nvme_path is not None else ds.get("nvme_path")
+        if offload == "nvme" and nvme_path is not None:
+            nvme_path = _rank_path(nvme_path)
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads={threads!r}: give a whole number of at least 1, or None (the default)")
         if isinstance(pinned_budget_bytes, int) and pinned_budget_bytes < 0:
