@@ -189,7 +189,7 @@ pub enum ConfigError {
 
     /// Two batch sizes were given and the third cannot be inferred as a
     /// whole number (DeepSpeed would round down and then fail its check).
-    #[error("cannot infer `{missing}`: `train_batch_size` = {train_batch_size} is not divisible by {divisor_desc} = {divisor}; fix: make `train_batch_size` a multiple of {divisor} (e.g. {suggestion}) or set `{missing}` explicitly")]
+    #[error("cannot infer `{missing}`: `train_batch_size` = {train_batch_size} is not divisible by {divisor_desc} = {divisor}; fix: make `train_batch_size` a multiple of {divisor} (e.g. {suggestion}), or remove it and set `{missing}` (the batch is then the product)")]
     BatchIndivisible {
         /// The key being inferred.
         missing: &'static str,
