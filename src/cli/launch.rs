@@ -363,6 +363,12 @@ fn launch(nproc: u64, args: &LaunchArgs) -> Result<i32, Failure> {
         cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
             .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
     }
+    // Our variables reach the ranks on other nodes too (mpirun hands its
+    // environment to local ranks alone; a hostfile's remote ranks got
+    // none of TIERZERO_COMM_TIMEOUT_S, TIERZERO_LOG...).
+    for name in forwarded_env(std::env::vars_os().map(|(k, _)| k)) {
+        cmd.arg("-x").arg(name);
+    }
     cmd.arg(&exe).args(&args.command);
     // A stop goes to the ranks through mpirun as SIGUSR1/SIGUSR2 (its own
     // SIGINT handling kills them 1 s after a SIGTERM): see
@@ -401,6 +407,18 @@ fn launch(nproc: u64, args: &LaunchArgs) -> Result<i32, Failure> {
     }
 }
 
+/// The variables `tierzero launch` forwards to every rank with mpirun's
+/// `-x`: ours (`TIERZERO_*`) and `RUST_LOG`, of those set.
+#[cfg(feature = "mpi")]
+fn forwarded_env(names: impl Iterator<Item = std::ffi::OsString>) -> Vec<String> {
+    let mut out: Vec<String> = names
+        .filter_map(|n| n.into_string().ok())
+        .filter(|n| n.starts_with("TIERZERO_") || n == "RUST_LOG")
+        .collect();
+    out.sort();
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -420,5 +438,22 @@ mod tests {
             Err(Failure::Internal(e)) => panic!("internal: {e}"),
             Ok(()) => panic!("9 ranks on 2 CPUs accepted"),
         }
+    }
+
+    /// Ours and RUST_LOG are forwarded to the ranks with -x; nothing else.
+    #[cfg(feature = "mpi")]
+    #[test]
+    fn our_variables_are_forwarded_to_every_rank() {
+        let names = [
+            "PATH",
+            "TIERZERO_LOG",
+            "RUST_LOG",
+            "TIERZERO_COMM_TIMEOUT_S",
+            "TIERZEROX",
+        ];
+        assert_eq!(
+            forwarded_env(names.iter().map(std::ffi::OsString::from)),
+            ["RUST_LOG", "TIERZERO_COMM_TIMEOUT_S", "TIERZERO_LOG"]
+        );
     }
 }
