@@ -39,3 +39,16 @@ fn train_as_one_of_several_ranks_without_mpi_refuses() {
         String::from_utf8_lossy(&out.stdout)
     );
 }
+
+/// A rank count out of range names the range (it said "a whole number
+/// from 1", which 2000000 is).
+#[test]
+fn launch_names_the_range_of_rank_counts() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .args(["launch", "--nproc", "2000000", "--", "train"])
+        .output()
+        .expect("run tierzero");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "stderr: {err}");
+    assert!(err.contains("from 1 to 1048576"), "stderr: {err}");
+}

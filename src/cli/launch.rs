@@ -272,15 +272,16 @@ fn is_root() -> bool {
     std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
 }
 
-/// Runs `tierzero launch`; returns the exit code (0, or 130 / 143 when
-/// the ranks stopped on a signal).
+/// Runs `tierzero launch`; returns the exit code (0, or 130 / 143 / 129
+/// when the ranks stopped on a signal).
 pub fn run(args: LaunchArgs) -> Result<i32, Failure> {
     let nproc = match tierzero::units::parse_count(&args.nproc) {
         Ok(n) if (1..=1 << 20).contains(&n) => n,
         _ => {
             return Err(Failure::BadInput(anyhow!(
-                "--nproc {}: give a whole number of ranks from 1, such as --nproc 2",
-                args.nproc
+                "--nproc {}: give a whole number of ranks from 1 to {}, such as --nproc 2",
+                args.nproc,
+                1u64 << 20
             )))
         }
     };
@@ -395,7 +396,10 @@ fn launch(nproc: u64, args: &LaunchArgs) -> Result<i32, Failure> {
         // Any other ending is mpirun's code, passed on as README says (a
         // rank killed by SIGKILL: mpirun's 137), with one line saying so.
         Some(c) => {
-            errln!("tierzero launch: mpirun exited with {c}; see the ranks' messages above");
+            errln!(
+                "tierzero launch: mpirun exited with {c}; see the messages above (the ranks', or \
+                 mpirun's own where it did not start them)"
+            );
             Ok(c)
         }
         None => {
