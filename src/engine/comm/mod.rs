@@ -198,18 +198,64 @@ pub fn same_on_every_rank(comm: &dyn Comm, settings: &[(&str, String)]) -> Resul
             .iter()
             .find_map(|r| r.get(i).map(|(n, _)| n.clone()))
             .unwrap_or_default();
-        let values = values_by_rank(ranks.iter().enumerate().map(|(rank, r)| {
-            let value = match r.get(i) {
-                Some((n, v)) if *n == setting => v.clone(),
-                Some((n, _)) => format!("(another setting: {n})"),
-                None => "(not given)".to_owned(),
-            };
-            (rank, value)
-        }));
+        let each: Vec<(usize, String)> = ranks
+            .iter()
+            .enumerate()
+            .map(|(rank, r)| {
+                let value = match r.get(i) {
+                    Some((n, v)) if *n == setting => v.clone(),
+                    Some((n, _)) => format!("(another setting: {n})"),
+                    None => "(not given)".to_owned(),
+                };
+                (rank, value)
+            })
+            .collect();
+        let values = values_by_rank(where_they_differ(each));
         return Err(EngineError::RanksDisagree { setting, values });
     }
     Ok(())
 }
+
+/// Long values (a whole ZeRO section's, some 1500 characters) cut to where
+/// they differ: the part between the prefix and the suffix all of them
+/// share, with [`CONTEXT_CHARS`] of each around it, elided with `…`.
+/// Short ones are kept whole.
+fn where_they_differ(values: Vec<(usize, String)>) -> Vec<(usize, String)> {
+    const LONG_CHARS: usize = 120;
+    if values.iter().all(|(_, v)| v.chars().count() <= LONG_CHARS) {
+        return values;
+    }
+    let chars: Vec<Vec<char>> = values.iter().map(|(_, v)| v.chars().collect()).collect();
+    let shortest = chars.iter().map(Vec::len).min().unwrap_or(0);
+    let same_at = |at: &dyn Fn(&Vec<char>) -> char| chars.iter().all(|c| at(c) == at(&chars[0]));
+    let prefix = (0..shortest)
+        .find(|&i| !same_at(&|c: &Vec<char>| c[i]))
+        .unwrap_or(shortest);
+    let suffix = (0..shortest - prefix)
+        .find(|&i| !same_at(&|c: &Vec<char>| c[c.len() - 1 - i]))
+        .unwrap_or(shortest - prefix);
+    values
+        .into_iter()
+        .zip(&chars)
+        .map(|((rank, _), c)| {
+            let from = prefix.saturating_sub(CONTEXT_CHARS);
+            let to = (c.len() - suffix + CONTEXT_CHARS).min(c.len());
+            let mut cut = String::new();
+            if from > 0 {
+                cut.push('…');
+            }
+            cut.extend(&c[from..to]);
+            if to < c.len() {
+                cut.push('…');
+            }
+            (rank, cut)
+        })
+        .collect()
+}
+
+/// Characters of the shared parts kept around where values differ
+/// ([`where_they_differ`]).
+const CONTEXT_CHARS: usize = 40;
 
 /// Ranks' values of one setting as [`EngineError::RanksDisagree`] names
 /// them: each distinct value once, in the order met, with the ranks that
@@ -510,6 +556,31 @@ mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
     use super::scripted::Scripted;
     use super::*;
+
+    /// A long value (a ZeRO section's Debug, ~1500 characters) is cut to
+    /// where the ranks' values differ, with some context; short ones stay.
+    #[test]
+    fn long_values_are_cut_to_where_they_differ() {
+        let long = |n: u64| {
+            format!(
+                "Zero {{ stage: Parameters, {} max_live_parameters_numel: Numel({n}), {} }}",
+                "offload_param: Offload { device: Cpu }, ".repeat(20),
+                "tail: 1, ".repeat(20)
+            )
+        };
+        let cut = where_they_differ(vec![(0, long(1_000_000_000)), (1, long(2000))]);
+        for (rank, n) in [(0, "1000000000"), (1, "2000")] {
+            let v = &cut[rank].1;
+            assert!(v.len() < 150, "{v}");
+            assert!(v.starts_with('…') && v.ends_with('…'), "{v}");
+            assert!(
+                v.contains(&format!("max_live_parameters_numel: Numel({n})")),
+                "{v}"
+            );
+        }
+        let short = vec![(0, "3".to_owned()), (1, "4".to_owned())];
+        assert_eq!(where_they_differ(short.clone()), short);
+    }
 
     /// Rank 1's settings in [`settings_disagreeing_name_the_setting_and_each_rank`].
     fn peer_settings() -> Vec<u8> {
