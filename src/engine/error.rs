@@ -219,7 +219,8 @@ pub enum EngineError {
     /// ran, and what it had made (its swap files) was removed.
     #[error(
         "stopped by {} while the trainer was being built ({stored_numel} of {total_numel} \
-         elements of initial state stored): no step was trained, nothing was saved",
+         elements of the initial state, the model's or the checkpoint's, stored in the tiers): \
+         no step was trained, nothing was saved",
         .cause.describe()
     )]
     StoppedInBuild {
