@@ -1218,3 +1218,61 @@ fn eos_none_puts_no_id_between_documents() {
         out.stderr
     );
 }
+
+/// A model whose config.json names no EOS, trained on documents a
+/// tokenizer's EOS ends, carries that id into its checkpoint and export:
+/// the export named none, and transformers filled in its family's default
+/// (GPT-2's 50256, outside this vocabulary), so generation never stopped
+/// where training ended documents. An EOS the config names stays.
+#[test]
+fn the_eos_the_documents_end_with_is_carried_into_the_export() {
+    let d = scratch("data", "eos-export");
+    let tok = tokenizer(&d);
+    ds(&d);
+    std::fs::create_dir_all(d.join("model")).unwrap();
+    let cfg = json!({"model_type": "gpt2", "vocab_size": VOCAB, "n_positions": 64,
+        "n_embd": 32, "n_layer": 2, "n_head": 2, "tie_word_embeddings": true});
+    std::fs::write(d.join("model/config.json"), cfg.to_string()).unwrap();
+    std::fs::write(d.join("c.txt"), documents(40).join("\n\n")).unwrap();
+    let tok = tok.to_str().unwrap();
+    let out = train(
+        &d,
+        &["--data", "c.txt", "--tokenizer", tok, "--save-dir", "ck"],
+    );
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let out = run_tierzero(
+        Some(&d),
+        &[
+            "export",
+            "--checkpoint",
+            "ck",
+            "--out",
+            "hf/model.safetensors",
+        ],
+    );
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let exported: Value =
+        serde_json::from_str(&std::fs::read_to_string(d.join("hf/config.json")).unwrap()).unwrap();
+    assert_eq!(exported["eos_token_id"], json!(EOS), "{exported}");
+    // An EOS the config names is kept, whatever --eos-id appends.
+    let cfg = json!({"model_type": "gpt2", "vocab_size": VOCAB, "n_positions": 64,
+        "n_embd": 32, "n_layer": 2, "n_head": 2, "tie_word_embeddings": true,
+        "eos_token_id": 5});
+    std::fs::write(d.join("model/config.json"), cfg.to_string()).unwrap();
+    let out = train(
+        &d,
+        &[
+            "--data",
+            "c.txt",
+            "--tokenizer",
+            tok,
+            "--eos-id",
+            "13",
+            "--save-dir",
+            "ck2",
+        ],
+    );
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let c = tierzero::checkpoint::Checkpoint::open(&d.join("ck2")).unwrap();
+    assert_eq!(c.model().token_ids().eos(), Some(5));
+}

@@ -176,7 +176,7 @@ pub fn run(args: EvalArgs) -> Result<(), Failure> {
         let ck = tierzero::checkpoint::Checkpoint::open(dir)
             .map_err(|e| bad(format!("--checkpoint {}: {e}", dir.display())))?;
         super::newest_save(&ck, dir, "--checkpoint")?;
-        let (data, data_line) = load_tokens(
+        let (data, data_line, _) = load_tokens(
             &args.data,
             args.tokenizer.as_deref(),
             &args.data_options,
@@ -211,7 +211,7 @@ pub fn run(args: EvalArgs) -> Result<(), Failure> {
             dir.display()
         )));
     }
-    let (data, data_line) = load_tokens(
+    let (data, data_line, _) = load_tokens(
         &args.data,
         args.tokenizer.as_deref(),
         &args.data_options,

@@ -187,13 +187,14 @@ fn encode_bar(total_bytes: u64) -> Option<ProgressBar> {
 }
 
 /// Token ids of `data` as `opts` and `tokenizer` say, every id checked
-/// against the model's `vocab_size`; and a line saying what was read.
+/// against the model's `vocab_size`; a line saying what was read; and the
+/// EOS id appended to each document, if any.
 pub(super) fn load_tokens(
     data: &Path,
     tokenizer: Option<&Path>,
     opts: &DataOptions,
     model: &Model,
-) -> Result<(TokenData, String), Failure> {
+) -> Result<(TokenData, String, Option<u32>), Failure> {
     must_exist("--data", data, false, "give a text, JSONL or token file")?;
     check_data_file(data)?;
     if let Some(t) = tokenizer {
@@ -289,7 +290,7 @@ pub(super) fn load_tokens(
         total,
         started.elapsed().as_secs_f64(),
     );
-    Ok((loaded.data, line))
+    Ok((loaded.data, line, eos))
 }
 
 /// One line on what was read: tokens, documents, and the cache.

@@ -610,7 +610,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         ],
     )
     .map_err(|e| bad(e.to_string()))?;
-    let (model_dir, model) = model::open_model(&args, flags.seed, ckpt.as_ref())?;
+    let (mut model_dir, mut model) = model::open_model(&args, flags.seed, ckpt.as_ref())?;
     let mc = model.config().clone();
     let seq_len = match (&args.seq_len, &ckpt) {
         (Some(s), _) => {
@@ -646,7 +646,17 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     let metrics_fifo = lead
         .then(|| outputs::metrics_fifo_held(&args))
         .transpose()?;
-    let (data, data_name, data_line) = load_data(&args, &model)?;
+    let (data, data_name, data_line, eos) = load_data(&args, &model)?;
+    // The EOS the documents end with, where the model's config names none
+    // (a seeded model given a tokenizer's): recorded with the model, so
+    // that its checkpoints and export say where generation stops (the
+    // export named none, and transformers filled in its family's default,
+    // Llama's 2, or GPT-2's 50256 past a small vocabulary).
+    if let (Some(id), None) = (eos, model.token_ids().eos()) {
+        let ids = model.token_ids().clone().with_eos_if_none(u64::from(id));
+        model = model.with_token_ids(ids.clone());
+        model_dir = model_dir.map(|md| md.with_token_ids(ids));
+    }
     // One micro-batch's rows must be distinct windows of the corpus: a pass
     // holds a micro-batch. (One read across two passes may still hold a
     // window of both, as an epoch's last batch and the next one's first.)

@@ -553,6 +553,13 @@ impl ModelDir {
         &self.model
     }
 
+    /// This directory's model with the special token ids `ids` (see
+    /// [`super::TokenIds`]): what its checkpoints and exports carry.
+    pub fn with_token_ids(mut self, ids: super::TokenIds) -> Self {
+        self.model = self.model.with_token_ids(ids);
+        self
+    }
+
     /// The directory.
     pub fn path(&self) -> &Path {
         &self.path

@@ -122,33 +122,34 @@ pub(super) fn check_resumed_config(
     )))
 }
 
-/// The token data of `--data` (or the embedded corpus), its name, and a
-/// line on what was read (none for the embedded corpus).
+/// The token data of `--data` (or the embedded corpus), its name, a line
+/// on what was read (none for the embedded corpus), and the EOS id
+/// appended to each document (with a tokenizer).
 pub(super) fn load_data(
     args: &TrainArgs,
     model: &Model,
-) -> Result<(TokenData, String, Option<String>), Failure> {
-    let (data, data_name, line) = match &args.data {
+) -> Result<(TokenData, String, Option<String>, Option<u32>), Failure> {
+    // Too few tokens are refused by the caller with the micro-batch's
+    // need (`micro × seq_len + 1`), not `seq_len + 1` here: a corpus given
+    // the first number was then refused with the second.
+    match &args.data {
         Some(p) => {
-            let (d, line) = crate::cli::tokens::load_tokens(
+            let (d, line, eos) = crate::cli::tokens::load_tokens(
                 p,
                 args.tokenizer.as_deref(),
                 &args.data_options,
                 model,
             )?;
-            (d, p.display().to_string(), Some(line))
+            Ok((d, p.display().to_string(), Some(line), eos))
         }
         None => {
             check_data_flags(args)?;
-            (
+            Ok((
                 TokenData::from_bytes(DEFAULT_CORPUS, Path::new(DEFAULT_CORPUS_NAME)),
                 DEFAULT_CORPUS_NAME.to_owned(),
                 None,
-            )
+                None,
+            ))
         }
-    };
-    // Too few tokens are refused by the caller with the micro-batch's
-    // need (`micro × seq_len + 1`), not `seq_len + 1` here: a corpus given
-    // the first number was then refused with the second.
-    Ok((data, data_name, line))
+    }
 }

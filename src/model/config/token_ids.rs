@@ -56,6 +56,17 @@ impl TokenIds {
         }
     }
 
+    /// These ids with `eos_token_id` set to `id` where they name none
+    /// (the EOS a tokenizer gave the data, recorded with the model so that
+    /// its export says where generation stops); an `eos_token_id` already
+    /// there stays.
+    pub fn with_eos_if_none(mut self, id: u64) -> Self {
+        if !self.0.contains_key("eos_token_id") {
+            self.0.insert("eos_token_id".to_owned(), Value::from(id));
+        }
+        self
+    }
+
     /// Adds the ids to an HF config object.
     pub fn add_to(&self, value: &mut Value) {
         if let Some(obj) = value.as_object_mut() {
