@@ -572,6 +572,21 @@ fn a_non_finite_loss_on_a_skipped_step_does_not_end_the_run() {
     let lines = metrics_lines(&d.join("m.jsonl"));
     assert_eq!(lines.len(), 4, "3 steps and a summary: {lines:?}");
     assert_eq!(lines[3]["skipped_steps"], json!(3), "{}", lines[3]);
+    // The skips are said where the progress and the summary are (only the
+    // metrics and --json counted them: "done: 3 steps" of no update).
+    assert_eq!(
+        out.stderr
+            .matches(" skipped (gradients not all finite at loss scale ")
+            .count(),
+        3,
+        "{}",
+        out.stderr
+    );
+    assert!(
+        out.stdout.contains("done: 3 steps (3 skipped in all"),
+        "{}",
+        out.stdout
+    );
 }
 
 /// The plan and progress lines go to stderr; a reader of it that has gone

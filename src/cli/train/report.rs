@@ -19,14 +19,28 @@ fn gbps(bytes: Option<&u64>, seconds: f64) -> f64 {
 
 fn progress_text(m: &StepMetrics, steps: u64) -> String {
     format!(
-        "step {}/{steps} loss {:.4} {:.0} tok/s nvme r {:.2} GB/s w {:.2} GB/s overlap {:.2}",
+        "step {}/{steps} loss {:.4} {:.0} tok/s nvme r {:.2} GB/s w {:.2} GB/s overlap {:.2}{}",
         m.step,
         m.loss,
         m.tokens_per_s,
         gbps(m.bytes_read.get("nvme"), m.wall_s),
         gbps(m.bytes_written.get("nvme"), m.wall_s),
-        m.overlap_efficiency
+        m.overlap_efficiency,
+        skipped_text(m)
     )
+}
+
+/// A skipped step said where its progress is (the weights unchanged:
+/// DeepSpeed says each overflow too); empty for a step applied.
+fn skipped_text(m: &StepMetrics) -> String {
+    match (m.skipped, m.loss_scale != 1.0) {
+        (false, _) => String::new(),
+        (true, true) => format!(
+            " skipped (gradients not all finite at loss scale {}: not applied)",
+            m.loss_scale
+        ),
+        (true, false) => " skipped (gradients not all finite: not applied)".to_owned(),
+    }
 }
 
 impl Progress {
@@ -49,17 +63,19 @@ impl Progress {
         match self {
             Progress::Bar(bar) => {
                 bar.set_message(format!(
-                    "loss {:.4} | {:.0} tok/s | nvme r {:.2} w {:.2} GB/s | overlap {:.2}",
+                    "loss {:.4} | {:.0} tok/s | nvme r {:.2} w {:.2} GB/s | overlap {:.2}{}",
                     m.loss,
                     m.tokens_per_s,
                     gbps(m.bytes_read.get("nvme"), m.wall_s),
                     gbps(m.bytes_written.get("nvme"), m.wall_s),
-                    m.overlap_efficiency
+                    m.overlap_efficiency,
+                    skipped_text(m)
                 ));
                 bar.set_position(m.step);
             }
             Progress::Lines { every } => {
-                if m.step == 1 || m.step.is_multiple_of(*every) || m.step == steps {
+                // A skipped step is said whenever it happens.
+                if m.step == 1 || m.step.is_multiple_of(*every) || m.step == steps || m.skipped {
                     errln!("{}", progress_text(m, steps));
                 }
             }
@@ -273,13 +289,19 @@ pub(super) fn print_summary(
     }
     let st = timing.startup;
     emit(&format!(
-        "done: {} steps in {train_s:.1} s ({tokens_per_s:.0} tokens/s{}), total {:.1} s \
+        "done: {} steps{} in {train_s:.1} s ({tokens_per_s:.0} tokens/s{}), total {:.1} s \
          (start-up {:.1} s: {:.1} s before the trainer, {:.1} s its threads and tiers, \
          {:.1} s {}; {:.1} s after the steps)\n\
          loss: {:.4} at step {} -> {:.4} at step {}\n\
          weight_sha256: {}\n\
          NVMe: read {}, written {}; peak RSS {}{}\n",
         summary.steps - start_step,
+        match summary.skipped_steps {
+            0 => String::new(),
+            k => format!(
+                " ({k} skipped in all: gradients not all finite, their updates not applied)"
+            ),
+        },
         if ran.save_s > 0.0 {
             format!(
                 " over the {steps_s:.1} s outside {:.1} s of saves",
