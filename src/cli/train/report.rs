@@ -367,11 +367,13 @@ pub(super) fn print_summary(
         ))?;
     }
     if let (Some(tl), Some(path)) = (timeline, &args.timeline) {
-        let (a, b) = tl.steps();
-        emit(&format!(
-            "timeline of steps {a}..={b} in {} (open it in ui.perfetto.dev)\n",
-            path.display()
-        ))?;
+        emit(&match tl.recorded_steps() {
+            Some((a, b)) => format!(
+                "timeline of steps {a}..={b} in {} (open it in ui.perfetto.dev)\n",
+                path.display()
+            ),
+            None => format!("timeline in {}: no step of its window ran\n", path.display()),
+        })?;
     }
     Ok(())
 }

@@ -155,6 +155,9 @@ pub struct Timeline {
     origin: Instant,
     first_step: u64,
     last_step: u64,
+    /// The latest step of the window begun (0: none yet): a run stopped
+    /// early recorded the window up to it.
+    last_begun: std::sync::atomic::AtomicU64,
     recording: AtomicBool,
     spans: Mutex<Vec<Span>>,
 }
@@ -167,6 +170,7 @@ impl Timeline {
             origin: Instant::now(),
             first_step,
             last_step,
+            last_begun: std::sync::atomic::AtomicU64::new(0),
             recording: AtomicBool::new(false),
             spans: Mutex::new(Vec::new()),
         })
@@ -184,12 +188,32 @@ impl Timeline {
         (self.first_step, self.last_step)
     }
 
+    /// The steps of the window it recorded: up to the latest begun (a
+    /// run stopped inside the window recorded fewer than [`Timeline::steps`]);
+    /// None where none was.
+    pub fn recorded_steps(&self) -> Option<(u64, u64)> {
+        match self.last_begun.load(Ordering::Relaxed) {
+            0 => None,
+            last => Some((self.first_step, last)),
+        }
+    }
+
     /// Called as step `step` (1-based) begins: recording is on inside the
     /// window, and stays on for the step after it (the last step's
     /// optimizer tail), whose own compute spans are then not kept.
     pub fn begin_step(&self, step: u64) {
         let on = step >= self.first_step && step <= self.last_step + 1;
+        if self.keeps(step) {
+            self.last_begun.fetch_max(step, Ordering::Relaxed);
+        }
         self.recording.store(on, Ordering::Relaxed);
+    }
+
+    /// Called as the run settles the optimizer tail of its last step,
+    /// `step`: recorded only where that step is in the window (the step
+    /// after the window records the window's last tail, not its own).
+    pub fn finishing(&self, step: u64) {
+        self.recording.store(self.keeps(step), Ordering::Relaxed);
     }
 
     /// Whether step `step`'s compute-thread spans are kept.
@@ -287,7 +311,8 @@ impl Timeline {
                    "dur": s.end.saturating_duration_since(s.start).as_secs_f64() * 1e6})
         }));
         json!({"traceEvents": events, "displayTimeUnit": "ms",
-               "otherData": {"tool": "tierzero", "steps": [self.first_step, self.last_step]}})
+               "otherData": {"tool": "tierzero",
+                             "steps": self.recorded_steps().map_or_else(Vec::new, |(a, b)| vec![a, b])}})
     }
 
     /// Writes [`Timeline::to_json`] to `path` (atomically: temp file,
@@ -303,6 +328,31 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    /// A run stopped inside the window recorded the steps up to the last
+    /// begun, and says so (it said the whole window); the final tail is
+    /// recorded only where the last step is in the window (the flush of a
+    /// step after it appeared with no compute around it).
+    #[test]
+    fn it_says_the_steps_it_recorded_and_keeps_no_tail_past_them() {
+        let t = Timeline::new(2, 101);
+        assert_eq!(t.recorded_steps(), None);
+        for step in 1..=40 {
+            t.begin_step(step);
+        }
+        assert_eq!(t.recorded_steps(), Some((2, 40)));
+        assert_eq!(t.to_json()["otherData"]["steps"], json!([2, 40]));
+        t.finishing(40);
+        assert!(t.is_recording(), "the tail of a step in the window");
+        let t = Timeline::new(2, 3);
+        for step in 1..=4 {
+            t.begin_step(step);
+        }
+        assert_eq!(t.recorded_steps(), Some((2, 3)));
+        assert!(t.is_recording(), "step 4 records step 3's tail");
+        t.finishing(4);
+        assert!(!t.is_recording(), "not step 4's own tail");
+    }
 
     #[test]
     fn keeps_spans_only_inside_its_window_plus_the_tail_step() {

@@ -931,6 +931,9 @@ impl Trainer {
     /// Flushes I/O, writes the summary line, returns it.
     pub fn finish(mut self) -> Result<Summary> {
         self.check_usable()?;
+        if let Some(tl) = &self.opts.timeline {
+            tl.finishing(self.steps_done);
+        }
         let r = self.settle_optimizer();
         self.latch(r)?;
         let r = self.store.flush_writes();
