@@ -844,6 +844,27 @@ fn estimate_prints_the_plan_train_allocates() {
             .is_some_and(|p| p.contains("pinned total")),
         "{j}"
     );
+    // With --device-memory the plan shown is still the host's run: said so
+    // (it was passed off as the GPU run's, without its device tier rows).
+    let e = cli_support::run_tierzero(
+        Some(&d),
+        &[
+            "estimate",
+            "--model",
+            "m",
+            "--config",
+            "ds.json",
+            "--device-memory",
+            "1GiB",
+        ],
+    );
+    assert_eq!(e.code, 0, "{}", e.stderr);
+    assert!(
+        e.stdout
+            .contains("`tierzero train` computing on the CPU (`--device cpu`) allocates"),
+        "{}",
+        e.stdout
+    );
 }
 
 /// A pinned budget that cuts the param swap-in slots cuts them in the

@@ -1195,6 +1195,27 @@ fn a_device_s_params_home_is_shown_as_host_memory() {
     assert!(cells[2].parse::<f64>().is_ok(), "host bytes: {line}");
 }
 
+/// A `tierzero.device_cache_bytes` above the tier's budget is said as the
+/// budget it is capped at (the plan said "64 MiB kept between uses" of an
+/// 8 MiB budget).
+#[test]
+fn a_device_cache_above_the_budget_is_said_capped() {
+    let d = tiny_setup("sim-cache-capped");
+    let mut cfg = ds_config(&d);
+    cfg["tierzero"]["device_budget_bytes"] = json!("8MiB");
+    cfg["tierzero"]["device_cache_bytes"] = json!("64MiB");
+    write_config(&d, cfg);
+    let out = train(&d, &with(&TINY, &[("--device", "sim")]));
+    assert_eq!(out.code, 0, "stdout {} stderr {}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains(
+            "8 MiB kept between uses (tierzero.device_cache_bytes 64 MiB, capped by the tier's budget)"
+        ),
+        "{}",
+        out.stdout
+    );
+}
+
 /// `--device sim`: the device tier on the simulated device, through the
 /// binary. The plan shows the device's rows and total; the metrics count
 /// the copies and both queues' busy time; the timeline has the device's

@@ -496,10 +496,18 @@ pub fn run(a: EstimateArgs) -> Result<(), Failure> {
             .map_err(|e| Failure::Internal(anyhow!("formatting the report: {e}")))?;
         super::emit(&text)?;
         if let Some(plan) = &cfg.train_plan {
-            super::emit(&format!(
-                "\nWith this config and model, `tierzero train` allocates (its start-up plan, \
-                 the same sizing):\n{plan}\n"
-            ))?;
+            // The plan is the host's run: a device's tier (its params,
+            // staging, registered buffers) is in the table's device
+            // column alone; said, not passed off as the GPU run's plan.
+            let run = match &a.device_memory {
+                Some(_) => {
+                    "`tierzero train` computing on the CPU (`--device cpu`) allocates \
+                            (its start-up plan, the same sizing; with a device, its tier's rows \
+                            are not shown here: see the device column above)"
+                }
+                None => "`tierzero train` allocates (its start-up plan, the same sizing)",
+            };
+            super::emit(&format!("\nWith this config and model, {run}:\n{plan}\n"))?;
         }
     }
     Ok(())

@@ -261,7 +261,9 @@ pub struct TrainArgs {
     /// CUDA units: fp32, bf16 or fp16, kernels compiled by NVRTC at start-up, cuBLAS) and
     /// the collectives between ranks over NCCL (build with --features gpu;
     /// the NVIDIA driver, cuBLAS, NVRTC and NCCL are needed to run). Params
-    /// and the optimizer stay on their configured tiers (Adam on the CPU).
+    /// and the optimizer stay on their configured tiers (Adam on the CPU);
+    /// with nothing offloaded, params, gradients and Adam stay on the
+    /// device.
     /// sim: the device tier on a simulated device (no GPU; see
     /// --sim-h2d-gbps and tierzero.device_budget_bytes, 1 GiB if unset).
     #[arg(long, value_name = "DEVICE", default_value = "cpu")]
