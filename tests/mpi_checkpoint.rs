@@ -563,7 +563,7 @@ fn cli_ranks_that_see_different_steps_are_refused_together() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(
-        stderr.contains("rank 0: step 2, rank 1: step 1"),
+        stderr.contains("the step resumed from (--resume) is step 2 on rank 0, step 1 on rank 1"),
         "{stderr}"
     );
     assert!(t0.elapsed() < Duration::from_secs(50), "{:?}", t0.elapsed());
