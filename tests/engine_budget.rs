@@ -128,3 +128,29 @@ fn param_larger_than_a_swap_buffer_is_a_startup_error() {
     })
     .unwrap();
 }
+
+/// A model directory without weights is initialised with its own seed;
+/// `TrainerOptions::seed`, which the checkpoints record as the init's,
+/// must be that one (the manifest named a seed that did not give its
+/// weights).
+#[test]
+fn an_init_seed_other_than_the_options_is_refused() {
+    let dir = tiny_gpt2_dir("seeds", 2, 32);
+    let swap = scratch("swap-seeds");
+    let cfg = ds_config(&Knobs::default(), &swap, 4);
+    let run = RunContext {
+        path_checks: PathChecks::CreateMissing,
+        ..RunContext::default()
+    };
+    let loaded = load_str(&cfg.to_string(), &run).unwrap();
+    let md = ModelDir::open(&dir, 0).unwrap();
+    let e = match Trainer::new(&loaded.config, &md, corpus(), TrainerOptions::cpu(42, 16)) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("two seeds accepted"),
+    };
+    assert!(
+        e.contains("initialised with seed 0") && e.contains("TrainerOptions::seed is 42"),
+        "{e}"
+    );
+    assert!(Trainer::new(&loaded.config, &md, corpus(), TrainerOptions::cpu(0, 16)).is_ok());
+}

@@ -565,6 +565,12 @@ impl ModelDir {
         &self.path
     }
 
+    /// The seed of the init of a directory without weights (given to
+    /// [`ModelDir::open`]; unused where there are weights).
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
     /// Whether parameters come from files (else from the seeded init).
     pub fn has_weights(&self) -> bool {
         matches!(self.source, Source::Files { .. })

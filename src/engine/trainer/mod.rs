@@ -514,12 +514,26 @@ impl Default for DataBase {
 
 impl Trainer {
     /// Builds the tiers, stores the initial weights and optimizer state.
+    /// A directory without weights is initialised with its own seed
+    /// ([`ModelDir::seed`]), which must be [`TrainerOptions::seed`]: the
+    /// checkpoints record that one as the init's (two different seeds
+    /// made weights the manifest's seed does not give).
     pub fn new(
         config: &Config,
         model_dir: &ModelDir,
         data: TokenData,
         opts: TrainerOptions,
     ) -> Result<Self> {
+        if !model_dir.has_weights() && model_dir.seed() != opts.seed {
+            return Err(EngineError::config(format!(
+                "the model directory {} has no weights and is initialised with seed {} (given to \
+                 ModelDir::open), but TrainerOptions::seed is {}, which the checkpoints record \
+                 as the init's: give both the same seed",
+                model_dir.path().display(),
+                model_dir.seed(),
+                opts.seed
+            )));
+        }
         Self::build(
             config,
             model_dir.model().clone(),

@@ -3,7 +3,9 @@ use super::*;
 /// Run options that are not in the ds_config.
 #[derive(Debug, Clone)]
 pub struct TrainerOptions {
-    /// Init seed (models without weights).
+    /// Init seed (models without weights: [`Trainer::new`] refuses a
+    /// `ModelDir` opened with another), recorded in the checkpoints; and
+    /// the data shuffle's ([`TrainerOptions::cpu`]).
     pub seed: u64,
     /// The order each pass reads the data's windows in
     /// ([`crate::data::order`]); [`TrainerOptions::cpu`] shuffles them
