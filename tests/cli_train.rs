@@ -589,6 +589,54 @@ fn a_non_finite_loss_on_a_skipped_step_does_not_end_the_run() {
     );
 }
 
+/// A loss that is not finite before any update was applied is the
+/// weights' (or the data's), not a divergence: it said "(diverged); lower
+/// the learning rate" at step 1, whose lr was 0.
+#[test]
+fn a_non_finite_loss_before_any_update_names_the_weights_not_the_lr() {
+    let d = tiny_setup("nan-first");
+    let model = json!({"model_type": "gpt2", "vocab_size": 256, "n_positions": 32,
+        "n_embd": 32, "n_layer": 2, "n_head": 2, "tie_word_embeddings": true,
+        "initializer_range": 1e25});
+    std::fs::write(d.join("model/config.json"), model.to_string()).unwrap();
+    let mut cfg = ds_config(&d);
+    cfg["gradient_clipping"] = json!(0);
+    write_config(&d, cfg);
+    let out = train(&d, &TINY);
+    assert_eq!(out.code, 2, "stdout {} stderr {}", out.stdout, out.stderr);
+    assert!(
+        out.stderr.contains("before any update was applied")
+            && !out.stderr.contains("lower the learning rate"),
+        "{}",
+        out.stderr
+    );
+}
+
+/// fp16's scaler ending the run at its minimum scale: the step that
+/// overflowed there has its metrics line, and the error names it (the
+/// record stopped at the step before, at twice the scale).
+#[test]
+fn the_step_that_overflows_at_the_minimum_scale_is_recorded() {
+    let d = tiny_setup("min-scale");
+    let model = json!({"model_type": "gpt2", "vocab_size": 256, "n_positions": 32,
+        "n_embd": 32, "n_layer": 2, "n_head": 2, "tie_word_embeddings": true,
+        "initializer_range": 500.0});
+    std::fs::write(d.join("model/config.json"), model.to_string()).unwrap();
+    let mut cfg = ds_config(&d);
+    cfg["fp16"] = json!({"enabled": true, "loss_scale": 0, "initial_scale_power": 4,
+        "loss_scale_window": 2, "hysteresis": 2, "min_loss_scale": 4});
+    write_config(&d, cfg);
+    let args = with(&TINY, &[("--steps", "10"), ("--metrics", "m.jsonl")]);
+    let out = train(&d, &args);
+    assert_eq!(out.code, 2, "stdout {} stderr {}", out.stdout, out.stderr);
+    // Scales 16, 16 (hysteresis), 8, then the overflow at 4 ends it.
+    assert!(out.stderr.contains("training step 4"), "{}", out.stderr);
+    let lines = metrics_lines(&d.join("m.jsonl"));
+    assert_eq!(lines.len(), 4, "{lines:?}");
+    assert_eq!(lines[3]["loss_scale"], json!(4.0), "{}", lines[3]);
+    assert_eq!(lines[3]["skipped"], json!(true), "{}", lines[3]);
+}
+
 /// The plan and progress lines go to stderr; a reader of it that has gone
 /// (`tierzero train 2>&1 | head`) does not stop the run: it trains to the
 /// end and writes its metrics (a write to the closed pipe panicked: exit

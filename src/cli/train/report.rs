@@ -372,7 +372,10 @@ pub(super) fn print_summary(
                 "timeline of steps {a}..={b} in {} (open it in ui.perfetto.dev)\n",
                 path.display()
             ),
-            None => format!("timeline in {}: no step of its window ran\n", path.display()),
+            None => format!(
+                "timeline in {}: no step of its window ran\n",
+                path.display()
+            ),
         })?;
     }
     Ok(())

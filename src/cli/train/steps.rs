@@ -53,9 +53,10 @@ pub(super) fn train_steps(
         r
     };
     for _ in start_step..steps {
+        let step = trainer.steps_done() + 1;
         let report = trainer.step().map_err(|e| {
             progress.finish();
-            run_failure(e, "training step")
+            run_failure(e, &format!("training step {step}"))
         })?;
         let m = report.metrics;
         // The activation policy decides in the first micro-batch of a batch
@@ -80,11 +81,23 @@ pub(super) fn train_steps(
             if !m.skipped {
                 progress.finish();
                 // The run's hyperparameters, not a fault of ours: exit 2
-                // with the fix, as for the user's other mistakes.
+                // with the fix, as for the user's other mistakes. Before
+                // any update was applied (this run's first step of a
+                // fresh model, or at lr 0), nothing diverged: the forward
+                // of the weights as they were is not finite.
+                let nothing_applied = m.lr == 0.0 || trainer.adam_steps() == 1;
                 return Err(Failure::BadInput(anyhow!(
-                    "step {}: the loss is {} (diverged); lower the learning rate",
+                    "step {}: the loss is {}{}",
                     m.step,
-                    m.loss
+                    m.loss,
+                    if nothing_applied {
+                        " before any update was applied: the forward of the weights as loaded \
+                         (or initialised) is not finite; check the model's weights and \
+                         initializer_range, and the data's token ids (fp16 overflows first: \
+                         bf16 or fp32)"
+                    } else {
+                        " (diverged); lower the learning rate"
+                    }
                 )));
             }
             // The engine skipped the step (its gradients were not all

@@ -782,6 +782,12 @@ impl Trainer {
         self.steps_done
     }
 
+    /// Updates applied so far: [`Trainer::steps_done`] less the skipped
+    /// steps (a resumed trainer starts at the checkpoint's).
+    pub fn adam_steps(&self) -> u64 {
+        self.adam_steps
+    }
+
     /// Names the data source in checkpoints (the trainer only sees tokens).
     pub fn set_data_name(&mut self, name: impl Into<String>) {
         self.data_name = name.into();

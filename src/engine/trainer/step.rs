@@ -156,7 +156,10 @@ impl Trainer {
             skipped
         };
         let opt_wait = self.optimizer_wait.saturating_sub(start.optimizer_wait);
-        self.scaler.update(skipped)?;
+        // fp16's scaler may end the run here (an overflow at its minimum
+        // scale): the step's metrics line is written first, so the record
+        // shows the step that ended it.
+        let scaled = self.scaler.update(skipped);
         if skipped {
             self.skipped += 1;
         } else {
@@ -179,6 +182,7 @@ impl Trainer {
         if let Some(w) = &mut self.metrics {
             w.write(&metrics)?;
         }
+        scaled?;
         self.check_kept_buffers(&metrics);
         self.last_step_wall = Some(start.at.elapsed());
         // The step boundary: every rank, every step (a collective).
