@@ -5,7 +5,7 @@
 //! Loads a `ds_config.json` (ZeRO-3, params and optimizer state on NVMe),
 //! trains a seeded GPT-2 on the shipped corpus, then runs held-out text
 //! through the trained model one unit at a time: fetch the unit's
-//! parameters (from NVMe, through the prefetcher), run it, release them.
+//! parameters (from their home on NVMe), run it, release them.
 //! The whole model is never gathered.
 //!
 //! ```text
@@ -46,8 +46,12 @@ fn main() -> Result<(), Box<dyn Error>> {
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 2e-3}},
         "zero_optimization": {"stage": 3,
-            "offload_param": {"device": "nvme", "nvme_path": swap},
-            "offload_optimizer": {"device": "nvme", "nvme_path": swap}}
+            // Every param's home on NVMe, small ones too (by default up to
+            // 1e9 elements stay in pinned host memory, and params under
+            // 1e5 elements stay resident).
+            "offload_param": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0},
+            "offload_optimizer": {"device": "nvme", "nvme_path": swap},
+            "stage3_param_persistence_threshold": 0}
     });
     let run = RunContext {
         path_checks: PathChecks::CreateMissing, // mkdir -p the nvme_path
@@ -81,7 +85,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     let net = trainer.model().clone();
     let mut hidden = None;
     for unit in net.units() {
-        let params = trainer.fetch_unit(unit.id)?; // from NVMe, prefetched
+        let params = trainer.fetch_unit(unit.id)?; // from NVMe, or a pinned buffer still holding it
         let input = match (&hidden, unit.kind) {
             (None, _) => UnitInput::Tokens(&ids),
             (Some(h), UnitKind::Head) => UnitInput::HiddenWithTargets {
@@ -94,7 +98,7 @@ fn main() -> Result<(), Box<dyn Error>> {
             UnitOutput::Hidden(h) => hidden = Some(h),
             UnitOutput::Loss(l) => println!("held-out loss {:.4}", l.to_scalar::<f32>()?),
         }
-        trainer.release_unit(unit.id)?; // back to NVMe-only
+        trainer.release_unit(unit.id)?; // its home stays on NVMe
     }
     let summary = trainer.finish()?;
     println!("weight_sha256 {}", summary.weight_sha256);

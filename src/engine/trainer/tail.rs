@@ -6,7 +6,11 @@ impl Trainer {
     /// prefetcher's prefetches. With several ranks and a compute that
     /// gathers the params on its device
     /// ([`crate::model::exec_units::UnitCompute::gathers_params`]), each
-    /// is this rank's shard (1-D), for that compute to gather.
+    /// is this rank's shard (1-D), for that compute to gather. With
+    /// several ranks otherwise, a param not resident is gathered from the
+    /// ranks' shards: a collective, so every rank fetches the same units in
+    /// the same order (a loop on rank 0 alone waits out the collective
+    /// timeout).
     pub fn fetch_unit(&mut self, unit: UnitId) -> Result<Vec<Tensor>> {
         self.check_unit(unit)?;
         self.check_usable()?;

@@ -149,8 +149,10 @@ pub(super) fn check_run(
     let world = opts.comm.world_size();
     let rank = opts.comm.rank();
     if world == 0 || rank >= world {
-        return Err(EngineError::internal(format!(
-            "rank {rank} of a world of {world}"
+        // A communicator the caller gave (`TrainerOptions::comm`).
+        return Err(EngineError::config(format!(
+            "TrainerOptions::comm says rank {rank} of a world of {world}: a rank must be below \
+             the world size, which must be at least 1"
         )));
     }
     if config.batch.ranks != world as u64 {
