@@ -684,24 +684,7 @@ impl<L: DeviceLink> UnitCompute for TieredUnits<L> {
     }
 
     fn describe(&self) -> String {
-        let kept = if self.limits.cache_bytes == TierLimits::CACHE_AUTO {
-            format!(
-                "params kept between uses while the tier's budget of {} holds them (tierzero.device_cache_bytes \"auto\")",
-                crate::units::format_bytes(self.link.budget_bytes())
-            )
-        } else if self.limits.cache_bytes > self.link.budget_bytes() {
-            // The cache lives in the tier's budget: it cannot hold more.
-            format!(
-                "{} kept between uses (tierzero.device_cache_bytes {}, capped by the tier's budget)",
-                crate::units::format_bytes(self.link.budget_bytes()),
-                crate::units::format_bytes(self.limits.cache_bytes)
-            )
-        } else {
-            format!(
-                "{} kept between uses",
-                crate::units::format_bytes(self.limits.cache_bytes)
-            )
-        };
+        let kept = self.limits.kept_text(self.link.budget_bytes());
         format!(
             "{}; params staged a unit ahead (window {} elements, {} live), {kept}",
             self.link.describe(),

@@ -116,3 +116,29 @@ impl<L: DeviceLink> TieredUnits<L> {
         }
     }
 }
+
+impl TierLimits {
+    /// What the plan says the tier keeps between uses, of a tier whose
+    /// params' budget is `budget_bytes`: `"auto"`'s rule, or the bytes set,
+    /// said capped where they exceed the budget (the cache lives in it).
+    pub(super) fn kept_text(&self, budget_bytes: u64) -> String {
+        if self.cache_bytes == TierLimits::CACHE_AUTO {
+            format!(
+                "params kept between uses while the tier's budget of {} holds them (tierzero.device_cache_bytes \"auto\")",
+                crate::units::format_bytes(budget_bytes)
+            )
+        } else if self.cache_bytes > budget_bytes {
+            // The cache lives in the tier's budget: it cannot hold more.
+            format!(
+                "{} kept between uses (tierzero.device_cache_bytes {}, capped by the tier's budget)",
+                crate::units::format_bytes(budget_bytes),
+                crate::units::format_bytes(self.cache_bytes)
+            )
+        } else {
+            format!(
+                "{} kept between uses",
+                crate::units::format_bytes(self.cache_bytes)
+            )
+        }
+    }
+}
