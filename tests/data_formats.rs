@@ -974,21 +974,8 @@ fn a_corpus_changed_while_it_is_encoded_is_not_cached() {
     ds(&d);
     let text = documents(40).join("\n");
     std::fs::write(d.join("c.txt"), &text).unwrap();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
-        .current_dir(&d)
-        .args([
-            "train", "--config", "ds.json", "--model", "model", "--steps", "1",
-        ])
-        .args(["--seq-len", "16", "--data", "c.txt", "--tokenizer"])
-        .arg(&tok)
-        .env("TIERZERO_FAILPOINT", "data.encode:1:stop")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
     // Stopped after the key's read, before the encode's.
-    wait_frozen(&mut child);
+    let child = frozen_in_encode(&d, &tok);
     // The same length, other words: rewritten in place.
     std::fs::write(d.join("c.txt"), text.replace("the", "a  ")).unwrap();
     send(&child, "CONT");
@@ -1004,16 +991,42 @@ fn a_corpus_changed_while_it_is_encoded_is_not_cached() {
         stderr.contains("the file changed while it was read"),
         "{stderr}"
     );
-    let entries: Vec<String> = std::fs::read_dir(&d)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.contains(".tz-"))
-        .collect();
+    let entries = cache_entries(&d);
     assert!(entries.is_empty(), "{entries:?}");
     // Run again: the new content is keyed, encoded and cached.
     let tok = tok.to_str().unwrap();
     let again = train(&d, &["--data", "c.txt", "--tokenizer", tok]);
     assert_eq!(again.code, 0, "{}", again.stderr);
+}
+
+/// `train` of `d/c.txt` with the tokenizer `tok`, frozen by the
+/// `data.encode` failpoint: its cache key taken and its temporary file
+/// made, its encode not begun.
+fn frozen_in_encode(d: &Path, tok: &Path) -> std::process::Child {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .current_dir(d)
+        .args([
+            "train", "--config", "ds.json", "--model", "model", "--steps", "1",
+        ])
+        .args(["--seq-len", "16", "--data", "c.txt", "--tokenizer"])
+        .arg(tok)
+        .env("TIERZERO_FAILPOINT", "data.encode:1:stop")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_frozen(&mut child);
+    child
+}
+
+/// Names of the token cache's entries (and temporary files) in `d`.
+fn cache_entries(d: &Path) -> Vec<String> {
+    std::fs::read_dir(d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".tz-"))
+        .collect()
 }
 
 /// Waits until `child` is frozen by its failpoint (state `T`).
@@ -1057,31 +1070,11 @@ fn a_signal_during_the_encode_leaves_no_temporary_file() {
     // Large enough that its encode outlasts the signal watcher's poll
     // (20 ms) many times over.
     std::fs::write(d.join("c.txt"), documents(40_000).join("\n")).unwrap();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
-        .current_dir(&d)
-        .args([
-            "train", "--config", "ds.json", "--model", "model", "--steps", "1",
-        ])
-        .args(["--seq-len", "16", "--data", "c.txt", "--tokenizer"])
-        .arg(&tok)
-        .env("TIERZERO_FAILPOINT", "data.encode:1:stop")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_frozen(&mut child);
-    let tmps = || -> Vec<String> {
-        std::fs::read_dir(&d)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .filter(|n| n.contains(".tz-"))
-            .collect()
-    };
+    let child = frozen_in_encode(&d, &tok);
     assert!(
-        tmps().iter().any(|n| n.contains(".tmp-")),
+        cache_entries(&d).iter().any(|n| n.contains(".tmp-")),
         "the cache's temporary file is made: {:?}",
-        tmps()
+        cache_entries(&d)
     );
     send(&child, "TERM");
     send(&child, "CONT");
@@ -1089,7 +1082,7 @@ fn a_signal_during_the_encode_leaves_no_temporary_file() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(143), "{stderr}");
     assert!(stderr.contains("received during start-up"), "{stderr}");
-    assert_eq!(tmps(), Vec::<String>::new(), "{stderr}");
+    assert_eq!(cache_entries(&d), Vec::<String>::new(), "{stderr}");
 }
 
 /// `--data /dev/stdin` redirected from a file is a regular file through
