@@ -133,12 +133,15 @@ pub(super) fn train_steps(
                 // A stop asked for during the save ends the run here, at
                 // the step just saved (it went on to train the next step
                 // and save again, past a scheduler's grace period). Every
-                // rank saved this step, so every rank agrees here.
-                crate::cli::signals::request_caught(&trainer.stop_handle());
-                stop_after_save = trainer.agree_stop().map_err(|e| {
-                    progress.finish();
-                    run_failure(e, "agreeing on a stop after a save")
-                })?;
+                // rank saved this step, so every rank agrees here; after
+                // the last step the run ends anyway, as a run done.
+                if m.step < steps {
+                    crate::cli::signals::request_caught(&trainer.stop_handle());
+                    stop_after_save = trainer.agree_stop().map_err(|e| {
+                        progress.finish();
+                        run_failure(e, "agreeing on a stop after a save")
+                    })?;
+                }
             }
         }
         if first.is_none() {
