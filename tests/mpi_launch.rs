@@ -221,7 +221,9 @@ fn launched_until(
     extra: &[&str],
     lines: usize,
 ) -> (std::process::Child, std::path::PathBuf) {
-    let (mut cmd, dir, metrics, _) = launch_command(tag, true, steps, extra);
+    let (cmd, dir, metrics, _) = launch_command(tag, true, steps, extra);
+    // (Under nohup, as a CI job may run, SIGHUP would stay ignored.)
+    let mut cmd = engine_support::hup_at_default(&cmd);
     let mut child = cmd
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())

@@ -145,7 +145,13 @@ fn stopped(d: &Path, tag: &str, sig: &str, target: usize, extra: &[&str]) -> Out
     let metrics = format!("m-{tag}.jsonl");
     let mut args = vec!["--metrics", metrics.as_str()];
     args.extend_from_slice(extra);
-    let mut child = mpirun(d, &mark, &args).spawn().expect("mpirun");
+    // (Under nohup, as a CI job may run, SIGHUP would stay ignored.)
+    let mut child = engine_support::hup_at_default(&mpirun(d, &mark, &args))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("mpirun");
     let t0 = Instant::now();
     let pid = loop {
         assert!(
