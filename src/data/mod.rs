@@ -78,6 +78,9 @@ pub struct TokenData {
     source: PathBuf,
     /// Largest id plus one (0 when empty).
     vocab_needed: usize,
+    /// [`TokenData::ids_crc32c`], computed once (the ids never change),
+    /// shared by the clones.
+    ids_crc32c: Arc<std::sync::OnceLock<u32>>,
 }
 
 #[derive(Debug, Clone)]
@@ -304,6 +307,7 @@ impl TokenData {
             store: Store::Bytes(Arc::new(bytes)),
             source: source.to_owned(),
             vocab_needed,
+            ids_crc32c: Arc::default(),
         }
     }
 
@@ -314,6 +318,7 @@ impl TokenData {
             store: Store::Owned(Arc::new(ids)),
             source: source.to_owned(),
             vocab_needed,
+            ids_crc32c: Arc::default(),
         }
     }
 
@@ -415,6 +420,7 @@ impl TokenData {
                 width,
             },
             source: path.to_owned(),
+            ids_crc32c: Arc::default(),
         })
     }
 
@@ -469,9 +475,14 @@ impl TokenData {
     /// crc32c of the ids as little-endian u32s, whatever their storage
     /// (bytes, u16, u32): the same ids give the same value. A checkpoint
     /// records it, so a resume on data edited to the same token count is
-    /// told (the count alone missed it). Reads every id once, so only
-    /// saves and resumes ask.
+    /// told (the count alone missed it). Reads every id once, the first
+    /// time it is asked (a resume's check, the ranks' comparison, a save);
+    /// later asks, by this value or its clones, reuse it.
     pub fn ids_crc32c(&self) -> u32 {
+        *self.ids_crc32c.get_or_init(|| self.compute_ids_crc32c())
+    }
+
+    fn compute_ids_crc32c(&self) -> u32 {
         const CHUNK_IDS: usize = 1 << 16;
         let mut crc = 0u32;
         let mut buf: Vec<u8> = Vec::with_capacity(CHUNK_IDS * 4);

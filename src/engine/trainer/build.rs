@@ -901,8 +901,6 @@ impl Trainer {
             sizing,
             arenas,
             data_name: "unnamed".to_owned(),
-            // Computed once: with several ranks, for their comparison.
-            data_ids_crc32c: data_crc32c.map_or_else(std::sync::OnceLock::new, Into::into),
             data_base: super::DataBase::default(),
             save_lock: None,
             io_clock: clocks.io,

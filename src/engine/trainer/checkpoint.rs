@@ -110,11 +110,6 @@ pub fn numerics_differing(
 }
 
 impl Trainer {
-    /// The data's ids' crc32c, computed once.
-    fn data_ids_crc32c(&self) -> u32 {
-        *self.data_ids_crc32c.get_or_init(|| self.data.ids_crc32c())
-    }
-
     /// A trainer that continues from `ckpt`: the model is the checkpoint's,
     /// masters and moments are loaded (crc-verified) and the params
     /// re-encoded from the masters; step counters, the loss scaler and so
@@ -154,7 +149,7 @@ impl Trainer {
                  numbers; the resumed run will not match an uninterrupted one"
             );
         }
-        let ids_crc32c = if let Some(saved) = m.data.tokens.filter(|&n| n != data.len() as u64) {
+        if let Some(saved) = m.data.tokens.filter(|&n| n != data.len() as u64) {
             tracing::warn!(
                 checkpoint = saved,
                 run = data.len(),
@@ -162,7 +157,6 @@ impl Trainer {
                  same path, another tokenizer or format): the samples from the checkpoint's \
                  position on are not the ones an uninterrupted run would see"
             );
-            None
         } else if let Some(saved) = m.data.ids_crc32c {
             let run = data.ids_crc32c();
             if run != saved {
@@ -174,10 +168,7 @@ impl Trainer {
                      checkpoint's position on are not the ones an uninterrupted run would see"
                 );
             }
-            Some(run)
-        } else {
-            None
-        };
+        }
         if m.seq_len != opts.seq_len {
             tracing::warn!(
                 checkpoint = m.seq_len,
@@ -193,9 +184,6 @@ impl Trainer {
             opts,
         )?;
         t.steps_done = m.step;
-        if let Some(crc) = ids_crc32c {
-            let _ = t.data_ids_crc32c.set(crc);
-        }
         // The model's init seed is the checkpoint's (the weights come from
         // it; this run's seed initialised nothing): later checkpoints say
         // the seed the run began with, not a resume's default.
@@ -611,7 +599,7 @@ impl Trainer {
                 micro_batch_size: mb,
                 gradient_accumulation_steps: gas,
                 tokens: Some(self.data.len() as u64),
-                ids_crc32c: Some(self.data_ids_crc32c()),
+                ids_crc32c: Some(self.data.ids_crc32c()),
                 order: Some(self.opts.data_order),
             },
             precision: self.config.precision.name().to_owned(),

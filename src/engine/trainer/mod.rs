@@ -325,9 +325,6 @@ pub struct Trainer {
     /// optimizer swap buffers).
     arenas: Vec<Arc<PinnedArena>>,
     data_name: String,
-    /// The data's [`TokenData::ids_crc32c`], taken at the first save (or
-    /// by a resume's check) and kept: the data never change in a run.
-    data_ids_crc32c: std::sync::OnceLock<u32>,
     /// Where the data position counts from: samples consumed before step
     /// `step` (a resumed run's checkpoint; 0 and 0 for a new run), and
     /// the checkpoint lineage this run continues.
