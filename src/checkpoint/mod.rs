@@ -176,8 +176,8 @@ pub use manifest::{
     STATE_ALIGN_BYTES,
 };
 pub use reader::{
-    checkpoint_holding, is_save_dir_entry, latest_step, saved_steps, Checkpoint, FileCheck,
-    VerifyReport,
+    checkpoint_holding, holds_only_staging, is_save_dir_entry, latest_step, saved_steps,
+    Checkpoint, FileCheck, VerifyReport,
 };
 pub use writer::{step_dir_name, StagedCheckpoint, LATEST_FILE};
 

@@ -251,6 +251,21 @@ pub fn latest_step(save_dir: &Path) -> Option<u64> {
     parse_step_dir_name(String::from_utf8_lossy(&bytes).trim())
 }
 
+/// Whether save dir `dir` holds a save's staging dir and nothing else of
+/// a save dir's but its lock: what a run killed in its first save leaves
+/// (nothing to resume).
+pub fn holds_only_staging(dir: &Path) -> bool {
+    let names: Vec<String> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+        .filter(|n| is_save_dir_entry(n))
+        .collect();
+    let staging = |n: &String| staging_owner_pid(n).is_some();
+    names.iter().any(staging) && names.iter().all(|n| staging(n) || n == super::LOCK_FILE)
+}
+
 /// Whether `name` is one a save dir's writer uses: `latest`, its lock, a
 /// `step-<N>` dir or a save's staging dir.
 pub fn is_save_dir_entry(name: &str) -> bool {

@@ -273,8 +273,8 @@ fn open_target(
         }
         // Whole O_DIRECT blocks, rounded up: a --size of 5000 measured a
         // 4 KiB file.
-        let align = tierzero_swap::align::MIN_ALIGNMENT_BYTES;
-        let size = t.size.div_ceil(align).saturating_mul(align);
+        let size = tierzero_swap::align::Alignment::new(tierzero_swap::align::MIN_ALIGNMENT_BYTES)
+            .round_up(t.size);
         BenchTarget::create(dir, size, DirectIo::Auto).map_err(|e| match e {
             tierzero_swap::SwapError::NoRoom {
                 needed_bytes,

@@ -480,22 +480,6 @@ fn report_unreached_failpoint() {
     }
 }
 
-/// Whether save dir `d` holds a save's staging dir and no `latest` or
-/// step dir: what a run killed in its first save leaves.
-fn only_staging(d: &Path) -> bool {
-    let names: Vec<String> = std::fs::read_dir(d)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str().map(str::to_owned))
-        .filter(|n| tierzero::checkpoint::is_save_dir_entry(n))
-        .collect();
-    names.iter().any(|n| n.starts_with(".step-"))
-        && names
-            .iter()
-            .all(|n| n.starts_with(".step-") || n == tierzero::checkpoint::LOCK_FILE)
-}
-
 /// Runs `tierzero train`.
 pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     // First: a signal during start-up (MPI's, the data's) is kept, not fatal.
@@ -571,7 +555,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
                     // Only a save's staging dir: the run was killed in
                     // its first save, and an auto-restart given the same
                     // --resume failed for good.
-                    _ if only_staging(d) => bad(format!(
+                    _ if tierzero::checkpoint::holds_only_staging(d) => bad(format!(
                         "--resume {}: {e}; it holds only the staging dir of a save that never \
                          completed (a run stopped in its first save): there is nothing to \
                          resume; run it again without --resume (the next save removes the \
