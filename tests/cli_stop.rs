@@ -312,13 +312,8 @@ fn hup_not_ignored(c: Command) -> Command {
     if !ignored {
         return c;
     }
-    let mut w = Command::new("env");
-    w.arg("--default-signal=HUP")
-        .arg(c.get_program())
-        .args(c.get_args())
-        .current_dir(c.get_current_dir().unwrap())
-        .env_remove("TIERZERO_FAILPOINT")
-        .stdin(Stdio::null())
+    let mut w = cli_support::hup_at_default(&c);
+    w.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     w

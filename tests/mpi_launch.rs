@@ -8,6 +8,7 @@
     reason = "tests: a failed unwrap is a failed test"
 )]
 
+mod cli_support;
 mod engine_support;
 
 use std::process::Command;
@@ -223,7 +224,7 @@ fn launched_until(
 ) -> (std::process::Child, std::path::PathBuf) {
     let (cmd, dir, metrics, _) = launch_command(tag, true, steps, extra);
     // (Under nohup, as a CI job may run, SIGHUP would stay ignored.)
-    let mut cmd = engine_support::hup_at_default(&cmd);
+    let mut cmd = cli_support::hup_at_default(&cmd);
     let mut child = cmd
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())

@@ -14,6 +14,7 @@
     reason = "tests: a failed unwrap is a failed test"
 )]
 
+mod cli_support;
 mod engine_support;
 
 use std::path::Path;
@@ -146,7 +147,7 @@ fn stopped(d: &Path, tag: &str, sig: &str, target: usize, extra: &[&str]) -> Out
     let mut args = vec!["--metrics", metrics.as_str()];
     args.extend_from_slice(extra);
     // (Under nohup, as a CI job may run, SIGHUP would stay ignored.)
-    let mut child = engine_support::hup_at_default(&mpirun(d, &mark, &args))
+    let mut child = cli_support::hup_at_default(&mpirun(d, &mark, &args))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -527,25 +527,3 @@ pub fn tierzero(args: &[&str]) -> String {
     );
     stdout
 }
-
-/// `c` run through `env --default-signal=HUP`: a test run under `nohup` (a
-/// CI job's) hands its ignored SIGHUP on to what it starts, which rightly
-/// keeps it ignored, so a test of what a SIGHUP does would see nothing.
-/// The program, arguments, directory and environment changes are `c`'s;
-/// stdio is the caller's to set.
-pub fn hup_at_default(c: &std::process::Command) -> std::process::Command {
-    let mut w = std::process::Command::new("env");
-    w.arg("--default-signal=HUP")
-        .arg(c.get_program())
-        .args(c.get_args());
-    if let Some(d) = c.get_current_dir() {
-        w.current_dir(d);
-    }
-    for (k, v) in c.get_envs() {
-        match v {
-            Some(v) => w.env(k, v),
-            None => w.env_remove(k),
-        };
-    }
-    w
-}
