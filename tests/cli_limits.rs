@@ -952,6 +952,66 @@ fn bench_io_refuses_a_file_under_a_held_swap_lock() {
     assert_eq!(o.code, 0, "{}", o.stderr);
 }
 
+/// `bench-io` does not write into a checkpoint: `--file` on a step's state
+/// file with writes (the fill or a write run overwrote its master weights,
+/// found only at the next `inspect --verify`), and a `--path` inside a step
+/// dir, are refused naming the checkpoint; reading it alone is fine.
+#[test]
+fn bench_io_does_not_write_into_a_checkpoint() {
+    let d = cli_support::scratch("limits", "bench-checkpoint");
+    let step = d.join("ck").join("step-00000002");
+    std::fs::create_dir_all(step.join("rank0000")).unwrap();
+    std::fs::write(step.join("manifest.json"), b"{}").unwrap();
+    let state = vec![5u8; 1 << 20];
+    std::fs::write(step.join("rank0000/master.f32"), &state).unwrap();
+    let quick = [
+        "--block-size",
+        "64K",
+        "--queue-depth",
+        "1",
+        "--seconds",
+        "0.05",
+    ];
+    let file = "ck/step-00000002/rank0000/master.f32";
+    for extra in [&["--rw", "write", "--no-fill"][..], &["--rw", "read"][..]] {
+        let o = cli_support::run_tierzero(
+            Some(&d),
+            &[&["bench-io", "--file", file][..], extra, &quick].concat(),
+        );
+        assert_eq!(o.code, 2, "{extra:?}: {}", o.stderr);
+        assert!(
+            o.stderr.contains("is inside the checkpoint directory")
+                && o.stderr.contains("step-00000002"),
+            "{}",
+            o.stderr
+        );
+    }
+    assert_eq!(
+        std::fs::read(step.join("rank0000/master.f32")).unwrap(),
+        state
+    );
+    let o = cli_support::run_tierzero(
+        Some(&d),
+        &[
+            &["bench-io", "--file", file, "--rw", "read", "--no-fill"][..],
+            &quick,
+        ]
+        .concat(),
+    );
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    let o = cli_support::run_tierzero(
+        Some(&d),
+        &["bench-io", "--path", "ck/step-00000002", "--size", "1M"],
+    );
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    assert!(
+        o.stderr.contains("--path ck/step-00000002: is inside"),
+        "{}",
+        o.stderr
+    );
+    assert!(!step.join("tierzero").exists());
+}
+
 /// `--rw read --no-fill` opens `--file` read-only, so a file the user may
 /// only read is measured (it was opened read-write: "Permission denied");
 /// with writes the refusal says so and names the read-only way. Root

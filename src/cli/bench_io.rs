@@ -201,6 +201,20 @@ fn open_target(
             )));
         }
         let dir = file.parent().filter(|d| !d.as_os_str().is_empty());
+        // A checkpoint's file is never written by another command (a write
+        // run overwrote a step's master weights, found only at the next
+        // `inspect --verify` or resume).
+        if writes {
+            if let Some(step) = tierzero::checkpoint::checkpoint_holding(file) {
+                return Err(Failure::BadInput(anyhow!(
+                    "--file {}: is inside the checkpoint directory {} and the fill and write \
+                     runs would overwrite it; measure another file, or reads alone with --rw \
+                     read --no-fill",
+                    file.display(),
+                    step.display()
+                )));
+            }
+        }
         // A sparse file's writes allocate its holes: where the disk lacks
         // the room, refused now with the numbers (the write runs filled the
         // disk and failed as a poisoned swap space).
@@ -269,6 +283,15 @@ fn open_target(
                     Ok(_) => "not a directory",
                     Err(_) => "no such directory",
                 }
+            )));
+        }
+        // Its tierzero/ dir is not made inside a checkpoint's directory.
+        if let Some(ck) = tierzero::checkpoint::checkpoint_holding(&dir.join("tierzero")) {
+            return Err(Failure::BadInput(anyhow!(
+                "--path {}: is inside the checkpoint directory {} (a file there belongs to the \
+                 checkpoints); give bench-io another --path",
+                dir.display(),
+                ck.display()
             )));
         }
         // Whole O_DIRECT blocks, rounded up: a --size of 5000 measured a
