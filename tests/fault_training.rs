@@ -6,8 +6,9 @@
 //! deadline).
 //!
 //! Faults are placed by count: a fault-free run with counting injectors on
-//! the three swap engines (parameters, optimizer-state reads, optimizer-state
-//! writes) measures how many completions each sees; each case then fires at
+//! the four swap engines (parameters, optimizer-state reads, optimizer-state
+//! writes, and the gradient park of two micro-batches a step) measures how
+//! many completions each sees; each case then fires at
 //! the first, a middle and the last of them. `cargo test --test
 //! fault_training -- --nocapture` prints the table.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
@@ -33,12 +34,27 @@ const STEPS: u64 = 2;
 /// is a hang.
 const DEADLINE: Duration = Duration::from_secs(60);
 
+/// Two micro-batches a step, so the gradient park (NVMe optimizer state
+/// with accumulation) has an engine to fault beside the other three.
 fn knobs() -> Knobs {
-    Knobs::nvme()
+    Knobs {
+        gas: 2,
+        ..Knobs::nvme()
+    }
 }
 
 fn build(model: &Path, swap: &Path, faults: FaultPlan) -> Result<Trainer, EngineError> {
-    let cfg = ds_config(&knobs(), swap, STEPS);
+    build_with(&knobs(), model, swap, faults)
+}
+
+/// [`build`] with `knobs`.
+fn build_with(
+    knobs: &Knobs,
+    model: &Path,
+    swap: &Path,
+    faults: FaultPlan,
+) -> Result<Trainer, EngineError> {
+    let cfg = ds_config(knobs, swap, STEPS);
     let run = RunContext {
         path_checks: PathChecks::CreateMissing,
         ..RunContext::default()
@@ -120,6 +136,7 @@ enum Engine {
     Params,
     OptimRead,
     OptimWrite,
+    GradPark,
 }
 
 fn plan_with(engine: Engine, inj: Arc<FaultInjector>) -> FaultPlan {
@@ -128,6 +145,7 @@ fn plan_with(engine: Engine, inj: Arc<FaultInjector>) -> FaultPlan {
         Engine::Params => p.params = Some(inj),
         Engine::OptimRead => p.optim_read = Some(inj),
         Engine::OptimWrite => p.optim_write = Some(inj),
+        Engine::GradPark => p.grad_park = Some(inj),
     }
     p
 }
@@ -156,15 +174,13 @@ fn faults_through_training_are_recovered_or_reported_never_silent() {
     let model = tiny_gpt2_dir("faults", 2, 32);
 
     // Fault-free reference with counting injectors.
-    let counters = [
-        Arc::new(FaultInjector::new(vec![])),
-        Arc::new(FaultInjector::new(vec![])),
-        Arc::new(FaultInjector::new(vec![])),
-    ];
+    let counters: [Arc<FaultInjector>; 4] =
+        std::array::from_fn(|_| Arc::new(FaultInjector::new(vec![])));
     let reference = FaultPlan {
         params: Some(counters[0].clone()),
         optim_read: Some(counters[1].clone()),
         optim_write: Some(counters[2].clone()),
+        grad_park: Some(counters[3].clone()),
     };
     let Outcome::Done(ref_sha) = run(&model, reference) else {
         panic!("the fault-free run failed")
@@ -174,6 +190,7 @@ fn faults_through_training_are_recovered_or_reported_never_silent() {
             Engine::Params => 0,
             Engine::OptimRead => 1,
             Engine::OptimWrite => 2,
+            Engine::GradPark => 3,
         };
         counters[i].completions(Some(op))
     };
@@ -194,6 +211,13 @@ fn faults_through_training_are_recovered_or_reported_never_silent() {
         (Engine::OptimWrite, IoOp::Write, FaultKind::Errno(enospc)),
         (Engine::OptimWrite, IoOp::Write, FaultKind::Short),
         (Engine::OptimWrite, IoOp::Write, FaultKind::Eof),
+        (Engine::GradPark, IoOp::Read, FaultKind::Errno(eio)),
+        (Engine::GradPark, IoOp::Read, FaultKind::Short),
+        (Engine::GradPark, IoOp::Read, FaultKind::Eof),
+        (Engine::GradPark, IoOp::Write, FaultKind::Errno(eio)),
+        (Engine::GradPark, IoOp::Write, FaultKind::Errno(enospc)),
+        (Engine::GradPark, IoOp::Write, FaultKind::Short),
+        (Engine::GradPark, IoOp::Write, FaultKind::Eof),
     ];
 
     let mut table: Vec<String> = Vec::new();
@@ -319,14 +343,15 @@ fn flip_every_block(path: &Path) {
 
 /// Trains one step, damages a swap file with `damage`, then expects the
 /// next step to fail with an error containing every word of `expect` and
-/// the damaged file's path.
+/// the damaged file's path. One micro-batch a step: two swap files, the
+/// params' and the optimizer state's (no gradient park).
 fn damage_between_steps(which: usize, damage: fn(&Path), expect: &[&str]) {
     let model = tiny_gpt2_dir("corrupt", 2, 32);
     let swap = scratch("corrupt-swap");
     let (tx, rx) = mpsc::channel();
     let sw = swap.clone();
     std::thread::spawn(move || {
-        let mut t = build(&model, &sw, FaultPlan::default()).unwrap();
+        let mut t = build_with(&Knobs::nvme(), &model, &sw, FaultPlan::default()).unwrap();
         t.step().unwrap();
         // The step's optimizer tail may still be writing (it overlaps the
         // next step): let it land first, or it could overwrite the damage.

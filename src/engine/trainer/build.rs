@@ -435,7 +435,8 @@ impl TierBuild<'_> {
         let zero = &self.config.zero;
         let space = self.space(SwapUse::GradPark)?;
         let arena = self.arena(self.sizing.park_buffers, zero.offload_optimizer.pin_memory)?;
-        let engine = self.engine(space, arena.clone(), Lane::DiskGradPark, None)?;
+        let faults = self.opts.faults.grad_park.clone();
+        let engine = self.engine(space, arena.clone(), Lane::DiskGradPark, faults)?;
         Ok(Some(GradPark::new(
             engine,
             arena,

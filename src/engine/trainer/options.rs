@@ -78,7 +78,8 @@ pub struct TrainerOptions {
 }
 
 /// Fault injectors for the trainer's swap engines: the parameter engine,
-/// and the optimizer state's read and write engines. Each injector counts
+/// the optimizer state's read and write engines, and the gradient park's
+/// (several micro-batches with NVMe optimizer state). Each injector counts
 /// the completions of its own engine (see [`FaultInjector`]).
 #[derive(Debug, Clone, Default)]
 pub struct FaultPlan {
@@ -88,6 +89,9 @@ pub struct FaultPlan {
     pub optim_read: Option<Arc<FaultInjector>>,
     /// On the optimizer state's write engine.
     pub optim_write: Option<Arc<FaultInjector>>,
+    /// On the gradient park's engine (its parked partial sums' writes and
+    /// reads).
+    pub grad_park: Option<Arc<FaultInjector>>,
 }
 
 impl TrainerOptions {
