@@ -95,10 +95,12 @@
 //!     the model: the shards the engine's greedy rule keeps, in pages, as
 //!     above);
 //!   - optimizer swap buffers: `buffers × min(sub_group_size, S) × 4`, where
-//!     `buffers` is `offload_optimizer.buffer_count`, raised to `3 × 4 = 12`
-//!     (3 sub-groups in flight: read, step, write; × param, grad, m, v) when
-//!     `pipeline_read` or `pipeline_write` is on, since the pipeline needs
-//!     them all (DeepSpeed fails with "ran out of swap buffers" instead);
+//!     `buffers` is `offload_optimizer.buffer_count`, raised to what the
+//!     pipeline needs (`sizing::buffers_needed`): 3 states (master, m, v), 4
+//!     when final gradients spill to NVMe, times the sub-groups in flight
+//!     (the one stepped, plus one read ahead with `pipeline_read` and one
+//!     written behind with `pipeline_write`), since the pipeline needs them
+//!     all (DeepSpeed fails with "ran out of swap buffers" instead);
 //!   - with the optimizer offloaded, stepped sub-groups' new 16-bit
 //!     values on their way to the params' homes: as many as the optimizer
 //!     thread lends at once (`sizing::values_in_flight`: the largest

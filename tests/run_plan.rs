@@ -1,8 +1,9 @@
 //! `tierzero::run::Plan` against the engine: the plan prints the sizing the
 //! trainer was built with, its pinned total is the bytes the arenas mapped
 //! (for many configs), that total is exactly what the engine needs (a
-//! budget of that size starts, one byte less is refused), and the NVMe and
-//! tier numbers follow the layout.
+//! budget of that size starts with every param slot, one byte less costs a
+//! slot, down to `buffer_count` of them, and below that it is refused), and
+//! the NVMe and tier numbers follow the layout.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failure is a panic
 
 use std::path::{Path, PathBuf};

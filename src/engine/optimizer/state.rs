@@ -37,11 +37,14 @@
 //! (rings), so a long write queue never delays the next read. In flight at
 //! once: reads of up to `read_ahead` sub-groups (1 with `pipeline_read`),
 //! the step, and up to `write_behind` writes (1 with `pipeline_write`):
-//! `3 × (1 + read_ahead + write_behind)` buffers, checked against the pinned
-//! budget at start-up ([`buffers_needed`]), so the pipeline cannot run out
-//! of buffers at run time. When the arena holds more buffers than that
-//! (`offload_optimizer.buffer_count` above the minimum) and `pipeline_read`
-//! is on, the extra ones deepen the reads: `read_ahead` becomes
+//! `(3 + spill) × (1 + read_ahead + write_behind)` buffers (`spill` 1 when
+//! final gradients spill to NVMe and are read back with the state),
+//! checked against the pinned budget at start-up ([`buffers_needed`]), so
+//! the pipeline cannot run out of buffers at run time. When the arena holds
+//! more buffers than that (`offload_optimizer.buffer_count` above the
+//! minimum), `pipeline_read` is on and gradients do not spill (spill writes
+//! take buffers of the same pool while backward runs), the extra ones
+//! deepen the reads: `read_ahead` becomes
 //! `buffers / 3 − 1 − write_behind`, so state reads issued at the start of
 //! a step ([`crate::engine::optimizer::worker::Job::Expect`]) run as far ahead as memory
 //! allows (DeepSpeed's `PipelinedOptimizerSwapper` asserts
