@@ -49,6 +49,7 @@
 //! | `InUse` | `Returned { keep: true }` | `Resident` | held |
 //! | `InUse` | `Returned { keep: false }` | absent | freed |
 //! | `Uploading`, `Loading`, `Resident` | `Dropped` (new step, or the tier dropped) | absent | freed once the copy completed |
+//! | `InUse` | `Failed` (its upload failed as its unit took it, or the tier dropped while a unit held it) | absent | the failure's (an error is returned) |
 //!
 //! # What bounds it
 //!

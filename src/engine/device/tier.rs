@@ -140,6 +140,9 @@ pub enum TierEvent<U, B> {
     Returned(Option<B>),
     /// Dropped (a new step, or the tier dropped).
     Dropped,
+    /// Its upload failed while its unit took it, or the tier was dropped
+    /// while a unit held it: forgotten, its buffer the failure's.
+    Failed,
 }
 
 impl<U, B> TierEvent<U, B> {
@@ -152,6 +155,7 @@ impl<U, B> TierEvent<U, B> {
             TierEvent::Taken => "taken",
             TierEvent::Returned(_) => "returned",
             TierEvent::Dropped => "dropped",
+            TierEvent::Failed => "failed",
         }
     }
 }
@@ -249,6 +253,7 @@ impl<U, B> State<U, B> {
                 TierEvent::Dropped,
             ) => (None, Left::Upload(upload)),
             (Some(Residency::Resident { buf, .. }), TierEvent::Dropped) => (None, Left::Buf(buf)),
+            (Some(Residency::InUse { .. }), TierEvent::Failed) => (None, Left::Nothing),
             (now, ev) => {
                 let err = bad(&now, &ev);
                 if let Some(r) = now {
@@ -419,7 +424,7 @@ impl<L: DeviceLink> TieredUnits<L> {
                 first_err.get_or_insert(ModelError::Gpu {
                     what: format!("device tier: param {} is still in use", id.0),
                 });
-                st.params.remove(&id);
+                st.apply(id, TierEvent::Failed)?;
                 continue;
             }
             match st.apply(id, TierEvent::Dropped)? {
@@ -537,9 +542,10 @@ impl<L: DeviceLink> TieredUnits<L> {
                     // the copy's event (on a GPU the host does not wait).
                     let b = u.wait().and_then(|u| self.link.finish(u));
                     st.traffic.h2d_wait_s += t.elapsed().as_secs_f64();
-                    b.inspect_err(|_| {
-                        st.params.remove(&id);
-                    })
+                    match b {
+                        Ok(b) => Ok(b),
+                        Err(e) => st.apply(id, TierEvent::Failed).and(Err(e)),
+                    }
                 }
                 Left::Buf(b) => Ok(b),
                 Left::Nothing => Err(ModelError::Gpu {
@@ -552,9 +558,10 @@ impl<L: DeviceLink> TieredUnits<L> {
         st.apply(id, TierEvent::Loaded(size))?;
         let b = self.link.finish(u);
         st.traffic.h2d_wait_s += t.elapsed().as_secs_f64();
-        b.inspect_err(|_| {
-            st.params.remove(&id);
-        })
+        match b {
+            Ok(b) => Ok(b),
+            Err(e) => st.apply(id, TierEvent::Failed).and(Err(e)),
+        }
     }
 
     /// Issues the upload of `unit`'s param `id` (`unit`: the unit and

@@ -71,14 +71,17 @@
 //! # State map
 //!
 //! Each param has exactly one slot (a private `Slot` holding the ticket or tensor), and it changes only in
-//! [`ParamStore::apply`], by a [`ParamEvent`] (a closed enum). The allowed
+//! [`ParamStore::apply`], by a [`ParamEvent`] (a closed enum), and in
+//! `take_read`, which takes an `InFlight` slot's read out to wait on it,
+//! leaving the slot `OnDisk` until the read's outcome is applied (a failed
+//! read leaves it there: its bytes are still at home). The allowed
 //! transitions:
 //!
 //! ```text
 //!   OnDisk   --ReadIssued(read)---->  InFlight
-//!   OnDisk   --Materialized(t)----->  Resident      (synchronous fetch)
-//!   InFlight --Materialized(t)----->  Resident      (read completed)
-//!   OnDisk | InFlight --Landed(t, pin)--> Resident    (read completed, its buffer kept)
+//!   InFlight --take_read----------->  OnDisk        (its read taken to wait on)
+//!   OnDisk   --Materialized(t)----->  Resident      (read completed, or a synchronous fetch)
+//!   OnDisk   --Landed(t, pin)------>  Resident      (read completed, its buffer kept)
 //!   Resident --Kept(pin)----------->  Resident      (its write-back's buffer kept)
 //!   Resident --LetGo--------------->  Resident      (the kept buffer let go)
 //!   Resident --Released------------>  OnDisk
@@ -86,7 +89,7 @@
 //!   OnDisk   --Updated(Some(t))---->  Resident      (new bytes, kept: written through)
 //!   Resident --Updated(Some(t))---->  Resident      (new bytes, cache kept coherent)
 //!   Resident --Updated(None)------->  OnDisk        (new bytes at home, not kept)
-//!   OnDisk | InFlight | Resident | Staged --Staged(bytes)--> Staged   (several ranks)
+//!   OnDisk | Resident | Staged --Staged(bytes)--> Staged   (several ranks)
 //!   Staged   --Materialized(t)----->  Resident      (gathered in a fetch)
 //!   Staged   --Updated(None)------->  OnDisk
 //! ```
@@ -763,7 +766,23 @@ impl ParamStore {
         self.dtype
     }
 
-    /// The only way a slot changes (see the transition table).
+    /// Takes `id`'s read in flight out of its slot, which is `OnDisk` until
+    /// the read's outcome is applied (the state map's one change outside
+    /// [`ParamStore::apply`]: the read is moved out to be waited on).
+    /// `None`, the slot untouched: no read is in flight.
+    pub(super) fn take_read(&mut self, id: ParamId) -> Option<PendingRead> {
+        let entry = self.slots.get_mut(id.0)?;
+        match std::mem::replace(&mut entry.slot, Slot::OnDisk) {
+            Slot::InFlight(read) => Some(read),
+            other => {
+                entry.slot = other;
+                None
+            }
+        }
+    }
+
+    /// The way a slot changes (see the transition table; and
+    /// [`ParamStore::take_read`]).
     pub fn apply(&mut self, id: ParamId, event: ParamEvent) -> Result<()> {
         let bytes = self.device_bytes(id);
         let slot = self
@@ -778,10 +797,7 @@ impl ParamStore {
         let (new, delta): (Slot, i64) = match (old, event) {
             (Slot::OnDisk, ParamEvent::ReadIssued(t)) => (Slot::InFlight(t), 0),
             (Slot::OnDisk, ParamEvent::Materialized(t)) => (Slot::Resident(t, None), bytes as i64),
-            (Slot::InFlight(_), ParamEvent::Materialized(t)) => {
-                (Slot::Resident(t, None), bytes as i64)
-            }
-            (Slot::OnDisk | Slot::InFlight(_), ParamEvent::Landed(t, pin)) => {
+            (Slot::OnDisk, ParamEvent::Landed(t, pin)) => {
                 self.landed_seq += 1;
                 self.counters.kept_buffers += 1;
                 let kept = Kept {
@@ -807,9 +823,7 @@ impl ParamStore {
             (Slot::Resident(..), ParamEvent::Updated(Some(t))) => (Slot::Resident(t, None), 0),
             (Slot::Resident(..), ParamEvent::Updated(None)) => (Slot::OnDisk, -(bytes as i64)),
             (Slot::Resident(..), ParamEvent::Staged(b)) => (Slot::Staged(b, true), -(bytes as i64)),
-            (Slot::OnDisk | Slot::InFlight(_), ParamEvent::Staged(b)) => {
-                (Slot::Staged(b, false), 0)
-            }
+            (Slot::OnDisk, ParamEvent::Staged(b)) => (Slot::Staged(b, false), 0),
             (Slot::Staged(_, was), ParamEvent::Staged(b)) => (Slot::Staged(b, was), 0),
             (Slot::Staged(..), ParamEvent::Materialized(t)) => {
                 (Slot::Resident(t, None), bytes as i64)

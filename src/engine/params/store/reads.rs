@@ -136,9 +136,7 @@ impl ParamStore {
     /// from a fetch), with one rank or when handing out shards, else
     /// stages the shard bytes.
     pub(super) fn complete_read(&mut self, id: ParamId, gather: bool) -> Result<()> {
-        let slot = std::mem::replace(&mut self.slots[id.0].slot, Slot::OnDisk);
-        let Slot::InFlight(read) = slot else {
-            self.slots[id.0].slot = slot;
+        let Some(read) = self.take_read(id) else {
             return Err(EngineError::internal(
                 "complete_read of a param not in flight",
             ));
@@ -166,7 +164,7 @@ impl ParamStore {
                 _ => None,
             };
             if let Some(r) = done {
-                self.slots[i].slot = Slot::OnDisk;
+                self.take_read(ParamId(i));
                 self.finish_read(ParamId(i), r, false)?;
                 n += 1;
             }
@@ -213,8 +211,8 @@ impl ParamStore {
         res: Result<Unpacked>,
         gather: bool,
     ) -> Result<()> {
-        // The slot is OnDisk while we build the tensor; restore InFlight
-        // semantics by going through the table: OnDisk -> Materialized.
+        // The slot is OnDisk (`take_read`) while we build the tensor; the
+        // outcome goes through the table: OnDisk -> Materialized.
         match res? {
             Unpacked::Tensor { tensor, pin } => {
                 let t = tensor.to_device(&self.device)?;
