@@ -863,6 +863,46 @@ fn bad_data_is_one_line_and_exit_2() {
             assert_bad_input(&train(&d, &args), name, &[words]);
         }
     }
+    // UTF-16 text (Windows' "Unicode"), with a byte-order mark or without
+    // (then valid UTF-8: it trained on a NUL after every character), as
+    // text or bytes: named, with the iconv that converts it.
+    let text = documents(10).join("\n\n");
+    let le: Vec<u8> = text.encode_utf16().flat_map(u16::to_le_bytes).collect();
+    std::fs::write(d.join("u16le.txt"), &le).unwrap();
+    std::fs::write(d.join("u16bom.jsonl"), [&b"\xFF\xFE"[..], &le].concat()).unwrap();
+    for (name, from) in [("u16le.txt", "UTF-16LE"), ("u16bom.jsonl", "UTF-16")] {
+        for extra in [&[][..], &["--tokenizer", tok][..]] {
+            let mut args = vec!["--data", name];
+            args.extend_from_slice(extra);
+            if extra.is_empty() && name.ends_with(".jsonl") {
+                args.extend(["--data-format", "bytes"]);
+            }
+            assert_bad_input(
+                &train(&d, &args),
+                name,
+                &[&format!("iconv -f {from} -t UTF-8 {name} > FILE")],
+            );
+        }
+    }
+    // A SentencePiece model given as the tokenizer is named as one.
+    std::fs::write(
+        d.join("tokenizer.model"),
+        b"\n\x0e\n\x05<unk>\x15\x00\x00\x00\x00\x18\x02",
+    )
+    .unwrap();
+    let out = train(&d, &["--data", "c.txt", "--tokenizer", "tokenizer.model"]);
+    assert_bad_input(
+        &out,
+        "sentencepiece",
+        &["a SentencePiece model", "save_pretrained(OUT_DIR)"],
+    );
+    // A device is not read without end (it ran out of memory).
+    let out = train(&d, &["--data", "c.txt", "--tokenizer", "/dev/zero"]);
+    assert_bad_input(
+        &out,
+        "device tokenizer",
+        &["--tokenizer /dev/zero", "character device"],
+    );
     // A text that starts like bzip2's magic, but is text, is read.
     std::fs::write(
         d.join("bz.txt"),

@@ -156,9 +156,10 @@ fn check_not_data(data: &Path, token_ids: bool) -> Result<(), Failure> {
     if !std::fs::metadata(data).is_ok_and(|m| m.is_file()) {
         return Ok(());
     }
-    let mut head = [0u8; 8];
+    let mut head = Vec::new();
+    let probe_bytes = tierzero::data::format::WIDE_TEXT_PROBE_BYTES as u64;
     let n = std::fs::File::open(data)
-        .and_then(|f| f.take(8).read(&mut head))
+        .and_then(|f| f.take(probe_bytes).read_to_end(&mut head))
         .unwrap_or(0);
     let why = match token_ids {
         true => tierzero::data::format::container_of(&head[..n])

@@ -157,6 +157,11 @@ pub struct CacheMeta {
     /// older versions have it as given, relative to where that run
     /// started.
     pub source: String,
+    /// The data file's resolved path, its bytes in hex, where they are not
+    /// UTF-8 (`source` then shows it lossily, and an edit's old entries
+    /// were never found as this file's to remove).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_hex: Option<String>,
     /// The data it was encoded from.
     pub data: DataIdentity,
     /// The format's name.
@@ -173,6 +178,42 @@ pub struct CacheMeta {
     /// it (`None`) are misses, re-encoded once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_crc32c: Option<u32>,
+}
+
+impl CacheMeta {
+    /// `source` and `source_hex` for the data file at `resolved`.
+    pub fn source_fields(resolved: &Path) -> (String, Option<String>) {
+        use std::os::unix::ffi::OsStrExt as _;
+        let shown = resolved.display().to_string();
+        let hex = resolved.to_str().is_none().then(|| {
+            resolved
+                .as_os_str()
+                .as_bytes()
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect()
+        });
+        (shown, hex)
+    }
+
+    /// The data file this entry was encoded from, as recorded.
+    pub fn source_path(&self) -> PathBuf {
+        use std::os::unix::ffi::OsStringExt as _;
+        let bytes = self.source_hex.as_deref().and_then(|h| {
+            (h.len() % 2 == 0 && h.is_ascii())
+                .then(|| {
+                    (0..h.len())
+                        .step_by(2)
+                        .map(|i| u8::from_str_radix(&h[i..i + 2], 16).ok())
+                        .collect::<Option<Vec<u8>>>()
+                })
+                .flatten()
+        });
+        match bytes {
+            Some(b) => PathBuf::from(std::ffi::OsString::from_vec(b)),
+            None => PathBuf::from(&self.source),
+        }
+    }
 }
 
 /// The inputs of a cache key.
@@ -421,7 +462,7 @@ pub fn remove_superseded(dir: &Path, data: &Path, current: &DataIdentity) -> Vec
         else {
             continue;
         };
-        let same_file = std::fs::canonicalize(&meta.source).is_ok_and(|s| s == data_resolved);
+        let same_file = std::fs::canonicalize(meta.source_path()).is_ok_and(|s| s == data_resolved);
         if meta.data == *current || !same_file {
             continue;
         }
@@ -467,8 +508,9 @@ mod tests {
 
     /// An entry (token file and sidecar) in `dir` as `paths_in` names it,
     /// recording `source` and `data`.
-    fn entry(dir: &Path, source: &str, key: &str, data: DataIdentity) -> PathBuf {
-        let (tokens, sidecar) = paths_in(dir, Path::new(source), key, TokenWidth::U16);
+    fn entry(dir: &Path, source: &Path, key: &str, data: DataIdentity) -> PathBuf {
+        let (tokens, sidecar) = paths_in(dir, source, key, TokenWidth::U16);
+        let (source, source_hex) = CacheMeta::source_fields(source);
         std::fs::write(&tokens, [0u8; 8]).unwrap();
         let meta = CacheMeta {
             tierzero_token_cache: CACHE_VERSION,
@@ -476,7 +518,8 @@ mod tests {
             dtype: "uint16".into(),
             tokens: 4,
             documents: 1,
-            source: source.to_owned(),
+            source,
+            source_hex,
             data,
             format: "text".into(),
             eos_id: None,
@@ -499,7 +542,7 @@ mod tests {
             utf8_bom: false,
         };
         let key = "ab".repeat(32);
-        let tokens = entry(dir.path(), "c.txt", &key, data);
+        let tokens = entry(dir.path(), Path::new("c.txt"), &key, data);
         let (_, sidecar) = paths_in(dir.path(), Path::new("c.txt"), &key, TokenWidth::U16);
         let hit = || lookup(&tokens, &sidecar, &key, TokenWidth::U16).is_some();
         assert!(hit());
@@ -554,9 +597,8 @@ mod tests {
             crc32c: crc,
             utf8_bom: false,
         };
-        let source = a.to_str().unwrap();
-        let old = entry(&dir, source, &"c".repeat(64), id(1));
-        let current = entry(&dir, source, &"d".repeat(64), id(2));
+        let old = entry(&dir, &a, &"c".repeat(64), id(1));
+        let current = entry(&dir, &a, &"d".repeat(64), id(2));
         assert!(old.exists() && std::fs::read_dir(&dir).unwrap().count() == 5);
         assert_eq!(remove_superseded(&dir, &a, &id(2)), vec![(old.clone(), 8)]);
         assert!(!old.exists() && current.exists());
@@ -576,30 +618,55 @@ mod tests {
             crc32c: crc,
             utf8_bom: false,
         };
-        let path = |p: &Path| p.to_str().unwrap().to_owned();
-        let old = entry(&dir, &path(&data), &"a".repeat(64), id(1));
-        let current = entry(&dir, &path(&data), &"b".repeat(64), id(2));
+        let old = entry(&dir, &data, &"a".repeat(64), id(1));
+        let current = entry(&dir, &data, &"b".repeat(64), id(2));
         // Another data file whose name begins `c.txt.tz-`: its entry starts
         // with the prefix too, and is not c.txt's.
         let other = entry(
             &dir,
-            "c.txt.tz-0123456789abcdef.u16",
+            Path::new("c.txt.tz-0123456789abcdef.u16"),
             &"c".repeat(64),
             id(3),
         );
         // Another corpus of the same name, cached here by --data-cache-dir.
-        let same_name = entry(
-            &dir,
-            &path(&elsewhere.join("c.txt")),
-            &"d".repeat(64),
-            id(4),
-        );
+        let same_name = entry(&dir, &elsewhere.join("c.txt"), &"d".repeat(64), id(4));
         let removed = remove_superseded(&dir, &data, &id(2));
         assert_eq!(removed, vec![(old.clone(), 8)]);
         assert!(!old.exists() && current.exists() && other.exists() && same_name.exists());
         let mut side = old.into_os_string();
         side.push(".json");
         assert!(!PathBuf::from(side).exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A data file whose name is not UTF-8: its entries record the name
+    /// whole (`source_hex`; `source` shows it lossily), so an edit's
+    /// earlier entry is found as the file's and removed.
+    #[test]
+    fn entries_of_a_data_file_named_in_other_bytes_than_utf8_are_found() {
+        use std::os::unix::ffi::OsStrExt as _;
+        let dir = std::env::temp_dir().join(format!("tz-cache-bytes-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let data = dir.join(std::ffi::OsStr::from_bytes(b"d\xff.txt"));
+        std::fs::write(&data, "text").unwrap();
+        let id = |crc| DataIdentity {
+            bytes: 4,
+            crc32c: crc,
+            utf8_bom: false,
+        };
+        let old = entry(&dir, &data, &"a".repeat(64), id(1));
+        let current = entry(&dir, &data, &"b".repeat(64), id(2));
+        let mut side = old.clone().into_os_string();
+        side.push(".json");
+        let meta: CacheMeta =
+            serde_json::from_slice(&std::fs::read(PathBuf::from(side)).unwrap()).unwrap();
+        assert!(meta.source.contains('\u{fffd}'), "{}", meta.source);
+        assert_eq!(meta.source_path(), data);
+        assert_eq!(
+            remove_superseded(&dir, &data, &id(2)),
+            vec![(old.clone(), 8)]
+        );
+        assert!(!old.exists() && current.exists());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -358,6 +358,10 @@ fn whole_document(
     }
 }
 
+/// The largest `tokenizer.json` read (the largest on the hub are tens of
+/// MB).
+pub const MAX_TOKENIZER_BYTES: u64 = 1 << 30;
+
 /// The user's tokenizer with truncation and padding off (see the module
 /// docs).
 pub fn open_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer> {
@@ -365,19 +369,36 @@ pub fn open_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer> {
         path: path.to_owned(),
         reason,
     };
-    let mut t = tokenizers::Tokenizer::from_file(path).map_err(|e| {
+    // A regular file of a tokenizer's size: a link to `/dev/zero` was read
+    // until memory ran out.
+    let bytes = crate::durable::read_regular(path, MAX_TOKENIZER_BYTES).map_err(|e| {
+        bad(format!(
+            "cannot read it: {e}; give the model directory's tokenizer.json"
+        ))
+    })?;
+    let mut t = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
         // Another JSON file of a model directory (its tokenizer_config.json,
         // config.json) is named as one: the tokenizers crate's serde error
         // was "expected `,` or `}` at line 2 column 24" for valid JSON.
-        // Looked at only once the load failed: a good file is read once.
-        let json = crate::durable::read_regular(path, 1 << 30)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+        let json = serde_json::from_slice::<serde_json::Value>(&bytes).ok();
+        // A SentencePiece model (Llama 2's, T5's `tokenizer.model`): a
+        // protobuf, not JSON ("expected value at line 2 column 1").
+        let sentencepiece = path.extension().is_some_and(|x| x == "model")
+            || (json.is_none() && std::str::from_utf8(&bytes).is_err());
         match json {
-            Some(v) if !v.get("model").is_some_and(serde_json::Value::is_object) => bad(
-                "is JSON but not a HF tokenizer.json (it has no \"model\" object: a \
-                 tokenizer_config.json or config.json?); give the model directory's \
-                 tokenizer.json"
+            Some(v) if !v.get("model").is_some_and(serde_json::Value::is_object) => bad(format!(
+                "is JSON but not a HF tokenizer.json (it has no \"model\" object{}); give \
+                 the model directory's tokenizer.json",
+                match v.get("model_type").is_some() || v.get("tokenizer_class").is_some() {
+                    true => ": a config.json or tokenizer_config.json",
+                    false => "",
+                }
+            )),
+            None if sentencepiece => bad(
+                "is not JSON: a SentencePiece model (tokenizer.model) or another binary \
+                 file? tierzero reads a HF tokenizer.json; make one with transformers: \
+                 AutoTokenizer.from_pretrained(MODEL_DIR).save_pretrained(OUT_DIR) writes \
+                 OUT_DIR/tokenizer.json"
                     .into(),
             ),
             _ => bad(format!("not a usable HF tokenizer.json: {e}")),

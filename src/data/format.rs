@@ -297,7 +297,83 @@ pub fn not_data_reason(head: &[u8], path: &Path, piped: bool) -> Option<String> 
             }
         });
     }
+    if let Some((what, iconv_from)) = wide_text_of(head) {
+        return Some(match piped {
+            true => format!(
+                "its bytes are {what} text, not UTF-8 (read so, a NUL or a refused byte stands \
+                 beside every character); convert them in the pipe: --data <(iconv -f \
+                 {iconv_from} -t UTF-8 FILE)"
+            ),
+            false => format!(
+                "is {what} text, not UTF-8 (read so, a NUL or a refused byte stands beside \
+                 every character); convert it first: iconv -f {iconv_from} -t UTF-8 {} > FILE, \
+                 and give --data FILE",
+                path.display()
+            ),
+        });
+    }
     container_of(head).map(|(what, fix)| format!("it is a {what} file; {fix}"))
+}
+
+/// The bytes of a file's head [`wide_text_of`] looks at.
+pub const WIDE_TEXT_PROBE_BYTES: usize = 1024;
+
+/// The UTF-16 or UTF-32 encoding of the text `head` (a file's first bytes)
+/// starts, and the name `iconv -f` takes for it: a byte-order mark (what
+/// Windows' "Unicode" text is written with), or, without one, UTF-16 of
+/// mostly ASCII text (a NUL at nine in ten of the high bytes, and at
+/// hardly any low one). Read as UTF-8, text with a mark is refused at its
+/// first byte and text without one is valid: it trained on a NUL after
+/// every character.
+pub fn wide_text_of(head: &[u8]) -> Option<(&'static str, &'static str)> {
+    const MARKS: [(&[u8], &str, &str); 4] = [
+        (
+            b"\xFF\xFE\x00\x00",
+            "UTF-32 (little-endian, with a byte-order mark)",
+            "UTF-32",
+        ),
+        (
+            b"\x00\x00\xFE\xFF",
+            "UTF-32 (big-endian, with a byte-order mark)",
+            "UTF-32",
+        ),
+        (
+            b"\xFF\xFE",
+            "UTF-16 (little-endian, with a byte-order mark)",
+            "UTF-16",
+        ),
+        (
+            b"\xFE\xFF",
+            "UTF-16 (big-endian, with a byte-order mark)",
+            "UTF-16",
+        ),
+    ];
+    if let Some((_, what, from)) = MARKS.iter().find(|(m, _, _)| head.starts_with(m)) {
+        return Some((what, from));
+    }
+    let head = &head[..head.len().min(WIDE_TEXT_PROBE_BYTES)];
+    let pairs = head.len() / 2;
+    if pairs < 8 {
+        return None;
+    }
+    let nuls_at = |first: usize| {
+        head[first..]
+            .iter()
+            .step_by(2)
+            .take(pairs)
+            .filter(|&&b| b == 0)
+            .count()
+    };
+    // Little-endian ASCII: the character, then its NUL high byte.
+    let (even_nuls, odd_nuls) = (nuls_at(0), nuls_at(1));
+    let wide = |high: usize, low: usize| high * 10 >= pairs * 9 && low * 100 <= pairs;
+    if wide(odd_nuls, even_nuls) {
+        Some(("UTF-16 (little-endian)", "UTF-16LE"))
+    } else if wide(even_nuls, odd_nuls) {
+        Some(("UTF-16 (big-endian)", "UTF-16BE"))
+    } else {
+        None
+    }
 }
 
 /// The compression format whose magic bytes `head` starts with, and the
@@ -365,6 +441,35 @@ mod tests {
         assert!(det("bad.bin", None, false).is_err());
         assert!(det("a.txt", Some("csv"), false).is_err());
         assert!(det("a.txt", Some("bytes"), true).is_err());
+    }
+
+    /// UTF-16 and UTF-32 text is named by its mark, and UTF-16 of mostly
+    /// ASCII text without one by its NULs; UTF-8 text (NULs in it
+    /// included), uint16 ids and short heads are not.
+    #[test]
+    fn wide_text_is_told_from_utf8() {
+        let utf16 = |text: &str, le: bool| -> Vec<u8> {
+            text.encode_utf16()
+                .flat_map(|u| if le { u.to_le_bytes() } else { u.to_be_bytes() })
+                .collect()
+        };
+        let text = "The cat sat on the mat.\n\nAnother paragraph, déjà vu.\n";
+        let name = |h: &[u8]| wide_text_of(h).map(|(_, from)| from);
+        assert_eq!(name(&utf16(text, true)), Some("UTF-16LE"));
+        assert_eq!(name(&utf16(text, false)), Some("UTF-16BE"));
+        let marked = [&b"\xFF\xFE"[..], &utf16(text, true)].concat();
+        assert_eq!(name(&marked), Some("UTF-16"));
+        assert_eq!(name(b"\xFF\xFE\x00\x00T\x00\x00\x00"), Some("UTF-32"));
+        assert_eq!(name(text.as_bytes()), None);
+        assert_eq!(name(b"a\x00b\x00"), None);
+        assert_eq!(
+            name(b"col\x00umn\x00with a few NULs\x00 in UTF-8 text"),
+            None
+        );
+        let one_nul_in_many = [&utf16(&text.repeat(3), true)[..], &b"\x00\x00"[..]].concat();
+        assert_eq!(name(&one_nul_in_many), Some("UTF-16LE"));
+        let why = not_data_reason(&utf16(text, true), Path::new("c.txt"), false).unwrap();
+        assert!(why.contains("iconv -f UTF-16LE -t UTF-8 c.txt"), "{why}");
     }
 
     #[test]

@@ -652,8 +652,9 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
         let path = path.to_owned();
         move |source| EngineError::Io { path, source }
     };
-    let tokenizer_json = std::fs::read(tok_path).map_err(io(tok_path))?;
     let tokenizer = encode::open_tokenizer(tok_path)?;
+    let tokenizer_json = crate::durable::read_regular(tok_path, encode::MAX_TOKENIZER_BYTES)
+        .map_err(io(tok_path))?;
     let total = std::fs::metadata(&spec.path).map_err(io(&spec.path))?.len();
     let open_docs = || -> Result<encode::Docs<std::io::BufReader<cache::Tally<std::fs::File>>>> {
         let f = std::fs::File::open(&spec.path).map_err(io(&spec.path))?;
@@ -825,20 +826,22 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
         let _ = std::fs::remove_file(&tokens);
         return Err(empty(enc.documents));
     }
+    // Resolved: a later run started in another directory finds this
+    // entry's data as the same file when it prunes superseded entries (a
+    // relative path resolved against its own directory did not, and every
+    // edit left a corpus-sized entry behind); a name that is not UTF-8 is
+    // kept whole beside it.
+    let (source, source_hex) = cache::CacheMeta::source_fields(
+        &std::fs::canonicalize(&spec.path).unwrap_or_else(|_| spec.path.clone()),
+    );
     let meta = cache::CacheMeta {
         tierzero_token_cache: 1,
         key,
         dtype: width.dtype_name().into(),
         tokens: enc.tokens,
         documents: enc.documents,
-        // Resolved: a later run started in another directory finds this
-        // entry's data as the same file when it prunes superseded entries
-        // (a relative path resolved against its own directory did not, and
-        // every edit left a corpus-sized entry behind).
-        source: std::fs::canonicalize(&spec.path)
-            .unwrap_or_else(|_| spec.path.clone())
-            .display()
-            .to_string(),
+        source,
+        source_hex,
         data: ident,
         format: spec.format.name(),
         eos_id: spec.eos,
