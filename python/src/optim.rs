@@ -136,7 +136,22 @@ fn cpu_adam(hyper: AdamHyper, threads: NonZeroUsize) -> PyResult<CpuAdam> {
     CpuAdam::new(hyper, threads).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
+/// The base of a slice of `n` elements at `addr`, a checked host tensor's
+/// first byte: a tensor of no elements may have a null data pointer
+/// (torch's `empty(0)` exports one), which no slice may have, so a
+/// dangling aligned pointer then (never read: the slice is empty).
+fn slice_base<T>(addr: usize, n: usize) -> *mut T {
+    match n {
+        0 => std::ptr::NonNull::<T>::dangling().as_ptr(),
+        _ => addr as *mut T,
+    }
+}
+
 /// The optimizer state of `tierzero.torch.AdamW`.
+///
+/// Its methods read and write the caller's tensors with the GIL released
+/// (other Python threads run while NVMe is read): the caller must not
+/// write, resize or free a tensor it passed while the call runs.
 #[pyclass(name = "_OffloadAdam", module = "tierzero._native")]
 #[derive(Debug)]
 pub struct OffloadAdam {
@@ -333,15 +348,16 @@ impl OffloadAdam {
         let view = |t: &Option<dlpack::HostTensor>| -> &[f32] {
             match t {
                 // SAFETY: a contiguous float32 host tensor of n elements,
-                // 4-byte aligned (checked), kept alive by its owners for
-                // this call; nothing writes it while we read (the GIL is
-                // held by Python code that owns it until we return).
-                Some(t) => unsafe { std::slice::from_raw_parts(t.addr as *const f32, n) },
+                // 4-byte aligned (checked; of none, a dangling aligned base:
+                // `slice_base`), kept alive by its owners for this call; the
+                // Python caller does not write it while the call runs (the
+                // GIL is released while it is read: the class's contract).
+                Some(t) => unsafe { std::slice::from_raw_parts(slice_base::<f32>(t.addr, n), n) },
                 None => &zeros,
             }
         };
         // SAFETY: as above, for the master tensor.
-        let master_s = unsafe { std::slice::from_raw_parts(master.addr as *const f32, n) };
+        let master_s = unsafe { std::slice::from_raw_parts(slice_base::<f32>(master.addr, n), n) };
         let (ms, vs) = (view(&m), view(&v));
         py.detach(|| self.locked().load_group(SubGroupId(sg), [master_s, ms, vs]))
             .map_err(err)
@@ -386,8 +402,9 @@ impl OffloadAdam {
             // SAFETY: each a writable, contiguous float32 host tensor of n
             // elements (checked), the three not overlapping (checked),
             // alive for this call (the caller holds them).
-            let [a, b, c] =
-                addrs.map(|addr| unsafe { std::slice::from_raw_parts_mut(addr as *mut f32, n) });
+            let [a, b, c] = addrs.map(|addr| unsafe {
+                std::slice::from_raw_parts_mut(slice_base::<f32>(addr, n), n)
+            });
             self.locked().group_states_into(SubGroupId(sg), [a, b, c])
         })
         .map_err(err)
@@ -453,23 +470,25 @@ impl OffloadAdam {
         // SAFETY: a contiguous float32 host tensor of n elements (checked),
         // alive for this call (its owners are held by `g`); the Python
         // caller does not touch it while the call runs.
-        let grad_s = unsafe { std::slice::from_raw_parts(g.addr as *const f32, n) };
+        let grad_s = unsafe { std::slice::from_raw_parts(slice_base::<f32>(g.addr, n), n) };
         // `out` as the kernel's fused copy, or as the fp32 master's target.
         let (mut out_f32, low) = if out_dtype == dlpack::DTYPE_F32 {
             // SAFETY: as above, float32 and 4-byte aligned; writable and
             // distinct from `grad` (checked before either slice exists).
             (
-                Some(unsafe { std::slice::from_raw_parts_mut(o.addr as *mut f32, n) }),
+                Some(unsafe { std::slice::from_raw_parts_mut(slice_base::<f32>(o.addr, n), n) }),
                 None,
             )
         } else if out_dtype == dlpack::DTYPE_BF16 {
             // SAFETY: as above; `half::bf16` is a transparent u16 and the
             // tensor is 2-byte aligned (checked).
-            let s = unsafe { std::slice::from_raw_parts_mut(o.addr as *mut half::bf16, n) };
+            let s =
+                unsafe { std::slice::from_raw_parts_mut(slice_base::<half::bf16>(o.addr, n), n) };
             (None, Some(LowPrecisionOut::Bf16(s)))
         } else {
             // SAFETY: as for bfloat16; `half::f16` is a transparent u16.
-            let s = unsafe { std::slice::from_raw_parts_mut(o.addr as *mut half::f16, n) };
+            let s =
+                unsafe { std::slice::from_raw_parts_mut(slice_base::<half::f16>(o.addr, n), n) };
             (None, Some(LowPrecisionOut::F16(s)))
         };
         py.detach(|| -> tierzero::engine::Result<()> {

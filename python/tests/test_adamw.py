@@ -1116,3 +1116,29 @@ def test_state_no_memory_holds_is_refused_with_the_numbers():
     p = torch.nn.Parameter(torch.empty(2**50, device="meta"))
     with pytest.raises(MemoryError, match="bytes are available"):
         tzt.AdamW([p], offload="cpu")
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_native_calls_on_a_sub_group_of_no_elements(offload, tmp_path):
+    # torch exports an empty tensor with a null data pointer; a slice of it
+    # was undefined behaviour (the debug build aborted Python).
+    from tierzero import _native
+
+    kw = {"nvme_path": str(tmp_path)} if offload == "nvme" else {}
+    opt = _native._OffloadAdam([0, 4], offload, **kw)
+    empty = torch.empty(0)
+    opt.load(0, empty, torch.empty(0), torch.empty(0))
+    opt.step_group(0, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, torch.empty(0), torch.empty(0))
+    opt.step_group(0, 2, 1e-3, 0.9, 0.999, 1e-8, 0.0, torch.empty(0), torch.empty(0, dtype=torch.bfloat16))
+    opt.read_state(0, torch.empty(0), torch.empty(0), torch.empty(0))
+    master = torch.arange(4, dtype=torch.float32)
+    opt.load(1, master, torch.zeros(4), torch.zeros(4))
+    out = torch.empty(4)
+    opt.step_group(1, 1, 0.1, 0.9, 0.999, 1e-8, 0.0, torch.ones(4), out)
+    ref = torch.nn.Parameter(torch.arange(4, dtype=torch.float32))
+    ref.grad = torch.ones(4)
+    torch_opt = torch.optim.AdamW([ref], lr=0.1, weight_decay=0.0, foreach=False)
+    torch_opt.step()
+    # torch's single-tensor AdamW rounds its step in another order: within
+    # float32's last bits.
+    assert torch.allclose(out, ref.detach(), rtol=1e-6, atol=0), (out, ref)

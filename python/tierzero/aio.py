@@ -41,8 +41,9 @@ Where we deliberately differ from DeepSpeed:
   returned when the last reference to the tensor goes, so a tensor still in
   use can never dangle.
 
-An op owns its tensor until it completes: do not read or write a tensor
-between submitting an async op on it and ``wait()``. (DeepSpeed copies an
+An op owns its tensor until it completes: do not read, write or resize
+(``resize_``, ``set_``, which may free its storage) a tensor between
+submitting an async op on it and ``wait()``. (DeepSpeed copies an
 unpinned tensor at an async write's submission; tierzero reads it as the
 op runs, so a change before ``wait()`` may reach the file.) A tensor
 dropped before ``wait()`` is kept alive by the op; its bytes still land.

@@ -1,8 +1,9 @@
 //! SIMD kernels (AVX-512F [+ AVX512-BF16], AVX2+FMA+F16C) and run-time
 //! dispatch.
 //!
-//! The only module of the crate that contains `unsafe` (with its child
-//! `passes.rs`: the conversion pass and the bandwidth probe). The design:
+//! One of the three modules of the crate allowed `unsafe` (with its child
+//! `passes.rs`: the conversion pass and the bandwidth probe; the others
+//! are `model/fused/matmul.rs` and `wide.rs`). The design:
 //!
 //! * One generic kernel body, [`adam_body`], is written against the small
 //!   [`Simd`] trait (splat, load, store, fma, sqrt, div, bf16/fp16 load and

@@ -446,12 +446,15 @@ pub fn gpu_step_scalars(
 }
 
 /// One tile (or a thread's chunk of it): all slices have equal length.
+/// Its fields are private to `optim`, so a tile is built only by
+/// [`Tile::new`] (which checks the lengths) and `split_at`: the SIMD
+/// kernels size every pointer by `master`'s length.
 #[derive(Debug)]
 pub(crate) struct Tile<'a> {
-    pub master: &'a mut [f32],
-    pub grad: GradIn<'a>,
-    pub moments: Moments<'a>,
-    pub out: Option<LowPrecisionOut<'a>>,
+    master: &'a mut [f32],
+    grad: GradIn<'a>,
+    moments: Moments<'a>,
+    out: Option<LowPrecisionOut<'a>>,
 }
 
 impl<'a> Tile<'a> {

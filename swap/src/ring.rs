@@ -241,8 +241,10 @@ fn setup(
     let fixed_buffers = if registrable(&iovecs) {
         // SAFETY: every iovec covers one buffer of the arena's live mapping;
         // the arena (kept alive by `Shared`'s users: every Job holds a buffer
-        // with an Arc of it, and the engine holds one) outlives this ring,
-        // which unregisters on drop.
+        // with an Arc of it, the engine holds one, and this ring's thread
+        // holds one while it runs) outlives this ring's registration, which
+        // `Ring::unregister` ends once nothing is in flight (a panic of the
+        // thread aborts the process: `AbortOnUnwind`).
         match unsafe { ring.submitter().register_buffers(&iovecs) } {
             Ok(()) => true,
             // An arena left unlocked for RLIMIT_MEMLOCK (said where that was

@@ -6,8 +6,9 @@
 //! * **One MPI thread.** MPI is initialised on a dedicated thread that owns
 //!   the `Universe` and makes every collective call; [`MpiComm`] holds only
 //!   channels to it. The engine needs a `Comm` that is `Send + Sync`, and
-//!   MPI handles are not (raw pointers, and the main crate has no `unsafe`
-//!   to assert otherwise); a thread that owns them is the safe way. The
+//!   MPI handles are not (raw pointers, and the main crate allows no
+//!   `unsafe` outside its CPU kernels to assert otherwise); a thread that
+//!   owns them is the safe way. The
 //!   engine's compute thread sends one operation and waits for its reply
 //!   (one collective at a time, in call order: a mutex serialises callers,
 //!   so collectives are issued in the same order on every rank as long as
