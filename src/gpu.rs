@@ -24,8 +24,9 @@
 //! when the library is missing, cudarc's loader **panics** (its
 //! `culib()` has no error path), and so does a missing symbol (a library
 //! older than the bindings). cudarc does offer `is_culib_present()`, but it
-//! is an `unsafe fn` and this crate is `#![deny(unsafe_code)]` outside the
-//! SIMD kernels, so we do not call it. Instead every cudarc call runs on a
+//! is an `unsafe fn` and this crate is `#![deny(unsafe_code)]` outside its
+//! CPU kernels (the SIMD optimizer, the matmul, the wide loads), so we do
+//! not call it. Instead every cudarc call runs on a
 //! thread of ours whose name starts with [`GUARDED_THREAD_PREFIX`]:
 //!
 //! * a panic there ends only that thread; [`run_guarded`] (one call) and
@@ -88,9 +89,10 @@ pub enum GpuError {
     },
     /// The driver loaded but `cuInit` or `cuDeviceGetCount` answered an
     /// error (a stub library, a driver/module mismatch, a container without
-    /// the device files, or a code newer than the bindings).
+    /// the device files, or a code newer than the bindings), or a file of
+    /// its name is there but does not load or is no driver.
     #[error("{0}")]
-    DriverInit(tierzero_gpu::driver_init::InitFailure),
+    DriverInit(tierzero_gpu::driver_init::CheckFailure),
     /// The driver loaded but reports no device.
     #[error("the NVIDIA driver is installed but sees no GPU (CUDA_ERROR_NO_DEVICE); check `nvidia-smi` and CUDA_VISIBLE_DEVICES")]
     NoDevice,
@@ -527,7 +529,9 @@ pub(crate) mod imp {
     pub(crate) fn device_count() -> Result<usize, GpuError> {
         match tierzero_gpu::driver_init::check() {
             Ok(_) | Err(None) => {}
-            Err(Some(f)) if f.code == tierzero_gpu::driver_init::NO_DEVICE => {
+            Err(Some(tierzero_gpu::driver_init::CheckFailure::Init(f)))
+                if f.code == tierzero_gpu::driver_init::NO_DEVICE =>
+            {
                 return Err(GpuError::NoDevice)
             }
             Err(Some(f)) => return Err(GpuError::DriverInit(f)),

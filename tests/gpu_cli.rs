@@ -206,4 +206,92 @@ mod with_the_feature {
         }
         assert!(!d.join("tierzero-swap").exists());
     }
+
+    /// A `libcuda.so` that is there but does not load (a library of its
+    /// own missing) is named with the loader's reason, and one without
+    /// `cuInit` as no driver, with its path: both said "not found" or
+    /// "older than tierzero's bindings ... update it".
+    #[test]
+    fn a_driver_file_that_does_not_load_or_is_no_driver_is_named() {
+        let d = scratch("broken-driver");
+        let cc = |args: &[&std::ffi::OsStr]| {
+            Command::new("cc")
+                .args(args)
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        let (dep, broken, empty) = (d.join("dep"), d.join("broken"), d.join("empty"));
+        for dir in [&dep, &broken, &empty] {
+            std::fs::create_dir_all(dir).unwrap();
+        }
+        std::fs::write(dep.join("dep.c"), "int nv_dep(void) { return 0; }\n").unwrap();
+        std::fs::write(
+            broken.join("cuda.c"),
+            "int nv_dep(void);\nint cuInit(unsigned f) { (void)f; return nv_dep(); }\n\
+             int cuDeviceGetCount(int *c) { *c = 1; return 0; }\n",
+        )
+        .unwrap();
+        std::fs::write(empty.join("e.c"), "int not_cuda(void) { return 0; }\n").unwrap();
+        let os = |p: &Path| p.as_os_str().to_owned();
+        let built = cc(&[
+            "-shared".as_ref(),
+            "-fPIC".as_ref(),
+            "-o".as_ref(),
+            &os(&dep.join("libtzfakedep.so")),
+            &os(&dep.join("dep.c")),
+        ]) && cc(&[
+            "-shared".as_ref(),
+            "-fPIC".as_ref(),
+            "-o".as_ref(),
+            &os(&broken.join("libcuda.so")),
+            &os(&broken.join("cuda.c")),
+            &os(&dep.join("libtzfakedep.so")),
+        ]) && cc(&[
+            "-shared".as_ref(),
+            "-fPIC".as_ref(),
+            "-o".as_ref(),
+            &os(&empty.join("libcuda.so")),
+            &os(&empty.join("e.c")),
+        ]);
+        if !built {
+            eprintln!("no C compiler (cc): the fake drivers cannot be built");
+            return;
+        }
+        // The dependency is linked by its path: moved away, the loader
+        // names it. (Both driver names: a real driver's libcuda.so.1 must
+        // not load after the fake libcuda.so was refused.)
+        std::fs::rename(dep.join("libtzfakedep.so"), dep.join("gone.so")).unwrap();
+        std::fs::copy(broken.join("libcuda.so"), broken.join("libcuda.so.1")).unwrap();
+        for (lib, needles) in [
+            (
+                &broken,
+                &["libcuda.so is there but does not load: ", "libtzfakedep.so"][..],
+            ),
+            (
+                &empty,
+                &[&format!(
+                    "{} is not the NVIDIA driver's libcuda (it has no cuInit)",
+                    empty.join("libcuda.so").display()
+                )[..]][..],
+            ),
+        ] {
+            for args in [
+                &["gpu-info"][..],
+                &["train", "--device", "cuda", "--steps", "1"][..],
+            ] {
+                let out = Command::new(env!("CARGO_BIN_EXE_tierzero"))
+                    .args(args)
+                    .current_dir(&d)
+                    .env("LD_LIBRARY_PATH", lib)
+                    .env_remove("TIERZERO_NCCL_ADDR")
+                    .env_remove("TIERZERO_LOG")
+                    .output()
+                    .expect("run tierzero");
+                for needle in needles {
+                    assert_one_line_refusal(&out, needle);
+                }
+            }
+        }
+        assert!(!d.join("tierzero-swap").exists());
+    }
 }

@@ -124,7 +124,12 @@ impl KernelCache {
         bytes.push(b'\n');
         bytes.extend_from_slice(&Sha256::digest(image));
         bytes.extend_from_slice(image);
-        std::fs::write(&tmp, &bytes).map_err(err(&tmp))?;
+        // A write that failed part-way (a full disk) leaves no temporary
+        // file behind.
+        std::fs::write(&tmp, &bytes).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            err(&tmp)(e)
+        })?;
         std::fs::rename(&tmp, path).map_err(|e| {
             let _ = std::fs::remove_file(&tmp);
             err(path)(e)

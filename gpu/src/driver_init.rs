@@ -66,6 +66,48 @@ impl std::fmt::Display for InitFailure {
     }
 }
 
+/// Why the driver cannot be used, as [`check`] finds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CheckFailure {
+    /// It loaded and answered an error code.
+    Init(InitFailure),
+    /// A file of a candidate's name is where the loader looks, and
+    /// `dlopen` refused it (a library of its own missing, a damaged file,
+    /// another architecture's): `reason` is the loader's.
+    Unloadable {
+        /// The name asked for (`libcuda.so.1`).
+        name: String,
+        /// `dlerror()`'s text.
+        reason: String,
+    },
+    /// It loaded but is not the driver: it has no `cuInit`.
+    NotADriver {
+        /// The file, as the loader resolved it.
+        path: String,
+    },
+}
+
+impl std::fmt::Display for CheckFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CheckFailure::Init(i) => i.fmt(f),
+            CheckFailure::Unloadable { name, reason } => write!(
+                f,
+                "{name} is there but does not load: {}; fix what the loader names (a \
+                 library of the driver's own missing or of another version: reinstall the \
+                 NVIDIA driver), or take the directory holding that {name} out of \
+                 LD_LIBRARY_PATH",
+                reason.replace('\n', " ")
+            ),
+            CheckFailure::NotADriver { path } => write!(
+                f,
+                "{path} is not the NVIDIA driver's libcuda (it has no cuInit): take its \
+                 directory out of LD_LIBRARY_PATH so that the driver's libcuda.so.1 loads"
+            ),
+        }
+    }
+}
+
 /// `CUDA_ERROR_NO_DEVICE`: the driver works and sees no GPU.
 pub const NO_DEVICE: i32 = 100;
 
@@ -139,19 +181,19 @@ struct Driver {
 
 /// Loads the driver as cudarc will and makes its first two calls. `Ok`
 /// with the device count (0 included: the caller says what that means);
-/// `Err(None)` when no driver loads or it lacks the two symbols (cudarc's
-/// loader then reports it, with the names it tried); `Err(Some(_))` when
-/// the driver answered with an error code.
-pub fn check() -> std::result::Result<usize, Option<InitFailure>> {
-    let Some(driver) = load() else {
-        return Err(None);
-    };
+/// `Err(None)` when no file of the driver's names is where the loader
+/// looks, or one lacks `cuDeviceGetCount` alone (cudarc's loader then
+/// reports it, with the names it tried or the symbol); `Err(Some(_))` when
+/// one is there but does not load or is no driver, or the driver answered
+/// with an error code.
+pub fn check() -> std::result::Result<usize, Option<CheckFailure>> {
+    let driver = load()?;
     let fail = |call, code| {
-        Err(Some(InitFailure {
+        Err(Some(CheckFailure::Init(InitFailure {
             call,
             code,
             library: driver.path.clone(),
-        }))
+        })))
     };
     // SAFETY: `cuInit`'s C signature is `CUresult cuInit(unsigned int)`;
     // `CUresult` is a C enum, an `int` in the ABI, read here as one (every
@@ -171,8 +213,11 @@ pub fn check() -> std::result::Result<usize, Option<InitFailure>> {
 }
 
 /// The first candidate name that loads, with both symbols; the handle is
-/// never closed (see the module docs).
-fn load() -> Option<Driver> {
+/// never closed (see the module docs). Where none loads, the first that is
+/// there but was refused, with the loader's reason (`Err(None)`: none is
+/// there).
+fn load() -> std::result::Result<Driver, Option<CheckFailure>> {
+    let mut refused = None;
     for name in cudarc::get_lib_name_candidates("cuda") {
         let Ok(c_name) = CString::new(name.as_str()) else {
             continue;
@@ -182,18 +227,31 @@ fn load() -> Option<Driver> {
         // `dlopen` of the same name would.
         let handle = unsafe { libc::dlopen(c_name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
         if handle.is_null() {
+            let reason = last_dl_error();
+            // "libcuda.so: cannot open shared object file": not there. A
+            // missing library of its own is named by that library's name.
+            let absent = reason.starts_with(&format!("{name}: cannot open shared object file"));
+            if !absent && refused.is_none() {
+                refused = Some(CheckFailure::Unloadable { name, reason });
+            }
             continue;
         }
-        let (Some(init), Some(count)) = (
-            symbol(handle, c"cuInit"),
-            symbol(handle, c"cuDeviceGetCount"),
-        ) else {
-            // Not a driver (or a very old one): leave it to cudarc, whose
-            // messages name the missing symbol.
+        let init = symbol(handle, c"cuInit");
+        let count = symbol(handle, c"cuDeviceGetCount");
+        let (Some(init), Some(count)) = (init, count) else {
+            // Without cuInit it is no driver at all (every driver has it):
+            // named with its path. With cuInit alone (a very old one):
+            // left to cudarc, whose message names the missing symbol.
+            let not_a_driver = match init {
+                None => Some(CheckFailure::NotADriver {
+                    path: loaded_path(handle, &name).unwrap_or(name),
+                }),
+                Some(_) => None,
+            };
             // SAFETY: `handle` came from `dlopen` above and nothing from it
             // is in use.
             unsafe { libc::dlclose(handle) };
-            return None;
+            return Err(not_a_driver);
         };
         let path = library_path(init).unwrap_or(name);
         // SAFETY: both symbols are the driver's, whose C signatures are
@@ -208,13 +266,54 @@ fn load() -> Option<Driver> {
                 ),
             )
         };
-        return Some(Driver {
+        return Ok(Driver {
             path,
             cu_init,
             cu_device_get_count,
         });
     }
-    None
+    Err(refused)
+}
+
+/// `dlerror()`'s text (the last `dlopen`/`dlsym` failure of this thread).
+fn last_dl_error() -> String {
+    // SAFETY: `dlerror` returns null or a NUL-terminated string that stays
+    // valid until the thread's next dl* call; it is copied out at once.
+    let p = unsafe { libc::dlerror() };
+    if p.is_null() {
+        return "the loader gave no reason".to_owned();
+    }
+    // SAFETY: non-null and NUL-terminated (above).
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+/// The path of `name`, loaded as `handle` (a live `dlopen` handle): the
+/// directory the loader found it in (`RTLD_DI_ORIGIN`) joined with it.
+fn loaded_path(handle: *mut c_void, name: &str) -> Option<String> {
+    let mut origin = vec![0 as c_char; libc::PATH_MAX as usize + 1];
+    // SAFETY: `handle` is a live `dlopen` handle; RTLD_DI_ORIGIN copies a
+    // NUL-terminated directory name of at most PATH_MAX bytes into
+    // `origin`, which has room for it and the NUL.
+    let rc = unsafe {
+        libc::dlinfo(
+            handle,
+            libc::RTLD_DI_ORIGIN,
+            origin.as_mut_ptr().cast::<c_void>(),
+        )
+    };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: the call wrote a NUL-terminated string into `origin` (the
+    // buffer was zeroed, so it ends in a NUL either way).
+    let dir = unsafe { CStr::from_ptr(origin.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
+    let file = std::path::Path::new(name)
+        .file_name()?
+        .to_string_lossy()
+        .into_owned();
+    (!dir.is_empty()).then(|| format!("{dir}/{file}"))
 }
 
 /// `name` in the library `handle`, if present.

@@ -23,9 +23,10 @@ pub enum GpuError {
         /// What cudarc said.
         detail: String,
     },
-    /// The driver loaded but did not initialise (see [`crate::driver_init`]).
+    /// The driver loaded but did not initialise, or a file of its name is
+    /// there but does not load or is no driver (see [`crate::driver_init`]).
     #[error("{0}")]
-    DriverInit(crate::driver_init::InitFailure),
+    DriverInit(crate::driver_init::CheckFailure),
     /// The driver is older than the CUDA the libraries and bindings need.
     #[error(
         "the NVIDIA driver supports CUDA {found}, older than the CUDA {needed} that \
@@ -47,6 +48,17 @@ pub enum GpuError {
         version: String,
         /// The architectures it lists.
         supported: String,
+    },
+    /// NVRTC loaded but could not load its builtins library
+    /// (`libnvrtc-builtins.so.13.*`, which it opens at the first compile).
+    #[error(
+        "NVRTC could not load its builtins library (libnvrtc-builtins.so.13.*): {log}; put \
+         the directory holding it (beside libnvrtc.so.13 in the nvidia-cuda-nvrtc wheel) on \
+         LD_LIBRARY_PATH"
+    )]
+    BuiltinsMissing {
+        /// NVRTC's log, on one line.
+        log: String,
     },
     /// A kernel module did not compile.
     #[error("kernel module {module} did not compile for {target}: {log}")]

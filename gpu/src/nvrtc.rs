@@ -303,6 +303,12 @@ pub fn compile(module: &Module, target: Target) -> Result<Compiled> {
             unsafe { sys::nvrtcCompileProgram(prog.0, opt_ptrs.len() as c_int, opt_ptrs.as_ptr()) };
         let log = prog.log();
         if r != sys::nvrtcResult::NVRTC_SUCCESS {
+            // A setup problem, not the kernel's: said as one (one line).
+            if log.contains("libnvrtc-builtins") {
+                return Err(GpuError::BuiltinsMissing {
+                    log: log.split_whitespace().collect::<Vec<_>>().join(" "),
+                });
+            }
             return Err(GpuError::Compile {
                 module: module.name,
                 target: target.to_string(),

@@ -123,3 +123,59 @@ fn an_architecture_nvrtc_cannot_target_is_a_clear_error() {
         .to_string();
     assert!(e.contains("cannot target sm_35"), "{e}");
 }
+
+/// NVRTC without its builtins library (`libnvrtc-builtins.so.13.*`, which
+/// it opens at the first compile: a copy of libnvrtc.so.13 alone on
+/// LD_LIBRARY_PATH) is a setup error on one line naming it, not a kernel
+/// that did not compile (an internal error, exit 1, NVRTC's two-line log).
+/// Run in a child of this test binary, whose LD_LIBRARY_PATH is that copy's
+/// directory (the loader reads it at start-up).
+#[test]
+fn nvrtc_without_its_builtins_is_a_setup_error_on_one_line() {
+    const CHILD: &str = "TIERZERO_TEST_NVRTC_ALONE";
+    if std::env::var_os(CHILD).is_some() {
+        let e = nvrtc::compile(&MODULES[0], Target::Ptx(80)).unwrap_err();
+        assert!(
+            matches!(e, tierzero_gpu::GpuError::BuiltinsMissing { .. }),
+            "{e:?}"
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains("libnvrtc-builtins.so.13") && !text.contains('\n'),
+            "{text}"
+        );
+        return;
+    }
+    if nvrtc_or_skip().is_none() {
+        return;
+    }
+    let lib = std::env::var_os("LD_LIBRARY_PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|d| d.join("libnvrtc.so.13"))
+        .find(|p| p.is_file());
+    let Some(lib) = lib else {
+        eprintln!("skipped: NVRTC loads, but not from a directory on LD_LIBRARY_PATH");
+        return;
+    };
+    let alone = std::env::temp_dir().join(format!("tz-nvrtc-alone-{}", std::process::id()));
+    std::fs::create_dir_all(&alone).unwrap();
+    std::fs::copy(&lib, alone.join("libnvrtc.so.13")).unwrap();
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "nvrtc_without_its_builtins_is_a_setup_error_on_one_line",
+            "--nocapture",
+        ])
+        .env(CHILD, "1")
+        .env("LD_LIBRARY_PATH", &alone)
+        .output()
+        .unwrap();
+    std::fs::remove_dir_all(&alone).unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

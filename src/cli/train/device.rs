@@ -36,6 +36,7 @@ pub(super) fn cuda_units(
         let user = matches!(
             e,
             G::LibraryMissing { .. }
+                | G::BuiltinsMissing { .. }
                 | G::DriverInit(_)
                 | G::LibraryTooOld { .. }
                 | G::DriverTooOld { .. }
