@@ -272,11 +272,50 @@ fn export_keeps_the_source_models_token_ids() {
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(exported["bos_token_id"], 1);
     assert_eq!(exported["eos_token_id"], serde_json::json!([2, 3]));
-    assert!(exported.get("pad_token_id").is_none(), "{exported}");
+    // A null is kept (transformers would fill in its family's default).
+    assert_eq!(
+        exported["pad_token_id"],
+        serde_json::Value::Null,
+        "{exported}"
+    );
     // The exported directory reopens as the same model, ids included.
     let md = ModelDir::open(&out, 0).unwrap();
     let ckpt = Checkpoint::open(&save).unwrap();
     assert_eq!(md.model().config(), ckpt.model().config());
     assert_eq!(md.model().token_ids(), ckpt.model().token_ids());
     assert!(!md.model().token_ids().is_empty());
+}
+
+/// A GPT-2 whose config names no bos/eos_token_id, its vocabulary below
+/// GPT-2's 50256: the export says null, where transformers filled in 50256
+/// (outside the vocabulary: a warning, and generation never stopped).
+#[test]
+fn export_of_a_small_gpt2_without_token_ids_says_none() {
+    let dir = tiny_gpt2_dir("export-no-ids", 2, 32);
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert!(cfg.get("eos_token_id").is_none() && cfg["vocab_size"].as_u64() < Some(50256));
+    let save = checkpoint_of(&dir);
+    let out = scratch("export-no-ids-out");
+    let r = export(&save, &out.join("model.safetensors"), &[]);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let exported: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    for key in ["bos_token_id", "eos_token_id"] {
+        assert_eq!(
+            exported.get(key),
+            Some(&serde_json::Value::Null),
+            "{exported}"
+        );
+    }
+    // Readable by others, as save_pretrained's (a checkpoint's are 0600).
+    use std::os::unix::fs::PermissionsExt as _;
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&out.join("model.safetensors")), 0o644);
+    assert_eq!(mode(&out.join("config.json")), 0o644);
+    let nested = out.join("a/b/model.safetensors");
+    let r = export(&save, &nested, &[]);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert_eq!(mode(&out.join("a")), 0o755);
+    assert_eq!(mode(&out.join("a/b")), 0o755);
 }

@@ -20,7 +20,11 @@
 //!   JSON content it is left alone; with different content the export is
 //!   refused before anything is written (it would otherwise describe
 //!   another model, or be silently overwritten).
+//! * The exported files are `0644` and the directories it makes `0755`
+//!   (readable by others, as `save_pretrained`'s under umask 022), where a
+//!   checkpoint's are the run's alone.
 
+use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 
 use candle_core::DType;
@@ -29,6 +33,12 @@ use super::reader::Checkpoint;
 use super::{io_err, CheckpointError};
 use crate::durable;
 use crate::model::{hf_config_text, hf_config_with_dtype, write_safetensors};
+
+/// The exported files' mode: readable by others, as `save_pretrained`'s
+/// under the usual umask 022 (a checkpoint's are `0600`: the run's).
+const EXPORT_FILE_MODE: u32 = 0o644;
+/// The mode of the directories an export makes.
+const EXPORT_DIR_MODE: u32 = 0o755;
 
 /// What happened to `config.json` beside the output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +103,13 @@ pub fn export_safetensors(
     let written = write_export(ckpt, out, &dir, dtype);
     if written.is_err() {
         durable::remove_empty_dirs(&made);
+    } else {
+        // Readable by others, as `save_pretrained`'s under the usual umask
+        // (the durable helpers make checkpoints' 0700: they are the run's).
+        for d in &made {
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(EXPORT_DIR_MODE))
+                .map_err(io_err("setting the mode of", d))?;
+        }
     }
     written
 }
@@ -138,6 +155,8 @@ fn write_export(
     // model) beside `out`.
     durable::remove_stale_tmp(out, false);
     let bytes = durable::write_atomic_streamed(out, |file, tmp| {
+        file.set_permissions(std::fs::Permissions::from_mode(EXPORT_FILE_MODE))
+            .map_err(io_err("setting the mode of", tmp))?;
         let written = write_safetensors(file, tmp, model, dtype, |id| {
             ckpt.load_param_f32(id).map_err(|e| {
                 let text = e.to_string();
@@ -153,6 +172,11 @@ fn write_export(
     })?;
     if config_action == ConfigJsonAction::Written {
         durable::write_atomic(&config_path, cfg_text.as_bytes())?;
+        std::fs::set_permissions(
+            &config_path,
+            std::fs::Permissions::from_mode(EXPORT_FILE_MODE),
+        )
+        .map_err(io_err("setting the mode of", &config_path))?;
     }
     Ok(ExportReport {
         out: out.to_path_buf(),

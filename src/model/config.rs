@@ -977,7 +977,7 @@ mod tests {
         assert_eq!(
             out,
             serde_json::json!({"model_type": "llama", "bos_token_id": 128000,
-                "eos_token_id": [128001, 128008]})
+                "eos_token_id": [128001, 128008], "pad_token_id": null})
         );
         let bad = serde_json::json!({"bos_token_id": -1, "eos_token_id": "x",
             "pad_token_id": []});

@@ -536,6 +536,17 @@ impl Model {
     pub fn hf_config_value(&self) -> serde_json::Value {
         let mut v = self.config.to_hf_value();
         self.token_ids.add_to(&mut v);
+        // GPT2Config fills an absent bos/eos_token_id with 50256 (GPT-2's
+        // <|endoftext|>), which a smaller vocabulary lacks (transformers
+        // warns, and generation stops at no token): null says there is none.
+        const GPT2_END_OF_TEXT: usize = 50256;
+        if let Some(obj) = v.as_object_mut() {
+            if self.config.arch == Arch::Gpt2 && self.config.vocab_size <= GPT2_END_OF_TEXT {
+                for key in ["bos_token_id", "eos_token_id"] {
+                    obj.entry(key).or_insert(serde_json::Value::Null);
+                }
+            }
+        }
         v
     }
 

@@ -9,8 +9,9 @@ use serde_json::Value;
 /// two models differing only in them train alike; but generation reads
 /// them, so they travel with the model into checkpoints and the exported
 /// `config.json`. Each is kept as written when it is a non-negative integer
-/// or a list of them (Llama 3 lists several `eos_token_id`s); `null` is
-/// dropped, anything else dropped with a warning.
+/// or a list of them (Llama 3 lists several `eos_token_id`s), or `null`
+/// (none: transformers would otherwise fill in its family's default);
+/// anything else is dropped with a warning.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct TokenIds(serde_json::Map<String, Value>);
 
@@ -27,8 +28,8 @@ impl TokenIds {
         };
         for key in TOKEN_ID_KEYS {
             match obj.get(key) {
-                None | Some(Value::Null) => {}
-                Some(v) if is_id(v) => {
+                None => {}
+                Some(v) if is_id(v) || v.is_null() => {
                     out.insert(key.to_owned(), v.clone());
                 }
                 Some(Value::Array(a)) if !a.is_empty() && a.iter().all(is_id) => {
@@ -61,7 +62,7 @@ impl TokenIds {
     /// its export says where generation stops); an `eos_token_id` already
     /// there stays.
     pub fn with_eos_if_none(mut self, id: u64) -> Self {
-        if !self.0.contains_key("eos_token_id") {
+        if self.eos().is_none() {
             self.0.insert("eos_token_id".to_owned(), Value::from(id));
         }
         self
