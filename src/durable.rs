@@ -331,6 +331,33 @@ pub fn open_regular(path: &Path) -> std::io::Result<File> {
     ))
 }
 
+/// The bytes of `path` when it is a regular file or a pipe (a shell's
+/// `<(...)`), at most `max_bytes` of them (a longer one fails with
+/// `InvalidData`); a device (`/dev/zero`, read without end), a directory or
+/// a socket fails with `InvalidInput` naming what it is.
+pub fn read_file_or_pipe(path: &Path, max_bytes: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::Read as _;
+    use std::os::unix::fs::FileTypeExt as _;
+    let t = std::fs::metadata(path)?.file_type();
+    if !(t.is_file() || t.is_fifo()) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("it is a {}, not a file", kind_of(t)),
+        ));
+    }
+    let mut bytes = Vec::new();
+    File::open(path)?
+        .take(max_bytes.saturating_add(1))
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max_bytes {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("larger than {max_bytes} bytes"),
+        ));
+    }
+    Ok(bytes)
+}
+
 /// The bytes of the regular file `path` ([`open_regular`]), at most
 /// `max_bytes` of them: a longer file fails with `InvalidData`.
 pub fn read_regular(path: &Path, max_bytes: u64) -> std::io::Result<Vec<u8>> {

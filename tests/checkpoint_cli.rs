@@ -413,8 +413,8 @@ fn a_resume_without_its_run_s_data_or_config_is_refused() {
     assert_eq!(o.code, 2, "{}", o.stderr);
     for want in [
         "embedded default config",
-        "batch (checkpoint:",
-        "optimizer (checkpoint:",
+        "batch (train_batch_size: checkpoint ",
+        "optimizer (lr: checkpoint ",
         "give that run's --config",
     ] {
         assert!(o.stderr.contains(want), "{want}: {}", o.stderr);

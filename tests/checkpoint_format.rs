@@ -302,6 +302,11 @@ fn truncation_latest_fallback_and_unfinished_saves() {
         "{:?}",
         c.latest_unusable()
     );
+    // A link to itself (ELOOP) is damage too (it failed every open).
+    std::fs::remove_file(save5.join("latest")).unwrap();
+    std::os::unix::fs::symlink("latest", save5.join("latest")).unwrap();
+    let c = Checkpoint::open(&save5).unwrap();
+    assert!(c.latest_unusable().is_some(), "{:?}", c.step());
     std::fs::remove_file(save5.join("latest")).unwrap();
     std::fs::write(save5.join("latest"), "step-00000002\n").unwrap();
     std::fs::remove_file(step5.join("manifest.json")).unwrap();

@@ -1054,3 +1054,27 @@ fn a_sub_group_size_cutting_millions_of_groups_is_refused_at_once() {
     );
     assert!(started.elapsed() < std::time::Duration::from_secs(20));
 }
+
+/// stdout on a full disk (`> /dev/full`) is the user's to fix: exit 2 with
+/// one line, not an internal error (exit 1). A `--config` that is a device
+/// is named as one (`/dev/zero` was read until memory ran out).
+#[test]
+fn output_to_a_full_disk_and_a_device_config_are_the_user_s() {
+    let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
+        eprintln!("no /dev/full; skipping");
+        return;
+    };
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .args(["estimate", "--params", "1M"])
+        .stdout(full)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.starts_with("error: writing to stdout: No space left on device"),
+        "{stderr}"
+    );
+    let out = tierzero(&["estimate", "--params", "1M", "--config", "/dev/zero"]);
+    cli_support::assert_bad_input(&out, "device config", &["is a character device"]);
+}

@@ -354,6 +354,16 @@ fn user_mistakes_exit_2_with_one_line() {
             "{args:?}"
         );
     }
+    // A missing argument is named in the object (it held clap's first
+    // line alone: "the following required arguments were not provided:").
+    let out = run_tierzero(Some(&d), &["eval", "--json", "--data", "x"]);
+    let v: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    let error = v["error"].as_str().unwrap();
+    assert!(
+        error.contains("not provided: ") && error.contains("--seq-len") && !error.contains('\n'),
+        "{v}"
+    );
+    assert!(!error.contains("Usage") && !error.contains("--help"), "{v}");
     assert_bad_input(&with(&["--seq-len", "0"]), "seq-len 0", &["--seq-len"]);
     assert_bad_input(&with(&["--seq-len", "x"]), "seq-len x", &["--seq-len", "x"]);
     assert_bad_input(

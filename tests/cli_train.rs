@@ -425,6 +425,50 @@ fn user_mistakes_exit_2_with_one_line() {
     assert!(before == read_all(), "an input changed");
 }
 
+/// The embedded default has no file to edit: `--lr`, `--micro-batch` and
+/// `--grad-accum` set the run's values (they were refused as differing
+/// from its concrete ones, with a fix naming its keys).
+#[test]
+fn flags_set_the_embedded_default_s_values() {
+    let d = scratch("default-flags");
+    let args = [
+        "--steps",
+        "3",
+        "--lr",
+        "1e-4",
+        "--micro-batch",
+        "2",
+        "--grad-accum",
+        "2",
+        "--seq-len",
+        "16",
+        "--metrics",
+        "m.jsonl",
+    ];
+    let out = train(&d, &args);
+    assert_eq!(out.code, 0, "stderr: {}", out.stderr);
+    let lines = metrics_lines(&d.join("m.jsonl"));
+    // Linear warmup over 20 steps from 0: step 3 runs at iteration 1's lr.
+    let lr = lines[2]["lr"].as_f64().unwrap();
+    assert!((lr - 1e-4 / 20.0).abs() < 1e-12, "{lr}: {}", lines[2]);
+}
+
+/// A run of the embedded default refused at start-up leaves no
+/// `./tierzero-swap/` behind (its config's load made it for good); one
+/// that exists already stays.
+#[test]
+fn a_refused_default_run_leaves_no_swap_dir() {
+    let d = scratch("default-refused");
+    let out = train(&d, &["--data", "missing.txt"]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("--data missing.txt"), "{}", out.stderr);
+    assert!(!d.join("tierzero-swap").exists());
+    std::fs::create_dir(d.join("tierzero-swap")).unwrap();
+    let out = train(&d, &["--data", "missing.txt"]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(d.join("tierzero-swap").is_dir());
+}
+
 #[test]
 fn embedded_default_runs_two_steps_with_nvme_offload_in_the_working_dir() {
     let d = scratch("default");
@@ -851,6 +895,25 @@ fn a_failure_under_json_is_one_error_object_on_stdout() {
     assert_eq!(code, Some(2), "{stderr}");
     let v = object(&stdout);
     assert!(v["error"].as_str().unwrap().contains("--bogus"), "{v}");
+    // Beside an argument that is not UTF-8 (a path), clap's refusal is
+    // exit 2, not a panic in the look for --json after it.
+    use std::os::unix::ffi::OsStrExt as _;
+    let not_utf8 = std::ffi::OsStr::from_bytes(b"/tmp/\xff");
+    for json in [false, true] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
+            .arg("train")
+            .args(["--data"])
+            .arg(not_utf8)
+            .args(json.then_some("--json"))
+            .arg("--bogus")
+            .current_dir(&d)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert_eq!(out.stdout.is_empty(), !json, "{stderr}");
+    }
     // Without --json, stdout has no object; nor, for a mistake found
     // before the ranks are known, has mpirun's rank 1 (rank 0 prints it).
     let (code, stdout, _) = run(&["--config", "missing.json"], &[]);

@@ -378,13 +378,13 @@ impl Checkpoint {
                     ));
                 }
             }
-            // Not a regular file, or far longer than a step dir's name:
-            // damage, as a name that does not parse is.
+            // Not a regular file, far longer than a step dir's name, or a
+            // link that loops: damage, as a name that does not parse is.
             Err(e)
                 if matches!(
                     e.kind(),
                     std::io::ErrorKind::InvalidInput | std::io::ErrorKind::InvalidData
-                ) =>
+                ) || e.raw_os_error() == Some(libc::ELOOP) =>
             {
                 latest_err = Some(manifest_err(&latest, e.to_string()));
             }

@@ -71,8 +71,10 @@ pub struct LaunchArgs {
     #[arg(long, value_name = "PATH", default_value = "mpirun")]
     mpirun: PathBuf,
     /// The tierzero command each rank runs (after `--`), e.g. `train --steps 50`.
+    // `OsString`: a path that is not UTF-8 is passed on as is, as `train`
+    // takes it (clap refused it as "invalid UTF-8").
     #[arg(last = true, required = true, value_name = "COMMAND")]
-    command: Vec<String>,
+    command: Vec<std::ffi::OsString>,
 }
 
 /// A collective's wait without `TIERZERO_COMM_TIMEOUT_S`: MPI's default,
@@ -294,10 +296,15 @@ pub fn run(args: LaunchArgs) -> Result<i32, Failure> {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         check_local_ranks(nproc, cpus)?;
     }
-    if args.command.first().map(String::as_str) != Some("train") {
+    if args.command.first().is_none_or(|c| c != "train") {
+        let given: Vec<String> = args
+            .command
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
         return Err(Failure::BadInput(anyhow!(
             "launch runs `tierzero train` on every rank: give `-- train [ARGS]`, not `-- {}`",
-            args.command.join(" ")
+            given.join(" ")
         )));
     }
     launch(nproc, &args)

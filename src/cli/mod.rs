@@ -102,17 +102,20 @@ pub enum Failure {
 /// unreadable file or one that is not UTF-8 is the user's, named with the
 /// fix (a UTF-16 file read "stream did not contain valid UTF-8").
 pub(crate) fn read_config_text(p: &std::path::Path) -> Result<String, Failure> {
-    std::fs::read_to_string(p).map_err(|e| {
+    // A regular file or a pipe (`--config <(jq ...)`), of a config's size:
+    // `/dev/zero` was read until memory ran out.
+    const MAX_CONFIG_BYTES: u64 = 64 << 20;
+    let bytes = tierzero::durable::read_file_or_pipe(p, MAX_CONFIG_BYTES).map_err(|e| {
         Failure::BadInput(anyhow::anyhow!(
-            if e.kind() == std::io::ErrorKind::InvalidData {
-                format!(
-                    "--config {}: not UTF-8 text (saved as UTF-16 or Latin-1?); save it as UTF-8, \
-                 as DeepSpeed reads it",
-                    p.display()
-                )
-            } else {
-                format!("--config {}: cannot read it: {e}", p.display())
-            }
+            "--config {}: cannot read it: {e}",
+            p.display()
+        ))
+    })?;
+    String::from_utf8(bytes).map_err(|_| {
+        Failure::BadInput(anyhow::anyhow!(
+            "--config {}: not UTF-8 text (saved as UTF-16 or Latin-1?); save it as UTF-8, as \
+             DeepSpeed reads it",
+            p.display()
         ))
     })
 }
@@ -248,6 +251,20 @@ static JSON_ON_FAILURE: std::sync::atomic::AtomicBool = std::sync::atomic::Atomi
 pub fn json_object_on_failure(on: bool) {
     JSON_ON_FAILURE.store(on, std::sync::atomic::Ordering::SeqCst);
 }
+/// clap's error as one line, for the `--json` failure object: its first
+/// paragraph (a missing argument's names are on the lines under "the
+/// following required arguments were not provided:"), without the usage
+/// and the `--help` hint.
+fn clap_error_line(e: &clap::Error) -> String {
+    let text = e.to_string();
+    text.lines()
+        .take_while(|l| !l.trim().is_empty())
+        .map(str::trim)
+        .collect::<Vec<_>>()
+        .join(" ")
+        .trim_start_matches("error: ")
+        .to_owned()
+}
 
 /// The object [`json_object_on_failure`] asks for.
 fn failure_object(failure: &str, message: &str, exit_code: i32) -> String {
@@ -312,6 +329,10 @@ pub fn emit(text: &str) -> Result<(), Failure> {
     {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        // stdout redirected to a full disk or a read-only file: the user's.
+        Err(e) if user_fixable_io(&e) => Err(Failure::BadInput(anyhow::anyhow!(
+            "writing to stdout: {e}; give the output room (or redirect it elsewhere)"
+        ))),
         Err(e) => Err(Failure::Internal(anyhow::anyhow!("writing to stdout: {e}"))),
     }
 }
@@ -338,23 +359,20 @@ pub fn main() -> i32 {
             let _ = e.print();
             // A `--json` command with a flag clap refuses: the error object
             // too (every command that takes --json prints one on failure).
-            let mut args = std::env::args().skip(1);
+            // `args_os`: an argument that is not UTF-8 (a path) panicked
+            // in `args()` here, after clap's message.
+            let mut args = std::env::args_os().skip(1);
             let json = args.next().is_some_and(|c| {
                 [
                     "train", "eval", "export", "estimate", "bench-io", "tune", "inspect",
                     "gpu-info",
                 ]
-                .contains(&c.as_str())
+                .iter()
+                .any(|name| c == *name)
             }) && args.any(|a| a == "--json")
                 && launch::env_rank_is_lead();
             if code == 2 && json {
-                let text = e.to_string();
-                let first = text
-                    .lines()
-                    .next()
-                    .unwrap_or("")
-                    .trim_start_matches("error: ");
-                let _ = emit(&failure_object("bad_input", first, code));
+                let _ = emit(&failure_object("bad_input", &clap_error_line(&e), code));
             }
             return code;
         }

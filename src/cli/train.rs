@@ -336,6 +336,29 @@ fn print_warning(w: &ConfigWarning) {
     errln!("warning: {w}");
 }
 
+/// The embedded default config, its values the flags set made `"auto"`
+/// (the flag's value then): a run without `--config` has no file whose
+/// key the flag's refusal could name ("make them equal"), so `--lr`,
+/// `--micro-batch` and `--grad-accum` set the run's.
+fn embedded_default_for(flags: &Flags) -> String {
+    let text = config::default_embedded();
+    let Ok(mut v) = serde_json::from_str::<serde_json::Value>(text) else {
+        return text.to_owned();
+    };
+    let auto = || serde_json::Value::from("auto");
+    if flags.lr.is_some() {
+        v["optimizer"]["params"]["lr"] = auto();
+        v["scheduler"]["params"]["warmup_max_lr"] = auto();
+    }
+    if flags.micro_batch.is_some() {
+        v["train_micro_batch_size_per_gpu"] = auto();
+    }
+    if flags.grad_accum.is_some() {
+        v["gradient_accumulation_steps"] = auto();
+    }
+    v.to_string()
+}
+
 /// The validated config (`--config`, or the embedded one) resolved with
 /// the run's flags, its name, and the steps to run.
 fn load_config(
@@ -344,7 +367,7 @@ fn load_config(
     model: &Model,
     ranks: usize,
     ckpt: Option<&Checkpoint>,
-) -> Result<(config::Loaded, String, u64), Failure> {
+) -> Result<(config::Loaded, String, u64, outputs::MadeSwapDirs), Failure> {
     let mc = model.config();
     let numel = model.numel() as u64;
     let (text, config_name, path_checks) = match &args.config {
@@ -354,7 +377,7 @@ fn load_config(
             (t, p.display().to_string(), PathChecks::Check)
         }
         None => (
-            config::default_embedded().to_owned(),
+            embedded_default_for(flags),
             "embedded default".to_owned(),
             PathChecks::CreateMissing,
         ),
@@ -362,6 +385,31 @@ fn load_config(
     let cfg_err =
         |e: config::ConfigError| bad(format!("config ({config_name}): {}", flag_names(e)));
     let parsed = config::parse_str(&text).map_err(cfg_err)?;
+    // The embedded default's swap dir is made here, to be removed again if
+    // start-up fails (the config's load would make it for good).
+    let made_dirs = match path_checks {
+        PathChecks::CreateMissing => {
+            let zero = &parsed.ds.zero_optimization;
+            let dirs: Vec<&std::path::Path> = [
+                zero.offload_param
+                    .as_ref()
+                    .and_then(|o| o.nvme_path.as_deref()),
+                zero.offload_optimizer
+                    .as_ref()
+                    .and_then(|o| o.nvme_path.as_deref()),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            outputs::MadeSwapDirs::make(&dirs).map_err(|e| {
+                bad(format!(
+                    "config ({config_name}): its nvme_path: {e}; run from a directory you can \
+                     write to, or give --config with your nvme_path"
+                ))
+            })?
+        }
+        _ => outputs::MadeSwapDirs::default(),
+    };
     // The run's length: --steps, else (resuming) the length of the run
     // that saved the checkpoint, else the config's concrete
     // total_num_steps, else the default.
@@ -416,7 +464,7 @@ fn load_config(
         }
         loaded.config.tierzero.activations = config::ActivationBudget::Checkpointing;
     }
-    Ok((loaded, config_name, steps))
+    Ok((loaded, config_name, steps, made_dirs))
 }
 
 /// What the start-up lines and the summary say about the run.
@@ -622,7 +670,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     };
     // The config and the output paths before the data: encoding a corpus
     // may take hours, and a typo in either is refused before it.
-    let (loaded, config_name, steps) =
+    let (loaded, config_name, steps, made_swap_dirs) =
         load_config(&args, &flags, &model, comm.world_size(), ckpt.as_ref())?;
     let cfg = &loaded.config;
     let data_order = data_order(&args, flags.seed, ckpt.as_ref());
@@ -654,9 +702,15 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         .saturating_mul(seq_len as u64)
         .saturating_add(1);
     if (data.len() as u64) < micro_tokens {
+        // A product past u64 is the config's batch size, not the data's
+        // fault (it printed the saturated number as the product).
+        let needed = match micro_tokens {
+            u64::MAX => "more than 2^64".to_owned(),
+            n => n.to_string(),
+        };
         return Err(bad(format!(
             "--data {data_name}: {} tokens are fewer than one micro-batch needs \
-             (train_micro_batch_size_per_gpu {} × --seq-len {seq_len} + 1 = {micro_tokens}); \
+             (train_micro_batch_size_per_gpu {} × --seq-len {seq_len} + 1 = {needed}); \
              give more data, or a smaller micro-batch or --seq-len",
             data.len(),
             cfg.batch.micro_batch_size
@@ -858,6 +912,7 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     if let Some(lock) = save_lock.into_lock() {
         trainer.adopt_save_dir_lock(lock);
     }
+    made_swap_dirs.keep();
     let threads_line = format!("{}; {}", trainer.compute_threads(), trainer.placement());
     let mut plan = Plan::new(
         cfg,

@@ -909,7 +909,7 @@ pub(crate) fn validate(
             Some(n) => Some(small_u32(
                 "tierzero.compute_threads",
                 n,
-                1024,
+                crate::engine::host::threads::MAX_COMPUTE_THREADS as u32,
                 "use \"auto\" (every core), or a count no larger than the machine's cores",
             )?),
             None => None,

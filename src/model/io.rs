@@ -88,6 +88,22 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
     }
 }
 
+/// The text of a model directory's JSON file: a regular file of at most
+/// [`MAX_JSON_BYTES`] (a link to `/dev/zero` was read until memory ran
+/// out), UTF-8.
+fn read_json_text(path: &Path) -> Result<String, ModelError> {
+    let bytes = crate::durable::read_regular(path, MAX_JSON_BYTES).map_err(io_err(path))?;
+    String::from_utf8(bytes).map_err(|e| {
+        io_err(path)(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("not UTF-8 text: {e}"),
+        ))
+    })
+}
+
+/// The largest `config.json` or safetensors index read.
+const MAX_JSON_BYTES: u64 = 64 << 20;
+
 fn bad_file(path: &Path, reason: impl Into<String>) -> ModelError {
     ModelError::BadSafetensors {
         path: path.to_path_buf(),
@@ -293,7 +309,7 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
     }
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
-        let text = std::fs::read_to_string(&index).map_err(io_err(&index))?;
+        let text = read_json_text(&index)?;
         let v: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| bad_file(&index, format!("invalid index JSON: {e}")))?;
         let map = v
@@ -394,7 +410,7 @@ impl ModelDir {
     ) -> Result<Self, ModelError> {
         let dir = dir.as_ref();
         let cfg_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&cfg_path).map_err(io_err(&cfg_path))?;
+        let text = read_json_text(&cfg_path)?;
         let value: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| ModelError::ConfigJson {
                 reason: e.to_string(),

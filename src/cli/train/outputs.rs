@@ -111,6 +111,46 @@ impl Drop for SaveDirClaim {
     }
 }
 
+/// The directories the embedded default's `nvme_path` needed (made before
+/// its config is loaded, which would make them), removed again, while
+/// empty, if start-up fails before the trainer is built: a refused first
+/// run left an empty `./tierzero-swap/` behind.
+#[derive(Debug, Default)]
+pub(super) struct MadeSwapDirs {
+    /// The deepest first.
+    made: Vec<PathBuf>,
+}
+
+impl MadeSwapDirs {
+    /// Makes each of `dirs` that is missing (with its missing parents).
+    pub(super) fn make(dirs: &[&Path]) -> Result<MadeSwapDirs, tierzero::durable::DurableError> {
+        let mut made = MadeSwapDirs::default();
+        for d in dirs {
+            let mut new = tierzero::durable::create_dirs(d)?;
+            new.append(&mut made.made);
+            made.made = new;
+        }
+        if !made.made.is_empty() {
+            let undo = made.made.clone();
+            super::super::signals::at_startup_exit(move || {
+                tierzero::durable::remove_empty_dirs(&undo)
+            });
+        }
+        Ok(made)
+    }
+
+    /// The trainer is built: the dirs are the run's.
+    pub(super) fn keep(mut self) {
+        self.made.clear();
+    }
+}
+
+impl Drop for MadeSwapDirs {
+    fn drop(&mut self) {
+        tierzero::durable::remove_empty_dirs(&self.made);
+    }
+}
+
 /// A save dir that holds another run's checkpoints is refused: a new
 /// run (no `--resume`), or one resumed from a checkpoint outside it,
 /// replaced that run's step dirs of the same numbers and its `latest`

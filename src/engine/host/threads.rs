@@ -161,6 +161,10 @@ pub struct ComputeThreads {
     pub source: ThreadsSource,
 }
 
+/// The most compute threads a run starts (`tierzero.compute_threads`' bound,
+/// and `RAYON_NUM_THREADS`' cap).
+pub const MAX_COMPUTE_THREADS: usize = 1024;
+
 /// Resolves the count. `configured` is `tierzero.compute_threads`
 /// (`None` = auto); `env` the value of `RAYON_NUM_THREADS`, if any (an
 /// unparsable or zero value counts as unset, as candle and rayon treat it);
@@ -188,8 +192,20 @@ pub fn resolve(
         .and_then(|v| v.trim().parse::<usize>().ok())
         .filter(|&n| n > 0)
     {
+        // `tierzero.compute_threads`' bound: 100000 threads, whose
+        // spinning starved their own pool's start, never finished the
+        // build (nor stopped at a signal).
+        if n > MAX_COMPUTE_THREADS {
+            tracing::warn!(
+                RAYON_NUM_THREADS = n,
+                threads = MAX_COMPUTE_THREADS,
+                cores,
+                "RAYON_NUM_THREADS is above the most compute threads tierzero starts; using \
+                 that many (unset it to use every core)"
+            );
+        }
         return ComputeThreads {
-            threads: n,
+            threads: n.min(MAX_COMPUTE_THREADS),
             source: ThreadsSource::Env,
         };
     }
@@ -311,13 +327,14 @@ pub fn apply(t: &ComputeThreads) {
     {
         std::env::set_var(CANDLE_ENV, "1");
     }
-    match t.source {
-        ThreadsSource::Env | ThreadsSource::NotCpu => {}
-        _ => {
-            if std::env::var(ENV).ok().as_deref() != Some(t.threads.to_string().as_str()) {
-                std::env::set_var(ENV, t.threads.to_string());
-            }
-        }
+    // The user's own value stays, unless it was capped ([`resolve`]).
+    if t.source != ThreadsSource::NotCpu
+        && std::env::var(ENV)
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            != Some(t.threads)
+    {
+        std::env::set_var(ENV, t.threads.to_string());
     }
 }
 
@@ -515,6 +532,9 @@ mod tests {
         let t = resolve(None, Some(" 5 "), 2, true);
         assert_eq!(t.threads, 5);
         assert_eq!(t.source, ThreadsSource::Env);
+        // Above tierzero.compute_threads' bound: capped at it.
+        let t = resolve(None, Some("100000"), 2, true);
+        assert_eq!(t.threads, MAX_COMPUTE_THREADS);
         // Zero or garbage is "unset", as candle and rayon read it.
         for bad in ["0", "x", ""] {
             let t = resolve(None, Some(bad), 4, true);

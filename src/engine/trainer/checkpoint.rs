@@ -68,15 +68,75 @@ pub struct NumericsDiffer {
 }
 
 impl std::fmt::Display for NumericsDiffer {
+    /// The fields that differ where both values are one struct's
+    /// (`scheduler (total_steps: checkpoint 4, this run 6)`), else both
+    /// values whole.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{} (checkpoint: {}; this run: {})",
-            self.key,
-            self.saved.as_deref().unwrap_or("(not recorded)"),
-            self.run
-        )
+        match self
+            .saved
+            .as_deref()
+            .and_then(|saved| differing_fields(saved, &self.run))
+        {
+            Some(fields) => write!(f, "{} ({fields})", self.key),
+            None => write!(
+                f,
+                "{} (checkpoint: {}; this run: {})",
+                self.key,
+                self.saved.as_deref().unwrap_or("(not recorded)"),
+                self.run
+            ),
+        }
     }
+}
+
+/// The fields in which two `Debug` renderings of one struct
+/// (`Name { a: 1, b: [2, 3] }`) differ, each as `a: checkpoint 1, this run
+/// 4`; `None` where they are not one struct's with the same fields.
+fn differing_fields(saved: &str, run: &str) -> Option<String> {
+    let (saved_name, saved_fields) = debug_fields(saved)?;
+    let (run_name, run_fields) = debug_fields(run)?;
+    let same_shape = saved_name == run_name
+        && saved_fields.len() == run_fields.len()
+        && saved_fields
+            .iter()
+            .zip(&run_fields)
+            .all(|(a, b)| a.0 == b.0);
+    if !same_shape {
+        return None;
+    }
+    let differ: Vec<String> = saved_fields
+        .iter()
+        .zip(&run_fields)
+        .filter(|(a, b)| a.1 != b.1)
+        .map(|(a, b)| format!("{}: checkpoint {}, this run {}", a.0, a.1, b.1))
+        .collect();
+    (!differ.is_empty()).then(|| differ.join("; "))
+}
+
+/// A struct's `Debug` rendering cut into its name and its top-level
+/// `field: value` pairs.
+fn debug_fields(text: &str) -> Option<(&str, Vec<(&str, &str)>)> {
+    let open = text.find(" { ")?;
+    let body = text.strip_suffix(" }")?.get(open + 3..)?;
+    let mut fields = Vec::new();
+    let (mut depth, mut start) = (0i32, 0);
+    for (i, b) in body.bytes().enumerate() {
+        match b {
+            b'[' | b'{' | b'(' => depth += 1,
+            b']' | b'}' | b')' => depth -= 1,
+            b',' if depth == 0 => {
+                fields.push(&body[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    fields.push(&body[start..]);
+    let pairs = fields
+        .into_iter()
+        .map(|f| f.trim().split_once(": "))
+        .collect::<Option<Vec<_>>>()?;
+    Some((&text[..open], pairs))
 }
 
 /// The settings that change the numbers in which `config` (with data
@@ -660,5 +720,52 @@ mod tests {
         let e = same_step_on_every_rank(&comm, 6).unwrap_err().to_string();
         assert!(e.contains("rank 0: step 6, rank 1: step 4"), "{e}");
         same_step_on_every_rank(&Scripted::rank_of(0, 1), 9).unwrap();
+    }
+
+    /// A differing setting names the fields that differ, not two whole
+    /// `Debug` renderings; values that are not one struct's are shown whole.
+    #[test]
+    fn a_differing_setting_names_its_fields() {
+        let differ = |saved: &str, run: &str| {
+            NumericsDiffer {
+                key: "scheduler".into(),
+                saved: Some(saved.into()),
+                run: run.into(),
+            }
+            .to_string()
+        };
+        let a = "WarmupDecayLr { min_lr: 0.0, max_lr: 0.001, betas: [0.9, 0.95], total_steps: 4 }";
+        let b = "WarmupDecayLr { min_lr: 0.0, max_lr: 0.001, betas: [0.9, 0.999], total_steps: 6 }";
+        assert_eq!(
+            differ(a, b),
+            "scheduler (betas: checkpoint [0.9, 0.95], this run [0.9, 0.999]; total_steps: \
+             checkpoint 4, this run 6)"
+        );
+        assert_eq!(
+            differ("None", "Constant { lr: 1.0 }"),
+            "scheduler (checkpoint: None; this run: Constant { lr: 1.0 })"
+        );
+        assert_eq!(
+            differ("A { x: 1 }", "B { x: 2 }"),
+            "scheduler (checkpoint: A { x: 1 }; this run: B { x: 2 })"
+        );
+        let adam = config::Optimizer {
+            kind: config::OptimizerKind::AdamW,
+            lr: 1e-3,
+            betas: [0.9, 0.999],
+            eps: 1e-8,
+            weight_decay: 0.0,
+            decoupled_weight_decay: true,
+            bias_correction: true,
+        };
+        let other = config::Optimizer { lr: 0.5, ..adam };
+        let shown = differ(
+            &optimizer_fingerprint(&adam),
+            &optimizer_fingerprint(&other),
+        );
+        assert!(
+            shown.starts_with("scheduler (lr: checkpoint ") && shown.ends_with("this run 0.5)"),
+            "{shown}"
+        );
     }
 }
