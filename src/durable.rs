@@ -336,7 +336,6 @@ pub fn open_regular(path: &Path) -> std::io::Result<File> {
 /// `InvalidData`); a device (`/dev/zero`, read without end), a directory or
 /// a socket fails with `InvalidInput` naming what it is.
 pub fn read_file_or_pipe(path: &Path, max_bytes: u64) -> std::io::Result<Vec<u8>> {
-    use std::io::Read as _;
     use std::os::unix::fs::FileTypeExt as _;
     let t = std::fs::metadata(path)?.file_type();
     if !(t.is_file() || t.is_fifo()) {
@@ -345,9 +344,15 @@ pub fn read_file_or_pipe(path: &Path, max_bytes: u64) -> std::io::Result<Vec<u8>
             format!("it is a {}, not a file", kind_of(t)),
         ));
     }
+    read_at_most(File::open(path)?, max_bytes)
+}
+
+/// `f`'s bytes, at most `max_bytes` of them: a longer one fails with
+/// `InvalidData`.
+fn read_at_most(f: File, max_bytes: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::Read as _;
     let mut bytes = Vec::new();
-    File::open(path)?
-        .take(max_bytes.saturating_add(1))
+    f.take(max_bytes.saturating_add(1))
         .read_to_end(&mut bytes)?;
     if bytes.len() as u64 > max_bytes {
         return Err(std::io::Error::new(
@@ -361,18 +366,7 @@ pub fn read_file_or_pipe(path: &Path, max_bytes: u64) -> std::io::Result<Vec<u8>
 /// The bytes of the regular file `path` ([`open_regular`]), at most
 /// `max_bytes` of them: a longer file fails with `InvalidData`.
 pub fn read_regular(path: &Path, max_bytes: u64) -> std::io::Result<Vec<u8>> {
-    use std::io::Read as _;
-    let mut bytes = Vec::new();
-    open_regular(path)?
-        .take(max_bytes.saturating_add(1))
-        .read_to_end(&mut bytes)?;
-    if bytes.len() as u64 > max_bytes {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("larger than {max_bytes} bytes"),
-        ));
-    }
-    Ok(bytes)
+    read_at_most(open_regular(path)?, max_bytes)
 }
 
 /// Refuses to replace `path` when it exists and is not a regular file: a

@@ -214,9 +214,12 @@ mod with_the_feature {
     #[test]
     fn a_driver_file_that_does_not_load_or_is_no_driver_is_named() {
         let d = scratch("broken-driver");
-        let cc = |args: &[&std::ffi::OsStr]| {
+        // A shared library `out` of `inputs` (C sources and libraries).
+        let cc = |out: &Path, inputs: &[&Path]| {
             Command::new("cc")
-                .args(args)
+                .args(["-shared", "-fPIC", "-o"])
+                .arg(out)
+                .args(inputs)
                 .status()
                 .is_ok_and(|s| s.success())
         };
@@ -232,27 +235,12 @@ mod with_the_feature {
         )
         .unwrap();
         std::fs::write(empty.join("e.c"), "int not_cuda(void) { return 0; }\n").unwrap();
-        let os = |p: &Path| p.as_os_str().to_owned();
-        let built = cc(&[
-            "-shared".as_ref(),
-            "-fPIC".as_ref(),
-            "-o".as_ref(),
-            &os(&dep.join("libtzfakedep.so")),
-            &os(&dep.join("dep.c")),
-        ]) && cc(&[
-            "-shared".as_ref(),
-            "-fPIC".as_ref(),
-            "-o".as_ref(),
-            &os(&broken.join("libcuda.so")),
-            &os(&broken.join("cuda.c")),
-            &os(&dep.join("libtzfakedep.so")),
-        ]) && cc(&[
-            "-shared".as_ref(),
-            "-fPIC".as_ref(),
-            "-o".as_ref(),
-            &os(&empty.join("libcuda.so")),
-            &os(&empty.join("e.c")),
-        ]);
+        let built = cc(&dep.join("libtzfakedep.so"), &[&dep.join("dep.c")])
+            && cc(
+                &broken.join("libcuda.so"),
+                &[&broken.join("cuda.c"), &dep.join("libtzfakedep.so")],
+            )
+            && cc(&empty.join("libcuda.so"), &[&empty.join("e.c")]);
         if !built {
             eprintln!("no C compiler (cc): the fake drivers cannot be built");
             return;
