@@ -782,7 +782,7 @@ impl ParamStore {
     }
 
     /// The way a slot changes (see the transition table; and
-    /// [`ParamStore::take_read`]).
+    /// `ParamStore::take_read`).
     pub fn apply(&mut self, id: ParamId, event: ParamEvent) -> Result<()> {
         let bytes = self.device_bytes(id);
         let slot = self
