@@ -115,7 +115,8 @@ pub struct Plan {
     /// pinned buffers and NVMe extents.
     pub park: TierBytes,
     /// NVMe bytes one step reads and writes at most, predicted from the
-    /// sizing: params read in every pass, and with speculation every
+    /// sizing: params read in each unit's forward and backward (the head's
+    /// once), and with speculation every
     /// speculated sub-group stepped again after a miss.
     pub nvme_step: (u64, u64),
     /// Whether final gradients are spilled to NVMe until the step.
@@ -203,6 +204,34 @@ pub struct Plan {
     pub swap_slack_bytes: u64,
 }
 
+/// The NVMe bytes one micro-batch reads for the params, at most: each NVMe
+/// param's extent once in the forward and once in the backward of every
+/// unit that uses it, once for the head (it runs in backward alone). Every
+/// param read twice undercounted a tied embedding (three reads: its
+/// embedding's forward and backward, the head's) and overcounted the final
+/// norm (one).
+fn nvme_param_reads_per_micro_batch(model: &Model, layout: &Layout, sizing: &Sizing) -> u64 {
+    layout
+        .params
+        .iter()
+        .zip(&sizing.tiers)
+        .zip(model.params())
+        .filter(|((_, tier), _)| **tier == Tier::Nvme)
+        .map(|((slot, _), p)| {
+            let fetches: u64 = p
+                .units
+                .iter()
+                .map(|u| match model.units().get(u.0).map(|u| &u.kind) {
+                    Some(crate::model::UnitKind::Head) => 1,
+                    _ => 2,
+                })
+                .sum();
+            crate::engine::sizing::align_up(slot.shard_numel as u64 * sizing.param_elem_bytes)
+                * fetches
+        })
+        .sum()
+}
+
 impl Plan {
     /// The plan of a built trainer: its `layout` and the [`Sizing`] it was
     /// built with ([`crate::engine::Trainer::sizing`]); nothing here
@@ -258,9 +287,11 @@ impl Plan {
             nvme_bytes: sizing.grad_park_nvme_bytes,
             ..TierBytes::default()
         };
-        // Predicted NVMe bytes of one step, at most: every NVMe param read
-        // in each pass of each micro-batch (kept params are not read
-        // again) and written once; the optimizer's extents, the state's
+        // Predicted NVMe bytes of one step, at most: every NVMe param read,
+        // in each micro-batch, in the forward and the backward of each unit
+        // that uses it, the head's once (it runs in backward alone): a tied
+        // embedding three times, the final norm once (kept params are not
+        // read again), and written once; the optimizer's extents, the state's
         // and the speculation pool's (none without speculation), read and
         // written once each: the state once, and a missed speculation's
         // re-steps reading and writing their groups' state again, a pool
@@ -282,8 +313,9 @@ impl Plan {
         } else {
             crate::engine::sizing::grad_spill_step_bytes(&shape, &sizing.resident_groups)
         };
+        let param_reads = nvme_param_reads_per_micro_batch(model, layout, sizing);
         let nvme_step = (
-            sizing.param_nvme_bytes * 2 * gas + state_rw + spill_rw + park_rw,
+            param_reads * gas + state_rw + spill_rw + park_rw,
             param_writes + state_rw + spill_rw + park_rw,
         );
         let mut optimizer = TierBytes {
@@ -684,7 +716,7 @@ impl fmt::Display for Plan {
             };
             let _ = writeln!(
                 s,
-                "  NVMe per step (predicted, at most: params read in every pass{misses}): read {}, written {}",
+                "  NVMe per step (predicted, at most: params read in each unit's forward and backward{misses}): read {}, written {}",
                 format_bytes(self.nvme_step.0),
                 format_bytes(self.nvme_step.1)
             );
