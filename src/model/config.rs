@@ -1115,6 +1115,26 @@ mod tests {
         }
     }
 
+    /// An initializer_range whose normal draws are not float32 numbers is
+    /// refused naming it (1e300 trained NaN, every step skipped, exit 0);
+    /// a large one that fits is taken.
+    #[test]
+    fn an_initializer_range_beyond_float32_is_refused() {
+        let e = llama(r#","initializer_range":1e300"#)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("initializer_range") && e.contains("float32"),
+            "{e}"
+        );
+        assert_eq!(
+            llama(r#","initializer_range":1e30"#)
+                .unwrap()
+                .initializer_range,
+            1e30
+        );
+    }
+
     #[test]
     fn rope_conflicts_and_unknown_types_are_errors_naming_them() {
         for (extra, needle) in [

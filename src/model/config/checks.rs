@@ -93,6 +93,20 @@ impl ModelConfig {
                 format!("must be >= 0, got {}", self.initializer_range),
             ));
         }
+        // The seeded init's normal draws (several deviations out) must be
+        // float32 numbers: 1e300 trained NaN at every step, each skipped,
+        // and the run exited 0.
+        let largest = f64::from(f32::MAX) / 16.0;
+        if self.initializer_range > largest {
+            return Err(invalid(
+                "initializer_range",
+                format!(
+                    "{} is too large: normal draws of that deviation are not float32 numbers \
+                     (at most {largest:e}; HF models use about 0.02)",
+                    self.initializer_range
+                ),
+            ));
+        }
         // Absurd sizes are refused before anything is allocated (a model
         // description with n_layer = 2^31 would otherwise allocate its
         // parameter list, and vocab_size = 2^40 its embedding).
