@@ -369,6 +369,17 @@ pub fn read_regular(path: &Path, max_bytes: u64) -> std::io::Result<Vec<u8>> {
     read_at_most(open_regular(path)?, max_bytes)
 }
 
+/// [`read_regular`]'s bytes as UTF-8 text (`InvalidData` where they are
+/// not).
+pub fn read_regular_text(path: &Path, max_bytes: u64) -> std::io::Result<String> {
+    String::from_utf8(read_regular(path, max_bytes)?).map_err(|e| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("not UTF-8 text: {e}"),
+        )
+    })
+}
+
 /// Refuses to replace `path` when it exists and is not a regular file: a
 /// device, a FIFO, a socket, a directory, or a symbolic link (dangling or
 /// not). The rename of an atomic rewrite would put a regular file in its

@@ -143,6 +143,27 @@ mod with_the_feature {
         }
     }
 
+    /// `gpu-info` and `train --device cuda` run in `d` with `lib` (a fake
+    /// driver's directory) as LD_LIBRARY_PATH.
+    fn gpu_commands_with_driver(d: &Path, lib: &Path) -> Vec<Output> {
+        [
+            &["gpu-info"][..],
+            &["train", "--device", "cuda", "--steps", "1"][..],
+        ]
+        .into_iter()
+        .map(|args| {
+            Command::new(env!("CARGO_BIN_EXE_tierzero"))
+                .args(args)
+                .current_dir(d)
+                .env("LD_LIBRARY_PATH", lib)
+                .env_remove("TIERZERO_NCCL_ADDR")
+                .env_remove("TIERZERO_LOG")
+                .output()
+                .expect("run tierzero")
+        })
+        .collect()
+    }
+
     /// A `libcuda.so` whose `cuInit` answers `code`, built with the C
     /// compiler the Rust toolchain links with; `None` without one.
     fn fake_driver(d: &Path, code: i32) -> Option<std::path::PathBuf> {
@@ -186,18 +207,7 @@ mod with_the_feature {
                 eprintln!("no C compiler (cc): the fake driver cannot be built");
                 return;
             };
-            for args in [
-                &["gpu-info"][..],
-                &["train", "--device", "cuda", "--steps", "1"][..],
-            ] {
-                let out = Command::new(env!("CARGO_BIN_EXE_tierzero"))
-                    .args(args)
-                    .current_dir(&d)
-                    .env("LD_LIBRARY_PATH", &lib)
-                    .env_remove("TIERZERO_NCCL_ADDR")
-                    .env_remove("TIERZERO_LOG")
-                    .output()
-                    .expect("run tierzero");
+            for out in gpu_commands_with_driver(&d, &lib) {
                 assert_one_line_refusal(&out, needle);
                 let err = text(&out.stderr);
                 assert!(err.contains("did not initialise"), "{err}");
@@ -263,18 +273,7 @@ mod with_the_feature {
                 )[..]][..],
             ),
         ] {
-            for args in [
-                &["gpu-info"][..],
-                &["train", "--device", "cuda", "--steps", "1"][..],
-            ] {
-                let out = Command::new(env!("CARGO_BIN_EXE_tierzero"))
-                    .args(args)
-                    .current_dir(&d)
-                    .env("LD_LIBRARY_PATH", lib)
-                    .env_remove("TIERZERO_NCCL_ADDR")
-                    .env_remove("TIERZERO_LOG")
-                    .output()
-                    .expect("run tierzero");
+            for out in gpu_commands_with_driver(&d, lib) {
                 for needle in needles {
                     assert_one_line_refusal(&out, needle);
                 }

@@ -126,11 +126,7 @@ fn model_size(path: &Path) -> Result<ModelSize, Failure> {
     } else {
         path.to_path_buf()
     };
-    let text = tierzero::durable::read_regular(&file, 64 << 20)
-        .and_then(|b| {
-            String::from_utf8(b)
-                .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8 text"))
-        })
+    let text = tierzero::durable::read_regular_text(&file, tierzero::model::io::MAX_JSON_BYTES)
         .map_err(|e| bad(format!("--model: cannot read {}: {e}", file.display())))?;
     // Sizes only, nothing is trained or evaluated: an unknown key is warned
     // about (it could still mean tensors this estimate does not count).

@@ -360,11 +360,17 @@ fn whole_document(
 
 /// The largest `tokenizer.json` read (the largest on the hub are tens of
 /// MB).
-pub const MAX_TOKENIZER_BYTES: u64 = 1 << 30;
+const MAX_TOKENIZER_BYTES: u64 = 1 << 30;
 
 /// The user's tokenizer with truncation and padding off (see the module
 /// docs).
 pub fn open_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer> {
+    open_tokenizer_with_bytes(path).map(|(t, _)| t)
+}
+
+/// [`open_tokenizer`], with the file's bytes (the token cache's key hashes
+/// them: read once, not again).
+pub fn open_tokenizer_with_bytes(path: &Path) -> Result<(tokenizers::Tokenizer, Vec<u8>)> {
     let bad = |reason: String| EngineError::Tokenizer {
         path: path.to_owned(),
         reason,
@@ -407,7 +413,7 @@ pub fn open_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer> {
     t.with_truncation(None)
         .map_err(|e| bad(format!("turning truncation off: {e}")))?;
     t.with_padding(None);
-    Ok(t)
+    Ok((t, bytes))
 }
 
 /// What [`encode`] did.

@@ -652,9 +652,7 @@ fn load_text(spec: &DataSpec, vocab_size: usize, progress: &dyn Fn(u64, u64)) ->
         let path = path.to_owned();
         move |source| EngineError::Io { path, source }
     };
-    let tokenizer = encode::open_tokenizer(tok_path)?;
-    let tokenizer_json = crate::durable::read_regular(tok_path, encode::MAX_TOKENIZER_BYTES)
-        .map_err(io(tok_path))?;
+    let (tokenizer, tokenizer_json) = encode::open_tokenizer_with_bytes(tok_path)?;
     let total = std::fs::metadata(&spec.path).map_err(io(&spec.path))?.len();
     let open_docs = || -> Result<encode::Docs<std::io::BufReader<cache::Tally<std::fs::File>>>> {
         let f = std::fs::File::open(&spec.path).map_err(io(&spec.path))?;

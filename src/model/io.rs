@@ -92,17 +92,11 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
 /// [`MAX_JSON_BYTES`] (a link to `/dev/zero` was read until memory ran
 /// out), UTF-8.
 fn read_json_text(path: &Path) -> Result<String, ModelError> {
-    let bytes = crate::durable::read_regular(path, MAX_JSON_BYTES).map_err(io_err(path))?;
-    String::from_utf8(bytes).map_err(|e| {
-        io_err(path)(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("not UTF-8 text: {e}"),
-        ))
-    })
+    crate::durable::read_regular_text(path, MAX_JSON_BYTES).map_err(io_err(path))
 }
 
-/// The largest `config.json` or safetensors index read.
-const MAX_JSON_BYTES: u64 = 64 << 20;
+/// The largest model `config.json` or safetensors index read.
+pub const MAX_JSON_BYTES: u64 = 64 << 20;
 
 fn bad_file(path: &Path, reason: impl Into<String>) -> ModelError {
     ModelError::BadSafetensors {
