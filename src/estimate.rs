@@ -563,6 +563,11 @@ pub struct Inputs {
     /// Params stored as bf16 (the device optimizer then keeps fp32 masters
     /// beside them).
     pub bf16_params: bool,
+    /// With the model known: the elements and the count of its
+    /// persistent params (`crate::engine::sizing::persistent_params`),
+    /// which stage 3 keeps whole in host memory beside their homes when
+    /// the params are offloaded; `(0, 0)` from a size alone.
+    pub persistent: (u64, u64),
     /// With the model known: rank 0's shape as the trainer lays it out
     /// ([`Shape::of`]: its param shards in `ParamId` order, its optimizer
     /// sub-groups, those of the first forward units marked). The trainer
@@ -1191,6 +1196,7 @@ mod tests {
             swap,
             device_adam_refusal: None,
             bf16_params: true,
+            persistent: (0, 0),
             shape: None,
             largest_unit_groups: None,
         }

@@ -340,6 +340,22 @@ fn estimate_from_model_and_config() {
     assert_eq!(r["inputs"]["param_elem_bytes"], 2);
     assert_eq!(r["inputs"]["moment_elem_bytes"], 2);
     assert_eq!(r["inputs"]["swap"]["sub_group_numel"], 10_000_000u64);
+    // Persistent params (at most 1e5 elements each, DeepSpeed's default
+    // threshold): the biases and layer norms, 8 params of 9984 elements a
+    // block (ln_1's two 1536, c_attn's bias 2304, c_proj's 768, ln_2's two
+    // 1536, c_fc's 3072, mlp c_proj's 768) and ln_f's two, 1536; every
+    // weight is larger.
+    // Whole bf16 tensors in host memory for the run.
+    assert_eq!(
+        r["inputs"]["persistent"],
+        serde_json::json!([12 * 9984 + 1536, 12 * 8 + 2])
+    );
+    let held = items_named(
+        estimate_of(&r, 3, "nvme", "nvme"),
+        "persistent params (whole, never released)",
+    );
+    assert_eq!(u(&held["bytes"]), (12 * 9984 + 1536) * 2, "{held}");
+    assert_eq!(held["tier"], "pageable");
     // bf16, one rank, one micro-batch: the host holds each gradient as it
     // came, but in the groups of the tied wte (its two units' gradients
     // add up): those hold fp32 sums, the wte and at most its neighbours

@@ -136,6 +136,11 @@ fn hf_zero3_auto_without_run_values_uses_hf_and_deepspeed_defaults() {
     assert_eq!(c.zero.reduce_bucket_numel, Numel(500_000_000));
     assert_eq!(c.zero.prefetch_bucket_numel, Numel(50_000_000));
     assert_eq!(c.zero.param_persistence_threshold_numel, Numel(100_000));
+    // DeepSpeed's default, sys.maxsize: no bound.
+    assert_eq!(
+        c.zero.model_persistence_threshold_numel,
+        Numel(i64::MAX as u64)
+    );
     let src = l
         .resolved
         .iter()

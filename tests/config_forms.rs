@@ -307,6 +307,7 @@ fn deprecated_aliases_are_accepted_with_warnings() {
             "stage3_gather_fp16_weights_on_model_save": true,
             "prefetch_bucket_size": 1234,
             "param_persistence_threshold": 55,
+            "model_persistence_threshold": 77,
             "max_live_parameters": 999
         },
         "aio": {"thread_count": 3}
@@ -324,6 +325,7 @@ fn deprecated_aliases_are_accepted_with_warnings() {
     assert!(c.zero.gather_16bit_weights_on_model_save);
     assert_eq!(c.zero.prefetch_bucket_numel, Numel(1234));
     assert_eq!(c.zero.param_persistence_threshold_numel, Numel(55));
+    assert_eq!(c.zero.model_persistence_threshold_numel, Numel(77));
     assert_eq!(c.zero.max_live_parameters_numel, Numel(999));
     assert_eq!(c.aio.intra_op_parallelism, 3);
     let deprecated: Vec<&str> = l

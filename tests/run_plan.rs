@@ -779,3 +779,58 @@ fn param_slots_are_cut_to_the_pinned_budget_down_to_buffer_count() {
     let err = build(&cfg).err().unwrap();
     assert!(err.contains(&(4 * slot).to_string()), "{err}");
 }
+
+/// Persistent params (DeepSpeed's two thresholds) are whole tensors the
+/// prefetcher never releases: the plan counts them as the params' host
+/// bytes, and after a step the store holds exactly those. Every param of
+/// this model is under the default threshold: the whole model stayed in
+/// the heap while the plan said the params were on NVMe alone.
+#[test]
+fn the_plan_counts_the_persistent_params_the_store_keeps() {
+    let d = scratch("persistent");
+    let run = RunContext {
+        path_checks: PathChecks::Check,
+        ..RunContext::default()
+    };
+    let with = |threshold: u64, model_threshold: Option<u64>| {
+        let mut cfg = ds(&d, false, None);
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = json!(threshold);
+        if let Some(m) = model_threshold {
+            cfg["zero_optimization"]["stage3_model_persistence_threshold"] = json!(m);
+        }
+        let config = load_str(&cfg.to_string(), &run).unwrap().config;
+        let mut t = trainer(&d, &cfg).unwrap();
+        let plan = Plan::new(&config, t.model(), t.layout(), t.sizing(), "cpu".into());
+        t.step().unwrap();
+        t.step().unwrap();
+        (plan, t.store().resident_bytes(), t.model().numel() as u64)
+    };
+    // Every param persistent: all of them stay, and the plan says so.
+    let (plan, resident, numel) = with(1_000_000_000, None);
+    assert_eq!(plan.params.host_bytes, numel * 4);
+    assert_eq!(resident, plan.params.host_bytes);
+    assert_eq!(plan.persistent_params, plan.params_per_tier[2]);
+    let text = plan.to_string();
+    assert!(
+        text.contains(&format!(
+            "params (host: {} persistent)",
+            plan.persistent_params
+        )),
+        "{text}"
+    );
+    assert!(plan.host_working_bytes() >= numel * 4);
+    // None (the default of this file's config): no host row.
+    let (plan, _, _) = with(0, None);
+    assert_eq!((plan.params.host_bytes, plan.persistent_params), (0, 0));
+    assert!(plan.to_string().contains("  params    "), "{plan}");
+    // The model threshold bounds them (10 000 elements of 4 B): fewer
+    // params, and the store keeps them and at most the first units'
+    // updated params (written through for the next forward) beside.
+    let (plan, resident, numel) = with(1_000_000_000, Some(10_000));
+    assert!(
+        plan.params.host_bytes > 0 && plan.params.host_bytes <= 40_000,
+        "{plan}"
+    );
+    assert!(plan.persistent_params < plan.params_per_tier[2]);
+    assert!(resident >= plan.params.host_bytes && resident < numel * 4);
+}

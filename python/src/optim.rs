@@ -560,9 +560,10 @@ impl OffloadAdam {
 /// `offload` ("none" / "cpu" / "nvme"), `nvme_path`, `sub_group_size`
 /// (elements), `pinned_budget_bytes` (None: what the pipeline needs),
 /// `pin_memory`; for the params `param_offload`, `param_nvme_path`,
-/// `prefetch_bucket_size`, `max_live_parameters` and
+/// `prefetch_bucket_size`, `max_live_parameters`,
 /// `param_persistence_threshold` (elements: `"auto"` by HF's rule of the
-/// model's `hidden_size` where given, else DeepSpeed's defaults);
+/// model's `hidden_size` where given, else DeepSpeed's defaults) and
+/// `model_persistence_threshold`;
 /// `gradient_clipping` (None where absent or `"auto"`); and
 /// `unknown_keys` (for a warning).
 ///
@@ -659,6 +660,10 @@ pub fn ds_offload_settings(
     d.set_item(
         "param_persistence_threshold",
         c.zero.param_persistence_threshold_numel.0,
+    )?;
+    d.set_item(
+        "model_persistence_threshold",
+        c.zero.model_persistence_threshold_numel.0,
     )?;
     let resolved = if with_block {
         let o = &c.optimizer;

@@ -95,6 +95,33 @@ def test_a_forward_that_raised_leaves_no_param_live():
     h.remove()
 
 
+def test_persistence_follows_deepspeed_s_two_thresholds():
+    # At most param_persistence_threshold elements (DeepSpeed's <=), within
+    # model_persistence_threshold in all, in named_parameters order: a
+    # param that would pass the model bound gets a home. Without the model
+    # bound every small param stayed on the module, whatever the model's size.
+    from tierzero.offload import home_of
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))  # 16, 4, 16, 4
+    homed = lambda: [home_of(p) is not None for p in m.parameters()]  # noqa: E731
+    h = tzt.offload_parameters(m, "cpu", param_persistence_threshold=16)
+    assert homed() == [False] * 4
+    h.remove()
+    h = tzt.offload_parameters(m, "cpu", param_persistence_threshold=15)
+    assert homed() == [True, False, True, False]
+    h.remove()
+    h = tzt.offload_parameters(m, "cpu", param_persistence_threshold=100, model_persistence_threshold=20)
+    assert homed() == [False, False, True, True]
+    h.remove()
+    cfg = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                 "stage3_param_persistence_threshold": 100,
+                                 "stage3_model_persistence_threshold": 36}}
+    h = tzt.offload_parameters(m, ds_config=cfg)
+    assert homed() == [False, False, False, True]
+    h.remove()
+    assert homed() == [False] * 4
+
+
 def test_a_second_offload_of_an_offloaded_model_is_refused(tmp_path):
     # Its params' placeholders are empty, under any threshold: the second
     # offload_parameters offloaded nothing and said nothing.

@@ -14,8 +14,10 @@ tierzero's I/O through ``tierzero.deepspeed.install()``;
 
 DeepSpeed's mechanism, on tierzero's I/O:
 
-- every param larger than the persistence threshold gets a home on its
-  tier: a host copy (``device="cpu"``; pageable memory, so a CUDA param's
+- every param but the persistent ones (DeepSpeed's rule: at most
+  ``param_persistence_threshold`` elements, within
+  ``model_persistence_threshold`` in all, in ``named_parameters`` order)
+  gets a home on its tier: a host copy (``device="cpu"``; pageable memory, so a CUDA param's
   fetch is a blocking copy) or a region of one file under ``nvme_path`` (``"nvme"``, through
   ``tierzero.aio``, O_DIRECT, 4096-aligned regions);
 - a forward pre-hook on each module that owns params fetches them
@@ -114,6 +116,7 @@ import importlib
 import itertools
 import os
 import re
+import sys
 import warnings
 import weakref
 
@@ -273,6 +276,7 @@ class ParamOffload:
         prefetch_bucket_size=50_000_000,
         max_live_parameters=1_000_000_000,
         param_persistence_threshold=100_000,
+        model_persistence_threshold=sys.maxsize,
         aio=None,
         whole_modules=(),
     ):
@@ -286,6 +290,7 @@ class ParamOffload:
         self.prefetch_bucket_size = int(prefetch_bucket_size)
         self.max_live_parameters = int(max_live_parameters)
         self.persistence_threshold = int(param_persistence_threshold)
+        self.model_persistence_threshold = int(model_persistence_threshold)
         self._aio = aio if aio is not None else (aio_handle() if device == "nvme" else None)
         self._file = None
         self._dirty = set()
@@ -299,6 +304,11 @@ class ParamOffload:
         # Homes: every param above the threshold, once (shared params too).
         self._module_homes: dict = {}
         seen = {}  # id(param) -> _Home
+        # DeepSpeed's persistence rule, in named_parameters order: at most
+        # the threshold's elements, within the model threshold in all (a
+        # param that would pass it is homed; a later smaller one may fit).
+        persistent = set()  # id(param)
+        persistent_numel = 0
         offset = 0
         for module in model.modules():
             homes = []
@@ -311,7 +321,15 @@ class ParamOffload:
                         "a parameter is already offloaded by another offload_parameters; "
                         "call remove() on that one first"
                     )
-                if p is None or p.numel() <= self.persistence_threshold:
+                if p is None or id(p) in persistent:
+                    continue
+                if (
+                    id(p) not in seen
+                    and p.numel() <= self.persistence_threshold
+                    and persistent_numel + p.numel() <= self.model_persistence_threshold
+                ):
+                    persistent.add(id(p))
+                    persistent_numel += p.numel()
                     continue
                 if id(p) not in seen:
                     h = _Home(p, self)
@@ -958,8 +976,9 @@ def offload_parameters(model, device=None, nvme_path=None, *, ds_config=None, **
     """Offloads ``model``'s params (see the module docs); returns the
     ``ParamOffload`` whose ``remove()`` restores the model. ``ds_config``
     (a path or a dict) supplies ``offload_param.device`` / ``nvme_path``,
-    ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters`` and
-    ``stage3_param_persistence_threshold`` where they are not given; one
+    ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``,
+    ``stage3_param_persistence_threshold`` and
+    ``stage3_model_persistence_threshold`` where they are not given; one
     whose ``offload_param.device`` is ``"none"`` (or absent), with no
     ``device``, is a ``ValueError``. ``"auto"`` bucket and threshold are
     HF's rule (0.9 x hidden² and 10 x hidden elements, as ``tierzero
@@ -985,4 +1004,5 @@ def offload_parameters(model, device=None, nvme_path=None, *, ds_config=None, **
         kw.setdefault("prefetch_bucket_size", s["prefetch_bucket_size"])
         kw.setdefault("max_live_parameters", s["max_live_parameters"])
         kw.setdefault("param_persistence_threshold", s["param_persistence_threshold"])
+        kw.setdefault("model_persistence_threshold", s["model_persistence_threshold"])
     return ParamOffload(model, device or "cpu", nvme_path, **kw)

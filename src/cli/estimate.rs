@@ -186,6 +186,8 @@ struct FromConfig {
     device_adam_refusal: Option<String>,
     /// [`Inputs::bf16_params`].
     bf16_params: bool,
+    /// [`Inputs::persistent`]: `(0, 0)` without a model.
+    persistent: (u64, u64),
 }
 
 /// The start-up plan `tierzero train` prints for the config `text` and
@@ -341,6 +343,19 @@ fn load_config(
         // Without a config the params are taken as 16-bit (2 B, above):
         // bf16, the 16-bit precision Adam on the device takes.
         bf16_params: path.is_none() || matches!(c.precision, tierzero::config::Precision::Bf16),
+        persistent: model.map_or((0, 0), |m| {
+            tierzero::engine::sizing::persistent_params(
+                m.params().iter().map(|p| p.numel as u64),
+                c.zero.param_persistence_threshold_numel.0,
+                c.zero.model_persistence_threshold_numel.0,
+            )
+            .into_iter()
+            .zip(m.params())
+            .filter(|(persistent, _)| *persistent)
+            .fold((0, 0), |(numel, count), (_, p)| {
+                (numel + p.numel as u64, count + 1)
+            })
+        }),
         shape: model.map(|m| {
             let world = usize::try_from(ranks).unwrap_or(usize::MAX);
             let sub_group = usize::try_from(c.zero.sub_group_numel.0).unwrap_or(usize::MAX);
@@ -471,6 +486,7 @@ pub fn run(a: EstimateArgs) -> Result<(), Failure> {
         swap: cfg.swap,
         device_adam_refusal: cfg.device_adam_refusal,
         bf16_params: cfg.bf16_params,
+        persistent: cfg.persistent,
         largest_unit_groups: cfg.shape.as_ref().map(|s| s.1),
         shape: cfg.shape.map(|s| s.0),
     };

@@ -362,6 +362,10 @@ section! {
         /// `stage3_param_persistence_threshold` (elements, default 1e5).
         stage3_param_persistence_threshold: AutoOr<u64> = AutoOr::Value(100_000) => auto(int),
             alias "param_persistence_threshold";
+        /// `stage3_model_persistence_threshold` (elements, default
+        /// `sys.maxsize`): the persistent params' elements at most.
+        stage3_model_persistence_threshold: u64 = i64::MAX as u64 => int,
+            alias "model_persistence_threshold";
         /// `stage3_max_live_parameters` (elements, default 1e9).
         stage3_max_live_parameters: u64 = 1_000_000_000 => int, alias "max_live_parameters";
         /// `stage3_max_reuse_distance` (elements, default 1e9).
@@ -384,8 +388,6 @@ section! {
         "allgather_bucket_size",
         "use_multi_rank_bucket_allreduce",
         "load_from_fp32_weights",
-        "stage3_model_persistence_threshold",
-        "model_persistence_threshold",
         "round_robin_gradients",
         "zero_hpz_partition_size",
         "zero_quantized_weights",

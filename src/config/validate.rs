@@ -302,8 +302,14 @@ pub struct Zero {
     pub sub_group_numel: Numel,
     /// Prefetch bucket (`stage3_prefetch_bucket_size`).
     pub prefetch_bucket_numel: Numel,
-    /// Params below this stay resident (`stage3_param_persistence_threshold`).
+    /// Params of at most this many elements stay resident
+    /// (`stage3_param_persistence_threshold`), within
+    /// `model_persistence_threshold_numel` in all.
     pub param_persistence_threshold_numel: Numel,
+    /// The persistent params' elements at most
+    /// (`stage3_model_persistence_threshold`; see
+    /// [`crate::engine::sizing::persistent_params`]).
+    pub model_persistence_threshold_numel: Numel,
     /// Gathered elements resident at most (`stage3_max_live_parameters`).
     pub max_live_parameters_numel: Numel,
     /// Keep a param if reused within this many elements (`stage3_max_reuse_distance`).
@@ -844,6 +850,7 @@ pub(crate) fn validate(
         sub_group_numel: Numel(sub_group),
         prefetch_bucket_numel: Numel(prefetch_bucket),
         param_persistence_threshold_numel: Numel(persistence),
+        model_persistence_threshold_numel: Numel(z.stage3_model_persistence_threshold),
         max_live_parameters_numel: Numel(z.stage3_max_live_parameters),
         max_reuse_distance_numel: Numel(z.stage3_max_reuse_distance),
         gather_16bit_weights_on_model_save: gather16,

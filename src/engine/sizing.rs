@@ -25,7 +25,10 @@
 //! - the NVMe bytes of the swap files, and the bytes to page-lock;
 //! - how the host holds each sub-group's gradients for the CPU optimizer
 //!   ([`grad_sum_dtype`]): fp32 sums, or the bf16 gradients themselves
-//!   where each element gets exactly one a step.
+//!   where each element gets exactly one a step;
+//! - which params persist (never released: [`persistent_params`],
+//!   DeepSpeed's two persistence thresholds) and the host bytes the
+//!   offloaded ones hold beside their homes ([`persistent_host_bytes`]).
 //!
 //! `Trainer::build` maps exactly what it returns; the start-up plan
 //! ([`crate::run::Plan`]) prints the [`Sizing`] the trainer was built
@@ -47,6 +50,7 @@ use crate::model::Model;
 
 mod grads;
 mod head;
+mod persistent;
 mod speculation;
 mod swap;
 pub use grads::{
@@ -56,6 +60,7 @@ pub use grads::{
     values_in_flight, SumDtype,
 };
 pub use head::{check_logits_memory, logits_bytes, TRAIN_LOGITS_COPIES};
+pub use persistent::{persistent_host_bytes, persistent_offloaded, persistent_params};
 pub use speculation::{
     speculation_kept_grads, speculation_pool, speculation_slots, SpeculationAsk, SpeculationPool,
 };

@@ -281,6 +281,20 @@ pub fn items_within(
             }
         }
     }
+    // Persistent params (the model's, when known): whole tensors in the
+    // heap beside their homes for the run (the plan's params host bytes).
+    let (persistent_numel, persistent_count) = inp.persistent;
+    if c.stage == Stage::Parameters && c.params != Offload::None && persistent_numel > 0 {
+        push(
+            Tier::Pageable,
+            "persistent params (whole, never released)",
+            mul(persistent_numel, p, "persistent params")?,
+            format!(
+                "{persistent_count} params of at most stage3_param_persistence_threshold \
+                 elements, {persistent_numel} in all × {p} B"
+            ),
+        );
+    }
     if c.stage == Stage::Parameters && !(r == 1 && c.params == Offload::None) {
         push(
             Tier::Device,

@@ -99,9 +99,13 @@ pub struct Plan {
     pub largest_param_numel: u64,
     /// Parameters whose home is each tier: (device, cpu, nvme) counts.
     pub params_per_tier: [usize; 3],
+    /// Of the cpu- and NVMe-tier params, those persistent
+    /// ([`crate::engine::sizing::persistent_params`]): whole tensors held
+    /// in the heap for the run, the params row's host bytes.
+    pub persistent_params: usize,
     /// Bytes per stored parameter element (2 or 4).
     pub param_elem_bytes: u64,
-    /// Stored 16-bit/fp32 parameters.
+    /// Stored 16-bit/fp32 parameters (host: the persistent ones' tensors).
     pub params: TierBytes,
     /// Gradients: host accumulators (at most; freed per sub-group once
     /// final; fp32 sums, or bf16 gradients held as they came:
@@ -260,6 +264,16 @@ impl Plan {
         }
         params.pinned_bytes = sizing.cpu_pages.total_bytes();
         params.nvme_bytes = sizing.param_nvme_bytes;
+        // Persistent offloaded params: whole tensors in the heap beside
+        // their homes for the run (the prefetcher never releases them).
+        let whole_numel: Vec<u64> = model.params().iter().map(|p| p.numel as u64).collect();
+        let (persistent_numel, persistent_params) = crate::engine::sizing::persistent_offloaded(
+            &whole_numel,
+            &sizing.tiers,
+            zero.param_persistence_threshold_numel.0,
+            zero.model_persistence_threshold_numel.0,
+        );
+        params.host_bytes = persistent_numel.saturating_mul(elem);
 
         let opt_nvme = zero.offload_optimizer.device.nvme_path();
         let unit_groups = crate::engine::sizing::largest_unit_groups(model, layout);
@@ -333,6 +347,7 @@ impl Plan {
                 .max()
                 .unwrap_or(0),
             params_per_tier: per_tier,
+            persistent_params,
             param_elem_bytes: elem,
             params,
             grads,
@@ -528,7 +543,14 @@ impl fmt::Display for Plan {
                     params_pinned,
                 ),
             ),
-            _ => row(&mut s, "params", &unpinned(&self.params, params_pinned)),
+            _ => row(
+                &mut s,
+                &match self.persistent_params {
+                    0 => "params".to_owned(),
+                    k => format!("params (host: {k} persistent)"),
+                },
+                &unpinned(&self.params, params_pinned),
+            ),
         }
         let adam_on_device = self
             .device_memory

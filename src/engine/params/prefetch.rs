@@ -38,7 +38,10 @@
 //! # Release
 //!
 //! After a visit, each of its params is kept resident when
-//! * it is smaller than `stage3_param_persistence_threshold` (persistent);
+//! * it is persistent: at most `stage3_param_persistence_threshold`
+//!   elements, within `stage3_model_persistence_threshold` in all
+//!   (DeepSpeed's rule, [`crate::engine::sizing::persistent_params`]; the
+//!   plan counts their host bytes);
 //! * it is in the device cache: the `tierzero.device_cache_bytes` budget is
 //!   filled first-come by params as they are released, and a cached param
 //!   stays resident across steps (the optimizer updates it in place);
@@ -109,6 +112,8 @@ pub struct Limits {
     pub max_reuse_distance_numel: u64,
     /// `stage3_param_persistence_threshold`.
     pub persistence_threshold_numel: u64,
+    /// `stage3_model_persistence_threshold`.
+    pub model_persistence_threshold_numel: u64,
     /// `tierzero.device_cache_bytes`.
     pub device_cache_bytes: u64,
 }
@@ -137,6 +142,9 @@ pub struct Prefetcher {
     /// Params of the first forward units, up to [`keep_bound_numel`]
     /// elements (at least the first unit): see [`Prefetcher::keep_after_update`].
     first_units: Vec<bool>,
+    /// Per param: persistent, never released
+    /// ([`crate::engine::sizing::persistent_params`]).
+    persistent: Vec<bool>,
 }
 
 impl Prefetcher {
@@ -146,6 +154,11 @@ impl Prefetcher {
             model.units().iter().map(|u| u.params.clone()).collect();
         let numel: Vec<u64> = model.params().iter().map(|p| p.numel as u64).collect();
         let first_units = Self::first_units(model, keep_bound_numel(&limits));
+        let persistent = crate::engine::sizing::persistent_params(
+            numel.iter().copied(),
+            limits.persistence_threshold_numel,
+            limits.model_persistence_threshold_numel,
+        );
         Prefetcher {
             state: TraceState::Record(Vec::new()),
             limits,
@@ -155,6 +168,7 @@ impl Prefetcher {
             cache_bytes: 0,
             rerecords: 0,
             first_units,
+            persistent,
         }
     }
 
@@ -278,8 +292,8 @@ impl Prefetcher {
 
     /// Whether `p`, just used, stays resident.
     pub fn keep(&mut self, p: ParamId, bytes: u64, live_numel: u64) -> bool {
-        let n = self.numel.get(p.0).copied().unwrap_or(0);
-        if n < self.limits.persistence_threshold_numel || self.cached.contains(&p) {
+        let persistent = self.persistent.get(p.0).copied().unwrap_or(false);
+        if persistent || self.cached.contains(&p) {
             return true;
         }
         // Kept, it stays live: never past `stage3_max_live_parameters`
@@ -353,6 +367,7 @@ mod tests {
             max_live_numel: u64::MAX,
             max_reuse_distance_numel: 0,
             persistence_threshold_numel: 0,
+            model_persistence_threshold_numel: u64::MAX,
             device_cache_bytes: 0,
         };
         let mut s = Prefetcher::new(model, limits);

@@ -1341,6 +1341,7 @@ mod tests {
             max_live_numel: total / 2,
             max_reuse_distance_numel: 0,
             persistence_threshold_numel: 0,
+            model_persistence_threshold_numel: u64::MAX,
             device_cache_bytes: 0,
         }
     }

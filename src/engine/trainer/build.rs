@@ -664,6 +664,7 @@ fn limits(config: &Config) -> Limits {
         max_live_numel: zero.max_live_parameters_numel.0,
         max_reuse_distance_numel: zero.max_reuse_distance_numel.0,
         persistence_threshold_numel: zero.param_persistence_threshold_numel.0,
+        model_persistence_threshold_numel: zero.model_persistence_threshold_numel.0,
         // `"auto"` is the device tier's (`crate::engine::device::TierLimits::of`):
         // with CPU compute the params' host memory is the tiers', and a
         // cache kept here would grow with the model.
