@@ -23,6 +23,7 @@
 //!   descriptions conflict even within one process.
 
 use std::fs::File;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use tierzero_swap::lock::{open_lock_file, try_lock, write_pid, TryLock};
@@ -37,6 +38,9 @@ pub const LOCK_FILE: &str = ".lock";
 pub struct SaveDirLock {
     /// The save dir, canonical.
     dir: PathBuf,
+    /// The locked file's device and inode: what [`SaveDirLock::covers`]
+    /// checks, since the path alone may name another run's dir by then.
+    file_id: (u64, u64),
     /// Holds the flock.
     _file: File,
 }
@@ -64,7 +68,12 @@ impl SaveDirLock {
         }
         // Ours now: record our pid for the message of the next one.
         write_pid(&mut file).map_err(io_err("writing", &path))?;
-        Ok(SaveDirLock { dir, _file: file })
+        let meta = file.metadata().map_err(io_err("reading", &path))?;
+        Ok(SaveDirLock {
+            dir,
+            file_id: (meta.dev(), meta.ino()),
+            _file: file,
+        })
     }
 
     /// The save dir it locks (canonical).
@@ -72,9 +81,16 @@ impl SaveDirLock {
         &self.dir
     }
 
-    /// Whether it locks `save_dir`.
+    /// Whether it locks `save_dir`: the same canonical path, and its
+    /// `.lock` still the file this lock holds. A save dir moved or removed
+    /// while the run lived, and made again at its path by another run that
+    /// locked it, has the same path but another `.lock`: compared by path
+    /// alone, the first run went on saving into the second's dir, pointing
+    /// its `latest` at the first run's steps, and the second replaced them.
     pub fn covers(&self, save_dir: &Path) -> bool {
         save_dir.canonicalize().is_ok_and(|d| d == self.dir)
+            && std::fs::symlink_metadata(self.dir.join(LOCK_FILE))
+                .is_ok_and(|m| (m.dev(), m.ino()) == self.file_id)
     }
 }
 
@@ -107,6 +123,28 @@ mod tests {
                 & 0o777
         };
         assert_eq!(mode, 0o600);
+    }
+
+    #[test]
+    fn a_save_dir_replaced_at_its_path_is_not_covered() {
+        let d = tempfile::tempdir().unwrap();
+        let ck = d.path().join("ck");
+        std::fs::create_dir(&ck).unwrap();
+        let a = SaveDirLock::acquire(&ck).unwrap();
+        // The user moves the dir away while the run lives; another run
+        // makes it again and locks it.
+        std::fs::rename(&ck, d.path().join("ck-old")).unwrap();
+        assert!(!a.covers(&ck), "moved away");
+        std::fs::create_dir(&ck).unwrap();
+        let b = SaveDirLock::acquire(&ck).unwrap();
+        assert!(b.covers(&ck));
+        assert!(!a.covers(&ck), "the same path, another run's lock");
+        // Taking it again is refused, naming the holder (here this
+        // process, through another open file description).
+        assert!(matches!(
+            SaveDirLock::acquire(&ck),
+            Err(CheckpointError::Locked { .. })
+        ));
     }
 
     #[test]
