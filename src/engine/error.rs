@@ -46,6 +46,47 @@ pub enum EngineError {
         /// The smallest budget that works.
         required_bytes: u64,
     },
+    /// What the run would page-lock exceeds `RLIMIT_MEMLOCK`, with
+    /// `tierzero.memlock: "require"`: the numbers, and the fixes that work
+    /// for what it locks.
+    #[error(
+        "the run page-locks {lock} ({what}) and RLIMIT_MEMLOCK allows {headroom} more \
+         ({limit_bytes} bytes, {locked_bytes} locked already). Fix: raise it (`ulimit -l \
+         unlimited`, `memlock` in /etc/security/limits.conf, `LimitMEMLOCK=infinity` for \
+         systemd, `--ulimit memlock=-1` for docker); or run unlocked: tierzero.memlock \"auto\" \
+         (warns and runs unlocked), or pin_memory false in the offload blocks; or lock less: \
+         {lower}",
+        lock = crate::units::format_bytes(*lock_bytes),
+        what = match (lock_bytes.saturating_sub(*cpu_pages_bytes), *cpu_pages_bytes) {
+            (_, 0) => "swap buffers".to_owned(),
+            (0, _) => "the cpu tier's pages: the params themselves".to_owned(),
+            (buffers, pages) => format!(
+                "{} of swap buffers, {} of the cpu tier's pages",
+                crate::units::format_bytes(buffers),
+                crate::units::format_bytes(pages)
+            ),
+        },
+        headroom = crate::units::format_bytes(limit_bytes.saturating_sub(*locked_bytes)),
+        lower = if lock_bytes > cpu_pages_bytes {
+            "fewer or smaller swap buffers (zero_optimization.offload_param.buffer_count / \
+             buffer_size, offload_optimizer.buffer_count, sub_group_size; \
+             tierzero.pinned_budget_bytes caps them)"
+        } else {
+            "the params on NVMe (offload_param.device \"nvme\", max_in_cpu 0)"
+        },
+    )]
+    Memlock {
+        /// Bytes the run would page-lock (the plan's pinned total, less
+        /// what `pin_memory: false` leaves pageable).
+        lock_bytes: u64,
+        /// Of those, the cpu tier's pages (the params with
+        /// `offload_param: cpu`, or `max_in_cpu`'s).
+        cpu_pages_bytes: u64,
+        /// `RLIMIT_MEMLOCK`'s soft limit.
+        limit_bytes: u64,
+        /// Bytes this process has locked already.
+        locked_bytes: u64,
+    },
     /// What the run holds in host memory from its start (its pinned
     /// buffers and pages, its optimizer state in host memory) exceeds the
     /// memory available: the mapping or the allocation would fail, or

@@ -81,7 +81,7 @@ pub enum SwapError {
     },
 
     /// `RLIMIT_MEMLOCK` is below the pinned budget.
-    #[error("cannot pin {requested_bytes} bytes: RLIMIT_MEMLOCK is {limit_bytes} bytes ({locked_bytes} already locked). Fix: raise it (`ulimit -l unlimited`, `memlock` in /etc/security/limits.conf, `LimitMEMLOCK=infinity` for systemd, `--ulimit memlock=-1` for docker), or lower the pinned budget to at most {limit_bytes} bytes")]
+    #[error("cannot pin {requested_bytes} bytes: RLIMIT_MEMLOCK is {limit_bytes} bytes ({locked_bytes} already locked). Fix: raise it (`ulimit -l unlimited`, `memlock` in /etc/security/limits.conf, `LimitMEMLOCK=infinity` for systemd, `--ulimit memlock=-1` for docker), or pin at most {headroom} bytes more", headroom = limit_bytes.saturating_sub(*locked_bytes))]
     MemlockTooLow {
         requested_bytes: u64,
         limit_bytes: u64,

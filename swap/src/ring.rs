@@ -33,6 +33,12 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
+
+/// Whether a locked arena's io_uring registration refused for
+/// RLIMIT_MEMLOCK was said (once a process: every ring meets the same
+/// limit).
+static REGISTER_ENOMEM_SAID: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
 use io_uring::{opcode, types, IoUring};
 
 use crate::arena::PinnedArena;
@@ -252,6 +258,33 @@ fn setup(
             // enough, not one per ring.
             Err(e) if !arena.is_locked() && e.raw_os_error() == Some(libc::ENOMEM) => {
                 tracing::debug!(error = %e, buffers = iovecs.len(), "unlocked arena's buffers not registered with io_uring; unregistered reads and writes");
+                false
+            }
+            // A locked arena refused ENOMEM: io_uring charges each ring's
+            // registration against RLIMIT_MEMLOCK again (beside mlock's
+            // own charge), so with several rings the limit that locked the
+            // arena is short by a ring's worth each. One warning a
+            // process, with the numbers (it was one per ring, none).
+            Err(e) if e.raw_os_error() == Some(libc::ENOMEM) => {
+                let bytes: u64 = iovecs.iter().map(|v| v.iov_len as u64).sum();
+                if !REGISTER_ENOMEM_SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    let info = crate::arena::MemlockInfo::current();
+                    tracing::warn!(
+                        registered_bytes = bytes,
+                        memlock_limit_bytes = info.limit_bytes,
+                        locked_bytes = info.locked_bytes,
+                        "io_uring refused to register {bytes} bytes of pinned buffers: it charges \
+                         each ring's registration against RLIMIT_MEMLOCK ({} bytes, {} locked \
+                         already) beside the lock itself; reads and writes go unregistered (the \
+                         same bytes, a little more CPU). Fix: raise the limit by this many bytes \
+                         per ring thread and two rings each (`ulimit -l unlimited`), or run with \
+                         CAP_IPC_LOCK",
+                        info.limit_bytes,
+                        info.locked_bytes
+                    );
+                } else {
+                    tracing::debug!(error = %e, registered_bytes = bytes, "buffers not registered with io_uring (RLIMIT_MEMLOCK)");
+                }
                 false
             }
             Err(e) => {

@@ -11,6 +11,7 @@ pub(super) fn startup_failure(e: EngineError) -> Failure {
         EngineError::Swap(s) => Failure::from_swap(s, "setting up NVMe swap"),
         EngineError::Config { .. }
         | EngineError::PinnedBudget { .. }
+        | EngineError::Memlock { .. }
         | EngineError::HostMemory { .. }
         | EngineError::NvmeSpace { .. }
         | EngineError::ParamTooLarge { .. }

@@ -181,7 +181,7 @@
 //! total is compared with `RLIMIT_MEMLOCK` (unless the process has
 //! `CAP_IPC_LOCK`) before anything is mapped: if it does not fit,
 //! `tierzero.memlock = "require"` refuses with the numbers and the fix
-//! ([`tierzero_swap::SwapError::MemlockTooLow`]), and `"auto"` (the
+//! ([`crate::engine::EngineError::Memlock`]), and `"auto"` (the
 //! default) logs one warning with the numbers and runs with unlocked
 //! buffers, so the out-of-the-box run works under a default 8 MiB limit.
 

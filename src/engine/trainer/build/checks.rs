@@ -314,11 +314,16 @@ pub(super) fn check_memlock(config: &Config, sizing: &Sizing) -> Result<bool> {
     let lockable = lock_bytes == 0 || info.check(lock_bytes).is_ok();
     if !lockable {
         if config.tierzero.memlock == config::Memlock::Require {
-            return Err(EngineError::Swap(SwapError::MemlockTooLow {
-                requested_bytes: lock_bytes,
+            return Err(EngineError::Memlock {
+                lock_bytes,
+                cpu_pages_bytes: if config.zero.offload_param.pin_memory {
+                    sizing.cpu_pages.total_bytes()
+                } else {
+                    0
+                },
                 limit_bytes: info.limit_bytes,
                 locked_bytes: info.locked_bytes,
-            }));
+            });
         }
         tracing::warn!(
             pinned_bytes = lock_bytes,
