@@ -678,6 +678,10 @@ fn open_swap_file(
 
 fn size_file(file: &File, path: &Path, bytes: u64, preallocate: bool) -> Result<()> {
     let fail = |source: std::io::Error| {
+        // Truncated first: the file stays open (its caller holds it), so
+        // unlinked alone it kept the blocks a failed fallocate took, and
+        // the free space read next said 0 B where 51 MiB were free.
+        let _ = file.set_len(0);
         let _ = std::fs::remove_file(path);
         size_error(path, bytes, source)
     };
@@ -691,9 +695,25 @@ fn size_file(file: &File, path: &Path, bytes: u64, preallocate: bool) -> Result<
         if err.raw_os_error() != Some(libc::EOPNOTSUPP) {
             return Err(fail(err));
         }
+        // No fallocate here (ext2, ext3 without extents, ramfs): the file
+        // is sized sparse and nothing is reserved, so a disk filled by
+        // others shows as a failed write mid-run, not as NoRoom now. Said
+        // once a process (it was silent while `preallocate` promised it).
+        if !SPARSE_SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            tracing::warn!(
+                path = %path.display(),
+                bytes,
+                "this file system cannot preallocate (fallocate: not supported): the swap file is \
+                 sparse and its {bytes} bytes are not reserved; if the disk fills up meanwhile, a \
+                 swap write fails mid-run (then free space and --resume from a checkpoint)"
+            );
+        }
     }
     file.set_len(bytes).map_err(fail)
 }
+
+/// Whether a swap file sized sparse for want of `fallocate` was said.
+static SPARSE_SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Makes a write past `RLIMIT_FSIZE` fail with `EFBIG`, reported like any
 /// other I/O error (operation, file, offset), instead of killing the
