@@ -90,11 +90,15 @@ pub enum Site {
     /// file, their signal watcher not yet started. A stop lets a test
     /// signal them there.
     BenchFileMade,
+    /// `export.write`: `export` made its output's directories and its
+    /// model file's temporary file, nothing written into it yet. A stop
+    /// lets a test signal it there.
+    ExportWrite,
 }
 
 impl Site {
     /// Every site.
-    pub const ALL: [Site; 11] = [
+    pub const ALL: [Site; 12] = [
         Site::StepBackward,
         Site::OptimWriteBack,
         Site::CkptStateWrite,
@@ -106,6 +110,7 @@ impl Site {
         Site::DataEncode,
         Site::BuildInitial,
         Site::BenchFileMade,
+        Site::ExportWrite,
     ];
 
     /// The name used in [`ENV_VAR`].
@@ -122,6 +127,7 @@ impl Site {
             Site::DataEncode => "data.encode",
             Site::BuildInitial => "build.initial",
             Site::BenchFileMade => "bench.file_made",
+            Site::ExportWrite => "export.write",
         }
     }
 
@@ -147,6 +153,7 @@ impl Site {
             Site::DataEncode => 8,
             Site::BuildInitial => 9,
             Site::BenchFileMade => 10,
+            Site::ExportWrite => 11,
         }
     }
 }

@@ -1064,3 +1064,101 @@ fn eval_of_a_checkpoint_equals_eval_of_its_fp32_export() {
     let init = eval(&["--model", "model"]);
     assert_ne!(init["loss"], from_ckpt["loss"]);
 }
+
+/// Waits until `child` is frozen by its failpoint (state `T`).
+fn wait_frozen(child: &mut std::process::Child) {
+    let t0 = std::time::Instant::now();
+    loop {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "ended before the failpoint"
+        );
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id())).unwrap();
+        if stat.rsplit(')').next().unwrap().split_whitespace().next() == Some("T") {
+            return;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(60),
+            "never stopped"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// A signal while `export` writes removes its temporary file (as large as
+/// the model) and the directories it made, and exits 128 + the signal: it
+/// left both (the directory 0700, and a later export into it left it so).
+/// A finished export's directories are 0755.
+#[test]
+fn a_signal_during_export_removes_what_it_was_writing() {
+    use std::os::unix::fs::PermissionsExt;
+    // A model whose export (50 MB) outlasts the signal watcher's poll
+    // (20 ms) many times over: a tiny one's ended before the watcher
+    // looked, whole (exit 0, as it should then).
+    let d = scratch("export-signal");
+    std::fs::create_dir_all(d.join("model")).unwrap();
+    let model = json!({"model_type": "gpt2", "vocab_size": 256, "n_positions": 32,
+        "n_embd": 512, "n_layer": 4, "n_head": 8, "tie_word_embeddings": true});
+    std::fs::write(d.join("model/config.json"), model.to_string()).unwrap();
+    std::fs::write(
+        d.join("data.txt"),
+        "an export stopped half way. ".repeat(20),
+    )
+    .unwrap();
+    let cfg = json!({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}});
+    std::fs::write(d.join("ds.json"), cfg.to_string()).unwrap();
+    let ok = train(&d, &["--steps", "1", "--save-dir", "ck"]);
+    assert_eq!(ok.code, 0, "{}", ok.stderr);
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .current_dir(&d)
+        .args([
+            "export",
+            "--checkpoint",
+            "ck",
+            "--out",
+            "hf/a/model.safetensors",
+        ])
+        .env("TIERZERO_FAILPOINT", "export.write:1:stop")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_frozen(&mut child);
+    let tmps: Vec<String> = std::fs::read_dir(d.join("hf/a"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        tmps.iter().any(|n| n.contains(".tmp-")),
+        "its temporary file is made: {tmps:?}"
+    );
+    for sig in ["-INT", "-CONT"] {
+        let sent = std::process::Command::new("kill")
+            .args([sig, &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("SIGINT received: removing"), "{stderr}");
+    assert!(!d.join("hf").exists(), "left behind: {stderr}");
+    // Done whole, its directories are readable by others.
+    let o = run_tierzero(
+        Some(&d),
+        &[
+            "export",
+            "--checkpoint",
+            "ck",
+            "--out",
+            "hf/a/model.safetensors",
+        ],
+    );
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    for dir in ["hf", "hf/a"] {
+        let mode = std::fs::metadata(d.join(dir)).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o755, "{dir}");
+    }
+}

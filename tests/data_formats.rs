@@ -1125,6 +1125,48 @@ fn a_signal_during_the_encode_leaves_no_temporary_file() {
     assert_eq!(cache_entries(&d), Vec::<String>::new(), "{stderr}");
 }
 
+/// `eval` too: a signal while it encodes a corpus into its token cache
+/// removes the cache's temporary file (it had no handler: the file stayed,
+/// and for ever once the corpus, its key with it, changed).
+#[test]
+fn a_signal_during_eval_s_encode_leaves_no_temporary_file() {
+    let d = scratch("data", "signal-eval-encode");
+    let tok = tokenizer(&d);
+    model(&d, VOCAB);
+    std::fs::write(d.join("c.txt"), documents(40_000).join("\n")).unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .current_dir(&d)
+        .args([
+            "eval",
+            "--model",
+            "model",
+            "--seq-len",
+            "16",
+            "--data",
+            "c.txt",
+        ])
+        .arg("--tokenizer")
+        .arg(&tok)
+        .env("TIERZERO_FAILPOINT", "data.encode:1:stop")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_frozen(&mut child);
+    assert!(
+        cache_entries(&d).iter().any(|n| n.contains(".tmp-")),
+        "the cache's temporary file is made: {:?}",
+        cache_entries(&d)
+    );
+    send(&child, "INT");
+    send(&child, "CONT");
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert_eq!(cache_entries(&d), Vec::<String>::new(), "{stderr}");
+}
+
 /// `--data /dev/stdin` redirected from a file is a regular file through
 /// the link: its cache entry went beside it, into `/dev` (as root). It is
 /// read and not cached, saying why; the run trains on the file's tokens.

@@ -100,16 +100,22 @@ pub fn export_safetensors(
     // durably, as every directory the project creates; an export that
     // fails removes the ones it made, while they are empty.
     let made = durable::create_dirs(&dir)?;
+    // Readable by others, as `save_pretrained`'s under the usual umask
+    // (the durable helpers make checkpoints' 0700: they are the run's),
+    // from the start: set after a success, a dir an interrupted export
+    // made stayed 0700, and a later export into it, which made nothing,
+    // left it so.
+    for d in &made {
+        if let Err(e) =
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(EXPORT_DIR_MODE))
+        {
+            durable::remove_empty_dirs(&made);
+            return Err(io_err("setting the mode of", d)(e));
+        }
+    }
     let written = write_export(ckpt, out, &dir, dtype);
     if written.is_err() {
         durable::remove_empty_dirs(&made);
-    } else {
-        // Readable by others, as `save_pretrained`'s under the usual umask
-        // (the durable helpers make checkpoints' 0700: they are the run's).
-        for d in &made {
-            std::fs::set_permissions(d, std::fs::Permissions::from_mode(EXPORT_DIR_MODE))
-                .map_err(io_err("setting the mode of", d))?;
-        }
     }
     written
 }
@@ -155,6 +161,7 @@ fn write_export(
     // model) beside `out`.
     durable::remove_stale_tmp(out, false);
     let bytes = durable::write_atomic_streamed(out, |file, tmp| {
+        crate::failpoint::kill_point(crate::failpoint::Site::ExportWrite);
         file.set_permissions(std::fs::Permissions::from_mode(EXPORT_FILE_MODE))
             .map_err(io_err("setting the mode of", tmp))?;
         let written = write_safetensors(file, tmp, model, dtype, |id| {

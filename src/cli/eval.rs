@@ -144,6 +144,10 @@ fn eval_failure(e: EvalError, args: &EvalArgs) -> Failure {
 /// Runs `tierzero eval`.
 pub fn run(args: EvalArgs) -> Result<(), Failure> {
     super::json_object_on_failure(args.json);
+    // A signal while a corpus is encoded into its token cache removes the
+    // cache's temporary file (a corpus's tokens; it stayed for ever once
+    // the corpus changed, its key with it).
+    super::signals::exit_removing_writes_on_signal(Vec::new())?;
     let seq_len = number("--seq-len", &args.seq_len, 2, 1 << 30)? as usize;
     let batch = number("--batch", &args.batch, 1, 1 << 20)? as usize;
     let seed = number("--seed", args.seed.as_deref().unwrap_or("1"), 0, u64::MAX)?;

@@ -190,6 +190,26 @@ pub fn exit_on_signal(what: &'static str, made: Vec<std::path::PathBuf>) -> Resu
     })
 }
 
+/// For a command that writes its output by atomic rewrites and has no
+/// step boundary (`export`; `eval`, which may encode a corpus into its
+/// token cache): the first SIGINT, SIGTERM or SIGHUP removes the temporary
+/// files being written ([`tierzero::durable::remove_tmps_in_progress`]:
+/// a model's or a corpus's size), then `made_dirs` (the deepest first)
+/// while each is empty, and exits with 128 + the signal; a second
+/// aborts. Without it the signal's default action left the temporary
+/// file for ever (another key's cache entry never removes it).
+pub fn exit_removing_writes_on_signal(made_dirs: Vec<std::path::PathBuf>) -> Result<(), Failure> {
+    watch(move |cause| {
+        errln!(
+            "tierzero: {} received: removing the files being written and exiting",
+            cause.signal_name().unwrap_or_default()
+        );
+        tierzero::durable::remove_tmps_in_progress();
+        tierzero::durable::remove_empty_dirs(&made_dirs);
+        std::process::exit(exit_code(cause));
+    })
+}
+
 /// A stop signal the handlers caught that the watcher has not handed on
 /// yet (it looks every [`POLL`]), requested on `handle` now, once the
 /// trainer is built: a decision taken at once (stop after a periodic
