@@ -1077,7 +1077,7 @@ fn a_sub_group_size_cutting_millions_of_groups_is_refused_at_once() {
 #[test]
 fn output_to_a_full_disk_and_a_device_config_are_the_user_s() {
     let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
-        eprintln!("no /dev/full; skipping");
+        cli_support::skipped("no /dev/full");
         return;
     };
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))

@@ -249,9 +249,26 @@ fn swap_beyond_the_free_disk_space_is_refused_with_the_numbers() {
     let text = "the engine streams every layer from nvme while adam steps on the cpu. ".repeat(60);
     std::fs::write(d.join("data.txt"), text).unwrap();
     std::fs::create_dir_all(d.join("swap")).unwrap();
+    // A small tmpfs where we may mount one (root, as CI): the refusal is
+    // then tested on any machine, not only where the disk has under
+    // 200 GiB free (elsewhere it skipped).
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+        }
+    }
+    let _unmount =
+        mount("tmpfs", "size=64m,mode=0700", &d.join("swap")).then(|| Unmount(d.join("swap")));
     let fs = tierzero_swap::space::filesystem_space(&d.join("swap")).unwrap();
     if fs.usable_bytes() > 200 << 30 {
-        eprintln!("{fs:?} under {}: skipping", d.display());
+        assert!(
+            std::env::var("TIERZERO_REQUIRE_NO_ODIRECT").as_deref() != Ok("1"),
+            "CI mounts file systems (TIERZERO_REQUIRE_NO_ODIRECT=1), but a tmpfs could not be \
+             mounted at {}",
+            d.join("swap").display()
+        );
+        cli_support::skipped(format_args!("{fs:?} under {}", d.display()));
         return;
     }
     let cfg = json!({
@@ -355,7 +372,7 @@ fn have_setpriv_prlimit() -> bool {
 #[test]
 fn pinned_buffers_above_rlimit_memlock_refuse_or_warn_by_policy() {
     if !have_setpriv_prlimit() {
-        eprintln!("setpriv/prlimit not installed; skipping");
+        cli_support::skipped("setpriv/prlimit not installed");
         return;
     }
     // No CAP_IPC_LOCK, and a 64 KiB limit: the tiny run pins ~700 KB.
@@ -404,7 +421,7 @@ fn pinned_buffers_above_rlimit_memlock_refuse_or_warn_by_policy() {
 #[test]
 fn a_file_size_limit_is_an_error_naming_the_file_and_the_operation() {
     if !have_setpriv_prlimit() {
-        eprintln!("prlimit not installed; skipping");
+        cli_support::skipped("prlimit not installed");
         return;
     }
     // 64 KiB: smaller than either swap file, so preallocation hits it.
@@ -463,7 +480,7 @@ fn a_file_size_limit_is_an_error_naming_the_file_and_the_operation() {
 #[test]
 fn the_open_file_limit_is_the_users_to_raise_wherever_it_is_met() {
     if !have_setpriv_prlimit() {
-        eprintln!("prlimit not installed; skipping");
+        cli_support::skipped("prlimit not installed");
         return;
     }
     let swap = scratch("nofile-swap");
@@ -587,7 +604,7 @@ fn an_nvme_path_without_o_direct_warns_once_or_refuses_by_policy() {
             std::env::var("TIERZERO_REQUIRE_NO_ODIRECT").as_deref() != Ok("1"),
             "TIERZERO_REQUIRE_NO_ODIRECT=1, but {why}"
         );
-        eprintln!("{why}; skipping");
+        cli_support::skipped(why);
         return;
     };
     let swap = nd.path.join("swap");
@@ -757,7 +774,7 @@ fn a_sparse_bench_file_the_disk_cannot_fill_is_refused() {
     let d = cli_support::scratch("limits", "bench-sparse");
     let f = std::fs::File::create(d.join("sparse.bin")).unwrap();
     if f.set_len(10 << 40).is_err() {
-        eprintln!("no 10 TiB sparse file here: skipping");
+        cli_support::skipped("no 10 TiB sparse file here");
         return;
     }
     drop(f);
@@ -830,12 +847,6 @@ fn a_signal_while_bench_io_makes_its_file_removes_it() {
     assert!(!d.join("tierzero").exists(), "left behind");
 }
 
-/// bench-io flags that would give wrong numbers or be ignored are refused
-/// (exit 2) before any file is made: `--no-fill` on the new file under
-/// `--path` (its reads would measure unwritten extents, which return zeros
-/// without touching the device), `--size` with `--file` (the file's own
-/// length is measured), and `--seconds 0` (checked only after a fill of
-/// up to 4 GiB before).
 /// A swap file's blocks are free when the process that made it has
 /// exited: a second `bench-io` right after the first, on a tmpfs that
 /// holds one file, runs. The io_uring rings kept the files registered and
@@ -845,7 +856,14 @@ fn a_signal_while_bench_io_makes_its_file_removes_it() {
 fn a_second_run_right_after_the_first_finds_its_room() {
     let dir = scratch("room-after-exit");
     if !mount("tmpfs", "size=48m,mode=0700", &dir) {
-        eprintln!("cannot mount a tmpfs at {}: skipping", dir.display());
+        // CI mounts its ramfs (TIERZERO_REQUIRE_NO_ODIRECT=1): there a
+        // failed mount is a failure, not a skip.
+        assert!(
+            std::env::var("TIERZERO_REQUIRE_NO_ODIRECT").as_deref() != Ok("1"),
+            "TIERZERO_REQUIRE_NO_ODIRECT=1, but a tmpfs could not be mounted at {}",
+            dir.display()
+        );
+        cli_support::skipped(format_args!("cannot mount a tmpfs at {}", dir.display()));
         return;
     }
     struct Unmount<'a>(&'a Path);
@@ -884,7 +902,7 @@ fn a_second_run_right_after_the_first_finds_its_room() {
 #[test]
 fn bench_io_under_a_low_memlock_limit_measures_with_pageable_buffers() {
     if !have_setpriv_prlimit() {
-        eprintln!("setpriv/prlimit not installed; skipping");
+        cli_support::skipped("setpriv/prlimit not installed");
         return;
     }
     let d = cli_support::scratch("limits", "bench-memlock");
@@ -1046,7 +1064,7 @@ fn bench_io_does_not_write_into_a_checkpoint() {
 #[test]
 fn bench_io_reads_a_file_it_may_not_write() {
     if !Path::new("/usr/bin/setpriv").exists() || !running_as_root() {
-        eprintln!("needs root and setpriv; skipping");
+        cli_support::skipped("needs root and setpriv");
         return;
     }
     let t = tempfile::Builder::new()
@@ -1100,6 +1118,12 @@ fn running_as_root() -> bool {
         .unwrap_or(false)
 }
 
+/// bench-io flags that would give wrong numbers or be ignored are refused
+/// (exit 2) before any file is made: `--no-fill` on the new file under
+/// `--path` (its reads would measure unwritten extents, which return zeros
+/// without touching the device), `--size` with `--file` (the file's own
+/// length is measured), and `--seconds 0` (checked only after a fill of
+/// up to 4 GiB before).
 #[test]
 fn bench_io_refuses_flags_that_would_mislead() {
     let d = cli_support::scratch("limits", "bench-flags");
@@ -1125,8 +1149,9 @@ fn bench_io_refuses_flags_that_would_mislead() {
             vec!["--path", ".", "--size", "1M", "--block-size", "1000"],
             vec!["--block-size 1000", "multiple of 4096"],
         ),
-        // Past what a ring or a request takes: refused after the fill and
-        // the rows before them, which were lost.
+        // Past what a ring or a request takes: refused before the fill
+        // too (they were refused after it, and the rows before them were
+        // lost).
         (
             vec!["--path", ".", "--size", "1M", "--queue-depth", "1,4097"],
             vec!["--queue-depth 4097", "at most 4096"],
@@ -1186,7 +1211,7 @@ fn an_isa_this_cpu_lacks_is_bad_input() {
         .into_iter()
         .find(|(_, isa)| !isa.is_supported())
     else {
-        eprintln!("skipped: this CPU supports every --isa");
+        cli_support::skipped("this CPU supports every --isa");
         return;
     };
     let out = cli_support::run_tierzero(

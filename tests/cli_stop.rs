@@ -513,7 +513,7 @@ fn a_signal_during_start_up_ends_it_at_once() {
     let fifo = d.join("corpus.fifo");
     let made = Command::new("mkfifo").arg(&fifo).status();
     if !made.is_ok_and(|s| s.success()) {
-        eprintln!("mkfifo failed; skipping");
+        cli_support::skipped("mkfifo failed");
         return;
     }
     let child = Command::new(env!("CARGO_BIN_EXE_tierzero"))
@@ -623,7 +623,7 @@ fn a_metrics_fifo_without_a_reader_waits_in_start_up() {
     let fifo = d.join("m.fifo");
     let made = Command::new("mkfifo").arg(&fifo).status();
     if !made.is_ok_and(|s| s.success()) {
-        eprintln!("mkfifo failed; skipping");
+        cli_support::skipped("mkfifo failed");
         return;
     }
     let mut c = train(&d, 2, &["--model", "model", "--metrics", "m.fifo"]);

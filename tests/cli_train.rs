@@ -1854,7 +1854,7 @@ fn the_loss_scale_at_its_minimum_is_exit_2_with_the_fixes() {
 #[test]
 fn a_metrics_file_that_cannot_be_written_does_not_end_the_run() {
     if !Path::new("/dev/full").exists() {
-        eprintln!("skipped: no /dev/full");
+        cli_support::skipped("no /dev/full");
         return;
     }
     let d = tiny_setup("metrics-full");

@@ -420,7 +420,13 @@ fn a_cache_can_upload_more_at_use_under_a_budget_of_one_block() {
         bytes(&cached),
         bytes(&none)
     );
-    assert_eq!(bytes(&cached), (460_288, 338_432));
-    assert_eq!(bytes(&none), (503_296, 330_752));
+    // The property, not one run's numbers (they moved with any change of
+    // sizing or staging): fewer bytes cross in all, more at use.
+    assert!(
+        cached.h2d_bytes < none.h2d_bytes && cached.h2d_at_use_bytes > none.h2d_at_use_bytes,
+        "cache {:?}, none {:?}",
+        bytes(&cached),
+        bytes(&none)
+    );
     assert_eq!(cached.result.unwrap(), none.result.unwrap());
 }
