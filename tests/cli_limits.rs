@@ -794,6 +794,38 @@ fn a_sparse_bench_file_the_disk_cannot_fill_is_refused() {
         10 << 40
     );
     let _ = std::fs::remove_file(d.join("sparse.bin"));
+    // Reads alone of a sparse file run, warned about: its holes read as
+    // zeros without touching the device (34 GB/s on a 2 GB/s disk).
+    std::fs::File::create(d.join("holes.bin"))
+        .unwrap()
+        .set_len(8 << 20)
+        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .args([
+            "bench-io",
+            "--file",
+            "holes.bin",
+            "--rw",
+            "read",
+            "--no-fill",
+        ])
+        .args([
+            "--block-size",
+            "1M",
+            "--queue-depth",
+            "1",
+            "--seconds",
+            "0.05",
+        ])
+        .current_dir(&d)
+        .output()
+        .expect("run tierzero");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains("warning: --file holes.bin: 8 MiB of its 8 MiB are not allocated"),
+        "{stderr}"
+    );
 }
 
 /// A signal that comes while the file is being made, before the watcher
