@@ -286,18 +286,39 @@ pub struct MetricsWriter {
 }
 
 impl MetricsWriter {
-    /// Creates `path`: truncated, or appended to when `append`.
+    /// Creates `path`: truncated, or appended to when `append`. A regular
+    /// file is locked (`flock`, held while the writer lives) before it is
+    /// truncated: a second run given the same file is refused, where the
+    /// two wrote over each other's lines, both exiting 0 (41 lines left of
+    /// two 40-step runs). A FIFO or a device (`/dev/stdout`) is not locked.
     pub fn create(path: &Path, append: bool) -> Result<Self> {
+        let io_err = |source| EngineError::Io {
+            path: path.to_owned(),
+            source,
+        };
         let f = std::fs::OpenOptions::new()
             .create(true)
             .write(true)
             .append(append)
-            .truncate(!append)
             .open(path)
-            .map_err(|source| EngineError::Io {
-                path: path.to_owned(),
-                source,
-            })?;
+            .map_err(io_err)?;
+        if f.metadata().map_err(io_err)?.is_file() {
+            match f.try_lock() {
+                Ok(()) => {}
+                Err(std::fs::TryLockError::WouldBlock) => {
+                    return Err(io_err(std::io::Error::new(
+                        std::io::ErrorKind::WouldBlock,
+                        "another run is writing its metrics to this file (it holds the file's \
+                         lock): give each run its own --metrics file",
+                    )))
+                }
+                // A file system without flock: written unlocked, as before.
+                Err(std::fs::TryLockError::Error(_)) => {}
+            }
+            if !append {
+                f.set_len(0).map_err(io_err)?;
+            }
+        }
         let mut w = MetricsWriter {
             path: path.to_owned(),
             file: std::io::BufWriter::new(f),
@@ -374,6 +395,34 @@ mod tests {
         let touched: Vec<u8> = vec![1; 64 << 20];
         assert!(touched.iter().step_by(4096).all(|&b| b == 1));
         assert!(minor_faults() > before, "64 MiB touched without a fault");
+    }
+
+    /// A second writer of one metrics file is refused, and the first's
+    /// lines stay (its truncation came before: two runs wrote over each
+    /// other's lines); once the first is gone, the file is free.
+    #[test]
+    fn a_metrics_file_has_one_writer() {
+        let dir = std::env::temp_dir().join(format!("tz-metrics-one-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("m.jsonl");
+        let mut a = MetricsWriter::create(&path, false).unwrap();
+        a.write(&serde_json::json!({"step": 1})).unwrap();
+        for append in [false, true] {
+            let e = MetricsWriter::create(&path, append)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("another run is writing its metrics"), "{e}");
+        }
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"step\":1}\n");
+        drop(a);
+        let b = MetricsWriter::create(&path, false).unwrap();
+        drop(b);
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "");
+        // Not a regular file: not locked (two writers of /dev/null).
+        let n1 = MetricsWriter::create(Path::new("/dev/null"), false).unwrap();
+        let n2 = MetricsWriter::create(Path::new("/dev/null"), false).unwrap();
+        drop((n1, n2));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// A resumed run appends after a torn last line (a kill mid-write)
