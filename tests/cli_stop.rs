@@ -670,3 +670,36 @@ fn a_run_reclaims_the_swap_files_another_rank_count_left() {
     }
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// Swap data changed under a run (here between its steps, as a failing
+/// device or another writer would) is a disk fault: exit 2, the checksum
+/// mismatch named, with what to check and the way on. It was "internal
+/// error" (exit 1) with no hint.
+#[test]
+fn damaged_swap_data_is_a_disk_fault_with_the_way_on() {
+    let d = cli_support::scratch("stop", "damage");
+    setup(&d);
+    let mut c = train(&d, 4, &["--model", "model"]);
+    c.env("TIERZERO_FAILPOINT", "step.backward:3:stop");
+    let mut child = c.spawn().unwrap();
+    wait_stopped(&mut child);
+    // Every swap file's bytes flipped, one in each 4 KiB.
+    let files = swap_files(&d);
+    assert!(!files.is_empty());
+    for f in &files {
+        let p = d.join("swap/tierzero").join(f);
+        let mut bytes = std::fs::read(&p).unwrap();
+        for b in bytes.iter_mut().step_by(4096) {
+            *b ^= 0xff;
+        }
+        std::fs::write(&p, bytes).unwrap();
+    }
+    signal(child.id(), "CONT");
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    for want in ["checksum mismatch", "a disk fault", "dmesg", "--resume"] {
+        assert!(stderr.contains(want), "{want}: {stderr}");
+    }
+    assert!(!stderr.contains("internal error"), "{stderr}");
+}

@@ -180,7 +180,7 @@ impl Failure {
     /// Classifies a swap-layer error: problems the user can fix by changing
     /// input or limits are bad input, the rest internal.
     pub fn from_swap(e: tierzero_swap::SwapError, context: &str) -> Self {
-        let bad = swap_error_is_users(&e);
+        let bad = swap_error_is_users(&e) || swap_error_is_the_disks(&e);
         let err = anyhow::Error::new(e).context(context.to_string());
         if bad {
             Failure::BadInput(err)
@@ -219,6 +219,19 @@ pub(crate) fn swap_error_is_users(e: &tierzero_swap::SwapError) -> bool {
                             | std::io::ErrorKind::ReadOnlyFilesystem
                     )
                 }))
+    }
+}
+
+/// Whether a swap error is the disk's fault (exit 2, with the way on,
+/// not "internal error"): data read back that is not what was written
+/// (the device, or the file changed under the run), a read or write the
+/// device failed (`EIO`).
+pub(crate) fn swap_error_is_the_disks(e: &tierzero_swap::SwapError) -> bool {
+    use tierzero_swap::SwapError as E;
+    match e {
+        E::ChecksumMismatch { .. } => true,
+        E::Io { source, .. } => source.raw_os_error() == Some(libc::EIO),
+        _ => false,
     }
 }
 

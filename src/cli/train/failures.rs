@@ -147,6 +147,13 @@ fn classify_run(e: EngineError, what: &str, save_back: Option<String>) -> Failur
         EngineError::Swap(s) => {
             let what = if crate::cli::swap_error_is_users(&s) {
                 users(what, s.io_kind().is_some())
+            } else if crate::cli::swap_error_is_the_disks(&s) {
+                format!(
+                    "{what} (a disk fault under the nvme_path: data read back that is not what \
+                     was written, or a read or write the device failed; check the device \
+                     (dmesg, smartctl) and that nothing else writes the swap files, then \
+                     --resume from the last checkpoint)"
+                )
             } else {
                 what.to_owned()
             };
