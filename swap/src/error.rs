@@ -101,7 +101,7 @@ pub enum SwapError {
     Config(String),
 
     /// The extent allocator has no room.
-    #[error("swap space full: requested {requested_bytes} bytes on {path}, {free_bytes} free, largest free range {largest_free_bytes} bytes (raise the swap capacity or add nvme paths)")]
+    #[error("swap space full: requested {requested_bytes} bytes in the swap space of {path}, {free_bytes} free in all, largest free range {largest_free_bytes} bytes (raise the swap capacity or add nvme paths)")]
     OutOfSpace {
         path: PathBuf,
         requested_bytes: u64,

@@ -79,7 +79,7 @@ use crate::error::{IoOp, Result, SwapError};
 mod copy;
 mod room;
 pub use copy::CopyReport;
-use room::{check_room, size_error};
+use room::{check_room, size_file};
 pub use room::{filesystem_space, FsSpace};
 
 /// Name of the subdirectory we create under each NVMe path.
@@ -492,6 +492,24 @@ impl SwapSpace {
         self.files.iter().map(|f| f.file.as_raw_fd()).collect()
     }
 
+    /// [`SwapError::OutOfSpace`] for `requested_bytes`: the space's free
+    /// bytes and its largest free range over every file, named by the
+    /// first file (the free bytes were the whole space's beside file 0's
+    /// largest range, or one file's alone).
+    fn out_of_space(&self, requested_bytes: u64) -> SwapError {
+        SwapError::OutOfSpace {
+            path: self.file(FileIdx(0)).path.clone(),
+            requested_bytes,
+            free_bytes: self.free_bytes(),
+            largest_free_bytes: self
+                .files
+                .iter()
+                .map(|f| f.lock_alloc().largest_free_bytes())
+                .max()
+                .unwrap_or(0),
+        }
+    }
+
     /// Allocates an extent of `len_bytes` (rounded up to the alignment),
     /// striped over the paths when it is larger than one stripe.
     pub fn allocate(self: &Arc<Self>, len_bytes: u64) -> Result<Extent> {
@@ -499,15 +517,7 @@ impl SwapSpace {
         // rounding below would overflow).
         let capacity_bytes: u64 = self.files.iter().map(SwapFile::capacity_bytes).sum();
         if len_bytes > capacity_bytes {
-            let free_bytes = self.free_bytes();
-            let sf = self.file(FileIdx(0));
-            let largest_free_bytes = sf.lock_alloc().largest_free_bytes();
-            return Err(SwapError::OutOfSpace {
-                path: sf.path.clone(),
-                requested_bytes: len_bytes,
-                free_bytes,
-                largest_free_bytes,
-            });
+            return Err(self.out_of_space(len_bytes));
         }
         let len = self.alignment.round_up(len_bytes.max(1));
         let id = ExtentId(self.next_extent.fetch_add(1, Ordering::Relaxed));
@@ -523,11 +533,18 @@ impl SwapSpace {
             if (chunks - 1) % nparts == p {
                 part_len -= chunks * self.stripe_bytes - len;
             }
-            let file = FileIdx(((first + p) % nfiles) as u32);
-            let sf = self.file(file);
-            let got = sf.lock_alloc().allocate(part_len);
+            // The rotation's file, else the next with room: a part never
+            // fails while another file holds it (with a full first choice
+            // it did, the other files' room unused).
+            let preferred = (first + p) % nfiles;
+            let got = (0..nfiles)
+                .map(|k| FileIdx(((preferred + k) % nfiles) as u32))
+                .find_map(|file| {
+                    let offset = self.file(file).lock_alloc().allocate(part_len);
+                    offset.map(|offset_bytes| (file, offset_bytes))
+                });
             match got {
-                Some(offset_bytes) => parts.push(Part {
+                Some((file, offset_bytes)) => parts.push(Part {
                     file,
                     offset_bytes,
                     len_bytes: part_len,
@@ -538,13 +555,7 @@ impl SwapSpace {
                             .lock_alloc()
                             .free(part.offset_bytes, part.len_bytes);
                     }
-                    let a = sf.lock_alloc();
-                    return Err(SwapError::OutOfSpace {
-                        path: sf.path.clone(),
-                        requested_bytes: part_len,
-                        free_bytes: a.free_bytes(),
-                        largest_free_bytes: a.largest_free_bytes(),
-                    });
+                    return Err(self.out_of_space(part_len));
                 }
             }
         }
@@ -675,45 +686,6 @@ fn open_swap_file(
         }),
     }
 }
-
-fn size_file(file: &File, path: &Path, bytes: u64, preallocate: bool) -> Result<()> {
-    let fail = |source: std::io::Error| {
-        // Truncated first: the file stays open (its caller holds it), so
-        // unlinked alone it kept the blocks a failed fallocate took, and
-        // the free space read next said 0 B where 51 MiB were free.
-        let _ = file.set_len(0);
-        let _ = std::fs::remove_file(path);
-        size_error(path, bytes, source)
-    };
-    if preallocate {
-        // SAFETY: fallocate on an fd we own; no memory is passed.
-        let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, bytes as libc::off_t) };
-        if rc == 0 {
-            return Ok(());
-        }
-        let err = std::io::Error::last_os_error();
-        if err.raw_os_error() != Some(libc::EOPNOTSUPP) {
-            return Err(fail(err));
-        }
-        // No fallocate here (ext2, ext3 without extents, ramfs): the file
-        // is sized sparse and nothing is reserved, so a disk filled by
-        // others shows as a failed write mid-run, not as NoRoom now. Said
-        // once a process (it was silent while `preallocate` promised it).
-        if !SPARSE_SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
-            tracing::warn!(
-                path = %path.display(),
-                bytes,
-                "this file system cannot preallocate (fallocate: not supported): the swap file is \
-                 sparse and its {bytes} bytes are not reserved; if the disk fills up meanwhile, a \
-                 swap write fails mid-run (then free space and --resume from a checkpoint)"
-            );
-        }
-    }
-    file.set_len(bytes).map_err(fail)
-}
-
-/// Whether a swap file sized sparse for want of `fallocate` was said.
-static SPARSE_SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Makes a write past `RLIMIT_FSIZE` fail with `EFBIG`, reported like any
 /// other I/O error (operation, file, offset), instead of killing the
@@ -978,6 +950,7 @@ impl Extent {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::space::room::size_error;
 
     /// A space whose second path fails leaves no file of the first behind
     /// (they were left, preallocated, until the process exited), nor the
@@ -1029,6 +1002,48 @@ mod tests {
         assert!(live.exists(), "this process's live file was removed");
         drop(space);
         assert!(!live.exists());
+    }
+
+    /// A part whose rotation's file is full goes to another file with
+    /// room: with two 4 MiB files, extents of 1 MiB and 4 KiB by turns put
+    /// every 1 MiB one in file 0 (ids 0, 2, 4, 6), and the fifth 1 MiB
+    /// failed, 4 MiB free in file 1. A request past the whole space's
+    /// free bytes still fails, with its numbers.
+    #[test]
+    fn a_full_file_s_part_goes_to_another_file_with_room() {
+        let a = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+        let b = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+        let mut cfg = SpaceConfig::new(a.path(), 4 << 20);
+        cfg.paths.push(b.path().to_path_buf());
+        let space = SwapSpace::create(cfg).unwrap_or_else(|e| panic!("space: {e}"));
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            for len in [1 << 20, 4096] {
+                held.push(
+                    space
+                        .allocate(len)
+                        .unwrap_or_else(|e| panic!("allocate: {e}")),
+                );
+            }
+        }
+        assert_eq!(space.file(FileIdx(0)).free_bytes(), 0);
+        let moved = space
+            .allocate(1 << 20)
+            .unwrap_or_else(|e| panic!("file 1 has room: {e}"));
+        assert_eq!(moved.0.parts[0].file, FileIdx(1));
+        let free = space.free_bytes();
+        match space.allocate(free + 4096) {
+            Err(SwapError::OutOfSpace {
+                free_bytes,
+                largest_free_bytes,
+                ..
+            }) => {
+                assert_eq!(free_bytes, free);
+                assert_eq!(largest_free_bytes, free);
+            }
+            other => panic!("{other:?}"),
+        }
+        drop((held, moved));
     }
 
     #[test]

@@ -2,6 +2,8 @@
 //! (`statvfs`), and the check a swap file's preallocation makes against
 //! them before it is made, or after its `ENOSPC`.
 
+use std::fs::File;
+use std::os::unix::io::AsRawFd;
 use std::path::Path;
 
 use crate::error::{IoOp, Result, SwapError};
@@ -118,6 +120,48 @@ pub(super) fn size_error(path: &Path, bytes: u64, source: std::io::Error) -> Swa
         source,
     }
 }
+
+/// Sizes a new swap file to `bytes`: preallocated (`fallocate`) when
+/// asked and the file system can, else sparse (said once); a failure
+/// removes the file and is [`size_error`]'s.
+pub(super) fn size_file(file: &File, path: &Path, bytes: u64, preallocate: bool) -> Result<()> {
+    let fail = |source: std::io::Error| {
+        // Truncated first: the file stays open (its caller holds it), so
+        // unlinked alone it kept the blocks a failed fallocate took, and
+        // the free space read next said 0 B where 51 MiB were free.
+        let _ = file.set_len(0);
+        let _ = std::fs::remove_file(path);
+        size_error(path, bytes, source)
+    };
+    if preallocate {
+        // SAFETY: fallocate on an fd we own; no memory is passed.
+        let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, bytes as libc::off_t) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EOPNOTSUPP) {
+            return Err(fail(err));
+        }
+        // No fallocate here (ext2, ext3 without extents, ramfs): the file
+        // is sized sparse and nothing is reserved, so a disk filled by
+        // others shows as a failed write mid-run, not as NoRoom now. Said
+        // once a process (it was silent while `preallocate` promised it).
+        if !SPARSE_SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            tracing::warn!(
+                path = %path.display(),
+                bytes,
+                "this file system cannot preallocate (fallocate: not supported): the swap file is \
+                 sparse and its {bytes} bytes are not reserved; if the disk fills up meanwhile, a \
+                 swap write fails mid-run (then free space and --resume from a checkpoint)"
+            );
+        }
+    }
+    file.set_len(bytes).map_err(fail)
+}
+
+/// Whether a swap file sized sparse for want of `fallocate` was said.
+static SPARSE_SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 #[cfg(test)]
 mod tests {
