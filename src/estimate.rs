@@ -49,9 +49,10 @@
 //!   since every forward and backward copies them to the device), or on NVMe.
 //!   With the model known ([`Inputs::shape`]), offloaded params are sized
 //!   from its shards by the sizing policy's own functions: host memory in
-//!   pages packed next-fit in `ParamId` order (`sizing::cpu_page_plan`: a
-//!   page's tail the next shard does not fit in stays empty, +28% over
-//!   `S·p` for Llama-2-7B on one rank, by that function), the shards
+//!   pages packed first-fit in `ParamId` order (`sizing::cpu_page_plan`: a
+//!   page's tail no later shard fits in stays empty; next fit, which left
+//!   a tail each time the next shard did not fit, was +28% over `S·p`
+//!   for Llama-2-7B on one rank), the shards
 //!   `max_in_cpu` holds kept in such pages and the rest on NVMe, each
 //!   extent 4 KiB-aligned (`sizing::nvme_param_homes`). A shard homed on
 //!   NVMe larger than one param swap-in buffer makes the choice one
@@ -1056,9 +1057,9 @@ mod tests {
     }
 
     /// With the model's shards, offloaded params are sized as the engine
-    /// sizes them: `cpu` packs every shard into pinned pages (next-fit in
-    /// `ParamId` order; a page's tail that the next shard does not fit in
-    /// is left empty), `nvme` keeps what `max_in_cpu` holds in such pages
+    /// sizes them: `cpu` packs every shard into pinned pages (first-fit in
+    /// `ParamId` order; a page's tail that no later shard fits in is left
+    /// empty), `nvme` keeps what `max_in_cpu` holds in such pages
     /// and aligns each NVMe extent; a shard on NVMe larger than a param
     /// swap-in buffer is a choice train refuses, so it does not fit.
     #[test]

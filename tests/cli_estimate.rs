@@ -454,9 +454,9 @@ fn estimate_from_model_and_config() {
     assert!(!names.contains(&"param swap-in buffers"), "{names:?}");
     assert!(!names.contains(&"param partition"), "{names:?}");
     // In pinned pages as train maps them: pages of the largest shard (the
-    // 77.2 MB wte, above 64 MiB), 4 KiB-aligned, filled next-fit in
-    // ParamId order: the wte alone, then the wpe and the blocks (14.2 MB
-    // each), five to a page.
+    // 77.2 MB wte, above 64 MiB), 4 KiB-aligned, filled first-fit in
+    // ParamId order: the wte alone, then the wpe and the blocks' params
+    // (14.2 MB a block), the 248.9 MB in all in the fewest pages, four.
     let page = align(50257 * 768 * 2);
     assert_eq!(
         u(&items_named(e, "param host cache (max_in_cpu)")["bytes"]),

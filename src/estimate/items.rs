@@ -721,8 +721,8 @@ fn nvme_state_grads(
 /// This rank's offloaded 16-bit params from the model's own shards
 /// (`shape`, stage 3), as the sizing policy homes and packs them
 /// ([`sizing::decide_within`]): `cpu` packs every shard into pinned pages
-/// ([`sizing::cpu_page_plan`]: next-fit in `ParamId` order, so a page's
-/// tail a shard does not fit in is left empty); `nvme` keeps the shards
+/// ([`sizing::cpu_page_plan`]: first-fit in `ParamId` order, a page's
+/// tail left empty only where no later shard fits it); `nvme` keeps the shards
 /// `max_in_cpu` holds in such pages ([`sizing::nvme_param_homes`]) and the
 /// rest on NVMe, each extent 4 KiB-aligned, through the swap-in buffers
 /// cut into slots of the largest ([`sizing::param_slots`]).

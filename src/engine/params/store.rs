@@ -7,8 +7,9 @@
 //!   0-2, or `offload_param.device = none`), except on several ranks
 //!   whose fetches gather it (below).
 //! * [`Tier::Cpu`]: the bytes live in pinned host memory (a [`PinnedArena`]
-//!   whose buffers are pages; params are packed next-fit in `ParamId`
-//!   order and never straddle a page). A prefetch has the param copy
+//!   whose buffers are pages; params are packed first-fit in `ParamId`
+//!   order, [`crate::engine::sizing::cpu_page_places`], and never
+//!   straddle a page). A prefetch has the param copy
 //!   thread build the tensor from the page (the page read-locked while it
 //!   copies; a write-back of another param in that page waits for it), so
 //!   the copy of the next unit's params is off the engine's thread, which
@@ -488,7 +489,17 @@ impl ParamStore {
         let mut homes = Vec::with_capacity(n);
         let mut slots = Vec::with_capacity(n);
         let page_bytes = cpu_pages.first().map_or(0, |b| b.capacity_bytes() as usize);
-        let (mut page, mut page_off) = (0usize, 0usize);
+        // The cpu tier's places, as the sizing policy packs them (the
+        // store packed them again itself, next fit).
+        let cpu_shard_bytes: Vec<u64> = model
+            .params()
+            .iter()
+            .zip(&layout.params)
+            .filter(|(p, _)| tiers[p.id.0] == Tier::Cpu)
+            .map(|(_, slot)| (slot.shard_numel * elem_bytes) as u64)
+            .collect();
+        let mut cpu_places =
+            crate::engine::sizing::cpu_page_places(&cpu_shard_bytes, page_bytes as u64).into_iter();
         for (p, slot) in model.params().iter().zip(&layout.params) {
             let tier = tiers[p.id.0];
             let shard_bytes = slot.shard_numel * elem_bytes;
@@ -497,22 +508,23 @@ impl ParamStore {
                 // ([`ParamStore::partition_device_params`]).
                 Tier::Device => Home::Device,
                 Tier::Cpu => {
-                    if page_off + shard_bytes > page_bytes {
-                        page += 1;
-                        page_off = 0;
+                    let place = cpu_places.next();
+                    match place {
+                        Some((page, offset))
+                            if page < cpu_pages.len() && shard_bytes <= page_bytes =>
+                        {
+                            Home::Cpu {
+                                page,
+                                offset_bytes: offset as usize,
+                            }
+                        }
+                        _ => {
+                            return Err(EngineError::internal(format!(
+                                "cpu page plan has no room for `{}`",
+                                p.name
+                            )))
+                        }
                     }
-                    if page >= cpu_pages.len() || shard_bytes > page_bytes {
-                        return Err(EngineError::internal(format!(
-                            "cpu page plan has no room for `{}`",
-                            p.name
-                        )));
-                    }
-                    let h = Home::Cpu {
-                        page,
-                        offset_bytes: page_off,
-                    };
-                    page_off += shard_bytes;
-                    h
                 }
                 Tier::Nvme => {
                     let nv = nvme
