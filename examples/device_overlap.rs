@@ -57,7 +57,8 @@
 //! 25, through `SIM_STAGING` staging buffers, default 4 as `tierzero train
 //! --device sim`) or `cuda:N`; `DEVICE_BUDGET` sets the GPU's byte budget (default:
 //! its free memory less 5%); `ADAM_THREADS` the CPU Adam's threads
-//! (default 1, as `tierzero train --threads`); and the setup's own
+//! (default 1; `tierzero train --threads auto` takes half the cores with
+//! `--device`); and the setup's own
 //! (`examples/measure`): `MICRO`, `SEQ_LEN`, `PRECISION=bf16`, `CLIP`,
 //! `ACT_BUDGET` (default 0: every block recomputed), `DEVICE_CACHE`
 //! (`tierzero.device_cache_bytes`, default 0: every param crosses at each

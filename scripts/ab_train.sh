@@ -32,9 +32,14 @@ for r in $(seq "$rounds"); do
     if [[ $arm == @* ]]; then
       d=${arm%% *} d=${d#@} cmd=${arm#* }
     fi
+    # tierzero's stderr kept: a failed run says why (it exited 2 silently).
     out=$(env $cmd train --config "$d/ds.json" --model "$d/model" \
       --data "$here/data/corpus.txt" --data-format bytes --seq-len 128 \
-      --steps "$steps" --metrics "$metrics" --json 2>/dev/null)
+      --steps "$steps" --metrics "$metrics" --json 2>"$metrics.err") || {
+      echo "ab_train: '$cmd train' on $d failed:" >&2
+      cat "$metrics.err" >&2
+      exit 2
+    }
     python3 -c '
 import json, sys
 arm, out, r, metrics = sys.argv[1:]

@@ -88,7 +88,11 @@ def run_tierzero(args, work, model_cfg, stage, ckpt):
     swap = work / "swap"
     swap.mkdir(exist_ok=True)
     cfg = work / "ds.json"
-    cfg.write_text(json.dumps(ds_config(stage, swap, args.clip)))
+    ds = ds_config(stage, swap, args.clip)
+    # The same compute threads as torch's set_num_threads (the tierzero
+    # arms took every core on "auto" while the summary said N threads).
+    ds["tierzero"]["compute_threads"] = args.threads
+    cfg.write_text(json.dumps(ds))
     metrics = work / "metrics.jsonl"
     cmd = [args.bin, "train", "--config", str(cfg), "--model", str(model),
            "--data", str(ROOT / "data/corpus.txt"), "--data-format", "bytes",

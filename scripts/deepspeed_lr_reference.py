@@ -3,7 +3,11 @@
 tests/lr_schedule_deepspeed.rs (which checks tierzero's schedules against
 them through the config reader).
 
-  python scripts/deepspeed_lr_reference.py LR_SCHEDULES_PY > tests/fixtures/deepspeed_lr_schedules.txt
+  python scripts/deepspeed_lr_reference.py LR_SCHEDULES_PY [SOURCE] > tests/fixtures/deepspeed_lr_schedules.txt
+
+SOURCE names the DeepSpeed the file came from (e.g. "edaa72212 (0.19.6)")
+for the fixture's header, which this prints first (the header was lost
+when the fixture was made again).
 
 LR_SCHEDULES_PY is DeepSpeed's deepspeed/runtime/lr_schedules.py (from a
 checkout, e.g. `git show HEAD:deepspeed/runtime/lr_schedules.py`); it is
@@ -53,11 +57,14 @@ def cases():
 
 
 def main():
-    if len(sys.argv) != 2:
+    if len(sys.argv) not in (2, 3):
         print(__doc__.strip(), file=sys.stderr)
         return 2
     import torch
     mod = load(sys.argv[1])
+    source = sys.argv[2] if len(sys.argv) == 3 else "(source not given)"
+    print(f"# DeepSpeed's schedulers at {source}, by scripts/deepspeed_lr_reference.py:")
+    print(f"# the scheduler, its params, the lr of each of {STEPS} optimizer steps.")
     p = torch.nn.Parameter(torch.zeros(1))
     for name, params in cases():
         opt = torch.optim.SGD([p], lr=BASE_LR)

@@ -38,7 +38,8 @@ for c in "2 1.0" "1 0.0"; do
   set -- $c; config "$1" "$2"
   declare -A rss
   for n in 4 16; do
-    out=$("$BIN" train --config "$WORK/ds_$1_$2.json" --model "$WORK/m$n" --steps 3 --seq-len 128 --json 2>/dev/null)
+    out=$("$BIN" train --config "$WORK/ds_$1_$2.json" --model "$WORK/m$n" --steps 3 --seq-len 128 --json 2>"$WORK/err") || {
+      echo "memory_flat: the run of m$n with ds_$1_$2.json failed:" >&2; cat "$WORK/err" >&2; exit 2; }
     rss[$n]=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["peak_rss_bytes"])' "$out")
   done
   python3 - "$1" "$2" "${rss[4]}" "${rss[16]}" <<'P'

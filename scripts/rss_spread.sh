@@ -33,12 +33,14 @@ JSON
 JSON
 done
 peak() {
-  "$bin" train --config "$work/ds$1.json" --model "$work/m$1" --steps 3 --seq-len 128 --json 2>/dev/null |
-    python3 -c 'import json,sys; print(json.load(sys.stdin)["peak_rss_bytes"] >> 20)'
+  local out
+  out=$("$bin" train --config "$work/ds$1.json" --model "$work/m$1" --steps 3 --seq-len 128 --json 2>"$work/err$1") || {
+    echo "rss_spread: the run of m$1 failed:" >&2; cat "$work/err$1" >&2; return 2; }
+  python3 -c 'import json,sys; print(json.loads(sys.argv[1])["peak_rss_bytes"] >> 20)' "$out"
 }
 for r in $(seq "$rounds"); do
-  peak 4 > "$work/p4" &
-  peak 16 > "$work/p16" &
-  wait
+  peak 4 > "$work/p4" & p4=$!
+  peak 16 > "$work/p16" & p16=$!
+  wait "$p4" && wait "$p16" || exit 2
   echo "round $r: 4 layers $(cat "$work/p4") MiB, 16 layers $(cat "$work/p16") MiB"
 done

@@ -50,6 +50,9 @@ rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 steps = [r for r in rows if "step" in r and "loss" in r]
 log = open(sys.argv[2]).read()
 m = re.search(r"NVMe total ([0-9.]+ [KMGT]?i?B)", log)
+# The plan's per-step prediction, which the header promises the table is
+# compared against (it printed the swap space's size alone).
+pred = re.search(r"NVMe per step \(predicted[^)]*\): read ([0-9.]+ [KMGT]?i?B), written ([0-9.]+ [KMGT]?i?B)", log)
 print("\n| step | loss | wall s | compute s | I/O wait s | optimizer s | NVMe read | NVMe written | peak RSS |")
 print("|---|---|---|---|---|---|---|---|---|")
 for r in steps:
@@ -57,5 +60,7 @@ for r in steps:
     print(f"| {r['step']} | {r['loss']:.4f} | {r['wall_s']:.1f} | {r['compute_s']:.1f} | {r['io_wait_s']:.1f} | "
           f"{r['optimizer_s']:.1f} | {gb(r['bytes_read']['nvme'])} | {gb(r['bytes_written']['nvme'])} | "
           f"{r['peak_rss_bytes']/2**30:.2f} GiB |")
-print(f"\nplan NVMe total: {m.group(1) if m else '?'}; losses: {[r['loss'] for r in steps]}")
+print(f"\nplan NVMe per step (predicted, at most): read {pred.group(1) if pred else '?'}, "
+      f"written {pred.group(2) if pred else '?'}; NVMe total: {m.group(1) if m else '?'}; "
+      f"losses: {[r['loss'] for r in steps]}")
 P

@@ -26,8 +26,12 @@ import sys
 
 
 def load(path):
-    with open(path) as f:
-        v = json.load(f)
+    try:
+        with open(path) as f:
+            v = json.load(f)
+    except (OSError, ValueError) as e:
+        print(f"timeline_gaps: {path}: {e}", file=sys.stderr)
+        sys.exit(2)
     lanes = {e["tid"]: e["args"]["name"] for e in v["traceEvents"] if e.get("ph") == "M"}
     spans = {}
     for e in v["traceEvents"]:
