@@ -411,11 +411,12 @@ def test_a_state_dict_of_other_shapes_is_refused():
     assert other.param_groups[0]["lr"] == 5e-3  # nothing loaded
 
 
-def test_a_checkpoint_keeps_each_sub_group_s_step_count(tmp_path):
+def test_a_checkpoint_keeps_each_piece_s_step_count(tmp_path):
     # A param over two sub-groups whose gradient was None while the other
     # sub-group's param had one: sub-groups [0, 3] were loaded as [3, 3]
     # (one count per param), and the resumed run moved off the uninterrupted
-    # one by 0.07.
+    # one by 0.07. Each piece has its own count: a's pieces 2 (the steps it
+    # had a gradient), b's 5.
     def run(resume):
         torch.manual_seed(0)
         a, b = [torch.nn.Parameter(torch.randn(n)) for n in (15, 5)]
@@ -435,7 +436,7 @@ def test_a_checkpoint_keeps_each_sub_group_s_step_count(tmp_path):
         return [s.steps for s in opt._subgroups], torch.cat([a.detach(), b.detach()])
 
     (steps, ref), (resumed_steps, got) = run(False), run(True)
-    assert steps == resumed_steps == [2, 5]
+    assert steps == resumed_steps == [[2], [2, 5]]
     assert torch.equal(got, ref)
 
 
@@ -1142,3 +1143,203 @@ def test_native_calls_on_a_sub_group_of_no_elements(offload, tmp_path):
     # torch's single-tensor AdamW rounds its step in another order: within
     # float32's last bits.
     assert torch.allclose(out, ref.detach(), rtol=1e-6, atol=0), (out, ref)
+
+
+# Which params have a gradient at each step: counts drift apart (a param
+# that skips steps beside others of its sub-group), two counts meet in one
+# sub-group, and a param is idle beside them.
+_SKIPS = [{0}, {0, 1}, {1, 2}, {0, 2}, {0, 1, 2}, {2}]
+
+
+def _skipping_run(make_opt, dtype, steps, opt=None, ps=None, start=0):
+    """Params of 5, 7 and 9 elements stepped by ``make_opt`` on ``_SKIPS``,
+    with torch.optim.AdamW(foreach=False) over fp32 copies beside them
+    (the master a 16-bit param's optimizer keeps): ``(ps, opt, ref,
+    ref_opt)``."""
+    torch.manual_seed(0)
+    init = [torch.randn(n) for n in (5, 7, 9)]
+    if ps is None:
+        ps = [torch.nn.Parameter(t.to(dtype, copy=True)) for t in init]
+    ref = [torch.nn.Parameter(t.to(dtype).to(torch.float32, copy=True)) for t in init]
+    opt = make_opt(ps) if opt is None else opt
+    ref_opt = torch.optim.AdamW(ref, lr=0.1, weight_decay=0.1, foreach=False)
+    g = torch.Generator().manual_seed(7)
+    for step in range(start + steps):
+        grads = [torch.randn(p.shape, generator=g).to(dtype) for p in ps]
+        for k, (p, r) in enumerate(zip(ps, ref)):
+            p.grad = grads[k] if k in _SKIPS[step] else None
+            r.grad = grads[k].float() if k in _SKIPS[step] else None
+        if step >= start:
+            opt.step()
+        ref_opt.step()
+    return ps, opt, ref, ref_opt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offload", ["none", "cpu", "nvme"])
+def test_a_param_that_skips_steps_keeps_its_own_step_count(offload, dtype, tmp_path):
+    # One step count per sub-group advanced for every param of it, a param
+    # without a gradient included (restored, not stepped): its next step was
+    # bias-corrected with the others' count (0.074 for a first step that
+    # moves 0.1 at lr 0.1), and state_dict() said the others' count too.
+    # Every path but the in-place fp32 one (each param its own sub-group)
+    # did so. sub_group_size 8 puts params over two sub-groups and two
+    # params of different counts into one.
+    def make(ps, path="nvme"):
+        return tzt.AdamW(ps, lr=0.1, weight_decay=0.1, offload=offload, nvme_path=tmp_path / path, sub_group_size=8)
+
+    def check(ps, opt, ref, ref_opt):
+        ours, theirs = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+        for k, (p, r) in enumerate(zip(ps, ref)):
+            assert ours[k]["step"].item() == theirs[k]["step"].item(), (k, ours[k]["step"], theirs[k]["step"])
+            master = ours[k]["master"] if dtype != torch.float32 else p.detach()
+            torch.testing.assert_close(master, r.detach(), rtol=0, atol=2e-6)
+            torch.testing.assert_close(ours[k]["exp_avg"], theirs[k]["exp_avg"], rtol=0, atol=1e-6)
+            torch.testing.assert_close(ours[k]["exp_avg_sq"], theirs[k]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+            # A 16-bit param is its master rounded (to nearest even).
+            assert torch.equal(p.detach(), master.to(dtype))
+
+    whole = _skipping_run(make, dtype, len(_SKIPS))
+    check(*whole)
+    assert [ours["step"].item() for ours in whole[1].state_dict()["state"].values()] == [4, 3, 4]
+    # Resumed after 3 steps from state_dict() and from save_checkpoint():
+    # the same bits as the run that was not stopped.
+    ps, opt, _, _ = _skipping_run(make, dtype, 3)
+    sd = opt.state_dict()
+    opt.save_checkpoint(tmp_path / "opt.bin")
+    for name, load in [("sd", lambda o: o.load_state_dict(sd)), ("ckpt", lambda o: o.load_checkpoint(tmp_path / "opt.bin"))]:
+        # The model's weights come with it (a state dict holds no fp32
+        # param's values, as torch's); a checkpoint sets them.
+        fresh = [torch.nn.Parameter(p.detach().clone() if name == "sd" else torch.zeros_like(p)) for p in ps]
+        resumed = make(fresh, name)
+        load(resumed)
+        run = _skipping_run(None, dtype, len(_SKIPS) - 3, opt=resumed, ps=fresh, start=3)
+        check(*run)
+        for p, q in zip(whole[0], fresh):
+            assert torch.equal(p.detach(), q.detach()), name
+
+
+def test_a_checkpoint_of_one_count_per_sub_group_still_loads(tmp_path):
+    # Checkpoints written while a sub-group kept one count hold it at each
+    # of its pieces' starts, the format the per-param counts keep: each
+    # param loads with its sub-group's count, as it was stepped.
+    import json
+
+    a, b = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(7))
+    opt = tzt.AdamW([a, b], lr=0.1, offload="nvme", nvme_path=tmp_path / "a", sub_group_size=8)
+    for k in range(3):
+        a.grad, b.grad = torch.ones(5), (torch.ones(7) if k == 2 else None)
+        opt.step()
+    opt.save_checkpoint(tmp_path / "opt.bin")
+    data = (tmp_path / "opt.bin").read_bytes()
+    n = int.from_bytes(data[8:16], "little")
+    head = json.loads(data[16 : 16 + n])
+    assert head["steps"] == [[0, 3], [5, 1], [8, 1]]  # a's piece, b's two
+    # As the writer of one count per sub-group saved it: b's first piece
+    # was in a's sub-group, counted 3.
+    head["steps"] = [[0, 3], [5, 3], [8, 1]]
+    old = json.dumps(head).encode()
+    (tmp_path / "old.bin").write_bytes(data[:8] + len(old).to_bytes(8, "little") + old + data[16 + n :])
+    again = tzt.AdamW([a, b], lr=0.1, offload="nvme", nvme_path=tmp_path / "b", sub_group_size=8)
+    again.load_checkpoint(tmp_path / "old.bin")
+    assert [s.steps for s in again._subgroups] == [[3, 3], [1]]
+    assert {k: st["step"].item() for k, st in again.state_dict()["state"].items()} == {0: 3.0, 1: 3.0}
+    # And under another sub_group_size, each param the latest count its
+    # saved pieces had.
+    other = tzt.AdamW([a, b], lr=0.1, offload="nvme", nvme_path=tmp_path / "c", sub_group_size=100)
+    other.load_checkpoint(tmp_path / "opt.bin")
+    assert [s.steps for s in other._subgroups] == [[3, 1]]
+
+
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_step_in_backward_refuses_a_gradient_that_is_not_finite(offload, tmp_path):
+    # torch.amp.GradScaler (fp16) with step_in_backward: the scaled loss
+    # overflowed, backward stepped the inf gradients (the params NaN), and
+    # scaler.step(opt) then raised torch's bare "No inf checks were
+    # recorded". Refused in backward, naming the cause, before the
+    # sub-group steps: the params are as they were.
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    opt = tzt.AdamW(m.parameters(), lr=1e-2, offload=offload, nvme_path=tmp_path / "n", step_in_backward=True)
+    before = [p.detach().clone() for p in m.parameters()]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    x = torch.randn(8, 16) * 100
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = m(x).float().pow(2).mean()
+    with pytest.raises(RuntimeError, match=r"not finite.*GradScaler.*step_in_backward=False"):
+        scaler.scale(loss).backward()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(m.parameters(), before))
+    # A finite backward after it (no scaler) steps as before.
+    opt.zero_grad()
+    m(x).pow(2).mean().backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() and not torch.equal(p.detach(), b) for p, b in zip(m.parameters(), before))
+
+
+def test_a_save_killed_mid_write_leaves_no_temp_file_for_good(tmp_path):
+    # A save_checkpoint killed while writing left <path>.tmp.<pid>, the
+    # state's size, beside the checkpoint for good: no later save or load
+    # removed it. The next save or load of the path removes the temps whose
+    # writer is gone (its lock, held while it writes, is free); a save in
+    # progress in another process keeps its own.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import warnings
+
+    path = tmp_path / "opt.bin"
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, torch, tierzero.torch as tzt\n"
+            "ps = [torch.nn.Parameter(torch.randn(1000)) for _ in range(2)]\n"
+            "opt = tzt.AdamW(ps, offload='cpu')\n"
+            "read, calls = opt._native.read_state, []\n"
+            "def reading(*args):\n"
+            "    calls.append(1)\n"
+            "    if len(calls) == 2:\n"
+            "        print('writing', flush=True)\n"
+            "        sys.stdin.read()\n"
+            "    return read(*args)\n"
+            "opt._native.read_state = reading\n"
+            "opt.save_checkpoint(sys.argv[1])\n",
+            str(path),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "writing"
+        temp = tmp_path / f"opt.bin.tmp.{child.pid}"
+        assert temp.exists()
+        ps = [torch.nn.Parameter(torch.randn(1000)) for _ in range(2)]
+        opt = tzt.AdamW(ps, offload="cpu")
+        for p in ps:
+            p.grad = torch.ones(1000)
+        opt.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing removed, nothing said
+            opt.save_checkpoint(path)
+        assert temp.exists(), "a save in progress lost its temp file"
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    finally:
+        child.stdin.close()
+        child.kill()
+        child.wait()
+    # Its writer is gone: the next save removes it, and says so.
+    other = tmp_path / "other.bin.tmp.1"  # another checkpoint's, left alone
+    other.write_bytes(b"x")
+    with pytest.warns(UserWarning, match=r"removed 1 temporary file.*opt\.bin\.tmp\.[0-9]+ \(24[0-9]{3} bytes\)"):
+        opt.save_checkpoint(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["opt.bin", "other.bin.tmp.1"]
+    # A load too, of this process's pid's temp as well (a restarted
+    # container's trainer has its predecessor's pid).
+    (tmp_path / f"opt.bin.tmp.{os.getpid()}").write_bytes(b"x" * 10)
+    (tmp_path / f"opt.bin.tmp.{_dead_pid()}").write_bytes(b"x" * 10)
+    with pytest.warns(UserWarning, match="removed 2 temporary file"):
+        opt.load_checkpoint(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["opt.bin", "other.bin.tmp.1"]

@@ -209,13 +209,11 @@ def test_a_killed_process_file_goes_with_the_next_offload(tmp_path):
     assert child.stdout.readline().strip() == "ready"
     (left,) = [p.name for p in d.iterdir()]
     assert left.startswith(f"tierzero-params-{child.pid}-")
-    # Another live process's file, this process's own, and a file not
-    # ours: all stay.
-    live = d / f"tierzero-params-{os.getppid()}-abc.bin"
-    own = d / f"tierzero-params-{os.getpid()}-def.bin"
+    # A file not ours stays. (Files named with a live pid, this
+    # process's included, whose lock is free are stale: pids are reused;
+    # test_a_params_file_whose_lock_is_free_is_reclaimed_whatever_its_pid.)
     other = d / "tierzero-params-notapid-1.bin"
-    for f in (live, own, other):
-        f.write_bytes(b"x")
+    other.write_bytes(b"x")
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
     assert (d / left).exists()
@@ -235,7 +233,7 @@ def test_a_killed_process_file_goes_with_the_next_offload(tmp_path):
         os.close(fd)
     names = {p.name for p in d.iterdir()}
     assert left not in names
-    assert {live.name, own.name, other.name, held.name} <= names
+    assert {other.name, held.name} <= names
     h.remove()
 
 
@@ -627,3 +625,72 @@ def test_a_modules_input_containers_are_not_changed(tmp_path):
     m(xs).sum().backward()
     assert xs[0] is x and x.grad is not None
     h.remove()
+
+
+def test_a_params_file_whose_lock_is_free_is_reclaimed_whatever_its_pid(tmp_path, monkeypatch):
+    # Pids are reused: a container restarted runs its trainer as pid 1
+    # again, and its dead predecessor's model-sized file, named with pid 1,
+    # was spared as this process's own, for good (as was a file named with
+    # any live process's pid). A free lock means stale; spared are the
+    # files this process holds and a file its pid's process has open.
+    import fcntl
+    import os
+    import subprocess
+    import sys
+
+    import tierzero.offload as offload
+
+    d = tmp_path / "p"
+    d.mkdir()
+    # A live process that holds one file named with its pid open, unlocked
+    # (an offload on NFS, whose flock is a POSIX lock: closing another fd
+    # of the file let it go), and not the other.
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys\n"
+            "p = os.path.join(sys.argv[1], f'tierzero-params-{os.getpid()}-cafe.bin')\n"
+            "open(p, 'wb').write(b'x')\n"
+            "fd = os.open(p, os.O_RDONLY)\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.read()\n",
+            str(d),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        open_in_child = d / f"tierzero-params-{child.pid}-cafe.bin"
+        predecessor = d / f"tierzero-params-{os.getpid()}-dead.bin"  # this pid's, a killed run's
+        reused = d / f"tierzero-params-{child.pid}-beef.bin"  # a live pid's, not its file
+        for f in (predecessor, reused):
+            f.write_bytes(b"x" * 10)
+        with pytest.warns(UserWarning, match=r"removed 2 file\(s\)") as got:
+            mine = tzt.offload_parameters(Net(), "nvme", nvme_path=d, param_persistence_threshold=100)
+        assert str(predecessor) in str(got[0].message) and str(reused) in str(got[0].message)
+        names = {p.name for p in d.iterdir()}
+        assert open_in_child.name in names and predecessor.name not in names and reused.name not in names
+        (held,) = names - {open_in_child.name}
+        # Where this process's own lock does not stop its reclaim (flock a
+        # POSIX lock, as NFS makes it), its own live file is spared as its
+        # own, and a predecessor's still goes.
+        monkeypatch.setattr(
+            offload,
+            "fcntl",
+            types.SimpleNamespace(flock=lambda fd, op: None, LOCK_EX=fcntl.LOCK_EX, LOCK_NB=fcntl.LOCK_NB),
+        )
+        predecessor.write_bytes(b"x" * 10)
+        with pytest.warns(UserWarning, match=r"removed 1 file\(s\)"):
+            other = tzt.offload_parameters(Net(), "nvme", nvme_path=d, param_persistence_threshold=100)
+        names = {p.name for p in d.iterdir()}
+        assert held in names and open_in_child.name in names and predecessor.name not in names
+        assert len(names) == 3  # the other offload's file besides
+        mine.remove()
+        other.remove()
+        assert {p.name for p in d.iterdir()} == {open_in_child.name}
+    finally:
+        child.stdin.close()
+        child.wait()

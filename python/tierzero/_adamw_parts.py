@@ -299,10 +299,25 @@ def _write_mark(p):
 
 
 class _SubGroup:
+    """Consecutive pieces of one param group's params, stepped together.
+
+    ``steps`` holds a step count per piece, not one for the sub-group:
+    torch counts each param's steps (``state[p]["step"]``) and advances it
+    only when the param has a gradient, so a param that skipped steps
+    beside others of its sub-group is bias-corrected with its own count
+    (one count per sub-group corrected it with the others': 0.074 for a
+    first step that should move 0.1 at lr 0.1)."""
+
     __slots__ = ("group", "pieces", "numel", "steps")
 
     def __init__(self, group):
         self.group = group
         self.pieces = []  # (param, start, end, offset in the sub-group)
         self.numel = 0
-        self.steps = 0
+        self.steps = []  # per piece: its param's steps taken
+
+    def add(self, p, start, end):
+        """Appends ``p[start:end]`` as a piece that has not stepped."""
+        self.pieces.append((p, start, end, self.numel))
+        self.steps.append(0)
+        self.numel += end - start

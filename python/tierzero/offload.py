@@ -117,6 +117,7 @@ import itertools
 import os
 import re
 import sys
+import threading
 import warnings
 import weakref
 
@@ -800,27 +801,45 @@ def _weakly(method):
     return call
 
 
+# The params files this process holds (``_hold``), by device and inode:
+# the reclaim spares them whatever their lock says (on NFS, where flock is
+# a POSIX lock, this process's own lock never stops its own reclaim), and
+# nothing else of this process's pid. Reentrant: ``_release_file`` runs from
+# a finalizer, which garbage collection may call inside ``_hold`` or the
+# reclaim on the same thread.
+_OWN_FILES: set = set()
+_OWN_FILES_LOCK = threading.RLock()
+
+
 def _hold(path):
-    """Creates ``path`` and takes its exclusive lock; returns the fd that
-    holds it. A file system without locks (some NFS mounts) leaves the
-    file unlocked: the reclaim cannot lock it there either, so it takes
-    no file of such a directory."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        pass
+    """Creates ``path``, takes its exclusive lock and counts it this
+    process's (``_OWN_FILES``); returns the fd that holds it. A file
+    system without locks (some NFS mounts) leaves the file unlocked: the
+    reclaim cannot lock it there either, so it takes no file of such a
+    directory."""
+    with _OWN_FILES_LOCK:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass
+        st = os.fstat(fd)
+        _OWN_FILES.add((st.st_dev, st.st_ino))
     return fd
 
 
 def _release_file(path, fd):
-    """Removes ``path``, then lets go of its lock."""
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-    finally:
-        os.close(fd)
+    """Removes ``path``, then lets go of its lock and of its place in
+    ``_OWN_FILES``."""
+    with _OWN_FILES_LOCK:
+        try:
+            st = os.fstat(fd)
+            _OWN_FILES.discard((st.st_dev, st.st_ino))
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(fd)
 
 
 _PARAMS_FILE = re.compile(r"tierzero-params-([0-9]+)-[0-9a-f]+\.bin")
@@ -839,43 +858,74 @@ def _process_alive(pid):
     return True
 
 
+def _open_in(pid, st):
+    """Whether process ``pid`` of this host has the file of ``os.stat``
+    result ``st`` open (one of its ``/proc/<pid>/fd``). A process whose fds
+    cannot be read (another user's; no ``/proc``) has it open if it is
+    alive: a file in use is never taken for a stale one."""
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return _process_alive(pid)
+    for fd in fds:
+        try:
+            s = os.stat(os.path.join(fd_dir, fd))
+        except OSError:
+            continue  # closed meanwhile
+        if (s.st_dev, s.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
+
+
 def _reclaim_stale(nvme_path):
     """Removes the ``tierzero-params-<pid>-*.bin`` files in ``nvme_path``
-    that nobody holds (a killed run's), with a warning naming them. A file
-    is taken only when its pid names no process here and its lock is free:
-    a live offload holds its file's lock (``_hold``), which another PID
-    namespace or host sharing the directory sees though it cannot see the
-    pid. This process's own files are left alone."""
+    that nobody holds (a killed run's), with a warning naming them. A live
+    offload holds its file's lock (``_hold``), which another PID namespace
+    or host sharing the directory sees though its pid means nothing here: a
+    file whose lock is free is stale, whatever process its pid names now.
+    Pids are reused: a container restarted runs its trainer as pid 1 again,
+    and its dead predecessor's model-sized file, named with pid 1, was kept
+    for good as this process's own (or any live process's). Spared besides:
+    the files this process holds (``_OWN_FILES``), and a file its pid's
+    process has open on this host (on NFS, where flock is a POSIX lock,
+    that process's lock went when it closed another fd of the file)."""
     removed = []
     try:
         names = os.listdir(nvme_path)
     except OSError:
         return removed
     own = os.getpid()
-    for name in names:
-        m = _PARAMS_FILE.fullmatch(name)
-        if m is None or int(m.group(1)) == own or _process_alive(int(m.group(1))):
-            continue
-        path = os.path.join(nvme_path, name)
-        if not os.path.isfile(path) or os.path.islink(path):
-            continue
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
+    with _OWN_FILES_LOCK:
+        for name in names:
+            m = _PARAMS_FILE.fullmatch(name)
+            if m is None:
+                continue
+            path = os.path.join(nvme_path, name)
+            if not os.path.isfile(path) or os.path.islink(path):
+                continue
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
             except OSError:
-                continue  # held: in use
-            size = os.fstat(fd).st_size
-            os.remove(path)
-        except OSError as e:
-            warnings.warn(f"offload_parameters: could not remove the stale file {path}: {e}", stacklevel=3)
-            continue
-        finally:
-            os.close(fd)
-        removed.append((path, size))
+                continue
+            try:
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino) in _OWN_FILES:
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # held: in use
+                pid = int(m.group(1))
+                if pid != own and _open_in(pid, st):
+                    continue
+                os.remove(path)
+            except OSError as e:
+                warnings.warn(f"offload_parameters: could not remove the stale file {path}: {e}", stacklevel=3)
+                continue
+            finally:
+                os.close(fd)
+            removed.append((path, st.st_size))
     if removed:
         listed = ", ".join(f"{p} ({n} bytes)" for p, n in removed)
         warnings.warn(

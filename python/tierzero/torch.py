@@ -34,7 +34,12 @@ sub-group has none the sub-group is not stepped; inside a sub-group that
 has gradients its state (master, moments) and values are put back after
 the step (DeepSpeed steps it with a zero gradient: momentum moves a param
 frozen after construction), at the cost of reading that sub-group's state
-twice. A param given with ``requires_grad=False``
+twice. Each param keeps its own step count, as torch's ``state[p]["step"]``,
+advanced only when it has a gradient, and is bias-corrected with it: where
+the params of a sub-group have different counts (one skipped a step the
+others took) the sub-group is stepped once per count, each time putting
+back the pieces of the other counts, so it costs that reading again per
+count. A param given with ``requires_grad=False``
 (frozen, to be unfrozen later) has sub-groups of its own, so it is not
 stepped until it has a gradient.
 
@@ -46,7 +51,16 @@ steps what backward did not reach and waits for the writes. As with torch's
 own optimizer-in-backward recipe, this is for one backward per step with no
 gradient clipping or accumulation (the step happens before either could; a
 second backward before ``step()`` is refused, where its gradients were
-dropped).
+dropped), and with no loss scaling: ``torch.amp.GradScaler`` (fp16) unscales
+the gradients, checks them for inf and skips the step in ``scaler.step(opt)``,
+after backward has stepped them, scaled. A gradient that is not finite (inf
+or NaN: an overflow of the scaled loss, or a model that diverged) is refused
+in backward with a ``RuntimeError`` saying so, before its sub-group is
+stepped (the params were made NaN, and ``scaler.step`` then raised torch's
+bare "No inf checks were recorded"; sub-groups that backward finished
+before it, their gradients finite, are stepped). Use
+``step_in_backward=False`` with ``GradScaler``, or bf16 autocast, which
+needs no scaler.
 
 Under several processes (``torch.distributed`` initialised with a world
 size above 1, or the launcher's ``RANK`` and ``WORLD_SIZE``: torchrun, HF
@@ -59,7 +73,8 @@ killed run left: the next run's rank ``R`` reclaims ``rank<R>``'s (a run
 with fewer ranks leaves the higher ranks' directories alone).
 
 ``state_dict()`` is torch's format (``step``, ``exp_avg``, ``exp_avg_sq`` per
-param, plus ``master`` for params that are not fp32) and materialises it in
+param, ``step`` the param's own count, plus ``master`` for params that are
+not fp32) and materialises it in
 host memory (``opt.state`` holds each stepped param's ``step`` alone: the
 moments stay in tierzero's tiers); ``save_checkpoint`` / ``load_checkpoint`` stream the state one
 sub-group at a time instead.
@@ -68,8 +83,13 @@ sub-group at a time instead.
 from __future__ import annotations
 
 import bisect
+import fcntl
 import json
 import os
+import re
+import stat
+import threading
+import warnings
 
 import torch
 
@@ -88,7 +108,7 @@ from ._adamw_parts import (
     _values,
     _write_mark,
 )
-from .offload import ParamOffload, _distributed, _weakly, home_of, offload_parameters
+from .offload import ParamOffload, _distributed, _open_in, _weakly, home_of, offload_parameters
 
 __all__ = ["AdamW", "offload_parameters", "ParamOffload"]
 
@@ -109,6 +129,100 @@ def _rank_path(nvme_path):
             f"initialise torch.distributed first"
         )
     return os.path.join(os.fspath(nvme_path), f"rank{rank}")
+
+
+# The temp files this process's saves are writing (``save_checkpoint``), by
+# device and inode, and the lock that makes creating one and counting it
+# one step for the stale-temp sweep (``_remove_stale_temps``).
+_SAVING: set = set()
+_SAVING_LOCK = threading.Lock()
+
+
+def _remove_stale_temps(path):
+    """Removes the ``<path>.tmp.<pid>`` files of saves of ``path`` that were
+    killed mid-write (no ``except`` ran to remove them: each held the whole
+    state's size beside ``path`` for good), with a warning naming them. A
+    save holds its temp file's lock (flock) while it writes, so a temp
+    whose lock is free has no writer: stale, unless this process is writing
+    it (``_SAVING``: where flock is a POSIX lock, as on NFS, its own lock
+    does not stop it) or its pid's process has it open on this host (that
+    lock went with another fd of it, or was not taken yet). Pids are
+    reused: one that names a live process, this one's included, does not
+    make a temp its. A file system without locks keeps its temps."""
+    path = os.path.abspath(path)
+    folder, base = os.path.split(path)
+    pattern = re.compile(re.escape(base) + r"\.tmp\.([0-9]+)")
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    removed = []
+    own = os.getpid()
+    with _SAVING_LOCK:
+        for name in names:
+            m = pattern.fullmatch(name)
+            if m is None:
+                continue
+            tmp = os.path.join(folder, name)
+            try:
+                fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except OSError:
+                continue  # gone meanwhile, a link, not ours to read
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) in _SAVING:
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # held: a save is writing it
+                pid = int(m.group(1))
+                if pid != own and _open_in(pid, st):
+                    continue
+                os.remove(tmp)
+            except OSError as e:
+                warnings.warn(f"save_checkpoint: could not remove the stale temporary file {tmp}: {e}", stacklevel=3)
+                continue
+            finally:
+                os.close(fd)
+            removed.append(f"{tmp} ({st.st_size} bytes)")
+    if removed:
+        warnings.warn(
+            f"save_checkpoint: removed {len(removed)} temporary file(s) of saves of {path} that were "
+            f"killed while writing: {', '.join(removed)}",
+            stacklevel=3,
+        )
+
+
+def _refuse_not_finite(s, grad):
+    """A ``RuntimeError`` if sub-group ``s``'s gathered gradient ``grad``
+    holds an inf or a NaN, raised in backward (``step_in_backward``) before
+    the sub-group steps: with ``torch.amp.GradScaler`` the scaled gradients
+    overflow, and stepping them made the params NaN before the scaler could
+    skip the step (see the module docs). The sum is one fast pass (inf or
+    NaN in, not finite out); a sum that overflowed from finite values is
+    told apart by the max-norm, which does not."""
+    if not grad.numel() or torch.isfinite(grad.sum()):
+        return
+    if torch.isfinite(torch.linalg.vector_norm(grad, float("inf"))):
+        return
+    flat = grad.reshape(-1)
+    shape = next(
+        (
+            tuple(_shape(p))
+            for p, a, b, off in s.pieces
+            if not torch.isfinite(torch.linalg.vector_norm(flat[off : off + b - a], float("inf")))
+        ),
+        None,
+    )
+    raise RuntimeError(
+        f"tierzero.torch.AdamW(step_in_backward=True): the gradient of a param of shape {shape} "
+        f"is not finite (inf or NaN), so its sub-group was not stepped. Loss scaling "
+        f"(torch.amp.GradScaler, fp16) cannot work with step_in_backward, which steps the "
+        f"scaled gradients inside backward, before the scaler unscales them, checks them for "
+        f"inf and skips the step: use step_in_backward=False with GradScaler (or bf16 "
+        f"autocast, which needs no scaler). Without a scaler, the model diverged."
+    )
 
 
 class AdamW(torch.optim.Optimizer):
@@ -249,8 +363,7 @@ class AdamW(torch.optim.Optimizer):
                     sg = _SubGroup(gi)
                 while start < n:
                     take = min(n - start, sub_group_size - sg.numel)
-                    sg.pieces.append((p, start, start + take, sg.numel))
-                    sg.numel += take
+                    sg.add(p, start, start + take)
                     start += take
                     if sg.numel == sub_group_size or ((self._inplace or frozen) and start == n):
                         self._subgroups.append(sg)
@@ -411,8 +524,9 @@ class AdamW(torch.optim.Optimizer):
         them."""
         steps: dict = {}
         for s in self._subgroups:
-            for p, *_ in s.pieces if s.steps else ():
-                steps[p] = max(steps.get(p, 0), s.steps)
+            for (p, *_), n in zip(s.pieces, s.steps):
+                if n:
+                    steps[p] = max(steps.get(p, 0), n)
         steps.update((p, n) for p, n in self._empty_steps.items() if n)
         for p, n in steps.items():
             st = self.state[p]
@@ -487,43 +601,72 @@ class AdamW(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         return float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"])
 
-    def _step_one(self, i, next_sg):
+    def _step_one(self, i, next_sg, in_backward=False):
         s = self._subgroups[i]
         if self._inplace:
             self._check_in_place(s)  # step in backward: step() checked the others
         else:
             self._adopt_changed(i, s)
         grad = self._gather_grads(s)
+        if in_backward:
+            _refuse_not_finite(s, grad)
         out, direct, slot = self._out_for(s)
-        # Pieces of params without a gradient (frozen after construction,
-        # an unused branch, an unrouted expert) in a sub-group that steps:
+        # The pieces that step, by their step count: each is stepped with
+        # its own count (torch's per-param ``step``), and the kernel takes
+        # one per call. Pieces of params without a gradient (frozen after
+        # construction, an unused branch, an unrouted expert) do not step:
         # torch's AdamW leaves such a param alone, no decay and no moment
-        # step, but the kernel steps every element, so their state is put
-        # back after it (a param frozen later kept moving by its momentum).
-        idle = [piece for piece in s.pieces if piece[0].grad is None] if len(s.pieces) > 1 else []
-        if idle:
-            before = [torch.empty(s.numel, dtype=torch.float32) for _ in range(3)]
-            self._native.read_state(i, *before)
-        self._native.step_group(i, s.steps + 1, *self._hyper(s), grad, out, next_sg)
-        if idle:
-            after = [torch.empty(s.numel, dtype=torch.float32) for _ in range(3)]
-            self._native.read_state(i, *after)
-            for p, a, b, off in idle:
-                for k in range(3):
-                    after[k][off : off + b - a] = before[k][off : off + b - a]
-                # Their params get their values back too.
-                out[off : off + b - a] = before[0][off : off + b - a].to(out.dtype)
-            self._native.load(i, *after)
-        # Counted once stepped: a step that raised (a sparse gradient, an
-        # I/O error) leaves the count, and the next step's bias correction,
-        # as they were.
-        s.steps += 1
+        # step (a param frozen later kept moving by its momentum).
+        classes: dict = {}
+        for k, (p, *_) in enumerate(s.pieces):
+            if p.grad is not None or len(s.pieces) == 1:
+                classes.setdefault(s.steps[k], []).append(k)
+        counts = sorted(classes)
+        if len(counts) == 1 and len(classes[counts[0]]) == len(s.pieces):
+            # Every piece steps, with one count: the one call, the pipeline's.
+            self._native.step_group(i, counts[0] + 1, *self._hyper(s), grad, out, next_sg)
+            s.steps[:] = [n + 1 for n in s.steps]
+        else:
+            self._step_by_count(i, s, classes, grad, out, next_sg)
         if direct:
             _bump_version(s.pieces[0][0])
             self._note_written(s)
         else:
             self._scatter_params(s, out, slot)
         self._stepped.add(i)
+
+    def _step_by_count(self, i, s: _SubGroup, classes, grad, out, next_sg):
+        """Steps the pieces of ``classes`` (step count -> piece indices) of
+        sub-group ``i``, one kernel call per count, and leaves the other
+        pieces as they were: the kernel steps every element of a sub-group,
+        so after each call the state (master, moments) of the pieces not of
+        that count is put back and loaded, at the cost of reading the
+        sub-group's state twice per count. ``out`` gets every piece's new
+        value (the put-back pieces their master's, rounded as the kernel
+        rounds: to nearest even). Each count is advanced once its state is
+        loaded: a call that raised (an I/O error) leaves the counts of the
+        pieces it did not step, and their next bias correction, as they
+        were."""
+        cur = [torch.empty(s.numel, dtype=torch.float32) for _ in range(3)]
+        after = [torch.empty(s.numel, dtype=torch.float32) for _ in range(3)]
+        self._native.read_state(i, *cur)
+        counts = sorted(classes)
+        for c, n in enumerate(counts):
+            last = c + 1 == len(counts)
+            # The next sub-group's read is issued by the last call alone: a
+            # call for this one again would drop it.
+            self._native.step_group(i, n + 1, *self._hyper(s), grad, out, next_sg if last else None)
+            self._native.read_state(i, *after)
+            stepped = set(classes[n])
+            for k, (p, a, b, off) in enumerate(s.pieces):
+                if k not in stepped:
+                    for t in range(3):
+                        after[t][off : off + b - a] = cur[t][off : off + b - a]
+            self._native.load(i, *after)
+            for k in stepped:
+                s.steps[k] += 1
+            cur, after = after, cur
+        out.copy_(cur[0])
 
     def _out_for(self, s: _SubGroup):
         """Where the kernel writes sub-group ``s``'s new params, whether that
@@ -573,10 +716,11 @@ class AdamW(torch.optim.Optimizer):
         for i in todo:
             s = self._subgroups[i]
             self._check_in_place(s)
-            work.append((i, s.steps + 1, *self._hyper(s), self._gather_grads(s)))
+            # One piece, the whole param: its count is the param's.
+            work.append((i, s.steps[0] + 1, *self._hyper(s), self._gather_grads(s)))
         self._native.step_groups(work)
         for i in todo:
-            self._subgroups[i].steps += 1
+            self._subgroups[i].steps[0] += 1
             self._stepped.add(i)
             for p, *_ in self._subgroups[i].pieces:
                 _bump_version(p)
@@ -627,33 +771,44 @@ class AdamW(torch.optim.Optimizer):
         return loss
 
     # Step in backward (register_post_accumulate_grad_hook).
-    def _reset_waiting(self):
-        for i, s in enumerate(self._subgroups):
-            self._waiting[i] = {id(p) for p, *_ in s.pieces if p.requires_grad}
+    def _reset_waiting(self, todo=None):
+        """Every param of each sub-group (of ``todo``, else all) is waited
+        for again."""
+        for i in range(len(self._subgroups)) if todo is None else todo:
+            self._waiting[i] = {id(p) for p, *_ in self._subgroups[i].pieces if p.requires_grad}
 
     @torch.no_grad()
     def _grad_final(self, p):
         """A param's gradient is final for this backward: step every
         sub-group of it whose params are all final, guessing that the one
         before it comes next (backward runs the model in reverse)."""
-        for i in self._param_sgs.get(p, ()):
-            if i in self._stepped and p.grad is not None:
-                # A second backward before step(): its gradient would be
-                # skipped by step() and zeroed, silently training on the
-                # first micro-batch alone.
-                raise RuntimeError(
-                    "tierzero.torch.AdamW(step_in_backward=True) stepped this param in the last "
-                    "backward, and another backward came before step() (gradient accumulation): "
-                    "use step_in_backward=False with gradient accumulation, or accumulate 1 step"
-                )
-            w = self._waiting[i]
-            w.discard(id(p))
-            if not w and i not in self._stepped:
-                self._step_one(i, i - 1 if i > 0 else None)
-                # Free the gradients no other pending sub-group needs.
-                for q, *_ in self._subgroups[i].pieces:
-                    if all(j in self._stepped for j in self._param_sgs[q]):
-                        q.grad = None
+        try:
+            for i in self._param_sgs.get(p, ()):
+                if i in self._stepped and p.grad is not None:
+                    # A second backward before step(): its gradient would be
+                    # skipped by step() and zeroed, silently training on the
+                    # first micro-batch alone.
+                    raise RuntimeError(
+                        "tierzero.torch.AdamW(step_in_backward=True) stepped this param in the last "
+                        "backward, and another backward came before step() (gradient accumulation): "
+                        "use step_in_backward=False with gradient accumulation, or accumulate 1 step"
+                    )
+                w = self._waiting[i]
+                w.discard(id(p))
+                if not w and i not in self._stepped:
+                    self._step_one(i, i - 1 if i > 0 else None, in_backward=True)
+                    # Free the gradients no other pending sub-group needs.
+                    for q, *_ in self._subgroups[i].pieces:
+                        if all(j in self._stepped for j in self._param_sgs[q]):
+                            q.grad = None
+        except BaseException:
+            # The error ends this backward: the sub-groups it did not step
+            # wait for all their params again. Else the next backward (after
+            # a non-finite gradient was refused) stepped a sub-group at its
+            # first param's hook, before the others' gradients were final,
+            # or took it for a second backward before step().
+            self._reset_waiting(i for i in range(len(self._subgroups)) if i not in self._stepped)
+            raise
 
     def remove_hooks(self):
         """Removes the step-in-backward hooks."""
@@ -668,7 +823,7 @@ class AdamW(torch.optim.Optimizer):
         ``prepare`` round-trips the state dict through the device: the
         state of a model that has not stepped is not materialised)."""
         out = {}
-        stepped = any(s.steps for s in self._subgroups)
+        stepped = any(any(s.steps) for s in self._subgroups)
         for i, s in enumerate(self._subgroups if stepped else ()):
             if not self._inplace:
                 # Params changed since their last step (frozen ones loaded,
@@ -679,11 +834,16 @@ class AdamW(torch.optim.Optimizer):
             m = torch.empty_like(master)
             v = torch.empty_like(master)
             self._native.read_state(i, master, m, v)
-            for p, a, b, off in s.pieces:
+            for (p, a, b, off), n in zip(s.pieces, s.steps):
                 st = out.get(p)
-                if st is None:
+                if st is not None:
+                    # A param over several sub-groups: its pieces step
+                    # together, but one stepped before a step that raised
+                    # may be ahead; the param's count is its latest.
+                    st["step"].fill_(max(float(n), st["step"].item()))
+                else:
                     st = {
-                        "step": torch.tensor(float(s.steps)),
+                        "step": torch.tensor(float(n)),
                         "exp_avg": torch.zeros(_shape(p).numel(), dtype=torch.float32),
                         "exp_avg_sq": torch.zeros(_shape(p).numel(), dtype=torch.float32),
                     }
@@ -792,8 +952,7 @@ class AdamW(torch.optim.Optimizer):
             master = torch.empty(s.numel, dtype=torch.float32)
             m = torch.zeros_like(master)
             v = torch.zeros_like(master)
-            steps = 0
-            for p, a, b, off in s.pieces:
+            for k, (p, a, b, off) in enumerate(s.pieces):
                 st = params.get(p)
                 src = st.get("master") if st else None
                 if src is None:
@@ -802,8 +961,8 @@ class AdamW(torch.optim.Optimizer):
                 if st:
                     m[off : off + b - a] = st["exp_avg"].reshape(-1)[a:b].float().cpu()
                     v[off : off + b - a] = st["exp_avg_sq"].reshape(-1)[a:b].float().cpu()
-                    steps = max(steps, int(float(st["step"])))
-            s.steps = steps
+                # Each piece its param's count (torch's per-param step).
+                s.steps[k] = int(float(st["step"])) if st else 0
             self._native.load(i, master, m, v)
             self._scatter_params(s, master)
         self._finish_copies()
@@ -824,18 +983,26 @@ class AdamW(torch.optim.Optimizer):
 
     def save_checkpoint(self, path):
         """Writes the whole optimizer state to ``path`` (atomically: a temp
-        file, fsync, rename, fsync of the directory), one sub-group at a
-        time."""
+        file ``<path>.tmp.<pid>``, fsync, rename, fsync of the directory),
+        one sub-group at a time. A save killed mid-write leaves its temp
+        file, the state's size: this save (and a ``load_checkpoint`` of
+        ``path``) removes the temps of ``path`` whose writer is gone, with a
+        warning. The writer holds its temp's lock (flock) until the rename,
+        which tells them apart from a save in progress, in this process or
+        another (``_remove_stale_temps``)."""
         path = os.fspath(path)
+        _remove_stale_temps(path)
         offsets, total = self._flat_offsets()
         # Each piece's step count at its flat start: a param over two
-        # sub-groups may have stepped in one of them only (its gradient was
-        # None while the other's params had one); one count per param gave
-        # both sub-groups the later one's on load.
+        # sub-groups may have stepped in one of them only (a step that
+        # raised part-way), and each param of a sub-group has its own.
+        # (Checkpoints written when a sub-group kept one count have that
+        # count at each of its pieces' starts: each param is loaded with
+        # its sub-group's count, as it was stepped.)
         steps = {}
         for s in self._subgroups:
-            for p, a, *_ in s.pieces:
-                steps[offsets[id(p)] + a] = s.steps
+            for (p, a, *_), n in zip(s.pieces, s.steps):
+                steps[offsets[id(p)] + a] = n
         header = {
             "numel": total,
             "steps": sorted(steps.items()),
@@ -851,8 +1018,24 @@ class AdamW(torch.optim.Optimizer):
         tmp = f"{path}.tmp.{os.getpid()}"
         largest = max((s.numel for s in self._subgroups), default=0)
         buf = [torch.empty(largest, dtype=torch.float32) for _ in range(3)]
+        held = None
         try:
-            with open(tmp, "wb") as f:
+            # Created, locked and counted this process's in one step for
+            # the sweep: another thread's never finds it unheld.
+            with _SAVING_LOCK:
+                f = open(tmp, "wb")
+                try:
+                    try:
+                        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except OSError:
+                        pass  # no locks here (some NFS mounts): the sweep keeps temps there
+                    st = os.fstat(f.fileno())
+                except BaseException:
+                    f.close()
+                    raise
+                held = (st.st_dev, st.st_ino)
+                _SAVING.add(held)
+            with f:
                 f.write(_MAGIC + len(head).to_bytes(8, "little") + head)
                 f.truncate(base + 12 * total)
                 for i, s in enumerate(self._subgroups):
@@ -866,7 +1049,9 @@ class AdamW(torch.optim.Optimizer):
                             f.write(t[off : off + b - a].numpy().tobytes())
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
+                # Renamed while its lock is held: a sweep never takes a
+                # finished temp for a stale one.
+                os.replace(tmp, path)
         except BaseException:
             # A failed save (a state read, a full disk) leaves no
             # model-sized temporary file beside ``path``.
@@ -875,6 +1060,8 @@ class AdamW(torch.optim.Optimizer):
             except FileNotFoundError:
                 pass
             raise
+        finally:
+            _SAVING.discard(held)
         dfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
         try:
             os.fsync(dfd)
@@ -884,8 +1071,11 @@ class AdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def load_checkpoint(self, path):
         """Loads what ``save_checkpoint`` wrote, one sub-group at a time, and
-        sets the params to the saved master weights."""
+        sets the params to the saved master weights. Temps of saves of
+        ``path`` killed mid-write are removed first, as a save removes
+        them."""
         self._check_loadable()
+        _remove_stale_temps(path)
         offsets, total = self._flat_offsets()
         with open(path, "rb") as f:
             if f.read(8) != _MAGIC:
@@ -927,10 +1117,15 @@ class AdamW(torch.optim.Optimizer):
             starts = sorted((int(k), v) for k, v in head["steps"])
             keys = [k for k, _ in starts]
 
-            def steps_at(pos):
-                """The saved step count of the piece holding flat ``pos``."""
-                i = bisect.bisect_right(keys, pos) - 1
-                return starts[i][1] if i >= 0 else 0
+            def steps_in(lo, hi):
+                """The saved step count of flat ``[lo, hi)``: of the saved
+                piece holding ``lo``, or the latest of the saved pieces it
+                overlaps (saved under another ``sub_group_size``, a piece
+                may span several; a param's pieces have one count but
+                after a step that raised part-way)."""
+                first = max(bisect.bisect_right(keys, lo) - 1, 0)
+                last = bisect.bisect_left(keys, hi)
+                return max((n for _, n in starts[first:last]), default=0)
 
             for g, src in zip(self.param_groups, head["param_groups"]):
                 g.update(src)
@@ -945,7 +1140,7 @@ class AdamW(torch.optim.Optimizer):
                             raise ValueError(f"{path}: truncated")
                         t[k][off : off + b - a] = torch.frombuffer(bytearray(raw), dtype=torch.float32)
                 self._native.load(i, *t)
-                s.steps = max(steps_at(offsets[id(p)] + a) for p, a, *_ in s.pieces)
+                s.steps[:] = [steps_in(offsets[id(p)] + a, offsets[id(p)] + b) for p, a, b, _ in s.pieces]
                 if not self._inplace:
                     self._scatter_params(s, t[0])
         self.state.clear()
