@@ -588,11 +588,13 @@ fn steps_come_from_the_flag_or_a_concrete_total_num_steps() {
     );
 }
 
-/// A step the engine skipped (fp16: its gradients were not all finite)
-/// leaves the weights as they were, so a non-finite loss on it does not
-/// end the run, as DeepSpeed's does not: it says so and goes on (it
-/// ended with exit 1, "diverged"). An init of standard deviation 3000
-/// overflows fp16's forward at every step.
+/// A step the engine skipped under fp16's dynamic loss scale (its
+/// gradients were not all finite) leaves the weights as they were and
+/// lowers the scale, so a non-finite loss on it does not end the run, as
+/// DeepSpeed's does not: it says so and goes on (it ended with exit 1,
+/// "diverged"). An init of standard deviation 3000 overflows fp16's
+/// forward at every step. (Without a dynamic scale nothing changes for
+/// the next step: there it ends the run, the test below.)
 #[test]
 fn a_non_finite_loss_on_a_skipped_step_does_not_end_the_run() {
     let d = tiny_setup("skipped-nan");
@@ -643,14 +645,50 @@ fn a_non_finite_loss_before_any_update_names_the_weights_not_the_lr() {
         "n_embd": 32, "n_layer": 2, "n_head": 2, "tie_word_embeddings": true,
         "initializer_range": 1e25});
     std::fs::write(d.join("model/config.json"), model.to_string()).unwrap();
+    // Its step applied (no clipping), or skipped (clipping skips a
+    // non-finite norm's step) in fp32 or bf16, where no loss scale moves:
+    // the run ends either way (skipped, it trained every step NaN and
+    // exited 0).
+    for (clip, bf16) in [(0.0, false), (1.0, false), (1.0, true)] {
+        let mut cfg = ds_config(&d);
+        cfg["gradient_clipping"] = json!(clip);
+        if bf16 {
+            cfg["bf16"] = json!({"enabled": true});
+        }
+        write_config(&d, cfg);
+        let out = train(&d, &TINY);
+        assert_eq!(
+            out.code, 2,
+            "clip {clip} bf16 {bf16}: stdout {} stderr {}",
+            out.stdout, out.stderr
+        );
+        assert!(
+            out.stderr
+                .contains("step 1: the loss is NaN before any update was applied")
+                && !out.stderr.contains("lower the learning rate"),
+            "clip {clip} bf16 {bf16}: {}",
+            out.stderr
+        );
+    }
+    // A run that diverges (lr 1e30, constant): its first step applied, the
+    // next's loss NaN and its step skipped by clipping; it went on,
+    // skipping every step, and exited 0.
+    std::fs::write(
+        d.join("model/config.json"),
+        json!({"model_type": "gpt2", "vocab_size": 256, "n_positions": 32,
+            "n_embd": 32, "n_layer": 2, "n_head": 2, "tie_word_embeddings": true})
+        .to_string(),
+    )
+    .unwrap();
     let mut cfg = ds_config(&d);
-    cfg["gradient_clipping"] = json!(0);
+    cfg.as_object_mut().unwrap().remove("scheduler");
+    cfg["optimizer"]["params"]["lr"] = json!(1e30);
+    cfg["gradient_clipping"] = json!(1.0);
     write_config(&d, cfg);
-    let out = train(&d, &TINY);
+    let out = train(&d, &with(&TINY, &[("--steps", "6")]));
     assert_eq!(out.code, 2, "stdout {} stderr {}", out.stdout, out.stderr);
     assert!(
-        out.stderr.contains("before any update was applied")
-            && !out.stderr.contains("lower the learning rate"),
+        out.stderr.contains("(diverged); lower the learning rate"),
         "{}",
         out.stderr
     );

@@ -172,6 +172,12 @@ impl LossScaler {
         }
     }
 
+    /// Whether the scale moves with overflows (fp16's dynamic scaling): a
+    /// skipped step then lowers it, and the next may succeed.
+    pub fn is_dynamic(&self) -> bool {
+        self.dynamic
+    }
+
     /// From the config's fp16 loss-scale setting.
     pub fn from_config(ls: LossScale) -> Self {
         match ls {

@@ -78,14 +78,21 @@ pub(super) fn train_steps(
             }
         }
         if !m.loss.is_finite() {
-            if !m.skipped {
+            // Skipped or not, a loss that is not finite ends the run, but
+            // under fp16's dynamic scale, which a skipped step lowers (and
+            // which stops at min_loss_scale). Without one the weights stay
+            // as they were and the next step meets them again: a model
+            // initialised to NaN trained every step skipped and exited 0
+            // (gradient clipping, on by default, skips a NaN loss's step).
+            if !m.skipped || !trainer.dynamic_loss_scale() {
                 progress.finish();
                 // The run's hyperparameters, not a fault of ours: exit 2
                 // with the fix, as for the user's other mistakes. Before
                 // any update was applied (this run's first step of a
                 // fresh model, or at lr 0), nothing diverged: the forward
                 // of the weights as they were is not finite.
-                let nothing_applied = m.lr == 0.0 || trainer.adam_steps() == 1;
+                let applied_here = if m.skipped { 0 } else { 1 };
+                let nothing_applied = m.lr == 0.0 || trainer.adam_steps() == applied_here;
                 return Err(Failure::BadInput(anyhow!(
                     "step {}: the loss is {}{}",
                     m.step,
@@ -100,10 +107,10 @@ pub(super) fn train_steps(
                     }
                 )));
             }
-            // The engine skipped the step (its gradients were not all
-            // finite): the weights are the last step's, and the run goes
-            // on, as DeepSpeed's does (fp16's loss scaler stops it at
-            // `min_loss_scale`).
+            // fp16's dynamic scale: the engine skipped the step (its
+            // gradients were not all finite) and lowered the scale; the
+            // weights are the last step's, and the run goes on, as
+            // DeepSpeed's does (the scaler stops it at `min_loss_scale`).
             if lead {
                 progress.println(&format!(
                     "step {}: the loss is {}; the step was skipped (gradients not all finite), \

@@ -695,6 +695,13 @@ impl Trainer {
         self.scaler.scale()
     }
 
+    /// Whether the loss scale is fp16's dynamic one, which a skipped step
+    /// lowers (fp32, bf16 and a static fp16 scale have nothing to lower:
+    /// a step skipped for a non-finite loss leaves the run where it was).
+    pub fn dynamic_loss_scale(&self) -> bool {
+        self.scaler.is_dynamic()
+    }
+
     /// Optimizer steps done so far (including skipped ones; a resumed
     /// trainer starts at the checkpoint's).
     pub fn steps_done(&self) -> u64 {
