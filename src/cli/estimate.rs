@@ -345,7 +345,7 @@ fn load_config(
         bf16_params: path.is_none() || matches!(c.precision, tierzero::config::Precision::Bf16),
         persistent: model.map_or((0, 0), |m| {
             tierzero::engine::sizing::persistent_params(
-                m.params().iter().map(|p| p.numel as u64),
+                m,
                 c.zero.param_persistence_threshold_numel.0,
                 c.zero.model_persistence_threshold_numel.0,
             )

@@ -28,7 +28,7 @@
 //!   where each element gets exactly one a step;
 //! - which params persist (never released: [`persistent_params`],
 //!   DeepSpeed's two persistence thresholds) and the host bytes the
-//!   offloaded ones hold beside their homes ([`persistent_host_bytes`]).
+//!   offloaded ones hold beside their homes ([`persistent_offloaded`]).
 //!
 //! `Trainer::build` maps exactly what it returns; the start-up plan
 //! ([`crate::run::Plan`]) prints the [`Sizing`] the trainer was built
@@ -60,7 +60,7 @@ pub use grads::{
     values_in_flight, SumDtype,
 };
 pub use head::{check_logits_memory, logits_bytes, TRAIN_LOGITS_COPIES};
-pub use persistent::{persistent_host_bytes, persistent_offloaded, persistent_params};
+pub use persistent::{persistent_in_order, persistent_offloaded, persistent_params};
 pub use speculation::{
     speculation_kept_grads, speculation_pool, speculation_slots, SpeculationAsk, SpeculationPool,
 };

@@ -555,6 +555,37 @@ impl Model {
         &self.params
     }
 
+    /// The params in HF's `named_parameters()` order (module registration
+    /// order), the order DeepSpeed walks them in (its persistence rule):
+    /// this model's own order, but in a Llama-family decoder layer, whose
+    /// two norms HF registers after `self_attn` and `mlp` (here they come
+    /// where the layer reads them, first and mid-way).
+    pub fn params_in_hf_order(&self) -> Vec<ParamId> {
+        const LAYER_NORMS: [&str; 2] =
+            ["input_layernorm.weight", "post_attention_layernorm.weight"];
+        let layer_of = |name: &str| -> Option<(usize, bool)> {
+            let rest = name.strip_prefix("model.layers.")?;
+            let (index, tail) = rest.split_once('.')?;
+            Some((index.parse().ok()?, LAYER_NORMS.contains(&tail)))
+        };
+        let mut out = Vec::with_capacity(self.params.len());
+        let mut norms: Vec<ParamId> = Vec::new();
+        let mut current: Option<usize> = None;
+        for p in &self.params {
+            let layer = layer_of(&p.name);
+            if layer.map(|l| l.0) != current {
+                out.append(&mut norms);
+                current = layer.map(|l| l.0);
+            }
+            match layer {
+                Some((_, true)) => norms.push(p.id),
+                _ => out.push(p.id),
+            }
+        }
+        out.append(&mut norms);
+        out
+    }
+
     /// The name `p` is written under in an HF safetensors file: its
     /// canonical name, except for a GPT-2 with an untied head, whose body
     /// is written with the `transformer.` prefix (`GPT2LMHeadModel`'s

@@ -266,13 +266,13 @@ impl Plan {
         params.nvme_bytes = sizing.param_nvme_bytes;
         // Persistent offloaded params: whole tensors in the heap beside
         // their homes for the run (the prefetcher never releases them).
-        let whole_numel: Vec<u64> = model.params().iter().map(|p| p.numel as u64).collect();
-        let (persistent_numel, persistent_params) = crate::engine::sizing::persistent_offloaded(
-            &whole_numel,
-            &sizing.tiers,
+        let persistent = crate::engine::sizing::persistent_params(
+            model,
             zero.param_persistence_threshold_numel.0,
             zero.model_persistence_threshold_numel.0,
         );
+        let (persistent_numel, persistent_params) =
+            crate::engine::sizing::persistent_offloaded(model, &persistent, &sizing.tiers);
         params.host_bytes = persistent_numel.saturating_mul(elem);
 
         let opt_nvme = zero.offload_optimizer.device.nvme_path();

@@ -155,7 +155,7 @@ impl Prefetcher {
         let numel: Vec<u64> = model.params().iter().map(|p| p.numel as u64).collect();
         let first_units = Self::first_units(model, keep_bound_numel(&limits));
         let persistent = crate::engine::sizing::persistent_params(
-            numel.iter().copied(),
+            model,
             limits.persistence_threshold_numel,
             limits.model_persistence_threshold_numel,
         );

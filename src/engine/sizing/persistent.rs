@@ -2,7 +2,7 @@
 //! their first fetch to the end of the run, never released.
 //!
 //! DeepSpeed's rule (`DeepSpeedZeRoOffload.mark_persistent_parameters`),
-//! in the model's param order: a param of at most
+//! in HF's `named_parameters()` order ([`Model::params_in_hf_order`]): a param of at most
 //! `stage3_param_persistence_threshold` elements is persistent while the
 //! persistent elements so far plus its own stay within
 //! `stage3_model_persistence_threshold`; one that would pass that bound is
@@ -13,14 +13,43 @@
 //! the model's small params (a GPT-2 of width 128 has every param under
 //! the default 1e5, so the whole model stayed in the heap: 39 MiB at 2
 //! blocks, 92 MiB at 64). The plan's params row and `tierzero estimate`
-//! count these bytes ([`persistent_host_bytes`]);
+//! count these bytes ([`persistent_offloaded`]);
 //! `stage3_model_persistence_threshold` bounds them.
 
 use crate::engine::params::store::Tier;
+use crate::model::Model;
 
-/// Per param (`numel`, whole params in `ParamId` order): whether it is
-/// persistent under DeepSpeed's rule (module docs).
+/// Per param of `model` (`ParamId` order): whether it is persistent under
+/// DeepSpeed's rule, walked in HF's `named_parameters()` order as
+/// DeepSpeed walks it ([`Model::params_in_hf_order`]: within a Llama
+/// layer its norms come last, so where the model threshold cuts, the set
+/// is DeepSpeed's and the Python package's, not that of this model's
+/// execution order).
 pub fn persistent_params(
+    model: &Model,
+    threshold_numel: u64,
+    model_threshold_numel: u64,
+) -> Vec<bool> {
+    let order = model.params_in_hf_order();
+    let walked = persistent_in_order(
+        order
+            .iter()
+            .map(|id| model.params().get(id.0).map_or(0, |p| p.numel as u64)),
+        threshold_numel,
+        model_threshold_numel,
+    );
+    let mut persistent = vec![false; model.params().len()];
+    for (id, is) in order.iter().zip(walked) {
+        if let Some(slot) = persistent.get_mut(id.0) {
+            *slot = is;
+        }
+    }
+    persistent
+}
+
+/// DeepSpeed's rule over `numel`, whole params in the order it walks them
+/// (module docs): whether each is persistent.
+pub fn persistent_in_order(
     numel: impl IntoIterator<Item = u64>,
     threshold_numel: u64,
     model_threshold_numel: u64,
@@ -38,72 +67,114 @@ pub fn persistent_params(
         .collect()
 }
 
-/// Elements and count of the persistent params among `numel` (whole
-/// params, `ParamId` order) whose `tiers` are offloaded (cpu or NVMe):
-/// those held in the heap beside their homes for the run.
-pub fn persistent_offloaded(
-    numel: &[u64],
-    tiers: &[Tier],
-    threshold_numel: u64,
-    model_threshold_numel: u64,
-) -> (u64, usize) {
-    persistent_params(
-        numel.iter().copied(),
-        threshold_numel,
-        model_threshold_numel,
-    )
-    .into_iter()
-    .zip(numel)
-    .zip(tiers)
-    .filter(|((persistent, _), tier)| *persistent && **tier != Tier::Device)
-    .fold((0, 0), |(sum, count), ((_, &n), _)| {
-        (sum.saturating_add(n), count + 1)
-    })
-}
-
-/// Host bytes of the persistent offloaded params ([`persistent_offloaded`])
-/// at `elem_bytes` each: the plan's params host row.
-pub fn persistent_host_bytes(
-    numel: &[u64],
-    tiers: &[Tier],
-    threshold_numel: u64,
-    model_threshold_numel: u64,
-    elem_bytes: u64,
-) -> u64 {
-    persistent_offloaded(numel, tiers, threshold_numel, model_threshold_numel)
-        .0
-        .saturating_mul(elem_bytes)
+/// Elements and count of the params marked `persistent` whose `tiers`
+/// are offloaded (cpu or NVMe; `ParamId` order, as `model`'s): those held
+/// whole in the heap beside their homes for the run, the plan's params
+/// host row.
+pub fn persistent_offloaded(model: &Model, persistent: &[bool], tiers: &[Tier]) -> (u64, usize) {
+    model
+        .params()
+        .iter()
+        .zip(persistent)
+        .zip(tiers)
+        .filter(|((_, persistent), tier)| **persistent && **tier != Tier::Device)
+        .fold((0, 0), |(sum, count), ((p, _), _)| {
+            (sum.saturating_add(p.numel as u64), count + 1)
+        })
 }
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failure is a panic
     use super::*;
+    use crate::model::ModelConfig;
 
     #[test]
     fn deepspeed_s_rule_at_and_past_the_bounds() {
         // At the threshold is persistent (DeepSpeed's `<=`), one past is not.
         assert_eq!(
-            persistent_params([10, 11, 9, 0], 10, u64::MAX),
+            persistent_in_order([10, 11, 9, 0], 10, u64::MAX),
             [true, false, true, true]
         );
         // The model bound skips a param that would pass it, and a later,
         // smaller one still fits: 6 + 5 > 10 is skipped, 6 + 4 = 10 fits.
         assert_eq!(
-            persistent_params([6, 5, 4, 1], 10, 10),
+            persistent_in_order([6, 5, 4, 1], 10, 10),
             [true, false, true, false]
         );
-        assert_eq!(persistent_params([1, 1], 10, 0), [false, false]);
-        assert!(persistent_params([], 10, 10).is_empty());
+        assert_eq!(persistent_in_order([1, 1], 10, 0), [false, false]);
+        assert!(persistent_in_order([], 10, 10).is_empty());
+    }
+
+    fn model(json: serde_json::Value) -> Model {
+        let (cfg, _) = ModelConfig::from_hf_json(&json.to_string()).unwrap();
+        Model::new(cfg).unwrap()
+    }
+
+    /// A Llama layer is walked in HF's order, its norms last: with a model
+    /// bound that cuts inside it, the set is DeepSpeed's (the embedding,
+    /// q, k, v, o, gate, up and down, 4096 elements each, fill 32 768; the
+    /// norms, 64 each, no longer fit). In this model's own order the
+    /// norms came first and down_proj was left out.
+    #[test]
+    fn a_llama_layer_is_walked_in_hf_order() {
+        let m = model(serde_json::json!({"model_type": "llama", "vocab_size": 64,
+            "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_key_value_heads": 4,
+            "max_position_embeddings": 32, "tie_word_embeddings": true}));
+        let names: Vec<&str> = m
+            .params_in_hf_order()
+            .iter()
+            .map(|id| m.params()[id.0].name.as_str())
+            .collect();
+        let layer = [
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+        ];
+        let want: Vec<String> = std::iter::once("model.embed_tokens.weight".to_owned())
+            .chain(layer.iter().map(|n| format!("model.layers.0.{n}")))
+            .chain(std::iter::once("model.norm.weight".to_owned()))
+            .collect();
+        assert_eq!(names, want);
+        let persistent = persistent_params(&m, 100_000, 8 * 4096);
+        let kept: Vec<&str> = m
+            .params()
+            .iter()
+            .zip(&persistent)
+            .filter(|(_, k)| **k)
+            .map(|(p, _)| p.name.as_str())
+            .collect();
+        assert_eq!(kept.len(), 8, "{kept:?}");
+        assert!(kept.iter().all(|n| !n.contains("norm")), "{kept:?}");
+        // GPT-2's order is HF's already.
+        let g = model(serde_json::json!({"model_type": "gpt2", "vocab_size": 64,
+            "n_positions": 32, "n_embd": 32, "n_layer": 2, "n_head": 2}));
+        let ids: Vec<usize> = g.params_in_hf_order().iter().map(|i| i.0).collect();
+        assert_eq!(ids, (0..g.params().len()).collect::<Vec<_>>());
     }
 
     #[test]
     fn only_offloaded_params_count_in_host_bytes() {
-        let numel = [4, 8, 100, 2];
-        let tiers = [Tier::Nvme, Tier::Device, Tier::Nvme, Tier::Cpu];
-        assert_eq!(persistent_offloaded(&numel, &tiers, 10, u64::MAX), (6, 2));
-        assert_eq!(persistent_host_bytes(&numel, &tiers, 10, u64::MAX, 2), 12);
-        // The device param still counts against the model bound: 4 + 8
-        // leave no room for the 2.
-        assert_eq!(persistent_offloaded(&numel, &tiers, 10, 12), (4, 1));
+        let g = model(serde_json::json!({"model_type": "gpt2", "vocab_size": 64,
+            "n_positions": 32, "n_embd": 32, "n_layer": 1, "n_head": 2}));
+        let n = g.params().len();
+        let all = vec![true; n];
+        let mut tiers = vec![Tier::Nvme; n];
+        let total: u64 = g.params().iter().map(|p| p.numel as u64).sum();
+        assert_eq!(persistent_offloaded(&g, &all, &tiers), (total, n));
+        tiers[0] = Tier::Device;
+        let first = g.params()[0].numel as u64;
+        assert_eq!(
+            persistent_offloaded(&g, &all, &tiers),
+            (total - first, n - 1)
+        );
+        assert_eq!(persistent_offloaded(&g, &vec![false; n], &tiers), (0, 0));
     }
 }
