@@ -67,13 +67,21 @@ pub enum EngineError {
             ),
         },
         headroom = crate::units::format_bytes(limit_bytes.saturating_sub(*locked_bytes)),
-        lower = if lock_bytes > cpu_pages_bytes {
-            "fewer or smaller swap buffers (zero_optimization.offload_param.buffer_count / \
-             buffer_size, offload_optimizer.buffer_count, sub_group_size; \
-             tierzero.pinned_budget_bytes caps them)"
-        } else {
-            "the params on NVMe (offload_param.device \"nvme\", max_in_cpu 0)"
-        },
+        lower = [
+            (lock_bytes > cpu_pages_bytes).then_some(
+                "fewer or smaller swap buffers (zero_optimization.offload_param.buffer_count / \
+                 buffer_size, offload_optimizer.buffer_count, sub_group_size; \
+                 tierzero.pinned_budget_bytes caps them)"
+            ),
+            (*cpu_pages_bytes > 0).then_some(
+                "the cpu tier's pages, the params, on NVMe instead (offload_param.device \
+                 \"nvme\", max_in_cpu 0)"
+            ),
+        ]
+        .into_iter()
+        .flatten()
+        .collect::<Vec<_>>()
+        .join("; or "),
     )]
     Memlock {
         /// Bytes the run would page-lock (the plan's pinned total, less

@@ -276,9 +276,9 @@ fn setup(
                         "io_uring refused to register {bytes} bytes of pinned buffers: it charges \
                          each ring's registration against RLIMIT_MEMLOCK ({} bytes, {} locked \
                          already) beside the lock itself; reads and writes go unregistered (the \
-                         same bytes, a little more CPU). Fix: raise the limit by this many bytes \
-                         per ring thread and two rings each (`ulimit -l unlimited`), or run with \
-                         CAP_IPC_LOCK",
+                         same bytes, a little more CPU). Fix: raise the limit by {bytes} bytes for \
+                         each ring, two a ring thread (tierzero.ring_threads), or unlimited \
+                         (`ulimit -l unlimited`), or run with CAP_IPC_LOCK",
                         info.limit_bytes,
                         info.locked_bytes
                     );
