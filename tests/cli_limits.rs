@@ -823,7 +823,7 @@ fn a_sparse_bench_file_the_disk_cannot_fill_is_refused() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert!(
-        stderr.contains("warning: --file holes.bin: 8 MiB of its 8 MiB are not allocated"),
+        stderr.contains("warning: --file holes.bin: 8 MiB of its 8 MiB hold no data"),
         "{stderr}"
     );
 }

@@ -274,3 +274,74 @@ pub fn outstanding_buffers(queue_depth: usize) -> usize {
 pub fn run_arena_bytes(block_bytes: u64, queue_depth: usize) -> Option<u64> {
     block_bytes.checked_mul(u64::try_from(outstanding_buffers(queue_depth)).ok()?)
 }
+
+/// Bytes of the file at `path` that hold data, by `SEEK_DATA` /
+/// `SEEK_HOLE`: holes, and on ext4 and XFS the unwritten extents that
+/// `fallocate` leaves (they read as zeros without touching the device),
+/// are not data. A file system without those seeks (they then report
+/// the whole file as data) says so: a read benchmark of the rest would
+/// not measure the disk.
+pub fn data_bytes(path: &Path) -> std::io::Result<u64> {
+    use std::os::unix::io::AsRawFd;
+    let file = std::fs::File::open(path)?;
+    let len = file.metadata()?.len();
+    let fd = file.as_raw_fd();
+    let seek = |offset: u64, whence: libc::c_int| -> std::io::Result<Option<u64>> {
+        // SAFETY: lseek on an fd this function owns (`file`, open for its
+        // whole body); no memory is passed.
+        let r = unsafe { libc::lseek(fd, offset as libc::off_t, whence) };
+        if r >= 0 {
+            return Ok(Some(r as u64));
+        }
+        let e = std::io::Error::last_os_error();
+        // ENXIO: no data (or hole) at or past `offset`.
+        if e.raw_os_error() == Some(libc::ENXIO) {
+            Ok(None)
+        } else {
+            Err(e)
+        }
+    };
+    let (mut pos, mut data) = (0u64, 0u64);
+    while pos < len {
+        let Some(start) = seek(pos, libc::SEEK_DATA)? else {
+            break;
+        };
+        let end = seek(start, libc::SEEK_HOLE)?.unwrap_or(len).min(len);
+        data += end.saturating_sub(start);
+        pos = end.max(start + 1);
+    }
+    Ok(data)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A hole and, where the file system keeps unwritten extents apart
+    /// (ext4, XFS, tmpfs), a `fallocate`d range are not data; written
+    /// bytes are.
+    #[test]
+    fn holes_and_unwritten_extents_are_not_data() {
+        use std::os::unix::fs::FileExt;
+        let d = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+        let p = d.path().join("f");
+        let f = std::fs::File::create(&p).unwrap_or_else(|e| panic!("create: {e}"));
+        f.set_len(8 << 20)
+            .unwrap_or_else(|e| panic!("set_len: {e}"));
+        assert_eq!(data_bytes(&p).unwrap_or_else(|e| panic!("{e}")), 0);
+        f.write_all_at(&vec![7u8; 1 << 20], 2 << 20)
+            .unwrap_or_else(|e| panic!("write: {e}"));
+        f.sync_all().unwrap_or_else(|e| panic!("sync: {e}"));
+        let data = data_bytes(&p).unwrap_or_else(|e| panic!("{e}"));
+        assert!((1 << 20..8 << 20).contains(&data), "{data}");
+        let g = d.path().join("g");
+        let status = std::process::Command::new("fallocate")
+            .args(["-l", "4M"])
+            .arg(&g)
+            .status();
+        if status.is_ok_and(|s| s.success()) {
+            let data = data_bytes(&g).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(data, 0, "a fallocated file's unwritten extents");
+        }
+    }
+}
