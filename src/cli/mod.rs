@@ -224,13 +224,17 @@ pub(crate) fn swap_error_is_users(e: &tierzero_swap::SwapError) -> bool {
 
 /// Whether a swap error is the disk's fault (exit 2, with the way on,
 /// not "internal error"): data read back that is not what was written
-/// (the device, or the file changed under the run), a read or write the
-/// device failed (`EIO`).
+/// (the device, or the file changed under the run), a read that came
+/// back short (the file shrank), a read or write the device failed
+/// (`EIO`).
 pub(crate) fn swap_error_is_the_disks(e: &tierzero_swap::SwapError) -> bool {
     use tierzero_swap::SwapError as E;
     match e {
-        E::ChecksumMismatch { .. } => true,
-        E::Io { source, .. } => source.raw_os_error() == Some(libc::EIO),
+        // A read that came back short: the swap file shrank under the run.
+        E::ChecksumMismatch { .. } | E::ShortIo { .. } => true,
+        // Also when a later operation reports it on the space the failed
+        // write poisoned.
+        E::Io { .. } | E::Poisoned { .. } => e.raw_os_error() == Some(libc::EIO),
         _ => false,
     }
 }
@@ -506,20 +510,33 @@ mod tests {
 
     /// A space poisoned by a write the disk or a limit refused is the
     /// user's (exit 2) when a later operation reports it; by an EIO it is
-    /// not (it was exit 1 either way).
+    /// the disk's (exit 2 too, with the disk's hint; it was exit 1); by
+    /// anything else ours.
     #[test]
     fn a_poisoned_space_is_the_users_when_its_write_hit_a_limit() {
         use std::io::ErrorKind as K;
-        let poisoned = |io_kind| tierzero_swap::SwapError::Poisoned {
+        let poisoned = |io_kind, os_error| tierzero_swap::SwapError::Poisoned {
             op: tierzero_swap::IoOp::Write,
             cause: "write failed".into(),
             io_kind,
+            os_error,
         };
         for k in [K::StorageFull, K::FileTooLarge, K::QuotaExceeded] {
-            assert!(swap_error_is_users(&poisoned(Some(k))), "{k:?}");
+            assert!(swap_error_is_users(&poisoned(Some(k), None)), "{k:?}");
         }
-        assert!(!swap_error_is_users(&poisoned(Some(K::Other))));
-        assert!(!swap_error_is_users(&poisoned(None)));
+        assert!(!swap_error_is_users(&poisoned(Some(K::Other), None)));
+        assert!(!swap_error_is_users(&poisoned(None, None)));
+        let eio = std::io::Error::from_raw_os_error(libc::EIO);
+        let by_eio = poisoned(Some(eio.kind()), Some(libc::EIO));
+        assert!(super::swap_error_is_the_disks(&by_eio) && !swap_error_is_users(&by_eio));
+        assert!(matches!(
+            super::Failure::from_swap(by_eio, "training step 3"),
+            super::Failure::BadInput(_)
+        ));
+        assert!(!super::swap_error_is_the_disks(&poisoned(
+            Some(K::Other),
+            Some(libc::EINVAL)
+        )));
     }
 
     #[derive(Debug, thiserror::Error)]

@@ -78,6 +78,9 @@ pub enum SwapError {
         /// or a file-size limit is the user's to fix, whichever later
         /// operation reports it.
         io_kind: Option<std::io::ErrorKind>,
+        /// The failed write's OS error code, when it had one (`EIO`: the
+        /// device's fault, which no `ErrorKind` names).
+        os_error: Option<i32>,
     },
 
     /// `RLIMIT_MEMLOCK` is below the pinned budget.
@@ -184,6 +187,7 @@ impl SwapError {
     pub fn raw_os_error(&self) -> Option<i32> {
         match self {
             SwapError::Io { source, .. } | SwapError::Setup { source, .. } => source.raw_os_error(),
+            SwapError::Poisoned { os_error, .. } => *os_error,
             _ => None,
         }
     }

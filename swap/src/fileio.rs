@@ -462,7 +462,7 @@ impl FileTicket {
 struct Poison {
     set: AtomicBool,
     /// The first failed write's message and OS error kind.
-    cause: Mutex<Option<(String, Option<std::io::ErrorKind>)>>,
+    cause: Mutex<Option<crate::space::PoisonCause>>,
 }
 
 #[derive(Debug)]
@@ -630,7 +630,7 @@ impl Shared {
         }
         let error = op.error.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let (IoOp::Write, Some(e)) = (op.op, &error) {
-            self.poison(format!("{e}"), e.io_kind());
+            self.poison(format!("{e}"), e.io_kind(), e.raw_os_error());
         }
         self.counters.ops.fetch_add(1, Ordering::Relaxed);
         let finish = op.finish.lock().unwrap_or_else(|e| e.into_inner()).take();
@@ -643,10 +643,10 @@ impl Shared {
         }
     }
 
-    fn poison(&self, cause: String, io_kind: Option<std::io::ErrorKind>) {
+    fn poison(&self, cause: String, io_kind: Option<std::io::ErrorKind>, os_error: Option<i32>) {
         let mut c = self.poison.cause.lock().unwrap_or_else(|e| e.into_inner());
         if c.is_none() {
-            *c = Some((cause, io_kind));
+            *c = Some((cause, io_kind, os_error));
         }
         self.poison.set.store(true, Ordering::Release);
     }
@@ -832,7 +832,7 @@ impl FileIo {
         memory: HostMemory,
     ) -> Result<FileTicket> {
         if self.is_poisoned() {
-            let (cause, io_kind) = self
+            let (cause, io_kind, os_error) = self
                 .shared
                 .poison
                 .cause
@@ -840,7 +840,12 @@ impl FileIo {
                 .unwrap_or_else(|e| e.into_inner())
                 .clone()
                 .unwrap_or_default();
-            return Err(SwapError::Poisoned { op, cause, io_kind });
+            return Err(SwapError::Poisoned {
+                op,
+                cause,
+                io_kind,
+                os_error,
+            });
         }
         let len = memory.len_bytes as u64;
         // Offsets past i64::MAX are no file's (the kernel takes loff_t),

@@ -82,6 +82,10 @@ pub use copy::CopyReport;
 use room::{check_room, size_file};
 pub use room::{filesystem_space, FsSpace};
 
+/// Why a space was poisoned: the failed write's message, its OS error's
+/// kind and code (see [`SwapError::Poisoned`]).
+pub(crate) type PoisonCause = (String, Option<std::io::ErrorKind>, Option<i32>);
+
 /// Name of the subdirectory we create under each NVMe path.
 pub const SWAP_SUBDIR: &str = "tierzero";
 const SWAP_EXT: &str = "tzswap";
@@ -189,7 +193,7 @@ pub struct SwapSpace {
     checksums: bool,
     poisoned: AtomicBool,
     /// The first failed write's message and OS error kind.
-    poison_cause: Mutex<Option<(String, Option<std::io::ErrorKind>)>>,
+    poison_cause: Mutex<Option<PoisonCause>>,
     next_extent: AtomicU64,
     /// The `tierzero/` directories this space uses (dropped after the files).
     _dirs: Vec<DirLease>,
@@ -555,7 +559,7 @@ impl SwapSpace {
                             .lock_alloc()
                             .free(part.offset_bytes, part.len_bytes);
                     }
-                    return Err(self.out_of_space(part_len));
+                    return Err(self.out_of_space(len));
                 }
             }
         }
@@ -571,11 +575,16 @@ impl SwapSpace {
 
     /// Marks the space poisoned (the first cause wins), with the failed
     /// write's OS error kind when it had one.
-    pub fn poison(&self, cause: String, io_kind: Option<std::io::ErrorKind>) {
+    pub fn poison(
+        &self,
+        cause: String,
+        io_kind: Option<std::io::ErrorKind>,
+        os_error: Option<i32>,
+    ) {
         let mut c = self.poison_cause.lock().unwrap_or_else(|e| e.into_inner());
         if c.is_none() {
             tracing::error!(%cause, "swap space poisoned");
-            *c = Some((cause, io_kind));
+            *c = Some((cause, io_kind, os_error));
         }
         self.poisoned.store(true, Ordering::Release);
     }
@@ -590,13 +599,18 @@ impl SwapSpace {
         if !self.is_poisoned() {
             return Ok(());
         }
-        let (cause, io_kind) = self
+        let (cause, io_kind, os_error) = self
             .poison_cause
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
             .unwrap_or_default();
-        Err(SwapError::Poisoned { op, cause, io_kind })
+        Err(SwapError::Poisoned {
+            op,
+            cause,
+            io_kind,
+            os_error,
+        })
     }
 }
 

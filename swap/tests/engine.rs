@@ -431,13 +431,16 @@ fn failed_write_reports_and_poisons() {
                     op: IoOp::Read,
                     cause,
                     io_kind,
+                    os_error,
                 }) => {
                     assert!(cause.contains("write of"));
-                    // The failed write's kind, for the CLI's exit code.
+                    // The failed write's kind and code, for the CLI's
+                    // exit code (EIO has no kind of its own).
                     assert_eq!(
                         io_kind,
                         Some(std::io::Error::from_raw_os_error(errno).kind())
                     );
+                    assert_eq!(os_error, Some(errno));
                 }
                 other => panic!("{be:?}: expected Poisoned, got {other:?}"),
             }

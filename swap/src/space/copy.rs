@@ -96,6 +96,7 @@ impl SwapSpace {
                     src_path.display()
                 ),
                 e.io_kind(),
+                e.raw_os_error(),
             );
         }
         r
