@@ -41,6 +41,7 @@ peak() {
 for r in $(seq "$rounds"); do
   peak 4 > "$work/p4" & p4=$!
   peak 16 > "$work/p16" & p16=$!
-  wait "$p4" && wait "$p16" || exit 2
+  a=0; b=0; wait "$p4" || a=$?; wait "$p16" || b=$?
+  [ "$a" -eq 0 ] && [ "$b" -eq 0 ] || exit 2
   echo "round $r: 4 layers $(cat "$work/p4") MiB, 16 layers $(cat "$work/p16") MiB"
 done

@@ -175,12 +175,16 @@ fn classify_run(e: EngineError, what: &str, save_back: Option<String>) -> Failur
         // The run locked its save dir at start-up: locked by another at a
         // save, the dir at that path is no longer the one it locked (moved
         // or removed while the run lived, made again by the other run).
-        EngineError::Checkpoint(CheckpointError::Locked { .. }) => {
-            Failure::BadInput(anyhow::Error::new(e).context(format!(
-                "{what}: the save dir this run locked was moved or removed while it ran, and \
-                 another run has made and locked a new one at its path; this run saves nothing \
-                 into it (its checkpoints so far went with the dir it locked)"
-            )))
+        // (Its own text, "wait for it to finish or give a different
+        // --save-dir", is a start-up's advice: left out here.)
+        EngineError::Checkpoint(CheckpointError::Locked { path, holder }) => {
+            Failure::BadInput(anyhow!(
+                "{what}: the save dir this run locked was moved or removed while it ran, and {holder} \
+                 has made and locked a new one at its path ({}): this run cannot save into it, and \
+                 stops; its checkpoints so far went with the dir it locked, wherever that was \
+                 moved: --resume from there",
+                path.display()
+            ))
         }
         EngineError::Checkpoint(CheckpointError::NotACheckpoint { .. }) => {
             Failure::BadInput(anyhow::Error::new(e).context(users(what, false)))
