@@ -1262,3 +1262,48 @@ fn an_isa_this_cpu_lacks_is_bad_input() {
     );
     cli_support::assert_bad_input(&out, "isa", &["--isa", "does not support"]);
 }
+
+/// A timeline the disk has no room for at the end of a run is the user's,
+/// as a --metrics file's is: exit 2 after the summary, naming the fix (it
+/// was exit 1, "internal error"). Root only (mounts a full tmpfs).
+#[test]
+fn a_timeline_the_disk_cannot_hold_is_the_user_s() {
+    let full = scratch("timeline-full");
+    if !mount("tmpfs", "size=1m,mode=0700", &full) {
+        assert!(
+            std::env::var("TIERZERO_REQUIRE_NO_ODIRECT").as_deref() != Ok("1"),
+            "TIERZERO_REQUIRE_NO_ODIRECT=1, but a tmpfs could not be mounted at {}",
+            full.display()
+        );
+        cli_support::skipped(format_args!("cannot mount a tmpfs at {}", full.display()));
+        return;
+    }
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(full.clone());
+    // Filled, a page short of the end.
+    let _ = std::fs::write(full.join("fill"), vec![0u8; 1 << 20]);
+    let swap = scratch("timeline-full-swap");
+    let d = tiny_setup("timeline-full-run", &swap, json!({}));
+    let timeline = full.join("t.json");
+    let mut args = tiny_args("2");
+    args.extend(["--timeline", timeline.to_str().unwrap()]);
+    let o = run_wrapped(&d, &[], &args);
+    assert_no_panic(&o);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    assert!(
+        o.stderr.contains("--timeline: writing") && o.stderr.contains("free space there"),
+        "{}",
+        o.stderr
+    );
+    assert!(!o.stderr.contains("internal error"), "{}", o.stderr);
+    assert!(
+        o.stdout.contains("done: 2 steps"),
+        "the summary: {}",
+        o.stdout
+    );
+}

@@ -866,13 +866,28 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     };
     // A timeline that cannot be written (the disk filled during the run)
     // does not cost the summary, nor a stop its exit code: it is said
-    // once, as the error of a run that ended (exit 1, after its summary),
-    // or logged after a stop.
+    // once, as the error of a run that ended (after its summary: exit 2
+    // where the disk, a limit or permissions refused it, as for
+    // --metrics; it was exit 1, "internal error"), or logged after a stop.
     let timeline_failed = match (&timeline, &args.timeline) {
-        (Some(tl), Some(path)) => tl
-            .write(path)
-            .err()
-            .map(|e| anyhow!("writing the timeline {}: {e}", path.display())),
+        (Some(tl), Some(path)) => tl.write(path).err().map(|e| {
+            let users = super::user_fixable_io(&e.source);
+            let e = anyhow!(
+                "--timeline: writing {}: {e}{}",
+                path.display(),
+                if users {
+                    "; the run went on to its end: free space there, or give --timeline a \
+                     path on another disk"
+                } else {
+                    ""
+                }
+            );
+            if users {
+                Failure::BadInput(e)
+            } else {
+                Failure::Internal(e)
+            }
+        }),
         _ => None,
     };
     report_unreached_failpoint();
@@ -899,8 +914,8 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         }
     }
     match (timeline_failed, &ended) {
-        (Some(e), Ended::Done) => Err(Failure::Internal(e)),
-        (Some(e), Ended::Stopped { .. }) => {
+        (Some(f), Ended::Done) => Err(f),
+        (Some(Failure::BadInput(e) | Failure::Internal(e)), Ended::Stopped { .. }) => {
             tracing::error!("{e:#}");
             Ok(ended)
         }
