@@ -1091,6 +1091,56 @@ fn output_to_a_full_disk_and_a_device_config_are_the_user_s() {
         stderr.starts_with("error: writing to stdout: No space left on device"),
         "{stderr}"
     );
+    // The benches' reports too (they lost their output and exited 0).
+    let bench = tempfile::tempdir().unwrap();
+    let bench_dir = bench.path().to_str().unwrap();
+    for args in [
+        &[
+            "bench-adam",
+            "--params",
+            "1K",
+            "--steps",
+            "1",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+        ][..],
+        &[
+            "bench-io",
+            "--path",
+            bench_dir,
+            "--size",
+            "4MiB",
+            "--seconds",
+            "0.05",
+            "--block-size",
+            "1M",
+            "--queue-depth",
+            "1",
+        ][..],
+    ] {
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
+            .args(args)
+            .stdout(full)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("error: writing to stdout: No space left on device"),
+            "{args:?}: {stderr}"
+        );
+    }
+    // bench-adam --json prints its failure object as the others do.
+    let out = tierzero(&["bench-adam", "--json", "--params", "0"]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    let obj: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!(obj["failure"], "bad_input", "{obj}");
     let out = tierzero(&["estimate", "--params", "1M", "--config", "/dev/zero"]);
     cli_support::assert_bad_input(&out, "device config", &["is a character device"]);
 }

@@ -289,6 +289,8 @@ fn summarize(params: usize, bytes_per_param: u32, mut per_step: Vec<f64>) -> Mea
 }
 
 pub fn run(args: BenchAdamArgs) -> std::result::Result<(), super::Failure> {
+    // `--json`: one object on stdout in every ending, a failure's too.
+    super::json_object_on_failure(args.json);
     // A user's choice this CPU cannot run is bad input (exit 2), not an
     // internal error.
     check_isa(chosen_isa(&args), Isa::is_supported)?;

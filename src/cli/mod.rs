@@ -11,7 +11,7 @@
 /// panicking. (Defined before the modules that use it.)
 macro_rules! outln {
     ($($t:tt)*) => {{
-        let _ = $crate::cli::emit(&format!("{}\n", format_args!($($t)*)));
+        $crate::cli::emit_noted(&format!("{}\n", format_args!($($t)*)));
     }};
 }
 
@@ -354,6 +354,21 @@ pub fn emit(text: &str) -> Result<(), Failure> {
     }
 }
 
+/// The first failure of an [`outln!`] write (stdout on a full disk, a
+/// read-only file): the command's result once it ends ([`main`]). The
+/// benches' reports lost their output and exited 0.
+static STDOUT_FAILURE: std::sync::Mutex<Option<Failure>> = std::sync::Mutex::new(None);
+
+/// [`emit`] for [`outln!`]: a failure is kept for the end of the command
+/// (the first one), and later lines are still tried.
+pub fn emit_noted(text: &str) {
+    if let Err(f) = emit(text) {
+        if let Ok(mut first) = STDOUT_FAILURE.lock() {
+            first.get_or_insert(f);
+        }
+    }
+}
+
 /// Writes to stderr, ignoring a failed write ([`errln!`]). The text is
 /// formatted first and written with one `write` (stderr is unbuffered,
 /// and `write_fmt` wrote each piece on its own): the lines of several
@@ -381,8 +396,15 @@ pub fn main() -> i32 {
             let mut args = std::env::args_os().skip(1);
             let json = args.next().is_some_and(|c| {
                 [
-                    "train", "eval", "export", "estimate", "bench-io", "tune", "inspect",
+                    "train",
+                    "eval",
+                    "export",
+                    "estimate",
+                    "bench-io",
+                    "tune",
+                    "inspect",
                     "gpu-info",
+                    "bench-adam",
                 ]
                 .iter()
                 .any(|name| c == *name)
@@ -401,6 +423,14 @@ pub fn main() -> i32 {
         Command::Launch(a) => launch::run(a),
         other => run_other(other).map(|()| 0),
     };
+    // A command that ended well but whose report could not be written.
+    let result =
+        result.and_then(
+            |code| match STDOUT_FAILURE.lock().ok().and_then(|mut f| f.take()) {
+                Some(f) => Err(f),
+                None => Ok(code),
+            },
+        );
     let code = match result {
         Ok(code) => code,
         Err(failure) => {
