@@ -1117,6 +1117,7 @@ fn a_signal_during_export_removes_what_it_was_writing() {
             "ck",
             "--out",
             "hf/a/model.safetensors",
+            "--json",
         ])
         .env("TIERZERO_FAILPOINT", "export.write:1:stop")
         .stdin(std::process::Stdio::null())
@@ -1145,6 +1146,12 @@ fn a_signal_during_export_removes_what_it_was_writing() {
     assert_eq!(out.status.code(), Some(130), "{stderr}");
     assert!(stderr.contains("SIGINT received: removing"), "{stderr}");
     assert!(!d.join("hf").exists(), "left behind: {stderr}");
+    // --json: the stop's object, as train prints one (stdout was empty).
+    let obj: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        obj,
+        json!({"stopped": "signal", "stop_signal": "SIGINT", "exit_code": 130})
+    );
     // Done whole, its directories are readable by others.
     let o = run_tierzero(
         Some(&d),

@@ -1306,4 +1306,20 @@ fn a_timeline_the_disk_cannot_hold_is_the_user_s() {
         "the summary: {}",
         o.stdout
     );
+    // With --json, stdout's one object, the summary, says it failed too
+    // (it read as a success under exit 2).
+    args.push("--json");
+    let o = run_wrapped(&d, &[], &args);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    let obj: Value = serde_json::from_str(o.stdout.trim()).unwrap();
+    assert_eq!(obj["steps"], 2, "{obj}");
+    assert_eq!(obj["exit_code"], 2, "{obj}");
+    assert_eq!(obj["failure"], "bad_input", "{obj}");
+    assert!(
+        obj["error"]
+            .as_str()
+            .unwrap()
+            .contains("--timeline: writing"),
+        "{obj}"
+    );
 }

@@ -268,6 +268,21 @@ static JSON_ON_FAILURE: std::sync::atomic::AtomicBool = std::sync::atomic::Atomi
 pub fn json_object_on_failure(on: bool) {
     JSON_ON_FAILURE.store(on, std::sync::atomic::Ordering::SeqCst);
 }
+
+/// For a command ending on a signal (`signals::exit_on_signal` and
+/// `exit_removing_writes_on_signal`): with `--json` and no object printed
+/// yet, `{"stopped": "signal", "stop_signal", "exit_code"}` on stdout, as
+/// `train` prints a stop's (stdout was empty).
+pub(crate) fn json_object_on_signal(signal: Option<&str>, exit_code: i32) {
+    if JSON_ON_FAILURE.swap(false, std::sync::atomic::Ordering::SeqCst) {
+        let obj = serde_json::json!({
+            "stopped": "signal",
+            "stop_signal": signal,
+            "exit_code": exit_code,
+        });
+        let _ = emit(&format!("{obj}\n"));
+    }
+}
 /// clap's error as one line, for the `--json` failure object: its first
 /// paragraph (a missing argument's names are on the lines under "the
 /// following required arguments were not provided:"), without the usage

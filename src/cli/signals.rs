@@ -186,6 +186,7 @@ pub fn exit_on_signal(what: &'static str, made: Vec<std::path::PathBuf>) -> Resu
                 false => std::fs::remove_file(p),
             };
         }
+        super::json_object_on_signal(cause.signal_name().as_deref(), exit_code(cause));
         std::process::exit(exit_code(cause));
     })
 }
@@ -206,6 +207,7 @@ pub fn exit_removing_writes_on_signal(made_dirs: Vec<std::path::PathBuf>) -> Res
         );
         tierzero::durable::remove_tmps_in_progress();
         tierzero::durable::remove_empty_dirs(&made_dirs);
+        super::json_object_on_signal(cause.signal_name().as_deref(), exit_code(cause));
         std::process::exit(exit_code(cause));
     })
 }

@@ -905,12 +905,26 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
         steps_ended,
     });
     let written = timeline.as_deref().filter(|_| timeline_failed.is_none());
-    print_summary(&args, &run, &summary, &ran, timing, written)?;
-    if let Some(why) = metrics_failed {
-        let e = anyhow!("--metrics: {why}; the metrics stopped there, the run went on to its end");
-        match &ended {
-            Ended::Done => return Err(Failure::BadInput(e)),
-            Ended::Stopped { .. } => tracing::error!("{e:#}"),
+    let metrics_failed = metrics_failed.map(|why| {
+        Failure::BadInput(anyhow!(
+            "--metrics: {why}; the metrics stopped there, the run went on to its end"
+        ))
+    });
+    // A run that ends with one of these fails (after its summary): the
+    // `--json` summary, stdout's one object, says so too (`error`,
+    // `failure`, `exit_code`, as a failure's object), where it read as a
+    // success under exit 2.
+    let ending_failure = match &ended {
+        Ended::Done => metrics_failed.as_ref().or(timeline_failed.as_ref()),
+        Ended::Stopped { .. } => None,
+    };
+    print_summary(&args, &run, &summary, &ran, timing, written, ending_failure)?;
+    if let Some(f) = metrics_failed {
+        match (&ended, f) {
+            (Ended::Done, f) => return Err(f),
+            (Ended::Stopped { .. }, Failure::BadInput(e) | Failure::Internal(e)) => {
+                tracing::error!("{e:#}")
+            }
         }
     }
     match (timeline_failed, &ended) {

@@ -135,6 +135,17 @@ struct JsonSummary<'a> {
     /// (`null`: none was saved, or no --save-dir).
     #[serde(skip_serializing_if = "Option::is_none")]
     checkpoint_step: Option<Option<u64>>,
+    /// A run that trained to its end and then failed (its `--metrics` or
+    /// `--timeline` could not be written): the failure, as a failure's
+    /// object has it; absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+    /// With `error`: `"bad_input"` or `"internal"`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    failure: Option<&'static str>,
+    /// With `error`: the exit code (2 or 1).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    exit_code: Option<i32>,
 }
 
 /// What a resume that already reaches its end says: the checkpoint, its
@@ -243,6 +254,7 @@ pub(super) fn print_summary(
     ran: &Steps,
     timing: Timing,
     timeline: Option<&Timeline>,
+    ending_failure: Option<&Failure>,
 ) -> Result<(), Failure> {
     let (first, last) = (&ran.first, &ran.last);
     let (tokens_per_step, start_step, train_s) =
@@ -280,6 +292,17 @@ pub(super) fn print_summary(
             stopped: ran.stop.as_ref().map(|s| s.cause.kind()),
             stop_signal: summary.stop_signal.as_deref(),
             checkpoint_step: ran.stop.as_ref().map(|s| s.checkpoint_step),
+            error: ending_failure.map(|f| match f {
+                Failure::BadInput(e) | Failure::Internal(e) => format!("{e:#}"),
+            }),
+            failure: ending_failure.map(|f| match f {
+                Failure::BadInput(_) => "bad_input",
+                Failure::Internal(_) => "internal",
+            }),
+            exit_code: ending_failure.map(|f| match f {
+                Failure::BadInput(_) => 2,
+                Failure::Internal(_) => 1,
+            }),
         };
         let obj = serde_json::to_string(&obj)
             .map_err(|e| Failure::Internal(anyhow!("writing the JSON summary: {e}")))?;
