@@ -92,8 +92,27 @@ impl DirLock {
                 Ok(now) if now.dev() == ours.dev() && now.ino() == ours.ino() => {}
                 _ => continue,
             }
-            write_pid(&mut file).map_err(|e| setup("writing our pid to", e))?;
-            return Ok(Some(DirLock { path, _file: file }));
+            // Held from here: a failed pid write unlinks the file while
+            // holding it, as the drop does (it was left, with the empty
+            // directory, where a full disk refused the write).
+            let mut lock = DirLock {
+                path: path.clone(),
+                _file: file,
+            };
+            if let Err(e) = write_pid(&mut lock._file) {
+                drop(lock);
+                let full = e.kind() == std::io::ErrorKind::StorageFull;
+                return Err(setup(
+                    if full {
+                        "no room on its disk (free space there, or give another nvme_path) to \
+                         write our pid to"
+                    } else {
+                        "writing our pid to"
+                    },
+                    e,
+                ));
+            }
+            return Ok(Some(lock));
         }
         Err(SwapError::Config(format!(
             "could not lock {}: the file kept being replaced",
