@@ -152,9 +152,37 @@ pub fn format_bytes(bytes: u64) -> String {
     }
 }
 
+/// Two byte counts compared in one message (needed against available):
+/// as [`format_bytes`] each, or in bytes where those read the same and
+/// the counts differ ("needs 1.2 MiB and has 1.2 MiB free").
+pub fn format_bytes_against(a: u64, b: u64) -> (String, String) {
+    let (fa, fb) = (format_bytes(a), format_bytes(b));
+    if fa == fb && a != b {
+        (format!("{a} bytes"), format!("{b} bytes"))
+    } else {
+        (fa, fb)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counts_compared_apart() {
+        assert_eq!(
+            format_bytes_against(1_257_472, 1_220_608),
+            ("1257472 bytes".to_owned(), "1220608 bytes".to_owned())
+        );
+        assert_eq!(
+            format_bytes_against(2 << 20, 1 << 20),
+            ("2 MiB".to_owned(), "1 MiB".to_owned())
+        );
+        assert_eq!(
+            format_bytes_against(1 << 20, 1 << 20),
+            ("1 MiB".to_owned(), "1 MiB".to_owned())
+        );
+    }
 
     #[test]
     fn bytes() {

@@ -436,7 +436,8 @@ fn a_file_size_limit_is_an_error_naming_the_file_and_the_operation() {
         lines[0].contains(".tzswap")
             && lines[0].contains("write")
             && lines[0].contains("offset")
-            && lines[0].contains("File too large"),
+            && lines[0].contains("File too large")
+            && lines[0].contains("ulimit -f"),
         "{}",
         lines[0]
     );

@@ -176,6 +176,21 @@ fn open_file_limit_fix(e: &anyhow::Error) -> Option<String> {
     })
 }
 
+/// The fix for a failure whose cause is the file-size limit (`EFBIG`
+/// from `RLIMIT_FSIZE`, anywhere in its chain), where the text does not
+/// say it already: "File too large" alone named no limit.
+fn file_size_limit_fix(e: &anyhow::Error, text: &str) -> Option<&'static str> {
+    let hit = e
+        .chain()
+        .filter_map(|c| c.downcast_ref::<std::io::Error>())
+        .any(|io| io.kind() == std::io::ErrorKind::FileTooLarge);
+    (hit && !text.contains("ulimit -f")).then_some(
+        "a file would pass the process's file-size limit (ulimit -f) or the file system's \
+         largest file: raise the limit (`ulimit -f unlimited`, `fsize` in \
+         /etc/security/limits.conf, `LimitFSIZE=` for systemd), then run it again",
+    )
+}
+
 impl Failure {
     /// Classifies a swap-layer error: problems the user can fix by changing
     /// input or limits are bad input, the rest internal.
@@ -461,6 +476,10 @@ pub fn main() -> i32 {
             let (kind, code, text) = match open_file_limit_fix(&e) {
                 Some(fix) => ("bad_input", 2, format!("{}; {fix}", chain_text(&e))),
                 None => (kind, code, chain_text(&e)),
+            };
+            let text = match file_size_limit_fix(&e, &text) {
+                Some(fix) => format!("{text}; {fix}"),
+                None => text,
             };
             match kind {
                 "bad_input" => errln!("error: {text}"),

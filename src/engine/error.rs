@@ -148,8 +148,8 @@ pub enum EngineError {
         device_key = holds.device_key(),
         path = path.display(),
         dir = dir.display(),
-        needed = crate::units::format_bytes(*needed_bytes),
-        available = crate::units::format_bytes(*available_bytes),
+        needed = crate::units::format_bytes_against(*needed_bytes, *available_bytes).0,
+        available = crate::units::format_bytes_against(*needed_bytes, *available_bytes).1,
         rank_total = crate::units::format_bytes(*rank_total_bytes),
         each = if *ranks > 1 { format!(" (and each of the {ranks} ranks makes its own)") } else { String::new() },
     )]

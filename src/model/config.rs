@@ -1127,6 +1127,11 @@ mod tests {
             e.contains("initializer_range") && e.contains("float32"),
             "{e}"
         );
+        // The value as given, not its 300 digits.
+        let e = llama(r#","initializer_range":3e37"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("3e37 is too large"), "{e}");
         assert_eq!(
             llama(r#","initializer_range":1e30"#)
                 .unwrap()

@@ -95,15 +95,19 @@ impl ModelConfig {
         }
         // The seeded init's normal draws (several deviations out) must be
         // float32 numbers: 1e300 trained NaN at every step, each skipped,
-        // and the run exited 0.
+        // and the run exited 0 (a NaN loss now ends a run without fp16's
+        // dynamic scale whatever the value: refused here, it is named
+        // before anything runs).
         let largest = f64::from(f32::MAX) / 16.0;
         if self.initializer_range > largest {
             return Err(invalid(
                 "initializer_range",
                 format!(
-                    "{} is too large: normal draws of that deviation are not float32 numbers \
+                    "{:e} is too large: normal draws of that deviation are not float32 numbers \
                      (at most {largest:e}; HF models use about 0.02)",
-                    self.initializer_range
+                    // (Read as a float32, as HF's config holds it: its
+                    // shortest form is the value as written.)
+                    self.initializer_range as f32
                 ),
             ));
         }
