@@ -1065,26 +1065,6 @@ fn eval_of_a_checkpoint_equals_eval_of_its_fp32_export() {
     assert_ne!(init["loss"], from_ckpt["loss"]);
 }
 
-/// Waits until `child` is frozen by its failpoint (state `T`).
-fn wait_frozen(child: &mut std::process::Child) {
-    let t0 = std::time::Instant::now();
-    loop {
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "ended before the failpoint"
-        );
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id())).unwrap();
-        if stat.rsplit(')').next().unwrap().split_whitespace().next() == Some("T") {
-            return;
-        }
-        assert!(
-            t0.elapsed() < std::time::Duration::from_secs(60),
-            "never stopped"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-}
-
 /// A signal while `export` writes removes its temporary file (as large as
 /// the model) and the directories it made, and exits 128 + the signal: it
 /// left both (the directory 0700, and a later export into it left it so).
@@ -1125,7 +1105,7 @@ fn a_signal_during_export_removes_what_it_was_writing() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    wait_frozen(&mut child);
+    cli_support::wait_frozen(&mut child);
     let tmps: Vec<String> = std::fs::read_dir(d.join("hf/a"))
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())

@@ -1043,11 +1043,21 @@ fn a_corpus_changed_while_it_is_encoded_is_not_cached() {
 /// `data.encode` failpoint: its cache key taken and its temporary file
 /// made, its encode not begun.
 fn frozen_in_encode(d: &Path, tok: &Path) -> std::process::Child {
+    frozen_in_encode_by(
+        d,
+        &[
+            "train", "--config", "ds.json", "--model", "model", "--steps", "1",
+        ],
+        tok,
+    )
+}
+
+/// [`frozen_in_encode`] by the command `command` (`train ...`,
+/// `eval ...`), given `--seq-len 16 --data c.txt --tokenizer tok`.
+fn frozen_in_encode_by(d: &Path, command: &[&str], tok: &Path) -> std::process::Child {
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
         .current_dir(d)
-        .args([
-            "train", "--config", "ds.json", "--model", "model", "--steps", "1",
-        ])
+        .args(command)
         .args(["--seq-len", "16", "--data", "c.txt", "--tokenizer"])
         .arg(tok)
         .env("TIERZERO_FAILPOINT", "data.encode:1:stop")
@@ -1056,7 +1066,7 @@ fn frozen_in_encode(d: &Path, tok: &Path) -> std::process::Child {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    wait_frozen(&mut child);
+    cli_support::wait_frozen(&mut child);
     child
 }
 
@@ -1069,26 +1079,6 @@ fn cache_entries(d: &Path) -> Vec<String> {
         .collect()
 }
 
-/// Waits until `child` is frozen by its failpoint (state `T`).
-fn wait_frozen(child: &mut std::process::Child) {
-    let t0 = std::time::Instant::now();
-    loop {
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "ended before the failpoint"
-        );
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id())).unwrap();
-        if stat.rsplit(')').next().unwrap().split_whitespace().next() == Some("T") {
-            return;
-        }
-        assert!(
-            t0.elapsed() < std::time::Duration::from_secs(60),
-            "never stopped"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-}
-
 fn send(child: &std::process::Child, sig: &str) {
     let sent = std::process::Command::new("kill")
         .args([&format!("-{sig}"), &child.id().to_string()])
@@ -1098,7 +1088,7 @@ fn send(child: &std::process::Child, sig: &str) {
 }
 
 /// A signal while a corpus is encoded into its cache ends the start-up
-/// (exit 143) and removes the cache's temporary file: it stayed beside the
+/// (exit 143; eval's too, 130 for its SIGINT) and removes the cache's temporary file: it stayed beside the
 /// data, as large as its tokens, removed only by a later encode of the
 /// same key.
 #[test]
@@ -1123,40 +1113,12 @@ fn a_signal_during_the_encode_leaves_no_temporary_file() {
     assert_eq!(out.status.code(), Some(143), "{stderr}");
     assert!(stderr.contains("received during start-up"), "{stderr}");
     assert_eq!(cache_entries(&d), Vec::<String>::new(), "{stderr}");
-}
-
-/// `eval` too: a signal while it encodes a corpus into its token cache
-/// removes the cache's temporary file (it had no handler: the file stayed,
-/// and for ever once the corpus, its key with it, changed).
-#[test]
-fn a_signal_during_eval_s_encode_leaves_no_temporary_file() {
-    let d = scratch("data", "signal-eval-encode");
-    let tok = tokenizer(&d);
-    model(&d, VOCAB);
-    std::fs::write(d.join("c.txt"), documents(40_000).join("\n")).unwrap();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
-        .current_dir(&d)
-        .args([
-            "eval",
-            "--model",
-            "model",
-            "--seq-len",
-            "16",
-            "--data",
-            "c.txt",
-        ])
-        .arg("--tokenizer")
-        .arg(&tok)
-        .env("TIERZERO_FAILPOINT", "data.encode:1:stop")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_frozen(&mut child);
+    // `eval` too (it had no handler: the file stayed, and for ever once
+    // the corpus, its key with it, changed).
+    let child = frozen_in_encode_by(&d, &["eval", "--model", "model"], &tok);
     assert!(
         cache_entries(&d).iter().any(|n| n.contains(".tmp-")),
-        "the cache's temporary file is made: {:?}",
+        "{:?}",
         cache_entries(&d)
     );
     send(&child, "INT");

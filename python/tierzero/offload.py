@@ -116,6 +116,7 @@ import importlib
 import itertools
 import os
 import re
+import stat
 import sys
 import threading
 import warnings
@@ -878,6 +879,51 @@ def _open_in(pid, st):
     return False
 
 
+def _remove_unlocked(folder, pattern, spared, who):
+    """Removes the regular files in ``folder`` whose names ``pattern``
+    matches in full (its group 1 the writer's pid) and whose lock (flock)
+    is free: their writer is gone. Spared: those in ``spared`` (device and
+    inode: this process's own, whose lock, a POSIX one on NFS, may not
+    stop it) and those their pid's process has open on this host (its lock
+    went with another fd of the file, or is not taken yet). The caller
+    holds the lock that guards ``spared``. Returns ``(path, bytes)`` of
+    each removed; a file it cannot remove is warned about (``who``'s)."""
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    own = os.getpid()
+    for name in names:
+        m = pattern.fullmatch(name)
+        if m is None:
+            continue
+        path = os.path.join(folder, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone meanwhile, a link, not ours to read
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) in spared:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # held: in use
+            pid = int(m.group(1))
+            if pid != own and _open_in(pid, st):
+                continue
+            os.remove(path)
+        except OSError as e:
+            warnings.warn(f"{who}: could not remove the stale file {path}: {e}", stacklevel=4)
+            continue
+        finally:
+            os.close(fd)
+        removed.append((path, st.st_size))
+    return removed
+
+
 def _reclaim_stale(nvme_path):
     """Removes the ``tierzero-params-<pid>-*.bin`` files in ``nvme_path``
     that nobody holds (a killed run's), with a warning naming them. A live
@@ -890,42 +936,8 @@ def _reclaim_stale(nvme_path):
     the files this process holds (``_OWN_FILES``), and a file its pid's
     process has open on this host (on NFS, where flock is a POSIX lock,
     that process's lock went when it closed another fd of the file)."""
-    removed = []
-    try:
-        names = os.listdir(nvme_path)
-    except OSError:
-        return removed
-    own = os.getpid()
     with _OWN_FILES_LOCK:
-        for name in names:
-            m = _PARAMS_FILE.fullmatch(name)
-            if m is None:
-                continue
-            path = os.path.join(nvme_path, name)
-            if not os.path.isfile(path) or os.path.islink(path):
-                continue
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-            except OSError:
-                continue
-            try:
-                st = os.fstat(fd)
-                if (st.st_dev, st.st_ino) in _OWN_FILES:
-                    continue
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    continue  # held: in use
-                pid = int(m.group(1))
-                if pid != own and _open_in(pid, st):
-                    continue
-                os.remove(path)
-            except OSError as e:
-                warnings.warn(f"offload_parameters: could not remove the stale file {path}: {e}", stacklevel=3)
-                continue
-            finally:
-                os.close(fd)
-            removed.append((path, st.st_size))
+        removed = _remove_unlocked(nvme_path, _PARAMS_FILE, _OWN_FILES, "offload_parameters")
     if removed:
         listed = ", ".join(f"{p} ({n} bytes)" for p, n in removed)
         warnings.warn(

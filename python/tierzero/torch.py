@@ -87,7 +87,6 @@ import fcntl
 import json
 import os
 import re
-import stat
 import threading
 import warnings
 
@@ -108,7 +107,14 @@ from ._adamw_parts import (
     _values,
     _write_mark,
 )
-from .offload import ParamOffload, _distributed, _open_in, _weakly, home_of, offload_parameters
+from .offload import (
+    ParamOffload,
+    _distributed,
+    _remove_unlocked,
+    _weakly,
+    home_of,
+    offload_parameters,
+)
 
 __all__ = ["AdamW", "offload_parameters", "ParamOffload"]
 
@@ -152,40 +158,8 @@ def _remove_stale_temps(path):
     path = os.path.abspath(path)
     folder, base = os.path.split(path)
     pattern = re.compile(re.escape(base) + r"\.tmp\.([0-9]+)")
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return
-    removed = []
-    own = os.getpid()
     with _SAVING_LOCK:
-        for name in names:
-            m = pattern.fullmatch(name)
-            if m is None:
-                continue
-            tmp = os.path.join(folder, name)
-            try:
-                fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-            except OSError:
-                continue  # gone meanwhile, a link, not ours to read
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) in _SAVING:
-                    continue
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    continue  # held: a save is writing it
-                pid = int(m.group(1))
-                if pid != own and _open_in(pid, st):
-                    continue
-                os.remove(tmp)
-            except OSError as e:
-                warnings.warn(f"save_checkpoint: could not remove the stale temporary file {tmp}: {e}", stacklevel=3)
-                continue
-            finally:
-                os.close(fd)
-            removed.append(f"{tmp} ({st.st_size} bytes)")
+        removed = [f"{p} ({n} bytes)" for p, n in _remove_unlocked(folder, pattern, _SAVING, "save_checkpoint")]
     if removed:
         warnings.warn(
             f"save_checkpoint: removed {len(removed)} temporary file(s) of saves of {path} that were "

@@ -125,3 +125,30 @@ pub fn skipped(why: impl std::fmt::Display) {
     let test = std::thread::current().name().unwrap_or("?").to_owned();
     let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
 }
+
+/// Waits (up to 60 s) until `child` is frozen by its failpoint (state
+/// `T` in /proc), failing if it ends first.
+pub fn wait_frozen(child: &mut std::process::Child) {
+    let t0 = std::time::Instant::now();
+    loop {
+        assert!(
+            child.try_wait().expect("poll the child").is_none(),
+            "ended before the failpoint"
+        );
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id()))
+            .expect("read the child's /proc stat");
+        if stat
+            .rsplit(')')
+            .next()
+            .and_then(|s| s.split_whitespace().next())
+            == Some("T")
+        {
+            return;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(60),
+            "never stopped"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
