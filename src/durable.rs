@@ -225,11 +225,7 @@ pub fn create_dir_all(path: &Path) -> Result<(), DurableError> {
 /// first: what [`remove_empty_dirs`] undoes when what they were made for
 /// fails (a refused run's save dir, a failed export's output directory).
 pub fn create_dirs(path: &Path) -> Result<Vec<PathBuf>, DurableError> {
-    let missing: Vec<PathBuf> = path
-        .ancestors()
-        .take_while(|p| !p.as_os_str().is_empty() && !p.exists())
-        .map(Path::to_path_buf)
-        .collect();
+    let missing = missing_dirs(path);
     std::fs::DirBuilder::new()
         .mode(0o700)
         .recursive(true)
@@ -240,6 +236,15 @@ pub fn create_dirs(path: &Path) -> Result<Vec<PathBuf>, DurableError> {
         sync_dir(&parent_dir(p))?;
     }
     Ok(missing)
+}
+
+/// The directories of `path` and its ancestors that do not exist, the
+/// deepest first: what [`create_dirs`] would make.
+pub fn missing_dirs(path: &Path) -> Vec<PathBuf> {
+    path.ancestors()
+        .take_while(|p| !p.as_os_str().is_empty() && !p.exists())
+        .map(Path::to_path_buf)
+        .collect()
 }
 
 /// Removes `made` ([`create_dirs`]'s, the deepest first) while each is

@@ -1089,23 +1089,18 @@ fn a_signal_during_export_removes_what_it_was_writing() {
     std::fs::write(d.join("ds.json"), cfg.to_string()).unwrap();
     let ok = train(&d, &["--steps", "1", "--save-dir", "ck"]);
     assert_eq!(ok.code, 0, "{}", ok.stderr);
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
-        .current_dir(&d)
-        .args([
+    let child = cli_support::spawn_frozen(
+        &d,
+        &[
             "export",
             "--checkpoint",
             "ck",
             "--out",
             "hf/a/model.safetensors",
             "--json",
-        ])
-        .env("TIERZERO_FAILPOINT", "export.write:1:stop")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    cli_support::wait_frozen(&mut child);
+        ],
+        "export.write:1:stop",
+    );
     let tmps: Vec<String> = std::fs::read_dir(d.join("hf/a"))
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())

@@ -1055,19 +1055,13 @@ fn frozen_in_encode(d: &Path, tok: &Path) -> std::process::Child {
 /// [`frozen_in_encode`] by the command `command` (`train ...`,
 /// `eval ...`), given `--seq-len 16 --data c.txt --tokenizer tok`.
 fn frozen_in_encode_by(d: &Path, command: &[&str], tok: &Path) -> std::process::Child {
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
-        .current_dir(d)
-        .args(command)
-        .args(["--seq-len", "16", "--data", "c.txt", "--tokenizer"])
-        .arg(tok)
-        .env("TIERZERO_FAILPOINT", "data.encode:1:stop")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    cli_support::wait_frozen(&mut child);
-    child
+    let tok = tok.to_str().unwrap();
+    let args = [
+        command,
+        &["--seq-len", "16", "--data", "c.txt", "--tokenizer", tok],
+    ]
+    .concat();
+    cli_support::spawn_frozen(d, &args, "data.encode:1:stop")
 }
 
 /// Names of the token cache's entries (and temporary files) in `d`.

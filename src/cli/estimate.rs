@@ -344,17 +344,13 @@ fn load_config(
         // bf16, the 16-bit precision Adam on the device takes.
         bf16_params: path.is_none() || matches!(c.precision, tierzero::config::Precision::Bf16),
         persistent: model.map_or((0, 0), |m| {
-            tierzero::engine::sizing::persistent_params(
+            let persistent = tierzero::engine::sizing::persistent_params(
                 m,
                 c.zero.param_persistence_threshold_numel.0,
                 c.zero.model_persistence_threshold_numel.0,
-            )
-            .into_iter()
-            .zip(m.params())
-            .filter(|(persistent, _)| *persistent)
-            .fold((0, 0), |(numel, count), (_, p)| {
-                (numel + p.numel as u64, count + 1)
-            })
+            );
+            let (numel, count) = tierzero::engine::sizing::persistent_total(m, &persistent, None);
+            (numel, count as u64)
         }),
         shape: model.map(|m| {
             let world = usize::try_from(ranks).unwrap_or(usize::MAX);

@@ -152,14 +152,10 @@ pub fn run(a: ExportArgs) -> Result<(), Failure> {
     };
     // A signal removes the model file being written and the directories
     // the export would make (those missing now, while empty).
-    let out_dir = a.out.parent().filter(|p| !p.as_os_str().is_empty());
-    let missing: Vec<std::path::PathBuf> = out_dir
-        .map(|d| {
-            d.ancestors()
-                .take_while(|p| !p.as_os_str().is_empty() && !p.exists())
-                .map(std::path::Path::to_path_buf)
-                .collect()
-        })
+    let missing = a
+        .out
+        .parent()
+        .map(tierzero::durable::missing_dirs)
         .unwrap_or_default();
     super::signals::exit_removing_writes_on_signal(missing)?;
     let r = export_safetensors(&ckpt, &a.out, dtype).map_err(|e| classify(e, &ckpt))?;

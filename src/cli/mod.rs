@@ -192,6 +192,30 @@ fn file_size_limit_fix(e: &anyhow::Error, text: &str) -> Option<&'static str> {
 }
 
 impl Failure {
+    /// Its class as the `--json` objects name it: `"bad_input"` or
+    /// `"internal"`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Failure::BadInput(_) => "bad_input",
+            Failure::Internal(_) => "internal",
+        }
+    }
+
+    /// Its exit code: 2 or 1.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Failure::BadInput(_) => 2,
+            Failure::Internal(_) => 1,
+        }
+    }
+
+    /// The error it carries.
+    pub fn error(&self) -> &anyhow::Error {
+        match self {
+            Failure::BadInput(e) | Failure::Internal(e) => e,
+        }
+    }
+
     /// Classifies a swap-layer error: problems the user can fix by changing
     /// input or limits are bad input, the rest internal.
     pub fn from_swap(e: tierzero_swap::SwapError, context: &str) -> Self {
@@ -468,16 +492,13 @@ pub fn main() -> i32 {
             // abort) must not add a stop message or a second `--json`
             // object to this failure's.
             signals::failure_is_being_reported();
-            let (kind, code, e) = match failure {
-                Failure::BadInput(e) => ("bad_input", 2, e),
-                Failure::Internal(e) => ("internal", 1, e),
-            };
+            let (kind, code, e) = (failure.kind(), failure.exit_code(), failure.error());
             // The open-file limit is the user's, wherever it was met.
-            let (kind, code, text) = match open_file_limit_fix(&e) {
-                Some(fix) => ("bad_input", 2, format!("{}; {fix}", chain_text(&e))),
-                None => (kind, code, chain_text(&e)),
+            let (kind, code, text) = match open_file_limit_fix(e) {
+                Some(fix) => ("bad_input", 2, format!("{}; {fix}", chain_text(e))),
+                None => (kind, code, chain_text(e)),
             };
-            let text = match file_size_limit_fix(&e, &text) {
+            let text = match file_size_limit_fix(e, &text) {
                 Some(fix) => format!("{text}; {fix}"),
                 None => text,
             };

@@ -920,17 +920,15 @@ pub fn run(args: TrainArgs) -> Result<Ended, Failure> {
     };
     print_summary(&args, &run, &summary, &ran, timing, written, ending_failure)?;
     if let Some(f) = metrics_failed {
-        match (&ended, f) {
-            (Ended::Done, f) => return Err(f),
-            (Ended::Stopped { .. }, Failure::BadInput(e) | Failure::Internal(e)) => {
-                tracing::error!("{e:#}")
-            }
+        match &ended {
+            Ended::Done => return Err(f),
+            Ended::Stopped { .. } => tracing::error!("{:#}", f.error()),
         }
     }
     match (timeline_failed, &ended) {
         (Some(f), Ended::Done) => Err(f),
-        (Some(Failure::BadInput(e) | Failure::Internal(e)), Ended::Stopped { .. }) => {
-            tracing::error!("{e:#}");
+        (Some(f), Ended::Stopped { .. }) => {
+            tracing::error!("{:#}", f.error());
             Ok(ended)
         }
         (None, _) => Ok(ended),

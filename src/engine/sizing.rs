@@ -28,7 +28,7 @@
 //!   where each element gets exactly one a step;
 //! - which params persist (never released: [`persistent_params`],
 //!   DeepSpeed's two persistence thresholds) and the host bytes the
-//!   offloaded ones hold beside their homes ([`persistent_offloaded`]).
+//!   offloaded ones hold beside their homes ([`persistent_total`]).
 //!
 //! `Trainer::build` maps exactly what it returns; the start-up plan
 //! ([`crate::run::Plan`]) prints the [`Sizing`] the trainer was built
@@ -62,7 +62,7 @@ pub use grads::{
 };
 pub use head::{check_logits_memory, logits_bytes, TRAIN_LOGITS_COPIES};
 pub use pages::{cpu_page_places, cpu_page_plan};
-pub use persistent::{persistent_in_order, persistent_offloaded, persistent_params};
+pub use persistent::{persistent_in_order, persistent_params, persistent_total};
 pub use speculation::{
     speculation_kept_grads, speculation_pool, speculation_slots, SpeculationAsk, SpeculationPool,
 };

@@ -272,7 +272,7 @@ impl Plan {
             zero.model_persistence_threshold_numel.0,
         );
         let (persistent_numel, persistent_params) =
-            crate::engine::sizing::persistent_offloaded(model, &persistent, &sizing.tiers);
+            crate::engine::sizing::persistent_total(model, &persistent, Some(&sizing.tiers));
         params.host_bytes = persistent_numel.saturating_mul(elem);
 
         let opt_nvme = zero.offload_optimizer.device.nvme_path();

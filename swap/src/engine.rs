@@ -350,9 +350,7 @@ impl Shared {
         }
         if req.op == IoOp::Write {
             match &result {
-                Err(e) => self
-                    .space
-                    .poison(e.to_string(), e.io_kind(), e.raw_os_error()),
+                Err(e) => self.space.poison(e.to_string(), e),
                 Ok(()) if self.space.checksums() => {
                     req.extent
                         .record_write(req.offset_bytes, req.len_bytes, job.write_crc)

@@ -630,7 +630,7 @@ impl Shared {
         }
         let error = op.error.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let (IoOp::Write, Some(e)) = (op.op, &error) {
-            self.poison(format!("{e}"), e.io_kind(), e.raw_os_error());
+            self.poison(format!("{e}"), e);
         }
         self.counters.ops.fetch_add(1, Ordering::Relaxed);
         let finish = op.finish.lock().unwrap_or_else(|e| e.into_inner()).take();
@@ -643,7 +643,8 @@ impl Shared {
         }
     }
 
-    fn poison(&self, cause: String, io_kind: Option<std::io::ErrorKind>, os_error: Option<i32>) {
+    fn poison(&self, cause: String, failed: &SwapError) {
+        let (io_kind, os_error) = (failed.io_kind(), failed.raw_os_error());
         let mut c = self.poison.cause.lock().unwrap_or_else(|e| e.into_inner());
         if c.is_none() {
             *c = Some((cause, io_kind, os_error));

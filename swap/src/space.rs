@@ -575,12 +575,8 @@ impl SwapSpace {
 
     /// Marks the space poisoned (the first cause wins), with the failed
     /// write's OS error kind when it had one.
-    pub fn poison(
-        &self,
-        cause: String,
-        io_kind: Option<std::io::ErrorKind>,
-        os_error: Option<i32>,
-    ) {
+    pub fn poison(&self, cause: String, failed: &SwapError) {
+        let (io_kind, os_error) = (failed.io_kind(), failed.raw_os_error());
         let mut c = self.poison_cause.lock().unwrap_or_else(|e| e.into_inner());
         if c.is_none() {
             tracing::error!(%cause, "swap space poisoned");

@@ -152,3 +152,21 @@ pub fn wait_frozen(child: &mut std::process::Child) {
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
 }
+
+/// The built binary run in `cwd` with `args`, its stdin closed and its
+/// output piped, armed with the failpoint `failpoint`
+/// (`TIERZERO_FAILPOINT`, a `stop` action), once frozen there
+/// ([`wait_frozen`]).
+pub fn spawn_frozen(cwd: &Path, args: &[&str], failpoint: &str) -> std::process::Child {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .current_dir(cwd)
+        .args(args)
+        .env("TIERZERO_FAILPOINT", failpoint)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run tierzero");
+    wait_frozen(&mut child);
+    child
+}

@@ -292,17 +292,9 @@ pub(super) fn print_summary(
             stopped: ran.stop.as_ref().map(|s| s.cause.kind()),
             stop_signal: summary.stop_signal.as_deref(),
             checkpoint_step: ran.stop.as_ref().map(|s| s.checkpoint_step),
-            error: ending_failure.map(|f| match f {
-                Failure::BadInput(e) | Failure::Internal(e) => format!("{e:#}"),
-            }),
-            failure: ending_failure.map(|f| match f {
-                Failure::BadInput(_) => "bad_input",
-                Failure::Internal(_) => "internal",
-            }),
-            exit_code: ending_failure.map(|f| match f {
-                Failure::BadInput(_) => 2,
-                Failure::Internal(_) => 1,
-            }),
+            error: ending_failure.map(|f| format!("{:#}", f.error())),
+            failure: ending_failure.map(Failure::kind),
+            exit_code: ending_failure.map(Failure::exit_code),
         };
         let obj = serde_json::to_string(&obj)
             .map_err(|e| Failure::Internal(anyhow!("writing the JSON summary: {e}")))?;

@@ -13,7 +13,7 @@
 //! the model's small params (a GPT-2 of width 128 has every param under
 //! the default 1e5, so the whole model stayed in the heap: 39 MiB at 2
 //! blocks, 92 MiB at 64). The plan's params row and `tierzero estimate`
-//! count these bytes ([`persistent_offloaded`]);
+//! count these bytes ([`persistent_total`]);
 //! `stage3_model_persistence_threshold` bounds them.
 //!
 //! `scripts/persistent_rss.sh` measures it (debug build, 2 steps, 2 and 64
@@ -73,18 +73,25 @@ pub fn persistent_in_order(
         .collect()
 }
 
-/// Elements and count of the params marked `persistent` whose `tiers`
-/// are offloaded (cpu or NVMe; `ParamId` order, as `model`'s): those held
-/// whole in the heap beside their homes for the run, the plan's params
-/// host row.
-pub fn persistent_offloaded(model: &Model, persistent: &[bool], tiers: &[Tier]) -> (u64, usize) {
+/// Elements and count of the params marked `persistent` (`ParamId`
+/// order, as `model`'s), with `tiers` those offloaded alone (cpu or
+/// NVMe: held whole in the heap beside their homes for the run, the
+/// plan's params host row); without, all of them (`estimate`'s, whose
+/// choices offload them all).
+pub fn persistent_total(
+    model: &Model,
+    persistent: &[bool],
+    tiers: Option<&[Tier]>,
+) -> (u64, usize) {
     model
         .params()
         .iter()
         .zip(persistent)
-        .zip(tiers)
-        .filter(|((_, persistent), tier)| **persistent && **tier != Tier::Device)
-        .fold((0, 0), |(sum, count), ((p, _), _)| {
+        .enumerate()
+        .filter(|(i, (_, persistent))| {
+            **persistent && tiers.is_none_or(|t| t.get(*i).is_some_and(|t| *t != Tier::Device))
+        })
+        .fold((0, 0), |(sum, count), (_, (p, _))| {
             (sum.saturating_add(p.numel as u64), count + 1)
         })
 }
@@ -174,13 +181,14 @@ mod tests {
         let all = vec![true; n];
         let mut tiers = vec![Tier::Nvme; n];
         let total: u64 = g.params().iter().map(|p| p.numel as u64).sum();
-        assert_eq!(persistent_offloaded(&g, &all, &tiers), (total, n));
+        assert_eq!(persistent_total(&g, &all, Some(&tiers)), (total, n));
+        assert_eq!(persistent_total(&g, &all, None), (total, n));
         tiers[0] = Tier::Device;
         let first = g.params()[0].numel as u64;
         assert_eq!(
-            persistent_offloaded(&g, &all, &tiers),
+            persistent_total(&g, &all, Some(&tiers)),
             (total - first, n - 1)
         );
-        assert_eq!(persistent_offloaded(&g, &vec![false; n], &tiers), (0, 0));
+        assert_eq!(persistent_total(&g, &vec![false; n], Some(&tiers)), (0, 0));
     }
 }

@@ -95,8 +95,7 @@ impl SwapSpace {
                     ext.id().0,
                     src_path.display()
                 ),
-                e.io_kind(),
-                e.raw_os_error(),
+                e,
             );
         }
         r
